@@ -1,0 +1,146 @@
+//! The `expertmesh` command line: argument parsing and the subcommands' top level.
+//!
+//! Why this exists: the binary is a thin `main`; every subcommand lives here so integration
+//! tests and the binary share one code path. Exit codes follow the design brief: 0 success,
+//! 1 invalid input (validation problems, mismatched results), 2 usage or I/O errors.
+
+use clap::{Parser, Subcommand};
+use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_router::reference;
+use expertmesh_topology::model::{self, ModelSpec};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// ExpertMesh: stationary packed-INT4 experts, activation-only transport.
+#[derive(Parser, Debug)]
+#[command(name = "expertmesh", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List the built-in model presets.
+    Models,
+    /// Run the main job on the embedded default and print a report.
+    Demo {
+        /// Write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// Model preset or model TOML file.
+        #[arg(long, default_value = "demo-small")]
+        model: String,
+    },
+}
+
+/// Exit code for invalid input (validation failed, results mismatched).
+pub const EXIT_INVALID: u8 = 1;
+/// Exit code for usage and I/O errors.
+pub const EXIT_USAGE: u8 = 2;
+
+/// Parse the process arguments and run; never panics on bad input.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Models => {
+            print_models();
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
+    }
+}
+
+fn resolve_model(name: &str) -> anyhow::Result<ModelSpec> {
+    model::preset_by_name(name).ok_or_else(|| {
+        anyhow::anyhow!("unknown model preset {name:?}; run `expertmesh models` for the list")
+    })
+}
+
+fn print_models() {
+    println!(
+        "{:<18} {:>6} {:>5} {:>4} {:>6} {:>6} {:>13} {:>12} {:>11}  scoring",
+        "name", "layers", "moe", "E", "top-k", "H", "expert bytes", "routed GB", "quant"
+    );
+    for m in model::presets() {
+        println!(
+            "{:<18} {:>6} {:>5} {:>4} {:>6} {:>6} {:>13} {:>12.2} {:>11}  {}{}",
+            m.name,
+            m.num_layers,
+            m.moe_layers(),
+            m.routed_experts,
+            m.top_k,
+            m.hidden,
+            m.expert_bytes(),
+            m.routed_bytes() as f64 / 1e9,
+            format!("g{} {}", m.quant.group_size, m.quant.scale_dtype),
+            m.scoring.name(),
+            if m.toy { " (test/demo)" } else { "" }
+        );
+    }
+}
+
+fn demo_in_process(model: &str, json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let spec = resolve_model(model)?;
+    let seed = 42;
+    println!(
+        "ExpertMesh demo (in-process reference): model {} — {} MoE layers x {} experts, top-{}, H {}",
+        spec.name,
+        spec.moe_layers(),
+        spec.routed_experts,
+        spec.top_k,
+        spec.hidden
+    );
+    let mut results = Vec::new();
+    let mut tokens_total = 0usize;
+    let start = Instant::now();
+    for layer in spec.moe_layer_ids() {
+        let lw = reference::synthetic_layer(&spec, seed, layer)?;
+        for batch in [1usize, 4, 16] {
+            let x = reference::synthetic_hidden(
+                layer as u64 * 1000 + batch as u64,
+                batch,
+                spec.hidden as usize,
+            );
+            let t0 = Instant::now();
+            let (routing, out) = reference::moe_layer(&spec, &lw, &x, ComputeMode::Exact)?;
+            let dt = t0.elapsed();
+            let truth = reference::moe_layer_f64(&lw, &x, &routing);
+            let err = reference::rel_error_vs_rms(&out, &truth);
+            tokens_total += batch;
+            results.push(serde_json::json!({
+                "layer": layer, "batch": batch, "latency_us": dt.as_secs_f64() * 1e6, "rel_error_vs_f64": err,
+            }));
+            println!(
+                "  layer {layer:>2} batch {batch:>3}: {:>9.1} us  max|err|/rms vs f64 = {err:.2e}",
+                dt.as_secs_f64() * 1e6
+            );
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!("{tokens_total} token-layers in {secs:.2} s");
+    if let Some(path) = json {
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(&serde_json::json!({"results": results}))?,
+        )?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

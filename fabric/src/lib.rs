@@ -1,0 +1,6 @@
+//! The fabric: expert workers, the local cluster launcher, and the CLI wiring.
+//!
+//! Why this crate exists: it composes topology, kernels, transport and router into running
+//! processes. The `expertmesh` binary is a thin `main` over [`cli`].
+
+pub mod cli;

@@ -1,0 +1,153 @@
+//! Cache-line aligned, fixed-length buffers.
+//!
+//! Why this exists: packed weights and activation blocks are read with 16-, 32- and 64-byte SIMD
+//! loads (and, on the GPU side, copied with 16-byte transactions). `Vec<T>` only guarantees the
+//! alignment of `T`, so every hot buffer in this crate is an [`AlignedVec`] aligned to 64 bytes.
+//! The length is fixed at construction: the data path allocates once and never grows.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// Alignment of every [`AlignedVec`], in bytes (one x86 cache line, one AVX-512 register).
+pub const BUFFER_ALIGN: usize = 64;
+
+/// Element types an [`AlignedVec`] may hold: plain old data for which all-zero bytes are a valid
+/// value and which has no destructor.
+///
+/// # Safety
+/// Implementors must be `Copy`, have no padding-dependent invariants, and accept the all-zero
+/// bit pattern as a valid value.
+pub unsafe trait Pod: Copy + Default + 'static {}
+// SAFETY: primitive integers and floats are valid for every bit pattern, including all zeros.
+unsafe impl Pod for u8 {}
+// SAFETY: as above.
+unsafe impl Pod for i8 {}
+// SAFETY: as above.
+unsafe impl Pod for u16 {}
+// SAFETY: as above.
+unsafe impl Pod for i16 {}
+// SAFETY: as above.
+unsafe impl Pod for u32 {}
+// SAFETY: as above.
+unsafe impl Pod for i32 {}
+// SAFETY: as above.
+unsafe impl Pod for f32 {}
+// SAFETY: as above.
+unsafe impl Pod for f64 {}
+
+/// A zero-initialised, 64-byte aligned, fixed-length buffer of `T`.
+pub struct AlignedVec<T: Pod> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: AlignedVec owns its allocation exactly like Vec<T>; T: Pod is Send + Sync data.
+unsafe impl<T: Pod + Send> Send for AlignedVec<T> {}
+// SAFETY: shared references only hand out &[T].
+unsafe impl<T: Pod + Sync> Sync for AlignedVec<T> {}
+
+impl<T: Pod> AlignedVec<T> {
+    fn layout(len: usize) -> Layout {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .expect("AlignedVec size overflows usize");
+        Layout::from_size_align(bytes.max(1), BUFFER_ALIGN.max(align_of::<T>()))
+            .expect("AlignedVec layout")
+    }
+
+    /// A buffer of `len` zeroed elements.
+    pub fn zeroed(len: usize) -> Self {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has non-zero size (max(1)).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
+            alloc::handle_alloc_error(layout)
+        };
+        Self { ptr, len }
+    }
+
+    /// A buffer holding a copy of `src`.
+    pub fn from_slice(src: &[T]) -> Self {
+        let mut v = Self::zeroed(src.len());
+        v.copy_from_slice(src);
+        v
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer as raw bytes (native endianness).
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: T is Pod, the allocation spans len * size_of::<T>() initialised bytes.
+        unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().cast::<u8>(), self.len * size_of::<T>())
+        }
+    }
+}
+
+impl<T: Pod> Drop for AlignedVec<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with the same layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr().cast::<u8>(), Self::layout(self.len)) }
+    }
+}
+
+impl<T: Pod> Deref for AlignedVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: ptr is valid for len initialised elements for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Pod> DerefMut for AlignedVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as above, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Pod> Clone for AlignedVec<T> {
+    fn clone(&self) -> Self {
+        Self::from_slice(self)
+    }
+}
+
+impl<T: Pod + fmt::Debug> fmt::Debug for AlignedVec<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AlignedVec(len={})", self.len)
+    }
+}
+
+impl<T: Pod + PartialEq> PartialEq for AlignedVec<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self[..] == other[..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_and_zeroed() {
+        for len in [0usize, 1, 3, 63, 64, 1000] {
+            let v = AlignedVec::<u16>::zeroed(len);
+            assert_eq!(v.as_ptr() as usize % BUFFER_ALIGN, 0);
+            assert_eq!(v.len(), len);
+            assert!(v.iter().all(|&x| x == 0));
+        }
+        let v = AlignedVec::from_slice(&[1.5f32, -2.0]);
+        assert_eq!(&v[..], &[1.5, -2.0]);
+        assert_eq!(v.clone(), v);
+    }
+}

@@ -1,0 +1,375 @@
+//! Gating: router logits to top-k expert choices and routing weights, for every scoring family.
+//!
+//! Why this exists: which experts a token visits decides where its activations travel, and the
+//! routing weights scale what comes back. The router service runs exactly this code, and so does
+//! the in-process reference layer, so both make the same choices bit for bit.
+//!
+//! Deterministic tie-breaking everywhere: a higher score wins; equal scores go to the lower
+//! expert (or group) index. Slots are emitted in that order (descending selection score), which
+//! is also the order in which the combine sums them.
+
+use expertmesh_topology::model::{ModelSpec, Scoring};
+
+/// Errors from gating.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatingError {
+    /// A logit (or the input that produced it) is NaN or infinite.
+    #[error(
+        "token {token}: router logit for expert {expert} is not finite ({value}); check the hidden states for NaN/Inf"
+    )]
+    NonFinite {
+        /// Token index in the batch.
+        token: usize,
+        /// Expert index.
+        expert: usize,
+        /// The value.
+        value: f32,
+    },
+    /// Logits or bias have the wrong length.
+    #[error("{what}: expected {expected} values, got {got}")]
+    Shape {
+        /// Which input.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Supplied length.
+        got: usize,
+    },
+}
+
+/// A layer's router parameters: the gate matrix `[E][H]` and a per-expert bias `[E]` (the
+/// selection-only correction bias for `sigmoid-bias`; ignored by the other families).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateWeights {
+    /// Routed experts E.
+    pub experts: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Row-major `[E][H]`.
+    pub weight: Vec<f32>,
+    /// `[E]`.
+    pub bias: Vec<f32>,
+}
+
+impl GateWeights {
+    /// Logits `[T][E]` for `tokens` hidden vectors `x` (`[T][H]`): plain sequential f32 dot
+    /// products.
+    pub fn logits(&self, x: &[f32]) -> Vec<f32> {
+        assert_eq!(
+            x.len() % self.hidden,
+            0,
+            "input is not a whole number of tokens"
+        );
+        let tokens = x.len() / self.hidden;
+        let mut out = vec![0f32; tokens * self.experts];
+        for t in 0..tokens {
+            let xt = &x[t * self.hidden..(t + 1) * self.hidden];
+            for e in 0..self.experts {
+                let w = &self.weight[e * self.hidden..(e + 1) * self.hidden];
+                let mut s = 0f32;
+                for (a, b) in w.iter().zip(xt) {
+                    s += a * b;
+                }
+                out[t * self.experts + e] = s;
+            }
+        }
+        out
+    }
+}
+
+/// The router's decision for a batch: `top_k` (expert, weight) slots per token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// Slots per token.
+    pub top_k: usize,
+    /// `[T][k]` expert ids, in slot order.
+    pub experts: Vec<u32>,
+    /// `[T][k]` routing weights (after renormalization and scaling).
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.experts.len() / self.top_k.max(1)
+    }
+    /// Expert ids of token `t`.
+    pub fn experts_of(&self, t: usize) -> &[u32] {
+        &self.experts[t * self.top_k..(t + 1) * self.top_k]
+    }
+    /// Weights of token `t`.
+    pub fn weights_of(&self, t: usize) -> &[f32] {
+        &self.weights[t * self.top_k..(t + 1) * self.top_k]
+    }
+}
+
+/// Indices of the `k` largest `scores` among `candidates`, by descending score, ties to the lower
+/// index. `candidates` must be ascending.
+fn top_k_indices(scores: &[f32], candidates: impl Iterator<Item = usize>, k: usize) -> Vec<usize> {
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in candidates {
+        // Insert i keeping `best` sorted by (score desc, index asc); since candidates ascend,
+        // an equal score never displaces an earlier index.
+        let pos = best
+            .iter()
+            .position(|&j| scores[i] > scores[j])
+            .unwrap_or(best.len());
+        if pos < k {
+            best.insert(pos, i);
+            best.truncate(k);
+        }
+    }
+    best
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Route a batch: `logits` is `[T][E]`; `bias` is the model's selection bias (`[E]`, used by
+/// `sigmoid-bias` only).
+pub fn route(spec: &ModelSpec, logits: &[f32], bias: &[f32]) -> Result<Routing, GatingError> {
+    let e = spec.routed_experts as usize;
+    let k = spec.top_k as usize;
+    if logits.len() % e != 0 {
+        return Err(GatingError::Shape {
+            what: "router logits",
+            expected: e * (logits.len() / e + 1),
+            got: logits.len(),
+        });
+    }
+    if spec.scoring == Scoring::SigmoidBias && bias.len() != e {
+        return Err(GatingError::Shape {
+            what: "selection bias",
+            expected: e,
+            got: bias.len(),
+        });
+    }
+    let tokens = logits.len() / e;
+    let mut experts = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    let mut scores = vec![0f32; e];
+    let mut select = vec![0f32; e];
+    for t in 0..tokens {
+        let l = &logits[t * e..(t + 1) * e];
+        if let Some(i) = l.iter().position(|v| !v.is_finite()) {
+            return Err(GatingError::NonFinite {
+                token: t,
+                expert: i,
+                value: l[i],
+            });
+        }
+        let (chosen, w): (Vec<usize>, Vec<f32>) = match spec.scoring {
+            Scoring::Softmax => {
+                let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for (s, &v) in scores.iter_mut().zip(l) {
+                    *s = (v - max).exp();
+                    sum += *s;
+                }
+                for s in scores.iter_mut() {
+                    *s /= sum;
+                }
+                let chosen = top_k_indices(&scores, 0..e, k);
+                let w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
+                (chosen, w)
+            }
+            Scoring::TopkSoftmax => {
+                let chosen = top_k_indices(l, 0..e, k);
+                let max = l[chosen[0]];
+                let ex: Vec<f32> = chosen.iter().map(|&i| (l[i] - max).exp()).collect();
+                let sum: f32 = ex.iter().sum();
+                (chosen, ex.iter().map(|v| v / sum).collect())
+            }
+            Scoring::SigmoidBias => {
+                for i in 0..e {
+                    scores[i] = sigmoid(l[i]);
+                    select[i] = scores[i] + bias[i];
+                }
+                let chosen = if spec.n_group > 1 {
+                    let groups = spec.n_group as usize;
+                    let per = e / groups;
+                    let group_score: Vec<f32> = (0..groups)
+                        .map(|g| {
+                            let top2 = top_k_indices(&select, g * per..(g + 1) * per, 2);
+                            top2.iter().map(|&i| select[i]).sum::<f32>()
+                        })
+                        .collect();
+                    let mut kept = top_k_indices(&group_score, 0..groups, spec.topk_group as usize);
+                    kept.sort_unstable();
+                    let candidates = kept.into_iter().flat_map(|g| g * per..(g + 1) * per);
+                    top_k_indices(&select, candidates, k)
+                } else {
+                    top_k_indices(&select, 0..e, k)
+                };
+                let w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
+                (chosen, w)
+            }
+        };
+        let mut w = w;
+        if spec.norm_topk_prob && spec.scoring != Scoring::TopkSoftmax {
+            let sum: f32 = w.iter().sum();
+            for v in w.iter_mut() {
+                *v /= sum;
+            }
+        }
+        if spec.routed_scaling_factor != 1.0 {
+            for v in w.iter_mut() {
+                *v *= spec.routed_scaling_factor;
+            }
+        }
+        experts.extend(chosen.iter().map(|&i| i as u32));
+        weights.extend(w);
+    }
+    Ok(Routing {
+        top_k: k,
+        experts,
+        weights,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use expertmesh_topology::model::preset_by_name;
+    use proptest::prelude::*;
+
+    /// Brute-force oracle: sort every allowed candidate by (score descending, index ascending)
+    /// and take the first k.
+    fn brute_top_k(scores: &[f32], allowed: &[usize], k: usize) -> Vec<usize> {
+        let mut all = allowed.to_vec();
+        all.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        all.truncate(k);
+        all
+    }
+
+    fn spec_for(name: &str) -> ModelSpec {
+        preset_by_name(name).unwrap()
+    }
+
+    fn coarse_logits(max_len: usize) -> impl Strategy<Value = Vec<f32>> {
+        // Coarse values make ties frequent.
+        prop::collection::vec((-8i32..8).prop_map(|v| v as f32 * 0.25), max_len)
+    }
+
+    proptest! {
+        #[test]
+        fn softmax_matches_brute_force(logits in coarse_logits(8)) {
+            let spec = spec_for("toy-softmax");
+            let r = route(&spec, &logits, &[]).unwrap();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let ex: Vec<f64> = logits.iter().map(|&v| ((v - max) as f64).exp()).collect();
+            let sum: f64 = ex.iter().sum();
+            let probs: Vec<f32> = ex.iter().map(|v| (v / sum) as f32).collect();
+            let all: Vec<usize> = (0..8).collect();
+            let want = brute_top_k(&logits, &all, 2);
+            let got: Vec<usize> = r.experts_of(0).iter().map(|&e| e as usize).collect();
+            prop_assert_eq!(&got, &want);
+            let wsum: f64 = want.iter().map(|&i| probs[i] as f64).sum();
+            for (s, &i) in want.iter().enumerate() {
+                prop_assert!((r.weights_of(0)[s] as f64 - probs[i] as f64 / wsum).abs() < 1e-5);
+            }
+        }
+
+        #[test]
+        fn topk_softmax_matches_brute_force(logits in coarse_logits(4)) {
+            let spec = spec_for("toy-mixtral");
+            let r = route(&spec, &logits, &[]).unwrap();
+            let all: Vec<usize> = (0..4).collect();
+            let want = brute_top_k(&logits, &all, 2);
+            let got: Vec<usize> = r.experts_of(0).iter().map(|&e| e as usize).collect();
+            prop_assert_eq!(&got, &want);
+            let a = (logits[want[0]] as f64).exp();
+            let b = (logits[want[1]] as f64).exp();
+            prop_assert!((r.weights_of(0)[0] as f64 - a / (a + b)).abs() < 1e-6);
+            prop_assert!((r.weights_of(0)[1] as f64 - b / (a + b)).abs() < 1e-6);
+        }
+
+        #[test]
+        fn grouped_sigmoid_bias_matches_brute_force(
+            logits in coarse_logits(16),
+            bias in prop::collection::vec((-2i32..3).prop_map(|v| v as f32 * 0.125), 16),
+        ) {
+            let spec = spec_for("toy-grouped"); // 16 experts, 4 groups of 4, keep 2 groups, top-4
+            let r = route(&spec, &logits, &bias).unwrap();
+            let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
+            let select: Vec<f32> = scores.iter().zip(&bias).map(|(s, b)| s + b).collect();
+            // Brute force groups: every pair of groups, by the sum of each group's top-2.
+            let gscore: Vec<f32> = (0..4).map(|g| {
+                let idx: Vec<usize> = (g * 4..g * 4 + 4).collect();
+                let t = brute_top_k(&select, &idx, 2);
+                select[t[0]] + select[t[1]]
+            }).collect();
+            let groups: Vec<usize> = (0..4).collect();
+            let mut kept = brute_top_k(&gscore, &groups, 2);
+            kept.sort();
+            let allowed: Vec<usize> = kept.iter().flat_map(|&g| g * 4..g * 4 + 4).collect();
+            let want = brute_top_k(&select, &allowed, 4);
+            let got: Vec<usize> = r.experts_of(0).iter().map(|&e| e as usize).collect();
+            prop_assert_eq!(&got, &want);
+            let wsum: f64 = want.iter().map(|&i| scores[i] as f64).sum();
+            for (s, &i) in want.iter().enumerate() {
+                let w = scores[i] as f64 / wsum * 2.5;
+                prop_assert!((r.weights_of(0)[s] as f64 - w).abs() < 1e-5, "slot {} {} vs {}", s, r.weights_of(0)[s], w);
+            }
+        }
+    }
+
+    #[test]
+    fn ungrouped_sigmoid_bias_uses_bias_for_selection_only() {
+        let spec = spec_for("kimi-k2");
+        let mut logits = vec![0f32; 384];
+        logits[20] = 3.0; // highest raw score, but no bias
+        let mut bias = vec![0f32; 384];
+        for (i, b) in bias.iter_mut().enumerate().take(8) {
+            *b = 1.0 + i as f32 * 0.01; // experts 0..8 win selection through the bias
+        }
+        let r = route(&spec, &logits, &bias).unwrap();
+        let got: Vec<u32> = r.experts_of(0).to_vec();
+        assert_eq!(got, vec![7, 6, 5, 4, 3, 2, 1, 0]);
+        // weights come from unbiased sigmoid scores, renormalized and scaled by 2.827
+        let s: Vec<f64> = got
+            .iter()
+            .map(|&i| 1.0 / (1.0 + (-(logits[i as usize] as f64)).exp()))
+            .collect();
+        let sum: f64 = s.iter().sum();
+        for (slot, &w) in r.weights_of(0).iter().enumerate() {
+            assert!((w as f64 - s[slot] / sum * 2.827).abs() < 1e-5);
+        }
+        let total: f32 = r.weights_of(0).iter().sum();
+        assert!((total - 2.827).abs() < 1e-5);
+    }
+
+    #[test]
+    fn olmoe_does_not_renormalize() {
+        let spec = spec_for("olmoe-1b-7b");
+        let logits: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let r = route(&spec, &logits, &[]).unwrap();
+        let total: f32 = r.weights_of(0).iter().sum();
+        assert!(
+            total < 0.99,
+            "OLMoE weights must stay unnormalized, got sum {total}"
+        );
+    }
+
+    #[test]
+    fn nan_logit_is_named() {
+        let spec = spec_for("toy-softmax");
+        let mut logits = vec![0.0f32; 16];
+        logits[11] = f32::NAN;
+        let e = route(&spec, &logits, &[]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                GatingError::NonFinite {
+                    token: 1,
+                    expert: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("token 1"));
+    }
+}

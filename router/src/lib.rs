@@ -1,0 +1,12 @@
+//! The token router: gating, top-k, dispatch planning and combine, plus the router service.
+//!
+//! Why this crate exists: it turns a MoE layer call (hidden states for some tokens) into expert
+//! choices, sends each token's activations only to the devices that own its experts, and combines
+//! the results in a fixed order. It also holds the in-process reference MoE layer that the fabric
+//! is checked against.
+//!
+//! * [`gating`] — logits → (expert, weight) slots for every scoring family.
+//! * [`reference`] — the in-process reference MoE layer and its f64 twin.
+
+pub mod gating;
+pub mod reference;
