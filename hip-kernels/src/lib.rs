@@ -10,9 +10,11 @@
 //! * [`contract`] — the exact W4A8 contract: activation quantization, reduction order, `exp`.
 //! * [`reference`] — scalar oracle implementations (exact, accurate, f64).
 //! * [`synth`] — deterministic synthetic weights from `(seed, layer, expert)`.
+//! * [`backend`] — the `ExpertBackend` trait (no implementation dependencies).
 //! * [`aligned`] — 64-byte aligned fixed-size buffers.
 
 pub mod aligned;
+pub mod backend;
 pub mod contract;
 pub mod format;
 pub mod reference;
