@@ -104,8 +104,8 @@ impl ComputeMode {
 /// Partial sums per row in the exact reduction (see the module docs, §3).
 pub const LANES: usize = 16;
 
-/// Blocks whose largest magnitude is below this quantize to zero (2^-96).
-pub const MIN_BLOCK_AMAX: f32 = 1.262_177_4e-29;
+/// Blocks whose largest magnitude is below this quantize to zero: 2^-96 (bits 0x0F800000).
+pub const MIN_BLOCK_AMAX: f32 = f32::from_bits(0x0F80_0000);
 
 /// Quantize one 32-element block per §1, writing 32 codes; returns the block scale `d`.
 #[inline]
@@ -117,7 +117,10 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
         amax = amax.max(v.abs());
     }
     // `!(amax >= MIN)` also catches NaN.
-    if !(amax >= MIN_BLOCK_AMAX) {
+    // A NaN amax also takes this branch (inputs are validated finite before they get here).
+    if amax.partial_cmp(&MIN_BLOCK_AMAX) != Some(std::cmp::Ordering::Greater)
+        && amax != MIN_BLOCK_AMAX
+    {
         q.fill(0);
         return 0.0;
     }
@@ -153,18 +156,20 @@ pub const EXP_MIN: f32 = -87.0;
 pub const EXP_MAX: f32 = 88.0;
 /// log2(e) rounded to f32 (bits 0x3FB8AA3B).
 pub const LOG2E: f32 = f32::from_bits(0x3FB8_AA3B);
-/// High part of ln 2 (0.693359375, exact in f32 with few bits).
-pub const LN2_HI: f32 = 0.693_359_4;
-/// Low part of ln 2 (-2.12194440e-4).
-pub const LN2_LO: f32 = -2.121_944_4e-4;
-/// Polynomial coefficients of [`exp_contract`], highest degree first (Cephes `expf`).
+/// High part of ln 2: 0.693359375 (bits 0x3F318000).
+pub const LN2_HI: f32 = f32::from_bits(0x3F31_8000);
+/// Low part of ln 2: -2.12194440e-4 (bits 0xB95E8083).
+pub const LN2_LO: f32 = f32::from_bits(0xB95E_8083);
+/// Polynomial coefficients of [`exp_contract`], highest degree first (Cephes `expf`), given by
+/// their bit patterns so every implementation uses the same values:
+/// 1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5.
 pub const EXP_POLY: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    1.666_666_5e-1,
-    5.000_000_1e-1,
+    f32::from_bits(0x3950_6967),
+    f32::from_bits(0x3AB7_43CE),
+    f32::from_bits(0x3C08_8908),
+    f32::from_bits(0x3D2A_A9C1),
+    f32::from_bits(0x3E2A_AAAA),
+    f32::from_bits(0x3F00_0000),
 ];
 
 /// `e^v` as the contract computes it. Every line is one IEEE binary32 operation:
@@ -182,6 +187,9 @@ pub const EXP_POLY: [f32; 6] = [
 ///
 /// Accuracy: within 2 ulp of `e^v` on the clamped range (tested against f64).
 #[inline(always)]
+// One line per IEEE operation, as specified above; max-then-min (not clamp) because that is
+// what fmaxf/fminf compute on the GPU.
+#[allow(clippy::assign_op_pattern, clippy::manual_clamp)]
 pub fn exp_contract(v: f32) -> f32 {
     let v = v.max(EXP_MIN).min(EXP_MAX);
     let n = (v * LOG2E).round_ties_even();

@@ -29,6 +29,7 @@
 //!   [`QuantSpec::scale_dtype`] says. The two are never converted into each other.
 //! * **Zero points** (only with [`QuantSpec::zero_points`]) `[N][ceil(G/2)]` bytes with
 //!   `G = K/group_size`; group `g` lives in byte `g/2`, low nibble for even `g`, high for odd.
+//!   When `G` is odd, the unused high nibble of each row's last byte is 8.
 //!
 //! Group sizes are 32, 64 or 128; a group of 64 or 128 is two or four consecutive 32-element
 //! nibble blocks sharing one scale (and zero point), so GPTQ/AWQ g128 checkpoints import without

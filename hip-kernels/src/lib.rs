@@ -11,11 +11,13 @@
 //! * [`reference`] — scalar oracle implementations (exact, accurate, f64).
 //! * [`synth`] — deterministic synthetic weights from `(seed, layer, expert)`.
 //! * [`backend`] — the `ExpertBackend` trait (no implementation dependencies).
+//! * [`cpu`] — the CPU backend: R16 repack, scalar/AVX2/AVX-512 VNNI kernels, work scheduling.
 //! * [`aligned`] — 64-byte aligned fixed-size buffers.
 
 pub mod aligned;
 pub mod backend;
 pub mod contract;
+pub mod cpu;
 pub mod format;
 pub mod reference;
 pub mod synth;

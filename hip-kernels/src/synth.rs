@@ -89,12 +89,14 @@ pub fn random_packed(
     for s in m.scales_mut() {
         *s = dtype.from_f32((base * rng.uniform(0.5, 1.5)) as f32);
     }
-    if let Some(z) = m.zeros_mut() {
-        for b in z.iter_mut() {
-            // zero points near the middle keep the expected value near zero
-            let lo = 7 + (rng.below(3) as u8);
-            let hi = 7 + (rng.below(3) as u8);
-            *b = lo | (hi << 4);
+    let groups = m.groups_per_row();
+    for n in 0..rows {
+        for g in 0..groups {
+            if m.zeros().is_some() {
+                // zero points near the middle keep the expected value near zero
+                let z = 7 + rng.below(3) as u8;
+                m.set_zero(n, g, z);
+            }
         }
     }
     Ok(m)

@@ -1,0 +1,558 @@
+//! Row-block kernels over the R16 layout: scalar, AVX2 and AVX-512 VNNI.
+//!
+//! Why this exists: this is the hot loop of the CPU backend. One call computes 16 output rows
+//! (one row block) of one packed matrix for a few tokens, streaming the row block's weights
+//! once and reusing every loaded tile for all the tokens (so an expert's weights are read once
+//! per batch whatever the number of tokens that chose it).
+//!
+//! Exact mode follows `crate::contract` literally: per block an exact i32 dot
+//! (`vpdpbusd` on VNNI, `pmaddubsw`+`pmaddwd` on AVX2 — both exact for u4 × i8), then
+//! `(s·d)·f32(isum)` with two separate multiplies, added to partial `b % 16`, and the 8/4/2/1
+//! halving tree at the end. Each SIMD lane is one output row, so every lane performs exactly the
+//! scalar sequence: the three paths are bit-identical by construction and by test.
+//!
+//! PERF-CRITICAL: no allocation, no locking, no logging in this module.
+
+use super::layout::{R16Matrix, ROWS};
+use crate::contract::LANES;
+use crate::format::{BLOCK, ScaleDtype};
+
+/// Instruction set used by the CPU kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust.
+    Scalar,
+    /// AVX2 (`pmaddubsw` / `pmaddwd`).
+    Avx2,
+    /// AVX-512 F/BW + VNNI (`vpdpbusd`).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best ISA this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Every ISA this CPU can run (for tests), best last.
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detect();
+        let mut v = vec![Isa::Scalar];
+        if matches!(best, Isa::Avx2 | Isa::Avx512Vnni) {
+            v.push(Isa::Avx2);
+        }
+        if best == Isa::Avx512Vnni {
+            v.push(Isa::Avx512Vnni);
+        }
+        v
+    }
+
+    /// Short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// True if this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        Isa::available().contains(&self)
+    }
+}
+
+/// One token's quantized activation (contract §1) with per-block code sums, as the kernels
+/// read it.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenQ8<'a> {
+    /// int8 codes `[K]`.
+    pub q: &'a [i8],
+    /// per-block scales `[K/32]`.
+    pub d: &'a [f32],
+    /// per-block `Σ q` `[K/32]` (for the zero-point term).
+    pub qsum: &'a [i32],
+}
+
+/// Per-block code sums of a quantized vector.
+pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
+    for (b, s) in qsum.iter_mut().enumerate() {
+        *s = q[b * BLOCK..(b + 1) * BLOCK]
+            .iter()
+            .map(|&v| v as i32)
+            .sum();
+    }
+}
+
+/// Maximum tokens computed together against one loaded weight tile.
+pub const MAX_TOKEN_TILE: usize = 4;
+
+/// Exact mode: rows `16rb..16rb+16` of `m` for each token in `toks` (at most
+/// [`MAX_TOKEN_TILE`]), written to `out[t]`.
+pub fn rowblock_exact(
+    isa: Isa,
+    m: &R16Matrix,
+    rb: usize,
+    toks: &[TokenQ8<'_>],
+    out: &mut [[f32; ROWS]],
+) {
+    assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    for t in toks {
+        debug_assert_eq!(t.q.len(), m.cols());
+        debug_assert_eq!(t.d.len(), m.blocks());
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); slices are in bounds
+            // (R16Matrix guarantees tile sizes, TokenQ8 lengths are asserted in debug and
+            // checked by the backend before any kernel runs).
+            unsafe {
+                match toks.len() {
+                    1 => x86::exact_vnni::<1>(m, rb, toks, out),
+                    2 => x86::exact_vnni::<2>(m, rb, toks, out),
+                    3 => x86::exact_vnni::<3>(m, rb, toks, out),
+                    4 => x86::exact_vnni::<4>(m, rb, toks, out),
+                    _ => {}
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.supported_cached() => {
+            // SAFETY: as above for AVX2.
+            unsafe {
+                match toks.len() {
+                    1 => x86::exact_avx2::<1>(m, rb, toks, out),
+                    2 => x86::exact_avx2::<2>(m, rb, toks, out),
+                    3 => x86::exact_avx2::<3>(m, rb, toks, out),
+                    4 => x86::exact_avx2::<4>(m, rb, toks, out),
+                    _ => {}
+                }
+            }
+        }
+        _ => exact_scalar(m, rb, toks, out),
+    }
+}
+
+impl Isa {
+    #[inline(always)]
+    fn supported_cached(self) -> bool {
+        use std::sync::OnceLock;
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        let best = *BEST.get_or_init(Isa::detect);
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => best != Isa::Scalar,
+            Isa::Avx512Vnni => best == Isa::Avx512Vnni,
+        }
+    }
+}
+
+#[inline(always)]
+fn scale_f32(dtype: ScaleDtype, bits: u16) -> f32 {
+    dtype.to_f32(bits)
+}
+
+/// The portable path (also the fallback on non-x86 targets).
+fn exact_scalar(m: &R16Matrix, rb: usize, toks: &[TokenQ8<'_>], out: &mut [[f32; ROWS]]) {
+    let nib = m.row_block_nibbles(rb);
+    let scales = m.row_block_scales(rb);
+    let zeros = m.row_block_zeros(rb);
+    let bpg = m.blocks_per_group();
+    let dtype = m.spec().scale_dtype;
+    for (t, tok) in toks.iter().enumerate() {
+        let mut p = [[0f32; ROWS]; LANES];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            let tile = &nib[b * 256..(b + 1) * 256];
+            let q = &tok.q[b * BLOCK..(b + 1) * BLOCK];
+            for r in 0..ROWS {
+                let mut isum = 0i32;
+                for c in 0..4 {
+                    for i in 0..4 {
+                        let byte = tile[c * 64 + 4 * r + i];
+                        isum += (byte & 0x0F) as i32 * q[4 * c + i] as i32;
+                        isum += (byte >> 4) as i32 * q[16 + 4 * c + i] as i32;
+                    }
+                }
+                let z = zeros.map_or(8, |z| z[g * ROWS + r]) as i32;
+                isum -= z * tok.qsum[b];
+                let s = scale_f32(dtype, scales[g * ROWS + r]);
+                let term = (s * tok.d[b]) * isum as f32;
+                p[b % LANES][r] += term;
+            }
+        }
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                for r in 0..ROWS {
+                    p[l][r] += p[l + w][r];
+                }
+            }
+            w /= 2;
+        }
+        out[t] = p[0];
+    }
+}
+
+/// Accurate mode: rows `16rb..16rb+16` of `m` times f32 activations (one slice per token,
+/// length K). Exact dequantization, f32 accumulation: per block `Σ (u-z)·x` then `· s`, summed
+/// into one accumulator per row (order differs from exact mode; tolerance-tested).
+pub fn rowblock_accurate(
+    isa: Isa,
+    m: &R16Matrix,
+    rb: usize,
+    toks: &[&[f32]],
+    out: &mut [[f32; ROWS]],
+) {
+    assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            // SAFETY: AVX-512 F/BW supported; in-bounds slices as in `rowblock_exact`.
+            unsafe { x86::accurate_avx512(m, rb, toks, out) }
+        }
+        _ => accurate_scalar(m, rb, toks, out),
+    }
+}
+
+fn accurate_scalar(m: &R16Matrix, rb: usize, toks: &[&[f32]], out: &mut [[f32; ROWS]]) {
+    let nib = m.row_block_nibbles(rb);
+    let scales = m.row_block_scales(rb);
+    let zeros = m.row_block_zeros(rb);
+    let bpg = m.blocks_per_group();
+    let dtype = m.spec().scale_dtype;
+    for (t, x) in toks.iter().enumerate() {
+        let mut acc = [0f32; ROWS];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            let tile = &nib[b * 256..(b + 1) * 256];
+            let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+            for r in 0..ROWS {
+                let z = zeros.map_or(8, |z| z[g * ROWS + r]) as i32;
+                let mut s = 0f32;
+                for c in 0..4 {
+                    for i in 0..4 {
+                        let byte = tile[c * 64 + 4 * r + i];
+                        s += ((byte & 0x0F) as i32 - z) as f32 * xb[4 * c + i];
+                        s += ((byte >> 4) as i32 - z) as f32 * xb[16 + 4 * c + i];
+                    }
+                }
+                acc[r] += scale_f32(dtype, scales[g * ROWS + r]) * s;
+            }
+        }
+        out[t] = acc;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! x86-64 SIMD implementations; see the parent module for the contract they follow.
+    use super::{R16Matrix, ROWS, TokenQ8};
+    use crate::contract::LANES;
+    use crate::format::{BLOCK, ScaleDtype};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn scales16_512(dtype: ScaleDtype, p: *const u16) -> __m512 {
+        // SAFETY: caller guarantees 16 readable u16 at p.
+        unsafe {
+            let raw = _mm256_loadu_si256(p.cast());
+            match dtype {
+                ScaleDtype::Bf16 => {
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+                }
+                ScaleDtype::F16 => _mm512_cvtph_ps(raw),
+            }
+        }
+    }
+
+    /// AVX-512 VNNI exact kernel for `T` tokens.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub(super) unsafe fn exact_vnni<const T: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[TokenQ8<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut p = [[_mm512_setzero_ps(); LANES]; T];
+        let mut q_ptr = [std::ptr::null::<i32>(); T];
+        for t in 0..T {
+            q_ptr[t] = toks[t].q.as_ptr().cast::<i32>();
+        }
+        for b in 0..blocks {
+            let g = b / bpg;
+            // SAFETY: tile (rb, b) spans 256 bytes inside the row block; scales/zeros hold 16
+            // entries per group; q holds K = 32·blocks codes; d and qsum hold `blocks` entries.
+            unsafe {
+                let tile = nib.add(b * 256);
+                let w0 = _mm512_loadu_si512(tile.cast());
+                let w1 = _mm512_loadu_si512(tile.add(64).cast());
+                let w2 = _mm512_loadu_si512(tile.add(128).cast());
+                let w3 = _mm512_loadu_si512(tile.add(192).cast());
+                let l0 = _mm512_and_si512(w0, mask);
+                let l1 = _mm512_and_si512(w1, mask);
+                let l2 = _mm512_and_si512(w2, mask);
+                let l3 = _mm512_and_si512(w3, mask);
+                let h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
+                let h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+                let h2 = _mm512_and_si512(_mm512_srli_epi16(w2, 4), mask);
+                let h3 = _mm512_and_si512(_mm512_srli_epi16(w3, 4), mask);
+                let s = scales16_512(dtype, scales.add(g * ROWS));
+                let z = zeros.map(|z| {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(z.as_ptr().add(g * ROWS).cast()))
+                });
+                for t in 0..T {
+                    let q = q_ptr[t].add(b * 8);
+                    let mut acc = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        l0,
+                        _mm512_set1_epi32(q.read_unaligned()),
+                    );
+                    acc =
+                        _mm512_dpbusd_epi32(acc, l1, _mm512_set1_epi32(q.add(1).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, l2, _mm512_set1_epi32(q.add(2).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, l3, _mm512_set1_epi32(q.add(3).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, h0, _mm512_set1_epi32(q.add(4).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, h1, _mm512_set1_epi32(q.add(5).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, h2, _mm512_set1_epi32(q.add(6).read_unaligned()));
+                    acc =
+                        _mm512_dpbusd_epi32(acc, h3, _mm512_set1_epi32(q.add(7).read_unaligned()));
+                    let qs = *toks[t].qsum.get_unchecked(b);
+                    let corr = match z {
+                        None => _mm512_set1_epi32(qs << 3),
+                        Some(z) => _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
+                    };
+                    let isum = _mm512_sub_epi32(acc, corr);
+                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(*toks[t].d.get_unchecked(b)));
+                    let term = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(isum));
+                    let slot = &mut p[t][b % LANES];
+                    *slot = _mm512_add_ps(*slot, term);
+                }
+            }
+        }
+        for t in 0..T {
+            let pt = &mut p[t];
+            let mut w = LANES / 2;
+            while w > 0 {
+                for l in 0..w {
+                    pt[l] = _mm512_add_ps(pt[l], pt[l + w]);
+                }
+                w /= 2;
+            }
+            // SAFETY: out[t] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), pt[0]) };
+        }
+        let _ = BLOCK;
+    }
+
+    /// AVX2 exact kernel for `T` tokens: two 8-row halves per row block.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn exact_avx2<const T: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[TokenQ8<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        for half in 0..2 {
+            let mut p = [[_mm256_setzero_ps(); LANES]; T];
+            for b in 0..blocks {
+                let g = b / bpg;
+                // SAFETY: as in `exact_vnni`; each half reads 32 of the 64 bytes of a chunk.
+                unsafe {
+                    let tile = nib.add(b * 256 + half * 32);
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for c in 0..4 {
+                        let w = _mm256_loadu_si256(tile.add(c * 64).cast());
+                        lo[c] = _mm256_and_si256(w, mask);
+                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                    }
+                    let sp = scales.add(g * ROWS + half * 8);
+                    let s = match dtype {
+                        ScaleDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm_loadu_si128(sp.cast())),
+                            16,
+                        )),
+                        ScaleDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(sp.cast())),
+                    };
+                    let z = zeros.map(|z| {
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            z.as_ptr().add(g * ROWS + half * 8).cast(),
+                        ))
+                    });
+                    for t in 0..T {
+                        let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
+                        // Σ over 8 pmaddubsw results stays within i16: each is at most
+                        // 2·15·127 = 3810 in magnitude, eight of them 30480 < 32767.
+                        let mut s16 =
+                            _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(q.read_unaligned()));
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                lo[1],
+                                _mm256_set1_epi32(q.add(1).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                lo[2],
+                                _mm256_set1_epi32(q.add(2).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                lo[3],
+                                _mm256_set1_epi32(q.add(3).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                hi[0],
+                                _mm256_set1_epi32(q.add(4).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                hi[1],
+                                _mm256_set1_epi32(q.add(5).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                hi[2],
+                                _mm256_set1_epi32(q.add(6).read_unaligned()),
+                            ),
+                        );
+                        s16 = _mm256_add_epi16(
+                            s16,
+                            _mm256_maddubs_epi16(
+                                hi[3],
+                                _mm256_set1_epi32(q.add(7).read_unaligned()),
+                            ),
+                        );
+                        let acc = _mm256_madd_epi16(s16, ones);
+                        let qs = *toks[t].qsum.get_unchecked(b);
+                        let corr = match z {
+                            None => _mm256_set1_epi32(qs << 3),
+                            Some(z) => _mm256_mullo_epi32(z, _mm256_set1_epi32(qs)),
+                        };
+                        let isum = _mm256_sub_epi32(acc, corr);
+                        let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
+                        let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
+                        let slot = &mut p[t][b % LANES];
+                        *slot = _mm256_add_ps(*slot, term);
+                    }
+                }
+            }
+            for t in 0..T {
+                let pt = &mut p[t];
+                let mut w = LANES / 2;
+                while w > 0 {
+                    for l in 0..w {
+                        pt[l] = _mm256_add_ps(pt[l], pt[l + w]);
+                    }
+                    w /= 2;
+                }
+                // SAFETY: out[t] has 16 f32; this half writes 8 of them.
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(half * 8), pt[0]) };
+            }
+        }
+        let _ = BLOCK;
+    }
+
+    /// AVX-512 accurate kernel: dequantize each nibble lane to f32, FMA with the broadcast
+    /// activation, scale per block.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub(super) unsafe fn accurate_avx512(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[&[f32]],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let mask = _mm512_set1_epi32(0x0F);
+        let nt = toks.len();
+        let mut acc = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            // SAFETY: as in `exact_vnni`; x slices hold K floats.
+            unsafe {
+                let tile = nib.add(b * 256);
+                let s = scales16_512(dtype, scales.add(g * ROWS));
+                let z = match zeros {
+                    None => _mm512_set1_ps(8.0),
+                    Some(z) => _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        z.as_ptr().add(g * ROWS).cast(),
+                    ))),
+                };
+                let mut bs = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
+                for c in 0..4 {
+                    let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                    for i in 0..4 {
+                        let sh = _mm512_srl_epi32(w, _mm_cvtsi32_si128((8 * i) as i32));
+                        let lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sh, mask)), z);
+                        let hi = _mm512_sub_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sh, 4), mask)),
+                            z,
+                        );
+                        for t in 0..nt {
+                            let x = toks[t].as_ptr().add(b * BLOCK);
+                            bs[t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x.add(4 * c + i)), bs[t]);
+                            bs[t] =
+                                _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(16 + 4 * c + i)), bs[t]);
+                        }
+                    }
+                }
+                for t in 0..nt {
+                    acc[t] = _mm512_fmadd_ps(s, bs[t], acc[t]);
+                }
+            }
+        }
+        for t in 0..nt {
+            // SAFETY: out[t] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+        }
+    }
+}
