@@ -12,6 +12,10 @@ use std::ptr::NonNull;
 
 /// Alignment of every [`AlignedVec`], in bytes (one x86 cache line, one AVX-512 register).
 pub const BUFFER_ALIGN: usize = 64;
+/// Buffers of at least this many bytes are aligned to 2 MiB and advised as huge-page
+/// candidates, so streaming gigabytes of expert weights does not thrash the TLB.
+pub const HUGE_THRESHOLD: usize = 4 << 20;
+const HUGE_ALIGN: usize = 2 << 20;
 
 /// Element types an [`AlignedVec`] may hold: plain old data for which all-zero bytes are a valid
 /// value and which has no destructor.
@@ -53,13 +57,34 @@ impl<T: Pod> AlignedVec<T> {
         let bytes = len
             .checked_mul(size_of::<T>())
             .expect("AlignedVec size overflows usize");
-        Layout::from_size_align(bytes.max(1), BUFFER_ALIGN.max(align_of::<T>()))
+        let align = if bytes >= HUGE_THRESHOLD {
+            HUGE_ALIGN
+        } else {
+            BUFFER_ALIGN
+        };
+        Layout::from_size_align(bytes.max(1), align.max(align_of::<T>()))
             .expect("AlignedVec layout")
     }
 
     /// A buffer of `len` zeroed elements.
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
+        #[cfg(target_os = "linux")]
+        let raw = if layout.size() >= HUGE_THRESHOLD {
+            // SAFETY: non-zero size.
+            let raw = unsafe { alloc::alloc(layout) };
+            if !raw.is_null() {
+                // SAFETY: raw..raw+size is our allocation; MADV_HUGEPAGE is only advice.
+                unsafe { libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE) };
+                // SAFETY: zero the whole allocation (after the advice, so pages fault in huge).
+                unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
+            }
+            raw
+        } else {
+            // SAFETY: the layout has non-zero size (max(1)).
+            unsafe { alloc::alloc_zeroed(layout) }
+        };
+        #[cfg(not(target_os = "linux"))]
         // SAFETY: the layout has non-zero size (max(1)).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {

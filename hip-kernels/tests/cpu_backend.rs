@@ -45,7 +45,7 @@ proptest! {
     /// Every ISA's row-block kernel equals the contract's scalar row dot bit for bit.
     #[test]
     fn rowblock_exact_is_bit_identical(
-        spec in spec_strategy(), rows in 1usize..40, kb in 1usize..40, ntok in 1usize..=4, seed in any::<u64>()
+        spec in spec_strategy(), rows in 1usize..40, kb in 1usize..40, ntok in 1usize..=8, seed in any::<u64>()
     ) {
         let cols = (kb * 32).div_ceil(spec.group_size as usize) * spec.group_size as usize;
         let m = random_matrix(spec, rows, cols, seed);
@@ -62,7 +62,7 @@ proptest! {
         let toks: Vec<TokenQ8> = acts.iter().zip(&sums).map(|(a, s)| TokenQ8 { q: &a.q, d: &a.d, qsum: s }).collect();
         for isa in Isa::available() {
             for rb in 0..r16.row_blocks() {
-                let mut out = [[0f32; 16]; 4];
+                let mut out = [[0f32; 16]; 8];
                 kernels::rowblock_exact(isa, &r16, rb, &toks, &mut out);
                 for (t, a) in acts.iter().enumerate() {
                     for r in 0..16.min(rows - rb * 16) {

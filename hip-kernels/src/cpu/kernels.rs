@@ -97,7 +97,7 @@ pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
 }
 
 /// Maximum tokens computed together against one loaded weight tile.
-pub const MAX_TOKEN_TILE: usize = 4;
+pub const MAX_TOKEN_TILE: usize = 8;
 
 /// Exact mode: rows `16rb..16rb+16` of `m` for each token in `toks` (at most
 /// [`MAX_TOKEN_TILE`]), written to `out[t]`.
@@ -121,10 +121,14 @@ pub fn rowblock_exact(
             // checked by the backend before any kernel runs).
             unsafe {
                 match toks.len() {
-                    1 => x86::exact_vnni::<1>(m, rb, toks, out),
-                    2 => x86::exact_vnni::<2>(m, rb, toks, out),
-                    3 => x86::exact_vnni::<3>(m, rb, toks, out),
-                    4 => x86::exact_vnni::<4>(m, rb, toks, out),
+                    1 => x86::exact_vnni_1(m, rb, &toks[0], &mut out[0]),
+                    2 => x86::exact_vnni_strided::<2>(m, rb, toks, out),
+                    3 => x86::exact_vnni_strided::<3>(m, rb, toks, out),
+                    4 => x86::exact_vnni_strided::<4>(m, rb, toks, out),
+                    5 => x86::exact_vnni_strided::<5>(m, rb, toks, out),
+                    6 => x86::exact_vnni_strided::<6>(m, rb, toks, out),
+                    7 => x86::exact_vnni_strided::<7>(m, rb, toks, out),
+                    8 => x86::exact_vnni_strided::<8>(m, rb, toks, out),
                     _ => {}
                 }
             }
@@ -138,6 +142,10 @@ pub fn rowblock_exact(
                     2 => x86::exact_avx2::<2>(m, rb, toks, out),
                     3 => x86::exact_avx2::<3>(m, rb, toks, out),
                     4 => x86::exact_avx2::<4>(m, rb, toks, out),
+                    5 => x86::exact_avx2::<5>(m, rb, toks, out),
+                    6 => x86::exact_avx2::<6>(m, rb, toks, out),
+                    7 => x86::exact_avx2::<7>(m, rb, toks, out),
+                    8 => x86::exact_avx2::<8>(m, rb, toks, out),
                     _ => {}
                 }
             }
@@ -279,9 +287,180 @@ mod x86 {
         }
     }
 
-    /// AVX-512 VNNI exact kernel for `T` tokens.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub(super) unsafe fn exact_vnni<const T: usize>(
+    /// One row block's unpacked weights for one K block: low and high nibbles of the four
+    /// 64-byte chunks, and the 16 row scales as f32.
+    struct Tile512 {
+        lo: [__m512i; 4],
+        hi: [__m512i; 4],
+        s: __m512,
+        z: Option<__m512i>,
+    }
+
+    #[inline(always)]
+    unsafe fn load_tile512(
+        nib: *const u8,
+        scales: *const u16,
+        zeros: Option<&[u8]>,
+        dtype: ScaleDtype,
+        b: usize,
+        g: usize,
+    ) -> Tile512 {
+        // SAFETY: the caller guarantees tile b and group g are inside the row block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let tile = nib.add(b * 256);
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                lo[c] = _mm512_and_si512(w, mask);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+            }
+            let s = scales16_512(dtype, scales.add(g * ROWS));
+            let z = zeros
+                .map(|z| _mm512_cvtepu8_epi32(_mm_loadu_si128(z.as_ptr().add(g * ROWS).cast())));
+            Tile512 { lo, hi, s, z }
+        }
+    }
+
+    /// The contract's term for one token and one K block: the exact i32 dot of the 16 rows
+    /// (the zero-point correction folded into the accumulator's initial value), then
+    /// `(s·d)·f32(isum)`.
+    #[inline(always)]
+    unsafe fn term512(w: &Tile512, q: *const i32, qsum: i32, d: f32) -> __m512 {
+        // SAFETY: q points at the block's 32 codes (8 dwords).
+        unsafe {
+            let corr = match w.z {
+                None => _mm512_set1_epi32(-(qsum << 3)),
+                Some(z) => _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_mullo_epi32(z, _mm512_set1_epi32(qsum)),
+                ),
+            };
+            let mut acc = _mm512_dpbusd_epi32(corr, w.lo[0], _mm512_set1_epi32(q.read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.lo[1], _mm512_set1_epi32(q.add(1).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.lo[2], _mm512_set1_epi32(q.add(2).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.lo[3], _mm512_set1_epi32(q.add(3).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.hi[0], _mm512_set1_epi32(q.add(4).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.hi[1], _mm512_set1_epi32(q.add(5).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.hi[2], _mm512_set1_epi32(q.add(6).read_unaligned()));
+            acc = _mm512_dpbusd_epi32(acc, w.hi[3], _mm512_set1_epi32(q.add(7).read_unaligned()));
+            let sd = _mm512_mul_ps(w.s, _mm512_set1_ps(d));
+            _mm512_mul_ps(sd, _mm512_cvtepi32_ps(acc))
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn tree512(p: &mut [__m512; LANES]) -> __m512 {
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                p[l] = _mm512_add_ps(p[l], p[l + w]);
+            }
+            w /= 2;
+        }
+        p[0]
+    }
+
+    /// Tiles prefetched ahead of use in the one-token kernel (16 tiles = 4 KiB).
+    const PREFETCH_BLOCKS: usize = 16;
+
+    /// AVX-512 VNNI exact kernel for one token (decode): blocks in natural order so the
+    /// hardware prefetcher streams the row block from DRAM; the 16 partial sums stay in
+    /// registers (the block loop is unrolled by 16 so each partial has a fixed register).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn exact_vnni_1(
+        m: &R16Matrix,
+        rb: usize,
+        tok: &TokenQ8<'_>,
+        out: &mut [f32; ROWS],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let q = tok.q.as_ptr().cast::<i32>();
+        let mut p = [_mm512_setzero_ps(); LANES];
+        let mut b = 0;
+        // Software prefetch PREFETCH_BLOCKS tiles ahead: DRAM latency needs more bytes in flight
+        // than the out-of-order window holds at this compute rate. Addresses past the row block
+        // continue into the next one (row blocks are contiguous); `wrapping_add` keeps the
+        // pointer arithmetic defined and prefetches never fault.
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
+        macro_rules! step {
+            ($j:expr) => {{
+                let bb = b + $j;
+                let ahead = base_off + (bb + PREFETCH_BLOCKS) * 256;
+                if ahead + 256 <= total {
+                    let pf = nib.wrapping_add((bb + PREFETCH_BLOCKS) * 256);
+                    _mm_prefetch::<_MM_HINT_T0>(pf.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(128).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(192).cast());
+                }
+                // SAFETY: bb < blocks; see `load_tile512` and `term512`.
+                unsafe {
+                    let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
+                    let t = term512(
+                        &w,
+                        q.add(bb * 8),
+                        *tok.qsum.get_unchecked(bb),
+                        *tok.d.get_unchecked(bb),
+                    );
+                    p[$j] = _mm512_add_ps(p[$j], t);
+                }
+            }};
+        }
+        while b + LANES <= blocks {
+            step!(0);
+            step!(1);
+            step!(2);
+            step!(3);
+            step!(4);
+            step!(5);
+            step!(6);
+            step!(7);
+            step!(8);
+            step!(9);
+            step!(10);
+            step!(11);
+            step!(12);
+            step!(13);
+            step!(14);
+            step!(15);
+            b += LANES;
+        }
+        // Tail (blocks % 16 != 0): partial index is still b % 16 = j.
+        let rest = blocks - b;
+        for j in 0..rest {
+            let bb = b + j;
+            // SAFETY: bb < blocks.
+            unsafe {
+                let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
+                let t = term512(
+                    &w,
+                    q.add(bb * 8),
+                    *tok.qsum.get_unchecked(bb),
+                    *tok.d.get_unchecked(bb),
+                );
+                p[j] = _mm512_add_ps(p[j], t);
+            }
+        }
+        // SAFETY: out is 16 f32.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tree512(&mut p)) };
+    }
+
+    /// AVX-512 VNNI exact kernel for `T` tokens (2..=8, multi-token decode and prefill):
+    /// partials are visited one at a time (blocks l, l+16, l+32, ... for partial l, which is
+    /// exactly the order the contract adds them in), so each token needs a single accumulator
+    /// register and the unpacked weight tile is shared by all T tokens. The next row block is
+    /// prefetched into L2 meanwhile, since this order is not a sequential stream.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn exact_vnni_strided<const T: usize>(
         m: &R16Matrix,
         rb: usize,
         toks: &[TokenQ8<'_>],
@@ -293,81 +472,53 @@ mod x86 {
         let bpg = m.blocks_per_group();
         let dtype = m.spec().scale_dtype;
         let blocks = m.blocks();
-        let mask = _mm512_set1_epi8(0x0F);
+        let next: Option<&[u8]> = (rb + 1 < m.row_blocks()).then(|| m.row_block_nibbles(rb + 1));
+        let mut q = [std::ptr::null::<i32>(); T];
+        for t in 0..T {
+            q[t] = toks[t].q.as_ptr().cast::<i32>();
+        }
         let mut p = [[_mm512_setzero_ps(); LANES]; T];
-        let mut q_ptr = [std::ptr::null::<i32>(); T];
-        for t in 0..T {
-            q_ptr[t] = toks[t].q.as_ptr().cast::<i32>();
-        }
-        for b in 0..blocks {
-            let g = b / bpg;
-            // SAFETY: tile (rb, b) spans 256 bytes inside the row block; scales/zeros hold 16
-            // entries per group; q holds K = 32·blocks codes; d and qsum hold `blocks` entries.
-            unsafe {
-                let tile = nib.add(b * 256);
-                let w0 = _mm512_loadu_si512(tile.cast());
-                let w1 = _mm512_loadu_si512(tile.add(64).cast());
-                let w2 = _mm512_loadu_si512(tile.add(128).cast());
-                let w3 = _mm512_loadu_si512(tile.add(192).cast());
-                let l0 = _mm512_and_si512(w0, mask);
-                let l1 = _mm512_and_si512(w1, mask);
-                let l2 = _mm512_and_si512(w2, mask);
-                let l3 = _mm512_and_si512(w3, mask);
-                let h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
-                let h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
-                let h2 = _mm512_and_si512(_mm512_srli_epi16(w2, 4), mask);
-                let h3 = _mm512_and_si512(_mm512_srli_epi16(w3, 4), mask);
-                let s = scales16_512(dtype, scales.add(g * ROWS));
-                let z = zeros.map(|z| {
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(z.as_ptr().add(g * ROWS).cast()))
-                });
-                for t in 0..T {
-                    let q = q_ptr[t].add(b * 8);
-                    let mut acc = _mm512_dpbusd_epi32(
-                        _mm512_setzero_si512(),
-                        l0,
-                        _mm512_set1_epi32(q.read_unaligned()),
-                    );
-                    acc =
-                        _mm512_dpbusd_epi32(acc, l1, _mm512_set1_epi32(q.add(1).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, l2, _mm512_set1_epi32(q.add(2).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, l3, _mm512_set1_epi32(q.add(3).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, h0, _mm512_set1_epi32(q.add(4).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, h1, _mm512_set1_epi32(q.add(5).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, h2, _mm512_set1_epi32(q.add(6).read_unaligned()));
-                    acc =
-                        _mm512_dpbusd_epi32(acc, h3, _mm512_set1_epi32(q.add(7).read_unaligned()));
-                    let qs = *toks[t].qsum.get_unchecked(b);
-                    let corr = match z {
-                        None => _mm512_set1_epi32(qs << 3),
-                        Some(z) => _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
+        let lines = blocks * 4; // 64-byte lines of the next row block
+        let mut prefetched = 0;
+        for l in 0..LANES.min(blocks) {
+            let mut acc = [_mm512_setzero_ps(); T];
+            let mut b = l;
+            while b < blocks {
+                // SAFETY: b < blocks; see `load_tile512` and `term512`.
+                unsafe {
+                    let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
+                    for t in 0..T {
+                        let tk = toks.get_unchecked(t);
+                        let term = term512(
+                            &w,
+                            q[t].add(b * 8),
+                            *tk.qsum.get_unchecked(b),
+                            *tk.d.get_unchecked(b),
+                        );
+                        acc[t] = _mm512_add_ps(acc[t], term);
+                    }
+                }
+                b += LANES;
+            }
+            for t in 0..T {
+                p[t][l] = acc[t];
+            }
+            // Prefetch 1/16 of the next row block per partial.
+            if let Some(next) = next {
+                let upto = lines * (l + 1) / LANES;
+                while prefetched < upto {
+                    // SAFETY: prefetch of an in-bounds address; prefetches never fault anyway.
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(prefetched * 64).cast())
                     };
-                    let isum = _mm512_sub_epi32(acc, corr);
-                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(*toks[t].d.get_unchecked(b)));
-                    let term = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(isum));
-                    let slot = &mut p[t][b % LANES];
-                    *slot = _mm512_add_ps(*slot, term);
+                    prefetched += 1;
                 }
             }
         }
         for t in 0..T {
-            let pt = &mut p[t];
-            let mut w = LANES / 2;
-            while w > 0 {
-                for l in 0..w {
-                    pt[l] = _mm512_add_ps(pt[l], pt[l + w]);
-                }
-                w /= 2;
-            }
             // SAFETY: out[t] is 16 f32.
-            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), pt[0]) };
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), tree512(&mut p[t])) };
         }
-        let _ = BLOCK;
     }
 
     /// AVX2 exact kernel for `T` tokens: two 8-row halves per row block.

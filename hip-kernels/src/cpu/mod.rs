@@ -21,6 +21,7 @@
 
 pub mod kernels;
 pub mod layout;
+pub mod membw;
 
 use crate::aligned::AlignedVec;
 use crate::backend::{

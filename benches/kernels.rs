@@ -1,0 +1,135 @@
+//! Criterion micro-benchmarks of the CPU expert kernels.
+//!
+//! `row_block/*`: one 16-row block of a Kimi-sized matrix (K = 7168) with its weights resident
+//! in cache, for 1, 4 and 8 tokens: the compute-bound speed of each ISA path. `expert/*`: a
+//! whole Kimi-sized expert FFN through the backend (weights from DRAM after the first pass,
+//! since one expert is 24.8 MB). Throughput is reported in weight bytes per second; compare
+//! with `expertmesh bench kernels`, which also measures the machine's read bandwidth.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use expertmesh_hip_kernels::backend::{
+    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+};
+use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_hip_kernels::cpu::CpuBackend;
+use expertmesh_hip_kernels::cpu::kernels::{self, Isa, TokenQ8};
+use expertmesh_hip_kernels::cpu::layout::R16Matrix;
+use expertmesh_hip_kernels::format::QuantSpec;
+use expertmesh_hip_kernels::reference::QuantizedVec;
+use expertmesh_hip_kernels::synth::{self, SplitMix64};
+use std::hint::black_box;
+
+fn row_block(c: &mut Criterion) {
+    let k = 7168;
+    let mut rng = SplitMix64::new(1);
+    let m = synth::random_packed("bench", QuantSpec::G32_BF16, 64, k, &mut rng).unwrap();
+    let r16 = R16Matrix::from_canonical(&m);
+    let acts: Vec<QuantizedVec> = (0..8)
+        .map(|_| QuantizedVec::new(&synth::normal_vec(&mut rng, k, 1.0)))
+        .collect();
+    let sums: Vec<Vec<i32>> = acts
+        .iter()
+        .map(|a| {
+            let mut s = vec![0; k / 32];
+            kernels::block_sums(&a.q, &mut s);
+            s
+        })
+        .collect();
+    let toks: Vec<TokenQ8> = acts
+        .iter()
+        .zip(&sums)
+        .map(|(a, s)| TokenQ8 {
+            q: &a.q,
+            d: &a.d,
+            qsum: s,
+        })
+        .collect();
+    let mut g = c.benchmark_group("row_block");
+    // four row blocks per iteration
+    g.throughput(Throughput::Bytes(
+        (4 * (16 * k / 2 + 16 * (k / 32) * 2)) as u64,
+    ));
+    for isa in Isa::available() {
+        for n in [1usize, 4, 8] {
+            g.bench_function(format!("{}/exact/{n}tok", isa.name()), |b| {
+                let mut out = [[0f32; 16]; 8];
+                b.iter(|| {
+                    for rb in 0..4 {
+                        kernels::rowblock_exact(isa, &r16, rb, black_box(&toks[..n]), &mut out);
+                    }
+                    black_box(&out);
+                })
+            });
+        }
+        let xs: Vec<Vec<f32>> = (0..8)
+            .map(|_| synth::normal_vec(&mut rng, k, 1.0))
+            .collect();
+        let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+        g.bench_function(format!("{}/accurate/1tok", isa.name()), |b| {
+            let mut out = [[0f32; 16]; 8];
+            b.iter(|| {
+                for rb in 0..4 {
+                    kernels::rowblock_accurate(isa, &r16, rb, black_box(&xr[..1]), &mut out);
+                }
+                black_box(&out);
+            })
+        });
+    }
+    g.finish();
+}
+
+fn expert(c: &mut Criterion) {
+    let (h, f) = (7168, 2048);
+    let w = synth::synthetic_expert(QuantSpec::G32_BF16, h, f, 3, 0, 0).unwrap();
+    let bytes = w.bytes() as u64;
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mut be = CpuBackend::new(threads).unwrap();
+    let key = ExpertKey {
+        layer: 0,
+        expert: 0,
+    };
+    be.load(
+        vec![(key, w)],
+        BatchLimits {
+            max_tokens: 8,
+            max_pairs: 8,
+        },
+    )
+    .unwrap();
+    let mut rng = SplitMix64::new(2);
+    let x = synth::normal_vec(&mut rng, 8 * h, 1.0);
+    let mut g = c.benchmark_group("expert");
+    g.throughput(Throughput::Bytes(bytes));
+    g.sample_size(20);
+    for n in [1usize, 8] {
+        let toks: Vec<u32> = (0..n as u32).collect();
+        let weights = vec![1.0f32; n];
+        g.bench_function(format!("kimi/exact/{n}tok/{threads}threads"), |b| {
+            let mut out = vec![0f32; n * h];
+            b.iter(|| {
+                let groups = [ExpertGroup {
+                    key,
+                    tokens: &toks,
+                    weights: &weights,
+                    out_rows: &toks,
+                }];
+                let batch = GroupedBatch {
+                    mode: ComputeMode::Exact,
+                    hidden: h,
+                    tokens: n,
+                    input: Activations::F32(&x[..n * h]),
+                    groups: &groups,
+                    layout: OutputLayout::PerSlot,
+                };
+                be.execute(&batch, &mut out).unwrap();
+                black_box(&out);
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, row_block, expert);
+criterion_main!(benches);
