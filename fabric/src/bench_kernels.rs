@@ -34,9 +34,12 @@ pub struct KernelBenchOptions {
     pub pool_bytes: u64,
 }
 
+/// One expert's share of a routed batch: physical expert, tokens, weights, output rows.
+type RoutedGroup = (u32, Vec<u32>, Vec<f32>, Vec<u32>);
+
 /// One routed batch: per physical expert, its tokens and weights.
 struct RoutedBatch {
-    groups: Vec<(u32, Vec<u32>, Vec<f32>, Vec<u32>)>,
+    groups: Vec<RoutedGroup>,
     pairs: usize,
 }
 
