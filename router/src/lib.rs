@@ -6,7 +6,9 @@
 //! is checked against.
 //!
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
+//! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 
 pub mod gating;
+pub mod plan;
 pub mod reference;
