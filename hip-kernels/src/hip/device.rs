@@ -114,7 +114,12 @@ impl HipDevice {
         let api = &hip.api;
         // SAFETY: plain runtime calls with valid out-pointers.
         unsafe {
-            hip.check("hipInit", (api.hipInit)(0)).map_err(no_device)?;
+            hip.check("hipInit", (api.hipInit)(0)).map_err(|e| {
+                no_device(format!(
+                    "the HIP runtime found no usable AMD GPU ({e}); check that /dev/kfd and /dev/dri are present \
+                     and accessible"
+                ))
+            })?;
             let mut count = 0;
             let r = (api.hipGetDeviceCount)(&mut count);
             if r != 0 || count <= 0 {
