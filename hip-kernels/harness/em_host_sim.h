@@ -23,7 +23,7 @@ struct EmHostActQ8 {
     const int32_t* qsum;
     uint32_t cols;
     uint32_t rows[T];
-    void load(int t, uint32_t b, uint32_t* out, float* dd, int32_t* qs) const {
+    EM_HD void load(int t, uint32_t b, uint32_t* out, float* dd, int32_t* qs) const {
         memcpy(out, q + (uint64_t)rows[t] * cols + (uint64_t)b * EM_BLOCK, 32);
         *dd = d[(uint64_t)rows[t] * (cols / EM_BLOCK) + b];
         *qs = qsum[(uint64_t)rows[t] * (cols / EM_BLOCK) + b];
@@ -35,7 +35,7 @@ struct EmHostActF32 {
     const float* x;
     uint32_t cols;
     uint32_t rows[T];
-    void load_f32x4(int t, uint32_t b, int c, float* out) const {
+    EM_HD void load_f32x4(int t, uint32_t b, int c, float* out) const {
         memcpy(out, x + (uint64_t)rows[t] * cols + (uint64_t)b * EM_BLOCK + 4 * c, 16);
     }
 };
