@@ -24,7 +24,13 @@ fn main() {
     if env::var_os("CARGO_FEATURE_HIP").is_none() {
         return;
     }
-    for var in ["EXPERTMESH_HIP_TARGETS", "HIP_PATH", "ROCM_PATH", "HIPCC", "PATH"] {
+    for var in [
+        "EXPERTMESH_HIP_TARGETS",
+        "HIP_PATH",
+        "ROCM_PATH",
+        "HIPCC",
+        "PATH",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
@@ -41,7 +47,8 @@ fn main() {
              libamdhip64-dev rocm-device-libs`) or set HIPCC, HIP_PATH or ROCM_PATH."
         )
     });
-    let targets = env::var("EXPERTMESH_HIP_TARGETS").unwrap_or_else(|_| DEFAULT_TARGETS.to_string());
+    let targets =
+        env::var("EXPERTMESH_HIP_TARGETS").unwrap_or_else(|_| DEFAULT_TARGETS.to_string());
     let mut built: Vec<(String, &str, PathBuf)> = Vec::new();
     let mut skipped: Vec<String> = Vec::new();
     for target in targets.split(',').map(str::trim).filter(|t| !t.is_empty()) {
@@ -49,7 +56,9 @@ fn main() {
             panic!("EXPERTMESH_HIP_TARGETS: `{target}` is not an AMD target name like gfx90a");
         }
         match build_target(&hipcc, &kernels, &out, target) {
-            Ok(objects) => built.extend(objects.into_iter().map(|(f, p)| (target.to_string(), f, p))),
+            Ok(objects) => {
+                built.extend(objects.into_iter().map(|(f, p)| (target.to_string(), f, p)))
+            }
             Err(why) => {
                 println!("cargo:warning=skipping HIP target {target}: {why}");
                 skipped.push(target.to_string());
@@ -66,8 +75,12 @@ fn main() {
     src.push_str("/// (target, kernel family, code object) for every compiled kernel family.\n");
     src.push_str("pub(crate) static CODE_OBJECTS: &[(&str, &str, &[u8])] = &[\n");
     for (target, family, path) in &built {
-        writeln!(src, "    ({target:?}, {family:?}, include_bytes!({:?})),", path.display().to_string())
-            .expect("write to String");
+        writeln!(
+            src,
+            "    ({target:?}, {family:?}, include_bytes!({:?})),",
+            path.display().to_string()
+        )
+        .expect("write to String");
     }
     src.push_str("];\n/// Requested targets the installed compiler could not build.\n");
     src.push_str("pub(crate) static SKIPPED_TARGETS: &[&str] = &[");
@@ -94,7 +107,9 @@ fn find_hipcc() -> Option<PathBuf> {
     if opt.is_file() {
         return Some(opt.to_path_buf());
     }
-    env::split_paths(&env::var_os("PATH")?).map(|d| d.join("hipcc")).find(|p| p.is_file())
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|d| d.join("hipcc"))
+        .find(|p| p.is_file())
 }
 
 /// Compile every family for one target; Err(reason) when the compiler cannot build the target.
@@ -110,27 +125,39 @@ fn build_target(
         let src = kernels.join(format!("{family}.hip"));
         let obj = out.join(format!("{family}-{target}.co"));
         let mut result = compile(hipcc, &src, &obj, target, nogpulib);
-        if let Err(msg) = &result {
-            if !nogpulib && msg.contains("cannot find ROCm device library") {
-                nogpulib = true;
-                result = compile(hipcc, &src, &obj, target, true);
-            }
+        if let Err(msg) = &result
+            && !nogpulib
+            && msg.contains("cannot find ROCm device library")
+        {
+            nogpulib = true;
+            result = compile(hipcc, &src, &obj, target, true);
         }
         match result {
             Ok(()) => objects.push((family, obj)),
             Err(msg) if msg.contains("invalid target ID") || msg.contains("unknown target") => {
                 return Err(format!("the installed hipcc does not know {target}"));
             }
-            Err(msg) => panic!("hipcc failed compiling {} for {target}:\n{msg}", src.display()),
+            Err(msg) => panic!(
+                "hipcc failed compiling {} for {target}:\n{msg}",
+                src.display()
+            ),
         }
     }
     if nogpulib {
-        println!("cargo:warning=HIP target {target}: no ROCm device library installed, built with -nogpulib");
+        println!(
+            "cargo:warning=HIP target {target}: no ROCm device library installed, built with -nogpulib"
+        );
     }
     Ok(objects)
 }
 
-fn compile(hipcc: &Path, src: &Path, obj: &Path, target: &str, nogpulib: bool) -> Result<(), String> {
+fn compile(
+    hipcc: &Path,
+    src: &Path,
+    obj: &Path,
+    target: &str,
+    nogpulib: bool,
+) -> Result<(), String> {
     let mut cmd = Command::new(hipcc);
     cmd.args([
         "-x",
@@ -151,7 +178,9 @@ fn compile(hipcc: &Path, src: &Path, obj: &Path, target: &str, nogpulib: bool) -
     if nogpulib {
         cmd.arg("-nogpulib");
     }
-    let output = cmd.output().map_err(|e| format!("cannot run {}: {e}", hipcc.display()))?;
+    let output = cmd
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", hipcc.display()))?;
     if output.status.success() {
         Ok(())
     } else {

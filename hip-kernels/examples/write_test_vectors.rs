@@ -34,6 +34,10 @@ fn main() -> ExitCode {
         eprintln!("writing {path}: {e}");
         return ExitCode::FAILURE;
     }
-    println!("wrote {} cases ({} bytes) to {path}", cases.len(), bytes.len());
+    println!(
+        "wrote {} cases ({} bytes) to {path}",
+        cases.len(),
+        bytes.len()
+    );
     ExitCode::SUCCESS
 }

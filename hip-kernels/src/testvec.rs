@@ -47,10 +47,14 @@ pub enum VectorError {
     #[error("not an ExpertMesh test-vector file (magic {0:?}, expected \"EMTV\")")]
     BadMagic([u8; 4]),
     /// A version this reader does not know.
-    #[error("test-vector version {0} is not supported (this build reads version {VERSION}); regenerate the file")]
+    #[error(
+        "test-vector version {0} is not supported (this build reads version {VERSION}); regenerate the file"
+    )]
     UnsupportedVersion(u32),
     /// The file ends early.
-    #[error("test-vector file truncated while reading {what}: need {need} bytes at offset {offset}, file has {len}")]
+    #[error(
+        "test-vector file truncated while reading {what}: need {need} bytes at offset {offset}, file has {len}"
+    )]
     Truncated {
         /// What was being read.
         what: &'static str,
@@ -62,7 +66,9 @@ pub enum VectorError {
         len: usize,
     },
     /// The trailing checksum does not match.
-    #[error("test-vector checksum mismatch (stored {stored:#018x}, computed {computed:#018x}): the file is corrupt")]
+    #[error(
+        "test-vector checksum mismatch (stored {stored:#018x}, computed {computed:#018x}): the file is corrupt"
+    )]
     Checksum {
         /// Stored value.
         stored: u64,
@@ -161,7 +167,10 @@ pub struct CaseParams {
 
 /// Generate one case and compute every reference output.
 pub fn generate_case(p: &CaseParams, seed: u64) -> Result<VectorCase, FormatError> {
-    assert!(p.top_k <= p.experts && p.top_k > 0, "top_k must be in 1..=experts");
+    assert!(
+        p.top_k <= p.experts && p.top_k > 0,
+        "top_k must be in 1..=experts"
+    );
     let mut rng = SplitMix64::new(seed);
     let mut experts = Vec::with_capacity(p.experts);
     for e in 0..p.experts {
@@ -354,20 +363,27 @@ pub fn to_bytes(cases: &[VectorCase]) -> Vec<u8> {
             put_matrix(&mut out, e.w13());
             put_matrix(&mut out, e.w2());
         }
-        c.x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        c.x.iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
         for g in &c.groups {
             put_u32(&mut out, g.expert);
             put_u32(&mut out, g.count);
         }
         c.pair_token.iter().for_each(|&v| put_u32(&mut out, v));
         c.pair_out.iter().for_each(|&v| put_u32(&mut out, v));
-        c.pair_weight.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        c.pair_weight
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
         out.extend(c.xq.iter().map(|&v| v as u8));
-        c.xd.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        c.xd.iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
         for ys in [&c.y_exact, &c.y_combined, &c.y_accurate] {
-            ys.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            ys.iter()
+                .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
         }
-        c.y_f64.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        c.y_f64
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
     }
     let sum = fnv1a(&out);
     out.extend_from_slice(&sum.to_le_bytes());
@@ -400,14 +416,20 @@ impl<'a> Reader<'a> {
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
     fn u32s(&mut self, n: usize, what: &'static str) -> Result<Vec<u32>, VectorError> {
-        let b = self.take(n.checked_mul(4).unwrap_or(usize::MAX), what)?;
-        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        let b = self.take(n.saturating_mul(4), what)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
     fn f32s(&mut self, n: usize, what: &'static str) -> Result<Vec<f32>, VectorError> {
-        Ok(self.u32s(n, what)?.into_iter().map(f32::from_bits).collect())
+        Ok(self
+            .u32s(n, what)?
+            .into_iter()
+            .map(f32::from_bits)
+            .collect())
     }
     fn f64s(&mut self, n: usize, what: &'static str) -> Result<Vec<f64>, VectorError> {
-        let b = self.take(n.checked_mul(8).unwrap_or(usize::MAX), what)?;
+        let b = self.take(n.saturating_mul(8), what)?;
         Ok(b.chunks_exact(8)
             .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
             .collect())
@@ -458,7 +480,10 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<VectorCase>, VectorError> {
     let body = &bytes[..bytes.len() - 8];
     let stored = u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().unwrap_or([0; 8]));
     let computed = fnv1a(body);
-    let mut r = Reader { bytes: body, pos: 4 };
+    let mut r = Reader {
+        bytes: body,
+        pos: 4,
+    };
     let version = r.u32("version")?;
     if version != VERSION {
         return Err(VectorError::UnsupportedVersion(version));
@@ -490,16 +515,22 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<VectorCase>, VectorError> {
             scale_dtype,
             zero_points: zp == 1,
         };
-        spec.validate().map_err(|source| VectorError::Format { case, source })?;
+        spec.validate()
+            .map_err(|source| VectorError::Format { case, source })?;
         let (h, f, t, p) = (h as usize, f as usize, t as usize, p as usize);
         if h == 0 || f == 0 || h % BLOCK != 0 || f % BLOCK != 0 {
-            return Err(bad(format!("hidden {h} and inter {f} must be positive multiples of 32")));
+            return Err(bad(format!(
+                "hidden {h} and inter {f} must be positive multiples of 32"
+            )));
         }
         let mut experts = Vec::with_capacity(e as usize);
         for _ in 0..e {
             let w13 = r.matrix(case, "W13", spec, 2 * f, h)?;
             let w2 = r.matrix(case, "W2", spec, h, f)?;
-            experts.push(ExpertWeights::new(w13, w2).map_err(|source| VectorError::Format { case, source })?);
+            experts.push(
+                ExpertWeights::new(w13, w2)
+                    .map_err(|source| VectorError::Format { case, source })?,
+            );
         }
         let x = r.f32s(t * h, "x")?;
         let raw = r.u32s(2 * g as usize, "groups")?;
@@ -519,7 +550,8 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<VectorCase>, VectorError> {
         let pair_token = r.u32s(p, "pair tokens")?;
         let pair_out = r.u32s(p, "pair output rows")?;
         let pair_weight = r.f32s(p, "pair weights")?;
-        if pair_token.iter().any(|&v| v as usize >= t) || pair_out.iter().any(|&v| v as usize >= p) {
+        if pair_token.iter().any(|&v| v as usize >= t) || pair_out.iter().any(|&v| v as usize >= p)
+        {
             return Err(bad("a pair's token or output row is out of range".into()));
         }
         let xq = r.take(t * h, "xq")?.iter().map(|&b| b as i8).collect();
@@ -571,7 +603,11 @@ pub fn accurate_error(y: &[f32], y64: &[f64], hidden: usize) -> f64 {
     let mut worst = 0f64;
     for (row, row64) in y.chunks(hidden).zip(y64.chunks(hidden)) {
         let rms = (row64.iter().map(|v| v * v).sum::<f64>() / hidden as f64).sqrt();
-        let err = row.iter().zip(row64).map(|(&a, &b)| (a as f64 - b).abs()).fold(0f64, f64::max);
+        let err = row
+            .iter()
+            .zip(row64)
+            .map(|(&a, &b)| (a as f64 - b).abs())
+            .fold(0f64, f64::max);
         worst = worst.max(err / rms.max(1e-30));
     }
     worst
@@ -583,7 +619,10 @@ mod tests {
 
     fn small() -> Vec<VectorCase> {
         let p = standard_params();
-        vec![generate_case(&p[0], 1).unwrap(), generate_case(&p[1], 2).unwrap()]
+        vec![
+            generate_case(&p[0], 1).unwrap(),
+            generate_case(&p[1], 2).unwrap(),
+        ]
     }
 
     #[test]
@@ -602,13 +641,19 @@ mod tests {
         }
         let mut v2 = bytes.clone();
         v2[4] = 2;
-        assert!(matches!(from_bytes(&v2), Err(VectorError::UnsupportedVersion(2))));
+        assert!(matches!(
+            from_bytes(&v2),
+            Err(VectorError::UnsupportedVersion(2))
+        ));
     }
 
     #[test]
     fn cases_cover_what_they_claim() {
         let cases = small();
-        assert!(cases.iter().any(|c| c.groups.iter().any(|g| g.count == 0)) || cases[1].groups.len() > 1);
+        assert!(
+            cases.iter().any(|c| c.groups.iter().any(|g| g.count == 0))
+                || cases[1].groups.len() > 1
+        );
         for c in &cases {
             // Output rows are a permutation of 0..pairs.
             let mut rows = c.pair_out.clone();

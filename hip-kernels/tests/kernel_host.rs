@@ -11,7 +11,8 @@
 //! g++ is required for the C++ checks; without it they print "skipped: g++ not found" and return.
 
 use expertmesh_hip_kernels::backend::{
-    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch,
+    OutputLayout,
 };
 use expertmesh_hip_kernels::contract::ComputeMode;
 use expertmesh_hip_kernels::hip::HipBackend;
@@ -40,14 +41,25 @@ fn host_check() -> Option<&'static Path> {
         let bin = dir.path().join("host_check");
         let src = harness_dir().join("host_check.cpp");
         let out = match Command::new("g++")
-            .args(["-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-Wall", "-Wextra", "-Werror", "-o"])
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-ffp-contract=off",
+                "-fno-fast-math",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-o",
+            ])
             .arg(&bin)
             .arg(&src)
             .output()
         {
             Ok(out) => out,
             Err(e) => {
-                eprintln!("skipped: g++ not found ({e}); the kernel host check needs a C++17 compiler");
+                eprintln!(
+                    "skipped: g++ not found ({e}); the kernel host check needs a C++17 compiler"
+                );
                 return None;
             }
         };
@@ -64,14 +76,24 @@ fn host_check() -> Option<&'static Path> {
 }
 
 fn write_vectors(cases: &[VectorCase]) -> tempfile::NamedTempFile {
-    let file = tempfile::Builder::new().suffix(".emtv").tempfile().expect("temp file");
+    let file = tempfile::Builder::new()
+        .suffix(".emtv")
+        .tempfile()
+        .expect("temp file");
     std::fs::write(file.path(), testvec::to_bytes(cases)).expect("write vectors");
     file
 }
 
 fn run_host_check(bin: &Path, file: &Path) -> (bool, String) {
-    let out = Command::new(bin).arg(file).output().expect("run host_check");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(bin)
+        .arg(file)
+        .output()
+        .expect("run host_check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
@@ -82,9 +104,18 @@ fn vectors_roundtrip_through_a_file() {
     let back = testvec::from_bytes(&bytes).expect("vectors parse");
     assert_eq!(&back, cases());
     // The standard set covers what the kernels must handle.
-    assert!(back.iter().any(|c| c.hidden % 256 != 0), "K not a multiple of 256");
-    assert!(back.iter().any(|c| c.groups.iter().any(|g| g.count == 0)), "zero-token experts");
-    assert!(back.iter().any(|c| c.groups.iter().any(|g| g.count > 16)), "groups beyond one prefill tile");
+    assert!(
+        back.iter().any(|c| c.hidden % 256 != 0),
+        "K not a multiple of 256"
+    );
+    assert!(
+        back.iter().any(|c| c.groups.iter().any(|g| g.count == 0)),
+        "zero-token experts"
+    );
+    assert!(
+        back.iter().any(|c| c.groups.iter().any(|g| g.count > 16)),
+        "groups beyond one prefill tile"
+    );
     assert!(back.iter().any(|c| c.spec.zero_points) && back.iter().any(|c| !c.spec.zero_points));
 }
 
@@ -110,7 +141,12 @@ fn host_check_fails_on_a_wrong_reference() {
     let file = write_vectors(&bad);
     let (ok, text) = run_host_check(bin, file.path());
     assert!(!ok, "a one-ulp reference change went unnoticed:\n{text}");
-    assert!(text.contains("FAIL decode") && text.contains("FAIL combine") && text.contains("FAIL prefill"), "{text}");
+    assert!(
+        text.contains("FAIL decode")
+            && text.contains("FAIL combine")
+            && text.contains("FAIL prefill"),
+        "{text}"
+    );
     // A corrupt file is rejected with a message, not a crash.
     let mut bytes = std::fs::read(file.path()).unwrap();
     bytes[40] ^= 0xFF;
@@ -123,7 +159,10 @@ fn host_check_fails_on_a_wrong_reference() {
 #[test]
 fn kernel_argument_layout_matches_the_c_header() {
     let Some(bin) = host_check() else { return };
-    let out = Command::new(bin).arg("--abi").output().expect("run host_check --abi");
+    let out = Command::new(bin)
+        .arg("--abi")
+        .output()
+        .expect("run host_check --abi");
     assert!(out.status.success());
     let c_side: Vec<(String, String, usize)> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -133,8 +172,10 @@ fn kernel_argument_layout_matches_the_c_header() {
             (s.to_string(), f.to_string(), o.parse().unwrap())
         })
         .collect();
-    let rust_side: Vec<(String, String, usize)> =
-        kernel_abi::layout().into_iter().map(|(s, f, o)| (s.to_string(), f.to_string(), o)).collect();
+    let rust_side: Vec<(String, String, usize)> = kernel_abi::layout()
+        .into_iter()
+        .map(|(s, f, o)| (s.to_string(), f.to_string(), o))
+        .collect();
     assert_eq!(c_side, rust_side);
 }
 
@@ -190,7 +231,10 @@ fn hip_backend_on_this_machine() {
             return;
         }
         Err(e @ BackendError::NoDevice { .. }) => {
-            assert!(e.to_string().starts_with("no hip device available: "), "{e}");
+            assert!(
+                e.to_string().starts_with("no hip device available: "),
+                "{e}"
+            );
             eprintln!("skipped: no HIP device ({e})");
             return;
         }
@@ -239,12 +283,23 @@ fn hip_backend_on_this_machine() {
                 backend.execute(&batch, &mut out).expect("execute");
                 match (mode, layout) {
                     (ComputeMode::Exact, OutputLayout::PerSlot) => {
-                        assert!(out.iter().zip(&c.y_exact).all(|(a, b)| a.to_bits() == b.to_bits()))
+                        assert!(
+                            out.iter()
+                                .zip(&c.y_exact)
+                                .all(|(a, b)| a.to_bits() == b.to_bits())
+                        )
                     }
                     (ComputeMode::Exact, OutputLayout::PreCombined) => {
-                        assert!(out.iter().zip(&c.y_combined).all(|(a, b)| a.to_bits() == b.to_bits()))
+                        assert!(
+                            out.iter()
+                                .zip(&c.y_combined)
+                                .all(|(a, b)| a.to_bits() == b.to_bits())
+                        )
                     }
-                    _ => assert!(testvec::accurate_error(&out, &c.y_f64, c.hidden) <= testvec::ACCURATE_REL_TOL),
+                    _ => assert!(
+                        testvec::accurate_error(&out, &c.y_f64, c.hidden)
+                            <= testvec::ACCURATE_REL_TOL
+                    ),
                 }
             }
         }

@@ -12,7 +12,9 @@
 
 use super::ffi::{ATTR_MULTIPROCESSOR_COUNT, Hip, HipFunction, HipModule, HipStream};
 use super::objects::CODE_OBJECTS;
-use crate::backend::{Activations, BackendError, BatchLimits, ExpertKey, GroupedBatch, OutputLayout};
+use crate::backend::{
+    Activations, BackendError, BatchLimits, ExpertKey, GroupedBatch, OutputLayout,
+};
 use crate::contract::ComputeMode;
 use crate::format::{BLOCK, ExpertWeights};
 use crate::kernel_abi::*;
@@ -123,25 +125,36 @@ impl HipDevice {
             let mut count = 0;
             let r = (api.hipGetDeviceCount)(&mut count);
             if r != 0 || count <= 0 {
-                let why = hip.check("hipGetDeviceCount", r).err().unwrap_or_else(|| "0 devices".into());
+                let why = hip
+                    .check("hipGetDeviceCount", r)
+                    .err()
+                    .unwrap_or_else(|| "0 devices".into());
                 return Err(no_device(format!(
                     "the HIP runtime sees no GPU ({why}); check that /dev/kfd and /dev/dri are accessible and \
                      HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES"
                 )));
             }
             if device >= count as usize {
-                return Err(no_device(format!("device {device} requested but only {count} present")));
+                return Err(no_device(format!(
+                    "device {device} requested but only {count} present"
+                )));
             }
             let dev = device as i32;
-            hip.check("hipSetDevice", (api.hipSetDevice)(dev)).map_err(no_device)?;
+            hip.check("hipSetDevice", (api.hipSetDevice)(dev))
+                .map_err(no_device)?;
             let arch_name = device_arch(&hip, dev);
             let mut cus = 0;
             let cus_ok = (api.hipDeviceGetAttribute)(&mut cus, ATTR_MULTIPROCESSOR_COUNT, dev) == 0;
-            let compute_units = if cus_ok && (1..=4096).contains(&cus) { cus as u32 } else { 64 };
+            let compute_units = if cus_ok && (1..=4096).contains(&cus) {
+                cus as u32
+            } else {
+                64
+            };
             let (arch, modules) = load_modules(&hip, &arch_name).map_err(no_device)?;
             let kernels = resolve_kernels(&hip, modules).map_err(dev_err)?;
             let mut stream = ptr::null_mut();
-            hip.check("hipStreamCreate", (api.hipStreamCreate)(&mut stream)).map_err(dev_err)?;
+            hip.check("hipStreamCreate", (api.hipStreamCreate)(&mut stream))
+                .map_err(dev_err)?;
             Ok(Self {
                 wave: if arch.starts_with("gfx9") { 64 } else { 32 },
                 hip,
@@ -218,7 +231,9 @@ impl HipDevice {
         self.call("hipMemcpyHtoDAsync", r)?;
         // Pageable source: wait before the slice can go away.
         // SAFETY: valid stream.
-        self.call("hipStreamSynchronize", unsafe { (self.hip.api.hipStreamSynchronize)(self.stream) })
+        self.call("hipStreamSynchronize", unsafe {
+            (self.hip.api.hipStreamSynchronize)(self.stream)
+        })
     }
 
     pub(crate) fn load(
@@ -250,11 +265,14 @@ impl HipDevice {
         let weight_bytes: u64 = experts.iter().map(|(_, w)| w.bytes() as u64).sum();
         let (t, p) = (limits.max_tokens.max(1), limits.max_pairs.max(1));
         let (h, f) = (hidden, inter);
-        let scratch = p * f * (1 + 4) + p * (f / BLOCK) * 8 + p * h * 4 + t * h * 9 + t * (h / BLOCK) * 8;
+        let scratch =
+            p * f * (1 + 4) + p * (f / BLOCK) * 8 + p * h * 4 + t * h * 9 + t * (h / BLOCK) * 8;
         let mut free = 0usize;
         let mut total = 0usize;
         // SAFETY: valid out-pointers.
-        self.call("hipMemGetInfo", unsafe { (self.hip.api.hipMemGetInfo)(&mut free, &mut total) })?;
+        self.call("hipMemGetInfo", unsafe {
+            (self.hip.api.hipMemGetInfo)(&mut free, &mut total)
+        })?;
         let need = weight_bytes + scratch as u64 + (experts.len() * 8 * SUB_ALIGN) as u64;
         if need > free as u64 {
             return Err(BackendError::OutOfMemory {
@@ -274,7 +292,10 @@ impl HipDevice {
                 u16_bytes(w.w2().scales()),
                 w.w2().zeros().unwrap_or(&[]),
             ];
-            let size: usize = parts.iter().map(|s| s.len().next_multiple_of(SUB_ALIGN)).sum();
+            let size: usize = parts
+                .iter()
+                .map(|s| s.len().next_multiple_of(SUB_ALIGN))
+                .sum();
             let base = self.dev_alloc(size)?;
             let mut ptrs = [ptr::null::<u8>(); 6];
             let mut off = 0;
@@ -300,7 +321,10 @@ impl HipDevice {
         let d_experts = self.dev_alloc(std::mem::size_of_val(table.as_slice()))?;
         // SAFETY: EmExpertPtrs is plain data; viewing the table as bytes for the copy.
         let table_bytes = unsafe {
-            std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), std::mem::size_of_val(table.as_slice()))
+            std::slice::from_raw_parts(
+                table.as_ptr().cast::<u8>(),
+                std::mem::size_of_val(table.as_slice()),
+            )
         };
         self.upload(d_experts, table_bytes)?;
         let items_cap = 2 * (p + p / PREFILL_TOKENS as usize + 1);
@@ -338,7 +362,10 @@ impl HipDevice {
             h_tok_w: self.host_alloc(p * 4)?.cast(),
             h_out: self.host_alloc(p.max(t) * h * 4)?.cast(),
             h_status: self.host_alloc(4)?.cast(),
-            decode_grid: [self.persistent_grid(self.kernels.decode_exact), self.persistent_grid(self.kernels.decode_accurate)],
+            decode_grid: [
+                self.persistent_grid(self.kernels.decode_exact),
+                self.persistent_grid(self.kernels.decode_accurate),
+            ],
         };
         self.loaded = Some(loaded);
         Ok(())
@@ -349,13 +376,31 @@ impl HipDevice {
         let mut per_cu = 0;
         // SAFETY: valid out-pointer and function handle.
         let r = unsafe {
-            (self.hip.api.hipModuleOccupancyMaxActiveBlocksPerMultiprocessor)(&mut per_cu, f, WG_THREADS as i32, 0)
+            (self
+                .hip
+                .api
+                .hipModuleOccupancyMaxActiveBlocksPerMultiprocessor)(
+                &mut per_cu,
+                f,
+                WG_THREADS as i32,
+                0,
+            )
         };
-        let per_cu = if r == 0 && (1..=64).contains(&per_cu) { per_cu as u32 } else { 2 };
+        let per_cu = if r == 0 && (1..=64).contains(&per_cu) {
+            per_cu as u32
+        } else {
+            2
+        };
         per_cu * self.compute_units
     }
 
-    fn launch<T>(&self, f: HipFunction, grid: [u32; 2], block: u32, args: &mut T) -> Result<(), BackendError> {
+    fn launch<T>(
+        &self,
+        f: HipFunction,
+        grid: [u32; 2],
+        block: u32,
+        args: &mut T,
+    ) -> Result<(), BackendError> {
         if grid[0] == 0 || grid[1] == 0 {
             return Ok(());
         }
@@ -381,7 +426,11 @@ impl HipDevice {
         self.call("hipModuleLaunchKernel", r)
     }
 
-    pub(crate) fn execute(&mut self, batch: &GroupedBatch<'_>, out: &mut [f32]) -> Result<(), BackendError> {
+    pub(crate) fn execute(
+        &mut self,
+        batch: &GroupedBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
         let l = self.loaded.as_ref().ok_or(BackendError::NotLoaded)?;
         batch.validate(&l.limits, out.len())?;
         if batch.hidden != l.shape.hidden as usize {
@@ -400,7 +449,10 @@ impl HipDevice {
                 std::slice::from_raw_parts_mut(l.h_groups, p),
                 std::slice::from_raw_parts_mut(l.h_pair_token, p),
                 std::slice::from_raw_parts_mut(l.h_pair_out, p),
-                std::slice::from_raw_parts_mut(l.h_items, 2 * (p + p / PREFILL_TOKENS as usize + 1)),
+                std::slice::from_raw_parts_mut(
+                    l.h_items,
+                    2 * (p + p / PREFILL_TOKENS as usize + 1),
+                ),
                 std::slice::from_raw_parts_mut(l.h_tok_ptr, l.limits.max_tokens.max(1) + 1),
                 std::slice::from_raw_parts_mut(l.h_tok_rows, p),
                 std::slice::from_raw_parts_mut(l.h_tok_w, p),
@@ -408,7 +460,10 @@ impl HipDevice {
         };
         let (mut ng, mut np, mut ni, mut max_count) = (0usize, 0usize, 0usize, 0usize);
         for g in batch.groups {
-            let slot = *l.slots.get(&g.key).ok_or(BackendError::UnknownExpert(g.key))?;
+            let slot = *l
+                .slots
+                .get(&g.key)
+                .ok_or(BackendError::UnknownExpert(g.key))?;
             if g.tokens.is_empty() {
                 continue;
             }
@@ -450,7 +505,9 @@ impl HipDevice {
             }
             // SAFETY: dst is a device buffer and src a pinned staging buffer, both sized for the
             // validated batch.
-            self.call("hipMemcpyHtoDAsync", unsafe { (api.hipMemcpyHtoDAsync)(dst, src, bytes, s) })
+            self.call("hipMemcpyHtoDAsync", unsafe {
+                (api.hipMemcpyHtoDAsync)(dst, src, bytes, s)
+            })
         };
         // Input.
         match batch.input {
@@ -463,7 +520,11 @@ impl HipDevice {
                 // SAFETY: as above: q has t·h bytes and d t·h/32 f32, both within h_in.
                 unsafe {
                     ptr::copy_nonoverlapping(q.as_ptr(), l.h_in.cast::<i8>(), q.len());
-                    ptr::copy_nonoverlapping(d.as_ptr(), l.h_in.cast::<u8>().add(q.len()).cast::<f32>(), d.len());
+                    ptr::copy_nonoverlapping(
+                        d.as_ptr(),
+                        l.h_in.cast::<u8>().add(q.len()).cast::<f32>(),
+                        d.len(),
+                    );
                     up(l.d_xq, l.h_in, q.len())?;
                     up(l.d_xd, l.h_in.cast::<u8>().add(q.len()).cast(), d.len() * 4)?;
                 }
@@ -495,7 +556,12 @@ impl HipDevice {
                 tokens: t as u32,
                 hidden: h as u32,
             };
-            self.launch(self.kernels.quantize, [blocks(t * h / BLOCK), 1], WG_THREADS, &mut qa)?;
+            self.launch(
+                self.kernels.quantize,
+                [blocks(t * h / BLOCK), 1],
+                WG_THREADS,
+                &mut qa,
+            )?;
         }
         let mut args = EmFfnArgs {
             experts: l.d_experts.cast(),
@@ -525,8 +591,18 @@ impl HipDevice {
             if exact && max_count >= PREFILL_MIN_TOKENS {
                 let block = PREFILL_WAVES * self.wave;
                 let tiles2 = (h as u32).div_ceil(TILE_ROWS);
-                self.launch(self.kernels.prefill_w13, [(f / BLOCK) as u32, ni as u32], block, &mut args)?;
-                self.launch(self.kernels.prefill_w2, [tiles2, ni as u32], block, &mut args)?;
+                self.launch(
+                    self.kernels.prefill_w13,
+                    [(f / BLOCK) as u32, ni as u32],
+                    block,
+                    &mut args,
+                )?;
+                self.launch(
+                    self.kernels.prefill_w2,
+                    [tiles2, ni as u32],
+                    block,
+                    &mut args,
+                )?;
             } else {
                 let (func, grid) = if exact {
                     (self.kernels.decode_exact, l.decode_grid[0])
@@ -540,7 +616,9 @@ impl HipDevice {
                     args.last_phase = 1;
                     self.launch(func, [grid.min(items), 1], WG_THREADS, &mut args)?;
                     // SAFETY: resets the work-item counter between the two launches.
-                    self.call("hipMemsetAsync", unsafe { (api.hipMemsetAsync)(l.d_counters, 0, 4, s) })?;
+                    self.call("hipMemsetAsync", unsafe {
+                        (api.hipMemsetAsync)(l.d_counters, 0, 4, s)
+                    })?;
                     args.first_phase = 2;
                     args.last_phase = 2;
                     self.launch(func, [grid.min(items), 1], WG_THREADS, &mut args)?;
@@ -559,18 +637,31 @@ impl HipDevice {
                     tokens: t as u32,
                     hidden: h as u32,
                 };
-                self.launch(self.kernels.combine, [blocks(t * h), 1], WG_THREADS, &mut ca)?;
+                self.launch(
+                    self.kernels.combine,
+                    [blocks(t * h), 1],
+                    WG_THREADS,
+                    &mut ca,
+                )?;
                 (l.d_out, t * h)
             }
         };
         // SAFETY: h_out holds max(max_pairs, max_tokens)·H f32 ≥ n; h_status one u32.
         unsafe {
             if n > 0 {
-                self.call("hipMemcpyDtoHAsync", (api.hipMemcpyDtoHAsync)(l.h_out.cast(), src, n * 4, s))?;
+                self.call(
+                    "hipMemcpyDtoHAsync",
+                    (api.hipMemcpyDtoHAsync)(l.h_out.cast(), src, n * 4, s),
+                )?;
             }
             self.call(
                 "hipMemcpyDtoHAsync",
-                (api.hipMemcpyDtoHAsync)(l.h_status.cast(), l.d_counters.cast::<u32>().add(COUNTER_STATUS).cast(), 4, s),
+                (api.hipMemcpyDtoHAsync)(
+                    l.h_status.cast(),
+                    l.d_counters.cast::<u32>().add(COUNTER_STATUS).cast(),
+                    4,
+                    s,
+                ),
             )?;
             self.call("hipStreamSynchronize", (api.hipStreamSynchronize)(s))?;
             if *l.h_status & STATUS_WAIT_TIMEOUT != 0 {
@@ -591,7 +682,13 @@ impl HipDevice {
 /// Fill the per-token CSR (rows ascending) from the batch's groups; `tok_ptr` holds the prefix
 /// sums already. Each pair goes to its token's first free slot, then each token's short slice
 /// (one entry per chosen expert) is insertion-sorted by output row. Allocates nothing.
-fn fill_sorted_csr(batch: &GroupedBatch<'_>, t: usize, tok_ptr: &[u32], tok_rows: &mut [u32], tok_w: &mut [f32]) {
+fn fill_sorted_csr(
+    batch: &GroupedBatch<'_>,
+    t: usize,
+    tok_ptr: &[u32],
+    tok_rows: &mut [u32],
+    tok_w: &mut [f32],
+) {
     // Arrival order per token: walk groups, place each pair at the first free slot of its token.
     for i in 0..t {
         for j in tok_ptr[i]..tok_ptr[i + 1] {
@@ -600,7 +697,10 @@ fn fill_sorted_csr(batch: &GroupedBatch<'_>, t: usize, tok_ptr: &[u32], tok_rows
     }
     for g in batch.groups {
         for ((&tok, &row), &w) in g.tokens.iter().zip(g.out_rows).zip(g.weights) {
-            let (a, b) = (tok_ptr[tok as usize] as usize, tok_ptr[tok as usize + 1] as usize);
+            let (a, b) = (
+                tok_ptr[tok as usize] as usize,
+                tok_ptr[tok as usize + 1] as usize,
+            );
             if let Some(j) = (a..b).find(|&j| tok_rows[j] == u32::MAX) {
                 tok_rows[j] = row;
                 tok_w[j] = w;
@@ -650,7 +750,10 @@ fn device_arch(hip: &Hip, dev: i32) -> String {
     buf.windows(3)
         .position(|w| w == b"gfx")
         .map(|i| {
-            let end = buf[i..].iter().position(|&c| c == 0 || c == b':').map_or(buf.len(), |e| i + e);
+            let end = buf[i..]
+                .iter()
+                .position(|&c| c == 0 || c == b':')
+                .map_or(buf.len(), |e| i + e);
             String::from_utf8_lossy(&buf[i..end]).into_owned()
         })
         .unwrap_or_default()
@@ -658,7 +761,10 @@ fn device_arch(hip: &Hip, dev: i32) -> String {
 
 /// Load the code objects of one target for all families: the device's own arch first, then every
 /// other embedded target (the loader rejects objects for a different ISA).
-fn load_modules(hip: &Hip, arch_name: &str) -> Result<(&'static str, Vec<(&'static str, HipModule)>), String> {
+/// The loaded modules of one target: (family, module).
+type TargetModules = (&'static str, Vec<(&'static str, HipModule)>);
+
+fn load_modules(hip: &Hip, arch_name: &str) -> Result<TargetModules, String> {
     let mut targets: Vec<&'static str> = CODE_OBJECTS.iter().map(|(t, _, _)| *t).collect();
     targets.dedup();
     targets.sort_by_key(|t| *t != arch_name);
@@ -671,7 +777,10 @@ fn load_modules(hip: &Hip, arch_name: &str) -> Result<(&'static str, Vec<(&'stat
             // SAFETY: image is an embedded AMDGPU code object (ELF) kept alive for the program.
             let r = unsafe { (hip.api.hipModuleLoadData)(&mut m, image.as_ptr().cast()) };
             if r != 0 {
-                errors.push(format!("{t}/{family}: {}", hip.check("hipModuleLoadData", r).err().unwrap_or_default()));
+                errors.push(format!(
+                    "{t}/{family}: {}",
+                    hip.check("hipModuleLoadData", r).err().unwrap_or_default()
+                ));
                 ok = false;
                 break;
             }
@@ -705,10 +814,9 @@ fn resolve_kernels(hip: &Hip, modules: Vec<(&'static str, HipModule)>) -> Result
         let cname = CString::new(name).map_err(|e| e.to_string())?;
         let mut func = ptr::null_mut();
         // SAFETY: valid module handle and NUL-terminated name.
-        hip.check(
-            &format!("hipModuleGetFunction({name})"),
-            unsafe { (hip.api.hipModuleGetFunction)(&mut func, m, cname.as_ptr()) },
-        )?;
+        hip.check(&format!("hipModuleGetFunction({name})"), unsafe {
+            (hip.api.hipModuleGetFunction)(&mut func, m, cname.as_ptr())
+        })?;
         Ok(func)
     };
     Ok(Kernels {

@@ -116,7 +116,12 @@ unsafe impl Send for Hip {}
 unsafe impl Sync for Hip {}
 
 /// Library names tried in order (the unversioned name needs the -dev package).
-const LIBRARY_NAMES: [&str; 4] = ["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so.7"];
+const LIBRARY_NAMES: [&str; 4] = [
+    "libamdhip64.so",
+    "libamdhip64.so.6",
+    "libamdhip64.so.5",
+    "libamdhip64.so.7",
+];
 
 impl Hip {
     /// Open the runtime. Err carries a message for [`BackendError::NoDevice`].
@@ -136,7 +141,11 @@ impl Hip {
             match unsafe { Library::new(&name) } {
                 Ok(lib) => {
                     // SAFETY: hipGetErrorString has this C signature in every ROCm release.
-                    let error_string = unsafe { lib.get::<ErrorStringFn>(b"hipGetErrorString\0").ok().map(|s| *s) };
+                    let error_string = unsafe {
+                        lib.get::<ErrorStringFn>(b"hipGetErrorString\0")
+                            .ok()
+                            .map(|s| *s)
+                    };
                     let api = HipApi::resolve(lib)?;
                     return Ok(Self { api, error_string });
                 }
@@ -156,8 +165,12 @@ impl Hip {
         }
         let text = self
             .error_string
-            // SAFETY: hipGetErrorString returns a static NUL-terminated string for any code.
-            .map(|f| unsafe { CStr::from_ptr(f(err)) }.to_string_lossy().into_owned())
+            .map(|f| {
+                // SAFETY: hipGetErrorString returns a static NUL-terminated string for any code.
+                unsafe { CStr::from_ptr(f(err)) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .unwrap_or_else(|| "unknown error".into());
         Err(format!("{call} failed: {text} (hipError {err})"))
     }

@@ -95,7 +95,11 @@ impl ExpertBackend for HipBackend {
         match self._never {}
     }
 
-    fn load(&mut self, experts: Vec<(ExpertKey, ExpertWeights)>, limits: BatchLimits) -> Result<(), BackendError> {
+    fn load(
+        &mut self,
+        experts: Vec<(ExpertKey, ExpertWeights)>,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError> {
         #[cfg(feature = "hip")]
         {
             self.inner.load(experts, limits)
@@ -135,8 +139,13 @@ mod tests {
 
     #[test]
     fn without_the_feature_it_says_how_to_enable_it() {
-        let err = HipBackend::new(0).err().expect("no HIP backend without the feature");
-        assert!(matches!(err, BackendError::NotCompiled { feature: "hip", .. }));
+        let err = HipBackend::new(0)
+            .err()
+            .expect("no HIP backend without the feature");
+        assert!(matches!(
+            err,
+            BackendError::NotCompiled { feature: "hip", .. }
+        ));
         assert!(err.to_string().contains("--features hip"), "{err}");
         assert!(compiled_targets().is_empty());
     }
