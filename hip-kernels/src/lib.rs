@@ -13,11 +13,18 @@
 //! * [`backend`] — the `ExpertBackend` trait (no implementation dependencies).
 //! * [`cpu`] — the CPU backend: R16 repack, scalar/AVX2/AVX-512 VNNI kernels, work scheduling.
 //! * [`aligned`] — 64-byte aligned fixed-size buffers.
+//! * [`kernel_abi`] — Rust mirrors of the HIP kernels' argument blocks.
+//! * [`testvec`] — kernel test vectors (the `EMTV` file the C++ harnesses read).
+//! * [`hip`] — the HIP backend (real with `--features hip`, a stub reporting `NotCompiled`
+//!   otherwise).
 
 pub mod aligned;
 pub mod backend;
 pub mod contract;
 pub mod cpu;
 pub mod format;
+pub mod hip;
+pub mod kernel_abi;
 pub mod reference;
 pub mod synth;
+pub mod testvec;

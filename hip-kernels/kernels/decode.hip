@@ -1,0 +1,257 @@
+// decode.hip — the fused expert FFN for decode batches (few tokens per expert).
+//
+// Why this exists: at decode, each expert sees one or two tokens, so the FFN is a pair of skinny
+// matrix-vector products and the only cost that matters is streaming the expert's packed weights
+// once. This kernel family does gate/up -> silu·mul -> down for every (expert, token list) of a
+// grouped batch in one persistent launch:
+//
+//   * Work items: phase 1 = (group, 64-row tile of W13), then phase 2 = (group, 64-row tile of
+//     W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
+//     group g waits (bounded) until all phase-1 tiles of g are done. Since items are dispensed in
+//     order and phase-1 items never wait, every awaited tile belongs to a workgroup that is already
+//     running: no deadlock whatever the occupancy. `first_phase == last_phase` runs one phase per
+//     launch instead (two launches, no waiting): the same bits, for debugging and comparison.
+//   * A workgroup is 32 teams of 16 lanes; a team owns 2 rows (tile row = team + 32·r). A 64-row
+//     W13 tile holds the gate and up rows of 32 consecutive intermediate indices (two 16-row
+//     interleave chunks), i.e. exactly one 32-element block of h: the epilogue applies silu·mul
+//     and quantizes that block (exact mode) without another pass.
+//   * Lane l of a team reads blocks l, l+16, ... of its rows with one 16-byte load per row per
+//     block, so each expert's weights are read exactly once per batch (per EM_DECODE_TOKENS
+//     tokens; larger groups re-read the tile from cache).
+//   * Exact mode (W4A8): per block an integer dot (v_dot4_i32_i8 / v_dot4_i32_iu8 / dp4a), the
+//     term (s·d)·isum, 16 lane partials and the xor tree: contract §2–§3 bit for bit, using the
+//     very functions of em_contract.h that the host-side check runs on the CPU.
+//   * Accurate mode (W4A16): f32 activations, explicit FMAs in a fixed order, f32 intermediate.
+#include "em_device.h"
+
+namespace {
+
+// Activations in exact mode: codes [rows][cols], scales and code sums [rows][cols/32]. `rows[t]`
+// is the activation row of token slot t (input row in phase 1, pair index in phase 2).
+template <bool COHERENT>
+struct ActQ8 {
+    const int8_t* q;
+    const float* d;
+    const int32_t* qsum;
+    uint32_t cols;
+    uint32_t rows[EM_DECODE_TOKENS];
+
+    __device__ void load(int t, uint32_t b, uint32_t* out, float* dd, int32_t* qs) const {
+        const uint64_t row = rows[t];
+        const int8_t* p = q + row * cols + (uint64_t)b * EM_BLOCK;
+        const uint64_t bi = row * (cols / EM_BLOCK) + b;
+        em_u32x4 lo, hi;
+        if (COHERENT) {
+            lo = em_load_coherent16(p);
+            hi = em_load_coherent16(p + 16);
+            *dd = em_load_coherent_f32(d + bi);
+            *qs = em_load_coherent_i32(qsum + bi);
+        } else {
+            lo = *(const em_u32x4*)p;
+            hi = *(const em_u32x4*)(p + 16);
+            *dd = d[bi];
+            *qs = qsum[bi];
+        }
+        for (int i = 0; i < 4; ++i) {
+            out[i] = lo.v[i];
+            out[4 + i] = hi.v[i];
+        }
+    }
+};
+
+// Activations in accurate mode: f32 [rows][cols].
+template <bool COHERENT>
+struct ActF32 {
+    const float* x;
+    uint32_t cols;
+    uint32_t rows[EM_DECODE_TOKENS];
+
+    __device__ void load_f32x4(int t, uint32_t b, int c, float* out) const {
+        const float* p = x + (uint64_t)rows[t] * cols + (uint64_t)b * EM_BLOCK + 4 * c;
+        const em_u32x4 v = COHERENT ? em_load_coherent16(p) : *(const em_u32x4*)p;
+        for (int j = 0; j < 4; ++j) out[j] = em_bits_f32(v.v[j]);
+    }
+};
+
+struct DecodeShared {
+    uint32_t item;
+    float rows[EM_TILE_ROWS][EM_DECODE_TOKENS];  // phase-1 row results of the tile
+    float h[EM_DECODE_TOKENS][EM_BLOCK];
+};
+
+// Phase 1: W13 tile `tile` of group g -> one 32-block of h for every token of the group.
+template <bool EXACT>
+__device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t tile) {
+    constexpr int TT = EM_DECODE_TOKENS;
+    const uint32_t tid = em_tid();
+    const uint32_t team = tid / EM_LANES;
+    const uint32_t lane = tid % EM_LANES;
+    const EmGroup grp = a.groups[g];
+    const EmMatView m = em_view(a.shape, a.experts[grp.expert_slot], 0);
+    const uint32_t F = a.shape.inter;
+    uint32_t rows[EM_ROWS_PER_TEAM];
+    for (int r = 0; r < EM_ROWS_PER_TEAM; ++r) rows[r] = tile * EM_TILE_ROWS + team + EM_TEAMS * r;
+
+    for (uint32_t c0 = 0; c0 < grp.pair_count; c0 += TT) {
+        float P[EM_ROWS_PER_TEAM][TT];
+        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+            for (int t = 0; t < TT; ++t) P[r][t] = 0.0f;
+        uint32_t act_rows[TT];
+        for (int t = 0; t < TT; ++t) {
+            const uint32_t c = c0 + t < grp.pair_count ? c0 + t : grp.pair_count - 1;
+            act_rows[t] = a.pair_token[grp.pair_begin + c];
+        }
+        if (EXACT) {
+            ActQ8<false> act{a.xq, a.xd, a.xqsum, a.shape.hidden, {}};
+            for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
+            em_exact_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+        } else {
+            ActF32<false> act{a.x, a.shape.hidden, {}};
+            for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
+            em_accurate_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+        }
+        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+            for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
+        if (lane == 0) {
+            for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+                for (int t = 0; t < TT; ++t) sh.rows[team + EM_TEAMS * r][t] = P[r][t];
+        }
+        em_sync();
+        // Tile-local h index j (0..31) has its gate row at em_w13_row(0, j) and up row at
+        // em_w13_row(1, j) (the tile starts on a chunk boundary).
+        if (tid < (uint32_t)TT * EM_BLOCK) {
+            const uint32_t t = tid / EM_BLOCK;
+            const uint32_t j = tid % EM_BLOCK;
+            sh.h[t][j] = em_swiglu(sh.rows[em_w13_row(0, j)][t], sh.rows[em_w13_row(1, j)][t]);
+        }
+        em_sync();
+        if (EXACT) {
+            if (tid < (uint32_t)TT && c0 + tid < grp.pair_count) {
+                const uint64_t p = grp.pair_begin + c0 + tid;
+                int8_t q[EM_BLOCK];
+                int32_t qs;
+                const float d = em_quantize_block(sh.h[tid], q, &qs);
+                em_u32x4 lo, hi;
+                memcpy(&lo, q, 16);
+                memcpy(&hi, q + 16, 16);
+                int8_t* dst = a.hq + p * F + (uint64_t)tile * EM_BLOCK;
+                *(em_u32x4*)dst = lo;
+                *(em_u32x4*)(dst + 16) = hi;
+                a.hd[p * (F / EM_BLOCK) + tile] = d;
+                a.hqsum[p * (F / EM_BLOCK) + tile] = qs;
+            }
+        } else {
+            for (uint32_t i = tid; i < (uint32_t)TT * EM_BLOCK; i += EM_WG_THREADS) {
+                const uint32_t t = i / EM_BLOCK;
+                const uint32_t j = i % EM_BLOCK;
+                if (c0 + t < grp.pair_count) {
+                    const uint64_t p = grp.pair_begin + c0 + t;
+                    a.hf[p * F + (uint64_t)tile * EM_BLOCK + j] = sh.h[t][j];
+                }
+            }
+        }
+        em_sync();
+    }
+    // Release this tile's h to phase-2 workgroups: every writer fences, then one counter bump.
+    em_fence_agent();
+    em_sync();
+    if (tid == 0) {
+        em_fence_agent();
+        em_atomic_add_agent(&a.counters[EM_COUNTER_GROUP_BASE + g], 1);
+    }
+}
+
+// Phase 2: W2 tile `tile` of group g -> 64 output elements of every token of the group.
+template <bool EXACT>
+__device__ void phase2(const EmFfnArgs& a, uint32_t g, uint32_t tile, bool wait) {
+    constexpr int TT = EM_DECODE_TOKENS;
+    const uint32_t tid = em_tid();
+    const uint32_t team = tid / EM_LANES;
+    const uint32_t lane = tid % EM_LANES;
+    const uint32_t H = a.shape.hidden;
+    const uint32_t F = a.shape.inter;
+    if (wait) {
+        if (tid == 0) {
+            const uint32_t tiles1 = F / EM_BLOCK;
+            uint32_t polls = 0;
+            while (em_load_relaxed_agent(&a.counters[EM_COUNTER_GROUP_BASE + g]) < tiles1) {
+                if (++polls > a.spin_limit) {
+                    em_atomic_or_agent(&a.counters[EM_COUNTER_STATUS], EM_STATUS_WAIT_TIMEOUT);
+                    break;
+                }
+                em_sleep();
+            }
+            em_fence_agent();
+        }
+        em_sync();
+        em_fence_agent();
+    }
+    const EmGroup grp = a.groups[g];
+    const EmMatView m = em_view(a.shape, a.experts[grp.expert_slot], 1);
+    uint32_t rows[EM_ROWS_PER_TEAM];
+    bool valid[EM_ROWS_PER_TEAM];
+    for (int r = 0; r < EM_ROWS_PER_TEAM; ++r) {
+        const uint32_t row = tile * EM_TILE_ROWS + team + EM_TEAMS * r;
+        valid[r] = row < H;
+        rows[r] = valid[r] ? row : H - 1;
+    }
+    for (uint32_t c0 = 0; c0 < grp.pair_count; c0 += TT) {
+        float P[EM_ROWS_PER_TEAM][TT];
+        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+            for (int t = 0; t < TT; ++t) P[r][t] = 0.0f;
+        uint32_t pairs[TT];
+        for (int t = 0; t < TT; ++t) {
+            const uint32_t c = c0 + t < grp.pair_count ? c0 + t : grp.pair_count - 1;
+            pairs[t] = grp.pair_begin + c;
+        }
+        if (EXACT) {
+            ActQ8<true> act{a.hq, a.hd, a.hqsum, F, {}};
+            for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
+            em_exact_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+        } else {
+            ActF32<true> act{a.hf, F, {}};
+            for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
+            em_accurate_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+        }
+        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+            for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
+        if (lane == 0) {
+            for (int t = 0; t < TT; ++t) {
+                if (c0 + t >= grp.pair_count) continue;
+                const uint64_t out_row = a.pair_out[pairs[t]];
+                for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+                    if (valid[r]) a.y[out_row * H + rows[r]] = P[r][t];
+            }
+        }
+    }
+}
+
+template <bool EXACT>
+__device__ void decode_main(const EmFfnArgs& a) {
+    __shared__ DecodeShared sh;
+    const uint32_t tid = em_tid();
+    const uint32_t tiles1 = a.shape.inter / EM_BLOCK;  // 2F rows / 64 rows per tile
+    const uint32_t tiles2 = (a.shape.hidden + EM_TILE_ROWS - 1) / EM_TILE_ROWS;
+    const uint32_t items1 = a.first_phase == 1 ? a.num_groups * tiles1 : 0;
+    const uint32_t items2 = a.last_phase == 2 ? a.num_groups * tiles2 : 0;
+    const bool wait = a.first_phase == 1 && a.last_phase == 2;
+    for (;;) {
+        if (tid == 0) sh.item = em_atomic_add_agent(&a.counters[EM_COUNTER_NEXT_ITEM], 1);
+        em_sync();
+        const uint32_t item = sh.item;
+        em_sync();
+        if (item >= items1 + items2) return;
+        if (item < items1) {
+            phase1<EXACT>(a, sh, item / tiles1, item % tiles1);
+        } else {
+            const uint32_t i2 = item - items1;
+            phase2<EXACT>(a, i2 / tiles2, i2 % tiles2, wait);
+        }
+    }
+}
+
+}  // namespace
+
+EM_KERNEL void em_decode_exact(EmFfnArgs a) { decode_main<true>(a); }
+
+EM_KERNEL void em_decode_accurate(EmFfnArgs a) { decode_main<false>(a); }

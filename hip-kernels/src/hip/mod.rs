@@ -1,0 +1,152 @@
+//! The HIP backend: packed-INT4 experts on AMD GPUs (feature `hip`).
+//!
+//! Why this exists: GPU workers pin their experts in device memory and run the kernels of
+//! `hip-kernels/kernels/` on grouped batches. With the `hip` feature, [`HipBackend`] opens the HIP
+//! runtime at run time, loads the embedded code object that matches the device, allocates every
+//! buffer once in [`ExpertBackend::load`](crate::backend::ExpertBackend::load), and runs each
+//! batch on one stream (quantize → decode or prefill → optional pre-combine). Without the
+//! feature, the same type exists and reports [`BackendError::NotCompiled`], so callers need no
+//! `cfg`. Without a usable device it reports [`BackendError::NoDevice`] with the reason, and the
+//! worker falls back to the CPU backend.
+
+use crate::backend::{BackendError, BatchLimits, ExpertBackend, ExpertKey, GroupedBatch};
+use crate::format::ExpertWeights;
+
+#[cfg(feature = "hip")]
+mod device;
+#[cfg(feature = "hip")]
+mod ffi;
+
+#[cfg(feature = "hip")]
+mod objects {
+    //! Code objects compiled by build.rs.
+    include!(concat!(env!("OUT_DIR"), "/hip_objects.rs"));
+}
+
+/// AMD targets whose code objects are embedded in this build (empty without the feature).
+pub fn compiled_targets() -> Vec<&'static str> {
+    #[cfg(feature = "hip")]
+    {
+        let mut t: Vec<&'static str> = objects::CODE_OBJECTS.iter().map(|(t, _, _)| *t).collect();
+        t.dedup();
+        t
+    }
+    #[cfg(not(feature = "hip"))]
+    Vec::new()
+}
+
+/// Requested targets the build's compiler could not build (empty without the feature).
+pub fn skipped_targets() -> Vec<&'static str> {
+    #[cfg(feature = "hip")]
+    {
+        objects::SKIPPED_TARGETS.to_vec()
+    }
+    #[cfg(not(feature = "hip"))]
+    Vec::new()
+}
+
+/// Packed-INT4 experts on one HIP device. See the module docs.
+pub struct HipBackend {
+    #[cfg(feature = "hip")]
+    inner: device::HipDevice,
+    #[cfg(not(feature = "hip"))]
+    _never: std::convert::Infallible,
+}
+
+impl HipBackend {
+    /// Open HIP device `device` (0-based).
+    ///
+    /// Errors: [`BackendError::NotCompiled`] without the `hip` feature; [`BackendError::NoDevice`]
+    /// when the HIP runtime is missing, reports no device, or no embedded code object matches it.
+    pub fn new(device: usize) -> Result<Self, BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            Ok(Self {
+                inner: device::HipDevice::open(device)?,
+            })
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = device;
+            Err(BackendError::NotCompiled {
+                backend: "hip",
+                feature: "hip",
+            })
+        }
+    }
+
+    /// Choose how decode batches run: one fused launch (phase-2 tiles wait for their expert's
+    /// phase-1 tiles; the default) or two launches. Both give identical bits.
+    pub fn set_fused_decode(&mut self, fused: bool) {
+        #[cfg(feature = "hip")]
+        self.inner.set_fused(fused);
+        #[cfg(not(feature = "hip"))]
+        let _ = fused;
+    }
+}
+
+impl ExpertBackend for HipBackend {
+    fn name(&self) -> String {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.name()
+        }
+        #[cfg(not(feature = "hip"))]
+        match self._never {}
+    }
+
+    fn load(
+        &mut self,
+        experts: Vec<(ExpertKey, ExpertWeights)>,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.load(experts, limits)
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = (experts, limits);
+            match self._never {}
+        }
+    }
+
+    fn execute(&mut self, batch: &GroupedBatch<'_>, out: &mut [f32]) -> Result<(), BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.execute(batch, out)
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = (batch, out);
+            match self._never {}
+        }
+    }
+
+    fn loaded_bytes(&self) -> u64 {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.loaded_bytes()
+        }
+        #[cfg(not(feature = "hip"))]
+        match self._never {}
+    }
+}
+
+#[cfg(all(test, not(feature = "hip")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_the_feature_it_says_how_to_enable_it() {
+        let err = HipBackend::new(0)
+            .err()
+            .expect("no HIP backend without the feature");
+        assert!(matches!(
+            err,
+            BackendError::NotCompiled { feature: "hip", .. }
+        ));
+        assert!(err.to_string().contains("--features hip"), "{err}");
+        assert!(compiled_targets().is_empty());
+    }
+}

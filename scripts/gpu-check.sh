@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# gpu-check.sh — build the HIP kernels for an NVIDIA GPU through HIP's NVIDIA headers, check them
+# bit for bit against the Rust reference's test vectors, and time decode on Kimi-sized experts.
+#
+#   scripts/gpu-check.sh --prepare      (on a dev machine: writes .gpu-out/vectors.emtv with the
+#                                        Rust reference and copies HIP's NVIDIA headers from
+#                                        Debian's libamdhip64-dev into .hip-nvidia/; both folders
+#                                        are git-ignored and must travel to the GPU machine)
+#   scripts/gpu-check.sh [OUT_DIR]      (on the GPU machine: OUT_DIR defaults to $OUT, then
+#                                        .gpu-out; writes OUT_DIR/gpu-check.json and the log)
+#
+# Needs nvcc (PATH or /usr/local/cuda/bin) and an NVIDIA GPU; no Rust when the vectors were
+# prepared. If the HIP NVIDIA headers do not compile with this CUDA, it retries with the CUDA
+# runtime directly (EM_HIP_NVIDIA_SHIM) and says so. Bounded: compile ~1 min, run <= 240 s.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VECTORS=${EM_VECTORS:-$ROOT/.gpu-out/vectors.emtv}
+
+say() { printf '\n==> %s\n' "$*"; }
+
+if [ "${1:-}" = "--prepare" ]; then
+  mkdir -p .gpu-out
+  say "writing test vectors with the Rust reference"
+  cargo run -q --release -p expertmesh-hip-kernels --example write_test_vectors -- "$VECTORS" || exit 1
+  say "copying HIP's NVIDIA headers into .hip-nvidia/"
+  python3 scripts/hip-nvidia-headers.py /usr/include/hip .hip-nvidia || exit 1
+  echo "prepared: carry .gpu-out and .hip-nvidia to the GPU machine, then run scripts/gpu-check.sh"
+  exit 0
+fi
+
+OUT_DIR=${1:-${OUT:-$ROOT/.gpu-out}}
+mkdir -p "$OUT_DIR"
+LOG=$OUT_DIR/gpu-check.log
+exec > >(tee "$LOG") 2>&1
+
+NVCC=$(command -v nvcc || true)
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+if [ -z "$NVCC" ]; then echo "gpu-check: FAILED: nvcc not found (PATH or /usr/local/cuda/bin)"; exit 2; fi
+if ! command -v nvidia-smi >/dev/null; then echo "gpu-check: FAILED: nvidia-smi not found: no NVIDIA driver"; exit 2; fi
+say "device"
+nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
+"$NVCC" --version | tail -2
+CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+ARCH=sm_${CC:-90}
+
+if [ ! -f "$VECTORS" ]; then
+  if command -v cargo >/dev/null; then
+    say "no vectors at $VECTORS: writing them with the Rust reference"
+    mkdir -p "$(dirname "$VECTORS")"
+    cargo run -q --release -p expertmesh-hip-kernels --example write_test_vectors -- "$VECTORS" || exit 1
+  else
+    echo "gpu-check: FAILED: $VECTORS missing and no cargo here; run scripts/gpu-check.sh --prepare first"
+    exit 2
+  fi
+fi
+
+if [ ! -d .hip-nvidia/hip ] && [ -d /usr/include/hip/nvidia_detail ]; then
+  python3 scripts/hip-nvidia-headers.py /usr/include/hip .hip-nvidia
+fi
+
+BUILD=$(mktemp -d)
+trap 'rm -rf "$BUILD"' EXIT
+FLAGS=(-std=c++17 -O3 --fmad=false -prec-div=true -prec-sqrt=true -ftz=false -arch="$ARCH" -x cu
+       -diag-suppress 2810,940 -Xcompiler -Wno-deprecated-declarations,-Wno-unused-result,-Wno-return-type)
+SRC=hip-kernels/harness/gpu_harness.hip
+MODE=""
+if [ -d .hip-nvidia/hip ]; then
+  say "building the harness and kernels through HIP's NVIDIA headers (.hip-nvidia) for $ARCH"
+  if timeout 300 "$NVCC" "${FLAGS[@]}" -D__HIP_PLATFORM_NVIDIA__ -I.hip-nvidia -o "$BUILD/gpu_harness" "$SRC" \
+       2>"$BUILD/hip.err"; then
+    MODE="hip-nvidia-headers"
+  else
+    echo "WARNING: HIP's NVIDIA headers do not compile with this CUDA; first errors:"
+    grep -m 10 error "$BUILD/hip.err"
+  fi
+else
+  echo "WARNING: .hip-nvidia/ missing (run scripts/gpu-check.sh --prepare on a machine with libamdhip64-dev)"
+fi
+if [ -z "$MODE" ]; then
+  say "building with the CUDA runtime directly (EM_HIP_NVIDIA_SHIM) for $ARCH"
+  timeout 300 "$NVCC" "${FLAGS[@]}" -DEM_HIP_NVIDIA_SHIM -o "$BUILD/gpu_harness" "$SRC" || {
+    echo "gpu-check: FAILED: the harness does not compile"; exit 1; }
+  MODE="cuda-shim"
+fi
+
+say "running (build mode: $MODE)"
+timeout 240 "$BUILD/gpu_harness" "$VECTORS" "$OUT_DIR"
+rc=$?
+say "summary"
+if [ $rc -eq 0 ]; then
+  echo "gpu-check: PASSED: exact mode bit-identical to the Rust reference on every case; accurate mode within tolerance"
+elif [ $rc -eq 124 ]; then
+  echo "gpu-check: FAILED: the harness exceeded 240 s"
+else
+  echo "gpu-check: FAILED (harness exit $rc): see the FAIL lines above"
+fi
+echo "results: $OUT_DIR/gpu-check.json, log: $LOG (build mode: $MODE)"
+exit $rc
