@@ -365,7 +365,8 @@ fn walk(
     let item = if label.is_empty() { "top level" } else { label };
     for (key, value) in table.iter() {
         let k: &str = key.get_ref();
-        ctx.index.push((value.span(), item.to_owned(), k.to_owned()));
+        ctx.index
+            .push((value.span(), item.to_owned(), k.to_owned()));
         if !schema.fields.contains(&k) {
             unknown.push((
                 key.span().start,
@@ -536,13 +537,25 @@ mod tests {
     #[test]
     fn offsets_become_line_and_column() {
         let text = "a = 1\nbé = 2\n\nc = 3";
-        assert_eq!(Location::of_offset(text, 0), Location { line: 1, column: 1 });
-        assert_eq!(Location::of_offset(text, 6), Location { line: 2, column: 1 });
+        assert_eq!(
+            Location::of_offset(text, 0),
+            Location { line: 1, column: 1 }
+        );
+        assert_eq!(
+            Location::of_offset(text, 6),
+            Location { line: 2, column: 1 }
+        );
         // 'é' is two bytes but one column
         let eq = text.find("= 2").unwrap();
-        assert_eq!(Location::of_offset(text, eq), Location { line: 2, column: 4 });
+        assert_eq!(
+            Location::of_offset(text, eq),
+            Location { line: 2, column: 4 }
+        );
         let c = text.find('c').unwrap();
-        assert_eq!(Location::of_offset(text, c), Location { line: 4, column: 1 });
+        assert_eq!(
+            Location::of_offset(text, c),
+            Location { line: 4, column: 1 }
+        );
         // past the end clamps
         assert_eq!(Location::of_offset(text, 999).line(), 4);
     }

@@ -45,6 +45,15 @@ use std::path::{Path, PathBuf};
 /// The only model file format version this build reads.
 pub const MODEL_FORMAT: i64 = 1;
 
+/// Most transformer layers a model file may declare.
+pub const MAX_LAYERS: u32 = 4096;
+/// Most routed experts per layer a model file may declare.
+pub const MAX_EXPERTS: u32 = 65_536;
+/// Largest hidden or intermediate size a model file may declare.
+pub const MAX_DIM: u32 = 1 << 20;
+/// Most shared experts per layer a model file may declare.
+pub const MAX_SHARED: u32 = 64;
+
 /// Why [`resolve_model`] found no model.
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {
@@ -242,9 +251,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                 ctx.at(
                     span,
                     top,
-                    format!(
-                        "model name \"{n}\" must be 1 to 64 letters, digits, '.', '_' or '-'"
-                    ),
+                    format!("model name \"{n}\" must be 1 to 64 letters, digits, '.', '_' or '-'"),
                 );
                 ok = false;
             }
@@ -287,15 +294,32 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
         }
     };
     let num_layers = int(ctx, &raw.num_layers, "num_layers", None, &mut ok);
-    let first_dense_layers = int(ctx, &raw.first_dense_layers, "first_dense_layers", Some(0), &mut ok);
+    let first_dense_layers = int(
+        ctx,
+        &raw.first_dense_layers,
+        "first_dense_layers",
+        Some(0),
+        &mut ok,
+    );
     let moe_layer_step = int(ctx, &raw.moe_layer_step, "moe_layer_step", Some(1), &mut ok);
     let hidden = int(ctx, &raw.hidden, "hidden", None, &mut ok);
     let routed_experts = int(ctx, &raw.routed_experts, "routed_experts", None, &mut ok);
     let top_k = int(ctx, &raw.top_k, "top_k", None, &mut ok);
-    let moe_intermediate = int(ctx, &raw.moe_intermediate, "moe_intermediate", None, &mut ok);
+    let moe_intermediate = int(
+        ctx,
+        &raw.moe_intermediate,
+        "moe_intermediate",
+        None,
+        &mut ok,
+    );
     let shared_experts = int(ctx, &raw.shared_experts, "shared_experts", Some(0), &mut ok);
-    let shared_intermediate =
-        int(ctx, &raw.shared_intermediate, "shared_intermediate", Some(0), &mut ok);
+    let shared_intermediate = int(
+        ctx,
+        &raw.shared_intermediate,
+        "shared_intermediate",
+        Some(0),
+        &mut ok,
+    );
     let n_group = int(ctx, &raw.n_group, "n_group", Some(1), &mut ok);
     let topk_group = int(ctx, &raw.topk_group, "topk_group", Some(1), &mut ok);
 
@@ -346,7 +370,11 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
             match u32::try_from(g) {
                 Ok(g) => quant.group_size = g,
                 Err(_) => {
-                    ctx.at(span, "[quant]", format!("group_size = {g} must be 32, 64 or 128"));
+                    ctx.at(
+                        span,
+                        "[quant]",
+                        format!("group_size = {g} must be 32, 64 or 128"),
+                    );
                     ok = false;
                 }
             }
@@ -367,6 +395,25 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
         }
         if let (Some(z), _) = split(&q.zero_points) {
             quant.zero_points = z;
+        }
+    }
+    // Plausibility caps, far above any real model: they keep a typo (or a hostile file) from
+    // making later layer/expert tables exhaust memory.
+    for (key, value, cap) in [
+        ("num_layers", num_layers, MAX_LAYERS),
+        ("routed_experts", routed_experts, MAX_EXPERTS),
+        ("hidden", hidden, MAX_DIM),
+        ("moe_intermediate", moe_intermediate, MAX_DIM),
+        ("shared_intermediate", shared_intermediate, MAX_DIM),
+        ("shared_experts", shared_experts, MAX_SHARED),
+    ] {
+        if value > cap {
+            ctx.at(
+                spans.get(key).cloned(),
+                &item,
+                format!("{key} = {value} is implausibly large; this build accepts at most {cap}"),
+            );
+            ok = false;
         }
     }
     if !ok {
@@ -444,12 +491,26 @@ mod tests {
         let all: Vec<String> = p.iter().map(|p| p.to_string()).collect();
         let joined = all.join("\n");
         // unknown keys with suggestions and line:column
-        assert!(joined.contains("4:1: top level: unknown key \"hiden\"; did you mean \"hidden\"?"), "{joined}");
-        assert!(joined.contains("11:1: [quant]: unknown key \"scale_type\"; did you mean \"scale_dtype\"?"), "{joined}");
+        assert!(
+            joined.contains("4:1: top level: unknown key \"hiden\"; did you mean \"hidden\"?"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains(
+                "11:1: [quant]: unknown key \"scale_type\"; did you mean \"scale_dtype\"?"
+            ),
+            "{joined}"
+        );
         // missing hidden (the typo), bad scoring with suggestion
         assert!(joined.contains("missing `hidden`"), "{joined}");
-        assert!(joined.contains("8:11: model \"bad\": scoring \"sigmoid\""), "{joined}");
-        assert!(joined.contains("did you mean \"sigmoid-bias\"?"), "{joined}");
+        assert!(
+            joined.contains("8:11: model \"bad\": scoring \"sigmoid\""),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("did you mean \"sigmoid-bias\"?"),
+            "{joined}"
+        );
     }
 
     #[test]
@@ -459,8 +520,50 @@ mod tests {
         let p = model_from_toml_str(text).unwrap_err();
         let joined: Vec<String> = p.iter().map(|p| p.to_string()).collect();
         let joined = joined.join("\n");
-        assert!(joined.contains("6:9: model \"bad\": top_k (9) must be between 1 and routed_experts (4)"), "{joined}");
-        assert!(joined.contains("7:20: model \"bad\": moe_intermediate (30)"), "{joined}");
+        assert!(
+            joined
+                .contains("6:9: model \"bad\": top_k (9) must be between 1 and routed_experts (4)"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("7:20: model \"bad\": moe_intermediate (30)"),
+            "{joined}"
+        );
+    }
+
+    #[test]
+    fn implausible_sizes_are_rejected() {
+        let text = "format = 1\nname = \"huge\"\nnum_layers = 4000000000\nhidden = 64\n\
+                    routed_experts = 100000\ntop_k = 2\nmoe_intermediate = 32\nscoring = \"softmax\"\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        let all: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert!(
+            all[0]
+                .starts_with("3:14: model \"huge\": num_layers = 4000000000 is implausibly large"),
+            "{all:?}"
+        );
+        assert!(
+            all[1].starts_with("5:18: model \"huge\": routed_experts = 100000"),
+            "{all:?}"
+        );
+    }
+
+    #[test]
+    fn huge_group_counts_do_not_overflow() {
+        // topk_group x experts-per-group used to overflow u32 in ModelSpec::check.
+        let text = "format = 1\nname = \"g\"\nnum_layers = 2\nhidden = 64\nrouted_experts = 4\n\
+                    top_k = 2\nmoe_intermediate = 32\nscoring = \"sigmoid-bias\"\nn_group = 2\n\
+                    topk_group = 3000000000\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].to_string().starts_with(
+                "10:14: model \"g\": topk_group (3000000000) must be between 1 and n_group (2)"
+            ),
+            "{}",
+            p[0]
+        );
     }
 
     #[test]
@@ -469,7 +572,10 @@ mod tests {
         let p = model_from_toml_str(text).unwrap_err();
         assert_eq!(p.len(), 1, "{p:?}");
         let s = p[0].to_string();
-        assert!(s.starts_with("3:14: top level: `num_layers`: wrong type"), "{s}");
+        assert!(
+            s.starts_with("3:14: top level: `num_layers`: wrong type"),
+            "{s}"
+        );
     }
 
     #[test]

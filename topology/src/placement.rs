@@ -43,9 +43,9 @@ use crate::diag::{Ctx, Field, FileError, Problem, Schema, fields_of, nearest, sp
 use crate::model::ModelSpec;
 use crate::ranges::{ListSpec, RawList, Span, format_list};
 use crate::topology::{DeviceRank, Topology};
-use crate::units::{format_bytes, gb};
+use crate::units::format_bytes;
 use serde::Deserialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::ops::Range;
 use std::path::Path;
@@ -209,11 +209,14 @@ impl Placement {
             shared.into_iter().map(Some).collect()
         };
         for loc in shared.iter().flatten() {
-            if let SharedLocation::Device(r) = loc {
-                if r.index() >= n_dev {
-                    ctx.report("placement", format!("shared experts on unknown device rank {r}"));
-                    return Err(ctx.into_problems());
-                }
+            if let SharedLocation::Device(r) = loc
+                && r.index() >= n_dev
+            {
+                ctx.report(
+                    "placement",
+                    format!("shared experts on unknown device rank {r}; the topology has {n_dev} devices"),
+                );
+                return Err(ctx.into_problems());
             }
         }
         let p = Placement::assemble(topology, model, clean, shared, description);
@@ -226,7 +229,11 @@ impl Placement {
     }
 
     /// Read a placement file and validate it against a topology and model.
-    pub fn load(path: &Path, topology: &Topology, model: &ModelSpec) -> Result<Placement, FileError> {
+    pub fn load(
+        path: &Path,
+        topology: &Topology,
+        model: &ModelSpec,
+    ) -> Result<Placement, FileError> {
         let text = crate::diag::read_text(path)?;
         Placement::from_toml_str(&text, topology, model).map_err(|problems| FileError::Invalid {
             path: path.to_path_buf(),
@@ -283,7 +290,11 @@ impl Placement {
             description: description.to_owned(),
             routed_experts: model.routed_experts,
             layers: model.moe_layer_ids(),
-            device_ids: topology.devices().iter().map(|d| d.id().to_owned()).collect(),
+            device_ids: topology
+                .devices()
+                .iter()
+                .map(|d| d.id().to_owned())
+                .collect(),
             slots,
             owner_start,
             owner_ranks,
@@ -345,12 +356,12 @@ impl Placement {
                 ctx.report(
                     format!("device \"{}\" (rank {})", d.id(), u.rank),
                     format!(
-                        "experts need {} ({} routed experts x {}{shared_note}) but expert_memory is {}; short by {:.2} GB — move experts to other devices or raise expert_memory",
+                        "experts need {} ({} routed experts x {}{shared_note}) but expert_memory is {}; short by {} — move experts to other devices or raise expert_memory",
                         format_bytes(u.total_bytes()),
                         u.experts_total,
                         format_bytes(model.expert_bytes()),
                         format_bytes(u.budget_bytes),
-                        gb(u.total_bytes() - u.budget_bytes),
+                        format_bytes(u.total_bytes() - u.budget_bytes),
                     ),
                 );
             }
@@ -560,6 +571,9 @@ struct RawShared {
     device: Field<String>,
 }
 
+/// (assignment number, assignment that listed it first, device rank) of a repeated expert.
+type DupKey = (usize, usize, usize);
+
 /// One `[[assign]]` or `[[shared]]` block after syntax checks.
 #[derive(Clone, Debug)]
 struct Block {
@@ -602,8 +616,14 @@ impl PlacementFile {
     pub fn from_toml_str(text: &str) -> Result<PlacementFile, Vec<Problem>> {
         let mut ctx = Ctx::new(text);
         let schema = Schema::new("", fields_of::<RawPlacement>(), None)
-            .table("assign", Schema::new("assignment", fields_of::<RawAssign>(), None))
-            .table("shared", Schema::new("shared block", fields_of::<RawShared>(), None));
+            .table(
+                "assign",
+                Schema::new("assignment", fields_of::<RawAssign>(), None),
+            )
+            .table(
+                "shared",
+                Schema::new("shared block", fields_of::<RawShared>(), None),
+            );
         let Some(raw) = ctx.parse::<RawPlacement>(&schema) else {
             return Err(ctx.into_problems());
         };
@@ -745,21 +765,29 @@ impl PlacementFile {
         let layers = model.moe_layer_ids();
         let n_dev = topology.devices().len();
         let mut slots: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); n_dev]; layers.len()];
-        // (layer index, rank, expert) → the assignment that first listed it.
+        // [layer index][rank] → per expert, the assignment that first listed it (0 = none);
+        // allocated only for the (layer, device) pairs that appear.
         let mut first_by: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); n_dev]; layers.len()];
-        let mut dups: BTreeMap<(usize, usize, usize), (Vec<u32>, Vec<u32>)> = BTreeMap::new();
+        let mut dups: BTreeMap<DupKey, (BTreeSet<u32>, BTreeSet<u32>)> = BTreeMap::new();
         for b in &self.assign {
             let item = format!("assignment #{}", b.number);
             let rank = self.device_rank(&mut ctx, topology, b, &item, false);
             let lis = layer_indices(&mut ctx, model, &layers, b, &item);
             let mut experts_ok = true;
-            for &(_, hi) in &b.experts {
-                if hi >= model.routed_experts as u64 {
+            for &(lo, hi) in &b.experts {
+                let e = model.routed_experts as u64;
+                if hi >= e {
+                    let first = lo.max(e);
+                    let which = if first == hi {
+                        format!("expert {hi} does not exist")
+                    } else {
+                        format!("experts {first}-{hi} do not exist")
+                    };
                     ctx.at(
                         b.experts_span.clone(),
                         &item,
                         format!(
-                            "expert {hi} does not exist; {} has experts 0-{}",
+                            "{which}; {} has experts 0-{}",
                             model.name,
                             model.routed_experts.saturating_sub(1)
                         ),
@@ -774,36 +802,34 @@ impl PlacementFile {
             for &li in &lis {
                 let list = &mut slots[li][r];
                 let by = &mut first_by[li][r];
+                if by.is_empty() {
+                    by.resize(model.routed_experts as usize, 0);
+                }
                 for &(lo, hi) in &b.experts {
                     for e in lo as u32..=hi as u32 {
-                        match list.iter().position(|&x| x == e) {
-                            Some(pos) => {
-                                let entry = dups
-                                    .entry((b.number, by[pos] as usize, r))
-                                    .or_default();
-                                if !entry.0.contains(&e) {
-                                    entry.0.push(e);
-                                }
-                                if entry.1.last() != Some(&layers[li]) {
-                                    entry.1.push(layers[li]);
-                                }
-                            }
-                            None => {
+                        match by[e as usize] {
+                            0 => {
                                 list.push(e);
-                                by.push(b.number as u32);
+                                by[e as usize] = b.number as u32;
+                            }
+                            prev => {
+                                let entry = dups.entry((b.number, prev as usize, r)).or_default();
+                                entry.0.insert(e);
+                                entry.1.insert(layers[li]);
                             }
                         }
                     }
                 }
             }
         }
-        for ((number, prev, r), (mut experts, layer_ids)) in dups {
-            experts.sort_unstable();
+        for ((number, prev, r), (experts, layer_ids)) in dups {
+            let experts: Vec<u32> = experts.into_iter().collect();
+            let layer_ids: Vec<u32> = layer_ids.into_iter().collect();
             let span = self
                 .assign
                 .iter()
                 .find(|b| b.number == number)
-                .and_then(|b| b.span.clone());
+                .and_then(|b| b.experts_span.clone().or(b.span.clone()));
             let whom = if prev == number {
                 "earlier in the same assignment".to_owned()
             } else {
@@ -904,11 +930,7 @@ impl PlacementFile {
             ),
             None => "device ids are \"node/device\" as in the topology file".to_owned(),
         };
-        let router = if router_ok {
-            " (or \"router\")"
-        } else {
-            ""
-        };
+        let router = if router_ok { " (or \"router\")" } else { "" };
         ctx.at(
             b.device_span.clone(),
             item,

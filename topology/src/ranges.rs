@@ -155,10 +155,7 @@ mod tests {
     #[test]
     fn parse_examples() {
         assert_eq!(parse_ranges("0-11"), Ok(vec![(0, 11)]));
-        assert_eq!(
-            parse_ranges(" 5, 0-2 ,9"),
-            Ok(vec![(5, 5), (0, 2), (9, 9)])
-        );
+        assert_eq!(parse_ranges(" 5, 0-2 ,9"), Ok(vec![(5, 5), (0, 2), (9, 9)]));
         assert!(parse_ranges("3-1").unwrap_err().contains("backwards"));
         assert!(parse_ranges("a-b").unwrap_err().contains("not a number"));
         assert!(parse_ranges("").unwrap_err().contains("empty"));

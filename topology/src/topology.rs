@@ -263,7 +263,9 @@ impl Nic {
         }
         // Ethernet payload minus IPv4 (20) + UDP (8) + BTH (12) + ICRC (4) + some extension room.
         let room = self.mtu.saturating_sub(20 + 8 + 12 + 4 + 28);
-        [4096, 2048, 1024, 512, 256].into_iter().find(|m| *m <= room)
+        [4096, 2048, 1024, 512, 256]
+            .into_iter()
+            .find(|m| *m <= room)
     }
 }
 
@@ -636,8 +638,14 @@ fn schema() -> Schema {
         .table(
             "measured",
             Schema::new("[measured]", fields_of::<RawMeasured>(), None)
-                .table("intra_node", Schema::new("intra_node", fields_of::<RawTier>(), None))
-                .table("inter_node", Schema::new("inter_node", fields_of::<RawTier>(), None)),
+                .table(
+                    "intra_node",
+                    Schema::new("intra_node", fields_of::<RawTier>(), None),
+                )
+                .table(
+                    "inter_node",
+                    Schema::new("inter_node", fields_of::<RawTier>(), None),
+                ),
         )
         .map(
             "device_types",
@@ -646,7 +654,10 @@ fn schema() -> Schema {
         .table(
             "nodes",
             Schema::new("node", fields_of::<RawNode>(), Some("name"))
-                .table("nics", Schema::new("NIC", fields_of::<RawNic>(), Some("name")))
+                .table(
+                    "nics",
+                    Schema::new("NIC", fields_of::<RawNic>(), Some("name")),
+                )
                 .table(
                     "devices",
                     Schema::new("device", fields_of::<RawDevice>(), Some("name")),
@@ -877,15 +888,13 @@ fn device_fields(
 ) -> DeviceFields {
     let bytes = |key: &'static str| {
         move |b: RawBytes| {
-            b.bytes()
-                .map_err(|e| format!("{key}: {e}"))
-                .and_then(|v| {
-                    if v == 0 {
-                        Err(format!("{key} must be more than 0 bytes"))
-                    } else {
-                        Ok(v)
-                    }
-                })
+            b.bytes().map_err(|e| format!("{key}: {e}")).and_then(|v| {
+                if v == 0 {
+                    Err(format!("{key} must be more than 0 bytes"))
+                } else {
+                    Ok(v)
+                }
+            })
         }
     };
     DeviceFields {
@@ -1006,19 +1015,23 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
         };
         let nname = check(ctx, &r.name, &label, valid_name("node"));
         if nname.is_absent() {
-            ctx.at(nspan.clone(), &label, "missing `name`; give the node a unique name");
+            ctx.at(
+                nspan.clone(),
+                &label,
+                "missing `name`; give the node a unique name",
+            );
         }
-        if let Some(n) = nname.get() {
-            if let Some(prev) = node_names.insert(n.clone(), ni) {
-                ctx.at(
-                    nname.span(),
-                    &label,
-                    format!(
-                        "node name \"{n}\" is already used by node #{}; node names must be unique",
-                        prev + 1
-                    ),
-                );
-            }
+        if let Some(n) = nname.get()
+            && let Some(prev) = node_names.insert(n.clone(), ni)
+        {
+            ctx.at(
+                nname.span(),
+                &label,
+                format!(
+                    "node name \"{n}\" is already used by node #{}; node names must be unique",
+                    prev + 1
+                ),
+            );
         }
         let address = check(ctx, &r.address, &label, valid_host("address"));
         if address.is_absent() {
@@ -1074,7 +1087,9 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                     ctx.at(
                         cname.span(),
                         &clabel,
-                        format!("NIC name \"{n}\" appears twice on this node; names must be unique"),
+                        format!(
+                            "NIC name \"{n}\" appears twice on this node; names must be unique"
+                        ),
                     );
                 }
                 nic_names.push(n);
@@ -1136,7 +1151,9 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                         ctx.at(
                             f,
                             &clabel,
-                            format!("{key} only applies to kind = \"roce\"; remove it or change kind"),
+                            format!(
+                                "{key} only applies to kind = \"roce\"; remove it or change kind"
+                            ),
                         );
                     }
                 }
@@ -1197,7 +1214,9 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                     ctx.at(
                         dname.span(),
                         &dlabel,
-                        format!("device name \"{n}\" appears twice on this node; names must be unique"),
+                        format!(
+                            "device name \"{n}\" appears twice on this node; names must be unique"
+                        ),
                     );
                 }
                 dev_names.push(n);
@@ -1255,7 +1274,11 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                 }
             };
             missing(merged.kind.is_absent(), "kind", "\"gpu\" or \"cpu\"");
-            missing(merged.arch.is_absent(), "arch", "e.g. \"gfx942\" or \"cpu\"");
+            missing(
+                merged.arch.is_absent(),
+                "arch",
+                "e.g. \"gfx942\" or \"cpu\"",
+            );
             missing(
                 merged.expert_memory.is_absent(),
                 "expert_memory",
@@ -1268,7 +1291,11 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             );
             let kind = merged.kind.get();
             if kind == Some(DeviceKind::Gpu) {
-                missing(merged.int8_tops.is_absent(), "int8_tops", "peak dense int8 TOPS");
+                missing(
+                    merged.int8_tops.is_absent(),
+                    "int8_tops",
+                    "peak dense int8 TOPS",
+                );
                 missing(
                     merged.bf16_tflops.is_absent(),
                     "bf16_tflops",
@@ -1304,18 +1331,17 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             }
             if let (Some(total), Some(budget)) =
                 (merged.memory_total.get(), merged.expert_memory.get())
+                && budget > total
             {
-                if budget > total {
-                    ctx.at(
-                        merged.expert_memory.span().or(dspan.clone()),
-                        &dlabel,
-                        format!(
-                            "expert_memory {} exceeds memory_total {}; lower expert_memory",
-                            format_bytes(budget),
-                            format_bytes(total)
-                        ),
-                    );
-                }
+                ctx.at(
+                    merged.expert_memory.span().or(dspan.clone()),
+                    &dlabel,
+                    format!(
+                        "expert_memory {} exceeds memory_total {}; lower expert_memory",
+                        format_bytes(budget),
+                        format_bytes(total)
+                    ),
+                );
             }
             let numa = check(ctx, &d.numa, &dlabel, |v| {
                 int_in("numa", 0, 1023)(v).map(|v| v as u32)
@@ -1449,7 +1475,12 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             &label,
             positive("intra_bandwidth_gb_s"),
         );
-        let link_lat = check(ctx, &r.intra_latency_us, &label, non_negative("intra_latency_us"));
+        let link_lat = check(
+            ctx,
+            &r.intra_latency_us,
+            &label,
+            non_negative("intra_latency_us"),
+        );
         if raw_devs.len() >= 2 {
             if link_kind.is_absent() {
                 ctx.at(
@@ -1525,7 +1556,11 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                             Some(s) => format!("did you mean \"{s}\"?"),
                             None => format!(
                                 "nodes: {}",
-                                nodes.iter().map(|x| x.name.as_str()).collect::<Vec<_>>().join(", ")
+                                nodes
+                                    .iter()
+                                    .map(|x| x.name.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
                             ),
                         };
                         ctx.at(span, item, format!("unknown node \"{n}\"; {hint}"));
@@ -1548,9 +1583,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
         if let (Some(node), Some(port)) = (node, port.get()) {
             router = Some(RouterSpec {
                 node,
-                listen_address: listen
-                    .get()
-                    .unwrap_or_else(|| nodes[node].address.clone()),
+                listen_address: listen.get().unwrap_or_else(|| nodes[node].address.clone()),
                 port,
             });
         }

@@ -98,10 +98,18 @@ mod tests {
         assert_eq!(parse_bytes("0.5 KiB"), Ok(512));
         assert_eq!(parse_bytes("1_000"), Ok(1000));
         assert_eq!(parse_bytes("4096 B"), Ok(4096));
-        assert!(parse_bytes("GB").unwrap_err().contains("does not start with a number"));
+        assert!(
+            parse_bytes("GB")
+                .unwrap_err()
+                .contains("does not start with a number")
+        );
         assert!(parse_bytes("12 GiBs").unwrap_err().contains("unknown unit"));
         assert!(parse_bytes("1.2.3 GB").is_err());
-        assert!(parse_bytes("99999999999 TB").unwrap_err().contains("too large"));
+        assert!(
+            parse_bytes("99999999999 TB")
+                .unwrap_err()
+                .contains("too large")
+        );
     }
 
     #[test]

@@ -16,12 +16,17 @@ fn problems(text: &str) -> Vec<Problem> {
 }
 
 fn rendered(p: &[Problem]) -> String {
-    p.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("\n")
+    p.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Line (1-based) of the first occurrence of `needle` in `text`.
 fn line_of(text: &str, needle: &str) -> usize {
-    let at = text.find(needle).unwrap_or_else(|| panic!("{needle} not in text"));
+    let at = text
+        .find(needle)
+        .unwrap_or_else(|| panic!("{needle} not in text"));
     text[..at].matches('\n').count() + 1
 }
 
@@ -95,7 +100,10 @@ fn valid_file_gives_ids_ranks_ports_and_defaults() {
     assert_eq!(g1.data_port(), 9300);
     assert_eq!(c0.data_port(), 9200);
     // gpu_index defaults to order among the node's gpus; cpu has none
-    assert_eq!((g0.gpu_index(), g1.gpu_index(), c0.gpu_index()), (Some(0), Some(1), None));
+    assert_eq!(
+        (g0.gpu_index(), g1.gpu_index(), c0.gpu_index()),
+        (Some(0), Some(1), None)
+    );
     assert_eq!(c0.threads(), Some(8));
     assert_eq!(c0.expert_memory_bytes(), 1 << 30);
     // NIC choice: explicit, or the only NIC
@@ -160,30 +168,75 @@ devices = [{ name = "x/y", kind = "cpu", arch = "cpu", threads = 1, expert_memor
     let all = rendered(&p);
     let expect = [
         // unknown keys, with suggestions and positions
-        (line_of(text, "adress"), "node \"a\": unknown key \"adress\"; did you mean \"address\"?"),
+        (
+            line_of(text, "adress"),
+            "node \"a\": unknown key \"adress\"; did you mean \"address\"?",
+        ),
         (
             line_of(text, "intra_bandwith"),
             "node \"a\": unknown key \"intra_bandwith_gb_s\"; did you mean \"intra_bandwidth_gb_s\"?",
         ),
         // missing and out-of-range node keys
-        (line_of(text, "control_port = 70000"), "control_port = 70000 is out of range; use 1 to 65535"),
+        (
+            line_of(text, "control_port = 70000"),
+            "control_port = 70000 is out of range; use 1 to 65535",
+        ),
         (line_of(text, "[[nodes]]"), "node \"a\": missing `address`"),
         // NICs
-        (line_of(text, "gid_index = 2"), "node \"a\" NIC \"eth0\": gid_index only applies to kind = \"roce\""),
-        (line_of(text, "rocee"), "node \"a\" NIC \"mlx5_0\": kind \"rocee\" is not one of \"roce\", \"tcp\"; did you mean \"roce\"?"),
-        (line_of(text, "gid_index = 1"), "node \"a\" NIC \"mlx5_1\": set either gid_ipv4 or gid_index, not both"),
+        (
+            line_of(text, "gid_index = 2"),
+            "node \"a\" NIC \"eth0\": gid_index only applies to kind = \"roce\"",
+        ),
+        (
+            line_of(text, "rocee"),
+            "node \"a\" NIC \"mlx5_0\": kind \"rocee\" is not one of \"roce\", \"tcp\"; did you mean \"roce\"?",
+        ),
+        (
+            line_of(text, "gid_index = 1"),
+            "node \"a\" NIC \"mlx5_1\": set either gid_ipv4 or gid_index, not both",
+        ),
         // devices
-        (line_of(text, "mlx5_9"), "node \"a\" device \"gpu0\": expert_memory 200.00 GB exceeds memory_total 192.00 GB"),
-        (line_of(text, "mlx5_9"), "node \"a\" device \"gpu0\": unknown NIC \"mlx5_9\"; did you mean \"mlx5_0\"?"),
-        (line_of(text, "mlx5_9"), "node \"a\" device \"gpu0\": threads only applies to cpu devices"),
-        (line_of(text, "GiBs"), "node \"a\" device \"gpu1\": expert_memory: unknown unit \"GiBs\""),
-        (line_of(text, "GiBs"), "node \"a\" device \"gpu1\": memory_bandwidth_gb_s = -1 must be a positive number"),
-        (line_of(text, "GiBs"), "node \"a\" device \"gpu1\": a gpu device needs a gfx arch"),
-        (line_of(text, "GiBs"), "node \"a\" device \"gpu1\": missing `int8_tops`"),
-        (line_of(text, "\"cpu0\""), "node \"a\" device \"cpu0\": missing `threads`"),
+        (
+            line_of(text, "mlx5_9"),
+            "node \"a\" device \"gpu0\": expert_memory 200.00 GB exceeds memory_total 192.00 GB",
+        ),
+        (
+            line_of(text, "mlx5_9"),
+            "node \"a\" device \"gpu0\": unknown NIC \"mlx5_9\"; did you mean \"mlx5_0\"?",
+        ),
+        (
+            line_of(text, "mlx5_9"),
+            "node \"a\" device \"gpu0\": threads only applies to cpu devices",
+        ),
+        (
+            line_of(text, "GiBs"),
+            "node \"a\" device \"gpu1\": expert_memory: unknown unit \"GiBs\"",
+        ),
+        (
+            line_of(text, "GiBs"),
+            "node \"a\" device \"gpu1\": memory_bandwidth_gb_s = -1 must be a positive number",
+        ),
+        (
+            line_of(text, "GiBs"),
+            "node \"a\" device \"gpu1\": a gpu device needs a gfx arch",
+        ),
+        (
+            line_of(text, "GiBs"),
+            "node \"a\" device \"gpu1\": missing `int8_tops`",
+        ),
+        (
+            line_of(text, "\"cpu0\""),
+            "node \"a\" device \"cpu0\": missing `threads`",
+        ),
         // second node
-        (line_of(text, "bad_host") - 1, "node \"a\": node name \"a\" is already used by node #1"),
-        (line_of(text, "bad_host"), "address \"bad_host!\" is neither an IP address nor a valid hostname"),
+        (
+            line_of(text, "bad_host") - 1,
+            "node \"a\": node name \"a\" is already used by node #1",
+        ),
+        (
+            line_of(text, "bad_host"),
+            "address \"bad_host!\" is neither an IP address nor a valid hostname",
+        ),
         (line_of(text, "x/y"), "device name \"x/y\" contains '/'"),
     ];
     for (line, needle) in expect {
@@ -239,14 +292,22 @@ fn unknown_key_without_a_close_match_lists_the_valid_keys() {
 
 #[test]
 fn type_errors_carry_line_column_and_item() {
-    let text = GOOD.replace("control_port = 9100\ndata_port = 9200\nintra_link", "control_port = \"9100\"\ndata_port = 9200\nintra_link");
+    let text = GOOD.replace(
+        "control_port = 9100\ndata_port = 9200\nintra_link",
+        "control_port = \"9100\"\ndata_port = 9200\nintra_link",
+    );
     let p = problems(&text);
     assert_eq!(p.len(), 1, "{}", rendered(&p));
     let loc = p[0].location().unwrap();
     assert_eq!(loc.line(), line_of(&text, "control_port = \"9100\""));
     assert_eq!(loc.column(), "control_port = ".len() + 1);
     assert_eq!(p[0].item(), "node \"a\"");
-    assert!(p[0].message().starts_with("`control_port`: wrong type: string \"9100\", expected an integer"), "{}", p[0]);
+    assert!(
+        p[0].message()
+            .starts_with("`control_port`: wrong type: string \"9100\", expected an integer"),
+        "{}",
+        p[0]
+    );
 }
 
 #[test]
@@ -254,7 +315,10 @@ fn syntax_errors_carry_line_and_column() {
     let text = GOOD.replace("kind = \"gpu\"", "kind = \"gpu");
     let p = problems(&text);
     assert_eq!(p.len(), 1, "{}", rendered(&p));
-    assert_eq!(p[0].location().unwrap().line(), line_of(&text, "kind = \"gpu"));
+    assert_eq!(
+        p[0].location().unwrap().line(),
+        line_of(&text, "kind = \"gpu")
+    );
     assert!(p[0].message().starts_with("TOML syntax error"), "{}", p[0]);
 }
 
@@ -267,16 +331,24 @@ fn format_and_name_are_required() {
     let text = GOOD.replace("format = 1", "format = 2");
     let all = rendered(&problems(&text));
     assert!(all.contains("3:1") || all.contains("2:10"), "{all}");
-    assert!(all.contains("unsupported format 2; this build reads topology format 1"), "{all}");
+    assert!(
+        all.contains("unsupported format 2; this build reads topology format 1"),
+        "{all}"
+    );
 }
 
 #[test]
 fn unknown_device_type_is_suggested_and_not_cascaded() {
-    let text = GOOD.replace("type = \"big\", nic = \"mlx5_0\"", "type = \"bgi\", nic = \"mlx5_0\"");
+    let text = GOOD.replace(
+        "type = \"big\", nic = \"mlx5_0\"",
+        "type = \"bgi\", nic = \"mlx5_0\"",
+    );
     let p = problems(&text);
     assert_eq!(p.len(), 1, "{}", rendered(&p));
     assert!(
-        p[0].to_string().contains("node \"a\" device \"gpu0\": unknown device type \"bgi\"; did you mean \"big\"?"),
+        p[0].to_string().contains(
+            "node \"a\" device \"gpu0\": unknown device type \"bgi\"; did you mean \"big\"?"
+        ),
         "{}",
         p[0]
     );
@@ -304,13 +376,21 @@ fn port_collisions_on_one_machine_are_reported() {
 #[test]
 fn data_port_overflow_and_missing_nic_choice() {
     let text = GOOD
-        .replace("data_port = 9200\nintra_link", "data_port = 65535\nintra_link")
+        .replace(
+            "data_port = 9200\nintra_link",
+            "data_port = 65535\nintra_link",
+        )
         .replace("nic = \"mlx5_1\", ", "")
         .replace("data_port = 9300, ", "");
     let all = rendered(&problems(&text));
-    assert!(all.contains("data_port 65535 + device index 1 = 65536 exceeds 65535"), "{all}");
     assert!(
-        all.contains("node \"a\" device \"gpu1\": missing `nic`; this node has 2 NICs (mlx5_0, mlx5_1)"),
+        all.contains("data_port 65535 + device index 1 = 65536 exceeds 65535"),
+        "{all}"
+    );
+    assert!(
+        all.contains(
+            "node \"a\" device \"gpu1\": missing `nic`; this node has 2 NICs (mlx5_0, mlx5_1)"
+        ),
         "{all}"
     );
 }
@@ -319,12 +399,22 @@ fn data_port_overflow_and_missing_nic_choice() {
 fn router_must_name_a_node() {
     let text = GOOD.replace("node = \"a\"\nport", "node = \"aa\"\nport");
     let all = rendered(&problems(&text));
-    assert!(all.contains("[router]: unknown node \"aa\"; did you mean \"a\"?"), "{all}");
+    assert!(
+        all.contains("[router]: unknown node \"aa\"; did you mean \"a\"?"),
+        "{all}"
+    );
 }
 
 #[test]
 fn hostnames_and_addresses() {
-    for ok in ["127.0.0.1", "::1", "fe80::1", "node-0", "a.b.example", "localhost"] {
+    for ok in [
+        "127.0.0.1",
+        "::1",
+        "fe80::1",
+        "node-0",
+        "a.b.example",
+        "localhost",
+    ] {
         assert!(is_valid_host(ok), "{ok}");
     }
     for bad in ["", "bad_host", "-a", "a-", "a..b", "300.1.1.1", "1.2.3"] {
@@ -346,7 +436,11 @@ fn gfx_targets() {
 fn shipped_examples_are_valid_and_have_the_documented_shape() {
     let t = Topology::load(&examples_dir().join("single-host.toml")).unwrap();
     assert_eq!(t.devices().len(), 2);
-    assert!(t.devices().iter().all(|d| d.kind() == DeviceKind::Cpu && d.threads() == Some(1)));
+    assert!(
+        t.devices()
+            .iter()
+            .all(|d| d.kind() == DeviceKind::Cpu && d.threads() == Some(1))
+    );
     assert_eq!(t.nodes()[0].address(), "127.0.0.1");
     assert_eq!(t.nic_of(&t.devices()[0]).kind(), NicKind::Tcp);
 
@@ -373,5 +467,9 @@ fn shipped_examples_are_valid_and_have_the_documented_shape() {
 fn missing_file_is_an_io_error() {
     let e = Topology::load(Path::new("/nonexistent/topology.toml")).unwrap_err();
     assert!(e.is_io());
-    assert!(e.to_string().contains("cannot read /nonexistent/topology.toml"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("cannot read /nonexistent/topology.toml"),
+        "{e}"
+    );
 }
