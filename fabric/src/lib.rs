@@ -4,3 +4,6 @@
 //! processes. The `expertmesh` binary is a thin `main` over [`cli`].
 
 pub mod cli;
+pub mod models_cmd;
+mod table;
+pub mod validate_cmd;

@@ -155,13 +155,22 @@ pub fn render_problems(path: &Path, problems: &[Problem]) -> String {
         if i > 0 {
             out.push('\n');
         }
-        out.push_str(&format!("{}:{p}", path.display()));
+        match p.location {
+            Some(_) => out.push_str(&format!("{}:{p}", path.display())),
+            None => out.push_str(&format!("{}: {p}", path.display())),
+        }
     }
     out
 }
 
+/// Put problems in file order (stable: problems at one place keep their order); those with no
+/// location come last.
+pub fn sort_problems(problems: &mut [Problem]) {
+    problems.sort_by_key(|p| p.location.map_or((usize::MAX, 0), |l| (l.line, l.column)));
+}
+
 /// Read a whole file as UTF-8 text.
-pub(crate) fn read_text(path: &Path) -> Result<String, FileError> {
+pub fn read_text(path: &Path) -> Result<String, FileError> {
     std::fs::read_to_string(path).map_err(|source| FileError::Io {
         path: path.to_path_buf(),
         source,
@@ -208,8 +217,7 @@ impl<'a> Ctx<'a> {
     /// The problems in file order (stable: problems at one place keep their order); those with
     /// no location come last.
     pub(crate) fn into_problems(mut self) -> Vec<Problem> {
-        self.problems
-            .sort_by_key(|p| p.location.map_or((usize::MAX, 0), |l| (l.line, l.column)));
+        sort_problems(&mut self.problems);
         self.problems
     }
 

@@ -239,7 +239,6 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
     let name = match split(&raw.name) {
         (None, _) => {
             ctx.at(None, top, "missing `name`; give the model a name");
-            ok = false;
             String::new()
         }
         (Some(n), span) => {
@@ -253,7 +252,6 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                     top,
                     format!("model name \"{n}\" must be 1 to 64 letters, digits, '.', '_' or '-'"),
                 );
-                ok = false;
             }
             n
         }
@@ -330,8 +328,8 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                 &item,
                 "missing `scoring`; use \"softmax\", \"sigmoid-bias\" or \"topk-softmax\"",
             );
-            ok = false;
-            Scoring::Softmax
+            // A stand-in that lets the other checks run (it allows group-limited routing).
+            Scoring::SigmoidBias
         }
         (Some(s), span) => match SCORINGS.iter().find(|(n, _)| *n == s) {
             Some((_, v)) => *v,
@@ -346,8 +344,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                         "scoring \"{s}\" is not one of \"softmax\", \"sigmoid-bias\", \"topk-softmax\"{hint}"
                     ),
                 );
-                ok = false;
-                Scoring::Softmax
+                Scoring::SigmoidBias
             }
         },
     };
@@ -375,7 +372,6 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                         "[quant]",
                         format!("group_size = {g} must be 32, 64 or 128"),
                     );
-                    ok = false;
                 }
             }
         }
@@ -389,7 +385,6 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
                         "[quant]",
                         format!("scale_dtype \"{d}\" is not \"bf16\" or \"f16\""),
                     );
-                    ok = false;
                 }
             }
         }
@@ -416,6 +411,8 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
             ok = false;
         }
     }
+    // Without every size the consistency checks below would only produce noise. Problems with
+    // the name, scoring or quantization are already recorded and fail the file in the caller.
     if !ok {
         return None;
     }

@@ -248,8 +248,19 @@ impl Placement {
         topology: &Topology,
         model: &ModelSpec,
     ) -> Result<Placement, Vec<Problem>> {
-        let file = PlacementFile::from_toml_str(text)?;
-        file.resolve(text, topology, model)
+        let (file, mut problems) = PlacementFile::parse(text);
+        let Some(file) = file else {
+            return Err(problems);
+        };
+        match file.resolve(text, topology, model) {
+            Ok(p) if problems.is_empty() => Ok(p),
+            Ok(_) => Err(problems),
+            Err(more) => {
+                problems.extend(more);
+                crate::diag::sort_problems(&mut problems);
+                Err(problems)
+            }
+        }
     }
 
     fn assemble(
@@ -600,7 +611,8 @@ pub struct PlacementFile {
 }
 
 impl PlacementFile {
-    /// Read a placement file and check what can be checked without a topology and model.
+    /// Read a placement file and check what can be checked without a topology and model; any
+    /// problem fails it (see [`PlacementFile::parse`] for the lenient form).
     pub fn load(path: &Path) -> Result<(PlacementFile, String), FileError> {
         let text = crate::diag::read_text(path)?;
         match PlacementFile::from_toml_str(&text) {
@@ -612,8 +624,20 @@ impl PlacementFile {
         }
     }
 
-    /// Parse placement text: syntax, unknown keys, types, required keys, range syntax.
+    /// Parse placement text strictly: any problem (syntax, unknown keys, types, required keys,
+    /// range syntax) fails it.
     pub fn from_toml_str(text: &str) -> Result<PlacementFile, Vec<Problem>> {
+        match PlacementFile::parse(text) {
+            (Some(f), p) if p.is_empty() => Ok(f),
+            (_, p) => Err(p),
+        }
+    }
+
+    /// Parse placement text leniently: every problem found without a topology and model, plus
+    /// the file made of the blocks that parsed (None when the text is not valid TOML, a value
+    /// has the wrong type, or the header is unusable). Resolving that partial file reports the
+    /// cross-check problems in the same run.
+    pub fn parse(text: &str) -> (Option<PlacementFile>, Vec<Problem>) {
         let mut ctx = Ctx::new(text);
         let schema = Schema::new("", fields_of::<RawPlacement>(), None)
             .table(
@@ -625,9 +649,10 @@ impl PlacementFile {
                 Schema::new("shared block", fields_of::<RawShared>(), None),
             );
         let Some(raw) = ctx.parse::<RawPlacement>(&schema) else {
-            return Err(ctx.into_problems());
+            return (None, ctx.into_problems());
         };
         let top = "top level";
+        let mut header_ok = true;
         match split(&raw.format) {
             (None, _) => ctx.at(
                 None,
@@ -635,13 +660,16 @@ impl PlacementFile {
                 "missing `format`; add `format = 1` at the top of the file",
             ),
             (Some(PLACEMENT_FORMAT), _) => {}
-            (Some(v), span) => ctx.at(
-                span,
-                top,
-                format!(
-                    "unsupported format {v}; this build reads placement format {PLACEMENT_FORMAT}"
-                ),
-            ),
+            (Some(v), span) => {
+                ctx.at(
+                    span,
+                    top,
+                    format!(
+                        "unsupported format {v}; this build reads placement format {PLACEMENT_FORMAT}"
+                    ),
+                );
+                header_ok = false;
+            }
         }
         let (model, model_span) = split(&raw.model);
         if model.is_none() {
@@ -650,6 +678,7 @@ impl PlacementFile {
                 top,
                 "missing `model`; name the model this placement is for, e.g. model = \"kimi-k2\"",
             );
+            header_ok = false;
         }
         let (cluster, cluster_span) = split(&raw.cluster);
         if cluster.is_none() {
@@ -658,6 +687,7 @@ impl PlacementFile {
                 top,
                 "missing `cluster`; name the topology this placement is for (its `name`)",
             );
+            header_ok = false;
         }
         let raw_assign: &[Spanned<RawAssign>] = raw.assign.as_ref().map_or(&[], |a| a.get_ref());
         if raw_assign.is_empty() {
@@ -699,10 +729,10 @@ impl PlacementFile {
                 shared.push(b);
             }
         }
-        if ctx.has_problems() {
-            return Err(ctx.into_problems());
+        if !header_ok {
+            return (None, ctx.into_problems());
         }
-        Ok(PlacementFile {
+        let file = PlacementFile {
             model: model.unwrap_or_default(),
             model_span,
             cluster: cluster.unwrap_or_default(),
@@ -714,7 +744,8 @@ impl PlacementFile {
                 .unwrap_or_default(),
             assign,
             shared,
-        })
+        };
+        (Some(file), ctx.into_problems())
     }
 
     /// The model name the file names.
@@ -773,7 +804,6 @@ impl PlacementFile {
             let item = format!("assignment #{}", b.number);
             let rank = self.device_rank(&mut ctx, topology, b, &item, false);
             let lis = layer_indices(&mut ctx, model, &layers, b, &item);
-            let mut experts_ok = true;
             for &(lo, hi) in &b.experts {
                 let e = model.routed_experts as u64;
                 if hi >= e {
@@ -792,12 +822,14 @@ impl PlacementFile {
                             model.routed_experts.saturating_sub(1)
                         ),
                     );
-                    experts_ok = false;
                 }
             }
-            let (Some(Some(rank)), Some(lis), true) = (rank, lis, experts_ok) else {
+            // Out-of-range experts are reported above; the rest still count, so that coverage
+            // and duplicates are checked in the same run.
+            let (Some(Some(rank)), Some(lis)) = (rank, lis) else {
                 continue;
             };
+            let e_max = model.routed_experts as u64;
             let r = rank.index();
             for &li in &lis {
                 let list = &mut slots[li][r];
@@ -806,7 +838,10 @@ impl PlacementFile {
                     by.resize(model.routed_experts as usize, 0);
                 }
                 for &(lo, hi) in &b.experts {
-                    for e in lo as u32..=hi as u32 {
+                    if lo >= e_max {
+                        continue;
+                    }
+                    for e in lo as u32..=hi.min(e_max - 1) as u32 {
                         match by[e as usize] {
                             0 => {
                                 list.push(e);

@@ -973,6 +973,10 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
 
     // Device types.
     let mut types: HashMap<String, DeviceFields> = HashMap::new();
+    let mut type_spans: HashMap<String, Range<usize>> = HashMap::new();
+    // (type, key) → what the key is, and the devices that lack it.
+    let mut type_missing: BTreeMap<(String, &'static str), (&'static str, Vec<String>)> =
+        BTreeMap::new();
     for (tname, t) in raw.device_types.iter().flatten() {
         let item = format!("device type \"{tname}\"");
         let tr = t.get_ref();
@@ -992,6 +996,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             &tr.price_usd_per_hour,
         );
         types.insert(tname.clone(), fields);
+        type_spans.insert(tname.clone(), t.span());
     }
 
     let raw_nodes: &[Spanned<RawNode>] = raw.nodes.as_ref().map_or(&[], |n| n.get_ref());
@@ -1259,18 +1264,31 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                     }
                 },
             };
-            let from = if type_name.is_some() {
-                "set it on the device or its device type"
-            } else {
-                "set it on the device (or use a [device_types.NAME] template via `type`)"
-            };
-            let mut missing = |v: bool, key: &str, what: &str| {
-                if v {
-                    ctx.at(
+            // A key missing from a device and its (known) type is reported once per type below,
+            // not once per device.
+            let known_type = type_name.as_ref().filter(|t| types.contains_key(*t));
+            let device_id = format!(
+                "{}/{}",
+                nname.get().unwrap_or_default(),
+                dname.get().unwrap_or_default()
+            );
+            let mut missing = |v: bool, key: &'static str, what: &'static str| {
+                if !v {
+                    return;
+                }
+                match known_type {
+                    Some(t) => type_missing
+                        .entry((t.clone(), key))
+                        .or_insert_with(|| (what, Vec::new()))
+                        .1
+                        .push(device_id.clone()),
+                    None => ctx.at(
                         dspan.clone(),
                         &dlabel,
-                        format!("missing `{key}` ({what}); {from}"),
-                    );
+                        format!(
+                            "missing `{key}` ({what}); set it on the device (or use a [device_types.NAME] template via `type`)"
+                        ),
+                    ),
                 }
             };
             missing(merged.kind.is_absent(), "kind", "\"gpu\" or \"cpu\"");
@@ -1531,6 +1549,23 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             // Keep ranks consistent with nodes: drop this node's devices.
             devices.truncate(first_rank as usize);
         }
+    }
+
+    for ((tname, key), (what, devices)) in type_missing {
+        let n = devices.len();
+        let shown = if n <= 4 {
+            devices.join(", ")
+        } else {
+            format!("{}, ... ({n} in all)", devices[..3].join(", "))
+        };
+        ctx.at(
+            type_spans.get(&tname).cloned(),
+            format!("device type \"{tname}\""),
+            format!(
+                "missing `{key}` ({what}), needed by device{} {shown}; set it here or on each device",
+                if n == 1 { "" } else { "s" }
+            ),
+        );
     }
 
     // Router.
