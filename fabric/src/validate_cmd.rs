@@ -95,12 +95,17 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
     let mut placement_problems: Vec<Problem> = Vec::new();
     let placement_file = match &args.placement {
         None => None,
-        Some(path) => {
-            let text = read_text(path).map_err(|e| Failure::Usage(e.to_string()))?;
-            let (file, p) = PlacementFile::parse(&text);
-            placement_problems = p;
-            file.map(|f| (path.as_path(), f, text))
-        }
+        Some(path) => match read_text(path) {
+            Ok(text) => {
+                let (file, p) = PlacementFile::parse(&text);
+                placement_problems = p;
+                file.map(|f| (path.as_path(), f, text))
+            }
+            Err(e) => {
+                file_problems(e, &mut problems)?;
+                None
+            }
+        },
     };
 
     let model: Option<ModelSpec> = match (&args.model, &placement_file) {

@@ -169,11 +169,24 @@ pub fn sort_problems(problems: &mut [Problem]) {
     problems.sort_by_key(|p| p.location.map_or((usize::MAX, 0), |l| (l.line, l.column)));
 }
 
-/// Read a whole file as UTF-8 text.
+/// Read a whole file as UTF-8 text. A file that is read but is not UTF-8 is invalid (a problem
+/// at the first bad byte), not an I/O error.
 pub fn read_text(path: &Path) -> Result<String, FileError> {
-    std::fs::read_to_string(path).map_err(|source| FileError::Io {
+    let bytes = std::fs::read(path).map_err(|source| FileError::Io {
         path: path.to_path_buf(),
         source,
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        let good = e.utf8_error().valid_up_to();
+        let text = String::from_utf8_lossy(&e.as_bytes()[..good]).into_owned();
+        FileError::Invalid {
+            path: path.to_path_buf(),
+            problems: vec![Problem::new(
+                Some(Location::of_offset(&text, good)),
+                "",
+                "the file is not UTF-8 text; save it as UTF-8",
+            )],
+        }
     })
 }
 
@@ -253,6 +266,9 @@ impl<'a> Ctx<'a> {
                 let msg = if key.is_empty() {
                     msg
                 } else {
+                    let msg = msg
+                        .replace("[[key]]", &format!("[[{key}]]"))
+                        .replace("key = [", &format!("{key} = ["));
                     format!("`{key}`: {msg}")
                 };
                 self.at(e.span(), item, msg);
@@ -273,12 +289,24 @@ impl<'a> Ctx<'a> {
 
 /// Make serde's type names readable for someone editing a TOML file.
 fn friendly_serde_message(msg: &str) -> String {
-    msg.trim()
-        .replace("expected i64", "expected an integer")
+    let mut m = msg.trim().to_owned();
+    // "expected struct RawNode" names an internal type; say what the file needs instead.
+    while let Some(at) = m.find("expected struct ") {
+        let rest = &m[at + "expected struct ".len()..];
+        let end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        m = format!("{}expected a table{}", &m[..at], &rest[end..]);
+    }
+    if m.starts_with("invalid type: map, expected a sequence") {
+        return "wrong type: a table, expected an array of tables; write [[key]] for each entry \
+                (double brackets), or key = [ {...}, {...} ]"
+            .to_owned();
+    }
+    m.replace("expected i64", "expected an integer")
         .replace("expected f64", "expected a number")
         .replace("expected a boolean", "expected true or false")
         .replace("expected a sequence", "expected an array")
-        .replace("expected struct ", "expected a table (")
         .replace("invalid type: ", "wrong type: ")
 }
 

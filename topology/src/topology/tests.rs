@@ -473,3 +473,32 @@ fn missing_file_is_an_io_error() {
         "{e}"
     );
 }
+
+#[test]
+fn single_bracket_tables_get_a_double_bracket_hint() {
+    let p = problems("format = 1\nname = \"x\"\n[nodes]\nname = \"a\"\n");
+    assert_eq!(p.len(), 1);
+    assert_eq!(
+        p[0].to_string(),
+        "3:1: top level: `nodes`: wrong type: a table, expected an array of tables; write [[nodes]] \
+         for each entry (double brackets), or nodes = [ {...}, {...} ]"
+    );
+    let p = problems("format = 1\nname = \"x\"\nnodes = [1]\n");
+    assert_eq!(
+        p[0].to_string(),
+        "3:10: top level: `nodes`: wrong type: integer `1`, expected a table"
+    );
+}
+
+#[test]
+fn non_utf8_file_is_invalid_not_io() {
+    let dir = std::env::temp_dir().join(format!("em-topo-utf8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.toml");
+    std::fs::write(&path, b"format = 1\nname = \"\xff\"\n").unwrap();
+    let e = Topology::load(&path).unwrap_err();
+    assert!(!e.is_io());
+    assert_eq!(e.problems().len(), 1);
+    assert_eq!(e.problems()[0].location().unwrap().to_string(), "2:9");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
