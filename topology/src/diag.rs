@@ -6,9 +6,9 @@
 //! instead of returning early:
 //!
 //! 1. parse the TOML text into a spanned document (a syntax error stops here, with line:column);
-//! 2. walk the document against a [`Schema`] and report every unknown key, with the nearest
+//! 2. walk the document against a `Schema` and report every unknown key, with the nearest
 //!    valid key suggested; the schema's key lists come from the raw serde structs themselves
-//!    ([`fields_of`]), so they cannot drift from what the deserializer accepts;
+//!    (`fields_of`), so they cannot drift from what the deserializer accepts;
 //! 3. deserialize into raw structs whose fields are all optional and loosely typed (a type error
 //!    here is first-only, as serde reports it, but carries line:column and the item it is in),
 //!    then validate into typed structs, reporting every semantic problem with the item it names
