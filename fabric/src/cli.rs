@@ -7,7 +7,7 @@
 use clap::{Parser, Subcommand};
 use expertmesh_hip_kernels::contract::ComputeMode;
 use expertmesh_router::reference;
-use expertmesh_topology::model::{self, ModelSpec};
+use expertmesh_topology::resolve_model;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -21,8 +21,10 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// List the built-in model presets.
-    Models,
+    /// List the built-in model presets, or show one model (preset or file) in detail.
+    Models(crate::models_cmd::ModelsArgs),
+    /// Check a topology file, and optionally a model and a placement against it.
+    Validate(crate::validate_cmd::ValidateArgs),
     /// Measure kernels, transport or the whole fabric against same-run limits.
     Bench {
         #[command(subcommand)]
@@ -97,10 +99,8 @@ pub fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Models => {
-            print_models();
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Models(args) => Ok(crate::models_cmd::run(&args)),
+        Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
         Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
         Command::Bench { what } => match what {
             BenchCommand::Kernels {
@@ -114,7 +114,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } => {
                 let models = models
                     .iter()
-                    .map(|m| resolve_model(m))
+                    .map(|m| resolve_model(m).map_err(anyhow::Error::from))
                     .collect::<anyhow::Result<Vec<_>>>()?;
                 let threads = threads.unwrap_or_else(|| {
                     std::thread::available_parallelism()
@@ -138,35 +138,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::SUCCESS)
             }
         },
-    }
-}
-
-fn resolve_model(name: &str) -> anyhow::Result<ModelSpec> {
-    model::preset_by_name(name).ok_or_else(|| {
-        anyhow::anyhow!("unknown model preset {name:?}; run `expertmesh models` for the list")
-    })
-}
-
-fn print_models() {
-    println!(
-        "{:<18} {:>6} {:>5} {:>4} {:>6} {:>6} {:>13} {:>12} {:>11}  scoring",
-        "name", "layers", "moe", "E", "top-k", "H", "expert bytes", "routed GB", "quant"
-    );
-    for m in model::presets() {
-        println!(
-            "{:<18} {:>6} {:>5} {:>4} {:>6} {:>6} {:>13} {:>12.2} {:>11}  {}{}",
-            m.name,
-            m.num_layers,
-            m.moe_layers(),
-            m.routed_experts,
-            m.top_k,
-            m.hidden,
-            m.expert_bytes(),
-            m.routed_bytes() as f64 / 1e9,
-            format!("g{} {}", m.quant.group_size, m.quant.scale_dtype),
-            m.scoring.name(),
-            if m.toy { " (test/demo)" } else { "" }
-        );
     }
 }
 

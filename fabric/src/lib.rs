@@ -6,3 +6,6 @@
 pub mod bench_json;
 pub mod bench_kernels;
 pub mod cli;
+pub mod models_cmd;
+mod table;
+pub mod validate_cmd;

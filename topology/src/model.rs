@@ -82,7 +82,7 @@ impl ModelSpec {
     pub fn moe_layer_ids(&self) -> Vec<u32> {
         let step = self.moe_layer_step.max(1);
         (self.first_dense_layers..self.num_layers)
-            .filter(|l| (l - self.first_dense_layers) % step == 0)
+            .filter(|l| (l - self.first_dense_layers).is_multiple_of(step))
             .collect()
     }
 
@@ -95,7 +95,7 @@ impl ModelSpec {
     pub fn is_moe_layer(&self, layer: u32) -> bool {
         layer >= self.first_dense_layers
             && layer < self.num_layers
-            && (layer - self.first_dense_layers) % self.moe_layer_step.max(1) == 0
+            && (layer - self.first_dense_layers).is_multiple_of(self.moe_layer_step.max(1))
     }
 
     /// Packed bytes of one routed expert.
@@ -168,11 +168,11 @@ impl ModelSpec {
             ),
         );
         need(
-            self.hidden > 0 && self.hidden % 32 == 0,
+            self.hidden > 0 && self.hidden.is_multiple_of(32),
             format!("hidden ({}) must be a positive multiple of 32", self.hidden),
         );
         need(
-            self.moe_intermediate > 0 && self.moe_intermediate % 32 == 0,
+            self.moe_intermediate > 0 && self.moe_intermediate.is_multiple_of(32),
             format!(
                 "moe_intermediate ({}) must be a positive multiple of 32",
                 self.moe_intermediate
@@ -180,7 +180,7 @@ impl ModelSpec {
         );
         need(
             self.shared_experts == 0
-                || (self.shared_intermediate > 0 && self.shared_intermediate % 32 == 0),
+                || (self.shared_intermediate > 0 && self.shared_intermediate.is_multiple_of(32)),
             format!(
                 "shared_intermediate ({}) must be a positive multiple of 32 when shared_experts > 0",
                 self.shared_intermediate
@@ -193,7 +193,7 @@ impl ModelSpec {
                 ("hidden", self.hidden),
                 ("moe_intermediate", self.moe_intermediate),
             ] {
-                if k % self.quant.group_size != 0 {
+                if !k.is_multiple_of(self.quant.group_size) {
                     need(
                         false,
                         format!(
@@ -212,7 +212,7 @@ impl ModelSpec {
             ),
         );
         need(
-            self.n_group >= 1 && self.routed_experts % self.n_group.max(1) == 0,
+            self.n_group >= 1 && self.routed_experts.is_multiple_of(self.n_group.max(1)),
             format!(
                 "n_group ({}) must be at least 1 and divide routed_experts ({})",
                 self.n_group, self.routed_experts
@@ -233,7 +233,7 @@ impl ModelSpec {
             );
             let per_group = self.routed_experts / self.n_group.max(1);
             need(
-                self.topk_group * per_group >= self.top_k,
+                self.topk_group as u64 * per_group as u64 >= self.top_k as u64,
                 format!(
                     "topk_group ({}) x experts per group ({per_group}) must be at least top_k ({})",
                     self.topk_group, self.top_k

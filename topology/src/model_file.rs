@@ -1,0 +1,610 @@
+//! Model TOML files, and [`resolve_model`]: a preset name or a model file path to a [`ModelSpec`].
+//!
+//! Why this exists: the presets cover the published models, but a cluster builder evaluating a
+//! fine-tune, a new release or a different quantization writes the same facts in a file. The file
+//! has exactly the fields of [`ModelSpec`] (plus `format = 1`), is validated by
+//! [`ModelSpec::check`], and follows the same rules as the other files of this crate: every
+//! problem in one run, unknown keys with the nearest valid key, syntax errors with line:column.
+//!
+//! # Format 1
+//!
+//! ```toml
+//! format = 1
+//! name = "kimi-k2"                 # letters, digits, '.', '_', '-'
+//! description = "Moonshot Kimi K2" # optional
+//! num_layers = 61                  # all transformer layers
+//! first_dense_layers = 1           # optional, default 0
+//! moe_layer_step = 1               # optional, default 1 (every layer after the dense prefix)
+//! hidden = 7168
+//! routed_experts = 384
+//! top_k = 8
+//! moe_intermediate = 2048
+//! shared_experts = 1               # optional, default 0
+//! shared_intermediate = 2048       # required when shared_experts > 0
+//! scoring = "sigmoid-bias"         # "softmax" | "sigmoid-bias" | "topk-softmax"
+//! norm_topk_prob = true            # optional, default true
+//! routed_scaling_factor = 2.827    # optional, default 1.0
+//! n_group = 1                      # optional, default 1
+//! topk_group = 1                   # optional, default 1
+//! toy = false                      # optional: a small test/demo model
+//!
+//! [quant]                          # optional, default group_size 32, bf16 scales, symmetric
+//! group_size = 32                  # 32 | 64 | 128
+//! scale_dtype = "bf16"             # "bf16" | "f16"
+//! zero_points = false
+//! ```
+
+use crate::diag::{Ctx, Field, FileError, Problem, Schema, fields_of, nearest, split};
+use crate::model::{ModelSpec, Scoring, preset_by_name, presets};
+use expertmesh_hip_kernels::format::{QuantSpec, ScaleDtype};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// The only model file format version this build reads.
+pub const MODEL_FORMAT: i64 = 1;
+
+/// Most transformer layers a model file may declare.
+pub const MAX_LAYERS: u32 = 4096;
+/// Most routed experts per layer a model file may declare.
+pub const MAX_EXPERTS: u32 = 65_536;
+/// Largest hidden or intermediate size a model file may declare.
+pub const MAX_DIM: u32 = 1 << 20;
+/// Most shared experts per layer a model file may declare.
+pub const MAX_SHARED: u32 = 64;
+
+/// Why [`resolve_model`] found no model.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// Not a preset name, and does not look like a file path.
+    #[error(
+        "unknown model preset \"{name}\"{}; run `expertmesh models` for the list, or pass a model TOML file",
+        suggestion.as_ref().map(|s| format!(" (did you mean \"{s}\"?)")).unwrap_or_default()
+    )]
+    UnknownPreset {
+        /// What was asked for.
+        name: String,
+        /// The nearest preset name, if any is close.
+        suggestion: Option<String>,
+    },
+    /// A model file that could not be read or is invalid.
+    #[error(transparent)]
+    File(#[from] FileError),
+}
+
+impl ResolveError {
+    /// True for usage/I-O failures (unknown preset, unreadable file), false when a model file was
+    /// read and is invalid.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            ResolveError::UnknownPreset { .. } => true,
+            ResolveError::File(f) => f.is_io(),
+        }
+    }
+}
+
+/// A preset name (see [`presets`]) or the path of a model TOML file.
+///
+/// A preset name wins over a file of the same name in the current directory; write `./name` to
+/// force the file.
+pub fn resolve_model(name_or_path: &str) -> Result<ModelSpec, ResolveError> {
+    if let Some(m) = preset_by_name(name_or_path) {
+        return Ok(m);
+    }
+    let path = Path::new(name_or_path);
+    let looks_like_path = name_or_path.contains('/')
+        || name_or_path.contains('\\')
+        || name_or_path.ends_with(".toml")
+        || path.exists();
+    if looks_like_path {
+        return Ok(load_model(path)?);
+    }
+    let names: Vec<String> = presets().into_iter().map(|m| m.name).collect();
+    Err(ResolveError::UnknownPreset {
+        name: name_or_path.to_owned(),
+        suggestion: nearest(name_or_path, names.iter().map(String::as_str)).map(str::to_owned),
+    })
+}
+
+/// Read and validate a model file.
+pub fn load_model(path: &Path) -> Result<ModelSpec, FileError> {
+    let text = crate::diag::read_text(path)?;
+    model_from_toml_str(&text).map_err(|problems| FileError::Invalid {
+        path: PathBuf::from(path),
+        problems,
+    })
+}
+
+/// Parse and validate model text; every problem is returned.
+pub fn model_from_toml_str(text: &str) -> Result<ModelSpec, Vec<Problem>> {
+    let mut ctx = Ctx::new(text);
+    let schema = Schema::new("", fields_of::<RawModel>(), None).table(
+        "quant",
+        Schema::new("[quant]", fields_of::<RawQuant>(), None),
+    );
+    let Some(raw) = ctx.parse::<RawModel>(&schema) else {
+        return Err(ctx.into_problems());
+    };
+    match validate(&mut ctx, &raw) {
+        Some(m) if !ctx.has_problems() => Ok(m),
+        _ => Err(ctx.into_problems()),
+    }
+}
+
+/// Write a model as a format-1 model file (every field explicit), e.g. to start a custom model
+/// from a preset. [`model_from_toml_str`] reads it back to an equal [`ModelSpec`].
+pub fn model_to_toml_string(m: &ModelSpec) -> String {
+    let s = |v: &str| toml::Value::String(v.to_owned()).to_string();
+    format!(
+        "format = {MODEL_FORMAT}\n\
+         name = {}\n\
+         description = {}\n\
+         num_layers = {}\n\
+         first_dense_layers = {}\n\
+         moe_layer_step = {}\n\
+         hidden = {}\n\
+         routed_experts = {}\n\
+         top_k = {}\n\
+         moe_intermediate = {}\n\
+         shared_experts = {}\n\
+         shared_intermediate = {}\n\
+         scoring = {}\n\
+         norm_topk_prob = {}\n\
+         routed_scaling_factor = {}\n\
+         n_group = {}\n\
+         topk_group = {}\n\
+         toy = {}\n\
+         \n\
+         [quant]\n\
+         group_size = {}\n\
+         scale_dtype = {}\n\
+         zero_points = {}\n",
+        s(&m.name),
+        s(&m.description),
+        m.num_layers,
+        m.first_dense_layers,
+        m.moe_layer_step,
+        m.hidden,
+        m.routed_experts,
+        m.top_k,
+        m.moe_intermediate,
+        m.shared_experts,
+        m.shared_intermediate,
+        s(m.scoring.name()),
+        m.norm_topk_prob,
+        toml::Value::Float(m.routed_scaling_factor as f64),
+        m.n_group,
+        m.topk_group,
+        m.toy,
+        m.quant.group_size,
+        s(&m.quant.scale_dtype.to_string()),
+        m.quant.zero_points,
+    )
+}
+
+#[derive(Deserialize)]
+struct RawModel {
+    format: Field<i64>,
+    name: Field<String>,
+    description: Field<String>,
+    num_layers: Field<i64>,
+    first_dense_layers: Field<i64>,
+    moe_layer_step: Field<i64>,
+    hidden: Field<i64>,
+    routed_experts: Field<i64>,
+    top_k: Field<i64>,
+    moe_intermediate: Field<i64>,
+    shared_experts: Field<i64>,
+    shared_intermediate: Field<i64>,
+    scoring: Field<String>,
+    norm_topk_prob: Field<bool>,
+    routed_scaling_factor: Field<f64>,
+    n_group: Field<i64>,
+    topk_group: Field<i64>,
+    toy: Field<bool>,
+    quant: Field<RawQuant>,
+}
+
+#[derive(Deserialize)]
+struct RawQuant {
+    group_size: Field<i64>,
+    scale_dtype: Field<String>,
+    zero_points: Field<bool>,
+}
+
+const SCORINGS: &[(&str, Scoring)] = &[
+    ("softmax", Scoring::Softmax),
+    ("sigmoid-bias", Scoring::SigmoidBias),
+    ("topk-softmax", Scoring::TopkSoftmax),
+];
+
+fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
+    let top = "top level";
+    let mut spans: HashMap<&'static str, Range<usize>> = HashMap::new();
+    match split(&raw.format) {
+        (None, _) => ctx.at(
+            None,
+            top,
+            "missing `format`; add `format = 1` at the top of the file",
+        ),
+        (Some(MODEL_FORMAT), _) => {}
+        (Some(v), span) => ctx.at(
+            span,
+            top,
+            format!("unsupported format {v}; this build reads model format {MODEL_FORMAT}"),
+        ),
+    }
+    let mut ok = true;
+    let name = match split(&raw.name) {
+        (None, _) => {
+            ctx.at(None, top, "missing `name`; give the model a name");
+            String::new()
+        }
+        (Some(n), span) => {
+            let bad = n.is_empty()
+                || n.len() > 64
+                || n.chars()
+                    .any(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')));
+            if bad {
+                ctx.at(
+                    span,
+                    top,
+                    format!("model name \"{n}\" must be 1 to 64 letters, digits, '.', '_' or '-'"),
+                );
+            }
+            n
+        }
+    };
+    let item = format!("model \"{name}\"");
+    let mut int = |ctx: &mut Ctx<'_>,
+                   f: &Field<i64>,
+                   key: &'static str,
+                   default: Option<u32>,
+                   ok: &mut bool|
+     -> u32 {
+        match split(f) {
+            (None, _) => match default {
+                Some(d) => d,
+                None => {
+                    ctx.at(None, &item, format!("missing `{key}`"));
+                    *ok = false;
+                    0
+                }
+            },
+            (Some(v), span) => {
+                if let Some(s) = span.clone() {
+                    spans.insert(key, s);
+                }
+                match u32::try_from(v) {
+                    Ok(v) => v,
+                    Err(_) => {
+                        ctx.at(
+                            span,
+                            &item,
+                            format!("{key} = {v} must be a non-negative integer below 2^32"),
+                        );
+                        *ok = false;
+                        0
+                    }
+                }
+            }
+        }
+    };
+    let num_layers = int(ctx, &raw.num_layers, "num_layers", None, &mut ok);
+    let first_dense_layers = int(
+        ctx,
+        &raw.first_dense_layers,
+        "first_dense_layers",
+        Some(0),
+        &mut ok,
+    );
+    let moe_layer_step = int(ctx, &raw.moe_layer_step, "moe_layer_step", Some(1), &mut ok);
+    let hidden = int(ctx, &raw.hidden, "hidden", None, &mut ok);
+    let routed_experts = int(ctx, &raw.routed_experts, "routed_experts", None, &mut ok);
+    let top_k = int(ctx, &raw.top_k, "top_k", None, &mut ok);
+    let moe_intermediate = int(
+        ctx,
+        &raw.moe_intermediate,
+        "moe_intermediate",
+        None,
+        &mut ok,
+    );
+    let shared_experts = int(ctx, &raw.shared_experts, "shared_experts", Some(0), &mut ok);
+    let shared_intermediate = int(
+        ctx,
+        &raw.shared_intermediate,
+        "shared_intermediate",
+        Some(0),
+        &mut ok,
+    );
+    let n_group = int(ctx, &raw.n_group, "n_group", Some(1), &mut ok);
+    let topk_group = int(ctx, &raw.topk_group, "topk_group", Some(1), &mut ok);
+
+    let scoring = match split(&raw.scoring) {
+        (None, _) => {
+            ctx.at(
+                None,
+                &item,
+                "missing `scoring`; use \"softmax\", \"sigmoid-bias\" or \"topk-softmax\"",
+            );
+            // A stand-in that lets the other checks run (it allows group-limited routing).
+            Scoring::SigmoidBias
+        }
+        (Some(s), span) => match SCORINGS.iter().find(|(n, _)| *n == s) {
+            Some((_, v)) => *v,
+            None => {
+                let hint = nearest(&s, SCORINGS.iter().map(|(n, _)| *n))
+                    .map(|n| format!("; did you mean \"{n}\"?"))
+                    .unwrap_or_default();
+                ctx.at(
+                    span,
+                    &item,
+                    format!(
+                        "scoring \"{s}\" is not one of \"softmax\", \"sigmoid-bias\", \"topk-softmax\"{hint}"
+                    ),
+                );
+                Scoring::SigmoidBias
+            }
+        },
+    };
+    let routed_scaling_factor = match split(&raw.routed_scaling_factor) {
+        (None, _) => 1.0,
+        (Some(v), span) => {
+            if let Some(s) = span {
+                spans.insert("routed_scaling_factor", s);
+            }
+            v as f32
+        }
+    };
+    let mut quant = QuantSpec::G32_BF16;
+    if let Some(q) = &raw.quant {
+        let q = q.get_ref();
+        if let (Some(g), span) = split(&q.group_size) {
+            if let Some(s) = span.clone() {
+                spans.insert("quant", s);
+            }
+            match u32::try_from(g) {
+                Ok(g) => quant.group_size = g,
+                Err(_) => {
+                    ctx.at(
+                        span,
+                        "[quant]",
+                        format!("group_size = {g} must be 32, 64 or 128"),
+                    );
+                }
+            }
+        }
+        if let (Some(d), span) = split(&q.scale_dtype) {
+            match d.as_str() {
+                "bf16" => quant.scale_dtype = ScaleDtype::Bf16,
+                "f16" => quant.scale_dtype = ScaleDtype::F16,
+                _ => {
+                    ctx.at(
+                        span,
+                        "[quant]",
+                        format!("scale_dtype \"{d}\" is not \"bf16\" or \"f16\""),
+                    );
+                }
+            }
+        }
+        if let (Some(z), _) = split(&q.zero_points) {
+            quant.zero_points = z;
+        }
+    }
+    // Plausibility caps, far above any real model: they keep a typo (or a hostile file) from
+    // making later layer/expert tables exhaust memory.
+    for (key, value, cap) in [
+        ("num_layers", num_layers, MAX_LAYERS),
+        ("routed_experts", routed_experts, MAX_EXPERTS),
+        ("hidden", hidden, MAX_DIM),
+        ("moe_intermediate", moe_intermediate, MAX_DIM),
+        ("shared_intermediate", shared_intermediate, MAX_DIM),
+        ("shared_experts", shared_experts, MAX_SHARED),
+    ] {
+        if value > cap {
+            ctx.at(
+                spans.get(key).cloned(),
+                &item,
+                format!("{key} = {value} is implausibly large; this build accepts at most {cap}"),
+            );
+            ok = false;
+        }
+    }
+    // Without every size the consistency checks below would only produce noise. Problems with
+    // the name, scoring or quantization are already recorded and fail the file in the caller.
+    if !ok {
+        return None;
+    }
+    let spec = ModelSpec {
+        name,
+        description: raw
+            .description
+            .as_ref()
+            .map(|d| d.get_ref().clone())
+            .unwrap_or_default(),
+        num_layers,
+        first_dense_layers,
+        moe_layer_step,
+        hidden,
+        routed_experts,
+        top_k,
+        moe_intermediate,
+        shared_experts,
+        shared_intermediate,
+        scoring,
+        norm_topk_prob: raw.norm_topk_prob.as_ref().is_none_or(|b| *b.get_ref()),
+        routed_scaling_factor,
+        n_group,
+        topk_group,
+        quant,
+        toy: raw.toy.as_ref().is_some_and(|b| *b.get_ref()),
+    };
+    // ModelSpec::check names the field first in each message; locate it there when we can.
+    for msg in spec.check() {
+        let key = msg
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .next()
+            .unwrap_or("");
+        let span = spans.get(key).cloned().or(None);
+        ctx.at(span, &item, msg);
+    }
+    Some(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_round_trips_through_a_file() {
+        for m in presets() {
+            let text = model_to_toml_string(&m);
+            let back = model_from_toml_str(&text).unwrap_or_else(|p| panic!("{}: {p:?}", m.name));
+            assert_eq!(back, m, "{text}");
+        }
+    }
+
+    #[test]
+    fn minimal_file_takes_defaults() {
+        let m = model_from_toml_str(
+            "format = 1\nname = \"tiny\"\nnum_layers = 2\nhidden = 64\nrouted_experts = 4\n\
+             top_k = 2\nmoe_intermediate = 32\nscoring = \"softmax\"\n",
+        )
+        .unwrap();
+        assert_eq!(m.quant, QuantSpec::G32_BF16);
+        assert_eq!(m.moe_layer_ids(), vec![0, 1]);
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.routed_scaling_factor, 1.0);
+        assert_eq!(m.expert_bytes(), QuantSpec::G32_BF16.expert_bytes(64, 32));
+    }
+
+    #[test]
+    fn all_problems_at_once_with_locations() {
+        let text = "format = 1\nname = \"bad\"\nnum_layers = 2\nhiden = 64\nrouted_experts = 4\n\
+                    top_k = 9\nmoe_intermediate = 30\nscoring = \"sigmoid\"\n\
+                    [quant]\ngroup_size = 48\nscale_type = \"bf16\"\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        let all: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+        let joined = all.join("\n");
+        // unknown keys with suggestions and line:column
+        assert!(
+            joined.contains("4:1: top level: unknown key \"hiden\"; did you mean \"hidden\"?"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains(
+                "11:1: [quant]: unknown key \"scale_type\"; did you mean \"scale_dtype\"?"
+            ),
+            "{joined}"
+        );
+        // missing hidden (the typo), bad scoring with suggestion
+        assert!(joined.contains("missing `hidden`"), "{joined}");
+        assert!(
+            joined.contains("8:11: model \"bad\": scoring \"sigmoid\""),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("did you mean \"sigmoid-bias\"?"),
+            "{joined}"
+        );
+    }
+
+    #[test]
+    fn check_problems_are_located_on_their_key() {
+        let text = "format = 1\nname = \"bad\"\nnum_layers = 2\nhidden = 64\nrouted_experts = 4\n\
+                    top_k = 9\nmoe_intermediate = 30\nscoring = \"softmax\"\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        let joined: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+        let joined = joined.join("\n");
+        assert!(
+            joined
+                .contains("6:9: model \"bad\": top_k (9) must be between 1 and routed_experts (4)"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("7:20: model \"bad\": moe_intermediate (30)"),
+            "{joined}"
+        );
+    }
+
+    #[test]
+    fn implausible_sizes_are_rejected() {
+        let text = "format = 1\nname = \"huge\"\nnum_layers = 4000000000\nhidden = 64\n\
+                    routed_experts = 100000\ntop_k = 2\nmoe_intermediate = 32\nscoring = \"softmax\"\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        let all: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert!(
+            all[0]
+                .starts_with("3:14: model \"huge\": num_layers = 4000000000 is implausibly large"),
+            "{all:?}"
+        );
+        assert!(
+            all[1].starts_with("5:18: model \"huge\": routed_experts = 100000"),
+            "{all:?}"
+        );
+    }
+
+    #[test]
+    fn huge_group_counts_do_not_overflow() {
+        // topk_group x experts-per-group used to overflow u32 in ModelSpec::check.
+        let text = "format = 1\nname = \"g\"\nnum_layers = 2\nhidden = 64\nrouted_experts = 4\n\
+                    top_k = 2\nmoe_intermediate = 32\nscoring = \"sigmoid-bias\"\nn_group = 2\n\
+                    topk_group = 3000000000\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].to_string().starts_with(
+                "10:14: model \"g\": topk_group (3000000000) must be between 1 and n_group (2)"
+            ),
+            "{}",
+            p[0]
+        );
+    }
+
+    #[test]
+    fn type_errors_carry_line_and_column() {
+        let text = "format = 1\nname = \"t\"\nnum_layers = \"two\"\n";
+        let p = model_from_toml_str(text).unwrap_err();
+        assert_eq!(p.len(), 1, "{p:?}");
+        let s = p[0].to_string();
+        assert!(
+            s.starts_with("3:14: top level: `num_layers`: wrong type"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn syntax_errors_carry_line_and_column() {
+        let p = model_from_toml_str("format = 1\nname = \"t\nhidden = 3\n").unwrap_err();
+        assert_eq!(p.len(), 1);
+        let loc = p[0].location().unwrap();
+        assert_eq!(loc.line(), 2, "{}", p[0]);
+        assert!(p[0].message().starts_with("TOML syntax error"), "{}", p[0]);
+    }
+
+    #[test]
+    fn resolve_presets_files_and_unknowns() {
+        assert_eq!(resolve_model("kimi-k2").unwrap().routed_experts, 384);
+        match resolve_model("kimi-k3") {
+            Err(ResolveError::UnknownPreset { suggestion, .. }) => {
+                assert_eq!(suggestion.as_deref(), Some("kimi-k2"))
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = resolve_model("/nonexistent/dir/model.toml").unwrap_err();
+        assert!(e.is_usage(), "{e}");
+        let dir = std::env::temp_dir().join(format!("em-model-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.toml");
+        let preset = preset_by_name("qwen3-30b-a3b").unwrap();
+        std::fs::write(&path, model_to_toml_string(&preset)).unwrap();
+        assert_eq!(resolve_model(path.to_str().unwrap()).unwrap(), preset);
+        std::fs::write(&path, "format = 2\n").unwrap();
+        let e = resolve_model(path.to_str().unwrap()).unwrap_err();
+        assert!(!e.is_usage());
+        assert!(e.to_string().contains("unsupported format 2"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
