@@ -123,18 +123,31 @@ impl GroupedBatch<'_> {
         let t = self.tokens;
         let h = self.hidden;
         if h == 0 || h % crate::format::BLOCK != 0 {
-            return Err(BackendError::Shape(format!("hidden size {h} is not a positive multiple of 32")));
+            return Err(BackendError::Shape(format!(
+                "hidden size {h} is not a positive multiple of 32"
+            )));
         }
         if t > limits.max_tokens {
-            return Err(BackendError::Capacity { what: "tokens", limit: limits.max_tokens, got: t });
+            return Err(BackendError::Capacity {
+                what: "tokens",
+                limit: limits.max_tokens,
+                got: t,
+            });
         }
         let pairs = self.pairs();
         if pairs > limits.max_pairs {
-            return Err(BackendError::Capacity { what: "(token, expert) pairs", limit: limits.max_pairs, got: pairs });
+            return Err(BackendError::Capacity {
+                what: "(token, expert) pairs",
+                limit: limits.max_pairs,
+                got: pairs,
+            });
         }
         match self.input {
             Activations::F32(x) if x.len() != t * h => {
-                return Err(BackendError::Shape(format!("input has {} values, expected {t} x {h}", x.len())));
+                return Err(BackendError::Shape(format!(
+                    "input has {} values, expected {t} x {h}",
+                    x.len()
+                )));
             }
             Activations::Q8 { q, d } => {
                 if q.len() != t * h || d.len() != t * h / crate::format::BLOCK {
@@ -147,13 +160,18 @@ impl GroupedBatch<'_> {
                     )));
                 }
                 if self.mode != ComputeMode::Exact {
-                    return Err(BackendError::Shape("q8 input is only valid in exact mode".into()));
+                    return Err(BackendError::Shape(
+                        "q8 input is only valid in exact mode".into(),
+                    ));
                 }
             }
             _ => {}
         }
         if out_len != self.output_len() {
-            return Err(BackendError::Shape(format!("output has {out_len} values, expected {}", self.output_len())));
+            return Err(BackendError::Shape(format!(
+                "output has {out_len} values, expected {}",
+                self.output_len()
+            )));
         }
         let mut seen = vec![false; pairs];
         for g in self.groups {
@@ -169,7 +187,10 @@ impl GroupedBatch<'_> {
             }
             for (&tok, &row) in g.tokens.iter().zip(g.out_rows) {
                 if tok as usize >= t {
-                    return Err(BackendError::Shape(format!("{}: token row {tok} out of range (batch has {t})", g.key)));
+                    return Err(BackendError::Shape(format!(
+                        "{}: token row {tok} out of range (batch has {t})",
+                        g.key
+                    )));
                 }
                 let r = row as usize;
                 if r >= pairs || seen[r] {
@@ -249,7 +270,11 @@ pub trait ExpertBackend: Send {
 
     /// Pin `experts` for the life of the backend and allocate every buffer for batches up to
     /// `limits`. Called once; a second call replaces everything.
-    fn load(&mut self, experts: Vec<(ExpertKey, ExpertWeights)>, limits: BatchLimits) -> Result<(), BackendError>;
+    fn load(
+        &mut self,
+        experts: Vec<(ExpertKey, ExpertWeights)>,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError>;
 
     /// Run one grouped batch, writing `batch.output_len()` values to `out`.
     fn execute(&mut self, batch: &GroupedBatch<'_>, out: &mut [f32]) -> Result<(), BackendError>;
