@@ -14,4 +14,18 @@
 
 pub mod codec;
 pub mod dtype;
+pub mod frontend;
+pub mod mesh;
 pub mod protocol;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod shm;
+mod tcp;
+
+pub use codec::{Body, CodecConfig, CodecError, FrameKind};
+pub use dtype::{ActivationDtype, OutputDtype};
+pub use mesh::{
+    LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, PeerAddress, PeerError, PeerErrorKind,
+    PeerStats, Rank, RecvFrame, ShmConfig, StartError, Transport, TransportEvent,
+};
+pub use protocol::ProtocolConfig;
