@@ -16,7 +16,7 @@
 //!  8       4    frame_len        total bytes, header + metadata + padding + payload
 //! 12       4    meta_len         bytes of kind-specific metadata starting at offset 32
 //! 16       4    payload_len      bytes of payload
-//! 20       4    payload_crc32c   crc32c of the payload when flag bit 0 is set, else 0
+//! 20       4    payload_crc32c   crc32c of metadata then payload when flag bit 0 is set, else 0
 //! 24       4    header_crc32c    crc32c of bytes 0..24 (catches garbage and torn headers)
 //! 28       4    reserved         must be 0
 //! 32       …    metadata         meta_len bytes
@@ -122,7 +122,7 @@ pub enum CodecError {
         /// Announced payload length.
         payload_len: u32,
     },
-    /// The payload checksum does not match.
+    /// The metadata-and-payload checksum does not match.
     #[error("payload crc32c mismatch: header says 0x{expected:08x}, payload has 0x{actual:08x}")]
     PayloadChecksum {
         /// Checksum in the header.
@@ -369,10 +369,10 @@ pub fn encode_head(
     }
     out.clear();
     out.reserve(head);
-    let (flags, crc) = if cfg.payload_checksum {
-        (FLAG_PAYLOAD_CRC, crc32c::crc32c(payload))
+    let flags = if cfg.payload_checksum {
+        FLAG_PAYLOAD_CRC
     } else {
-        (0, 0)
+        0
     };
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.push(FORMAT_VERSION);
@@ -381,12 +381,15 @@ pub fn encode_head(
     out.extend_from_slice(&(total as u32).to_le_bytes());
     out.extend_from_slice(&(meta_len as u32).to_le_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc.to_le_bytes());
-    let hcrc = crc32c::crc32c(&out[..24]);
-    out.extend_from_slice(&hcrc.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&[0u8; 12]); // crc, header crc, reserved: patched below
     body.write_meta(out);
     debug_assert_eq!(out.len(), HEADER_LEN + meta_len);
+    if cfg.payload_checksum {
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&out[HEADER_LEN..]), payload);
+        out[20..24].copy_from_slice(&crc.to_le_bytes());
+    }
+    let hcrc = crc32c::crc32c(&out[..24]);
+    out[24..28].copy_from_slice(&hcrc.to_le_bytes());
     out.resize(head, 0);
     Ok(total as usize)
 }
@@ -431,7 +434,7 @@ pub fn decode_with_header(
     }
     let payload = &frame[payload_range.clone()];
     if let Some(expected) = header.payload_crc {
-        let actual = crc32c::crc32c(payload);
+        let actual = crc32c::crc32c_append(crc32c::crc32c(&frame[header.meta_range()]), payload);
         if actual != expected {
             return Err(CodecError::PayloadChecksum { expected, actual });
         }
