@@ -926,10 +926,8 @@ impl Body {
                     return Err(bad(kind, "too many (expert, weight) pairs"));
                 }
             }
-            Self::Error(e) => {
-                if e.message.len() > MAX_ERROR_MESSAGE_BYTES {
-                    return Err(bad(kind, "error message longer than 4096 bytes"));
-                }
+            Self::Error(e) if e.message.len() > MAX_ERROR_MESSAGE_BYTES => {
+                return Err(bad(kind, "error message longer than 4096 bytes"));
             }
             _ => {}
         }

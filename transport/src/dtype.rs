@@ -118,7 +118,7 @@ impl ActivationDtype {
             Self::F32 => n.checked_mul(4),
             Self::Fp8E4m3 => (align_up(n as usize) as u64).checked_add((tokens as u64) * 4),
             Self::Q8Block32 => {
-                if hidden % 32 != 0 {
+                if !hidden.is_multiple_of(32) {
                     return None;
                 }
                 (align_up(n as usize) as u64).checked_add(n / 32 * 4)

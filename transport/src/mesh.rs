@@ -318,10 +318,10 @@ impl RecvFrame {
 
 impl Drop for RecvFrame {
     fn drop(&mut self) {
-        if let Storage::Heap { buf, pool } = &mut self.storage {
-            if let (Some(b), Some(p)) = (buf.take(), pool.upgrade()) {
-                p.put(b);
-            }
+        if let Storage::Heap { buf, pool } = &mut self.storage
+            && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
+        {
+            p.put(b);
         }
         if let Some(link) = self.link.upgrade() {
             link.release(credit_cost(self.frame_len));
@@ -639,10 +639,10 @@ impl Link {
 }
 
 fn recycle(storage: Storage) {
-    if let Storage::Heap { mut buf, pool } = storage {
-        if let (Some(b), Some(p)) = (buf.take(), pool.upgrade()) {
-            p.put(b);
-        }
+    if let Storage::Heap { mut buf, pool } = storage
+        && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
+    {
+        p.put(b);
     }
 }
 

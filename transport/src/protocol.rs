@@ -506,16 +506,16 @@ impl Connection {
             };
             return Err(self.fail(e, true));
         }
-        if let Some(expected) = self.expected_peer {
-            if h.rank != expected {
-                return Err(self.fail(
-                    ProtocolError::UnexpectedRank {
-                        expected,
-                        got: h.rank,
-                    },
-                    true,
-                ));
-            }
+        if let Some(expected) = self.expected_peer
+            && h.rank != expected
+        {
+            return Err(self.fail(
+                ProtocolError::UnexpectedRank {
+                    expected,
+                    got: h.rank,
+                },
+                true,
+            ));
         }
         let client_ok = h.rank == CLIENT_RANK && self.cfg.accept_clients;
         let server_ok = self.cfg.local_rank == CLIENT_RANK && h.rank < h.world_size;

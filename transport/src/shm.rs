@@ -196,11 +196,12 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
         };
         // name: <prefix><from>to<to>-<pid>-<nonce>
         let pid = rest.split('-').nth(1).and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid {
-            if !pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
-                tracing::warn!(path = %e.path().display(), pid, "removed stale shared-memory segment of a dead process");
-                removed += 1;
-            }
+        if let Some(pid) = pid
+            && !pid_alive(pid)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::warn!(path = %e.path().display(), pid, "removed stale shared-memory segment of a dead process");
+            removed += 1;
         }
     }
     removed
@@ -419,7 +420,10 @@ fn consumer_loop(
             wait_for_data(h, read_pos, ring.spin_iterations, link);
             continue;
         }
-        if head < read_pos || head - read_pos > cap || read_pos % PAYLOAD_ALIGN as u64 != 0 {
+        if head < read_pos
+            || head - read_pos > cap
+            || !read_pos.is_multiple_of(PAYLOAD_ALIGN as u64)
+        {
             return Err(corrupt(format!(
                 "head {head} inconsistent with read position {read_pos}"
             )));
@@ -464,9 +468,8 @@ fn consumer_loop(
             frame_len,
         };
         read_pos += record;
-        match link.on_frame(&header, Storage::Shm(lease))? {
-            Some(frame) => link.deliver(frame),
-            None => {}
+        if let Some(frame) = link.on_frame(&header, Storage::Shm(lease))? {
+            link.deliver(frame)
         }
     }
 }
@@ -544,7 +547,7 @@ impl RingProducer {
             return Err(bad("wrong magic or version (stale or foreign file)".into()));
         }
         let capacity = h.capacity as usize;
-        if capacity + DATA_OFFSET != size || capacity % PAYLOAD_ALIGN != 0 {
+        if capacity + DATA_OFFSET != size || !capacity.is_multiple_of(PAYLOAD_ALIGN) {
             return Err(bad(format!(
                 "capacity {capacity} does not match file size {size}"
             )));

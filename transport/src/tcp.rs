@@ -131,11 +131,10 @@ pub(crate) async fn handshake(
                     .await
                     .map_err(|e| ProtocolError::Closed(format!("handshake write: {e}")))?;
             }
-            while let Some(ev) = conn.poll_event() {
-                match ev {
-                    Event::Established(p) => return Ok(p),
-                    Event::Closed(e) => return Err(e),
-                }
+            match conn.poll_event() {
+                Some(Event::Established(p)) => return Ok(p),
+                Some(Event::Closed(e)) => return Err(e),
+                None => {}
             }
             if let Some(e) = conn.close_reason() {
                 return Err(e.clone());
@@ -257,7 +256,7 @@ pub(crate) async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
             Err(e) => {
                 failures += 1;
                 let msg = format!("dial {} ({}): {e}", spec.addr, kind.name());
-                if failures == 1 || failures % 20 == 0 {
+                if failures == 1 || failures.is_multiple_of(20) {
                     tracing::warn!(peer, attempt = failures, "{msg}; retrying in {backoff:?}");
                 } else {
                     tracing::debug!(peer, attempt = failures, "{msg}");
