@@ -32,6 +32,9 @@ enum Command {
         #[arg(long, default_value = "demo-small")]
         model: String,
     },
+    /// Run a benchmark (each figure against a limit measured in the same run).
+    #[command(subcommand)]
+    Bench(crate::bench_cli::BenchTarget),
 }
 
 /// Exit code for invalid input (validation failed, results mismatched).
@@ -65,6 +68,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
+        Command::Bench(target) => crate::bench_cli::run(target),
     }
 }
 

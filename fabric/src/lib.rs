@@ -3,4 +3,7 @@
 //! Why this crate exists: it composes topology, kernels, transport and router into running
 //! processes. The `expertmesh` binary is a thin `main` over [`cli`].
 
+pub mod bench_cli;
+pub mod bench_json;
+pub mod bench_transport;
 pub mod cli;

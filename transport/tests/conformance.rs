@@ -542,7 +542,12 @@ fn rdma_device_present() -> bool {
         .map(|mut d| d.next().is_some())
         .unwrap_or(false);
     if !present {
-        eprintln!("skipped: no RDMA device (/sys/class/infiniband is empty)");
+        // Written to the real stderr (not the captured eprintln!) so the skip is visible.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: no RDMA device (/sys/class/infiniband is empty)"
+        );
     }
     present
 }

@@ -1,0 +1,160 @@
+//! The bench report format shared by `expertmesh bench kernels|transport|fabric`.
+//!
+//! Why this exists: every benchmark reports its figures against a limit measured in the same
+//! run, in one JSON shape (design brief §3), so results from different machines and benches can
+//! be compared by tools without per-bench parsing:
+//! `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit", "unit", "ratio", ...}]}`.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Description of the machine a bench ran on.
+#[derive(Debug, Clone, Serialize)]
+pub struct MachineInfo {
+    /// Host name.
+    pub hostname: String,
+    /// Operating system.
+    pub os: String,
+    /// CPU architecture.
+    pub arch: String,
+    /// Logical CPUs available to the process.
+    pub cpus: usize,
+    /// CPU model name, when known.
+    pub cpu_model: Option<String>,
+    /// Total memory in bytes, when known.
+    pub memory_bytes: Option<u64>,
+    /// Bench-specific additions (devices, NICs, settings).
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl MachineInfo {
+    /// Detects what can be read cheaply from the OS.
+    pub fn detect() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let cpu_model = read("/proc/cpuinfo").and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_owned())
+        });
+        let memory_bytes = read("/proc/meminfo").and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+        });
+        Self {
+            hostname: read("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default(),
+            os: std::env::consts::OS.to_owned(),
+            arch: std::env::consts::ARCH.to_owned(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu_model,
+            memory_bytes,
+            extra: BTreeMap::new(),
+        }
+    }
+}
+
+/// One measured figure against its same-run limit.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    /// What was measured (`tcp_dispatch_throughput`, ...).
+    pub name: String,
+    /// Batch size (tokens, requests) of the measurement.
+    pub batch: u64,
+    /// The measured value.
+    pub achieved: f64,
+    /// The limit measured in the same run.
+    pub limit: f64,
+    /// Unit of `achieved` and `limit` (`GB/s`, `us`, ...).
+    pub unit: String,
+    /// `achieved / limit`.
+    pub ratio: f64,
+    /// Extra fields (`"better": "lower"` for latencies, limit description, sample counts).
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl BenchResult {
+    /// A result; `ratio` is computed (0 when the limit is not positive).
+    pub fn new(name: impl Into<String>, batch: u64, achieved: f64, limit: f64, unit: &str) -> Self {
+        Self {
+            name: name.into(),
+            batch,
+            achieved,
+            limit,
+            unit: unit.to_owned(),
+            ratio: if limit > 0.0 { achieved / limit } else { 0.0 },
+            extra: BTreeMap::new(),
+        }
+    }
+
+    /// Adds an extra field.
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.extra.insert(key.to_owned(), value.into());
+        self
+    }
+}
+
+/// A whole bench report.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The machine.
+    pub machine: MachineInfo,
+    /// The figures.
+    pub results: Vec<BenchResult>,
+}
+
+impl BenchReport {
+    /// Writes the report as pretty JSON.
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        let text = serde_json::to_string_pretty(self)?;
+        std::fs::write(path, text)
+            .map_err(|e| anyhow::anyhow!("cannot write bench report {}: {e}", path.display()))
+    }
+}
+
+/// Percentile (nearest rank) of sorted samples; 0 for none.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_has_the_documented_shape() {
+        let r = BenchReport {
+            machine: MachineInfo::detect(),
+            results: vec![BenchResult::new("x", 8, 3.0, 4.0, "GB/s").with("better", "higher")],
+        };
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        let res = &v["results"][0];
+        for k in [
+            "name", "batch", "achieved", "limit", "unit", "ratio", "better",
+        ] {
+            assert!(res.get(k).is_some(), "missing {k}");
+        }
+        assert_eq!(res["ratio"], 0.75);
+        assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
+    }
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&s, 50.0), 50.0);
+        assert_eq!(percentile(&s, 99.0), 99.0);
+        assert_eq!(percentile(&s, 100.0), 100.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+    }
+}
