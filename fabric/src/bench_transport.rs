@@ -266,11 +266,8 @@ async fn echo_server(mesh: Mesh, mut events: MeshEvents) {
         };
         drop(f);
         match id {
-            1 => {
-                if mesh.send(0, &ack).await.is_err() {
-                    return;
-                }
-            }
+            1 if mesh.send(0, &ack).await.is_err() => return,
+            1 => {}
             2 => {
                 counted += 1;
                 if counted == expect {
