@@ -1,72 +1,151 @@
-//! The bench JSON format of DESIGN.md §3, shared by every `expertmesh bench` subcommand.
+//! The bench report format shared by `expertmesh bench kernels|transport|fabric`.
 //!
-//! Why this exists: hardware evaluators compare machines by these files, so every bench writes
-//! the same shape: `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit",
-//! "unit", "ratio", ...}]}` with `limit` measured in the same run and `ratio = achieved / limit`.
+//! Why this exists: every benchmark reports its figures against a limit measured in the same
+//! run, in one JSON shape (design brief §3), so results from different machines and benches can
+//! be compared by tools without per-bench parsing:
+//! `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit", "unit", "ratio", ...}]}`.
 
 use serde::Serialize;
-use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
 
-/// One measured figure.
+/// Description of the machine a bench ran on.
+#[derive(Debug, Clone, Serialize)]
+pub struct MachineInfo {
+    /// Host name.
+    pub hostname: String,
+    /// Operating system.
+    pub os: String,
+    /// CPU architecture.
+    pub arch: String,
+    /// Logical CPUs available to the process.
+    pub cpus: usize,
+    /// CPU model name, when known.
+    pub cpu_model: Option<String>,
+    /// Total memory in bytes, when known.
+    pub memory_bytes: Option<u64>,
+    /// Bench-specific additions (devices, NICs, settings).
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl MachineInfo {
+    /// Detects what can be read cheaply from the OS.
+    pub fn detect() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let cpu_model = read("/proc/cpuinfo").and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_owned())
+        });
+        let memory_bytes = read("/proc/meminfo").and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+        });
+        Self {
+            hostname: read("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default(),
+            os: std::env::consts::OS.to_owned(),
+            arch: std::env::consts::ARCH.to_owned(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu_model,
+            memory_bytes,
+            extra: BTreeMap::new(),
+        }
+    }
+}
+
+/// One measured figure against its same-run limit.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchResult {
-    /// What was measured.
+    /// What was measured (`tcp_dispatch_throughput`, ...).
     pub name: String,
-    /// Batch size (tokens).
+    /// Batch size (tokens, requests) of the measurement.
     pub batch: u64,
     /// The measured value.
     pub achieved: f64,
-    /// The same-run limit it is compared with.
+    /// The limit measured in the same run.
     pub limit: f64,
-    /// Unit of `achieved` and `limit`.
+    /// Unit of `achieved` and `limit` (`GB/s`, `us`, ...).
     pub unit: String,
     /// `achieved / limit`.
     pub ratio: f64,
-    /// Extra fields (flattened into the object).
+    /// Extra fields (`"better": "lower"` for latencies, limit description, sample counts).
     #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    pub extra: BTreeMap<String, serde_json::Value>,
 }
 
 impl BenchResult {
-    /// A result with `ratio` computed.
+    /// A result; `ratio` is computed (0 when the limit is not positive).
     pub fn new(name: impl Into<String>, batch: u64, achieved: f64, limit: f64, unit: &str) -> Self {
         Self {
             name: name.into(),
             batch,
             achieved,
             limit,
-            unit: unit.into(),
+            unit: unit.to_owned(),
             ratio: if limit > 0.0 { achieved / limit } else { 0.0 },
-            extra: Map::new(),
+            extra: BTreeMap::new(),
         }
     }
 
-    /// Add an extra field.
-    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
-        self.extra.insert(key.into(), value.into());
+    /// Adds an extra field.
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.extra.insert(key.to_owned(), value.into());
         self
+    }
+}
+
+impl Default for BenchReport {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
 /// A whole bench report.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
-    /// Where it ran.
-    pub machine: Map<String, Value>,
-    /// What was measured.
+    /// The machine.
+    pub machine: MachineInfo,
+    /// The figures.
     pub results: Vec<BenchResult>,
 }
 
 impl BenchReport {
-    /// An empty report for this machine.
+    /// An empty report for this machine, with CPU details the kernel figures depend on
+    /// (clock, last-level cache, SIMD level) in `machine`.
     pub fn new() -> Self {
+        let mut machine = MachineInfo::detect();
+        if let Some(mhz) = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("cpu MHz"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        }) {
+            machine.extra.insert("cpu_mhz".into(), mhz.into());
+        }
+        machine.extra.insert(
+            "llc_bytes".into(),
+            expertmesh_hip_kernels::cpu::membw::last_level_cache_bytes().into(),
+        );
+        machine.extra.insert(
+            "cpu_isa".into(),
+            expertmesh_hip_kernels::cpu::kernels::Isa::detect()
+                .name()
+                .into(),
+        );
         Self {
-            machine: machine_info(),
+            machine,
             results: Vec::new(),
         }
     }
 
-    /// Print the results as a table.
+    /// Prints the results as a table.
     pub fn print_table(&self) {
         println!(
             "{:<44} {:>6} {:>12} {:>12} {:>8} {:>7}",
@@ -80,67 +159,50 @@ impl BenchReport {
         }
     }
 
-    /// Write the JSON file.
-    pub fn write(&self, path: &std::path::Path) -> anyhow::Result<()> {
-        use anyhow::Context;
-        std::fs::write(path, serde_json::to_string_pretty(self)?)
-            .with_context(|| format!("cannot write bench JSON to {}", path.display()))
+    /// Writes the report as pretty JSON.
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        let text = serde_json::to_string_pretty(self)?;
+        std::fs::write(path, text)
+            .map_err(|e| anyhow::anyhow!("cannot write bench report {}: {e}", path.display()))
     }
 }
 
-impl Default for BenchReport {
-    fn default() -> Self {
-        Self::new()
+/// Percentile (nearest rank) of sorted samples; 0 for none.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
     }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// CPU model, core count, memory, caches, OS: what a reader needs to interpret the ratios.
-pub fn machine_info() -> Map<String, Value> {
-    let mut m = Map::new();
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |name: &str| {
-        cpuinfo
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split(':').nth(1))
-            .map(|v| v.trim().to_string())
-    };
-    m.insert(
-        "cpu".into(),
-        field("model name")
-            .unwrap_or_else(|| "unknown".into())
-            .into(),
-    );
-    if let Some(mhz) = field("cpu MHz").and_then(|v| v.parse::<f64>().ok()) {
-        m.insert("cpu_mhz".into(), mhz.into());
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_has_the_documented_shape() {
+        let r = BenchReport {
+            machine: MachineInfo::detect(),
+            results: vec![BenchResult::new("x", 8, 3.0, 4.0, "GB/s").with("better", "higher")],
+        };
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        let res = &v["results"][0];
+        for k in [
+            "name", "batch", "achieved", "limit", "unit", "ratio", "better",
+        ] {
+            assert!(res.get(k).is_some(), "missing {k}");
+        }
+        assert_eq!(res["ratio"], 0.75);
+        assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
     }
-    m.insert(
-        "cores".into(),
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .into(),
-    );
-    m.insert(
-        "llc_bytes".into(),
-        expertmesh_hip_kernels::cpu::membw::last_level_cache_bytes().into(),
-    );
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    if let Some(kb) = meminfo
-        .lines()
-        .find(|l| l.starts_with("MemTotal"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        m.insert("memory_bytes".into(), (kb * 1024).into());
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&s, 50.0), 50.0);
+        assert_eq!(percentile(&s, 99.0), 99.0);
+        assert_eq!(percentile(&s, 100.0), 100.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
     }
-    m.insert(
-        "isa".into(),
-        expertmesh_hip_kernels::cpu::kernels::Isa::detect()
-            .name()
-            .into(),
-    );
-    m.insert("os".into(), std::env::consts::OS.into());
-    m.insert("arch".into(), std::env::consts::ARCH.into());
-    m
 }

@@ -136,10 +136,15 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     );
     report
         .machine
+        .extra
         .insert("read_bandwidth_gbs".into(), gbs(bw).into());
-    report.machine.insert("threads".into(), opts.threads.into());
+    report
+        .machine
+        .extra
+        .insert("threads".into(), opts.threads.into());
     let mhz = report
         .machine
+        .extra
         .get("cpu_mhz")
         .and_then(|v| v.as_f64())
         .unwrap_or(0.0);

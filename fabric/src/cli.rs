@@ -25,11 +25,9 @@ enum Command {
     Models(crate::models_cmd::ModelsArgs),
     /// Check a topology file, and optionally a model and a placement against it.
     Validate(crate::validate_cmd::ValidateArgs),
-    /// Measure kernels, transport or the whole fabric against same-run limits.
-    Bench {
-        #[command(subcommand)]
-        what: BenchCommand,
-    },
+    /// Run a benchmark (each figure against a limit measured in the same run).
+    #[command(subcommand)]
+    Bench(crate::bench_cli::BenchTarget),
     /// Run the main job on the embedded default and print a report.
     Demo {
         /// Write the report as JSON to this file.
@@ -38,38 +36,6 @@ enum Command {
         /// Model preset or model TOML file.
         #[arg(long, default_value = "demo-small")]
         model: String,
-    },
-}
-
-#[derive(Subcommand, Debug)]
-enum BenchCommand {
-    /// Expert FFN kernels on the CPU backend vs. memory read bandwidth and int8 peak.
-    Kernels {
-        /// Write the results as JSON (DESIGN.md §3) to this file.
-        #[arg(long)]
-        json: Option<std::path::PathBuf>,
-        /// Backend threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Seconds of measurement per case.
-        #[arg(long, default_value_t = 2.0)]
-        seconds: f64,
-        /// Comma-separated model presets whose expert shapes are measured.
-        #[arg(
-            long,
-            default_value = "kimi-k2,qwen3-30b-a3b,mixtral-8x7b",
-            value_delimiter = ','
-        )]
-        models: Vec<String>,
-        /// Comma-separated decode batch sizes.
-        #[arg(long, default_value = "1,2,4,8,16,64,256", value_delimiter = ',')]
-        batches: Vec<usize>,
-        /// Tokens per expert for the prefill case (0 skips it).
-        #[arg(long, default_value_t = 256)]
-        prefill_tokens: usize,
-        /// Minimum weight pool in MiB (default: max(1 GiB, 8 x last-level cache)).
-        #[arg(long, default_value_t = 0)]
-        pool_mib: u64,
     },
 }
 
@@ -102,42 +68,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Models(args) => Ok(crate::models_cmd::run(&args)),
         Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
         Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
-        Command::Bench { what } => match what {
-            BenchCommand::Kernels {
-                json,
-                threads,
-                seconds,
-                models,
-                batches,
-                prefill_tokens,
-                pool_mib,
-            } => {
-                let models = models
-                    .iter()
-                    .map(|m| resolve_model(m).map_err(anyhow::Error::from))
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                let threads = threads.unwrap_or_else(|| {
-                    std::thread::available_parallelism()
-                        .map(|n| n.get())
-                        .unwrap_or(1)
-                });
-                let report =
-                    crate::bench_kernels::run(&crate::bench_kernels::KernelBenchOptions {
-                        threads,
-                        seconds,
-                        models,
-                        batches,
-                        prefill_tokens,
-                        pool_bytes: pool_mib << 20,
-                    })?;
-                report.print_table();
-                if let Some(path) = json {
-                    report.write(&path)?;
-                    println!("wrote {}", path.display());
-                }
-                Ok(ExitCode::SUCCESS)
-            }
-        },
+        Command::Bench(target) => crate::bench_cli::run(target),
     }
 }
 

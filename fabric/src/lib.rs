@@ -3,8 +3,10 @@
 //! Why this crate exists: it composes topology, kernels, transport and router into running
 //! processes. The `expertmesh` binary is a thin `main` over [`cli`].
 
+pub mod bench_cli;
 pub mod bench_json;
 pub mod bench_kernels;
+pub mod bench_transport;
 pub mod cli;
 pub mod models_cmd;
 mod table;

@@ -1,0 +1,126 @@
+//! `expertmesh bench <target>`: the bench subcommands and their arguments.
+//!
+//! Why this exists: each bench lives in its own module; this one only parses arguments and
+//! dispatches, so adding `bench kernels` or `bench fabric` is one enum variant here.
+
+use crate::bench_transport::{self, TransportBenchArgs};
+use clap::{Args, Subcommand};
+use expertmesh_transport::LinkKind;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// What to benchmark.
+#[derive(Subcommand, Debug)]
+pub enum BenchTarget {
+    /// Expert FFN kernels on the CPU backend against the memory read bandwidth (decode) and
+    /// the int8 peak (prefill) measured in the same run.
+    Kernels(KernelsCli),
+    /// Dispatch-frame throughput and round-trip latency over TCP loopback and shared memory,
+    /// against a raw socket and memcpy measured in the same run.
+    Transport(TransportCli),
+}
+
+/// Arguments of `bench kernels`.
+#[derive(Args, Debug)]
+pub struct KernelsCli {
+    /// Write the results as JSON (DESIGN.md §3) to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Backend threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Seconds of measurement per case.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Comma-separated model presets whose expert shapes are measured.
+    #[arg(
+        long,
+        default_value = "kimi-k2,qwen3-30b-a3b,mixtral-8x7b",
+        value_delimiter = ','
+    )]
+    models: Vec<String>,
+    /// Comma-separated decode batch sizes.
+    #[arg(long, default_value = "1,2,4,8,16,64,256", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Tokens per expert for the prefill case (0 skips it).
+    #[arg(long, default_value_t = 256)]
+    prefill_tokens: usize,
+    /// Minimum weight pool in MiB (default: max(1 GiB, 8 x last-level cache)).
+    #[arg(long, default_value_t = 0)]
+    pool_mib: u64,
+}
+
+/// Arguments of `bench transport`.
+#[derive(Args, Debug)]
+pub struct TransportCli {
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Approximate seconds per throughput measurement.
+    #[arg(long, default_value_t = 0.3)]
+    seconds: f64,
+    /// Round trips per latency measurement (a quarter for 64 and 256 tokens).
+    #[arg(long, default_value_t = 400)]
+    round_trips: usize,
+    /// Links to measure: tcp, shm (repeatable; default both).
+    #[arg(long = "link", value_parser = parse_link)]
+    links: Vec<LinkKind>,
+}
+
+fn parse_link(s: &str) -> Result<LinkKind, String> {
+    match s {
+        "tcp" => Ok(LinkKind::Tcp),
+        "shm" => Ok(LinkKind::Shm),
+        other => Err(format!("unknown link {other:?}; use tcp or shm")),
+    }
+}
+
+/// Runs a bench target.
+pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
+    match target {
+        BenchTarget::Kernels(k) => {
+            anyhow::ensure!(
+                k.seconds > 0.0 && k.seconds <= 600.0,
+                "--seconds must be in (0, 600]"
+            );
+            let models = k
+                .models
+                .iter()
+                .map(|m| expertmesh_topology::resolve_model(m).map_err(anyhow::Error::from))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let threads = k
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let report = crate::bench_kernels::run(&crate::bench_kernels::KernelBenchOptions {
+                threads,
+                seconds: k.seconds,
+                models,
+                batches: k.batches,
+                prefill_tokens: k.prefill_tokens,
+                pool_bytes: k.pool_mib << 20,
+            })?;
+            report.print_table();
+            if let Some(path) = k.json {
+                report.write(&path)?;
+                println!("wrote {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        BenchTarget::Transport(t) => {
+            let mut args = TransportBenchArgs {
+                json: t.json,
+                seconds: t.seconds,
+                round_trips: t.round_trips,
+                ..TransportBenchArgs::default()
+            };
+            anyhow::ensure!(
+                t.seconds > 0.0 && t.seconds <= 60.0,
+                "--seconds must be in (0, 60]"
+            );
+            if !t.links.is_empty() {
+                args.links = t.links;
+            }
+            bench_transport::run(&args)
+        }
+    }
+}

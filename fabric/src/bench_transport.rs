@@ -1,0 +1,499 @@
+//! `expertmesh bench transport`: dispatch-frame throughput and round-trip latency over TCP
+//! loopback and shared memory, each against a limit measured in the same run.
+//!
+//! Why this exists: the transport's cost must be known relative to what the machine can do at
+//! all, not as an absolute number that changes with every host. Limits:
+//! - TCP throughput: a raw blocking-socket stream between two threads (same message size);
+//! - TCP round trip: a raw blocking-socket ping-pong (same message out, 64-byte answer back);
+//! - shared-memory throughput: single-thread `memcpy` bandwidth for the frame size;
+//! - shared-memory round trip: two threads passing the frame through a shared buffer with an
+//!   atomic flag (memcpy plus a spin hand-off; no protocol, no framing).
+//!
+//! Frames are dispatch frames of 1, 8, 64 and 256 tokens of hidden 7168 in bf16, each token with
+//! two (expert, weight) pairs, exactly what the router sends a device.
+
+use crate::bench_json::{BenchReport, BenchResult, MachineInfo, percentile};
+use bytes::Bytes;
+use expertmesh_transport::codec::{
+    self, Body, Dispatch, ExpertResult, OutputLayout, WireComputeMode,
+};
+use expertmesh_transport::{
+    ActivationDtype, LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress,
+    Transport, TransportEvent,
+};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Hidden size of the benchmarked frames (DeepSeek-V3 / Kimi K2).
+pub const HIDDEN: usize = 7168;
+/// Token counts of the benchmarked frames.
+pub const TOKEN_COUNTS: [usize; 4] = [1, 8, 64, 256];
+const ACK_BYTES: usize = 64;
+
+/// Options of the transport bench.
+#[derive(Debug, Clone)]
+pub struct TransportBenchArgs {
+    /// Write the JSON report here.
+    pub json: Option<PathBuf>,
+    /// Seconds to spend per throughput measurement (approximately).
+    pub seconds: f64,
+    /// Round trips per latency measurement.
+    pub round_trips: usize,
+    /// Links to measure.
+    pub links: Vec<LinkKind>,
+}
+
+impl Default for TransportBenchArgs {
+    fn default() -> Self {
+        Self {
+            json: None,
+            seconds: 0.3,
+            round_trips: 400,
+            links: vec![LinkKind::Tcp, LinkKind::Shm],
+        }
+    }
+}
+
+fn dispatch_frame(tokens: usize) -> OutFrame {
+    let pairs = 2 * tokens;
+    let body = Body::Dispatch(Dispatch {
+        request_id: 1,
+        layer: 0,
+        micro_batch: 0,
+        tokens: tokens as u32,
+        hidden: HIDDEN as u32,
+        dtype: ActivationDtype::Bf16,
+        mode: WireComputeMode::Exact,
+        layout: OutputLayout::PerSlot,
+        expert_counts: vec![2; tokens],
+        experts: (0..pairs as u32).collect(),
+        weights: vec![0.5; pairs],
+    });
+    let payload: Vec<u8> = (0..tokens * HIDDEN * 2).map(|i| i as u8).collect();
+    OutFrame::with_payload(body, payload)
+}
+
+fn ack_frame() -> OutFrame {
+    OutFrame::new(Body::Result(ExpertResult {
+        request_id: 1,
+        layer: 0,
+        micro_batch: 0,
+        layout: OutputLayout::PerSlot,
+        rows: 0,
+        hidden: HIDDEN as u32,
+        dtype: OutputDtype::Bf16,
+    }))
+}
+
+/// Runs the bench and prints a table; writes JSON when asked.
+pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut results = Vec::new();
+    println!(
+        "{:<28} {:>6} {:>12} {:>12} {:>6} {:>7}",
+        "name", "tokens", "achieved", "limit", "unit", "ratio"
+    );
+    let shm_dir = tempfile_dir()?;
+    for &link in &args.links {
+        let (meshes, mut events) = rt.block_on(start_pair(link, &shm_dir))?;
+        for &tokens in &TOKEN_COUNTS {
+            let frame = dispatch_frame(tokens);
+            let frame_bytes = codec::frame_len(&frame.body, frame.payload.len());
+            let msg = frame_bytes;
+            // Throughput.
+            let count = frames_for(args.seconds, msg);
+            let achieved = rt.block_on(mesh_throughput(&meshes, &mut events, &frame, count))?;
+            let (limit, limit_name) = match link {
+                LinkKind::Tcp => (
+                    raw_stream_gbps(msg, count)?,
+                    "raw blocking TCP stream, two threads",
+                ),
+                _ => (memcpy_gbps(msg, count), "single-thread memcpy"),
+            };
+            results.push(
+                BenchResult::new(
+                    format!("{}_dispatch_throughput", link.name()),
+                    tokens as u64,
+                    achieved,
+                    limit,
+                    "GB/s",
+                )
+                .with("better", "higher")
+                .with("limit_is", limit_name)
+                .with("frame_bytes", frame_bytes as u64)
+                .with("frames", count as u64),
+            );
+            // Round trip.
+            let trips = if tokens >= 64 {
+                args.round_trips / 4
+            } else {
+                args.round_trips
+            }
+            .max(20);
+            let mut rtt = rt.block_on(mesh_round_trips(&meshes, &mut events, &frame, trips))?;
+            let (mut lim, lim_name) = match link {
+                LinkKind::Tcp => (raw_ping_pong_us(msg, trips)?, "raw blocking TCP ping-pong"),
+                _ => (
+                    memory_ping_pong_us(msg, trips),
+                    "two threads, memcpy + atomic flag",
+                ),
+            };
+            rtt.sort_by(f64::total_cmp);
+            lim.sort_by(f64::total_cmp);
+            for (p, tag) in [(50.0, "p50"), (99.0, "p99")] {
+                results.push(
+                    BenchResult::new(
+                        format!("{}_dispatch_rtt_{tag}", link.name()),
+                        tokens as u64,
+                        percentile(&rtt, p),
+                        percentile(&lim, p),
+                        "us",
+                    )
+                    .with("better", "lower")
+                    .with("limit_is", lim_name)
+                    .with("round_trips", trips as u64),
+                );
+            }
+            for r in &results[results.len() - 3..] {
+                println!(
+                    "{:<28} {:>6} {:>12.3} {:>12.3} {:>6} {:>7.3}",
+                    r.name, r.batch, r.achieved, r.limit, r.unit, r.ratio
+                );
+            }
+        }
+        for m in &meshes {
+            m.shutdown();
+        }
+    }
+    let _ = std::fs::remove_dir_all(&shm_dir);
+    let mut machine = MachineInfo::detect();
+    machine
+        .extra
+        .insert("hidden".into(), serde_json::json!(HIDDEN));
+    machine
+        .extra
+        .insert("dtype".into(), serde_json::json!("bf16"));
+    let report = BenchReport { machine, results };
+    if let Some(p) = &args.json {
+        report.write(p)?;
+        println!("wrote {}", p.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let base = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = base.join(format!("expertmesh-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn frames_for(seconds: f64, msg: usize) -> usize {
+    // Assume ~2 GB/s to size the run; at least 20 frames, at most 20 000.
+    ((seconds * 2e9 / msg as f64) as usize).clamp(20, 20_000)
+}
+
+async fn start_pair(
+    link: LinkKind,
+    shm_dir: &std::path::Path,
+) -> anyhow::Result<(Vec<Mesh>, MeshEvents)> {
+    let addrs: Vec<SocketAddr> = {
+        let ls: Vec<_> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<Result<_, _>>()?;
+        ls.iter()
+            .map(|l| l.local_addr())
+            .collect::<Result<_, _>>()?
+    };
+    let mut meshes = Vec::new();
+    let mut rx0 = None;
+    for rank in 0..2u32 {
+        let peers = addrs
+            .iter()
+            .map(|&addr| PeerAddress { addr, link })
+            .collect();
+        let mut cfg = MeshConfig::new("bench", rank, peers);
+        cfg.protocol.codec.max_frame_bytes = 8 << 20;
+        cfg.protocol.recv_window_bytes = 64 << 20;
+        cfg.shm.dir = shm_dir.to_path_buf();
+        cfg.shm.ring_bytes = 40 << 20;
+        let (m, ev) = Mesh::start(cfg).await?;
+        if rank == 0 {
+            rx0 = Some(ev);
+        } else {
+            tokio::spawn(echo_server(m.clone(), ev));
+        }
+        meshes.push(m);
+    }
+    meshes[0]
+        .wait_connected(&[1], Duration::from_secs(10))
+        .await?;
+    anyhow::ensure!(
+        meshes[0].link_kind(1) == Some(link),
+        "{} link could not be set up (fell back to {:?})",
+        link.name(),
+        meshes[0].link_kind(1)
+    );
+    Ok((meshes, rx0.expect("rank 0 events")))
+}
+
+/// Rank 1: answers a dispatch with request id 1 by an ack; counts stream frames (request id 2)
+/// and acks when told how many to expect (request id 3 carries the count in `layer`).
+async fn echo_server(mesh: Mesh, mut events: MeshEvents) {
+    let ack = ack_frame();
+    let mut counted = 0u64;
+    let mut expect = u64::MAX;
+    while let Some(ev) = events.recv().await {
+        let TransportEvent::Frame(f) = ev else {
+            continue;
+        };
+        let id = f.body().request_id().unwrap_or(0);
+        let layer = match f.body() {
+            Body::Dispatch(d) => d.layer as u64,
+            _ => 0,
+        };
+        drop(f);
+        match id {
+            1 if mesh.send(0, &ack).await.is_err() => return,
+            1 => {}
+            2 => {
+                counted += 1;
+                if counted == expect {
+                    counted = 0;
+                    expect = u64::MAX;
+                    let _ = mesh.send(0, &ack).await;
+                }
+            }
+            3 => {
+                expect = layer;
+                if counted == expect {
+                    counted = 0;
+                    expect = u64::MAX;
+                    let _ = mesh.send(0, &ack).await;
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn with_id(frame: &OutFrame, id: u64, layer: u32) -> OutFrame {
+    let mut f = frame.clone();
+    if let Body::Dispatch(d) = &mut f.body {
+        d.request_id = id;
+        d.layer = layer;
+    }
+    f.payload = Bytes::clone(&frame.payload);
+    f
+}
+
+async fn mesh_throughput(
+    meshes: &[Mesh],
+    events: &mut MeshEvents,
+    frame: &OutFrame,
+    count: usize,
+) -> anyhow::Result<f64> {
+    let stream = with_id(frame, 2, 0);
+    let bytes = codec::frame_len(&frame.body, frame.payload.len()) as f64;
+    let start = Instant::now();
+    for _ in 0..count {
+        meshes[0].send(1, &stream).await?;
+    }
+    meshes[0]
+        .send(1, &with_id(&dispatch_frame(1), 3, count as u32))
+        .await?;
+    events
+        .recv_frame(Duration::from_secs(60))
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no completion ack from rank 1"))?;
+    let secs = start.elapsed().as_secs_f64();
+    Ok(bytes * count as f64 / secs / 1e9)
+}
+
+async fn mesh_round_trips(
+    meshes: &[Mesh],
+    events: &mut MeshEvents,
+    frame: &OutFrame,
+    trips: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let ping = with_id(frame, 1, 0);
+    let mut out = Vec::with_capacity(trips);
+    for i in 0..trips + 10 {
+        let t0 = Instant::now();
+        meshes[0].send(1, &ping).await?;
+        events
+            .recv_frame(Duration::from_secs(10))
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no answer from rank 1"))?;
+        if i >= 10 {
+            out.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(out)
+}
+
+fn loopback_pair() -> anyhow::Result<(TcpStream, TcpStream)> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let a = TcpStream::connect(l.local_addr()?)?;
+    let (b, _) = l.accept()?;
+    a.set_nodelay(true)?;
+    b.set_nodelay(true)?;
+    Ok((a, b))
+}
+
+fn raw_stream_gbps(msg: usize, count: usize) -> anyhow::Result<f64> {
+    let (mut a, mut b) = loopback_pair()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut buf = vec![0u8; msg];
+        for _ in 0..count {
+            b.read_exact(&mut buf)?;
+        }
+        b.write_all(&[1])?;
+        Ok(())
+    });
+    let data: Vec<u8> = (0..msg).map(|i| i as u8).collect();
+    let start = Instant::now();
+    for _ in 0..count {
+        a.write_all(&data)?;
+    }
+    let mut done = [0u8; 1];
+    a.read_exact(&mut done)?;
+    let secs = start.elapsed().as_secs_f64();
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("raw stream reader panicked"))??;
+    Ok(msg as f64 * count as f64 / secs / 1e9)
+}
+
+fn raw_ping_pong_us(msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> {
+    let (mut a, mut b) = loopback_pair()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut buf = vec![0u8; msg];
+        let ack = [0u8; ACK_BYTES];
+        for _ in 0..trips + 10 {
+            b.read_exact(&mut buf)?;
+            b.write_all(&ack)?;
+        }
+        Ok(())
+    });
+    let data = vec![7u8; msg];
+    let mut ack = [0u8; ACK_BYTES];
+    let mut out = Vec::with_capacity(trips);
+    for i in 0..trips + 10 {
+        let t0 = Instant::now();
+        a.write_all(&data)?;
+        a.read_exact(&mut ack)?;
+        if i >= 10 {
+            out.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("raw ping-pong server panicked"))??;
+    Ok(out)
+}
+
+fn memcpy_gbps(msg: usize, count: usize) -> f64 {
+    // Copy between two buffers larger than the frame, cycling offsets like a ring does.
+    let ring = (msg * 4).max(1 << 20);
+    let src: Vec<u8> = (0..ring).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; ring];
+    let start = Instant::now();
+    let mut off = 0;
+    for _ in 0..count {
+        if off + msg > ring {
+            off = 0;
+        }
+        dst[off..off + msg].copy_from_slice(&src[off..off + msg]);
+        off += msg;
+    }
+    std::hint::black_box(&dst);
+    msg as f64 * count as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+fn memory_ping_pong_us(msg: usize, trips: usize) -> Vec<f64> {
+    struct Shared {
+        flag: AtomicU64,
+        buf: std::sync::Mutex<Vec<u8>>,
+    }
+    let shared = Arc::new(Shared {
+        flag: AtomicU64::new(0),
+        buf: std::sync::Mutex::new(vec![0u8; msg]),
+    });
+    let s2 = Arc::clone(&shared);
+    let total = trips + 10;
+    let peer = std::thread::spawn(move || {
+        let mut local = vec![0u8; msg];
+        for i in 0..total as u64 {
+            while s2.flag.load(Ordering::Acquire) != 2 * i + 1 {
+                std::hint::spin_loop();
+            }
+            local.copy_from_slice(&s2.buf.lock().unwrap_or_else(|e| e.into_inner()));
+            s2.flag.store(2 * i + 2, Ordering::Release);
+        }
+        std::hint::black_box(&local);
+    });
+    let data = vec![3u8; msg];
+    let mut out = Vec::with_capacity(trips);
+    for i in 0..total as u64 {
+        let t0 = Instant::now();
+        shared
+            .buf
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .copy_from_slice(&data);
+        shared.flag.store(2 * i + 1, Ordering::Release);
+        while shared.flag.load(Ordering::Acquire) != 2 * i + 2 {
+            std::hint::spin_loop();
+        }
+        if i >= 10 {
+            out.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let _ = peer.join();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_runs_with_tiny_settings_and_reports_every_figure() {
+        let dir = std::env::temp_dir().join(format!("em-bench-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = dir.join("t.json");
+        let args = TransportBenchArgs {
+            json: Some(json.clone()),
+            seconds: 0.002,
+            round_trips: 20,
+            links: vec![LinkKind::Tcp, LinkKind::Shm],
+        };
+        run(&args).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2 * TOKEN_COUNTS.len() * 3);
+        for r in results {
+            let (a, l) = (
+                r["achieved"].as_f64().unwrap(),
+                r["limit"].as_f64().unwrap(),
+            );
+            assert!(a > 0.0 && l > 0.0, "{r}");
+            assert!((r["ratio"].as_f64().unwrap() - a / l).abs() < 1e-9);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

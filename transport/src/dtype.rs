@@ -1,0 +1,504 @@
+//! Payload encodings of activations and results, and conversions between them and `f32`.
+//!
+//! Why this exists: the router chooses per dispatch how activations travel (bf16 for accuracy,
+//! fp8 e4m3 to halve the bytes, the exact-mode int8 block format to make exact mode lossless
+//! and 44% smaller than bf16). Sender and receiver must agree byte for byte on each layout, so
+//! the layouts and their conversions live next to the codec that carries them.
+//!
+//! Layouts of a `[tokens][hidden]` activation payload (little endian):
+//! - `Bf16`, `F16`: `tokens·hidden` 2-byte values; `F32`: 4-byte values.
+//! - `Fp8E4m3`: `tokens·hidden` e4m3 codes, zero padding to a multiple of 64, then `tokens` f32
+//!   scales; value = decode(code) · scale[token]. The encoder picks scale = amax / 448.
+//! - `Q8Block32`: `tokens·hidden` int8 codes (the exact-mode activation quantization of
+//!   `expertmesh_hip_kernels::contract` §1), zero padding to a multiple of 64, then
+//!   `tokens·hidden/32` f32 block scales; `hidden` must be a multiple of 32.
+
+use crate::codec::align_up;
+use half::{bf16, f16};
+
+/// Encoding of activation payloads (dispatch and layer requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ActivationDtype {
+    /// bfloat16.
+    Bf16 = 1,
+    /// IEEE half precision.
+    F16 = 2,
+    /// IEEE single precision.
+    F32 = 3,
+    /// fp8 e4m3 (OCP "e4m3fn": no infinities, max 448) with one f32 scale per token.
+    Fp8E4m3 = 4,
+    /// int8 codes with one f32 scale per 32-element block (exact-mode activation format).
+    Q8Block32 = 5,
+}
+
+/// Encoding of result payloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum OutputDtype {
+    /// IEEE single precision (exact mode returns f32 rows).
+    F32 = 3,
+    /// bfloat16.
+    Bf16 = 1,
+}
+
+/// Why a conversion cannot be done.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DtypeError {
+    /// Buffer sizes do not match the shape.
+    #[error("{what}: expected {expected} elements/bytes, got {got}")]
+    Length {
+        /// Which buffer.
+        what: &'static str,
+        /// Expected size.
+        expected: usize,
+        /// Actual size.
+        got: usize,
+    },
+    /// The shape is not representable in this dtype.
+    #[error(
+        "shape [{tokens}][{hidden}] is not valid for {dtype:?} (q8-block32 needs hidden % 32 == 0)"
+    )]
+    Shape {
+        /// Token count.
+        tokens: usize,
+        /// Hidden size.
+        hidden: usize,
+        /// Dtype.
+        dtype: ActivationDtype,
+    },
+    /// A NaN or infinity where the format needs finite values.
+    #[error(
+        "non-finite value {value} at token {token}, element {index}; reject NaN/inf inputs before encoding"
+    )]
+    NonFinite {
+        /// Token index.
+        token: usize,
+        /// Element index within the token.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+}
+
+impl ActivationDtype {
+    /// The dtype for a wire byte.
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Bf16,
+            2 => Self::F16,
+            3 => Self::F32,
+            4 => Self::Fp8E4m3,
+            5 => Self::Q8Block32,
+            _ => return None,
+        })
+    }
+
+    /// Name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+            Self::F32 => "f32",
+            Self::Fp8E4m3 => "fp8-e4m3",
+            Self::Q8Block32 => "q8-block32",
+        }
+    }
+
+    /// Payload bytes of a `[tokens][hidden]` activation, or `None` when the shape overflows or
+    /// is invalid for this dtype.
+    pub fn payload_bytes(self, tokens: usize, hidden: usize) -> Option<u64> {
+        let n = (tokens as u64).checked_mul(hidden as u64)?;
+        if n > (usize::MAX / 8) as u64 {
+            return None;
+        }
+        match self {
+            Self::Bf16 | Self::F16 => n.checked_mul(2),
+            Self::F32 => n.checked_mul(4),
+            Self::Fp8E4m3 => (align_up(n as usize) as u64).checked_add((tokens as u64) * 4),
+            Self::Q8Block32 => {
+                if !hidden.is_multiple_of(32) {
+                    return None;
+                }
+                (align_up(n as usize) as u64).checked_add(n / 32 * 4)
+            }
+        }
+    }
+
+    /// Byte offset of the scales inside the payload, for the scaled formats.
+    pub fn scales_offset(self, tokens: usize, hidden: usize) -> Option<usize> {
+        match self {
+            Self::Fp8E4m3 | Self::Q8Block32 => Some(align_up(tokens * hidden)),
+            _ => None,
+        }
+    }
+}
+
+impl OutputDtype {
+    /// The dtype for a wire byte.
+    pub fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Bf16),
+            3 => Some(Self::F32),
+            _ => None,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), DtypeError> {
+    if expected != got {
+        return Err(DtypeError::Length {
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// Largest finite e4m3 magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Encodes one f32 as fp8 e4m3 (round to nearest even, saturating to ±448; NaN → 0x7F).
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    // Subnormal range: values below 2^-6 are multiples of 2^-9.
+    if a < 2f32.powi(-6) {
+        let q = (a * 512.0).round_ties_even(); // 0..=8; 8 means the smallest normal
+        return sign | q as u8;
+    }
+    let bits = a.to_bits();
+    let exp = ((bits >> 23) & 0xFF) as i32 - 127; // -6..=8
+    let mant = bits & 0x7F_FFFF;
+    // Keep 3 mantissa bits, round half to even on the 20 dropped bits.
+    let mut m3 = mant >> 20;
+    let rest = mant & 0xF_FFFF;
+    let half = 0x8_0000;
+    if rest > half || (rest == half && (m3 & 1) == 1) {
+        m3 += 1;
+    }
+    let mut e = exp + 7;
+    if m3 == 8 {
+        m3 = 0;
+        e += 1;
+    }
+    let code = ((e as u32) << 3) | m3;
+    if code > 0x7E {
+        return sign | 0x7E;
+    }
+    sign | code as u8
+}
+
+/// Decodes one fp8 e4m3 code.
+pub fn e4m3_to_f32(c: u8) -> f32 {
+    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((c >> 3) & 0x0F) as i32;
+    let m = (c & 0x07) as f32;
+    if e == 0x0F && (c & 0x07) == 0x07 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        sign * m * 2f32.powi(-9)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// Encodes `src` (`[tokens][hidden]` f32) into `dst` in `dtype`'s payload layout. `dst` must be
+/// exactly [`ActivationDtype::payload_bytes`] long.
+pub fn encode_activations(
+    dtype: ActivationDtype,
+    tokens: usize,
+    hidden: usize,
+    src: &[f32],
+    dst: &mut [u8],
+) -> Result<(), DtypeError> {
+    let n = tokens * hidden;
+    check_len("source f32 values", n, src.len())?;
+    let bytes = dtype
+        .payload_bytes(tokens, hidden)
+        .ok_or(DtypeError::Shape {
+            tokens,
+            hidden,
+            dtype,
+        })? as usize;
+    check_len("destination payload bytes", bytes, dst.len())?;
+    match dtype {
+        ActivationDtype::Bf16 => {
+            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+                o.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+            }
+        }
+        ActivationDtype::F16 => {
+            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+                o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+            }
+        }
+        ActivationDtype::F32 => {
+            for (o, &x) in dst.chunks_exact_mut(4).zip(src) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        ActivationDtype::Fp8E4m3 => {
+            let (codes, rest) = dst.split_at_mut(align_up(n));
+            rest_zero(&mut codes[n..]);
+            for t in 0..tokens {
+                let row = &src[t * hidden..(t + 1) * hidden];
+                let mut amax = 0f32;
+                for (i, &x) in row.iter().enumerate() {
+                    if !x.is_finite() {
+                        return Err(DtypeError::NonFinite {
+                            token: t,
+                            index: i,
+                            value: x,
+                        });
+                    }
+                    amax = amax.max(x.abs());
+                }
+                let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+                let inv = 1.0 / scale;
+                for (o, &x) in codes[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+                    *o = f32_to_e4m3(x * inv);
+                }
+                rest[t * 4..t * 4 + 4].copy_from_slice(&scale.to_le_bytes());
+            }
+        }
+        ActivationDtype::Q8Block32 => {
+            if let Some((i, &x)) = src.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(DtypeError::NonFinite {
+                    token: i / hidden.max(1),
+                    index: i % hidden.max(1),
+                    value: x,
+                });
+            }
+            let (codes, rest) = dst.split_at_mut(align_up(n));
+            rest_zero(&mut codes[n..]);
+            let mut q = vec![0i8; hidden];
+            let mut d = vec![0f32; hidden / 32];
+            for t in 0..tokens {
+                expertmesh_hip_kernels::contract::quantize_activations(
+                    &src[t * hidden..(t + 1) * hidden],
+                    &mut q,
+                    &mut d,
+                );
+                for (o, &v) in codes[t * hidden..(t + 1) * hidden].iter_mut().zip(&q) {
+                    *o = v as u8;
+                }
+                let blocks = hidden / 32;
+                for (b, &s) in d.iter().enumerate() {
+                    let off = (t * blocks + b) * 4;
+                    rest[off..off + 4].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn rest_zero(b: &mut [u8]) {
+    b.iter_mut().for_each(|x| *x = 0);
+}
+
+/// Decodes a payload in `dtype`'s layout into `[tokens][hidden]` f32 values (q8 and fp8 values
+/// are dequantized: code × scale).
+pub fn decode_activations(
+    dtype: ActivationDtype,
+    tokens: usize,
+    hidden: usize,
+    src: &[u8],
+    dst: &mut [f32],
+) -> Result<(), DtypeError> {
+    let n = tokens * hidden;
+    check_len("destination f32 values", n, dst.len())?;
+    let bytes = dtype
+        .payload_bytes(tokens, hidden)
+        .ok_or(DtypeError::Shape {
+            tokens,
+            hidden,
+            dtype,
+        })? as usize;
+    check_len("source payload bytes", bytes, src.len())?;
+    let scale_at =
+        |off: usize| f32::from_le_bytes([src[off], src[off + 1], src[off + 2], src[off + 3]]);
+    match dtype {
+        ActivationDtype::Bf16 => {
+            for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        ActivationDtype::F16 => {
+            for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        ActivationDtype::F32 => {
+            for (o, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        ActivationDtype::Fp8E4m3 => {
+            let base = align_up(n);
+            for t in 0..tokens {
+                let s = scale_at(base + t * 4);
+                for i in 0..hidden {
+                    dst[t * hidden + i] = e4m3_to_f32(src[t * hidden + i]) * s;
+                }
+            }
+        }
+        ActivationDtype::Q8Block32 => {
+            let base = align_up(n);
+            for (i, o) in dst.iter_mut().enumerate() {
+                let s = scale_at(base + (i / 32) * 4);
+                *o = (src[i] as i8) as f32 * s;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Splits a q8-block32 payload into its int8 codes `[tokens][hidden]` and f32 block scales
+/// `[tokens][hidden/32]` (copied into `codes` / `scales`), the exact-mode kernel inputs.
+pub fn q8_split(
+    tokens: usize,
+    hidden: usize,
+    src: &[u8],
+    codes: &mut [i8],
+    scales: &mut [f32],
+) -> Result<(), DtypeError> {
+    let n = tokens * hidden;
+    let bytes = ActivationDtype::Q8Block32
+        .payload_bytes(tokens, hidden)
+        .ok_or(DtypeError::Shape {
+            tokens,
+            hidden,
+            dtype: ActivationDtype::Q8Block32,
+        })? as usize;
+    check_len("source payload bytes", bytes, src.len())?;
+    check_len("codes", n, codes.len())?;
+    check_len("scales", n / 32, scales.len())?;
+    for (o, &b) in codes.iter_mut().zip(&src[..n]) {
+        *o = b as i8;
+    }
+    let base = align_up(n);
+    for (o, b) in scales.iter_mut().zip(src[base..].chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(())
+}
+
+/// Encodes f32 rows into a result payload of `dtype`.
+pub fn encode_output(dtype: OutputDtype, src: &[f32], dst: &mut [u8]) -> Result<(), DtypeError> {
+    check_len(
+        "destination payload bytes",
+        src.len() * dtype.elem_bytes(),
+        dst.len(),
+    )?;
+    match dtype {
+        OutputDtype::F32 => {
+            for (o, &x) in dst.chunks_exact_mut(4).zip(src) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        OutputDtype::Bf16 => {
+            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+                o.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decodes a result payload of `dtype` into f32 rows.
+pub fn decode_output(dtype: OutputDtype, src: &[u8], dst: &mut [f32]) -> Result<(), DtypeError> {
+    check_len(
+        "source payload bytes",
+        dst.len() * dtype.elem_bytes(),
+        src.len(),
+    )?;
+    match dtype {
+        OutputDtype::F32 => {
+            for (o, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        OutputDtype::Bf16 => {
+            for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Brute-force oracle: the e4m3 code whose value is nearest to `x` (ties to even code).
+    fn e4m3_oracle(x: f32) -> u8 {
+        let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+        let a = (x.abs() as f64).min(448.0);
+        let mut best = 0u8;
+        let mut best_d = f64::INFINITY;
+        for c in 0u8..=0x7E {
+            let v = e4m3_to_f32(c) as f64;
+            let d = (v - a).abs();
+            if d < best_d || (d == best_d && c % 2 == 0) {
+                best = c;
+                best_d = d;
+            }
+        }
+        sign | best
+    }
+
+    #[test]
+    fn e4m3_matches_nearest_code_oracle() {
+        let mut x = -500.0f32;
+        while x < 500.0 {
+            assert_eq!(f32_to_e4m3(x), e4m3_oracle(x), "x = {x}");
+            x += 0.0371;
+        }
+        for c in 0u8..=0x7E {
+            let v = e4m3_to_f32(c);
+            assert_eq!(f32_to_e4m3(v), c, "code {c:#x} round trip");
+            assert_eq!(f32_to_e4m3(-v) & 0x7F, c);
+        }
+        for tiny in [1e-4f32, 1.5e-3, 2f32.powi(-10), 2f32.powi(-9) * 1.5] {
+            assert_eq!(f32_to_e4m3(tiny), e4m3_oracle(tiny), "tiny {tiny}");
+        }
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert!(e4m3_to_f32(0x7F).is_nan());
+    }
+
+    #[test]
+    fn scaled_formats_reject_nan() {
+        let src = [1.0, f32::NAN, 0.0, 0.0];
+        let mut dst = vec![0u8; ActivationDtype::Fp8E4m3.payload_bytes(1, 4).unwrap() as usize];
+        let err = encode_activations(ActivationDtype::Fp8E4m3, 1, 4, &src, &mut dst).unwrap_err();
+        assert!(matches!(err, DtypeError::NonFinite { index: 1, .. }));
+    }
+
+    #[test]
+    fn q8_payload_is_smaller_than_bf16_by_44_percent() {
+        let q8 = ActivationDtype::Q8Block32.payload_bytes(64, 7168).unwrap() as f64;
+        let b = ActivationDtype::Bf16.payload_bytes(64, 7168).unwrap() as f64;
+        let saving = 1.0 - q8 / b;
+        assert!((saving - 0.4375).abs() < 0.001, "saving {saving}");
+    }
+}

@@ -1,0 +1,391 @@
+//! Framed TCP connections for clients that are not ranks: serving frontends calling the router
+//! service with [`LayerRequest`](crate::codec::LayerRequest) frames.
+//!
+//! Why this exists: only this crate touches sockets, so the router service and its client are
+//! built on these types. They reuse the frame codec and the authenticated handshake of the mesh
+//! (the client announces [`CLIENT_RANK`]), but not its credit window: a frontend connection is
+//! request/response and TCP's own backpressure bounds it (the server reads the next request only
+//! when it is ready for it).
+//!
+//! Bad input: a frame whose header is intact but whose metadata or payload is invalid yields
+//! [`FrontendError::BadFrame`] with `recoverable: true` (the server answers with an error frame
+//! and goes on reading); a broken header (bad magic, checksum, oversized length) yields
+//! `recoverable: false` and the connection must be closed, since the stream can no longer be
+//! framed.
+
+use crate::codec::{self, Body, CLIENT_RANK, CodecConfig, CodecError, ErrorCode, ErrorFrame};
+use crate::mesh::BufPool;
+use crate::protocol::{Connection, ProtocolConfig, ProtocolError};
+use crate::tcp::{ReadError, handshake, nonce, read_frame, write_vectored_all};
+use expertmesh_hip_kernels::aligned::AlignedVec;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Settings for frontend connections (both ends must agree on cluster, secret and codec).
+#[derive(Clone, Debug)]
+pub struct FrontendConfig {
+    /// Cluster name.
+    pub cluster: String,
+    /// Shared secret (`None`: no authentication).
+    pub secret: Option<Arc<[u8]>>,
+    /// Codec settings.
+    pub codec: CodecConfig,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+    /// The server's rank announced to clients (the router's rank).
+    pub server_rank: u32,
+}
+
+impl FrontendConfig {
+    /// Defaults for `cluster`: no secret, 64 MiB frames, 5 s handshake.
+    pub fn new(cluster: impl Into<String>) -> Self {
+        Self {
+            cluster: cluster.into(),
+            secret: None,
+            codec: CodecConfig {
+                max_frame_bytes: 64 << 20,
+                payload_checksum: false,
+            },
+            handshake_timeout: Duration::from_secs(5),
+            server_rank: 0,
+        }
+    }
+
+    fn protocol(&self, server: bool) -> ProtocolConfig {
+        let mut p = ProtocolConfig::new(
+            self.cluster.clone(),
+            if server {
+                self.server_rank
+            } else {
+                CLIENT_RANK
+            },
+            self.server_rank.saturating_add(1),
+        );
+        p.secret = self.secret.clone();
+        p.codec = self.codec;
+        p.recv_window_bytes = 2 * self.codec.max_frame_bytes as u64;
+        p.handshake_timeout = self.handshake_timeout;
+        p.accept_clients = server;
+        p
+    }
+}
+
+/// Why a frontend connection operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrontendError {
+    /// Socket-level failure.
+    #[error("{peer}: {source}")]
+    Io {
+        /// The other end.
+        peer: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The handshake failed (wrong cluster, authentication, version, timeout).
+    #[error("{peer}: handshake failed: {source}")]
+    Handshake {
+        /// The other end.
+        peer: SocketAddr,
+        /// Cause.
+        #[source]
+        source: ProtocolError,
+    },
+    /// A frame could not be decoded.
+    #[error("{peer}: bad frame{}: {error}", if *.recoverable { "" } else { " (connection unusable)" })]
+    BadFrame {
+        /// The other end.
+        peer: SocketAddr,
+        /// Whether the stream is still framed (answer with an error frame and continue).
+        recoverable: bool,
+        /// Request id from the metadata, when it could be read.
+        request_id: Option<u64>,
+        /// Cause.
+        error: CodecError,
+    },
+    /// The other end closed the connection.
+    #[error("{peer}: connection closed")]
+    Closed {
+        /// The other end.
+        peer: SocketAddr,
+    },
+}
+
+/// A frame read from a frontend connection; the payload is 64-byte aligned.
+pub struct ClientFrame {
+    body: Body,
+    buf: AlignedVec<u8>,
+    payload: Range<usize>,
+}
+
+impl std::fmt::Debug for ClientFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientFrame")
+            .field("body", &self.body)
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+impl ClientFrame {
+    /// The frame's metadata.
+    pub fn body(&self) -> &Body {
+        &self.body
+    }
+
+    /// The payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf[self.payload.clone()]
+    }
+}
+
+/// Listens for frontend clients.
+#[derive(Debug)]
+pub struct FrameListener {
+    listener: TcpListener,
+    cfg: Arc<FrontendConfig>,
+}
+
+impl FrameListener {
+    /// Binds `addr`.
+    pub async fn bind(addr: SocketAddr, cfg: FrontendConfig) -> std::io::Result<Self> {
+        cfg.codec
+            .validate()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        Ok(Self {
+            listener: TcpListener::bind(addr).await?,
+            cfg: Arc::new(cfg),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Accepts the next TCP connection; run [`IncomingClient::handshake`] on it (in its own
+    /// task, so a slow client cannot stall accepting).
+    pub async fn accept(&self) -> std::io::Result<IncomingClient> {
+        let (stream, peer) = self.listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        Ok(IncomingClient {
+            stream,
+            peer,
+            cfg: Arc::clone(&self.cfg),
+        })
+    }
+}
+
+/// An accepted, not yet authenticated client connection.
+#[derive(Debug)]
+pub struct IncomingClient {
+    stream: TcpStream,
+    peer: SocketAddr,
+    cfg: Arc<FrontendConfig>,
+}
+
+impl IncomingClient {
+    /// The client's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// Runs the server side of the handshake; a client that fails it is refused and logged.
+    pub async fn handshake(mut self) -> Result<FrameConnection, FrontendError> {
+        let proto = Arc::new(self.cfg.protocol(true));
+        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
+        let peer = self.peer;
+        match handshake(
+            &mut self.stream,
+            &mut conn,
+            &self.cfg.codec,
+            None,
+            self.cfg.handshake_timeout,
+        )
+        .await
+        {
+            Ok(_) => Ok(FrameConnection::from_stream(
+                self.stream,
+                peer,
+                self.cfg.codec,
+            )),
+            Err(source) => {
+                tracing::warn!(%peer, "refused frontend client: {source}");
+                Err(FrontendError::Handshake { peer, source })
+            }
+        }
+    }
+}
+
+/// An established framed connection (client or server side).
+#[derive(Debug)]
+pub struct FrameConnection {
+    reader: FrameReader,
+    writer: FrameWriter,
+}
+
+impl FrameConnection {
+    /// Connects to a router service at `addr` as a client and runs the handshake.
+    pub async fn connect(addr: SocketAddr, cfg: &FrontendConfig) -> Result<Self, FrontendError> {
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .map_err(|source| FrontendError::Io { peer: addr, source })?;
+        let _ = stream.set_nodelay(true);
+        let proto = Arc::new(cfg.protocol(false));
+        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
+        handshake(
+            &mut stream,
+            &mut conn,
+            &cfg.codec,
+            None,
+            cfg.handshake_timeout,
+        )
+        .await
+        .map_err(|source| FrontendError::Handshake { peer: addr, source })?;
+        Ok(Self::from_stream(stream, addr, cfg.codec))
+    }
+
+    fn from_stream(stream: TcpStream, peer: SocketAddr, codec: CodecConfig) -> Self {
+        let (r, w) = stream.into_split();
+        Self {
+            reader: FrameReader {
+                read: tokio::io::BufReader::with_capacity(64 << 10, r),
+                peer,
+                codec,
+                pool: BufPool::new(4 * codec.max_frame_bytes as u64),
+            },
+            writer: FrameWriter {
+                write: w,
+                peer,
+                codec,
+                head: Vec::with_capacity(256),
+            },
+        }
+    }
+
+    /// The other end's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.reader.peer
+    }
+
+    /// Reads the next frame.
+    pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
+        self.reader.read_frame().await
+    }
+
+    /// Writes one frame.
+    pub async fn write_frame(&mut self, body: &Body, payload: &[u8]) -> Result<(), FrontendError> {
+        self.writer.write_frame(body, payload).await
+    }
+
+    /// Splits into halves for concurrent reading and writing (pipelined requests).
+    pub fn split(self) -> (FrameReader, FrameWriter) {
+        (self.reader, self.writer)
+    }
+}
+
+/// Reading half of a [`FrameConnection`].
+#[derive(Debug)]
+pub struct FrameReader {
+    read: tokio::io::BufReader<OwnedReadHalf>,
+    peer: SocketAddr,
+    codec: CodecConfig,
+    pool: Arc<BufPool>,
+}
+
+impl FrameReader {
+    /// Reads the next application frame (heartbeats are skipped).
+    pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
+        loop {
+            let peer = self.peer;
+            let (header, buf) = match read_frame(&mut self.read, &self.codec, &self.pool).await {
+                Ok(f) => f,
+                Err(ReadError::Eof) => return Err(FrontendError::Closed { peer }),
+                Err(ReadError::Io(source)) => return Err(FrontendError::Io { peer, source }),
+                Err(ReadError::Codec(error)) => {
+                    return Err(FrontendError::BadFrame {
+                        peer,
+                        recoverable: false,
+                        request_id: None,
+                        error,
+                    });
+                }
+            };
+            match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
+                Ok((Body::Heartbeat(_), _)) => continue,
+                Ok((body, payload)) => return Ok(ClientFrame { body, buf, payload }),
+                Err(error) => {
+                    // The header was valid, so the stream is still framed. Recover the request
+                    // id (first 8 metadata bytes of every request-carrying kind) for the reply.
+                    let meta = &buf[header.meta_range()];
+                    let request_id = (header.kind.is_application() && meta.len() >= 8).then(|| {
+                        let mut a = [0u8; 8];
+                        a.copy_from_slice(&meta[..8]);
+                        u64::from_le_bytes(a)
+                    });
+                    return Err(FrontendError::BadFrame {
+                        peer,
+                        recoverable: true,
+                        request_id,
+                        error,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Writing half of a [`FrameConnection`].
+#[derive(Debug)]
+pub struct FrameWriter {
+    write: OwnedWriteHalf,
+    peer: SocketAddr,
+    codec: CodecConfig,
+    head: Vec<u8>,
+}
+
+impl FrameWriter {
+    /// Writes one frame (one vectored write of header and payload).
+    pub async fn write_frame(&mut self, body: &Body, payload: &[u8]) -> Result<(), FrontendError> {
+        let peer = self.peer;
+        codec::encode_head(body, payload, &self.codec, &mut self.head).map_err(|error| {
+            FrontendError::BadFrame {
+                peer,
+                recoverable: true,
+                request_id: body.request_id(),
+                error,
+            }
+        })?;
+        write_vectored_all(&mut self.write, &self.head, payload)
+            .await
+            .map_err(|source| FrontendError::Io { peer, source })
+    }
+
+    /// Writes an error frame for `request_id`.
+    pub async fn write_error(
+        &mut self,
+        request_id: u64,
+        code: ErrorCode,
+        message: &str,
+    ) -> Result<(), FrontendError> {
+        let mut message = message.to_owned();
+        if message.len() > codec::MAX_ERROR_MESSAGE_BYTES {
+            let mut cut = codec::MAX_ERROR_MESSAGE_BYTES;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        let body = Body::Error(ErrorFrame {
+            request_id,
+            code,
+            message,
+        });
+        self.write_frame(&body, &[]).await
+    }
+}

@@ -1,0 +1,739 @@
+//! The RoCE / InfiniBand driver (feature `rdma`): one reliable-connected queue pair per peer,
+//! RDMA WRITE with immediate into the peer's registered receive ring, a completion polling
+//! thread, credits returned in-band by the shared protocol core.
+//!
+//! Why this exists: between hosts with RDMA NICs, activations should move NIC to NIC without
+//! kernel sockets. The protocol (handshake, authentication, credits, heartbeats) is the same
+//! sans-IO core as on TCP and shared memory; this module only moves frame bytes.
+//!
+//! Set-up: the queue pair is created and its receive ring registered before the hello; the
+//! queue pair number, PSN, LID, GID and the ring's address, key and size travel in the hello's
+//! attachment over the authenticated TCP connection, which then stays open for dead-peer
+//! detection. The GID is the port's entry whose IPv4-mapped address equals this rank's listen
+//! address (RoCE v2 preferred), so the topology's IP plan selects the NIC port.
+//!
+//! Data path: the sender copies a frame into its registered staging ring at the same offset it
+//! will occupy in the peer's ring (64-byte record header, then the frame) and posts one
+//! `RDMA_WRITE_WITH_IMM` whose immediate is the record offset / 64. The peer's poller thread
+//! takes the receive completion, validates the record like any untrusted bytes, copies the frame
+//! into a pooled aligned buffer (freeing the ring slot at once) and hands it to the link. Credits
+//! (record sizes) bound the bytes in the peer's ring; send completions bound staging reuse.
+//!
+//! Verbs are called through `ibverbs-sys` (the `ibverbs` crate's FFI) because the safe crate
+//! offers no write-with-immediate; device discovery and the GID table use the `ibverbs` crate.
+
+use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
+use crate::mesh::{Link, MeshInner, Storage};
+use crate::protocol::ProtocolError;
+use expertmesh_hip_kernels::aligned::AlignedVec;
+use ibverbs_sys as ffi;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+const RECORD_HEADER: usize = PAYLOAD_ALIGN;
+const RECV_WRS: u32 = 512;
+const SEND_WRS: u32 = 512;
+const IB_PORT: u8 = 1;
+
+/// Why the RDMA driver could not be set up or used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdmaError {
+    /// No RDMA device (or not the configured one).
+    #[error("no RDMA device{}", .0.as_deref().map(|n| format!(" named {n:?}")).unwrap_or_default())]
+    NoDevice(Option<String>),
+    /// A verbs call failed.
+    #[error("{call} failed: {source}")]
+    Verbs {
+        /// The verbs function.
+        call: &'static str,
+        /// errno.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No GID of the port matches this rank's IPv4 address.
+    #[error(
+        "no GID on port {port} matches IPv4 {ip}; configure the rank's address to the NIC's IP (GIDs: {candidates})"
+    )]
+    NoGid {
+        /// Port.
+        port: u8,
+        /// Address sought.
+        ip: String,
+        /// The IPv4 GIDs found.
+        candidates: String,
+    },
+    /// The peer's queue pair description is malformed.
+    #[error("malformed RDMA attachment from the peer ({0} bytes)")]
+    BadPeerInfo(usize),
+    /// The link is closed.
+    #[error("RDMA link closed")]
+    Closed,
+}
+
+fn verbs(call: &'static str) -> RdmaError {
+    RdmaError::Verbs {
+        call,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+fn verbs_rc(call: &'static str, rc: i32) -> Result<(), RdmaError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(RdmaError::Verbs {
+            call,
+            source: std::io::Error::from_raw_os_error(rc.abs()),
+        })
+    }
+}
+
+/// Verbs objects of one link, destroyed in reverse order.
+struct Resources {
+    ctx: *mut ffi::ibv_context,
+    pd: *mut ffi::ibv_pd,
+    cq: *mut ffi::ibv_cq,
+    qp: *mut ffi::ibv_qp,
+    recv_mr: *mut ffi::ibv_mr,
+    send_mr: *mut ffi::ibv_mr,
+    recv_ring: AlignedVec<u8>,
+    send_ring: AlignedVec<u8>,
+    gid_index: u8,
+    gid: [u8; 16],
+    lid: u16,
+    mtu: ffi::ibv_mtu,
+}
+
+// SAFETY: verbs objects may be used from any thread (libibverbs serialises per-QP posting
+// internally); the rings are only touched per the SPSC protocol described in the module docs.
+unsafe impl Send for Resources {}
+// SAFETY: as above.
+unsafe impl Sync for Resources {}
+
+impl Drop for Resources {
+    fn drop(&mut self) {
+        // SAFETY: each pointer was created by the matching verbs call and is destroyed once.
+        unsafe {
+            if !self.qp.is_null() {
+                ffi::ibv_destroy_qp(self.qp);
+            }
+            if !self.send_mr.is_null() {
+                ffi::ibv_dereg_mr(self.send_mr);
+            }
+            if !self.recv_mr.is_null() {
+                ffi::ibv_dereg_mr(self.recv_mr);
+            }
+            if !self.cq.is_null() {
+                ffi::ibv_destroy_cq(self.cq);
+            }
+            if !self.pd.is_null() {
+                ffi::ibv_dealloc_pd(self.pd);
+            }
+            if !self.ctx.is_null() {
+                ffi::ibv_close_device(self.ctx);
+            }
+        }
+    }
+}
+
+/// The queue pair description exchanged in the hello attachment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct QpInfo {
+    qpn: u32,
+    psn: u32,
+    lid: u16,
+    gid: [u8; 16],
+    ring_addr: u64,
+    ring_rkey: u32,
+    ring_capacity: u64,
+}
+
+const QP_INFO_LEN: usize = 4 + 4 + 2 + 16 + 8 + 4 + 8;
+
+impl QpInfo {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(QP_INFO_LEN);
+        v.extend_from_slice(&self.qpn.to_le_bytes());
+        v.extend_from_slice(&self.psn.to_le_bytes());
+        v.extend_from_slice(&self.lid.to_le_bytes());
+        v.extend_from_slice(&self.gid);
+        v.extend_from_slice(&self.ring_addr.to_le_bytes());
+        v.extend_from_slice(&self.ring_rkey.to_le_bytes());
+        v.extend_from_slice(&self.ring_capacity.to_le_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Result<Self, RdmaError> {
+        if b.len() != QP_INFO_LEN {
+            return Err(RdmaError::BadPeerInfo(b.len()));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[10..26]);
+        Ok(Self {
+            qpn: u32_at(0),
+            psn: u32_at(4),
+            lid: u16::from_le_bytes([b[8], b[9]]),
+            gid,
+            ring_addr: u64_at(26),
+            ring_rkey: u32_at(34),
+            ring_capacity: u64_at(38),
+        })
+    }
+}
+
+/// Chooses the GID index whose IPv4-mapped address equals `ip` (RoCE v2 preferred).
+fn choose_gid(device: Option<&str>, ip: IpAddr) -> Result<(String, u8, [u8; 16]), RdmaError> {
+    let list = ibverbs::devices().map_err(|source| {
+        // Without the kernel's RDMA subsystem the device list call fails with ENOSYS.
+        if matches!(
+            source.raw_os_error(),
+            Some(libc::ENOSYS) | Some(libc::ENODEV)
+        ) {
+            RdmaError::NoDevice(device.map(str::to_owned))
+        } else {
+            RdmaError::Verbs {
+                call: "ibv_get_device_list",
+                source,
+            }
+        }
+    })?;
+    let dev = list
+        .iter()
+        .find(|d| device.is_none_or(|want| d.name().is_some_and(|n| n.to_string_lossy() == want)))
+        .ok_or_else(|| RdmaError::NoDevice(device.map(str::to_owned)))?;
+    let name = dev
+        .name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ctx = dev.open().map_err(|source| RdmaError::Verbs {
+        call: "ibv_open_device",
+        source,
+    })?;
+    let mut candidates = Vec::new();
+    let mut best: Option<(bool, u8, [u8; 16])> = None;
+    for e in ctx.gid_table() {
+        if e.port_num != IB_PORT as u32 {
+            continue;
+        }
+        let raw_gid: ffi::ibv_gid = e.gid.into();
+        // SAFETY: every bit pattern is a valid [u8; 16].
+        let raw = unsafe { raw_gid.raw };
+        let is_v4 = raw[..10].iter().all(|&b| b == 0) && raw[10] == 0xFF && raw[11] == 0xFF;
+        if !is_v4 {
+            continue;
+        }
+        let v4 = std::net::Ipv4Addr::new(raw[12], raw[13], raw[14], raw[15]);
+        candidates.push(format!("{}:{v4}", e.gid_index));
+        let matches = match ip {
+            IpAddr::V4(a) => a == v4 || a.is_unspecified(),
+            IpAddr::V6(_) => false,
+        };
+        let v2 = e.gid_type == ffi::IBV_GID_TYPE_ROCE_V2;
+        if matches && best.is_none_or(|(bv2, _, _)| v2 && !bv2) {
+            best = Some((v2, e.gid_index as u8, raw));
+        }
+    }
+    best.map(|(_, i, g)| (name, i, g))
+        .ok_or_else(|| RdmaError::NoGid {
+            port: IB_PORT,
+            ip: ip.to_string(),
+            candidates: if candidates.is_empty() {
+                "none".into()
+            } else {
+                candidates.join(", ")
+            },
+        })
+}
+
+impl Resources {
+    fn new(device: Option<&str>, ip: IpAddr, ring_bytes: usize) -> Result<Self, RdmaError> {
+        let (name, gid_index, gid) = choose_gid(device, ip)?;
+        let capacity = codec::align_up(ring_bytes);
+        let mut res = Resources {
+            ctx: std::ptr::null_mut(),
+            pd: std::ptr::null_mut(),
+            cq: std::ptr::null_mut(),
+            qp: std::ptr::null_mut(),
+            recv_mr: std::ptr::null_mut(),
+            send_mr: std::ptr::null_mut(),
+            recv_ring: AlignedVec::zeroed(capacity),
+            send_ring: AlignedVec::zeroed(capacity),
+            gid_index,
+            gid,
+            lid: 0,
+            mtu: ffi::IBV_MTU_1024,
+        };
+        // SAFETY: standard verbs set-up sequence; every returned pointer is checked and owned by
+        // `res`, whose Drop releases them.
+        unsafe {
+            let mut n = 0;
+            let list = ffi::ibv_get_device_list(&mut n);
+            if list.is_null() {
+                return Err(verbs("ibv_get_device_list"));
+            }
+            for i in 0..n.max(0) as usize {
+                let d = *list.add(i);
+                let dn = std::ffi::CStr::from_ptr(ffi::ibv_get_device_name(d));
+                if dn.to_string_lossy() == name {
+                    res.ctx = ffi::ibv_open_device(d);
+                    break;
+                }
+            }
+            ffi::ibv_free_device_list(list);
+            if res.ctx.is_null() {
+                return Err(RdmaError::NoDevice(Some(name)));
+            }
+            let mut port = ffi::ibv_port_attr::default();
+            verbs_rc(
+                "ibv_query_port",
+                ffi::ibv_query_port(
+                    res.ctx,
+                    IB_PORT,
+                    &mut port as *mut ffi::ibv_port_attr as *mut _,
+                ),
+            )?;
+            res.lid = port.lid;
+            res.mtu = port.active_mtu;
+            res.pd = ffi::ibv_alloc_pd(res.ctx);
+            if res.pd.is_null() {
+                return Err(verbs("ibv_alloc_pd"));
+            }
+            res.cq = ffi::ibv_create_cq(
+                res.ctx,
+                (RECV_WRS + SEND_WRS) as i32,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            );
+            if res.cq.is_null() {
+                return Err(verbs("ibv_create_cq"));
+            }
+            let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
+                .0 as i32;
+            res.recv_mr =
+                ffi::ibv_reg_mr(res.pd, res.recv_ring.as_mut_ptr().cast(), capacity, access);
+            if res.recv_mr.is_null() {
+                return Err(verbs("ibv_reg_mr (receive ring)"));
+            }
+            res.send_mr = ffi::ibv_reg_mr(
+                res.pd,
+                res.send_ring.as_mut_ptr().cast(),
+                capacity,
+                ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
+            );
+            if res.send_mr.is_null() {
+                return Err(verbs("ibv_reg_mr (send ring)"));
+            }
+            let mut init = ffi::ibv_qp_init_attr {
+                qp_context: std::ptr::null_mut(),
+                send_cq: res.cq,
+                recv_cq: res.cq,
+                srq: std::ptr::null_mut(),
+                cap: ffi::ibv_qp_cap {
+                    max_send_wr: SEND_WRS,
+                    max_recv_wr: RECV_WRS,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 0,
+                },
+                qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+                sq_sig_all: 0,
+            };
+            res.qp = ffi::ibv_create_qp(res.pd, &mut init);
+            if res.qp.is_null() {
+                return Err(verbs("ibv_create_qp"));
+            }
+            let mut attr = ffi::ibv_qp_attr {
+                qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+                pkey_index: 0,
+                port_num: IB_PORT,
+                qp_access_flags: access as u32,
+                ..Default::default()
+            };
+            let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE
+                | ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+                | ffi::ibv_qp_attr_mask::IBV_QP_PORT
+                | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
+            verbs_rc(
+                "ibv_modify_qp (INIT)",
+                ffi::ibv_modify_qp(res.qp, &mut attr, mask.0 as i32),
+            )?;
+            for _ in 0..RECV_WRS {
+                res.post_recv()?;
+            }
+        }
+        Ok(res)
+    }
+
+    fn post_recv(&self) -> Result<(), RdmaError> {
+        // Zero-length receive: WRITE_WITH_IMM only needs a WR to deliver the immediate.
+        let mut wr = ffi::ibv_recv_wr {
+            wr_id: 0,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: qp is a live RC QP; the WR is valid for the duration of the call.
+        let rc = unsafe {
+            let ctx = (*self.qp).context;
+            match (*ctx).ops.post_recv {
+                Some(f) => f(self.qp, &mut wr, &mut bad),
+                None => libc::ENOSYS,
+            }
+        };
+        verbs_rc("ibv_post_recv", rc)
+    }
+
+    fn connect(&self, local_psn: u32, remote: &QpInfo) -> Result<(), RdmaError> {
+        // SAFETY: qp is live; attributes follow the RC INIT → RTR → RTS sequence.
+        unsafe {
+            let mut rtr = ffi::ibv_qp_attr {
+                qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+                path_mtu: self.mtu,
+                dest_qp_num: remote.qpn,
+                rq_psn: remote.psn,
+                max_dest_rd_atomic: 1,
+                min_rnr_timer: 12,
+                ..Default::default()
+            };
+            rtr.ah_attr.is_global = 1;
+            rtr.ah_attr.dlid = remote.lid;
+            rtr.ah_attr.port_num = IB_PORT;
+            rtr.ah_attr.grh.dgid.raw = remote.gid;
+            rtr.ah_attr.grh.sgid_index = self.gid_index;
+            rtr.ah_attr.grh.hop_limit = 64;
+            let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE
+                | ffi::ibv_qp_attr_mask::IBV_QP_AV
+                | ffi::ibv_qp_attr_mask::IBV_QP_PATH_MTU
+                | ffi::ibv_qp_attr_mask::IBV_QP_DEST_QPN
+                | ffi::ibv_qp_attr_mask::IBV_QP_RQ_PSN
+                | ffi::ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ffi::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER;
+            verbs_rc(
+                "ibv_modify_qp (RTR)",
+                ffi::ibv_modify_qp(self.qp, &mut rtr, mask.0 as i32),
+            )?;
+            let mut rts = ffi::ibv_qp_attr {
+                qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+                timeout: 14,
+                retry_cnt: 7,
+                rnr_retry: 7,
+                sq_psn: local_psn,
+                max_rd_atomic: 1,
+                ..Default::default()
+            };
+            let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE
+                | ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT
+                | ffi::ibv_qp_attr_mask::IBV_QP_RETRY_CNT
+                | ffi::ibv_qp_attr_mask::IBV_QP_RNR_RETRY
+                | ffi::ibv_qp_attr_mask::IBV_QP_SQ_PSN
+                | ffi::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC;
+            verbs_rc(
+                "ibv_modify_qp (RTS)",
+                ffi::ibv_modify_qp(self.qp, &mut rts, mask.0 as i32),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A queue pair prepared before the handshake.
+pub(crate) struct RdmaPrepared {
+    res: Arc<Resources>,
+    psn: u32,
+}
+
+impl RdmaPrepared {
+    pub(crate) fn new(inner: &MeshInner) -> Result<Self, RdmaError> {
+        let me = inner.cfg.protocol.local_rank as usize;
+        let ip = inner.cfg.peers[me].addr.ip();
+        let res = Resources::new(
+            inner.cfg.rdma_device.as_deref(),
+            ip,
+            inner.cfg.shm.ring_bytes,
+        )?;
+        let n = crate::tcp::nonce();
+        let psn = u32::from_le_bytes([n[0], n[1], n[2], 0]);
+        Ok(Self {
+            res: Arc::new(res),
+            psn,
+        })
+    }
+
+    pub(crate) fn local_info(&self) -> Vec<u8> {
+        // SAFETY: qp and recv_mr are live.
+        let (qpn, rkey) = unsafe { ((*self.res.qp).qp_num, (*self.res.recv_mr).rkey) };
+        QpInfo {
+            qpn,
+            psn: self.psn,
+            lid: self.res.lid,
+            gid: self.res.gid,
+            ring_addr: self.res.recv_ring.as_ptr() as u64,
+            ring_rkey: rkey,
+            ring_capacity: self.res.recv_ring.len() as u64,
+        }
+        .encode()
+    }
+
+    /// Moves the queue pair to RTS towards the peer described by `info`.
+    pub(crate) fn connect(self, info: &[u8]) -> Result<(RdmaWriter, RdmaReader), RdmaError> {
+        let remote = QpInfo::decode(info)?;
+        if remote.ring_capacity != self.res.send_ring.len() as u64 {
+            return Err(RdmaError::BadPeerInfo(info.len()));
+        }
+        self.res.connect(self.psn, &remote)?;
+        let shared = Arc::new(Shared {
+            send_done: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        Ok((
+            RdmaWriter {
+                res: Arc::clone(&self.res),
+                remote,
+                head: 0,
+                shared: Arc::clone(&shared),
+            },
+            RdmaReader {
+                res: self.res,
+                shared,
+            },
+        ))
+    }
+}
+
+struct Shared {
+    send_done: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// Sending half: staging ring + RDMA WRITE with immediate.
+pub(crate) struct RdmaWriter {
+    res: Arc<Resources>,
+    remote: QpInfo,
+    head: u64,
+    shared: Arc<Shared>,
+}
+
+impl RdmaWriter {
+    pub(crate) async fn write_frame(
+        &mut self,
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), RdmaError> {
+        let len = head.len() + payload.len();
+        let cap = self.res.send_ring.len() as u64;
+        let record = (RECORD_HEADER + codec::align_up(len)) as u64;
+        let (off, wrap) = loop {
+            if self.shared.closed.load(Ordering::Acquire) {
+                return Err(RdmaError::Closed);
+            }
+            let off = self.head % cap;
+            let wrap = if off + record > cap { cap - off } else { 0 };
+            let done = self.shared.send_done.load(Ordering::Acquire);
+            if self.head + wrap + record - done <= cap {
+                break (if wrap > 0 { 0 } else { off as usize }, wrap);
+            }
+            tokio::time::sleep(Duration::from_micros(50)).await;
+        };
+        let staging = self.res.send_ring.as_ptr() as *mut u8;
+        // SAFETY: [off, off + record) of the staging ring is free (send completions passed it).
+        unsafe {
+            std::ptr::write_unaligned(staging.add(off) as *mut u64, len as u64);
+            let dst = staging.add(off + RECORD_HEADER);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), dst.add(head.len()), payload.len());
+        }
+        self.head += wrap + record;
+        let mut sge = ffi::ibv_sge {
+            addr: staging as u64 + off as u64,
+            length: record as u32,
+            // SAFETY: send_mr is live.
+            lkey: unsafe { (*self.res.send_mr).lkey },
+        };
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: self.head,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_1.imm_data = ((off / PAYLOAD_ALIGN) as u32).to_be();
+        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: self.remote.ring_addr + off as u64,
+            rkey: self.remote.ring_rkey,
+        };
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: qp is live and in RTS; sge points into the registered staging ring.
+        let rc = unsafe {
+            let ctx = (*self.res.qp).context;
+            match (*ctx).ops.post_send {
+                Some(f) => f(self.res.qp, &mut wr, &mut bad),
+                None => libc::ENOSYS,
+            }
+        };
+        verbs_rc("ibv_post_send (RDMA_WRITE_WITH_IMM)", rc)
+    }
+
+    pub(crate) fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+    }
+}
+
+/// Receiving half, run by the completion polling thread.
+pub(crate) struct RdmaReader {
+    res: Arc<Resources>,
+    shared: Arc<Shared>,
+}
+
+/// Starts the completion polling thread of a link.
+pub(crate) fn spawn_poller(link: Arc<Link>, reader: RdmaReader, codec: CodecConfig) {
+    let handle = tokio::runtime::Handle::current();
+    let spawned = std::thread::Builder::new()
+        .name(format!("rdma-cq-{}", link.peer))
+        .spawn(move || {
+            let _rt = handle.enter();
+            if let Err(e) = poll_loop(&link, &reader, &codec) {
+                reader.shared.closed.store(true, Ordering::Release);
+                link.fail(e);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("cannot spawn RDMA completion thread: {e}");
+    }
+}
+
+fn poll_loop(
+    link: &Arc<Link>,
+    reader: &RdmaReader,
+    codec: &CodecConfig,
+) -> Result<(), ProtocolError> {
+    let res = &reader.res;
+    let cap = res.recv_ring.len();
+    let mut wcs = [ffi::ibv_wc::default(); 32];
+    let mut idle = 0u32;
+    loop {
+        if link.is_closed() || reader.shared.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // SAFETY: cq is live; wcs has room for 32 completions.
+        let n = unsafe {
+            let ctx = (*res.cq).context;
+            match (*ctx).ops.poll_cq {
+                Some(f) => f(res.cq, wcs.len() as i32, wcs.as_mut_ptr()),
+                None => -1,
+            }
+        };
+        if n < 0 {
+            return Err(ProtocolError::Closed("ibv_poll_cq failed".into()));
+        }
+        if n == 0 {
+            idle += 1;
+            if idle > 1000 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+            continue;
+        }
+        idle = 0;
+        for wc in &wcs[..n as usize] {
+            if let Some((status, vendor)) = wc.error() {
+                return Err(ProtocolError::Closed(format!(
+                    "RDMA work completion failed: status {status}, vendor error {vendor:#x}"
+                )));
+            }
+            if wc.opcode() != ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                // A send completion: staging up to wr_id may be reused.
+                reader
+                    .shared
+                    .send_done
+                    .fetch_max(wc.wr_id(), Ordering::AcqRel);
+                continue;
+            }
+            res.post_recv()
+                .map_err(|e| ProtocolError::Closed(e.to_string()))?;
+            let off = u32::from_be(wc.imm_data().unwrap_or(u32::MAX)) as usize * PAYLOAD_ALIGN;
+            if off + RECORD_HEADER > cap {
+                return Err(ProtocolError::Closed(format!(
+                    "RDMA record offset {off} outside the ring"
+                )));
+            }
+            let base = res.recv_ring.as_ptr();
+            // SAFETY: off + 8 <= cap (checked); the NIC finished writing this record before
+            // generating the completion.
+            let len = unsafe { std::ptr::read_unaligned(base.add(off) as *const u64) } as usize;
+            if len < HEADER_LEN || len > codec.max_frame_bytes || off + RECORD_HEADER + len > cap {
+                return Err(ProtocolError::Closed(format!(
+                    "corrupt RDMA record of {len} bytes at {off}"
+                )));
+            }
+            let frame = &res.recv_ring[off + RECORD_HEADER..off + RECORD_HEADER + len];
+            let header = codec::decode_header(frame, codec)?;
+            if header.frame_len as usize != len {
+                return Err(ProtocolError::Closed(
+                    "RDMA record length differs from frame header".into(),
+                ));
+            }
+            let mut buf = link.pool.take(len);
+            buf[..len].copy_from_slice(frame);
+            let storage = Storage::Heap {
+                buf: Some(buf),
+                pool: Arc::downgrade(&link.pool),
+            };
+            if let Some(f) = link.on_frame(&header, storage)? {
+                link.deliver(f);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qp_info_round_trips() {
+        let i = QpInfo {
+            qpn: 0x12345,
+            psn: 77,
+            lid: 3,
+            gid: [9; 16],
+            ring_addr: 0xdead_beef_0000,
+            ring_rkey: 42,
+            ring_capacity: 1 << 20,
+        };
+        assert_eq!(QpInfo::decode(&i.encode()).unwrap(), i);
+        assert!(QpInfo::decode(&[0; 5]).is_err());
+    }
+
+    #[test]
+    fn device_setup_or_skip() {
+        use std::io::Write;
+        // Written to the real stderr (not the captured eprintln!) so a skip is always visible.
+        match Resources::new(None, "127.0.0.1".parse().unwrap(), 1 << 20) {
+            Ok(r) => assert_eq!(r.recv_ring.len(), 1 << 20),
+            Err(RdmaError::NoDevice(_)) => {
+                let _ = writeln!(std::io::stderr(), "skipped: no RDMA device");
+            }
+            Err(e) => {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped: RDMA device present but unusable: {e}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,704 @@
+//! The shared-memory driver: one single-producer single-consumer byte ring per direction per
+//! pair of ranks on one host, in a file under `/dev/shm` mapped by both processes.
+//!
+//! Why this exists: between processes on one host a socket costs two copies and several
+//! syscalls per frame; a mapped ring costs one copy in (the producer writes the frame straight
+//! into the ring) and none out (the consumer hands out the frame in place, 64-byte aligned,
+//! and releases its bytes when the application drops it).
+//!
+//! # Segment layout
+//!
+//! ```text
+//! 0     magic "EMSHRNG1", version, creator pid, capacity, max frame
+//! 64    head   (u64, producer: bytes published, monotonic)
+//! 128   tail   (u64, consumer: bytes released, monotonic)
+//! 192   data_seq (futex word), consumer_sleeping
+//! 256   space_seq (futex word), producer_sleeping
+//! 320   producer_closed, consumer_closed
+//! 4096  data[capacity]   records: 64-byte record header (frame length or WRAP), frame
+//! ```
+//!
+//! Records start at 64-byte aligned offsets and never straddle the end of the ring (a WRAP
+//! record skips the tail end), so every frame is contiguous and its payload 64-byte aligned.
+//! The consumer spins briefly when the ring is empty, then sleeps on a futex that the producer
+//! wakes only when the consumer has announced that it sleeps: an idle link burns no CPU.
+//!
+//! The ring's contents are untrusted: every record length and frame header is validated
+//! before use, and a corrupt ring closes that link with an error. The segment file is created
+//! with `posix_fallocate`, so a full `/dev/shm` is an `ENOSPC` error at set-up (the mesh then
+//! falls back to TCP) instead of a `SIGBUS` later, and it is unlinked as soon as both sides have
+//! mapped it. Leftover files of dead processes are removed at start-up.
+
+use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
+use crate::mesh::{Link, Rank, ShmConfig, Storage};
+use crate::protocol::ProtocolError;
+use std::collections::VecDeque;
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const SEG_MAGIC: u64 = u64::from_le_bytes(*b"EMSHRNG1");
+const SEG_VERSION: u32 = 1;
+const DATA_OFFSET: usize = 4096;
+const RECORD_HEADER: usize = PAYLOAD_ALIGN;
+const WRAP: u64 = u64::MAX;
+const FILE_PREFIX: &str = "expertmesh-";
+
+/// Why a shared-memory ring could not be set up or used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShmError {
+    /// The shared-memory filesystem has no room for the ring.
+    #[error(
+        "no space in {dir} for a {bytes}-byte ring (is /dev/shm full or too small? enlarge it or lower shm.ring_bytes; the link falls back to TCP)"
+    )]
+    NoSpace {
+        /// Directory.
+        dir: PathBuf,
+        /// Bytes requested.
+        bytes: u64,
+    },
+    /// Another I/O failure creating, opening or mapping the ring.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// Operation.
+        what: &'static str,
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a live ring of this version (stale, foreign or truncated).
+    #[error("{path} is not a usable ring: {why}")]
+    BadSegment {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The consumer side has closed the ring.
+    #[error("shared-memory peer closed the ring (process exited?)")]
+    PeerClosed,
+    /// A frame larger than half the ring.
+    #[error("frame of {len} bytes does not fit a ring of {capacity} bytes")]
+    TooLarge {
+        /// Frame bytes.
+        len: usize,
+        /// Ring capacity.
+        capacity: usize,
+    },
+}
+
+#[repr(C)]
+struct SegHeader {
+    magic: u64,
+    version: u32,
+    creator_pid: u32,
+    capacity: u64,
+    max_frame: u64,
+    _pad0: [u8; 32],
+    head: AtomicU64,
+    _pad1: [u8; 56],
+    tail: AtomicU64,
+    _pad2: [u8; 56],
+    data_seq: AtomicU32,
+    consumer_sleeping: AtomicU32,
+    _pad3: [u8; 56],
+    space_seq: AtomicU32,
+    producer_sleeping: AtomicU32,
+    _pad4: [u8; 56],
+    producer_closed: AtomicU32,
+    consumer_closed: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<SegHeader>() <= DATA_OFFSET);
+const _: () = assert!(std::mem::offset_of!(SegHeader, head) == 64);
+const _: () = assert!(std::mem::offset_of!(SegHeader, tail) == 128);
+
+/// A mapped ring segment.
+struct Segment {
+    map: memmap2::MmapRaw,
+    capacity: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed through atomics (header) and through byte copies
+// of regions the SPSC protocol hands to exactly one side at a time.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    fn header(&self) -> &SegHeader {
+        // SAFETY: the mapping is at least DATA_OFFSET bytes, page aligned, and SegHeader is
+        // plain integers and atomics valid for any bit pattern.
+        unsafe { &*(self.map.as_ptr() as *const SegHeader) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: DATA_OFFSET is inside the mapping (checked at creation/open).
+        unsafe { self.map.as_mut_ptr().add(DATA_OFFSET) }
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a valid, aligned u32 in a shared mapping; the kernel only reads it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid, aligned u32; wakes at most one waiter.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1);
+    }
+}
+
+fn pid_alive(pid: u32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(48)
+        .collect()
+}
+
+/// Removes ring files left in `dir` by dead processes of this cluster.
+pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
+    let prefix = format!("{FILE_PREFIX}{}-", sanitize(cluster));
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        // name: <prefix><from>to<to>-<pid>-<nonce>
+        let pid = rest.split('-').nth(1).and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !pid_alive(pid)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::warn!(path = %e.path().display(), pid, "removed stale shared-memory segment of a dead process");
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The receiving end of a ring: owns (creates) the segment.
+pub(crate) struct RingConsumer {
+    seg: Arc<Segment>,
+    path: PathBuf,
+    spin_iterations: u32,
+}
+
+impl RingConsumer {
+    /// Creates a ring file for frames from `from` to `to` and maps it.
+    pub(crate) fn create(
+        cfg: &ShmConfig,
+        cluster: &str,
+        from: Rank,
+        to: Rank,
+    ) -> Result<RingConsumer, ShmError> {
+        remove_stale_segments(&cfg.dir, cluster);
+        let capacity = codec::align_up(cfg.ring_bytes);
+        let total = (DATA_OFFSET + capacity) as u64;
+        let nonce = crate::tcp::nonce();
+        let path = cfg.dir.join(format!(
+            "{FILE_PREFIX}{}-{from}to{to}-{}-{:02x}{:02x}{:02x}{:02x}",
+            sanitize(cluster),
+            std::process::id(),
+            nonce[0],
+            nonce[1],
+            nonce[2],
+            nonce[3]
+        ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|source| ShmError::Io {
+                what: "create ring file",
+                path: path.clone(),
+                source,
+            })?;
+        // Reserve the pages now: on a full tmpfs this fails with ENOSPC instead of the first
+        // write into the mapping raising SIGBUS.
+        // SAFETY: valid fd, offset 0, positive length.
+        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
+        if r != 0 {
+            let _ = std::fs::remove_file(&path);
+            if r == libc::ENOSPC {
+                return Err(ShmError::NoSpace {
+                    dir: cfg.dir.clone(),
+                    bytes: total,
+                });
+            }
+            return Err(ShmError::Io {
+                what: "reserve ring space in",
+                path,
+                source: std::io::Error::from_raw_os_error(r),
+            });
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(total as usize)
+            .map_raw(&file)
+            .map_err(|source| {
+                let _ = std::fs::remove_file(&path);
+                ShmError::Io {
+                    what: "map ring",
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+        let seg = Arc::new(Segment { map, capacity });
+        // SAFETY: freshly mapped, zero-filled, exclusively ours until the path is shared.
+        unsafe {
+            let h = seg.map.as_mut_ptr() as *mut SegHeader;
+            (*h).version = SEG_VERSION;
+            (*h).creator_pid = std::process::id();
+            (*h).capacity = capacity as u64;
+            (*h).max_frame = 0;
+            fence(Ordering::Release);
+            (*h).magic = SEG_MAGIC;
+        }
+        Ok(RingConsumer {
+            seg,
+            path,
+            spin_iterations: cfg.spin_iterations,
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The largest receive window this ring supports: wrap waste of one record never blocks a
+    /// sender that holds credit.
+    pub(crate) fn usable_window(&self, codec: &CodecConfig) -> u64 {
+        let max_record = RECORD_HEADER + codec::align_up(codec.max_frame_bytes);
+        self.seg.capacity.saturating_sub(max_record) as u64
+    }
+
+    /// Removes the ring's file (the mappings stay valid).
+    pub(crate) fn unlink(&self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for RingConsumer {
+    fn drop(&mut self) {
+        self.seg
+            .header()
+            .consumer_closed
+            .store(1, Ordering::Release);
+        self.unlink();
+    }
+}
+
+/// A received frame in place in a ring; its record is released when the lease is dropped.
+pub(crate) struct RingLease {
+    seg: Arc<Segment>,
+    releaser: Arc<Releaser>,
+    record_pos: u64,
+    frame_off: usize,
+    frame_len: usize,
+}
+
+impl RingLease {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: the producer does not write this record until the consumer's tail passes it,
+        // which happens only after this lease is dropped (SPSC protocol); offset and length were
+        // validated against the capacity.
+        unsafe { std::slice::from_raw_parts(self.seg.data().add(self.frame_off), self.frame_len) }
+    }
+}
+
+impl Drop for RingLease {
+    fn drop(&mut self) {
+        self.releaser.release(&self.seg, self.record_pos);
+    }
+}
+
+/// In-order release of ring records that the application may drop in any order.
+struct Releaser {
+    pending: Mutex<VecDeque<(u64, u64, bool)>>,
+}
+
+impl Releaser {
+    fn push(&self, start: u64, end: u64, released: bool) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back((start, end, released));
+    }
+
+    fn release(&self, seg: &Segment, start: u64) {
+        let mut q = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = q.iter_mut().find(|e| e.0 == start) {
+            e.2 = true;
+        }
+        let mut new_tail = None;
+        while let Some(&(_, end, true)) = q.front() {
+            new_tail = Some(end);
+            q.pop_front();
+        }
+        drop(q);
+        if let Some(t) = new_tail {
+            let h = seg.header();
+            h.tail.store(t, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
+                h.space_seq.fetch_add(1, Ordering::SeqCst);
+                futex_wake(&h.space_seq);
+            }
+        }
+    }
+}
+
+/// Runs the consumer of `ring` on its own thread, feeding frames to `link`.
+pub(crate) fn spawn_consumer(link: Arc<Link>, ring: RingConsumer, codec: CodecConfig) {
+    let handle = tokio::runtime::Handle::current();
+    let name = format!("shm-rx-{}", link.peer);
+    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        let _rt = handle.enter();
+        if let Err(e) = consumer_loop(&link, &ring, &codec) {
+            link.fail(e);
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!("cannot spawn shm consumer thread: {e}");
+    }
+}
+
+fn corrupt(why: String) -> ProtocolError {
+    ProtocolError::Closed(format!("corrupt shared-memory ring: {why}"))
+}
+
+fn consumer_loop(
+    link: &Arc<Link>,
+    ring: &RingConsumer,
+    codec: &CodecConfig,
+) -> Result<(), ProtocolError> {
+    let seg = &ring.seg;
+    let h = seg.header();
+    let cap = seg.capacity as u64;
+    let releaser = Arc::new(Releaser {
+        pending: Mutex::new(VecDeque::new()),
+    });
+    let mut read_pos: u64 = 0;
+    loop {
+        if link.is_closed() {
+            return Ok(());
+        }
+        let head = h.head.load(Ordering::Acquire);
+        if head == read_pos {
+            wait_for_data(h, read_pos, ring.spin_iterations, link);
+            continue;
+        }
+        if head < read_pos
+            || head - read_pos > cap
+            || !read_pos.is_multiple_of(PAYLOAD_ALIGN as u64)
+        {
+            return Err(corrupt(format!(
+                "head {head} inconsistent with read position {read_pos}"
+            )));
+        }
+        let off = (read_pos % cap) as usize;
+        // SAFETY: off + 8 <= cap because records are 64-aligned and cap is a multiple of 64;
+        // the bytes before `head` were published by the producer (Acquire above).
+        let len = unsafe { std::ptr::read_unaligned(seg.data().add(off) as *const u64) };
+        if len == WRAP {
+            let skip = cap - off as u64;
+            if off == 0 || read_pos + skip > head {
+                return Err(corrupt("misplaced wrap record".into()));
+            }
+            releaser.push(read_pos, read_pos + skip, false);
+            releaser.release(seg, read_pos);
+            read_pos += skip;
+            continue;
+        }
+        let frame_len = len as usize;
+        let record = (RECORD_HEADER + codec::align_up(frame_len)) as u64;
+        if len < HEADER_LEN as u64
+            || frame_len > codec.max_frame_bytes
+            || off as u64 + record > cap
+            || read_pos + record > head
+        {
+            return Err(corrupt(format!("record of {len} bytes at offset {off}")));
+        }
+        let frame_off = off + RECORD_HEADER;
+        // SAFETY: validated above to lie within the published part of the ring.
+        let hdr_bytes =
+            unsafe { std::slice::from_raw_parts(seg.data().add(frame_off), HEADER_LEN) };
+        let header = codec::decode_header(hdr_bytes, codec)?;
+        if header.frame_len as usize != frame_len {
+            return Err(corrupt("record length differs from frame header".into()));
+        }
+        releaser.push(read_pos, read_pos + record, false);
+        let lease = RingLease {
+            seg: Arc::clone(seg),
+            releaser: Arc::clone(&releaser),
+            record_pos: read_pos,
+            frame_off,
+            frame_len,
+        };
+        read_pos += record;
+        if let Some(frame) = link.on_frame(&header, Storage::Shm(lease))? {
+            link.deliver(frame)
+        }
+    }
+}
+
+fn wait_for_data(h: &SegHeader, read_pos: u64, spins: u32, link: &Link) {
+    for i in 0..spins {
+        if h.head.load(Ordering::Acquire) != read_pos {
+            return;
+        }
+        if i % 64 == 63 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    let seq = h.data_seq.load(Ordering::SeqCst);
+    h.consumer_sleeping.store(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    if h.head.load(Ordering::Acquire) == read_pos && !link.is_closed() {
+        futex_wait(&h.data_seq, seq, Duration::from_millis(20));
+    }
+    h.consumer_sleeping.store(0, Ordering::SeqCst);
+}
+
+/// The sending end of a ring (maps the peer's segment).
+pub(crate) struct RingProducer {
+    seg: Arc<Segment>,
+    head: u64,
+}
+
+impl RingProducer {
+    /// Opens and validates the peer's ring file.
+    pub(crate) fn open(path: &Path, cfg: &ShmConfig) -> Result<RingProducer, ShmError> {
+        let bad = |why: String| ShmError::BadSegment {
+            path: path.to_path_buf(),
+            why,
+        };
+        if path.parent() != Some(cfg.dir.as_path()) {
+            return Err(bad(format!(
+                "not inside the configured directory {}",
+                cfg.dir.display()
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| ShmError::Io {
+                what: "open peer ring",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let size = file
+            .metadata()
+            .map_err(|source| ShmError::Io {
+                what: "stat peer ring",
+                path: path.to_path_buf(),
+                source,
+            })?
+            .len() as usize;
+        if size < DATA_OFFSET + 2 * PAYLOAD_ALIGN {
+            return Err(bad(format!("file of {size} bytes is too small")));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(size)
+            .map_raw(&file)
+            .map_err(|source| ShmError::Io {
+                what: "map peer ring",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let seg = Segment { map, capacity: 0 };
+        let h = seg.header();
+        if h.magic != SEG_MAGIC || h.version != SEG_VERSION {
+            return Err(bad("wrong magic or version (stale or foreign file)".into()));
+        }
+        let capacity = h.capacity as usize;
+        if capacity + DATA_OFFSET != size || !capacity.is_multiple_of(PAYLOAD_ALIGN) {
+            return Err(bad(format!(
+                "capacity {capacity} does not match file size {size}"
+            )));
+        }
+        if !pid_alive(h.creator_pid) {
+            return Err(bad(format!(
+                "creator process {} is gone (stale segment)",
+                h.creator_pid
+            )));
+        }
+        if h.head.load(Ordering::Acquire) != 0 || h.consumer_closed.load(Ordering::Acquire) != 0 {
+            return Err(bad("ring already in use (stale segment)".into()));
+        }
+        let seg = Segment {
+            map: seg.map,
+            capacity,
+        };
+        Ok(RingProducer {
+            seg: Arc::new(seg),
+            head: 0,
+        })
+    }
+
+    /// Copies one frame (`head` then `payload`) into the ring, waiting for space if needed.
+    pub(crate) async fn write_frame(
+        &mut self,
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), ShmError> {
+        let len = head.len() + payload.len();
+        let cap = self.seg.capacity as u64;
+        let record = (RECORD_HEADER + codec::align_up(len)) as u64;
+        if record > cap / 2 {
+            return Err(ShmError::TooLarge {
+                len,
+                capacity: self.seg.capacity,
+            });
+        }
+        let mut tries = 0u32;
+        let (off, wrap) = loop {
+            let h = self.seg.header();
+            if h.consumer_closed.load(Ordering::Acquire) != 0 {
+                return Err(ShmError::PeerClosed);
+            }
+            let tail = h.tail.load(Ordering::Acquire);
+            let off = self.head % cap;
+            let wrap = if off + record > cap { cap - off } else { 0 };
+            if self.head + wrap + record - tail <= cap {
+                break (off as usize, wrap);
+            }
+            // Out of space (the application holds old frames): wait without burning a core.
+            tries += 1;
+            if tries < 64 {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        };
+        let data = self.seg.data();
+        // SAFETY: the region [head, head + wrap + record) is free (checked against tail above)
+        // and only the producer writes it until it publishes `head`.
+        unsafe {
+            let mut off = off;
+            if wrap > 0 {
+                std::ptr::write_unaligned(data.add(off) as *mut u64, WRAP);
+                off = 0;
+            }
+            std::ptr::write_unaligned(data.add(off) as *mut u64, len as u64);
+            let dst = data.add(off + RECORD_HEADER);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), dst.add(head.len()), payload.len());
+        }
+        self.head += wrap + record;
+        let h = self.seg.header();
+        h.head.store(self.head, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if h.consumer_sleeping.load(Ordering::SeqCst) != 0 {
+            h.data_seq.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&h.data_seq);
+        }
+        Ok(())
+    }
+
+    /// Marks the producer side closed.
+    pub(crate) fn close(&self) {
+        self.seg
+            .header()
+            .producer_closed
+            .store(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_shm_dir_is_a_clear_error() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let cfg = ShmConfig {
+            dir: dir.path().to_path_buf(),
+            ring_bytes: 1 << 50, // 1 PiB: no tmpfs has room
+            spin_iterations: 10,
+        };
+        let err = RingConsumer::create(&cfg, "t", 0, 1)
+            .err()
+            .expect("must fail");
+        assert!(
+            matches!(err, ShmError::NoSpace { .. } | ShmError::Io { .. }),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "no file left behind"
+        );
+    }
+
+    #[test]
+    fn stale_and_foreign_segments_are_refused() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let cfg = ShmConfig {
+            dir: dir.path().to_path_buf(),
+            ring_bytes: 1 << 16,
+            spin_iterations: 10,
+        };
+        // A foreign file.
+        let foreign = dir.path().join("expertmesh-x-0to1-1-00");
+        std::fs::write(&foreign, vec![7u8; 8192]).unwrap();
+        assert!(matches!(
+            RingProducer::open(&foreign, &cfg),
+            Err(ShmError::BadSegment { .. })
+        ));
+        // A file outside the directory.
+        let outside = Path::new("/etc/hostname");
+        assert!(matches!(
+            RingProducer::open(outside, &cfg),
+            Err(ShmError::BadSegment { .. })
+        ));
+        // A ring whose creator is dead: rewrite the pid to one that cannot exist.
+        let ring = RingConsumer::create(&cfg, "x", 0, 1).unwrap();
+        // SAFETY: test-only write to our own mapping.
+        unsafe { (*(ring.seg.map.as_mut_ptr() as *mut SegHeader)).creator_pid = 0x3FFF_FFF0 };
+        let err = RingProducer::open(ring.path(), &cfg).err().unwrap();
+        assert!(err.to_string().contains("stale"), "{err}");
+        // Stale-file sweep removes files of dead pids.
+        let dead = dir
+            .path()
+            .join(format!("{FILE_PREFIX}x-0to1-{}-ab", 0x3FFF_FFF0u32));
+        std::fs::write(&dead, b"old").unwrap();
+        assert_eq!(remove_stale_segments(dir.path(), "x"), 1);
+        assert!(!dead.exists());
+    }
+}
