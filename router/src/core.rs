@@ -1,0 +1,1044 @@
+//! The router core: a sans-IO state machine from frontend requests to combined layer outputs.
+//!
+//! Why this exists: everything the router decides — batching requests that arrive close
+//! together, gating, splitting a batch into micro-batches, planning destinations, choosing
+//! replicas, re-dispatching the share of a dead or straggling device, enforcing deadlines and
+//! combining results in a fixed order — lives here, with no sockets, threads or clocks. The
+//! service ([`crate::service`]) feeds it requests, worker frames, peer notices and the current
+//! time, and carries out the [`Action`]s it returns. Tests drive it with simulated workers.
+//!
+//! Numerics: in exact mode workers return one f32 row per (token, slot) and
+//! [`RouterCore`] sums them in slot order (`acc = acc + w·y`, then the shared experts), the
+//! contract's §5, so outputs are bit-identical to the in-process reference whatever the placement
+//! or replica choice. In accurate mode workers pre-combine their slots and the router adds the
+//! partial sums in rank order.
+//!
+//! Bounds: at most `max_inflight_batches` batches are in flight (beyond that new requests are
+//! refused with `Overloaded`), each batch holds at most `max_batch_tokens` tokens, and every
+//! batch has a deadline after which its requests fail with an error naming the devices that did
+//! not answer.
+
+use crate::gating::{self, GateWeights, Routing};
+use crate::plan::{self, DevicePlan, LayerOwners, PlanError, Replicas};
+use bytes::Bytes;
+use expertmesh_hip_kernels::contract::{self, ComputeMode};
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_transport::codec::{
+    Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout,
+    WireComputeMode, align_up,
+};
+use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
+use expertmesh_transport::mesh::OutFrame;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// Identifies a frontend connection to the driver.
+pub type ClientId = u64;
+
+/// Router settings.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// Numerical contract of every layer call.
+    pub mode: ComputeMode,
+    /// Largest request accepted (tokens).
+    pub max_request_tokens: usize,
+    /// Largest merged batch (tokens).
+    pub max_batch_tokens: usize,
+    /// Tokens per micro-batch: a batch is split so the first parts compute while later ones
+    /// are still on the wire.
+    pub micro_batch_tokens: usize,
+    /// How long a batch waits for more requests of the same layer (0: dispatch at once).
+    pub batch_window: Duration,
+    /// Deadline of requests that do not carry one.
+    pub default_deadline: Duration,
+    /// A part unanswered this long is re-sent to a replica when one exists.
+    pub straggler_timeout: Duration,
+    /// Batches in flight at most; beyond this requests are refused (`Overloaded`).
+    pub max_inflight_batches: usize,
+    /// Dispatch encoding in accurate mode (exact mode always sends `q8-block32`, which is
+    /// lossless for it).
+    pub accurate_dtype: ActivationDtype,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            mode: ComputeMode::Exact,
+            max_request_tokens: 256,
+            max_batch_tokens: 256,
+            micro_batch_tokens: 32,
+            batch_window: Duration::from_micros(200),
+            default_deadline: Duration::from_secs(10),
+            straggler_timeout: Duration::from_secs(3),
+            max_inflight_batches: 64,
+            accurate_dtype: ActivationDtype::F32,
+        }
+    }
+}
+
+/// Where a layer's shared experts run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedSite {
+    /// The model has no shared experts.
+    None,
+    /// On the router host ([`SharedRunner`]).
+    Router,
+    /// On the worker with this mesh rank (dispatched as extra slots with weight 1).
+    Rank(u32),
+}
+
+/// Everything the router knows about one MoE layer.
+#[derive(Clone, Debug)]
+pub struct LayerSetup {
+    /// Layer index.
+    pub layer: u32,
+    /// Gate weights and selection bias.
+    pub gate: GateWeights,
+    /// Owners of each routed expert, as mesh ranks.
+    pub owners: LayerOwners,
+    /// Where the shared experts run.
+    pub shared: SharedSite,
+}
+
+/// Runs shared experts on the router host (the CPU backend in the service; a stub in tests).
+pub trait SharedRunner: Send {
+    /// Write `[tokens][shared][hidden]` outputs of `layer`'s shared experts for `x`
+    /// (`[tokens][hidden]`) into `out`.
+    fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String>;
+}
+
+/// A validated frontend request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The connection it came from.
+    pub client: ClientId,
+    /// The client's request id.
+    pub request_id: u64,
+    /// MoE layer.
+    pub layer: u32,
+    /// Number of tokens.
+    pub tokens: usize,
+    /// Hidden states `[tokens][hidden]`.
+    pub x: Vec<f32>,
+    /// Router logits `[tokens][experts]`, when the frontend computed them.
+    pub logits: Option<Vec<f32>>,
+    /// When it must be answered.
+    pub deadline: Instant,
+}
+
+/// What the driver must do.
+#[derive(Debug)]
+pub enum Action {
+    /// Send a frame to a worker.
+    Send {
+        /// Destination mesh rank.
+        rank: u32,
+        /// The frame.
+        frame: OutFrame,
+        /// Batch and part, for reporting a failed send back via [`RouterCore::on_send_failed`].
+        batch: u64,
+        /// Part id (the frame's micro-batch field).
+        part: u32,
+    },
+    /// Answer a request.
+    Respond {
+        /// Connection.
+        client: ClientId,
+        /// Request id.
+        request_id: u64,
+        /// Tokens.
+        tokens: usize,
+        /// Output `[tokens][hidden]`.
+        output: Vec<f32>,
+    },
+    /// Fail a request.
+    Fail {
+        /// Connection.
+        client: ClientId,
+        /// Request id.
+        request_id: u64,
+        /// Stable error code.
+        code: ErrorCode,
+        /// What went wrong and what to do.
+        message: String,
+    },
+}
+
+/// Counters for reports and metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Requests answered with an output.
+    pub responses: u64,
+    /// Requests failed.
+    pub failures: u64,
+    /// Batches dispatched.
+    pub batches: u64,
+    /// Parts (per-device frames) sent.
+    pub parts_sent: u64,
+    /// Parts re-sent to a replica after a failure or timeout.
+    pub parts_redispatched: u64,
+    /// Activation payload bytes sent to workers.
+    pub dispatch_payload_bytes: u64,
+    /// Result payload bytes received from workers.
+    pub result_payload_bytes: u64,
+    /// Tokens answered.
+    pub tokens: u64,
+}
+
+struct Member {
+    client: ClientId,
+    request_id: u64,
+    offset: usize,
+    tokens: usize,
+}
+
+struct Pending {
+    members: Vec<Member>,
+    x: Vec<f32>,
+    /// Per token, the frontend's logits when it sent them.
+    logits: Vec<Option<Vec<f32>>>,
+    flush_at: Instant,
+    deadline: Instant,
+}
+
+struct Part {
+    rank: u32,
+    plan: DevicePlan,
+    sent_at: Instant,
+    live: bool,
+}
+
+struct Inflight {
+    layer: u32,
+    tokens: usize,
+    members: Vec<Member>,
+    deadline: Instant,
+    /// Routing with the remote shared experts appended as extra slots (weight 1).
+    routing: Routing,
+    /// Routed slots (k).
+    k: usize,
+    x: Vec<f32>,
+    /// Exact mode: the input quantized once per contract §1 (codes, scales).
+    q8: Option<(Vec<i8>, Vec<f32>)>,
+    /// Exact mode: `[tokens][slots][hidden]` per-slot rows.
+    slot_rows: Vec<f32>,
+    /// Accurate mode: per part id, (tokens, rows `[tokens][hidden]`).
+    partials: BTreeMap<u32, (Vec<u32>, Vec<f32>)>,
+    /// Shared experts computed on the router, `[tokens][shared][hidden]`.
+    shared_local: Vec<f32>,
+    parts: Vec<Part>,
+    outstanding: usize,
+}
+
+/// The router state machine. See the module docs.
+pub struct RouterCore {
+    spec: ModelSpec,
+    cfg: RouterConfig,
+    layers: HashMap<u32, LayerSetup>,
+    /// Owners extended with the shared experts' pseudo-ids (`E + i`) per layer.
+    owners_ext: HashMap<u32, LayerOwners>,
+    replicas: Replicas,
+    rank_names: Vec<String>,
+    shared_runner: Option<Box<dyn SharedRunner>>,
+    pending: BTreeMap<u32, Pending>,
+    inflight: BTreeMap<u64, Inflight>,
+    next_batch: u64,
+    actions: Vec<Action>,
+    stats: RouterStats,
+}
+
+impl RouterCore {
+    /// A router for `spec` over `layers`. `rank_names[r]` names mesh rank `r` in messages;
+    /// `replicas` carries node locality and starts with every worker considered alive.
+    pub fn new(
+        spec: ModelSpec,
+        cfg: RouterConfig,
+        layers: Vec<LayerSetup>,
+        replicas: Replicas,
+        rank_names: Vec<String>,
+        shared_runner: Option<Box<dyn SharedRunner>>,
+    ) -> Self {
+        let e = spec.routed_experts;
+        let mut owners_ext = HashMap::new();
+        for l in &layers {
+            let mut o = l.owners.clone();
+            if let SharedSite::Rank(r) = l.shared {
+                for _ in 0..spec.shared_experts {
+                    o.owners.push(vec![r]);
+                }
+            }
+            debug_assert_eq!(l.owners.owners.len(), e as usize);
+            owners_ext.insert(l.layer, o);
+        }
+        Self {
+            spec,
+            cfg,
+            layers: layers.into_iter().map(|l| (l.layer, l)).collect(),
+            owners_ext,
+            replicas,
+            rank_names,
+            shared_runner,
+            pending: BTreeMap::new(),
+            inflight: BTreeMap::new(),
+            next_batch: 1,
+            actions: Vec::new(),
+            stats: RouterStats::default(),
+        }
+    }
+
+    /// The model served.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> &RouterStats {
+        &self.stats
+    }
+
+    /// Layers served, ascending.
+    pub fn layers(&self) -> Vec<u32> {
+        let mut l: Vec<u32> = self.layers.keys().copied().collect();
+        l.sort_unstable();
+        l
+    }
+
+    /// Batches in flight.
+    pub fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Take the actions produced so far.
+    pub fn drain_actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.actions)
+    }
+
+    /// The earliest time [`RouterCore::on_tick`] has work to do.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        let p = self.pending.values().map(|p| p.flush_at);
+        let d = self.inflight.values().flat_map(|b| {
+            let straggle = b
+                .parts
+                .iter()
+                .filter(|p| p.live)
+                .map(|p| p.sent_at + self.cfg.straggler_timeout);
+            std::iter::once(b.deadline).chain(straggle)
+        });
+        p.chain(d).min()
+    }
+
+    fn name(&self, rank: u32) -> String {
+        self.rank_names
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("rank {rank}"))
+    }
+
+    /// Validate a frontend `LayerRequest` and decode its payload, or say what is wrong.
+    pub fn validate(
+        &self,
+        client: ClientId,
+        req: &LayerRequest,
+        payload: &[u8],
+        now: Instant,
+    ) -> Result<Request, (ErrorCode, String)> {
+        let spec = &self.spec;
+        if !self.layers.contains_key(&req.layer) {
+            let l = self.layers();
+            return Err((
+                ErrorCode::NotFound,
+                format!(
+                    "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
+                    req.layer,
+                    spec.name,
+                    l.first().copied().unwrap_or(0),
+                    l.last().copied().unwrap_or(0)
+                ),
+            ));
+        }
+        if req.hidden != spec.hidden {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "hidden size {} does not match model {} (hidden {})",
+                    req.hidden, spec.name, spec.hidden
+                ),
+            ));
+        }
+        let t = req.tokens as usize;
+        if t == 0 || t > self.cfg.max_request_tokens {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "{t} tokens: a request carries 1 to {} tokens; split larger batches",
+                    self.cfg.max_request_tokens
+                ),
+            ));
+        }
+        if req.dtype == ActivationDtype::Q8Block32 {
+            return Err((
+                ErrorCode::Unsupported,
+                "q8-block32 is a worker dispatch format; send hidden states as f32, bf16, f16 or fp8".into(),
+            ));
+        }
+        let h = spec.hidden as usize;
+        let range = req.hidden_range();
+        let logits_end = req.logits_range().map_or(range.end, |r| r.end);
+        if payload.len() < logits_end {
+            return Err((
+                ErrorCode::BadFrame,
+                format!(
+                    "payload has {} bytes, the request describes {logits_end}",
+                    payload.len()
+                ),
+            ));
+        }
+        let mut x = vec![0f32; t * h];
+        dtype::decode_activations(req.dtype, t, h, &payload[range], &mut x)
+            .map_err(|e| (ErrorCode::InvalidInput, e.to_string()))?;
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "hidden state of token {} element {} is {}; inputs must be finite",
+                    i / h,
+                    i % h,
+                    x[i]
+                ),
+            ));
+        }
+        let logits = match req.logits_range() {
+            None => None,
+            Some(r) => {
+                if req.logit_experts != spec.routed_experts {
+                    return Err((
+                        ErrorCode::InvalidInput,
+                        format!(
+                            "router logits have {} columns but model {} has {} routed experts",
+                            req.logit_experts, spec.name, spec.routed_experts
+                        ),
+                    ));
+                }
+                let l: Vec<f32> = payload[r]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                if let Some(i) = l.iter().position(|v| !v.is_finite()) {
+                    let e = spec.routed_experts as usize;
+                    return Err((
+                        ErrorCode::InvalidInput,
+                        format!(
+                            "router logit of token {} expert {} is {}; logits must be finite",
+                            i / e,
+                            i % e,
+                            l[i]
+                        ),
+                    ));
+                }
+                Some(l)
+            }
+        };
+        let deadline = now
+            + if req.deadline_us == 0 {
+                self.cfg.default_deadline
+            } else {
+                Duration::from_micros(req.deadline_us)
+            };
+        Ok(Request {
+            client,
+            request_id: req.request_id,
+            layer: req.layer,
+            tokens: t,
+            x,
+            logits,
+            deadline,
+        })
+    }
+
+    /// Accept a validated request. It joins the pending batch of its layer (dispatched when the
+    /// batch window closes or the batch is full).
+    pub fn submit(&mut self, req: Request, now: Instant) {
+        if self.inflight.len() >= self.cfg.max_inflight_batches {
+            self.fail_one(
+                req.client,
+                req.request_id,
+                ErrorCode::Overloaded,
+                format!(
+                    "router has {} batches in flight (the limit); retry shortly",
+                    self.inflight.len()
+                ),
+            );
+            return;
+        }
+        let layer = req.layer;
+        let full = self.pending.get(&layer).is_some_and(|p| {
+            p.x.len() / self.spec.hidden as usize + req.tokens > self.cfg.max_batch_tokens
+        });
+        if full {
+            self.flush(layer, now);
+        }
+        let p = self.pending.entry(layer).or_insert_with(|| Pending {
+            members: Vec::new(),
+            x: Vec::new(),
+            logits: Vec::new(),
+            flush_at: now + self.cfg.batch_window,
+            deadline: req.deadline,
+        });
+        let offset = p.x.len() / self.spec.hidden as usize;
+        p.members.push(Member {
+            client: req.client,
+            request_id: req.request_id,
+            offset,
+            tokens: req.tokens,
+        });
+        p.x.extend_from_slice(&req.x);
+        let e = self.spec.routed_experts as usize;
+        match &req.logits {
+            Some(l) => p.logits.extend(l.chunks(e).map(|c| Some(c.to_vec()))),
+            None => p.logits.extend(std::iter::repeat_n(None, req.tokens)),
+        }
+        p.deadline = p.deadline.min(req.deadline);
+        if self.cfg.batch_window.is_zero()
+            || p.x.len() / self.spec.hidden as usize >= self.cfg.max_batch_tokens
+        {
+            self.flush(layer, now);
+        }
+    }
+
+    /// Handle timers: close batch windows, re-send stragglers, fail requests past deadline.
+    pub fn on_tick(&mut self, now: Instant) {
+        let due: Vec<u32> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.flush_at <= now)
+            .map(|(&l, _)| l)
+            .collect();
+        for l in due {
+            self.flush(l, now);
+        }
+        let ids: Vec<u64> = self.inflight.keys().copied().collect();
+        for id in ids {
+            let Some(b) = self.inflight.get(&id) else {
+                continue;
+            };
+            if b.deadline <= now {
+                let waiting: Vec<String> = b
+                    .parts
+                    .iter()
+                    .filter(|p| p.live)
+                    .map(|p| self.name(p.rank))
+                    .collect();
+                let msg = format!(
+                    "deadline exceeded: layer {} still waiting for {}; the device may be overloaded or down",
+                    b.layer,
+                    waiting.join(", ")
+                );
+                self.fail_batch(id, ErrorCode::DeadlineExceeded, msg);
+                continue;
+            }
+            let slow: Vec<usize> = b
+                .parts
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.live && p.sent_at + self.cfg.straggler_timeout <= now)
+                .map(|(i, _)| i)
+                .collect();
+            for i in slow {
+                // Re-send only when another owner exists; otherwise keep waiting until the
+                // deadline (the part's clock restarts so this is not retried every tick).
+                self.redispatch(id, i, now, true);
+            }
+        }
+    }
+
+    /// A worker's result frame arrived.
+    pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8], now: Instant) {
+        let _ = now;
+        let h = self.spec.hidden as usize;
+        let mode = self.cfg.mode;
+        let Some(b) = self.inflight.get_mut(&res.request_id) else {
+            return; // late result of a finished or failed batch
+        };
+        let Some(part) = b.parts.get_mut(res.micro_batch as usize) else {
+            return;
+        };
+        if !part.live || part.rank != from {
+            return; // superseded by a re-dispatch
+        }
+        let expect_rows = match mode {
+            ComputeMode::Exact => part.plan.pairs(),
+            ComputeMode::Accurate => part.plan.tokens.len(),
+        };
+        let wrong = res.rows as usize != expect_rows
+            || res.hidden as usize != h
+            || payload.len() != expect_rows * h * res.dtype.elem_bytes();
+        if wrong {
+            let msg = format!(
+                "{} returned {} rows of {} values ({} bytes) where {} rows of {h} were expected",
+                self.name(from),
+                res.rows,
+                res.hidden,
+                payload.len(),
+                expect_rows
+            );
+            self.fail_batch(res.request_id, ErrorCode::Internal, msg);
+            return;
+        }
+        let mut rows = vec![0f32; expect_rows * h];
+        if dtype::decode_output(res.dtype, payload, &mut rows).is_err() {
+            let msg = format!("{} sent an undecodable result", self.name(from));
+            self.fail_batch(res.request_id, ErrorCode::Internal, msg);
+            return;
+        }
+        part.live = false;
+        let pairs = part.plan.pairs() as u64;
+        self.replicas.load[from as usize] = self.replicas.load[from as usize].saturating_sub(pairs);
+        self.stats.result_payload_bytes += payload.len() as u64;
+        match mode {
+            ComputeMode::Exact => {
+                let slots = b.routing.top_k;
+                for (i, (t, s)) in part.plan.pair_targets().enumerate() {
+                    let dst = (t as usize * slots + s as usize) * h;
+                    b.slot_rows[dst..dst + h].copy_from_slice(&rows[i * h..(i + 1) * h]);
+                }
+            }
+            ComputeMode::Accurate => {
+                b.partials
+                    .insert(res.micro_batch, (part.plan.tokens.clone(), rows));
+            }
+        }
+        b.outstanding -= 1;
+        if b.outstanding == 0 {
+            self.complete(res.request_id);
+        }
+    }
+
+    /// A worker answered a dispatch with an error frame: the batch fails with its message.
+    pub fn on_worker_error(&mut self, from: u32, request_id: u64, code: ErrorCode, message: &str) {
+        if self.inflight.contains_key(&request_id) {
+            let msg = format!("{}: {message}", self.name(from));
+            self.fail_batch(request_id, code, msg);
+        }
+    }
+
+    /// A link to a worker failed: its outstanding parts go to replicas, or their batches fail.
+    pub fn on_peer_lost(&mut self, rank: u32, now: Instant) {
+        if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
+            *a = false;
+        }
+        self.replicas.load[rank as usize] = 0;
+        let affected: Vec<(u64, usize)> = self
+            .inflight
+            .iter()
+            .flat_map(|(&id, b)| {
+                b.parts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.live && p.rank == rank)
+                    .map(move |(i, _)| (id, i))
+            })
+            .collect();
+        for (id, i) in affected {
+            self.redispatch(id, i, now, false);
+        }
+    }
+
+    /// A link to a worker is (again) established.
+    pub fn on_peer_up(&mut self, rank: u32) {
+        if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
+            *a = true;
+        }
+    }
+
+    /// Sending a part failed (the link went down while the send waited).
+    pub fn on_send_failed(&mut self, rank: u32, batch: u64, part: u32, now: Instant) {
+        let live = self
+            .inflight
+            .get(&batch)
+            .and_then(|b| b.parts.get(part as usize))
+            .is_some_and(|p| p.live && p.rank == rank);
+        if live {
+            if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
+                *a = false;
+            }
+            self.redispatch(batch, part as usize, now, false);
+        }
+    }
+
+    fn fail_one(&mut self, client: ClientId, request_id: u64, code: ErrorCode, message: String) {
+        self.stats.failures += 1;
+        self.actions.push(Action::Fail {
+            client,
+            request_id,
+            code,
+            message,
+        });
+    }
+
+    fn fail_batch(&mut self, id: u64, code: ErrorCode, message: String) {
+        let Some(b) = self.inflight.remove(&id) else {
+            return;
+        };
+        for p in b.parts.iter().filter(|p| p.live) {
+            let l = &mut self.replicas.load[p.rank as usize];
+            *l = l.saturating_sub(p.plan.pairs() as u64);
+        }
+        for m in b.members {
+            self.fail_one(m.client, m.request_id, code, message.clone());
+        }
+    }
+
+    /// Gate, plan and send a pending batch.
+    fn flush(&mut self, layer: u32, now: Instant) {
+        let Some(p) = self.pending.remove(&layer) else {
+            return;
+        };
+        let h = self.spec.hidden as usize;
+        let e = self.spec.routed_experts as usize;
+        let tokens = p.x.len() / h;
+        let setup = &self.layers[&layer];
+        // Gating: the frontend's logits where given, the gate matrix otherwise.
+        let mut logits = vec![0f32; tokens * e];
+        for t in 0..tokens {
+            match &p.logits[t] {
+                Some(l) => logits[t * e..(t + 1) * e].copy_from_slice(l),
+                None => {
+                    let row = setup.gate.logits(&p.x[t * h..(t + 1) * h]);
+                    logits[t * e..(t + 1) * e].copy_from_slice(&row);
+                }
+            }
+        }
+        let routing = match gating::route(&self.spec, &logits, &setup.gate.bias) {
+            Ok(r) => r,
+            Err(err) => {
+                for m in p.members {
+                    self.fail_one(
+                        m.client,
+                        m.request_id,
+                        ErrorCode::InvalidInput,
+                        err.to_string(),
+                    );
+                }
+                return;
+            }
+        };
+        let k = routing.top_k;
+        let shared = self.spec.shared_experts as usize;
+        let (routing, remote_shared) = match setup.shared {
+            SharedSite::Rank(_) if shared > 0 => {
+                let slots = k + shared;
+                let mut experts = Vec::with_capacity(tokens * slots);
+                let mut weights = Vec::with_capacity(tokens * slots);
+                for t in 0..tokens {
+                    experts.extend_from_slice(routing.experts_of(t));
+                    weights.extend_from_slice(routing.weights_of(t));
+                    for i in 0..shared {
+                        experts.push((e + i) as u32);
+                        weights.push(1.0);
+                    }
+                }
+                (
+                    Routing {
+                        top_k: slots,
+                        experts,
+                        weights,
+                    },
+                    true,
+                )
+            }
+            _ => (routing, false),
+        };
+        let _ = remote_shared;
+        let mut shared_local = Vec::new();
+        if setup.shared == SharedSite::Router && shared > 0 {
+            shared_local = vec![0f32; tokens * shared * h];
+            let res = match self.shared_runner.as_mut() {
+                Some(r) => r.run(layer, &p.x, tokens, &mut shared_local),
+                None => Err("no shared-expert runner on the router".into()),
+            };
+            if let Err(msg) = res {
+                for m in p.members {
+                    self.fail_one(
+                        m.client,
+                        m.request_id,
+                        ErrorCode::Internal,
+                        format!("shared expert of layer {layer} on the router: {msg}"),
+                    );
+                }
+                return;
+            }
+        }
+        let q8 = (self.cfg.mode == ComputeMode::Exact).then(|| {
+            let mut q = vec![0i8; tokens * h];
+            let mut d = vec![0f32; tokens * h / 32];
+            contract::quantize_activations(&p.x, &mut q, &mut d);
+            (q, d)
+        });
+        let slots = routing.top_k;
+        let id = self.next_batch;
+        self.next_batch += 1;
+        self.stats.batches += 1;
+        let batch = Inflight {
+            layer,
+            tokens,
+            members: p.members,
+            deadline: p.deadline,
+            slot_rows: if self.cfg.mode == ComputeMode::Exact {
+                vec![0f32; tokens * slots * h]
+            } else {
+                Vec::new()
+            },
+            partials: BTreeMap::new(),
+            routing,
+            k,
+            x: p.x,
+            q8,
+            shared_local,
+            parts: Vec::new(),
+            outstanding: 0,
+        };
+        self.inflight.insert(id, batch);
+        // Micro-batches: plan and send each chunk of tokens separately.
+        let mb = self.cfg.micro_batch_tokens.max(1);
+        let mut start = 0;
+        while start < tokens {
+            let end = (start + mb).min(tokens);
+            let pairs: Vec<(u32, u32)> = (start as u32..end as u32)
+                .flat_map(|t| (0..slots as u32).map(move |s| (t, s)))
+                .collect();
+            if !self.send_pairs(id, &pairs, None, now) {
+                return;
+            }
+            start = end;
+        }
+        if self.inflight.get(&id).is_some_and(|b| b.outstanding == 0) {
+            self.complete(id);
+        }
+    }
+
+    /// Plan `pairs` of batch `id` (avoiding `avoid` in addition to dead ranks) and send them.
+    /// Returns false when the batch failed.
+    fn send_pairs(
+        &mut self,
+        id: u64,
+        pairs: &[(u32, u32)],
+        avoid: Option<u32>,
+        now: Instant,
+    ) -> bool {
+        let Some(b) = self.inflight.get(&id) else {
+            return false;
+        };
+        let owners = &self.owners_ext[&b.layer];
+        let mut replicas = self.replicas.clone();
+        if let Some(r) = avoid {
+            replicas.alive[r as usize] = false;
+        }
+        let plans = match plan::plan_dispatch(&b.routing, owners, &replicas, Some(pairs)) {
+            Ok(p) => p,
+            Err(PlanError::NoLiveOwner { expert, owners }) => {
+                let who: Vec<String> = owners.iter().map(|&r| self.name(r)).collect();
+                let what = if expert >= self.spec.routed_experts {
+                    format!("shared expert {}", expert - self.spec.routed_experts)
+                } else {
+                    format!("expert {expert}")
+                };
+                let msg = format!(
+                    "layer {}: {what} is unavailable: {} down and the placement has no other replica",
+                    b.layer,
+                    who.join(", ")
+                );
+                self.fail_batch(id, ErrorCode::PeerUnavailable, msg);
+                return false;
+            }
+            Err(err) => {
+                self.fail_batch(id, ErrorCode::Internal, err.to_string());
+                return false;
+            }
+        };
+        let h = self.spec.hidden as usize;
+        let mode = self.cfg.mode;
+        let accurate_dtype = self.cfg.accurate_dtype;
+        for plan in plans {
+            let b = self.inflight.get_mut(&id).expect("checked above");
+            let part_id = b.parts.len() as u32;
+            let n = plan.tokens.len();
+            let (dtype, payload) = match (&b.q8, mode) {
+                (Some((q, d)), ComputeMode::Exact) => {
+                    let codes = align_up(n * h);
+                    let mut buf = vec![0u8; codes + n * h / 32 * 4];
+                    for (j, &t) in plan.tokens.iter().enumerate() {
+                        let t = t as usize;
+                        for (o, &v) in buf[j * h..(j + 1) * h]
+                            .iter_mut()
+                            .zip(&q[t * h..(t + 1) * h])
+                        {
+                            *o = v as u8;
+                        }
+                        let nb = h / 32;
+                        for (i, &s) in d[t * nb..(t + 1) * nb].iter().enumerate() {
+                            let off = codes + (j * nb + i) * 4;
+                            buf[off..off + 4].copy_from_slice(&s.to_le_bytes());
+                        }
+                    }
+                    (ActivationDtype::Q8Block32, buf)
+                }
+                _ => {
+                    let mut rows = Vec::with_capacity(n * h);
+                    for &t in &plan.tokens {
+                        rows.extend_from_slice(&b.x[t as usize * h..(t as usize + 1) * h]);
+                    }
+                    let bytes =
+                        accurate_dtype.payload_bytes(n, h).expect("shape validated") as usize;
+                    let mut buf = vec![0u8; bytes];
+                    dtype::encode_activations(accurate_dtype, n, h, &rows, &mut buf)
+                        .expect("inputs validated finite");
+                    (accurate_dtype, buf)
+                }
+            };
+            let dispatch = Dispatch {
+                request_id: id,
+                layer: b.layer,
+                micro_batch: part_id,
+                tokens: n as u32,
+                hidden: h as u32,
+                dtype,
+                mode: match mode {
+                    ComputeMode::Exact => WireComputeMode::Exact,
+                    ComputeMode::Accurate => WireComputeMode::Accurate,
+                },
+                layout: match mode {
+                    ComputeMode::Exact => WireLayout::PerSlot,
+                    ComputeMode::Accurate => WireLayout::PreCombined,
+                },
+                expert_counts: plan.counts.iter().map(|&c| c as u16).collect(),
+                experts: plan.experts.clone(),
+                weights: plan.weights.clone(),
+            };
+            self.stats.parts_sent += 1;
+            self.stats.dispatch_payload_bytes += payload.len() as u64;
+            self.replicas.load[plan.rank as usize] += plan.pairs() as u64;
+            let rank = plan.rank;
+            b.parts.push(Part {
+                rank,
+                plan,
+                sent_at: now,
+                live: true,
+            });
+            b.outstanding += 1;
+            self.actions.push(Action::Send {
+                rank,
+                frame: OutFrame::with_payload(Body::Dispatch(dispatch), Bytes::from(payload)),
+                batch: id,
+                part: part_id,
+            });
+        }
+        true
+    }
+
+    /// Re-send part `i` of batch `id` to other owners. With `straggler`, the rank stays alive
+    /// and the part is only re-sent when another live owner exists for all its experts.
+    fn redispatch(&mut self, id: u64, i: usize, now: Instant, straggler: bool) {
+        let Some(b) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        let part = &mut b.parts[i];
+        if !part.live {
+            return;
+        }
+        let rank = part.rank;
+        let pairs: Vec<(u32, u32)> = part.plan.pair_targets().collect();
+        if straggler {
+            let owners = &self.owners_ext[&b.layer];
+            let has_other = pairs.iter().all(|&(t, s)| {
+                let e = b.routing.experts_of(t as usize)[s as usize];
+                owners.owners[e as usize]
+                    .iter()
+                    .any(|&r| r != rank && self.replicas.alive[r as usize])
+            });
+            if !has_other {
+                part.sent_at = now;
+                return;
+            }
+        }
+        part.live = false;
+        b.outstanding -= 1;
+        let l = &mut self.replicas.load[rank as usize];
+        *l = l.saturating_sub(pairs.len() as u64);
+        self.stats.parts_redispatched += 1;
+        if self.send_pairs(id, &pairs, Some(rank), now)
+            && self.inflight.get(&id).is_some_and(|b| b.outstanding == 0)
+        {
+            self.complete(id);
+        }
+    }
+
+    /// Combine a finished batch and answer its requests.
+    fn complete(&mut self, id: u64) {
+        let Some(b) = self.inflight.remove(&id) else {
+            return;
+        };
+        let h = self.spec.hidden as usize;
+        let shared = if b.shared_local.is_empty() {
+            0
+        } else {
+            self.spec.shared_experts as usize
+        };
+        let slots = b.routing.top_k;
+        let mut out = vec![0f32; b.tokens * h];
+        match self.cfg.mode {
+            ComputeMode::Exact => {
+                for t in 0..b.tokens {
+                    let o = &mut out[t * h..(t + 1) * h];
+                    let w = b.routing.weights_of(t);
+                    for s in 0..slots {
+                        let y = &b.slot_rows[(t * slots + s) * h..(t * slots + s + 1) * h];
+                        // Routed slots carry their weight; remote shared slots carry 1.0, and
+                        // acc + 1.0·y == acc + y exactly, as the contract adds shared outputs.
+                        let ws = w[s];
+                        for (a, &v) in o.iter_mut().zip(y) {
+                            *a += ws * v;
+                        }
+                    }
+                }
+            }
+            ComputeMode::Accurate => {
+                for (tokens, rows) in b.partials.values() {
+                    for (j, &t) in tokens.iter().enumerate() {
+                        let o = &mut out[t as usize * h..(t as usize + 1) * h];
+                        for (a, &v) in o.iter_mut().zip(&rows[j * h..(j + 1) * h]) {
+                            *a += v;
+                        }
+                    }
+                }
+            }
+        }
+        for t in 0..b.tokens {
+            for i in 0..shared {
+                let y = &b.shared_local[(t * shared + i) * h..(t * shared + i + 1) * h];
+                for (a, &v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
+                    *a += v;
+                }
+            }
+        }
+        let _ = b.k;
+        for m in b.members {
+            self.stats.responses += 1;
+            self.stats.tokens += m.tokens as u64;
+            self.actions.push(Action::Respond {
+                client: m.client,
+                request_id: m.request_id,
+                tokens: m.tokens,
+                output: out[m.offset * h..(m.offset + m.tokens) * h].to_vec(),
+            });
+        }
+    }
+}
+
+/// Per-rank output dtype for results (exact mode needs f32; accurate mode uses f32 too so
+/// partial sums keep their precision).
+pub const RESULT_DTYPE: OutputDtype = OutputDtype::F32;
