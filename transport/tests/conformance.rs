@@ -60,7 +60,7 @@ fn config(
     c.reconnect_max = Duration::from_millis(100);
     c.shm.dir = shm_dir.to_path_buf();
     c.shm.ring_bytes = 4 * MAX_FRAME;
-    c.shm.spin_iterations = 200;
+    c.shm.spin_us = 5;
     c
 }
 
