@@ -317,7 +317,9 @@ async fn mesh_throughput(
     for _ in 0..warm {
         meshes[0].send(1, &stream).await?;
     }
-    meshes[0].send(1, &with_id(&dispatch_frame(1), 3, warm as u32)).await?;
+    meshes[0]
+        .send(1, &with_id(&dispatch_frame(1), 3, warm as u32))
+        .await?;
     events
         .recv_frame(Duration::from_secs(60))
         .await
