@@ -483,7 +483,7 @@ fn wait_for_data(h: &SegHeader, read_pos: u64, spin_us: u32, link: &Link) {
                 return;
             }
             i = i.wrapping_add(1);
-            if i % 32 == 0 {
+            if i.is_multiple_of(32) {
                 if std::time::Instant::now() >= until {
                     break;
                 }
