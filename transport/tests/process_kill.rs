@@ -1,6 +1,7 @@
-//! A peer *process* killed with SIGKILL mid-stream, over TCP and shared memory: the survivor's
-//! pending sends fail with an error naming the rank, a `PeerLost` event is emitted, later sends
-//! fail fast, and no shared-memory segment is left behind.
+//! A peer *process* killed with SIGKILL (or frozen with SIGSTOP) mid-stream, over TCP and shared
+//! memory: the survivor's pending sends fail with an error naming the rank (for a frozen peer,
+//! after the idle timeout), a `PeerLost` event is emitted, later sends fail fast, and no
+//! shared-memory segment is left behind.
 //!
 //! Why this exists: an in-process shutdown closes sockets politely; a crashed process does not.
 //! The child rank is this same test binary re-executed with `EXPERTMESH_CHILD_*` variables.
@@ -26,6 +27,8 @@ fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path
     c.shm.dir = dir.to_path_buf();
     c.shm.ring_bytes = 1 << 20;
     c.shm.spin_us = 0;
+    c.protocol.heartbeat_interval = Duration::from_millis(100);
+    c.protocol.idle_timeout = Duration::from_millis(500);
     c
 }
 
@@ -64,7 +67,27 @@ fn child_rank() {
     });
 }
 
-async fn killed_peer(kind: LinkKind) {
+/// Kills the child when the test ends, even on a failed assertion (a SIGSTOPped child would
+/// otherwise stay behind).
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// How the child is made to fail.
+#[derive(Clone, Copy, PartialEq)]
+enum Failure {
+    /// SIGKILL: its sockets are closed by the kernel.
+    Kill,
+    /// SIGSTOP: it stays connected but silent; only the idle timeout can tell.
+    Stop,
+}
+
+async fn failed_peer(kind: LinkKind, how: Failure) {
     let addrs: Vec<SocketAddr> = {
         let ls: Vec<_> = (0..2)
             .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
@@ -82,13 +105,14 @@ async fn killed_peer(kind: LinkKind) {
         addrs[1],
         dir.path().display()
     );
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
         .env("EXPERTMESH_CHILD_SPEC", spec)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let mut child = ChildGuard(child);
     mesh.wait_connected(&[1], T).await.unwrap();
     assert_eq!(mesh.link_kind(1), Some(kind));
     let m = mesh.clone();
@@ -104,13 +128,32 @@ async fn killed_peer(kind: LinkKind) {
         !pending.is_finished(),
         "sender waits for credit from the non-consuming child"
     );
-    child.kill().unwrap(); // SIGKILL
-    let _ = child.wait();
+    let started = std::time::Instant::now();
+    match how {
+        Failure::Kill => {
+            child.0.kill().unwrap(); // SIGKILL
+            let _ = child.0.wait();
+        }
+        Failure::Stop => {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
+        }
+    }
     let err = tokio::time::timeout(T, pending)
         .await
         .expect("pending send fails")
         .unwrap();
     assert_eq!(err.peer, 1, "{err}");
+    if how == Failure::Stop {
+        assert!(
+            err.to_string().contains("silent"),
+            "idle timeout reported: {err}"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "not before the idle timeout"
+        );
+    }
     let lost = loop {
         match tokio::time::timeout(T, events.recv()).await.expect("event") {
             Some(TransportEvent::PeerLost(e)) => break e,
@@ -132,10 +175,20 @@ async fn killed_peer(kind: LinkKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_tcp() {
-    killed_peer(LinkKind::Tcp).await;
+    failed_peer(LinkKind::Tcp, Failure::Kill).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_shm() {
-    killed_peer(LinkKind::Shm).await;
+    failed_peer(LinkKind::Shm, Failure::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_peer_process_times_out_tcp() {
+    failed_peer(LinkKind::Tcp, Failure::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_peer_process_times_out_shm() {
+    failed_peer(LinkKind::Shm, Failure::Stop).await;
 }
