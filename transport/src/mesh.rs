@@ -85,8 +85,10 @@ pub struct ShmConfig {
     pub dir: PathBuf,
     /// Data bytes of each ring (one ring per direction per pair).
     pub ring_bytes: usize,
-    /// Spin iterations before a waiting consumer sleeps on the futex.
-    pub spin_iterations: u32,
+    /// How long a consumer whose ring is empty polls before it sleeps on the futex, in
+    /// microseconds (0: sleep at once). Polling saves the futex wake-up (a few µs) on busy links;
+    /// keep it short on hosts with few cores, where a polling thread competes with the workers.
+    pub spin_us: u32,
 }
 
 impl Default for ShmConfig {
@@ -94,7 +96,7 @@ impl Default for ShmConfig {
         Self {
             dir: PathBuf::from("/dev/shm"),
             ring_bytes: 64 << 20,
-            spin_iterations: 20_000,
+            spin_us: 20,
         }
     }
 }

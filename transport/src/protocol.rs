@@ -531,6 +531,15 @@ impl Connection {
                 true,
             ));
         }
+        if !client_ok && !server_ok && h.world_size != self.cfg.world_size {
+            return Err(self.fail(
+                ProtocolError::Config(format!(
+                    "rank {} is configured for {} ranks, this node for {}; use the same rank list everywhere",
+                    h.rank, h.world_size, self.cfg.world_size
+                )),
+                true,
+            ));
+        }
         if h.auth_required && self.cfg.secret.is_none() {
             return Err(self.fail(
                 ProtocolError::AuthFailed(format!(
@@ -885,6 +894,21 @@ mod tests {
             a.close_reason(),
             Some(ProtocolError::IdleTimeout(_))
         ));
+    }
+
+    #[test]
+    fn world_size_mismatch_is_refused() {
+        let now = Instant::now();
+        let mut a = Connection::new(cfg(0, None), Some(1), [1; 32], vec![], now);
+        let mut other = ProtocolConfig::new("test", 1, 5);
+        other.recv_window_bytes = 1 << 20;
+        other.codec.max_frame_bytes = 256 << 10;
+        let mut b = Connection::new(Arc::new(other), None, [2; 32], vec![], now);
+        let r = pump(&mut a, &mut b, now);
+        assert!(
+            matches!(r, Err(ProtocolError::Config(ref m)) if m.contains("ranks")),
+            "{r:?}"
+        );
     }
 
     #[test]

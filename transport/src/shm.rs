@@ -211,7 +211,7 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
 pub(crate) struct RingConsumer {
     seg: Arc<Segment>,
     path: PathBuf,
-    spin_iterations: u32,
+    spin_us: u32,
 }
 
 impl RingConsumer {
@@ -289,7 +289,7 @@ impl RingConsumer {
         Ok(RingConsumer {
             seg,
             path,
-            spin_iterations: cfg.spin_iterations,
+            spin_us: cfg.spin_us,
         })
     }
 
@@ -417,7 +417,7 @@ fn consumer_loop(
         }
         let head = h.head.load(Ordering::Acquire);
         if head == read_pos {
-            wait_for_data(h, read_pos, ring.spin_iterations, link);
+            wait_for_data(h, read_pos, ring.spin_us, link);
             continue;
         }
         if head < read_pos
@@ -474,15 +474,23 @@ fn consumer_loop(
     }
 }
 
-fn wait_for_data(h: &SegHeader, read_pos: u64, spins: u32, link: &Link) {
-    for i in 0..spins {
-        if h.head.load(Ordering::Acquire) != read_pos {
-            return;
-        }
-        if i % 64 == 63 {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
+fn wait_for_data(h: &SegHeader, read_pos: u64, spin_us: u32, link: &Link) {
+    if spin_us > 0 {
+        let until = std::time::Instant::now() + Duration::from_micros(spin_us as u64);
+        let mut i = 0u32;
+        loop {
+            if h.head.load(Ordering::Acquire) != read_pos {
+                return;
+            }
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(32) {
+                if std::time::Instant::now() >= until {
+                    break;
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
     let seq = h.data_seq.load(Ordering::SeqCst);
@@ -650,7 +658,7 @@ mod tests {
         let cfg = ShmConfig {
             dir: dir.path().to_path_buf(),
             ring_bytes: 1 << 50, // 1 PiB: no tmpfs has room
-            spin_iterations: 10,
+            spin_us: 0,
         };
         let err = RingConsumer::create(&cfg, "t", 0, 1)
             .err()
@@ -672,7 +680,7 @@ mod tests {
         let cfg = ShmConfig {
             dir: dir.path().to_path_buf(),
             ring_bytes: 1 << 16,
-            spin_iterations: 10,
+            spin_us: 0,
         };
         // A foreign file.
         let foreign = dir.path().join("expertmesh-x-0to1-1-00");

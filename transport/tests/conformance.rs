@@ -60,7 +60,7 @@ fn config(
     c.reconnect_max = Duration::from_millis(100);
     c.shm.dir = shm_dir.to_path_buf();
     c.shm.ring_bytes = 4 * MAX_FRAME;
-    c.shm.spin_iterations = 200;
+    c.shm.spin_us = 5;
     c
 }
 
@@ -554,3 +554,25 @@ fn rdma_device_present() -> bool {
 
 #[cfg(feature = "rdma")]
 conformance!(rdma, LinkKind::Rdma, rdma_device_present);
+
+/// When shared memory cannot be set up (here: the ring directory does not exist, as with a
+/// missing or full /dev/shm), the pair falls back to TCP with a warning and still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_failure_falls_back_to_tcp() {
+    let addrs = free_addrs(2);
+    let missing = std::path::Path::new("/nonexistent-expertmesh-shm-dir");
+    let mut meshes = Vec::new();
+    let mut events = Vec::new();
+    for r in 0..2 {
+        let (m, e) = Mesh::start(config(LinkKind::Shm, r, &addrs, missing))
+            .await
+            .unwrap();
+        meshes.push(m);
+        events.push(e);
+    }
+    meshes[1].wait_connected(&[0], T).await.unwrap();
+    assert_eq!(meshes[1].link_kind(0), Some(LinkKind::Tcp));
+    meshes[1].send(0, &result_frame(5, 3, 16, 9)).await.unwrap();
+    let f = events[0].recv_frame(T).await.unwrap();
+    check_payload(&f, 9);
+}

@@ -1,0 +1,194 @@
+//! A peer *process* killed with SIGKILL (or frozen with SIGSTOP) mid-stream, over TCP and shared
+//! memory: the survivor's pending sends fail with an error naming the rank (for a frozen peer,
+//! after the idle timeout), a `PeerLost` event is emitted, later sends fail fast, and no
+//! shared-memory segment is left behind.
+//!
+//! Why this exists: an in-process shutdown closes sockets politely; a crashed process does not.
+//! The child rank is this same test binary re-executed with `EXPERTMESH_CHILD_*` variables.
+
+use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
+use expertmesh_transport::{
+    LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, PeerAddress, Transport, TransportEvent,
+};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path) -> MeshConfig {
+    let peers = addrs
+        .iter()
+        .map(|&addr| PeerAddress { addr, link: kind })
+        .collect();
+    let mut c = MeshConfig::new("kill-test", rank, peers);
+    c.protocol.codec.max_frame_bytes = 256 << 10;
+    c.protocol.recv_window_bytes = 512 << 10;
+    c.shm.dir = dir.to_path_buf();
+    c.shm.ring_bytes = 1 << 20;
+    c.shm.spin_us = 0;
+    c.protocol.heartbeat_interval = Duration::from_millis(100);
+    c.protocol.idle_timeout = Duration::from_millis(500);
+    c
+}
+
+fn frame() -> OutFrame {
+    let body = Body::Result(ExpertResult {
+        request_id: 1,
+        layer: 0,
+        micro_batch: 0,
+        layout: OutputLayout::PerSlot,
+        rows: 100,
+        hidden: 300,
+        dtype: OutputDtype::Bf16,
+    });
+    OutFrame::with_payload(body, vec![1u8; 60_000])
+}
+
+/// The child rank: joins the mesh and never consumes what it receives.
+#[test]
+fn child_rank() {
+    let Ok(spec) = std::env::var("EXPERTMESH_CHILD_SPEC") else {
+        return; // not a child invocation
+    };
+    let parts: Vec<&str> = spec.split(',').collect();
+    let kind = if parts[0] == "shm" {
+        LinkKind::Shm
+    } else {
+        LinkKind::Tcp
+    };
+    let addrs: Vec<SocketAddr> = parts[1..3].iter().map(|a| a.parse().unwrap()).collect();
+    let dir = std::path::PathBuf::from(parts[3]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_mesh, _events) = Mesh::start(config(kind, 1, &addrs, &dir)).await.unwrap();
+        // Hold everything; the parent kills us. Give up after a while in case it does not.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+}
+
+/// Kills the child when the test ends, even on a failed assertion (a SIGSTOPped child would
+/// otherwise stay behind).
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// How the child is made to fail.
+#[derive(Clone, Copy, PartialEq)]
+enum Failure {
+    /// SIGKILL: its sockets are closed by the kernel.
+    Kill,
+    /// SIGSTOP: it stays connected but silent; only the idle timeout can tell.
+    Stop,
+}
+
+async fn failed_peer(kind: LinkKind, how: Failure) {
+    let addrs: Vec<SocketAddr> = {
+        let ls: Vec<_> = (0..2)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        ls.iter().map(|l| l.local_addr().unwrap()).collect()
+    };
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (mesh, mut events) = Mesh::start(config(kind, 0, &addrs, dir.path()))
+        .await
+        .unwrap();
+    let spec = format!(
+        "{},{},{},{}",
+        if kind == LinkKind::Shm { "shm" } else { "tcp" },
+        addrs[0],
+        addrs[1],
+        dir.path().display()
+    );
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
+        .env("EXPERTMESH_CHILD_SPEC", spec)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut child = ChildGuard(child);
+    mesh.wait_connected(&[1], T).await.unwrap();
+    assert_eq!(mesh.link_kind(1), Some(kind));
+    let m = mesh.clone();
+    let pending = tokio::spawn(async move {
+        loop {
+            if let Err(e) = m.send(1, &frame()).await {
+                return e;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !pending.is_finished(),
+        "sender waits for credit from the non-consuming child"
+    );
+    let started = std::time::Instant::now();
+    match how {
+        Failure::Kill => {
+            child.0.kill().unwrap(); // SIGKILL
+            let _ = child.0.wait();
+        }
+        Failure::Stop => {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
+        }
+    }
+    let err = tokio::time::timeout(T, pending)
+        .await
+        .expect("pending send fails")
+        .unwrap();
+    assert_eq!(err.peer, 1, "{err}");
+    if how == Failure::Stop {
+        assert!(
+            err.to_string().contains("silent"),
+            "idle timeout reported: {err}"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "not before the idle timeout"
+        );
+    }
+    let lost = loop {
+        match tokio::time::timeout(T, events.recv()).await.expect("event") {
+            Some(TransportEvent::PeerLost(e)) => break e,
+            Some(_) => continue,
+            None => panic!("events ended"),
+        }
+    };
+    assert_eq!(lost.peer, 1);
+    let again = mesh.send(1, &frame()).await.unwrap_err();
+    assert_eq!(again.peer, 1);
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "segments left behind: {left:?}");
+    mesh.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_tcp() {
+    failed_peer(LinkKind::Tcp, Failure::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_shm() {
+    failed_peer(LinkKind::Shm, Failure::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_peer_process_times_out_tcp() {
+    failed_peer(LinkKind::Tcp, Failure::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_peer_process_times_out_shm() {
+    failed_peer(LinkKind::Shm, Failure::Stop).await;
+}
