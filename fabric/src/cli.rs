@@ -5,11 +5,7 @@
 //! 1 invalid input (validation problems, mismatched results), 2 usage or I/O errors.
 
 use clap::{Parser, Subcommand};
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_router::reference;
-use expertmesh_topology::resolve_model;
 use std::process::ExitCode;
-use std::time::Instant;
 
 /// ExpertMesh: stationary packed-INT4 experts, activation-only transport.
 #[derive(Parser, Debug)]
@@ -28,15 +24,17 @@ enum Command {
     /// Run a benchmark (each figure against a limit measured in the same run).
     #[command(subcommand)]
     Bench(crate::bench_cli::BenchTarget),
-    /// Run the main job on the embedded default and print a report.
-    Demo {
-        /// Write the report as JSON to this file.
-        #[arg(long)]
-        json: Option<std::path::PathBuf>,
-        /// Model preset or model TOML file.
-        #[arg(long, default_value = "demo-small")]
-        model: String,
-    },
+    /// The main job: start a local fabric, drive traffic, check every response against the
+    /// in-process reference, print a report.
+    Demo(crate::demo::DemoCli),
+    /// Start a whole local fabric (router + one worker process per device) until Ctrl-C.
+    Up(crate::cmd_fabric::UpCli),
+    /// Run one expert worker (one device) of a multi-host deployment.
+    Worker(crate::cmd_fabric::WorkerCli),
+    /// Run the router service of a multi-host deployment.
+    Router(crate::cmd_fabric::RouterCli),
+    /// One MoE-layer call from .npy files through a running router.
+    Infer(crate::cmd_fabric::InferCli),
 }
 
 /// Exit code for invalid input (validation failed, results mismatched).
@@ -67,55 +65,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Models(args) => Ok(crate::models_cmd::run(&args)),
         Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
-        Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
+        Command::Demo(args) => crate::demo::run(args),
+        Command::Up(args) => crate::cmd_fabric::up(args),
+        Command::Worker(args) => crate::cmd_fabric::worker(args),
+        Command::Router(args) => crate::cmd_fabric::router(args),
+        Command::Infer(args) => crate::cmd_fabric::infer(args),
         Command::Bench(target) => crate::bench_cli::run(target),
     }
-}
-
-fn demo_in_process(model: &str, json: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
-    let spec = resolve_model(model)?;
-    let seed = 42;
-    println!(
-        "ExpertMesh demo (in-process reference): model {} — {} MoE layers x {} experts, top-{}, H {}",
-        spec.name,
-        spec.moe_layers(),
-        spec.routed_experts,
-        spec.top_k,
-        spec.hidden
-    );
-    let mut results = Vec::new();
-    let mut tokens_total = 0usize;
-    let start = Instant::now();
-    for layer in spec.moe_layer_ids() {
-        let lw = reference::synthetic_layer(&spec, seed, layer)?;
-        for batch in [1usize, 4, 16] {
-            let x = reference::synthetic_hidden(
-                layer as u64 * 1000 + batch as u64,
-                batch,
-                spec.hidden as usize,
-            );
-            let t0 = Instant::now();
-            let (routing, out) = reference::moe_layer(&spec, &lw, &x, ComputeMode::Exact)?;
-            let dt = t0.elapsed();
-            let truth = reference::moe_layer_f64(&lw, &x, &routing);
-            let err = reference::rel_error_vs_rms(&out, &truth);
-            tokens_total += batch;
-            results.push(serde_json::json!({
-                "layer": layer, "batch": batch, "latency_us": dt.as_secs_f64() * 1e6, "rel_error_vs_f64": err,
-            }));
-            println!(
-                "  layer {layer:>2} batch {batch:>3}: {:>9.1} us  max|err|/rms vs f64 = {err:.2e}",
-                dt.as_secs_f64() * 1e6
-            );
-        }
-    }
-    let secs = start.elapsed().as_secs_f64();
-    println!("{tokens_total} token-layers in {secs:.2} s");
-    if let Some(path) = json {
-        std::fs::write(
-            path,
-            serde_json::to_string_pretty(&serde_json::json!({"results": results}))?,
-        )?;
-    }
-    Ok(ExitCode::SUCCESS)
 }

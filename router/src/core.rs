@@ -107,6 +107,138 @@ pub trait SharedRunner: Send {
     fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String>;
 }
 
+/// Checks and decodes frontend requests: a cheap clone of what the core knows about shapes.
+#[derive(Clone, Debug)]
+pub struct RequestValidator {
+    spec: ModelSpec,
+    layers: Vec<u32>,
+    max_request_tokens: usize,
+    default_deadline: Duration,
+}
+
+impl RequestValidator {
+    /// Validate a frontend `LayerRequest` and decode its payload, or say what is wrong.
+    pub fn validate(
+        &self,
+        client: ClientId,
+        req: &LayerRequest,
+        payload: &[u8],
+        now: Instant,
+    ) -> Result<Request, (ErrorCode, String)> {
+        let spec = &self.spec;
+        if self.layers.binary_search(&req.layer).is_err() {
+            let l = &self.layers;
+            return Err((
+                ErrorCode::NotFound,
+                format!(
+                    "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
+                    req.layer,
+                    spec.name,
+                    l.first().copied().unwrap_or(0),
+                    l.last().copied().unwrap_or(0)
+                ),
+            ));
+        }
+        if req.hidden != spec.hidden {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "hidden size {} does not match model {} (hidden {})",
+                    req.hidden, spec.name, spec.hidden
+                ),
+            ));
+        }
+        let t = req.tokens as usize;
+        if t == 0 || t > self.max_request_tokens {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "{t} tokens: a request carries 1 to {} tokens; split larger batches",
+                    self.max_request_tokens
+                ),
+            ));
+        }
+        if req.dtype == ActivationDtype::Q8Block32 {
+            return Err((
+                ErrorCode::Unsupported,
+                "q8-block32 is a worker dispatch format; send hidden states as f32, bf16, f16 or fp8".into(),
+            ));
+        }
+        let h = spec.hidden as usize;
+        let range = req.hidden_range();
+        let logits_end = req.logits_range().map_or(range.end, |r| r.end);
+        if payload.len() < logits_end {
+            return Err((
+                ErrorCode::BadFrame,
+                format!(
+                    "payload has {} bytes, the request describes {logits_end}",
+                    payload.len()
+                ),
+            ));
+        }
+        let mut x = vec![0f32; t * h];
+        dtype::decode_activations(req.dtype, t, h, &payload[range], &mut x)
+            .map_err(|e| (ErrorCode::InvalidInput, e.to_string()))?;
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return Err((
+                ErrorCode::InvalidInput,
+                format!(
+                    "hidden state of token {} element {} is {}; inputs must be finite",
+                    i / h,
+                    i % h,
+                    x[i]
+                ),
+            ));
+        }
+        let logits = match req.logits_range() {
+            None => None,
+            Some(r) => {
+                if req.logit_experts != spec.routed_experts {
+                    return Err((
+                        ErrorCode::InvalidInput,
+                        format!(
+                            "router logits have {} columns but model {} has {} routed experts",
+                            req.logit_experts, spec.name, spec.routed_experts
+                        ),
+                    ));
+                }
+                let l: Vec<f32> = payload[r]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                if let Some(i) = l.iter().position(|v| !v.is_finite()) {
+                    let e = spec.routed_experts as usize;
+                    return Err((
+                        ErrorCode::InvalidInput,
+                        format!(
+                            "router logit of token {} expert {} is {}; logits must be finite",
+                            i / e,
+                            i % e,
+                            l[i]
+                        ),
+                    ));
+                }
+                Some(l)
+            }
+        };
+        let deadline = now
+            + if req.deadline_us == 0 {
+                self.default_deadline
+            } else {
+                Duration::from_micros(req.deadline_us)
+            };
+        Ok(Request {
+            client,
+            request_id: req.request_id,
+            layer: req.layer,
+            tokens: t,
+            x,
+            logits,
+            deadline,
+        })
+    }
+}
+
 /// A validated frontend request.
 #[derive(Clone, Debug)]
 pub struct Request {
@@ -339,6 +471,16 @@ impl RouterCore {
             .unwrap_or_else(|| format!("rank {rank}"))
     }
 
+    /// A validator for frontend requests that can run outside the core (in connection tasks).
+    pub fn validator(&self) -> RequestValidator {
+        RequestValidator {
+            spec: self.spec.clone(),
+            layers: self.layers(),
+            max_request_tokens: self.cfg.max_request_tokens,
+            default_deadline: self.cfg.default_deadline,
+        }
+    }
+
     /// Validate a frontend `LayerRequest` and decode its payload, or say what is wrong.
     pub fn validate(
         &self,
@@ -347,117 +489,7 @@ impl RouterCore {
         payload: &[u8],
         now: Instant,
     ) -> Result<Request, (ErrorCode, String)> {
-        let spec = &self.spec;
-        if !self.layers.contains_key(&req.layer) {
-            let l = self.layers();
-            return Err((
-                ErrorCode::NotFound,
-                format!(
-                    "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
-                    req.layer,
-                    spec.name,
-                    l.first().copied().unwrap_or(0),
-                    l.last().copied().unwrap_or(0)
-                ),
-            ));
-        }
-        if req.hidden != spec.hidden {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "hidden size {} does not match model {} (hidden {})",
-                    req.hidden, spec.name, spec.hidden
-                ),
-            ));
-        }
-        let t = req.tokens as usize;
-        if t == 0 || t > self.cfg.max_request_tokens {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "{t} tokens: a request carries 1 to {} tokens; split larger batches",
-                    self.cfg.max_request_tokens
-                ),
-            ));
-        }
-        if req.dtype == ActivationDtype::Q8Block32 {
-            return Err((
-                ErrorCode::Unsupported,
-                "q8-block32 is a worker dispatch format; send hidden states as f32, bf16, f16 or fp8".into(),
-            ));
-        }
-        let h = spec.hidden as usize;
-        let range = req.hidden_range();
-        let logits_end = req.logits_range().map_or(range.end, |r| r.end);
-        if payload.len() < logits_end {
-            return Err((
-                ErrorCode::BadFrame,
-                format!(
-                    "payload has {} bytes, the request describes {logits_end}",
-                    payload.len()
-                ),
-            ));
-        }
-        let mut x = vec![0f32; t * h];
-        dtype::decode_activations(req.dtype, t, h, &payload[range], &mut x)
-            .map_err(|e| (ErrorCode::InvalidInput, e.to_string()))?;
-        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "hidden state of token {} element {} is {}; inputs must be finite",
-                    i / h,
-                    i % h,
-                    x[i]
-                ),
-            ));
-        }
-        let logits = match req.logits_range() {
-            None => None,
-            Some(r) => {
-                if req.logit_experts != spec.routed_experts {
-                    return Err((
-                        ErrorCode::InvalidInput,
-                        format!(
-                            "router logits have {} columns but model {} has {} routed experts",
-                            req.logit_experts, spec.name, spec.routed_experts
-                        ),
-                    ));
-                }
-                let l: Vec<f32> = payload[r]
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                if let Some(i) = l.iter().position(|v| !v.is_finite()) {
-                    let e = spec.routed_experts as usize;
-                    return Err((
-                        ErrorCode::InvalidInput,
-                        format!(
-                            "router logit of token {} expert {} is {}; logits must be finite",
-                            i / e,
-                            i % e,
-                            l[i]
-                        ),
-                    ));
-                }
-                Some(l)
-            }
-        };
-        let deadline = now
-            + if req.deadline_us == 0 {
-                self.cfg.default_deadline
-            } else {
-                Duration::from_micros(req.deadline_us)
-            };
-        Ok(Request {
-            client,
-            request_id: req.request_id,
-            layer: req.layer,
-            tokens: t,
-            x,
-            logits,
-            deadline,
-        })
+        self.validator().validate(client, req, payload, now)
     }
 
     /// Accept a validated request. It joins the pending batch of its layer (dispatched when the

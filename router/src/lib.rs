@@ -5,14 +5,18 @@
 //! the results in a fixed order. It also holds the in-process reference MoE layer that the fabric
 //! is checked against.
 //!
+//! * [`client`] — `RouterClient`, what a serving frontend links.
 //! * [`core`] — the sans-IO router state machine: batching, dispatch, failover, combine.
 //! * [`exec`] — the worker's half: a dispatch frame in, a result frame out.
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
+//! * [`service`] — the router service: the I/O driver around the core.
 
+pub mod client;
 pub mod core;
 pub mod exec;
 pub mod gating;
 pub mod plan;
 pub mod reference;
+pub mod service;

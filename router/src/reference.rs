@@ -6,6 +6,9 @@
 //! the combine, so its bits do not depend on where experts live.
 
 use crate::gating::{self, GateWeights, GatingError, Routing};
+use expertmesh_hip_kernels::backend::{
+    Activations, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+};
 use expertmesh_hip_kernels::contract::ComputeMode;
 use expertmesh_hip_kernels::format::{ExpertWeights, FormatError};
 use expertmesh_hip_kernels::reference::{
@@ -181,6 +184,86 @@ pub fn moe_layer_routed(
         );
     }
     out
+}
+
+/// [`moe_layer`] with the experts run by a backend instead of the scalar oracle (the backends
+/// are bit-identical to it in exact mode; this is the fast in-process reference the demo and
+/// benches use). Experts are keyed `(layer, e)`, shared experts `(layer, E + i)`.
+pub fn moe_layer_backend(
+    spec: &ModelSpec,
+    gate: &GateWeights,
+    layer: u32,
+    backend: &mut dyn ExpertBackend,
+    x: &[f32],
+    mode: ComputeMode,
+) -> Result<(Routing, Vec<f32>), String> {
+    let h = gate.hidden;
+    let tokens = x.len() / h;
+    let logits = gate.logits(x);
+    let routing = gating::route(spec, &logits, &gate.bias).map_err(|e| e.to_string())?;
+    let k = routing.top_k;
+    let s = spec.shared_experts as usize;
+    let slots = k + s;
+    // one group per expert used; output row = t * slots + slot
+    // expert -> (tokens, weights, output rows)
+    type Group = (Vec<u32>, Vec<f32>, Vec<u32>);
+    let mut per: std::collections::BTreeMap<u32, Group> = Default::default();
+    for t in 0..tokens {
+        for (slot, (&e, &w)) in routing
+            .experts_of(t)
+            .iter()
+            .zip(routing.weights_of(t))
+            .enumerate()
+        {
+            let g = per.entry(e).or_default();
+            g.0.push(t as u32);
+            g.1.push(w);
+            g.2.push((t * slots + slot) as u32);
+        }
+        for i in 0..s {
+            let g = per.entry(spec.routed_experts + i as u32).or_default();
+            g.0.push(t as u32);
+            g.1.push(1.0);
+            g.2.push((t * slots + k + i) as u32);
+        }
+    }
+    let groups: Vec<ExpertGroup> = per
+        .iter()
+        .map(|(&e, (t, w, r))| ExpertGroup {
+            key: ExpertKey { layer, expert: e },
+            tokens: t,
+            weights: w,
+            out_rows: r,
+        })
+        .collect();
+    let batch = GroupedBatch {
+        mode,
+        hidden: h,
+        tokens,
+        input: Activations::F32(x),
+        groups: &groups,
+        layout: OutputLayout::PerSlot,
+    };
+    let mut rows = vec![0f32; tokens * slots * h];
+    backend
+        .execute(&batch, &mut rows)
+        .map_err(|e| e.to_string())?;
+    let mut out = vec![0f32; tokens * h];
+    for t in 0..tokens {
+        let slot_rows: Vec<&[f32]> = (0..k)
+            .map(|sl| &rows[(t * slots + sl) * h..(t * slots + sl + 1) * h])
+            .collect();
+        let shared_rows: Vec<&[f32]> = (k..slots)
+            .map(|sl| &rows[(t * slots + sl) * h..(t * slots + sl + 1) * h])
+            .collect();
+        combine_token(
+            routing.weights_of(t),
+            &slot_rows,
+            &shared_rows,
+            &mut out[t * h..(t + 1) * h],
+        );
+    }
+    Ok((routing, out))
 }
 
 /// The f64 version of [`moe_layer_routed`]: same routing, experts in f64 with exactly

@@ -117,6 +117,10 @@ pub struct MeshConfig {
     pub shm: ShmConfig,
     /// RDMA device name (`None`: the first device) and the IPv4 address whose GID to use.
     pub rdma_device: Option<String>,
+    /// Lower ranks this rank dials (`None`: every lower rank, a full mesh). A star around
+    /// rank 0 (workers that only talk to the router) sets `Some(vec![0])` on every other rank
+    /// and `Some(vec![])` on rank 0; then only rank 0's address must be reachable.
+    pub dial_ranks: Option<Vec<Rank>>,
 }
 
 impl MeshConfig {
@@ -130,6 +134,7 @@ impl MeshConfig {
             reconnect_max: Duration::from_secs(2),
             shm: ShmConfig::default(),
             rdma_device: None,
+            dial_ranks: None,
         }
     }
 }
@@ -884,6 +889,14 @@ impl Mesh {
         });
         crate::tcp::start_listener(&inner).await?;
         for peer in 0..inner.cfg.protocol.local_rank {
+            if inner
+                .cfg
+                .dial_ranks
+                .as_ref()
+                .is_some_and(|d| !d.contains(&peer))
+            {
+                continue;
+            }
             let h = tokio::spawn(crate::tcp::dial_loop(Arc::clone(&inner), peer));
             inner.add_task(h.abort_handle());
         }

@@ -1,0 +1,442 @@
+//! The fabric subcommands: `worker`, `router`, `up`, `infer`.
+//!
+//! Why this exists: each is a thin layer between command-line arguments and the library
+//! (deployment, worker loop, router service, local launcher, client), so that multi-host
+//! deployments (`router` on one host, `worker` on each) and the single-host launcher (`up`)
+//! run exactly the same code.
+
+use crate::deploy::Deployment;
+use crate::local::{LocalFabric, LocalFabricOptions, frontend_config, router_core};
+use crate::worker::{BackendChoice, WorkerOptions};
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, ValueEnum};
+use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::core::RouterConfig;
+use expertmesh_router::service::{RouterService, ServiceConfig};
+use expertmesh_transport::dtype::ActivationDtype;
+use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_transport::mesh::LinkKind;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Worker ↔ router link kinds on the command line.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum LinkArg {
+    /// TCP (any hosts).
+    Tcp,
+    /// Shared-memory rings (same host; falls back to TCP when /dev/shm is unusable).
+    Shm,
+    /// RoCE (build with `--features rdma`).
+    Rdma,
+}
+
+impl From<LinkArg> for LinkKind {
+    fn from(l: LinkArg) -> Self {
+        match l {
+            LinkArg::Tcp => LinkKind::Tcp,
+            LinkArg::Shm => LinkKind::Shm,
+            LinkArg::Rdma => LinkKind::Rdma,
+        }
+    }
+}
+
+/// Numerical mode on the command line.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum ModeArg {
+    /// W4A8, bit-identical to the reference.
+    Exact,
+    /// W4A16, within tolerance of f64.
+    Accurate,
+}
+
+impl From<ModeArg> for ComputeMode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Exact => ComputeMode::Exact,
+            ModeArg::Accurate => ComputeMode::Accurate,
+        }
+    }
+}
+
+/// The three files of a deployment.
+#[derive(Args, Debug, Clone)]
+pub struct DeployArgs {
+    /// Topology file.
+    #[arg(long)]
+    pub topology: PathBuf,
+    /// Model preset or model TOML file.
+    #[arg(long)]
+    pub model: String,
+    /// Placement file.
+    #[arg(long)]
+    pub placement: PathBuf,
+    /// Seed of the synthetic expert weights (must match on every process).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+/// Router tuning shared by `router`, `up`, `demo` and `bench fabric`.
+#[derive(Args, Debug, Clone)]
+pub struct RouterArgs {
+    /// Numerical mode.
+    #[arg(long, value_enum, default_value_t = ModeArg::Exact)]
+    pub mode: ModeArg,
+    /// How long a batch waits for more requests of the same layer, in microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub batch_window_us: u64,
+    /// Tokens per micro-batch.
+    #[arg(long, default_value_t = 32)]
+    pub micro_batch: usize,
+    /// Largest request (tokens).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Deadline of requests that carry none, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub deadline_ms: u64,
+    /// Re-send a part to a replica after this many milliseconds without an answer.
+    #[arg(long, default_value_t = 3_000)]
+    pub straggler_ms: u64,
+}
+
+impl RouterArgs {
+    /// The router configuration.
+    pub fn config(&self) -> RouterConfig {
+        RouterConfig {
+            mode: self.mode.into(),
+            max_request_tokens: self.max_tokens,
+            max_batch_tokens: self.max_tokens,
+            micro_batch_tokens: self.micro_batch.max(1),
+            batch_window: Duration::from_micros(self.batch_window_us),
+            default_deadline: Duration::from_millis(self.deadline_ms),
+            straggler_timeout: Duration::from_millis(self.straggler_ms),
+            max_inflight_batches: 64,
+            accurate_dtype: ActivationDtype::F32,
+        }
+    }
+}
+
+/// `expertmesh worker`.
+#[derive(Args, Debug)]
+pub struct WorkerCli {
+    #[command(flatten)]
+    deploy: DeployArgs,
+    /// Device to serve: its id ("node/device") or topology rank.
+    #[arg(long)]
+    device: String,
+    /// Router mesh address (default: the router node's control port from the topology).
+    #[arg(long)]
+    router: Option<SocketAddr>,
+    /// Listen address of this worker (default: the device's data port).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Link to the router.
+    #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
+    link: LinkArg,
+    /// Backend threads (default: the topology's `threads` for CPU devices).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Backend: auto (HIP for GPU devices when available, else CPU), cpu or hip.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Largest dispatch (tokens) this worker accepts; match the router's --micro-batch.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Exit when the parent process exits (used by the local launcher).
+    #[arg(long)]
+    exit_with_parent: bool,
+}
+
+/// Backend choice on the command line.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum BackendArg {
+    /// HIP when available for GPU devices, else CPU.
+    Auto,
+    /// CPU backend.
+    Cpu,
+    /// HIP backend (error when unavailable).
+    Hip,
+}
+
+/// Run `expertmesh worker`.
+pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
+    if cli.exit_with_parent {
+        exit_with_parent();
+    }
+    let d = &cli.deploy;
+    let dep = Deployment::load(&d.topology, &d.model, &d.placement, d.seed)?;
+    crate::worker::run(
+        dep,
+        WorkerOptions {
+            device: cli.device,
+            router: cli.router,
+            listen: cli.listen,
+            link: cli.link.into(),
+            threads: cli.threads,
+            backend: match cli.backend {
+                BackendArg::Auto => BackendChoice::Auto,
+                BackendArg::Cpu => BackendChoice::Cpu,
+                BackendArg::Hip => BackendChoice::Hip,
+            },
+            max_tokens: cli.max_tokens.max(1),
+        },
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(target_os = "linux")]
+fn exit_with_parent() {
+    // SAFETY: prctl with PR_SET_PDEATHSIG only sets a signal for this process.
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
+    }
+    // SAFETY: getppid has no preconditions.
+    if unsafe { libc::getppid() } == 1 {
+        std::process::exit(0);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exit_with_parent() {}
+
+/// `expertmesh router`.
+#[derive(Args, Debug)]
+pub struct RouterCli {
+    #[command(flatten)]
+    deploy: DeployArgs,
+    #[command(flatten)]
+    router: RouterArgs,
+    /// Frontend listen address (default: the topology's [router] section).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Mesh listen address for workers (default: the router node's control port).
+    #[arg(long)]
+    mesh_listen: Option<SocketAddr>,
+    /// Link kind workers use (must match the workers' --link).
+    #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
+    link: LinkArg,
+    /// Threads for shared experts run on the router.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+/// Run `expertmesh router` until interrupted.
+pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
+    let d = &cli.deploy;
+    let dep = Deployment::load(&d.topology, &d.model, &d.placement, d.seed)?;
+    let core = router_core(&dep, cli.router.config(), cli.threads)?;
+    let mesh_listen = match cli.mesh_listen {
+        Some(a) => a,
+        None => dep.router_mesh_endpoint()?,
+    };
+    let listen = match cli.listen {
+        Some(a) => a,
+        None => dep.router_frontend_endpoint()?,
+    };
+    let service = RouterService::start(
+        core,
+        dep.mesh_config(0, mesh_listen, mesh_listen, cli.link.into()),
+        ServiceConfig {
+            frontend_listen: listen,
+            frontend: frontend_config(&dep),
+            max_outstanding_per_client: 32,
+        },
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    println!(
+        "expertmesh router: model {} on {} devices; frontends connect to {}, workers to {}",
+        dep.spec.name,
+        dep.topology.devices().len(),
+        service.frontend_addr(),
+        service
+            .mesh_addr()
+            .map_or_else(|| "?".into(), |a| a.to_string())
+    );
+    wait_for_ctrl_c()?;
+    drop(service);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn wait_for_ctrl_c() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(tokio::signal::ctrl_c())
+        .context("waiting for Ctrl-C")?;
+    Ok(())
+}
+
+/// `expertmesh up`.
+#[derive(Args, Debug)]
+pub struct UpCli {
+    /// Topology file.
+    #[arg(long)]
+    topology: PathBuf,
+    /// Model preset or file.
+    #[arg(long)]
+    model: String,
+    /// Placement file (default: a balanced plan computed from topology and model).
+    #[arg(long)]
+    placement: Option<PathBuf>,
+    /// Seed of the synthetic weights.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Worker ↔ router link.
+    #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
+    link: LinkArg,
+    #[command(flatten)]
+    router: RouterArgs,
+}
+
+/// Run `expertmesh up` until interrupted; restarts workers that exit.
+pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
+    let (placement, _tmp) = match cli.placement {
+        Some(p) => (p, None),
+        None => crate::plan_default::balanced_placement_file(&cli.topology, &cli.model)?,
+    };
+    let mut opts = LocalFabricOptions::new(&cli.topology, &cli.model, &placement);
+    opts.seed = cli.seed;
+    opts.link = cli.link.into();
+    opts.router = cli.router.config();
+    let mut fabric = LocalFabric::start(opts)?;
+    let dep = fabric.deployment();
+    println!(
+        "expertmesh up: model {} on {} ({} workers over {}), {} mode",
+        dep.spec.name,
+        dep.topology.name(),
+        dep.topology.devices().len(),
+        LinkKind::from(cli.link).name(),
+        ComputeMode::from(cli.router.mode).name()
+    );
+    println!(
+        "  frontends: {} (cluster \"{}\")",
+        fabric.frontend_addr(),
+        dep.topology.name()
+    );
+    println!("  worker logs: {}", fabric.log_dir().display());
+    println!(
+        "  try: expertmesh infer --router {} --cluster {} --layer {} --input X.npy --output Y.npy",
+        fabric.frontend_addr(),
+        dep.topology.name(),
+        dep.spec.moe_layer_ids()[0]
+    );
+    println!("Ctrl-C to stop.");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    loop {
+        let stop = rt.block_on(async {
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => { r.ok(); true }
+                _ = tokio::time::sleep(Duration::from_millis(500)) => false,
+            }
+        });
+        if stop {
+            break;
+        }
+        for (d, status) in fabric.exited_workers() {
+            eprintln!("worker {d} exited ({status}); restarting");
+            if let Err(e) = fabric.restart_worker(d) {
+                eprintln!("restart failed: {e:#}");
+            }
+        }
+    }
+    println!("stopping");
+    fabric.shutdown();
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `expertmesh infer`.
+#[derive(Args, Debug)]
+pub struct InferCli {
+    /// Router frontend address.
+    #[arg(long)]
+    router: SocketAddr,
+    /// Cluster name (the topology's `name`), checked in the handshake.
+    #[arg(long, default_value = "single-host")]
+    cluster: String,
+    /// MoE layer index.
+    #[arg(long)]
+    layer: u32,
+    /// Hidden states, 2-D [tokens, hidden]: f32, f16 or bf16 bits as uint16.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write the output [tokens, hidden] (f32).
+    #[arg(long)]
+    output: PathBuf,
+    /// Optional router logits [tokens, experts] (f32).
+    #[arg(long)]
+    logits: Option<PathBuf>,
+    /// Deadline in milliseconds.
+    #[arg(long)]
+    deadline_ms: Option<u64>,
+}
+
+/// Run `expertmesh infer`: exit 0 with the output written, 1 when the router refused the
+/// request (its reason printed), 2 on usage and I/O errors.
+pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
+    let x = crate::npy::read(&cli.input)?;
+    let logits = match &cli.logits {
+        Some(p) => {
+            let l = crate::npy::read(p)?;
+            if l.rows != x.rows {
+                bail!(
+                    "{}: {} rows of logits for {} tokens",
+                    p.display(),
+                    l.rows,
+                    x.rows
+                );
+            }
+            Some(l.data)
+        }
+        None => None,
+    };
+    let dtype = match x.dtype {
+        crate::npy::NpyDtype::F32 => ActivationDtype::F32,
+        crate::npy::NpyDtype::F16 => ActivationDtype::F16,
+        crate::npy::NpyDtype::Bf16Bits => ActivationDtype::Bf16,
+    };
+    let mut cfg = FrontendConfig::new(cli.cluster.clone());
+    cfg.secret = crate::deploy::secret_from_env()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(async {
+        let mut client = RouterClient::connect(cli.router, &cfg).await?;
+        client
+            .call_as(
+                cli.layer,
+                &x.data,
+                x.cols,
+                dtype,
+                logits.as_deref(),
+                cli.deadline_ms.map(Duration::from_millis),
+            )
+            .await
+    });
+    match result {
+        Ok(out) => {
+            crate::npy::write(&cli.output, x.rows, x.cols, &out, crate::npy::NpyDtype::F32)?;
+            println!(
+                "wrote {} ({} x {} f32)",
+                cli.output.display(),
+                x.rows,
+                x.cols
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e @ expertmesh_router::client::ClientError::Server { .. }) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(crate::cli::EXIT_INVALID))
+        }
+        Err(e) => Err(anyhow!(e)),
+    }
+}

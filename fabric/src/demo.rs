@@ -1,0 +1,439 @@
+//! `expertmesh demo`: the main job on the embedded default.
+//!
+//! Why this exists: it is what a new user runs first and what shows the whole system working:
+//! a local fabric (router + one worker process per CPU device of the single-host example), a
+//! small MoE preset, decode-like traffic over several layers with batches of 1 to 64 tokens from
+//! several concurrent clients, every response checked against the in-process reference (bit for
+//! bit in exact mode), and a report: tokens/s, latency percentiles per layer call, bytes on the
+//! wire per token, and what a weight-moving (offloading) design would have moved instead. The
+//! process exits 0 only if every response matched.
+
+use crate::cmd_fabric::{LinkArg, ModeArg, RouterArgs};
+use crate::local::{LocalFabric, LocalFabricOptions};
+use anyhow::{Context, anyhow};
+use clap::Args;
+use expertmesh_hip_kernels::backend::{BatchLimits, ExpertBackend};
+use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_hip_kernels::cpu::CpuBackend;
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::reference;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The single-host example topology, embedded so the demo runs from any directory.
+pub const SINGLE_HOST_TOPOLOGY: &str = include_str!("../../examples/single-host.toml");
+/// Its placement of `demo-small`.
+pub const SINGLE_HOST_PLACEMENT: &str =
+    include_str!("../../examples/single-host-demo-small.placement.toml");
+
+/// `expertmesh demo`.
+#[derive(Args, Debug)]
+pub struct DemoCli {
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Topology (default: the embedded single-host example).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// Model preset or file (default: demo-small).
+    #[arg(long, default_value = "demo-small")]
+    model: String,
+    /// Placement (default: the embedded single-host placement of demo-small).
+    #[arg(long)]
+    placement: Option<PathBuf>,
+    /// Worker ↔ router link.
+    #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
+    link: LinkArg,
+    /// Rounds over the (layer, batch) schedule.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Concurrent frontend clients.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Comma-separated batch sizes.
+    #[arg(long, default_value = "1,2,4,8,16,32,64", value_delimiter = ',')]
+    batches: Vec<usize>,
+    #[command(flatten)]
+    router: RouterArgs,
+    /// Hide the progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+struct Call {
+    layer: u32,
+    x: Vec<f32>,
+    tokens: usize,
+    out: Option<Result<Vec<f32>, String>>,
+    latency: Duration,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    crate::bench_json::percentile(sorted, p)
+}
+
+/// Run the demo.
+pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
+    let tmp = tempfile::Builder::new()
+        .prefix("expertmesh-demo-")
+        .tempdir()?;
+    let topology = match &cli.topology {
+        Some(p) => p.clone(),
+        None => {
+            let p = tmp.path().join("single-host.toml");
+            std::fs::write(&p, SINGLE_HOST_TOPOLOGY)?;
+            p
+        }
+    };
+    let placement = match &cli.placement {
+        Some(p) => p.clone(),
+        None if cli.model == "demo-small" && cli.topology.is_none() => {
+            let p = tmp.path().join("single-host-demo-small.placement.toml");
+            std::fs::write(&p, SINGLE_HOST_PLACEMENT)?;
+            p
+        }
+        None => crate::plan_default::balanced_placement_file(&topology, &cli.model)?.0,
+    };
+    let mode: ComputeMode = cli.router.mode.into();
+    let mut opts = LocalFabricOptions::new(&topology, &cli.model, &placement);
+    opts.link = cli.link.into();
+    opts.router = cli.router.config();
+    opts.ephemeral_ports = true;
+    opts.log_dir = Some(tmp.path().join("logs"));
+    println!("ExpertMesh demo: starting a local fabric ...");
+    let t_start = Instant::now();
+    let fabric = LocalFabric::start(opts).context("starting the local fabric")?;
+    let dep = fabric.deployment().clone();
+    let spec = dep.spec.clone();
+    let h = spec.hidden as usize;
+    println!(
+        "  model {}: {} MoE layers x {} experts (top-{}, {} shared), hidden {}, {} per expert",
+        spec.name,
+        spec.moe_layers(),
+        spec.routed_experts,
+        spec.top_k,
+        spec.shared_experts,
+        spec.hidden,
+        human_bytes(spec.expert_bytes())
+    );
+    println!(
+        "  topology {}: {} workers ({}), link {}, {} mode; started in {:.1} s; router at {}",
+        dep.topology.name(),
+        dep.topology.devices().len(),
+        dep.topology
+            .devices()
+            .iter()
+            .map(|d| d.id().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        link_name(cli.link),
+        mode.name(),
+        t_start.elapsed().as_secs_f64(),
+        fabric.frontend_addr()
+    );
+
+    // The schedule: every layer x every batch size, `rounds` times, in an interleaved order.
+    let layers = spec.moe_layer_ids();
+    let mut calls: Vec<Call> = Vec::new();
+    let mut seed = 1000u64;
+    for _ in 0..cli.rounds.max(1) {
+        for &b in &cli.batches {
+            for &l in &layers {
+                seed += 1;
+                calls.push(Call {
+                    layer: l,
+                    x: reference::synthetic_hidden(seed, b, h),
+                    tokens: b,
+                    out: None,
+                    latency: Duration::ZERO,
+                });
+            }
+        }
+    }
+    let total_tokens: usize = calls.iter().map(|c| c.tokens).sum();
+    let bar = if cli.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(calls.len() as u64).with_style(
+            indicatif::ProgressStyle::with_template(
+                "  traffic {bar:40} {pos}/{len} layer calls ({per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        )
+    };
+    let calls = Arc::new(Mutex::new(calls));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let addr = fabric.frontend_addr();
+    let fcfg = fabric.frontend_config();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let t_traffic = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for _ in 0..cli.clients.max(1) {
+            let calls = calls.clone();
+            let next = next.clone();
+            let fcfg = fcfg.clone();
+            let bar = bar.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut client = RouterClient::connect(addr, &fcfg)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let (layer, x) = {
+                        let c = calls.lock().unwrap_or_else(|e| e.into_inner());
+                        if i >= c.len() {
+                            return Ok::<(), anyhow::Error>(());
+                        }
+                        (c[i].layer, c[i].x.clone())
+                    };
+                    let t = Instant::now();
+                    let res = client
+                        .call(layer, &x, h, None, None)
+                        .await
+                        .map_err(|e| e.to_string());
+                    let lat = t.elapsed();
+                    let mut c = calls.lock().unwrap_or_else(|e| e.into_inner());
+                    c[i].out = Some(res);
+                    c[i].latency = lat;
+                    bar.inc(1);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.map_err(|e| anyhow!("{e}"))??;
+        }
+        Ok::<(), anyhow::Error>(())
+    })?;
+    let traffic_secs = t_traffic.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let stats = fabric.service().stats();
+    fabric.shutdown();
+
+    // Check every response against the in-process reference.
+    println!(
+        "  checking {} responses against the in-process reference ...",
+        calls.lock().map(|c| c.len()).unwrap_or(0)
+    );
+    let calls = Arc::try_unwrap(calls)
+        .map_err(|_| anyhow!("clients still hold the calls"))?
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner());
+    let mut backend = CpuBackend::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut all = Vec::new();
+    for &l in &layers {
+        for e in 0..spec.routed_experts {
+            all.push((
+                expertmesh_hip_kernels::backend::ExpertKey {
+                    layer: l,
+                    expert: e,
+                },
+                reference::synthetic_routed_expert(&spec, dep.seed, l, e)?,
+            ));
+        }
+        for i in 0..spec.shared_experts {
+            all.push((
+                expertmesh_hip_kernels::backend::ExpertKey {
+                    layer: l,
+                    expert: spec.routed_experts + i,
+                },
+                reference::synthetic_shared_expert(&spec, dep.seed, l, i)?,
+            ));
+        }
+    }
+    let maxb = cli.batches.iter().copied().max().unwrap_or(1);
+    backend
+        .load(
+            all,
+            BatchLimits {
+                max_tokens: maxb,
+                max_pairs: maxb * (spec.top_k + spec.shared_experts) as usize,
+            },
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    let gates: std::collections::HashMap<u32, _> = layers
+        .iter()
+        .map(|&l| (l, reference::synthetic_gate(&spec, dep.seed, l)))
+        .collect();
+    let (mut mismatches, mut errors, mut max_err) = (0usize, 0usize, 0f64);
+    let mut offload_bytes = 0u64;
+    let mut first_error = None;
+    let mut scalar_checked = 0;
+    for c in &calls {
+        let (routing, want) = reference::moe_layer_backend(
+            &spec,
+            &gates[&c.layer],
+            c.layer,
+            &mut backend,
+            &c.x,
+            mode,
+        )
+        .map_err(|e| anyhow!(e))?;
+        let touched: BTreeSet<u32> = routing.experts.iter().copied().collect();
+        offload_bytes += touched.len() as u64 * spec.expert_bytes();
+        match &c.out {
+            Some(Ok(got)) => {
+                let ok = match mode {
+                    ComputeMode::Exact => got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    ComputeMode::Accurate => {
+                        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                        let e = reference::rel_error_vs_rms(got, &want64);
+                        max_err = max_err.max(e);
+                        e < 1e-4
+                    }
+                };
+                if !ok {
+                    mismatches += 1;
+                }
+                // Also check the first call of each layer against the scalar oracle itself.
+                if c.tokens == cli.batches[0] && scalar_checked < layers.len() {
+                    scalar_checked += 1;
+                    let lw = reference::synthetic_layer(&spec, dep.seed, c.layer)?;
+                    let (_, oracle) =
+                        reference::moe_layer(&spec, &lw, &c.x, mode).map_err(|e| anyhow!("{e}"))?;
+                    if mode == ComputeMode::Exact
+                        && oracle
+                            .iter()
+                            .zip(got)
+                            .any(|(a, b)| a.to_bits() != b.to_bits())
+                    {
+                        mismatches += 1;
+                    }
+                }
+            }
+            Some(Err(e)) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| e.clone());
+            }
+            None => errors += 1,
+        }
+    }
+
+    // Report.
+    let mut lat: Vec<f64> = calls
+        .iter()
+        .map(|c| c.latency.as_secs_f64() * 1e6)
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    let tokens_per_s = total_tokens as f64 / traffic_secs;
+    let wire = stats.dispatch_payload_bytes + stats.result_payload_bytes;
+    let wire_per_token = wire as f64 / total_tokens as f64;
+    let offload_per_token = offload_bytes as f64 / total_tokens as f64;
+    println!();
+    println!(
+        "  {} layer calls, {} tokens in {:.2} s: {:.0} tokens/s (token-layers/s)",
+        calls.len(),
+        total_tokens,
+        traffic_secs,
+        tokens_per_s
+    );
+    println!(
+        "  latency per layer call: p50 {:.0} us, p99 {:.0} us",
+        percentile(&lat, 50.0),
+        percentile(&lat, 99.0)
+    );
+    println!(
+        "  {:>6} {:>8} {:>10} {:>10}",
+        "batch", "calls", "p50 us", "p99 us"
+    );
+    let mut per_batch = Vec::new();
+    for &b in &cli.batches {
+        let mut l: Vec<f64> = calls
+            .iter()
+            .filter(|c| c.tokens == b)
+            .map(|c| c.latency.as_secs_f64() * 1e6)
+            .collect();
+        l.sort_by(f64::total_cmp);
+        println!(
+            "  {:>6} {:>8} {:>10.0} {:>10.0}",
+            b,
+            l.len(),
+            percentile(&l, 50.0),
+            percentile(&l, 99.0)
+        );
+        per_batch.push(serde_json::json!({"batch": b, "calls": l.len(), "latency_us_p50": percentile(&l, 50.0), "latency_us_p99": percentile(&l, 99.0)}));
+    }
+    println!(
+        "  on the wire: {} per token (activations out {}, results back {}; {} batches, {} per-device parts)",
+        human_bytes(wire_per_token as u64),
+        human_bytes(stats.dispatch_payload_bytes / total_tokens.max(1) as u64),
+        human_bytes(stats.result_payload_bytes / total_tokens.max(1) as u64),
+        stats.batches,
+        stats.parts_sent
+    );
+    println!(
+        "  a weight-moving (offloading) design would have moved {} of expert weights per token ({:.0}x more)",
+        human_bytes(offload_per_token as u64),
+        offload_per_token / wire_per_token.max(1.0)
+    );
+    let ok = mismatches == 0 && errors == 0;
+    match mode {
+        ComputeMode::Exact => println!(
+            "  checked: {} of {} responses bit-identical to the in-process reference{}",
+            calls.len() - mismatches - errors,
+            calls.len(),
+            if errors > 0 {
+                format!(
+                    ", {errors} failed: {}",
+                    first_error.clone().unwrap_or_default()
+                )
+            } else {
+                String::new()
+            }
+        ),
+        ComputeMode::Accurate => println!(
+            "  checked: worst error {max_err:.2e} of the output RMS (tolerance 1e-4); {mismatches} outside, {errors} failed"
+        ),
+    }
+    if let Some(path) = &cli.json {
+        let report = serde_json::json!({
+            "model": spec.name, "topology": dep.topology.name(), "mode": mode.name(),
+            "link": link_name(cli.link),
+            "calls": calls.len(), "tokens": total_tokens, "seconds": traffic_secs,
+            "tokens_per_s": tokens_per_s,
+            "latency_us_p50": percentile(&lat, 50.0), "latency_us_p99": percentile(&lat, 99.0),
+            "per_batch": per_batch,
+            "wire_bytes_per_token": wire_per_token, "offload_bytes_per_token": offload_per_token,
+            "mismatches": mismatches, "errors": errors, "ok": ok,
+            "machine": crate::bench_json::MachineInfo::detect(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("  wrote {}", path.display());
+    }
+    let _ = ModeArg::Exact;
+    if ok {
+        println!("demo OK");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("demo FAILED: {mismatches} mismatched, {errors} failed responses");
+        Ok(ExitCode::from(crate::cli::EXIT_INVALID))
+    }
+}
+
+fn link_name(l: LinkArg) -> &'static str {
+    expertmesh_transport::mesh::LinkKind::from(l).name()
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.1} kB", b / 1e3)
+    } else {
+        format!("{b:.0} B")
+    }
+}

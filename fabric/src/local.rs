@@ -1,0 +1,392 @@
+//! The local fabric launcher: the router service in this process and one worker process per
+//! device of a topology, on one host.
+//!
+//! Why this exists: `expertmesh up`, the demo, `bench fabric` and the integration tests all
+//! need a whole fabric — real processes, real sockets or shared memory — started, supervised
+//! (kill, restart) and shut down cleanly. Workers are this same binary run as
+//! `expertmesh worker ...`; they die with the launcher (parent-death signal) so nothing is left
+//! running.
+
+use crate::deploy::{self, Deployment};
+use anyhow::{Context, anyhow, bail};
+use expertmesh_hip_kernels::backend::{
+    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+};
+use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_hip_kernels::cpu::CpuBackend;
+use expertmesh_router::core::{RouterConfig, RouterCore, SharedRunner};
+use expertmesh_router::service::{RouterService, ServiceConfig};
+use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_transport::mesh::LinkKind;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// How to start a local fabric.
+#[derive(Clone, Debug)]
+pub struct LocalFabricOptions {
+    /// Topology file.
+    pub topology: PathBuf,
+    /// Model preset or file.
+    pub model: String,
+    /// Placement file.
+    pub placement: PathBuf,
+    /// Seed of the synthetic weights.
+    pub seed: u64,
+    /// Worker ↔ router link.
+    pub link: LinkKind,
+    /// Router settings (mode, batching, deadlines).
+    pub router: RouterConfig,
+    /// The `expertmesh` binary to run workers with.
+    pub exe: PathBuf,
+    /// Frontend listen address (`None`: the topology's, or an ephemeral port with
+    /// `ephemeral_ports`).
+    pub frontend_listen: Option<SocketAddr>,
+    /// Use ephemeral ports on 127.0.0.1 for everything (tests run in parallel).
+    pub ephemeral_ports: bool,
+    /// Worker backend threads (default: the topology's).
+    pub worker_threads: Option<usize>,
+    /// How long to wait for every worker to load its experts and connect.
+    pub connect_timeout: Duration,
+    /// Directory for worker logs (default: a fresh temporary directory).
+    pub log_dir: Option<PathBuf>,
+}
+
+impl LocalFabricOptions {
+    /// Defaults for a topology/model/placement triple.
+    pub fn new(topology: impl Into<PathBuf>, model: &str, placement: impl Into<PathBuf>) -> Self {
+        Self {
+            topology: topology.into(),
+            model: model.into(),
+            placement: placement.into(),
+            seed: 42,
+            link: LinkKind::Tcp,
+            router: RouterConfig::default(),
+            exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("expertmesh")),
+            frontend_listen: None,
+            ephemeral_ports: false,
+            worker_threads: None,
+            connect_timeout: Duration::from_secs(120),
+            log_dir: None,
+        }
+    }
+}
+
+/// Runs the router's shared experts on a CPU backend in the router process.
+struct CpuShared {
+    backend: CpuBackend,
+    routed: u32,
+    shared: u32,
+    hidden: usize,
+    tokens: Vec<u32>,
+    rows: Vec<Vec<u32>>,
+    ones: Vec<f32>,
+}
+
+impl SharedRunner for CpuShared {
+    fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String> {
+        let s = self.shared as usize;
+        self.tokens.clear();
+        self.tokens.extend(0..tokens as u32);
+        self.ones.resize(tokens, 1.0);
+        for (i, rows) in self.rows.iter_mut().enumerate() {
+            rows.clear();
+            rows.extend((0..tokens).map(|t| (t * s + i) as u32));
+        }
+        let groups: Vec<ExpertGroup> = (0..s)
+            .map(|i| ExpertGroup {
+                key: ExpertKey {
+                    layer,
+                    expert: self.routed + i as u32,
+                },
+                tokens: &self.tokens,
+                weights: &self.ones,
+                out_rows: &self.rows[i],
+            })
+            .collect();
+        let batch = GroupedBatch {
+            mode: ComputeMode::Exact,
+            hidden: self.hidden,
+            tokens,
+            input: Activations::F32(x),
+            groups: &groups,
+            layout: OutputLayout::PerSlot,
+        };
+        self.backend.execute(&batch, out).map_err(|e| e.to_string())
+    }
+}
+
+/// Build the router core for a deployment (shared experts on the router loaded here).
+pub fn router_core(
+    dep: &Deployment,
+    cfg: RouterConfig,
+    threads: usize,
+) -> anyhow::Result<RouterCore> {
+    let runner: Option<Box<dyn SharedRunner>> = if dep.shared_on_router() {
+        let experts = deploy::load_router_shared_experts(dep)?;
+        let mut backend = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
+        let s = dep.spec.shared_experts as usize;
+        backend
+            .load(
+                experts,
+                BatchLimits {
+                    max_tokens: cfg.max_batch_tokens,
+                    max_pairs: cfg.max_batch_tokens * s,
+                },
+            )
+            .map_err(|e| anyhow!("{e}"))?;
+        Some(Box::new(CpuShared {
+            backend,
+            routed: dep.spec.routed_experts,
+            shared: s as u32,
+            hidden: dep.spec.hidden as usize,
+            tokens: Vec::with_capacity(cfg.max_batch_tokens),
+            rows: vec![Vec::with_capacity(cfg.max_batch_tokens); s],
+            ones: Vec::with_capacity(cfg.max_batch_tokens),
+        }))
+    } else {
+        None
+    };
+    Ok(RouterCore::new(
+        dep.spec.clone(),
+        cfg,
+        dep.layer_setups(),
+        dep.replicas(),
+        dep.rank_names(),
+        runner,
+    ))
+}
+
+/// Frontend settings matching a deployment (cluster name, secret).
+pub fn frontend_config(dep: &Deployment) -> FrontendConfig {
+    let mut f = FrontendConfig::new(dep.topology.name());
+    f.secret = dep.secret.clone();
+    f
+}
+
+/// A running local fabric.
+pub struct LocalFabric {
+    dep: Deployment,
+    opts: LocalFabricOptions,
+    service: RouterService,
+    router_mesh: SocketAddr,
+    workers: Vec<Option<Child>>,
+    log_dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for LocalFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalFabric")
+            .field("frontend", &self.service.frontend_addr())
+            .finish()
+    }
+}
+
+impl LocalFabric {
+    /// Start the router and every worker, and wait until all workers are connected.
+    pub fn start(opts: LocalFabricOptions) -> anyhow::Result<Self> {
+        let dep = Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?;
+        let (tmp, log_dir) = match &opts.log_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                (None, d.clone())
+            }
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("expertmesh-")
+                    .tempdir()
+                    .context("creating a log directory")?;
+                let p = t.path().to_path_buf();
+                (Some(t), p)
+            }
+        };
+        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+        let mesh_listen = if opts.ephemeral_ports {
+            loopback
+        } else {
+            dep.router_mesh_endpoint()?
+        };
+        let frontend_listen = match opts.frontend_listen {
+            Some(a) => a,
+            None if opts.ephemeral_ports => loopback,
+            None => dep.router_frontend_endpoint()?,
+        };
+        let router_threads = 1;
+        let core = router_core(&dep, opts.router.clone(), router_threads)?;
+        let mesh_cfg = dep.mesh_config(0, mesh_listen, mesh_listen, opts.link);
+        let service = RouterService::start(
+            core,
+            mesh_cfg,
+            ServiceConfig {
+                frontend_listen,
+                frontend: frontend_config(&dep),
+                max_outstanding_per_client: 32,
+            },
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+        let router_mesh = service
+            .mesh_addr()
+            .ok_or_else(|| anyhow!("router mesh has no address"))?;
+        let n = dep.topology.devices().len();
+        let mut fabric = Self {
+            dep,
+            opts,
+            service,
+            router_mesh,
+            workers: (0..n).map(|_| None).collect(),
+            log_dir,
+            _tmp: tmp,
+        };
+        for d in 0..n {
+            fabric.spawn_worker(d)?;
+        }
+        let ranks: Vec<u32> = (1..=n as u32).collect();
+        if let Err(e) = fabric
+            .service
+            .wait_for_workers(&ranks, fabric.opts.connect_timeout)
+        {
+            let logs = fabric.worker_log_tail();
+            bail!("workers did not join: {e}\n{logs}");
+        }
+        Ok(fabric)
+    }
+
+    fn worker_log(&self, d: usize) -> PathBuf {
+        self.log_dir.join(format!("worker-{d}.log"))
+    }
+
+    fn spawn_worker(&mut self, d: usize) -> anyhow::Result<()> {
+        let o = &self.opts;
+        let dev = &self.dep.topology.devices()[d];
+        let log = std::fs::File::create(self.worker_log(d)).context("creating a worker log")?;
+        let mut cmd = Command::new(&o.exe);
+        cmd.arg("worker")
+            .arg("--topology")
+            .arg(&o.topology)
+            .arg("--model")
+            .arg(&o.model)
+            .arg("--placement")
+            .arg(&o.placement)
+            .arg("--device")
+            .arg(dev.id())
+            .arg("--router")
+            .arg(self.router_mesh.to_string())
+            .arg("--link")
+            .arg(o.link.name())
+            .arg("--seed")
+            .arg(o.seed.to_string())
+            .arg("--max-tokens")
+            .arg(o.router.micro_batch_tokens.max(1).to_string())
+            .arg("--exit-with-parent")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if o.ephemeral_ports {
+            cmd.arg("--listen").arg("127.0.0.1:0");
+        }
+        if let Some(t) = o.worker_threads {
+            cmd.arg("--threads").arg(t.to_string());
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting worker {} with {}", dev.id(), o.exe.display()))?;
+        self.workers[d] = Some(child);
+        Ok(())
+    }
+
+    fn worker_log_tail(&self) -> String {
+        let mut s = String::new();
+        for d in 0..self.workers.len() {
+            let text = std::fs::read_to_string(self.worker_log(d)).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(8).collect();
+            s.push_str(&format!(
+                "--- worker {d} log ({}):\n",
+                self.worker_log(d).display()
+            ));
+            for l in tail.into_iter().rev() {
+                s.push_str(l);
+                s.push('\n');
+            }
+        }
+        s
+    }
+
+    /// Where frontends connect.
+    pub fn frontend_addr(&self) -> SocketAddr {
+        self.service.frontend_addr()
+    }
+
+    /// Frontend settings to connect with.
+    pub fn frontend_config(&self) -> FrontendConfig {
+        frontend_config(&self.dep)
+    }
+
+    /// The deployment (model, topology, placement).
+    pub fn deployment(&self) -> &Deployment {
+        &self.dep
+    }
+
+    /// The router service (stats).
+    pub fn service(&self) -> &RouterService {
+        &self.service
+    }
+
+    /// Directory of the worker logs.
+    pub fn log_dir(&self) -> &Path {
+        &self.log_dir
+    }
+
+    /// Kill worker `d` (topology device rank) with SIGKILL.
+    pub fn kill_worker(&mut self, d: usize) -> anyhow::Result<()> {
+        if let Some(mut c) = self.workers[d].take() {
+            c.kill().context("killing a worker")?;
+            let _ = c.wait();
+        }
+        Ok(())
+    }
+
+    /// Start worker `d` again and wait until it has rejoined.
+    pub fn restart_worker(&mut self, d: usize) -> anyhow::Result<()> {
+        self.kill_worker(d)?;
+        self.spawn_worker(d)?;
+        self.service
+            .wait_for_workers(&[d as u32 + 1], self.opts.connect_timeout)
+            .map_err(|e| anyhow!("worker {d} did not rejoin: {e}\n{}", self.worker_log_tail()))
+    }
+
+    /// Check every worker process is alive; returns the devices that exited, with status.
+    pub fn exited_workers(&mut self) -> Vec<(usize, String)> {
+        let mut out = Vec::new();
+        for (d, w) in self.workers.iter_mut().enumerate() {
+            if let Some(c) = w
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                out.push((d, status.to_string()));
+            }
+        }
+        out
+    }
+
+    /// Stop workers and the router.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        for w in self.workers.iter_mut() {
+            if let Some(mut c) = w.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        self.service.shutdown();
+    }
+}
+
+impl Drop for LocalFabric {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,276 @@
+//! Minimal `.npy` (NumPy format 1.0/2.0/3.0) reading and writing for `expertmesh infer`.
+//!
+//! Why this exists: frontends and people testing a fabric hand hidden states around as NumPy
+//! files. Only what `infer` needs is supported: 2-D little-endian C-order arrays of f32 (`<f4`),
+//! f16 (`<f2`) and bf16 stored as raw u16 (`<u2`, NumPy has no bf16). Every length in the header
+//! is checked before anything is allocated, and bad files get an error naming the problem.
+
+use half::{bf16, f16};
+use std::path::Path;
+
+/// Element type of an array file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NpyDtype {
+    /// `<f4`.
+    F32,
+    /// `<f2`.
+    F16,
+    /// `<u2` holding bfloat16 bit patterns.
+    Bf16Bits,
+}
+
+impl NpyDtype {
+    fn descr(self) -> &'static str {
+        match self {
+            NpyDtype::F32 => "<f4",
+            NpyDtype::F16 => "<f2",
+            NpyDtype::Bf16Bits => "<u2",
+        }
+    }
+    fn size(self) -> usize {
+        match self {
+            NpyDtype::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// A 2-D array read from a file, widened to f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Array2 {
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// The file's element type.
+    pub dtype: NpyDtype,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// Why a file could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NpyError {
+    /// I/O failure.
+    #[error("{path}: {source}")]
+    Io {
+        /// File.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a valid or supported `.npy` file.
+    #[error("{path}: {what}")]
+    Format {
+        /// File.
+        path: String,
+        /// The problem and what to do.
+        what: String,
+    },
+}
+
+/// Parse `.npy` bytes.
+pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
+    let bad = |what: String| NpyError::Format {
+        path: path.to_string(),
+        what,
+    };
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(bad("not a .npy file (missing \\x93NUMPY magic)".into()));
+    }
+    let major = bytes[6];
+    let (hlen, start): (usize, usize) = match major {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 => {
+            if bytes.len() < 12 {
+                return Err(bad("truncated header".into()));
+            }
+            (
+                u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+                12,
+            )
+        }
+        v => return Err(bad(format!("unsupported .npy format version {v}"))),
+    };
+    let end = start
+        .checked_add(hlen)
+        .filter(|&e| e <= bytes.len())
+        .ok_or_else(|| bad("header longer than the file".into()))?;
+    let header =
+        std::str::from_utf8(&bytes[start..end]).map_err(|_| bad("header is not UTF-8".into()))?;
+    let field = |key: &str| -> Option<&str> {
+        let i = header.find(&format!("'{key}'"))?;
+        let rest = &header[i + key.len() + 2..];
+        let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+        Some(rest)
+    };
+    let descr = field("descr")
+        .and_then(|r| r.strip_prefix('\''))
+        .and_then(|r| r.split('\'').next())
+        .ok_or_else(|| bad("header has no 'descr'".into()))?;
+    let dtype = match descr {
+        "<f4" => NpyDtype::F32,
+        "<f2" => NpyDtype::F16,
+        "<u2" => NpyDtype::Bf16Bits,
+        other => {
+            return Err(bad(format!(
+                "dtype {other:?} is not supported; use float32 (<f4), float16 (<f2) or bf16 bits as uint16 (<u2)"
+            )));
+        }
+    };
+    let fortran =
+        field("fortran_order").ok_or_else(|| bad("header has no 'fortran_order'".into()))?;
+    if fortran.starts_with("True") {
+        return Err(bad(
+            "Fortran-order arrays are not supported; save with np.ascontiguousarray".into(),
+        ));
+    }
+    let shape = field("shape")
+        .and_then(|r| r.strip_prefix('('))
+        .and_then(|r| r.split(')').next())
+        .ok_or_else(|| bad("header has no 'shape'".into()))?;
+    let dims: Vec<usize> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<usize>()
+                .map_err(|_| bad(format!("bad shape entry {s:?}")))
+        })
+        .collect::<Result<_, _>>()?;
+    if dims.len() != 2 {
+        return Err(bad(format!(
+            "array has {} dimensions; expected 2-D [tokens, hidden]",
+            dims.len()
+        )));
+    }
+    let (rows, cols) = (dims[0], dims[1]);
+    let n = rows
+        .checked_mul(cols)
+        .ok_or_else(|| bad("shape overflows".into()))?;
+    let need = n
+        .checked_mul(dtype.size())
+        .ok_or_else(|| bad("shape overflows".into()))?;
+    let body = &bytes[end..];
+    if body.len() != need {
+        return Err(bad(format!(
+            "data has {} bytes, shape ({rows}, {cols}) of {descr} needs {need}",
+            body.len()
+        )));
+    }
+    let data = match dtype {
+        NpyDtype::F32 => body
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        NpyDtype::F16 => body
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        NpyDtype::Bf16Bits => body
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    };
+    Ok(Array2 {
+        rows,
+        cols,
+        dtype,
+        data,
+    })
+}
+
+/// Read a `.npy` file.
+pub fn read(path: &Path) -> Result<Array2, NpyError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| NpyError::Io {
+        path: p.clone(),
+        source,
+    })?;
+    parse(&p, &bytes)
+}
+
+/// Encode a 2-D array as `.npy` (version 1.0) bytes in `dtype`.
+pub fn encode(rows: usize, cols: usize, data: &[f32], dtype: NpyDtype) -> Vec<u8> {
+    assert_eq!(data.len(), rows * cols);
+    let mut header = format!(
+        "{{'descr': '{}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}",
+        dtype.descr()
+    );
+    // pad so that magic(6)+version(2)+len(2)+header is a multiple of 64, ending in '\n'
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat((64 - total % 64) % 64));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + data.len() * dtype.size());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for &v in data {
+        match dtype {
+            NpyDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            NpyDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
+            NpyDtype::Bf16Bits => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Write a 2-D f32 array.
+pub fn write(
+    path: &Path,
+    rows: usize,
+    cols: usize,
+    data: &[f32],
+    dtype: NpyDtype,
+) -> Result<(), NpyError> {
+    std::fs::write(path, encode(rows, cols, data, dtype)).map_err(|source| NpyError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn round_trip(rows in 0usize..5, cols in 0usize..70, seed in any::<u32>()) {
+            let data: Vec<f32> = (0..rows * cols).map(|i| ((i as u32 ^ seed) % 256) as f32 - 128.0).collect();
+            for dt in [NpyDtype::F32, NpyDtype::F16, NpyDtype::Bf16Bits] {
+                let bytes = encode(rows, cols, &data, dt);
+                prop_assert_eq!(bytes[8] as usize + 10 + data.len() * dt.size(), bytes.len());
+                let a = parse("x", &bytes).unwrap();
+                prop_assert_eq!(a.rows, rows);
+                prop_assert_eq!(a.cols, cols);
+                prop_assert_eq!(a.data, data.clone()); // small integers are exact in f16 and bf16
+            }
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse("g", &bytes);
+            let mut v = b"\x93NUMPY\x01\x00".to_vec();
+            v.extend_from_slice(&bytes);
+            let _ = parse("g", &v);
+        }
+    }
+
+    #[test]
+    fn problems_are_named() {
+        let mut b = encode(2, 3, &[0.0; 6], NpyDtype::F32);
+        b.pop();
+        assert!(parse("f", &b).unwrap_err().to_string().contains("needs 24"));
+        let b = String::from("\u{93}NUMPY").into_bytes();
+        assert!(parse("f", &b).is_err());
+        let bad = encode(2, 3, &[0.0; 6], NpyDtype::F32);
+        let text = String::from_utf8_lossy(&bad)
+            .replace("<f4", "<i8")
+            .into_bytes();
+        let e = parse("f", &text).unwrap_err().to_string();
+        assert!(e.contains("not supported"), "{e}");
+    }
+}

@@ -1,0 +1,199 @@
+//! `RouterClient`: what a serving frontend links to call the router once per MoE layer.
+//!
+//! Why this exists: the attention/dense half of a model server should not know about frames,
+//! dtypes or request ids. One call sends a layer's hidden states (and optionally the router
+//! logits it already computed) and returns the combined expert output, or an error that says
+//! what the router refused and why.
+
+use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest, align_up};
+use expertmesh_transport::dtype::{self, ActivationDtype};
+use expertmesh_transport::frontend::{FrameConnection, FrontendConfig, FrontendError};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The connection failed.
+    #[error("router connection: {0}")]
+    Transport(#[from] FrontendError),
+    /// The router answered with an error.
+    #[error("router refused request {request_id} ({code:?}): {message}")]
+    Server {
+        /// The request.
+        request_id: u64,
+        /// Stable error code.
+        code: ErrorCode,
+        /// The router's explanation.
+        message: String,
+    },
+    /// The input cannot be encoded (shape, NaN for fp8, ...).
+    #[error("cannot encode the request: {0}")]
+    Input(String),
+    /// The router answered something that is not a response to this call.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// The router's error code, when the router refused the call.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// A connection to the router service. One call at a time; open several clients for
+/// concurrency.
+#[derive(Debug)]
+pub struct RouterClient {
+    conn: FrameConnection,
+    next_id: u64,
+}
+
+impl RouterClient {
+    /// Connect (and authenticate, when `cfg` carries a secret).
+    pub async fn connect(addr: SocketAddr, cfg: &FrontendConfig) -> Result<Self, ClientError> {
+        Ok(Self {
+            conn: FrameConnection::connect(addr, cfg).await?,
+            next_id: 1,
+        })
+    }
+
+    /// One MoE layer call with f32 hidden states `x` (`[tokens][hidden]`), sent as f32.
+    pub async fn call(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        hidden: usize,
+        logits: Option<&[f32]>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<f32>, ClientError> {
+        self.call_as(layer, x, hidden, ActivationDtype::F32, logits, deadline)
+            .await
+    }
+
+    /// One MoE layer call, sending the hidden states encoded as `dtype`.
+    pub async fn call_as(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        hidden: usize,
+        dtype: ActivationDtype,
+        logits: Option<&[f32]>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<f32>, ClientError> {
+        if hidden == 0 || x.len() % hidden != 0 {
+            return Err(ClientError::Input(format!(
+                "{} values are not whole rows of {hidden}",
+                x.len()
+            )));
+        }
+        let tokens = x.len() / hidden;
+        let hb = dtype.payload_bytes(tokens, hidden).ok_or_else(|| {
+            ClientError::Input(format!(
+                "{tokens} x {hidden} cannot be sent as {}",
+                dtype.name()
+            ))
+        })? as usize;
+        let logit_experts = match logits {
+            None => 0,
+            Some(l) => {
+                if l.len() % tokens != 0 {
+                    return Err(ClientError::Input(format!(
+                        "{} logits for {tokens} tokens",
+                        l.len()
+                    )));
+                }
+                l.len() / tokens
+            }
+        };
+        let total = if logit_experts > 0 {
+            align_up(hb) + tokens * logit_experts * 4
+        } else {
+            hb
+        };
+        let mut payload = vec![0u8; total];
+        dtype::encode_activations(dtype, tokens, hidden, x, &mut payload[..hb])
+            .map_err(|e| ClientError::Input(e.to_string()))?;
+        if let Some(l) = logits {
+            let off = align_up(hb);
+            for (o, v) in payload[off..].chunks_exact_mut(4).zip(l) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        self.send_raw(
+            layer,
+            tokens,
+            hidden,
+            dtype,
+            logit_experts,
+            &payload,
+            deadline,
+        )
+        .await
+    }
+
+    /// Send an already encoded payload (hidden states in `dtype`, then optional f32 logits at
+    /// the next 64-byte boundary) and wait for the answer.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_raw(
+        &mut self,
+        layer: u32,
+        tokens: usize,
+        hidden: usize,
+        dtype: ActivationDtype,
+        logit_experts: usize,
+        payload: &[u8],
+        deadline: Option<Duration>,
+    ) -> Result<Vec<f32>, ClientError> {
+        let request_id = self.next_id;
+        self.next_id += 1;
+        let body = Body::LayerRequest(LayerRequest {
+            request_id,
+            layer,
+            tokens: tokens as u32,
+            hidden: hidden as u32,
+            dtype,
+            logit_experts: logit_experts as u32,
+            deadline_us: deadline.map_or(0, |d| d.as_micros().max(1) as u64),
+        });
+        self.conn.write_frame(&body, payload).await?;
+        loop {
+            let frame = self.conn.read_frame().await?;
+            match frame.body() {
+                Body::LayerResponse(r) if r.request_id == request_id => {
+                    let n = r.tokens as usize * r.hidden as usize;
+                    let mut out = vec![0f32; n];
+                    dtype::decode_output(r.dtype, frame.payload(), &mut out)
+                        .map_err(|e| ClientError::Protocol(e.to_string()))?;
+                    return Ok(out);
+                }
+                Body::Error(e) if e.request_id == request_id || e.request_id == 0 => {
+                    return Err(ClientError::Server {
+                        request_id,
+                        code: e.code,
+                        message: e.message.clone(),
+                    });
+                }
+                Body::Heartbeat(_) => continue,
+                // A stale answer to an earlier call that was abandoned: skip it.
+                Body::LayerResponse(_) | Body::Error(_) => continue,
+                other => return Err(ClientError::Protocol(format!("unexpected frame {other:?}"))),
+            }
+        }
+    }
+
+    /// Write arbitrary bytes on the connection (tests of the router's garbage handling).
+    #[doc(hidden)]
+    pub async fn write_frame_raw(
+        &mut self,
+        body: &Body,
+        payload: &[u8],
+    ) -> Result<(), ClientError> {
+        Ok(self.conn.write_frame(body, payload).await?)
+    }
+}

@@ -1,0 +1,499 @@
+//! The router service: the I/O driver around [`RouterCore`].
+//!
+//! Why this exists: the core decides, this module moves bytes and time. It accepts frontend
+//! connections (transport's framed TCP), decodes and validates their `LayerRequest`s in the
+//! connection tasks, runs the core on its own thread (gating, planning, quantizing activations
+//! and combining are CPU work that must not stall the async runtime), sends the core's dispatch
+//! frames over the worker mesh, feeds worker results and peer notices back, and writes responses.
+//!
+//! Bounds: each connection has at most `max_outstanding_per_client` requests in flight (the
+//! reader stops reading until a response frees a slot, so TCP backpressure reaches the
+//! frontend); the core bounds batches in flight; sends wait for the mesh's per-peer credit.
+//! A frame whose header is intact but whose content is bad is answered with an error frame and
+//! the connection goes on; a broken stream closes only that connection.
+
+use crate::core::{Action, ClientId, RouterCore};
+use expertmesh_transport::codec::{Body, ErrorCode, LayerResponse};
+use expertmesh_transport::dtype::OutputDtype;
+use expertmesh_transport::frontend::{FrameListener, FrontendConfig, FrontendError};
+use expertmesh_transport::mesh::{
+    Mesh, MeshConfig, MeshEvents, RecvFrame, StartError, Transport, TransportEvent,
+};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Semaphore, mpsc};
+
+/// Service settings.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// Where frontends connect.
+    pub frontend_listen: SocketAddr,
+    /// Frontend connection settings (cluster name, secret, codec).
+    pub frontend: FrontendConfig,
+    /// Requests one connection may have in flight.
+    pub max_outstanding_per_client: usize,
+}
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServiceError {
+    /// The worker mesh could not start.
+    #[error("worker mesh: {0}")]
+    Mesh(#[from] StartError),
+    /// The frontend port could not be bound.
+    #[error("cannot listen for frontends on {addr}: {source}")]
+    Listen {
+        /// Address.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The async runtime could not start.
+    #[error("cannot start the router runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+enum CoreInput {
+    Request(crate::core::Request),
+    Frame(RecvFrame),
+    PeerLost(u32),
+    PeerUp(u32),
+    SendFailed { rank: u32, batch: u64, part: u32 },
+    Stop,
+}
+
+enum ClientMsg {
+    Response {
+        request_id: u64,
+        tokens: usize,
+        hidden: usize,
+        output: Vec<f32>,
+    },
+    Error {
+        request_id: u64,
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+/// A running router service. Dropping it (or [`RouterService::shutdown`]) stops everything.
+pub struct RouterService {
+    runtime: Option<tokio::runtime::Runtime>,
+    core_thread: Option<std::thread::JoinHandle<()>>,
+    input: std_mpsc::Sender<CoreInput>,
+    frontend_addr: SocketAddr,
+    mesh: Mesh,
+    stats: Arc<Mutex<crate::core::RouterStats>>,
+}
+
+impl std::fmt::Debug for RouterService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouterService")
+            .field("frontend_addr", &self.frontend_addr)
+            .finish()
+    }
+}
+
+impl RouterService {
+    /// Start the mesh (this process is `mesh.protocol.local_rank`, normally 0), the frontend
+    /// listener and the core thread.
+    pub fn start(
+        core: RouterCore,
+        mesh_cfg: MeshConfig,
+        cfg: ServiceConfig,
+    ) -> Result<Self, ServiceError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("router-io")
+            .enable_all()
+            .build()
+            .map_err(ServiceError::Runtime)?;
+        let (mesh, events) = runtime.block_on(Mesh::start(mesh_cfg))?;
+        let listener = runtime
+            .block_on(FrameListener::bind(
+                cfg.frontend_listen,
+                cfg.frontend.clone(),
+            ))
+            .map_err(|source| ServiceError::Listen {
+                addr: cfg.frontend_listen,
+                source,
+            })?;
+        let frontend_addr = listener
+            .local_addr()
+            .map_err(|source| ServiceError::Listen {
+                addr: cfg.frontend_listen,
+                source,
+            })?;
+        let (input_tx, input_rx) = std_mpsc::channel::<CoreInput>();
+        let clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>> =
+            Arc::default();
+        let stats = Arc::new(Mutex::new(crate::core::RouterStats::default()));
+        let validator = core.validator();
+        let hidden = core.spec().hidden as usize;
+
+        // Mesh events → core.
+        runtime.spawn(mesh_events(events, input_tx.clone()));
+        // Frontend acceptor.
+        runtime.spawn(accept_loop(
+            listener,
+            validator,
+            input_tx.clone(),
+            clients.clone(),
+            cfg.max_outstanding_per_client.max(1),
+        ));
+        // Core thread.
+        let handle = runtime.handle().clone();
+        let core_mesh = mesh.clone();
+        let core_tx = input_tx.clone();
+        let core_stats = stats.clone();
+        let core_thread = std::thread::Builder::new()
+            .name("router-core".into())
+            .spawn(move || {
+                core_loop(
+                    core, input_rx, core_tx, handle, core_mesh, clients, core_stats, hidden,
+                )
+            })
+            .map_err(ServiceError::Runtime)?;
+        Ok(Self {
+            runtime: Some(runtime),
+            core_thread: Some(core_thread),
+            input: input_tx,
+            frontend_addr,
+            mesh,
+            stats,
+        })
+    }
+
+    /// Where frontends connect.
+    pub fn frontend_addr(&self) -> SocketAddr {
+        self.frontend_addr
+    }
+
+    /// The mesh's listen address.
+    pub fn mesh_addr(&self) -> Option<SocketAddr> {
+        self.mesh.local_addr()
+    }
+
+    /// Wait until every rank in `ranks` is connected.
+    pub fn wait_for_workers(&self, ranks: &[u32], timeout: Duration) -> Result<(), StartError> {
+        let rt = self.runtime.as_ref().expect("running");
+        rt.block_on(self.mesh.wait_connected(ranks, timeout))
+    }
+
+    /// Whether rank `r` is connected now.
+    pub fn is_connected(&self, r: u32) -> bool {
+        self.mesh.is_connected(r)
+    }
+
+    /// The core's counters (updated after every batch of work).
+    pub fn stats(&self) -> crate::core::RouterStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Stop the core, close every connection and the mesh.
+    pub fn shutdown(&mut self) {
+        let _ = self.input.send(CoreInput::Stop);
+        if let Some(t) = self.core_thread.take() {
+            let _ = t.join();
+        }
+        self.mesh.shutdown();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+impl Drop for RouterService {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+async fn mesh_events(mut events: MeshEvents, tx: std_mpsc::Sender<CoreInput>) {
+    while let Some(ev) = events.recv().await {
+        let msg = match ev {
+            TransportEvent::Frame(f) => CoreInput::Frame(f),
+            TransportEvent::PeerUp { peer, link } => {
+                tracing::info!(peer, link = link.name(), "worker connected");
+                CoreInput::PeerUp(peer)
+            }
+            TransportEvent::PeerLost(e) => {
+                tracing::warn!(peer = e.peer, error = %e, "worker link lost");
+                CoreInput::PeerLost(e.peer)
+            }
+        };
+        if tx.send(msg).is_err() {
+            return;
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: FrameListener,
+    validator: crate::core::RequestValidator,
+    tx: std_mpsc::Sender<CoreInput>,
+    clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    max_outstanding: usize,
+) {
+    let mut next_client: ClientId = 1;
+    loop {
+        let incoming = match listener.accept().await {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a frontend connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let client = next_client;
+        next_client += 1;
+        let validator = validator.clone();
+        let tx = tx.clone();
+        let clients = clients.clone();
+        tokio::spawn(async move {
+            let peer = incoming.peer_addr();
+            let conn = match incoming.handshake().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "frontend handshake failed; connection refused");
+                    return;
+                }
+            };
+            let (mut reader, mut writer) = conn.split();
+            let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ClientMsg>();
+            clients
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(client, out_tx.clone());
+            let slots = Arc::new(Semaphore::new(max_outstanding));
+            let write_slots = slots.clone();
+            // Writer: responses and errors, in completion order.
+            let write_task = tokio::spawn(async move {
+                while let Some(msg) = out_rx.recv().await {
+                    let res = match msg {
+                        ClientMsg::Response {
+                            request_id,
+                            tokens,
+                            hidden,
+                            output,
+                        } => {
+                            let body = Body::LayerResponse(LayerResponse {
+                                request_id,
+                                tokens: tokens as u32,
+                                hidden: hidden as u32,
+                                dtype: OutputDtype::F32,
+                            });
+                            let mut bytes = vec![0u8; output.len() * 4];
+                            for (o, v) in bytes.chunks_exact_mut(4).zip(&output) {
+                                o.copy_from_slice(&v.to_le_bytes());
+                            }
+                            write_slots.add_permits(1);
+                            writer.write_frame(&body, &bytes).await
+                        }
+                        ClientMsg::Error {
+                            request_id,
+                            code,
+                            message,
+                        } => {
+                            write_slots.add_permits(1);
+                            writer.write_error(request_id, code, &message).await
+                        }
+                    };
+                    if let Err(e) = res {
+                        tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+                        return;
+                    }
+                }
+            });
+            // Reader: requests, validated here; at most `max_outstanding` in flight.
+            loop {
+                let permit = match slots.acquire().await {
+                    Ok(p) => p,
+                    Err(_) => break,
+                };
+                permit.forget();
+                let frame = match reader.read_frame().await {
+                    Ok(f) => f,
+                    Err(FrontendError::BadFrame {
+                        recoverable: true,
+                        request_id,
+                        error,
+                        ..
+                    }) => {
+                        let _ = out_tx.send(ClientMsg::Error {
+                            request_id: request_id.unwrap_or(0),
+                            code: ErrorCode::BadFrame,
+                            message: format!("bad frame: {error}"),
+                        });
+                        continue;
+                    }
+                    Err(FrontendError::Closed { .. }) => break,
+                    Err(e) => {
+                        tracing::info!(%peer, error = %e, "frontend connection closed");
+                        break;
+                    }
+                };
+                match frame.body() {
+                    Body::LayerRequest(req) => {
+                        match validator.validate(client, req, frame.payload(), Instant::now()) {
+                            Ok(r) => {
+                                if tx.send(CoreInput::Request(r)).is_err() {
+                                    break;
+                                }
+                            }
+                            Err((code, message)) => {
+                                let _ = out_tx.send(ClientMsg::Error {
+                                    request_id: req.request_id,
+                                    code,
+                                    message,
+                                });
+                            }
+                        }
+                    }
+                    Body::Heartbeat(_) => slots.add_permits(1),
+                    other => {
+                        let _ = out_tx.send(ClientMsg::Error {
+                            request_id: 0,
+                            code: ErrorCode::BadFrame,
+                            message: format!(
+                                "frontends send LayerRequest frames, not {:?}",
+                                kind_name(other)
+                            ),
+                        });
+                    }
+                }
+            }
+            clients
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&client);
+            drop(out_tx);
+            let _ = write_task.await;
+        });
+    }
+}
+
+fn kind_name(b: &Body) -> &'static str {
+    match b {
+        Body::Hello(_) => "Hello",
+        Body::Auth(_) => "Auth",
+        Body::Dispatch(_) => "Dispatch",
+        Body::Result(_) => "Result",
+        Body::Error(_) => "Error",
+        Body::Heartbeat(_) => "Heartbeat",
+        Body::Credit(_) => "Credit",
+        Body::LayerRequest(_) => "LayerRequest",
+        Body::LayerResponse(_) => "LayerResponse",
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn core_loop(
+    mut core: RouterCore,
+    rx: std_mpsc::Receiver<CoreInput>,
+    tx: std_mpsc::Sender<CoreInput>,
+    rt: tokio::runtime::Handle,
+    mesh: Mesh,
+    clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    stats: Arc<Mutex<crate::core::RouterStats>>,
+    hidden: usize,
+) {
+    loop {
+        let now = Instant::now();
+        let msg = match core.next_timeout() {
+            Some(t) if t <= now => None,
+            Some(t) => match rx.recv_timeout(t - now) {
+                Ok(m) => Some(m),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            },
+            None => match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return,
+            },
+        };
+        let now = Instant::now();
+        match msg {
+            None => {}
+            Some(CoreInput::Stop) => return,
+            Some(CoreInput::Request(r)) => core.submit(r, now),
+            Some(CoreInput::Frame(f)) => {
+                let from = f.peer();
+                match f.body() {
+                    Body::Result(res) => core.on_result(from, res, f.payload(), now),
+                    Body::Error(e) => core.on_worker_error(from, e.request_id, e.code, &e.message),
+                    other => tracing::warn!(
+                        from,
+                        kind = kind_name(other),
+                        "unexpected frame from a worker"
+                    ),
+                }
+            }
+            Some(CoreInput::PeerLost(r)) => core.on_peer_lost(r, now),
+            Some(CoreInput::PeerUp(r)) => core.on_peer_up(r),
+            Some(CoreInput::SendFailed { rank, batch, part }) => {
+                core.on_send_failed(rank, batch, part, now)
+            }
+        }
+        core.on_tick(Instant::now());
+        let actions = core.drain_actions();
+        if actions.is_empty() {
+            continue;
+        }
+        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for a in actions {
+            match a {
+                Action::Send {
+                    rank,
+                    frame,
+                    batch,
+                    part,
+                } => {
+                    let mesh = mesh.clone();
+                    let tx = tx.clone();
+                    rt.spawn(async move {
+                        if let Err(e) = mesh.send(rank, &frame).await {
+                            tracing::warn!(rank, error = %e, "dispatch send failed");
+                            let _ = tx.send(CoreInput::SendFailed { rank, batch, part });
+                        }
+                    });
+                }
+                Action::Respond {
+                    client,
+                    request_id,
+                    tokens,
+                    output,
+                } => {
+                    if let Some(c) = clients_now.get(&client) {
+                        let _ = c.send(ClientMsg::Response {
+                            request_id,
+                            tokens,
+                            hidden,
+                            output,
+                        });
+                    }
+                }
+                Action::Fail {
+                    client,
+                    request_id,
+                    code,
+                    message,
+                } => {
+                    if let Some(c) = clients_now.get(&client) {
+                        let _ = c.send(ClientMsg::Error {
+                            request_id,
+                            code,
+                            message,
+                        });
+                    }
+                }
+            }
+        }
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats().clone();
+    }
+}
