@@ -85,7 +85,14 @@ struct CpuShared {
 }
 
 impl SharedRunner for CpuShared {
-    fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String> {
+    fn run(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        tokens: usize,
+        mode: ComputeMode,
+        out: &mut [f32],
+    ) -> Result<(), String> {
         let s = self.shared as usize;
         self.tokens.clear();
         self.tokens.extend(0..tokens as u32);
@@ -106,7 +113,7 @@ impl SharedRunner for CpuShared {
             })
             .collect();
         let batch = GroupedBatch {
-            mode: ComputeMode::Exact,
+            mode,
             hidden: self.hidden,
             tokens,
             input: Activations::F32(x),

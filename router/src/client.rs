@@ -187,13 +187,9 @@ impl RouterClient {
         }
     }
 
-    /// Write arbitrary bytes on the connection (tests of the router's garbage handling).
+    /// Write raw bytes on the connection (tests of the router's handling of malformed frames).
     #[doc(hidden)]
-    pub async fn write_frame_raw(
-        &mut self,
-        body: &Body,
-        payload: &[u8],
-    ) -> Result<(), ClientError> {
-        Ok(self.conn.write_frame(body, payload).await?)
+    pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        Ok(self.conn.write_raw(bytes).await?)
     }
 }

@@ -103,8 +103,15 @@ pub struct LayerSetup {
 /// Runs shared experts on the router host (the CPU backend in the service; a stub in tests).
 pub trait SharedRunner: Send {
     /// Write `[tokens][shared][hidden]` outputs of `layer`'s shared experts for `x`
-    /// (`[tokens][hidden]`) into `out`.
-    fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String>;
+    /// (`[tokens][hidden]`) into `out`, computed in `mode`.
+    fn run(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        tokens: usize,
+        mode: ComputeMode,
+        out: &mut [f32],
+    ) -> Result<(), String>;
 }
 
 /// Checks and decodes frontend requests: a cheap clone of what the core knows about shapes.
@@ -790,7 +797,7 @@ impl RouterCore {
         if setup.shared == SharedSite::Router && shared > 0 {
             shared_local = vec![0f32; tokens * shared * h];
             let res = match self.shared_runner.as_mut() {
-                Some(r) => r.run(layer, &p.x, tokens, &mut shared_local),
+                Some(r) => r.run(layer, &p.x, tokens, self.cfg.mode, &mut shared_local),
                 None => Err("no shared-expert runner on the router".into()),
             };
             if let Err(msg) = res {

@@ -185,6 +185,11 @@ impl RouterService {
         rt.block_on(self.mesh.wait_connected(ranks, timeout))
     }
 
+    /// The link kind to rank `r`, when connected.
+    pub fn link_kind(&self, r: u32) -> Option<expertmesh_transport::mesh::LinkKind> {
+        self.mesh.link_kind(r)
+    }
+
     /// Whether rank `r` is connected now.
     pub fn is_connected(&self, r: u32) -> bool {
         self.mesh.is_connected(r)
@@ -445,6 +450,7 @@ fn core_loop(
         if actions.is_empty() {
             continue;
         }
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats().clone();
         let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for a in actions {
             match a {
@@ -494,6 +500,5 @@ fn core_loop(
                 }
             }
         }
-        *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats().clone();
     }
 }

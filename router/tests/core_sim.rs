@@ -36,7 +36,14 @@ struct RouterShared {
 }
 
 impl SharedRunner for RouterShared {
-    fn run(&mut self, layer: u32, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<(), String> {
+    fn run(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        tokens: usize,
+        _mode: ComputeMode,
+        out: &mut [f32],
+    ) -> Result<(), String> {
         let h = self.spec.hidden as usize;
         let lw = &self.layers[&layer];
         let s = lw.shared.len();

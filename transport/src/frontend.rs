@@ -283,6 +283,18 @@ impl FrameConnection {
         self.writer.write_frame(body, payload).await
     }
 
+    /// Writes raw bytes as they are: for tests of how a server handles malformed frames.
+    #[doc(hidden)]
+    pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), FrontendError> {
+        use tokio::io::AsyncWriteExt;
+        let peer = self.writer.peer;
+        self.writer
+            .write
+            .write_all(bytes)
+            .await
+            .map_err(|source| FrontendError::Io { peer, source })
+    }
+
     /// Splits into halves for concurrent reading and writing (pipelined requests).
     pub fn split(self) -> (FrameReader, FrameWriter) {
         (self.reader, self.writer)
