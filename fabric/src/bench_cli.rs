@@ -12,12 +12,47 @@ use std::process::ExitCode;
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchTarget {
+    /// One MoE layer through the local fabric (router + worker processes) against the same
+    /// layer in-process on the same backend, measured in the same run.
+    Fabric(FabricCli),
     /// Expert FFN kernels on the CPU backend against the memory read bandwidth (decode) and
     /// the int8 peak (prefill) measured in the same run.
     Kernels(KernelsCli),
     /// Dispatch-frame throughput and round-trip latency over TCP loopback and shared memory,
     /// against a raw socket and memcpy measured in the same run.
     Transport(TransportCli),
+}
+
+/// Arguments of `bench fabric`.
+#[derive(Args, Debug)]
+pub struct FabricCli {
+    /// Write the results as JSON (DESIGN.md §3) to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Model preset or file.
+    #[arg(long, default_value = "demo-small")]
+    model: String,
+    /// Topology (default: the embedded single-host example, two workers).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// Placement (default: the embedded single-host placement of demo-small).
+    #[arg(long)]
+    placement: Option<PathBuf>,
+    /// Comma-separated batch sizes.
+    #[arg(long, default_value = "1,8,64", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Concurrent frontend clients.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Links to measure: tcp, shm (repeatable; default both).
+    #[arg(long = "link", value_parser = parse_link)]
+    links: Vec<LinkKind>,
+    /// Numerical mode.
+    #[arg(long, value_enum, default_value_t = crate::cmd_fabric::ModeArg::Exact)]
+    mode: crate::cmd_fabric::ModeArg,
 }
 
 /// Arguments of `bench kernels`.
@@ -78,6 +113,33 @@ fn parse_link(s: &str) -> Result<LinkKind, String> {
 /// Runs a bench target.
 pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
+        BenchTarget::Fabric(f) => {
+            anyhow::ensure!(
+                f.seconds > 0.0 && f.seconds <= 600.0,
+                "--seconds must be in (0, 600]"
+            );
+            let links = if f.links.is_empty() {
+                vec![LinkKind::Tcp, LinkKind::Shm]
+            } else {
+                f.links
+            };
+            let report = crate::bench_fabric::run(&crate::bench_fabric::FabricBenchOptions {
+                topology: f.topology,
+                model: f.model,
+                placement: f.placement,
+                batches: f.batches,
+                seconds: f.seconds,
+                clients: f.clients,
+                links,
+                mode: f.mode.into(),
+            })?;
+            report.print_table();
+            if let Some(path) = f.json {
+                report.write(&path)?;
+                println!("wrote {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         BenchTarget::Kernels(k) => {
             anyhow::ensure!(
                 k.seconds > 0.0 && k.seconds <= 600.0,

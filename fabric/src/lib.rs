@@ -4,6 +4,7 @@
 //! processes. The `expertmesh` binary is a thin `main` over [`cli`].
 
 pub mod bench_cli;
+pub mod bench_fabric;
 pub mod bench_json;
 pub mod bench_kernels;
 pub mod bench_transport;

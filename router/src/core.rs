@@ -365,6 +365,8 @@ struct Inflight {
     partials: BTreeMap<u32, (Vec<u32>, Vec<f32>)>,
     /// Shared experts computed on the router, `[tokens][shared][hidden]`.
     shared_local: Vec<f32>,
+    /// The router-side shared experts are still to run.
+    shared_pending: bool,
     parts: Vec<Part>,
     outstanding: usize,
 }
@@ -652,7 +654,7 @@ impl RouterCore {
             }
         }
         b.outstanding -= 1;
-        if b.outstanding == 0 {
+        if b.outstanding == 0 && !b.shared_pending {
             self.complete(res.request_id);
         }
     }
@@ -793,25 +795,14 @@ impl RouterCore {
             _ => (routing, false),
         };
         let _ = remote_shared;
-        let mut shared_local = Vec::new();
-        if setup.shared == SharedSite::Router && shared > 0 {
-            shared_local = vec![0f32; tokens * shared * h];
-            let res = match self.shared_runner.as_mut() {
-                Some(r) => r.run(layer, &p.x, tokens, self.cfg.mode, &mut shared_local),
-                None => Err("no shared-expert runner on the router".into()),
-            };
-            if let Err(msg) = res {
-                for m in p.members {
-                    self.fail_one(
-                        m.client,
-                        m.request_id,
-                        ErrorCode::Internal,
-                        format!("shared expert of layer {layer} on the router: {msg}"),
-                    );
-                }
-                return;
-            }
-        }
+        // Shared experts on the router run in `run_deferred`, after this batch's dispatch frames
+        // have been handed to the driver, so they overlap with the workers.
+        let shared_pending = setup.shared == SharedSite::Router && shared > 0;
+        let shared_local = if shared_pending {
+            vec![0f32; tokens * shared * h]
+        } else {
+            Vec::new()
+        };
         let q8 = (self.cfg.mode == ComputeMode::Exact).then(|| {
             let mut q = vec![0i8; tokens * h];
             let mut d = vec![0f32; tokens * h / 32];
@@ -838,6 +829,7 @@ impl RouterCore {
             x: p.x,
             q8,
             shared_local,
+            shared_pending,
             parts: Vec::new(),
             outstanding: 0,
         };
@@ -855,9 +847,51 @@ impl RouterCore {
             }
             start = end;
         }
-        if self.inflight.get(&id).is_some_and(|b| b.outstanding == 0) {
+        if self
+            .inflight
+            .get(&id)
+            .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
+        {
             self.complete(id);
         }
+    }
+
+    /// Run work deferred until the driver has sent the latest dispatch frames: the shared
+    /// experts of batches whose shared experts live on the router. Call after draining actions.
+    pub fn run_deferred(&mut self) {
+        let ids: Vec<u64> = self
+            .inflight
+            .iter()
+            .filter(|(_, b)| b.shared_pending)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let mode = self.cfg.mode;
+            let Some(b) = self.inflight.get_mut(&id) else {
+                continue;
+            };
+            let res = match self.shared_runner.as_mut() {
+                Some(r) => r.run(b.layer, &b.x, b.tokens, mode, &mut b.shared_local),
+                None => Err("no shared-expert runner on the router".into()),
+            };
+            b.shared_pending = false;
+            let layer = b.layer;
+            let done = b.outstanding == 0;
+            match res {
+                Err(msg) => self.fail_batch(
+                    id,
+                    ErrorCode::Internal,
+                    format!("shared expert of layer {layer} on the router: {msg}"),
+                ),
+                Ok(()) if done => self.complete(id),
+                Ok(()) => {}
+            }
+        }
+    }
+
+    /// Whether [`RouterCore::run_deferred`] has work.
+    pub fn has_deferred(&self) -> bool {
+        self.inflight.values().any(|b| b.shared_pending)
     }
 
     /// Plan `pairs` of batch `id` (avoiding `avoid` in addition to dead ranks) and send them.
@@ -1010,7 +1044,10 @@ impl RouterCore {
         *l = l.saturating_sub(pairs.len() as u64);
         self.stats.parts_redispatched += 1;
         if self.send_pairs(id, &pairs, Some(rank), now)
-            && self.inflight.get(&id).is_some_and(|b| b.outstanding == 0)
+            && self
+                .inflight
+                .get(&id)
+                .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
         {
             self.complete(id);
         }

@@ -53,8 +53,10 @@ pub struct GateWeights {
 }
 
 impl GateWeights {
-    /// Logits `[T][E]` for `tokens` hidden vectors `x` (`[T][H]`): plain sequential f32 dot
-    /// products.
+    /// Logits `[T][E]` for `tokens` hidden vectors `x` (`[T][H]`). Each dot product keeps 8
+    /// partial sums (element `i` goes to partial `i % 8`, in order), then adds them pairwise
+    /// ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)): a fixed order, so the router and the in-process
+    /// reference (both call this) agree bit for bit, and one the compiler vectorizes.
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         assert_eq!(
             x.len() % self.hidden,
@@ -67,15 +69,28 @@ impl GateWeights {
             let xt = &x[t * self.hidden..(t + 1) * self.hidden];
             for e in 0..self.experts {
                 let w = &self.weight[e * self.hidden..(e + 1) * self.hidden];
-                let mut s = 0f32;
-                for (a, b) in w.iter().zip(xt) {
-                    s += a * b;
-                }
-                out[t * self.experts + e] = s;
+                out[t * self.experts + e] = dot8(w, xt);
             }
         }
         out
     }
+}
+
+/// The gate's dot product: 8 interleaved partial sums, then a fixed pairwise tree.
+#[inline]
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut p = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for j in 0..8 {
+            p[j] += x[j] * y[j];
+        }
+    }
+    for (j, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+        p[j] += x * y;
+    }
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
 }
 
 /// The router's decision for a batch: `top_k` (expert, weight) slots per token.

@@ -446,11 +446,30 @@ fn core_loop(
             }
         }
         core.on_tick(Instant::now());
-        let actions = core.drain_actions();
+        let mut actions = core.drain_actions();
+        if core.has_deferred() {
+            // Send what is ready first, then run the router's own share of the work.
+            perform(actions, &rt, &mesh, &tx, &clients, hidden);
+            core.run_deferred();
+            actions = core.drain_actions();
+        }
         if actions.is_empty() {
             continue;
         }
         *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats().clone();
+        perform(actions, &rt, &mesh, &tx, &clients, hidden);
+    }
+}
+
+fn perform(
+    actions: Vec<Action>,
+    rt: &tokio::runtime::Handle,
+    mesh: &Mesh,
+    tx: &std_mpsc::Sender<CoreInput>,
+    clients: &Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    hidden: usize,
+) {
+    {
         let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for a in actions {
             match a {

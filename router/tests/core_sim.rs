@@ -196,7 +196,11 @@ impl Sim {
     /// Deliver every pending action; workers answer immediately unless down or silent.
     fn pump(&mut self) {
         for _ in 0..100 {
-            let actions = self.core.drain_actions();
+            let mut actions = self.core.drain_actions();
+            if actions.is_empty() && self.core.has_deferred() {
+                self.core.run_deferred();
+                actions = self.core.drain_actions();
+            }
             if actions.is_empty() {
                 return;
             }
