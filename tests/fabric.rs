@@ -503,3 +503,58 @@ fn infer_command_reads_and_writes_npy() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("layer 77"));
     fabric.shutdown();
 }
+
+#[test]
+fn up_serves_until_interrupted() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .arg("up")
+        .arg("--topology")
+        .arg(root().join("examples/single-host.toml"))
+        .args(["--model", "demo-small"])
+        .arg("--placement")
+        .arg(root().join("examples/single-host-demo-small.placement.toml"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.trim().strip_prefix("frontends: ") {
+            addr = rest
+                .split_whitespace()
+                .next()
+                .map(|a| a.parse::<std::net::SocketAddr>().unwrap());
+            break;
+        }
+    }
+    let addr = addr.expect("up printed where frontends connect");
+    assert_eq!(addr.port(), 47400, "the topology's [router] port");
+    let spec = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
+    let h = spec.hidden as usize;
+    let x = reference::synthetic_hidden(1, 3, h);
+    let rt = rt();
+    let cfg = expertmesh_transport::frontend::FrontendConfig::new("single-host");
+    let mut c = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
+    let got = rt.block_on(c.call(1, &x, h, None, None)).unwrap();
+    let mut r = Reference::new(&spec, 42);
+    let (_, want) = r.layer(1, &x, ComputeMode::Exact);
+    assert_eq!(bits(&got), bits(&want));
+    // SAFETY: sending SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let t = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "up exited with {status}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "up did not stop on Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
