@@ -298,30 +298,40 @@ fn backend_exact_large_batch() {
 
 #[test]
 fn backend_accurate_within_tolerance() {
-    let tb = TestBatch::random(QuantSpec::G32_BF16, 256, &[128, 96, 128], 9, 2, 5);
-    let h = tb.hidden;
-    for isa in Isa::available() {
-        let mut be = CpuBackend::with_isa(2, isa).unwrap();
-        let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
-        let rows = tb.out_rows();
-        let mut y = vec![0f64; h];
-        let mut worst = 0f64;
-        for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
-            for (i, &t) in toks.iter().enumerate() {
-                let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
-                    .iter()
-                    .map(|&v| v as f64)
-                    .collect();
-                reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
-                let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
-                let r = rows[gi][i] as usize;
-                for k in 0..h {
-                    worst = worst.max((got[r * h + k] as f64 - y[k]).abs() / rms);
+    let asym = QuantSpec {
+        group_size: 64,
+        scale_dtype: ScaleDtype::F16,
+        zero_points: true,
+    };
+    for (isa, spec) in Isa::available()
+        .into_iter()
+        .flat_map(|i| [(i, QuantSpec::G32_BF16), (i, asym)])
+    {
+        let tb = TestBatch::random(spec, 256, &[128, 64, 128], 9, 2, 5);
+        let h = tb.hidden;
+        {
+            let mut be = CpuBackend::with_isa(2, isa).unwrap();
+            let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
+            let rows = tb.out_rows();
+            let mut y = vec![0f64; h];
+            let mut worst = 0f64;
+            for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
+                for (i, &t) in toks.iter().enumerate() {
+                    let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
+                    reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
+                    let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
+                    let r = rows[gi][i] as usize;
+                    for k in 0..h {
+                        worst = worst.max((got[r * h + k] as f64 - y[k]).abs() / rms);
+                    }
                 }
             }
+            // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
+            assert!(worst < 1e-4, "{isa:?} {spec}: accurate mode error {worst}");
         }
-        // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
-        assert!(worst < 1e-4, "{isa:?}: accurate mode error {worst}");
     }
 }
 
