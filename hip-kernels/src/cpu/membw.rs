@@ -6,12 +6,12 @@
 
 use std::time::Instant;
 
-/// Read `buf` once per pass with `threads` threads for at least `min_seconds`, return the best
-/// pass in bytes per second.
-pub fn read_bandwidth(buf: &[u8], threads: usize, passes: usize) -> f64 {
+/// Read `buf` once per pass with `threads` threads, `passes` times; returns every pass's
+/// bandwidth in bytes per second (callers take the median or the best).
+pub fn read_bandwidth_samples(buf: &[u8], threads: usize, passes: usize) -> Vec<f64> {
     let threads = threads.max(1);
     let chunk = buf.len() / threads / 64 * 64;
-    let mut best = 0f64;
+    let mut out = Vec::with_capacity(passes);
     for _ in 0..passes.max(1) {
         let t0 = Instant::now();
         std::thread::scope(|s| {
@@ -21,9 +21,27 @@ pub fn read_bandwidth(buf: &[u8], threads: usize, passes: usize) -> f64 {
             }
         });
         let dt = t0.elapsed().as_secs_f64();
-        best = best.max((chunk * threads) as f64 / dt);
+        out.push((chunk * threads) as f64 / dt);
     }
-    best
+    out
+}
+
+/// The best of `passes` passes (see [`read_bandwidth_samples`]).
+pub fn read_bandwidth(buf: &[u8], threads: usize, passes: usize) -> f64 {
+    read_bandwidth_samples(buf, threads, passes)
+        .into_iter()
+        .fold(0.0, f64::max)
+}
+
+/// The median of a sample (0 for none).
+pub fn median(samples: &[f64]) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
+    }
 }
 
 fn xor_reduce(part: &[u8]) -> u64 {
