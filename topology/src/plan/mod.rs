@@ -1,0 +1,5 @@
+//! The placement planner (WIP).
+
+pub mod capacity;
+pub mod packing;
+pub mod stats;

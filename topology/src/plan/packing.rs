@@ -1,0 +1,585 @@
+//! The combinatorial core of the planner: replicate hot experts, pack replicas into bins
+//! (devices or nodes) with fixed slot counts, and move co-selected experts together.
+//!
+//! Why this exists: these are the pieces the design's placement strategies are built from, kept
+//! free of files and topologies so they can be checked against brute force on tiny instances.
+//!
+//! - [`replicate`]: DeepSeek EPLB's greedy — each extra slot goes to the expert with the highest
+//!   load per replica — restricted to replica counts that can still be placed on distinct bins
+//!   (a capacity-bounded Gale–Ryser test, so the packing below always has a solution).
+//! - [`pack`]: LPT — heaviest item first, onto the eligible bin whose load (divided by the bin's
+//!   speed) ends up lowest — where a bin takes exactly its slot count and never two replicas of
+//!   one expert; a swap repair when the greedy corners itself; then pairwise swaps that lower the
+//!   busiest bin until none does.
+//! - [`improve_locality`]: Kernighan–Lin style swaps between bins that raise the co-selection
+//!   weight kept inside bins, while every bin's load stays under a limit.
+//!
+//! Bound (tested against brute force in `tests`): on every tiny instance, the max bin load after
+//! [`replicate`] + [`pack`] is at most 4/3 of the optimum over all replica choices and packings
+//! with the same slot counts (Graham's LPT bound); with uniform loads it is optimal.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+/// A bin to fill: a device (or a node when partitioning).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bin {
+    /// Items it must take, exactly.
+    pub count: u32,
+    /// Relative speed; loads are compared as `load / speed`.
+    pub speed: f64,
+}
+
+/// Total order on f64 keys for heaps (NaN never reaches here: loads are checked finite).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Key(f64, u32);
+
+impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Larger load first; ties: lower expert id first.
+        self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
+    }
+}
+
+/// `cap[k-1] = sum over bins of min(count, k)`: the most slots any k experts can occupy.
+fn prefix_capacity(bins: &[u32], experts: usize) -> Vec<u64> {
+    (1..=experts)
+        .map(|k| bins.iter().map(|&c| c.min(k as u32) as u64).sum())
+        .collect()
+}
+
+/// True when replica counts `r` can be placed on distinct bins with at most `bins[b]` each.
+fn placeable(r: &[u32], cap: &[u64]) -> bool {
+    let mut sorted: Vec<u32> = r.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut sum = 0u64;
+    for (k, &x) in sorted.iter().enumerate() {
+        sum += x as u64;
+        if sum > cap[k] {
+            return false;
+        }
+    }
+    true
+}
+
+/// Replica counts per expert for bins holding `bins[b]` slots each (`sum(bins) >= loads.len()`,
+/// every count at most `loads.len()`): one replica each, then each extra slot to the expert with
+/// the highest load per replica (ties: lower id) among those whose extra replica can still be
+/// placed on distinct bins.
+pub fn replicate(loads: &[f64], bins: &[u32]) -> Vec<u32> {
+    let e = loads.len();
+    let total: u64 = bins.iter().map(|&c| c as u64).sum();
+    let mut r = vec![1u32; e];
+    if e == 0 {
+        return r;
+    }
+    let extra = total.saturating_sub(e as u64);
+    let cap = prefix_capacity(bins, e);
+    let mut heap: BinaryHeap<Key> = (0..e).map(|i| Key(loads[i], i as u32)).collect();
+    let mut placed = 0u64;
+    while placed < extra {
+        let Some(Key(_, i)) = heap.pop() else {
+            break;
+        };
+        let i = i as usize;
+        r[i] += 1;
+        if placeable(&r, &cap) {
+            placed += 1;
+            heap.push(Key(loads[i] / r[i] as f64, i as u32));
+        } else {
+            // Adding replicas elsewhere only raises the prefix sums: never placeable again.
+            r[i] -= 1;
+        }
+    }
+    r
+}
+
+/// Why items could not be packed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PackError {
+    /// Slot counts and items disagree.
+    #[error("{items} items for {slots} slots")]
+    Count {
+        /// Items given.
+        items: usize,
+        /// Slots in all bins.
+        slots: usize,
+    },
+    /// Replica counts that no packing can honour (more replicas than bins, ...).
+    #[error("expert {expert} has {replicas} replicas, more than the bins that can hold it")]
+    Unplaceable {
+        /// The expert.
+        expert: u32,
+        /// Its replicas.
+        replicas: u32,
+    },
+}
+
+/// Working state of a packing: which experts each bin holds. A replica of expert `e` carries
+/// `loads[e] / replicas(e)`; while the greedy runs, the final replica counts are used.
+struct State<'a> {
+    loads: &'a [f64],
+    bins: &'a [Bin],
+    /// Replica counts the greedy places (final counts, known up front).
+    target: Vec<u32>,
+    content: Vec<Vec<u32>>,
+    holders: Vec<Vec<usize>>,
+    load: Vec<f64>,
+}
+
+impl<'a> State<'a> {
+    fn new(loads: &'a [f64], bins: &'a [Bin], target: Vec<u32>) -> Self {
+        State {
+            loads,
+            bins,
+            target,
+            content: vec![Vec::new(); bins.len()],
+            holders: vec![Vec::new(); loads.len()],
+            load: vec![0.0; bins.len()],
+        }
+    }
+
+    fn free(&self, b: usize) -> bool {
+        (self.content[b].len() as u32) < self.bins[b].count
+    }
+
+    fn holds(&self, b: usize, e: u32) -> bool {
+        self.holders[e as usize].contains(&b)
+    }
+
+    fn norm(&self, b: usize, load: f64) -> f64 {
+        load / self.bins[b].speed.max(1e-12)
+    }
+
+    /// Weight of one replica under the target counts.
+    fn w(&self, e: u32) -> f64 {
+        self.loads[e as usize] / self.target[e as usize].max(1) as f64
+    }
+
+    fn put(&mut self, b: usize, e: u32) {
+        self.content[b].push(e);
+        self.load[b] += self.w(e);
+        self.holders[e as usize].push(b);
+    }
+
+    fn take(&mut self, b: usize, e: u32) {
+        self.content[b].retain(|&x| x != e);
+        self.load[b] -= self.w(e);
+        self.holders[e as usize].retain(|&x| x != b);
+    }
+
+    /// The eligible bin where a replica of `e` ends up lightest.
+    fn best_bin(&self, e: u32) -> Option<usize> {
+        let w = self.w(e);
+        (0..self.bins.len())
+            .filter(|&b| self.free(b) && !self.holds(b, e))
+            .min_by(|&a, &b| {
+                self.norm(a, self.load[a] + w)
+                    .total_cmp(&self.norm(b, self.load[b] + w))
+                    .then(a.cmp(&b))
+            })
+    }
+
+    /// Make room for a replica of `e` when every bin with a free slot already holds `e`: move
+    /// some expert `x` from a full bin `d` (not holding `e`) to a free bin `f` (not holding
+    /// `x`), then put `e` on `d`.
+    fn repair(&mut self, e: u32) -> bool {
+        let frees: Vec<usize> = (0..self.bins.len()).filter(|&b| self.free(b)).collect();
+        let mut best: Option<(f64, usize, u32, usize)> = None;
+        for d in 0..self.bins.len() {
+            if self.free(d) || self.holds(d, e) {
+                continue;
+            }
+            for &x in &self.content[d] {
+                for &f in &frees {
+                    if self.holds(f, x) {
+                        continue;
+                    }
+                    let wx = self.w(x);
+                    let cost = self
+                        .norm(d, self.load[d] - wx + self.w(e))
+                        .max(self.norm(f, self.load[f] + wx));
+                    if best.is_none_or(|b| cost < b.0) {
+                        best = Some((cost, d, x, f));
+                    }
+                }
+            }
+        }
+        match best {
+            Some((_, d, x, f)) => {
+                self.take(d, x);
+                self.put(f, x);
+                self.put(d, e);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Recompute loads from the replica counts now placed.
+    fn settle(&mut self) {
+        for (e, h) in self.holders.iter().enumerate() {
+            self.target[e] = h.len() as u32;
+        }
+        for b in 0..self.bins.len() {
+            self.load[b] = self.content[b].iter().map(|&e| self.w(e)).sum();
+        }
+    }
+
+    /// The highest `load / speed` among the bins a change touches, after the change. A change
+    /// is a list of `(bin, expert, add)`; replica counts of the experts involved change with it,
+    /// and so do the weights of their replicas on every other bin.
+    fn eval_change(&self, change: &[(usize, u32, bool)]) -> f64 {
+        // (expert, replicas before, replicas after)
+        let mut experts: Vec<(u32, usize, usize)> = Vec::with_capacity(4);
+        for &(_, e, add) in change {
+            let r0 = self.holders[e as usize].len();
+            match experts.iter_mut().find(|x| x.0 == e) {
+                Some(x) => x.2 = if add { x.2 + 1 } else { x.2 - 1 },
+                None => experts.push((e, r0, if add { r0 + 1 } else { r0 - 1 })),
+            }
+        }
+        let w = |e: u32, r: usize| {
+            if r == 0 {
+                0.0
+            } else {
+                self.loads[e as usize] / r as f64
+            }
+        };
+        let mut bins: Vec<usize> = change.iter().map(|c| c.0).collect();
+        for &(e, _, _) in &experts {
+            bins.extend_from_slice(&self.holders[e as usize]);
+        }
+        bins.sort_unstable();
+        bins.dedup();
+        let mut worst = f64::NEG_INFINITY;
+        for b in bins {
+            let mut l = self.load[b];
+            for &(e, r0, r1) in &experts {
+                let before = self.holds(b, e);
+                let mut after = before;
+                for &(cb, ce, add) in change {
+                    if cb == b && ce == e {
+                        after = add;
+                    }
+                }
+                if before {
+                    l -= w(e, r0);
+                }
+                if after {
+                    l += w(e, r1);
+                }
+            }
+            worst = worst.max(self.norm(b, l));
+        }
+        worst
+    }
+
+    fn apply(&mut self, change: &[(usize, u32, bool)]) {
+        for &(b, e, add) in change {
+            if add {
+                self.content[b].push(e);
+                self.holders[e as usize].push(b);
+            } else {
+                self.content[b].retain(|&x| x != e);
+                self.holders[e as usize].retain(|&x| x != b);
+            }
+        }
+        self.settle();
+    }
+
+    /// Local search on the busiest bin `p`, best move first, until no move lowers it below its
+    /// load (or the work budget is spent). Moves (slot counts never change):
+    /// - swap: an expert of `p` trades places with a lighter expert of another bin;
+    /// - re-replicate (when `rereplicate`): `p` drops a replica of a replicated expert and takes
+    ///   a replica of an expert it lacks;
+    /// - boost (when `rereplicate`): another bin drops a replica of a replicated expert and takes
+    ///   a replica of an expert of `p`, lightening every replica of that expert.
+    fn refine(&mut self, rereplicate: bool) {
+        self.settle();
+        let mut budget: i64 = 4_000_000;
+        let experts = self.loads.len() as u32;
+        let n = self.bins.len();
+        while budget > 0 {
+            let Some(p) = (0..n)
+                .filter(|&b| !self.content[b].is_empty())
+                .max_by(|&a, &b| {
+                    self.norm(a, self.load[a])
+                        .total_cmp(&self.norm(b, self.load[b]))
+                        .then(b.cmp(&a))
+                })
+            else {
+                return;
+            };
+            let cur = self.norm(p, self.load[p]);
+            let eps = 1e-12 * cur.abs().max(1e-300);
+            let mut best: Option<(f64, [(usize, u32, bool); 4], usize)> = None;
+            let mut consider = |m: f64, ch: &[(usize, u32, bool)]| {
+                if m < cur - eps && best.as_ref().is_none_or(|x| m < x.0) {
+                    let mut arr = [(0, 0, false); 4];
+                    arr[..ch.len()].copy_from_slice(ch);
+                    best = Some((m, arr, ch.len()));
+                }
+            };
+            for &a in &self.content[p] {
+                let wa = self.w(a);
+                for q in 0..n {
+                    if q == p || self.holds(q, a) {
+                        continue;
+                    }
+                    for &b in &self.content[q] {
+                        budget -= 1;
+                        if self.w(b) >= wa || self.holds(p, b) {
+                            continue;
+                        }
+                        let ch = [(p, a, false), (q, b, false), (p, b, true), (q, a, true)];
+                        consider(self.eval_change(&ch), &ch);
+                    }
+                    if rereplicate {
+                        for &x in &self.content[q] {
+                            budget -= 1;
+                            if self.holders[x as usize].len() < 2 {
+                                continue;
+                            }
+                            let ch = [(q, x, false), (q, a, true)];
+                            consider(self.eval_change(&ch), &ch);
+                        }
+                    }
+                }
+                if !rereplicate || self.holders[a as usize].len() < 2 {
+                    continue;
+                }
+                for c in 0..experts {
+                    budget -= 1;
+                    if self.holds(p, c) {
+                        continue;
+                    }
+                    let ch = [(p, a, false), (p, c, true)];
+                    consider(self.eval_change(&ch), &ch);
+                }
+            }
+            let Some((_, ch, len)) = best else {
+                return;
+            };
+            self.apply(&ch[..len]);
+        }
+    }
+
+    /// A feasible packing whenever one exists: experts with the most replicas first, each onto
+    /// the bins with the most free slots (bipartite Havel–Hakimi).
+    fn construct(&mut self) -> Result<(), PackError> {
+        let mut experts: Vec<u32> = (0..self.loads.len() as u32).collect();
+        experts.sort_by(|&a, &b| {
+            self.target[b as usize]
+                .cmp(&self.target[a as usize])
+                .then(self.w(b).total_cmp(&self.w(a)))
+                .then(a.cmp(&b))
+        });
+        for e in experts {
+            let need = self.target[e as usize] as usize;
+            let mut cands: Vec<usize> = (0..self.bins.len()).filter(|&b| self.free(b)).collect();
+            if cands.len() < need {
+                return Err(PackError::Unplaceable {
+                    expert: e,
+                    replicas: need as u32,
+                });
+            }
+            cands.sort_by(|&a, &b| {
+                let fa = self.bins[a].count as usize - self.content[a].len();
+                let fb = self.bins[b].count as usize - self.content[b].len();
+                fb.cmp(&fa)
+                    .then(
+                        self.norm(a, self.load[a])
+                            .total_cmp(&self.norm(b, self.load[b])),
+                    )
+                    .then(a.cmp(&b))
+            });
+            for &b in &cands[..need] {
+                self.put(b, e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// LPT over the replicas of `target` (heaviest first), with repair, or the constructive
+/// fallback when the greedy corners itself.
+fn greedy<'a>(loads: &'a [f64], bins: &'a [Bin], target: Vec<u32>) -> Result<State<'a>, PackError> {
+    let slots: usize = bins.iter().map(|b| b.count as usize).sum();
+    let items: usize = target.iter().map(|&r| r as usize).sum();
+    if slots != items {
+        return Err(PackError::Count { items, slots });
+    }
+    let mut order: Vec<u32> = Vec::with_capacity(items);
+    for (e, &r) in target.iter().enumerate() {
+        for _ in 0..r {
+            order.push(e as u32);
+        }
+    }
+    let mut st = State::new(loads, bins, target);
+    order.sort_by(|&a, &b| st.w(b).total_cmp(&st.w(a)).then(a.cmp(&b)));
+    for &e in &order {
+        match st.best_bin(e) {
+            Some(b) => st.put(b, e),
+            None => {
+                if !st.repair(e) {
+                    let target = std::mem::take(&mut st.target);
+                    let mut fresh = State::new(loads, bins, target);
+                    fresh.construct()?;
+                    return Ok(fresh);
+                }
+            }
+        }
+    }
+    Ok(st)
+}
+
+/// Replicate and pack experts with `loads` into `bins` (see the module doc): every expert at
+/// least once, each bin exactly its count, never one expert twice in a bin. Returns the experts
+/// of each bin. Requires every count to be at most the number of experts and the counts to sum
+/// to at least it.
+pub fn replicate_and_pack(loads: &[f64], bins: &[Bin]) -> Result<Vec<Vec<u32>>, PackError> {
+    let counts: Vec<u32> = bins.iter().map(|b| b.count).collect();
+    let r = replicate(loads, &counts);
+    let mut st = greedy(loads, bins, r)?;
+    st.refine(true);
+    Ok(st.content)
+}
+
+/// Pack distinct units with `weights` into `bins` (exactly `count` each), balancing
+/// `load / speed`: LPT, then swaps. Returns the units of each bin.
+pub fn partition(weights: &[f64], bins: &[Bin]) -> Result<Vec<Vec<u32>>, PackError> {
+    let mut st = greedy(weights, bins, vec![1; weights.len()])?;
+    st.refine(false);
+    Ok(st.content)
+}
+
+/// Symmetric co-selection weights between `n` units, dense.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Affinity {
+    n: usize,
+    w: Vec<f64>,
+}
+
+impl Affinity {
+    /// All zero.
+    pub fn new(n: usize) -> Affinity {
+        Affinity {
+            n,
+            w: vec![0.0; n * n],
+        }
+    }
+    /// Add `x` between `a` and `b` (both directions).
+    pub fn add(&mut self, a: usize, b: usize, x: f64) {
+        if a != b && a < self.n && b < self.n {
+            self.w[a * self.n + b] += x;
+            self.w[b * self.n + a] += x;
+        }
+    }
+    /// Weight between `a` and `b`.
+    pub fn get(&self, a: usize, b: usize) -> f64 {
+        self.w[a * self.n + b]
+    }
+    /// Units.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    /// True when there are no units.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Sum of the weights of pairs whose units share a bin.
+    pub fn kept(&self, bin_of: &[usize]) -> f64 {
+        let mut s = 0.0;
+        for a in 0..self.n {
+            for b in a + 1..self.n {
+                if bin_of[a] == bin_of[b] {
+                    s += self.get(a, b);
+                }
+            }
+        }
+        s
+    }
+}
+
+/// Swap units between bins (counts stay fixed) while a swap raises the affinity kept inside
+/// bins and leaves both bins' `load / speed` at most `limit`. `bin_of[u]` is updated in place;
+/// returns the affinity gained.
+pub fn improve_locality(
+    bin_of: &mut [usize],
+    weights: &[f64],
+    speeds: &[f64],
+    affinity: &Affinity,
+    limit: f64,
+    max_sweeps: usize,
+) -> f64 {
+    let n = bin_of.len();
+    let bins = speeds.len();
+    let mut load = vec![0.0; bins];
+    for u in 0..n {
+        load[bin_of[u]] += weights[u];
+    }
+    // w_in[u][b]: affinity of unit u to the units of bin b.
+    let mut w_in = vec![0.0; n * bins];
+    for u in 0..n {
+        for v in 0..n {
+            if u != v {
+                w_in[u * bins + bin_of[v]] += affinity.get(u, v);
+            }
+        }
+    }
+    let total: f64 = (0..n * n).map(|i| affinity.w[i]).sum::<f64>() / 2.0;
+    let tol = 1e-12 * total.max(1e-300);
+    let mut gained = 0.0;
+    for _ in 0..max_sweeps {
+        let mut improved = false;
+        for u in 0..n {
+            let bu = bin_of[u];
+            let mut best: Option<(f64, usize)> = None;
+            for v in 0..n {
+                let bv = bin_of[v];
+                if bv == bu {
+                    continue;
+                }
+                let gain = w_in[u * bins + bv] - w_in[u * bins + bu] + w_in[v * bins + bu]
+                    - w_in[v * bins + bv]
+                    - 2.0 * affinity.get(u, v);
+                if gain <= tol || best.is_some_and(|b| gain <= b.0) {
+                    continue;
+                }
+                let lu = (load[bu] - weights[u] + weights[v]) / speeds[bu].max(1e-12);
+                let lv = (load[bv] - weights[v] + weights[u]) / speeds[bv].max(1e-12);
+                if lu <= limit && lv <= limit {
+                    best = Some((gain, v));
+                }
+            }
+            if let Some((gain, v)) = best {
+                let bv = bin_of[v];
+                for x in 0..n {
+                    let (au, av) = (affinity.get(x, u), affinity.get(x, v));
+                    w_in[x * bins + bu] += av - au;
+                    w_in[x * bins + bv] += au - av;
+                }
+                load[bu] += weights[v] - weights[u];
+                load[bv] += weights[u] - weights[v];
+                bin_of[u] = bv;
+                bin_of[v] = bu;
+                gained += gain;
+                improved = true;
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    gained
+}
+
+#[cfg(test)]
+mod tests;
