@@ -121,6 +121,9 @@ pub enum PackError {
     },
 }
 
+/// Up to four `(bin, expert, add)` steps of one local-search move.
+type Change = [(usize, u32, bool); 4];
+
 /// Working state of a packing: which experts each bin holds. A replica of expert `e` carries
 /// `loads[e] / replicas(e)`; while the greedy runs, the final replica counts are used.
 struct State<'a> {
@@ -319,7 +322,7 @@ impl<'a> State<'a> {
             };
             let cur = self.norm(p, self.load[p]);
             let eps = 1e-12 * cur.abs().max(1e-300);
-            let mut best: Option<(f64, [(usize, u32, bool); 4], usize)> = None;
+            let mut best: Option<(f64, Change, usize)> = None;
             let mut consider = |m: f64, ch: &[(usize, u32, bool)]| {
                 if m < cur - eps && best.as_ref().is_none_or(|x| m < x.0) {
                     let mut arr = [(0, 0, false); 4];
