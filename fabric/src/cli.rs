@@ -25,6 +25,8 @@ enum Command {
     Models(crate::models_cmd::ModelsArgs),
     /// Check a topology file, and optionally a model and a placement against it.
     Validate(crate::validate_cmd::ValidateArgs),
+    /// Place a model's experts on a cluster; report memory, load, traffic, throughput, cost.
+    Plan(Box<crate::plan_cmd::PlanArgs>),
     /// Measure kernels, transport or the whole fabric against same-run limits.
     Bench {
         #[command(subcommand)]
@@ -101,6 +103,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Models(args) => Ok(crate::models_cmd::run(&args)),
         Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
+        Command::Plan(args) => Ok(crate::plan_cmd::run(&args)),
         Command::Demo { json, model } => demo_in_process(&model, json.as_deref()),
         Command::Bench { what } => match what {
             BenchCommand::Kernels {

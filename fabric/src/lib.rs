@@ -7,5 +7,6 @@ pub mod bench_json;
 pub mod bench_kernels;
 pub mod cli;
 pub mod models_cmd;
+pub mod plan_cmd;
 mod table;
 pub mod validate_cmd;

@@ -266,7 +266,12 @@ pub fn layout(
         .iter()
         .map(|d| d.memory_bandwidth_gb_s())
         .collect();
-    match water_fill(total, &weights, &caps) {
+    let shared_overflow = topology
+        .devices()
+        .iter()
+        .zip(&shared_bytes)
+        .any(|(d, &sh)| sh > d.expert_memory_bytes());
+    match water_fill(total, &weights, &caps).filter(|_| !shared_overflow) {
         Some(quota) => Ok(Ok(SlotLayout {
             shared: shared_locs,
             shared_bytes,
@@ -295,7 +300,14 @@ fn shortfall(
     let slots = n_layers * (model.routed_experts as u64 + redundant as u64);
     let shared_total: u64 = shared_bytes.iter().sum();
     let need = slots * s + shared_total;
-    let usable: u64 = caps.iter().map(|&c| c * s).sum::<u64>() + shared_total;
+    // Shared experts count as usable only as far as their device's budget goes.
+    let usable: u64 = caps.iter().map(|&c| c * s).sum::<u64>()
+        + topology
+            .devices()
+            .iter()
+            .zip(shared_bytes)
+            .map(|(d, &sh)| sh.min(d.expert_memory_bytes()))
+            .sum::<u64>();
     let budget = topology.total_expert_memory();
     let cap_slots: u64 = caps.iter().sum();
     let max_r = cap_slots
@@ -324,7 +336,16 @@ fn shortfall(
         need_bytes: need,
         budget_bytes: budget,
         usable_bytes: usable,
-        short_bytes: need.saturating_sub(usable),
+        // Shared experts that overflow their device are short even when other devices have
+        // room for routed experts.
+        short_bytes: need.saturating_sub(usable).max(
+            topology
+                .devices()
+                .iter()
+                .zip(shared_bytes)
+                .map(|(d, &sh)| sh.saturating_sub(d.expert_memory_bytes()))
+                .sum(),
+        ),
         redundant,
         max_redundant_that_fits: max_r,
         devices,

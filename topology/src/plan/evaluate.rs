@@ -12,6 +12,10 @@
 //! replicas (`q = pi_e / r_e` per replica slot). A set of slots (a device, a node, the nodes
 //! other than the router's) is *touched* by a token when one of its slots receives it:
 //! - without co-selection statistics slots are independent: `P(untouched) = prod(1 - q)`;
+//! - for models with group-limited routing (`n_group > 1`, `topk_group < n_group`) and no
+//!   co-selection statistics, tokens are sampled: `topk_group` groups in proportion to their
+//!   load, then k experts among theirs in proportion to load (so a plan that keeps groups on
+//!   nodes shows the fan-out it saves);
 //! - with co-selection statistics (`count(a, b)` = tokens that chose both `a` and `b`), tokens
 //!   are sampled ([`SAMPLED_TOKENS`] per layer, seeded by the layer id so every placement is
 //!   judged on the same tokens): the first expert in proportion to load, each further one in
@@ -228,81 +232,155 @@ fn summarize(v: &[f64]) -> f64 {
 /// Tokens sampled per layer to estimate fan-out from co-selection statistics.
 pub const SAMPLED_TOKENS: usize = 512;
 
-/// Fan-out under co-selection statistics, by sampling tokens (see the module doc): returns
-/// per-device and per-node touch probabilities and P(any remote node).
-#[allow(clippy::too_many_arguments)]
+/// Pick an index with probability proportional to `weights`, skipping `taken` ones and zero
+/// weights; None when nothing is left.
+fn weighted_pick(weights: &[f64], taken: &[u32], rng: &mut SplitMix64) -> Option<usize> {
+    let total: f64 = weights
+        .iter()
+        .enumerate()
+        .filter(|(x, w)| **w > 0.0 && !taken.contains(&(*x as u32)))
+        .map(|(_, w)| w)
+        .sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let mut u = rng.next_f64() * total;
+    let mut last = None;
+    for (x, &w) in weights.iter().enumerate() {
+        if w <= 0.0 || taken.contains(&(x as u32)) {
+            continue;
+        }
+        last = Some(x);
+        if u < w {
+            break;
+        }
+        u -= w;
+    }
+    last
+}
+
+/// A token's experts from co-selection counts: the first in proportion to load, the others in
+/// proportion to how often each was chosen together with the first (the anchor); in proportion
+/// to load when the anchor has no recorded partners.
+struct AnchorTokens {
+    rows: Vec<Vec<(u32, f64)>>,
+    pi: Vec<f64>,
+    acc: Vec<f64>,
+    k: usize,
+}
+
+impl AnchorTokens {
+    fn new(lp: &crate::plan::stats::LayerPairs, pi: &[f64], k: usize) -> AnchorTokens {
+        let e = pi.len();
+        let mut rows: Vec<Vec<(u32, f64)>> = vec![Vec::new(); e];
+        for &(a, b, c) in &lp.pairs {
+            rows[a as usize].push((b, c));
+            rows[b as usize].push((a, c));
+        }
+        AnchorTokens {
+            rows,
+            pi: pi.to_vec(),
+            acc: vec![0.0; e],
+            k: k.min(e),
+        }
+    }
+
+    fn draw(&mut self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
+        chosen.clear();
+        self.acc.iter_mut().for_each(|x| *x = 0.0);
+        while chosen.len() < self.k {
+            let x = weighted_pick(&self.acc, chosen, rng)
+                .or_else(|| weighted_pick(&self.pi, chosen, rng))
+                .or_else(|| (0..self.pi.len()).find(|x| !chosen.contains(&(*x as u32))));
+            let Some(x) = x else { break };
+            if chosen.is_empty() {
+                for &(y, c) in &self.rows[x] {
+                    self.acc[y as usize] += c;
+                }
+            }
+            chosen.push(x as u32);
+        }
+    }
+}
+
+/// A token's experts under group-limited routing: `topk_group` distinct groups in proportion
+/// to their load, then `k` distinct experts among those groups' in proportion to load.
+struct GroupTokens {
+    pi: Vec<f64>,
+    group_w: Vec<f64>,
+    group_size: usize,
+    topk_group: usize,
+    k: usize,
+    allowed: Vec<f64>,
+}
+
+impl GroupTokens {
+    fn new(pi: &[f64], n_group: usize, topk_group: usize, k: usize) -> GroupTokens {
+        let gs = pi.len() / n_group.max(1);
+        GroupTokens {
+            pi: pi.to_vec(),
+            group_w: (0..n_group)
+                .map(|g| pi[g * gs..(g + 1) * gs].iter().sum())
+                .collect(),
+            group_size: gs,
+            topk_group: topk_group.min(n_group),
+            k: k.min(pi.len()),
+            allowed: vec![0.0; pi.len()],
+        }
+    }
+
+    fn draw(&mut self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
+        let mut groups: Vec<u32> = Vec::with_capacity(self.topk_group);
+        while groups.len() < self.topk_group {
+            match weighted_pick(&self.group_w, &groups, rng) {
+                Some(g) => groups.push(g as u32),
+                None => break,
+            }
+        }
+        self.allowed.iter_mut().for_each(|x| *x = 0.0);
+        for &g in &groups {
+            let r = g as usize * self.group_size..(g as usize + 1) * self.group_size;
+            self.allowed[r.clone()].copy_from_slice(&self.pi[r]);
+        }
+        chosen.clear();
+        while chosen.len() < self.k {
+            match weighted_pick(&self.allowed, chosen, rng)
+                .or_else(|| weighted_pick(&self.pi, chosen, rng))
+            {
+                Some(x) => chosen.push(x as u32),
+                None => break,
+            }
+        }
+    }
+}
+
+/// Fan-out by sampling [`SAMPLED_TOKENS`] tokens from `draw` (seeded by the layer, so every
+/// placement is judged on the same tokens): per-device and per-node touch probabilities and
+/// P(any remote node). Replica choice as the router makes it: a replica on a device the token
+/// already goes to, else on a node it already goes to, else the replicas take turns.
 fn sampled_touch(
     placement: &Placement,
     layer: u32,
-    lp: &crate::plan::stats::LayerPairs,
-    pi: &[f64],
-    top_k: usize,
     node_of: &[usize],
     n_nodes: usize,
     router_node: usize,
+    mut draw: impl FnMut(&mut SplitMix64, &mut Vec<u32>),
 ) -> (Vec<f64>, Vec<f64>, f64) {
-    let e = pi.len();
     let n_dev = node_of.len();
-    let mut rows: Vec<Vec<(u32, f64)>> = vec![Vec::new(); e];
-    for &(a, b, c) in &lp.pairs {
-        rows[a as usize].push((b, c));
-        rows[b as usize].push((a, c));
-    }
-    let total_pi: f64 = pi.iter().sum();
     let mut rng = SplitMix64::new(mix_seed(&[layer as u64, 0x5a3b1e]));
-    let k = top_k.min(e);
     let (mut dev_hits, mut node_hits, mut remote_hits) =
         (vec![0u32; n_dev], vec![0u32; n_nodes], 0u32);
-    let mut acc = vec![0.0f64; e];
-    let mut chosen: Vec<u32> = Vec::with_capacity(k);
+    let mut chosen: Vec<u32> = Vec::new();
     let mut dev_stamp = vec![u32::MAX; n_dev];
     let mut node_stamp = vec![u32::MAX; n_nodes];
     for t in 0..SAMPLED_TOKENS as u32 {
-        chosen.clear();
-        acc.iter_mut().for_each(|x| *x = 0.0);
-        while chosen.len() < k {
-            let acc_total: f64 = acc.iter().sum();
-            let (weights, total): (&[f64], f64) = if acc_total > 0.0 {
-                (&acc, acc_total)
-            } else {
-                (
-                    pi,
-                    total_pi - chosen.iter().map(|&c| pi[c as usize]).sum::<f64>(),
-                )
-            };
-            let mut u = rng.next_f64() * total.max(0.0);
-            let mut pick = None;
-            for (x, &w) in weights.iter().enumerate() {
-                if w <= 0.0 || chosen.contains(&(x as u32)) {
-                    continue;
-                }
-                pick = Some(x);
-                if u < w {
-                    break;
-                }
-                u -= w;
-            }
-            let Some(x) = pick.or_else(|| (0..e).find(|x| !chosen.contains(&(*x as u32)))) else {
-                break;
-            };
-            chosen.push(x as u32);
-            acc[x] = 0.0;
-            if chosen.len() == 1 {
-                // The others are drawn given the first (the anchor): in proportion to how
-                // often each was chosen together with it.
-                for &(y, c) in &rows[x] {
-                    acc[y as usize] += c;
-                }
-            }
-        }
+        draw(&mut rng, &mut chosen);
         let mut remote = false;
         for (slot, &x) in chosen.iter().enumerate() {
             let owners = placement.owners(layer, x);
             if owners.is_empty() {
                 continue;
             }
-            // The router's preference: a device this token already goes to, then a node it
-            // already goes to, else an even split over the replicas.
             let d = owners
                 .iter()
                 .find(|r| dev_stamp[r.index()] == t)
@@ -357,12 +435,15 @@ pub struct LoadBalance {
     pub max_over_mean_worst: f64,
     /// The layer id of the worst ratio.
     pub worst_layer: u32,
+    /// Per device (rank order): its expected load ÷ the mean device load, averaged over layers.
+    pub per_device: Vec<f64>,
 }
 
 /// Expected traffic per token per MoE layer (mean over layers).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Traffic {
-    /// "independent" (load only) or "co-selection".
+    /// "independent" (load only), "group-limited" (load, tokens confined to `topk_group`
+    /// groups) or "co-selection".
     pub model: String,
     /// Devices a token is sent to.
     pub devices_per_token: f64,
@@ -452,28 +533,12 @@ impl<'a> Evaluator<'a> {
     ) -> Evaluator<'a> {
         let ids = model.moe_layer_ids();
         let e = model.routed_experts as usize;
-        let k = model.top_k as f64;
         let n_dev = topology.devices().len();
         let n_nodes = topology.nodes().len();
         let node_of: Vec<usize> = topology.devices().iter().map(|d| d.node_index()).collect();
         let mut layers = Vec::with_capacity(ids.len());
         for (li, &layer) in ids.iter().enumerate() {
-            let w = match load {
-                Some(l) => l.weights(li),
-                None => match coselect.and_then(|c| c.layer(li)) {
-                    Some(p) => {
-                        let w = p.implied_load(e, model.top_k);
-                        if w.iter().any(|&x| x > 0.0) {
-                            w
-                        } else {
-                            vec![1.0; e]
-                        }
-                    }
-                    None => vec![1.0; e],
-                },
-            };
-            let total: f64 = w.iter().sum::<f64>().max(1e-300);
-            let pi: Vec<f64> = w.iter().map(|&x| (k * x / total).min(1.0)).collect();
+            let pi = crate::plan::layer_loads(model, load, coselect, li);
             let r: Vec<usize> = (0..e as u32)
                 .map(|x| placement.owners(layer, x).len().max(1))
                 .collect();
@@ -485,7 +550,25 @@ impl<'a> Evaluator<'a> {
             }
             let pairs: Vec<f64> = slot_q.iter().map(|v| v.iter().sum()).collect();
             let pairs_lp = coselect.and_then(|c| c.layer(li));
+            let grouped = model.n_group > 1 && model.topk_group < model.n_group;
             let (p_device, p_node, p_any_remote) = match pairs_lp {
+                Some(lp) => {
+                    let mut tokens = AnchorTokens::new(lp, &pi, model.top_k as usize);
+                    sampled_touch(placement, layer, &node_of, n_nodes, router_node, |r, c| {
+                        tokens.draw(r, c)
+                    })
+                }
+                None if grouped => {
+                    let mut tokens = GroupTokens::new(
+                        &pi,
+                        model.n_group as usize,
+                        model.topk_group as usize,
+                        model.top_k as usize,
+                    );
+                    sampled_touch(placement, layer, &node_of, n_nodes, router_node, |r, c| {
+                        tokens.draw(r, c)
+                    })
+                }
                 None => {
                     // Independent slots: P(untouched) = prod(1 - q).
                     let log_untouched: Vec<f64> = slot_q
@@ -510,16 +593,6 @@ impl<'a> Evaluator<'a> {
                         },
                     )
                 }
-                Some(lp) => sampled_touch(
-                    placement,
-                    layer,
-                    lp,
-                    &pi,
-                    model.top_k as usize,
-                    &node_of,
-                    n_nodes,
-                    router_node,
-                ),
             };
             let shared_on = match placement.shared_location(layer) {
                 Some(SharedLocation::Device(r)) => Some(r.index()),
@@ -548,6 +621,7 @@ impl<'a> Evaluator<'a> {
         let n_dev = self.topology.devices().len();
         let mean_speed = hw.device_bandwidth_gb_s.iter().sum::<f64>() / n_dev.max(1) as f64;
         let mut ratios = Vec::with_capacity(self.layers.len());
+        let mut per_device = vec![0.0; n_dev];
         for f in &self.layers {
             let norm: Vec<f64> = f
                 .pairs
@@ -558,6 +632,9 @@ impl<'a> Evaluator<'a> {
             let mean = norm.iter().sum::<f64>() / n_dev.max(1) as f64;
             let max = norm.iter().copied().fold(0.0, f64::max);
             ratios.push(if mean > 0.0 { max / mean } else { 1.0 });
+            for (acc, x) in per_device.iter_mut().zip(&norm) {
+                *acc += if mean > 0.0 { x / mean } else { 1.0 };
+            }
         }
         let (worst_i, worst) = ratios
             .iter()
@@ -597,10 +674,13 @@ impl<'a> Evaluator<'a> {
                 max_over_mean: ratios.iter().sum::<f64>() / nl,
                 max_over_mean_worst: worst,
                 worst_layer: self.layer_ids.get(worst_i).copied().unwrap_or(0),
+                per_device: per_device.iter().map(|x| x / nl).collect(),
             },
             traffic: Traffic {
                 model: if self.coselection {
                     "co-selection".into()
+                } else if self.model.n_group > 1 && self.model.topk_group < self.model.n_group {
+                    "group-limited".into()
                 } else {
                     "independent".into()
                 },

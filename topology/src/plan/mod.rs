@@ -52,6 +52,10 @@ use crate::plan::stats::{CoSelection, LoadStats};
 use crate::topology::Topology;
 use crate::units::format_bytes;
 
+/// Most units (experts or groups) per layer the locality swaps handle (they are quadratic);
+/// beyond it co-selection statistics are used for the traffic estimate only.
+pub const MAX_LOCALITY_UNITS: usize = 1024;
+
 /// How experts are spread over the cluster.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Strategy {
@@ -202,24 +206,22 @@ pub fn max_redundant(
         .map(|r| r.min(u32::MAX as u64) as u32))
 }
 
-/// Loads to plan with for the `li`-th MoE layer.
-fn layer_loads(
+/// Loads to plan with for the `li`-th MoE layer: per-token inclusion probabilities
+/// ([`stats::inclusion`]) of the load statistics, of the load the co-selection counts imply, or
+/// uniform.
+pub fn layer_loads(
     model: &ModelSpec,
     load: Option<&LoadStats>,
     coselect: Option<&CoSelection>,
     li: usize,
 ) -> Vec<f64> {
     let e = model.routed_experts as usize;
-    if let Some(l) = load {
-        return l.weights(li);
-    }
-    if let Some(p) = coselect.and_then(|c| c.layer(li)) {
-        let w = p.implied_load(e, model.top_k);
-        if w.iter().any(|&x| x > 0.0) {
-            return w;
-        }
-    }
-    vec![1.0; e]
+    let raw = match (load, coselect.and_then(|c| c.layer(li))) {
+        (Some(l), _) => l.weights(li),
+        (None, Some(p)) => p.implied_load(e, model.top_k),
+        (None, None) => vec![1.0; e],
+    };
+    stats::inclusion(&raw, model.top_k)
 }
 
 /// Plan a placement of `model` on `topology`.
@@ -271,6 +273,11 @@ pub fn plan(
         Strategy::Hierarchical if coselect.is_some() => StrategyUsed::HierarchicalLocality,
         Strategy::Hierarchical => StrategyUsed::Hierarchical,
     };
+    if coselect.is_some() && e as usize > MAX_LOCALITY_UNITS && strategy != StrategyUsed::Global {
+        notes.push(format!(
+            "{e} experts per layer: more than the {MAX_LOCALITY_UNITS} the locality swaps handle; co-selection statistics are used for the traffic estimate only"
+        ));
+    }
     if options.strategy == Strategy::Hierarchical && nodes.len() < 2 {
         notes.push("one node: hierarchical placement is the same as global".into());
     }
@@ -461,7 +468,7 @@ fn hierarchical_layer(
         }
     }
     let (mut before, mut after, mut total) = (0.0, 0.0, 0.0);
-    if let Some(lp) = pairs {
+    if let Some(lp) = pairs.filter(|_| units <= MAX_LOCALITY_UNITS) {
         let mut aff = Affinity::new(units);
         for &(a, b, c) in &lp.pairs {
             aff.add(a as usize / unit_size, b as usize / unit_size, c);

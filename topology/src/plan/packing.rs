@@ -121,8 +121,14 @@ pub enum PackError {
     },
 }
 
-/// Up to four `(bin, expert, add)` steps of one local-search move.
-type Change = [(usize, u32, bool); 4];
+/// A local-search move (see `State::refine`).
+#[derive(Clone, Copy, Debug)]
+enum Move {
+    /// `a` on the busiest bin and `b` on bin `q` trade places.
+    Swap { a: u32, q: usize, b: u32 },
+    /// `bin` drops its replica of `drop` and takes a replica of `take`.
+    Trade { bin: usize, drop: u32, take: u32 },
+}
 
 /// Working state of a packing: which experts each bin holds. A replica of expert `e` carries
 /// `loads[e] / replicas(e)`; while the greedy runs, the final replica counts are used.
@@ -235,66 +241,37 @@ impl<'a> State<'a> {
         }
     }
 
-    /// The highest `load / speed` among the bins a change touches, after the change. A change
-    /// is a list of `(bin, expert, add)`; replica counts of the experts involved change with it,
-    /// and so do the weights of their replicas on every other bin.
-    fn eval_change(&self, change: &[(usize, u32, bool)]) -> f64 {
-        // (expert, replicas before, replicas after)
-        let mut experts: Vec<(u32, usize, usize)> = Vec::with_capacity(4);
-        for &(_, e, add) in change {
-            let r0 = self.holders[e as usize].len();
-            match experts.iter_mut().find(|x| x.0 == e) {
-                Some(x) => x.2 = if add { x.2 + 1 } else { x.2 - 1 },
-                None => experts.push((e, r0, if add { r0 + 1 } else { r0 - 1 })),
-            }
-        }
-        let w = |e: u32, r: usize| {
-            if r == 0 {
-                0.0
-            } else {
-                self.loads[e as usize] / r as f64
-            }
+    /// The highest `load / speed` among the bins touched when `bin` drops its replica of `drop`
+    /// (which has other replicas) and takes a replica of `take` (which it lacks): `drop`'s other
+    /// replicas get heavier, `take`'s lighter.
+    fn eval_trade(&self, bin: usize, drop: u32, take: u32) -> f64 {
+        let (ld, lt) = (self.loads[drop as usize], self.loads[take as usize]);
+        let (rd, rt) = (
+            self.holders[drop as usize].len() as f64,
+            self.holders[take as usize].len() as f64,
+        );
+        let (wd_old, wd_new) = (ld / rd, ld / (rd - 1.0));
+        let (wt_old, wt_new) = if rt > 0.0 {
+            (lt / rt, lt / (rt + 1.0))
+        } else {
+            (0.0, lt)
         };
-        let mut bins: Vec<usize> = change.iter().map(|c| c.0).collect();
-        for &(e, _, _) in &experts {
-            bins.extend_from_slice(&self.holders[e as usize]);
-        }
-        bins.sort_unstable();
-        bins.dedup();
-        let mut worst = f64::NEG_INFINITY;
-        for b in bins {
-            let mut l = self.load[b];
-            for &(e, r0, r1) in &experts {
-                let before = self.holds(b, e);
-                let mut after = before;
-                for &(cb, ce, add) in change {
-                    if cb == b && ce == e {
-                        after = add;
-                    }
+        let mut worst = self.norm(bin, self.load[bin] - wd_old + wt_new);
+        for &h in &self.holders[drop as usize] {
+            if h != bin {
+                let mut l = self.load[h] + wd_new - wd_old;
+                if self.holds(h, take) {
+                    l += wt_new - wt_old;
                 }
-                if before {
-                    l -= w(e, r0);
-                }
-                if after {
-                    l += w(e, r1);
-                }
+                worst = worst.max(self.norm(h, l));
             }
-            worst = worst.max(self.norm(b, l));
+        }
+        for &h in &self.holders[take as usize] {
+            if !self.holds(h, drop) {
+                worst = worst.max(self.norm(h, self.load[h] + wt_new - wt_old));
+            }
         }
         worst
-    }
-
-    fn apply(&mut self, change: &[(usize, u32, bool)]) {
-        for &(b, e, add) in change {
-            if add {
-                self.content[b].push(e);
-                self.holders[e as usize].push(b);
-            } else {
-                self.content[b].retain(|&x| x != e);
-                self.holders[e as usize].retain(|&x| x != b);
-            }
-        }
-        self.settle();
     }
 
     /// Local search on the busiest bin `p`, best move first, until no move lowers it below its
@@ -306,7 +283,7 @@ impl<'a> State<'a> {
     ///   a replica of an expert of `p`, lightening every replica of that expert.
     fn refine(&mut self, rereplicate: bool) {
         self.settle();
-        let mut budget: i64 = 4_000_000;
+        let mut budget: i64 = 2_000_000;
         let experts = self.loads.len() as u32;
         let n = self.bins.len();
         while budget > 0 {
@@ -321,41 +298,54 @@ impl<'a> State<'a> {
                 return;
             };
             let cur = self.norm(p, self.load[p]);
-            let eps = 1e-12 * cur.abs().max(1e-300);
-            let mut best: Option<(f64, Change, usize)> = None;
-            let mut consider = |m: f64, ch: &[(usize, u32, bool)]| {
+            let eps = 1e-9 * cur.abs().max(1e-300);
+            let mut best: Option<(f64, Move)> = None;
+            let mut consider = |m: f64, mv: Move| {
                 if m < cur - eps && best.as_ref().is_none_or(|x| m < x.0) {
-                    let mut arr = [(0, 0, false); 4];
-                    arr[..ch.len()].copy_from_slice(ch);
-                    best = Some((m, arr, ch.len()));
+                    best = Some((m, mv));
                 }
             };
             for &a in &self.content[p] {
                 let wa = self.w(a);
+                let ra = self.holders[a as usize].len();
                 for q in 0..n {
                     if q == p || self.holds(q, a) {
                         continue;
                     }
                     for &b in &self.content[q] {
                         budget -= 1;
-                        if self.w(b) >= wa || self.holds(p, b) {
+                        let wb = self.w(b);
+                        if wb >= wa || self.holds(p, b) {
                             continue;
                         }
-                        let ch = [(p, a, false), (q, b, false), (p, b, true), (q, a, true)];
-                        consider(self.eval_change(&ch), &ch);
+                        let m = self
+                            .norm(p, self.load[p] - wa + wb)
+                            .max(self.norm(q, self.load[q] - wb + wa));
+                        consider(m, Move::Swap { a, q, b });
                     }
                     if rereplicate {
+                        // p's replica of a gets lighter; worth a look only if that helps p.
+                        let la = self.loads[a as usize];
+                        if self.norm(p, self.load[p] - wa + la / (ra + 1) as f64) >= cur - eps {
+                            continue;
+                        }
                         for &x in &self.content[q] {
                             budget -= 1;
                             if self.holders[x as usize].len() < 2 {
                                 continue;
                             }
-                            let ch = [(q, x, false), (q, a, true)];
-                            consider(self.eval_change(&ch), &ch);
+                            consider(
+                                self.eval_trade(q, x, a),
+                                Move::Trade {
+                                    bin: q,
+                                    drop: x,
+                                    take: a,
+                                },
+                            );
                         }
                     }
                 }
-                if !rereplicate || self.holders[a as usize].len() < 2 {
+                if !rereplicate || ra < 2 {
                     continue;
                 }
                 for c in 0..experts {
@@ -363,14 +353,39 @@ impl<'a> State<'a> {
                     if self.holds(p, c) {
                         continue;
                     }
-                    let ch = [(p, a, false), (p, c, true)];
-                    consider(self.eval_change(&ch), &ch);
+                    let rc = self.holders[c as usize].len();
+                    let wc_new = self.loads[c as usize] / (rc + 1) as f64;
+                    if self.norm(p, self.load[p] - wa + wc_new) >= cur - eps {
+                        continue;
+                    }
+                    consider(
+                        self.eval_trade(p, a, c),
+                        Move::Trade {
+                            bin: p,
+                            drop: a,
+                            take: c,
+                        },
+                    );
                 }
             }
-            let Some((_, ch, len)) = best else {
+            let Some((_, mv)) = best else {
                 return;
             };
-            self.apply(&ch[..len]);
+            match mv {
+                Move::Swap { a, q, b } => {
+                    self.take(p, a);
+                    self.take(q, b);
+                    self.put(p, b);
+                    self.put(q, a);
+                }
+                Move::Trade { bin, drop, take } => {
+                    self.content[bin].retain(|&x| x != drop);
+                    self.holders[drop as usize].retain(|&x| x != bin);
+                    self.content[bin].push(take);
+                    self.holders[take as usize].push(bin);
+                    self.settle();
+                }
+            }
         }
     }
 

@@ -158,10 +158,16 @@ impl LoadStats {
     /// Read a load file (JSON or CSV, see the module doc).
     pub fn load(path: &Path, model: &ModelSpec) -> Result<LoadStats, StatsError> {
         let text = read(path)?;
-        if is_json(path, &text) {
-            parse_load_json(path, &text, model)
+        LoadStats::parse(path, &text, model)
+    }
+
+    /// Parse load-file text; `path` picks the format (by extension, else by the first
+    /// character) and names the file in messages.
+    pub fn parse(path: &Path, text: &str, model: &ModelSpec) -> Result<LoadStats, StatsError> {
+        if is_json(path, text) {
+            parse_load_json(path, text, model)
         } else {
-            parse_load_csv(path, &text, model)
+            parse_load_csv(path, text, model)
         }
     }
 
@@ -282,6 +288,43 @@ impl LoadStats {
     }
 }
 
+/// Per-token inclusion probabilities from loads: `pi_e = min(1, c * load_e)` with `c` chosen so
+/// that `sum(pi) = k` (each token picks k distinct experts, so no expert can be in more than
+/// every token). With all loads zero, uniform `k / E`.
+pub fn inclusion(loads: &[f64], top_k: u32) -> Vec<f64> {
+    let e = loads.len();
+    if e == 0 {
+        return Vec::new();
+    }
+    let k = (top_k as usize).min(e) as f64;
+    let positive = loads.iter().filter(|&&x| x > 0.0).count();
+    if positive == 0 {
+        return vec![k / e as f64; e];
+    }
+    if positive as f64 <= k {
+        // Every expert with load is in every token; the rest share what is left.
+        let rest = (k - positive as f64) / (e - positive).max(1) as f64;
+        return loads
+            .iter()
+            .map(|&x| if x > 0.0 { 1.0 } else { rest })
+            .collect();
+    }
+    // Scale to the largest load first so sums cannot overflow.
+    let top = loads.iter().copied().fold(0.0, f64::max);
+    let loads: Vec<f64> = loads.iter().map(|&x| x.max(0.0) / top).collect();
+    let mut order: Vec<usize> = (0..e).collect();
+    order.sort_by(|&a, &b| loads[b].total_cmp(&loads[a]));
+    let mut tail: f64 = loads.iter().sum();
+    let mut capped = 0usize;
+    let mut c = k / tail;
+    while capped < e && loads[order[capped]] * c > 1.0 {
+        tail -= loads[order[capped]];
+        capped += 1;
+        c = (k - capped as f64) / tail.max(1e-300);
+    }
+    loads.iter().map(|&x| (x * c).min(1.0)).collect()
+}
+
 /// Co-selection counts of one MoE layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerPairs {
@@ -367,10 +410,15 @@ impl CoSelection {
     /// Read a co-selection file (JSON or CSV, see the module doc).
     pub fn load(path: &Path, model: &ModelSpec) -> Result<CoSelection, StatsError> {
         let text = read(path)?;
-        if is_json(path, &text) {
-            parse_cosel_json(path, &text, model)
+        CoSelection::parse(path, &text, model)
+    }
+
+    /// Parse co-selection text; `path` picks the format and names the file in messages.
+    pub fn parse(path: &Path, text: &str, model: &ModelSpec) -> Result<CoSelection, StatsError> {
+        if is_json(path, text) {
+            parse_cosel_json(path, text, model)
         } else {
-            parse_cosel_csv(path, &text, model)
+            parse_cosel_csv(path, text, model)
         }
     }
 

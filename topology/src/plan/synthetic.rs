@@ -22,16 +22,17 @@ fn permutation(n: usize, rng: &mut SplitMix64) -> Vec<u32> {
 }
 
 /// Zipf-distributed expert loads: in each MoE layer the expert of popularity rank `i` (a random
-/// permutation per layer) gets a share proportional to `1 / (i + 1)^exponent` of
-/// `tokens * top_k` selections, rounded to whole counts.
+/// permutation per layer) gets a share proportional to `1 / (i + 1)^exponent` of the
+/// `tokens * top_k` selections — capped so no expert is chosen by more than every token (see
+/// [`inclusion`](crate::plan::stats::inclusion)) — rounded to whole counts.
 pub fn zipf_load(model: &ModelSpec, exponent: f64, tokens: u64, seed: u64) -> LoadStats {
     let e = model.routed_experts as usize;
     let ids = model.moe_layer_ids();
     let weights: Vec<f64> = (0..e)
         .map(|i| 1.0 / ((i + 1) as f64).powf(exponent))
         .collect();
-    let total: f64 = weights.iter().sum();
-    let selections = tokens as f64 * model.top_k as f64;
+    // No expert is in more than every token: the share of the hottest is capped at 1/k.
+    let pi = crate::plan::stats::inclusion(&weights, model.top_k);
     let counts = ids
         .iter()
         .map(|&layer| {
@@ -39,7 +40,7 @@ pub fn zipf_load(model: &ModelSpec, exponent: f64, tokens: u64, seed: u64) -> Lo
             let perm = permutation(e, &mut rng);
             let mut c = vec![0.0; e];
             for (rank, &x) in perm.iter().enumerate() {
-                c[x as usize] = (selections * weights[rank] / total).round();
+                c[x as usize] = (tokens as f64 * pi[rank]).round();
             }
             Some(c)
         })
@@ -148,21 +149,16 @@ impl ClusteredRouting {
         let mut pairs = Vec::with_capacity(self.clusters.len());
         for li in 0..self.clusters.len() {
             let mut load = vec![0.0; e];
-            let mut co = vec![0.0f64; e * e];
+            let mut co: std::collections::HashMap<(u32, u32), f64> = Default::default();
             for t in self.sample(li, tokens) {
                 for (i, &a) in t.iter().enumerate() {
                     load[a as usize] += 1.0;
                     for &b in &t[i + 1..] {
-                        let (a, b) = (a.min(b) as usize, a.max(b) as usize);
-                        co[a * e + b] += 1.0;
+                        *co.entry((a.min(b), a.max(b))).or_default() += 1.0;
                     }
                 }
             }
-            let raw: Vec<(u32, u32, f64)> = (0..e)
-                .flat_map(|a| (a + 1..e).map(move |b| (a, b)))
-                .filter(|&(a, b)| co[a * e + b] > 0.0)
-                .map(|(a, b)| (a as u32, b as u32, co[a * e + b]))
-                .collect();
+            let raw: Vec<(u32, u32, f64)> = co.into_iter().map(|((a, b), c)| (a, b, c)).collect();
             loads.push(Some(load));
             pairs.push(Some(LayerPairs::from_raw(tokens as f64, raw)));
         }
@@ -189,8 +185,10 @@ mod tests {
         let l0 = a.layer(0).unwrap();
         let max = l0.iter().copied().fold(0.0, f64::max);
         let mean = l0.iter().sum::<f64>() / l0.len() as f64;
-        // Zipf(1) over 384: the top expert has 384 / H(384) ≈ 59x the mean.
-        assert!(max / mean > 50.0 && max / mean < 70.0, "{}", max / mean);
+        // Zipf(1) over 384: the top expert would have 384 / H(384) ≈ 59x the mean, more than
+        // every token (48x the mean for top-8): capped at one selection per token.
+        assert_eq!(max, 100_000.0);
+        assert!((max / mean - 48.0).abs() < 0.01, "{}", max / mean);
         let sum: f64 = l0.iter().sum();
         assert!((sum - 800_000.0).abs() / 800_000.0 < 0.01);
         assert_ne!(a.layer(0), a.layer(1), "hot experts differ between layers");

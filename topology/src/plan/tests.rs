@@ -30,7 +30,7 @@ fn cluster(nodes: &[Vec<(u64, u64, u32)>], expert_bytes: u64) -> Topology {
         for (d, &(slots, extra, bw)) in devs.iter().enumerate() {
             t.push_str(&format!(
                 "  {{ name = \"c{d}\", kind = \"cpu\", arch = \"cpu\", threads = 1, expert_memory = {}, memory_bandwidth_gb_s = {bw} }},\n",
-                slots * expert_bytes + extra % expert_bytes
+                slots * expert_bytes + extra % (expert_bytes - 1) + 1
             ));
         }
         t.push_str("]\n");
