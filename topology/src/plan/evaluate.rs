@@ -232,41 +232,66 @@ fn summarize(v: &[f64]) -> f64 {
 /// Tokens sampled per layer to estimate fan-out from co-selection statistics.
 pub const SAMPLED_TOKENS: usize = 512;
 
-/// Pick an index with probability proportional to `weights`, skipping `taken` ones and zero
-/// weights; None when nothing is left.
-fn weighted_pick(weights: &[f64], taken: &[u32], rng: &mut SplitMix64) -> Option<usize> {
-    let total: f64 = weights
-        .iter()
-        .enumerate()
-        .filter(|(x, w)| **w > 0.0 && !taken.contains(&(*x as u32)))
-        .map(|(_, w)| w)
-        .sum();
-    if total <= 0.0 {
-        return None;
+/// Sampling in proportion to fixed weights: cumulative sums and a binary search.
+struct Cdf {
+    /// `(item, cumulative weight up to and including it)`, positive weights only.
+    cum: Vec<(u32, f64)>,
+}
+
+impl Cdf {
+    fn new(items: impl IntoIterator<Item = (u32, f64)>) -> Cdf {
+        let mut acc = 0.0;
+        let cum = items
+            .into_iter()
+            .filter(|&(_, w)| w > 0.0 && w.is_finite())
+            .map(|(x, w)| {
+                acc += w;
+                (x, acc)
+            })
+            .collect();
+        Cdf { cum }
     }
-    let mut u = rng.next_f64() * total;
-    let mut last = None;
-    for (x, &w) in weights.iter().enumerate() {
-        if w <= 0.0 || taken.contains(&(x as u32)) {
-            continue;
+
+    /// An item not in `taken` (rejection sampling, then a scan); None when all are taken.
+    fn pick(&self, taken: &[u32], rng: &mut SplitMix64) -> Option<u32> {
+        let total = self.cum.last()?.1;
+        for _ in 0..32 {
+            let u = rng.next_f64() * total;
+            let i = self
+                .cum
+                .partition_point(|&(_, c)| c <= u)
+                .min(self.cum.len() - 1);
+            let x = self.cum[i].0;
+            if !taken.contains(&x) {
+                return Some(x);
+            }
         }
-        last = Some(x);
-        if u < w {
-            break;
+        // Most of the mass is taken: draw among what is left.
+        let left: Vec<(u32, f64)> = self
+            .cum
+            .iter()
+            .scan(0.0, |prev, &(x, c)| {
+                let w = c - *prev;
+                *prev = c;
+                Some((x, w))
+            })
+            .filter(|(x, _)| !taken.contains(x))
+            .collect();
+        if left.is_empty() {
+            return None;
         }
-        u -= w;
+        Cdf::new(left).pick(&[], rng)
     }
-    last
 }
 
 /// A token's experts from co-selection counts: the first in proportion to load, the others in
 /// proportion to how often each was chosen together with the first (the anchor); in proportion
-/// to load when the anchor has no recorded partners.
+/// to load when the anchor's recorded partners run out.
 struct AnchorTokens {
-    rows: Vec<Vec<(u32, f64)>>,
-    pi: Vec<f64>,
-    acc: Vec<f64>,
+    partners: Vec<Cdf>,
+    by_load: Cdf,
     k: usize,
+    experts: usize,
 }
 
 impl AnchorTokens {
@@ -278,27 +303,26 @@ impl AnchorTokens {
             rows[b as usize].push((a, c));
         }
         AnchorTokens {
-            rows,
-            pi: pi.to_vec(),
-            acc: vec![0.0; e],
+            partners: rows.into_iter().map(Cdf::new).collect(),
+            by_load: Cdf::new(pi.iter().enumerate().map(|(x, &w)| (x as u32, w))),
             k: k.min(e),
+            experts: e,
         }
     }
 
-    fn draw(&mut self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
+    fn draw(&self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
         chosen.clear();
-        self.acc.iter_mut().for_each(|x| *x = 0.0);
         while chosen.len() < self.k {
-            let x = weighted_pick(&self.acc, chosen, rng)
-                .or_else(|| weighted_pick(&self.pi, chosen, rng))
-                .or_else(|| (0..self.pi.len()).find(|x| !chosen.contains(&(*x as u32))));
-            let Some(x) = x else { break };
-            if chosen.is_empty() {
-                for &(y, c) in &self.rows[x] {
-                    self.acc[y as usize] += c;
-                }
+            let x = match chosen.first() {
+                Some(&anchor) => self.partners[anchor as usize].pick(chosen, rng),
+                None => None,
             }
-            chosen.push(x as u32);
+            .or_else(|| self.by_load.pick(chosen, rng))
+            .or_else(|| (0..self.experts as u32).find(|x| !chosen.contains(x)));
+            match x {
+                Some(x) => chosen.push(x),
+                None => break,
+            }
         }
     }
 }
@@ -307,11 +331,11 @@ impl AnchorTokens {
 /// to their load, then `k` distinct experts among those groups' in proportion to load.
 struct GroupTokens {
     pi: Vec<f64>,
-    group_w: Vec<f64>,
+    groups: Cdf,
+    by_load: Cdf,
     group_size: usize,
     topk_group: usize,
     k: usize,
-    allowed: Vec<f64>,
 }
 
 impl GroupTokens {
@@ -319,35 +343,35 @@ impl GroupTokens {
         let gs = pi.len() / n_group.max(1);
         GroupTokens {
             pi: pi.to_vec(),
-            group_w: (0..n_group)
-                .map(|g| pi[g * gs..(g + 1) * gs].iter().sum())
-                .collect(),
+            groups: Cdf::new(
+                (0..n_group).map(|g| (g as u32, pi[g * gs..(g + 1) * gs].iter().sum())),
+            ),
+            by_load: Cdf::new(pi.iter().enumerate().map(|(x, &w)| (x as u32, w))),
             group_size: gs,
             topk_group: topk_group.min(n_group),
             k: k.min(pi.len()),
-            allowed: vec![0.0; pi.len()],
         }
     }
 
-    fn draw(&mut self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
+    fn draw(&self, rng: &mut SplitMix64, chosen: &mut Vec<u32>) {
         let mut groups: Vec<u32> = Vec::with_capacity(self.topk_group);
         while groups.len() < self.topk_group {
-            match weighted_pick(&self.group_w, &groups, rng) {
-                Some(g) => groups.push(g as u32),
+            match self.groups.pick(&groups, rng) {
+                Some(g) => groups.push(g),
                 None => break,
             }
         }
-        self.allowed.iter_mut().for_each(|x| *x = 0.0);
-        for &g in &groups {
-            let r = g as usize * self.group_size..(g as usize + 1) * self.group_size;
-            self.allowed[r.clone()].copy_from_slice(&self.pi[r]);
-        }
+        let gs = self.group_size;
+        let allowed = Cdf::new(groups.iter().flat_map(|&g| {
+            (g as usize * gs..(g as usize + 1) * gs).map(|x| (x as u32, self.pi[x]))
+        }));
         chosen.clear();
         while chosen.len() < self.k {
-            match weighted_pick(&self.allowed, chosen, rng)
-                .or_else(|| weighted_pick(&self.pi, chosen, rng))
+            match allowed
+                .pick(chosen, rng)
+                .or_else(|| self.by_load.pick(chosen, rng))
             {
-                Some(x) => chosen.push(x as u32),
+                Some(x) => chosen.push(x),
                 None => break,
             }
         }
@@ -553,13 +577,13 @@ impl<'a> Evaluator<'a> {
             let grouped = model.n_group > 1 && model.topk_group < model.n_group;
             let (p_device, p_node, p_any_remote) = match pairs_lp {
                 Some(lp) => {
-                    let mut tokens = AnchorTokens::new(lp, &pi, model.top_k as usize);
+                    let tokens = AnchorTokens::new(lp, &pi, model.top_k as usize);
                     sampled_touch(placement, layer, &node_of, n_nodes, router_node, |r, c| {
                         tokens.draw(r, c)
                     })
                 }
                 None if grouped => {
-                    let mut tokens = GroupTokens::new(
+                    let tokens = GroupTokens::new(
                         &pi,
                         model.n_group as usize,
                         model.topk_group as usize,
@@ -816,5 +840,69 @@ impl<'a> Evaluator<'a> {
                 .filter(|_| tokens_per_s > 0.0)
                 .map(|p| p / (tokens_per_s * 3600.0) * 1e6),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::preset_by_name;
+    use crate::plan::{PlanOptions, plan};
+    use std::path::Path;
+
+    /// Kimi K2 spread evenly over 32 MI300X: every roofline term against its closed form.
+    #[test]
+    fn roofline_terms_match_closed_forms() {
+        let t = Topology::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mi300x-4x8.toml"),
+        )
+        .unwrap();
+        let m = preset_by_name("kimi-k2").unwrap();
+        let p = plan(&t, &m, None, None, &PlanOptions::default()).unwrap();
+        let hw = Hardware::from_topology(&t);
+        let ev = Evaluator::new(&t, &m, &p.placement, None, None, hw.router_node);
+        let (e, k, layers) = (384.0f64, 8.0f64, 60.0);
+        let q = k / e;
+        let s = m.expert_bytes() as f64;
+        for b in [1usize, 8, 64, 256] {
+            let r = ev.roofline(&hw, b, 1);
+            // U(B) touched experts spread over 32 devices, read at 5300 GB/s.
+            let u = e * (1.0 - (1.0 - q).powf(b as f64));
+            let memory = layers * u / 32.0 * s / 5300e9 * 1e3;
+            assert!((r.terms.memory_ms - memory).abs() < 1e-9 * memory, "B={b}");
+            // The router's node sends each token once to every other node it touches
+            // (96 experts per node), 2 x 7168 bytes, over 8 x 400 Gbit/s.
+            let remote = 3.0 * (1.0 - (1.0 - q).powi(96));
+            let network = layers * b as f64 * 14336.0 * remote / 400e9 * 1e3;
+            assert!(
+                (r.terms.network_ms - network).abs() < 1e-9 * network,
+                "B={b}"
+            );
+            // Dispatch + combine: a RoCE hop (3 us) when any remote node is touched, plus the
+            // xGMI hop (2 us).
+            let any_remote = 1.0 - (1.0 - q).powi(288);
+            let latency = layers * 2.0 * (any_remote * 3.0 + 2.0) * 1e-3;
+            assert!(
+                (r.terms.latency_ms - latency).abs() < 1e-9 * latency,
+                "B={b}"
+            );
+            // Int8 compute: B k pairs spread over 32 devices at 2614.9 TOPS.
+            let compute =
+                layers * 2.0 * m.expert_params() as f64 * b as f64 * k / 32.0 / 2614.9e12 * 1e3;
+            assert!(
+                (r.terms.compute_ms - compute).abs() < 1e-9 * compute,
+                "B={b}"
+            );
+            let step = r.step_ms / 1e3;
+            assert!((r.tokens_per_s - b as f64 / step).abs() < 1e-6 * r.tokens_per_s);
+            let cost = 64.0 / (r.tokens_per_s * 3600.0) * 1e6;
+            assert!((r.usd_per_million_tokens.unwrap() - cost).abs() < 1e-9 * cost);
+        }
+        let tr = ev.evaluate(&hw).traffic;
+        let remote = 3.0 * (1.0 - (1.0 - q).powi(96));
+        assert!((tr.remote_nodes_per_token - remote).abs() < 1e-12);
+        assert!((tr.network_bytes_per_token - 2.0 * 14336.0 * remote).abs() < 1e-6);
+        let devices = 32.0 * (1.0 - (1.0 - q).powi(12));
+        assert!((tr.devices_per_token - devices).abs() < 1e-12);
     }
 }
