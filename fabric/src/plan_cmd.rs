@@ -51,8 +51,22 @@ pub enum EplbLayersArg {
     Moe,
 }
 
+/// The statistics formats, shown by `expertmesh plan --help`.
+const FORMATS_HELP: &str = "\
+Statistics files (JSON or CSV, chosen by extension; layers are model layer ids, experts 0..E-1):
+  --load      JSON {\"format\": 1, \"kind\": \"expert-load\", \"model\": \"kimi-k2\", \"tokens\": N,
+                    \"layers\": [{\"layer\": 1, \"counts\": [c0, c1, ...]}, ...]}
+              or SGLang {\"logical_count\": [[...per expert...] per layer]};
+              CSV header layer,expert,tokens — one row per (layer, expert), repeats add up.
+              counts = tokens routed to the expert; layers left out are planned as uniform.
+  --coselect  JSON {\"format\": 1, \"kind\": \"co-selection\", \"tokens\": N,
+                    \"layers\": [{\"layer\": 1, \"tokens\": N, \"pairs\": [[a, b, count], ...]}, ...]}
+              CSV header layer,expert_a,expert_b,tokens — tokens that chose both a and b.
+Exit codes: 0 planned, 1 does not fit (shortfall named), 2 usage or input error.";
+
 /// Arguments of `expertmesh plan`.
 #[derive(clap::Args, Debug)]
+#[command(after_long_help = FORMATS_HELP)]
 pub struct PlanArgs {
     /// Topology TOML file.
     #[arg(long)]
@@ -443,8 +457,12 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
                 "--write-load needs load statistics (--load or --synthetic-load)".into(),
             ));
         };
-        l.write(path, &model)
-            .map_err(|e| Usage(format!("cannot write {}: {e}", path.display())))?;
+        let text = if is_json_path(path) {
+            l.to_json(&model)
+        } else {
+            l.to_csv(&model)
+        };
+        write_file(path, &text)?;
         written.push(format!("load statistics: {}", path.display()));
     }
     if let Some(path) = &args.write_coselect {
@@ -454,8 +472,12 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
                     .into(),
             ));
         };
-        c.write(path, &model)
-            .map_err(|e| Usage(format!("cannot write {}: {e}", path.display())))?;
+        let text = if is_json_path(path) {
+            c.to_json(&model)
+        } else {
+            c.to_csv(&model)
+        };
+        write_file(path, &text)?;
         written.push(format!("co-selection statistics: {}", path.display()));
     }
 
@@ -499,8 +521,26 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn is_json_path(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "json")
+}
+
+/// Write a file whole or not at all: a temporary file beside it, then a rename.
 fn write_file(path: &Path, text: &str) -> Result<(), Usage> {
-    std::fs::write(path, text).map_err(|e| Usage(format!("cannot write {}: {e}", path.display())))
+    let err = |e: std::io::Error| Usage(format!("cannot write {}: {e}", path.display()));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Usage(format!("{} is not a file path", path.display())))?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(err)
 }
 
 /// Budget check of an imported map (bytes per device against budgets).

@@ -86,7 +86,7 @@ pub struct FigureSource {
     pub value: f64,
     /// Its unit.
     pub unit: String,
-    /// "datasheet (topology file)", "topology [measured]", "bench: NAME batch B", "default".
+    /// "datasheet (topology file)", "topology `[measured]`", "bench: NAME (batch B)", "default".
     pub from: String,
 }
 

@@ -7,16 +7,28 @@
 //! - [`replicate`]: DeepSeek EPLB's greedy — each extra slot goes to the expert with the highest
 //!   load per replica — restricted to replica counts that can still be placed on distinct bins
 //!   (a capacity-bounded Gale–Ryser test, so the packing below always has a solution).
-//! - [`pack`]: LPT — heaviest item first, onto the eligible bin whose load (divided by the bin's
-//!   speed) ends up lowest — where a bin takes exactly its slot count and never two replicas of
-//!   one expert; a swap repair when the greedy corners itself; then pairwise swaps that lower the
-//!   busiest bin until none does.
+//! - [`replicate_and_pack`]: LPT over the replicas — heaviest first, onto the eligible bin
+//!   whose load (divided by the bin's speed) ends up lowest — where a bin takes exactly its slot
+//!   count and never two replicas of one expert; a swap repair (or a constructive fallback) when
+//!   the greedy corners itself; then local search on the busiest bin until no move lowers it:
+//!   swapping experts between bins, and trading a replica of one expert for one of another
+//!   (which changes replica counts, repairing choices the greedy replication got wrong).
+//!   [`partition`] is the same without replicas (distinct units into bins, e.g. groups to nodes).
 //! - [`improve_locality`]: Kernighan–Lin style swaps between bins that raise the co-selection
 //!   weight kept inside bins, while every bin's load stays under a limit.
 //!
-//! Bound (tested against brute force in `tests`): on every tiny instance, the max bin load after
-//! [`replicate`] + [`pack`] is at most 4/3 of the optimum over all replica choices and packings
-//! with the same slot counts (Graham's LPT bound); with uniform loads it is optimal.
+//! Bounds, checked against brute force (every choice of replicas and packing with the same
+//! slot counts) in `tests`:
+//! - bins of equal speed whose slot counts differ by at most one (what the planner gives devices
+//!   of one kind): max bin load ≤ 4/3 × the optimum (Graham's LPT bound, here as a tested
+//!   property; a fixed sweep of 3000 tiny instances hits the optimum in about 92% of them, worst
+//!   ratio 1.25);
+//! - uniform loads on bins of one size with `E` a multiple of the bin count: exactly the mean,
+//!   `E / bins` (optimal);
+//! - bins of different speeds with slot counts in proportion to speed: ≤ 2 × the optimum;
+//! - any slot counts at all: every expert placed, each bin exactly its count, no expert twice
+//!   in a bin (the Gale–Ryser check in [`replicate`] and the constructive fallback guarantee a
+//!   packing exists and is found).
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
