@@ -868,8 +868,15 @@ fn csv_rows<'a>(
     Ok(rows)
 }
 
+/// 1-based column of `field`, a slice of `line` (both borrow the file's text), in bytes.
 fn column_of(line: &str, field: &str) -> usize {
-    line.find(field).map_or(1, |p| p + 1)
+    let start = line.as_ptr() as usize;
+    let at = field.as_ptr() as usize;
+    if at >= start && at <= start + line.len() {
+        at - start + 1
+    } else {
+        line.find(field).map_or(1, |p| p + 1)
+    }
 }
 
 fn csv_int(
@@ -1186,6 +1193,7 @@ mod tests {
             ("x.csv", "layer,expert,tokens\n1,16,5\n", "2:3"),
             ("x.csv", "layer,expert,tokens\n0,1,5\n", "not a MoE layer"),
             ("x.csv", "layer,expert,tokens\n1,1,-5\n", "2:5"),
+            ("x.csv", "layer,expert,tokens\n1, 1,x\n", "2:6"),
             ("x.csv", "layer,expert,tokens\n1,1,NaN\n", "non-negative"),
             ("x.csv", "layer,expert\n1,1\n", "header"),
             ("x.csv", "", "empty"),
