@@ -21,6 +21,8 @@ enum Command {
     Models(crate::models_cmd::ModelsArgs),
     /// Check a topology file, and optionally a model and a placement against it.
     Validate(crate::validate_cmd::ValidateArgs),
+    /// Place a model's experts on a cluster; report memory, load, traffic, throughput, cost.
+    Plan(Box<crate::plan_cmd::PlanArgs>),
     /// Run a benchmark (each figure against a limit measured in the same run).
     #[command(subcommand)]
     Bench(crate::bench_cli::BenchTarget),
@@ -65,6 +67,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Models(args) => Ok(crate::models_cmd::run(&args)),
         Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
+        Command::Plan(args) => Ok(crate::plan_cmd::run(&args)),
         Command::Demo(args) => crate::demo::run(args),
         Command::Up(args) => crate::cmd_fabric::up(args),
         Command::Worker(args) => crate::cmd_fabric::worker(args),

@@ -88,6 +88,7 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
             p
         }
     };
+    let mut _planned = None;
     let placement = match &cli.placement {
         Some(p) => p.clone(),
         None if cli.model == "demo-small" && cli.topology.is_none() => {
@@ -95,7 +96,11 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
             std::fs::write(&p, SINGLE_HOST_PLACEMENT)?;
             p
         }
-        None => crate::plan_default::balanced_placement_file(&topology, &cli.model)?.0,
+        None => {
+            let (p, guard) = crate::plan_default::balanced_placement_file(&topology, &cli.model)?;
+            _planned = guard;
+            p
+        }
     };
     let mode: ComputeMode = cli.router.mode.into();
     let mut opts = LocalFabricOptions::new(&topology, &cli.model, &placement);

@@ -15,6 +15,7 @@ pub mod deploy;
 pub mod local;
 pub mod models_cmd;
 pub mod npy;
+pub mod plan_cmd;
 pub mod plan_default;
 mod table;
 pub mod validate_cmd;

@@ -1,0 +1,932 @@
+//! `expertmesh plan`: place a model's experts on a cluster, write the placement file, and report
+//! memory, load balance, traffic, throughput and cost.
+//!
+//! Why this exists: this is what a cluster builder runs before buying or wiring anything. It
+//! wires the planner library (`expertmesh_topology::plan`) to files and a report: statistics in
+//! (`--load`, `--coselect`, or `--synthetic-load zipf:S`), a placement out (`--out`, which
+//! `expertmesh validate` and the fabric read), optional vLLM/SGLang EPLB maps in and out, and a
+//! human table or JSON (`--json`). Exit codes: 0 planned; 1 the model does not fit (the
+//! shortfall is named per device and in total); 2 usage or input errors (unreadable or malformed
+//! files, bad options). It never panics on bad input.
+//!
+//! Statistics formats are documented in `expertmesh_topology::plan::stats`; the bench results
+//! `--calibrate` reads in `expertmesh_topology::plan::calibrate`; the EPLB map in
+//! `expertmesh_topology::plan::eplb`; the traffic and roofline model in
+//! `expertmesh_topology::plan::evaluate`.
+
+use crate::table::{self, left, right};
+use expertmesh_topology::diag::FileError;
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::plan::calibrate::{self, BenchFile};
+use expertmesh_topology::plan::eplb::{self, EplbLayers};
+use expertmesh_topology::plan::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
+use expertmesh_topology::plan::stats::{CoSelection, LoadStats};
+use expertmesh_topology::plan::{
+    self, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity, describe_shortfall,
+};
+use expertmesh_topology::units::format_bytes;
+use expertmesh_topology::{Placement, SharedLocation, Topology, resolve_model};
+use serde_json::{Value, json};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// `--strategy` values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrategyArg {
+    /// Hierarchical when groups line up with nodes or co-selection statistics are given.
+    Auto,
+    /// Replicate and pack over all devices at once.
+    Global,
+    /// Nodes first, then devices inside each node.
+    Hierarchical,
+}
+
+/// `--eplb-layers` values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EplbLayersArg {
+    /// One row per model layer (SGLang `--init-expert-location`).
+    All,
+    /// One row per MoE layer (vLLM's map).
+    Moe,
+}
+
+/// The statistics formats, shown by `expertmesh plan --help`.
+const FORMATS_HELP: &str = "\
+Statistics files (JSON or CSV, chosen by extension; layers are model layer ids, experts 0..E-1):
+  --load      JSON {\"format\": 1, \"kind\": \"expert-load\", \"model\": \"kimi-k2\", \"tokens\": N,
+                    \"layers\": [{\"layer\": 1, \"counts\": [c0, c1, ...]}, ...]}
+              or SGLang {\"logical_count\": [[...per expert...] per layer]};
+              CSV header layer,expert,tokens — one row per (layer, expert), repeats add up.
+              counts = tokens routed to the expert; layers left out are planned as uniform.
+  --coselect  JSON {\"format\": 1, \"kind\": \"co-selection\", \"tokens\": N,
+                    \"layers\": [{\"layer\": 1, \"tokens\": N, \"pairs\": [[a, b, count], ...]}, ...]}
+              CSV header layer,expert_a,expert_b,tokens — tokens that chose both a and b.
+Exit codes: 0 planned, 1 does not fit (shortfall named), 2 usage or input error.";
+
+/// Arguments of `expertmesh plan`.
+#[derive(clap::Args, Debug)]
+#[command(after_long_help = FORMATS_HELP)]
+pub struct PlanArgs {
+    /// Topology TOML file.
+    #[arg(long)]
+    topology: PathBuf,
+    /// Model preset name or model TOML file.
+    #[arg(long)]
+    model: String,
+    /// Expert-load statistics, JSON or CSV (`layer,expert,tokens`); see the format in the
+    /// topology crate's `plan::stats`.
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// Co-selection statistics, JSON or CSV (`layer,expert_a,expert_b,tokens`): place often
+    /// co-selected experts on one node.
+    #[arg(long)]
+    coselect: Option<PathBuf>,
+    /// Plan against synthetic loads instead of a file: `zipf:EXPONENT[:SEED]` (a Zipf law over
+    /// each layer's experts, hot experts differing per layer).
+    #[arg(long, conflicts_with = "load")]
+    synthetic_load: Option<String>,
+    /// Write the load statistics used (from --load or --synthetic-load) here (.json or .csv).
+    #[arg(long)]
+    write_load: Option<PathBuf>,
+    /// Plan against synthetic co-selection statistics instead of a file:
+    /// `clustered:CLUSTERS:LOCALITY[:SEED]` (each token draws most of its experts from one of
+    /// CLUSTERS random clusters; LOCALITY = share of its picks inside the cluster, 0-1).
+    #[arg(long, conflicts_with = "coselect")]
+    synthetic_coselect: Option<String>,
+    /// Write the co-selection statistics used here (.json or .csv).
+    #[arg(long)]
+    write_coselect: Option<PathBuf>,
+    /// Replica slots per MoE layer (default: with statistics one per device, or what memory
+    /// allows if less; without statistics none).
+    #[arg(long)]
+    redundant: Option<u32>,
+    /// Placement strategy.
+    #[arg(long, value_enum, default_value = "auto")]
+    strategy: StrategyArg,
+    /// Where shared experts run: "router" (the router host, default), "spread" (each layer's on
+    /// the device with the most free memory) or a device id ("node/device").
+    #[arg(long, default_value = "router")]
+    shared: String,
+    /// How far above the mean a node's load may go to keep co-selected experts together.
+    #[arg(long, default_value_t = 0.05)]
+    locality_slack: f64,
+    /// Write the placement file here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON (stdout).
+    #[arg(long)]
+    json: bool,
+    /// Bench JSON from `expertmesh bench ... --json` (repeatable): measured bandwidths and
+    /// latencies replace datasheet figures.
+    #[arg(long)]
+    calibrate: Vec<PathBuf>,
+    /// Tokens per MoE-layer call for the throughput estimate.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Layer calls in flight at once for the throughput estimate.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Write the plan as a vLLM/SGLang physical-to-logical expert map (JSON).
+    #[arg(long)]
+    export_eplb: Option<PathBuf>,
+    /// Rows of the exported map.
+    #[arg(long, value_enum, default_value = "all")]
+    eplb_layers: EplbLayersArg,
+    /// Turn a vLLM/SGLang/TensorRT-LLM expert map (JSON) into the placement instead of
+    /// planning one.
+    #[arg(long, conflicts_with_all = ["coselect", "synthetic_coselect", "redundant"])]
+    import_eplb: Option<PathBuf>,
+}
+
+/// Exit 2 with a message.
+struct Usage(String);
+
+impl<E: std::fmt::Display> From<E> for Usage {
+    fn from(e: E) -> Usage {
+        Usage(e.to_string())
+    }
+}
+
+/// Batches the throughput sweep shows besides `--batch`.
+const SWEEP: [usize; 6] = [1, 8, 32, 64, 128, 256];
+
+/// Run `plan`; prints the report and returns the exit code.
+pub fn run(args: &PlanArgs) -> ExitCode {
+    match run_inner(args) {
+        Ok(code) => code,
+        Err(Usage(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(crate::cli::EXIT_USAGE)
+        }
+    }
+}
+
+fn load_topology(path: &Path) -> Result<Topology, Usage> {
+    Topology::load(path).map_err(|e| match e {
+        FileError::Io { .. } => Usage(e.to_string()),
+        FileError::Invalid { .. } => Usage(format!(
+            "the topology is invalid (run `expertmesh validate {}`):\n{e}",
+            path.display()
+        )),
+    })
+}
+
+fn parse_synthetic(spec: &str, model: &ModelSpec) -> Result<LoadStats, Usage> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let bad = || {
+        Usage(format!(
+            "--synthetic-load \"{spec}\": expected zipf:EXPONENT or zipf:EXPONENT:SEED, e.g. zipf:1.2"
+        ))
+    };
+    if parts.len() < 2 || parts.len() > 3 || parts[0] != "zipf" {
+        return Err(bad());
+    }
+    let s: f64 = parts[1].parse().map_err(|_| bad())?;
+    if !(s.is_finite() && (0.0..=10.0).contains(&s)) {
+        return Err(Usage(format!(
+            "--synthetic-load: exponent {s} must be between 0 and 10"
+        )));
+    }
+    let seed: u64 = match parts.get(2) {
+        Some(x) => x.parse().map_err(|_| bad())?,
+        None => 1,
+    };
+    Ok(plan::synthetic::zipf_load(model, s, 1_000_000, seed))
+}
+
+fn parse_synthetic_coselect(spec: &str, model: &ModelSpec) -> Result<CoSelection, Usage> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let bad = || {
+        Usage(format!(
+            "--synthetic-coselect \"{spec}\": expected clustered:CLUSTERS:LOCALITY[:SEED], e.g. clustered:16:0.8"
+        ))
+    };
+    if parts.len() < 3 || parts.len() > 4 || parts[0] != "clustered" {
+        return Err(bad());
+    }
+    let clusters: usize = parts[1].parse().map_err(|_| bad())?;
+    let locality: f64 = parts[2].parse().map_err(|_| bad())?;
+    if clusters == 0 || clusters > model.routed_experts as usize {
+        return Err(Usage(format!(
+            "--synthetic-coselect: CLUSTERS must be between 1 and the {} experts",
+            model.routed_experts
+        )));
+    }
+    if !(0.0..=1.0).contains(&locality) {
+        return Err(Usage(
+            "--synthetic-coselect: LOCALITY must be between 0 and 1".into(),
+        ));
+    }
+    if model.top_k < 2 {
+        return Err(Usage(format!(
+            "{} picks one expert per token; co-selection needs top-k with k >= 2",
+            model.name
+        )));
+    }
+    let seed: u64 = match parts.get(3) {
+        Some(x) => x.parse().map_err(|_| bad())?,
+        None => 1,
+    };
+    let routing = plan::synthetic::ClusteredRouting::new(model, clusters, locality, 0.0, seed);
+    Ok(routing.statistics(model, 4096).1)
+}
+
+fn shared_policy(s: &str) -> SharedPolicy {
+    match s {
+        "router" => SharedPolicy::Router,
+        "spread" => SharedPolicy::Spread,
+        id => SharedPolicy::Device(id.to_owned()),
+    }
+}
+
+/// Hardware figures for one batch size: topology, then every bench file.
+fn hardware(
+    t: &Topology,
+    m: &ModelSpec,
+    benches: &[BenchFile],
+    batch: usize,
+) -> (Hardware, Vec<String>) {
+    let mut hw = Hardware::from_topology(t);
+    let mut notes = Vec::new();
+    for b in benches {
+        notes.extend(calibrate::apply(&mut hw, t, m, b, batch));
+    }
+    (hw, notes)
+}
+
+fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
+    if args.batch == 0 || args.concurrency == 0 {
+        return Err(Usage("--batch and --concurrency must be at least 1".into()));
+    }
+    if !(args.locality_slack.is_finite() && args.locality_slack >= 0.0) {
+        return Err(Usage(
+            "--locality-slack must be a non-negative number".into(),
+        ));
+    }
+    let topology = load_topology(&args.topology)?;
+    let model = resolve_model(&args.model)?;
+    let mut warnings: Vec<String> = Vec::new();
+
+    let load: Option<LoadStats> = match (&args.load, &args.synthetic_load) {
+        (Some(p), _) => Some(LoadStats::load(p, &model)?),
+        (None, Some(spec)) => Some(parse_synthetic(spec, &model)?),
+        (None, None) => None,
+    };
+    if let Some(l) = &load {
+        warnings.extend(l.warnings().iter().cloned());
+    }
+    let coselect: Option<CoSelection> = match (&args.coselect, &args.synthetic_coselect) {
+        (Some(p), _) => Some(CoSelection::load(p, &model)?),
+        (None, Some(spec)) => Some(parse_synthetic_coselect(spec, &model)?),
+        (None, None) => None,
+    };
+    if let Some(c) = &coselect {
+        warnings.extend(c.warnings().iter().cloned());
+    }
+    let benches: Vec<BenchFile> = args
+        .calibrate
+        .iter()
+        .map(|p| BenchFile::load(p))
+        .collect::<Result<_, _>>()?;
+    let shared = shared_policy(&args.shared);
+    let options = PlanOptions {
+        redundant: args.redundant,
+        strategy: match args.strategy {
+            StrategyArg::Auto => Strategy::Auto,
+            StrategyArg::Global => Strategy::Global,
+            StrategyArg::Hierarchical => Strategy::Hierarchical,
+        },
+        shared: shared.clone(),
+        locality_slack: args.locality_slack,
+        description: String::new(),
+    };
+
+    // The placement: imported, or planned.
+    let (placement, strategy_name, redundant, mut notes) = match &args.import_eplb {
+        Some(path) => {
+            let map = eplb::import(path, &topology, &model).map_err(Usage)?;
+            warnings.extend(map.warnings.iter().cloned());
+            let (locs, shared_bytes) =
+                capacity::place_shared(&topology, &model, &shared).map_err(Usage)?;
+            if let Some(s) = import_shortfall(&topology, &model, &map.slots, &shared_bytes) {
+                return Ok(report_no_fit(args, &topology, &model, &s, &warnings));
+            }
+            let slots_total: usize = map
+                .slots
+                .iter()
+                .map(|l| l.iter().map(Vec::len).sum::<usize>())
+                .max()
+                .unwrap_or(0);
+            let description = format!("imported from {}", path.display());
+            let p = Placement::new(&topology, &model, map.slots, locs, &description).map_err(
+                |problems| {
+                    Usage(format!(
+                        "{} does not make a valid placement:\n{}",
+                        path.display(),
+                        problems
+                            .iter()
+                            .map(|p| format!("  {p}"))
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    ))
+                },
+            )?;
+            let r = slots_total.saturating_sub(model.routed_experts as usize) as u32;
+            (p, "imported".to_owned(), r, Vec::new())
+        }
+        None => match plan::plan(
+            &topology,
+            &model,
+            load.as_ref(),
+            coselect.as_ref(),
+            &options,
+        ) {
+            Ok(p) => (
+                p.placement,
+                p.strategy.name().to_owned(),
+                p.redundant,
+                p.notes,
+            ),
+            Err(PlanError::DoesNotFit(s)) => {
+                return Ok(report_no_fit(args, &topology, &model, &s, &warnings));
+            }
+            Err(e) => return Err(Usage(e.to_string())),
+        },
+    };
+
+    // Baselines: no statistics and no replicas ("before balancing"); the same without
+    // co-selection ("before locality").
+    let baseline = plan::plan(
+        &topology,
+        &model,
+        None,
+        None,
+        &PlanOptions {
+            redundant: Some(0),
+            strategy: Strategy::Global,
+            ..options.clone()
+        },
+    )
+    .ok();
+    let no_locality = match (&coselect, &args.import_eplb) {
+        (Some(_), None) => plan::plan(&topology, &model, load.as_ref(), None, &options).ok(),
+        _ => None,
+    };
+
+    let (hw, cal_notes) = hardware(&topology, &model, &benches, args.batch);
+    notes.extend(cal_notes);
+    let router = hw.router_node;
+    let evaluator = Evaluator::new(
+        &topology,
+        &model,
+        &placement,
+        load.as_ref(),
+        coselect.as_ref(),
+        router,
+    );
+    let after = evaluator.evaluate(&hw);
+    let before = baseline.as_ref().map(|b| {
+        Evaluator::new(
+            &topology,
+            &model,
+            &b.placement,
+            load.as_ref(),
+            coselect.as_ref(),
+            router,
+        )
+        .evaluate(&hw)
+    });
+    let before_locality = no_locality.as_ref().map(|b| {
+        Evaluator::new(
+            &topology,
+            &model,
+            &b.placement,
+            load.as_ref(),
+            coselect.as_ref(),
+            router,
+        )
+        .evaluate(&hw)
+    });
+    let mut batches: Vec<usize> = SWEEP.to_vec();
+    if !batches.contains(&args.batch) {
+        batches.push(args.batch);
+        batches.sort_unstable();
+    }
+    let sweep: Vec<Roofline> = batches
+        .iter()
+        .map(|&b| {
+            let (hw_b, _) = hardware(&topology, &model, &benches, b);
+            evaluator.roofline(&hw_b, b, args.concurrency)
+        })
+        .collect();
+    let chosen = sweep
+        .iter()
+        .find(|r| r.batch == args.batch)
+        .cloned()
+        .unwrap_or_else(|| evaluator.roofline(&hw, args.batch, args.concurrency));
+
+    // Files.
+    let mut written = Vec::new();
+    if let Some(out) = &args.out {
+        let header = format!(
+            "# Written by `expertmesh plan` ({}): {} on {}, strategy {strategy_name}, {redundant} replica slot{} per MoE layer.\n# Check it with: expertmesh validate {} --placement {}\n",
+            env!("CARGO_PKG_VERSION"),
+            model.name,
+            topology.name(),
+            if redundant == 1 { "" } else { "s" },
+            args.topology.display(),
+            out.display()
+        );
+        write_file(out, &(header + &placement.to_toml_string()))?;
+        written.push(format!("placement: {}", out.display()));
+    }
+    if let Some(path) = &args.export_eplb {
+        let layers = match args.eplb_layers {
+            EplbLayersArg::All => EplbLayers::All,
+            EplbLayersArg::Moe => EplbLayers::Moe,
+        };
+        let text = eplb::export_json(&placement, &topology, &model, layers)
+            .map_err(|e| Usage(format!("cannot export the EPLB map: {e}")))?;
+        write_file(path, &text)?;
+        written.push(format!("EPLB map: {}", path.display()));
+    }
+    if let Some(path) = &args.write_load {
+        let Some(l) = &load else {
+            return Err(Usage(
+                "--write-load needs load statistics (--load or --synthetic-load)".into(),
+            ));
+        };
+        let text = if is_json_path(path) {
+            l.to_json(&model)
+        } else {
+            l.to_csv(&model)
+        };
+        write_file(path, &text)?;
+        written.push(format!("load statistics: {}", path.display()));
+    }
+    if let Some(path) = &args.write_coselect {
+        let Some(c) = &coselect else {
+            return Err(Usage(
+                "--write-coselect needs co-selection statistics (--coselect or --synthetic-coselect)"
+                    .into(),
+            ));
+        };
+        let text = if is_json_path(path) {
+            c.to_json(&model)
+        } else {
+            c.to_csv(&model)
+        };
+        write_file(path, &text)?;
+        written.push(format!("co-selection statistics: {}", path.display()));
+    }
+
+    let report = Report {
+        args,
+        topology: &topology,
+        model: &model,
+        placement: &placement,
+        strategy: &strategy_name,
+        redundant,
+        load_source: match (&args.load, &args.synthetic_load) {
+            (None, None) if args.synthetic_coselect.is_some() => {
+                "implied by the synthetic co-selection counts".into()
+            }
+            (Some(p), _) => format!("{}", p.display()),
+            (None, Some(s)) => format!("synthetic {s}"),
+            (None, None) if coselect.is_some() => "implied by the co-selection counts".into(),
+            (None, None) => "uniform (no statistics)".into(),
+        },
+        after: &after,
+        before: before.as_ref(),
+        before_locality: before_locality.as_ref(),
+        chosen: &chosen,
+        sweep: &sweep,
+        hw: &hw,
+        notes: &notes,
+        warnings: &warnings,
+        written: &written,
+    };
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.json()).unwrap_or_default()
+        );
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn is_json_path(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "json")
+}
+
+/// Write a file whole or not at all: a temporary file beside it, then a rename.
+fn write_file(path: &Path, text: &str) -> Result<(), Usage> {
+    let err = |e: std::io::Error| Usage(format!("cannot write {}: {e}", path.display()));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Usage(format!("{} is not a file path", path.display())))?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(err)
+}
+
+/// Budget check of an imported map (bytes per device against budgets).
+fn import_shortfall(
+    t: &Topology,
+    m: &ModelSpec,
+    slots: &[Vec<Vec<u32>>],
+    shared_bytes: &[u64],
+) -> Option<Shortfall> {
+    let mut need = shared_bytes.to_vec();
+    for layer in slots {
+        for (d, list) in layer.iter().enumerate() {
+            need[d] += list.len() as u64 * m.expert_bytes();
+        }
+    }
+    let devices: Vec<capacity::DeviceShortfall> = t
+        .devices()
+        .iter()
+        .zip(&need)
+        .filter(|(d, n)| **n > d.expert_memory_bytes())
+        .map(|(d, &n)| capacity::DeviceShortfall {
+            rank: d.rank().0,
+            device: d.id().to_owned(),
+            need_bytes: n,
+            budget_bytes: d.expert_memory_bytes(),
+            short_bytes: n - d.expert_memory_bytes(),
+        })
+        .collect();
+    if devices.is_empty() {
+        return None;
+    }
+    let total: u64 = need.iter().sum();
+    let budget = t.total_expert_memory();
+    Some(Shortfall {
+        need_bytes: total,
+        budget_bytes: budget,
+        usable_bytes: budget,
+        short_bytes: devices.iter().map(|d| d.short_bytes).sum(),
+        redundant: 0,
+        max_redundant_that_fits: None,
+        devices,
+    })
+}
+
+fn report_no_fit(
+    args: &PlanArgs,
+    t: &Topology,
+    m: &ModelSpec,
+    s: &Shortfall,
+    warnings: &[String],
+) -> ExitCode {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    if args.json {
+        let v = json!({
+            "model": m.name,
+            "cluster": t.name(),
+            "fits": false,
+            "shortfall": s,
+            "warnings": warnings,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    }
+    eprintln!(
+        "{} on {} ({} devices): {}",
+        m.name,
+        t.name(),
+        t.devices().len(),
+        describe_shortfall(s)
+    );
+    ExitCode::from(crate::cli::EXIT_INVALID)
+}
+
+/// Everything the report shows.
+struct Report<'a> {
+    args: &'a PlanArgs,
+    topology: &'a Topology,
+    model: &'a ModelSpec,
+    placement: &'a Placement,
+    strategy: &'a str,
+    redundant: u32,
+    load_source: String,
+    after: &'a Evaluation,
+    before: Option<&'a Evaluation>,
+    before_locality: Option<&'a Evaluation>,
+    chosen: &'a Roofline,
+    sweep: &'a [Roofline],
+    hw: &'a Hardware,
+    notes: &'a [String],
+    warnings: &'a [String],
+    written: &'a [String],
+}
+
+fn kb(bytes: f64) -> String {
+    format!("{:.1} KB", bytes / 1e3)
+}
+
+fn shared_text(t: &Topology, p: &Placement) -> String {
+    let mut locs: Vec<String> = p
+        .layers()
+        .iter()
+        .filter_map(|&l| p.shared_location(l))
+        .map(|s| match s {
+            SharedLocation::Router => "the router host".to_owned(),
+            SharedLocation::Device(r) => t.devices()[r.index()].id().to_owned(),
+        })
+        .collect();
+    locs.sort();
+    locs.dedup();
+    match locs.len() {
+        0 => "no shared experts".into(),
+        1 => format!("shared experts on {}", locs[0]),
+        n => format!("shared experts on {n} devices"),
+    }
+}
+
+impl Report<'_> {
+    fn text(&self) -> String {
+        let (t, m, p) = (self.topology, self.model, self.placement);
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "plan: {} on {} ({} devices on {} nodes) — strategy {}, {} replica slot{} per MoE layer, {}",
+            m.name,
+            t.name(),
+            t.devices().len(),
+            t.nodes().len(),
+            self.strategy,
+            self.redundant,
+            if self.redundant == 1 { "" } else { "s" },
+            shared_text(t, p)
+        );
+        let _ = writeln!(out, "expert load: {}\n", self.load_source);
+
+        // Memory per device.
+        let usage = p.usage(t, m);
+        let rows: Vec<Vec<String>> = usage
+            .iter()
+            .map(|u| {
+                let d = &t.devices()[u.rank.index()];
+                vec![
+                    u.rank.to_string(),
+                    d.id().to_owned(),
+                    if u.experts_per_layer_min == u.experts_per_layer_max {
+                        u.experts_per_layer_min.to_string()
+                    } else {
+                        format!("{}-{}", u.experts_per_layer_min, u.experts_per_layer_max)
+                    },
+                    format_bytes(u.total_bytes()),
+                    format_bytes(u.budget_bytes),
+                    format!(
+                        "{:.1}%",
+                        100.0 * u.total_bytes() as f64 / u.budget_bytes.max(1) as f64
+                    ),
+                    if u.fits() {
+                        "ok".to_owned()
+                    } else {
+                        format!("short {}", format_bytes(u.total_bytes() - u.budget_bytes))
+                    },
+                    format!("{:.2}", self.after.load.per_device[u.rank.index()]),
+                ]
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{}",
+            table::render(
+                &[
+                    right("rank"),
+                    left("device"),
+                    right("experts/layer"),
+                    right("used"),
+                    right("budget"),
+                    right("use"),
+                    left("fit"),
+                    right("load/mean"),
+                ],
+                &rows
+            )
+        );
+        let used: u64 = usage.iter().map(|u| u.total_bytes()).sum();
+        let budget = t.total_expert_memory();
+        let _ = writeln!(
+            out,
+            "memory: {} of {} expert memory used ({:.1}%); every device fits\n",
+            format_bytes(used),
+            format_bytes(budget),
+            100.0 * used as f64 / budget.max(1) as f64
+        );
+
+        // Load balance.
+        let _ = writeln!(
+            out,
+            "expected load per device, max/mean over devices (1.00 = perfect), mean over layers and worst layer:"
+        );
+        if let Some(b) = self.before {
+            let _ = writeln!(
+                out,
+                "  before (balanced packing, no statistics, no replicas): {:.2} (worst {:.2}, layer {})",
+                b.load.max_over_mean, b.load.max_over_mean_worst, b.load.worst_layer
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  after  (this plan):                                     {:.2} (worst {:.2}, layer {})\n",
+            self.after.load.max_over_mean,
+            self.after.load.max_over_mean_worst,
+            self.after.load.worst_layer
+        );
+
+        // Traffic.
+        let tr = &self.after.traffic;
+        let _ = writeln!(
+            out,
+            "traffic per token per MoE layer ({} model; bf16 hidden, {} bytes per destination each way):",
+            tr.model,
+            m.token_bytes_bf16()
+        );
+        let _ = writeln!(
+            out,
+            "  destinations: {:.2} devices on {:.2} nodes ({:.2} other than the router's)",
+            tr.devices_per_token, tr.nodes_per_token, tr.remote_nodes_per_token
+        );
+        let _ = writeln!(
+            out,
+            "  network: {} dispatch + combine with per-node dedup ({} without); intra-node links: {}",
+            kb(tr.network_bytes_per_token),
+            kb(tr.network_bytes_per_token_without_dedup),
+            kb(tr.intra_bytes_per_token)
+        );
+        if let Some(b) = self.before {
+            let _ = writeln!(
+                out,
+                "  before (balanced packing, no statistics, no replicas): {:.2} nodes per token, network {}",
+                b.traffic.nodes_per_token,
+                kb(b.traffic.network_bytes_per_token)
+            );
+        }
+        if let Some(b) = self.before_locality.filter(|_| t.nodes().len() > 1) {
+            let x = b.traffic.nodes_per_token;
+            let y = tr.nodes_per_token;
+            let _ = writeln!(
+                out,
+                "  locality: nodes per token {:.2} -> {:.2} ({:+.1}%), network bytes {} -> {} vs the same plan without co-selection",
+                x,
+                y,
+                100.0 * (y - x) / x.max(1e-12),
+                kb(b.traffic.network_bytes_per_token),
+                kb(tr.network_bytes_per_token)
+            );
+        }
+        let _ = writeln!(out);
+
+        // Roofline.
+        let _ = writeln!(
+            out,
+            "decode throughput, roofline (MoE layers only; batch = tokens per layer call, {} call{} in flight):",
+            self.args.concurrency,
+            if self.args.concurrency == 1 { "" } else { "s" }
+        );
+        let rows: Vec<Vec<String>> = self
+            .sweep
+            .iter()
+            .map(|r| {
+                vec![
+                    r.batch.to_string(),
+                    format!("{:.0}", r.tokens_per_s),
+                    format!("{:.3}", r.step_ms),
+                    r.bottleneck.clone(),
+                    format!("{:.3}", r.terms.memory_ms),
+                    format!("{:.3}", r.terms.compute_ms),
+                    format!("{:.3}", r.terms.network_ms),
+                    format!("{:.3}", r.terms.intra_node_ms),
+                    format!("{:.3}", r.terms.latency_ms),
+                    r.usd_per_million_tokens
+                        .map_or("-".into(), |c| format!("{c:.3}")),
+                ]
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{}",
+            table::render(
+                &[
+                    right("batch"),
+                    right("tokens/s"),
+                    right("step ms"),
+                    left("bottleneck"),
+                    right("memory ms"),
+                    right("compute ms"),
+                    right("network ms"),
+                    right("intra ms"),
+                    right("latency ms"),
+                    right("$/M tokens"),
+                ],
+                &rows
+            )
+        );
+        let c = self.chosen;
+        let _ = writeln!(
+            out,
+            "at batch {} x {}: {:.0} tokens/s, bottleneck {} (busiest device {}{}){}",
+            c.batch,
+            c.concurrency,
+            c.tokens_per_s,
+            c.bottleneck,
+            c.busiest_device,
+            c.busiest_nic_node
+                .as_ref()
+                .map(|n| format!(", busiest NIC node {n}"))
+                .unwrap_or_default(),
+            match (c.usd_per_million_tokens, c.usd_per_hour) {
+                (Some(cost), Some(h)) => format!(", ${cost:.3} per million tokens (${h:.2}/h)"),
+                _ => ", no cost (not every device has price_usd_per_hour)".into(),
+            }
+        );
+        let _ = writeln!(out, "figures used:");
+        for s in &self.hw.sources {
+            let _ = writeln!(out, "  {}: {} {} ({})", s.what, s.value, s.unit, s.from);
+        }
+        for n in self.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
+        for w in self.written {
+            let _ = writeln!(out, "wrote {w}");
+        }
+        if self.written.is_empty() {
+            let _ = writeln!(
+                out,
+                "(no file written; --out PLACEMENT writes the placement)"
+            );
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let (t, m, p) = (self.topology, self.model, self.placement);
+        let devices: Vec<Value> = p
+            .usage(t, m)
+            .iter()
+            .map(|u| {
+                let d = &t.devices()[u.rank.index()];
+                json!({
+                    "rank": u.rank.0,
+                    "device": d.id(),
+                    "node": t.node_of(d).name(),
+                    "experts_per_layer_min": u.experts_per_layer_min,
+                    "experts_per_layer_max": u.experts_per_layer_max,
+                    "experts_total": u.experts_total,
+                    "routed_bytes": u.routed_bytes,
+                    "shared_bytes": u.shared_bytes,
+                    "used_bytes": u.total_bytes(),
+                    "budget_bytes": u.budget_bytes,
+                    "fits": u.fits(),
+                    "shortfall_bytes": u.total_bytes().saturating_sub(u.budget_bytes),
+                    "load_over_mean": self.after.load.per_device[u.rank.index()],
+                })
+            })
+            .collect();
+        json!({
+            "model": m.name,
+            "cluster": t.name(),
+            "fits": true,
+            "strategy": self.strategy,
+            "redundant_per_layer": self.redundant,
+            "shared": shared_text(t, p),
+            "load_source": self.load_source,
+            "memory": {
+                "devices": devices,
+                "used_bytes": p.usage(t, m).iter().map(|u| u.total_bytes()).sum::<u64>(),
+                "budget_bytes": t.total_expert_memory(),
+            },
+            "load": {
+                "before": self.before.map(|b| &b.load),
+                "after": &self.after.load,
+            },
+            "traffic": &self.after.traffic,
+            "traffic_before": self.before.map(|b| &b.traffic),
+            "traffic_without_coselection_placement": self.before_locality.map(|b| &b.traffic),
+            "roofline": self.chosen,
+            "roofline_sweep": self.sweep,
+            "figures": &self.hw.sources,
+            "notes": self.notes,
+            "warnings": self.warnings,
+            "written": self.written,
+        })
+    }
+}
