@@ -393,3 +393,41 @@ fn bad_batches_are_errors() {
     assert!(be.execute(&batch, &mut small).is_err());
     assert!(be.execute(&batch, &mut out).is_ok());
 }
+
+#[test]
+fn vector_swiglu_is_bit_identical_to_the_contract() {
+    use expertmesh_hip_kernels::contract::swiglu_contract;
+    let mut rng = SplitMix64::new(12);
+    let specials = [
+        0.0f32, -0.0, 1.0, -1.0, 87.0, -87.0, 88.5, -88.5, 1e-30, -1e-30, 1e30, -1e30, 3.4e38,
+        -3.4e38, 0.5, 20.0,
+    ];
+    for round in 0..2000 {
+        let mut g = [0f32; 16];
+        let mut u = [0f32; 16];
+        for i in 0..16 {
+            g[i] = if round == 0 {
+                specials[i]
+            } else {
+                (rng.normal() * [0.1, 3.0, 30.0, 200.0][round % 4]) as f32
+            };
+            u[i] = (rng.normal() * 2.0) as f32;
+        }
+        for isa in Isa::available() {
+            let mut out = [0f32; 16];
+            kernels::swiglu16(isa, &g, &u, &mut out);
+            for i in 0..16 {
+                let want = swiglu_contract(g[i], u[i]);
+                assert_eq!(
+                    out[i].to_bits(),
+                    want.to_bits(),
+                    "{isa:?} g={} u={}: {} vs {}",
+                    g[i],
+                    u[i],
+                    out[i],
+                    want
+                );
+            }
+        }
+    }
+}

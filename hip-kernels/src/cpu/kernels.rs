@@ -14,7 +14,7 @@
 //! PERF-CRITICAL: no allocation, no locking, no logging in this module.
 
 use super::layout::{R16Matrix, ROWS};
-use crate::contract::LANES;
+use crate::contract::{self, LANES};
 use crate::format::{BLOCK, ScaleDtype};
 
 /// Instruction set used by the CPU kernels.
@@ -122,13 +122,13 @@ pub fn rowblock_exact(
             unsafe {
                 match toks.len() {
                     1 => x86::exact_vnni_1(m, rb, &toks[0], &mut out[0]),
-                    2 => x86::exact_vnni_strided::<2>(m, rb, toks, out),
-                    3 => x86::exact_vnni_strided::<3>(m, rb, toks, out),
-                    4 => x86::exact_vnni_strided::<4>(m, rb, toks, out),
-                    5 => x86::exact_vnni_strided::<5>(m, rb, toks, out),
-                    6 => x86::exact_vnni_strided::<6>(m, rb, toks, out),
-                    7 => x86::exact_vnni_strided::<7>(m, rb, toks, out),
-                    8 => x86::exact_vnni_strided::<8>(m, rb, toks, out),
+                    2 => x86::exact_vnni_multi::<2>(m, rb, toks, out),
+                    3 => x86::exact_vnni_multi::<3>(m, rb, toks, out),
+                    4 => x86::exact_vnni_multi::<4>(m, rb, toks, out),
+                    5 => x86::exact_vnni_multi::<5>(m, rb, toks, out),
+                    6 => x86::exact_vnni_multi::<6>(m, rb, toks, out),
+                    7 => x86::exact_vnni_multi::<7>(m, rb, toks, out),
+                    8 => x86::exact_vnni_multi::<8>(m, rb, toks, out),
                     _ => {}
                 }
             }
@@ -212,6 +212,25 @@ fn exact_scalar(m: &R16Matrix, rb: usize, toks: &[TokenQ8<'_>], out: &mut [[f32;
             w /= 2;
         }
         out[t] = p[0];
+    }
+}
+
+/// The gate/up epilogue for 16 rows: `out[r] = silu(g[r]) * u[r]` exactly as
+/// [`contract::swiglu_contract`] computes it, 16 lanes at a time on AVX-512 (every lane performs
+/// the contract's operation sequence; bit-identical by construction and by test).
+pub fn swiglu16(isa: Isa, g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            assert!(out.len() >= ROWS);
+            // SAFETY: AVX-512 F is available; `out` holds at least 16 floats (asserted).
+            unsafe { x86::swiglu16_avx512(g, u, out) }
+        }
+        _ => {
+            for r in 0..ROWS {
+                out[r] = contract::swiglu_contract(g[r], u[r]);
+            }
+        }
     }
 }
 
@@ -363,6 +382,44 @@ mod x86 {
         p[0]
     }
 
+    /// [`super::swiglu16`] on AVX-512: the contract's `exp` sequence, lane by lane.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn swiglu16_avx512(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+        use crate::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
+        // SAFETY: g and u are 16 floats; out holds 16 (checked by the caller).
+        unsafe {
+            let gv = _mm512_loadu_ps(g.as_ptr());
+            let uv = _mm512_loadu_ps(u.as_ptr());
+            // v = -g (exact sign flip), clamped with max then min like the scalar code
+            let sign = _mm512_set1_epi32(i32::MIN);
+            let mut v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));
+            v = _mm512_min_ps(
+                _mm512_max_ps(v, _mm512_set1_ps(EXP_MIN)),
+                _mm512_set1_ps(EXP_MAX),
+            );
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, _mm512_set1_ps(LOG2E)),
+            );
+            let mut r = _mm512_sub_ps(v, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI)));
+            r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)));
+            let z = _mm512_mul_ps(r, r);
+            let mut p = _mm512_set1_ps(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+            }
+            p = _mm512_mul_ps(p, z);
+            p = _mm512_add_ps(p, r);
+            p = _mm512_add_ps(p, _mm512_set1_ps(1.0));
+            let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            )));
+            let e = _mm512_mul_ps(p, pow2);
+            let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
+        }
+    }
+
     /// Tiles prefetched ahead of use in the one-token kernel (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
 
@@ -454,12 +511,67 @@ mod x86 {
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tree512(&mut p)) };
     }
 
-    /// AVX-512 VNNI exact kernel for `T` tokens (2..=8, multi-token decode and prefill):
+    /// AVX-512 VNNI exact kernel for `T` tokens (2..=8): natural block order (a sequential
+    /// stream the hardware prefetcher follows, plus software prefetch ahead), the weight tile
+    /// unpacked once and used by all T tokens, each token's 16 partials kept in an L1-resident
+    /// array (too many for registers).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn exact_vnni_multi<const T: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[TokenQ8<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
+        let mut q = [std::ptr::null::<i32>(); T];
+        for t in 0..T {
+            q[t] = toks[t].q.as_ptr().cast::<i32>();
+        }
+        let mut p = [[_mm512_setzero_ps(); LANES]; T];
+        for b in 0..blocks {
+            if base_off + (b + PREFETCH_BLOCKS + 1) * 256 <= total {
+                let pf = nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
+                for line in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
+                }
+            }
+            // SAFETY: b < blocks; see `load_tile512` and `term512`.
+            unsafe {
+                let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
+                let l = b % LANES;
+                for t in 0..T {
+                    let tk = toks.get_unchecked(t);
+                    let term = term512(
+                        &w,
+                        q[t].add(b * 8),
+                        *tk.qsum.get_unchecked(b),
+                        *tk.d.get_unchecked(b),
+                    );
+                    p[t][l] = _mm512_add_ps(p[t][l], term);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: out[t] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), tree512(&mut p[t])) };
+        }
+    }
+
+    /// AVX-512 VNNI exact kernel for `T` tokens (2..=8), partial-major order (kept for
+    /// comparison in the micro-benchmarks):
     /// partials are visited one at a time (blocks l, l+16, l+32, ... for partial l, which is
     /// exactly the order the contract adds them in), so each token needs a single accumulator
     /// register and the unpacked weight tile is shared by all T tokens. The next row block is
     /// prefetched into L2 meanwhile, since this order is not a sequential stream.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(dead_code)]
     pub(super) unsafe fn exact_vnni_strided<const T: usize>(
         m: &R16Matrix,
         rb: usize,

@@ -22,44 +22,107 @@
 
 use crate::aligned::AlignedVec;
 use crate::format::{BLOCK, BLOCK_BYTES, PackedMatrix, QuantSpec};
+use std::ops::Range;
+use std::sync::Arc;
 
 /// Rows per row block (SIMD lanes).
 pub const ROWS: usize = 16;
 /// Bytes of nibbles per (row block, K block).
 pub const TILE_BYTES: usize = ROWS * BLOCK_BYTES;
 
-/// A packed matrix in the R16 layout.
+/// A packed matrix in the R16 layout: three regions (nibbles, scales, zero points) of a byte
+/// arena that may hold many matrices. The CPU backend packs all the experts of a device into one
+/// arena, so a few huge allocations (2 MiB pages) back every weight the kernels stream.
 #[derive(Clone, Debug)]
 pub struct R16Matrix {
     rows: usize,
     cols: usize,
     spec: QuantSpec,
-    nibbles: AlignedVec<u8>,
-    scales: AlignedVec<u16>,
-    zeros: Option<AlignedVec<u8>>,
+    arena: Arc<AlignedVec<u8>>,
+    nibbles: Range<usize>,
+    /// Byte range of the u16 scales (64-byte aligned start).
+    scales: Range<usize>,
+    zeros: Option<Range<usize>>,
+}
+
+fn pad64(n: usize) -> usize {
+    n.div_ceil(64) * 64
+}
+
+/// Byte sizes of the three regions of `m` in the R16 layout (nibbles, scales, zero points).
+fn region_sizes(m: &PackedMatrix) -> (usize, usize, usize) {
+    let rbs = m.rows().div_ceil(ROWS);
+    let nib = rbs * m.blocks_per_row() * TILE_BYTES;
+    let sc = rbs * m.groups_per_row() * ROWS * 2;
+    let z = if m.spec().zero_points {
+        rbs * m.groups_per_row() * ROWS
+    } else {
+        0
+    };
+    (nib, sc, z)
 }
 
 impl R16Matrix {
-    /// Repack a canonical matrix.
+    /// Arena bytes one matrix needs (each region 64-byte aligned).
+    pub fn footprint(m: &PackedMatrix) -> usize {
+        let (n, s, z) = region_sizes(m);
+        pad64(n) + pad64(s) + pad64(z)
+    }
+
+    /// Repack a canonical matrix into its own arena.
     pub fn from_canonical(m: &PackedMatrix) -> Self {
+        Self::pack_all(&[m]).pop().expect("one matrix")
+    }
+
+    /// Repack several matrices into one shared arena (in order).
+    pub fn pack_all(ms: &[&PackedMatrix]) -> Vec<Self> {
+        let total: usize = ms.iter().map(|m| Self::footprint(m)).sum();
+        let mut arena = AlignedVec::<u8>::zeroed(total.max(64));
+        let mut layout = Vec::with_capacity(ms.len());
+        let mut off = 0;
+        for m in ms {
+            let (n, s, z) = region_sizes(m);
+            let nib = off..off + n;
+            let sc = off + pad64(n)..off + pad64(n) + s;
+            let zr = (z > 0).then(|| off + pad64(n) + pad64(s)..off + pad64(n) + pad64(s) + z);
+            Self::write(m, &mut arena, nib.clone(), sc.clone(), zr.clone());
+            layout.push((nib, sc, zr));
+            off += Self::footprint(m);
+        }
+        let arena = Arc::new(arena);
+        ms.iter()
+            .zip(layout)
+            .map(|(m, (nibbles, scales, zeros))| Self {
+                rows: m.rows(),
+                cols: m.cols(),
+                spec: m.spec(),
+                arena: Arc::clone(&arena),
+                nibbles,
+                scales,
+                zeros,
+            })
+            .collect()
+    }
+
+    fn write(
+        m: &PackedMatrix,
+        arena: &mut [u8],
+        nib: Range<usize>,
+        sc: Range<usize>,
+        zr: Option<Range<usize>>,
+    ) {
         let rows = m.rows();
-        let cols = m.cols();
-        let rbs = rows.div_ceil(ROWS);
         let blocks = m.blocks_per_row();
         let groups = m.groups_per_row();
-        let mut nibbles = AlignedVec::<u8>::zeroed(rbs * blocks * TILE_BYTES);
-        nibbles.fill(0x88);
-        let mut scales = AlignedVec::<u16>::zeroed(rbs * groups * ROWS);
-        let mut zeros = m.spec().zero_points.then(|| {
-            let mut z = AlignedVec::<u8>::zeroed(rbs * groups * ROWS);
-            z.fill(8);
-            z
-        });
+        arena[nib.clone()].fill(0x88);
+        if let Some(z) = &zr {
+            arena[z.clone()].fill(8);
+        }
         for n in 0..rows {
             let (rb, r) = (n / ROWS, n % ROWS);
             let src = m.row_nibbles(n);
             for b in 0..blocks {
-                let tile = &mut nibbles[(rb * blocks + b) * TILE_BYTES..][..TILE_BYTES];
+                let tile = &mut arena[nib.start + (rb * blocks + b) * TILE_BYTES..][..TILE_BYTES];
                 let blk = &src[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 for c in 0..4 {
                     for i in 0..4 {
@@ -71,20 +134,28 @@ impl R16Matrix {
                 }
             }
             for g in 0..groups {
-                scales[(rb * groups + g) * ROWS + r] = m.row_scales(n)[g];
-                if let Some(z) = &mut zeros {
-                    z[(rb * groups + g) * ROWS + r] = m.zero(n, g);
+                let at = sc.start + ((rb * groups + g) * ROWS + r) * 2;
+                arena[at..at + 2].copy_from_slice(&m.row_scales(n)[g].to_ne_bytes());
+                if let Some(z) = &zr {
+                    arena[z.start + (rb * groups + g) * ROWS + r] = m.zero(n, g);
                 }
             }
         }
-        Self {
-            rows,
-            cols,
-            spec: m.spec(),
-            nibbles,
-            scales,
-            zeros,
-        }
+    }
+
+    fn nibble_bytes(&self) -> &[u8] {
+        &self.arena[self.nibbles.clone()]
+    }
+
+    fn scale_values(&self) -> &[u16] {
+        let bytes = &self.arena[self.scales.clone()];
+        // SAFETY: the region starts 64-byte aligned and holds whole u16 values written with
+        // to_ne_bytes; u16 has no invalid bit patterns.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<u16>(), bytes.len() / 2) }
+    }
+
+    fn zero_bytes(&self) -> Option<&[u8]> {
+        self.zeros.clone().map(|z| &self.arena[z])
     }
 
     /// Invert the repack.
@@ -106,8 +177,8 @@ impl R16Matrix {
                 }
             }
             for g in 0..groups {
-                m.scales_mut()[n * groups + g] = self.scales[(rb * groups + g) * ROWS + r];
-                if let Some(z) = &self.zeros {
+                m.scales_mut()[n * groups + g] = self.scale_values()[(rb * groups + g) * ROWS + r];
+                if let Some(z) = self.zero_bytes() {
                     m.set_zero(n, g, z[(rb * groups + g) * ROWS + r]);
                 }
             }
@@ -146,28 +217,28 @@ impl R16Matrix {
     /// Nibble tile `(rb, b)`, 256 bytes.
     #[inline(always)]
     pub fn tile(&self, rb: usize, b: usize) -> &[u8] {
-        &self.nibbles[(rb * self.blocks() + b) * TILE_BYTES..][..TILE_BYTES]
+        &self.nibble_bytes()[(rb * self.blocks() + b) * TILE_BYTES..][..TILE_BYTES]
     }
     /// All nibble tiles of row block `rb`, `[blocks][256]`.
     #[inline(always)]
     pub fn row_block_nibbles(&self, rb: usize) -> &[u8] {
         let n = self.blocks() * TILE_BYTES;
-        &self.nibbles[rb * n..(rb + 1) * n]
+        &self.nibble_bytes()[rb * n..(rb + 1) * n]
     }
     /// All scales of row block `rb`, `[groups][16]`.
     #[inline(always)]
     pub fn row_block_scales(&self, rb: usize) -> &[u16] {
         let n = self.groups() * ROWS;
-        &self.scales[rb * n..(rb + 1) * n]
+        &self.scale_values()[rb * n..(rb + 1) * n]
     }
     /// All zero points of row block `rb`, `[groups][16]`, when present.
     #[inline(always)]
     pub fn row_block_zeros(&self, rb: usize) -> Option<&[u8]> {
         let n = self.groups() * ROWS;
-        self.zeros.as_ref().map(|z| &z[rb * n..(rb + 1) * n])
+        self.zero_bytes().map(|z| &z[rb * n..(rb + 1) * n])
     }
     /// Bytes held (nibbles, scales, zeros).
     pub fn bytes(&self) -> usize {
-        self.nibbles.len() + 2 * self.scales.len() + self.zeros.as_ref().map_or(0, |z| z.len())
+        self.nibbles.len() + self.scales.len() + self.zeros.as_ref().map_or(0, |z| z.len())
     }
 }

@@ -202,24 +202,36 @@ impl ExpertBackend for CpuBackend {
         let mut list = Vec::with_capacity(experts.len());
         let mut bytes = 0u64;
         let mut max_inter = 0;
-        for (key, w) in experts {
+        for (key, w) in &experts {
             if w.hidden() != hidden {
                 return Err(BackendError::Shape(format!(
                     "{key} has hidden size {} but other experts have {hidden}",
                     w.hidden()
                 )));
             }
-            if index.insert(key, list.len()).is_some() {
+            if index.insert(*key, index.len()).is_some() {
                 return Err(BackendError::Shape(format!("{key} was given twice")));
             }
             bytes += w.bytes() as u64;
             max_inter = max_inter.max(w.inter());
+        }
+        // One arena for every matrix of the device (huge pages, one stream of allocations).
+        let mats: Vec<&crate::format::PackedMatrix> = experts
+            .iter()
+            .flat_map(|(_, w)| [w.w13(), w.w2()])
+            .collect();
+        let mut packed = R16Matrix::pack_all(&mats).into_iter();
+        for (_, w) in &experts {
+            let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
+                unreachable!("two matrices were packed per expert")
+            };
             list.push(CpuExpert {
                 inter: w.inter(),
-                w13: R16Matrix::from_canonical(w.w13()),
-                w2: R16Matrix::from_canonical(w.w2()),
+                w13,
+                w2,
             });
         }
+        drop(experts);
         let (t, p) = (limits.max_tokens, limits.max_pairs);
         let max_items_per_group =
             (2 * max_inter / 32).max(hidden.div_ceil(ROWS * W2_TILE_ROW_BLOCKS));
@@ -395,9 +407,7 @@ impl ExpertBackend for CpuBackend {
                                 16,
                             )
                         };
-                        for r in 0..16 {
-                            dst[r] = contract::swiglu_contract(gate[j][r], up[j][r]);
-                        }
+                        kernels::swiglu16(isa, &gate[j], &up[j], dst);
                     }
                 }
             });
@@ -414,7 +424,13 @@ impl ExpertBackend for CpuBackend {
             let hsrc = &sc.h;
             let group_pair0 = &sc.group_pair0;
             let group_expert = &sc.group_expert;
-            Self::run_items(pool, pairs, |p| {
+            // Quantizing is cheap: only worth waking the pool for many pairs.
+            let qpool = if pairs * max_inter >= 1 << 16 {
+                pool
+            } else {
+                None
+            };
+            Self::run_items(qpool, pairs, |p| {
                 let gi = group_pair0.partition_point(|&p0| p0 as usize <= p) - 1;
                 let f = experts[group_expert[gi] as usize].inter;
                 let nbm = max_inter / BLOCK;
