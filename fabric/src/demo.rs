@@ -48,7 +48,7 @@ pub struct DemoCli {
     #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
     link: LinkArg,
     /// Rounds over the (layer, batch) schedule.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 10)]
     rounds: usize,
     /// Concurrent frontend clients.
     #[arg(long, default_value_t = 4)]
