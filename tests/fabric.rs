@@ -558,3 +558,115 @@ fn up_serves_until_interrupted() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn a_worker_that_stops_answering_fails_only_the_requests_that_need_it_within_their_deadline() {
+    let mut opts = options(LinkKind::Tcp, ComputeMode::Exact);
+    opts.router.straggler_timeout = Duration::from_millis(300);
+    let fabric = LocalFabric::start(opts).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[1];
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    // cpu1 holds 16-31 (0-3 as replicas); tokens whose experts are all in 0..16 need only cpu0.
+    let (cpu0_only, needs_cpu1) = tokens_by_experts(&mut r, layer, 0..16);
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    fabric.signal_worker(1, libc::SIGSTOP).unwrap();
+    for x in &needs_cpu1 {
+        let t = Instant::now();
+        let res = rt.block_on(c.call(layer, x, h, None, Some(Duration::from_millis(1500))));
+        let took = t.elapsed();
+        // experts 16-19 have a replica on cpu0 (hedged after 300 ms); 20-31 do not
+        match res {
+            Ok(got) => {
+                let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+                assert_eq!(bits(&got), bits(&want));
+            }
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e.code(),
+                        Some(ErrorCode::DeadlineExceeded | ErrorCode::PeerUnavailable)
+                    ),
+                    "{e}"
+                );
+                assert!(e.to_string().contains("local/cpu1"), "{e}");
+            }
+        }
+        assert!(
+            took < Duration::from_millis(3000),
+            "answered after {took:?}, deadline 1.5 s"
+        );
+    }
+    for x in &cpu0_only {
+        let got = rt.block_on(c.call(layer, x, h, None, None)).unwrap();
+        let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "requests that do not need the stopped worker are served"
+        );
+    }
+    fabric.signal_worker(1, libc::SIGCONT).unwrap();
+    fabric.shutdown();
+}
+
+#[test]
+fn a_gpu_device_without_hip_falls_back_to_the_cpu_backend_with_a_log_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = dir.path().join("gpu-box.toml");
+    std::fs::write(
+        &topo,
+        r#"format = 1
+name = "gpu-box"
+[router]
+node = "box"
+port = 47500
+[[nodes]]
+name = "box"
+address = "127.0.0.1"
+control_port = 47501
+data_port = 47510
+intra_link = "pcie"
+intra_bandwidth_gb_s = 32
+nics = [ { name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 } ]
+devices = [
+  { name = "gpu0", kind = "gpu", arch = "gfx90a", expert_memory = "1 GiB", memory_bandwidth_gb_s = 1600, int8_tops = 362, bf16_tflops = 181, gpu_index = 0 },
+  { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
+]
+"#,
+    )
+    .unwrap();
+    let (placement, _guard) =
+        expertmesh_fabric::plan_default::balanced_placement_file(&topo, "demo-small").unwrap();
+    let mut o = LocalFabricOptions::new(&topo, "demo-small", &placement);
+    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
+    o.ephemeral_ports = true;
+    let fabric = LocalFabric::start(o).unwrap();
+    let log = std::fs::read_to_string(fabric.log_dir().join("worker-0.log")).unwrap();
+    assert!(
+        log.contains("falling back to the CPU backend"),
+        "worker 0 log:\n{log}"
+    );
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let x = reference::synthetic_hidden(2, 4, h);
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let got = rt.block_on(c.call(2, &x, h, None, None)).unwrap();
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (_, want) = r.layer(2, &x, ComputeMode::Exact);
+    assert_eq!(bits(&got), bits(&want));
+    fabric.shutdown();
+}

@@ -345,6 +345,22 @@ impl LocalFabric {
         &self.log_dir
     }
 
+    /// Send `signal` to worker `d`'s process (tests: SIGSTOP to make a worker stop answering,
+    /// SIGCONT to resume it).
+    pub fn signal_worker(&self, d: usize, signal: i32) -> anyhow::Result<()> {
+        let Some(c) = &self.workers[d] else {
+            bail!("worker {d} is not running")
+        };
+        // SAFETY: kill(2) on our own child's pid.
+        if unsafe { libc::kill(c.id() as i32, signal) } != 0 {
+            bail!(
+                "signal {signal} to worker {d}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    }
+
     /// Kill worker `d` (topology device rank) with SIGKILL.
     pub fn kill_worker(&mut self, d: usize) -> anyhow::Result<()> {
         if let Some(mut c) = self.workers[d].take() {

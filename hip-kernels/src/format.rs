@@ -566,6 +566,32 @@ impl PackedMatrix {
     }
 }
 
+impl PackedMatrix {
+    /// [`PackedMatrix::quantize`] from bfloat16 weights (widened to f32 exactly first).
+    pub fn quantize_bf16(
+        what: &'static str,
+        spec: QuantSpec,
+        rows: usize,
+        cols: usize,
+        dense: &[bf16],
+    ) -> Result<Self, FormatError> {
+        let wide: Vec<f32> = dense.iter().map(|v| v.to_f32()).collect();
+        Self::quantize(what, spec, rows, cols, &wide)
+    }
+
+    /// [`PackedMatrix::quantize`] from IEEE half weights (widened to f32 exactly first).
+    pub fn quantize_f16(
+        what: &'static str,
+        spec: QuantSpec,
+        rows: usize,
+        cols: usize,
+        dense: &[f16],
+    ) -> Result<Self, FormatError> {
+        let wide: Vec<f32> = dense.iter().map(|v| v.to_f32()).collect();
+        Self::quantize(what, spec, rows, cols, &wide)
+    }
+}
+
 fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), FormatError> {
     if expected == got {
         Ok(())
@@ -792,6 +818,25 @@ mod tests {
                 assert_eq!(row[b * 16 + j], lo | (hi << 4));
             }
         }
+    }
+
+    #[test]
+    fn half_precision_inputs_quantize_like_their_f32_values() {
+        let w: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 0.37).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let from_b = PackedMatrix::quantize_bf16("t", QuantSpec::G32_BF16, 2, 32, &wb).unwrap();
+        let wide_b: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(
+            from_b,
+            PackedMatrix::quantize("t", QuantSpec::G32_BF16, 2, 32, &wide_b).unwrap()
+        );
+        let from_h = PackedMatrix::quantize_f16("t", QuantSpec::G32_BF16, 2, 32, &wh).unwrap();
+        let wide_h: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(
+            from_h,
+            PackedMatrix::quantize("t", QuantSpec::G32_BF16, 2, 32, &wide_h).unwrap()
+        );
     }
 
     #[test]
