@@ -8,7 +8,6 @@
 //! same connection succeeds.
 
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
-use expertmesh_hip_kernels::backend::{BatchLimits, ExpertBackend, ExpertKey};
 use expertmesh_hip_kernels::contract::ComputeMode;
 use expertmesh_hip_kernels::cpu::CpuBackend;
 use expertmesh_router::client::{ClientError, RouterClient};
@@ -54,37 +53,8 @@ struct Reference {
 
 impl Reference {
     fn new(spec: &ModelSpec, seed: u64) -> Self {
-        let mut all = Vec::new();
-        for l in spec.moe_layer_ids() {
-            for e in 0..spec.routed_experts {
-                all.push((
-                    ExpertKey {
-                        layer: l,
-                        expert: e,
-                    },
-                    reference::synthetic_routed_expert(spec, seed, l, e).unwrap(),
-                ));
-            }
-            for i in 0..spec.shared_experts {
-                all.push((
-                    ExpertKey {
-                        layer: l,
-                        expert: spec.routed_experts + i,
-                    },
-                    reference::synthetic_shared_expert(spec, seed, l, i).unwrap(),
-                ));
-            }
-        }
-        let mut backend = CpuBackend::new(1).unwrap();
-        backend
-            .load(
-                all,
-                BatchLimits {
-                    max_tokens: 64,
-                    max_pairs: 64 * 8,
-                },
-            )
-            .unwrap();
+        let backend =
+            reference::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64).unwrap();
         Self {
             spec: spec.clone(),
             seed,

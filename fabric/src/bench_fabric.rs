@@ -10,9 +10,7 @@
 use crate::bench_json::{BenchReport, BenchResult};
 use crate::local::{LocalFabric, LocalFabricOptions};
 use anyhow::anyhow;
-use expertmesh_hip_kernels::backend::{BatchLimits, ExpertBackend, ExpertKey};
 use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::CpuBackend;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
@@ -92,32 +90,8 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
     let maxb = o.batches.iter().copied().max().unwrap_or(64);
 
     // The in-process limit: the whole layer on one backend.
-    let mut all = Vec::new();
-    for e in 0..spec.routed_experts {
-        all.push((
-            ExpertKey { layer, expert: e },
-            reference::synthetic_routed_expert(&spec, dep.seed, layer, e)?,
-        ));
-    }
-    for i in 0..spec.shared_experts {
-        all.push((
-            ExpertKey {
-                layer,
-                expert: spec.routed_experts + i,
-            },
-            reference::synthetic_shared_expert(&spec, dep.seed, layer, i)?,
-        ));
-    }
-    let mut backend = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
-    backend
-        .load(
-            all,
-            BatchLimits {
-                max_tokens: maxb,
-                max_pairs: maxb * (spec.top_k + spec.shared_experts) as usize,
-            },
-        )
-        .map_err(|e| anyhow!("{e}"))?;
+    let mut backend = reference::reference_backend(&spec, dep.seed, &[layer], threads, maxb)
+        .map_err(|e| anyhow!(e))?;
     let gate = reference::synthetic_gate(&spec, dep.seed, layer);
     let mut limits = Vec::new();
     for &b in &o.batches {

@@ -12,9 +12,7 @@ use crate::cmd_fabric::{LinkArg, ModeArg, RouterArgs};
 use crate::local::{LocalFabric, LocalFabricOptions};
 use anyhow::{Context, anyhow};
 use clap::Args;
-use expertmesh_hip_kernels::backend::{BatchLimits, ExpertBackend};
 use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::CpuBackend;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::reference;
 use std::collections::BTreeSet;
@@ -230,39 +228,10 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         .map_err(|_| anyhow!("clients still hold the calls"))?
         .into_inner()
         .unwrap_or_else(|e| e.into_inner());
-    let mut backend = CpuBackend::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .map_err(|e| anyhow!("{e}"))?;
-    let mut all = Vec::new();
-    for &l in &layers {
-        for e in 0..spec.routed_experts {
-            all.push((
-                expertmesh_hip_kernels::backend::ExpertKey {
-                    layer: l,
-                    expert: e,
-                },
-                reference::synthetic_routed_expert(&spec, dep.seed, l, e)?,
-            ));
-        }
-        for i in 0..spec.shared_experts {
-            all.push((
-                expertmesh_hip_kernels::backend::ExpertKey {
-                    layer: l,
-                    expert: spec.routed_experts + i,
-                },
-                reference::synthetic_shared_expert(&spec, dep.seed, l, i)?,
-            ));
-        }
-    }
     let maxb = cli.batches.iter().copied().max().unwrap_or(1);
-    backend
-        .load(
-            all,
-            BatchLimits {
-                max_tokens: maxb,
-                max_pairs: maxb * (spec.top_k + spec.shared_experts) as usize,
-            },
-        )
-        .map_err(|e| anyhow!("{e}"))?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut backend = reference::reference_backend(&spec, dep.seed, &layers, threads, maxb)
+        .map_err(|e| anyhow!(e))?;
     let gates: std::collections::HashMap<u32, _> = layers
         .iter()
         .map(|&l| (l, reference::synthetic_gate(&spec, dep.seed, l)))

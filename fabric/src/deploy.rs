@@ -247,16 +247,7 @@ pub fn load_device_experts(
         }
         if matches!(dep.placement.shared_location(layer), Some(SharedLocation::Device(x)) if x == d)
         {
-            for i in 0..spec.shared_experts {
-                let w = reference::synthetic_shared_expert(spec, dep.seed, layer, i)?;
-                out.push((
-                    ExpertKey {
-                        layer,
-                        expert: spec.routed_experts + i,
-                    },
-                    w,
-                ));
-            }
+            push_shared(dep, layer, &mut out)?;
         }
     }
     Ok(out)
@@ -266,28 +257,37 @@ pub fn load_device_experts(
 pub fn load_router_shared_experts(
     dep: &Deployment,
 ) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
-    let spec = &dep.spec;
     let mut out = Vec::new();
-    for layer in spec.moe_layer_ids() {
-        if spec.shared_experts > 0
-            && !matches!(
-                dep.placement.shared_location(layer),
-                Some(SharedLocation::Device(_))
-            )
-        {
-            for i in 0..spec.shared_experts {
-                let w = reference::synthetic_shared_expert(spec, dep.seed, layer, i)?;
-                out.push((
-                    ExpertKey {
-                        layer,
-                        expert: spec.routed_experts + i,
-                    },
-                    w,
-                ));
-            }
+    for layer in dep.spec.moe_layer_ids() {
+        if !matches!(
+            dep.placement.shared_location(layer),
+            Some(SharedLocation::Device(_))
+        ) {
+            push_shared(dep, layer, &mut out)?;
         }
     }
     Ok(out)
+}
+
+/// Append `layer`'s shared experts (keys `routed_experts + i`).
+fn push_shared(
+    dep: &Deployment,
+    layer: u32,
+    out: &mut Vec<(ExpertKey, ExpertWeights)>,
+) -> anyhow::Result<()> {
+    let spec = &dep.spec;
+    for i in 0..spec.shared_experts {
+        let w = reference::synthetic_shared_expert(spec, dep.seed, layer, i)
+            .with_context(|| format!("generating layer {layer} shared expert {i}"))?;
+        out.push((
+            ExpertKey {
+                layer,
+                expert: spec.routed_experts + i,
+            },
+            w,
+        ));
+    }
+    Ok(())
 }
 
 /// The shared secret from `EXPERTMESH_SECRET` or the file named by `EXPERTMESH_SECRET_FILE`.

@@ -110,6 +110,58 @@ pub fn synthetic_layer(
     })
 }
 
+/// Every expert of `layers`, keyed the way backends and workers key them: routed experts
+/// `(layer, e)`, shared experts `(layer, routed_experts + i)`.
+pub fn synthetic_keyed_experts(
+    spec: &ModelSpec,
+    seed: u64,
+    layers: &[u32],
+) -> Result<Vec<(ExpertKey, ExpertWeights)>, FormatError> {
+    let mut all = Vec::new();
+    for &layer in layers {
+        for e in 0..spec.routed_experts {
+            all.push((
+                ExpertKey { layer, expert: e },
+                synthetic_routed_expert(spec, seed, layer, e)?,
+            ));
+        }
+        for i in 0..spec.shared_experts {
+            let key = ExpertKey {
+                layer,
+                expert: spec.routed_experts + i,
+            };
+            all.push((key, synthetic_shared_expert(spec, seed, layer, i)?));
+        }
+    }
+    Ok(all)
+}
+
+/// The fast in-process reference: one CPU backend (bit-identical to the scalar oracle in exact
+/// mode) holding every expert of `layers`, for batches up to `max_tokens`; run layers on it
+/// with [`moe_layer_backend`].
+pub fn reference_backend(
+    spec: &ModelSpec,
+    seed: u64,
+    layers: &[u32],
+    threads: usize,
+    max_tokens: usize,
+) -> Result<expertmesh_hip_kernels::cpu::CpuBackend, String> {
+    let experts = synthetic_keyed_experts(spec, seed, layers).map_err(|e| e.to_string())?;
+    let mut backend =
+        expertmesh_hip_kernels::cpu::CpuBackend::new(threads).map_err(|e| e.to_string())?;
+    let slots = (spec.top_k + spec.shared_experts) as usize;
+    backend
+        .load(
+            experts,
+            expertmesh_hip_kernels::backend::BatchLimits {
+                max_tokens,
+                max_pairs: max_tokens * slots,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    Ok(backend)
+}
+
 /// Combine per-slot expert outputs and shared-expert outputs for one token, per contract §5:
 /// `acc = +0; acc = acc + w[s] * y[s]` in slot order, then `acc + shared[0] + shared[1] ...`.
 pub fn combine_token(
