@@ -356,14 +356,18 @@ mod x86 {
                     _mm512_mullo_epi32(z, _mm512_set1_epi32(qsum)),
                 ),
             };
-            let mut acc = _mm512_dpbusd_epi32(corr, w.lo[0], _mm512_set1_epi32(q.read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.lo[1], _mm512_set1_epi32(q.add(1).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.lo[2], _mm512_set1_epi32(q.add(2).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.lo[3], _mm512_set1_epi32(q.add(3).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.hi[0], _mm512_set1_epi32(q.add(4).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.hi[1], _mm512_set1_epi32(q.add(5).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.hi[2], _mm512_set1_epi32(q.add(6).read_unaligned()));
-            acc = _mm512_dpbusd_epi32(acc, w.hi[3], _mm512_set1_epi32(q.add(7).read_unaligned()));
+            let mut acc = corr;
+            for c in 0..4 {
+                acc =
+                    _mm512_dpbusd_epi32(acc, w.lo[c], _mm512_set1_epi32(q.add(c).read_unaligned()));
+            }
+            for c in 0..4 {
+                acc = _mm512_dpbusd_epi32(
+                    acc,
+                    w.hi[c],
+                    _mm512_set1_epi32(q.add(4 + c).read_unaligned()),
+                );
+            }
             let sd = _mm512_mul_ps(w.s, _mm512_set1_ps(d));
             _mm512_mul_ps(sd, _mm512_cvtepi32_ps(acc))
         }
@@ -611,57 +615,13 @@ mod x86 {
                         let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
                         // Σ over 8 pmaddubsw results stays within i16: each is at most
                         // 2·15·127 = 3810 in magnitude, eight of them 30480 < 32767.
-                        let mut s16 =
-                            _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(q.read_unaligned()));
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                lo[1],
-                                _mm256_set1_epi32(q.add(1).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                lo[2],
-                                _mm256_set1_epi32(q.add(2).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                lo[3],
-                                _mm256_set1_epi32(q.add(3).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                hi[0],
-                                _mm256_set1_epi32(q.add(4).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                hi[1],
-                                _mm256_set1_epi32(q.add(5).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                hi[2],
-                                _mm256_set1_epi32(q.add(6).read_unaligned()),
-                            ),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(
-                                hi[3],
-                                _mm256_set1_epi32(q.add(7).read_unaligned()),
-                            ),
-                        );
+                        let mut s16 = _mm256_setzero_si256();
+                        for c in 0..4 {
+                            let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
+                            let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], ql));
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], qh));
+                        }
                         let acc = _mm256_madd_epi16(s16, ones);
                         let qs = *toks[t].qsum.get_unchecked(b);
                         let corr = match z {
