@@ -62,6 +62,65 @@ impl<T> SharedMut<T> {
     }
 }
 
+/// Where the activations of a kernel's input rows live: row `r` is `q[r·stride..][..len]`,
+/// `d`/`qsum` at `r·block_stride`, and `f32[r·stride..][..len]` (exact mode reads the first
+/// three, accurate mode the last).
+#[derive(Clone, Copy)]
+struct RowSource<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    qsum: &'a [i32],
+    f32: &'a [f32],
+    stride: usize,
+    len: usize,
+}
+
+/// The inputs of one token tile, gathered once and used for every row block of the tile (a
+/// stack value built per tile, so the variants' size difference costs nothing).
+#[allow(clippy::large_enum_variant)]
+enum TileInputs<'a> {
+    Exact([TokenQ8<'a>; MAX_TOKEN_TILE]),
+    Accurate([&'a [f32]; MAX_TOKEN_TILE]),
+}
+
+impl<'a> TileInputs<'a> {
+    fn gather(mode: ComputeMode, src: &RowSource<'a>, rows: impl Iterator<Item = usize>) -> Self {
+        let (s, len, bs, nb) = (src.stride, src.len, src.stride / BLOCK, src.len / BLOCK);
+        match mode {
+            ComputeMode::Exact => {
+                let mut t = [TokenQ8 {
+                    q: &[],
+                    d: &[],
+                    qsum: &[],
+                }; MAX_TOKEN_TILE];
+                for (j, r) in rows.enumerate() {
+                    t[j] = TokenQ8 {
+                        q: &src.q[r * s..r * s + len],
+                        d: &src.d[r * bs..r * bs + nb],
+                        qsum: &src.qsum[r * bs..r * bs + nb],
+                    };
+                }
+                TileInputs::Exact(t)
+            }
+            ComputeMode::Accurate => {
+                let mut t: [&[f32]; MAX_TOKEN_TILE] = [&[]; MAX_TOKEN_TILE];
+                for (j, r) in rows.enumerate() {
+                    t[j] = &src.f32[r * s..r * s + len];
+                }
+                TileInputs::Accurate(t)
+            }
+        }
+    }
+
+    /// Rows `16rb..16rb+16` of `m` for the first `n` tokens of the tile.
+    fn run(&self, isa: Isa, m: &R16Matrix, rb: usize, n: usize, out: &mut [[f32; ROWS]]) {
+        match self {
+            TileInputs::Exact(t) => kernels::rowblock_exact(isa, m, rb, &t[..n], out),
+            TileInputs::Accurate(t) => kernels::rowblock_accurate(isa, m, rb, &t[..n], out),
+        }
+    }
+}
+
 /// Preallocated per-batch state.
 #[derive(Debug)]
 struct Scratch {
@@ -331,6 +390,14 @@ impl ExpertBackend for CpuBackend {
                 sc.items.push((gi as u32, tile as u32));
             }
         }
+        let xsrc = RowSource {
+            q: xq,
+            d: xd,
+            qsum: xqs,
+            f32: xf,
+            stride: h,
+            len: h,
+        };
         let hbuf = SharedMut(sc.h.as_mut_ptr());
         {
             let items = &sc.items;
@@ -341,62 +408,13 @@ impl ExpertBackend for CpuBackend {
                 let g = &batch.groups[gi as usize];
                 let ex = &experts[group_expert[gi as usize] as usize];
                 let p0 = group_pair0[gi as usize] as usize;
-                let nb = h / BLOCK;
                 let mut gate = [[0f32; ROWS]; MAX_TOKEN_TILE];
                 let mut up = [[0f32; ROWS]; MAX_TOKEN_TILE];
                 for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
                     let n = toks.len();
-                    match mode {
-                        ComputeMode::Exact => {
-                            let mut tq = [TokenQ8 {
-                                q: &[],
-                                d: &[],
-                                qsum: &[],
-                            }; MAX_TOKEN_TILE];
-                            for (j, &t) in toks.iter().enumerate() {
-                                let t = t as usize;
-                                tq[j] = TokenQ8 {
-                                    q: &xq[t * h..(t + 1) * h],
-                                    d: &xd[t * nb..(t + 1) * nb],
-                                    qsum: &xqs[t * nb..(t + 1) * nb],
-                                };
-                            }
-                            kernels::rowblock_exact(
-                                isa,
-                                &ex.w13,
-                                2 * tile as usize,
-                                &tq[..n],
-                                &mut gate,
-                            );
-                            kernels::rowblock_exact(
-                                isa,
-                                &ex.w13,
-                                2 * tile as usize + 1,
-                                &tq[..n],
-                                &mut up,
-                            );
-                        }
-                        ComputeMode::Accurate => {
-                            let mut tx: [&[f32]; MAX_TOKEN_TILE] = [&[]; MAX_TOKEN_TILE];
-                            for (j, &t) in toks.iter().enumerate() {
-                                tx[j] = &xf[t as usize * h..(t as usize + 1) * h];
-                            }
-                            kernels::rowblock_accurate(
-                                isa,
-                                &ex.w13,
-                                2 * tile as usize,
-                                &tx[..n],
-                                &mut gate,
-                            );
-                            kernels::rowblock_accurate(
-                                isa,
-                                &ex.w13,
-                                2 * tile as usize + 1,
-                                &tx[..n],
-                                &mut up,
-                            );
-                        }
-                    }
+                    let inputs = TileInputs::gather(mode, &xsrc, toks.iter().map(|&t| t as usize));
+                    inputs.run(isa, &ex.w13, 2 * tile as usize, n, &mut gate);
+                    inputs.run(isa, &ex.w13, 2 * tile as usize + 1, n, &mut up);
                     for j in 0..n {
                         let pair = p0 + ci * MAX_TOKEN_TILE + j;
                         // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
@@ -472,7 +490,6 @@ impl ExpertBackend for CpuBackend {
                 let ex = &experts[group_expert[gi as usize] as usize];
                 let p0 = group_pair0[gi as usize] as usize;
                 let f = ex.inter;
-                let nbm = max_inter / BLOCK;
                 let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
                 let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
                 let mut y = [[0f32; ROWS]; MAX_TOKEN_TILE];
@@ -480,32 +497,15 @@ impl ExpertBackend for CpuBackend {
                     for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
                         let n = toks.len();
                         let pb = p0 + ci * MAX_TOKEN_TILE;
-                        match mode {
-                            ComputeMode::Exact => {
-                                let mut tq = [TokenQ8 {
-                                    q: &[],
-                                    d: &[],
-                                    qsum: &[],
-                                }; MAX_TOKEN_TILE];
-                                for (j, tqj) in tq.iter_mut().enumerate().take(n) {
-                                    let p = pb + j;
-                                    *tqj = TokenQ8 {
-                                        q: &hq[p * max_inter..p * max_inter + f],
-                                        d: &hd[p * nbm..p * nbm + f / BLOCK],
-                                        qsum: &hqs[p * nbm..p * nbm + f / BLOCK],
-                                    };
-                                }
-                                kernels::rowblock_exact(isa, &ex.w2, rb, &tq[..n], &mut y);
-                            }
-                            ComputeMode::Accurate => {
-                                let mut tx: [&[f32]; MAX_TOKEN_TILE] = [&[]; MAX_TOKEN_TILE];
-                                for (j, txj) in tx.iter_mut().enumerate().take(n) {
-                                    let p = pb + j;
-                                    *txj = &hf[p * max_inter..p * max_inter + f];
-                                }
-                                kernels::rowblock_accurate(isa, &ex.w2, rb, &tx[..n], &mut y);
-                            }
-                        }
+                        let hsrc = RowSource {
+                            q: hq,
+                            d: hd,
+                            qsum: hqs,
+                            f32: hf,
+                            stride: max_inter,
+                            len: f,
+                        };
+                        TileInputs::gather(mode, &hsrc, pb..pb + n).run(isa, &ex.w2, rb, n, &mut y);
                         let rows = ROWS.min(h - rb * ROWS);
                         for j in 0..n {
                             let local = ci * MAX_TOKEN_TILE + j;
