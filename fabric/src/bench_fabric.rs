@@ -46,22 +46,12 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
         .tempdir()?;
-    let topology = match &o.topology {
-        Some(p) => p.clone(),
-        None => {
-            let p = tmp.path().join("single-host.toml");
-            std::fs::write(&p, crate::demo::SINGLE_HOST_TOPOLOGY)?;
-            p
-        }
-    };
-    let placement = match &o.placement {
-        Some(p) => p.clone(),
-        None => {
-            let p = tmp.path().join("placement.toml");
-            std::fs::write(&p, crate::demo::SINGLE_HOST_PLACEMENT)?;
-            p
-        }
-    };
+    let (topology, placement, _planned) = crate::demo::local_files(
+        tmp.path(),
+        o.topology.as_deref(),
+        &o.model,
+        o.placement.as_deref(),
+    )?;
     let mut report = BenchReport::new();
     let dep = crate::deploy::Deployment::load(&topology, &o.model, &placement, 42)?;
     let spec = dep.spec.clone();

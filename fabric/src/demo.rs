@@ -27,6 +27,37 @@ pub const SINGLE_HOST_TOPOLOGY: &str = include_str!("../../examples/single-host.
 pub const SINGLE_HOST_PLACEMENT: &str =
     include_str!("../../examples/single-host-demo-small.placement.toml");
 
+/// The files a local run uses: the given ones, or the embedded single-host topology and (for
+/// `demo-small`) its placement written to `dir`, or a balanced plan. The returned guard keeps a
+/// planned placement's temporary file alive.
+pub fn local_files(
+    dir: &std::path::Path,
+    topology: Option<&std::path::Path>,
+    model: &str,
+    placement: Option<&std::path::Path>,
+) -> anyhow::Result<(PathBuf, PathBuf, Option<tempfile::TempDir>)> {
+    let topo = match topology {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let p = dir.join("single-host.toml");
+            std::fs::write(&p, SINGLE_HOST_TOPOLOGY)?;
+            p
+        }
+    };
+    Ok(match placement {
+        Some(p) => (topo, p.to_path_buf(), None),
+        None if model == "demo-small" && topology.is_none() => {
+            let p = dir.join("single-host-demo-small.placement.toml");
+            std::fs::write(&p, SINGLE_HOST_PLACEMENT)?;
+            (topo, p, None)
+        }
+        None => {
+            let (p, guard) = crate::plan_default::balanced_placement_file(&topo, model)?;
+            (topo, p, guard)
+        }
+    })
+}
+
 /// `expertmesh demo`.
 #[derive(Args, Debug)]
 pub struct DemoCli {
@@ -78,28 +109,12 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-demo-")
         .tempdir()?;
-    let topology = match &cli.topology {
-        Some(p) => p.clone(),
-        None => {
-            let p = tmp.path().join("single-host.toml");
-            std::fs::write(&p, SINGLE_HOST_TOPOLOGY)?;
-            p
-        }
-    };
-    let mut _planned = None;
-    let placement = match &cli.placement {
-        Some(p) => p.clone(),
-        None if cli.model == "demo-small" && cli.topology.is_none() => {
-            let p = tmp.path().join("single-host-demo-small.placement.toml");
-            std::fs::write(&p, SINGLE_HOST_PLACEMENT)?;
-            p
-        }
-        None => {
-            let (p, guard) = crate::plan_default::balanced_placement_file(&topology, &cli.model)?;
-            _planned = guard;
-            p
-        }
-    };
+    let (topology, placement, _planned) = local_files(
+        tmp.path(),
+        cli.topology.as_deref(),
+        &cli.model,
+        cli.placement.as_deref(),
+    )?;
     let mode: ComputeMode = cli.router.mode.into();
     let mut opts = LocalFabricOptions::new(&topology, &cli.model, &placement);
     opts.link = cli.link.into();
