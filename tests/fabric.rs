@@ -120,6 +120,27 @@ fn exact_end_to_end(link: LinkKind) {
     let lw = reference::synthetic_layer(&spec, fabric.deployment().seed, layer).unwrap();
     let (_, oracle) = reference::moe_layer(&spec, &lw, &x, ComputeMode::Exact).unwrap();
     assert_eq!(bits(&got), bits(&oracle));
+    // router logits from the frontend: the router gates with them instead of its gate matrix
+    // (here the same logits, so the same answer; and different logits change the routing)
+    let gate = reference::synthetic_gate(&spec, fabric.deployment().seed, layer);
+    let logits = gate.logits(&x);
+    let got_l = rt
+        .block_on(client.call(layer, &x, h, Some(&logits), None))
+        .unwrap();
+    assert_eq!(
+        bits(&got_l),
+        bits(&oracle),
+        "frontend logits equal to the gate's give the same output"
+    );
+    let flipped: Vec<f32> = logits.iter().map(|v| -v).collect();
+    let got_f = rt
+        .block_on(client.call(layer, &x, h, Some(&flipped), None))
+        .unwrap();
+    assert_ne!(
+        bits(&got_f),
+        bits(&oracle),
+        "the router used the frontend's logits"
+    );
     // bf16 input: the router decodes it exactly, so the reference sees the bf16-rounded values.
     let xb: Vec<f32> = x
         .iter()
@@ -131,7 +152,7 @@ fn exact_end_to_end(link: LinkKind) {
     let (_, want) = reference.layer(layer, &xb, ComputeMode::Exact);
     assert_eq!(bits(&got), bits(&want), "bf16 input");
     let stats = fabric.service().stats();
-    assert!(stats.responses >= 14 && stats.failures == 0, "{stats:?}");
+    assert!(stats.responses >= 16 && stats.failures == 0, "{stats:?}");
     fabric.shutdown();
 }
 
