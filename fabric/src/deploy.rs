@@ -27,8 +27,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Largest frame on the worker mesh (dispatch payloads and per-slot results).
-pub const MAX_FRAME_BYTES: usize = 32 << 20;
+/// Largest frame on the worker mesh (dispatch payloads and per-slot results). A Kimi-sized
+/// micro-batch of 32 tokens returns 32 × 9 slots × 7168 × 4 B = 8.3 MB of per-slot rows.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+/// Bytes of each shared-memory ring (one per direction per worker): two maximum frames, so
+/// the credit window (the same two frames) always fits.
+pub const SHM_RING_BYTES: usize = 2 * MAX_FRAME_BYTES + 256;
 
 /// A deployment: the validated files plus the wire settings both sides derive from them.
 #[derive(Clone, Debug)]
@@ -163,10 +168,10 @@ impl Deployment {
             max_frame_bytes: MAX_FRAME_BYTES,
             payload_checksum: false,
         };
-        cfg.protocol.recv_window_bytes = 4 * MAX_FRAME_BYTES as u64;
+        cfg.protocol.recv_window_bytes = 2 * MAX_FRAME_BYTES as u64;
         cfg.protocol.idle_timeout = Duration::from_secs(5);
         cfg.protocol.heartbeat_interval = Duration::from_millis(500);
-        cfg.shm.ring_bytes = 4 * MAX_FRAME_BYTES + 256;
+        cfg.shm.ring_bytes = SHM_RING_BYTES;
         cfg
     }
 
