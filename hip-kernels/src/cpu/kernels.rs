@@ -424,8 +424,23 @@ mod x86 {
         }
     }
 
-    /// Tiles prefetched ahead of use in the one-token kernel (16 tiles = 4 KiB).
+    /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
+
+    /// Prefetch the tile `PREFETCH_BLOCKS` after tile `b` of the row block starting at byte
+    /// `base_off` of the matrix's `total` nibble bytes. Addresses past the row block continue
+    /// into the next one (row blocks are contiguous); nothing past the matrix is touched;
+    /// `wrapping_add` keeps the arithmetic defined and prefetches never fault.
+    #[inline(always)]
+    fn prefetch_ahead(nib: *const u8, base_off: usize, total: usize, b: usize) {
+        if base_off + (b + PREFETCH_BLOCKS + 1) * 256 <= total {
+            let pf = nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
+            for line in 0..4 {
+                // SAFETY: a prefetch is a hint; the address lies inside the matrix.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+            }
+        }
+    }
 
     /// AVX-512 VNNI exact kernel for one token (decode): blocks in natural order so the
     /// hardware prefetcher streams the row block from DRAM; the 16 partial sums stay in
@@ -446,23 +461,14 @@ mod x86 {
         let q = tok.q.as_ptr().cast::<i32>();
         let mut p = [_mm512_setzero_ps(); LANES];
         let mut b = 0;
-        // Software prefetch PREFETCH_BLOCKS tiles ahead: DRAM latency needs more bytes in flight
-        // than the out-of-order window holds at this compute rate. Addresses past the row block
-        // continue into the next one (row blocks are contiguous); `wrapping_add` keeps the
-        // pointer arithmetic defined and prefetches never fault.
+        // Software prefetch ahead (`prefetch_ahead`): DRAM latency needs more bytes in flight
+        // than the out-of-order window holds at this compute rate.
         let total = m.row_blocks() * blocks * 256;
         let base_off = rb * blocks * 256;
         macro_rules! step {
             ($j:expr) => {{
                 let bb = b + $j;
-                let ahead = base_off + (bb + PREFETCH_BLOCKS) * 256;
-                if ahead + 256 <= total {
-                    let pf = nib.wrapping_add((bb + PREFETCH_BLOCKS) * 256);
-                    _mm_prefetch::<_MM_HINT_T0>(pf.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(128).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(192).cast());
-                }
+                prefetch_ahead(nib, base_off, total, bb);
                 // SAFETY: bb < blocks; see `load_tile512` and `term512`.
                 unsafe {
                     let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
@@ -540,12 +546,7 @@ mod x86 {
         }
         let mut p = [[_mm512_setzero_ps(); LANES]; T];
         for b in 0..blocks {
-            if base_off + (b + PREFETCH_BLOCKS + 1) * 256 <= total {
-                let pf = nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
-                for line in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
-                }
-            }
+            prefetch_ahead(nib, base_off, total, b);
             // SAFETY: b < blocks; see `load_tile512` and `term512`.
             unsafe {
                 let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
