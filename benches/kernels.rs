@@ -7,16 +7,16 @@
 //! with `expertmesh bench kernels`, which also measures the machine's read bandwidth.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use expertmesh_hip_kernels::backend::{
+use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::CpuBackend;
-use expertmesh_hip_kernels::cpu::kernels::{self, Isa, TokenQ8};
-use expertmesh_hip_kernels::cpu::layout::R16Matrix;
-use expertmesh_hip_kernels::format::QuantSpec;
-use expertmesh_hip_kernels::reference::QuantizedVec;
-use expertmesh_hip_kernels::synth::{self, SplitMix64};
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_cpu_backend::kernels::{self, Isa, TokenQ8};
+use expertmesh_cpu_backend::layout::R16Matrix;
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::format::QuantSpec;
+use expertmesh_quant::reference::QuantizedVec;
+use expertmesh_quant::synth::{self, SplitMix64};
 use std::hint::black_box;
 
 fn row_block(c: &mut Criterion) {

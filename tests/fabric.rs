@@ -7,9 +7,9 @@
 //! rejoins; every bad-input case is answered with an error and the next good request on the
 //! same connection succeeds.
 
+use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::CpuBackend;
+use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientError, RouterClient};
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
@@ -54,7 +54,8 @@ struct Reference {
 impl Reference {
     fn new(spec: &ModelSpec, seed: u64) -> Self {
         let backend =
-            reference::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64).unwrap();
+            expertmesh_worker::weights::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64)
+                .unwrap();
         Self {
             spec: spec.clone(),
             seed,
@@ -165,7 +166,7 @@ fn exact_over_tcp_is_bit_identical_to_the_reference() {
 fn exact_over_shared_memory_is_bit_identical_to_the_reference() {
     // Two workers, two rings each. Without that much free /dev/shm the links would (correctly)
     // fall back to TCP; say so instead of passing as a TCP run.
-    let need = 4 * expertmesh_fabric::deploy::SHM_RING_BYTES as u64;
+    let need = 4 * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
     let free = shm_free_bytes();
     if free < need {
         use std::io::Write;

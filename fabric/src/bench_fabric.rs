@@ -10,7 +10,7 @@
 use crate::bench_json::{BenchReport, BenchResult};
 use crate::local::{LocalFabric, LocalFabricOptions};
 use anyhow::anyhow;
-use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
@@ -53,7 +53,7 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
         o.placement.as_deref(),
     )?;
     let mut report = BenchReport::new();
-    let dep = crate::deploy::Deployment::load(&topology, &o.model, &placement, 42)?;
+    let dep = expertmesh_worker::deploy::Deployment::load(&topology, &o.model, &placement, 42)?;
     let spec = dep.spec.clone();
     let h = spec.hidden as usize;
     let layer = spec.moe_layer_ids()[0];
@@ -80,8 +80,9 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
     let maxb = o.batches.iter().copied().max().unwrap_or(64);
 
     // The in-process limit: the whole layer on one backend.
-    let mut backend = reference::reference_backend(&spec, dep.seed, &[layer], threads, maxb)
-        .map_err(|e| anyhow!(e))?;
+    let mut backend =
+        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &[layer], threads, maxb)
+            .map_err(|e| anyhow!(e))?;
     let gate = reference::synthetic_gate(&spec, dep.seed, layer);
     let mut limits = Vec::new();
     for &b in &o.batches {

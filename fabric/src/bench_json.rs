@@ -131,13 +131,11 @@ impl BenchReport {
         }
         machine.extra.insert(
             "llc_bytes".into(),
-            expertmesh_hip_kernels::cpu::membw::last_level_cache_bytes().into(),
+            expertmesh_cpu_backend::membw::last_level_cache_bytes().into(),
         );
         machine.extra.insert(
             "cpu_isa".into(),
-            expertmesh_hip_kernels::cpu::kernels::Isa::detect()
-                .name()
-                .into(),
+            expertmesh_cpu_backend::kernels::Isa::detect().name().into(),
         );
         Self {
             machine,

@@ -8,12 +8,12 @@
 //! several times larger than the last-level cache, so every expert is read from DRAM.
 
 use crate::bench_json::{BenchReport, BenchResult};
-use expertmesh_hip_kernels::backend::{
+use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::{CpuBackend, membw};
-use expertmesh_hip_kernels::synth::{self, SplitMix64};
+use expertmesh_cpu_backend::{CpuBackend, membw};
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::synth::{self, SplitMix64};
 use expertmesh_topology::model::ModelSpec;
 use std::time::Instant;
 

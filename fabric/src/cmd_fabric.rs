@@ -5,18 +5,19 @@
 //! deployments (`router` on one host, `worker` on each) and the single-host launcher (`up`)
 //! run exactly the same code.
 
-use crate::deploy::Deployment;
-use crate::local::{LocalFabric, LocalFabricOptions, frontend_config, router_core};
-use crate::worker::{BackendChoice, WorkerOptions};
+use crate::local::{LocalFabric, LocalFabricOptions, frontend_config};
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
-use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
 use expertmesh_transport::dtype::ActivationDtype;
 use expertmesh_transport::frontend::FrontendConfig;
 use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::deploy::Deployment;
+use expertmesh_worker::process::{BackendChoice, WorkerOptions};
+use expertmesh_worker::shared::router_core;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -167,7 +168,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
     }
     let d = &cli.deploy;
     let dep = Deployment::load(&d.topology, &d.model, &d.placement, d.seed)?;
-    crate::worker::run(
+    expertmesh_worker::process::run(
         dep,
         WorkerOptions {
             device: cli.device,
@@ -405,7 +406,7 @@ pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
         crate::npy::NpyDtype::Bf16Bits => ActivationDtype::Bf16,
     };
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
-    cfg.secret = crate::deploy::secret_from_env()?;
+    cfg.secret = expertmesh_worker::deploy::secret_from_env()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -12,7 +12,7 @@ use crate::cmd_fabric::{LinkArg, ModeArg, RouterArgs};
 use crate::local::{LocalFabric, LocalFabricOptions};
 use anyhow::{Context, anyhow};
 use clap::Args;
-use expertmesh_hip_kernels::contract::ComputeMode;
+use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::reference;
 use std::collections::BTreeSet;
@@ -245,8 +245,9 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         .unwrap_or_else(|e| e.into_inner());
     let maxb = cli.batches.iter().copied().max().unwrap_or(1);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut backend = reference::reference_backend(&spec, dep.seed, &layers, threads, maxb)
-        .map_err(|e| anyhow!(e))?;
+    let mut backend =
+        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &layers, threads, maxb)
+            .map_err(|e| anyhow!(e))?;
     let gates: std::collections::HashMap<u32, _> = layers
         .iter()
         .map(|&l| (l, reference::synthetic_gate(&spec, dep.seed, l)))

@@ -1,7 +1,9 @@
-//! The fabric: expert workers, the local cluster launcher, and the CLI wiring.
+//! The `expertmesh` command line: every command, the local cluster launcher, the demo and the
+//! benches.
 //!
-//! Why this crate exists: it composes topology, kernels, transport and router into running
-//! processes. The `expertmesh` binary is a thin `main` over [`cli`].
+//! Why this crate exists: it is the binary's edge. It composes the files (topology, planner),
+//! the router and the worker into running processes and reports; errors become `anyhow` and
+//! exit codes here and nowhere below. The `expertmesh` binary is a thin `main` over [`cli`].
 
 pub mod bench_cli;
 pub mod bench_fabric;
@@ -11,7 +13,6 @@ pub mod bench_transport;
 pub mod cli;
 pub mod cmd_fabric;
 pub mod demo;
-pub mod deploy;
 pub mod local;
 pub mod models_cmd;
 pub mod npy;
@@ -19,4 +20,3 @@ pub mod plan_cmd;
 pub mod plan_default;
 mod table;
 pub mod validate_cmd;
-pub mod worker;

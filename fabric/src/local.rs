@@ -7,17 +7,13 @@
 //! `expertmesh worker ...`; they die with the launcher (parent-death signal) so nothing is left
 //! running.
 
-use crate::deploy::{self, Deployment};
 use anyhow::{Context, anyhow, bail};
-use expertmesh_hip_kernels::backend::{
-    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
-};
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::cpu::CpuBackend;
-use expertmesh_router::core::{RouterConfig, RouterCore, SharedRunner};
+use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
 use expertmesh_transport::frontend::FrontendConfig;
 use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::deploy::Deployment;
+use expertmesh_worker::shared::router_core;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -71,98 +67,6 @@ impl LocalFabricOptions {
             log_dir: None,
         }
     }
-}
-
-/// Runs the router's shared experts on a CPU backend in the router process.
-struct CpuShared {
-    backend: CpuBackend,
-    routed: u32,
-    shared: u32,
-    hidden: usize,
-    tokens: Vec<u32>,
-    rows: Vec<Vec<u32>>,
-    ones: Vec<f32>,
-}
-
-impl SharedRunner for CpuShared {
-    fn run(
-        &mut self,
-        layer: u32,
-        x: &[f32],
-        tokens: usize,
-        mode: ComputeMode,
-        out: &mut [f32],
-    ) -> Result<(), String> {
-        let s = self.shared as usize;
-        self.tokens.clear();
-        self.tokens.extend(0..tokens as u32);
-        self.ones.resize(tokens, 1.0);
-        for (i, rows) in self.rows.iter_mut().enumerate() {
-            rows.clear();
-            rows.extend((0..tokens).map(|t| (t * s + i) as u32));
-        }
-        let groups: Vec<ExpertGroup> = (0..s)
-            .map(|i| ExpertGroup {
-                key: ExpertKey {
-                    layer,
-                    expert: self.routed + i as u32,
-                },
-                tokens: &self.tokens,
-                weights: &self.ones,
-                out_rows: &self.rows[i],
-            })
-            .collect();
-        let batch = GroupedBatch {
-            mode,
-            hidden: self.hidden,
-            tokens,
-            input: Activations::F32(x),
-            groups: &groups,
-            layout: OutputLayout::PerSlot,
-        };
-        self.backend.execute(&batch, out).map_err(|e| e.to_string())
-    }
-}
-
-/// Build the router core for a deployment (shared experts on the router loaded here).
-pub fn router_core(
-    dep: &Deployment,
-    cfg: RouterConfig,
-    threads: usize,
-) -> anyhow::Result<RouterCore> {
-    let runner: Option<Box<dyn SharedRunner>> = if dep.shared_on_router() {
-        let experts = deploy::load_router_shared_experts(dep)?;
-        let mut backend = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
-        let s = dep.spec.shared_experts as usize;
-        backend
-            .load(
-                experts,
-                BatchLimits {
-                    max_tokens: cfg.max_batch_tokens,
-                    max_pairs: cfg.max_batch_tokens * s,
-                },
-            )
-            .map_err(|e| anyhow!("{e}"))?;
-        Some(Box::new(CpuShared {
-            backend,
-            routed: dep.spec.routed_experts,
-            shared: s as u32,
-            hidden: dep.spec.hidden as usize,
-            tokens: Vec::with_capacity(cfg.max_batch_tokens),
-            rows: vec![Vec::with_capacity(cfg.max_batch_tokens); s],
-            ones: Vec::with_capacity(cfg.max_batch_tokens),
-        }))
-    } else {
-        None
-    };
-    Ok(RouterCore::new(
-        dep.spec.clone(),
-        cfg,
-        dep.layer_setups(),
-        dep.replicas(),
-        dep.rank_names(),
-        runner,
-    ))
 }
 
 /// Frontend settings matching a deployment (cluster name, secret).

@@ -2,28 +2,29 @@
 //! memory, load balance, traffic, throughput and cost.
 //!
 //! Why this exists: this is what a cluster builder runs before buying or wiring anything. It
-//! wires the planner library (`expertmesh_topology::plan`) to files and a report: statistics in
+//! wires the planner library (`expertmesh_planner`) to files and a report: statistics in
 //! (`--load`, `--coselect`, or `--synthetic-load zipf:S`), a placement out (`--out`, which
 //! `expertmesh validate` and the fabric read), optional vLLM/SGLang EPLB maps in and out, and a
 //! human table or JSON (`--json`). Exit codes: 0 planned; 1 the model does not fit (the
 //! shortfall is named per device and in total); 2 usage or input errors (unreadable or malformed
 //! files, bad options). It never panics on bad input.
 //!
-//! Statistics formats are documented in `expertmesh_topology::plan::stats`; the bench results
-//! `--calibrate` reads in `expertmesh_topology::plan::calibrate`; the EPLB map in
-//! `expertmesh_topology::plan::eplb`; the traffic and roofline model in
-//! `expertmesh_topology::plan::evaluate`.
+//! Statistics formats are documented in `expertmesh_planner::stats`; the bench results
+//! `--calibrate` reads in `expertmesh_planner::calibrate`; the EPLB map in
+//! `expertmesh_planner::eplb`; the traffic and roofline model in
+//! `expertmesh_planner::evaluate`.
 
 use crate::table::{self, left, right};
+use expertmesh_planner::calibrate::{self, BenchFile};
+use expertmesh_planner::eplb::{self, EplbLayers};
+use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
+use expertmesh_planner::stats::{CoSelection, LoadStats};
+use expertmesh_planner::{
+    self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
+    describe_shortfall,
+};
 use expertmesh_topology::diag::FileError;
 use expertmesh_topology::model::ModelSpec;
-use expertmesh_topology::plan::calibrate::{self, BenchFile};
-use expertmesh_topology::plan::eplb::{self, EplbLayers};
-use expertmesh_topology::plan::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
-use expertmesh_topology::plan::stats::{CoSelection, LoadStats};
-use expertmesh_topology::plan::{
-    self, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity, describe_shortfall,
-};
 use expertmesh_topology::units::format_bytes;
 use expertmesh_topology::{Placement, SharedLocation, Topology, resolve_model};
 use serde_json::{Value, json};

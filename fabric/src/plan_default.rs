@@ -6,7 +6,7 @@
 //! load-aware, replicated placements run `expertmesh plan` and pass `--placement`.
 
 use anyhow::anyhow;
-use expertmesh_topology::plan::{self, PlanOptions};
+use expertmesh_planner::{self as plan, PlanOptions};
 use expertmesh_topology::topology::Topology;
 use std::path::{Path, PathBuf};
 

@@ -5,9 +5,9 @@
 
 use expertmesh_topology::Topology;
 use expertmesh_topology::model::preset_by_name;
-use expertmesh_topology::plan::calibrate::BenchFile;
-use expertmesh_topology::plan::eplb;
-use expertmesh_topology::plan::stats::{CoSelection, LoadStats};
+use expertmesh_planner::calibrate::BenchFile;
+use expertmesh_planner::eplb;
+use expertmesh_planner::stats::{CoSelection, LoadStats};
 use libfuzzer_sys::fuzz_target;
 use std::path::Path;
 

@@ -4,7 +4,7 @@
 //! Why this exists: the HIP kernels are checked against the Rust reference on machines that have
 //! a GPU but maybe no Rust toolchain, and on the CPU side by a g++-compiled host path that shares
 //! the kernels' arithmetic (`kernels/em_contract.h`). Both read the same file, written here from
-//! the scalar oracle ([`crate::reference`]), so "bit for bit with the CPU reference" means bit for
+//! the scalar oracle ([`expertmesh_quant::reference`]), so "bit for bit with the CPU reference" means bit for
 //! bit with these bytes.
 //!
 //! # File format (`EMTV`, version 1, all little-endian)
@@ -27,12 +27,14 @@
 //! u64 FNV-1a of every preceding byte
 //! ```
 //!
-//! Output rows are numbered token-major in slot order, as [`crate::backend`] requires.
+//! Output rows are numbered token-major in slot order, as [`expertmesh_backend`] requires.
 
-use crate::contract;
-use crate::format::{BLOCK, ExpertWeights, FormatError, PackedMatrix, QuantSpec, ScaleDtype};
-use crate::reference;
-use crate::synth::{self, SplitMix64};
+use expertmesh_quant::contract;
+use expertmesh_quant::format::{
+    BLOCK, ExpertWeights, FormatError, PackedMatrix, QuantSpec, ScaleDtype,
+};
+use expertmesh_quant::reference;
+use expertmesh_quant::synth::{self, SplitMix64};
 
 /// File magic.
 pub const MAGIC: [u8; 4] = *b"EMTV";

@@ -10,14 +10,14 @@
 //!
 //! g++ is required for the C++ checks; without it they print "skipped: g++ not found" and return.
 
-use expertmesh_hip_kernels::backend::{
+use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch,
     OutputLayout,
 };
-use expertmesh_hip_kernels::contract::ComputeMode;
 use expertmesh_hip_kernels::hip::HipBackend;
 use expertmesh_hip_kernels::kernel_abi;
 use expertmesh_hip_kernels::testvec::{self, VectorCase};
+use expertmesh_quant::contract::ComputeMode;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;

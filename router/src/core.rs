@@ -21,7 +21,7 @@
 use crate::gating::{self, GateWeights, Routing};
 use crate::plan::{self, DevicePlan, LayerOwners, PlanError, Replicas};
 use bytes::Bytes;
-use expertmesh_hip_kernels::contract::{self, ComputeMode};
+use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{
     Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout,

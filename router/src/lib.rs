@@ -7,7 +7,6 @@
 //!
 //! * [`client`] — `RouterClient`, what a serving frontend links.
 //! * [`core`] — the sans-IO router state machine: batching, dispatch, failover, combine.
-//! * [`exec`] — the worker's half: a dispatch frame in, a result frame out.
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
@@ -15,7 +14,6 @@
 
 pub mod client;
 pub mod core;
-pub mod exec;
 pub mod gating;
 pub mod plan;
 pub mod reference;

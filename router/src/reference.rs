@@ -2,25 +2,23 @@
 //!
 //! Why this exists: it is the oracle the fabric is checked against (the demo checks every
 //! response with it, the integration tests compare bit for bit in exact mode), and until the
-//! fabric exists it is the whole main job. It follows `expertmesh_hip_kernels::contract` §5 for
+//! fabric exists it is the whole main job. It follows `expertmesh_quant::contract` §5 for
 //! the combine, so its bits do not depend on where experts live.
 
 use crate::gating::{self, GateWeights, GatingError, Routing};
-use expertmesh_hip_kernels::backend::{
+use expertmesh_backend::{
     Activations, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
-use expertmesh_hip_kernels::contract::ComputeMode;
-use expertmesh_hip_kernels::format::{ExpertWeights, FormatError};
-use expertmesh_hip_kernels::reference::{
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::format::{ExpertWeights, FormatError};
+use expertmesh_quant::reference::{
     QuantizedVec, expert_ffn_accurate, expert_ffn_exact_quantized, expert_ffn_f64,
 };
-use expertmesh_hip_kernels::synth::{self, SplitMix64};
+use expertmesh_quant::synth::{self, SplitMix64};
 use expertmesh_topology::model::ModelSpec;
 
 /// Identifier mixed into the seed for gate weights (experts use their own index).
 const GATE_STREAM: u64 = 0x6761_7465; // "gate"
-/// Identifier mixed into the seed for shared experts.
-const SHARED_STREAM: u64 = 0x7368_6172; // "shar"
 
 /// All weights of one MoE layer held in memory (only sensible for small models and tests; the
 /// fabric never materializes a whole layer in one place).
@@ -56,51 +54,18 @@ pub fn synthetic_gate(spec: &ModelSpec, seed: u64, layer: u32) -> GateWeights {
     }
 }
 
-/// The synthetic routed expert `(seed, layer, expert)`: what a worker loads for it.
-pub fn synthetic_routed_expert(
-    spec: &ModelSpec,
-    seed: u64,
-    layer: u32,
-    expert: u32,
-) -> Result<ExpertWeights, FormatError> {
-    synth::synthetic_expert(
-        spec.quant,
-        spec.hidden as usize,
-        spec.moe_intermediate as usize,
-        seed,
-        layer,
-        expert,
-    )
-}
-
-/// The synthetic shared expert `(seed, layer, index)`.
-pub fn synthetic_shared_expert(
-    spec: &ModelSpec,
-    seed: u64,
-    layer: u32,
-    index: u32,
-) -> Result<ExpertWeights, FormatError> {
-    synth::synthetic_expert(
-        spec.quant,
-        spec.hidden as usize,
-        spec.shared_intermediate as usize,
-        synth::mix_seed(&[seed, SHARED_STREAM]),
-        layer,
-        index,
-    )
-}
-
 /// Every weight of one MoE layer, generated synthetically.
 pub fn synthetic_layer(
     spec: &ModelSpec,
     seed: u64,
     layer: u32,
 ) -> Result<LayerWeights, FormatError> {
+    let synth = spec.synthetic(seed);
     let experts = (0..spec.routed_experts)
-        .map(|e| synthetic_routed_expert(spec, seed, layer, e))
+        .map(|e| synth.routed(layer, e))
         .collect::<Result<_, _>>()?;
     let shared = (0..spec.shared_experts)
-        .map(|i| synthetic_shared_expert(spec, seed, layer, i))
+        .map(|i| synth.shared(layer, i))
         .collect::<Result<_, _>>()?;
     Ok(LayerWeights {
         layer,
@@ -108,58 +73,6 @@ pub fn synthetic_layer(
         experts,
         shared,
     })
-}
-
-/// Every expert of `layers`, keyed the way backends and workers key them: routed experts
-/// `(layer, e)`, shared experts `(layer, routed_experts + i)`.
-pub fn synthetic_keyed_experts(
-    spec: &ModelSpec,
-    seed: u64,
-    layers: &[u32],
-) -> Result<Vec<(ExpertKey, ExpertWeights)>, FormatError> {
-    let mut all = Vec::new();
-    for &layer in layers {
-        for e in 0..spec.routed_experts {
-            all.push((
-                ExpertKey { layer, expert: e },
-                synthetic_routed_expert(spec, seed, layer, e)?,
-            ));
-        }
-        for i in 0..spec.shared_experts {
-            let key = ExpertKey {
-                layer,
-                expert: spec.routed_experts + i,
-            };
-            all.push((key, synthetic_shared_expert(spec, seed, layer, i)?));
-        }
-    }
-    Ok(all)
-}
-
-/// The fast in-process reference: one CPU backend (bit-identical to the scalar oracle in exact
-/// mode) holding every expert of `layers`, for batches up to `max_tokens`; run layers on it
-/// with [`moe_layer_backend`].
-pub fn reference_backend(
-    spec: &ModelSpec,
-    seed: u64,
-    layers: &[u32],
-    threads: usize,
-    max_tokens: usize,
-) -> Result<expertmesh_hip_kernels::cpu::CpuBackend, String> {
-    let experts = synthetic_keyed_experts(spec, seed, layers).map_err(|e| e.to_string())?;
-    let mut backend =
-        expertmesh_hip_kernels::cpu::CpuBackend::new(threads).map_err(|e| e.to_string())?;
-    let slots = (spec.top_k + spec.shared_experts) as usize;
-    backend
-        .load(
-            experts,
-            expertmesh_hip_kernels::backend::BatchLimits {
-                max_tokens,
-                max_pairs: max_tokens * slots,
-            },
-        )
-        .map_err(|e| e.to_string())?;
-    Ok(backend)
 }
 
 /// Combine per-slot expert outputs and shared-expert outputs for one token, per contract §5:

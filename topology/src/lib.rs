@@ -12,7 +12,6 @@ pub mod diag;
 pub mod model;
 pub mod model_file;
 pub mod placement;
-pub mod plan;
 pub mod ranges;
 pub mod topology;
 pub mod units;

@@ -5,7 +5,7 @@
 //! quantization). Presets carry the published numbers (sources in
 //! `shared/research/placement_models_topology.md`, table B.1); anything else is a model TOML file.
 
-use expertmesh_hip_kernels::format::QuantSpec;
+use expertmesh_quant::format::QuantSpec;
 use serde::{Deserialize, Serialize};
 
 /// How router logits become expert choices and weights.
@@ -78,6 +78,16 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The synthetic experts of this model for `seed` (what workers load without a checkpoint).
+    pub fn synthetic(&self, seed: u64) -> expertmesh_quant::synth::SyntheticExperts {
+        expertmesh_quant::synth::SyntheticExperts {
+            quant: self.quant,
+            hidden: self.hidden as usize,
+            moe_intermediate: self.moe_intermediate as usize,
+            shared_intermediate: self.shared_intermediate as usize,
+            seed,
+        }
+    }
     /// Indices of the MoE layers, ascending.
     pub fn moe_layer_ids(&self) -> Vec<u32> {
         let step = self.moe_layer_step.max(1);

@@ -36,7 +36,7 @@
 
 use crate::diag::{Ctx, Field, FileError, Problem, Schema, fields_of, nearest, split};
 use crate::model::{ModelSpec, Scoring, preset_by_name, presets};
-use expertmesh_hip_kernels::format::{QuantSpec, ScaleDtype};
+use expertmesh_quant::format::{QuantSpec, ScaleDtype};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::ops::Range;

@@ -498,7 +498,7 @@ impl StreamDecoder {
 // ---------------------------------------------------------------------------------------------
 
 /// Which numerical contract the worker applies (mirrors
-/// `expertmesh_hip_kernels::contract::ComputeMode`).
+/// `expertmesh_quant::contract::ComputeMode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WireComputeMode {
     /// Exact (W4A8) mode: bit-identical results.

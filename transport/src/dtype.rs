@@ -10,7 +10,7 @@
 //! - `Fp8E4m3`: `tokens·hidden` e4m3 codes, zero padding to a multiple of 64, then `tokens` f32
 //!   scales; value = decode(code) · scale[token]. The encoder picks scale = amax / 448.
 //! - `Q8Block32`: `tokens·hidden` int8 codes (the exact-mode activation quantization of
-//!   `expertmesh_hip_kernels::contract` §1), zero padding to a multiple of 64, then
+//!   `expertmesh_quant::contract` §1), zero padding to a multiple of 64, then
 //!   `tokens·hidden/32` f32 block scales; `hidden` must be a multiple of 32.
 
 use crate::codec::align_up;
@@ -292,7 +292,7 @@ pub fn encode_activations(
             let mut q = vec![0i8; hidden];
             let mut d = vec![0f32; hidden / 32];
             for t in 0..tokens {
-                expertmesh_hip_kernels::contract::quantize_activations(
+                expertmesh_quant::contract::quantize_activations(
                     &src[t * hidden..(t + 1) * hidden],
                     &mut q,
                     &mut d,

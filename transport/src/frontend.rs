@@ -17,7 +17,7 @@ use crate::codec::{self, Body, CLIENT_RANK, CodecConfig, CodecError, ErrorCode, 
 use crate::mesh::BufPool;
 use crate::protocol::{Connection, ProtocolConfig, ProtocolError};
 use crate::tcp::{ReadError, handshake, nonce, read_frame, write_vectored_all};
-use expertmesh_hip_kernels::aligned::AlignedVec;
+use expertmesh_quant::aligned::AlignedVec;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;

@@ -26,7 +26,7 @@
 use crate::codec::{self, Body, CodecError, FrameHeader, PAYLOAD_ALIGN};
 use crate::protocol::{Connection, Disposition, PeerInfo, ProtocolConfig, ProtocolError};
 use bytes::Bytes;
-use expertmesh_hip_kernels::aligned::AlignedVec;
+use expertmesh_quant::aligned::AlignedVec;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;

@@ -25,7 +25,7 @@
 use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
 use crate::mesh::{Link, MeshInner, Storage};
 use crate::protocol::ProtocolError;
-use expertmesh_hip_kernels::aligned::AlignedVec;
+use expertmesh_quant::aligned::AlignedVec;
 use ibverbs_sys as ffi;
 use std::net::IpAddr;
 use std::sync::Arc;

@@ -11,7 +11,7 @@
 use crate::codec::{self, Body, CodecConfig, FrameHeader, HEADER_LEN};
 use crate::mesh::{BufPool, FrameWriter, LinkKind, MeshInner, NewLink, Rank, StartError, Storage};
 use crate::protocol::{Connection, Event, PeerInfo, ProtocolConfig, ProtocolError};
-use expertmesh_hip_kernels::aligned::AlignedVec;
+use expertmesh_quant::aligned::AlignedVec;
 use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

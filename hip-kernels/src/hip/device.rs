@@ -12,12 +12,12 @@
 
 use super::ffi::{ATTR_MULTIPROCESSOR_COUNT, Hip, HipFunction, HipModule, HipStream};
 use super::objects::CODE_OBJECTS;
-use crate::backend::{
+use crate::kernel_abi::*;
+use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertKey, GroupedBatch, OutputLayout,
 };
-use crate::contract::ComputeMode;
-use crate::format::{BLOCK, ExpertWeights};
-use crate::kernel_abi::*;
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::format::{BLOCK, ExpertWeights};
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::ptr;

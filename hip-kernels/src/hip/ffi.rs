@@ -6,7 +6,7 @@
 //! also ships bindings generated for one ROCm release's struct layouts, and `rocm-rs` pulls in
 //! MIOpen and other libraries. Here the library is opened with `dlopen` when a `HipBackend` is
 //! created, only ABI-stable C entry points are used (no `hipDeviceProp_t` field access), and a
-//! missing library or device becomes [`BackendError::NoDevice`](crate::backend::BackendError).
+//! missing library or device becomes [`BackendError::NoDevice`](expertmesh_backend::BackendError).
 //!
 //! Memory spaces: in every signature below, `hipDeviceptr` arguments are device global memory
 //! (from `hipMalloc`), `host` pointers are ordinary or pinned (`hipHostMalloc`) host memory.

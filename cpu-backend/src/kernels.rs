@@ -1,0 +1,724 @@
+//! Row-block kernels over the R16 layout: scalar, AVX2 and AVX-512 VNNI.
+//!
+//! Why this exists: this is the hot loop of the CPU backend. One call computes 16 output rows
+//! (one row block) of one packed matrix for a few tokens, streaming the row block's weights
+//! once and reusing every loaded tile for all the tokens (so an expert's weights are read once
+//! per batch whatever the number of tokens that chose it).
+//!
+//! Exact mode follows `expertmesh_quant::contract` literally: per block an exact i32 dot
+//! (`vpdpbusd` on VNNI, `pmaddubsw`+`pmaddwd` on AVX2 — both exact for u4 × i8), then
+//! `(s·d)·f32(isum)` with two separate multiplies, added to partial `b % 16`, and the 8/4/2/1
+//! halving tree at the end. Each SIMD lane is one output row, so every lane performs exactly the
+//! scalar sequence: the three paths are bit-identical by construction and by test.
+//!
+//! PERF-CRITICAL: no allocation, no locking, no logging in this module.
+
+use super::layout::{R16Matrix, ROWS};
+use expertmesh_quant::contract::{self, LANES};
+use expertmesh_quant::format::{BLOCK, ScaleDtype};
+
+/// Instruction set used by the CPU kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust.
+    Scalar,
+    /// AVX2 (`pmaddubsw` / `pmaddwd`).
+    Avx2,
+    /// AVX-512 F/BW + VNNI (`vpdpbusd`).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best ISA this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Every ISA this CPU can run (for tests), best last.
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detect();
+        let mut v = vec![Isa::Scalar];
+        if matches!(best, Isa::Avx2 | Isa::Avx512Vnni) {
+            v.push(Isa::Avx2);
+        }
+        if best == Isa::Avx512Vnni {
+            v.push(Isa::Avx512Vnni);
+        }
+        v
+    }
+
+    /// Short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// True if this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        Isa::available().contains(&self)
+    }
+}
+
+/// One token's quantized activation (contract §1) with per-block code sums, as the kernels
+/// read it.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenQ8<'a> {
+    /// int8 codes `[K]`.
+    pub q: &'a [i8],
+    /// per-block scales `[K/32]`.
+    pub d: &'a [f32],
+    /// per-block `Σ q` `[K/32]` (for the zero-point term).
+    pub qsum: &'a [i32],
+}
+
+/// Per-block code sums of a quantized vector.
+pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
+    for (b, s) in qsum.iter_mut().enumerate() {
+        *s = q[b * BLOCK..(b + 1) * BLOCK]
+            .iter()
+            .map(|&v| v as i32)
+            .sum();
+    }
+}
+
+/// Maximum tokens computed together against one loaded weight tile.
+pub const MAX_TOKEN_TILE: usize = 8;
+
+/// Exact mode: rows `16rb..16rb+16` of `m` for each token in `toks` (at most
+/// [`MAX_TOKEN_TILE`]), written to `out[t]`.
+pub fn rowblock_exact(
+    isa: Isa,
+    m: &R16Matrix,
+    rb: usize,
+    toks: &[TokenQ8<'_>],
+    out: &mut [[f32; ROWS]],
+) {
+    assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    for t in toks {
+        debug_assert_eq!(t.q.len(), m.cols());
+        debug_assert_eq!(t.d.len(), m.blocks());
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); slices are in bounds
+            // (R16Matrix guarantees tile sizes, TokenQ8 lengths are asserted in debug and
+            // checked by the backend before any kernel runs).
+            unsafe {
+                match toks.len() {
+                    1 => x86::exact_vnni_1(m, rb, &toks[0], &mut out[0]),
+                    2 => x86::exact_vnni_multi::<2>(m, rb, toks, out),
+                    3 => x86::exact_vnni_multi::<3>(m, rb, toks, out),
+                    4 => x86::exact_vnni_multi::<4>(m, rb, toks, out),
+                    5 => x86::exact_vnni_multi::<5>(m, rb, toks, out),
+                    6 => x86::exact_vnni_multi::<6>(m, rb, toks, out),
+                    7 => x86::exact_vnni_multi::<7>(m, rb, toks, out),
+                    8 => x86::exact_vnni_multi::<8>(m, rb, toks, out),
+                    _ => {}
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.supported_cached() => {
+            // SAFETY: as above for AVX2.
+            unsafe {
+                match toks.len() {
+                    1 => x86::exact_avx2::<1>(m, rb, toks, out),
+                    2 => x86::exact_avx2::<2>(m, rb, toks, out),
+                    3 => x86::exact_avx2::<3>(m, rb, toks, out),
+                    4 => x86::exact_avx2::<4>(m, rb, toks, out),
+                    5 => x86::exact_avx2::<5>(m, rb, toks, out),
+                    6 => x86::exact_avx2::<6>(m, rb, toks, out),
+                    7 => x86::exact_avx2::<7>(m, rb, toks, out),
+                    8 => x86::exact_avx2::<8>(m, rb, toks, out),
+                    _ => {}
+                }
+            }
+        }
+        _ => exact_scalar(m, rb, toks, out),
+    }
+}
+
+impl Isa {
+    #[inline(always)]
+    fn supported_cached(self) -> bool {
+        use std::sync::OnceLock;
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        let best = *BEST.get_or_init(Isa::detect);
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => best != Isa::Scalar,
+            Isa::Avx512Vnni => best == Isa::Avx512Vnni,
+        }
+    }
+}
+
+#[inline(always)]
+fn scale_f32(dtype: ScaleDtype, bits: u16) -> f32 {
+    dtype.to_f32(bits)
+}
+
+/// The portable path (also the fallback on non-x86 targets).
+fn exact_scalar(m: &R16Matrix, rb: usize, toks: &[TokenQ8<'_>], out: &mut [[f32; ROWS]]) {
+    let nib = m.row_block_nibbles(rb);
+    let scales = m.row_block_scales(rb);
+    let zeros = m.row_block_zeros(rb);
+    let bpg = m.blocks_per_group();
+    let dtype = m.spec().scale_dtype;
+    for (t, tok) in toks.iter().enumerate() {
+        let mut p = [[0f32; ROWS]; LANES];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            let tile = &nib[b * 256..(b + 1) * 256];
+            let q = &tok.q[b * BLOCK..(b + 1) * BLOCK];
+            for r in 0..ROWS {
+                let mut isum = 0i32;
+                for c in 0..4 {
+                    for i in 0..4 {
+                        let byte = tile[c * 64 + 4 * r + i];
+                        isum += (byte & 0x0F) as i32 * q[4 * c + i] as i32;
+                        isum += (byte >> 4) as i32 * q[16 + 4 * c + i] as i32;
+                    }
+                }
+                let z = zeros.map_or(8, |z| z[g * ROWS + r]) as i32;
+                isum -= z * tok.qsum[b];
+                let s = scale_f32(dtype, scales[g * ROWS + r]);
+                let term = (s * tok.d[b]) * isum as f32;
+                p[b % LANES][r] += term;
+            }
+        }
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                for r in 0..ROWS {
+                    p[l][r] += p[l + w][r];
+                }
+            }
+            w /= 2;
+        }
+        out[t] = p[0];
+    }
+}
+
+/// The gate/up epilogue for 16 rows: `out[r] = silu(g[r]) * u[r]` exactly as
+/// [`contract::swiglu_contract`] computes it, 16 lanes at a time on AVX-512 (every lane performs
+/// the contract's operation sequence; bit-identical by construction and by test).
+pub fn swiglu16(isa: Isa, g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            assert!(out.len() >= ROWS);
+            // SAFETY: AVX-512 F is available; `out` holds at least 16 floats (asserted).
+            unsafe { x86::swiglu16_avx512(g, u, out) }
+        }
+        _ => {
+            for r in 0..ROWS {
+                out[r] = contract::swiglu_contract(g[r], u[r]);
+            }
+        }
+    }
+}
+
+/// Accurate mode: rows `16rb..16rb+16` of `m` times f32 activations (one slice per token,
+/// length K). Exact dequantization, f32 accumulation: per block `Σ (u-z)·x` then `· s`, summed
+/// into one accumulator per row (order differs from exact mode; tolerance-tested).
+pub fn rowblock_accurate(
+    isa: Isa,
+    m: &R16Matrix,
+    rb: usize,
+    toks: &[&[f32]],
+    out: &mut [[f32; ROWS]],
+) {
+    assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+            // SAFETY: AVX-512 F/BW supported; in-bounds slices as in `rowblock_exact`.
+            unsafe { x86::accurate_avx512(m, rb, toks, out) }
+        }
+        _ => accurate_scalar(m, rb, toks, out),
+    }
+}
+
+fn accurate_scalar(m: &R16Matrix, rb: usize, toks: &[&[f32]], out: &mut [[f32; ROWS]]) {
+    let nib = m.row_block_nibbles(rb);
+    let scales = m.row_block_scales(rb);
+    let zeros = m.row_block_zeros(rb);
+    let bpg = m.blocks_per_group();
+    let dtype = m.spec().scale_dtype;
+    for (t, x) in toks.iter().enumerate() {
+        let mut acc = [0f32; ROWS];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            let tile = &nib[b * 256..(b + 1) * 256];
+            let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+            for r in 0..ROWS {
+                let z = zeros.map_or(8, |z| z[g * ROWS + r]) as i32;
+                let mut s = 0f32;
+                for c in 0..4 {
+                    for i in 0..4 {
+                        let byte = tile[c * 64 + 4 * r + i];
+                        s += ((byte & 0x0F) as i32 - z) as f32 * xb[4 * c + i];
+                        s += ((byte >> 4) as i32 - z) as f32 * xb[16 + 4 * c + i];
+                    }
+                }
+                acc[r] += scale_f32(dtype, scales[g * ROWS + r]) * s;
+            }
+        }
+        out[t] = acc;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! x86-64 SIMD implementations; see the parent module for the contract they follow.
+    use super::{R16Matrix, ROWS, TokenQ8};
+    use expertmesh_quant::contract::LANES;
+    use expertmesh_quant::format::{BLOCK, ScaleDtype};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn scales16_512(dtype: ScaleDtype, p: *const u16) -> __m512 {
+        // SAFETY: caller guarantees 16 readable u16 at p.
+        unsafe {
+            let raw = _mm256_loadu_si256(p.cast());
+            match dtype {
+                ScaleDtype::Bf16 => {
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+                }
+                ScaleDtype::F16 => _mm512_cvtph_ps(raw),
+            }
+        }
+    }
+
+    /// One row block's unpacked weights for one K block: low and high nibbles of the four
+    /// 64-byte chunks, and the 16 row scales as f32.
+    struct Tile512 {
+        lo: [__m512i; 4],
+        hi: [__m512i; 4],
+        s: __m512,
+        z: Option<__m512i>,
+    }
+
+    #[inline(always)]
+    unsafe fn load_tile512(
+        nib: *const u8,
+        scales: *const u16,
+        zeros: Option<&[u8]>,
+        dtype: ScaleDtype,
+        b: usize,
+        g: usize,
+    ) -> Tile512 {
+        // SAFETY: the caller guarantees tile b and group g are inside the row block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let tile = nib.add(b * 256);
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                lo[c] = _mm512_and_si512(w, mask);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+            }
+            let s = scales16_512(dtype, scales.add(g * ROWS));
+            let z = zeros
+                .map(|z| _mm512_cvtepu8_epi32(_mm_loadu_si128(z.as_ptr().add(g * ROWS).cast())));
+            Tile512 { lo, hi, s, z }
+        }
+    }
+
+    /// The contract's term for one token and one K block: the exact i32 dot of the 16 rows
+    /// (the zero-point correction folded into the accumulator's initial value), then
+    /// `(s·d)·f32(isum)`.
+    #[inline(always)]
+    unsafe fn term512(w: &Tile512, q: *const i32, qsum: i32, d: f32) -> __m512 {
+        // SAFETY: q points at the block's 32 codes (8 dwords).
+        unsafe {
+            let corr = match w.z {
+                None => _mm512_set1_epi32(-(qsum << 3)),
+                Some(z) => _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_mullo_epi32(z, _mm512_set1_epi32(qsum)),
+                ),
+            };
+            let mut acc = corr;
+            for c in 0..4 {
+                acc =
+                    _mm512_dpbusd_epi32(acc, w.lo[c], _mm512_set1_epi32(q.add(c).read_unaligned()));
+            }
+            for c in 0..4 {
+                acc = _mm512_dpbusd_epi32(
+                    acc,
+                    w.hi[c],
+                    _mm512_set1_epi32(q.add(4 + c).read_unaligned()),
+                );
+            }
+            let sd = _mm512_mul_ps(w.s, _mm512_set1_ps(d));
+            _mm512_mul_ps(sd, _mm512_cvtepi32_ps(acc))
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn tree512(p: &mut [__m512; LANES]) -> __m512 {
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                p[l] = _mm512_add_ps(p[l], p[l + w]);
+            }
+            w /= 2;
+        }
+        p[0]
+    }
+
+    /// [`super::swiglu16`] on AVX-512: the contract's `exp` sequence, lane by lane.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn swiglu16_avx512(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+        use expertmesh_quant::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
+        // SAFETY: g and u are 16 floats; out holds 16 (checked by the caller).
+        unsafe {
+            let gv = _mm512_loadu_ps(g.as_ptr());
+            let uv = _mm512_loadu_ps(u.as_ptr());
+            // v = -g (exact sign flip), clamped with max then min like the scalar code
+            let sign = _mm512_set1_epi32(i32::MIN);
+            let mut v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));
+            v = _mm512_min_ps(
+                _mm512_max_ps(v, _mm512_set1_ps(EXP_MIN)),
+                _mm512_set1_ps(EXP_MAX),
+            );
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, _mm512_set1_ps(LOG2E)),
+            );
+            let mut r = _mm512_sub_ps(v, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI)));
+            r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)));
+            let z = _mm512_mul_ps(r, r);
+            let mut p = _mm512_set1_ps(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+            }
+            p = _mm512_mul_ps(p, z);
+            p = _mm512_add_ps(p, r);
+            p = _mm512_add_ps(p, _mm512_set1_ps(1.0));
+            let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            )));
+            let e = _mm512_mul_ps(p, pow2);
+            let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
+        }
+    }
+
+    /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
+    const PREFETCH_BLOCKS: usize = 16;
+
+    /// Prefetch the tile `PREFETCH_BLOCKS` after tile `b` of the row block starting at byte
+    /// `base_off` of the matrix's `total` nibble bytes. Addresses past the row block continue
+    /// into the next one (row blocks are contiguous); nothing past the matrix is touched;
+    /// `wrapping_add` keeps the arithmetic defined and prefetches never fault.
+    #[inline(always)]
+    fn prefetch_ahead(nib: *const u8, base_off: usize, total: usize, b: usize) {
+        if base_off + (b + PREFETCH_BLOCKS + 1) * 256 <= total {
+            let pf = nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
+            for line in 0..4 {
+                // SAFETY: a prefetch is a hint; the address lies inside the matrix.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+            }
+        }
+    }
+
+    /// AVX-512 VNNI exact kernel for one token (decode): blocks in natural order so the
+    /// hardware prefetcher streams the row block from DRAM; the 16 partial sums stay in
+    /// registers (the block loop is unrolled by 16 so each partial has a fixed register).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn exact_vnni_1(
+        m: &R16Matrix,
+        rb: usize,
+        tok: &TokenQ8<'_>,
+        out: &mut [f32; ROWS],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let q = tok.q.as_ptr().cast::<i32>();
+        let mut p = [_mm512_setzero_ps(); LANES];
+        let mut b = 0;
+        // Software prefetch ahead (`prefetch_ahead`): DRAM latency needs more bytes in flight
+        // than the out-of-order window holds at this compute rate.
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
+        macro_rules! step {
+            ($j:expr) => {{
+                let bb = b + $j;
+                prefetch_ahead(nib, base_off, total, bb);
+                // SAFETY: bb < blocks; see `load_tile512` and `term512`.
+                unsafe {
+                    let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
+                    let t = term512(
+                        &w,
+                        q.add(bb * 8),
+                        *tok.qsum.get_unchecked(bb),
+                        *tok.d.get_unchecked(bb),
+                    );
+                    p[$j] = _mm512_add_ps(p[$j], t);
+                }
+            }};
+        }
+        while b + LANES <= blocks {
+            step!(0);
+            step!(1);
+            step!(2);
+            step!(3);
+            step!(4);
+            step!(5);
+            step!(6);
+            step!(7);
+            step!(8);
+            step!(9);
+            step!(10);
+            step!(11);
+            step!(12);
+            step!(13);
+            step!(14);
+            step!(15);
+            b += LANES;
+        }
+        // Tail (blocks % 16 != 0): partial index is still b % 16 = j.
+        let rest = blocks - b;
+        for j in 0..rest {
+            let bb = b + j;
+            // SAFETY: bb < blocks.
+            unsafe {
+                let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
+                let t = term512(
+                    &w,
+                    q.add(bb * 8),
+                    *tok.qsum.get_unchecked(bb),
+                    *tok.d.get_unchecked(bb),
+                );
+                p[j] = _mm512_add_ps(p[j], t);
+            }
+        }
+        // SAFETY: out is 16 f32.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tree512(&mut p)) };
+    }
+
+    /// AVX-512 VNNI exact kernel for `T` tokens (2..=8): natural block order (a sequential
+    /// stream the hardware prefetcher follows, plus software prefetch ahead), the weight tile
+    /// unpacked once and used by all T tokens, each token's 16 partials kept in an L1-resident
+    /// array (too many for registers).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn exact_vnni_multi<const T: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[TokenQ8<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
+        let mut q = [std::ptr::null::<i32>(); T];
+        for t in 0..T {
+            q[t] = toks[t].q.as_ptr().cast::<i32>();
+        }
+        let mut p = [[_mm512_setzero_ps(); LANES]; T];
+        for b in 0..blocks {
+            prefetch_ahead(nib, base_off, total, b);
+            // SAFETY: b < blocks; see `load_tile512` and `term512`.
+            unsafe {
+                let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
+                let l = b % LANES;
+                for t in 0..T {
+                    let tk = toks.get_unchecked(t);
+                    let term = term512(
+                        &w,
+                        q[t].add(b * 8),
+                        *tk.qsum.get_unchecked(b),
+                        *tk.d.get_unchecked(b),
+                    );
+                    p[t][l] = _mm512_add_ps(p[t][l], term);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: out[t] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), tree512(&mut p[t])) };
+        }
+    }
+
+    /// AVX2 exact kernel for `T` tokens: two 8-row halves per row block.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn exact_avx2<const T: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[TokenQ8<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        for half in 0..2 {
+            let mut p = [[_mm256_setzero_ps(); LANES]; T];
+            for b in 0..blocks {
+                let g = b / bpg;
+                // SAFETY: as in `exact_vnni`; each half reads 32 of the 64 bytes of a chunk.
+                unsafe {
+                    let tile = nib.add(b * 256 + half * 32);
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for c in 0..4 {
+                        let w = _mm256_loadu_si256(tile.add(c * 64).cast());
+                        lo[c] = _mm256_and_si256(w, mask);
+                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                    }
+                    let sp = scales.add(g * ROWS + half * 8);
+                    let s = match dtype {
+                        ScaleDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm_loadu_si128(sp.cast())),
+                            16,
+                        )),
+                        ScaleDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(sp.cast())),
+                    };
+                    let z = zeros.map(|z| {
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            z.as_ptr().add(g * ROWS + half * 8).cast(),
+                        ))
+                    });
+                    for t in 0..T {
+                        let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
+                        // Σ over 8 pmaddubsw results stays within i16: each is at most
+                        // 2·15·127 = 3810 in magnitude, eight of them 30480 < 32767.
+                        let mut s16 = _mm256_setzero_si256();
+                        for c in 0..4 {
+                            let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
+                            let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], ql));
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], qh));
+                        }
+                        let acc = _mm256_madd_epi16(s16, ones);
+                        let qs = *toks[t].qsum.get_unchecked(b);
+                        let corr = match z {
+                            None => _mm256_set1_epi32(qs << 3),
+                            Some(z) => _mm256_mullo_epi32(z, _mm256_set1_epi32(qs)),
+                        };
+                        let isum = _mm256_sub_epi32(acc, corr);
+                        let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
+                        let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
+                        let slot = &mut p[t][b % LANES];
+                        *slot = _mm256_add_ps(*slot, term);
+                    }
+                }
+            }
+            for t in 0..T {
+                let pt = &mut p[t];
+                let mut w = LANES / 2;
+                while w > 0 {
+                    for l in 0..w {
+                        pt[l] = _mm256_add_ps(pt[l], pt[l + w]);
+                    }
+                    w /= 2;
+                }
+                // SAFETY: out[t] has 16 f32; this half writes 8 of them.
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(half * 8), pt[0]) };
+            }
+        }
+        let _ = BLOCK;
+    }
+
+    /// AVX-512 accurate kernel: dequantize each nibble lane to f32, FMA with the broadcast
+    /// activation, scale per block.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub(super) unsafe fn accurate_avx512(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[&[f32]],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let nt = toks.len();
+        // f32(u - 8) for every code u: `vpermps` looks a lane's low 4 bits up in this table, so
+        // a nibble becomes its centred float in one instruction (no mask, no convert).
+        let table = _mm512_setr_ps(
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        );
+        let mut acc = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            // SAFETY: as in `exact_vnni`; x slices hold K floats.
+            unsafe {
+                let tile = nib.add(b * 256);
+                let s = scales16_512(dtype, scales.add(g * ROWS));
+                // Σ(u - z)·x = Σ(u - 8)·x + (8 - z)·Σx: zero points add one term per block.
+                let zc = zeros.map(|z| {
+                    _mm512_sub_ps(
+                        _mm512_set1_ps(8.0),
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            z.as_ptr().add(g * ROWS).cast(),
+                        ))),
+                    )
+                });
+                let mut bs = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
+                for c in 0..4 {
+                    let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                    for i in 0..4 {
+                        let sh = _mm512_srl_epi32(w, _mm_cvtsi32_si128((8 * i) as i32));
+                        let lo = _mm512_permutexvar_ps(sh, table);
+                        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(sh, 4), table);
+                        for t in 0..nt {
+                            let x = toks[t].as_ptr().add(b * BLOCK);
+                            bs[t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x.add(4 * c + i)), bs[t]);
+                            bs[t] =
+                                _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(16 + 4 * c + i)), bs[t]);
+                        }
+                    }
+                }
+                if let Some(zc) = zc {
+                    for t in 0..nt {
+                        let xb = std::slice::from_raw_parts(toks[t].as_ptr().add(b * BLOCK), BLOCK);
+                        let xs: f32 = xb.iter().sum();
+                        bs[t] = _mm512_fmadd_ps(zc, _mm512_set1_ps(xs), bs[t]);
+                    }
+                }
+                for t in 0..nt {
+                    acc[t] = _mm512_fmadd_ps(s, bs[t], acc[t]);
+                }
+            }
+        }
+        for t in 0..nt {
+            // SAFETY: out[t] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+        }
+    }
+}

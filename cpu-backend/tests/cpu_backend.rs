@@ -1,0 +1,433 @@
+//! The CPU backend against the scalar reference: bit-identical in exact mode on every ISA this
+//! machine supports, within tolerance of f64 in accurate mode.
+
+use expertmesh_backend::{
+    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+};
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_cpu_backend::kernels::{self, Isa, TokenQ8};
+use expertmesh_cpu_backend::layout::R16Matrix;
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
+use expertmesh_quant::reference::{self, QuantizedVec};
+use expertmesh_quant::synth::{self, SplitMix64};
+use proptest::prelude::*;
+
+fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
+    (
+        prop::sample::select(vec![32u32, 64, 128]),
+        prop::sample::select(vec![ScaleDtype::F16, ScaleDtype::Bf16]),
+        any::<bool>(),
+    )
+        .prop_map(|(group_size, scale_dtype, zero_points)| QuantSpec {
+            group_size,
+            scale_dtype,
+            zero_points,
+        })
+}
+
+fn random_matrix(spec: QuantSpec, rows: usize, cols: usize, seed: u64) -> PackedMatrix {
+    let mut rng = SplitMix64::new(seed);
+    synth::random_packed("test", spec, rows, cols, &mut rng).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn r16_repack_round_trips(spec in spec_strategy(), rows in 1usize..40, kb in 1usize..12, seed in any::<u64>()) {
+        let cols = (kb * 32).div_ceil(spec.group_size as usize) * spec.group_size as usize;
+        let m = random_matrix(spec, rows, cols, seed);
+        let r = R16Matrix::from_canonical(&m);
+        prop_assert_eq!(r.to_canonical(), m);
+    }
+
+    /// Every ISA's row-block kernel equals the contract's scalar row dot bit for bit.
+    #[test]
+    fn rowblock_exact_is_bit_identical(
+        spec in spec_strategy(), rows in 1usize..40, kb in 1usize..40, ntok in 1usize..=8, seed in any::<u64>()
+    ) {
+        let cols = (kb * 32).div_ceil(spec.group_size as usize) * spec.group_size as usize;
+        let m = random_matrix(spec, rows, cols, seed);
+        let r16 = R16Matrix::from_canonical(&m);
+        let mut rng = SplitMix64::new(seed ^ 1);
+        let acts: Vec<QuantizedVec> = (0..ntok)
+            .map(|_| QuantizedVec::new(&synth::normal_vec(&mut rng, cols, 1.0)))
+            .collect();
+        let sums: Vec<Vec<i32>> = acts.iter().map(|a| {
+            let mut s = vec![0; cols / 32];
+            kernels::block_sums(&a.q, &mut s);
+            s
+        }).collect();
+        let toks: Vec<TokenQ8> = acts.iter().zip(&sums).map(|(a, s)| TokenQ8 { q: &a.q, d: &a.d, qsum: s }).collect();
+        for isa in Isa::available() {
+            for rb in 0..r16.row_blocks() {
+                let mut out = [[0f32; 16]; 8];
+                kernels::rowblock_exact(isa, &r16, rb, &toks, &mut out);
+                for (t, a) in acts.iter().enumerate() {
+                    for r in 0..16.min(rows - rb * 16) {
+                        let want = reference::row_dot_exact(&m, rb * 16 + r, a);
+                        prop_assert_eq!(out[t][r].to_bits(), want.to_bits(),
+                            "{:?} row {} token {}: {} vs {}", isa, rb * 16 + r, t, out[t][r], want);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A batch description for tests: per expert, the tokens that chose it.
+struct TestBatch {
+    hidden: usize,
+    experts: Vec<ExpertWeights>,
+    x: Vec<f32>,
+    tokens: usize,
+    /// (expert index, tokens ascending, weights)
+    groups: Vec<(usize, Vec<u32>, Vec<f32>)>,
+}
+
+impl TestBatch {
+    fn random(
+        spec: QuantSpec,
+        hidden: usize,
+        inters: &[usize],
+        tokens: usize,
+        top_k: usize,
+        seed: u64,
+    ) -> Self {
+        let mut rng = SplitMix64::new(seed);
+        let experts: Vec<ExpertWeights> = inters
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| synth::synthetic_expert(spec, hidden, f, seed, 0, i as u32).unwrap())
+            .collect();
+        let x = synth::normal_vec(&mut rng, tokens * hidden, 1.0);
+        let e = experts.len();
+        let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); e];
+        for t in 0..tokens {
+            // choose top_k distinct experts; expert 0 is never chosen when e > top_k, so one
+            // loaded expert always receives zero tokens
+            let lo = if e > top_k { 1 } else { 0 };
+            let mut chosen = Vec::new();
+            while chosen.len() < top_k.min(e - lo) {
+                let c = lo + rng.below((e - lo) as u64) as usize;
+                if !chosen.contains(&c) {
+                    chosen.push(c);
+                }
+            }
+            for c in chosen {
+                per_expert[c].0.push(t as u32);
+                per_expert[c].1.push(rng.uniform(0.1, 1.0) as f32);
+            }
+        }
+        let groups = per_expert
+            .into_iter()
+            .enumerate()
+            .filter(|(_, (t, _))| !t.is_empty())
+            .map(|(i, (t, w))| (i, t, w))
+            .collect();
+        Self {
+            hidden,
+            experts,
+            x,
+            tokens,
+            groups,
+        }
+    }
+
+    /// Output rows numbered token-major in expert order (the "slot order" of this test).
+    fn out_rows(&self) -> Vec<Vec<u32>> {
+        let mut slots: Vec<(u32, usize, usize)> = Vec::new(); // (token, group, i)
+        for (gi, (_, toks, _)) in self.groups.iter().enumerate() {
+            for (i, &t) in toks.iter().enumerate() {
+                slots.push((t, gi, i));
+            }
+        }
+        slots.sort();
+        let mut rows: Vec<Vec<u32>> = self
+            .groups
+            .iter()
+            .map(|(_, t, _)| vec![0; t.len()])
+            .collect();
+        for (r, &(_, gi, i)) in slots.iter().enumerate() {
+            rows[gi][i] = r as u32;
+        }
+        rows
+    }
+
+    fn run(&self, backend: &mut CpuBackend, mode: ComputeMode, layout: OutputLayout) -> Vec<f32> {
+        let keys: Vec<ExpertKey> = (0..self.experts.len())
+            .map(|i| ExpertKey {
+                layer: 3,
+                expert: i as u32,
+            })
+            .collect();
+        let pairs: usize = self.groups.iter().map(|g| g.1.len()).sum();
+        backend
+            .load(
+                keys.iter()
+                    .cloned()
+                    .zip(self.experts.iter().cloned())
+                    .collect(),
+                BatchLimits {
+                    max_tokens: self.tokens,
+                    max_pairs: pairs.max(1),
+                },
+            )
+            .unwrap();
+        let rows = self.out_rows();
+        let groups: Vec<ExpertGroup> = self
+            .groups
+            .iter()
+            .zip(&rows)
+            .map(|((e, t, w), r)| ExpertGroup {
+                key: keys[*e],
+                tokens: t,
+                weights: w,
+                out_rows: r,
+            })
+            .collect();
+        let batch = GroupedBatch {
+            mode,
+            hidden: self.hidden,
+            tokens: self.tokens,
+            input: Activations::F32(&self.x),
+            groups: &groups,
+            layout,
+        };
+        let mut out = vec![f32::NAN; batch.output_len()];
+        backend.execute(&batch, &mut out).unwrap();
+        out
+    }
+}
+
+fn check_exact(tb: &TestBatch, isa: Isa, threads: usize) -> Result<(), TestCaseError> {
+    let h = tb.hidden;
+    let mut be = CpuBackend::with_isa(threads, isa).unwrap();
+    let per_slot = tb.run(&mut be, ComputeMode::Exact, OutputLayout::PerSlot);
+    let combined = tb.run(&mut be, ComputeMode::Exact, OutputLayout::PreCombined);
+    let rows = tb.out_rows();
+    let mut want_slot = vec![0f32; per_slot.len()];
+    let mut y = vec![0f32; h];
+    for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
+        for (i, &t) in toks.iter().enumerate() {
+            reference::expert_ffn_exact(
+                &tb.experts[*e],
+                &tb.x[t as usize * h..(t as usize + 1) * h],
+                &mut y,
+            );
+            let r = rows[gi][i] as usize;
+            want_slot[r * h..(r + 1) * h].copy_from_slice(&y);
+        }
+    }
+    for (i, (a, b)) in per_slot.iter().zip(&want_slot).enumerate() {
+        prop_assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{:?} per-slot element {}: {} vs {}",
+            isa,
+            i,
+            a,
+            b
+        );
+    }
+    // pre-combined: acc = 0; acc += w*y in output-row order
+    let mut want = vec![0f32; tb.tokens * h];
+    let mut slots: Vec<(u32, u32, usize, usize)> = Vec::new();
+    for (gi, (_, toks, _)) in tb.groups.iter().enumerate() {
+        for (i, &t) in toks.iter().enumerate() {
+            slots.push((t, rows[gi][i], gi, i));
+        }
+    }
+    slots.sort();
+    for (t, r, gi, i) in slots {
+        let w = tb.groups[gi].2[i];
+        for k in 0..h {
+            want[t as usize * h + k] += w * want_slot[r as usize * h + k];
+        }
+    }
+    for (i, (a, b)) in combined.iter().zip(&want).enumerate() {
+        prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?} combined element {}", isa, i);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Scalar, AVX2 and AVX-512 VNNI backends, 1 and 2 threads, bit-identical to the reference:
+    /// random shapes (K not a multiple of 256), an expert with zero tokens, mixed intermediate
+    /// sizes (a shared expert is just a different F).
+    #[test]
+    fn backend_exact_matches_reference(
+        spec in spec_strategy(),
+        hb in 1usize..10,
+        inters in prop::collection::vec(1usize..5, 2..5),
+        tokens in 1usize..24,
+        top_k in 1usize..3,
+        seed in any::<u64>(),
+    ) {
+        let hidden = hb * 128;
+        let inters: Vec<usize> = inters.iter().map(|&f| f * 32 * (spec.group_size as usize / 32).max(1)).collect();
+        let tb = TestBatch::random(spec, hidden, &inters, tokens, top_k, seed);
+        for isa in Isa::available() {
+            for threads in [1, 2] {
+                check_exact(&tb, isa, threads)?;
+            }
+        }
+    }
+}
+
+#[test]
+fn backend_exact_large_batch() {
+    // B from 1 to 300: a 300-token batch on few experts exercises token tiles and prefill.
+    for tokens in [1usize, 17, 300] {
+        let tb = TestBatch::random(
+            QuantSpec::G32_BF16,
+            96,
+            &[64, 64, 96, 32],
+            tokens,
+            2,
+            tokens as u64,
+        );
+        for isa in Isa::available() {
+            check_exact(&tb, isa, 2).unwrap();
+        }
+    }
+}
+
+#[test]
+fn backend_accurate_within_tolerance() {
+    let asym = QuantSpec {
+        group_size: 64,
+        scale_dtype: ScaleDtype::F16,
+        zero_points: true,
+    };
+    for (isa, spec) in Isa::available()
+        .into_iter()
+        .flat_map(|i| [(i, QuantSpec::G32_BF16), (i, asym)])
+    {
+        let tb = TestBatch::random(spec, 256, &[128, 64, 128], 9, 2, 5);
+        let h = tb.hidden;
+        {
+            let mut be = CpuBackend::with_isa(2, isa).unwrap();
+            let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
+            let rows = tb.out_rows();
+            let mut y = vec![0f64; h];
+            let mut worst = 0f64;
+            for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
+                for (i, &t) in toks.iter().enumerate() {
+                    let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
+                    reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
+                    let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
+                    let r = rows[gi][i] as usize;
+                    for k in 0..h {
+                        worst = worst.max((got[r * h + k] as f64 - y[k]).abs() / rms);
+                    }
+                }
+            }
+            // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
+            assert!(worst < 1e-4, "{isa:?} {spec}: accurate mode error {worst}");
+        }
+    }
+}
+
+#[test]
+fn bad_batches_are_errors() {
+    let tb = TestBatch::random(QuantSpec::G32_BF16, 64, &[32, 32], 3, 1, 9);
+    let mut be = CpuBackend::new(1).unwrap();
+    let _ = tb.run(&mut be, ComputeMode::Exact, OutputLayout::PerSlot);
+    let x = vec![0f32; 64 * 3];
+    let unknown = ExpertGroup {
+        key: ExpertKey {
+            layer: 3,
+            expert: 99,
+        },
+        tokens: &[0],
+        weights: &[1.0],
+        out_rows: &[0],
+    };
+    let batch = GroupedBatch {
+        mode: ComputeMode::Exact,
+        hidden: 64,
+        tokens: 3,
+        input: Activations::F32(&x),
+        groups: std::slice::from_ref(&unknown),
+        layout: OutputLayout::PerSlot,
+    };
+    let mut out = vec![0f32; 64];
+    let e = be.execute(&batch, &mut out).unwrap_err();
+    assert!(e.to_string().contains("layer 3 expert 99"), "{e}");
+    let bad_row = ExpertGroup {
+        key: ExpertKey {
+            layer: 3,
+            expert: 0,
+        },
+        tokens: &[5],
+        weights: &[1.0],
+        out_rows: &[0],
+    };
+    let batch = GroupedBatch {
+        groups: std::slice::from_ref(&bad_row),
+        ..batch
+    };
+    let e = be.execute(&batch, &mut out).unwrap_err();
+    assert!(e.to_string().contains("token row 5"), "{e}");
+    let mut small = vec![0f32; 10];
+    let ok_group = ExpertGroup {
+        key: ExpertKey {
+            layer: 3,
+            expert: 0,
+        },
+        tokens: &[0],
+        weights: &[1.0],
+        out_rows: &[0],
+    };
+    let batch = GroupedBatch {
+        groups: std::slice::from_ref(&ok_group),
+        ..batch
+    };
+    assert!(be.execute(&batch, &mut small).is_err());
+    assert!(be.execute(&batch, &mut out).is_ok());
+}
+
+#[test]
+fn vector_swiglu_is_bit_identical_to_the_contract() {
+    use expertmesh_quant::contract::swiglu_contract;
+    let mut rng = SplitMix64::new(12);
+    let specials = [
+        0.0f32, -0.0, 1.0, -1.0, 87.0, -87.0, 88.5, -88.5, 1e-30, -1e-30, 1e30, -1e30, 3.4e38,
+        -3.4e38, 0.5, 20.0,
+    ];
+    for round in 0..2000 {
+        let mut g = [0f32; 16];
+        let mut u = [0f32; 16];
+        for i in 0..16 {
+            g[i] = if round == 0 {
+                specials[i]
+            } else {
+                (rng.normal() * [0.1, 3.0, 30.0, 200.0][round % 4]) as f32
+            };
+            u[i] = (rng.normal() * 2.0) as f32;
+        }
+        for isa in Isa::available() {
+            let mut out = [0f32; 16];
+            kernels::swiglu16(isa, &g, &u, &mut out);
+            for i in 0..16 {
+                let want = swiglu_contract(g[i], u[i]);
+                assert_eq!(
+                    out[i].to_bits(),
+                    want.to_bits(),
+                    "{isa:?} g={} u={}: {} vs {}",
+                    g[i],
+                    u[i],
+                    out[i],
+                    want
+                );
+            }
+        }
+    }
+}

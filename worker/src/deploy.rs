@@ -1,0 +1,261 @@
+//! One deployment's shared facts: topology, model, placement, ranks, addresses, wire settings.
+//!
+//! Why this exists: the router and every worker must agree on the cluster name, the rank of
+//! each device, where the router listens, the frame size limit and the weights' seed, or they
+//! will refuse each other (or worse, disagree silently). Both sides build them here from the
+//! same three files, so there is one mapping:
+//!
+//! * mesh rank 0 is the router; the device with topology rank `d` is mesh rank `d + 1`;
+//! * workers dial only the router (its mesh listener is the router node's `control_port`;
+//!   frontends connect to the `[router]` section's port);
+//! * expert weights come from [`crate::weights`] (synthetic from the seed until checkpoint
+//!   loading lands: that module is the one to replace).
+
+use anyhow::{Context, anyhow, bail};
+use expertmesh_router::core::{LayerSetup, SharedSite};
+use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::placement::{Placement, SharedLocation};
+use expertmesh_topology::topology::{DeviceRank, Topology};
+use expertmesh_transport::codec::CodecConfig;
+use expertmesh_transport::mesh::{LinkKind, MeshConfig, PeerAddress};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest frame on the worker mesh (dispatch payloads and per-slot results). A Kimi-sized
+/// micro-batch of 32 tokens returns 32 × 9 slots × 7168 × 4 B = 8.3 MB of per-slot rows.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+/// Bytes of each shared-memory ring (one per direction per worker): two maximum frames, so
+/// the credit window (the same two frames) always fits.
+pub const SHM_RING_BYTES: usize = 2 * MAX_FRAME_BYTES + 256;
+
+/// A deployment: the validated files plus the wire settings both sides derive from them.
+#[derive(Clone, Debug)]
+pub struct Deployment {
+    /// The cluster.
+    pub topology: Topology,
+    /// The model.
+    pub spec: ModelSpec,
+    /// Where every expert lives.
+    pub placement: Placement,
+    /// Seed of the synthetic weights.
+    pub seed: u64,
+    /// Shared secret for the mesh and frontends (`None`: no authentication).
+    pub secret: Option<Arc<[u8]>>,
+}
+
+impl Deployment {
+    /// Load and cross-validate the three files.
+    pub fn load(topology: &Path, model: &str, placement: &Path, seed: u64) -> anyhow::Result<Self> {
+        let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
+        let spec = expertmesh_topology::resolve_model(model).map_err(|e| anyhow!("{e}"))?;
+        let placement = Placement::load(placement, &topo, &spec).map_err(|e| anyhow!("{e}"))?;
+        Ok(Self {
+            topology: topo,
+            spec,
+            placement,
+            seed,
+            secret: secret_from_env()?,
+        })
+    }
+
+    /// Number of mesh ranks (router + one per device).
+    pub fn world_size(&self) -> u32 {
+        self.topology.devices().len() as u32 + 1
+    }
+
+    /// Mesh rank of a device.
+    pub fn mesh_rank(d: DeviceRank) -> u32 {
+        d.0 + 1
+    }
+
+    /// Device of a mesh rank (None for the router).
+    pub fn device_of(rank: u32) -> Option<DeviceRank> {
+        rank.checked_sub(1).map(DeviceRank)
+    }
+
+    /// Resolve a device given as an id ("node/dev") or a rank number.
+    pub fn device(&self, which: &str) -> anyhow::Result<DeviceRank> {
+        if let Some(d) = self.topology.device_by_id(which) {
+            return Ok(d.rank());
+        }
+        if let Ok(n) = which.parse::<u32>()
+            && (n as usize) < self.topology.devices().len()
+        {
+            return Ok(DeviceRank(n));
+        }
+        let ids: Vec<&str> = self.topology.devices().iter().map(|d| d.id()).collect();
+        bail!(
+            "no device {which:?} in topology {}; devices are {}",
+            self.topology.name(),
+            ids.join(", ")
+        )
+    }
+
+    /// Names of mesh ranks for messages ("router", "node/device").
+    pub fn rank_names(&self) -> Vec<String> {
+        std::iter::once("router".to_string())
+            .chain(self.topology.devices().iter().map(|d| d.id().to_string()))
+            .collect()
+    }
+
+    /// The router's mesh endpoint from the topology (router node's control port).
+    pub fn router_mesh_endpoint(&self) -> anyhow::Result<SocketAddr> {
+        let idx = self.topology.router().map_or(0, |r| r.node_index());
+        let node = self
+            .topology
+            .nodes()
+            .get(idx)
+            .ok_or_else(|| anyhow!("topology has no node {idx}"))?;
+        resolve(&format!("{}:{}", node.address(), node.control_port()))
+    }
+
+    /// Where frontends connect, from the topology's `[router]` section.
+    pub fn router_frontend_endpoint(&self) -> anyhow::Result<SocketAddr> {
+        match self.topology.router() {
+            Some(r) => resolve(&r.listen_endpoint()),
+            None => bail!(
+                "topology {} has no [router] section; pass --listen",
+                self.topology.name()
+            ),
+        }
+    }
+
+    /// A device's worker endpoint from the topology.
+    pub fn worker_endpoint(&self, d: DeviceRank) -> anyhow::Result<SocketAddr> {
+        let dev = self
+            .topology
+            .device(d)
+            .ok_or_else(|| anyhow!("no device rank {}", d.0))?;
+        resolve(&self.topology.data_endpoint(dev))
+    }
+
+    /// Mesh settings for `rank`. `router` is where workers dial; `listen` overrides this rank's
+    /// own listen address (port 0 for an ephemeral port).
+    pub fn mesh_config(
+        &self,
+        rank: u32,
+        router: SocketAddr,
+        listen: SocketAddr,
+        link: LinkKind,
+    ) -> MeshConfig {
+        let world = self.world_size();
+        let peers = (0..world)
+            .map(|r| PeerAddress {
+                addr: if r == rank {
+                    listen
+                } else if r == 0 {
+                    router
+                } else {
+                    // Workers never dial each other; the address only fills the table.
+                    Self::device_of(r)
+                        .and_then(|d| self.worker_endpoint(d).ok())
+                        .unwrap_or(listen)
+                },
+                link,
+            })
+            .collect();
+        let mut cfg = MeshConfig::new(self.topology.name(), rank, peers);
+        cfg.dial_ranks = Some(if rank == 0 { Vec::new() } else { vec![0] });
+        cfg.protocol.secret = self.secret.clone();
+        cfg.protocol.codec = CodecConfig {
+            max_frame_bytes: MAX_FRAME_BYTES,
+            payload_checksum: false,
+        };
+        cfg.protocol.recv_window_bytes = 2 * MAX_FRAME_BYTES as u64;
+        cfg.protocol.idle_timeout = Duration::from_secs(5);
+        cfg.protocol.heartbeat_interval = Duration::from_millis(500);
+        cfg.shm.ring_bytes = SHM_RING_BYTES;
+        cfg
+    }
+
+    /// The router's view of every MoE layer: gate, owners as mesh ranks, shared site.
+    pub fn layer_setups(&self) -> Vec<LayerSetup> {
+        let e = self.spec.routed_experts;
+        self.spec
+            .moe_layer_ids()
+            .into_iter()
+            .map(|layer| {
+                let owners = (0..e)
+                    .map(|x| {
+                        self.placement
+                            .owners(layer, x)
+                            .iter()
+                            .map(|&d| Self::mesh_rank(d))
+                            .collect()
+                    })
+                    .collect();
+                let shared = if self.spec.shared_experts == 0 {
+                    SharedSite::None
+                } else {
+                    match self.placement.shared_location(layer) {
+                        Some(SharedLocation::Device(d)) => SharedSite::Rank(Self::mesh_rank(d)),
+                        _ => SharedSite::Router,
+                    }
+                };
+                LayerSetup {
+                    layer,
+                    gate: expertmesh_router::reference::synthetic_gate(
+                        &self.spec, self.seed, layer,
+                    ),
+                    owners: LayerOwners { owners },
+                    shared,
+                }
+            })
+            .collect()
+    }
+
+    /// Replica-choice state: every worker alive, router node for locality.
+    pub fn replicas(&self) -> Replicas {
+        let world = self.world_size() as usize;
+        let mut r = Replicas::new(world);
+        r.alive[0] = false;
+        let router_node = self.topology.router().map_or(0, |rs| rs.node_index());
+        for (i, d) in self.topology.devices().iter().enumerate() {
+            r.node[i + 1] = d.node_index() as u32;
+        }
+        r.node[0] = router_node as u32;
+        r.local_node = Some(router_node as u32);
+        r
+    }
+
+    /// Whether any layer runs its shared experts on the router.
+    pub fn shared_on_router(&self) -> bool {
+        self.spec.shared_experts > 0
+            && self.spec.moe_layer_ids().iter().any(|&l| {
+                !matches!(
+                    self.placement.shared_location(l),
+                    Some(SharedLocation::Device(_))
+                )
+            })
+    }
+}
+
+/// The shared secret from `EXPERTMESH_SECRET` or the file named by `EXPERTMESH_SECRET_FILE`.
+pub fn secret_from_env() -> anyhow::Result<Option<Arc<[u8]>>> {
+    if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
+        && !s.is_empty()
+    {
+        return Ok(Some(Arc::from(s.into_bytes())));
+    }
+    if let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") {
+        let bytes = std::fs::read(&p).with_context(|| format!("reading secret file {p}"))?;
+        let trimmed: Vec<u8> = bytes.trim_ascii_end().to_vec();
+        if trimmed.is_empty() {
+            bail!("secret file {p} is empty");
+        }
+        return Ok(Some(Arc::from(trimmed)));
+    }
+    Ok(None)
+}
+
+fn resolve(endpoint: &str) -> anyhow::Result<SocketAddr> {
+    endpoint
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {endpoint}"))?
+        .next()
+        .ok_or_else(|| anyhow!("{endpoint} resolves to no address"))
+}
