@@ -30,6 +30,7 @@
 //! configured maximum frame size and against the bytes actually present before anything is
 //! allocated; decoding arbitrary bytes returns an error and never panics (fuzzed, see `fuzz/`).
 
+pub use crate::align::{PAYLOAD_ALIGN, align_up};
 use crate::dtype::{ActivationDtype, OutputDtype};
 use std::ops::Range;
 
@@ -39,8 +40,6 @@ pub const MAGIC: u32 = 0x464D_4D45;
 pub const FORMAT_VERSION: u8 = 1;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 32;
-/// Alignment of the payload inside a frame, in bytes.
-pub const PAYLOAD_ALIGN: usize = 64;
 /// Smallest maximum frame size a configuration may ask for.
 pub const MIN_MAX_FRAME_BYTES: usize = 4096;
 /// Largest maximum frame size a configuration may ask for (frame lengths are u32 on the wire).
@@ -56,11 +55,6 @@ pub const NONCE_BYTES: usize = 32;
 
 const FLAG_PAYLOAD_CRC: u16 = 1;
 const KNOWN_FLAGS: u16 = FLAG_PAYLOAD_CRC;
-
-/// Rounds `n` up to a multiple of [`PAYLOAD_ALIGN`] (saturating instead of overflowing).
-pub const fn align_up(n: usize) -> usize {
-    n.saturating_add(PAYLOAD_ALIGN - 1) & !(PAYLOAD_ALIGN - 1)
-}
 
 /// Why bytes are not a valid frame, or a frame cannot be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1087,144 +1081,11 @@ impl Body {
             pos: 0,
         };
         let body = match kind {
-            FrameKind::Hello => {
-                let format_version = c.u8("format version")?;
-                let auth = c.u8("auth flag")?;
-                if auth > 1 {
-                    return Err(bad(kind, format!("auth flag {auth} is not 0 or 1")));
-                }
-                let _reserved = c.u16("reserved")?;
-                let rank = c.u32("rank")?;
-                let world_size = c.u32("world size")?;
-                let recv_window_bytes = c.u64("receive window")?;
-                let nonce = c.array32("nonce")?;
-                let name_len = c.u8("cluster name length")? as usize;
-                let name = c.take(name_len, "cluster name")?;
-                let cluster = std::str::from_utf8(name)
-                    .map_err(|_| bad(kind, "cluster name is not UTF-8"))?
-                    .to_owned();
-                let att_len = c.u16("attachment length")? as usize;
-                if att_len > MAX_ATTACHMENT_BYTES {
-                    return Err(bad(
-                        kind,
-                        format!("attachment of {att_len} bytes exceeds 1024"),
-                    ));
-                }
-                let attachment = c.take(att_len, "attachment")?.to_vec();
-                Body::Hello(Hello {
-                    format_version,
-                    cluster,
-                    rank,
-                    world_size,
-                    recv_window_bytes,
-                    auth_required: auth == 1,
-                    nonce,
-                    attachment,
-                })
-            }
-            FrameKind::Auth => {
-                let n = c.u8("mac length")? as usize;
-                let mac = match n {
-                    0 => None,
-                    NONCE_BYTES => Some(c.array32("mac")?),
-                    _ => return Err(bad(kind, format!("mac length {n} is not 0 or 32"))),
-                };
-                Body::Auth(Auth { mac })
-            }
-            FrameKind::Dispatch => {
-                let request_id = c.u64("request id")?;
-                let layer = c.u32("layer")?;
-                let micro_batch = c.u32("micro-batch")?;
-                let tokens = c.u32("token count")?;
-                let hidden = c.u32("hidden size")?;
-                let dtype = act_dtype(kind, c.u8("dtype")?)?;
-                let mode = mode_from(kind, c.u8("compute mode")?)?;
-                let layout = layout_from(kind, c.u8("layout")?)?;
-                let _reserved = c.u8("reserved")?;
-                let pairs = c.u32("pair count")? as usize;
-                // Lengths first: the rest of the metadata must hold exactly these arrays.
-                let need = (pairs as u64) * 8 + (tokens as u64) * 2;
-                let have = (meta.len() - c.pos) as u64;
-                if need != have {
-                    return Err(bad(
-                        kind,
-                        format!(
-                            "{tokens} tokens and {pairs} pairs need {need} more metadata bytes, {have} present"
-                        ),
-                    ));
-                }
-                let ids = c.take(pairs * 4, "expert ids")?;
-                let ws = c.take(pairs * 4, "weights")?;
-                let cs = c.take(tokens as usize * 2, "expert counts")?;
-                let experts: Vec<u32> = ids
-                    .chunks_exact(4)
-                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                let weights: Vec<f32> = ws
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                let expert_counts: Vec<u16> = cs
-                    .chunks_exact(2)
-                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                    .collect();
-                let sum: u64 = expert_counts.iter().map(|&x| x as u64).sum();
-                if sum != pairs as u64 {
-                    return Err(bad(
-                        kind,
-                        format!("per-token expert counts sum to {sum}, header says {pairs} pairs"),
-                    ));
-                }
-                Body::Dispatch(Dispatch {
-                    request_id,
-                    layer,
-                    micro_batch,
-                    tokens,
-                    hidden,
-                    dtype,
-                    mode,
-                    layout,
-                    expert_counts,
-                    experts,
-                    weights,
-                })
-            }
-            FrameKind::Result => {
-                let request_id = c.u64("request id")?;
-                let layer = c.u32("layer")?;
-                let micro_batch = c.u32("micro-batch")?;
-                let rows = c.u32("row count")?;
-                let hidden = c.u32("hidden size")?;
-                let layout = layout_from(kind, c.u8("layout")?)?;
-                let dtype = out_dtype(kind, c.u8("dtype")?)?;
-                let _reserved = c.u16("reserved")?;
-                Body::Result(ExpertResult {
-                    request_id,
-                    layer,
-                    micro_batch,
-                    layout,
-                    rows,
-                    hidden,
-                    dtype,
-                })
-            }
-            FrameKind::Error => {
-                let request_id = c.u64("request id")?;
-                let code = ErrorCode::from_u16(c.u16("error code")?);
-                let n = c.u16("message length")? as usize;
-                if n > MAX_ERROR_MESSAGE_BYTES {
-                    return Err(bad(kind, format!("message of {n} bytes exceeds 4096")));
-                }
-                let msg = c.take(n, "message")?;
-                let message = std::str::from_utf8(msg)
-                    .map_err(|_| bad(kind, "message is not UTF-8"))?
-                    .to_owned();
-                Body::Error(ErrorFrame {
-                    request_id,
-                    code,
-                    message,
-                })
-            }
+            FrameKind::Hello => Body::Hello(decode_hello(&mut c)?),
+            FrameKind::Auth => Body::Auth(decode_auth(&mut c)?),
+            FrameKind::Dispatch => Body::Dispatch(decode_dispatch(&mut c)?),
+            FrameKind::Result => Body::Result(decode_result(&mut c)?),
+            FrameKind::Error => Body::Error(decode_error(&mut c)?),
             FrameKind::Heartbeat => Body::Heartbeat(Heartbeat {
                 seq: c.u64("sequence")?,
                 sent_at_us: c.u64("timestamp")?,
@@ -1232,42 +1093,196 @@ impl Body {
             FrameKind::Credit => Body::Credit(Credit {
                 bytes: c.u64("credit bytes")?,
             }),
-            FrameKind::LayerRequest => {
-                let request_id = c.u64("request id")?;
-                let layer = c.u32("layer")?;
-                let tokens = c.u32("token count")?;
-                let hidden = c.u32("hidden size")?;
-                let dtype = act_dtype(kind, c.u8("dtype")?)?;
-                c.take(3, "reserved")?;
-                let logit_experts = c.u32("logit experts")?;
-                let deadline_us = c.u64("deadline")?;
-                Body::LayerRequest(LayerRequest {
-                    request_id,
-                    layer,
-                    tokens,
-                    hidden,
-                    dtype,
-                    logit_experts,
-                    deadline_us,
-                })
-            }
-            FrameKind::LayerResponse => {
-                let request_id = c.u64("request id")?;
-                let tokens = c.u32("token count")?;
-                let hidden = c.u32("hidden size")?;
-                let dtype = out_dtype(kind, c.u8("dtype")?)?;
-                c.take(3, "reserved")?;
-                Body::LayerResponse(LayerResponse {
-                    request_id,
-                    tokens,
-                    hidden,
-                    dtype,
-                })
-            }
+            FrameKind::LayerRequest => Body::LayerRequest(decode_layer_request(&mut c)?),
+            FrameKind::LayerResponse => Body::LayerResponse(decode_layer_response(&mut c)?),
         };
         c.finish()?;
         Ok(body)
     }
+}
+
+/// Decodes the metadata of the hello.
+fn decode_hello(c: &mut Cursor<'_>) -> Result<Hello, CodecError> {
+    let format_version = c.u8("format version")?;
+    let auth = c.u8("auth flag")?;
+    if auth > 1 {
+        return Err(bad(c.kind, format!("auth flag {auth} is not 0 or 1")));
+    }
+    let _reserved = c.u16("reserved")?;
+    let rank = c.u32("rank")?;
+    let world_size = c.u32("world size")?;
+    let recv_window_bytes = c.u64("receive window")?;
+    let nonce = c.array32("nonce")?;
+    let name_len = c.u8("cluster name length")? as usize;
+    let name = c.take(name_len, "cluster name")?;
+    let cluster = std::str::from_utf8(name)
+        .map_err(|_| bad(c.kind, "cluster name is not UTF-8"))?
+        .to_owned();
+    let att_len = c.u16("attachment length")? as usize;
+    if att_len > MAX_ATTACHMENT_BYTES {
+        return Err(bad(
+            c.kind,
+            format!("attachment of {att_len} bytes exceeds 1024"),
+        ));
+    }
+    let attachment = c.take(att_len, "attachment")?.to_vec();
+    Ok(Hello {
+        format_version,
+        cluster,
+        rank,
+        world_size,
+        recv_window_bytes,
+        auth_required: auth == 1,
+        nonce,
+        attachment,
+    })
+}
+
+/// Decodes the metadata of an auth answer.
+fn decode_auth(c: &mut Cursor<'_>) -> Result<Auth, CodecError> {
+    let n = c.u8("mac length")? as usize;
+    let mac = match n {
+        0 => None,
+        NONCE_BYTES => Some(c.array32("mac")?),
+        _ => return Err(bad(c.kind, format!("mac length {n} is not 0 or 32"))),
+    };
+    Ok(Auth { mac })
+}
+
+/// Decodes the metadata of a dispatch (lengths checked before any vector is allocated).
+fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
+    let request_id = c.u64("request id")?;
+    let layer = c.u32("layer")?;
+    let micro_batch = c.u32("micro-batch")?;
+    let tokens = c.u32("token count")?;
+    let hidden = c.u32("hidden size")?;
+    let dtype = act_dtype(c.kind, c.u8("dtype")?)?;
+    let mode = mode_from(c.kind, c.u8("compute mode")?)?;
+    let layout = layout_from(c.kind, c.u8("layout")?)?;
+    let _reserved = c.u8("reserved")?;
+    let pairs = c.u32("pair count")? as usize;
+    // Lengths first: the rest of the metadata must hold exactly these arrays.
+    let need = (pairs as u64) * 8 + (tokens as u64) * 2;
+    let have = (c.bytes.len() - c.pos) as u64;
+    if need != have {
+        return Err(bad(
+            c.kind,
+            format!(
+                "{tokens} tokens and {pairs} pairs need {need} more metadata bytes, {have} present"
+            ),
+        ));
+    }
+    let ids = c.take(pairs * 4, "expert ids")?;
+    let ws = c.take(pairs * 4, "weights")?;
+    let cs = c.take(tokens as usize * 2, "expert counts")?;
+    let experts: Vec<u32> = ids
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let weights: Vec<f32> = ws
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let expert_counts: Vec<u16> = cs
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let sum: u64 = expert_counts.iter().map(|&x| x as u64).sum();
+    if sum != pairs as u64 {
+        return Err(bad(
+            c.kind,
+            format!("per-token expert counts sum to {sum}, header says {pairs} pairs"),
+        ));
+    }
+    Ok(Dispatch {
+        request_id,
+        layer,
+        micro_batch,
+        tokens,
+        hidden,
+        dtype,
+        mode,
+        layout,
+        expert_counts,
+        experts,
+        weights,
+    })
+}
+
+/// Decodes the metadata of an expert result.
+fn decode_result(c: &mut Cursor<'_>) -> Result<ExpertResult, CodecError> {
+    let request_id = c.u64("request id")?;
+    let layer = c.u32("layer")?;
+    let micro_batch = c.u32("micro-batch")?;
+    let rows = c.u32("row count")?;
+    let hidden = c.u32("hidden size")?;
+    let layout = layout_from(c.kind, c.u8("layout")?)?;
+    let dtype = out_dtype(c.kind, c.u8("dtype")?)?;
+    let _reserved = c.u16("reserved")?;
+    Ok(ExpertResult {
+        request_id,
+        layer,
+        micro_batch,
+        layout,
+        rows,
+        hidden,
+        dtype,
+    })
+}
+
+/// Decodes the metadata of an error frame.
+fn decode_error(c: &mut Cursor<'_>) -> Result<ErrorFrame, CodecError> {
+    let request_id = c.u64("request id")?;
+    let code = ErrorCode::from_u16(c.u16("error code")?);
+    let n = c.u16("message length")? as usize;
+    if n > MAX_ERROR_MESSAGE_BYTES {
+        return Err(bad(c.kind, format!("message of {n} bytes exceeds 4096")));
+    }
+    let msg = c.take(n, "message")?;
+    let message = std::str::from_utf8(msg)
+        .map_err(|_| bad(c.kind, "message is not UTF-8"))?
+        .to_owned();
+    Ok(ErrorFrame {
+        request_id,
+        code,
+        message,
+    })
+}
+
+/// Decodes the metadata of a frontend layer request.
+fn decode_layer_request(c: &mut Cursor<'_>) -> Result<LayerRequest, CodecError> {
+    let request_id = c.u64("request id")?;
+    let layer = c.u32("layer")?;
+    let tokens = c.u32("token count")?;
+    let hidden = c.u32("hidden size")?;
+    let dtype = act_dtype(c.kind, c.u8("dtype")?)?;
+    c.take(3, "reserved")?;
+    let logit_experts = c.u32("logit experts")?;
+    let deadline_us = c.u64("deadline")?;
+    Ok(LayerRequest {
+        request_id,
+        layer,
+        tokens,
+        hidden,
+        dtype,
+        logit_experts,
+        deadline_us,
+    })
+}
+
+/// Decodes the metadata of a frontend layer response.
+fn decode_layer_response(c: &mut Cursor<'_>) -> Result<LayerResponse, CodecError> {
+    let request_id = c.u64("request id")?;
+    let tokens = c.u32("token count")?;
+    let hidden = c.u32("hidden size")?;
+    let dtype = out_dtype(c.kind, c.u8("dtype")?)?;
+    c.take(3, "reserved")?;
+    Ok(LayerResponse {
+        request_id,
+        tokens,
+        hidden,
+        dtype,
+    })
 }
 
 fn layout_u8(l: OutputLayout) -> u8 {

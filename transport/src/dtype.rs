@@ -8,12 +8,12 @@
 //! Layouts of a `[tokens][hidden]` activation payload (little endian):
 //! - `Bf16`, `F16`: `tokens·hidden` 2-byte values; `F32`: 4-byte values.
 //! - `Fp8E4m3`: `tokens·hidden` e4m3 codes, zero padding to a multiple of 64, then `tokens` f32
-//!   scales; value = decode(code) · scale[token]. The encoder picks scale = amax / 448.
+//!   scales; value = decode(code) · scale\[token\]. The encoder picks scale = amax / 448.
 //! - `Q8Block32`: `tokens·hidden` int8 codes (the exact-mode activation quantization of
 //!   `expertmesh_quant::contract` §1), zero padding to a multiple of 64, then
 //!   `tokens·hidden/32` f32 block scales; `hidden` must be a multiple of 32.
 
-use crate::codec::align_up;
+use crate::align::align_up;
 use half::{bf16, f16};
 
 /// Encoding of activation payloads (dispatch and layer requests).
@@ -229,8 +229,55 @@ pub fn encode_activations(
     src: &[f32],
     dst: &mut [u8],
 ) -> Result<(), DtypeError> {
+    check_len("source f32 values", tokens * hidden, src.len())?;
+    encode_rows(
+        dtype,
+        tokens,
+        hidden,
+        |t| &src[t * hidden..(t + 1) * hidden],
+        dst,
+    )
+}
+
+/// Encodes the rows `token_ids` of `src` (`[T][hidden]` f32) into `dst`, in that order, in
+/// `dtype`'s payload layout: the gather and the encoding are one pass (no intermediate copy of
+/// the rows).
+pub fn encode_activations_gather(
+    dtype: ActivationDtype,
+    hidden: usize,
+    src: &[f32],
+    token_ids: &[u32],
+    dst: &mut [u8],
+) -> Result<(), DtypeError> {
+    let rows = src.len() / hidden.max(1);
+    if let Some(&t) = token_ids.iter().find(|&&t| t as usize >= rows) {
+        return Err(DtypeError::Length {
+            what: "gathered token index",
+            expected: rows,
+            got: t as usize,
+        });
+    }
+    encode_rows(
+        dtype,
+        token_ids.len(),
+        hidden,
+        |j| {
+            let t = token_ids[j] as usize;
+            &src[t * hidden..(t + 1) * hidden]
+        },
+        dst,
+    )
+}
+
+/// The one activation encoder: row `t` of the payload comes from `row(t)`.
+fn encode_rows<'a>(
+    dtype: ActivationDtype,
+    tokens: usize,
+    hidden: usize,
+    row: impl Fn(usize) -> &'a [f32],
+    dst: &mut [u8],
+) -> Result<(), DtypeError> {
     let n = tokens * hidden;
-    check_len("source f32 values", n, src.len())?;
     let bytes = dtype
         .payload_bytes(tokens, hidden)
         .ok_or(DtypeError::Shape {
@@ -241,25 +288,34 @@ pub fn encode_activations(
     check_len("destination payload bytes", bytes, dst.len())?;
     match dtype {
         ActivationDtype::Bf16 => {
-            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
-                o.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+            let w = 2 * hidden;
+            for t in 0..tokens {
+                for (o, &x) in dst[t * w..(t + 1) * w].chunks_exact_mut(2).zip(row(t)) {
+                    o.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+                }
             }
         }
         ActivationDtype::F16 => {
-            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
-                o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+            let w = 2 * hidden;
+            for t in 0..tokens {
+                for (o, &x) in dst[t * w..(t + 1) * w].chunks_exact_mut(2).zip(row(t)) {
+                    o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                }
             }
         }
         ActivationDtype::F32 => {
-            for (o, &x) in dst.chunks_exact_mut(4).zip(src) {
-                o.copy_from_slice(&x.to_le_bytes());
+            let w = 4 * hidden;
+            for t in 0..tokens {
+                for (o, &x) in dst[t * w..(t + 1) * w].chunks_exact_mut(4).zip(row(t)) {
+                    o.copy_from_slice(&x.to_le_bytes());
+                }
             }
         }
         ActivationDtype::Fp8E4m3 => {
             let (codes, rest) = dst.split_at_mut(align_up(n));
             rest_zero(&mut codes[n..]);
             for t in 0..tokens {
-                let row = &src[t * hidden..(t + 1) * hidden];
+                let row = row(t);
                 let mut amax = 0f32;
                 for (i, &x) in row.iter().enumerate() {
                     if !x.is_finite() {
@@ -280,31 +336,21 @@ pub fn encode_activations(
             }
         }
         ActivationDtype::Q8Block32 => {
-            if let Some((i, &x)) = src.iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                return Err(DtypeError::NonFinite {
-                    token: i / hidden.max(1),
-                    index: i % hidden.max(1),
-                    value: x,
-                });
+            for t in 0..tokens {
+                if let Some((i, &x)) = row(t).iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                    return Err(DtypeError::NonFinite {
+                        token: t,
+                        index: i,
+                        value: x,
+                    });
+                }
             }
-            let (codes, rest) = dst.split_at_mut(align_up(n));
-            rest_zero(&mut codes[n..]);
+            rest_zero(&mut dst[n..align_up(n)]);
             let mut q = vec![0i8; hidden];
             let mut d = vec![0f32; hidden / 32];
             for t in 0..tokens {
-                expertmesh_quant::contract::quantize_activations(
-                    &src[t * hidden..(t + 1) * hidden],
-                    &mut q,
-                    &mut d,
-                );
-                for (o, &v) in codes[t * hidden..(t + 1) * hidden].iter_mut().zip(&q) {
-                    *o = v as u8;
-                }
-                let blocks = hidden / 32;
-                for (b, &s) in d.iter().enumerate() {
-                    let off = (t * blocks + b) * 4;
-                    rest[off..off + 4].copy_from_slice(&s.to_le_bytes());
-                }
+                expertmesh_quant::contract::quantize_activations(row(t), &mut q, &mut d);
+                write_q8_row(dst, tokens, hidden, t, &q, &d);
             }
         }
     }
@@ -400,6 +446,47 @@ pub fn q8_split(
         *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
     Ok(())
+}
+
+/// Writes row `j` of a q8-block32 payload of `tokens` rows: its int8 codes `q` (`hidden`) at
+/// `j·hidden` and its f32 block scales `d` (`hidden/32`, little-endian) at
+/// `align_up(tokens·hidden) + j·hidden/32·4`. This function and [`q8_view`] are the only places
+/// that know the q8 wire layout.
+pub fn write_q8_row(
+    payload: &mut [u8],
+    tokens: usize,
+    hidden: usize,
+    j: usize,
+    q: &[i8],
+    d: &[f32],
+) {
+    let base = align_up(tokens * hidden);
+    for (o, &v) in payload[j * hidden..(j + 1) * hidden].iter_mut().zip(q) {
+        *o = v as u8;
+    }
+    let blocks = hidden / 32;
+    for (b, &s) in d.iter().enumerate() {
+        let off = base + (j * blocks + b) * 4;
+        payload[off..off + 4].copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// Zero-copy view of a q8-block32 payload of `tokens` rows as the exact-mode kernel inputs:
+/// int8 codes `[tokens][hidden]` and f32 block scales `[tokens][hidden/32]`. `None` when the
+/// payload has the wrong length, the scales are not 4-byte aligned in memory or the machine is
+/// big-endian; the caller then decodes with [`q8_split`].
+pub fn q8_view(tokens: usize, hidden: usize, payload: &[u8]) -> Option<(&[i8], &[f32])> {
+    let n = tokens * hidden;
+    let bytes = ActivationDtype::Q8Block32.payload_bytes(tokens, hidden)? as usize;
+    if payload.len() != bytes || hidden % 32 != 0 || cfg!(target_endian = "big") {
+        return None;
+    }
+    let (codes, rest) = payload.split_at(align_up(n));
+    // SAFETY: i8 and u8 have the same size and alignment, and every bit pattern is valid.
+    let q: &[i8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), n) };
+    // SAFETY: every bit pattern is a valid f32; `align_to` yields only the aligned middle part.
+    let (pre, d, _) = unsafe { rest[..n / 32 * 4].align_to::<f32>() };
+    (pre.is_empty() && d.len() == n / 32).then_some((q, d))
 }
 
 /// Encodes f32 rows into a result payload of `dtype`.

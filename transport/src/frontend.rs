@@ -12,11 +12,15 @@
 //! and goes on reading); a broken header (bad magic, checksum, oversized length) yields
 //! `recoverable: false` and the connection must be closed, since the stream can no longer be
 //! framed.
+//!
+//! Layering: imports `tcp` (socket I/O and the handshake loop),
+//! `link` (the buffer pool), [`protocol`](crate::protocol) and
+//! [`codec`]; nothing in the crate imports it.
 
 use crate::codec::{self, Body, CLIENT_RANK, CodecConfig, CodecError, ErrorCode, ErrorFrame};
-use crate::mesh::BufPool;
+use crate::link::{BufPool, nonce};
 use crate::protocol::{Connection, ProtocolConfig, ProtocolError};
-use crate::tcp::{ReadError, handshake, nonce, read_frame, write_vectored_all};
+use crate::tcp::{ReadError, handshake, read_frame, write_vectored_all};
 use expertmesh_quant::aligned::AlignedVec;
 use std::net::SocketAddr;
 use std::ops::Range;

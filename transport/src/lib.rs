@@ -7,11 +7,45 @@
 //! - [`codec`]: the versioned frame format (bytes in, frames out; no I/O, no clock).
 //! - [`dtype`]: payload encodings (bf16, f16, f32, fp8 e4m3, q8-block32) and conversions.
 //! - [`protocol`]: the per-connection state machine shared by every driver (handshake and
-//!   authentication, credit flow control, heartbeats and timeouts), quinn-proto style.
+//!   authentication, the link kind both ends agree on and the shared-memory sync byte, credit
+//!   flow control, heartbeats and timeouts), quinn-proto style.
+//! - `link` (internal): one established link whatever its driver, and the types drivers and
+//!   the mesh share (re-exported from [`mesh`]).
+//! - `tcp` (internal), [`shm`], `rdma` (feature `rdma`): the drivers; each moves frame bytes
+//!   for its link kind. [`shm`] and `rdma` also export their error types.
+//! - `setup` (internal): turns a TCP connection into an established link of the agreed kind,
+//!   calling the driver that owns it.
 //! - [`mesh`]: the [`Transport`] trait and the rank-to-rank mesh that runs the protocol over
-//!   TCP, shared memory or (feature `rdma`) RoCE links.
+//!   TCP, shared memory or (feature `rdma`) RoCE links: listening, dialling, the event queue.
 //! - [`frontend`]: framed connections for clients that are not ranks (serving frontends).
-//! - [`shm`], `rdma` (feature `rdma`): driver internals and their error types.
+//!
+//! # Module layering
+//!
+//! Each module imports only modules on lower layers (no import cycles):
+//!
+//! ```text
+//! mesh        frontend        top: connection management, frontend connections
+//!   |          |     \
+//! setup        |      \       link setup: picks and finishes the link kind
+//!   |   \      |       |
+//!   |  tcp    shm    rdma     drivers (never import each other, `setup` or `mesh`)
+//!   |   |      |       |
+//! link ------------------      the established link and shared link-level types
+//!   |
+//! protocol                    sans-IO connection state machine (no I/O, no clock)
+//!   |
+//! codec                       frame format
+//!   |
+//! dtype                       payload encodings
+//!   |
+//! align                       the 64-byte payload alignment rule
+//! ```
+//!
+//! `mesh` imports `setup`, `link`, `protocol`, `codec` and (for [`ShmConfig`]) `shm`;
+//! `frontend` imports `tcp`, `link`, `protocol`, `codec`; `setup` imports the drivers, `link`,
+//! `protocol`, `codec`; a driver imports `link`, `protocol`, `codec`; `link` imports `protocol`
+//! and `codec`; `protocol` imports `codec`; `codec` imports `dtype` and `align`; `dtype` imports
+//! `align`.
 //!
 //! # Example: two ranks exchange a dispatch and a result
 //!
@@ -63,13 +97,16 @@
 //! # Ok(()) }
 //! ```
 
+mod align;
 pub mod codec;
 pub mod dtype;
 pub mod frontend;
+mod link;
 pub mod mesh;
 pub mod protocol;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+mod setup;
 pub mod shm;
 mod tcp;
 

@@ -3,9 +3,10 @@
 //!
 //! Why this exists: the fabric talks to ranks, not sockets. It sends a frame to a rank and
 //! receives a stream of `(rank, frame)` events; which link carries them, how the handshake,
-//! credits and heartbeats work, and how a dead peer is detected is the same for every driver and
-//! lives here. Drivers only move frame bytes ([`FrameWriter`] and a reader that feeds
-//! [`Link::on_frame`]).
+//! credits and heartbeats work, and how a dead peer is detected is the same for every driver.
+//! This module owns connection management and the per-rank state; the per-link engine is
+//! `link`, link setup is `setup`, and drivers only move frame
+//! bytes.
 //!
 //! Connection management: every rank listens on its configured address; rank `i` dials every
 //! rank `j < i` and redials with exponential backoff after a failure, so a restarted peer is
@@ -20,53 +21,50 @@
 //! lost; requests above this layer carry deadlines.
 //!
 //! Memory bounds: receive buffers come from a per-link pool; a peer can have at most its
-//! receive window of unreleased frames (enforced by the protocol), so the event queue, although
-//! an unbounded channel, holds at most `window` bytes per peer.
+//! receive window of unreleased frames (enforced by the protocol). The event queue is a bounded
+//! channel sized by that credit bound: every peer's whole window of smallest frames plus
+//! [`NOTICES_PER_PEER`] peer notices, so a link's frames always fit while the application keeps
+//! up. It can only fill when the application stops draining [`MeshEvents`] while links are
+//! re-established (each new link brings a new window); then the delivering link is closed with
+//! an error saying so, and a peer notice that does not fit is dropped with an error log (the
+//! mesh's own state, [`Mesh::is_connected`] and send errors, stays exact).
+//!
+//! Layering: `mesh` is the top of the crate: it imports `setup`,
+//! `link`, [`protocol`](crate::protocol) and [`codec`](crate::codec) (not the
+//! drivers themselves), and nothing in the crate imports it.
 
-use crate::codec::{self, Body, CodecError, FrameHeader, PAYLOAD_ALIGN};
-use crate::protocol::{Connection, Disposition, PeerInfo, ProtocolConfig, ProtocolError};
-use bytes::Bytes;
-use expertmesh_quant::aligned::AlignedVec;
+use crate::codec::{HEADER_LEN, PAYLOAD_ALIGN};
+use crate::link::{Link, LinkOwner, NewLink};
+pub use crate::link::{
+    LinkKind, OutFrame, PeerError, PeerErrorKind, PeerStats, Rank, RecvFrame, credit_cost,
+};
+use crate::protocol::{ProtocolConfig, ProtocolError};
+use crate::setup::{self, Established, SetupEnv};
+pub use crate::shm::ShmConfig;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::ops::Range;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 
-/// A rank in the cluster, `0..world_size`.
-pub type Rank = u32;
+/// Peer notices ([`TransportEvent::PeerUp`] / [`TransportEvent::PeerLost`]) the event queue
+/// holds per peer on top of the peer's frames.
+pub const NOTICES_PER_PEER: usize = 64;
 
-/// Bytes of flow-control credit a frame of `frame_len` bytes costs: its ring record size (a
-/// 64-byte record header plus the frame rounded up to 64 bytes), the same on every driver.
-pub fn credit_cost(frame_len: usize) -> u64 {
-    (PAYLOAD_ALIGN + codec::align_up(frame_len)) as u64
-}
-
-/// Which driver carries the frames of a pair of ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LinkKind {
-    /// TCP (any two hosts).
-    Tcp,
-    /// Shared-memory rings (ranks on one host); the TCP connection stays open for the
-    /// handshake and dead-peer detection.
-    Shm,
-    /// RoCE / InfiniBand RC queue pair (feature `rdma`); set up over the TCP connection.
-    Rdma,
-}
-
-impl LinkKind {
-    /// Name used in logs and reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Shm => "shm",
-            Self::Rdma => "rdma",
-        }
-    }
+/// Capacity of the event queue: for every peer, the most frames its receive window admits
+/// (window / the credit cost of the smallest frame) plus [`NOTICES_PER_PEER`].
+fn event_queue_capacity(cfg: &MeshConfig) -> usize {
+    let per_link = cfg.protocol.recv_window_bytes / credit_cost(HEADER_LEN);
+    let per_peer = usize::try_from(per_link)
+        .unwrap_or(usize::MAX)
+        .saturating_add(NOTICES_PER_PEER);
+    let peers = cfg.peers.len().saturating_sub(1).max(1);
+    peers
+        .saturating_mul(per_peer)
+        .clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
 }
 
 /// Where a rank listens and how to reach it.
@@ -76,29 +74,6 @@ pub struct PeerAddress {
     pub addr: SocketAddr,
     /// Link to use when this node dials the rank.
     pub link: LinkKind,
-}
-
-/// Shared-memory driver settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShmConfig {
-    /// Directory of the ring files (a tmpfs; `/dev/shm` by default).
-    pub dir: PathBuf,
-    /// Data bytes of each ring (one ring per direction per pair).
-    pub ring_bytes: usize,
-    /// How long a consumer whose ring is empty polls before it sleeps on the futex, in
-    /// microseconds (0: sleep at once). Polling saves the futex wake-up (a few µs) on busy links;
-    /// keep it short on hosts with few cores, where a polling thread competes with the workers.
-    pub spin_us: u32,
-}
-
-impl Default for ShmConfig {
-    fn default() -> Self {
-        Self {
-            dir: PathBuf::from("/dev/shm"),
-            ring_bytes: 64 << 20,
-            spin_us: 20,
-        }
-    }
 }
 
 /// Everything a rank needs to join the mesh. The fabric maps topology devices to ranks and
@@ -139,40 +114,6 @@ impl MeshConfig {
     }
 }
 
-/// Why an operation on a peer failed. Always names the peer.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("rank {peer}: {kind}")]
-pub struct PeerError {
-    /// The peer.
-    pub peer: Rank,
-    /// What went wrong.
-    pub kind: PeerErrorKind,
-}
-
-/// The kinds of [`PeerError`].
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum PeerErrorKind {
-    /// No established link to the peer (never connected, or lost and not yet re-established).
-    #[error("not connected{}", .0.as_deref().map(|e| format!(" (last error: {e})")).unwrap_or_default())]
-    NotConnected(Option<String>),
-    /// The link failed.
-    #[error("link failed: {0}")]
-    LinkFailed(String),
-    /// The protocol closed the link.
-    #[error("{0}")]
-    Protocol(#[from] ProtocolError),
-    /// The outgoing frame is invalid (never sent).
-    #[error("frame not sent: {0}")]
-    BadFrame(#[from] CodecError),
-    /// The rank is outside the cluster or is this node.
-    #[error("no such peer in a cluster of {0} ranks (or it is this node)")]
-    NoSuchPeer(u32),
-    /// The mesh was shut down.
-    #[error("transport shut down")]
-    Shutdown,
-}
-
 /// Why the mesh could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -199,50 +140,6 @@ pub enum StartError {
     },
 }
 
-/// A frame to send: the body and its payload (shared, so one buffer can go to several peers).
-#[derive(Debug, Clone)]
-pub struct OutFrame {
-    /// Kind-specific metadata.
-    pub body: Body,
-    /// Payload bytes (length must match what the body describes).
-    pub payload: Bytes,
-}
-
-impl OutFrame {
-    /// A frame without payload.
-    pub fn new(body: Body) -> Self {
-        Self {
-            body,
-            payload: Bytes::new(),
-        }
-    }
-
-    /// A frame with a payload.
-    pub fn with_payload(body: Body, payload: impl Into<Bytes>) -> Self {
-        Self {
-            body,
-            payload: payload.into(),
-        }
-    }
-}
-
-/// Per-peer flow-control figures, for tests, metrics and the bench.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerStats {
-    /// The link carrying the peer's frames.
-    pub link: LinkKind,
-    /// Bytes this node may still send before waiting for credit.
-    pub send_credit: u64,
-    /// The peer's receive window.
-    pub peer_window: u64,
-    /// Bytes of the peer's frames delivered here and not yet released (dropped).
-    pub recv_outstanding: u64,
-    /// This node's receive window.
-    pub recv_window: u64,
-    /// Bytes held in this link's receive buffer pool (allocated, idle or in use).
-    pub recv_pool_bytes: u64,
-}
-
 /// What the mesh reports to its owner.
 #[derive(Debug)]
 pub enum TransportEvent {
@@ -259,469 +156,65 @@ pub enum TransportEvent {
     PeerLost(PeerError),
 }
 
-/// Where a received frame's bytes live.
-pub(crate) enum Storage {
-    /// A pooled, 64-byte aligned heap buffer.
-    Heap {
-        buf: Option<AlignedVec<u8>>,
-        pool: Weak<BufPool>,
-    },
-    /// A record in a shared-memory ring, released to the producer on drop.
-    Shm(crate::shm::RingLease),
-}
-
-impl Storage {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Self::Heap { buf, .. } => buf.as_deref().unwrap_or(&[]),
-            Self::Shm(l) => l.bytes(),
-        }
-    }
-}
-
-/// A received application frame. Its payload is 64-byte aligned. Dropping it releases its
-/// bytes to the peer's flow-control window (and its buffer to the pool): keep frames only as
-/// long as needed, or the peer will wait.
-pub struct RecvFrame {
-    peer: Rank,
-    body: Body,
-    frame_len: usize,
-    payload: Range<usize>,
-    storage: Storage,
-    link: Weak<Link>,
-}
-
-impl fmt::Debug for RecvFrame {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RecvFrame")
-            .field("peer", &self.peer)
-            .field("body", &self.body)
-            .field("payload_len", &self.payload.len())
-            .finish()
-    }
-}
-
-impl RecvFrame {
-    /// The sending rank.
-    pub fn peer(&self) -> Rank {
-        self.peer
-    }
-
-    /// The frame's metadata.
-    pub fn body(&self) -> &Body {
-        &self.body
-    }
-
-    /// The payload (64-byte aligned).
-    pub fn payload(&self) -> &[u8] {
-        &self.storage.bytes()[self.payload.clone()]
-    }
-
-    /// Total encoded length of the frame.
-    pub fn frame_len(&self) -> usize {
-        self.frame_len
-    }
-}
-
-impl Drop for RecvFrame {
-    fn drop(&mut self) {
-        if let Storage::Heap { buf, pool } = &mut self.storage
-            && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
-        {
-            p.put(b);
-        }
-        if let Some(link) = self.link.upgrade() {
-            link.release(credit_cost(self.frame_len));
-        }
-    }
-}
-
-/// A bounded pool of aligned receive buffers for one link.
-#[derive(Debug)]
-pub(crate) struct BufPool {
-    free: Mutex<Vec<AlignedVec<u8>>>,
-    allocated: AtomicU64,
-    max_idle_bytes: u64,
-}
-
-impl BufPool {
-    pub(crate) fn new(max_idle_bytes: u64) -> Arc<Self> {
-        Arc::new(Self {
-            free: Mutex::new(Vec::new()),
-            allocated: AtomicU64::new(0),
-            max_idle_bytes,
-        })
-    }
-
-    /// A buffer of at least `len` bytes (its first `len` bytes are what the caller fills).
-    pub(crate) fn take(&self, len: usize) -> AlignedVec<u8> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = free
-            .iter()
-            .position(|b| b.len() >= len && b.len() <= (2 * len).max(4096))
-        {
-            return free.swap_remove(i);
-        }
-        drop(free);
-        let cap = len.next_power_of_two().max(4096);
-        self.allocated.fetch_add(cap as u64, Ordering::Relaxed);
-        AlignedVec::zeroed(cap)
-    }
-
-    fn put(&self, b: AlignedVec<u8>) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let idle: u64 = free.iter().map(|b| b.len() as u64).sum();
-        if idle + b.len() as u64 <= self.max_idle_bytes {
-            free.push(b);
-        } else {
-            self.allocated.fetch_sub(b.len() as u64, Ordering::Relaxed);
-        }
-    }
-
-    fn allocated_bytes(&self) -> u64 {
-        self.allocated.load(Ordering::Relaxed)
-    }
-}
-
-/// The sending half of a link, per driver.
-pub(crate) enum FrameWriter {
-    Tcp(tokio::net::tcp::OwnedWriteHalf),
-    Shm(crate::shm::RingProducer),
-    #[cfg(feature = "rdma")]
-    Rdma(crate::rdma::RdmaWriter),
-}
-
-impl FrameWriter {
-    async fn write_frame(&mut self, head: &[u8], payload: &[u8]) -> Result<(), String> {
-        match self {
-            Self::Tcp(w) => crate::tcp::write_vectored_all(w, head, payload)
-                .await
-                .map_err(|e| format!("TCP write: {e}")),
-            Self::Shm(p) => p
-                .write_frame(head, payload)
-                .await
-                .map_err(|e| e.to_string()),
-            #[cfg(feature = "rdma")]
-            Self::Rdma(r) => r
-                .write_frame(head, payload)
-                .await
-                .map_err(|e| e.to_string()),
-        }
-    }
-
-    async fn shutdown(&mut self) {
-        match self {
-            Self::Tcp(w) => {
-                use tokio::io::AsyncWriteExt;
-                let _ = w.shutdown().await;
-            }
-            Self::Shm(p) => p.close(),
-            #[cfg(feature = "rdma")]
-            Self::Rdma(r) => r.close(),
-        }
-    }
-}
-
-/// One established link to one peer.
-pub(crate) struct Link {
-    pub(crate) peer: Rank,
-    pub(crate) kind: LinkKind,
-    codec: codec::CodecConfig,
-    proto: Mutex<Connection>,
-    credit: Notify,
-    ctrl: Notify,
-    writer: tokio::sync::Mutex<FrameWriter>,
-    closed: AtomicBool,
-    pub(crate) closed_notify: Notify,
-    pub(crate) pool: Arc<BufPool>,
-    mesh: Weak<MeshInner>,
-    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
-    recv_window: u64,
-}
-
-impl Link {
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
-    fn lock_proto(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.proto.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn err(&self, kind: PeerErrorKind) -> PeerError {
-        PeerError {
-            peer: self.peer,
-            kind,
-        }
-    }
-
-    fn close_error(&self) -> PeerError {
-        match self.lock_proto().close_reason() {
-            Some(e) => self.err(PeerErrorKind::Protocol(e.clone())),
-            None => self.err(PeerErrorKind::LinkFailed("link closed".into())),
-        }
-    }
-
-    /// Marks the link failed: wakes every waiting send, emits `PeerLost`, stops its tasks.
-    pub(crate) fn fail(self: &Arc<Self>, err: ProtocolError) {
-        if self.closed.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        self.lock_proto().transport_failed(err.clone());
-        let reason = self.lock_proto().close_reason().cloned().unwrap_or(err);
-        tracing::warn!(
-            peer = self.peer,
-            link = self.kind.name(),
-            "link closed: {reason}"
-        );
-        self.credit.notify_waiters();
-        self.ctrl.notify_one();
-        self.closed_notify.notify_waiters();
-        if let Some(mesh) = self.mesh.upgrade() {
-            mesh.link_closed(self, PeerErrorKind::Protocol(reason));
-        }
-        let me = Arc::clone(self);
-        tokio_spawn_detached(async move {
-            me.writer.lock().await.shutdown().await;
-            for t in me.tasks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
-                t.abort();
-            }
-        });
-    }
-
-    pub(crate) fn add_task(&self, h: tokio::task::AbortHandle) {
-        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
-    }
-
-    fn release(&self, cost: u64) {
-        let mut p = self.lock_proto();
-        p.release(cost);
-        if p.has_transmit() {
-            drop(p);
-            self.ctrl.notify_one();
-        }
-    }
-
-    /// Handles one frame read by the driver: protocol frames are consumed, application frames
-    /// returned for delivery. An error means the link must close.
-    pub(crate) fn on_frame(
-        self: &Arc<Self>,
-        header: &FrameHeader,
-        storage: Storage,
-    ) -> Result<Option<RecvFrame>, ProtocolError> {
-        let bytes = storage.bytes();
-        let (body, payload) =
-            codec::decode_with_header(header, &bytes[..header.frame_len as usize])?;
-        let frame_len = header.frame_len as usize;
-        let disp = {
-            let mut p = self.lock_proto();
-            let d = p.handle_frame(Instant::now(), &body, credit_cost(frame_len));
-            if p.has_transmit() {
-                self.ctrl.notify_one();
-            }
-            d?
-        };
-        match disp {
-            Disposition::Consumed => {
-                if matches!(body, Body::Credit(_)) {
-                    self.credit.notify_waiters();
-                }
-                // Dropping `storage` returns a heap buffer to the pool; shm leases release.
-                recycle(storage);
-                Ok(None)
-            }
-            Disposition::Deliver => Ok(Some(RecvFrame {
-                peer: self.peer,
-                body,
-                frame_len,
-                payload,
-                storage,
-                link: Arc::downgrade(self),
-            })),
-        }
-    }
-
-    /// Delivers a frame to the mesh's event queue.
-    pub(crate) fn deliver(&self, frame: RecvFrame) {
-        if let Some(mesh) = self.mesh.upgrade() {
-            let _ = mesh.events.send(TransportEvent::Frame(frame));
-        }
-    }
-
-    async fn send(self: &Arc<Self>, frame: &OutFrame, head: &mut Vec<u8>) -> Result<(), PeerError> {
-        let len = codec::encode_head(&frame.body, &frame.payload, &self.codec, head)
-            .map_err(|e| self.err(PeerErrorKind::BadFrame(e)))?;
-        let cost = credit_cost(len);
-        loop {
-            let notified = self.credit.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.is_closed() {
-                return Err(self.close_error());
-            }
-            match self.lock_proto().try_reserve(cost) {
-                Ok(true) => break,
-                Ok(false) => {}
-                Err(e) => return Err(self.err(PeerErrorKind::Protocol(e))),
-            }
-            notified.await;
-        }
-        let mut w = self.writer.lock().await;
-        if self.is_closed() {
-            return Err(self.close_error());
-        }
-        // A send cancelled mid-frame would leave a torn frame on the wire: fail the link.
-        let guard = TornWriteGuard { link: Some(self) };
-        let r = w.write_frame(head, &frame.payload).await;
-        std::mem::forget(guard);
-        drop(w);
-        match r {
-            Ok(()) => {
-                self.lock_proto().on_transmit(Instant::now());
-                Ok(())
-            }
-            Err(e) => {
-                self.fail(ProtocolError::Closed(e.clone()));
-                Err(self.err(PeerErrorKind::LinkFailed(e)))
-            }
-        }
-    }
-
-    /// Writes pending protocol frames (credits, heartbeats, a closing error).
-    async fn flush_control(self: &Arc<Self>, head: &mut Vec<u8>) -> Result<(), String> {
-        let mut w = self.writer.lock().await;
-        loop {
-            let Some(body) = self.lock_proto().poll_transmit() else {
-                return Ok(());
-            };
-            if codec::encode_head(&body, &[], &self.codec, head).is_ok() {
-                w.write_frame(head, &[]).await?;
-                self.lock_proto().on_transmit(Instant::now());
-            }
-        }
-    }
-
-    /// The per-link control task: timers (heartbeats, idle timeout) and control frames.
-    pub(crate) async fn control_loop(self: Arc<Self>) {
-        let mut head = Vec::with_capacity(256);
-        loop {
-            let deadline = self.lock_proto().poll_timeout();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = self.ctrl.notified() => {}
-                _ = sleep => {}
-            }
-            self.lock_proto().handle_timeout(Instant::now());
-            if let Err(e) = self.flush_control(&mut head).await {
-                self.fail(ProtocolError::Closed(e));
-                return;
-            }
-            let reason = self.lock_proto().close_reason().cloned();
-            if let Some(r) = reason {
-                self.fail(r);
-                return;
-            }
-            if self.is_closed() {
-                return;
-            }
-        }
-    }
-
-    fn stats(&self) -> PeerStats {
-        let p = self.lock_proto();
-        PeerStats {
-            link: self.kind,
-            send_credit: p.send_credit(),
-            peer_window: p.peer().map_or(0, |i| i.recv_window_bytes),
-            recv_outstanding: p.recv_outstanding(),
-            recv_window: self.recv_window,
-            recv_pool_bytes: self.pool.allocated_bytes(),
-        }
-    }
-}
-
-fn recycle(storage: Storage) {
-    if let Storage::Heap { mut buf, pool } = storage
-        && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
-    {
-        p.put(b);
-    }
-}
-
-struct TornWriteGuard<'a> {
-    link: Option<&'a Arc<Link>>,
-}
-
-impl Drop for TornWriteGuard<'_> {
-    fn drop(&mut self) {
-        if let Some(l) = self.link.take() {
-            l.fail(ProtocolError::Closed(
-                "a send was cancelled in the middle of a frame".into(),
-            ));
-        }
-    }
-}
-
-fn tokio_spawn_detached<F: Future<Output = ()> + Send + 'static>(f: F) {
-    if let Ok(h) = tokio::runtime::Handle::try_current() {
-        h.spawn(f);
-    }
-}
-
-/// What a driver hands the mesh after a successful handshake.
-pub(crate) struct NewLink {
-    pub(crate) peer: PeerInfo,
-    pub(crate) kind: LinkKind,
-    pub(crate) proto: Connection,
-    pub(crate) writer: FrameWriter,
-    pub(crate) recv_window: u64,
-}
-
+/// The link to one peer (if any) and why the last one failed.
 struct PeerSlot {
     current: Mutex<Option<Arc<Link>>>,
     last_error: Mutex<Option<String>>,
 }
 
+/// The state of a running mesh, shared by its handle, its tasks and (weakly) its links.
 pub(crate) struct MeshInner {
-    pub(crate) cfg: MeshConfig,
-    pub(crate) proto_cfg: Arc<ProtocolConfig>,
+    cfg: MeshConfig,
+    proto_cfg: Arc<ProtocolConfig>,
+    setup: SetupEnv,
     peers: Vec<PeerSlot>,
-    events: mpsc::UnboundedSender<TransportEvent>,
-    pub(crate) shutdown: AtomicBool,
-    pub(crate) shutdown_notify: Notify,
+    events: mpsc::Sender<TransportEvent>,
+    event_capacity: usize,
+    shutdown: AtomicBool,
+    shutdown_notify: Notify,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
-    pub(crate) local_addr: Mutex<Option<SocketAddr>>,
+    local_addr: Mutex<Option<SocketAddr>>,
+}
+
+impl LinkOwner for MeshInner {
+    fn deliver(&self, link: &Arc<Link>, frame: RecvFrame) {
+        match self.events.try_send(TransportEvent::Frame(frame)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => link.fail(ProtocolError::Closed(format!(
+                "mesh event queue full ({} events): the application is not draining MeshEvents",
+                self.event_capacity
+            ))),
+            Err(mpsc::error::TrySendError::Closed(_)) => {} // events receiver dropped
+        }
+    }
+
+    fn link_closed(&self, link: &Arc<Link>, kind: PeerErrorKind) {
+        MeshInner::link_closed(self, link, kind);
+    }
 }
 
 impl MeshInner {
-    pub(crate) fn is_shutdown(&self) -> bool {
+    /// Queues a peer notice; one that does not fit the bounded queue is dropped with an error.
+    fn notify(&self, ev: TransportEvent) {
+        if let Err(mpsc::error::TrySendError::Full(ev)) = self.events.try_send(ev) {
+            tracing::error!(
+                capacity = self.event_capacity,
+                "mesh event queue full (the application is not draining MeshEvents); dropped {ev:?}"
+            );
+        }
+    }
+
+    /// Whether [`Mesh::shutdown`] was called.
+    fn is_shutdown(&self) -> bool {
         self.shutdown.load(Ordering::Acquire)
     }
 
     /// Installs an established link for its peer, replacing an older one.
-    pub(crate) fn install(self: &Arc<Self>, new: NewLink) -> Arc<Link> {
+    fn install(self: &Arc<Self>, new: NewLink) -> Arc<Link> {
         let rank = new.peer.rank;
-        let pool_idle = new.recv_window.min(256 << 20);
-        let link = Arc::new(Link {
-            peer: rank,
-            kind: new.kind,
-            codec: self.proto_cfg.codec,
-            proto: Mutex::new(new.proto),
-            credit: Notify::new(),
-            ctrl: Notify::new(),
-            writer: tokio::sync::Mutex::new(new.writer),
-            closed: AtomicBool::new(false),
-            closed_notify: Notify::new(),
-            pool: BufPool::new(pool_idle),
-            mesh: Arc::downgrade(self),
-            tasks: Mutex::new(Vec::new()),
-            recv_window: new.recv_window,
-        });
+        let kind = new.kind;
+        let owner: std::sync::Weak<dyn LinkOwner> = Arc::downgrade(self) as _;
+        let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner));
         let old = {
             let slot = &self.peers[rank as usize];
             let mut cur = slot.current.lock().unwrap_or_else(|e| e.into_inner());
@@ -734,14 +227,22 @@ impl MeshInner {
         }
         let ctl = tokio::spawn(Arc::clone(&link).control_loop());
         link.add_task(ctl.abort_handle());
-        tracing::info!(peer = rank, link = new.kind.name(), "link established");
-        let _ = self.events.send(TransportEvent::PeerUp {
+        tracing::info!(peer = rank, link = kind.name(), "link established");
+        self.notify(TransportEvent::PeerUp {
             peer: rank,
-            link: new.kind,
+            link: kind,
         });
         link
     }
 
+    /// Installs a link fresh from setup and starts reading its frames.
+    fn adopt(self: &Arc<Self>, est: Established) {
+        let Established { new, reader } = est;
+        let link = self.install(new);
+        reader.start(&link, self.proto_cfg.codec);
+    }
+
+    /// Forgets a failed link (unless already superseded) and reports it.
     fn link_closed(&self, link: &Arc<Link>, kind: PeerErrorKind) {
         let slot = &self.peers[link.peer as usize];
         {
@@ -754,24 +255,27 @@ impl MeshInner {
         }
         *slot.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind.to_string());
         if !self.is_shutdown() {
-            let _ = self.events.send(TransportEvent::PeerLost(PeerError {
+            self.notify(TransportEvent::PeerLost(PeerError {
                 peer: link.peer,
                 kind,
             }));
         }
     }
 
-    pub(crate) fn record_error(&self, peer: Rank, msg: String) {
+    /// Records why the last attempt to reach `peer` failed (shown by later send errors).
+    fn record_error(&self, peer: Rank, msg: String) {
         if let Some(slot) = self.peers.get(peer as usize) {
             *slot.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
         }
     }
 
-    pub(crate) fn add_task(&self, h: tokio::task::AbortHandle) {
+    /// Registers a task to abort on shutdown.
+    fn add_task(&self, h: tokio::task::AbortHandle) {
         self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
     }
 
-    pub(crate) fn current(&self, peer: Rank) -> Option<Arc<Link>> {
+    /// The established link to `peer`, if any.
+    fn current(&self, peer: Rank) -> Option<Arc<Link>> {
         self.peers
             .get(peer as usize)?
             .current
@@ -802,7 +306,7 @@ pub trait Transport: Send + Sync + 'static {
 /// Receiving side of a [`Mesh`]: frames from every peer, and peer up/down notices.
 #[derive(Debug)]
 pub struct MeshEvents {
-    rx: mpsc::UnboundedReceiver<TransportEvent>,
+    rx: mpsc::Receiver<TransportEvent>,
 }
 
 impl MeshEvents {
@@ -832,7 +336,7 @@ impl MeshEvents {
 /// A rank's membership in the mesh: sends to peers, owns the listener and links. Cheap to clone.
 #[derive(Clone)]
 pub struct Mesh {
-    pub(crate) inner: Arc<MeshInner>,
+    inner: Arc<MeshInner>,
 }
 
 impl fmt::Debug for Mesh {
@@ -870,10 +374,19 @@ impl Mesh {
                 cfg.shm.ring_bytes
             )));
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let event_capacity = event_queue_capacity(&cfg);
+        let (tx, rx) = mpsc::channel(event_capacity);
         let proto_cfg = Arc::new(cfg.protocol.clone());
+        let setup = SetupEnv {
+            proto: Arc::clone(&proto_cfg),
+            shm: cfg.shm.clone(),
+            rdma_device: cfg.rdma_device.clone(),
+            local_ip: cfg.peers[cfg.protocol.local_rank as usize].addr.ip(),
+        };
         let inner = Arc::new(MeshInner {
             proto_cfg,
+            setup,
+            event_capacity,
             peers: (0..world)
                 .map(|_| PeerSlot {
                     current: Mutex::new(None),
@@ -887,7 +400,7 @@ impl Mesh {
             local_addr: Mutex::new(None),
             cfg,
         });
-        crate::tcp::start_listener(&inner).await?;
+        start_listener(&inner).await?;
         for peer in 0..inner.cfg.protocol.local_rank {
             if inner
                 .cfg
@@ -897,7 +410,7 @@ impl Mesh {
             {
                 continue;
             }
-            let h = tokio::spawn(crate::tcp::dial_loop(Arc::clone(&inner), peer));
+            let h = tokio::spawn(dial_loop(Arc::clone(&inner), peer));
             inner.add_task(h.abort_handle());
         }
         Ok((Mesh { inner }, MeshEvents { rx }))
@@ -1015,5 +528,108 @@ impl Transport for Mesh {
 
     fn is_connected(&self, peer: Rank) -> bool {
         self.inner.current(peer).is_some()
+    }
+}
+
+/// Binds this rank's listen address and starts accepting.
+async fn start_listener(inner: &Arc<MeshInner>) -> Result<(), StartError> {
+    let me = inner.cfg.protocol.local_rank as usize;
+    let addr = inner.cfg.peers[me].addr;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })?;
+    *inner.local_addr.lock().unwrap_or_else(|e| e.into_inner()) = listener.local_addr().ok();
+    let h = tokio::spawn(accept_loop(Arc::clone(inner), listener));
+    inner.add_task(h.abort_handle());
+    Ok(())
+}
+
+/// Accepts connections until shutdown, setting each up on its own task.
+async fn accept_loop(inner: Arc<MeshInner>, listener: TcpListener) {
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if inner.is_shutdown() {
+            return;
+        }
+        let inner2 = Arc::clone(&inner);
+        tokio::spawn(async move {
+            if let Err(e) = accept_one(&inner2, stream).await {
+                tracing::warn!(%from, "refused incoming connection: {e}");
+            }
+        });
+    }
+}
+
+/// Sets up a link from an accepted connection and installs it.
+async fn accept_one(inner: &Arc<MeshInner>, stream: TcpStream) -> Result<(), ProtocolError> {
+    let est = setup::accept(&inner.setup, stream).await?;
+    inner.adopt(est);
+    Ok(())
+}
+
+/// Dials `peer` forever (until shutdown), redialling with exponential backoff after a failure
+/// or a lost link. A shared-memory or RDMA setup failure falls back to TCP for the next try.
+async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
+    let mut backoff = inner.cfg.reconnect_initial;
+    let mut fallback_tcp = false;
+    let mut failures = 0u32;
+    while !inner.is_shutdown() {
+        if let Some(link) = inner.current(peer) {
+            let closed = link.closed_notify.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            if !link.is_closed() {
+                closed.await;
+            }
+            backoff = inner.cfg.reconnect_initial;
+            continue;
+        }
+        let spec = inner.cfg.peers[peer as usize].clone();
+        let kind = if fallback_tcp {
+            LinkKind::Tcp
+        } else {
+            spec.link
+        };
+        match setup::dial(&inner.setup, spec.addr, peer, kind).await {
+            Ok(est) => {
+                inner.adopt(est);
+                failures = 0;
+                backoff = inner.cfg.reconnect_initial;
+            }
+            Err(e) => {
+                failures += 1;
+                let msg = format!("dial {} ({}): {e}", spec.addr, kind.name());
+                if failures == 1 || failures.is_multiple_of(20) {
+                    tracing::warn!(peer, attempt = failures, "{msg}; retrying in {backoff:?}");
+                } else {
+                    tracing::debug!(peer, attempt = failures, "{msg}");
+                }
+                inner.record_error(peer, msg);
+                if kind != LinkKind::Tcp
+                    && matches!(e, ProtocolError::Closed(ref m) if m.starts_with("link setup"))
+                {
+                    tracing::warn!(
+                        peer,
+                        "{} link setup failed; falling back to TCP",
+                        kind.name()
+                    );
+                    fallback_tcp = true;
+                    continue;
+                }
+                let sleep = tokio::time::sleep(backoff);
+                tokio::select! {
+                    _ = sleep => {}
+                    _ = inner.shutdown_notify.notified() => return,
+                }
+                backoff = (backoff * 2).min(inner.cfg.reconnect_max);
+            }
+        }
     }
 }

@@ -27,6 +27,28 @@
 //! released bytes in [`Credit`] frames once at least `W/4` have accumulated. `W ≥ 2 ×
 //! max_frame_bytes` guarantees this never deadlocks. A peer that sends beyond its credit is
 //! closed with [`ProtocolError::CreditViolation`]: the receiver's memory stays bounded by `W`.
+//!
+//! # Link setup
+//!
+//! A hello's attachment names the link its sender wants and describes the sender's side of it:
+//! [`SHM_ATTACHMENT`] followed by the path of the ring the sender reads, or [`RDMA_ATTACHMENT`]
+//! followed by its queue pair description, or nothing for plain TCP. When both hellos ask for the
+//! same shared-memory or RDMA link, authentication is followed by a link-setup state
+//! ([`Event::LinkSetup`]): the driver sets up its side from the peer's attachment and reports
+//! [`Connection::link_ready`] (or [`Connection::link_setup_failed`]). A shared-memory link then
+//! exchanges one raw [`SHM_SYNC_BYTE`] in each direction on the TCP connection, outside any
+//! frame ([`Connection::poll_transmit_raw`], [`Connection::handle_raw`]): "I have mapped your
+//! ring", after which each side may unlink its own ring file; an RDMA link needs no sync byte.
+//! Otherwise (either side asked for TCP or could not prepare its link) the connection is
+//! established as a TCP link right after authentication.
+//!
+//! # Queues
+//!
+//! The connection's internal queues are bounded by the protocol itself: at most one hello, one
+//! auth answer, one heartbeat and one closing error are queued at a time, and a credit frame is
+//! queued only per `W/4` bytes released, which the peer can only have sent with credit from
+//! earlier credit frames (a handful at most); events are one `LinkSetup`, one `Established` and
+//! one `Closed`.
 
 use crate::codec::{
     Auth, Body, CLIENT_RANK, CodecConfig, CodecError, Credit, ErrorCode, ErrorFrame,
@@ -39,6 +61,76 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const AUTH_LABEL: &[u8] = b"expertmesh-auth-v1";
+
+/// Prefix of a shared-memory attachment in a hello (followed by the ring file path).
+pub const SHM_ATTACHMENT: &[u8] = b"shm:";
+/// Prefix of an RDMA attachment in a hello (followed by the queue pair description).
+pub const RDMA_ATTACHMENT: &[u8] = b"rdma:";
+/// The raw byte each end of a shared-memory link writes on the TCP connection once it has
+/// mapped the peer's ring. Any byte is accepted on receipt (only its arrival matters).
+pub const SHM_SYNC_BYTE: u8 = 1;
+
+/// Which driver carries the frames of a pair of ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinkKind {
+    /// TCP (any two hosts).
+    Tcp,
+    /// Shared-memory rings (ranks on one host); the TCP connection stays open for the
+    /// handshake and dead-peer detection.
+    Shm,
+    /// RoCE / InfiniBand RC queue pair (feature `rdma`); set up over the TCP connection.
+    Rdma,
+}
+
+impl LinkKind {
+    /// Name used in logs and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Shm => "shm",
+            Self::Rdma => "rdma",
+        }
+    }
+
+    /// The link a hello attachment asks for.
+    pub fn of_attachment(attachment: &[u8]) -> Self {
+        if attachment.starts_with(SHM_ATTACHMENT) {
+            Self::Shm
+        } else if attachment.starts_with(RDMA_ATTACHMENT) {
+            Self::Rdma
+        } else {
+            Self::Tcp
+        }
+    }
+
+    /// The attachment prefix of this link kind (empty for TCP).
+    pub fn attachment_prefix(self) -> &'static [u8] {
+        match self {
+            Self::Tcp => b"",
+            Self::Shm => SHM_ATTACHMENT,
+            Self::Rdma => RDMA_ATTACHMENT,
+        }
+    }
+}
+
+/// The link kind and rank a dialer's first frame asks for: the acceptor prepares its side of
+/// that link before it answers. A frame that is not a hello asks for TCP from rank `u32::MAX`
+/// (the handshake then refuses it).
+pub fn requested_link(first: &Body) -> (LinkKind, u32) {
+    match first {
+        Body::Hello(h) => (LinkKind::of_attachment(&h.attachment), h.rank),
+        _ => (LinkKind::Tcp, u32::MAX),
+    }
+}
+
+/// The link both ends use: the one both hellos ask for, else TCP.
+fn negotiate(local: LinkKind, peer_attachment: &[u8]) -> LinkKind {
+    if local == LinkKind::of_attachment(peer_attachment) {
+        local
+    } else {
+        LinkKind::Tcp
+    }
+}
 
 /// Settings of one end of a connection.
 #[derive(Clone)]
@@ -243,7 +335,16 @@ impl ProtocolError {
 /// Something that happened on the connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// Handshake and authentication completed.
+    /// Authenticated, and both hellos asked for a shared-memory or RDMA link: the driver must
+    /// set up its side from the peer's attachment, then call [`Connection::link_ready`] or
+    /// [`Connection::link_setup_failed`].
+    LinkSetup {
+        /// The link to set up.
+        kind: LinkKind,
+        /// The peer (its attachment describes its side of the link).
+        peer: PeerInfo,
+    },
+    /// Handshake, authentication and any link setup completed.
     Established(PeerInfo),
     /// The connection is closed; no further frames are accepted or produced.
     Closed(ProtocolError),
@@ -263,8 +364,21 @@ pub enum Disposition {
 enum State {
     AwaitHello,
     AwaitAuth,
+    /// Authenticated; the shared-memory or RDMA link is being set up.
+    LinkSetup(Setup),
     Established,
     Closed(ProtocolError),
+}
+
+/// Progress of the link-setup state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Setup {
+    kind: LinkKind,
+    /// When this end finished its own setup (`None`: not yet): the peer's sync byte is due
+    /// within the handshake timeout from then.
+    local_ready_at: Option<Instant>,
+    /// The peer's sync byte arrived.
+    peer_ready: bool,
 }
 
 /// One end of one connection, without I/O.
@@ -285,7 +399,9 @@ pub struct Connection {
     heartbeat_seq: u64,
     heartbeat_queued: bool,
     transmit: VecDeque<Body>,
+    transmit_raw: Option<u8>,
     events: VecDeque<Event>,
+    local_link: LinkKind,
 }
 
 /// Computes the authentication MAC a responder sends for a challenger's nonce.
@@ -338,6 +454,7 @@ impl Connection {
         attachment: Vec<u8>,
         now: Instant,
     ) -> Self {
+        let local_link = LinkKind::of_attachment(&attachment);
         let hello = Body::Hello(Hello {
             format_version: FORMAT_VERSION,
             cluster: cfg.cluster.clone(),
@@ -366,7 +483,9 @@ impl Connection {
             heartbeat_seq: 0,
             heartbeat_queued: false,
             transmit,
+            transmit_raw: None,
             events: VecDeque::with_capacity(4),
+            local_link,
         }
     }
 
@@ -412,6 +531,7 @@ impl Connection {
         } else {
             self.transmit.clear();
         }
+        self.transmit_raw = None;
         self.state = State::Closed(err.clone());
         self.events.push_back(Event::Closed(err.clone()));
         err
@@ -477,6 +597,7 @@ impl Connection {
                 let where_ = match state {
                     State::AwaitHello => "before the peer's hello",
                     State::AwaitAuth => "while waiting for authentication",
+                    State::LinkSetup(_) => "during link setup",
                     _ => "after the handshake",
                 };
                 Err(self.fail(
@@ -617,9 +738,95 @@ impl Connection {
             }
         }
         self.send_credit = peer.recv_window_bytes;
-        self.state = State::Established;
-        self.events.push_back(Event::Established(peer));
+        let kind = negotiate(self.local_link, &peer.attachment);
+        if kind == LinkKind::Tcp {
+            self.state = State::Established;
+            self.events.push_back(Event::Established(peer));
+        } else {
+            self.state = State::LinkSetup(Setup {
+                kind,
+                local_ready_at: None,
+                peer_ready: false,
+            });
+            self.events.push_back(Event::LinkSetup { kind, peer });
+        }
         Ok(())
+    }
+
+    /// The link being set up, while this end has not finished its own setup.
+    pub fn pending_link(&self) -> Option<LinkKind> {
+        match &self.state {
+            State::LinkSetup(s) if s.local_ready_at.is_none() => Some(s.kind),
+            _ => None,
+        }
+    }
+
+    /// Whether the connection waits for raw setup bytes from the peer ([`Self::handle_raw`]).
+    pub fn awaits_raw(&self) -> bool {
+        matches!(&self.state, State::LinkSetup(s) if s.kind == LinkKind::Shm && !s.peer_ready)
+    }
+
+    /// This end has set up its side of the link (mapped the peer's ring, connected the queue
+    /// pair). A shared-memory link queues its sync byte; an RDMA link is established.
+    pub fn link_ready(&mut self, now: Instant) {
+        let State::LinkSetup(s) = &mut self.state else {
+            return;
+        };
+        if s.local_ready_at.is_some() {
+            return;
+        }
+        s.local_ready_at = Some(now);
+        if s.kind == LinkKind::Shm {
+            self.transmit_raw = Some(SHM_SYNC_BYTE);
+        }
+        self.maybe_established();
+    }
+
+    /// This end could not set up its side of the link: closes without notifying the peer (it
+    /// learns from the closed connection). The error starts with "link setup".
+    pub fn link_setup_failed(&mut self, why: impl std::fmt::Display) -> ProtocolError {
+        self.fail(ProtocolError::Closed(format!("link setup: {why}")), false)
+    }
+
+    /// Raw bytes to write on the stream outside any frame (the shared-memory sync byte).
+    pub fn poll_transmit_raw(&mut self) -> Option<u8> {
+        self.transmit_raw.take()
+    }
+
+    /// Feeds raw bytes read from the stream during link setup; returns how many were used (at
+    /// most one: the peer's sync byte).
+    pub fn handle_raw(&mut self, bytes: &[u8]) -> Result<usize, ProtocolError> {
+        if let State::Closed(e) = &self.state {
+            return Err(e.clone());
+        }
+        if bytes.is_empty() {
+            return Ok(0);
+        }
+        if !self.awaits_raw() {
+            let e = ProtocolError::Closed(format!(
+                "{} unexpected raw bytes outside the shared-memory link setup",
+                bytes.len()
+            ));
+            return Err(self.fail(e, false));
+        }
+        if let State::LinkSetup(s) = &mut self.state {
+            s.peer_ready = true;
+        }
+        self.maybe_established();
+        Ok(1)
+    }
+
+    /// Completes link setup once both ends are ready (an RDMA link needs no sync byte).
+    fn maybe_established(&mut self) {
+        let State::LinkSetup(s) = &self.state else {
+            return;
+        };
+        if s.local_ready_at.is_some() && (s.peer_ready || s.kind != LinkKind::Shm) {
+            self.state = State::Established;
+            if let Some(peer) = self.peer.clone() {
+                self.events.push_back(Event::Established(peer));
+            }
+        }
     }
 
     /// Takes `frame_len` bytes of send credit for an application frame. `Ok(false)`: wait for
@@ -701,6 +908,7 @@ impl Connection {
         match self.state {
             State::Closed(_) => None,
             State::AwaitHello | State::AwaitAuth => Some(self.started + self.cfg.handshake_timeout),
+            State::LinkSetup(ref s) => s.local_ready_at.map(|t| t + self.cfg.handshake_timeout),
             State::Established => Some(
                 (self.last_tx + self.cfg.heartbeat_interval)
                     .min(self.last_rx + self.cfg.idle_timeout),
@@ -714,6 +922,16 @@ impl Connection {
             State::Closed(_) => {}
             State::AwaitHello | State::AwaitAuth => {
                 if now >= self.started + self.cfg.handshake_timeout {
+                    self.fail(
+                        ProtocolError::HandshakeTimeout(self.cfg.handshake_timeout),
+                        false,
+                    );
+                }
+            }
+            State::LinkSetup(ref s) => {
+                if s.local_ready_at
+                    .is_some_and(|t| now >= t + self.cfg.handshake_timeout)
+                {
                     self.fail(
                         ProtocolError::HandshakeTimeout(self.cfg.handshake_timeout),
                         false,
@@ -909,6 +1127,148 @@ mod tests {
             matches!(r, Err(ProtocolError::Config(ref m)) if m.contains("ranks")),
             "{r:?}"
         );
+    }
+
+    /// Handshakes two ends whose hellos carry `att_a` and `att_b`.
+    fn pair_with(att_a: &[u8], att_b: &[u8], now: Instant) -> (Connection, Connection) {
+        let mut a = Connection::new(cfg(0, Some(b"k")), Some(1), [1; 32], att_a.to_vec(), now);
+        let mut b = Connection::new(cfg(1, Some(b"k")), None, [2; 32], att_b.to_vec(), now);
+        pump(&mut a, &mut b, now).unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn shm_link_setup_exchanges_one_sync_byte_each_way() {
+        let t0 = Instant::now();
+        let (mut a, mut b) = pair_with(b"shm:/dev/shm/a", b"shm:/dev/shm/b", t0);
+        for (c, peer_att) in [
+            (&mut a, &b"shm:/dev/shm/b"[..]),
+            (&mut b, b"shm:/dev/shm/a"),
+        ] {
+            match c.poll_event() {
+                Some(Event::LinkSetup { kind, peer }) => {
+                    assert_eq!(kind, LinkKind::Shm);
+                    assert_eq!(peer.attachment, peer_att);
+                }
+                other => panic!("expected LinkSetup, got {other:?}"),
+            }
+            assert!(!c.is_established() && c.pending_link() == Some(LinkKind::Shm));
+            assert_eq!(
+                c.poll_timeout(),
+                None,
+                "no deadline while the driver sets up"
+            );
+            assert!(
+                c.try_reserve(64).is_err(),
+                "no application frames before the link is up"
+            );
+        }
+        // a finishes first: it owes its sync byte and waits for b's.
+        a.link_ready(t0);
+        assert_eq!(a.poll_transmit_raw(), Some(SHM_SYNC_BYTE));
+        assert_eq!(a.poll_transmit_raw(), None);
+        assert!(a.awaits_raw() && a.pending_link().is_none());
+        assert_eq!(a.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+        // a's byte reaches b before b has mapped a's ring: b remembers it.
+        assert_eq!(b.handle_raw(&[SHM_SYNC_BYTE, 9]).unwrap(), 1);
+        assert!(!b.is_established());
+        b.link_ready(t0);
+        assert_eq!(b.poll_transmit_raw(), Some(SHM_SYNC_BYTE));
+        assert!(b.is_established());
+        assert!(matches!(b.poll_event(), Some(Event::Established(p)) if p.rank == 0));
+        assert_eq!(a.handle_raw(&[SHM_SYNC_BYTE]).unwrap(), 1);
+        assert!(a.is_established());
+        assert!(matches!(a.poll_event(), Some(Event::Established(p)) if p.rank == 1));
+        assert!(a.try_reserve(64).unwrap());
+        // After setup a raw byte is a protocol violation.
+        assert!(a.handle_raw(&[1]).is_err());
+    }
+
+    #[test]
+    fn link_kind_falls_back_to_tcp_unless_both_hellos_agree() {
+        let now = Instant::now();
+        for (x, y) in [
+            (&b"shm:/p"[..], &b""[..]),
+            (b"", b"shm:/p"),
+            (b"rdma:qp", b"shm:/p"),
+            (b"", b""),
+        ] {
+            let (mut a, mut b) = pair_with(x, y, now);
+            assert!(a.is_established() && b.is_established(), "{x:?} / {y:?}");
+            assert!(matches!(a.poll_event(), Some(Event::Established(_))));
+            assert_eq!(a.pending_link(), None);
+            assert_eq!(b.poll_transmit_raw(), None);
+        }
+        assert_eq!(LinkKind::of_attachment(b"rdma:x"), LinkKind::Rdma);
+        let hello = |att: &[u8]| {
+            let mut c = Connection::new(cfg(2, None), None, [0; 32], att.to_vec(), now);
+            c.poll_transmit().unwrap()
+        };
+        assert_eq!(requested_link(&hello(b"shm:/x")), (LinkKind::Shm, 2));
+        assert_eq!(requested_link(&hello(b"")), (LinkKind::Tcp, 2));
+        let credit = Body::Credit(Credit { bytes: 1 });
+        assert_eq!(requested_link(&credit), (LinkKind::Tcp, u32::MAX));
+    }
+
+    #[test]
+    fn rdma_link_setup_needs_no_sync_byte() {
+        let now = Instant::now();
+        let (mut a, _b) = pair_with(b"rdma:qp-a", b"rdma:qp-b", now);
+        assert!(matches!(
+            a.poll_event(),
+            Some(Event::LinkSetup {
+                kind: LinkKind::Rdma,
+                ..
+            })
+        ));
+        assert!(!a.awaits_raw());
+        a.link_ready(now);
+        assert_eq!(a.poll_transmit_raw(), None);
+        assert!(a.is_established());
+        assert!(matches!(a.poll_event(), Some(Event::Established(_))));
+    }
+
+    #[test]
+    fn link_setup_times_out_or_fails_without_a_frame() {
+        let t0 = Instant::now();
+        let (mut a, _b) = pair_with(b"shm:/a", b"shm:/b", t0);
+        a.link_ready(t0);
+        a.handle_timeout(t0 + Duration::from_millis(4999));
+        assert!(a.close_reason().is_none());
+        a.handle_timeout(t0 + Duration::from_secs(5));
+        assert!(matches!(
+            a.close_reason(),
+            Some(ProtocolError::HandshakeTimeout(_))
+        ));
+        assert_eq!(
+            a.poll_transmit_raw(),
+            None,
+            "a closed connection sends no sync byte"
+        );
+        assert!(a.handle_raw(&[1]).is_err());
+
+        let (mut b, _a) = pair_with(b"shm:/b", b"shm:/a", t0);
+        let e = b.link_setup_failed("cannot map ring");
+        assert!(matches!(e, ProtocolError::Closed(ref m) if m == "link setup: cannot map ring"));
+        assert!(
+            b.poll_transmit().is_none(),
+            "the peer learns from the closed connection"
+        );
+        assert!(b.poll_transmit_raw().is_none());
+        // A frame during link setup is refused.
+        let (mut c, _d) = pair_with(b"shm:/c", b"shm:/d", t0);
+        let hb = Body::Heartbeat(Heartbeat {
+            seq: 1,
+            sent_at_us: 0,
+        });
+        let err = c.handle_frame(t0, &hb, 64).unwrap_err();
+        assert!(matches!(
+            err,
+            ProtocolError::UnexpectedFrame {
+                state: "during link setup",
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -21,10 +21,14 @@
 //!
 //! Verbs are called through `ibverbs-sys` (the `ibverbs` crate's FFI) because the safe crate
 //! offers no write-with-immediate; device discovery and the GID table use the `ibverbs` crate.
+//!
+//! Layering: this driver imports only [`link`](crate::link) (the link it feeds and the
+//! [`FrameSink`] interface it implements), [`codec`] and
+//! [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
 use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
-use crate::mesh::{Link, MeshInner, Storage};
-use crate::protocol::ProtocolError;
+use crate::link::{FrameSink, Link, SinkFuture, Storage, nonce};
+use crate::protocol::{ProtocolError, RDMA_ATTACHMENT};
 use expertmesh_quant::aligned::AlignedVec;
 use ibverbs_sys as ffi;
 use std::net::IpAddr;
@@ -254,7 +258,15 @@ fn choose_gid(device: Option<&str>, ip: IpAddr) -> Result<(String, u8, [u8; 16])
         })
 }
 
+/// Access flags of the receive ring and the queue pair: local and remote writes.
+fn remote_write_access() -> i32 {
+    (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
+        .0 as i32
+}
+
 impl Resources {
+    /// Opens the device owning the GID of `ip` and sets up a queue pair in INIT with
+    /// registered receive and staging rings of `ring_bytes` (rounded up to 64) each.
     fn new(device: Option<&str>, ip: IpAddr, ring_bytes: usize) -> Result<Self, RdmaError> {
         let (name, gid_index, gid) = choose_gid(device, ip)?;
         let capacity = codec::align_up(ring_bytes);
@@ -272,8 +284,23 @@ impl Resources {
             lid: 0,
             mtu: ffi::IBV_MTU_1024,
         };
-        // SAFETY: standard verbs set-up sequence; every returned pointer is checked and owned by
-        // `res`, whose Drop releases them.
+        // Each step checks every pointer it gets and stores it in `res`, whose Drop releases
+        // whatever was created before a failure.
+        res.open_device(&name)?;
+        res.alloc_pd_and_cq()?;
+        res.register_rings()?;
+        res.create_qp()?;
+        res.init_qp()?;
+        for _ in 0..RECV_WRS {
+            res.post_recv()?;
+        }
+        Ok(res)
+    }
+
+    /// Opens the device called `name` and reads its port's LID and MTU.
+    fn open_device(&mut self, name: &str) -> Result<(), RdmaError> {
+        // SAFETY: the device list is used only between get and free; the opened context is
+        // owned by `self` (closed by Drop); `port` is a valid out-parameter.
         unsafe {
             let mut n = 0;
             let list = ffi::ibv_get_device_list(&mut n);
@@ -284,95 +311,120 @@ impl Resources {
                 let d = *list.add(i);
                 let dn = std::ffi::CStr::from_ptr(ffi::ibv_get_device_name(d));
                 if dn.to_string_lossy() == name {
-                    res.ctx = ffi::ibv_open_device(d);
+                    self.ctx = ffi::ibv_open_device(d);
                     break;
                 }
             }
             ffi::ibv_free_device_list(list);
-            if res.ctx.is_null() {
-                return Err(RdmaError::NoDevice(Some(name)));
+            if self.ctx.is_null() {
+                return Err(RdmaError::NoDevice(Some(name.to_owned())));
             }
             let mut port = ffi::ibv_port_attr::default();
             verbs_rc(
                 "ibv_query_port",
                 ffi::ibv_query_port(
-                    res.ctx,
+                    self.ctx,
                     IB_PORT,
                     &mut port as *mut ffi::ibv_port_attr as *mut _,
                 ),
             )?;
-            res.lid = port.lid;
-            res.mtu = port.active_mtu;
-            res.pd = ffi::ibv_alloc_pd(res.ctx);
-            if res.pd.is_null() {
+            self.lid = port.lid;
+            self.mtu = port.active_mtu;
+        }
+        Ok(())
+    }
+
+    /// Allocates the protection domain and the completion queue shared by sends and receives.
+    fn alloc_pd_and_cq(&mut self) -> Result<(), RdmaError> {
+        // SAFETY: ctx is a live context (open_device succeeded); results are checked and owned.
+        unsafe {
+            self.pd = ffi::ibv_alloc_pd(self.ctx);
+            if self.pd.is_null() {
                 return Err(verbs("ibv_alloc_pd"));
             }
-            res.cq = ffi::ibv_create_cq(
-                res.ctx,
+            self.cq = ffi::ibv_create_cq(
+                self.ctx,
                 (RECV_WRS + SEND_WRS) as i32,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 0,
             );
-            if res.cq.is_null() {
+            if self.cq.is_null() {
                 return Err(verbs("ibv_create_cq"));
             }
-            let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-                .0 as i32;
-            res.recv_mr =
-                ffi::ibv_reg_mr(res.pd, res.recv_ring.as_mut_ptr().cast(), capacity, access);
-            if res.recv_mr.is_null() {
+        }
+        Ok(())
+    }
+
+    /// Registers the receive ring (remote-writable) and the staging ring (local only).
+    fn register_rings(&mut self) -> Result<(), RdmaError> {
+        let capacity = self.recv_ring.len();
+        // SAFETY: pd is live; the rings are heap buffers owned by `self` that outlive their
+        // registrations (Drop deregisters before the buffers are freed).
+        unsafe {
+            self.recv_mr = ffi::ibv_reg_mr(
+                self.pd,
+                self.recv_ring.as_mut_ptr().cast(),
+                capacity,
+                remote_write_access(),
+            );
+            if self.recv_mr.is_null() {
                 return Err(verbs("ibv_reg_mr (receive ring)"));
             }
-            res.send_mr = ffi::ibv_reg_mr(
-                res.pd,
-                res.send_ring.as_mut_ptr().cast(),
+            self.send_mr = ffi::ibv_reg_mr(
+                self.pd,
+                self.send_ring.as_mut_ptr().cast(),
                 capacity,
                 ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
             );
-            if res.send_mr.is_null() {
+            if self.send_mr.is_null() {
                 return Err(verbs("ibv_reg_mr (send ring)"));
             }
-            let mut init = ffi::ibv_qp_init_attr {
-                qp_context: std::ptr::null_mut(),
-                send_cq: res.cq,
-                recv_cq: res.cq,
-                srq: std::ptr::null_mut(),
-                cap: ffi::ibv_qp_cap {
-                    max_send_wr: SEND_WRS,
-                    max_recv_wr: RECV_WRS,
-                    max_send_sge: 1,
-                    max_recv_sge: 1,
-                    max_inline_data: 0,
-                },
-                qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
-                sq_sig_all: 0,
-            };
-            res.qp = ffi::ibv_create_qp(res.pd, &mut init);
-            if res.qp.is_null() {
-                return Err(verbs("ibv_create_qp"));
-            }
-            let mut attr = ffi::ibv_qp_attr {
-                qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
-                pkey_index: 0,
-                port_num: IB_PORT,
-                qp_access_flags: access as u32,
-                ..Default::default()
-            };
-            let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE
-                | ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
-                | ffi::ibv_qp_attr_mask::IBV_QP_PORT
-                | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
-            verbs_rc(
-                "ibv_modify_qp (INIT)",
-                ffi::ibv_modify_qp(res.qp, &mut attr, mask.0 as i32),
-            )?;
-            for _ in 0..RECV_WRS {
-                res.post_recv()?;
-            }
         }
-        Ok(res)
+        Ok(())
+    }
+
+    /// Creates the reliable-connected queue pair on the completion queue.
+    fn create_qp(&mut self) -> Result<(), RdmaError> {
+        let mut init = ffi::ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: self.cq,
+            recv_cq: self.cq,
+            srq: std::ptr::null_mut(),
+            cap: ffi::ibv_qp_cap {
+                max_send_wr: SEND_WRS,
+                max_recv_wr: RECV_WRS,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: pd and cq are live; `init` is valid for the call; the QP is owned by `self`.
+        self.qp = unsafe { ffi::ibv_create_qp(self.pd, &mut init) };
+        if self.qp.is_null() {
+            return Err(verbs("ibv_create_qp"));
+        }
+        Ok(())
+    }
+
+    /// Moves the queue pair to INIT on the port, allowing remote writes.
+    fn init_qp(&mut self) -> Result<(), RdmaError> {
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: IB_PORT,
+            qp_access_flags: remote_write_access() as u32,
+            ..Default::default()
+        };
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE
+            | ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+            | ffi::ibv_qp_attr_mask::IBV_QP_PORT
+            | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
+        // SAFETY: qp is live (create_qp succeeded); `attr` is valid for the call.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, &mut attr, mask.0 as i32) };
+        verbs_rc("ibv_modify_qp (INIT)", rc)
     }
 
     fn post_recv(&self) -> Result<(), RdmaError> {
@@ -455,15 +507,15 @@ pub(crate) struct RdmaPrepared {
 }
 
 impl RdmaPrepared {
-    pub(crate) fn new(inner: &MeshInner) -> Result<Self, RdmaError> {
-        let me = inner.cfg.protocol.local_rank as usize;
-        let ip = inner.cfg.peers[me].addr.ip();
-        let res = Resources::new(
-            inner.cfg.rdma_device.as_deref(),
-            ip,
-            inner.cfg.shm.ring_bytes,
-        )?;
-        let n = crate::tcp::nonce();
+    /// Opens `device` (`None`: the first), picks the GID of `ip` and registers receive and
+    /// staging rings of `ring_bytes` each.
+    pub(crate) fn new(
+        device: Option<&str>,
+        ip: IpAddr,
+        ring_bytes: usize,
+    ) -> Result<Self, RdmaError> {
+        let res = Resources::new(device, ip, ring_bytes)?;
+        let n = nonce();
         let psn = u32::from_le_bytes([n[0], n[1], n[2], 0]);
         Ok(Self {
             res: Arc::new(res),
@@ -471,6 +523,14 @@ impl RdmaPrepared {
         })
     }
 
+    /// The hello attachment describing this queue pair: [`RDMA_ATTACHMENT`] and its info.
+    pub(crate) fn attachment(&self) -> Vec<u8> {
+        let mut a = RDMA_ATTACHMENT.to_vec();
+        a.extend_from_slice(&self.local_info());
+        a
+    }
+
+    /// The encoded queue pair description (without the attachment prefix).
     pub(crate) fn local_info(&self) -> Vec<u8> {
         // SAFETY: qp and recv_mr are live.
         let (qpn, rkey) = unsafe { ((*self.res.qp).qp_num, (*self.res.recv_mr).rkey) };
@@ -589,6 +649,25 @@ impl RdmaWriter {
 
     pub(crate) fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
+    }
+}
+
+impl FrameSink for RdmaWriter {
+    fn write_frame<'a>(
+        &'a mut self,
+        head: &'a [u8],
+        payload: &'a [u8],
+    ) -> SinkFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            RdmaWriter::write_frame(self, head, payload)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn shutdown(&mut self) -> SinkFuture<'_, ()> {
+        self.close();
+        Box::pin(std::future::ready(()))
     }
 }
 

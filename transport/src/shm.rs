@@ -28,10 +28,14 @@
 //! with `posix_fallocate`, so a full `/dev/shm` is an `ENOSPC` error at set-up (the mesh then
 //! falls back to TCP) instead of a `SIGBUS` later, and it is unlinked as soon as both sides have
 //! mapped it. Leftover files of dead processes are removed at start-up.
+//!
+//! Layering: this driver imports only `link` (the link it feeds and the
+//! `FrameSink` / `Region` interfaces it implements), [`codec`] and
+//! [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
 use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
-use crate::mesh::{Link, Rank, ShmConfig, Storage};
-use crate::protocol::ProtocolError;
+use crate::link::{FrameSink, Lease, Link, Rank, Region, SinkFuture, Storage, nonce};
+use crate::protocol::{ProtocolError, SHM_ATTACHMENT};
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
@@ -47,6 +51,29 @@ const DATA_OFFSET: usize = 4096;
 const RECORD_HEADER: usize = PAYLOAD_ALIGN;
 const WRAP: u64 = u64::MAX;
 const FILE_PREFIX: &str = "expertmesh-";
+
+/// Shared-memory driver settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmConfig {
+    /// Directory of the ring files (a tmpfs; `/dev/shm` by default).
+    pub dir: PathBuf,
+    /// Data bytes of each ring (one ring per direction per pair).
+    pub ring_bytes: usize,
+    /// How long a consumer whose ring is empty polls before it sleeps on the futex, in
+    /// microseconds (0: sleep at once). Polling saves the futex wake-up (a few µs) on busy links;
+    /// keep it short on hosts with few cores, where a polling thread competes with the workers.
+    pub spin_us: u32,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from("/dev/shm"),
+            ring_bytes: 64 << 20,
+            spin_us: 20,
+        }
+    }
+}
 
 /// Why a shared-memory ring could not be set up or used.
 #[derive(Debug, thiserror::Error)]
@@ -225,7 +252,7 @@ impl RingConsumer {
         remove_stale_segments(&cfg.dir, cluster);
         let capacity = codec::align_up(cfg.ring_bytes);
         let total = (DATA_OFFSET + capacity) as u64;
-        let nonce = crate::tcp::nonce();
+        let nonce = nonce();
         let path = cfg.dir.join(format!(
             "{FILE_PREFIX}{}-{from}to{to}-{}-{:02x}{:02x}{:02x}{:02x}",
             sanitize(cluster),
@@ -293,8 +320,16 @@ impl RingConsumer {
         })
     }
 
+    /// The ring file's path.
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The hello attachment describing this ring: [`SHM_ATTACHMENT`] and the file path.
+    pub(crate) fn attachment(&self) -> Vec<u8> {
+        let mut a = SHM_ATTACHMENT.to_vec();
+        a.extend_from_slice(self.path().as_os_str().as_encoded_bytes());
+        a
     }
 
     /// The largest receive window this ring supports: wrap waste of one record never blocks a
@@ -320,27 +355,22 @@ impl Drop for RingConsumer {
     }
 }
 
-/// A received frame in place in a ring; its record is released when the lease is dropped.
-pub(crate) struct RingLease {
+/// A consumer's ring as a [`Region`]: frames are leased in place and released in order.
+struct RingRegion {
     seg: Arc<Segment>,
-    releaser: Arc<Releaser>,
-    record_pos: u64,
-    frame_off: usize,
-    frame_len: usize,
+    releaser: Releaser,
 }
 
-impl RingLease {
-    pub(crate) fn bytes(&self) -> &[u8] {
+impl Region for RingRegion {
+    fn frame(&self, off: usize, len: usize) -> &[u8] {
         // SAFETY: the producer does not write this record until the consumer's tail passes it,
-        // which happens only after this lease is dropped (SPSC protocol); offset and length were
-        // validated against the capacity.
-        unsafe { std::slice::from_raw_parts(self.seg.data().add(self.frame_off), self.frame_len) }
+        // which happens only after its lease is dropped (SPSC protocol); offset and length were
+        // validated against the capacity before the lease was made.
+        unsafe { std::slice::from_raw_parts(self.seg.data().add(off), len) }
     }
-}
 
-impl Drop for RingLease {
-    fn drop(&mut self) {
-        self.releaser.release(&self.seg, self.record_pos);
+    fn release(&self, record_pos: u64) {
+        self.releaser.release(&self.seg, record_pos);
     }
 }
 
@@ -407,9 +437,13 @@ fn consumer_loop(
     let seg = &ring.seg;
     let h = seg.header();
     let cap = seg.capacity as u64;
-    let releaser = Arc::new(Releaser {
-        pending: Mutex::new(VecDeque::new()),
+    let region = Arc::new(RingRegion {
+        seg: Arc::clone(seg),
+        releaser: Releaser {
+            pending: Mutex::new(VecDeque::new()),
+        },
     });
+    let releaser = &region.releaser;
     let mut read_pos: u64 = 0;
     loop {
         if link.is_closed() {
@@ -460,15 +494,14 @@ fn consumer_loop(
             return Err(corrupt("record length differs from frame header".into()));
         }
         releaser.push(read_pos, read_pos + record, false);
-        let lease = RingLease {
-            seg: Arc::clone(seg),
-            releaser: Arc::clone(&releaser),
-            record_pos: read_pos,
+        let lease = Lease::new(
+            Arc::clone(&region) as Arc<dyn Region>,
+            read_pos,
             frame_off,
             frame_len,
-        };
+        );
         read_pos += record;
-        if let Some(frame) = link.on_frame(&header, Storage::Shm(lease))? {
+        if let Some(frame) = link.on_frame(&header, Storage::Lease(lease))? {
             link.deliver(frame)
         }
     }
@@ -509,6 +542,19 @@ pub(crate) struct RingProducer {
 }
 
 impl RingProducer {
+    /// Opens the ring described by the peer's hello `attachment` ([`SHM_ATTACHMENT`] and a
+    /// path). The error is a one-line reason.
+    pub(crate) fn open_attachment(
+        attachment: &[u8],
+        cfg: &ShmConfig,
+    ) -> Result<RingProducer, String> {
+        let path = attachment
+            .strip_prefix(SHM_ATTACHMENT)
+            .unwrap_or(attachment);
+        let path = std::str::from_utf8(path).map_err(|_| "peer ring path not UTF-8".to_string())?;
+        Self::open(Path::new(path), cfg).map_err(|e| e.to_string())
+    }
+
     /// Opens and validates the peer's ring file.
     pub(crate) fn open(path: &Path, cfg: &ShmConfig) -> Result<RingProducer, ShmError> {
         let bad = |why: String| ShmError::BadSegment {
@@ -645,6 +691,25 @@ impl RingProducer {
             .header()
             .producer_closed
             .store(1, Ordering::Release);
+    }
+}
+
+impl FrameSink for RingProducer {
+    fn write_frame<'a>(
+        &'a mut self,
+        head: &'a [u8],
+        payload: &'a [u8],
+    ) -> SinkFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            RingProducer::write_frame(self, head, payload)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn shutdown(&mut self) -> SinkFuture<'_, ()> {
+        self.close();
+        Box::pin(std::future::ready(()))
     }
 }
 

@@ -1,27 +1,28 @@
-//! The TCP driver: listening, dialling with backoff, the handshake over a socket, and the frame
-//! reader. Also the rendezvous for shared-memory and RDMA links, which are negotiated over the
-//! authenticated TCP connection.
+//! The TCP driver: frames over a socket (vectored writes, reads into pooled aligned buffers),
+//! the handshake and the link-setup step driven over a socket, and the reader and watcher tasks
+//! of a link.
 //!
 //! Why this exists: TCP is the link that works everywhere, and every other link needs a
 //! reliable, authenticated channel to exchange ring paths or queue pair numbers first. Sockets
 //! get `TCP_NODELAY` (frames are latency-critical and already batched), frames are written with
 //! one vectored write of header and payload (no copy into a staging buffer), and read directly
 //! into 64-byte aligned pooled buffers.
+//!
+//! This module only moves bytes: what to send and what the bytes mean during the handshake and
+//! link setup is decided by the sans-IO [`Connection`]; which link to build is decided by
+//! [`setup`](crate::setup). Layering: imports [`link`](crate::link), [`codec`] and
+//! [`protocol`](crate::protocol) only; used by `setup`, `mesh` and `frontend`.
 
 use crate::codec::{self, Body, CodecConfig, FrameHeader, HEADER_LEN};
-use crate::mesh::{BufPool, FrameWriter, LinkKind, MeshInner, NewLink, Rank, StartError, Storage};
-use crate::protocol::{Connection, Event, PeerInfo, ProtocolConfig, ProtocolError};
+use crate::link::{BufPool, FrameSink, Link, SinkFuture, Storage};
+use crate::protocol::{Connection, Event, PeerInfo, ProtocolError};
 use expertmesh_quant::aligned::AlignedVec;
 use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// Prefix of a shared-memory attachment in a hello (followed by the ring file path).
-pub(crate) const SHM_ATTACHMENT: &[u8] = b"shm:";
-/// Prefix of an RDMA attachment in a hello (followed by the queue pair description).
-pub(crate) const RDMA_ATTACHMENT: &[u8] = b"rdma:";
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// Writes `head` then `payload` with vectored writes until both are written.
 pub(crate) async fn write_vectored_all<W: AsyncWrite + Unpin>(
@@ -94,27 +95,9 @@ async fn write_body<W: AsyncWrite + Unpin>(
     w.write_all(&bytes).await
 }
 
-/// Fresh random bytes for a hello nonce.
-pub(crate) fn nonce() -> [u8; 32] {
-    let mut n = [0u8; 32];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        if f.read_exact(&mut n).is_ok() {
-            return n;
-        }
-    }
-    // No /dev/urandom: fall back to time and address entropy (still unique per connection).
-    let t = Instant::now();
-    let mix = format!("{t:?}{:p}{}", &n, std::process::id());
-    let h = crc32c::crc32c(mix.as_bytes());
-    for (i, b) in n.iter_mut().enumerate() {
-        *b = (h.rotate_left(i as u32) & 0xFF) as u8 ^ i as u8;
-    }
-    n
-}
-
-/// Runs the handshake over `stream` until established, flushing a refusal to the peer on
-/// failure. `first` is a frame already read (the acceptor peeks the dialer's hello).
+/// Runs the handshake over `stream` until established or until the protocol asks for link
+/// setup ([`Event::LinkSetup`]; then [`drive_link_setup`] follows), flushing a refusal to the
+/// peer on failure. `first` is a frame already read (the acceptor peeks the dialer's hello).
 pub(crate) async fn handshake(
     stream: &mut TcpStream,
     conn: &mut Connection,
@@ -132,7 +115,9 @@ pub(crate) async fn handshake(
                     .map_err(|e| ProtocolError::Closed(format!("handshake write: {e}")))?;
             }
             match conn.poll_event() {
-                Some(Event::Established(p)) => return Ok(p),
+                Some(Event::Established(p)) | Some(Event::LinkSetup { peer: p, .. }) => {
+                    return Ok(p);
+                }
                 Some(Event::Closed(e)) => return Err(e),
                 None => {}
             }
@@ -164,297 +149,101 @@ pub(crate) async fn handshake(
     }
 }
 
-pub(crate) async fn start_listener(inner: &Arc<MeshInner>) -> Result<(), StartError> {
-    let me = inner.cfg.protocol.local_rank as usize;
-    let addr = inner.cfg.peers[me].addr;
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })?;
-    *inner.local_addr.lock().unwrap_or_else(|e| e.into_inner()) = listener.local_addr().ok();
-    let h = tokio::spawn(accept_loop(Arc::clone(inner), listener));
-    inner.add_task(h.abort_handle());
-    Ok(())
-}
-
-async fn accept_loop(inner: Arc<MeshInner>, listener: TcpListener) {
+/// Drives the link-setup state of `conn` over the TCP connection until established: writes the
+/// raw bytes the protocol queues (the shared-memory sync byte) and feeds it the bytes that
+/// arrive, within the protocol's deadline.
+pub(crate) async fn drive_link_setup(
+    stream: &mut TcpStream,
+    conn: &mut Connection,
+) -> Result<PeerInfo, ProtocolError> {
     loop {
-        let (stream, from) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        if inner.is_shutdown() {
-            return;
+        if let Some(b) = conn.poll_transmit_raw()
+            && let Err(e) = stream.write_all(&[b]).await
+        {
+            conn.transport_failed(ProtocolError::Closed(format!(
+                "link setup: shm sync write: {e}"
+            )));
         }
-        let inner2 = Arc::clone(&inner);
-        tokio::spawn(async move {
-            if let Err(e) = accept_one(&inner2, stream).await {
-                tracing::warn!(%from, "refused incoming connection: {e}");
+        while let Some(ev) = conn.poll_event() {
+            match ev {
+                Event::Established(p) => return Ok(p),
+                Event::Closed(e) => return Err(e),
+                Event::LinkSetup { .. } => {}
             }
-        });
+        }
+        if let Some(e) = conn.close_reason() {
+            return Err(e.clone());
+        }
+        if !conn.awaits_raw() {
+            return Err(conn.link_setup_failed("driver did not finish its side of the link"));
+        }
+        let mut b = [0u8; 1];
+        let read = match conn.poll_timeout() {
+            Some(d) => {
+                let d = tokio::time::Instant::from_std(d);
+                tokio::time::timeout_at(d, stream.read_exact(&mut b)).await
+            }
+            None => Ok(stream.read_exact(&mut b).await),
+        };
+        match read {
+            Err(_elapsed) => conn.handle_timeout(Instant::now()),
+            Ok(Err(e)) => conn.transport_failed(ProtocolError::Closed(format!(
+                "link setup: peer could not map the shared-memory ring ({e})"
+            ))),
+            Ok(Ok(_)) => {
+                conn.handle_raw(&b)?;
+            }
+        }
     }
 }
 
-async fn accept_one(inner: &Arc<MeshInner>, mut stream: TcpStream) -> Result<(), ProtocolError> {
-    let _ = stream.set_nodelay(true);
-    let codec = inner.proto_cfg.codec;
-    let deadline = inner.proto_cfg.handshake_timeout;
-    let pool = BufPool::new(0);
-    // Peek the dialer's hello: its attachment decides the link kind.
-    let first = tokio::time::timeout(deadline, read_frame(&mut stream, &codec, &pool))
+/// Dials `addr` with `TCP_NODELAY` set.
+pub(crate) async fn connect(addr: std::net::SocketAddr) -> Result<TcpStream, ProtocolError> {
+    let stream = TcpStream::connect(addr)
         .await
-        .map_err(|_| ProtocolError::HandshakeTimeout(deadline))?
-        .map_err(ReadError::into_protocol)?;
-    let (body, _) = codec::decode_with_header(&first.0, &first.1[..first.0.frame_len as usize])?;
-    let (kind, peer_rank) = match &body {
-        Body::Hello(h) if h.attachment.starts_with(SHM_ATTACHMENT) => (LinkKind::Shm, h.rank),
-        Body::Hello(h) if h.attachment.starts_with(RDMA_ATTACHMENT) => (LinkKind::Rdma, h.rank),
-        Body::Hello(h) => (LinkKind::Tcp, h.rank),
-        _ => (LinkKind::Tcp, u32::MAX),
-    };
-    establish(inner, stream, None, kind, Some(first), peer_rank).await
+        .map_err(|e| ProtocolError::Closed(format!("connect to {addr}: {e}")))?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
 }
 
-/// Dials `peer` forever (until shutdown), redialling with exponential backoff after a failure
-/// or a lost link. A shared-memory or RDMA setup failure falls back to TCP for the next try.
-pub(crate) async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
-    let mut backoff = inner.cfg.reconnect_initial;
-    let mut fallback_tcp = false;
-    let mut failures = 0u32;
-    while !inner.is_shutdown() {
-        if let Some(link) = inner.current(peer) {
-            let closed = link.closed_notify.notified();
-            tokio::pin!(closed);
-            closed.as_mut().enable();
-            if !link.is_closed() {
-                closed.await;
-            }
-            backoff = inner.cfg.reconnect_initial;
-            continue;
-        }
-        let spec = inner.cfg.peers[peer as usize].clone();
-        let kind = if fallback_tcp {
-            LinkKind::Tcp
-        } else {
-            spec.link
-        };
-        let attempt = async {
-            let stream = TcpStream::connect(spec.addr)
+/// The sending half of a TCP link.
+pub(crate) struct TcpSink(pub(crate) OwnedWriteHalf);
+
+impl FrameSink for TcpSink {
+    fn write_frame<'a>(
+        &'a mut self,
+        head: &'a [u8],
+        payload: &'a [u8],
+    ) -> SinkFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            write_vectored_all(&mut self.0, head, payload)
                 .await
-                .map_err(|e| ProtocolError::Closed(format!("connect to {}: {e}", spec.addr)))?;
-            let _ = stream.set_nodelay(true);
-            establish(&inner, stream, Some(peer), kind, None, peer).await
-        };
-        match attempt.await {
-            Ok(()) => {
-                failures = 0;
-                backoff = inner.cfg.reconnect_initial;
-            }
-            Err(e) => {
-                failures += 1;
-                let msg = format!("dial {} ({}): {e}", spec.addr, kind.name());
-                if failures == 1 || failures.is_multiple_of(20) {
-                    tracing::warn!(peer, attempt = failures, "{msg}; retrying in {backoff:?}");
-                } else {
-                    tracing::debug!(peer, attempt = failures, "{msg}");
-                }
-                inner.record_error(peer, msg);
-                if kind != LinkKind::Tcp
-                    && matches!(e, ProtocolError::Closed(ref m) if m.starts_with("link setup"))
-                {
-                    tracing::warn!(
-                        peer,
-                        "{} link setup failed; falling back to TCP",
-                        kind.name()
-                    );
-                    fallback_tcp = true;
-                    continue;
-                }
-                let sleep = tokio::time::sleep(backoff);
-                tokio::select! {
-                    _ = sleep => {}
-                    _ = inner.shutdown_notify.notified() => return,
-                }
-                backoff = (backoff * 2).min(inner.cfg.reconnect_max);
-            }
-        }
+                .map_err(|e| format!("TCP write: {e}"))
+        })
+    }
+
+    fn shutdown(&mut self) -> SinkFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = self.0.shutdown().await;
+        })
     }
 }
 
-/// Handshakes over `stream` and installs a link of `kind` (TCP, or shm/RDMA set up over it).
-async fn establish(
-    inner: &Arc<MeshInner>,
-    mut stream: TcpStream,
-    expected: Option<Rank>,
-    kind: LinkKind,
-    first: Option<(FrameHeader, AlignedVec<u8>)>,
-    peer_hint: Rank,
-) -> Result<(), ProtocolError> {
-    let codec = inner.proto_cfg.codec;
-    let deadline = inner.proto_cfg.handshake_timeout;
-    let me = inner.proto_cfg.local_rank;
-    // Prepare the receive side of a shm/RDMA link before the hello, so its description can be
-    // attached. A failure here degrades to TCP (with a warning), never to a crash.
-    let mut prepared = Prepared::None;
-    let mut attachment = Vec::new();
-    let mut cfg: Arc<ProtocolConfig> = Arc::clone(&inner.proto_cfg);
-    match kind {
-        LinkKind::Tcp => {}
-        LinkKind::Shm => match crate::shm::RingConsumer::create(
-            &inner.cfg.shm,
-            &inner.cfg.protocol.cluster,
-            peer_hint,
-            me,
-        ) {
-            Ok(ring) => {
-                attachment.extend_from_slice(SHM_ATTACHMENT);
-                attachment.extend_from_slice(ring.path().as_os_str().as_encoded_bytes());
-                let mut c = (*inner.proto_cfg).clone();
-                c.recv_window_bytes = c.recv_window_bytes.min(ring.usable_window(&codec));
-                cfg = Arc::new(c);
-                prepared = Prepared::Shm(ring);
-            }
-            Err(e) => {
-                if expected.is_some() {
-                    return Err(ProtocolError::Closed(format!("link setup: {e}")));
-                }
-                tracing::warn!(
-                    peer = peer_hint,
-                    "shared memory unavailable ({e}); answering with TCP"
-                );
-            }
-        },
-        LinkKind::Rdma => {
-            #[cfg(feature = "rdma")]
-            match crate::rdma::RdmaPrepared::new(inner) {
-                Ok(p) => {
-                    attachment.extend_from_slice(RDMA_ATTACHMENT);
-                    attachment.extend_from_slice(&p.local_info());
-                    prepared = Prepared::Rdma(p);
-                }
-                Err(e) => {
-                    if expected.is_some() {
-                        return Err(ProtocolError::Closed(format!("link setup: {e}")));
-                    }
-                    tracing::warn!(
-                        peer = peer_hint,
-                        "RDMA unavailable ({e}); answering with TCP"
-                    );
-                }
-            }
-            #[cfg(not(feature = "rdma"))]
-            {
-                if expected.is_some() {
-                    return Err(ProtocolError::Closed(
-                        "link setup: this build lacks feature `rdma`".into(),
-                    ));
-                }
-            }
-        }
-    }
-    let recv_window = cfg.recv_window_bytes;
-    let mut conn = Connection::new(
-        Arc::clone(&cfg),
-        expected,
-        nonce(),
-        attachment,
-        Instant::now(),
-    );
-    let peer = handshake(&mut stream, &mut conn, &codec, first, deadline).await?;
-    let peer_shm = peer.attachment.strip_prefix(SHM_ATTACHMENT);
-    let peer_rdma = peer.attachment.strip_prefix(RDMA_ATTACHMENT);
-    match (prepared, peer_shm, peer_rdma) {
-        (Prepared::Shm(ring), Some(path), _) => {
-            let path = std::path::PathBuf::from(std::str::from_utf8(path).map_err(|_| {
-                ProtocolError::Closed("link setup: peer ring path not UTF-8".into())
-            })?);
-            let producer = crate::shm::RingProducer::open(&path, &inner.cfg.shm)
-                .map_err(|e| ProtocolError::Closed(format!("link setup: {e}")))?;
-            // Tell the peer its ring is mapped; wait for the same about ours, then unlink ours
-            // so no segment outlives the processes.
-            stream
-                .write_all(&[1])
-                .await
-                .map_err(|e| ProtocolError::Closed(format!("link setup: shm sync write: {e}")))?;
-            let mut b = [0u8; 1];
-            tokio::time::timeout(deadline, stream.read_exact(&mut b))
-                .await
-                .map_err(|_| ProtocolError::HandshakeTimeout(deadline))?
-                .map_err(|e| {
-                    ProtocolError::Closed(format!(
-                        "link setup: peer could not map the shared-memory ring ({e})"
-                    ))
-                })?;
-            ring.unlink();
-            let new = NewLink {
-                peer,
-                kind: LinkKind::Shm,
-                proto: conn,
-                writer: FrameWriter::Shm(producer),
-                recv_window,
-            };
-            let link = inner.install(new);
-            crate::shm::spawn_consumer(Arc::clone(&link), ring, codec);
-            let watcher = tokio::spawn(watch_control_socket(Arc::clone(&link), stream));
-            link.add_task(watcher.abort_handle());
-            Ok(())
-        }
-        #[cfg(feature = "rdma")]
-        (Prepared::Rdma(p), _, Some(info)) => {
-            let (writer, reader) = p
-                .connect(info)
-                .map_err(|e| ProtocolError::Closed(format!("link setup: {e}")))?;
-            let new = NewLink {
-                peer,
-                kind: LinkKind::Rdma,
-                proto: conn,
-                writer: FrameWriter::Rdma(writer),
-                recv_window,
-            };
-            let link = inner.install(new);
-            crate::rdma::spawn_poller(Arc::clone(&link), reader, codec);
-            let watcher = tokio::spawn(watch_control_socket(Arc::clone(&link), stream));
-            link.add_task(watcher.abort_handle());
-            Ok(())
-        }
-        (_, _, _) => {
-            // Plain TCP (requested, or one side could not set up shm/RDMA).
-            if kind != LinkKind::Tcp {
-                tracing::warn!(
-                    peer = peer.rank,
-                    "{} not available on both sides; using TCP",
-                    kind.name()
-                );
-            }
-            let (read, write) = stream.into_split();
-            let new = NewLink {
-                peer,
-                kind: LinkKind::Tcp,
-                proto: conn,
-                writer: FrameWriter::Tcp(write),
-                recv_window,
-            };
-            let link = inner.install(new);
-            let reader = tokio::spawn(tcp_reader(Arc::clone(&link), read, codec));
-            link.add_task(reader.abort_handle());
-            Ok(())
-        }
-    }
+/// Starts the reader task of a TCP link.
+pub(crate) fn spawn_reader(link: &Arc<Link>, read: OwnedReadHalf, codec: CodecConfig) {
+    let reader = tokio::spawn(tcp_reader(Arc::clone(link), read, codec));
+    link.add_task(reader.abort_handle());
 }
 
-enum Prepared {
-    None,
-    Shm(crate::shm::RingConsumer),
-    #[cfg(feature = "rdma")]
-    Rdma(crate::rdma::RdmaPrepared),
+/// Starts the task that fails a shared-memory or RDMA link when its TCP connection closes.
+pub(crate) fn spawn_control_watch(link: &Arc<Link>, control: TcpStream) {
+    let watcher = tokio::spawn(watch_control_socket(Arc::clone(link), control));
+    link.add_task(watcher.abort_handle());
 }
 
 /// For shm and RDMA links: the TCP connection carries nothing after setup; its closing means
 /// the peer process is gone.
-async fn watch_control_socket(link: Arc<crate::mesh::Link>, mut stream: TcpStream) {
+async fn watch_control_socket(link: Arc<Link>, mut stream: TcpStream) {
     let mut b = [0u8; 64];
     let why = match stream.read(&mut b).await {
         Ok(0) => "peer closed its control connection (process exited?)".to_string(),
@@ -464,11 +253,8 @@ async fn watch_control_socket(link: Arc<crate::mesh::Link>, mut stream: TcpStrea
     link.fail(ProtocolError::Closed(why));
 }
 
-async fn tcp_reader(
-    link: Arc<crate::mesh::Link>,
-    read: tokio::net::tcp::OwnedReadHalf,
-    codec: CodecConfig,
-) {
+/// Reads frames from the socket into `link` until it fails.
+async fn tcp_reader(link: Arc<Link>, read: OwnedReadHalf, codec: CodecConfig) {
     let mut r = tokio::io::BufReader::with_capacity(64 << 10, read);
     loop {
         let (header, buf) = match read_frame(&mut r, &codec, &link.pool).await {

@@ -1,0 +1,637 @@
+//! The link layer: one established link to one peer, whatever driver carries it, and the types
+//! every driver and the mesh share (ranks, received frames and their storage, the receive
+//! buffer pool, the frame writer interface, peer errors).
+//!
+//! Why this exists: the drivers ([`tcp`](crate::tcp), [`shm`](crate::shm), `rdma`) and the
+//! [`mesh`](crate::mesh) all need these types, and the drivers must not depend on the mesh (nor
+//! on each other). A driver moves frame bytes only: it implements [`FrameSink`] for its sending
+//! half and feeds what it reads to [`Link::on_frame`]; a link reports frames and its own failure
+//! to its owner (the mesh) through [`LinkOwner`], so this module knows nothing of the mesh.
+//!
+//! Memory bounds: received frames are bounded by the receive window (the protocol closes a peer
+//! that sends beyond its credit); frames live in pooled heap buffers ([`BufPool`], at most
+//! `max_idle_bytes` kept idle) or in place in a driver's shared region ([`Lease`]).
+
+use crate::codec::{self, Body, CodecError, FrameHeader, PAYLOAD_ALIGN};
+pub use crate::protocol::LinkKind;
+use crate::protocol::{Connection, Disposition, PeerInfo, ProtocolError};
+use bytes::Bytes;
+use expertmesh_quant::aligned::AlignedVec;
+use std::fmt;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+use tokio::sync::Notify;
+
+/// A rank in the cluster, `0..world_size`.
+pub type Rank = u32;
+
+/// Bytes of flow-control credit a frame of `frame_len` bytes costs: its ring record size (a
+/// 64-byte record header plus the frame rounded up to 64 bytes), the same on every driver.
+pub fn credit_cost(frame_len: usize) -> u64 {
+    (PAYLOAD_ALIGN + codec::align_up(frame_len)) as u64
+}
+
+/// Why an operation on a peer failed. Always names the peer.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("rank {peer}: {kind}")]
+pub struct PeerError {
+    /// The peer.
+    pub peer: Rank,
+    /// What went wrong.
+    pub kind: PeerErrorKind,
+}
+
+/// The kinds of [`PeerError`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerErrorKind {
+    /// No established link to the peer (never connected, or lost and not yet re-established).
+    #[error("not connected{}", .0.as_deref().map(|e| format!(" (last error: {e})")).unwrap_or_default())]
+    NotConnected(Option<String>),
+    /// The link failed.
+    #[error("link failed: {0}")]
+    LinkFailed(String),
+    /// The protocol closed the link.
+    #[error("{0}")]
+    Protocol(#[from] ProtocolError),
+    /// The outgoing frame is invalid (never sent).
+    #[error("frame not sent: {0}")]
+    BadFrame(#[from] CodecError),
+    /// The rank is outside the cluster or is this node.
+    #[error("no such peer in a cluster of {0} ranks (or it is this node)")]
+    NoSuchPeer(u32),
+    /// The mesh was shut down.
+    #[error("transport shut down")]
+    Shutdown,
+}
+
+/// A frame to send: the body and its payload (shared, so one buffer can go to several peers).
+#[derive(Debug, Clone)]
+pub struct OutFrame {
+    /// Kind-specific metadata.
+    pub body: Body,
+    /// Payload bytes (length must match what the body describes).
+    pub payload: Bytes,
+}
+
+impl OutFrame {
+    /// A frame without payload.
+    pub fn new(body: Body) -> Self {
+        Self {
+            body,
+            payload: Bytes::new(),
+        }
+    }
+
+    /// A frame with a payload.
+    pub fn with_payload(body: Body, payload: impl Into<Bytes>) -> Self {
+        Self {
+            body,
+            payload: payload.into(),
+        }
+    }
+}
+
+/// Per-peer flow-control figures, for tests, metrics and the bench.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerStats {
+    /// The link carrying the peer's frames.
+    pub link: LinkKind,
+    /// Bytes this node may still send before waiting for credit.
+    pub send_credit: u64,
+    /// The peer's receive window.
+    pub peer_window: u64,
+    /// Bytes of the peer's frames delivered here and not yet released (dropped).
+    pub recv_outstanding: u64,
+    /// This node's receive window.
+    pub recv_window: u64,
+    /// Bytes held in this link's receive buffer pool (allocated, idle or in use).
+    pub recv_pool_bytes: u64,
+}
+
+/// Where a received frame's bytes live.
+pub(crate) enum Storage {
+    /// A pooled, 64-byte aligned heap buffer.
+    Heap {
+        buf: Option<AlignedVec<u8>>,
+        pool: Weak<BufPool>,
+    },
+    /// A record in place in a driver's shared region (a shared-memory ring), released to the
+    /// producer on drop.
+    Lease(Lease),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Heap { buf, .. } => buf.as_deref().unwrap_or(&[]),
+            Self::Lease(l) => l.bytes(),
+        }
+    }
+}
+
+/// A region of memory shared with the peer in which received frames are handed out in place.
+pub(crate) trait Region: Send + Sync {
+    /// The `len` bytes at `off`. Called only for the frame of a live [`Lease`]: the region
+    /// guarantees those bytes stay unchanged until the lease is released.
+    fn frame(&self, off: usize, len: usize) -> &[u8];
+    /// The lease of the record starting at `record_pos` was dropped.
+    fn release(&self, record_pos: u64);
+}
+
+/// A received frame in place in a [`Region`]; its record is released when the lease is dropped.
+pub(crate) struct Lease {
+    region: Arc<dyn Region>,
+    record_pos: u64,
+    frame_off: usize,
+    frame_len: usize,
+}
+
+impl Lease {
+    /// Leases the frame of `frame_len` bytes at `frame_off` of the record at `record_pos`.
+    pub(crate) fn new(
+        region: Arc<dyn Region>,
+        record_pos: u64,
+        frame_off: usize,
+        frame_len: usize,
+    ) -> Self {
+        Self {
+            region,
+            record_pos,
+            frame_off,
+            frame_len,
+        }
+    }
+
+    /// The frame's bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.region.frame(self.frame_off, self.frame_len)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.region.release(self.record_pos);
+    }
+}
+
+/// A received application frame. Its payload is 64-byte aligned. Dropping it releases its
+/// bytes to the peer's flow-control window (and its buffer to the pool): keep frames only as
+/// long as needed, or the peer will wait.
+pub struct RecvFrame {
+    peer: Rank,
+    body: Body,
+    frame_len: usize,
+    payload: Range<usize>,
+    storage: Storage,
+    link: Weak<Link>,
+}
+
+impl fmt::Debug for RecvFrame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecvFrame")
+            .field("peer", &self.peer)
+            .field("body", &self.body)
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+impl RecvFrame {
+    /// The sending rank.
+    pub fn peer(&self) -> Rank {
+        self.peer
+    }
+
+    /// The frame's metadata.
+    pub fn body(&self) -> &Body {
+        &self.body
+    }
+
+    /// The payload (64-byte aligned).
+    pub fn payload(&self) -> &[u8] {
+        &self.storage.bytes()[self.payload.clone()]
+    }
+
+    /// Total encoded length of the frame.
+    pub fn frame_len(&self) -> usize {
+        self.frame_len
+    }
+}
+
+impl Drop for RecvFrame {
+    fn drop(&mut self) {
+        if let Storage::Heap { buf, pool } = &mut self.storage
+            && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
+        {
+            p.put(b);
+        }
+        if let Some(link) = self.link.upgrade() {
+            link.release(credit_cost(self.frame_len));
+        }
+    }
+}
+
+/// A bounded pool of aligned receive buffers for one link.
+#[derive(Debug)]
+pub(crate) struct BufPool {
+    free: Mutex<Vec<AlignedVec<u8>>>,
+    allocated: AtomicU64,
+    max_idle_bytes: u64,
+}
+
+impl BufPool {
+    /// A pool that keeps at most `max_idle_bytes` of idle buffers.
+    pub(crate) fn new(max_idle_bytes: u64) -> Arc<Self> {
+        Arc::new(Self {
+            free: Mutex::new(Vec::new()),
+            allocated: AtomicU64::new(0),
+            max_idle_bytes,
+        })
+    }
+
+    /// A buffer of at least `len` bytes (its first `len` bytes are what the caller fills).
+    pub(crate) fn take(&self, len: usize) -> AlignedVec<u8> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = free
+            .iter()
+            .position(|b| b.len() >= len && b.len() <= (2 * len).max(4096))
+        {
+            return free.swap_remove(i);
+        }
+        drop(free);
+        let cap = len.next_power_of_two().max(4096);
+        self.allocated.fetch_add(cap as u64, Ordering::Relaxed);
+        AlignedVec::zeroed(cap)
+    }
+
+    fn put(&self, b: AlignedVec<u8>) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let idle: u64 = free.iter().map(|b| b.len() as u64).sum();
+        if idle + b.len() as u64 <= self.max_idle_bytes {
+            free.push(b);
+        } else {
+            self.allocated.fetch_sub(b.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
+    }
+}
+
+/// A boxed future of a [`FrameSink`] method.
+pub(crate) type SinkFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The sending half of a link, implemented by each driver (TCP socket, shared-memory ring,
+/// RDMA queue pair).
+pub(crate) trait FrameSink: Send {
+    /// Writes one frame (`head` then `payload`), waiting for room if the driver needs to.
+    fn write_frame<'a>(
+        &'a mut self,
+        head: &'a [u8],
+        payload: &'a [u8],
+    ) -> SinkFuture<'a, Result<(), String>>;
+    /// Closes the sending half (best effort).
+    fn shutdown(&mut self) -> SinkFuture<'_, ()>;
+}
+
+/// The sending half of a link, whatever its driver.
+pub(crate) struct FrameWriter(Box<dyn FrameSink>);
+
+impl FrameWriter {
+    /// Wraps a driver's sending half.
+    pub(crate) fn new(sink: impl FrameSink + 'static) -> Self {
+        Self(Box::new(sink))
+    }
+
+    async fn write_frame(&mut self, head: &[u8], payload: &[u8]) -> Result<(), String> {
+        self.0.write_frame(head, payload).await
+    }
+
+    async fn shutdown(&mut self) {
+        self.0.shutdown().await
+    }
+}
+
+/// The owner of established links (the mesh): receives their frames and hears of their failure.
+pub(crate) trait LinkOwner: Send + Sync {
+    /// An application frame arrived on `link`.
+    fn deliver(&self, link: &Arc<Link>, frame: RecvFrame);
+    /// `link` failed; `kind` says why.
+    fn link_closed(&self, link: &Arc<Link>, kind: PeerErrorKind);
+}
+
+/// One established link to one peer.
+pub(crate) struct Link {
+    pub(crate) peer: Rank,
+    pub(crate) kind: LinkKind,
+    codec: codec::CodecConfig,
+    proto: Mutex<Connection>,
+    credit: Notify,
+    ctrl: Notify,
+    writer: tokio::sync::Mutex<FrameWriter>,
+    closed: AtomicBool,
+    pub(crate) closed_notify: Notify,
+    pub(crate) pool: Arc<BufPool>,
+    owner: Weak<dyn LinkOwner>,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    recv_window: u64,
+}
+
+impl Link {
+    /// A link for a completed handshake, reporting to `owner`. Its receive buffer pool keeps at
+    /// most the receive window (capped at 256 MiB) of idle buffers.
+    pub(crate) fn new(new: NewLink, codec: codec::CodecConfig, owner: Weak<dyn LinkOwner>) -> Self {
+        let pool_idle = new.recv_window.min(256 << 20);
+        Link {
+            peer: new.peer.rank,
+            kind: new.kind,
+            codec,
+            proto: Mutex::new(new.proto),
+            credit: Notify::new(),
+            ctrl: Notify::new(),
+            writer: tokio::sync::Mutex::new(new.writer),
+            closed: AtomicBool::new(false),
+            closed_notify: Notify::new(),
+            pool: BufPool::new(pool_idle),
+            owner,
+            tasks: Mutex::new(Vec::new()),
+            recv_window: new.recv_window,
+        }
+    }
+
+    /// Whether the link has failed or been closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn lock_proto(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.proto.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn err(&self, kind: PeerErrorKind) -> PeerError {
+        PeerError {
+            peer: self.peer,
+            kind,
+        }
+    }
+
+    fn close_error(&self) -> PeerError {
+        match self.lock_proto().close_reason() {
+            Some(e) => self.err(PeerErrorKind::Protocol(e.clone())),
+            None => self.err(PeerErrorKind::LinkFailed("link closed".into())),
+        }
+    }
+
+    /// Marks the link failed: wakes every waiting send, emits `PeerLost`, stops its tasks.
+    pub(crate) fn fail(self: &Arc<Self>, err: ProtocolError) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.lock_proto().transport_failed(err.clone());
+        let reason = self.lock_proto().close_reason().cloned().unwrap_or(err);
+        tracing::warn!(
+            peer = self.peer,
+            link = self.kind.name(),
+            "link closed: {reason}"
+        );
+        self.credit.notify_waiters();
+        self.ctrl.notify_one();
+        self.closed_notify.notify_waiters();
+        if let Some(owner) = self.owner.upgrade() {
+            owner.link_closed(self, PeerErrorKind::Protocol(reason));
+        }
+        let me = Arc::clone(self);
+        tokio_spawn_detached(async move {
+            me.writer.lock().await.shutdown().await;
+            for t in me.tasks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                t.abort();
+            }
+        });
+    }
+
+    /// Registers a task (reader, watcher, control loop) to abort when the link closes.
+    pub(crate) fn add_task(&self, h: tokio::task::AbortHandle) {
+        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+    }
+
+    fn release(&self, cost: u64) {
+        let mut p = self.lock_proto();
+        p.release(cost);
+        if p.has_transmit() {
+            drop(p);
+            self.ctrl.notify_one();
+        }
+    }
+
+    /// Handles one frame read by the driver: protocol frames are consumed, application frames
+    /// returned for delivery. An error means the link must close.
+    pub(crate) fn on_frame(
+        self: &Arc<Self>,
+        header: &FrameHeader,
+        storage: Storage,
+    ) -> Result<Option<RecvFrame>, ProtocolError> {
+        let bytes = storage.bytes();
+        let (body, payload) =
+            codec::decode_with_header(header, &bytes[..header.frame_len as usize])?;
+        let frame_len = header.frame_len as usize;
+        let disp = {
+            let mut p = self.lock_proto();
+            let d = p.handle_frame(Instant::now(), &body, credit_cost(frame_len));
+            if p.has_transmit() {
+                self.ctrl.notify_one();
+            }
+            d?
+        };
+        match disp {
+            Disposition::Consumed => {
+                if matches!(body, Body::Credit(_)) {
+                    self.credit.notify_waiters();
+                }
+                // Dropping `storage` returns a heap buffer to the pool; shm leases release.
+                recycle(storage);
+                Ok(None)
+            }
+            Disposition::Deliver => Ok(Some(RecvFrame {
+                peer: self.peer,
+                body,
+                frame_len,
+                payload,
+                storage,
+                link: Arc::downgrade(self),
+            })),
+        }
+    }
+
+    /// Delivers a frame to the link's owner (the mesh's event queue).
+    pub(crate) fn deliver(self: &Arc<Self>, frame: RecvFrame) {
+        if let Some(owner) = self.owner.upgrade() {
+            owner.deliver(self, frame);
+        }
+    }
+
+    /// Sends one application frame: waits for credit, then writes it. Fails naming the peer.
+    pub(crate) async fn send(
+        self: &Arc<Self>,
+        frame: &OutFrame,
+        head: &mut Vec<u8>,
+    ) -> Result<(), PeerError> {
+        let len = codec::encode_head(&frame.body, &frame.payload, &self.codec, head)
+            .map_err(|e| self.err(PeerErrorKind::BadFrame(e)))?;
+        let cost = credit_cost(len);
+        loop {
+            let notified = self.credit.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_closed() {
+                return Err(self.close_error());
+            }
+            match self.lock_proto().try_reserve(cost) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => return Err(self.err(PeerErrorKind::Protocol(e))),
+            }
+            notified.await;
+        }
+        let mut w = self.writer.lock().await;
+        if self.is_closed() {
+            return Err(self.close_error());
+        }
+        // A send cancelled mid-frame would leave a torn frame on the wire: fail the link.
+        let guard = TornWriteGuard { link: Some(self) };
+        let r = w.write_frame(head, &frame.payload).await;
+        std::mem::forget(guard);
+        drop(w);
+        match r {
+            Ok(()) => {
+                self.lock_proto().on_transmit(Instant::now());
+                Ok(())
+            }
+            Err(e) => {
+                self.fail(ProtocolError::Closed(e.clone()));
+                Err(self.err(PeerErrorKind::LinkFailed(e)))
+            }
+        }
+    }
+
+    /// Writes pending protocol frames (credits, heartbeats, a closing error).
+    async fn flush_control(self: &Arc<Self>, head: &mut Vec<u8>) -> Result<(), String> {
+        let mut w = self.writer.lock().await;
+        loop {
+            let Some(body) = self.lock_proto().poll_transmit() else {
+                return Ok(());
+            };
+            if codec::encode_head(&body, &[], &self.codec, head).is_ok() {
+                w.write_frame(head, &[]).await?;
+                self.lock_proto().on_transmit(Instant::now());
+            }
+        }
+    }
+
+    /// The per-link control task: timers (heartbeats, idle timeout) and control frames.
+    pub(crate) async fn control_loop(self: Arc<Self>) {
+        let mut head = Vec::with_capacity(256);
+        loop {
+            let deadline = self.lock_proto().poll_timeout();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.ctrl.notified() => {}
+                _ = sleep => {}
+            }
+            self.lock_proto().handle_timeout(Instant::now());
+            if let Err(e) = self.flush_control(&mut head).await {
+                self.fail(ProtocolError::Closed(e));
+                return;
+            }
+            let reason = self.lock_proto().close_reason().cloned();
+            if let Some(r) = reason {
+                self.fail(r);
+                return;
+            }
+            if self.is_closed() {
+                return;
+            }
+        }
+    }
+
+    /// Flow-control figures of this link.
+    pub(crate) fn stats(&self) -> PeerStats {
+        let p = self.lock_proto();
+        PeerStats {
+            link: self.kind,
+            send_credit: p.send_credit(),
+            peer_window: p.peer().map_or(0, |i| i.recv_window_bytes),
+            recv_outstanding: p.recv_outstanding(),
+            recv_window: self.recv_window,
+            recv_pool_bytes: self.pool.allocated_bytes(),
+        }
+    }
+}
+
+/// Returns a consumed frame's heap buffer to its pool.
+fn recycle(storage: Storage) {
+    if let Storage::Heap { mut buf, pool } = storage
+        && let (Some(b), Some(p)) = (buf.take(), pool.upgrade())
+    {
+        p.put(b);
+    }
+}
+
+struct TornWriteGuard<'a> {
+    link: Option<&'a Arc<Link>>,
+}
+
+impl Drop for TornWriteGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(l) = self.link.take() {
+            l.fail(ProtocolError::Closed(
+                "a send was cancelled in the middle of a frame".into(),
+            ));
+        }
+    }
+}
+
+/// Spawns `f` on the current runtime, if there is one (a link may fail after it shut down).
+fn tokio_spawn_detached<F: Future<Output = ()> + Send + 'static>(f: F) {
+    if let Ok(h) = tokio::runtime::Handle::try_current() {
+        h.spawn(f);
+    }
+}
+
+/// What link setup hands the mesh after a successful handshake.
+pub(crate) struct NewLink {
+    pub(crate) peer: PeerInfo,
+    pub(crate) kind: LinkKind,
+    pub(crate) proto: Connection,
+    pub(crate) writer: FrameWriter,
+    pub(crate) recv_window: u64,
+}
+
+/// Fresh random bytes for a hello nonce (also names shared-memory rings and seeds RDMA PSNs).
+pub(crate) fn nonce() -> [u8; 32] {
+    let mut n = [0u8; 32];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        if f.read_exact(&mut n).is_ok() {
+            return n;
+        }
+    }
+    // No /dev/urandom: fall back to time and address entropy (still unique per connection).
+    let t = Instant::now();
+    let mix = format!("{t:?}{:p}{}", &n, std::process::id());
+    let h = crc32c::crc32c(mix.as_bytes());
+    for (i, b) in n.iter_mut().enumerate() {
+        *b = (h.rotate_left(i as u32) & 0xFF) as u8 ^ i as u8;
+    }
+    n
+}
