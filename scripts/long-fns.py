@@ -6,7 +6,7 @@ generated tables unless a one-line reason stands next to it. A function may carr
 a comment containing `long-fn:` on one of the three lines above its `fn` line; this script then
 lists it as excused instead of failing. Exit 1 when an unexcused function is over the limit.
 
-Usage: scripts/long-fns.py [--limit N] [--all] [ROOT]
+Usage: scripts/long-fns.py [--limit N] [--all] [ROOT ...]
 """
 import os
 import re
@@ -133,7 +133,7 @@ def main():
     args = sys.argv[1:]
     limit = 100
     show_all = False
-    root = "."
+    roots = []
     while args:
         a = args.pop(0)
         if a == "--limit":
@@ -141,9 +141,9 @@ def main():
         elif a == "--all":
             show_all = True
         else:
-            root = a
+            roots.append(a)
     bad = 0
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in (w for r in (roots or ["."]) for w in os.walk(r)):
         dirnames[:] = [d for d in dirnames if d not in ("target", ".git", "tests", "fuzz", "benches", "examples")]
         for fn in filenames:
             if not fn.endswith(".rs") or fn == "tests.rs":

@@ -123,6 +123,9 @@ impl Grouping {
 mod tests {
     use super::*;
 
+    /// (expert, tokens, weights, output rows) of one group.
+    type Flat = (u32, Vec<u32>, Vec<f32>, Vec<u32>);
+
     #[test]
     fn groups_by_expert_in_push_order() {
         let mut g = Grouping::with_capacity(8);
@@ -136,7 +139,7 @@ mod tests {
             g.push(e, t, w, r);
         }
         g.push(2, 2, 1.0, 4);
-        let got: Vec<(u32, Vec<u32>, Vec<f32>, Vec<u32>)> = g.with_groups(7, |gs| {
+        let got: Vec<Flat> = g.with_groups(7, |gs| {
             gs.iter()
                 .map(|x| {
                     assert_eq!(x.key.layer, 7);

@@ -125,6 +125,18 @@ impl GroupedBatch<'_> {
 
     /// Check shapes and indices against `limits`; every backend calls this first.
     pub fn validate(&self, limits: &BatchLimits, out_len: usize) -> Result<(), BackendError> {
+        self.validate_with(limits, out_len, &mut Vec::new())
+    }
+
+    /// [`GroupedBatch::validate`] with the caller's scratch for the output-row check, so a
+    /// backend that keeps `seen` between batches validates without allocating (`seen` grows to
+    /// the batch's pair count once and keeps its capacity).
+    pub fn validate_with(
+        &self,
+        limits: &BatchLimits,
+        out_len: usize,
+        seen: &mut Vec<bool>,
+    ) -> Result<(), BackendError> {
         let t = self.tokens;
         let h = self.hidden;
         if h == 0 || !h.is_multiple_of(expertmesh_quant::format::BLOCK) {
@@ -178,7 +190,8 @@ impl GroupedBatch<'_> {
                 self.output_len()
             )));
         }
-        let mut seen = vec![false; pairs];
+        seen.clear();
+        seen.resize(pairs, false);
         for g in self.groups {
             let n = g.tokens.len();
             if g.weights.len() != n || g.out_rows.len() != n {

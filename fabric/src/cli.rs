@@ -54,6 +54,7 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    init_logging();
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -61,6 +62,19 @@ pub fn main() -> ExitCode {
             ExitCode::from(EXIT_USAGE)
         }
     }
+}
+
+/// Log lines (tracing) go to stderr: warnings from every crate, and the worker's lifecycle
+/// (backend choice, links) at info. `EXPERTMESH_LOG` overrides the filter (`RUST_LOG` syntax).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EXPERTMESH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,expertmesh_worker=info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .try_init();
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {

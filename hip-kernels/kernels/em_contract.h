@@ -1,7 +1,7 @@
 // em_contract.h — the exact-mode (W4A8) contract's scalar building blocks, shared by the HIP
 // kernels (AMD and NVIDIA device code) and the host-side scalar path (plain g++).
 //
-// Why this file exists: the Rust module `hip-kernels/src/contract.rs` specifies every
+// Why this file exists: the Rust module `quant/src/contract.rs` specifies every
 // floating-point operation of exact mode. The GPU kernels must reproduce it bit for bit, and on a
 // machine without a GPU the only way to check the kernels' arithmetic is to compile the very same
 // functions for the CPU and compare them with the Rust reference. So every piece of arithmetic the
@@ -47,7 +47,7 @@
 #define EM_DEVICE_NV 1
 #endif
 
-// ---- constants of the contract (mirror hip-kernels/src/contract.rs and format.rs) -------------
+// ---- constants of the contract (mirror quant/src/contract.rs and format.rs) -------------
 #define EM_BLOCK 32          // elements per nibble block and per activation block
 #define EM_BLOCK_BYTES 16    // packed bytes per block
 #define EM_LANES 16          // lane partials of the fixed reduction (contract §3)

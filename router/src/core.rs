@@ -21,11 +21,12 @@
 use crate::gating::{self, GateWeights, Routing};
 use crate::plan::{self, DevicePlan, LayerOwners, PlanError, Replicas};
 use bytes::Bytes;
+use expertmesh_backend::BackendError;
 use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{
     Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout,
-    WireComputeMode, align_up,
+    WireComputeMode,
 };
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 use expertmesh_transport::mesh::OutFrame;
@@ -111,7 +112,7 @@ pub trait SharedRunner: Send {
         tokens: usize,
         mode: ComputeMode,
         out: &mut [f32],
-    ) -> Result<(), String>;
+    ) -> Result<(), BackendError>;
 }
 
 /// Checks and decodes frontend requests: a cheap clone of what the core knows about shapes.
@@ -123,6 +124,20 @@ pub struct RequestValidator {
     default_deadline: Duration,
 }
 
+/// Why a frontend request was refused: the code and message of its error frame.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct Rejection {
+    /// Stable error code.
+    pub code: ErrorCode,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+fn reject<T>(code: ErrorCode, message: String) -> Result<T, Rejection> {
+    Err(Rejection { code, message })
+}
+
 impl RequestValidator {
     /// Validate a frontend `LayerRequest` and decode its payload, or say what is wrong.
     pub fn validate(
@@ -131,102 +146,35 @@ impl RequestValidator {
         req: &LayerRequest,
         payload: &[u8],
         now: Instant,
-    ) -> Result<Request, (ErrorCode, String)> {
-        let spec = &self.spec;
-        if self.layers.binary_search(&req.layer).is_err() {
-            let l = &self.layers;
-            return Err((
-                ErrorCode::NotFound,
-                format!(
-                    "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
-                    req.layer,
-                    spec.name,
-                    l.first().copied().unwrap_or(0),
-                    l.last().copied().unwrap_or(0)
-                ),
-            ));
-        }
-        if req.hidden != spec.hidden {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "hidden size {} does not match model {} (hidden {})",
-                    req.hidden, spec.name, spec.hidden
-                ),
-            ));
-        }
-        let t = req.tokens as usize;
-        if t == 0 || t > self.max_request_tokens {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "{t} tokens: a request carries 1 to {} tokens; split larger batches",
-                    self.max_request_tokens
-                ),
-            ));
-        }
-        if req.dtype == ActivationDtype::Q8Block32 {
-            return Err((
-                ErrorCode::Unsupported,
-                "q8-block32 is a worker dispatch format; send hidden states as f32, bf16, f16 or fp8".into(),
-            ));
-        }
-        let h = spec.hidden as usize;
+    ) -> Result<Request, Rejection> {
+        self.check_shape(req)?;
+        let (t, h) = (req.tokens as usize, self.spec.hidden as usize);
         let range = req.hidden_range();
         let logits_end = req.logits_range().map_or(range.end, |r| r.end);
         if payload.len() < logits_end {
-            return Err((
-                ErrorCode::BadFrame,
-                format!(
-                    "payload has {} bytes, the request describes {logits_end}",
-                    payload.len()
-                ),
-            ));
+            let msg = format!(
+                "payload has {} bytes, the request describes {logits_end}",
+                payload.len()
+            );
+            return reject(ErrorCode::BadFrame, msg);
         }
+        // One copy in: the payload is decoded once, into the buffer the batch will use.
         let mut x = vec![0f32; t * h];
-        dtype::decode_activations(req.dtype, t, h, &payload[range], &mut x)
-            .map_err(|e| (ErrorCode::InvalidInput, e.to_string()))?;
+        if let Err(e) = dtype::decode_activations(req.dtype, t, h, &payload[range], &mut x) {
+            return reject(ErrorCode::InvalidInput, e.to_string());
+        }
         if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "hidden state of token {} element {} is {}; inputs must be finite",
-                    i / h,
-                    i % h,
-                    x[i]
-                ),
-            ));
+            let msg = format!(
+                "hidden state of token {} element {} is {}; inputs must be finite",
+                i / h,
+                i % h,
+                x[i]
+            );
+            return reject(ErrorCode::InvalidInput, msg);
         }
         let logits = match req.logits_range() {
             None => None,
-            Some(r) => {
-                if req.logit_experts != spec.routed_experts {
-                    return Err((
-                        ErrorCode::InvalidInput,
-                        format!(
-                            "router logits have {} columns but model {} has {} routed experts",
-                            req.logit_experts, spec.name, spec.routed_experts
-                        ),
-                    ));
-                }
-                let l: Vec<f32> = payload[r]
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                if let Some(i) = l.iter().position(|v| !v.is_finite()) {
-                    let e = spec.routed_experts as usize;
-                    return Err((
-                        ErrorCode::InvalidInput,
-                        format!(
-                            "router logit of token {} expert {} is {}; logits must be finite",
-                            i / e,
-                            i % e,
-                            l[i]
-                        ),
-                    ));
-                }
-                Some(l)
-            }
+            Some(r) => Some(self.decode_logits(req, &payload[r])?),
         };
         let deadline = now
             + if req.deadline_us == 0 {
@@ -243,6 +191,69 @@ impl RequestValidator {
             logits,
             deadline,
         })
+    }
+
+    /// Layer, hidden size, token count and dtype against what this router serves.
+    fn check_shape(&self, req: &LayerRequest) -> Result<(), Rejection> {
+        let spec = &self.spec;
+        if self.layers.binary_search(&req.layer).is_err() {
+            let l = &self.layers;
+            let msg = format!(
+                "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
+                req.layer,
+                spec.name,
+                l.first().copied().unwrap_or(0),
+                l.last().copied().unwrap_or(0)
+            );
+            return reject(ErrorCode::NotFound, msg);
+        }
+        if req.hidden != spec.hidden {
+            let msg = format!(
+                "hidden size {} does not match model {} (hidden {})",
+                req.hidden, spec.name, spec.hidden
+            );
+            return reject(ErrorCode::InvalidInput, msg);
+        }
+        let t = req.tokens as usize;
+        if t == 0 || t > self.max_request_tokens {
+            let msg = format!(
+                "{t} tokens: a request carries 1 to {} tokens; split larger batches",
+                self.max_request_tokens
+            );
+            return reject(ErrorCode::InvalidInput, msg);
+        }
+        if req.dtype == ActivationDtype::Q8Block32 {
+            let msg = "q8-block32 is a worker dispatch format; send hidden states as f32, bf16, f16 or fp8";
+            return reject(ErrorCode::Unsupported, msg.into());
+        }
+        Ok(())
+    }
+
+    /// The frontend's router logits `[tokens][experts]` (f32 little-endian), checked finite.
+    fn decode_logits(&self, req: &LayerRequest, bytes: &[u8]) -> Result<Vec<f32>, Rejection> {
+        let spec = &self.spec;
+        if req.logit_experts != spec.routed_experts {
+            let msg = format!(
+                "router logits have {} columns but model {} has {} routed experts",
+                req.logit_experts, spec.name, spec.routed_experts
+            );
+            return reject(ErrorCode::InvalidInput, msg);
+        }
+        let l: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if let Some(i) = l.iter().position(|v| !v.is_finite()) {
+            let e = spec.routed_experts as usize;
+            let msg = format!(
+                "router logit of token {} expert {} is {}; logits must be finite",
+                i / e,
+                i % e,
+                l[i]
+            );
+            return reject(ErrorCode::InvalidInput, msg);
+        }
+        Ok(l)
     }
 }
 
@@ -333,9 +344,12 @@ struct Member {
 
 struct Pending {
     members: Vec<Member>,
+    /// `[tokens][hidden]`: the first request's buffer, moved in; later requests appended.
     x: Vec<f32>,
-    /// Per token, the frontend's logits when it sent them.
-    logits: Vec<Option<Vec<f32>>>,
+    /// `[tokens][experts]`: the frontend's logits where it sent them (zeros elsewhere).
+    logits: Vec<f32>,
+    /// Per token, whether `logits` holds the frontend's row.
+    logits_given: Vec<bool>,
     flush_at: Instant,
     deadline: Instant,
 }
@@ -354,8 +368,6 @@ struct Inflight {
     deadline: Instant,
     /// Routing with the remote shared experts appended as extra slots (weight 1).
     routing: Routing,
-    /// Routed slots (k).
-    k: usize,
     x: Vec<f32>,
     /// Exact mode: the input quantized once per contract §1 (codes, scales).
     q8: Option<(Vec<i8>, Vec<f32>)>,
@@ -497,7 +509,7 @@ impl RouterCore {
         req: &LayerRequest,
         payload: &[u8],
         now: Instant,
-    ) -> Result<Request, (ErrorCode, String)> {
+    ) -> Result<Request, Rejection> {
         self.validator().validate(client, req, payload, now)
     }
 
@@ -527,6 +539,7 @@ impl RouterCore {
             members: Vec::new(),
             x: Vec::new(),
             logits: Vec::new(),
+            logits_given: Vec::new(),
             flush_at: now + self.cfg.batch_window,
             deadline: req.deadline,
         });
@@ -537,12 +550,18 @@ impl RouterCore {
             offset,
             tokens: req.tokens,
         });
-        p.x.extend_from_slice(&req.x);
+        if p.x.is_empty() {
+            p.x = req.x; // a lone request's input is moved, not copied
+        } else {
+            p.x.extend_from_slice(&req.x);
+        }
         let e = self.spec.routed_experts as usize;
         match &req.logits {
-            Some(l) => p.logits.extend(l.chunks(e).map(|c| Some(c.to_vec()))),
-            None => p.logits.extend(std::iter::repeat_n(None, req.tokens)),
+            Some(l) => p.logits.extend_from_slice(l),
+            None => p.logits.resize(p.logits.len() + req.tokens * e, 0.0),
         }
+        p.logits_given
+            .extend(std::iter::repeat_n(req.logits.is_some(), req.tokens));
         p.deadline = p.deadline.min(req.deadline);
         if self.cfg.batch_window.is_zero()
             || p.x.len() / self.spec.hidden as usize >= self.cfg.max_batch_tokens
@@ -630,8 +649,30 @@ impl RouterCore {
             self.fail_batch(res.request_id, ErrorCode::Internal, msg);
             return;
         }
-        let mut rows = vec![0f32; expect_rows * h];
-        if dtype::decode_output(res.dtype, payload, &mut rows).is_err() {
+        // One copy in: each row is decoded straight into its place (exact mode: the batch's
+        // per-slot rows; accurate mode: the part's pre-combined rows).
+        let row_bytes = h * res.dtype.elem_bytes();
+        let decoded = match mode {
+            ComputeMode::Exact => {
+                let slots = b.routing.top_k;
+                part.plan.pair_targets().enumerate().try_for_each(|(i, (t, s))| {
+                    let dst = (t as usize * slots + s as usize) * h;
+                    dtype::decode_output(
+                        res.dtype,
+                        &payload[i * row_bytes..(i + 1) * row_bytes],
+                        &mut b.slot_rows[dst..dst + h],
+                    )
+                })
+            }
+            ComputeMode::Accurate => {
+                let mut rows = vec![0f32; expect_rows * h];
+                dtype::decode_output(res.dtype, payload, &mut rows).map(|()| {
+                    b.partials
+                        .insert(res.micro_batch, (part.plan.tokens.clone(), rows));
+                })
+            }
+        };
+        if decoded.is_err() {
             let msg = format!("{} sent an undecodable result", self.name(from));
             self.fail_batch(res.request_id, ErrorCode::Internal, msg);
             return;
@@ -640,19 +681,6 @@ impl RouterCore {
         let pairs = part.plan.pairs() as u64;
         self.replicas.load[from as usize] = self.replicas.load[from as usize].saturating_sub(pairs);
         self.stats.result_payload_bytes += payload.len() as u64;
-        match mode {
-            ComputeMode::Exact => {
-                let slots = b.routing.top_k;
-                for (i, (t, s)) in part.plan.pair_targets().enumerate() {
-                    let dst = (t as usize * slots + s as usize) * h;
-                    b.slot_rows[dst..dst + h].copy_from_slice(&rows[i * h..(i + 1) * h]);
-                }
-            }
-            ComputeMode::Accurate => {
-                b.partials
-                    .insert(res.micro_batch, (part.plan.tokens.clone(), rows));
-            }
-        }
         b.outstanding -= 1;
         if b.outstanding == 0 && !b.shared_pending {
             self.complete(res.request_id);
@@ -744,15 +772,11 @@ impl RouterCore {
         let tokens = p.x.len() / h;
         let setup = &self.layers[&layer];
         // Gating: the frontend's logits where given, the gate matrix otherwise.
-        let mut logits = vec![0f32; tokens * e];
-        for t in 0..tokens {
-            match &p.logits[t] {
-                Some(l) => logits[t * e..(t + 1) * e].copy_from_slice(l),
-                None => {
-                    let row = setup.gate.logits(&p.x[t * h..(t + 1) * h]);
-                    logits[t * e..(t + 1) * e].copy_from_slice(&row);
-                }
-            }
+        let mut logits = p.logits;
+        for (t, _) in p.logits_given.iter().enumerate().filter(|(_, g)| !**g) {
+            setup
+                .gate
+                .logits_into(&p.x[t * h..(t + 1) * h], &mut logits[t * e..(t + 1) * e]);
         }
         let routing = match gating::route(&self.spec, &logits, &setup.gate.bias) {
             Ok(r) => r,
@@ -768,33 +792,11 @@ impl RouterCore {
                 return;
             }
         };
-        let k = routing.top_k;
         let shared = self.spec.shared_experts as usize;
-        let (routing, remote_shared) = match setup.shared {
-            SharedSite::Rank(_) if shared > 0 => {
-                let slots = k + shared;
-                let mut experts = Vec::with_capacity(tokens * slots);
-                let mut weights = Vec::with_capacity(tokens * slots);
-                for t in 0..tokens {
-                    experts.extend_from_slice(routing.experts_of(t));
-                    weights.extend_from_slice(routing.weights_of(t));
-                    for i in 0..shared {
-                        experts.push((e + i) as u32);
-                        weights.push(1.0);
-                    }
-                }
-                (
-                    Routing {
-                        top_k: slots,
-                        experts,
-                        weights,
-                    },
-                    true,
-                )
-            }
-            _ => (routing, false),
+        let routing = match setup.shared {
+            SharedSite::Rank(_) if shared > 0 => with_remote_shared(&routing, e as u32, shared),
+            _ => routing,
         };
-        let _ = remote_shared;
         // Shared experts on the router run in `run_deferred`, after this batch's dispatch frames
         // have been handed to the driver, so they overlap with the workers.
         let shared_pending = setup.shared == SharedSite::Router && shared > 0;
@@ -825,7 +827,6 @@ impl RouterCore {
             },
             partials: BTreeMap::new(),
             routing,
-            k,
             x: p.x,
             q8,
             shared_local,
@@ -839,9 +840,10 @@ impl RouterCore {
         let mut start = 0;
         while start < tokens {
             let end = (start + mb).min(tokens);
-            let pairs: Vec<(u32, u32)> = (start as u32..end as u32)
-                .flat_map(|t| (0..slots as u32).map(move |s| (t, s)))
-                .collect();
+            let mut pairs = Vec::with_capacity((end - start) * slots);
+            pairs.extend(
+                (start as u32..end as u32).flat_map(|t| (0..slots as u32).map(move |s| (t, s))),
+            );
             if !self.send_pairs(id, &pairs, None, now) {
                 return;
             }
@@ -872,7 +874,7 @@ impl RouterCore {
             };
             let res = match self.shared_runner.as_mut() {
                 Some(r) => r.run(b.layer, &b.x, b.tokens, mode, &mut b.shared_local),
-                None => Err("no shared-expert runner on the router".into()),
+                None => Err(BackendError::NotLoaded),
             };
             b.shared_pending = false;
             let layer = b.layer;
@@ -940,39 +942,7 @@ impl RouterCore {
             let b = self.inflight.get_mut(&id).expect("checked above");
             let part_id = b.parts.len() as u32;
             let n = plan.tokens.len();
-            let (dtype, payload) = match (&b.q8, mode) {
-                (Some((q, d)), ComputeMode::Exact) => {
-                    let codes = align_up(n * h);
-                    let mut buf = vec![0u8; codes + n * h / 32 * 4];
-                    for (j, &t) in plan.tokens.iter().enumerate() {
-                        let t = t as usize;
-                        for (o, &v) in buf[j * h..(j + 1) * h]
-                            .iter_mut()
-                            .zip(&q[t * h..(t + 1) * h])
-                        {
-                            *o = v as u8;
-                        }
-                        let nb = h / 32;
-                        for (i, &s) in d[t * nb..(t + 1) * nb].iter().enumerate() {
-                            let off = codes + (j * nb + i) * 4;
-                            buf[off..off + 4].copy_from_slice(&s.to_le_bytes());
-                        }
-                    }
-                    (ActivationDtype::Q8Block32, buf)
-                }
-                _ => {
-                    let mut rows = Vec::with_capacity(n * h);
-                    for &t in &plan.tokens {
-                        rows.extend_from_slice(&b.x[t as usize * h..(t as usize + 1) * h]);
-                    }
-                    let bytes =
-                        accurate_dtype.payload_bytes(n, h).expect("shape validated") as usize;
-                    let mut buf = vec![0u8; bytes];
-                    dtype::encode_activations(accurate_dtype, n, h, &rows, &mut buf)
-                        .expect("inputs validated finite");
-                    (accurate_dtype, buf)
-                }
-            };
+            let (dtype, payload) = dispatch_payload(b, &plan.tokens, h, mode, accurate_dtype);
             let dispatch = Dispatch {
                 request_id: id,
                 layer: b.layer,
@@ -1024,7 +994,8 @@ impl RouterCore {
             return;
         }
         let rank = part.rank;
-        let pairs: Vec<(u32, u32)> = part.plan.pair_targets().collect();
+        let mut pairs = Vec::with_capacity(part.plan.pairs());
+        pairs.extend(part.plan.pair_targets());
         if straggler {
             let owners = &self.owners_ext[&b.layer];
             let has_other = pairs.iter().all(|&(t, s)| {
@@ -1065,11 +1036,14 @@ impl RouterCore {
             self.spec.shared_experts as usize
         };
         let slots = b.routing.top_k;
-        let mut out = vec![0f32; b.tokens * h];
+        // Each request's output is combined in place in the buffer its response carries: no
+        // batch-wide output and no per-request copy. Per token the order of additions is the
+        // contract's (slots in order, then shared), whatever request it belongs to.
+        let mut outs: Vec<Vec<f32>> = b.members.iter().map(|m| vec![0f32; m.tokens * h]).collect();
         match self.cfg.mode {
             ComputeMode::Exact => {
                 for t in 0..b.tokens {
-                    let o = &mut out[t * h..(t + 1) * h];
+                    let o = member_row(&b.members, &mut outs, t, h);
                     let w = b.routing.weights_of(t);
                     for s in 0..slots {
                         let y = &b.slot_rows[(t * slots + s) * h..(t * slots + s + 1) * h];
@@ -1085,7 +1059,7 @@ impl RouterCore {
             ComputeMode::Accurate => {
                 for (tokens, rows) in b.partials.values() {
                     for (j, &t) in tokens.iter().enumerate() {
-                        let o = &mut out[t as usize * h..(t as usize + 1) * h];
+                        let o = member_row(&b.members, &mut outs, t as usize, h);
                         for (a, &v) in o.iter_mut().zip(&rows[j * h..(j + 1) * h]) {
                             *a += v;
                         }
@@ -1094,25 +1068,85 @@ impl RouterCore {
             }
         }
         for t in 0..b.tokens {
+            let o = member_row(&b.members, &mut outs, t, h);
             for i in 0..shared {
                 let y = &b.shared_local[(t * shared + i) * h..(t * shared + i + 1) * h];
-                for (a, &v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
+                for (a, &v) in o.iter_mut().zip(y) {
                     *a += v;
                 }
             }
         }
-        let _ = b.k;
-        for m in b.members {
+        for (m, output) in b.members.into_iter().zip(outs) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;
             self.actions.push(Action::Respond {
                 client: m.client,
                 request_id: m.request_id,
                 tokens: m.tokens,
-                output: out[m.offset * h..(m.offset + m.tokens) * h].to_vec(),
+                output,
             });
         }
     }
+}
+
+/// The activation payload of one part: exact mode sends the batch's q8 rows of `tokens`
+/// (quantized once per batch), accurate mode encodes their f32 rows in `accurate_dtype`; either
+/// way the rows are gathered straight into the frame's bytes.
+fn dispatch_payload(
+    b: &Inflight,
+    tokens: &[u32],
+    h: usize,
+    mode: ComputeMode,
+    accurate_dtype: ActivationDtype,
+) -> (ActivationDtype, Vec<u8>) {
+    let n = tokens.len();
+    match (&b.q8, mode) {
+        (Some((q, d)), ComputeMode::Exact) => {
+            let dt = ActivationDtype::Q8Block32;
+            let mut buf = vec![0u8; dt.payload_bytes(n, h).expect("shape validated") as usize];
+            let nb = h / 32;
+            for (j, &t) in tokens.iter().enumerate() {
+                let t = t as usize;
+                let (q, d) = (&q[t * h..(t + 1) * h], &d[t * nb..(t + 1) * nb]);
+                dtype::write_q8_row(&mut buf, n, h, j, q, d);
+            }
+            (dt, buf)
+        }
+        _ => {
+            let bytes = accurate_dtype.payload_bytes(n, h).expect("shape validated") as usize;
+            let mut buf = vec![0u8; bytes];
+            dtype::encode_activations_gather(accurate_dtype, h, &b.x, tokens, &mut buf)
+                .expect("inputs validated finite");
+            (accurate_dtype, buf)
+        }
+    }
+}
+
+/// `routing` with a layer's shared experts (pseudo-ids `routed_experts + i`, weight 1) appended
+/// to every token as extra slots, for shared experts that live on a worker.
+fn with_remote_shared(routing: &Routing, routed_experts: u32, shared: usize) -> Routing {
+    let tokens = routing.tokens();
+    let slots = routing.top_k + shared;
+    let mut experts = Vec::with_capacity(tokens * slots);
+    let mut weights = Vec::with_capacity(tokens * slots);
+    for t in 0..tokens {
+        experts.extend_from_slice(routing.experts_of(t));
+        weights.extend_from_slice(routing.weights_of(t));
+        experts.extend((0..shared as u32).map(|i| routed_experts + i));
+        weights.extend(std::iter::repeat_n(1.0, shared));
+    }
+    Routing {
+        top_k: slots,
+        experts,
+        weights,
+    }
+}
+
+/// Batch token `t`'s row in its request's output buffer (`members` in offset order).
+fn member_row<'a>(members: &[Member], outs: &'a mut [Vec<f32>], t: usize, h: usize) -> &'a mut [f32] {
+    let i = members.partition_point(|m| m.offset <= t) - 1;
+    let r = t - members[i].offset;
+    &mut outs[i][r * h..(r + 1) * h]
 }
 
 /// Per-rank output dtype for results (exact mode needs f32; accurate mode uses f32 too so

@@ -63,8 +63,15 @@ impl GateWeights {
             0,
             "input is not a whole number of tokens"
         );
+        let mut out = vec![0f32; x.len() / self.hidden * self.experts];
+        self.logits_into(x, &mut out);
+        out
+    }
+
+    /// [`GateWeights::logits`] into a caller's buffer of `[tokens][experts]`.
+    pub fn logits_into(&self, x: &[f32], out: &mut [f32]) {
         let tokens = x.len() / self.hidden;
-        let mut out = vec![0f32; tokens * self.experts];
+        assert_eq!(out.len(), tokens * self.experts, "logits buffer shape");
         for t in 0..tokens {
             let xt = &x[t * self.hidden..(t + 1) * self.hidden];
             for e in 0..self.experts {
@@ -72,7 +79,6 @@ impl GateWeights {
                 out[t * self.experts + e] = dot8(w, xt);
             }
         }
-        out
     }
 }
 
@@ -120,9 +126,14 @@ impl Routing {
 }
 
 /// Indices of the `k` largest `scores` among `candidates`, by descending score, ties to the lower
-/// index. `candidates` must be ascending.
-fn top_k_indices(scores: &[f32], candidates: impl Iterator<Item = usize>, k: usize) -> Vec<usize> {
-    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+/// index, into `best` (cleared first). `candidates` must be ascending.
+fn top_k_into(
+    scores: &[f32],
+    candidates: impl Iterator<Item = usize>,
+    k: usize,
+    best: &mut Vec<usize>,
+) {
+    best.clear();
     for i in candidates {
         // Insert i keeping `best` sorted by (score desc, index asc); since candidates ascend,
         // an equal score never displaces an earlier index.
@@ -135,11 +146,35 @@ fn top_k_indices(scores: &[f32], candidates: impl Iterator<Item = usize>, k: usi
             best.truncate(k);
         }
     }
-    best
 }
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
+}
+
+/// Per-batch scratch of [`route`]: sized once, reused for every token (no per-token allocation).
+struct Scratch {
+    scores: Vec<f32>,
+    select: Vec<f32>,
+    chosen: Vec<usize>,
+    weights: Vec<f32>,
+    top2: Vec<usize>,
+    group_score: Vec<f32>,
+    kept: Vec<usize>,
+}
+
+impl Scratch {
+    fn new(experts: usize, k: usize, groups: usize) -> Self {
+        Self {
+            scores: vec![0f32; experts],
+            select: vec![0f32; experts],
+            chosen: Vec::with_capacity(k + 1),
+            weights: Vec::with_capacity(k),
+            top2: Vec::with_capacity(3),
+            group_score: Vec::with_capacity(groups),
+            kept: Vec::with_capacity(groups + 1),
+        }
+    }
 }
 
 /// Route a batch: `logits` is `[T][E]`; `bias` is the model's selection bias (`[E]`, used by
@@ -164,8 +199,7 @@ pub fn route(spec: &ModelSpec, logits: &[f32], bias: &[f32]) -> Result<Routing, 
     let tokens = logits.len() / e;
     let mut experts = Vec::with_capacity(tokens * k);
     let mut weights = Vec::with_capacity(tokens * k);
-    let mut scores = vec![0f32; e];
-    let mut select = vec![0f32; e];
+    let mut sc = Scratch::new(e, k, spec.n_group.max(1) as usize);
     for t in 0..tokens {
         let l = &logits[t * e..(t + 1) * e];
         if let Some(i) = l.iter().position(|v| !v.is_finite()) {
@@ -175,73 +209,82 @@ pub fn route(spec: &ModelSpec, logits: &[f32], bias: &[f32]) -> Result<Routing, 
                 value: l[i],
             });
         }
-        let (chosen, w): (Vec<usize>, Vec<f32>) = match spec.scoring {
-            Scoring::Softmax => {
-                let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for (s, &v) in scores.iter_mut().zip(l) {
-                    *s = (v - max).exp();
-                    sum += *s;
-                }
-                for s in scores.iter_mut() {
-                    *s /= sum;
-                }
-                let chosen = top_k_indices(&scores, 0..e, k);
-                let w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
-                (chosen, w)
-            }
-            Scoring::TopkSoftmax => {
-                let chosen = top_k_indices(l, 0..e, k);
-                let max = l[chosen[0]];
-                let ex: Vec<f32> = chosen.iter().map(|&i| (l[i] - max).exp()).collect();
-                let sum: f32 = ex.iter().sum();
-                (chosen, ex.iter().map(|v| v / sum).collect())
-            }
-            Scoring::SigmoidBias => {
-                for i in 0..e {
-                    scores[i] = sigmoid(l[i]);
-                    select[i] = scores[i] + bias[i];
-                }
-                let chosen = if spec.n_group > 1 {
-                    let groups = spec.n_group as usize;
-                    let per = e / groups;
-                    let group_score: Vec<f32> = (0..groups)
-                        .map(|g| {
-                            let top2 = top_k_indices(&select, g * per..(g + 1) * per, 2);
-                            top2.iter().map(|&i| select[i]).sum::<f32>()
-                        })
-                        .collect();
-                    let mut kept = top_k_indices(&group_score, 0..groups, spec.topk_group as usize);
-                    kept.sort_unstable();
-                    let candidates = kept.into_iter().flat_map(|g| g * per..(g + 1) * per);
-                    top_k_indices(&select, candidates, k)
-                } else {
-                    top_k_indices(&select, 0..e, k)
-                };
-                let w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
-                (chosen, w)
-            }
-        };
-        let mut w = w;
-        if spec.norm_topk_prob && spec.scoring != Scoring::TopkSoftmax {
-            let sum: f32 = w.iter().sum();
-            for v in w.iter_mut() {
-                *v /= sum;
-            }
-        }
-        if spec.routed_scaling_factor != 1.0 {
-            for v in w.iter_mut() {
-                *v *= spec.routed_scaling_factor;
-            }
-        }
-        experts.extend(chosen.iter().map(|&i| i as u32));
-        weights.extend(w);
+        route_token(spec, l, bias, &mut sc);
+        experts.extend(sc.chosen.iter().map(|&i| i as u32));
+        weights.extend_from_slice(&sc.weights);
     }
     Ok(Routing {
         top_k: k,
         experts,
         weights,
     })
+}
+
+/// One token's experts (`sc.chosen`) and combine weights (`sc.weights`) from its logits `l`.
+fn route_token(spec: &ModelSpec, l: &[f32], bias: &[f32], sc: &mut Scratch) {
+    let e = l.len();
+    let k = spec.top_k as usize;
+    sc.weights.clear();
+    match spec.scoring {
+        Scoring::Softmax => {
+            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (s, &v) in sc.scores.iter_mut().zip(l) {
+                *s = (v - max).exp();
+                sum += *s;
+            }
+            for s in sc.scores.iter_mut() {
+                *s /= sum;
+            }
+            top_k_into(&sc.scores, 0..e, k, &mut sc.chosen);
+            sc.weights.extend(sc.chosen.iter().map(|&i| sc.scores[i]));
+        }
+        Scoring::TopkSoftmax => {
+            top_k_into(l, 0..e, k, &mut sc.chosen);
+            let max = l[sc.chosen[0]];
+            sc.weights
+                .extend(sc.chosen.iter().map(|&i| (l[i] - max).exp()));
+            let sum: f32 = sc.weights.iter().sum();
+            for v in sc.weights.iter_mut() {
+                *v /= sum;
+            }
+        }
+        Scoring::SigmoidBias => {
+            for i in 0..e {
+                sc.scores[i] = sigmoid(l[i]);
+                sc.select[i] = sc.scores[i] + bias[i];
+            }
+            if spec.n_group > 1 {
+                let groups = spec.n_group as usize;
+                let per = e / groups;
+                sc.group_score.clear();
+                for g in 0..groups {
+                    top_k_into(&sc.select, g * per..(g + 1) * per, 2, &mut sc.top2);
+                    let score = sc.top2.iter().map(|&i| sc.select[i]).sum::<f32>();
+                    sc.group_score.push(score);
+                }
+                let topk_group = spec.topk_group as usize;
+                top_k_into(&sc.group_score, 0..groups, topk_group, &mut sc.kept);
+                sc.kept.sort_unstable();
+                let candidates = sc.kept.iter().flat_map(|&g| g * per..(g + 1) * per);
+                top_k_into(&sc.select, candidates, k, &mut sc.chosen);
+            } else {
+                top_k_into(&sc.select, 0..e, k, &mut sc.chosen);
+            }
+            sc.weights.extend(sc.chosen.iter().map(|&i| sc.scores[i]));
+        }
+    }
+    if spec.norm_topk_prob && spec.scoring != Scoring::TopkSoftmax {
+        let sum: f32 = sc.weights.iter().sum();
+        for v in sc.weights.iter_mut() {
+            *v /= sum;
+        }
+    }
+    if spec.routed_scaling_factor != 1.0 {
+        for v in sc.weights.iter_mut() {
+            *v *= spec.routed_scaling_factor;
+        }
+    }
 }
 
 #[cfg(test)]

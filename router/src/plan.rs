@@ -110,81 +110,106 @@ pub fn plan_dispatch(
     only: Option<&[(u32, u32)]>,
 ) -> Result<Vec<DevicePlan>, PlanError> {
     let ranks = replicas.alive.len();
-    let mut extra = vec![0u64; ranks];
-    // index into `plans` per rank, if any
-    let mut plan_of: Vec<Option<usize>> = vec![None; ranks];
-    let mut plans: Vec<DevicePlan> = Vec::new();
     let k = routing.top_k;
-    let pairs: Box<dyn Iterator<Item = (u32, u32)>> = match only {
-        Some(list) => Box::new(list.iter().copied()),
-        None => Box::new(
-            (0..routing.tokens() as u32).flat_map(move |t| (0..k as u32).map(move |s| (t, s))),
-        ),
+    let all = routing.tokens() as u32;
+    let pairs = || -> Box<dyn Iterator<Item = (u32, u32)> + '_> {
+        match only {
+            Some(list) => Box::new(list.iter().copied()),
+            None => Box::new((0..all).flat_map(move |t| (0..k as u32).map(move |s| (t, s)))),
+        }
     };
+    // Pass 1: the destination of every pair, and per rank its pair and token counts.
+    let n_pairs = only.map_or(all as usize * k, <[_]>::len);
+    let mut dest: Vec<u32> = Vec::with_capacity(n_pairs);
+    let mut extra = vec![0u64; ranks];
+    let mut last_token = vec![u32::MAX; ranks];
+    let mut token_count = vec![0usize; ranks];
     // Destinations already chosen for the current token (small: at most k).
     let mut token_dests: Vec<u32> = Vec::with_capacity(k);
     let mut current_token = u32::MAX;
-    for (t, s) in pairs {
+    for (t, s) in pairs() {
         if t != current_token {
             current_token = t;
             token_dests.clear();
         }
         let expert = routing.experts_of(t as usize)[s as usize];
-        let weight = routing.weights_of(t as usize)[s as usize];
-        let Some(cands) = owners.owners.get(expert as usize) else {
-            return Err(PlanError::UnknownExpert {
-                expert,
-                experts: owners.owners.len(),
-            });
-        };
-        let live = || {
-            cands
-                .iter()
-                .copied()
-                .filter(|&r| (r as usize) < ranks && replicas.alive[r as usize])
-        };
-        let chosen = live()
-            .find(|r| token_dests.contains(r))
-            .or_else(|| {
-                let local: Vec<u32> = match replicas.local_node {
-                    Some(n) => live().filter(|&r| replicas.node[r as usize] == n).collect(),
-                    None => Vec::new(),
-                };
-                let pool: Vec<u32> = if local.is_empty() {
-                    live().collect()
-                } else {
-                    local
-                };
-                pool.into_iter()
-                    .min_by_key(|&r| (replicas.load[r as usize] + extra[r as usize], r))
-            })
-            .ok_or_else(|| PlanError::NoLiveOwner {
-                expert,
-                owners: cands.clone(),
-            })?;
+        let chosen = choose_owner(expert, owners, replicas, &extra, &token_dests)?;
         extra[chosen as usize] += 1;
         if !token_dests.contains(&chosen) {
             token_dests.push(chosen);
         }
-        let pi = *plan_of[chosen as usize].get_or_insert_with(|| {
-            plans.push(DevicePlan {
-                rank: chosen,
-                ..Default::default()
-            });
-            plans.len() - 1
+        if last_token[chosen as usize] != t {
+            last_token[chosen as usize] = t;
+            token_count[chosen as usize] += 1;
+        }
+        dest.push(chosen);
+    }
+    // Pass 2: fill plans sized exactly, in ascending rank order.
+    let mut plan_of: Vec<Option<usize>> = vec![None; ranks];
+    let mut plans: Vec<DevicePlan> = Vec::with_capacity(extra.iter().filter(|&&n| n > 0).count());
+    for r in (0..ranks).filter(|&r| extra[r] > 0) {
+        plan_of[r] = Some(plans.len());
+        let (p, tk) = (extra[r] as usize, token_count[r]);
+        plans.push(DevicePlan {
+            rank: r as u32,
+            tokens: Vec::with_capacity(tk),
+            counts: Vec::with_capacity(tk),
+            experts: Vec::with_capacity(p),
+            weights: Vec::with_capacity(p),
+            slots: Vec::with_capacity(p),
         });
-        let p = &mut plans[pi];
+    }
+    for ((t, s), &r) in pairs().zip(&dest) {
+        let p = &mut plans[plan_of[r as usize].expect("counted in pass 1")];
         if p.tokens.last() != Some(&t) {
             p.tokens.push(t);
             p.counts.push(0);
         }
         *p.counts.last_mut().expect("pushed above") += 1;
-        p.experts.push(expert);
-        p.weights.push(weight);
+        p.experts.push(routing.experts_of(t as usize)[s as usize]);
+        p.weights.push(routing.weights_of(t as usize)[s as usize]);
         p.slots.push(s);
     }
-    plans.sort_by_key(|p| p.rank);
     Ok(plans)
+}
+
+/// The rank that receives `expert` for the current token (see the module docs for the order of
+/// preference); `extra` is what this plan already assigned per rank.
+fn choose_owner(
+    expert: u32,
+    owners: &LayerOwners,
+    replicas: &Replicas,
+    extra: &[u64],
+    token_dests: &[u32],
+) -> Result<u32, PlanError> {
+    let ranks = replicas.alive.len();
+    let Some(cands) = owners.owners.get(expert as usize) else {
+        return Err(PlanError::UnknownExpert {
+            expert,
+            experts: owners.owners.len(),
+        });
+    };
+    let live = || {
+        cands
+            .iter()
+            .copied()
+            .filter(|&r| (r as usize) < ranks && replicas.alive[r as usize])
+    };
+    let least_loaded = |r: &u32| (replicas.load[*r as usize] + extra[*r as usize], *r);
+    live()
+        .find(|r| token_dests.contains(r))
+        .or_else(|| {
+            let local = replicas.local_node.and_then(|n| {
+                live()
+                    .filter(|&r| replicas.node[r as usize] == n)
+                    .min_by_key(least_loaded)
+            });
+            local.or_else(|| live().min_by_key(least_loaded))
+        })
+        .ok_or_else(|| PlanError::NoLiveOwner {
+            expert,
+            owners: cands.clone(),
+        })
 }
 
 #[cfg(test)]

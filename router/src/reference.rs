@@ -7,7 +7,7 @@
 
 use crate::gating::{self, GateWeights, GatingError, Routing};
 use expertmesh_backend::{
-    Activations, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+    Activations, BackendError, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
 };
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{ExpertWeights, FormatError};
@@ -19,6 +19,17 @@ use expertmesh_topology::model::ModelSpec;
 
 /// Identifier mixed into the seed for gate weights (experts use their own index).
 const GATE_STREAM: u64 = 0x6761_7465; // "gate"
+
+/// Why the backend-run reference layer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReferenceError {
+    /// Gating refused the logits.
+    #[error(transparent)]
+    Gating(#[from] GatingError),
+    /// The backend refused the batch.
+    #[error("reference backend: {0}")]
+    Backend(#[from] BackendError),
+}
 
 /// All weights of one MoE layer held in memory (only sensible for small models and tests; the
 /// fabric never materializes a whole layer in one place).
@@ -161,58 +172,39 @@ pub fn moe_layer_backend(
     backend: &mut dyn ExpertBackend,
     x: &[f32],
     mode: ComputeMode,
-) -> Result<(Routing, Vec<f32>), String> {
+) -> Result<(Routing, Vec<f32>), ReferenceError> {
     let h = gate.hidden;
     let tokens = x.len() / h;
     let logits = gate.logits(x);
-    let routing = gating::route(spec, &logits, &gate.bias).map_err(|e| e.to_string())?;
+    let routing = gating::route(spec, &logits, &gate.bias)?;
     let k = routing.top_k;
     let s = spec.shared_experts as usize;
     let slots = k + s;
-    // one group per expert used; output row = t * slots + slot
-    // expert -> (tokens, weights, output rows)
-    type Group = (Vec<u32>, Vec<f32>, Vec<u32>);
-    let mut per: std::collections::BTreeMap<u32, Group> = Default::default();
+    // Output row of (token t, slot) = t * slots + slot; shared experts take the last slots.
+    let mut grouping = Grouping::with_capacity(tokens * slots);
     for t in 0..tokens {
-        for (slot, (&e, &w)) in routing
-            .experts_of(t)
-            .iter()
-            .zip(routing.weights_of(t))
-            .enumerate()
-        {
-            let g = per.entry(e).or_default();
-            g.0.push(t as u32);
-            g.1.push(w);
-            g.2.push((t * slots + slot) as u32);
+        let routed = routing.experts_of(t).iter().zip(routing.weights_of(t));
+        for (slot, (&e, &w)) in routed.enumerate() {
+            grouping.push(e, t as u32, w, (t * slots + slot) as u32);
         }
         for i in 0..s {
-            let g = per.entry(spec.routed_experts + i as u32).or_default();
-            g.0.push(t as u32);
-            g.1.push(1.0);
-            g.2.push((t * slots + k + i) as u32);
+            let e = spec.routed_experts + i as u32;
+            grouping.push(e, t as u32, 1.0, (t * slots + k + i) as u32);
         }
     }
-    let groups: Vec<ExpertGroup> = per
-        .iter()
-        .map(|(&e, (t, w, r))| ExpertGroup {
-            key: ExpertKey { layer, expert: e },
-            tokens: t,
-            weights: w,
-            out_rows: r,
-        })
-        .collect();
-    let batch = GroupedBatch {
-        mode,
-        hidden: h,
-        tokens,
-        input: Activations::F32(x),
-        groups: &groups,
-        layout: OutputLayout::PerSlot,
-    };
     let mut rows = vec![0f32; tokens * slots * h];
-    backend
-        .execute(&batch, &mut rows)
-        .map_err(|e| e.to_string())?;
+    grouping
+        .with_groups(layer, |groups| {
+            let batch = GroupedBatch {
+                mode,
+                hidden: h,
+                tokens,
+                input: Activations::F32(x),
+                groups,
+                layout: OutputLayout::PerSlot,
+            };
+            backend.execute(&batch, &mut rows)
+        })?;
     let mut out = vec![0f32; tokens * h];
     for t in 0..tokens {
         let slot_rows: Vec<&[f32]> = (0..k)

@@ -14,8 +14,11 @@
 
 use crate::core::{Action, ClientId, RouterCore};
 use expertmesh_transport::codec::{Body, ErrorCode, LayerResponse};
-use expertmesh_transport::dtype::OutputDtype;
-use expertmesh_transport::frontend::{FrameListener, FrontendConfig, FrontendError};
+use expertmesh_transport::dtype::{self, OutputDtype};
+use expertmesh_transport::frontend::{
+    FrameListener, FrameReader, FrameWriter as FrontendWriter, FrontendConfig, FrontendError,
+    IncomingClient,
+};
 use expertmesh_transport::mesh::{
     Mesh, MeshConfig, MeshEvents, RecvFrame, StartError, Transport, TransportEvent,
 };
@@ -85,7 +88,7 @@ enum ClientMsg {
 pub struct RouterService {
     runtime: Option<tokio::runtime::Runtime>,
     core_thread: Option<std::thread::JoinHandle<()>>,
-    input: std_mpsc::Sender<CoreInput>,
+    input: std_mpsc::SyncSender<CoreInput>,
     frontend_addr: SocketAddr,
     mesh: Mesh,
     stats: Arc<Mutex<crate::core::RouterStats>>,
@@ -129,9 +132,8 @@ impl RouterService {
                 addr: cfg.frontend_listen,
                 source,
             })?;
-        let (input_tx, input_rx) = std_mpsc::channel::<CoreInput>();
-        let clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>> =
-            Arc::default();
+        let (input_tx, input_rx) = std_mpsc::sync_channel::<CoreInput>(CORE_INPUT_CAPACITY);
+        let clients: ClientQueues = Arc::default();
         let stats = Arc::new(Mutex::new(crate::core::RouterStats::default()));
         let validator = core.validator();
         let hidden = core.spec().hidden as usize;
@@ -219,7 +221,30 @@ impl Drop for RouterService {
     }
 }
 
-async fn mesh_events(mut events: MeshEvents, tx: std_mpsc::Sender<CoreInput>) {
+/// Capacity of the core's input queue (requests, worker frames, link notices). Producers
+/// wait when it is full ([`send_to_core`]), so a burst backs up into TCP and the mesh's credit
+/// windows instead of into memory.
+const CORE_INPUT_CAPACITY: usize = 1024;
+
+/// Per-connection response queues, by client id.
+type ClientQueues = Arc<Mutex<HashMap<ClientId, mpsc::Sender<ClientMsg>>>>;
+
+/// Hand `msg` to the core, waiting (asynchronously) while its queue is full. `Err` when the
+/// core has stopped.
+async fn send_to_core(tx: &std_mpsc::SyncSender<CoreInput>, mut msg: CoreInput) -> Result<(), ()> {
+    loop {
+        match tx.try_send(msg) {
+            Ok(()) => return Ok(()),
+            Err(std_mpsc::TrySendError::Full(m)) => {
+                msg = m;
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+            Err(std_mpsc::TrySendError::Disconnected(_)) => return Err(()),
+        }
+    }
+}
+
+async fn mesh_events(mut events: MeshEvents, tx: std_mpsc::SyncSender<CoreInput>) {
     while let Some(ev) = events.recv().await {
         let msg = match ev {
             TransportEvent::Frame(f) => CoreInput::Frame(f),
@@ -232,17 +257,18 @@ async fn mesh_events(mut events: MeshEvents, tx: std_mpsc::Sender<CoreInput>) {
                 CoreInput::PeerLost(e.peer)
             }
         };
-        if tx.send(msg).is_err() {
+        if send_to_core(&tx, msg).await.is_err() {
             return;
         }
     }
 }
 
+/// Accept frontend connections forever; each is served by its own task.
 async fn accept_loop(
     listener: FrameListener,
     validator: crate::core::RequestValidator,
-    tx: std_mpsc::Sender<CoreInput>,
-    clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    tx: std_mpsc::SyncSender<CoreInput>,
+    clients: ClientQueues,
     max_outstanding: usize,
 ) {
     let mut next_client: ClientId = 1;
@@ -257,129 +283,163 @@ async fn accept_loop(
         };
         let client = next_client;
         next_client += 1;
-        let validator = validator.clone();
-        let tx = tx.clone();
-        let clients = clients.clone();
-        tokio::spawn(async move {
-            let peer = incoming.peer_addr();
-            let conn = match incoming.handshake().await {
-                Ok(c) => c,
+        let conn = FrontendConn {
+            client,
+            validator: validator.clone(),
+            tx: tx.clone(),
+            clients: clients.clone(),
+            max_outstanding,
+        };
+        tokio::spawn(conn.serve(incoming));
+    }
+}
+
+/// One frontend connection's shared state.
+struct FrontendConn {
+    client: ClientId,
+    validator: crate::core::RequestValidator,
+    tx: std_mpsc::SyncSender<CoreInput>,
+    clients: ClientQueues,
+    max_outstanding: usize,
+}
+
+impl FrontendConn {
+    /// Handshake, then read requests and write responses until either side closes.
+    ///
+    /// Bounds: at most `max_outstanding` requests of this connection are in flight (a permit
+    /// per request read, returned when its response or error is written), so the response
+    /// queue, whose every message holds one permit, never holds more than `max_outstanding`.
+    async fn serve(self, incoming: IncomingClient) {
+        let peer = incoming.peer_addr();
+        let conn = match incoming.handshake().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "frontend handshake failed; connection refused");
+                return;
+            }
+        };
+        let (reader, writer) = conn.split();
+        let (out_tx, out_rx) = mpsc::channel::<ClientMsg>(self.max_outstanding);
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(self.client, out_tx.clone());
+        let slots = Arc::new(Semaphore::new(self.max_outstanding));
+        let write_task = tokio::spawn(write_responses(writer, out_rx, slots.clone(), peer));
+        self.read_requests(reader, &out_tx, &slots, peer).await;
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.client);
+        drop(out_tx);
+        let _ = write_task.await;
+    }
+
+    /// Reader: requests are validated here and handed to the core.
+    async fn read_requests(
+        &self,
+        mut reader: FrameReader,
+        out_tx: &mpsc::Sender<ClientMsg>,
+        slots: &Semaphore,
+        peer: SocketAddr,
+    ) {
+        let reply = |request_id: u64, code: ErrorCode, message: String| {
+            // Never full: this message holds the permit of the frame that caused it.
+            let _ = out_tx.try_send(ClientMsg::Error {
+                request_id,
+                code,
+                message,
+            });
+        };
+        loop {
+            match slots.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
+            }
+            let frame = match reader.read_frame().await {
+                Ok(f) => f,
+                Err(FrontendError::BadFrame {
+                    recoverable: true,
+                    request_id,
+                    error,
+                    ..
+                }) => {
+                    let message = format!("bad frame: {error}");
+                    reply(request_id.unwrap_or(0), ErrorCode::BadFrame, message);
+                    continue;
+                }
+                Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
-                    tracing::warn!(%peer, error = %e, "frontend handshake failed; connection refused");
-                    return;
+                    tracing::info!(%peer, error = %e, "frontend connection closed");
+                    break;
                 }
             };
-            let (mut reader, mut writer) = conn.split();
-            let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ClientMsg>();
-            clients
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(client, out_tx.clone());
-            let slots = Arc::new(Semaphore::new(max_outstanding));
-            let write_slots = slots.clone();
-            // Writer: responses and errors, in completion order.
-            let write_task = tokio::spawn(async move {
-                while let Some(msg) = out_rx.recv().await {
-                    let res = match msg {
-                        ClientMsg::Response {
-                            request_id,
-                            tokens,
-                            hidden,
-                            output,
-                        } => {
-                            let body = Body::LayerResponse(LayerResponse {
-                                request_id,
-                                tokens: tokens as u32,
-                                hidden: hidden as u32,
-                                dtype: OutputDtype::F32,
-                            });
-                            let mut bytes = vec![0u8; output.len() * 4];
-                            for (o, v) in bytes.chunks_exact_mut(4).zip(&output) {
-                                o.copy_from_slice(&v.to_le_bytes());
+            match frame.body() {
+                Body::LayerRequest(req) => {
+                    let now = Instant::now();
+                    match self.validator.validate(self.client, req, frame.payload(), now) {
+                        Ok(r) => {
+                            if send_to_core(&self.tx, CoreInput::Request(r)).await.is_err() {
+                                break;
                             }
-                            write_slots.add_permits(1);
-                            writer.write_frame(&body, &bytes).await
                         }
-                        ClientMsg::Error {
-                            request_id,
-                            code,
-                            message,
-                        } => {
-                            write_slots.add_permits(1);
-                            writer.write_error(request_id, code, &message).await
-                        }
-                    };
-                    if let Err(e) = res {
-                        tracing::info!(%peer, error = %e, "frontend connection closed while writing");
-                        return;
+                        Err(e) => reply(req.request_id, e.code, e.message),
                     }
                 }
-            });
-            // Reader: requests, validated here; at most `max_outstanding` in flight.
-            loop {
-                let permit = match slots.acquire().await {
-                    Ok(p) => p,
-                    Err(_) => break,
-                };
-                permit.forget();
-                let frame = match reader.read_frame().await {
-                    Ok(f) => f,
-                    Err(FrontendError::BadFrame {
-                        recoverable: true,
-                        request_id,
-                        error,
-                        ..
-                    }) => {
-                        let _ = out_tx.send(ClientMsg::Error {
-                            request_id: request_id.unwrap_or(0),
-                            code: ErrorCode::BadFrame,
-                            message: format!("bad frame: {error}"),
-                        });
-                        continue;
-                    }
-                    Err(FrontendError::Closed { .. }) => break,
-                    Err(e) => {
-                        tracing::info!(%peer, error = %e, "frontend connection closed");
-                        break;
-                    }
-                };
-                match frame.body() {
-                    Body::LayerRequest(req) => {
-                        match validator.validate(client, req, frame.payload(), Instant::now()) {
-                            Ok(r) => {
-                                if tx.send(CoreInput::Request(r)).is_err() {
-                                    break;
-                                }
-                            }
-                            Err((code, message)) => {
-                                let _ = out_tx.send(ClientMsg::Error {
-                                    request_id: req.request_id,
-                                    code,
-                                    message,
-                                });
-                            }
-                        }
-                    }
-                    Body::Heartbeat(_) => slots.add_permits(1),
-                    other => {
-                        let _ = out_tx.send(ClientMsg::Error {
-                            request_id: 0,
-                            code: ErrorCode::BadFrame,
-                            message: format!(
-                                "frontends send LayerRequest frames, not {:?}",
-                                kind_name(other)
-                            ),
-                        });
-                    }
+                Body::Heartbeat(_) => slots.add_permits(1),
+                other => {
+                    let message = format!(
+                        "frontends send LayerRequest frames, not {:?}",
+                        kind_name(other)
+                    );
+                    reply(0, ErrorCode::BadFrame, message);
                 }
             }
-            clients
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&client);
-            drop(out_tx);
-            let _ = write_task.await;
-        });
+        }
+    }
+}
+
+/// Writer: responses and errors of one connection, in completion order. One copy out: the
+/// combined f32 rows are encoded straight into the frame's payload.
+async fn write_responses(
+    mut writer: FrontendWriter,
+    mut out_rx: mpsc::Receiver<ClientMsg>,
+    slots: Arc<Semaphore>,
+    peer: SocketAddr,
+) {
+    let mut bytes = Vec::new();
+    while let Some(msg) = out_rx.recv().await {
+        let res = match msg {
+            ClientMsg::Response {
+                request_id,
+                tokens,
+                hidden,
+                output,
+            } => {
+                let body = Body::LayerResponse(LayerResponse {
+                    request_id,
+                    tokens: tokens as u32,
+                    hidden: hidden as u32,
+                    dtype: OutputDtype::F32,
+                });
+                bytes.resize(output.len() * 4, 0);
+                let _ = dtype::encode_output(OutputDtype::F32, &output, &mut bytes);
+                slots.add_permits(1);
+                writer.write_frame(&body, &bytes).await
+            }
+            ClientMsg::Error {
+                request_id,
+                code,
+                message,
+            } => {
+                slots.add_permits(1);
+                writer.write_error(request_id, code, &message).await
+            }
+        };
+        if let Err(e) = res {
+            tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+            return;
+        }
     }
 }
 
@@ -401,10 +461,10 @@ fn kind_name(b: &Body) -> &'static str {
 fn core_loop(
     mut core: RouterCore,
     rx: std_mpsc::Receiver<CoreInput>,
-    tx: std_mpsc::Sender<CoreInput>,
+    tx: std_mpsc::SyncSender<CoreInput>,
     rt: tokio::runtime::Handle,
     mesh: Mesh,
-    clients: Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    clients: ClientQueues,
     stats: Arc<Mutex<crate::core::RouterStats>>,
     hidden: usize,
 ) {
@@ -465,12 +525,13 @@ fn perform(
     actions: Vec<Action>,
     rt: &tokio::runtime::Handle,
     mesh: &Mesh,
-    tx: &std_mpsc::Sender<CoreInput>,
-    clients: &Arc<Mutex<HashMap<ClientId, mpsc::UnboundedSender<ClientMsg>>>>,
+    tx: &std_mpsc::SyncSender<CoreInput>,
+    clients: &ClientQueues,
     hidden: usize,
 ) {
     {
-        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // One short lock per pass; every send below is a non-blocking `try_send`.
+        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
         for a in actions {
             match a {
                 Action::Send {
@@ -484,7 +545,8 @@ fn perform(
                     rt.spawn(async move {
                         if let Err(e) = mesh.send(rank, &frame).await {
                             tracing::warn!(rank, error = %e, "dispatch send failed");
-                            let _ = tx.send(CoreInput::SendFailed { rank, batch, part });
+                            let failed = CoreInput::SendFailed { rank, batch, part };
+                            let _ = send_to_core(&tx, failed).await;
                         }
                     });
                 }
@@ -494,8 +556,9 @@ fn perform(
                     tokens,
                     output,
                 } => {
+                    // Never full: the response holds the permit of its request.
                     if let Some(c) = clients_now.get(&client) {
-                        let _ = c.send(ClientMsg::Response {
+                        let _ = c.try_send(ClientMsg::Response {
                             request_id,
                             tokens,
                             hidden,
@@ -510,7 +573,7 @@ fn perform(
                     message,
                 } => {
                     if let Some(c) = clients_now.get(&client) {
-                        let _ = c.send(ClientMsg::Error {
+                        let _ = c.try_send(ClientMsg::Error {
                             request_id,
                             code,
                             message,

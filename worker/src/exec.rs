@@ -2,17 +2,22 @@
 //!
 //! Why this exists: a worker receives a token batch with, per token, the list of its local
 //! experts; it must group the rows by expert, run its backend once per batch, and return either
-//! one row per (token, expert) pair or one pre-combined row per token. Keeping this next to the
-//! router's core lets one test suite drive both halves in process, with the real CPU backend,
-//! while the worker process (`expertmesh worker`) is a thin loop around [`DispatchExecutor`].
+//! one row per (token, expert) pair or one pre-combined row per token. The worker process
+//! (`expertmesh worker`) is a thin loop around [`DispatchExecutor`], and the simulated cluster
+//! test (`worker/tests/core_sim.rs`) drives it against the router core in process.
+//!
+//! Copies and allocations: a q8 payload is read in place (zero-copy view), other dtypes are
+//! decoded once into a preallocated buffer; grouping reuses its buffers; the result rows are
+//! encoded once into a result buffer that is reclaimed when the previous result frame has been
+//! sent. After the first dispatch at the largest size, `execute` allocates nothing.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
 };
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_transport::codec::{
-    Dispatch, ErrorCode, ExpertResult, OutputLayout as WireLayout, WireComputeMode, align_up,
+    Dispatch, ErrorCode, ExpertResult, OutputLayout as WireLayout, WireComputeMode,
 };
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 
@@ -21,9 +26,14 @@ pub struct DispatchExecutor {
     backend: Box<dyn ExpertBackend>,
     hidden: usize,
     limits: BatchLimits,
+    /// Decoded f32 input `[max_tokens][hidden]` (dtypes the kernels cannot read in place).
     x: Vec<f32>,
+    /// Backend output `[max(max_pairs, max_tokens)][hidden]`.
     out: Vec<f32>,
     grouping: Grouping,
+    /// Result payload bytes; each result is split off and frozen, and the allocation is
+    /// reclaimed by the next `reserve` once that frame has been sent and dropped.
+    result: BytesMut,
 }
 
 impl std::fmt::Debug for DispatchExecutor {
@@ -36,19 +46,34 @@ impl std::fmt::Debug for DispatchExecutor {
     }
 }
 
-type ExecError = (ErrorCode, String);
+/// Why a dispatch was not executed: the code and message of the error frame to answer with.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ExecError {
+    /// Stable error code for the router.
+    pub code: ErrorCode,
+    /// What went wrong and what to do.
+    pub message: String,
+}
+
+impl ExecError {
+    fn new(code: ErrorCode, message: String) -> Self {
+        Self { code, message }
+    }
+}
 
 impl DispatchExecutor {
     /// An executor over an already loaded backend, for batches up to `limits`.
     pub fn new(backend: Box<dyn ExpertBackend>, hidden: usize, limits: BatchLimits) -> Self {
-        let p = limits.max_pairs;
+        let rows = limits.max_pairs.max(limits.max_tokens);
         Self {
             backend,
             hidden,
             limits,
             x: vec![0.0; limits.max_tokens * hidden],
-            out: vec![0.0; limits.max_pairs.max(limits.max_tokens) * hidden],
-            grouping: Grouping::with_capacity(p),
+            out: vec![0.0; rows * hidden],
+            grouping: Grouping::with_capacity(limits.max_pairs),
+            result: BytesMut::with_capacity(rows * hidden * 4),
         }
     }
 
@@ -63,54 +88,8 @@ impl DispatchExecutor {
         d: &Dispatch,
         payload: &[u8],
     ) -> Result<(ExpertResult, Bytes), ExecError> {
-        let h = self.hidden;
-        let t = d.tokens as usize;
-        if d.hidden as usize != h {
-            return Err((
-                ErrorCode::InvalidInput,
-                format!(
-                    "dispatch hidden size {} but this worker's experts have {h}",
-                    d.hidden
-                ),
-            ));
-        }
-        if d.expert_counts.len() != t {
-            return Err((
-                ErrorCode::BadFrame,
-                format!("{} expert counts for {t} tokens", d.expert_counts.len()),
-            ));
-        }
-        let pairs: usize = d.expert_counts.iter().map(|&c| c as usize).sum();
-        if pairs != d.experts.len() || pairs != d.weights.len() {
-            return Err((
-                ErrorCode::BadFrame,
-                format!(
-                    "expert counts sum to {pairs} but {} experts and {} weights were sent",
-                    d.experts.len(),
-                    d.weights.len()
-                ),
-            ));
-        }
-        if t > self.limits.max_tokens || pairs > self.limits.max_pairs {
-            return Err((
-                ErrorCode::Overloaded,
-                format!(
-                    "{t} tokens / {pairs} pairs exceed this worker's batch limits ({} / {})",
-                    self.limits.max_tokens, self.limits.max_pairs
-                ),
-            ));
-        }
-        let expected = d.dtype.payload_bytes(t, h).unwrap_or(u64::MAX);
-        if payload.len() as u64 != expected {
-            return Err((
-                ErrorCode::BadFrame,
-                format!(
-                    "payload has {} bytes, {t} tokens of {} need {expected}",
-                    payload.len(),
-                    d.dtype.name()
-                ),
-            ));
-        }
+        let pairs = self.check(d, payload)?;
+        let (h, t) = (self.hidden, d.tokens as usize);
         let mode = match d.mode {
             WireComputeMode::Exact => ComputeMode::Exact,
             WireComputeMode::Accurate => ComputeMode::Accurate,
@@ -119,30 +98,11 @@ impl DispatchExecutor {
             WireLayout::PerSlot => OutputLayout::PerSlot,
             WireLayout::PreCombined => OutputLayout::PreCombined,
         };
-        // Zero-copy views where the payload already is what the kernels read.
-        let input = match (d.dtype, mode) {
-            (ActivationDtype::Q8Block32, ComputeMode::Exact) => {
-                let n = t * h;
-                let (codes, rest) = payload.split_at(align_up(n));
-                // SAFETY: i8 and u8 have the same size and alignment.
-                let q: &[i8] = unsafe { std::slice::from_raw_parts(codes.as_ptr().cast(), n) };
-                // SAFETY: f32 has no invalid bit patterns; `align_to` only yields the aligned
-                // middle part.
-                let (pre, d32, _) = unsafe { rest[..n / 32 * 4].align_to::<f32>() };
-                if pre.is_empty() && d32.len() == n / 32 && cfg!(target_endian = "little") {
-                    Activations::Q8 { q, d: d32 }
-                } else {
-                    dtype::decode_activations(d.dtype, t, h, payload, &mut self.x[..n])
-                        .map_err(|e| (ErrorCode::BadFrame, e.to_string()))?;
-                    Activations::F32(&self.x[..n])
-                }
-            }
-            _ => {
-                dtype::decode_activations(d.dtype, t, h, payload, &mut self.x[..t * h])
-                    .map_err(|e| (ErrorCode::BadFrame, e.to_string()))?;
-                Activations::F32(&self.x[..t * h])
-            }
+        let rows = match layout {
+            OutputLayout::PerSlot => pairs,
+            OutputLayout::PreCombined => t,
         };
+        let input = input_view(d, mode, h, payload, &mut self.x)?;
         // Pairs are numbered token-major in slot order: pair p is output row p.
         self.grouping.clear();
         let mut p = 0usize;
@@ -153,11 +113,7 @@ impl DispatchExecutor {
                 p += 1;
             }
         }
-        let n_out = match layout {
-            OutputLayout::PerSlot => pairs * h,
-            OutputLayout::PreCombined => t * h,
-        };
-        let (backend, out) = (&mut self.backend, &mut self.out[..n_out]);
+        let (backend, out) = (&mut self.backend, &mut self.out[..rows * h]);
         self.grouping
             .with_groups(d.layer, |groups| {
                 let batch = GroupedBatch {
@@ -170,31 +126,104 @@ impl DispatchExecutor {
                 };
                 backend.execute(&batch, out)
             })
-            .map_err(|e| match e {
-                BackendError::UnknownExpert(k) => (
-                    ErrorCode::NotFound,
-                    format!("{k} is not pinned on this worker; the router's placement does not match the worker's"),
-                ),
-                other => (ErrorCode::Internal, other.to_string()),
-            })?;
-        let rows = match layout {
-            OutputLayout::PerSlot => pairs,
-            OutputLayout::PreCombined => t,
+            .map_err(backend_error)?;
+        let bytes = self.encode_result(rows * h)?;
+        let res = ExpertResult {
+            request_id: d.request_id,
+            layer: d.layer,
+            micro_batch: d.micro_batch,
+            layout: d.layout,
+            rows: rows as u32,
+            hidden: h as u32,
+            dtype: OutputDtype::F32,
         };
-        let mut bytes = vec![0u8; n_out * 4];
-        dtype::encode_output(OutputDtype::F32, &self.out[..n_out], &mut bytes)
-            .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
-        Ok((
-            ExpertResult {
-                request_id: d.request_id,
-                layer: d.layer,
-                micro_batch: d.micro_batch,
-                layout: d.layout,
-                rows: rows as u32,
-                hidden: h as u32,
-                dtype: OutputDtype::F32,
-            },
-            Bytes::from(bytes),
-        ))
+        Ok((res, bytes))
+    }
+
+    /// Check a dispatch's shape against this worker and its own counts; returns its pairs.
+    fn check(&self, d: &Dispatch, payload: &[u8]) -> Result<usize, ExecError> {
+        let h = self.hidden;
+        let t = d.tokens as usize;
+        if d.hidden as usize != h {
+            let msg = format!(
+                "dispatch hidden size {} but this worker's experts have {h}",
+                d.hidden
+            );
+            return Err(ExecError::new(ErrorCode::InvalidInput, msg));
+        }
+        if d.expert_counts.len() != t {
+            let msg = format!("{} expert counts for {t} tokens", d.expert_counts.len());
+            return Err(ExecError::new(ErrorCode::BadFrame, msg));
+        }
+        let pairs: usize = d.expert_counts.iter().map(|&c| c as usize).sum();
+        if pairs != d.experts.len() || pairs != d.weights.len() {
+            let msg = format!(
+                "expert counts sum to {pairs} but {} experts and {} weights were sent",
+                d.experts.len(),
+                d.weights.len()
+            );
+            return Err(ExecError::new(ErrorCode::BadFrame, msg));
+        }
+        if t > self.limits.max_tokens || pairs > self.limits.max_pairs {
+            let msg = format!(
+                "{t} tokens / {pairs} pairs exceed this worker's batch limits ({} / {})",
+                self.limits.max_tokens, self.limits.max_pairs
+            );
+            return Err(ExecError::new(ErrorCode::Overloaded, msg));
+        }
+        let expected = d.dtype.payload_bytes(t, h).unwrap_or(u64::MAX);
+        if payload.len() as u64 != expected {
+            let msg = format!(
+                "payload has {} bytes, {t} tokens of {} need {expected}",
+                payload.len(),
+                d.dtype.name()
+            );
+            return Err(ExecError::new(ErrorCode::BadFrame, msg));
+        }
+        Ok(pairs)
+    }
+
+    /// One copy out: the first `n` output values, encoded into the reusable result buffer.
+    fn encode_result(&mut self, n: usize) -> Result<Bytes, ExecError> {
+        self.result.clear();
+        self.result.reserve(n * 4);
+        self.result.resize(n * 4, 0);
+        dtype::encode_output(OutputDtype::F32, &self.out[..n], &mut self.result)
+            .map_err(|e| ExecError::new(ErrorCode::Internal, e.to_string()))?;
+        Ok(self.result.split().freeze())
+    }
+}
+
+/// The kernels' input for a checked dispatch: a zero-copy view where the payload already is
+/// what the kernels read (q8 in exact mode), else the payload decoded once into `x`.
+fn input_view<'a>(
+    d: &Dispatch,
+    mode: ComputeMode,
+    h: usize,
+    payload: &'a [u8],
+    x: &'a mut [f32],
+) -> Result<Activations<'a>, ExecError> {
+    let t = d.tokens as usize;
+    if (d.dtype, mode) == (ActivationDtype::Q8Block32, ComputeMode::Exact)
+        && let Some((q, d)) = dtype::q8_view(t, h, payload)
+    {
+        return Ok(Activations::Q8 { q, d });
+    }
+    let x = &mut x[..t * h];
+    dtype::decode_activations(d.dtype, t, h, payload, x)
+        .map_err(|e| ExecError::new(ErrorCode::BadFrame, e.to_string()))?;
+    Ok(Activations::F32(x))
+}
+
+/// The error frame for a backend failure.
+fn backend_error(e: BackendError) -> ExecError {
+    match e {
+        BackendError::UnknownExpert(k) => ExecError::new(
+            ErrorCode::NotFound,
+            format!(
+                "{k} is not pinned on this worker; the router's placement does not match the worker's"
+            ),
+        ),
+        other => ExecError::new(ErrorCode::Internal, other.to_string()),
     }
 }

@@ -78,9 +78,9 @@ fn make_backend(
                 return Ok(Box::new(hip));
             }
             Err(e) if opts.backend == BackendChoice::Auto => {
-                eprintln!(
-                    "expertmesh worker {}: HIP backend unavailable ({e}); falling back to the CPU backend",
-                    dev.id()
+                tracing::warn!(
+                    device = %dev.id(),
+                    "HIP backend unavailable ({e}); falling back to the CPU backend"
                 );
             }
             Err(e) => return Err(anyhow!("{}: {e}", dev.id())),
@@ -152,7 +152,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
                 let out = match frame.body() {
                     Body::Dispatch(d) => match exec.execute(d, frame.payload()) {
                         Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
-                        Err((code, message)) => OutFrame::new(Body::Error(ErrorFrame {
+                        Err(crate::exec::ExecError { code, message }) => OutFrame::new(Body::Error(ErrorFrame {
                             request_id: d.request_id,
                             code,
                             message,
@@ -163,7 +163,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
                 // Release the dispatch's credit before waiting to send the result.
                 drop(frame);
                 if let Err(e) = handle.block_on(compute_mesh.send(from, &out)) {
-                    eprintln!("expertmesh worker: result not delivered: {e}");
+                    tracing::warn!(error = %e, "result not delivered");
                 }
             }
         })
@@ -177,13 +177,10 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
                     }
                 }
                 TransportEvent::PeerUp { peer, link } => {
-                    eprintln!(
-                        "expertmesh worker {id}: connected to rank {peer} over {}",
-                        link.name()
-                    );
+                    tracing::info!(worker = %id, peer, link = link.name(), "connected");
                 }
                 TransportEvent::PeerLost(e) => {
-                    eprintln!("expertmesh worker {id}: lost {e}; redialing");
+                    tracing::warn!(worker = %id, error = %e, "link lost; redialing");
                 }
             }
         }

@@ -10,7 +10,7 @@ use crate::deploy::Deployment;
 use crate::weights;
 use anyhow::anyhow;
 use expertmesh_backend::{
-    Activations, BatchLimits, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
+    Activations, BackendError, BatchLimits, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
 };
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
@@ -54,7 +54,7 @@ impl SharedRunner for CpuSharedRunner {
         tokens: usize,
         mode: ComputeMode,
         out: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         let s = self.shared_experts;
         self.grouping.clear();
         for t in 0..tokens as u32 {
@@ -73,7 +73,7 @@ impl SharedRunner for CpuSharedRunner {
                 groups,
                 layout: OutputLayout::PerSlot,
             };
-            backend.execute(&batch, out).map_err(|e| e.to_string())
+            backend.execute(&batch, out)
         })
     }
 }

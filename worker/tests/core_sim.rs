@@ -43,7 +43,7 @@ impl SharedRunner for RouterShared {
         tokens: usize,
         _mode: ComputeMode,
         out: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), expertmesh_backend::BackendError> {
         let h = self.spec.hidden as usize;
         let lw = &self.layers[&layer];
         let s = lw.shared.len();
@@ -225,8 +225,8 @@ impl Sim {
                         let w = self.workers.get_mut(&rank).unwrap();
                         match w.execute(d, &frame.payload) {
                             Ok((res, bytes)) => self.core.on_result(rank, &res, &bytes, self.now),
-                            Err((code, msg)) => {
-                                self.core.on_worker_error(rank, d.request_id, code, &msg)
+                            Err(e) => {
+                                self.core.on_worker_error(rank, d.request_id, e.code, &e.message)
                             }
                         }
                     }
@@ -552,30 +552,30 @@ fn bad_requests_are_refused_with_named_problems() {
         .core
         .validate(1, &req(9, 1, h), &payload(h as usize, 0.1), now)
         .unwrap_err();
-    assert_eq!(e.0, ErrorCode::NotFound);
-    assert!(e.1.contains("layer 9"), "{}", e.1);
+    assert_eq!(e.code, ErrorCode::NotFound);
+    assert!(e.message.contains("layer 9"), "{}", e.message);
     let e = sim
         .core
         .validate(1, &req(0, 1, h + 32), &payload(h as usize + 32, 0.1), now)
         .unwrap_err();
-    assert!(e.1.contains("hidden size"), "{}", e.1);
+    assert!(e.message.contains("hidden size"), "{}", e.message);
     let e = sim
         .core
         .validate(1, &req(0, 100_000, h), &payload(h as usize, 0.1), now)
         .unwrap_err();
-    assert!(e.1.contains("100000 tokens"), "{}", e.1);
+    assert!(e.message.contains("100000 tokens"), "{}", e.message);
     let mut p = payload(2 * h as usize, 0.5);
     p[(h as usize + 3) * 4..(h as usize + 4) * 4].copy_from_slice(&f32::NAN.to_le_bytes());
     let e = sim.core.validate(1, &req(0, 2, h), &p, now).unwrap_err();
-    assert_eq!(e.0, ErrorCode::InvalidInput);
-    assert!(e.1.contains("token 1 element 3"), "{}", e.1);
+    assert_eq!(e.code, ErrorCode::InvalidInput);
+    assert!(e.message.contains("token 1 element 3"), "{}", e.message);
     let mut r = req(0, 1, h);
     r.logit_experts = 3;
     let e = sim
         .core
         .validate(1, &r, &payload(h as usize + 64, 0.1), now)
         .unwrap_err();
-    assert!(e.1.contains("logits"), "{}", e.1);
+    assert!(e.message.contains("logits"), "{}", e.message);
     assert!(
         sim.core
             .validate(1, &req(0, 2, h), &payload(2 * h as usize, 0.5), now)
