@@ -64,9 +64,9 @@ impl Default for TransportBenchArgs {
 fn dispatch_frame(tokens: usize) -> OutFrame {
     let pairs = 2 * tokens;
     let body = Body::Dispatch(Dispatch {
-        request_id: 1,
+        batch_id: 1,
         layer: 0,
-        micro_batch: 0,
+        part: 0,
         tokens: tokens as u32,
         hidden: HIDDEN as u32,
         dtype: ActivationDtype::Bf16,
@@ -82,9 +82,9 @@ fn dispatch_frame(tokens: usize) -> OutFrame {
 
 fn ack_frame() -> OutFrame {
     OutFrame::new(Body::Result(ExpertResult {
-        request_id: 1,
+        batch_id: 1,
         layer: 0,
-        micro_batch: 0,
+        part: 0,
         layout: OutputLayout::PerSlot,
         rows: 0,
         hidden: HIDDEN as u32,
@@ -297,7 +297,7 @@ async fn echo_server(mesh: Mesh, mut events: MeshEvents) {
 fn with_id(frame: &OutFrame, id: u64, layer: u32) -> OutFrame {
     let mut f = frame.clone();
     if let Body::Dispatch(d) = &mut f.body {
-        d.request_id = id;
+        d.batch_id = id;
         d.layer = layer;
     }
     f.payload = Bytes::clone(&frame.payload);

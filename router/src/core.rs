@@ -621,10 +621,10 @@ impl RouterCore {
         let _ = now;
         let h = self.spec.hidden as usize;
         let mode = self.cfg.mode;
-        let Some(b) = self.inflight.get_mut(&res.request_id) else {
+        let Some(b) = self.inflight.get_mut(&res.batch_id) else {
             return; // late result of a finished or failed batch
         };
-        let Some(part) = b.parts.get_mut(res.micro_batch as usize) else {
+        let Some(part) = b.parts.get_mut(res.part as usize) else {
             return;
         };
         if !part.live || part.rank != from {
@@ -646,7 +646,7 @@ impl RouterCore {
                 payload.len(),
                 expect_rows
             );
-            self.fail_batch(res.request_id, ErrorCode::Internal, msg);
+            self.fail_batch(res.batch_id, ErrorCode::Internal, msg);
             return;
         }
         // One copy in: each row is decoded straight into its place (exact mode: the batch's
@@ -655,26 +655,29 @@ impl RouterCore {
         let decoded = match mode {
             ComputeMode::Exact => {
                 let slots = b.routing.top_k;
-                part.plan.pair_targets().enumerate().try_for_each(|(i, (t, s))| {
-                    let dst = (t as usize * slots + s as usize) * h;
-                    dtype::decode_output(
-                        res.dtype,
-                        &payload[i * row_bytes..(i + 1) * row_bytes],
-                        &mut b.slot_rows[dst..dst + h],
-                    )
-                })
+                part.plan
+                    .pair_targets()
+                    .enumerate()
+                    .try_for_each(|(i, (t, s))| {
+                        let dst = (t as usize * slots + s as usize) * h;
+                        dtype::decode_output(
+                            res.dtype,
+                            &payload[i * row_bytes..(i + 1) * row_bytes],
+                            &mut b.slot_rows[dst..dst + h],
+                        )
+                    })
             }
             ComputeMode::Accurate => {
                 let mut rows = vec![0f32; expect_rows * h];
                 dtype::decode_output(res.dtype, payload, &mut rows).map(|()| {
                     b.partials
-                        .insert(res.micro_batch, (part.plan.tokens.clone(), rows));
+                        .insert(res.part, (part.plan.tokens.clone(), rows));
                 })
             }
         };
         if decoded.is_err() {
             let msg = format!("{} sent an undecodable result", self.name(from));
-            self.fail_batch(res.request_id, ErrorCode::Internal, msg);
+            self.fail_batch(res.batch_id, ErrorCode::Internal, msg);
             return;
         }
         part.live = false;
@@ -683,7 +686,7 @@ impl RouterCore {
         self.stats.result_payload_bytes += payload.len() as u64;
         b.outstanding -= 1;
         if b.outstanding == 0 && !b.shared_pending {
-            self.complete(res.request_id);
+            self.complete(res.batch_id);
         }
     }
 
@@ -944,9 +947,9 @@ impl RouterCore {
             let n = plan.tokens.len();
             let (dtype, payload) = dispatch_payload(b, &plan.tokens, h, mode, accurate_dtype);
             let dispatch = Dispatch {
-                request_id: id,
+                batch_id: id,
                 layer: b.layer,
-                micro_batch: part_id,
+                part: part_id,
                 tokens: n as u32,
                 hidden: h as u32,
                 dtype,
@@ -1143,7 +1146,12 @@ fn with_remote_shared(routing: &Routing, routed_experts: u32, shared: usize) -> 
 }
 
 /// Batch token `t`'s row in its request's output buffer (`members` in offset order).
-fn member_row<'a>(members: &[Member], outs: &'a mut [Vec<f32>], t: usize, h: usize) -> &'a mut [f32] {
+fn member_row<'a>(
+    members: &[Member],
+    outs: &'a mut [Vec<f32>],
+    t: usize,
+    h: usize,
+) -> &'a mut [f32] {
     let i = members.partition_point(|m| m.offset <= t) - 1;
     let r = t - members[i].offset;
     &mut outs[i][r * h..(r + 1) * h]

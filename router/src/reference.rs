@@ -193,18 +193,17 @@ pub fn moe_layer_backend(
         }
     }
     let mut rows = vec![0f32; tokens * slots * h];
-    grouping
-        .with_groups(layer, |groups| {
-            let batch = GroupedBatch {
-                mode,
-                hidden: h,
-                tokens,
-                input: Activations::F32(x),
-                groups,
-                layout: OutputLayout::PerSlot,
-            };
-            backend.execute(&batch, &mut rows)
-        })?;
+    grouping.with_groups(layer, |groups| {
+        let batch = GroupedBatch {
+            mode,
+            hidden: h,
+            tokens,
+            input: Activations::F32(x),
+            groups,
+            layout: OutputLayout::PerSlot,
+        };
+        backend.execute(&batch, &mut rows)
+    })?;
     let mut out = vec![0f32; tokens * h];
     for t in 0..tokens {
         let slot_rows: Vec<&[f32]> = (0..k)

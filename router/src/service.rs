@@ -377,7 +377,10 @@ impl FrontendConn {
             match frame.body() {
                 Body::LayerRequest(req) => {
                     let now = Instant::now();
-                    match self.validator.validate(self.client, req, frame.payload(), now) {
+                    match self
+                        .validator
+                        .validate(self.client, req, frame.payload(), now)
+                    {
                         Ok(r) => {
                             if send_to_core(&self.tx, CoreInput::Request(r)).await.is_err() {
                                 break;

@@ -607,12 +607,12 @@ pub struct Auth {
 /// Router → worker: tokens of one micro-batch and, per token, this device's experts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dispatch {
-    /// Request id assigned by the router.
-    pub request_id: u64,
+    /// The router's batch id (on the wire: the frame's request-id field).
+    pub batch_id: u64,
     /// MoE layer index.
     pub layer: u32,
-    /// Micro-batch index within the request.
-    pub micro_batch: u32,
+    /// Part of the batch: one (micro-batch, device) share (on the wire: the micro-batch field).
+    pub part: u32,
     /// Number of tokens.
     pub tokens: u32,
     /// Hidden size.
@@ -648,12 +648,12 @@ impl Dispatch {
 /// Worker → router: expert outputs for one dispatch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertResult {
-    /// Request id of the dispatch.
-    pub request_id: u64,
+    /// Batch id of the dispatch it answers.
+    pub batch_id: u64,
     /// MoE layer index.
     pub layer: u32,
-    /// Micro-batch index.
-    pub micro_batch: u32,
+    /// Part id of the dispatch it answers.
+    pub part: u32,
     /// Row layout of the payload.
     pub layout: OutputLayout,
     /// Number of rows (slots for per-slot, tokens for pre-combined).
@@ -873,8 +873,8 @@ impl Body {
     /// Request id of request-carrying bodies.
     pub fn request_id(&self) -> Option<u64> {
         match self {
-            Self::Dispatch(d) => Some(d.request_id),
-            Self::Result(r) => Some(r.request_id),
+            Self::Dispatch(d) => Some(d.batch_id),
+            Self::Result(r) => Some(r.batch_id),
             Self::Error(e) => Some(e.request_id),
             Self::LayerRequest(r) => Some(r.request_id),
             Self::LayerResponse(r) => Some(r.request_id),
@@ -1008,9 +1008,9 @@ impl Body {
                 None => out.push(0),
             },
             Self::Dispatch(d) => {
-                out.extend_from_slice(&d.request_id.to_le_bytes());
+                out.extend_from_slice(&d.batch_id.to_le_bytes());
                 out.extend_from_slice(&d.layer.to_le_bytes());
-                out.extend_from_slice(&d.micro_batch.to_le_bytes());
+                out.extend_from_slice(&d.part.to_le_bytes());
                 out.extend_from_slice(&d.tokens.to_le_bytes());
                 out.extend_from_slice(&d.hidden.to_le_bytes());
                 out.push(d.dtype as u8);
@@ -1032,9 +1032,9 @@ impl Body {
                 }
             }
             Self::Result(r) => {
-                out.extend_from_slice(&r.request_id.to_le_bytes());
+                out.extend_from_slice(&r.batch_id.to_le_bytes());
                 out.extend_from_slice(&r.layer.to_le_bytes());
-                out.extend_from_slice(&r.micro_batch.to_le_bytes());
+                out.extend_from_slice(&r.part.to_le_bytes());
                 out.extend_from_slice(&r.rows.to_le_bytes());
                 out.extend_from_slice(&r.hidden.to_le_bytes());
                 out.push(layout_u8(r.layout));
@@ -1153,7 +1153,7 @@ fn decode_auth(c: &mut Cursor<'_>) -> Result<Auth, CodecError> {
 fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
     let request_id = c.u64("request id")?;
     let layer = c.u32("layer")?;
-    let micro_batch = c.u32("micro-batch")?;
+    let part = c.u32("micro-batch")?;
     let tokens = c.u32("token count")?;
     let hidden = c.u32("hidden size")?;
     let dtype = act_dtype(c.kind, c.u8("dtype")?)?;
@@ -1195,9 +1195,9 @@ fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
         ));
     }
     Ok(Dispatch {
-        request_id,
+        batch_id: request_id,
         layer,
-        micro_batch,
+        part,
         tokens,
         hidden,
         dtype,
@@ -1213,16 +1213,16 @@ fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
 fn decode_result(c: &mut Cursor<'_>) -> Result<ExpertResult, CodecError> {
     let request_id = c.u64("request id")?;
     let layer = c.u32("layer")?;
-    let micro_batch = c.u32("micro-batch")?;
+    let part = c.u32("micro-batch")?;
     let rows = c.u32("row count")?;
     let hidden = c.u32("hidden size")?;
     let layout = layout_from(c.kind, c.u8("layout")?)?;
     let dtype = out_dtype(c.kind, c.u8("dtype")?)?;
     let _reserved = c.u16("reserved")?;
     Ok(ExpertResult {
-        request_id,
+        batch_id: request_id,
         layer,
-        micro_batch,
+        part,
         layout,
         rows,
         hidden,

@@ -71,7 +71,7 @@
 //! let mut payload = vec![0u8; dtype.payload_bytes(tokens, hidden).unwrap() as usize];
 //! dtype::encode_activations(dtype, tokens, hidden, &x, &mut payload)?;
 //! let body = Body::Dispatch(Dispatch {
-//!     request_id: 42, layer: 3, micro_batch: 0, tokens: 2, hidden: 7168, dtype,
+//!     batch_id: 42, layer: 3, part: 0, tokens: 2, hidden: 7168, dtype,
 //!     mode: WireComputeMode::Exact, layout: OutputLayout::PerSlot,
 //!     expert_counts: vec![2, 1], experts: vec![5, 9, 9], weights: vec![0.7, 0.3, 1.0],
 //! });
@@ -92,7 +92,7 @@
 //!         TransportEvent::PeerUp { .. } => {}
 //!     }
 //! }
-//! # let _ = (ExpertResult { request_id: 0, layer: 0, micro_batch: 0,
+//! # let _ = (ExpertResult { batch_id: 0, layer: 0, part: 0,
 //! #   layout: OutputLayout::PerSlot, rows: 0, hidden: 0, dtype: OutputDtype::F32 },);
 //! # Ok(()) }
 //! ```

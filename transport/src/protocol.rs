@@ -1062,9 +1062,9 @@ mod tests {
         let now = Instant::now();
         let frame = 100 << 10;
         let body = Body::Result(ExpertResult {
-            request_id: 1,
+            batch_id: 1,
             layer: 0,
-            micro_batch: 0,
+            part: 0,
             layout: OutputLayout::PerSlot,
             rows: 0,
             hidden: 0,

@@ -61,9 +61,9 @@ fn dispatch() -> impl Strategy<Value = Body> {
         .prop_map(
             |((id, layer, mb, counts, h32, dtype, exact, layout), experts, weights)| {
                 Body::Dispatch(Dispatch {
-                    request_id: id,
+                    batch_id: id,
                     layer,
-                    micro_batch: mb,
+                    part: mb,
                     tokens: counts.len() as u32,
                     hidden: h32 * 32,
                     dtype,
@@ -118,9 +118,9 @@ fn body() -> impl Strategy<Value = Body> {
             .prop_map(
                 |(request_id, layer, micro_batch, layout, rows, hidden, dtype)| Body::Result(
                     ExpertResult {
-                        request_id,
+                        batch_id: request_id,
                         layer,
-                        micro_batch,
+                        part: micro_batch,
                         layout,
                         rows,
                         hidden,

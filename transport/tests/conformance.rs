@@ -103,9 +103,9 @@ async fn cluster_of(world: usize, started: usize, kind: LinkKind) -> Cluster {
 
 fn result_frame(id: u64, rows: u32, hidden: u32, fill: u8) -> OutFrame {
     let body = Body::Result(ExpertResult {
-        request_id: id,
+        batch_id: id,
         layer: 3,
-        micro_batch: 1,
+        part: 1,
         layout: OutputLayout::PerSlot,
         rows,
         hidden,

@@ -34,9 +34,9 @@ fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path
 
 fn frame() -> OutFrame {
     let body = Body::Result(ExpertResult {
-        request_id: 1,
+        batch_id: 1,
         layer: 0,
-        micro_batch: 0,
+        part: 0,
         layout: OutputLayout::PerSlot,
         rows: 100,
         hidden: 300,

@@ -129,9 +129,9 @@ impl DispatchExecutor {
             .map_err(backend_error)?;
         let bytes = self.encode_result(rows * h)?;
         let res = ExpertResult {
-            request_id: d.request_id,
+            batch_id: d.batch_id,
             layer: d.layer,
-            micro_batch: d.micro_batch,
+            part: d.part,
             layout: d.layout,
             rows: rows as u32,
             hidden: h as u32,

@@ -152,11 +152,13 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
                 let out = match frame.body() {
                     Body::Dispatch(d) => match exec.execute(d, frame.payload()) {
                         Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
-                        Err(crate::exec::ExecError { code, message }) => OutFrame::new(Body::Error(ErrorFrame {
-                            request_id: d.request_id,
-                            code,
-                            message,
-                        })),
+                        Err(crate::exec::ExecError { code, message }) => {
+                            OutFrame::new(Body::Error(ErrorFrame {
+                                request_id: d.batch_id,
+                                code,
+                                message,
+                            }))
+                        }
                     },
                     _ => continue,
                 };

@@ -225,9 +225,9 @@ impl Sim {
                         let w = self.workers.get_mut(&rank).unwrap();
                         match w.execute(d, &frame.payload) {
                             Ok((res, bytes)) => self.core.on_result(rank, &res, &bytes, self.now),
-                            Err(e) => {
-                                self.core.on_worker_error(rank, d.request_id, e.code, &e.message)
-                            }
+                            Err(e) => self
+                                .core
+                                .on_worker_error(rank, d.batch_id, e.code, &e.message),
                         }
                     }
                     Action::Respond {
