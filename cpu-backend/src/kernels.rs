@@ -292,6 +292,11 @@ mod x86 {
     use expertmesh_quant::format::{BLOCK, ScaleDtype};
     use std::arch::x86_64::*;
 
+    /// The 16 row scales at `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F (and F16C for f16 scales); `p` must point at 16 readable
+    /// `u16` values (no alignment required).
     #[inline(always)]
     unsafe fn scales16_512(dtype: ScaleDtype, p: *const u16) -> __m512 {
         // SAFETY: caller guarantees 16 readable u16 at p.
@@ -315,6 +320,12 @@ mod x86 {
         z: Option<__m512i>,
     }
 
+    /// Load and unpack tile `b` (scale group `g`) of a row block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW; `nib` must point at a row block's nibbles with tile `b`
+    /// (256 bytes at `b·256`) inside it, `scales` at its scales with group `g` (16 `u16` at
+    /// `g·16`) inside them, and `zeros`, when present, must hold at least `g·16 + 16` bytes.
     #[inline(always)]
     unsafe fn load_tile512(
         nib: *const u8,
@@ -345,6 +356,10 @@ mod x86 {
     /// The contract's term for one token and one K block: the exact i32 dot of the 16 rows
     /// (the zero-point correction folded into the accumulator's initial value), then
     /// `(s·d)·f32(isum)`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VNNI; `q` must point at the block's 32 readable codes
+    /// (8 `i32`, no alignment required).
     #[inline(always)]
     unsafe fn term512(w: &Tile512, q: *const i32, qsum: i32, d: f32) -> __m512 {
         // SAFETY: q points at the block's 32 codes (8 dwords).
@@ -387,6 +402,9 @@ mod x86 {
     }
 
     /// [`super::swiglu16`] on AVX-512: the contract's `exp` sequence, lane by lane.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `out` must hold at least 16 floats.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn swiglu16_avx512(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
         use expertmesh_quant::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
@@ -445,6 +463,10 @@ mod x86 {
     /// AVX-512 VNNI exact kernel for one token (decode): blocks in natural order so the
     /// hardware prefetcher streams the row block from DRAM; the 16 partial sums stay in
     /// registers (the block loop is unrolled by 16 so each partial has a fixed register).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VNNI; `rb` must be a row block of `m`, and `tok.q`
+    /// must hold `m.cols()` codes and `tok.d`/`tok.qsum` `m.blocks()` values (read unchecked).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn exact_vnni_1(
         m: &R16Matrix,
@@ -525,6 +547,11 @@ mod x86 {
     /// stream the hardware prefetcher follows, plus software prefetch ahead), the weight tile
     /// unpacked once and used by all T tokens, each token's 16 partials kept in an L1-resident
     /// array (too many for registers).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VNNI; `rb` must be a row block of `m`; `toks` and
+    /// `out` must hold at least `T` entries, each token with `m.cols()` codes and `m.blocks()`
+    /// scales and block sums (read unchecked).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn exact_vnni_multi<const T: usize>(
         m: &R16Matrix,
@@ -570,6 +597,11 @@ mod x86 {
     }
 
     /// AVX2 exact kernel for `T` tokens: two 8-row halves per row block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `rb` must be a row block of `m`; `toks` and `out`
+    /// must hold at least `T` entries, each token with `m.cols()` codes and `m.blocks()` scales
+    /// and block sums (read unchecked).
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn exact_avx2<const T: usize>(
         m: &R16Matrix,
@@ -655,6 +687,11 @@ mod x86 {
 
     /// AVX-512 accurate kernel: dequantize each nibble lane to f32, FMA with the broadcast
     /// activation, scale per block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW, F16C and FMA; `rb` must be a row block of `m`;
+    /// `toks.len()` must be at most [`super::MAX_TOKEN_TILE`] and at most `out.len()`, and
+    /// each token slice must hold `m.cols()` floats (read unchecked).
     #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
     pub(super) unsafe fn accurate_avx512(
         m: &R16Matrix,

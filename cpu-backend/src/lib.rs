@@ -24,7 +24,8 @@ pub mod layout;
 pub mod membw;
 
 use expertmesh_backend::{
-    Activations, BackendError, BatchLimits, ExpertBackend, ExpertKey, GroupedBatch, OutputLayout,
+    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch,
+    OutputLayout,
 };
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::{self, ComputeMode};
@@ -145,6 +146,8 @@ struct Scratch {
     group_expert: Vec<u32>,
     /// (token, out_row, pair, group) for pre-combining.
     combine: Vec<(u32, u32, u32, u32)>,
+    /// Output rows already claimed, for the batch check (`GroupedBatch::validate_with`).
+    seen_rows: Vec<bool>,
 }
 
 /// The CPU expert backend.
@@ -310,6 +313,7 @@ impl ExpertBackend for CpuBackend {
             group_pair0: Vec::with_capacity(max_groups + 1),
             group_expert: Vec::with_capacity(max_groups),
             combine: Vec::with_capacity(p),
+            seen_rows: Vec::with_capacity(p),
         });
         self.index = index;
         self.experts = list;
@@ -322,7 +326,7 @@ impl ExpertBackend for CpuBackend {
         let Some(sc) = self.scratch.as_mut() else {
             return Err(BackendError::NotLoaded);
         };
-        batch.validate(&self.limits, out.len())?;
+        batch.validate_with(&self.limits, out.len(), &mut sc.seen_rows)?;
         let h = batch.hidden;
         if batch.groups.is_empty() {
             out.fill(0.0);
@@ -334,227 +338,339 @@ impl ExpertBackend for CpuBackend {
                 sc.hidden
             )));
         }
-        // Resolve experts and lay out pairs group-major.
-        sc.group_pair0.clear();
-        sc.group_expert.clear();
-        let mut pair = 0u32;
-        for g in batch.groups {
-            let Some(&e) = self.index.get(&g.key) else {
-                return Err(BackendError::UnknownExpert(g.key));
-            };
-            sc.group_pair0.push(pair);
-            sc.group_expert.push(e as u32);
-            pair += g.tokens.len() as u32;
-        }
-        sc.group_pair0.push(pair);
-        let mode = batch.mode;
-        let isa = self.isa;
-        let experts = &self.experts;
-        let pool = self.pool.as_ref();
-        let max_inter = sc.max_inter;
+        resolve_groups(
+            &self.index,
+            batch,
+            &mut sc.group_pair0,
+            &mut sc.group_expert,
+        )?;
+        let pass = Pass {
+            batch,
+            experts: &self.experts,
+            pool: self.pool.as_ref(),
+            isa: self.isa,
+            mode: batch.mode,
+            max_inter: sc.max_inter,
+            group_pair0: &sc.group_pair0,
+            group_expert: &sc.group_expert,
+        };
 
         // 1. Quantize the input once per token (exact mode).
-        let (xq, xd, xqs): (&[i8], &[f32], &[i32]) = match (mode, batch.input) {
-            (ComputeMode::Exact, Activations::F32(x)) => {
-                let nb = h / BLOCK;
-                for t in 0..batch.tokens {
-                    let q = &mut sc.xq[t * h..(t + 1) * h];
-                    let d = &mut sc.xd[t * nb..(t + 1) * nb];
-                    contract::quantize_activations(&x[t * h..(t + 1) * h], q, d);
-                    kernels::block_sums(q, &mut sc.xqs[t * nb..(t + 1) * nb]);
-                }
-                (
-                    &sc.xq[..batch.tokens * h],
-                    &sc.xd[..batch.tokens * nb],
-                    &sc.xqs[..batch.tokens * nb],
-                )
-            }
-            (ComputeMode::Exact, Activations::Q8 { q, d }) => {
-                let nb = h / BLOCK;
-                for t in 0..batch.tokens {
-                    kernels::block_sums(&q[t * h..(t + 1) * h], &mut sc.xqs[t * nb..(t + 1) * nb]);
-                }
-                (q, d, &sc.xqs[..batch.tokens * nb])
-            }
-            _ => (&[][..], &[][..], &[][..]),
-        };
-        let xf: &[f32] = match batch.input {
-            Activations::F32(x) => x,
-            Activations::Q8 { .. } => &[],
-        };
-
+        let xsrc = quantize_inputs(batch, &mut sc.xq, &mut sc.xd, &mut sc.xqs);
         // 2. Stage 1 items: (group, 32-row W13 tile).
-        sc.items.clear();
-        for (gi, &e) in sc.group_expert.iter().enumerate() {
-            for tile in 0..experts[e as usize].inter / 16 {
-                sc.items.push((gi as u32, tile as u32));
-            }
-        }
-        let xsrc = RowSource {
-            q: xq,
-            d: xd,
-            qsum: xqs,
-            f32: xf,
-            stride: h,
-            len: h,
-        };
-        let hbuf = SharedMut(sc.h.as_mut_ptr());
-        {
-            let items = &sc.items;
-            let group_pair0 = &sc.group_pair0;
-            let group_expert = &sc.group_expert;
-            Self::run_items(pool, items.len(), |i| {
-                let (gi, tile) = items[i];
-                let g = &batch.groups[gi as usize];
-                let ex = &experts[group_expert[gi as usize] as usize];
-                let p0 = group_pair0[gi as usize] as usize;
-                let mut gate = [[0f32; ROWS]; MAX_TOKEN_TILE];
-                let mut up = [[0f32; ROWS]; MAX_TOKEN_TILE];
-                for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
-                    let n = toks.len();
-                    let inputs = TileInputs::gather(mode, &xsrc, toks.iter().map(|&t| t as usize));
-                    inputs.run(isa, &ex.w13, 2 * tile as usize, n, &mut gate);
-                    inputs.run(isa, &ex.w13, 2 * tile as usize + 1, n, &mut up);
-                    for j in 0..n {
-                        let pair = p0 + ci * MAX_TOKEN_TILE + j;
-                        // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
-                        // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                hbuf.ptr().add(pair * max_inter + tile as usize * 16),
-                                16,
-                            )
-                        };
-                        kernels::swiglu16(isa, &gate[j], &up[j], dst);
-                    }
-                }
-            });
-        }
-
+        stage1(&pass, &mut sc.items, &xsrc, &mut sc.h);
         // 3. Quantize each pair's intermediate (exact mode).
-        let pairs = *sc.group_pair0.last().unwrap_or(&0) as usize;
-        if mode == ComputeMode::Exact {
-            let (hq, hd, hqs) = (
-                SharedMut(sc.hq.as_mut_ptr()),
-                SharedMut(sc.hd.as_mut_ptr()),
-                SharedMut(sc.hqs.as_mut_ptr()),
-            );
-            let hsrc = &sc.h;
-            let group_pair0 = &sc.group_pair0;
-            let group_expert = &sc.group_expert;
-            // Quantizing is cheap: only worth waking the pool for many pairs.
-            let qpool = if pairs * max_inter >= 1 << 16 {
-                pool
-            } else {
-                None
-            };
-            Self::run_items(qpool, pairs, |p| {
-                let gi = group_pair0.partition_point(|&p0| p0 as usize <= p) - 1;
-                let f = experts[group_expert[gi] as usize].inter;
-                let nbm = max_inter / BLOCK;
-                // SAFETY: each pair owns its rows of hq/hd/hqs.
-                let (q, d, s) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(hq.ptr().add(p * max_inter), f),
-                        std::slice::from_raw_parts_mut(hd.ptr().add(p * nbm), f / BLOCK),
-                        std::slice::from_raw_parts_mut(hqs.ptr().add(p * nbm), f / BLOCK),
-                    )
-                };
-                contract::quantize_activations(&hsrc[p * max_inter..p * max_inter + f], q, d);
-                kernels::block_sums(q, s);
-            });
+        if pass.mode == ComputeMode::Exact {
+            quantize_intermediate(&pass, &sc.h, &mut sc.hq, &mut sc.hd, &mut sc.hqs);
         }
-
         // 4. Stage 2 items: (group, 64-row W2 tile).
-        sc.items.clear();
-        let w2_tiles = (h.div_ceil(ROWS)).div_ceil(W2_TILE_ROW_BLOCKS);
-        for gi in 0..batch.groups.len() {
-            for tile in 0..w2_tiles {
-                sc.items.push((gi as u32, tile as u32));
-            }
-        }
         let per_slot = batch.layout == OutputLayout::PerSlot;
-        let ybuf = if per_slot {
-            SharedMut(out.as_mut_ptr())
-        } else {
-            SharedMut(sc.pair_out.as_mut_ptr())
+        let hsrc = RowSource {
+            q: &sc.hq,
+            d: &sc.hd,
+            qsum: &sc.hqs,
+            f32: &sc.h,
+            stride: sc.max_inter,
+            len: sc.max_inter,
         };
-        {
-            let items = &sc.items;
-            let group_pair0 = &sc.group_pair0;
-            let group_expert = &sc.group_expert;
-            let (hf, hq, hd, hqs) = (&sc.h, &sc.hq, &sc.hd, &sc.hqs);
-            Self::run_items(pool, items.len(), |i| {
-                let (gi, tile) = items[i];
-                let g = &batch.groups[gi as usize];
-                let ex = &experts[group_expert[gi as usize] as usize];
-                let p0 = group_pair0[gi as usize] as usize;
-                let f = ex.inter;
-                let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
-                let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
-                let mut y = [[0f32; ROWS]; MAX_TOKEN_TILE];
-                for rb in rb0..rb1 {
-                    for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
-                        let n = toks.len();
-                        let pb = p0 + ci * MAX_TOKEN_TILE;
-                        let hsrc = RowSource {
-                            q: hq,
-                            d: hd,
-                            qsum: hqs,
-                            f32: hf,
-                            stride: max_inter,
-                            len: f,
-                        };
-                        TileInputs::gather(mode, &hsrc, pb..pb + n).run(isa, &ex.w2, rb, n, &mut y);
-                        let rows = ROWS.min(h - rb * ROWS);
-                        for j in 0..n {
-                            let local = ci * MAX_TOKEN_TILE + j;
-                            let row = if per_slot {
-                                g.out_rows[local] as usize
-                            } else {
-                                pb + j
-                            };
-                            // SAFETY: (row, rb) is written by exactly this item; the output holds
-                            // pairs × H floats (validated) and pair_out max_pairs × H.
-                            let dst = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    ybuf.ptr().add(row * h + rb * ROWS),
-                                    rows,
-                                )
-                            };
-                            dst.copy_from_slice(&y[j][..rows]);
-                        }
-                    }
-                }
-            });
-        }
-
+        let y: &mut [f32] = if per_slot {
+            &mut *out
+        } else {
+            &mut sc.pair_out
+        };
+        stage2(&pass, &mut sc.items, &hsrc, y, per_slot);
         // 5. Pre-combine per token in output-row order (contract §5).
         if !per_slot {
-            sc.combine.clear();
-            for (gi, g) in batch.groups.iter().enumerate() {
-                let p0 = sc.group_pair0[gi];
-                for (i, (&t, &r)) in g.tokens.iter().zip(g.out_rows).enumerate() {
-                    sc.combine.push((t, r, p0 + i as u32, gi as u32));
-                }
-            }
-            sc.combine.sort_unstable();
-            out.fill(0.0);
-            for &(t, _, p, gi) in &sc.combine {
-                let g = &batch.groups[gi as usize];
-                let local = p - sc.group_pair0[gi as usize];
-                let w = g.weights[local as usize];
-                let y = &sc.pair_out[p as usize * h..(p as usize + 1) * h];
-                let o = &mut out[t as usize * h..(t as usize + 1) * h];
-                for (a, &b) in o.iter_mut().zip(y) {
-                    *a += w * b;
-                }
-            }
+            precombine(batch, &sc.group_pair0, &mut sc.combine, &sc.pair_out, out);
         }
         Ok(())
     }
 
     fn loaded_bytes(&self) -> u64 {
         self.loaded_bytes
+    }
+}
+
+/// What every step of one `execute` shares: the batch, the loaded experts, the pool and the
+/// group-major pair layout (borrowed from the scratch, so the steps allocate nothing).
+struct Pass<'a, 'b> {
+    batch: &'a GroupedBatch<'b>,
+    experts: &'a [CpuExpert],
+    pool: Option<&'a rayon::ThreadPool>,
+    isa: Isa,
+    mode: ComputeMode,
+    max_inter: usize,
+    /// First pair index of each group, and the total pair count last.
+    group_pair0: &'a [u32],
+    /// Expert index of each group.
+    group_expert: &'a [u32],
+}
+
+impl<'a, 'b> Pass<'a, 'b> {
+    /// Group `gi` of a work item: the group, its expert and its first pair index.
+    #[inline(always)]
+    fn item_group(&self, gi: u32) -> (&'a ExpertGroup<'b>, &'a CpuExpert, usize) {
+        let gi = gi as usize;
+        (
+            &self.batch.groups[gi],
+            &self.experts[self.group_expert[gi] as usize],
+            self.group_pair0[gi] as usize,
+        )
+    }
+}
+
+/// Rebuild the (group, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
+fn fill_items(items: &mut Vec<(u32, u32)>, groups: usize, tiles: impl Fn(usize) -> usize) {
+    items.clear();
+    for gi in 0..groups {
+        for tile in 0..tiles(gi) {
+            items.push((gi as u32, tile as u32));
+        }
+    }
+}
+
+/// Step 0: resolve each group's expert and lay out pairs group-major.
+fn resolve_groups(
+    index: &HashMap<ExpertKey, usize>,
+    batch: &GroupedBatch<'_>,
+    group_pair0: &mut Vec<u32>,
+    group_expert: &mut Vec<u32>,
+) -> Result<(), BackendError> {
+    group_pair0.clear();
+    group_expert.clear();
+    let mut pair = 0u32;
+    for g in batch.groups {
+        let Some(&e) = index.get(&g.key) else {
+            return Err(BackendError::UnknownExpert(g.key));
+        };
+        group_pair0.push(pair);
+        group_expert.push(e as u32);
+        pair += g.tokens.len() as u32;
+    }
+    group_pair0.push(pair);
+    Ok(())
+}
+
+/// Step 1: quantize the input once per token (exact mode) into the scratch, and describe where
+/// the kernels read each token's row.
+fn quantize_inputs<'a>(
+    batch: &GroupedBatch<'a>,
+    xq: &'a mut [i8],
+    xd: &'a mut [f32],
+    xqs: &'a mut [i32],
+) -> RowSource<'a> {
+    let h = batch.hidden;
+    let (q, d, qsum): (&[i8], &[f32], &[i32]) = match (batch.mode, batch.input) {
+        (ComputeMode::Exact, Activations::F32(x)) => {
+            let nb = h / BLOCK;
+            for t in 0..batch.tokens {
+                let q = &mut xq[t * h..(t + 1) * h];
+                let d = &mut xd[t * nb..(t + 1) * nb];
+                contract::quantize_activations(&x[t * h..(t + 1) * h], q, d);
+                kernels::block_sums(q, &mut xqs[t * nb..(t + 1) * nb]);
+            }
+            (
+                &xq[..batch.tokens * h],
+                &xd[..batch.tokens * nb],
+                &xqs[..batch.tokens * nb],
+            )
+        }
+        (ComputeMode::Exact, Activations::Q8 { q, d }) => {
+            let nb = h / BLOCK;
+            for t in 0..batch.tokens {
+                kernels::block_sums(&q[t * h..(t + 1) * h], &mut xqs[t * nb..(t + 1) * nb]);
+            }
+            (q, d, &xqs[..batch.tokens * nb])
+        }
+        _ => (&[][..], &[][..], &[][..]),
+    };
+    let f32: &[f32] = match batch.input {
+        Activations::F32(x) => x,
+        Activations::Q8 { .. } => &[],
+    };
+    RowSource {
+        q,
+        d,
+        qsum,
+        f32,
+        stride: h,
+        len: h,
+    }
+}
+
+/// Step 2: stage 1 over (group, 32-row W13 tile) items: gate and up rows, then `silu(g)·u`
+/// into each pair's intermediate row of `hbuf` (`[max_pairs][max_inter]`).
+fn stage1(
+    pass: &Pass<'_, '_>,
+    items: &mut Vec<(u32, u32)>,
+    xsrc: &RowSource<'_>,
+    hbuf: &mut [f32],
+) {
+    let &Pass {
+        experts,
+        pool,
+        isa,
+        mode,
+        max_inter,
+        group_expert,
+        ..
+    } = pass;
+    fill_items(items, group_expert.len(), |gi| {
+        experts[group_expert[gi] as usize].inter / 16
+    });
+    let hbuf = SharedMut(hbuf.as_mut_ptr());
+    let items = &*items;
+    CpuBackend::run_items(pool, items.len(), |i| {
+        let (gi, tile) = items[i];
+        let (g, ex, p0) = pass.item_group(gi);
+        let mut gate = [[0f32; ROWS]; MAX_TOKEN_TILE];
+        let mut up = [[0f32; ROWS]; MAX_TOKEN_TILE];
+        for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
+            let n = toks.len();
+            let inputs = TileInputs::gather(mode, xsrc, toks.iter().map(|&t| t as usize));
+            inputs.run(isa, &ex.w13, 2 * tile as usize, n, &mut gate);
+            inputs.run(isa, &ex.w13, 2 * tile as usize + 1, n, &mut up);
+            for j in 0..n {
+                let pair = p0 + ci * MAX_TOKEN_TILE + j;
+                // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
+                // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        hbuf.ptr().add(pair * max_inter + tile as usize * 16),
+                        16,
+                    )
+                };
+                kernels::swiglu16(isa, &gate[j], &up[j], dst);
+            }
+        }
+    });
+}
+
+/// Step 3: quantize each pair's intermediate `hsrc` row into `hq`/`hd`/`hqs` (exact mode).
+fn quantize_intermediate(
+    pass: &Pass<'_, '_>,
+    hsrc: &[f32],
+    hq: &mut [i8],
+    hd: &mut [f32],
+    hqs: &mut [i32],
+) {
+    let &Pass {
+        experts,
+        pool,
+        max_inter,
+        group_pair0,
+        group_expert,
+        ..
+    } = pass;
+    let pairs = *group_pair0.last().unwrap_or(&0) as usize;
+    let (hq, hd, hqs) = (
+        SharedMut(hq.as_mut_ptr()),
+        SharedMut(hd.as_mut_ptr()),
+        SharedMut(hqs.as_mut_ptr()),
+    );
+    // Quantizing is cheap: only worth waking the pool for many pairs.
+    let qpool = if pairs * max_inter >= 1 << 16 {
+        pool
+    } else {
+        None
+    };
+    CpuBackend::run_items(qpool, pairs, |p| {
+        let gi = group_pair0.partition_point(|&p0| p0 as usize <= p) - 1;
+        let f = experts[group_expert[gi] as usize].inter;
+        let nbm = max_inter / BLOCK;
+        // SAFETY: each pair owns its rows of hq/hd/hqs.
+        let (q, d, s) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(hq.ptr().add(p * max_inter), f),
+                std::slice::from_raw_parts_mut(hd.ptr().add(p * nbm), f / BLOCK),
+                std::slice::from_raw_parts_mut(hqs.ptr().add(p * nbm), f / BLOCK),
+            )
+        };
+        contract::quantize_activations(&hsrc[p * max_inter..p * max_inter + f], q, d);
+        kernels::block_sums(q, s);
+    });
+}
+
+/// Step 4: stage 2 over (group, 64-row W2 tile) items: each pair's expert output into `ybuf`,
+/// at the slot's output row (`per_slot`) or at the pair's row of the pre-combine buffer.
+fn stage2(
+    pass: &Pass<'_, '_>,
+    items: &mut Vec<(u32, u32)>,
+    hsrc: &RowSource<'_>,
+    ybuf: &mut [f32],
+    per_slot: bool,
+) {
+    let &Pass {
+        batch,
+        pool,
+        isa,
+        mode,
+        ..
+    } = pass;
+    let h = batch.hidden;
+    let w2_tiles = (h.div_ceil(ROWS)).div_ceil(W2_TILE_ROW_BLOCKS);
+    fill_items(items, batch.groups.len(), |_| w2_tiles);
+    let ybuf = SharedMut(ybuf.as_mut_ptr());
+    let items = &*items;
+    CpuBackend::run_items(pool, items.len(), |i| {
+        let (gi, tile) = items[i];
+        let (g, ex, p0) = pass.item_group(gi);
+        let f = ex.inter;
+        let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
+        let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
+        let mut y = [[0f32; ROWS]; MAX_TOKEN_TILE];
+        for rb in rb0..rb1 {
+            for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
+                let n = toks.len();
+                let pb = p0 + ci * MAX_TOKEN_TILE;
+                let hsrc = RowSource { len: f, ..*hsrc };
+                TileInputs::gather(mode, &hsrc, pb..pb + n).run(isa, &ex.w2, rb, n, &mut y);
+                let rows = ROWS.min(h - rb * ROWS);
+                for j in 0..n {
+                    let local = ci * MAX_TOKEN_TILE + j;
+                    let row = if per_slot {
+                        g.out_rows[local] as usize
+                    } else {
+                        pb + j
+                    };
+                    // SAFETY: (row, rb) is written by exactly this item; the output holds
+                    // pairs × H floats (validated) and pair_out max_pairs × H.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(ybuf.ptr().add(row * h + rb * ROWS), rows)
+                    };
+                    dst.copy_from_slice(&y[j][..rows]);
+                }
+            }
+        }
+    });
+}
+
+/// Step 5: pre-combine the per-pair outputs per token in output-row order (contract §5).
+fn precombine(
+    batch: &GroupedBatch<'_>,
+    group_pair0: &[u32],
+    combine: &mut Vec<(u32, u32, u32, u32)>,
+    pair_out: &[f32],
+    out: &mut [f32],
+) {
+    let h = batch.hidden;
+    combine.clear();
+    for (gi, g) in batch.groups.iter().enumerate() {
+        let p0 = group_pair0[gi];
+        for (i, (&t, &r)) in g.tokens.iter().zip(g.out_rows).enumerate() {
+            combine.push((t, r, p0 + i as u32, gi as u32));
+        }
+    }
+    combine.sort_unstable();
+    out.fill(0.0);
+    for &(t, _, p, gi) in combine.iter() {
+        let g = &batch.groups[gi as usize];
+        let local = p - group_pair0[gi as usize];
+        let w = g.weights[local as usize];
+        let y = &pair_out[p as usize * h..(p as usize + 1) * h];
+        let o = &mut out[t as usize * h..(t as usize + 1) * h];
+        for (a, &b) in o.iter_mut().zip(y) {
+            *a += w * b;
+        }
     }
 }

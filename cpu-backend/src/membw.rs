@@ -55,6 +55,10 @@ fn xor_reduce(part: &[u8]) -> u64 {
     })
 }
 
+/// [`xor_reduce`] on AVX2: XOR of the whole 128-byte chunks of `part` (a tail is ignored).
+///
+/// # Safety
+/// The CPU must support AVX2. `part` may have any length and alignment.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn xor_reduce_avx2(part: &[u8]) -> u64 {

@@ -15,6 +15,7 @@ use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::deploy::Deployment;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,9 +54,8 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
         o.placement.as_deref(),
     )?;
     let mut report = BenchReport::new();
-    let dep = expertmesh_worker::deploy::Deployment::load(&topology, &o.model, &placement, 42)?;
+    let dep = Deployment::load(&topology, &o.model, &placement, 42)?;
     let spec = dep.spec.clone();
-    let h = spec.hidden as usize;
     let layer = spec.moe_layer_ids()[0];
     // Cores the workers have together: the in-process run gets the same.
     let threads: usize = dep
@@ -77,22 +77,52 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
         .machine
         .extra
         .insert("in_process_threads".into(), threads.into());
-    let maxb = o.batches.iter().copied().max().unwrap_or(64);
+    let limits = in_process_limits(o, &dep, layer, threads)?;
+    for &link in &o.links {
+        let run = LinkRun {
+            o,
+            dep: &dep,
+            layer,
+            threads,
+            limits: &limits,
+        };
+        run.bench(&topology, &placement, link, &mut report)?;
+    }
+    Ok(report)
+}
 
-    // The in-process limit: the whole layer on one backend.
-    let mut backend =
-        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &[layer], threads, maxb)
-            .map_err(|e| anyhow!(e))?;
-    let gate = reference::synthetic_gate(&spec, dep.seed, layer);
+/// The largest batch size (the router's limits).
+fn max_batch(o: &FabricBenchOptions) -> usize {
+    o.batches.iter().copied().max().unwrap_or(64)
+}
+
+/// In-process step: tokens/s of the whole layer on one backend, per batch size (the limits).
+fn in_process_limits(
+    o: &FabricBenchOptions,
+    dep: &Deployment,
+    layer: u32,
+    threads: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let spec = &dep.spec;
+    let h = spec.hidden as usize;
+    let mut backend = expertmesh_worker::weights::reference_backend(
+        spec,
+        dep.seed,
+        &[layer],
+        threads,
+        max_batch(o),
+    )
+    .map_err(|e| anyhow!(e))?;
+    let gate = reference::synthetic_gate(spec, dep.seed, layer);
     let mut limits = Vec::new();
     for &b in &o.batches {
         let x = reference::synthetic_hidden(b as u64, b, h);
-        let _ = reference::moe_layer_backend(&spec, &gate, layer, &mut backend, &x, o.mode)
+        let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode)
             .map_err(|e| anyhow!(e))?;
         let t0 = Instant::now();
         let mut calls = 0u64;
         while t0.elapsed().as_secs_f64() < o.seconds || calls < 3 {
-            reference::moe_layer_backend(&spec, &gate, layer, &mut backend, &x, o.mode)
+            reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode)
                 .map_err(|e| anyhow!(e))?;
             calls += 1;
         }
@@ -100,10 +130,32 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
         println!("in-process layer, batch {b:>3}: {tps:>9.0} tokens/s ({threads} threads)");
         limits.push(tps);
     }
-    drop(backend);
+    Ok(limits)
+}
 
-    for &link in &o.links {
-        let mut opts = LocalFabricOptions::new(&topology, &o.model, &placement);
+/// What every link's measurement shares.
+struct LinkRun<'a> {
+    o: &'a FabricBenchOptions,
+    dep: &'a Deployment,
+    layer: u32,
+    threads: usize,
+    /// In-process tokens/s per batch size.
+    limits: &'a [f64],
+}
+
+impl LinkRun<'_> {
+    /// Fabric step: start a local fabric over `link`, measure every batch size, and record
+    /// the router's stats.
+    fn bench(
+        &self,
+        topology: &std::path::Path,
+        placement: &std::path::Path,
+        link: LinkKind,
+        report: &mut BenchReport,
+    ) -> anyhow::Result<()> {
+        let (o, spec, threads) = (self.o, &self.dep.spec, self.threads);
+        let maxb = max_batch(o);
+        let mut opts = LocalFabricOptions::new(topology, &o.model, placement);
         opts.ephemeral_ports = true;
         opts.link = link;
         opts.router = RouterConfig {
@@ -115,53 +167,17 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
             ..RouterConfig::default()
         };
         let fabric = LocalFabric::start(opts)?;
-        let addr = fabric.frontend_addr();
-        let fcfg = fabric.frontend_config();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         for (i, &b) in o.batches.iter().enumerate() {
-            let x = Arc::new(reference::synthetic_hidden(b as u64, b, h));
-            let tokens = Arc::new(AtomicU64::new(0));
-            let stop_at = Instant::now() + Duration::from_secs_f64(o.seconds);
-            let secs = rt.block_on(async {
-                let mut tasks = Vec::new();
-                // warm-up call per client, then measure
-                let mut clients = Vec::new();
-                for _ in 0..o.clients.max(1) {
-                    let mut c = RouterClient::connect(addr, &fcfg)
-                        .await
-                        .map_err(|e| anyhow!("{e}"))?;
-                    c.call(layer, &x, h, None, None)
-                        .await
-                        .map_err(|e| anyhow!("{e}"))?;
-                    clients.push(c);
-                }
-                let t0 = Instant::now();
-                for mut c in clients {
-                    let x = x.clone();
-                    let tokens = tokens.clone();
-                    tasks.push(tokio::spawn(async move {
-                        while Instant::now() < stop_at {
-                            c.call(layer, &x, h, None, None)
-                                .await
-                                .map_err(|e| anyhow!("{e}"))?;
-                            tokens.fetch_add(b as u64, Ordering::Relaxed);
-                        }
-                        Ok::<(), anyhow::Error>(())
-                    }));
-                }
-                for t in tasks {
-                    t.await.map_err(|e| anyhow!("{e}"))??;
-                }
-                Ok::<f64, anyhow::Error>(t0.elapsed().as_secs_f64())
-            })?;
-            let tps = tokens.load(Ordering::Relaxed) as f64 / secs;
+            let tps = self.measure(&rt, &fabric, b)?;
+            let limit = self.limits[i];
             println!(
                 "fabric over {}, batch {b:>3}: {tps:>9.0} tokens/s = {:.3} of in-process ({} clients)",
                 link.name(),
-                tps / limits[i],
+                tps / limit,
                 o.clients
             );
             report.results.push(
@@ -169,7 +185,7 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
                     format!("fabric-{}-{} {}", link.name(), o.mode.name(), spec.name),
                     b as u64,
                     tps,
-                    limits[i],
+                    limit,
                     "tokens/s",
                 )
                 .with(
@@ -177,7 +193,7 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
                     format!("the same layer in-process on one CPU backend with {threads} threads"),
                 )
                 .with("clients", o.clients as u64)
-                .with("workers", dep.topology.devices().len() as u64),
+                .with("workers", self.dep.topology.devices().len() as u64),
             );
         }
         let stats = fabric.service().stats();
@@ -186,6 +202,56 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
             format!("{stats:?}").into(),
         );
         fabric.shutdown();
+        Ok(())
     }
-    Ok(report)
+
+    /// Fabric step: tokens/s of batches of `b` tokens from every client (one warm-up call
+    /// each) for the measurement time.
+    fn measure(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        fabric: &LocalFabric,
+        b: usize,
+    ) -> anyhow::Result<f64> {
+        let (o, layer) = (self.o, self.layer);
+        let h = self.dep.spec.hidden as usize;
+        let addr = fabric.frontend_addr();
+        let fcfg = fabric.frontend_config();
+        let x = Arc::new(reference::synthetic_hidden(b as u64, b, h));
+        let tokens = Arc::new(AtomicU64::new(0));
+        let stop_at = Instant::now() + Duration::from_secs_f64(o.seconds);
+        let secs = rt.block_on(async {
+            let mut tasks = Vec::new();
+            // warm-up call per client, then measure
+            let mut clients = Vec::new();
+            for _ in 0..o.clients.max(1) {
+                let mut c = RouterClient::connect(addr, &fcfg)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+                c.call(layer, &x, h, None, None)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+                clients.push(c);
+            }
+            let t0 = Instant::now();
+            for mut c in clients {
+                let x = x.clone();
+                let tokens = tokens.clone();
+                tasks.push(tokio::spawn(async move {
+                    while Instant::now() < stop_at {
+                        c.call(layer, &x, h, None, None)
+                            .await
+                            .map_err(|e| anyhow!("{e}"))?;
+                        tokens.fetch_add(b as u64, Ordering::Relaxed);
+                    }
+                    Ok::<(), anyhow::Error>(())
+                }));
+            }
+            for t in tasks {
+                t.await.map_err(|e| anyhow!("{e}"))??;
+            }
+            Ok::<f64, anyhow::Error>(t0.elapsed().as_secs_f64())
+        })?;
+        Ok(tokens.load(Ordering::Relaxed) as f64 / secs)
+    }
 }

@@ -174,7 +174,6 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
         threads: opts.threads,
         samples: Vec::new(),
     };
-    let gbs = |b: f64| b / 1e9;
     report
         .machine
         .extra
@@ -192,6 +191,92 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     let mut pending: Vec<(BenchResult, f64)> = Vec::new(); // (result with achieved set, best)
 
     for spec in &opts.models {
+        let mut m = ModelBench::load(opts, spec, pool_target)?;
+        bw.probe();
+        println!(
+            "  memory read bandwidth ({} threads, {} MiB): median {:.2} GB/s, best {:.2} GB/s so far",
+            opts.threads,
+            probe_len >> 20,
+            gbs(bw.median()),
+            gbs(bw.best())
+        );
+        m.decode(&mut pending)?;
+        m.accurate(&mut pending)?;
+        if opts.prefill_tokens > 0 && mhz > 0.0 {
+            report.results.push(m.prefill(mhz)?);
+        }
+    }
+    add_memory_bound(&mut report, &bw, pending);
+    report
+        .results
+        .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
+    Ok(report)
+}
+
+/// Bytes per second in GB/s.
+fn gbs(b: f64) -> f64 {
+    b / 1e9
+}
+
+/// Final step: the memory-bound results against the run's bandwidth (medians, and bests
+/// alongside), first in the report.
+fn add_memory_bound(report: &mut BenchReport, bw: &Bandwidth, pending: Vec<(BenchResult, f64)>) {
+    let (limit, limit_best) = (gbs(bw.median()), gbs(bw.best()));
+    report
+        .machine
+        .extra
+        .insert("read_bandwidth_gbs_median".into(), limit.into());
+    report
+        .machine
+        .extra
+        .insert("read_bandwidth_gbs_best".into(), limit_best.into());
+    for (mut r, best) in pending {
+        r.limit = limit;
+        r.ratio = if limit > 0.0 { r.achieved / limit } else { 0.0 };
+        r = r
+            .with("best", best)
+            .with("limit_best", limit_best)
+            .with(
+                "ratio_best",
+                if limit_best > 0.0 {
+                    best / limit_best
+                } else {
+                    0.0
+                },
+            )
+            .with(
+                "limit_kind",
+                "memory read bandwidth, same run, same threads",
+            );
+        report.results.insert(0, r);
+    }
+}
+
+/// One model's cases: its expert pool loaded into a backend, and the shared input and RNG.
+struct ModelBench<'a> {
+    opts: &'a KernelBenchOptions,
+    spec: &'a ModelSpec,
+    backend: CpuBackend,
+    /// Hidden size, intermediate size, routed experts, top-k.
+    h: usize,
+    f: usize,
+    e: usize,
+    k: usize,
+    expert_bytes: u64,
+    /// Experts in the pool.
+    pool: usize,
+    rng: SplitMix64,
+    x: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl<'a> ModelBench<'a> {
+    /// Setup step: generate a pool of experts larger than the cache and load it.
+    fn load(
+        opts: &'a KernelBenchOptions,
+        spec: &'a ModelSpec,
+        pool_target: u64,
+    ) -> anyhow::Result<Self> {
         let (h, f) = (spec.hidden as usize, spec.moe_intermediate as usize);
         let (e, k) = (spec.routed_experts as usize, spec.top_k as usize);
         let expert_bytes = spec.expert_bytes();
@@ -235,34 +320,73 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
             t0.elapsed().as_secs_f64(),
             backend.name()
         );
-        bw.probe();
-        println!(
-            "  memory read bandwidth ({} threads, {} MiB): median {:.2} GB/s, best {:.2} GB/s so far",
-            opts.threads,
-            probe_len >> 20,
-            gbs(bw.median()),
-            gbs(bw.best())
-        );
         let mut rng = SplitMix64::new(99);
         let x = synth::normal_vec(&mut rng, max_b * h, 1.0);
-        let mut out = Vec::new();
-        for &b in &opts.batches {
-            let mut offset = 0usize;
+        Ok(Self {
+            opts,
+            spec,
+            backend,
+            h,
+            f,
+            e,
+            k,
+            expert_bytes,
+            pool,
+            rng,
+            x,
+            out: Vec::new(),
+        })
+    }
+
+    /// Time calls of `b` uniformly routed tokens in `mode` until `secs` seconds and 5 calls,
+    /// the experts rotating by `stride` per call (amount: weight bytes read).
+    fn sample_routed(
+        &mut self,
+        b: usize,
+        mode: ComputeMode,
+        stride: usize,
+        secs: f64,
+    ) -> anyhow::Result<Samples> {
+        let mut offset = 0usize;
+        let mut s = Samples::default();
+        while s.secs < secs || s.calls < 5 {
+            offset += stride;
+            let rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, self.pool);
+            let t = Instant::now();
+            run_batch(
+                &mut self.backend,
+                self.h,
+                b,
+                &self.x,
+                &rb,
+                &mut self.out,
+                mode,
+            )?;
+            s.add(
+                (rb.groups.len() as u64 * self.expert_bytes) as f64,
+                t.elapsed().as_secs_f64(),
+                rb.groups.len(),
+            );
+        }
+        Ok(s)
+    }
+
+    /// Decode step: exact mode at every batch size (memory-bound; limits set later).
+    fn decode(&mut self, pending: &mut Vec<(BenchResult, f64)>) -> anyhow::Result<()> {
+        let (spec, h, f, e, k) = (self.spec, self.h, self.f, self.e, self.k);
+        for &b in &self.opts.batches {
             // warm-up (first touch of the output buffer, thread start)
-            let rb = route_uniform(&mut rng, b, e, k, offset, pool);
-            run_batch(&mut backend, h, b, &x, &rb, &mut out, ComputeMode::Exact)?;
-            let mut s = Samples::default();
-            while s.secs < opts.seconds || s.calls < 5 {
-                offset += e + 1;
-                let rb = route_uniform(&mut rng, b, e, k, offset, pool);
-                let t = Instant::now();
-                run_batch(&mut backend, h, b, &x, &rb, &mut out, ComputeMode::Exact)?;
-                s.add(
-                    (rb.groups.len() as u64 * expert_bytes) as f64,
-                    t.elapsed().as_secs_f64(),
-                    rb.groups.len(),
-                );
-            }
+            let rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
+            run_batch(
+                &mut self.backend,
+                h,
+                b,
+                &self.x,
+                &rb,
+                &mut self.out,
+                ComputeMode::Exact,
+            )?;
+            let s = self.sample_routed(b, ComputeMode::Exact, e + 1, self.opts.seconds)?;
             let avg_touched = s.touched as f64 / s.calls as f64;
             let ops = 2.0 * (b * k) as f64 * spec.expert_params() as f64 * s.calls as f64 / s.secs;
             pending.push((
@@ -289,112 +413,93 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
                 s.secs / s.calls as f64 * 1e6
             );
         }
-        // Accurate mode at batch 1, for reference.
-        {
-            let mut offset = 0;
-            let mut s = Samples::default();
-            while s.secs < opts.seconds.min(1.0) || s.calls < 5 {
-                offset += k;
-                let rb = route_uniform(&mut rng, 1, e, k, offset, pool);
-                let t = Instant::now();
-                run_batch(&mut backend, h, 1, &x, &rb, &mut out, ComputeMode::Accurate)?;
-                s.add(
-                    (rb.groups.len() as u64 * expert_bytes) as f64,
-                    t.elapsed().as_secs_f64(),
-                    rb.groups.len(),
-                );
-            }
-            pending.push((
-                BenchResult::new(
-                    format!("decode-accurate {} H{h} F{f}", spec.name),
-                    1,
-                    gbs(s.median()),
-                    0.0,
-                    "GB/s",
-                )
-                .with("mode", "accurate"),
-                gbs(s.best()),
-            ));
-            println!(
-                "  B=   1 accurate: {:>7.2} GB/s (median call; best {:.2})",
+        Ok(())
+    }
+
+    /// Accurate step: accurate mode at batch 1, for reference.
+    fn accurate(&mut self, pending: &mut Vec<(BenchResult, f64)>) -> anyhow::Result<()> {
+        let secs = self.opts.seconds.min(1.0);
+        let s = self.sample_routed(1, ComputeMode::Accurate, self.k, secs)?;
+        pending.push((
+            BenchResult::new(
+                format!("decode-accurate {} H{} F{}", self.spec.name, self.h, self.f),
+                1,
                 gbs(s.median()),
-                gbs(s.best())
-            );
-        }
-        // Prefill: many tokens on one expert at a time (compute-bound).
-        if opts.prefill_tokens > 0 && mhz > 0.0 {
-            let tpe = opts.prefill_tokens;
-            let peak = opts.threads as f64 * mhz * 1e6 * 2.0 * 64.0;
-            let mut s = Samples::default();
-            let mut idx = 0usize;
-            let toks: Vec<u32> = (0..tpe as u32).collect();
-            while s.secs < opts.seconds || s.calls < 3 {
-                let rb = RoutedBatch {
-                    groups: vec![(
-                        (idx % pool) as u32,
-                        toks.clone(),
-                        vec![1.0; tpe],
-                        toks.clone(),
-                    )],
-                    pairs: tpe,
-                };
-                idx += 1;
-                let t = Instant::now();
-                run_batch(&mut backend, h, tpe, &x, &rb, &mut out, ComputeMode::Exact)?;
-                s.add(
-                    2.0 * tpe as f64 * spec.expert_params() as f64,
-                    t.elapsed().as_secs_f64(),
-                    rb.pairs,
-                );
-            }
-            let mut r = BenchResult::new(format!("prefill-exact {} H{h} F{f}", spec.name), tpe as u64, s.median() / 1e12, peak / 1e12, "TOPS")
-                .with("peak_basis", format!("{} threads x {mhz:.0} MHz x 128 int8 ops/cycle (one 512-bit vpdpbusd per cycle)", opts.threads))
-                .with("best", s.best() / 1e12)
-                .with("ratio_best", s.best() / peak)
-                .with("mode", "exact");
-            r.extra
-                .insert("limit_kind".into(), "compute peak (nominal clock)".into());
-            report.results.push(r);
-            println!(
-                "  prefill {tpe} tokens/expert: {:.3} int8 TOPS ({:.3} of VNNI peak; best {:.3})",
-                s.median() / 1e12,
-                s.median() / peak,
-                s.best() / peak
-            );
-        }
-    }
-    // Memory-bound results against the run's bandwidth (medians, and bests alongside).
-    let (limit, limit_best) = (gbs(bw.median()), gbs(bw.best()));
-    report
-        .machine
-        .extra
-        .insert("read_bandwidth_gbs_median".into(), limit.into());
-    report
-        .machine
-        .extra
-        .insert("read_bandwidth_gbs_best".into(), limit_best.into());
-    for (mut r, best) in pending {
-        r.limit = limit;
-        r.ratio = if limit > 0.0 { r.achieved / limit } else { 0.0 };
-        r = r
-            .with("best", best)
-            .with("limit_best", limit_best)
-            .with(
-                "ratio_best",
-                if limit_best > 0.0 {
-                    best / limit_best
-                } else {
-                    0.0
-                },
+                0.0,
+                "GB/s",
             )
-            .with(
-                "limit_kind",
-                "memory read bandwidth, same run, same threads",
-            );
-        report.results.insert(0, r);
+            .with("mode", "accurate"),
+            gbs(s.best()),
+        ));
+        println!(
+            "  B=   1 accurate: {:>7.2} GB/s (median call; best {:.2})",
+            gbs(s.median()),
+            gbs(s.best())
+        );
+        Ok(())
     }
-    report
-        .results
-        .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
-    Ok(report)
+
+    /// Prefill step: many tokens on one expert at a time (compute-bound), against the VNNI
+    /// peak at `mhz`.
+    fn prefill(&mut self, mhz: f64) -> anyhow::Result<BenchResult> {
+        let (opts, spec, h, f) = (self.opts, self.spec, self.h, self.f);
+        let tpe = opts.prefill_tokens;
+        let peak = opts.threads as f64 * mhz * 1e6 * 2.0 * 64.0;
+        let mut s = Samples::default();
+        let mut idx = 0usize;
+        let toks: Vec<u32> = (0..tpe as u32).collect();
+        while s.secs < opts.seconds || s.calls < 3 {
+            let rb = RoutedBatch {
+                groups: vec![(
+                    (idx % self.pool) as u32,
+                    toks.clone(),
+                    vec![1.0; tpe],
+                    toks.clone(),
+                )],
+                pairs: tpe,
+            };
+            idx += 1;
+            let t = Instant::now();
+            run_batch(
+                &mut self.backend,
+                h,
+                tpe,
+                &self.x,
+                &rb,
+                &mut self.out,
+                ComputeMode::Exact,
+            )?;
+            s.add(
+                2.0 * tpe as f64 * spec.expert_params() as f64,
+                t.elapsed().as_secs_f64(),
+                rb.pairs,
+            );
+        }
+        let mut r = BenchResult::new(
+            format!("prefill-exact {} H{h} F{f}", spec.name),
+            tpe as u64,
+            s.median() / 1e12,
+            peak / 1e12,
+            "TOPS",
+        )
+        .with(
+            "peak_basis",
+            format!(
+                "{} threads x {mhz:.0} MHz x 128 int8 ops/cycle (one 512-bit vpdpbusd per cycle)",
+                opts.threads
+            ),
+        )
+        .with("best", s.best() / 1e12)
+        .with("ratio_best", s.best() / peak)
+        .with("mode", "exact");
+        r.extra
+            .insert("limit_kind".into(), "compute peak (nominal clock)".into());
+        println!(
+            "  prefill {tpe} tokens/expert: {:.3} int8 TOPS ({:.3} of VNNI peak; best {:.3})",
+            s.median() / 1e12,
+            s.median() / peak,
+            s.best() / peak
+        );
+        Ok(r)
+    }
 }

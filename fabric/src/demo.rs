@@ -14,7 +14,9 @@ use anyhow::{Context, anyhow};
 use clap::Args;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
+use expertmesh_router::core::RouterStats;
 use expertmesh_router::reference;
+use expertmesh_worker::deploy::Deployment;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -116,17 +118,53 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         cli.placement.as_deref(),
     )?;
     let mode: ComputeMode = cli.router.mode.into();
-    let mut opts = LocalFabricOptions::new(&topology, &cli.model, &placement);
-    opts.link = cli.link.into();
-    opts.router = cli.router.config();
-    opts.ephemeral_ports = true;
-    opts.log_dir = Some(tmp.path().join("logs"));
-    println!("ExpertMesh demo: starting a local fabric ...");
-    let t_start = Instant::now();
-    let fabric = LocalFabric::start(opts).context("starting the local fabric")?;
+    let fabric = start_fabric(&cli, &topology, &placement, tmp.path(), mode)?;
     let dep = fabric.deployment().clone();
     let spec = dep.spec.clone();
     let h = spec.hidden as usize;
+    let layers = spec.moe_layer_ids();
+    let calls = schedule(&cli, &layers, h);
+    let total_tokens: usize = calls.iter().map(|c| c.tokens).sum();
+    let (calls, traffic_secs) = run_traffic(&cli, &fabric, calls, h)?;
+    let stats = fabric.service().stats();
+    fabric.shutdown();
+
+    println!(
+        "  checking {} responses against the in-process reference ...",
+        calls.lock().map(|c| c.len()).unwrap_or(0)
+    );
+    let calls = Arc::try_unwrap(calls)
+        .map_err(|_| anyhow!("clients still hold the calls"))?
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner());
+    let check = check_responses(&cli, &dep, &layers, &calls, mode)?;
+    let traffic = Traffic {
+        calls: &calls,
+        total_tokens,
+        secs: traffic_secs,
+        stats: &stats,
+    };
+    report(&cli, &dep, mode, &traffic, &check)
+}
+
+/// Setup step: start the local fabric and print what it runs.
+fn start_fabric(
+    cli: &DemoCli,
+    topology: &std::path::Path,
+    placement: &std::path::Path,
+    tmp: &std::path::Path,
+    mode: ComputeMode,
+) -> anyhow::Result<LocalFabric> {
+    let mut opts = LocalFabricOptions::new(topology, &cli.model, placement);
+    opts.link = cli.link.into();
+    opts.router = cli.router.config();
+    opts.ephemeral_ports = true;
+    opts.log_dir = Some(tmp.join("logs"));
+    println!("ExpertMesh demo: starting a local fabric ...");
+    let t_start = Instant::now();
+    let fabric = LocalFabric::start(opts).context("starting the local fabric")?;
+    let dep = fabric.deployment();
+    let spec = &dep.spec;
     println!(
         "  model {}: {} MoE layers x {} experts (top-{}, {} shared), hidden {}, {} per expert",
         spec.name,
@@ -152,14 +190,17 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         t_start.elapsed().as_secs_f64(),
         fabric.frontend_addr()
     );
+    Ok(fabric)
+}
 
-    // The schedule: every layer x every batch size, `rounds` times, in an interleaved order.
-    let layers = spec.moe_layer_ids();
+/// Setup step: the schedule, every layer x every batch size, `rounds` times, in an
+/// interleaved order.
+fn schedule(cli: &DemoCli, layers: &[u32], h: usize) -> Vec<Call> {
     let mut calls: Vec<Call> = Vec::new();
     let mut seed = 1000u64;
     for _ in 0..cli.rounds.max(1) {
         for &b in &cli.batches {
-            for &l in &layers {
+            for &l in layers {
                 seed += 1;
                 calls.push(Call {
                     layer: l,
@@ -171,7 +212,17 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let total_tokens: usize = calls.iter().map(|c| c.tokens).sum();
+    calls
+}
+
+/// Traffic step: `clients` concurrent frontend clients run the schedule; the calls with their
+/// responses and latencies, and the traffic's wall time in seconds.
+fn run_traffic(
+    cli: &DemoCli,
+    fabric: &LocalFabric,
+    calls: Vec<Call>,
+    h: usize,
+) -> anyhow::Result<(Arc<Mutex<Vec<Call>>>, f64)> {
     let bar = if cli.quiet {
         indicatif::ProgressBar::hidden()
     } else {
@@ -231,43 +282,48 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     })?;
     let traffic_secs = t_traffic.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let stats = fabric.service().stats();
-    fabric.shutdown();
+    Ok((calls, traffic_secs))
+}
 
-    // Check every response against the in-process reference.
-    println!(
-        "  checking {} responses against the in-process reference ...",
-        calls.lock().map(|c| c.len()).unwrap_or(0)
-    );
-    let calls = Arc::try_unwrap(calls)
-        .map_err(|_| anyhow!("clients still hold the calls"))?
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner());
+/// What the check step found.
+#[derive(Default)]
+struct CheckResult {
+    mismatches: usize,
+    errors: usize,
+    /// Worst accurate-mode error relative to the output RMS.
+    max_err: f64,
+    /// Expert-weight bytes a weight-moving design would have moved.
+    offload_bytes: u64,
+    first_error: Option<String>,
+}
+
+/// Check step: every response against the in-process reference (bit for bit in exact mode),
+/// and the first call of each layer against the scalar oracle itself.
+fn check_responses(
+    cli: &DemoCli,
+    dep: &Deployment,
+    layers: &[u32],
+    calls: &[Call],
+    mode: ComputeMode,
+) -> anyhow::Result<CheckResult> {
+    let spec = &dep.spec;
     let maxb = cli.batches.iter().copied().max().unwrap_or(1);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut backend =
-        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &layers, threads, maxb)
+        expertmesh_worker::weights::reference_backend(spec, dep.seed, layers, threads, maxb)
             .map_err(|e| anyhow!(e))?;
     let gates: std::collections::HashMap<u32, _> = layers
         .iter()
-        .map(|&l| (l, reference::synthetic_gate(&spec, dep.seed, l)))
+        .map(|&l| (l, reference::synthetic_gate(spec, dep.seed, l)))
         .collect();
-    let (mut mismatches, mut errors, mut max_err) = (0usize, 0usize, 0f64);
-    let mut offload_bytes = 0u64;
-    let mut first_error = None;
+    let mut r = CheckResult::default();
     let mut scalar_checked = 0;
-    for c in &calls {
-        let (routing, want) = reference::moe_layer_backend(
-            &spec,
-            &gates[&c.layer],
-            c.layer,
-            &mut backend,
-            &c.x,
-            mode,
-        )
-        .map_err(|e| anyhow!(e))?;
+    for c in calls {
+        let (routing, want) =
+            reference::moe_layer_backend(spec, &gates[&c.layer], c.layer, &mut backend, &c.x, mode)
+                .map_err(|e| anyhow!(e))?;
         let touched: BTreeSet<u32> = routing.experts.iter().copied().collect();
-        offload_bytes += touched.len() as u64 * spec.expert_bytes();
+        r.offload_bytes += touched.len() as u64 * spec.expert_bytes();
         match &c.out {
             Some(Ok(got)) => {
                 let ok = match mode {
@@ -278,38 +334,68 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
                     ComputeMode::Accurate => {
                         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
                         let e = reference::rel_error_vs_rms(got, &want64);
-                        max_err = max_err.max(e);
+                        r.max_err = r.max_err.max(e);
                         e < 1e-4
                     }
                 };
                 if !ok {
-                    mismatches += 1;
+                    r.mismatches += 1;
                 }
                 // Also check the first call of each layer against the scalar oracle itself.
                 if c.tokens == cli.batches[0] && scalar_checked < layers.len() {
                     scalar_checked += 1;
-                    let lw = reference::synthetic_layer(&spec, dep.seed, c.layer)?;
+                    let lw = reference::synthetic_layer(spec, dep.seed, c.layer)?;
                     let (_, oracle) =
-                        reference::moe_layer(&spec, &lw, &c.x, mode).map_err(|e| anyhow!("{e}"))?;
+                        reference::moe_layer(spec, &lw, &c.x, mode).map_err(|e| anyhow!("{e}"))?;
                     if mode == ComputeMode::Exact
                         && oracle
                             .iter()
                             .zip(got)
                             .any(|(a, b)| a.to_bits() != b.to_bits())
                     {
-                        mismatches += 1;
+                        r.mismatches += 1;
                     }
                 }
             }
             Some(Err(e)) => {
-                errors += 1;
-                first_error.get_or_insert_with(|| e.clone());
+                r.errors += 1;
+                r.first_error.get_or_insert_with(|| e.clone());
             }
-            None => errors += 1,
+            None => r.errors += 1,
         }
     }
+    Ok(r)
+}
 
-    // Report.
+/// The traffic step's outcome, for the report.
+struct Traffic<'a> {
+    calls: &'a [Call],
+    total_tokens: usize,
+    secs: f64,
+    stats: &'a RouterStats,
+}
+
+/// Report step: throughput, latency, bytes on the wire, the check's verdict, the optional
+/// JSON report, and the exit code.
+fn report(
+    cli: &DemoCli,
+    dep: &Deployment,
+    mode: ComputeMode,
+    traffic: &Traffic<'_>,
+    check: &CheckResult,
+) -> anyhow::Result<ExitCode> {
+    let &Traffic {
+        calls,
+        total_tokens,
+        secs: traffic_secs,
+        stats,
+    } = traffic;
+    let CheckResult {
+        mismatches,
+        errors,
+        offload_bytes,
+        ..
+    } = *check;
     let mut lat: Vec<f64> = calls
         .iter()
         .map(|c| c.latency.as_secs_f64() * 1e6)
@@ -332,27 +418,7 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         percentile(&lat, 50.0),
         percentile(&lat, 99.0)
     );
-    println!(
-        "  {:>6} {:>8} {:>10} {:>10}",
-        "batch", "calls", "p50 us", "p99 us"
-    );
-    let mut per_batch = Vec::new();
-    for &b in &cli.batches {
-        let mut l: Vec<f64> = calls
-            .iter()
-            .filter(|c| c.tokens == b)
-            .map(|c| c.latency.as_secs_f64() * 1e6)
-            .collect();
-        l.sort_by(f64::total_cmp);
-        println!(
-            "  {:>6} {:>8} {:>10.0} {:>10.0}",
-            b,
-            l.len(),
-            percentile(&l, 50.0),
-            percentile(&l, 99.0)
-        );
-        per_batch.push(serde_json::json!({"batch": b, "calls": l.len(), "latency_us_p50": percentile(&l, 50.0), "latency_us_p99": percentile(&l, 99.0)}));
-    }
+    let per_batch = report_per_batch(cli, calls);
     println!(
         "  on the wire: {} per token (activations out {}, results back {}; {} batches, {} per-device parts)",
         human_bytes(wire_per_token as u64),
@@ -367,27 +433,10 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         offload_per_token / wire_per_token.max(1.0)
     );
     let ok = mismatches == 0 && errors == 0;
-    match mode {
-        ComputeMode::Exact => println!(
-            "  checked: {} of {} responses bit-identical to the in-process reference{}",
-            calls.len() - mismatches - errors,
-            calls.len(),
-            if errors > 0 {
-                format!(
-                    ", {errors} failed: {}",
-                    first_error.clone().unwrap_or_default()
-                )
-            } else {
-                String::new()
-            }
-        ),
-        ComputeMode::Accurate => println!(
-            "  checked: worst error {max_err:.2e} of the output RMS (tolerance 1e-4); {mismatches} outside, {errors} failed"
-        ),
-    }
+    print_verdict(mode, calls.len(), check);
     if let Some(path) = &cli.json {
         let report = serde_json::json!({
-            "model": spec.name, "topology": dep.topology.name(), "mode": mode.name(),
+            "model": dep.spec.name, "topology": dep.topology.name(), "mode": mode.name(),
             "link": link_name(cli.link),
             "calls": calls.len(), "tokens": total_tokens, "seconds": traffic_secs,
             "tokens_per_s": tokens_per_s,
@@ -409,6 +458,60 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         println!("demo FAILED: {mismatches} mismatched, {errors} failed responses");
         Ok(ExitCode::from(crate::cli::EXIT_INVALID))
     }
+}
+
+/// Report step: the check's verdict.
+fn print_verdict(mode: ComputeMode, calls: usize, check: &CheckResult) {
+    let CheckResult {
+        mismatches,
+        errors,
+        max_err,
+        ..
+    } = *check;
+    match mode {
+        ComputeMode::Exact => println!(
+            "  checked: {} of {} responses bit-identical to the in-process reference{}",
+            calls - mismatches - errors,
+            calls,
+            if errors > 0 {
+                format!(
+                    ", {errors} failed: {}",
+                    check.first_error.clone().unwrap_or_default()
+                )
+            } else {
+                String::new()
+            }
+        ),
+        ComputeMode::Accurate => println!(
+            "  checked: worst error {max_err:.2e} of the output RMS (tolerance 1e-4); {mismatches} outside, {errors} failed"
+        ),
+    }
+}
+
+/// Report step: the latency table per batch size (printed), and its JSON rows.
+fn report_per_batch(cli: &DemoCli, calls: &[Call]) -> Vec<serde_json::Value> {
+    println!(
+        "  {:>6} {:>8} {:>10} {:>10}",
+        "batch", "calls", "p50 us", "p99 us"
+    );
+    let mut per_batch = Vec::new();
+    for &b in &cli.batches {
+        let mut l: Vec<f64> = calls
+            .iter()
+            .filter(|c| c.tokens == b)
+            .map(|c| c.latency.as_secs_f64() * 1e6)
+            .collect();
+        l.sort_by(f64::total_cmp);
+        println!(
+            "  {:>6} {:>8} {:>10.0} {:>10.0}",
+            b,
+            l.len(),
+            percentile(&l, 50.0),
+            percentile(&l, 99.0)
+        );
+        per_batch.push(serde_json::json!({"batch": b, "calls": l.len(), "latency_us_p50": percentile(&l, 50.0), "latency_us_p99": percentile(&l, 99.0)}));
+    }
+    per_batch
 }
 
 fn link_name(l: LinkArg) -> &'static str {

@@ -77,76 +77,8 @@ pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
         path: path.to_string(),
         what,
     };
-    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
-        return Err(bad("not a .npy file (missing \\x93NUMPY magic)".into()));
-    }
-    let major = bytes[6];
-    let (hlen, start): (usize, usize) = match major {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 => {
-            if bytes.len() < 12 {
-                return Err(bad("truncated header".into()));
-            }
-            (
-                u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
-                12,
-            )
-        }
-        v => return Err(bad(format!("unsupported .npy format version {v}"))),
-    };
-    let end = start
-        .checked_add(hlen)
-        .filter(|&e| e <= bytes.len())
-        .ok_or_else(|| bad("header longer than the file".into()))?;
-    let header =
-        std::str::from_utf8(&bytes[start..end]).map_err(|_| bad("header is not UTF-8".into()))?;
-    let field = |key: &str| -> Option<&str> {
-        let i = header.find(&format!("'{key}'"))?;
-        let rest = &header[i + key.len() + 2..];
-        let rest = rest.trim_start().strip_prefix(':')?.trim_start();
-        Some(rest)
-    };
-    let descr = field("descr")
-        .and_then(|r| r.strip_prefix('\''))
-        .and_then(|r| r.split('\'').next())
-        .ok_or_else(|| bad("header has no 'descr'".into()))?;
-    let dtype = match descr {
-        "<f4" => NpyDtype::F32,
-        "<f2" => NpyDtype::F16,
-        "<u2" => NpyDtype::Bf16Bits,
-        other => {
-            return Err(bad(format!(
-                "dtype {other:?} is not supported; use float32 (<f4), float16 (<f2) or bf16 bits as uint16 (<u2)"
-            )));
-        }
-    };
-    let fortran =
-        field("fortran_order").ok_or_else(|| bad("header has no 'fortran_order'".into()))?;
-    if fortran.starts_with("True") {
-        return Err(bad(
-            "Fortran-order arrays are not supported; save with np.ascontiguousarray".into(),
-        ));
-    }
-    let shape = field("shape")
-        .and_then(|r| r.strip_prefix('('))
-        .and_then(|r| r.split(')').next())
-        .ok_or_else(|| bad("header has no 'shape'".into()))?;
-    let dims: Vec<usize> = shape
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<usize>()
-                .map_err(|_| bad(format!("bad shape entry {s:?}")))
-        })
-        .collect::<Result<_, _>>()?;
-    if dims.len() != 2 {
-        return Err(bad(format!(
-            "array has {} dimensions; expected 2-D [tokens, hidden]",
-            dims.len()
-        )));
-    }
-    let (rows, cols) = (dims[0], dims[1]);
+    let (header, end) = header_text(bytes).map_err(bad)?;
+    let (dtype, descr, rows, cols) = parse_header(header).map_err(bad)?;
     let n = rows
         .checked_mul(cols)
         .ok_or_else(|| bad("shape overflows".into()))?;
@@ -180,6 +112,85 @@ pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
         dtype,
         data,
     })
+}
+
+/// Parsing step 1: check the magic and version; the header text and where the data starts.
+fn header_text(bytes: &[u8]) -> Result<(&str, usize), String> {
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err("not a .npy file (missing \\x93NUMPY magic)".into());
+    }
+    let major = bytes[6];
+    let (hlen, start): (usize, usize) = match major {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 => {
+            if bytes.len() < 12 {
+                return Err("truncated header".into());
+            }
+            (
+                u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+                12,
+            )
+        }
+        v => return Err(format!("unsupported .npy format version {v}")),
+    };
+    let end = start
+        .checked_add(hlen)
+        .filter(|&e| e <= bytes.len())
+        .ok_or_else(|| "header longer than the file".to_owned())?;
+    let header =
+        std::str::from_utf8(&bytes[start..end]).map_err(|_| "header is not UTF-8".to_owned())?;
+    Ok((header, end))
+}
+
+/// Parsing step 2: the header's dtype (and its `descr`), and the 2-D shape.
+fn parse_header(header: &str) -> Result<(NpyDtype, &str, usize, usize), String> {
+    let field = |key: &str| -> Option<&str> {
+        let i = header.find(&format!("'{key}'"))?;
+        let rest = &header[i + key.len() + 2..];
+        let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+        Some(rest)
+    };
+    let descr = field("descr")
+        .and_then(|r| r.strip_prefix('\''))
+        .and_then(|r| r.split('\'').next())
+        .ok_or_else(|| "header has no 'descr'".to_owned())?;
+    let dtype = match descr {
+        "<f4" => NpyDtype::F32,
+        "<f2" => NpyDtype::F16,
+        "<u2" => NpyDtype::Bf16Bits,
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported; use float32 (<f4), float16 (<f2) or bf16 bits as uint16 (<u2)"
+            ));
+        }
+    };
+    let fortran =
+        field("fortran_order").ok_or_else(|| "header has no 'fortran_order'".to_owned())?;
+    if fortran.starts_with("True") {
+        return Err(
+            "Fortran-order arrays are not supported; save with np.ascontiguousarray".into(),
+        );
+    }
+    let shape = field("shape")
+        .and_then(|r| r.strip_prefix('('))
+        .and_then(|r| r.split(')').next())
+        .ok_or_else(|| "header has no 'shape'".to_owned())?;
+    let dims: Vec<usize> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<usize>()
+                .map_err(|_| format!("bad shape entry {s:?}"))
+        })
+        .collect::<Result<_, _>>()?;
+    if dims.len() != 2 {
+        return Err(format!(
+            "array has {} dimensions; expected 2-D [tokens, hidden]",
+            dims.len()
+        ));
+    }
+    Ok((dtype, descr, dims[0], dims[1]))
 }
 
 /// Read a `.npy` file.

@@ -265,10 +265,77 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
             "--locality-slack must be a non-negative number".into(),
         ));
     }
+    let mut warnings: Vec<String> = Vec::new();
+    let inputs = read_inputs(args, &mut warnings)?;
+    let Placed {
+        placement,
+        strategy_name,
+        redundant,
+        mut notes,
+    } = match place(args, &inputs, &mut warnings)? {
+        Ok(placed) => placed,
+        Err(no_fit) => return Ok(no_fit),
+    };
+    let ev = evaluate(args, &inputs, &placement, &mut notes);
+    let written = write_files(args, &inputs, &placement, &strategy_name, redundant)?;
+    let (topology, model, coselect) = (&inputs.topology, &inputs.model, &inputs.coselect);
+    let report = Report {
+        args,
+        topology,
+        model,
+        placement: &placement,
+        strategy: &strategy_name,
+        redundant,
+        load_source: match (&args.load, &args.synthetic_load) {
+            (None, None) if args.synthetic_coselect.is_some() => {
+                "implied by the synthetic co-selection counts".into()
+            }
+            (Some(p), _) => format!("{}", p.display()),
+            (None, Some(s)) => format!("synthetic {s}"),
+            (None, None) if coselect.is_some() => "implied by the co-selection counts".into(),
+            (None, None) => "uniform (no statistics)".into(),
+        },
+        after: &ev.after,
+        before: ev.before.as_ref(),
+        before_locality: ev.before_locality.as_ref(),
+        chosen: &ev.chosen,
+        sweep: &ev.sweep,
+        hw: &ev.hw,
+        notes: &notes,
+        warnings: &warnings,
+        written: &written,
+    };
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.json()).unwrap_or_default()
+        );
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What planning reads: the cluster, the model, the statistics, the bench files and the
+/// planner's options.
+struct Inputs {
+    topology: Topology,
+    model: ModelSpec,
+    load: Option<LoadStats>,
+    coselect: Option<CoSelection>,
+    benches: Vec<BenchFile>,
+    shared: SharedPolicy,
+    options: PlanOptions,
+}
+
+/// Step 1: read the topology, the model, the statistics (their warnings into `warnings`) and
+/// the bench files; build the planner's options.
+fn read_inputs(args: &PlanArgs, warnings: &mut Vec<String>) -> Result<Inputs, Usage> {
     let topology = load_topology(&args.topology)?;
     let model = resolve_model(&args.model)?;
-    let mut warnings: Vec<String> = Vec::new();
-
     let load: Option<LoadStats> = match (&args.load, &args.synthetic_load) {
         (Some(p), _) => Some(LoadStats::load(p, &model)?),
         (None, Some(spec)) => Some(parse_synthetic(spec, &model)?),
@@ -302,113 +369,134 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         locality_slack: args.locality_slack,
         description: String::new(),
     };
+    Ok(Inputs {
+        topology,
+        model,
+        load,
+        coselect,
+        benches,
+        shared,
+        options,
+    })
+}
 
-    // The placement: imported, or planned.
-    let (placement, strategy_name, redundant, mut notes) = match &args.import_eplb {
-        Some(path) => {
-            let map = eplb::import(path, &topology, &model).map_err(Usage)?;
-            warnings.extend(map.warnings.iter().cloned());
-            let (locs, shared_bytes) =
-                capacity::place_shared(&topology, &model, &shared).map_err(Usage)?;
-            if let Some(s) = import_shortfall(&topology, &model, &map.slots, &shared_bytes) {
-                return Ok(report_no_fit(args, &topology, &model, &s, &warnings));
-            }
-            let slots_total: usize = map
-                .slots
-                .iter()
-                .map(|l| l.iter().map(Vec::len).sum::<usize>())
-                .max()
-                .unwrap_or(0);
-            let description = format!("imported from {}", path.display());
-            let p = Placement::new(&topology, &model, map.slots, locs, &description).map_err(
-                |problems| {
-                    Usage(format!(
-                        "{} does not make a valid placement:\n{}",
-                        path.display(),
-                        problems
-                            .iter()
-                            .map(|p| format!("  {p}"))
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    ))
-                },
-            )?;
-            let r = slots_total.saturating_sub(model.routed_experts as usize) as u32;
-            (p, "imported".to_owned(), r, Vec::new())
-        }
-        None => match plan::plan(
-            &topology,
-            &model,
-            load.as_ref(),
-            coselect.as_ref(),
-            &options,
+/// The placement and how it came about.
+struct Placed {
+    placement: Placement,
+    strategy_name: String,
+    redundant: u32,
+    notes: Vec<String>,
+}
+
+/// Step 2: the placement, imported or planned; `Ok(Err(code))` when the model does not fit
+/// (the shortfall already reported).
+fn place(
+    args: &PlanArgs,
+    inputs: &Inputs,
+    warnings: &mut Vec<String>,
+) -> Result<Result<Placed, ExitCode>, Usage> {
+    let (topology, model) = (&inputs.topology, &inputs.model);
+    let Some(path) = &args.import_eplb else {
+        return match plan::plan(
+            topology,
+            model,
+            inputs.load.as_ref(),
+            inputs.coselect.as_ref(),
+            &inputs.options,
         ) {
-            Ok(p) => (
-                p.placement,
-                p.strategy.name().to_owned(),
-                p.redundant,
-                p.notes,
-            ),
+            Ok(p) => Ok(Ok(Placed {
+                placement: p.placement,
+                strategy_name: p.strategy.name().to_owned(),
+                redundant: p.redundant,
+                notes: p.notes,
+            })),
             Err(PlanError::DoesNotFit(s)) => {
-                return Ok(report_no_fit(args, &topology, &model, &s, &warnings));
+                Ok(Err(report_no_fit(args, topology, model, &s, warnings)))
             }
-            Err(e) => return Err(Usage(e.to_string())),
-        },
+            Err(e) => Err(Usage(e.to_string())),
+        };
     };
+    let map = eplb::import(path, topology, model).map_err(Usage)?;
+    warnings.extend(map.warnings.iter().cloned());
+    let (locs, shared_bytes) =
+        capacity::place_shared(topology, model, &inputs.shared).map_err(Usage)?;
+    if let Some(s) = import_shortfall(topology, model, &map.slots, &shared_bytes) {
+        return Ok(Err(report_no_fit(args, topology, model, &s, warnings)));
+    }
+    let slots_total: usize = map
+        .slots
+        .iter()
+        .map(|l| l.iter().map(Vec::len).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let description = format!("imported from {}", path.display());
+    let p = Placement::new(topology, model, map.slots, locs, &description).map_err(|problems| {
+        Usage(format!(
+            "{} does not make a valid placement:\n{}",
+            path.display(),
+            problems
+                .iter()
+                .map(|p| format!("  {p}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        ))
+    })?;
+    let r = slots_total.saturating_sub(model.routed_experts as usize) as u32;
+    Ok(Ok(Placed {
+        placement: p,
+        strategy_name: "imported".to_owned(),
+        redundant: r,
+        notes: Vec::new(),
+    }))
+}
 
-    // Baselines: no statistics and no replicas ("before balancing"); the same without
-    // co-selection ("before locality").
+/// The evaluations the report compares, and the throughput roofline.
+struct Evaluated {
+    hw: Hardware,
+    after: Evaluation,
+    before: Option<Evaluation>,
+    before_locality: Option<Evaluation>,
+    sweep: Vec<Roofline>,
+    chosen: Roofline,
+}
+
+/// Step 3: evaluate the placement against its baselines — no statistics and no replicas
+/// ("before balancing"), the same without co-selection ("before locality") — and sweep the
+/// roofline over batch sizes; calibration notes go to `notes`.
+fn evaluate(
+    args: &PlanArgs,
+    inputs: &Inputs,
+    placement: &Placement,
+    notes: &mut Vec<String>,
+) -> Evaluated {
+    let (topology, model) = (&inputs.topology, &inputs.model);
+    let (load, coselect) = (inputs.load.as_ref(), inputs.coselect.as_ref());
     let baseline = plan::plan(
-        &topology,
-        &model,
+        topology,
+        model,
         None,
         None,
         &PlanOptions {
             redundant: Some(0),
             strategy: Strategy::Global,
-            ..options.clone()
+            ..inputs.options.clone()
         },
     )
     .ok();
-    let no_locality = match (&coselect, &args.import_eplb) {
-        (Some(_), None) => plan::plan(&topology, &model, load.as_ref(), None, &options).ok(),
+    let no_locality = match (coselect, &args.import_eplb) {
+        (Some(_), None) => plan::plan(topology, model, load, None, &inputs.options).ok(),
         _ => None,
     };
-
-    let (hw, cal_notes) = hardware(&topology, &model, &benches, args.batch);
+    let (hw, cal_notes) = hardware(topology, model, &inputs.benches, args.batch);
     notes.extend(cal_notes);
     let router = hw.router_node;
-    let evaluator = Evaluator::new(
-        &topology,
-        &model,
-        &placement,
-        load.as_ref(),
-        coselect.as_ref(),
-        router,
-    );
+    let evaluator = Evaluator::new(topology, model, placement, load, coselect, router);
     let after = evaluator.evaluate(&hw);
-    let before = baseline.as_ref().map(|b| {
-        Evaluator::new(
-            &topology,
-            &model,
-            &b.placement,
-            load.as_ref(),
-            coselect.as_ref(),
-            router,
-        )
-        .evaluate(&hw)
-    });
-    let before_locality = no_locality.as_ref().map(|b| {
-        Evaluator::new(
-            &topology,
-            &model,
-            &b.placement,
-            load.as_ref(),
-            coselect.as_ref(),
-            router,
-        )
-        .evaluate(&hw)
-    });
+    let evaluate_other = |b: &plan::Plan| {
+        Evaluator::new(topology, model, &b.placement, load, coselect, router).evaluate(&hw)
+    };
+    let before = baseline.as_ref().map(evaluate_other);
+    let before_locality = no_locality.as_ref().map(evaluate_other);
     let mut batches: Vec<usize> = SWEEP.to_vec();
     if !batches.contains(&args.batch) {
         batches.push(args.batch);
@@ -417,7 +505,7 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
     let sweep: Vec<Roofline> = batches
         .iter()
         .map(|&b| {
-            let (hw_b, _) = hardware(&topology, &model, &benches, b);
+            let (hw_b, _) = hardware(topology, model, &inputs.benches, b);
             evaluator.roofline(&hw_b, b, args.concurrency)
         })
         .collect();
@@ -426,8 +514,25 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         .find(|r| r.batch == args.batch)
         .cloned()
         .unwrap_or_else(|| evaluator.roofline(&hw, args.batch, args.concurrency));
+    Evaluated {
+        hw,
+        after,
+        before,
+        before_locality,
+        sweep,
+        chosen,
+    }
+}
 
-    // Files.
+/// Step 4: write the requested files (placement, EPLB map, statistics); what was written.
+fn write_files(
+    args: &PlanArgs,
+    inputs: &Inputs,
+    placement: &Placement,
+    strategy_name: &str,
+    redundant: u32,
+) -> Result<Vec<String>, Usage> {
+    let (topology, model) = (&inputs.topology, &inputs.model);
     let mut written = Vec::new();
     if let Some(out) = &args.out {
         let header = format!(
@@ -447,79 +552,41 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
             EplbLayersArg::All => EplbLayers::All,
             EplbLayersArg::Moe => EplbLayers::Moe,
         };
-        let text = eplb::export_json(&placement, &topology, &model, layers)
+        let text = eplb::export_json(placement, topology, model, layers)
             .map_err(|e| Usage(format!("cannot export the EPLB map: {e}")))?;
         write_file(path, &text)?;
         written.push(format!("EPLB map: {}", path.display()));
     }
     if let Some(path) = &args.write_load {
-        let Some(l) = &load else {
+        let Some(l) = &inputs.load else {
             return Err(Usage(
                 "--write-load needs load statistics (--load or --synthetic-load)".into(),
             ));
         };
         let text = if is_json_path(path) {
-            l.to_json(&model)
+            l.to_json(model)
         } else {
-            l.to_csv(&model)
+            l.to_csv(model)
         };
         write_file(path, &text)?;
         written.push(format!("load statistics: {}", path.display()));
     }
     if let Some(path) = &args.write_coselect {
-        let Some(c) = &coselect else {
+        let Some(c) = &inputs.coselect else {
             return Err(Usage(
                 "--write-coselect needs co-selection statistics (--coselect or --synthetic-coselect)"
                     .into(),
             ));
         };
         let text = if is_json_path(path) {
-            c.to_json(&model)
+            c.to_json(model)
         } else {
-            c.to_csv(&model)
+            c.to_csv(model)
         };
         write_file(path, &text)?;
         written.push(format!("co-selection statistics: {}", path.display()));
     }
-
-    let report = Report {
-        args,
-        topology: &topology,
-        model: &model,
-        placement: &placement,
-        strategy: &strategy_name,
-        redundant,
-        load_source: match (&args.load, &args.synthetic_load) {
-            (None, None) if args.synthetic_coselect.is_some() => {
-                "implied by the synthetic co-selection counts".into()
-            }
-            (Some(p), _) => format!("{}", p.display()),
-            (None, Some(s)) => format!("synthetic {s}"),
-            (None, None) if coselect.is_some() => "implied by the co-selection counts".into(),
-            (None, None) => "uniform (no statistics)".into(),
-        },
-        after: &after,
-        before: before.as_ref(),
-        before_locality: before_locality.as_ref(),
-        chosen: &chosen,
-        sweep: &sweep,
-        hw: &hw,
-        notes: &notes,
-        warnings: &warnings,
-        written: &written,
-    };
-    for w in &warnings {
-        eprintln!("warning: {w}");
-    }
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report.json()).unwrap_or_default()
-        );
-    } else {
-        print!("{}", report.text());
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(written)
 }
 
 fn is_json_path(path: &Path) -> bool {
@@ -661,8 +728,18 @@ fn shared_text(t: &Topology, p: &Placement) -> String {
 
 impl Report<'_> {
     fn text(&self) -> String {
-        let (t, m, p) = (self.topology, self.model, self.placement);
         let mut out = String::new();
+        self.text_memory(&mut out);
+        self.text_balance(&mut out);
+        self.text_traffic(&mut out);
+        self.text_roofline(&mut out);
+        self.text_footer(&mut out);
+        out
+    }
+
+    /// Text step 1: the headline, the load source and the memory table per device.
+    fn text_memory(&self, out: &mut String) {
+        let (t, m, p) = (self.topology, self.model, self.placement);
         let _ = writeln!(
             out,
             "plan: {} on {} ({} devices on {} nodes) — strategy {}, {} replica slot{} per MoE layer, {}",
@@ -732,7 +809,10 @@ impl Report<'_> {
             format_bytes(budget),
             100.0 * used as f64 / budget.max(1) as f64
         );
+    }
 
+    /// Text step 2: the load balance before and after.
+    fn text_balance(&self, out: &mut String) {
         // Load balance.
         let _ = writeln!(
             out,
@@ -752,7 +832,11 @@ impl Report<'_> {
             self.after.load.max_over_mean_worst,
             self.after.load.worst_layer
         );
+    }
 
+    /// Text step 3: the traffic per token, before and after, and the locality gain.
+    fn text_traffic(&self, out: &mut String) {
+        let (t, m) = (self.topology, self.model);
         // Traffic.
         let tr = &self.after.traffic;
         let _ = writeln!(
@@ -795,7 +879,10 @@ impl Report<'_> {
             );
         }
         let _ = writeln!(out);
+    }
 
+    /// Text step 4: the roofline sweep and the chosen batch's throughput and cost.
+    fn text_roofline(&self, out: &mut String) {
         // Roofline.
         let _ = writeln!(
             out,
@@ -859,6 +946,10 @@ impl Report<'_> {
                 _ => ", no cost (not every device has price_usd_per_hour)".into(),
             }
         );
+    }
+
+    /// Text step 5: the figures used, notes and files written.
+    fn text_footer(&self, out: &mut String) {
         let _ = writeln!(out, "figures used:");
         for s in &self.hw.sources {
             let _ = writeln!(out, "  {}: {} {} ({})", s.what, s.value, s.unit, s.from);
@@ -875,7 +966,6 @@ impl Report<'_> {
                 "(no file written; --out PLACEMENT writes the placement)"
             );
         }
-        out
     }
 
     fn json(&self) -> Value {

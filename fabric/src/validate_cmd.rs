@@ -13,8 +13,8 @@ use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_topology::topology::{DeviceKind, IntraLink};
 use expertmesh_topology::units::format_bytes;
 use expertmesh_topology::{
-    FileError, Placement, PlacementFile, Problem, ResolveError, SharedLocation, Topology,
-    resolve_model,
+    DeviceUsage, FileError, Placement, PlacementFile, Problem, ResolveError, SharedLocation,
+    Topology, resolve_model,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -93,42 +93,8 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
     // The placement is parsed leniently: its own problems and its cross-check problems are
     // listed together, in file order.
     let mut placement_problems: Vec<Problem> = Vec::new();
-    let placement_file = match &args.placement {
-        None => None,
-        Some(path) => match read_text(path) {
-            Ok(text) => {
-                let (file, p) = PlacementFile::parse(&text);
-                placement_problems = p;
-                file.map(|f| (path.as_path(), f, text))
-            }
-            Err(e) => {
-                file_problems(e, &mut problems)?;
-                None
-            }
-        },
-    };
-
-    let model: Option<ModelSpec> = match (&args.model, &placement_file) {
-        (Some(m), _) => match resolve_model(m) {
-            Ok(spec) => Some(spec),
-            Err(ResolveError::File(e)) => {
-                file_problems(e, &mut problems)?;
-                None
-            }
-            Err(e) => return Err(Failure::Usage(e.to_string())),
-        },
-        (None, Some((path, file, _))) => match preset_by_name(file.model_name()) {
-            Some(spec) => Some(spec),
-            None => {
-                return Err(Failure::Usage(format!(
-                    "{} is for model \"{}\", which is not a built-in preset; pass --model with its model file",
-                    path.display(),
-                    file.model_name()
-                )));
-            }
-        },
-        (None, None) => None,
-    };
+    let placement_file = read_placement(args, &mut placement_problems, &mut problems)?;
+    let model = read_model(args, placement_file.as_ref(), &mut problems)?;
 
     let placement = match (&topology, &model, &placement_file) {
         (Some(t), Some(m), Some((_, file, text))) => match file.resolve(text, t, m) {
@@ -150,21 +116,8 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
         );
     }
 
-    // A model whose routed experts exceed the whole cluster's expert memory fits no placement.
     if let (Some(t), Some(m), None) = (&topology, &model, &args.placement) {
-        let need = m.routed_bytes();
-        let have = t.total_expert_memory();
-        if need > have {
-            problems.push(format!(
-                "{}: model \"{}\" needs {} for its routed experts but the {} devices offer {} of expert_memory in total; short by {} — add devices or raise expert_memory",
-                args.topology.display(),
-                m.name,
-                format_bytes(need),
-                t.devices().len(),
-                format_bytes(have),
-                format_bytes(need - have)
-            ));
-        }
+        problems.extend(routed_fit_problem(&args.topology, t, m));
     }
 
     if !problems.is_empty() {
@@ -181,6 +134,76 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
         args.placement.as_deref().zip(placement.as_ref()),
     );
     Ok(())
+}
+
+/// Validate step: read and leniently parse the placement file, if any (its parse problems to
+/// `placement_problems`, an invalid file's to `problems`); its path, contents and text.
+fn read_placement<'a>(
+    args: &'a ValidateArgs,
+    placement_problems: &mut Vec<Problem>,
+    problems: &mut Vec<String>,
+) -> Result<Option<(&'a Path, PlacementFile, String)>, Failure> {
+    Ok(match &args.placement {
+        None => None,
+        Some(path) => match read_text(path) {
+            Ok(text) => {
+                let (file, p) = PlacementFile::parse(&text);
+                *placement_problems = p;
+                file.map(|f| (path.as_path(), f, text))
+            }
+            Err(e) => {
+                file_problems(e, problems)?;
+                None
+            }
+        },
+    })
+}
+
+/// Validate step: the model, from `--model` or else the placement's preset.
+fn read_model(
+    args: &ValidateArgs,
+    placement_file: Option<&(&Path, PlacementFile, String)>,
+    problems: &mut Vec<String>,
+) -> Result<Option<ModelSpec>, Failure> {
+    Ok(match (&args.model, placement_file) {
+        (Some(m), _) => match resolve_model(m) {
+            Ok(spec) => Some(spec),
+            Err(ResolveError::File(e)) => {
+                file_problems(e, problems)?;
+                None
+            }
+            Err(e) => return Err(Failure::Usage(e.to_string())),
+        },
+        (None, Some((path, file, _))) => match preset_by_name(file.model_name()) {
+            Some(spec) => Some(spec),
+            None => {
+                return Err(Failure::Usage(format!(
+                    "{} is for model \"{}\", which is not a built-in preset; pass --model with its model file",
+                    path.display(),
+                    file.model_name()
+                )));
+            }
+        },
+        (None, None) => None,
+    })
+}
+
+/// Validate step: a model whose routed experts exceed the whole cluster's expert memory fits
+/// no placement.
+fn routed_fit_problem(path: &Path, t: &Topology, m: &ModelSpec) -> Option<String> {
+    let need = m.routed_bytes();
+    let have = t.total_expert_memory();
+    (need > have).then(|| {
+        format!(
+            "{}: model \"{}\" needs {} for its routed experts but the {} devices offer {} of expert_memory in total; short by {} — add devices or raise expert_memory",
+            path.display(),
+            m.name,
+            format_bytes(need),
+            t.devices().len(),
+            format_bytes(have),
+            format_bytes(need - have)
+        )
+    })
 }
 
 fn percent(part: u64, whole: u64) -> String {
@@ -205,6 +228,22 @@ fn summarize(
     model: Option<&ModelSpec>,
     placement: Option<(&Path, &Placement)>,
 ) {
+    use std::fmt::Write;
+    summarize_cluster(out, path, t);
+    summarize_nodes(out, t);
+    let usage = match (model, placement) {
+        (Some(m), Some((_, p))) => Some(p.usage(t, m)),
+        _ => None,
+    };
+    summarize_devices(out, t, model, usage.as_deref());
+    if let Some(m) = model {
+        summarize_model(out, t, m, placement.zip(usage.as_deref()));
+    }
+    let _ = writeln!(out, "valid");
+}
+
+/// Summary step 1: the cluster's headline, description and router.
+fn summarize_cluster(out: &mut String, path: &Path, t: &Topology) {
     use std::fmt::Write;
     let gpus = t
         .devices()
@@ -240,7 +279,11 @@ fn summarize(
         );
     }
     let _ = writeln!(out);
+}
 
+/// Summary step 2: the node table.
+fn summarize_nodes(out: &mut String, t: &Topology) {
+    use std::fmt::Write;
     // Nodes.
     let rows: Vec<Vec<String>> = t
         .nodes()
@@ -284,12 +327,17 @@ fn summarize(
             &rows,
         )
     );
+}
 
-    // Devices, with the experts each holds (placement) or would hold (even split).
-    let usage = match (model, placement) {
-        (Some(m), Some((_, p))) => Some(p.usage(t, m)),
-        _ => None,
-    };
+/// Summary step 3: the device table, with the experts each holds (placement `usage`) or
+/// would hold (even split).
+fn summarize_devices(
+    out: &mut String,
+    t: &Topology,
+    model: Option<&ModelSpec>,
+    usage: Option<&[DeviceUsage]>,
+) {
+    use std::fmt::Write;
     let even = model.map(|m| {
         let n = t.devices().len().max(1) as u64;
         let per_layer = (m.routed_experts as u64).div_ceil(n);
@@ -331,7 +379,7 @@ fn summarize(
             d.data_port().to_string(),
         ];
         let budget = d.expert_memory_bytes();
-        if let Some(u) = usage.as_ref().map(|u| u[d.rank().index()]) {
+        if let Some(u) = usage.map(|u| u[d.rank().index()]) {
             row.push(if u.experts_per_layer_min == u.experts_per_layer_max {
                 u.experts_per_layer_min.to_string()
             } else {
@@ -349,72 +397,78 @@ fn summarize(
         rows.push(row);
     }
     let _ = writeln!(out, "{}\n", table::render(&cols, &rows));
+}
 
-    if let Some(m) = model {
-        let shared = if m.shared_experts > 0 {
-            format!(
-                ", shared experts {} ({} per layer)",
-                format_bytes(m.shared_bytes()),
-                m.shared_experts
-            )
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            out,
-            "model \"{}\": {} MoE layers x {} experts (top-{}), {} per expert, routed experts {}{shared}",
-            m.name,
-            m.moe_layers(),
-            m.routed_experts,
-            m.top_k,
-            format_bytes(m.expert_bytes()),
-            format_bytes(m.routed_bytes()),
-        );
-        match (placement, &usage) {
-            (Some((ppath, p)), Some(u)) => {
-                let experts = p.layers().len() * p.routed_experts() as usize;
-                let slots = p.total_slots();
-                let shared_at: Vec<String> = {
-                    let mut locs: Vec<String> = p
-                        .layers()
-                        .iter()
-                        .filter_map(|&l| p.shared_location(l))
-                        .map(|s| match s {
-                            SharedLocation::Router => "router".to_owned(),
-                            SharedLocation::Device(r) => t.devices()[r.index()].id().to_owned(),
-                        })
-                        .collect();
-                    locs.dedup();
-                    locs
-                };
-                let used: u64 = u.iter().map(|x| x.total_bytes()).sum();
-                let _ = writeln!(
-                    out,
-                    "placement ({}): {} experts in {} slots ({} replicas){}; every device fits, {} of {} expert memory used ({})",
-                    ppath.display(),
-                    experts,
-                    slots,
-                    slots - experts,
-                    if shared_at.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; shared experts on {}", shared_at.join(", "))
-                    },
-                    format_bytes(used),
-                    format_bytes(t.total_expert_memory()),
-                    percent(used, t.total_expert_memory())
-                );
-            }
-            _ => {
-                let _ = writeln!(
-                    out,
-                    "fit: routed experts need {} of {} expert memory ({}); no placement given (--placement P checks one)",
-                    format_bytes(m.routed_bytes()),
-                    format_bytes(t.total_expert_memory()),
-                    percent(m.routed_bytes(), t.total_expert_memory())
-                );
-            }
+/// Summary step 4: the model, and the placement's totals or the model's fit.
+fn summarize_model(
+    out: &mut String,
+    t: &Topology,
+    m: &ModelSpec,
+    placement: Option<((&Path, &Placement), &[DeviceUsage])>,
+) {
+    use std::fmt::Write;
+    let shared = if m.shared_experts > 0 {
+        format!(
+            ", shared experts {} ({} per layer)",
+            format_bytes(m.shared_bytes()),
+            m.shared_experts
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "model \"{}\": {} MoE layers x {} experts (top-{}), {} per expert, routed experts {}{shared}",
+        m.name,
+        m.moe_layers(),
+        m.routed_experts,
+        m.top_k,
+        format_bytes(m.expert_bytes()),
+        format_bytes(m.routed_bytes()),
+    );
+    match placement {
+        Some(((ppath, p), u)) => {
+            let experts = p.layers().len() * p.routed_experts() as usize;
+            let slots = p.total_slots();
+            let shared_at: Vec<String> = {
+                let mut locs: Vec<String> = p
+                    .layers()
+                    .iter()
+                    .filter_map(|&l| p.shared_location(l))
+                    .map(|s| match s {
+                        SharedLocation::Router => "router".to_owned(),
+                        SharedLocation::Device(r) => t.devices()[r.index()].id().to_owned(),
+                    })
+                    .collect();
+                locs.dedup();
+                locs
+            };
+            let used: u64 = u.iter().map(|x| x.total_bytes()).sum();
+            let _ = writeln!(
+                out,
+                "placement ({}): {} experts in {} slots ({} replicas){}; every device fits, {} of {} expert memory used ({})",
+                ppath.display(),
+                experts,
+                slots,
+                slots - experts,
+                if shared_at.is_empty() {
+                    String::new()
+                } else {
+                    format!("; shared experts on {}", shared_at.join(", "))
+                },
+                format_bytes(used),
+                format_bytes(t.total_expert_memory()),
+                percent(used, t.total_expert_memory())
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                out,
+                "fit: routed experts need {} of {} expert memory ({}); no placement given (--placement P checks one)",
+                format_bytes(m.routed_bytes()),
+                format_bytes(t.total_expert_memory()),
+                percent(m.routed_bytes(), t.total_expert_memory())
+            );
         }
     }
-    let _ = writeln!(out, "valid");
 }

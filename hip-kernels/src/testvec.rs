@@ -174,89 +174,21 @@ pub fn generate_case(p: &CaseParams, seed: u64) -> Result<VectorCase, FormatErro
         "top_k must be in 1..=experts"
     );
     let mut rng = SplitMix64::new(seed);
-    let mut experts = Vec::with_capacity(p.experts);
-    for e in 0..p.experts {
-        let w = if p.gaussian {
-            synth::quantized_gaussian_expert(p.spec, p.hidden, p.inter, &mut rng)?
-        } else {
-            synth::synthetic_expert(p.spec, p.hidden, p.inter, seed, 0, e as u32)?
-        };
-        experts.push(w);
-    }
+    let experts = generate_experts(p, seed, &mut rng)?;
     let h = p.hidden;
-    let mut x = synth::normal_vec(&mut rng, p.tokens * h, 1.0);
-    // Edge blocks: an all-zero block and a block below the contract's amax threshold.
-    x[..BLOCK].fill(0.0);
-    if h >= 2 * BLOCK {
-        x[BLOCK..2 * BLOCK].fill(1e-35);
-    }
-    // Routing: each token picks top_k distinct experts; output rows token-major in slot order.
-    let mut choice: Vec<Vec<(u32, f32, u32)>> = vec![Vec::new(); p.experts];
-    let mut out_row = 0u32;
-    for t in 0..p.tokens {
-        let mut picked: Vec<u32> = Vec::with_capacity(p.top_k);
-        while picked.len() < p.top_k {
-            let e = rng.below(p.experts as u64) as u32;
-            if !picked.contains(&e) {
-                picked.push(e);
-            }
-        }
-        for e in picked {
-            let w = rng.uniform(0.05, 1.0) as f32;
-            choice[e as usize].push((t as u32, w, out_row));
-            out_row += 1;
-        }
-    }
-    let pairs = out_row as usize;
-    let mut groups = Vec::new();
-    let (mut pair_token, mut pair_out, mut pair_weight) = (Vec::new(), Vec::new(), Vec::new());
-    for (e, list) in choice.iter().enumerate() {
-        groups.push(VectorGroup {
-            expert: e as u32,
-            count: list.len() as u32,
-        });
-        for &(t, w, r) in list {
-            pair_token.push(t);
-            pair_weight.push(w);
-            pair_out.push(r);
-        }
-    }
+    let x = generate_input(p, &mut rng);
+    let routing = generate_routing(p, &mut rng);
     let mut xq = vec![0i8; p.tokens * h];
     let mut xd = vec![0f32; p.tokens * h / BLOCK];
     contract::quantize_activations(&x, &mut xq, &mut xd);
-    let mut y_exact = vec![0f32; pairs * h];
-    let mut y_accurate = vec![0f32; pairs * h];
-    let mut y_f64 = vec![0f64; pairs * h];
-    let mut pair = 0usize;
-    for g in &groups {
-        let w = &experts[g.expert as usize];
-        for _ in 0..g.count {
-            let t = pair_token[pair] as usize;
-            let r = pair_out[pair] as usize;
-            let xt = &x[t * h..(t + 1) * h];
-            reference::expert_ffn_exact(w, xt, &mut y_exact[r * h..(r + 1) * h]);
-            reference::expert_ffn_accurate(w, xt, &mut y_accurate[r * h..(r + 1) * h]);
-            let x64: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
-            reference::expert_ffn_f64(w, &x64, &mut y_f64[r * h..(r + 1) * h]);
-            pair += 1;
-        }
-    }
-    // Pre-combined: per token, its pairs in increasing output row.
-    let mut by_token: Vec<Vec<(u32, f32)>> = vec![Vec::new(); p.tokens];
-    for i in 0..pairs {
-        by_token[pair_token[i] as usize].push((pair_out[i], pair_weight[i]));
-    }
-    let mut y_combined = vec![0f32; p.tokens * h];
-    for (t, list) in by_token.iter_mut().enumerate() {
-        list.sort_by_key(|&(r, _)| r);
-        for n in 0..h {
-            let mut acc = 0f32;
-            for &(r, w) in list.iter() {
-                acc += w * y_exact[r as usize * h + n];
-            }
-            y_combined[t * h + n] = acc;
-        }
-    }
+    let (y_exact, y_accurate, y_f64) = reference_outputs(&experts, &x, h, &routing);
+    let y_combined = combine_reference(p.tokens, h, &routing, &y_exact);
+    let Routing {
+        groups,
+        pair_token,
+        pair_out,
+        pair_weight,
+    } = routing;
     Ok(VectorCase {
         spec: p.spec,
         hidden: h,
@@ -275,6 +207,133 @@ pub fn generate_case(p: &CaseParams, seed: u64) -> Result<VectorCase, FormatErro
         y_accurate,
         y_f64,
     })
+}
+
+/// A case's routing: the groups and, group-major, each pair's token, output row and weight.
+struct Routing {
+    groups: Vec<VectorGroup>,
+    pair_token: Vec<u32>,
+    pair_out: Vec<u32>,
+    pair_weight: Vec<f32>,
+}
+
+/// Generation step 1: the experts (quantized Gaussian weights or random codes).
+fn generate_experts(
+    p: &CaseParams,
+    seed: u64,
+    rng: &mut SplitMix64,
+) -> Result<Vec<ExpertWeights>, FormatError> {
+    let mut experts = Vec::with_capacity(p.experts);
+    for e in 0..p.experts {
+        let w = if p.gaussian {
+            synth::quantized_gaussian_expert(p.spec, p.hidden, p.inter, rng)?
+        } else {
+            synth::synthetic_expert(p.spec, p.hidden, p.inter, seed, 0, e as u32)?
+        };
+        experts.push(w);
+    }
+    Ok(experts)
+}
+
+/// Generation step 2: the input `[T][H]`, with its edge blocks.
+fn generate_input(p: &CaseParams, rng: &mut SplitMix64) -> Vec<f32> {
+    let h = p.hidden;
+    let mut x = synth::normal_vec(rng, p.tokens * h, 1.0);
+    // Edge blocks: an all-zero block and a block below the contract's amax threshold.
+    x[..BLOCK].fill(0.0);
+    if h >= 2 * BLOCK {
+        x[BLOCK..2 * BLOCK].fill(1e-35);
+    }
+    x
+}
+
+/// Generation step 3: routing, each token picking top_k distinct experts; output rows
+/// token-major in slot order; pairs laid out group-major.
+fn generate_routing(p: &CaseParams, rng: &mut SplitMix64) -> Routing {
+    let mut choice: Vec<Vec<(u32, f32, u32)>> = vec![Vec::new(); p.experts];
+    let mut out_row = 0u32;
+    for t in 0..p.tokens {
+        let mut picked: Vec<u32> = Vec::with_capacity(p.top_k);
+        while picked.len() < p.top_k {
+            let e = rng.below(p.experts as u64) as u32;
+            if !picked.contains(&e) {
+                picked.push(e);
+            }
+        }
+        for e in picked {
+            let w = rng.uniform(0.05, 1.0) as f32;
+            choice[e as usize].push((t as u32, w, out_row));
+            out_row += 1;
+        }
+    }
+    let mut groups = Vec::new();
+    let (mut pair_token, mut pair_out, mut pair_weight) = (Vec::new(), Vec::new(), Vec::new());
+    for (e, list) in choice.iter().enumerate() {
+        groups.push(VectorGroup {
+            expert: e as u32,
+            count: list.len() as u32,
+        });
+        for &(t, w, r) in list {
+            pair_token.push(t);
+            pair_weight.push(w);
+            pair_out.push(r);
+        }
+    }
+    Routing {
+        groups,
+        pair_token,
+        pair_out,
+        pair_weight,
+    }
+}
+
+/// Generation step 4: the per-slot reference outputs (exact, accurate, f64) by output row.
+fn reference_outputs(
+    experts: &[ExpertWeights],
+    x: &[f32],
+    h: usize,
+    routing: &Routing,
+) -> (Vec<f32>, Vec<f32>, Vec<f64>) {
+    let pairs = routing.pair_token.len();
+    let mut y_exact = vec![0f32; pairs * h];
+    let mut y_accurate = vec![0f32; pairs * h];
+    let mut y_f64 = vec![0f64; pairs * h];
+    let mut pair = 0usize;
+    for g in &routing.groups {
+        let w = &experts[g.expert as usize];
+        for _ in 0..g.count {
+            let t = routing.pair_token[pair] as usize;
+            let r = routing.pair_out[pair] as usize;
+            let xt = &x[t * h..(t + 1) * h];
+            reference::expert_ffn_exact(w, xt, &mut y_exact[r * h..(r + 1) * h]);
+            reference::expert_ffn_accurate(w, xt, &mut y_accurate[r * h..(r + 1) * h]);
+            let x64: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+            reference::expert_ffn_f64(w, &x64, &mut y_f64[r * h..(r + 1) * h]);
+            pair += 1;
+        }
+    }
+    (y_exact, y_accurate, y_f64)
+}
+
+/// Generation step 5: the pre-combined outputs, per token its pairs in increasing output row.
+fn combine_reference(tokens: usize, h: usize, routing: &Routing, y_exact: &[f32]) -> Vec<f32> {
+    let mut by_token: Vec<Vec<(u32, f32)>> = vec![Vec::new(); tokens];
+    for i in 0..routing.pair_token.len() {
+        by_token[routing.pair_token[i] as usize]
+            .push((routing.pair_out[i], routing.pair_weight[i]));
+    }
+    let mut y_combined = vec![0f32; tokens * h];
+    for (t, list) in by_token.iter_mut().enumerate() {
+        list.sort_by_key(|&(r, _)| r);
+        for n in 0..h {
+            let mut acc = 0f32;
+            for &(r, w) in list.iter() {
+                acc += w * y_exact[r as usize * h + n];
+            }
+            y_combined[t * h + n] = acc;
+        }
+    }
+    y_combined
 }
 
 /// The standard set: random shapes covering K not a multiple of 256, every scale type, group
@@ -467,6 +526,26 @@ const MAX_DIM: u32 = 1 << 24;
 
 /// Parse an `EMTV` file, checking magic, version, every length and the checksum.
 pub fn from_bytes(bytes: &[u8]) -> Result<Vec<VectorCase>, VectorError> {
+    let (mut r, n) = open_file(bytes)?;
+    let mut cases = Vec::new();
+    for case in 0..n as usize {
+        cases.push(read_case(&mut r, case)?);
+    }
+    if r.pos != r.bytes.len() {
+        return Err(VectorError::BadHeader {
+            case: n as usize,
+            detail: format!(
+                "{} trailing bytes after the last case",
+                r.bytes.len() - r.pos
+            ),
+        });
+    }
+    Ok(cases)
+}
+
+/// Parsing step 1: check the magic, version and checksum; a reader over the checksummed body
+/// positioned at the first case, and the case count.
+fn open_file(bytes: &[u8]) -> Result<(Reader<'_>, u32), VectorError> {
     if bytes.len() < 24 {
         return Err(VectorError::Truncated {
             what: "header",
@@ -495,99 +574,126 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<VectorCase>, VectorError> {
     }
     let n = r.u32("case count")?;
     r.u32("reserved")?;
-    let mut cases = Vec::new();
-    for case in 0..n as usize {
-        let mut hdr = [0u32; 9];
-        for v in hdr.iter_mut() {
-            *v = r.u32("case header")?;
-        }
-        let [h, f, gs, dt, zp, e, t, g, p] = hdr;
-        let bad = |detail: String| VectorError::BadHeader { case, detail };
-        if hdr.iter().any(|&v| v > MAX_DIM) {
-            return Err(bad(format!("a dimension exceeds {MAX_DIM}: {hdr:?}")));
-        }
-        let scale_dtype = ScaleDtype::from_flag(dt as u8)
-            .filter(|_| dt <= 1)
-            .ok_or_else(|| bad(format!("scale dtype flag {dt} is not 0 (f16) or 1 (bf16)")))?;
-        if zp > 1 {
-            return Err(bad(format!("zero-point flag {zp} is not 0 or 1")));
-        }
-        let spec = QuantSpec {
-            group_size: gs,
-            scale_dtype,
-            zero_points: zp == 1,
-        };
-        spec.validate()
-            .map_err(|source| VectorError::Format { case, source })?;
-        let (h, f, t, p) = (h as usize, f as usize, t as usize, p as usize);
-        if h == 0 || f == 0 || h % BLOCK != 0 || f % BLOCK != 0 {
-            return Err(bad(format!(
-                "hidden {h} and inter {f} must be positive multiples of 32"
-            )));
-        }
-        let mut experts = Vec::with_capacity(e as usize);
-        for _ in 0..e {
-            let w13 = r.matrix(case, "W13", spec, 2 * f, h)?;
-            let w2 = r.matrix(case, "W2", spec, h, f)?;
-            experts.push(
-                ExpertWeights::new(w13, w2)
-                    .map_err(|source| VectorError::Format { case, source })?,
-            );
-        }
-        let x = r.f32s(t * h, "x")?;
-        let raw = r.u32s(2 * g as usize, "groups")?;
-        let groups: Vec<VectorGroup> = raw
-            .chunks_exact(2)
-            .map(|c| VectorGroup {
-                expert: c[0],
-                count: c[1],
-            })
-            .collect();
-        if groups.iter().map(|g| g.count as usize).sum::<usize>() != p {
-            return Err(bad(format!("group counts do not add up to {p} pairs")));
-        }
-        if let Some(g) = groups.iter().find(|g| g.expert >= e) {
-            return Err(bad(format!("group names expert {} of {e}", g.expert)));
-        }
-        let pair_token = r.u32s(p, "pair tokens")?;
-        let pair_out = r.u32s(p, "pair output rows")?;
-        let pair_weight = r.f32s(p, "pair weights")?;
-        if pair_token.iter().any(|&v| v as usize >= t) || pair_out.iter().any(|&v| v as usize >= p)
-        {
-            return Err(bad("a pair's token or output row is out of range".into()));
-        }
-        let xq = r.take(t * h, "xq")?.iter().map(|&b| b as i8).collect();
-        let xd = r.f32s(t * h / BLOCK, "xd")?;
-        let y_exact = r.f32s(p * h, "y_exact")?;
-        let y_combined = r.f32s(t * h, "y_combined")?;
-        let y_accurate = r.f32s(p * h, "y_accurate")?;
-        let y_f64 = r.f64s(p * h, "y_f64")?;
-        cases.push(VectorCase {
-            spec,
-            hidden: h,
-            inter: f,
-            experts,
-            tokens: t,
-            x,
-            groups,
-            pair_token,
-            pair_out,
-            pair_weight,
-            xq,
-            xd,
-            y_exact,
-            y_combined,
-            y_accurate,
-            y_f64,
-        });
+    Ok((r, n))
+}
+
+/// A case header's checked fields.
+struct CaseHeader {
+    spec: QuantSpec,
+    hidden: usize,
+    inter: usize,
+    experts: u32,
+    tokens: usize,
+    groups: u32,
+    pairs: usize,
+}
+
+/// Parsing step 2: read and check one case's header.
+fn read_case_header(r: &mut Reader<'_>, case: usize) -> Result<CaseHeader, VectorError> {
+    let mut hdr = [0u32; 9];
+    for v in hdr.iter_mut() {
+        *v = r.u32("case header")?;
     }
-    if r.pos != body.len() {
-        return Err(VectorError::BadHeader {
-            case: n as usize,
-            detail: format!("{} trailing bytes after the last case", body.len() - r.pos),
-        });
+    let [h, f, gs, dt, zp, e, t, g, p] = hdr;
+    let bad = |detail: String| VectorError::BadHeader { case, detail };
+    if hdr.iter().any(|&v| v > MAX_DIM) {
+        return Err(bad(format!("a dimension exceeds {MAX_DIM}: {hdr:?}")));
     }
-    Ok(cases)
+    let scale_dtype = ScaleDtype::from_flag(dt as u8)
+        .filter(|_| dt <= 1)
+        .ok_or_else(|| bad(format!("scale dtype flag {dt} is not 0 (f16) or 1 (bf16)")))?;
+    if zp > 1 {
+        return Err(bad(format!("zero-point flag {zp} is not 0 or 1")));
+    }
+    let spec = QuantSpec {
+        group_size: gs,
+        scale_dtype,
+        zero_points: zp == 1,
+    };
+    spec.validate()
+        .map_err(|source| VectorError::Format { case, source })?;
+    let (h, f, t, p) = (h as usize, f as usize, t as usize, p as usize);
+    if h == 0 || f == 0 || h % BLOCK != 0 || f % BLOCK != 0 {
+        return Err(bad(format!(
+            "hidden {h} and inter {f} must be positive multiples of 32"
+        )));
+    }
+    Ok(CaseHeader {
+        spec,
+        hidden: h,
+        inter: f,
+        experts: e,
+        tokens: t,
+        groups: g,
+        pairs: p,
+    })
+}
+
+/// Parsing step 3: read one case (header, experts, routing, inputs and reference outputs).
+fn read_case(r: &mut Reader<'_>, case: usize) -> Result<VectorCase, VectorError> {
+    let CaseHeader {
+        spec,
+        hidden: h,
+        inter: f,
+        experts: e,
+        tokens: t,
+        groups: g,
+        pairs: p,
+    } = read_case_header(r, case)?;
+    let bad = |detail: String| VectorError::BadHeader { case, detail };
+    let mut experts = Vec::with_capacity(e as usize);
+    for _ in 0..e {
+        let w13 = r.matrix(case, "W13", spec, 2 * f, h)?;
+        let w2 = r.matrix(case, "W2", spec, h, f)?;
+        experts.push(
+            ExpertWeights::new(w13, w2).map_err(|source| VectorError::Format { case, source })?,
+        );
+    }
+    let x = r.f32s(t * h, "x")?;
+    let raw = r.u32s(2 * g as usize, "groups")?;
+    let groups: Vec<VectorGroup> = raw
+        .chunks_exact(2)
+        .map(|c| VectorGroup {
+            expert: c[0],
+            count: c[1],
+        })
+        .collect();
+    if groups.iter().map(|g| g.count as usize).sum::<usize>() != p {
+        return Err(bad(format!("group counts do not add up to {p} pairs")));
+    }
+    if let Some(g) = groups.iter().find(|g| g.expert >= e) {
+        return Err(bad(format!("group names expert {} of {e}", g.expert)));
+    }
+    let pair_token = r.u32s(p, "pair tokens")?;
+    let pair_out = r.u32s(p, "pair output rows")?;
+    let pair_weight = r.f32s(p, "pair weights")?;
+    if pair_token.iter().any(|&v| v as usize >= t) || pair_out.iter().any(|&v| v as usize >= p) {
+        return Err(bad("a pair's token or output row is out of range".into()));
+    }
+    let xq = r.take(t * h, "xq")?.iter().map(|&b| b as i8).collect();
+    let xd = r.f32s(t * h / BLOCK, "xd")?;
+    let y_exact = r.f32s(p * h, "y_exact")?;
+    let y_combined = r.f32s(t * h, "y_combined")?;
+    let y_accurate = r.f32s(p * h, "y_accurate")?;
+    let y_f64 = r.f64s(p * h, "y_f64")?;
+    Ok(VectorCase {
+        spec,
+        hidden: h,
+        inter: f,
+        experts,
+        tokens: t,
+        x,
+        groups,
+        pair_token,
+        pair_out,
+        pair_weight,
+        xq,
+        xd,
+        y_exact,
+        y_combined,
+        y_accurate,
+        y_f64,
+    })
 }
 
 /// The accurate-mode tolerance every implementation is held to, per output row of one pair:

@@ -278,13 +278,7 @@ fn encode_rows<'a>(
     dst: &mut [u8],
 ) -> Result<(), DtypeError> {
     let n = tokens * hidden;
-    let bytes = dtype
-        .payload_bytes(tokens, hidden)
-        .ok_or(DtypeError::Shape {
-            tokens,
-            hidden,
-            dtype,
-        })? as usize;
+    let bytes = payload_len(dtype, tokens, hidden)?;
     check_len("destination payload bytes", bytes, dst.len())?;
     match dtype {
         ActivationDtype::Bf16 => {
@@ -357,6 +351,18 @@ fn encode_rows<'a>(
     Ok(())
 }
 
+/// [`ActivationDtype::payload_bytes`], or the shape error naming the dtype.
+fn payload_len(dtype: ActivationDtype, tokens: usize, hidden: usize) -> Result<usize, DtypeError> {
+    dtype
+        .payload_bytes(tokens, hidden)
+        .map(|b| b as usize)
+        .ok_or(DtypeError::Shape {
+            tokens,
+            hidden,
+            dtype,
+        })
+}
+
 fn rest_zero(b: &mut [u8]) {
     b.iter_mut().for_each(|x| *x = 0);
 }
@@ -372,13 +378,7 @@ pub fn decode_activations(
 ) -> Result<(), DtypeError> {
     let n = tokens * hidden;
     check_len("destination f32 values", n, dst.len())?;
-    let bytes = dtype
-        .payload_bytes(tokens, hidden)
-        .ok_or(DtypeError::Shape {
-            tokens,
-            hidden,
-            dtype,
-        })? as usize;
+    let bytes = payload_len(dtype, tokens, hidden)?;
     check_len("source payload bytes", bytes, src.len())?;
     let scale_at =
         |off: usize| f32::from_le_bytes([src[off], src[off + 1], src[off + 2], src[off + 3]]);
@@ -428,13 +428,7 @@ pub fn q8_split(
     scales: &mut [f32],
 ) -> Result<(), DtypeError> {
     let n = tokens * hidden;
-    let bytes = ActivationDtype::Q8Block32
-        .payload_bytes(tokens, hidden)
-        .ok_or(DtypeError::Shape {
-            tokens,
-            hidden,
-            dtype: ActivationDtype::Q8Block32,
-        })? as usize;
+    let bytes = payload_len(ActivationDtype::Q8Block32, tokens, hidden)?;
     check_len("source payload bytes", bytes, src.len())?;
     check_len("codes", n, codes.len())?;
     check_len("scales", n / 32, scales.len())?;

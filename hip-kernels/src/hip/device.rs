@@ -17,7 +17,7 @@ use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertKey, GroupedBatch, OutputLayout,
 };
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_quant::format::{BLOCK, ExpertWeights};
+use expertmesh_quant::format::{BLOCK, ExpertWeights, QuantSpec};
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::ptr;
@@ -242,19 +242,7 @@ impl HipDevice {
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
         self.free_all();
-        let Some((_, first)) = experts.first() else {
-            return Err(BackendError::Shape("no experts to load".into()));
-        };
-        let (hidden, inter, spec) = (first.hidden(), first.inter(), first.spec());
-        if let Some((k, _)) = experts
-            .iter()
-            .find(|(_, w)| w.hidden() != hidden || w.inter() != inter || w.spec() != spec)
-        {
-            return Err(BackendError::Shape(format!(
-                "{k} has a different shape or quantization than the first expert ({hidden}x{inter}, {spec}); \
-                 one backend holds experts of one shape"
-            )));
-        }
+        let (hidden, inter, spec) = uniform_shape(&experts)?;
         let group_shift = (spec.group() / BLOCK).trailing_zeros();
         let shape = EmShape {
             hidden: hidden as u32,
@@ -280,7 +268,18 @@ impl HipDevice {
                 have: free as u64,
             });
         }
-        // Weights: one allocation per expert, arrays at 256-byte aligned offsets.
+        let (d_experts, slots) = self.upload_experts(&experts)?;
+        let loaded = self.alloc_buffers(shape, slots, limits, weight_bytes, d_experts)?;
+        self.loaded = Some(loaded);
+        Ok(())
+    }
+
+    /// Load step 1: upload the weights (one allocation per expert, arrays at 256-byte aligned
+    /// offsets) and their pointer table; the table's device address and each key's slot.
+    fn upload_experts(
+        &mut self,
+        experts: &[(ExpertKey, ExpertWeights)],
+    ) -> Result<(*mut c_void, HashMap<ExpertKey, u32>), BackendError> {
         let mut table = Vec::with_capacity(experts.len());
         let mut slots = HashMap::with_capacity(experts.len());
         for (i, (key, w)) in experts.iter().enumerate() {
@@ -327,8 +326,22 @@ impl HipDevice {
             )
         };
         self.upload(d_experts, table_bytes)?;
+        Ok((d_experts, slots))
+    }
+
+    /// Load step 2: allocate every device buffer and pinned staging buffer for the limits.
+    fn alloc_buffers(
+        &mut self,
+        shape: EmShape,
+        slots: HashMap<ExpertKey, u32>,
+        limits: BatchLimits,
+        weight_bytes: u64,
+        d_experts: *mut c_void,
+    ) -> Result<Loaded, BackendError> {
+        let (t, p) = (limits.max_tokens.max(1), limits.max_pairs.max(1));
+        let (h, f) = (shape.hidden as usize, shape.inter as usize);
         let items_cap = 2 * (p + p / PREFILL_TOKENS as usize + 1);
-        let loaded = Loaded {
+        Ok(Loaded {
             shape,
             slots,
             limits,
@@ -366,9 +379,7 @@ impl HipDevice {
                 self.persistent_grid(self.kernels.decode_exact),
                 self.persistent_grid(self.kernels.decode_accurate),
             ],
-        };
-        self.loaded = Some(loaded);
-        Ok(())
+        })
     }
 
     /// Workgroups of a persistent decode launch: resident workgroups per CU × CUs.
@@ -439,82 +450,25 @@ impl HipDevice {
                 batch.hidden, l.shape.hidden
             )));
         }
-        let (t, h, f) = (batch.tokens, batch.hidden, l.shape.inter as usize);
-        let exact = batch.mode == ComputeMode::Exact;
-        // Work list into pinned staging (sizes bounded by the limits validated above).
-        // SAFETY: each staging buffer was allocated for max_pairs / max_tokens elements.
-        let (groups, pair_token, pair_out, items, tok_ptr, tok_rows, tok_w) = unsafe {
-            let p = l.limits.max_pairs.max(1);
-            (
-                std::slice::from_raw_parts_mut(l.h_groups, p),
-                std::slice::from_raw_parts_mut(l.h_pair_token, p),
-                std::slice::from_raw_parts_mut(l.h_pair_out, p),
-                std::slice::from_raw_parts_mut(
-                    l.h_items,
-                    2 * (p + p / PREFILL_TOKENS as usize + 1),
-                ),
-                std::slice::from_raw_parts_mut(l.h_tok_ptr, l.limits.max_tokens.max(1) + 1),
-                std::slice::from_raw_parts_mut(l.h_tok_rows, p),
-                std::slice::from_raw_parts_mut(l.h_tok_w, p),
-            )
-        };
-        let (mut ng, mut np, mut ni, mut max_count) = (0usize, 0usize, 0usize, 0usize);
-        for g in batch.groups {
-            let slot = *l
-                .slots
-                .get(&g.key)
-                .ok_or(BackendError::UnknownExpert(g.key))?;
-            if g.tokens.is_empty() {
-                continue;
-            }
-            groups[ng] = EmGroup {
-                expert_slot: slot,
-                pair_begin: np as u32,
-                pair_count: g.tokens.len() as u32,
-                reserved: 0,
-            };
-            for c0 in (0..g.tokens.len()).step_by(PREFILL_TOKENS as usize) {
-                items[2 * ni] = ng as u32;
-                items[2 * ni + 1] = c0 as u32;
-                ni += 1;
-            }
-            ng += 1;
-            max_count = max_count.max(g.tokens.len());
-            for (&tok, &row) in g.tokens.iter().zip(g.out_rows) {
-                pair_token[np] = tok;
-                pair_out[np] = row;
-                np += 1;
-            }
-        }
-        // Per-token pair lists (CSR) in increasing output row, for PreCombined.
-        tok_ptr[..=t].fill(0);
-        for g in batch.groups {
-            for &tok in g.tokens {
-                tok_ptr[tok as usize + 1] += 1;
-            }
-        }
-        for i in 0..t {
-            tok_ptr[i + 1] += tok_ptr[i];
-        }
-        fill_sorted_csr(batch, t, tok_ptr, tok_rows, tok_w);
-        let api = &self.hip.api;
-        let s = self.stream;
-        let up = |dst: *mut c_void, src: *const c_void, bytes: usize| -> Result<(), BackendError> {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: dst is a device buffer and src a pinned staging buffer, both sized for the
-            // validated batch.
-            self.call("hipMemcpyHtoDAsync", unsafe {
-                (api.hipMemcpyHtoDAsync)(dst, src, bytes, s)
-            })
-        };
-        // Input.
+        let work = stage_work_list(l, batch)?;
+        self.upload_batch(l, batch, &work)?;
+        self.launch_ffn(l, batch, &work)?;
+        self.finish_batch(l, batch, &work, out)
+    }
+
+    /// Execute step 2: upload the input and the staged work list; zero the counters.
+    fn upload_batch(
+        &self,
+        l: &Loaded,
+        batch: &GroupedBatch<'_>,
+        work: &WorkList,
+    ) -> Result<(), BackendError> {
+        let (ng, np, ni, t) = (work.groups, work.pairs, work.items, batch.tokens);
         match batch.input {
             Activations::F32(x) => {
                 // SAFETY: h_in holds max_tokens·H f32 (+ scales); x.len() == t·h (validated).
                 unsafe { ptr::copy_nonoverlapping(x.as_ptr(), l.h_in.cast::<f32>(), x.len()) };
-                up(l.d_x, l.h_in, x.len() * 4)?;
+                self.up(l.d_x, l.h_in, x.len() * 4)?;
             }
             Activations::Q8 { q, d } => {
                 // SAFETY: as above: q has t·h bytes and d t·h/32 f32, both within h_in.
@@ -525,25 +479,54 @@ impl HipDevice {
                         l.h_in.cast::<u8>().add(q.len()).cast::<f32>(),
                         d.len(),
                     );
-                    up(l.d_xq, l.h_in, q.len())?;
-                    up(l.d_xd, l.h_in.cast::<u8>().add(q.len()).cast(), d.len() * 4)?;
+                    self.up(l.d_xq, l.h_in, q.len())?;
+                    self.up(l.d_xd, l.h_in.cast::<u8>().add(q.len()).cast(), d.len() * 4)?;
                 }
             }
         }
-        up(l.d_groups, l.h_groups.cast(), ng * size_of::<EmGroup>())?;
-        up(l.d_pair_token, l.h_pair_token.cast(), np * 4)?;
-        up(l.d_pair_out, l.h_pair_out.cast(), np * 4)?;
-        up(l.d_items, l.h_items.cast(), ni * 8)?;
+        self.up(l.d_groups, l.h_groups.cast(), ng * size_of::<EmGroup>())?;
+        self.up(l.d_pair_token, l.h_pair_token.cast(), np * 4)?;
+        self.up(l.d_pair_out, l.h_pair_out.cast(), np * 4)?;
+        self.up(l.d_items, l.h_items.cast(), ni * 8)?;
         if batch.layout == OutputLayout::PreCombined {
-            up(l.d_tok_ptr, l.h_tok_ptr.cast(), (t + 1) * 4)?;
-            up(l.d_tok_rows, l.h_tok_rows.cast(), np * 4)?;
-            up(l.d_tok_w, l.h_tok_w.cast(), np * 4)?;
+            self.up(l.d_tok_ptr, l.h_tok_ptr.cast(), (t + 1) * 4)?;
+            self.up(l.d_tok_rows, l.h_tok_rows.cast(), np * 4)?;
+            self.up(l.d_tok_w, l.h_tok_w.cast(), np * 4)?;
         }
         // SAFETY: counters buffer holds COUNTER_GROUP_BASE + max_pairs u32 ≥ 2 + ng.
         self.call("hipMemsetAsync", unsafe {
-            (api.hipMemsetAsync)(l.d_counters, 0, (COUNTER_GROUP_BASE + ng) * 4, s)
-        })?;
-        let blocks = |n: usize| n.div_ceil(WG_THREADS as usize) as u32;
+            (self.hip.api.hipMemsetAsync)(
+                l.d_counters,
+                0,
+                (COUNTER_GROUP_BASE + ng) * 4,
+                self.stream,
+            )
+        })
+    }
+
+    /// An asynchronous upload of `bytes` from pinned staging `src` to device buffer `dst`.
+    fn up(&self, dst: *mut c_void, src: *const c_void, bytes: usize) -> Result<(), BackendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: dst is a device buffer and src a pinned staging buffer, both sized for the
+        // validated batch.
+        self.call("hipMemcpyHtoDAsync", unsafe {
+            (self.hip.api.hipMemcpyHtoDAsync)(dst, src, bytes, self.stream)
+        })
+    }
+
+    /// Execute step 3: exact mode's input quantization, then the expert FFN (prefill kernels,
+    /// or the fused or two-phase persistent decode kernel).
+    fn launch_ffn(
+        &self,
+        l: &Loaded,
+        batch: &GroupedBatch<'_>,
+        work: &WorkList,
+    ) -> Result<(), BackendError> {
+        let (ng, ni) = (work.groups, work.items);
+        let (t, h, f) = (batch.tokens, batch.hidden, l.shape.inter as usize);
+        let exact = batch.mode == ComputeMode::Exact;
         if exact {
             let mut qa = EmQuantArgs {
                 x: match batch.input {
@@ -556,12 +539,8 @@ impl HipDevice {
                 tokens: t as u32,
                 hidden: h as u32,
             };
-            self.launch(
-                self.kernels.quantize,
-                [blocks(t * h / BLOCK), 1],
-                WG_THREADS,
-                &mut qa,
-            )?;
+            let grid = [wg_blocks(t * h / BLOCK), 1];
+            self.launch(self.kernels.quantize, grid, WG_THREADS, &mut qa)?;
         }
         let mut args = EmFfnArgs {
             experts: l.d_experts.cast(),
@@ -587,46 +566,72 @@ impl HipDevice {
             num_prefill_items: ni as u32,
             reserved: 0,
         };
-        if ng > 0 {
-            if exact && max_count >= PREFILL_MIN_TOKENS {
-                let block = PREFILL_WAVES * self.wave;
-                let tiles2 = (h as u32).div_ceil(TILE_ROWS);
-                self.launch(
-                    self.kernels.prefill_w13,
-                    [(f / BLOCK) as u32, ni as u32],
-                    block,
-                    &mut args,
-                )?;
-                self.launch(
-                    self.kernels.prefill_w2,
-                    [tiles2, ni as u32],
-                    block,
-                    &mut args,
-                )?;
-            } else {
-                let (func, grid) = if exact {
-                    (self.kernels.decode_exact, l.decode_grid[0])
-                } else {
-                    (self.kernels.decode_accurate, l.decode_grid[1])
-                };
-                let items = ng as u32 * ((f / BLOCK) as u32 + (h as u32).div_ceil(TILE_ROWS));
-                if self.fused {
-                    self.launch(func, [grid.min(items), 1], WG_THREADS, &mut args)?;
-                } else {
-                    args.last_phase = 1;
-                    self.launch(func, [grid.min(items), 1], WG_THREADS, &mut args)?;
-                    // SAFETY: resets the work-item counter between the two launches.
-                    self.call("hipMemsetAsync", unsafe {
-                        (api.hipMemsetAsync)(l.d_counters, 0, 4, s)
-                    })?;
-                    args.first_phase = 2;
-                    args.last_phase = 2;
-                    self.launch(func, [grid.min(items), 1], WG_THREADS, &mut args)?;
-                }
-            }
+        if ng == 0 {
+            return Ok(());
         }
+        if exact && work.max_count >= PREFILL_MIN_TOKENS {
+            let block = PREFILL_WAVES * self.wave;
+            let tiles2 = (h as u32).div_ceil(TILE_ROWS);
+            let grid13 = [(f / BLOCK) as u32, ni as u32];
+            self.launch(self.kernels.prefill_w13, grid13, block, &mut args)?;
+            self.launch(
+                self.kernels.prefill_w2,
+                [tiles2, ni as u32],
+                block,
+                &mut args,
+            )
+        } else {
+            self.launch_decode(
+                l,
+                &mut args,
+                exact,
+                ng as u32 * ((f / BLOCK) as u32 + (h as u32).div_ceil(TILE_ROWS)),
+            )
+        }
+    }
+
+    /// Execute step 3b: the persistent decode kernel over `items` work items, fused (one
+    /// launch) or as two phases with the work-item counter reset between them.
+    fn launch_decode(
+        &self,
+        l: &Loaded,
+        args: &mut EmFfnArgs,
+        exact: bool,
+        items: u32,
+    ) -> Result<(), BackendError> {
+        let (func, grid) = if exact {
+            (self.kernels.decode_exact, l.decode_grid[0])
+        } else {
+            (self.kernels.decode_accurate, l.decode_grid[1])
+        };
+        if self.fused {
+            self.launch(func, [grid.min(items), 1], WG_THREADS, args)
+        } else {
+            args.last_phase = 1;
+            self.launch(func, [grid.min(items), 1], WG_THREADS, args)?;
+            // SAFETY: resets the work-item counter between the two launches.
+            self.call("hipMemsetAsync", unsafe {
+                (self.hip.api.hipMemsetAsync)(l.d_counters, 0, 4, self.stream)
+            })?;
+            args.first_phase = 2;
+            args.last_phase = 2;
+            self.launch(func, [grid.min(items), 1], WG_THREADS, args)
+        }
+    }
+
+    /// Execute step 4: pre-combine (PreCombined), download the output and the kernels' status
+    /// word, and check it.
+    fn finish_batch(
+        &self,
+        l: &Loaded,
+        batch: &GroupedBatch<'_>,
+        work: &WorkList,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let (t, h) = (batch.tokens, batch.hidden);
+        let (api, s) = (&self.hip.api, self.stream);
         let (src, n) = match batch.layout {
-            OutputLayout::PerSlot => (l.d_y, np * h),
+            OutputLayout::PerSlot => (l.d_y, work.pairs * h),
             OutputLayout::PreCombined => {
                 let mut ca = EmCombineArgs {
                     y: l.d_y.cast(),
@@ -637,12 +642,8 @@ impl HipDevice {
                     tokens: t as u32,
                     hidden: h as u32,
                 };
-                self.launch(
-                    self.kernels.combine,
-                    [blocks(t * h), 1],
-                    WG_THREADS,
-                    &mut ca,
-                )?;
+                let grid = [wg_blocks(t * h), 1];
+                self.launch(self.kernels.combine, grid, WG_THREADS, &mut ca)?;
                 (l.d_out, t * h)
             }
         };
@@ -677,6 +678,108 @@ impl HipDevice {
         }
         Ok(())
     }
+}
+
+/// Counts of the work list staged for one batch.
+struct WorkList {
+    /// Non-empty groups.
+    groups: usize,
+    /// Pairs.
+    pairs: usize,
+    /// Prefill work items.
+    items: usize,
+    /// Most tokens in one group.
+    max_count: usize,
+}
+
+/// Workgroups covering `n` threads.
+fn wg_blocks(n: usize) -> u32 {
+    n.div_ceil(WG_THREADS as usize) as u32
+}
+
+/// The shape and quantization every expert shares (one backend holds experts of one shape).
+fn uniform_shape(
+    experts: &[(ExpertKey, ExpertWeights)],
+) -> Result<(usize, usize, QuantSpec), BackendError> {
+    let Some((_, first)) = experts.first() else {
+        return Err(BackendError::Shape("no experts to load".into()));
+    };
+    let (hidden, inter, spec) = (first.hidden(), first.inter(), first.spec());
+    if let Some((k, _)) = experts
+        .iter()
+        .find(|(_, w)| w.hidden() != hidden || w.inter() != inter || w.spec() != spec)
+    {
+        return Err(BackendError::Shape(format!(
+            "{k} has a different shape or quantization than the first expert ({hidden}x{inter}, {spec}); \
+             one backend holds experts of one shape"
+        )));
+    }
+    Ok((hidden, inter, spec))
+}
+
+/// Execute step 1: write the batch's work list (groups, pairs, prefill items and the
+/// per-token CSR for PreCombined) into pinned staging; allocates nothing.
+fn stage_work_list(l: &Loaded, batch: &GroupedBatch<'_>) -> Result<WorkList, BackendError> {
+    let t = batch.tokens;
+    // Work list into pinned staging (sizes bounded by the limits validated above).
+    // SAFETY: each staging buffer was allocated for max_pairs / max_tokens elements.
+    let (groups, pair_token, pair_out, items, tok_ptr, tok_rows, tok_w) = unsafe {
+        let p = l.limits.max_pairs.max(1);
+        (
+            std::slice::from_raw_parts_mut(l.h_groups, p),
+            std::slice::from_raw_parts_mut(l.h_pair_token, p),
+            std::slice::from_raw_parts_mut(l.h_pair_out, p),
+            std::slice::from_raw_parts_mut(l.h_items, 2 * (p + p / PREFILL_TOKENS as usize + 1)),
+            std::slice::from_raw_parts_mut(l.h_tok_ptr, l.limits.max_tokens.max(1) + 1),
+            std::slice::from_raw_parts_mut(l.h_tok_rows, p),
+            std::slice::from_raw_parts_mut(l.h_tok_w, p),
+        )
+    };
+    let (mut ng, mut np, mut ni, mut max_count) = (0usize, 0usize, 0usize, 0usize);
+    for g in batch.groups {
+        let slot = *l
+            .slots
+            .get(&g.key)
+            .ok_or(BackendError::UnknownExpert(g.key))?;
+        if g.tokens.is_empty() {
+            continue;
+        }
+        groups[ng] = EmGroup {
+            expert_slot: slot,
+            pair_begin: np as u32,
+            pair_count: g.tokens.len() as u32,
+            reserved: 0,
+        };
+        for c0 in (0..g.tokens.len()).step_by(PREFILL_TOKENS as usize) {
+            items[2 * ni] = ng as u32;
+            items[2 * ni + 1] = c0 as u32;
+            ni += 1;
+        }
+        ng += 1;
+        max_count = max_count.max(g.tokens.len());
+        for (&tok, &row) in g.tokens.iter().zip(g.out_rows) {
+            pair_token[np] = tok;
+            pair_out[np] = row;
+            np += 1;
+        }
+    }
+    // Per-token pair lists (CSR) in increasing output row, for PreCombined.
+    tok_ptr[..=t].fill(0);
+    for g in batch.groups {
+        for &tok in g.tokens {
+            tok_ptr[tok as usize + 1] += 1;
+        }
+    }
+    for i in 0..t {
+        tok_ptr[i + 1] += tok_ptr[i];
+    }
+    fill_sorted_csr(batch, t, tok_ptr, tok_rows, tok_w);
+    Ok(WorkList {
+        groups: ng,
+        pairs: np,
+        items: ni,
+        max_count,
+    })
 }
 
 /// Fill the per-token CSR (rows ascending) from the batch's groups; `tok_ptr` holds the prefix
