@@ -85,6 +85,18 @@ impl Grouping {
     /// Group the pushed pairs by expert (ascending expert id; within an expert, push order)
     /// for MoE layer `layer`, and call `f` with the groups.
     pub fn with_groups<R>(&mut self, layer: u32, f: impl FnOnce(&[ExpertGroup<'_>]) -> R) -> R {
+        self.with_groups_keyed(layer, |e| e, f)
+    }
+
+    /// [`Grouping::with_groups`], where a group's backend key is `key(pushed id)`: the pairs
+    /// are grouped by the id they were pushed with, so distinct ids that map to one key stay
+    /// distinct groups (the kernel bench rotates many logical experts over a smaller pool).
+    pub fn with_groups_keyed<R>(
+        &mut self,
+        layer: u32,
+        key: impl Fn(u32) -> u32,
+        f: impl FnOnce(&[ExpertGroup<'_>]) -> R,
+    ) -> R {
         // (expert, seq) keys are unique, so the unstable (allocation-free) sort is deterministic
         // and equal to a stable sort by expert.
         self.pairs.sort_unstable_by_key(|p| (p.expert, p.seq));
@@ -108,7 +120,10 @@ impl Grouping {
         }
         let mut groups = recycle(std::mem::take(&mut self.spare));
         groups.extend(self.bounds.iter().map(|&(expert, a, b)| ExpertGroup {
-            key: ExpertKey { layer, expert },
+            key: ExpertKey {
+                layer,
+                expert: key(expert),
+            },
             tokens: &self.tokens[a..b],
             weights: &self.weights[a..b],
             out_rows: &self.rows[a..b],

@@ -9,7 +9,7 @@
 
 use crate::bench_json::{BenchReport, BenchResult};
 use expertmesh_backend::{
-    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+    Activations, BatchLimits, ExpertBackend, ExpertKey, GroupedBatch, Grouping, OutputLayout,
 };
 use expertmesh_cpu_backend::{CpuBackend, membw};
 use expertmesh_quant::contract::ComputeMode;
@@ -35,11 +35,14 @@ pub struct KernelBenchOptions {
 }
 
 /// One expert's share of a routed batch: physical expert, tokens, weights, output rows.
-type RoutedGroup = (u32, Vec<u32>, Vec<f32>, Vec<u32>);
-
-/// One routed batch: per physical expert, its tokens and weights.
+/// One routed batch: its (token, logical expert) pairs, grouped by logical expert when run;
+/// logical expert `e` runs on physical expert `(e + offset) % pool`.
 struct RoutedBatch {
-    groups: Vec<RoutedGroup>,
+    grouping: Grouping,
+    offset: usize,
+    pool: usize,
+    /// Distinct experts touched.
+    touched: usize,
     pairs: usize,
 }
 
@@ -53,66 +56,58 @@ fn route_uniform(
     offset: usize,
     pool: usize,
 ) -> RoutedBatch {
-    let mut per: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); experts];
-    let mut chosen = Vec::with_capacity(top_k);
+    let k = top_k.min(experts);
+    let mut grouping = Grouping::with_capacity(tokens * k);
+    let mut touched = vec![false; experts];
+    let mut chosen = Vec::with_capacity(k);
     for t in 0..tokens {
         chosen.clear();
-        while chosen.len() < top_k.min(experts) {
+        while chosen.len() < k {
             let e = rng.below(experts as u64) as usize;
             if !chosen.contains(&e) {
                 chosen.push(e);
             }
         }
         for &e in &chosen {
-            per[e].0.push(t as u32);
-            per[e].1.push(1.0 / top_k as f32);
+            touched[e] = true;
+            let row = grouping.len() as u32;
+            grouping.push(e as u32, t as u32, 1.0 / top_k as f32, row);
         }
     }
-    let mut groups = Vec::new();
-    let mut pairs = 0;
-    for (e, (toks, ws)) in per.into_iter().enumerate() {
-        if toks.is_empty() {
-            continue;
-        }
-        let rows = (pairs as u32..(pairs + toks.len()) as u32).collect();
-        pairs += toks.len();
-        groups.push((((e + offset) % pool) as u32, toks, ws, rows));
+    let pairs = grouping.len();
+    RoutedBatch {
+        grouping,
+        offset,
+        pool,
+        touched: touched.iter().filter(|&&x| x).count(),
+        pairs,
     }
-    RoutedBatch { groups, pairs }
 }
 
+/// Run one routed batch (per-slot output) on the backend.
 fn run_batch(
     backend: &mut CpuBackend,
     hidden: usize,
     tokens: usize,
     x: &[f32],
-    rb: &RoutedBatch,
+    rb: &mut RoutedBatch,
     out: &mut Vec<f32>,
     mode: ComputeMode,
 ) -> anyhow::Result<()> {
-    let groups: Vec<ExpertGroup> = rb
-        .groups
-        .iter()
-        .map(|(p, t, w, r)| ExpertGroup {
-            key: ExpertKey {
-                layer: 0,
-                expert: *p,
-            },
-            tokens: t,
-            weights: w,
-            out_rows: r,
-        })
-        .collect();
-    let batch = GroupedBatch {
-        mode,
-        hidden,
-        tokens,
-        input: Activations::F32(&x[..tokens * hidden]),
-        groups: &groups,
-        layout: OutputLayout::PerSlot,
-    };
-    out.resize(batch.output_len(), 0.0);
-    backend.execute(&batch, out)?;
+    out.resize(rb.pairs * hidden, 0.0);
+    let (offset, pool) = (rb.offset, rb.pool);
+    let physical = |e: u32| ((e as usize + offset) % pool) as u32;
+    rb.grouping.with_groups_keyed(0, physical, |groups| {
+        let batch = GroupedBatch {
+            mode,
+            hidden,
+            tokens,
+            input: Activations::F32(&x[..tokens * hidden]),
+            groups,
+            layout: OutputLayout::PerSlot,
+        };
+        backend.execute(&batch, out)
+    })?;
     Ok(())
 }
 
@@ -351,21 +346,21 @@ impl<'a> ModelBench<'a> {
         let mut s = Samples::default();
         while s.secs < secs || s.calls < 5 {
             offset += stride;
-            let rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, self.pool);
+            let mut rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, self.pool);
             let t = Instant::now();
             run_batch(
                 &mut self.backend,
                 self.h,
                 b,
                 &self.x,
-                &rb,
+                &mut rb,
                 &mut self.out,
                 mode,
             )?;
             s.add(
-                (rb.groups.len() as u64 * self.expert_bytes) as f64,
+                (rb.touched as u64 * self.expert_bytes) as f64,
                 t.elapsed().as_secs_f64(),
-                rb.groups.len(),
+                rb.touched,
             );
         }
         Ok(s)
@@ -376,13 +371,13 @@ impl<'a> ModelBench<'a> {
         let (spec, h, f, e, k) = (self.spec, self.h, self.f, self.e, self.k);
         for &b in &self.opts.batches {
             // warm-up (first touch of the output buffer, thread start)
-            let rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
+            let mut rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
             run_batch(
                 &mut self.backend,
                 h,
                 b,
                 &self.x,
-                &rb,
+                &mut rb,
                 &mut self.out,
                 ComputeMode::Exact,
             )?;
@@ -447,15 +442,16 @@ impl<'a> ModelBench<'a> {
         let peak = opts.threads as f64 * mhz * 1e6 * 2.0 * 64.0;
         let mut s = Samples::default();
         let mut idx = 0usize;
-        let toks: Vec<u32> = (0..tpe as u32).collect();
         while s.secs < opts.seconds || s.calls < 3 {
-            let rb = RoutedBatch {
-                groups: vec![(
-                    (idx % self.pool) as u32,
-                    toks.clone(),
-                    vec![1.0; tpe],
-                    toks.clone(),
-                )],
+            let mut grouping = Grouping::with_capacity(tpe);
+            for t in 0..tpe as u32 {
+                grouping.push(0, t, 1.0, t);
+            }
+            let mut rb = RoutedBatch {
+                grouping,
+                offset: idx % self.pool,
+                pool: self.pool,
+                touched: 1,
                 pairs: tpe,
             };
             idx += 1;
@@ -465,7 +461,7 @@ impl<'a> ModelBench<'a> {
                 h,
                 tpe,
                 &self.x,
-                &rb,
+                &mut rb,
                 &mut self.out,
                 ComputeMode::Exact,
             )?;
