@@ -301,14 +301,16 @@ impl LocalFabric {
         self.stop();
     }
 
+    /// The router first (so a deliberate shutdown is not reported as workers lost), then the
+    /// workers.
     fn stop(&mut self) {
+        self.service.shutdown();
         for w in self.workers.iter_mut() {
             if let Some(mut c) = w.take() {
                 let _ = c.kill();
                 let _ = c.wait();
             }
         }
-        self.service.shutdown();
     }
 }
 

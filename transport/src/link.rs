@@ -395,11 +395,20 @@ impl Link {
         }
         self.lock_proto().transport_failed(err.clone());
         let reason = self.lock_proto().close_reason().cloned().unwrap_or(err);
-        tracing::warn!(
-            peer = self.peer,
-            link = self.kind.name(),
-            "link closed: {reason}"
-        );
+        if matches!(reason, ProtocolError::Closed(_)) {
+            // Closed on purpose by this side (shutdown): not a fault.
+            tracing::info!(
+                peer = self.peer,
+                link = self.kind.name(),
+                "link closed: {reason}"
+            );
+        } else {
+            tracing::warn!(
+                peer = self.peer,
+                link = self.kind.name(),
+                "link closed: {reason}"
+            );
+        }
         self.credit.notify_waiters();
         self.ctrl.notify_one();
         self.closed_notify.notify_waiters();
