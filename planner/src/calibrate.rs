@@ -22,7 +22,7 @@
 
 use crate::evaluate::{FigureSource, Hardware};
 use expertmesh_topology::model::ModelSpec;
-use expertmesh_topology::topology::{IntraLinkKind, NicKind, Topology};
+use expertmesh_topology::topology::{IntraLinkKind, NicKind, Node, Topology};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -141,7 +141,48 @@ pub fn apply(
     batch: usize,
 ) -> Vec<String> {
     let mut notes = Vec::new();
-    // Device memory bandwidth from kernel decode results.
+    apply_device_bandwidth(hw, topology, model, bench, batch, &mut notes);
+    for (kind, prefix) in [(NicKind::Roce, "roce"), (NicKind::Tcp, "tcp")] {
+        apply_network(hw, topology, bench, kind, prefix, &mut notes);
+    }
+    apply_shm_links(hw, topology, bench);
+    if hw.sources.iter().all(|s| !s.from.starts_with("bench:")) {
+        notes.push(format!(
+            "calibration: {} has no result the planner reads (decode-* GB/s, roce|tcp|shm_dispatch_throughput, *_dispatch_rtt_p50); datasheet figures kept",
+            bench.path.display()
+        ));
+    }
+    notes
+}
+
+/// The result named `name` in `unit` with the largest batch (the last of equals).
+fn largest_batch<'a>(bench: &'a BenchFile, name: &str, unit: &str) -> Option<&'a BenchEntry> {
+    bench
+        .results
+        .iter()
+        .filter(|r| r.name == name && r.unit == unit)
+        .max_by_key(|r| r.batch)
+}
+
+/// The result named `name` in `unit` with the smallest batch (the first of equals).
+fn smallest_batch<'a>(bench: &'a BenchFile, name: &str, unit: &str) -> Option<&'a BenchEntry> {
+    bench
+        .results
+        .iter()
+        .filter(|r| r.name == name && r.unit == unit)
+        .min_by_key(|r| r.batch)
+}
+
+/// Apply step: device memory bandwidth from kernel decode results — the most specific pool
+/// (model, then expert shape, then any), one result per arch, nearest the planned batch.
+fn apply_device_bandwidth(
+    hw: &mut Hardware,
+    topology: &Topology,
+    model: &ModelSpec,
+    bench: &BenchFile,
+    batch: usize,
+    notes: &mut Vec<String>,
+) {
     let decode: Vec<&BenchEntry> = bench
         .results
         .iter()
@@ -201,62 +242,62 @@ pub fn apply(
             ));
         }
     }
-    // NICs.
-    for (kind, prefix) in [(NicKind::Roce, "roce"), (NicKind::Tcp, "tcp")] {
-        let nodes_with: Vec<usize> = (0..topology.nodes().len())
-            .filter(|&n| topology.nodes()[n].nics().iter().any(|c| c.kind() == kind))
-            .collect();
-        let tput = bench
-            .results
-            .iter()
-            .filter(|r| r.name == format!("{prefix}_dispatch_throughput") && r.unit == "GB/s")
-            .max_by_key(|r| r.batch);
-        if let Some(r) = tput {
-            if nodes_with.is_empty() {
-                notes.push(format!(
-                    "calibration: {} measured {prefix}, but the topology has no {prefix} NIC; not applied",
-                    r.name
-                ));
-            } else {
-                for (n, node) in topology.nodes().iter().enumerate() {
-                    let mut bw = 0.0;
-                    for c in node.nics() {
-                        bw += if c.kind() == kind {
-                            r.achieved
-                        } else {
-                            hw_nic_share(hw.node_nic_gb_s[n], node.nics().len())
-                        };
-                    }
-                    if node.nics().iter().any(|c| c.kind() == kind) {
-                        hw.node_nic_gb_s[n] = bw;
-                    }
+}
+
+/// Apply step: network bandwidth and hop latency from the dispatch results of one NIC kind.
+fn apply_network(
+    hw: &mut Hardware,
+    topology: &Topology,
+    bench: &BenchFile,
+    kind: NicKind,
+    prefix: &str,
+    notes: &mut Vec<String>,
+) {
+    let has_kind = |n: &Node| n.nics().iter().any(|c| c.kind() == kind);
+    let any_node = topology.nodes().iter().any(has_kind);
+    if let Some(r) = largest_batch(bench, &format!("{prefix}_dispatch_throughput"), "GB/s") {
+        if !any_node {
+            notes.push(format!(
+                "calibration: {} measured {prefix}, but the topology has no {prefix} NIC; not applied",
+                r.name
+            ));
+        } else {
+            for (n, node) in topology.nodes().iter().enumerate() {
+                let mut bw = 0.0;
+                for c in node.nics() {
+                    bw += if c.kind() == kind {
+                        r.achieved
+                    } else {
+                        hw_nic_share(hw.node_nic_gb_s[n], node.nics().len())
+                    };
                 }
-                hw.sources.push(source(
-                    r,
-                    format!("network bandwidth per {prefix} NIC"),
-                    r.achieved,
-                    "GB/s",
-                ));
+                if has_kind(node) {
+                    hw.node_nic_gb_s[n] = bw;
+                }
             }
-        }
-        let rtt = bench
-            .results
-            .iter()
-            .filter(|r| r.name == format!("{prefix}_dispatch_rtt_p50") && r.unit == "us")
-            .min_by_key(|r| r.batch);
-        if let Some(r) = rtt
-            && !nodes_with.is_empty()
-        {
-            hw.inter_latency_us = r.achieved / 2.0;
             hw.sources.push(source(
                 r,
-                "network hop latency (one way = round trip / 2)".into(),
-                r.achieved / 2.0,
-                "us",
+                format!("network bandwidth per {prefix} NIC"),
+                r.achieved,
+                "GB/s",
             ));
         }
     }
-    // Shared-memory nodes.
+    if let Some(r) = smallest_batch(bench, &format!("{prefix}_dispatch_rtt_p50"), "us")
+        && any_node
+    {
+        hw.inter_latency_us = r.achieved / 2.0;
+        hw.sources.push(source(
+            r,
+            "network hop latency (one way = round trip / 2)".into(),
+            r.achieved / 2.0,
+            "us",
+        ));
+    }
+}
+
+/// Apply step: the device links of shared-memory nodes from the shm dispatch results.
+fn apply_shm_links(hw: &mut Hardware, topology: &Topology, bench: &BenchFile) {
     let shm_nodes: Vec<usize> = (0..topology.nodes().len())
         .filter(|&n| {
             topology.nodes()[n]
@@ -264,47 +305,31 @@ pub fn apply(
                 .is_some_and(|l| l.kind() == IntraLinkKind::Shm)
         })
         .collect();
-    if !shm_nodes.is_empty() {
-        if let Some(r) = bench
-            .results
-            .iter()
-            .filter(|r| r.name == "shm_dispatch_throughput" && r.unit == "GB/s")
-            .max_by_key(|r| r.batch)
-        {
-            for &n in &shm_nodes {
-                hw.node_intra_gb_s[n] = Some(r.achieved);
-            }
-            hw.sources.push(source(
-                r,
-                "shared-memory device link bandwidth".into(),
-                r.achieved,
-                "GB/s",
-            ));
-        }
-        if let Some(r) = bench
-            .results
-            .iter()
-            .filter(|r| r.name == "shm_dispatch_rtt_p50" && r.unit == "us")
-            .min_by_key(|r| r.batch)
-        {
-            for &n in &shm_nodes {
-                hw.node_intra_latency_us[n] = r.achieved / 2.0;
-            }
-            hw.sources.push(source(
-                r,
-                "shared-memory hop latency (one way)".into(),
-                r.achieved / 2.0,
-                "us",
-            ));
-        }
+    if shm_nodes.is_empty() {
+        return;
     }
-    if hw.sources.iter().all(|s| !s.from.starts_with("bench:")) {
-        notes.push(format!(
-            "calibration: {} has no result the planner reads (decode-* GB/s, roce|tcp|shm_dispatch_throughput, *_dispatch_rtt_p50); datasheet figures kept",
-            bench.path.display()
+    if let Some(r) = largest_batch(bench, "shm_dispatch_throughput", "GB/s") {
+        for &n in &shm_nodes {
+            hw.node_intra_gb_s[n] = Some(r.achieved);
+        }
+        hw.sources.push(source(
+            r,
+            "shared-memory device link bandwidth".into(),
+            r.achieved,
+            "GB/s",
         ));
     }
-    notes
+    if let Some(r) = smallest_batch(bench, "shm_dispatch_rtt_p50", "us") {
+        for &n in &shm_nodes {
+            hw.node_intra_latency_us[n] = r.achieved / 2.0;
+        }
+        hw.sources.push(source(
+            r,
+            "shared-memory hop latency (one way)".into(),
+            r.achieved / 2.0,
+            "us",
+        ));
+    }
 }
 
 /// A NIC's share of a node's current aggregate (for mixed-kind nodes).

@@ -134,59 +134,85 @@ pub fn import_str(
         format!("not JSON ({e}); expected {{\"physical_to_logical_map\": [[...], ...]}}")
     })?;
     let ids = model.moe_layer_ids();
-    let shape_hint = "an array of per-layer arrays of integer expert ids";
-    // Rows per MoE layer index.
-    let rows: Vec<Vec<i64>> = if let Some(m) = v.get("physical_to_logical_map").or(v.get("phy2log"))
-    {
-        let rows = rows_of(m).ok_or_else(|| format!("the map is not {shape_hint}"))?;
-        if rows.len() == model.num_layers as usize {
-            ids.iter().map(|&l| rows[l as usize].clone()).collect()
-        } else if rows.len() == ids.len() {
-            rows
-        } else {
-            return Err(format!(
-                "the map has {} rows; {} has {} layers ({} of them MoE) — give one row per layer or per MoE layer",
-                rows.len(),
-                model.name,
-                model.num_layers,
-                ids.len()
-            ));
-        }
+    let rows = rows_per_moe_layer(&v, model, &ids)?;
+    let spd = slots_per_device(&rows, &ids, topology)?;
+    split_over_devices(&rows, &ids, spd, topology, model)
+}
+
+/// Import step: one row of expert ids per MoE layer, from whichever of the known keys the file
+/// has.
+fn rows_per_moe_layer(v: &Value, model: &ModelSpec, ids: &[u32]) -> Result<Vec<Vec<i64>>, String> {
+    if let Some(m) = v.get("physical_to_logical_map").or(v.get("phy2log")) {
+        rows_of_map(m, model, ids)
     } else if let Some(obj) = v
         .get("initial_global_assignments")
         .and_then(Value::as_object)
     {
-        let mut by_layer: Vec<Option<Vec<i64>>> = vec![None; ids.len()];
-        for (k, row) in obj {
-            let layer: u32 = k
-                .trim()
-                .parse()
-                .map_err(|_| format!("initial_global_assignments key \"{k}\" is not a layer id"))?;
-            let li = ids.binary_search(&layer).map_err(|_| {
-                format!("initial_global_assignments names layer {layer}, which is not a MoE layer of {}", model.name)
-            })?;
-            let r = row
-                .as_array()
-                .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>())
-                .ok_or_else(|| format!("layer {layer}: not an array of integer expert ids"))?;
-            by_layer[li] = Some(r);
-        }
-        let missing: Vec<u32> = (0..ids.len())
-            .filter(|&i| by_layer[i].is_none())
-            .map(|i| ids[i])
-            .collect();
-        if !missing.is_empty() {
-            return Err(format!(
-                "initial_global_assignments lacks MoE layers {}; give every MoE layer",
-                expertmesh_topology::ranges::format_list(&missing)
-            ));
-        }
-        by_layer.into_iter().flatten().collect()
+        rows_of_assignments(obj, model, ids)
     } else {
-        return Err(
-            "no `physical_to_logical_map`, `phy2log` or `initial_global_assignments` found".into(),
-        );
-    };
+        Err("no `physical_to_logical_map`, `phy2log` or `initial_global_assignments` found".into())
+    }
+}
+
+/// A 2-D map: rows per model layer (the MoE layers' are kept) or per MoE layer.
+fn rows_of_map(m: &Value, model: &ModelSpec, ids: &[u32]) -> Result<Vec<Vec<i64>>, String> {
+    let shape_hint = "an array of per-layer arrays of integer expert ids";
+    let rows = rows_of(m).ok_or_else(|| format!("the map is not {shape_hint}"))?;
+    if rows.len() == model.num_layers as usize {
+        Ok(ids.iter().map(|&l| rows[l as usize].clone()).collect())
+    } else if rows.len() == ids.len() {
+        Ok(rows)
+    } else {
+        Err(format!(
+            "the map has {} rows; {} has {} layers ({} of them MoE) — give one row per layer or per MoE layer",
+            rows.len(),
+            model.name,
+            model.num_layers,
+            ids.len()
+        ))
+    }
+}
+
+/// TensorRT-LLM's `initial_global_assignments`: rows keyed by model layer id, one for every
+/// MoE layer.
+fn rows_of_assignments(
+    obj: &serde_json::Map<String, Value>,
+    model: &ModelSpec,
+    ids: &[u32],
+) -> Result<Vec<Vec<i64>>, String> {
+    let mut by_layer: Vec<Option<Vec<i64>>> = vec![None; ids.len()];
+    for (k, row) in obj {
+        let layer: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| format!("initial_global_assignments key \"{k}\" is not a layer id"))?;
+        let li = ids.binary_search(&layer).map_err(|_| {
+            format!(
+                "initial_global_assignments names layer {layer}, which is not a MoE layer of {}",
+                model.name
+            )
+        })?;
+        let r = row
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>())
+            .ok_or_else(|| format!("layer {layer}: not an array of integer expert ids"))?;
+        by_layer[li] = Some(r);
+    }
+    let missing: Vec<u32> = (0..ids.len())
+        .filter(|&i| by_layer[i].is_none())
+        .map(|i| ids[i])
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "initial_global_assignments lacks MoE layers {}; give every MoE layer",
+            expertmesh_topology::ranges::format_list(&missing)
+        ));
+    }
+    Ok(by_layer.into_iter().flatten().collect())
+}
+
+/// Import step: the slots per device — every row the same length, a multiple of the devices.
+fn slots_per_device(rows: &[Vec<i64>], ids: &[u32], topology: &Topology) -> Result<usize, String> {
     let n_dev = topology.devices().len();
     let slots = rows.first().map_or(0, Vec::len);
     if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != slots) {
@@ -203,7 +229,19 @@ pub fn import_str(
             topology.name()
         ));
     }
-    let spd = slots / n_dev;
+    Ok(slots / n_dev)
+}
+
+/// Import step: each row's slots to devices (device-major), merging an expert a device already
+/// holds (with a warning); an expert that does not exist fails the import.
+fn split_over_devices(
+    rows: &[Vec<i64>],
+    ids: &[u32],
+    spd: usize,
+    topology: &Topology,
+    model: &ModelSpec,
+) -> Result<ImportedMap, String> {
+    let n_dev = topology.devices().len();
     let e = model.routed_experts as i64;
     let mut warnings = Vec::new();
     let mut merged = 0usize;

@@ -116,7 +116,6 @@ impl Hardware {
     /// where given, defaults for latencies otherwise.
     pub fn from_topology(t: &Topology) -> Hardware {
         let mut sources = Vec::new();
-        let measured = t.measured();
         let device_bandwidth_gb_s: Vec<f64> = t
             .devices()
             .iter()
@@ -128,86 +127,9 @@ impl Hardware {
             unit: "GB/s".into(),
             from: "datasheet (topology file)".into(),
         });
-        let nic_measured = measured.inter_node().and_then(|m| m.bandwidth_gb_s());
-        let node_nic_gb_s: Vec<f64> = t
-            .nodes()
-            .iter()
-            .map(|n| {
-                n.nics()
-                    .iter()
-                    .map(|c| nic_measured.unwrap_or(c.speed_gbit_s() / 8.0))
-                    .sum()
-            })
-            .collect();
-        sources.push(FigureSource {
-            what: "network bandwidth per node (all NICs, per direction)".into(),
-            value: summarize(&node_nic_gb_s),
-            unit: "GB/s".into(),
-            from: if nic_measured.is_some() {
-                "topology [measured] inter_node (per NIC)".into()
-            } else {
-                "NIC line rate (topology file)".into()
-            },
-        });
-        let intra_measured = measured.intra_node();
-        let node_intra_gb_s: Vec<Option<f64>> = t
-            .nodes()
-            .iter()
-            .map(|n| {
-                intra_measured
-                    .and_then(|m| m.bandwidth_gb_s())
-                    .or(n.intra_link().map(|l| l.bandwidth_gb_s()))
-            })
-            .collect();
-        let inter_latency_us = measured
-            .inter_node()
-            .and_then(|m| m.latency_us())
-            .unwrap_or_else(|| {
-                let any_tcp = t
-                    .nodes()
-                    .iter()
-                    .flat_map(|n| n.nics())
-                    .any(|c| c.kind() == NicKind::Tcp);
-                if any_tcp { TCP_HOP_US } else { ROCE_HOP_US }
-            });
-        sources.push(FigureSource {
-            what: "network hop latency (one way)".into(),
-            value: inter_latency_us,
-            unit: "us".into(),
-            from: if measured.inter_node().and_then(|m| m.latency_us()).is_some() {
-                "topology [measured] inter_node".into()
-            } else {
-                "default (RoCE 3 us, TCP 15 us)".into()
-            },
-        });
-        let node_intra_latency_us: Vec<f64> = t
-            .nodes()
-            .iter()
-            .map(|n| {
-                intra_measured
-                    .and_then(|m| m.latency_us())
-                    .or(n.intra_link().and_then(|l| l.latency_us()))
-                    .or(n.intra_link().map(|l| {
-                        INTRA_HOP_US
-                            .iter()
-                            .find(|(k, _)| *k == l.kind())
-                            .map_or(4.0, |x| x.1)
-                    }))
-                    .unwrap_or(0.0)
-            })
-            .collect();
-        if let Some(bw) = node_intra_gb_s.iter().flatten().copied().reduce(f64::min) {
-            sources.push(FigureSource {
-                what: "intra-node device link bandwidth (slowest node)".into(),
-                value: bw,
-                unit: "GB/s".into(),
-                from: if intra_measured.and_then(|m| m.bandwidth_gb_s()).is_some() {
-                    "topology [measured] intra_node".into()
-                } else {
-                    "intra_bandwidth_gb_s (topology file)".into()
-                },
-            });
-        }
+        let node_nic_gb_s = node_network_bandwidth(t, &mut sources);
+        let inter_latency_us = network_hop_latency(t, &mut sources);
+        let (node_intra_gb_s, node_intra_latency_us) = intra_node_links(t, &mut sources);
         Hardware {
             device_bandwidth_gb_s,
             device_int8_tops: t.devices().iter().map(|d| d.int8_tops()).collect(),
@@ -219,6 +141,102 @@ impl Hardware {
             sources,
         }
     }
+}
+
+/// Hardware step: each node's network bandwidth, all NICs per direction (line rate, or the
+/// measured inter-node bandwidth per NIC).
+fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSource>) -> Vec<f64> {
+    let nic_measured = t.measured().inter_node().and_then(|m| m.bandwidth_gb_s());
+    let node_nic_gb_s: Vec<f64> = t
+        .nodes()
+        .iter()
+        .map(|n| {
+            n.nics()
+                .iter()
+                .map(|c| nic_measured.unwrap_or(c.speed_gbit_s() / 8.0))
+                .sum()
+        })
+        .collect();
+    sources.push(FigureSource {
+        what: "network bandwidth per node (all NICs, per direction)".into(),
+        value: summarize(&node_nic_gb_s),
+        unit: "GB/s".into(),
+        from: if nic_measured.is_some() {
+            "topology [measured] inter_node (per NIC)".into()
+        } else {
+            "NIC line rate (topology file)".into()
+        },
+    });
+    node_nic_gb_s
+}
+
+/// Hardware step: the one-way network hop (measured, else the RoCE or, with any TCP NIC, the
+/// TCP default).
+fn network_hop_latency(t: &Topology, sources: &mut Vec<FigureSource>) -> f64 {
+    let measured = t.measured().inter_node().and_then(|m| m.latency_us());
+    let inter_latency_us = measured.unwrap_or_else(|| {
+        let any_tcp = t
+            .nodes()
+            .iter()
+            .flat_map(|n| n.nics())
+            .any(|c| c.kind() == NicKind::Tcp);
+        if any_tcp { TCP_HOP_US } else { ROCE_HOP_US }
+    });
+    sources.push(FigureSource {
+        what: "network hop latency (one way)".into(),
+        value: inter_latency_us,
+        unit: "us".into(),
+        from: if measured.is_some() {
+            "topology [measured] inter_node".into()
+        } else {
+            "default (RoCE 3 us, TCP 15 us)".into()
+        },
+    });
+    inter_latency_us
+}
+
+/// Hardware step: each node's device-link bandwidth and one-way hop (measured, else the
+/// node's `intra_*` keys, else the default hop of its link kind).
+fn intra_node_links(t: &Topology, sources: &mut Vec<FigureSource>) -> (Vec<Option<f64>>, Vec<f64>) {
+    let intra_measured = t.measured().intra_node();
+    let node_intra_gb_s: Vec<Option<f64>> = t
+        .nodes()
+        .iter()
+        .map(|n| {
+            intra_measured
+                .and_then(|m| m.bandwidth_gb_s())
+                .or(n.intra_link().map(|l| l.bandwidth_gb_s()))
+        })
+        .collect();
+    let node_intra_latency_us: Vec<f64> = t
+        .nodes()
+        .iter()
+        .map(|n| {
+            intra_measured
+                .and_then(|m| m.latency_us())
+                .or(n.intra_link().and_then(|l| l.latency_us()))
+                .or(n.intra_link().map(|l| {
+                    INTRA_HOP_US
+                        .iter()
+                        .find(|(k, _)| *k == l.kind())
+                        .map_or(4.0, |x| x.1)
+                }))
+                .unwrap_or(0.0)
+        })
+        .collect();
+    if let Some(bw) = node_intra_gb_s.iter().flatten().copied().reduce(f64::min) {
+        sources.push(FigureSource {
+            what: "intra-node device link bandwidth (slowest node)".into(),
+            value: bw,
+            unit: "GB/s".into(),
+            from: if intra_measured.and_then(|m| m.bandwidth_gb_s()).is_some() {
+                "topology [measured] intra_node".into()
+            } else {
+                "intra_bandwidth_gb_s (topology file)".into()
+            },
+        });
+    }
+    (node_intra_gb_s, node_intra_latency_us)
 }
 
 /// One number for a list that is usually uniform: the value, or the minimum when they differ.
@@ -595,30 +613,7 @@ impl<'a> Evaluator<'a> {
                         tokens.draw(r, c)
                     })
                 }
-                None => {
-                    // Independent slots: P(untouched) = prod(1 - q).
-                    let log_untouched: Vec<f64> = slot_q
-                        .iter()
-                        .map(|v| v.iter().map(|&q| (1.0 - q).max(1e-300).ln()).sum())
-                        .collect();
-                    let mut node_log = vec![0.0; n_nodes];
-                    for d in 0..n_dev {
-                        node_log[node_of[d]] += log_untouched[d];
-                    }
-                    let remote_log: f64 = (0..n_nodes)
-                        .filter(|&n| n != router_node)
-                        .map(|n| node_log[n])
-                        .sum();
-                    (
-                        log_untouched.iter().map(|l| 1.0 - l.exp()).collect(),
-                        node_log.iter().map(|l| 1.0 - l.exp()).collect(),
-                        if n_nodes > 1 {
-                            1.0 - remote_log.exp()
-                        } else {
-                            0.0
-                        },
-                    )
-                }
+                None => independent_touch(&slot_q, &node_of, n_nodes, router_node),
             };
             let shared_on = match placement.shared_location(layer) {
                 Some(SharedLocation::Device(r)) => Some(r.index()),
@@ -723,82 +718,60 @@ impl<'a> Evaluator<'a> {
     /// Roofline decode throughput for `batch` tokens per layer call and `concurrency` calls in
     /// flight.
     pub fn roofline(&self, hw: &Hardware, batch: usize, concurrency: usize) -> Roofline {
-        let t = self.topology;
-        let m = self.model;
-        let n_dev = t.devices().len();
-        let n_nodes = t.nodes().len();
-        let b = batch.max(1) as f64;
-        let c = concurrency.max(1) as f64;
-        let s_bytes = m.expert_bytes() as f64;
-        let shared_layer_bytes = m.shared_experts as f64 * m.shared_expert_bytes() as f64;
-        let tb = m.token_bytes_bf16() as f64;
-        let ops_per_pair = 2.0 * m.expert_params() as f64;
-        let router = hw.router_node;
-        let node_of: Vec<usize> = t.devices().iter().map(|d| d.node_index()).collect();
-        let mut terms = [0.0f64; 5];
-        let mut binding = [0.0f64; 5];
-        let mut device_mem_time = vec![0.0; n_dev];
-        let mut node_nic_time = vec![0.0; n_nodes];
-        let max_intra_lat = hw.node_intra_latency_us.iter().copied().fold(0.0, f64::max);
-        let mut step = 0.0;
-        for f in &self.layers {
-            let mut t_mem: f64 = 0.0;
-            let mut t_cmp: f64 = 0.0;
-            let mut t_intra: f64 = 0.0;
-            for d in 0..n_dev {
-                let mut bytes: f64 = f.slot_q[d]
-                    .iter()
-                    .map(|&q| s_bytes * (1.0 - (1.0 - q).powf(b)))
-                    .sum();
-                if f.shared_on == Some(d) {
-                    bytes += shared_layer_bytes;
-                }
-                let tm = bytes / (hw.device_bandwidth_gb_s[d].max(1e-12) * 1e9);
-                device_mem_time[d] += tm;
-                t_mem = t_mem.max(tm);
-                if let Some(tops) = hw.device_int8_tops[d] {
-                    let ops = ops_per_pair * b * f.pairs[d];
-                    t_cmp = t_cmp.max(ops / (tops.max(1e-12) * 1e12));
-                }
-                if let Some(bw) = hw.node_intra_gb_s[node_of[d]] {
-                    t_intra = t_intra.max(b * tb * f.p_device[d] / (bw.max(1e-12) * 1e9));
-                }
-            }
-            let mut t_nic: f64 = 0.0;
-            if n_nodes > 1 {
-                let mut router_bytes = 0.0;
-                for n in 0..n_nodes {
-                    if n == router {
-                        continue;
-                    }
-                    let bytes = b * tb * f.p_node[n];
-                    router_bytes += bytes;
-                    let tn = bytes / (hw.node_nic_gb_s[n].max(1e-12) * 1e9);
-                    node_nic_time[n] += tn;
-                    t_nic = t_nic.max(tn);
-                }
-                let tr = router_bytes / (hw.node_nic_gb_s[router].max(1e-12) * 1e9);
-                node_nic_time[router] += tr;
-                t_nic = t_nic.max(tr);
-            }
-            let t_lat = 2.0 * (f.p_any_remote * hw.inter_latency_us + max_intra_lat) * 1e-6;
-            let parts = [c * t_mem, c * t_cmp, c * t_nic, c * t_intra, t_lat];
-            let (imax, tmax) = parts
+        let k = RooflineInputs {
+            b: batch.max(1) as f64,
+            c: concurrency.max(1) as f64,
+            s_bytes: self.model.expert_bytes() as f64,
+            shared_layer_bytes: self.model.shared_experts as f64
+                * self.model.shared_expert_bytes() as f64,
+            tb: self.model.token_bytes_bf16() as f64,
+            ops_per_pair: 2.0 * self.model.expert_params() as f64,
+            node_of: self
+                .topology
+                .devices()
                 .iter()
-                .copied()
-                .enumerate()
-                .fold((0, 0.0), |a, (i, x)| if x > a.1 { (i, x) } else { a });
-            for (acc, x) in terms.iter_mut().zip(parts) {
-                *acc += x;
-            }
-            binding[imax] += tmax;
-            step += tmax;
+                .map(|d| d.node_index())
+                .collect(),
+            max_intra_lat: hw.node_intra_latency_us.iter().copied().fold(0.0, f64::max),
+        };
+        let mut sums = RooflineSums {
+            terms: [0.0; 5],
+            binding: [0.0; 5],
+            device_mem_time: vec![0.0; self.topology.devices().len()],
+            node_nic_time: vec![0.0; self.topology.nodes().len()],
+            step: 0.0,
+        };
+        for f in &self.layers {
+            let (t_mem, t_cmp, t_intra) = device_times(hw, &k, f, &mut sums.device_mem_time);
+            let t_nic = network_time(hw, &k, f, &mut sums.node_nic_time);
+            let t_lat = 2.0 * (f.p_any_remote * hw.inter_latency_us + k.max_intra_lat) * 1e-6;
+            let c = k.c;
+            sums.add([c * t_mem, c * t_cmp, c * t_nic, c * t_intra, t_lat]);
         }
+        self.roofline_report(batch, concurrency, k.c * k.b, &sums)
+    }
+
+    /// Roofline step: tokens/s, the bottleneck, the terms, the busiest device and NIC, and
+    /// cost, from the per-layer sums (`tokens_per_step` = C × B).
+    fn roofline_report(
+        &self,
+        batch: usize,
+        concurrency: usize,
+        tokens_per_step: f64,
+        sums: &RooflineSums,
+    ) -> Roofline {
+        let t = self.topology;
+        let (n_dev, n_nodes) = (t.devices().len(), t.nodes().len());
+        let (terms, binding, step) = (&sums.terms, &sums.binding, sums.step);
         let names = ["memory", "compute", "network", "intra-node", "latency"];
         let bi = (0..5)
             .max_by(|&a, &b| binding[a].total_cmp(&binding[b]))
             .unwrap_or(0);
-        let tokens_per_s = if step > 0.0 { c * b / step } else { 0.0 };
+        let tokens_per_s = if step > 0.0 {
+            tokens_per_step / step
+        } else {
+            0.0
+        };
         let prices: Option<f64> = t
             .devices()
             .iter()
@@ -806,12 +779,12 @@ impl<'a> Evaluator<'a> {
             .sum::<Option<f64>>();
         let share = |x: f64| if step > 0.0 { x / step } else { 0.0 };
         let busiest_device = (0..n_dev)
-            .max_by(|&a, &b| device_mem_time[a].total_cmp(&device_mem_time[b]))
+            .max_by(|&a, &b| sums.device_mem_time[a].total_cmp(&sums.device_mem_time[b]))
             .map_or_else(String::new, |d| t.devices()[d].id().to_owned());
         let busiest_nic_node = (n_nodes > 1)
             .then(|| {
                 (0..n_nodes)
-                    .max_by(|&a, &b| node_nic_time[a].total_cmp(&node_nic_time[b]))
+                    .max_by(|&a, &b| sums.node_nic_time[a].total_cmp(&sums.node_nic_time[b]))
                     .map(|n| t.nodes()[n].name().to_owned())
             })
             .flatten();
@@ -843,6 +816,150 @@ impl<'a> Evaluator<'a> {
                 .map(|p| p / (tokens_per_s * 3600.0) * 1e6),
         }
     }
+}
+
+/// What the roofline's per-layer terms need, fixed for one call.
+struct RooflineInputs {
+    /// Tokens per layer call (B).
+    b: f64,
+    /// Calls in flight (C).
+    c: f64,
+    /// Bytes of one routed expert.
+    s_bytes: f64,
+    /// Bytes of one layer's shared experts.
+    shared_layer_bytes: f64,
+    /// Bytes of one token's hidden vector (bf16).
+    tb: f64,
+    /// Int8 operations per (token, expert) pair.
+    ops_per_pair: f64,
+    /// Each device's node.
+    node_of: Vec<usize>,
+    /// The slowest intra-node hop, µs.
+    max_intra_lat: f64,
+}
+
+/// The roofline's sums over MoE layers.
+struct RooflineSums {
+    /// Memory, compute, network, intra-node and latency time, each summed over layers.
+    terms: [f64; 5],
+    /// Per term, the time of the layers where it binds.
+    binding: [f64; 5],
+    /// Memory time per device.
+    device_mem_time: Vec<f64>,
+    /// NIC time per node.
+    node_nic_time: Vec<f64>,
+    /// Time of one step (the binding term of every layer, summed).
+    step: f64,
+}
+
+impl RooflineSums {
+    /// Add one layer's terms; the largest binds.
+    fn add(&mut self, parts: [f64; 5]) {
+        let (imax, tmax) = parts
+            .iter()
+            .copied()
+            .enumerate()
+            .fold((0, 0.0), |a, (i, x)| if x > a.1 { (i, x) } else { a });
+        for (acc, x) in self.terms.iter_mut().zip(parts) {
+            *acc += x;
+        }
+        self.binding[imax] += tmax;
+        self.step += tmax;
+    }
+}
+
+/// P(touched by a token) per device and per node, and P(any node other than the router's),
+/// with independent slots: P(untouched) = prod(1 - q).
+fn independent_touch(
+    slot_q: &[Vec<f64>],
+    node_of: &[usize],
+    n_nodes: usize,
+    router_node: usize,
+) -> (Vec<f64>, Vec<f64>, f64) {
+    let log_untouched: Vec<f64> = slot_q
+        .iter()
+        .map(|v| v.iter().map(|&q| (1.0 - q).max(1e-300).ln()).sum())
+        .collect();
+    let mut node_log = vec![0.0; n_nodes];
+    for d in 0..slot_q.len() {
+        node_log[node_of[d]] += log_untouched[d];
+    }
+    let remote_log: f64 = (0..n_nodes)
+        .filter(|&n| n != router_node)
+        .map(|n| node_log[n])
+        .sum();
+    (
+        log_untouched.iter().map(|l| 1.0 - l.exp()).collect(),
+        node_log.iter().map(|l| 1.0 - l.exp()).collect(),
+        if n_nodes > 1 {
+            1.0 - remote_log.exp()
+        } else {
+            0.0
+        },
+    )
+}
+
+/// Roofline step: one layer's memory, compute and intra-node link time — each the busiest
+/// device's; every device's memory time is added to `device_mem_time`.
+fn device_times(
+    hw: &Hardware,
+    k: &RooflineInputs,
+    f: &LayerFacts,
+    device_mem_time: &mut [f64],
+) -> (f64, f64, f64) {
+    let mut t_mem: f64 = 0.0;
+    let mut t_cmp: f64 = 0.0;
+    let mut t_intra: f64 = 0.0;
+    for (d, mem_time) in device_mem_time.iter_mut().enumerate() {
+        let mut bytes: f64 = f.slot_q[d]
+            .iter()
+            .map(|&q| k.s_bytes * (1.0 - (1.0 - q).powf(k.b)))
+            .sum();
+        if f.shared_on == Some(d) {
+            bytes += k.shared_layer_bytes;
+        }
+        let tm = bytes / (hw.device_bandwidth_gb_s[d].max(1e-12) * 1e9);
+        *mem_time += tm;
+        t_mem = t_mem.max(tm);
+        if let Some(tops) = hw.device_int8_tops[d] {
+            let ops = k.ops_per_pair * k.b * f.pairs[d];
+            t_cmp = t_cmp.max(ops / (tops.max(1e-12) * 1e12));
+        }
+        if let Some(bw) = hw.node_intra_gb_s[k.node_of[d]] {
+            t_intra = t_intra.max(k.b * k.tb * f.p_device[d] / (bw.max(1e-12) * 1e9));
+        }
+    }
+    (t_mem, t_cmp, t_intra)
+}
+
+/// Roofline step: one layer's network time — the busiest NIC's, where the router's node sends
+/// every remote node's share; each node's NIC time is added to `node_nic_time`.
+fn network_time(
+    hw: &Hardware,
+    k: &RooflineInputs,
+    f: &LayerFacts,
+    node_nic_time: &mut [f64],
+) -> f64 {
+    let n_nodes = node_nic_time.len();
+    let router = hw.router_node;
+    let mut t_nic: f64 = 0.0;
+    if n_nodes <= 1 {
+        return t_nic;
+    }
+    let mut router_bytes = 0.0;
+    for n in 0..n_nodes {
+        if n == router {
+            continue;
+        }
+        let bytes = k.b * k.tb * f.p_node[n];
+        router_bytes += bytes;
+        let tn = bytes / (hw.node_nic_gb_s[n].max(1e-12) * 1e9);
+        node_nic_time[n] += tn;
+        t_nic = t_nic.max(tn);
+    }
+    let tr = router_bytes / (hw.node_nic_gb_s[router].max(1e-12) * 1e9);
+    node_nic_time[router] += tr;
+    t_nic.max(tr)
 }
 
 #[cfg(test)]

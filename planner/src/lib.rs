@@ -233,116 +233,29 @@ pub fn plan(
     options: &PlanOptions,
 ) -> Result<Plan, PlanError> {
     let mut notes = Vec::new();
-    let has_stats = load.is_some() || coselect.is_some();
-    let n_dev = topology.devices().len() as u32;
-    let redundant = match options.redundant {
-        Some(r) => r,
-        None if has_stats => max_redundant(topology, model, &options.shared)
-            .map_err(PlanError::Options)?
-            .unwrap_or(0)
-            .min(n_dev),
-        None => 0,
-    };
-    let e = model.routed_experts;
-    if redundant as u64 > e as u64 * (n_dev as u64).saturating_sub(1) {
-        return Err(PlanError::Options(format!(
-            "--redundant {redundant} asks for more replicas than {n_dev} devices can hold distinct copies of ({} at most: every expert on every device)",
-            e as u64 * (n_dev as u64).saturating_sub(1)
-        )));
-    }
+    let redundant = choose_redundant(
+        topology,
+        model,
+        load.is_some() || coselect.is_some(),
+        options,
+    )?;
     let layout = match capacity::layout(topology, model, &options.shared, redundant)
         .map_err(PlanError::Options)?
     {
         Ok(l) => l,
         Err(s) => return Err(PlanError::DoesNotFit(Box::new(s))),
     };
-
-    let nodes: Vec<usize> = (0..topology.nodes().len())
-        .filter(|&n| topology.nodes()[n].device_count() > 0)
-        .collect();
-    let groups_align =
-        model.n_group > 1 && nodes.len() >= 2 && model.n_group as usize % nodes.len() == 0;
-    let strategy = match options.strategy {
-        Strategy::Global => StrategyUsed::Global,
-        Strategy::Auto if groups_align => StrategyUsed::HierarchicalGroups,
-        Strategy::Auto if coselect.is_some() && nodes.len() >= 2 => {
-            StrategyUsed::HierarchicalLocality
-        }
-        Strategy::Auto => StrategyUsed::Global,
-        Strategy::Hierarchical if groups_align => StrategyUsed::HierarchicalGroups,
-        Strategy::Hierarchical if coselect.is_some() => StrategyUsed::HierarchicalLocality,
-        Strategy::Hierarchical => StrategyUsed::Hierarchical,
-    };
-    if coselect.is_some() && e as usize > MAX_LOCALITY_UNITS && strategy != StrategyUsed::Global {
-        notes.push(format!(
-            "{e} experts per layer: more than the {MAX_LOCALITY_UNITS} the locality swaps handle; co-selection statistics are used for the traffic estimate only"
-        ));
-    }
-    if options.strategy == Strategy::Hierarchical && nodes.len() < 2 {
-        notes.push("one node: hierarchical placement is the same as global".into());
-    }
-
-    let ids = model.moe_layer_ids();
-    let speeds: Vec<f64> = topology
-        .devices()
-        .iter()
-        .map(|d| d.memory_bandwidth_gb_s())
-        .collect();
-    let mut slots: Vec<Vec<Vec<u32>>> = Vec::with_capacity(ids.len());
-    let mut fallback_layers: Vec<u32> = Vec::new();
-    let (mut kept_before, mut kept_after, mut kept_total) = (0.0, 0.0, 0.0);
-    for (li, &layer) in ids.iter().enumerate() {
-        let loads = layer_loads(model, load, coselect, li);
-        let counts = &layout.counts[li];
-        let per_device = match strategy {
-            StrategyUsed::Global => None,
-            _ => {
-                let r = hierarchical_layer(
-                    topology,
-                    model,
-                    &loads,
-                    counts,
-                    &speeds,
-                    strategy,
-                    coselect.and_then(|c| c.layer(li)),
-                    options.locality_slack,
-                )
-                .map_err(PlanError::Rejected)?;
-                if let Some((_, before, after, total)) = &r {
-                    kept_before += before;
-                    kept_after += after;
-                    kept_total += total;
-                }
-                if r.is_none() {
-                    fallback_layers.push(layer);
-                }
-                r.map(|x| x.0)
-            }
-        };
-        let mut per_device = match per_device {
-            Some(p) => p,
-            None => {
-                let bins: Vec<Bin> = counts
-                    .iter()
-                    .zip(&speeds)
-                    .map(|(&count, &speed)| Bin { count, speed })
-                    .collect();
-                replicate_and_pack(&loads, &bins)
-                    .map_err(|err| PlanError::Rejected(format!("layer {layer}: {err}")))?
-            }
-        };
-        for list in &mut per_device {
-            list.sort_unstable();
-        }
-        slots.push(per_device);
-    }
-    if !fallback_layers.is_empty() {
+    let strategy = choose_strategy(topology, model, coselect, options, &mut notes);
+    let stats = LayerStats { load, coselect };
+    let placed = place_layers(topology, model, stats, options, &layout, strategy)?;
+    if !placed.fallback_layers.is_empty() {
         notes.push(format!(
             "layers {}: node slot counts do not allow {}; placed globally there",
-            expertmesh_topology::ranges::format_list(&fallback_layers),
+            expertmesh_topology::ranges::format_list(&placed.fallback_layers),
             strategy.name()
         ));
     }
+    let (kept_before, kept_after, kept_total) = placed.kept;
     if kept_total > 0.0 {
         notes.push(format!(
             "locality: co-selected pairs kept inside a node {:.1}% -> {:.1}% (node loads within {:.0}% of the mean)",
@@ -354,7 +267,7 @@ pub fn plan(
     let placement = Placement::new(
         topology,
         model,
-        slots,
+        placed.slots,
         layout.shared.clone(),
         &options.description,
     )
@@ -375,6 +288,197 @@ pub fn plan(
     })
 }
 
+/// Plan step: replica slots per layer — as asked, or the default (see the module doc) — and
+/// no more than the devices can hold distinct copies of.
+fn choose_redundant(
+    topology: &Topology,
+    model: &ModelSpec,
+    has_stats: bool,
+    options: &PlanOptions,
+) -> Result<u32, PlanError> {
+    let n_dev = topology.devices().len() as u32;
+    let redundant = match options.redundant {
+        Some(r) => r,
+        None if has_stats => max_redundant(topology, model, &options.shared)
+            .map_err(PlanError::Options)?
+            .unwrap_or(0)
+            .min(n_dev),
+        None => 0,
+    };
+    let e = model.routed_experts;
+    if redundant as u64 > e as u64 * (n_dev as u64).saturating_sub(1) {
+        return Err(PlanError::Options(format!(
+            "--redundant {redundant} asks for more replicas than {n_dev} devices can hold distinct copies of ({} at most: every expert on every device)",
+            e as u64 * (n_dev as u64).saturating_sub(1)
+        )));
+    }
+    Ok(redundant)
+}
+
+/// Plan step: the strategy to use (see [`Strategy`]), with remarks on what it cannot do here.
+fn choose_strategy(
+    topology: &Topology,
+    model: &ModelSpec,
+    coselect: Option<&CoSelection>,
+    options: &PlanOptions,
+    notes: &mut Vec<String>,
+) -> StrategyUsed {
+    let e = model.routed_experts;
+    let nodes = topology
+        .nodes()
+        .iter()
+        .filter(|n| n.device_count() > 0)
+        .count();
+    let groups_align = model.n_group > 1 && nodes >= 2 && model.n_group as usize % nodes == 0;
+    let strategy = match options.strategy {
+        Strategy::Global => StrategyUsed::Global,
+        Strategy::Auto if groups_align => StrategyUsed::HierarchicalGroups,
+        Strategy::Auto if coselect.is_some() && nodes >= 2 => StrategyUsed::HierarchicalLocality,
+        Strategy::Auto => StrategyUsed::Global,
+        Strategy::Hierarchical if groups_align => StrategyUsed::HierarchicalGroups,
+        Strategy::Hierarchical if coselect.is_some() => StrategyUsed::HierarchicalLocality,
+        Strategy::Hierarchical => StrategyUsed::Hierarchical,
+    };
+    if coselect.is_some() && e as usize > MAX_LOCALITY_UNITS && strategy != StrategyUsed::Global {
+        notes.push(format!(
+            "{e} experts per layer: more than the {MAX_LOCALITY_UNITS} the locality swaps handle; co-selection statistics are used for the traffic estimate only"
+        ));
+    }
+    if options.strategy == Strategy::Hierarchical && nodes < 2 {
+        notes.push("one node: hierarchical placement is the same as global".into());
+    }
+    strategy
+}
+
+/// The statistics a plan is made with.
+#[derive(Clone, Copy)]
+struct LayerStats<'a> {
+    load: Option<&'a LoadStats>,
+    coselect: Option<&'a CoSelection>,
+}
+
+/// What placing the layers gave: the slots, the layers placed globally as a fallback, and the
+/// co-selection weight kept inside nodes (before and after the locality swaps, and in all).
+struct Placed {
+    slots: Vec<Vec<Vec<u32>>>,
+    fallback_layers: Vec<u32>,
+    kept: (f64, f64, f64),
+}
+
+/// Plan step: experts per device for every MoE layer, each device's list ascending.
+fn place_layers(
+    topology: &Topology,
+    model: &ModelSpec,
+    stats: LayerStats<'_>,
+    options: &PlanOptions,
+    layout: &capacity::SlotLayout,
+    strategy: StrategyUsed,
+) -> Result<Placed, PlanError> {
+    let ids = model.moe_layer_ids();
+    let speeds: Vec<f64> = topology
+        .devices()
+        .iter()
+        .map(|d| d.memory_bandwidth_gb_s())
+        .collect();
+    let mut placed = Placed {
+        slots: Vec::with_capacity(ids.len()),
+        fallback_layers: Vec::new(),
+        kept: (0.0, 0.0, 0.0),
+    };
+    for (li, &layer) in ids.iter().enumerate() {
+        let loads = layer_loads(model, stats.load, stats.coselect, li);
+        let counts = &layout.counts[li];
+        let hierarchical = match strategy {
+            StrategyUsed::Global => None,
+            _ => {
+                let r = hierarchical_layer(
+                    topology,
+                    model,
+                    &loads,
+                    counts,
+                    &speeds,
+                    strategy,
+                    stats.coselect.and_then(|c| c.layer(li)),
+                    options.locality_slack,
+                )
+                .map_err(PlanError::Rejected)?;
+                if r.is_none() {
+                    placed.fallback_layers.push(layer);
+                }
+                r
+            }
+        };
+        let mut per_device = match hierarchical {
+            Some((p, before, after, total)) => {
+                placed.kept.0 += before;
+                placed.kept.1 += after;
+                placed.kept.2 += total;
+                p
+            }
+            None => global_layer(&loads, counts, &speeds)
+                .map_err(|err| PlanError::Rejected(format!("layer {layer}: {err}")))?,
+        };
+        for list in &mut per_device {
+            list.sort_unstable();
+        }
+        placed.slots.push(per_device);
+    }
+    Ok(placed)
+}
+
+/// Experts per device for one layer, all devices at once.
+fn global_layer(
+    loads: &[f64],
+    counts: &[u32],
+    speeds: &[f64],
+) -> Result<Vec<Vec<u32>>, packing::PackError> {
+    let bins: Vec<Bin> = counts
+        .iter()
+        .zip(speeds)
+        .map(|(&count, &speed)| Bin { count, speed })
+        .collect();
+    replicate_and_pack(loads, &bins)
+}
+
+/// Expert slots, most slots on one device, and the summed speed of the devices with slots, of
+/// every node for one layer.
+struct NodeSlots {
+    slots: Vec<u64>,
+    max_dev: Vec<u64>,
+    speed: Vec<f64>,
+}
+
+impl NodeSlots {
+    /// The node figures of one layer with `counts` slots per device.
+    fn new(topology: &Topology, counts: &[u32], speeds: &[f64]) -> NodeSlots {
+        let nodes = topology.nodes();
+        NodeSlots {
+            slots: nodes
+                .iter()
+                .map(|n| n.device_ranks().map(|r| counts[r.index()] as u64).sum())
+                .collect(),
+            max_dev: nodes
+                .iter()
+                .map(|n| {
+                    n.device_ranks()
+                        .map(|r| counts[r.index()] as u64)
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect(),
+            speed: nodes
+                .iter()
+                .map(|n| {
+                    n.device_ranks()
+                        .filter(|r| counts[r.index()] > 0)
+                        .map(|r| speeds[r.index()])
+                        .sum()
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Experts per device for one layer, nodes first. None when the node slot counts cannot hold
 /// the node split (the caller places the layer globally). Also returns the co-selection weight
 /// kept inside nodes before and after the locality swaps, and the layer's total.
@@ -391,29 +495,8 @@ fn hierarchical_layer(
     slack: f64,
 ) -> Result<Option<(Vec<Vec<u32>>, f64, f64, f64)>, String> {
     let e = model.routed_experts as usize;
-    let nodes = topology.nodes();
-    let node_slots: Vec<u64> = nodes
-        .iter()
-        .map(|n| n.device_ranks().map(|r| counts[r.index()] as u64).sum())
-        .collect();
-    let node_max_dev: Vec<u64> = nodes
-        .iter()
-        .map(|n| {
-            n.device_ranks()
-                .map(|r| counts[r.index()] as u64)
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let node_speed: Vec<f64> = nodes
-        .iter()
-        .map(|n| {
-            n.device_ranks()
-                .filter(|r| counts[r.index()] > 0)
-                .map(|r| speeds[r.index()])
-                .sum()
-        })
-        .collect();
+    let n_nodes = topology.nodes().len();
+    let node = NodeSlots::new(topology, counts, speeds);
     // Units: groups (contiguous expert ids, as group-limited routing views them) or experts.
     let unit_size = if strategy == StrategyUsed::HierarchicalGroups {
         e / model.n_group as usize
@@ -421,43 +504,17 @@ fn hierarchical_layer(
         1
     };
     let units = e / unit_size;
-    let live: Vec<usize> = (0..nodes.len()).filter(|&n| node_slots[n] > 0).collect();
-    // Experts per node.
-    let mut quota = vec![0u64; nodes.len()];
-    if strategy == StrategyUsed::HierarchicalGroups {
-        if live.is_empty() || units % live.len() != 0 {
-            return Ok(None);
-        }
-        for &n in &live {
-            quota[n] = (units / live.len() * unit_size) as u64;
-        }
-    } else {
-        let lower: Vec<u64> = (0..nodes.len()).map(|n| node_max_dev[n]).collect();
-        let base: u64 = lower.iter().sum();
-        let Some(rest) = (e as u64).checked_sub(base) else {
-            return Ok(None);
-        };
-        let caps: Vec<u64> = (0..nodes.len()).map(|n| node_slots[n] - lower[n]).collect();
-        let w: Vec<f64> = node_slots.iter().map(|&s| s as f64).collect();
-        let Some(extra) = capacity::water_fill(rest, &w, &caps) else {
-            return Ok(None);
-        };
-        for n in 0..nodes.len() {
-            quota[n] = lower[n] + extra[n];
-        }
-    }
-    for n in 0..nodes.len() {
-        if quota[n] > node_slots[n] || node_max_dev[n] > quota[n] {
-            return Ok(None);
-        }
-    }
+    let live: Vec<usize> = (0..n_nodes).filter(|&n| node.slots[n] > 0).collect();
+    let Some(quota) = node_quotas(&node, strategy, e, unit_size, &live) else {
+        return Ok(None);
+    };
     let unit_w: Vec<f64> = (0..units)
         .map(|u| loads[u * unit_size..(u + 1) * unit_size].iter().sum())
         .collect();
-    let bins: Vec<Bin> = (0..nodes.len())
+    let bins: Vec<Bin> = (0..n_nodes)
         .map(|n| Bin {
             count: (quota[n] / unit_size as u64) as u32,
-            speed: node_speed[n].max(1e-9),
+            speed: node.speed[n].max(1e-9),
         })
         .collect();
     let split = partition(&unit_w, &bins).map_err(|err| err.to_string())?;
@@ -467,31 +524,96 @@ fn hierarchical_layer(
             bin_of[u as usize] = n;
         }
     }
-    let (mut before, mut after, mut total) = (0.0, 0.0, 0.0);
-    if let Some(lp) = pairs.filter(|_| units <= MAX_LOCALITY_UNITS) {
-        let mut aff = Affinity::new(units);
-        for &(a, b, c) in &lp.pairs {
-            aff.add(a as usize / unit_size, b as usize / unit_size, c);
+    let (before, after, total) = match pairs.filter(|_| units <= MAX_LOCALITY_UNITS) {
+        Some(lp) => locality_swaps(lp, unit_size, &unit_w, &bins, &live, slack, &mut bin_of),
+        None => (0.0, 0.0, 0.0),
+    };
+    let per_device = pack_inside_nodes(topology, loads, counts, speeds, unit_size, &bin_of)?;
+    Ok(Some((per_device, before, after, total)))
+}
+
+/// Hierarchical step: experts per node — an equal share of the groups per live node, or the
+/// largest device's slots plus a water-filled share of the rest. None when the node slot counts
+/// do not allow it.
+fn node_quotas(
+    node: &NodeSlots,
+    strategy: StrategyUsed,
+    e: usize,
+    unit_size: usize,
+    live: &[usize],
+) -> Option<Vec<u64>> {
+    let n_nodes = node.slots.len();
+    let units = e / unit_size;
+    let mut quota = vec![0u64; n_nodes];
+    if strategy == StrategyUsed::HierarchicalGroups {
+        if live.is_empty() || units % live.len() != 0 {
+            return None;
         }
-        total = lp.pairs.iter().map(|p| p.2).sum();
-        before = aff.kept(&bin_of);
-        let node_speeds: Vec<f64> = bins.iter().map(|b| b.speed).collect();
-        let mut node_load = vec![0.0; nodes.len()];
-        for u in 0..units {
-            node_load[bin_of[u]] += unit_w[u];
+        for &n in live {
+            quota[n] = (units / live.len() * unit_size) as u64;
         }
-        let current_max = (0..nodes.len())
-            .map(|n| node_load[n] / node_speeds[n])
-            .fold(0.0, f64::max);
-        let live_speed: f64 = live.iter().map(|&n| node_speeds[n]).sum();
-        let mean = unit_w.iter().sum::<f64>() / live_speed.max(1e-12);
-        let limit = current_max.max((1.0 + slack) * mean);
-        improve_locality(&mut bin_of, &unit_w, &node_speeds, &aff, limit, 8);
-        after = aff.kept(&bin_of);
+    } else {
+        let lower = &node.max_dev;
+        let base: u64 = lower.iter().sum();
+        let rest = (e as u64).checked_sub(base)?;
+        let caps: Vec<u64> = (0..n_nodes).map(|n| node.slots[n] - lower[n]).collect();
+        let w: Vec<f64> = node.slots.iter().map(|&s| s as f64).collect();
+        let extra = capacity::water_fill(rest, &w, &caps)?;
+        for n in 0..n_nodes {
+            quota[n] = lower[n] + extra[n];
+        }
     }
-    // Inside each node: replicate and pack over its devices.
+    let fits = (0..n_nodes).all(|n| quota[n] <= node.slots[n] && node.max_dev[n] <= quota[n]);
+    fits.then_some(quota)
+}
+
+/// Hierarchical step: swap units between nodes to keep co-selected ones together while no
+/// node's load exceeds `(1 + slack)` × the mean (or the current maximum, if higher). Returns
+/// the co-selection weight kept inside nodes before and after, and the layer's total.
+fn locality_swaps(
+    lp: &stats::LayerPairs,
+    unit_size: usize,
+    unit_w: &[f64],
+    bins: &[Bin],
+    live: &[usize],
+    slack: f64,
+    bin_of: &mut [usize],
+) -> (f64, f64, f64) {
+    let units = unit_w.len();
+    let mut aff = Affinity::new(units);
+    for &(a, b, c) in &lp.pairs {
+        aff.add(a as usize / unit_size, b as usize / unit_size, c);
+    }
+    let total = lp.pairs.iter().map(|p| p.2).sum();
+    let before = aff.kept(bin_of);
+    let node_speeds: Vec<f64> = bins.iter().map(|b| b.speed).collect();
+    let mut node_load = vec![0.0; bins.len()];
+    for u in 0..units {
+        node_load[bin_of[u]] += unit_w[u];
+    }
+    let current_max = (0..bins.len())
+        .map(|n| node_load[n] / node_speeds[n])
+        .fold(0.0, f64::max);
+    let live_speed: f64 = live.iter().map(|&n| node_speeds[n]).sum();
+    let mean = unit_w.iter().sum::<f64>() / live_speed.max(1e-12);
+    let limit = current_max.max((1.0 + slack) * mean);
+    improve_locality(bin_of, unit_w, &node_speeds, &aff, limit, 8);
+    let after = aff.kept(bin_of);
+    (before, after, total)
+}
+
+/// Hierarchical step: inside each node, replicate and pack its units' experts over its devices.
+fn pack_inside_nodes(
+    topology: &Topology,
+    loads: &[f64],
+    counts: &[u32],
+    speeds: &[f64],
+    unit_size: usize,
+    bin_of: &[usize],
+) -> Result<Vec<Vec<u32>>, String> {
+    let units = bin_of.len();
     let mut per_device = vec![Vec::new(); counts.len()];
-    for (n, node) in nodes.iter().enumerate() {
+    for (n, node) in topology.nodes().iter().enumerate() {
         let experts: Vec<u32> = (0..units)
             .filter(|&u| bin_of[u] == n)
             .flat_map(|u| (u * unit_size) as u32..((u + 1) * unit_size) as u32)
@@ -514,7 +636,7 @@ fn hierarchical_layer(
             per_device[ranks[i]] = list.into_iter().map(|j| experts[j as usize]).collect();
         }
     }
-    Ok(Some((per_device, before, after, total)))
+    Ok(per_device)
 }
 
 #[cfg(test)]

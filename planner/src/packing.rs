@@ -142,6 +142,23 @@ enum Move {
     Trade { bin: usize, drop: u32, take: u32 },
 }
 
+/// The best move found so far for the busiest bin, among those that lower its `load / speed`
+/// below `cur` (by more than `eps`).
+struct BestMove {
+    cur: f64,
+    eps: f64,
+    best: Option<(f64, Move)>,
+}
+
+impl BestMove {
+    /// Keep `mv` when it leaves the bins it touches at most `m`, lower than so far.
+    fn consider(&mut self, m: f64, mv: Move) {
+        if m < self.cur - self.eps && self.best.as_ref().is_none_or(|x| m < x.0) {
+            self.best = Some((m, mv));
+        }
+    }
+}
+
 /// Working state of a packing: which experts each bin holds. A replica of expert `e` carries
 /// `loads[e] / replicas(e)`; while the greedy runs, the final replica counts are used.
 struct State<'a> {
@@ -296,107 +313,141 @@ impl<'a> State<'a> {
     fn refine(&mut self, rereplicate: bool) {
         self.settle();
         let mut budget: i64 = 2_000_000;
-        let experts = self.loads.len() as u32;
-        let n = self.bins.len();
         while budget > 0 {
-            let Some(p) = (0..n)
-                .filter(|&b| !self.content[b].is_empty())
-                .max_by(|&a, &b| {
-                    self.norm(a, self.load[a])
-                        .total_cmp(&self.norm(b, self.load[b]))
-                        .then(b.cmp(&a))
-                })
-            else {
+            let Some(p) = self.busiest() else {
                 return;
             };
-            let cur = self.norm(p, self.load[p]);
-            let eps = 1e-9 * cur.abs().max(1e-300);
-            let mut best: Option<(f64, Move)> = None;
-            let mut consider = |m: f64, mv: Move| {
-                if m < cur - eps && best.as_ref().is_none_or(|x| m < x.0) {
-                    best = Some((m, mv));
-                }
+            let Some(mv) = self.best_move(p, rereplicate, &mut budget) else {
+                return;
             };
-            for &a in &self.content[p] {
-                let wa = self.w(a);
-                let ra = self.holders[a as usize].len();
-                for q in 0..n {
-                    if q == p || self.holds(q, a) {
-                        continue;
-                    }
-                    for &b in &self.content[q] {
-                        budget -= 1;
-                        let wb = self.w(b);
-                        if wb >= wa || self.holds(p, b) {
-                            continue;
-                        }
-                        let m = self
-                            .norm(p, self.load[p] - wa + wb)
-                            .max(self.norm(q, self.load[q] - wb + wa));
-                        consider(m, Move::Swap { a, q, b });
-                    }
-                    if rereplicate {
-                        // p's replica of a gets lighter; worth a look only if that helps p.
-                        let la = self.loads[a as usize];
-                        if self.norm(p, self.load[p] - wa + la / (ra + 1) as f64) >= cur - eps {
-                            continue;
-                        }
-                        for &x in &self.content[q] {
-                            budget -= 1;
-                            if self.holders[x as usize].len() < 2 {
-                                continue;
-                            }
-                            consider(
-                                self.eval_trade(q, x, a),
-                                Move::Trade {
-                                    bin: q,
-                                    drop: x,
-                                    take: a,
-                                },
-                            );
-                        }
-                    }
-                }
-                if !rereplicate || ra < 2 {
+            self.apply_move(p, mv);
+        }
+    }
+
+    /// Refine step: the non-empty bin with the highest `load / speed` (the lowest index among
+    /// equals).
+    fn busiest(&self) -> Option<usize> {
+        (0..self.bins.len())
+            .filter(|&b| !self.content[b].is_empty())
+            .max_by(|&a, &b| {
+                self.norm(a, self.load[a])
+                    .total_cmp(&self.norm(b, self.load[b]))
+                    .then(b.cmp(&a))
+            })
+    }
+
+    /// Refine step: the move that lowers the busiest bin `p` the most, if any lowers it; each
+    /// candidate looked at spends one unit of `budget`.
+    fn best_move(&self, p: usize, rereplicate: bool, budget: &mut i64) -> Option<Move> {
+        let cur = self.norm(p, self.load[p]);
+        let mut best = BestMove {
+            cur,
+            eps: 1e-9 * cur.abs().max(1e-300),
+            best: None,
+        };
+        for &a in &self.content[p] {
+            for q in 0..self.bins.len() {
+                if q == p || self.holds(q, a) {
                     continue;
                 }
-                for c in 0..experts {
-                    budget -= 1;
-                    if self.holds(p, c) {
-                        continue;
-                    }
-                    let rc = self.holders[c as usize].len();
-                    let wc_new = self.loads[c as usize] / (rc + 1) as f64;
-                    if self.norm(p, self.load[p] - wa + wc_new) >= cur - eps {
-                        continue;
-                    }
-                    consider(
-                        self.eval_trade(p, a, c),
-                        Move::Trade {
-                            bin: p,
-                            drop: a,
-                            take: c,
-                        },
-                    );
-                }
+                self.moves_with(p, a, q, rereplicate, &mut best, budget);
             }
-            let Some((_, mv)) = best else {
-                return;
-            };
-            match mv {
-                Move::Swap { a, q, b } => {
-                    self.take(p, a);
-                    self.take(q, b);
-                    self.put(p, b);
-                    self.put(q, a);
-                }
-                Move::Trade { bin, drop, take } => {
-                    self.content[bin].retain(|&x| x != drop);
-                    self.holders[drop as usize].retain(|&x| x != bin);
-                    self.content[bin].push(take);
-                    self.holders[take as usize].push(bin);
-                    self.settle();
-                }
+            if rereplicate && self.holders[a as usize].len() >= 2 {
+                self.trades_on_busiest(p, a, &mut best, budget);
+            }
+        }
+        best.best.map(|(_, mv)| mv)
+    }
+
+    /// Moves between the busiest bin `p`'s expert `a` and bin `q` (which lacks `a`): swaps with
+    /// a lighter expert of `q`, and (when `rereplicate`) `q` trading one of its replicated
+    /// experts for a replica of `a`.
+    fn moves_with(
+        &self,
+        p: usize,
+        a: u32,
+        q: usize,
+        rereplicate: bool,
+        best: &mut BestMove,
+        budget: &mut i64,
+    ) {
+        let wa = self.w(a);
+        for &b in &self.content[q] {
+            *budget -= 1;
+            let wb = self.w(b);
+            if wb >= wa || self.holds(p, b) {
+                continue;
+            }
+            let m = self
+                .norm(p, self.load[p] - wa + wb)
+                .max(self.norm(q, self.load[q] - wb + wa));
+            best.consider(m, Move::Swap { a, q, b });
+        }
+        if !rereplicate {
+            return;
+        }
+        // p's replica of a gets lighter; worth a look only if that helps p.
+        let ra = self.holders[a as usize].len();
+        let la = self.loads[a as usize];
+        if self.norm(p, self.load[p] - wa + la / (ra + 1) as f64) >= best.cur - best.eps {
+            return;
+        }
+        for &x in &self.content[q] {
+            *budget -= 1;
+            if self.holders[x as usize].len() < 2 {
+                continue;
+            }
+            best.consider(
+                self.eval_trade(q, x, a),
+                Move::Trade {
+                    bin: q,
+                    drop: x,
+                    take: a,
+                },
+            );
+        }
+    }
+
+    /// Moves where the busiest bin `p` drops its replica of the replicated expert `a` and takes
+    /// a replica of an expert it lacks.
+    fn trades_on_busiest(&self, p: usize, a: u32, best: &mut BestMove, budget: &mut i64) {
+        let wa = self.w(a);
+        for c in 0..self.loads.len() as u32 {
+            *budget -= 1;
+            if self.holds(p, c) {
+                continue;
+            }
+            let rc = self.holders[c as usize].len();
+            let wc_new = self.loads[c as usize] / (rc + 1) as f64;
+            if self.norm(p, self.load[p] - wa + wc_new) >= best.cur - best.eps {
+                continue;
+            }
+            best.consider(
+                self.eval_trade(p, a, c),
+                Move::Trade {
+                    bin: p,
+                    drop: a,
+                    take: c,
+                },
+            );
+        }
+    }
+
+    /// Refine step: carry out a move found for the busiest bin `p`.
+    fn apply_move(&mut self, p: usize, mv: Move) {
+        match mv {
+            Move::Swap { a, q, b } => {
+                self.take(p, a);
+                self.take(q, b);
+                self.put(p, b);
+                self.put(q, a);
+            }
+            Move::Trade { bin, drop, take } => {
+                self.content[bin].retain(|&x| x != drop);
+                self.holders[drop as usize].retain(|&x| x != bin);
+                self.content[bin].push(take);
+                self.holders[take as usize].push(bin);
+                self.settle();
             }
         }
     }

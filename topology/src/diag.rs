@@ -524,6 +524,47 @@ pub(crate) fn span_of<T>(f: &Field<T>) -> Option<Range<usize>> {
     f.as_ref().map(Spanned::span)
 }
 
+/// An optional free-text value (`description`), empty when absent.
+pub(crate) fn text_or_default(f: &Field<String>) -> String {
+    f.as_ref().map(|d| d.get_ref().clone()).unwrap_or_default()
+}
+
+/// The `format = N` check every file starts with, reported under "top level". Returns false
+/// when a format is given and is not `expected` (absent: reported, but true).
+pub(crate) fn check_format(ctx: &mut Ctx<'_>, f: &Field<i64>, file: &str, expected: i64) -> bool {
+    match split(f) {
+        (None, _) => {
+            ctx.at(
+                None,
+                "top level",
+                "missing `format`; add `format = 1` at the top of the file",
+            );
+            true
+        }
+        (Some(v), _) if v == expected => true,
+        (Some(v), span) => {
+            ctx.at(
+                span,
+                "top level",
+                format!("unsupported format {v}; this build reads {file} format {expected}"),
+            );
+            false
+        }
+    }
+}
+
+/// `did you mean "X"?` for the candidate nearest to `word`, else what `fallback` says.
+pub(crate) fn did_you_mean<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+    fallback: impl FnOnce() -> String,
+) -> String {
+    match nearest(word, candidates) {
+        Some(n) => format!("did you mean \"{n}\"?"),
+        None => fallback(),
+    }
+}
+
 /// A byte count written as an integer or a human string like `"180 GiB"` / `"64 GB"`.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum RawBytes {

@@ -149,13 +149,22 @@ impl ModelSpec {
     /// change.
     pub fn check(&self) -> Vec<String> {
         let mut p = Vec::new();
-        let mut need = |ok: bool, msg: String| {
-            if !ok {
-                p.push(msg)
-            }
-        };
-        need(self.num_layers > 0, "num_layers must be at least 1".into());
+        self.check_layers(&mut p);
+        self.check_sizes(&mut p);
+        self.check_quant(&mut p);
+        self.check_routing(&mut p);
+        p
+    }
+
+    /// Check step: the layer counts.
+    fn check_layers(&self, p: &mut Vec<String>) {
         need(
+            p,
+            self.num_layers > 0,
+            "num_layers must be at least 1".into(),
+        );
+        need(
+            p,
             self.first_dense_layers < self.num_layers,
             format!(
                 "first_dense_layers ({}) must be below num_layers ({}) so at least one layer is MoE",
@@ -163,14 +172,21 @@ impl ModelSpec {
             ),
         );
         need(
+            p,
             self.moe_layer_step >= 1,
             "moe_layer_step must be at least 1".into(),
         );
+    }
+
+    /// Check step: expert counts and matrix sizes.
+    fn check_sizes(&self, p: &mut Vec<String>) {
         need(
+            p,
             self.routed_experts >= 1,
             "routed_experts must be at least 1".into(),
         );
         need(
+            p,
             self.top_k >= 1 && self.top_k <= self.routed_experts,
             format!(
                 "top_k ({}) must be between 1 and routed_experts ({})",
@@ -178,43 +194,53 @@ impl ModelSpec {
             ),
         );
         need(
-            self.hidden > 0 && self.hidden.is_multiple_of(32),
+            p,
+            positive_multiple_of_32(self.hidden),
             format!("hidden ({}) must be a positive multiple of 32", self.hidden),
         );
         need(
-            self.moe_intermediate > 0 && self.moe_intermediate.is_multiple_of(32),
+            p,
+            positive_multiple_of_32(self.moe_intermediate),
             format!(
                 "moe_intermediate ({}) must be a positive multiple of 32",
                 self.moe_intermediate
             ),
         );
         need(
-            self.shared_experts == 0
-                || (self.shared_intermediate > 0 && self.shared_intermediate.is_multiple_of(32)),
+            p,
+            self.shared_experts == 0 || positive_multiple_of_32(self.shared_intermediate),
             format!(
                 "shared_intermediate ({}) must be a positive multiple of 32 when shared_experts > 0",
                 self.shared_intermediate
             ),
         );
+    }
+
+    /// Check step: the quantization format, and that its groups tile the expert matrices.
+    fn check_quant(&self, p: &mut Vec<String>) {
         if let Err(e) = self.quant.validate() {
-            need(false, format!("quant: {e}"));
-        } else {
-            for (what, k) in [
-                ("hidden", self.hidden),
-                ("moe_intermediate", self.moe_intermediate),
-            ] {
-                if !k.is_multiple_of(self.quant.group_size) {
-                    need(
-                        false,
-                        format!(
-                            "{what} ({k}) is not a multiple of quant.group_size ({}); use group_size 32",
-                            self.quant.group_size
-                        ),
-                    );
-                }
-            }
+            p.push(format!("quant: {e}"));
+            return;
         }
+        for (what, k) in [
+            ("hidden", self.hidden),
+            ("moe_intermediate", self.moe_intermediate),
+        ] {
+            need(
+                p,
+                k.is_multiple_of(self.quant.group_size),
+                format!(
+                    "{what} ({k}) is not a multiple of quant.group_size ({}); use group_size 32",
+                    self.quant.group_size
+                ),
+            );
+        }
+    }
+
+    /// Check step: the router's scaling and (group-limited) routing.
+    fn check_routing(&self, p: &mut Vec<String>) {
         need(
+            p,
             self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0,
             format!(
                 "routed_scaling_factor ({}) must be a positive finite number",
@@ -222,6 +248,7 @@ impl ModelSpec {
             ),
         );
         need(
+            p,
             self.n_group >= 1 && self.routed_experts.is_multiple_of(self.n_group.max(1)),
             format!(
                 "n_group ({}) must be at least 1 and divide routed_experts ({})",
@@ -229,36 +256,52 @@ impl ModelSpec {
             ),
         );
         need(
+            p,
             self.topk_group >= 1 && self.topk_group <= self.n_group,
             format!(
                 "topk_group ({}) must be between 1 and n_group ({})",
                 self.topk_group, self.n_group
             ),
         );
-        if self.n_group > 1 {
-            need(
-                self.scoring == Scoring::SigmoidBias,
-                "group-limited routing (n_group > 1) is only defined for scoring = \"sigmoid-bias\""
-                    .into(),
-            );
-            let per_group = self.routed_experts / self.n_group.max(1);
-            need(
-                self.topk_group as u64 * per_group as u64 >= self.top_k as u64,
-                format!(
-                    "topk_group ({}) x experts per group ({per_group}) must be at least top_k ({})",
-                    self.topk_group, self.top_k
-                ),
-            );
-            need(
-                per_group >= 2,
-                format!(
-                    "each of the {} groups needs at least 2 experts (group score = sum of the top 2)",
-                    self.n_group
-                ),
-            );
+        if self.n_group <= 1 {
+            return;
         }
-        p
+        need(
+            p,
+            self.scoring == Scoring::SigmoidBias,
+            "group-limited routing (n_group > 1) is only defined for scoring = \"sigmoid-bias\""
+                .into(),
+        );
+        let per_group = self.routed_experts / self.n_group.max(1);
+        need(
+            p,
+            self.topk_group as u64 * per_group as u64 >= self.top_k as u64,
+            format!(
+                "topk_group ({}) x experts per group ({per_group}) must be at least top_k ({})",
+                self.topk_group, self.top_k
+            ),
+        );
+        need(
+            p,
+            per_group >= 2,
+            format!(
+                "each of the {} groups needs at least 2 experts (group score = sum of the top 2)",
+                self.n_group
+            ),
+        );
     }
+}
+
+/// Record `msg` unless the condition it states holds.
+fn need(p: &mut Vec<String>, ok: bool, msg: String) {
+    if !ok {
+        p.push(msg);
+    }
+}
+
+/// A positive multiple of 32.
+fn positive_multiple_of_32(v: u32) -> bool {
+    v > 0 && v.is_multiple_of(32)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -298,6 +341,7 @@ fn preset(
 }
 
 /// Every built-in preset, in display order (real models first, then the small ones).
+// long-fn: one table of preset data, one entry per model
 pub fn presets() -> Vec<ModelSpec> {
     use Scoring::*;
     vec![

@@ -34,7 +34,10 @@
 //! zero_points = false
 //! ```
 
-use crate::diag::{Ctx, Field, FileError, Problem, Schema, fields_of, nearest, split};
+use crate::diag::{
+    Ctx, Field, FileError, Problem, Schema, check_format, fields_of, nearest, split,
+    text_or_default,
+};
 use crate::model::{ModelSpec, Scoring, preset_by_name, presets};
 use expertmesh_quant::format::{QuantSpec, ScaleDtype};
 use serde::Deserialize;
@@ -219,24 +222,119 @@ const SCORINGS: &[(&str, Scoring)] = &[
     ("topk-softmax", Scoring::TopkSoftmax),
 ];
 
-fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
-    let top = "top level";
-    let mut spans: HashMap<&'static str, Range<usize>> = HashMap::new();
-    match split(&raw.format) {
-        (None, _) => ctx.at(
-            None,
-            top,
-            "missing `format`; add `format = 1` at the top of the file",
-        ),
-        (Some(MODEL_FORMAT), _) => {}
-        (Some(v), span) => ctx.at(
-            span,
-            top,
-            format!("unsupported format {v}; this build reads model format {MODEL_FORMAT}"),
-        ),
+/// The integer sizes of a model file.
+struct Sizes {
+    num_layers: u32,
+    first_dense_layers: u32,
+    moe_layer_step: u32,
+    hidden: u32,
+    routed_experts: u32,
+    top_k: u32,
+    moe_intermediate: u32,
+    shared_experts: u32,
+    shared_intermediate: u32,
+    n_group: u32,
+    topk_group: u32,
+}
+
+/// Reads the keys of one model file: where each key is (for locating later messages), and
+/// whether every size is usable.
+struct Keys {
+    item: String,
+    spans: HashMap<&'static str, Range<usize>>,
+    ok: bool,
+}
+
+impl Keys {
+    /// An integer key as `u32`: its value, `default` when absent, or 0 after reporting it
+    /// missing or out of range (which makes the sizes unusable).
+    fn int(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        f: &Field<i64>,
+        key: &'static str,
+        default: Option<u32>,
+    ) -> u32 {
+        let (v, span) = match split(f) {
+            (None, _) => {
+                if default.is_none() {
+                    ctx.at(None, &self.item, format!("missing `{key}`"));
+                    self.ok = false;
+                }
+                return default.unwrap_or(0);
+            }
+            (Some(v), span) => (v, span),
+        };
+        if let Some(s) = span.clone() {
+            self.spans.insert(key, s);
+        }
+        u32::try_from(v).unwrap_or_else(|_| {
+            ctx.at(
+                span,
+                &self.item,
+                format!("{key} = {v} must be a non-negative integer below 2^32"),
+            );
+            self.ok = false;
+            0
+        })
     }
-    let mut ok = true;
-    let name = match split(&raw.name) {
+}
+
+/// Check a parsed model file step by step, reporting every problem into `ctx`.
+fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
+    check_format(ctx, &raw.format, "model", MODEL_FORMAT);
+    let name = validate_model_name(ctx, &raw.name);
+    let mut keys = Keys {
+        item: format!("model \"{name}\""),
+        spans: HashMap::new(),
+        ok: true,
+    };
+    let sizes = read_sizes(ctx, &mut keys, raw);
+    let scoring = validate_scoring(ctx, &keys.item, &raw.scoring);
+    let routed_scaling_factor = match split(&raw.routed_scaling_factor) {
+        (None, _) => 1.0,
+        (Some(v), span) => {
+            if let Some(s) = span {
+                keys.spans.insert("routed_scaling_factor", s);
+            }
+            v as f32
+        }
+    };
+    let quant = validate_quant(ctx, &raw.quant, &mut keys.spans);
+    check_caps(ctx, &sizes, &mut keys);
+    // Without every size the consistency checks below would only produce noise. Problems with
+    // the name, scoring or quantization are already recorded and fail the file in the caller.
+    if !keys.ok {
+        return None;
+    }
+    let spec = ModelSpec {
+        name,
+        description: text_or_default(&raw.description),
+        num_layers: sizes.num_layers,
+        first_dense_layers: sizes.first_dense_layers,
+        moe_layer_step: sizes.moe_layer_step,
+        hidden: sizes.hidden,
+        routed_experts: sizes.routed_experts,
+        top_k: sizes.top_k,
+        moe_intermediate: sizes.moe_intermediate,
+        shared_experts: sizes.shared_experts,
+        shared_intermediate: sizes.shared_intermediate,
+        scoring,
+        norm_topk_prob: raw.norm_topk_prob.as_ref().is_none_or(|b| *b.get_ref()),
+        routed_scaling_factor,
+        n_group: sizes.n_group,
+        topk_group: sizes.topk_group,
+        quant,
+        toy: raw.toy.as_ref().is_some_and(|b| *b.get_ref()),
+    };
+    report_consistency(ctx, &spec, &keys);
+    Some(spec)
+}
+
+/// Step: the model's name, reported when missing or malformed (kept either way, for messages).
+fn validate_model_name(ctx: &mut Ctx<'_>, f: &Field<String>) -> String {
+    let top = "top level";
+    match split(f) {
         (None, _) => {
             ctx.at(None, top, "missing `name`; give the model a name");
             String::new()
@@ -255,201 +353,138 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
             }
             n
         }
-    };
-    let item = format!("model \"{name}\"");
-    let mut int = |ctx: &mut Ctx<'_>,
-                   f: &Field<i64>,
-                   key: &'static str,
-                   default: Option<u32>,
-                   ok: &mut bool|
-     -> u32 {
-        match split(f) {
-            (None, _) => match default {
-                Some(d) => d,
-                None => {
-                    ctx.at(None, &item, format!("missing `{key}`"));
-                    *ok = false;
-                    0
-                }
-            },
-            (Some(v), span) => {
-                if let Some(s) = span.clone() {
-                    spans.insert(key, s);
-                }
-                match u32::try_from(v) {
-                    Ok(v) => v,
-                    Err(_) => {
-                        ctx.at(
-                            span,
-                            &item,
-                            format!("{key} = {v} must be a non-negative integer below 2^32"),
-                        );
-                        *ok = false;
-                        0
-                    }
-                }
-            }
-        }
-    };
-    let num_layers = int(ctx, &raw.num_layers, "num_layers", None, &mut ok);
-    let first_dense_layers = int(
-        ctx,
-        &raw.first_dense_layers,
-        "first_dense_layers",
-        Some(0),
-        &mut ok,
-    );
-    let moe_layer_step = int(ctx, &raw.moe_layer_step, "moe_layer_step", Some(1), &mut ok);
-    let hidden = int(ctx, &raw.hidden, "hidden", None, &mut ok);
-    let routed_experts = int(ctx, &raw.routed_experts, "routed_experts", None, &mut ok);
-    let top_k = int(ctx, &raw.top_k, "top_k", None, &mut ok);
-    let moe_intermediate = int(
-        ctx,
-        &raw.moe_intermediate,
-        "moe_intermediate",
-        None,
-        &mut ok,
-    );
-    let shared_experts = int(ctx, &raw.shared_experts, "shared_experts", Some(0), &mut ok);
-    let shared_intermediate = int(
-        ctx,
-        &raw.shared_intermediate,
-        "shared_intermediate",
-        Some(0),
-        &mut ok,
-    );
-    let n_group = int(ctx, &raw.n_group, "n_group", Some(1), &mut ok);
-    let topk_group = int(ctx, &raw.topk_group, "topk_group", Some(1), &mut ok);
+    }
+}
 
-    let scoring = match split(&raw.scoring) {
+/// Step: the integer sizes, with their defaults.
+fn read_sizes(ctx: &mut Ctx<'_>, keys: &mut Keys, raw: &RawModel) -> Sizes {
+    Sizes {
+        num_layers: keys.int(ctx, &raw.num_layers, "num_layers", None),
+        first_dense_layers: keys.int(ctx, &raw.first_dense_layers, "first_dense_layers", Some(0)),
+        moe_layer_step: keys.int(ctx, &raw.moe_layer_step, "moe_layer_step", Some(1)),
+        hidden: keys.int(ctx, &raw.hidden, "hidden", None),
+        routed_experts: keys.int(ctx, &raw.routed_experts, "routed_experts", None),
+        top_k: keys.int(ctx, &raw.top_k, "top_k", None),
+        moe_intermediate: keys.int(ctx, &raw.moe_intermediate, "moe_intermediate", None),
+        shared_experts: keys.int(ctx, &raw.shared_experts, "shared_experts", Some(0)),
+        shared_intermediate: keys.int(
+            ctx,
+            &raw.shared_intermediate,
+            "shared_intermediate",
+            Some(0),
+        ),
+        n_group: keys.int(ctx, &raw.n_group, "n_group", Some(1)),
+        topk_group: keys.int(ctx, &raw.topk_group, "topk_group", Some(1)),
+    }
+}
+
+/// Step: the router scoring function (a missing or unknown one is reported, and stands in as
+/// sigmoid-bias, which lets the other checks run: it allows group-limited routing).
+fn validate_scoring(ctx: &mut Ctx<'_>, item: &str, f: &Field<String>) -> Scoring {
+    let (s, span) = match split(f) {
         (None, _) => {
             ctx.at(
                 None,
-                &item,
+                item,
                 "missing `scoring`; use \"softmax\", \"sigmoid-bias\" or \"topk-softmax\"",
             );
-            // A stand-in that lets the other checks run (it allows group-limited routing).
-            Scoring::SigmoidBias
+            return Scoring::SigmoidBias;
         }
-        (Some(s), span) => match SCORINGS.iter().find(|(n, _)| *n == s) {
-            Some((_, v)) => *v,
-            None => {
-                let hint = nearest(&s, SCORINGS.iter().map(|(n, _)| *n))
-                    .map(|n| format!("; did you mean \"{n}\"?"))
-                    .unwrap_or_default();
+        (Some(s), span) => (s, span),
+    };
+    if let Some((_, v)) = SCORINGS.iter().find(|(n, _)| *n == s) {
+        return *v;
+    }
+    let hint = nearest(&s, SCORINGS.iter().map(|(n, _)| *n))
+        .map(|n| format!("; did you mean \"{n}\"?"))
+        .unwrap_or_default();
+    ctx.at(
+        span,
+        item,
+        format!(
+            "scoring \"{s}\" is not one of \"softmax\", \"sigmoid-bias\", \"topk-softmax\"{hint}"
+        ),
+    );
+    Scoring::SigmoidBias
+}
+
+/// Step: the optional `[quant]` table over the default (group 32, bf16 scales, symmetric).
+fn validate_quant(
+    ctx: &mut Ctx<'_>,
+    raw: &Field<RawQuant>,
+    spans: &mut HashMap<&'static str, Range<usize>>,
+) -> QuantSpec {
+    let mut quant = QuantSpec::G32_BF16;
+    let Some(q) = raw else {
+        return quant;
+    };
+    let q = q.get_ref();
+    if let (Some(g), span) = split(&q.group_size) {
+        if let Some(s) = span.clone() {
+            spans.insert("quant", s);
+        }
+        match u32::try_from(g) {
+            Ok(g) => quant.group_size = g,
+            Err(_) => {
                 ctx.at(
                     span,
-                    &item,
-                    format!(
-                        "scoring \"{s}\" is not one of \"softmax\", \"sigmoid-bias\", \"topk-softmax\"{hint}"
-                    ),
+                    "[quant]",
+                    format!("group_size = {g} must be 32, 64 or 128"),
                 );
-                Scoring::SigmoidBias
             }
-        },
-    };
-    let routed_scaling_factor = match split(&raw.routed_scaling_factor) {
-        (None, _) => 1.0,
-        (Some(v), span) => {
-            if let Some(s) = span {
-                spans.insert("routed_scaling_factor", s);
-            }
-            v as f32
-        }
-    };
-    let mut quant = QuantSpec::G32_BF16;
-    if let Some(q) = &raw.quant {
-        let q = q.get_ref();
-        if let (Some(g), span) = split(&q.group_size) {
-            if let Some(s) = span.clone() {
-                spans.insert("quant", s);
-            }
-            match u32::try_from(g) {
-                Ok(g) => quant.group_size = g,
-                Err(_) => {
-                    ctx.at(
-                        span,
-                        "[quant]",
-                        format!("group_size = {g} must be 32, 64 or 128"),
-                    );
-                }
-            }
-        }
-        if let (Some(d), span) = split(&q.scale_dtype) {
-            match d.as_str() {
-                "bf16" => quant.scale_dtype = ScaleDtype::Bf16,
-                "f16" => quant.scale_dtype = ScaleDtype::F16,
-                _ => {
-                    ctx.at(
-                        span,
-                        "[quant]",
-                        format!("scale_dtype \"{d}\" is not \"bf16\" or \"f16\""),
-                    );
-                }
-            }
-        }
-        if let (Some(z), _) = split(&q.zero_points) {
-            quant.zero_points = z;
         }
     }
-    // Plausibility caps, far above any real model: they keep a typo (or a hostile file) from
-    // making later layer/expert tables exhaust memory.
+    if let (Some(d), span) = split(&q.scale_dtype) {
+        match d.as_str() {
+            "bf16" => quant.scale_dtype = ScaleDtype::Bf16,
+            "f16" => quant.scale_dtype = ScaleDtype::F16,
+            _ => {
+                ctx.at(
+                    span,
+                    "[quant]",
+                    format!("scale_dtype \"{d}\" is not \"bf16\" or \"f16\""),
+                );
+            }
+        }
+    }
+    if let (Some(z), _) = split(&q.zero_points) {
+        quant.zero_points = z;
+    }
+    quant
+}
+
+/// Step: plausibility caps, far above any real model: they keep a typo (or a hostile file)
+/// from making later layer/expert tables exhaust memory.
+fn check_caps(ctx: &mut Ctx<'_>, s: &Sizes, keys: &mut Keys) {
     for (key, value, cap) in [
-        ("num_layers", num_layers, MAX_LAYERS),
-        ("routed_experts", routed_experts, MAX_EXPERTS),
-        ("hidden", hidden, MAX_DIM),
-        ("moe_intermediate", moe_intermediate, MAX_DIM),
-        ("shared_intermediate", shared_intermediate, MAX_DIM),
-        ("shared_experts", shared_experts, MAX_SHARED),
+        ("num_layers", s.num_layers, MAX_LAYERS),
+        ("routed_experts", s.routed_experts, MAX_EXPERTS),
+        ("hidden", s.hidden, MAX_DIM),
+        ("moe_intermediate", s.moe_intermediate, MAX_DIM),
+        ("shared_intermediate", s.shared_intermediate, MAX_DIM),
+        ("shared_experts", s.shared_experts, MAX_SHARED),
     ] {
         if value > cap {
             ctx.at(
-                spans.get(key).cloned(),
-                &item,
+                keys.spans.get(key).cloned(),
+                &keys.item,
                 format!("{key} = {value} is implausibly large; this build accepts at most {cap}"),
             );
-            ok = false;
+            keys.ok = false;
         }
     }
-    // Without every size the consistency checks below would only produce noise. Problems with
-    // the name, scoring or quantization are already recorded and fail the file in the caller.
-    if !ok {
-        return None;
-    }
-    let spec = ModelSpec {
-        name,
-        description: raw
-            .description
-            .as_ref()
-            .map(|d| d.get_ref().clone())
-            .unwrap_or_default(),
-        num_layers,
-        first_dense_layers,
-        moe_layer_step,
-        hidden,
-        routed_experts,
-        top_k,
-        moe_intermediate,
-        shared_experts,
-        shared_intermediate,
-        scoring,
-        norm_topk_prob: raw.norm_topk_prob.as_ref().is_none_or(|b| *b.get_ref()),
-        routed_scaling_factor,
-        n_group,
-        topk_group,
-        quant,
-        toy: raw.toy.as_ref().is_some_and(|b| *b.get_ref()),
-    };
-    // ModelSpec::check names the field first in each message; locate it there when we can.
+}
+
+/// Step: [`ModelSpec::check`]'s problems, each located at the key its message names first.
+fn report_consistency(ctx: &mut Ctx<'_>, spec: &ModelSpec, keys: &Keys) {
     for msg in spec.check() {
         let key = msg
             .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .next()
             .unwrap_or("");
-        let span = spans.get(key).cloned().or(None);
-        ctx.at(span, &item, msg);
+        let span = keys.spans.get(key).cloned().or(None);
+        ctx.at(span, &keys.item, msg);
     }
-    Some(spec)
 }
 
 #[cfg(test)]

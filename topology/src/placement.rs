@@ -39,7 +39,10 @@
 //! once per layer; further owners on other devices are replicas. [`Placement::owners`] lists an
 //! expert's owners in rank order.
 
-use crate::diag::{Ctx, Field, FileError, Problem, Schema, fields_of, nearest, span_of, split};
+use crate::diag::{
+    Ctx, Field, FileError, Problem, Schema, check_format, fields_of, nearest, span_of, split,
+    text_or_default,
+};
 use crate::model::ModelSpec;
 use crate::ranges::{ListSpec, RawList, Span, format_list};
 use crate::topology::{DeviceRank, Topology};
@@ -145,79 +148,19 @@ impl Placement {
             return Err(ctx.into_problems());
         }
         let mut clean = slots;
-        for (li, per_dev) in clean.iter_mut().enumerate() {
-            for (rank, list) in per_dev.iter_mut().enumerate() {
-                let mut seen = vec![false; model.routed_experts as usize];
-                let mut bad = Vec::new();
-                let mut dup = Vec::new();
-                list.retain(|&e| match seen.get_mut(e as usize) {
-                    None => {
-                        bad.push(e);
-                        false
-                    }
-                    Some(s) if *s => {
-                        dup.push(e);
-                        false
-                    }
-                    Some(s) => {
-                        *s = true;
-                        true
-                    }
-                });
-                let item = format!(
-                    "layer {} device \"{}\"",
-                    layers[li],
-                    topology.devices()[rank].id()
-                );
-                if !bad.is_empty() {
-                    ctx.report(
-                        &item,
-                        format!(
-                            "experts {} do not exist ({} has experts 0-{})",
-                            format_list(&bad),
-                            model.name,
-                            model.routed_experts.saturating_sub(1)
-                        ),
-                    );
-                }
-                if !dup.is_empty() {
-                    ctx.report(
-                        &item,
-                        format!(
-                            "experts {} are listed more than once; a device holds an expert once per layer (replicas go on distinct devices)",
-                            format_list(&dup)
-                        ),
-                    );
-                }
-            }
-        }
-        let shared: Vec<Option<SharedLocation>> = if model.shared_experts == 0 {
-            vec![None; layers.len()]
-        } else if shared.len() != layers.len() {
+        drop_invalid_experts(&mut ctx, topology, model, &layers, &mut clean);
+        let shared = shared_per_layer(&mut ctx, model, layers.len(), shared);
+        if let Some(r) = shared.iter().flatten().find_map(|loc| match loc {
+            SharedLocation::Device(r) if r.index() >= n_dev => Some(*r),
+            _ => None,
+        }) {
             ctx.report(
                 "placement",
                 format!(
-                    "{} has {} shared expert(s) per layer; give a location for each of its {} MoE layers (got {})",
-                    model.name,
-                    model.shared_experts,
-                    layers.len(),
-                    shared.len()
+                    "shared experts on unknown device rank {r}; the topology has {n_dev} devices"
                 ),
             );
-            vec![None; layers.len()]
-        } else {
-            shared.into_iter().map(Some).collect()
-        };
-        for loc in shared.iter().flatten() {
-            if let SharedLocation::Device(r) = loc
-                && r.index() >= n_dev
-            {
-                ctx.report(
-                    "placement",
-                    format!("shared experts on unknown device rank {r}; the topology has {n_dev} devices"),
-                );
-                return Err(ctx.into_problems());
-            }
+            return Err(ctx.into_problems());
         }
         let p = Placement::assemble(topology, model, clean, shared, description);
         p.check(&mut ctx, topology, model);
@@ -651,97 +594,31 @@ impl PlacementFile {
         let Some(raw) = ctx.parse::<RawPlacement>(&schema) else {
             return (None, ctx.into_problems());
         };
-        let top = "top level";
-        let mut header_ok = true;
-        match split(&raw.format) {
-            (None, _) => ctx.at(
-                None,
-                top,
-                "missing `format`; add `format = 1` at the top of the file",
-            ),
-            (Some(PLACEMENT_FORMAT), _) => {}
-            (Some(v), span) => {
-                ctx.at(
-                    span,
-                    top,
-                    format!(
-                        "unsupported format {v}; this build reads placement format {PLACEMENT_FORMAT}"
-                    ),
-                );
-                header_ok = false;
-            }
-        }
-        let (model, model_span) = split(&raw.model);
-        if model.is_none() {
-            ctx.at(
-                None,
-                top,
-                "missing `model`; name the model this placement is for, e.g. model = \"kimi-k2\"",
-            );
-            header_ok = false;
-        }
-        let (cluster, cluster_span) = split(&raw.cluster);
-        if cluster.is_none() {
-            ctx.at(
-                None,
-                top,
-                "missing `cluster`; name the topology this placement is for (its `name`)",
-            );
-            header_ok = false;
-        }
-        let raw_assign: &[Spanned<RawAssign>] = raw.assign.as_ref().map_or(&[], |a| a.get_ref());
-        if raw_assign.is_empty() {
+        let header_ok = check_header(&mut ctx, &raw);
+        if raw.assign.as_ref().is_none_or(|a| a.get_ref().is_empty()) {
             ctx.at(
                 span_of(&raw.assign),
-                top,
+                "top level",
                 "no [[assign]] blocks; add one per device with its layers and experts",
             );
         }
-        let mut assign = Vec::new();
-        for (i, ra) in raw_assign.iter().enumerate() {
-            let a = ra.get_ref();
-            let block = parse_block(
-                &mut ctx,
-                i + 1,
-                "assignment",
-                ra.span(),
-                &a.layers,
-                &a.device,
-                Some(&a.experts),
-            );
-            if let Some(b) = block {
-                assign.push(b);
-            }
-        }
-        let mut shared = Vec::new();
-        let raw_shared: &[Spanned<RawShared>] = raw.shared.as_ref().map_or(&[], |a| a.get_ref());
-        for (i, rs) in raw_shared.iter().enumerate() {
-            let s = rs.get_ref();
-            if let Some(b) = parse_block(
-                &mut ctx,
-                i + 1,
-                "shared block",
-                rs.span(),
-                &s.layers,
-                &s.device,
-                None,
-            ) {
-                shared.push(b);
-            }
-        }
+        let assign = parse_blocks(&mut ctx, &raw.assign, "assignment", |a| {
+            (&a.layers, &a.device, Some(&a.experts))
+        });
+        let shared = parse_blocks(&mut ctx, &raw.shared, "shared block", |s| {
+            (&s.layers, &s.device, None)
+        });
         if !header_ok {
             return (None, ctx.into_problems());
         }
+        let (model, model_span) = split(&raw.model);
+        let (cluster, cluster_span) = split(&raw.cluster);
         let file = PlacementFile {
             model: model.unwrap_or_default(),
             model_span,
             cluster: cluster.unwrap_or_default(),
             cluster_span,
-            description: raw
-                .description
-                .as_ref()
-                .map(|d| d.get_ref().clone())
-                .unwrap_or_default(),
+            description: text_or_default(&raw.description),
             assign,
             shared,
         };
@@ -767,6 +644,27 @@ impl PlacementFile {
         model: &ModelSpec,
     ) -> Result<Placement, Vec<Problem>> {
         let mut ctx = Ctx::new(text);
+        self.check_names(&mut ctx, topology, model);
+        if ctx.has_problems() {
+            // Everything below would only restate the mismatch.
+            return Err(ctx.into_problems());
+        }
+        let layers = model.moe_layer_ids();
+        let slots = self.resolve_assignments(&mut ctx, topology, model, &layers);
+        let shared = self.resolve_shared(&mut ctx, topology, model, &layers);
+        // The whole-placement checks run even after problems above, so that coverage and
+        // budgets are reported in the same run.
+        let p = Placement::assemble(topology, model, slots, shared, &self.description);
+        p.check(&mut ctx, topology, model);
+        if ctx.has_problems() {
+            Err(ctx.into_problems())
+        } else {
+            Ok(p)
+        }
+    }
+
+    /// Resolve step: the file's `model` and `cluster` against the model and topology given.
+    fn check_names(&self, ctx: &mut Ctx<'_>, topology: &Topology, model: &ModelSpec) {
         let top = "top level";
         if self.model != model.name {
             ctx.at(
@@ -789,74 +687,39 @@ impl PlacementFile {
                 ),
             );
         }
-        if ctx.has_problems() {
-            // Everything below would only restate the mismatch.
-            return Err(ctx.into_problems());
-        }
-        let layers = model.moe_layer_ids();
-        let n_dev = topology.devices().len();
-        let mut slots: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); n_dev]; layers.len()];
-        // [layer index][rank] → per expert, the assignment that first listed it (0 = none);
-        // allocated only for the (layer, device) pairs that appear.
-        let mut first_by: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); n_dev]; layers.len()];
-        let mut dups: BTreeMap<DupKey, (BTreeSet<u32>, BTreeSet<u32>)> = BTreeMap::new();
+    }
+
+    /// Resolve step: the `[[assign]]` blocks, in file order, into `[layer index][rank]` slot
+    /// lists; experts that do not exist, and experts a device is given twice, are reported.
+    fn resolve_assignments(
+        &self,
+        ctx: &mut Ctx<'_>,
+        topology: &Topology,
+        model: &ModelSpec,
+        layers: &[u32],
+    ) -> Vec<Vec<Vec<u32>>> {
+        let mut fill = SlotFill::new(layers.len(), topology.devices().len());
         for b in &self.assign {
             let item = format!("assignment #{}", b.number);
-            let rank = self.device_rank(&mut ctx, topology, b, &item, false);
-            let lis = layer_indices(&mut ctx, model, &layers, b, &item);
-            for &(lo, hi) in &b.experts {
-                let e = model.routed_experts as u64;
-                if hi >= e {
-                    let first = lo.max(e);
-                    let which = if first == hi {
-                        format!("expert {hi} does not exist")
-                    } else {
-                        format!("experts {first}-{hi} do not exist")
-                    };
-                    ctx.at(
-                        b.experts_span.clone(),
-                        &item,
-                        format!(
-                            "{which}; {} has experts 0-{}",
-                            model.name,
-                            model.routed_experts.saturating_sub(1)
-                        ),
-                    );
-                }
-            }
+            let rank = self.device_rank(ctx, topology, b, &item, false);
+            let lis = layer_indices(ctx, model, layers, b, &item);
+            report_nonexistent_experts(ctx, model, b, &item);
             // Out-of-range experts are reported above; the rest still count, so that coverage
             // and duplicates are checked in the same run.
             let (Some(Some(rank)), Some(lis)) = (rank, lis) else {
                 continue;
             };
-            let e_max = model.routed_experts as u64;
-            let r = rank.index();
-            for &li in &lis {
-                let list = &mut slots[li][r];
-                let by = &mut first_by[li][r];
-                if by.is_empty() {
-                    by.resize(model.routed_experts as usize, 0);
-                }
-                for &(lo, hi) in &b.experts {
-                    if lo >= e_max {
-                        continue;
-                    }
-                    for e in lo as u32..=hi.min(e_max - 1) as u32 {
-                        match by[e as usize] {
-                            0 => {
-                                list.push(e);
-                                by[e as usize] = b.number as u32;
-                            }
-                            prev => {
-                                let entry = dups.entry((b.number, prev as usize, r)).or_default();
-                                entry.0.insert(e);
-                                entry.1.insert(layers[li]);
-                            }
-                        }
-                    }
-                }
+            for li in lis {
+                fill.place(model, b, rank.index(), li, layers[li]);
             }
         }
+        self.report_duplicates(ctx, topology, fill.dups);
+        fill.slots
+    }
+
+    /// Resolve step: report the experts devices were given more than once, per (assignment,
+    /// earlier assignment, device).
+    fn report_duplicates(&self, ctx: &mut Ctx<'_>, topology: &Topology, dups: Dups) {
         for ((number, prev, r), (experts, layer_ids)) in dups {
             let experts: Vec<u32> = experts.into_iter().collect();
             let layer_ids: Vec<u32> = layer_ids.into_iter().collect();
@@ -881,7 +744,17 @@ impl PlacementFile {
                 ),
             );
         }
-        // Shared experts.
+    }
+
+    /// Resolve step: the `[[shared]]` blocks into one location per MoE layer (at most one
+    /// block per layer; none at all for a model without shared experts).
+    fn resolve_shared(
+        &self,
+        ctx: &mut Ctx<'_>,
+        topology: &Topology,
+        model: &ModelSpec,
+        layers: &[u32],
+    ) -> Vec<Option<SharedLocation>> {
         let mut shared: Vec<Option<SharedLocation>> = vec![None; layers.len()];
         if model.shared_experts == 0 && !self.shared.is_empty() {
             ctx.at(
@@ -892,46 +765,36 @@ impl PlacementFile {
                     model.name
                 ),
             );
-        } else {
-            let mut set_by: Vec<usize> = vec![0; layers.len()];
-            for b in &self.shared {
-                let item = format!("shared block #{}", b.number);
-                let loc = self.device_rank(&mut ctx, topology, b, &item, true);
-                let lis = layer_indices(&mut ctx, model, &layers, b, &item);
-                let (Some(loc), Some(lis)) = (loc, lis) else {
-                    continue;
-                };
-                let loc = loc.map_or(SharedLocation::Router, SharedLocation::Device);
-                let mut twice = Vec::new();
-                for li in lis {
-                    if shared[li].is_some() {
-                        twice.push(layers[li]);
-                    } else {
-                        shared[li] = Some(loc);
-                        set_by[li] = b.number;
-                    }
-                }
-                if !twice.is_empty() {
-                    ctx.at(
-                        b.span.clone(),
-                        &item,
-                        format!(
-                            "layers {} already have a shared-expert location from an earlier [[shared]] block; each layer gets one",
-                            format_list(&twice)
-                        ),
-                    );
+            return shared;
+        }
+        for b in &self.shared {
+            let item = format!("shared block #{}", b.number);
+            let loc = self.device_rank(ctx, topology, b, &item, true);
+            let lis = layer_indices(ctx, model, layers, b, &item);
+            let (Some(loc), Some(lis)) = (loc, lis) else {
+                continue;
+            };
+            let loc = loc.map_or(SharedLocation::Router, SharedLocation::Device);
+            let mut twice = Vec::new();
+            for li in lis {
+                if shared[li].is_some() {
+                    twice.push(layers[li]);
+                } else {
+                    shared[li] = Some(loc);
                 }
             }
+            if !twice.is_empty() {
+                ctx.at(
+                    b.span.clone(),
+                    &item,
+                    format!(
+                        "layers {} already have a shared-expert location from an earlier [[shared]] block; each layer gets one",
+                        format_list(&twice)
+                    ),
+                );
+            }
         }
-        // The whole-placement checks run even after problems above, so that coverage and
-        // budgets are reported in the same run.
-        let p = Placement::assemble(topology, model, slots, shared, &self.description);
-        p.check(&mut ctx, topology, model);
-        if ctx.has_problems() {
-            Err(ctx.into_problems())
-        } else {
-            Ok(p)
-        }
+        shared
     }
 
     /// `Some(Some(rank))` for a device, `Some(None)` for the router (when allowed), `None` after
@@ -973,6 +836,219 @@ impl PlacementFile {
         );
         None
     }
+}
+
+/// Experts a device was given more than once, and the layers where.
+type Dups = BTreeMap<DupKey, (BTreeSet<u32>, BTreeSet<u32>)>;
+
+/// The slot lists being filled from `[[assign]]` blocks, in file order.
+struct SlotFill {
+    /// `[layer index][rank]` → experts in slot order.
+    slots: Vec<Vec<Vec<u32>>>,
+    /// `[layer index][rank]` → per expert, the assignment that first listed it (0 = none);
+    /// allocated only for the (layer, device) pairs that appear.
+    first_by: Vec<Vec<Vec<u32>>>,
+    dups: Dups,
+}
+
+impl SlotFill {
+    /// Empty slot lists for `n_layers` MoE layers of `n_dev` devices.
+    fn new(n_layers: usize, n_dev: usize) -> SlotFill {
+        SlotFill {
+            slots: vec![vec![Vec::new(); n_dev]; n_layers],
+            first_by: vec![vec![Vec::new(); n_dev]; n_layers],
+            dups: BTreeMap::new(),
+        }
+    }
+
+    /// Append block `b`'s existing experts to device `r` in the `li`-th MoE layer (id `layer`);
+    /// ones the device already holds there are recorded as duplicates instead.
+    fn place(&mut self, model: &ModelSpec, b: &Block, r: usize, li: usize, layer: u32) {
+        let e_max = model.routed_experts as u64;
+        let list = &mut self.slots[li][r];
+        let by = &mut self.first_by[li][r];
+        if by.is_empty() {
+            by.resize(model.routed_experts as usize, 0);
+        }
+        for &(lo, hi) in &b.experts {
+            if lo >= e_max {
+                continue;
+            }
+            for e in lo as u32..=hi.min(e_max - 1) as u32 {
+                match by[e as usize] {
+                    0 => {
+                        list.push(e);
+                        by[e as usize] = b.number as u32;
+                    }
+                    prev => {
+                        let entry = self.dups.entry((b.number, prev as usize, r)).or_default();
+                        entry.0.insert(e);
+                        entry.1.insert(layer);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Report the expert ranges of an `[[assign]]` block that reach past the model's experts.
+fn report_nonexistent_experts(ctx: &mut Ctx<'_>, model: &ModelSpec, b: &Block, item: &str) {
+    let e = model.routed_experts as u64;
+    for &(lo, hi) in &b.experts {
+        if hi < e {
+            continue;
+        }
+        let first = lo.max(e);
+        let which = if first == hi {
+            format!("expert {hi} does not exist")
+        } else {
+            format!("experts {first}-{hi} do not exist")
+        };
+        ctx.at(
+            b.experts_span.clone(),
+            item,
+            format!(
+                "{which}; {} has experts 0-{}",
+                model.name,
+                model.routed_experts.saturating_sub(1)
+            ),
+        );
+    }
+}
+
+/// Parse step: the header — `format`, and the `model` and `cluster` the file is for. False
+/// when the file cannot be used (an unsupported format, or no model or cluster name).
+fn check_header(ctx: &mut Ctx<'_>, raw: &RawPlacement) -> bool {
+    let top = "top level";
+    let mut ok = check_format(ctx, &raw.format, "placement", PLACEMENT_FORMAT);
+    if raw.model.is_none() {
+        ctx.at(
+            None,
+            top,
+            "missing `model`; name the model this placement is for, e.g. model = \"kimi-k2\"",
+        );
+        ok = false;
+    }
+    if raw.cluster.is_none() {
+        ctx.at(
+            None,
+            top,
+            "missing `cluster`; name the topology this placement is for (its `name`)",
+        );
+        ok = false;
+    }
+    ok
+}
+
+/// The keys of an `[[assign]]` or `[[shared]]` block: layers, device and (assignments only)
+/// experts.
+type BlockKeys<'a> = (
+    &'a Field<RawList>,
+    &'a Field<String>,
+    Option<&'a Field<RawList>>,
+);
+
+/// Parse step: the usable blocks of one kind (`what`: "assignment" or "shared block"),
+/// numbered from 1 in file order.
+fn parse_blocks<T>(
+    ctx: &mut Ctx<'_>,
+    raw: &Field<Vec<Spanned<T>>>,
+    what: &str,
+    keys: impl Fn(&T) -> BlockKeys<'_>,
+) -> Vec<Block> {
+    let list: &[Spanned<T>] = raw.as_ref().map_or(&[], |a| a.get_ref());
+    let mut blocks = Vec::new();
+    for (i, rb) in list.iter().enumerate() {
+        let (layers, device, experts) = keys(rb.get_ref());
+        if let Some(b) = parse_block(ctx, i + 1, what, rb.span(), layers, device, experts) {
+            blocks.push(b);
+        }
+    }
+    blocks
+}
+
+/// [`Placement::new`] step: drop (and report) experts that do not exist or that a device lists
+/// twice in one layer.
+fn drop_invalid_experts(
+    ctx: &mut Ctx<'_>,
+    topology: &Topology,
+    model: &ModelSpec,
+    layers: &[u32],
+    slots: &mut [Vec<Vec<u32>>],
+) {
+    for (li, per_dev) in slots.iter_mut().enumerate() {
+        for (rank, list) in per_dev.iter_mut().enumerate() {
+            let mut seen = vec![false; model.routed_experts as usize];
+            let mut bad = Vec::new();
+            let mut dup = Vec::new();
+            list.retain(|&e| match seen.get_mut(e as usize) {
+                None => {
+                    bad.push(e);
+                    false
+                }
+                Some(s) if *s => {
+                    dup.push(e);
+                    false
+                }
+                Some(s) => {
+                    *s = true;
+                    true
+                }
+            });
+            let item = format!(
+                "layer {} device \"{}\"",
+                layers[li],
+                topology.devices()[rank].id()
+            );
+            if !bad.is_empty() {
+                ctx.report(
+                    &item,
+                    format!(
+                        "experts {} do not exist ({} has experts 0-{})",
+                        format_list(&bad),
+                        model.name,
+                        model.routed_experts.saturating_sub(1)
+                    ),
+                );
+            }
+            if !dup.is_empty() {
+                ctx.report(
+                    &item,
+                    format!(
+                        "experts {} are listed more than once; a device holds an expert once per layer (replicas go on distinct devices)",
+                        format_list(&dup)
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// [`Placement::new`] step: one shared-expert location per MoE layer (none for a model without
+/// shared experts; a list of the wrong length is reported).
+fn shared_per_layer(
+    ctx: &mut Ctx<'_>,
+    model: &ModelSpec,
+    n_layers: usize,
+    shared: Vec<SharedLocation>,
+) -> Vec<Option<SharedLocation>> {
+    if model.shared_experts == 0 {
+        return vec![None; n_layers];
+    }
+    if shared.len() != n_layers {
+        ctx.report(
+            "placement",
+            format!(
+                "{} has {} shared expert(s) per layer; give a location for each of its {} MoE layers (got {})",
+                model.name,
+                model.shared_experts,
+                n_layers,
+                shared.len()
+            ),
+        );
+        return vec![None; n_layers];
+    }
+    shared.into_iter().map(Some).collect()
 }
 
 fn parse_block(

@@ -58,7 +58,10 @@
 //! `numa`, `nic` (required when the node has several NICs), `data_port`, `gpu_index` (gpu only;
 //! default: order among the node's gpu devices).
 
-use crate::diag::{Ctx, Field, FileError, RawBytes, Schema, fields_of, nearest, span_of, split};
+use crate::diag::{
+    Ctx, Field, FileError, RawBytes, Schema, check_format, did_you_mean, fields_of, nearest,
+    span_of, split, text_or_default,
+};
 use crate::units::format_bytes;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
@@ -730,6 +733,16 @@ fn int_in(key: &'static str, lo: i64, hi: i64) -> impl FnOnce(i64) -> Result<i64
     }
 }
 
+/// A port number (1-65535) as a `check` conversion.
+fn port(key: &'static str) -> impl FnOnce(i64) -> Result<u16, String> {
+    move |v| int_in(key, 1, 65535)(v).map(|v| v as u16)
+}
+
+/// An integer in `lo..=hi` as a `u32`, as a `check` conversion.
+fn small_u32(key: &'static str, lo: i64, hi: i64) -> impl FnOnce(i64) -> Result<u32, String> {
+    move |v| int_in(key, lo, hi)(v).map(|v| v as u32)
+}
+
 fn positive(key: &'static str) -> impl FnOnce(f64) -> Result<f64, String> {
     move |v| {
         if v.is_finite() && v > 0.0 {
@@ -918,9 +931,7 @@ fn device_fields(
         ),
         int8_tops: check(ctx, int8_tops, item, positive("int8_tops")),
         bf16_tflops: check(ctx, bf16_tflops, item, positive("bf16_tflops")),
-        threads: check(ctx, threads, item, |v| {
-            int_in("threads", 1, 4096)(v).map(|v| v as u32)
-        }),
+        threads: check(ctx, threads, item, small_u32("threads", 1, 4096)),
         price_usd_per_hour: check(
             ctx,
             price_usd_per_hour,
@@ -943,41 +954,141 @@ fn is_gfx_target(s: &str) -> bool {
 // ---------------------------------------------------------------------------------------------
 // Validation.
 
-fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
-    match split(&raw.format) {
-        (None, _) => ctx.at(
-            None,
-            "top level",
-            "missing `format`; add `format = 1` at the top of the file",
-        ),
-        (Some(TOPOLOGY_FORMAT), _) => {}
-        (Some(v), span) => ctx.at(
-            span,
-            "top level",
-            format!("unsupported format {v}; this build reads topology format {TOPOLOGY_FORMAT}"),
-        ),
-    }
-    let name = check(ctx, &raw.name, "top level", valid_name("cluster"));
-    if name.is_absent() {
-        ctx.at(
-            None,
-            "top level",
-            "missing `name`; add the cluster name, e.g. `name = \"my-cluster\"`",
-        );
-    }
-    let description = raw
-        .description
-        .as_ref()
-        .map(|d| d.get_ref().clone())
-        .unwrap_or_default();
+/// (type, key) → what the key is, and the devices that lack it.
+type TypeMissing = BTreeMap<(String, &'static str), (&'static str, Vec<String>)>;
 
-    // Device types.
-    let mut types: HashMap<String, DeviceFields> = HashMap::new();
-    let mut type_spans: HashMap<String, Range<usize>> = HashMap::new();
-    // (type, key) → what the key is, and the devices that lack it.
-    let mut type_missing: BTreeMap<(String, &'static str), (&'static str, Vec<String>)> =
-        BTreeMap::new();
-    for (tname, t) in raw.device_types.iter().flatten() {
+/// The `[device_types.X]` templates, parsed, with where each is defined.
+struct DeviceTypes {
+    fields: HashMap<String, DeviceFields>,
+    spans: HashMap<String, Range<usize>>,
+}
+
+/// What the node steps have built so far.
+#[derive(Default)]
+struct Built {
+    nodes: Vec<Node>,
+    devices: Vec<Device>,
+    /// Every valid node name → its position in the file (also for nodes that failed).
+    node_names: HashMap<String, usize>,
+    type_missing: TypeMissing,
+}
+
+/// A node's own keys, checked (its NICs, devices and link are separate steps).
+struct NodeHeader {
+    label: String,
+    span: Sp,
+    name: Val<String>,
+    address: Val<String>,
+    data_address: Val<String>,
+    control_port: Val<u16>,
+    data_port_base: Val<u16>,
+}
+
+/// What the devices of one node share while they are checked in order.
+struct NodeDevices<'a> {
+    node: &'a NodeHeader,
+    nic_names: &'a [String],
+    nic_count: usize,
+    dev_names: Vec<String>,
+    gpu_indices: HashMap<u32, String>,
+    gpu_count: u32,
+}
+
+/// Check a parsed topology file section by section, reporting every problem into `ctx`.
+fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
+    check_format(ctx, &raw.format, "topology", TOPOLOGY_FORMAT);
+    let name = check_required(
+        ctx,
+        &raw.name,
+        "top level",
+        valid_name("cluster"),
+        None,
+        "missing `name`; add the cluster name, e.g. `name = \"my-cluster\"`",
+    );
+    let description = text_or_default(&raw.description);
+    let types = validate_device_types(ctx, &raw.device_types);
+    let built = validate_nodes(ctx, &types, &raw.nodes);
+    report_type_missing(ctx, &types, built.type_missing);
+    let Built {
+        nodes,
+        devices,
+        node_names,
+        ..
+    } = built;
+    let router = raw
+        .router
+        .as_ref()
+        .and_then(|rr| validate_router(ctx, rr, &nodes, &node_names));
+    check_port_collisions(ctx, &nodes, &devices, router.as_ref());
+    let measured = raw
+        .measured
+        .as_ref()
+        .map(|m| validate_measured(ctx, m))
+        .unwrap_or_default();
+    Some(Topology {
+        name: name.get()?,
+        description,
+        nodes,
+        devices,
+        router,
+        measured,
+    })
+}
+
+/// `check`, then report `missing` at `span` when the key is absent.
+fn check_required<T: Clone, U: Clone>(
+    ctx: &mut Ctx<'_>,
+    f: &Field<T>,
+    item: &str,
+    convert: impl FnOnce(T) -> Result<U, String>,
+    span: Sp,
+    missing: &str,
+) -> Val<U> {
+    let v = check(ctx, f, item, convert);
+    if v.is_absent() {
+        ctx.at(span, item, missing);
+    }
+    v
+}
+
+/// `{prefix}{what} "name"`, or `{prefix}{what} #n` (counting from 1) for an entry without a name.
+fn entry_label(prefix: &str, what: &str, name: &Field<String>, index: usize) -> String {
+    match name.as_ref() {
+        Some(n) => format!("{prefix}{what} \"{}\"", n.get_ref()),
+        None => format!("{prefix}{what} #{}", index + 1),
+    }
+}
+
+/// Report a NIC or device name used twice on one node, and record the name.
+fn unique_on_node(
+    ctx: &mut Ctx<'_>,
+    names: &mut Vec<String>,
+    name: &Val<String>,
+    item: &str,
+    what: &str,
+) {
+    if let Some(n) = name.get() {
+        if names.contains(&n) {
+            ctx.at(
+                name.span(),
+                item,
+                format!("{what} name \"{n}\" appears twice on this node; names must be unique"),
+            );
+        }
+        names.push(n);
+    }
+}
+
+/// Step: parse the `[device_types.X]` templates.
+fn validate_device_types(
+    ctx: &mut Ctx<'_>,
+    raw: &Option<BTreeMap<String, Spanned<RawDeviceType>>>,
+) -> DeviceTypes {
+    let mut types = DeviceTypes {
+        fields: HashMap::new(),
+        spans: HashMap::new(),
+    };
+    for (tname, t) in raw.iter().flatten() {
         let item = format!("device type \"{tname}\"");
         let tr = t.get_ref();
         if let Err(e) = valid_name("device type")(tname.clone()) {
@@ -995,562 +1106,700 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             &tr.threads,
             &tr.price_usd_per_hour,
         );
-        types.insert(tname.clone(), fields);
-        type_spans.insert(tname.clone(), t.span());
+        types.fields.insert(tname.clone(), fields);
+        types.spans.insert(tname.clone(), t.span());
     }
+    types
+}
 
-    let raw_nodes: &[Spanned<RawNode>] = raw.nodes.as_ref().map_or(&[], |n| n.get_ref());
-    if raw_nodes.is_empty() {
+/// Step: every `[[nodes]]` table, in file order (which gives the ranks).
+fn validate_nodes(
+    ctx: &mut Ctx<'_>,
+    types: &DeviceTypes,
+    raw_nodes: &Field<Vec<Spanned<RawNode>>>,
+) -> Built {
+    let list: &[Spanned<RawNode>] = raw_nodes.as_ref().map_or(&[], |n| n.get_ref());
+    if list.is_empty() {
         ctx.at(
-            span_of(&raw.nodes),
+            span_of(raw_nodes),
             "top level",
             "no nodes; add at least one [[nodes]] table with its devices and NICs",
         );
     }
+    let mut built = Built::default();
+    for (ni, rn) in list.iter().enumerate() {
+        validate_node(ctx, types, &mut built, ni, rn);
+    }
+    built
+}
 
-    let mut nodes = Vec::new();
-    let mut devices = Vec::new();
-    let mut node_names: HashMap<String, usize> = HashMap::new();
-    for (ni, rn) in raw_nodes.iter().enumerate() {
-        let nspan = Some(rn.span());
-        let r = rn.get_ref();
-        let label = match r.name.as_ref() {
-            Some(n) => format!("node \"{}\"", n.get_ref()),
-            None => format!("node #{}", ni + 1),
-        };
-        let nname = check(ctx, &r.name, &label, valid_name("node"));
-        if nname.is_absent() {
-            ctx.at(
-                nspan.clone(),
-                &label,
-                "missing `name`; give the node a unique name",
-            );
-        }
-        if let Some(n) = nname.get()
-            && let Some(prev) = node_names.insert(n.clone(), ni)
-        {
-            ctx.at(
-                nname.span(),
-                &label,
-                format!(
-                    "node name \"{n}\" is already used by node #{}; node names must be unique",
-                    prev + 1
-                ),
-            );
-        }
-        let address = check(ctx, &r.address, &label, valid_host("address"));
-        if address.is_absent() {
-            ctx.at(
-                nspan.clone(),
-                &label,
-                "missing `address`; give the node's IP address or hostname",
-            );
-        }
-        let data_address = check(ctx, &r.data_address, &label, valid_host("data_address"));
-        let control_port = check(ctx, &r.control_port, &label, |v| {
-            int_in("control_port", 1, 65535)(v).map(|v| v as u16)
-        });
-        if control_port.is_absent() {
-            ctx.at(
-                nspan.clone(),
-                &label,
-                "missing `control_port`; give the port for control connections (1-65535)",
-            );
-        }
-        let data_port_base = check(ctx, &r.data_port, &label, |v| {
-            int_in("data_port", 1, 65535)(v).map(|v| v as u16)
-        });
-
-        // NICs.
-        let mut nics = Vec::new();
-        let mut nic_names: Vec<String> = Vec::new();
-        let raw_nics: &[Spanned<RawNic>] = r.nics.as_ref().map_or(&[], |n| n.get_ref());
-        if raw_nics.is_empty() {
-            ctx.at(
-                span_of(&r.nics).or(nspan.clone()),
-                &label,
-                "no NICs; add `nics = [{ name = \"eth0\", kind = \"tcp\", speed_gbit_s = 100, mtu = 1500 }]`",
-            );
-        }
-        for (ci, rc) in raw_nics.iter().enumerate() {
-            let c = rc.get_ref();
-            let cspan = Some(rc.span());
-            let clabel = match c.name.as_ref() {
-                Some(n) => format!("{label} NIC \"{}\"", n.get_ref()),
-                None => format!("{label} NIC #{}", ci + 1),
-            };
-            let cname = check(ctx, &c.name, &clabel, valid_name("NIC"));
-            if cname.is_absent() {
-                ctx.at(
-                    cspan.clone(),
-                    &clabel,
-                    "missing `name`; give the interface or RDMA device name",
-                );
-            }
-            if let Some(n) = cname.get() {
-                if nic_names.contains(&n) {
-                    ctx.at(
-                        cname.span(),
-                        &clabel,
-                        format!(
-                            "NIC name \"{n}\" appears twice on this node; names must be unique"
-                        ),
-                    );
-                }
-                nic_names.push(n);
-            }
-            let kind = check(ctx, &c.kind, &clabel, one_of("kind", NIC_KINDS));
-            if kind.is_absent() {
-                ctx.at(
-                    cspan.clone(),
-                    &clabel,
-                    "missing `kind`; use kind = \"roce\" or kind = \"tcp\"",
-                );
-            }
-            let speed = check(ctx, &c.speed_gbit_s, &clabel, positive("speed_gbit_s"));
-            if speed.is_absent() {
-                ctx.at(
-                    cspan.clone(),
-                    &clabel,
-                    "missing `speed_gbit_s`; give the line rate in Gbit/s (e.g. 400)",
-                );
-            }
-            let (mtu_lo, mtu_hi) = match kind.get() {
-                Some(NicKind::Roce) => (1280, 9216),
-                _ => (68, 65536),
-            };
-            let mtu = check(ctx, &c.mtu, &clabel, |v| {
-                if (mtu_lo..=mtu_hi).contains(&v) {
-                    Ok(v as u32)
-                } else {
-                    Err(format!(
-                        "mtu = {v} is out of range for a {} NIC; use {mtu_lo} to {mtu_hi} (e.g. 9000 for jumbo frames)",
-                        kind.get().map_or("tcp", NicKind::name)
-                    ))
-                }
-            });
-            if mtu.is_absent() {
-                ctx.at(
-                    cspan.clone(),
-                    &clabel,
-                    "missing `mtu`; give the interface MTU (1500, or 9000 for jumbo frames)",
-                );
-            }
-            let gid_ipv4 = check(ctx, &c.gid_ipv4, &clabel, |s: String| {
-                s.parse::<Ipv4Addr>()
-                    .map_err(|_| format!("gid_ipv4 \"{s}\" is not an IPv4 address"))
-            });
-            let gid_index = check(ctx, &c.gid_index, &clabel, |v| {
-                int_in("gid_index", 0, 255)(v).map(|v| v as u32)
-            });
-            let traffic_class = check(ctx, &c.traffic_class, &clabel, |v| {
-                int_in("traffic_class", 0, 255)(v).map(|v| v as u8)
-            });
-            let mut gid = GidSelection::Auto;
-            if kind.get() == Some(NicKind::Tcp) {
-                for (f, key) in [
-                    (span_of(&c.gid_ipv4), "gid_ipv4"),
-                    (span_of(&c.gid_index), "gid_index"),
-                ] {
-                    if f.is_some() {
-                        ctx.at(
-                            f,
-                            &clabel,
-                            format!(
-                                "{key} only applies to kind = \"roce\"; remove it or change kind"
-                            ),
-                        );
-                    }
-                }
-            } else {
-                match (gid_ipv4.get(), gid_index.get()) {
-                    (Some(_), Some(_)) => ctx.at(
-                        gid_index.span(),
-                        &clabel,
-                        "set either gid_ipv4 or gid_index, not both (gid_ipv4 is robust against GID index shifts)",
-                    ),
-                    (Some(ip), None) => gid = GidSelection::Ipv4(ip),
-                    (None, Some(i)) => gid = GidSelection::Index(i),
-                    (None, None) => {}
-                }
-            }
-            if let (Some(kind), Some(speed), Some(mtu)) = (kind.get(), speed.get(), mtu.get()) {
-                nics.push(Nic {
-                    name: cname.get().unwrap_or_default(),
-                    kind,
-                    speed_gbit_s: speed,
-                    mtu,
-                    gid,
-                    traffic_class: traffic_class.get(),
-                });
-            }
-        }
-
-        // Devices.
-        let raw_devs: &[Spanned<RawDevice>] = r.devices.as_ref().map_or(&[], |d| d.get_ref());
-        if raw_devs.is_empty() {
-            ctx.at(
-                span_of(&r.devices).or(nspan.clone()),
-                &label,
-                "no devices; add `devices = [...]` with at least one gpu or cpu device",
-            );
-        }
-        let first_rank = devices.len() as u32;
-        let mut dev_names: Vec<String> = Vec::new();
-        let mut gpu_indices: HashMap<u32, String> = HashMap::new();
-        let mut gpu_count = 0u32;
-        for (di, rd) in raw_devs.iter().enumerate() {
-            let d = rd.get_ref();
-            let dspan = Some(rd.span());
-            let dlabel = match d.name.as_ref() {
-                Some(n) => format!("{label} device \"{}\"", n.get_ref()),
-                None => format!("{label} device #{}", di + 1),
-            };
-            let dname = check(ctx, &d.name, &dlabel, valid_name("device"));
-            if dname.is_absent() {
-                ctx.at(
-                    dspan.clone(),
-                    &dlabel,
-                    "missing `name`; give the device a name unique on its node (e.g. \"gpu0\")",
-                );
-            }
-            if let Some(n) = dname.get() {
-                if dev_names.contains(&n) {
-                    ctx.at(
-                        dname.span(),
-                        &dlabel,
-                        format!(
-                            "device name \"{n}\" appears twice on this node; names must be unique"
-                        ),
-                    );
-                }
-                dev_names.push(n);
-            }
-            let own = device_fields(
-                ctx,
-                &dlabel,
-                &d.kind,
-                &d.arch,
-                &d.memory_total,
-                &d.expert_memory,
-                &d.memory_bandwidth_gb_s,
-                (&d.int8_tops, &d.bf16_tflops),
-                &d.threads,
-                &d.price_usd_per_hour,
-            );
-            let type_name = d.type_name.as_ref().map(|t| t.get_ref().clone());
-            let merged = match &type_name {
-                None => own,
-                Some(t) => match types.get(t) {
-                    Some(tf) => own.or(tf),
-                    None => {
-                        let hint = match nearest(t, types.keys().map(String::as_str)) {
-                            Some(n) => format!("did you mean \"{n}\"?"),
-                            None if types.is_empty() => {
-                                "add a [device_types.NAME] table or remove `type`".to_owned()
-                            }
-                            None => format!(
-                                "defined types: {}",
-                                types.keys().cloned().collect::<Vec<_>>().join(", ")
-                            ),
-                        };
-                        ctx.at(
-                            span_of(&d.type_name),
-                            &dlabel,
-                            format!("unknown device type \"{t}\"; {hint}"),
-                        );
-                        // Keys the unknown type would have supplied are not reported as missing.
-                        own.or(&DeviceFields::unknown())
-                    }
-                },
-            };
-            // A key missing from a device and its (known) type is reported once per type below,
-            // not once per device.
-            let known_type = type_name.as_ref().filter(|t| types.contains_key(*t));
-            let device_id = format!(
-                "{}/{}",
-                nname.get().unwrap_or_default(),
-                dname.get().unwrap_or_default()
-            );
-            let mut missing = |v: bool, key: &'static str, what: &'static str| {
-                if !v {
-                    return;
-                }
-                match known_type {
-                    Some(t) => type_missing
-                        .entry((t.clone(), key))
-                        .or_insert_with(|| (what, Vec::new()))
-                        .1
-                        .push(device_id.clone()),
-                    None => ctx.at(
-                        dspan.clone(),
-                        &dlabel,
-                        format!(
-                            "missing `{key}` ({what}); set it on the device (or use a [device_types.NAME] template via `type`)"
-                        ),
-                    ),
-                }
-            };
-            missing(merged.kind.is_absent(), "kind", "\"gpu\" or \"cpu\"");
-            missing(
-                merged.arch.is_absent(),
-                "arch",
-                "e.g. \"gfx942\" or \"cpu\"",
-            );
-            missing(
-                merged.expert_memory.is_absent(),
-                "expert_memory",
-                "memory budget for experts, e.g. \"176 GB\"",
-            );
-            missing(
-                merged.memory_bandwidth_gb_s.is_absent(),
-                "memory_bandwidth_gb_s",
-                "memory read bandwidth in GB/s",
-            );
-            let kind = merged.kind.get();
-            if kind == Some(DeviceKind::Gpu) {
-                missing(
-                    merged.int8_tops.is_absent(),
-                    "int8_tops",
-                    "peak dense int8 TOPS",
-                );
-                missing(
-                    merged.bf16_tflops.is_absent(),
-                    "bf16_tflops",
-                    "peak dense bf16 TFLOPS",
-                );
-            }
-            if kind == Some(DeviceKind::Cpu) {
-                missing(
-                    merged.threads.is_absent(),
-                    "threads",
-                    "worker thread-pool size for the CPU backend",
-                );
-            }
-            match (kind, merged.arch.get()) {
-                (Some(DeviceKind::Gpu), Some(a)) if a == "cpu" => ctx.at(
-                    merged.arch.span().or(dspan.clone()),
-                    &dlabel,
-                    "a gpu device needs a gfx arch (e.g. \"gfx942\"), not \"cpu\"",
-                ),
-                (Some(DeviceKind::Cpu), Some(a)) if a != "cpu" => ctx.at(
-                    merged.arch.span().or(dspan.clone()),
-                    &dlabel,
-                    format!("a cpu device has arch = \"cpu\", not \"{a}\""),
-                ),
-                _ => {}
-            }
-            if kind == Some(DeviceKind::Gpu) && merged.threads.get().is_some() {
-                ctx.at(
-                    merged.threads.span().or(dspan.clone()),
-                    &dlabel,
-                    "threads only applies to cpu devices; remove it",
-                );
-            }
-            if let (Some(total), Some(budget)) =
-                (merged.memory_total.get(), merged.expert_memory.get())
-                && budget > total
-            {
-                ctx.at(
-                    merged.expert_memory.span().or(dspan.clone()),
-                    &dlabel,
-                    format!(
-                        "expert_memory {} exceeds memory_total {}; lower expert_memory",
-                        format_bytes(budget),
-                        format_bytes(total)
-                    ),
-                );
-            }
-            let numa = check(ctx, &d.numa, &dlabel, |v| {
-                int_in("numa", 0, 1023)(v).map(|v| v as u32)
-            });
-            let gpu_index = check(ctx, &d.gpu_index, &dlabel, |v| {
-                int_in("gpu_index", 0, 1023)(v).map(|v| v as u32)
-            });
-            let gpu_index = match kind {
-                Some(DeviceKind::Gpu) => {
-                    let idx = gpu_index.get().unwrap_or(gpu_count);
-                    gpu_count += 1;
-                    if let Some(prev) = gpu_indices.insert(idx, dname.get().unwrap_or_default()) {
-                        ctx.at(
-                            gpu_index.span().or(dspan.clone()),
-                            &dlabel,
-                            format!(
-                                "gpu_index {idx} is already used by device \"{prev}\" on this node; set distinct gpu_index values"
-                            ),
-                        );
-                    }
-                    Some(idx)
-                }
-                _ => {
-                    if gpu_index.get().is_some() {
-                        ctx.at(
-                            gpu_index.span(),
-                            &dlabel,
-                            "gpu_index only applies to gpu devices; remove it",
-                        );
-                    }
-                    None
-                }
-            };
-            let nic = match split(&d.nic) {
-                (Some(n), span) => match nic_names.iter().position(|x| *x == n) {
-                    Some(i) => Some(i),
-                    None => {
-                        let hint = match nearest(&n, nic_names.iter().map(String::as_str)) {
-                            Some(s) => format!("did you mean \"{s}\"?"),
-                            None => format!("this node's NICs: {}", nic_names.join(", ")),
-                        };
-                        ctx.at(span, &dlabel, format!("unknown NIC \"{n}\"; {hint}"));
-                        None
-                    }
-                },
-                (None, _) if raw_nics.len() == 1 => Some(0),
-                (None, _) if raw_nics.is_empty() => None,
-                (None, _) => {
-                    ctx.at(
-                        dspan.clone(),
-                        &dlabel,
-                        format!(
-                            "missing `nic`; this node has {} NICs ({}), say which one this device sends through",
-                            raw_nics.len(),
-                            nic_names.join(", ")
-                        ),
-                    );
-                    None
-                }
-            };
-            let own_port = check(ctx, &d.data_port, &dlabel, |v| {
-                int_in("data_port", 1, 65535)(v).map(|v| v as u16)
-            });
-            let data_port = match (own_port, &data_port_base) {
-                (Val::Ok(p, _), _) => Some(p),
-                (Val::Invalid, _) | (Val::Absent, Val::Invalid) => None,
-                (Val::Absent, Val::Ok(base, bspan)) => {
-                    let p = *base as u32 + di as u32;
-                    if p > 65535 {
-                        ctx.at(
-                            bspan.clone(),
-                            &dlabel,
-                            format!(
-                                "data_port {base} + device index {di} = {p} exceeds 65535; lower the node's data_port"
-                            ),
-                        );
-                        None
-                    } else {
-                        Some(p as u16)
-                    }
-                }
-                (Val::Absent, Val::Absent) => {
-                    ctx.at(
-                        dspan.clone(),
-                        &dlabel,
-                        "no data port; set `data_port` on the node (device i uses data_port + i) or on the device",
-                    );
-                    None
-                }
-            };
-            let (Some(dn), Some(kind), Some(arch), Some(expert_memory), Some(bw)) = (
-                dname.get(),
-                kind,
-                merged.arch.get(),
-                merged.expert_memory.get(),
-                merged.memory_bandwidth_gb_s.get(),
-            ) else {
-                continue;
-            };
-            let (Some(nic), Some(data_port)) = (nic, data_port) else {
-                continue;
-            };
-            let rank = DeviceRank(devices.len() as u32);
-            devices.push(Device {
-                id: format!("{}/{dn}", nname.get().unwrap_or_default()),
-                name: dn,
-                rank,
-                node: nodes.len(),
-                type_name: type_name.clone(),
-                kind,
-                arch,
-                memory_total: merged.memory_total.get(),
-                expert_memory,
-                memory_bandwidth_gb_s: bw,
-                int8_tops: merged.int8_tops.get(),
-                bf16_tflops: merged.bf16_tflops.get(),
-                threads: merged.threads.get(),
-                price_usd_per_hour: merged.price_usd_per_hour.get(),
-                numa: numa.get(),
-                nic,
-                data_port,
-                gpu_index,
-            });
-        }
-
-        // Intra-node link.
-        let link_kind = check(ctx, &r.intra_link, &label, one_of("intra_link", LINK_KINDS));
-        let link_bw = check(
-            ctx,
-            &r.intra_bandwidth_gb_s,
-            &label,
-            positive("intra_bandwidth_gb_s"),
+/// Step: one node — its keys, NICs, devices and intra-node link; kept when its own keys are
+/// valid (its devices are dropped otherwise, so that ranks stay consistent with nodes).
+fn validate_node(
+    ctx: &mut Ctx<'_>,
+    types: &DeviceTypes,
+    built: &mut Built,
+    ni: usize,
+    rn: &Spanned<RawNode>,
+) {
+    let r = rn.get_ref();
+    let header = validate_node_header(ctx, ni, rn, &mut built.node_names);
+    let (nics, nic_names) = validate_nics(ctx, &header, &r.nics);
+    let first_rank = built.devices.len() as u32;
+    let mut nd = NodeDevices {
+        node: &header,
+        nic_names: &nic_names,
+        nic_count: r.nics.as_ref().map_or(0, |n| n.get_ref().len()),
+        dev_names: Vec::new(),
+        gpu_indices: HashMap::new(),
+        gpu_count: 0,
+    };
+    let raw_devs: &[Spanned<RawDevice>] = r.devices.as_ref().map_or(&[], |d| d.get_ref());
+    if raw_devs.is_empty() {
+        ctx.at(
+            span_of(&r.devices).or(header.span.clone()),
+            &header.label,
+            "no devices; add `devices = [...]` with at least one gpu or cpu device",
         );
-        let link_lat = check(
-            ctx,
-            &r.intra_latency_us,
-            &label,
-            non_negative("intra_latency_us"),
-        );
-        if raw_devs.len() >= 2 {
-            if link_kind.is_absent() {
-                ctx.at(
-                    nspan.clone(),
-                    &label,
-                    "missing `intra_link` (the node has several devices); use \"xgmi\", \"pcie\" or \"shm\"",
-                );
-            }
-            if link_bw.is_absent() {
-                ctx.at(
-                    nspan.clone(),
-                    &label,
-                    "missing `intra_bandwidth_gb_s` (the node has several devices); give the device-to-device bandwidth in GB/s",
-                );
-            }
-        }
-        let intra_link = match (link_kind.get(), link_bw.get()) {
-            (Some(kind), Some(bw)) => Some(IntraLink {
-                kind,
-                bandwidth_gb_s: bw,
-                latency_us: link_lat.get(),
-            }),
-            (Some(_), None) if link_bw.is_absent() && raw_devs.len() < 2 => {
-                ctx.at(
-                    link_kind.span(),
-                    &label,
-                    "intra_link needs intra_bandwidth_gb_s too",
-                );
-                None
-            }
-            _ => None,
-        };
+    }
+    for (di, rd) in raw_devs.iter().enumerate() {
+        validate_device(ctx, types, &mut nd, di, rd, built);
+    }
+    let intra_link = validate_intra_link(ctx, &header, r, raw_devs.len());
+    if let (Some(name), Some(address), Some(control_port)) = (
+        header.name.get(),
+        header.address.get(),
+        header.control_port.get(),
+    ) {
+        let data_address = header.data_address.get().unwrap_or_else(|| address.clone());
+        built.nodes.push(Node {
+            name,
+            address,
+            data_address,
+            control_port,
+            intra_link,
+            nics,
+            device_ranks: first_rank..built.devices.len() as u32,
+        });
+    } else {
+        built.devices.truncate(first_rank as usize);
+    }
+}
 
-        if let (Some(name), Some(address), Some(control_port)) =
-            (nname.get(), address.get(), control_port.get())
-        {
-            let data_address = data_address.get().unwrap_or_else(|| address.clone());
-            nodes.push(Node {
-                name,
-                address,
-                data_address,
-                control_port,
-                intra_link,
-                nics,
-                device_ranks: first_rank..devices.len() as u32,
-            });
-        } else {
-            // Keep ranks consistent with nodes: drop this node's devices.
-            devices.truncate(first_rank as usize);
+/// Step: a node's name (unique in the cluster), addresses and ports.
+fn validate_node_header(
+    ctx: &mut Ctx<'_>,
+    ni: usize,
+    rn: &Spanned<RawNode>,
+    node_names: &mut HashMap<String, usize>,
+) -> NodeHeader {
+    let span = Some(rn.span());
+    let r = rn.get_ref();
+    let label = entry_label("", "node", &r.name, ni);
+    let name = check_required(
+        ctx,
+        &r.name,
+        &label,
+        valid_name("node"),
+        span.clone(),
+        "missing `name`; give the node a unique name",
+    );
+    if let Some(n) = name.get()
+        && let Some(prev) = node_names.insert(n.clone(), ni)
+    {
+        ctx.at(
+            name.span(),
+            &label,
+            format!(
+                "node name \"{n}\" is already used by node #{}; node names must be unique",
+                prev + 1
+            ),
+        );
+    }
+    let address = check_required(
+        ctx,
+        &r.address,
+        &label,
+        valid_host("address"),
+        span.clone(),
+        "missing `address`; give the node's IP address or hostname",
+    );
+    let data_address = check(ctx, &r.data_address, &label, valid_host("data_address"));
+    let control_port = check_required(
+        ctx,
+        &r.control_port,
+        &label,
+        port("control_port"),
+        span.clone(),
+        "missing `control_port`; give the port for control connections (1-65535)",
+    );
+    let data_port_base = check(ctx, &r.data_port, &label, port("data_port"));
+    NodeHeader {
+        label,
+        span,
+        name,
+        address,
+        data_address,
+        control_port,
+        data_port_base,
+    }
+}
+
+/// Step: a node's NICs: the valid ones, and the names of all that have a valid name (what
+/// devices' `nic` may refer to).
+fn validate_nics(
+    ctx: &mut Ctx<'_>,
+    node: &NodeHeader,
+    raw: &Field<Vec<Spanned<RawNic>>>,
+) -> (Vec<Nic>, Vec<String>) {
+    let raw_nics: &[Spanned<RawNic>] = raw.as_ref().map_or(&[], |n| n.get_ref());
+    if raw_nics.is_empty() {
+        ctx.at(
+            span_of(raw).or(node.span.clone()),
+            &node.label,
+            "no NICs; add `nics = [{ name = \"eth0\", kind = \"tcp\", speed_gbit_s = 100, mtu = 1500 }]`",
+        );
+    }
+    let mut nics = Vec::new();
+    let mut names = Vec::new();
+    for (ci, rc) in raw_nics.iter().enumerate() {
+        if let Some(nic) = validate_nic(ctx, &node.label, ci, rc, &mut names) {
+            nics.push(nic);
         }
     }
+    (nics, names)
+}
 
+/// Step: one NIC — name (unique on its node), kind, speed, MTU, GID selection, traffic class.
+fn validate_nic(
+    ctx: &mut Ctx<'_>,
+    label: &str,
+    ci: usize,
+    rc: &Spanned<RawNic>,
+    names: &mut Vec<String>,
+) -> Option<Nic> {
+    let c = rc.get_ref();
+    let cspan = Some(rc.span());
+    let clabel = entry_label(&format!("{label} "), "NIC", &c.name, ci);
+    let name = check_required(
+        ctx,
+        &c.name,
+        &clabel,
+        valid_name("NIC"),
+        cspan.clone(),
+        "missing `name`; give the interface or RDMA device name",
+    );
+    unique_on_node(ctx, names, &name, &clabel, "NIC");
+    let kind = check_required(
+        ctx,
+        &c.kind,
+        &clabel,
+        one_of("kind", NIC_KINDS),
+        cspan.clone(),
+        "missing `kind`; use kind = \"roce\" or kind = \"tcp\"",
+    );
+    let speed = check_required(
+        ctx,
+        &c.speed_gbit_s,
+        &clabel,
+        positive("speed_gbit_s"),
+        cspan.clone(),
+        "missing `speed_gbit_s`; give the line rate in Gbit/s (e.g. 400)",
+    );
+    let mtu = check_required(
+        ctx,
+        &c.mtu,
+        &clabel,
+        mtu_for(kind.get()),
+        cspan,
+        "missing `mtu`; give the interface MTU (1500, or 9000 for jumbo frames)",
+    );
+    let gid = gid_selection(ctx, &clabel, c, kind.get());
+    let traffic_class = gid.1;
+    let (Some(kind), Some(speed_gbit_s), Some(mtu)) = (kind.get(), speed.get(), mtu.get()) else {
+        return None;
+    };
+    Some(Nic {
+        name: name.get().unwrap_or_default(),
+        kind,
+        speed_gbit_s,
+        mtu,
+        gid: gid.0,
+        traffic_class,
+    })
+}
+
+/// The `check` conversion for a NIC's MTU: the range of its kind (TCP's when unknown).
+fn mtu_for(kind: Option<NicKind>) -> impl FnOnce(i64) -> Result<u32, String> {
+    let (lo, hi) = match kind {
+        Some(NicKind::Roce) => (1280, 9216),
+        _ => (68, 65536),
+    };
+    move |v| {
+        if (lo..=hi).contains(&v) {
+            Ok(v as u32)
+        } else {
+            Err(format!(
+                "mtu = {v} is out of range for a {} NIC; use {lo} to {hi} (e.g. 9000 for jumbo frames)",
+                kind.map_or("tcp", NicKind::name)
+            ))
+        }
+    }
+}
+
+/// Step: a NIC's GID selection (`gid_ipv4` or `gid_index`, RoCE only) and its traffic class.
+fn gid_selection(
+    ctx: &mut Ctx<'_>,
+    clabel: &str,
+    c: &RawNic,
+    kind: Option<NicKind>,
+) -> (GidSelection, Option<u8>) {
+    let gid_ipv4 = check(ctx, &c.gid_ipv4, clabel, |s: String| {
+        s.parse::<Ipv4Addr>()
+            .map_err(|_| format!("gid_ipv4 \"{s}\" is not an IPv4 address"))
+    });
+    let gid_index = check(ctx, &c.gid_index, clabel, small_u32("gid_index", 0, 255));
+    let traffic_class = check(ctx, &c.traffic_class, clabel, |v| {
+        int_in("traffic_class", 0, 255)(v).map(|v| v as u8)
+    });
+    if kind == Some(NicKind::Tcp) {
+        for (f, key) in [
+            (span_of(&c.gid_ipv4), "gid_ipv4"),
+            (span_of(&c.gid_index), "gid_index"),
+        ] {
+            if f.is_some() {
+                ctx.at(
+                    f,
+                    clabel,
+                    format!("{key} only applies to kind = \"roce\"; remove it or change kind"),
+                );
+            }
+        }
+        return (GidSelection::Auto, traffic_class.get());
+    }
+    let gid = match (gid_ipv4.get(), gid_index.get()) {
+        (Some(_), Some(_)) => {
+            ctx.at(
+                gid_index.span(),
+                clabel,
+                "set either gid_ipv4 or gid_index, not both (gid_ipv4 is robust against GID index shifts)",
+            );
+            GidSelection::Auto
+        }
+        (Some(ip), None) => GidSelection::Ipv4(ip),
+        (None, Some(i)) => GidSelection::Index(i),
+        (None, None) => GidSelection::Auto,
+    };
+    (gid, traffic_class.get())
+}
+
+/// Step: one device — name, keys merged with its type, what its kind needs, GPU index, NIC and
+/// data port; appended to `built.devices` when complete.
+fn validate_device(
+    ctx: &mut Ctx<'_>,
+    types: &DeviceTypes,
+    nd: &mut NodeDevices<'_>,
+    di: usize,
+    rd: &Spanned<RawDevice>,
+    built: &mut Built,
+) {
+    let d = rd.get_ref();
+    let dspan = Some(rd.span());
+    let dlabel = entry_label(&format!("{} ", nd.node.label), "device", &d.name, di);
+    let dname = check_required(
+        ctx,
+        &d.name,
+        &dlabel,
+        valid_name("device"),
+        dspan.clone(),
+        "missing `name`; give the device a name unique on its node (e.g. \"gpu0\")",
+    );
+    unique_on_node(ctx, &mut nd.dev_names, &dname, &dlabel, "device");
+    let own = device_fields(
+        ctx,
+        &dlabel,
+        &d.kind,
+        &d.arch,
+        &d.memory_total,
+        &d.expert_memory,
+        &d.memory_bandwidth_gb_s,
+        (&d.int8_tops, &d.bf16_tflops),
+        &d.threads,
+        &d.price_usd_per_hour,
+    );
+    let merged = merge_device_type(ctx, types, &dlabel, &d.type_name, own);
+    let node_name = nd.node.name.get().unwrap_or_default();
+    let owner = MissingKeyOwner {
+        // A key missing from a device and its (known) type is reported once per type.
+        known_type: d
+            .type_name
+            .as_ref()
+            .map(|t| t.get_ref())
+            .filter(|t| types.fields.contains_key(*t)),
+        device_id: format!("{node_name}/{}", dname.get().unwrap_or_default()),
+        span: dspan.clone(),
+        label: &dlabel,
+    };
+    report_missing_device_keys(ctx, &merged, &owner, &mut built.type_missing);
+    check_device_consistency(ctx, &merged, &dspan, &dlabel);
+    let numa = check(ctx, &d.numa, &dlabel, small_u32("numa", 0, 1023));
+    let gpu_index = check(ctx, &d.gpu_index, &dlabel, small_u32("gpu_index", 0, 1023));
+    let gpu_index = resolve_gpu_index(ctx, nd, &merged, gpu_index, &dname, &dspan, &dlabel);
+    let nic = resolve_device_nic(ctx, nd, &d.nic, &dspan, &dlabel);
+    let own_port = check(ctx, &d.data_port, &dlabel, port("data_port"));
+    let data_port = resolve_data_port(ctx, own_port, &nd.node.data_port_base, di, &dspan, &dlabel);
+    let (Some(name), Some(kind), Some(arch), Some(expert_memory), Some(bw)) = (
+        dname.get(),
+        merged.kind.get(),
+        merged.arch.get(),
+        merged.expert_memory.get(),
+        merged.memory_bandwidth_gb_s.get(),
+    ) else {
+        return;
+    };
+    let (Some(nic), Some(data_port)) = (nic, data_port) else {
+        return;
+    };
+    built.devices.push(Device {
+        id: format!("{node_name}/{name}"),
+        name,
+        rank: DeviceRank(built.devices.len() as u32),
+        node: built.nodes.len(),
+        type_name: d.type_name.as_ref().map(|t| t.get_ref().clone()),
+        kind,
+        arch,
+        memory_total: merged.memory_total.get(),
+        expert_memory,
+        memory_bandwidth_gb_s: bw,
+        int8_tops: merged.int8_tops.get(),
+        bf16_tflops: merged.bf16_tflops.get(),
+        threads: merged.threads.get(),
+        price_usd_per_hour: merged.price_usd_per_hour.get(),
+        numa: numa.get(),
+        nic,
+        data_port,
+        gpu_index,
+    });
+}
+
+/// Step: a device's own keys over those of its `type`; an unknown type is reported (with a
+/// hint) and stands in for every key it might have supplied.
+fn merge_device_type(
+    ctx: &mut Ctx<'_>,
+    types: &DeviceTypes,
+    dlabel: &str,
+    type_name: &Field<String>,
+    own: DeviceFields,
+) -> DeviceFields {
+    let Some(t) = type_name.as_ref().map(|t| t.get_ref()) else {
+        return own;
+    };
+    if let Some(tf) = types.fields.get(t) {
+        return own.or(tf);
+    }
+    let hint = did_you_mean(t, types.fields.keys().map(String::as_str), || {
+        if types.fields.is_empty() {
+            "add a [device_types.NAME] table or remove `type`".to_owned()
+        } else {
+            format!(
+                "defined types: {}",
+                types.fields.keys().cloned().collect::<Vec<_>>().join(", ")
+            )
+        }
+    });
+    ctx.at(
+        span_of(type_name),
+        dlabel,
+        format!("unknown device type \"{t}\"; {hint}"),
+    );
+    // Keys the unknown type would have supplied are not reported as missing.
+    own.or(&DeviceFields::unknown())
+}
+
+/// Who hears about a device's missing key: its known type (once per type, listing the
+/// devices), else the device itself.
+struct MissingKeyOwner<'a> {
+    known_type: Option<&'a String>,
+    device_id: String,
+    span: Sp,
+    label: &'a str,
+}
+
+/// Step: the keys a device of its kind needs, from the device or its type.
+fn report_missing_device_keys(
+    ctx: &mut Ctx<'_>,
+    merged: &DeviceFields,
+    owner: &MissingKeyOwner<'_>,
+    type_missing: &mut TypeMissing,
+) {
+    let kind = merged.kind.get();
+    let gpu = kind == Some(DeviceKind::Gpu);
+    let cpu = kind == Some(DeviceKind::Cpu);
+    let needed: [(bool, bool, &'static str, &'static str); 7] = [
+        (true, merged.kind.is_absent(), "kind", "\"gpu\" or \"cpu\""),
+        (
+            true,
+            merged.arch.is_absent(),
+            "arch",
+            "e.g. \"gfx942\" or \"cpu\"",
+        ),
+        (
+            true,
+            merged.expert_memory.is_absent(),
+            "expert_memory",
+            "memory budget for experts, e.g. \"176 GB\"",
+        ),
+        (
+            true,
+            merged.memory_bandwidth_gb_s.is_absent(),
+            "memory_bandwidth_gb_s",
+            "memory read bandwidth in GB/s",
+        ),
+        (
+            gpu,
+            merged.int8_tops.is_absent(),
+            "int8_tops",
+            "peak dense int8 TOPS",
+        ),
+        (
+            gpu,
+            merged.bf16_tflops.is_absent(),
+            "bf16_tflops",
+            "peak dense bf16 TFLOPS",
+        ),
+        (
+            cpu,
+            merged.threads.is_absent(),
+            "threads",
+            "worker thread-pool size for the CPU backend",
+        ),
+    ];
+    for (applies, absent, key, what) in needed {
+        if !(applies && absent) {
+            continue;
+        }
+        match owner.known_type {
+            Some(t) => type_missing
+                .entry((t.clone(), key))
+                .or_insert_with(|| (what, Vec::new()))
+                .1
+                .push(owner.device_id.clone()),
+            None => ctx.at(
+                owner.span.clone(),
+                owner.label,
+                format!(
+                    "missing `{key}` ({what}); set it on the device (or use a [device_types.NAME] template via `type`)"
+                ),
+            ),
+        }
+    }
+}
+
+/// Step: a device's kind against its arch and `threads`, and its expert budget against its
+/// memory.
+fn check_device_consistency(ctx: &mut Ctx<'_>, merged: &DeviceFields, dspan: &Sp, dlabel: &str) {
+    let kind = merged.kind.get();
+    match (kind, merged.arch.get()) {
+        (Some(DeviceKind::Gpu), Some(a)) if a == "cpu" => ctx.at(
+            merged.arch.span().or(dspan.clone()),
+            dlabel,
+            "a gpu device needs a gfx arch (e.g. \"gfx942\"), not \"cpu\"",
+        ),
+        (Some(DeviceKind::Cpu), Some(a)) if a != "cpu" => ctx.at(
+            merged.arch.span().or(dspan.clone()),
+            dlabel,
+            format!("a cpu device has arch = \"cpu\", not \"{a}\""),
+        ),
+        _ => {}
+    }
+    if kind == Some(DeviceKind::Gpu) && merged.threads.get().is_some() {
+        ctx.at(
+            merged.threads.span().or(dspan.clone()),
+            dlabel,
+            "threads only applies to cpu devices; remove it",
+        );
+    }
+    if let (Some(total), Some(budget)) = (merged.memory_total.get(), merged.expert_memory.get())
+        && budget > total
+    {
+        ctx.at(
+            merged.expert_memory.span().or(dspan.clone()),
+            dlabel,
+            format!(
+                "expert_memory {} exceeds memory_total {}; lower expert_memory",
+                format_bytes(budget),
+                format_bytes(total)
+            ),
+        );
+    }
+}
+
+/// Step: a GPU's HIP ordinal — given, or its order among the node's GPUs — unique on its node;
+/// `gpu_index` on another kind of device is reported.
+fn resolve_gpu_index(
+    ctx: &mut Ctx<'_>,
+    nd: &mut NodeDevices<'_>,
+    merged: &DeviceFields,
+    given: Val<u32>,
+    dname: &Val<String>,
+    dspan: &Sp,
+    dlabel: &str,
+) -> Option<u32> {
+    if merged.kind.get() != Some(DeviceKind::Gpu) {
+        if given.get().is_some() {
+            ctx.at(
+                given.span(),
+                dlabel,
+                "gpu_index only applies to gpu devices; remove it",
+            );
+        }
+        return None;
+    }
+    let idx = given.get().unwrap_or(nd.gpu_count);
+    nd.gpu_count += 1;
+    if let Some(prev) = nd.gpu_indices.insert(idx, dname.get().unwrap_or_default()) {
+        ctx.at(
+            given.span().or(dspan.clone()),
+            dlabel,
+            format!(
+                "gpu_index {idx} is already used by device \"{prev}\" on this node; set distinct gpu_index values"
+            ),
+        );
+    }
+    Some(idx)
+}
+
+/// Step: the NIC a device sends through — the one it names, or its node's only NIC.
+fn resolve_device_nic(
+    ctx: &mut Ctx<'_>,
+    nd: &NodeDevices<'_>,
+    nic: &Field<String>,
+    dspan: &Sp,
+    dlabel: &str,
+) -> Option<usize> {
+    match split(nic) {
+        (Some(n), span) => {
+            let found = nd.nic_names.iter().position(|x| *x == n);
+            if found.is_none() {
+                let hint = did_you_mean(&n, nd.nic_names.iter().map(String::as_str), || {
+                    format!("this node's NICs: {}", nd.nic_names.join(", "))
+                });
+                ctx.at(span, dlabel, format!("unknown NIC \"{n}\"; {hint}"));
+            }
+            found
+        }
+        (None, _) if nd.nic_count == 1 => Some(0),
+        (None, _) if nd.nic_count == 0 => None,
+        (None, _) => {
+            ctx.at(
+                dspan.clone(),
+                dlabel,
+                format!(
+                    "missing `nic`; this node has {} NICs ({}), say which one this device sends through",
+                    nd.nic_count,
+                    nd.nic_names.join(", ")
+                ),
+            );
+            None
+        }
+    }
+}
+
+/// Step: a device's data port — its own, or its node's `data_port` plus its index there.
+fn resolve_data_port(
+    ctx: &mut Ctx<'_>,
+    own: Val<u16>,
+    base: &Val<u16>,
+    di: usize,
+    dspan: &Sp,
+    dlabel: &str,
+) -> Option<u16> {
+    match (own, base) {
+        (Val::Ok(p, _), _) => Some(p),
+        (Val::Invalid, _) | (Val::Absent, Val::Invalid) => None,
+        (Val::Absent, Val::Ok(base, bspan)) => {
+            let p = *base as u32 + di as u32;
+            if p > 65535 {
+                ctx.at(
+                    bspan.clone(),
+                    dlabel,
+                    format!(
+                        "data_port {base} + device index {di} = {p} exceeds 65535; lower the node's data_port"
+                    ),
+                );
+                None
+            } else {
+                Some(p as u16)
+            }
+        }
+        (Val::Absent, Val::Absent) => {
+            ctx.at(
+                dspan.clone(),
+                dlabel,
+                "no data port; set `data_port` on the node (device i uses data_port + i) or on the device",
+            );
+            None
+        }
+    }
+}
+
+/// Step: a node's intra-node link, required when it has several devices.
+fn validate_intra_link(
+    ctx: &mut Ctx<'_>,
+    node: &NodeHeader,
+    r: &RawNode,
+    n_devices: usize,
+) -> Option<IntraLink> {
+    let label = &node.label;
+    let link_kind = check(ctx, &r.intra_link, label, one_of("intra_link", LINK_KINDS));
+    let link_bw = check(
+        ctx,
+        &r.intra_bandwidth_gb_s,
+        label,
+        positive("intra_bandwidth_gb_s"),
+    );
+    let link_lat = check(
+        ctx,
+        &r.intra_latency_us,
+        label,
+        non_negative("intra_latency_us"),
+    );
+    if n_devices >= 2 {
+        if link_kind.is_absent() {
+            ctx.at(
+                node.span.clone(),
+                label,
+                "missing `intra_link` (the node has several devices); use \"xgmi\", \"pcie\" or \"shm\"",
+            );
+        }
+        if link_bw.is_absent() {
+            ctx.at(
+                node.span.clone(),
+                label,
+                "missing `intra_bandwidth_gb_s` (the node has several devices); give the device-to-device bandwidth in GB/s",
+            );
+        }
+    }
+    match (link_kind.get(), link_bw.get()) {
+        (Some(kind), Some(bw)) => Some(IntraLink {
+            kind,
+            bandwidth_gb_s: bw,
+            latency_us: link_lat.get(),
+        }),
+        (Some(_), None) if link_bw.is_absent() && n_devices < 2 => {
+            ctx.at(
+                link_kind.span(),
+                label,
+                "intra_link needs intra_bandwidth_gb_s too",
+            );
+            None
+        }
+        _ => None,
+    }
+}
+
+/// Step: report each key missing from a device type and all of its devices, once per type.
+fn report_type_missing(ctx: &mut Ctx<'_>, types: &DeviceTypes, type_missing: TypeMissing) {
     for ((tname, key), (what, devices)) in type_missing {
         let n = devices.len();
         let shown = if n <= 4 {
@@ -1559,7 +1808,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             format!("{}, ... ({n} in all)", devices[..3].join(", "))
         };
         ctx.at(
-            type_spans.get(&tname).cloned(),
+            types.spans.get(&tname).cloned(),
             format!("device type \"{tname}\""),
             format!(
                 "missing `{key}` ({what}), needed by device{} {shown}; set it here or on each device",
@@ -1567,68 +1816,83 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             ),
         );
     }
+}
 
-    // Router.
-    let mut router = None;
-    if let Some(rr) = &raw.router {
-        let rspan = Some(rr.span());
-        let r = rr.get_ref();
-        let item = "[router]";
-        let node = match split(&r.node) {
-            (None, _) => {
-                ctx.at(
-                    rspan.clone(),
-                    item,
-                    "missing `node`; name the node the router runs on",
-                );
-                None
-            }
-            (Some(n), span) => match nodes.iter().position(|x| x.name == n) {
-                Some(i) => Some(i),
-                None => {
-                    if !node_names.contains_key(&n) {
-                        let hint = match nearest(&n, node_names.keys().map(String::as_str)) {
-                            Some(s) => format!("did you mean \"{s}\"?"),
-                            None => format!(
-                                "nodes: {}",
-                                nodes
-                                    .iter()
-                                    .map(|x| x.name.as_str())
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            ),
-                        };
-                        ctx.at(span, item, format!("unknown node \"{n}\"; {hint}"));
-                    }
-                    None
-                }
-            },
-        };
-        let listen = check(ctx, &r.listen_address, item, valid_host("listen_address"));
-        let port = check(ctx, &r.port, item, |v| {
-            int_in("port", 1, 65535)(v).map(|v| v as u16)
-        });
-        if port.is_absent() {
+/// Step: the `[router]` section.
+fn validate_router(
+    ctx: &mut Ctx<'_>,
+    rr: &Spanned<RawRouter>,
+    nodes: &[Node],
+    node_names: &HashMap<String, usize>,
+) -> Option<RouterSpec> {
+    let rspan = Some(rr.span());
+    let r = rr.get_ref();
+    let item = "[router]";
+    let node = router_node(ctx, r, &rspan, nodes, node_names);
+    let listen = check(ctx, &r.listen_address, item, valid_host("listen_address"));
+    let port = check_required(
+        ctx,
+        &r.port,
+        item,
+        port("port"),
+        rspan,
+        "missing `port`; give the port serving frontends connect to",
+    );
+    let (node, port) = (node?, port.get()?);
+    Some(RouterSpec {
+        node,
+        listen_address: listen.get().unwrap_or_else(|| nodes[node].address.clone()),
+        port,
+    })
+}
+
+/// The node the router runs on; an unknown name is reported (one of a node that failed
+/// validation is not: that node's problems are already reported).
+fn router_node(
+    ctx: &mut Ctx<'_>,
+    r: &RawRouter,
+    rspan: &Sp,
+    nodes: &[Node],
+    node_names: &HashMap<String, usize>,
+) -> Option<usize> {
+    let item = "[router]";
+    let (n, span) = match split(&r.node) {
+        (None, _) => {
             ctx.at(
-                rspan,
+                rspan.clone(),
                 item,
-                "missing `port`; give the port serving frontends connect to",
+                "missing `node`; name the node the router runs on",
             );
+            return None;
         }
-        if let (Some(node), Some(port)) = (node, port.get()) {
-            router = Some(RouterSpec {
-                node,
-                listen_address: listen.get().unwrap_or_else(|| nodes[node].address.clone()),
-                port,
-            });
-        }
+        (Some(n), span) => (n, span),
+    };
+    let found = nodes.iter().position(|x| x.name == n);
+    if found.is_none() && !node_names.contains_key(&n) {
+        let hint = did_you_mean(&n, node_names.keys().map(String::as_str), || {
+            format!(
+                "nodes: {}",
+                nodes
+                    .iter()
+                    .map(|x| x.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        });
+        ctx.at(span, item, format!("unknown node \"{n}\"; {hint}"));
     }
+    found
+}
 
-    // Port collisions between everything that listens on one machine.
-    let mut used: HashMap<(String, u16), String> = HashMap::new();
-    let mut claim = |ctx: &mut Ctx<'_>, host: &str, port: u16, who: String, item: &str| {
+/// Ports already claimed on each host: (lower-case host, port) → who listens there.
+#[derive(Default)]
+struct PortClaims(HashMap<(String, u16), String>);
+
+impl PortClaims {
+    /// Claim `port` on `host` for `who`; a port already claimed there is reported under `item`.
+    fn claim(&mut self, ctx: &mut Ctx<'_>, host: &str, port: u16, who: String, item: &str) {
         let key = (host.to_ascii_lowercase(), port);
-        match used.get(&key) {
+        match self.0.get(&key) {
             Some(prev) => ctx.report(
                 item,
                 format!(
@@ -1636,13 +1900,23 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
                 ),
             ),
             None => {
-                used.insert(key, who);
+                self.0.insert(key, who);
             }
         }
-    };
-    for node in &nodes {
+    }
+}
+
+/// Step: port collisions between everything that listens on one machine.
+fn check_port_collisions(
+    ctx: &mut Ctx<'_>,
+    nodes: &[Node],
+    devices: &[Device],
+    router: Option<&RouterSpec>,
+) {
+    let mut claims = PortClaims::default();
+    for node in nodes {
         let label = format!("node \"{}\"", node.name);
-        claim(
+        claims.claim(
             ctx,
             &node.address,
             node.control_port,
@@ -1652,7 +1926,7 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
         for rank in node.device_ranks() {
             let d = &devices[rank.index()];
             let item = format!("{label} device \"{}\"", d.name);
-            claim(
+            claims.claim(
                 ctx,
                 &node.address,
                 d.data_port,
@@ -1661,8 +1935,8 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             );
         }
     }
-    if let Some(r) = &router {
-        claim(
+    if let Some(r) = router {
+        claims.claim(
             ctx,
             &nodes[r.node].address,
             r.port,
@@ -1670,35 +1944,26 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
             "[router]",
         );
     }
+}
 
-    // Measured tiers.
-    let mut measured = MeasuredTiers::default();
-    if let Some(m) = &raw.measured {
-        for (tier, slot, key) in [
-            (&m.intra_node, &mut measured.intra_node, "intra_node"),
-            (&m.inter_node, &mut measured.inter_node, "inter_node"),
-        ] {
-            if let Some(t) = tier {
-                let item = format!("[measured] {key}");
-                let tr = t.get_ref();
-                let bw = check(ctx, &tr.bandwidth_gb_s, &item, positive("bandwidth_gb_s"));
-                let lat = check(ctx, &tr.latency_us, &item, non_negative("latency_us"));
-                *slot = Some(TierMeasure {
-                    bandwidth_gb_s: bw.get(),
-                    latency_us: lat.get(),
-                });
-            }
-        }
+/// Step: the optional `[measured]` numbers per tier.
+fn validate_measured(ctx: &mut Ctx<'_>, m: &RawMeasured) -> MeasuredTiers {
+    MeasuredTiers {
+        intra_node: validate_tier(ctx, &m.intra_node, "intra_node"),
+        inter_node: validate_tier(ctx, &m.inter_node, "inter_node"),
     }
+}
 
-    let name = name.get()?;
-    Some(Topology {
-        name,
-        description,
-        nodes,
-        devices,
-        router,
-        measured,
+/// One `[measured]` tier, when given.
+fn validate_tier(ctx: &mut Ctx<'_>, tier: &Field<RawTier>, key: &str) -> Option<TierMeasure> {
+    let t = tier.as_ref()?;
+    let item = format!("[measured] {key}");
+    let tr = t.get_ref();
+    let bw = check(ctx, &tr.bandwidth_gb_s, &item, positive("bandwidth_gb_s"));
+    let lat = check(ctx, &tr.latency_us, &item, non_negative("latency_us"));
+    Some(TierMeasure {
+        bandwidth_gb_s: bw.get(),
+        latency_us: lat.get(),
     })
 }
 
