@@ -402,8 +402,8 @@ impl FrontendConn {
     }
 }
 
-/// Writer: responses and errors of one connection, in completion order. One copy out: the
-/// combined f32 rows are encoded straight into the frame's payload.
+/// Writer: responses and errors of one connection, in completion order. The combined f32 rows
+/// are written as the frame's payload as they are (little-endian machines) or encoded once.
 async fn write_responses(
     mut writer: FrontendWriter,
     mut out_rx: mpsc::Receiver<ClientMsg>,
@@ -425,10 +425,16 @@ async fn write_responses(
                     hidden: hidden as u32,
                     dtype: OutputDtype::F32,
                 });
-                bytes.resize(output.len() * 4, 0);
-                let _ = dtype::encode_output(OutputDtype::F32, &output, &mut bytes);
+                let payload = match dtype::f32_as_le_bytes(&output) {
+                    Some(b) => b, // little-endian machine: the rows are the payload
+                    None => {
+                        bytes.resize(output.len() * 4, 0);
+                        let _ = dtype::encode_output(OutputDtype::F32, &output, &mut bytes);
+                        &bytes
+                    }
+                };
                 slots.add_permits(1);
-                writer.write_frame(&body, &bytes).await
+                writer.write_frame(&body, payload).await
             }
             ClientMsg::Error {
                 request_id,

@@ -483,6 +483,21 @@ pub fn q8_view(tokens: usize, hidden: usize, payload: &[u8]) -> Option<(&[i8], &
     (pre.is_empty() && d.len() == n / 32).then_some((q, d))
 }
 
+/// The f32 payload layout of `src` (little-endian f32) without a copy, where the machine's own
+/// layout is that one (little-endian); `None` elsewhere, and the caller encodes with
+/// [`encode_output`].
+pub fn f32_as_le_bytes(src: &[f32]) -> Option<&[u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: u8 has alignment 1 and every byte of an f32 is initialized; the length is
+        // the f32 slice's size in bytes, within the same allocation.
+        Some(unsafe {
+            std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src))
+        })
+    } else {
+        None
+    }
+}
+
 /// Encodes f32 rows into a result payload of `dtype`.
 pub fn encode_output(dtype: OutputDtype, src: &[f32], dst: &mut [u8]) -> Result<(), DtypeError> {
     check_len(

@@ -187,9 +187,14 @@ impl DispatchExecutor {
     fn encode_result(&mut self, n: usize) -> Result<Bytes, ExecError> {
         self.result.clear();
         self.result.reserve(n * 4);
-        self.result.resize(n * 4, 0);
-        dtype::encode_output(OutputDtype::F32, &self.out[..n], &mut self.result)
-            .map_err(|e| ExecError::new(ErrorCode::Internal, e.to_string()))?;
+        match dtype::f32_as_le_bytes(&self.out[..n]) {
+            Some(bytes) => self.result.extend_from_slice(bytes),
+            None => {
+                self.result.resize(n * 4, 0);
+                dtype::encode_output(OutputDtype::F32, &self.out[..n], &mut self.result)
+                    .map_err(|e| ExecError::new(ErrorCode::Internal, e.to_string()))?;
+            }
+        }
         Ok(self.result.split().freeze())
     }
 }
