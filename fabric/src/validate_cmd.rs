@@ -8,10 +8,10 @@
 //! arguments are wrong. It never panics on bad input.
 
 use crate::table::{self, left, right};
-use expertmesh_topology::diag::{read_text, render_problems, sort_problems};
+use expertmesh_topology::diag::{read_text, render_problems, sort_problems, thousands};
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_topology::topology::{DeviceKind, IntraLink};
-use expertmesh_topology::units::format_bytes;
+use expertmesh_topology::units::{SizeUnit, checked_sum, format_bytes, format_bytes_in};
 use expertmesh_topology::{
     DeviceUsage, FileError, Placement, PlacementFile, Problem, ResolveError, SharedLocation,
     Topology, resolve_model,
@@ -38,8 +38,34 @@ pub struct ValidateArgs {
 enum Failure {
     /// Exit 2: a file could not be read, an unknown preset, missing arguments.
     Usage(String),
-    /// Exit 1: files were read and have problems (already rendered, one per line).
-    Invalid(Vec<String>),
+    /// Exit 1: files were read and have problems (already rendered, one per line, repeats of
+    /// one kind summed up), and how many problems there are in all.
+    Invalid(Vec<String>, usize),
+}
+
+/// The problems found so far: rendered lines, and how many problems they stand for.
+#[derive(Default)]
+struct Found {
+    lines: Vec<String>,
+    count: usize,
+}
+
+impl Found {
+    /// Add a file's problems, rendered with repeats of one kind summed up.
+    fn add(&mut self, path: &Path, problems: &[Problem]) {
+        if problems.is_empty() {
+            return;
+        }
+        self.lines
+            .extend(render_problems(path, problems).lines().map(str::to_owned));
+        self.count += problems.len();
+    }
+
+    /// Add one problem already rendered.
+    fn push(&mut self, line: String) {
+        self.lines.push(line);
+        self.count += 1;
+    }
 }
 
 /// Run `validate`; prints the summary (stdout) or the problems (stderr) and returns the exit code.
@@ -54,14 +80,17 @@ pub fn run(args: &ValidateArgs) -> ExitCode {
             eprintln!("error: {msg}");
             ExitCode::from(crate::cli::EXIT_USAGE)
         }
-        Err(Failure::Invalid(lines)) => {
+        Err(Failure::Invalid(lines, count)) => {
+            let mut err = String::new();
             for l in &lines {
-                eprintln!("{l}");
+                err.push_str(l);
+                err.push('\n');
             }
+            eprint!("{err}");
             eprintln!(
                 "invalid: {} problem{} found",
-                lines.len(),
-                if lines.len() == 1 { "" } else { "s" }
+                thousands(count),
+                if count == 1 { "" } else { "s" }
             );
             ExitCode::from(crate::cli::EXIT_INVALID)
         }
@@ -69,18 +98,18 @@ pub fn run(args: &ValidateArgs) -> ExitCode {
 }
 
 /// Split a file error into problems to list (invalid) or a usage failure (unreadable).
-fn file_problems(e: FileError, problems: &mut Vec<String>) -> Result<(), Failure> {
+fn file_problems(e: FileError, problems: &mut Found) -> Result<(), Failure> {
     match e {
         FileError::Io { .. } => Err(Failure::Usage(e.to_string())),
-        FileError::Invalid { .. } => {
-            problems.extend(e.to_string().lines().map(str::to_owned));
+        FileError::Invalid { path, problems: p } => {
+            problems.add(&path, &p);
             Ok(())
         }
     }
 }
 
 fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
-    let mut problems: Vec<String> = Vec::new();
+    let mut problems = Found::default();
 
     let topology = match Topology::load(&args.topology) {
         Ok(t) => Some(t),
@@ -109,19 +138,17 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
     };
     if let Some(path) = &args.placement {
         sort_problems(&mut placement_problems);
-        problems.extend(
-            render_problems(path, &placement_problems)
-                .lines()
-                .map(str::to_owned),
-        );
+        problems.add(path, &placement_problems);
     }
 
-    if let (Some(t), Some(m), None) = (&topology, &model, &args.placement) {
-        problems.extend(routed_fit_problem(&args.topology, t, m));
+    if let (Some(t), Some(m), None) = (&topology, &model, &args.placement)
+        && let Some(p) = routed_fit_problem(&args.topology, t, m)
+    {
+        problems.push(p);
     }
 
-    if !problems.is_empty() {
-        return Err(Failure::Invalid(problems));
+    if problems.count > 0 {
+        return Err(Failure::Invalid(problems.lines, problems.count));
     }
     let Some(topology) = topology else {
         return Err(Failure::Usage("no topology".into()));
@@ -141,7 +168,7 @@ fn validate(args: &ValidateArgs, out: &mut String) -> Result<(), Failure> {
 fn read_placement<'a>(
     args: &'a ValidateArgs,
     placement_problems: &mut Vec<Problem>,
-    problems: &mut Vec<String>,
+    problems: &mut Found,
 ) -> Result<Option<(&'a Path, PlacementFile, String)>, Failure> {
     Ok(match &args.placement {
         None => None,
@@ -163,7 +190,7 @@ fn read_placement<'a>(
 fn read_model(
     args: &ValidateArgs,
     placement_file: Option<&(&Path, PlacementFile, String)>,
-    problems: &mut Vec<String>,
+    problems: &mut Found,
 ) -> Result<Option<ModelSpec>, Failure> {
     Ok(match (&args.model, placement_file) {
         (Some(m), _) => match resolve_model(m) {
@@ -200,10 +227,19 @@ fn routed_fit_problem(path: &Path, t: &Topology, m: &ModelSpec) -> Option<String
             m.name,
             format_bytes(need),
             t.devices().len(),
-            format_bytes(have),
+            as_written(have, t.expert_memory_unit()),
             format_bytes(need - have)
         )
     })
+}
+
+/// Bytes in decimal units, then in binary units when that is how they were written
+/// (`536.87 MB (512.00 MiB)`), for messages that compare them with decimal figures.
+fn as_written(bytes: u64, unit: SizeUnit) -> String {
+    match unit {
+        SizeUnit::Decimal => format_bytes(bytes),
+        SizeUnit::Binary => format!("{} ({})", format_bytes(bytes), format_bytes_in(bytes, unit)),
+    }
 }
 
 fn percent(part: u64, whole: u64) -> String {
@@ -265,7 +301,7 @@ fn summarize_cluster(out: &mut String, path: &Path, t: &Topology) {
         if t.nodes().len() == 1 { "" } else { "s" },
         t.devices().len(),
         if t.devices().len() == 1 { "" } else { "s" },
-        format_bytes(t.total_expert_memory())
+        format_bytes_in(t.total_expert_memory(), t.expert_memory_unit())
     );
     if !t.description().is_empty() {
         let _ = writeln!(out, "  {}", t.description());
@@ -343,7 +379,9 @@ fn summarize_devices(
         let per_layer = (m.routed_experts as u64).div_ceil(n);
         (
             per_layer,
-            per_layer * m.moe_layers() as u64 * m.expert_bytes(),
+            per_layer
+                .saturating_mul(m.moe_layers() as u64)
+                .saturating_mul(m.expert_bytes()),
         )
     });
     let mut cols = vec![
@@ -373,7 +411,7 @@ fn summarize_devices(
             d.id().to_owned(),
             d.kind().name().to_owned(),
             d.arch().to_owned(),
-            format_bytes(d.expert_memory_bytes()),
+            format_bytes_in(d.expert_memory_bytes(), d.expert_memory_unit()),
             format!("{}", d.memory_bandwidth_gb_s()),
             t.nic_of(d).name().to_owned(),
             d.data_port().to_string(),
@@ -443,7 +481,8 @@ fn summarize_model(
                 locs.dedup();
                 locs
             };
-            let used: u64 = u.iter().map(|x| x.total_bytes()).sum();
+            let used = checked_sum(u.iter().map(|x| x.total_bytes())).unwrap_or(u64::MAX);
+            let unit = t.expert_memory_unit();
             let _ = writeln!(
                 out,
                 "placement ({}): {} experts in {} slots ({} replicas){}; every device fits, {} of {} expert memory used ({})",
@@ -456,8 +495,8 @@ fn summarize_model(
                 } else {
                     format!("; shared experts on {}", shared_at.join(", "))
                 },
-                format_bytes(used),
-                format_bytes(t.total_expert_memory()),
+                format_bytes_in(used, unit),
+                format_bytes_in(t.total_expert_memory(), unit),
                 percent(used, t.total_expert_memory())
             );
         }
@@ -465,8 +504,8 @@ fn summarize_model(
             let _ = writeln!(
                 out,
                 "fit: routed experts need {} of {} expert memory ({}); no placement given (--placement P checks one)",
-                format_bytes(m.routed_bytes()),
-                format_bytes(t.total_expert_memory()),
+                format_bytes_in(m.routed_bytes(), t.expert_memory_unit()),
+                format_bytes_in(t.total_expert_memory(), t.expert_memory_unit()),
                 percent(m.routed_bytes(), t.total_expert_memory())
             );
         }

@@ -89,7 +89,7 @@ pub fn place_shared(
     if model.shared_experts == 0 {
         return Ok((Vec::new(), bytes));
     }
-    let per_layer = model.shared_experts as u64 * model.shared_expert_bytes();
+    let per_layer = (model.shared_experts as u64).saturating_mul(model.shared_expert_bytes());
     let locs = match policy {
         SharedPolicy::Router => vec![SharedLocation::Router; n_layers],
         SharedPolicy::Device(id) => {
@@ -98,7 +98,7 @@ pub fn place_shared(
                     "unknown device \"{id}\" for the shared experts; use a device id (\"node/device\") from the topology, \"router\" or \"spread\""
                 )
             })?;
-            bytes[d.rank().index()] = per_layer * n_layers as u64;
+            bytes[d.rank().index()] = per_layer.saturating_mul(n_layers as u64);
             vec![SharedLocation::Device(d.rank()); n_layers]
         }
         SharedPolicy::Spread => {
@@ -111,7 +111,7 @@ pub fn place_shared(
             // memory is left over rather than where the budget is merely large.
             let share = even_routed_share(topology, model, 0);
             for (f, s) in free.iter_mut().zip(&share) {
-                *f -= (*s * model.expert_bytes()) as i128;
+                *f -= *s as i128 * model.expert_bytes() as i128;
             }
             (0..n_layers)
                 .map(|_| {
@@ -119,7 +119,7 @@ pub fn place_shared(
                         .max_by_key(|&r| (free[r], -(r as i64)))
                         .unwrap_or(0);
                     free[best] -= per_layer as i128;
-                    bytes[best] += per_layer;
+                    bytes[best] = bytes[best].saturating_add(per_layer);
                     SharedLocation::Device(DeviceRank(best as u32))
                 })
                 .collect()
@@ -260,7 +260,7 @@ pub fn layout(
         .map(|&c| c.min(n_layers as u64 * e))
         .collect();
     let per_layer = e + redundant as u64;
-    let total = n_layers as u64 * per_layer;
+    let total = (n_layers as u64).saturating_mul(per_layer);
     let weights: Vec<f64> = topology
         .devices()
         .iter()
@@ -288,6 +288,11 @@ pub fn layout(
     }
 }
 
+/// A 128-bit byte count as u64, saturating.
+fn saturate(bytes: u128) -> u64 {
+    u64::try_from(bytes).unwrap_or(u64::MAX)
+}
+
 fn shortfall(
     topology: &Topology,
     model: &ModelSpec,
@@ -297,23 +302,27 @@ fn shortfall(
 ) -> Shortfall {
     let n_layers = model.moe_layer_ids().len() as u64;
     let s = model.expert_bytes();
-    let slots = n_layers * (model.routed_experts as u64 + redundant as u64);
-    let shared_total: u64 = shared_bytes.iter().sum();
-    let need = slots * s + shared_total;
+    // Byte totals are summed in 128 bits and reported saturated at u64::MAX: a need past 2^64
+    // bytes is short of any budget, and must not wrap around to a small number that fits.
+    let slots = n_layers as u128 * (model.routed_experts as u128 + redundant as u128);
+    let shared_total: u128 = shared_bytes.iter().map(|&b| b as u128).sum();
+    let need = saturate(slots * s as u128 + shared_total);
     // Shared experts count as usable only as far as their device's budget goes.
-    let usable: u64 = caps.iter().map(|&c| c * s).sum::<u64>()
-        + topology
-            .devices()
-            .iter()
-            .zip(shared_bytes)
-            .map(|(d, &sh)| sh.min(d.expert_memory_bytes()))
-            .sum::<u64>();
+    let usable = saturate(
+        caps.iter().map(|&c| c as u128 * s as u128).sum::<u128>()
+            + topology
+                .devices()
+                .iter()
+                .zip(shared_bytes)
+                .map(|(d, &sh)| sh.min(d.expert_memory_bytes()) as u128)
+                .sum::<u128>(),
+    );
     let budget = topology.total_expert_memory();
-    let cap_slots: u64 = caps.iter().sum();
+    let cap_slots: u128 = caps.iter().map(|&c| c as u128).sum();
     let max_r = cap_slots
-        .checked_div(n_layers)
-        .and_then(|per_layer| per_layer.checked_sub(model.routed_experts as u64))
-        .map(|r| r.min(u32::MAX as u64) as u32);
+        .checked_div(n_layers as u128)
+        .and_then(|per_layer| per_layer.checked_sub(model.routed_experts as u128))
+        .map(|r| r.min(u32::MAX as u128) as u32);
     let share = even_routed_share(topology, model, redundant);
     let devices = topology
         .devices()
@@ -321,7 +330,7 @@ fn shortfall(
         .zip(share)
         .zip(shared_bytes)
         .filter_map(|((d, sh), &shb)| {
-            let need = sh * s + shb;
+            let need = sh.saturating_mul(s).saturating_add(shb);
             let budget = d.expert_memory_bytes();
             (need > budget).then(|| DeviceShortfall {
                 rank: d.rank().0,
@@ -344,7 +353,7 @@ fn shortfall(
                 .iter()
                 .zip(shared_bytes)
                 .map(|(d, &sh)| sh.saturating_sub(d.expert_memory_bytes()))
-                .sum(),
+                .fold(0u64, u64::saturating_add),
         ),
         redundant,
         max_redundant_that_fits: max_r,

@@ -148,17 +148,74 @@ impl FileError {
     }
 }
 
-/// One line per problem, each prefixed with `path:` (and `line:column:` when located).
+/// Problems of one kind shown before the rest are summed up in one line ([`render_problems`]).
+pub const SHOWN_PER_KIND: usize = 10;
+
+/// One line per problem, each prefixed with `path:` (and `line:column:` when located). Past
+/// [`SHOWN_PER_KIND`] problems of one kind (the same message but for names and numbers), the
+/// rest of that kind is one line: `... and 41,000 more like this`.
 pub fn render_problems(path: &Path, problems: &[Problem]) -> String {
+    let kinds: Vec<String> = problems.iter().map(|p| problem_kind(&p.message)).collect();
+    let mut totals: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for k in &kinds {
+        *totals.entry(k.as_str()).or_default() += 1;
+    }
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut lines: Vec<String> = Vec::new();
+    for (p, k) in problems.iter().zip(&kinds) {
+        let n = seen.entry(k.as_str()).or_default();
+        *n += 1;
+        if *n > SHOWN_PER_KIND {
+            continue;
+        }
+        lines.push(match p.location {
+            Some(_) => format!("{}:{p}", path.display()),
+            None => format!("{}: {p}", path.display()),
+        });
+        let total = totals[k.as_str()];
+        if *n == SHOWN_PER_KIND && total > SHOWN_PER_KIND {
+            lines.push(format!(
+                "{}: ... and {} more like this",
+                path.display(),
+                thousands(total - SHOWN_PER_KIND)
+            ));
+        }
+    }
+    lines.join("\n")
+}
+
+/// A message with its quoted names and its numbers blanked out: problems of one kind share it.
+fn problem_kind(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut quoted = false;
+    let mut last_digit = false;
+    for c in message.chars() {
+        if c == '"' {
+            quoted = !quoted;
+            out.push(c);
+        } else if quoted {
+            continue;
+        } else if c.is_ascii_digit() {
+            if !last_digit {
+                out.push('#');
+            }
+        } else {
+            out.push(c);
+        }
+        last_digit = c.is_ascii_digit();
+    }
+    out
+}
+
+/// `41875` as `41,875`.
+pub fn thousands(n: usize) -> String {
+    let digits = n.to_string();
     let mut out = String::new();
-    for (i, p) in problems.iter().enumerate() {
-        if i > 0 {
-            out.push('\n');
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
         }
-        match p.location {
-            Some(_) => out.push_str(&format!("{}:{p}", path.display())),
-            None => out.push_str(&format!("{}: {p}", path.display())),
-        }
+        out.push(c);
     }
     out
 }
@@ -190,9 +247,36 @@ pub fn read_text(path: &Path) -> Result<String, FileError> {
     })
 }
 
+/// Byte offsets of line starts, so that locating a problem costs a binary search rather than a
+/// scan of the text (a file with tens of thousands of problems stays linear).
+struct Lines {
+    starts: Vec<usize>,
+}
+
+impl Lines {
+    fn new(text: &str) -> Lines {
+        let mut starts = vec![0];
+        starts.extend(text.match_indices('\n').map(|(i, _)| i + 1));
+        Lines { starts }
+    }
+
+    /// Same as [`Location::of_offset`].
+    fn locate(&self, text: &str, offset: usize) -> Location {
+        let mut offset = offset.min(text.len());
+        while !text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let line = self.starts.partition_point(|&s| s <= offset);
+        let start = self.starts[line - 1];
+        let column = text[start..offset].chars().count() + 1;
+        Location { line, column }
+    }
+}
+
 /// Collects problems while validating one file.
 pub(crate) struct Ctx<'a> {
     text: &'a str,
+    lines: Lines,
     problems: Vec<Problem>,
     /// Every value in the document: its span, the item it belongs to and its key.
     index: Vec<(Range<usize>, String, String)>,
@@ -202,9 +286,15 @@ impl<'a> Ctx<'a> {
     pub(crate) fn new(text: &'a str) -> Ctx<'a> {
         Ctx {
             text,
+            lines: Lines::new(text),
             problems: Vec::new(),
             index: Vec::new(),
         }
+    }
+
+    /// The location of byte `offset` of the text.
+    pub(crate) fn locate(&self, offset: usize) -> Location {
+        self.lines.locate(self.text, offset)
     }
 
     /// Report a problem located at `span` (when given).
@@ -214,7 +304,7 @@ impl<'a> Ctx<'a> {
         item: impl Into<String>,
         message: impl Into<String>,
     ) {
-        let location = span.map(|s| Location::of_offset(self.text, s.start));
+        let location = span.map(|s| self.locate(s.start));
         self.problems.push(Problem::new(location, item, message));
     }
 
@@ -249,6 +339,10 @@ impl<'a> Ctx<'a> {
                 return None;
             }
         };
+        if let Some(msg) = foreign_file(doc.get_ref(), schema) {
+            self.at(Some(0..0), "top level", msg);
+            return None;
+        }
         let mut unknown = Vec::new();
         walk(doc.get_ref(), schema, "", self, &mut unknown);
         unknown.sort_by_key(|(start, _, _)| *start);
@@ -263,6 +357,7 @@ impl<'a> Ctx<'a> {
                     .and_then(|s| self.innermost(&s))
                     .unwrap_or_default();
                 let msg = friendly_serde_message(e.message());
+                let msg = out_of_range_message(&msg, &key).unwrap_or(msg);
                 let msg = if key.is_empty() {
                     msg
                 } else {
@@ -285,6 +380,49 @@ impl<'a> Ctx<'a> {
             .min_by_key(|(s, _, _)| s.end - s.start)
             .map(|(_, item, key)| (item.clone(), key.clone()))
     }
+}
+
+/// An integer too large for 64 bits reaches serde as an i128 ("wrong type: integer `N` as
+/// i128"); say that it is out of range instead (for a port: of 1-65535).
+fn out_of_range_message(msg: &str, key: &str) -> Option<String> {
+    let rest = msg.strip_prefix("wrong type: integer `")?;
+    let (number, tail) = rest.split_once('`')?;
+    if !(tail.starts_with(" as i128") || tail.starts_with(" as u128")) {
+        return None;
+    }
+    Some(if key.ends_with("port") {
+        format!("{number} is out of range for a port; use 1 to 65535")
+    } else {
+        format!("{number} is out of range; the value is far too large")
+    })
+}
+
+/// A file of another kind given where this one was expected: most of its top-level keys are
+/// unknown here and belong to that kind. Returns the one message that replaces the flood of
+/// "unknown key" problems.
+fn foreign_file(doc: &DeTable<'_>, schema: &Schema) -> Option<String> {
+    let unknown: Vec<&str> = doc
+        .iter()
+        .map(|(k, _)| -> &str { k.get_ref() })
+        .filter(|k| !schema.fields.contains(k))
+        .collect();
+    schema.foreign.iter().find_map(|f| {
+        let theirs: Vec<&str> = unknown
+            .iter()
+            .copied()
+            .filter(|k| f.keys.contains(k))
+            .collect();
+        (theirs.len() >= 2 && 2 * theirs.len() >= unknown.len()).then(|| {
+            let shown: Vec<String> = theirs.iter().take(4).map(|k| format!("`{k}`")).collect();
+            format!(
+                "this looks like a {} (it has {}), not a {}; {}",
+                f.what,
+                shown.join(", "),
+                schema.file,
+                f.hint
+            )
+        })
+    })
 }
 
 /// Make serde's type names readable for someone editing a TOML file.
@@ -321,6 +459,21 @@ pub(crate) struct Schema {
     pub(crate) label_key: Option<&'static str>,
     /// Keys holding nested tables (or arrays of tables), with their schemas.
     pub(crate) children: Vec<(&'static str, Child)>,
+    /// At the root: what kind of file this is (`topology file`).
+    pub(crate) file: &'static str,
+    /// At the root: the other kinds of file someone may pass here by mistake.
+    pub(crate) foreign: Vec<Foreign>,
+}
+
+/// Another kind of file, recognized by its top-level keys.
+#[derive(Debug)]
+pub(crate) struct Foreign {
+    /// `placement file`.
+    pub(crate) what: &'static str,
+    /// Its top-level keys.
+    pub(crate) keys: &'static [&'static str],
+    /// What to do instead (`pass it with --placement`).
+    pub(crate) hint: &'static str,
 }
 
 /// How a nested key is shaped.
@@ -344,7 +497,17 @@ impl Schema {
             fields,
             label_key,
             children: Vec::new(),
+            file: "",
+            foreign: Vec::new(),
         }
+    }
+
+    /// The root schema of a kind of file (`topology file`), and the other kinds of file
+    /// (`Foreign`) to recognize when one is passed here by mistake.
+    pub(crate) fn root(mut self, file: &'static str, foreign: Vec<Foreign>) -> Schema {
+        self.file = file;
+        self.foreign = foreign;
+        self
     }
 
     pub(crate) fn table(mut self, key: &'static str, child: Schema) -> Schema {
@@ -597,12 +760,12 @@ impl<'de> Deserialize<'de> for RawBytes {
 }
 
 impl RawBytes {
-    /// The byte count, or a message saying what is wrong.
-    pub(crate) fn bytes(&self) -> Result<u64, String> {
+    /// The byte count and the units it was written in (a plain integer: decimal).
+    pub(crate) fn bytes_unit(&self) -> Result<(u64, crate::units::SizeUnit), String> {
         match self {
             RawBytes::Int(v) if *v < 0 => Err(format!("{v} is negative; give a byte count")),
-            RawBytes::Int(v) => Ok(*v as u64),
-            RawBytes::Text(s) => crate::units::parse_bytes(s),
+            RawBytes::Int(v) => Ok((*v as u64, crate::units::SizeUnit::Decimal)),
+            RawBytes::Text(s) => crate::units::parse_bytes_unit(s),
         }
     }
 }

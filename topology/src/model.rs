@@ -125,19 +125,37 @@ impl ModelSpec {
         3 * self.hidden as u64 * self.moe_intermediate as u64
     }
 
-    /// Packed bytes of all routed experts of one MoE layer.
+    /// Packed bytes of all routed experts of one MoE layer (saturating; [`ModelSpec::check`]
+    /// refuses a model whose byte counts do not fit in 64 bits).
     pub fn layer_routed_bytes(&self) -> u64 {
-        self.expert_bytes() * self.routed_experts as u64
+        self.expert_bytes()
+            .saturating_mul(self.routed_experts as u64)
     }
 
-    /// Packed bytes of all routed experts of the model.
+    /// Packed bytes of all routed experts of the model (saturating, as
+    /// [`ModelSpec::layer_routed_bytes`]).
     pub fn routed_bytes(&self) -> u64 {
-        self.layer_routed_bytes() * self.moe_layers() as u64
+        self.checked_routed_bytes().unwrap_or(u64::MAX)
     }
 
-    /// Packed bytes of all shared experts of the model.
+    /// Packed bytes of all shared experts of the model (saturating, as
+    /// [`ModelSpec::layer_routed_bytes`]).
     pub fn shared_bytes(&self) -> u64 {
-        self.shared_expert_bytes() * self.shared_experts as u64 * self.moe_layers() as u64
+        self.checked_shared_bytes().unwrap_or(u64::MAX)
+    }
+
+    /// Packed bytes of all routed experts, or `None` when they do not fit in 64 bits.
+    pub fn checked_routed_bytes(&self) -> Option<u64> {
+        self.expert_bytes()
+            .checked_mul(self.routed_experts as u64)?
+            .checked_mul(self.moe_layers() as u64)
+    }
+
+    /// Packed bytes of all shared experts, or `None` when they do not fit in 64 bits.
+    pub fn checked_shared_bytes(&self) -> Option<u64> {
+        self.shared_expert_bytes()
+            .checked_mul(self.shared_experts as u64)?
+            .checked_mul(self.moe_layers() as u64)
     }
 
     /// Bytes of one token's hidden vector in bf16 (the dispatch payload per destination).
@@ -153,7 +171,45 @@ impl ModelSpec {
         self.check_sizes(&mut p);
         self.check_quant(&mut p);
         self.check_routing(&mut p);
+        if p.is_empty() {
+            self.check_bytes(&mut p);
+        }
         p
+    }
+
+    /// Check step: the byte counts fit in 64 bits (so that no sum or product of them wraps).
+    fn check_bytes(&self, p: &mut Vec<String>) {
+        // The packed size of one matrix is only computed for sizes that cannot overflow it.
+        const DIM_LIMIT: u32 = 1 << 24;
+        for (key, v) in [
+            ("hidden", self.hidden),
+            ("moe_intermediate", self.moe_intermediate),
+            ("shared_intermediate", self.shared_intermediate),
+        ] {
+            if v > DIM_LIMIT {
+                p.push(format!(
+                    "{key} ({v}) is too large to count its bytes; use at most {DIM_LIMIT}"
+                ));
+                return;
+            }
+        }
+        let layers = self.moe_layers() as u128;
+        let routed = self.expert_bytes() as u128 * self.routed_experts as u128 * layers;
+        let shared = self.shared_expert_bytes() as u128 * self.shared_experts as u128 * layers;
+        let what = "more than 2^64 bytes (18.45 EB), which this build cannot count";
+        if routed > u64::MAX as u128 {
+            p.push(format!(
+                "routed_experts ({}) x {layers} MoE layers x {} B per expert = {routed} B of routed experts, {what}; lower routed_experts, num_layers, hidden or moe_intermediate",
+                self.routed_experts,
+                self.expert_bytes()
+            ));
+        } else if shared > u64::MAX as u128 || routed + shared > u64::MAX as u128 {
+            p.push(format!(
+                "shared_experts ({}) x {layers} MoE layers x {} B per expert = {shared} B of shared experts, which with the routed experts' {routed} B is {what}; lower shared_experts, shared_intermediate or num_layers",
+                self.shared_experts,
+                self.shared_expert_bytes()
+            ));
+        }
     }
 
     /// Check step: the layer counts.
@@ -542,6 +598,26 @@ mod tests {
         assert_eq!(k2.routed_bytes(), 570_760_888_320);
         let gb = k2.routed_bytes() as f64 / 1e9;
         assert!((gb - 570.8).abs() < 0.05, "{gb}");
+    }
+
+    #[test]
+    fn byte_counts_past_64_bits_are_refused_not_wrapped() {
+        let mut m = preset_by_name("kimi-k2").unwrap();
+        m.num_layers = 4096;
+        m.routed_experts = 65_536;
+        m.hidden = 1 << 20;
+        m.moe_intermediate = 1 << 20;
+        m.shared_intermediate = 1 << 20;
+        let p = m.check();
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].starts_with("routed_experts (65536) x 4095 MoE layers x "),
+            "{p:?}"
+        );
+        assert!(p[0].contains("more than 2^64 bytes"), "{p:?}");
+        assert_eq!(m.checked_routed_bytes(), None);
+        // Saturates rather than wrapping to a small number.
+        assert_eq!(m.routed_bytes(), u64::MAX);
     }
 
     #[test]

@@ -27,16 +27,22 @@
 //! n_group = 1                      # optional, default 1
 //! topk_group = 1                   # optional, default 1
 //! toy = false                      # optional: a small test/demo model
+//! overrides_preset = false         # optional: see below
 //!
 //! [quant]                          # optional, default group_size 32, bf16 scales, symmetric
 //! group_size = 32                  # 32 | 64 | 128
 //! scale_dtype = "bf16"             # "bf16" | "f16"
 //! zero_points = false
 //! ```
+//!
+//! A file whose `name` is a preset's (`"kimi-k2"`) must describe that preset: a file that
+//! differs from it in any size, routing or quantization field is refused, naming the fields,
+//! unless it says `overrides_preset = true` (then its numbers are used under the preset's name).
+//! Renaming the model is usually the better fix.
 
 use crate::diag::{
-    Ctx, Field, FileError, Problem, Schema, check_format, fields_of, nearest, split,
-    text_or_default,
+    Ctx, Field, FileError, Foreign, Problem, Schema, check_format, fields_of, nearest, span_of,
+    split, text_or_default,
 };
 use crate::model::{ModelSpec, Scoring, preset_by_name, presets};
 use expertmesh_quant::format::{QuantSpec, ScaleDtype};
@@ -122,10 +128,26 @@ pub fn load_model(path: &Path) -> Result<ModelSpec, FileError> {
 /// Parse and validate model text; every problem is returned.
 pub fn model_from_toml_str(text: &str) -> Result<ModelSpec, Vec<Problem>> {
     let mut ctx = Ctx::new(text);
-    let schema = Schema::new("", fields_of::<RawModel>(), None).table(
-        "quant",
-        Schema::new("[quant]", fields_of::<RawQuant>(), None),
-    );
+    let schema = Schema::new("", fields_of::<RawModel>(), None)
+        .table(
+            "quant",
+            Schema::new("[quant]", fields_of::<RawQuant>(), None),
+        )
+        .root(
+            "model file",
+            vec![
+                Foreign {
+                    what: "topology file",
+                    keys: crate::topology::top_level_keys(),
+                    hint: "pass it as the topology (the first argument)",
+                },
+                Foreign {
+                    what: "placement file",
+                    keys: crate::placement::top_level_keys(),
+                    hint: "pass it with --placement",
+                },
+            ],
+        );
     let Some(raw) = ctx.parse::<RawModel>(&schema) else {
         return Err(ctx.into_problems());
     };
@@ -176,7 +198,7 @@ pub fn model_to_toml_string(m: &ModelSpec) -> String {
         m.shared_intermediate,
         s(m.scoring.name()),
         m.norm_topk_prob,
-        toml::Value::Float(m.routed_scaling_factor as f64),
+        toml_f32(m.routed_scaling_factor),
         m.n_group,
         m.topk_group,
         m.toy,
@@ -184,6 +206,28 @@ pub fn model_to_toml_string(m: &ModelSpec) -> String {
         s(&m.quant.scale_dtype.to_string()),
         m.quant.zero_points,
     )
+}
+
+/// An `f32` as a TOML float in its shortest round-trip form (`2.827`, not the widened f64's
+/// `2.8269999027252197`).
+fn toml_f32(v: f32) -> String {
+    if v.is_nan() {
+        return "nan".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    let s = v.to_string();
+    if s.contains(['.', 'e', 'E']) {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+/// The top-level keys of a model file (to recognize one passed as another kind of file).
+pub(crate) fn top_level_keys() -> &'static [&'static str] {
+    fields_of::<RawModel>()
 }
 
 #[derive(Deserialize)]
@@ -206,6 +250,7 @@ struct RawModel {
     n_group: Field<i64>,
     topk_group: Field<i64>,
     toy: Field<bool>,
+    overrides_preset: Field<bool>,
     quant: Field<RawQuant>,
 }
 
@@ -328,7 +373,109 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
         toy: raw.toy.as_ref().is_some_and(|b| *b.get_ref()),
     };
     report_consistency(ctx, &spec, &keys);
+    check_preset_name(ctx, &spec, raw);
     Some(spec)
+}
+
+/// Step: a file named like a preset must be that preset, or say `overrides_preset = true`.
+fn check_preset_name(ctx: &mut Ctx<'_>, spec: &ModelSpec, raw: &RawModel) {
+    let Some(preset) = preset_by_name(&spec.name) else {
+        return;
+    };
+    if raw.overrides_preset.as_ref().is_some_and(|b| *b.get_ref()) {
+        return;
+    }
+    let differing = differing_fields(spec, &preset);
+    if differing.is_empty() {
+        return;
+    }
+    ctx.at(
+        span_of(&raw.name),
+        "top level",
+        format!(
+            "model name \"{}\" is a built-in preset, but this file differs from it in {}; rename the model, or add `overrides_preset = true` to use these numbers under the preset's name",
+            spec.name,
+            differing.join(", ")
+        ),
+    );
+}
+
+/// `key (file value, preset P)` for every field (other than name, description and `toy`) in
+/// which `m` differs from `preset`.
+fn differing_fields(m: &ModelSpec, preset: &ModelSpec) -> Vec<String> {
+    let fields: [(&str, String, String); 16] = [
+        (
+            "num_layers",
+            m.num_layers.to_string(),
+            preset.num_layers.to_string(),
+        ),
+        (
+            "first_dense_layers",
+            m.first_dense_layers.to_string(),
+            preset.first_dense_layers.to_string(),
+        ),
+        (
+            "moe_layer_step",
+            m.moe_layer_step.to_string(),
+            preset.moe_layer_step.to_string(),
+        ),
+        ("hidden", m.hidden.to_string(), preset.hidden.to_string()),
+        (
+            "routed_experts",
+            m.routed_experts.to_string(),
+            preset.routed_experts.to_string(),
+        ),
+        ("top_k", m.top_k.to_string(), preset.top_k.to_string()),
+        (
+            "moe_intermediate",
+            m.moe_intermediate.to_string(),
+            preset.moe_intermediate.to_string(),
+        ),
+        (
+            "shared_experts",
+            m.shared_experts.to_string(),
+            preset.shared_experts.to_string(),
+        ),
+        (
+            "shared_intermediate",
+            m.shared_intermediate.to_string(),
+            preset.shared_intermediate.to_string(),
+        ),
+        (
+            "scoring",
+            m.scoring.name().to_owned(),
+            preset.scoring.name().to_owned(),
+        ),
+        (
+            "norm_topk_prob",
+            m.norm_topk_prob.to_string(),
+            preset.norm_topk_prob.to_string(),
+        ),
+        (
+            "routed_scaling_factor",
+            m.routed_scaling_factor.to_string(),
+            preset.routed_scaling_factor.to_string(),
+        ),
+        ("n_group", m.n_group.to_string(), preset.n_group.to_string()),
+        (
+            "topk_group",
+            m.topk_group.to_string(),
+            preset.topk_group.to_string(),
+        ),
+        (
+            "quant.group_size",
+            m.quant.group_size.to_string(),
+            preset.quant.group_size.to_string(),
+        ),
+        ("quant", m.quant.to_string(), preset.quant.to_string()),
+    ];
+    fields
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        // group_size also shows in the quant format; name it once.
+        .filter(|(k, _, _)| *k != "quant" || m.quant.group_size == preset.quant.group_size)
+        .map(|(k, a, b)| format!("{k} ({a}, preset {b})"))
+        .collect()
 }
 
 /// Step: the model's name, reported when missing or malformed (kept either way, for messages).
@@ -498,6 +645,33 @@ mod tests {
             let back = model_from_toml_str(&text).unwrap_or_else(|p| panic!("{}: {p:?}", m.name));
             assert_eq!(back, m, "{text}");
         }
+    }
+
+    #[test]
+    fn floats_are_written_as_the_f32_they_are() {
+        let k2 = preset_by_name("kimi-k2").unwrap();
+        let text = model_to_toml_string(&k2);
+        assert!(text.contains("routed_scaling_factor = 2.827\n"), "{text}");
+        assert_eq!(toml_f32(1.0), "1.0");
+        assert_eq!(toml_f32(2.5), "2.5");
+        assert_eq!(toml_f32(1e-7), "0.0000001");
+    }
+
+    #[test]
+    fn a_file_named_like_a_preset_must_match_it_or_say_it_overrides() {
+        let k2 = preset_by_name("kimi-k2").unwrap();
+        let text = model_to_toml_string(&k2)
+            .replace("routed_experts = 384", "routed_experts = 512")
+            .replace("hidden = 7168", "hidden = 4096");
+        let p = model_from_toml_str(&text).unwrap_err();
+        assert_eq!(p.len(), 1, "{p:?}");
+        let s = p[0].to_string();
+        assert!(
+            s.starts_with("2:8: top level: model name \"kimi-k2\" is a built-in preset, but this file differs from it in hidden (4096, preset 7168), routed_experts (512, preset 384); rename the model, or add `overrides_preset = true`"),
+            "{s}"
+        );
+        let m = model_from_toml_str(&format!("overrides_preset = true\n{text}")).unwrap();
+        assert_eq!(m.routed_experts, 512);
     }
 
     #[test]

@@ -40,13 +40,13 @@
 //! expert's owners in rank order.
 
 use crate::diag::{
-    Ctx, Field, FileError, Problem, Schema, check_format, fields_of, nearest, span_of, split,
-    text_or_default,
+    Ctx, Field, FileError, Foreign, Problem, Schema, check_format, fields_of, nearest, span_of,
+    split, text_or_default,
 };
 use crate::model::ModelSpec;
 use crate::ranges::{ListSpec, RawList, Span, format_list};
 use crate::topology::{DeviceRank, Topology};
-use crate::units::format_bytes;
+use crate::units::{SizeUnit, format_bytes, format_bytes_in};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -91,7 +91,8 @@ pub struct DeviceUsage {
 impl DeviceUsage {
     /// Routed + shared bytes.
     pub fn total_bytes(&self) -> u64 {
-        self.routed_bytes + self.shared_bytes
+        // Saturating: a total past 2^64 bytes exceeds any budget, and must not wrap to fit one.
+        self.routed_bytes.saturating_add(self.shared_bytes)
     }
     /// True when the experts fit the budget.
     pub fn fits(&self) -> bool {
@@ -314,7 +315,7 @@ impl Placement {
                         format_bytes(u.total_bytes()),
                         u.experts_total,
                         format_bytes(model.expert_bytes()),
-                        format_bytes(u.budget_bytes),
+                        budget_as_written(u.budget_bytes, d.expert_memory_unit()),
                         format_bytes(u.total_bytes() - u.budget_bytes),
                     ),
                 );
@@ -397,7 +398,8 @@ impl Placement {
 
     /// Memory use of every device, in rank order.
     pub fn usage(&self, topology: &Topology, model: &ModelSpec) -> Vec<DeviceUsage> {
-        let shared_per_layer = model.shared_experts as u64 * model.shared_expert_bytes();
+        let shared_per_layer =
+            (model.shared_experts as u64).saturating_mul(model.shared_expert_bytes());
         topology
             .devices()
             .iter()
@@ -415,8 +417,8 @@ impl Placement {
                     experts_per_layer_min: counts.iter().copied().min().unwrap_or(0),
                     experts_per_layer_max: counts.iter().copied().max().unwrap_or(0),
                     experts_total: total,
-                    routed_bytes: total as u64 * model.expert_bytes(),
-                    shared_bytes: shared_layers * shared_per_layer,
+                    routed_bytes: (total as u64).saturating_mul(model.expert_bytes()),
+                    shared_bytes: shared_layers.saturating_mul(shared_per_layer),
                     budget_bytes: d.expert_memory_bytes(),
                 }
             })
@@ -501,6 +503,24 @@ impl fmt::Display for SharedLocation {
 
 // ---------------------------------------------------------------------------------------------
 // The file, before it meets a topology and a model.
+
+/// The top-level keys of a placement file (to recognize one passed as another kind of file).
+pub(crate) fn top_level_keys() -> &'static [&'static str] {
+    fields_of::<RawPlacement>()
+}
+
+/// A budget in decimal units, followed by the binary size it was written as (`268.44 MB
+/// (256.00 MiB)`), so that it compares with the decimal figures next to it.
+fn budget_as_written(bytes: u64, unit: SizeUnit) -> String {
+    match unit {
+        SizeUnit::Decimal => format_bytes(bytes),
+        SizeUnit::Binary => format!(
+            "{} ({})",
+            format_bytes(bytes),
+            format_bytes_in(bytes, SizeUnit::Binary)
+        ),
+    }
+}
 
 #[derive(Deserialize)]
 struct RawPlacement {
@@ -590,6 +610,21 @@ impl PlacementFile {
             .table(
                 "shared",
                 Schema::new("shared block", fields_of::<RawShared>(), None),
+            )
+            .root(
+                "placement file",
+                vec![
+                    Foreign {
+                        what: "topology file",
+                        keys: crate::topology::top_level_keys(),
+                        hint: "pass it as the topology (the first argument)",
+                    },
+                    Foreign {
+                        what: "model file",
+                        keys: crate::model_file::top_level_keys(),
+                        hint: "pass it with --model",
+                    },
+                ],
             );
         let Some(raw) = ctx.parse::<RawPlacement>(&schema) else {
             return (None, ctx.into_problems());

@@ -118,7 +118,14 @@ impl RawList {
             RawList::Int(v) if *v < 0 => Err(format!("{v} is negative")),
             RawList::Int(v) => Ok(ListSpec::Ranges(vec![(*v as u64, *v as u64)])),
             RawList::Text(s) if Some(s.trim()) == keyword => Ok(ListSpec::Keyword),
-            RawList::Text(s) => parse_ranges(s).map(ListSpec::Ranges),
+            RawList::Text(s) => parse_ranges(s).map(ListSpec::Ranges).map_err(|e| {
+                match keyword
+                    .filter(|k| is_word(s) && crate::diag::nearest(s.trim(), [*k]).is_some())
+                {
+                    Some(k) => format!("\"{s}\" is not a list of numbers; did you mean \"{k}\"?"),
+                    None => e,
+                }
+            }),
             RawList::List(items) => {
                 let mut out = Vec::new();
                 for item in items {
@@ -136,6 +143,12 @@ impl RawList {
             }
         }
     }
+}
+
+/// Letters only (after trimming): a misspelled keyword rather than a broken range list.
+fn is_word(s: &str) -> bool {
+    let s = s.trim();
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphabetic())
 }
 
 /// A parsed list: explicit ranges, or the caller's keyword (`"all"`).

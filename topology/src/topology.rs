@@ -59,12 +59,13 @@
 //! default: order among the node's gpu devices).
 
 use crate::diag::{
-    Ctx, Field, FileError, RawBytes, Schema, check_format, did_you_mean, fields_of, nearest,
-    span_of, split, text_or_default,
+    Ctx, Field, FileError, Foreign, RawBytes, Schema, check_format, did_you_mean, fields_of,
+    nearest, span_of, split, text_or_default,
 };
-use crate::units::format_bytes;
+use crate::units::{SizeUnit, checked_sum, format_bytes_in};
+use hosts::{Addr, Host};
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 use std::ops::Range;
@@ -335,6 +336,7 @@ pub struct Device {
     arch: String,
     memory_total: Option<u64>,
     expert_memory: u64,
+    expert_memory_unit: SizeUnit,
     memory_bandwidth_gb_s: f64,
     int8_tops: Option<f64>,
     bf16_tflops: Option<f64>,
@@ -382,6 +384,10 @@ impl Device {
     /// Memory budget for pinned experts, bytes.
     pub fn expert_memory_bytes(&self) -> u64 {
         self.expert_memory
+    }
+    /// The units `expert_memory` was written in (reports show it in the same).
+    pub fn expert_memory_unit(&self) -> SizeUnit {
+        self.expert_memory_unit
     }
     /// Memory read bandwidth, GB/s.
     pub fn memory_bandwidth_gb_s(&self) -> f64 {
@@ -526,9 +532,24 @@ impl Topology {
     pub fn measured(&self) -> MeasuredTiers {
         self.measured
     }
-    /// Sum of all devices' expert memory budgets.
+    /// Sum of all devices' expert memory budgets (validation refuses a topology whose sum
+    /// does not fit in 64 bits).
     pub fn total_expert_memory(&self) -> u64 {
-        self.devices.iter().map(|d| d.expert_memory).sum()
+        checked_sum(self.devices.iter().map(|d| d.expert_memory)).unwrap_or(u64::MAX)
+    }
+    /// The units to show cluster-wide expert memory in: binary when every device's
+    /// `expert_memory` was written in binary units, else decimal.
+    pub fn expert_memory_unit(&self) -> SizeUnit {
+        let binary = !self.devices.is_empty()
+            && self
+                .devices
+                .iter()
+                .all(|d| d.expert_memory_unit == SizeUnit::Binary);
+        if binary {
+            SizeUnit::Binary
+        } else {
+            SizeUnit::Decimal
+        }
     }
 }
 
@@ -632,8 +653,28 @@ struct RawDevice {
     price_usd_per_hour: Field<f64>,
 }
 
+/// The top-level keys of a topology file (to recognize one passed as another kind of file).
+pub(crate) fn top_level_keys() -> &'static [&'static str] {
+    fields_of::<RawTopology>()
+}
+
 fn schema() -> Schema {
     Schema::new("", fields_of::<RawTopology>(), None)
+        .root(
+            "topology file",
+            vec![
+                Foreign {
+                    what: "placement file",
+                    keys: crate::placement::top_level_keys(),
+                    hint: "pass it with --placement",
+                },
+                Foreign {
+                    what: "model file",
+                    keys: crate::model_file::top_level_keys(),
+                    hint: "pass it with --model",
+                },
+            ],
+        )
         .table(
             "router",
             Schema::new("[router]", fields_of::<RawRouter>(), None),
@@ -846,8 +887,8 @@ const LINK_KINDS: &[(&str, IntraLinkKind)] = &[
 struct DeviceFields {
     kind: Val<DeviceKind>,
     arch: Val<String>,
-    memory_total: Val<u64>,
-    expert_memory: Val<u64>,
+    memory_total: Val<(u64, SizeUnit)>,
+    expert_memory: Val<(u64, SizeUnit)>,
     memory_bandwidth_gb_s: Val<f64>,
     int8_tops: Val<f64>,
     bf16_tflops: Val<f64>,
@@ -901,13 +942,15 @@ fn device_fields(
 ) -> DeviceFields {
     let bytes = |key: &'static str| {
         move |b: RawBytes| {
-            b.bytes().map_err(|e| format!("{key}: {e}")).and_then(|v| {
-                if v == 0 {
-                    Err(format!("{key} must be more than 0 bytes"))
-                } else {
-                    Ok(v)
-                }
-            })
+            b.bytes_unit()
+                .map_err(|e| format!("{key}: {e}"))
+                .and_then(|v| {
+                    if v.0 == 0 {
+                        Err(format!("{key} must be more than 0 bytes"))
+                    } else {
+                        Ok(v)
+                    }
+                })
         }
     };
     DeviceFields {
@@ -970,7 +1013,13 @@ struct Built {
     devices: Vec<Device>,
     /// Every valid node name → its position in the file (also for nodes that failed).
     node_names: HashMap<String, usize>,
+    /// Some `[[nodes]]` entry has no valid name (so a name referring to it may look unknown).
+    unnamed_nodes: bool,
     type_missing: TypeMissing,
+    /// Where the kept nodes' and devices' ports were written.
+    listen_spans: ListenSpans,
+    /// Where each kept device's `expert_memory` was written (on it or on its type).
+    expert_memory_spans: Vec<Sp>,
 }
 
 /// A node's own keys, checked (its NICs, devices and link are separate steps).
@@ -989,7 +1038,7 @@ struct NodeDevices<'a> {
     node: &'a NodeHeader,
     nic_names: &'a [String],
     nic_count: usize,
-    dev_names: Vec<String>,
+    dev_names: HashSet<String>,
     gpu_indices: HashMap<u32, String>,
     gpu_count: u32,
 }
@@ -1007,32 +1056,53 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
     );
     let description = text_or_default(&raw.description);
     let types = validate_device_types(ctx, &raw.device_types);
-    let built = validate_nodes(ctx, &types, &raw.nodes);
-    report_type_missing(ctx, &types, built.type_missing);
-    let Built {
-        nodes,
-        devices,
-        node_names,
-        ..
-    } = built;
+    let mut built = validate_nodes(ctx, &types, &raw.nodes);
+    report_type_missing(ctx, &types, std::mem::take(&mut built.type_missing));
     let router = raw
         .router
         .as_ref()
-        .and_then(|rr| validate_router(ctx, rr, &nodes, &node_names));
-    check_port_collisions(ctx, &nodes, &devices, router.as_ref());
+        .and_then(|rr| validate_router(ctx, rr, &built));
     let measured = raw
         .measured
         .as_ref()
         .map(|m| validate_measured(ctx, m))
         .unwrap_or_default();
-    Some(Topology {
-        name: name.get()?,
+    check_total_memory(ctx, &built);
+    let topology = Topology {
+        name: name.get().unwrap_or_default(),
         description,
-        nodes,
-        devices,
+        nodes: built.nodes,
+        devices: built.devices,
         router,
         measured,
-    })
+    };
+    let router_port = raw.router.as_ref().and_then(|r| span_of(&r.get_ref().port));
+    check_port_collisions(ctx, &topology, &built.listen_spans, router_port);
+    name.get().map(|_| topology)
+}
+
+/// Step: the devices' expert memory adds up to a byte count that fits in 64 bits; the device
+/// whose budget takes the sum past it is named.
+fn check_total_memory(ctx: &mut Ctx<'_>, built: &Built) {
+    let mut total = 0u64;
+    for (i, d) in built.devices.iter().enumerate() {
+        match total.checked_add(d.expert_memory) {
+            Some(t) => total = t,
+            None => {
+                let node = &built.nodes[d.node];
+                ctx.at(
+                    built.expert_memory_spans.get(i).cloned().flatten(),
+                    format!("node \"{}\" device \"{}\"", node.name, d.name),
+                    format!(
+                        "expert_memory {} brings the devices' total to {}; lower expert_memory to what the device has",
+                        format_bytes_in(d.expert_memory, d.expert_memory_unit),
+                        crate::units::TOO_MANY_BYTES
+                    ),
+                );
+                return;
+            }
+        }
+    }
 }
 
 /// `check`, then report `missing` at `span` when the key is absent.
@@ -1062,20 +1132,19 @@ fn entry_label(prefix: &str, what: &str, name: &Field<String>, index: usize) -> 
 /// Report a NIC or device name used twice on one node, and record the name.
 fn unique_on_node(
     ctx: &mut Ctx<'_>,
-    names: &mut Vec<String>,
+    names: &mut HashSet<String>,
     name: &Val<String>,
     item: &str,
     what: &str,
 ) {
-    if let Some(n) = name.get() {
-        if names.contains(&n) {
-            ctx.at(
-                name.span(),
-                item,
-                format!("{what} name \"{n}\" appears twice on this node; names must be unique"),
-            );
-        }
-        names.push(n);
+    if let Some(n) = name.get()
+        && !names.insert(n.clone())
+    {
+        ctx.at(
+            name.span(),
+            item,
+            format!("{what} name \"{n}\" appears twice on this node; names must be unique"),
+        );
     }
 }
 
@@ -1144,13 +1213,14 @@ fn validate_node(
 ) {
     let r = rn.get_ref();
     let header = validate_node_header(ctx, ni, rn, &mut built.node_names);
+    built.unnamed_nodes |= header.name.get().is_none();
     let (nics, nic_names) = validate_nics(ctx, &header, &r.nics);
     let first_rank = built.devices.len() as u32;
     let mut nd = NodeDevices {
         node: &header,
         nic_names: &nic_names,
         nic_count: r.nics.as_ref().map_or(0, |n| n.get_ref().len()),
-        dev_names: Vec::new(),
+        dev_names: HashSet::new(),
         gpu_indices: HashMap::new(),
         gpu_count: 0,
     };
@@ -1172,6 +1242,10 @@ fn validate_node(
         header.control_port.get(),
     ) {
         let data_address = header.data_address.get().unwrap_or_else(|| address.clone());
+        built
+            .listen_spans
+            .control_port
+            .push(header.control_port.span());
         built.nodes.push(Node {
             name,
             address,
@@ -1183,6 +1257,8 @@ fn validate_node(
         });
     } else {
         built.devices.truncate(first_rank as usize);
+        built.listen_spans.data_port.truncate(first_rank as usize);
+        built.expert_memory_spans.truncate(first_rank as usize);
     }
 }
 
@@ -1262,9 +1338,15 @@ fn validate_nics(
     }
     let mut nics = Vec::new();
     let mut names = Vec::new();
+    let mut seen = HashSet::new();
     for (ci, rc) in raw_nics.iter().enumerate() {
-        if let Some(nic) = validate_nic(ctx, &node.label, ci, rc, &mut names) {
+        if let Some(nic) = validate_nic(ctx, &node.label, ci, rc, &mut seen) {
             nics.push(nic);
+        }
+        if let Some(n) = rc.get_ref().name.as_ref().map(|n| n.get_ref())
+            && valid_name("NIC")(n.clone()).is_ok()
+        {
+            names.push(n.clone());
         }
     }
     (nics, names)
@@ -1276,7 +1358,7 @@ fn validate_nic(
     label: &str,
     ci: usize,
     rc: &Spanned<RawNic>,
-    names: &mut Vec<String>,
+    names: &mut HashSet<String>,
 ) -> Option<Nic> {
     let c = rc.get_ref();
     let cspan = Some(rc.span());
@@ -1447,6 +1529,7 @@ fn validate_device(
     let gpu_index = resolve_gpu_index(ctx, nd, &merged, gpu_index, &dname, &dspan, &dlabel);
     let nic = resolve_device_nic(ctx, nd, &d.nic, &dspan, &dlabel);
     let own_port = check(ctx, &d.data_port, &dlabel, port("data_port"));
+    let port_span = own_port.span().or(nd.node.data_port_base.span());
     let data_port = resolve_data_port(ctx, own_port, &nd.node.data_port_base, di, &dspan, &dlabel);
     let (Some(name), Some(kind), Some(arch), Some(expert_memory), Some(bw)) = (
         dname.get(),
@@ -1460,6 +1543,8 @@ fn validate_device(
     let (Some(nic), Some(data_port)) = (nic, data_port) else {
         return;
     };
+    built.listen_spans.data_port.push(port_span);
+    built.expert_memory_spans.push(merged.expert_memory.span());
     built.devices.push(Device {
         id: format!("{node_name}/{name}"),
         name,
@@ -1468,8 +1553,9 @@ fn validate_device(
         type_name: d.type_name.as_ref().map(|t| t.get_ref().clone()),
         kind,
         arch,
-        memory_total: merged.memory_total.get(),
-        expert_memory,
+        memory_total: merged.memory_total.get().map(|m| m.0),
+        expert_memory: expert_memory.0,
+        expert_memory_unit: expert_memory.1,
         memory_bandwidth_gb_s: bw,
         int8_tops: merged.int8_tops.get(),
         bf16_tflops: merged.bf16_tflops.get(),
@@ -1619,7 +1705,8 @@ fn check_device_consistency(ctx: &mut Ctx<'_>, merged: &DeviceFields, dspan: &Sp
             "threads only applies to cpu devices; remove it",
         );
     }
-    if let (Some(total), Some(budget)) = (merged.memory_total.get(), merged.expert_memory.get())
+    if let (Some((total, tunit)), Some((budget, bunit))) =
+        (merged.memory_total.get(), merged.expert_memory.get())
         && budget > total
     {
         ctx.at(
@@ -1627,8 +1714,8 @@ fn check_device_consistency(ctx: &mut Ctx<'_>, merged: &DeviceFields, dspan: &Sp
             dlabel,
             format!(
                 "expert_memory {} exceeds memory_total {}; lower expert_memory",
-                format_bytes(budget),
-                format_bytes(total)
+                format_bytes_in(budget, bunit),
+                format_bytes_in(total, tunit)
             ),
         );
     }
@@ -1822,13 +1909,13 @@ fn report_type_missing(ctx: &mut Ctx<'_>, types: &DeviceTypes, type_missing: Typ
 fn validate_router(
     ctx: &mut Ctx<'_>,
     rr: &Spanned<RawRouter>,
-    nodes: &[Node],
-    node_names: &HashMap<String, usize>,
+    built: &Built,
 ) -> Option<RouterSpec> {
     let rspan = Some(rr.span());
     let r = rr.get_ref();
     let item = "[router]";
-    let node = router_node(ctx, r, &rspan, nodes, node_names);
+    let nodes = &built.nodes;
+    let node = router_node(ctx, r, &rspan, built);
     let listen = check(ctx, &r.listen_address, item, valid_host("listen_address"));
     let port = check_required(
         ctx,
@@ -1847,14 +1934,10 @@ fn validate_router(
 }
 
 /// The node the router runs on; an unknown name is reported (one of a node that failed
-/// validation is not: that node's problems are already reported).
-fn router_node(
-    ctx: &mut Ctx<'_>,
-    r: &RawRouter,
-    rspan: &Sp,
-    nodes: &[Node],
-    node_names: &HashMap<String, usize>,
-) -> Option<usize> {
+/// validation is not: that node's problems are already reported; nor is any name while some
+/// node has no valid name: it may be the one meant).
+fn router_node(ctx: &mut Ctx<'_>, r: &RawRouter, rspan: &Sp, built: &Built) -> Option<usize> {
+    let (nodes, node_names) = (&built.nodes, &built.node_names);
     let item = "[router]";
     let (n, span) = match split(&r.node) {
         (None, _) => {
@@ -1868,15 +1951,24 @@ fn router_node(
         (Some(n), span) => (n, span),
     };
     let found = nodes.iter().position(|x| x.name == n);
-    if found.is_none() && !node_names.contains_key(&n) {
+    if found.is_none()
+        && !node_names.contains_key(&n)
+        && !node_names.is_empty()
+        && !built.unnamed_nodes
+    {
+        let mut names: Vec<(&usize, &String)> = node_names.iter().map(|(k, v)| (v, k)).collect();
+        names.sort();
         let hint = did_you_mean(&n, node_names.keys().map(String::as_str), || {
+            let listed: Vec<&str> = names.iter().take(8).map(|(_, k)| k.as_str()).collect();
+            let more = names.len().saturating_sub(listed.len());
             format!(
-                "nodes: {}",
-                nodes
-                    .iter()
-                    .map(|x| x.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "nodes: {}{}",
+                listed.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
             )
         });
         ctx.at(span, item, format!("unknown node \"{n}\"; {hint}"));
@@ -1884,64 +1976,159 @@ fn router_node(
     found
 }
 
-/// Ports already claimed on each host: (lower-case host, port) → who listens there.
+/// Where the listeners of the cluster were written, for locating port collisions: the span of
+/// each node's `control_port` and of each device's data port (its own, or its node's base).
 #[derive(Default)]
-struct PortClaims(HashMap<(String, u16), String>);
+struct ListenSpans {
+    control_port: Vec<Sp>,
+    data_port: Vec<Sp>,
+}
+
+/// Sockets already claimed: (address, port) → who listens there, and the address as written.
+struct PortClaims {
+    hosts: HashMap<String, Host>,
+    taken: HashMap<(Addr, u16), (String, String)>,
+}
+
+/// One listener: who, on which written address (and, for a wildcard, which addresses that
+/// covers), on which port, and where it was written.
+struct Listener<'a> {
+    who: String,
+    item: &'a str,
+    host: &'a str,
+    also: &'a [&'a str],
+    port: u16,
+    span: Sp,
+}
 
 impl PortClaims {
-    /// Claim `port` on `host` for `who`; a port already claimed there is reported under `item`.
-    fn claim(&mut self, ctx: &mut Ctx<'_>, host: &str, port: u16, who: String, item: &str) {
-        let key = (host.to_ascii_lowercase(), port);
-        match self.0.get(&key) {
-            Some(prev) => ctx.report(
-                item,
-                format!(
-                    "{who} uses port {port} on {host}, which {prev} already uses; give it another port"
-                ),
-            ),
-            None => {
-                self.0.insert(key, who);
+    /// Claim a listener's socket; one already claimed by another listener is reported at the
+    /// listener's port.
+    fn claim(&mut self, ctx: &mut Ctx<'_>, l: Listener<'_>) {
+        let Some(host) = self.hosts.get(l.host).cloned() else {
+            return;
+        };
+        let mut addrs = host.addrs.clone();
+        if host.wildcard {
+            for h in l.also {
+                addrs.extend(
+                    self.hosts
+                        .get(*h)
+                        .map_or(&[][..], |x| &x.addrs)
+                        .iter()
+                        .cloned(),
+                );
             }
         }
+        let clash = addrs.iter().find_map(|a| {
+            self.taken
+                .get(&(a.clone(), l.port))
+                .map(|p| (a.clone(), p.clone()))
+        });
+        if let Some((addr, (prev, prev_host))) = clash {
+            let msg = self.clash_message(&l, &host, &addr, &prev, &prev_host);
+            ctx.at(l.span.clone(), l.item, msg);
+        }
+        for a in addrs {
+            self.taken
+                .entry((a, l.port))
+                .or_insert_with(|| (l.who.clone(), l.host.to_owned()));
+        }
+    }
+
+    /// `{who} uses port P on {host}, which {prev} already uses[ on {prev host} (why that is the
+    /// same socket)]; give it another port`.
+    fn clash_message(
+        &self,
+        l: &Listener<'_>,
+        host: &Host,
+        addr: &Addr,
+        prev: &str,
+        prev_host: &str,
+    ) -> String {
+        let (who, port, written) = (&l.who, l.port, l.host);
+        if prev_host.eq_ignore_ascii_case(written) {
+            return format!(
+                "{who} uses port {port} on {written}, which {prev} already uses; give it another port"
+            );
+        }
+        let ip = match addr {
+            Addr::Ip(ip) => ip.to_string(),
+            Addr::Name(n) => n.clone(),
+        };
+        let mut why = Vec::new();
+        if host.wildcard {
+            why.push(format!("{written} listens on every address of its node"));
+        }
+        for h in [written, prev_host] {
+            if self.hosts.get(h).is_some_and(|x| x.resolved_name) {
+                why.push(format!("{h} resolves to {ip}"));
+            }
+        }
+        let why = if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({}: the same socket)", why.join(", "))
+        };
+        format!(
+            "{who} uses port {port} on {written}, which {prev} already uses on {prev_host}{why}; give it another port"
+        )
     }
 }
 
-/// Step: port collisions between everything that listens on one machine.
-fn check_port_collisions(
-    ctx: &mut Ctx<'_>,
-    nodes: &[Node],
-    devices: &[Device],
-    router: Option<&RouterSpec>,
-) {
-    let mut claims = PortClaims::default();
-    for node in nodes {
+/// Step: port collisions between everything that listens, on one machine or on addresses that
+/// resolve to one machine.
+fn check_port_collisions(ctx: &mut Ctx<'_>, t: &Topology, spans: &ListenSpans, router_port: Sp) {
+    let written = t
+        .nodes
+        .iter()
+        .flat_map(|n| [n.address.as_str(), n.data_address.as_str()])
+        .chain(t.router.as_ref().map(|r| r.listen_address.as_str()));
+    let mut claims = PortClaims {
+        hosts: hosts::resolve_all(written),
+        taken: HashMap::new(),
+    };
+    for (ni, node) in t.nodes.iter().enumerate() {
         let label = format!("node \"{}\"", node.name);
         claims.claim(
             ctx,
-            &node.address,
-            node.control_port,
-            format!("{label} control_port"),
-            &label,
+            Listener {
+                who: format!("{label} control_port"),
+                item: &label,
+                host: &node.address,
+                also: &[],
+                port: node.control_port,
+                span: spans.control_port.get(ni).cloned().flatten(),
+            },
         );
         for rank in node.device_ranks() {
-            let d = &devices[rank.index()];
+            let d = &t.devices[rank.index()];
             let item = format!("{label} device \"{}\"", d.name);
             claims.claim(
                 ctx,
-                &node.address,
-                d.data_port,
-                format!("device \"{}\" data port", d.id),
-                &item,
+                Listener {
+                    who: format!("device \"{}\" data port", d.id),
+                    item: &item,
+                    host: &node.data_address,
+                    also: &[],
+                    port: d.data_port,
+                    span: spans.data_port.get(rank.index()).cloned().flatten(),
+                },
             );
         }
     }
-    if let Some(r) = router {
+    if let Some(r) = &t.router {
+        let node = &t.nodes[r.node];
         claims.claim(
             ctx,
-            &nodes[r.node].address,
-            r.port,
-            "the router port".to_owned(),
-            "[router]",
+            Listener {
+                who: "the router port".to_owned(),
+                item: "[router]",
+                host: &r.listen_address,
+                also: &[node.address.as_str(), node.data_address.as_str()],
+                port: r.port,
+                span: router_port,
+            },
         );
     }
 }
@@ -1967,5 +2154,6 @@ fn validate_tier(ctx: &mut Ctx<'_>, tier: &Field<RawTier>, key: &str) -> Option<
     })
 }
 
+mod hosts;
 #[cfg(test)]
 mod tests;
