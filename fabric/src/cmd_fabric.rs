@@ -9,11 +9,12 @@ use crate::local::{LocalFabric, LocalFabricOptions, frontend_config};
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::client::RouterClient;
+use expertmesh_router::client::{ClientError, RouterClient};
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
+use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::dtype::ActivationDtype;
-use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_transport::frontend::{FrontendConfig, FrontendError};
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
 use expertmesh_worker::process::{BackendChoice, WorkerOptions};
@@ -22,6 +23,38 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+
+/// An address on the command line: "host:port" with a host name ("localhost:47400") or an IP
+/// address; a name is resolved, preferring IPv4 (what the topology's loopback examples use).
+pub fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
+    let addrs = resolve_all(s)?;
+    Ok(addrs
+        .iter()
+        .copied()
+        .find(SocketAddr::is_ipv4)
+        .unwrap_or(addrs[0]))
+}
+
+/// Every address "host:port" resolves to (at least one), or a message saying what is wrong.
+fn resolve_all(s: &str) -> Result<Vec<SocketAddr>, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(vec![a]);
+    }
+    if !s.contains(':') {
+        return Err(format!(
+            "{s:?} has no port; write HOST:PORT, e.g. 127.0.0.1:47400"
+        ));
+    }
+    let addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {s:?}: {e}"))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(format!("{s:?} resolves to no address"));
+    }
+    Ok(addrs)
+}
 
 /// Worker ↔ router link kinds on the command line.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -128,10 +161,10 @@ pub struct WorkerCli {
     #[arg(long)]
     device: String,
     /// Router mesh address (default: the router node's control port from the topology).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_endpoint)]
     router: Option<SocketAddr>,
     /// Listen address of this worker (default: the device's data port).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
     /// Link to the router.
     #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
@@ -216,10 +249,10 @@ pub struct RouterCli {
     #[command(flatten)]
     router: RouterArgs,
     /// Frontend listen address (default: the topology's [router] section).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
     /// Mesh listen address for workers (default: the router node's control port).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_endpoint)]
     mesh_listen: Option<SocketAddr>,
     /// Link kind workers use (must match the workers' --link).
     #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
@@ -307,6 +340,7 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.seed = cli.seed;
     opts.link = cli.link.into();
     opts.router = cli.router.config();
+    eprintln!("expertmesh up: starting the router and the workers; waiting for them to connect...");
     let mut fabric = LocalFabric::start(opts)?;
     let dep = fabric.deployment();
     println!(
@@ -323,6 +357,10 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         dep.topology.name()
     );
     println!("  worker logs: {}", fabric.log_dir().display());
+    println!(
+        "  input: .npy [tokens, {}] float32, float16 or bf16 bits as uint16, at most {} tokens per request (`expertmesh infer --help` shows how to make one)",
+        dep.spec.hidden, cli.router.max_tokens
+    );
     println!(
         "  try: expertmesh infer --router {} --cluster {} --layer {} --input X.npy --output Y.npy",
         fabric.frontend_addr(),
@@ -344,7 +382,8 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
             break;
         }
         for (d, status) in fabric.exited_workers() {
-            eprintln!("worker {d} exited ({status}); restarting");
+            let name = fabric.deployment().device_label(DeviceRank(d as u32));
+            eprintln!("worker {name} exited ({status}); restarting");
             if let Err(e) = fabric.restart_worker(d) {
                 eprintln!("restart failed: {e:#}");
             }
@@ -355,19 +394,36 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The input format and a NumPy recipe, shown by `expertmesh infer --help` (and the README).
+const INFER_HELP: &str = "\
+Input: a 2-D .npy of hidden states [tokens, hidden]: float32, float16, or bf16 bits stored as
+uint16 (float64 is accepted and converted to float32). hidden is the model's hidden size
+(`expertmesh models` lists it; 1024 for demo-small, and `expertmesh up` prints it). A request
+carries at most the router's --max-tokens tokens (256 by default): split larger inputs.
+
+Make one with NumPy:
+  import numpy as np
+  x = np.random.randn(4, 1024).astype(np.float32)   # [tokens, hidden]
+  np.save(\"x.npy\", x)
+
+Then: expertmesh infer --router 127.0.0.1:47400 --cluster single-host --layer 1 \\
+        --input x.npy --output y.npy";
+
 /// `expertmesh infer`.
 #[derive(Args, Debug)]
+#[command(after_help = INFER_HELP)]
 pub struct InferCli {
-    /// Router frontend address.
+    /// Router frontend address, HOST:PORT (a host name or an IP address).
     #[arg(long)]
-    router: SocketAddr,
+    router: String,
     /// Cluster name (the topology's `name`), checked in the handshake.
     #[arg(long, default_value = "single-host")]
     cluster: String,
     /// MoE layer index.
     #[arg(long)]
     layer: u32,
-    /// Hidden states, 2-D [tokens, hidden]: f32, f16 or bf16 bits as uint16.
+    /// Hidden states, 2-D [tokens, hidden]: f32, f16 or bf16 bits as uint16 (f64 is converted
+    /// to f32). See below for how to make one.
     #[arg(long)]
     input: PathBuf,
     /// Where to write the output [tokens, hidden] (f32).
@@ -383,49 +439,82 @@ pub struct InferCli {
 
 /// Run `expertmesh infer`: exit 0 with the output written, 1 when the router refused the
 /// request (its reason printed), 2 on usage and I/O errors.
+///
+/// Order: the input's header (dtype, shape), then the router is asked whether it accepts that
+/// shape (layer, hidden size, its per-request token limit), and only then is the data read, so
+/// an input that can never be sent is refused at once, however large.
 pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
-    let x = crate::npy::read(&cli.input)?;
-    let logits = match &cli.logits {
-        Some(p) => {
-            let l = crate::npy::read(p)?;
-            if l.rows != x.rows {
-                bail!(
-                    "{}: {} rows of logits for {} tokens",
-                    p.display(),
-                    l.rows,
-                    x.rows
-                );
-            }
-            Some(l.data)
+    use crate::npy::{self, NpyDtype};
+    let head = npy::read_header(&cli.input).map_err(|e| anyhow!("{e}"))?;
+    if let Some(p) = &cli.logits {
+        let l = npy::read_header(p).map_err(|e| anyhow!("{e}"))?;
+        if l.rows != head.rows {
+            bail!(
+                "{}: {} rows of logits for {} tokens",
+                p.display(),
+                l.rows,
+                head.rows
+            );
         }
-        None => None,
+    }
+    let dtype = match head.dtype {
+        NpyDtype::F32 | NpyDtype::F64 => ActivationDtype::F32,
+        NpyDtype::F16 => ActivationDtype::F16,
+        NpyDtype::Bf16Bits => ActivationDtype::Bf16,
     };
-    let dtype = match x.dtype {
-        crate::npy::NpyDtype::F32 => ActivationDtype::F32,
-        crate::npy::NpyDtype::F16 => ActivationDtype::F16,
-        crate::npy::NpyDtype::Bf16Bits => ActivationDtype::Bf16,
-    };
+    let addrs = resolve_all(&cli.router).map_err(|e| anyhow!("--router: {e}"))?;
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
     cfg.secret = expertmesh_worker::deploy::secret_from_env()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let result = rt.block_on(async {
-        let mut client = RouterClient::connect(cli.router, &cfg).await?;
-        client
-            .call_as(
-                cli.layer,
-                &x.data,
-                x.cols,
-                dtype,
-                logits.as_deref(),
-                cli.deadline_ms.map(Duration::from_millis),
-            )
-            .await
+    let checked = rt.block_on(async {
+        let mut client = connect_any(&addrs, &cfg).await?;
+        client.check_shape(cli.layer, head.rows, head.cols).await?;
+        Ok(client)
     });
+    let mut client = match checked {
+        Ok(c) => c,
+        Err(e) => return client_failure(e),
+    };
+    let frame_limit = cfg.codec.max_frame_bytes as u64;
+    let bytes = dtype
+        .payload_bytes(head.rows, head.cols)
+        .unwrap_or(u64::MAX);
+    if bytes > frame_limit {
+        let per_token = (bytes / head.rows.max(1) as u64).max(1);
+        eprintln!(
+            "error: {}: {} tokens are {bytes} bytes as {}, more than one request frame carries ({frame_limit} bytes); split the input into requests of at most {} tokens",
+            cli.input.display(),
+            head.rows,
+            dtype.name(),
+            frame_limit / per_token
+        );
+        return Ok(ExitCode::from(crate::cli::EXIT_INVALID));
+    }
+    let x = npy::read(&cli.input).map_err(|e| anyhow!("{e}"))?;
+    if x.dtype == NpyDtype::F64 {
+        eprintln!(
+            "note: {} is float64; converted to float32 (save float32, float16 or bf16 bits as uint16 to skip the conversion)",
+            cli.input.display()
+        );
+    }
+    let logits = match &cli.logits {
+        Some(p) => Some(npy::read(p).map_err(|e| anyhow!("{e}"))?.data),
+        None => None,
+    };
+    let result = rt.block_on(client.call_as(
+        cli.layer,
+        &x.data,
+        x.cols,
+        dtype,
+        logits.as_deref(),
+        cli.deadline_ms.map(Duration::from_millis),
+    ));
     match result {
         Ok(out) => {
-            crate::npy::write(&cli.output, x.rows, x.cols, &out, crate::npy::NpyDtype::F32)?;
+            npy::write(&cli.output, x.rows, x.cols, &out, NpyDtype::F32)
+                .map_err(|e| anyhow!("{e}"))?;
             println!(
                 "wrote {} ({} x {} f32)",
                 cli.output.display(),
@@ -434,10 +523,40 @@ pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Err(e @ expertmesh_router::client::ClientError::Server { .. }) => {
+        Err(e) => client_failure(e),
+    }
+}
+
+/// Connect to the first of `addrs` (one name can resolve to several) that answers.
+async fn connect_any(
+    addrs: &[SocketAddr],
+    cfg: &FrontendConfig,
+) -> Result<RouterClient, ClientError> {
+    let mut last = None;
+    for &a in addrs {
+        match RouterClient::connect(a, cfg).await {
+            Ok(c) => return Ok(c),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| ClientError::Input("no address to connect to".into())))
+}
+
+/// A failed call: exit 1 with the router's reason when it refused the request, else an error
+/// (exit 2) said once, with a hint when nothing listens there.
+fn client_failure(e: ClientError) -> anyhow::Result<ExitCode> {
+    match e {
+        ClientError::Server { .. } => {
             eprintln!("error: {e}");
             Ok(ExitCode::from(crate::cli::EXIT_INVALID))
         }
-        Err(e) => Err(anyhow!(e)),
+        ClientError::Transport(FrontendError::Io { ref source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+        {
+            Err(anyhow!(
+                "{e}; is the router running (`expertmesh up` or `expertmesh router`), and is this its frontend port?"
+            ))
+        }
+        e => Err(anyhow!("{e}")),
     }
 }

@@ -10,7 +10,8 @@
 use anyhow::{Context, anyhow, bail};
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
-use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_topology::topology::DeviceRank;
+use expertmesh_transport::frontend::{FrontendConfig, FrontendGate};
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
 use expertmesh_worker::shared::router_core;
@@ -81,6 +82,7 @@ pub struct LocalFabric {
     dep: Deployment,
     opts: LocalFabricOptions,
     service: RouterService,
+    gate: FrontendGate,
     router_mesh: SocketAddr,
     workers: Vec<Option<Child>>,
     log_dir: PathBuf,
@@ -127,12 +129,16 @@ impl LocalFabric {
         let router_threads = 1;
         let core = router_core(&dep, opts.router.clone(), router_threads)?;
         let mesh_cfg = dep.mesh_config(0, mesh_listen, mesh_listen, opts.link);
+        // Frontends are refused, with the reason, until every worker has connected.
+        let gate = FrontendGate::closed("the fabric is starting");
+        let mut frontend = frontend_config(&dep);
+        frontend.gate = gate.clone();
         let service = RouterService::start(
             core,
             mesh_cfg,
             ServiceConfig {
                 frontend_listen,
-                frontend: frontend_config(&dep),
+                frontend,
                 max_outstanding_per_client: 32,
             },
         )
@@ -145,6 +151,7 @@ impl LocalFabric {
             dep,
             opts,
             service,
+            gate,
             router_mesh,
             workers: (0..n).map(|_| None).collect(),
             log_dir,
@@ -153,15 +160,70 @@ impl LocalFabric {
         for d in 0..n {
             fabric.spawn_worker(d)?;
         }
-        let ranks: Vec<u32> = (1..=n as u32).collect();
-        if let Err(e) = fabric
-            .service
-            .wait_for_workers(&ranks, fabric.opts.connect_timeout)
-        {
-            let logs = fabric.worker_log_tail();
-            bail!("workers did not join: {e}\n{logs}");
+        let all: Vec<usize> = (0..n).collect();
+        if let Err(e) = fabric.wait_for_workers(&all) {
+            // The error points at the logs: keep them after the launcher exits.
+            if let Some(t) = fabric._tmp.take() {
+                let _ = t.keep();
+            }
+            return Err(e);
         }
+        fabric.gate.open();
         Ok(fabric)
+    }
+
+    /// Wait until the workers `devices` (topology ranks) are connected, polling their processes:
+    /// a worker that exits first is reported at once with its status and the end of its log.
+    /// While waiting, frontends are refused with the names of the workers still missing.
+    fn wait_for_workers(&mut self, devices: &[usize]) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + self.opts.connect_timeout;
+        loop {
+            let missing: Vec<usize> = devices
+                .iter()
+                .copied()
+                .filter(|&d| {
+                    !self
+                        .service
+                        .is_connected(Deployment::mesh_rank(DeviceRank(d as u32)))
+                })
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if let Some((d, status)) = self
+                .exited_workers()
+                .into_iter()
+                .find(|(d, _)| missing.contains(d))
+            {
+                self.workers[d] = None;
+                bail!(
+                    "worker {} failed to start: it exited ({status}) before connecting to the router\n{}",
+                    self.label(d),
+                    self.worker_log_tail(&[d])
+                );
+            }
+            let names: Vec<String> = missing.iter().map(|&d| self.label(d)).collect();
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "workers {} did not connect within {:?}\n{}",
+                    names.join(", "),
+                    self.opts.connect_timeout,
+                    self.worker_log_tail(&missing)
+                );
+            }
+            if self.gate.reason().is_some() {
+                self.gate.close(format!(
+                    "the fabric is starting: workers {} have not connected yet; retry once `expertmesh up` prints where frontends connect",
+                    names.join(", ")
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A device for messages: "local/cpu0 (rank 0)".
+    fn label(&self, d: usize) -> String {
+        self.dep.device_label(DeviceRank(d as u32))
     }
 
     fn worker_log(&self, d: usize) -> PathBuf {
@@ -207,13 +269,15 @@ impl LocalFabric {
         Ok(())
     }
 
-    fn worker_log_tail(&self) -> String {
+    /// The last lines of the logs of workers `devices`.
+    fn worker_log_tail(&self, devices: &[usize]) -> String {
         let mut s = String::new();
-        for d in 0..self.workers.len() {
+        for &d in devices {
             let text = std::fs::read_to_string(self.worker_log(d)).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(8).collect();
             s.push_str(&format!(
-                "--- worker {d} log ({}):\n",
+                "--- last lines of worker {} log ({}):\n",
+                self.label(d),
                 self.worker_log(d).display()
             ));
             for l in tail.into_iter().rev() {
@@ -278,9 +342,7 @@ impl LocalFabric {
     pub fn restart_worker(&mut self, d: usize) -> anyhow::Result<()> {
         self.kill_worker(d)?;
         self.spawn_worker(d)?;
-        self.service
-            .wait_for_workers(&[d as u32 + 1], self.opts.connect_timeout)
-            .map_err(|e| anyhow!("worker {d} did not rejoin: {e}\n{}", self.worker_log_tail()))
+        self.wait_for_workers(&[d])
     }
 
     /// Check every worker process is alive; returns the devices that exited, with status.

@@ -2,8 +2,10 @@
 //!
 //! Why this exists: frontends and people testing a fabric hand hidden states around as NumPy
 //! files. Only what `infer` needs is supported: 2-D little-endian C-order arrays of f32 (`<f4`),
-//! f16 (`<f2`) and bf16 stored as raw u16 (`<u2`, NumPy has no bf16). Every length in the header
-//! is checked before anything is allocated, and bad files get an error naming the problem.
+//! f16 (`<f2`) and bf16 stored as raw u16 (`<u2`, NumPy has no bf16), and f64 (`<f8`, NumPy's
+//! default, narrowed to f32). Every length in the header is checked before anything is
+//! allocated, and bad files get an error naming the problem. [`read_header`] reads only the
+//! header, so a caller can refuse a file by its shape before reading its data.
 
 use half::{bf16, f16};
 use std::path::Path;
@@ -17,6 +19,8 @@ pub enum NpyDtype {
     F16,
     /// `<u2` holding bfloat16 bit patterns.
     Bf16Bits,
+    /// `<f8`, read narrowed to f32.
+    F64,
 }
 
 impl NpyDtype {
@@ -25,12 +29,16 @@ impl NpyDtype {
             NpyDtype::F32 => "<f4",
             NpyDtype::F16 => "<f2",
             NpyDtype::Bf16Bits => "<u2",
+            NpyDtype::F64 => "<f8",
         }
     }
-    fn size(self) -> usize {
+
+    /// Bytes per element in the file.
+    pub fn size(self) -> usize {
         match self {
+            NpyDtype::F64 => 8,
             NpyDtype::F32 => 4,
-            _ => 2,
+            NpyDtype::F16 | NpyDtype::Bf16Bits => 2,
         }
     }
 }
@@ -48,18 +56,29 @@ pub struct Array2 {
     pub data: Vec<f32>,
 }
 
+/// The header of an array file: element type and 2-D shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// The file's element type.
+    pub dtype: NpyDtype,
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
 /// Why a file could not be read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NpyError {
-    /// I/O failure.
-    #[error("{path}: {source}")]
+    /// I/O failure. (The cause is part of the message, not a separate source, so that printing
+    /// the error chain says it once.)
+    #[error("{path}: {cause}")]
     Io {
         /// File.
         path: String,
         /// Cause.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Not a valid or supported `.npy` file.
     #[error("{path}: {what}")]
@@ -104,6 +123,10 @@ pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
         NpyDtype::Bf16Bits => body
             .chunks_exact(2)
             .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        NpyDtype::F64 => body
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
             .collect(),
     };
     Ok(Array2 {
@@ -158,9 +181,10 @@ fn parse_header(header: &str) -> Result<(NpyDtype, &str, usize, usize), String> 
         "<f4" => NpyDtype::F32,
         "<f2" => NpyDtype::F16,
         "<u2" => NpyDtype::Bf16Bits,
+        "<f8" => NpyDtype::F64,
         other => {
             return Err(format!(
-                "dtype {other:?} is not supported; use float32 (<f4), float16 (<f2) or bf16 bits as uint16 (<u2)"
+                "dtype {other:?} is not supported; use float32 (<f4), float16 (<f2), bf16 bits as uint16 (<u2) or float64 (<f8, converted to float32)"
             ));
         }
     };
@@ -196,11 +220,46 @@ fn parse_header(header: &str) -> Result<(NpyDtype, &str, usize, usize), String> 
 /// Read a `.npy` file.
 pub fn read(path: &Path) -> Result<Array2, NpyError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| NpyError::Io {
+    let bytes = std::fs::read(path).map_err(|cause| NpyError::Io {
         path: p.clone(),
-        source,
+        cause,
     })?;
     parse(&p, &bytes)
+}
+
+/// Read only the header of a `.npy` file (its dtype and shape), not its data.
+pub fn read_header(path: &Path) -> Result<Header, NpyError> {
+    use std::io::Read;
+    let p = path.display().to_string();
+    let io = |cause| NpyError::Io {
+        path: p.clone(),
+        cause,
+    };
+    let bad = |what: String| NpyError::Format {
+        path: p.clone(),
+        what,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut start = Vec::with_capacity(12);
+    f.by_ref().take(12).read_to_end(&mut start).map_err(io)?;
+    if start.len() < 10 {
+        return Err(bad("not a .npy file (shorter than a header)".into()));
+    }
+    let hlen = match start[6] {
+        1 => (u16::from_le_bytes([start[8], start[9]]) as u64).saturating_sub(2),
+        _ if start.len() == 12 => {
+            u32::from_le_bytes([start[8], start[9], start[10], start[11]]) as u64
+        }
+        _ => return Err(bad("truncated header".into())),
+    };
+    // A header is a short dict; refuse absurd lengths instead of reading them.
+    if hlen > 1 << 20 {
+        return Err(bad(format!("header of {hlen} bytes is not a .npy header")));
+    }
+    f.take(hlen).read_to_end(&mut start).map_err(io)?;
+    let (header, _) = header_text(&start).map_err(bad)?;
+    let (dtype, _, rows, cols) = parse_header(header).map_err(bad)?;
+    Ok(Header { dtype, rows, cols })
 }
 
 /// Encode a 2-D array as `.npy` (version 1.0) bytes in `dtype`.
@@ -223,6 +282,7 @@ pub fn encode(rows: usize, cols: usize, data: &[f32], dtype: NpyDtype) -> Vec<u8
             NpyDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
             NpyDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
             NpyDtype::Bf16Bits => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+            NpyDtype::F64 => out.extend_from_slice(&f64::from(v).to_le_bytes()),
         }
     }
     out
@@ -236,9 +296,9 @@ pub fn write(
     data: &[f32],
     dtype: NpyDtype,
 ) -> Result<(), NpyError> {
-    std::fs::write(path, encode(rows, cols, data, dtype)).map_err(|source| NpyError::Io {
+    std::fs::write(path, encode(rows, cols, data, dtype)).map_err(|cause| NpyError::Io {
         path: path.display().to_string(),
-        source,
+        cause,
     })
 }
 
@@ -251,7 +311,7 @@ mod tests {
         #[test]
         fn round_trip(rows in 0usize..5, cols in 0usize..70, seed in any::<u32>()) {
             let data: Vec<f32> = (0..rows * cols).map(|i| ((i as u32 ^ seed) % 256) as f32 - 128.0).collect();
-            for dt in [NpyDtype::F32, NpyDtype::F16, NpyDtype::Bf16Bits] {
+            for dt in [NpyDtype::F32, NpyDtype::F16, NpyDtype::Bf16Bits, NpyDtype::F64] {
                 let bytes = encode(rows, cols, &data, dt);
                 prop_assert_eq!(bytes[8] as usize + 10 + data.len() * dt.size(), bytes.len());
                 let a = parse("x", &bytes).unwrap();
@@ -268,6 +328,22 @@ mod tests {
             v.extend_from_slice(&bytes);
             let _ = parse("g", &v);
         }
+    }
+
+    #[test]
+    fn the_header_is_read_without_the_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.npy");
+        let mut b = encode(3, 5, &[1.5; 15], NpyDtype::F64);
+        b.truncate(b.len() - 40); // the header alone says the shape
+        std::fs::write(&p, &b).unwrap();
+        let h = read_header(&p).unwrap();
+        assert_eq!((h.dtype, h.rows, h.cols), (NpyDtype::F64, 3, 5));
+        assert!(read(&p).unwrap_err().to_string().contains("needs 120"));
+        std::fs::write(&p, encode(3, 5, &[1.5; 15], NpyDtype::F64)).unwrap();
+        assert_eq!(read(&p).unwrap().data, vec![1.5f32; 15]);
+        std::fs::write(&p, b"\x93NUMPY").unwrap();
+        assert!(read_header(&p).is_err());
     }
 
     #[test]

@@ -11,13 +11,18 @@ use expertmesh_transport::frontend::{FrameConnection, FrontendConfig, FrontendEr
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// Largest payload of a [`RouterClient::check_shape`] probe: it asks about at most this many
+/// bytes of fp8 activations, so the router decodes a few MiB at most.
+pub const SHAPE_PROBE_BYTES: usize = 8 << 20;
+
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The connection failed.
+    /// The connection failed. (Its cause is part of the message, not a separate source, so
+    /// that printing the error chain says it once.)
     #[error("router connection: {0}")]
-    Transport(#[from] FrontendError),
+    Transport(FrontendError),
     /// The router answered with an error.
     #[error("router refused request {request_id} ({code:?}): {message}")]
     Server {
@@ -34,6 +39,12 @@ pub enum ClientError {
     /// The router answered something that is not a response to this call.
     #[error("protocol error: {0}")]
     Protocol(String),
+}
+
+impl From<FrontendError> for ClientError {
+    fn from(e: FrontendError) -> Self {
+        ClientError::Transport(e)
+    }
 }
 
 impl ClientError {
@@ -135,6 +146,61 @@ impl RouterClient {
             deadline,
         )
         .await
+    }
+
+    /// Ask the router whether it accepts a request of this shape (`tokens` × `hidden` for
+    /// `layer`) without sending the data, so that a caller can refuse a huge input before
+    /// reading it. Returns how many tokens the router was asked about and accepts
+    /// (`tokens`, or [`SHAPE_PROBE_BYTES`]` / hidden` when that is fewer), or
+    /// [`ClientError::Server`] with the router's reason: an unknown layer, a wrong hidden size,
+    /// or more tokens than its per-request limit (said for `tokens`).
+    ///
+    /// How: the router checks a request's layer, hidden size and token count, then decodes the
+    /// payload and refuses non-finite values before anything is computed. The probe is an fp8
+    /// request of NaNs: refused as non-finite exactly when its shape is acceptable.
+    pub async fn check_shape(
+        &mut self,
+        layer: u32,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<usize, ClientError> {
+        let t = tokens.min((SHAPE_PROBE_BYTES / hidden.max(1)).max(1));
+        let dtype = ActivationDtype::Fp8E4m3;
+        let bytes = dtype.payload_bytes(t, hidden).ok_or_else(|| {
+            ClientError::Input(format!("{t} x {hidden} cannot be sent as {}", dtype.name()))
+        })?;
+        let payload = vec![0xffu8; bytes as usize]; // fp8 NaN codes, NaN scales
+        match self
+            .send_raw(layer, t, hidden, dtype, 0, &payload, None)
+            .await
+        {
+            Err(ClientError::Server { code, message, .. })
+                if code == ErrorCode::InvalidInput
+                    && message.ends_with(crate::core::NON_FINITE_INPUT) =>
+            {
+                Ok(t)
+            }
+            Err(ClientError::Server {
+                request_id,
+                code,
+                message,
+            }) => {
+                // The router names the probe's token count; say the caller's.
+                let message = match message.strip_prefix(&format!("{t} tokens:")) {
+                    Some(rest) => format!("{tokens} tokens:{rest}"),
+                    None => message,
+                };
+                Err(ClientError::Server {
+                    request_id,
+                    code,
+                    message,
+                })
+            }
+            Err(e) => Err(e),
+            Ok(_) => Err(ClientError::Protocol(
+                "the router computed a request of NaNs".into(),
+            )),
+        }
     }
 
     /// Send an already encoded payload (hidden states in `dtype`, then optional f32 logits at

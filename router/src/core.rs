@@ -124,6 +124,10 @@ pub struct RequestValidator {
     default_deadline: Duration,
 }
 
+/// The end of the message refusing a non-finite hidden state: the refusal that comes after every
+/// shape check passed (`RouterClient::check_shape` relies on that order).
+pub const NON_FINITE_INPUT: &str = "inputs must be finite";
+
 /// Why a frontend request was refused: the code and message of its error frame.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{code:?}: {message}")]
@@ -165,7 +169,7 @@ impl RequestValidator {
         }
         if let Some(i) = x.iter().position(|v| !v.is_finite()) {
             let msg = format!(
-                "hidden state of token {} element {} is {}; inputs must be finite",
+                "hidden state of token {} element {} is {}; {NON_FINITE_INPUT}",
                 i / h,
                 i % h,
                 x[i]
@@ -485,11 +489,27 @@ impl RouterCore {
         p.chain(d).min()
     }
 
-    fn name(&self, rank: u32) -> String {
-        self.rank_names
-            .get(rank as usize)
-            .cloned()
-            .unwrap_or_else(|| format!("rank {rank}"))
+    /// How messages name mesh rank `rank`: the device's name and its topology rank
+    /// (`rank - 1`), or "router".
+    pub fn name(&self, rank: u32) -> String {
+        match rank {
+            0 => self
+                .rank_names
+                .first()
+                .cloned()
+                .unwrap_or_else(|| "router".into()),
+            r => match self.rank_names.get(r as usize) {
+                Some(n) => format!("{n} (rank {})", r - 1),
+                None => format!("device rank {}", r - 1),
+            },
+        }
+    }
+
+    /// [`RouterCore::name`] of every mesh rank, for the service's logs.
+    pub fn rank_labels(&self) -> Vec<String> {
+        (0..self.rank_names.len() as u32)
+            .map(|r| self.name(r))
+            .collect()
     }
 
     /// A validator for frontend requests that can run outside the core (in connection tasks).

@@ -139,7 +139,7 @@ impl RouterService {
         let hidden = core.spec().hidden as usize;
 
         // Mesh events → core.
-        runtime.spawn(mesh_events(events, input_tx.clone()));
+        runtime.spawn(mesh_events(events, input_tx.clone(), core.rank_labels()));
         // Frontend acceptor.
         runtime.spawn(accept_loop(
             listener,
@@ -244,16 +244,27 @@ async fn send_to_core(tx: &std_mpsc::SyncSender<CoreInput>, mut msg: CoreInput) 
     }
 }
 
-async fn mesh_events(mut events: MeshEvents, tx: std_mpsc::SyncSender<CoreInput>) {
+/// Mesh events → the core; `names[r]` labels mesh rank `r` in logs (device name and rank).
+async fn mesh_events(
+    mut events: MeshEvents,
+    tx: std_mpsc::SyncSender<CoreInput>,
+    names: Vec<String>,
+) {
+    let name = |r: u32| {
+        names
+            .get(r as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("mesh rank {r}"))
+    };
     while let Some(ev) = events.recv().await {
         let msg = match ev {
             TransportEvent::Frame(f) => CoreInput::Frame(f),
             TransportEvent::PeerUp { peer, link } => {
-                tracing::info!(peer, link = link.name(), "worker connected");
+                tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
                 CoreInput::PeerUp(peer)
             }
             TransportEvent::PeerLost(e) => {
-                tracing::warn!(peer = e.peer, error = %e, "worker link lost");
+                tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 CoreInput::PeerLost(e.peer)
             }
         };

@@ -24,7 +24,7 @@ use crate::tcp::{ReadError, handshake, read_frame, write_vectored_all};
 use expertmesh_quant::aligned::AlignedVec;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -42,6 +42,35 @@ pub struct FrontendConfig {
     pub handshake_timeout: Duration,
     /// The server's rank announced to clients (the router's rank).
     pub server_rank: u32,
+    /// Server side: while closed, clients are refused with the gate's reason (a fabric whose
+    /// workers have not all connected yet). Open by default.
+    pub gate: FrontendGate,
+}
+
+/// Whether a frontend listener lets clients in. Clones share one state.
+#[derive(Clone, Debug, Default)]
+pub struct FrontendGate(Arc<Mutex<Option<String>>>);
+
+impl FrontendGate {
+    /// A gate that refuses clients with `reason` until [`FrontendGate::open`].
+    pub fn closed(reason: impl Into<String>) -> Self {
+        Self(Arc::new(Mutex::new(Some(reason.into()))))
+    }
+
+    /// Refuse clients from now on with `reason`.
+    pub fn close(&self, reason: impl Into<String>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.into());
+    }
+
+    /// Let clients in.
+    pub fn open(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Why clients are refused now (`None`: open).
+    pub fn reason(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 impl FrontendConfig {
@@ -56,6 +85,7 @@ impl FrontendConfig {
             },
             handshake_timeout: Duration::from_secs(5),
             server_rank: 0,
+            gate: FrontendGate::default(),
         }
     }
 
@@ -117,6 +147,17 @@ pub enum FrontendError {
     Closed {
         /// The other end.
         peer: SocketAddr,
+    },
+    /// The address answered as a mesh port (a worker's, or the router's port for workers), not
+    /// as the router's frontend port.
+    #[error(
+        "{peer} is {what}, not the router's frontend port; connect to the frontend address that `expertmesh up` or `expertmesh router` prints (the topology's [router] port)"
+    )]
+    NotFrontend {
+        /// The other end.
+        peer: SocketAddr,
+        /// What answered ("a worker's mesh port (device rank 0)", ...).
+        what: String,
     },
 }
 
@@ -201,6 +242,9 @@ impl IncomingClient {
 
     /// Runs the server side of the handshake; a client that fails it is refused and logged.
     pub async fn handshake(mut self) -> Result<FrameConnection, FrontendError> {
+        if let Some(reason) = self.cfg.gate.reason() {
+            return Err(self.refuse(reason).await);
+        }
         let proto = Arc::new(self.cfg.protocol(true));
         let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
         let peer = self.peer;
@@ -226,6 +270,67 @@ impl IncomingClient {
     }
 }
 
+impl IncomingClient {
+    /// Refuse the client with an error frame carrying `reason` (the client's handshake reports
+    /// it). The client's hello is read first, so that closing the socket does not reset the
+    /// connection before the client has read the refusal.
+    async fn refuse(mut self, reason: String) -> FrontendError {
+        use tokio::io::AsyncWriteExt;
+        let peer = self.peer;
+        let pool = BufPool::new(0);
+        let _ = tokio::time::timeout(
+            self.cfg.handshake_timeout,
+            read_frame(&mut self.stream, &self.cfg.codec, &pool),
+        )
+        .await;
+        let body = Body::Error(ErrorFrame {
+            request_id: 0,
+            code: ErrorCode::PeerUnavailable,
+            message: reason.clone(),
+        });
+        let mut head = Vec::new();
+        if codec::encode_head(&body, &[], &self.cfg.codec, &mut head).is_ok() {
+            let _ = write_vectored_all(&mut self.stream, &head, &[]).await;
+            let _ = self.stream.shutdown().await;
+        }
+        tracing::info!(%peer, "refused frontend client: {reason}");
+        FrontendError::Handshake {
+            peer,
+            source: ProtocolError::Refused {
+                code: ErrorCode::PeerUnavailable,
+                message: reason,
+            },
+        }
+    }
+}
+
+/// What a client's failed handshake says about the port it reached: a mesh port announces a
+/// rank other than the router's frontend rank, or a receive window sized for mesh frames.
+fn not_frontend(
+    peer: SocketAddr,
+    cfg: &FrontendConfig,
+    e: &ProtocolError,
+) -> Option<FrontendError> {
+    let what = match e {
+        ProtocolError::UnexpectedRank { got, .. } if *got != cfg.server_rank => {
+            format!(
+                "a worker's mesh port (device rank {})",
+                got.saturating_sub(1)
+            )
+        }
+        ProtocolError::Config(m) if m.contains("receive window") => {
+            "a mesh port (where workers connect)".to_owned()
+        }
+        ProtocolError::Refused { message, .. }
+            if message.contains(&format!("rank {CLIENT_RANK}")) =>
+        {
+            "a mesh port (it refuses frontend clients)".to_owned()
+        }
+        _ => return None,
+    };
+    Some(FrontendError::NotFrontend { peer, what })
+}
+
 /// An established framed connection (client or server side).
 #[derive(Debug)]
 pub struct FrameConnection {
@@ -241,7 +346,8 @@ impl FrameConnection {
             .map_err(|source| FrontendError::Io { peer: addr, source })?;
         let _ = stream.set_nodelay(true);
         let proto = Arc::new(cfg.protocol(false));
-        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
+        let expected = Some(cfg.server_rank);
+        let mut conn = Connection::new(proto, expected, nonce(), Vec::new(), Instant::now());
         handshake(
             &mut stream,
             &mut conn,
@@ -250,7 +356,10 @@ impl FrameConnection {
             cfg.handshake_timeout,
         )
         .await
-        .map_err(|source| FrontendError::Handshake { peer: addr, source })?;
+        .map_err(|source| {
+            not_frontend(addr, cfg, &source)
+                .unwrap_or(FrontendError::Handshake { peer: addr, source })
+        })?;
         Ok(Self::from_stream(stream, addr, cfg.codec))
     }
 

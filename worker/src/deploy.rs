@@ -5,7 +5,9 @@
 //! will refuse each other (or worse, disagree silently). Both sides build them here from the
 //! same three files, so there is one mapping:
 //!
-//! * mesh rank 0 is the router; the device with topology rank `d` is mesh rank `d + 1`;
+//! * mesh rank 0 is the router; the device with topology rank `d` is mesh rank `d + 1`. The
+//!   mesh rank is internal: every message and log line names a device by its id and its
+//!   topology rank ([`Deployment::device_label`]), as `expertmesh validate` does;
 //! * workers dial only the router (its mesh listener is the router node's `control_port`;
 //!   frontends connect to the `[router]` section's port);
 //! * expert weights come from [`crate::weights`] (synthetic from the seed until checkpoint
@@ -93,6 +95,14 @@ impl Deployment {
             self.topology.name(),
             ids.join(", ")
         )
+    }
+
+    /// A device for messages and logs: its id and its topology rank, "local/cpu0 (rank 0)".
+    pub fn device_label(&self, d: DeviceRank) -> String {
+        match self.topology.device(d) {
+            Some(dev) => format!("{} (rank {})", dev.id(), d.0),
+            None => format!("device rank {}", d.0),
+        }
     }
 
     /// Names of mesh ranks for messages ("router", "node/device").

@@ -126,11 +126,14 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the worker runtime")?;
-    let (mesh, mut events) = rt.block_on(Mesh::start(cfg)).map_err(|e| anyhow!("{e}"))?;
-    let id = dep.rank_names()[rank as usize].clone();
-    // The launcher waits for this line.
+    // Messages name the device and its topology rank; the mesh rank stays internal.
+    let id = dep.device_label(d);
+    let (mesh, mut events) = rt
+        .block_on(Mesh::start(cfg))
+        .map_err(|e| anyhow!("worker {id}: {e}"))?;
+    let names = dep.rank_names();
     println!(
-        "expertmesh worker {id} (rank {rank}) ready: {:.1} MB of experts on {backend_name}, loaded in {:.2} s, listening on {}, router at {router}",
+        "expertmesh worker {id} ready: {:.1} MB of experts on {backend_name}, loaded in {:.2} s, listening on {}, router at {router}",
         loaded as f64 / 1e6,
         t0.elapsed().as_secs_f64(),
         mesh.local_addr()
@@ -179,10 +182,12 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
                     }
                 }
                 TransportEvent::PeerUp { peer, link } => {
+                    let peer = names.get(peer as usize).map_or("?", String::as_str);
                     tracing::info!(worker = %id, peer, link = link.name(), "connected");
                 }
                 TransportEvent::PeerLost(e) => {
-                    tracing::warn!(worker = %id, error = %e, "link lost; redialing");
+                    let peer = names.get(e.peer as usize).map_or("?", String::as_str);
+                    tracing::warn!(worker = %id, peer, error = %e.kind, "link lost; redialing");
                 }
             }
         }
