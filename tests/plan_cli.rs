@@ -407,10 +407,11 @@ fn eplb_maps_round_trip_and_duplicates_merge() {
 fn calibration_replaces_datasheet_bandwidth() {
     let dir = tempfile::tempdir().unwrap();
     let bench = tmp(&dir, "kernels.json");
-    // Half the MI300X datasheet bandwidth, measured at batch 64 for Kimi K2's expert shape.
+    // Half the MI300X datasheet bandwidth, measured on GPUs at batch 64 for Kimi K2's expert
+    // shape.
     std::fs::write(
         &bench,
-        r#"{"machine": {"cpu": "test"}, "results": [
+        r#"{"machine": {"cpu": "test", "device_kind": "gpu"}, "results": [
             {"name": "decode-exact kimi-k2 H7168 F2048", "batch": 64, "achieved": 2650.0,
              "limit": 5300.0, "unit": "GB/s", "ratio": 0.5},
             {"name": "prefill-exact kimi-k2 H7168 F2048", "batch": 256, "achieved": 100.0,
@@ -451,6 +452,92 @@ fn calibration_replaces_datasheet_bandwidth() {
         figures.contains("bench: decode-exact kimi-k2 H7168 F2048 (batch 64)"),
         "{figures}"
     );
+}
+
+/// A kernels.json as `bench kernels` writes it on a CPU (11 GB/s), as the examples README uses.
+const CPU_KERNELS: &str = r#"{"machine": {"device_kind": "cpu", "backend": "cpu-avx2x2"},
+    "results": [
+        {"name": "decode-exact kimi-k2 H7168 F2048", "batch": 64, "achieved": 11.0,
+         "limit": 12.0, "unit": "GB/s", "ratio": 0.9, "better": "higher"},
+        {"name": "decode-exact demo-small H1024 F512", "batch": 64, "achieved": 11.0,
+         "limit": 12.0, "unit": "GB/s", "ratio": 0.9, "better": "higher"}
+    ]}"#;
+
+#[test]
+fn a_cpu_calibration_changes_only_cpu_devices_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let bench = tmp(&dir, "kernels.json");
+    std::fs::write(&bench, CPU_KERNELS).unwrap();
+    // An older file without machine.device_kind is taken as a CPU run too.
+    let old = tmp(&dir, "old-kernels.json");
+    std::fs::write(
+        &old,
+        CPU_KERNELS.replace(
+            r#""device_kind": "cpu", "backend": "cpu-avx2x2""#,
+            r#""cpus": 2"#,
+        ),
+    )
+    .unwrap();
+    let plan = |topo: &str, model: &str, extra: &[&str]| {
+        let mut a = vec!["plan", "--topology", topo, "--model", model];
+        a.extend(extra);
+        let r = run(&a);
+        assert_eq!(r.code, 0, "{a:?}: {}", r.stderr);
+        r
+    };
+    let mi300x = "examples/mi300x-4x8.toml";
+    let plain = json(&plan(mi300x, "kimi-k2", &["--json"]));
+    for file in [&bench, &old] {
+        let cal = json(&plan(mi300x, "kimi-k2", &["--json", "--calibrate", file]));
+        // The MI300X cluster keeps its HBM figures: same throughput as without calibration.
+        assert_eq!(cal["roofline"], plain["roofline"], "{file}");
+        let c = &cal["calibration"];
+        assert_eq!(c["changed"].as_array().unwrap().len(), 0, "{c}");
+        let mem = c["left_alone"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["figure"] == "memory bandwidth")
+            .unwrap_or_else(|| panic!("no memory bandwidth left alone: {c}"));
+        assert_eq!(mem["value"], 5300.0);
+        assert_eq!(mem["applies_to"], "32 gpu devices of type mi300x");
+        assert!(
+            mem["why"]
+                .as_str()
+                .unwrap()
+                .contains("measured cpu devices"),
+            "{mem}"
+        );
+    }
+    let text = plan(mi300x, "kimi-k2", &["--calibrate", &bench]).stdout;
+    for want in [
+        "calibration (--calibrate):",
+        "changed: nothing",
+        "left alone: memory bandwidth for 32 gpu devices of type mi300x: 5300 GB/s",
+        "left alone: network bandwidth per roce NIC for 32 roce NICs on 4 nodes: 50 GB/s",
+    ] {
+        assert!(text.contains(want), "want {want:?} in\n{text}");
+    }
+    // On CPU workers the same file applies, and the report says from what to what.
+    let single = "examples/single-host.toml";
+    let cal = json(&plan(
+        single,
+        "demo-small",
+        &["--json", "--calibrate", &bench],
+    ));
+    let changed = &cal["calibration"]["changed"][0];
+    assert_eq!(changed["figure"], "memory bandwidth", "{cal}");
+    assert_eq!(
+        (changed["was"].as_f64(), changed["value"].as_f64()),
+        (Some(20.0), Some(11.0))
+    );
+    let text = plan(single, "demo-small", &["--calibrate", &bench]).stdout;
+    assert!(
+        text.contains("changed: memory bandwidth for 2 cpu devices (arch cpu): local/cpu0, local/cpu1: 20 -> 11 GB/s"),
+        "{text}"
+    );
+    // Without --calibrate there is no calibration section.
+    assert!(plain["calibration"].is_null());
 }
 
 #[test]

@@ -9,24 +9,51 @@ use expertmesh_transport::LinkKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Exit codes of every `bench` command, shown by its --help.
+pub const BENCH_EXIT_CODES: &str = "\
+Exit codes: 0 measured (and --json written); 2 bad options, or a run that could not start or
+write its report (1 is not used).";
+
+/// The bench JSON format, shown by `expertmesh bench --help`.
+pub const BENCH_HELP: &str = "\
+Every figure is a ratio against a limit measured in the same run on the same machine (shared,
+noisy machines make absolute numbers mean little). Tables: achieved, limit, unit, ratio =
+achieved / limit, and which way the ratio is good (\"higher is better\" for throughputs,
+\"lower is better\" for latencies).
+
+--json FILE writes:
+  {\"machine\": {\"hostname\", \"os\", \"arch\", \"cpus\", \"cpu_model\", \"memory_bytes\", ...},
+   \"results\": [{\"name\", \"batch\", \"achieved\", \"limit\", \"unit\", \"ratio\",
+                \"better\": \"higher\" | \"lower\", \"limit_is\" or \"limit_kind\", ...}, ...]}
+  machine also records each bench's settings; `bench kernels` adds \"device_kind\": \"cpu\",
+  \"backend\", \"settings\" (seconds, pool and probe sizes) and the measured read bandwidth.
+`expertmesh plan --calibrate FILE` reads these files (kernel results calibrate only devices of
+the machine's device_kind). Recorded runs and how to read them: BENCHMARKS.md in the repository.
+
+Exit codes: 0 measured (and --json written); 2 bad options, or a run that could not start or
+write its report (1 is not used).";
+
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchTarget {
     /// One MoE layer through the local fabric (router + worker processes) against the same
     /// layer in-process on the same backend, measured in the same run.
+    #[command(after_help = BENCH_EXIT_CODES)]
     Fabric(FabricCli),
     /// Expert FFN kernels on the CPU backend against the memory read bandwidth (decode) and
     /// the int8 peak (prefill) measured in the same run.
+    #[command(after_help = BENCH_EXIT_CODES)]
     Kernels(KernelsCli),
     /// Dispatch-frame throughput and round-trip latency over TCP loopback and shared memory,
     /// against a raw socket and memcpy measured in the same run.
+    #[command(after_help = BENCH_EXIT_CODES)]
     Transport(TransportCli),
 }
 
 /// Arguments of `bench fabric`.
 #[derive(Args, Debug)]
 pub struct FabricCli {
-    /// Write the results as JSON (DESIGN.md §3) to this file.
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Model preset or file.
@@ -58,13 +85,14 @@ pub struct FabricCli {
 /// Arguments of `bench kernels`.
 #[derive(Args, Debug)]
 pub struct KernelsCli {
-    /// Write the results as JSON (DESIGN.md §3) to this file.
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Backend threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Seconds of measurement per case.
+    /// Seconds of measurement per case. Below 1 the whole run shrinks with it (smaller weight
+    /// pool and bandwidth probe, fewer probe passes and calls; stated in the output).
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
     /// Comma-separated model presets whose expert shapes are measured.
@@ -80,7 +108,8 @@ pub struct KernelsCli {
     /// Tokens per expert for the prefill case (0 skips it).
     #[arg(long, default_value_t = 256)]
     prefill_tokens: usize,
-    /// Minimum weight pool in MiB (default: max(1 GiB, 8 x last-level cache)).
+    /// Minimum weight pool in MiB (default: max(1 GiB, 8 x last-level cache); with --seconds
+    /// below 1, that times the seconds, but at least 2 x the last-level cache).
     #[arg(long, default_value_t = 0)]
     pool_mib: u64,
 }
@@ -88,7 +117,7 @@ pub struct KernelsCli {
 /// Arguments of `bench transport`.
 #[derive(Args, Debug)]
 pub struct TransportCli {
-    /// Write the report as JSON to this file.
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Approximate seconds per throughput measurement.

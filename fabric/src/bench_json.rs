@@ -1,9 +1,11 @@
 //! The bench report format shared by `expertmesh bench kernels|transport|fabric`.
 //!
 //! Why this exists: every benchmark reports its figures against a limit measured in the same
-//! run, in one JSON shape (design brief §3), so results from different machines and benches can
-//! be compared by tools without per-bench parsing:
-//! `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit", "unit", "ratio", ...}]}`.
+//! run, in one JSON shape (described in BENCHMARKS.md and `expertmesh bench --help`), so results
+//! from different machines and benches can be compared by tools without per-bench parsing:
+//! `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit", "unit", "ratio",
+//! "better", ...}]}`. `better` says which way the ratio is good: `"higher"` for throughputs,
+//! `"lower"` for latencies.
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -75,13 +77,66 @@ pub struct BenchResult {
     pub unit: String,
     /// `achieved / limit`.
     pub ratio: f64,
-    /// Extra fields (`"better": "lower"` for latencies, limit description, sample counts).
+    /// Which way `ratio` is good: `"higher"` (throughputs) or `"lower"` (latencies).
+    pub better: Better,
+    /// Extra fields (limit description, sample counts).
     #[serde(flatten)]
     pub extra: BTreeMap<String, serde_json::Value>,
 }
 
+/// Which way a ratio is good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Better {
+    /// Throughputs: a higher ratio is better.
+    Higher,
+    /// Latencies: a lower ratio is better.
+    Lower,
+}
+
+impl Better {
+    /// The direction for a unit: times (`us`, `ms`, `s`) are latencies, anything else a rate.
+    pub fn for_unit(unit: &str) -> Better {
+        match unit {
+            "us" | "ms" | "s" | "ns" => Better::Lower,
+            _ => Better::Higher,
+        }
+    }
+
+    /// "higher" or "lower", as in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Better::Higher => "higher",
+            Better::Lower => "lower",
+        }
+    }
+}
+
+/// Header of the tables every bench prints (then one [`table_row`] per result).
+pub fn table_header(name_width: usize) -> String {
+    format!(
+        "{:<name_width$} {:>6} {:>12} {:>12} {:>8} {:>7}  {}",
+        "name", "batch", "achieved", "limit", "unit", "ratio", "direction"
+    )
+}
+
+/// One result as a table row under [`table_header`].
+pub fn table_row(r: &BenchResult, name_width: usize) -> String {
+    format!(
+        "{:<name_width$} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3}  {} is better",
+        r.name,
+        r.batch,
+        r.achieved,
+        r.limit,
+        r.unit,
+        r.ratio,
+        r.better.name()
+    )
+}
+
 impl BenchResult {
-    /// A result; `ratio` is computed (0 when the limit is not positive).
+    /// A result; `ratio` is computed (0 when the limit is not positive) and which way it is
+    /// good follows from the unit ([`Better::for_unit`]).
     pub fn new(name: impl Into<String>, batch: u64, achieved: f64, limit: f64, unit: &str) -> Self {
         Self {
             name: name.into(),
@@ -90,6 +145,7 @@ impl BenchResult {
             limit,
             unit: unit.to_owned(),
             ratio: if limit > 0.0 { achieved / limit } else { 0.0 },
+            better: Better::for_unit(unit),
             extra: BTreeMap::new(),
         }
     }
@@ -143,17 +199,12 @@ impl BenchReport {
         }
     }
 
-    /// Prints the results as a table.
+    /// Prints the results as a table (ratio = achieved / limit; the last column says which
+    /// way it is good).
     pub fn print_table(&self) {
-        println!(
-            "{:<44} {:>6} {:>12} {:>12} {:>8} {:>7}",
-            "name", "batch", "achieved", "limit", "unit", "ratio"
-        );
+        println!("{}", table_header(44));
         for r in &self.results {
-            println!(
-                "{:<44} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3}",
-                r.name, r.batch, r.achieved, r.limit, r.unit, r.ratio
-            );
+            println!("{}", table_row(r, 44));
         }
     }
 
@@ -182,7 +233,10 @@ mod tests {
     fn report_has_the_documented_shape() {
         let r = BenchReport {
             machine: MachineInfo::detect(),
-            results: vec![BenchResult::new("x", 8, 3.0, 4.0, "GB/s").with("better", "higher")],
+            results: vec![
+                BenchResult::new("x", 8, 3.0, 4.0, "GB/s"),
+                BenchResult::new("y", 8, 3.0, 4.0, "us"),
+            ],
         };
         let v: serde_json::Value = serde_json::to_value(&r).unwrap();
         let res = &v["results"][0];
@@ -192,6 +246,9 @@ mod tests {
             assert!(res.get(k).is_some(), "missing {k}");
         }
         assert_eq!(res["ratio"], 0.75);
+        assert_eq!(res["better"], "higher");
+        assert_eq!(v["results"][1]["better"], "lower");
+        assert!(table_row(&r.results[1], 10).ends_with("lower is better"));
         assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
     }
 

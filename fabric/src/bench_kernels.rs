@@ -6,6 +6,15 @@
 //! B tokens top-k over the routed experts of one layer of a real model shape, so the number of
 //! touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool of experts
 //! several times larger than the last-level cache, so every expert is read from DRAM.
+//!
+//! The run's length scales with `--seconds`: at 1 s and above the pool is max(1 GiB, 8 × LLC)
+//! and the bandwidth probe reads max(512 MiB, 8 × LLC) 7 times per model; below 1 s the pool
+//! and probe shrink in proportion (never below 2 × and 4 × the LLC) with 3 probe passes and 3
+//! calls per case at least (prefill 1), and batches whose one call would take over
+//! max(1 s, 5 × `--seconds`) are skipped, which the output states and `machine.settings` and
+//! `machine.skipped_cases` record. The JSON's
+//! `machine.device_kind` is `"cpu"`: `plan --calibrate` applies these figures to CPU devices
+//! only.
 
 use crate::bench_json::{BenchReport, BenchResult};
 use expertmesh_backend::{
@@ -30,8 +39,99 @@ pub struct KernelBenchOptions {
     pub batches: Vec<usize>,
     /// Tokens per expert for the prefill case (0 to skip).
     pub prefill_tokens: usize,
-    /// Minimum pool size in bytes (defaults to max(1 GiB, 8 × LLC)).
+    /// Minimum pool size in bytes (defaults to max(1 GiB, 8 × LLC), scaled down below 1 s).
     pub pool_bytes: u64,
+}
+
+/// How much work a run does beyond its measurement time, scaled to `--seconds`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Effort {
+    /// Weight pool per model, bytes.
+    pub pool_bytes: u64,
+    /// The pool a run of 1 s or more uses.
+    pub full_pool_bytes: u64,
+    /// Bandwidth probe buffer, bytes.
+    pub probe_bytes: u64,
+    /// The probe buffer of a run of 1 s or more.
+    pub full_probe_bytes: u64,
+    /// Probe passes per model.
+    pub probe_passes: usize,
+    /// Calls per decode case at least (prefill: two fewer, at least 2; 1 in a short run).
+    pub min_calls: u64,
+    /// Whether `seconds` < 1 shrank the run.
+    pub short: bool,
+    /// A short run skips a batch whose one call would take longer than this, seconds.
+    pub call_budget_s: f64,
+}
+
+/// Probe passes and calls per case of a full run.
+const FULL_PASSES: usize = 7;
+const FULL_MIN_CALLS: u64 = 5;
+
+impl Effort {
+    /// The effort for `opts` on a machine whose last-level cache holds `llc` bytes.
+    pub fn new(opts: &KernelBenchOptions, llc: u64) -> Effort {
+        let full_pool_bytes = (8 * llc).max(1 << 30);
+        let full_probe_bytes = (8 * llc).max(512 << 20);
+        let scale = opts.seconds.clamp(0.0, 1.0);
+        let short = scale < 1.0;
+        let scaled = |full: u64, floor: u64| ((full as f64 * scale) as u64).clamp(floor, full);
+        Effort {
+            pool_bytes: scaled(full_pool_bytes, (2 * llc).max(64 << 20)).max(opts.pool_bytes),
+            full_pool_bytes,
+            probe_bytes: scaled(full_probe_bytes, (4 * llc).max(64 << 20)),
+            full_probe_bytes,
+            probe_passes: if short { 3 } else { FULL_PASSES },
+            min_calls: if short { 3 } else { FULL_MIN_CALLS },
+            short,
+            call_budget_s: (5.0 * opts.seconds).max(1.0),
+        }
+    }
+
+    /// In a short run, the estimated seconds of one call of batch `b` when over the budget,
+    /// from the last batch measured (`(batch, seconds per call)`; time grows at most linearly
+    /// with the batch).
+    fn too_long(&self, last: Option<(usize, f64)>, b: usize) -> Option<f64> {
+        let (b0, t0) = last.filter(|_| self.short)?;
+        let est = t0 * b as f64 / b0.max(1) as f64;
+        (est > self.call_budget_s).then_some(est)
+    }
+
+    /// What the run does, for `machine.settings` in the JSON.
+    fn settings(&self, opts: &KernelBenchOptions) -> serde_json::Value {
+        serde_json::json!({
+            "seconds": opts.seconds,
+            "threads": opts.threads,
+            "models": opts.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
+            "batches": opts.batches,
+            "prefill_tokens": opts.prefill_tokens,
+            "pool_bytes": self.pool_bytes,
+            "full_pool_bytes": self.full_pool_bytes,
+            "probe_bytes": self.probe_bytes,
+            "full_probe_bytes": self.full_probe_bytes,
+            "probe_passes": self.probe_passes,
+            "min_calls_per_case": self.min_calls,
+            "short_run": self.short,
+            "call_budget_s": self.call_budget_s,
+        })
+    }
+
+    /// The line a short run prints about what it shrank.
+    fn short_run_line(&self, seconds: f64) -> Option<String> {
+        let mib = |b: u64| b >> 20;
+        self.short.then(|| {
+            format!(
+                "short run (--seconds {seconds} < 1): weight pool {} MiB instead of {}, bandwidth probe {} MiB x {} passes instead of {} MiB x {FULL_PASSES}, at least {} calls per case instead of {FULL_MIN_CALLS} (prefill: 1), batches whose one call would exceed {:.1} s skipped; figures are noisier than a full run's",
+                mib(self.pool_bytes),
+                mib(self.full_pool_bytes),
+                mib(self.probe_bytes),
+                self.probe_passes,
+                mib(self.full_probe_bytes),
+                self.min_calls,
+                self.call_budget_s
+            )
+        })
+    }
 }
 
 /// One expert's share of a routed batch: physical expert, tokens, weights, output rows.
@@ -140,12 +240,13 @@ impl Samples {
 struct Bandwidth {
     probe: Vec<u8>,
     threads: usize,
+    passes: usize,
     samples: Vec<f64>,
 }
 
 impl Bandwidth {
     fn probe(&mut self) {
-        let s = membw::read_bandwidth_samples(&self.probe, self.threads, 7);
+        let s = membw::read_bandwidth_samples(&self.probe, self.threads, self.passes);
         self.samples.extend(s);
     }
     fn median(&self) -> f64 {
@@ -160,19 +261,23 @@ impl Bandwidth {
 /// and over probe passes (limit); the best of each is reported alongside.
 pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     let mut report = BenchReport::new();
-    let llc = membw::last_level_cache_bytes();
-    let pool_target = opts.pool_bytes.max(8 * llc).max(1 << 30);
-    // Same-run limit: read bandwidth over a buffer 8x the LLC (at least 512 MiB).
-    let probe_len = (8 * llc).max(512 << 20) as usize;
+    let effort = Effort::new(opts, membw::last_level_cache_bytes());
+    if let Some(line) = effort.short_run_line(opts.seconds) {
+        println!("{line}");
+    }
+    // Same-run limit: read bandwidth over a buffer 8x the LLC (at least 512 MiB; less in a
+    // short run).
+    let probe_len = effort.probe_bytes as usize;
     let mut bw = Bandwidth {
         probe: vec![1u8; probe_len],
         threads: opts.threads,
+        passes: effort.probe_passes,
         samples: Vec::new(),
     };
-    report
-        .machine
-        .extra
-        .insert("threads".into(), opts.threads.into());
+    let extra = &mut report.machine.extra;
+    extra.insert("device_kind".into(), "cpu".into());
+    extra.insert("settings".into(), effort.settings(opts));
+    extra.insert("threads".into(), opts.threads.into());
     report
         .machine
         .extra
@@ -185,8 +290,13 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
         .unwrap_or(0.0);
     let mut pending: Vec<(BenchResult, f64)> = Vec::new(); // (result with achieved set, best)
 
+    let mut skipped = Vec::new();
     for spec in &opts.models {
-        let mut m = ModelBench::load(opts, spec, pool_target)?;
+        let mut m = ModelBench::load(opts, spec, &effort)?;
+        report
+            .machine
+            .extra
+            .insert("backend".into(), m.backend.name().into());
         bw.probe();
         println!(
             "  memory read bandwidth ({} threads, {} MiB): median {:.2} GB/s, best {:.2} GB/s so far",
@@ -195,13 +305,17 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
             gbs(bw.median()),
             gbs(bw.best())
         );
-        m.decode(&mut pending)?;
+        m.decode(&mut pending, &mut skipped)?;
         m.accurate(&mut pending)?;
         if opts.prefill_tokens > 0 && mhz > 0.0 {
             report.results.push(m.prefill(mhz)?);
         }
     }
     add_memory_bound(&mut report, &bw, pending);
+    report
+        .machine
+        .extra
+        .insert("skipped_cases".into(), skipped.into());
     report
         .results
         .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
@@ -251,6 +365,7 @@ fn add_memory_bound(report: &mut BenchReport, bw: &Bandwidth, pending: Vec<(Benc
 struct ModelBench<'a> {
     opts: &'a KernelBenchOptions,
     spec: &'a ModelSpec,
+    effort: Effort,
     backend: CpuBackend,
     /// Hidden size, intermediate size, routed experts, top-k.
     h: usize,
@@ -270,8 +385,9 @@ impl<'a> ModelBench<'a> {
     fn load(
         opts: &'a KernelBenchOptions,
         spec: &'a ModelSpec,
-        pool_target: u64,
+        effort: &Effort,
     ) -> anyhow::Result<Self> {
+        let pool_target = effort.pool_bytes;
         let (h, f) = (spec.hidden as usize, spec.moe_intermediate as usize);
         let (e, k) = (spec.routed_experts as usize, spec.top_k as usize);
         let expert_bytes = spec.expert_bytes();
@@ -320,6 +436,7 @@ impl<'a> ModelBench<'a> {
         Ok(Self {
             opts,
             spec,
+            effort: *effort,
             backend,
             h,
             f,
@@ -333,7 +450,8 @@ impl<'a> ModelBench<'a> {
         })
     }
 
-    /// Time calls of `b` uniformly routed tokens in `mode` until `secs` seconds and 5 calls,
+    /// Time calls of `b` uniformly routed tokens in `mode` until `secs` seconds and the
+    /// effort's minimum calls,
     /// the experts rotating by `stride` per call (amount: weight bytes read).
     fn sample_routed(
         &mut self,
@@ -344,7 +462,7 @@ impl<'a> ModelBench<'a> {
     ) -> anyhow::Result<Samples> {
         let mut offset = 0usize;
         let mut s = Samples::default();
-        while s.secs < secs || s.calls < 5 {
+        while s.secs < secs || s.calls < self.effort.min_calls {
             offset += stride;
             let mut rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, self.pool);
             let t = Instant::now();
@@ -367,21 +485,41 @@ impl<'a> ModelBench<'a> {
     }
 
     /// Decode step: exact mode at every batch size (memory-bound; limits set later).
-    fn decode(&mut self, pending: &mut Vec<(BenchResult, f64)>) -> anyhow::Result<()> {
+    /// A short run skips batches whose one call would take far longer than `--seconds`
+    /// (estimated from the last batch measured) and warms up only before its first batch.
+    fn decode(
+        &mut self,
+        pending: &mut Vec<(BenchResult, f64)>,
+        skipped: &mut Vec<serde_json::Value>,
+    ) -> anyhow::Result<()> {
         let (spec, h, f, e, k) = (self.spec, self.h, self.f, self.e, self.k);
+        let mut last: Option<(usize, f64)> = None;
         for &b in &self.opts.batches {
-            // warm-up (first touch of the output buffer, thread start)
-            let mut rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
-            run_batch(
-                &mut self.backend,
-                h,
-                b,
-                &self.x,
-                &mut rb,
-                &mut self.out,
-                ComputeMode::Exact,
-            )?;
+            if let Some(est) = self.effort.too_long(last, b) {
+                println!(
+                    "  B={b:>4}: skipped in this short run (one call ~ {est:.1} s > {:.1} s); use --seconds 1 or more to measure it",
+                    self.effort.call_budget_s
+                );
+                skipped.push(serde_json::json!({
+                    "model": spec.name, "batch": b, "estimated_call_s": est,
+                }));
+                continue;
+            }
+            if !self.effort.short || last.is_none() {
+                // warm-up (first touch of the output buffer, thread start)
+                let mut rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
+                run_batch(
+                    &mut self.backend,
+                    h,
+                    b,
+                    &self.x,
+                    &mut rb,
+                    &mut self.out,
+                    ComputeMode::Exact,
+                )?;
+            }
             let s = self.sample_routed(b, ComputeMode::Exact, e + 1, self.opts.seconds)?;
+            last = Some((b, s.secs / s.calls as f64));
             let avg_touched = s.touched as f64 / s.calls as f64;
             let ops = 2.0 * (b * k) as f64 * spec.expert_params() as f64 * s.calls as f64 / s.secs;
             pending.push((
@@ -442,7 +580,9 @@ impl<'a> ModelBench<'a> {
         let peak = opts.threads as f64 * mhz * 1e6 * 2.0 * 64.0;
         let mut s = Samples::default();
         let mut idx = 0usize;
-        while s.secs < opts.seconds || s.calls < 3 {
+        while s.secs < opts.seconds
+            || s.calls < (self.effort.min_calls - 2).max(if self.effort.short { 1 } else { 2 })
+        {
             let mut grouping = Grouping::with_capacity(tpe);
             for t in 0..tpe as u32 {
                 grouping.push(0, t, 1.0, t);

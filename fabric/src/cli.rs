@@ -1,15 +1,52 @@
 //! The `expertmesh` command line: argument parsing and the subcommands' top level.
 //!
 //! Why this exists: the binary is a thin `main`; every subcommand lives here so integration
-//! tests and the binary share one code path. Exit codes follow the design brief: 0 success,
-//! 1 invalid input (validation problems, mismatched results), 2 usage or I/O errors.
+//! tests and the binary share one code path. Exit codes: 0 success, 1 invalid input
+//! (validation problems, mismatched results), 2 usage or I/O errors; every command's --help
+//! says what each means for it, and `expertmesh --help` lists them all.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
+
+/// Exit codes of every command, shown by `expertmesh --help`.
+const EXIT_CODES_HELP: &str = "\
+Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O error. Per command:
+  models              0 listed or shown; 1 the model file has problems; 2 unknown preset,
+                      unreadable file, bad options
+  validate            0 valid; 1 problems found (listed with line:column); 2 unreadable file,
+                      unknown preset, bad options
+  plan                0 planned; 1 the model does not fit (shortfall named); 2 usage or input error
+  bench ...           0 measured; 2 bad options, or a run that could not start (1 is not used)
+  demo                0 every response matched the reference; 1 mismatched or failed responses;
+                      2 usage or start-up error
+  up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used)
+  infer               0 output written; 1 the router answered with an error; 2 usage, I/O or
+                      connection error
+Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
+
+/// Each command's exit codes, appended to its own --help (after any text it has).
+const COMMAND_EXIT_CODES: [(&str, &str); 8] = [
+    ("models", MODELS_EXIT),
+    ("validate", VALIDATE_EXIT),
+    ("plan", PLAN_EXIT),
+    ("demo", DEMO_EXIT),
+    ("up", SERVE_EXIT),
+    ("worker", SERVE_EXIT),
+    ("router", SERVE_EXIT),
+    ("infer", INFER_EXIT),
+];
+const MODELS_EXIT: &str = "Exit codes: 0 listed or shown; 1 the model file has problems; 2 unknown preset, unreadable file, bad options.";
+const VALIDATE_EXIT: &str = "Exit codes: 0 valid; 1 problems found (listed with line:column); 2 unreadable file, unknown preset, bad options.";
+const PLAN_EXIT: &str =
+    "Exit codes: 0 planned; 1 the model does not fit (shortfall named); 2 usage or input error.";
+const DEMO_EXIT: &str = "Exit codes: 0 every response matched the reference; 1 mismatched or failed responses; 2 usage or start-up error.";
+const SERVE_EXIT: &str =
+    "Exit codes: 0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used).";
+const INFER_EXIT: &str = "Exit codes: 0 output written; 1 the router answered with an error; 2 usage, I/O or connection error.";
 
 /// ExpertMesh: stationary packed-INT4 experts, activation-only transport.
 #[derive(Parser, Debug)]
-#[command(name = "expertmesh", version, about)]
+#[command(name = "expertmesh", version, about, after_help = EXIT_CODES_HELP)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,7 +61,7 @@ enum Command {
     /// Place a model's experts on a cluster; report memory, load, traffic, throughput, cost.
     Plan(Box<crate::plan_cmd::PlanArgs>),
     /// Run a benchmark (each figure against a limit measured in the same run).
-    #[command(subcommand)]
+    #[command(subcommand, after_help = crate::bench_cli::BENCH_HELP)]
     Bench(crate::bench_cli::BenchTarget),
     /// The main job: start a local fabric, drive traffic, check every response against the
     /// in-process reference, print a report.
@@ -44,9 +81,39 @@ pub const EXIT_INVALID: u8 = 1;
 /// Exit code for usage and I/O errors.
 pub const EXIT_USAGE: u8 = 2;
 
+/// The command line definition, with each command's exit codes at the end of its --help
+/// (`bench` commands carry theirs in `bench_cli`).
+pub fn command() -> clap::Command {
+    let mut cmd = Cli::command();
+    for (name, exit) in COMMAND_EXIT_CODES {
+        cmd = cmd.mut_subcommand(name, |c| with_exit_codes(c, exit));
+    }
+    cmd
+}
+
+/// `c` with `exit` appended to its after-help texts (short and long) that do not list exit
+/// codes yet.
+fn with_exit_codes(c: clap::Command, exit: &str) -> clap::Command {
+    let add = |h: Option<&clap::builder::StyledStr>| match h {
+        Some(h) if h.to_string().contains("Exit codes") => h.to_string(),
+        Some(h) => format!("{h}\n\n{exit}"),
+        None => exit.to_owned(),
+    };
+    let long = c.get_after_long_help().map(|h| add(Some(h)));
+    let short = add(c.get_after_help());
+    let c = c.after_help(short);
+    match long {
+        Some(l) => c.after_long_help(l),
+        None => c,
+    }
+}
+
 /// Parse the process arguments and run; never panics on bad input.
 pub fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let parsed = command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };

@@ -15,7 +15,7 @@
 //! `expertmesh_planner::evaluate`.
 
 use crate::table::{self, left, right};
-use expertmesh_planner::calibrate::{self, BenchFile};
+use expertmesh_planner::calibrate::{self, BenchFile, Calibration, CalibrationItem};
 use expertmesh_planner::eplb::{self, EplbLayers};
 use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
 use expertmesh_planner::stats::{CoSelection, LoadStats};
@@ -119,7 +119,10 @@ pub struct PlanArgs {
     #[arg(long)]
     json: bool,
     /// Bench JSON from `expertmesh bench ... --json` (repeatable): measured bandwidths and
-    /// latencies replace datasheet figures.
+    /// latencies replace datasheet figures, each only for what was measured (kernel results
+    /// only for devices of the kind in the file's `machine.device_kind`, a CPU run calibrating
+    /// CPU devices only; dispatch results only for links of that kind). The report lists what
+    /// changed and what was left alone.
     #[arg(long)]
     calibrate: Vec<PathBuf>,
     /// Tokens per MoE-layer call for the throughput estimate.
@@ -241,19 +244,17 @@ fn shared_policy(s: &str) -> SharedPolicy {
     }
 }
 
-/// Hardware figures for one batch size: topology, then every bench file.
+/// Hardware figures for one batch size: topology, then every bench file (what calibration
+/// changed and left alone).
 fn hardware(
     t: &Topology,
     m: &ModelSpec,
     benches: &[BenchFile],
     batch: usize,
-) -> (Hardware, Vec<String>) {
+) -> (Hardware, Calibration) {
     let mut hw = Hardware::from_topology(t);
-    let mut notes = Vec::new();
-    for b in benches {
-        notes.extend(calibrate::apply(&mut hw, t, m, b, batch));
-    }
-    (hw, notes)
+    let cal = calibrate::apply(&mut hw, t, m, benches, batch);
+    (hw, cal)
 }
 
 fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
@@ -301,6 +302,7 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         chosen: &ev.chosen,
         sweep: &ev.sweep,
         hw: &ev.hw,
+        calibration: (!inputs.benches.is_empty()).then_some(&ev.calibration),
         notes: &notes,
         warnings: &warnings,
         written: &written,
@@ -453,6 +455,7 @@ fn place(
 /// The evaluations the report compares, and the throughput roofline.
 struct Evaluated {
     hw: Hardware,
+    calibration: Calibration,
     after: Evaluation,
     before: Option<Evaluation>,
     before_locality: Option<Evaluation>,
@@ -487,8 +490,8 @@ fn evaluate(
         (Some(_), None) => plan::plan(topology, model, load, None, &inputs.options).ok(),
         _ => None,
     };
-    let (hw, cal_notes) = hardware(topology, model, &inputs.benches, args.batch);
-    notes.extend(cal_notes);
+    let (hw, calibration) = hardware(topology, model, &inputs.benches, args.batch);
+    notes.extend(calibration.notes.iter().cloned());
     let router = hw.router_node;
     let evaluator = Evaluator::new(topology, model, placement, load, coselect, router);
     let after = evaluator.evaluate(&hw);
@@ -516,6 +519,7 @@ fn evaluate(
         .unwrap_or_else(|| evaluator.roofline(&hw, args.batch, args.concurrency));
     Evaluated {
         hw,
+        calibration,
         after,
         before,
         before_locality,
@@ -698,9 +702,37 @@ struct Report<'a> {
     chosen: &'a Roofline,
     sweep: &'a [Roofline],
     hw: &'a Hardware,
+    /// What --calibrate changed and left alone (None without --calibrate).
+    calibration: Option<&'a Calibration>,
     notes: &'a [String],
     warnings: &'a [String],
     written: &'a [String],
+}
+
+/// The calibration section of the text report: each figure changed (old → new, from which
+/// result) and each left alone (its value, and why no result applied).
+fn text_calibration(cal: &Calibration, out: &mut String) {
+    let _ = writeln!(out, "calibration (--calibrate):");
+    let line = |out: &mut String, tag: &str, i: &CalibrationItem| {
+        let value = match i.was {
+            Some(was) => format!("{was} -> {} {}", i.value, i.unit),
+            None => format!("{} {}", i.value, i.unit),
+        };
+        let _ = writeln!(
+            out,
+            "  {tag}: {} for {}: {value}; {}",
+            i.figure, i.applies_to, i.why
+        );
+    };
+    if cal.changed.is_empty() {
+        let _ = writeln!(out, "  changed: nothing");
+    }
+    for i in &cal.changed {
+        line(out, "changed", i);
+    }
+    for i in &cal.left_alone {
+        line(out, "left alone", i);
+    }
 }
 
 fn kb(bytes: f64) -> String {
@@ -954,6 +986,9 @@ impl Report<'_> {
         for s in &self.hw.sources {
             let _ = writeln!(out, "  {}: {} {} ({})", s.what, s.value, s.unit, s.from);
         }
+        if let Some(cal) = self.calibration {
+            text_calibration(cal, out);
+        }
         for n in self.notes {
             let _ = writeln!(out, "note: {n}");
         }
@@ -1015,6 +1050,7 @@ impl Report<'_> {
             "roofline": self.chosen,
             "roofline_sweep": self.sweep,
             "figures": &self.hw.sources,
+            "calibration": self.calibration,
             "notes": self.notes,
             "warnings": self.warnings,
             "written": self.written,
