@@ -100,6 +100,8 @@ pub(crate) struct HipDevice {
     host_allocs: Vec<*mut c_void>,
     loaded: Option<Loaded>,
     fused: bool,
+    /// Output rows already claimed, for the allocation-free batch check.
+    seen_rows: Vec<bool>,
 }
 
 // SAFETY: the device, its stream and its buffers are used from one thread at a time (`&mut self`
@@ -167,6 +169,7 @@ impl HipDevice {
                 host_allocs: Vec::new(),
                 loaded: None,
                 fused: true,
+                seen_rows: Vec::new(),
             })
         }
     }
@@ -443,7 +446,7 @@ impl HipDevice {
         out: &mut [f32],
     ) -> Result<(), BackendError> {
         let l = self.loaded.as_ref().ok_or(BackendError::NotLoaded)?;
-        batch.validate(&l.limits, out.len())?;
+        batch.validate_with(&l.limits, out.len(), &mut self.seen_rows)?;
         if batch.hidden != l.shape.hidden as usize {
             return Err(BackendError::Shape(format!(
                 "batch hidden size {} but the loaded experts have {}",
