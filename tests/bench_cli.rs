@@ -5,39 +5,10 @@
 //! is asserted.
 
 use serde_json::Value;
-use std::path::PathBuf;
-use std::process::Command;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(args: &[&str]) -> Run {
-    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .expect("run expertmesh");
-    let r = Run {
-        code: o.status.code().expect("exited normally, not by a signal"),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    };
-    assert!(
-        !r.stderr.contains("panicked") && !r.stdout.contains("panicked"),
-        "{args:?} panicked:\n{}{}",
-        r.stdout,
-        r.stderr
-    );
-    r
-}
+use common::run;
 
 fn read_json(path: &std::path::Path) -> Value {
     let text = std::fs::read_to_string(path).expect("bench JSON written");

@@ -4,41 +4,11 @@
 //! bench figures replace datasheet ones; bad input exits 2 with a message, never a panic.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(args: &[&str]) -> Run {
-    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .expect("run expertmesh");
-    let r = Run {
-        code: o.status.code().expect("exited normally, not by a signal"),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    };
-    for bad in ["panicked", "stack backtrace", "RUST_BACKTRACE"] {
-        assert!(
-            !r.stderr.contains(bad) && !r.stdout.contains(bad),
-            "{args:?} printed {bad:?}:\n{}{}",
-            r.stdout,
-            r.stderr
-        );
-    }
-    r
-}
+use common::{Run, run};
 
 fn json(r: &Run) -> Value {
     serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", r.stdout))

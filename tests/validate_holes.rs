@@ -4,41 +4,11 @@
 //! kind, a misspelled keyword, huge files, and sizes shown in the units they were written in.
 //! Exit codes: 0 valid, 1 invalid, 2 usage or I/O.
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(args: &[&str]) -> Run {
-    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .expect("run expertmesh");
-    let r = Run {
-        code: o.status.code().expect("exited normally, not by a signal"),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    };
-    for bad in ["panicked", "stack backtrace"] {
-        assert!(
-            !r.stderr.contains(bad),
-            "{args:?} printed {bad:?}:\n{}",
-            r.stderr
-        );
-    }
-    r
-}
+use common::{Run, root, run};
 
 /// Exit 1 with exactly these problems (each line contains its needle), in this order.
 fn invalid_with(args: &[&str], needles: &[&str]) -> Run {
