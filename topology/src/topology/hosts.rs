@@ -3,9 +3,12 @@
 //! one machine.
 //!
 //! Resolution goes through the system resolver (`std::net::ToSocketAddrs`: the hosts file, then
-//! DNS); nothing is ever sent to the hosts themselves. IP literals are not resolved. Hostnames
-//! are resolved once each, on a few threads, within [`RESOLVE_BUDGET`]; a name that does not
-//! resolve in time (or at all) is compared by its spelling, as before.
+//! DNS); nothing is ever sent to the hosts themselves. IP literals are not resolved, nor are
+//! special-use names that no resolver should be asked about (RFC 6761 / 2606: `.invalid`,
+//! `.test`, `.example`, `example.com|net|org`, and mDNS `.local`; `localhost` is loopback by
+//! definition). `EXPERTMESH_RESOLVE_HOSTS=0` turns resolution off (fuzzing, sandboxes without a
+//! resolver). Hostnames are resolved once each, on a few threads, within [`RESOLVE_BUDGET`]; a
+//! name that is not resolved (in time, or at all) is compared by its spelling, as before.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
@@ -41,9 +44,10 @@ pub(super) struct Host {
 /// Resolve every distinct written address once.
 pub(super) fn resolve_all<'a>(written: impl IntoIterator<Item = &'a str>) -> HashMap<String, Host> {
     let distinct: HashSet<&str> = written.into_iter().collect();
+    let resolve = std::env::var("EXPERTMESH_RESOLVE_HOSTS").map_or(true, |v| v != "0");
     let names: Vec<String> = distinct
         .iter()
-        .filter(|h| h.parse::<IpAddr>().is_err())
+        .filter(|h| resolve && h.parse::<IpAddr>().is_err() && !special_use(h))
         .map(|h| h.to_string())
         .collect();
     let resolved = resolve_names(names);
@@ -51,6 +55,18 @@ pub(super) fn resolve_all<'a>(written: impl IntoIterator<Item = &'a str>) -> Has
         .into_iter()
         .map(|h| (h.to_owned(), host(h, resolved.get(h))))
         .collect()
+}
+
+/// Names no resolver is asked about: reserved for documentation and tests, never registered
+/// (RFC 2606, RFC 6761), loopback by definition, or multicast DNS.
+fn special_use(name: &str) -> bool {
+    let n = name.trim_end_matches('.').to_ascii_lowercase();
+    let tld = n.rsplit('.').next().unwrap_or("");
+    matches!(tld, "invalid" | "test" | "example" | "localhost" | "local")
+        || n == "localhost"
+        || ["example.com", "example.net", "example.org"]
+            .iter()
+            .any(|d| n == *d || n.ends_with(&format!(".{d}")))
 }
 
 /// What `written` stands for, given what the resolver said for a hostname.
@@ -138,6 +154,27 @@ fn resolve_names(names: Vec<String>) -> HashMap<String, Vec<IpAddr>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn special_use_names_are_not_looked_up() {
+        for n in [
+            "a.invalid",
+            "host-b.example",
+            "x.test",
+            "node.local",
+            "www.example.com",
+        ] {
+            assert!(special_use(n), "{n}");
+        }
+        for n in [
+            "node0",
+            "gpu-host.cluster.internal",
+            "examples.com",
+            "invalidate",
+        ] {
+            assert!(!special_use(n), "{n}");
+        }
+    }
 
     #[test]
     fn literals_names_and_loopback() {
