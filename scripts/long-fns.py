@@ -144,7 +144,7 @@ def main():
             roots.append(a)
     bad = 0
     for dirpath, dirnames, filenames in (w for r in (roots or ["."]) for w in os.walk(r)):
-        dirnames[:] = [d for d in dirnames if d not in ("target", ".git", "tests", "fuzz", "benches", "examples")]
+        dirnames[:] = [d for d in dirnames if d not in ("target", ".git", "tests")]
         for fn in filenames:
             if not fn.endswith(".rs") or fn == "tests.rs":
                 continue
