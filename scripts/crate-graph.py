@@ -20,6 +20,7 @@ ALLOWED = {
     "expertmesh-hip-kernels": {"expertmesh-quant", "expertmesh-backend"},
     "expertmesh-topology": {"expertmesh-quant"},
     "expertmesh-planner": {"expertmesh-quant", "expertmesh-topology"},
+    "expertmesh-checkpoint": {"expertmesh-quant", "expertmesh-topology"},
     "expertmesh-transport": {"expertmesh-quant"},
     "expertmesh-router": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-topology", "expertmesh-transport",

@@ -1,28 +1,42 @@
-//! `expertmesh models [MODEL] [--toml]`: the built-in presets, or one model in detail.
+//! `expertmesh models [MODEL | --from-hf DIR] [--toml]`: the built-in presets, or one model in
+//! detail.
 //!
 //! Why this exists: `M` anywhere on the command line is a preset name or a model file, so users
 //! need to see the presets with their sizes, inspect one (a preset or their own file, which this
-//! also validates), and start a custom model file from a preset (`--toml`).
+//! also validates), start a custom model file from a preset (`--toml`), and get the model file
+//! of a Hugging Face checkpoint (`--from-hf DIR`, exactly or not at all).
 
 use crate::table::{self, left, right};
+use expertmesh_checkpoint::hf_config::load_hf_model;
 use expertmesh_topology::model::{ModelSpec, presets};
 use expertmesh_topology::model_file::model_to_toml_string;
 use expertmesh_topology::resolve_model;
 use expertmesh_topology::units::format_bytes;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Arguments of `expertmesh models`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("one_model").args(["model", "from_hf"])))]
 pub struct ModelsArgs {
     /// Show one model (a preset name or a model TOML file) in detail.
     model: Option<String>,
+    /// Show the model of a Hugging Face checkpoint folder, read from DIR/config.json
+    /// (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen2_moe without a shared expert, mixtral,
+    /// olmoe). Exit 1 names the key when the config cannot be served exactly; exit 2 when
+    /// config.json is missing or not JSON.
+    #[arg(long, value_name = "DIR", conflicts_with = "model")]
+    from_hf: Option<PathBuf>,
     /// Print the model as a model TOML file (a template for custom models).
-    #[arg(long, requires = "model")]
+    #[arg(long, requires = "one_model")]
     toml: bool,
 }
 
 /// Run `models`.
 pub fn run(args: &ModelsArgs) -> ExitCode {
+    if let Some(dir) = &args.from_hf {
+        return run_from_hf(dir, args.toml);
+    }
     let Some(name) = &args.model else {
         print!("{}", list());
         return ExitCode::SUCCESS;
@@ -50,6 +64,28 @@ pub fn run(args: &ModelsArgs) -> ExitCode {
             } else {
                 crate::cli::EXIT_INVALID
             })
+        }
+    }
+}
+
+/// `models --from-hf DIR [--toml]`: the checkpoint's model, printed as for a preset.
+fn run_from_hf(dir: &std::path::Path, toml: bool) -> ExitCode {
+    match load_hf_model(dir) {
+        Ok(m) if toml => {
+            print!("{}", model_to_toml_string(&m));
+            ExitCode::SUCCESS
+        }
+        Ok(m) => {
+            print!("{}", detail(&m));
+            ExitCode::SUCCESS
+        }
+        Err(e) if e.is_usage() => {
+            eprintln!("error: {e}");
+            ExitCode::from(crate::cli::EXIT_USAGE)
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(crate::cli::EXIT_INVALID)
         }
     }
 }

@@ -1,0 +1,15 @@
+//! Hugging Face checkpoints: what a checkpoint folder says about its model, and its tensors.
+//!
+//! Why this crate exists: serving a real model starts from a checkpoint folder (`config.json`
+//! plus `*.safetensors`). This crate reads both, bounded and validated, so that the model file
+//! (`expertmesh models --from-hf DIR`) and, later, the converter to packed INT4 shards
+//! (`expertmesh convert`) are built on one reader. It depends only on the numbers (`quant`) and
+//! the model description (`topology`); it does no network I/O.
+//!
+//! * [`safetensors`] — the safetensors format: header, tensors, multi-file index; mmap.
+//! * [`hf_config`] — `config.json` of each supported MoE family → a [`ModelSpec`].
+//!
+//! [`ModelSpec`]: expertmesh_topology::ModelSpec
+
+pub mod hf_config;
+pub mod safetensors;
