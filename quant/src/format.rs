@@ -514,6 +514,9 @@ impl PackedMatrix {
     /// Q4_0's rule, so the largest element maps to -8 exactly and all 16 levels are used).
     /// With zero points: `d = round16((max - min) / 15)`, `z = clamp(round(-min / d), 0, 15)`,
     /// codes `clamp(round(w / d) + z, 0, 15)`. An all-zero group gets scale 0 and code = zero point.
+    ///
+    /// [`crate::search::quantize_matrix_searched`] writes the same layout with a least-squares
+    /// scale (and zero point) search instead, for a lower reconstruction error.
     pub fn quantize(
         what: &'static str,
         spec: QuantSpec,
@@ -592,7 +595,11 @@ impl PackedMatrix {
     }
 }
 
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), FormatError> {
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), FormatError> {
     if expected == got {
         Ok(())
     } else {
@@ -605,7 +612,7 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), Form
 }
 
 /// Scale of a symmetric group: the signed element of largest magnitude divided by -8.
-fn quantize_group_sym_scale(dtype: ScaleDtype, w: &[f32]) -> u16 {
+pub(crate) fn quantize_group_sym_scale(dtype: ScaleDtype, w: &[f32]) -> u16 {
     let mut m = 0f32;
     for &v in w {
         if v.abs() > m.abs() {
@@ -618,7 +625,7 @@ fn quantize_group_sym_scale(dtype: ScaleDtype, w: &[f32]) -> u16 {
 }
 
 /// Scale and zero point of an asymmetric group.
-fn quantize_group_asym(dtype: ScaleDtype, w: &[f32]) -> (u16, u8) {
+pub(crate) fn quantize_group_asym(dtype: ScaleDtype, w: &[f32]) -> (u16, u8) {
     let min = w.iter().copied().fold(f32::INFINITY, f32::min);
     let max = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == min {

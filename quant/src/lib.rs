@@ -7,6 +7,7 @@
 //! kernel or a socket to get them.
 //!
 //! * [`format`] — the canonical packed INT4 layout (disk = CPU = GPU source of truth), quantizers.
+//! * [`search`] — the searched INT4 quantizer (least-squares scale / zero point search, error reports).
 //! * [`contract`] — the exact W4A8 contract: activation quantization, reduction order, `exp`.
 //! * [`reference`] — scalar oracle implementations (exact, accurate, f64).
 //! * [`synth`] — deterministic synthetic weights from `(seed, layer, expert)` and the RNG.
@@ -16,4 +17,5 @@ pub mod aligned;
 pub mod contract;
 pub mod format;
 pub mod reference;
+pub mod search;
 pub mod synth;

@@ -276,8 +276,15 @@ fn route_token(spec: &ModelSpec, l: &[f32], bias: &[f32], sc: &mut Scratch) {
     }
     if spec.norm_topk_prob && spec.scoring != Scoring::TopkSoftmax {
         let sum: f32 = sc.weights.iter().sum();
+        // transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter divide by `sum + 1e-20` (it
+        // shows once the chosen scores are tiny, and turns 0/0 into 0); the softmax blocks
+        // (Qwen2/Qwen3-MoE, OLMoE) divide by the bare sum.
+        let denominator = match spec.scoring {
+            Scoring::SigmoidBias => sum + 1e-20,
+            _ => sum,
+        };
         for v in sc.weights.iter_mut() {
-            *v /= sum;
+            *v /= denominator;
         }
     }
     if spec.routed_scaling_factor != 1.0 {
