@@ -202,8 +202,15 @@ impl RequestValidator {
         let spec = &self.spec;
         if self.layers.binary_search(&req.layer).is_err() {
             let l = &self.layers;
+            let what = if req.layer < spec.num_layers && !spec.is_moe_layer(req.layer) {
+                "a dense layer (its MLP is not a mixture of experts: run it in the frontend)"
+            } else if req.layer < spec.num_layers {
+                "a MoE layer this router does not serve"
+            } else {
+                "past the model's last layer"
+            };
             let msg = format!(
-                "layer {} is not a MoE layer served here (model {} serves layers {}..={}); send one of those",
+                "layer {} of model {} is {what}; the router serves MoE layers {}..={} (decoder layer indices)",
                 req.layer,
                 spec.name,
                 l.first().copied().unwrap_or(0),

@@ -608,3 +608,45 @@ fn overload_is_refused_not_queued_forever() {
     assert_eq!(code, ErrorCode::Overloaded);
     assert_eq!(sim.core.inflight(), 2);
 }
+
+#[test]
+fn a_dense_layer_is_refused_as_dense() {
+    // toy-grouped: 3 decoder layers, layer 0 dense, layers 1-2 MoE.
+    let spec = preset_by_name("toy-grouped").unwrap();
+    assert!(!spec.is_moe_layer(0) && spec.is_moe_layer(1));
+    let e = spec.routed_experts;
+    let (sim, _) = build(
+        &spec,
+        &[(0..e).collect()],
+        SharedSite::None,
+        ComputeMode::Exact,
+        RouterConfig::default(),
+    );
+    let h = spec.hidden;
+    let req = |layer: u32| LayerRequest {
+        request_id: 5,
+        layer,
+        tokens: 1,
+        hidden: h,
+        dtype: ActivationDtype::F32,
+        logit_experts: 0,
+        deadline_us: 0,
+    };
+    let payload: Vec<u8> = (0..h).flat_map(|_| 0.1f32.to_le_bytes()).collect();
+    let dense = sim
+        .core
+        .validate(1, &req(0), &payload, sim.now)
+        .unwrap_err();
+    assert_eq!(dense.code, ErrorCode::NotFound);
+    assert!(dense.message.contains("dense layer"), "{}", dense.message);
+    let past = sim
+        .core
+        .validate(1, &req(3), &payload, sim.now)
+        .unwrap_err();
+    assert!(
+        past.message.contains("past the model's last layer"),
+        "{}",
+        past.message
+    );
+    assert!(sim.core.validate(1, &req(1), &payload, sim.now).is_ok());
+}
