@@ -186,9 +186,10 @@ fn sanitize_name(raw: &str) -> String {
     trimmed.to_owned()
 }
 
-/// The MoE families this module maps.
+/// The MoE families this crate reads (the model mapping here, tensor names in
+/// [`crate::experts`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
+pub enum Family {
     /// DeepSeek-V3 and Kimi K2 (one modeling code).
     DeepseekV3,
     /// GLM-4.5 (`glm4_moe`).
@@ -238,18 +239,33 @@ pub fn same_math(a: &ModelSpec, b: &ModelSpec) -> bool {
     a == *b
 }
 
+impl Family {
+    /// The family of a `config.json` `model_type`, or `None` for one this crate does not read
+    /// (a config with architectures `DeepseekV3ForCausalLM` and another model type is
+    /// DeepSeek-V3 too: [`model_from_hf_config`] handles that).
+    pub fn from_model_type(model_type: &str) -> Option<Family> {
+        Some(match model_type {
+            "deepseek_v3" | "kimi_k2" => Family::DeepseekV3,
+            "glm4_moe" => Family::Glm4Moe,
+            "qwen3_moe" => Family::Qwen3Moe,
+            "qwen2_moe" => Family::Qwen2Moe,
+            "mixtral" => Family::Mixtral,
+            "olmoe" => Family::Olmoe,
+            _ => return None,
+        })
+    }
+
+    /// Whether the family's checkpoints have a shared expert per MoE layer that this crate
+    /// reads (Qwen2-MoE's gated shared expert is refused by the model mapping).
+    pub fn has_shared_expert(self) -> bool {
+        matches!(self, Family::DeepseekV3 | Family::Glm4Moe)
+    }
+}
+
 /// The family named by `model_type` (or by a DeepSeek-V3 architecture).
 fn family(cfg: &Cfg<'_>) -> Result<Family, String> {
     let model_type = cfg.str_opt("model_type")?;
-    let family = match model_type {
-        Some("deepseek_v3" | "kimi_k2") => Some(Family::DeepseekV3),
-        Some("glm4_moe") => Some(Family::Glm4Moe),
-        Some("qwen3_moe") => Some(Family::Qwen3Moe),
-        Some("qwen2_moe") => Some(Family::Qwen2Moe),
-        Some("mixtral") => Some(Family::Mixtral),
-        Some("olmoe") => Some(Family::Olmoe),
-        _ => None,
-    };
+    let family = model_type.and_then(Family::from_model_type);
     if let Some(f) = family {
         return Ok(f);
     }

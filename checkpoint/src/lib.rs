@@ -8,8 +8,10 @@
 //!
 //! * [`safetensors`] — the safetensors format: header, tensors, multi-file index; mmap.
 //! * [`hf_config`] — `config.json` of each supported MoE family → a [`ModelSpec`].
+//! * [`experts`] — one checkpoint expert (any family, BF16/F16/F32/FP8) → packed INT4 weights.
 //!
 //! [`ModelSpec`]: expertmesh_topology::ModelSpec
 
+pub mod experts;
 pub mod hf_config;
 pub mod safetensors;

@@ -1,0 +1,360 @@
+//! One expert of a Hugging Face checkpoint → packed INT4 [`ExpertWeights`]: the step
+//! `expertmesh convert` runs per expert.
+//!
+//! Why this exists: a checkpoint stores each expert as three dense projections (gate, up, down)
+//! under family-specific names and in BF16, F16, F32 or block-scaled FP8. The serving format is
+//! the packed INT4 pair `W13` (gate and up rows interleaved, [`w13_row_meaning`]) and `W2`, in
+//! the model's [`QuantSpec`]. This module finds the tensors, checks their shapes against the
+//! [`ModelSpec`], and streams them row by row through the searched quantizer
+//! ([`quantize_rows_searched`]), so memory beyond the output is one row of f32 (plus an FP8
+//! tensor's small block-scale grid), whatever the expert's size.
+//!
+//! Tensor names (the published layouts, PyTorch `Linear` weights `[out, in]`: gate and up
+//! `[F, H]`, down `[H, F]`):
+//!
+//! * DeepSeek-V3, Kimi K2, GLM-4.5: `model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`;
+//!   shared: `model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.weight`.
+//! * Qwen3-MoE, OLMoE: `model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`; no shared
+//!   expert.
+//! * Mixtral: `model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (w1 = gate,
+//!   w3 = up, w2 = down); no shared expert.
+//!
+//! FP8 (`F8_E4M3`) weights are DeepSeek-V3's block-scaled layout: a `…weight_scale_inv` tensor
+//! next to each `…weight`, shape `[ceil(rows/128), ceil(cols/128)]` (any float dtype), and
+//! `value = e4m3(code) × scale_inv[r/128][c/128]`. A NaN or infinite weight is an error naming
+//! the tensor, row and column.
+
+use expertmesh_quant::format::{
+    ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, w13_row_meaning,
+};
+use expertmesh_quant::search::quantize_rows_searched;
+use expertmesh_topology::model::ModelSpec;
+
+pub use crate::hf_config::Family;
+use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
+
+/// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid.
+pub const FP8_BLOCK: usize = 128;
+
+/// Which expert of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertRef {
+    /// Routed expert `e`.
+    Routed(u32),
+    /// The layer's shared expert (DeepSeek-V3 family: one, of width `shared_intermediate`).
+    Shared,
+}
+
+impl std::fmt::Display for ExpertRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExpertRef::Routed(e) => write!(f, "routed expert {e}"),
+            ExpertRef::Shared => f.write_str("shared expert"),
+        }
+    }
+}
+
+/// Everything that can go wrong reading an expert; each message names the tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertError {
+    /// The layer or expert does not exist in the model (or the family has no shared expert).
+    #[error("layer {layer}, {which}: {reason}")]
+    NoSuchExpert {
+        /// The layer asked for.
+        layer: u32,
+        /// The expert asked for.
+        which: ExpertRef,
+        /// Why it does not exist.
+        reason: String,
+    },
+    /// Reading a tensor failed (missing tensor, missing shard, corrupt file); names the tensor.
+    #[error(transparent)]
+    Read(#[from] SafetensorsError),
+    /// A tensor's shape is not what the model says.
+    #[error(
+        "tensor \"{tensor}\" has shape {actual:?} but the model needs {expected:?}; the \
+         checkpoint does not match its config.json"
+    )]
+    Shape {
+        /// The tensor.
+        tensor: String,
+        /// The shape the model implies.
+        expected: Vec<usize>,
+        /// The shape in the checkpoint.
+        actual: Vec<usize>,
+    },
+    /// A weight's dtype is not one the converter reads.
+    #[error(
+        "tensor \"{tensor}\" has dtype {dtype}; expert weights must be BF16, F16, F32 or \
+         F8_E4M3 with a weight_scale_inv tensor"
+    )]
+    Dtype {
+        /// The tensor.
+        tensor: String,
+        /// Its dtype.
+        dtype: Dtype,
+    },
+    /// A weight (after FP8 scaling) is NaN or infinite.
+    #[error(
+        "tensor \"{tensor}\": weight at row {row}, column {col} is not finite ({value}); the \
+         checkpoint is corrupt: re-download it"
+    )]
+    NonFinite {
+        /// The weight tensor.
+        tensor: String,
+        /// Row index.
+        row: usize,
+        /// Column index.
+        col: usize,
+        /// The value after conversion (and scaling).
+        value: f32,
+    },
+    /// The quantizer refused the matrix (e.g. a dimension not a multiple of the group size).
+    #[error("quantizing {what} from \"{tensor}\": {source}")]
+    Quantize {
+        /// Which packed matrix (`W13` or `W2`).
+        what: &'static str,
+        /// A source tensor of it.
+        tensor: String,
+        /// The quantizer's error.
+        #[source]
+        source: FormatError,
+    },
+}
+
+/// The checkpoint tensor names `[gate, up, down]` of one expert of `layer` in `family`'s layout.
+pub fn expert_tensor_names(
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<[String; 3], ExpertError> {
+    let p = format!("model.layers.{layer}");
+    let names = match (family, which) {
+        (Family::Mixtral, ExpertRef::Routed(e)) => {
+            let b = format!("{p}.block_sparse_moe.experts.{e}");
+            ["w1", "w3", "w2"].map(|w| format!("{b}.{w}.weight"))
+        }
+        (_, ExpertRef::Routed(e)) => {
+            ["gate", "up", "down"].map(|w| format!("{p}.mlp.experts.{e}.{w}_proj.weight"))
+        }
+        (f, ExpertRef::Shared) if f.has_shared_expert() => {
+            ["gate", "up", "down"].map(|w| format!("{p}.mlp.shared_experts.{w}_proj.weight"))
+        }
+        (f, ExpertRef::Shared) => {
+            return Err(ExpertError::NoSuchExpert {
+                layer,
+                which,
+                reason: format!("{f:?} checkpoints have no shared expert"),
+            });
+        }
+    };
+    Ok(names)
+}
+
+/// Reads one expert of `layer` from `ckpt`, checks it against `spec`, and quantizes it with the
+/// searched quantizer into `spec.quant`, row by row. Returns the packed expert and its relative
+/// error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a second time, row by row).
+pub fn read_expert(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<(ExpertWeights, f64), ExpertError> {
+    let inter = expert_inter(spec, family, layer, which)?;
+    let hidden = spec.hidden as usize;
+    let [gate, up, down] = expert_tensor_names(family, layer, which)?;
+    let gate = RowSource::open(ckpt, &gate, [inter, hidden])?;
+    let up = RowSource::open(ckpt, &up, [inter, hidden])?;
+    let down = RowSource::open(ckpt, &down, [hidden, inter])?;
+    let w13_row = |r: usize, out: &mut [f32]| match w13_row_meaning(r) {
+        (GateUp::Gate, f) => gate.fill(f, out),
+        (GateUp::Up, f) => up.fill(f, out),
+    };
+    let w2_row = |n: usize, out: &mut [f32]| down.fill(n, out);
+    let quant = spec.quant;
+    let w13 = quantize_streamed("W13", &gate.name, 2 * inter, hidden, quant, w13_row)?;
+    let w2 = quantize_streamed("W2", &down.name, hidden, inter, quant, w2_row)?;
+    let (d13, n13) = squared_error(&w13, w13_row)?;
+    let (d2, n2) = squared_error(&w2, w2_row)?;
+    let (diff, norm) = (d13 + d2, n13 + n2);
+    let error = if norm == 0.0 {
+        if diff == 0.0 { 0.0 } else { f64::INFINITY }
+    } else {
+        (diff / norm).sqrt()
+    };
+    let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
+        what: "W13/W2",
+        tensor: down.name.clone(),
+        source,
+    })?;
+    Ok((weights, error))
+}
+
+/// The intermediate size of the expert, after checking that `layer` is an MoE layer of `spec`
+/// and that the expert exists.
+fn expert_inter(
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<usize, ExpertError> {
+    let fail = |reason: String| ExpertError::NoSuchExpert {
+        layer,
+        which,
+        reason,
+    };
+    if !spec.moe_layer_ids().contains(&layer) {
+        return Err(fail(format!(
+            "layer {layer} is not an MoE layer of {} ({} layers, dense prefix {}, step {})",
+            spec.name, spec.num_layers, spec.first_dense_layers, spec.moe_layer_step
+        )));
+    }
+    match which {
+        ExpertRef::Routed(e) if e >= spec.routed_experts => Err(fail(format!(
+            "{} has {} routed experts per layer",
+            spec.name, spec.routed_experts
+        ))),
+        ExpertRef::Routed(_) => Ok(spec.moe_intermediate as usize),
+        ExpertRef::Shared if spec.shared_experts == 0 || !family.has_shared_expert() => {
+            Err(fail(format!("{} has no shared expert", spec.name)))
+        }
+        ExpertRef::Shared => Ok(spec.shared_intermediate as usize),
+    }
+}
+
+/// [`quantize_rows_searched`] over a fallible row source: the first error stops reading (later
+/// rows are zeros) and is returned instead of the matrix.
+fn quantize_streamed(
+    what: &'static str,
+    tensor: &str,
+    rows: usize,
+    cols: usize,
+    quant: QuantSpec,
+    fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
+) -> Result<PackedMatrix, ExpertError> {
+    let mut failed = None;
+    let packed = quantize_rows_searched(rows, cols, quant, |n, out| {
+        if failed.is_none()
+            && let Err(e) = fill(n, out)
+        {
+            failed = Some(e);
+        }
+        if failed.is_some() {
+            out.fill(0.0);
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    packed.map_err(|source| ExpertError::Quantize {
+        what,
+        tensor: tensor.to_string(),
+        source,
+    })
+}
+
+/// `(Σ (x − deq)², Σ x²)` in f64 over every row of `packed`, re-reading the source row by row.
+fn squared_error(
+    packed: &PackedMatrix,
+    fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
+) -> Result<(f64, f64), ExpertError> {
+    let cols = packed.cols();
+    let (mut src, mut deq) = (vec![0f32; cols], vec![0f32; cols]);
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for n in 0..packed.rows() {
+        fill(n, &mut src)?;
+        packed.dequantize_row(n, &mut deq);
+        for (&x, &y) in src.iter().zip(&deq) {
+            let r = f64::from(x) - f64::from(y);
+            diff += r * r;
+            norm += f64::from(x) * f64::from(x);
+        }
+    }
+    Ok((diff, norm))
+}
+
+/// One source weight tensor, read a row at a time as f32 (FP8 scaled by its block grid).
+struct RowSource<'a> {
+    name: String,
+    view: TensorView<'a>,
+    /// FP8 only: the `weight_scale_inv` grid, row-major, and its column count.
+    scales: Option<(Vec<f32>, usize)>,
+}
+
+impl<'a> RowSource<'a> {
+    /// Opens `name`, checking its shape is `[rows, cols]` and its dtype readable; for FP8 also
+    /// loads and checks its `…_scale_inv` grid.
+    fn open(ckpt: &'a Checkpoint, name: &str, shape: [usize; 2]) -> Result<Self, ExpertError> {
+        let view = ckpt.tensor(name)?;
+        check_shape(name, view.shape(), &shape)?;
+        let scales = match view.dtype() {
+            Dtype::BF16 | Dtype::F16 | Dtype::F32 => None,
+            Dtype::F8E4M3 => Some(load_scales(ckpt, name, shape)?),
+            dtype => {
+                return Err(ExpertError::Dtype {
+                    tensor: name.to_string(),
+                    dtype,
+                });
+            }
+        };
+        Ok(RowSource {
+            name: name.to_string(),
+            view,
+            scales,
+        })
+    }
+
+    /// Writes row `r` as f32 into `out` (which holds one row), rejecting NaN and infinity.
+    fn fill(&self, r: usize, out: &mut [f32]) -> Result<(), ExpertError> {
+        self.view.rows(r..r + 1)?.to_f32_into(out)?;
+        if let Some((grid, grid_cols)) = &self.scales {
+            let row = &grid[(r / FP8_BLOCK) * grid_cols..][..*grid_cols];
+            for (c, v) in out.iter_mut().enumerate() {
+                *v *= row[c / FP8_BLOCK];
+            }
+        }
+        match out.iter().position(|v| !v.is_finite()) {
+            None => Ok(()),
+            Some(col) => Err(ExpertError::NonFinite {
+                tensor: self.name.clone(),
+                row: r,
+                col,
+                value: out[col],
+            }),
+        }
+    }
+}
+
+/// The block-scale grid of FP8 weight `name` (shape `[rows, cols]`): `{name}_scale_inv`, shape
+/// `[ceil(rows/128), ceil(cols/128)]`, as f32 with its column count.
+fn load_scales(
+    ckpt: &Checkpoint,
+    name: &str,
+    [rows, cols]: [usize; 2],
+) -> Result<(Vec<f32>, usize), ExpertError> {
+    let scale_name = format!("{name}_scale_inv");
+    let view = ckpt.tensor(&scale_name)?;
+    let expected = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
+    check_shape(&scale_name, view.shape(), &expected)?;
+    if !view.dtype().converts_to_f32() {
+        return Err(ExpertError::Dtype {
+            tensor: scale_name,
+            dtype: view.dtype(),
+        });
+    }
+    Ok((view.to_f32_vec()?, expected[1]))
+}
+
+/// An error naming `tensor` unless `actual == expected`.
+fn check_shape(tensor: &str, actual: &[usize], expected: &[usize]) -> Result<(), ExpertError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(ExpertError::Shape {
+            tensor: tensor.to_string(),
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        })
+    }
+}
