@@ -23,6 +23,10 @@
 //! next to each `…weight`, shape `[ceil(rows/128), ceil(cols/128)]` (any float dtype), and
 //! `value = e4m3(code) × scale_inv[r/128][c/128]`. A NaN or infinite weight is an error naming
 //! the tensor, row and column.
+//!
+//! A compressed-tensors `pack-quantized` INT4 projection (Kimi K2-Thinking: `X.weight_packed`,
+//! `X.weight_scale`, `X.weight_shape` instead of `X.weight`) is detected per tensor and imported
+//! without requantization by [`crate::packed_import`].
 
 use expertmesh_quant::format::{
     ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, w13_row_meaning,
@@ -31,6 +35,7 @@ use expertmesh_quant::search::quantize_rows_searched;
 use expertmesh_topology::model::ModelSpec;
 
 pub use crate::hf_config::Family;
+use crate::packed_import::read_packed_expert;
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
 
 /// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid.
@@ -109,6 +114,15 @@ pub enum ExpertError {
         /// The value after conversion (and scaling).
         value: f32,
     },
+    /// A `pack-quantized` INT4 tensor cannot be imported losslessly (wrong dtype, recorded
+    /// shape, group size or scale dtype, or a mix of formats within one expert).
+    #[error("tensor \"{tensor}\": {reason}")]
+    Packed {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// The quantizer refused the matrix (e.g. a dimension not a multiple of the group size).
     #[error("quantizing {what} from \"{tensor}\": {source}")]
     Quantize {
@@ -154,6 +168,9 @@ pub fn expert_tensor_names(
 /// Reads one expert of `layer` from `ckpt`, checks it against `spec`, and quantizes it with the
 /// searched quantizer into `spec.quant`, row by row. Returns the packed expert and its relative
 /// error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a second time, row by row).
+///
+/// When the expert is stored `pack-quantized` INT4, its codes and scales are imported exactly
+/// instead ([`read_packed_expert`]) and the error, measured the same way, is 0.
 pub fn read_expert(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
@@ -163,7 +180,11 @@ pub fn read_expert(
 ) -> Result<(ExpertWeights, f64), ExpertError> {
     let inter = expert_inter(spec, family, layer, which)?;
     let hidden = spec.hidden as usize;
-    let [gate, up, down] = expert_tensor_names(family, layer, which)?;
+    let names = expert_tensor_names(family, layer, which)?;
+    if let Some(imported) = read_packed_expert(ckpt, spec.quant, &names, inter, hidden)? {
+        return Ok(imported);
+    }
+    let [gate, up, down] = names;
     let gate = RowSource::open(ckpt, &gate, [inter, hidden])?;
     let up = RowSource::open(ckpt, &up, [inter, hidden])?;
     let down = RowSource::open(ckpt, &down, [hidden, inter])?;
@@ -177,12 +198,7 @@ pub fn read_expert(
     let w2 = quantize_streamed("W2", &down.name, hidden, inter, quant, w2_row)?;
     let (d13, n13) = squared_error(&w13, w13_row)?;
     let (d2, n2) = squared_error(&w2, w2_row)?;
-    let (diff, norm) = (d13 + d2, n13 + n2);
-    let error = if norm == 0.0 {
-        if diff == 0.0 { 0.0 } else { f64::INFINITY }
-    } else {
-        (diff / norm).sqrt()
-    };
+    let error = relative_error(d13 + d2, n13 + n2);
     let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
         what: "W13/W2",
         tensor: down.name.clone(),
@@ -254,8 +270,18 @@ fn quantize_streamed(
     })
 }
 
+/// `sqrt(diff / norm)`: 0 for an exact all-zero source, infinite for a zero source reproduced
+/// inexactly.
+pub(crate) fn relative_error(diff: f64, norm: f64) -> f64 {
+    if norm == 0.0 {
+        if diff == 0.0 { 0.0 } else { f64::INFINITY }
+    } else {
+        (diff / norm).sqrt()
+    }
+}
+
 /// `(Σ (x − deq)², Σ x²)` in f64 over every row of `packed`, re-reading the source row by row.
-fn squared_error(
+pub(crate) fn squared_error(
     packed: &PackedMatrix,
     fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
 ) -> Result<(f64, f64), ExpertError> {
@@ -347,7 +373,11 @@ fn load_scales(
 }
 
 /// An error naming `tensor` unless `actual == expected`.
-fn check_shape(tensor: &str, actual: &[usize], expected: &[usize]) -> Result<(), ExpertError> {
+pub(crate) fn check_shape(
+    tensor: &str,
+    actual: &[usize],
+    expected: &[usize],
+) -> Result<(), ExpertError> {
     if actual == expected {
         Ok(())
     } else {

@@ -9,9 +9,12 @@
 //! * [`safetensors`] — the safetensors format: header, tensors, multi-file index; mmap.
 //! * [`hf_config`] — `config.json` of each supported MoE family → a [`ModelSpec`].
 //! * [`experts`] — one checkpoint expert (any family, BF16/F16/F32/FP8) → packed INT4 weights.
+//! * [`packed_import`] — a compressed-tensors `pack-quantized` INT4 expert → packed INT4 weights,
+//!   losslessly (codes and scale bits copied, no requantization).
 //!
 //! [`ModelSpec`]: expertmesh_topology::ModelSpec
 
 pub mod experts;
 pub mod hf_config;
+pub mod packed_import;
 pub mod safetensors;
