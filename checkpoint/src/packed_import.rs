@@ -18,7 +18,7 @@
 //! [`QuantSpec`] (bf16 and f16 are never converted into each other).
 
 use expertmesh_quant::format::{
-    BLOCK, BLOCK_BYTES, ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
+    ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
 };
 
 use crate::experts::{ExpertError, check_shape, relative_error, squared_error};
@@ -203,13 +203,9 @@ impl<'a> PackedSource<'a> {
 
     /// Copies row `r` (codes in Q4_0 nibble order, scale bits as they are) into row `n` of `dst`.
     fn copy_row(&self, r: usize, dst: &mut PackedMatrix, n: usize) {
-        let row_bytes = dst.row_bytes();
-        let nibbles = &mut dst.nibbles_mut()[n * row_bytes..][..row_bytes];
-        for (b, block) in nibbles.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            for (j, byte) in block.iter_mut().enumerate() {
-                let k = b * BLOCK + j;
-                *byte = self.code(r, k) | (self.code(r, k + BLOCK_BYTES) << 4);
-            }
+        // The format places each code (its Q4_0 nibble order lives in `set_code` only).
+        for k in 0..dst.cols() {
+            dst.set_code(n, k, self.code(r, k));
         }
         let groups = self.groups;
         let scales = &mut dst.scales_mut()[n * groups..][..groups];

@@ -984,35 +984,7 @@ fn convert<const N: usize>(out: &mut [f32], bytes: &[u8], f: impl Fn([u8; N]) ->
     }
 }
 
-/// Every E4M3FN code as `f32`, built from the bits at compile time.
-static E4M3_TABLE: [f32; 256] = e4m3_table();
-
-const fn e4m3_table() -> [f32; 256] {
-    let mut table = [0.0f32; 256];
-    let mut code = 0;
-    while code < 256 {
-        let sign = ((code >> 7) as u32) << 31;
-        let exp = ((code >> 3) & 0xF) as u32;
-        let man = (code & 0x7) as u32;
-        let magnitude = if exp == 0xF && man == 0x7 {
-            f32::NAN
-        } else if exp == 0 {
-            // Subnormal: man × 2^-9, exact in f32.
-            man as f32 / 512.0
-        } else {
-            // Normal: rebias 7 → 127 and widen the mantissa 3 → 23 bits.
-            f32::from_bits(((exp + 120) << 23) | (man << 20))
-        };
-        table[code] = f32::from_bits(magnitude.to_bits() | sign);
-        code += 1;
-    }
-    table
-}
-
-/// Decodes one OCP FP8 E4M3FN byte (bias 7, no infinities, `0x7F`/`0xFF` are NaN).
-pub fn e4m3_to_f32(code: u8) -> f32 {
-    E4M3_TABLE[code as usize]
-}
+pub use expertmesh_quant::fp8::e4m3_to_f32;
 
 /// Decodes one OCP FP8 E5M2 byte (the top half of an IEEE half).
 pub fn e5m2_to_f32(code: u8) -> f32 {

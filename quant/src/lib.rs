@@ -11,11 +11,13 @@
 //! * [`contract`] — the exact W4A8 contract: activation quantization, reduction order, `exp`.
 //! * [`reference`] — scalar oracle implementations (exact, accurate, f64).
 //! * [`synth`] — deterministic synthetic weights from `(seed, layer, expert)` and the RNG.
+//! * [`fp8`] — the OCP FP8 E4M3FN encoder and decoder (wire activations, checkpoint weights).
 //! * [`aligned`] — 64-byte aligned fixed-size buffers.
 
 pub mod aligned;
 pub mod contract;
 pub mod format;
+pub mod fp8;
 pub mod reference;
 pub mod search;
 pub mod synth;

@@ -70,10 +70,7 @@ pub fn quantize_matrix_searched(
     cols: usize,
     spec: QuantSpec,
 ) -> Result<PackedMatrix, FormatError> {
-    check_len(WHAT, rows * cols, values.len())?;
-    quantize_rows_searched(rows, cols, spec, |n, out| {
-        out.copy_from_slice(&values[n * cols..(n + 1) * cols])
-    })
+    quantize_widened(values, rows, cols, spec)
 }
 
 /// [`quantize_matrix_searched`] from bfloat16 weights (each row widened to f32 exactly).
@@ -83,12 +80,7 @@ pub fn quantize_matrix_searched_bf16(
     cols: usize,
     spec: QuantSpec,
 ) -> Result<PackedMatrix, FormatError> {
-    check_len(WHAT, rows * cols, values.len())?;
-    quantize_rows_searched(rows, cols, spec, |n, out| {
-        for (o, v) in out.iter_mut().zip(&values[n * cols..(n + 1) * cols]) {
-            *o = v.to_f32();
-        }
-    })
+    quantize_widened(values, rows, cols, spec)
 }
 
 /// [`quantize_matrix_searched`] from IEEE half weights (each row widened to f32 exactly).
@@ -98,10 +90,20 @@ pub fn quantize_matrix_searched_f16(
     cols: usize,
     spec: QuantSpec,
 ) -> Result<PackedMatrix, FormatError> {
+    quantize_widened(values, rows, cols, spec)
+}
+
+/// The dense input paths (f32, bf16, f16): each row widened to f32 exactly, then searched.
+fn quantize_widened<T: Copy + Into<f32>>(
+    values: &[T],
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+) -> Result<PackedMatrix, FormatError> {
     check_len(WHAT, rows * cols, values.len())?;
     quantize_rows_searched(rows, cols, spec, |n, out| {
-        for (o, v) in out.iter_mut().zip(&values[n * cols..(n + 1) * cols]) {
-            *o = v.to_f32();
+        for (o, &v) in out.iter_mut().zip(&values[n * cols..(n + 1) * cols]) {
+            *o = v.into();
         }
     })
 }

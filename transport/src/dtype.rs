@@ -165,60 +165,7 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), Dtyp
     Ok(())
 }
 
-/// Largest finite e4m3 magnitude.
-pub const E4M3_MAX: f32 = 448.0;
-
-/// Encodes one f32 as fp8 e4m3 (round to nearest even, saturating to ±448; NaN → 0x7F).
-pub fn f32_to_e4m3(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0x7F;
-    }
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-    let a = x.abs();
-    if a >= E4M3_MAX {
-        return sign | 0x7E;
-    }
-    // Subnormal range: values below 2^-6 are multiples of 2^-9.
-    if a < 2f32.powi(-6) {
-        let q = (a * 512.0).round_ties_even(); // 0..=8; 8 means the smallest normal
-        return sign | q as u8;
-    }
-    let bits = a.to_bits();
-    let exp = ((bits >> 23) & 0xFF) as i32 - 127; // -6..=8
-    let mant = bits & 0x7F_FFFF;
-    // Keep 3 mantissa bits, round half to even on the 20 dropped bits.
-    let mut m3 = mant >> 20;
-    let rest = mant & 0xF_FFFF;
-    let half = 0x8_0000;
-    if rest > half || (rest == half && (m3 & 1) == 1) {
-        m3 += 1;
-    }
-    let mut e = exp + 7;
-    if m3 == 8 {
-        m3 = 0;
-        e += 1;
-    }
-    let code = ((e as u32) << 3) | m3;
-    if code > 0x7E {
-        return sign | 0x7E;
-    }
-    sign | code as u8
-}
-
-/// Decodes one fp8 e4m3 code.
-pub fn e4m3_to_f32(c: u8) -> f32 {
-    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((c >> 3) & 0x0F) as i32;
-    let m = (c & 0x07) as f32;
-    if e == 0x0F && (c & 0x07) == 0x07 {
-        return f32::NAN;
-    }
-    if e == 0 {
-        sign * m * 2f32.powi(-9)
-    } else {
-        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    }
-}
+pub use expertmesh_quant::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
 
 /// Encodes `src` (`[tokens][hidden]` f32) into `dst` in `dtype`'s payload layout. `dst` must be
 /// exactly [`ActivationDtype::payload_bytes`] long.
