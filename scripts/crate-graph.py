@@ -20,7 +20,8 @@ ALLOWED = {
     "expertmesh-hip-kernels": {"expertmesh-quant", "expertmesh-backend"},
     "expertmesh-topology": {"expertmesh-quant"},
     "expertmesh-planner": {"expertmesh-quant", "expertmesh-topology"},
-    "expertmesh-checkpoint": {"expertmesh-quant", "expertmesh-topology"},
+    "expertmesh-shard": {"expertmesh-quant"},
+    "expertmesh-checkpoint": {"expertmesh-quant", "expertmesh-topology", "expertmesh-shard"},
     "expertmesh-transport": {"expertmesh-quant"},
     "expertmesh-router": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-topology", "expertmesh-transport",
@@ -28,7 +29,7 @@ ALLOWED = {
     "expertmesh-worker": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-cpu-backend",
         "expertmesh-hip-kernels", "expertmesh-topology", "expertmesh-transport",
-        "expertmesh-router",
+        "expertmesh-router", "expertmesh-shard",
     },
 }
 # Backend implementations: only these crates may depend on them.

@@ -10,19 +10,20 @@
 //!   topology rank ([`Deployment::device_label`]), as `expertmesh validate` does;
 //! * workers dial only the router (its mesh listener is the router node's `control_port`;
 //!   frontends connect to the `[router]` section's port);
-//! * expert weights come from [`crate::weights`] (synthetic from the seed until checkpoint
-//!   loading lands: that module is the one to replace).
+//! * expert weights come from [`crate::weights`]: a converted weights folder (`--weights W`,
+//!   whose manifest also names the model and the placement), or synthetic from the seed.
 
 use anyhow::{Context, anyhow, bail};
 use expertmesh_router::core::{LayerSetup, SharedSite};
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_shard::manifest::Manifest;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
 use expertmesh_transport::codec::CodecConfig;
 use expertmesh_transport::mesh::{LinkKind, MeshConfig, PeerAddress};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,8 +44,10 @@ pub struct Deployment {
     pub spec: ModelSpec,
     /// Where every expert lives.
     pub placement: Placement,
-    /// Seed of the synthetic weights.
+    /// Seed of the synthetic weights (unused when `weights` is set).
     pub seed: u64,
+    /// The converted weights folder, when serving a real checkpoint.
+    pub weights: Option<Arc<ConvertedWeights>>,
     /// Shared secret for the mesh and frontends (`None`: no authentication).
     pub secret: Option<Arc<[u8]>>,
 }
@@ -60,6 +63,32 @@ impl Deployment {
             spec,
             placement,
             seed,
+            weights: None,
+            secret: secret_from_env()?,
+        })
+    }
+
+    /// Load a deployment of the converted weights folder `weights` on `topology`: the model
+    /// and the placement come from its manifest, checked against each other and the topology
+    /// (weights converted for another cluster or an edited folder are refused).
+    pub fn load_converted(topology: &Path, weights: &Path) -> anyhow::Result<Self> {
+        let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
+        let manifest = Manifest::load(weights).map_err(|e| anyhow!("{e}"))?;
+        let model_path = weights.join(&manifest.model_file);
+        let spec =
+            expertmesh_topology::model_file::load_model(&model_path).map_err(|e| anyhow!("{e}"))?;
+        let placement = Placement::load(&weights.join(&manifest.placement_file), &topo, &spec)
+            .map_err(|e| anyhow!("{e}"))?;
+        check_manifest(&manifest, &topo, &spec, weights)?;
+        Ok(Self {
+            topology: topo,
+            spec,
+            placement,
+            seed: 0,
+            weights: Some(Arc::new(ConvertedWeights {
+                dir: weights.to_path_buf(),
+                manifest,
+            })),
             secret: secret_from_env()?,
         })
     }
@@ -182,9 +211,11 @@ impl Deployment {
         cfg
     }
 
-    /// The router's view of every MoE layer: gate, owners as mesh ranks, shared site.
-    pub fn layer_setups(&self) -> Vec<LayerSetup> {
+    /// The router's view of every MoE layer: gate, owners as mesh ranks, shared site. Gates
+    /// come from the router file of converted weights (synthetic from the seed otherwise).
+    pub fn layer_setups(&self) -> anyhow::Result<Vec<LayerSetup>> {
         let e = self.spec.routed_experts;
+        let mut gates = crate::weights::Gates::open(self)?;
         self.spec
             .moe_layer_ids()
             .into_iter()
@@ -206,14 +237,12 @@ impl Deployment {
                         _ => SharedSite::Router,
                     }
                 };
-                LayerSetup {
+                Ok(LayerSetup {
                     layer,
-                    gate: expertmesh_router::reference::synthetic_gate(
-                        &self.spec, self.seed, layer,
-                    ),
+                    gate: gates.layer(self, layer)?,
                     owners: LayerOwners { owners },
                     shared,
-                }
+                })
             })
             .collect()
     }
@@ -242,6 +271,60 @@ impl Deployment {
                 )
             })
     }
+}
+
+/// A converted weights folder and its manifest.
+#[derive(Clone, Debug)]
+pub struct ConvertedWeights {
+    /// The folder.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+impl ConvertedWeights {
+    /// Path of a file named in the manifest.
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+}
+
+/// The manifest agrees with the topology and the model it names.
+fn check_manifest(
+    m: &Manifest,
+    topo: &Topology,
+    spec: &ModelSpec,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let d = dir.display();
+    if m.topology != topo.name() {
+        bail!(
+            "{d} was converted for cluster {:?} but the topology is {:?}; pass that topology, or \
+             convert again with this one (`expertmesh convert --topology ...`)",
+            m.topology,
+            topo.name()
+        );
+    }
+    if m.model != spec.name || m.quant != spec.quant {
+        bail!(
+            "{d}: the manifest says model {:?} ({}) but {} says {:?} ({}); the folder was \
+             edited: convert again",
+            m.model,
+            m.quant,
+            m.model_file,
+            spec.name,
+            spec.quant
+        );
+    }
+    let ids: Vec<&str> = topo.devices().iter().map(|x| x.id()).collect();
+    let shard_ids: Vec<&str> = m.shards.iter().map(|s| s.device.as_str()).collect();
+    if ids != shard_ids {
+        bail!(
+            "{d}: the manifest has shards for devices {shard_ids:?} but the topology's devices \
+             are {ids:?}; convert again with this topology"
+        );
+    }
+    Ok(())
 }
 
 /// The shared secret from `EXPERTMESH_SECRET` or the file named by `EXPERTMESH_SECRET_FILE`.

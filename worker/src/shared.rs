@@ -111,7 +111,7 @@ pub fn router_core(
     Ok(RouterCore::new(
         dep.spec.clone(),
         cfg,
-        dep.layer_setups(),
+        dep.layer_setups()?,
         dep.replicas(),
         dep.rank_names(),
         runner,

@@ -1,19 +1,25 @@
 //! Weight loading: which experts a device pins, and the in-process reference backend.
 //!
 //! Why this exists: a worker (and the router, for shared experts it runs itself) must load
-//! exactly the (layer, expert) weights the placement gives it, once, at start. Weights are
-//! synthetic from the deployment's seed until checkpoint loading lands; this module is the one
-//! to extend. The in-process reference backend (every expert of some layers on one CPU
+//! exactly the (layer, expert) weights the placement gives it, once, at start. With converted
+//! weights (`--weights W`) a worker maps only its own shard, checks it against the manifest's
+//! checksum and the placement, and copies each expert out of the map (the router reads gates,
+//! biases and shared experts from the router file); without, weights are synthetic from the
+//! deployment's seed. The in-process reference backend (every expert of some layers on one CPU
 //! backend) lives here too: it is the only other place that builds a concrete backend.
 
 use crate::deploy::Deployment;
-use anyhow::Context;
+use anyhow::{Context, anyhow, bail};
 use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend, ExpertKey};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::format::{ExpertWeights, FormatError};
+use expertmesh_router::gating::GateWeights;
+use expertmesh_shard::file::{ShardFile, ShardKind};
+use expertmesh_shard::{gate_bias_name, gate_weight_name};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::SharedLocation;
 use expertmesh_topology::topology::DeviceRank;
+use std::collections::BTreeSet;
 
 /// Why the reference backend could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +33,15 @@ pub enum ReferenceError {
 }
 
 /// The experts a device pins: its routed experts of every layer, plus the shared experts of the
-/// layers whose shared experts it runs (keys `routed_experts + i`). Synthetic from the seed for
-/// now; checkpoint loading replaces this one function.
+/// layers whose shared experts it runs (keys `routed_experts + i`). From its shard when the
+/// deployment has converted weights, synthetic from the seed otherwise.
 pub fn load_device_experts(
     dep: &Deployment,
     d: DeviceRank,
 ) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+    if dep.weights.is_some() {
+        return load_shard_experts(dep, Some(d));
+    }
     let spec = &dep.spec;
     let mut out = Vec::new();
     for layer in spec.moe_layer_ids() {
@@ -55,6 +64,9 @@ pub fn load_device_experts(
 pub fn load_router_shared_experts(
     dep: &Deployment,
 ) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+    if dep.weights.is_some() {
+        return load_shard_experts(dep, None);
+    }
     let mut out = Vec::new();
     for layer in dep.spec.moe_layer_ids() {
         if !matches!(
@@ -88,6 +100,172 @@ fn push_shared(
         ));
     }
     Ok(())
+}
+
+/// The (layer, expert) keys device `d` (or, for `None`, the router) must load.
+fn expected_keys(dep: &Deployment, d: Option<DeviceRank>) -> BTreeSet<(u32, u32)> {
+    let spec = &dep.spec;
+    let mut keys = BTreeSet::new();
+    for layer in spec.moe_layer_ids() {
+        let shared_here = match (d, dep.placement.shared_location(layer)) {
+            (Some(d), Some(SharedLocation::Device(x))) => x == d,
+            (Some(_), _) => false,
+            (None, Some(SharedLocation::Device(_))) => false,
+            (None, _) => true,
+        };
+        if let Some(d) = d {
+            keys.extend(
+                dep.placement
+                    .experts_on(d, layer)
+                    .iter()
+                    .map(|&e| (layer, e)),
+            );
+        }
+        if shared_here {
+            keys.extend((0..spec.shared_experts).map(|i| (layer, spec.routed_experts + i)));
+        }
+    }
+    keys
+}
+
+/// Open and verify the shard of device `d` (`None`: the router file) against the manifest.
+pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<ShardFile> {
+    let w = dep
+        .weights
+        .as_ref()
+        .ok_or_else(|| anyhow!("the deployment has no converted weights"))?;
+    let m = &w.manifest;
+    let (record, kind, id) = match d {
+        Some(d) => {
+            let id = dep
+                .topology
+                .device(d)
+                .map(|x| x.id().to_string())
+                .ok_or_else(|| anyhow!("no device rank {}", d.0))?;
+            let r = m.shard_of(&id).ok_or_else(|| {
+                anyhow!(
+                    "{}: the manifest has no shard for device {id}",
+                    w.dir.display()
+                )
+            })?;
+            (r, ShardKind::Device, Some(id))
+        }
+        None => (&m.router, ShardKind::Router, None),
+    };
+    let path = w.path(&record.file);
+    let f = ShardFile::open(&path).map_err(|e| anyhow!("{e}"))?;
+    f.verify(Some(record.crc32c)).map_err(|e| anyhow!("{e}"))?;
+    let idx = f.index();
+    if idx.kind != kind || idx.device != id || idx.fingerprint != m.fingerprint {
+        bail!(
+            "{}: this shard belongs to another conversion or device than the manifest says \
+             (kind {:?}, device {:?}); convert again",
+            path.display(),
+            idx.kind,
+            idx.device
+        );
+    }
+    if idx.quant != dep.spec.quant || idx.hidden != u64::from(dep.spec.hidden) {
+        bail!(
+            "{}: shard format {} hidden {} but the model says {} hidden {}",
+            path.display(),
+            idx.quant,
+            idx.hidden,
+            dep.spec.quant,
+            dep.spec.hidden
+        );
+    }
+    Ok(f)
+}
+
+/// The experts of device `d`'s shard (`None`: the router file's shared experts that no device
+/// runs), checked against the placement.
+fn load_shard_experts(
+    dep: &Deployment,
+    d: Option<DeviceRank>,
+) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+    let f = open_shard(dep, d)?;
+    let want = expected_keys(dep, d);
+    let mut out = Vec::with_capacity(want.len());
+    for (i, e) in f.index().experts.iter().enumerate() {
+        if !want.contains(&(e.layer, e.expert)) {
+            if d.is_none() {
+                continue; // the router file holds every shared expert
+            }
+            bail!(
+                "{}: holds layer {} expert {}, which the placement does not give this device; \
+                 the folder was edited: convert again",
+                f.path().display(),
+                e.layer,
+                e.expert
+            );
+        }
+        let key = ExpertKey {
+            layer: e.layer,
+            expert: e.expert,
+        };
+        out.push((key, f.expert(i).map_err(|e| anyhow!("{e}"))?));
+    }
+    if out.len() != want.len() {
+        let have: BTreeSet<(u32, u32)> = out.iter().map(|(k, _)| (k.layer, k.expert)).collect();
+        let missing: Vec<_> = want.difference(&have).take(5).collect();
+        bail!(
+            "{}: missing experts the placement needs (layer, expert): {missing:?}; convert again",
+            f.path().display()
+        );
+    }
+    Ok(out)
+}
+
+/// The router's gates: from the router file of converted weights, or synthetic.
+#[derive(Debug)]
+pub enum Gates {
+    /// Synthetic from the seed.
+    Synthetic,
+    /// Read from the router file.
+    File(ShardFile),
+}
+
+impl Gates {
+    /// Open the router file when the deployment has converted weights.
+    pub fn open(dep: &Deployment) -> anyhow::Result<Self> {
+        Ok(match dep.weights {
+            Some(_) => Gates::File(open_shard(dep, None)?),
+            None => Gates::Synthetic,
+        })
+    }
+
+    /// The gate of `layer`.
+    pub fn layer(&mut self, dep: &Deployment, layer: u32) -> anyhow::Result<GateWeights> {
+        let spec = &dep.spec;
+        let f = match self {
+            Gates::Synthetic => {
+                return Ok(expertmesh_router::reference::synthetic_gate(
+                    spec, dep.seed, layer,
+                ));
+            }
+            Gates::File(f) => f,
+        };
+        let (e, h) = (spec.routed_experts as usize, spec.hidden as usize);
+        let (ws, weight) = f
+            .tensor_f32(&gate_weight_name(layer))
+            .map_err(|e| anyhow!("{e}"))?;
+        let (bs, bias) = f
+            .tensor_f32(&gate_bias_name(layer))
+            .map_err(|e| anyhow!("{e}"))?;
+        if ws != [e as u64, h as u64] || bs != [e as u64] {
+            bail!(
+                "{}: layer {layer} gate has shape {ws:?} / bias {bs:?}, the model needs [{e}, {h}] / [{e}]",
+                f.path().display()
+            );
+        }
+        Ok(GateWeights {
+            experts: e,
+            hidden: h,
+            weight,
+            bias,
+        })
+    }
 }
 
 /// Every expert of `layers`, keyed the way backends and workers key them: routed experts
