@@ -276,9 +276,84 @@ pub enum BackendError {
         /// The failing call and its error.
         detail: String,
     },
+    /// An [`ExpertSource`] could not produce an expert (a damaged shard file, say).
+    #[error("reading experts to load: {0}")]
+    Source(String),
     /// `execute` was called before `load`.
     #[error("no experts loaded: call load() first")]
     NotLoaded,
+}
+
+/// The shape of one expert an [`ExpertSource`] will hand over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    /// Which expert.
+    pub key: ExpertKey,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Intermediate size.
+    pub inter: usize,
+    /// Packed format.
+    pub quant: expertmesh_quant::format::QuantSpec,
+}
+
+/// Experts handed to [`ExpertBackend::load_from`] one at a time (a shard file being read), so
+/// a backend can put each into its own memory and drop it: the set is never held twice.
+pub trait ExpertSource {
+    /// Every expert's key and shape, in the order [`ExpertSource::expert`] hands them over.
+    fn shapes(&self) -> &[ExpertShape];
+    /// Expert `i` (called once per `i`, in increasing order).
+    fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError>;
+}
+
+/// An in-memory set of experts as an [`ExpertSource`] (each handed over once).
+#[derive(Debug)]
+pub struct VecSource {
+    shapes: Vec<ExpertShape>,
+    experts: Vec<Option<ExpertWeights>>,
+}
+
+impl VecSource {
+    /// The source of `experts`.
+    pub fn new(experts: Vec<(ExpertKey, ExpertWeights)>) -> Self {
+        let shapes = experts
+            .iter()
+            .map(|(key, w)| ExpertShape {
+                key: *key,
+                hidden: w.hidden(),
+                inter: w.inter(),
+                quant: w.spec(),
+            })
+            .collect();
+        Self {
+            shapes,
+            experts: experts.into_iter().map(|(_, w)| Some(w)).collect(),
+        }
+    }
+}
+
+impl ExpertSource for VecSource {
+    fn shapes(&self) -> &[ExpertShape] {
+        &self.shapes
+    }
+
+    fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError> {
+        self.experts
+            .get_mut(i)
+            .and_then(Option::take)
+            .ok_or_else(|| BackendError::Source(format!("expert {i} was already handed over")))
+    }
+}
+
+/// Read every expert of `source` into memory (what a backend without a streaming load does).
+pub fn collect_source(
+    source: &mut dyn ExpertSource,
+) -> Result<Vec<(ExpertKey, ExpertWeights)>, BackendError> {
+    let keys: Vec<ExpertKey> = source.shapes().iter().map(|s| s.key).collect();
+    keys.into_iter()
+        .enumerate()
+        .map(|(i, key)| Ok((key, source.expert(i)?)))
+        .collect()
 }
 
 /// A device that runs packed-INT4 experts. See the module docs for the design.
@@ -293,6 +368,18 @@ pub trait ExpertBackend: Send {
         experts: Vec<(ExpertKey, ExpertWeights)>,
         limits: BatchLimits,
     ) -> Result<(), BackendError>;
+
+    /// [`ExpertBackend::load`] from a source handing experts over one at a time. Backends
+    /// that can place each expert as it arrives override this so the set is never in memory
+    /// twice; the default collects the source and calls `load`.
+    fn load_from(
+        &mut self,
+        source: &mut dyn ExpertSource,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError> {
+        let experts = collect_source(source)?;
+        self.load(experts, limits)
+    }
 
     /// Run one grouped batch, writing `batch.output_len()` values to `out`.
     fn execute(&mut self, batch: &GroupedBatch<'_>, out: &mut [f32]) -> Result<(), BackendError>;

@@ -26,16 +26,23 @@
 //!
 //! A compressed-tensors `pack-quantized` INT4 projection (Kimi K2-Thinking: `X.weight_packed`,
 //! `X.weight_scale`, `X.weight_shape` instead of `X.weight`) is detected per tensor and imported
-//! without requantization by [`crate::packed_import`].
+//! without requantization by [`crate::packed_import`]. A GPTQ or AWQ INT4 projection
+//! (`X.qweight`, `X.qzeros`, `X.scales` instead of `X.weight`) is imported the same way, codes,
+//! zero points and scale bits copied, by [`crate::gptq_import`].
+//!
+//! Such an import is lossless only when the model's [`QuantSpec`] has the checkpoint's group
+//! size, scale dtype and zero points; [`source_quant`] reads that spec off the checkpoint so the
+//! converter can set it before reading any expert.
 
 use expertmesh_quant::format::{
-    ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, w13_row_meaning,
+    ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
 };
 use expertmesh_quant::search::quantize_rows_searched;
 use expertmesh_topology::model::ModelSpec;
 
+use crate::gptq_import::{gptq_source_quant, read_gptq_expert};
 pub use crate::hf_config::Family;
-use crate::packed_import::read_packed_expert;
+use crate::packed_import::{packed_base, read_packed_expert};
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
 
 /// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid.
@@ -123,6 +130,15 @@ pub enum ExpertError {
         /// What is wrong and what to do.
         reason: String,
     },
+    /// The checkpoint's quantization config (`config.json`'s `quantization_config`, or
+    /// `quantize_config.json`) is unreadable or names a format that cannot be imported exactly.
+    #[error("{}: {reason}", path.display())]
+    Config {
+        /// The config file.
+        path: std::path::PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// The quantizer refused the matrix (e.g. a dimension not a multiple of the group size).
     #[error("quantizing {what} from \"{tensor}\": {source}")]
     Quantize {
@@ -169,8 +185,10 @@ pub fn expert_tensor_names(
 /// searched quantizer into `spec.quant`, row by row. Returns the packed expert and its relative
 /// error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a second time, row by row).
 ///
-/// When the expert is stored `pack-quantized` INT4, its codes and scales are imported exactly
-/// instead ([`read_packed_expert`]) and the error, measured the same way, is 0.
+/// When the expert is stored `pack-quantized` INT4, or GPTQ / AWQ INT4, its codes (zero points)
+/// and scales are imported exactly instead ([`read_packed_expert`], [`read_gptq_expert`]; the
+/// model's spec must then be the one [`source_quant`] returns) and the error, measured the same
+/// way, is 0.
 pub fn read_expert(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
@@ -182,6 +200,9 @@ pub fn read_expert(
     let hidden = spec.hidden as usize;
     let names = expert_tensor_names(family, layer, which)?;
     if let Some(imported) = read_packed_expert(ckpt, spec.quant, &names, inter, hidden)? {
+        return Ok(imported);
+    }
+    if let Some(imported) = read_gptq_expert(ckpt, spec.quant, &names, inter, hidden)? {
         return Ok(imported);
     }
     let [gate, up, down] = names;
@@ -205,6 +226,115 @@ pub fn read_expert(
         source,
     })?;
     Ok((weights, error))
+}
+
+/// The [`QuantSpec`] under which `ckpt`'s experts import losslessly, read off routed expert 0 of
+/// the first MoE layer: `spec.quant` unchanged for float and FP8 sources (they are quantized
+/// anyway); for compressed-tensors `pack-quantized` its group size (columns / `weight_scale`
+/// columns) and scale dtype, without zero points; for GPTQ / AWQ what [`gptq_source_quant`]
+/// says. The converter sets the model's quant to this before reading experts.
+pub fn source_quant(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+) -> Result<QuantSpec, ExpertError> {
+    let which = ExpertRef::Routed(0);
+    let Some(&layer) = spec.moe_layer_ids().first() else {
+        return Err(ExpertError::NoSuchExpert {
+            layer: 0,
+            which,
+            reason: format!("{} has no MoE layer", spec.name),
+        });
+    };
+    let inter = expert_inter(spec, family, layer, which)?;
+    let hidden = spec.hidden as usize;
+    let names = expert_tensor_names(family, layer, which)?;
+    if let Some(quant) = packed_source_quant(ckpt, &names, inter, hidden)? {
+        return Ok(quant);
+    }
+    if let Some(quant) = gptq_source_quant(ckpt, &names, inter, hidden)? {
+        return Ok(quant);
+    }
+    Ok(spec.quant)
+}
+
+/// The spec of a `pack-quantized` expert (`None` when its gate is not stored so): group size and
+/// scale dtype from each projection's `weight_scale`, which must agree and be representable.
+fn packed_source_quant(
+    ckpt: &Checkpoint,
+    names: &[String; 3],
+    inter: usize,
+    hidden: usize,
+) -> Result<Option<QuantSpec>, ExpertError> {
+    if packed_base(ckpt, &names[0]).is_none() {
+        return Ok(None);
+    }
+    let shapes = [[inter, hidden], [inter, hidden], [hidden, inter]];
+    let mut found: Option<(QuantSpec, String)> = None;
+    for (name, [rows, cols]) in names.iter().zip(shapes) {
+        let Some(base) = packed_base(ckpt, name) else {
+            return Err(ExpertError::Packed {
+                tensor: name.clone(),
+                reason: "only some of this expert's projections are stored pack-quantized; \
+                         gate, up and down must share one format"
+                    .into(),
+            });
+        };
+        let scale_name = format!("{base}.weight_scale");
+        let quant = packed_scale_quant(ckpt, &scale_name, [rows, cols])?;
+        match &found {
+            Some((first, first_name)) if *first != quant => {
+                return Err(ExpertError::Packed {
+                    tensor: scale_name,
+                    reason: format!(
+                        "gives {quant} but \"{first_name}\" gives {first}; one expert's \
+                         projections must share one quantization"
+                    ),
+                });
+            }
+            Some(_) => {}
+            None => found = Some((quant, scale_name)),
+        }
+    }
+    Ok(found.map(|(quant, _)| quant))
+}
+
+/// The spec a `pack-quantized` `weight_scale` tensor (`name`, of a weight `[rows, cols]`) implies.
+fn packed_scale_quant(
+    ckpt: &Checkpoint,
+    name: &str,
+    [rows, cols]: [usize; 2],
+) -> Result<QuantSpec, ExpertError> {
+    let fail = |reason: String| ExpertError::Packed {
+        tensor: name.to_string(),
+        reason,
+    };
+    let view = ckpt.tensor(name)?;
+    let scale_dtype = match view.dtype() {
+        Dtype::BF16 => ScaleDtype::Bf16,
+        Dtype::F16 => ScaleDtype::F16,
+        d => return Err(fail(format!("dtype {d} (scales must be BF16 or F16)"))),
+    };
+    let shape = view.shape();
+    if shape.len() != 2 || shape[0] != rows || shape[1] == 0 || cols % shape[1] != 0 {
+        return Err(fail(format!(
+            "shape {shape:?} does not split the {cols} columns into equal groups (expected \
+             [{rows}, {cols}/group]); the checkpoint does not match its config.json"
+        )));
+    }
+    let group = cols / shape[1];
+    let quant = QuantSpec {
+        group_size: group as u32,
+        scale_dtype,
+        zero_points: false,
+    };
+    if quant.validate().is_err() {
+        return Err(fail(format!(
+            "groups of {group} columns cannot be stored losslessly: the packed format's groups \
+             are 32, 64 or 128; use a checkpoint quantized with one of those or a float one"
+        )));
+    }
+    Ok(quant)
 }
 
 /// The intermediate size of the expert, after checking that `layer` is an MoE layer of `spec`

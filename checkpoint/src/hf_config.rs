@@ -99,6 +99,11 @@ impl HfConfigError {
 /// The model of the checkpoint folder `dir` (or of the config file `dir` itself): its
 /// `config.json` mapped by [`model_from_hf_config`], named after the folder.
 pub fn load_hf_model(dir: &Path) -> Result<ModelSpec, HfConfigError> {
+    load_hf_model_and_family(dir).map(|(m, _)| m)
+}
+
+/// [`load_hf_model`] and the checkpoint's [`Family`] (which tensor names the converter reads).
+pub fn load_hf_model_and_family(dir: &Path) -> Result<(ModelSpec, Family), HfConfigError> {
     let (folder, path) = if dir.is_file() {
         (dir.parent().unwrap_or(Path::new(".")), dir.to_path_buf())
     } else {
@@ -106,10 +111,13 @@ pub fn load_hf_model(dir: &Path) -> Result<ModelSpec, HfConfigError> {
     };
     let config = read_config(&path)?;
     let name = model_name(folder, &config);
-    model_from_hf_config(&config, &name).map_err(|problems| HfConfigError::Unservable {
+    let unservable = |problems| HfConfigError::Unservable {
         path: path.clone(),
         problems,
-    })
+    };
+    let family = family(&Cfg(&config)).map_err(|e| unservable(vec![e]))?;
+    let spec = model_from_hf_config(&config, &name).map_err(unservable)?;
+    Ok((spec, family))
 }
 
 /// Read `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].

@@ -8,13 +8,19 @@
 //!
 //! * [`safetensors`] — the safetensors format: header, tensors, multi-file index; mmap.
 //! * [`hf_config`] — `config.json` of each supported MoE family → a [`ModelSpec`].
+//! * [`convert`] — `expertmesh convert`: checkpoint → one packed shard per device, a router
+//!   file and a manifest (bounded memory, parallel, resumable, atomic).
 //! * [`experts`] — one checkpoint expert (any family, BF16/F16/F32/FP8) → packed INT4 weights.
 //! * [`packed_import`] — a compressed-tensors `pack-quantized` INT4 expert → packed INT4 weights,
 //!   losslessly (codes and scale bits copied, no requantization).
+//! * [`gptq_import`] — a GPTQ (v1/v2) or AWQ (GEMM) INT4 expert → packed INT4 weights, losslessly
+//!   (codes, zero points and scale bits copied; act-order checkpoints refused).
 //!
 //! [`ModelSpec`]: expertmesh_topology::ModelSpec
 
+pub mod convert;
 pub mod experts;
+pub mod gptq_import;
 pub mod hf_config;
 pub mod packed_import;
 pub mod safetensors;

@@ -49,23 +49,32 @@ fn pad64(n: usize) -> usize {
     n.div_ceil(64) * 64
 }
 
-/// Byte sizes of the three regions of `m` in the R16 layout (nibbles, scales, zero points).
-fn region_sizes(m: &PackedMatrix) -> (usize, usize, usize) {
-    let rbs = m.rows().div_ceil(ROWS);
-    let nib = rbs * m.blocks_per_row() * TILE_BYTES;
-    let sc = rbs * m.groups_per_row() * ROWS * 2;
-    let z = if m.spec().zero_points {
-        rbs * m.groups_per_row() * ROWS
+/// Byte sizes of the three regions of a `rows × cols` matrix of `spec` in the R16 layout
+/// (nibbles, scales, zero points).
+fn region_sizes(rows: usize, cols: usize, spec: QuantSpec) -> (usize, usize, usize) {
+    let rbs = rows.div_ceil(ROWS);
+    let groups = cols / spec.group();
+    let nib = rbs * (cols / BLOCK) * TILE_BYTES;
+    let sc = rbs * groups * ROWS * 2;
+    let z = if spec.zero_points {
+        rbs * groups * ROWS
     } else {
         0
     };
     (nib, sc, z)
 }
 
+/// The shape of one matrix to pack: rows, columns, format.
+pub type MatrixDims = (usize, usize, QuantSpec);
+
 impl R16Matrix {
     /// Arena bytes one matrix needs (each region 64-byte aligned).
     pub fn footprint(m: &PackedMatrix) -> usize {
-        let (n, s, z) = region_sizes(m);
+        Self::footprint_of((m.rows(), m.cols(), m.spec()))
+    }
+
+    fn footprint_of((rows, cols, spec): MatrixDims) -> usize {
+        let (n, s, z) = region_sizes(rows, cols, spec);
         pad64(n) + pad64(s) + pad64(z)
     }
 
@@ -76,32 +85,62 @@ impl R16Matrix {
 
     /// Repack several matrices into one shared arena (in order).
     pub fn pack_all(ms: &[&PackedMatrix]) -> Vec<Self> {
-        let total: usize = ms.iter().map(|m| Self::footprint(m)).sum();
+        let dims: Vec<MatrixDims> = ms.iter().map(|m| (m.rows(), m.cols(), m.spec())).collect();
+        let r: Result<_, std::convert::Infallible> = Self::pack_streamed(&dims, |i, write| {
+            write(ms[i]);
+            Ok(())
+        });
+        match r {
+            Ok(v) => v,
+            Err(e) => match e {},
+        }
+    }
+
+    /// Pack matrices of the shapes `dims` into one arena sized up front, asking `fill(i, w)` to
+    /// hand matrix `i` to `w` (in order): the caller can read each from a file and drop it, so
+    /// the canonical set is never in memory whole. A matrix whose shape differs from `dims[i]`
+    /// is a caller bug and panics.
+    pub fn pack_streamed<E>(
+        dims: &[MatrixDims],
+        mut fill: impl FnMut(usize, &mut dyn FnMut(&PackedMatrix)) -> Result<(), E>,
+    ) -> Result<Vec<Self>, E> {
+        let total: usize = dims.iter().map(|&d| Self::footprint_of(d)).sum();
         let mut arena = AlignedVec::<u8>::zeroed(total.max(64));
-        let mut layout = Vec::with_capacity(ms.len());
+        let mut layout = Vec::with_capacity(dims.len());
         let mut off = 0;
-        for m in ms {
-            let (n, s, z) = region_sizes(m);
+        for (i, &d) in dims.iter().enumerate() {
+            let (n, s, z) = region_sizes(d.0, d.1, d.2);
             let nib = off..off + n;
             let sc = off + pad64(n)..off + pad64(n) + s;
             let zr = (z > 0).then(|| off + pad64(n) + pad64(s)..off + pad64(n) + pad64(s) + z);
-            Self::write(m, &mut arena, nib.clone(), sc.clone(), zr.clone());
+            let mut written = false;
+            fill(i, &mut |m: &PackedMatrix| {
+                assert_eq!(
+                    (m.rows(), m.cols(), m.spec()),
+                    d,
+                    "pack_streamed: matrix {i} shape"
+                );
+                Self::write(m, &mut arena, nib.clone(), sc.clone(), zr.clone());
+                written = true;
+            })?;
+            assert!(written, "pack_streamed: matrix {i} was not handed over");
             layout.push((nib, sc, zr));
-            off += Self::footprint(m);
+            off += Self::footprint_of(d);
         }
         let arena = Arc::new(arena);
-        ms.iter()
+        Ok(dims
+            .iter()
             .zip(layout)
-            .map(|(m, (nibbles, scales, zeros))| Self {
-                rows: m.rows(),
-                cols: m.cols(),
-                spec: m.spec(),
+            .map(|(&(rows, cols, spec), (nibbles, scales, zeros))| Self {
+                rows,
+                cols,
+                spec,
                 arena: Arc::clone(&arena),
                 nibbles,
                 scales,
                 zeros,
             })
-            .collect()
+            .collect())
     }
 
     fn write(

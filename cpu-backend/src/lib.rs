@@ -24,13 +24,14 @@ pub mod layout;
 pub mod membw;
 
 use expertmesh_backend::{
-    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch,
-    OutputLayout,
+    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, ExpertShape,
+    ExpertSource, GroupedBatch, OutputLayout, VecSource,
 };
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_quant::format::{BLOCK, ExpertWeights};
 use kernels::{Isa, MAX_TOKEN_TILE, TokenQ8};
+use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -249,56 +250,15 @@ impl CpuBackend {
     }
 }
 
-impl ExpertBackend for CpuBackend {
-    fn name(&self) -> String {
-        format!("cpu-{}x{}", self.isa.name(), self.threads)
-    }
-
-    fn load(
-        &mut self,
-        experts: Vec<(ExpertKey, ExpertWeights)>,
-        limits: BatchLimits,
-    ) -> Result<(), BackendError> {
-        let hidden = experts.first().map_or(0, |(_, w)| w.hidden());
-        let mut index = HashMap::with_capacity(experts.len());
-        let mut list = Vec::with_capacity(experts.len());
-        let mut bytes = 0u64;
-        let mut max_inter = 0;
-        for (key, w) in &experts {
-            if w.hidden() != hidden {
-                return Err(BackendError::Shape(format!(
-                    "{key} has hidden size {} but other experts have {hidden}",
-                    w.hidden()
-                )));
-            }
-            if index.insert(*key, index.len()).is_some() {
-                return Err(BackendError::Shape(format!("{key} was given twice")));
-            }
-            bytes += w.bytes() as u64;
-            max_inter = max_inter.max(w.inter());
-        }
-        // One arena for every matrix of the device (huge pages, one stream of allocations).
-        let mats: Vec<&expertmesh_quant::format::PackedMatrix> = experts
-            .iter()
-            .flat_map(|(_, w)| [w.w13(), w.w2()])
-            .collect();
-        let mut packed = R16Matrix::pack_all(&mats).into_iter();
-        for (_, w) in &experts {
-            let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
-                unreachable!("two matrices were packed per expert")
-            };
-            list.push(CpuExpert {
-                inter: w.inter(),
-                w13,
-                w2,
-            });
-        }
-        drop(experts);
+impl Scratch {
+    /// Every buffer a batch up to `limits` needs, for `experts` experts of at most
+    /// `max_inter` intermediate size.
+    fn new(hidden: usize, max_inter: usize, experts: usize, limits: BatchLimits) -> Self {
         let (t, p) = (limits.max_tokens, limits.max_pairs);
         let max_items_per_group =
             (2 * max_inter / 32).max(hidden.div_ceil(ROWS * W2_TILE_ROW_BLOCKS));
-        let max_groups = p.min(list.len());
-        self.scratch = Some(Scratch {
+        let max_groups = p.min(experts);
+        Scratch {
             hidden,
             max_inter,
             xq: AlignedVec::zeroed(t * hidden),
@@ -314,7 +274,103 @@ impl ExpertBackend for CpuBackend {
             group_expert: Vec::with_capacity(max_groups),
             combine: Vec::with_capacity(p),
             seen_rows: Vec::with_capacity(p),
-        });
+        }
+    }
+}
+
+impl ExpertBackend for CpuBackend {
+    fn name(&self) -> String {
+        format!("cpu-{}x{}", self.isa.name(), self.threads)
+    }
+
+    fn load(
+        &mut self,
+        experts: Vec<(ExpertKey, ExpertWeights)>,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError> {
+        self.load_from(&mut VecSource::new(experts), limits)
+    }
+
+    /// Packs each expert into the device arena as the source hands it over: the canonical
+    /// set is never in memory whole (a worker loading a shard holds one expert at a time).
+    fn load_from(
+        &mut self,
+        source: &mut dyn ExpertSource,
+        limits: BatchLimits,
+    ) -> Result<(), BackendError> {
+        let shapes: Vec<ExpertShape> = source.shapes().to_vec();
+        let hidden = shapes.first().map_or(0, |s| s.hidden);
+        let mut index = HashMap::with_capacity(shapes.len());
+        for s in &shapes {
+            if s.hidden != hidden {
+                return Err(BackendError::Shape(format!(
+                    "{} has hidden size {} but other experts have {hidden}",
+                    s.key, s.hidden
+                )));
+            }
+            s.quant
+                .check_shape("W13", s.hidden)
+                .and_then(|()| s.quant.check_shape("W2", s.inter))
+                .map_err(|e| BackendError::Shape(format!("{}: {e}", s.key)))?;
+            if index.insert(s.key, index.len()).is_some() {
+                return Err(BackendError::Shape(format!("{} was given twice", s.key)));
+            }
+        }
+        let bytes: u64 = shapes
+            .iter()
+            .map(|s| s.quant.expert_bytes(s.hidden as u64, s.inter as u64))
+            .sum();
+        let max_inter = shapes.iter().map(|s| s.inter).max().unwrap_or(0);
+        let dims: Vec<MatrixDims> = shapes
+            .iter()
+            .flat_map(|s| {
+                [
+                    (2 * s.inter, s.hidden, s.quant),
+                    (s.hidden, s.inter, s.quant),
+                ]
+            })
+            .collect();
+        // One arena for every matrix of the device (huge pages, one stream of allocations).
+        let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
+        let packed = R16Matrix::pack_streamed(&dims, |i, write| {
+            if i % 2 == 1 {
+                let w2 = pending_w2.take().expect("W2 follows its W13");
+                write(&w2);
+                return Ok(());
+            }
+            let w = source.expert(i / 2)?;
+            let s = &shapes[i / 2];
+            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
+                return Err(BackendError::Source(format!(
+                    "{} was announced as hidden {} intermediate {} {} but is hidden {} \
+                     intermediate {} {}",
+                    s.key,
+                    s.hidden,
+                    s.inter,
+                    s.quant,
+                    w.hidden(),
+                    w.inter(),
+                    w.spec()
+                )));
+            }
+            let (w13, w2) = w.into_parts();
+            write(&w13);
+            pending_w2 = Some(w2);
+            Ok(())
+        })?;
+        let mut packed = packed.into_iter();
+        let mut list = Vec::with_capacity(shapes.len());
+        for s in &shapes {
+            let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
+                unreachable!("two matrices were packed per expert")
+            };
+            list.push(CpuExpert {
+                inter: s.inter,
+                w13,
+                w2,
+            });
+        }
+        self.scratch = Some(Scratch::new(hidden, max_inter, list.len(), limits));
         self.index = index;
         self.experts = list;
         self.limits = limits;

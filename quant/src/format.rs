@@ -701,6 +701,11 @@ impl ExpertWeights {
         })
     }
 
+    /// The two matrices `(W13, W2)`, consuming the expert.
+    pub fn into_parts(self) -> (PackedMatrix, PackedMatrix) {
+        (self.w13, self.w2)
+    }
+
     /// Quantize dense `gate [F][H]`, `up [F][H]`, `down [H][F]` (row-major f32).
     pub fn quantize(
         spec: QuantSpec,

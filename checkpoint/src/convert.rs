@@ -1,0 +1,664 @@
+//! `expertmesh convert`: a Hugging Face checkpoint folder → a weights folder of one packed-INT4
+//! shard per device, a router file and a manifest.
+//!
+//! Why this exists: serving a real model needs each device's experts in the packed format,
+//! split by the placement, checked and ready to map. This is the one pass over the checkpoint
+//! that does it: per device, the experts the placement gives it (routed, plus the shared ones
+//! placed there) are read one tensor at a time from the mmapped safetensors files and quantized
+//! (or imported losslessly) in parallel chunks, then streamed into the device's shard; the
+//! router file gets every MoE layer's gate weight, selection bias and shared experts.
+//!
+//! Memory stays bounded by one chunk of experts (2 × threads) whatever the checkpoint's size.
+//! Shards appear atomically ([`ShardWriter`]); a re-run keeps every shard whose job
+//! fingerprint and checksum match (resume after a crash or a full disk) and rewrites the rest;
+//! the manifest is written last, so a folder with a manifest is complete.
+
+use crate::experts::{ExpertError, ExpertRef, Family, expert_tensor_names, read_expert};
+use crate::safetensors::{Checkpoint, SafetensorsError};
+use expertmesh_quant::format::ExpertWeights;
+use expertmesh_shard::file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter};
+use expertmesh_shard::manifest::{
+    LayerError, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ManifestError, ShardRecord,
+    SourceFile, SourceInfo,
+};
+use expertmesh_shard::{ROUTER_SHARD_NAME, device_shard_name, gate_bias_name, gate_weight_name};
+use expertmesh_topology::model::{ModelSpec, Scoring};
+use expertmesh_topology::placement::{Placement, SharedLocation};
+use expertmesh_topology::topology::{DeviceRank, Topology};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The model file's name in a weights folder.
+pub const MODEL_FILE: &str = "model.toml";
+/// The placement file's name in a weights folder.
+pub const PLACEMENT_FILE: &str = "placement.toml";
+
+/// Why a conversion failed. Every message names the tensor or file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    /// Reading or converting one expert failed.
+    #[error("layer {layer}, {which}: {source}")]
+    Expert {
+        /// Layer.
+        layer: u32,
+        /// Which expert.
+        which: ExpertRef,
+        /// Why.
+        #[source]
+        source: ExpertError,
+    },
+    /// Reading a router tensor failed.
+    #[error(transparent)]
+    Read(#[from] SafetensorsError),
+    /// A router tensor has the wrong shape or non-finite values.
+    #[error("tensor \"{tensor}\": {reason}")]
+    Tensor {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Writing (or re-reading) a shard failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// Writing the manifest failed.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// Other I/O (the output folder, small files, hashing the source).
+    #[error("{path}: {what}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The thread pool could not be built.
+    #[error("starting {threads} conversion threads: {reason}")]
+    Threads {
+        /// Threads asked for.
+        threads: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Progress of a conversion, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The work ahead: experts and their source bytes.
+    Start {
+        /// Experts to convert (every shard's, and the router's shared experts).
+        experts: u64,
+        /// Source bytes of those experts.
+        bytes: u64,
+    },
+    /// Experts done (converted or kept from an earlier run) and their source bytes.
+    Done {
+        /// Experts.
+        experts: u64,
+        /// Source bytes.
+        bytes: u64,
+    },
+}
+
+/// What to convert and where.
+#[derive(Debug)]
+pub struct ConvertJob<'a> {
+    /// The opened checkpoint.
+    pub ckpt: &'a Checkpoint,
+    /// Its family (tensor names).
+    pub family: Family,
+    /// The model, with the packed format the shards get.
+    pub spec: &'a ModelSpec,
+    /// The cluster.
+    pub topology: &'a Topology,
+    /// Where every expert goes.
+    pub placement: &'a Placement,
+    /// The placement file's text (copied into the folder).
+    pub placement_text: &'a str,
+    /// The output folder (created if missing).
+    pub out: &'a Path,
+    /// Worker threads (≥ 1).
+    pub threads: usize,
+}
+
+/// What the conversion did.
+#[derive(Clone, Debug)]
+pub struct ConvertReport {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// Shards kept from an earlier run (checksums matched).
+    pub shards_kept: usize,
+    /// Shards written by this run.
+    pub shards_written: usize,
+    /// Source bytes of the experts converted by this run.
+    pub source_bytes_converted: u64,
+}
+
+/// One expert to put into a shard: its key and where it comes from.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    layer: u32,
+    key: u32,
+    which: ExpertRef,
+}
+
+/// Every expert device `d` pins, in file order: per MoE layer its routed experts in slot
+/// order, then the layer's shared experts when the placement puts them on `d`.
+fn device_items(spec: &ModelSpec, placement: &Placement, d: DeviceRank) -> Vec<Item> {
+    let mut items = Vec::new();
+    for layer in spec.moe_layer_ids() {
+        for &e in placement.experts_on(d, layer) {
+            items.push(Item {
+                layer,
+                key: e,
+                which: ExpertRef::Routed(e),
+            });
+        }
+        if placement.shared_location(layer) == Some(SharedLocation::Device(d)) {
+            items.extend(shared_items(spec, layer));
+        }
+    }
+    items
+}
+
+/// The shared experts of `layer` (keys `routed_experts + i`).
+fn shared_items(spec: &ModelSpec, layer: u32) -> impl Iterator<Item = Item> + use<> {
+    let routed = spec.routed_experts;
+    (0..spec.shared_experts).map(move |i| Item {
+        layer,
+        key: routed + i,
+        which: ExpertRef::Shared,
+    })
+}
+
+/// Convert `job`, reporting progress to `progress`. On an error, every shard already finished
+/// stays (a re-run keeps it), the one in progress is removed, and no manifest is written.
+pub fn convert(
+    job: &ConvertJob<'_>,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<ConvertReport, ConvertError> {
+    std::fs::create_dir_all(job.out).map_err(|source| ConvertError::Io {
+        path: job.out.to_path_buf(),
+        what: "creating the output folder",
+        source,
+    })?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(job.threads.max(1))
+        .build()
+        .map_err(|e| ConvertError::Threads {
+            threads: job.threads,
+            reason: e.to_string(),
+        })?;
+    let fingerprint = fingerprint(job)?;
+    let devices = job.topology.devices();
+    let plans: Vec<Vec<Item>> = devices
+        .iter()
+        .map(|d| device_items(job.spec, job.placement, d.rank()))
+        .collect();
+    let router_items: Vec<Item> = job
+        .spec
+        .moe_layer_ids()
+        .into_iter()
+        .flat_map(|l| shared_items(job.spec, l))
+        .collect();
+    let all = plans.iter().flatten().chain(&router_items);
+    let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
+    progress(Progress::Start { experts, bytes });
+    // Source hashes run beside the conversion (one more reader of the same page cache).
+    let hashing = std::thread::scope(|s| {
+        let hasher = s.spawn(|| source_files(job.ckpt));
+        let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, progress));
+        let router = pool.install(|| write_router(job, &fingerprint, &router_items, progress));
+        let files = hasher.join().expect("the hashing thread does not panic");
+        (shards, router, files)
+    });
+    let (shards, router, files) = hashing;
+    let (records, kept, written, converted) = shards?;
+    let (router, router_bytes) = router?;
+    let files = files?;
+    write_small(
+        job.out,
+        MODEL_FILE,
+        &expertmesh_topology::model_file::model_to_toml_string(job.spec),
+    )?;
+    write_small(job.out, PLACEMENT_FILE, job.placement_text)?;
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        format_version: MANIFEST_VERSION,
+        created_by: format!("expertmesh {}", env!("CARGO_PKG_VERSION")),
+        model: job.spec.name.clone(),
+        topology: job.topology.name().into(),
+        model_file: MODEL_FILE.into(),
+        placement_file: PLACEMENT_FILE.into(),
+        fingerprint,
+        quant: job.spec.quant,
+        source: SourceInfo {
+            dir: job.ckpt.dir().display().to_string(),
+            family: format!("{:?}", job.family),
+            weight_format: weight_format(job),
+            files,
+        },
+        shards: records,
+        router,
+        layers: layer_errors(job.out, job.spec, devices.len())?,
+    };
+    manifest.write(job.out)?;
+    Ok(ConvertReport {
+        manifest,
+        shards_kept: kept,
+        shards_written: written,
+        source_bytes_converted: converted + router_bytes,
+    })
+}
+
+type ShardsResult = Result<(Vec<ShardRecord>, usize, usize, u64), ConvertError>;
+
+/// Every device's shard: kept when an earlier run's matches, written otherwise.
+fn convert_shards(
+    job: &ConvertJob<'_>,
+    fingerprint: &str,
+    plans: &[Vec<Item>],
+    progress: &(dyn Fn(Progress) + Sync),
+) -> ShardsResult {
+    let (mut records, mut kept, mut written, mut converted) = (Vec::new(), 0, 0, 0);
+    for (d, items) in job.topology.devices().iter().zip(plans) {
+        let name = device_shard_name(d.rank().0);
+        let path = job.out.join(&name);
+        let bytes: u64 = items.iter().map(|it| item_bytes(job, it)).sum();
+        let summary = match reusable(&path, fingerprint, Some(d.id()), items) {
+            Some(s) => {
+                kept += 1;
+                progress(Progress::Done {
+                    experts: items.len() as u64,
+                    bytes,
+                });
+                s
+            }
+            None => {
+                let index = empty_index(job, fingerprint, ShardKind::Device, Some(d.id()));
+                let mut w = ShardWriter::create(&path, index)?;
+                write_experts(job, items, &mut w, progress)?;
+                written += 1;
+                converted += bytes;
+                let s = w.finish()?;
+                (s.bytes, s.crc32c)
+            }
+        };
+        records.push(ShardRecord {
+            device: d.id().to_string(),
+            file: name,
+            bytes: summary.0,
+            crc32c: summary.1,
+            experts: items.len() as u64,
+        });
+    }
+    Ok((records, kept, written, converted))
+}
+
+fn empty_index(
+    job: &ConvertJob<'_>,
+    fingerprint: &str,
+    kind: ShardKind,
+    device: Option<&str>,
+) -> ShardIndex {
+    ShardIndex {
+        kind,
+        fingerprint: fingerprint.to_string(),
+        device: device.map(str::to_string),
+        quant: job.spec.quant,
+        hidden: u64::from(job.spec.hidden),
+        experts: Vec::new(),
+        tensors: Vec::new(),
+    }
+}
+
+/// An earlier run's shard at `path` that can be kept: same job, same experts, body intact.
+/// Returns its size and whole-file checksum.
+fn reusable(
+    path: &Path,
+    fingerprint: &str,
+    device: Option<&str>,
+    items: &[Item],
+) -> Option<(u64, u32)> {
+    let f = ShardFile::open(path).ok()?;
+    let idx = f.index();
+    let same = idx.fingerprint == fingerprint
+        && idx.device.as_deref() == device
+        && idx.experts.len() == items.len()
+        && idx
+            .experts
+            .iter()
+            .zip(items)
+            .all(|(e, it)| e.layer == it.layer && e.expert == it.key);
+    if !same || f.verify(None).is_err() {
+        return None;
+    }
+    Some((f.len(), f.crc32c()))
+}
+
+/// Convert `items` in parallel chunks and append them to `w` in order. After the first
+/// failure the remaining items of the chunk are skipped; the first failure in item order is
+/// returned.
+fn write_experts(
+    job: &ConvertJob<'_>,
+    items: &[Item],
+    w: &mut ShardWriter,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<(), ConvertError> {
+    let chunk = 2 * rayon::current_num_threads().max(1);
+    let failed = AtomicBool::new(false);
+    for part in items.chunks(chunk) {
+        let done: Vec<Option<Result<(ExpertWeights, f64), ConvertError>>> =
+            part.par_iter()
+                .map(|it| {
+                    if failed.load(Ordering::Relaxed) {
+                        return None;
+                    }
+                    let r = read_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
+                        .map_err(|source| ConvertError::Expert {
+                            layer: it.layer,
+                            which: it.which,
+                            source,
+                        });
+                    failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                    Some(r)
+                })
+                .collect();
+        let mut converted = Vec::with_capacity(part.len());
+        for r in done.into_iter().flatten() {
+            converted.push(r?);
+        }
+        for ((weights, err), it) in converted.into_iter().zip(part) {
+            w.add_expert(it.layer, it.key, &weights, err)?;
+            progress(Progress::Done {
+                experts: 1,
+                bytes: item_bytes(job, it),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The router file: every MoE layer's gate weight and selection bias (f32), and every shared
+/// expert.
+fn write_router(
+    job: &ConvertJob<'_>,
+    fingerprint: &str,
+    shared: &[Item],
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<(ShardRecord, u64), ConvertError> {
+    let path = job.out.join(ROUTER_SHARD_NAME);
+    let bytes: u64 = shared.iter().map(|it| item_bytes(job, it)).sum();
+    let summary = match reusable(&path, fingerprint, None, shared) {
+        Some(s) => {
+            progress(Progress::Done {
+                experts: shared.len() as u64,
+                bytes,
+            });
+            (s, 0)
+        }
+        None => {
+            let index = empty_index(job, fingerprint, ShardKind::Router, None);
+            let mut w = ShardWriter::create(&path, index)?;
+            for layer in job.spec.moe_layer_ids() {
+                let (weight, bias) = read_gate(job, layer)?;
+                let (e, h) = (
+                    u64::from(job.spec.routed_experts),
+                    u64::from(job.spec.hidden),
+                );
+                w.add_tensor_f32(&gate_weight_name(layer), &[e, h], &weight)?;
+                w.add_tensor_f32(&gate_bias_name(layer), &[e], &bias)?;
+            }
+            write_experts(job, shared, &mut w, progress)?;
+            let s = w.finish()?;
+            ((s.bytes, s.crc32c), bytes)
+        }
+    };
+    Ok((
+        ShardRecord {
+            device: "router".into(),
+            file: ROUTER_SHARD_NAME.into(),
+            bytes: summary.0.0,
+            crc32c: summary.0.1,
+            experts: shared.len() as u64,
+        },
+        summary.1,
+    ))
+}
+
+/// The checkpoint names of `layer`'s gate weight and (sigmoid-bias families) selection bias.
+pub fn gate_tensor_names(family: Family, layer: u32) -> (String, Option<String>) {
+    let p = format!("model.layers.{layer}");
+    match family {
+        Family::Mixtral => (format!("{p}.block_sparse_moe.gate.weight"), None),
+        Family::DeepseekV3 | Family::Glm4Moe => (
+            format!("{p}.mlp.gate.weight"),
+            Some(format!("{p}.mlp.gate.e_score_correction_bias")),
+        ),
+        Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => {
+            (format!("{p}.mlp.gate.weight"), None)
+        }
+    }
+}
+
+/// `layer`'s gate weight `[E, H]` and selection bias `[E]` as f32, shapes and values checked.
+fn read_gate(job: &ConvertJob<'_>, layer: u32) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
+    let (e, h) = (job.spec.routed_experts as usize, job.spec.hidden as usize);
+    let (wname, bname) = gate_tensor_names(job.family, layer);
+    let weight = read_f32(job.ckpt, &wname, &[e, h])?;
+    let bias = match bname {
+        Some(b) if job.spec.scoring == Scoring::SigmoidBias => read_f32(job.ckpt, &b, &[e])?,
+        _ => vec![0.0; e],
+    };
+    Ok((weight, bias))
+}
+
+fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ConvertError> {
+    let view = ckpt.tensor(name)?;
+    if view.shape() != shape {
+        return Err(ConvertError::Tensor {
+            tensor: name.into(),
+            reason: format!(
+                "shape {:?} but the model needs {shape:?}; the checkpoint does not match its \
+                 config.json",
+                view.shape()
+            ),
+        });
+    }
+    let v = view.to_f32_vec()?;
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Err(ConvertError::Tensor {
+            tensor: name.into(),
+            reason: format!(
+                "element {i} is not finite ({}); the checkpoint is corrupt: re-download it",
+                v[i]
+            ),
+        });
+    }
+    Ok(v)
+}
+
+/// Source bytes of one expert (its three projections in whatever stored form), for progress
+/// and throughput.
+fn item_bytes(job: &ConvertJob<'_>, it: &Item) -> u64 {
+    let Ok(names) = expert_tensor_names(job.family, it.layer, it.which) else {
+        return 0;
+    };
+    const SUFFIXES: [&str; 9] = [
+        "weight",
+        "weight_scale_inv",
+        "weight_packed",
+        "weight_scale",
+        "qweight",
+        "qzeros",
+        "scales",
+        "g_idx",
+        "weight_shape",
+    ];
+    let mut total = 0;
+    for n in &names {
+        let base = n.strip_suffix(".weight").unwrap_or(n);
+        for s in SUFFIXES {
+            if let Ok(info) = job.ckpt.tensor_info(&format!("{base}.{s}")) {
+                total += info.num_bytes() as u64;
+            }
+        }
+    }
+    total
+}
+
+/// How the experts are stored in the source, for the manifest.
+fn weight_format(job: &ConvertJob<'_>) -> String {
+    let Some(&layer) = job.spec.moe_layer_ids().first() else {
+        return "none".into();
+    };
+    let Ok([gate, ..]) = expert_tensor_names(job.family, layer, ExpertRef::Routed(0)) else {
+        return "unknown".into();
+    };
+    let base = gate.strip_suffix(".weight").unwrap_or(&gate);
+    if let Ok(info) = job.ckpt.tensor_info(&gate) {
+        return info.dtype.to_string().to_lowercase();
+    }
+    for (suffix, name) in [
+        ("weight_packed", "pack-quantized"),
+        ("qweight", "gptq-or-awq"),
+    ] {
+        if job.ckpt.contains(&format!("{base}.{suffix}")) {
+            return name.into();
+        }
+    }
+    "unknown".into()
+}
+
+/// The job's identity: converter version, model, placement, topology name, and each source
+/// file's name, size and safetensors header. A kept shard must match it.
+fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
+    let mut h = Sha256::new();
+    h.update(env!("CARGO_PKG_VERSION").as_bytes());
+    h.update(expertmesh_topology::model_file::model_to_toml_string(job.spec).as_bytes());
+    h.update(job.placement_text.as_bytes());
+    h.update(job.topology.name().as_bytes());
+    for path in job.ckpt.files() {
+        let io = |source| ConvertError::Io {
+            path: path.to_path_buf(),
+            what: "reading the header",
+            source,
+        };
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        let mut head = vec![0u8; 8];
+        f.read_exact(&mut head).map_err(io)?;
+        let n = u64::from_le_bytes(head[..8].try_into().expect("8 bytes")).min(len);
+        let mut header = Vec::new();
+        f.take(n).read_to_end(&mut header).map_err(io)?;
+        h.update(path.file_name().unwrap_or_default().as_encoded_bytes());
+        h.update(len.to_le_bytes());
+        h.update(&header);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `config.json` and every safetensors file: name, size, SHA-256.
+fn source_files(ckpt: &Checkpoint) -> Result<Vec<SourceFile>, ConvertError> {
+    let config = ckpt.dir().join("config.json");
+    let paths: Vec<&Path> = std::iter::once(config.as_path())
+        .chain(ckpt.files())
+        .filter(|p| p.exists())
+        .collect();
+    paths.into_iter().map(hash_file).collect()
+}
+
+fn hash_file(path: &Path) -> Result<SourceFile, ConvertError> {
+    let io = |source| ConvertError::Io {
+        path: path.to_path_buf(),
+        what: "hashing",
+        source,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(SourceFile {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        bytes,
+        sha256: hex(&h.finalize()),
+    })
+}
+
+/// Write a small text file atomically.
+fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
+    let path = dir.join(name);
+    let temp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let io = |what| {
+        let path = path.clone();
+        move |source| ConvertError::Io { path, what, source }
+    };
+    std::fs::write(&temp, text).map_err(io("writing"))?;
+    std::fs::rename(&temp, &path).map_err(io("renaming into place"))?;
+    Ok(())
+}
+
+/// Per-layer conversion error over every shard of the folder (device shards only: the
+/// router's shared experts are also counted when no device holds them).
+fn layer_errors(
+    out: &Path,
+    spec: &ModelSpec,
+    devices: usize,
+) -> Result<Vec<LayerError>, ConvertError> {
+    let mut by_layer: BTreeMap<u32, (u64, f64, f64, Vec<u32>)> = BTreeMap::new();
+    let mut add = |f: &ShardFile, only_new: bool| {
+        for e in &f.index().experts {
+            let entry = by_layer.entry(e.layer).or_insert((0, 0.0, 0.0, Vec::new()));
+            if only_new && entry.3.contains(&e.expert) {
+                continue;
+            }
+            entry.3.push(e.expert);
+            entry.0 += 1;
+            entry.1 += e.rel_error;
+            entry.2 = entry.2.max(e.rel_error);
+        }
+    };
+    for d in 0..devices {
+        add(
+            &ShardFile::open(&out.join(device_shard_name(d as u32)))?,
+            true,
+        );
+    }
+    add(&ShardFile::open(&out.join(ROUTER_SHARD_NAME))?, true);
+    Ok(spec
+        .moe_layer_ids()
+        .into_iter()
+        .map(|layer| {
+            let (n, sum, max, _) = by_layer.remove(&layer).unwrap_or_default();
+            LayerError {
+                layer,
+                experts: n,
+                rel_error_mean: if n == 0 { 0.0 } else { sum / n as f64 },
+                rel_error_max: max,
+            }
+        })
+        .collect())
+}
