@@ -60,7 +60,7 @@ fn make_backend(
         .topology
         .device(d)
         .ok_or_else(|| anyhow!("no device {}", d.0))?;
-    let experts = weights::load_device_experts(dep, d)?;
+    let mut experts = weights::device_expert_source(dep, d)?;
     let threads = opts
         .threads
         .or(dev.threads().map(|t| t as usize))
@@ -73,7 +73,7 @@ fn make_backend(
     if want_hip {
         match expertmesh_hip_kernels::hip::HipBackend::new(dev.gpu_index().unwrap_or(0) as usize) {
             Ok(mut hip) => {
-                hip.load(experts, limits)
+                hip.load_from(&mut *experts, limits)
                     .map_err(|e| anyhow!("{}: {e}", dev.id()))?;
                 return Ok(Box::new(hip));
             }
@@ -87,7 +87,7 @@ fn make_backend(
         }
     }
     let mut cpu = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
-    cpu.load(experts, limits)
+    cpu.load_from(&mut *experts, limits)
         .map_err(|e| anyhow!("{}: {e}", dev.id()))?;
     Ok(Box::new(cpu))
 }

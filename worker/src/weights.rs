@@ -10,7 +10,9 @@
 
 use crate::deploy::Deployment;
 use anyhow::{Context, anyhow, bail};
-use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend, ExpertKey};
+use expertmesh_backend::{
+    BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertShape, ExpertSource, VecSource,
+};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::format::{ExpertWeights, FormatError};
 use expertmesh_router::gating::GateWeights;
@@ -179,42 +181,98 @@ pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Sha
 }
 
 /// The experts of device `d`'s shard (`None`: the router file's shared experts that no device
-/// runs), checked against the placement.
+/// runs), checked against the placement, read into memory.
 fn load_shard_experts(
     dep: &Deployment,
     d: Option<DeviceRank>,
 ) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
-    let f = open_shard(dep, d)?;
-    let want = expected_keys(dep, d);
-    let mut out = Vec::with_capacity(want.len());
-    for (i, e) in f.index().experts.iter().enumerate() {
-        if !want.contains(&(e.layer, e.expert)) {
-            if d.is_none() {
-                continue; // the router file holds every shared expert
+    let mut src = ShardSource::open(dep, d)?;
+    expertmesh_backend::collect_source(&mut src).map_err(|e| anyhow!("{e}"))
+}
+
+/// The experts device `d` pins, as a source a backend loads one expert at a time: from its
+/// shard (mapped; each expert copied out once, straight into the backend), or synthetic.
+pub fn device_expert_source(
+    dep: &Deployment,
+    d: DeviceRank,
+) -> anyhow::Result<Box<dyn ExpertSource>> {
+    if dep.weights.is_some() {
+        return Ok(Box::new(ShardSource::open(dep, Some(d))?));
+    }
+    Ok(Box::new(VecSource::new(load_device_experts(dep, d)?)))
+}
+
+/// A verified shard's experts that one process must load, handed over one at a time.
+#[derive(Debug)]
+pub struct ShardSource {
+    file: ShardFile,
+    entries: Vec<usize>,
+    shapes: Vec<ExpertShape>,
+}
+
+impl ShardSource {
+    /// Open and verify the shard of device `d` (`None`: the router file) and select the
+    /// experts the placement gives it (every expert of a device shard must be one).
+    pub fn open(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Self> {
+        let file = open_shard(dep, d)?;
+        let want = expected_keys(dep, d);
+        let (mut entries, mut shapes) = (Vec::new(), Vec::new());
+        for (i, e) in file.index().experts.iter().enumerate() {
+            if !want.contains(&(e.layer, e.expert)) {
+                if d.is_none() {
+                    continue; // the router file holds every shared expert
+                }
+                bail!(
+                    "{}: holds layer {} expert {}, which the placement does not give this \
+                     device; the folder was edited: convert again",
+                    file.path().display(),
+                    e.layer,
+                    e.expert
+                );
             }
+            entries.push(i);
+            shapes.push(ExpertShape {
+                key: ExpertKey {
+                    layer: e.layer,
+                    expert: e.expert,
+                },
+                hidden: file.index().hidden as usize,
+                inter: e.inter as usize,
+                quant: file.index().quant,
+            });
+        }
+        if shapes.len() != want.len() {
+            let have: BTreeSet<(u32, u32)> =
+                shapes.iter().map(|s| (s.key.layer, s.key.expert)).collect();
+            let missing: Vec<_> = want.difference(&have).take(5).collect();
             bail!(
-                "{}: holds layer {} expert {}, which the placement does not give this device; \
-                 the folder was edited: convert again",
-                f.path().display(),
-                e.layer,
-                e.expert
+                "{}: missing experts the placement needs (layer, expert): {missing:?}; convert \
+                 again",
+                file.path().display()
             );
         }
-        let key = ExpertKey {
-            layer: e.layer,
-            expert: e.expert,
-        };
-        out.push((key, f.expert(i).map_err(|e| anyhow!("{e}"))?));
+        Ok(Self {
+            file,
+            entries,
+            shapes,
+        })
     }
-    if out.len() != want.len() {
-        let have: BTreeSet<(u32, u32)> = out.iter().map(|(k, _)| (k.layer, k.expert)).collect();
-        let missing: Vec<_> = want.difference(&have).take(5).collect();
-        bail!(
-            "{}: missing experts the placement needs (layer, expert): {missing:?}; convert again",
-            f.path().display()
-        );
+}
+
+impl ExpertSource for ShardSource {
+    fn shapes(&self) -> &[ExpertShape] {
+        &self.shapes
     }
-    Ok(out)
+
+    fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError> {
+        let at = *self
+            .entries
+            .get(i)
+            .ok_or_else(|| BackendError::Source(format!("no expert {i} in the shard")))?;
+        self.file
+            .expert(at)
+            .map_err(|e| BackendError::Source(e.to_string()))
+    }
 }
 
 /// The router's gates: from the router file of converted weights, or synthetic.
