@@ -16,6 +16,9 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
   validate            0 valid; 1 problems found (listed with line:column); 2 unreadable file,
                       unknown preset, bad options
   plan                0 planned; 1 the model does not fit (shortfall named); 2 usage or input error
+  convert             0 converted; 1 a problem in the checkpoint, config.json or placement (the
+                      tensor or file is named) or a failed write (finished shards are kept:
+                      re-run to resume); 2 usage
   bench ...           0 measured; 2 bad options, or a run that could not start (1 is not used)
   demo                0 every response matched the reference; 1 mismatched or failed responses;
                       2 usage or start-up error
@@ -25,10 +28,11 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
 Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
 
 /// Each command's exit codes, appended to its own --help (after any text it has).
-const COMMAND_EXIT_CODES: [(&str, &str); 8] = [
+const COMMAND_EXIT_CODES: [(&str, &str); 9] = [
     ("models", MODELS_EXIT),
     ("validate", VALIDATE_EXIT),
     ("plan", PLAN_EXIT),
+    ("convert", crate::convert_cmd::CONVERT_EXIT),
     ("demo", DEMO_EXIT),
     ("up", SERVE_EXIT),
     ("worker", SERVE_EXIT),
@@ -60,6 +64,8 @@ enum Command {
     Validate(crate::validate_cmd::ValidateArgs),
     /// Place a model's experts on a cluster; report memory, load, traffic, throughput, cost.
     Plan(Box<crate::plan_cmd::PlanArgs>),
+    /// Convert a Hugging Face checkpoint folder into packed-INT4 shards, one per device.
+    Convert(crate::convert_cmd::ConvertArgs),
     /// Run a benchmark (each figure against a limit measured in the same run).
     #[command(subcommand, after_help = crate::bench_cli::BENCH_HELP)]
     Bench(crate::bench_cli::BenchTarget),
@@ -149,6 +155,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Models(args) => Ok(crate::models_cmd::run(&args)),
         Command::Validate(args) => Ok(crate::validate_cmd::run(&args)),
         Command::Plan(args) => Ok(crate::plan_cmd::run(&args)),
+        Command::Convert(args) => Ok(crate::convert_cmd::run(&args)),
         Command::Demo(args) => crate::demo::run(args),
         Command::Up(args) => crate::cmd_fabric::up(args),
         Command::Worker(args) => crate::cmd_fabric::worker(args),

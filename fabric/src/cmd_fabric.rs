@@ -95,21 +95,38 @@ impl From<ModeArg> for ComputeMode {
     }
 }
 
-/// The three files of a deployment.
+/// The files of a deployment: topology plus either a converted weights folder (`--weights`,
+/// whose manifest names the model and placement) or a model and a placement (synthetic weights
+/// from `--seed`).
 #[derive(Args, Debug, Clone)]
 pub struct DeployArgs {
     /// Topology file.
     #[arg(long)]
     pub topology: PathBuf,
-    /// Model preset or model TOML file.
-    #[arg(long)]
-    pub model: String,
-    /// Placement file.
-    #[arg(long)]
-    pub placement: PathBuf,
-    /// Seed of the synthetic expert weights (must match on every process).
+    /// Converted weights folder (written by `expertmesh convert`); the model and the placement
+    /// come from its manifest.
+    #[arg(long, conflicts_with_all = ["model", "placement", "seed"])]
+    pub weights: Option<PathBuf>,
+    /// Model preset or model TOML file (synthetic weights; not with --weights).
+    #[arg(long, required_unless_present = "weights")]
+    pub model: Option<String>,
+    /// Placement file (not with --weights).
+    #[arg(long, required_unless_present = "weights")]
+    pub placement: Option<PathBuf>,
+    /// Seed of the synthetic expert weights (must match on every process; not with --weights).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+}
+
+impl DeployArgs {
+    /// Load the deployment these arguments describe.
+    pub fn load(&self) -> anyhow::Result<Deployment> {
+        match (&self.weights, &self.model, &self.placement) {
+            (Some(w), _, _) => Deployment::load_converted(&self.topology, w),
+            (None, Some(m), Some(p)) => Deployment::load(&self.topology, m, p, self.seed),
+            _ => bail!("give --weights W, or --model and --placement"),
+        }
+    }
 }
 
 /// Router tuning shared by `router`, `up`, `demo` and `bench fabric`.
@@ -199,8 +216,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
     if cli.exit_with_parent {
         exit_with_parent();
     }
-    let d = &cli.deploy;
-    let dep = Deployment::load(&d.topology, &d.model, &d.placement, d.seed)?;
+    let dep = cli.deploy.load()?;
     expertmesh_worker::process::run(
         dep,
         WorkerOptions {
@@ -264,8 +280,7 @@ pub struct RouterCli {
 
 /// Run `expertmesh router` until interrupted.
 pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
-    let d = &cli.deploy;
-    let dep = Deployment::load(&d.topology, &d.model, &d.placement, d.seed)?;
+    let dep = cli.deploy.load()?;
     let core = router_core(&dep, cli.router.config(), cli.threads)?;
     let mesh_listen = match cli.mesh_listen {
         Some(a) => a,
@@ -314,9 +329,13 @@ pub struct UpCli {
     /// Topology file.
     #[arg(long)]
     topology: PathBuf,
-    /// Model preset or file.
-    #[arg(long)]
-    model: String,
+    /// Converted weights folder (written by `expertmesh convert`); the model and the placement
+    /// come from its manifest.
+    #[arg(long, conflicts_with_all = ["model", "placement", "seed"])]
+    weights: Option<PathBuf>,
+    /// Model preset or file (synthetic weights; not with --weights).
+    #[arg(long, required_unless_present = "weights")]
+    model: Option<String>,
     /// Placement file (default: a balanced plan computed from topology and model).
     #[arg(long)]
     placement: Option<PathBuf>,
@@ -332,12 +351,15 @@ pub struct UpCli {
 
 /// Run `expertmesh up` until interrupted; restarts workers that exit.
 pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
-    let (placement, _tmp) = match cli.placement {
-        Some(p) => (p, None),
-        None => crate::plan_default::balanced_placement_file(&cli.topology, &cli.model)?,
+    let model = cli.model.clone().unwrap_or_default();
+    let (placement, _tmp) = match (&cli.weights, cli.placement) {
+        (Some(w), _) => (w.join("placement.toml"), None),
+        (None, Some(p)) => (p, None),
+        (None, None) => crate::plan_default::balanced_placement_file(&cli.topology, &model)?,
     };
-    let mut opts = LocalFabricOptions::new(&cli.topology, &cli.model, &placement);
+    let mut opts = LocalFabricOptions::new(&cli.topology, &model, &placement);
     opts.seed = cli.seed;
+    opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
     eprintln!("expertmesh up: starting the router and the workers; waiting for them to connect...");

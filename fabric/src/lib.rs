@@ -12,6 +12,7 @@ pub mod bench_kernels;
 pub mod bench_transport;
 pub mod cli;
 pub mod cmd_fabric;
+pub mod convert_cmd;
 pub mod demo;
 pub mod local;
 pub mod models_cmd;

@@ -31,6 +31,9 @@ pub struct LocalFabricOptions {
     pub placement: PathBuf,
     /// Seed of the synthetic weights.
     pub seed: u64,
+    /// A converted weights folder to serve (its manifest's model and placement are used;
+    /// `model`, `placement` and `seed` are then ignored).
+    pub weights: Option<PathBuf>,
     /// Worker ↔ router link.
     pub link: LinkKind,
     /// Router settings (mode, batching, deadlines).
@@ -58,6 +61,7 @@ impl LocalFabricOptions {
             model: model.into(),
             placement: placement.into(),
             seed: 42,
+            weights: None,
             link: LinkKind::Tcp,
             router: RouterConfig::default(),
             exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("expertmesh")),
@@ -100,7 +104,10 @@ impl std::fmt::Debug for LocalFabric {
 impl LocalFabric {
     /// Start the router and every worker, and wait until all workers are connected.
     pub fn start(opts: LocalFabricOptions) -> anyhow::Result<Self> {
-        let dep = Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?;
+        let dep = match &opts.weights {
+            Some(w) => Deployment::load_converted(&opts.topology, w)?,
+            None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
+        };
         let (tmp, log_dir) = match &opts.log_dir {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
@@ -235,21 +242,23 @@ impl LocalFabric {
         let dev = &self.dep.topology.devices()[d];
         let log = std::fs::File::create(self.worker_log(d)).context("creating a worker log")?;
         let mut cmd = Command::new(&o.exe);
-        cmd.arg("worker")
-            .arg("--topology")
-            .arg(&o.topology)
-            .arg("--model")
-            .arg(&o.model)
-            .arg("--placement")
-            .arg(&o.placement)
-            .arg("--device")
+        cmd.arg("worker").arg("--topology").arg(&o.topology);
+        match &o.weights {
+            Some(w) => cmd.arg("--weights").arg(w),
+            None => cmd
+                .arg("--model")
+                .arg(&o.model)
+                .arg("--placement")
+                .arg(&o.placement)
+                .arg("--seed")
+                .arg(o.seed.to_string()),
+        };
+        cmd.arg("--device")
             .arg(dev.id())
             .arg("--router")
             .arg(self.router_mesh.to_string())
             .arg("--link")
             .arg(o.link.name())
-            .arg("--seed")
-            .arg(o.seed.to_string())
             .arg("--max-tokens")
             .arg(o.router.micro_batch_tokens.max(1).to_string())
             .arg("--exit-with-parent")

@@ -1,0 +1,166 @@
+//! `expertmesh convert`: a Hugging Face checkpoint folder → a converted weights folder.
+//!
+//! Why this exists: it is the command-line edge of [`expertmesh_checkpoint::convert`]: it
+//! reads the model from `config.json`, picks the packed format that keeps an INT4 checkpoint
+//! lossless, resolves the placement (a file, or the planner's balanced default), shows a
+//! progress bar (bytes, GB/s, ETA) and prints what was written and the conversion error per
+//! layer. Exit codes: 0 converted; 1 the checkpoint, its config or the placement has a problem
+//! (named), or writing failed (disk full: nothing written is corrupted, re-run to resume);
+//! 2 usage.
+
+use crate::cli::EXIT_INVALID;
+use anyhow::anyhow;
+use clap::Args;
+use expertmesh_checkpoint::convert::{ConvertJob, Progress, convert};
+use expertmesh_checkpoint::experts::source_quant;
+use expertmesh_checkpoint::hf_config::load_hf_model_and_family;
+use expertmesh_checkpoint::safetensors::Checkpoint;
+use expertmesh_planner::{self as plan, PlanOptions};
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::placement::Placement;
+use expertmesh_topology::topology::Topology;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Exit codes of `convert`, shown in its --help.
+pub const CONVERT_EXIT: &str = "Exit codes: 0 converted; 1 the checkpoint, its config.json or the placement has a problem (the tensor or file is named), or writing failed (e.g. disk full: finished shards are kept, re-run to resume); 2 usage.";
+
+/// `expertmesh convert`.
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Hugging Face checkpoint folder (config.json + *.safetensors).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Topology file: one shard is written per device.
+    #[arg(long)]
+    pub topology: PathBuf,
+    /// Placement file (default: the planner's balanced placement for this topology).
+    #[arg(long)]
+    pub placement: Option<PathBuf>,
+    /// Output folder (created; a re-run keeps the shards that are already complete).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Conversion threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// Run `expertmesh convert`.
+pub fn run(args: &ConvertArgs) -> ExitCode {
+    match convert_checked(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_INVALID)
+        }
+    }
+}
+
+/// The model of the checkpoint with the packed format its experts keep losslessly.
+fn model_of(
+    dir: &Path,
+    ckpt: &Checkpoint,
+) -> anyhow::Result<(ModelSpec, expertmesh_checkpoint::experts::Family)> {
+    let (mut spec, family) = load_hf_model_and_family(dir).map_err(|e| anyhow!("{e}"))?;
+    spec.quant = source_quant(ckpt, &spec, family).map_err(|e| anyhow!("{e}"))?;
+    Ok((spec, family))
+}
+
+/// The placement: the file given (checked against topology and model), or a balanced plan.
+fn placement_of(
+    args: &ConvertArgs,
+    topo: &Topology,
+    spec: &ModelSpec,
+) -> anyhow::Result<(Placement, String)> {
+    if let Some(p) = &args.placement {
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| anyhow!("reading placement {}: {e}", p.display()))?;
+        let placement = Placement::load(p, topo, spec).map_err(|e| anyhow!("{e}"))?;
+        return Ok((placement, text));
+    }
+    let opts = PlanOptions {
+        description: format!("balanced default of expertmesh convert for {}", spec.name),
+        ..PlanOptions::default()
+    };
+    let p = plan::plan(topo, spec, None, None, &opts).map_err(|e| {
+        anyhow!(
+            "no placement of {} fits {}: {e}; see `expertmesh plan`",
+            spec.name,
+            topo.name()
+        )
+    })?;
+    let text = p.placement.to_toml_string();
+    Ok((p.placement, text))
+}
+
+fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
+    let ckpt = Checkpoint::open(&args.checkpoint).map_err(|e| anyhow!("{e}"))?;
+    let (spec, family) = model_of(&args.checkpoint, &ckpt)?;
+    let topo = Topology::load(&args.topology).map_err(|e| anyhow!("{e}"))?;
+    let (placement, placement_text) = placement_of(args, &topo, &spec)?;
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
+    let job = ConvertJob {
+        ckpt: &ckpt,
+        family,
+        spec: &spec,
+        topology: &topo,
+        placement: &placement,
+        placement_text: &placement_text,
+        out: &args.out,
+        threads: threads.max(1),
+    };
+    eprintln!(
+        "expertmesh convert: {} ({family:?}, {}) → {} shards in {} ({threads} threads)",
+        spec.name,
+        spec.quant,
+        topo.devices().len(),
+        args.out.display()
+    );
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
+        )
+        .expect("a valid template"),
+    );
+    let started = Instant::now();
+    let report = convert(&job, &|p| match p {
+        Progress::Start { experts, bytes } => {
+            bar.set_length(bytes);
+            bar.set_message(format!("0/{experts} experts"));
+        }
+        Progress::Done { bytes, .. } => bar.inc(bytes),
+    });
+    bar.finish_and_clear();
+    let report = report.map_err(|e| anyhow!("{e}"))?;
+    let secs = started.elapsed().as_secs_f64();
+    let m = &report.manifest;
+    let written: u64 = m.shards.iter().map(|s| s.bytes).sum::<u64>() + m.router.bytes;
+    println!(
+        "converted {} ({}) in {secs:.1} s: {} shards written, {} kept from an earlier run; {:.2} GB of source experts read ({:.2} GB/s), {:.2} GB written",
+        m.model,
+        m.source.weight_format,
+        report.shards_written,
+        report.shards_kept,
+        report.source_bytes_converted as f64 / 1e9,
+        report.source_bytes_converted as f64 / 1e9 / secs.max(1e-9),
+        written as f64 / 1e9
+    );
+    println!("layer  experts  rel_error_mean  rel_error_max");
+    for l in &m.layers {
+        println!(
+            "{:5}  {:7}  {:14.5}  {:13.5}",
+            l.layer, l.experts, l.rel_error_mean, l.rel_error_max
+        );
+    }
+    println!(
+        "serve it: expertmesh up --topology {} --weights {}",
+        args.topology.display(),
+        args.out.display()
+    );
+    Ok(())
+}
