@@ -14,14 +14,16 @@
 //! the manifest is written last, so a folder with a manifest is complete.
 
 use crate::experts::{ExpertError, ExpertRef, Family, expert_tensor_names, read_expert};
-use crate::safetensors::{Checkpoint, SafetensorsError};
+use crate::safetensors::{Checkpoint, Dtype, SafetensorsError};
 use expertmesh_quant::format::ExpertWeights;
 use expertmesh_shard::file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter};
 use expertmesh_shard::manifest::{
     LayerError, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ManifestError, ShardRecord,
     SourceFile, SourceInfo,
 };
-use expertmesh_shard::{ROUTER_SHARD_NAME, device_shard_name, gate_bias_name, gate_weight_name};
+use expertmesh_shard::{
+    ROUTER_SHARD_NAME, device_shard_name, gate_bias_name, gate_weight_name, shared_dense_names,
+};
 use expertmesh_topology::model::{ModelSpec, Scoring};
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
@@ -79,6 +81,9 @@ pub enum ConvertError {
         #[source]
         source: std::io::Error,
     },
+    /// The placement cannot be served with these weights.
+    #[error("{0}")]
+    Placement(String),
     /// The thread pool could not be built.
     #[error("starting {threads} conversion threads: {reason}")]
     Threads {
@@ -127,6 +132,9 @@ pub struct ConvertJob<'a> {
     pub out: &'a Path,
     /// Worker threads (≥ 1).
     pub threads: usize,
+    /// Keep the shared experts dense at the checkpoint's precision in the router file (see
+    /// [`keeps_shared_dense`]) instead of quantizing them.
+    pub shared_dense: bool,
 }
 
 /// What the conversion did.
@@ -199,16 +207,33 @@ pub fn convert(
         })?;
     let fingerprint = fingerprint(job)?;
     let devices = job.topology.devices();
+    if job.shared_dense
+        && let Some(l) = job.spec.moe_layer_ids().into_iter().find(|&l| {
+            matches!(
+                job.placement.shared_location(l),
+                Some(SharedLocation::Device(_))
+            )
+        })
+    {
+        return Err(ConvertError::Placement(format!(
+            "the placement runs layer {l}'s shared experts on a device, but this checkpoint \
+             keeps them unquantized and dense shared experts run on the router: place shared \
+             experts on the router, or pass --quantize-shared to quantize them to INT4"
+        )));
+    }
     let plans: Vec<Vec<Item>> = devices
         .iter()
         .map(|d| device_items(job.spec, job.placement, d.rank()))
         .collect();
-    let router_items: Vec<Item> = job
-        .spec
-        .moe_layer_ids()
-        .into_iter()
-        .flat_map(|l| shared_items(job.spec, l))
-        .collect();
+    let router_items: Vec<Item> = if job.shared_dense {
+        Vec::new()
+    } else {
+        job.spec
+            .moe_layer_ids()
+            .into_iter()
+            .flat_map(|l| shared_items(job.spec, l))
+            .collect()
+    };
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
@@ -216,7 +241,10 @@ pub fn convert(
     let hashing = std::thread::scope(|s| {
         let hasher = s.spawn(|| source_files(job.ckpt));
         let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, progress));
-        let router = pool.install(|| write_router(job, &fingerprint, &router_items, progress));
+        let router = match &shards {
+            Ok(_) => pool.install(|| write_router(job, &fingerprint, &router_items, progress)),
+            Err(_) => Ok(Default::default()),
+        };
         let files = hasher.join().expect("the hashing thread does not panic");
         (shards, router, files)
     });
@@ -248,6 +276,7 @@ pub fn convert(
         },
         shards: records,
         router,
+        shared_dense: job.shared_dense,
         layers: layer_errors(job.out, job.spec, devices.len())?,
     };
     manifest.write(job.out)?;
@@ -416,6 +445,9 @@ fn write_router(
                 );
                 w.add_tensor_f32(&gate_weight_name(layer), &[e, h], &weight)?;
                 w.add_tensor_f32(&gate_bias_name(layer), &[e], &bias)?;
+                if job.shared_dense {
+                    write_dense_shared(job, layer, &mut w)?;
+                }
             }
             write_experts(job, shared, &mut w, progress)?;
             let s = w.finish()?;
@@ -432,6 +464,69 @@ fn write_router(
         },
         summary.1,
     ))
+}
+
+/// Whether the checkpoint keeps its shared experts unquantized on purpose: the routed experts
+/// are stored INT4 (pack-quantized, GPTQ or AWQ) while the shared experts are BF16, F16 or F32
+/// (Kimi K2-Thinking lists them in its quantization config's `ignore`). Such shared experts are
+/// served at that precision by default, so the whole layer is served losslessly.
+pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -> bool {
+    let Some(&layer) = spec.moe_layer_ids().first() else {
+        return false;
+    };
+    if spec.shared_experts == 0 || !family.has_shared_expert() {
+        return false;
+    }
+    let (Ok([routed, ..]), Ok([shared, ..])) = (
+        expert_tensor_names(family, layer, ExpertRef::Routed(0)),
+        expert_tensor_names(family, layer, ExpertRef::Shared),
+    ) else {
+        return false;
+    };
+    let base = routed.strip_suffix(".weight").unwrap_or(&routed);
+    let routed_int4 = !ckpt.contains(&routed)
+        && ["weight_packed", "qweight"]
+            .iter()
+            .any(|s| ckpt.contains(&format!("{base}.{s}")));
+    let shared_float = ckpt
+        .tensor_info(&shared)
+        .is_ok_and(|i| matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
+    routed_int4 && shared_float
+}
+
+/// `layer`'s shared experts as dense tensors at the checkpoint's precision (BF16 bits copied;
+/// F16 and F32 widened to f32 exactly), shapes and values checked.
+fn write_dense_shared(
+    job: &ConvertJob<'_>,
+    layer: u32,
+    w: &mut ShardWriter,
+) -> Result<(), ConvertError> {
+    let names = expert_tensor_names(job.family, layer, ExpertRef::Shared).map_err(|source| {
+        ConvertError::Expert {
+            layer,
+            which: ExpertRef::Shared,
+            source,
+        }
+    })?;
+    let (h, f) = (
+        job.spec.hidden as usize,
+        job.spec.shared_intermediate as usize,
+    );
+    let shapes = [[f, h], [f, h], [h, f]];
+    for i in 0..job.spec.shared_experts {
+        let out = shared_dense_names(layer, i);
+        for ((src, dst), shape) in names.iter().zip(&out).zip(shapes) {
+            let values = read_f32(job.ckpt, src, &shape)?;
+            let dims = [shape[0] as u64, shape[1] as u64];
+            if job.ckpt.tensor_info(src)?.dtype == Dtype::BF16 {
+                let bits: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                w.add_tensor_bf16(dst, &dims, &bits)?;
+            } else {
+                w.add_tensor_f32(dst, &dims, &values)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoint names of `layer`'s gate weight and (sigmoid-bias families) selection bias.

@@ -11,7 +11,7 @@
 use crate::cli::EXIT_INVALID;
 use anyhow::anyhow;
 use clap::Args;
-use expertmesh_checkpoint::convert::{ConvertJob, Progress, convert};
+use expertmesh_checkpoint::convert::{ConvertJob, Progress, convert, keeps_shared_dense};
 use expertmesh_checkpoint::experts::source_quant;
 use expertmesh_checkpoint::hf_config::load_hf_model_and_family;
 use expertmesh_checkpoint::safetensors::Checkpoint;
@@ -45,6 +45,11 @@ pub struct ConvertArgs {
     /// Conversion threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Quantize shared experts to INT4 even when the checkpoint keeps them unquantized (an
+    /// INT4 checkpoint with BF16 shared experts, like Kimi K2-Thinking, serves them at BF16 on
+    /// the router by default: lossless, at the cost of router memory).
+    #[arg(long)]
+    pub quantize_shared: bool,
 }
 
 /// Run `expertmesh convert`.
@@ -112,7 +117,14 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         placement_text: &placement_text,
         out: &args.out,
         threads: threads.max(1),
+        shared_dense: !args.quantize_shared && keeps_shared_dense(&ckpt, &spec, family),
     };
+    if job.shared_dense {
+        eprintln!(
+            "shared experts stay at the checkpoint's precision (the routed experts are INT4, the \
+             shared ones are not): the router runs them; --quantize-shared packs them instead"
+        );
+    }
     eprintln!(
         "expertmesh convert: {} ({family:?}, {}) → {} shards in {} ({threads} threads)",
         spec.name,

@@ -112,6 +112,18 @@ pub struct ExpertEntry {
 pub enum TensorDtype {
     /// Little-endian IEEE single precision.
     F32,
+    /// Little-endian bfloat16 bits (weights kept at a checkpoint's own precision).
+    Bf16,
+}
+
+impl TensorDtype {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            TensorDtype::F32 => 4,
+            TensorDtype::Bf16 => 2,
+        }
+    }
 }
 
 /// One plain tensor (a gate's weight, a correction bias) in the index.
@@ -342,10 +354,26 @@ impl ShardWriter {
     /// Append an f32 tensor.
     pub fn add_tensor_f32(&mut self, name: &str, shape: &[u64], data: &[f32]) -> Result<()> {
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let data = self.blob(&bytes, BLOB_ALIGN)?;
+        self.add_tensor(name, TensorDtype::F32, shape, &bytes)
+    }
+
+    /// Append a bf16 tensor (its bits).
+    pub fn add_tensor_bf16(&mut self, name: &str, shape: &[u64], bits: &[u16]) -> Result<()> {
+        let bytes: Vec<u8> = bits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.add_tensor(name, TensorDtype::Bf16, shape, &bytes)
+    }
+
+    fn add_tensor(
+        &mut self,
+        name: &str,
+        dtype: TensorDtype,
+        shape: &[u64],
+        bytes: &[u8],
+    ) -> Result<()> {
+        let data = self.blob(bytes, BLOB_ALIGN)?;
         self.index.tensors.push(TensorEntry {
             name: name.to_string(),
-            dtype: TensorDtype::F32,
+            dtype,
             shape: shape.to_vec(),
             data,
         });
@@ -570,7 +598,12 @@ impl ShardFile {
         })
     }
 
-    /// The f32 tensor `name` and its shape.
+    /// Whether the shard holds a tensor `name`.
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.index.tensors.iter().any(|t| t.name == name)
+    }
+
+    /// The tensor `name` (f32, or bf16 widened exactly) and its shape.
     pub fn tensor_f32(&self, name: &str) -> Result<(Vec<u64>, Vec<f32>)> {
         let t = self
             .index
@@ -581,11 +614,17 @@ impl ShardFile {
                 path: self.path.clone(),
                 name: name.to_string(),
             })?;
-        let values = self
-            .bytes(t.data)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let bytes = self.bytes(t.data);
+        let values = match t.dtype {
+            TensorDtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            TensorDtype::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                .collect(),
+        };
         Ok((t.shape.clone(), values))
     }
 }
@@ -683,11 +722,11 @@ fn check_ranges(index: &ShardIndex, end: u64) -> std::result::Result<(), String>
             .shape
             .iter()
             .try_fold(1u64, |a, &d| a.checked_mul(d))
-            .and_then(|n| n.checked_mul(4));
+            .and_then(|n| n.checked_mul(t.dtype.size()));
         if n != Some(t.data.len) {
             return Err(format!("tensor {}: size does not match its shape", t.name));
         }
-        within(t.data, &t.name, 4)?;
+        within(t.data, &t.name, t.dtype.size())?;
     }
     Ok(())
 }

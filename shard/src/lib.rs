@@ -33,3 +33,9 @@ pub fn gate_weight_name(layer: u32) -> String {
 pub fn gate_bias_name(layer: u32) -> String {
     format!("layers.{layer}.gate.bias")
 }
+
+/// Names of shared expert `index` of `layer` kept dense at the checkpoint's precision in the
+/// router file: `[gate [F, H], up [F, H], down [H, F]]`.
+pub fn shared_dense_names(layer: u32, index: u32) -> [String; 3] {
+    ["gate", "up", "down"].map(|p| format!("layers.{layer}.shared.{index}.{p}"))
+}

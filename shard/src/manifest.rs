@@ -48,7 +48,7 @@ pub struct SourceInfo {
 }
 
 /// One shard file of the folder.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShardRecord {
     /// Device id (`node/device`), or `router` for the router file.
@@ -105,6 +105,11 @@ pub struct Manifest {
     pub shards: Vec<ShardRecord>,
     /// The router's file (gates, biases, shared experts).
     pub router: ShardRecord,
+    /// Shared experts are kept dense at the checkpoint's precision (bf16 or f32) in the router
+    /// file and run by the router, instead of packed INT4 (an INT4 checkpoint that keeps them
+    /// unquantized is served losslessly this way).
+    #[serde(default)]
+    pub shared_dense: bool,
     /// Conversion error per MoE layer.
     pub layers: Vec<LayerError>,
 }

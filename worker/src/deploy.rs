@@ -74,6 +74,15 @@ impl Deployment {
     pub fn load_converted(topology: &Path, weights: &Path) -> anyhow::Result<Self> {
         let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
         let manifest = Manifest::load(weights).map_err(|e| anyhow!("{e}"))?;
+        if manifest.topology != topo.name() {
+            bail!(
+                "{} was converted for cluster {:?} but the topology is {:?}; pass that \
+                 topology, or convert again with this one (`expertmesh convert --topology ...`)",
+                weights.display(),
+                manifest.topology,
+                topo.name()
+            );
+        }
         let model_path = weights.join(&manifest.model_file);
         let spec =
             expertmesh_topology::model_file::load_model(&model_path).map_err(|e| anyhow!("{e}"))?;
@@ -259,6 +268,14 @@ impl Deployment {
         r.node[0] = router_node as u32;
         r.local_node = Some(router_node as u32);
         r
+    }
+
+    /// Whether the shared experts are served dense at the checkpoint's precision (converted
+    /// weights that kept them unquantized); the router runs them.
+    pub fn shared_dense(&self) -> bool {
+        self.weights
+            .as_ref()
+            .is_some_and(|w| w.manifest.shared_dense)
     }
 
     /// Whether any layer runs its shared experts on the router.

@@ -112,6 +112,7 @@ fn expected_keys(dep: &Deployment, d: Option<DeviceRank>) -> BTreeSet<(u32, u32)
         let shared_here = match (d, dep.placement.shared_location(layer)) {
             (Some(d), Some(SharedLocation::Device(x))) => x == d,
             (Some(_), _) => false,
+            (None, _) if dep.shared_dense() => false,
             (None, Some(SharedLocation::Device(_))) => false,
             (None, _) => true,
         };
