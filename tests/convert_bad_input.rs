@@ -207,7 +207,11 @@ fn a_full_disk_fails_naming_the_file_and_a_rerun_resumes() {
     );
     // Another placement is another job: every shard is rewritten.
     let other = convert(&ck, &out);
-    assert!(other.stdout.contains("2 shards written"), "{}", other.stdout);
+    assert!(
+        other.stdout.contains("2 shards written"),
+        "{}",
+        other.stdout
+    );
 }
 
 fn worker(out: &Path) -> Run {

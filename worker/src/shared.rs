@@ -101,7 +101,10 @@ impl DenseExpert {
             h[f] = g / (1.0 + (-g).exp()) * u;
         }
         for (n, yn) in y.iter_mut().enumerate() {
-            *yn = dot(&self.down[n * self.inter..(n + 1) * self.inter], &h[..self.inter]);
+            *yn = dot(
+                &self.down[n * self.inter..(n + 1) * self.inter],
+                &h[..self.inter],
+            );
         }
     }
 }
