@@ -78,20 +78,10 @@ fn toml_output_is_a_model_file_that_validates() {
 
 #[test]
 fn configs_that_cannot_be_served_exactly_exit_1_naming_the_key() {
-    let cases = [
-        (
-            "Qwen1.5-MoE-A2.7B",
-            &[
-                "shared_expert_gate",
-                "shared_expert_intermediate_size = 5632",
-                "changes the math",
-            ][..],
-        ),
-        (
-            "gpt-oss-120b",
-            &["model_type = \"gpt_oss\"", "not supported"][..],
-        ),
-    ];
+    let cases = [(
+        "gpt-oss-120b",
+        &["model_type = \"gpt_oss\"", "not supported"][..],
+    )];
     for (folder, wants) in cases {
         let r = run(&["models", "--from-hf", &dir(folder)]);
         assert_eq!(r.code, 1, "{folder}: {}{}", r.stdout, r.stderr);

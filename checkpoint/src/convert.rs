@@ -23,6 +23,7 @@ use expertmesh_shard::manifest::{
 };
 use expertmesh_shard::{
     ROUTER_SHARD_NAME, device_shard_name, gate_bias_name, gate_weight_name, shared_dense_names,
+    shared_gate_name,
 };
 use expertmesh_topology::model::{ModelSpec, Scoring};
 use expertmesh_topology::placement::{Placement, SharedLocation};
@@ -445,6 +446,11 @@ fn write_router(
                 );
                 w.add_tensor_f32(&gate_weight_name(layer), &[e, h], &weight)?;
                 w.add_tensor_f32(&gate_bias_name(layer), &[e], &bias)?;
+                if job.spec.shared_expert_gate {
+                    let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
+                    let g = read_f32(job.ckpt, &name, &[1, h as usize])?;
+                    w.add_tensor_f32(&shared_gate_name(layer), &[h], &g)?;
+                }
                 if job.shared_dense {
                     write_dense_shared(job, layer, &mut w)?;
                 }

@@ -15,7 +15,9 @@
 //! * DeepSeek-V3, Kimi K2, GLM-4.5: `model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`;
 //!   shared: `model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.weight`.
 //! * Qwen3-MoE, OLMoE: `model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`; no shared
-//!   expert.
+//!   expert. Qwen2-MoE: the same routed names; shared:
+//!   `model.layers.{L}.mlp.shared_expert.{gate,up,down}_proj.weight` (its per-token gate
+//!   `model.layers.{L}.mlp.shared_expert_gate.weight` `[1, H]` goes to the router file).
 //! * Mixtral: `model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (w1 = gate,
 //!   w3 = up, w2 = down); no shared expert.
 //!
@@ -166,6 +168,9 @@ pub fn expert_tensor_names(
         }
         (_, ExpertRef::Routed(e)) => {
             ["gate", "up", "down"].map(|w| format!("{p}.mlp.experts.{e}.{w}_proj.weight"))
+        }
+        (Family::Qwen2Moe, ExpertRef::Shared) => {
+            ["gate", "up", "down"].map(|w| format!("{p}.mlp.shared_expert.{w}_proj.weight"))
         }
         (f, ExpertRef::Shared) if f.has_shared_expert() => {
             ["gate", "up", "down"].map(|w| format!("{p}.mlp.shared_experts.{w}_proj.weight"))

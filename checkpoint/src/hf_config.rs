@@ -18,12 +18,13 @@
 //!   `n_group`/`topk_group`, then `norm_topk_prob` and `routed_scaling_factor`. Multi-token
 //!   prediction layers (`num_nextn_predict_layers`) come after `num_hidden_layers` and are not
 //!   part of the served model.
-//! * `qwen3_moe` (and `qwen2_moe` without a shared expert): layer `l` is MoE iff it is not in
+//! * `qwen3_moe` and `qwen2_moe`: layer `l` is MoE iff it is not in
 //!   `mlp_only_layers`, `num_experts > 0` and `(l + 1) % decoder_sparse_step == 0`; that set must
 //!   be a dense prefix plus every n-th layer (`first_dense_layers`, `moe_layer_step`). Softmax
 //!   over all experts, top-k, renormalized when `norm_topk_prob` ([`Scoring::Softmax`]).
-//!   `qwen2_moe`'s shared expert is gated by `sigmoid(shared_expert_gate(x))`, which ModelSpec
-//!   cannot express: refused.
+//!   `qwen2_moe`'s shared expert (width `shared_expert_intermediate_size`, default 5632; 0 =
+//!   none) is one shared expert whose output is scaled per token by
+//!   `sigmoid(shared_expert_gate(x))` (`shared_expert_gate = true`).
 //! * `mixtral`: every layer MoE, `num_local_experts` experts of width `intermediate_size`;
 //!   softmax, top-k, renormalize — the same weights as softmax over the top-k logits
 //!   ([`Scoring::TopkSoftmax`]).
@@ -263,10 +264,13 @@ impl Family {
         })
     }
 
-    /// Whether the family's checkpoints have a shared expert per MoE layer that this crate
-    /// reads (Qwen2-MoE's gated shared expert is refused by the model mapping).
+    /// Whether the family's checkpoints can have a shared expert per MoE layer (Qwen2-MoE's
+    /// is gated per token: `ModelSpec::shared_expert_gate`).
     pub fn has_shared_expert(self) -> bool {
-        matches!(self, Family::DeepseekV3 | Family::Glm4Moe)
+        matches!(
+            self,
+            Family::DeepseekV3 | Family::Glm4Moe | Family::Qwen2Moe
+        )
     }
 }
 
@@ -348,6 +352,7 @@ fn base(cfg: &Cfg<'_>, family: Family) -> Result<ModelSpec, String> {
         moe_intermediate: 0,
         shared_experts: 0,
         shared_intermediate: 0,
+        shared_expert_gate: false,
         scoring: Scoring::Softmax,
         norm_topk_prob: true,
         routed_scaling_factor: 1.0,
@@ -428,20 +433,15 @@ fn map_deepseek(cfg: &Cfg<'_>, family: Family, m: &mut ModelSpec) -> Result<(), 
 }
 
 /// Qwen3-MoE / Qwen2-MoE: softmax, top-k, the MoE layer set from `decoder_sparse_step` and
-/// `mlp_only_layers`; Qwen2-MoE's gated shared expert is refused.
+/// `mlp_only_layers`; Qwen2-MoE's shared expert with its per-token sigmoid gate.
 fn map_qwen(cfg: &Cfg<'_>, family: Family, m: &mut ModelSpec) -> Result<(), String> {
     if family == Family::Qwen2Moe {
         // transformers' Qwen2MoeConfig default.
         let shared = cfg.u32_opt("shared_expert_intermediate_size", 5632)?;
         if shared > 0 {
-            let given = if cfg.has("shared_expert_intermediate_size") {
-                ""
-            } else {
-                " (its default)"
-            };
-            return Err(format!(
-                "shared_expert_intermediate_size = {shared}{given}: qwen2_moe multiplies its shared expert's output by sigmoid(shared_expert_gate(x)), a per-token gate ModelSpec cannot express; this changes the math, so qwen2_moe with a shared expert is not supported yet"
-            ));
+            m.shared_experts = 1;
+            m.shared_intermediate = shared;
+            m.shared_expert_gate = true;
         }
     }
     m.routed_experts = experts_qwen(cfg)?;

@@ -125,6 +125,7 @@ fn glm_4_5_air() {
         moe_intermediate: 1408,
         shared_experts: 1,
         shared_intermediate: 1408,
+        shared_expert_gate: false,
         scoring: Scoring::SigmoidBias,
         norm_topk_prob: true,
         routed_scaling_factor: 1.0,
@@ -157,32 +158,36 @@ fn every_accepted_config_round_trips_through_a_model_file() {
 }
 
 #[test]
-fn qwen1_5_moe_shared_expert_gate_is_refused() {
-    let e = load_hf_model(&data("Qwen1.5-MoE-A2.7B")).unwrap_err();
-    assert!(!e.is_usage());
-    let s = e.to_string();
-    assert!(s.contains("shared_expert_gate"), "{s}");
-    assert!(s.contains("shared_expert_intermediate_size = 5632"), "{s}");
-    assert!(s.contains("changes the math"), "{s}");
-    assert!(s.contains("not supported yet"), "{s}");
-    // Without the key transformers' default (5632) applies: still refused.
-    let s = refusal(&edited(
+fn qwen1_5_moe_maps_its_gated_shared_expert() {
+    let m = load_hf_model(&data("Qwen1.5-MoE-A2.7B")).unwrap();
+    assert_eq!(
+        (m.routed_experts, m.top_k, m.moe_intermediate),
+        (60, 4, 1408)
+    );
+    assert_eq!((m.shared_experts, m.shared_intermediate), (1, 5632));
+    assert!(m.shared_expert_gate);
+    assert_eq!(m.scoring, Scoring::Softmax);
+    assert!(!m.norm_topk_prob);
+    // Without the key transformers' default (5632) applies.
+    let d = map(&edited(
         "Qwen1.5-MoE-A2.7B",
         json!({"shared_expert_intermediate_size": null}),
-    ));
-    assert!(s.contains("5632 (its default)"), "{s}");
+    ))
+    .unwrap();
+    assert_eq!((d.shared_experts, d.shared_intermediate), (1, 5632));
     // A zero-width shared expert adds nothing: the routed part maps like Qwen3.
     let m = map(&edited(
         "Qwen1.5-MoE-A2.7B",
         json!({"shared_expert_intermediate_size": 0}),
     ))
     .unwrap();
-    assert_eq!(
-        (m.routed_experts, m.top_k, m.moe_intermediate),
-        (60, 4, 1408)
-    );
     assert_eq!((m.shared_experts, m.scoring), (0, Scoring::Softmax));
-    assert!(!m.norm_topk_prob);
+    assert!(!m.shared_expert_gate);
+    // The model file says so and reads back to the same model.
+    let m = load_hf_model(&data("Qwen1.5-MoE-A2.7B")).unwrap();
+    let text = model_to_toml_string(&m);
+    assert!(text.contains("shared_expert_gate = true"), "{text}");
+    assert_eq!(model_from_toml_str(&text).unwrap(), m);
 }
 
 #[test]

@@ -390,6 +390,8 @@ struct Inflight {
     shared_local: Vec<f32>,
     /// The router-side shared experts are still to run.
     shared_pending: bool,
+    /// Per token, the weight of the shared experts' output (empty: weight 1).
+    shared_weights: Vec<f32>,
     parts: Vec<Part>,
     outstanding: usize,
 }
@@ -823,8 +825,16 @@ impl RouterCore {
             }
         };
         let shared = self.spec.shared_experts as usize;
+        // Qwen2-MoE scales the shared experts' output per token; 1 elsewhere.
+        let shared_weights = if self.spec.shared_expert_gate && shared > 0 {
+            setup.gate.shared_weights(&p.x)
+        } else {
+            Vec::new()
+        };
         let routing = match setup.shared {
-            SharedSite::Rank(_) if shared > 0 => with_remote_shared(&routing, e as u32, shared),
+            SharedSite::Rank(_) if shared > 0 => {
+                with_remote_shared(&routing, e as u32, shared, &shared_weights)
+            }
             _ => routing,
         };
         // Shared experts on the router run in `run_deferred`, after this batch's dispatch frames
@@ -861,6 +871,7 @@ impl RouterCore {
             q8,
             shared_local,
             shared_pending,
+            shared_weights,
             parts: Vec::new(),
             outstanding: 0,
         };
@@ -1099,10 +1110,12 @@ impl RouterCore {
         }
         for t in 0..b.tokens {
             let o = member_row(&b.members, &mut outs, t, h);
+            let gate = b.shared_weights.get(t).copied();
             for i in 0..shared {
                 let y = &b.shared_local[(t * shared + i) * h..(t * shared + i + 1) * h];
-                for (a, &v) in o.iter_mut().zip(y) {
-                    *a += v;
+                match gate {
+                    Some(g) => o.iter_mut().zip(y).for_each(|(a, &v)| *a += g * v),
+                    None => o.iter_mut().zip(y).for_each(|(a, &v)| *a += v),
                 }
             }
         }
@@ -1152,9 +1165,15 @@ fn dispatch_payload(
     }
 }
 
-/// `routing` with a layer's shared experts (pseudo-ids `routed_experts + i`, weight 1) appended
-/// to every token as extra slots, for shared experts that live on a worker.
-fn with_remote_shared(routing: &Routing, routed_experts: u32, shared: usize) -> Routing {
+/// `routing` with a layer's shared experts (pseudo-ids `routed_experts + i`, weight 1, or the
+/// token's `shared_weights` entry when the model gates them) appended to every token as extra
+/// slots, for shared experts that live on a worker.
+fn with_remote_shared(
+    routing: &Routing,
+    routed_experts: u32,
+    shared: usize,
+    shared_weights: &[f32],
+) -> Routing {
     let tokens = routing.tokens();
     let slots = routing.top_k + shared;
     let mut experts = Vec::with_capacity(tokens * slots);
@@ -1163,7 +1182,8 @@ fn with_remote_shared(routing: &Routing, routed_experts: u32, shared: usize) -> 
         experts.extend_from_slice(routing.experts_of(t));
         weights.extend_from_slice(routing.weights_of(t));
         experts.extend((0..shared as u32).map(|i| routed_experts + i));
-        weights.extend(std::iter::repeat_n(1.0, shared));
+        let w = shared_weights.get(t).copied().unwrap_or(1.0);
+        weights.extend(std::iter::repeat_n(w, shared));
     }
     Routing {
         top_k: slots,

@@ -50,6 +50,9 @@ pub struct GateWeights {
     pub weight: Vec<f32>,
     /// `[E]`.
     pub bias: Vec<f32>,
+    /// `[H]`: Qwen2-MoE's `shared_expert_gate` (the shared experts' output of token `x` is
+    /// scaled by `sigmoid(shared_gate · x)`); `None` adds them with weight 1.
+    pub shared_gate: Option<Vec<f32>>,
 }
 
 impl GateWeights {
@@ -78,6 +81,24 @@ impl GateWeights {
                 let w = &self.weight[e * self.hidden..(e + 1) * self.hidden];
                 out[t * self.experts + e] = dot8(w, xt);
             }
+        }
+    }
+}
+
+impl GateWeights {
+    /// The weight of the shared experts' output for each of the `x.len() / hidden` tokens of
+    /// `x`: `sigmoid(shared_gate · x)` (same dot product as the logits, so the router and the
+    /// in-process reference agree bit for bit), or 1 without a shared gate.
+    pub fn shared_weights(&self, x: &[f32]) -> Vec<f32> {
+        let tokens = x.len() / self.hidden;
+        match &self.shared_gate {
+            None => vec![1.0; tokens],
+            Some(g) => (0..tokens)
+                .map(|t| {
+                    let z = dot8(g, &x[t * self.hidden..(t + 1) * self.hidden]);
+                    1.0 / (1.0 + (-z).exp())
+                })
+                .collect(),
         }
     }
 }

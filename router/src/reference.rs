@@ -57,11 +57,15 @@ pub fn synthetic_gate(spec: &ModelSpec, seed: u64, layer: u32) -> GateWeights {
         }
         _ => vec![0.0; e],
     };
+    let shared_gate = spec
+        .shared_expert_gate
+        .then(|| synth::normal_vec(&mut rng, h, 1.0 / (h as f64).sqrt()));
     GateWeights {
         experts: e,
         hidden: h,
         weight,
         bias,
+        shared_gate,
     }
 }
 
@@ -87,11 +91,13 @@ pub fn synthetic_layer(
 }
 
 /// Combine per-slot expert outputs and shared-expert outputs for one token, per contract §5:
-/// `acc = +0; acc = acc + w[s] * y[s]` in slot order, then `acc + shared[0] + shared[1] ...`.
+/// `acc = +0; acc = acc + w[s] * y[s]` in slot order, then `acc + shared[0] + shared[1] ...`
+/// (`acc + g * shared[i]` when the model gates its shared experts: `shared_gate = Some(g)`).
 pub fn combine_token(
     weights: &[f32],
     slot_outputs: &[&[f32]],
     shared_outputs: &[&[f32]],
+    shared_gate: Option<f32>,
     out: &mut [f32],
 ) {
     out.fill(0.0);
@@ -101,8 +107,9 @@ pub fn combine_token(
         }
     }
     for y in shared_outputs {
-        for (o, v) in out.iter_mut().zip(y.iter()) {
-            *o += v;
+        match shared_gate {
+            Some(g) => out.iter_mut().zip(y.iter()).for_each(|(o, v)| *o += g * v),
+            None => out.iter_mut().zip(y.iter()).for_each(|(o, v)| *o += v),
         }
     }
 }
@@ -133,6 +140,8 @@ pub fn moe_layer_routed(
     let mut out = vec![0f32; tokens * h];
     let mut slot_y = vec![0f32; k * h];
     let mut shared_y = vec![0f32; lw.shared.len() * h];
+    let shared_w = lw.gate.shared_weights(x);
+    let gated = lw.gate.shared_gate.is_some();
     for t in 0..tokens {
         let xt = &x[t * h..(t + 1) * h];
         let run = |w: &ExpertWeights, qa: &QuantizedVec, y: &mut [f32]| match mode {
@@ -156,6 +165,7 @@ pub fn moe_layer_routed(
             routing.weights_of(t),
             &slots,
             &shared,
+            gated.then(|| shared_w[t]),
             &mut out[t * h..(t + 1) * h],
         );
     }
@@ -205,6 +215,8 @@ pub fn moe_layer_backend(
         backend.execute(&batch, &mut rows)
     })?;
     let mut out = vec![0f32; tokens * h];
+    let shared_w = gate.shared_weights(x);
+    let gated = gate.shared_gate.is_some();
     for t in 0..tokens {
         let slot_rows: Vec<&[f32]> = (0..k)
             .map(|sl| &rows[(t * slots + sl) * h..(t * slots + sl + 1) * h])
@@ -216,6 +228,7 @@ pub fn moe_layer_backend(
             routing.weights_of(t),
             &slot_rows,
             &shared_rows,
+            gated.then(|| shared_w[t]),
             &mut out[t * h..(t + 1) * h],
         );
     }
@@ -238,10 +251,15 @@ pub fn moe_layer_f64(lw: &LayerWeights, x: &[f32], routing: &Routing) -> Vec<f64
                 *a += w as f64 * b;
             }
         }
+        // Qwen2-MoE: sigmoid(shared_gate · x) in f64; weight 1 otherwise.
+        let g = lw.gate.shared_gate.as_ref().map_or(1.0, |g| {
+            let z: f64 = g.iter().zip(&xt).map(|(&a, &b)| f64::from(a) * b).sum();
+            1.0 / (1.0 + (-z).exp())
+        });
         for w in &lw.shared {
             expert_ffn_f64(w, &xt, &mut y);
             for (a, b) in o.iter_mut().zip(&y) {
-                *a += b;
+                *a += g * b;
             }
         }
     }
@@ -321,9 +339,9 @@ mod tests {
         let b = [1.0f32];
         let c = [-1e8f32];
         let mut out = [0f32];
-        combine_token(&[1.0, 1.0, 1.0], &[&a, &b, &c], &[], &mut out);
+        combine_token(&[1.0, 1.0, 1.0], &[&a, &b, &c], &[], None, &mut out);
         assert_eq!(out[0], 0.0); // (1e8 + 1) rounds to 1e8, then - 1e8
-        combine_token(&[1.0, 1.0, 1.0], &[&a, &c, &b], &[], &mut out);
+        combine_token(&[1.0, 1.0, 1.0], &[&a, &c, &b], &[], None, &mut out);
         assert_eq!(out[0], 1.0);
     }
 }

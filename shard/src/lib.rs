@@ -34,6 +34,12 @@ pub fn gate_bias_name(layer: u32) -> String {
     format!("layers.{layer}.gate.bias")
 }
 
+/// Name of the shared experts' per-token gate `[hidden]` of `layer` (Qwen2-MoE's
+/// `shared_expert_gate`).
+pub fn shared_gate_name(layer: u32) -> String {
+    format!("layers.{layer}.shared_gate.weight")
+}
+
 /// Names of shared expert `index` of `layer` kept dense at the checkpoint's precision in the
 /// router file: `[gate [F, H], up [F, H], down [H, F]]`.
 pub fn shared_dense_names(layer: u32, index: u32) -> [String; 3] {

@@ -60,6 +60,10 @@ pub struct ModelSpec {
     pub shared_experts: u32,
     /// Intermediate size of each shared expert.
     pub shared_intermediate: u32,
+    /// The shared experts' output is scaled per token by `sigmoid(shared_gate · x)`
+    /// (Qwen2-MoE's `shared_expert_gate`) instead of added with weight 1.
+    #[serde(default)]
+    pub shared_expert_gate: bool,
     /// Router scoring family.
     pub scoring: Scoring,
     /// Renormalize the chosen experts' weights to sum to one.
@@ -270,6 +274,11 @@ impl ModelSpec {
                 self.shared_intermediate
             ),
         );
+        need(
+            p,
+            !self.shared_expert_gate || self.shared_experts > 0,
+            "shared_expert_gate = true needs shared_experts > 0".into(),
+        );
     }
 
     /// Check step: the quantization format, and that its groups tile the expert matrices.
@@ -386,6 +395,7 @@ fn preset(
         moe_intermediate,
         shared_experts,
         shared_intermediate,
+        shared_expert_gate: false,
         scoring,
         norm_topk_prob,
         routed_scaling_factor,

@@ -21,6 +21,8 @@
 //! moe_intermediate = 2048
 //! shared_experts = 1               # optional, default 0
 //! shared_intermediate = 2048       # required when shared_experts > 0
+//! shared_expert_gate = false       # optional: scale shared output by sigmoid(gate · x)
+//!                                  # per token (Qwen2-MoE); needs shared_experts > 0
 //! scoring = "sigmoid-bias"         # "softmax" | "sigmoid-bias" | "topk-softmax"
 //! norm_topk_prob = true            # optional, default true
 //! routed_scaling_factor = 2.827    # optional, default 1.0
@@ -174,6 +176,7 @@ pub fn model_to_toml_string(m: &ModelSpec) -> String {
          moe_intermediate = {}\n\
          shared_experts = {}\n\
          shared_intermediate = {}\n\
+         shared_expert_gate = {}\n\
          scoring = {}\n\
          norm_topk_prob = {}\n\
          routed_scaling_factor = {}\n\
@@ -196,6 +199,7 @@ pub fn model_to_toml_string(m: &ModelSpec) -> String {
         m.moe_intermediate,
         m.shared_experts,
         m.shared_intermediate,
+        m.shared_expert_gate,
         s(m.scoring.name()),
         m.norm_topk_prob,
         toml_f32(m.routed_scaling_factor),
@@ -244,6 +248,7 @@ struct RawModel {
     moe_intermediate: Field<i64>,
     shared_experts: Field<i64>,
     shared_intermediate: Field<i64>,
+    shared_expert_gate: Field<bool>,
     scoring: Field<String>,
     norm_topk_prob: Field<bool>,
     routed_scaling_factor: Field<f64>,
@@ -364,6 +369,10 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawModel) -> Option<ModelSpec> {
         moe_intermediate: sizes.moe_intermediate,
         shared_experts: sizes.shared_experts,
         shared_intermediate: sizes.shared_intermediate,
+        shared_expert_gate: raw
+            .shared_expert_gate
+            .as_ref()
+            .is_some_and(|b| *b.get_ref()),
         scoring,
         norm_topk_prob: raw.norm_topk_prob.as_ref().is_none_or(|b| *b.get_ref()),
         routed_scaling_factor,
@@ -403,7 +412,7 @@ fn check_preset_name(ctx: &mut Ctx<'_>, spec: &ModelSpec, raw: &RawModel) {
 /// `key (file value, preset P)` for every field (other than name, description and `toy`) in
 /// which `m` differs from `preset`.
 fn differing_fields(m: &ModelSpec, preset: &ModelSpec) -> Vec<String> {
-    let fields: [(&str, String, String); 16] = [
+    let fields: [(&str, String, String); 17] = [
         (
             "num_layers",
             m.num_layers.to_string(),
@@ -440,6 +449,11 @@ fn differing_fields(m: &ModelSpec, preset: &ModelSpec) -> Vec<String> {
             "shared_intermediate",
             m.shared_intermediate.to_string(),
             preset.shared_intermediate.to_string(),
+        ),
+        (
+            "shared_expert_gate",
+            m.shared_expert_gate.to_string(),
+            preset.shared_expert_gate.to_string(),
         ),
         (
             "scoring",

@@ -318,11 +318,25 @@ impl Gates {
                 f.path().display()
             );
         }
+        let shared_gate = if spec.shared_expert_gate {
+            let name = expertmesh_shard::shared_gate_name(layer);
+            let (gs, g) = f.tensor_f32(&name).map_err(|e| anyhow!("{e}"))?;
+            if gs != [h as u64] {
+                bail!(
+                    "{}: {name} has shape {gs:?}, the model needs [{h}]",
+                    f.path().display()
+                );
+            }
+            Some(g)
+        } else {
+            None
+        };
         Ok(GateWeights {
             experts: e,
             hidden: h,
             weight,
             bias,
+            shared_gate,
         })
     }
 }
