@@ -44,9 +44,15 @@ fn topology() -> PathBuf {
 
 /// Run `expertmesh convert` on `ckpt` into `out`; returns stdout and stderr.
 fn convert(ckpt: &Path, out: &Path) -> (String, String) {
+    convert_args(ckpt, out, &[])
+}
+
+/// [`convert`] with extra arguments.
+fn convert_args(ckpt: &Path, out: &Path, extra: &[&str]) -> (String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
         .args(["convert", "--threads", "2", "--checkpoint"])
         .arg(ckpt)
+        .args(extra)
         .arg("--topology")
         .arg(topology())
         .arg("--out")
@@ -331,4 +337,98 @@ fn mixtral_f32_in_two_files_matches_the_reference() {
 fn olmoe_bf16_matches_the_reference() {
     let (_d, ck, out) = case("olmoe", WeightFormat::Bf16, 1);
     check_accurate(&ck, &out);
+}
+
+/// GPTQ/AWQ imports are lossless: every routed expert served from `out` equals the checkpoint's
+/// own dequantized values `scale × (code − zero)`, the manifest's quant is the checkpoint's
+/// (group, F16 scales, zero points) and every MoE layer reports zero error.
+fn assert_gptq_awq_served_losslessly(ck: &TinyCheckpoint, out: &Path) {
+    let (experts, _) = converted_experts(out);
+    for l in ck.spec.moe_layers() {
+        for e in 0..ck.spec.routed_experts {
+            let served = DenseExpert::from_packed(&experts[&(l as u32, e as u32)]);
+            assert_eq!(
+                &served,
+                ck.expert(l, ExpertRef::Routed(e as u32)),
+                "{} {:?} layer {l} expert {e}",
+                ck.spec.model_type,
+                ck.spec.dtype
+            );
+        }
+    }
+    let manifest = expertmesh_shard::Manifest::load(out).unwrap();
+    let group = ck.spec.dtype.int4_group().expect("an INT4 format");
+    let quant = expertmesh_quant::format::QuantSpec {
+        group_size: group as u32,
+        scale_dtype: expertmesh_quant::format::ScaleDtype::F16,
+        zero_points: true,
+    };
+    assert_eq!(manifest.quant, quant);
+    let layers: Vec<usize> = manifest.layers.iter().map(|l| l.layer as usize).collect();
+    assert_eq!(layers, ck.spec.moe_layers());
+    assert!(
+        manifest.layers.iter().all(|l| l.rel_error_max == 0.0),
+        "{:?}",
+        manifest.layers
+    );
+}
+
+#[test]
+fn qwen3_moe_gptq_v1_group_128_is_served_losslessly() {
+    let gptq = WeightFormat::Gptq {
+        v2: false,
+        group: 128,
+    };
+    let (_d, ck, out) = case("qwen3_moe", gptq, 2);
+    assert_eq!((ck.spec.hidden, ck.spec.moe_inter), (128, 128));
+    assert_gptq_awq_served_losslessly(&ck, &out);
+    check_accurate(&ck, &out);
+    check_exact(&ck, &out);
+}
+
+#[test]
+fn mixtral_awq_group_32_in_three_files_is_served_losslessly() {
+    let (_d, ck, out) = case("mixtral", WeightFormat::Awq { group: 32 }, 3);
+    assert_gptq_awq_served_losslessly(&ck, &out);
+    check_accurate(&ck, &out);
+    check_exact(&ck, &out);
+}
+
+#[test]
+fn qwen2_moe_gated_shared_expert_on_the_router_matches_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = write_tiny_checkpoint(&dir.path().join("ckpt"), &TinySpec::qwen2_with_shared());
+    let out = dir.path().join("weights");
+    convert(&ck.dir, &out);
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    assert!(dep.spec.shared_expert_gate && dep.spec.shared_experts == 1);
+    check_accurate(&ck, &out);
+    check_exact(&ck, &out);
+}
+
+#[test]
+fn qwen2_moe_gated_shared_expert_on_a_worker_matches_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = write_tiny_checkpoint(&dir.path().join("ckpt"), &TinySpec::qwen2_with_shared());
+    // Routed experts split over both devices, the shared expert on cpu1: the router sends it
+    // every token with the token's gate weight as the slot weight.
+    let placement = dir.path().join("p.toml");
+    std::fs::write(
+        &placement,
+        "format = 1\nmodel = \"ckpt\"\ncluster = \"single-host\"\n\n[[assign]]\n\
+         layers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"0-3\"\n\n[[assign]]\n\
+         layers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"4-7\"\n\n[[shared]]\n\
+         layers = \"all\"\ndevice = \"local/cpu1\"\n",
+    )
+    .unwrap();
+    let out = dir.path().join("weights");
+    convert_args(&ck.dir, &out, &["--placement", placement.to_str().unwrap()]);
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    let l = dep.spec.moe_layer_ids()[0];
+    assert!(matches!(
+        dep.placement.shared_location(l),
+        Some(expertmesh_topology::placement::SharedLocation::Device(_))
+    ));
+    check_accurate(&ck, &out);
+    check_exact(&ck, &out);
 }

@@ -2,22 +2,28 @@
 //! tests rely on it: every family's tiny `config.json` is accepted by `load_hf_model` with the
 //! sizes written; the safetensors files (single and sharded) hold every expected tensor with
 //! its dtype and shape; the values recorded as stored are what the files say (and what
-//! `read_expert` reads: exactly for pack-quantized, closely after INT4 quantization otherwise);
-//! and the f64 MoE reference gives the hand-computed routing and outputs.
+//! `read_expert` reads: exactly for pack-quantized, GPTQ and AWQ, closely after INT4
+//! quantization otherwise); Qwen2-MoE's gated shared expert is written and referenced as
+//! transformers defines it; and the f64 MoE reference gives the hand-computed routing and
+//! outputs.
 
 mod hf_support;
 
-use expertmesh_checkpoint::experts::{ExpertRef, Family, expert_tensor_names, read_expert};
+use expertmesh_checkpoint::experts::{
+    ExpertRef, Family, expert_tensor_names, read_expert, source_quant,
+};
 use expertmesh_checkpoint::hf_config::load_hf_model;
 use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype, INDEX_FILE, SINGLE_FILE};
+use expertmesh_quant::format::{QuantSpec, ScaleDtype};
 use expertmesh_topology::model::Scoring as SpecScoring;
-use half::bf16;
+use half::{bf16, f16};
 use hf_support::reference::{
-    DenseExpert, MoeBlock, Scoring, block_from_tiny, moe_block_f64, route_f64, route_tokens, silu,
+    DenseExpert, MoeBlock, Scoring, block_from_tiny, moe_block_f64, route_f64, route_tokens,
+    sigmoid, silu,
 };
 use hf_support::tiny::{
-    MODEL_TYPES, TinyCheckpoint, TinySpec, WeightFormat, bias_name, dense_mlp_names, random_tokens,
-    router_name, write_tiny_checkpoint,
+    MODEL_TYPES, QWEN2_SHARED_MULT, TinyCheckpoint, TinySpec, WeightFormat, bias_name,
+    dense_mlp_names, random_tokens, router_name, write_tiny_checkpoint,
 };
 
 /// silu(1) = 1 / (1 + e^-1), to 16 digits.
@@ -95,6 +101,9 @@ fn expected_tensors(spec: &TinySpec) -> Vec<(String, Dtype, Vec<usize>)> {
         vec![16, h],
     )];
     let mut weight = |name: String, rows: usize, cols: usize, routed: bool| match spec.dtype {
+        WeightFormat::Gptq { group, .. } | WeightFormat::Awq { group } if routed => {
+            out.extend(gptq_awq_tensors(&name, [rows, cols], group, spec.dtype));
+        }
         WeightFormat::PackQuantized if routed => {
             let base = name.strip_suffix(".weight").unwrap();
             out.push((
@@ -133,7 +142,7 @@ fn expected_tensors(spec: &TinySpec) -> Vec<(String, Dtype, Vec<usize>)> {
             } else {
                 spec.shared_inter()
             };
-            let [g, u, d] = expert_tensor_names(spec.family, l as u32, which).unwrap();
+            let [g, u, d] = expert_names(spec.family, l, which);
             weight(g, f, h, routed);
             weight(u, f, h, routed);
             weight(d, h, f, routed);
@@ -144,38 +153,112 @@ fn expected_tensors(spec: &TinySpec) -> Vec<(String, Dtype, Vec<usize>)> {
         if spec.is_sigmoid() {
             out.push((bias_name(l), Dtype::F32, vec![e]));
         }
+        if spec.shared && spec.family == Family::Qwen2Moe {
+            out.push((qwen2_shared_gate(l), Dtype::BF16, vec![1, h]));
+        }
     }
     out
 }
 
+/// The GPTQ (AutoGPTQ) or AWQ (AutoAWQ GEMM) tensors of weight `name` `[rows = out, cols = in]`.
+fn gptq_awq_tensors(
+    name: &str,
+    [rows, cols]: [usize; 2],
+    group: usize,
+    format: WeightFormat,
+) -> Vec<(String, Dtype, Vec<usize>)> {
+    let base = name.strip_suffix(".weight").unwrap();
+    let awq = matches!(format, WeightFormat::Awq { .. });
+    let qweight = if awq {
+        vec![cols, rows / 8]
+    } else {
+        vec![cols / 8, rows]
+    };
+    let mut out = vec![
+        (format!("{base}.qweight"), Dtype::I32, qweight),
+        (
+            format!("{base}.qzeros"),
+            Dtype::I32,
+            vec![cols / group, rows / 8],
+        ),
+        (
+            format!("{base}.scales"),
+            Dtype::F16,
+            vec![cols / group, rows],
+        ),
+    ];
+    if !awq {
+        out.push((format!("{base}.g_idx"), Dtype::I32, vec![cols]));
+    }
+    out
+}
+
+/// Qwen2-MoE's shared expert gate of layer `l`, from transformers' `Qwen2MoeSparseMoeBlock`.
+fn qwen2_shared_gate(l: usize) -> String {
+    format!("model.layers.{l}.mlp.shared_expert_gate.weight")
+}
+
+/// An expert's `[gate, up, down]` names: the project's layouts, except Qwen2-MoE's shared
+/// expert (`mlp.shared_expert`, singular, in transformers), which the project does not read yet.
+fn expert_names(family: Family, l: usize, which: ExpertRef) -> [String; 3] {
+    if family == Family::Qwen2Moe && which == ExpertRef::Shared {
+        return ["gate", "up", "down"]
+            .map(|w| format!("model.layers.{l}.mlp.shared_expert.{w}_proj.weight"));
+    }
+    expert_tensor_names(family, l as u32, which).unwrap()
+}
+
+/// Every family in every format, Qwen2-MoE with its shared expert, and GPTQ/AWQ with groups
+/// of 64 and 128.
+fn every_spec() -> Vec<TinySpec> {
+    let mut specs: Vec<TinySpec> = MODEL_TYPES
+        .iter()
+        .flat_map(|mt| WeightFormat::ALL.map(|f| TinySpec::for_model_type(mt).with_dtype(f)))
+        .collect();
+    specs.push(TinySpec::qwen2_with_shared());
+    specs.push(TinySpec::qwen2_with_shared().with_dtype(WeightFormat::Awq { group: 32 }));
+    specs.extend([
+        TinySpec::for_model_type("kimi_k2").with_dtype(WeightFormat::Gptq {
+            v2: false,
+            group: 64,
+        }),
+        TinySpec::for_model_type("qwen3_moe").with_dtype(WeightFormat::Gptq {
+            v2: true,
+            group: 128,
+        }),
+        TinySpec::for_model_type("mixtral").with_dtype(WeightFormat::Awq { group: 128 }),
+    ]);
+    specs
+}
+
 #[test]
 fn files_hold_every_expected_tensor_single_and_sharded() {
-    for mt in MODEL_TYPES {
-        for format in WeightFormat::ALL {
-            for files in [1, 4] {
-                let spec = TinySpec::for_model_type(mt)
-                    .with_dtype(format)
-                    .with_files(files);
-                let what = format!("{mt} {format:?} {files} file(s)");
-                let (_tmp, ck) = write(&spec);
-                let ckpt = Checkpoint::open(&ck.dir).unwrap_or_else(|e| panic!("{what}: {e}"));
-                let expected = expected_tensors(&spec);
-                assert_eq!(ckpt.len(), expected.len(), "{what}");
-                assert_eq!(ck.tensors.len(), expected.len(), "{what}");
-                for (name, dtype, shape) in &expected {
-                    let info = ckpt
-                        .tensor_info(name)
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert_eq!((info.dtype, &info.shape), (*dtype, shape), "{what}: {name}");
-                    let file = ckpt.file_of(name).unwrap().file_name().unwrap();
-                    assert_eq!(file.to_str(), Some(ck.entry(name).unwrap().file.as_str()));
-                }
-                assert_eq!(ckpt.files().len(), files, "{what}");
-                assert_eq!(ck.files.len(), files, "{what}");
-                assert_eq!(ck.dir.join(INDEX_FILE).is_file(), files > 1, "{what}");
-                assert_eq!(ck.dir.join(SINGLE_FILE).is_file(), files == 1, "{what}");
-            }
+    for (base, files) in every_spec()
+        .into_iter()
+        .flat_map(|s| [(s.clone(), 1), (s, 4)])
+    {
+        let spec = base.with_files(files);
+        let what = format!(
+            "{} {:?} shared {} in {files} file(s)",
+            spec.model_type, spec.dtype, spec.shared
+        );
+        let (_tmp, ck) = write(&spec);
+        let ckpt = Checkpoint::open(&ck.dir).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let expected = expected_tensors(&spec);
+        assert_eq!(ckpt.len(), expected.len(), "{what}");
+        assert_eq!(ck.tensors.len(), expected.len(), "{what}");
+        for (name, dtype, shape) in &expected {
+            let info = ckpt
+                .tensor_info(name)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!((info.dtype, &info.shape), (*dtype, shape), "{what}: {name}");
+            let file = ckpt.file_of(name).unwrap().file_name().unwrap();
+            assert_eq!(file.to_str(), Some(ck.entry(name).unwrap().file.as_str()));
         }
+        assert_eq!(ckpt.files().len(), files, "{what}");
+        assert_eq!(ck.files.len(), files, "{what}");
+        assert_eq!(ck.dir.join(INDEX_FILE).is_file(), files > 1, "{what}");
+        assert_eq!(ck.dir.join(SINGLE_FILE).is_file(), files == 1, "{what}");
     }
 }
 
@@ -212,6 +295,59 @@ fn decode_packed(ckpt: &Checkpoint, base: &str) -> Vec<f64> {
     out
 }
 
+/// A GPTQ (AutoGPTQ) or AWQ (AutoAWQ GEMM) projection decoded from its definition,
+/// `scale × (code − zero)` `[out × in]`: GPTQ `qweight` `[in/8, out]` holds input `8w + i` of
+/// output `o` in bits `4i` of word `(w, o)`; both formats' `qzeros` `[in/group, out/8]` (and
+/// AWQ's `qweight` `[in, out/8]`) hold output `8w + j` in word `w`'s nibble `j` (GPTQ) or the
+/// nibble `i` with `[0, 2, 4, 6, 1, 3, 5, 7][i] = j` (AWQ); GPTQ v1 stores `zero − 1`.
+fn decode_gptq_awq(ckpt: &Checkpoint, base: &str, format: WeightFormat) -> Vec<f64> {
+    let t = |s: &str| ckpt.tensor(&format!("{base}.{s}")).unwrap();
+    let (qweight, qzeros, scales) = (t("qweight"), t("qzeros"), t("scales"));
+    let (groups, rows) = (scales.shape()[0], scales.shape()[1]);
+    let (awq, v1) = match format {
+        WeightFormat::Awq { .. } => (true, false),
+        WeightFormat::Gptq { v2, .. } => (false, !v2),
+        f => panic!("{f:?} is not GPTQ/AWQ"),
+    };
+    let cols = qweight.shape()[0] * if awq { 1 } else { 8 };
+    let group = cols / groups;
+    let nibble = |bytes: &[u8], word: usize, i: usize| {
+        let w = u32::from_le_bytes(bytes[4 * word..][..4].try_into().unwrap());
+        f64::from((w >> (4 * i)) & 0xF)
+    };
+    let out_slot = |o: usize| {
+        let j = o % 8;
+        if awq { [0, 4, 1, 5, 2, 6, 3, 7][j] } else { j }
+    };
+    let (wb, zb, sb) = (qweight.bytes(), qzeros.bytes(), scales.bytes());
+    let mut out = Vec::with_capacity(rows * cols);
+    for o in 0..rows {
+        for k in 0..cols {
+            let g = k / group;
+            let code = if awq {
+                nibble(wb, k * rows / 8 + o / 8, out_slot(o))
+            } else {
+                nibble(wb, (k / 8) * rows + o, k % 8)
+            };
+            let zero = nibble(zb, g * rows / 8 + o / 8, out_slot(o)) + f64::from(u8::from(v1));
+            let s = 2 * (g * rows + o);
+            let scale = f16::from_le_bytes([sb[s], sb[s + 1]]).to_f64();
+            out.push(scale * (code - zero));
+        }
+    }
+    if !awq {
+        let g_idx = t("g_idx");
+        let g_idx: Vec<i32> = g_idx
+            .bytes()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let trivial = (0..cols).map(|k| (k / group) as i32);
+        assert!(g_idx.into_iter().eq(trivial), "{base}.g_idx");
+    }
+    out
+}
+
 /// The three matrices of `m` under `names`.
 fn push_mlp<'a>(out: &mut Vec<(String, &'a [f64])>, names: [String; 3], m: &'a DenseExpert) {
     let [g, u, d] = names;
@@ -232,12 +368,18 @@ fn recorded(ck: &TinyCheckpoint) -> Vec<(String, &[f64])> {
             .collect();
         whiches.extend(spec.shared.then_some(ExpertRef::Shared));
         for which in whiches {
-            let names = expert_tensor_names(spec.family, l as u32, which).unwrap();
-            push_mlp(&mut out, names, ck.expert(l, which));
+            push_mlp(
+                &mut out,
+                expert_names(spec.family, l, which),
+                ck.expert(l, which),
+            );
         }
         out.push((router_name(spec.family, l), &ck.moe(l).gate));
         if let Some(b) = &ck.moe(l).bias {
             out.push((bias_name(l), b));
+        }
+        if let Some(g) = &ck.moe(l).shared_gate {
+            out.push((qwen2_shared_gate(l), g));
         }
     }
     out
@@ -261,18 +403,22 @@ fn wide(mt: &str, format: WeightFormat) -> TinySpec {
 
 #[test]
 fn recorded_values_are_what_the_files_hold() {
-    let mut specs: Vec<TinySpec> = MODEL_TYPES
-        .iter()
-        .flat_map(|mt| WeightFormat::ALL.map(|f| TinySpec::for_model_type(mt).with_dtype(f)))
-        .collect();
+    let mut specs = every_spec();
     // Several FP8 blocks (and a partial one) per matrix, several INT4 groups per row.
+    let gptq = WeightFormat::Gptq {
+        v2: false,
+        group: 32,
+    };
     for mt in ["deepseek_v3", "mixtral"] {
-        specs.extend([WeightFormat::Fp8Block, WeightFormat::PackQuantized].map(|f| wide(mt, f)));
+        specs.extend(
+            [WeightFormat::Fp8Block, WeightFormat::PackQuantized, gptq].map(|f| wide(mt, f)),
+        );
     }
+    specs.push(wide("qwen3_moe", WeightFormat::Awq { group: 32 }));
     for spec in specs {
         let what = format!(
-            "{} {:?} hidden {}",
-            spec.model_type, spec.dtype, spec.hidden
+            "{} {:?} hidden {} shared {}",
+            spec.model_type, spec.dtype, spec.hidden, spec.shared
         );
         let (_tmp, ck) = write(&spec);
         let ckpt = Checkpoint::open(&ck.dir).unwrap();
@@ -280,6 +426,9 @@ fn recorded_values_are_what_the_files_hold() {
             let got = match name.strip_suffix(".weight") {
                 Some(base) if ckpt.contains(&format!("{base}.weight_packed")) => {
                     decode_packed(&ckpt, base)
+                }
+                Some(base) if ckpt.contains(&format!("{base}.qweight")) => {
+                    decode_gptq_awq(&ckpt, base, spec.dtype)
                 }
                 _ => file_values(&ckpt, &name),
             };
@@ -303,8 +452,10 @@ fn read_expert_reads_the_recorded_experts() {
                 .with_dtype(format)
                 .with_files(2);
             let (_tmp, ck) = write(&spec);
-            let model = load_hf_model(&ck.dir).unwrap();
+            let mut model = load_hf_model(&ck.dir).unwrap();
             let ckpt = Checkpoint::open(&ck.dir).unwrap();
+            // What the converter does: the packed format INT4 sources import into losslessly.
+            model.quant = source_quant(&ckpt, &model, spec.family).unwrap();
             for l in spec.moe_layers() {
                 let mut whiches: Vec<ExpertRef> = (0..spec.routed_experts as u32)
                     .map(ExpertRef::Routed)
@@ -316,8 +467,7 @@ fn read_expert_reads_the_recorded_experts() {
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     let got = DenseExpert::from_packed(&w);
                     let want = ck.expert(l, which);
-                    let lossless =
-                        format == WeightFormat::PackQuantized && which != ExpertRef::Shared;
+                    let lossless = format.is_int4() && which != ExpertRef::Shared;
                     if lossless {
                         assert_eq!(&got, want, "{what}");
                         assert_eq!(err, 0.0, "{what}");
@@ -358,6 +508,7 @@ fn hand_block(scoring: Scoring, logits: &[f64], bias: &[f64], shared: bool) -> M
             .map(|e| expert(1.0, 2.0, [(e + 1) as f64, -((e + 1) as f64)]))
             .collect(),
         shared: shared.then(|| expert(1.0, 1.0, [10.0, 0.0])),
+        shared_gate: None,
     }
 }
 
@@ -552,6 +703,172 @@ fn converted_pack_quantized_experts_give_the_recorded_block() {
             moe_block_f64(&converted, spec.family, &x, 8),
             moe_block_f64(&block, spec.family, &x, 8),
             "layer {l}"
+        );
+    }
+}
+
+#[test]
+fn gptq_and_awq_experts_import_losslessly() {
+    let cases = [
+        (
+            "qwen3_moe",
+            WeightFormat::Gptq {
+                v2: false,
+                group: 32,
+            },
+        ),
+        (
+            "deepseek_v3",
+            WeightFormat::Gptq {
+                v2: true,
+                group: 128,
+            },
+        ),
+        ("mixtral", WeightFormat::Awq { group: 64 }),
+        ("olmoe", WeightFormat::Awq { group: 128 }),
+        ("kimi_k2", WeightFormat::Awq { group: 32 }),
+    ];
+    for (mt, format) in cases {
+        let spec = TinySpec::for_model_type(mt)
+            .with_dtype(format)
+            .with_files(2);
+        let group = format.int4_group().unwrap();
+        let what = format!("{mt} {format:?}");
+        // Group 128 bumps the tiny sizes to hidden 128, experts of width 128.
+        assert_eq!(spec.hidden, 64usize.next_multiple_of(group), "{what}");
+        assert_eq!(spec.moe_inter, 32usize.next_multiple_of(group), "{what}");
+        let (_tmp, ck) = write(&spec);
+        let q = &ck.config["quantization_config"];
+        assert_eq!(q["bits"], 4, "{what}");
+        assert_eq!(q["group_size"], group, "{what}");
+        match format {
+            WeightFormat::Gptq { v2, .. } => {
+                assert_eq!(q["quant_method"], "gptq", "{what}");
+                assert_eq!(q["sym"], false, "{what}");
+                assert_eq!(q["desc_act"], false, "{what}");
+                let cf = if v2 { "gptq_v2" } else { "gptq" };
+                assert_eq!(q["checkpoint_format"], cf, "{what}");
+            }
+            _ => {
+                assert_eq!(q["quant_method"], "awq", "{what}");
+                assert_eq!(
+                    (&q["zero_point"], &q["version"]),
+                    (&true.into(), &"gemm".into())
+                );
+            }
+        }
+        let mut model = load_hf_model(&ck.dir).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let ckpt = Checkpoint::open(&ck.dir).unwrap();
+        model.quant = source_quant(&ckpt, &model, spec.family).unwrap();
+        let want_quant = QuantSpec {
+            group_size: group as u32,
+            scale_dtype: ScaleDtype::F16,
+            zero_points: true,
+        };
+        assert_eq!(model.quant, want_quant, "{what}");
+        for l in spec.moe_layers() {
+            for e in 0..spec.routed_experts as u32 {
+                let which = ExpertRef::Routed(e);
+                let (w, err) = read_expert(&ckpt, &model, spec.family, l as u32, which)
+                    .unwrap_or_else(|e| panic!("{what} layer {l}: {e}"));
+                assert_eq!(err, 0.0, "{what} layer {l} expert {e}");
+                let got = DenseExpert::from_packed(&w);
+                assert_eq!(&got, ck.expert(l, which), "{what} layer {l} expert {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn qwen2_gated_shared_expert_by_hand() {
+    // softmax(ln 1, ln 2, ln 3, ln 4) = (0.1, 0.2, 0.3, 0.4); top-2 without renormalization:
+    // routed (0.4·4 + 0.3·3) · 2·silu(1) · [1, −1] = 5·silu(1) · [1, −1]; the shared expert
+    // gives 10·silu(1) · [1, 0] for the token [1, 0] (and [1, 1]: experts ignore x[1]).
+    let logits: Vec<f64> = (1..=4).map(|v| f64::from(v).ln()).collect();
+    let mut b = hand_block(Scoring::Softmax, &logits, &[0.0; 4], true);
+    b.norm_topk_prob = false;
+    let check = |b: &MoeBlock, x: [f64; 2], shared_weight: f64| {
+        let out = moe_block_f64(b, Family::Qwen2Moe, &x, 1);
+        let want = 5.0 * SILU_1 + shared_weight * 10.0 * SILU_1;
+        assert!(close(out[0], want), "{x:?} {out:?}, want {want}");
+        assert!(close(out[1], -5.0 * SILU_1), "{x:?} {out:?}");
+    };
+    // Without a gate the shared expert has weight 1 (the DeepSeek-V3 behaviour).
+    check(&b, [1.0, 0.0], 1.0);
+    // sigmoid(ln 3) = 3/4, sigmoid(−ln 3) = 1/4, sigmoid(0) = 1/2: the gate is per token.
+    b.shared_gate = Some(vec![3f64.ln(), -(3f64.ln())]);
+    assert!(close(b.shared_weight(&[1.0, 0.0]), 0.75));
+    check(&b, [1.0, 0.0], 0.75);
+    check(&b, [1.0, 1.0], 0.5);
+    b.shared_gate = Some(vec![-(3f64.ln()), 0.0]);
+    check(&b, [1.0, 0.0], 0.25);
+    // The gate scales only the shared expert: routing is unchanged, and with_experts keeps it.
+    assert_routing(
+        &route_f64(&b, Family::Qwen2Moe, &logits),
+        &[3, 2],
+        &[0.4, 0.3],
+    );
+    let again = b.with_experts(b.experts.clone(), b.shared.clone());
+    assert_eq!(again.shared_gate, b.shared_gate);
+    check(&again, [1.0, 0.0], 0.25);
+}
+
+#[test]
+fn qwen2_shared_expert_is_written_and_gated() {
+    let spec = TinySpec::qwen2_with_shared();
+    assert!(spec.shared && spec.gated_shared() && !spec.norm_topk_prob);
+    let (h, f) = (spec.hidden, QWEN2_SHARED_MULT * spec.moe_inter);
+    assert_eq!(spec.shared_inter(), f);
+    let (_tmp, ck) = write(&spec);
+    assert_eq!(ck.config["shared_expert_intermediate_size"], f);
+    assert_eq!(ck.config["moe_intermediate_size"], spec.moe_inter);
+    let ckpt = Checkpoint::open(&ck.dir).unwrap();
+    let tokens = 32;
+    let x = random_tokens(tokens, h, 17);
+    for l in spec.moe_layers() {
+        let p = format!("model.layers.{l}.mlp");
+        let gate_name = format!("{p}.shared_expert_gate.weight");
+        let info = ckpt.tensor_info(&gate_name).unwrap();
+        assert_eq!((info.dtype, &info.shape[..]), (Dtype::BF16, &[1, h][..]));
+        let gate = file_values(&ckpt, &gate_name);
+        assert_eq!(ck.moe(l).shared_gate.as_ref(), Some(&gate), "layer {l}");
+        let shared = ck.expert(l, ExpertRef::Shared);
+        assert_eq!(shared.inter, f);
+        for (w, m) in ["gate", "up", "down"]
+            .iter()
+            .zip([&shared.gate, &shared.up, &shared.down])
+        {
+            assert_eq!(
+                &file_values(&ckpt, &format!("{p}.shared_expert.{w}_proj.weight")),
+                m
+            );
+        }
+        // The block: the routed experts plus sigmoid(gate · x) × shared(x), per token.
+        let block = block_from_tiny(&ck, l);
+        assert_eq!(block.shared_gate.as_ref(), Some(&gate));
+        let routed_only = MoeBlock {
+            shared: None,
+            shared_gate: None,
+            ..block.clone()
+        };
+        let got = moe_block_f64(&block, spec.family, &x, tokens);
+        let routed = moe_block_f64(&routed_only, spec.family, &x, tokens);
+        let mut weights = Vec::new();
+        for (t, row) in x.chunks_exact(h).enumerate() {
+            let s = sigmoid(gate.iter().zip(row).map(|(g, v)| g * v).sum());
+            weights.push(s);
+            for (n, y) in shared.forward(row).into_iter().enumerate() {
+                let want = routed[t * h + n] + s * y;
+                assert!(close(got[t * h + n], want), "layer {l} token {t} [{n}]");
+            }
+        }
+        // The gate varies per token (not a constant factor).
+        let (lo, hi) = weights
+            .iter()
+            .fold((1f64, 0f64), |(a, b), &w| (a.min(w), b.max(w)));
+        assert!(
+            lo < 0.4 && hi > 0.6,
+            "layer {l}: gate weights in [{lo}, {hi}]"
         );
     }
 }

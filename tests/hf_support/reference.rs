@@ -10,7 +10,10 @@
 //!
 //! * Qwen3-MoE, Qwen2-MoE (`Qwen{2,3}MoeSparseMoeBlock`), OLMoE (`OlmoeSparseMoeBlock`):
 //!   `softmax(router_logits)` over all experts, `topk`, then `/= sum` only when `norm_topk_prob`
-//!   (no epsilon). Qwen2-MoE's gated shared expert is not modelled (the project refuses it).
+//!   (no epsilon). Qwen2-MoE's shared expert (`shared_expert`, an MLP of width
+//!   `shared_expert_intermediate_size`) is gated per token:
+//!   `sigmoid(shared_expert_gate(x)) * shared_expert(x)`, with `shared_expert_gate` a
+//!   `Linear(hidden, 1, bias=False)` ([`MoeBlock::shared_gate`]), added to the routed output.
 //! * Mixtral (`MixtralSparseMoeBlock`): softmax over all, `topk`, always `/= sum`.
 //! * DeepSeek-V3, Kimi K2, GLM-4.5 (`DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`, and the remote
 //!   `MoEGate` with `topk_method = "noaux_tc"`): `scores = sigmoid(router_logits)`;
@@ -29,7 +32,8 @@
 //! (the tiny checkpoints' biases are small enough that it holds for ordinary tokens).
 //!
 //! Expert FFN (every family): `down · (silu(gate · x) ⊙ (up · x))`, `silu(z) = z / (1 + e^-z)`.
-//! Block output: `Σ_slots weight · expert(x)` plus the shared expert (weight 1) when present.
+//! Block output: `Σ_slots weight · expert(x)` plus the shared expert when present, with weight
+//! `sigmoid(shared_gate · x)` when the block has a shared gate (Qwen2-MoE), else 1.
 
 use expertmesh_checkpoint::hf_config::Family;
 use expertmesh_quant::format::{ExpertWeights, GateUp, w13_row};
@@ -169,13 +173,16 @@ pub(crate) struct MoeBlock {
     pub(crate) bias: Vec<f64>,
     /// The routed experts.
     pub(crate) experts: Vec<DenseExpert>,
-    /// The shared expert, added with weight 1 (DeepSeek-V3 family).
+    /// The shared expert, added with weight 1 (DeepSeek-V3 family) or gated (Qwen2-MoE).
     pub(crate) shared: Option<DenseExpert>,
+    /// Qwen2-MoE's `shared_expert_gate.weight` `[hidden]`: the shared expert's output is scaled
+    /// by `sigmoid(shared_gate · x)`. `None`: weight 1 (the DeepSeek-V3 family).
+    pub(crate) shared_gate: Option<Vec<f64>>,
 }
 
 impl MoeBlock {
     /// The same block with other expert weights (e.g. dequantized from converted INT4 shards
-    /// with [`DenseExpert::from_packed`]): routing parameters and gate are kept.
+    /// with [`DenseExpert::from_packed`]): routing parameters, gate and shared gate are kept.
     pub(crate) fn with_experts(
         &self,
         experts: Vec<DenseExpert>,
@@ -202,6 +209,18 @@ impl MoeBlock {
     /// The hidden size (`gate.len() / experts`).
     pub(crate) fn hidden(&self) -> usize {
         self.gate.len() / self.experts.len()
+    }
+
+    /// The weight of the shared expert's output for one token: `sigmoid(shared_gate · x)`, or 1
+    /// without a shared gate.
+    pub(crate) fn shared_weight(&self, x: &[f64]) -> f64 {
+        match &self.shared_gate {
+            Some(g) => {
+                assert_eq!(g.len(), x.len(), "shared gate length");
+                sigmoid(dot(g, x))
+            }
+            None => 1.0,
+        }
     }
 
     /// `router_logits = gate · x` for one token.
@@ -358,8 +377,9 @@ pub(crate) fn route_tokens(
 }
 
 /// The MoE block's output for `tokens` rows of `x` (`[tokens × hidden]`, row-major):
-/// `Σ weight · expert(x)` over each token's chosen experts plus the shared expert (weight 1),
-/// following `family`'s published code (see the module docs).
+/// `Σ weight · expert(x)` over each token's chosen experts plus the shared expert (weight 1, or
+/// `sigmoid(shared_gate · x)` with a shared gate), following `family`'s published code (see the
+/// module docs).
 pub(crate) fn moe_block_f64(
     block: &MoeBlock,
     family: Family,
@@ -377,8 +397,9 @@ pub(crate) fn moe_block_f64(
             }
         }
         if let Some(shared) = &block.shared {
+            let w = block.shared_weight(row);
             for (a, y) in acc.iter_mut().zip(shared.forward(row)) {
-                *a += y;
+                *a += w * y;
             }
         }
     }
@@ -386,7 +407,8 @@ pub(crate) fn moe_block_f64(
 }
 
 /// The MoE block of layer `layer` of a tiny checkpoint, from its values as stored (router,
-/// bias, routed and shared experts) and its spec's routing parameters. Substitute other
+/// bias, routed and shared experts, Qwen2-MoE's shared expert gate) and its spec's routing
+/// parameters. Substitute other
 /// experts (e.g. the converted INT4 shards) with [`MoeBlock::with_experts`].
 pub(crate) fn block_from_tiny(ck: &TinyCheckpoint, layer: usize) -> MoeBlock {
     let spec = &ck.spec;
@@ -410,5 +432,6 @@ pub(crate) fn block_from_tiny(ck: &TinyCheckpoint, layer: usize) -> MoeBlock {
             .unwrap_or_else(|| vec![0.0; spec.routed_experts]),
         experts: moe.experts.clone(),
         shared: moe.shared.clone(),
+        shared_gate: moe.shared_gate.clone(),
     }
 }

@@ -5,7 +5,7 @@
 //! real-looking `config.json` (the keys `hf_config.rs` reads, per family), real-looking
 //! safetensors files (single or sharded with `model.safetensors.index.json`) in every weight
 //! format the converter reads (BF16, F16, F32, block-scaled FP8, compressed-tensors
-//! `pack-quantized` INT4), and — to build references — the values as stored, after the
+//! `pack-quantized` INT4, GPTQ and AWQ INT4), and — to build references — the values as stored, after the
 //! dtype's rounding or quantization, in f64 ([`TinyCheckpoint`]).
 //!
 //! What is written per family (PyTorch `Linear` layout `[out, in]`):
@@ -17,8 +17,10 @@
 //!   `block_sparse_moe.gate.weight`), always BF16; DeepSeek-V3/Kimi/GLM also
 //!   `mlp.gate.e_score_correction_bias` `[E]` F32 and, when `shared`,
 //!   `mlp.shared_experts.{gate,up,down}_proj.weight` of width `moe_inter × n_shared_experts`
-//!   (`n_shared_experts = 1`); the routed experts under the names of
-//!   `expertmesh_checkpoint::experts::expert_tensor_names`.
+//!   (`n_shared_experts = 1`); Qwen2-MoE, when `shared` ([`TinySpec::qwen2_with_shared`]),
+//!   `mlp.shared_expert.{gate,up,down}_proj.weight` of width `shared_expert_intermediate_size`
+//!   and `mlp.shared_expert_gate.weight` `[1, hidden]` (BF16); the routed experts under the
+//!   names of `expertmesh_checkpoint::experts::expert_tensor_names`.
 //!
 //! Formats: [`WeightFormat::Fp8Block`] stores the experts and dense MLPs as `F8_E4M3` with a
 //! `…weight_scale_inv` F32 grid per 128×128 block (scale = block absmax / 448, value =
@@ -26,8 +28,23 @@
 //! [`WeightFormat::PackQuantized`] stores only the routed experts as compressed-tensors
 //! `pack-quantized` INT4 (`weight_packed` I32 `[rows, cols/8]`, LSB-first codes `q + 8`;
 //! `weight_scale` BF16 `[rows, cols/32]`, scale = bf16(group absmax / 7); `weight_shape` I32
-//! `[2]`), everything else BF16, as Kimi K2-Thinking. Random weights have standard deviation
-//! `1/sqrt(fan_in)` from a seeded SplitMix64, in tensor order.
+//! `[2]`), everything else BF16, as Kimi K2-Thinking. [`WeightFormat::Gptq`] and
+//! [`WeightFormat::Awq`] store only the routed experts as asymmetric INT4 with F16 scales in
+//! groups of 32, 64 or 128 input features (random zero points, 1..=15 for GPTQ v1 which stores
+//! `zero − 1`, else 0..=15; value = `scale × (code − zero)`), everything else BF16, with the
+//! `quantization_config` AutoGPTQ / AutoAWQ write. For a weight `X.weight` `[out, in]`:
+//!
+//! * GPTQ (AutoGPTQ): `X.qweight` I32 `[in/8, out]`, packed along the input dimension (word
+//!   `(w, o)` holds inputs `8w..8w+8`, input `8w + i` in bits `4i`); `X.qzeros` I32
+//!   `[in/group, out/8]` packed along the output dimension (output `8w + i` in bits `4i`; v1
+//!   `zero − 1`, v2 the zero point); `X.scales` F16 `[in/group, out]`; `X.g_idx` I32 `[in]`,
+//!   `k / group`.
+//! * AWQ (AutoAWQ GEMM): `X.qweight` I32 `[in, out/8]` and `X.qzeros` I32 `[in/group, out/8]`,
+//!   both packed along the output dimension with bits `4i` of word `w` holding output
+//!   `8w + AWQ_ORDER[i]`; `X.scales` F16 `[in/group, out]`.
+//!
+//! Random weights have standard deviation `1/sqrt(fan_in)` from a seeded SplitMix64, in tensor
+//! order (GPTQ/AWQ zero points are drawn from it too, after their matrix).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -52,6 +69,13 @@ pub(crate) const FP8_BLOCK: usize = 128;
 
 /// Columns per scale group of the `pack-quantized` INT4 format written here.
 pub(crate) const PACK_GROUP: usize = 32;
+
+/// Qwen2-MoE's `shared_expert_intermediate_size` over `moe_intermediate_size` in the tiny
+/// checkpoints (Qwen1.5-MoE-A2.7B ships 4, Qwen2-57B-A14B 8; 2 keeps them small but distinct).
+pub(crate) const QWEN2_SHARED_MULT: usize = 2;
+
+/// AutoAWQ's nibble order: bits `4i..4i+4` of a word hold output `8w + AWQ_ORDER[i]`.
+pub(crate) const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 
 /// Every `model_type` [`TinySpec::for_model_type`] knows, one per supported family (Kimi K2 is
 /// DeepSeek-V3's family under its own model type).
@@ -79,16 +103,40 @@ pub(crate) enum WeightFormat {
     /// Kimi K2-Thinking: routed experts compressed-tensors `pack-quantized` INT4 (group 32,
     /// BF16 scales), the rest BF16.
     PackQuantized,
+    /// AutoGPTQ / GPTQModel: routed experts asymmetric INT4 with F16 scales in groups of
+    /// `group` (32, 64 or 128) input features, `checkpoint_format` `"gptq_v2"` when `v2`
+    /// (zero points stored as they are) else `"gptq"` (stored minus one); the rest BF16.
+    Gptq {
+        /// `checkpoint_format` `"gptq_v2"`.
+        v2: bool,
+        /// `group_size`.
+        group: usize,
+    },
+    /// AutoAWQ GEMM: routed experts asymmetric INT4 with F16 scales in groups of `group`
+    /// (32, 64 or 128) input features; the rest BF16.
+    Awq {
+        /// `group_size`.
+        group: usize,
+    },
 }
 
 impl WeightFormat {
-    /// Every format.
-    pub(crate) const ALL: [WeightFormat; 5] = [
+    /// Every format (GPTQ and AWQ with group 32, which fits the default sizes).
+    pub(crate) const ALL: [WeightFormat; 8] = [
         WeightFormat::Bf16,
         WeightFormat::F16,
         WeightFormat::F32,
         WeightFormat::Fp8Block,
         WeightFormat::PackQuantized,
+        WeightFormat::Gptq {
+            v2: false,
+            group: 32,
+        },
+        WeightFormat::Gptq {
+            v2: true,
+            group: 32,
+        },
+        WeightFormat::Awq { group: 32 },
     ];
 
     /// The `torch_dtype` of the config.
@@ -100,12 +148,32 @@ impl WeightFormat {
         }
     }
 
-    /// The format of non-routed weights (dense MLPs, shared experts, embeddings): the same,
-    /// except that only routed experts are ever pack-quantized.
-    fn non_routed(self) -> WeightFormat {
+    /// True when the routed experts are stored INT4 (pack-quantized, GPTQ or AWQ): the
+    /// converter imports them losslessly.
+    pub(crate) fn is_int4(self) -> bool {
+        matches!(
+            self,
+            WeightFormat::PackQuantized | WeightFormat::Gptq { .. } | WeightFormat::Awq { .. }
+        )
+    }
+
+    /// The INT4 group size along the input dimension (pack-quantized 32, GPTQ/AWQ theirs);
+    /// `None` for float and FP8 formats.
+    pub(crate) fn int4_group(self) -> Option<usize> {
         match self {
-            WeightFormat::PackQuantized => WeightFormat::Bf16,
-            f => f,
+            WeightFormat::PackQuantized => Some(PACK_GROUP),
+            WeightFormat::Gptq { group, .. } | WeightFormat::Awq { group } => Some(group),
+            _ => None,
+        }
+    }
+
+    /// The format of non-routed weights (dense MLPs, shared experts, embeddings): the same,
+    /// except that only routed experts are ever INT4 (those are BF16).
+    fn non_routed(self) -> WeightFormat {
+        if self.is_int4() {
+            WeightFormat::Bf16
+        } else {
+            self
         }
     }
 }
@@ -117,9 +185,10 @@ pub(crate) struct TinySpec {
     pub(crate) family: Family,
     /// `config.json` `model_type` (`kimi_k2` and `deepseek_v3` are one family).
     pub(crate) model_type: &'static str,
-    /// `hidden_size` (a multiple of 32 for pack-quantized).
+    /// `hidden_size` (a multiple of the INT4 group for pack-quantized, GPTQ and AWQ).
     pub(crate) hidden: usize,
-    /// Routed expert width (`moe_intermediate_size`; Mixtral/OLMoE `intermediate_size`).
+    /// Routed expert width (`moe_intermediate_size`; Mixtral/OLMoE `intermediate_size`; a
+    /// multiple of the INT4 group for pack-quantized, GPTQ and AWQ).
     pub(crate) moe_inter: usize,
     /// Dense layers' MLP width (`intermediate_size`; unused by Mixtral/OLMoE).
     pub(crate) dense_inter: usize,
@@ -132,7 +201,10 @@ pub(crate) struct TinySpec {
     /// Dense layers before the first MoE layer (DeepSeek `first_k_dense_replace`, Qwen
     /// `mlp_only_layers = [0, .., first_dense)`; 0 for Mixtral/OLMoE).
     pub(crate) first_dense: usize,
-    /// One shared expert per MoE layer (`n_shared_experts = 1`; DeepSeek-V3/Kimi/GLM only).
+    /// One shared expert per MoE layer: DeepSeek-V3/Kimi/GLM `n_shared_experts = 1`
+    /// (`mlp.shared_experts`, width `moe_inter`); Qwen2-MoE the gated `mlp.shared_expert` of
+    /// width [`QWEN2_SHARED_MULT`] × `moe_inter` with its `mlp.shared_expert_gate` (see
+    /// [`TinySpec::qwen2_with_shared`]). Other families have none.
     pub(crate) shared: bool,
     /// `n_group` (sigmoid families).
     pub(crate) n_group: usize,
@@ -208,9 +280,25 @@ impl TinySpec {
         }
     }
 
-    /// The same spec stored as `dtype`.
+    /// Qwen2-MoE with its gated shared expert (as Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B ship):
+    /// `shared_expert_intermediate_size` = [`QWEN2_SHARED_MULT`] × `moe_inter`, tensors
+    /// `mlp.shared_expert.{gate,up,down}_proj.weight` and `mlp.shared_expert_gate.weight`
+    /// `[1, hidden]`, all BF16 (F16/F32 with those formats); not renormalized. The same as
+    /// `TinySpec::for_model_type("qwen2_moe")` with `shared = true`.
+    pub(crate) fn qwen2_with_shared() -> TinySpec {
+        let mut s = TinySpec::for_model_type("qwen2_moe");
+        s.shared = true;
+        s
+    }
+
+    /// The same spec stored as `dtype`. INT4 formats round `hidden` and `moe_inter` up to
+    /// multiples of their group (GPTQ/AWQ group 128: hidden 128, experts of width 128).
     pub(crate) fn with_dtype(mut self, dtype: WeightFormat) -> TinySpec {
         self.dtype = dtype;
+        if let Some(g) = dtype.int4_group() {
+            self.hidden = self.hidden.next_multiple_of(g);
+            self.moe_inter = self.moe_inter.next_multiple_of(g);
+        }
         self
     }
 
@@ -241,9 +329,20 @@ impl TinySpec {
         (self.first_dense..self.num_layers).collect()
     }
 
-    /// Shared expert width (`moe_inter × n_shared_experts`), 0 without one.
+    /// Shared expert width (`moe_inter × n_shared_experts`; Qwen2-MoE
+    /// `shared_expert_intermediate_size` = [`QWEN2_SHARED_MULT`] × `moe_inter`), 0 without one.
     pub(crate) fn shared_inter(&self) -> usize {
-        if self.shared { self.moe_inter } else { 0 }
+        match (self.shared, self.family) {
+            (false, _) => 0,
+            (true, Family::Qwen2Moe) => QWEN2_SHARED_MULT * self.moe_inter,
+            (true, _) => self.moe_inter,
+        }
+    }
+
+    /// True for Qwen2-MoE with a shared expert: its output is scaled per token by
+    /// `sigmoid(shared_expert_gate · x)`.
+    pub(crate) fn gated_shared(&self) -> bool {
+        self.shared && self.family == Family::Qwen2Moe
     }
 
     /// Panics when the spec cannot be written as its family's checkpoint.
@@ -259,7 +358,7 @@ impl TinySpec {
         }
         if self.shared {
             assert!(
-                self.family.has_shared_expert(),
+                self.family.has_shared_expert() || self.family == Family::Qwen2Moe,
                 "{:?}: no shared expert",
                 self.family
             );
@@ -274,11 +373,13 @@ impl TinySpec {
                 "topk_group"
             );
         }
-        if self.dtype == WeightFormat::PackQuantized {
-            let ok = self.hidden % PACK_GROUP == 0 && self.moe_inter % PACK_GROUP == 0;
+        if let Some(g) = self.dtype.int4_group() {
+            assert!(matches!(g, 32 | 64 | 128), "INT4 group {g}");
+            let ok = self.hidden % g == 0 && self.moe_inter % g == 0;
             assert!(
                 ok,
-                "pack-quantized needs hidden and moe_inter multiples of 32"
+                "{:?} needs hidden and moe_inter multiples of {g}",
+                self.dtype
             );
         }
     }
@@ -329,6 +430,32 @@ pub(crate) fn config_json(spec: &TinySpec) -> Value {
         WeightFormat::PackQuantized => {
             m.insert("quantization_config".into(), pack_quantized_config(spec));
         }
+        WeightFormat::Gptq { v2, group } => {
+            let format = if v2 { "gptq_v2" } else { "gptq" };
+            m.insert(
+                "quantization_config".into(),
+                json!({
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": group,
+                    "sym": false,
+                    "desc_act": false,
+                    "checkpoint_format": format,
+                }),
+            );
+        }
+        WeightFormat::Awq { group } => {
+            m.insert(
+                "quantization_config".into(),
+                json!({
+                    "quant_method": "awq",
+                    "bits": 4,
+                    "group_size": group,
+                    "zero_point": true,
+                    "version": "gemm",
+                }),
+            );
+        }
         _ => {}
     }
     c
@@ -369,7 +496,8 @@ fn deepseek_keys(spec: &TinySpec) -> Value {
     v
 }
 
-/// Qwen3-MoE / Qwen2-MoE keys (Qwen2 without a shared expert).
+/// Qwen3-MoE / Qwen2-MoE keys (Qwen2's `shared_expert_intermediate_size` is 0 without a shared
+/// expert).
 fn qwen_keys(spec: &TinySpec) -> Value {
     let mut v = json!({
         "num_experts": spec.routed_experts,
@@ -381,7 +509,10 @@ fn qwen_keys(spec: &TinySpec) -> Value {
     });
     if spec.family == Family::Qwen2Moe {
         let m = v.as_object_mut().expect("an object");
-        m.insert("shared_expert_intermediate_size".into(), 0.into());
+        m.insert(
+            "shared_expert_intermediate_size".into(),
+            spec.shared_inter().into(),
+        );
     }
     v
 }
@@ -402,8 +533,11 @@ fn pack_quantized_config(spec: &TinySpec) -> Value {
                 .to_string(),
         );
         if spec.shared {
-            ignore
-                .extend(["gate", "up", "down"].map(|w| format!("{p}.mlp.shared_experts.{w}_proj")));
+            let names = shared_expert_names(spec.family, l);
+            ignore.extend(names.map(|n| n.trim_end_matches(".weight").to_string()));
+        }
+        if spec.gated_shared() {
+            ignore.push(format!("{p}.mlp.shared_expert_gate"));
         }
     }
     json!({
@@ -442,6 +576,22 @@ pub(crate) fn bias_name(l: usize) -> String {
     format!("model.layers.{l}.mlp.gate.e_score_correction_bias")
 }
 
+/// The shared expert names `[gate, up, down]` of MoE layer `l`, written here from the
+/// published layouts: Qwen2-MoE `mlp.shared_expert.{gate,up,down}_proj.weight`, DeepSeek-V3 /
+/// Kimi / GLM `mlp.shared_experts.{gate,up,down}_proj.weight`.
+pub(crate) fn shared_expert_names(family: Family, l: usize) -> [String; 3] {
+    let module = match family {
+        Family::Qwen2Moe => "shared_expert",
+        _ => "shared_experts",
+    };
+    ["gate", "up", "down"].map(|w| format!("model.layers.{l}.mlp.{module}.{w}_proj.weight"))
+}
+
+/// Qwen2-MoE's shared expert gate `Linear(hidden, 1, bias=False)` of MoE layer `l` (`[1, H]`).
+pub(crate) fn shared_gate_name(l: usize) -> String {
+    format!("model.layers.{l}.mlp.shared_expert_gate.weight")
+}
+
 /// The dense MLP names `[gate, up, down]` of dense layer `l`.
 pub(crate) fn dense_mlp_names(l: usize) -> [String; 3] {
     ["gate", "up", "down"].map(|w| format!("model.layers.{l}.mlp.{w}_proj.weight"))
@@ -467,10 +617,14 @@ pub(crate) struct TinyMoe {
     pub(crate) gate: Vec<f64>,
     /// `e_score_correction_bias` `[E]` (F32 values; sigmoid families only).
     pub(crate) bias: Option<Vec<f64>>,
-    /// Routed experts, dequantized as stored (FP8 scaled, INT4 `(code − 8) × scale`).
+    /// Routed experts, dequantized as stored (FP8 scaled, pack-quantized `(code − 8) × scale`,
+    /// GPTQ/AWQ `scale × (code − zero)`), exact.
     pub(crate) experts: Vec<DenseExpert>,
-    /// The shared expert (width `moe_inter × n_shared_experts`).
+    /// The shared expert (width [`TinySpec::shared_inter`]).
     pub(crate) shared: Option<DenseExpert>,
+    /// Qwen2-MoE's `shared_expert_gate.weight` `[hidden]` (BF16 values): the shared expert's
+    /// output is scaled by `sigmoid(shared_gate · x)`. `None` elsewhere (weight 1).
+    pub(crate) shared_gate: Option<Vec<f64>>,
 }
 
 /// One layer's MLP as stored.
@@ -576,6 +730,16 @@ impl Writer {
             WeightFormat::F32 => self.float(name, Dtype::F32, &shape, &x),
             WeightFormat::Fp8Block => self.fp8(name, rows, cols, &x),
             WeightFormat::PackQuantized => self.packed(name, rows, cols, &x),
+            WeightFormat::Gptq { v2, group } => {
+                let q = self.int4_asym(&x, [rows, cols], group, u8::from(!v2));
+                self.push_gptq(name, &q, v2);
+                q.stored
+            }
+            WeightFormat::Awq { group } => {
+                let q = self.int4_asym(&x, [rows, cols], group, 0);
+                self.push_awq(name, &q);
+                q.stored
+            }
         }
     }
 
@@ -683,6 +847,126 @@ impl Writer {
         stored
     }
 
+    /// Asymmetric INT4 of `x` (`[rows, cols]`) in groups of `group` input features, as GPTQ and
+    /// AWQ store it: per output row and group a random zero point in `min_zero..=15` (GPTQ v1
+    /// stores `zero − 1`, so its zero points start at 1), an F16 scale making `scale × (q −
+    /// zero)` span the group's values, codes `q = clamp(round(x / scale) + zero, 0, 15)`.
+    fn int4_asym(
+        &mut self,
+        x: &[f64],
+        [rows, cols]: [usize; 2],
+        group: usize,
+        min_zero: u8,
+    ) -> Int4 {
+        assert!(
+            cols % group == 0 && rows % 8 == 0 && cols % 8 == 0,
+            "{rows}×{cols}"
+        );
+        let groups = cols / group;
+        let mut q = Int4 {
+            rows,
+            cols,
+            group,
+            codes: vec![0; rows * cols],
+            zeros: vec![0; groups * rows],
+            scales: vec![f16::ZERO; groups * rows],
+            stored: vec![0.0; rows * cols],
+        };
+        for o in 0..rows {
+            for g in 0..groups {
+                let z = min_zero + self.rng.below(u64::from(16 - min_zero)) as u8;
+                let at = o * cols + g * group;
+                let (lo, hi) = x[at..][..group]
+                    .iter()
+                    .fold((0f64, 0f64), |(l, h), &v| (l.min(v), h.max(v)));
+                let below = if z > 0 { -lo / f64::from(z) } else { 0.0 };
+                let above = if z < 15 { hi / f64::from(15 - z) } else { 0.0 };
+                let s = below.max(above);
+                let scale = f16::from_f64(if s > 0.0 { s } else { 1.0 });
+                q.zeros[g * rows + o] = z;
+                q.scales[g * rows + o] = scale;
+                for k in at..at + group {
+                    let code = ((x[k] / scale.to_f64()).round() + f64::from(z)).clamp(0.0, 15.0);
+                    q.codes[k] = code as u8;
+                    q.stored[k] = scale.to_f64() * (code - f64::from(z));
+                }
+            }
+        }
+        q
+    }
+
+    /// `X.scales` F16 `[in/group, out]` of `q` under prefix `base`.
+    fn push_scales(&mut self, base: &str, q: &Int4) {
+        let bytes = q.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let shape = [q.cols / q.group, q.rows];
+        self.push(&format!("{base}.scales"), Dtype::F16, &shape, bytes);
+    }
+
+    /// AutoGPTQ layout of `q` for weight `name` (see the module docs): `qweight`, `qzeros`
+    /// (v1: `zero − 1`), `scales`, trivial `g_idx`.
+    fn push_gptq(&mut self, name: &str, q: &Int4, v2: bool) {
+        let base = name.strip_suffix(".weight").expect("a .weight name");
+        let (rows, cols) = (q.rows, q.cols);
+        let mut qweight = vec![0u32; cols / 8 * rows];
+        for o in 0..rows {
+            for k in 0..cols {
+                qweight[(k / 8) * rows + o] |= u32::from(q.codes[o * cols + k]) << (4 * (k % 8));
+            }
+        }
+        let stored_zeros: Vec<u8> = q
+            .zeros
+            .iter()
+            .map(|&z| if v2 { z } else { z - 1 })
+            .collect();
+        let qzeros = pack_outputs(&stored_zeros, rows, |j| j);
+        self.push(
+            &format!("{base}.qweight"),
+            Dtype::I32,
+            &[cols / 8, rows],
+            words(&qweight),
+        );
+        let zshape = [cols / q.group, rows / 8];
+        self.push(
+            &format!("{base}.qzeros"),
+            Dtype::I32,
+            &zshape,
+            words(&qzeros),
+        );
+        self.push_scales(base, q);
+        let g_idx = (0..cols)
+            .flat_map(|k| ((k / q.group) as i32).to_le_bytes())
+            .collect();
+        self.push(&format!("{base}.g_idx"), Dtype::I32, &[cols], g_idx);
+    }
+
+    /// AutoAWQ GEMM layout of `q` for weight `name` (see the module docs): `qweight`,
+    /// `qzeros`, `scales`.
+    fn push_awq(&mut self, name: &str, q: &Int4) {
+        let base = name.strip_suffix(".weight").expect("a .weight name");
+        let (rows, cols) = (q.rows, q.cols);
+        let nibble = |j: usize| AWQ_ORDER.iter().position(|&o| o == j).expect("0..8");
+        // Transposed codes `[in, out]`, packed along the output dimension like the zeros.
+        let by_input: Vec<u8> = (0..cols * rows)
+            .map(|i| q.codes[(i % rows) * cols + i / rows])
+            .collect();
+        let qweight = pack_outputs(&by_input, rows, nibble);
+        let qzeros = pack_outputs(&q.zeros, rows, nibble);
+        self.push(
+            &format!("{base}.qweight"),
+            Dtype::I32,
+            &[cols, rows / 8],
+            words(&qweight),
+        );
+        let zshape = [cols / q.group, rows / 8];
+        self.push(
+            &format!("{base}.qzeros"),
+            Dtype::I32,
+            &zshape,
+            words(&qzeros),
+        );
+        self.push_scales(base, q);
+    }
+
     /// A SwiGLU MLP of width `inter` under `names` (`[gate, up, down]`), stored as `format`.
     fn mlp(
         &mut self,
@@ -701,6 +985,38 @@ impl Writer {
             down,
         }
     }
+}
+
+/// One matrix quantized asymmetrically to INT4 (weight `[rows = out, cols = in]`).
+struct Int4 {
+    rows: usize,
+    cols: usize,
+    group: usize,
+    /// Codes 0..=15, `[rows × cols]`.
+    codes: Vec<u8>,
+    /// Zero points (the real ones), `[groups × rows]`.
+    zeros: Vec<u8>,
+    /// Scales, `[groups × rows]`.
+    scales: Vec<f16>,
+    /// `scale × (code − zero)`, `[rows × cols]`, exact.
+    stored: Vec<f64>,
+}
+
+/// Nibbles `[n × out]` (`n` rows of `out` outputs each) packed along the output dimension:
+/// output `8w + j` of a row goes to bits `4·slot(j)` of word `w` (GPTQ `qzeros`: `slot(j) = j`;
+/// AWQ: the `i` with `AWQ_ORDER[i] = j`).
+fn pack_outputs(nibbles: &[u8], out: usize, slot: impl Fn(usize) -> usize) -> Vec<u32> {
+    let mut words = vec![0u32; nibbles.len() / 8];
+    for (i, &v) in nibbles.iter().enumerate() {
+        let (row, o) = (i / out, i % out);
+        words[row * out / 8 + o / 8] |= u32::from(v) << (4 * slot(o % 8));
+    }
+    words
+}
+
+/// Little-endian I32 bytes of `w`.
+fn words(w: &[u32]) -> Vec<u8> {
+    w.iter().flat_map(|v| (*v as i32).to_le_bytes()).collect()
 }
 
 /// Writes the tiny checkpoint `spec` into `dir` (created if needed): `config.json` and its
@@ -745,7 +1061,7 @@ pub(crate) fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) -> TinyCheckpoi
 }
 
 /// One MoE layer's tensors: router (BF16), bias (F32, sigmoid families), routed experts in
-/// `spec.dtype`, shared expert in the non-routed format.
+/// `spec.dtype`, shared expert in the non-routed format, Qwen2-MoE's shared expert gate (BF16).
 fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
     let (h, e) = (spec.hidden, spec.routed_experts);
     let gate = w.linear(&router_name(spec.family, l), e, h, WeightFormat::Bf16);
@@ -766,15 +1082,18 @@ fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
         })
         .collect();
     let shared = spec.shared.then(|| {
-        let names =
-            expert_tensor_names(spec.family, layer, ExpertRef::Shared).expect("shared names");
+        let names = shared_expert_names(spec.family, l);
         w.mlp(&names, spec.shared_inter(), h, spec.dtype.non_routed())
     });
+    let shared_gate = spec
+        .gated_shared()
+        .then(|| w.linear(&shared_gate_name(l), 1, h, WeightFormat::Bf16));
     TinyMoe {
         gate,
         bias,
         experts,
         shared,
+        shared_gate,
     }
 }
 
