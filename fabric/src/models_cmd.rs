@@ -166,8 +166,14 @@ fn detail(m: &ModelSpec) -> String {
             "none".into()
         } else {
             format!(
-                "{} per layer, intermediate {}",
-                m.shared_experts, m.shared_intermediate
+                "{} per layer, intermediate {}{}",
+                m.shared_experts,
+                m.shared_intermediate,
+                if m.shared_expert_gate {
+                    ", output scaled by sigmoid(shared_expert_gate · x)"
+                } else {
+                    ""
+                }
             )
         },
     );
