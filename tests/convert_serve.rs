@@ -6,7 +6,8 @@
 //! * accurate mode against an independent f64 reference of the family's published MoE block
 //!   (`hf_support::reference`, written from transformers' modeling code, not the router's),
 //!   on the gate and biases of the checkpoint and the experts the fabric serves (dequantized
-//!   from the shards): within 1e-4 of the output's RMS, tokens at a routing near-tie skipped;
+//!   from the shards): within 1e-5 of the output's RMS (f32 summation order; measured below
+//!   2e-6), tokens at a routing near-tie skipped;
 //! * exact mode bit for bit against the in-process exact reference (one CPU backend holding
 //!   every converted expert);
 //! * lossless imports: every pack-quantized expert served equals the checkpoint's own
@@ -165,7 +166,7 @@ fn check_accurate(ck: &TinyCheckpoint, out: &Path) {
             for n in 0..h {
                 let (a, b) = (f64::from(got[t * h + n]), want[t * h + n]);
                 assert!(
-                    (a - b).abs() <= 1e-4 * rms,
+                    (a - b).abs() <= 1e-5 * rms,
                     "{} {:?} layer {layer} token {t} [{n}]: fabric {a} reference {b} (rms {rms})",
                     ck.spec.model_type,
                     ck.spec.dtype
