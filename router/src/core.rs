@@ -824,27 +824,8 @@ impl RouterCore {
                 return;
             }
         };
-        let shared = self.spec.shared_experts as usize;
-        // Qwen2-MoE scales the shared experts' output per token; 1 elsewhere.
-        let shared_weights = if self.spec.shared_expert_gate && shared > 0 {
-            setup.gate.shared_weights(&p.x)
-        } else {
-            Vec::new()
-        };
-        let routing = match setup.shared {
-            SharedSite::Rank(_) if shared > 0 => {
-                with_remote_shared(&routing, e as u32, shared, &shared_weights)
-            }
-            _ => routing,
-        };
-        // Shared experts on the router run in `run_deferred`, after this batch's dispatch frames
-        // have been handed to the driver, so they overlap with the workers.
-        let shared_pending = setup.shared == SharedSite::Router && shared > 0;
-        let shared_local = if shared_pending {
-            vec![0f32; tokens * shared * h]
-        } else {
-            Vec::new()
-        };
+        let (routing, shared_weights, shared_pending, shared_local) =
+            shared_parts(&self.spec, setup, routing, &p.x);
         let q8 = (self.cfg.mode == ComputeMode::Exact).then(|| {
             let mut q = vec![0i8; tokens * h];
             let mut d = vec![0f32; tokens * h / 32];
@@ -1163,6 +1144,39 @@ fn dispatch_payload(
             (accurate_dtype, buf)
         }
     }
+}
+
+/// A batch's shared-expert parts: the routing (with the shared experts appended as slots when
+/// they live on a worker), each token's shared weight (Qwen2-MoE's `sigmoid(shared_gate · x)`;
+/// empty for weight 1), whether they run on the router (in `run_deferred`, after this batch's
+/// dispatch frames have been handed to the driver, so they overlap with the workers), and the
+/// buffer they write there.
+fn shared_parts(
+    spec: &ModelSpec,
+    setup: &LayerSetup,
+    routing: Routing,
+    x: &[f32],
+) -> (Routing, Vec<f32>, bool, Vec<f32>) {
+    let shared = spec.shared_experts as usize;
+    let (e, h) = (spec.routed_experts, spec.hidden as usize);
+    let shared_weights = if spec.shared_expert_gate && shared > 0 {
+        setup.gate.shared_weights(x)
+    } else {
+        Vec::new()
+    };
+    let routing = match setup.shared {
+        SharedSite::Rank(_) if shared > 0 => {
+            with_remote_shared(&routing, e, shared, &shared_weights)
+        }
+        _ => routing,
+    };
+    let pending = setup.shared == SharedSite::Router && shared > 0;
+    let local = if pending {
+        vec![0f32; x.len() / h * shared * h]
+    } else {
+        Vec::new()
+    };
+    (routing, shared_weights, pending, local)
 }
 
 /// `routing` with a layer's shared experts (pseudo-ids `routed_experts + i`, weight 1, or the
