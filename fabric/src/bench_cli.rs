@@ -36,6 +36,11 @@ write its report (1 is not used).";
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchTarget {
+    /// Checkpoint conversion and a worker's shard load against a raw read of the same files,
+    /// and the searched quantizer's error against absmax round-to-nearest, measured in the
+    /// same run on a synthetic BF16 checkpoint.
+    #[command(after_help = BENCH_EXIT_CODES)]
+    Convert(ConvertCli),
     /// One MoE layer through the local fabric (router + worker processes) against the same
     /// layer in-process on the same backend, measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
@@ -48,6 +53,77 @@ pub enum BenchTarget {
     /// against a raw socket and memcpy measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
     Transport(TransportCli),
+}
+
+/// Arguments of `bench convert` (sizes default to `--quick`'s or the standard run's).
+#[derive(Args, Debug)]
+pub struct ConvertCli {
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// A tiny run for tests (hidden 256, width 128, 4 experts, 1 layer, 2 repeats) instead of
+    /// the standard one (hidden 2048, width 768, 16 experts, 2 layers: 302 MB of BF16, 3
+    /// repeats).
+    #[arg(long)]
+    quick: bool,
+    /// Hidden size (a multiple of 32).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Routed expert width (a multiple of 32).
+    #[arg(long)]
+    moe_inter: Option<usize>,
+    /// Routed experts per layer.
+    #[arg(long)]
+    experts: Option<usize>,
+    /// Layers (every one MoE).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Comma-separated conversion thread counts, each measured (default 2,1).
+    #[arg(long, value_delimiter = ',')]
+    threads: Vec<usize>,
+    /// Measurements per case.
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Experts per weight distribution whose quantization error is measured.
+    #[arg(long)]
+    error_experts: Option<usize>,
+    /// Random inputs per expert for the output error.
+    #[arg(long)]
+    error_inputs: Option<usize>,
+    /// Folder for the synthetic checkpoint and the converted shards, kept afterwards (default:
+    /// a temporary folder, removed).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Quantize with u4 zero points per group (asymmetric) instead of symmetrically.
+    #[arg(long)]
+    zero_points: bool,
+}
+
+impl ConvertCli {
+    fn options(&self) -> crate::bench_convert::ConvertBenchOptions {
+        let base = if self.quick {
+            crate::bench_convert::ConvertBenchOptions::quick()
+        } else {
+            crate::bench_convert::ConvertBenchOptions::standard()
+        };
+        crate::bench_convert::ConvertBenchOptions {
+            hidden: self.hidden.unwrap_or(base.hidden),
+            moe_inter: self.moe_inter.unwrap_or(base.moe_inter),
+            experts: self.experts.unwrap_or(base.experts),
+            layers: self.layers.unwrap_or(base.layers),
+            threads: if self.threads.is_empty() {
+                base.threads
+            } else {
+                self.threads.clone()
+            },
+            repeats: self.repeats.unwrap_or(base.repeats),
+            error_experts: self.error_experts.unwrap_or(base.error_experts),
+            error_inputs: self.error_inputs.unwrap_or(base.error_inputs),
+            dir: self.dir.clone(),
+            zero_points: self.zero_points,
+            seed: base.seed,
+        }
+    }
 }
 
 /// Arguments of `bench fabric`.
@@ -142,6 +218,15 @@ fn parse_link(s: &str) -> Result<LinkKind, String> {
 /// Runs a bench target.
 pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
+        BenchTarget::Convert(c) => {
+            let report = crate::bench_convert::run(&c.options())?;
+            report.print_table();
+            if let Some(path) = c.json {
+                report.write(&path)?;
+                println!("wrote {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         BenchTarget::Fabric(f) => {
             anyhow::ensure!(
                 f.seconds > 0.0 && f.seconds <= 600.0,

@@ -6,6 +6,7 @@
 //! exit codes here and nowhere below. The `expertmesh` binary is a thin `main` over [`cli`].
 
 pub mod bench_cli;
+pub mod bench_convert;
 pub mod bench_fabric;
 pub mod bench_json;
 pub mod bench_kernels;
