@@ -27,7 +27,7 @@ pub mod grouping;
 pub use grouping::Grouping;
 
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_quant::format::ExpertWeights;
+use expertmesh_quant::format::{ExpertWeights, PackedRef};
 use std::fmt;
 
 /// Which expert: MoE layer index and expert index. Shared experts of a layer use indices
@@ -304,6 +304,24 @@ pub trait ExpertSource {
     fn shapes(&self) -> &[ExpertShape];
     /// Expert `i` (called once per `i`, in increasing order).
     fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError>;
+
+    /// Expert `i` as `(W13, W2)` borrowed in place (a mapped shard), when the source can: a
+    /// backend that repacks anyway reads it without the copy [`ExpertSource::expert`] makes.
+    /// May be called more than once per `i`. `None`: use [`ExpertSource::expert`].
+    fn expert_ref(
+        &mut self,
+        i: usize,
+    ) -> Option<Result<(PackedRef<'_>, PackedRef<'_>), BackendError>> {
+        let _ = i;
+        None
+    }
+
+    /// Called once after the last expert, before the backend commits the load: a source that
+    /// checks its data alongside (a shard's checksum) reports a failure here, and the load
+    /// fails.
+    fn finish(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// An in-memory set of experts as an [`ExpertSource`] (each handed over once).
@@ -350,10 +368,13 @@ pub fn collect_source(
     source: &mut dyn ExpertSource,
 ) -> Result<Vec<(ExpertKey, ExpertWeights)>, BackendError> {
     let keys: Vec<ExpertKey> = source.shapes().iter().map(|s| s.key).collect();
-    keys.into_iter()
+    let experts = keys
+        .into_iter()
         .enumerate()
         .map(|(i, key)| Ok((key, source.expert(i)?)))
-        .collect()
+        .collect::<Result<Vec<_>, BackendError>>()?;
+    source.finish()?;
+    Ok(experts)
 }
 
 /// A device that runs packed-INT4 experts. See the module docs for the design.

@@ -21,7 +21,7 @@
 //! (round-trip tested).
 
 use expertmesh_quant::aligned::AlignedVec;
-use expertmesh_quant::format::{BLOCK, BLOCK_BYTES, PackedMatrix, QuantSpec};
+use expertmesh_quant::format::{BLOCK, BLOCK_BYTES, PackedMatrix, PackedRows, QuantSpec};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -102,7 +102,7 @@ impl R16Matrix {
     /// is a caller bug and panics.
     pub fn pack_streamed<E>(
         dims: &[MatrixDims],
-        mut fill: impl FnMut(usize, &mut dyn FnMut(&PackedMatrix)) -> Result<(), E>,
+        mut fill: impl FnMut(usize, &mut dyn FnMut(&dyn PackedRows)) -> Result<(), E>,
     ) -> Result<Vec<Self>, E> {
         let total: usize = dims.iter().map(|&d| Self::footprint_of(d)).sum();
         let mut arena = AlignedVec::<u8>::zeroed(total.max(64));
@@ -114,7 +114,7 @@ impl R16Matrix {
             let sc = off + pad64(n)..off + pad64(n) + s;
             let zr = (z > 0).then(|| off + pad64(n) + pad64(s)..off + pad64(n) + pad64(s) + z);
             let mut written = false;
-            fill(i, &mut |m: &PackedMatrix| {
+            fill(i, &mut |m: &dyn PackedRows| {
                 assert_eq!(
                     (m.rows(), m.cols(), m.spec()),
                     d,
@@ -144,18 +144,25 @@ impl R16Matrix {
     }
 
     fn write(
-        m: &PackedMatrix,
+        m: &dyn PackedRows,
         arena: &mut [u8],
         nib: Range<usize>,
         sc: Range<usize>,
         zr: Option<Range<usize>>,
     ) {
         let rows = m.rows();
-        let blocks = m.blocks_per_row();
-        let groups = m.groups_per_row();
-        arena[nib.clone()].fill(0x88);
-        if let Some(z) = &zr {
-            arena[z.clone()].fill(8);
+        let blocks = m.cols() / BLOCK;
+        let groups = m.cols() / m.spec().group();
+        // Padding rows of a partial last row block read as zero codes (0x88 nibbles, zero
+        // point 8); full row blocks are overwritten below, so only the partial one is filled.
+        if rows % ROWS != 0 {
+            let last = rows / ROWS;
+            let per_block = blocks * TILE_BYTES;
+            arena[nib.start + last * per_block..nib.end].fill(0x88);
+            if let Some(z) = &zr {
+                let per_z = groups * ROWS;
+                arena[z.start + last * per_z..z.end].fill(8);
+            }
         }
         for n in 0..rows {
             let (rb, r) = (n / ROWS, n % ROWS);
@@ -164,17 +171,15 @@ impl R16Matrix {
                 let tile = &mut arena[nib.start + (rb * blocks + b) * TILE_BYTES..][..TILE_BYTES];
                 let blk = &src[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 for c in 0..4 {
-                    for i in 0..4 {
-                        // canonical byte j holds elements j (low) and j + 16 (high); R16 byte
-                        // (c, r, i) holds elements 4c + i (low) and 16 + 4c + i (high): the
-                        // same pair, so the byte copies unchanged.
-                        tile[c * 64 + 4 * r + i] = blk[4 * c + i];
-                    }
+                    // canonical byte j holds elements j (low) and j + 16 (high); R16 byte
+                    // (c, r, i) holds elements 4c + i (low) and 16 + 4c + i (high): the same
+                    // pair, so the four bytes i = 0..4 copy unchanged.
+                    tile[c * 64 + 4 * r..][..4].copy_from_slice(&blk[4 * c..][..4]);
                 }
             }
             for g in 0..groups {
                 let at = sc.start + ((rb * groups + g) * ROWS + r) * 2;
-                arena[at..at + 2].copy_from_slice(&m.row_scales(n)[g].to_ne_bytes());
+                arena[at..at + 2].copy_from_slice(&m.scale_bits(n, g).to_ne_bytes());
                 if let Some(z) = &zr {
                     arena[z.start + (rb * groups + g) * ROWS + r] = m.zero(n, g);
                 }

@@ -29,7 +29,7 @@ use expertmesh_backend::{
 };
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::{self, ComputeMode};
-use expertmesh_quant::format::{BLOCK, ExpertWeights};
+use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
 use kernels::{Isa, MAX_TOKEN_TILE, TokenQ8};
 use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
@@ -250,6 +250,14 @@ impl CpuBackend {
     }
 }
 
+/// The error for an expert that differs from what its source announced.
+fn mismatch(s: &ExpertShape, rows: usize, cols: usize, spec: QuantSpec) -> BackendError {
+    BackendError::Source(format!(
+        "{} was announced as hidden {} intermediate {} {} but has a {rows}x{cols} {spec} matrix",
+        s.key, s.hidden, s.inter, s.quant
+    ))
+}
+
 impl Scratch {
     /// Every buffer a batch up to `limits` needs, for `experts` experts of at most
     /// `max_inter` intermediate size.
@@ -333,31 +341,32 @@ impl ExpertBackend for CpuBackend {
         // One arena for every matrix of the device (huge pages, one stream of allocations).
         let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
         let packed = R16Matrix::pack_streamed(&dims, |i, write| {
+            let (s, d) = (&shapes[i / 2], dims[i]);
+            // In place when the source can (a mapped shard): no copy before the repack.
+            if let Some(r) = source.expert_ref(i / 2) {
+                let (w13, w2) = r?;
+                let m: &dyn PackedRows = if i % 2 == 0 { &w13 } else { &w2 };
+                if (m.rows(), m.cols(), m.spec()) != d {
+                    return Err(mismatch(s, m.rows(), m.cols(), m.spec()));
+                }
+                write(m);
+                return Ok(());
+            }
             if i % 2 == 1 {
                 let w2 = pending_w2.take().expect("W2 follows its W13");
                 write(&w2);
                 return Ok(());
             }
             let w = source.expert(i / 2)?;
-            let s = &shapes[i / 2];
             if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
-                return Err(BackendError::Source(format!(
-                    "{} was announced as hidden {} intermediate {} {} but is hidden {} \
-                     intermediate {} {}",
-                    s.key,
-                    s.hidden,
-                    s.inter,
-                    s.quant,
-                    w.hidden(),
-                    w.inter(),
-                    w.spec()
-                )));
+                return Err(mismatch(s, 2 * w.inter(), w.hidden(), w.spec()));
             }
             let (w13, w2) = w.into_parts();
             write(&w13);
             pending_w2 = Some(w2);
             Ok(())
         })?;
+        source.finish()?;
         let mut packed = packed.into_iter();
         let mut list = Vec::with_capacity(shapes.len());
         for s in &shapes {

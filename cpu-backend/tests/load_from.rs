@@ -32,7 +32,8 @@ const LIMITS: BatchLimits = BatchLimits {
     max_pairs: 8,
 };
 
-/// A source that fails (or hands over the wrong expert) at index `bad`.
+/// A source that fails (or hands over the wrong expert) at index `bad`, or fails its final
+/// check (`bad` past the end).
 struct Faulty {
     inner: VecSource,
     bad: usize,
@@ -52,6 +53,12 @@ impl ExpertSource for Faulty {
             return Ok(synthetic_expert(QuantSpec::G32_BF16, 64, 96, 5, 1, 9).unwrap());
         }
         Err(BackendError::Source("shard damaged at expert 2".into()))
+    }
+    fn finish(&mut self) -> Result<(), BackendError> {
+        if self.bad >= self.inner.shapes().len() {
+            return Err(BackendError::Source("checksum mismatch".into()));
+        }
+        Ok(())
     }
 }
 
@@ -106,4 +113,14 @@ fn a_failing_or_lying_source_fails_the_load_with_its_reason() {
         let want = if lie { "announced as" } else { "shard damaged" };
         assert!(e.contains(want), "{e}");
     }
+    // A source whose final check fails leaves the backend unloaded.
+    let mut b = CpuBackend::new(1).unwrap();
+    let mut src = Faulty {
+        inner: VecSource::new(experts()),
+        bad: 99,
+        lie: false,
+    };
+    let e = b.load_from(&mut src, LIMITS).unwrap_err().to_string();
+    assert!(e.contains("checksum mismatch"), "{e}");
+    assert_eq!(b.loaded_bytes(), 0);
 }

@@ -49,7 +49,7 @@ use expertmesh_checkpoint::safetensors::{
 };
 use expertmesh_cpu_backend::{CpuBackend, membw};
 use expertmesh_planner::{self as plan, PlanOptions};
-use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec};
+use expertmesh_quant::format::{ExpertWeights, PackedMatrix, PackedRef, QuantSpec};
 use expertmesh_quant::search::quantize_matrix_searched;
 use expertmesh_quant::synth::{SplitMix64, mix_seed};
 use expertmesh_topology::model::ModelSpec;
@@ -569,10 +569,11 @@ fn convert_case(
 struct LoadTimes {
     /// `Deployment::load_converted`: topology, manifest, model and placement files.
     deploy: f64,
-    /// Mapping the shard, checking its index against the placement and its crc32c (whole
-    /// file) against the manifest.
+    /// Mapping the shard and checking its index against the placement, plus the wait for its
+    /// crc32c (whole file, computed on another thread during the load) at the end.
     open_verify: f64,
-    /// Copying each expert out of the map (`ExpertSource::expert`).
+    /// Reading each expert out of the map (`ExpertSource::expert_ref`: in-place views; a copy
+    /// with `expert` for sources that have no view).
     copy: f64,
     /// Creating the backend and the rest of `load_from`: repacking into the backend's arena,
     /// scratch buffers.
@@ -585,10 +586,12 @@ impl LoadTimes {
     }
 }
 
-/// Forwards an [`ExpertSource`], timing the copies out of the shard.
+/// Forwards an [`ExpertSource`], timing the reads out of the shard (copies, or in-place views)
+/// and the wait for its checksum at the end.
 struct TimedSource<'a> {
     inner: &'a mut dyn ExpertSource,
     secs: f64,
+    finish_secs: f64,
 }
 
 impl ExpertSource for TimedSource<'_> {
@@ -600,6 +603,23 @@ impl ExpertSource for TimedSource<'_> {
         let t0 = Instant::now();
         let r = self.inner.expert(i);
         self.secs += t0.elapsed().as_secs_f64();
+        r
+    }
+
+    fn expert_ref(
+        &mut self,
+        i: usize,
+    ) -> Option<Result<(PackedRef<'_>, PackedRef<'_>), BackendError>> {
+        let t0 = Instant::now();
+        let r = self.inner.expert_ref(i);
+        self.secs += t0.elapsed().as_secs_f64();
+        r
+    }
+
+    fn finish(&mut self) -> Result<(), BackendError> {
+        let t0 = Instant::now();
+        let r = self.inner.finish();
+        self.finish_secs += t0.elapsed().as_secs_f64();
         r
     }
 }
@@ -620,15 +640,16 @@ fn load_all(p: &Prepared, out: &Path) -> anyhow::Result<LoadTimes> {
         let mut timed = TimedSource {
             inner: &mut *src,
             secs: 0.0,
+            finish_secs: 0.0,
         };
         backend
             .load_from(&mut timed, limits)
             .map_err(|e| anyhow!("{}: {e}", d.id()))?;
         let t3 = Instant::now();
         t.deploy += (t1 - t0).as_secs_f64();
-        t.open_verify += (t2 - t1).as_secs_f64();
+        t.open_verify += (t2 - t1).as_secs_f64() + timed.finish_secs;
         t.copy += timed.secs;
-        t.pack += (t3 - t2).as_secs_f64() - timed.secs;
+        t.pack += (t3 - t2).as_secs_f64() - timed.secs - timed.finish_secs;
         backends.push(backend); // dropped after the last device, outside the timings
     }
     Ok(t)

@@ -93,11 +93,35 @@ impl<T: Pod> AlignedVec<T> {
         Self { ptr, len }
     }
 
-    /// A buffer holding a copy of `src`.
+    /// A buffer holding a copy of `src` (written once: no zeroing first).
     pub fn from_slice(src: &[T]) -> Self {
-        let mut v = Self::zeroed(src.len());
-        v.copy_from_slice(src);
-        v
+        let mut it = src.iter().copied();
+        Self::from_fn(src.len(), || it.next().expect("src.len() elements"))
+    }
+
+    /// A buffer of `len` elements, element `i` the `i`-th value of `next` (called exactly `len`
+    /// times, in order). Each element is written once, so loading weights does not pay for
+    /// zeroing memory it overwrites at once.
+    pub fn from_fn(len: usize, mut next: impl FnMut() -> T) -> Self {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has non-zero size (max(1)).
+        let raw = unsafe { alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
+            alloc::handle_alloc_error(layout)
+        };
+        #[cfg(target_os = "linux")]
+        if layout.size() >= HUGE_THRESHOLD {
+            // SAFETY: raw..raw+size is our allocation; MADV_HUGEPAGE is only advice.
+            unsafe { libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE) };
+        }
+        // If `next` panics the buffer leaks (never reads uninitialised memory): acceptable
+        // for a panic path, and it keeps this free of a drop guard.
+        for i in 0..len {
+            // SAFETY: i < len, inside the allocation; T is Pod (no drop, any bits valid), and
+            // every element is written before the slice is ever formed.
+            unsafe { ptr.as_ptr().add(i).write(next()) };
+        }
+        Self { ptr, len }
     }
 
     /// Number of elements.
@@ -174,5 +198,11 @@ mod tests {
         let v = AlignedVec::from_slice(&[1.5f32, -2.0]);
         assert_eq!(&v[..], &[1.5, -2.0]);
         assert_eq!(v.clone(), v);
+        let big: Vec<u8> = (0..HUGE_THRESHOLD + 77)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let b = AlignedVec::from_slice(&big);
+        assert_eq!(&b[..], &big[..]);
+        assert_eq!(AlignedVec::<u16>::from_slice(&[]).len(), 0);
     }
 }

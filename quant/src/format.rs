@@ -275,6 +275,118 @@ impl fmt::Display for QuantSpec {
     }
 }
 
+/// Read access to a packed matrix's arrays wherever they live (an owned [`PackedMatrix`], or a
+/// [`PackedRef`] borrowed from a mapped shard file), for code that repacks them.
+pub trait PackedRows {
+    /// Output rows.
+    fn rows(&self) -> usize;
+    /// Input columns.
+    fn cols(&self) -> usize;
+    /// The format.
+    fn spec(&self) -> QuantSpec;
+    /// The canonical nibble bytes of row `n`.
+    fn row_nibbles(&self, n: usize) -> &[u8];
+    /// The scale bits of group `g` of row `n`.
+    fn scale_bits(&self, n: usize, g: usize) -> u16;
+    /// The zero point of group `g` of row `n` (8 without zero points).
+    fn zero(&self, n: usize, g: usize) -> u8;
+}
+
+impl PackedRows for PackedMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn spec(&self) -> QuantSpec {
+        self.spec
+    }
+    fn row_nibbles(&self, n: usize) -> &[u8] {
+        PackedMatrix::row_nibbles(self, n)
+    }
+    fn scale_bits(&self, n: usize, g: usize) -> u16 {
+        self.row_scales(n)[g]
+    }
+    fn zero(&self, n: usize, g: usize) -> u8 {
+        PackedMatrix::zero(self, n, g)
+    }
+}
+
+/// A packed matrix borrowed from bytes on disk (scales as little-endian 16-bit values), lengths
+/// checked: a shard's matrix read in place, without a copy.
+#[derive(Clone, Copy, Debug)]
+pub struct PackedRef<'a> {
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+    nibbles: &'a [u8],
+    scales_le: &'a [u8],
+    zeros: Option<&'a [u8]>,
+}
+
+impl<'a> PackedRef<'a> {
+    /// Check every length (as [`PackedMatrix::from_le_parts`]) and borrow the arrays.
+    pub fn new(
+        what: &'static str,
+        spec: QuantSpec,
+        rows: usize,
+        cols: usize,
+        nibbles: &'a [u8],
+        scales_le: &'a [u8],
+        zeros: Option<&'a [u8]>,
+    ) -> Result<Self, FormatError> {
+        spec.check_shape(what, cols)?;
+        let groups = cols / spec.group();
+        check_len("nibbles", rows * cols / 2, nibbles.len())?;
+        check_len("scales", rows * groups * 2, scales_le.len())?;
+        let want_zeros = if spec.zero_points {
+            rows * groups.div_ceil(2)
+        } else {
+            0
+        };
+        check_len("zero points", want_zeros, zeros.map_or(0, <[u8]>::len))?;
+        Ok(Self {
+            rows,
+            cols,
+            spec,
+            nibbles,
+            scales_le,
+            zeros: zeros.filter(|_| spec.zero_points),
+        })
+    }
+}
+
+impl PackedRows for PackedRef<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn spec(&self) -> QuantSpec {
+        self.spec
+    }
+    fn row_nibbles(&self, n: usize) -> &[u8] {
+        let rb = self.cols / 2;
+        &self.nibbles[n * rb..(n + 1) * rb]
+    }
+    fn scale_bits(&self, n: usize, g: usize) -> u16 {
+        let at = 2 * (n * (self.cols / self.spec.group()) + g);
+        u16::from_le_bytes([self.scales_le[at], self.scales_le[at + 1]])
+    }
+    fn zero(&self, n: usize, g: usize) -> u8 {
+        match self.zeros {
+            None => DEFAULT_ZERO,
+            Some(z) => {
+                let per_row = (self.cols / self.spec.group()).div_ceil(2);
+                let byte = z[n * per_row + g / 2];
+                if g % 2 == 0 { byte & 0x0F } else { byte >> 4 }
+            }
+        }
+    }
+}
+
 /// One packed `[rows][cols]` matrix in the canonical layout (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackedMatrix {
@@ -338,6 +450,37 @@ impl PackedMatrix {
             (None, Some(src)) => check_len("zero points", 0, src.len())?,
         }
         Ok(m)
+    }
+
+    /// Assemble a matrix from arrays read from disk: `scales_le` holds the scales as
+    /// little-endian 16-bit values. Every length is checked; each array is written once (no
+    /// zeroing first), which is what makes a shard load run near the memory-copy limit.
+    pub fn from_le_parts(
+        what: &'static str,
+        spec: QuantSpec,
+        rows: usize,
+        cols: usize,
+        nibbles: &[u8],
+        scales_le: &[u8],
+        zeros: Option<&[u8]>,
+    ) -> Result<Self, FormatError> {
+        PackedRef::new(what, spec, rows, cols, nibbles, scales_le, zeros)?;
+        let groups = cols / spec.group();
+        let mut pairs = scales_le.chunks_exact(2);
+        let scales = AlignedVec::from_fn(rows * groups, || {
+            let p = pairs.next().expect("checked length");
+            u16::from_le_bytes([p[0], p[1]])
+        });
+        Ok(Self {
+            rows,
+            cols,
+            spec,
+            nibbles: AlignedVec::from_slice(nibbles),
+            scales,
+            zeros: spec
+                .zero_points
+                .then(|| AlignedVec::from_slice(zeros.unwrap_or_default())),
+        })
     }
 
     /// Output rows (N).

@@ -23,7 +23,7 @@
 //! [`ShardWriter`] writes to a temporary name beside the final one, syncs it and renames it:
 //! a file with the final name is always complete.
 
-use expertmesh_quant::format::{ExpertWeights, FormatError, PackedMatrix, QuantSpec};
+use expertmesh_quant::format::{ExpertWeights, FormatError, PackedMatrix, PackedRef, QuantSpec};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -543,46 +543,46 @@ impl ShardFile {
     }
 
     fn packed(&self, what: &'static str, e: &ExpertEntry, m: &MatrixEntry) -> Result<PackedMatrix> {
-        let fail = |source| ShardError::Format {
+        let (rows, cols) = (m.rows as usize, m.cols as usize);
+        let zeros = m.zeros.map(|b| self.bytes(b));
+        PackedMatrix::from_le_parts(
+            what,
+            self.index.quant,
+            rows,
+            cols,
+            self.bytes(m.nibbles),
+            self.bytes(m.scales),
+            zeros,
+        )
+        .map_err(|source| ShardError::Format {
             path: self.path.clone(),
             layer: e.layer,
             expert: e.expert,
             source,
+        })
+    }
+
+    /// Expert `i` of the index as `(W13, W2)` borrowed from the map (no copy).
+    pub fn expert_ref(&self, i: usize) -> Result<(PackedRef<'_>, PackedRef<'_>)> {
+        let e = &self.index.experts[i];
+        let view = |what, m: &MatrixEntry| {
+            PackedRef::new(
+                what,
+                self.index.quant,
+                m.rows as usize,
+                m.cols as usize,
+                self.bytes(m.nibbles),
+                self.bytes(m.scales),
+                m.zeros.map(|b| self.bytes(b)),
+            )
+            .map_err(|source| ShardError::Format {
+                path: self.path.clone(),
+                layer: e.layer,
+                expert: e.expert,
+                source,
+            })
         };
-        let mut p = PackedMatrix::zeroed(what, self.index.quant, m.rows as usize, m.cols as usize)
-            .map_err(fail)?;
-        let corrupt = |reason: String| ShardError::Corrupt {
-            path: self.path.clone(),
-            reason: format!("layer {} expert {} {what}: {reason}", e.layer, e.expert),
-        };
-        let nibbles = self.bytes(m.nibbles);
-        if nibbles.len() != p.nibbles().len() {
-            return Err(corrupt(format!(
-                "{} nibble bytes, expected {}",
-                nibbles.len(),
-                p.nibbles().len()
-            )));
-        }
-        p.nibbles_mut().copy_from_slice(nibbles);
-        let scales = self.bytes(m.scales);
-        if scales.len() != 2 * p.scales().len() {
-            return Err(corrupt(format!(
-                "{} scale bytes, expected {}",
-                scales.len(),
-                2 * p.scales().len()
-            )));
-        }
-        for (dst, src) in p.scales_mut().iter_mut().zip(scales.chunks_exact(2)) {
-            *dst = u16::from_le_bytes([src[0], src[1]]);
-        }
-        match (p.zeros_mut(), m.zeros) {
-            (Some(dst), Some(b)) if dst.len() as u64 == b.len => {
-                dst.copy_from_slice(self.bytes(b));
-            }
-            (None, None) => {}
-            _ => return Err(corrupt("zero points do not match the format".into())),
-        }
-        Ok(p)
+        Ok((view("W13", &e.w13)?, view("W2", &e.w2)?))
     }
 
     /// Expert `i` of the index, copied out of the map into packed matrices.

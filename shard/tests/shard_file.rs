@@ -1,7 +1,7 @@
 //! The shard format: what is written reads back bit for bit, and every kind of damage is an
 //! error naming the file (never a panic).
 
-use expertmesh_quant::format::{QuantSpec, ScaleDtype};
+use expertmesh_quant::format::{PackedRows, QuantSpec, ScaleDtype};
 use expertmesh_quant::synth::synthetic_expert;
 use expertmesh_shard::file::{self, ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter};
 use proptest::prelude::*;
@@ -70,6 +70,21 @@ fn round_trip_is_bit_exact_for_every_format() {
         assert_eq!(f.index().experts.len(), 3);
         for (i, want) in experts.iter().enumerate() {
             assert_eq!(&f.expert(i).unwrap(), want);
+            // the in-place view reads the same codes, scales and zero points
+            let (r13, r2) = f.expert_ref(i).unwrap();
+            for (r, m) in [(&r13, want.w13()), (&r2, want.w2())] {
+                assert_eq!(
+                    (r.rows(), r.cols(), r.spec()),
+                    (m.rows(), m.cols(), m.spec())
+                );
+                for n in 0..m.rows() {
+                    assert_eq!(r.row_nibbles(n), m.row_nibbles(n));
+                    for g in 0..m.groups_per_row() {
+                        assert_eq!(r.scale_bits(n, g), m.row_scales(n)[g]);
+                        assert_eq!(PackedRows::zero(r, n, g), m.zero(n, g));
+                    }
+                }
+            }
             assert_eq!(f.index().experts[i].w13.nibbles.offset % file::PAGE, 0);
         }
         let (shape, v) = f.tensor_f32("layers.1.gate.weight").unwrap();

@@ -14,7 +14,7 @@ use expertmesh_backend::{
     BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertShape, ExpertSource, VecSource,
 };
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_quant::format::{ExpertWeights, FormatError};
+use expertmesh_quant::format::{ExpertWeights, FormatError, PackedRef};
 use expertmesh_router::gating::GateWeights;
 use expertmesh_shard::file::{ShardFile, ShardKind};
 use expertmesh_shard::{gate_bias_name, gate_weight_name};
@@ -133,6 +133,18 @@ fn expected_keys(dep: &Deployment, d: Option<DeviceRank>) -> BTreeSet<(u32, u32)
 
 /// Open and verify the shard of device `d` (`None`: the router file) against the manifest.
 pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<ShardFile> {
+    let (f, crc) = open_shard_unverified(dep, d)?;
+    f.verify(Some(crc)).map_err(|e| anyhow!("{e}"))?;
+    Ok(f)
+}
+
+/// [`open_shard`] without the checksum pass: header, index, kind, device, fingerprint and
+/// format are checked; returns the file and the manifest's checksum, which the caller must
+/// verify before serving anything loaded from it.
+fn open_shard_unverified(
+    dep: &Deployment,
+    d: Option<DeviceRank>,
+) -> anyhow::Result<(ShardFile, u32)> {
     let w = dep
         .weights
         .as_ref()
@@ -157,7 +169,6 @@ pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Sha
     };
     let path = w.path(&record.file);
     let f = ShardFile::open(&path).map_err(|e| anyhow!("{e}"))?;
-    f.verify(Some(record.crc32c)).map_err(|e| anyhow!("{e}"))?;
     let idx = f.index();
     if idx.kind != kind || idx.device != id || idx.fingerprint != m.fingerprint {
         bail!(
@@ -178,7 +189,7 @@ pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Sha
             dep.spec.hidden
         );
     }
-    Ok(f)
+    Ok((f, record.crc32c))
 }
 
 /// The experts of device `d`'s shard (`None`: the router file's shared experts that no device
@@ -203,10 +214,14 @@ pub fn device_expert_source(
     Ok(Box::new(VecSource::new(load_device_experts(dep, d)?)))
 }
 
-/// A verified shard's experts that one process must load, handed over one at a time.
+/// A shard's experts that one process must load, handed over one at a time. The checksum of
+/// the whole file is computed on another thread while the experts are copied out (the two
+/// passes overlap); [`ExpertSource::finish`] waits for it, and the load fails if it does not
+/// match the manifest, so nothing from a damaged shard is ever served.
 #[derive(Debug)]
 pub struct ShardSource {
-    file: ShardFile,
+    file: std::sync::Arc<ShardFile>,
+    verify: Option<std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>>,
     entries: Vec<usize>,
     shapes: Vec<ExpertShape>,
 }
@@ -215,7 +230,7 @@ impl ShardSource {
     /// Open and verify the shard of device `d` (`None`: the router file) and select the
     /// experts the placement gives it (every expert of a device shard must be one).
     pub fn open(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Self> {
-        let file = open_shard(dep, d)?;
+        let (file, crc) = open_shard_unverified(dep, d)?;
         let want = expected_keys(dep, d);
         let (mut entries, mut shapes) = (Vec::new(), Vec::new());
         for (i, e) in file.index().experts.iter().enumerate() {
@@ -252,8 +267,15 @@ impl ShardSource {
                 file.path().display()
             );
         }
+        let file = std::sync::Arc::new(file);
+        let checked = std::sync::Arc::clone(&file);
+        let verify = std::thread::Builder::new()
+            .name("shard-verify".into())
+            .spawn(move || checked.verify(Some(crc)))
+            .map_err(|e| anyhow!("starting the checksum thread: {e}"))?;
         Ok(Self {
             file,
+            verify: Some(verify),
             entries,
             shapes,
         })
@@ -273,6 +295,31 @@ impl ExpertSource for ShardSource {
         self.file
             .expert(at)
             .map_err(|e| BackendError::Source(e.to_string()))
+    }
+
+    fn expert_ref(
+        &mut self,
+        i: usize,
+    ) -> Option<Result<(PackedRef<'_>, PackedRef<'_>), BackendError>> {
+        let at = *self.entries.get(i)?;
+        Some(
+            self.file
+                .expert_ref(at)
+                .map_err(|e| BackendError::Source(e.to_string())),
+        )
+    }
+
+    fn finish(&mut self) -> Result<(), BackendError> {
+        let Some(v) = self.verify.take() else {
+            return Ok(());
+        };
+        match v.join() {
+            Ok(r) => r.map_err(|e| BackendError::Source(e.to_string())),
+            Err(_) => Err(BackendError::Source(format!(
+                "{}: the checksum thread panicked",
+                self.file.path().display()
+            ))),
+        }
     }
 }
 
