@@ -1,0 +1,385 @@
+//! The client against a scripted router over real sockets: answers out of order, error frames
+//! for one request, the in-flight bound, a connection that breaks with requests in flight,
+//! dropped handles, and futures cancelled in the middle of a frame.
+//!
+//! Why here and not against the real fabric: the order, timing and failures of the answers
+//! are chosen by the test, so every case is deterministic. (`tests/client_pipelining.rs` runs
+//! the same API against the real router and workers.)
+
+use super::*;
+use expertmesh_transport::codec::{self, LayerResponse};
+use expertmesh_transport::dtype::OutputDtype;
+use expertmesh_transport::frontend::FrameListener;
+use std::future::Future;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(20);
+const H: usize = 64;
+/// Requests for this layer are refused with `NotFound`.
+const BAD_LAYER: u32 = 99;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Run a test body on a fresh runtime, failing it after [`T`] instead of hanging.
+fn run<F: Future<Output = ()>>(f: F) {
+    rt().block_on(async { tokio::time::timeout(T, f).await.expect("test timed out") });
+}
+
+/// A router stand-in: each connection runs `script` (one task per connection).
+async fn serve<S, F>(script: S) -> (SocketAddr, FrontendConfig)
+where
+    S: Fn(FrameConnection) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    serve_with(FrontendConfig::new("client-tests"), script).await
+}
+
+/// [`serve`] with connection settings `cfg`.
+async fn serve_with<S, F>(cfg: FrontendConfig, script: S) -> (SocketAddr, FrontendConfig)
+where
+    S: Fn(FrameConnection) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let listener = FrameListener::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let script = Arc::new(script);
+    tokio::spawn(async move {
+        while let Ok(incoming) = listener.accept().await {
+            let script = script.clone();
+            tokio::spawn(async move {
+                if let Ok(conn) = incoming.handshake().await {
+                    script(conn).await;
+                }
+            });
+        }
+    });
+    (addr, cfg)
+}
+
+/// A request the scripted router read.
+struct Req {
+    req: LayerRequest,
+    x: Vec<f32>,
+}
+
+async fn read_req(conn: &mut FrameConnection) -> Option<Req> {
+    let f = conn.read_frame().await.ok()?;
+    let Body::LayerRequest(req) = f.body().clone() else {
+        panic!("expected a layer request, got {:?}", f.body());
+    };
+    let (t, h) = (req.tokens as usize, req.hidden as usize);
+    let mut x = vec![0f32; t * h];
+    dtype::decode_activations(req.dtype, t, h, &f.payload()[req.hidden_range()], &mut x).unwrap();
+    Some(Req { req, x })
+}
+
+/// The scripted router's answer: `2·x + layer`, or `NotFound` for [`BAD_LAYER`].
+fn answer_bytes(r: &Req, cfg: &FrontendConfig) -> Vec<u8> {
+    let id = r.req.request_id;
+    if r.req.layer == BAD_LAYER {
+        let body = Body::Error(codec::ErrorFrame {
+            request_id: id,
+            code: ErrorCode::NotFound,
+            message: format!("layer {BAD_LAYER} is not served"),
+        });
+        return codec::encode_frame(&body, &[], &cfg.codec).unwrap();
+    }
+    let y: Vec<f32> = r.x.iter().map(|v| 2.0 * v + r.req.layer as f32).collect();
+    let mut out = vec![0u8; y.len() * 4];
+    dtype::encode_output(OutputDtype::F32, &y, &mut out).unwrap();
+    let body = Body::LayerResponse(LayerResponse {
+        request_id: id,
+        tokens: r.req.tokens,
+        hidden: r.req.hidden,
+        dtype: OutputDtype::F32,
+    });
+    codec::encode_frame(&body, &out, &cfg.codec).unwrap()
+}
+
+async fn answer(conn: &mut FrameConnection, r: &Req) {
+    let cfg = FrontendConfig::new("client-tests");
+    let _ = conn.write_raw(&answer_bytes(r, &cfg)).await;
+}
+
+/// Reads requests in groups of `group` and answers each group in reverse order.
+async fn reverse_groups(mut conn: FrameConnection, group: usize) {
+    let mut held = Vec::new();
+    while let Some(r) = read_req(&mut conn).await {
+        held.push(r);
+        if held.len() == group {
+            for r in held.drain(..).rev() {
+                answer(&mut conn, &r).await;
+            }
+        }
+    }
+}
+
+fn input(seed: usize, tokens: usize) -> Vec<f32> {
+    (0..tokens * H)
+        .map(|i| ((i * 7 + seed * 13) % 23) as f32 * 0.25 - 2.0)
+        .collect()
+}
+
+fn expected(x: &[f32], layer: u32) -> Vec<f32> {
+    x.iter().map(|v| 2.0 * v + layer as f32).collect()
+}
+
+async fn client(addr: SocketAddr, cfg: &FrontendConfig) -> RouterClient {
+    RouterClient::connect(addr, cfg).await.unwrap()
+}
+
+#[test]
+fn answers_in_any_order_reach_their_handles_and_a_refusal_fails_only_its_own() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 4)).await;
+        let mut c = client(addr, &cfg).await;
+        let xs: Vec<Vec<f32>> = (0..4).map(|i| input(i, i + 1)).collect();
+        let layers = [1, BAD_LAYER, 3, 4];
+        let mut handles = Vec::new();
+        for (x, &layer) in xs.iter().zip(&layers) {
+            handles.push(c.submit(layer, x, H, None, None).await.unwrap());
+        }
+        assert_eq!(c.in_flight(), 4);
+        // Wait in submission order; the router answers 4, 3, 2, 1.
+        let mut it = handles.into_iter();
+        let h0 = it.next().unwrap();
+        assert_eq!(h0.output_len(), H);
+        assert_eq!(c.wait(h0).await.unwrap(), expected(&xs[0], 1));
+        assert_eq!((c.in_flight(), c.ready()), (0, 3), "the others are held");
+        let e = c.wait(it.next().unwrap()).await.unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+        let mut out = vec![0f32; 3 * H];
+        c.wait_into(it.next().unwrap(), &mut out).await.unwrap();
+        assert_eq!(out, expected(&xs[2], 3));
+        assert_eq!(
+            c.wait(it.next().unwrap()).await.unwrap(),
+            expected(&xs[3], 4)
+        );
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+    });
+}
+
+#[test]
+fn typed_inputs_are_sent_in_their_dtype() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        // 1.5 and -0.25 are exact in bf16 and f16.
+        let bf = [half_bits_bf16(1.5), half_bits_bf16(-0.25)].repeat(H / 2);
+        let h = c
+            .submit(2, HiddenStates::Bf16Bits(&bf), H, None, None)
+            .await;
+        let want: Vec<f32> = [1.5f32, -0.25].repeat(H / 2);
+        assert_eq!(c.wait(h.unwrap()).await.unwrap(), expected(&want, 2));
+        let f16 = [0x3e00u16, 0xb400].repeat(H / 2); // 1.5, -0.25
+        let h = c
+            .submit(2, HiddenStates::F16Bits(&f16), H, None, None)
+            .await;
+        assert_eq!(c.wait(h.unwrap()).await.unwrap(), expected(&want, 2));
+    });
+}
+
+fn half_bits_bf16(v: f32) -> u16 {
+    (v.to_bits() >> 16) as u16 // exact for the values used
+}
+
+#[test]
+fn the_in_flight_limit_makes_submit_wait_not_fail() {
+    run(async {
+        // The router answers only once it holds 3 requests: a client limited to 3 in flight
+        // must read answers before its 4th submit, or it would never get one.
+        let (addr, cfg) = serve(|c| reverse_groups(c, 3)).await;
+        let mut c = client(addr, &cfg).await;
+        c.set_max_in_flight(3);
+        let xs: Vec<Vec<f32>> = (0..12).map(|i| input(i, 1 + i % 3)).collect();
+        let mut handles = Vec::new();
+        for x in &xs {
+            handles.push(c.submit(5, x, H, None, None).await.unwrap());
+            assert!(c.in_flight() <= 3);
+        }
+        // Wait in an order unrelated to the answers'.
+        let order = [7, 0, 11, 3, 5, 9, 1, 2, 10, 4, 8, 6];
+        let mut slots: Vec<Option<CallHandle>> = handles.into_iter().map(Some).collect();
+        for i in order {
+            let h = slots[i].take().unwrap();
+            assert_eq!(c.wait(h).await.unwrap(), expected(&xs[i], 5), "request {i}");
+        }
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+    });
+}
+
+#[test]
+fn a_broken_connection_fails_every_request_in_flight_with_the_same_error() {
+    run(async {
+        // Answers the second request, then closes.
+        let (addr, cfg) = serve(|mut conn| async move {
+            let mut reqs = Vec::new();
+            for _ in 0..3 {
+                reqs.push(read_req(&mut conn).await.unwrap());
+            }
+            answer(&mut conn, &reqs[1]).await;
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        let xs: Vec<Vec<f32>> = (0..3).map(|i| input(i, 2)).collect();
+        let mut hs = Vec::new();
+        for x in &xs {
+            hs.push(c.submit(7, x, H, None, None).await.unwrap());
+        }
+        let h2 = hs.pop().unwrap();
+        let h1 = hs.pop().unwrap();
+        let e0 = c.wait(hs.pop().unwrap()).await.unwrap_err();
+        assert!(
+            matches!(e0, ClientError::Transport(FrontendError::Closed { .. })),
+            "{e0}"
+        );
+        let e2 = c.wait(h2).await.unwrap_err();
+        assert_eq!(e2.to_string(), e0.to_string());
+        assert_eq!(
+            c.wait(h1).await.unwrap(),
+            expected(&xs[1], 7),
+            "an answer that came before the break stays valid"
+        );
+        let e = c.submit(7, &xs[0], H, None, None).await.unwrap_err();
+        assert_eq!(e.to_string(), e0.to_string());
+        let e = c.call(7, &xs[0], H, None, None).await.unwrap_err();
+        assert_eq!(e.to_string(), e0.to_string());
+    });
+}
+
+#[test]
+fn dropped_handles_free_their_slot_and_leave_no_answer_behind() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 3)).await;
+        let mut c = client(addr, &cfg).await;
+        let xs: Vec<Vec<f32>> = (0..6).map(|i| input(i, 1)).collect();
+        // Dropped while in flight: discarded when answered.
+        let a = c.submit(1, &xs[0], H, None, None).await.unwrap();
+        let b = c.submit(1, &xs[1], H, None, None).await.unwrap();
+        drop(a);
+        let d = c.submit(1, &xs[2], H, None, None).await.unwrap();
+        drop(d);
+        assert_eq!(c.in_flight(), 3, "the router still computes them");
+        // The router answers d, b, a: d's answer is discarded on the way to b's, a's is still
+        // on the wire (and is discarded by the next wait).
+        assert_eq!(c.wait(b).await.unwrap(), expected(&xs[1], 1));
+        assert_eq!((c.in_flight(), c.ready()), (1, 0));
+        // Dropped after its answer was held: freed at the next call.
+        let e = c.submit(1, &xs[3], H, None, None).await.unwrap();
+        let f = c.submit(1, &xs[4], H, None, None).await.unwrap();
+        let g = c.submit(1, &xs[5], H, None, None).await.unwrap();
+        assert_eq!(c.wait(e).await.unwrap(), expected(&xs[3], 1));
+        assert_eq!(c.ready(), 2);
+        drop(f);
+        assert_eq!(c.wait(g).await.unwrap(), expected(&xs[5], 1));
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+    });
+}
+
+#[test]
+fn wrong_buffers_and_foreign_handles_are_refused_and_the_connection_goes_on() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        let mut other = client(addr, &cfg).await;
+        let x = input(1, 2);
+        let h = c.submit(3, &x, H, None, None).await.unwrap();
+        let mut short = vec![0f32; 2 * H - 1];
+        let e = c.wait_into(h, &mut short).await.unwrap_err();
+        assert!(matches!(e, ClientError::Usage(_)), "{e}");
+        assert!(e.to_string().contains("2 tokens x 64 = 128"), "{e}");
+        let h = c.submit(3, &x, H, None, None).await.unwrap();
+        let e = other.wait(h).await.unwrap_err();
+        assert!(matches!(e, ClientError::Usage(_)), "{e}");
+        assert!(e.to_string().contains("another RouterClient"), "{e}");
+        assert_eq!(c.call(3, &x, H, None, None).await.unwrap(), expected(&x, 3));
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+        assert_eq!(
+            other.call(4, &x, H, None, None).await.unwrap(),
+            expected(&x, 4)
+        );
+        // Input that cannot be encoded is refused before anything is sent.
+        let e = c.submit(3, &x[..H + 1], H, None, None).await.unwrap_err();
+        assert!(matches!(e, ClientError::Input(_)), "{e}");
+        assert_eq!(c.in_flight(), 0);
+    });
+}
+
+#[test]
+fn a_wait_cancelled_in_the_middle_of_a_frame_leaves_the_stream_framed() {
+    run(async {
+        // Answers the first request in two halves 300 ms apart, then the second.
+        let (addr, cfg) = serve(|mut conn| async move {
+            let cfg = FrontendConfig::new("client-tests");
+            let r1 = read_req(&mut conn).await.unwrap();
+            let r2 = read_req(&mut conn).await.unwrap();
+            let bytes = answer_bytes(&r1, &cfg);
+            let (head, tail) = bytes.split_at(bytes.len() / 2);
+            conn.write_raw(head).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            conn.write_raw(tail).await.unwrap();
+            answer(&mut conn, &r2).await;
+            while read_req(&mut conn).await.is_some() {}
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        let (x1, x2) = (input(1, 3), input(2, 2));
+        let h1 = c.submit(1, &x1, H, None, None).await.unwrap();
+        let h2 = c.submit(2, &x2, H, None, None).await.unwrap();
+        let t = tokio::time::timeout(Duration::from_millis(100), c.wait(h1)).await;
+        assert!(t.is_err(), "the first answer is still half-sent");
+        assert_eq!(c.wait(h2).await.unwrap(), expected(&x2, 2));
+        assert_eq!(
+            (c.in_flight(), c.ready()),
+            (0, 0),
+            "the abandoned answer was discarded"
+        );
+    });
+}
+
+#[test]
+fn a_submit_cancelled_in_the_middle_of_its_write_is_finished_by_the_next_call() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        // 16 MiB of f32: more than the sockets take in one poll.
+        let big = vec![0.5f32; 16 << 18];
+        let t = tokio::time::timeout(Duration::ZERO, c.submit(1, &big, H, None, None)).await;
+        drop(t); // cancelled mid-write, or (unlikely) done: either way the handle is dropped
+        let x = input(3, 4);
+        assert_eq!(c.call(6, &x, H, None, None).await.unwrap(), expected(&x, 6));
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+    });
+}
+
+#[test]
+fn a_request_too_large_to_frame_fails_at_submit_and_the_connection_goes_on() {
+    run(async {
+        let mut cfg = FrontendConfig::new("client-tests");
+        cfg.codec.max_frame_bytes = 1 << 20;
+        let (addr, cfg) = serve_with(cfg, |c| reverse_groups(c, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        let big = vec![0.5f32; (1 << 18) + H]; // 1 MiB + a row of f32
+        let e = c.submit(1, &big, H, None, None).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ClientError::Transport(FrontendError::BadFrame {
+                    recoverable: true,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert_eq!(c.in_flight(), 0, "nothing was sent");
+        let x = input(2, 3);
+        assert_eq!(c.call(2, &x, H, None, None).await.unwrap(), expected(&x, 2));
+    });
+}
