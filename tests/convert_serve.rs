@@ -358,6 +358,15 @@ fn assert_gptq_awq_served_losslessly(ck: &TinyCheckpoint, out: &Path) {
         }
     }
     let manifest = expertmesh_shard::Manifest::load(out).unwrap();
+    let method = match ck.spec.dtype {
+        WeightFormat::Awq { .. } => "awq",
+        _ => "gptq",
+    };
+    assert!(
+        manifest.source.weight_format.starts_with(method),
+        "{}",
+        manifest.source.weight_format
+    );
     let group = ck.spec.dtype.int4_group().expect("an INT4 format");
     let quant = expertmesh_quant::format::QuantSpec {
         group_size: group as u32,

@@ -628,13 +628,18 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
     if let Ok(info) = job.ckpt.tensor_info(&gate) {
         return info.dtype.to_string().to_lowercase();
     }
-    for (suffix, name) in [
-        ("weight_packed", "pack-quantized"),
-        ("qweight", "gptq-or-awq"),
-    ] {
-        if job.ckpt.contains(&format!("{base}.{suffix}")) {
-            return name.into();
-        }
+    if job.ckpt.contains(&format!("{base}.weight_packed")) {
+        return "pack-quantized".into();
+    }
+    if job.ckpt.contains(&format!("{base}.qweight")) {
+        let q = crate::gptq_import::read_quant_config(job.ckpt.dir()).ok();
+        let method = q.as_ref().and_then(|q| q.method.clone());
+        let format = q.and_then(|q| q.checkpoint_format);
+        return match (method.as_deref(), format.as_deref()) {
+            (Some("gptq"), Some(f)) => format!("gptq ({f})"),
+            (Some(m), _) => m.to_string(),
+            (None, _) => "gptq-or-awq".into(),
+        };
     }
     "unknown".into()
 }
