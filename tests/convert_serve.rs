@@ -442,3 +442,35 @@ fn qwen2_moe_gated_shared_expert_on_a_worker_matches_the_reference() {
     check_accurate(&ck, &out);
     check_exact(&ck, &out);
 }
+
+#[test]
+fn olmoe_bf16_with_zero_points_matches_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = write_tiny_checkpoint(&dir.path().join("ckpt"), &TinySpec::for_model_type("olmoe"));
+    let out = dir.path().join("weights");
+    convert_args(&ck.dir, &out, &["--zero-points"]);
+    let manifest = expertmesh_shard::Manifest::load(&out).unwrap();
+    assert!(manifest.quant.zero_points, "{}", manifest.quant);
+    check_accurate(&ck, &out);
+    check_exact(&ck, &out);
+    // An INT4 checkpoint keeps its own format: --zero-points is refused, naming the format.
+    let kimi = write_tiny_checkpoint(
+        &dir.path().join("kimi"),
+        &TinySpec::for_model_type("kimi_k2").with_dtype(WeightFormat::PackQuantized),
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(["convert", "--zero-points", "--checkpoint"])
+        .arg(&kimi.dir)
+        .arg("--topology")
+        .arg(topology())
+        .arg("--out")
+        .arg(dir.path().join("w2"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--zero-points applies to float checkpoints"),
+        "{stderr}"
+    );
+}

@@ -483,21 +483,30 @@ pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -
     if spec.shared_experts == 0 || !family.has_shared_expert() {
         return false;
     }
-    let (Ok([routed, ..]), Ok([shared, ..])) = (
-        expert_tensor_names(family, layer, ExpertRef::Routed(0)),
-        expert_tensor_names(family, layer, ExpertRef::Shared),
-    ) else {
+    let Ok([shared, ..]) = expert_tensor_names(family, layer, ExpertRef::Shared) else {
         return false;
     };
-    let base = routed.strip_suffix(".weight").unwrap_or(&routed);
-    let routed_int4 = !ckpt.contains(&routed)
-        && ["weight_packed", "qweight"]
-            .iter()
-            .any(|s| ckpt.contains(&format!("{base}.{s}")));
+    let routed_int4 = routed_is_int4(ckpt, spec, family);
     let shared_float = ckpt
         .tensor_info(&shared)
         .is_ok_and(|i| matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
     routed_int4 && shared_float
+}
+
+/// Whether the checkpoint stores its routed experts as INT4 (compressed-tensors
+/// `pack-quantized`, GPTQ or AWQ), judged by routed expert 0 of the first MoE layer.
+pub fn routed_is_int4(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -> bool {
+    let Some(&layer) = spec.moe_layer_ids().first() else {
+        return false;
+    };
+    let Ok([routed, ..]) = expert_tensor_names(family, layer, ExpertRef::Routed(0)) else {
+        return false;
+    };
+    let base = routed.strip_suffix(".weight").unwrap_or(&routed);
+    !ckpt.contains(&routed)
+        && ["weight_packed", "qweight"]
+            .iter()
+            .any(|s| ckpt.contains(&format!("{base}.{s}")))
 }
 
 /// `layer`'s shared experts as dense tensors at the checkpoint's precision (BF16 bits copied;
