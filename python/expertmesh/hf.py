@@ -1,0 +1,184 @@
+"""Serve a transformers model's sparse MoE blocks from the fabric: ``attach(model, client)``.
+
+Every sparse MoE block of the model (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 / Kimi K2,
+GLM-4.5) is replaced by a :class:`FabricMoE` module that sends its input to the router and
+returns the fabric's output; attention, norms, embeddings and dense MLP layers stay local. The
+fabric must serve the same checkpoint (``expertmesh convert --checkpoint DIR`` then ``expertmesh
+up --weights``)::
+
+    import torch, transformers, expertmesh
+    from expertmesh import hf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(DIR, torch_dtype=torch.bfloat16)
+    client = expertmesh.RouterClient("127.0.0.1:47400", cluster="cpu-host")
+    hf.attach(model, client)              # replaced blocks: {layer: module name}
+    out = model.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=20)
+
+Written against transformers 4.57 (the MoE block classes ``Qwen3MoeSparseMoeBlock``,
+``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``DeepseekV3MoE``
+(also Kimi K2's remote code), ``Glm4MoeMoE``) and torch ≥ 2.1. Blocks are found by class name,
+and their decoder layer index by module name (``model.layers.{L}.mlp`` or
+``.block_sparse_moe``), which is the ``layer`` the router serves. A block whose original
+returned ``(hidden_states, router_logits)`` (transformers 4.x's Qwen/Mixtral/OLMoE blocks)
+returns the same pair: the router logits are computed by the block's own gate, kept local.
+
+The hidden states travel as the model's dtype (bf16, f16 or f32; others as f32) straight from
+the tensor (DLPack, no copy on CPU; a GPU tensor is copied to the CPU first); the output
+(float32) is cast back to the model's dtype and device. Requests above ``max_tokens`` tokens
+(the router's ``--max-tokens``, 256 by default) are split and pipelined on the connection.
+``drop_experts=True`` (default) lets the replaced blocks' expert weights be freed;
+``False`` keeps each original block as ``module.original``.
+
+Needs ``torch`` and ``transformers`` (``pip install torch transformers``; not installed by
+``pip install ./python``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional
+
+from . import _native
+
+__all__ = ["attach", "FabricMoE", "MOE_BLOCK_CLASSES"]
+
+# class name -> whether the transformers 4.x block returns (hidden_states, router_logits)
+MOE_BLOCK_CLASSES: Dict[str, bool] = {
+    "Qwen3MoeSparseMoeBlock": True,
+    "Qwen2MoeSparseMoeBlock": True,
+    "MixtralSparseMoeBlock": True,
+    "OlmoeSparseMoeBlock": True,
+    "DeepseekV3MoE": False,
+    "Glm4MoeMoE": False,
+}
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)$")
+
+
+def _torch() -> Any:
+    try:
+        import torch  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:  # pragma: no cover - exercised only without torch
+        raise ImportError("expertmesh.hf needs torch: pip install torch transformers") from e
+    return torch
+
+
+def _returns_pair(class_name: str) -> bool:
+    """transformers 5 blocks return only the hidden states (router logits are recorded by
+    hooks); 4.x Qwen/Mixtral/OLMoE blocks return the pair."""
+    try:
+        import transformers  # type: ignore[import-not-found, unused-ignore]
+
+        major = int(transformers.__version__.split(".")[0])
+    except Exception:  # pragma: no cover
+        major = 4
+    return MOE_BLOCK_CLASSES.get(class_name, False) and major < 5
+
+
+def _make_module_class() -> Any:
+    torch = _torch()
+
+    class FabricMoE(torch.nn.Module):  # type: ignore[misc,name-defined]
+        """A sparse MoE block served by the fabric: ``forward(hidden_states)`` sends
+        ``[..., hidden]`` to the router's ``layer`` and returns its output (and the local gate's
+        router logits when the replaced block returned them)."""
+
+        def __init__(
+            self,
+            client: _native.RouterClient,
+            layer: int,
+            gate: Optional[Any],
+            returns_pair: bool,
+            max_tokens: int,
+            deadline_ms: Optional[float],
+        ) -> None:
+            super().__init__()
+            self.client = client
+            self.layer = layer
+            self.gate = gate
+            self.returns_pair = returns_pair
+            self.max_tokens = max_tokens
+            self.deadline_ms = deadline_ms
+
+        def extra_repr(self) -> str:
+            return f"layer={self.layer}, router={self.client.addr}"
+
+        def forward(self, hidden_states: Any) -> Any:
+            shape, dtype, device = hidden_states.shape, hidden_states.dtype, hidden_states.device
+            x = hidden_states.detach().reshape(-1, shape[-1])
+            if x.device.type != "cpu":
+                x = x.to("cpu")
+            if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                x = x.float()
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], shape[-1], dtype=torch.float32)
+            step = max(1, self.max_tokens)
+            handles = [
+                (i, self.client.submit(self.layer, x[i : i + step], deadline_ms=self.deadline_ms))
+                for i in range(0, x.shape[0], step)
+            ]
+            for i, h in handles:
+                self.client.wait(h, out=out[i : i + step])
+            y = out.to(device=device, dtype=dtype).reshape(shape)
+            if not self.returns_pair:
+                return y
+            logits = self.gate(hidden_states.reshape(-1, shape[-1])) if self.gate is not None else None
+            return y, logits
+
+    return FabricMoE
+
+
+_FABRIC_MOE: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    # `FabricMoE` needs torch: built on first use, so `import expertmesh.hf` works without it.
+    global _FABRIC_MOE
+    if name == "FabricMoE":
+        if _FABRIC_MOE is None:
+            _FABRIC_MOE = _make_module_class()
+        return _FABRIC_MOE
+    raise AttributeError(name)
+
+
+def attach(
+    model: Any,
+    client: _native.RouterClient,
+    *,
+    max_tokens: int = 256,
+    deadline_ms: Optional[float] = None,
+    drop_experts: bool = True,
+) -> Dict[int, str]:
+    """Replace every sparse MoE block of ``model`` by a :class:`FabricMoE` calling ``client``.
+
+    Returns ``{decoder layer index: module name}`` of the replaced blocks. Raises
+    ``ValueError`` when the model has none (an unsupported family: see
+    :data:`MOE_BLOCK_CLASSES`), and whatever ``client.check_shape`` raises when the router does
+    not serve a replaced layer with the model's hidden size (it serves another checkpoint).
+    """
+    cls = __getattr__("FabricMoE")
+    found: Dict[int, str] = {}
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if kind not in MOE_BLOCK_CLASSES:
+            continue
+        m = _LAYER.search(name)
+        if not m:
+            raise ValueError(f"{name}: a {kind} outside model.layers.N.mlp; cannot tell its layer")
+        found[int(m.group(1))] = name
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        gate = getattr(module, "gate", None)
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        if hidden is not None:
+            client.check_shape(int(m.group(1)), 1, int(hidden))
+        replacement = cls(client, int(m.group(1)), gate, _returns_pair(kind), max_tokens, deadline_ms)
+        if not drop_experts:
+            replacement.original = module  # kept (a submodule): e.g. to compare outputs
+        setattr(parent, attr, replacement)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no sparse MoE block of a known class "
+            f"({', '.join(MOE_BLOCK_CLASSES)}); transformers version mismatch?"
+        )
+    return found

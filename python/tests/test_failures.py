@@ -1,0 +1,136 @@
+"""Failures on a fabric whose worker processes the test owns (``expertmesh router`` + two
+``expertmesh worker``): a killed worker, a stalled one, the GIL released during a blocked call,
+Ctrl-C (a signal handler's exception) interrupting a blocked call.
+
+demo-small's placement: cpu0 holds experts 0-19, cpu1 16-31 and replicas of 0-3. A call of 64
+random tokens needs experts 20-31 (only on cpu1) with near certainty.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import expertmesh
+from fabric_util import SplitFabric
+
+H = 1024
+
+
+@pytest.fixture()
+def own_fabric(tmp_path):
+    # Hedging to a replica only after 5 s: a stalled worker is not worked around within the
+    # deadlines below.
+    f = SplitFabric(
+        tmp_path,
+        router_args=("--batch-window-us", "100", "--micro-batch", "16", "--straggler-ms", "5000"),
+    )
+    yield f
+    f.close()
+
+
+def needs_cpu1(seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((64, H), dtype=np.float32)
+
+
+def test_a_killed_worker_raises_device_down_within_the_deadline(own_fabric):
+    f = own_fabric
+    with f.client() as c:
+        x = needs_cpu1()
+        want = c.moe(2, x)
+        # requests in flight when the worker dies fail (or complete), each within its deadline
+        handles = [c.submit(2, x, deadline_ms=3000) for _ in range(6)]
+        f.workers[1].kill()
+        f.workers[1].wait()
+        t0 = time.monotonic()
+        for h in handles:
+            try:
+                np.testing.assert_array_equal(c.wait(h), want)
+            except (expertmesh.DeviceDown, expertmesh.DeadlineExceeded) as e:
+                assert e.code in (6, 7)
+        assert time.monotonic() - t0 < 5.0
+        # after the death: the documented exception, naming the device, within the deadline
+        for i in range(3):
+            t = time.monotonic()
+            with pytest.raises((expertmesh.DeviceDown, expertmesh.DeadlineExceeded)) as e:
+                c.moe(2, needs_cpu1(10 + i), deadline_ms=3000)
+            took = time.monotonic() - t
+            assert took < 4.0, f"raised after {took:.2f} s, deadline 3 s"
+            assert "local/cpu1" in str(e.value), str(e.value)
+            assert isinstance(e.value, expertmesh.RouterError)
+            assert e.value.request_id and e.value.code_name in ("PeerUnavailable", "DeadlineExceeded")
+        # once the router has noticed, it is DeviceDown (PeerUnavailable), at once
+        t = time.monotonic()
+        with pytest.raises(expertmesh.DeviceDown) as e:
+            c.moe(2, needs_cpu1(20), deadline_ms=3000)
+        assert e.value.code == 7 and time.monotonic() - t < 1.0
+        # tokens that need only cpu0's experts are still served: a token routed by logits
+        # that favour experts 0-3 (cpu0 owns them; cpu1 replicates them)
+        logits = np.full((1, 32), -10.0, np.float32)
+        logits[0, :4] = 10.0
+        y = c.moe(2, needs_cpu1(30)[:1], logits=logits)
+        assert np.isfinite(y).all()
+
+
+def test_the_gil_is_released_while_a_call_is_in_flight(own_fabric):
+    f = own_fabric
+    counts = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counts[0] += 1
+
+    with f.client() as c:
+        x = needs_cpu1(2)
+        c.moe(1, x)
+        f.workers[1].send_signal(signal.SIGSTOP)  # the call now blocks until its deadline
+        try:
+            th = threading.Thread(target=spin)
+            th.start()
+            time.sleep(0.05)
+            before = counts[0]
+            t = time.monotonic()
+            with pytest.raises(expertmesh.DeadlineExceeded) as e:
+                c.moe(1, x, deadline_ms=1000)
+            took = time.monotonic() - t
+            during = counts[0] - before
+            stop.set()
+            th.join()
+        finally:
+            f.workers[1].send_signal(signal.SIGCONT)
+        assert 0.9 < took < 2.5, took
+        assert "local/cpu1" in str(e.value)
+        # Had the call held the GIL, the other thread could not have run during it.
+        assert during > 100_000, f"the other thread advanced {during} times in {took:.2f} s"
+
+
+def test_a_signal_interrupts_a_blocked_call_and_the_connection_stays_usable(own_fabric):
+    f = own_fabric
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted()
+
+    with f.client() as c:
+        x = needs_cpu1(3)
+        want = c.moe(0, x)
+        f.workers[1].send_signal(signal.SIGSTOP)
+        old = signal.signal(signal.SIGALRM, handler)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            t = time.monotonic()
+            with pytest.raises(Interrupted):
+                c.moe(0, x, deadline_ms=10_000)
+            assert time.monotonic() - t < 1.5
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            f.workers[1].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(c.moe(0, x), want)
