@@ -153,6 +153,8 @@ impl R16Matrix {
         let rows = m.rows();
         let blocks = m.cols() / BLOCK;
         let groups = m.cols() / m.spec().group();
+        // One row's scales and zero points, fetched with one call each per row.
+        let (mut row_scales, mut row_zeros) = (vec![0u16; groups], vec![0u8; groups]);
         // Padding rows of a partial last row block read as zero codes (0x88 nibbles, zero
         // point 8); full row blocks are overwritten below, so only the partial one is filled.
         if rows % ROWS != 0 {
@@ -177,11 +179,15 @@ impl R16Matrix {
                     tile[c * 64 + 4 * r..][..4].copy_from_slice(&blk[4 * c..][..4]);
                 }
             }
-            for g in 0..groups {
+            m.row_scale_bits_into(n, &mut row_scales);
+            for (g, s) in row_scales.iter().enumerate() {
                 let at = sc.start + ((rb * groups + g) * ROWS + r) * 2;
-                arena[at..at + 2].copy_from_slice(&m.scale_bits(n, g).to_ne_bytes());
-                if let Some(z) = &zr {
-                    arena[z.start + (rb * groups + g) * ROWS + r] = m.zero(n, g);
+                arena[at..at + 2].copy_from_slice(&s.to_ne_bytes());
+            }
+            if let Some(z) = &zr {
+                m.row_zeros_into(n, &mut row_zeros);
+                for (g, &zero) in row_zeros.iter().enumerate() {
+                    arena[z.start + (rb * groups + g) * ROWS + r] = zero;
                 }
             }
         }

@@ -290,6 +290,26 @@ pub trait PackedRows {
     fn scale_bits(&self, n: usize, g: usize) -> u16;
     /// The zero point of group `g` of row `n` (8 without zero points).
     fn zero(&self, n: usize, g: usize) -> u8;
+    /// Row `n`'s scale bits, one per group, into `out` (one call per row for repackers).
+    fn row_scale_bits_into(&self, n: usize, out: &mut [u16]) {
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = self.scale_bits(n, g);
+        }
+    }
+    /// Row `n`'s zero points, one per group, into `out`.
+    fn row_zeros_into(&self, n: usize, out: &mut [u8]) {
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = self.zero(n, g);
+        }
+    }
+}
+
+/// Unpack one row's u4 zero points (two per byte, low nibble first) into `out`.
+fn unpack_zeros(packed: &[u8], out: &mut [u8]) {
+    for (g, o) in out.iter_mut().enumerate() {
+        let byte = packed[g / 2];
+        *o = if g % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+    }
 }
 
 impl PackedRows for PackedMatrix {
@@ -310,6 +330,18 @@ impl PackedRows for PackedMatrix {
     }
     fn zero(&self, n: usize, g: usize) -> u8 {
         PackedMatrix::zero(self, n, g)
+    }
+    fn row_scale_bits_into(&self, n: usize, out: &mut [u16]) {
+        out.copy_from_slice(self.row_scales(n));
+    }
+    fn row_zeros_into(&self, n: usize, out: &mut [u8]) {
+        match &self.zeros {
+            None => out.fill(DEFAULT_ZERO),
+            Some(z) => {
+                let per_row = self.groups_per_row().div_ceil(2);
+                unpack_zeros(&z[n * per_row..(n + 1) * per_row], out);
+            }
+        }
     }
 }
 
@@ -382,6 +414,22 @@ impl PackedRows for PackedRef<'_> {
                 let per_row = (self.cols / self.spec.group()).div_ceil(2);
                 let byte = z[n * per_row + g / 2];
                 if g % 2 == 0 { byte & 0x0F } else { byte >> 4 }
+            }
+        }
+    }
+    fn row_scale_bits_into(&self, n: usize, out: &mut [u16]) {
+        let per_row = 2 * out.len();
+        let row = &self.scales_le[n * per_row..(n + 1) * per_row];
+        for (o, p) in out.iter_mut().zip(row.chunks_exact(2)) {
+            *o = u16::from_le_bytes([p[0], p[1]]);
+        }
+    }
+    fn row_zeros_into(&self, n: usize, out: &mut [u8]) {
+        match self.zeros {
+            None => out.fill(DEFAULT_ZERO),
+            Some(z) => {
+                let per_row = out.len().div_ceil(2);
+                unpack_zeros(&z[n * per_row..(n + 1) * per_row], out);
             }
         }
     }

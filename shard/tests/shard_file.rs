@@ -77,7 +77,17 @@ fn round_trip_is_bit_exact_for_every_format() {
                     (r.rows(), r.cols(), r.spec()),
                     (m.rows(), m.cols(), m.spec())
                 );
+                let g = m.groups_per_row();
+                let (mut rs, mut ms) = (vec![0u16; g], vec![0u16; g]);
+                let (mut rz, mut mz) = (vec![0u8; g], vec![0u8; g]);
                 for n in 0..m.rows() {
+                    r.row_scale_bits_into(n, &mut rs);
+                    PackedRows::row_scale_bits_into(m, n, &mut ms);
+                    assert_eq!((&rs, &ms), (&ms, &m.row_scales(n).to_vec()));
+                    r.row_zeros_into(n, &mut rz);
+                    PackedRows::row_zeros_into(m, n, &mut mz);
+                    let want: Vec<u8> = (0..g).map(|k| m.zero(n, k)).collect();
+                    assert_eq!((&rz, &mz), (&want, &want));
                     assert_eq!(r.row_nibbles(n), m.row_nibbles(n));
                     for g in 0..m.groups_per_row() {
                         assert_eq!(r.scale_bits(n, g), m.row_scales(n)[g]);
