@@ -81,6 +81,15 @@ pub fn frontend_config(dep: &Deployment) -> FrontendConfig {
     f
 }
 
+/// Why frontends are refused while workers `names` have not connected.
+fn starting_reason(names: &[String]) -> String {
+    format!(
+        "the fabric is starting: workers {} have not connected yet; retry once `expertmesh up` \
+         prints where frontends connect",
+        names.join(", ")
+    )
+}
+
 /// A running local fabric.
 pub struct LocalFabric {
     dep: Deployment,
@@ -136,8 +145,13 @@ impl LocalFabric {
         let router_threads = 1;
         let core = router_core(&dep, opts.router.clone(), router_threads)?;
         let mesh_cfg = dep.mesh_config(0, mesh_listen, mesh_listen, opts.link);
-        // Frontends are refused, with the reason, until every worker has connected.
-        let gate = FrontendGate::closed("the fabric is starting");
+        // Frontends are refused, with the reason, until every worker has connected; the reason
+        // names the missing workers from the first moment the port listens.
+        let n = dep.topology.devices().len();
+        let all_names: Vec<String> = (0..n)
+            .map(|d| dep.device_label(DeviceRank(d as u32)))
+            .collect();
+        let gate = FrontendGate::closed(starting_reason(&all_names));
         let mut frontend = frontend_config(&dep);
         frontend.gate = gate.clone();
         let service = RouterService::start(
@@ -153,7 +167,6 @@ impl LocalFabric {
         let router_mesh = service
             .mesh_addr()
             .ok_or_else(|| anyhow!("router mesh has no address"))?;
-        let n = dep.topology.devices().len();
         let mut fabric = Self {
             dep,
             opts,
@@ -219,10 +232,7 @@ impl LocalFabric {
                 );
             }
             if self.gate.reason().is_some() {
-                self.gate.close(format!(
-                    "the fabric is starting: workers {} have not connected yet; retry once `expertmesh up` prints where frontends connect",
-                    names.join(", ")
-                ));
+                self.gate.close(starting_reason(&names));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
