@@ -14,7 +14,8 @@
 //!   `num_experts_per_tok`; the shared MLP is ONE expert of width
 //!   `moe_intermediate_size × n_shared_experts` (what both implementations build); sigmoid
 //!   scores plus `e_score_correction_bias` for choosing ([`Scoring::SigmoidBias`],
-//!   `topk_method` `noaux_tc`; `greedy` is the same with a zero bias), group-limited by
+//!   `topk_method` `noaux_tc`; `greedy` is the same with a zero bias; both keys absent, as in
+//!   configs written by transformers' own `DeepseekV3Config`, mean that), group-limited by
 //!   `n_group`/`topk_group`, then `norm_topk_prob` and `routed_scaling_factor`. Multi-token
 //!   prediction layers (`num_nextn_predict_layers`) come after `num_hidden_layers` and are not
 //!   part of the served model.
@@ -372,18 +373,17 @@ fn map_deepseek(cfg: &Cfg<'_>, family: Family, m: &mut ModelSpec) -> Result<(), 
             "moe_layer_freq = {freq} is not supported: the implementations disagree on it (transformers ignores it, the published remote code makes only every {freq}-th layer MoE), so the layer set is ambiguous; only 1 is served"
         ));
     }
-    if family == Family::DeepseekV3 {
-        let scoring = cfg.str_req("scoring_func")?;
-        if scoring != "sigmoid" {
-            return Err(format!(
-                "scoring_func = \"{scoring}\" is not supported for DeepSeek-V3-style models (only \"sigmoid\")"
-            ));
-        }
+    // transformers' own DeepseekV3Config writes neither key (its router is sigmoid + noaux_tc
+    // whatever the config says); published checkpoints write both. Absent: transformers' math.
+    if family == Family::DeepseekV3
+        && let Some(scoring) = cfg.str_opt("scoring_func")?
+        && scoring != "sigmoid"
+    {
+        return Err(format!(
+            "scoring_func = \"{scoring}\" is not supported for DeepSeek-V3-style models (only \"sigmoid\")"
+        ));
     }
-    let method = match family {
-        Family::DeepseekV3 => Some(cfg.str_req("topk_method")?),
-        _ => cfg.str_opt("topk_method")?,
-    };
+    let method = cfg.str_opt("topk_method")?;
     match method {
         None | Some("noaux_tc") => {}
         Some("greedy") => m

@@ -301,7 +301,6 @@ fn deepseek_keys_that_change_the_math_are_refused() {
             "topk_method = \"group_limited_greedy\"",
         ),
         (json!({"n_group": null}), "missing `n_group`"),
-        (json!({"topk_method": null}), "missing `topk_method`"),
         (
             json!({"routed_scaling_factor": "2.5"}),
             "routed_scaling_factor = \"2.5\" must be a finite number",
@@ -336,6 +335,20 @@ fn deepseek_keys_that_change_the_math_are_refused() {
         json!({"scoring_func": "sigmoid"}),
     ));
     assert!(s.contains("scoring_func = \"sigmoid\""), "{s}");
+}
+
+#[test]
+fn deepseek_v3_config_written_by_transformers_maps_to_its_math() {
+    // transformers' DeepseekV3Config writes no scoring_func / topk_method: its router is
+    // sigmoid + noaux_tc whatever they say, so their absence means exactly that.
+    let full = map(&edited("DeepSeek-V3", json!({}))).unwrap();
+    let bare = map(&edited(
+        "DeepSeek-V3",
+        json!({"scoring_func": null, "topk_method": null}),
+    ))
+    .unwrap();
+    assert_eq!(bare.scoring, Scoring::SigmoidBias);
+    assert_eq!(bare, full);
 }
 
 #[test]
