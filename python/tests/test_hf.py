@@ -147,3 +147,66 @@ def test_attach_each_architecture(kind, tmp_path):
             assert out.shape == (1, 7)
     finally:
         fabric.close()
+
+
+def _make_int4_exact(model):
+    """Round every expert weight (routed and shared; not the router gates) onto the packed INT4
+    grid: groups of 32 along the input dimension, a bf16 scale s = max|w| / 8 and codes in
+    [-8, 7] with the largest element at -8. The converter then reproduces these weights
+    exactly (quantization error 0), so the fabric serves the very model that runs locally."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            expert = (".experts." in name or ".experts" in name.rsplit(".", 1)[0]
+                      or ".shared_expert." in name or ".shared_experts." in name)
+            if not expert or p.dim() < 2 or p.shape[-1] % 32:
+                continue
+            g = p.data.reshape(*p.shape[:-1], p.shape[-1] // 32, 32)
+            s = (g.abs().amax(-1, keepdim=True) / 8).to(torch.bfloat16).to(torch.float32)
+            s = torch.where(s == 0, torch.ones_like(s), s)
+            q = torch.clamp(torch.round(g / s), -8, 7)
+            top = g.abs().argmax(-1, keepdim=True)
+            q.scatter_(-1, top, -8.0)
+            p.data.copy_((q * s).reshape(p.shape))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"])
+def test_logits_and_greedy_tokens_match_the_unmodified_model(kind, tmp_path):
+    """With expert weights already on the INT4 grid (so conversion is lossless), the model
+    with the fabric attached (accurate mode) gives the unmodified model's logits within 1e-4
+    relative and the same greedy tokens."""
+    torch.manual_seed(1)
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
+            max_position_embeddings=128)
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    else:
+        model = _tiny(kind).eval()
+    _make_int4_exact(model)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt, safe_serialization=True)
+    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp_path / "t.toml")
+    r = subprocess.run(
+        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
+         "--out", str(tmp_path / "w")],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    with torch.no_grad():
+        want = model(ids).logits
+        want_tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w", "--mode", "accurate"])
+    try:
+        client = expertmesh.RouterClient(fabric.addr, fabric.cluster)
+        with torch.no_grad():
+            hf.attach(model, client)
+            got = model(ids).logits
+            tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 1e-4, f"{kind}: logits differ by {rel} relative"
+        assert torch.equal(tokens, want_tokens), f"{kind}: {tokens} vs {want_tokens}"
+    finally:
+        fabric.close()
