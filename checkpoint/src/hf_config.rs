@@ -660,13 +660,6 @@ impl Cfg<'_> {
         }
     }
 
-    /// A required string.
-    fn str_req(&self, key: &str) -> Result<&str, String> {
-        self.str_opt(key)?.ok_or_else(|| {
-            format!("missing `{key}`; it decides the model's math and has no agreed default")
-        })
-    }
-
     /// An optional list of non-negative integers (empty when absent).
     fn u32_list_opt(&self, key: &str) -> Result<Vec<u32>, String> {
         match self.get(key) {
