@@ -2,7 +2,8 @@
 """Generate text with a transformers MoE model whose MoE layers run on an ExpertMesh fabric.
 
 Attention, norms, embeddings and dense layers run here (CPU, or --device cuda); every sparse
-MoE block is replaced by a call to the router (`expertmesh.hf.attach`). Serve the same
+MoE block is replaced by a call to the router (`expertmesh.hf.attach`), and the experts are
+never read from the checkpoint (`expertmesh.hf.load_without_experts`). Serve the same
 checkpoint first:
 
     expertmesh convert --checkpoint DIR --topology examples/cpu-host.toml --out W
@@ -38,11 +39,12 @@ def main() -> None:
     a = ap.parse_args()
 
     tok = transformers.AutoTokenizer.from_pretrained(a.checkpoint)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        a.checkpoint, torch_dtype=getattr(torch, a.dtype), trust_remote_code=True
-    ).to(a.device)
     client = expertmesh.RouterClient(a.router, cluster=a.cluster)
-    layers = hf.attach(model, client)
+    # Only the non-expert tensors are read: the experts live on the fabric.
+    model = hf.load_without_experts(
+        a.checkpoint, client, dtype=getattr(torch, a.dtype), device=a.device
+    )
+    layers = model.expertmesh_layers
     print(f"{len(layers)} MoE blocks served by {client.addr}: layers {min(layers)}..{max(layers)}")
 
     inputs = tok(a.prompt, return_tensors="pt").to(a.device)

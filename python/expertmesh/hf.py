@@ -40,7 +40,7 @@ from typing import Any, Dict, Optional
 
 from . import _native
 
-__all__ = ["attach", "FabricMoE", "MOE_BLOCK_CLASSES"]
+__all__ = ["attach", "load_without_experts", "FabricMoE", "MOE_BLOCK_CLASSES"]
 
 # class name -> whether the transformers 4.x block returns (hidden_states, router_logits)
 MOE_BLOCK_CLASSES: Dict[str, bool] = {
@@ -182,3 +182,72 @@ def attach(
             f"({', '.join(MOE_BLOCK_CLASSES)}); transformers version mismatch?"
         )
     return found
+
+
+def _checkpoint_files(checkpoint: Any) -> list:
+    """The safetensors files of a checkpoint folder (through its index when sharded)."""
+    import json
+    from pathlib import Path
+
+    d = Path(checkpoint)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    single = d / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_without_experts(
+    checkpoint: Any,
+    client: _native.RouterClient,
+    *,
+    dtype: Any = None,
+    device: str = "cpu",
+    **attach_kwargs: Any,
+) -> Any:
+    """Build ``checkpoint``'s model with its MoE blocks served by ``client``, reading only the
+    tensors the frontend runs: the model is built on the meta device, :func:`attach` replaces
+    its MoE blocks, then exactly the remaining parameters and buffers are read from the
+    safetensors files (the experts are never read) and non-persistent buffers (rotary
+    frequencies) are re-created on ``device``. Returns the model; ``model.expertmesh_layers``
+    is what :func:`attach` returned and ``model.expertmesh_loaded`` lists the tensors read."""
+    torch = _torch()
+    import transformers
+    from safetensors import safe_open
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    layers = attach(model, client, **attach_kwargs)
+    wanted = set(model.state_dict().keys())
+    state = {}
+    for path in _checkpoint_files(checkpoint):
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for key in f.keys():
+                if key in wanted:
+                    state[key] = f.get_tensor(key).to(dtype)
+    missing = sorted(wanted - set(state))
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"{checkpoint}: tensors the model needs are missing: {missing[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            with torch.device(device):
+                fresh = type(module)(config=config)
+            setattr(parent, attr, fresh)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{checkpoint}: not loaded: {left[:5]}")
+    model.expertmesh_loaded = sorted(state)
+    model.expertmesh_layers = layers
+    return model.to(device).eval()

@@ -210,3 +210,42 @@ def test_logits_and_greedy_tokens_match_the_unmodified_model(kind, tmp_path):
         assert torch.equal(tokens, want_tokens), f"{kind}: {tokens} vs {want_tokens}"
     finally:
         fabric.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_load_without_experts_reads_no_expert_and_gives_the_same_logits(kind, tmp_path):
+    """The frontend path of examples/hf_generate.py: the model built with only its non-expert
+    tensors read gives the logits of the fully loaded model with the same fabric attached."""
+    torch.manual_seed(2)
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
+            max_position_embeddings=128)
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    else:
+        model = _tiny(kind).eval()
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt, safe_serialization=True)
+    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp_path / "t.toml")
+    r = subprocess.run(
+        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
+         "--out", str(tmp_path / "w")],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w"])
+    try:
+        client = expertmesh.RouterClient(fabric.addr, fabric.cluster)
+        ids = torch.tensor([[3, 14, 15, 9]])
+        with torch.no_grad():
+            full = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+            hf.attach(full, client)
+            want = full(ids).logits
+            lean = hf.load_without_experts(ckpt, client)
+            got = lean(ids).logits
+        assert not [k for k in lean.expertmesh_loaded if "experts" in k], lean.expertmesh_loaded
+        assert torch.equal(got, want)
+    finally:
+        fabric.close()
