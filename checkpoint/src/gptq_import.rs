@@ -33,14 +33,12 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use expertmesh_quant::format::{
-    ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
-};
+use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
 use serde_json::{Map, Value};
 
-use crate::experts::{ExpertError, check_shape, relative_error, squared_error};
+use crate::experts::{ExpertError, check_shape};
 use crate::hf_config::{CONFIG_FILE, MAX_CONFIG_BYTES};
-use crate::packed_import::CODES_PER_WORD;
+use crate::packed_import::{CODES_PER_WORD, Int4Rows, assemble_int4_expert};
 use crate::safetensors::{Checkpoint, Dtype, TensorView};
 
 /// AutoAWQ's nibble order: bits `4i..4i+4` of a word hold output `8w + AWQ_ORDER[i]`.
@@ -237,31 +235,7 @@ pub fn read_gptq_expert(
     for src in [&gate, &up, &down] {
         src.check_against(quant)?;
     }
-    let w13_src = |r: usize| match w13_row_meaning(r) {
-        (GateUp::Gate, f) => (&gate, f),
-        (GateUp::Up, f) => (&up, f),
-    };
-    let mut w13 = zeroed("W13", &gate.base, quant, 2 * inter, hidden)?;
-    let mut w2 = zeroed("W2", &down.base, quant, hidden, inter)?;
-    for r in 0..2 * inter {
-        let (src, f) = w13_src(r);
-        src.copy_row(f, &mut w13, r);
-    }
-    for n in 0..hidden {
-        down.copy_row(n, &mut w2, n);
-    }
-    let (d13, n13) = squared_error(&w13, |r, out| {
-        let (src, f) = w13_src(r);
-        src.fill(f, out)
-    })?;
-    let (d2, n2) = squared_error(&w2, |n, out| down.fill(n, out))?;
-    let error = relative_error(d13 + d2, n13 + n2);
-    let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
-        what: "W13/W2",
-        tensor: down.base.clone(),
-        source,
-    })?;
-    Ok(Some((weights, error)))
+    assemble_int4_expert(quant, inter, hidden, [&gate, &up, &down])
 }
 
 /// The [`QuantSpec`] that imports this GPTQ/AWQ expert losslessly (`names`, `inter`, `hidden`
@@ -339,21 +313,6 @@ fn open_expert<'a>(
         });
     }
     Ok(Some((config, srcs)))
-}
-
-/// An all-zero packed matrix, its format error naming `tensor`.
-fn zeroed(
-    what: &'static str,
-    tensor: &str,
-    quant: QuantSpec,
-    rows: usize,
-    cols: usize,
-) -> Result<PackedMatrix, ExpertError> {
-    PackedMatrix::zeroed(what, quant, rows, cols).map_err(|source| ExpertError::Quantize {
-        what,
-        tensor: tensor.to_string(),
-        source,
-    })
 }
 
 /// Word `i` of a little-endian 32-bit tensor.
@@ -541,6 +500,12 @@ impl<'a> Int4Source<'a> {
     fn scale_bits(&self, r: usize, g: usize) -> u16 {
         let i = 2 * (g * self.rows + r);
         u16::from_le_bytes([self.scales[i], self.scales[i + 1]])
+    }
+}
+
+impl Int4Rows for Int4Source<'_> {
+    fn base(&self) -> &str {
+        &self.base
     }
 
     /// Copies output `r` (codes, zero points, scale bits as they are) into row `n` of `dst`.

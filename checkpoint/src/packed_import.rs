@@ -61,12 +61,35 @@ pub fn read_packed_expert(
     let gate = PackedSource::open(ckpt, &gate, [inter, hidden], quant)?;
     let up = PackedSource::open(ckpt, &up, [inter, hidden], quant)?;
     let down = PackedSource::open(ckpt, &down, [hidden, inter], quant)?;
+    assemble_int4_expert(quant, inter, hidden, [&gate, &up, &down])
+}
+
+/// One stored INT4 projection that an importer copies row by row into the packed layout.
+pub(crate) trait Int4Rows {
+    /// The tensor name prefix (for errors).
+    fn base(&self) -> &str;
+    /// Copy source row `r` into row `n` of `dst` (codes, scales, zero points), exactly.
+    fn copy_row(&self, r: usize, dst: &mut PackedMatrix, n: usize);
+    /// Source row `r` dequantized by the checkpoint's own rule, into `out`.
+    fn fill(&self, r: usize, out: &mut [f32]) -> Result<(), ExpertError>;
+}
+
+/// The expert whose gate, up and down projections are `[gate, up, down]`: codes and scales
+/// copied into W13 (gate/up rows interleaved) and W2, with the relative error against the
+/// checkpoint's own dequantized values (0 unless the import is wrong). Shared by every
+/// lossless INT4 importer (compressed-tensors here, GPTQ/AWQ in `gptq_import`).
+pub(crate) fn assemble_int4_expert<S: Int4Rows>(
+    quant: QuantSpec,
+    inter: usize,
+    hidden: usize,
+    [gate, up, down]: [&S; 3],
+) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
     let w13_src = |r: usize| match w13_row_meaning(r) {
-        (GateUp::Gate, f) => (&gate, f),
-        (GateUp::Up, f) => (&up, f),
+        (GateUp::Gate, f) => (gate, f),
+        (GateUp::Up, f) => (up, f),
     };
-    let mut w13 = zeroed("W13", &gate.base, quant, 2 * inter, hidden)?;
-    let mut w2 = zeroed("W2", &down.base, quant, hidden, inter)?;
+    let mut w13 = zeroed("W13", gate.base(), quant, 2 * inter, hidden)?;
+    let mut w2 = zeroed("W2", down.base(), quant, hidden, inter)?;
     for r in 0..2 * inter {
         let (src, f) = w13_src(r);
         src.copy_row(f, &mut w13, r);
@@ -82,7 +105,7 @@ pub fn read_packed_expert(
     let error = relative_error(d13 + d2, n13 + n2);
     let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
         what: "W13/W2",
-        tensor: down.base.clone(),
+        tensor: down.base().to_string(),
         source,
     })?;
     Ok(Some((weights, error)))
@@ -199,6 +222,12 @@ impl<'a> PackedSource<'a> {
         let i = 2 * (r * self.groups + g);
         let b = self.scales.bytes();
         u16::from_le_bytes([b[i], b[i + 1]])
+    }
+}
+
+impl Int4Rows for PackedSource<'_> {
+    fn base(&self) -> &str {
+        &self.base
     }
 
     /// Copies row `r` (codes in Q4_0 nibble order, scale bits as they are) into row `n` of `dst`.
