@@ -38,6 +38,7 @@ expertmesh.bench --router ADDR``: Python vs Rust client throughput and latency),
 the fabric; needs torch and transformers).
 """
 
+from . import _errors
 from ._errors import (
     AuthFailed,
     BadFrame,
@@ -58,22 +59,4 @@ from ._native import DEFAULT_MAX_IN_FLIGHT, Handle, RouterClient
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "RouterClient",
-    "Handle",
-    "DEFAULT_MAX_IN_FLIGHT",
-    "Error",
-    "RouterError",
-    "InternalError",
-    "BadFrame",
-    "Unsupported",
-    "BadRequest",
-    "Overloaded",
-    "DeadlineExceeded",
-    "DeviceDown",
-    "AuthFailed",
-    "NotFound",
-    "ShuttingDown",
-    "ConnectionFailed",
-    "ProtocolError",
-]
+__all__ = ["RouterClient", "Handle", "DEFAULT_MAX_IN_FLIGHT", *_errors.__all__]

@@ -33,6 +33,21 @@ from expertmesh import hf
 from fabric_util import EXAMPLES, UpFabric, expertmesh_bin, topology_with_free_ports
 
 
+def _convert(model, tmp):
+    """Save ``model`` as a checkpoint under ``tmp`` and convert it into ``tmp / "w"`` with the
+    ``expertmesh`` binary; returns the checkpoint folder."""
+    ckpt = tmp / "ckpt"
+    model.save_pretrained(ckpt, safe_serialization=True)
+    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp / "t.toml")
+    r = subprocess.run(
+        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
+         "--out", str(tmp / "w")],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    return ckpt
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
@@ -44,14 +59,7 @@ def served(tmp_path_factory):
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    ckpt = tmp / "ckpt"
-    model.save_pretrained(ckpt, safe_serialization=True)
-    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp / "t.toml")
-    r = subprocess.run(
-        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo), "--out", str(tmp / "w")],
-        capture_output=True, text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    ckpt = _convert(model, tmp)
     fabric = UpFabric(tmp, ["--weights", tmp / "w"])
     yield model, fabric
     fabric.close()
@@ -116,15 +124,7 @@ def test_attach_each_architecture(kind, tmp_path):
     within INT4 error of the local experts, and the model still generates."""
     torch.manual_seed(0)
     model = _tiny(kind).eval()
-    ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt, safe_serialization=True)
-    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp_path / "t.toml")
-    r = subprocess.run(
-        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
-         "--out", str(tmp_path / "w")],
-        capture_output=True, text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    ckpt = _convert(model, tmp_path)
     fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w"])
     try:
         client = expertmesh.RouterClient(fabric.addr, fabric.cluster)
@@ -185,15 +185,7 @@ def test_logits_and_greedy_tokens_match_the_unmodified_model(kind, tmp_path):
     else:
         model = _tiny(kind).eval()
     _make_int4_exact(model)
-    ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt, safe_serialization=True)
-    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp_path / "t.toml")
-    r = subprocess.run(
-        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
-         "--out", str(tmp_path / "w")],
-        capture_output=True, text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    ckpt = _convert(model, tmp_path)
     ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
     with torch.no_grad():
         want = model(ids).logits
@@ -226,15 +218,7 @@ def test_load_without_experts_reads_no_expert_and_gives_the_same_logits(kind, tm
         model = transformers.Qwen3MoeForCausalLM(cfg).eval()
     else:
         model = _tiny(kind).eval()
-    ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt, safe_serialization=True)
-    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp_path / "t.toml")
-    r = subprocess.run(
-        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
-         "--out", str(tmp_path / "w")],
-        capture_output=True, text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    ckpt = _convert(model, tmp_path)
     fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w"])
     try:
         client = expertmesh.RouterClient(fabric.addr, fabric.cluster)

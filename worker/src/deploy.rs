@@ -313,15 +313,8 @@ fn check_manifest(
     spec: &ModelSpec,
     dir: &Path,
 ) -> anyhow::Result<()> {
+    // The cluster name was checked before the placement was read (its message is clearer).
     let d = dir.display();
-    if m.topology != topo.name() {
-        bail!(
-            "{d} was converted for cluster {:?} but the topology is {:?}; pass that topology, or \
-             convert again with this one (`expertmesh convert --topology ...`)",
-            m.topology,
-            topo.name()
-        );
-    }
     if m.model != spec.name || m.quant != spec.quant {
         bail!(
             "{d}: the manifest says model {:?} ({}) but {} says {:?} ({}); the folder was \
