@@ -17,6 +17,10 @@
 //! node = "node0"                        # a node name below
 //! listen_address = "0.0.0.0"            # optional, default: that node's address
 //! port = 7000                           # where serving frontends connect
+//! # mesh_port = 7101                     # optional: where it listens for workers (default: the node's control_port)
+//! # Several routers sharing one expert pool: write `[[router]]` tables instead, one per router
+//! # (e.g. one per frontend host); router i is mesh rank i and every worker dials every router.
+//! # Two routers on one node need distinct `port`s and all but one a `mesh_port`.
 //!
 //! [measured]                            # optional, measured per-tier numbers
 //! intra_node = { bandwidth_gb_s = 48.0, latency_us = 2.5 }
@@ -427,12 +431,13 @@ impl Device {
     }
 }
 
-/// Where the router service runs.
+/// Where one router service runs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterSpec {
     node: usize,
     listen_address: String,
     port: u16,
+    mesh_port: u16,
 }
 
 impl RouterSpec {
@@ -452,6 +457,11 @@ impl RouterSpec {
     pub fn listen_endpoint(&self) -> String {
         endpoint(&self.listen_address, self.port)
     }
+    /// Port it listens on for workers (the mesh), on its node's address; default: the
+    /// node's `control_port`.
+    pub fn mesh_port(&self) -> u16 {
+        self.mesh_port
+    }
 }
 
 /// A validated cluster topology.
@@ -461,7 +471,7 @@ pub struct Topology {
     description: String,
     nodes: Vec<Node>,
     devices: Vec<Device>,
-    router: Option<RouterSpec>,
+    routers: Vec<RouterSpec>,
     measured: MeasuredTiers,
 }
 
@@ -524,9 +534,14 @@ impl Topology {
     pub fn data_endpoint(&self, device: &Device) -> String {
         endpoint(&self.nodes[device.node].data_address, device.data_port)
     }
-    /// The router section, when given.
+    /// The first router (`[router]`, or the first `[[router]]` entry), when given.
     pub fn router(&self) -> Option<&RouterSpec> {
-        self.router.as_ref()
+        self.routers.first()
+    }
+    /// Every router, in file order (empty when the file has no router section). Router `i`
+    /// is mesh rank `i`; several routers share the same workers.
+    pub fn routers(&self) -> &[RouterSpec] {
+        &self.routers
     }
     /// Measured per-tier numbers.
     pub fn measured(&self) -> MeasuredTiers {
@@ -569,7 +584,7 @@ struct RawTopology {
     format: Field<i64>,
     name: Field<String>,
     description: Field<String>,
-    router: Field<RawRouter>,
+    router: Field<RawRouters>,
     measured: Option<RawMeasured>,
     device_types: Option<BTreeMap<String, Spanned<RawDeviceType>>>,
     nodes: Field<Vec<Spanned<RawNode>>>,
@@ -580,6 +595,34 @@ struct RawRouter {
     node: Field<String>,
     listen_address: Field<String>,
     port: Field<i64>,
+    mesh_port: Field<i64>,
+}
+
+/// `[router]` (one table) or `[[router]]` (an array of tables, one per router instance).
+enum RawRouters {
+    One(RawRouter),
+    Many(Vec<Spanned<RawRouter>>),
+}
+
+impl<'de> Deserialize<'de> for RawRouters {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawRouters;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a [router] table or [[router]] tables")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<RawRouters, A::Error> {
+                RawRouter::deserialize(serde::de::value::MapAccessDeserializer::new(m))
+                    .map(RawRouters::One)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, s: A) -> Result<RawRouters, A::Error> {
+                Vec::deserialize(serde::de::value::SeqAccessDeserializer::new(s))
+                    .map(RawRouters::Many)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Deserialize)]
@@ -1058,10 +1101,11 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
     let types = validate_device_types(ctx, &raw.device_types);
     let mut built = validate_nodes(ctx, &types, &raw.nodes);
     report_type_missing(ctx, &types, std::mem::take(&mut built.type_missing));
-    let router = raw
-        .router
-        .as_ref()
-        .and_then(|rr| validate_router(ctx, rr, &built));
+    let raw_routers = router_entries(&raw.router);
+    let routers: Vec<RouterSpec> = raw_routers
+        .iter()
+        .filter_map(|(item, r, span)| validate_router(ctx, item, r, span, &built))
+        .collect();
     let measured = raw
         .measured
         .as_ref()
@@ -1073,11 +1117,20 @@ fn validate(ctx: &mut Ctx<'_>, raw: &RawTopology) -> Option<Topology> {
         description,
         nodes: built.nodes,
         devices: built.devices,
-        router,
+        routers,
         measured,
     };
-    let router_port = raw.router.as_ref().and_then(|r| span_of(&r.get_ref().port));
-    check_port_collisions(ctx, &topology, &built.listen_spans, router_port);
+    if topology.routers.len() == raw_routers.len() {
+        let spans: Vec<RouterSpans> = raw_routers
+            .iter()
+            .map(|(item, r, _)| RouterSpans {
+                item: item.clone(),
+                port: span_of(&r.port),
+                mesh_port: span_of(&r.mesh_port),
+            })
+            .collect();
+        check_port_collisions(ctx, &topology, &built.listen_spans, &spans);
+    }
     name.get().map(|_| topology)
 }
 
@@ -1905,40 +1958,70 @@ fn report_type_missing(ctx: &mut Ctx<'_>, types: &DeviceTypes, type_missing: Typ
     }
 }
 
-/// Step: the `[router]` section.
+/// The router entries of the file with their item labels ("[router]", or "router 2" for the
+/// second `[[router]]` table) and spans.
+fn router_entries(raw: &Field<RawRouters>) -> Vec<(String, &RawRouter, Sp)> {
+    let Some(rr) = raw else {
+        return Vec::new();
+    };
+    match rr.get_ref() {
+        RawRouters::One(r) => vec![("[router]".to_owned(), r, Some(rr.span()))],
+        RawRouters::Many(list) if list.len() == 1 => {
+            vec![("[router]".to_owned(), list[0].get_ref(), Some(list[0].span()))]
+        }
+        RawRouters::Many(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (format!("router {}", i + 1), r.get_ref(), Some(r.span())))
+            .collect(),
+    }
+}
+
+/// Step: one `[router]` / `[[router]]` section.
 fn validate_router(
     ctx: &mut Ctx<'_>,
-    rr: &Spanned<RawRouter>,
+    item: &str,
+    r: &RawRouter,
+    rspan: &Sp,
     built: &Built,
 ) -> Option<RouterSpec> {
-    let rspan = Some(rr.span());
-    let r = rr.get_ref();
-    let item = "[router]";
     let nodes = &built.nodes;
-    let node = router_node(ctx, r, &rspan, built);
+    let node = router_node(ctx, item, r, rspan, built);
     let listen = check(ctx, &r.listen_address, item, valid_host("listen_address"));
+    let mesh_port = check(ctx, &r.mesh_port, item, port("mesh_port"));
     let port = check_required(
         ctx,
         &r.port,
         item,
         port("port"),
-        rspan,
+        rspan.clone(),
         "missing `port`; give the port serving frontends connect to",
     );
     let (node, port) = (node?, port.get()?);
+    let mesh_port = match mesh_port.get() {
+        Some(p) => p,
+        None if r.mesh_port.is_some() => return None,
+        None => nodes[node].control_port,
+    };
     Some(RouterSpec {
         node,
         listen_address: listen.get().unwrap_or_else(|| nodes[node].address.clone()),
         port,
+        mesh_port,
     })
 }
 
 /// The node the router runs on; an unknown name is reported (one of a node that failed
 /// validation is not: that node's problems are already reported; nor is any name while some
 /// node has no valid name: it may be the one meant).
-fn router_node(ctx: &mut Ctx<'_>, r: &RawRouter, rspan: &Sp, built: &Built) -> Option<usize> {
+fn router_node(
+    ctx: &mut Ctx<'_>,
+    item: &str,
+    r: &RawRouter,
+    rspan: &Sp,
+    built: &Built,
+) -> Option<usize> {
     let (nodes, node_names) = (&built.nodes, &built.node_names);
-    let item = "[router]";
     let (n, span) = match split(&r.node) {
         (None, _) => {
             ctx.at(
@@ -2076,14 +2159,26 @@ impl PortClaims {
     }
 }
 
+/// Where a router entry's ports were written.
+struct RouterSpans {
+    item: String,
+    port: Sp,
+    mesh_port: Sp,
+}
+
 /// Step: port collisions between everything that listens, on one machine or on addresses that
 /// resolve to one machine.
-fn check_port_collisions(ctx: &mut Ctx<'_>, t: &Topology, spans: &ListenSpans, router_port: Sp) {
+fn check_port_collisions(
+    ctx: &mut Ctx<'_>,
+    t: &Topology,
+    spans: &ListenSpans,
+    routers: &[RouterSpans],
+) {
     let written = t
         .nodes
         .iter()
         .flat_map(|n| [n.address.as_str(), n.data_address.as_str()])
-        .chain(t.router.as_ref().map(|r| r.listen_address.as_str()));
+        .chain(t.routers.iter().map(|r| r.listen_address.as_str()));
     let mut claims = PortClaims {
         hosts: hosts::resolve_all(written),
         taken: HashMap::new(),
@@ -2117,19 +2212,60 @@ fn check_port_collisions(ctx: &mut Ctx<'_>, t: &Topology, spans: &ListenSpans, r
             );
         }
     }
-    if let Some(r) = &t.router {
+    claim_router_ports(ctx, t, routers, &mut claims);
+}
+
+/// The routers' frontend ports and mesh ports. A router's mesh listener on its node's
+/// `control_port` is that node's control listener (already claimed); a second router on the
+/// node needs its own `mesh_port`.
+fn claim_router_ports(
+    ctx: &mut Ctx<'_>,
+    t: &Topology,
+    routers: &[RouterSpans],
+    claims: &mut PortClaims,
+) {
+    let mut control_used: HashMap<usize, &str> = HashMap::new();
+    for (r, sp) in t.routers.iter().zip(routers) {
         let node = &t.nodes[r.node];
+        let who = if t.routers.len() == 1 {
+            "the router port".to_owned()
+        } else {
+            format!("the {} port", sp.item)
+        };
         claims.claim(
             ctx,
             Listener {
-                who: "the router port".to_owned(),
-                item: "[router]",
+                who,
+                item: &sp.item,
                 host: &r.listen_address,
                 also: &[node.address.as_str(), node.data_address.as_str()],
                 port: r.port,
-                span: router_port,
+                span: sp.port.clone(),
             },
         );
+        if r.mesh_port != node.control_port {
+            claims.claim(
+                ctx,
+                Listener {
+                    who: format!("the {} mesh_port", sp.item),
+                    item: &sp.item,
+                    host: &node.address,
+                    also: &[],
+                    port: r.mesh_port,
+                    span: sp.mesh_port.clone(),
+                },
+            );
+        } else if let Some(first) = control_used.insert(r.node, &sp.item) {
+            ctx.at(
+                sp.mesh_port.clone(),
+                &sp.item,
+                format!(
+                    "{first} already listens for workers on node \"{}\"'s control_port {}; \
+                     give this router its own `mesh_port`",
+                    node.name, node.control_port
+                ),
+            );
+        }
     }
 }
 

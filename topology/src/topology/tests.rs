@@ -502,3 +502,55 @@ fn non_utf8_file_is_invalid_not_io() {
     assert_eq!(e.problems()[0].location().unwrap().to_string(), "2:9");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+const TWO_ROUTERS: &str = "[[router]]\nnode = \"a\"\nport = 9000\n\n[[router]]\nnode = \"b\"\nport = 9000\n";
+
+#[test]
+fn several_routers_each_get_ports_and_mesh_ports() {
+    let text = GOOD.replace("[router]\nnode = \"a\"\nport = 9000\n", TWO_ROUTERS);
+    let t = Topology::from_toml_str(&text).unwrap_or_else(|p| panic!("{}", rendered(&p)));
+    let r = t.routers();
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[0].node_index(), r[1].node_index()), (0, 1));
+    // the mesh listener defaults to the node's control port
+    assert_eq!((r[0].mesh_port(), r[1].mesh_port()), (9100, 9100));
+    assert_eq!(t.router(), Some(&r[0]));
+    // a single [[router]] is the same as [router]
+    let one = GOOD.replace("[router]\n", "[[router]]\n");
+    let t1 = Topology::from_toml_str(&one).unwrap_or_else(|p| panic!("{}", rendered(&p)));
+    assert_eq!(t1.routers().len(), 1);
+    assert_eq!(t1.router().unwrap().mesh_port(), 9100);
+}
+
+#[test]
+fn two_routers_on_one_node_need_their_own_mesh_port() {
+    let two_on_a = TWO_ROUTERS.replace("node = \"b\"\nport = 9000", "node = \"a\"\nport = 9001");
+    let text = GOOD.replace("[router]\nnode = \"a\"\nport = 9000\n", &two_on_a);
+    let all = rendered(&problems(&text));
+    assert!(
+        all.contains("router 2: router 1 already listens for workers on node \"a\"'s control_port 9100; give this router its own `mesh_port`"),
+        "{all}"
+    );
+    // with its own mesh port it is valid; one colliding with a data port is refused
+    let fixed = two_on_a.replace("port = 9001", "port = 9001\nmesh_port = 9101");
+    let text = GOOD.replace("[router]\nnode = \"a\"\nport = 9000\n", &fixed);
+    let t = Topology::from_toml_str(&text).unwrap_or_else(|p| panic!("{}", rendered(&p)));
+    assert_eq!(t.routers()[1].mesh_port(), 9101);
+    let clash = two_on_a.replace("port = 9001", "port = 9001\nmesh_port = 9200");
+    let text = GOOD.replace("[router]\nnode = \"a\"\nport = 9000\n", &clash);
+    let all = rendered(&problems(&text));
+    assert!(
+        all.contains("the router 2 mesh_port uses port 9200 on 10.0.0.1"),
+        "{all}"
+    );
+}
+
+#[test]
+fn router_array_entries_are_checked_one_by_one() {
+    let bad = TWO_ROUTERS.replace("node = \"b\"\nport = 9000", "node = \"bb\"\nprot = 9000");
+    let text = GOOD.replace("[router]\nnode = \"a\"\nport = 9000\n", &bad);
+    let all = rendered(&problems(&text));
+    assert!(all.contains("unknown node \"bb\""), "{all}");
+    assert!(all.contains("router 2: missing `port`"), "{all}");
+    assert!(all.contains("unknown key \"prot\""), "{all}");
+}
