@@ -7,11 +7,19 @@
 //! service ([`crate::service`]) feeds it requests, worker frames, peer notices and the current
 //! time, and carries out the [`Action`]s it returns. Tests drive it with simulated workers.
 //!
-//! Numerics: in exact mode workers return one f32 row per (token, slot) and
-//! [`RouterCore`] sums them in slot order (`acc = acc + w·y`, then the shared experts), the
-//! contract's §5, so outputs are bit-identical to the in-process reference whatever the placement
-//! or replica choice. In accurate mode workers pre-combine their slots and the router adds the
-//! partial sums in rank order.
+//! Numerics: the serving mode ([`LayerMode`]: the kernels' [`ComputeMode`] and the
+//! [`ResultWire`]) decides what workers send back. With per-slot results (exact, exact-bf16)
+//! workers return one row per (token, slot) and [`RouterCore`] sums them in slot order
+//! (`acc = acc + w·y`, then the shared experts), the contract's §5, so outputs are
+//! bit-identical to the in-process reference (for exact-bf16: the reference whose expert
+//! outputs are rounded to bf16) whatever the placement or replica choice. With pre-combined
+//! results (accurate, serving) each worker sums its own slots per token and the router adds the
+//! devices' partial sums in part order: fewer bytes, bits that depend on the placement, within
+//! a stated tolerance of the f64 reference.
+//!
+//! Batching: a layer's pending batch is dispatched when its window closes, when it is full, or
+//! as soon as every connected frontend ([`RouterCore::set_frontends`]) has a request in it —
+//! nobody else can join, so waiting longer only adds latency.
 //!
 //! Bounds: at most `max_inflight_batches` batches are in flight (beyond that new requests are
 //! refused with `Overloaded`), each batch holds at most `max_batch_tokens` tokens, and every
@@ -26,7 +34,7 @@ use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{
     Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout,
-    WireComputeMode,
+    WireComputeMode, WireFormat,
 };
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 use expertmesh_transport::mesh::OutFrame;
@@ -59,6 +67,132 @@ pub struct RouterConfig {
     /// Dispatch encoding in accurate mode (exact mode always sends `q8-block32`, which is
     /// lossless for it).
     pub accurate_dtype: ActivationDtype,
+    /// What workers send back and who combines it ([`LayerMode`] names the useful pairs of
+    /// `mode` and `results`).
+    pub results: ResultWire,
+}
+
+/// What a worker sends back for its share of a layer call, and who combines it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ResultWire {
+    /// The compute mode's full-precision wire: in exact mode one f32 row per (token, slot),
+    /// combined on the router in slot order (placement-independent bits); in accurate mode one
+    /// f32 row per (device, token), pre-combined on the worker.
+    #[default]
+    Full,
+    /// One row per (token, slot), each expert output (routed and shared) rounded to bf16 as GPU
+    /// MoE kernels emit it, combined on the router in slot order in f32: half the result bytes
+    /// of exact mode and still placement-independent (bit-identical to
+    /// `reference::moe_layer_backend_rounded` with bf16 rounding).
+    SlotsBf16,
+    /// One row per (device, token): the worker sums its slots in slot order in f32 and rounds
+    /// the sum to bf16; the router adds the devices' rows in part order. The fewest bytes (a
+    /// token's result crosses the wire once per device, 2 bytes a value); the bits depend on
+    /// which experts share a device.
+    CombinedBf16,
+}
+
+/// The serving modes: a kernel contract and a result wire, by name (`--mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerMode {
+    /// W4A8 kernels, per-slot f32 results: bit-identical to the exact reference whatever the
+    /// placement (the demo and the bit-exact tests use it).
+    Exact,
+    /// W4A8 kernels, per-slot results rounded to bf16: half of exact's result bytes, bits still
+    /// independent of the placement (the reference with every expert output rounded to bf16).
+    ExactBf16,
+    /// W4A16 kernels, f32 results pre-combined per (device, token): within 1e-4 of the output
+    /// RMS of the f64 reference.
+    Accurate,
+    /// W4A8 kernels (q8 dispatch), results pre-combined per (device, token) on the worker and
+    /// sent in bf16: the leanest wire, within the exact mode's tolerance of the f64 reference
+    /// plus bf16 rounding of each device's partial sum; the default of `up` and `router`.
+    Serving,
+}
+
+impl LayerMode {
+    /// Every mode, in the order reports list them.
+    pub const ALL: [LayerMode; 4] = [
+        LayerMode::Exact,
+        LayerMode::ExactBf16,
+        LayerMode::Accurate,
+        LayerMode::Serving,
+    ];
+
+    /// The kernels' numerical contract.
+    pub fn compute(self) -> ComputeMode {
+        match self {
+            Self::Accurate => ComputeMode::Accurate,
+            _ => ComputeMode::Exact,
+        }
+    }
+
+    /// The result wire.
+    pub fn results(self) -> ResultWire {
+        match self {
+            Self::Exact | Self::Accurate => ResultWire::Full,
+            Self::ExactBf16 => ResultWire::SlotsBf16,
+            Self::Serving => ResultWire::CombinedBf16,
+        }
+    }
+
+    /// The name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::ExactBf16 => "exact-bf16",
+            Self::Accurate => "accurate",
+            Self::Serving => "serving",
+        }
+    }
+
+    /// Whether the outputs' bits are independent of the placement and replica choice.
+    pub fn placement_independent(self) -> bool {
+        matches!(self, Self::Exact | Self::ExactBf16)
+    }
+
+    /// `cfg` with this mode's kernel contract and result wire.
+    pub fn apply(self, cfg: RouterConfig) -> RouterConfig {
+        RouterConfig {
+            mode: self.compute(),
+            results: self.results(),
+            ..cfg
+        }
+    }
+}
+
+impl RouterConfig {
+    /// The named mode of `mode` and `results`, when they form one.
+    pub fn layer_mode(&self) -> Option<LayerMode> {
+        LayerMode::ALL
+            .into_iter()
+            .find(|m| m.compute() == self.mode && m.results() == self.results)
+    }
+
+    /// What a dispatch and its result look like on the wire in this configuration (feed it to
+    /// `codec::wire_bytes_per_token` for the bytes per token).
+    pub fn wire_format(&self) -> WireFormat {
+        let per_slot = match self.results {
+            ResultWire::Full => self.mode == ComputeMode::Exact,
+            ResultWire::SlotsBf16 => true,
+            ResultWire::CombinedBf16 => false,
+        };
+        WireFormat {
+            dispatch: match self.mode {
+                ComputeMode::Exact => ActivationDtype::Q8Block32,
+                ComputeMode::Accurate => self.accurate_dtype,
+            },
+            layout: if per_slot {
+                WireLayout::PerSlot
+            } else {
+                WireLayout::PreCombined
+            },
+            result: match self.results {
+                ResultWire::Full => OutputDtype::F32,
+                ResultWire::SlotsBf16 | ResultWire::CombinedBf16 => OutputDtype::Bf16,
+            },
+        }
+    }
 }
 
 impl Default for RouterConfig {
@@ -73,6 +207,7 @@ impl Default for RouterConfig {
             straggler_timeout: Duration::from_secs(3),
             max_inflight_batches: 64,
             accurate_dtype: ActivationDtype::F32,
+            results: ResultWire::Full,
         }
     }
 }
@@ -361,6 +496,8 @@ struct Pending {
     logits: Vec<f32>,
     /// Per token, whether `logits` holds the frontend's row.
     logits_given: Vec<bool>,
+    /// The distinct frontend connections with a request in this batch.
+    clients: Vec<ClientId>,
     flush_at: Instant,
     deadline: Instant,
 }
@@ -382,9 +519,9 @@ struct Inflight {
     x: Vec<f32>,
     /// Exact mode: the input quantized once per contract §1 (codes, scales).
     q8: Option<(Vec<i8>, Vec<f32>)>,
-    /// Exact mode: `[tokens][slots][hidden]` per-slot rows.
+    /// Per-slot results: `[tokens][slots][hidden]` rows.
     slot_rows: Vec<f32>,
-    /// Accurate mode: per part id, (tokens, rows `[tokens][hidden]`).
+    /// Pre-combined results: per part id, (tokens, rows `[tokens][hidden]`).
     partials: BTreeMap<u32, (Vec<u32>, Vec<f32>)>,
     /// Shared experts computed on the router, `[tokens][shared][hidden]`.
     shared_local: Vec<f32>,
@@ -400,6 +537,10 @@ struct Inflight {
 pub struct RouterCore {
     spec: ModelSpec,
     cfg: RouterConfig,
+    /// `cfg.wire_format()`, once.
+    wire: WireFormat,
+    /// Frontend connections open now, when the driver reports them ([`Self::set_frontends`]).
+    frontends: Option<usize>,
     layers: HashMap<u32, LayerSetup>,
     /// Owners extended with the shared experts' pseudo-ids (`E + i`) per layer.
     owners_ext: HashMap<u32, LayerOwners>,
@@ -438,6 +579,8 @@ impl RouterCore {
         }
         Self {
             spec,
+            wire: cfg.wire_format(),
+            frontends: None,
             cfg,
             layers: layers.into_iter().map(|l| (l.layer, l)).collect(),
             owners_ext,
@@ -569,9 +712,13 @@ impl RouterCore {
             x: Vec::new(),
             logits: Vec::new(),
             logits_given: Vec::new(),
+            clients: Vec::new(),
             flush_at: now + self.cfg.batch_window,
             deadline: req.deadline,
         });
+        if !p.clients.contains(&req.client) {
+            p.clients.push(req.client);
+        }
         let offset = p.x.len() / self.spec.hidden as usize;
         p.members.push(Member {
             client: req.client,
@@ -592,10 +739,29 @@ impl RouterCore {
         p.logits_given
             .extend(std::iter::repeat_n(req.logits.is_some(), req.tokens));
         p.deadline = p.deadline.min(req.deadline);
+        let everyone = self.frontends.is_some_and(|n| p.clients.len() >= n);
         if self.cfg.batch_window.is_zero()
+            || everyone
             || p.x.len() / self.spec.hidden as usize >= self.cfg.max_batch_tokens
         {
             self.flush(layer, now);
+        }
+    }
+
+    /// The driver's count of open frontend connections. A pending batch that holds a request of
+    /// every one of them is dispatched at once (in [`Self::submit`], or here when a connection
+    /// closed): nobody else can join it. Until the driver calls this, only the window, a full
+    /// batch or a zero window dispatch.
+    pub fn set_frontends(&mut self, open: usize, now: Instant) {
+        self.frontends = Some(open);
+        let ready: Vec<u32> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.clients.len() >= open)
+            .map(|(&l, _)| l)
+            .collect();
+        for l in ready {
+            self.flush(l, now);
         }
     }
 
@@ -649,7 +815,7 @@ impl RouterCore {
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8], now: Instant) {
         let _ = now;
         let h = self.spec.hidden as usize;
-        let mode = self.cfg.mode;
+        let wire = self.wire;
         let Some(b) = self.inflight.get_mut(&res.batch_id) else {
             return; // late result of a finished or failed batch
         };
@@ -659,11 +825,12 @@ impl RouterCore {
         if !part.live || part.rank != from {
             return; // superseded by a re-dispatch
         }
-        let expect_rows = match mode {
-            ComputeMode::Exact => part.plan.pairs(),
-            ComputeMode::Accurate => part.plan.tokens.len(),
+        let expect_rows = match wire.layout {
+            WireLayout::PerSlot => part.plan.pairs(),
+            WireLayout::PreCombined => part.plan.tokens.len(),
         };
         let wrong = res.rows as usize != expect_rows
+            || res.layout != wire.layout
             || res.hidden as usize != h
             || payload.len() != expect_rows * h * res.dtype.elem_bytes();
         if wrong {
@@ -678,27 +845,33 @@ impl RouterCore {
             self.fail_batch(res.batch_id, ErrorCode::Internal, msg);
             return;
         }
-        // One copy in: each row is decoded straight into its place (exact mode: the batch's
-        // per-slot rows; accurate mode: the part's pre-combined rows).
+        // One copy in: each row is decoded straight into its place (per-slot: the batch's
+        // per-slot rows; pre-combined: the part's rows). A worker that answers a bf16 request
+        // in f32 (an older build ignores the byte) is rounded here: the same bits.
         let row_bytes = h * res.dtype.elem_bytes();
-        let decoded = match mode {
-            ComputeMode::Exact => {
+        let round = wire.result == OutputDtype::Bf16 && res.dtype != OutputDtype::Bf16;
+        let decoded = match wire.layout {
+            WireLayout::PerSlot => {
                 let slots = b.routing.top_k;
                 part.plan
                     .pair_targets()
                     .enumerate()
                     .try_for_each(|(i, (t, s))| {
-                        let dst = (t as usize * slots + s as usize) * h;
-                        dtype::decode_output(
-                            res.dtype,
-                            &payload[i * row_bytes..(i + 1) * row_bytes],
-                            &mut b.slot_rows[dst..dst + h],
-                        )
+                        let dst = &mut b.slot_rows[(t as usize * slots + s as usize) * h..][..h];
+                        let src = &payload[i * row_bytes..(i + 1) * row_bytes];
+                        dtype::decode_output(res.dtype, src, dst)?;
+                        if round {
+                            dtype::round_to_bf16(dst);
+                        }
+                        Ok(())
                     })
             }
-            ComputeMode::Accurate => {
+            WireLayout::PreCombined => {
                 let mut rows = vec![0f32; expect_rows * h];
                 dtype::decode_output(res.dtype, payload, &mut rows).map(|()| {
+                    if round {
+                        dtype::round_to_bf16(&mut rows);
+                    }
                     b.partials
                         .insert(res.part, (part.plan.tokens.clone(), rows));
                 })
@@ -841,7 +1014,7 @@ impl RouterCore {
             tokens,
             members: p.members,
             deadline: p.deadline,
-            slot_rows: if self.cfg.mode == ComputeMode::Exact {
+            slot_rows: if self.wire.layout == WireLayout::PerSlot {
                 vec![0f32; tokens * slots * h]
             } else {
                 Vec::new()
@@ -899,6 +1072,11 @@ impl RouterCore {
                 None => Err(BackendError::NotLoaded),
             };
             b.shared_pending = false;
+            if self.cfg.results == ResultWire::SlotsBf16 {
+                // Every expert output is rounded to bf16, wherever it ran (the contract of
+                // exact-bf16: the same bits with the shared experts on a worker).
+                dtype::round_to_bf16(&mut b.shared_local);
+            }
             let layer = b.layer;
             let done = b.outstanding == 0;
             match res {
@@ -960,6 +1138,7 @@ impl RouterCore {
         let h = self.spec.hidden as usize;
         let mode = self.cfg.mode;
         let accurate_dtype = self.cfg.accurate_dtype;
+        let wire = self.wire;
         for plan in plans {
             let b = self.inflight.get_mut(&id).expect("checked above");
             let part_id = b.parts.len() as u32;
@@ -976,10 +1155,8 @@ impl RouterCore {
                     ComputeMode::Exact => WireComputeMode::Exact,
                     ComputeMode::Accurate => WireComputeMode::Accurate,
                 },
-                layout: match mode {
-                    ComputeMode::Exact => WireLayout::PerSlot,
-                    ComputeMode::Accurate => WireLayout::PreCombined,
-                },
+                layout: wire.layout,
+                result_dtype: wire.result,
                 expert_counts: plan.counts.iter().map(|&c| c as u16).collect(),
                 experts: plan.experts.clone(),
                 weights: plan.weights.clone(),
@@ -1062,8 +1239,8 @@ impl RouterCore {
         // batch-wide output and no per-request copy. Per token the order of additions is the
         // contract's (slots in order, then shared), whatever request it belongs to.
         let mut outs: Vec<Vec<f32>> = b.members.iter().map(|m| vec![0f32; m.tokens * h]).collect();
-        match self.cfg.mode {
-            ComputeMode::Exact => {
+        match self.wire.layout {
+            WireLayout::PerSlot => {
                 for t in 0..b.tokens {
                     let o = member_row(&b.members, &mut outs, t, h);
                     let w = b.routing.weights_of(t);
@@ -1078,7 +1255,7 @@ impl RouterCore {
                     }
                 }
             }
-            ComputeMode::Accurate => {
+            WireLayout::PreCombined => {
                 for (tokens, rows) in b.partials.values() {
                     for (j, &t) in tokens.iter().enumerate() {
                         let o = member_row(&b.members, &mut outs, t as usize, h);
@@ -1217,7 +1394,3 @@ fn member_row<'a>(
     let r = t - members[i].offset;
     &mut outs[i][r * h..(r + 1) * h]
 }
-
-/// Per-rank output dtype for results (exact mode needs f32; accurate mode uses f32 too so
-/// partial sums keep their precision).
-pub const RESULT_DTYPE: OutputDtype = OutputDtype::F32;

@@ -183,6 +183,30 @@ pub fn moe_layer_backend(
     x: &[f32],
     mode: ComputeMode,
 ) -> Result<(Routing, Vec<f32>), ReferenceError> {
+    moe_layer_backend_rounded(spec, gate, layer, backend, x, mode, ExpertRounding::None)
+}
+
+/// What happens to each expert output (routed and shared) before the combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertRounding {
+    /// Kept in f32 (exact and accurate modes).
+    None,
+    /// Rounded to the nearest bf16, ties to even (the exact-bf16 serving mode's contract, as
+    /// GPU MoE kernels emit bf16 expert outputs).
+    Bf16,
+}
+
+/// [`moe_layer_backend`] with every expert output rounded per `rounding` before the slot-order
+/// combine: the reference the exact-bf16 mode is bit-identical to.
+pub fn moe_layer_backend_rounded(
+    spec: &ModelSpec,
+    gate: &GateWeights,
+    layer: u32,
+    backend: &mut dyn ExpertBackend,
+    x: &[f32],
+    mode: ComputeMode,
+    rounding: ExpertRounding,
+) -> Result<(Routing, Vec<f32>), ReferenceError> {
     let h = gate.hidden;
     let tokens = x.len() / h;
     let logits = gate.logits(x);
@@ -214,6 +238,9 @@ pub fn moe_layer_backend(
         };
         backend.execute(&batch, &mut rows)
     })?;
+    if rounding == ExpertRounding::Bf16 {
+        expertmesh_transport::dtype::round_to_bf16(&mut rows);
+    }
     let mut out = vec![0f32; tokens * h];
     let shared_w = gate.shared_weights(x);
     let gated = gate.shared_gate.is_some();

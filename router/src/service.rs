@@ -6,6 +6,10 @@
 //! and combining are CPU work that must not stall the async runtime), sends the core's dispatch
 //! frames over the worker mesh, feeds worker results and peer notices back, and writes responses.
 //!
+//! Batching: the service tells the core how many frontend connections are open
+//! ([`RouterCore::set_frontends`]), so a batch window closes as soon as every connected frontend
+//! has a request pending for that layer — one frontend alone never waits for the window.
+//!
 //! Bounds: each connection has at most `max_outstanding_per_client` requests in flight (the
 //! reader stops reading until a response frees a slot, so TCP backpressure reaches the
 //! frontend); the core bounds batches in flight; sends wait for the mesh's per-peer credit.
@@ -24,6 +28,7 @@ use expertmesh_transport::mesh::{
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,10 +68,17 @@ pub enum ServiceError {
 
 enum CoreInput {
     Request(crate::core::Request),
+    /// The number of open frontend connections changed (the core closes a batch window early
+    /// once every one of them has a request pending).
+    Frontends(usize),
     Frame(RecvFrame),
     PeerLost(u32),
     PeerUp(u32),
-    SendFailed { rank: u32, batch: u64, part: u32 },
+    SendFailed {
+        rank: u32,
+        batch: u64,
+        part: u32,
+    },
     Stop,
 }
 
@@ -283,6 +295,7 @@ async fn accept_loop(
     max_outstanding: usize,
 ) {
     let mut next_client: ClientId = 1;
+    let open = Arc::new(AtomicUsize::new(0));
     loop {
         let incoming = match listener.accept().await {
             Ok(i) => i,
@@ -299,6 +312,7 @@ async fn accept_loop(
             validator: validator.clone(),
             tx: tx.clone(),
             clients: clients.clone(),
+            open: open.clone(),
             max_outstanding,
         };
         tokio::spawn(conn.serve(incoming));
@@ -311,6 +325,8 @@ struct FrontendConn {
     validator: crate::core::RequestValidator,
     tx: std_mpsc::SyncSender<CoreInput>,
     clients: ClientQueues,
+    /// Open (handshaken) frontend connections, shared by all of them.
+    open: Arc<AtomicUsize>,
     max_outstanding: usize,
 }
 
@@ -337,7 +353,12 @@ impl FrontendConn {
             .insert(self.client, out_tx.clone());
         let slots = Arc::new(Semaphore::new(self.max_outstanding));
         let write_task = tokio::spawn(write_responses(writer, out_rx, slots.clone(), peer));
+        // Counted before this connection's first request reaches the core (same queue).
+        let n = self.open.fetch_add(1, Ordering::AcqRel) + 1;
+        let _ = send_to_core(&self.tx, CoreInput::Frontends(n)).await;
         self.read_requests(reader, &out_tx, &slots, peer).await;
+        let n = self.open.fetch_sub(1, Ordering::AcqRel) - 1;
+        let _ = send_to_core(&self.tx, CoreInput::Frontends(n)).await;
         self.clients
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -507,6 +528,7 @@ fn core_loop(
             None => {}
             Some(CoreInput::Stop) => return,
             Some(CoreInput::Request(r)) => core.submit(r, now),
+            Some(CoreInput::Frontends(n)) => core.set_frontends(n, now),
             Some(CoreInput::Frame(f)) => {
                 let from = f.peer();
                 match f.body() {

@@ -623,6 +623,10 @@ pub struct Dispatch {
     pub mode: WireComputeMode,
     /// Result layout wanted.
     pub layout: OutputLayout,
+    /// Encoding of the result rows wanted (on the wire: the byte after the layout, once
+    /// reserved: 0 = f32, so frames of older routers ask for f32; 1 = bf16). A bf16 result is
+    /// each f32 row value rounded to nearest-even bf16 by the worker after its own combine.
+    pub result_dtype: OutputDtype,
     /// Per token, how many (expert, weight) pairs follow in `experts` / `weights`.
     pub expert_counts: Vec<u16>,
     /// Flat expert ids, token by token.
@@ -1019,7 +1023,7 @@ impl Body {
                     WireComputeMode::Accurate => 1,
                 });
                 out.push(layout_u8(d.layout));
-                out.push(0);
+                out.push(result_dtype_u8(d.result_dtype));
                 out.extend_from_slice(&(d.experts.len() as u32).to_le_bytes());
                 for &e in &d.experts {
                     out.extend_from_slice(&e.to_le_bytes());
@@ -1159,7 +1163,7 @@ fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
     let dtype = act_dtype(c.kind, c.u8("dtype")?)?;
     let mode = mode_from(c.kind, c.u8("compute mode")?)?;
     let layout = layout_from(c.kind, c.u8("layout")?)?;
-    let _reserved = c.u8("reserved")?;
+    let result_dtype = result_dtype_from(c.kind, c.u8("result dtype")?)?;
     let pairs = c.u32("pair count")? as usize;
     // Lengths first: the rest of the metadata must hold exactly these arrays.
     let need = (pairs as u64) * 8 + (tokens as u64) * 2;
@@ -1203,6 +1207,7 @@ fn decode_dispatch(c: &mut Cursor<'_>) -> Result<Dispatch, CodecError> {
         dtype,
         mode,
         layout,
+        result_dtype,
         expert_counts,
         experts,
         weights,
@@ -1285,9 +1290,185 @@ fn decode_layer_response(c: &mut Cursor<'_>) -> Result<LayerResponse, CodecError
     })
 }
 
+/// The dispatch's result-dtype byte: 0 is f32 (the byte was reserved and zero before results
+/// could be bf16, so older routers' frames keep their meaning), 1 is bf16.
+fn result_dtype_u8(d: OutputDtype) -> u8 {
+    match d {
+        OutputDtype::F32 => 0,
+        OutputDtype::Bf16 => 1,
+    }
+}
+
+fn result_dtype_from(kind: FrameKind, v: u8) -> Result<OutputDtype, CodecError> {
+    match v {
+        0 => Ok(OutputDtype::F32),
+        1 => Ok(OutputDtype::Bf16),
+        _ => Err(bad(kind, format!("unknown result dtype {v}"))),
+    }
+}
+
 fn layout_u8(l: OutputLayout) -> u8 {
     match l {
         OutputLayout::PerSlot => 0,
         OutputLayout::PreCombined => 1,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wire cost
+// ---------------------------------------------------------------------------------------------
+
+/// How one device's share of a layer call travels: the dispatch's activation encoding and the
+/// result's layout and encoding (a serving mode's wire, e.g. exact mode = q8-block32 out,
+/// per-slot f32 back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WireFormat {
+    /// Encoding of the dispatched activations.
+    pub dispatch: ActivationDtype,
+    /// Result rows: one per (token, slot) or one per token.
+    pub layout: OutputLayout,
+    /// Encoding of the result rows.
+    pub result: OutputDtype,
+}
+
+/// Bytes per token that one destination device costs on the wire, averaged over a frame of
+/// `tokens` tokens: the dispatch frame out and the result frame back, headers, metadata and
+/// padding included (transport-level overhead such as TCP/IP headers and credit frames is not).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WireBytes {
+    /// Dispatch frame bytes per token (router → device).
+    pub dispatch: f64,
+    /// Result frame bytes per token (device → router).
+    pub result: f64,
+}
+
+impl WireBytes {
+    /// Both directions together.
+    pub fn total(&self) -> f64 {
+        self.dispatch + self.result
+    }
+}
+
+/// The bytes the fabric actually sends per token to and from one destination device, for a
+/// frame of `tokens` tokens of hidden size `hidden`, each with `slots_per_token` of this
+/// device's experts, in wire format `wire`. Measured by encoding a real dispatch and a real
+/// result frame with this codec (so it follows every change of the frame format), then dividing
+/// by `tokens`. A token routed to `d` devices costs the sum over its destinations; the planner's
+/// traffic model and the benches call this rather than restating the layout.
+pub fn wire_bytes_per_token(
+    wire: WireFormat,
+    hidden: usize,
+    tokens: usize,
+    slots_per_token: usize,
+) -> Result<WireBytes, CodecError> {
+    let tokens = tokens.max(1);
+    let cfg = CodecConfig {
+        max_frame_bytes: MAX_MAX_FRAME_BYTES,
+        payload_checksum: false,
+    };
+    let pairs = tokens * slots_per_token;
+    let dispatch = Body::Dispatch(Dispatch {
+        batch_id: 1,
+        layer: 0,
+        part: 0,
+        tokens: tokens as u32,
+        hidden: hidden as u32,
+        dtype: wire.dispatch,
+        mode: WireComputeMode::Exact,
+        layout: wire.layout,
+        result_dtype: wire.result,
+        expert_counts: vec![slots_per_token as u16; tokens],
+        experts: vec![0; pairs],
+        weights: vec![0.0; pairs],
+    });
+    let rows = match wire.layout {
+        OutputLayout::PerSlot => pairs,
+        OutputLayout::PreCombined => tokens,
+    };
+    let result = Body::Result(ExpertResult {
+        batch_id: 1,
+        layer: 0,
+        part: 0,
+        layout: wire.layout,
+        rows: rows as u32,
+        hidden: hidden as u32,
+        dtype: wire.result,
+    });
+    let mut head = Vec::new();
+    let mut encoded = |body: &Body| -> Result<usize, CodecError> {
+        let payload = vec![0u8; body.expected_payload_len()? as usize];
+        encode_head(body, &payload, &cfg, &mut head)
+    };
+    let (d, r) = (encoded(&dispatch)?, encoded(&result)?);
+    Ok(WireBytes {
+        dispatch: d as f64 / tokens as f64,
+        result: r as f64 / tokens as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const Q8_F32_SLOTS: WireFormat = WireFormat {
+        dispatch: ActivationDtype::Q8Block32,
+        layout: OutputLayout::PerSlot,
+        result: OutputDtype::F32,
+    };
+
+    #[test]
+    fn wire_bytes_are_the_encoded_frame_lengths() {
+        // One token of hidden 1024 with 2 slots: q8 payload 1024 + 32·4 scales; head 32 + meta
+        // (40 + 2 + 16) = 90 → 128. Result: 2 rows of 1024 f32 = 8192, head 32 + 24 → 64.
+        let w = wire_bytes_per_token(Q8_F32_SLOTS, 1024, 1, 2).unwrap();
+        assert_eq!(w.dispatch, (128 + 1024 + 128) as f64);
+        assert_eq!(w.result, (64 + 8192) as f64);
+        let bf16 = WireFormat {
+            result: OutputDtype::Bf16,
+            ..Q8_F32_SLOTS
+        };
+        assert_eq!(
+            wire_bytes_per_token(bf16, 1024, 1, 2).unwrap().result,
+            (64 + 4096) as f64
+        );
+        let combined = WireFormat {
+            layout: OutputLayout::PreCombined,
+            ..bf16
+        };
+        let c = wire_bytes_per_token(combined, 1024, 1, 2).unwrap();
+        assert_eq!(c.result, (64 + 2048) as f64);
+        assert_eq!(c.total(), c.dispatch + c.result);
+    }
+
+    #[test]
+    fn dispatch_result_dtype_round_trips_and_zero_means_f32() {
+        for result_dtype in [OutputDtype::F32, OutputDtype::Bf16] {
+            let body = Body::Dispatch(Dispatch {
+                batch_id: 9,
+                layer: 1,
+                part: 2,
+                tokens: 1,
+                hidden: 32,
+                dtype: ActivationDtype::Q8Block32,
+                mode: WireComputeMode::Exact,
+                layout: OutputLayout::PreCombined,
+                result_dtype,
+                expert_counts: vec![1],
+                experts: vec![3],
+                weights: vec![0.5],
+            });
+            let payload = vec![0u8; body.expected_payload_len().unwrap() as usize];
+            let cfg = CodecConfig::default();
+            let mut frame = encode_frame(&body, &payload, &cfg).unwrap();
+            // The result-dtype byte sits after dtype, mode and layout (metadata offset 27).
+            let at = HEADER_LEN + 27;
+            assert_eq!(frame[at], u8::from(result_dtype == OutputDtype::Bf16));
+            assert_eq!(decode_frame(&frame, &cfg).unwrap().0, body);
+            frame[at] = 7; // metadata is not covered by the header checksum
+            assert!(matches!(
+                decode_frame(&frame, &cfg),
+                Err(CodecError::BadMetadata { .. })
+            ));
+        }
     }
 }

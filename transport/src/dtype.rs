@@ -12,6 +12,10 @@
 //! - `Q8Block32`: `tokens·hidden` int8 codes (the exact-mode activation quantization of
 //!   `expertmesh_quant::contract` §1), zero padding to a multiple of 64, then
 //!   `tokens·hidden/32` f32 block scales; `hidden` must be a multiple of 32.
+//!
+//! Result payloads (`OutputDtype`) are rows of f32 or bf16 values (bf16: round to nearest even
+//! of the worker's f32 row, [`round_to_bf16`]); what the fabric sends per token in each serving
+//! mode is measured on encoded frames by `codec::wire_bytes_per_token`.
 
 use crate::align::align_up;
 use half::{bf16, f16};
@@ -465,6 +469,15 @@ pub fn encode_output(dtype: OutputDtype, src: &[f32], dst: &mut [u8]) -> Result<
         }
     }
     Ok(())
+}
+
+/// Rounds every value to the nearest bf16 (ties to even), in place: what a bf16 result row
+/// carries of an f32 row. Exact on the way back (bf16 → f32 is exact), so rounding a row here
+/// or on the worker gives the same bits.
+pub fn round_to_bf16(rows: &mut [f32]) {
+    for v in rows {
+        *v = bf16::from_f32(*v).to_f32();
+    }
 }
 
 /// Decodes a result payload of `dtype` into f32 rows.

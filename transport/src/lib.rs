@@ -72,7 +72,7 @@
 //! dtype::encode_activations(dtype, tokens, hidden, &x, &mut payload)?;
 //! let body = Body::Dispatch(Dispatch {
 //!     batch_id: 42, layer: 3, part: 0, tokens: 2, hidden: 7168, dtype,
-//!     mode: WireComputeMode::Exact, layout: OutputLayout::PerSlot,
+//!     mode: WireComputeMode::Exact, layout: OutputLayout::PerSlot, result_dtype: OutputDtype::F32,
 //!     expert_counts: vec![2, 1], experts: vec![5, 9, 9], weights: vec![0.7, 0.3, 1.0],
 //! });
 //! mesh.send(1, &OutFrame::with_payload(body, payload)).await?; // waits for credit

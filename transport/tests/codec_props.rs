@@ -73,6 +73,7 @@ fn dispatch() -> impl Strategy<Value = Body> {
                         WireComputeMode::Accurate
                     },
                     layout,
+                    result_dtype: if exact { OutputDtype::F32 } else { OutputDtype::Bf16 },
                     expert_counts: counts,
                     experts,
                     weights,

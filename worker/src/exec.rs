@@ -2,7 +2,9 @@
 //!
 //! Why this exists: a worker receives a token batch with, per token, the list of its local
 //! experts; it must group the rows by expert, run its backend once per batch, and return either
-//! one row per (token, expert) pair or one pre-combined row per token. The worker process
+//! one row per (token, expert) pair or one pre-combined row per token (this device's slots
+//! summed in slot order in f32), in f32 or rounded to bf16 as the dispatch asks
+//! (`Dispatch::result_dtype`). The worker process
 //! (`expertmesh worker`) is a thin loop around [`DispatchExecutor`], and the simulated cluster
 //! test (`worker/tests/core_sim.rs`) drives it against the router core in process.
 //!
@@ -127,7 +129,7 @@ impl DispatchExecutor {
                 backend.execute(&batch, out)
             })
             .map_err(backend_error)?;
-        let bytes = self.encode_result(rows * h)?;
+        let bytes = self.encode_result(rows * h, d.result_dtype)?;
         let res = ExpertResult {
             batch_id: d.batch_id,
             layer: d.layer,
@@ -135,7 +137,7 @@ impl DispatchExecutor {
             layout: d.layout,
             rows: rows as u32,
             hidden: h as u32,
-            dtype: OutputDtype::F32,
+            dtype: d.result_dtype,
         };
         Ok((res, bytes))
     }
@@ -183,15 +185,16 @@ impl DispatchExecutor {
         Ok(pairs)
     }
 
-    /// One copy out: the first `n` output values, encoded into the reusable result buffer.
-    fn encode_result(&mut self, n: usize) -> Result<Bytes, ExecError> {
+    /// One copy out: the first `n` output values, encoded in `dt` into the reusable result
+    /// buffer (bf16: each f32 value rounded to nearest even, after the backend's combine).
+    fn encode_result(&mut self, n: usize, dt: OutputDtype) -> Result<Bytes, ExecError> {
         self.result.clear();
-        self.result.reserve(n * 4);
-        match dtype::f32_as_le_bytes(&self.out[..n]) {
-            Some(bytes) => self.result.extend_from_slice(bytes),
-            None => {
-                self.result.resize(n * 4, 0);
-                dtype::encode_output(OutputDtype::F32, &self.out[..n], &mut self.result)
+        self.result.reserve(n * dt.elem_bytes());
+        match (dt, dtype::f32_as_le_bytes(&self.out[..n])) {
+            (OutputDtype::F32, Some(bytes)) => self.result.extend_from_slice(bytes),
+            _ => {
+                self.result.resize(n * dt.elem_bytes(), 0);
+                dtype::encode_output(dt, &self.out[..n], &mut self.result)
                     .map_err(|e| ExecError::new(ErrorCode::Internal, e.to_string()))?;
             }
         }
