@@ -532,6 +532,7 @@ fn up_serves_until_interrupted() {
         .args(["--model", "demo-small"])
         .arg("--placement")
         .arg(root().join("examples/single-host-demo-small.placement.toml"))
+        .args(["--mode", "exact"]) // compared bit for bit below; `up` defaults to serving
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .spawn()

@@ -6,14 +6,22 @@
 //! the cores the workers have together, combine — and the fabric figure is the same work
 //! through the router, the transport and worker processes, with several frontends keeping it
 //! busy. `ratio = fabric / in-process`; the target is ≥ 0.7 at batch 64 on two workers.
+//!
+//! Latency rows (`... latency_p50` / `_p99`, batch 1): one frontend calling a 1-token layer
+//! again and again, against `limit = in-process 1-token layer time + 3 × raw loopback TCP
+//! round trip`, both measured in the same run (`ratio ≤ 1` meets the target). A second row
+//! (`... window`) repeats it with another frontend connected but idle, so the batch window
+//! applies: what every lone call paid before the window learned to close when every connected
+//! frontend is waiting. The wire table prints the bytes per token per layer each serving mode
+//! sends (`codec::wire_bytes_per_token`, from encoded frames) for this model and Kimi K2.
 
 use crate::bench_json::{BenchReport, BenchResult};
 use crate::local::{LocalFabric, LocalFabricOptions};
 use anyhow::anyhow;
-use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::core::RouterConfig;
+use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::reference;
+use expertmesh_transport::codec;
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
 use std::path::PathBuf;
@@ -38,8 +46,8 @@ pub struct FabricBenchOptions {
     pub clients: usize,
     /// Links to measure.
     pub links: Vec<LinkKind>,
-    /// Numerical mode.
-    pub mode: ComputeMode,
+    /// Serving mode.
+    pub mode: LayerMode,
 }
 
 /// Run the benchmark.
@@ -77,6 +85,10 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
         .machine
         .extra
         .insert("in_process_threads".into(), threads.into());
+    print_wire_table(&spec);
+    if let Some(kimi) = expertmesh_topology::model::preset_by_name("kimi-k2") {
+        print_wire_table(&kimi);
+    }
     let limits = in_process_limits(o, &dep, layer, threads)?;
     for &link in &o.links {
         let run = LinkRun {
@@ -102,7 +114,7 @@ fn in_process_limits(
     dep: &Deployment,
     layer: u32,
     threads: usize,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<InProcess> {
     let spec = &dep.spec;
     let h = spec.hidden as usize;
     let mut backend = expertmesh_worker::weights::reference_backend(
@@ -117,12 +129,13 @@ fn in_process_limits(
     let mut limits = Vec::new();
     for &b in &o.batches {
         let x = reference::synthetic_hidden(b as u64, b, h);
-        let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode)
+        let mode = o.mode.compute();
+        let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
             .map_err(|e| anyhow!(e))?;
         let t0 = Instant::now();
         let mut calls = 0u64;
         while t0.elapsed().as_secs_f64() < o.seconds || calls < 3 {
-            reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode)
+            reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
                 .map_err(|e| anyhow!(e))?;
             calls += 1;
         }
@@ -130,7 +143,29 @@ fn in_process_limits(
         println!("in-process layer, batch {b:>3}: {tps:>9.0} tokens/s ({threads} threads)");
         limits.push(tps);
     }
-    Ok(limits)
+    // The 1-token call's time, for the latency rows' limit.
+    let x = reference::synthetic_hidden(1, 1, h);
+    let mut lat = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < o.seconds.min(1.0) || lat.len() < 20 {
+        let t = Instant::now();
+        reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode.compute())
+            .map_err(|e| anyhow!(e))?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(f64::total_cmp);
+    let p50 = crate::bench_json::percentile(&lat, 50.0);
+    println!("in-process layer, 1 token: p50 {p50:.0} us ({threads} threads)");
+    Ok(InProcess {
+        tokens_per_s: limits,
+        one_token_us: p50,
+    })
+}
+
+/// The in-process figures: tokens/s per batch size, and the 1-token call's p50 time.
+struct InProcess {
+    tokens_per_s: Vec<f64>,
+    one_token_us: f64,
 }
 
 /// What every link's measurement shares.
@@ -139,8 +174,8 @@ struct LinkRun<'a> {
     dep: &'a Deployment,
     layer: u32,
     threads: usize,
-    /// In-process tokens/s per batch size.
-    limits: &'a [f64],
+    /// In-process figures.
+    limits: &'a InProcess,
 }
 
 impl LinkRun<'_> {
@@ -158,14 +193,13 @@ impl LinkRun<'_> {
         let mut opts = LocalFabricOptions::new(topology, &o.model, placement);
         opts.ephemeral_ports = true;
         opts.link = link;
-        opts.router = RouterConfig {
-            mode: o.mode,
+        opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
             max_batch_tokens: maxb,
             micro_batch_tokens: 16,
             batch_window: Duration::from_micros(50),
             ..RouterConfig::default()
-        };
+        });
         let fabric = LocalFabric::start(opts)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -173,7 +207,7 @@ impl LinkRun<'_> {
             .build()?;
         for (i, &b) in o.batches.iter().enumerate() {
             let tps = self.measure(&rt, &fabric, b)?;
-            let limit = self.limits[i];
+            let limit = self.limits.tokens_per_s[i];
             println!(
                 "fabric over {}, batch {b:>3}: {tps:>9.0} tokens/s = {:.3} of in-process ({} clients)",
                 link.name(),
@@ -196,6 +230,7 @@ impl LinkRun<'_> {
                 .with("workers", self.dep.topology.devices().len() as u64),
             );
         }
+        self.latency(&rt, &fabric, link, report)?;
         let stats = fabric.service().stats();
         report.machine.extra.insert(
             format!("router_stats_{}", link.name()),
@@ -253,5 +288,180 @@ impl LinkRun<'_> {
             Ok::<f64, anyhow::Error>(t0.elapsed().as_secs_f64())
         })?;
         Ok(tokens.load(Ordering::Relaxed) as f64 / secs)
+    }
+}
+
+/// Sequential 1-token calls from one client for about `secs`; their latencies in µs, sorted.
+async fn one_token_latencies(
+    c: &mut RouterClient,
+    layer: u32,
+    x: &[f32],
+    h: usize,
+    secs: f64,
+) -> anyhow::Result<Vec<f64>> {
+    for _ in 0..10 {
+        c.call(layer, x, h, None, None)
+            .await
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    let mut lat = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs || lat.len() < 50 {
+        let t = Instant::now();
+        c.call(layer, x, h, None, None)
+            .await
+            .map_err(|e| anyhow!("{e}"))?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(f64::total_cmp);
+    Ok(lat)
+}
+
+impl LinkRun<'_> {
+    /// Latency step: 1-token calls from one frontend (the window closes at once: it is the
+    /// only one connected), then again with a second, idle frontend connected (the window
+    /// applies), against the in-process 1-token time plus three raw TCP round trips.
+    fn latency(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        fabric: &LocalFabric,
+        link: LinkKind,
+        report: &mut BenchReport,
+    ) -> anyhow::Result<()> {
+        let (o, layer) = (self.o, self.layer);
+        let spec = &self.dep.spec;
+        let h = spec.hidden as usize;
+        let x = reference::synthetic_hidden(1, 1, h);
+        let secs = o.seconds.min(2.0);
+        let addr = fabric.frontend_addr();
+        let fcfg = fabric.frontend_config();
+        let (alone, window) = rt.block_on(async {
+            let mut c = RouterClient::connect(addr, &fcfg)
+                .await
+                .map_err(|e| anyhow!("{e}"))?;
+            let alone = one_token_latencies(&mut c, layer, &x, h, secs).await?;
+            let idle = RouterClient::connect(addr, &fcfg)
+                .await
+                .map_err(|e| anyhow!("{e}"))?;
+            let window = one_token_latencies(&mut c, layer, &x, h, secs).await?;
+            drop(idle);
+            Ok::<_, anyhow::Error>((alone, window))
+        })?;
+        let msg = one_token_dispatch_bytes(spec, o.mode);
+        let mut raw = raw_tcp_round_trips_us(msg, alone.len().clamp(200, 5000))?;
+        raw.sort_by(f64::total_cmp);
+        let raw50 = crate::bench_json::percentile(&raw, 50.0);
+        let limit = self.limits.one_token_us + 3.0 * raw50;
+        let name = format!("fabric-{}-{} {}", link.name(), o.mode.name(), spec.name);
+        let limit_is = format!(
+            "in-process 1-token layer ({:.0} us) + 3 x raw loopback TCP round trip ({raw50:.1} us, {msg} bytes out, 64 back)",
+            self.limits.one_token_us
+        );
+        for (lat, what) in [(&alone, "latency"), (&window, "latency window")] {
+            for (p, tag) in [(50.0, "p50"), (99.0, "p99")] {
+                let v = crate::bench_json::percentile(lat, p);
+                println!(
+                    "fabric over {}, 1 token, {what} {tag}: {v:>7.0} us = {:.2} of the limit {limit:.0} us",
+                    link.name(),
+                    v / limit
+                );
+                report.results.push(
+                    BenchResult::new(format!("{name} {what} {tag}"), 1, v, limit, "us")
+                        .with("limit_is", limit_is.clone())
+                        .with("calls", lat.len() as u64)
+                        .with("frontends", if what == "latency" { 1u64 } else { 2u64 }),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of a 1-token dispatch frame of `spec` in `mode` (the raw round trip's message).
+fn one_token_dispatch_bytes(
+    spec: &expertmesh_topology::model::ModelSpec,
+    mode: LayerMode,
+) -> usize {
+    let wire = mode.apply(RouterConfig::default()).wire_format();
+    codec::wire_bytes_per_token(wire, spec.hidden as usize, 1, 1)
+        .map_or(64, |w| w.dispatch as usize)
+}
+
+/// Round trips (µs) of `msg` bytes over a raw blocking loopback TCP socket (no delay), each
+/// answered by 64 bytes: the transport's floor for one dispatch and its answer.
+fn raw_tcp_round_trips_us(msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; msg];
+        for _ in 0..trips + 10 {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf[..64.min(msg)])?;
+        }
+        Ok(())
+    });
+    let mut c = std::net::TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let out = vec![7u8; msg];
+    let mut back = vec![0u8; 64.min(msg)];
+    let mut lat = Vec::with_capacity(trips);
+    for i in 0..trips + 10 {
+        let t = Instant::now();
+        c.write_all(&out)?;
+        c.read_exact(&mut back)?;
+        if i >= 10 {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    server
+        .join()
+        .map_err(|_| anyhow!("raw TCP server panicked"))??;
+    Ok(lat)
+}
+
+/// Bytes per token per MoE layer that each serving mode puts on the wire, from the codec's
+/// encoded frames: a token goes to `k` devices with one of its experts each (the spread case
+/// of a large expert-parallel placement) or to one device holding all `k`; frames of 1 and of
+/// 32 tokens. Shared experts run on the router (no wire).
+pub fn wire_table(spec: &expertmesh_topology::model::ModelSpec) -> Vec<(LayerMode, [f64; 4])> {
+    let (h, k) = (spec.hidden as usize, spec.top_k as usize);
+    LayerMode::ALL
+        .into_iter()
+        .map(|m| {
+            let wire = m.apply(RouterConfig::default()).wire_format();
+            let per = |tokens: usize, slots: usize, devices: usize| {
+                codec::wire_bytes_per_token(wire, h, tokens, slots)
+                    .map_or(f64::NAN, |w| w.total() * devices as f64)
+            };
+            (
+                m,
+                [per(1, 1, k), per(32, 1, k), per(1, k, 1), per(32, k, 1)],
+            )
+        })
+        .collect()
+}
+
+/// Prints [`wire_table`] for `spec`.
+fn print_wire_table(spec: &expertmesh_topology::model::ModelSpec) {
+    println!(
+        "wire bytes per token per layer, {} (hidden {}, top-{}), dispatch + results, all destinations:",
+        spec.name, spec.hidden, spec.top_k
+    );
+    println!(
+        "  {:<11} {:>14} {:>14} {:>14} {:>14}",
+        "mode", "k devs, 1 tok", "k devs, 32 tok", "1 dev, 1 tok", "1 dev, 32 tok"
+    );
+    for (m, b) in wire_table(spec) {
+        println!(
+            "  {:<11} {:>14.0} {:>14.0} {:>14.0} {:>14.0}",
+            m.name(),
+            b[0],
+            b[1],
+            b[2],
+            b[3]
+        );
     }
 }

@@ -10,7 +10,7 @@ use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientError, RouterClient};
-use expertmesh_router::core::RouterConfig;
+use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::service::{RouterService, ServiceConfig};
 use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::dtype::ActivationDtype;
@@ -77,21 +77,35 @@ impl From<LinkArg> for LinkKind {
     }
 }
 
-/// Numerical mode on the command line.
+/// Serving mode on the command line (`expertmesh_router::core::LayerMode`).
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum ModeArg {
-    /// W4A8, bit-identical to the reference.
+    /// W4A8, per-slot f32 results: bit-identical to the reference whatever the placement.
     Exact,
-    /// W4A16, within tolerance of f64.
+    /// W4A8, per-slot results rounded to bf16: half of exact's result bytes, bits still
+    /// placement-independent (the reference with bf16 expert outputs).
+    ExactBf16,
+    /// W4A16, f32 results pre-combined per device: within 1e-4 of the f64 reference.
     Accurate,
+    /// W4A8 (q8 dispatch), results pre-combined per device and sent in bf16: the leanest wire,
+    /// within the exact mode's tolerance of f64 (RMS < 2%) plus bf16 rounding.
+    Serving,
+}
+
+impl From<ModeArg> for LayerMode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Exact => LayerMode::Exact,
+            ModeArg::ExactBf16 => LayerMode::ExactBf16,
+            ModeArg::Accurate => LayerMode::Accurate,
+            ModeArg::Serving => LayerMode::Serving,
+        }
+    }
 }
 
 impl From<ModeArg> for ComputeMode {
     fn from(m: ModeArg) -> Self {
-        match m {
-            ModeArg::Exact => ComputeMode::Exact,
-            ModeArg::Accurate => ComputeMode::Accurate,
-        }
+        LayerMode::from(m).compute()
     }
 }
 
@@ -132,9 +146,10 @@ impl DeployArgs {
 /// Router tuning shared by `router`, `up`, `demo` and `bench fabric`.
 #[derive(Args, Debug, Clone)]
 pub struct RouterArgs {
-    /// Numerical mode.
-    #[arg(long, value_enum, default_value_t = ModeArg::Exact)]
-    pub mode: ModeArg,
+    /// Serving mode (numerics and result wire). Default: serving for `up` and `router`, exact
+    /// for `demo` and `bench fabric`.
+    #[arg(long, value_enum)]
+    pub mode: Option<ModeArg>,
     /// How long a batch waits for more requests of the same layer, in microseconds.
     #[arg(long, default_value_t = 200)]
     pub batch_window_us: u64,
@@ -153,10 +168,21 @@ pub struct RouterArgs {
 }
 
 impl RouterArgs {
-    /// The router configuration.
+    /// `--mode`, or `default` when it is not given (each command has its own default).
+    pub fn mode_or(&self, default: ModeArg) -> ModeArg {
+        self.mode.unwrap_or(default)
+    }
+
+    /// The router configuration of `up` and `router` (serving mode unless `--mode` says).
     pub fn config(&self) -> RouterConfig {
-        RouterConfig {
-            mode: self.mode.into(),
+        self.config_in(ModeArg::Serving)
+    }
+
+    /// The router configuration, in `default` mode unless `--mode` says otherwise.
+    pub fn config_in(&self, default: ModeArg) -> RouterConfig {
+        let mode = LayerMode::from(self.mode_or(default));
+        mode.apply(RouterConfig {
+            mode: mode.compute(),
             max_request_tokens: self.max_tokens,
             max_batch_tokens: self.max_tokens,
             micro_batch_tokens: self.micro_batch.max(1),
@@ -165,7 +191,8 @@ impl RouterArgs {
             straggler_timeout: Duration::from_millis(self.straggler_ms),
             max_inflight_batches: 64,
             accurate_dtype: ActivationDtype::F32,
-        }
+            results: mode.results(),
+        })
     }
 }
 
@@ -177,9 +204,10 @@ pub struct WorkerCli {
     /// Device to serve: its id ("node/device") or topology rank.
     #[arg(long)]
     device: String,
-    /// Router mesh address (default: the router node's control port from the topology).
-    #[arg(long, value_parser = parse_endpoint)]
-    router: Option<SocketAddr>,
+    /// Router mesh address; repeat it (or separate with commas) once per router, in the
+    /// topology's order (default: every router's mesh port from the topology).
+    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
+    router: Vec<SocketAddr>,
     /// Listen address of this worker (default: the device's data port).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
@@ -221,7 +249,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
         dep,
         WorkerOptions {
             device: cli.device,
-            router: cli.router,
+            routers: cli.router,
             listen: cli.listen,
             link: cli.link.into(),
             threads: cli.threads,
@@ -264,10 +292,15 @@ pub struct RouterCli {
     deploy: DeployArgs,
     #[command(flatten)]
     router: RouterArgs,
-    /// Frontend listen address (default: the topology's [router] section).
+    /// Which router of the topology this is (0-based, in the order of its `[[router]]`
+    /// tables; several routers share the same workers).
+    #[arg(long, default_value_t = 0)]
+    instance: u32,
+    /// Frontend listen address (default: this router's section of the topology).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
-    /// Mesh listen address for workers (default: the router node's control port).
+    /// Mesh listen address for workers (default: this router's mesh_port, or its node's
+    /// control port).
     #[arg(long, value_parser = parse_endpoint)]
     mesh_listen: Option<SocketAddr>,
     /// Link kind workers use (must match the workers' --link).
@@ -281,18 +314,19 @@ pub struct RouterCli {
 /// Run `expertmesh router` until interrupted.
 pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let dep = cli.deploy.load()?;
-    let core = router_core(&dep, cli.router.config(), cli.threads)?;
+    let instance = cli.instance;
+    let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
     let mesh_listen = match cli.mesh_listen {
         Some(a) => a,
-        None => dep.router_mesh_endpoint()?,
+        None => dep.router_mesh_endpoint(instance)?,
     };
     let listen = match cli.listen {
         Some(a) => a,
-        None => dep.router_frontend_endpoint()?,
+        None => dep.router_frontend_endpoint(instance)?,
     };
     let service = RouterService::start(
         core,
-        dep.mesh_config(0, mesh_listen, mesh_listen, cli.link.into()),
+        dep.mesh_config(instance, &[], mesh_listen, cli.link.into()),
         ServiceConfig {
             frontend_listen: listen,
             frontend: frontend_config(&dep),
@@ -301,7 +335,8 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     )
     .map_err(|e| anyhow!("{e}"))?;
     println!(
-        "expertmesh router: model {} on {} devices; frontends connect to {}, workers to {}",
+        "expertmesh router {instance} of {}: model {} on {} devices; frontends connect to {}, workers to {}",
+        dep.router_count(),
         dep.spec.name,
         dep.topology.devices().len(),
         service.frontend_addr(),
@@ -362,7 +397,9 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
-    eprintln!("expertmesh up: starting the router and the workers; waiting for them to connect...");
+    eprintln!(
+        "expertmesh up: starting the router(s) and the workers; waiting for them to connect..."
+    );
     let mut fabric = LocalFabric::start(opts)?;
     let dep = fabric.deployment();
     println!(
@@ -371,12 +408,23 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         dep.topology.name(),
         dep.topology.devices().len(),
         LinkKind::from(cli.link).name(),
-        ComputeMode::from(cli.router.mode).name()
+        LayerMode::from(cli.router.mode_or(ModeArg::Serving)).name()
     );
+    let fronts: Vec<String> = fabric
+        .frontend_addrs()
+        .iter()
+        .flatten()
+        .map(ToString::to_string)
+        .collect();
     println!(
-        "  frontends: {} (cluster \"{}\")",
-        fabric.frontend_addr(),
-        dep.topology.name()
+        "  frontends: {} (cluster \"{}\"{})",
+        fronts.join(", "),
+        dep.topology.name(),
+        if fronts.len() > 1 {
+            format!(", {} routers sharing the workers", fronts.len())
+        } else {
+            String::new()
+        }
     );
     println!("  worker logs: {}", fabric.log_dir().display());
     println!(

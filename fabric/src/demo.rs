@@ -10,7 +10,7 @@
 
 use crate::cmd_fabric::{LinkArg, ModeArg, RouterArgs};
 use crate::local::{LocalFabric, LocalFabricOptions};
-use anyhow::{Context, anyhow};
+use anyhow::{Context, anyhow, bail};
 use clap::Args;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
@@ -117,7 +117,14 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         &cli.model,
         cli.placement.as_deref(),
     )?;
-    let mode: ComputeMode = cli.router.mode.into();
+    // The demo checks bit for bit (exact) or against a stated tolerance (accurate).
+    let mode = match cli.router.mode_or(ModeArg::Exact) {
+        m @ (ModeArg::Exact | ModeArg::Accurate) => ComputeMode::from(m),
+        other => bail!(
+            "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/wire_modes.rs",
+            expertmesh_router::core::LayerMode::from(other).name()
+        ),
+    };
     let fabric = start_fabric(&cli, &topology, &placement, tmp.path(), mode)?;
     let dep = fabric.deployment().clone();
     let spec = dep.spec.clone();
@@ -157,7 +164,7 @@ fn start_fabric(
 ) -> anyhow::Result<LocalFabric> {
     let mut opts = LocalFabricOptions::new(topology, &cli.model, placement);
     opts.link = cli.link.into();
-    opts.router = cli.router.config();
+    opts.router = cli.router.config_in(ModeArg::Exact);
     opts.ephemeral_ports = true;
     opts.log_dir = Some(tmp.join("logs"));
     println!("ExpertMesh demo: starting a local fabric ...");

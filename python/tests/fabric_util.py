@@ -112,7 +112,7 @@ class SplitFabric:
         cluster: str = "single-host",
         hidden: int = 1024,
         probe_layer: int = 1,
-        router_args: Sequence[str] = ("--batch-window-us", "100", "--micro-batch", "16"),
+        router_args: Sequence[str] = ("--batch-window-us", "100", "--micro-batch", "16", "--mode", "exact"),
         secret: Optional[str] = None,
     ) -> None:
         exe = expertmesh_bin()
@@ -210,6 +210,8 @@ class UpFabric:
     def __init__(self, tmp: Path, args: Sequence[object], topology: Path = EXAMPLES / "single-host.toml") -> None:
         exe = expertmesh_bin()
         self.topology = topology_with_free_ports(topology, tmp / "topology.toml")
+        if "--mode" not in [str(a) for a in args]:
+            args = [*args, "--mode", "exact"]  # the tests compare bit for bit (up defaults to serving)
         self.proc = _spawn([exe, "up", "--topology", self.topology, *args], tmp / "up.log")
         self.log = tmp / "up.log"
         lines = _Lines(self.proc.stdout)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ def own_fabric(tmp_path):
     # deadlines below.
     f = SplitFabric(
         tmp_path,
-        router_args=("--batch-window-us", "100", "--micro-batch", "16", "--straggler-ms", "5000"),
+        router_args=("--batch-window-us", "100", "--micro-batch", "16", "--straggler-ms", "5000", "--mode", "exact"),
     )
     yield f
     f.close()
