@@ -204,10 +204,9 @@ pub struct WorkerCli {
     /// Device to serve: its id ("node/device") or topology rank.
     #[arg(long)]
     device: String,
-    /// Router mesh address; repeat it (or separate with commas) once per router, in the
-    /// topology's order (default: every router's mesh port from the topology).
-    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
-    router: Vec<SocketAddr>,
+    /// Router mesh address (default: the router node's control port from the topology).
+    #[arg(long, value_parser = parse_endpoint)]
+    router: Option<SocketAddr>,
     /// Listen address of this worker (default: the device's data port).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
@@ -249,7 +248,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
         dep,
         WorkerOptions {
             device: cli.device,
-            routers: cli.router,
+            router: cli.router,
             listen: cli.listen,
             link: cli.link.into(),
             threads: cli.threads,
@@ -292,15 +291,10 @@ pub struct RouterCli {
     deploy: DeployArgs,
     #[command(flatten)]
     router: RouterArgs,
-    /// Which router of the topology this is (0-based, in the order of its `[[router]]`
-    /// tables; several routers share the same workers).
-    #[arg(long, default_value_t = 0)]
-    instance: u32,
-    /// Frontend listen address (default: this router's section of the topology).
+    /// Frontend listen address (default: the topology's [router] section).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
-    /// Mesh listen address for workers (default: this router's mesh_port, or its node's
-    /// control port).
+    /// Mesh listen address for workers (default: the router node's control port).
     #[arg(long, value_parser = parse_endpoint)]
     mesh_listen: Option<SocketAddr>,
     /// Link kind workers use (must match the workers' --link).
@@ -314,19 +308,18 @@ pub struct RouterCli {
 /// Run `expertmesh router` until interrupted.
 pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let dep = cli.deploy.load()?;
-    let instance = cli.instance;
-    let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
+    let core = router_core(&dep, cli.router.config(), cli.threads)?;
     let mesh_listen = match cli.mesh_listen {
         Some(a) => a,
-        None => dep.router_mesh_endpoint(instance)?,
+        None => dep.router_mesh_endpoint()?,
     };
     let listen = match cli.listen {
         Some(a) => a,
-        None => dep.router_frontend_endpoint(instance)?,
+        None => dep.router_frontend_endpoint()?,
     };
     let service = RouterService::start(
         core,
-        dep.mesh_config(instance, &[], mesh_listen, cli.link.into()),
+        dep.mesh_config(0, mesh_listen, mesh_listen, cli.link.into()),
         ServiceConfig {
             frontend_listen: listen,
             frontend: frontend_config(&dep),
@@ -335,8 +328,7 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     )
     .map_err(|e| anyhow!("{e}"))?;
     println!(
-        "expertmesh router {instance} of {}: model {} on {} devices; frontends connect to {}, workers to {}",
-        dep.router_count(),
+        "expertmesh router: model {} on {} devices; frontends connect to {}, workers to {}",
         dep.spec.name,
         dep.topology.devices().len(),
         service.frontend_addr(),
@@ -397,9 +389,7 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
-    eprintln!(
-        "expertmesh up: starting the router(s) and the workers; waiting for them to connect..."
-    );
+    eprintln!("expertmesh up: starting the router and the workers; waiting for them to connect...");
     let mut fabric = LocalFabric::start(opts)?;
     let dep = fabric.deployment();
     println!(
@@ -410,21 +400,10 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         LinkKind::from(cli.link).name(),
         LayerMode::from(cli.router.mode_or(ModeArg::Serving)).name()
     );
-    let fronts: Vec<String> = fabric
-        .frontend_addrs()
-        .iter()
-        .flatten()
-        .map(ToString::to_string)
-        .collect();
     println!(
-        "  frontends: {} (cluster \"{}\"{})",
-        fronts.join(", "),
-        dep.topology.name(),
-        if fronts.len() > 1 {
-            format!(", {} routers sharing the workers", fronts.len())
-        } else {
-            String::new()
-        }
+        "  frontends: {} (cluster \"{}\")",
+        fabric.frontend_addr(),
+        dep.topology.name()
     );
     println!("  worker logs: {}", fabric.log_dir().display());
     println!(
