@@ -278,12 +278,18 @@ fn coselection_file_cuts_nodes_per_token() {
         .unwrap();
     assert!(with < 0.8 * without, "{with} vs {without}");
     let bytes = j["traffic"]["network_bytes_per_token"].as_f64().unwrap();
-    let remote = j["traffic"]["remote_nodes_per_token"].as_f64().unwrap();
-    // Dispatch + combine, 2 * 7168 bf16 bytes per remote node each way.
-    assert!(
-        (bytes - 2.0 * 14336.0 * remote).abs() < 1e-6 * bytes,
-        "{bytes} {remote}"
-    );
+    let dispatch = j["traffic"]["network_dispatch_bytes_per_token"]
+        .as_f64()
+        .unwrap();
+    let result = j["traffic"]["network_result_bytes_per_token"]
+        .as_f64()
+        .unwrap();
+    // The serving mode's wire (plan's default, as `up`'s): q8 activations (7168 + 896 + 2
+    // bytes) out and one pre-combined bf16 row (14336 bytes) back per remote device touched.
+    assert!((bytes - dispatch - result).abs() < 1e-6 * bytes, "{bytes}");
+    let rows = result / dispatch;
+    assert!(rows > 1.7 && rows < 1.8, "{dispatch} {result}");
+    assert_eq!(j["traffic"]["wire"]["mode"], "serving");
     assert!(j["load"]["after"]["max_over_mean"].as_f64().unwrap() < 1.25);
     let v = run(&["validate", topo, "--placement", &out]);
     assert_eq!(v.code, 0, "{}{}", v.stdout, v.stderr);

@@ -36,6 +36,11 @@ write its report (1 is not used).";
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchTarget {
+    /// An emulated cluster: nodes as network namespaces with tc-shaped NICs, router and worker
+    /// processes inside them, several frontends; tokens/s and latency per batch size against
+    /// `expertmesh plan`'s prediction for the same topology (needs root).
+    #[command(after_help = crate::bench_cluster::EXIT_CODES)]
+    Cluster(crate::bench_cluster::ClusterCli),
     /// Checkpoint conversion and a worker's shard load against a raw read of the same files,
     /// and the searched quantizer's error against absmax round-to-nearest, measured in the
     /// same run on a synthetic BF16 checkpoint.
@@ -218,6 +223,7 @@ fn parse_link(s: &str) -> Result<LinkKind, String> {
 /// Runs a bench target.
 pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
+        BenchTarget::Cluster(c) => crate::bench_cluster::run_cli(c),
         BenchTarget::Convert(c) => {
             let report = crate::bench_convert::run(&c.options())?;
             report.print_table();

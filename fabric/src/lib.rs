@@ -6,6 +6,7 @@
 //! exit codes here and nowhere below. The `expertmesh` binary is a thin `main` over [`cli`].
 
 pub mod bench_cli;
+pub mod bench_cluster;
 pub mod bench_convert;
 pub mod bench_fabric;
 pub mod bench_json;
@@ -22,3 +23,4 @@ pub mod plan_cmd;
 pub mod plan_default;
 mod table;
 pub mod validate_cmd;
+pub mod wire_bytes;

@@ -19,6 +19,7 @@ use expertmesh_planner::calibrate::{self, BenchFile, Calibration, CalibrationIte
 use expertmesh_planner::eplb::{self, EplbLayers};
 use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
 use expertmesh_planner::stats::{CoSelection, LoadStats};
+use expertmesh_planner::wire::WireModel;
 use expertmesh_planner::{
     self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
     describe_shortfall,
@@ -131,6 +132,15 @@ pub struct PlanArgs {
     /// Layer calls in flight at once for the throughput estimate.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
+    /// Serving mode whose wire the traffic model counts, as the fabric sends it: exact (q8
+    /// out, an f32 row per slot back), exact-bf16 (bf16 rows per slot), accurate (f32 out, a
+    /// pre-combined f32 row per device back) or serving (q8 out, a pre-combined bf16 row per
+    /// device back; the default of `up` and `router`).
+    #[arg(long, default_value = "serving")]
+    mode: String,
+    /// Tokens per micro-batch of the router (one frame per micro-batch and device).
+    #[arg(long, default_value_t = 32)]
+    micro_batch: usize,
     /// Write the plan as a vLLM/SGLang physical-to-logical expert map (JSON).
     #[arg(long)]
     export_eplb: Option<PathBuf>,
@@ -268,6 +278,8 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
     }
     let mut warnings: Vec<String> = Vec::new();
     let inputs = read_inputs(args, &mut warnings)?;
+    let wire = crate::wire_bytes::wire_model(&args.mode, inputs.model.hidden, args.micro_batch)
+        .map_err(|e| Usage(format!("--mode: {e}")))?;
     let Placed {
         placement,
         strategy_name,
@@ -277,7 +289,7 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         Ok(placed) => placed,
         Err(no_fit) => return Ok(no_fit),
     };
-    let ev = evaluate(args, &inputs, &placement, &mut notes);
+    let ev = evaluate(args, &inputs, &placement, &wire, &mut notes);
     let written = write_files(args, &inputs, &placement, &strategy_name, redundant)?;
     let (topology, model, coselect) = (&inputs.topology, &inputs.model, &inputs.coselect);
     let report = Report {
@@ -470,6 +482,7 @@ fn evaluate(
     args: &PlanArgs,
     inputs: &Inputs,
     placement: &Placement,
+    wire: &WireModel,
     notes: &mut Vec<String>,
 ) -> Evaluated {
     let (topology, model) = (&inputs.topology, &inputs.model);
@@ -493,10 +506,13 @@ fn evaluate(
     let (hw, calibration) = hardware(topology, model, &inputs.benches, args.batch);
     notes.extend(calibration.notes.iter().cloned());
     let router = hw.router_node;
-    let evaluator = Evaluator::new(topology, model, placement, load, coselect, router);
+    let evaluator =
+        Evaluator::new(topology, model, placement, load, coselect, router).with_wire(wire.clone());
     let after = evaluator.evaluate(&hw);
     let evaluate_other = |b: &plan::Plan| {
-        Evaluator::new(topology, model, &b.placement, load, coselect, router).evaluate(&hw)
+        Evaluator::new(topology, model, &b.placement, load, coselect, router)
+            .with_wire(wire.clone())
+            .evaluate(&hw)
     };
     let before = baseline.as_ref().map(evaluate_other);
     let before_locality = no_locality.as_ref().map(evaluate_other);
@@ -868,14 +884,22 @@ impl Report<'_> {
 
     /// Text step 3: the traffic per token, before and after, and the locality gain.
     fn text_traffic(&self, out: &mut String) {
-        let (t, m) = (self.topology, self.model);
+        let t = self.topology;
         // Traffic.
         let tr = &self.after.traffic;
+        let w = &tr.wire;
         let _ = writeln!(
             out,
-            "traffic per token per MoE layer ({} model; bf16 hidden, {} bytes per destination each way):",
+            "traffic per token per MoE layer ({} model; {} mode wire: {} activations out, {} {} rows back, one frame per micro-batch of {} and device):",
             tr.model,
-            m.token_bytes_bf16()
+            w.mode,
+            w.dispatch_dtype,
+            w.result_dtype,
+            match w.result_rows {
+                expertmesh_planner::wire::ResultRows::PerSlot => "per-slot",
+                expertmesh_planner::wire::ResultRows::PerToken => "pre-combined",
+            },
+            w.micro_batch_tokens
         );
         let _ = writeln!(
             out,
@@ -884,9 +908,18 @@ impl Report<'_> {
         );
         let _ = writeln!(
             out,
-            "  network: {} dispatch + combine with per-node dedup ({} without); intra-node links: {}",
+            "  network: {} ({} dispatch + {} results){}; intra-node links: {}",
             kb(tr.network_bytes_per_token),
-            kb(tr.network_bytes_per_token_without_dedup),
+            kb(tr.network_dispatch_bytes_per_token),
+            kb(tr.network_result_bytes_per_token),
+            if w.node_dedup {
+                format!(
+                    " with per-node dedup ({} without)",
+                    kb(tr.network_bytes_per_token_without_dedup)
+                )
+            } else {
+                ", one copy per device".to_owned()
+            },
             kb(tr.intra_bytes_per_token)
         );
         if let Some(b) = self.before {

@@ -29,12 +29,16 @@
 //!   estimate errs toward more nodes (conservative: the gain it reports is a lower bound); with
 //!   independent routing it matches the load-only model.
 //!
-//! Dispatch sends a token once per touched node (per-node deduplication) and fans it out inside
-//! the node; combine returns one pre-combined vector per node. Each transfer carries the hidden
-//! vector in bf16 (`2 * H` bytes). Bytes on the network per token per layer are
-//! `2 * 2H * E[remote nodes touched]` (dispatch + combine); without per-node deduplication they
-//! would be `2 * 2H * E[remote devices touched]`. Every touched device receives its copy over its
-//! intra-node link (`2 * 2H * E[devices touched]` in all).
+//! Bytes are the fabric's own ([`crate::wire::WireModel`], built from the transport codec's
+//! frame lengths by the binary): the router sends one dispatch frame per (micro-batch, device)
+//! carrying the tokens that device needs (q8 block-32 activations in exact mode, f32 in
+//! accurate mode) and their (expert, weight) pairs, and each device answers with one f32 row
+//! per (token, slot) in exact mode, one pre-combined row per token otherwise. A token goes once
+//! to every device it touches — there is no per-node deduplication in the fabric yet (a wire
+//! model with `node_dedup` counts one copy per node and pre-combined rows per node instead).
+//! Bytes on the network are those to and from devices on other nodes than the router's; with
+//! several routers (`[[router]]`) the calls are spread evenly over them, each judged from its
+//! own node. Every device's frames also cross its intra-node link.
 //!
 //! # Roofline
 //!
@@ -45,9 +49,13 @@
 //!   `U(B) = E (1 - (1 - k/E)^B)` touched experts over the devices) plus its shared experts;
 //! - **compute**: the busiest device's `2 * 3HF` int8 operations per (token, expert) pair ÷ its
 //!   `int8_tops` (devices without a figure are skipped);
-//! - **network**: the busiest node NIC's bytes per direction ÷ its bandwidth (the router's node
-//!   sends every remote node's share; a remote node receives `B * 2H * P(node touched)`);
-//! - **intra-node**: the busiest device link's bytes ÷ the node's device-to-device bandwidth;
+//! - **network**: the busiest NIC direction's bytes ÷ its bandwidth: a router's node sends the
+//!   dispatches to, and receives the results from, every device on another node; that node
+//!   receives the dispatches and sends the results. A TCP NIC's bandwidth is its line rate
+//!   times the share TCP/IP and Ethernet headers leave at its MTU
+//!   ([`crate::wire::tcp_payload_share`]) unless a measured figure replaces it;
+//! - **intra-node**: the busiest device link's bytes (its dispatches in, or its results out) ÷
+//!   the node's device-to-device bandwidth;
 //!
 //! each of these ×C (the C batches share the hardware), and
 //!
@@ -60,12 +68,15 @@
 //! summed `price_usd_per_hour` ÷ (tokens/s × 3600) × 10^6, when every device has a price.
 
 use crate::stats::{CoSelection, LoadStats};
+use crate::wire::{ResultRows, WireModel};
 use expertmesh_quant::synth::{SplitMix64, mix_seed};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{IntraLinkKind, NicKind, Topology};
 use serde::Serialize;
 
+/// Tokens per micro-batch of the default wire model (the router's default).
+pub const DEFAULT_MICRO_BATCH: usize = 32;
 /// Default one-way latency of a network hop over RoCE, µs (no measurement given).
 pub const ROCE_HOP_US: f64 = 3.0;
 /// Default one-way latency of a network hop over TCP, µs.
@@ -107,6 +118,9 @@ pub struct Hardware {
     pub node_intra_latency_us: Vec<f64>,
     /// The node the router runs on (`[router].node`, else the first node).
     pub router_node: usize,
+    /// Every router's node (`[[router]]` entries; several routers may share a node); layer
+    /// calls are spread evenly over them. `[router_node]` with one router.
+    pub router_nodes: Vec<usize>,
     /// Where every figure came from.
     pub sources: Vec<FigureSource>,
 }
@@ -138,13 +152,17 @@ impl Hardware {
             inter_latency_us,
             node_intra_latency_us,
             router_node: t.router().map_or(0, |r| r.node_index()),
+            router_nodes: match t.routers() {
+                [] => vec![0],
+                rs => rs.iter().map(|r| r.node_index()).collect(),
+            },
             sources,
         }
     }
 }
 
-/// Hardware step: each node's network bandwidth, all NICs per direction (line rate, or the
-/// measured inter-node bandwidth per NIC).
+/// Hardware step: each node's network bandwidth, all NICs per direction (line rate — for a TCP
+/// NIC the share its headers leave at its MTU — or the measured inter-node bandwidth per NIC).
 fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSource>) -> Vec<f64> {
     let nic_measured = t.measured().inter_node().and_then(|m| m.bandwidth_gb_s());
     let node_nic_gb_s: Vec<f64> = t
@@ -153,7 +171,15 @@ fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSource>) -> Vec<
         .map(|n| {
             n.nics()
                 .iter()
-                .map(|c| nic_measured.unwrap_or(c.speed_gbit_s() / 8.0))
+                .map(|c| {
+                    nic_measured.unwrap_or_else(|| {
+                        let share = match c.kind() {
+                            NicKind::Tcp => crate::wire::tcp_payload_share(c.mtu()),
+                            _ => 1.0,
+                        };
+                        c.speed_gbit_s() / 8.0 * share
+                    })
+                })
                 .sum()
         })
         .collect();
@@ -164,7 +190,8 @@ fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSource>) -> Vec<
         from: if nic_measured.is_some() {
             "topology [measured] inter_node (per NIC)".into()
         } else {
-            "NIC line rate (topology file)".into()
+            "NIC line rate (topology file; TCP NICs: less TCP/IP and Ethernet headers at their MTU)"
+                .into()
         },
     });
     node_nic_gb_s
@@ -493,12 +520,20 @@ pub struct Traffic {
     pub nodes_per_token: f64,
     /// Nodes other than the router's a token is sent to.
     pub remote_nodes_per_token: f64,
-    /// Network bytes per token per layer, dispatch + combine, deduplicated per node.
+    /// Network bytes per token per layer, dispatch + results, as the wire model sends them
+    /// (frames at full micro-batches; averaged over routers).
     pub network_bytes_per_token: f64,
-    /// The same without per-node deduplication (one copy per remote device).
+    /// The same with one copy per remote device (equal to `network_bytes_per_token` unless the
+    /// wire model deduplicates per node).
     pub network_bytes_per_token_without_dedup: f64,
-    /// Intra-node link bytes per token per layer (dispatch + combine).
+    /// Intra-node link bytes per token per layer (every device's dispatches and results).
     pub intra_bytes_per_token: f64,
+    /// Of `network_bytes_per_token`, the dispatches (router to devices).
+    pub network_dispatch_bytes_per_token: f64,
+    /// Of `network_bytes_per_token`, the results (devices to router).
+    pub network_result_bytes_per_token: f64,
+    /// The wire the bytes are counted on.
+    pub wire: WireModel,
 }
 
 /// Time per step summed over layers, by term, milliseconds.
@@ -560,6 +595,7 @@ pub struct Evaluator<'a> {
     layers: Vec<LayerFacts>,
     layer_ids: Vec<u32>,
     coselection: bool,
+    wire: WireModel,
 }
 
 impl<'a> Evaluator<'a> {
@@ -634,7 +670,20 @@ impl<'a> Evaluator<'a> {
             layers,
             layer_ids: ids,
             coselection: coselect.is_some(),
+            wire: WireModel::exact(model.hidden, DEFAULT_MICRO_BATCH),
         }
+    }
+
+    /// Count bytes on `wire` instead of the default (exact mode, micro-batches of
+    /// [`DEFAULT_MICRO_BATCH`] tokens, computed from the frame layout).
+    pub fn with_wire(mut self, wire: WireModel) -> Self {
+        self.wire = wire;
+        self
+    }
+
+    /// The wire model bytes are counted on.
+    pub fn wire(&self) -> &WireModel {
+        &self.wire
     }
 
     /// Expected load balance and traffic.
@@ -663,33 +712,6 @@ impl<'a> Evaluator<'a> {
             .enumerate()
             .fold((0, 0.0), |a, (i, r)| if r > a.1 { (i, r) } else { a });
         let nl = self.layers.len().max(1) as f64;
-        let router = hw.router_node;
-        let node_of: Vec<usize> = self
-            .topology
-            .devices()
-            .iter()
-            .map(|d| d.node_index())
-            .collect();
-        let (mut devs, mut nodes, mut remote, mut remote_devs) = (0.0, 0.0, 0.0, 0.0);
-        for f in &self.layers {
-            devs += f.p_device.iter().sum::<f64>();
-            nodes += f.p_node.iter().sum::<f64>();
-            remote += f
-                .p_node
-                .iter()
-                .enumerate()
-                .filter(|(n, _)| *n != router)
-                .map(|(_, p)| p)
-                .sum::<f64>();
-            remote_devs += f
-                .p_device
-                .iter()
-                .enumerate()
-                .filter(|(d, _)| node_of[*d] != router)
-                .map(|(_, p)| p)
-                .sum::<f64>();
-        }
-        let tb = self.model.token_bytes_bf16() as f64;
         Evaluation {
             load: LoadBalance {
                 max_over_mean: ratios.iter().sum::<f64>() / nl,
@@ -697,21 +719,72 @@ impl<'a> Evaluator<'a> {
                 worst_layer: self.layer_ids.get(worst_i).copied().unwrap_or(0),
                 per_device: per_device.iter().map(|x| x / nl).collect(),
             },
-            traffic: Traffic {
-                model: if self.coselection {
-                    "co-selection".into()
-                } else if self.model.n_group > 1 && self.model.topk_group < self.model.n_group {
-                    "group-limited".into()
-                } else {
-                    "independent".into()
-                },
-                devices_per_token: devs / nl,
-                nodes_per_token: nodes / nl,
-                remote_nodes_per_token: remote / nl,
-                network_bytes_per_token: 2.0 * tb * remote / nl,
-                network_bytes_per_token_without_dedup: 2.0 * tb * remote_devs / nl,
-                intra_bytes_per_token: 2.0 * tb * devs / nl,
+            traffic: self.traffic(hw),
+        }
+    }
+
+    /// Evaluation step: destinations and bytes per token per layer, averaged over layers and
+    /// routers (frames counted at full micro-batches).
+    fn traffic(&self, hw: &Hardware) -> Traffic {
+        let nl = self.layers.len().max(1) as f64;
+        let node_of: Vec<usize> = self
+            .topology
+            .devices()
+            .iter()
+            .map(|d| d.node_index())
+            .collect();
+        let routers = router_nodes(hw);
+        let share = 1.0 / routers.len() as f64;
+        let w = &self.wire;
+        let m = w.micro_batch_tokens as f64;
+        let per_device = WireModel {
+            node_dedup: false,
+            ..w.clone()
+        };
+        let (mut devs, mut nodes, mut remote) = (0.0, 0.0, 0.0);
+        let (mut disp, mut res, mut no_dedup, mut intra) = (0.0, 0.0, 0.0, 0.0);
+        for f in &self.layers {
+            devs += f.p_device.iter().sum::<f64>();
+            nodes += f.p_node.iter().sum::<f64>();
+            for &r in &routers {
+                remote += share
+                    * (0..f.p_node.len())
+                        .filter(|&n| n != r)
+                        .map(|n| f.p_node[n])
+                        .sum::<f64>();
+                for l in remote_links(w, m, f, &node_of, r) {
+                    disp += share * l.dispatch / m;
+                    res += share * l.result / m;
+                }
+                for l in remote_links(&per_device, m, f, &node_of, r) {
+                    no_dedup += share * (l.dispatch + l.result) / m;
+                }
+            }
+            intra += (0..f.p_device.len())
+                .map(|d| {
+                    per_device.dispatch_bytes(m, f.p_device[d], f.pairs[d])
+                        + per_device.result_bytes(m, f.p_device[d], f.pairs[d])
+                })
+                .sum::<f64>()
+                / m;
+        }
+        Traffic {
+            model: if self.coselection {
+                "co-selection".into()
+            } else if self.model.n_group > 1 && self.model.topk_group < self.model.n_group {
+                "group-limited".into()
+            } else {
+                "independent".into()
             },
+            devices_per_token: devs / nl,
+            nodes_per_token: nodes / nl,
+            remote_nodes_per_token: remote / nl,
+            network_bytes_per_token: (disp + res) / nl,
+            network_bytes_per_token_without_dedup: no_dedup / nl,
+            intra_bytes_per_token: intra / nl,
+            network_dispatch_bytes_per_token: disp / nl,
+            network_result_bytes_per_token: res / nl,
+            wire: w.clone(),
         }
     }
 
@@ -724,7 +797,7 @@ impl<'a> Evaluator<'a> {
             s_bytes: self.model.expert_bytes() as f64,
             shared_layer_bytes: self.model.shared_experts as f64
                 * self.model.shared_expert_bytes() as f64,
-            tb: self.model.token_bytes_bf16() as f64,
+            wire: &self.wire,
             ops_per_pair: 2.0 * self.model.expert_params() as f64,
             node_of: self
                 .topology
@@ -819,7 +892,7 @@ impl<'a> Evaluator<'a> {
 }
 
 /// What the roofline's per-layer terms need, fixed for one call.
-struct RooflineInputs {
+struct RooflineInputs<'a> {
     /// Tokens per layer call (B).
     b: f64,
     /// Calls in flight (C).
@@ -828,8 +901,8 @@ struct RooflineInputs {
     s_bytes: f64,
     /// Bytes of one layer's shared experts.
     shared_layer_bytes: f64,
-    /// Bytes of one token's hidden vector (bf16).
-    tb: f64,
+    /// The bytes on the wire.
+    wire: &'a WireModel,
     /// Int8 operations per (token, expert) pair.
     ops_per_pair: f64,
     /// Each device's node.
@@ -926,14 +999,75 @@ fn device_times(
             t_cmp = t_cmp.max(ops / (tops.max(1e-12) * 1e12));
         }
         if let Some(bw) = hw.node_intra_gb_s[k.node_of[d]] {
-            t_intra = t_intra.max(k.b * k.tb * f.p_device[d] / (bw.max(1e-12) * 1e9));
+            let (p, pairs) = (f.p_device[d], f.pairs[d]);
+            let bytes = k
+                .wire
+                .dispatch_bytes(k.b, p, pairs)
+                .max(k.wire.result_bytes(k.b, p, pairs));
+            t_intra = t_intra.max(bytes / (bw.max(1e-12) * 1e9));
         }
     }
     (t_mem, t_cmp, t_intra)
 }
 
-/// Roofline step: one layer's network time — the busiest NIC's, where the router's node sends
-/// every remote node's share; each node's NIC time is added to `node_nic_time`.
+/// The routers' nodes, one entry per router (the router node when none are listed).
+fn router_nodes(hw: &Hardware) -> Vec<usize> {
+    if hw.router_nodes.is_empty() {
+        vec![hw.router_node]
+    } else {
+        hw.router_nodes.clone()
+    }
+}
+
+/// Bytes between a router and one other node for a call of `b` tokens.
+struct RemoteLink {
+    /// The other node.
+    node: usize,
+    /// Dispatch bytes the router sends it.
+    dispatch: f64,
+    /// Result bytes it sends back.
+    result: f64,
+}
+
+/// The links a router on node `router` uses for one layer call of `b` tokens: one per device
+/// on another node, or with per-node deduplication one per other node touched.
+fn remote_links(
+    wire: &WireModel,
+    b: f64,
+    f: &LayerFacts,
+    node_of: &[usize],
+    router: usize,
+) -> Vec<RemoteLink> {
+    if wire.node_dedup {
+        let mut pairs = vec![0.0; f.p_node.len()];
+        for (d, &n) in node_of.iter().enumerate() {
+            pairs[n] += f.pairs[d];
+        }
+        let result_rows = |n: usize| match wire.result_rows {
+            ResultRows::PerSlot => pairs[n],
+            ResultRows::PerToken => f.p_node[n],
+        };
+        return (0..f.p_node.len())
+            .filter(|&n| n != router)
+            .map(|n| RemoteLink {
+                node: n,
+                dispatch: wire.dispatch_bytes(b, f.p_node[n], pairs[n]),
+                result: wire.result_bytes(b, f.p_node[n], result_rows(n)),
+            })
+            .collect();
+    }
+    (0..node_of.len())
+        .filter(|&d| node_of[d] != router)
+        .map(|d| RemoteLink {
+            node: node_of[d],
+            dispatch: wire.dispatch_bytes(b, f.p_device[d], f.pairs[d]),
+            result: wire.result_bytes(b, f.p_device[d], f.pairs[d]),
+        })
+        .collect()
+}
+
+/// Roofline step: one layer's network time — the busiest NIC direction's, the layer calls
+/// spread evenly over the routers; each node's NIC time is added to `node_nic_time`.
 fn network_time(
     hw: &Hardware,
     k: &RooflineInputs,
@@ -941,25 +1075,28 @@ fn network_time(
     node_nic_time: &mut [f64],
 ) -> f64 {
     let n_nodes = node_nic_time.len();
-    let router = hw.router_node;
-    let mut t_nic: f64 = 0.0;
     if n_nodes <= 1 {
-        return t_nic;
+        return 0.0;
     }
-    let mut router_bytes = 0.0;
-    for n in 0..n_nodes {
-        if n == router {
-            continue;
+    let routers = router_nodes(hw);
+    let share = 1.0 / routers.len() as f64;
+    // Bytes each node's NICs send and receive.
+    let (mut out, mut inn) = (vec![0.0; n_nodes], vec![0.0; n_nodes]);
+    for &r in &routers {
+        for l in remote_links(k.wire, k.b, f, &k.node_of, r) {
+            out[r] += share * l.dispatch;
+            inn[l.node] += share * l.dispatch;
+            out[l.node] += share * l.result;
+            inn[r] += share * l.result;
         }
-        let bytes = k.b * k.tb * f.p_node[n];
-        router_bytes += bytes;
-        let tn = bytes / (hw.node_nic_gb_s[n].max(1e-12) * 1e9);
+    }
+    let mut t_nic: f64 = 0.0;
+    for n in 0..n_nodes {
+        let tn = out[n].max(inn[n]) / (hw.node_nic_gb_s[n].max(1e-12) * 1e9);
         node_nic_time[n] += tn;
         t_nic = t_nic.max(tn);
     }
-    let tr = router_bytes / (hw.node_nic_gb_s[router].max(1e-12) * 1e9);
-    node_nic_time[router] += tr;
-    t_nic.max(tr)
+    t_nic
 }
 
 #[cfg(test)]
@@ -989,10 +1126,19 @@ mod tests {
             let u = e * (1.0 - (1.0 - q).powf(b as f64));
             let memory = layers * u / 32.0 * s / 5300e9 * 1e3;
             assert!((r.terms.memory_ms - memory).abs() < 1e-9 * memory, "B={b}");
-            // The router's node sends each token once to every other node it touches
-            // (96 experts per node), 2 x 7168 bytes, over 8 x 400 Gbit/s.
-            let remote = 3.0 * (1.0 - (1.0 - q).powi(96));
-            let network = layers * b as f64 * 14336.0 * remote / 400e9 * 1e3;
+            // Exact mode: the router's node receives one f32 row (4 x 7168 bytes) per slot on
+            // each of the 24 devices of the other nodes (12 experts each), plus a 64-byte
+            // result frame per (micro-batch of 32, device) touched, over 8 x 400 Gbit/s
+            // (RoCE: line rate); the dispatches (q8) going out are fewer bytes.
+            let bf = b as f64;
+            let p_dev = 1.0 - (1.0 - q).powi(12);
+            let (full, rest) = ((bf / 32.0).floor(), bf % 32.0);
+            let mut frames = full * (1.0 - (1.0 - p_dev).powi(32));
+            if rest > 0.0 {
+                frames += 1.0 - (1.0 - p_dev).powf(rest);
+            }
+            let per_device = frames * 64.0 + bf * 12.0 * q * 4.0 * 7168.0;
+            let network = layers * 24.0 * per_device / 400e9 * 1e3;
             assert!(
                 (r.terms.network_ms - network).abs() < 1e-9 * network,
                 "B={b}"
@@ -1020,8 +1166,73 @@ mod tests {
         let tr = ev.evaluate(&hw).traffic;
         let remote = 3.0 * (1.0 - (1.0 - q).powi(96));
         assert!((tr.remote_nodes_per_token - remote).abs() < 1e-12);
-        assert!((tr.network_bytes_per_token - 2.0 * 14336.0 * remote).abs() < 1e-6);
+        // Per token, frames at full micro-batches of 32: q8 activations (7168 + 896 scales +
+        // 2 bytes) per device touched and 8 bytes per pair out, an f32 row per slot back.
+        let p_dev = 1.0 - (1.0 - q).powi(12);
+        let frames = (1.0 - (1.0 - p_dev).powi(32)) / 32.0;
+        let dispatch = 24.0 * (frames * 96.0 + p_dev * 8066.0 + 12.0 * q * 8.0);
+        let result = 24.0 * (frames * 64.0 + 12.0 * q * 28672.0);
+        assert!((tr.network_dispatch_bytes_per_token - dispatch).abs() < 1e-6 * dispatch);
+        assert!((tr.network_result_bytes_per_token - result).abs() < 1e-6 * result);
+        assert!((tr.network_bytes_per_token - dispatch - result).abs() < 1e-6 * result);
         let devices = 32.0 * (1.0 - (1.0 - q).powi(12));
         assert!((tr.devices_per_token - devices).abs() < 1e-12);
+    }
+
+    /// A star of `n` one-CPU nodes on 100 Mbit/s TCP, with one router or one per node.
+    fn star(n: usize, routers: usize) -> Topology {
+        let mut text = String::from("format = 1\nname = \"star\"\n");
+        for r in 0..routers {
+            text += &format!("[[router]]\nnode = \"n{r}\"\nport = 7000\n");
+        }
+        for i in 0..n {
+            text += &format!(
+                "[[nodes]]\nname = \"n{i}\"\naddress = \"10.9.0.{}\"\ncontrol_port = 7100\ndata_port = 7200\nnics = [{{ name = \"eth0\", kind = \"tcp\", speed_gbit_s = 0.1, mtu = 9000 }}]\ndevices = [{{ name = \"cpu0\", kind = \"cpu\", arch = \"cpu\", threads = 1, expert_memory = \"64 MiB\", memory_bandwidth_gb_s = 20 }}]\n",
+                i + 1
+            );
+        }
+        Topology::from_toml_str(&text).unwrap_or_else(|p| panic!("{p:?}"))
+    }
+
+    /// One router per node spreads the network load: with the network binding, tokens/s grow
+    /// with the routers, and every NIC direction is counted.
+    #[test]
+    fn routers_per_node_scale_a_network_bound_cluster() {
+        let m = preset_by_name("demo-small").unwrap();
+        let tps = |routers: usize| {
+            let t = star(4, routers);
+            let p = plan(&t, &m, None, None, &PlanOptions::default()).unwrap();
+            let hw = Hardware::from_topology(&t);
+            assert_eq!(hw.router_nodes.len(), routers);
+            let ev = Evaluator::new(&t, &m, &p.placement, None, None, hw.router_node);
+            let r = ev.roofline(&hw, 64, 1);
+            assert_eq!(r.bottleneck, "network");
+            (r.tokens_per_s, ev.evaluate(&hw).traffic)
+        };
+        let (one, tr1) = tps(1);
+        let (four, tr4) = tps(4);
+        // Each router sees 3 of 4 devices remote either way: same bytes per token.
+        assert!((tr1.network_bytes_per_token - tr4.network_bytes_per_token).abs() < 1e-6);
+        // The single router's NIC receives every remote result; four routers split that over
+        // four NICs, each also receiving the others' dispatches.
+        let scale = four / one;
+        assert!(scale > 3.0 && scale < 4.0, "{scale}");
+        // The network term against its closed form for one router: results dominate.
+        let t = star(4, 1);
+        let p = plan(&t, &m, None, None, &PlanOptions::default()).unwrap();
+        let hw = Hardware::from_topology(&t);
+        let ev = Evaluator::new(&t, &m, &p.placement, None, None, 0);
+        // B = 64 is two full micro-batches of 32, as the per-token figure counts frames.
+        assert_eq!(ev.wire().micro_batch_tokens, 32);
+        let per_token = tr1.network_result_bytes_per_token;
+        let bw = 0.1e9 / 8.0 * (8948.0 / 9038.0);
+        let expect = m.moe_layers() as f64 * 64.0 / bw;
+        let r = ev.roofline(&hw, 64, 1);
+        assert!(
+            (r.terms.network_ms / 1e3 - expect * per_token).abs() < 1e-9 * r.terms.network_ms,
+            "{} vs {}",
+            r.terms.network_ms,
+            expect * per_token * 1e3
+        );
     }
 }

@@ -1,0 +1,898 @@
+//! `expertmesh bench cluster`: an emulated multi-node cluster on one machine — nodes as network
+//! namespaces with rate-limited NICs, real `expertmesh router` and `expertmesh worker`
+//! processes inside them, several frontends per router — measured against `expertmesh plan`'s
+//! prediction for the same (scaled) topology.
+//!
+//! Why this exists: the planner's traffic and roofline model is what cluster builders buy
+//! hardware by; this checks it end to end. The NICs are scaled down (tens to hundreds of
+//! Mbit/s, `tc tbf` on both ends of every veth so each direction of a node's NIC has the line
+//! rate) and the experts are small, so on a small machine the network binds, as it does on a
+//! real cluster at those batch sizes. For every batch size the table shows tokens/s measured
+//! (tokens through every MoE layer per second, from all frontends) and predicted
+//! (`expertmesh_planner::evaluate::Evaluator::roofline` on the generated topology and
+//! placement, with the bytes the fabric sends: [`crate::wire_bytes`]), their ratio, per-layer
+//! call latency p50/p99, and the router node's NIC bytes per token measured next to the
+//! planner's. In exact mode every answer is compared bit for bit with the in-process reference;
+//! a mismatch or a failed call makes the run exit 1.
+//!
+//! It needs root (or CAP_NET_ADMIN/CAP_SYS_ADMIN) and iproute2; without them it stops with
+//! "network namespaces not permitted". Everything it creates is named `emc-<pid>-...` and removed
+//! on exit, on errors, and on Ctrl-C.
+
+mod files;
+pub mod netns;
+
+use crate::bench_json::{BenchReport, BenchResult};
+use anyhow::{Context, anyhow, bail};
+use expertmesh_planner::evaluate::{Evaluator, Hardware, Roofline};
+use expertmesh_planner::stats::LoadStats;
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::reference;
+use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_worker::deploy::Deployment;
+use files::ClusterFiles;
+use netns::{Emulation, Shaping};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Exit codes of `bench cluster`, shown by its --help.
+pub const EXIT_CODES: &str = "\
+Exit codes: 0 measured, every answer correct (and --json written); 1 an answer differed from the
+in-process reference or a call failed; 2 bad options, or a cluster that could not start (no
+root, no iproute2: \"network namespaces not permitted\").";
+
+/// Seed of the synthetic weights (every process uses the same).
+const SEED: u64 = 42;
+/// Frontend port of every router (each router has its own node address).
+const ROUTER_PORT: u16 = 7000;
+
+/// Options of `bench cluster`.
+#[derive(Clone, Debug)]
+pub struct ClusterBenchOptions {
+    /// Nodes (one CPU worker each).
+    pub nodes: usize,
+    /// Router counts to run (routers on nodes 0..R-1), each a separate cluster.
+    pub routers: Vec<usize>,
+    /// NIC line rate, Mbit/s, each direction.
+    pub line_rate_mbit: f64,
+    /// Where the line rate was scaled from (for the generated files' comments).
+    pub scaled_from: Option<String>,
+    /// MTU of the emulated NICs.
+    pub mtu: u32,
+    /// tbf bucket, bytes.
+    pub tbf_burst_bytes: u64,
+    /// tbf queue latency, ms.
+    pub tbf_latency_ms: f64,
+    /// Batch sizes (tokens per layer call per frontend).
+    pub batches: Vec<usize>,
+    /// Seconds of measurement per batch size.
+    pub seconds: f64,
+    /// Seconds of warm-up per batch size.
+    pub warmup: f64,
+    /// Frontend connections per router.
+    pub clients: usize,
+    /// Model: hidden size.
+    pub hidden: u32,
+    /// Model: routed experts per layer.
+    pub experts: u32,
+    /// Model: experts per token.
+    pub top_k: u32,
+    /// Model: expert width.
+    pub moe_inter: u32,
+    /// Model: MoE layers.
+    pub layers: u32,
+    /// Router micro-batch (tokens).
+    pub micro_batch: usize,
+    /// Folder for the generated files and logs (default: a temporary folder, removed).
+    pub dir: Option<PathBuf>,
+    /// The `expertmesh` binary to run in the namespaces (default: this one).
+    pub exe: Option<PathBuf>,
+}
+
+impl ClusterBenchOptions {
+    /// The standard run: 4 nodes at 100 Mbit/s, one router and one per node, batches 1-64.
+    pub fn standard() -> Self {
+        ClusterBenchOptions {
+            nodes: 4,
+            routers: vec![1, 4],
+            line_rate_mbit: 100.0,
+            scaled_from: None,
+            mtu: 9000,
+            tbf_burst_bytes: 32 * 1024,
+            tbf_latency_ms: 100.0,
+            batches: vec![1, 4, 16, 64],
+            seconds: 6.0,
+            warmup: 1.5,
+            clients: 8,
+            hidden: 2048,
+            experts: 16,
+            top_k: 4,
+            moe_inter: 64,
+            layers: 2,
+            micro_batch: 32,
+            dir: None,
+            exe: None,
+        }
+    }
+
+    /// Small figures for the integration test: 3 nodes at 40 Mbit/s, one router, batches 1
+    /// and 8, 2 s each.
+    pub fn quick() -> Self {
+        ClusterBenchOptions {
+            nodes: 3,
+            routers: vec![1],
+            line_rate_mbit: 40.0,
+            batches: vec![1, 8],
+            seconds: 2.5,
+            warmup: 1.0,
+            clients: 6,
+            hidden: 1024,
+            experts: 12,
+            top_k: 3,
+            ..Self::standard()
+        }
+    }
+}
+
+/// One measured row.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ClusterRow {
+    /// Routers in the cluster.
+    pub routers: usize,
+    /// Tokens per layer call per frontend.
+    pub batch: usize,
+    /// Tokens through every MoE layer per second, all frontends together.
+    pub measured_tokens_per_s: f64,
+    /// The planner's roofline for the same cluster.
+    pub predicted_tokens_per_s: f64,
+    /// The planner's bottleneck.
+    pub bottleneck: String,
+    /// Layer-call latency percentiles, ms.
+    pub p50_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Layer calls measured.
+    pub calls: u64,
+    /// Bytes node 0's NIC received per token per layer (measured, Ethernet frames).
+    pub router_nic_rx_bytes_per_token: f64,
+    /// Bytes node 0's NIC sent per token per layer (measured).
+    pub router_nic_tx_bytes_per_token: f64,
+    /// Answers that differed from the reference.
+    pub mismatches: u64,
+    /// Calls that failed.
+    pub errors: u64,
+}
+
+impl ClusterRow {
+    /// measured / predicted.
+    pub fn ratio(&self) -> f64 {
+        self.measured_tokens_per_s / self.predicted_tokens_per_s.max(1e-12)
+    }
+}
+
+/// The outcome: rows, the bench JSON, and what went wrong.
+pub struct ClusterOutcome {
+    /// One row per (routers, batch).
+    pub rows: Vec<ClusterRow>,
+    /// Bench JSON (`expertmesh bench --help`): achieved = measured, limit = predicted.
+    pub report: BenchReport,
+    /// Mismatches and failed calls, described.
+    pub problems: Vec<String>,
+}
+
+/// Run the benchmark: one emulated cluster per router count.
+pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
+    anyhow::ensure!(o.nodes >= 2, "--nodes must be at least 2");
+    anyhow::ensure!(
+        o.routers.iter().all(|&r| (1..=o.nodes).contains(&r)),
+        "--routers must be between 1 and --nodes"
+    );
+    anyhow::ensure!(!o.batches.is_empty() && o.batches.iter().all(|&b| (1..=256).contains(&b)));
+    netns::install_signal_cleanup();
+    let tmp;
+    let dir: &Path = match &o.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+            d
+        }
+        None => {
+            tmp = tempfile::Builder::new()
+                .prefix("expertmesh-cluster-")
+                .tempdir()?;
+            tmp.path()
+        }
+    };
+    let mut out = ClusterOutcome {
+        rows: Vec::new(),
+        report: BenchReport::new(),
+        problems: Vec::new(),
+    };
+    describe_machine(o, &mut out.report);
+    for &routers in &o.routers {
+        run_config(o, dir, routers, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// Record the settings in the report's machine section.
+fn describe_machine(o: &ClusterBenchOptions, report: &mut BenchReport) {
+    let extra = &mut report.machine.extra;
+    extra.insert("nodes".into(), o.nodes.into());
+    extra.insert("line_rate_mbit".into(), o.line_rate_mbit.into());
+    extra.insert("mtu".into(), o.mtu.into());
+    extra.insert("tbf_burst_bytes".into(), o.tbf_burst_bytes.into());
+    extra.insert("tbf_latency_ms".into(), o.tbf_latency_ms.into());
+    extra.insert("clients_per_router".into(), o.clients.into());
+    extra.insert(
+        "model".into(),
+        format!(
+            "{} MoE layers, {} experts, top-{}, hidden {}, expert width {}",
+            o.layers, o.experts, o.top_k, o.hidden, o.moe_inter
+        )
+        .into(),
+    );
+    extra.insert("mode".into(), "exact".into());
+}
+
+/// One cluster: files, namespaces, processes, references, then every batch size.
+fn run_config(
+    o: &ClusterBenchOptions,
+    dir: &Path,
+    routers: usize,
+    out: &mut ClusterOutcome,
+) -> anyhow::Result<()> {
+    let files = files::write(dir, o, routers)?;
+    let dep = Deployment::load(
+        &files.topology_path,
+        &files.model_path.to_string_lossy(),
+        &files.placement_path,
+        SEED,
+    )?;
+    let mut emu = Emulation::create(
+        o.nodes,
+        Shaping {
+            rate_mbit: o.line_rate_mbit,
+            burst_bytes: o.tbf_burst_bytes,
+            latency_ms: o.tbf_latency_ms,
+            mtu: o.mtu,
+        },
+    )?;
+    start_processes(&mut emu, o, &files, routers, dir)?;
+    let fcfg = FrontendConfig::new(dep.topology.name());
+    wait_ready(&mut emu, &dep, routers, &fcfg)?;
+    println!(
+        "emulated cluster: {} nodes, {routers} router(s), {} Mbit/s NICs; files and logs in {}",
+        o.nodes,
+        o.line_rate_mbit,
+        dir.display()
+    );
+    for &b in &o.batches {
+        let pools = Pools::build(o, &dep, routers, b)?;
+        let m = measure(&mut emu, o, &dep, routers, &pools, &fcfg)?;
+        let predicted = predict(o, &files, Some(&pools.load), b, routers)?;
+        let row = row_of(o, routers, b, &m, &predicted);
+        print_row(&row);
+        if let Some(p) = m.first_problem {
+            out.problems
+                .push(format!("{routers} router(s), batch {b}: {p}"));
+        }
+        push_result(&mut out.report, &row, &predicted);
+        out.rows.push(row);
+    }
+    drop(emu);
+    Ok(())
+}
+
+/// Start every worker and router in its node's namespace.
+fn start_processes(
+    emu: &mut Emulation,
+    o: &ClusterBenchOptions,
+    f: &ClusterFiles,
+    routers: usize,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let exe = match &o.exe {
+        Some(e) => e.clone(),
+        None => std::env::current_exe().context("cannot find the expertmesh binary")?,
+    };
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let deploy = [
+        "--topology".to_owned(),
+        s(&f.topology_path),
+        "--model".to_owned(),
+        s(&f.model_path),
+        "--placement".to_owned(),
+        s(&f.placement_path),
+    ];
+    for i in 0..emu.nodes() {
+        let mut args = vec![s(&exe), "worker".to_owned()];
+        args.extend(deploy.iter().cloned());
+        args.extend(
+            [
+                "--device",
+                &format!("n{i}/cpu0"),
+                "--threads",
+                "1",
+                "--max-tokens",
+                &o.micro_batch.to_string(),
+            ]
+            .map(String::from),
+        );
+        emu.spawn(i, &args, &dir.join(format!("worker-n{i}-{routers}r.log")))?;
+    }
+    for r in 0..routers {
+        let mut args = vec![s(&exe), "router".to_owned()];
+        args.extend(deploy.iter().cloned());
+        args.extend(
+            [
+                "--mode",
+                "exact",
+                "--micro-batch",
+                &o.micro_batch.to_string(),
+                "--max-tokens",
+                "256",
+            ]
+            .map(String::from),
+        );
+        if routers > 1 {
+            args.extend(["--instance".to_owned(), r.to_string()]);
+        }
+        emu.spawn(r, &args, &dir.join(format!("router{r}-{routers}r.log")))?;
+    }
+    Ok(())
+}
+
+/// A router's frontend address.
+fn router_addr(r: usize) -> std::net::SocketAddr {
+    let ip: std::net::Ipv4Addr = Emulation::node_address(r).parse().expect("literal address");
+    (ip, ROUTER_PORT).into()
+}
+
+/// Wait until every router answers a one-token call (every worker connected), up to 60 s.
+fn wait_ready(
+    emu: &mut Emulation,
+    dep: &Deployment,
+    routers: usize,
+    fcfg: &FrontendConfig,
+) -> anyhow::Result<()> {
+    let h = dep.spec.hidden as usize;
+    let layer = dep.spec.moe_layer_ids()[0];
+    let x = reference::synthetic_hidden(1, 1, h);
+    let until = Instant::now() + Duration::from_secs(60);
+    for r in 0..routers {
+        let ns = emu.node_ns(r);
+        let mut last = String::new();
+        loop {
+            if let Some(e) = emu.exited() {
+                bail!("{e}");
+            }
+            let (cfg, x) = (fcfg.clone(), x.clone());
+            let attempt = in_namespace(&ns, move |rt| {
+                rt.block_on(async {
+                    let mut c = RouterClient::connect(router_addr(r), &cfg).await?;
+                    c.call(layer, &x, h, None, None).await
+                })
+                .map_err(|e| anyhow!("{e}"))
+            });
+            match attempt {
+                Ok(_) => break,
+                Err(e) if Instant::now() < until => {
+                    last = e.to_string();
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => bail!("router {r} not ready after 60 s: {e} ({last})"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Run `f` on a new thread inside namespace `ns` with a current-thread runtime.
+fn in_namespace<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce(&tokio::runtime::Runtime) -> anyhow::Result<T> + Send + 'static,
+) -> anyhow::Result<T> {
+    let ns = ns.to_owned();
+    std::thread::spawn(move || {
+        netns::enter(&ns)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        f(&rt)
+    })
+    .join()
+    .map_err(|_| anyhow!("frontend thread panicked"))?
+}
+
+/// Inputs and expected outputs per (router, client): a pool each client cycles through, and
+/// the expert load they add up to.
+struct Pools {
+    /// `[router][client]` → entries of (input, expected output per layer).
+    per_client: Vec<Vec<Arc<Vec<Entry>>>>,
+    /// Expert selections of all pooled tokens (the planner's `--load`).
+    load: LoadStats,
+}
+
+/// One pooled input.
+struct Entry {
+    x: Vec<f32>,
+    want: Vec<Vec<f32>>,
+}
+
+impl Pools {
+    /// Enough distinct tokens per client (at least 64, 2-16 inputs) that the routing seen on
+    /// the wire averages out; expected outputs from the in-process reference.
+    fn build(
+        o: &ClusterBenchOptions,
+        dep: &Deployment,
+        routers: usize,
+        b: usize,
+    ) -> anyhow::Result<Pools> {
+        let spec = &dep.spec;
+        let (h, layers) = (spec.hidden as usize, spec.moe_layer_ids());
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut backend =
+            expertmesh_worker::weights::reference_backend(spec, dep.seed, &layers, threads, b)
+                .map_err(|e| anyhow!(e))?;
+        let gates: Vec<_> = layers
+            .iter()
+            .map(|&l| reference::synthetic_gate(spec, dep.seed, l))
+            .collect();
+        let per = (64 / b).clamp(2, 16);
+        let e = spec.routed_experts as usize;
+        let mut counts = vec![vec![0.0f64; e]; layers.len()];
+        let mut per_client = Vec::new();
+        for r in 0..routers {
+            let mut clients = Vec::new();
+            for c in 0..o.clients {
+                let mut entries = Vec::new();
+                for i in 0..per {
+                    let seed = (((r * 1000 + c) * 1000 + i) * 1000 + b) as u64;
+                    let x = reference::synthetic_hidden(seed, b, h);
+                    let mut want = Vec::new();
+                    for (li, &l) in layers.iter().enumerate() {
+                        let (routing, y) = reference::moe_layer_backend(
+                            spec,
+                            &gates[li],
+                            l,
+                            &mut backend,
+                            &x,
+                            ComputeMode::Exact,
+                        )
+                        .map_err(|e| anyhow!(e))?;
+                        for &x in &routing.experts {
+                            counts[li][x as usize] += 1.0;
+                        }
+                        want.push(y);
+                    }
+                    entries.push(Entry { x, want });
+                }
+                clients.push(Arc::new(entries));
+            }
+            per_client.push(clients);
+        }
+        let load = LoadStats::new(spec, counts.into_iter().map(Some).collect())
+            .map_err(|e| anyhow!("load statistics: {e}"))?;
+        Ok(Pools { per_client, load })
+    }
+}
+
+/// What the frontends saw in one measurement.
+#[derive(Default)]
+struct Measured {
+    secs: f64,
+    calls: u64,
+    latencies_ms: Vec<f64>,
+    mismatches: u64,
+    errors: u64,
+    first_problem: Option<String>,
+    /// Node 0's NIC bytes (sent, received) during the measurement.
+    nic_tx: u64,
+    nic_rx: u64,
+}
+
+/// Counters the frontend tasks share.
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    measuring: AtomicBool,
+    calls: AtomicU64,
+    mismatches: AtomicU64,
+    errors: AtomicU64,
+    latencies_ms: Mutex<Vec<f64>>,
+    first_problem: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn problem(&self, what: String) {
+        if let Ok(mut p) = self.first_problem.lock() {
+            p.get_or_insert(what);
+        }
+    }
+}
+
+/// Warm up, then measure for `o.seconds`: every router's frontends call every layer in turn
+/// with their pooled batches, checking each answer.
+fn measure(
+    emu: &mut Emulation,
+    o: &ClusterBenchOptions,
+    dep: &Deployment,
+    routers: usize,
+    pools: &Pools,
+    fcfg: &FrontendConfig,
+) -> anyhow::Result<Measured> {
+    let shared = Arc::new(Shared::default());
+    let mut threads = Vec::new();
+    for r in 0..routers {
+        let ns = emu.node_ns(r);
+        let job = FrontendJob {
+            router: r,
+            layers: dep.spec.moe_layer_ids(),
+            hidden: dep.spec.hidden as usize,
+            pools: pools.per_client[r].clone(),
+            cfg: fcfg.clone(),
+            shared: shared.clone(),
+        };
+        threads.push(std::thread::spawn(move || {
+            in_namespace(&ns, move |rt| rt.block_on(job.run()))
+        }));
+    }
+    std::thread::sleep(Duration::from_secs_f64(o.warmup));
+    let (tx0, rx0) = emu.nic_bytes(0)?;
+    let calls0 = shared.calls.load(Ordering::SeqCst);
+    shared.measuring.store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(o.seconds));
+    let calls1 = shared.calls.load(Ordering::SeqCst);
+    let secs = t0.elapsed().as_secs_f64();
+    shared.measuring.store(false, Ordering::SeqCst);
+    let (tx1, rx1) = emu.nic_bytes(0)?;
+    shared.stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join()
+            .map_err(|_| anyhow!("frontend thread panicked"))??;
+    }
+    if let Some(e) = emu.exited() {
+        bail!("{e}");
+    }
+    let latencies_ms = std::mem::take(&mut *shared.latencies_ms.lock().expect("not poisoned"));
+    let first_problem = shared.first_problem.lock().expect("not poisoned").clone();
+    Ok(Measured {
+        secs,
+        calls: calls1 - calls0,
+        latencies_ms,
+        mismatches: shared.mismatches.load(Ordering::SeqCst),
+        errors: shared.errors.load(Ordering::SeqCst),
+        first_problem,
+        nic_tx: tx1 - tx0,
+        nic_rx: rx1 - rx0,
+    })
+}
+
+/// One router's frontends.
+struct FrontendJob {
+    router: usize,
+    layers: Vec<u32>,
+    hidden: usize,
+    pools: Vec<Arc<Vec<Entry>>>,
+    cfg: FrontendConfig,
+    shared: Arc<Shared>,
+}
+
+impl FrontendJob {
+    /// Connect every client, then call layer after layer until told to stop.
+    async fn run(self) -> anyhow::Result<()> {
+        let mut tasks = Vec::new();
+        for pool in &self.pools {
+            let c = RouterClient::connect(router_addr(self.router), &self.cfg)
+                .await
+                .map_err(|e| anyhow!("router {}: {e}", self.router))?;
+            let (layers, h) = (self.layers.clone(), self.hidden);
+            let (pool, shared) = (pool.clone(), self.shared.clone());
+            tasks.push(tokio::spawn(client_loop(c, layers, h, pool, shared)));
+        }
+        for t in tasks {
+            t.await.map_err(|e| anyhow!("{e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// One frontend: for each pooled input, every layer in turn; answers compared bit for bit.
+async fn client_loop(
+    mut c: RouterClient,
+    layers: Vec<u32>,
+    h: usize,
+    pool: Arc<Vec<Entry>>,
+    shared: Arc<Shared>,
+) {
+    let mut i = 0usize;
+    while !shared.stop.load(Ordering::Relaxed) {
+        let entry = &pool[i % pool.len()];
+        i += 1;
+        for (li, &layer) in layers.iter().enumerate() {
+            let measuring = shared.measuring.load(Ordering::Relaxed);
+            let t0 = Instant::now();
+            match c.call(layer, &entry.x, h, None, None).await {
+                Ok(y) => {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    if measuring && shared.measuring.load(Ordering::Relaxed) {
+                        shared.latencies_ms.lock().expect("not poisoned").push(ms);
+                    }
+                    let want = &entry.want[li];
+                    let same = y.len() == want.len()
+                        && y.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    if !same {
+                        shared.mismatches.fetch_add(1, Ordering::Relaxed);
+                        shared.problem(format!("layer {layer}: answer differs from the reference"));
+                    }
+                }
+                Err(e) => {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                    shared.problem(format!("layer {layer}: {e}"));
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            shared.calls.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The planner's roofline for the generated cluster at batch `b`, with every router's
+/// frontends' calls in flight, on the fabric's exact-mode wire.
+fn predict(
+    o: &ClusterBenchOptions,
+    f: &ClusterFiles,
+    load: Option<&LoadStats>,
+    b: usize,
+    routers: usize,
+) -> anyhow::Result<Roofline> {
+    let hw = Hardware::from_topology(&f.topology);
+    let wire = crate::wire_bytes::wire_model("exact", f.model.hidden, o.micro_batch)?;
+    let ev = Evaluator::new(
+        &f.topology,
+        &f.model,
+        &f.placement,
+        load,
+        None,
+        hw.router_node,
+    )
+    .with_wire(wire);
+    Ok(ev.roofline(&hw, b, routers * o.clients))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// A table row from a measurement and its prediction.
+fn row_of(
+    o: &ClusterBenchOptions,
+    routers: usize,
+    b: usize,
+    m: &Measured,
+    p: &Roofline,
+) -> ClusterRow {
+    let mut lat = m.latencies_ms.clone();
+    lat.sort_by(f64::total_cmp);
+    let layers = f64::from(o.layers.max(1));
+    let layer_tokens = (m.calls as f64 * b as f64).max(1.0);
+    ClusterRow {
+        routers,
+        batch: b,
+        measured_tokens_per_s: m.calls as f64 * b as f64 / layers / m.secs.max(1e-9),
+        predicted_tokens_per_s: p.tokens_per_s,
+        bottleneck: p.bottleneck.clone(),
+        p50_ms: percentile(&lat, 0.5),
+        p99_ms: percentile(&lat, 0.99),
+        calls: m.calls,
+        router_nic_rx_bytes_per_token: m.nic_rx as f64 / layer_tokens,
+        router_nic_tx_bytes_per_token: m.nic_tx as f64 / layer_tokens,
+        mismatches: m.mismatches,
+        errors: m.errors,
+    }
+}
+
+fn print_row(r: &ClusterRow) {
+    println!(
+        "routers {:>2}  batch {:>3}: {:>8.0} tokens/s measured, {:>8.0} predicted ({}), ratio {:.3}; layer call p50 {:.2} ms, p99 {:.2} ms; node 0 NIC {:.0} B/token in, {:.0} out; {} calls, {} mismatches, {} errors",
+        r.routers,
+        r.batch,
+        r.measured_tokens_per_s,
+        r.predicted_tokens_per_s,
+        r.bottleneck,
+        r.ratio(),
+        r.p50_ms,
+        r.p99_ms,
+        r.router_nic_rx_bytes_per_token,
+        r.router_nic_tx_bytes_per_token,
+        r.calls,
+        r.mismatches,
+        r.errors
+    );
+}
+
+fn push_result(report: &mut BenchReport, r: &ClusterRow, p: &Roofline) {
+    report.results.push(
+        BenchResult::new(
+            format!("cluster-{}router", r.routers),
+            r.batch as u64,
+            r.measured_tokens_per_s,
+            r.predicted_tokens_per_s,
+            "tokens/s",
+        )
+        .with(
+            "limit_is",
+            "expertmesh plan's roofline for the same topology",
+        )
+        .with("bottleneck", p.bottleneck.clone())
+        .with("routers", r.routers as u64)
+        .with("p50_ms", r.p50_ms)
+        .with("p99_ms", r.p99_ms)
+        .with("calls", r.calls)
+        .with("mismatches", r.mismatches)
+        .with("errors", r.errors)
+        .with(
+            "router_nic_rx_bytes_per_token",
+            r.router_nic_rx_bytes_per_token,
+        )
+        .with(
+            "router_nic_tx_bytes_per_token",
+            r.router_nic_tx_bytes_per_token,
+        ),
+    );
+}
+
+/// Arguments of `bench cluster` (defaults: the standard run; `--quick`: the test's).
+#[derive(clap::Args, Debug)]
+pub struct ClusterCli {
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`; achieved =
+    /// measured, limit = the planner's prediction).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Small figures (3 nodes at 40 Mbit/s, one router, batches 1 and 8) for tests.
+    #[arg(long)]
+    quick: bool,
+    /// Nodes (network namespaces), one CPU worker each.
+    #[arg(long)]
+    nodes: Option<usize>,
+    /// Comma-separated router counts, each run as its own cluster (routers on nodes 0..R-1;
+    /// default 1 and one per node).
+    #[arg(long, value_delimiter = ',')]
+    routers: Vec<usize>,
+    /// NIC line rate in Mbit/s, each direction (tc tbf on both ends of every veth).
+    #[arg(long)]
+    line_rate_mbit: Option<f64>,
+    /// Scale the line rate from this topology's first NIC instead (with --scale).
+    #[arg(long, requires = "scale")]
+    scale_from: Option<PathBuf>,
+    /// Factor applied to --scale-from's line rate (e.g. 0.01: 10 Gbit/s becomes 100 Mbit/s).
+    #[arg(long)]
+    scale: Option<f64>,
+    /// tbf bucket in bytes (larger allows longer bursts above the rate).
+    #[arg(long)]
+    tbf_burst: Option<u64>,
+    /// tbf queue latency in ms (sets the queue length; too short drops packets).
+    #[arg(long)]
+    tbf_latency_ms: Option<f64>,
+    /// Comma-separated batch sizes (tokens per layer call per frontend).
+    #[arg(long, value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Seconds of measurement per batch size.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Frontend connections per router.
+    #[arg(long)]
+    clients: Option<usize>,
+    /// Model hidden size (a multiple of 64).
+    #[arg(long)]
+    hidden: Option<u32>,
+    /// Keep the generated topology, model, placement and logs in this folder.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+impl ClusterCli {
+    /// The options these arguments describe.
+    pub fn options(&self) -> anyhow::Result<ClusterBenchOptions> {
+        let mut o = if self.quick {
+            ClusterBenchOptions::quick()
+        } else {
+            ClusterBenchOptions::standard()
+        };
+        if let Some(n) = self.nodes {
+            o.nodes = n;
+            if self.routers.is_empty() && !self.quick {
+                o.routers = vec![1, n];
+            }
+        }
+        if !self.routers.is_empty() {
+            o.routers = self.routers.clone();
+        }
+        if let Some(path) = &self.scale_from {
+            let t = expertmesh_topology::Topology::load(path).map_err(|e| anyhow!("{e}"))?;
+            let nic = t
+                .nodes()
+                .iter()
+                .flat_map(|n| n.nics())
+                .next()
+                .ok_or_else(|| anyhow!("{} has no NIC", path.display()))?;
+            let scale = self.scale.unwrap_or(1.0);
+            o.line_rate_mbit = nic.speed_gbit_s() * 1000.0 * scale;
+            o.scaled_from = Some(format!(
+                "{} Gbit/s of {} x {scale}",
+                nic.speed_gbit_s(),
+                path.display()
+            ));
+        }
+        if let Some(r) = self.line_rate_mbit {
+            o.line_rate_mbit = r;
+        }
+        o.tbf_burst_bytes = self.tbf_burst.unwrap_or(o.tbf_burst_bytes);
+        o.tbf_latency_ms = self.tbf_latency_ms.unwrap_or(o.tbf_latency_ms);
+        if !self.batches.is_empty() {
+            o.batches = self.batches.clone();
+        }
+        o.seconds = self.seconds.unwrap_or(o.seconds);
+        o.clients = self.clients.unwrap_or(o.clients).max(1);
+        o.hidden = self.hidden.unwrap_or(o.hidden);
+        anyhow::ensure!(
+            o.hidden >= 64 && o.hidden % 64 == 0,
+            "--hidden must be a multiple of 64"
+        );
+        anyhow::ensure!(
+            o.line_rate_mbit.is_finite() && o.line_rate_mbit >= 1.0,
+            "the line rate must be at least 1 Mbit/s"
+        );
+        anyhow::ensure!(
+            o.seconds > 0.0 && o.seconds <= 600.0,
+            "--seconds must be in (0, 600]"
+        );
+        o.dir = self.dir.clone();
+        Ok(o)
+    }
+}
+
+/// Run `bench cluster` from the command line: the table, the JSON, exit 1 when an answer was
+/// wrong or a call failed.
+pub fn run_cli(c: ClusterCli) -> anyhow::Result<std::process::ExitCode> {
+    let o = c.options()?;
+    let out = run(&o)?;
+    println!();
+    println!(
+        "| routers | batch | tokens/s measured | predicted | ratio | p50 ms | p99 ms | bottleneck |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &out.rows {
+        println!(
+            "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+            r.routers,
+            r.batch,
+            r.measured_tokens_per_s,
+            r.predicted_tokens_per_s,
+            r.ratio(),
+            r.p50_ms,
+            r.p99_ms,
+            r.bottleneck
+        );
+    }
+    if let Some(path) = &c.json {
+        out.report.write(path)?;
+        println!("wrote {}", path.display());
+    }
+    for p in &out.problems {
+        eprintln!("error: {p}");
+    }
+    Ok(if out.problems.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::from(crate::cli::EXIT_INVALID)
+    })
+}
