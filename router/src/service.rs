@@ -6,6 +6,11 @@
 //! and combining are CPU work that must not stall the async runtime), sends the core's dispatch
 //! frames over the worker mesh, feeds worker results and peer notices back, and writes responses.
 //!
+//! Hops on the hot path: the core thread polls the mesh's event queue itself, so a worker's
+//! result goes from the thread that read it (the shared-memory ring's consumer thread, or the
+//! TCP reader) straight to the core thread; and each dispatch frame is first written from the
+//! core thread (a task takes over only a send that must wait for credit or a busy link).
+//!
 //! Batching: the service tells the core how many frontend connections are open
 //! ([`RouterCore::set_frontends`]), so a batch window closes as soon as every connected frontend
 //! has a request pending for that layer — one frontend alone never waits for the window.
@@ -24,13 +29,15 @@ use expertmesh_transport::frontend::{
     IncomingClient,
 };
 use expertmesh_transport::mesh::{
-    Mesh, MeshConfig, MeshEvents, RecvFrame, StartError, Transport, TransportEvent,
+    Mesh, MeshConfig, MeshEvents, OutFrame, StartError, Transport, TransportEvent,
 };
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::sync::{Semaphore, mpsc};
 
@@ -71,9 +78,6 @@ enum CoreInput {
     /// The number of open frontend connections changed (the core closes a batch window early
     /// once every one of them has a request pending).
     Frontends(usize),
-    Frame(RecvFrame),
-    PeerLost(u32),
-    PeerUp(u32),
     SendFailed {
         rank: u32,
         batch: u64,
@@ -100,7 +104,7 @@ enum ClientMsg {
 pub struct RouterService {
     runtime: Option<tokio::runtime::Runtime>,
     core_thread: Option<std::thread::JoinHandle<()>>,
-    input: std_mpsc::SyncSender<CoreInput>,
+    input: CoreTx,
     frontend_addr: SocketAddr,
     mesh: Mesh,
     stats: Arc<Mutex<crate::core::RouterStats>>,
@@ -144,14 +148,16 @@ impl RouterService {
                 addr: cfg.frontend_listen,
                 source,
             })?;
-        let (input_tx, input_rx) = std_mpsc::sync_channel::<CoreInput>(CORE_INPUT_CAPACITY);
+        let (tx, input_rx) = std_mpsc::sync_channel::<CoreInput>(CORE_INPUT_CAPACITY);
+        let input_tx = CoreTx {
+            tx,
+            thread: Arc::default(),
+        };
         let clients: ClientQueues = Arc::default();
         let stats = Arc::new(Mutex::new(crate::core::RouterStats::default()));
         let validator = core.validator();
         let hidden = core.spec().hidden as usize;
 
-        // Mesh events → core.
-        runtime.spawn(mesh_events(events, input_tx.clone(), core.rank_labels()));
         // Frontend acceptor.
         runtime.spawn(accept_loop(
             listener,
@@ -160,18 +166,22 @@ impl RouterService {
             clients.clone(),
             cfg.max_outstanding_per_client.max(1),
         ));
-        // Core thread.
-        let handle = runtime.handle().clone();
-        let core_mesh = mesh.clone();
-        let core_tx = input_tx.clone();
-        let core_stats = stats.clone();
+        // Core thread: it reads the mesh's events itself (no task in between).
+        let core_loop = CoreLoop {
+            names: core.rank_labels(),
+            core,
+            rx: input_rx,
+            events: Some(events),
+            tx: input_tx.clone(),
+            rt: runtime.handle().clone(),
+            mesh: mesh.clone(),
+            clients,
+            stats: stats.clone(),
+            hidden,
+        };
         let core_thread = std::thread::Builder::new()
             .name("router-core".into())
-            .spawn(move || {
-                core_loop(
-                    core, input_rx, core_tx, handle, core_mesh, clients, core_stats, hidden,
-                )
-            })
+            .spawn(move || core_loop.run())
             .map_err(ServiceError::Runtime)?;
         Ok(Self {
             runtime: Some(runtime),
@@ -216,7 +226,9 @@ impl RouterService {
 
     /// Stop the core, close every connection and the mesh.
     pub fn shutdown(&mut self) {
-        let _ = self.input.send(CoreInput::Stop);
+        self.input.wake();
+        let _ = self.input.tx.send(CoreInput::Stop);
+        self.input.wake();
         if let Some(t) = self.core_thread.take() {
             let _ = t.join();
         }
@@ -241,12 +253,33 @@ const CORE_INPUT_CAPACITY: usize = 1024;
 /// Per-connection response queues, by client id.
 type ClientQueues = Arc<Mutex<HashMap<ClientId, mpsc::Sender<ClientMsg>>>>;
 
+/// The core's input queue (frontend requests, connection counts, failed sends) and the core
+/// thread to wake after each message: the core sleeps on its thread's park token, which both
+/// this queue and the mesh's event queue (through the core's waker) unpark.
+#[derive(Clone)]
+struct CoreTx {
+    tx: std_mpsc::SyncSender<CoreInput>,
+    /// Set by the core thread itself before it first looks at the queue.
+    thread: Arc<OnceLock<std::thread::Thread>>,
+}
+
+impl CoreTx {
+    fn wake(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+}
+
 /// Hand `msg` to the core, waiting (asynchronously) while its queue is full. `Err` when the
 /// core has stopped.
-async fn send_to_core(tx: &std_mpsc::SyncSender<CoreInput>, mut msg: CoreInput) -> Result<(), ()> {
+async fn send_to_core(tx: &CoreTx, mut msg: CoreInput) -> Result<(), ()> {
     loop {
-        match tx.try_send(msg) {
-            Ok(()) => return Ok(()),
+        match tx.tx.try_send(msg) {
+            Ok(()) => {
+                tx.wake();
+                return Ok(());
+            }
             Err(std_mpsc::TrySendError::Full(m)) => {
                 msg = m;
                 tokio::time::sleep(Duration::from_micros(200)).await;
@@ -256,33 +289,16 @@ async fn send_to_core(tx: &std_mpsc::SyncSender<CoreInput>, mut msg: CoreInput) 
     }
 }
 
-/// Mesh events → the core; `names[r]` labels mesh rank `r` in logs (device name and rank).
-async fn mesh_events(
-    mut events: MeshEvents,
-    tx: std_mpsc::SyncSender<CoreInput>,
-    names: Vec<String>,
-) {
-    let name = |r: u32| {
-        names
-            .get(r as usize)
-            .cloned()
-            .unwrap_or_else(|| format!("mesh rank {r}"))
-    };
-    while let Some(ev) = events.recv().await {
-        let msg = match ev {
-            TransportEvent::Frame(f) => CoreInput::Frame(f),
-            TransportEvent::PeerUp { peer, link } => {
-                tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
-                CoreInput::PeerUp(peer)
-            }
-            TransportEvent::PeerLost(e) => {
-                tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
-                CoreInput::PeerLost(e.peer)
-            }
-        };
-        if send_to_core(&tx, msg).await.is_err() {
-            return;
-        }
+/// Wakes the core thread: the waker the core polls the mesh's events and its first send
+/// attempts with.
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
     }
 }
 
@@ -290,7 +306,7 @@ async fn mesh_events(
 async fn accept_loop(
     listener: FrameListener,
     validator: crate::core::RequestValidator,
-    tx: std_mpsc::SyncSender<CoreInput>,
+    tx: CoreTx,
     clients: ClientQueues,
     max_outstanding: usize,
 ) {
@@ -323,7 +339,7 @@ async fn accept_loop(
 struct FrontendConn {
     client: ClientId,
     validator: crate::core::RequestValidator,
-    tx: std_mpsc::SyncSender<CoreInput>,
+    tx: CoreTx,
     clients: ClientQueues,
     /// Open (handshaken) frontend connections, shared by all of them.
     open: Arc<AtomicUsize>,
@@ -498,42 +514,102 @@ fn kind_name(b: &Body) -> &'static str {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn core_loop(
-    mut core: RouterCore,
+/// The core thread's state: the core, its input queue, the mesh's events, and what carrying
+/// out actions needs.
+struct CoreLoop {
+    core: RouterCore,
     rx: std_mpsc::Receiver<CoreInput>,
-    tx: std_mpsc::SyncSender<CoreInput>,
+    /// The mesh's events, polled on this thread (`None` once the mesh has shut down).
+    events: Option<MeshEvents>,
+    tx: CoreTx,
     rt: tokio::runtime::Handle,
     mesh: Mesh,
     clients: ClientQueues,
     stats: Arc<Mutex<crate::core::RouterStats>>,
     hidden: usize,
-) {
-    loop {
-        let now = Instant::now();
-        let msg = match core.next_timeout() {
-            Some(t) if t <= now => None,
-            Some(t) => match rx.recv_timeout(t - now) {
-                Ok(m) => Some(m),
-                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
-                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
-            },
-            None => match rx.recv() {
-                Ok(m) => Some(m),
-                Err(_) => return,
-            },
-        };
+    /// `names[r]` labels mesh rank `r` in logs (device name and rank).
+    names: Vec<String>,
+}
+
+impl CoreLoop {
+    /// Until [`CoreInput::Stop`]: take every ready input and mesh event, let the core act, and
+    /// sleep on the thread's park token until the next input, event or timer. Worker frames
+    /// reach the core straight from the driver that read them (the shared-memory consumer
+    /// thread or the TCP reader) through the mesh's event queue, whose waker unparks this
+    /// thread: no task in between.
+    fn run(mut self) {
+        let _ = self.tx.thread.set(std::thread::current());
+        let _rt = self.rt.enter();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        loop {
+            let mut busy = false;
+            loop {
+                match self.rx.try_recv() {
+                    Ok(CoreInput::Stop) | Err(std_mpsc::TryRecvError::Disconnected) => return,
+                    Ok(msg) => {
+                        busy = true;
+                        self.input(msg);
+                    }
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            while let Some(events) = self.events.as_mut() {
+                let next = std::pin::pin!(events.recv()).poll(&mut cx);
+                match next {
+                    Poll::Ready(Some(ev)) => {
+                        busy = true;
+                        self.event(ev);
+                    }
+                    Poll::Ready(None) => self.events = None,
+                    Poll::Pending => break,
+                }
+            }
+            self.core.on_tick(Instant::now());
+            busy |= self.act(&mut cx);
+            if !busy {
+                match self.core.next_timeout() {
+                    Some(t) => {
+                        let now = Instant::now();
+                        if t > now {
+                            std::thread::park_timeout(t - now);
+                        }
+                    }
+                    None => std::thread::park(),
+                }
+            }
+        }
+    }
+
+    fn input(&mut self, msg: CoreInput) {
         let now = Instant::now();
         match msg {
-            None => {}
-            Some(CoreInput::Stop) => return,
-            Some(CoreInput::Request(r)) => core.submit(r, now),
-            Some(CoreInput::Frontends(n)) => core.set_frontends(n, now),
-            Some(CoreInput::Frame(f)) => {
+            CoreInput::Stop => {}
+            CoreInput::Request(r) => self.core.submit(r, now),
+            CoreInput::Frontends(n) => self.core.set_frontends(n, now),
+            CoreInput::SendFailed { rank, batch, part } => {
+                self.core.on_send_failed(rank, batch, part, now)
+            }
+        }
+    }
+
+    fn event(&mut self, ev: TransportEvent) {
+        let now = Instant::now();
+        let name = |r: u32| {
+            self.names
+                .get(r as usize)
+                .cloned()
+                .unwrap_or_else(|| format!("mesh rank {r}"))
+        };
+        match ev {
+            TransportEvent::Frame(f) => {
                 let from = f.peer();
                 match f.body() {
-                    Body::Result(res) => core.on_result(from, res, f.payload(), now),
-                    Body::Error(e) => core.on_worker_error(from, e.request_id, e.code, &e.message),
+                    Body::Result(res) => self.core.on_result(from, res, f.payload(), now),
+                    Body::Error(e) => {
+                        self.core
+                            .on_worker_error(from, e.request_id, e.code, &e.message)
+                    }
                     other => tracing::warn!(
                         from,
                         kind = kind_name(other),
@@ -541,39 +617,38 @@ fn core_loop(
                     ),
                 }
             }
-            Some(CoreInput::PeerLost(r)) => core.on_peer_lost(r, now),
-            Some(CoreInput::PeerUp(r)) => core.on_peer_up(r),
-            Some(CoreInput::SendFailed { rank, batch, part }) => {
-                core.on_send_failed(rank, batch, part, now)
+            TransportEvent::PeerUp { peer, link } => {
+                tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
+                self.core.on_peer_up(peer);
+            }
+            TransportEvent::PeerLost(e) => {
+                tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
+                self.core.on_peer_lost(e.peer, now);
             }
         }
-        core.on_tick(Instant::now());
-        let mut actions = core.drain_actions();
-        if core.has_deferred() {
+    }
+
+    /// Carry out the core's actions (and the deferred router-side work after the sends it
+    /// overlaps with). Returns whether there were any.
+    fn act(&mut self, cx: &mut Context<'_>) -> bool {
+        let mut actions = self.core.drain_actions();
+        if self.core.has_deferred() {
             // Send what is ready first, then run the router's own share of the work.
-            perform(actions, &rt, &mesh, &tx, &clients, hidden);
-            core.run_deferred();
-            actions = core.drain_actions();
+            self.perform(actions, cx);
+            self.core.run_deferred();
+            actions = self.core.drain_actions();
         }
         if actions.is_empty() {
-            continue;
+            return false;
         }
-        *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats().clone();
-        perform(actions, &rt, &mesh, &tx, &clients, hidden);
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
+        self.perform(actions, cx);
+        true
     }
-}
 
-fn perform(
-    actions: Vec<Action>,
-    rt: &tokio::runtime::Handle,
-    mesh: &Mesh,
-    tx: &std_mpsc::SyncSender<CoreInput>,
-    clients: &ClientQueues,
-    hidden: usize,
-) {
-    {
+    fn perform(&self, actions: Vec<Action>, cx: &mut Context<'_>) {
         // One short lock per pass; every send below is a non-blocking `try_send`.
-        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
+        let clients_now = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         for a in actions {
             match a {
                 Action::Send {
@@ -581,17 +656,7 @@ fn perform(
                     frame,
                     batch,
                     part,
-                } => {
-                    let mesh = mesh.clone();
-                    let tx = tx.clone();
-                    rt.spawn(async move {
-                        if let Err(e) = mesh.send(rank, &frame).await {
-                            tracing::warn!(rank, error = %e, "dispatch send failed");
-                            let failed = CoreInput::SendFailed { rank, batch, part };
-                            let _ = send_to_core(&tx, failed).await;
-                        }
-                    });
-                }
+                } => self.send(rank, frame, batch, part, cx),
                 Action::Respond {
                     client,
                     request_id,
@@ -603,7 +668,7 @@ fn perform(
                         let _ = c.try_send(ClientMsg::Response {
                             request_id,
                             tokens,
-                            hidden,
+                            hidden: self.hidden,
                             output,
                         });
                     }
@@ -623,6 +688,23 @@ fn perform(
                     }
                 }
             }
+        }
+    }
+
+    /// Send one dispatch frame. The send is polled once here: a link with credit writes the
+    /// frame now, from this thread, without waking a runtime thread; a send that has to wait
+    /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled.
+    fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
+        let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
+        let mut send = Box::pin(async move {
+            if let Err(e) = mesh.send(rank, &frame).await {
+                tracing::warn!(rank, error = %e, "dispatch send failed");
+                let failed = CoreInput::SendFailed { rank, batch, part };
+                let _ = send_to_core(&tx, failed).await;
+            }
+        });
+        if send.as_mut().poll(cx).is_pending() {
+            self.rt.spawn(send);
         }
     }
 }
