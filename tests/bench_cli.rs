@@ -1,8 +1,9 @@
 //! `expertmesh bench` and every command's `--help` as a user runs them: the real binary.
 //! Every command's help states its exit codes; `bench --help` describes the bench JSON (no
 //! reference to a document outside the repository); `bench kernels --seconds` shrinks the whole
-//! run and records what it did; every bench result says which way its ratio is good. No timing
-//! is asserted.
+//! run, bounds it, and records what it did; results carry their spreads and raw samples;
+//! `--report` writes a page with plots; `bench compare` flags changes outside noise. No speed
+//! is asserted: the one time check is that `--seconds` bounds the run.
 
 use serde_json::Value;
 
@@ -27,6 +28,10 @@ fn every_help_states_exit_codes() {
         (&["bench", "kernels", "--help"], &["0 measured"]),
         (&["bench", "transport", "--help"], &["0 measured"]),
         (&["bench", "fabric", "--help"], &["0 measured"]),
+        (
+            &["bench", "compare", "--help"],
+            &["0 measured", "outside noise"],
+        ),
         (&["demo", "--help"], &["1 mismatched or failed responses"]),
         (&["up", "--help"], &["0 stopped cleanly"]),
         (&["worker", "--help"], &["0 stopped cleanly"]),
@@ -83,11 +88,14 @@ fn bench_help_describes_the_json_format() {
 fn a_short_kernel_bench_shrinks_the_run_and_records_it() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("kernels.json");
+    let report = dir.path().join("report");
     let r = run(&[
         "bench",
         "kernels",
         "--seconds",
-        "0.05",
+        "4",
+        "--repeats",
+        "3",
         "--threads",
         "1",
         "--models",
@@ -95,16 +103,14 @@ fn a_short_kernel_bench_shrinks_the_run_and_records_it() {
         "--batches",
         "1,4",
         "--prefill-tokens",
-        "0",
+        "8",
         "--json",
         json.to_str().unwrap(),
+        "--report",
+        report.to_str().unwrap(),
     ]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    assert!(
-        r.stdout.contains("short run (--seconds 0.05 < 1)"),
-        "{}",
-        r.stdout
-    );
+    assert!(r.stdout.contains("short run (--seconds 4)"), "{}", r.stdout);
     assert!(r.stdout.contains("higher is better"), "{}", r.stdout);
     let v = read_json(&json);
     let m = &v["machine"];
@@ -113,11 +119,23 @@ fn a_short_kernel_bench_shrinks_the_run_and_records_it() {
         m["backend"].as_str().is_some_and(|b| b.starts_with("cpu")),
         "{m}"
     );
+    // The portable machine description and the limits' own measurements.
+    for k in [
+        "cpu_flags",
+        "kernel_version",
+        "build_profile",
+        "git_revision",
+        "read_bandwidth_probes",
+        "read_bandwidth_probe_best",
+        "int8_peak_tops_median",
+        "loadavg_end",
+    ] {
+        assert!(m.get(k).is_some(), "machine.{k} missing: {m}");
+    }
     let s = &m["settings"];
-    assert_eq!(s["seconds"], 0.05, "{s}");
+    assert_eq!(s["seconds"], 4.0, "{s}");
     assert_eq!(s["short_run"], true, "{s}");
-    assert_eq!(s["probe_passes"], 3, "{s}");
-    assert_eq!(s["min_calls_per_case"], 3, "{s}");
+    assert_eq!(s["repetitions"], 3, "{s}");
     let num = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k} in {s}"));
     assert!(num("pool_bytes") < num("full_pool_bytes"), "{s}");
     assert!(num("probe_bytes") < num("full_probe_bytes"), "{s}");
@@ -131,7 +149,126 @@ fn a_short_kernel_bench_shrinks_the_run_and_records_it() {
     assert_eq!(batches, [1, 4]);
     for r in results {
         assert_eq!(r["better"], "higher", "{r}");
+        // Median of interleaved repetitions, with the spread and the raw samples.
+        let reps = r["repetitions"].as_u64().unwrap();
+        assert!((1..=3).contains(&reps), "{r}");
+        assert_eq!(
+            r["samples"]["achieved"].as_array().unwrap().len() as u64,
+            reps
+        );
+        assert_eq!(r["samples"]["limit"].as_array().unwrap().len() as u64, reps);
+        assert!(r["ratio_p10"].as_f64().unwrap() <= r["ratio_p90"].as_f64().unwrap());
+        assert!(r["limit_kind"].as_str().is_some(), "{r}");
     }
+    let html = std::fs::read_to_string(report.join("index.html")).expect("report page");
+    assert!(html.contains("<svg") && html.contains("Roofline"), "{html}");
+}
+
+#[test]
+fn seconds_bound_the_whole_kernel_run() {
+    // Far more repetitions than fit: the run must stop on time and say so.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("kernels.json");
+    let t0 = std::time::Instant::now();
+    let r = run(&[
+        "bench",
+        "kernels",
+        "--seconds",
+        "3",
+        "--repeats",
+        "100000",
+        "--threads",
+        "1",
+        "--models",
+        "demo-small,qwen3-30b-a3b",
+        "--batches",
+        "1,8",
+        "--prefill-tokens",
+        "0",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let wall = t0.elapsed().as_secs_f64();
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("--seconds 3 reached"), "{}", r.stdout);
+    let s = &read_json(&json)["machine"]["settings"];
+    let elapsed = s["elapsed_s"].as_f64().unwrap();
+    assert!(elapsed <= 3.0, "the run took {elapsed} s of its 3: {s}");
+    // Process start, freeing the pools and writing the JSON come on top.
+    assert!(wall < 3.0 + 2.0, "the process took {wall} s");
+    assert!(s["repetitions_done"].as_u64().unwrap() < 100000, "{s}");
+}
+
+#[test]
+fn compare_flags_what_moved_beyond_noise_and_plots_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two runs of the same figures: one unchanged (noise only), one 20% lower.
+    let run_file = |name: &str, shift: f64| {
+        let rows: Vec<Value> = [("steady", 1.0), ("moved", shift)]
+            .iter()
+            .map(|(n, f)| {
+                let achieved: Vec<f64> = (0..9)
+                    .map(|i| 8.0 * f * (1.0 + 0.01 * ((i * 5 % 9) as f64 - 4.0)))
+                    .collect();
+                let limit = vec![10.0; 9];
+                let med = {
+                    let mut a = achieved.clone();
+                    a.sort_by(f64::total_cmp);
+                    a[4]
+                };
+                serde_json::json!({
+                    "name": n, "batch": 1, "achieved": med, "limit": 10.0, "unit": "GB/s",
+                    "ratio": med / 10.0, "better": "higher",
+                    "samples": {"achieved": achieved, "limit": limit},
+                })
+            })
+            .collect();
+        let path = dir.path().join(name);
+        let v = serde_json::json!({"machine": {"cpus": 2}, "results": rows});
+        std::fs::write(&path, v.to_string()).unwrap();
+        path
+    };
+    let (a, b) = (run_file("a.json", 1.0), run_file("b.json", 0.8));
+    let page = dir.path().join("cmp");
+    let r = run(&[
+        "bench",
+        "compare",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "--report",
+        page.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let line = |n: &str| {
+        r.stdout
+            .lines()
+            .find(|l| l.starts_with(n))
+            .unwrap_or_else(|| panic!("{n} in\n{}", r.stdout))
+            .to_owned()
+    };
+    assert!(
+        line("moved").contains("* worse, outside noise"),
+        "{}",
+        r.stdout
+    );
+    assert!(line("steady").contains("within noise"), "{}", r.stdout);
+    assert!(
+        r.stdout
+            .contains("2 figures compared, 1 outside noise (1 worse)")
+    );
+    let html = std::fs::read_to_string(page.join("index.html")).expect("compare page");
+    assert!(html.contains("<svg") && html.contains("class=out"));
+    // A file that is not a bench report is a usage error with a message.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{}").unwrap();
+    let r = run(&[
+        "bench",
+        "compare",
+        a.to_str().unwrap(),
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("not a bench report"), "{}", r.stderr);
 }
 
 #[test]
@@ -142,7 +279,9 @@ fn transport_results_say_which_way_each_ratio_is_good() {
         "bench",
         "transport",
         "--seconds",
-        "0.002",
+        "20",
+        "--repeats",
+        "2",
         "--round-trips",
         "20",
         "--link",
@@ -167,5 +306,8 @@ fn transport_results_say_which_way_each_ratio_is_good() {
         // Each row's limit is positive, in the row's unit, and says what it is.
         assert!(r["limit"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["limit_is"].as_str().is_some(), "{r}");
+        // Two interleaved repetitions, kept raw.
+        assert_eq!(r["repetitions"], 2, "{r}");
+        assert_eq!(r["samples"]["limit"].as_array().unwrap().len(), 2, "{r}");
     }
 }

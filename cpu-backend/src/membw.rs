@@ -1,8 +1,13 @@
-//! Memory read bandwidth probe: the "limit" that kernel benchmarks report their ratio against.
+//! Memory read bandwidth probes: the "limit" that kernel benchmarks report their ratio against.
 //!
 //! Why this exists: a kernel's honest figure is weight bytes read per second divided by what
-//! the machine can read at all, measured in the same run with the same thread count (shared,
-//! noisy machines make absolute numbers meaningless).
+//! the machine can read at all, measured in the same run (shared, noisy machines make absolute
+//! numbers meaningless). A limit must be a limit: one plain read loop is not what the machine
+//! can read (a kernel with software prefetch beat it by 2-40% on two machines), so
+//! [`probe_configs`] lists several read kernels ([`ReadKernel`]: plain, software-prefetched,
+//! several interleaved streams, streaming loads, 512-bit loads where AVX-512 exists), thread
+//! counts, thread placements ([`Placement`]) and buffer sizes, and a bench takes the best of
+//! them ([`read_pass`] measures one pass of one configuration).
 
 use std::time::Instant;
 
@@ -102,4 +107,453 @@ pub fn last_level_cache_bytes() -> u64 {
         }
     }
     best
+}
+
+/// One read loop of the bandwidth probe (every one XOR-reduces the bytes it reads so the
+/// loads cannot be dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReadKernel {
+    /// 256-bit loads (64-bit words without AVX2), one stream per thread.
+    Plain,
+    /// [`ReadKernel::Plain`] plus `prefetcht0` 4 KiB ahead (what the expert kernels do).
+    Prefetch,
+    /// Four interleaved streams per thread (each a quarter of its part), prefetched.
+    MultiStream,
+    /// `vmovntdqa` 256-bit streaming loads.
+    StreamLoad,
+    /// 512-bit loads plus `prefetcht0` 4 KiB ahead (AVX-512 F only).
+    Avx512,
+}
+
+impl ReadKernel {
+    /// Every kernel, in a fixed order.
+    pub const ALL: [ReadKernel; 5] = [
+        ReadKernel::Plain,
+        ReadKernel::Prefetch,
+        ReadKernel::MultiStream,
+        ReadKernel::StreamLoad,
+        ReadKernel::Avx512,
+    ];
+
+    /// The kernel's name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadKernel::Plain => "plain",
+            ReadKernel::Prefetch => "prefetch",
+            ReadKernel::MultiStream => "4-stream-prefetch",
+            ReadKernel::StreamLoad => "stream-load",
+            ReadKernel::Avx512 => "avx512-prefetch",
+        }
+    }
+
+    /// Whether this CPU can run the kernel as named (others fall back to plain reads, so a
+    /// probe list leaves them out).
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                ReadKernel::Plain => true,
+                ReadKernel::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+                _ => std::arch::is_x86_feature_detected!("avx2"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == ReadKernel::Plain
+        }
+    }
+}
+
+/// Where a probe's threads run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Wherever the OS schedules them.
+    Unpinned,
+    /// Thread `i` pinned to the `i`-th CPU the process may use.
+    Compact,
+    /// Threads pinned evenly across the CPUs the process may use (thread `i` on the
+    /// `i * cpus / threads`-th one: other cores or sockets before SMT siblings when the CPU
+    /// numbering puts siblings last, as Linux does).
+    Spread,
+}
+
+impl Placement {
+    /// The placement's name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Unpinned => "unpinned",
+            Placement::Compact => "compact",
+            Placement::Spread => "spread",
+        }
+    }
+
+    /// The CPU each of `threads` threads is pinned to (`None`: unpinned, or pinning is not
+    /// supported here).
+    pub fn cpus(self, threads: usize) -> Option<Vec<usize>> {
+        let allowed = allowed_cpus();
+        if self == Placement::Unpinned || allowed.is_empty() {
+            return None;
+        }
+        let n = allowed.len();
+        Some(
+            (0..threads)
+                .map(|i| match self {
+                    Placement::Spread => allowed[(i * n / threads.max(1)) % n],
+                    _ => allowed[i % n],
+                })
+                .collect(),
+        )
+    }
+}
+
+/// One probe configuration: a read kernel, a thread count, a placement and a buffer size.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProbeConfig {
+    /// The read loop.
+    pub kernel: ReadKernel,
+    /// Reading threads (each reads its own contiguous part).
+    pub threads: usize,
+    /// Where they run.
+    pub placement: Placement,
+    /// Bytes read per pass.
+    pub bytes: usize,
+}
+
+impl ProbeConfig {
+    /// A short name: `prefetch 2t compact 512MiB`.
+    pub fn name(&self) -> String {
+        format!(
+            "{} {}t {} {}MiB",
+            self.kernel.name(),
+            self.threads,
+            self.placement.name(),
+            self.bytes >> 20
+        )
+    }
+}
+
+/// Every probe configuration worth trying with up to `max_threads` threads over buffers of
+/// `sizes` bytes: each available kernel, 1 and `max_threads` threads, unpinned and pinned
+/// (placements that pin the same CPUs are listed once).
+pub fn probe_configs(max_threads: usize, sizes: &[usize]) -> Vec<ProbeConfig> {
+    let mut thread_counts = vec![1, max_threads.max(1)];
+    thread_counts.dedup();
+    let mut out = Vec::new();
+    for &bytes in sizes {
+        for kernel in ReadKernel::ALL.into_iter().filter(|k| k.available()) {
+            for &threads in &thread_counts {
+                let mut pinned_sets = Vec::new();
+                for placement in [Placement::Unpinned, Placement::Compact, Placement::Spread] {
+                    let cpus = placement.cpus(threads);
+                    if placement != Placement::Unpinned {
+                        if cpus.is_none() || pinned_sets.contains(&cpus) {
+                            continue;
+                        }
+                        pinned_sets.push(cpus);
+                    }
+                    out.push(ProbeConfig {
+                        kernel,
+                        threads,
+                        placement,
+                        bytes,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One pass of `cfg` over the first `cfg.bytes` of `buf` (all of it when shorter): bytes read
+/// per second, from the first thread's start to the last one's end, each timed by the thread
+/// itself (the spawning thread may not be scheduled while the readers run).
+pub fn read_pass(buf: &[u8], cfg: &ProbeConfig) -> f64 {
+    let threads = cfg.threads.max(1);
+    let len = cfg.bytes.min(buf.len());
+    let chunk = len / threads / 512 * 512;
+    if chunk == 0 {
+        return 0.0;
+    }
+    let cpus = cfg.placement.cpus(threads);
+    let ready = std::sync::Barrier::new(threads);
+    let spans: Vec<Option<(Instant, Instant)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|i| {
+                let part = &buf[i * chunk..(i + 1) * chunk];
+                let cpu = cpus.as_ref().map(|c| c[i]);
+                let ready = &ready;
+                s.spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_to(cpu);
+                    }
+                    ready.wait();
+                    let t0 = Instant::now();
+                    std::hint::black_box(read_with(cfg.kernel, part));
+                    (t0, Instant::now())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().ok()).collect()
+    });
+    match span_secs(&spans) {
+        Some(secs) => (chunk * threads) as f64 / secs,
+        None => 0.0,
+    }
+}
+
+/// Seconds from the earliest start to the latest end of per-thread `(start, end)` spans
+/// (none when a thread failed or no time passed).
+pub fn span_secs(spans: &[Option<(Instant, Instant)>]) -> Option<f64> {
+    let mut first: Option<Instant> = None;
+    let mut last: Option<Instant> = None;
+    for s in spans {
+        let (a, b) = (*s)?;
+        first = Some(first.map_or(a, |f| f.min(a)));
+        last = Some(last.map_or(b, |l| l.max(b)));
+    }
+    let secs = (last? - first?).as_secs_f64();
+    (secs > 0.0).then_some(secs)
+}
+
+/// XOR-reduce `part` with `kernel` (plain reads where the kernel is not available).
+pub fn read_with(kernel: ReadKernel, part: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if kernel.available() {
+        // SAFETY: each kernel's CPU feature was checked by `available`.
+        unsafe {
+            match kernel {
+                ReadKernel::Plain => return xor_reduce(part),
+                ReadKernel::Prefetch => return x86::prefetched(part),
+                ReadKernel::MultiStream => return x86::multi_stream(part),
+                ReadKernel::StreamLoad => return x86::stream_load(part),
+                ReadKernel::Avx512 => return x86::avx512(part),
+            }
+        }
+    }
+    xor_reduce(part)
+}
+
+/// The CPUs this process may run on (empty when unknown).
+pub fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity writes at most its size.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+                return Vec::new();
+            }
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect()
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Vec::new()
+    }
+}
+
+/// Pin the calling thread to `cpu` (best effort: a refusal leaves it unpinned).
+pub fn pin_to(cpu: usize) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET stays inside it for cpu < CPU_SETSIZE.
+    unsafe {
+        if cpu < libc::CPU_SETSIZE as usize {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cpu;
+}
+
+/// The x86 read loops of [`ReadKernel`]; each reads the whole 512-byte chunks of its part.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Prefetch distance in bytes (the expert kernels prefetch 4 KiB ahead).
+    const AHEAD: usize = 4096;
+
+    #[inline(always)]
+    fn fold(x: __m256i) -> u64 {
+        // SAFETY: only reached from functions compiled with AVX2 enabled.
+        unsafe {
+            (_mm256_extract_epi64(x, 0)
+                ^ _mm256_extract_epi64(x, 1)
+                ^ _mm256_extract_epi64(x, 2)
+                ^ _mm256_extract_epi64(x, 3)) as u64
+        }
+    }
+
+    /// Plain 256-bit loads with `prefetcht0` [`AHEAD`] bytes ahead.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn prefetched(part: &[u8]) -> u64 {
+        let p = part.as_ptr();
+        let mut a = [_mm256_setzero_si256(); 4];
+        for i in 0..part.len() / 128 {
+            let at = p.wrapping_add(i * 128 + AHEAD);
+            // SAFETY: prefetches are hints and never fault; loads stay inside `part`.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(at.cast());
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64).cast());
+                for (j, aj) in a.iter_mut().enumerate() {
+                    *aj = _mm256_xor_si256(*aj, _mm256_loadu_si256(p.add(i * 128 + j * 32).cast()));
+                }
+            }
+        }
+        fold(_mm256_xor_si256(
+            _mm256_xor_si256(a[0], a[1]),
+            _mm256_xor_si256(a[2], a[3]),
+        ))
+    }
+
+    /// Four streams (the quarters of `part`) read in turn, 128 bytes each, prefetched.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn multi_stream(part: &[u8]) -> u64 {
+        let q = part.len() / 4 / 128 * 128;
+        let p = part.as_ptr();
+        let mut a = [_mm256_setzero_si256(); 4];
+        for i in 0..q / 128 {
+            for s in 0..4 {
+                let base = s * q + i * 128;
+                // SAFETY: prefetches never fault; base + 128 <= 4q <= part.len().
+                unsafe {
+                    let at = p.wrapping_add(base + AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(at.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64).cast());
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        *aj =
+                            _mm256_xor_si256(*aj, _mm256_loadu_si256(p.add(base + j * 32).cast()));
+                    }
+                }
+            }
+        }
+        fold(_mm256_xor_si256(
+            _mm256_xor_si256(a[0], a[1]),
+            _mm256_xor_si256(a[2], a[3]),
+        ))
+    }
+
+    /// `vmovntdqa` loads (need 32-byte alignment: the unaligned head is skipped).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn stream_load(part: &[u8]) -> u64 {
+        let skip = part.as_ptr().align_offset(32).min(part.len());
+        let body = &part[skip..];
+        let p = body.as_ptr();
+        let mut a = [_mm256_setzero_si256(); 4];
+        for i in 0..body.len() / 128 {
+            for (j, aj) in a.iter_mut().enumerate() {
+                // SAFETY: p is 32-byte aligned and the load stays inside `body`.
+                *aj = _mm256_xor_si256(*aj, unsafe {
+                    _mm256_stream_load_si256(p.add(i * 128 + j * 32).cast())
+                });
+            }
+        }
+        fold(_mm256_xor_si256(
+            _mm256_xor_si256(a[0], a[1]),
+            _mm256_xor_si256(a[2], a[3]),
+        ))
+    }
+
+    /// 512-bit loads with `prefetcht0` [`AHEAD`] bytes ahead.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn avx512(part: &[u8]) -> u64 {
+        let p = part.as_ptr();
+        let mut a = [_mm512_setzero_si512(); 4];
+        for i in 0..part.len() / 256 {
+            // SAFETY: prefetches never fault; loads stay inside `part`.
+            unsafe {
+                let at = p.wrapping_add(i * 256 + AHEAD);
+                for l in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * l).cast());
+                }
+                for (j, aj) in a.iter_mut().enumerate() {
+                    *aj = _mm512_xor_si512(*aj, _mm512_loadu_si512(p.add(i * 256 + j * 64).cast()));
+                }
+            }
+        }
+        let x = _mm512_xor_si512(_mm512_xor_si512(a[0], a[1]), _mm512_xor_si512(a[2], a[3]));
+        _mm512_reduce_add_epi64(x) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_read_kernel_reduces_the_same_bytes_alike() {
+        // XOR of 64-bit words is order-independent; a kernel that skipped or repeated data
+        // would differ from the plain one on this pattern (the avx512 kernel sums instead).
+        let mut buf = vec![0u8; 1 << 16];
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
+        }
+        let plain = read_with(ReadKernel::Plain, &buf);
+        for k in [ReadKernel::Prefetch, ReadKernel::MultiStream] {
+            assert_eq!(read_with(k, &buf), plain, "{k:?}");
+        }
+    }
+
+    #[test]
+    fn probe_configs_cover_kernels_threads_and_sizes() {
+        let c = probe_configs(2, &[1 << 20, 2 << 20]);
+        assert!(c.iter().any(|p| p.threads == 1) && c.iter().any(|p| p.threads == 2));
+        assert!(c.iter().any(|p| p.bytes == 2 << 20));
+        assert!(c.iter().any(|p| p.placement == Placement::Unpinned));
+        let mut names: Vec<_> = c.iter().map(ProbeConfig::name).collect();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "no configuration twice");
+        let buf = vec![1u8; 2 << 20];
+        for p in &c {
+            let bw = read_pass(&buf, p);
+            assert!(bw > 0.0 && bw.is_finite(), "{}: {bw}", p.name());
+        }
+    }
+}
+
+#[cfg(test)]
+mod size_scan {
+    use super::*;
+
+    /// Prints the best kernel's bandwidth by buffer size (run by hand: finds the real cache
+    /// size of a VM that reports a smaller one).
+    #[test]
+    #[ignore]
+    fn scan_sizes() {
+        let buf = vec![1u8; 2048 << 20];
+        for mib in [16usize, 32, 64, 96, 128, 192, 256, 512, 1024, 2048] {
+            for k in [ReadKernel::Plain, ReadKernel::Prefetch] {
+                let cfg = ProbeConfig {
+                    kernel: k,
+                    threads: 2,
+                    placement: Placement::Unpinned,
+                    bytes: mib << 20,
+                };
+                let mut s: Vec<f64> = (0..5).map(|_| read_pass(&buf, &cfg) / 1e9).collect();
+                s.sort_by(f64::total_cmp);
+                println!(
+                    "{mib:>5} MiB {:>10}: median {:.1} GB/s  all {s:.1?}",
+                    k.name(),
+                    s[2]
+                );
+            }
+        }
+    }
 }

@@ -27,6 +27,12 @@ achieved / limit, and which way the ratio is good (\"higher is better\" for thro
                 \"better\": \"higher\" | \"lower\", \"limit_is\" or \"limit_kind\", ...}, ...]}
   machine also records each bench's settings; `bench kernels` adds \"device_kind\": \"cpu\",
   \"backend\", \"settings\" (seconds, pool and probe sizes) and the measured read bandwidth.
+  machine describes the CPU (model, family, flags), kernel, build profile, git revision and
+  load. kernels and transport figures are medians of interleaved repetitions (the thing and
+  its limit back to back): each result adds \"ratio_p10\"/\"ratio_p90\", \"repetitions\",
+  \"samples\": {\"achieved\": [...], \"limit\": [...]} and \"bench_bug\": true when a ratio is
+  past its limit by more than 2%. --report DIR writes an HTML page with plots;
+  `expertmesh bench compare A.json B.json` flags the figures that moved beyond noise.
 `expertmesh plan --calibrate FILE` reads these files (kernel results calibrate only devices of
 the machine's device_kind). Recorded runs and how to read them: BENCHMARKS.md in the repository.
 
@@ -36,6 +42,11 @@ write its report (1 is not used).";
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchTarget {
+    /// Compare two bench JSON files figure by figure: each ratio with its spread, the change,
+    /// and whether it is outside noise (rank test on the raw samples, else disjoint p10-p90
+    /// ranges); machine differences first. `--report DIR` also plots the changes.
+    #[command(after_help = BENCH_EXIT_CODES)]
+    Compare(crate::bench_compare::CompareCli),
     /// An emulated cluster: nodes as network namespaces with tc-shaped NICs, router and worker
     /// processes inside them, several frontends; tokens/s and latency per batch size against
     /// `expertmesh plan`'s prediction for the same topology (needs root).
@@ -172,10 +183,16 @@ pub struct KernelsCli {
     /// Backend threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Seconds of measurement per case. Below 1 the whole run shrinks with it (smaller weight
-    /// pool and bandwidth probe, fewer probe passes and calls; stated in the output).
-    #[arg(long, default_value_t = 2.0)]
+    /// Seconds the whole run may take (setup included): repetitions stop when the next would
+    /// not fit; a short run also shrinks the weight pool and the probes (stated in the output).
+    #[arg(long, default_value_t = 300.0)]
     seconds: f64,
+    /// Repetitions per case (each: read probe, peak loop, kernel calls, back to back).
+    #[arg(long, default_value_t = crate::bench_kernels::DEFAULT_REPETITIONS)]
+    repeats: usize,
+    /// Write an HTML page with SVG plots into this folder (index.html).
+    #[arg(long)]
+    report: Option<PathBuf>,
     /// Comma-separated model presets whose expert shapes are measured.
     #[arg(
         long,
@@ -189,8 +206,8 @@ pub struct KernelsCli {
     /// Tokens per expert for the prefill case (0 skips it).
     #[arg(long, default_value_t = 256)]
     prefill_tokens: usize,
-    /// Minimum weight pool in MiB (default: max(1 GiB, 8 x last-level cache); with --seconds
-    /// below 1, that times the seconds, but at least 2 x the last-level cache).
+    /// Minimum weight pool in MiB (default: max(1 GiB, 32 x last-level cache); less when
+    /// --seconds is too short to fill it, but at least 2 x the last-level cache).
     #[arg(long, default_value_t = 0)]
     pool_mib: u64,
 }
@@ -201,12 +218,18 @@ pub struct TransportCli {
     /// Write the results as JSON to this file (format: `expertmesh bench --help`).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Approximate seconds per throughput measurement.
-    #[arg(long, default_value_t = 0.3)]
+    /// Seconds the whole run may take: repetitions stop when the next would not fit.
+    #[arg(long, default_value_t = 60.0)]
     seconds: f64,
-    /// Round trips per latency measurement (a quarter for 64 and 256 tokens).
-    #[arg(long, default_value_t = 400)]
+    /// Round trips per latency sample (a quarter for 64 and 256 tokens).
+    #[arg(long, default_value_t = 100)]
     round_trips: usize,
+    /// Repetitions per figure (mesh and limit alternate within each).
+    #[arg(long, default_value_t = crate::bench_transport::DEFAULT_REPETITIONS)]
+    repeats: usize,
+    /// Write an HTML page with SVG plots into this folder (index.html).
+    #[arg(long)]
+    report: Option<PathBuf>,
     /// Links to measure: tcp, shm (repeatable; default both).
     #[arg(long = "link", value_parser = parse_link)]
     links: Vec<LinkKind>,
@@ -224,6 +247,7 @@ fn parse_link(s: &str) -> Result<LinkKind, String> {
 pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
         BenchTarget::Cluster(c) => crate::bench_cluster::run_cli(c),
+        BenchTarget::Compare(c) => crate::bench_compare::run(&c),
         BenchTarget::Convert(c) => {
             let report = crate::bench_convert::run(&c.options())?;
             report.print_table();
@@ -276,16 +300,14 @@ pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
             let report = crate::bench_kernels::run(&crate::bench_kernels::KernelBenchOptions {
                 threads,
                 seconds: k.seconds,
+                repetitions: k.repeats.max(1),
                 models,
                 batches: k.batches,
                 prefill_tokens: k.prefill_tokens,
                 pool_bytes: k.pool_mib << 20,
             })?;
             report.print_table();
-            if let Some(path) = k.json {
-                report.write(&path)?;
-                println!("wrote {}", path.display());
-            }
+            crate::bench_report::finish(&report, k.json.as_deref(), k.report.as_deref())?;
             Ok(ExitCode::SUCCESS)
         }
         BenchTarget::Transport(t) => {
@@ -293,11 +315,13 @@ pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 json: t.json,
                 seconds: t.seconds,
                 round_trips: t.round_trips,
+                repetitions: t.repeats.max(1),
+                report: t.report,
                 ..TransportBenchArgs::default()
             };
             anyhow::ensure!(
-                t.seconds > 0.0 && t.seconds <= 60.0,
-                "--seconds must be in (0, 60]"
+                t.seconds > 0.0 && t.seconds <= 600.0,
+                "--seconds must be in (0, 600]"
             );
             if !t.links.is_empty() {
                 args.links = t.links;

@@ -6,25 +6,41 @@
 //! `{"machine": {...}, "results": [{"name", "batch", "achieved", "limit", "unit", "ratio",
 //! "better", ...}]}`. `better` says which way the ratio is good: `"higher"` for throughputs,
 //! `"lower"` for latencies.
+//!
+//! Figures from repeated, interleaved measurements ([`BenchResult::from_samples`]) also carry
+//! their spread and raw samples: `achieved_p10`/`achieved_p90`, `limit_p10`/`limit_p90`,
+//! `ratio_p10`/`ratio_p90` (over the per-repetition ratios), `ratio_median_of_pairs`,
+//! `repetitions`, `repetitions_for_10pct` (resampled from this run's ratios: the repetitions at
+//! which a 10% change is seen 80% of the time; null when over 61; `_normal`: the normal
+//! approximation) and `samples: {"achieved": [...], "limit": [...]}`;
+//! a ratio past its limit by more than 2% sets `bench_bug: true`. Reading a report back
+//! ([`BenchReport::read`]) accepts files written before these fields existed.
 
-use serde::Serialize;
+use crate::bench_stats::{Spread, paired_ratios, repetitions_for, repetitions_for_resampled};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Description of the machine a bench ran on.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MachineInfo {
     /// Host name.
+    #[serde(default)]
     pub hostname: String,
     /// Operating system.
+    #[serde(default)]
     pub os: String,
     /// CPU architecture.
+    #[serde(default)]
     pub arch: String,
     /// Logical CPUs available to the process.
+    #[serde(default)]
     pub cpus: usize,
     /// CPU model name, when known.
+    #[serde(default)]
     pub cpu_model: Option<String>,
     /// Total memory in bytes, when known.
+    #[serde(default)]
     pub memory_bytes: Option<u64>,
     /// Bench-specific additions (devices, NICs, settings).
     #[serde(flatten)]
@@ -63,7 +79,7 @@ impl MachineInfo {
 }
 
 /// One measured figure against its same-run limit.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchResult {
     /// What was measured (`tcp_dispatch_throughput`, ...).
     pub name: String,
@@ -78,6 +94,7 @@ pub struct BenchResult {
     /// `achieved / limit`.
     pub ratio: f64,
     /// Which way `ratio` is good: `"higher"` (throughputs) or `"lower"` (latencies).
+    #[serde(default)]
     pub better: Better,
     /// Extra fields (limit description, sample counts).
     #[serde(flatten)]
@@ -85,10 +102,11 @@ pub struct BenchResult {
 }
 
 /// Which way a ratio is good.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Better {
     /// Throughputs: a higher ratio is better.
+    #[default]
     Higher,
     /// Latencies: a lower ratio is better.
     Lower,
@@ -115,22 +133,28 @@ impl Better {
 /// Header of the tables every bench prints (then one [`table_row`] per result).
 pub fn table_header(name_width: usize) -> String {
     format!(
-        "{:<name_width$} {:>6} {:>12} {:>12} {:>8} {:>7}  {}",
-        "name", "batch", "achieved", "limit", "unit", "ratio", "direction"
+        "{:<name_width$} {:>6} {:>12} {:>12} {:>8} {:>7} {:>13} {:>4}  {}",
+        "name", "batch", "achieved", "limit", "unit", "ratio", "ratio p10-p90", "reps", "direction"
     )
 }
 
-/// One result as a table row under [`table_header`].
+/// One result as a table row under [`table_header`] (the spread columns blank for a result
+/// without repetitions; `BENCH BUG` after the direction when the ratio is past its limit).
 pub fn table_row(r: &BenchResult, name_width: usize) -> String {
+    let (spread, reps) = match r.ratio_spread() {
+        Some(s) => (format!("{:.3}-{:.3}", s.p10, s.p90), s.n.to_string()),
+        None => (String::new(), String::new()),
+    };
     format!(
-        "{:<name_width$} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3}  {} is better",
+        "{:<name_width$} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3} {spread:>13} {reps:>4}  {} is better{}",
         r.name,
         r.batch,
         r.achieved,
         r.limit,
         r.unit,
         r.ratio,
-        r.better.name()
+        r.better.name(),
+        if r.is_bench_bug() { "  BENCH BUG" } else { "" }
     )
 }
 
@@ -155,7 +179,96 @@ impl BenchResult {
         self.extra.insert(key.to_owned(), value.into());
         self
     }
+
+    /// A result from interleaved repetitions: `achieved[i]` and `limit[i]` were measured
+    /// back to back. `achieved` and `limit` are the medians (`ratio` = their quotient, as
+    /// always); the spreads, the per-repetition ratios' p10–p90, the raw samples, the
+    /// repetitions a 10% difference needs at this noise, and `bench_bug` are added.
+    pub fn from_samples(
+        name: impl Into<String>,
+        batch: u64,
+        achieved: &[f64],
+        limit: &[f64],
+        unit: &str,
+    ) -> Self {
+        let (a, l) = (Spread::of(achieved), Spread::of(limit));
+        let ratios = Spread::of(&paired_ratios(achieved, limit));
+        let mut r = Self::new(name, batch, a.median, l.median, unit)
+            .with("achieved_p10", a.p10)
+            .with("achieved_p90", a.p90)
+            .with("limit_p10", l.p10)
+            .with("limit_p90", l.p90)
+            .with("ratio_median_of_pairs", ratios.median)
+            .with("ratio_p10", ratios.p10)
+            .with("ratio_p90", ratios.p90)
+            .with("repetitions", a.n)
+            .with(
+                "repetitions_for_10pct",
+                repetitions_for_resampled(&paired_ratios(achieved, limit), 0.10),
+            )
+            .with(
+                "repetitions_for_10pct_normal",
+                repetitions_for(&ratios, 0.10),
+            )
+            .with(
+                "samples",
+                serde_json::json!({"achieved": achieved, "limit": limit}),
+            );
+        if r.is_bench_bug() {
+            r = r.with("bench_bug", true);
+        }
+        r
+    }
+
+    /// Whether the ratio is past its limit by more than 2% ([`BUG_MARGIN`]): above 1.02 for
+    /// a throughput, below 1/1.02 for a latency. A limit is what the machine can do at all,
+    /// so such a ratio means the limit was measured badly, not that the thing beat it.
+    pub fn is_bench_bug(&self) -> bool {
+        self.limit > 0.0
+            && match self.better {
+                Better::Higher => self.ratio > BUG_MARGIN,
+                Better::Lower => self.ratio < 1.0 / BUG_MARGIN,
+            }
+    }
+
+    /// The raw samples of `which` (`"achieved"` or `"limit"`), empty when not recorded.
+    pub fn samples(&self, which: &str) -> Vec<f64> {
+        self.extra
+            .get("samples")
+            .and_then(|s| s.get(which))
+            .and_then(|v| v.as_array())
+            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The per-repetition ratios from the raw samples (empty when not recorded).
+    pub fn ratio_samples(&self) -> Vec<f64> {
+        paired_ratios(&self.samples("achieved"), &self.samples("limit"))
+    }
+
+    /// The ratio's spread: from the raw samples, else from `ratio_p10`/`ratio_p90`, else none.
+    pub fn ratio_spread(&self) -> Option<Spread> {
+        let raw = self.ratio_samples();
+        if !raw.is_empty() {
+            return Some(Spread::of(&raw));
+        }
+        let f = |k: &str| self.extra.get(k).and_then(|v| v.as_f64());
+        Some(Spread {
+            n: self.extra.get("repetitions")?.as_u64()? as usize,
+            median: self.ratio,
+            p10: f("ratio_p10")?,
+            p90: f("ratio_p90")?,
+        })
+    }
+
+    /// A numeric extra field.
+    pub fn extra_f64(&self, key: &str) -> Option<f64> {
+        self.extra.get(key).and_then(|v| v.as_f64())
+    }
 }
+
+/// How far past 1 a ratio may be before it is reported as a bench bug (2%).
+pub const BUG_MARGIN: f64 = 1.02;
 
 impl Default for BenchReport {
     fn default() -> Self {
@@ -164,7 +277,7 @@ impl Default for BenchReport {
 }
 
 /// A whole bench report.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchReport {
     /// The machine.
     pub machine: MachineInfo,
@@ -193,6 +306,7 @@ impl BenchReport {
             "cpu_isa".into(),
             expertmesh_cpu_backend::kernels::Isa::detect().name().into(),
         );
+        crate::bench_machine::describe(&mut machine.extra);
         Self {
             machine,
             results: Vec::new(),
@@ -206,6 +320,50 @@ impl BenchReport {
         for r in &self.results {
             println!("{}", table_row(r, 44));
         }
+        if let Some(line) = self.power_line() {
+            println!("{line}");
+        }
+    }
+
+    /// How many repetitions a 10% change needs in this run (`repetitions_for_10pct` over the
+    /// figures that have it), as one line; none when no figure has repetitions.
+    pub fn power_line(&self) -> Option<String> {
+        let with: Vec<&BenchResult> = self
+            .results
+            .iter()
+            .filter(|r| r.extra.contains_key("repetitions_for_10pct"))
+            .collect();
+        if with.is_empty() {
+            return None;
+        }
+        let mut n: Vec<u64> = with
+            .iter()
+            .filter_map(|r| r.extra["repetitions_for_10pct"].as_u64())
+            .collect();
+        n.sort_unstable();
+        let over = with.len() - n.len();
+        let median = n.get(n.len() / 2).map_or("-".to_owned(), |m| m.to_string());
+        Some(format!(
+            "repetitions for a 10% change of a ratio to be seen 80% of the time (resampled from this run): median {median} over {} figures, {over} need more than 61",
+            with.len()
+        ))
+    }
+
+    /// Reads a report written by [`BenchReport::write`] (or by an older version).
+    pub fn read(path: &Path) -> Result<BenchReport, ReadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ReadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|source| ReadError::Json {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// The bench bugs among the results (ratios past their limit, [`BenchResult::is_bench_bug`]).
+    pub fn bench_bugs(&self) -> Vec<&BenchResult> {
+        self.results.iter().filter(|r| r.is_bench_bug()).collect()
     }
 
     /// Writes the report as pretty JSON.
@@ -214,6 +372,29 @@ impl BenchReport {
         std::fs::write(path, text)
             .map_err(|e| anyhow::anyhow!("cannot write bench report {}: {e}", path.display()))
     }
+}
+
+/// A bench report could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// Unreadable file.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a bench report.
+    #[error("{} is not a bench report: {source}", path.display())]
+    Json {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// Percentile (nearest rank) of sorted samples; 0 for none.
@@ -248,8 +429,54 @@ mod tests {
         assert_eq!(res["ratio"], 0.75);
         assert_eq!(res["better"], "higher");
         assert_eq!(v["results"][1]["better"], "lower");
-        assert!(table_row(&r.results[1], 10).ends_with("lower is better"));
+        assert!(table_row(&r.results[1], 10).ends_with("lower is better  BENCH BUG"));
+        assert!(table_row(&r.results[0], 10).ends_with("higher is better"));
         assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
+    }
+
+    #[test]
+    fn json_round_trip_keeps_raw_samples_and_spreads() {
+        let a = [10.0, 11.0, 9.0, 10.5, 30.0];
+        let l = [20.0, 20.0, 20.0, 21.0, 20.0];
+        let r = BenchResult::from_samples("k", 4, &a, &l, "GB/s");
+        assert_eq!(r.achieved, 10.5);
+        assert_eq!(r.limit, 20.0);
+        assert_eq!(r.ratio, 10.5 / 20.0);
+        assert!(!r.extra.contains_key("bench_bug"));
+        let report = BenchReport {
+            machine: MachineInfo::detect(),
+            results: vec![r],
+        };
+        let dir = std::env::temp_dir().join(format!("em-json-rt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r.json");
+        report.write(&path).unwrap();
+        let back = BenchReport::read(&path).unwrap();
+        let b = &back.results[0];
+        assert_eq!(b.samples("achieved"), a);
+        assert_eq!(b.samples("limit"), l);
+        assert_eq!(b.ratio_samples().len(), 5);
+        assert_eq!(b.better, Better::Higher);
+        let s = b.ratio_spread().unwrap();
+        assert_eq!((s.n, s.p10, s.p90), (5, 0.45, 1.5));
+        std::fs::remove_dir_all(&dir).unwrap();
+        // A file from before spreads and `better` existed still reads.
+        let old = r#"{"machine": {"hostname": "h", "os": "linux", "arch": "x86_64", "cpus": 2},
+            "results": [{"name": "x", "batch": 1, "achieved": 1.0, "limit": 2.0,
+            "unit": "GB/s", "ratio": 0.5}]}"#;
+        let v: BenchReport = serde_json::from_str(old).unwrap();
+        assert_eq!(v.results[0].better, Better::Higher);
+        assert!(v.results[0].ratio_spread().is_none());
+    }
+
+    #[test]
+    fn ratios_past_the_limit_are_bench_bugs() {
+        let up = BenchResult::from_samples("t", 1, &[10.3, 10.3], &[10.0, 10.0], "GB/s");
+        assert!(up.is_bench_bug());
+        assert_eq!(up.extra["bench_bug"], true);
+        assert!(!BenchResult::new("t", 1, 10.2, 10.0, "GB/s").is_bench_bug());
+        assert!(BenchResult::new("l", 1, 9.0, 10.0, "us").is_bench_bug());
+        assert!(!BenchResult::new("l", 1, 30.0, 10.0, "us").is_bench_bug());
     }
 
     #[test]

@@ -1,100 +1,119 @@
-//! `expertmesh bench kernels`: expert FFN throughput of the CPU backend against the machine's
-//! memory read bandwidth (decode) and int8 peak (prefill), measured in the same run.
+//! `expertmesh bench kernels`: expert FFN throughput of the CPU backend against its roofline
+//! (the machine's read bandwidth and int8 compute peak), measured in the same run.
 //!
 //! Why this exists: decode MoE is memory-bound, so the honest figure for a kernel is weight
-//! bytes actually read per second over the bandwidth the machine can read at all. Batches route
-//! B tokens top-k over the routed experts of one layer of a real model shape, so the number of
-//! touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool of experts
-//! several times larger than the last-level cache, so every expert is read from DRAM.
+//! bytes actually read per second over what the machine can read at all; prefill and large
+//! batches on few experts are compute-bound, so those are judged against the int8 peak. Each
+//! case's limit is its roofline, min(bytes / read bandwidth, ops / int8 peak)
+//! ([`crate::bench_roofline`]), where the read bandwidth is the best configuration of several
+//! read kernels, thread counts, placements and buffer sizes ([`membw::probe_configs`], swept
+//! at the start), and the peak is a dot-product loop on the kernel's instruction.
 //!
-//! The run's length scales with `--seconds`: at 1 s and above the pool is max(1 GiB, 8 × LLC)
-//! and the bandwidth probe reads max(512 MiB, 8 × LLC) 7 times per model; below 1 s the pool
-//! and probe shrink in proportion (never below 2 × and 4 × the LLC) with 3 probe passes and 3
-//! calls per case at least (prefill 1), and batches whose one call would take over
-//! max(1 s, 5 × `--seconds`) are skipped, which the output states and `machine.settings` and
-//! `machine.skipped_cases` record. The JSON's
+//! Batches route B tokens top-k over the routed experts of one layer of a real model shape, so
+//! the number of touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool
+//! of experts several times larger than the last-level cache, so every expert is read from
+//! DRAM (the pool holds a few generated experts and copies of them: the data's values do not
+//! matter to the bandwidth).
+//!
+//! Statistics ([`crate::bench_stats`]): every figure is the median of `--repeats` repetitions;
+//! one repetition of a case is a limit sample (the better of two passes of the best read probe
+//! and of two of the peak loop) and a slot of kernel calls (at least [`SLOT_S`]), back to back, so drift and a noisy neighbour hit the kernel and its
+//! limit alike; cases take turns within a repetition (the order reversed every other one).
+//! `--seconds` bounds the whole run: setup (probe sweep, pools, warm-up calls) gets at most
+//! [`SETUP_SHARE`] of it, and repetitions stop when the next would not finish in time; what
+//! was cut is printed and recorded in `machine.settings` and `machine.skipped_cases`. The JSON's
 //! `machine.device_kind` is `"cpu"`: `plan --calibrate` applies these figures to CPU devices
 //! only.
 
 use crate::bench_json::{BenchReport, BenchResult};
+use crate::bench_roofline::{self, Bound, Roofline};
+use crate::bench_stats::Spread;
 use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertKey, GroupedBatch, Grouping, OutputLayout,
 };
-use expertmesh_cpu_backend::{CpuBackend, membw};
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_cpu_backend::membw::{self, Placement, ProbeConfig};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::synth::{self, SplitMix64};
 use expertmesh_topology::model::ModelSpec;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Options of `bench kernels`.
 #[derive(Debug, Clone)]
 pub struct KernelBenchOptions {
     /// Backend threads.
     pub threads: usize,
-    /// Seconds of measurement per case.
+    /// Seconds the whole run may take.
     pub seconds: f64,
+    /// Repetitions per case (fewer when `seconds` runs out).
+    pub repetitions: usize,
     /// Model presets whose expert shapes are measured.
     pub models: Vec<ModelSpec>,
     /// Decode batch sizes (tokens per layer call).
     pub batches: Vec<usize>,
     /// Tokens per expert for the prefill case (0 to skip).
     pub prefill_tokens: usize,
-    /// Minimum pool size in bytes (defaults to max(1 GiB, 8 × LLC), scaled down below 1 s).
+    /// Minimum pool size in bytes (0: the default, max(32 × LLC, 1 GiB), less in a short run).
     pub pool_bytes: u64,
 }
 
-/// How much work a run does beyond its measurement time, scaled to `--seconds`.
+/// Repetitions per case by default: enough to see a 10% change of a ratio between two runs on
+/// a noisy 2-core VM (BENCHMARKS.md, "How many repetitions").
+pub const DEFAULT_REPETITIONS: usize = 21;
+
+/// The most of `--seconds` that setup (probe sweep, pools, warm-up calls) may take.
+pub const SETUP_SHARE: f64 = 0.4;
+
+/// Bytes per second a pool loads at (measured here: 0.23–0.37 GB/s), for the time plan.
+const POOL_LOAD_RATE: f64 = 0.25e9;
+
+/// Target length of one repetition's slot of kernel calls, seconds (at least one call).
+const SLOT_S: f64 = 0.03;
+
+/// How much work a run does, scaled to `--seconds`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Effort {
     /// Weight pool per model, bytes.
     pub pool_bytes: u64,
-    /// The pool a run of 1 s or more uses.
+    /// The pool of an unhurried run.
     pub full_pool_bytes: u64,
-    /// Bandwidth probe buffer, bytes.
+    /// Largest bandwidth probe buffer, bytes.
     pub probe_bytes: u64,
-    /// The probe buffer of a run of 1 s or more.
+    /// The largest probe buffer of an unhurried run.
     pub full_probe_bytes: u64,
-    /// Probe passes per model.
+    /// Passes per probe configuration in the sweep.
     pub probe_passes: usize,
-    /// Calls per decode case at least (prefill: two fewer, at least 2; 1 in a short run).
-    pub min_calls: u64,
-    /// Whether `seconds` < 1 shrank the run.
+    /// Whether `seconds` shrank the pool or the probe.
     pub short: bool,
-    /// A short run skips a batch whose one call would take longer than this, seconds.
-    pub call_budget_s: f64,
+    /// Seconds for setup.
+    pub setup_s: f64,
 }
 
-/// Probe passes and calls per case of a full run.
-const FULL_PASSES: usize = 7;
-const FULL_MIN_CALLS: u64 = 5;
-
 impl Effort {
-    /// The effort for `opts` on a machine whose last-level cache holds `llc` bytes.
+    /// The effort for `opts` on a machine whose last-level cache holds `llc` bytes: the pool
+    /// and probe shrink when preparing them would not fit the setup share.
     pub fn new(opts: &KernelBenchOptions, llc: u64) -> Effort {
-        let full_pool_bytes = (8 * llc).max(1 << 30);
-        let full_probe_bytes = (8 * llc).max(512 << 20);
-        let scale = opts.seconds.clamp(0.0, 1.0);
-        let short = scale < 1.0;
-        let scaled = |full: u64, floor: u64| ((full as f64 * scale) as u64).clamp(floor, full);
+        // Floors of 1 GiB, not only multiples of the reported cache: a VM may report less
+        // cache than the host gives it (BENCHMARKS.md: a "32 MiB" L3 read like 96 MiB).
+        let full_pool_bytes = (32 * llc).max(1 << 30);
+        let full_probe_bytes = (32 * llc).max(1 << 30);
+        let setup_s = SETUP_SHARE * opts.seconds;
+        let models = opts.models.len().max(1) as f64;
+        let fit = |share: f64, rate: f64| (setup_s * share * rate) as u64;
+        // Loading a pool runs at about 0.25 GB/s here (generation, copies, repack); filling
+        // and sweeping the probe at about 2 GB/s.
+        let pool =
+            fit(0.5 / models, POOL_LOAD_RATE).clamp((2 * llc).max(32 << 20), full_pool_bytes);
+        let probe = fit(0.15, 2e9).clamp((4 * llc).max(64 << 20), full_probe_bytes);
         Effort {
-            pool_bytes: scaled(full_pool_bytes, (2 * llc).max(64 << 20)).max(opts.pool_bytes),
+            pool_bytes: pool.max(opts.pool_bytes),
             full_pool_bytes,
-            probe_bytes: scaled(full_probe_bytes, (4 * llc).max(64 << 20)),
+            probe_bytes: probe,
             full_probe_bytes,
-            probe_passes: if short { 3 } else { FULL_PASSES },
-            min_calls: if short { 3 } else { FULL_MIN_CALLS },
-            short,
-            call_budget_s: (5.0 * opts.seconds).max(1.0),
+            probe_passes: if opts.seconds >= 20.0 { 3 } else { 1 },
+            short: pool < full_pool_bytes || probe < full_probe_bytes,
+            setup_s,
         }
-    }
-
-    /// In a short run, the estimated seconds of one call of batch `b` when over the budget,
-    /// from the last batch measured (`(batch, seconds per call)`; time grows at most linearly
-    /// with the batch).
-    fn too_long(&self, last: Option<(usize, f64)>, b: usize) -> Option<f64> {
-        let (b0, t0) = last.filter(|_| self.short)?;
-        let est = t0 * b as f64 / b0.max(1) as f64;
-        (est > self.call_budget_s).then_some(est)
     }
 
     /// What the run does, for `machine.settings` in the JSON.
@@ -102,6 +121,7 @@ impl Effort {
         serde_json::json!({
             "seconds": opts.seconds,
             "threads": opts.threads,
+            "repetitions": opts.repetitions,
             "models": opts.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
             "batches": opts.batches,
             "prefill_tokens": opts.prefill_tokens,
@@ -110,9 +130,10 @@ impl Effort {
             "probe_bytes": self.probe_bytes,
             "full_probe_bytes": self.full_probe_bytes,
             "probe_passes": self.probe_passes,
-            "min_calls_per_case": self.min_calls,
+            "min_calls_per_case": 1,
+            "slot_s": SLOT_S,
+            "setup_share": SETUP_SHARE,
             "short_run": self.short,
-            "call_budget_s": self.call_budget_s,
         })
     }
 
@@ -121,20 +142,151 @@ impl Effort {
         let mib = |b: u64| b >> 20;
         self.short.then(|| {
             format!(
-                "short run (--seconds {seconds} < 1): weight pool {} MiB instead of {}, bandwidth probe {} MiB x {} passes instead of {} MiB x {FULL_PASSES}, at least {} calls per case instead of {FULL_MIN_CALLS} (prefill: 1), batches whose one call would exceed {:.1} s skipped; figures are noisier than a full run's",
+                "short run (--seconds {seconds}): weight pool {} MiB instead of {}, bandwidth probe up to {} MiB instead of {}, {} sweep pass(es) per probe; figures are noisier than a longer run's",
                 mib(self.pool_bytes),
                 mib(self.full_pool_bytes),
                 mib(self.probe_bytes),
-                self.probe_passes,
                 mib(self.full_probe_bytes),
-                self.min_calls,
-                self.call_budget_s
+                self.probe_passes,
             )
         })
     }
 }
 
-/// One expert's share of a routed batch: physical expert, tokens, weights, output rows.
+/// The run's clock: when it started and when it must end.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    start: Instant,
+    end: Instant,
+    setup_end: Instant,
+}
+
+impl Clock {
+    fn new(seconds: f64, setup_s: f64) -> Clock {
+        let start = Instant::now();
+        Clock {
+            start,
+            end: start + Duration::from_secs_f64(seconds),
+            setup_end: start + Duration::from_secs_f64(setup_s),
+        }
+    }
+    /// Whether `secs` more still end by `until`.
+    fn fits(until: Instant, secs: f64) -> bool {
+        Instant::now() + Duration::from_secs_f64(secs.max(0.0)) <= until
+    }
+}
+
+/// The same-run limits: the best read probe configuration (from a sweep) and the peak loop.
+struct Limits {
+    buf: Vec<u8>,
+    best: ProbeConfig,
+    sweep: Vec<(ProbeConfig, Vec<f64>)>,
+    peak_iters: usize,
+    threads: usize,
+    bw: Vec<f64>,
+    peak: Vec<f64>,
+}
+
+impl Limits {
+    /// Sweep every probe configuration (passes round-robin until `effort.probe_passes` each
+    /// or a tenth of the setup time is spent) and keep the one with the best median.
+    fn sweep(threads: usize, effort: &Effort, llc: u64, clock: &Clock) -> Limits {
+        let big = effort.probe_bytes as usize;
+        let small = ((16 * llc) as usize).max(512 << 20).min(big);
+        let mut sizes = vec![small, big];
+        sizes.dedup();
+        let buf = vec![1u8; big];
+        let until = clock.start + Duration::from_secs_f64(0.25 * effort.setup_s);
+        let mut configs = membw::probe_configs(threads, &sizes);
+        // Most promising first, for a sweep the clock cuts short: all threads, pinned.
+        configs.sort_by_key(|c| {
+            (
+                std::cmp::Reverse(c.threads),
+                c.placement == Placement::Unpinned,
+            )
+        });
+        let mut sweep: Vec<(ProbeConfig, Vec<f64>)> =
+            configs.into_iter().map(|c| (c, Vec::new())).collect();
+        'passes: for _ in 0..effort.probe_passes {
+            for (cfg, samples) in sweep.iter_mut() {
+                if !samples.is_empty() && !Clock::fits(until, cfg.bytes as f64 / 10e9) {
+                    break 'passes;
+                }
+                samples.push(membw::read_pass(&buf, cfg));
+            }
+        }
+        sweep.retain(|(_, s)| !s.is_empty());
+        let best = sweep
+            .iter()
+            .max_by(|a, b| Spread::of(&a.1).median.total_cmp(&Spread::of(&b.1).median))
+            .map(|(c, _)| c.clone())
+            .expect("the first configuration always runs");
+        Limits {
+            buf,
+            best,
+            sweep,
+            peak_iters: bench_roofline::iters_for(0.004),
+            threads,
+            bw: Vec::new(),
+            peak: Vec::new(),
+        }
+    }
+
+    /// One limit sample: the better of two passes of the best probe and of two passes of
+    /// the peak loop (a limit is an upper envelope: interference only lowers a pass, so the
+    /// better of two is the less disturbed one).
+    fn sample(&mut self) -> Roofline {
+        let best_of_2 = |f: &mut dyn FnMut() -> f64| f().max(f());
+        let r = Roofline {
+            read_bytes_per_s: best_of_2(&mut || membw::read_pass(&self.buf, &self.best)),
+            ops_per_s: best_of_2(&mut || {
+                bench_roofline::int8_peak_pass(self.threads, self.peak_iters)
+            }),
+        };
+        self.bw.push(r.read_bytes_per_s);
+        self.peak.push(r.ops_per_s);
+        r
+    }
+
+    /// Seconds one [`Limits::sample`] takes (estimated).
+    fn sample_s(&self) -> f64 {
+        2.0 * (self.best.bytes as f64 / 15e9 + 0.004)
+    }
+
+    /// The sweep and the interleaved samples, for `machine` in the JSON.
+    fn describe(&self, report: &mut BenchReport) {
+        let probes: Vec<serde_json::Value> = self
+            .sweep
+            .iter()
+            .map(|(c, s)| {
+                serde_json::json!({
+                    "name": c.name(), "kernel": c.kernel.name(), "threads": c.threads,
+                    "placement": c.placement.name(), "bytes": c.bytes,
+                    "gbs_median": Spread::of(s).median / 1e9,
+                    "samples_gbs": s.iter().map(|x| x / 1e9).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let (bw, peak) = (Spread::of(&self.bw), Spread::of(&self.peak));
+        let m = &mut report.machine.extra;
+        m.insert("read_bandwidth_probes".into(), probes.into());
+        m.insert("read_bandwidth_probe_best".into(), self.best.name().into());
+        m.insert("bandwidth_probe_bytes".into(), self.best.bytes.into());
+        m.insert("read_bandwidth_gbs_median".into(), (bw.median / 1e9).into());
+        m.insert("read_bandwidth_gbs_p10".into(), (bw.p10 / 1e9).into());
+        m.insert("read_bandwidth_gbs_p90".into(), (bw.p90 / 1e9).into());
+        let best = self.bw.iter().copied().fold(0.0, f64::max);
+        m.insert("read_bandwidth_gbs_best".into(), (best / 1e9).into());
+        m.insert("int8_peak_tops_median".into(), (peak.median / 1e12).into());
+        m.insert("int8_peak_tops_p10".into(), (peak.p10 / 1e12).into());
+        m.insert("int8_peak_tops_p90".into(), (peak.p90 / 1e12).into());
+        m.insert(
+            "int8_peak_basis".into(),
+            bench_roofline::peak_basis().into(),
+        );
+    }
+}
+
 /// One routed batch: its (token, logical expert) pairs, grouped by logical expert when run;
 /// logical expert `e` runs on physical expert `(e + offset) % pool`.
 struct RoutedBatch {
@@ -184,188 +336,20 @@ fn route_uniform(
     }
 }
 
-/// Run one routed batch (per-slot output) on the backend.
-fn run_batch(
-    backend: &mut CpuBackend,
-    hidden: usize,
-    tokens: usize,
-    x: &[f32],
-    rb: &mut RoutedBatch,
-    out: &mut Vec<f32>,
-    mode: ComputeMode,
-) -> anyhow::Result<()> {
-    out.resize(rb.pairs * hidden, 0.0);
-    let (offset, pool) = (rb.offset, rb.pool);
-    let physical = |e: u32| ((e as usize + offset) % pool) as u32;
-    rb.grouping.with_groups_keyed(0, physical, |groups| {
-        let batch = GroupedBatch {
-            mode,
-            hidden,
-            tokens,
-            input: Activations::F32(&x[..tokens * hidden]),
-            groups,
-            layout: OutputLayout::PerSlot,
-        };
-        backend.execute(&batch, out)
-    })?;
-    Ok(())
+/// What a case runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    /// Exact-mode decode of a routed batch of this many tokens.
+    Decode(usize),
+    /// Accurate-mode decode of one token.
+    Accurate,
+    /// This many tokens on one expert at a time, exact mode.
+    Prefill(usize),
 }
 
-/// Per-call samples of one case: bytes read (or ops) per second for every call.
-#[derive(Default)]
-struct Samples {
-    rates: Vec<f64>,
-    secs: f64,
-    calls: u64,
-    touched: usize,
-}
-
-impl Samples {
-    fn add(&mut self, amount: f64, secs: f64, touched: usize) {
-        self.rates.push(amount / secs);
-        self.secs += secs;
-        self.calls += 1;
-        self.touched += touched;
-    }
-    fn median(&self) -> f64 {
-        membw::median(&self.rates)
-    }
-    fn best(&self) -> f64 {
-        self.rates.iter().copied().fold(0.0, f64::max)
-    }
-}
-
-/// Same-run bandwidth samples, re-probed before every model so a noisy neighbour affects the
-/// limit and the kernel alike.
-struct Bandwidth {
-    probe: Vec<u8>,
-    threads: usize,
-    passes: usize,
-    samples: Vec<f64>,
-}
-
-impl Bandwidth {
-    fn probe(&mut self) {
-        let s = membw::read_bandwidth_samples(&self.probe, self.threads, self.passes);
-        self.samples.extend(s);
-    }
-    fn median(&self) -> f64 {
-        membw::median(&self.samples)
-    }
-    fn best(&self) -> f64 {
-        self.samples.iter().copied().fold(0.0, f64::max)
-    }
-}
-
-/// Run the kernel benchmark and return the report. Figures are medians over calls (achieved)
-/// and over probe passes (limit); the best of each is reported alongside.
-pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
-    let mut report = BenchReport::new();
-    let effort = Effort::new(opts, membw::last_level_cache_bytes());
-    if let Some(line) = effort.short_run_line(opts.seconds) {
-        println!("{line}");
-    }
-    // Same-run limit: read bandwidth over a buffer 8x the LLC (at least 512 MiB; less in a
-    // short run).
-    let probe_len = effort.probe_bytes as usize;
-    let mut bw = Bandwidth {
-        probe: vec![1u8; probe_len],
-        threads: opts.threads,
-        passes: effort.probe_passes,
-        samples: Vec::new(),
-    };
-    let extra = &mut report.machine.extra;
-    extra.insert("device_kind".into(), "cpu".into());
-    extra.insert("settings".into(), effort.settings(opts));
-    extra.insert("threads".into(), opts.threads.into());
-    report
-        .machine
-        .extra
-        .insert("bandwidth_probe_bytes".into(), probe_len.into());
-    let mhz = report
-        .machine
-        .extra
-        .get("cpu_mhz")
-        .and_then(|v| v.as_f64())
-        .unwrap_or(0.0);
-    let mut pending: Vec<(BenchResult, f64)> = Vec::new(); // (result with achieved set, best)
-
-    let mut skipped = Vec::new();
-    for spec in &opts.models {
-        let mut m = ModelBench::load(opts, spec, &effort)?;
-        report
-            .machine
-            .extra
-            .insert("backend".into(), m.backend.name().into());
-        bw.probe();
-        println!(
-            "  memory read bandwidth ({} threads, {} MiB): median {:.2} GB/s, best {:.2} GB/s so far",
-            opts.threads,
-            probe_len >> 20,
-            gbs(bw.median()),
-            gbs(bw.best())
-        );
-        m.decode(&mut pending, &mut skipped)?;
-        m.accurate(&mut pending)?;
-        if opts.prefill_tokens > 0 && mhz > 0.0 {
-            report.results.push(m.prefill(mhz)?);
-        }
-    }
-    add_memory_bound(&mut report, &bw, pending);
-    report
-        .machine
-        .extra
-        .insert("skipped_cases".into(), skipped.into());
-    report
-        .results
-        .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
-    Ok(report)
-}
-
-/// Bytes per second in GB/s.
-fn gbs(b: f64) -> f64 {
-    b / 1e9
-}
-
-/// Final step: the memory-bound results against the run's bandwidth (medians, and bests
-/// alongside), first in the report.
-fn add_memory_bound(report: &mut BenchReport, bw: &Bandwidth, pending: Vec<(BenchResult, f64)>) {
-    let (limit, limit_best) = (gbs(bw.median()), gbs(bw.best()));
-    report
-        .machine
-        .extra
-        .insert("read_bandwidth_gbs_median".into(), limit.into());
-    report
-        .machine
-        .extra
-        .insert("read_bandwidth_gbs_best".into(), limit_best.into());
-    for (mut r, best) in pending {
-        r.limit = limit;
-        r.ratio = if limit > 0.0 { r.achieved / limit } else { 0.0 };
-        r = r
-            .with("best", best)
-            .with("limit_best", limit_best)
-            .with(
-                "ratio_best",
-                if limit_best > 0.0 {
-                    best / limit_best
-                } else {
-                    0.0
-                },
-            )
-            .with(
-                "limit_kind",
-                "memory read bandwidth, same run, same threads",
-            );
-        report.results.insert(0, r);
-    }
-}
-
-/// One model's cases: its expert pool loaded into a backend, and the shared input and RNG.
-struct ModelBench<'a> {
-    opts: &'a KernelBenchOptions,
-    spec: &'a ModelSpec,
-    effort: Effort,
+/// One model's expert pool loaded into a backend, and the shared input and RNG.
+struct ModelBench {
+    spec: ModelSpec,
     backend: CpuBackend,
     /// Hidden size, intermediate size, routed experts, top-k.
     h: usize,
@@ -378,52 +362,56 @@ struct ModelBench<'a> {
     rng: SplitMix64,
     x: Vec<f32>,
     out: Vec<f32>,
+    offset: usize,
 }
 
-impl<'a> ModelBench<'a> {
-    /// Setup step: generate a pool of experts larger than the cache and load it.
+/// What one call did: bytes of weights read, int8 operations, touched experts, seconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Call {
+    bytes: f64,
+    ops: f64,
+    touched: f64,
+    secs: f64,
+}
+
+impl ModelBench {
+    /// Setup step: a pool of at least `pool_bytes` of experts (a few generated, the rest
+    /// copies), loaded into a backend with `threads` threads.
     fn load(
-        opts: &'a KernelBenchOptions,
-        spec: &'a ModelSpec,
-        effort: &Effort,
+        spec: &ModelSpec,
+        threads: usize,
+        pool_bytes: u64,
+        max_tokens: usize,
     ) -> anyhow::Result<Self> {
-        let pool_target = effort.pool_bytes;
         let (h, f) = (spec.hidden as usize, spec.moe_intermediate as usize);
         let (e, k) = (spec.routed_experts as usize, spec.top_k as usize);
         let expert_bytes = spec.expert_bytes();
-        let pool = (pool_target.div_ceil(expert_bytes) as usize).max(2);
+        let pool = (pool_bytes.div_ceil(expert_bytes) as usize).max(2);
         print!(
-            "{}: generating {pool} experts ({:.2} GB) ... ",
+            "{}: pool of {pool} experts ({:.2} GB) ... ",
             spec.name,
             (pool as u64 * expert_bytes) as f64 / 1e9
         );
         let t0 = Instant::now();
+        let distinct = (0..pool.min(4))
+            .map(|i| synth::synthetic_expert(spec.quant, h, f, 7, 0, i as u32))
+            .collect::<Result<Vec<_>, _>>()?;
         let experts = (0..pool)
             .map(|i| {
-                synth::synthetic_expert(spec.quant, h, f, 7, 0, i as u32).map(|w| {
-                    (
-                        ExpertKey {
-                            layer: 0,
-                            expert: i as u32,
-                        },
-                        w,
-                    )
-                })
+                let key = ExpertKey {
+                    layer: 0,
+                    expert: i as u32,
+                };
+                (key, distinct[i % distinct.len()].clone())
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let max_b = opts
-            .batches
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(1)
-            .max(opts.prefill_tokens);
-        let mut backend = CpuBackend::new(opts.threads)?;
+            .collect();
+        drop(distinct);
+        let mut backend = CpuBackend::new(threads)?;
         backend.load(
             experts,
             BatchLimits {
-                max_tokens: max_b,
-                max_pairs: max_b * k.max(1),
+                max_tokens,
+                max_pairs: max_tokens * k.max(1),
             },
         )?;
         println!(
@@ -432,11 +420,9 @@ impl<'a> ModelBench<'a> {
             backend.name()
         );
         let mut rng = SplitMix64::new(99);
-        let x = synth::normal_vec(&mut rng, max_b * h, 1.0);
+        let x = synth::normal_vec(&mut rng, max_tokens * h, 1.0);
         Ok(Self {
-            opts,
-            spec,
-            effort: *effort,
+            spec: spec.clone(),
             backend,
             h,
             f,
@@ -447,195 +433,423 @@ impl<'a> ModelBench<'a> {
             rng,
             x,
             out: Vec::new(),
+            offset: 0,
         })
     }
 
-    /// Time calls of `b` uniformly routed tokens in `mode` until `secs` seconds and the
-    /// effort's minimum calls,
-    /// the experts rotating by `stride` per call (amount: weight bytes read).
-    fn sample_routed(
-        &mut self,
-        b: usize,
-        mode: ComputeMode,
-        stride: usize,
-        secs: f64,
-    ) -> anyhow::Result<Samples> {
-        let mut offset = 0usize;
-        let mut s = Samples::default();
-        while s.secs < secs || s.calls < self.effort.min_calls {
-            offset += stride;
-            let mut rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, self.pool);
-            let t = Instant::now();
-            run_batch(
-                &mut self.backend,
-                self.h,
-                b,
-                &self.x,
-                &mut rb,
-                &mut self.out,
-                mode,
-            )?;
-            s.add(
-                (rb.touched as u64 * self.expert_bytes) as f64,
-                t.elapsed().as_secs_f64(),
-                rb.touched,
-            );
-        }
-        Ok(s)
+    /// One call of `kind`; the experts rotate so consecutive calls read other experts.
+    fn call(&mut self, kind: Kind) -> anyhow::Result<Call> {
+        let (tokens, mode, mut rb) = match kind {
+            Kind::Decode(_) | Kind::Accurate => {
+                let (b, mode) = match kind {
+                    Kind::Decode(b) => (b, ComputeMode::Exact),
+                    _ => (1, ComputeMode::Accurate),
+                };
+                self.offset += self.e + 1;
+                let rb = route_uniform(&mut self.rng, b, self.e, self.k, self.offset, self.pool);
+                (b, mode, rb)
+            }
+            Kind::Prefill(tpe) => {
+                let mut grouping = Grouping::with_capacity(tpe);
+                for t in 0..tpe as u32 {
+                    grouping.push(0, t, 1.0, t);
+                }
+                self.offset += 1;
+                let rb = RoutedBatch {
+                    grouping,
+                    offset: self.offset % self.pool,
+                    pool: self.pool,
+                    touched: 1,
+                    pairs: tpe,
+                };
+                (tpe, ComputeMode::Exact, rb)
+            }
+        };
+        let t = Instant::now();
+        self.run_batch(tokens, &mut rb, mode)?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok(Call {
+            bytes: (rb.touched as u64 * self.expert_bytes) as f64,
+            ops: 2.0 * rb.pairs as f64 * self.spec.expert_params() as f64,
+            touched: rb.touched as f64,
+            secs,
+        })
     }
 
-    /// Decode step: exact mode at every batch size (memory-bound; limits set later).
-    /// A short run skips batches whose one call would take far longer than `--seconds`
-    /// (estimated from the last batch measured) and warms up only before its first batch.
-    fn decode(
+    /// Run one routed batch (per-slot output) on the backend.
+    fn run_batch(
         &mut self,
-        pending: &mut Vec<(BenchResult, f64)>,
-        skipped: &mut Vec<serde_json::Value>,
+        tokens: usize,
+        rb: &mut RoutedBatch,
+        mode: ComputeMode,
     ) -> anyhow::Result<()> {
-        let (spec, h, f, e, k) = (self.spec, self.h, self.f, self.e, self.k);
+        let hidden = self.h;
+        self.out.resize(rb.pairs * hidden, 0.0);
+        let (offset, pool) = (rb.offset, rb.pool);
+        let physical = |e: u32| ((e as usize + offset) % pool) as u32;
+        let (backend, x, out) = (&mut self.backend, &self.x, &mut self.out);
+        rb.grouping.with_groups_keyed(0, physical, |groups| {
+            let batch = GroupedBatch {
+                mode,
+                hidden,
+                tokens,
+                input: Activations::F32(&x[..tokens * hidden]),
+                groups,
+                layout: OutputLayout::PerSlot,
+            };
+            backend.execute(&batch, out)
+        })?;
+        Ok(())
+    }
+}
+
+/// One measured case: a model, what it runs, and its interleaved samples.
+struct Case {
+    model: usize,
+    kind: Kind,
+    /// Seconds of one call (from the warm-up, then the latest slot).
+    call_s: f64,
+    /// Per repetition: achieved and limit in the row's unit, and the slot's calls.
+    achieved: Vec<f64>,
+    limit: Vec<f64>,
+    slots: Vec<(Call, u32, Bound)>,
+    /// Seconds the last repetition took.
+    last_sample_s: f64,
+}
+
+impl Case {
+    fn unit(&self) -> &'static str {
+        match self.kind {
+            Kind::Prefill(_) => "TOPS",
+            _ => "GB/s",
+        }
+    }
+
+    /// One repetition: a limit sample, then a slot of calls (at least one, about [`SLOT_S`]).
+    fn sample(&mut self, m: &mut ModelBench, limits: &mut Limits) -> anyhow::Result<()> {
+        let mut roof = limits.sample();
+        if self.kind == Kind::Accurate {
+            // The int8 peak says nothing about f32 arithmetic: memory only.
+            roof.ops_per_s = 0.0;
+        }
+        let mut sum = Call::default();
+        let mut calls = 0u32;
+        while calls == 0 || sum.secs < SLOT_S {
+            let c = m.call(self.kind)?;
+            sum.bytes += c.bytes;
+            sum.ops += c.ops;
+            sum.touched += c.touched;
+            sum.secs += c.secs;
+            calls += 1;
+        }
+        self.call_s = sum.secs / calls as f64;
+        let (lim, bound) = match self.kind {
+            Kind::Prefill(_) => {
+                let (r, b) = roof.op_rate(sum.bytes, sum.ops);
+                (r / 1e12, b)
+            }
+            _ => {
+                let (r, b) = roof.byte_rate(sum.bytes, sum.ops);
+                (r / 1e9, b)
+            }
+        };
+        let achieved = match self.kind {
+            Kind::Prefill(_) => sum.ops / sum.secs / 1e12,
+            _ => sum.bytes / sum.secs / 1e9,
+        };
+        self.achieved.push(achieved);
+        self.limit.push(lim);
+        self.slots.push((sum, calls, bound));
+        Ok(())
+    }
+
+    /// Seconds one repetition takes: the longer of the estimate and the last one's time,
+    /// with 20% to spare.
+    fn sample_s(&self, limits: &Limits) -> f64 {
+        1.2 * (limits.sample_s() + self.call_s.max(SLOT_S)).max(self.last_sample_s)
+    }
+}
+
+/// Run the kernel benchmark and return the report.
+pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
+    let mut report = BenchReport::new();
+    let llc = membw::last_level_cache_bytes();
+    let effort = Effort::new(opts, llc);
+    let clock = Clock::new(opts.seconds, effort.setup_s);
+    if let Some(line) = effort.short_run_line(opts.seconds) {
+        println!("{line}");
+    }
+    let mut limits = Limits::sweep(opts.threads, &effort, llc, &clock);
+    println!(
+        "  read probes: {} configurations swept; best {} at {:.2} GB/s (median of its passes)",
+        limits.sweep.len(),
+        limits.best.name(),
+        limits
+            .sweep
+            .iter()
+            .find(|(c, _)| *c == limits.best)
+            .map_or(0.0, |(_, s)| Spread::of(s).median / 1e9)
+    );
+    let mut skipped = Vec::new();
+    let (mut models, mut cases) = setup_cases(opts, &effort, &clock, &mut skipped)?;
+    let done = measure(&mut models, &mut cases, &mut limits, opts, &clock)?;
+    limits.describe(&mut report);
+    let extra = &mut report.machine.extra;
+    extra.insert("device_kind".into(), "cpu".into());
+    let mut settings = effort.settings(opts);
+    settings["repetitions_done"] = done.into();
+    settings["elapsed_s"] = clock.start.elapsed().as_secs_f64().into();
+    extra.insert("settings".into(), settings);
+    extra.insert("threads".into(), opts.threads.into());
+    if let Some(m) = models.first() {
+        extra.insert("backend".into(), m.backend.name().into());
+    }
+    extra.insert("skipped_cases".into(), skipped.into());
+    crate::bench_machine::finish(extra);
+    for c in &cases {
+        if let Some(r) = result_of(c, &models[c.model], opts.threads) {
+            report.results.push(r);
+        }
+    }
+    report
+        .results
+        .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
+    for bug in report.bench_bugs() {
+        println!(
+            "BENCH BUG: {} B={} ratio {:.3} is past its limit by more than 2%: the limit was not measured as a limit",
+            bug.name, bug.batch, bug.ratio
+        );
+    }
+    Ok(report)
+}
+
+/// Setup: each model's pool and its cases, each warmed up by one call (which also times it);
+/// a case whose call would not fit its share of the remaining time is skipped, and so is a
+/// model whose pool would not be ready before the setup share runs out.
+fn setup_cases(
+    opts: &KernelBenchOptions,
+    effort: &Effort,
+    clock: &Clock,
+    skipped: &mut Vec<serde_json::Value>,
+) -> anyhow::Result<(Vec<ModelBench>, Vec<Case>)> {
+    let max_b = opts.batches.iter().copied().max().unwrap_or(1);
+    let max_tokens = max_b.max(opts.prefill_tokens);
+    let (mut models, mut cases) = (Vec::new(), Vec::new());
+    let mut skip = |name: &str, kind: Kind, why: String| {
+        println!("  {name} {kind:?}: skipped ({why})");
+        skipped.push(serde_json::json!({"model": name, "case": format!("{kind:?}"), "why": why}));
+    };
+    for spec in &opts.models {
+        let load_est = effort.pool_bytes as f64 / POOL_LOAD_RATE;
+        if !models.is_empty() && !Clock::fits(clock.setup_end, load_est) {
+            skip(
+                &spec.name,
+                Kind::Decode(0),
+                "no time left for its pool".into(),
+            );
+            continue;
+        }
+        let mut m = ModelBench::load(spec, opts.threads, effort.pool_bytes, max_tokens)?;
+        let mut kinds: Vec<Kind> = opts.batches.iter().map(|&b| Kind::Decode(b)).collect();
+        kinds.push(Kind::Accurate);
+        if opts.prefill_tokens > 0 {
+            kinds.push(Kind::Prefill(opts.prefill_tokens));
+        }
         let mut last: Option<(usize, f64)> = None;
-        for &b in &self.opts.batches {
-            if let Some(est) = self.effort.too_long(last, b) {
-                println!(
-                    "  B={b:>4}: skipped in this short run (one call ~ {est:.1} s > {:.1} s); use --seconds 1 or more to measure it",
-                    self.effort.call_budget_s
+        for kind in kinds {
+            let tokens = match kind {
+                Kind::Decode(b) | Kind::Prefill(b) => b,
+                Kind::Accurate => 1,
+            };
+            // One call of this case may take at most a third of the time left (estimated
+            // from the last decode batch, linear in the batch).
+            let budget = (clock.end - Instant::now().min(clock.end)).as_secs_f64() / 3.0;
+            let est = last.map_or(0.0, |(b0, t0)| t0 * tokens as f64 / b0.max(1) as f64);
+            if est > budget || !Clock::fits(clock.end, est) {
+                skip(
+                    &spec.name,
+                    kind,
+                    format!("one call ~{est:.2} s > {budget:.2} s"),
                 );
-                skipped.push(serde_json::json!({
-                    "model": spec.name, "batch": b, "estimated_call_s": est,
-                }));
                 continue;
             }
-            if !self.effort.short || last.is_none() {
-                // warm-up (first touch of the output buffer, thread start)
-                let mut rb = route_uniform(&mut self.rng, b, e, k, 0, self.pool);
-                run_batch(
-                    &mut self.backend,
-                    h,
-                    b,
-                    &self.x,
-                    &mut rb,
-                    &mut self.out,
-                    ComputeMode::Exact,
-                )?;
+            let c = m.call(kind)?;
+            if matches!(kind, Kind::Decode(_)) {
+                last = Some((tokens, c.secs));
             }
-            let s = self.sample_routed(b, ComputeMode::Exact, e + 1, self.opts.seconds)?;
-            last = Some((b, s.secs / s.calls as f64));
-            let avg_touched = s.touched as f64 / s.calls as f64;
-            let ops = 2.0 * (b * k) as f64 * spec.expert_params() as f64 * s.calls as f64 / s.secs;
-            pending.push((
-                BenchResult::new(
-                    format!("decode-exact {} H{h} F{f}", spec.name),
-                    b as u64,
-                    gbs(s.median()),
-                    0.0,
-                    "GB/s",
-                )
-                .with("experts_touched", avg_touched)
-                .with("tokens_per_expert", (b * k) as f64 / avg_touched)
-                .with("latency_us", s.secs / s.calls as f64 * 1e6)
-                .with("int8_tops", ops / 1e12)
-                .with("calls", s.calls)
-                .with("mode", "exact"),
-                gbs(s.best()),
-            ));
-            println!(
-                "  B={b:>4}: {:>7.2} GB/s of weights (median call; best {:.2}), {:>6.1} experts, {:>9.1} us/call",
-                gbs(s.median()),
-                gbs(s.best()),
-                avg_touched,
-                s.secs / s.calls as f64 * 1e6
-            );
+            cases.push(Case {
+                model: models.len(),
+                kind,
+                call_s: c.secs,
+                achieved: Vec::new(),
+                limit: Vec::new(),
+                slots: Vec::new(),
+                last_sample_s: 0.0,
+            });
         }
-        Ok(())
+        models.push(m);
     }
+    Ok((models, cases))
+}
 
-    /// Accurate step: accurate mode at batch 1, for reference.
-    fn accurate(&mut self, pending: &mut Vec<(BenchResult, f64)>) -> anyhow::Result<()> {
-        let secs = self.opts.seconds.min(1.0);
-        let s = self.sample_routed(1, ComputeMode::Accurate, self.k, secs)?;
-        pending.push((
-            BenchResult::new(
-                format!("decode-accurate {} H{} F{}", self.spec.name, self.h, self.f),
-                1,
-                gbs(s.median()),
-                0.0,
-                "GB/s",
-            )
-            .with("mode", "accurate"),
-            gbs(s.best()),
-        ));
-        println!(
-            "  B=   1 accurate: {:>7.2} GB/s (median call; best {:.2})",
-            gbs(s.median()),
-            gbs(s.best())
-        );
-        Ok(())
-    }
-
-    /// Prefill step: many tokens on one expert at a time (compute-bound), against the VNNI
-    /// peak at `mhz`.
-    fn prefill(&mut self, mhz: f64) -> anyhow::Result<BenchResult> {
-        let (opts, spec, h, f) = (self.opts, self.spec, self.h, self.f);
-        let tpe = opts.prefill_tokens;
-        let peak = opts.threads as f64 * mhz * 1e6 * 2.0 * 64.0;
-        let mut s = Samples::default();
-        let mut idx = 0usize;
-        while s.secs < opts.seconds
-            || s.calls < (self.effort.min_calls - 2).max(if self.effort.short { 1 } else { 2 })
-        {
-            let mut grouping = Grouping::with_capacity(tpe);
-            for t in 0..tpe as u32 {
-                grouping.push(0, t, 1.0, t);
+/// The repetitions: every case in turn (reversed every other repetition), until
+/// `opts.repetitions` or the clock stops them; returns the repetitions every case completed.
+fn measure(
+    models: &mut [ModelBench],
+    cases: &mut [Case],
+    limits: &mut Limits,
+    opts: &KernelBenchOptions,
+    clock: &Clock,
+) -> anyhow::Result<usize> {
+    let mut order: Vec<usize> = (0..cases.len()).collect();
+    for rep in 0..opts.repetitions.max(1) {
+        for &i in &order {
+            let c = &mut cases[i];
+            if !Clock::fits(clock.end, c.sample_s(limits)) {
+                println!(
+                    "  --seconds {} reached in repetition {}: stopping (figures from the repetitions done)",
+                    opts.seconds,
+                    rep + 1
+                );
+                return Ok(rep);
             }
-            let mut rb = RoutedBatch {
-                grouping,
-                offset: idx % self.pool,
-                pool: self.pool,
-                touched: 1,
-                pairs: tpe,
-            };
-            idx += 1;
-            let t = Instant::now();
-            run_batch(
-                &mut self.backend,
-                h,
-                tpe,
-                &self.x,
-                &mut rb,
-                &mut self.out,
-                ComputeMode::Exact,
-            )?;
-            s.add(
-                2.0 * tpe as f64 * spec.expert_params() as f64,
-                t.elapsed().as_secs_f64(),
-                rb.pairs,
-            );
+            let t0 = Instant::now();
+            c.sample(&mut models[c.model], limits)?;
+            c.last_sample_s = t0.elapsed().as_secs_f64();
         }
-        let mut r = BenchResult::new(
-            format!("prefill-exact {} H{h} F{f}", spec.name),
-            tpe as u64,
-            s.median() / 1e12,
-            peak / 1e12,
-            "TOPS",
-        )
+        order.reverse();
+    }
+    Ok(opts.repetitions.max(1))
+}
+
+/// The result row of a case (none without samples).
+fn result_of(c: &Case, m: &ModelBench, threads: usize) -> Option<BenchResult> {
+    if c.achieved.is_empty() {
+        return None;
+    }
+    let (spec, h, f) = (&m.spec, m.h, m.f);
+    let (name, batch, mode) = match c.kind {
+        Kind::Decode(b) => (format!("decode-exact {} H{h} F{f}", spec.name), b, "exact"),
+        Kind::Accurate => (
+            format!("decode-accurate {} H{h} F{f}", spec.name),
+            1,
+            "accurate",
+        ),
+        Kind::Prefill(t) => (format!("prefill-exact {} H{h} F{f}", spec.name), t, "exact"),
+    };
+    let mut r = BenchResult::from_samples(name, batch as u64, &c.achieved, &c.limit, c.unit());
+    let calls: u32 = c.slots.iter().map(|s| s.1).sum();
+    let tot = c.slots.iter().fold(Call::default(), |a, (s, _, _)| Call {
+        bytes: a.bytes + s.bytes,
+        ops: a.ops + s.ops,
+        touched: a.touched + s.touched,
+        secs: a.secs + s.secs,
+    });
+    let lat: Vec<f64> = c
+        .slots
+        .iter()
+        .map(|(s, n, _)| s.secs / *n as f64 * 1e6)
+        .collect();
+    let lat = Spread::of(&lat);
+    let compute = c.slots.iter().filter(|s| s.2 == Bound::Compute).count();
+    let bound = if 2 * compute > c.slots.len() {
+        Bound::Compute
+    } else {
+        Bound::Memory
+    };
+    let best = c.achieved.iter().copied().fold(0.0, f64::max);
+    let ratio_best = if r.limit > 0.0 { best / r.limit } else { 0.0 };
+    let limit_kind = if c.kind == Kind::Accurate {
+        "memory read bandwidth (best read probe), same run, interleaved; f32 peak not measured"
+    } else {
+        "roofline min(bytes / read bandwidth, int8 ops / int8 peak), same run, interleaved"
+    };
+    r = r
+        .with("mode", mode)
+        .with("limit_kind", limit_kind)
+        .with("bound", bound.name())
+        .with("best", best)
+        .with("ratio_best", ratio_best)
+        .with("experts_touched", tot.touched / calls as f64)
         .with(
-            "peak_basis",
-            format!(
-                "{} threads x {mhz:.0} MHz x 128 int8 ops/cycle (one 512-bit vpdpbusd per cycle)",
-                opts.threads
-            ),
+            "tokens_per_expert",
+            tot.ops / 2.0 / spec.expert_params() as f64 / tot.touched,
         )
-        .with("best", s.best() / 1e12)
-        .with("ratio_best", s.best() / peak)
-        .with("mode", "exact");
-        r.extra
-            .insert("limit_kind".into(), "compute peak (nominal clock)".into());
-        println!(
-            "  prefill {tpe} tokens/expert: {:.3} int8 TOPS ({:.3} of VNNI peak; best {:.3})",
-            s.median() / 1e12,
-            s.median() / peak,
-            s.best() / peak
+        .with("ops_per_byte", tot.ops / tot.bytes)
+        .with("int8_tops", tot.ops / tot.secs / 1e12)
+        .with("latency_us", lat.median)
+        .with("latency_us_p10", lat.p10)
+        .with("latency_us_p90", lat.p90)
+        .with("calls", calls)
+        .with("threads", threads);
+    println!(
+        "  {} B={}: {:.3} [{:.3}-{:.3}] of its {} limit over {} repetitions",
+        r.name,
+        r.batch,
+        r.ratio,
+        r.extra_f64("ratio_p10").unwrap_or(0.0),
+        r.extra_f64("ratio_p90").unwrap_or(0.0),
+        bound.name(),
+        c.achieved.len()
+    );
+    Some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(seconds: f64) -> KernelBenchOptions {
+        KernelBenchOptions {
+            threads: 1,
+            seconds,
+            repetitions: 3,
+            models: vec![expertmesh_topology::resolve_model("demo-small").unwrap()],
+            batches: vec![1, 4],
+            prefill_tokens: 8,
+            pool_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn effort_shrinks_with_the_time_and_never_below_the_cache() {
+        let llc = 32 << 20;
+        let long = Effort::new(&opts(600.0), llc);
+        assert!(!long.short);
+        assert_eq!(long.pool_bytes, long.full_pool_bytes);
+        let short = Effort::new(&opts(0.5), llc);
+        assert!(short.short);
+        assert!(short.pool_bytes < long.pool_bytes && short.pool_bytes >= 2 * llc);
+        assert!(short.probe_bytes >= 4 * llc);
+        assert!(short.short_run_line(0.5).is_some());
+    }
+
+    #[test]
+    fn a_run_measures_every_case_with_interleaved_roofline_limits() {
+        let report = run(&opts(4.0)).unwrap();
+        let names: Vec<_> = report
+            .results
+            .iter()
+            .map(|r| (r.name.as_str(), r.batch))
+            .collect();
+        assert!(
+            names.contains(&("decode-exact demo-small H1024 F512", 4)),
+            "{names:?}"
         );
-        Ok(r)
+        assert!(
+            names.iter().any(|n| n.0.starts_with("prefill-exact")),
+            "{names:?}"
+        );
+        for r in &report.results {
+            let a = r.samples("achieved");
+            assert_eq!(a.len(), r.samples("limit").len());
+            assert!(!a.is_empty());
+            assert!(r.limit > 0.0 && r.achieved > 0.0, "{r:?}");
+            let bound = r.extra["bound"].as_str().unwrap();
+            assert!(bound == "memory" || bound == "compute");
+        }
+        let m = &report.machine.extra;
+        assert!(m["read_bandwidth_probes"].as_array().unwrap().len() >= 2);
+        assert!(m["int8_peak_tops_median"].as_f64().unwrap() > 0.0);
     }
 }

@@ -7,20 +7,25 @@
 //! - TCP round trip: a raw blocking-socket ping-pong (same message out, 64-byte answer back);
 //! - shared-memory throughput: single-thread `memcpy` bandwidth for the frame size;
 //! - shared-memory round trip: two threads passing the frame through a shared buffer with an
-//!   atomic flag (memcpy plus a hand-off that spins briefly, then yields the CPU; no protocol,
-//!   no framing). A pure spin is not a limit on a machine with fewer free cores than spinning
+//!   atomic flag (one memcpy in, the peer reads the first 64 bytes; hand-offs that spin briefly,
+//!   then yield the CPU; no protocol, no framing). A pure spin is not a limit on a machine with fewer free cores than spinning
 //!   threads: a waiter whose peer is descheduled burns its whole time slice, and the "limit"
 //!   read milliseconds where the mesh took microseconds.
 //!
 //! Every result says which way its ratio is good (`better`: throughput `higher`, round trip
 //! `lower`), in the JSON and in the table's last column.
 //!
+//! Statistics ([`crate::bench_stats`]): each figure is the median of `--repeats` repetitions.
+//! One repetition of a (link, frame size) measures the mesh's throughput (a slot of about
+//! [`SLOT_S`]) and a chunk of round trips, and the same for the limit, back to back (the limit
+//! first on odd repetitions), so drift hits both; a round-trip figure is the median over
+//! repetitions of each chunk's p50 or p99 (`pooled_*` keeps the percentile of all round trips).
+//! Repetitions go round every link and frame size in turn; `--seconds` bounds the whole run.
+//!
 //! Frames are dispatch frames of 1, 8, 64 and 256 tokens of hidden 7168 in bf16, each token with
 //! two (expert, weight) pairs, exactly what the router sends a device.
 
-use crate::bench_json::{
-    BenchReport, BenchResult, MachineInfo, percentile, table_header, table_row,
-};
+use crate::bench_json::{BenchReport, BenchResult, percentile};
 use bytes::Bytes;
 use expertmesh_transport::codec::{
     self, Body, Dispatch, ExpertResult, OutputLayout, WireComputeMode,
@@ -50,21 +55,35 @@ const BENCH_RING_BYTES: usize = 24 << 20;
 pub struct TransportBenchArgs {
     /// Write the JSON report here.
     pub json: Option<PathBuf>,
-    /// Seconds to spend per throughput measurement (approximately).
+    /// Seconds the whole run may take.
     pub seconds: f64,
-    /// Round trips per latency measurement.
+    /// Round trips per latency sample (a quarter for 64 and 256 tokens).
     pub round_trips: usize,
     /// Links to measure.
     pub links: Vec<LinkKind>,
+    /// Repetitions per figure (fewer when `seconds` runs out).
+    pub repetitions: usize,
+    /// Write an HTML report with plots into this folder.
+    pub report: Option<PathBuf>,
 }
+
+/// Repetitions per figure by default: enough to see a 10% change of a ratio between two runs
+/// on a noisy 2-core VM as often as this bench's noise allows (BENCHMARKS.md, "How many
+/// repetitions"; each costs about 1 s).
+pub const DEFAULT_REPETITIONS: usize = 31;
+
+/// Target seconds of one throughput sample (assuming ~2 GB/s to size it).
+const SLOT_S: f64 = 0.1;
 
 impl Default for TransportBenchArgs {
     fn default() -> Self {
         Self {
             json: None,
-            seconds: 0.3,
-            round_trips: 400,
+            seconds: 30.0,
+            round_trips: 100,
             links: vec![LinkKind::Tcp, LinkKind::Shm],
+            repetitions: DEFAULT_REPETITIONS,
+            report: None,
         }
     }
 }
@@ -80,6 +99,7 @@ fn dispatch_frame(tokens: usize) -> OutFrame {
         dtype: ActivationDtype::Bf16,
         mode: WireComputeMode::Exact,
         layout: OutputLayout::PerSlot,
+        result_dtype: OutputDtype::F32,
         expert_counts: vec![2; tokens],
         experts: (0..pairs as u32).collect(),
         weights: vec![0.5; pairs],
@@ -100,99 +120,195 @@ fn ack_frame() -> OutFrame {
     }))
 }
 
-/// Runs the bench and prints a table; writes JSON when asked.
+/// Interleaved samples of one (link, frame size): throughput and round-trip percentiles of
+/// the mesh and of its limit, one entry per repetition.
+#[derive(Default)]
+struct Unit {
+    thr: (Vec<f64>, Vec<f64>),
+    p50: (Vec<f64>, Vec<f64>),
+    p99: (Vec<f64>, Vec<f64>),
+    /// Every round trip, pooled over repetitions (mesh, limit).
+    rtt_all: (Vec<f64>, Vec<f64>),
+    /// Seconds the last repetition of this unit took.
+    last_s: f64,
+    frames: usize,
+    trips: usize,
+    frame_bytes: usize,
+}
+
+/// Runs the bench and prints a table; writes JSON and the HTML report when asked.
 pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(args.seconds);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let mut results = Vec::new();
-    println!("ratio = achieved / limit (same run); batch = tokens per frame");
-    println!("{}", table_header(28));
     let shm_dir = tempfile_dir()?;
+    let mut pairs = Vec::new();
     for &link in &args.links {
-        let (meshes, mut events) = rt.block_on(start_pair(link, &shm_dir))?;
-        for &tokens in &TOKEN_COUNTS {
-            let frame = dispatch_frame(tokens);
-            let frame_bytes = codec::frame_len(&frame.body, frame.payload.len());
-            let msg = frame_bytes;
-            // Throughput.
-            let count = frames_for(args.seconds, msg);
-            let achieved = rt.block_on(mesh_throughput(&meshes, &mut events, &frame, count))?;
-            let (limit, limit_name) = match link {
-                LinkKind::Tcp => (
-                    raw_stream_gbps(msg, count)?,
-                    "raw blocking TCP stream, two threads",
-                ),
-                _ => (
-                    memcpy_gbps(msg, count, BENCH_RING_BYTES),
-                    "single-thread memcpy from one buffer into a ring of the shm ring's size",
-                ),
-            };
-            results.push(
-                BenchResult::new(
-                    format!("{}_dispatch_throughput", link.name()),
-                    tokens as u64,
-                    achieved,
-                    limit,
-                    "GB/s",
-                )
-                .with("limit_is", limit_name)
-                .with("frame_bytes", frame_bytes as u64)
-                .with("frames", count as u64),
-            );
-            // Round trip.
-            let trips = if tokens >= 64 {
-                args.round_trips / 4
-            } else {
-                args.round_trips
-            }
-            .max(20);
-            let mut rtt = rt.block_on(mesh_round_trips(&meshes, &mut events, &frame, trips))?;
-            let (mut lim, lim_name) = match link {
-                LinkKind::Tcp => (raw_ping_pong_us(msg, trips)?, "raw blocking TCP ping-pong"),
-                _ => (
-                    memory_ping_pong_us(msg, trips),
-                    "two threads, memcpy each way + atomic flag (spin, then yield)",
-                ),
-            };
-            rtt.sort_by(f64::total_cmp);
-            lim.sort_by(f64::total_cmp);
-            for (p, tag) in [(50.0, "p50"), (99.0, "p99")] {
-                results.push(
-                    BenchResult::new(
-                        format!("{}_dispatch_rtt_{tag}", link.name()),
-                        tokens as u64,
-                        percentile(&rtt, p),
-                        percentile(&lim, p),
-                        "us",
-                    )
-                    .with("limit_is", lim_name)
-                    .with("round_trips", trips as u64),
-                );
-            }
-            for r in &results[results.len() - 3..] {
-                println!("{}", table_row(r, 28));
+        pairs.push((link, rt.block_on(start_pair(link, &shm_dir))?));
+    }
+    let mut units: Vec<Vec<Unit>> = pairs
+        .iter()
+        .map(|_| TOKEN_COUNTS.iter().map(|_| Unit::default()).collect())
+        .collect();
+    let mut done = 0;
+    'reps: for rep in 0..args.repetitions.max(1) {
+        for (li, (link, (meshes, events))) in pairs.iter_mut().enumerate() {
+            for (ti, &tokens) in TOKEN_COUNTS.iter().enumerate() {
+                let u = &mut units[li][ti];
+                // The last repetition's time with 20% to spare (before the first: two slots).
+                let est = 1.2 * u.last_s.max(2.0 * SLOT_S + 0.02);
+                if Instant::now() + Duration::from_secs_f64(est) > end {
+                    println!(
+                        "--seconds {} reached in repetition {}: stopping (figures from the repetitions done)",
+                        args.seconds,
+                        rep + 1
+                    );
+                    break 'reps;
+                }
+                let t0 = Instant::now();
+                sample_unit(&rt, *link, meshes, events, tokens, args, rep, u)?;
+                u.last_s = t0.elapsed().as_secs_f64();
             }
         }
-        for m in &meshes {
+        done = rep + 1;
+    }
+    for (_, (meshes, _)) in &pairs {
+        for m in meshes {
             m.shutdown();
         }
     }
     let _ = std::fs::remove_dir_all(&shm_dir);
-    let mut machine = MachineInfo::detect();
-    machine
-        .extra
-        .insert("hidden".into(), serde_json::json!(HIDDEN));
-    machine
-        .extra
-        .insert("dtype".into(), serde_json::json!("bf16"));
-    let report = BenchReport { machine, results };
-    if let Some(p) = &args.json {
-        report.write(p)?;
-        println!("wrote {}", p.display());
+    let mut report = BenchReport::new();
+    for ((link, _), us) in pairs.iter().zip(&units) {
+        for (u, &tokens) in us.iter().zip(&TOKEN_COUNTS) {
+            report.results.extend(unit_results(*link, tokens, u));
+        }
     }
+    let m = &mut report.machine.extra;
+    m.insert("hidden".into(), serde_json::json!(HIDDEN));
+    m.insert("dtype".into(), serde_json::json!("bf16"));
+    crate::bench_machine::finish(m);
+    m.insert(
+        "settings".into(),
+        serde_json::json!({
+            "seconds": args.seconds, "repetitions": args.repetitions,
+            "repetitions_done": done, "round_trips": args.round_trips,
+            "slot_s": SLOT_S, "elapsed_s": start.elapsed().as_secs_f64(),
+            "links": args.links.iter().map(|l| l.name()).collect::<Vec<_>>(),
+        }),
+    );
+    println!(
+        "ratio = achieved / limit (medians of {done} interleaved repetitions; spread p10-p90 of the per-repetition ratios); batch = tokens per frame"
+    );
+    crate::bench_report::print_table(&report);
+    crate::bench_report::finish(&report, args.json.as_deref(), args.report.as_deref())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// One repetition of one (link, frame size): throughput then round trips, each with its
+/// limit measured right after (before, on odd repetitions).
+#[allow(clippy::too_many_arguments)]
+fn sample_unit(
+    rt: &tokio::runtime::Runtime,
+    link: LinkKind,
+    meshes: &[Mesh],
+    events: &mut MeshEvents,
+    tokens: usize,
+    args: &TransportBenchArgs,
+    rep: usize,
+    u: &mut Unit,
+) -> anyhow::Result<()> {
+    let frame = dispatch_frame(tokens);
+    let msg = codec::frame_len(&frame.body, frame.payload.len());
+    let count = frames_for(SLOT_S, msg);
+    let trips = if tokens >= 64 {
+        args.round_trips / 4
+    } else {
+        args.round_trips
+    }
+    .max(10);
+    let limit_first = rep % 2 == 1;
+    let mut thr = (0.0, 0.0);
+    let mut rtt = (Vec::new(), Vec::new());
+    for step in 0..2 {
+        if (step == 0) != limit_first {
+            thr.0 = rt.block_on(mesh_throughput(meshes, events, &frame, count))?;
+            rtt.0 = rt.block_on(mesh_round_trips(meshes, events, &frame, trips))?;
+        } else {
+            thr.1 = match link {
+                LinkKind::Tcp => raw_stream_gbps(msg, count)?,
+                _ => memcpy_gbps(msg, count, BENCH_RING_BYTES),
+            };
+            rtt.1 = match link {
+                LinkKind::Tcp => raw_ping_pong_us(msg, trips)?,
+                _ => memory_ping_pong_us(msg, trips),
+            };
+        }
+    }
+    rtt.0.sort_by(f64::total_cmp);
+    rtt.1.sort_by(f64::total_cmp);
+    u.thr.0.push(thr.0);
+    u.thr.1.push(thr.1);
+    u.p50.0.push(percentile(&rtt.0, 50.0));
+    u.p50.1.push(percentile(&rtt.1, 50.0));
+    u.p99.0.push(percentile(&rtt.0, 99.0));
+    u.p99.1.push(percentile(&rtt.1, 99.0));
+    u.rtt_all.0.extend(&rtt.0);
+    u.rtt_all.1.extend(&rtt.1);
+    (u.frames, u.trips, u.frame_bytes) = (count, trips, msg);
+    Ok(())
+}
+
+/// The three result rows of one (link, frame size).
+fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
+    if u.thr.0.is_empty() {
+        return Vec::new();
+    }
+    let (thr_limit, rtt_limit) = match link {
+        LinkKind::Tcp => (
+            "raw blocking TCP stream, two threads",
+            "raw blocking TCP ping-pong",
+        ),
+        _ => (
+            "single-thread memcpy from one buffer into a ring of the shm ring's size",
+            "two threads, one memcpy in + atomic flag each way (spin, then yield); the peer reads 64 bytes",
+        ),
+    };
+    let mut out = vec![
+        BenchResult::from_samples(
+            format!("{}_dispatch_throughput", link.name()),
+            tokens as u64,
+            &u.thr.0,
+            &u.thr.1,
+            "GB/s",
+        )
+        .with("limit_is", thr_limit)
+        .with("frame_bytes", u.frame_bytes as u64)
+        .with("frames", u.frames as u64),
+    ];
+    let mut pooled = u.rtt_all.clone();
+    pooled.0.sort_by(f64::total_cmp);
+    pooled.1.sort_by(f64::total_cmp);
+    for (tag, p, s) in [("p50", 50.0, &u.p50), ("p99", 99.0, &u.p99)] {
+        out.push(
+            BenchResult::from_samples(
+                format!("{}_dispatch_rtt_{tag}", link.name()),
+                tokens as u64,
+                &s.0,
+                &s.1,
+                "us",
+            )
+            .with("limit_is", rtt_limit)
+            .with("round_trips", u.trips as u64)
+            .with("pooled_achieved", percentile(&pooled.0, p))
+            .with("pooled_limit", percentile(&pooled.1, p))
+            .with("percentile_of", "each repetition's round trips; achieved and limit are medians over repetitions, pooled_* the percentile of all round trips"),
+        );
+    }
+    out
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {
@@ -472,8 +588,10 @@ fn wait_for(flag: &AtomicU64, value: u64) {
 const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(5);
 
 /// Round-trip times (µs) of `msg` bytes through shared memory between two threads: copy in,
-/// hand off, the peer copies out and hands back. No protocol, no framing: the limit for the
-/// shm link's round trip.
+/// hand off, the peer reads the first bytes (as a receiver decoding a header in place would)
+/// and hands back. No protocol, no framing, one copy: the floor for the shm link's round trip.
+/// (A peer that also copied the payload out made this "floor" slower than the mesh, whose
+/// receiver does not copy.)
 fn memory_ping_pong_us(msg: usize, trips: usize) -> Vec<f64> {
     struct Shared {
         flag: AtomicU64,
@@ -486,13 +604,15 @@ fn memory_ping_pong_us(msg: usize, trips: usize) -> Vec<f64> {
     let s2 = Arc::clone(&shared);
     let total = trips + 10;
     let peer = std::thread::spawn(move || {
-        let mut local = vec![0u8; msg];
+        let mut seen = 0u64;
         for i in 0..total as u64 {
             wait_for(&s2.flag, 2 * i + 1);
-            local.copy_from_slice(&s2.buf.lock().unwrap_or_else(|e| e.into_inner()));
+            let buf = s2.buf.lock().unwrap_or_else(|e| e.into_inner());
+            seen ^= buf.iter().take(64).fold(0u64, |a, &b| a ^ b as u64);
+            drop(buf);
             s2.flag.store(2 * i + 2, Ordering::Release);
         }
-        std::hint::black_box(&local);
+        std::hint::black_box(seen);
     });
     let data = vec![3u8; msg];
     let mut out = Vec::with_capacity(trips);
@@ -533,9 +653,11 @@ mod tests {
         let json = dir.join("t.json");
         let args = TransportBenchArgs {
             json: Some(json.clone()),
-            seconds: 0.002,
+            seconds: 20.0,
             round_trips: 20,
             links: vec![LinkKind::Tcp, LinkKind::Shm],
+            repetitions: 2,
+            report: None,
         };
         run(&args).unwrap();
         let v: serde_json::Value =
@@ -549,6 +671,7 @@ mod tests {
             );
             assert!(a > 0.0 && l > 0.0, "{r}");
             assert!((r["ratio"].as_f64().unwrap() - a / l).abs() < 1e-9);
+            assert_eq!(r["samples"]["achieved"].as_array().unwrap().len(), 2, "{r}");
             let want = if r["unit"] == "us" { "lower" } else { "higher" };
             assert_eq!(r["better"], want, "{r}");
         }

@@ -7,10 +7,15 @@
 
 pub mod bench_cli;
 pub mod bench_cluster;
+pub mod bench_compare;
 pub mod bench_convert;
 pub mod bench_fabric;
 pub mod bench_json;
 pub mod bench_kernels;
+pub mod bench_machine;
+pub mod bench_report;
+pub mod bench_roofline;
+pub mod bench_stats;
 pub mod bench_transport;
 pub mod cli;
 pub mod cmd_fabric;

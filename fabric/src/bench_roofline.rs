@@ -1,0 +1,247 @@
+//! The roofline a kernel result is judged against: min(bytes / read bandwidth, ops / compute
+//! peak), with the int8 compute peak measured in the same run by a dot-product loop.
+//!
+//! Why this exists: dividing a compute-bound case (Mixtral at 16 tokens per expert) by memory
+//! bandwidth says nothing about how close it is to its real bound (issue 17 read it as 0.28 "of
+//! the limit"), and a nominal-clock peak is not what a VM's core delivers. The peak loop runs
+//! the same instruction the expert kernels use for their int8 dot products (`vpdpbusd` with
+//! AVX-512 VNNI, `vpmaddubsw` + `vpaddw` with AVX2: the kernels' exact-mode inner loop), with
+//! enough independent accumulators to reach the instruction's throughput and no memory
+//! traffic, on the same number of threads; nothing the kernel does per weight can be cheaper.
+
+use std::time::Instant;
+
+/// Which side of the roofline bounds a case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// Reading the bytes takes longer than the arithmetic.
+    Memory,
+    /// The arithmetic takes longer than reading the bytes.
+    Compute,
+}
+
+impl Bound {
+    /// "memory" or "compute", as in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bound::Memory => "memory",
+            Bound::Compute => "compute",
+        }
+    }
+}
+
+/// The machine's two ceilings, measured in the same run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofline {
+    /// Read bandwidth, bytes per second.
+    pub read_bytes_per_s: f64,
+    /// Compute peak, operations per second.
+    pub ops_per_s: f64,
+}
+
+impl Roofline {
+    /// The least time `bytes` read and `ops` operations can take, and which side bounds it.
+    pub fn time(&self, bytes: f64, ops: f64) -> (f64, Bound) {
+        let mem = if self.read_bytes_per_s > 0.0 {
+            bytes / self.read_bytes_per_s
+        } else {
+            0.0
+        };
+        let comp = if self.ops_per_s > 0.0 {
+            ops / self.ops_per_s
+        } else {
+            0.0
+        };
+        if comp > mem {
+            (comp, Bound::Compute)
+        } else {
+            (mem, Bound::Memory)
+        }
+    }
+
+    /// The roofline as a byte rate for work of `bytes` and `ops`: bytes / [`Roofline::time`] =
+    /// min(read bandwidth, compute peak × bytes / ops).
+    pub fn byte_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
+        let (t, b) = self.time(bytes, ops);
+        (if t > 0.0 { bytes / t } else { 0.0 }, b)
+    }
+
+    /// The roofline as an operation rate: ops / [`Roofline::time`] = min(compute peak, read
+    /// bandwidth × ops / bytes).
+    pub fn op_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
+        let (t, b) = self.time(bytes, ops);
+        (if t > 0.0 { ops / t } else { 0.0 }, b)
+    }
+}
+
+/// The instruction sequence the peak loop runs on this CPU.
+pub fn peak_basis() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
+            return "vpdpbusd zmm (64 int8 MACs = 128 ops each), 12 accumulators per thread";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return "vpmaddubsw + vpaddw ymm (32 int8 MACs = 64 ops per pair), 12 accumulators per thread";
+        }
+    }
+    "scalar i32 multiply-add (1 MAC = 2 ops), 8 accumulators per thread"
+}
+
+/// One pass of the int8 peak loop: `iters` iterations on each of `threads` threads (started
+/// together, thread `i` pinned to the `i`-th allowed CPU so two threads never share a core
+/// while another is idle); returns int8 operations (2 per multiply-accumulate) per second.
+pub fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
+    use expertmesh_cpu_backend::membw::{Placement, pin_to};
+    let threads = threads.max(1);
+    let cpus = Placement::Compact.cpus(threads);
+    let ready = std::sync::Barrier::new(threads);
+    let runs: Vec<Option<(std::time::Instant, std::time::Instant, f64)>> =
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|i| {
+                    let ready = &ready;
+                    let cpu = cpus.as_ref().map(|c| c[i]);
+                    s.spawn(move || {
+                        if let Some(cpu) = cpu {
+                            pin_to(cpu);
+                        }
+                        ready.wait();
+                        let t0 = Instant::now();
+                        let (ops, sink) = dot_loop(std::hint::black_box(iters));
+                        std::hint::black_box(sink);
+                        (t0, Instant::now(), ops)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().ok()).collect()
+        });
+    let spans: Vec<_> = runs.iter().map(|r| r.map(|(a, b, _)| (a, b))).collect();
+    let ops: f64 = runs.iter().flatten().map(|r| r.2).sum();
+    expertmesh_cpu_backend::membw::span_secs(&spans).map_or(0.0, |secs| ops / secs)
+}
+
+/// Iterations of [`int8_peak_pass`] that take about `secs` on one thread here (from a short
+/// calibration pass).
+pub fn iters_for(secs: f64) -> usize {
+    let probe = 20_000;
+    let t = Instant::now();
+    std::hint::black_box(dot_loop(probe));
+    let per = t.elapsed().as_secs_f64() / probe as f64;
+    ((secs / per.max(1e-12)) as usize).clamp(1_000, 100_000_000)
+}
+
+/// Runs the peak loop; returns (int8 ops done, a value the optimizer must keep).
+fn dot_loop(iters: usize) -> (f64, u64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
+            // SAFETY: the features were checked above.
+            let sink = unsafe { x86::vnni(iters) };
+            return (iters as f64 * 12.0 * 128.0, sink);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the feature was checked above.
+            let sink = unsafe { x86::avx2(iters) };
+            return (iters as f64 * 12.0 * 64.0, sink);
+        }
+    }
+    let mut acc = [1i32; 8];
+    let w = std::hint::black_box(3i32);
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = a.wrapping_mul(w).wrapping_add(7);
+        }
+    }
+    (
+        iters as f64 * 8.0 * 2.0,
+        acc.iter().fold(0u64, |s, &a| s ^ a as u64),
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// 12 independent `vpmaddubsw` + `vpaddw` chains.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn avx2(iters: usize) -> u64 {
+        let q = _mm256_set1_epi8(std::hint::black_box(3));
+        let mut acc = [_mm256_set1_epi8(std::hint::black_box(0x35)); 12];
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                // The product depends on the accumulator, so it cannot be hoisted.
+                *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(*a, q));
+            }
+        }
+        let mut x = acc[0];
+        for a in &acc[1..] {
+            x = _mm256_xor_si256(x, *a);
+        }
+        _mm256_extract_epi64(x, 0) as u64
+    }
+
+    /// 12 independent `vpdpbusd` chains.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and VNNI.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) unsafe fn vnni(iters: usize) -> u64 {
+        let q = _mm512_set1_epi8(std::hint::black_box(3));
+        let mut acc = [_mm512_set1_epi8(std::hint::black_box(0x35)); 12];
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_dpbusd_epi32(*a, *a, q);
+            }
+        }
+        let mut x = acc[0];
+        for a in &acc[1..] {
+            x = _mm512_xor_si512(x, *a);
+        }
+        _mm512_reduce_add_epi64(x) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roofline_takes_the_slower_side() {
+        let r = Roofline {
+            read_bytes_per_s: 10.0,
+            ops_per_s: 100.0,
+        };
+        // 50 bytes (5 s) and 200 ops (2 s): memory-bound at the read bandwidth.
+        assert_eq!(r.time(50.0, 200.0), (5.0, Bound::Memory));
+        assert_eq!(r.byte_rate(50.0, 200.0), (10.0, Bound::Memory));
+        // 50 bytes (5 s) and 1000 ops (10 s): compute-bound; as a byte rate 5/s, as an
+        // operation rate the peak.
+        assert_eq!(r.time(50.0, 1000.0), (10.0, Bound::Compute));
+        assert_eq!(r.byte_rate(50.0, 1000.0), (5.0, Bound::Compute));
+        assert_eq!(r.op_rate(50.0, 1000.0), (100.0, Bound::Compute));
+        // Brute force: the rate never exceeds either ceiling and meets one of them.
+        for bytes in [1.0, 7.0, 50.0, 300.0] {
+            for ops in [1.0, 70.0, 500.0, 3000.0] {
+                let (rate, _) = r.op_rate(bytes, ops);
+                let ceilings = [r.ops_per_s, r.read_bytes_per_s * ops / bytes];
+                assert!(ceilings.iter().all(|&c| rate <= c + 1e-9));
+                assert!(ceilings.iter().any(|&c| (rate - c).abs() < 1e-9));
+            }
+        }
+    }
+
+    #[test]
+    fn peak_pass_counts_operations() {
+        let ops = int8_peak_pass(2, iters_for(0.001));
+        assert!(ops.is_finite() && ops > 1e6, "{ops}");
+        assert!(!peak_basis().is_empty());
+    }
+}
