@@ -60,7 +60,7 @@ fn emulated_cluster_answers_exactly_and_matches_the_plan() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("cluster.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(["bench", "cluster", "--quick", "--json"])
+        .args(["bench", "cluster", "--quick", "--nice", "-5", "--json"])
         .arg(&json)
         .arg("--dir")
         .arg(dir.path().join("files"))

@@ -24,7 +24,7 @@ pub mod netns;
 
 use crate::bench_json::{BenchReport, BenchResult};
 use anyhow::{Context, anyhow, bail};
-use expertmesh_planner::evaluate::{Evaluator, Hardware, Roofline};
+use expertmesh_planner::evaluate::{Evaluator, Hardware, NicBytes, Roofline};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
@@ -88,6 +88,9 @@ pub struct ClusterBenchOptions {
     pub micro_batch: usize,
     /// Folder for the generated files and logs (default: a temporary folder, removed).
     pub dir: Option<PathBuf>,
+    /// Scheduling niceness of the cluster's processes and frontends (negative: ahead of other
+    /// work on a shared machine; 0 leaves it alone).
+    pub nice: i32,
     /// The `expertmesh` binary to run in the namespaces (default: this one).
     pub exe: Option<PathBuf>,
 }
@@ -114,6 +117,7 @@ impl ClusterBenchOptions {
             layers: 2,
             micro_batch: 32,
             dir: None,
+            nice: 0,
             exe: None,
         }
     }
@@ -160,6 +164,14 @@ pub struct ClusterRow {
     pub router_nic_rx_bytes_per_token: f64,
     /// Bytes node 0's NIC sent per token per layer (measured).
     pub router_nic_tx_bytes_per_token: f64,
+    /// The planner's bytes for node 0's NIC received per token per layer (headers added).
+    pub predicted_router_nic_rx_bytes_per_token: f64,
+    /// The planner's bytes for node 0's NIC sent per token per layer (headers added).
+    pub predicted_router_nic_tx_bytes_per_token: f64,
+    /// Share of the machine's CPU time busy during the measurement (all processes).
+    pub cpu_busy: f64,
+    /// Cores the cluster's own processes (routers, workers, this process's frontends) used.
+    pub cluster_cores: f64,
     /// Answers that differed from the reference.
     pub mismatches: u64,
     /// Calls that failed.
@@ -192,6 +204,17 @@ pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
     );
     anyhow::ensure!(!o.batches.is_empty() && o.batches.iter().all(|&b| (1..=256).contains(&b)));
     netns::install_signal_cleanup();
+    if o.nice != 0 {
+        // SAFETY: setpriority only changes this thread's niceness; threads started from it
+        // (the frontends) inherit it.
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, o.nice) };
+        anyhow::ensure!(
+            rc == 0,
+            "--nice {}: {}",
+            o.nice,
+            std::io::Error::last_os_error()
+        );
+    }
     let tmp;
     let dir: &Path = match &o.dir {
         Some(d) => {
@@ -211,8 +234,17 @@ pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
         problems: Vec::new(),
     };
     describe_machine(o, &mut out.report);
+    // Every process runs a copy of this binary, so a rebuild during the run cannot swap it.
+    let mut o = o.clone();
+    if o.exe.is_none() {
+        let src = std::env::current_exe().context("cannot find the expertmesh binary")?;
+        let dst = dir.join("expertmesh");
+        std::fs::copy(&src, &dst)
+            .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
+        o.exe = Some(dst);
+    }
     for &routers in &o.routers {
-        run_config(o, dir, routers, &mut out)?;
+        run_config(&o, dir, routers, &mut out)?;
     }
     Ok(out)
 }
@@ -226,6 +258,7 @@ fn describe_machine(o: &ClusterBenchOptions, report: &mut BenchReport) {
     extra.insert("tbf_burst_bytes".into(), o.tbf_burst_bytes.into());
     extra.insert("tbf_latency_ms".into(), o.tbf_latency_ms.into());
     extra.insert("clients_per_router".into(), o.clients.into());
+    extra.insert("nice".into(), o.nice.into());
     extra.insert(
         "model".into(),
         format!(
@@ -235,6 +268,9 @@ fn describe_machine(o: &ClusterBenchOptions, report: &mut BenchReport) {
         .into(),
     );
     extra.insert("mode".into(), "exact".into());
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        extra.insert("loadavg_at_start".into(), l.trim().into());
+    }
 }
 
 /// One cluster: files, namespaces, processes, references, then every batch size.
@@ -275,11 +311,11 @@ fn run_config(
         let predicted = predict(o, &files, Some(&pools.load), b, routers)?;
         let row = row_of(o, routers, b, &m, &predicted);
         print_row(&row);
-        if let Some(p) = m.first_problem {
+        if let Some(p) = &m.first_problem {
             out.problems
                 .push(format!("{routers} router(s), batch {b}: {p}"));
         }
-        push_result(&mut out.report, &row, &predicted);
+        push_result(&mut out.report, &row);
         out.rows.push(row);
     }
     drop(emu);
@@ -307,8 +343,14 @@ fn start_processes(
         "--placement".to_owned(),
         s(&f.placement_path),
     ];
+    let nice: Vec<String> = if o.nice != 0 {
+        vec!["nice".into(), "-n".into(), o.nice.to_string()]
+    } else {
+        Vec::new()
+    };
     for i in 0..emu.nodes() {
-        let mut args = vec![s(&exe), "worker".to_owned()];
+        let mut args = nice.clone();
+        args.extend([s(&exe), "worker".to_owned()]);
         args.extend(deploy.iter().cloned());
         args.extend(
             [
@@ -324,7 +366,8 @@ fn start_processes(
         emu.spawn(i, &args, &dir.join(format!("worker-n{i}-{routers}r.log")))?;
     }
     for r in 0..routers {
-        let mut args = vec![s(&exe), "router".to_owned()];
+        let mut args = nice.clone();
+        args.extend([s(&exe), "router".to_owned()]);
         args.extend(deploy.iter().cloned());
         args.extend(
             [
@@ -492,6 +535,23 @@ struct Measured {
     /// Node 0's NIC bytes (sent, received) during the measurement.
     nic_tx: u64,
     nic_rx: u64,
+    /// Share of CPU time busy during the measurement.
+    cpu_busy: f64,
+    /// Cores the cluster's processes (routers, workers, frontends) kept busy.
+    own_cpu: f64,
+}
+
+/// (busy, total) CPU jiffies of the whole machine (`/proc/stat`), when readable.
+fn cpu_jiffies() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).unwrap_or(&0);
+    Some((total - idle, total))
 }
 
 /// Counters the frontend tasks share.
@@ -542,6 +602,8 @@ fn measure(
     }
     std::thread::sleep(Duration::from_secs_f64(o.warmup));
     let (tx0, rx0) = emu.nic_bytes(0)?;
+    let cpu0 = cpu_jiffies();
+    let own0 = emu.cpu_seconds();
     let calls0 = shared.calls.load(Ordering::SeqCst);
     shared.measuring.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
@@ -550,6 +612,11 @@ fn measure(
     let secs = t0.elapsed().as_secs_f64();
     shared.measuring.store(false, Ordering::SeqCst);
     let (tx1, rx1) = emu.nic_bytes(0)?;
+    let own_cpu = (emu.cpu_seconds() - own0) / secs.max(1e-9);
+    let cpu_busy = match (cpu0, cpu_jiffies()) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
+        _ => 0.0,
+    };
     shared.stop.store(true, Ordering::SeqCst);
     for t in threads {
         t.join()
@@ -569,6 +636,8 @@ fn measure(
         first_problem,
         nic_tx: tx1 - tx0,
         nic_rx: rx1 - rx0,
+        cpu_busy,
+        own_cpu,
     })
 }
 
@@ -641,6 +710,14 @@ async fn client_loop(
     }
 }
 
+/// What the planner predicts for one batch size.
+struct Prediction {
+    roofline: Roofline,
+    /// Node 0's NIC bytes per token per layer, with TCP/IP and Ethernet headers as the NIC
+    /// counters see them (`mtu + 14` bytes on the wire per `mtu - 52` of stream).
+    nic0: NicBytes,
+}
+
 /// The planner's roofline for the generated cluster at batch `b`, with every router's
 /// frontends' calls in flight, on the fabric's exact-mode wire.
 fn predict(
@@ -649,7 +726,7 @@ fn predict(
     load: Option<&LoadStats>,
     b: usize,
     routers: usize,
-) -> anyhow::Result<Roofline> {
+) -> anyhow::Result<Prediction> {
     let hw = Hardware::from_topology(&f.topology);
     let wire = crate::wire_bytes::wire_model("exact", f.model.hidden, o.micro_batch)?;
     let ev = Evaluator::new(
@@ -661,7 +738,15 @@ fn predict(
         hw.router_node,
     )
     .with_wire(wire);
-    Ok(ev.roofline(&hw, b, routers * o.clients))
+    let framing = f64::from(o.mtu + 14) / f64::from(o.mtu - 52);
+    let nic = ev.nic_bytes_per_token(&hw, b)[0];
+    Ok(Prediction {
+        roofline: ev.roofline(&hw, b, routers * o.clients),
+        nic0: NicBytes {
+            sent: nic.sent * framing,
+            received: nic.received * framing,
+        },
+    })
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -678,8 +763,9 @@ fn row_of(
     routers: usize,
     b: usize,
     m: &Measured,
-    p: &Roofline,
+    pred: &Prediction,
 ) -> ClusterRow {
+    let p = &pred.roofline;
     let mut lat = m.latencies_ms.clone();
     lat.sort_by(f64::total_cmp);
     let layers = f64::from(o.layers.max(1));
@@ -695,6 +781,10 @@ fn row_of(
         calls: m.calls,
         router_nic_rx_bytes_per_token: m.nic_rx as f64 / layer_tokens,
         router_nic_tx_bytes_per_token: m.nic_tx as f64 / layer_tokens,
+        predicted_router_nic_rx_bytes_per_token: pred.nic0.received,
+        predicted_router_nic_tx_bytes_per_token: pred.nic0.sent,
+        cpu_busy: m.cpu_busy,
+        cluster_cores: m.own_cpu,
         mismatches: m.mismatches,
         errors: m.errors,
     }
@@ -702,7 +792,7 @@ fn row_of(
 
 fn print_row(r: &ClusterRow) {
     println!(
-        "routers {:>2}  batch {:>3}: {:>8.0} tokens/s measured, {:>8.0} predicted ({}), ratio {:.3}; layer call p50 {:.2} ms, p99 {:.2} ms; node 0 NIC {:.0} B/token in, {:.0} out; {} calls, {} mismatches, {} errors",
+        "routers {:>2}  batch {:>3}: {:>8.0} tokens/s measured, {:>8.0} predicted ({}), ratio {:.3}; layer call p50 {:.2} ms, p99 {:.2} ms; node 0 NIC B/token in {:.0} (plan {:.0}), out {:.0} (plan {:.0}); CPU {:.0}% busy (cluster {:.2} cores); {} calls, {} mismatches, {} errors",
         r.routers,
         r.batch,
         r.measured_tokens_per_s,
@@ -712,14 +802,18 @@ fn print_row(r: &ClusterRow) {
         r.p50_ms,
         r.p99_ms,
         r.router_nic_rx_bytes_per_token,
+        r.predicted_router_nic_rx_bytes_per_token,
         r.router_nic_tx_bytes_per_token,
+        r.predicted_router_nic_tx_bytes_per_token,
+        100.0 * r.cpu_busy,
+        r.cluster_cores,
         r.calls,
         r.mismatches,
         r.errors
     );
 }
 
-fn push_result(report: &mut BenchReport, r: &ClusterRow, p: &Roofline) {
+fn push_result(report: &mut BenchReport, r: &ClusterRow) {
     report.results.push(
         BenchResult::new(
             format!("cluster-{}router", r.routers),
@@ -732,7 +826,7 @@ fn push_result(report: &mut BenchReport, r: &ClusterRow, p: &Roofline) {
             "limit_is",
             "expertmesh plan's roofline for the same topology",
         )
-        .with("bottleneck", p.bottleneck.clone())
+        .with("bottleneck", r.bottleneck.clone())
         .with("routers", r.routers as u64)
         .with("p50_ms", r.p50_ms)
         .with("p99_ms", r.p99_ms)
@@ -746,7 +840,17 @@ fn push_result(report: &mut BenchReport, r: &ClusterRow, p: &Roofline) {
         .with(
             "router_nic_tx_bytes_per_token",
             r.router_nic_tx_bytes_per_token,
-        ),
+        )
+        .with(
+            "predicted_router_nic_rx_bytes_per_token",
+            r.predicted_router_nic_rx_bytes_per_token,
+        )
+        .with(
+            "predicted_router_nic_tx_bytes_per_token",
+            r.predicted_router_nic_tx_bytes_per_token,
+        )
+        .with("cpu_busy", r.cpu_busy)
+        .with("cluster_cores", r.cluster_cores),
     );
 }
 
@@ -797,6 +901,10 @@ pub struct ClusterCli {
     /// Keep the generated topology, model, placement and logs in this folder.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Niceness of the cluster's processes and frontends (e.g. -10 on a busy shared machine:
+    /// the emulation is latency-sensitive though it needs little CPU).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    nice: i32,
 }
 
 impl ClusterCli {
@@ -856,6 +964,7 @@ impl ClusterCli {
             "--seconds must be in (0, 600]"
         );
         o.dir = self.dir.clone();
+        o.nice = self.nice;
         Ok(o)
     }
 }

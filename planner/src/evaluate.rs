@@ -536,6 +536,15 @@ pub struct Traffic {
     pub wire: WireModel,
 }
 
+/// Bytes one node's NICs carry per token per MoE layer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct NicBytes {
+    /// Bytes sent.
+    pub sent: f64,
+    /// Bytes received.
+    pub received: f64,
+}
+
 /// Time per step summed over layers, by term, milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Terms {
@@ -786,6 +795,36 @@ impl<'a> Evaluator<'a> {
             network_result_bytes_per_token: res / nl,
             wire: w.clone(),
         }
+    }
+
+    /// Bytes each node's NICs send and receive per token per MoE layer (mean over layers) for
+    /// calls of `batch` tokens spread evenly over the routers: the fabric's frames, without
+    /// TCP/IP or Ethernet headers. What `bench cluster` compares with the NIC counters.
+    pub fn nic_bytes_per_token(&self, hw: &Hardware, batch: usize) -> Vec<NicBytes> {
+        let n_nodes = self.topology.nodes().len();
+        let node_of: Vec<usize> = self
+            .topology
+            .devices()
+            .iter()
+            .map(|d| d.node_index())
+            .collect();
+        let b = batch.max(1) as f64;
+        let nl = self.layers.len().max(1) as f64;
+        let mut sums = vec![
+            NicBytes {
+                sent: 0.0,
+                received: 0.0
+            };
+            n_nodes
+        ];
+        for f in &self.layers {
+            let (out, inn) = nic_loads(hw, &self.wire, b, f, &node_of, n_nodes);
+            for (n, s) in sums.iter_mut().enumerate() {
+                s.sent += out[n] / b / nl;
+                s.received += inn[n] / b / nl;
+            }
+        }
+        sums
     }
 
     /// Roofline decode throughput for `batch` tokens per layer call and `concurrency` calls in
@@ -1066,6 +1105,30 @@ fn remote_links(
         .collect()
 }
 
+/// Bytes each node's NICs send and receive for one layer call of `b` tokens, the calls spread
+/// evenly over the routers: `(sent, received)` per node.
+fn nic_loads(
+    hw: &Hardware,
+    wire: &WireModel,
+    b: f64,
+    f: &LayerFacts,
+    node_of: &[usize],
+    n_nodes: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let routers = router_nodes(hw);
+    let share = 1.0 / routers.len() as f64;
+    let (mut out, mut inn) = (vec![0.0; n_nodes], vec![0.0; n_nodes]);
+    for &r in &routers {
+        for l in remote_links(wire, b, f, node_of, r) {
+            out[r] += share * l.dispatch;
+            inn[l.node] += share * l.dispatch;
+            out[l.node] += share * l.result;
+            inn[r] += share * l.result;
+        }
+    }
+    (out, inn)
+}
+
 /// Roofline step: one layer's network time — the busiest NIC direction's, the layer calls
 /// spread evenly over the routers; each node's NIC time is added to `node_nic_time`.
 fn network_time(
@@ -1078,18 +1141,7 @@ fn network_time(
     if n_nodes <= 1 {
         return 0.0;
     }
-    let routers = router_nodes(hw);
-    let share = 1.0 / routers.len() as f64;
-    // Bytes each node's NICs send and receive.
-    let (mut out, mut inn) = (vec![0.0; n_nodes], vec![0.0; n_nodes]);
-    for &r in &routers {
-        for l in remote_links(k.wire, k.b, f, &k.node_of, r) {
-            out[r] += share * l.dispatch;
-            inn[l.node] += share * l.dispatch;
-            out[l.node] += share * l.result;
-            inn[r] += share * l.result;
-        }
-    }
+    let (out, inn) = nic_loads(hw, k.wire, k.b, f, &k.node_of, n_nodes);
     let mut t_nic: f64 = 0.0;
     for n in 0..n_nodes {
         let tn = out[n].max(inn[n]) / (hw.node_nic_gb_s[n].max(1e-12) * 1e9);
@@ -1210,6 +1262,19 @@ mod tests {
             (r.tokens_per_s, ev.evaluate(&hw).traffic)
         };
         let (one, tr1) = tps(1);
+        {
+            let t = star(4, 1);
+            let p = plan(&t, &m, None, None, &PlanOptions::default()).unwrap();
+            let hw = Hardware::from_topology(&t);
+            let ev = Evaluator::new(&t, &m, &p.placement, None, None, 0);
+            let nic = ev.nic_bytes_per_token(&hw, 32);
+            let tr = ev.evaluate(&hw).traffic;
+            // One router: its node receives every remote result and sends every dispatch.
+            assert!((nic[0].received - tr.network_result_bytes_per_token).abs() < 1e-6);
+            assert!((nic[0].sent - tr.network_dispatch_bytes_per_token).abs() < 1e-6);
+            let rest: f64 = nic[1..].iter().map(|n| n.sent).sum();
+            assert!((rest - nic[0].received).abs() < 1e-6);
+        }
         let (four, tr4) = tps(4);
         // Each router sees 3 of 4 devices remote either way: same bytes per token.
         assert!((tr1.network_bytes_per_token - tr4.network_bytes_per_token).abs() < 1e-6);
