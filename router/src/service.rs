@@ -250,8 +250,19 @@ impl Drop for RouterService {
 /// windows instead of into memory.
 const CORE_INPUT_CAPACITY: usize = 1024;
 
-/// Per-connection response queues, by client id.
-type ClientQueues = Arc<Mutex<HashMap<ClientId, mpsc::Sender<ClientMsg>>>>;
+/// Per-connection answer paths, by client id.
+type ClientQueues = Arc<Mutex<HashMap<ClientId, ClientOut>>>;
+
+/// How answers reach one frontend connection: its writer, which the core thread uses directly
+/// when it is free (no hand-off to the connection's writer task), and the queue its writer task
+/// drains otherwise (and for the reader's own error replies).
+#[derive(Clone)]
+struct ClientOut {
+    tx: mpsc::Sender<ClientMsg>,
+    writer: Arc<tokio::sync::Mutex<FrontendWriter>>,
+    slots: Arc<Semaphore>,
+    peer: SocketAddr,
+}
 
 /// The core's input queue (frontend requests, connection counts, failed sends) and the core
 /// thread to wake after each message: the core sleeps on its thread's park token, which both
@@ -363,12 +374,20 @@ impl FrontendConn {
         };
         let (reader, writer) = conn.split();
         let (out_tx, out_rx) = mpsc::channel::<ClientMsg>(self.max_outstanding);
+        let slots = Arc::new(Semaphore::new(self.max_outstanding));
+        let writer = Arc::new(tokio::sync::Mutex::new(writer));
+        let out = ClientOut {
+            tx: out_tx.clone(),
+            writer: Arc::clone(&writer),
+            slots: Arc::clone(&slots),
+            peer,
+        };
         self.clients
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(self.client, out_tx.clone());
-        let slots = Arc::new(Semaphore::new(self.max_outstanding));
-        let write_task = tokio::spawn(write_responses(writer, out_rx, slots.clone(), peer));
+            .insert(self.client, out);
+        // The task holds no sender of its own queue: it ends once this connection is gone.
+        let write_task = tokio::spawn(write_responses(writer, slots.clone(), peer, out_rx));
         // Counted before this connection's first request reaches the core (same queue).
         let n = self.open.fetch_add(1, Ordering::AcqRel) + 1;
         let _ = send_to_core(&self.tx, CoreInput::Frontends(n)).await;
@@ -450,52 +469,63 @@ impl FrontendConn {
     }
 }
 
-/// Writer: responses and errors of one connection, in completion order. The combined f32 rows
-/// are written as the frame's payload as they are (little-endian machines) or encoded once.
+/// Writer task: the answers of one connection that the core thread did not write itself (the
+/// writer was busy) and the reader's error replies, in completion order.
 async fn write_responses(
-    mut writer: FrontendWriter,
-    mut out_rx: mpsc::Receiver<ClientMsg>,
+    writer: Arc<tokio::sync::Mutex<FrontendWriter>>,
     slots: Arc<Semaphore>,
     peer: SocketAddr,
+    mut out_rx: mpsc::Receiver<ClientMsg>,
 ) {
     let mut bytes = Vec::new();
     while let Some(msg) = out_rx.recv().await {
-        let res = match msg {
-            ClientMsg::Response {
-                request_id,
-                tokens,
-                hidden,
-                output,
-            } => {
-                let body = Body::LayerResponse(LayerResponse {
-                    request_id,
-                    tokens: tokens as u32,
-                    hidden: hidden as u32,
-                    dtype: OutputDtype::F32,
-                });
-                let payload = match dtype::f32_as_le_bytes(&output) {
-                    Some(b) => b, // little-endian machine: the rows are the payload
-                    None => {
-                        bytes.resize(output.len() * 4, 0);
-                        let _ = dtype::encode_output(OutputDtype::F32, &output, &mut bytes);
-                        &bytes
-                    }
-                };
-                slots.add_permits(1);
-                writer.write_frame(&body, payload).await
-            }
-            ClientMsg::Error {
-                request_id,
-                code,
-                message,
-            } => {
-                slots.add_permits(1);
-                writer.write_error(request_id, code, &message).await
-            }
-        };
-        if let Err(e) = res {
+        let mut w = writer.lock().await;
+        if let Err(e) = write_answer(&mut w, msg, &slots, &mut bytes).await {
             tracing::info!(%peer, error = %e, "frontend connection closed while writing");
             return;
+        }
+    }
+}
+
+/// Writes one answer, returning its request's permit first. The combined f32 rows are written
+/// as the frame's payload as they are (little-endian machines) or encoded once into `bytes`.
+async fn write_answer(
+    writer: &mut FrontendWriter,
+    msg: ClientMsg,
+    slots: &Semaphore,
+    bytes: &mut Vec<u8>,
+) -> Result<(), FrontendError> {
+    match msg {
+        ClientMsg::Response {
+            request_id,
+            tokens,
+            hidden,
+            output,
+        } => {
+            let body = Body::LayerResponse(LayerResponse {
+                request_id,
+                tokens: tokens as u32,
+                hidden: hidden as u32,
+                dtype: OutputDtype::F32,
+            });
+            let payload = match dtype::f32_as_le_bytes(&output) {
+                Some(b) => b, // little-endian machine: the rows are the payload
+                None => {
+                    bytes.resize(output.len() * 4, 0);
+                    let _ = dtype::encode_output(OutputDtype::F32, &output, bytes);
+                    bytes
+                }
+            };
+            slots.add_permits(1);
+            writer.write_frame(&body, payload).await
+        }
+        ClientMsg::Error {
+            request_id,
+            code,
+            message,
+        } => {
+            slots.add_permits(1);
+            writer.write_error(request_id, code, &message).await
         }
     }
 }
@@ -647,7 +677,7 @@ impl CoreLoop {
     }
 
     fn perform(&self, actions: Vec<Action>, cx: &mut Context<'_>) {
-        // One short lock per pass; every send below is a non-blocking `try_send`.
+        // One short lock per pass; nothing below blocks (writes are polled once, then spawned).
         let clients_now = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         for a in actions {
             match a {
@@ -663,14 +693,14 @@ impl CoreLoop {
                     tokens,
                     output,
                 } => {
-                    // Never full: the response holds the permit of its request.
+                    let msg = ClientMsg::Response {
+                        request_id,
+                        tokens,
+                        hidden: self.hidden,
+                        output,
+                    };
                     if let Some(c) = clients_now.get(&client) {
-                        let _ = c.try_send(ClientMsg::Response {
-                            request_id,
-                            tokens,
-                            hidden: self.hidden,
-                            output,
-                        });
+                        self.answer(c, msg, cx);
                     }
                 }
                 Action::Fail {
@@ -679,15 +709,35 @@ impl CoreLoop {
                     code,
                     message,
                 } => {
+                    let msg = ClientMsg::Error {
+                        request_id,
+                        code,
+                        message,
+                    };
                     if let Some(c) = clients_now.get(&client) {
-                        let _ = c.try_send(ClientMsg::Error {
-                            request_id,
-                            code,
-                            message,
-                        });
+                        self.answer(c, msg, cx);
                     }
                 }
             }
+        }
+    }
+
+    /// Answer a request: written from this thread when the connection's writer is free (polled
+    /// once; a write that has to wait goes on as a task), else queued for its writer task.
+    /// Never lost to a full queue: every answer holds the permit of its request.
+    fn answer(&self, c: &ClientOut, msg: ClientMsg, cx: &mut Context<'_>) {
+        let Ok(mut w) = Arc::clone(&c.writer).try_lock_owned() else {
+            let _ = c.tx.try_send(msg);
+            return;
+        };
+        let (slots, peer) = (Arc::clone(&c.slots), c.peer);
+        let mut write = Box::pin(async move {
+            if let Err(e) = write_answer(&mut w, msg, &slots, &mut Vec::new()).await {
+                tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+            }
+        });
+        if write.as_mut().poll(cx).is_pending() {
+            self.rt.spawn(write);
         }
     }
 
