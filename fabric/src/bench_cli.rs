@@ -221,7 +221,7 @@ pub struct TransportCli {
     /// Seconds the whole run may take: repetitions stop when the next would not fit.
     #[arg(long, default_value_t = 60.0)]
     seconds: f64,
-    /// Round trips per latency sample (a quarter for 64 and 256 tokens).
+    /// Round trips per latency sample (mesh and limit each, per repetition).
     #[arg(long, default_value_t = 100)]
     round_trips: usize,
     /// Repetitions per figure (mesh and limit alternate within each).
