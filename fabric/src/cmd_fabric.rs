@@ -204,9 +204,10 @@ pub struct WorkerCli {
     /// Device to serve: its id ("node/device") or topology rank.
     #[arg(long)]
     device: String,
-    /// Router mesh address (default: the router node's control port from the topology).
-    #[arg(long, value_parser = parse_endpoint)]
-    router: Option<SocketAddr>,
+    /// Router mesh address; repeat it (or separate with commas) once per router, in the
+    /// topology's order (default: every router's mesh port from the topology).
+    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
+    router: Vec<SocketAddr>,
     /// Listen address of this worker (default: the device's data port).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
@@ -248,7 +249,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
         dep,
         WorkerOptions {
             device: cli.device,
-            router: cli.router,
+            routers: cli.router,
             listen: cli.listen,
             link: cli.link.into(),
             threads: cli.threads,
@@ -291,10 +292,15 @@ pub struct RouterCli {
     deploy: DeployArgs,
     #[command(flatten)]
     router: RouterArgs,
-    /// Frontend listen address (default: the topology's [router] section).
+    /// Which router of the topology this is (0-based, in the order of its `[[router]]`
+    /// tables; several routers share the same workers).
+    #[arg(long, default_value_t = 0)]
+    instance: u32,
+    /// Frontend listen address (default: this router's section of the topology).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
-    /// Mesh listen address for workers (default: the router node's control port).
+    /// Mesh listen address for workers (default: this router's mesh_port, or its node's
+    /// control port).
     #[arg(long, value_parser = parse_endpoint)]
     mesh_listen: Option<SocketAddr>,
     /// Link kind workers use (must match the workers' --link).
@@ -308,18 +314,19 @@ pub struct RouterCli {
 /// Run `expertmesh router` until interrupted.
 pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let dep = cli.deploy.load()?;
-    let core = router_core(&dep, cli.router.config(), cli.threads)?;
+    let instance = cli.instance;
+    let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
     let mesh_listen = match cli.mesh_listen {
         Some(a) => a,
-        None => dep.router_mesh_endpoint()?,
+        None => dep.router_mesh_endpoint(instance)?,
     };
     let listen = match cli.listen {
         Some(a) => a,
-        None => dep.router_frontend_endpoint()?,
+        None => dep.router_frontend_endpoint(instance)?,
     };
     let service = RouterService::start(
         core,
-        dep.mesh_config(0, mesh_listen, mesh_listen, cli.link.into()),
+        dep.mesh_config(instance, &[], mesh_listen, cli.link.into()),
         ServiceConfig {
             frontend_listen: listen,
             frontend: frontend_config(&dep),
@@ -328,7 +335,8 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     )
     .map_err(|e| anyhow!("{e}"))?;
     println!(
-        "expertmesh router: model {} on {} devices; frontends connect to {}, workers to {}",
+        "expertmesh router {instance} of {}: model {} on {} devices; frontends connect to {}, workers to {}",
+        dep.router_count(),
         dep.spec.name,
         dep.topology.devices().len(),
         service.frontend_addr(),
@@ -389,7 +397,9 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
-    eprintln!("expertmesh up: starting the router and the workers; waiting for them to connect...");
+    eprintln!(
+        "expertmesh up: starting the router(s) and the workers; waiting for them to connect..."
+    );
     let mut fabric = LocalFabric::start(opts)?;
     let dep = fabric.deployment();
     println!(
@@ -400,10 +410,21 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         LinkKind::from(cli.link).name(),
         LayerMode::from(cli.router.mode_or(ModeArg::Serving)).name()
     );
+    let fronts: Vec<String> = fabric
+        .frontend_addrs()
+        .iter()
+        .flatten()
+        .map(ToString::to_string)
+        .collect();
     println!(
-        "  frontends: {} (cluster \"{}\")",
-        fabric.frontend_addr(),
-        dep.topology.name()
+        "  frontends: {} (cluster \"{}\"{})",
+        fronts.join(", "),
+        dep.topology.name(),
+        if fronts.len() > 1 {
+            format!(", {} routers sharing the workers", fronts.len())
+        } else {
+            String::new()
+        }
     );
     println!("  worker logs: {}", fabric.log_dir().display());
     println!(

@@ -1,5 +1,6 @@
-//! The local fabric launcher: the router service in this process and one worker process per
-//! device of a topology, on one host.
+//! The local fabric launcher: the router service(s) in this process and one worker process per
+//! device of a topology, on one host. A topology with several `[[router]]` tables gets that
+//! many router services, all sharing the same workers.
 //!
 //! Why this exists: `expertmesh up`, the demo, `bench fabric` and the integration tests all
 //! need a whole fabric — real processes, real sockets or shared memory — started, supervised
@@ -40,7 +41,7 @@ pub struct LocalFabricOptions {
     pub router: RouterConfig,
     /// The `expertmesh` binary to run workers with.
     pub exe: PathBuf,
-    /// Frontend listen address (`None`: the topology's, or an ephemeral port with
+    /// Frontend listen address of router 0 (`None`: the topology's, or an ephemeral port with
     /// `ephemeral_ports`).
     pub frontend_listen: Option<SocketAddr>,
     /// Use ephemeral ports on 127.0.0.1 for everything (tests run in parallel).
@@ -94,9 +95,10 @@ fn starting_reason(names: &[String]) -> String {
 pub struct LocalFabric {
     dep: Deployment,
     opts: LocalFabricOptions,
-    service: RouterService,
-    gate: FrontendGate,
-    router_mesh: SocketAddr,
+    /// Router services by instance (`None` once stopped with [`LocalFabric::stop_router`]).
+    services: Vec<Option<RouterService>>,
+    gates: Vec<FrontendGate>,
+    router_mesh: Vec<SocketAddr>,
     workers: Vec<Option<Child>>,
     log_dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
@@ -105,73 +107,45 @@ pub struct LocalFabric {
 impl std::fmt::Debug for LocalFabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalFabric")
-            .field("frontend", &self.service.frontend_addr())
+            .field("frontends", &self.frontend_addrs())
             .finish()
     }
 }
 
 impl LocalFabric {
-    /// Start the router and every worker, and wait until all workers are connected.
+    /// Start the routers and every worker, and wait until all workers are connected to every
+    /// router.
     pub fn start(opts: LocalFabricOptions) -> anyhow::Result<Self> {
         let dep = match &opts.weights {
             Some(w) => Deployment::load_converted(&opts.topology, w)?,
             None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
         };
-        let (tmp, log_dir) = match &opts.log_dir {
-            Some(d) => {
-                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-                (None, d.clone())
-            }
-            None => {
-                let t = tempfile::Builder::new()
-                    .prefix("expertmesh-")
-                    .tempdir()
-                    .context("creating a log directory")?;
-                let p = t.path().to_path_buf();
-                (Some(t), p)
-            }
-        };
-        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("literal");
-        let mesh_listen = if opts.ephemeral_ports {
-            loopback
-        } else {
-            dep.router_mesh_endpoint()?
-        };
-        let frontend_listen = match opts.frontend_listen {
-            Some(a) => a,
-            None if opts.ephemeral_ports => loopback,
-            None => dep.router_frontend_endpoint()?,
-        };
-        let router_threads = 1;
-        let core = router_core(&dep, opts.router.clone(), router_threads)?;
-        let mesh_cfg = dep.mesh_config(0, mesh_listen, mesh_listen, opts.link);
-        // Frontends are refused, with the reason, until every worker has connected; the reason
-        // names the missing workers from the first moment the port listens.
+        let (tmp, log_dir) = log_dir(&opts)?;
         let n = dep.topology.devices().len();
         let all_names: Vec<String> = (0..n)
             .map(|d| dep.device_label(DeviceRank(d as u32)))
             .collect();
-        let gate = FrontendGate::closed(starting_reason(&all_names));
-        let mut frontend = frontend_config(&dep);
-        frontend.gate = gate.clone();
-        let service = RouterService::start(
-            core,
-            mesh_cfg,
-            ServiceConfig {
-                frontend_listen,
-                frontend,
-                max_outstanding_per_client: 32,
-            },
-        )
-        .map_err(|e| anyhow!("{e}"))?;
-        let router_mesh = service
-            .mesh_addr()
-            .ok_or_else(|| anyhow!("router mesh has no address"))?;
+        let mut services = Vec::new();
+        let mut gates = Vec::new();
+        let mut router_mesh = Vec::new();
+        for instance in 0..dep.router_count() {
+            // Frontends are refused, with the reason, until every worker has connected; the
+            // reason names the missing workers from the first moment the port listens.
+            let gate = FrontendGate::closed(starting_reason(&all_names));
+            let service = start_router(&dep, &opts, instance, gate.clone())?;
+            router_mesh.push(
+                service
+                    .mesh_addr()
+                    .ok_or_else(|| anyhow!("router {instance}'s mesh has no address"))?,
+            );
+            services.push(Some(service));
+            gates.push(gate);
+        }
         let mut fabric = Self {
             dep,
             opts,
-            service,
-            gate,
+            services,
+            gates,
             router_mesh,
             workers: (0..n).map(|_| None).collect(),
             log_dir,
@@ -188,7 +162,9 @@ impl LocalFabric {
             }
             return Err(e);
         }
-        fabric.gate.open();
+        for g in &fabric.gates {
+            g.open();
+        }
         Ok(fabric)
     }
 
@@ -202,9 +178,11 @@ impl LocalFabric {
                 .iter()
                 .copied()
                 .filter(|&d| {
-                    !self
-                        .service
-                        .is_connected(Deployment::mesh_rank(DeviceRank(d as u32)))
+                    let rank = self.dep.mesh_rank(DeviceRank(d as u32));
+                    self.services
+                        .iter()
+                        .flatten()
+                        .any(|s| !s.is_connected(rank))
                 })
                 .collect();
             if missing.is_empty() {
@@ -231,8 +209,10 @@ impl LocalFabric {
                     self.worker_log_tail(&missing)
                 );
             }
-            if self.gate.reason().is_some() {
-                self.gate.close(starting_reason(&names));
+            for g in &self.gates {
+                if g.reason().is_some() {
+                    g.close(starting_reason(&names));
+                }
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -263,11 +243,11 @@ impl LocalFabric {
                 .arg("--seed")
                 .arg(o.seed.to_string()),
         };
-        cmd.arg("--device")
-            .arg(dev.id())
-            .arg("--router")
-            .arg(self.router_mesh.to_string())
-            .arg("--link")
+        cmd.arg("--device").arg(dev.id());
+        for r in &self.router_mesh {
+            cmd.arg("--router").arg(r.to_string());
+        }
+        cmd.arg("--link")
             .arg(o.link.name())
             .arg("--max-tokens")
             .arg(o.router.micro_batch_tokens.max(1).to_string())
@@ -307,9 +287,17 @@ impl LocalFabric {
         s
     }
 
-    /// Where frontends connect.
+    /// Where router 0's frontends connect.
     pub fn frontend_addr(&self) -> SocketAddr {
-        self.service.frontend_addr()
+        self.service().frontend_addr()
+    }
+
+    /// Where each router's frontends connect, by instance (`None`: stopped).
+    pub fn frontend_addrs(&self) -> Vec<Option<SocketAddr>> {
+        self.services
+            .iter()
+            .map(|s| s.as_ref().map(RouterService::frontend_addr))
+            .collect()
     }
 
     /// Frontend settings to connect with.
@@ -322,9 +310,23 @@ impl LocalFabric {
         &self.dep
     }
 
-    /// The router service (stats).
+    /// Router 0's service (stats). Panics if it was stopped with
+    /// [`LocalFabric::stop_router`]; use [`LocalFabric::router`] then.
     pub fn service(&self) -> &RouterService {
-        &self.service
+        self.router(0).expect("router 0 is running")
+    }
+
+    /// Router `instance`'s service, while it runs.
+    pub fn router(&self, instance: usize) -> Option<&RouterService> {
+        self.services.get(instance)?.as_ref()
+    }
+
+    /// Stop router `instance` at once (its connections close; the workers and the other
+    /// routers go on). Tests use it for a router that dies under load.
+    pub fn stop_router(&mut self, instance: usize) {
+        if let Some(mut s) = self.services.get_mut(instance).and_then(Option::take) {
+            s.shutdown();
+        }
     }
 
     /// Directory of the worker logs.
@@ -382,10 +384,12 @@ impl LocalFabric {
         self.stop();
     }
 
-    /// The router first (so a deliberate shutdown is not reported as workers lost), then the
+    /// The routers first (so a deliberate shutdown is not reported as workers lost), then the
     /// workers.
     fn stop(&mut self) {
-        self.service.shutdown();
+        for s in self.services.iter_mut().flatten() {
+            s.shutdown();
+        }
         for w in self.workers.iter_mut() {
             if let Some(mut c) = w.take() {
                 let _ = c.kill();
@@ -399,4 +403,57 @@ impl Drop for LocalFabric {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The worker log directory: the one asked for, or a fresh temporary one.
+fn log_dir(opts: &LocalFabricOptions) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf)> {
+    match &opts.log_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            Ok((None, d.clone()))
+        }
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("expertmesh-")
+                .tempdir()
+                .context("creating a log directory")?;
+            let p = t.path().to_path_buf();
+            Ok((Some(t), p))
+        }
+    }
+}
+
+/// Start router `instance` of the deployment, its frontends held at `gate`.
+fn start_router(
+    dep: &Deployment,
+    opts: &LocalFabricOptions,
+    instance: u32,
+    gate: FrontendGate,
+) -> anyhow::Result<RouterService> {
+    let loopback: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+    let mesh_listen = if opts.ephemeral_ports {
+        loopback
+    } else {
+        dep.router_mesh_endpoint(instance)?
+    };
+    let frontend_listen = match opts.frontend_listen {
+        Some(a) if instance == 0 => a,
+        _ if opts.ephemeral_ports => loopback,
+        _ => dep.router_frontend_endpoint(instance)?,
+    };
+    let router_threads = 1;
+    let core = router_core(dep, opts.router.clone(), router_threads, instance)?;
+    let mesh_cfg = dep.mesh_config(instance, &[], mesh_listen, opts.link);
+    let mut frontend = frontend_config(dep);
+    frontend.gate = gate;
+    RouterService::start(
+        core,
+        mesh_cfg,
+        ServiceConfig {
+            frontend_listen,
+            frontend,
+            max_outstanding_per_client: 32,
+        },
+    )
+    .map_err(|e| anyhow!("router {instance}: {e}"))
 }

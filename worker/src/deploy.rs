@@ -5,11 +5,15 @@
 //! will refuse each other (or worse, disagree silently). Both sides build them here from the
 //! same three files, so there is one mapping:
 //!
-//! * mesh rank 0 is the router; the device with topology rank `d` is mesh rank `d + 1`. The
-//!   mesh rank is internal: every message and log line names a device by its id and its
-//!   topology rank ([`Deployment::device_label`]), as `expertmesh validate` does;
-//! * workers dial only the router (its mesh listener is the router node's `control_port`;
-//!   frontends connect to the `[router]` section's port);
+//! * mesh ranks `0..R` are the topology's routers (`[router]`, or one per `[[router]]` table;
+//!   one router on the first node when the file has none); the device with topology rank `d`
+//!   is mesh rank `R + d`. The mesh rank is internal: every message and log line names a
+//!   device by its id and its topology rank ([`Deployment::device_label`]), as
+//!   `expertmesh validate` does;
+//! * every worker dials every router (router `i`'s mesh listener is its `mesh_port`, by
+//!   default its node's `control_port`; frontends connect to its `port`); routers never dial,
+//!   and never talk to each other: each has its own gates, shared experts and batches, and
+//!   the workers serve them all (fairly, see `process`);
 //! * expert weights come from [`crate::weights`]: a converted weights folder (`--weights W`,
 //!   whose manifest also names the model and the placement), or synthetic from the seed.
 
@@ -102,19 +106,39 @@ impl Deployment {
         })
     }
 
-    /// Number of mesh ranks (router + one per device).
+    /// Number of routers (mesh ranks `0..router_count()`); at least one.
+    pub fn router_count(&self) -> u32 {
+        (self.topology.routers().len() as u32).max(1)
+    }
+
+    /// Number of mesh ranks (routers + one per device).
     pub fn world_size(&self) -> u32 {
-        self.topology.devices().len() as u32 + 1
+        self.topology.devices().len() as u32 + self.router_count()
     }
 
     /// Mesh rank of a device.
-    pub fn mesh_rank(d: DeviceRank) -> u32 {
-        d.0 + 1
+    pub fn mesh_rank(&self, d: DeviceRank) -> u32 {
+        d.0 + self.router_count()
     }
 
-    /// Device of a mesh rank (None for the router).
-    pub fn device_of(rank: u32) -> Option<DeviceRank> {
-        rank.checked_sub(1).map(DeviceRank)
+    /// Device of a mesh rank (None for a router).
+    pub fn device_of(&self, rank: u32) -> Option<DeviceRank> {
+        rank.checked_sub(self.router_count()).map(DeviceRank)
+    }
+
+    /// Checks a router instance number against the topology.
+    pub fn check_router_instance(&self, instance: u32) -> anyhow::Result<()> {
+        if instance >= self.router_count() {
+            bail!(
+                "router instance {instance} does not exist: topology {} declares {} router{} \
+                 (instances 0..{}); add a [[router]] table or pass a smaller --instance",
+                self.topology.name(),
+                self.router_count(),
+                if self.router_count() == 1 { "" } else { "s" },
+                self.router_count()
+            );
+        }
+        Ok(())
     }
 
     /// Resolve a device given as an id ("node/dev") or a rank number.
@@ -143,27 +167,49 @@ impl Deployment {
         }
     }
 
-    /// Names of mesh ranks for messages ("router", "node/device").
+    /// Names of mesh ranks for messages ("router" or "router 1", "node/device").
     pub fn rank_names(&self) -> Vec<String> {
-        std::iter::once("router".to_string())
+        let r = self.router_count();
+        (0..r)
+            .map(|i| {
+                if r == 1 {
+                    "router".to_string()
+                } else {
+                    format!("router {i}")
+                }
+            })
             .chain(self.topology.devices().iter().map(|d| d.id().to_string()))
             .collect()
     }
 
-    /// The router's mesh endpoint from the topology (router node's control port).
-    pub fn router_mesh_endpoint(&self) -> anyhow::Result<SocketAddr> {
-        let idx = self.topology.router().map_or(0, |r| r.node_index());
+    /// Router `instance`'s mesh endpoint from the topology: its node's address and its
+    /// `mesh_port` (the first node's control port when the file has no router section).
+    pub fn router_mesh_endpoint(&self, instance: u32) -> anyhow::Result<SocketAddr> {
+        self.check_router_instance(instance)?;
+        let (idx, port) = match self.topology.routers().get(instance as usize) {
+            Some(r) => (r.node_index(), Some(r.mesh_port())),
+            None => (0, None),
+        };
         let node = self
             .topology
             .nodes()
             .get(idx)
             .ok_or_else(|| anyhow!("topology has no node {idx}"))?;
-        resolve(&format!("{}:{}", node.address(), node.control_port()))
+        let port = port.unwrap_or(node.control_port());
+        resolve(&format!("{}:{}", node.address(), port))
     }
 
-    /// Where frontends connect, from the topology's `[router]` section.
-    pub fn router_frontend_endpoint(&self) -> anyhow::Result<SocketAddr> {
-        match self.topology.router() {
+    /// Every router's mesh endpoint, by instance.
+    pub fn router_mesh_endpoints(&self) -> anyhow::Result<Vec<SocketAddr>> {
+        (0..self.router_count())
+            .map(|i| self.router_mesh_endpoint(i))
+            .collect()
+    }
+
+    /// Where frontends of router `instance` connect, from the topology's router section.
+    pub fn router_frontend_endpoint(&self, instance: u32) -> anyhow::Result<SocketAddr> {
+        self.check_router_instance(instance)?;
+        match self.topology.routers().get(instance as usize) {
             Some(r) => resolve(&r.listen_endpoint()),
             None => bail!(
                 "topology {} has no [router] section; pass --listen",
@@ -181,25 +227,27 @@ impl Deployment {
         resolve(&self.topology.data_endpoint(dev))
     }
 
-    /// Mesh settings for `rank`. `router` is where workers dial; `listen` overrides this rank's
-    /// own listen address (port 0 for an ephemeral port).
+    /// Mesh settings for `rank`. `routers` are the routers' mesh endpoints by instance (where
+    /// workers dial; a router gives its own listen address for its own entry); `listen`
+    /// overrides this rank's own listen address (port 0 for an ephemeral port).
     pub fn mesh_config(
         &self,
         rank: u32,
-        router: SocketAddr,
+        routers: &[SocketAddr],
         listen: SocketAddr,
         link: LinkKind,
     ) -> MeshConfig {
         let world = self.world_size();
+        let r_count = self.router_count();
         let peers = (0..world)
             .map(|r| PeerAddress {
                 addr: if r == rank {
                     listen
-                } else if r == 0 {
-                    router
+                } else if r < r_count {
+                    routers.get(r as usize).copied().unwrap_or(listen)
                 } else {
                     // Workers never dial each other; the address only fills the table.
-                    Self::device_of(r)
+                    self.device_of(r)
                         .and_then(|d| self.worker_endpoint(d).ok())
                         .unwrap_or(listen)
                 },
@@ -207,7 +255,11 @@ impl Deployment {
             })
             .collect();
         let mut cfg = MeshConfig::new(self.topology.name(), rank, peers);
-        cfg.dial_ranks = Some(if rank == 0 { Vec::new() } else { vec![0] });
+        cfg.dial_ranks = Some(if rank < r_count {
+            Vec::new()
+        } else {
+            (0..r_count).collect()
+        });
         cfg.protocol.secret = self.secret.clone();
         cfg.protocol.codec = CodecConfig {
             max_frame_bytes: MAX_FRAME_BYTES,
@@ -234,7 +286,7 @@ impl Deployment {
                         self.placement
                             .owners(layer, x)
                             .iter()
-                            .map(|&d| Self::mesh_rank(d))
+                            .map(|&d| self.mesh_rank(d))
                             .collect()
                     })
                     .collect();
@@ -242,7 +294,7 @@ impl Deployment {
                     SharedSite::None
                 } else {
                     match self.placement.shared_location(layer) {
-                        Some(SharedLocation::Device(d)) => SharedSite::Rank(Self::mesh_rank(d)),
+                        Some(SharedLocation::Device(d)) => SharedSite::Rank(self.mesh_rank(d)),
                         _ => SharedSite::Router,
                     }
                 };
@@ -256,17 +308,24 @@ impl Deployment {
             .collect()
     }
 
-    /// Replica-choice state: every worker alive, router node for locality.
-    pub fn replicas(&self) -> Replicas {
+    /// Replica-choice state of router `instance`: every worker alive, no router a
+    /// destination, locality from that router's node.
+    pub fn replicas(&self, instance: u32) -> Replicas {
         let world = self.world_size() as usize;
+        let r_count = self.router_count() as usize;
         let mut r = Replicas::new(world);
-        r.alive[0] = false;
-        let router_node = self.topology.router().map_or(0, |rs| rs.node_index());
-        for (i, d) in self.topology.devices().iter().enumerate() {
-            r.node[i + 1] = d.node_index() as u32;
+        for i in 0..r_count {
+            r.alive[i] = false;
+            r.node[i] = self
+                .topology
+                .routers()
+                .get(i)
+                .map_or(0, |rs| rs.node_index() as u32);
         }
-        r.node[0] = router_node as u32;
-        r.local_node = Some(router_node as u32);
+        for (i, d) in self.topology.devices().iter().enumerate() {
+            r.node[r_count + i] = d.node_index() as u32;
+        }
+        r.local_node = Some(r.node.get(instance as usize).copied().unwrap_or(0));
         r
     }
 

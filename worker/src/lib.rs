@@ -7,11 +7,13 @@
 //! * [`deploy`] — one deployment's shared facts: ranks, addresses, wire settings.
 //! * [`weights`] — which experts a device pins, loaded once; the in-process reference backend.
 //! * [`exec`] — dispatch execution: a `Dispatch` frame in, a result frame out.
+//! * [`fair`] — round-robin scheduling of dispatches from several routers.
 //! * [`process`] — the worker process: backend choice, mesh loop, compute thread.
 //! * [`shared`] — shared experts run on the router host, and the router core around them.
 
 pub mod deploy;
 pub mod exec;
+pub mod fair;
 pub mod process;
 pub mod shared;
 pub mod weights;

@@ -212,12 +212,14 @@ impl SharedRunner for DenseSharedRunner {
 }
 
 /// Build the router core for a deployment, with the shared experts that live on the router
-/// loaded here (packed INT4 onto a CPU backend of `threads` threads, or dense).
+/// loaded here, as router `instance` of the topology (packed INT4 onto a CPU backend of `threads` threads, or dense).
 pub fn router_core(
     dep: &Deployment,
     cfg: RouterConfig,
     threads: usize,
+    instance: u32,
 ) -> anyhow::Result<RouterCore> {
+    dep.check_router_instance(instance)?;
     let runner: Option<Box<dyn SharedRunner>> = if dep.shared_dense() {
         Some(Box::new(DenseSharedRunner::load(dep)?))
     } else if dep.shared_on_router() {
@@ -247,7 +249,7 @@ pub fn router_core(
         dep.spec.clone(),
         cfg,
         dep.layer_setups()?,
-        dep.replicas(),
+        dep.replicas(instance),
         dep.rank_names(),
         runner,
     ))
