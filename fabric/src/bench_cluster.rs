@@ -104,7 +104,7 @@ impl ClusterBenchOptions {
             line_rate_mbit: 100.0,
             scaled_from: None,
             mtu: 9000,
-            tbf_burst_bytes: 32 * 1024,
+            tbf_burst_bytes: 256 * 1024,
             tbf_latency_ms: 100.0,
             batches: vec![1, 4, 16, 64],
             seconds: 6.0,
@@ -172,6 +172,10 @@ pub struct ClusterRow {
     pub cpu_busy: f64,
     /// Cores the cluster's own processes (routers, workers, this process's frontends) used.
     pub cluster_cores: f64,
+    /// Packets the tbf shapers dropped during the measurement.
+    pub tbf_drops: u64,
+    /// TCP segments retransmitted during the measurement (all nodes).
+    pub tcp_retransmits: u64,
     /// Answers that differed from the reference.
     pub mismatches: u64,
     /// Calls that failed.
@@ -539,6 +543,10 @@ struct Measured {
     cpu_busy: f64,
     /// Cores the cluster's processes (routers, workers, frontends) kept busy.
     own_cpu: f64,
+    /// Packets the shapers dropped during the measurement.
+    tbf_drops: u64,
+    /// TCP segments retransmitted during the measurement (all nodes).
+    tcp_retransmits: u64,
 }
 
 /// (busy, total) CPU jiffies of the whole machine (`/proc/stat`), when readable.
@@ -604,6 +612,7 @@ fn measure(
     let (tx0, rx0) = emu.nic_bytes(0)?;
     let cpu0 = cpu_jiffies();
     let own0 = emu.cpu_seconds();
+    let (drops0, retrans0) = emu.drops_and_retransmits();
     let calls0 = shared.calls.load(Ordering::SeqCst);
     shared.measuring.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
@@ -613,6 +622,7 @@ fn measure(
     shared.measuring.store(false, Ordering::SeqCst);
     let (tx1, rx1) = emu.nic_bytes(0)?;
     let own_cpu = (emu.cpu_seconds() - own0) / secs.max(1e-9);
+    let (drops1, retrans1) = emu.drops_and_retransmits();
     let cpu_busy = match (cpu0, cpu_jiffies()) {
         (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
         _ => 0.0,
@@ -638,6 +648,8 @@ fn measure(
         nic_rx: rx1 - rx0,
         cpu_busy,
         own_cpu,
+        tbf_drops: drops1 - drops0,
+        tcp_retransmits: retrans1 - retrans0,
     })
 }
 
@@ -785,6 +797,8 @@ fn row_of(
         predicted_router_nic_tx_bytes_per_token: pred.nic0.sent,
         cpu_busy: m.cpu_busy,
         cluster_cores: m.own_cpu,
+        tbf_drops: m.tbf_drops,
+        tcp_retransmits: m.tcp_retransmits,
         mismatches: m.mismatches,
         errors: m.errors,
     }
@@ -792,7 +806,7 @@ fn row_of(
 
 fn print_row(r: &ClusterRow) {
     println!(
-        "routers {:>2}  batch {:>3}: {:>8.0} tokens/s measured, {:>8.0} predicted ({}), ratio {:.3}; layer call p50 {:.2} ms, p99 {:.2} ms; node 0 NIC B/token in {:.0} (plan {:.0}), out {:.0} (plan {:.0}); CPU {:.0}% busy (cluster {:.2} cores); {} calls, {} mismatches, {} errors",
+        "routers {:>2}  batch {:>3}: {:>8.0} tokens/s measured, {:>8.0} predicted ({}), ratio {:.3}; layer call p50 {:.2} ms, p99 {:.2} ms; node 0 NIC B/token in {:.0} (plan {:.0}), out {:.0} (plan {:.0}); CPU {:.0}% busy (cluster {:.2} cores); {} tbf drops, {} TCP retransmits; {} calls, {} mismatches, {} errors",
         r.routers,
         r.batch,
         r.measured_tokens_per_s,
@@ -807,6 +821,8 @@ fn print_row(r: &ClusterRow) {
         r.predicted_router_nic_tx_bytes_per_token,
         100.0 * r.cpu_busy,
         r.cluster_cores,
+        r.tbf_drops,
+        r.tcp_retransmits,
         r.calls,
         r.mismatches,
         r.errors
@@ -850,7 +866,9 @@ fn push_result(report: &mut BenchReport, r: &ClusterRow) {
             r.predicted_router_nic_tx_bytes_per_token,
         )
         .with("cpu_busy", r.cpu_busy)
-        .with("cluster_cores", r.cluster_cores),
+        .with("cluster_cores", r.cluster_cores)
+        .with("tbf_drops", r.tbf_drops)
+        .with("tcp_retransmits", r.tcp_retransmits),
     );
 }
 

@@ -169,6 +169,38 @@ impl Emulation {
         Ok((get("tx"), get("rx")))
     }
 
+    /// Packets the tbf qdiscs dropped and TCP segments retransmitted so far, over every node
+    /// (both ends of every link): a healthy run keeps both near zero.
+    pub fn drops_and_retransmits(&self) -> (u64, u64) {
+        let run = |args: &[&str]| -> String {
+            Command::new("ip")
+                .args(args)
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default()
+        };
+        let qdisc_drops = |ns: &str, dev: &str| -> u64 {
+            let text = run(&[
+                "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev", dev,
+            ]);
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            v[0]["drops"].as_u64().unwrap_or(0)
+        };
+        let (mut drops, mut retrans) = (0, 0);
+        for i in 0..self.nodes {
+            let ns = self.node_ns(i);
+            drops += qdisc_drops(&ns, "eth0") + qdisc_drops(&self.switch_ns(), &format!("v{i}"));
+            let snmp = run(&["netns", "exec", &ns, "cat", "/proc/net/snmp"]);
+            let tcp: Vec<&str> = snmp.lines().filter(|l| l.starts_with("Tcp:")).collect();
+            if let [names, values] = tcp[..] {
+                let col = names.split_whitespace().position(|n| n == "RetransSegs");
+                let val = col.and_then(|c| values.split_whitespace().nth(c));
+                retrans += val.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        (drops, retrans)
+    }
+
     /// CPU seconds (user + system) the processes of this emulation and this process have used.
     pub fn cpu_seconds(&self) -> f64 {
         // SAFETY: sysconf only reads a configuration value.
