@@ -544,6 +544,9 @@ fn kind_name(b: &Body) -> &'static str {
     }
 }
 
+/// Inputs (and, separately, mesh events) the core thread takes per pass before it acts.
+const PASS: usize = 64;
+
 /// The core thread's state: the core, its input queue, the mesh's events, and what carrying
 /// out actions needs.
 struct CoreLoop {
@@ -574,7 +577,9 @@ impl CoreLoop {
         let mut cx = Context::from_waker(&waker);
         loop {
             let mut busy = false;
-            loop {
+            // At most PASS inputs and PASS events per pass, so that neither queue starves the
+            // other, the timers or the answers.
+            for _ in 0..PASS {
                 match self.rx.try_recv() {
                     Ok(CoreInput::Stop) | Err(std_mpsc::TryRecvError::Disconnected) => return,
                     Ok(msg) => {
@@ -584,7 +589,10 @@ impl CoreLoop {
                     Err(std_mpsc::TryRecvError::Empty) => break,
                 }
             }
-            while let Some(events) = self.events.as_mut() {
+            for _ in 0..PASS {
+                let Some(events) = self.events.as_mut() else {
+                    break;
+                };
                 let next = std::pin::pin!(events.recv()).poll(&mut cx);
                 match next {
                     Poll::Ready(Some(ev)) => {
