@@ -1967,7 +1967,11 @@ fn router_entries(raw: &Field<RawRouters>) -> Vec<(String, &RawRouter, Sp)> {
     match rr.get_ref() {
         RawRouters::One(r) => vec![("[router]".to_owned(), r, Some(rr.span()))],
         RawRouters::Many(list) if list.len() == 1 => {
-            vec![("[router]".to_owned(), list[0].get_ref(), Some(list[0].span()))]
+            vec![(
+                "[router]".to_owned(),
+                list[0].get_ref(),
+                Some(list[0].span()),
+            )]
         }
         RawRouters::Many(list) => list
             .iter()

@@ -503,7 +503,8 @@ fn non_utf8_file_is_invalid_not_io() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-const TWO_ROUTERS: &str = "[[router]]\nnode = \"a\"\nport = 9000\n\n[[router]]\nnode = \"b\"\nport = 9000\n";
+const TWO_ROUTERS: &str =
+    "[[router]]\nnode = \"a\"\nport = 9000\n\n[[router]]\nnode = \"b\"\nport = 9000\n";
 
 #[test]
 fn several_routers_each_get_ports_and_mesh_ports() {
