@@ -1394,3 +1394,36 @@ fn member_row<'a>(
     let r = t - members[i].offset;
     &mut outs[i][r * h..(r + 1) * h]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_mode_has_its_wire() {
+        let wire = |m: LayerMode| m.apply(RouterConfig::default()).wire_format();
+        let f = |dispatch, layout, result| WireFormat {
+            dispatch,
+            layout,
+            result,
+        };
+        let (q8, f32in) = (ActivationDtype::Q8Block32, ActivationDtype::F32);
+        let (slots, combined) = (WireLayout::PerSlot, WireLayout::PreCombined);
+        let (f32out, bf16) = (OutputDtype::F32, OutputDtype::Bf16);
+        assert_eq!(wire(LayerMode::Exact), f(q8, slots, f32out));
+        assert_eq!(wire(LayerMode::ExactBf16), f(q8, slots, bf16));
+        assert_eq!(wire(LayerMode::Accurate), f(f32in, combined, f32out));
+        assert_eq!(wire(LayerMode::Serving), f(q8, combined, bf16));
+        for m in LayerMode::ALL {
+            assert_eq!(m.apply(RouterConfig::default()).layer_mode(), Some(m));
+        }
+        assert_eq!(RouterConfig::default().layer_mode(), Some(LayerMode::Exact));
+        let odd = RouterConfig {
+            mode: ComputeMode::Accurate,
+            results: ResultWire::SlotsBf16,
+            ..RouterConfig::default()
+        };
+        assert_eq!(odd.layer_mode(), None);
+        assert_eq!(odd.wire_format(), f(f32in, slots, bf16));
+    }
+}
