@@ -530,15 +530,16 @@ impl Pools {
 /// What the frontends saw in one measurement.
 #[derive(Default)]
 struct Measured {
-    secs: f64,
     calls: u64,
+    /// Layer calls per second, all frontends ([`call_rate`]).
+    calls_per_s: f64,
     latencies_ms: Vec<f64>,
     mismatches: u64,
     errors: u64,
     first_problem: Option<String>,
-    /// Node 0's NIC bytes (sent, received) during the measurement.
-    nic_tx: u64,
-    nic_rx: u64,
+    /// Node 0's NIC bytes per second (sent, received) during the measurement.
+    nic_tx_per_s: f64,
+    nic_rx_per_s: f64,
     /// Share of CPU time busy during the measurement.
     cpu_busy: f64,
     /// Cores the cluster's processes (routers, workers, frontends) kept busy.
@@ -609,18 +610,23 @@ fn measure(
         }));
     }
     std::thread::sleep(Duration::from_secs_f64(o.warmup));
-    let (tx0, rx0) = emu.nic_bytes(0)?;
+    // The slow samples (a few `ip netns exec` each) first; the NIC counters right at the
+    // window's edges, each timed.
     let cpu0 = cpu_jiffies();
     let own0 = emu.cpu_seconds();
     let (drops0, retrans0) = emu.drops_and_retransmits();
+    let tn0 = Instant::now();
+    let (tx0, rx0) = emu.nic_bytes(0)?;
     let calls0 = shared.calls.load(Ordering::SeqCst);
     shared.measuring.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(o.seconds));
     let calls1 = shared.calls.load(Ordering::SeqCst);
-    let secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let secs = (t1 - t0).as_secs_f64();
     shared.measuring.store(false, Ordering::SeqCst);
     let (tx1, rx1) = emu.nic_bytes(0)?;
+    let nic_secs = tn0.elapsed().as_secs_f64().max(1e-9);
     let own_cpu = (emu.cpu_seconds() - own0) / secs.max(1e-9);
     let (drops1, retrans1) = emu.drops_and_retransmits();
     let cpu_busy = match (cpu0, cpu_jiffies()) {
@@ -628,9 +634,12 @@ fn measure(
         _ => 0.0,
     };
     shared.stop.store(true, Ordering::SeqCst);
+    let mut completions = Vec::new();
     for t in threads {
-        t.join()
-            .map_err(|_| anyhow!("frontend thread panicked"))??;
+        completions.extend(
+            t.join()
+                .map_err(|_| anyhow!("frontend thread panicked"))??,
+        );
     }
     if let Some(e) = emu.exited() {
         bail!("{e}");
@@ -638,14 +647,14 @@ fn measure(
     let latencies_ms = std::mem::take(&mut *shared.latencies_ms.lock().expect("not poisoned"));
     let first_problem = shared.first_problem.lock().expect("not poisoned").clone();
     Ok(Measured {
-        secs,
         calls: calls1 - calls0,
+        calls_per_s: call_rate(&completions, t0, t1),
         latencies_ms,
         mismatches: shared.mismatches.load(Ordering::SeqCst),
         errors: shared.errors.load(Ordering::SeqCst),
         first_problem,
-        nic_tx: tx1 - tx0,
-        nic_rx: rx1 - rx0,
+        nic_tx_per_s: (tx1 - tx0) as f64 / nic_secs,
+        nic_rx_per_s: (rx1 - rx0) as f64 / nic_secs,
         cpu_busy,
         own_cpu,
         tbf_drops: drops1 - drops0,
@@ -664,8 +673,9 @@ struct FrontendJob {
 }
 
 impl FrontendJob {
-    /// Connect every client, then call layer after layer until told to stop.
-    async fn run(self) -> anyhow::Result<()> {
+    /// Connect every client, then call layer after layer until told to stop; each client's
+    /// call completion times.
+    async fn run(self) -> anyhow::Result<Vec<Vec<Instant>>> {
         let mut tasks = Vec::new();
         for pool in &self.pools {
             let c = RouterClient::connect(router_addr(self.router), &self.cfg)
@@ -675,21 +685,24 @@ impl FrontendJob {
             let (pool, shared) = (pool.clone(), self.shared.clone());
             tasks.push(tokio::spawn(client_loop(c, layers, h, pool, shared)));
         }
+        let mut done = Vec::new();
         for t in tasks {
-            t.await.map_err(|e| anyhow!("{e}"))?;
+            done.push(t.await.map_err(|e| anyhow!("{e}"))?);
         }
-        Ok(())
+        Ok(done)
     }
 }
 
 /// One frontend: for each pooled input, every layer in turn; answers compared bit for bit.
+/// Returns when each successful call completed.
 async fn client_loop(
     mut c: RouterClient,
     layers: Vec<u32>,
     h: usize,
     pool: Arc<Vec<Entry>>,
     shared: Arc<Shared>,
-) {
+) -> Vec<Instant> {
+    let mut done = Vec::new();
     let mut i = 0usize;
     while !shared.stop.load(Ordering::Relaxed) {
         let entry = &pool[i % pool.len()];
@@ -699,6 +712,7 @@ async fn client_loop(
             let t0 = Instant::now();
             match c.call(layer, &entry.x, h, None, None).await {
                 Ok(y) => {
+                    done.push(Instant::now());
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     if measuring && shared.measuring.load(Ordering::Relaxed) {
                         shared.latencies_ms.lock().expect("not poisoned").push(ms);
@@ -720,6 +734,30 @@ async fn client_loop(
             shared.calls.fetch_add(1, Ordering::Relaxed);
         }
     }
+    done
+}
+
+/// Calls per second over the window `[t0, t1]`, free of edge effects: per client, its
+/// completions inside the window less one over the time between the first and the last of
+/// them (a client with fewer than two: its count over the window), summed over clients.
+fn call_rate(clients: &[Vec<Instant>], t0: Instant, t1: Instant) -> f64 {
+    let window = (t1 - t0).as_secs_f64().max(1e-9);
+    clients
+        .iter()
+        .map(|times| {
+            let inside: Vec<Instant> = times
+                .iter()
+                .copied()
+                .filter(|&t| t >= t0 && t <= t1)
+                .collect();
+            match (inside.first(), inside.last()) {
+                (Some(&a), Some(&b)) if inside.len() >= 2 && b > a => {
+                    (inside.len() - 1) as f64 / (b - a).as_secs_f64()
+                }
+                _ => inside.len() as f64 / window,
+            }
+        })
+        .sum()
 }
 
 /// What the planner predicts for one batch size.
@@ -781,18 +819,19 @@ fn row_of(
     let mut lat = m.latencies_ms.clone();
     lat.sort_by(f64::total_cmp);
     let layers = f64::from(o.layers.max(1));
-    let layer_tokens = (m.calls as f64 * b as f64).max(1.0);
+    // Tokens through one layer per second, at the measured rate.
+    let layer_tokens = (m.calls_per_s * b as f64).max(1e-9);
     ClusterRow {
         routers,
         batch: b,
-        measured_tokens_per_s: m.calls as f64 * b as f64 / layers / m.secs.max(1e-9),
+        measured_tokens_per_s: m.calls_per_s * b as f64 / layers,
         predicted_tokens_per_s: p.tokens_per_s,
         bottleneck: p.bottleneck.clone(),
         p50_ms: percentile(&lat, 0.5),
         p99_ms: percentile(&lat, 0.99),
         calls: m.calls,
-        router_nic_rx_bytes_per_token: m.nic_rx as f64 / layer_tokens,
-        router_nic_tx_bytes_per_token: m.nic_tx as f64 / layer_tokens,
+        router_nic_rx_bytes_per_token: m.nic_rx_per_s / layer_tokens,
+        router_nic_tx_bytes_per_token: m.nic_tx_per_s / layer_tokens,
         predicted_router_nic_rx_bytes_per_token: pred.nic0.received,
         predicted_router_nic_tx_bytes_per_token: pred.nic0.sent,
         cpu_busy: m.cpu_busy,
