@@ -152,6 +152,20 @@ pub fn machine_differences(a: &BenchReport, b: &BenchReport) -> Vec<String> {
             out.push(format!("{f}: {} -> {}", s(x), s(y)));
         }
     }
+    // The limits themselves: a ratio moves when its limit does (another memory placement of
+    // a VM's cores, other load), so say so when they differ by more than 5%.
+    for f in ["read_bandwidth_gbs_median", "int8_peak_tops_median"] {
+        let get = |r: &BenchReport| r.machine.extra.get(f).and_then(|v| v.as_f64());
+        if let (Some(x), Some(y)) = (get(a), get(b))
+            && x > 0.0
+            && (y / x - 1.0).abs() > 0.05
+        {
+            out.push(format!(
+                "{f}: {x:.3} -> {y:.3} ({:+.0}%)",
+                (y / x - 1.0) * 100.0
+            ));
+        }
+    }
     out
 }
 
@@ -382,6 +396,28 @@ mod tests {
         let (d, _) = compare(&report(vec![lat(50.0)]), &report(vec![lat(60.0)]));
         assert_eq!(d[0].verdict, Verdict::Outside);
         assert!(d[0].worse());
+    }
+
+    #[test]
+    fn machine_differences_name_a_moved_limit() {
+        let mut a = report(vec![]);
+        let mut b = report(vec![]);
+        a.machine
+            .extra
+            .insert("read_bandwidth_gbs_median".into(), 35.0.into());
+        b.machine
+            .extra
+            .insert("read_bandwidth_gbs_median".into(), 44.0.into());
+        let d = machine_differences(&a, &b);
+        assert!(
+            d.iter()
+                .any(|l| l.contains("read_bandwidth_gbs_median") && l.contains("+26%")),
+            "{d:?}"
+        );
+        b.machine
+            .extra
+            .insert("read_bandwidth_gbs_median".into(), 35.5.into());
+        assert!(machine_differences(&a, &b).is_empty());
     }
 
     #[test]

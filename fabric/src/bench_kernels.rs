@@ -77,6 +77,8 @@ pub struct Effort {
     pub pool_bytes: u64,
     /// The pool of an unhurried run.
     pub full_pool_bytes: u64,
+    /// The smallest pool a model is measured with (twice the last-level cache).
+    pub min_pool_bytes: u64,
     /// Largest bandwidth probe buffer, bytes.
     pub probe_bytes: u64,
     /// The largest probe buffer of an unhurried run.
@@ -107,6 +109,7 @@ impl Effort {
         let probe = fit(0.15, 2e9).clamp((4 * llc).max(64 << 20), full_probe_bytes);
         Effort {
             pool_bytes: pool.max(opts.pool_bytes),
+            min_pool_bytes: (2 * llc).max(32 << 20),
             full_pool_bytes,
             probe_bytes: probe,
             full_probe_bytes,
@@ -250,7 +253,12 @@ impl Limits {
 
     /// Seconds one [`Limits::sample`] takes (estimated).
     fn sample_s(&self) -> f64 {
-        2.0 * (self.best.bytes as f64 / 15e9 + 0.004)
+        let bw = self
+            .sweep
+            .iter()
+            .find(|(c, _)| *c == self.best)
+            .map_or(0.0, |(_, s)| Spread::of(s).median);
+        2.0 * (self.best.bytes as f64 / bw.max(1e9) + 0.004)
     }
 
     /// The sweep and the interleaved samples, for `machine` in the JSON.
@@ -640,8 +648,13 @@ fn setup_cases(
         skipped.push(serde_json::json!({"model": name, "case": format!("{kind:?}"), "why": why}));
     };
     for spec in &opts.models {
-        let load_est = effort.pool_bytes as f64 / POOL_LOAD_RATE;
-        if !models.is_empty() && !Clock::fits(clock.setup_end, load_est) {
+        // The planned pool, or what the setup time left can load, but never less than the
+        // smallest pool that still misses the cache.
+        let left = clock.setup_end.saturating_duration_since(Instant::now());
+        let pool_bytes = effort
+            .pool_bytes
+            .min((left.as_secs_f64() * POOL_LOAD_RATE) as u64);
+        if pool_bytes < effort.min_pool_bytes {
             skip(
                 &spec.name,
                 Kind::Decode(0),
@@ -649,7 +662,7 @@ fn setup_cases(
             );
             continue;
         }
-        let mut m = ModelBench::load(spec, opts.threads, effort.pool_bytes, max_tokens)?;
+        let mut m = ModelBench::load(spec, opts.threads, pool_bytes, max_tokens)?;
         let mut kinds: Vec<Kind> = opts.batches.iter().map(|&b| Kind::Decode(b)).collect();
         kinds.push(Kind::Accurate);
         if opts.prefill_tokens > 0 {
@@ -705,7 +718,9 @@ fn measure(
     for rep in 0..opts.repetitions.max(1) {
         for &i in &order {
             let c = &mut cases[i];
-            if !Clock::fits(clock.end, c.sample_s(limits)) {
+            // 2% of the run (at least 20 ms) is kept for what follows the last repetition.
+            let reserve = (0.02 * opts.seconds).max(0.02);
+            if !Clock::fits(clock.end, c.sample_s(limits) + reserve) {
                 println!(
                     "  --seconds {} reached in repetition {}: stopping (figures from the repetitions done)",
                     opts.seconds,

@@ -77,6 +77,21 @@ pub fn describe(extra: &mut BTreeMap<String, Value>) {
     let (rev, dirty) = git_revision();
     extra.insert("git_revision".into(), json!(rev));
     extra.insert("git_dirty".into(), json!(dirty));
+    extra.insert(
+        "git_revision_is".into(),
+        json!(if option_env!("EXPERTMESH_GIT_REVISION").is_some() {
+            "the build's (EXPERTMESH_GIT_REVISION at build time)"
+        } else {
+            "HEAD of the repository holding the binary when the bench ran; the build may be older: see binary_modified_unix"
+        }),
+    );
+    let modified = std::env::current_exe()
+        .and_then(std::fs::metadata)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_secs());
+    extra.insert("binary_modified_unix".into(), json!(modified));
 }
 
 /// Adds what changed during the run: `loadavg_end` and the process's CPU seconds
