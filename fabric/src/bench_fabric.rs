@@ -343,6 +343,8 @@ impl LinkRun<'_> {
             let idle = RouterClient::connect(addr, &fcfg)
                 .await
                 .map_err(|e| anyhow!("{e}"))?;
+            // The router counts a connection once its side of the handshake is done.
+            tokio::time::sleep(Duration::from_millis(200)).await;
             let window = one_token_latencies(&mut c, layer, &x, h, secs).await?;
             drop(idle);
             Ok::<_, anyhow::Error>((alone, window))

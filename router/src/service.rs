@@ -76,8 +76,10 @@ pub enum ServiceError {
 enum CoreInput {
     Request(crate::core::Request),
     /// The number of open frontend connections changed (the core closes a batch window early
-    /// once every one of them has a request pending).
-    Frontends(usize),
+    /// once every one of them has a request pending). The core reads the count itself when
+    /// it takes this notice: notices of different connections may arrive in any order, the
+    /// count read last is the current one.
+    Frontends,
     SendFailed {
         rank: u32,
         batch: u64,
@@ -159,11 +161,13 @@ impl RouterService {
         let hidden = core.spec().hidden as usize;
 
         // Frontend acceptor.
+        let open = Arc::new(AtomicUsize::new(0));
         runtime.spawn(accept_loop(
             listener,
             validator,
             input_tx.clone(),
             clients.clone(),
+            Arc::clone(&open),
             cfg.max_outstanding_per_client.max(1),
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
@@ -178,6 +182,7 @@ impl RouterService {
             clients,
             stats: stats.clone(),
             hidden,
+            open,
         };
         let core_thread = std::thread::Builder::new()
             .name("router-core".into())
@@ -319,10 +324,10 @@ async fn accept_loop(
     validator: crate::core::RequestValidator,
     tx: CoreTx,
     clients: ClientQueues,
+    open: Arc<AtomicUsize>,
     max_outstanding: usize,
 ) {
     let mut next_client: ClientId = 1;
-    let open = Arc::new(AtomicUsize::new(0));
     loop {
         let incoming = match listener.accept().await {
             Ok(i) => i,
@@ -389,11 +394,11 @@ impl FrontendConn {
         // The task holds no sender of its own queue: it ends once this connection is gone.
         let write_task = tokio::spawn(write_responses(writer, slots.clone(), peer, out_rx));
         // Counted before this connection's first request reaches the core (same queue).
-        let n = self.open.fetch_add(1, Ordering::AcqRel) + 1;
-        let _ = send_to_core(&self.tx, CoreInput::Frontends(n)).await;
+        self.open.fetch_add(1, Ordering::AcqRel);
+        let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         self.read_requests(reader, &out_tx, &slots, peer).await;
-        let n = self.open.fetch_sub(1, Ordering::AcqRel) - 1;
-        let _ = send_to_core(&self.tx, CoreInput::Frontends(n)).await;
+        self.open.fetch_sub(1, Ordering::AcqRel);
+        let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         self.clients
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -562,6 +567,8 @@ struct CoreLoop {
     hidden: usize,
     /// `names[r]` labels mesh rank `r` in logs (device name and rank).
     names: Vec<String>,
+    /// Open frontend connections (kept by the connection tasks).
+    open: Arc<AtomicUsize>,
 }
 
 impl CoreLoop {
@@ -624,7 +631,10 @@ impl CoreLoop {
         match msg {
             CoreInput::Stop => {}
             CoreInput::Request(r) => self.core.submit(r, now),
-            CoreInput::Frontends(n) => self.core.set_frontends(n, now),
+            CoreInput::Frontends => {
+                let open = self.open.load(Ordering::Acquire);
+                self.core.set_frontends(open, now);
+            }
             CoreInput::SendFailed { rank, batch, part } => {
                 self.core.on_send_failed(rank, batch, part, now)
             }
