@@ -211,6 +211,10 @@ pub struct WorkerCli {
     /// Listen address of this worker (default: the device's data port).
     #[arg(long, value_parser = parse_endpoint)]
     listen: Option<SocketAddr>,
+    /// Every device's listen address in topology order, comma-separated (default: the
+    /// topology's data endpoints); node peers dial each other there to share dispatches.
+    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
+    device_addrs: Vec<SocketAddr>,
     /// Link to the router.
     #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
     link: LinkArg,
@@ -251,6 +255,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
             device: cli.device,
             routers: cli.router,
             listen: cli.listen,
+            device_addrs: cli.device_addrs,
             link: cli.link.into(),
             threads: cli.threads,
             backend: match cli.backend {
@@ -326,7 +331,7 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
     };
     let service = RouterService::start(
         core,
-        dep.mesh_config(instance, &[], mesh_listen, cli.link.into()),
+        dep.mesh_config(instance, &[], &[], mesh_listen, cli.link.into()),
         ServiceConfig {
             frontend_listen: listen,
             frontend: frontend_config(&dep),

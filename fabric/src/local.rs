@@ -99,6 +99,9 @@ pub struct LocalFabric {
     services: Vec<Option<RouterService>>,
     gates: Vec<FrontendGate>,
     router_mesh: Vec<SocketAddr>,
+    /// Each device's listen address when the launcher picks them (ephemeral ports on a
+    /// topology whose nodes fan out: node peers must know where to dial each other).
+    device_addrs: Vec<SocketAddr>,
     workers: Vec<Option<Child>>,
     log_dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
@@ -141,12 +144,14 @@ impl LocalFabric {
             services.push(Some(service));
             gates.push(gate);
         }
+        let device_addrs = pick_device_addrs(&dep, &opts)?;
         let mut fabric = Self {
             dep,
             opts,
             services,
             gates,
             router_mesh,
+            device_addrs,
             workers: (0..n).map(|_| None).collect(),
             log_dir,
             _tmp: tmp,
@@ -255,7 +260,11 @@ impl LocalFabric {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        if o.ephemeral_ports {
+        if let Some(a) = self.device_addrs.get(d) {
+            cmd.arg("--listen").arg(a.to_string());
+            let all: Vec<String> = self.device_addrs.iter().map(ToString::to_string).collect();
+            cmd.arg("--device-addrs").arg(all.join(","));
+        } else if o.ephemeral_ports {
             cmd.arg("--listen").arg("127.0.0.1:0");
         }
         if let Some(t) = o.worker_threads {
@@ -443,7 +452,7 @@ fn start_router(
     };
     let router_threads = 1;
     let core = router_core(dep, opts.router.clone(), router_threads, instance)?;
-    let mesh_cfg = dep.mesh_config(instance, &[], mesh_listen, opts.link);
+    let mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
     let mut frontend = frontend_config(dep);
     frontend.gate = gate;
     RouterService::start(
@@ -456,4 +465,25 @@ fn start_router(
         },
     )
     .map_err(|e| anyhow!("router {instance}: {e}"))
+}
+
+/// With ephemeral ports on a topology where some node fans out, a free loopback port for every
+/// device, so node peers can dial each other (and a restarted worker comes back at the same
+/// address); otherwise none (workers take any port, or the topology's).
+fn pick_device_addrs(
+    dep: &Deployment,
+    opts: &LocalFabricOptions,
+) -> anyhow::Result<Vec<SocketAddr>> {
+    let fans_out = (0..dep.topology.nodes().len()).any(|n| dep.node_fans_out(n));
+    if !opts.ephemeral_ports || !fans_out {
+        return Ok(Vec::new());
+    }
+    let listeners: Vec<std::net::TcpListener> = (0..dep.topology.devices().len())
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()
+        .context("picking free ports for the workers")?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().context("reading a picked port"))
+        .collect()
 }

@@ -6,9 +6,17 @@
 //! and ownership in, per-device plans out, so it is property-tested against its invariants.
 //!
 //! Replica choice for a (token, slot), in order of preference: a live owner that this token is
-//! already being sent to (no extra copy of the activations); a live owner on the router's own
+//! already being sent to (no extra copy of the activations); with per-node dedup, a live owner
+//! on a node this token already goes to; a live owner on the router's own
 //! node (locality); the live owner with the least outstanding work (`Replicas::load` plus what
 //! this plan already assigned); ties go to the lower rank. Dead devices are never chosen.
+//!
+//! Per-node dedup ([`Replicas::node_dedup`]): after replica choice, the plans of every remote
+//! node (not the router's own) that receives work on two or more devices are merged into one
+//! plan for the lowest of those ranks, the node's leader for this batch; so a token crosses the
+//! network once per node, and the leader fans its pairs out to the node's devices over shared
+//! memory (the worker's `fanout`). The merged plan keeps token-major, slot-order pairs, so the
+//! router places the leader's result rows exactly as it would place each device's.
 
 use crate::gating::Routing;
 
@@ -30,6 +38,9 @@ pub struct Replicas {
     pub node: Vec<u32>,
     /// The router's node, for locality.
     pub local_node: Option<u32>,
+    /// Merge the plans of each remote node into one for a leader device of that node (the
+    /// workers fan out over shared memory).
+    pub node_dedup: bool,
 }
 
 impl Replicas {
@@ -40,6 +51,7 @@ impl Replicas {
             alive: vec![true; ranks],
             node: vec![0; ranks],
             local_node: None,
+            node_dedup: false,
         }
     }
 }
@@ -170,7 +182,76 @@ pub fn plan_dispatch(
         p.weights.push(routing.weights_of(t as usize)[s as usize]);
         p.slots.push(s);
     }
+    if replicas.node_dedup {
+        plans = merge_per_node(plans, replicas);
+    }
     Ok(plans)
+}
+
+/// Merges the plans of each remote node with two or more planned devices into one plan for
+/// the lowest of those ranks; plans stay in ascending rank order.
+fn merge_per_node(plans: Vec<DevicePlan>, replicas: &Replicas) -> Vec<DevicePlan> {
+    let node_of = |r: u32| replicas.node.get(r as usize).copied();
+    let remote =
+        |p: &DevicePlan| node_of(p.rank).is_some() && node_of(p.rank) != replicas.local_node;
+    let shares_node = |p: &DevicePlan, all: &[DevicePlan]| {
+        all.iter()
+            .any(|q| q.rank != p.rank && node_of(q.rank) == node_of(p.rank))
+    };
+    if !plans.iter().any(|p| remote(p) && shares_node(p, &plans)) {
+        return plans;
+    }
+    let mut out: Vec<DevicePlan> = Vec::with_capacity(plans.len());
+    let mut groups: Vec<(u32, Vec<DevicePlan>)> = Vec::new();
+    for p in plans {
+        if !remote(&p) {
+            out.push(p);
+            continue;
+        }
+        let n = node_of(p.rank).expect("remote plans have a node");
+        match groups.iter_mut().find(|(gn, _)| *gn == n) {
+            Some((_, g)) => g.push(p),
+            None => groups.push((n, vec![p])),
+        }
+    }
+    for (_, g) in groups {
+        out.push(if g.len() == 1 {
+            g.into_iter().next().expect("one plan")
+        } else {
+            merge_plans(&g)
+        });
+    }
+    out.sort_by_key(|p| p.rank);
+    out
+}
+
+/// One plan holding every pair of `plans` (all for one node), addressed to the lowest rank:
+/// tokens ascending, each token's pairs in slot order.
+fn merge_plans(plans: &[DevicePlan]) -> DevicePlan {
+    // (token, slot, expert, weight) of every pair; a (token, slot) is in exactly one plan.
+    let mut pairs: Vec<(u32, u32, u32, f32)> =
+        Vec::with_capacity(plans.iter().map(DevicePlan::pairs).sum());
+    for p in plans {
+        for (i, (t, s)) in p.pair_targets().enumerate() {
+            pairs.push((t, s, p.experts[i], p.weights[i]));
+        }
+    }
+    pairs.sort_unstable_by_key(|&(t, s, _, _)| (t, s));
+    let mut m = DevicePlan {
+        rank: plans.iter().map(|p| p.rank).min().expect("non-empty"),
+        ..DevicePlan::default()
+    };
+    for (t, s, e, w) in pairs {
+        if m.tokens.last() != Some(&t) {
+            m.tokens.push(t);
+            m.counts.push(0);
+        }
+        *m.counts.last_mut().expect("pushed above") += 1;
+        m.experts.push(e);
+        m.weights.push(w);
+        m.slots.push(s);
+    }
+    m
 }
 
 /// The rank that receives `expert` for the current token (see the module docs for the order of
@@ -196,8 +277,18 @@ fn choose_owner(
             .filter(|&r| (r as usize) < ranks && replicas.alive[r as usize])
     };
     let least_loaded = |r: &u32| (replicas.load[*r as usize] + extra[*r as usize], *r);
+    let node = |r: u32| replicas.node.get(r as usize).copied();
     live()
         .find(|r| token_dests.contains(r))
+        .or_else(|| {
+            // with per-node dedup, a node this token already goes to costs no extra copy
+            if !replicas.node_dedup {
+                return None;
+            }
+            live()
+                .filter(|&r| token_dests.iter().any(|&d| node(d) == node(r)))
+                .min_by_key(least_loaded)
+        })
         .or_else(|| {
             let local = replicas.local_node.and_then(|n| {
                 live()
@@ -362,5 +453,85 @@ mod tests {
         assert_eq!(again.len(), 1);
         assert_eq!(again[0].rank, 2);
         assert_eq!(again[0].pair_targets().collect::<Vec<_>>(), share);
+    }
+
+    proptest! {
+        /// Per-node dedup: every pair still planned exactly once to a live owner's node, at
+        /// most one plan per remote node (addressed to one of that node's planned devices),
+        /// tokens ascending and each token's slots ascending in every plan.
+        #[test]
+        fn node_dedup_sends_each_remote_node_one_plan(
+            routing in routing_strategy(12, 3),
+            owners in owners_strategy(12, 6),
+            dead in prop::collection::vec(any::<bool>(), 6),
+        ) {
+            let mut rep = Replicas::new(6);
+            rep.alive = dead.iter().map(|d| !d).collect();
+            rep.node = vec![0, 0, 1, 1, 2, 2];
+            rep.local_node = Some(0);
+            rep.node_dedup = true;
+            let Ok(plans) = plan_dispatch(&routing, &owners, &rep, None) else {
+                return Ok(());
+            };
+            let mut seen = std::collections::HashSet::new();
+            let mut remote_nodes = std::collections::HashSet::new();
+            for p in &plans {
+                prop_assert!(rep.alive[p.rank as usize]);
+                let n = rep.node[p.rank as usize];
+                if n != 0 {
+                    prop_assert!(remote_nodes.insert(n), "two plans for node {}", n);
+                }
+                prop_assert!(p.tokens.windows(2).all(|w| w[0] < w[1]));
+                let mut i = 0;
+                for (&t, &c) in p.tokens.iter().zip(&p.counts) {
+                    let slots = &p.slots[i..i + c as usize];
+                    prop_assert!(slots.windows(2).all(|w| w[0] < w[1]));
+                    for (j, &sl) in slots.iter().enumerate() {
+                        let e = p.experts[i + j];
+                        prop_assert_eq!(e, routing.experts_of(t as usize)[sl as usize]);
+                        prop_assert_eq!(p.weights[i + j], routing.weights_of(t as usize)[sl as usize]);
+                        // a live owner of the expert is on the plan's node
+                        let on_node = owners.owners[e as usize]
+                            .iter()
+                            .any(|&o| rep.alive[o as usize] && rep.node[o as usize] == n);
+                        prop_assert!(on_node);
+                        prop_assert!(seen.insert((t, sl)));
+                    }
+                    i += c as usize;
+                }
+            }
+            prop_assert_eq!(seen.len(), routing.tokens() * routing.top_k);
+        }
+    }
+
+    #[test]
+    fn node_dedup_merges_one_tokens_pairs_on_a_remote_node() {
+        // token 0: experts 0 (rank 2) and 1 (rank 3), both on remote node 1
+        let routing = Routing {
+            top_k: 2,
+            experts: vec![0, 1],
+            weights: vec![0.75, 0.25],
+        };
+        let owners = LayerOwners {
+            owners: vec![vec![2], vec![3]],
+        };
+        let mut rep = Replicas::new(4);
+        rep.node = vec![0, 0, 1, 1];
+        rep.local_node = Some(0);
+        let plain = plan_dispatch(&routing, &owners, &rep, None).unwrap();
+        assert_eq!(plain.len(), 2, "without dedup one plan per device");
+        rep.node_dedup = true;
+        let merged = plan_dispatch(&routing, &owners, &rep, None).unwrap();
+        assert_eq!(merged.len(), 1);
+        assert_eq!(merged[0].rank, 2, "the lowest planned rank leads");
+        assert_eq!(merged[0].experts, vec![0, 1]);
+        assert_eq!(merged[0].slots, vec![0, 1]);
+        assert_eq!(merged[0].weights, vec![0.75, 0.25]);
+        // the router's own node is never merged
+        rep.local_node = Some(1);
+        assert_eq!(
+            plan_dispatch(&routing, &owners, &rep, None).unwrap().len(),
+            2
+        );
     }
 }

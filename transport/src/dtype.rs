@@ -416,6 +416,51 @@ pub fn write_q8_row(
     }
 }
 
+/// Gathers rows `rows` (token indices into a `tokens`-row payload of `dtype`) into `out` as a
+/// payload of `rows.len()` rows in the same layout (codes or values, and for the scaled formats
+/// each row's scales). A node's leader worker uses it to forward a token subset to a peer
+/// device; this and [`write_q8_row`] / [`q8_view`] are the only places that know the layouts.
+pub fn gather_rows(
+    dtype: ActivationDtype,
+    tokens: usize,
+    hidden: usize,
+    payload: &[u8],
+    rows: &[u32],
+    out: &mut Vec<u8>,
+) -> Result<(), DtypeError> {
+    let shape = DtypeError::Shape {
+        tokens,
+        hidden,
+        dtype,
+    };
+    let want = dtype.payload_bytes(tokens, hidden).ok_or(shape.clone())? as usize;
+    check_len("payload", want, payload.len())?;
+    if rows.iter().any(|&r| r as usize >= tokens) {
+        return Err(shape);
+    }
+    let n = rows.len();
+    let size = dtype.payload_bytes(n, hidden).ok_or(shape)? as usize;
+    out.clear();
+    out.resize(size, 0);
+    let (code_bytes, scale_bytes) = match dtype {
+        ActivationDtype::Bf16 | ActivationDtype::F16 => (2 * hidden, 0),
+        ActivationDtype::F32 => (4 * hidden, 0),
+        ActivationDtype::Fp8E4m3 => (hidden, 4),
+        ActivationDtype::Q8Block32 => (hidden, hidden / 32 * 4),
+    };
+    let (src_scales, dst_scales) = (align_up(tokens * hidden), align_up(n * hidden));
+    for (j, &r) in rows.iter().enumerate() {
+        let r = r as usize;
+        out[j * code_bytes..(j + 1) * code_bytes]
+            .copy_from_slice(&payload[r * code_bytes..(r + 1) * code_bytes]);
+        if scale_bytes > 0 {
+            let (d, s) = (dst_scales + j * scale_bytes, src_scales + r * scale_bytes);
+            out[d..d + scale_bytes].copy_from_slice(&payload[s..s + scale_bytes]);
+        }
+    }
+    Ok(())
+}
+
 /// Zero-copy view of a q8-block32 payload of `tokens` rows as the exact-mode kernel inputs:
 /// int8 codes `[tokens][hidden]` and f32 block scales `[tokens][hidden/32]`. `None` when the
 /// payload has the wrong length, the scales are not 4-byte aligned in memory or the machine is
@@ -556,5 +601,51 @@ mod tests {
         let b = ActivationDtype::Bf16.payload_bytes(64, 7168).unwrap() as f64;
         let saving = 1.0 - q8 / b;
         assert!((saving - 0.4375).abs() < 0.001, "saving {saving}");
+    }
+
+    #[test]
+    fn gather_rows_equals_encoding_the_chosen_rows() {
+        let (tokens, hidden) = (5usize, 64usize);
+        let x: Vec<f32> = (0..tokens * hidden)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let rows = [4u32, 1, 1, 3];
+        let picked: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| {
+                x[r as usize * hidden..(r as usize + 1) * hidden]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        for dtype in [
+            ActivationDtype::F32,
+            ActivationDtype::Bf16,
+            ActivationDtype::F16,
+            ActivationDtype::Fp8E4m3,
+            ActivationDtype::Q8Block32,
+        ] {
+            let mut full = vec![0u8; dtype.payload_bytes(tokens, hidden).unwrap() as usize];
+            encode_activations(dtype, tokens, hidden, &x, &mut full).unwrap();
+            let mut want = vec![0u8; dtype.payload_bytes(rows.len(), hidden).unwrap() as usize];
+            encode_activations(dtype, rows.len(), hidden, &picked, &mut want).unwrap();
+            let mut got = Vec::new();
+            gather_rows(dtype, tokens, hidden, &full, &rows, &mut got).unwrap();
+            assert_eq!(got, want, "{dtype:?}");
+        }
+        let mut got = Vec::new();
+        let full = vec![0u8; tokens * hidden * 4];
+        assert!(gather_rows(ActivationDtype::F32, tokens, hidden, &full, &[5], &mut got).is_err());
+        assert!(
+            gather_rows(
+                ActivationDtype::F32,
+                tokens,
+                hidden,
+                &full[1..],
+                &[0],
+                &mut got
+            )
+            .is_err()
+        );
     }
 }

@@ -14,6 +14,9 @@
 //!   default its node's `control_port`; frontends connect to its `port`); routers never dial,
 //!   and never talk to each other: each has its own gates, shared experts and batches, and
 //!   the workers serve them all (fairly, see `process`);
+//! * per-node dedup: a router sends a node other than its own one dispatch per micro-batch,
+//!   to a leader device of that node, which fans it out (`fanout`); so the devices of a node
+//!   that some router is not on dial their lower-ranked node peers over shared memory;
 //! * expert weights come from [`crate::weights`]: a converted weights folder (`--weights W`,
 //!   whose manifest also names the model and the placement), or synthetic from the seed.
 
@@ -227,18 +230,65 @@ impl Deployment {
         resolve(&self.topology.data_endpoint(dev))
     }
 
+    /// Whether the devices of `node` fan dispatches out among themselves: the node has two or
+    /// more devices and some router runs on another node (that router sends the node one
+    /// dispatch per micro-batch).
+    pub fn node_fans_out(&self, node: usize) -> bool {
+        let devices = self
+            .topology
+            .devices()
+            .iter()
+            .filter(|d| d.node_index() == node)
+            .count();
+        let router_nodes: Vec<usize> = if self.topology.routers().is_empty() {
+            vec![0]
+        } else {
+            self.topology
+                .routers()
+                .iter()
+                .map(|r| r.node_index())
+                .collect()
+        };
+        devices >= 2 && router_nodes.iter().any(|&n| n != node)
+    }
+
+    /// Mesh ranks of the other devices on device `d`'s node when that node fans out
+    /// ([`Deployment::node_fans_out`]); empty otherwise.
+    pub fn node_peers(&self, d: DeviceRank) -> Vec<u32> {
+        let Some(dev) = self.topology.device(d) else {
+            return Vec::new();
+        };
+        if !self.node_fans_out(dev.node_index()) {
+            return Vec::new();
+        }
+        self.topology
+            .devices()
+            .iter()
+            .filter(|o| o.node_index() == dev.node_index() && o.rank() != d)
+            .map(|o| self.mesh_rank(o.rank()))
+            .collect()
+    }
+
     /// Mesh settings for `rank`. `routers` are the routers' mesh endpoints by instance (where
-    /// workers dial; a router gives its own listen address for its own entry); `listen`
-    /// overrides this rank's own listen address (port 0 for an ephemeral port).
+    /// workers dial; a router gives its own listen address for its own entry); `devices`
+    /// overrides every device's listen address by topology rank (empty: the topology's data
+    /// endpoints); `listen` overrides this rank's own listen address (port 0 for an ephemeral
+    /// port). A worker dials every router over `link`, and the lower-ranked devices of its
+    /// node over shared memory when the node fans out.
     pub fn mesh_config(
         &self,
         rank: u32,
         routers: &[SocketAddr],
+        devices: &[SocketAddr],
         listen: SocketAddr,
         link: LinkKind,
     ) -> MeshConfig {
         let world = self.world_size();
         let r_count = self.router_count();
+        let node_peers = self
+            .device_of(rank)
+            .map(|d| self.node_peers(d))
+            .unwrap_or_default();
         let peers = (0..world)
             .map(|r| PeerAddress {
                 addr: if r == rank {
@@ -246,19 +296,29 @@ impl Deployment {
                 } else if r < r_count {
                     routers.get(r as usize).copied().unwrap_or(listen)
                 } else {
-                    // Workers never dial each other; the address only fills the table.
                     self.device_of(r)
-                        .and_then(|d| self.worker_endpoint(d).ok())
+                        .and_then(|d| {
+                            devices
+                                .get(d.0 as usize)
+                                .copied()
+                                .or_else(|| self.worker_endpoint(d).ok())
+                        })
                         .unwrap_or(listen)
                 },
-                link,
+                link: if node_peers.contains(&r) {
+                    LinkKind::Shm
+                } else {
+                    link
+                },
             })
             .collect();
         let mut cfg = MeshConfig::new(self.topology.name(), rank, peers);
         cfg.dial_ranks = Some(if rank < r_count {
             Vec::new()
         } else {
-            (0..r_count).collect()
+            (0..r_count)
+                .chain(node_peers.iter().copied().filter(|&p| p < rank))
+                .collect()
         });
         cfg.protocol.secret = self.secret.clone();
         cfg.protocol.codec = CodecConfig {
@@ -326,6 +386,7 @@ impl Deployment {
             r.node[r_count + i] = d.node_index() as u32;
         }
         r.local_node = Some(r.node.get(instance as usize).copied().unwrap_or(0));
+        r.node_dedup = true;
         r
     }
 

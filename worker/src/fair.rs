@@ -128,6 +128,31 @@ impl<T> SharedFairQueue<T> {
         }
     }
 
+    /// The next item, waiting at most `timeout`: `Ok(Some(item))`, `Ok(None)` on timeout,
+    /// `Err(())` once closed and drained.
+    #[allow(clippy::result_unit_err)]
+    pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<(usize, T)>, ()> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(x) = g.0.pop() {
+                return Ok(Some(x));
+            }
+            if g.1 {
+                return Err(());
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            g = self
+                .ready
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// Closes the queue: the consumer drains what is queued, then gets `None`.
     pub fn close(&self) {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;

@@ -8,12 +8,14 @@
 //! * [`weights`] — which experts a device pins, loaded once; the in-process reference backend.
 //! * [`exec`] — dispatch execution: a `Dispatch` frame in, a result frame out.
 //! * [`fair`] — round-robin scheduling of dispatches from several routers.
+//! * [`fanout`] — a node's leader sharing one dispatch with the node's other devices.
 //! * [`process`] — the worker process: backend choice, mesh loop, compute thread.
 //! * [`shared`] — shared experts run on the router host, and the router core around them.
 
 pub mod deploy;
 pub mod exec;
 pub mod fair;
+pub mod fanout;
 pub mod process;
 pub mod shared;
 pub mod weights;

@@ -13,12 +13,15 @@
 
 use crate::deploy::Deployment;
 use crate::exec::DispatchExecutor;
+use crate::exec::ExecError;
 use crate::fair::SharedFairQueue;
+use crate::fanout::{ExpertHomes, Forward, NodeFanout, ToRouter};
 use crate::weights;
 use anyhow::{Context, anyhow, bail};
 use expertmesh_backend::{BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_transport::codec::{Body, ErrorFrame};
+use expertmesh_transport::codec::{Body, ErrorCode, ErrorFrame, ExpertResult};
+use expertmesh_transport::dtype;
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, RecvFrame, Transport, TransportEvent,
 };
@@ -47,6 +50,9 @@ pub struct WorkerOptions {
     pub routers: Vec<SocketAddr>,
     /// This worker's listen address (default: the device's data endpoint).
     pub listen: Option<SocketAddr>,
+    /// Every device's listen address by topology rank (empty: the topology's data endpoints);
+    /// node peers dial each other there when their node fans out.
+    pub device_addrs: Vec<SocketAddr>,
     /// Link to the router.
     pub link: LinkKind,
     /// Backend threads (default: the topology's `threads` for CPU devices, else all cores).
@@ -124,7 +130,15 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         Some(a) => a,
         None => dep.worker_endpoint(d)?,
     };
-    let cfg = dep.mesh_config(rank, &routers, listen, opts.link);
+    let cfg = dep.mesh_config(rank, &routers, &opts.device_addrs, listen, opts.link);
+    let node_peers = dep.node_peers(d);
+    let fanout = (!node_peers.is_empty()).then(|| {
+        NodeFanout::new(
+            ExpertHomes::for_device(&dep, d),
+            dep.spec.hidden as usize,
+            FANOUT_TIMEOUT,
+        )
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("worker-io")
@@ -149,16 +163,201 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
-    // Frames go to the compute thread through per-router queues served round robin; each
+    // Frames go to the compute thread through per-sender queues served round robin; each
     // router's credit window bounds what it can have queued here.
-    let queue = Arc::new(SharedFairQueue::<RecvFrame>::new(routers.len()));
-    let compute = spawn_compute(exec, Arc::clone(&queue), mesh.clone(), rt.handle().clone())?;
+    let queue = Arc::new(SharedFairQueue::<Input>::new(routers.len()));
+    let ctx = ComputeCtx {
+        exec,
+        fanout,
+        routers: dep.router_count(),
+        mesh: mesh.clone(),
+        handle: rt.handle().clone(),
+    };
+    let compute = std::thread::Builder::new()
+        .name("worker-compute".into())
+        .spawn({
+            let queue = Arc::clone(&queue);
+            move || ctx.run(&queue)
+        })
+        .context("starting the compute thread")?;
     rt.block_on(serve_events(events, &queue, dep.rank_names(), &id));
     queue.close();
     let _ = compute.join();
     mesh.shutdown();
     rt.shutdown_timeout(Duration::from_millis(200));
     Ok(())
+}
+
+/// How long a node's leader waits for its peers' shares of a forwarded dispatch.
+const FANOUT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the I/O loop hands the compute thread.
+enum Input {
+    /// A dispatch (from a router, or from this node's leader).
+    Dispatch(RecvFrame),
+    /// A node peer's result for a forwarded share, copied out of its frame so the link's
+    /// credit is released at once (the compute thread may be waiting to send to that peer).
+    PeerResult {
+        from: u32,
+        res: ExpertResult,
+        payload: Vec<u8>,
+    },
+    /// A node peer's error for a forwarded share.
+    PeerError { from: u32, frame: ErrorFrame },
+    /// The link to a node peer was lost.
+    PeerLost(u32),
+}
+
+/// The compute thread's state: the executor, the node fan-out (when this node fans out), and
+/// the mesh to answer on.
+struct ComputeCtx {
+    exec: DispatchExecutor,
+    fanout: Option<NodeFanout>,
+    routers: u32,
+    mesh: Mesh,
+    handle: tokio::runtime::Handle,
+}
+
+impl ComputeCtx {
+    /// Takes inputs round robin over senders until the queue closes.
+    fn run(mut self, queue: &SharedFairQueue<Input>) {
+        loop {
+            let tick = if self.fanout.as_ref().is_some_and(|f| f.pending() > 0) {
+                Duration::from_millis(50)
+            } else {
+                Duration::from_secs(1)
+            };
+            match queue.pop_timeout(tick) {
+                Err(()) => return,
+                Ok(None) => {}
+                Ok(Some((_, input))) => self.handle_input(input),
+            }
+            if let Some(f) = self.fanout.as_mut() {
+                let expired = f.expire(Instant::now());
+                self.to_routers(expired);
+            }
+        }
+    }
+
+    fn handle_input(&mut self, input: Input) {
+        let out = match input {
+            Input::Dispatch(frame) => return self.dispatch(frame),
+            Input::PeerResult { from, res, payload } => self
+                .fanout
+                .as_mut()
+                .and_then(|f| f.on_result(from, &res, &payload)),
+            Input::PeerError { from, frame } => self
+                .fanout
+                .as_mut()
+                .and_then(|f| f.on_error(from, frame.request_id, frame.code, &frame.message)),
+            Input::PeerLost(rank) => {
+                let failed = self
+                    .fanout
+                    .as_mut()
+                    .map(|f| f.on_peer_lost(rank))
+                    .unwrap_or_default();
+                self.to_routers(failed);
+                None
+            }
+        };
+        self.to_routers(out);
+    }
+
+    /// Runs a dispatch here, or (a router's dispatch holding experts of node peers) forwards
+    /// its shares.
+    fn dispatch(&mut self, frame: RecvFrame) {
+        let from = frame.peer();
+        let Body::Dispatch(d) = frame.body() else {
+            return;
+        };
+        if from < self.routers
+            && let Some(f) = self.fanout.as_mut()
+            && f.needs_forwarding(d)
+        {
+            let mesh = &self.mesh;
+            let started = f.start(
+                from,
+                d,
+                frame.payload(),
+                |r| mesh.is_connected(r),
+                Instant::now(),
+            );
+            let batch_id = d.batch_id;
+            drop(frame);
+            match started {
+                Ok(fwd) => self.forward(fwd),
+                Err(e) => self.send(from, &error_frame(batch_id, e)),
+            }
+            return;
+        }
+        let out = match self.exec.execute(d, frame.payload()) {
+            Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
+            Err(e) => error_frame(d.batch_id, e),
+        };
+        // Release the dispatch's credit before waiting to send the result.
+        drop(frame);
+        self.send(from, &out);
+    }
+
+    /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
+    fn forward(&mut self, fwd: Forward) {
+        let Forward { key, local, remote } = fwd;
+        for (rank, frame) in remote {
+            if let Err(e) = self.handle.block_on(self.mesh.send(rank, &frame)) {
+                tracing::warn!(error = %e, "forwarding a share to a node peer failed");
+                let failed = self
+                    .fanout
+                    .as_mut()
+                    .map(|f| f.on_peer_lost(rank))
+                    .unwrap_or_default();
+                self.to_routers(failed);
+                return;
+            }
+        }
+        let Some((sub, payload)) = local else {
+            return;
+        };
+        let out = match self.exec.execute(&sub, &payload) {
+            Ok((res, bytes)) => {
+                let mut rows = vec![0f32; res.rows as usize * res.hidden as usize];
+                match dtype::decode_output(res.dtype, &bytes, &mut rows) {
+                    Ok(()) => self.fanout.as_mut().and_then(|f| f.on_local(key, rows)),
+                    Err(e) => self.fanout.as_mut().and_then(|f| {
+                        f.on_local_error(
+                            key,
+                            ExecError {
+                                code: ErrorCode::Internal,
+                                message: format!("decoding this device's share: {e}"),
+                            },
+                        )
+                    }),
+                }
+            }
+            Err(e) => self.fanout.as_mut().and_then(|f| f.on_local_error(key, e)),
+        };
+        self.to_routers(out);
+    }
+
+    fn to_routers(&self, frames: impl IntoIterator<Item = ToRouter>) {
+        for t in frames {
+            self.send(t.router, &t.frame);
+        }
+    }
+
+    fn send(&self, to: u32, frame: &OutFrame) {
+        if let Err(e) = self.handle.block_on(self.mesh.send(to, frame)) {
+            tracing::warn!(error = %e, "result not delivered");
+        }
+    }
+}
+
+/// The error frame answering dispatch `batch_id`.
+fn error_frame(batch_id: u64, e: ExecError) -> OutFrame {
+    OutFrame::new(Body::Error(ErrorFrame {
+        request_id: batch_id,
+        code: e.code,
+        message: e.message,
+    }))
 }
 
 /// The routers' mesh endpoints: given on the command line (one per router), or from the
@@ -181,55 +380,33 @@ fn router_addresses(dep: &Deployment, given: &[SocketAddr]) -> anyhow::Result<Ve
     Ok(given.to_vec())
 }
 
-/// The compute thread: takes dispatches round robin over routers, runs them, and sends each
-/// result to the router it came from.
-fn spawn_compute(
-    mut exec: DispatchExecutor,
-    queue: Arc<SharedFairQueue<RecvFrame>>,
-    mesh: Mesh,
-    handle: tokio::runtime::Handle,
-) -> anyhow::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("worker-compute".into())
-        .spawn(move || {
-            while let Some((_, frame)) = queue.pop_blocking() {
-                let from = frame.peer();
-                let out = match frame.body() {
-                    Body::Dispatch(d) => match exec.execute(d, frame.payload()) {
-                        Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
-                        Err(crate::exec::ExecError { code, message }) => {
-                            OutFrame::new(Body::Error(ErrorFrame {
-                                request_id: d.batch_id,
-                                code,
-                                message,
-                            }))
-                        }
-                    },
-                    _ => continue,
-                };
-                // Release the dispatch's credit before waiting to send the result.
-                drop(frame);
-                if let Err(e) = handle.block_on(mesh.send(from, &out)) {
-                    tracing::warn!(error = %e, "result not delivered");
-                }
-            }
-        })
-        .context("starting the compute thread")
-}
-
-/// The I/O loop: dispatches into the fair queue, peer notices into the log; a lost router's
-/// queued dispatches are dropped.
+/// The I/O loop: dispatches and node peers' answers into the fair queue, peer notices into
+/// the log; a lost router's queued dispatches are dropped.
 async fn serve_events(
     mut events: MeshEvents,
-    queue: &SharedFairQueue<RecvFrame>,
+    queue: &SharedFairQueue<Input>,
     names: Vec<String>,
     id: &str,
 ) {
     while let Some(ev) = events.recv().await {
         match ev {
             TransportEvent::Frame(f) => {
-                if matches!(f.body(), Body::Dispatch(_)) {
-                    queue.push(f.peer() as usize, f);
+                let from = f.peer();
+                match f.body() {
+                    Body::Dispatch(_) => queue.push(from as usize, Input::Dispatch(f)),
+                    Body::Result(res) => {
+                        let input = Input::PeerResult {
+                            from,
+                            res: *res,
+                            payload: f.payload().to_vec(),
+                        };
+                        queue.push(from as usize, input);
+                    }
+                    Body::Error(e) => {
+                        let frame = e.clone();
+                        queue.push(from as usize, Input::PeerError { from, frame });
+                    }
+                    _ => {}
                 }
             }
             TransportEvent::PeerUp { peer, link } => {
@@ -238,6 +415,7 @@ async fn serve_events(
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = queue.drop_sender(e.peer as usize);
+                queue.push(e.peer as usize, Input::PeerLost(e.peer));
                 let peer = names.get(e.peer as usize).map_or("?", String::as_str);
                 tracing::warn!(
                     worker = %id, peer, error = %e.kind, dropped,

@@ -1,0 +1,690 @@
+//! Per-node fan-out: a node's leader worker takes one dispatch for the whole node and shares
+//! it with the node's other devices over shared memory.
+//!
+//! Why this exists: with several devices per node, a router that sent each device its own
+//! copy of a token would cross the network once per device. With per-node dedup
+//! (`expertmesh_router::plan`, [`Replicas::node_dedup`](expertmesh_router::plan::Replicas)),
+//! the router sends a remote node one dispatch, to the lowest of its planned devices (the
+//! leader), holding every pair the node serves. The leader runs the pairs of its own experts
+//! and forwards each other pair to a live device of its node that owns the expert
+//! (sub-dispatches over the node-local links, token rows gathered with
+//! `dtype::gather_rows`, results asked in f32); when every share has answered it assembles
+//! one result in the layout and dtype the router asked for and sends it back. The router sees
+//! one part answered by one device, as without dedup.
+//!
+//! Numerics: per-slot rows are copied, so exact mode stays bit-identical (and exact-bf16 rounds
+//! each row once, after assembly, as a device would). Pre-combined rows are summed in a fixed
+//! order (the leader's share, then the peers' by rank), so a result does not depend on the
+//! order in which shares arrive.
+//!
+//! This module is sans-IO: [`NodeFanout`] takes dispatches, results, peer losses and time and
+//! returns frames to send; the worker process moves them. Bounds: one pending entry per
+//! forwarded router dispatch, and the routers' credit windows bound those; an entry whose peers
+//! do not answer within the timeout fails with an error frame naming the device.
+
+use crate::deploy::Deployment;
+use crate::exec::ExecError;
+use bytes::Bytes;
+use expertmesh_topology::topology::DeviceRank;
+use expertmesh_transport::codec::{
+    Body, Dispatch, ErrorCode, ErrorFrame, ExpertResult, OutputLayout as WireLayout,
+};
+use expertmesh_transport::dtype::{self, OutputDtype};
+use expertmesh_transport::mesh::OutFrame;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Where one expert of one layer is served, seen from one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Home {
+    /// This device holds it.
+    Local,
+    /// Devices of this node hold it (mesh ranks, ascending).
+    Peers(Vec<u32>),
+    /// No device of this node holds it.
+    Elsewhere,
+}
+
+/// Which experts a device serves itself and which its node peers serve, per layer.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertHomes {
+    layers: HashMap<u32, Vec<Home>>,
+    names: HashMap<u32, String>,
+}
+
+impl ExpertHomes {
+    /// The homes of every expert for device `d` of a deployment.
+    pub fn for_device(dep: &Deployment, d: DeviceRank) -> Self {
+        let topo = &dep.topology;
+        let node = topo.device(d).map(|x| x.node_index());
+        let same_node = |o: DeviceRank| topo.device(o).map(|x| x.node_index()) == node;
+        let mut layers = HashMap::new();
+        for layer in dep.spec.moe_layer_ids() {
+            let homes = (0..dep.spec.routed_experts)
+                .map(|e| {
+                    let owners = dep.placement.owners(layer, e);
+                    if owners.contains(&d) {
+                        return Home::Local;
+                    }
+                    let mut peers: Vec<u32> = owners
+                        .iter()
+                        .filter(|&&o| same_node(o))
+                        .map(|&o| dep.mesh_rank(o))
+                        .collect();
+                    peers.sort_unstable();
+                    if peers.is_empty() {
+                        Home::Elsewhere
+                    } else {
+                        Home::Peers(peers)
+                    }
+                })
+                .collect();
+            layers.insert(layer, homes);
+        }
+        let names = topo
+            .devices()
+            .iter()
+            .map(|x| (dep.mesh_rank(x.rank()), dep.device_label(x.rank())))
+            .collect();
+        Self { layers, names }
+    }
+
+    /// Whether every pair of `d` is for an expert this device holds (the usual case: no
+    /// fan-out).
+    pub fn all_local(&self, d: &Dispatch) -> bool {
+        let Some(homes) = self.layers.get(&d.layer) else {
+            return true; // the executor reports the unknown layer
+        };
+        d.experts
+            .iter()
+            .all(|&e| homes.get(e as usize).is_none_or(|h| *h == Home::Local))
+    }
+
+    fn home(&self, layer: u32, expert: u32) -> Option<&Home> {
+        self.layers.get(&layer)?.get(expert as usize)
+    }
+
+    fn name(&self, rank: u32) -> String {
+        self.names
+            .get(&rank)
+            .cloned()
+            .unwrap_or_else(|| format!("mesh rank {rank}"))
+    }
+}
+
+/// A share of a forwarded dispatch.
+#[derive(Debug)]
+struct Share {
+    /// `None`: this device.
+    rank: Option<u32>,
+    /// Row of the assembled result each of this share's result rows belongs to.
+    targets: Vec<u32>,
+    /// The share's f32 rows once answered.
+    rows: Option<Vec<f32>>,
+}
+
+/// A router dispatch being served by several devices of the node.
+#[derive(Debug)]
+struct Pending {
+    router: u32,
+    batch_id: u64,
+    part: u32,
+    layer: u32,
+    layout: WireLayout,
+    dtype: OutputDtype,
+    rows: usize,
+    started: Instant,
+    shares: Vec<Share>,
+    waiting: usize,
+}
+
+/// What to do with a forwarded dispatch: run `local` here (then hand its result to
+/// [`NodeFanout::on_local`]) and send each of `remote` to its rank.
+#[derive(Debug)]
+pub struct Forward {
+    /// Key of the pending entry.
+    pub key: u64,
+    /// This device's share (a dispatch and its payload), if any.
+    pub local: Option<(Dispatch, Vec<u8>)>,
+    /// The peers' shares: (mesh rank, frame).
+    pub remote: Vec<(u32, OutFrame)>,
+}
+
+/// A frame for a router: the assembled result or the error of a forwarded dispatch.
+#[derive(Debug)]
+pub struct ToRouter {
+    /// The router's mesh rank.
+    pub router: u32,
+    /// The frame.
+    pub frame: OutFrame,
+}
+
+/// The leader's bookkeeping of forwarded dispatches (sans-IO).
+#[derive(Debug)]
+pub struct NodeFanout {
+    homes: ExpertHomes,
+    hidden: usize,
+    timeout: Duration,
+    next_id: u64,
+    pending: HashMap<u64, Pending>,
+    /// Sub-dispatch id → (pending key, share index).
+    subs: HashMap<u64, (u64, usize)>,
+}
+
+impl NodeFanout {
+    /// A fan-out for a device with `homes`, rows of `hidden` values; a forwarded dispatch
+    /// whose peers do not all answer within `timeout` fails.
+    pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration) -> Self {
+        Self {
+            homes,
+            hidden,
+            timeout,
+            next_id: 1,
+            pending: HashMap::new(),
+            subs: HashMap::new(),
+        }
+    }
+
+    /// Whether `d` needs the node's other devices.
+    pub fn needs_forwarding(&self, d: &Dispatch) -> bool {
+        !self.homes.all_local(d)
+    }
+
+    /// Forwarded dispatches waiting for peers.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Splits router `from`'s dispatch `d` into this device's share and one share per peer
+    /// (each pair to this device when it holds the expert, else to the lowest live peer of the
+    /// node holding it). Fails naming the expert when no live device of the node holds one.
+    pub fn start(
+        &mut self,
+        from: u32,
+        d: &Dispatch,
+        payload: &[u8],
+        is_live: impl Fn(u32) -> bool,
+        now: Instant,
+    ) -> Result<Forward, ExecError> {
+        let dest = self.destinations(d, &is_live)?;
+        let per_slot = d.layout == WireLayout::PerSlot;
+        // shares in a fixed order: this device first, then peers by rank
+        let mut order: Vec<Option<u32>> = dest.clone();
+        order.sort_unstable();
+        order.dedup();
+        let key = self.take_id();
+        let mut shares = Vec::with_capacity(order.len());
+        let mut local = None;
+        let mut remote = Vec::new();
+        for who in order {
+            let (sub, rows, targets) = sub_dispatch(d, &dest, who, per_slot);
+            let mut bytes = Vec::new();
+            dtype::gather_rows(
+                d.dtype,
+                d.tokens as usize,
+                d.hidden as usize,
+                payload,
+                &rows,
+                &mut bytes,
+            )
+            .map_err(|e| ExecError {
+                code: ErrorCode::BadFrame,
+                message: format!("dispatch payload: {e}"),
+            })?;
+            let mut sub = sub;
+            match who {
+                None => local = Some((sub, bytes)),
+                Some(r) => {
+                    sub.batch_id = self.take_id();
+                    self.subs.insert(sub.batch_id, (key, shares.len()));
+                    let frame = OutFrame::with_payload(Body::Dispatch(sub), Bytes::from(bytes));
+                    remote.push((r, frame));
+                }
+            }
+            shares.push(Share {
+                rank: who,
+                targets,
+                rows: None,
+            });
+        }
+        let rows = if per_slot {
+            d.experts.len()
+        } else {
+            d.tokens as usize
+        };
+        self.pending.insert(
+            key,
+            Pending {
+                router: from,
+                batch_id: d.batch_id,
+                part: d.part,
+                layer: d.layer,
+                layout: d.layout,
+                dtype: d.result_dtype,
+                rows,
+                started: now,
+                waiting: shares.len(),
+                shares,
+            },
+        );
+        Ok(Forward { key, local, remote })
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Per pair of `d`, the device that runs it (`None`: this device).
+    fn destinations(
+        &self,
+        d: &Dispatch,
+        is_live: &impl Fn(u32) -> bool,
+    ) -> Result<Vec<Option<u32>>, ExecError> {
+        d.experts
+            .iter()
+            .map(|&e| match self.homes.home(d.layer, e) {
+                Some(Home::Local) | None => Ok(None),
+                Some(Home::Peers(p)) => p.iter().copied().find(|&r| is_live(r)).map(Some).ok_or_else(|| {
+                    let names: Vec<String> = p.iter().map(|&r| self.homes.name(r)).collect();
+                    ExecError {
+                        code: ErrorCode::PeerUnavailable,
+                        message: format!(
+                            "layer {} expert {e}: its device(s) on this node ({}) are not connected to this node's leader",
+                            d.layer,
+                            names.join(", ")
+                        ),
+                    }
+                }),
+                Some(Home::Elsewhere) => Err(ExecError {
+                    code: ErrorCode::NotFound,
+                    message: format!(
+                        "layer {} expert {e} is on no device of this node; the router and this worker disagree on the placement",
+                        d.layer
+                    ),
+                }),
+            })
+            .collect()
+    }
+
+    /// This device's share of pending `key` ran: its result rows (f32).
+    pub fn on_local(&mut self, key: u64, rows: Vec<f32>) -> Option<ToRouter> {
+        let p = self.pending.get_mut(&key)?;
+        let s = p.shares.iter_mut().find(|s| s.rank.is_none())?;
+        if s.rows.replace(rows).is_none() {
+            p.waiting -= 1;
+        }
+        self.finish_if_done(key)
+    }
+
+    /// This device's share of pending `key` failed: the router gets the error.
+    pub fn on_local_error(&mut self, key: u64, e: ExecError) -> Option<ToRouter> {
+        self.fail(key, e.code, e.message)
+    }
+
+    /// A peer answered a share. Results that belong to nothing pending (late, after a
+    /// failure or timeout) are ignored.
+    pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
+        let (key, share) = self.subs.remove(&res.batch_id)?;
+        let hidden = self.hidden;
+        let p = self.pending.get_mut(&key)?;
+        let s = p.shares.get_mut(share)?;
+        let n = s.targets.len() * hidden;
+        let mut rows = vec![0f32; n];
+        let ok = s.rank == Some(from)
+            && res.rows as usize == s.targets.len()
+            && res.hidden as usize == hidden
+            && dtype::decode_output(res.dtype, payload, &mut rows).is_ok();
+        if !ok {
+            let msg = format!(
+                "{} answered a forwarded share with a result of the wrong shape",
+                self.homes.name(from)
+            );
+            return self.fail(key, ErrorCode::Internal, msg);
+        }
+        if s.rows.replace(rows).is_none() {
+            p.waiting -= 1;
+        }
+        self.finish_if_done(key)
+    }
+
+    /// A peer answered a share with an error: the router gets it, naming the peer.
+    pub fn on_error(
+        &mut self,
+        from: u32,
+        request_id: u64,
+        code: ErrorCode,
+        message: &str,
+    ) -> Option<ToRouter> {
+        let (key, _) = self.subs.remove(&request_id)?;
+        let msg = format!("{} (node peer): {message}", self.homes.name(from));
+        self.fail(key, code, msg)
+    }
+
+    /// The link to peer `rank` is lost: every dispatch waiting on it fails.
+    pub fn on_peer_lost(&mut self, rank: u32) -> Vec<ToRouter> {
+        let keys: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                p.shares
+                    .iter()
+                    .any(|s| s.rank == Some(rank) && s.rows.is_none())
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        let msg = format!(
+            "{} (node peer) was lost while serving a forwarded share",
+            self.homes.name(rank)
+        );
+        keys.into_iter()
+            .filter_map(|k| self.fail(k, ErrorCode::PeerUnavailable, msg.clone()))
+            .collect()
+    }
+
+    /// Pending dispatches older than the timeout fail, naming the peers that did not answer.
+    pub fn expire(&mut self, now: Instant) -> Vec<ToRouter> {
+        let late: Vec<(u64, String)> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| now.duration_since(p.started) >= self.timeout)
+            .map(|(&k, p)| {
+                let who: Vec<String> = p
+                    .shares
+                    .iter()
+                    .filter(|s| s.rows.is_none())
+                    .filter_map(|s| s.rank)
+                    .map(|r| self.homes.name(r))
+                    .collect();
+                (k, who.join(", "))
+            })
+            .collect();
+        late.into_iter()
+            .filter_map(|(k, who)| {
+                let msg = format!(
+                    "node peer(s) {who} did not answer a forwarded share within {:?}",
+                    self.timeout
+                );
+                self.fail(k, ErrorCode::PeerUnavailable, msg)
+            })
+            .collect()
+    }
+
+    fn fail(&mut self, key: u64, code: ErrorCode, message: String) -> Option<ToRouter> {
+        let p = self.pending.remove(&key)?;
+        self.subs.retain(|_, (k, _)| *k != key);
+        Some(ToRouter {
+            router: p.router,
+            frame: OutFrame::new(Body::Error(ErrorFrame {
+                request_id: p.batch_id,
+                code,
+                message,
+            })),
+        })
+    }
+
+    fn finish_if_done(&mut self, key: u64) -> Option<ToRouter> {
+        if self.pending.get(&key)?.waiting > 0 {
+            return None;
+        }
+        let p = self.pending.remove(&key)?;
+        let h = self.hidden;
+        let mut out = vec![0f32; p.rows * h];
+        for s in &p.shares {
+            let rows = s.rows.as_deref().unwrap_or(&[]);
+            for (i, &t) in s.targets.iter().enumerate() {
+                let (dst, src) = (&mut out[t as usize * h..][..h], &rows[i * h..][..h]);
+                match p.layout {
+                    WireLayout::PerSlot => dst.copy_from_slice(src),
+                    WireLayout::PreCombined => dst.iter_mut().zip(src).for_each(|(a, b)| *a += b),
+                }
+            }
+        }
+        let mut bytes = vec![0u8; out.len() * p.dtype.elem_bytes()];
+        if let Err(e) = dtype::encode_output(p.dtype, &out, &mut bytes) {
+            return Some(ToRouter {
+                router: p.router,
+                frame: OutFrame::new(Body::Error(ErrorFrame {
+                    request_id: p.batch_id,
+                    code: ErrorCode::Internal,
+                    message: format!("assembling a forwarded result: {e}"),
+                })),
+            });
+        }
+        let res = ExpertResult {
+            batch_id: p.batch_id,
+            layer: p.layer,
+            part: p.part,
+            layout: p.layout,
+            rows: p.rows as u32,
+            hidden: h as u32,
+            dtype: p.dtype,
+        };
+        Some(ToRouter {
+            router: p.router,
+            frame: OutFrame::with_payload(Body::Result(res), Bytes::from(bytes)),
+        })
+    }
+}
+
+/// The share of `d` for `who`: its dispatch (results in f32), the tokens of `d` whose rows
+/// it needs (ascending), and the assembled-result row of each of its result rows.
+fn sub_dispatch(
+    d: &Dispatch,
+    dest: &[Option<u32>],
+    who: Option<u32>,
+    per_slot: bool,
+) -> (Dispatch, Vec<u32>, Vec<u32>) {
+    let mut sub = Dispatch {
+        expert_counts: Vec::new(),
+        experts: Vec::new(),
+        weights: Vec::new(),
+        tokens: 0,
+        result_dtype: OutputDtype::F32,
+        ..d.clone()
+    };
+    let mut rows = Vec::new();
+    let mut targets = Vec::new();
+    let mut p = 0usize;
+    for (t, &c) in d.expert_counts.iter().enumerate() {
+        let mut n = 0u16;
+        for _ in 0..c {
+            if dest[p] == who {
+                sub.experts.push(d.experts[p]);
+                sub.weights.push(d.weights[p]);
+                if per_slot {
+                    targets.push(p as u32);
+                }
+                n += 1;
+            }
+            p += 1;
+        }
+        if n > 0 {
+            rows.push(t as u32);
+            sub.expert_counts.push(n);
+            if !per_slot {
+                targets.push(t as u32);
+            }
+        }
+    }
+    sub.tokens = rows.len() as u32;
+    (sub, rows, targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use expertmesh_transport::codec::WireComputeMode;
+    use expertmesh_transport::dtype::ActivationDtype;
+
+    const H: usize = 4;
+
+    /// Layer 0: experts 0-1 here, 2-3 on peer 5, 4 on peers 6 and 7, 5 on no device of the
+    /// node.
+    fn homes() -> ExpertHomes {
+        let layer = vec![
+            Home::Local,
+            Home::Local,
+            Home::Peers(vec![5]),
+            Home::Peers(vec![5]),
+            Home::Peers(vec![6, 7]),
+            Home::Elsewhere,
+        ];
+        ExpertHomes {
+            layers: HashMap::from([(0, layer)]),
+            names: HashMap::from([(5, "b/cpu1".into()), (7, "b/cpu3".into())]),
+        }
+    }
+
+    /// A dispatch of `counts.len()` tokens whose f32 rows hold the token index.
+    fn dispatch(counts: &[u16], experts: &[u32], layout: WireLayout) -> (Dispatch, Vec<u8>) {
+        let t = counts.len();
+        let x: Vec<f32> = (0..t * H).map(|i| (i / H) as f32).collect();
+        let mut payload = vec![0u8; t * H * 4];
+        dtype::encode_activations(ActivationDtype::F32, t, H, &x, &mut payload).unwrap();
+        let d = Dispatch {
+            batch_id: 77,
+            layer: 0,
+            part: 3,
+            tokens: t as u32,
+            hidden: H as u32,
+            dtype: ActivationDtype::F32,
+            mode: WireComputeMode::Exact,
+            layout,
+            result_dtype: OutputDtype::F32,
+            expert_counts: counts.to_vec(),
+            experts: experts.to_vec(),
+            weights: experts.iter().map(|&e| 0.5 + e as f32).collect(),
+        };
+        (d, payload)
+    }
+
+    /// What "running" a share gives: per pair, a row of token·100 + expert (per slot), or per
+    /// token the weighted sum over its pairs (pre-combined).
+    fn run_share(d: &Dispatch, payload: &[u8]) -> Vec<f32> {
+        let mut x = vec![0f32; d.tokens as usize * H];
+        dtype::decode_activations(d.dtype, d.tokens as usize, H, payload, &mut x).unwrap();
+        let mut out = Vec::new();
+        let mut p = 0;
+        for (t, &c) in d.expert_counts.iter().enumerate() {
+            let token = x[t * H];
+            let mut acc = 0f32;
+            for _ in 0..c {
+                let v = token * 100.0 + d.experts[p] as f32;
+                if d.layout == WireLayout::PerSlot {
+                    out.extend(std::iter::repeat_n(v, H));
+                } else {
+                    acc += d.weights[p] * v;
+                }
+                p += 1;
+            }
+            if d.layout == WireLayout::PreCombined {
+                out.extend(std::iter::repeat_n(acc, H));
+            }
+        }
+        out
+    }
+
+    fn result_frame(d: &Dispatch, rows: &[f32]) -> (ExpertResult, Vec<u8>) {
+        let mut bytes = vec![0u8; rows.len() * 4];
+        dtype::encode_output(OutputDtype::F32, rows, &mut bytes).unwrap();
+        let res = ExpertResult {
+            batch_id: d.batch_id,
+            layer: d.layer,
+            part: d.part,
+            layout: d.layout,
+            rows: (rows.len() / H) as u32,
+            hidden: H as u32,
+            dtype: OutputDtype::F32,
+        };
+        (res, bytes)
+    }
+
+    /// Runs a forwarded dispatch to the end (peers answer in reverse order) and returns the
+    /// assembled rows the router gets.
+    fn serve(layout: WireLayout) -> (Vec<f32>, Vec<f32>) {
+        // token 0: experts 0, 2; token 1: 4; token 2: 1, 3, 4
+        let (d, payload) = dispatch(&[2, 1, 3], &[0, 2, 4, 1, 3, 4], layout);
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        assert!(f.needs_forwarding(&d));
+        let now = Instant::now();
+        let fwd = f.start(9, &d, &payload, |r| r != 6, now).unwrap();
+        let ranks: Vec<u32> = fwd.remote.iter().map(|(r, _)| *r).collect();
+        assert_eq!(ranks, [5, 7], "expert 4 skips dead peer 6");
+        let (sub, sub_payload) = fwd.local.as_ref().unwrap();
+        assert_eq!(sub.experts, [0, 1]);
+        assert!(f.on_local(fwd.key, run_share(sub, sub_payload)).is_none());
+        let mut last = None;
+        for (r, frame) in fwd.remote.iter().rev() {
+            let Body::Dispatch(sd) = &frame.body else {
+                panic!("a dispatch")
+            };
+            let (res, bytes) = result_frame(sd, &run_share(sd, &frame.payload));
+            last = f.on_result(*r, &res, &bytes);
+        }
+        let done = last.expect("assembled once every share answered");
+        assert_eq!(done.router, 9);
+        let Body::Result(res) = &done.frame.body else {
+            panic!("a result")
+        };
+        assert_eq!((res.batch_id, res.part), (77, 3));
+        let mut got = vec![0f32; res.rows as usize * H];
+        dtype::decode_output(res.dtype, &done.frame.payload, &mut got).unwrap();
+        (got, run_share(&d, &payload))
+    }
+
+    #[test]
+    fn per_slot_rows_are_assembled_in_the_dispatch_order() {
+        let (got, direct) = serve(WireLayout::PerSlot);
+        assert_eq!(got, direct);
+    }
+
+    #[test]
+    fn pre_combined_rows_are_summed_per_token() {
+        let (got, direct) = serve(WireLayout::PreCombined);
+        for (g, w) in got.iter().zip(&direct) {
+            assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn experts_without_a_live_home_on_the_node_are_refused() {
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let (d, p) = dispatch(&[1], &[5], WireLayout::PerSlot);
+        let e = f.start(9, &d, &p, |_| true, Instant::now()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotFound);
+        let (d, p) = dispatch(&[1], &[2], WireLayout::PerSlot);
+        let e = f.start(9, &d, &p, |_| false, Instant::now()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::PeerUnavailable);
+        assert!(e.message.contains("b/cpu1"), "{}", e.message);
+        assert_eq!(f.pending(), 0);
+    }
+
+    #[test]
+    fn a_lost_or_silent_peer_fails_the_dispatch_once() {
+        let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let now = Instant::now();
+        let fwd = f.start(9, &d, &p, |_| true, now).unwrap();
+        let failed = f.on_peer_lost(5);
+        assert_eq!(failed.len(), 1);
+        let Body::Error(e) = &failed[0].frame.body else {
+            panic!("an error")
+        };
+        assert_eq!((e.request_id, e.code), (77, ErrorCode::PeerUnavailable));
+        // a late answer belongs to nothing
+        let Body::Dispatch(sd) = &fwd.remote[0].1.body else {
+            panic!()
+        };
+        let (res, bytes) = result_frame(sd, &run_share(sd, &fwd.remote[0].1.payload));
+        assert!(f.on_result(5, &res, &bytes).is_none());
+        // a silent peer: the timeout fails it
+        let fwd = f.start(9, &d, &p, |_| true, now).unwrap();
+        assert!(f.expire(now + Duration::from_secs(4)).is_empty());
+        let late = f.expire(now + Duration::from_secs(5));
+        assert_eq!(late.len(), 1);
+        assert_eq!(f.pending(), 0);
+        let _ = fwd;
+    }
+}
