@@ -150,7 +150,8 @@ pub struct RouterArgs {
     /// for `demo` and `bench fabric`.
     #[arg(long, value_enum)]
     pub mode: Option<ModeArg>,
-    /// How long a batch waits for more requests of the same layer, in microseconds.
+    /// How long a batch waits for more requests of the same layer, in microseconds (it goes
+    /// at once when every connected frontend has a request in it).
     #[arg(long, default_value_t = 200)]
     pub batch_window_us: u64,
     /// Tokens per micro-batch.
