@@ -642,18 +642,20 @@ impl RouterCore {
     }
 
     /// How messages name mesh rank `rank`: the device's name and its topology rank
-    /// (`rank - 1`), or "router".
+    /// (`rank` minus the number of routers), or the router's name.
     pub fn name(&self, rank: u32) -> String {
-        match rank {
-            0 => self
-                .rank_names
-                .first()
-                .cloned()
-                .unwrap_or_else(|| "router".into()),
-            r => match self.rank_names.get(r as usize) {
-                Some(n) => format!("{n} (rank {})", r - 1),
-                None => format!("device rank {}", r - 1),
-            },
+        // Routers come first (their names have no '/'; device ids are "node/device").
+        let routers = self
+            .rank_names
+            .iter()
+            .take_while(|n| !n.contains('/'))
+            .count()
+            .max(1) as u32;
+        match self.rank_names.get(rank as usize) {
+            Some(n) if rank < routers => n.clone(),
+            Some(n) => format!("{n} (rank {})", rank - routers),
+            None if rank == 0 => "router".into(),
+            None => format!("device rank {}", rank.saturating_sub(routers)),
         }
     }
 
