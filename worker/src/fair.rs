@@ -8,12 +8,10 @@
 //! senders put in, and the mesh's per-link credit window bounds that (a frame keeps its credit
 //! until it is dropped), so the queue is bounded by the sum of the routers' windows.
 //!
-//! [`FairQueue`] is the plain data structure (tested against a brute-force model);
-//! [`SharedFairQueue`] wraps it for the worker's I/O task (pushes, never blocks) and compute
-//! thread (blocks until there is work or the queue is closed).
+//! [`FairQueue`] is a plain data structure (tested against a brute-force model) owned by the
+//! worker's compute loop, which fills it from the mesh's events and drains it.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex};
 
 /// Per-sender FIFOs served round robin.
 #[derive(Debug)]
@@ -84,82 +82,6 @@ impl<T> FairQueue<T> {
     }
 }
 
-/// A [`FairQueue`] shared between a producer that must never block and a consumer thread.
-#[derive(Debug)]
-pub struct SharedFairQueue<T> {
-    state: Mutex<(FairQueue<T>, bool)>,
-    ready: Condvar,
-}
-
-impl<T> SharedFairQueue<T> {
-    /// An open queue for `senders` senders.
-    pub fn new(senders: usize) -> Self {
-        Self {
-            state: Mutex::new((FairQueue::new(senders), false)),
-            ready: Condvar::new(),
-        }
-    }
-
-    /// Queues an item (never blocks for long: only the lock).
-    pub fn push(&self, sender: usize, item: T) {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.push(sender, item);
-        drop(g);
-        self.ready.notify_one();
-    }
-
-    /// Drops what `sender` has queued; returns how many items.
-    pub fn drop_sender(&self, sender: usize) -> usize {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.drop_sender(sender)
-    }
-
-    /// The next item, waiting for one; `None` once closed and drained.
-    pub fn pop_blocking(&self) -> Option<(usize, T)> {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(x) = g.0.pop() {
-                return Some(x);
-            }
-            if g.1 {
-                return None;
-            }
-            g = self.ready.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// The next item, waiting at most `timeout`: `Ok(Some(item))`, `Ok(None)` on timeout,
-    /// `Err(())` once closed and drained.
-    #[allow(clippy::result_unit_err)]
-    pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<(usize, T)>, ()> {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(x) = g.0.pop() {
-                return Ok(Some(x));
-            }
-            if g.1 {
-                return Err(());
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            g = self
-                .ready
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-
-    /// Closes the queue: the consumer drains what is queued, then gets `None`.
-    pub fn close(&self) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
-        self.ready.notify_all();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,24 +113,6 @@ mod tests {
         assert_eq!(q.len(), 1);
         assert_eq!(q.pop(), Some((0, 'a')));
         assert!(q.is_empty());
-    }
-
-    #[test]
-    fn shared_queue_drains_then_ends_after_close() {
-        let q = std::sync::Arc::new(SharedFairQueue::new(2));
-        let c = std::sync::Arc::clone(&q);
-        let t = std::thread::spawn(move || {
-            let mut got = Vec::new();
-            while let Some(x) = c.pop_blocking() {
-                got.push(x);
-            }
-            got
-        });
-        q.push(1, 7);
-        q.push(0, 8);
-        q.close();
-        let got = t.join().expect("consumer");
-        assert_eq!(got.len(), 2);
     }
 
     /// Brute-force model: scan senders after the last served, take the first non-empty FIFO.

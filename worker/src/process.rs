@@ -5,8 +5,10 @@
 //! (layer, expert) weights onto its backend, once, with every buffer sized for the largest
 //! batch; then it joins the mesh (dialing every router, redialing each with backoff if it
 //! restarts) and loops: a dispatch frame in, the backend run once for the whole grouped batch,
-//! one result frame out to the router that sent it. Compute runs on its own thread so the mesh
-//! keeps answering heartbeats however long a batch takes. Dispatches from several routers are
+//! one result frame out to the router that sent it. The compute loop runs on the main thread
+//! and reads the mesh's events itself (the driver that read a frame wakes it: no task in
+//! between), while the mesh's own tasks keep answering heartbeats on the I/O thread however
+//! long a batch takes. Dispatches from several routers are
 //! served round robin ([`crate::fair`]): each router's credit window bounds what it can queue
 //! here, and one busy router cannot starve another. A router whose link is lost costs only
 //! its own queued dispatches (dropped: nobody would read their results).
@@ -14,7 +16,7 @@
 use crate::deploy::Deployment;
 use crate::exec::DispatchExecutor;
 use crate::exec::ExecError;
-use crate::fair::SharedFairQueue;
+use crate::fair::FairQueue;
 use crate::fanout::{ExpertHomes, Forward, NodeFanout, ToRouter};
 use crate::weights;
 use anyhow::{Context, anyhow, bail};
@@ -25,8 +27,10 @@ use expertmesh_transport::dtype;
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, RecvFrame, Transport, TransportEvent,
 };
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
 /// Which backend a worker runs.
@@ -163,26 +167,24 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
 
-    // Frames go to the compute thread through per-sender queues served round robin; each
-    // router's credit window bounds what it can have queued here.
-    let queue = Arc::new(SharedFairQueue::<Input>::new(routers.len()));
+    // The compute loop runs on this thread and reads the mesh's events itself: a frame goes
+    // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
+    // task in between. Inputs wait in per-sender queues served round robin; each router's
+    // credit window bounds what it can have queued here.
     let ctx = ComputeCtx {
         exec,
         fanout,
         routers: dep.router_count(),
         mesh: mesh.clone(),
         handle: rt.handle().clone(),
+        queue: FairQueue::new(routers.len()),
+        names: dep.rank_names(),
+        id,
     };
-    let compute = std::thread::Builder::new()
-        .name("worker-compute".into())
-        .spawn({
-            let queue = Arc::clone(&queue);
-            move || ctx.run(&queue)
-        })
-        .context("starting the compute thread")?;
-    rt.block_on(serve_events(events, &queue, dep.rank_names(), &id));
-    queue.close();
-    let _ = compute.join();
+    {
+        let _guard = rt.enter();
+        ctx.run(events);
+    }
     mesh.shutdown();
     rt.shutdown_timeout(Duration::from_millis(200));
     Ok(())
@@ -208,33 +210,108 @@ enum Input {
     PeerLost(u32),
 }
 
-/// The compute thread's state: the executor, the node fan-out (when this node fans out), and
-/// the mesh to answer on.
+/// The compute loop's state: the executor, the node fan-out (when this node fans out), the
+/// mesh to answer on, and the inputs waiting per sender.
 struct ComputeCtx {
     exec: DispatchExecutor,
     fanout: Option<NodeFanout>,
     routers: u32,
     mesh: Mesh,
     handle: tokio::runtime::Handle,
+    queue: FairQueue<Input>,
+    names: Vec<String>,
+    id: String,
 }
 
+/// Wakes the compute loop (the waker it polls the mesh's events with).
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Mesh events taken per pass before the next input runs (a flood of frames cannot delay the
+/// queued work, and taking events first keeps the round robin fair).
+const EVENTS_PER_PASS: usize = 64;
+
 impl ComputeCtx {
-    /// Takes inputs round robin over senders until the queue closes.
-    fn run(mut self, queue: &SharedFairQueue<Input>) {
+    /// Until the mesh's events end: take the ready events into the queues, run the next
+    /// input round robin over senders, and sleep on this thread's park token when there is
+    /// nothing to do (the mesh's event queue unparks it).
+    fn run(mut self, mut events: MeshEvents) {
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = TaskContext::from_waker(&waker);
+        let mut open = true;
         loop {
-            let tick = if self.fanout.as_ref().is_some_and(|f| f.pending() > 0) {
+            for _ in 0..EVENTS_PER_PASS {
+                if !open {
+                    break;
+                }
+                match std::pin::pin!(events.recv()).poll(&mut cx) {
+                    Poll::Ready(Some(ev)) => self.event(ev),
+                    Poll::Ready(None) => open = false,
+                    Poll::Pending => break,
+                }
+            }
+            let now = Instant::now();
+            if let Some(f) = self.fanout.as_mut() {
+                let expired = f.expire(now);
+                self.to_routers(expired);
+            }
+            if let Some((_, input)) = self.queue.pop() {
+                self.handle_input(input);
+                continue;
+            }
+            if !open {
+                return;
+            }
+            let pending = self.fanout.as_ref().is_some_and(|f| f.pending() > 0);
+            std::thread::park_timeout(if pending {
                 Duration::from_millis(50)
             } else {
                 Duration::from_secs(1)
-            };
-            match queue.pop_timeout(tick) {
-                Err(()) => return,
-                Ok(None) => {}
-                Ok(Some((_, input))) => self.handle_input(input),
+            });
+        }
+    }
+
+    /// A mesh event: dispatches and node peers' answers into the queues (answers copied out
+    /// of their frames, so the link's credit is released at once), peer notices into the log;
+    /// a lost router's queued dispatches are dropped.
+    fn event(&mut self, ev: TransportEvent) {
+        let name = |r: u32| self.names.get(r as usize).map_or("?", String::as_str);
+        match ev {
+            TransportEvent::Frame(f) => {
+                let from = f.peer();
+                let input = match f.body() {
+                    Body::Dispatch(_) => Input::Dispatch(f),
+                    Body::Result(res) => Input::PeerResult {
+                        from,
+                        res: *res,
+                        payload: f.payload().to_vec(),
+                    },
+                    Body::Error(e) => Input::PeerError {
+                        from,
+                        frame: e.clone(),
+                    },
+                    _ => return,
+                };
+                self.queue.push(from as usize, input);
             }
-            if let Some(f) = self.fanout.as_mut() {
-                let expired = f.expire(Instant::now());
-                self.to_routers(expired);
+            TransportEvent::PeerUp { peer, link } => {
+                tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
+            }
+            TransportEvent::PeerLost(e) => {
+                let dropped = self.queue.drop_sender(e.peer as usize);
+                tracing::warn!(
+                    worker = %self.id, peer = name(e.peer), error = %e.kind, dropped,
+                    "link lost; redialing (its queued dispatches dropped)"
+                );
+                self.queue.push(e.peer as usize, Input::PeerLost(e.peer));
             }
         }
     }
@@ -378,50 +455,4 @@ fn router_addresses(dep: &Deployment, given: &[SocketAddr]) -> anyhow::Result<Ve
         );
     }
     Ok(given.to_vec())
-}
-
-/// The I/O loop: dispatches and node peers' answers into the fair queue, peer notices into
-/// the log; a lost router's queued dispatches are dropped.
-async fn serve_events(
-    mut events: MeshEvents,
-    queue: &SharedFairQueue<Input>,
-    names: Vec<String>,
-    id: &str,
-) {
-    while let Some(ev) = events.recv().await {
-        match ev {
-            TransportEvent::Frame(f) => {
-                let from = f.peer();
-                match f.body() {
-                    Body::Dispatch(_) => queue.push(from as usize, Input::Dispatch(f)),
-                    Body::Result(res) => {
-                        let input = Input::PeerResult {
-                            from,
-                            res: *res,
-                            payload: f.payload().to_vec(),
-                        };
-                        queue.push(from as usize, input);
-                    }
-                    Body::Error(e) => {
-                        let frame = e.clone();
-                        queue.push(from as usize, Input::PeerError { from, frame });
-                    }
-                    _ => {}
-                }
-            }
-            TransportEvent::PeerUp { peer, link } => {
-                let peer = names.get(peer as usize).map_or("?", String::as_str);
-                tracing::info!(worker = %id, peer, link = link.name(), "connected");
-            }
-            TransportEvent::PeerLost(e) => {
-                let dropped = queue.drop_sender(e.peer as usize);
-                queue.push(e.peer as usize, Input::PeerLost(e.peer));
-                let peer = names.get(e.peer as usize).map_or("?", String::as_str);
-                tracing::warn!(
-                    worker = %id, peer, error = %e.kind, dropped,
-                    "link lost; redialing (its queued dispatches dropped)"
-                );
-            }
-        }
-    }
 }
