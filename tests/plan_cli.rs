@@ -284,8 +284,9 @@ fn coselection_file_cuts_nodes_per_token() {
     let result = j["traffic"]["network_result_bytes_per_token"]
         .as_f64()
         .unwrap();
-    // The serving mode's wire (plan's default, as `up`'s): q8 activations (7168 + 896 + 2
-    // bytes) out and one pre-combined bf16 row (14336 bytes) back per remote device touched.
+    // The serving mode's wire (plan's default, as `up`'s), deduplicated per node: q8
+    // activations (7168 + 896 + 2 bytes) out and one pre-combined bf16 row (14336 bytes) back
+    // per remote node touched.
     assert!((bytes - dispatch - result).abs() < 1e-6 * bytes, "{bytes}");
     let rows = result / dispatch;
     assert!(rows > 1.7 && rows < 1.8, "{dispatch} {result}");

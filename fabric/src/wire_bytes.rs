@@ -62,7 +62,9 @@ pub fn wire_model(name: &str, hidden: u32, micro_batch: usize) -> anyhow::Result
         result_frame_bytes: r_one - row,
         result_row_bytes: row,
         result_rows: rows,
-        node_dedup: false,
+        // The router merges each remote node's parts into one for a leader device, which fans
+        // them out over shared memory (`Replicas::node_dedup`, set by every deployment).
+        node_dedup: true,
         micro_batch_tokens: micro_batch.max(1),
         source: "transport codec: encoded dispatch and result frames".to_owned(),
     })
@@ -103,6 +105,7 @@ mod tests {
                     codec.result_frame_bytes, planner.result_frame_bytes,
                     "{name}"
                 );
+                assert!(codec.node_dedup && !planner.node_dedup, "{name}");
                 assert!(
                     (codec.dispatch_frame_bytes - planner.dispatch_frame_bytes).abs() <= 64.0,
                     "{name}: {} vs {}",

@@ -33,9 +33,12 @@
 //! frame lengths by the binary): the router sends one dispatch frame per (micro-batch, device)
 //! carrying the tokens that device needs (q8 block-32 activations in exact mode, f32 in
 //! accurate mode) and their (expert, weight) pairs, and each device answers with one f32 row
-//! per (token, slot) in exact mode, one pre-combined row per token otherwise. A token goes once
-//! to every device it touches — there is no per-node deduplication in the fabric yet (a wire
-//! model with `node_dedup` counts one copy per node and pre-combined rows per node instead).
+//! per (token, slot) in exact mode, one pre-combined row per token otherwise. With per-node
+//! deduplication (`node_dedup`, what the fabric does: a remote node's parts are merged into one
+//! for a leader device, which fans the pairs out over shared memory) a token crosses the
+//! network once per node touched, in one frame per (micro-batch, node), and the leader answers
+//! the node's per-slot rows, or one row per token summed over the node's devices; without it
+//! (the planner's own default wire) once per device touched.
 //! Bytes on the network are those to and from devices on other nodes than the router's; with
 //! several routers (`[[router]]`) the calls are spread evenly over them, each judged from its
 //! own node. Every device's frames also cross its intra-node link.
@@ -1299,5 +1302,40 @@ mod tests {
             r.terms.network_ms,
             expect * per_token * 1e3
         );
+    }
+
+    /// Per-node dedup: a token crosses to a remote node once, so dispatch bytes drop with
+    /// 8 devices per node; per-slot rows are the same bytes; pre-combined rows are one per node.
+    #[test]
+    fn node_dedup_sends_once_per_node() {
+        let t = Topology::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mi300x-4x8.toml"),
+        )
+        .unwrap();
+        let m = preset_by_name("kimi-k2").unwrap();
+        let p = plan(&t, &m, None, None, &PlanOptions::default()).unwrap();
+        let hw = Hardware::from_topology(&t);
+        let traffic = |w: WireModel| {
+            Evaluator::new(&t, &m, &p.placement, None, None, 0)
+                .with_wire(w)
+                .evaluate(&hw)
+                .traffic
+        };
+        let dedup = |w: WireModel| WireModel {
+            node_dedup: true,
+            ..w
+        };
+        let (e, d) = (
+            traffic(WireModel::exact(m.hidden, 32)),
+            traffic(dedup(WireModel::exact(m.hidden, 32))),
+        );
+        assert!(d.network_dispatch_bytes_per_token < 0.5 * e.network_dispatch_bytes_per_token);
+        let rows = |t: &Traffic| t.network_result_bytes_per_token;
+        assert!((rows(&d) - rows(&e)).abs() < 0.01 * rows(&e));
+        assert!((d.network_bytes_per_token_without_dedup - e.network_bytes_per_token).abs() < 1e-6);
+        let a = traffic(dedup(WireModel::accurate(m.hidden, 32)));
+        // One pre-combined f32 row per remote node touched.
+        let per_node = a.network_result_bytes_per_token / a.remote_nodes_per_token;
+        assert!((per_node - 4.0 * 7168.0).abs() < 64.0, "{per_node}");
     }
 }

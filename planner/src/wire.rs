@@ -7,8 +7,11 @@
 //! (expert id, weight) pair per routed expert — and each device answers with one `Result`
 //! frame: one f32 row per (token, slot) in exact mode (the router combines in slot order, so
 //! the bits do not depend on placement), one pre-combined row per token in the other modes.
-//! There is no per-node deduplication today: a token goes once to every *device* that owns one
-//! of its experts, across the network when that device is on another node.
+//! With per-node deduplication ([`WireModel::node_dedup`]) the router merges a remote node's
+//! parts into one for a leader device, which fans the pairs out to the node's devices over
+//! shared memory and answers for the node: a token crosses the network once per node, and
+//! pre-combined rows come back summed per node. The constructors here describe one copy per
+//! device; the fabric's deployments dedup (`expertmesh_fabric::wire_bytes` sets the flag).
 //!
 //! [`WireModel`] states those bytes as a linear model per frame. The constructors here compute
 //! them from the frame layout (`expertmesh_transport::codec`: a 32-byte header, kind-specific
@@ -64,8 +67,8 @@ pub struct WireModel {
     pub result_row_bytes: f64,
     /// Rows per token and device: one per slot, or one pre-combined.
     pub result_rows: ResultRows,
-    /// Whether a token crosses the network once per node (fanned out inside it) and results
-    /// come back pre-combined per node; false in today's fabric (once per device).
+    /// Whether a token crosses the network once per node (fanned out inside it by a leader
+    /// device) and pre-combined results come back summed per node, rather than once per device.
     pub node_dedup: bool,
     /// Tokens per micro-batch: the router sends one frame per (micro-batch, device).
     pub micro_batch_tokens: usize,
