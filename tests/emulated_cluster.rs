@@ -1,6 +1,7 @@
-//! The emulated cluster end to end (`expertmesh bench cluster --quick`): nodes as network
-//! namespaces with tc-shaped NICs, the real router and worker processes inside them, frontends
-//! in the router's namespace. Asserts that every answer across the namespaces is bit-identical
+//! The emulated cluster end to end (`expertmesh bench cluster --quick`): three nodes as network
+//! namespaces with tc-shaped NICs, two worker processes each (a remote node's leader fans
+//! dispatches out), one router and then one router per node, frontends in the routers'
+//! namespaces. Asserts that every answer across the namespaces is bit-identical
 //! to the in-process reference (exact mode; the bench exits 1 otherwise), that no call failed,
 //! that measured tokens/s is within a loose band of `expertmesh plan`'s prediction for the same
 //! topology, and that the namespaces are gone afterwards. Timings are not asserted beyond that
@@ -95,7 +96,22 @@ fn emulated_cluster_answers_exactly_and_matches_the_plan() {
     );
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let results = report["results"].as_array().unwrap();
-    assert_eq!(results.len(), 2, "one row per batch size: {report}");
+    // 1 router and one per node, batches 1 and 8; 2 workers per node, so remote nodes get one
+    // dispatch per micro-batch and fan it out.
+    assert_eq!(
+        results.len(),
+        4,
+        "one row per router count and batch size: {report}"
+    );
+    let tps = |routers: u64, batch: u64| {
+        results
+            .iter()
+            .find(|r| r["routers"] == routers && r["batch"] == batch)
+            .and_then(|r| r["achieved"].as_f64())
+            .unwrap()
+    };
+    // Network-bound: one router per node moves more tokens than one router.
+    assert!(tps(3, 8) > 1.5 * tps(1, 8), "{report}");
     for r in results {
         assert_eq!(r["mismatches"], 0, "{r}");
         assert_eq!(r["errors"], 0, "{r}");

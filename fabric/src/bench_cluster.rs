@@ -86,6 +86,8 @@ pub struct ClusterBenchOptions {
     pub layers: u32,
     /// Router micro-batch (tokens).
     pub micro_batch: usize,
+    /// CPU workers per node (with two or more, a remote node's leader fans dispatches out).
+    pub devices_per_node: usize,
     /// Folder for the generated files and logs (default: a temporary folder, removed).
     pub dir: Option<PathBuf>,
     /// Scheduling niceness of the cluster's processes and frontends (negative: ahead of other
@@ -116,18 +118,20 @@ impl ClusterBenchOptions {
             moe_inter: 64,
             layers: 2,
             micro_batch: 32,
+            devices_per_node: 1,
             dir: None,
             nice: 0,
             exe: None,
         }
     }
 
-    /// Small figures for the integration test: 3 nodes at 40 Mbit/s, one router, batches 1
-    /// and 8, 2 s each.
+    /// Small figures for the integration test: 3 nodes of 2 CPU workers at 40 Mbit/s, one
+    /// router and one per node, batches 1 and 8, 2.5 s each.
     pub fn quick() -> Self {
         ClusterBenchOptions {
             nodes: 3,
-            routers: vec![1],
+            routers: vec![1, 3],
+            devices_per_node: 2,
             line_rate_mbit: 40.0,
             batches: vec![1, 8],
             seconds: 2.5,
@@ -257,6 +261,7 @@ pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
 fn describe_machine(o: &ClusterBenchOptions, report: &mut BenchReport) {
     let extra = &mut report.machine.extra;
     extra.insert("nodes".into(), o.nodes.into());
+    extra.insert("devices_per_node".into(), o.devices_per_node.into());
     extra.insert("line_rate_mbit".into(), o.line_rate_mbit.into());
     extra.insert("mtu".into(), o.mtu.into());
     extra.insert("tbf_burst_bytes".into(), o.tbf_burst_bytes.into());
@@ -304,8 +309,9 @@ fn run_config(
     let fcfg = FrontendConfig::new(dep.topology.name());
     wait_ready(&mut emu, &dep, routers, &fcfg)?;
     println!(
-        "emulated cluster: {} nodes, {routers} router(s), {} Mbit/s NICs; files and logs in {}",
+        "emulated cluster: {} nodes x {} CPU workers, {routers} router(s), {} Mbit/s NICs; files and logs in {}",
         o.nodes,
+        o.devices_per_node,
         o.line_rate_mbit,
         dir.display()
     );
@@ -352,14 +358,14 @@ fn start_processes(
     } else {
         Vec::new()
     };
-    for i in 0..emu.nodes() {
+    for (i, k) in (0..emu.nodes()).flat_map(|i| (0..o.devices_per_node).map(move |k| (i, k))) {
         let mut args = nice.clone();
         args.extend([s(&exe), "worker".to_owned()]);
         args.extend(deploy.iter().cloned());
         args.extend(
             [
                 "--device",
-                &format!("n{i}/cpu0"),
+                &format!("n{i}/cpu{k}"),
                 "--threads",
                 "1",
                 "--max-tokens",
@@ -367,7 +373,8 @@ fn start_processes(
             ]
             .map(String::from),
         );
-        emu.spawn(i, &args, &dir.join(format!("worker-n{i}-{routers}r.log")))?;
+        let log = dir.join(format!("worker-n{i}-cpu{k}-{routers}r.log"));
+        emu.spawn(i, &args, &log)?;
     }
     for r in 0..routers {
         let mut args = nice.clone();
@@ -407,7 +414,8 @@ fn wait_ready(
 ) -> anyhow::Result<()> {
     let h = dep.spec.hidden as usize;
     let layer = dep.spec.moe_layer_ids()[0];
-    let x = reference::synthetic_hidden(1, 1, h);
+    // 32 tokens: every device is touched, so every worker has connected once this answers.
+    let x = reference::synthetic_hidden(1, 32, h);
     let until = Instant::now() + Duration::from_secs(60);
     for r in 0..routers {
         let ns = emu.node_ns(r);
@@ -918,7 +926,8 @@ pub struct ClusterCli {
     /// measured, limit = the planner's prediction).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Small figures (3 nodes at 40 Mbit/s, one router, batches 1 and 8) for tests.
+    /// Small figures (3 nodes of 2 workers at 40 Mbit/s, 1 and 3 routers, batches 1 and 8)
+    /// for tests.
     #[arg(long)]
     quick: bool,
     /// Nodes (network namespaces), one CPU worker each.
@@ -955,6 +964,10 @@ pub struct ClusterCli {
     /// Model hidden size (a multiple of 64).
     #[arg(long)]
     hidden: Option<u32>,
+    /// CPU workers per node (two or more: the router sends a remote node one dispatch per
+    /// micro-batch and its leader fans it out over shared memory).
+    #[arg(long)]
+    devices_per_node: Option<usize>,
     /// Keep the generated topology, model, placement and logs in this folder.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -1008,6 +1021,10 @@ impl ClusterCli {
         o.seconds = self.seconds.unwrap_or(o.seconds);
         o.clients = self.clients.unwrap_or(o.clients).max(1);
         o.hidden = self.hidden.unwrap_or(o.hidden);
+        o.devices_per_node = self
+            .devices_per_node
+            .unwrap_or(o.devices_per_node)
+            .clamp(1, 8);
         anyhow::ensure!(
             o.hidden >= 64 && o.hidden % 64 == 0,
             "--hidden must be a multiple of 64"

@@ -64,17 +64,25 @@ pub(super) fn topology_toml(o: &ClusterBenchOptions, routers: usize) -> String {
     for r in 0..routers {
         let _ = writeln!(t, "[[router]]\nnode = \"n{r}\"\nport = 7000\n");
     }
+    let devices: Vec<String> = (0..o.devices_per_node)
+        .map(|k| {
+            format!(
+                "  {{ name = \"cpu{k}\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
+                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 10 }},"
+            )
+        })
+        .collect();
     for i in 0..o.nodes {
         let _ = writeln!(
             t,
             "[[nodes]]\nname = \"n{i}\"\naddress = \"{addr}\"\ncontrol_port = 7100\n\
              data_port = 7200\nintra_link = \"shm\"\nintra_bandwidth_gb_s = 10\n\
              nics = [{{ name = \"eth0\", kind = \"tcp\", speed_gbit_s = {gbit}, mtu = {mtu} }}]\n\
-             devices = [{{ name = \"cpu0\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
-             expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 10 }}]\n",
+             devices = [\n{devices}\n]\n",
             addr = super::netns::Emulation::node_address(i),
             gbit = o.line_rate_mbit / 1000.0,
             mtu = o.mtu,
+            devices = devices.join("\n"),
         );
     }
     t
