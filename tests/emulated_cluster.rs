@@ -1,8 +1,9 @@
 //! The emulated cluster end to end (`expertmesh bench cluster --quick`): three nodes as network
 //! namespaces with tc-shaped NICs, two worker processes each (a remote node's leader fans
 //! dispatches out), one router and then one router per node, frontends in the routers'
-//! namespaces. Asserts that every answer across the namespaces is bit-identical
-//! to the in-process reference (exact mode; the bench exits 1 otherwise), that no call failed,
+//! namespaces; once in exact mode, once in serving mode. Asserts that every answer across the
+//! namespaces is bit-identical to the in-process reference in exact mode and within tolerance
+//! in serving mode (the bench exits 1 otherwise), that no call failed,
 //! that measured tokens/s is within a loose band of `expertmesh plan`'s prediction for the same
 //! topology, and that the namespaces are gone afterwards. Timings are not asserted beyond that
 //! band.
@@ -52,16 +53,15 @@ impl Drop for Leftovers {
     }
 }
 
-#[test]
-fn emulated_cluster_answers_exactly_and_matches_the_plan() {
-    if let Err(why) = namespaces_permitted() {
-        println!("skipped: network namespaces not permitted ({why})");
-        return;
-    }
+/// Run `expertmesh bench cluster --quick --mode MODE`; its JSON report. Asserts it exited 0
+/// (every answer correct, no failed call) and left no namespace behind.
+fn run_quick(mode: &str) -> Value {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("cluster.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(["bench", "cluster", "--quick", "--nice", "-5", "--json"])
+        .args([
+            "bench", "cluster", "--quick", "--nice", "-5", "--mode", mode, "--json",
+        ])
         .arg(&json)
         .arg("--dir")
         .arg(dir.path().join("files"))
@@ -94,10 +94,14 @@ fn emulated_cluster_answers_exactly_and_matches_the_plan() {
         "namespaces left behind: {:?}",
         namespaces_with(&prefix)
     );
-    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
+/// The rows of a quick run: 1 router and one per node, batches 1 and 8; 2 workers per node, so
+/// remote nodes get one dispatch per micro-batch and fan it out. Every answer correct, every
+/// measured/predicted ratio in a loose band, more tokens/s with a router per node.
+fn check_rows(report: &Value) {
     let results = report["results"].as_array().unwrap();
-    // 1 router and one per node, batches 1 and 8; 2 workers per node, so remote nodes get one
-    // dispatch per micro-batch and fan it out.
     assert_eq!(
         results.len(),
         4,
@@ -124,4 +128,23 @@ fn emulated_cluster_answers_exactly_and_matches_the_plan() {
             "measured/predicted {ratio}: {r}"
         );
     }
+}
+
+/// Exact mode: every answer across the namespaces bit-identical to the in-process reference.
+#[test]
+fn emulated_cluster_answers_exactly_and_matches_the_plan() {
+    if let Err(why) = namespaces_permitted() {
+        println!("skipped: network namespaces not permitted ({why})");
+        return;
+    }
+    let report = run_quick("exact");
+    assert_eq!(report["machine"]["mode"], "exact");
+    check_rows(&report);
+    // Serving mode (the default of `up`): bf16 rows pre-combined per device, within tolerance,
+    // and the planner counts its leaner wire: more tokens/s than exact on the same links.
+    let serving = run_quick("serving");
+    assert_eq!(serving["machine"]["mode"], "serving");
+    check_rows(&serving);
+    let tps = |j: &Value| j["results"][0]["achieved"].as_f64().unwrap();
+    assert!(tps(&serving) > 1.5 * tps(&report), "{serving}");
 }
