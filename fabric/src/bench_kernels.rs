@@ -714,6 +714,10 @@ fn measure(
     opts: &KernelBenchOptions,
     clock: &Clock,
 ) -> anyhow::Result<usize> {
+    if cases.is_empty() {
+        // Every case was skipped (no time left for a pool): nothing was repeated.
+        return Ok(0);
+    }
     let mut order: Vec<usize> = (0..cases.len()).collect();
     for rep in 0..opts.repetitions.max(1) {
         for &i in &order {
