@@ -73,7 +73,11 @@ fn dispatch() -> impl Strategy<Value = Body> {
                         WireComputeMode::Accurate
                     },
                     layout,
-                    result_dtype: if exact { OutputDtype::F32 } else { OutputDtype::Bf16 },
+                    result_dtype: if exact {
+                        OutputDtype::F32
+                    } else {
+                        OutputDtype::Bf16
+                    },
                     expert_counts: counts,
                     experts,
                     weights,
