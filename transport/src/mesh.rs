@@ -416,6 +416,19 @@ impl Mesh {
         Ok((Mesh { inner }, MeshEvents { rx }))
     }
 
+    /// Starts dialing `peer` (with backoff and redials, as for the configured
+    /// [`MeshConfig::dial_ranks`]) when it was left out of them: a rank that must reach some
+    /// peers before others (a worker joins its node peers before the routers) dials the rest
+    /// later. Must be called from within the mesh's runtime; `peer` must be a lower rank not
+    /// already dialed.
+    pub fn dial(&self, peer: Rank) {
+        if peer as usize >= self.inner.peers.len() || peer >= self.inner.cfg.protocol.local_rank {
+            return;
+        }
+        let h = tokio::spawn(dial_loop(Arc::clone(&self.inner), peer));
+        self.inner.add_task(h.abort_handle());
+    }
+
     /// The address this rank actually listens on (useful with port 0).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         *self

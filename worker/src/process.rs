@@ -134,8 +134,16 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         Some(a) => a,
         None => dep.worker_endpoint(d)?,
     };
-    let cfg = dep.mesh_config(rank, &routers, &opts.device_addrs, listen, opts.link);
+    let mut cfg = dep.mesh_config(rank, &routers, &opts.device_addrs, listen, opts.link);
     let node_peers = dep.node_peers(d);
+    let r_count = dep.router_count();
+    if !node_peers.is_empty() {
+        // Join the node peers first, the routers after (below): a router must not count this
+        // device as a live destination before its node's leader can forward to it.
+        cfg.dial_ranks = cfg
+            .dial_ranks
+            .map(|v| v.into_iter().filter(|&r| r >= r_count).collect());
+    }
     let fanout = (!node_peers.is_empty()).then(|| {
         NodeFanout::new(
             ExpertHomes::for_device(&dep, d),
@@ -154,6 +162,18 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     let (mesh, events) = rt
         .block_on(Mesh::start(cfg))
         .map_err(|e| anyhow!("worker {id}: {e}"))?;
+    if !node_peers.is_empty() {
+        if let Err(e) = rt.block_on(mesh.wait_connected(&node_peers, NODE_JOIN_TIMEOUT)) {
+            tracing::warn!(
+                worker = %id, error = %e,
+                "node peers not connected; joining the routers anyway (forwarded shares for them fail until they connect)"
+            );
+        }
+        let _guard = rt.enter();
+        for r in 0..r_count {
+            mesh.dial(r);
+        }
+    }
     let shown: Vec<String> = routers.iter().map(ToString::to_string).collect();
     println!(
         "expertmesh worker {id} ready: {:.1} MB of experts on {backend_name}, loaded in {:.2} s, listening on {}, router{} at {}",
@@ -189,6 +209,12 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     rt.shutdown_timeout(Duration::from_millis(200));
     Ok(())
 }
+
+/// How long a worker of a fanning-out node waits for its node peers before it joins the
+/// routers anyway. A peer that starts later is still joined before any router counts it:
+/// it waits for this worker (already up) before it dials the routers; the wait only runs
+/// out when a peer is down.
+const NODE_JOIN_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long a node's leader waits for its peers' shares of a forwarded dispatch.
 const FANOUT_TIMEOUT: Duration = Duration::from_secs(5);
