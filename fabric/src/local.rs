@@ -368,11 +368,34 @@ impl LocalFabric {
         Ok(())
     }
 
-    /// Start worker `d` again and wait until it has rejoined.
+    /// Start worker `d` again and wait until it has rejoined: connected to every router, and
+    /// each router's core has taken the link up (so the next call may use it).
     pub fn restart_worker(&mut self, d: usize) -> anyhow::Result<()> {
         self.kill_worker(d)?;
+        let ups = |f: &Self| -> Vec<u64> {
+            f.services
+                .iter()
+                .map(|s| s.as_ref().map_or(u64::MAX, |s| s.stats().peer_ups))
+                .collect()
+        };
+        let before = ups(self);
         self.spawn_worker(d)?;
-        self.wait_for_workers(&[d])
+        self.wait_for_workers(&[d])?;
+        let deadline = std::time::Instant::now() + self.opts.connect_timeout;
+        while ups(self)
+            .iter()
+            .zip(&before)
+            .any(|(now, was)| now <= was && *was != u64::MAX)
+        {
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "worker {} connected but a router did not take it up",
+                    self.label(d)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
     }
 
     /// Check every worker process is alive; returns the devices that exited, with status.

@@ -479,6 +479,8 @@ pub struct RouterStats {
     pub result_payload_bytes: u64,
     /// Tokens answered.
     pub tokens: u64,
+    /// Worker links the core has seen come up (it counts a device live from then on).
+    pub peer_ups: u64,
 }
 
 struct Member {
@@ -926,6 +928,7 @@ impl RouterCore {
 
     /// A link to a worker is (again) established.
     pub fn on_peer_up(&mut self, rank: u32) {
+        self.stats.peer_ups += 1;
         if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
             *a = true;
         }

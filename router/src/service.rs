@@ -668,6 +668,9 @@ impl CoreLoop {
             TransportEvent::PeerUp { peer, link } => {
                 tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
                 self.core.on_peer_up(peer);
+                // Published at once: a launcher waits for this before it counts a restarted
+                // worker as back (no action follows that would publish it).
+                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
             }
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
