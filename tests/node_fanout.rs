@@ -31,10 +31,14 @@ fn start() -> LocalFabric {
 }
 
 fn start_in(mode: LayerMode) -> LocalFabric {
+    start_with(mode, "tests/data/three-nodes-demo-small.placement.toml")
+}
+
+fn start_with(mode: LayerMode, placement: &str) -> LocalFabric {
     let mut o = LocalFabricOptions::new(
         root().join("tests/data/three-nodes.toml"),
         "demo-small",
-        root().join("tests/data/three-nodes-demo-small.placement.toml"),
+        root().join(placement),
     );
     o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
     o.ephemeral_ports = true;
@@ -110,7 +114,19 @@ fn wait_router_sees(fabric: &LocalFabric, d: u32, connected: bool) {
 
 #[test]
 fn a_remote_node_gets_one_dispatch_and_answers_bit_identically() {
-    let fabric = start();
+    remote_node_exact(start());
+}
+
+#[test]
+fn a_shared_expert_on_a_remote_node_is_forwarded_too() {
+    // The shared expert lives on b/cpu2, not on node b's leader.
+    remote_node_exact(start_with(
+        LayerMode::Exact,
+        "tests/data/three-nodes-demo-small-shared-b.placement.toml",
+    ));
+}
+
+fn remote_node_exact(fabric: LocalFabric) {
     let spec = fabric.deployment().spec.clone();
     let h = spec.hidden as usize;
     let mut reference = Reference::new(&fabric);

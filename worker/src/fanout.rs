@@ -18,13 +18,16 @@
 //! order in which shares arrive.
 //!
 //! This module is sans-IO: [`NodeFanout`] takes dispatches, results, peer losses and time and
-//! returns frames to send; the worker process moves them. Bounds: one pending entry per
-//! forwarded router dispatch, and the routers' credit windows bound those; an entry whose peers
-//! do not answer within the timeout fails with an error frame naming the device.
+//! returns frames to send; the worker process moves them (it never waits on a send to a node
+//! peer: those are handed to the runtime, so two devices of a node cannot block each other on
+//! credit). Bounds: one pending entry per forwarded router dispatch; the routers bound the
+//! dispatches they have in flight (`max_inflight_batches`), and an entry whose peers do not
+//! answer within the timeout fails with an error frame naming the device.
 
 use crate::deploy::Deployment;
 use crate::exec::ExecError;
 use bytes::Bytes;
+use expertmesh_topology::placement::SharedLocation;
 use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::codec::{
     Body, Dispatch, ErrorCode, ErrorFrame, ExpertResult, OutputLayout as WireLayout,
@@ -58,27 +61,33 @@ impl ExpertHomes {
         let topo = &dep.topology;
         let node = topo.device(d).map(|x| x.node_index());
         let same_node = |o: DeviceRank| topo.device(o).map(|x| x.node_index()) == node;
+        let home = |owners: &[DeviceRank]| {
+            if owners.contains(&d) {
+                return Home::Local;
+            }
+            let mut peers: Vec<u32> = owners
+                .iter()
+                .filter(|&&o| same_node(o))
+                .map(|&o| dep.mesh_rank(o))
+                .collect();
+            peers.sort_unstable();
+            if peers.is_empty() {
+                Home::Elsewhere
+            } else {
+                Home::Peers(peers)
+            }
+        };
         let mut layers = HashMap::new();
         for layer in dep.spec.moe_layer_ids() {
-            let homes = (0..dep.spec.routed_experts)
-                .map(|e| {
-                    let owners = dep.placement.owners(layer, e);
-                    if owners.contains(&d) {
-                        return Home::Local;
-                    }
-                    let mut peers: Vec<u32> = owners
-                        .iter()
-                        .filter(|&&o| same_node(o))
-                        .map(|&o| dep.mesh_rank(o))
-                        .collect();
-                    peers.sort_unstable();
-                    if peers.is_empty() {
-                        Home::Elsewhere
-                    } else {
-                        Home::Peers(peers)
-                    }
-                })
+            let mut homes: Vec<Home> = (0..dep.spec.routed_experts)
+                .map(|e| home(dep.placement.owners(layer, e)))
                 .collect();
+            // Shared experts that live on a device come as pseudo-ids `routed_experts + i`.
+            let shared_on = match dep.placement.shared_location(layer) {
+                Some(SharedLocation::Device(x)) => vec![x],
+                _ => Vec::new(),
+            };
+            homes.extend((0..dep.spec.shared_experts).map(|_| home(&shared_on)));
             layers.insert(layer, homes);
         }
         let names = topo
@@ -97,7 +106,7 @@ impl ExpertHomes {
         };
         d.experts
             .iter()
-            .all(|&e| homes.get(e as usize).is_none_or(|h| *h == Home::Local))
+            .all(|&e| homes.get(e as usize) == Some(&Home::Local))
     }
 
     fn home(&self, layer: u32, expert: u32) -> Option<&Home> {
@@ -285,7 +294,7 @@ impl NodeFanout {
         d.experts
             .iter()
             .map(|&e| match self.homes.home(d.layer, e) {
-                Some(Home::Local) | None => Ok(None),
+                Some(Home::Local) => Ok(None),
                 Some(Home::Peers(p)) => p.iter().copied().find(|&r| is_live(r)).map(Some).ok_or_else(|| {
                     let names: Vec<String> = p.iter().map(|&r| self.homes.name(r)).collect();
                     ExecError {
@@ -297,7 +306,7 @@ impl NodeFanout {
                         ),
                     }
                 }),
-                Some(Home::Elsewhere) => Err(ExecError {
+                Some(Home::Elsewhere) | None => Err(ExecError {
                     code: ErrorCode::NotFound,
                     message: format!(
                         "layer {} expert {e} is on no device of this node; the router and this worker disagree on the placement",
@@ -357,7 +366,12 @@ impl NodeFanout {
         code: ErrorCode,
         message: &str,
     ) -> Option<ToRouter> {
-        let (key, _) = self.subs.remove(&request_id)?;
+        let &(key, share) = self.subs.get(&request_id)?;
+        let sender = self.pending.get(&key)?.shares.get(share)?.rank;
+        if sender != Some(from) {
+            return None; // not the peer this share went to
+        }
+        self.subs.remove(&request_id);
         let msg = format!("{} (node peer): {message}", self.homes.name(from));
         self.fail(key, code, msg)
     }
@@ -468,7 +482,7 @@ impl NodeFanout {
     }
 }
 
-/// The share of `d` for `who`: its dispatch (results in f32), the tokens of `d` whose rows
+/// The share of `d` for `who`: its dispatch, the tokens of `d` whose rows
 /// it needs (ascending), and the assembled-result row of each of its result rows.
 fn sub_dispatch(
     d: &Dispatch,
@@ -476,12 +490,19 @@ fn sub_dispatch(
     who: Option<u32>,
     per_slot: bool,
 ) -> (Dispatch, Vec<u32>, Vec<u32>) {
+    // Per-slot rows are copied into the answer, so a share is asked for the router's own
+    // dtype (bf16 rows are rounded per row: the same bits, and a share never outgrows the
+    // answer's frame); pre-combined rows are summed here first, so they come in f32.
     let mut sub = Dispatch {
         expert_counts: Vec::new(),
         experts: Vec::new(),
         weights: Vec::new(),
         tokens: 0,
-        result_dtype: OutputDtype::F32,
+        result_dtype: if per_slot {
+            d.result_dtype
+        } else {
+            OutputDtype::F32
+        },
         ..d.clone()
     };
     let mut rows = Vec::new();
@@ -646,6 +667,15 @@ mod tests {
         for (g, w) in got.iter().zip(&direct) {
             assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
         }
+    }
+
+    #[test]
+    fn an_unknown_expert_id_is_not_taken_for_a_local_one() {
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let (d, p) = dispatch(&[1], &[9], WireLayout::PerSlot);
+        assert!(f.needs_forwarding(&d));
+        let e = f.start(9, &d, &p, |_| true, Instant::now()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotFound);
     }
 
     #[test]

@@ -232,8 +232,6 @@ enum Input {
     },
     /// A node peer's error for a forwarded share.
     PeerError { from: u32, frame: ErrorFrame },
-    /// The link to a node peer was lost.
-    PeerLost(u32),
 }
 
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
@@ -274,6 +272,9 @@ impl ComputeCtx {
         let mut cx = TaskContext::from_waker(&waker);
         let mut open = true;
         loop {
+            // Whether the event queue may still hold events (then this pass must not park:
+            // the waker is registered only by a poll that finds the queue empty).
+            let mut more = open;
             for _ in 0..EVENTS_PER_PASS {
                 if !open {
                     break;
@@ -281,7 +282,10 @@ impl ComputeCtx {
                 match std::pin::pin!(events.recv()).poll(&mut cx) {
                     Poll::Ready(Some(ev)) => self.event(ev),
                     Poll::Ready(None) => open = false,
-                    Poll::Pending => break,
+                    Poll::Pending => {
+                        more = false;
+                        break;
+                    }
                 }
             }
             let now = Instant::now();
@@ -295,6 +299,9 @@ impl ComputeCtx {
             }
             if !open {
                 return;
+            }
+            if more {
+                continue;
             }
             let pending = self.fanout.as_ref().is_some_and(|f| f.pending() > 0);
             std::thread::park_timeout(if pending {
@@ -337,7 +344,14 @@ impl ComputeCtx {
                     worker = %self.id, peer = name(e.peer), error = %e.kind, dropped,
                     "link lost; redialing (its queued dispatches dropped)"
                 );
-                self.queue.push(e.peer as usize, Input::PeerLost(e.peer));
+                // At once, not through the queue: a stale loss handled after the peer is back
+                // would fail work forwarded over its new link.
+                let failed = self
+                    .fanout
+                    .as_mut()
+                    .map(|f| f.on_peer_lost(e.peer))
+                    .unwrap_or_default();
+                self.to_routers(failed);
             }
         }
     }
@@ -353,15 +367,6 @@ impl ComputeCtx {
                 .fanout
                 .as_mut()
                 .and_then(|f| f.on_error(from, frame.request_id, frame.code, &frame.message)),
-            Input::PeerLost(rank) => {
-                let failed = self
-                    .fanout
-                    .as_mut()
-                    .map(|f| f.on_peer_lost(rank))
-                    .unwrap_or_default();
-                self.to_routers(failed);
-                None
-            }
         };
         self.to_routers(out);
     }
@@ -405,17 +410,16 @@ impl ComputeCtx {
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
     fn forward(&mut self, fwd: Forward) {
         let Forward { key, local, remote } = fwd;
+        // Never wait here on a send to a node peer: the peer may itself be waiting to send its
+        // results here, which this loop must keep reading. The runtime carries the send; a
+        // link that fails under it is reported as PeerLost, which fails this entry.
         for (rank, frame) in remote {
-            if let Err(e) = self.handle.block_on(self.mesh.send(rank, &frame)) {
-                tracing::warn!(error = %e, "forwarding a share to a node peer failed");
-                let failed = self
-                    .fanout
-                    .as_mut()
-                    .map(|f| f.on_peer_lost(rank))
-                    .unwrap_or_default();
-                self.to_routers(failed);
-                return;
-            }
+            let mesh = self.mesh.clone();
+            self.handle.spawn(async move {
+                if let Err(e) = mesh.send(rank, &frame).await {
+                    tracing::warn!(error = %e, "forwarding a share to a node peer failed");
+                }
+            });
         }
         let Some((sub, payload)) = local else {
             return;
