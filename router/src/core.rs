@@ -897,7 +897,38 @@ impl RouterCore {
     }
 
     /// A worker answered a dispatch with an error frame: the batch fails with its message.
-    pub fn on_worker_error(&mut self, from: u32, request_id: u64, code: ErrorCode, message: &str) {
+    /// Except when a node's leader could not reach a node peer (`PeerUnavailable` with per-node
+    /// dedup on): its parts of the batch are sent again straight to the devices, so the
+    /// router's own view of them decides (a replica elsewhere, the device itself over its own
+    /// link, or a clean error naming it).
+    pub fn on_worker_error(
+        &mut self,
+        from: u32,
+        request_id: u64,
+        code: ErrorCode,
+        message: &str,
+        now: Instant,
+    ) {
+        if code == ErrorCode::PeerUnavailable && self.replicas.node_dedup {
+            let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
+                b.parts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.live && p.rank == from)
+                    .map(|(i, _)| i)
+                    .collect()
+            });
+            if !parts.is_empty() {
+                tracing::warn!(
+                    leader = %self.name(from), message,
+                    "a node leader could not reach a node peer; sending its share directly"
+                );
+                for i in parts {
+                    self.redispatch_direct(request_id, i, now);
+                }
+                return;
+            }
+        }
         if self.inflight.contains_key(&request_id) {
             let msg = format!("{}: {message}", self.name(from));
             self.fail_batch(request_id, code, msg);
@@ -1110,6 +1141,19 @@ impl RouterCore {
         avoid: Option<u32>,
         now: Instant,
     ) -> bool {
+        self.send_pairs_with(id, pairs, avoid, true, now)
+    }
+
+    /// [`RouterCore::send_pairs`], with per-node dedup on or off (off: every pair goes to the
+    /// device chosen for it).
+    fn send_pairs_with(
+        &mut self,
+        id: u64,
+        pairs: &[(u32, u32)],
+        avoid: Option<u32>,
+        dedup: bool,
+        now: Instant,
+    ) -> bool {
         let Some(b) = self.inflight.get(&id) else {
             return false;
         };
@@ -1118,6 +1162,7 @@ impl RouterCore {
         if let Some(r) = avoid {
             replicas.alive[r as usize] = false;
         }
+        replicas.node_dedup &= dedup;
         let plans = match plan::plan_dispatch(&b.routing, owners, &replicas, Some(pairs)) {
             Ok(p) => p,
             Err(PlanError::NoLiveOwner { expert, owners }) => {
@@ -1219,6 +1264,33 @@ impl RouterCore {
         *l = l.saturating_sub(pairs.len() as u64);
         self.stats.parts_redispatched += 1;
         if self.send_pairs(id, &pairs, Some(rank), now)
+            && self
+                .inflight
+                .get(&id)
+                .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
+        {
+            self.complete(id);
+        }
+    }
+
+    /// Sends part `i` of batch `id` again, without per-node dedup (its leader could not reach
+    /// a node peer).
+    fn redispatch_direct(&mut self, id: u64, i: usize, now: Instant) {
+        let Some(b) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        let part = &mut b.parts[i];
+        if !part.live {
+            return;
+        }
+        let rank = part.rank;
+        let pairs: Vec<(u32, u32)> = part.plan.pair_targets().collect();
+        part.live = false;
+        b.outstanding -= 1;
+        let l = &mut self.replicas.load[rank as usize];
+        *l = l.saturating_sub(pairs.len() as u64);
+        self.stats.parts_redispatched += 1;
+        if self.send_pairs_with(id, &pairs, None, false, now)
             && self
                 .inflight
                 .get(&id)

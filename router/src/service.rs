@@ -656,7 +656,7 @@ impl CoreLoop {
                     Body::Result(res) => self.core.on_result(from, res, f.payload(), now),
                     Body::Error(e) => {
                         self.core
-                            .on_worker_error(from, e.request_id, e.code, &e.message)
+                            .on_worker_error(from, e.request_id, e.code, &e.message, now)
                     }
                     other => tracing::warn!(
                         from,

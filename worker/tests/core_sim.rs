@@ -26,6 +26,9 @@ struct Sim {
     down: Vec<u32>,
     /// Workers that receive frames but never answer.
     silent: Vec<u32>,
+    /// Node leaders that cannot reach their node peers: a dispatch holding experts they do not
+    /// own is answered with PeerUnavailable (as `worker::fanout` does).
+    cut_off_leaders: Vec<u32>,
     now: Instant,
     responses: HashMap<u64, Result<Vec<f32>, (ErrorCode, String)>>,
 }
@@ -68,6 +71,18 @@ fn build(
     shared: SharedSite,
     mode: ComputeMode,
     cfg: RouterConfig,
+) -> (Sim, HashMap<u32, LayerWeights>) {
+    build_with(spec, assign, shared, mode, cfg, |_| {})
+}
+
+/// [`build`], with the router's replica state adjusted by `tweak` (nodes, dedup).
+fn build_with(
+    spec: &ModelSpec,
+    assign: &[Vec<u32>],
+    shared: SharedSite,
+    mode: ComputeMode,
+    cfg: RouterConfig,
+    tweak: impl FnOnce(&mut Replicas),
 ) -> (Sim, HashMap<u32, LayerWeights>) {
     let layers: HashMap<u32, LayerWeights> = spec
         .moe_layer_ids()
@@ -147,6 +162,7 @@ fn build(
     });
     let mut replicas = Replicas::new(ranks);
     replicas.alive[0] = false; // the router itself owns nothing
+    tweak(&mut replicas);
     let core = RouterCore::new(
         spec.clone(),
         RouterConfig { mode, ..cfg },
@@ -161,6 +177,7 @@ fn build(
             workers,
             down: Vec::new(),
             silent: Vec::new(),
+            cut_off_leaders: Vec::new(),
             now: Instant::now(),
             responses: HashMap::new(),
         },
@@ -223,11 +240,28 @@ impl Sim {
                             panic!("router sent {:?}", frame.body)
                         };
                         let w = self.workers.get_mut(&rank).unwrap();
-                        match w.execute(d, &frame.payload) {
+                        let result = w.execute(d, &frame.payload);
+                        let result = match result {
+                            Err(e)
+                                if e.code == ErrorCode::NotFound
+                                    && self.cut_off_leaders.contains(&rank) =>
+                            {
+                                Err(expertmesh_worker::exec::ExecError {
+                                    code: ErrorCode::PeerUnavailable,
+                                    message: "a node peer is not connected to this leader".into(),
+                                })
+                            }
+                            other => other,
+                        };
+                        match result {
                             Ok((res, bytes)) => self.core.on_result(rank, &res, &bytes, self.now),
-                            Err(e) => self
-                                .core
-                                .on_worker_error(rank, d.batch_id, e.code, &e.message),
+                            Err(e) => self.core.on_worker_error(
+                                rank,
+                                d.batch_id,
+                                e.code,
+                                &e.message,
+                                Instant::now(),
+                            ),
                         }
                     }
                     Action::Respond {
@@ -649,4 +683,40 @@ fn a_dense_layer_is_refused_as_dense() {
         past.message
     );
     assert!(sim.core.validate(1, &req(1), &payload, sim.now).is_ok());
+}
+
+#[test]
+fn a_node_leader_that_cannot_reach_a_peer_gets_its_share_sent_directly() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    // two devices on a remote node (node 1; the router is on node 0), experts split
+    let assign: Vec<Vec<u32>> = vec![(0..4).collect(), (4..8).collect()];
+    let cfg = RouterConfig {
+        batch_window: Duration::ZERO,
+        ..RouterConfig::default()
+    };
+    let (mut sim, layers) = build_with(
+        &spec,
+        &assign,
+        SharedSite::None,
+        ComputeMode::Exact,
+        cfg,
+        |r| {
+            r.node = vec![0, 1, 1];
+            r.local_node = Some(0);
+            r.node_dedup = true;
+        },
+    );
+    let h = spec.hidden as usize;
+    let x = reference::synthetic_hidden(21, 16, h);
+    let (_, want) = reference::moe_layer(&spec, &layers[&1], &x, ComputeMode::Exact).unwrap();
+    sim.cut_off_leaders.push(1);
+    sim.request(1, 1, &x, 16);
+    sim.pump();
+    let got = sim
+        .responses
+        .remove(&1)
+        .unwrap()
+        .expect("sent again straight to the devices");
+    assert_eq!(bits(&got), bits(&want));
+    assert!(sim.core.stats().parts_redispatched >= 1);
 }
