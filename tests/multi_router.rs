@@ -8,6 +8,9 @@
 //! calls. Worker-side fairness (round robin over routers) is unit-tested in
 //! `worker/src/fair.rs` against a brute-force model.
 
+mod common;
+
+use common::{bits, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
@@ -21,10 +24,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn start() -> LocalFabric {
     let mut o = LocalFabricOptions::new(
@@ -80,20 +79,13 @@ fn cases(fabric: &LocalFabric, token_counts: &[usize], salt: u64) -> Arc<Cases> 
                 ComputeMode::Exact,
             )
             .unwrap();
-            out.push((layer, x, want.iter().map(|v| v.to_bits()).collect()));
+            out.push((layer, x, bits(&want)));
         }
     }
     Arc::new(Cases {
         hidden: h,
         cases: out,
     })
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Runs `rounds` rounds over `cases` against `addr`, pipelining `depth` requests; returns
@@ -126,7 +118,7 @@ fn drive(
             }
             for (hd, want) in handles {
                 match rt.block_on(client.wait(hd)) {
-                    Ok(got) if got.iter().map(|v| v.to_bits()).eq(want.iter().copied()) => ok += 1,
+                    Ok(got) if bits(&got) == **want => ok += 1,
                     Ok(_) => wrong += 1,
                     Err(_) => err += 1,
                 }

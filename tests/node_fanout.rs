@@ -11,6 +11,9 @@
 //! exact again. Through the fan-out, exact-bf16 stays bit-identical to its rounded reference
 //! and serving mode (pre-combined rows summed by the leader) within its tolerance of f64.
 
+mod common;
+
+use common::{bits, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
@@ -21,10 +24,6 @@ use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::mesh::LinkKind;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn start() -> LocalFabric {
     start_in(LayerMode::Exact)
@@ -86,17 +85,6 @@ impl Reference {
         .unwrap();
         (r.experts, out.iter().map(|v| v.to_bits()).collect())
     }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Waits until the router sees device `d` (topology rank) connected or not.

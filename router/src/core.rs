@@ -483,6 +483,19 @@ pub struct RouterStats {
     pub peer_ups: u64,
 }
 
+/// Why a part is sent again, and where to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resend {
+    /// Its device was lost or a send to it failed: to other owners.
+    Lost,
+    /// Its device has not answered in time: to other owners, and only when another live owner
+    /// exists for all its experts (the device stays alive).
+    Straggler,
+    /// Its node's leader could not reach a node peer: to the devices themselves, without
+    /// per-node dedup.
+    WithoutDedup,
+}
+
 struct Member {
     client: ClientId,
     request_id: u64,
@@ -810,7 +823,7 @@ impl RouterCore {
             for i in slow {
                 // Re-send only when another owner exists; otherwise keep waiting until the
                 // deadline (the part's clock restarts so this is not retried every tick).
-                self.redispatch(id, i, now, true);
+                self.redispatch(id, i, now, Resend::Straggler);
             }
         }
     }
@@ -924,7 +937,7 @@ impl RouterCore {
                     "a node leader could not reach a node peer; sending its share directly"
                 );
                 for i in parts {
-                    self.redispatch_direct(request_id, i, now);
+                    self.redispatch(request_id, i, now, Resend::WithoutDedup);
                 }
                 return;
             }
@@ -953,7 +966,7 @@ impl RouterCore {
             })
             .collect();
         for (id, i) in affected {
-            self.redispatch(id, i, now, false);
+            self.redispatch(id, i, now, Resend::Lost);
         }
     }
 
@@ -976,7 +989,7 @@ impl RouterCore {
             if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
                 *a = false;
             }
-            self.redispatch(batch, part as usize, now, false);
+            self.redispatch(batch, part as usize, now, Resend::Lost);
         }
     }
 
@@ -1075,7 +1088,7 @@ impl RouterCore {
             pairs.extend(
                 (start as u32..end as u32).flat_map(|t| (0..slots as u32).map(move |s| (t, s))),
             );
-            if !self.send_pairs(id, &pairs, None, now) {
+            if !self.send_pairs(id, &pairs, None, true, now) {
                 return;
             }
             start = end;
@@ -1133,20 +1146,10 @@ impl RouterCore {
     }
 
     /// Plan `pairs` of batch `id` (avoiding `avoid` in addition to dead ranks) and send them.
-    /// Returns false when the batch failed.
+    /// With `dedup` off (a node's leader could not reach a peer), every pair goes to the
+    /// device chosen for it, not through its node's leader. Returns false when the batch
+    /// failed.
     fn send_pairs(
-        &mut self,
-        id: u64,
-        pairs: &[(u32, u32)],
-        avoid: Option<u32>,
-        now: Instant,
-    ) -> bool {
-        self.send_pairs_with(id, pairs, avoid, true, now)
-    }
-
-    /// [`RouterCore::send_pairs`], with per-node dedup on or off (off: every pair goes to the
-    /// device chosen for it).
-    fn send_pairs_with(
         &mut self,
         id: u64,
         pairs: &[(u32, u32)],
@@ -1232,9 +1235,8 @@ impl RouterCore {
         true
     }
 
-    /// Re-send part `i` of batch `id` to other owners. With `straggler`, the rank stays alive
-    /// and the part is only re-sent when another live owner exists for all its experts.
-    fn redispatch(&mut self, id: u64, i: usize, now: Instant, straggler: bool) {
+    /// Re-send part `i` of batch `id` ([`Resend`] says why and where to).
+    fn redispatch(&mut self, id: u64, i: usize, now: Instant, why: Resend) {
         let Some(b) = self.inflight.get_mut(&id) else {
             return;
         };
@@ -1245,7 +1247,7 @@ impl RouterCore {
         let rank = part.rank;
         let mut pairs = Vec::with_capacity(part.plan.pairs());
         pairs.extend(part.plan.pair_targets());
-        if straggler {
+        if why == Resend::Straggler {
             let owners = &self.owners_ext[&b.layer];
             let has_other = pairs.iter().all(|&(t, s)| {
                 let e = b.routing.experts_of(t as usize)[s as usize];
@@ -1263,34 +1265,11 @@ impl RouterCore {
         let l = &mut self.replicas.load[rank as usize];
         *l = l.saturating_sub(pairs.len() as u64);
         self.stats.parts_redispatched += 1;
-        if self.send_pairs(id, &pairs, Some(rank), now)
-            && self
-                .inflight
-                .get(&id)
-                .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
-        {
-            self.complete(id);
-        }
-    }
-
-    /// Sends part `i` of batch `id` again, without per-node dedup (its leader could not reach
-    /// a node peer).
-    fn redispatch_direct(&mut self, id: u64, i: usize, now: Instant) {
-        let Some(b) = self.inflight.get_mut(&id) else {
-            return;
+        let (avoid, dedup) = match why {
+            Resend::WithoutDedup => (None, false),
+            Resend::Lost | Resend::Straggler => (Some(rank), true),
         };
-        let part = &mut b.parts[i];
-        if !part.live {
-            return;
-        }
-        let rank = part.rank;
-        let pairs: Vec<(u32, u32)> = part.plan.pair_targets().collect();
-        part.live = false;
-        b.outstanding -= 1;
-        let l = &mut self.replicas.load[rank as usize];
-        *l = l.saturating_sub(pairs.len() as u64);
-        self.stats.parts_redispatched += 1;
-        if self.send_pairs_with(id, &pairs, None, false, now)
+        if self.send_pairs(id, &pairs, avoid, dedup, now)
             && self
                 .inflight
                 .get(&id)

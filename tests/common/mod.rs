@@ -1,5 +1,6 @@
 //! Running the real `expertmesh` binary from the CLI integration tests: one helper shared by
-//! every test file that drives the binary as a user would.
+//! every test file that drives the binary as a user would; and the small helpers the fabric
+//! tests share (a client runtime, f32 bits for bit-for-bit comparisons).
 #![allow(dead_code)] // each test file uses a subset
 
 use std::path::PathBuf;
@@ -43,4 +44,17 @@ pub(crate) fn run(args: &[&str]) -> Run {
         );
     }
     r
+}
+
+/// A current-thread runtime for a test's `RouterClient` calls.
+pub(crate) fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// The bits of `v`, to compare outputs bit for bit.
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }

@@ -189,10 +189,12 @@ impl Deployment {
     /// `mesh_port` (the first node's control port when the file has no router section).
     pub fn router_mesh_endpoint(&self, instance: u32) -> anyhow::Result<SocketAddr> {
         self.check_router_instance(instance)?;
-        let (idx, port) = match self.topology.routers().get(instance as usize) {
-            Some(r) => (r.node_index(), Some(r.mesh_port())),
-            None => (0, None),
-        };
+        let idx = self.router_node(instance);
+        let port = self
+            .topology
+            .routers()
+            .get(instance as usize)
+            .map(|r| r.mesh_port());
         let node = self
             .topology
             .nodes()
@@ -240,16 +242,16 @@ impl Deployment {
             .iter()
             .filter(|d| d.node_index() == node)
             .count();
-        let router_nodes: Vec<usize> = if self.topology.routers().is_empty() {
-            vec![0]
-        } else {
-            self.topology
-                .routers()
-                .iter()
-                .map(|r| r.node_index())
-                .collect()
-        };
-        devices >= 2 && router_nodes.iter().any(|&n| n != node)
+        devices >= 2 && (0..self.router_count()).any(|i| self.router_node(i) != node)
+    }
+
+    /// The node router `instance` runs on (the first node when the file has no router
+    /// section).
+    pub fn router_node(&self, instance: u32) -> usize {
+        self.topology
+            .routers()
+            .get(instance as usize)
+            .map_or(0, |r| r.node_index())
     }
 
     /// Mesh ranks of the other devices on device `d`'s node when that node fans out
@@ -376,11 +378,7 @@ impl Deployment {
         let mut r = Replicas::new(world);
         for i in 0..r_count {
             r.alive[i] = false;
-            r.node[i] = self
-                .topology
-                .routers()
-                .get(i)
-                .map_or(0, |rs| rs.node_index() as u32);
+            r.node[i] = self.router_node(i as u32) as u32;
         }
         for (i, d) in self.topology.devices().iter().enumerate() {
             r.node[r_count + i] = d.node_index() as u32;

@@ -147,6 +147,20 @@ struct Pending {
     waiting: usize,
 }
 
+impl Pending {
+    /// The error frame that fails this dispatch at its router.
+    fn error(&self, code: ErrorCode, message: String) -> ToRouter {
+        ToRouter {
+            router: self.router,
+            frame: OutFrame::new(Body::Error(ErrorFrame {
+                request_id: self.batch_id,
+                code,
+                message,
+            })),
+        }
+    }
+}
+
 /// What to do with a forwarded dispatch: run `local` here (then hand its result to
 /// [`NodeFanout::on_local`]) and send each of `remote` to its rank.
 #[derive(Debug)]
@@ -317,14 +331,15 @@ impl NodeFanout {
             .collect()
     }
 
-    /// This device's share of pending `key` ran: its result rows (f32).
-    pub fn on_local(&mut self, key: u64, rows: Vec<f32>) -> Option<ToRouter> {
-        let p = self.pending.get_mut(&key)?;
-        let s = p.shares.iter_mut().find(|s| s.rank.is_none())?;
-        if s.rows.replace(rows).is_none() {
-            p.waiting -= 1;
-        }
-        self.finish_if_done(key)
+    /// This device's share of pending `key` ran: its result frame.
+    pub fn on_local(&mut self, key: u64, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
+        let share = self
+            .pending
+            .get(&key)?
+            .shares
+            .iter()
+            .position(|s| s.rank.is_none())?;
+        self.answer(key, share, None, res, payload)
     }
 
     /// This device's share of pending `key` failed: the router gets the error.
@@ -336,20 +351,30 @@ impl NodeFanout {
     /// failure or timeout) are ignored.
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
         let (key, share) = self.subs.remove(&res.batch_id)?;
+        self.answer(key, share, Some(from), res, payload)
+    }
+
+    /// Share `share` of pending `key` answered (by peer `from`, or by this device): its rows
+    /// are kept, or the dispatch fails when the answer does not fit the share.
+    fn answer(
+        &mut self,
+        key: u64,
+        share: usize,
+        from: Option<u32>,
+        res: &ExpertResult,
+        payload: &[u8],
+    ) -> Option<ToRouter> {
         let hidden = self.hidden;
         let p = self.pending.get_mut(&key)?;
         let s = p.shares.get_mut(share)?;
-        let n = s.targets.len() * hidden;
-        let mut rows = vec![0f32; n];
-        let ok = s.rank == Some(from)
+        let mut rows = vec![0f32; s.targets.len() * hidden];
+        let ok = s.rank == from
             && res.rows as usize == s.targets.len()
             && res.hidden as usize == hidden
             && dtype::decode_output(res.dtype, payload, &mut rows).is_ok();
         if !ok {
-            let msg = format!(
-                "{} answered a forwarded share with a result of the wrong shape",
-                self.homes.name(from)
-            );
+            let who = from.map_or_else(|| "this device".to_owned(), |r| self.homes.name(r));
+            let msg = format!("{who} answered a forwarded share with a result of the wrong shape");
             return self.fail(key, ErrorCode::Internal, msg);
         }
         if s.rows.replace(rows).is_none() {
@@ -428,14 +453,7 @@ impl NodeFanout {
     fn fail(&mut self, key: u64, code: ErrorCode, message: String) -> Option<ToRouter> {
         let p = self.pending.remove(&key)?;
         self.subs.retain(|_, (k, _)| *k != key);
-        Some(ToRouter {
-            router: p.router,
-            frame: OutFrame::new(Body::Error(ErrorFrame {
-                request_id: p.batch_id,
-                code,
-                message,
-            })),
-        })
+        Some(p.error(code, message))
     }
 
     fn finish_if_done(&mut self, key: u64) -> Option<ToRouter> {
@@ -457,14 +475,8 @@ impl NodeFanout {
         }
         let mut bytes = vec![0u8; out.len() * p.dtype.elem_bytes()];
         if let Err(e) = dtype::encode_output(p.dtype, &out, &mut bytes) {
-            return Some(ToRouter {
-                router: p.router,
-                frame: OutFrame::new(Body::Error(ErrorFrame {
-                    request_id: p.batch_id,
-                    code: ErrorCode::Internal,
-                    message: format!("assembling a forwarded result: {e}"),
-                })),
-            });
+            let msg = format!("assembling a forwarded result: {e}");
+            return Some(p.error(ErrorCode::Internal, msg));
         }
         let res = ExpertResult {
             batch_id: p.batch_id,
@@ -494,16 +506,22 @@ fn sub_dispatch(
     // dtype (bf16 rows are rounded per row: the same bits, and a share never outgrows the
     // answer's frame); pre-combined rows are summed here first, so they come in f32.
     let mut sub = Dispatch {
-        expert_counts: Vec::new(),
-        experts: Vec::new(),
-        weights: Vec::new(),
+        batch_id: d.batch_id,
+        layer: d.layer,
+        part: d.part,
         tokens: 0,
+        hidden: d.hidden,
+        dtype: d.dtype,
+        mode: d.mode,
+        layout: d.layout,
         result_dtype: if per_slot {
             d.result_dtype
         } else {
             OutputDtype::F32
         },
-        ..d.clone()
+        expert_counts: Vec::new(),
+        experts: Vec::new(),
+        weights: Vec::new(),
     };
     let mut rows = Vec::new();
     let mut targets = Vec::new();
@@ -635,7 +653,8 @@ mod tests {
         assert_eq!(ranks, [5, 7], "expert 4 skips dead peer 6");
         let (sub, sub_payload) = fwd.local.as_ref().unwrap();
         assert_eq!(sub.experts, [0, 1]);
-        assert!(f.on_local(fwd.key, run_share(sub, sub_payload)).is_none());
+        let (res, bytes) = result_frame(sub, &run_share(sub, sub_payload));
+        assert!(f.on_local(fwd.key, &res, &bytes).is_none());
         let mut last = None;
         for (r, frame) in fwd.remote.iter().rev() {
             let Body::Dispatch(sd) = &frame.body else {

@@ -22,8 +22,7 @@ use crate::weights;
 use anyhow::{Context, anyhow, bail};
 use expertmesh_backend::{BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_transport::codec::{Body, ErrorCode, ErrorFrame, ExpertResult};
-use expertmesh_transport::dtype;
+use expertmesh_transport::codec::{Body, ErrorFrame, ExpertResult};
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, RecvFrame, Transport, TransportEvent,
 };
@@ -424,24 +423,13 @@ impl ComputeCtx {
         let Some((sub, payload)) = local else {
             return;
         };
-        let out = match self.exec.execute(&sub, &payload) {
-            Ok((res, bytes)) => {
-                let mut rows = vec![0f32; res.rows as usize * res.hidden as usize];
-                match dtype::decode_output(res.dtype, &bytes, &mut rows) {
-                    Ok(()) => self.fanout.as_mut().and_then(|f| f.on_local(key, rows)),
-                    Err(e) => self.fanout.as_mut().and_then(|f| {
-                        f.on_local_error(
-                            key,
-                            ExecError {
-                                code: ErrorCode::Internal,
-                                message: format!("decoding this device's share: {e}"),
-                            },
-                        )
-                    }),
-                }
-            }
-            Err(e) => self.fanout.as_mut().and_then(|f| f.on_local_error(key, e)),
-        };
+        let out = self
+            .fanout
+            .as_mut()
+            .and_then(|f| match self.exec.execute(&sub, &payload) {
+                Ok((res, bytes)) => f.on_local(key, &res, &bytes),
+                Err(e) => f.on_local_error(key, e),
+            });
         self.to_routers(out);
     }
 
