@@ -665,7 +665,7 @@ impl CoreLoop {
                     ),
                 }
             }
-            TransportEvent::PeerUp { peer, link } => {
+            TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
                 self.core.on_peer_up(peer);
                 // Published at once: a launcher waits for this before it counts a restarted

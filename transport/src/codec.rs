@@ -37,7 +37,7 @@ use std::ops::Range;
 /// Magic number at the start of every frame ("EMMF" as little-endian bytes).
 pub const MAGIC: u32 = 0x464D_4D45;
 /// Version of the frame format; a peer with another version is refused at the handshake.
-pub const FORMAT_VERSION: u8 = 1;
+pub const FORMAT_VERSION: u8 = 2;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 32;
 /// Smallest maximum frame size a configuration may ask for.
@@ -592,7 +592,17 @@ pub struct Hello {
     pub nonce: [u8; NONCE_BYTES],
     /// Driver-specific attachment (shared-memory ring path, RDMA queue pair info).
     pub attachment: Vec<u8>,
+    /// The sender process's incarnation: random per process start, so a restarted router or
+    /// worker is told apart from its previous life (0 for frontends).
+    pub incarnation: u64,
+    /// What the sender serves: a digest of model, weights and the experts its rank holds
+    /// (all zeros for frontends). Peers refuse a rank whose fingerprint differs from theirs
+    /// for it.
+    pub fingerprint: [u8; FINGERPRINT_BYTES],
 }
+
+/// Bytes of a hello's weights-and-placement fingerprint (a SHA-256 digest).
+pub const FINGERPRINT_BYTES: usize = 32;
 
 /// The rank a frontend client announces in its hello.
 pub const CLIENT_RANK: u32 = u32::MAX;
@@ -974,7 +984,18 @@ impl Body {
     pub fn meta_len(&self) -> usize {
         match self {
             Self::Hello(h) => {
-                1 + 1 + 2 + 4 + 4 + 8 + NONCE_BYTES + 1 + h.cluster.len() + 2 + h.attachment.len()
+                1 + 1
+                    + 2
+                    + 4
+                    + 4
+                    + 8
+                    + NONCE_BYTES
+                    + 1
+                    + h.cluster.len()
+                    + 2
+                    + h.attachment.len()
+                    + 8
+                    + FINGERPRINT_BYTES
             }
             Self::Auth(a) => 1 + if a.mac.is_some() { NONCE_BYTES } else { 0 },
             Self::Dispatch(d) => {
@@ -1003,6 +1024,8 @@ impl Body {
                 out.extend_from_slice(h.cluster.as_bytes());
                 out.extend_from_slice(&(h.attachment.len() as u16).to_le_bytes());
                 out.extend_from_slice(&h.attachment);
+                out.extend_from_slice(&h.incarnation.to_le_bytes());
+                out.extend_from_slice(&h.fingerprint);
             }
             Self::Auth(a) => match &a.mac {
                 Some(m) => {
@@ -1130,6 +1153,8 @@ fn decode_hello(c: &mut Cursor<'_>) -> Result<Hello, CodecError> {
         ));
     }
     let attachment = c.take(att_len, "attachment")?.to_vec();
+    let incarnation = c.u64("incarnation")?;
+    let fingerprint = c.array32("fingerprint")?;
     Ok(Hello {
         format_version,
         cluster,
@@ -1139,6 +1164,8 @@ fn decode_hello(c: &mut Cursor<'_>) -> Result<Hello, CodecError> {
         auth_required: auth == 1,
         nonce,
         attachment,
+        incarnation,
+        fingerprint,
     })
 }
 

@@ -626,6 +626,17 @@ pub(crate) struct NewLink {
     pub(crate) recv_window: u64,
 }
 
+/// This process's incarnation: drawn once, at random, nonzero. Every mesh of the process
+/// announces it in its hellos unless its configuration sets another, so peers tell a
+/// restarted process from its previous life.
+pub fn process_incarnation() -> u64 {
+    static INCARNATION: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *INCARNATION.get_or_init(|| {
+        let n = nonce();
+        u64::from_le_bytes(n[..8].try_into().expect("8 bytes")).max(1)
+    })
+}
+
 /// Fresh random bytes for a hello nonce (also names shared-memory rings and seeds RDMA PSNs).
 pub(crate) fn nonce() -> [u8; 32] {
     let mut n = [0u8; 32];

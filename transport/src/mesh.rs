@@ -37,6 +37,7 @@ use crate::codec::{HEADER_LEN, PAYLOAD_ALIGN};
 use crate::link::{Link, LinkOwner, NewLink};
 pub use crate::link::{
     LinkKind, OutFrame, PeerError, PeerErrorKind, PeerStats, Rank, RecvFrame, credit_cost,
+    process_incarnation,
 };
 use crate::protocol::{ProtocolConfig, ProtocolError};
 use crate::setup::{self, Established, SetupEnv};
@@ -151,6 +152,8 @@ pub enum TransportEvent {
         peer: Rank,
         /// Its link kind.
         link: LinkKind,
+        /// The peer process's incarnation (changes when the peer restarts).
+        incarnation: u64,
     },
     /// A link to a peer failed; sends to it fail until it is back.
     PeerLost(PeerError),
@@ -213,6 +216,7 @@ impl MeshInner {
     fn install(self: &Arc<Self>, new: NewLink) -> Arc<Link> {
         let rank = new.peer.rank;
         let kind = new.kind;
+        let incarnation = new.peer.incarnation;
         let owner: std::sync::Weak<dyn LinkOwner> = Arc::downgrade(self) as _;
         let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner));
         let old = {
@@ -227,10 +231,16 @@ impl MeshInner {
         }
         let ctl = tokio::spawn(Arc::clone(&link).control_loop());
         link.add_task(ctl.abort_handle());
-        tracing::info!(peer = rank, link = kind.name(), "link established");
+        tracing::info!(
+            peer = rank,
+            link = kind.name(),
+            incarnation = format_args!("{incarnation:016x}"),
+            "link established"
+        );
         self.notify(TransportEvent::PeerUp {
             peer: rank,
             link: kind,
+            incarnation,
         });
         link
     }
@@ -376,7 +386,11 @@ impl Mesh {
         }
         let event_capacity = event_queue_capacity(&cfg);
         let (tx, rx) = mpsc::channel(event_capacity);
-        let proto_cfg = Arc::new(cfg.protocol.clone());
+        let mut proto = cfg.protocol.clone();
+        if proto.incarnation == 0 {
+            proto.incarnation = crate::link::process_incarnation();
+        }
+        let proto_cfg = Arc::new(proto);
         let setup = SetupEnv {
             proto: Arc::clone(&proto_cfg),
             shm: cfg.shm.clone(),

@@ -12,8 +12,11 @@
 //! # Handshake
 //!
 //! Both ends send [`Hello`] at once (cluster name, rank, format version, receive window, a fresh
-//! 32-byte nonce, whether they require authentication, a driver attachment). On the peer's
-//! hello each end checks cluster, version and rank, then answers with [`Auth`]: with a shared
+//! 32-byte nonce, whether they require authentication, a driver attachment, the sender
+//! process's incarnation and the fingerprint of what its rank serves). On the peer's hello each
+//! end checks cluster, version, rank and (when [`ProtocolConfig::peer_fingerprints`] is set)
+//! that the peer serves the model, weights and experts expected of its rank, then answers with
+//! [`Auth`]: with a shared
 //! secret, `HMAC-SHA256(secret, "expertmesh-auth-v1" ‖ cluster ‖ peer_nonce ‖ own_nonce ‖
 //! own_rank)`; without one, an empty answer. The connection is established when the peer's answer
 //! verifies. A refusal is sent as an [`ErrorFrame`] with [`ErrorCode::AuthFailed`] (or
@@ -52,7 +55,7 @@
 
 use crate::codec::{
     Auth, Body, CLIENT_RANK, CodecConfig, CodecError, Credit, ErrorCode, ErrorFrame,
-    FORMAT_VERSION, FrameKind, Heartbeat, Hello, NONCE_BYTES,
+    FINGERPRINT_BYTES, FORMAT_VERSION, FrameKind, Heartbeat, Hello, NONCE_BYTES,
 };
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
@@ -155,6 +158,13 @@ pub struct ProtocolConfig {
     pub accept_clients: bool,
     /// Frame codec settings.
     pub codec: CodecConfig,
+    /// This process's incarnation, sent in the hello (random per start; 0 for frontends).
+    pub incarnation: u64,
+    /// What this rank serves (model, weights and its experts), sent in the hello.
+    pub fingerprint: [u8; FINGERPRINT_BYTES],
+    /// The fingerprint each rank must announce, indexed by rank (`None`: not checked). A
+    /// peer whose hello differs is refused with [`ProtocolError::FingerprintMismatch`].
+    pub peer_fingerprints: Option<Arc<[[u8; FINGERPRINT_BYTES]]>>,
 }
 
 impl std::fmt::Debug for ProtocolConfig {
@@ -170,6 +180,12 @@ impl std::fmt::Debug for ProtocolConfig {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("accept_clients", &self.accept_clients)
             .field("codec", &self.codec)
+            .field("incarnation", &self.incarnation)
+            .field("fingerprint", &short_hex(&self.fingerprint))
+            .field(
+                "peer_fingerprints",
+                &self.peer_fingerprints.as_ref().map(|t| t.len()),
+            )
             .finish()
     }
 }
@@ -189,6 +205,9 @@ impl ProtocolConfig {
             handshake_timeout: Duration::from_secs(5),
             accept_clients: false,
             codec: CodecConfig::default(),
+            incarnation: 0,
+            fingerprint: [0; FINGERPRINT_BYTES],
+            peer_fingerprints: None,
         }
     }
 
@@ -224,6 +243,13 @@ pub struct PeerInfo {
     pub recv_window_bytes: u64,
     /// The peer's driver attachment.
     pub attachment: Vec<u8>,
+    /// The peer process's incarnation (random per start).
+    pub incarnation: u64,
+}
+
+/// The first bytes of a fingerprint in hex, for messages and logs.
+pub fn short_hex(fp: &[u8; FINGERPRINT_BYTES]) -> String {
+    fp[..6].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Why a connection was closed by the protocol.
@@ -272,6 +298,19 @@ pub enum ProtocolError {
     /// Authentication failed.
     #[error("authentication failed: {0}")]
     AuthFailed(String),
+    /// The peer serves other weights, another model or another placement than this node
+    /// expects of its rank.
+    #[error(
+        "rank {rank} serves other weights or another placement (fingerprint {theirs}…, expected {expected}…); start it with the same model, weights and placement files as the rest of the cluster"
+    )]
+    FingerprintMismatch {
+        /// The peer's rank.
+        rank: u32,
+        /// The first bytes of the fingerprint it announced, hex.
+        theirs: String,
+        /// The first bytes of the fingerprint expected for that rank, hex.
+        expected: String,
+    },
     /// The peer refused us with an error frame during the handshake.
     #[error("peer refused the connection ({code:?}): {message}")]
     Refused {
@@ -464,6 +503,8 @@ impl Connection {
             auth_required: cfg.secret.is_some(),
             nonce,
             attachment,
+            incarnation: cfg.incarnation,
+            fingerprint: cfg.fingerprint,
         });
         let mut transmit = VecDeque::with_capacity(8);
         transmit.push_back(hello);
@@ -679,11 +720,23 @@ impl Connection {
                 true,
             ));
         }
+        if let Some(table) = &self.cfg.peer_fingerprints
+            && let Some(expected) = table.get(h.rank as usize)
+            && *expected != h.fingerprint
+        {
+            let e = ProtocolError::FingerprintMismatch {
+                rank: h.rank,
+                theirs: short_hex(&h.fingerprint),
+                expected: short_hex(expected),
+            };
+            return Err(self.fail(e, true));
+        }
         self.peer_nonce = h.nonce;
         self.peer = Some(PeerInfo {
             rank: h.rank,
             recv_window_bytes: h.recv_window_bytes,
             attachment: h.attachment.clone(),
+            incarnation: h.incarnation,
         });
         let mac = self.cfg.secret.as_ref().map(|s| {
             auth_mac(
@@ -1016,11 +1069,54 @@ mod tests {
             Event::Established(PeerInfo {
                 rank: 1,
                 recv_window_bytes: 1 << 20,
-                attachment: vec![7]
+                attachment: vec![7],
+                incarnation: 0,
             })
         );
         assert!(matches!(b.poll_event(), Some(Event::Established(p)) if p.rank == 0));
         assert_eq!(a.send_credit(), 1 << 20);
+    }
+
+    /// Ends whose fingerprint tables say what every rank serves: rank `r` announces
+    /// `[r + own_offset; 32]`, and each end expects `[r; 32]` of rank `r`.
+    fn fingerprinted(rank: u32, own_offset: u8, incarnation: u64) -> Arc<ProtocolConfig> {
+        let mut c = (*cfg(rank, Some(b"s"))).clone();
+        c.fingerprint = [rank as u8 + own_offset; 32];
+        c.incarnation = incarnation;
+        c.peer_fingerprints = Some((0..4u8).map(|r| [r; 32]).collect());
+        Arc::new(c)
+    }
+
+    #[test]
+    fn matching_fingerprints_establish_and_carry_the_incarnation() {
+        let now = Instant::now();
+        let mut a = Connection::new(fingerprinted(0, 0, 11), Some(1), [1; 32], vec![], now);
+        let mut b = Connection::new(fingerprinted(1, 0, 22), None, [2; 32], vec![], now);
+        pump(&mut a, &mut b, now).unwrap();
+        assert!(matches!(a.poll_event(), Some(Event::Established(p)) if p.incarnation == 22));
+        assert!(matches!(b.poll_event(), Some(Event::Established(p)) if p.incarnation == 11));
+    }
+
+    #[test]
+    fn a_rank_serving_other_weights_is_refused_on_both_sides() {
+        let now = Instant::now();
+        // Rank 1 announces [2; 32] where everyone expects [1; 32] (another seed or placement).
+        let mut a = Connection::new(fingerprinted(0, 0, 1), Some(1), [1; 32], vec![], now);
+        let mut b = Connection::new(fingerprinted(1, 1, 2), None, [2; 32], vec![], now);
+        let r = pump(&mut a, &mut b, now);
+        assert!(r.is_err(), "a mismatched rank must not establish");
+        assert!(!a.is_established() && !b.is_established());
+        let ea = a.close_reason().expect("rank 0 closed").to_string();
+        assert!(ea.contains("rank 1 serves other weights"), "{ea}");
+        assert!(ea.contains("020202") && ea.contains("010101"), "{ea}");
+        // The refused side learns why from the refusal frame rank 0 queued.
+        let refusal = a.poll_transmit().expect("a refusal frame");
+        let Body::Error(e) = &refusal else {
+            panic!("expected an error frame, got {refusal:?}")
+        };
+        b.handle_frame(now, &refusal, 0).ok();
+        let eb = b.close_reason().expect("rank 1 closed").to_string();
+        assert!(eb.contains("serves other weights"), "{eb} / {}", e.message);
     }
 
     #[test]

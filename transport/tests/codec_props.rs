@@ -95,20 +95,25 @@ fn body() -> impl Strategy<Value = Body> {
             any::<u64>(),
             any::<bool>(),
             any::<[u8; 32]>(),
-            proptest::collection::vec(any::<u8>(), 0..64)
+            proptest::collection::vec(any::<u8>(), 0..64),
+            (any::<u64>(), any::<[u8; 32]>())
         )
-            .prop_map(|(cluster, rank, world_size, w, auth, nonce, attachment)| {
-                Body::Hello(Hello {
-                    format_version: FORMAT_VERSION,
-                    cluster,
-                    rank,
-                    world_size,
-                    recv_window_bytes: w,
-                    auth_required: auth,
-                    nonce,
-                    attachment,
-                })
-            }),
+            .prop_map(
+                |(cluster, rank, world_size, w, auth, nonce, attachment, (inc, fp))| {
+                    Body::Hello(Hello {
+                        format_version: FORMAT_VERSION,
+                        cluster,
+                        rank,
+                        world_size,
+                        recv_window_bytes: w,
+                        auth_required: auth,
+                        nonce,
+                        attachment,
+                        incarnation: inc,
+                        fingerprint: fp,
+                    })
+                }
+            ),
         proptest::option::of(any::<[u8; 32]>()).prop_map(|mac| Body::Auth(Auth { mac })),
         dispatch(),
         (

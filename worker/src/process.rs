@@ -334,7 +334,7 @@ impl ComputeCtx {
                 };
                 self.queue.push(from as usize, input);
             }
-            TransportEvent::PeerUp { peer, link } => {
+            TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
             }
             TransportEvent::PeerLost(e) => {
