@@ -8,6 +8,8 @@
 //! * [`client`] — `RouterClient`, what a serving frontend links.
 //! * [`core`] — the sans-IO router state machine: batching, dispatch, failover, combine.
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
+//! * [`health`] — device health: adaptive hedge timeouts and quarantine with probing.
+//! * [`metrics`] — Prometheus metrics of a router and the `/metrics` endpoint.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 //! * [`service`] — the router service: the I/O driver around the core.
@@ -15,6 +17,8 @@
 pub mod client;
 pub mod core;
 pub mod gating;
+pub mod metrics;
+pub mod health;
 pub mod plan;
 pub mod reference;
 pub mod service;

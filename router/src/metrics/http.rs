@@ -1,0 +1,300 @@
+//! The `/metrics` HTTP endpoint: a minimal, bounded responder for Prometheus scrapes.
+//!
+//! Why this exists: every process of the fabric (each router, each worker) exposes its
+//! Prometheus series over HTTP. The only request it must answer is `GET /metrics`, so instead
+//! of a web framework this is a small tokio responder on its own thread (its own
+//! current-thread runtime), so a scrape never takes time from the router's or worker's I/O
+//! runtime and a stuck scraper cannot hold anything the data path needs.
+//!
+//! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
+//! in the kernel's accept queue), a request head may be at most [`MAX_HEAD_BYTES`] and must
+//! arrive within [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
+//! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`
+//! or `/` is answered 404 or 405 with a line saying what is served.
+
+use prometheus_client::registry::Registry;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, Semaphore};
+
+/// Scrapes served at once.
+pub const MAX_CONNECTIONS: usize = 8;
+/// Largest request head (request line and headers) read.
+pub const MAX_HEAD_BYTES: usize = 8 << 10;
+/// How long a client may take to send its request head.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long writing one response may take.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Content type of the Prometheus text exposition format, version 0.0.4.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// Why the endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsServerError {
+    /// The listen address could not be bound.
+    #[error(
+        "cannot serve /metrics on {addr}: {source}; pick another --metrics address (port 0 picks a free one)"
+    )]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The responder's thread or runtime could not start.
+    #[error("cannot start the /metrics responder: {0}")]
+    Start(std::io::Error),
+}
+
+/// A running `/metrics` endpoint. Dropping it stops the responder and closes the port.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<Notify>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl MetricsServer {
+    /// Bind `listen` (port 0 picks a free port) and serve `registry` on `GET /metrics` from a
+    /// thread of its own until dropped.
+    pub fn start(listen: SocketAddr, registry: Registry) -> Result<Self, MetricsServerError> {
+        let bind = |source| MetricsServerError::Bind {
+            addr: listen,
+            source,
+        };
+        let std_listener = std::net::TcpListener::bind(listen).map_err(bind)?;
+        std_listener.set_nonblocking(true).map_err(bind)?;
+        let addr = std_listener.local_addr().map_err(bind)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(MetricsServerError::Start)?;
+        let stop = Arc::new(Notify::new());
+        let stop_rx = Arc::clone(&stop);
+        let registry = Arc::new(registry);
+        let thread = std::thread::Builder::new()
+            .name("metrics-http".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(std_listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the /metrics responder could not start");
+                            return;
+                        }
+                    };
+                    tokio::select! {
+                        () = stop_rx.notified() => {}
+                        () = accept_loop(listener, registry) => {}
+                    }
+                });
+            })
+            .map_err(MetricsServerError::Start)?;
+        Ok(Self {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on (with the port chosen when 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The scrape URL, `http://ADDR/metrics`.
+    pub fn url(&self) -> String {
+        format!("http://{}/metrics", self.addr)
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once.
+async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Registry>) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "accepting a /metrics connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let registry = Arc::clone(&registry);
+        tokio::spawn(async move {
+            serve_one(stream, &registry).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Read one request head and answer it; the connection closes afterwards.
+async fn serve_one(mut stream: tokio::net::TcpStream, registry: &Registry) {
+    let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
+        Ok(Some(h)) => h,
+        _ => return,
+    };
+    let (status, body) = answer(&head, registry);
+    let head_only = head.starts_with(b"HEAD ");
+    let content_type = if status == 200 && body_is_metrics(&head) {
+        CONTENT_TYPE
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    let mut out = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        reason(status),
+        body.len()
+    )
+    .into_bytes();
+    if !head_only {
+        out.extend_from_slice(body.as_bytes());
+    }
+    let write = async {
+        stream.write_all(&out).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+}
+
+/// The request head (up to the blank line), or `None` when the client closed first or sent
+/// more than [`MAX_HEAD_BYTES`] without ending it.
+async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.windows(2).any(|w| w == b"\n\n") {
+            return Some(buf);
+        }
+        if buf.len() > MAX_HEAD_BYTES {
+            return None;
+        }
+    }
+}
+
+/// The request's method and path.
+fn request_line(head: &[u8]) -> (&str, &str) {
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = std::str::from_utf8(line).unwrap_or_default();
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or_default();
+    let target = parts.next().unwrap_or_default();
+    (method, target.split('?').next().unwrap_or_default())
+}
+
+fn body_is_metrics(head: &[u8]) -> bool {
+    request_line(head).1 == "/metrics"
+}
+
+/// Status and body for a request head.
+fn answer(head: &[u8], registry: &Registry) -> (u16, String) {
+    let (method, path) = request_line(head);
+    if method != "GET" && method != "HEAD" {
+        return (405, "only GET /metrics is served here\n".into());
+    }
+    match path {
+        "/metrics" => {
+            let mut text = String::with_capacity(64 << 10);
+            match prometheus_client::encoding::prometheus_text::encode(&mut text, registry) {
+                Ok(()) => (200, text),
+                Err(_) => (500, "encoding the metrics failed\n".into()),
+            }
+        }
+        "/" => (
+            200,
+            "expertmesh: Prometheus metrics at /metrics\n".to_owned(),
+        ),
+        _ => (404, format!("no {path} here; metrics are at /metrics\n")),
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Internal Server Error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+    use std::io::{Read, Write};
+
+    fn get(addr: SocketAddr, request: &str) -> String {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn serves_the_registry_and_refuses_the_rest() {
+        let mut registry = Registry::default();
+        let c: Counter = Counter::default();
+        registry.register("expertmesh_test_things", "Things seen", c.clone());
+        c.inc_by(7);
+        let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), registry).unwrap();
+        let addr = server.local_addr();
+        assert_ne!(addr.port(), 0);
+        let ok = get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("version=0.0.4"), "{ok}");
+        assert!(ok.contains("\nexpertmesh_test_things_total 7\n"), "{ok}");
+        let missing = get(addr, "GET /nope HTTP/1.1\r\n\r\n");
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let post = get(addr, "POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        // A client that never finishes its head does not block the next scrape.
+        let _idle = std::net::TcpStream::connect(addr).unwrap();
+        let again = get(addr, "GET /metrics HTTP/1.0\r\n\r\n");
+        assert!(again.contains("expertmesh_test_things_total 7"), "{again}");
+        drop(server);
+        assert!(std::net::TcpStream::connect(addr).is_err());
+    }
+
+    #[test]
+    fn a_busy_port_is_a_clear_error() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let e = MetricsServer::start(addr, Registry::default()).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&addr.to_string()) && msg.contains("--metrics"),
+            "{msg}"
+        );
+    }
+}
