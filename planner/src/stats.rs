@@ -271,14 +271,38 @@ impl LoadStats {
 
     /// Write JSON (`.json`) or CSV (any other extension).
     pub fn write(&self, path: &Path, model: &ModelSpec) -> std::io::Result<()> {
-        let text = if path.extension().is_some_and(|e| e == "json") {
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(self.text_for(path, model).as_bytes())?;
+        f.sync_all()
+    }
+
+    /// Write like [`LoadStats::write`], atomically: into a temporary file beside `path`, then
+    /// renamed over it, so a reader (`expertmesh plan --load`) never sees a half-written file
+    /// while a router refreshes it.
+    pub fn write_atomic(&self, path: &Path, model: &ModelSpec) -> std::io::Result<()> {
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(path.file_name().unwrap_or(std::ffi::OsStr::new("load")));
+        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let written = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(self.text_for(path, model).as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
+    }
+
+    /// The file's text in the format `path`'s extension asks for (JSON for `.json`, else CSV).
+    fn text_for(&self, path: &Path, model: &ModelSpec) -> String {
+        if path.extension().is_some_and(|e| e == "json") {
             self.to_json(model)
         } else {
             self.to_csv(model)
-        };
-        let mut f = std::fs::File::create(path)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()
+        }
     }
 
     /// Set the number of tokens in the window.
@@ -1159,6 +1183,34 @@ mod tests {
         assert_eq!(a.layers, b.layers);
         let c = LoadStats::load(&tmp("c.csv", &b.to_csv(&m)), &m).unwrap();
         assert_eq!(a.layers, c.layers);
+    }
+
+    #[test]
+    fn atomic_write_replaces_the_file_whole() {
+        let m = toy();
+        let dir = std::env::temp_dir().join(format!("em-stats-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["live.json", "live.csv"] {
+            let p = dir.join(name);
+            let mut c = vec![0.0; 16];
+            c[5] = 40.0;
+            let s = LoadStats::new(&m, vec![Some(c), None])
+                .unwrap()
+                .with_tokens(10.0);
+            s.write_atomic(&p, &m).unwrap();
+            let first = LoadStats::load(&p, &m).unwrap();
+            assert_eq!(first.layer(0).unwrap()[5], 40.0);
+            let s2 = LoadStats::new(&m, vec![Some(vec![1.0; 16]), None]).unwrap();
+            s2.write_atomic(&p, &m).unwrap();
+            assert_eq!(LoadStats::load(&p, &m).unwrap().layer(0).unwrap()[5], 1.0);
+        }
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
