@@ -41,15 +41,61 @@
 //!   is finished by the next call on the client, so the stream stays framed and nothing is
 //!   lost. Dropping a `wait` or `wait_into` future drops the handle it was given: the request is
 //!   abandoned as above. Dropping a `submit` (or `call`) future abandons its request, which may
-//!   or may not have been sent. (Client-side timeouts are thus fine but lose the answer; the
-//!   `deadline` argument makes the router itself give up and answer with
-//!   [`ErrorCode::DeadlineExceeded`].)
+//!   or may not have been sent.
 //! * **Progress.** There is no background task: the connection is read only while a `submit`,
 //!   `wait` or `call` of this client is awaited. Answers that arrive in between wait in the
-//!   socket (the router's per-connection limit bounds them).
+//!   socket (the router's per-connection limit bounds them). Reading and writing are
+//!   independent (`client/link.rs`): a write that the router does not take never keeps the
+//!   client from reading.
+//!
+//! # Deadlines
+//!
+//! Every request has a deadline on the client: the `deadline` argument, or
+//! [`ClientOptions::default_deadline`] when it is `None`. The router is told the `deadline`
+//! too (`None`: the router's own default applies there) and normally answers
+//! [`ErrorCode::DeadlineExceeded`] itself; but whatever the router does (it is stopped, cut off,
+//! or never answers), the client's `wait` returns [`ClientError::Deadline`] (whose
+//! [`code`](ClientError::code) is `DeadlineExceeded`) at the request's deadline, measured from
+//! its `submit`, plus the few milliseconds of a timer. `submit` itself gives up with the same
+//! error when the request could not be sent before its deadline. A request whose deadline
+//! passed is forgotten at once: its in-flight slot is free for the next request, and its late
+//! answer, if one comes, is discarded.
+//!
+//! # Keepalive
+//!
+//! While calls are outstanding, a router that has sent nothing for
+//! [`ClientOptions::keepalive_interval`] is probed (a request every router refuses at once from
+//! its connection's reader, without computing: `client/liveness.rs`); if it still sends nothing
+//! within [`ClientOptions::keepalive_timeout`] after the probe, it is given up as
+//! [`ClientError::Unresponsive`], which names the router and how long it was silent. So a
+//! stopped, hung or partitioned router is noticed at most `keepalive_interval +
+//! keepalive_timeout` (defaults 1 s + 2 s) after the last frame it sent or after the call
+//! started, whichever is later, whatever the calls' deadlines. A connection on which nothing is
+//! outstanding is not probed (there is no background task); its next call starts the clock.
+//!
+//! # Failover over several routers
+//!
+//! [`RouterClient::connect_any`] takes a list of router addresses (routers of one fabric, which
+//! share its expert pool and compute the same answers) and connects to the first that answers.
+//! When that router is lost (the connection closes or fails, the keepalive gives it up, or it
+//! sends something a router never sends), the client moves to the next router in the list
+//! (round robin, each tried with [`ClientOptions::connect_timeout`]; after a round in which none
+//! answered it waits a jittered backoff that doubles up to [`ClientOptions::max_backoff`]) and
+//! sends again, in order, every request that had no answer yet and whose handle is still held,
+//! with the rest of its deadline. Layer calls are idempotent, so a request answered twice is
+//! harmless, and the old connection is closed before anything is re-sent, so no late answer of
+//! the lost router can be taken for the new one's. A caller sees the answer, the router's
+//! refusal, or [`ClientError::Deadline`] when no router answered in time; never a hang. Answers
+//! that arrived before the loss stay valid. The client keeps each unanswered request's encoded
+//! payload for this (at most [`RouterClient::max_in_flight`] of them). With a single address,
+//! `connect_any` reconnects to that router (a restart) within the calls' deadlines.
+//! [`RouterClient::connect`] does not fail over: a lost connection fails every request in
+//! flight and every later call, as described under *Errors*.
 
+mod driver;
 mod encode;
 mod link;
+mod liveness;
 mod pending;
 #[cfg(test)]
 mod tests;
@@ -60,11 +106,13 @@ use encode::Layout;
 use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::{self, ActivationDtype};
 use expertmesh_transport::frontend::{ClientFrame, FrameConnection, FrontendConfig, FrontendError};
-use link::{Finished, Link};
-use pending::{Delivery, Pending, Take};
+use link::{Link, Payload};
+use liveness::{Keepalive, Reconnect};
+use pending::Pending;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Largest payload of a [`RouterClient::check_shape`] probe: it asks about at most this many
 /// bytes of fp8 activations, so the router decodes a few MiB at most.
@@ -106,6 +154,29 @@ pub enum ClientError {
     /// The router answered something that is not a response to this call.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The request's deadline passed on the client without an answer (whatever the router
+    /// did); [`ClientError::code`] is [`ErrorCode::DeadlineExceeded`].
+    #[error("request {request_id}: no answer within its deadline of {deadline:?}: {detail}")]
+    Deadline {
+        /// The request (0: it was never sent; the client waited for a free slot).
+        request_id: u64,
+        /// The deadline it was given.
+        deadline: Duration,
+        /// What the client was waiting on (the router's address, or why no router was
+        /// connected).
+        detail: String,
+    },
+    /// The router sent nothing while calls were outstanding and did not answer a keepalive
+    /// probe: the process is stopped or hung, or the network is cut.
+    #[error(
+        "router {router} sent nothing for {silent:?} while calls were outstanding and did not answer a keepalive probe (stopped, hung or unreachable)"
+    )]
+    Unresponsive {
+        /// The router's address.
+        router: SocketAddr,
+        /// How long it was silent.
+        silent: Duration,
+    },
 }
 
 impl From<FrontendError> for ClientError {
@@ -119,6 +190,7 @@ impl ClientError {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             ClientError::Server { code, .. } => Some(*code),
+            ClientError::Deadline { .. } => Some(ErrorCode::DeadlineExceeded),
             _ => None,
         }
     }
@@ -140,6 +212,19 @@ impl ClientError {
             ClientError::Input(m) => ClientError::Input(m.clone()),
             ClientError::Usage(m) => ClientError::Usage(m.clone()),
             ClientError::Protocol(m) => ClientError::Protocol(m.clone()),
+            ClientError::Deadline {
+                request_id,
+                deadline,
+                detail,
+            } => ClientError::Deadline {
+                request_id: *request_id,
+                deadline: *deadline,
+                detail: detail.clone(),
+            },
+            ClientError::Unresponsive { router, silent } => ClientError::Unresponsive {
+                router: *router,
+                silent: *silent,
+            },
         }
     }
 }
@@ -207,6 +292,8 @@ pub struct CallHandle {
     request_id: u64,
     tokens: usize,
     hidden: usize,
+    /// The request's deadline on the client.
+    deadline: Instant,
     /// The client's list of abandoned requests; `None` once the handle was redeemed.
     owner: Option<Abandoned>,
 }
@@ -266,17 +353,92 @@ fn lock(a: &Abandoned) -> std::sync::MutexGuard<'_, Vec<u64>> {
     a.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Default of [`ClientOptions::default_deadline`]: above the router's default deadline (10 s)
+/// and the longer ones fabrics are often configured with, so that a router that is alive
+/// answers first (a router that is not is noticed sooner by the keepalive).
+pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How a [`RouterClient`] bounds its waits: deadlines, keepalive, reconnects (see the
+/// [module docs](self)).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClientOptions {
+    /// The client-side deadline of a call given no `deadline`.
+    pub default_deadline: Duration,
+    /// Probe a router that has sent nothing for this long while calls are outstanding.
+    pub keepalive_interval: Duration,
+    /// Give up a router that sends nothing for this long after a probe.
+    pub keepalive_timeout: Duration,
+    /// Limit of one connect attempt (TCP connect and handshake) when failing over.
+    pub connect_timeout: Duration,
+    /// First backoff after a round of failed connect attempts (it doubles each round).
+    pub min_backoff: Duration,
+    /// Largest backoff between rounds of connect attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for ClientOptions {
+    /// Deadline [`DEFAULT_CALL_DEADLINE`], keepalive 1 s + 2 s, connect attempts of 1 s,
+    /// backoff from 50 ms up to 1 s.
+    fn default() -> Self {
+        Self {
+            default_deadline: DEFAULT_CALL_DEADLINE,
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(1),
+            min_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A request in flight, as the client tracks it until it is answered or its deadline passes.
+struct Call {
+    /// The request header (its `deadline_us` is the one given by the caller).
+    req: LayerRequest,
+    /// The payload: kept until answered on a failover client, until written otherwise.
+    payload: Option<Payload>,
+    /// The client-side deadline.
+    deadline: Instant,
+    /// The deadline the call was given.
+    budget: Duration,
+    /// Written on the current connection.
+    sent: bool,
+}
+
 /// A connection to the router service, with up to [`RouterClient::max_in_flight`] requests in
-/// flight (see the [module docs](self) for pipelining, errors and cancellation). Open several
-/// clients for concurrency across tasks: the methods take `&mut self`.
+/// flight (see the [module docs](self) for pipelining, errors, deadlines, keepalive and
+/// failover). Open several clients for concurrency across tasks: the methods take `&mut self`.
 pub struct RouterClient {
+    /// The routers this client may use (one for [`RouterClient::connect`]).
+    routers: Vec<SocketAddr>,
+    /// Whether a lost router is replaced ([`RouterClient::connect_any`]).
+    failover: bool,
+    /// Index in `routers` of the connected (or last connected) router.
+    current: usize,
+    cfg: FrontendConfig,
+    opts: ClientOptions,
     link: Link,
+    keepalive: Keepalive,
+    reconnect: Reconnect,
+    /// Why the last router was given up, while a failover client has none.
+    lost: Option<String>,
+    /// Times a failover client connected to a router after losing one.
+    failovers: u64,
     pending: Pending<Answer>,
+    /// Every request in flight (abandoned ones included), by id.
+    calls: HashMap<u64, Call>,
+    /// Requests to write on the current connection, in order.
+    to_send: VecDeque<u64>,
+    /// The request (or probe) whose frame is being written (0: raw bytes).
+    writing: Option<u64>,
     abandoned: Abandoned,
     /// The error that broke the connection; every later call returns it.
     broken: Option<ClientError>,
     max_in_flight: usize,
     next_id: u64,
+    /// Sequence of keepalive probes.
+    next_probe: u64,
     /// A request buffer kept for reuse.
     spare: Vec<u8>,
 }
@@ -284,32 +446,131 @@ pub struct RouterClient {
 impl std::fmt::Debug for RouterClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RouterClient")
+            .field("routers", &self.routers)
             .field("link", &self.link)
             .field("in_flight", &self.pending.in_flight())
             .field("ready", &self.pending.held())
             .field("max_in_flight", &self.max_in_flight)
+            .field("lost", &self.lost)
             .field("broken", &self.broken)
             .finish()
     }
 }
 
 impl RouterClient {
-    /// Connect (and authenticate, when `cfg` carries a secret).
+    /// Connect (and authenticate, when `cfg` carries a secret) to one router, with default
+    /// [`ClientOptions`]; no failover (see [`RouterClient::connect_any`]).
     pub async fn connect(addr: SocketAddr, cfg: &FrontendConfig) -> Result<Self, ClientError> {
-        Ok(Self {
-            link: Link::new(FrameConnection::connect(addr, cfg).await?),
+        Self::connect_with(addr, cfg, ClientOptions::default()).await
+    }
+
+    /// [`RouterClient::connect`] with options `opts`.
+    pub async fn connect_with(
+        addr: SocketAddr,
+        cfg: &FrontendConfig,
+        opts: ClientOptions,
+    ) -> Result<Self, ClientError> {
+        let conn = FrameConnection::connect(addr, cfg).await?;
+        Ok(Self::new(vec![addr], 0, false, cfg, opts, conn))
+    }
+
+    /// A client that fails over between `routers` (routers of one fabric; see the
+    /// [module docs](self)): it connects to the first that answers, trying them in order with
+    /// `opts.connect_timeout` each, and moves on to the next when the one it uses is lost.
+    /// Fails when the list is empty or none answered (the error names each address and why).
+    pub async fn connect_any(
+        routers: &[SocketAddr],
+        cfg: &FrontendConfig,
+        opts: ClientOptions,
+    ) -> Result<Self, ClientError> {
+        if routers.is_empty() {
+            return Err(ClientError::Usage("no router address to connect to".into()));
+        }
+        let mut failures = Vec::new();
+        for (i, &addr) in routers.iter().enumerate() {
+            match driver::connect_within(addr, cfg, opts.connect_timeout).await {
+                Ok(conn) => return Ok(Self::new(routers.to_vec(), i, true, cfg, opts, conn)),
+                Err(e) => failures.push(e),
+            }
+        }
+        if failures.len() == 1 {
+            return Err(failures.remove(0));
+        }
+        let all: Vec<String> = failures.iter().map(|e| e.to_string()).collect();
+        Err(ClientError::Transport(FrontendError::Io {
+            peer: routers[0],
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                format!("no router answered: {}", all.join("; ")),
+            ),
+        }))
+    }
+
+    fn new(
+        routers: Vec<SocketAddr>,
+        current: usize,
+        failover: bool,
+        cfg: &FrontendConfig,
+        opts: ClientOptions,
+        conn: FrameConnection,
+    ) -> Self {
+        let now = Instant::now();
+        let reconnect = Reconnect::new(routers.len(), current, opts.min_backoff, opts.max_backoff);
+        Self {
+            keepalive: Keepalive::new(opts.keepalive_interval, opts.keepalive_timeout, now),
+            reconnect,
+            routers,
+            failover,
+            current,
+            cfg: cfg.clone(),
+            opts,
+            link: Link::new(conn),
+            lost: None,
+            failovers: 0,
             pending: Pending::default(),
+            calls: HashMap::new(),
+            to_send: VecDeque::new(),
+            writing: None,
             abandoned: Abandoned::default(),
             broken: None,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             next_id: 1,
+            next_probe: 1,
             spare: Vec::new(),
-        })
+        }
     }
 
-    /// The router's address.
+    /// The address of the router in use (or last used, while a failover client has none).
     pub fn peer_addr(&self) -> SocketAddr {
-        self.link.peer()
+        self.routers[self.current]
+    }
+
+    /// The routers this client may use.
+    pub fn routers(&self) -> &[SocketAddr] {
+        &self.routers
+    }
+
+    /// How many times this client moved to a router after losing one.
+    pub fn failovers(&self) -> u64 {
+        self.failovers
+    }
+
+    /// The client's options.
+    pub fn options(&self) -> &ClientOptions {
+        &self.opts
+    }
+
+    /// Replace the client's options (deadlines of requests already submitted do not change).
+    pub fn set_options(&mut self, opts: ClientOptions) {
+        let now = Instant::now();
+        self.keepalive = Keepalive::new(opts.keepalive_interval, opts.keepalive_timeout, now);
+        self.reconnect = Reconnect::new(
+            self.routers.len(),
+            self.current,
+            opts.min_backoff,
+            opts.max_backoff,
+        );
+        self.opts = opts;
     }
 
     /// How many requests may be sent and unanswered at a time.
@@ -364,14 +625,16 @@ impl RouterClient {
 
     /// Send one MoE layer call and return without waiting for its answer: the hidden states `x`
     /// (`[tokens][hidden]`; `&[f32]`, `&Vec<f32>` or any [`HiddenStates`]), the router logits
-    /// `[tokens][experts]` when the frontend computed them, and the router-side `deadline`
-    /// (`None`: the router's default). Redeem the handle with [`RouterClient::wait`] or
+    /// `[tokens][experts]` when the frontend computed them, and the `deadline` (`None`: the
+    /// router's default on the router, [`ClientOptions::default_deadline`] on the client; see
+    /// the [module docs](self)). Redeem the handle with [`RouterClient::wait`] or
     /// [`RouterClient::wait_into`].
     ///
     /// Returns once the request is written to the connection. With
     /// [`RouterClient::max_in_flight`] requests unanswered, it first reads answers (keeping
     /// them for their handles) until one arrives. Errors: [`ClientError::Input`] for input that
-    /// cannot be encoded (nothing is sent), or the connection's error when it is broken.
+    /// cannot be encoded (nothing is sent), [`ClientError::Deadline`] when it could not be sent
+    /// in time, or the connection's error when it is broken.
     pub async fn submit<'a>(
         &mut self,
         layer: u32,
@@ -389,7 +652,7 @@ impl RouterClient {
         }
         let (t, d, e) = (layout.tokens, layout.dtype, layout.logit_experts);
         let req = raw_request(layer, t, hidden, d, e, deadline);
-        self.submit_payload(req, buf).await
+        self.submit_payload(req, buf, deadline).await
     }
 
     /// The output of the request behind `handle` (`[tokens][hidden]` f32), reading answers
@@ -449,7 +712,7 @@ impl RouterClient {
         let mut payload = self.take_buffer(bytes as usize);
         payload.fill(0xff); // fp8 NaN codes, NaN scales
         let req = raw_request(layer, t, hidden, dtype, 0, None);
-        let answer = match self.submit_payload(req, payload).await {
+        let answer = match self.submit_payload(req, payload, None).await {
             Ok(handle) => self.wait(handle).await,
             Err(e) => Err(e),
         };
@@ -499,18 +762,18 @@ impl RouterClient {
         let mut buf = self.take_buffer(payload.len());
         buf.copy_from_slice(payload);
         let req = raw_request(layer, tokens, hidden, dtype, logit_experts, deadline);
-        let handle = self.submit_payload(req, buf).await?;
+        let handle = self.submit_payload(req, buf, deadline).await?;
         self.wait(handle).await
     }
 
     /// Write raw bytes on the connection (tests of the router's handling of malformed frames).
     #[doc(hidden)]
     pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        self.make_idle().await?;
-        if self.link.start_write_raw(bytes.to_vec()).is_ok()
-            && let Some(f) = self.link.finish().await
-        {
-            self.absorb(f);
+        let until = Instant::now() + self.opts.default_deadline;
+        self.flush_writes(until).await?;
+        if self.link.write.start_write_raw(bytes.to_vec()).is_ok() {
+            self.writing = Some(0);
+            self.flush_writes(until).await?;
         }
         self.check_broken()
     }
@@ -558,208 +821,4 @@ fn decode_response(
     }
     dtype::decode_output(r.dtype, frame.payload(), out)
         .map_err(|e| ClientError::Protocol(e.to_string()))
-}
-
-// The connection driver: one frame read or written at a time, answers routed to `Pending`.
-impl RouterClient {
-    /// Send `req` (its id assigned here) with `payload`, once a slot is free; see
-    /// [`RouterClient::submit`].
-    async fn submit_payload(
-        &mut self,
-        mut req: LayerRequest,
-        payload: Vec<u8>,
-    ) -> Result<CallHandle, ClientError> {
-        if let Err(e) = self.make_room().await {
-            self.recycle(payload);
-            return Err(e);
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        req.request_id = id;
-        let inserted = self.pending.insert(id);
-        debug_assert!(inserted, "request ids are never reused");
-        // From here the handle owns the request: if this future is dropped, dropping the
-        // handle abandons it, and the write under way is finished by the next call.
-        let mut handle = CallHandle {
-            request_id: id,
-            tokens: req.tokens as usize,
-            hidden: req.hidden as usize,
-            owner: Some(self.abandoned.clone()),
-        };
-        if let Err(buf) = self.link.start_write(Body::LayerRequest(req), payload) {
-            // Unreachable: the link is idle after make_room.
-            self.recycle(buf);
-            self.break_with(ClientError::Protocol("the connection was busy".into()));
-        }
-        if let Some(f) = self.link.finish().await {
-            self.absorb(f);
-        }
-        match self.pending.take(id) {
-            Take::InFlight => Ok(handle),
-            // Only a failed write answers it this early (a frame too large to encode, or the
-            // connection broke).
-            Take::Ready(answer) => {
-                handle.redeem();
-                Err(answer.err().unwrap_or_else(|| {
-                    ClientError::Protocol(format!("request {id} was answered before it was sent"))
-                }))
-            }
-            Take::Unknown => Err(ClientError::Protocol(format!("request {id} was lost"))),
-        }
-    }
-
-    /// Wait until the link is idle and fewer than `max_in_flight` requests are in flight.
-    async fn make_room(&mut self) -> Result<(), ClientError> {
-        self.make_idle().await?;
-        while self.pending.in_flight() >= self.max_in_flight {
-            self.progress().await;
-            self.check_broken()?;
-        }
-        Ok(())
-    }
-
-    /// Finish an operation a cancelled call left under way.
-    async fn make_idle(&mut self) -> Result<(), ClientError> {
-        self.collect_abandoned();
-        if let Some(f) = self.link.finish().await {
-            self.absorb(f);
-        }
-        self.check_broken()
-    }
-
-    /// The answer for `handle`, reading frames until it arrives.
-    async fn wait_answer(&mut self, mut handle: CallHandle) -> Answer {
-        if !handle.belongs_to(&self.abandoned) {
-            return Err(ClientError::Usage(format!(
-                "request {} was submitted on another RouterClient; wait on that one",
-                handle.request_id
-            )));
-        }
-        let id = handle.request_id;
-        loop {
-            self.collect_abandoned();
-            match self.pending.take(id) {
-                Take::Ready(answer) => {
-                    handle.redeem();
-                    return answer;
-                }
-                Take::InFlight => {}
-                Take::Unknown => {
-                    handle.redeem();
-                    let m = format!("request {id} is not known on this connection");
-                    return Err(ClientError::Protocol(m));
-                }
-            }
-            // A broken connection has answered every request in flight.
-            self.check_broken()?;
-            self.progress().await;
-        }
-    }
-
-    /// One step: finish the operation under way, or read one frame.
-    async fn progress(&mut self) {
-        if !self.link.is_busy() && !self.link.start_read() {
-            return; // closed: `broken` says why
-        }
-        if let Some(f) = self.link.finish().await {
-            self.absorb(f);
-        }
-    }
-
-    /// Account for a finished operation.
-    fn absorb(&mut self, finished: Finished) {
-        match finished {
-            Finished::Wrote { buf, result } => {
-                self.recycle(buf);
-                if let Err(e) = result {
-                    self.fail_one_or_all(e);
-                }
-            }
-            Finished::Read(Ok(frame)) => self.route(frame),
-            Finished::Read(Err(e)) => self.fail_one_or_all(e),
-        }
-    }
-
-    /// A frame from the router: the answer to one request, or a sign the connection is broken.
-    fn route(&mut self, frame: ClientFrame) {
-        let (id, refusal) = match frame.body() {
-            Body::LayerResponse(r) => (r.request_id, None),
-            Body::Error(e) if e.request_id != 0 => (
-                e.request_id,
-                Some(ClientError::Server {
-                    request_id: e.request_id,
-                    code: e.code,
-                    message: e.message.clone(),
-                }),
-            ),
-            Body::Error(e) => {
-                tracing::warn!(peer = %self.link.peer(), code = ?e.code, message = %e.message,
-                    "the router reported an error that names no request");
-                return;
-            }
-            other => {
-                let m = format!("unexpected frame from the router: {other:?}");
-                self.break_with(ClientError::Protocol(m));
-                return;
-            }
-        };
-        self.deliver(id, refusal.map_or(Ok(frame), Err));
-    }
-
-    fn deliver(&mut self, id: u64, answer: Answer) {
-        if self.pending.answer(id, answer) == Delivery::Unknown {
-            tracing::debug!(request_id = id, "ignored an answer to no request in flight");
-        }
-    }
-
-    /// A failed read or write: when the stream is still framed and the error names a request
-    /// (a frame that could not be encoded or decoded), only that request fails; otherwise the
-    /// connection is broken.
-    fn fail_one_or_all(&mut self, e: FrontendError) {
-        match recoverable_request(&e) {
-            Some(id) => self.deliver(id, Err(ClientError::Transport(e))),
-            None => self.break_with(ClientError::Transport(e)),
-        }
-    }
-
-    /// The connection is unusable: close it and fail every request in flight with `e`.
-    fn break_with(&mut self, e: ClientError) {
-        if self.broken.is_some() {
-            return;
-        }
-        let peer = self.link.peer();
-        let failed = self.pending.fail_all(|_| Err(e.duplicate(peer)));
-        tracing::debug!(%peer, failed, error = %e, "router connection broken");
-        self.link.close();
-        self.broken = Some(e);
-    }
-
-    fn check_broken(&self) -> Result<(), ClientError> {
-        match &self.broken {
-            Some(e) => Err(e.duplicate(self.link.peer())),
-            None => Ok(()),
-        }
-    }
-
-    /// Forget the requests of dropped handles.
-    fn collect_abandoned(&mut self) {
-        let mut ids = lock(&self.abandoned);
-        for id in ids.drain(..) {
-            self.pending.abandon(id);
-        }
-    }
-
-    /// A zeroed buffer of `len` bytes (the kept one when there is one).
-    fn take_buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut b = std::mem::take(&mut self.spare);
-        b.clear();
-        b.resize(len, 0);
-        b
-    }
-
-    fn recycle(&mut self, buf: Vec<u8>) {
-        if buf.capacity() <= RETAIN_BUFFER_BYTES && buf.capacity() > self.spare.capacity() {
-            self.spare = buf;
-        }
-    }
 }

@@ -491,6 +491,17 @@ impl FrameWriter {
             .map_err(|source| FrontendError::Io { peer, source })
     }
 
+    /// Writes raw bytes as they are: for tests of how a server handles malformed frames.
+    #[doc(hidden)]
+    pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), FrontendError> {
+        use tokio::io::AsyncWriteExt;
+        let peer = self.peer;
+        self.write
+            .write_all(bytes)
+            .await
+            .map_err(|source| FrontendError::Io { peer, source })
+    }
+
     /// Writes an error frame for `request_id`.
     pub async fn write_error(
         &mut self,

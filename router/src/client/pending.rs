@@ -128,6 +128,30 @@ impl<T> Pending<T> {
         }
     }
 
+    /// Whether request `id` was answered with an answer for which `pred` holds (the answer
+    /// stays held).
+    pub(crate) fn answered_with(&self, id: u64, pred: impl FnOnce(&T) -> bool) -> bool {
+        matches!(self.slots.get(&id), Some(Slot::Answered(a)) if pred(a))
+    }
+
+    /// The connection was lost and the requests in flight will be sent again on another:
+    /// abandoned ones are forgotten (nobody waits for them; their slots are freed), and the
+    /// ids of the others, in increasing order, are returned (they stay in flight).
+    pub(crate) fn requeue(&mut self) -> Vec<u64> {
+        let before = self.slots.len();
+        self.slots
+            .retain(|_, s| !matches!(s, Slot::InFlight { abandoned: true }));
+        self.in_flight -= before - self.slots.len();
+        let mut ids: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| matches!(s, Slot::InFlight { .. }))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// The connection broke: every request in flight is answered with `fail(id)` (abandoned
     /// ones are forgotten); answers that came before are kept. Returns how many failed.
     pub(crate) fn fail_all(&mut self, mut fail: impl FnMut(u64) -> T) -> usize {
@@ -206,6 +230,25 @@ mod tests {
         assert_eq!(p.take(2), Take::Unknown);
         assert_eq!(p.take(3), Take::Ready(Err("closed")));
         assert_eq!(p.take(4), Take::Ready(Err("closed")));
+    }
+
+    #[test]
+    fn a_lost_connection_requeues_what_is_waited_for_and_frees_abandoned_slots() {
+        let mut p = Pending::default();
+        for id in 1..=4 {
+            p.insert(id);
+        }
+        p.answer(2, "b");
+        p.abandon(3);
+        assert!(p.answered_with(2, |a| *a == "b"));
+        assert!(!p.answered_with(1, |_| true));
+        assert_eq!(p.requeue(), vec![1, 4]);
+        assert_eq!((p.in_flight(), p.held()), (2, 1));
+        assert_eq!(p.answer(3, "late"), Delivery::Unknown, "forgotten");
+        assert_eq!(p.answer(4, "d"), Delivery::Held);
+        assert_eq!(p.take(2), Take::Ready("b"));
+        assert_eq!(p.take(4), Take::Ready("d"));
+        assert_eq!(p.take(1), Take::InFlight);
     }
 
     /// One step of a client's life: indices pick among the ids inserted so far.

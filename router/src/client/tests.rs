@@ -69,15 +69,36 @@ struct Req {
     x: Vec<f32>,
 }
 
+/// The next request, answering keepalive probes on the way as a router does (they are
+/// refused at once with `NotFound`).
 async fn read_req(conn: &mut FrameConnection) -> Option<Req> {
-    let f = conn.read_frame().await.ok()?;
-    let Body::LayerRequest(req) = f.body().clone() else {
-        panic!("expected a layer request, got {:?}", f.body());
-    };
+    loop {
+        let f = conn.read_frame().await.ok()?;
+        let Body::LayerRequest(req) = f.body().clone() else {
+            panic!("expected a layer request, got {:?}", f.body());
+        };
+        if req.layer == liveness::PROBE_LAYER {
+            let m = "past the model's last layer";
+            let _ = conn.write_frame(&refusal(req.request_id, m), &[]).await;
+            continue;
+        }
+        return Some(decode_req(req, f.payload()));
+    }
+}
+
+fn refusal(request_id: u64, message: &str) -> Body {
+    Body::Error(codec::ErrorFrame {
+        request_id,
+        code: ErrorCode::NotFound,
+        message: message.into(),
+    })
+}
+
+fn decode_req(req: LayerRequest, payload: &[u8]) -> Req {
     let (t, h) = (req.tokens as usize, req.hidden as usize);
     let mut x = vec![0f32; t * h];
-    dtype::decode_activations(req.dtype, t, h, &f.payload()[req.hidden_range()], &mut x).unwrap();
-    Some(Req { req, x })
+    dtype::decode_activations(req.dtype, t, h, &payload[req.hidden_range()], &mut x).unwrap();
+    Req { req, x }
 }
 
 /// The scripted router's answer: `2·x + layer`, or `NotFound` for [`BAD_LAYER`].
@@ -381,5 +402,249 @@ fn a_request_too_large_to_frame_fails_at_submit_and_the_connection_goes_on() {
         assert_eq!(c.in_flight(), 0, "nothing was sent");
         let x = input(2, 3);
         assert_eq!(c.call(2, &x, H, None, None).await.unwrap(), expected(&x, 2));
+    });
+}
+
+/// Fast keepalive settings for the tests: a silent router is given up after 300 ms.
+fn quick() -> ClientOptions {
+    ClientOptions {
+        keepalive_interval: Duration::from_millis(100),
+        keepalive_timeout: Duration::from_millis(200),
+        connect_timeout: Duration::from_millis(500),
+        min_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(100),
+        ..ClientOptions::default()
+    }
+}
+
+/// Reads requests (answering probes) and never answers them; closes after `hold`.
+async fn swallow(mut conn: FrameConnection, hold: Duration) {
+    let _ =
+        tokio::time::timeout(hold, async { while read_req(&mut conn).await.is_some() {} }).await;
+}
+
+/// Reads frames and answers nothing, not even probes (a stopped process: the kernel still
+/// takes the bytes).
+async fn frozen(mut conn: FrameConnection) {
+    while conn.read_frame().await.is_ok() {}
+}
+
+#[test]
+fn a_deadline_is_kept_by_the_client_whatever_the_router_does_and_frees_the_slot() {
+    run(async {
+        // The first request is answered 700 ms late; the rest at once.
+        let (addr, cfg) = serve(|mut conn| async move {
+            let Some(r1) = read_req(&mut conn).await else {
+                return;
+            };
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            answer(&mut conn, &r1).await;
+            while let Some(r) = read_req(&mut conn).await {
+                answer(&mut conn, &r).await;
+            }
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        c.set_max_in_flight(1);
+        let x = input(1, 2);
+        let t0 = std::time::Instant::now();
+        let e = c
+            .call(1, &x, H, None, Some(Duration::from_millis(200)))
+            .await
+            .unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
+        assert!(
+            matches!(e, ClientError::Deadline { request_id: 1, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains(&addr.to_string()),
+            "names the router: {e}"
+        );
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(450),
+            "returned after {took:?}"
+        );
+        assert_eq!(c.in_flight(), 0, "the slot is free at the deadline");
+        // The late answer of request 1 arrives while request 2 waits: discarded, not taken
+        // for request 2's.
+        let y = input(2, 2);
+        assert_eq!(c.call(3, &y, H, None, None).await.unwrap(), expected(&y, 3));
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+    });
+}
+
+#[test]
+fn a_frozen_router_is_given_up_by_the_keepalive_and_named() {
+    run(async {
+        let (addr, cfg) = serve(frozen).await;
+        let mut c = RouterClient::connect_with(addr, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(1, 1);
+        let t0 = std::time::Instant::now();
+        let e = c.call(1, &x, H, None, None).await.unwrap_err();
+        let took = t0.elapsed();
+        assert!(
+            matches!(e, ClientError::Unresponsive { router, .. } if router == addr),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&addr.to_string()), "{e}");
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_millis(900),
+            "keepalive bound 100 + 200 ms, took {took:?}"
+        );
+        // No failover on a plain client: later calls fail with the same error.
+        let e2 = c.call(1, &x, H, None, None).await.unwrap_err();
+        assert_eq!(e2.to_string(), e.to_string());
+    });
+}
+
+#[test]
+fn a_slow_router_that_answers_probes_is_not_given_up() {
+    run(async {
+        // Answers each request after 800 ms (the keepalive gives up after 300 ms of silence),
+        // and probes at once.
+        let (addr, cfg) = serve(|conn| async move {
+            let (mut r, w) = conn.split();
+            let w = Arc::new(tokio::sync::Mutex::new(w));
+            while let Ok(f) = r.read_frame().await {
+                let Body::LayerRequest(req) = f.body().clone() else {
+                    return;
+                };
+                let w = w.clone();
+                if req.layer == liveness::PROBE_LAYER {
+                    let _ = w
+                        .lock()
+                        .await
+                        .write_frame(&refusal(req.request_id, "probe"), &[])
+                        .await;
+                    continue;
+                }
+                let req = decode_req(req, f.payload());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    let bytes = answer_bytes(&req, &FrontendConfig::new("client-tests"));
+                    let _ = w.lock().await.write_raw(&bytes).await;
+                });
+            }
+        })
+        .await;
+        let mut c = RouterClient::connect_with(addr, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(4, 3);
+        assert_eq!(c.call(2, &x, H, None, None).await.unwrap(), expected(&x, 2));
+        assert_eq!(c.call(2, &x, H, None, None).await.unwrap(), expected(&x, 2));
+    });
+}
+
+/// Two scripted routers: `first` (the one a client uses first) and a healthy one.
+async fn pair<S, F>(first: S) -> (Vec<SocketAddr>, FrontendConfig)
+where
+    S: Fn(FrameConnection) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (a, cfg) = serve(first).await;
+    let (b, _) = serve(|c| reverse_groups(c, 1)).await;
+    (vec![a, b], cfg)
+}
+
+#[test]
+fn a_failover_client_sends_unanswered_requests_again_to_the_next_router() {
+    run(async {
+        // The first router answers request 2 of three, then closes the connection.
+        let (addrs, cfg) = pair(|mut conn| async move {
+            let mut reqs = Vec::new();
+            for _ in 0..3 {
+                let Some(r) = read_req(&mut conn).await else {
+                    return;
+                };
+                reqs.push(r);
+            }
+            answer(&mut conn, &reqs[1]).await;
+        })
+        .await;
+        let mut c = RouterClient::connect_any(&addrs, &cfg, quick())
+            .await
+            .unwrap();
+        assert_eq!(c.peer_addr(), addrs[0]);
+        let xs: Vec<Vec<f32>> = (0..3).map(|i| input(i, i + 1)).collect();
+        let mut hs = Vec::new();
+        for x in &xs {
+            hs.push(
+                c.submit(3, x, H, None, Some(Duration::from_secs(5)))
+                    .await
+                    .unwrap(),
+            );
+        }
+        for (h, x) in hs.into_iter().zip(&xs) {
+            assert_eq!(c.wait(h).await.unwrap(), expected(x, 3));
+        }
+        assert_eq!((c.failovers(), c.peer_addr()), (1, addrs[1]));
+        assert_eq!((c.in_flight(), c.ready()), (0, 0));
+        let y = input(9, 2);
+        assert_eq!(c.call(4, &y, H, None, None).await.unwrap(), expected(&y, 4));
+    });
+}
+
+#[test]
+fn a_failover_client_leaves_a_frozen_router_within_the_keepalive_bound() {
+    run(async {
+        let (addrs, cfg) = pair(frozen).await;
+        let mut c = RouterClient::connect_any(&addrs, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(5, 4);
+        let t0 = std::time::Instant::now();
+        let got = c.call(6, &x, H, None, Some(Duration::from_secs(5))).await;
+        assert_eq!(got.unwrap(), expected(&x, 6));
+        assert!(
+            t0.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(c.failovers(), 1);
+    });
+}
+
+#[test]
+fn a_failover_client_skips_a_refused_router_and_times_out_cleanly_when_none_answers() {
+    run(async {
+        // A port nothing listens on (bound, then closed).
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let (live, cfg) = serve(|c| reverse_groups(c, 1)).await;
+        let mut c = RouterClient::connect_any(&[dead, live], &cfg, quick())
+            .await
+            .unwrap();
+        assert_eq!(c.peer_addr(), live);
+        let x = input(1, 1);
+        assert_eq!(c.call(1, &x, H, None, None).await.unwrap(), expected(&x, 1));
+        // Only dead routers: every call ends at its deadline with a clean error.
+        let (swallower, _) = serve(|c| swallow(c, Duration::from_millis(50))).await;
+        let mut c = RouterClient::connect_any(&[swallower, dead], &cfg, quick())
+            .await
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let d = Duration::from_millis(600);
+        let e = c.call(1, &x, H, None, Some(d)).await.unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
+        assert!(
+            took >= d && took < d + Duration::from_millis(300),
+            "{took:?}"
+        );
+        // the swallower accepts again and swallows: never a hang, never an answer
+        let e = c.call(1, &x, H, None, Some(d)).await.unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
+        assert_eq!(c.in_flight(), 0);
+        let e = RouterClient::connect_any(&[dead, dead], &cfg, quick())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no router answered"), "{e}");
     });
 }
