@@ -9,7 +9,7 @@ use crate::local::{LocalFabric, LocalFabricOptions, frontend_config};
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::client::{ClientError, RouterClient};
+use expertmesh_router::client::{ClientError, ClientOptions, RouterClient};
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::service::{RouterService, ServiceConfig};
 use expertmesh_topology::topology::DeviceRank;
@@ -439,7 +439,7 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     );
     println!(
         "  try: expertmesh infer --router {} --cluster {} --layer {} --input X.npy --output Y.npy",
-        fabric.frontend_addr(),
+        fronts.join(","),
         dep.topology.name(),
         dep.spec.moe_layer_ids()[0]
     );
@@ -489,9 +489,11 @@ Then: expertmesh infer --router 127.0.0.1:47400 --cluster single-host --layer 1 
 #[derive(Args, Debug)]
 #[command(after_help = INFER_HELP)]
 pub struct InferCli {
-    /// Router frontend address, HOST:PORT (a host name or an IP address).
-    #[arg(long)]
-    router: String,
+    /// Router frontend address, HOST:PORT (a host name or an IP address). Give the routers of
+    /// one fabric (repeat --router, or separate with commas) to fail over between them: when
+    /// the router in use is lost or stops answering, the request goes to the next.
+    #[arg(long, required = true, value_delimiter = ',')]
+    router: Vec<String>,
     /// Cluster name (the topology's `name`), checked in the handshake.
     #[arg(long, default_value = "single-host")]
     cluster: String,
@@ -508,7 +510,8 @@ pub struct InferCli {
     /// Optional router logits [tokens, experts] (f32).
     #[arg(long)]
     logits: Option<PathBuf>,
-    /// Deadline in milliseconds.
+    /// Deadline in milliseconds: the router gives up then, and so does this client whatever
+    /// the router does (exit 1, DeadlineExceeded). Default: the router's own, and 30 s here.
     #[arg(long)]
     deadline_ms: Option<u64>,
 }
@@ -538,14 +541,22 @@ pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
         NpyDtype::F16 => ActivationDtype::F16,
         NpyDtype::Bf16Bits => ActivationDtype::Bf16,
     };
-    let addrs = resolve_all(&cli.router).map_err(|e| anyhow!("--router: {e}"))?;
+    let mut addrs: Vec<SocketAddr> = Vec::new();
+    for r in &cli.router {
+        for a in resolve_all(r.trim()).map_err(|e| anyhow!("--router: {e}"))? {
+            if !addrs.contains(&a) {
+                addrs.push(a);
+            }
+        }
+    }
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
     cfg.secret = expertmesh_worker::deploy::secret_from_env()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let checked = rt.block_on(async {
-        let mut client = connect_any(&addrs, &cfg).await?;
+        let opts = ClientOptions::default();
+        let mut client = RouterClient::connect_any(&addrs, &cfg, opts).await?;
         client.check_shape(cli.layer, head.rows, head.cols).await?;
         Ok(client)
     });
@@ -603,31 +614,19 @@ pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Connect to the first of `addrs` (one name can resolve to several) that answers.
-async fn connect_any(
-    addrs: &[SocketAddr],
-    cfg: &FrontendConfig,
-) -> Result<RouterClient, ClientError> {
-    let mut last = None;
-    for &a in addrs {
-        match RouterClient::connect(a, cfg).await {
-            Ok(c) => return Ok(c),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| ClientError::Input("no address to connect to".into())))
-}
-
 /// A failed call: exit 1 with the router's reason when it refused the request, else an error
 /// (exit 2) said once, with a hint when nothing listens there.
 fn client_failure(e: ClientError) -> anyhow::Result<ExitCode> {
     match e {
-        ClientError::Server { .. } => {
+        ClientError::Server { .. } | ClientError::Deadline { .. } => {
             eprintln!("error: {e}");
             Ok(ExitCode::from(crate::cli::EXIT_INVALID))
         }
         ClientError::Transport(FrontendError::Io { ref source, .. })
-            if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotConnected
+            ) =>
         {
             Err(anyhow!(
                 "{e}; is the router running (`expertmesh up` or `expertmesh router`), and is this its frontend port?"
