@@ -6,6 +6,7 @@
 //! `_errors._from_native` for the exception, so the mapping is written once, in Python.
 
 use expertmesh_router::client::ClientError;
+use expertmesh_transport::codec::ErrorCode;
 use expertmesh_transport::frontend::FrontendError;
 use expertmesh_transport::protocol::ProtocolError;
 use pyo3::exceptions::PyValueError;
@@ -59,6 +60,14 @@ fn classify(e: &ClientError) -> (&'static str, Option<u16>, Option<u64>, String)
         ClientError::Input(m) => ("input", None, None, m.clone()),
         ClientError::Usage(m) => ("usage", None, None, m.clone()),
         ClientError::Protocol(m) => ("protocol", None, None, m.clone()),
+        // The client's own deadline: the same exception as the router's DeadlineExceeded.
+        ClientError::Deadline { request_id, .. } => (
+            "server",
+            Some(ErrorCode::DeadlineExceeded.to_u16()),
+            (*request_id != 0).then_some(*request_id),
+            e.to_string(),
+        ),
+        ClientError::Unresponsive { .. } => ("connection", None, None, e.to_string()),
         other => ("protocol", None, None, other.to_string()),
     }
 }
