@@ -5,6 +5,7 @@
 //! the results in a fixed order. It also holds the in-process reference MoE layer that the fabric
 //! is checked against.
 //!
+//! * [`admission`] — which frontend requests the router takes in: capacity and fair shares.
 //! * [`client`] — `RouterClient`, what a serving frontend links.
 //! * [`core`] — the sans-IO router state machine: batching, dispatch, failover, combine.
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
@@ -14,6 +15,7 @@
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 //! * [`service`] — the router service: the I/O driver around the core.
 
+pub mod admission;
 pub mod client;
 pub mod core;
 pub mod gating;

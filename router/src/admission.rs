@@ -1,0 +1,324 @@
+//! Admission of frontend requests: how much work the router takes in, and each connection's
+//! fair share of it.
+//!
+//! Why this exists: a router that reads and decodes every request before it decides to shed
+//! it spends its memory and CPU on work it will refuse, and a few greedy connections crowd out
+//! the modest ones (issue 15: goodput fell by three quarters and memory grew by 500–800 MiB
+//! under pipelined clients). The service asks [`Admission::admit`] from a request's header and
+//! metadata, before its payload is read; a refused request is answered `Overloaded` and its
+//! payload is skipped, never held.
+//!
+//! The rule (sans-IO; the service shares one [`Admission`] between its connection tasks, which
+//! admit, and its core thread, which releases as answers leave). A connection's fair share is
+//! the router's capacity (`max_requests`, `max_tokens`) divided by the number of busy
+//! connections (those with a request in flight, counting the asking one), and at most
+//! `max_per_client` requests. A request is admitted when
+//! * it keeps its connection within its fair share — even when the router is at capacity, so a
+//!   modest connection is served however many greedy ones keep the router full; or
+//! * its connection has nothing in flight and the router is below capacity — so a request
+//!   larger than a share still gets its turn.
+//!
+//! Otherwise it is shed: a greedy connection first, and a lone connection may use the whole
+//! capacity. Bound: at most twice the capacity (requests and tokens) is admitted at a time;
+//! the second half only ever to connections within their shares.
+
+use crate::core::ClientId;
+use std::collections::HashMap;
+
+/// The capacity [`Admission`] shares out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Requests in flight, all connections together.
+    pub max_requests: usize,
+    /// Tokens in flight, all connections together.
+    pub max_tokens: usize,
+    /// Requests in flight on one connection, whatever its share.
+    pub max_per_client: usize,
+}
+
+/// Why a request was not admitted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Shed {
+    /// The connection is at its fair share of the router's capacity.
+    #[error(
+        "router at capacity: this connection has {requests} requests ({tokens} tokens) in flight, its fair share among {busy} busy connections is {share_requests} requests and {share_tokens} tokens; send the next request after an answer arrives"
+    )]
+    OverShare {
+        /// The connection's requests in flight.
+        requests: usize,
+        /// Their tokens.
+        tokens: usize,
+        /// Connections with requests in flight (counting this one).
+        busy: usize,
+        /// The connection's share of requests.
+        share_requests: usize,
+        /// Its share of tokens.
+        share_tokens: usize,
+    },
+    /// The router has its whole capacity in flight.
+    #[error(
+        "router at capacity: {requests} requests ({tokens} tokens) in flight, the limit is {max_requests} requests and {max_tokens} tokens; retry shortly"
+    )]
+    Saturated {
+        /// Requests in flight.
+        requests: usize,
+        /// Their tokens.
+        tokens: usize,
+        /// The router's request limit.
+        max_requests: usize,
+        /// Its token limit.
+        max_tokens: usize,
+    },
+}
+
+/// One connection's requests in flight.
+#[derive(Debug, Default)]
+struct ClientLoad {
+    /// (request id, tokens) of each request admitted and not yet released.
+    inflight: Vec<(u64, usize)>,
+    tokens: usize,
+    /// The connection has closed: forget it once its last request is released.
+    closed: bool,
+}
+
+/// The router's admitted work and each connection's part of it. See the module docs.
+#[derive(Debug)]
+pub struct Admission {
+    limits: AdmissionLimits,
+    clients: HashMap<ClientId, ClientLoad>,
+    /// Connections with at least one request in flight.
+    busy: usize,
+    requests: usize,
+    tokens: usize,
+}
+
+impl Admission {
+    /// Nothing in flight yet.
+    pub fn new(limits: AdmissionLimits) -> Self {
+        Self {
+            limits: AdmissionLimits {
+                max_requests: limits.max_requests.max(1),
+                max_tokens: limits.max_tokens.max(1),
+                max_per_client: limits.max_per_client.max(1),
+            },
+            clients: HashMap::new(),
+            busy: 0,
+            requests: 0,
+            tokens: 0,
+        }
+    }
+
+    /// Requests and tokens in flight, all connections together.
+    pub fn in_flight(&self) -> (usize, usize) {
+        (self.requests, self.tokens)
+    }
+
+    /// Requests and tokens `client` has in flight.
+    pub fn client_in_flight(&self, client: ClientId) -> (usize, usize) {
+        self.clients
+            .get(&client)
+            .map_or((0, 0), |c| (c.inflight.len(), c.tokens))
+    }
+
+    /// Admit request `request_id` of `tokens` tokens from `client`, or say why not.
+    pub fn admit(&mut self, client: ClientId, request_id: u64, tokens: usize) -> Result<(), Shed> {
+        let limits = self.limits;
+        let (requests, tokens_in) = self.client_in_flight(client);
+        let busy = self.busy + usize::from(requests == 0);
+        let share_requests = (limits.max_requests / busy)
+            .max(1)
+            .min(limits.max_per_client);
+        let share_tokens = limits.max_tokens / busy;
+        let within_share = requests < share_requests && tokens_in + tokens <= share_tokens;
+        // Below `times` × the capacity, this request included.
+        let below = |times: usize| {
+            self.requests < times * limits.max_requests
+                && self.tokens + tokens <= times * limits.max_tokens
+        };
+        let admitted = (within_share && below(2)) || (requests == 0 && below(1));
+        if !admitted {
+            return Err(if requests > 0 {
+                Shed::OverShare {
+                    requests,
+                    tokens: tokens_in,
+                    busy,
+                    share_requests,
+                    share_tokens,
+                }
+            } else {
+                Shed::Saturated {
+                    requests: self.requests,
+                    tokens: self.tokens,
+                    max_requests: limits.max_requests,
+                    max_tokens: limits.max_tokens,
+                }
+            });
+        }
+        let c = self.clients.entry(client).or_default();
+        if c.inflight.is_empty() {
+            self.busy += 1;
+        }
+        c.inflight.push((request_id, tokens));
+        c.tokens += tokens;
+        self.requests += 1;
+        self.tokens += tokens;
+        Ok(())
+    }
+
+    /// Request `request_id` of `client` has been answered (or failed): its share is free. A
+    /// request that was not admitted is ignored.
+    pub fn release(&mut self, client: ClientId, request_id: u64) {
+        let Some(c) = self.clients.get_mut(&client) else {
+            return;
+        };
+        let Some(i) = c.inflight.iter().position(|&(id, _)| id == request_id) else {
+            return;
+        };
+        let (_, tokens) = c.inflight.swap_remove(i);
+        c.tokens -= tokens;
+        self.requests -= 1;
+        self.tokens -= tokens;
+        if c.inflight.is_empty() {
+            self.busy -= 1;
+            if c.closed {
+                self.clients.remove(&client);
+            }
+        }
+    }
+
+    /// `client` has closed. Its requests still in flight keep their share until released
+    /// (the router still holds their work).
+    pub fn close(&mut self, client: ClientId) {
+        match self.clients.get_mut(&client) {
+            Some(c) if !c.inflight.is_empty() => c.closed = true,
+            Some(_) => {
+                self.clients.remove(&client);
+            }
+            None => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> AdmissionLimits {
+        AdmissionLimits {
+            max_requests: 8,
+            max_tokens: 1024,
+            max_per_client: 6,
+        }
+    }
+
+    #[test]
+    fn a_lone_connection_may_use_the_capacity_up_to_its_own_limit() {
+        let mut a = Admission::new(limits());
+        for id in 0..4 {
+            a.admit(1, id, 256).unwrap();
+        }
+        // 1024 tokens in flight: the token capacity is used up.
+        assert!(matches!(a.admit(1, 9, 1), Err(Shed::OverShare { .. })));
+        let mut a = Admission::new(limits());
+        for id in 0..6 {
+            a.admit(1, id, 1).unwrap();
+        }
+        let e = a.admit(1, 9, 1).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Shed::OverShare {
+                    share_requests: 6,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_greedy_connection_is_shed_while_a_modest_one_is_served() {
+        let mut a = Admission::new(limits());
+        // The greedy connection takes everything while alone.
+        for id in 0..4 {
+            a.admit(1, id, 256).unwrap();
+        }
+        // A modest connection still gets its first request (the capacity is exceeded by it,
+        // not refused).
+        a.admit(2, 100, 32).unwrap();
+        // The greedy one is now over its share (2 busy: 512 tokens each) until it drains.
+        a.release(1, 0);
+        assert!(a.admit(1, 10, 256).is_err());
+        a.release(1, 1);
+        a.release(1, 2);
+        // 256 in flight, 256 more fits its share of 512 ...
+        a.admit(1, 11, 256).unwrap();
+        // ... a third does not.
+        assert!(a.admit(1, 12, 256).is_err());
+        // The modest connection's next request fits its share.
+        a.release(2, 100);
+        a.admit(2, 101, 32).unwrap();
+        a.admit(2, 102, 32).unwrap();
+        assert_eq!(a.in_flight(), (4, 256 + 256 + 64));
+    }
+
+    #[test]
+    fn the_router_as_a_whole_stays_within_twice_its_capacity() {
+        let mut a = Admission::new(AdmissionLimits {
+            max_requests: 4,
+            max_tokens: 1 << 20,
+            max_per_client: 32,
+        });
+        // Four connections with one request each: the capacity is used up, and each is at its
+        // share (one request).
+        for c in 1..=4 {
+            a.admit(c, 0, 1).unwrap();
+        }
+        for c in 1..=4 {
+            let e = a.admit(c, 1, 1).unwrap_err();
+            assert!(matches!(e, Shed::OverShare { .. }), "client {c}: {e:?}");
+        }
+        // New connections are within their shares: admitted up to twice the capacity.
+        for c in 5..=8 {
+            a.admit(c, 0, 1).unwrap();
+        }
+        let e = a.admit(9, 0, 1).unwrap_err();
+        assert!(matches!(e, Shed::Saturated { requests: 8, .. }), "{e:?}");
+        assert_eq!(a.in_flight(), (8, 8));
+    }
+
+    #[test]
+    fn a_request_larger_than_a_share_waits_for_room_not_forever() {
+        let mut a = Admission::new(limits()); // 1024 tokens
+        // Two connections keep 512 tokens each in flight: the router is full.
+        for c in [1, 2] {
+            a.admit(c, 0, 256).unwrap();
+            a.admit(c, 1, 256).unwrap();
+        }
+        // A third connection's 256-token request is over its share (1024 / 3) only with the
+        // router full: shed, then admitted once there is room.
+        a.admit(3, 0, 32).unwrap(); // a small one fits its share
+        a.release(3, 0);
+        assert!(matches!(a.admit(3, 1, 512), Err(Shed::Saturated { .. })));
+        a.release(1, 0);
+        a.release(1, 1);
+        a.admit(3, 1, 512).unwrap();
+    }
+
+    #[test]
+    fn release_frees_only_admitted_requests_and_forgets_closed_connections() {
+        let mut a = Admission::new(limits());
+        a.admit(1, 7, 10).unwrap();
+        a.admit(1, 7, 20).unwrap(); // a duplicate id: released one at a time
+        a.release(1, 8); // never admitted: ignored
+        a.release(2, 7); // unknown connection: ignored
+        assert_eq!(a.in_flight(), (2, 30));
+        a.close(1);
+        a.release(1, 7);
+        assert_eq!(a.client_in_flight(1).0, 1);
+        a.release(1, 7);
+        assert_eq!(a.in_flight(), (0, 0));
+        assert!(a.clients.is_empty() && a.busy == 0);
+    }
+}
