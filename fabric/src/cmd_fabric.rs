@@ -163,6 +163,14 @@ pub struct RouterArgs {
     /// Deadline of requests that carry none, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub deadline_ms: u64,
+    /// Longest deadline a request may ask for, in milliseconds (longer ones are cut to it).
+    #[arg(long, default_value_t = 60_000)]
+    pub max_deadline_ms: u64,
+    /// Tokens of admitted, unanswered requests, all frontends together: beyond this (or a
+    /// frontend's fair share of it) requests are refused with Overloaded before their data is
+    /// read.
+    #[arg(long, default_value_t = 2048)]
+    pub max_inflight_tokens: usize,
     /// Re-send a part to a replica after this many milliseconds without an answer.
     #[arg(long, default_value_t = 3_000)]
     pub straggler_ms: u64,
@@ -191,6 +199,9 @@ impl RouterArgs {
             default_deadline: Duration::from_millis(self.deadline_ms),
             straggler_timeout: Duration::from_millis(self.straggler_ms),
             max_inflight_batches: 64,
+            max_deadline: Duration::from_millis(self.max_deadline_ms),
+            max_inflight_requests: 64,
+            max_inflight_tokens: self.max_inflight_tokens.max(1),
             accurate_dtype: ActivationDtype::F32,
             results: mode.results(),
         })

@@ -64,6 +64,16 @@ pub struct RouterConfig {
     pub straggler_timeout: Duration,
     /// Batches in flight at most; beyond this requests are refused (`Overloaded`).
     pub max_inflight_batches: usize,
+    /// The longest deadline a request may ask for: a longer one (`deadline_us = u64::MAX`
+    /// included) is cut to this.
+    pub max_deadline: Duration,
+    /// Requests admitted and not yet answered, all frontend connections together. The service
+    /// decides from each request's header, before its payload is read: beyond this, or beyond
+    /// the connection's fair share, the request is refused with `Overloaded`.
+    pub max_inflight_requests: usize,
+    /// Tokens of the requests admitted and not yet answered, all connections together (the
+    /// router's memory for requests grows with this).
+    pub max_inflight_tokens: usize,
     /// Dispatch encoding in accurate mode (exact mode always sends `q8-block32`, which is
     /// lossless for it).
     pub accurate_dtype: ActivationDtype,
@@ -195,6 +205,9 @@ impl RouterConfig {
     }
 }
 
+/// Default [`RouterConfig::max_deadline`]: one minute.
+pub const DEFAULT_MAX_DEADLINE: Duration = Duration::from_secs(60);
+
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
@@ -206,6 +219,9 @@ impl Default for RouterConfig {
             default_deadline: Duration::from_secs(10),
             straggler_timeout: Duration::from_secs(3),
             max_inflight_batches: 64,
+            max_deadline: DEFAULT_MAX_DEADLINE,
+            max_inflight_requests: 64,
+            max_inflight_tokens: 2048,
             accurate_dtype: ActivationDtype::F32,
             results: ResultWire::Full,
         }
@@ -257,6 +273,7 @@ pub struct RequestValidator {
     layers: Vec<u32>,
     max_request_tokens: usize,
     default_deadline: Duration,
+    max_deadline: Duration,
 }
 
 /// The end of the message refusing a non-finite hidden state: the refusal that comes after every
@@ -315,12 +332,7 @@ impl RequestValidator {
             None => None,
             Some(r) => Some(self.decode_logits(req, &payload[r])?),
         };
-        let deadline = now
-            + if req.deadline_us == 0 {
-                self.default_deadline
-            } else {
-                Duration::from_micros(req.deadline_us)
-            };
+        let deadline = now + self.deadline_of(req);
         Ok(Request {
             client,
             request_id: req.request_id,
@@ -330,6 +342,22 @@ impl RequestValidator {
             logits,
             deadline,
         })
+    }
+
+    /// How long `req` may take: its own deadline (or the default when it gives none), cut to
+    /// the router's maximum.
+    pub fn deadline_of(&self, req: &LayerRequest) -> Duration {
+        let asked = match req.deadline_us {
+            0 => self.default_deadline,
+            us => Duration::from_micros(us),
+        };
+        asked.min(self.max_deadline)
+    }
+
+    /// The checks a request's metadata alone allows (layer, hidden size, token count, dtype),
+    /// made before its payload is read.
+    pub fn check(&self, req: &LayerRequest) -> Result<(), Rejection> {
+        self.check_shape(req)
     }
 
     /// Layer, hidden size, token count and dtype against what this router serves.
@@ -501,6 +529,10 @@ struct Member {
     request_id: u64,
     offset: usize,
     tokens: usize,
+    /// The request's own deadline: past it, it fails alone and its answer is discarded.
+    deadline: Instant,
+    /// Failed at its own deadline while the rest of its batch goes on.
+    expired: bool,
 }
 
 struct Pending {
@@ -514,6 +546,7 @@ struct Pending {
     /// The distinct frontend connections with a request in this batch.
     clients: Vec<ClientId>,
     flush_at: Instant,
+    /// The latest of the members' deadlines (each member fails alone at its own).
     deadline: Instant,
 }
 
@@ -651,7 +684,8 @@ impl RouterCore {
                 .iter()
                 .filter(|p| p.live)
                 .map(|p| p.sent_at + self.cfg.straggler_timeout);
-            std::iter::once(b.deadline).chain(straggle)
+            let own = b.members.iter().filter(|m| !m.expired).map(|m| m.deadline);
+            std::iter::once(b.deadline).chain(own).chain(straggle)
         });
         p.chain(d).min()
     }
@@ -688,6 +722,7 @@ impl RouterCore {
             layers: self.layers(),
             max_request_tokens: self.cfg.max_request_tokens,
             default_deadline: self.cfg.default_deadline,
+            max_deadline: self.cfg.max_deadline,
         }
     }
 
@@ -705,6 +740,17 @@ impl RouterCore {
     /// Accept a validated request. It joins the pending batch of its layer (dispatched when the
     /// batch window closes or the batch is full).
     pub fn submit(&mut self, req: Request, now: Instant) {
+        if req.deadline <= now {
+            let msg =
+                "deadline exceeded before the request could be batched; give it a longer deadline";
+            self.fail_one(
+                req.client,
+                req.request_id,
+                ErrorCode::DeadlineExceeded,
+                msg.into(),
+            );
+            return;
+        }
         if self.inflight.len() >= self.cfg.max_inflight_batches {
             self.fail_one(
                 req.client,
@@ -742,6 +788,8 @@ impl RouterCore {
             request_id: req.request_id,
             offset,
             tokens: req.tokens,
+            deadline: req.deadline,
+            expired: false,
         });
         if p.x.is_empty() {
             p.x = req.x; // a lone request's input is moved, not copied
@@ -755,7 +803,7 @@ impl RouterCore {
         }
         p.logits_given
             .extend(std::iter::repeat_n(req.logits.is_some(), req.tokens));
-        p.deadline = p.deadline.min(req.deadline);
+        p.deadline = p.deadline.max(req.deadline);
         let everyone = self.frontends.is_some_and(|n| p.clients.len() >= n);
         if self.cfg.batch_window.is_zero()
             || everyone
@@ -795,6 +843,7 @@ impl RouterCore {
         }
         let ids: Vec<u64> = self.inflight.keys().copied().collect();
         for id in ids {
+            self.expire_members(id, now);
             let Some(b) = self.inflight.get(&id) else {
                 continue;
             };
@@ -1011,8 +1060,46 @@ impl RouterCore {
             let l = &mut self.replicas.load[p.rank as usize];
             *l = l.saturating_sub(p.plan.pairs() as u64);
         }
-        for m in b.members {
+        for m in b.members.into_iter().filter(|m| !m.expired) {
             self.fail_one(m.client, m.request_id, code, message.clone());
+        }
+    }
+
+    /// Fail, each alone, the members of batch `id` whose own deadline has passed while the
+    /// batch goes on for the others (a short deadline fails only its own request). The batch
+    /// as a whole fails at the latest of its members' deadlines ([`Self::on_tick`]).
+    fn expire_members(&mut self, id: u64, now: Instant) {
+        let Some(b) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        if b.deadline <= now {
+            return; // every member is due: the whole batch fails, naming the devices
+        }
+        let mut due = Vec::new();
+        for m in b
+            .members
+            .iter_mut()
+            .filter(|m| !m.expired && m.deadline <= now)
+        {
+            m.expired = true;
+            due.push((m.client, m.request_id));
+        }
+        if due.is_empty() {
+            return;
+        }
+        let layer = b.layer;
+        let live: Vec<u32> = b.parts.iter().filter(|p| p.live).map(|p| p.rank).collect();
+        let waiting: Vec<String> = live.into_iter().map(|r| self.name(r)).collect();
+        let msg = format!(
+            "deadline exceeded: the request's own deadline passed while layer {layer} waited for {}; give it a longer deadline, or the device may be overloaded",
+            if waiting.is_empty() {
+                "the router".to_owned()
+            } else {
+                waiting.join(", ")
+            }
+        );
+        for (client, request_id) in due {
+            self.fail_one(client, request_id, ErrorCode::DeadlineExceeded, msg.clone());
         }
     }
 
@@ -1333,7 +1420,7 @@ impl RouterCore {
                 }
             }
         }
-        for (m, output) in b.members.into_iter().zip(outs) {
+        for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;
             self.actions.push(Action::Respond {
