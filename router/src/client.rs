@@ -77,11 +77,11 @@
 //!
 //! [`RouterClient::connect_any`] takes a list of router addresses (routers of one fabric, which
 //! share its expert pool and compute the same answers) and connects to the first that answers.
-//! When that router is lost (the connection closes or fails, the keepalive gives it up, or it
-//! sends something a router never sends), the client moves to the next router in the list
-//! (round robin, each tried with [`ClientOptions::connect_timeout`]; after a round in which none
-//! answered it waits a jittered backoff that doubles up to [`ClientOptions::max_backoff`]) and
-//! sends again, in order, every request that had no answer yet and whose handle is still held,
+//! When that router is lost (the connection closes or fails, the keepalive gives it up, it
+//! answers `ShuttingDown`, or it sends something a router never sends), the client moves to the
+//! next router in the list (round robin, each tried with [`ClientOptions::connect_timeout`];
+//! after a round in which none answered it waits a jittered backoff that doubles up to
+//! [`ClientOptions::max_backoff`]) and sends again, in order, every request that had no answer yet and whose handle is still held,
 //! with the rest of its deadline. Layer calls are idempotent, so a request answered twice is
 //! harmless, and the old connection is closed before anything is re-sent, so no late answer of
 //! the lost router can be taken for the new one's. A caller sees the answer, the router's

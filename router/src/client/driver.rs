@@ -15,7 +15,7 @@ use super::{
     Answer, Call, CallHandle, ClientError, Keepalive, RETAIN_BUFFER_BYTES, RouterClient, lock,
     recoverable_request,
 };
-use expertmesh_transport::codec::{Body, LayerRequest};
+use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
 use expertmesh_transport::frontend::{ClientFrame, FrameConnection, FrontendConfig, FrontendError};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -340,6 +340,12 @@ impl RouterClient {
         let (id, refusal) = match frame.body() {
             Body::LayerResponse(r) => (r.request_id, None),
             Body::Error(e) if e.request_id & PROBE_ID_BIT != 0 => return, // a probe's answer
+            Body::Error(e) if self.failover && e.code == ErrorCode::ShuttingDown => {
+                // The router is going away: its unanswered requests go to the next one.
+                let m = format!("shutting down: {}", e.message);
+                self.lose_router(ClientError::Protocol(m));
+                return;
+            }
             Body::Error(e) if e.request_id != 0 => (
                 e.request_id,
                 Some(ClientError::Server {

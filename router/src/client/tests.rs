@@ -648,3 +648,30 @@ fn a_failover_client_skips_a_refused_router_and_times_out_cleanly_when_none_answ
         assert!(e.to_string().contains("no router answered"), "{e}");
     });
 }
+
+#[test]
+fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
+    run(async {
+        let (addrs, cfg) = pair(|mut conn| async move {
+            while let Some(r) = read_req(&mut conn).await {
+                let body = Body::Error(codec::ErrorFrame {
+                    request_id: r.req.request_id,
+                    code: ErrorCode::ShuttingDown,
+                    message: "the router is stopping".into(),
+                });
+                let _ = conn.write_frame(&body, &[]).await;
+            }
+        })
+        .await;
+        let mut c = RouterClient::connect_any(&addrs, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(3, 2);
+        assert_eq!(c.call(8, &x, H, None, None).await.unwrap(), expected(&x, 8));
+        assert_eq!((c.failovers(), c.peer_addr()), (1, addrs[1]));
+        // A plain client sees the refusal.
+        let mut plain = client(addrs[0], &cfg).await;
+        let e = plain.call(8, &x, H, None, None).await.unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::ShuttingDown), "{e}");
+    });
+}
