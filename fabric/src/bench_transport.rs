@@ -14,6 +14,12 @@
 //!   threads: a waiter whose peer is descheduled burns its whole time slice, and the "limit"
 //!   read milliseconds where the mesh took microseconds.
 //!
+//! The cost of encryption: with TCP among the links, a second TCP pair runs with issued
+//! credentials (every frame sealed with AES-256-GCM, see `expertmesh_transport::crypto`);
+//! `tcp_encrypted_dispatch_throughput` and `tcp_encrypted_dispatch_rtt_p50` take the plain TCP
+//! mesh as their limit, measured interleaved with it in the same repetitions (order alternating),
+//! so their ratio is encrypted / plain (target: at least 0.7 of plain throughput at 64 tokens).
+//!
 //! Every result says which way its ratio is good (`better`: throughput `higher`, round trip
 //! `lower`), in the JSON and in the table's last column.
 //!
@@ -149,8 +155,13 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
     let shm_dir = tempfile_dir()?;
     let mut pairs = Vec::new();
     for &link in &args.links {
-        pairs.push((link, rt.block_on(start_pair(link, &shm_dir))?));
+        pairs.push((link, rt.block_on(start_pair(link, &shm_dir, false))?));
     }
+    let mut encrypted = match args.links.contains(&LinkKind::Tcp) {
+        true => Some(rt.block_on(start_pair(LinkKind::Tcp, &shm_dir, true))?),
+        false => None,
+    };
+    let mut enc_units: Vec<Unit> = TOKEN_COUNTS.iter().map(|_| Unit::default()).collect();
     let mut units: Vec<Vec<Unit>> = pairs
         .iter()
         .map(|_| TOKEN_COUNTS.iter().map(|_| Unit::default()).collect())
@@ -172,6 +183,13 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
                 }
                 let t0 = Instant::now();
                 sample_unit(&rt, *link, meshes, events, tokens, args, rep, u)?;
+                if *link == LinkKind::Tcp
+                    && let Some((em, ee)) = encrypted.as_mut()
+                {
+                    let plain = (meshes.as_slice(), &mut *events);
+                    let eu = &mut enc_units[ti];
+                    sample_encrypted(&rt, plain, (em, ee), tokens, args, rep, eu)?;
+                }
                 u.last_s = t0.elapsed().as_secs_f64();
             }
         }
@@ -182,11 +200,19 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
             m.shutdown();
         }
     }
+    for m in encrypted.iter().flat_map(|(m, _)| m) {
+        m.shutdown();
+    }
     let _ = std::fs::remove_dir_all(&shm_dir);
     let mut report = BenchReport::new();
     for ((link, _), us) in pairs.iter().zip(&units) {
         for (u, &tokens) in us.iter().zip(&TOKEN_COUNTS) {
             report.results.extend(unit_results(*link, tokens, u));
+        }
+    }
+    if encrypted.is_some() {
+        for (u, &tokens) in enc_units.iter().zip(&TOKEN_COUNTS) {
+            report.results.extend(encrypted_results(tokens, u));
         }
     }
     let m = &mut report.machine.extra;
@@ -263,6 +289,75 @@ fn sample_unit(
     Ok(())
 }
 
+/// One repetition of the encrypted TCP pair against the plain one, same frame: throughput and
+/// round trips of each, back to back (plain first on odd repetitions).
+fn sample_encrypted(
+    rt: &tokio::runtime::Runtime,
+    plain: (&[Mesh], &mut MeshEvents),
+    enc: (&[Mesh], &mut MeshEvents),
+    tokens: usize,
+    args: &TransportBenchArgs,
+    rep: usize,
+    u: &mut Unit,
+) -> anyhow::Result<()> {
+    let frame = dispatch_frame(tokens);
+    let msg = codec::frame_len(&frame.body, frame.payload.len());
+    let count = frames_for(SLOT_S, msg);
+    let trips = args.round_trips.max(10);
+    let (mut thr, mut rtt) = ((0.0, 0.0), (Vec::new(), Vec::new()));
+    let (pm, pe) = plain;
+    let (em, ee) = enc;
+    for step in 0..2 {
+        if (step == 0) != (rep % 2 == 1) {
+            thr.0 = rt.block_on(mesh_throughput(em, ee, &frame, count))?;
+            rtt.0 = rt.block_on(mesh_round_trips(em, ee, &frame, trips))?;
+        } else {
+            thr.1 = rt.block_on(mesh_throughput(pm, pe, &frame, count))?;
+            rtt.1 = rt.block_on(mesh_round_trips(pm, pe, &frame, trips))?;
+        }
+    }
+    rtt.0.sort_by(f64::total_cmp);
+    rtt.1.sort_by(f64::total_cmp);
+    u.thr.0.push(thr.0);
+    u.thr.1.push(thr.1);
+    u.p50.0.push(percentile(&rtt.0, 50.0));
+    u.p50.1.push(percentile(&rtt.1, 50.0));
+    (u.frames, u.trips, u.frame_bytes) = (count, trips, msg);
+    Ok(())
+}
+
+/// The encrypted TCP rows of one frame size: achieved = the sealed mesh, limit = the plain
+/// mesh in the same repetitions.
+fn encrypted_results(tokens: usize, u: &Unit) -> Vec<BenchResult> {
+    if u.thr.0.is_empty() {
+        return Vec::new();
+    }
+    let limit =
+        "the plain (unencrypted) TCP mesh, same frames, interleaved in the same repetitions";
+    vec![
+        BenchResult::from_samples(
+            "tcp_encrypted_dispatch_throughput".to_string(),
+            tokens as u64,
+            &u.thr.0,
+            &u.thr.1,
+            "GB/s",
+        )
+        .with("limit_is", limit)
+        .with("cipher", "AES-256-GCM (ring), per-direction counter nonces")
+        .with("frame_bytes", u.frame_bytes as u64)
+        .with("frames", u.frames as u64),
+        BenchResult::from_samples(
+            "tcp_encrypted_dispatch_rtt_p50".to_string(),
+            tokens as u64,
+            &u.p50.0,
+            &u.p50.1,
+            "us",
+        )
+        .with("limit_is", limit)
+        .with("round_trips", u.trips as u64),
+    ]
+}
+
 /// The three result rows of one (link, frame size).
 fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
     if u.thr.0.is_empty() {
@@ -328,10 +423,14 @@ fn frames_for(seconds: f64, msg: usize) -> usize {
     ((seconds * 2e9 / msg as f64) as usize).clamp(20, 20_000)
 }
 
+/// Two ranks linked by `link`; with `encrypted`, each holds its own issued credentials (a
+/// fresh random cluster key), so every TCP frame is sealed.
 async fn start_pair(
     link: LinkKind,
     shm_dir: &std::path::Path,
+    encrypted: bool,
 ) -> anyhow::Result<(Vec<Mesh>, MeshEvents)> {
+    let master = expertmesh_transport::crypto::Key::random()?;
     let addrs: Vec<SocketAddr> = {
         let ls: Vec<_> = (0..2)
             .map(|_| TcpListener::bind("127.0.0.1:0"))
@@ -352,6 +451,11 @@ async fn start_pair(
         cfg.protocol.recv_window_bytes = 64 << 20;
         cfg.shm.dir = shm_dir.to_path_buf();
         cfg.shm.ring_bytes = BENCH_RING_BYTES;
+        if encrypted {
+            let c =
+                expertmesh_transport::crypto::Credentials::issue_rank(&master, "bench", rank, 2, 1);
+            cfg.protocol.credentials = Some(Arc::new(c));
+        }
         let (m, ev) = Mesh::start(cfg).await?;
         if rank == 0 {
             rx0 = Some(ev);
@@ -680,7 +784,17 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let results = v["results"].as_array().unwrap();
-        assert_eq!(results.len(), 2 * TOKEN_COUNTS.len() * 3);
+        // Three rows per (link, size), and two encrypted-TCP rows per size.
+        assert_eq!(
+            results.len(),
+            2 * TOKEN_COUNTS.len() * 3 + 2 * TOKEN_COUNTS.len()
+        );
+        assert!(
+            results
+                .iter()
+                .any(|r| r["name"] == "tcp_encrypted_dispatch_throughput" && r["batch"] == 64),
+            "the encryption cost is reported"
+        );
         for r in results {
             let (a, l) = (
                 r["achieved"].as_f64().unwrap(),

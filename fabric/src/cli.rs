@@ -80,6 +80,10 @@ enum Command {
     Router(crate::cmd_fabric::RouterCli),
     /// One MoE-layer call from .npy files through a running router.
     Infer(crate::cmd_fabric::InferCli),
+    /// Make the cluster's credentials: a master key (`init`), and each process's own
+    /// credential file (`issue`).
+    #[command(subcommand)]
+    Keys(crate::keys_cmd::KeysCli),
 }
 
 /// Exit code for invalid input (validation failed, results mismatched).
@@ -161,6 +165,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Worker(args) => crate::cmd_fabric::worker(args),
         Command::Router(args) => crate::cmd_fabric::router(args),
         Command::Infer(args) => crate::cmd_fabric::infer(args),
+        Command::Keys(args) => crate::keys_cmd::run(args),
         Command::Bench(target) => crate::bench_cli::run(target),
     }
 }

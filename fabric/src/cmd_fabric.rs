@@ -242,6 +242,8 @@ pub struct WorkerCli {
     /// Exit when the parent process exits (used by the local launcher).
     #[arg(long)]
     exit_with_parent: bool,
+    #[command(flatten)]
+    security: crate::keys_cmd::SecurityArgs,
 }
 
 /// Backend choice on the command line.
@@ -260,7 +262,16 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
     if cli.exit_with_parent {
         exit_with_parent();
     }
-    let dep = cli.deploy.load()?;
+    let mut dep = cli.deploy.load()?;
+    let d = dep.device(&cli.device)?;
+    let listen = match cli.listen {
+        Some(a) => a,
+        None => dep.worker_endpoint(d)?,
+    };
+    let mut exposed = vec![listen];
+    exposed.extend(&cli.router);
+    let rank = dep.mesh_rank(d);
+    cli.security.apply_rank(&mut dep, rank, &exposed)?;
     expertmesh_worker::process::run(
         dep,
         WorkerOptions {
@@ -326,11 +337,13 @@ pub struct RouterCli {
     /// Threads for shared experts run on the router.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    #[command(flatten)]
+    security: crate::keys_cmd::SecurityArgs,
 }
 
 /// Run `expertmesh router` until interrupted.
 pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
-    let dep = cli.deploy.load()?;
+    let mut dep = cli.deploy.load()?;
     let instance = cli.instance;
     let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
     let mesh_listen = match cli.mesh_listen {
@@ -341,6 +354,8 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
         Some(a) => a,
         None => dep.router_frontend_endpoint(instance)?,
     };
+    cli.security
+        .apply_rank(&mut dep, instance, &[mesh_listen, listen])?;
     let service = RouterService::start(
         core,
         dep.mesh_config(instance, &[], &[], mesh_listen, cli.link.into()),
@@ -399,6 +414,14 @@ pub struct UpCli {
     link: LinkArg,
     #[command(flatten)]
     router: RouterArgs,
+    /// Cluster master key (`expertmesh keys init`): `up` issues each router, worker and the
+    /// printed frontend its own credentials (authenticated, encrypted links). Without it the
+    /// fabric runs unauthenticated and unencrypted (loopback only, unless --insecure).
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// Run without a key on non-loopback addresses (unauthenticated, unencrypted).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Run `expertmesh up` until interrupted; restarts workers that exit.
@@ -414,6 +437,21 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
+    opts.key = cli.key.clone();
+    opts.insecure = cli.insecure;
+    if cli.key.is_none() {
+        let probe = match &cli.weights {
+            Some(w) => Deployment::load_converted(&cli.topology, w),
+            None => Deployment::load(&cli.topology, &model, &placement, cli.seed),
+        };
+        if let Ok(dep) = probe {
+            let mut exposed = dep.router_mesh_endpoints()?;
+            exposed.extend(
+                (0..dep.router_count()).filter_map(|i| dep.router_frontend_endpoint(i).ok()),
+            );
+            crate::keys_cmd::check_security(dep.credentials.as_deref(), cli.insecure, &exposed)?;
+        }
+    }
     eprintln!(
         "expertmesh up: starting the router(s) and the workers; waiting for them to connect..."
     );
@@ -525,6 +563,8 @@ pub struct InferCli {
     /// the router does (exit 1, DeadlineExceeded). Default: the router's own, and 30 s here.
     #[arg(long)]
     deadline_ms: Option<u64>,
+    #[command(flatten)]
+    security: crate::keys_cmd::SecurityArgs,
 }
 
 /// Run `expertmesh infer`: exit 0 with the output written, 1 when the router refused the
@@ -561,7 +601,7 @@ pub fn infer(cli: InferCli) -> anyhow::Result<ExitCode> {
         }
     }
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
-    cfg.secret = expertmesh_worker::deploy::secret_from_env()?;
+    cfg.credentials = cli.security.frontend(&cli.cluster, &addrs)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -21,6 +21,7 @@ pub mod cli;
 pub mod cmd_fabric;
 pub mod convert_cmd;
 pub mod demo;
+pub mod keys_cmd;
 pub mod local;
 pub mod models_cmd;
 pub mod npy;

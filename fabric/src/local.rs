@@ -52,6 +52,12 @@ pub struct LocalFabricOptions {
     pub connect_timeout: Duration,
     /// Directory for worker logs (default: a fresh temporary directory).
     pub log_dir: Option<PathBuf>,
+    /// A cluster master key (`expertmesh keys init`): every router, worker and
+    /// [`LocalFabric::frontend_config`] then gets its own issued credentials (authenticated,
+    /// encrypted links). `None`: no credentials.
+    pub key: Option<PathBuf>,
+    /// Let workers run without credentials on non-loopback addresses (`--insecure`).
+    pub insecure: bool,
 }
 
 impl LocalFabricOptions {
@@ -71,6 +77,8 @@ impl LocalFabricOptions {
             worker_threads: None,
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
+            key: None,
+            insecure: false,
         }
     }
 }
@@ -78,7 +86,7 @@ impl LocalFabricOptions {
 /// Frontend settings matching a deployment (cluster name, secret).
 pub fn frontend_config(dep: &Deployment) -> FrontendConfig {
     let mut f = FrontendConfig::new(dep.topology.name());
-    f.secret = dep.secret.clone();
+    f.credentials = dep.credentials.clone();
     f
 }
 
@@ -267,6 +275,14 @@ impl LocalFabric {
         } else if o.ephemeral_ports {
             cmd.arg("--listen").arg("127.0.0.1:0");
         }
+        if let Some(k) = &o.key {
+            let lc = crate::keys_cmd::LocalCredentials::new(k, &self.dep, &self.log_dir)?;
+            cmd.arg("--credentials")
+                .arg(lc.worker_file(&self.dep, d as u32)?);
+        }
+        if o.insecure {
+            cmd.arg("--insecure");
+        }
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());
         }
@@ -309,9 +325,16 @@ impl LocalFabric {
             .collect()
     }
 
-    /// Frontend settings to connect with.
+    /// Frontend settings to connect with (with [`LocalFabricOptions::key`]: the credentials
+    /// of frontend "local").
     pub fn frontend_config(&self) -> FrontendConfig {
-        frontend_config(&self.dep)
+        let mut f = frontend_config(&self.dep);
+        if let Some(k) = &self.opts.key
+            && let Ok(lc) = crate::keys_cmd::LocalCredentials::new(k, &self.dep, &self.log_dir)
+        {
+            f.credentials = Some(lc.frontend(&self.dep, "local"));
+        }
+        f
     }
 
     /// The deployment (model, topology, placement).
@@ -472,6 +495,17 @@ fn start_router(
         Some(a) if instance == 0 => a,
         _ if opts.ephemeral_ports => loopback,
         _ => dep.router_frontend_endpoint(instance)?,
+    };
+    let with_creds;
+    let dep = match &opts.key {
+        Some(k) => {
+            let lc = crate::keys_cmd::LocalCredentials::new(k, dep, Path::new("."))?;
+            let mut d = dep.clone();
+            d.credentials = Some(lc.router(dep, instance));
+            with_creds = d;
+            &with_creds
+        }
+        None => dep,
     };
     let router_threads = 1;
     let core = router_core(dep, opts.router.clone(), router_threads, instance)?;

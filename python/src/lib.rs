@@ -561,7 +561,7 @@ fn resolve(addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
 /// command-line tools read it).
 fn frontend_config(cluster: &str, secret: Option<&Bound<'_, PyAny>>) -> PyResult<FrontendConfig> {
     let mut cfg = FrontendConfig::new(cluster);
-    cfg.secret = match secret {
+    let secret: Option<Arc<[u8]>> = match secret {
         Some(s) => {
             let bytes: Vec<u8> = if let Ok(s) = s.cast::<PyString>() {
                 s.extract::<String>()?.into_bytes()
@@ -577,6 +577,9 @@ fn frontend_config(cluster: &str, secret: Option<&Bound<'_, PyAny>>) -> PyResult
         }
         None => secret_from_env()?,
     };
+    // The legacy shared secret: links are encrypted, but any holder can act as any frontend.
+    cfg.credentials =
+        secret.map(|s| Arc::new(expertmesh_transport::crypto::Credentials::shared_secret(&s)));
     Ok(cfg)
 }
 

@@ -27,6 +27,7 @@
 //! not answer.
 
 use crate::gating::{self, GateWeights, Routing};
+use crate::health::{Health, HealthEvent, HedgePolicy};
 use crate::plan::{self, DevicePlan, LayerOwners, PlanError, Replicas};
 use bytes::Bytes;
 use expertmesh_backend::BackendError;
@@ -509,6 +510,18 @@ pub struct RouterStats {
     pub tokens: u64,
     /// Worker links the core has seen come up (it counts a device live from then on).
     pub peer_ups: u64,
+    /// Result and error frames dropped because their batch id carries another router
+    /// incarnation: work dispatched by an earlier router process on this rank.
+    pub stale_results: u64,
+    /// Parts re-sent to a replica because their device had not answered within its hedge
+    /// timeout.
+    pub hedges: u64,
+    /// Times a device was taken out of replica choice (quarantined).
+    pub quarantines: u64,
+    /// Times a quarantined device answered its probe in time and came back.
+    pub quarantine_releases: u64,
+    /// Probes sent (a live part mirrored to a device whose quarantine ran out).
+    pub probes: u64,
 }
 
 /// Why a part is sent again, and where to.
@@ -554,6 +567,10 @@ struct Part {
     rank: u32,
     plan: DevicePlan,
     sent_at: Instant,
+    /// When the part is hedged if still unanswered (without another owner: looked at again).
+    hedge_at: Instant,
+    /// Its device has been charged with a straggle for it (once per part).
+    straggled: bool,
     live: bool,
 }
 
@@ -597,7 +614,16 @@ pub struct RouterCore {
     shared_runner: Option<Box<dyn SharedRunner>>,
     pending: BTreeMap<u32, Pending>,
     inflight: BTreeMap<u64, Inflight>,
+    /// Sequence number of the next batch (the low 32 bits of its id).
     next_batch: u64,
+    /// This core's incarnation: the high 32 bits of every batch id it issues.
+    incarnation: u32,
+    /// Latency estimates (hedge timeouts) and quarantine of every rank.
+    health: Health,
+    /// Per quarantined rank with a probe out: the probe's layer and expected result rows.
+    probes: HashMap<u32, (u32, usize)>,
+    /// When a stale result was last logged at warn level (rate limit).
+    last_stale_warn: Option<Instant>,
     actions: Vec<Action>,
     stats: RouterStats,
 }
@@ -625,6 +651,11 @@ impl RouterCore {
             debug_assert_eq!(l.owners.owners.len(), e as usize);
             owners_ext.insert(l.layer, o);
         }
+        let health = Health::new(
+            replicas.alive.len(),
+            cfg.straggler_timeout,
+            HedgePolicy::default(),
+        );
         Self {
             spec,
             wire: cfg.wire_format(),
@@ -638,6 +669,10 @@ impl RouterCore {
             pending: BTreeMap::new(),
             inflight: BTreeMap::new(),
             next_batch: 1,
+            incarnation: fresh_incarnation(),
+            health,
+            probes: HashMap::new(),
+            last_stale_warn: None,
             actions: Vec::new(),
             stats: RouterStats::default(),
         }
@@ -656,6 +691,38 @@ impl RouterCore {
     /// Counters so far.
     pub fn stats(&self) -> &RouterStats {
         &self.stats
+    }
+
+    /// This router's incarnation: random per core (so per router process), the high 32 bits
+    /// of every batch id it issues. A result whose batch id carries another incarnation (work
+    /// an earlier router process on this rank dispatched) is dropped and counted
+    /// ([`RouterStats::stale_results`]), never absorbed into a live batch.
+    pub fn incarnation(&self) -> u32 {
+        self.incarnation
+    }
+
+    /// Sets the incarnation (nonzero; tests use fixed ones). Batches in flight keep their ids
+    /// and their results are then dropped as stale.
+    pub fn set_incarnation(&mut self, incarnation: u32) {
+        self.incarnation = incarnation.max(1);
+    }
+
+    /// Replaces the hedging and quarantine tuning (the hedge ceiling stays the configured
+    /// `straggler_timeout`); latency history and standings start afresh.
+    pub fn set_hedge_policy(&mut self, policy: HedgePolicy) {
+        let ranks = self.replicas.alive.len();
+        self.health = Health::new(ranks, self.cfg.straggler_timeout, policy);
+        self.probes.clear();
+    }
+
+    /// How long a part sent to `rank` for `layer` now goes unanswered before it is hedged.
+    pub fn hedge_after(&self, rank: u32, layer: u32) -> Duration {
+        self.health.hedge_after(rank, layer)
+    }
+
+    /// Mesh ranks out of rotation now (quarantined, or being probed).
+    pub fn quarantined(&self) -> Vec<u32> {
+        self.health.quarantined()
     }
 
     /// Layers served, ascending.
@@ -679,15 +746,11 @@ impl RouterCore {
     pub fn next_timeout(&self) -> Option<Instant> {
         let p = self.pending.values().map(|p| p.flush_at);
         let d = self.inflight.values().flat_map(|b| {
-            let straggle = b
-                .parts
-                .iter()
-                .filter(|p| p.live)
-                .map(|p| p.sent_at + self.cfg.straggler_timeout);
+            let straggle = b.parts.iter().filter(|p| p.live).map(|p| p.hedge_at);
             let own = b.members.iter().filter(|m| !m.expired).map(|m| m.deadline);
             std::iter::once(b.deadline).chain(own).chain(straggle)
         });
-        p.chain(d).min()
+        p.chain(d).chain(self.health.next_timeout()).min()
     }
 
     /// How messages name mesh rank `rank`: the device's name and its topology rank
@@ -841,6 +904,11 @@ impl RouterCore {
         for l in due {
             self.flush(l, now);
         }
+        for ev in self.health.expire_probes(now) {
+            self.health_event(ev, "its probe went unanswered");
+        }
+        self.probes
+            .retain(|&r, _| self.health.probe_of(r).is_some());
         let ids: Vec<u64> = self.inflight.keys().copied().collect();
         for id in ids {
             self.expire_members(id, now);
@@ -866,10 +934,11 @@ impl RouterCore {
                 .parts
                 .iter()
                 .enumerate()
-                .filter(|(_, p)| p.live && p.sent_at + self.cfg.straggler_timeout <= now)
+                .filter(|(_, p)| p.live && p.hedge_at <= now)
                 .map(|(i, _)| i)
                 .collect();
             for i in slow {
+                self.straggled(id, i, now);
                 // Re-send only when another owner exists; otherwise keep waiting until the
                 // deadline (the part's clock restarts so this is not retried every tick).
                 self.redispatch(id, i, now, Resend::Straggler);
@@ -879,7 +948,13 @@ impl RouterCore {
 
     /// A worker's result frame arrived.
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8], now: Instant) {
-        let _ = now;
+        if !self.own_batch(res.batch_id, from, now) {
+            return;
+        }
+        if self.health.is_probe(from, res.batch_id, res.part) {
+            self.probe_answered(from, res, payload, now);
+            return;
+        }
         let h = self.spec.hidden as usize;
         let wire = self.wire;
         let Some(b) = self.inflight.get_mut(&res.batch_id) else {
@@ -949,20 +1024,32 @@ impl RouterCore {
             return;
         }
         part.live = false;
+        let latency = now.saturating_duration_since(part.sent_at);
+        let in_time = !part.straggled;
         let pairs = part.plan.pairs() as u64;
         self.replicas.load[from as usize] = self.replicas.load[from as usize].saturating_sub(pairs);
         self.stats.result_payload_bytes += payload.len() as u64;
         b.outstanding -= 1;
-        if b.outstanding == 0 && !b.shared_pending {
+        let (layer, done) = (b.layer, b.outstanding == 0 && !b.shared_pending);
+        // Only answers in time feed the latency estimate: a straggle (a paused device) would
+        // hold the hedge timeout at its ceiling long after the device recovered.
+        if in_time && let Some(ev) = self.health.on_answer(from, layer, latency, now) {
+            self.health_event(ev, "it answered a part only it could serve in time");
+        }
+        if done {
             self.complete(res.batch_id);
         }
     }
 
-    /// A worker answered a dispatch with an error frame: the batch fails with its message.
-    /// Except when a node's leader could not reach a node peer (`PeerUnavailable` with per-node
-    /// dedup on): its parts of the batch are sent again straight to the devices, so the
-    /// router's own view of them decides (a replica elsewhere, the device itself over its own
-    /// link, or a clean error naming it).
+    /// A worker answered a dispatch with an error frame. Frames of another router incarnation
+    /// are dropped, and so is the error of a part already answered or re-sent elsewhere (the
+    /// batch goes on). When a node's leader could not reach a node peer (`PeerUnavailable`
+    /// with per-node dedup on), its parts of the batch are sent again straight to the devices,
+    /// so the router's own view of them decides (a replica elsewhere, the device itself over
+    /// its own link, or a clean error naming it). An error that is the device's own (internal,
+    /// overloaded, an expert not loaded there, shutting down) counts against the device and
+    /// its parts go to replicas when every one of their experts has another live owner;
+    /// otherwise the batch fails with the device's message.
     pub fn on_worker_error(
         &mut self,
         from: u32,
@@ -971,30 +1058,62 @@ impl RouterCore {
         message: &str,
         now: Instant,
     ) {
+        if !self.own_batch(request_id, from, now) {
+            return;
+        }
+        if self
+            .health
+            .probe_of(from)
+            .is_some_and(|(b, _)| b == request_id)
+        {
+            self.fault(from, now, "its probe was answered with an error");
+            self.probes.remove(&from);
+        }
+        let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
+            b.parts
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.live && p.rank == from)
+                .map(|(i, _)| i)
+                .collect()
+        });
+        if parts.is_empty() {
+            return; // a finished batch, a superseded part, or the probe's answer
+        }
         if code == ErrorCode::PeerUnavailable && self.replicas.node_dedup {
-            let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
-                b.parts
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.live && p.rank == from)
-                    .map(|(i, _)| i)
-                    .collect()
-            });
-            if !parts.is_empty() {
+            tracing::warn!(
+                leader = %self.name(from), message,
+                "a node leader could not reach a node peer; sending its share directly"
+            );
+            for i in parts {
+                self.redispatch(request_id, i, now, Resend::WithoutDedup);
+            }
+            return;
+        }
+        let device_fault = matches!(
+            code,
+            ErrorCode::Internal
+                | ErrorCode::Overloaded
+                | ErrorCode::PeerUnavailable
+                | ErrorCode::NotFound
+                | ErrorCode::ShuttingDown
+                | ErrorCode::Other(_)
+        );
+        if device_fault {
+            self.fault(from, now, "it answered with an error");
+            if parts.iter().all(|&i| self.has_other_owner(request_id, i)) {
                 tracing::warn!(
-                    leader = %self.name(from), message,
-                    "a node leader could not reach a node peer; sending its share directly"
+                    device = %self.name(from), ?code, message,
+                    "a device answered with an error; its share goes to a replica"
                 );
                 for i in parts {
-                    self.redispatch(request_id, i, now, Resend::WithoutDedup);
+                    self.redispatch(request_id, i, now, Resend::Lost);
                 }
                 return;
             }
         }
-        if self.inflight.contains_key(&request_id) {
-            let msg = format!("{}: {message}", self.name(from));
-            self.fail_batch(request_id, code, msg);
-        }
+        let msg = format!("{}: {message}", self.name(from));
+        self.fail_batch(request_id, code, msg);
     }
 
     /// A link to a worker failed: its outstanding parts go to replicas, or their batches fail.
@@ -1002,6 +1121,7 @@ impl RouterCore {
         if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
             *a = false;
         }
+        self.fault(rank, now, "its link was lost");
         self.replicas.load[rank as usize] = 0;
         let affected: Vec<(u64, usize)> = self
             .inflight
@@ -1029,6 +1149,11 @@ impl RouterCore {
 
     /// Sending a part failed (the link went down while the send waited).
     pub fn on_send_failed(&mut self, rank: u32, batch: u64, part: u32, now: Instant) {
+        if self.health.is_probe(rank, batch, part) {
+            self.fault(rank, now, "sending its probe failed");
+            self.probes.remove(&rank);
+            return;
+        }
         let live = self
             .inflight
             .get(&batch)
@@ -1038,6 +1163,7 @@ impl RouterCore {
             if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
                 *a = false;
             }
+            self.fault(rank, now, "a send to it failed");
             self.redispatch(batch, part as usize, now, Resend::Lost);
         }
     }
@@ -1142,8 +1268,7 @@ impl RouterCore {
             (q, d)
         });
         let slots = routing.top_k;
-        let id = self.next_batch;
-        self.next_batch += 1;
+        let id = self.issue_batch_id();
         self.stats.batches += 1;
         let batch = Inflight {
             layer,
@@ -1180,6 +1305,7 @@ impl RouterCore {
             }
             start = end;
         }
+        self.send_probes(id, now);
         if self
             .inflight
             .get(&id)
@@ -1232,10 +1358,10 @@ impl RouterCore {
         self.inflight.values().any(|b| b.shared_pending)
     }
 
-    /// Plan `pairs` of batch `id` (avoiding `avoid` in addition to dead ranks) and send them.
-    /// With `dedup` off (a node's leader could not reach a peer), every pair goes to the
-    /// device chosen for it, not through its node's leader. Returns false when the batch
-    /// failed.
+    /// Plan `pairs` of batch `id` (avoiding `avoid` in addition to dead ranks, and quarantined
+    /// ranks unless an expert has no other live owner) and send them. With `dedup` off (a
+    /// node's leader could not reach a peer), every pair goes to the device chosen for it, not
+    /// through its node's leader. Returns false when the batch failed.
     fn send_pairs(
         &mut self,
         id: u64,
@@ -1253,7 +1379,8 @@ impl RouterCore {
             replicas.alive[r as usize] = false;
         }
         replicas.node_dedup &= dedup;
-        let plans = match plan::plan_dispatch(&b.routing, owners, &replicas, Some(pairs)) {
+        let benched = self.health.quarantined();
+        let plans = match plan_around(&b.routing, owners, replicas, pairs, &benched) {
             Ok(p) => p,
             Err(PlanError::NoLiveOwner { expert, owners }) => {
                 let who: Vec<String> = owners.iter().map(|&r| self.name(r)).collect();
@@ -1275,46 +1402,27 @@ impl RouterCore {
                 return false;
             }
         };
-        let h = self.spec.hidden as usize;
-        let mode = self.cfg.mode;
-        let accurate_dtype = self.cfg.accurate_dtype;
-        let wire = self.wire;
         for plan in plans {
-            let b = self.inflight.get_mut(&id).expect("checked above");
+            let b = self.inflight.get(&id).expect("checked above");
             let part_id = b.parts.len() as u32;
-            let n = plan.tokens.len();
-            let (dtype, payload) = dispatch_payload(b, &plan.tokens, h, mode, accurate_dtype);
-            let dispatch = Dispatch {
-                batch_id: id,
-                layer: b.layer,
-                part: part_id,
-                tokens: n as u32,
-                hidden: h as u32,
-                dtype,
-                mode: match mode {
-                    ComputeMode::Exact => WireComputeMode::Exact,
-                    ComputeMode::Accurate => WireComputeMode::Accurate,
-                },
-                layout: wire.layout,
-                result_dtype: wire.result,
-                expert_counts: plan.counts.iter().map(|&c| c as u16).collect(),
-                experts: plan.experts.clone(),
-                weights: plan.weights.clone(),
-            };
+            let (frame, payload_len) = self.part_frame(b, id, part_id, &plan);
             self.stats.parts_sent += 1;
-            self.stats.dispatch_payload_bytes += payload.len() as u64;
+            self.stats.dispatch_payload_bytes += payload_len as u64;
             self.replicas.load[plan.rank as usize] += plan.pairs() as u64;
             let rank = plan.rank;
+            let b = self.inflight.get_mut(&id).expect("checked above");
             b.parts.push(Part {
                 rank,
                 plan,
                 sent_at: now,
+                hedge_at: now + self.health.hedge_after(rank, b.layer),
+                straggled: false,
                 live: true,
             });
             b.outstanding += 1;
             self.actions.push(Action::Send {
                 rank,
-                frame: OutFrame::with_payload(Body::Dispatch(dispatch), Bytes::from(payload)),
+                frame,
                 batch: id,
                 part: part_id,
             });
@@ -1322,36 +1430,91 @@ impl RouterCore {
         true
     }
 
+    /// The dispatch frame of part `part_id` of batch `id` (in flight as `b`) for `plan`, and
+    /// its payload's length.
+    fn part_frame(
+        &self,
+        b: &Inflight,
+        id: u64,
+        part_id: u32,
+        plan: &DevicePlan,
+    ) -> (OutFrame, usize) {
+        let h = self.spec.hidden as usize;
+        let mode = self.cfg.mode;
+        let n = plan.tokens.len();
+        let (dtype, payload) = dispatch_payload(b, &plan.tokens, h, mode, self.cfg.accurate_dtype);
+        let dispatch = Dispatch {
+            batch_id: id,
+            layer: b.layer,
+            part: part_id,
+            tokens: n as u32,
+            hidden: h as u32,
+            dtype,
+            mode: match mode {
+                ComputeMode::Exact => WireComputeMode::Exact,
+                ComputeMode::Accurate => WireComputeMode::Accurate,
+            },
+            layout: self.wire.layout,
+            result_dtype: self.wire.result,
+            expert_counts: plan.counts.iter().map(|&c| c as u16).collect(),
+            experts: plan.experts.clone(),
+            weights: plan.weights.clone(),
+        };
+        let len = payload.len();
+        (
+            OutFrame::with_payload(Body::Dispatch(dispatch), Bytes::from(payload)),
+            len,
+        )
+    }
+
+    /// Whether every expert of part `i` of batch `id` has a live owner other than the part's
+    /// device.
+    fn has_other_owner(&self, id: u64, i: usize) -> bool {
+        let Some(b) = self.inflight.get(&id) else {
+            return false;
+        };
+        let Some(part) = b.parts.get(i) else {
+            return false;
+        };
+        let owners = &self.owners_ext[&b.layer];
+        part.plan.pair_targets().all(|(t, s)| {
+            let e = b.routing.experts_of(t as usize)[s as usize];
+            owners.owners[e as usize]
+                .iter()
+                .any(|&r| r != part.rank && self.replicas.alive[r as usize])
+        })
+    }
+
     /// Re-send part `i` of batch `id` ([`Resend`] says why and where to).
     fn redispatch(&mut self, id: u64, i: usize, now: Instant, why: Resend) {
-        let Some(b) = self.inflight.get_mut(&id) else {
+        let Some(b) = self.inflight.get(&id) else {
             return;
         };
-        let part = &mut b.parts[i];
-        if !part.live {
+        if !b.parts[i].live {
             return;
         }
+        if why == Resend::Straggler && !self.has_other_owner(id, i) {
+            // Keep waiting (until the deadline), and look again later: a replica may come
+            // back.
+            let b = self.inflight.get_mut(&id).expect("checked above");
+            let part = &mut b.parts[i];
+            let wait = self.health.hedge_after(part.rank, b.layer);
+            part.hedge_at = now + wait.max(STRAGGLER_RECHECK);
+            return;
+        }
+        let b = self.inflight.get_mut(&id).expect("checked above");
+        let part = &mut b.parts[i];
         let rank = part.rank;
         let mut pairs = Vec::with_capacity(part.plan.pairs());
         pairs.extend(part.plan.pair_targets());
-        if why == Resend::Straggler {
-            let owners = &self.owners_ext[&b.layer];
-            let has_other = pairs.iter().all(|&(t, s)| {
-                let e = b.routing.experts_of(t as usize)[s as usize];
-                owners.owners[e as usize]
-                    .iter()
-                    .any(|&r| r != rank && self.replicas.alive[r as usize])
-            });
-            if !has_other {
-                part.sent_at = now;
-                return;
-            }
-        }
         part.live = false;
         b.outstanding -= 1;
         let l = &mut self.replicas.load[rank as usize];
         *l = l.saturating_sub(pairs.len() as u64);
         self.stats.parts_redispatched += 1;
+        if why == Resend::Straggler {
+            self.stats.hedges += 1;
+        }
         let (avoid, dedup) = match why {
             Resend::WithoutDedup => (None, false),
             Resend::Lost | Resend::Straggler => (Some(rank), true),
@@ -1364,6 +1527,165 @@ impl RouterCore {
         {
             self.complete(id);
         }
+    }
+
+    /// Part `i` of batch `id` is past its hedge time: charge its device once.
+    fn straggled(&mut self, id: u64, i: usize, now: Instant) {
+        let Some(part) = self.inflight.get_mut(&id).and_then(|b| b.parts.get_mut(i)) else {
+            return;
+        };
+        if std::mem::replace(&mut part.straggled, true) {
+            return;
+        }
+        let rank = part.rank;
+        self.fault(rank, now, "it straggled past its hedge timeout");
+    }
+
+    /// A fault of `rank` (a straggle, a failed send, a lost link, an error answer): its probe
+    /// fails when one is out, else it counts towards quarantine.
+    fn fault(&mut self, rank: u32, now: Instant, why: &str) {
+        let ev = if self.health.probe_of(rank).is_some() {
+            self.probes.remove(&rank);
+            Some(self.health.on_probe_failed(rank, now))
+        } else {
+            self.health.on_fault(rank, now)
+        };
+        if let Some(ev) = ev {
+            self.health_event(ev, why);
+        }
+    }
+
+    /// Counts and logs a change of a device's standing.
+    fn health_event(&mut self, ev: HealthEvent, why: &str) {
+        match ev {
+            HealthEvent::Quarantined { rank, period } => {
+                self.stats.quarantines += 1;
+                tracing::info!(
+                    device = %self.name(rank), ?period,
+                    "device quarantined ({why}): left out of replica choice, probed after the period"
+                );
+            }
+            HealthEvent::Released { rank } => {
+                self.stats.quarantine_releases += 1;
+                tracing::info!(device = %self.name(rank), "device back in rotation ({why})");
+            }
+        }
+    }
+
+    /// Mirrors one live part of batch `id` to each live device whose quarantine ran out and
+    /// that holds every expert of that part: its probe. The probe's answer is checked and
+    /// dropped ([`RouterCore::on_result`]); the batch never waits on it.
+    fn send_probes(&mut self, id: u64, now: Instant) {
+        for rank in self.health.probes_due(now) {
+            if !self.replicas.alive.get(rank as usize).is_some_and(|&a| a) {
+                continue; // not connected: probed once it is back
+            }
+            let Some(b) = self.inflight.get(&id) else {
+                return;
+            };
+            let owners = &self.owners_ext[&b.layer];
+            let holds = |p: &Part| {
+                p.plan.pair_targets().all(|(t, s)| {
+                    let e = b.routing.experts_of(t as usize)[s as usize];
+                    owners.owners[e as usize].contains(&rank)
+                })
+            };
+            let live_part = |p: &&Part| p.live && p.rank != rank && holds(p);
+            let Some(src) = b.parts.iter().find(live_part) else {
+                continue;
+            };
+            let mut plan = src.plan.clone();
+            plan.rank = rank;
+            let part_id = b.parts.len() as u32;
+            let (frame, _) = self.part_frame(b, id, part_id, &plan);
+            let rows = match self.wire.layout {
+                WireLayout::PerSlot => plan.pairs(),
+                WireLayout::PreCombined => plan.tokens.len(),
+            };
+            let layer = b.layer;
+            let b = self.inflight.get_mut(&id).expect("checked above");
+            b.parts.push(Part {
+                rank,
+                plan,
+                sent_at: now,
+                hedge_at: now,
+                straggled: false,
+                live: false,
+            });
+            self.health.probe_sent(rank, id, part_id, now);
+            self.probes.insert(rank, (layer, rows));
+            self.stats.probes += 1;
+            tracing::debug!(device = %self.name(rank), batch = id, part = part_id, "probe sent");
+            self.actions.push(Action::Send {
+                rank,
+                frame,
+                batch: id,
+                part: part_id,
+            });
+        }
+    }
+
+    /// The probe out to `from` was answered: back in rotation when the answer has the shape
+    /// asked for and came in time, quarantined again otherwise.
+    fn probe_answered(&mut self, from: u32, res: &ExpertResult, payload: &[u8], now: Instant) {
+        let Some((layer, rows)) = self.probes.remove(&from) else {
+            return;
+        };
+        let h = self.spec.hidden as usize;
+        let fits = res.rows as usize == rows
+            && res.layout == self.wire.layout
+            && res.hidden as usize == h
+            && payload.len() == rows * h * res.dtype.elem_bytes();
+        let ev = if fits {
+            self.health.on_probe_answered(from, layer, now)
+        } else {
+            self.health.on_probe_failed(from, now)
+        };
+        let why = if fits {
+            "it answered its probe"
+        } else {
+            "it answered its probe with a result of the wrong shape"
+        };
+        self.health_event(ev, why);
+    }
+
+    /// Whether batch id `id` (of a result or error frame from `from`) was issued by this
+    /// incarnation. A frame of another one (an earlier router process on this rank) is dropped
+    /// and counted, with a warning at most every [`STALE_WARN_EVERY`].
+    fn own_batch(&mut self, id: u64, from: u32, now: Instant) -> bool {
+        if id >> 32 == u64::from(self.incarnation) {
+            return true;
+        }
+        if id == 0 {
+            return false; // an error about a frame the worker could not read
+        }
+        self.stats.stale_results += 1;
+        let (batch, mine) = (format!("{id:016x}"), format!("{:08x}", self.incarnation));
+        tracing::debug!(from = %self.name(from), batch, incarnation = mine, "dropped a frame of another router incarnation");
+        if self
+            .last_stale_warn
+            .is_none_or(|t| now.saturating_duration_since(t) >= STALE_WARN_EVERY)
+        {
+            self.last_stale_warn = Some(now);
+            tracing::warn!(
+                from = %self.name(from), batch, incarnation = mine,
+                dropped = self.stats.stale_results,
+                "dropping answers to another router incarnation (work an earlier router process on this rank dispatched)"
+            );
+        }
+        false
+    }
+
+    /// The id of a new batch: this incarnation in the high 32 bits, a sequence number
+    /// (1.., wrapping) in the low.
+    fn issue_batch_id(&mut self) -> u64 {
+        let seq = self.next_batch;
+        self.next_batch = if seq >= u64::from(u32::MAX) {
+            1
+        } else {
+            seq + 1
+        };
+        (u64::from(self.incarnation) << 32) | seq
     }
 
     /// Combine a finished batch and answer its requests.
@@ -1429,6 +1751,60 @@ impl RouterCore {
                 tokens: m.tokens,
                 output,
             });
+        }
+    }
+}
+
+/// How soon a straggling part without another live owner is looked at again (a replica may
+/// have come back).
+const STRAGGLER_RECHECK: Duration = Duration::from_millis(25);
+
+/// Least time between two warnings about stale frames (each is counted and logged at debug).
+const STALE_WARN_EVERY: Duration = Duration::from_secs(5);
+
+/// A random nonzero router incarnation: the standard library's per-process random hash keys
+/// mixed with the time and the process id, so router processes (and restarts) differ.
+pub fn fresh_incarnation() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(t);
+    h.write_u32(std::process::id());
+    let v = h.finish();
+    ((v >> 32) as u32 ^ v as u32).max(1)
+}
+
+/// Plans `pairs` with the `benched` (quarantined) ranks left out of replica choice, except
+/// for experts that no other live rank holds: their benched owners are let back in, one
+/// expert at a time, so quarantine never makes an expert unavailable.
+fn plan_around(
+    routing: &Routing,
+    owners: &LayerOwners,
+    mut replicas: Replicas,
+    pairs: &[(u32, u32)],
+    benched: &[u32],
+) -> Result<Vec<DevicePlan>, PlanError> {
+    let mut out: Vec<u32> = benched
+        .iter()
+        .copied()
+        .filter(|&r| replicas.alive.get(r as usize) == Some(&true))
+        .collect();
+    for &r in &out {
+        replicas.alive[r as usize] = false;
+    }
+    loop {
+        match plan::plan_dispatch(routing, owners, &replicas, Some(pairs)) {
+            Err(PlanError::NoLiveOwner { owners: o, .. }) if o.iter().any(|r| out.contains(r)) => {
+                for r in o {
+                    if let Some(i) = out.iter().position(|&x| x == r) {
+                        out.swap_remove(i);
+                        replicas.alive[r as usize] = true;
+                    }
+                }
+            }
+            other => return other,
         }
     }
 }

@@ -539,6 +539,7 @@ fn kind_name(b: &Body) -> &'static str {
     match b {
         Body::Hello(_) => "Hello",
         Body::Auth(_) => "Auth",
+        Body::LinkInfo(_) => "LinkInfo",
         Body::Dispatch(_) => "Dispatch",
         Body::Result(_) => "Result",
         Body::Error(_) => "Error",

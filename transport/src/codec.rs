@@ -52,6 +52,11 @@ pub const MAX_ATTACHMENT_BYTES: usize = 1024;
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 /// Length of a hello nonce and of an authentication MAC (HMAC-SHA256).
 pub const NONCE_BYTES: usize = 32;
+/// Longest frontend name in a hello, in bytes.
+pub const MAX_IDENTITY_BYTES: usize = 255;
+/// Largest frame accepted before the peer has authenticated (its hello, auth answer or a
+/// refusal): a header announcing more is refused before anything is allocated for it.
+pub const PRE_AUTH_MAX_FRAME_BYTES: usize = 8192;
 
 const FLAG_PAYLOAD_CRC: u16 = 1;
 const KNOWN_FLAGS: u16 = FLAG_PAYLOAD_CRC;
@@ -201,6 +206,9 @@ pub enum FrameKind {
     LayerRequest = 8,
     /// Router service → frontend: the combined layer output.
     LayerResponse = 9,
+    /// After authentication: this end's side of a shared-memory or RDMA link (sealed on the
+    /// TCP connection, so ring paths and queue pairs are never exchanged before it).
+    LinkInfo = 10,
 }
 
 impl FrameKind {
@@ -216,6 +224,7 @@ impl FrameKind {
             7 => Self::Credit,
             8 => Self::LayerRequest,
             9 => Self::LayerResponse,
+            10 => Self::LinkInfo,
             _ => return None,
         })
     }
@@ -225,7 +234,7 @@ impl FrameKind {
     pub fn is_application(self) -> bool {
         !matches!(
             self,
-            Self::Hello | Self::Auth | Self::Heartbeat | Self::Credit
+            Self::Hello | Self::Auth | Self::Heartbeat | Self::Credit | Self::LinkInfo
         )
     }
 }
@@ -599,6 +608,25 @@ pub struct Hello {
     /// (all zeros for frontends). Peers refuse a rank whose fingerprint differs from theirs
     /// for it.
     pub fingerprint: [u8; FINGERPRINT_BYTES],
+    /// A frontend's name (whose key the router derives); empty for ranks.
+    pub identity: String,
+}
+
+/// After authentication, this end's side of the link both hellos asked for: a shared-memory
+/// ring path or RDMA queue pair description ([`LinkInfo::attachment`] empty: this end cannot
+/// set it up, and the connection carries frames over TCP instead).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// The attachment (link prefix and description), or empty.
+    pub attachment: Vec<u8>,
+}
+
+/// The encoded metadata of a hello (what the handshake transcript hashes).
+pub fn hello_meta(h: &Hello) -> Vec<u8> {
+    let b = Body::Hello(h.clone());
+    let mut out = Vec::with_capacity(b.meta_len());
+    b.write_meta(&mut out);
+    out
 }
 
 /// Bytes of a hello's weights-and-placement fingerprint (a SHA-256 digest).
@@ -607,10 +635,11 @@ pub const FINGERPRINT_BYTES: usize = 32;
 /// The rank a frontend client announces in its hello.
 pub const CLIENT_RANK: u32 = u32::MAX;
 
-/// Authentication answer: HMAC-SHA256 over the peer's nonce (absent without a shared secret).
+/// Authentication answer: HMAC-SHA256 keyed with the pair's key over the handshake transcript
+/// (absent when the sender runs without credentials).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Auth {
-    /// The MAC, or `None` when the sender has no secret configured.
+    /// The MAC, or `None` when the sender has no credentials configured.
     pub mac: Option<[u8; NONCE_BYTES]>,
 }
 
@@ -764,6 +793,8 @@ pub enum Body {
     Hello(Hello),
     /// See [`Auth`].
     Auth(Auth),
+    /// See [`LinkInfo`].
+    LinkInfo(LinkInfo),
     /// See [`Dispatch`].
     Dispatch(Dispatch),
     /// See [`ExpertResult`].
@@ -874,6 +905,7 @@ impl Body {
         match self {
             Self::Hello(_) => FrameKind::Hello,
             Self::Auth(_) => FrameKind::Auth,
+            Self::LinkInfo(_) => FrameKind::LinkInfo,
             Self::Dispatch(_) => FrameKind::Dispatch,
             Self::Result(_) => FrameKind::Result,
             Self::Error(_) => FrameKind::Error,
@@ -907,6 +939,12 @@ impl Body {
                 if h.attachment.len() > MAX_ATTACHMENT_BYTES {
                     return Err(bad(kind, "attachment longer than 1024 bytes"));
                 }
+                if h.identity.len() > MAX_IDENTITY_BYTES {
+                    return Err(bad(kind, "frontend name longer than 255 bytes"));
+                }
+            }
+            Self::LinkInfo(l) if l.attachment.len() > MAX_ATTACHMENT_BYTES => {
+                return Err(bad(kind, "attachment longer than 1024 bytes"));
             }
             Self::Dispatch(d) => {
                 if d.expert_counts.len() != d.tokens as usize {
@@ -996,7 +1034,10 @@ impl Body {
                     + h.attachment.len()
                     + 8
                     + FINGERPRINT_BYTES
+                    + 1
+                    + h.identity.len()
             }
+            Self::LinkInfo(l) => 2 + l.attachment.len(),
             Self::Auth(a) => 1 + if a.mac.is_some() { NONCE_BYTES } else { 0 },
             Self::Dispatch(d) => {
                 8 + 4 * 4 + 4 + 4 + 2 * d.expert_counts.len() + 8 * d.experts.len()
@@ -1026,6 +1067,12 @@ impl Body {
                 out.extend_from_slice(&h.attachment);
                 out.extend_from_slice(&h.incarnation.to_le_bytes());
                 out.extend_from_slice(&h.fingerprint);
+                out.push(h.identity.len() as u8);
+                out.extend_from_slice(h.identity.as_bytes());
+            }
+            Self::LinkInfo(l) => {
+                out.extend_from_slice(&(l.attachment.len() as u16).to_le_bytes());
+                out.extend_from_slice(&l.attachment);
             }
             Self::Auth(a) => match &a.mac {
                 Some(m) => {
@@ -1110,6 +1157,15 @@ impl Body {
         let body = match kind {
             FrameKind::Hello => Body::Hello(decode_hello(&mut c)?),
             FrameKind::Auth => Body::Auth(decode_auth(&mut c)?),
+            FrameKind::LinkInfo => {
+                let n = c.u16("attachment length")? as usize;
+                if n > MAX_ATTACHMENT_BYTES {
+                    return Err(bad(kind, format!("attachment of {n} bytes exceeds 1024")));
+                }
+                Body::LinkInfo(LinkInfo {
+                    attachment: c.take(n, "attachment")?.to_vec(),
+                })
+            }
             FrameKind::Dispatch => Body::Dispatch(decode_dispatch(&mut c)?),
             FrameKind::Result => Body::Result(decode_result(&mut c)?),
             FrameKind::Error => Body::Error(decode_error(&mut c)?),
@@ -1155,6 +1211,10 @@ fn decode_hello(c: &mut Cursor<'_>) -> Result<Hello, CodecError> {
     let attachment = c.take(att_len, "attachment")?.to_vec();
     let incarnation = c.u64("incarnation")?;
     let fingerprint = c.array32("fingerprint")?;
+    let id_len = c.u8("frontend name length")? as usize;
+    let identity = std::str::from_utf8(c.take(id_len, "frontend name")?)
+        .map_err(|_| bad(c.kind, "frontend name is not UTF-8"))?
+        .to_owned();
     Ok(Hello {
         format_version,
         cluster,
@@ -1166,6 +1226,7 @@ fn decode_hello(c: &mut Cursor<'_>) -> Result<Hello, CodecError> {
         attachment,
         incarnation,
         fingerprint,
+        identity,
     })
 }
 

@@ -3,9 +3,16 @@
 //!
 //! Why this exists: only this crate touches sockets, so the router service and its client are
 //! built on these types. They reuse the frame codec and the authenticated handshake of the mesh
-//! (the client announces [`CLIENT_RANK`]), but not its credit window: a frontend connection is
-//! request/response and TCP's own backpressure bounds it (the server reads the next request only
-//! when it is ready for it).
+//! (the client announces [`CLIENT_RANK`] and its frontend name; with credentials every frame
+//! after the handshake is sealed with AES-256-GCM, see [`crypto`](crate::crypto)), but not its
+//! credit window: a frontend connection is request/response and TCP's own backpressure bounds
+//! it (the server reads the next request only when it is ready for it).
+//!
+//! Before authentication a listener holds little per connection: handshakes are limited per
+//! source address and in total ([`FrontendConfig::handshake_gate`]), the first frames are
+//! capped at [`PRE_AUTH_MAX_FRAME_BYTES`](crate::codec::PRE_AUTH_MAX_FRAME_BYTES), and an
+//! authenticated connection reserves its buffers from [`FrontendConfig::memory_budget`]
+//! (refused beyond it).
 //!
 //! Bad input: a frame whose header is intact but whose metadata or payload is invalid yields
 //! [`FrontendError::BadFrame`] with `recoverable: true` (the server answers with an error frame
@@ -18,9 +25,13 @@
 //! [`codec`]; nothing in the crate imports it.
 
 use crate::codec::{self, Body, CLIENT_RANK, CodecConfig, CodecError, ErrorCode, ErrorFrame};
+use crate::crypto::{Credentials, IntegrityError};
 use crate::link::{BufPool, nonce};
 use crate::protocol::{Connection, ProtocolConfig, ProtocolError};
-use crate::tcp::{ReadError, handshake, read_frame, write_vectored_all};
+use crate::tcp::{
+    Crypt, FrameIn, HandshakeGate, HandshakePermit, MemoryBudget, MemoryReservation, ReadError,
+    SealBuf, handshake, log_refusal, read_frame, write_frame_sealed, write_vectored_all,
+};
 use expertmesh_quant::aligned::AlignedVec;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -29,13 +40,14 @@ use std::time::{Duration, Instant};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-/// Settings for frontend connections (both ends must agree on cluster, secret and codec).
+/// Settings for frontend connections (both ends must agree on cluster, keys and codec).
 #[derive(Clone, Debug)]
 pub struct FrontendConfig {
     /// Cluster name.
     pub cluster: String,
-    /// Shared secret (`None`: no authentication).
-    pub secret: Option<Arc<[u8]>>,
+    /// This end's credential: a frontend's (client) or its router's (server). `None`: no
+    /// authentication and no encryption (insecure).
+    pub credentials: Option<Arc<Credentials>>,
     /// Codec settings.
     pub codec: CodecConfig,
     /// Handshake deadline.
@@ -45,7 +57,15 @@ pub struct FrontendConfig {
     /// Server side: while closed, clients are refused with the gate's reason (a fabric whose
     /// workers have not all connected yet). Open by default.
     pub gate: FrontendGate,
+    /// Server side: limits on handshakes in progress (per source address and in total).
+    pub handshake_gate: HandshakeGate,
+    /// Server side: the bytes all authenticated connections may reserve for their buffers
+    /// together; each reserves [`FrontendConfig::connection_reserve_bytes`].
+    pub memory_budget: MemoryBudget,
 }
+
+/// Default [`FrontendConfig::memory_budget`]: 8 GiB.
+pub const DEFAULT_FRONTEND_MEMORY_BUDGET: u64 = 8 << 30;
 
 /// Whether a frontend listener lets clients in. Clones share one state.
 #[derive(Clone, Debug, Default)]
@@ -74,11 +94,12 @@ impl FrontendGate {
 }
 
 impl FrontendConfig {
-    /// Defaults for `cluster`: no secret, 64 MiB frames, 5 s handshake.
+    /// Defaults for `cluster`: no credentials, 64 MiB frames, 5 s handshake, 8 handshakes per
+    /// source address and 64 in all, an 8 GiB connection memory budget.
     pub fn new(cluster: impl Into<String>) -> Self {
         Self {
             cluster: cluster.into(),
-            secret: None,
+            credentials: None,
             codec: CodecConfig {
                 max_frame_bytes: 64 << 20,
                 payload_checksum: false,
@@ -86,7 +107,15 @@ impl FrontendConfig {
             handshake_timeout: Duration::from_secs(5),
             server_rank: 0,
             gate: FrontendGate::default(),
+            handshake_gate: HandshakeGate::default(),
+            memory_budget: MemoryBudget::new(DEFAULT_FRONTEND_MEMORY_BUDGET),
         }
+    }
+
+    /// What one authenticated connection reserves from the memory budget: two maximum-size
+    /// frames (one being read, one held by the server).
+    pub fn connection_reserve_bytes(&self) -> u64 {
+        2 * self.codec.max_frame_bytes as u64
     }
 
     fn protocol(&self, server: bool) -> ProtocolConfig {
@@ -99,7 +128,7 @@ impl FrontendConfig {
             },
             self.server_rank.saturating_add(1),
         );
-        p.secret = self.secret.clone();
+        p.credentials = self.credentials.clone();
         p.codec = self.codec;
         p.recv_window_bytes = 2 * self.codec.max_frame_bytes as u64;
         p.handshake_timeout = self.handshake_timeout;
@@ -147,6 +176,15 @@ pub enum FrontendError {
     Closed {
         /// The other end.
         peer: SocketAddr,
+    },
+    /// A sealed frame did not open (tampered, replayed, reordered or truncated): the
+    /// connection is unusable and must be closed.
+    #[error("{peer}: {error}; connection closed")]
+    Integrity {
+        /// The other end.
+        peer: SocketAddr,
+        /// Cause.
+        error: IntegrityError,
     },
     /// The address answered as a mesh port (a worker's, or the router's port for workers), not
     /// as the router's frontend port.
@@ -214,15 +252,26 @@ impl FrameListener {
     }
 
     /// Accepts the next TCP connection; run [`IncomingClient::handshake`] on it (in its own
-    /// task, so a slow client cannot stall accepting).
+    /// task, so a slow client cannot stall accepting). A connection over the handshake limits
+    /// ([`FrontendConfig::handshake_gate`]) is closed at once, unread, and logged.
     pub async fn accept(&self) -> std::io::Result<IncomingClient> {
-        let (stream, peer) = self.listener.accept().await?;
-        let _ = stream.set_nodelay(true);
-        Ok(IncomingClient {
-            stream,
-            peer,
-            cfg: Arc::clone(&self.cfg),
-        })
+        loop {
+            let (stream, peer) = self.listener.accept().await?;
+            let permit = match self.cfg.handshake_gate.try_enter(peer.ip()) {
+                Ok(p) => p,
+                Err(why) => {
+                    log_refusal("frontend client", peer, None, &why);
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            return Ok(IncomingClient {
+                stream,
+                peer,
+                cfg: Arc::clone(&self.cfg),
+                permit,
+            });
+        }
     }
 }
 
@@ -232,6 +281,8 @@ pub struct IncomingClient {
     stream: TcpStream,
     peer: SocketAddr,
     cfg: Arc<FrontendConfig>,
+    /// Its place among the handshakes in progress, freed when the handshake ends.
+    permit: HandshakePermit,
 }
 
 impl IncomingClient {
@@ -248,25 +299,37 @@ impl IncomingClient {
         let proto = Arc::new(self.cfg.protocol(true));
         let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
         let peer = self.peer;
-        match handshake(
+        let mut crypt = Crypt::default();
+        let r = handshake(
             &mut self.stream,
             &mut conn,
             &self.cfg.codec,
             None,
             self.cfg.handshake_timeout,
+            &mut crypt,
         )
-        .await
-        {
-            Ok(_) => Ok(FrameConnection::from_stream(
-                self.stream,
+        .await;
+        drop(self.permit);
+        let refused = |source: ProtocolError| {
+            log_refusal(
+                "frontend client",
                 peer,
-                self.cfg.codec,
-            )),
-            Err(source) => {
-                tracing::warn!(%peer, "refused frontend client: {source}");
-                Err(FrontendError::Handshake { peer, source })
-            }
+                conn.claimed_peer(),
+                &source.to_string(),
+            );
+            FrontendError::Handshake { peer, source }
+        };
+        if let Err(source) = r {
+            return Err(refused(source));
         }
+        let reservation = self
+            .cfg
+            .memory_budget
+            .reserve(self.cfg.connection_reserve_bytes())
+            .map_err(|m| refused(ProtocolError::Closed(m)))?;
+        let mut c = FrameConnection::from_stream(self.stream, peer, self.cfg.codec, crypt);
+        c.reader.reservation = Some(reservation);
+        Ok(c)
     }
 }
 
@@ -280,7 +343,11 @@ impl IncomingClient {
         let pool = BufPool::new(0);
         let _ = tokio::time::timeout(
             self.cfg.handshake_timeout,
-            read_frame(&mut self.stream, &self.cfg.codec, &pool),
+            read_frame(
+                &mut self.stream,
+                &crate::tcp::pre_auth_codec(&self.cfg.codec),
+                &pool,
+            ),
         )
         .await;
         let body = Body::Error(ErrorFrame {
@@ -348,37 +415,46 @@ impl FrameConnection {
         let proto = Arc::new(cfg.protocol(false));
         let expected = Some(cfg.server_rank);
         let mut conn = Connection::new(proto, expected, nonce(), Vec::new(), Instant::now());
+        let mut crypt = Crypt::default();
         handshake(
             &mut stream,
             &mut conn,
             &cfg.codec,
             None,
             cfg.handshake_timeout,
+            &mut crypt,
         )
         .await
         .map_err(|source| {
             not_frontend(addr, cfg, &source)
                 .unwrap_or(FrontendError::Handshake { peer: addr, source })
         })?;
-        Ok(Self::from_stream(stream, addr, cfg.codec))
+        Ok(Self::from_stream(stream, addr, cfg.codec, crypt))
     }
 
-    fn from_stream(stream: TcpStream, peer: SocketAddr, codec: CodecConfig) -> Self {
+    fn from_stream(stream: TcpStream, peer: SocketAddr, codec: CodecConfig, crypt: Crypt) -> Self {
         let (r, w) = stream.into_split();
         Self {
             reader: FrameReader {
-                read: tokio::io::BufReader::with_capacity(64 << 10, r),
+                read: FrameIn::new(tokio::io::BufReader::with_capacity(64 << 10, r), crypt.open),
                 peer,
                 codec,
                 pool: BufPool::new(4 * codec.max_frame_bytes as u64),
+                reservation: None,
             },
             writer: FrameWriter {
                 write: w,
                 peer,
                 codec,
                 head: Vec::with_capacity(256),
+                seal: crypt.seal,
             },
         }
+    }
+
+    /// Whether frames on this connection are sealed (authenticated and encrypted).
+    pub fn is_encrypted(&self) -> bool {
+        self.writer.seal.is_some()
     }
 
     /// The other end's address.
@@ -417,10 +493,13 @@ impl FrameConnection {
 /// Reading half of a [`FrameConnection`].
 #[derive(Debug)]
 pub struct FrameReader {
-    read: tokio::io::BufReader<OwnedReadHalf>,
+    /// The socket, opening sealed frames when the connection is encrypted.
+    read: FrameIn<tokio::io::BufReader<OwnedReadHalf>>,
     peer: SocketAddr,
     codec: CodecConfig,
     pool: Arc<BufPool>,
+    /// Server side: this connection's share of the listener's memory budget.
+    reservation: Option<MemoryReservation>,
 }
 
 impl FrameReader {
@@ -428,10 +507,13 @@ impl FrameReader {
     pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
         loop {
             let peer = self.peer;
-            let (header, buf) = match read_frame(&mut self.read, &self.codec, &self.pool).await {
+            let (header, buf) = match self.read.read_frame(&self.codec, &self.pool).await {
                 Ok(f) => f,
                 Err(ReadError::Eof) => return Err(FrontendError::Closed { peer }),
                 Err(ReadError::Io(source)) => return Err(FrontendError::Io { peer, source }),
+                Err(ReadError::Integrity(error)) => {
+                    return Err(FrontendError::Integrity { peer, error });
+                }
                 Err(ReadError::Codec(error)) => {
                     return Err(FrontendError::BadFrame {
                         peer,
@@ -472,6 +554,8 @@ pub struct FrameWriter {
     peer: SocketAddr,
     codec: CodecConfig,
     head: Vec<u8>,
+    /// Seals every frame when the connection is encrypted.
+    seal: Option<SealBuf>,
 }
 
 impl FrameWriter {
@@ -486,7 +570,7 @@ impl FrameWriter {
                 error,
             }
         })?;
-        write_vectored_all(&mut self.write, &self.head, payload)
+        write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload)
             .await
             .map_err(|source| FrontendError::Io { peer, source })
     }

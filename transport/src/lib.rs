@@ -6,6 +6,8 @@
 //!
 //! - [`codec`]: the versioned frame format (bytes in, frames out; no I/O, no clock).
 //! - [`dtype`]: payload encodings (bf16, f16, f32, fp8 e4m3, q8-block32) and conversions.
+//! - [`crypto`]: link security: cluster keys and per-principal credentials, the handshake's
+//!   transcript MACs and session keys, and the AES-256-GCM record layer of TCP links.
 //! - [`protocol`]: the per-connection state machine shared by every driver (handshake and
 //!   authentication, the link kind both ends agree on and the shared-memory sync byte, credit
 //!   flow control, heartbeats and timeouts), quinn-proto style.
@@ -34,7 +36,7 @@
 //!   |
 //! protocol                    sans-IO connection state machine (no I/O, no clock)
 //!   |
-//! codec                       frame format
+//! codec   crypto              frame format; keys, transcript MACs, sealed records
 //!   |
 //! dtype                       payload encodings
 //!   |
@@ -60,7 +62,10 @@
 //! let peers: Vec<PeerAddress> =
 //!     addrs.iter().map(|&addr| PeerAddress { addr, link: LinkKind::Shm }).collect();
 //! let mut cfg = MeshConfig::new("my-cluster", 0, peers);
-//! cfg.protocol.secret = Some(std::sync::Arc::from(&b"shared secret"[..]));
+//! // Each rank's own credential, issued by `expertmesh keys issue` (it encrypts every frame).
+//! cfg.protocol.credentials = Some(std::sync::Arc::new(
+//!     expertmesh_transport::crypto::Credentials::load("rank0.cred".as_ref())?,
+//! ));
 //! let (mesh, mut events) = Mesh::start(cfg).await?;
 //! mesh.wait_connected(&[1], Duration::from_secs(10)).await?;
 //!
@@ -99,6 +104,7 @@
 
 mod align;
 pub mod codec;
+pub mod crypto;
 pub mod dtype;
 pub mod frontend;
 mod link;
@@ -117,3 +123,7 @@ pub use mesh::{
     PeerStats, Rank, RecvFrame, ShmConfig, StartError, Transport, TransportEvent,
 };
 pub use protocol::ProtocolConfig;
+pub use tcp::{
+    HANDSHAKES_PER_SOURCE, HANDSHAKES_TOTAL, HandshakeGate, HandshakePermit, MemoryBudget,
+    MemoryReservation, REFUSAL_LOGS_PER_SECOND, log_refusal,
+};

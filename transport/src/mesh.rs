@@ -97,6 +97,9 @@ pub struct MeshConfig {
     /// rank 0 (workers that only talk to the router) sets `Some(vec![0])` on every other rank
     /// and `Some(vec![])` on rank 0; then only rank 0's address must be reachable.
     pub dial_ranks: Option<Vec<Rank>>,
+    /// Limits on handshakes in progress on this rank's listener (per source address and in
+    /// total); connections over them are closed at once.
+    pub handshake_gate: crate::tcp::HandshakeGate,
 }
 
 impl MeshConfig {
@@ -111,6 +114,7 @@ impl MeshConfig {
             shm: ShmConfig::default(),
             rdma_device: None,
             dial_ranks: None,
+            handshake_gate: crate::tcp::HandshakeGate::default(),
         }
     }
 }
@@ -571,7 +575,8 @@ async fn start_listener(inner: &Arc<MeshInner>) -> Result<(), StartError> {
     Ok(())
 }
 
-/// Accepts connections until shutdown, setting each up on its own task.
+/// Accepts connections until shutdown, setting each up on its own task. A connection over
+/// the handshake limits ([`MeshConfig::handshake_gate`]) is closed at once, unread.
 async fn accept_loop(inner: Arc<MeshInner>, listener: TcpListener) {
     loop {
         let (stream, from) = match listener.accept().await {
@@ -585,18 +590,33 @@ async fn accept_loop(inner: Arc<MeshInner>, listener: TcpListener) {
         if inner.is_shutdown() {
             return;
         }
+        let permit = match inner.cfg.handshake_gate.try_enter(from.ip()) {
+            Ok(p) => p,
+            Err(why) => {
+                crate::tcp::log_refusal("mesh connection", from, None, &why);
+                drop(stream);
+                continue;
+            }
+        };
         let inner2 = Arc::clone(&inner);
         tokio::spawn(async move {
-            if let Err(e) = accept_one(&inner2, stream).await {
-                tracing::warn!(%from, "refused incoming connection: {e}");
+            if let Err(r) = accept_one(&inner2, stream, permit).await {
+                let reason = r.error.to_string();
+                crate::tcp::log_refusal("mesh connection", from, r.claimed.as_deref(), &reason);
             }
         });
     }
 }
 
-/// Sets up a link from an accepted connection and installs it.
-async fn accept_one(inner: &Arc<MeshInner>, stream: TcpStream) -> Result<(), ProtocolError> {
+/// Sets up a link from an accepted connection and installs it (the handshake's place under
+/// the gate is freed once authenticated).
+async fn accept_one(
+    inner: &Arc<MeshInner>,
+    stream: TcpStream,
+    permit: crate::tcp::HandshakePermit,
+) -> Result<(), setup::Refused> {
     let est = setup::accept(&inner.setup, stream).await?;
+    drop(permit);
     inner.adopt(est);
     Ok(())
 }

@@ -12,15 +12,23 @@
 //! # Handshake
 //!
 //! Both ends send [`Hello`] at once (cluster name, rank, format version, receive window, a fresh
-//! 32-byte nonce, whether they require authentication, a driver attachment, the sender
-//! process's incarnation and the fingerprint of what its rank serves). On the peer's hello each
-//! end checks cluster, version, rank and (when [`ProtocolConfig::peer_fingerprints`] is set)
-//! that the peer serves the model, weights and experts expected of its rank, then answers with
-//! [`Auth`]: with a shared
-//! secret, `HMAC-SHA256(secret, "expertmesh-auth-v1" ‖ cluster ‖ peer_nonce ‖ own_nonce ‖
-//! own_rank)`; without one, an empty answer. The connection is established when the peer's answer
-//! verifies. A refusal is sent as an [`ErrorFrame`] with [`ErrorCode::AuthFailed`] (or
-//! `BadFrame`) before the driver closes the connection, so the other side can say why.
+//! 32-byte nonce, whether they authenticate, the link they ask for, the sender process's
+//! incarnation, the fingerprint of what its rank serves, and a frontend's name). Before the
+//! peer has authenticated, a frame larger than [`PRE_AUTH_MAX_FRAME_BYTES`] is refused. On the
+//! peer's hello each end checks cluster, version, rank and (when
+//! [`ProtocolConfig::peer_fingerprints`] is set) that the peer serves the model, weights and
+//! experts expected of its rank, then looks up the key it shares with the rank or frontend the
+//! peer claims ([`Credentials`](crate::crypto::Credentials): a rank holds a key only for pairs
+//! that include itself, a router derives its frontends' keys) and answers with [`Auth`]:
+//! `HMAC-SHA256(key, "expertmesh-auth-v2" ‖ role ‖ transcript)`, the transcript being a hash
+//! of both hellos ([`crypto::transcript`]). A peer that claims a rank without holding that
+//! rank's key cannot produce the MAC. Without credentials on both ends the answer is empty
+//! (insecure mode); one end with credentials refuses a peer without. The connection is
+//! established when the peer's answer verifies; from each end's own [`Auth`] on, every frame
+//! it sends on TCP is sealed with its direction's session key ([`Connection::session_keys`],
+//! HKDF over the pair key and the transcript; see [`crypto`]). A refusal is sent as an
+//! [`ErrorFrame`] with [`ErrorCode::AuthFailed`] (or `BadFrame`) before the driver closes the
+//! connection, so the other side can say why.
 //!
 //! # Flow control
 //!
@@ -33,37 +41,37 @@
 //!
 //! # Link setup
 //!
-//! A hello's attachment names the link its sender wants and describes the sender's side of it:
-//! [`SHM_ATTACHMENT`] followed by the path of the ring the sender reads, or [`RDMA_ATTACHMENT`]
-//! followed by its queue pair description, or nothing for plain TCP. When both hellos ask for the
-//! same shared-memory or RDMA link, authentication is followed by a link-setup state
-//! ([`Event::LinkSetup`]): the driver sets up its side from the peer's attachment and reports
-//! [`Connection::link_ready`] (or [`Connection::link_setup_failed`]). A shared-memory link then
-//! exchanges one raw [`SHM_SYNC_BYTE`] in each direction on the TCP connection, outside any
-//! frame ([`Connection::poll_transmit_raw`], [`Connection::handle_raw`]): "I have mapped your
-//! ring", after which each side may unlink its own ring file; an RDMA link needs no sync byte.
-//! Otherwise (either side asked for TCP or could not prepare its link) the connection is
-//! established as a TCP link right after authentication.
+//! A hello's attachment only names the link its sender asks for ([`SHM_ATTACHMENT`] or
+//! [`RDMA_ATTACHMENT`], or nothing for plain TCP); nothing is created for it before
+//! authentication. When both hellos ask for the same shared-memory or RDMA link,
+//! authentication is followed by a link-setup state ([`Event::LinkSetup`]): the driver creates
+//! its side (a ring, a queue pair) and reports it with [`Connection::link_prepared`], which
+//! sends a [`LinkInfo`] frame (sealed) describing it, or an empty one when it cannot; the
+//! peer's [`LinkInfo`] is then in [`Connection::peer_link_info`]. If either side is empty, the
+//! connection is established as a TCP link at once. Otherwise the driver sets up its side from
+//! the peer's description and reports [`Connection::link_ready`] (or
+//! [`Connection::link_setup_failed`]). A shared-memory link then exchanges one raw
+//! [`SHM_SYNC_BYTE`] in each direction on the TCP connection, outside any frame
+//! ([`Connection::poll_transmit_raw`], [`Connection::handle_raw`]): "I have mapped your ring",
+//! after which each side may unlink its own ring file; an RDMA link needs no sync byte.
 //!
 //! # Queues
 //!
 //! The connection's internal queues are bounded by the protocol itself: at most one hello, one
-//! auth answer, one heartbeat and one closing error are queued at a time, and a credit frame is
+//! auth answer, one link info, one heartbeat and one closing error are queued at a time, and a credit frame is
 //! queued only per `W/4` bytes released, which the peer can only have sent with credit from
 //! earlier credit frames (a handful at most); events are one `LinkSetup`, one `Established` and
 //! one `Closed`.
 
+pub use crate::codec::PRE_AUTH_MAX_FRAME_BYTES;
 use crate::codec::{
     Auth, Body, CLIENT_RANK, CodecConfig, CodecError, Credit, ErrorCode, ErrorFrame,
-    FINGERPRINT_BYTES, FORMAT_VERSION, FrameKind, Heartbeat, Hello, NONCE_BYTES,
+    FINGERPRINT_BYTES, FORMAT_VERSION, FrameKind, Heartbeat, Hello, LinkInfo, NONCE_BYTES,
 };
-use hmac::{Hmac, KeyInit, Mac};
-use sha2::Sha256;
+use crate::crypto::{self, Credentials, Key, Role, SessionKeys};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const AUTH_LABEL: &[u8] = b"expertmesh-auth-v1";
 
 /// Prefix of a shared-memory attachment in a hello (followed by the ring file path).
 pub const SHM_ATTACHMENT: &[u8] = b"shm:";
@@ -116,9 +124,9 @@ impl LinkKind {
     }
 }
 
-/// The link kind and rank a dialer's first frame asks for: the acceptor prepares its side of
-/// that link before it answers. A frame that is not a hello asks for TCP from rank `u32::MAX`
-/// (the handshake then refuses it).
+/// The link kind and rank a dialer's first frame asks for: the acceptor asks for the same
+/// link in its hello (nothing is created before authentication). A frame that is not a hello
+/// asks for TCP from rank `u32::MAX` (the handshake then refuses it).
 pub fn requested_link(first: &Body) -> (LinkKind, u32) {
     match first {
         Body::Hello(h) => (LinkKind::of_attachment(&h.attachment), h.rank),
@@ -144,8 +152,8 @@ pub struct ProtocolConfig {
     pub local_rank: u32,
     /// Number of ranks in the cluster.
     pub world_size: u32,
-    /// Shared secret for HMAC authentication (`None`: no authentication).
-    pub secret: Option<Arc<[u8]>>,
+    /// This end's keys (`None`: no authentication and no encryption, insecure mode).
+    pub credentials: Option<Arc<Credentials>>,
     /// Bytes of application frames this end buffers before the peer must wait for credit.
     pub recv_window_bytes: u64,
     /// Send a heartbeat after this long without sending anything.
@@ -173,7 +181,7 @@ impl std::fmt::Debug for ProtocolConfig {
             .field("cluster", &self.cluster)
             .field("local_rank", &self.local_rank)
             .field("world_size", &self.world_size)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("credentials", &self.credentials)
             .field("recv_window_bytes", &self.recv_window_bytes)
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("idle_timeout", &self.idle_timeout)
@@ -192,13 +200,13 @@ impl std::fmt::Debug for ProtocolConfig {
 
 impl ProtocolConfig {
     /// A configuration with defaults: 64 MiB receive window, 16 MiB frames, 1 s heartbeats,
-    /// 10 s idle timeout, 5 s handshake timeout, no secret.
+    /// 10 s idle timeout, 5 s handshake timeout, no credentials.
     pub fn new(cluster: impl Into<String>, local_rank: u32, world_size: u32) -> Self {
         Self {
             cluster: cluster.into(),
             local_rank,
             world_size,
-            secret: None,
+            credentials: None,
             recv_window_bytes: 64 << 20,
             heartbeat_interval: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(10),
@@ -245,6 +253,8 @@ pub struct PeerInfo {
     pub attachment: Vec<u8>,
     /// The peer process's incarnation (random per start).
     pub incarnation: u64,
+    /// A frontend peer's name (empty for ranks).
+    pub identity: String,
 }
 
 /// The first bytes of a fingerprint in hex, for messages and logs.
@@ -298,6 +308,17 @@ pub enum ProtocolError {
     /// Authentication failed.
     #[error("authentication failed: {0}")]
     AuthFailed(String),
+    /// A sealed frame did not open (tampered, replayed, reordered, truncated).
+    #[error("{0}; closing the connection")]
+    Integrity(#[from] crypto::IntegrityError),
+    /// A frame before authentication larger than [`PRE_AUTH_MAX_FRAME_BYTES`].
+    #[error(
+        "a {len}-byte frame before authentication (at most {PRE_AUTH_MAX_FRAME_BYTES} bytes are accepted before the peer has authenticated)"
+    )]
+    PreAuthTooLarge {
+        /// The frame's length.
+        len: u64,
+    },
     /// The peer serves other weights, another model or another placement than this node
     /// expects of its rank.
     #[error(
@@ -363,9 +384,11 @@ impl ProtocolError {
     fn wire_code(&self) -> ErrorCode {
         match self {
             Self::AuthFailed(_) => ErrorCode::AuthFailed,
-            Self::Codec(_) | Self::UnexpectedFrame { .. } | Self::CreditViolation { .. } => {
-                ErrorCode::BadFrame
-            }
+            Self::Codec(_)
+            | Self::UnexpectedFrame { .. }
+            | Self::CreditViolation { .. }
+            | Self::Integrity(_)
+            | Self::PreAuthTooLarge { .. } => ErrorCode::BadFrame,
             _ => ErrorCode::Unsupported,
         }
     }
@@ -413,6 +436,12 @@ enum State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Setup {
     kind: LinkKind,
+    /// When link setup began (the link infos are due within the handshake timeout).
+    since: Instant,
+    /// This end's link info was queued (`Some(false)`: this end cannot set the link up).
+    local_info: Option<bool>,
+    /// The peer's link info, once received.
+    peer_info: Option<Vec<u8>>,
     /// When this end finished its own setup (`None`: not yet): the peer's sync byte is due
     /// within the handshake timeout from then.
     local_ready_at: Option<Instant>,
@@ -426,9 +455,7 @@ pub struct Connection {
     cfg: Arc<ProtocolConfig>,
     expected_peer: Option<u32>,
     state: State,
-    local_nonce: [u8; NONCE_BYTES],
     peer: Option<PeerInfo>,
-    peer_nonce: [u8; NONCE_BYTES],
     send_credit: u64,
     recv_outstanding: u64,
     release_pending: u64,
@@ -441,46 +468,23 @@ pub struct Connection {
     transmit_raw: Option<u8>,
     events: VecDeque<Event>,
     local_link: LinkKind,
+    role: Role,
+    local_hello_meta: Vec<u8>,
+    /// The key shared with the peer, once its hello named who it is (credentials only).
+    pair_key: Option<Key>,
+    transcript: [u8; 32],
+    session: Option<SessionKeys>,
+    /// Who the peer's hello claimed to be, for refusal logs.
+    claimed: Option<String>,
 }
 
-/// Computes the authentication MAC a responder sends for a challenger's nonce.
-pub fn auth_mac(
-    secret: &[u8],
-    cluster: &str,
-    challenger_nonce: &[u8; NONCE_BYTES],
-    responder_nonce: &[u8; NONCE_BYTES],
-    responder_rank: u32,
-) -> [u8; NONCE_BYTES] {
-    let out = mac_state(
-        secret,
-        cluster,
-        challenger_nonce,
-        responder_nonce,
-        responder_rank,
-    )
-    .finalize()
-    .into_bytes();
-    let mut a = [0u8; NONCE_BYTES];
-    a.copy_from_slice(&out);
-    a
-}
-
-fn mac_state(
-    secret: &[u8],
-    cluster: &str,
-    challenger_nonce: &[u8; NONCE_BYTES],
-    responder_nonce: &[u8; NONCE_BYTES],
-    responder_rank: u32,
-) -> Hmac<Sha256> {
-    // HMAC accepts keys of any length; the expect cannot fire.
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
-    mac.update(AUTH_LABEL);
-    mac.update(&[cluster.len() as u8]);
-    mac.update(cluster.as_bytes());
-    mac.update(challenger_nonce);
-    mac.update(responder_nonce);
-    mac.update(&responder_rank.to_le_bytes());
-    mac
+/// Who a hello claims to be, for logs ("rank 3", "frontend \"fe-1\"").
+pub fn describe_claim(h: &Hello) -> String {
+    if h.rank == CLIENT_RANK {
+        format!("frontend {:?}", h.identity)
+    } else {
+        format!("rank {}", h.rank)
+    }
 }
 
 impl Connection {
@@ -494,27 +498,34 @@ impl Connection {
         now: Instant,
     ) -> Self {
         let local_link = LinkKind::of_attachment(&attachment);
-        let hello = Body::Hello(Hello {
+        let identity = cfg
+            .credentials
+            .as_ref()
+            .and_then(|c| c.frontend_name())
+            .filter(|_| cfg.local_rank == CLIENT_RANK)
+            .unwrap_or_default()
+            .to_owned();
+        let hello = Hello {
             format_version: FORMAT_VERSION,
             cluster: cfg.cluster.clone(),
             rank: cfg.local_rank,
             world_size: cfg.world_size,
             recv_window_bytes: cfg.recv_window_bytes,
-            auth_required: cfg.secret.is_some(),
+            auth_required: cfg.credentials.is_some(),
             nonce,
             attachment,
             incarnation: cfg.incarnation,
             fingerprint: cfg.fingerprint,
-        });
+            identity,
+        };
+        let local_hello_meta = crate::codec::hello_meta(&hello);
         let mut transmit = VecDeque::with_capacity(8);
-        transmit.push_back(hello);
+        transmit.push_back(Body::Hello(hello));
         Self {
             cfg,
             expected_peer,
             state: State::AwaitHello,
-            local_nonce: nonce,
             peer: None,
-            peer_nonce: [0; NONCE_BYTES],
             send_credit: 0,
             recv_outstanding: 0,
             release_pending: 0,
@@ -527,7 +538,34 @@ impl Connection {
             transmit_raw: None,
             events: VecDeque::with_capacity(4),
             local_link,
+            role: if expected_peer.is_some() {
+                Role::Dialer
+            } else {
+                Role::Acceptor
+            },
+            local_hello_meta,
+            pair_key: None,
+            transcript: [0; 32],
+            session: None,
+            claimed: None,
         }
+    }
+
+    /// This connection's per-direction session keys, once the peer's hello is in (with
+    /// credentials only). The driver seals every frame it writes after this end's [`Auth`],
+    /// and opens every frame it reads after the peer's [`Auth`], with them.
+    pub fn session_keys(&self) -> Option<&SessionKeys> {
+        self.session.as_ref()
+    }
+
+    /// Whether frames after `body` on the wire are sealed (it is an [`Auth`] with a MAC).
+    pub fn seals_after(body: &Body) -> bool {
+        matches!(body, Body::Auth(Auth { mac: Some(_) }))
+    }
+
+    /// Who the peer's hello claimed to be ("rank 3", "frontend \"fe\""), once received.
+    pub fn claimed_peer(&self) -> Option<&str> {
+        self.claimed.as_deref()
     }
 
     /// Whether the handshake has completed and the connection is open.
@@ -596,6 +634,11 @@ impl Connection {
         frame_len: u64,
     ) -> Result<Disposition, ProtocolError> {
         self.last_rx = now;
+        if matches!(self.state, State::AwaitHello | State::AwaitAuth)
+            && frame_len > PRE_AUTH_MAX_FRAME_BYTES as u64
+        {
+            return Err(self.fail(ProtocolError::PreAuthTooLarge { len: frame_len }, true));
+        }
         match (&self.state, body) {
             (State::Closed(e), _) => Err(e.clone()),
             (_, Body::Error(e)) if !self.is_established() => Err(self.fail(
@@ -611,6 +654,10 @@ impl Connection {
             }
             (State::AwaitAuth, Body::Auth(a)) => {
                 self.on_auth(a)?;
+                Ok(Disposition::Consumed)
+            }
+            (State::LinkSetup(s), Body::LinkInfo(l)) if s.peer_info.is_none() => {
+                self.on_link_info(l)?;
                 Ok(Disposition::Consumed)
             }
             (State::Established, Body::Heartbeat(_)) => Ok(Disposition::Consumed),
@@ -653,6 +700,7 @@ impl Connection {
     }
 
     fn on_hello(&mut self, h: &Hello) -> Result<(), ProtocolError> {
+        self.claimed = Some(describe_claim(h));
         if h.format_version != FORMAT_VERSION {
             return Err(self.fail(
                 ProtocolError::VersionMismatch {
@@ -702,15 +750,6 @@ impl Connection {
                 true,
             ));
         }
-        if h.auth_required && self.cfg.secret.is_none() {
-            return Err(self.fail(
-                ProtocolError::AuthFailed(format!(
-                    "rank {} requires a shared secret and none is configured here",
-                    h.rank
-                )),
-                true,
-            ));
-        }
         if h.recv_window_bytes < self.cfg.codec.max_frame_bytes as u64 {
             return Err(self.fail(
                 ProtocolError::Config(format!(
@@ -731,25 +770,72 @@ impl Connection {
             };
             return Err(self.fail(e, true));
         }
-        self.peer_nonce = h.nonce;
         self.peer = Some(PeerInfo {
             rank: h.rank,
             recv_window_bytes: h.recv_window_bytes,
             attachment: h.attachment.clone(),
             incarnation: h.incarnation,
+            identity: h.identity.clone(),
         });
-        let mac = self.cfg.secret.as_ref().map(|s| {
-            auth_mac(
-                s,
-                &self.cfg.cluster,
-                &h.nonce,
-                &self.local_nonce,
-                self.cfg.local_rank,
-            )
-        });
+        let mac = match self.peer_key(h) {
+            Ok(None) => None,
+            Ok(Some(key)) => {
+                let peer_meta = crate::codec::hello_meta(h);
+                let (d, a) = match self.role {
+                    Role::Dialer => (&self.local_hello_meta, &peer_meta),
+                    Role::Acceptor => (&peer_meta, &self.local_hello_meta),
+                };
+                self.transcript = crypto::transcript(d, a);
+                self.session = Some(crypto::session_keys(&key, &self.transcript, self.role));
+                let mac = crypto::auth_mac(&key, self.role, &self.transcript);
+                self.pair_key = Some(key);
+                Some(mac)
+            }
+            Err(e) => return Err(self.fail(e, true)),
+        };
         self.transmit.push_back(Body::Auth(Auth { mac }));
         self.state = State::AwaitAuth;
         Ok(())
+    }
+
+    /// The key shared with the peer the hello claims to be: `Ok(None)` in insecure mode (both
+    /// ends without credentials); an error when one end has credentials and the other not, or
+    /// this end holds no key for the claimed rank or frontend.
+    fn peer_key(&self, h: &Hello) -> Result<Option<Key>, ProtocolError> {
+        let claim = describe_claim(h);
+        let Some(creds) = &self.cfg.credentials else {
+            if h.auth_required {
+                return Err(ProtocolError::AuthFailed(format!(
+                    "{claim} authenticates with credentials and this node has none; give it --credentials"
+                )));
+            }
+            return Ok(None);
+        };
+        if !h.auth_required {
+            return Err(ProtocolError::AuthFailed(format!(
+                "{claim} runs without credentials (insecure) and this node requires authentication; give it --credentials"
+            )));
+        }
+        let cluster = &self.cfg.cluster;
+        let me = self.cfg.local_rank;
+        let key = if me == CLIENT_RANK {
+            let name = creds.frontend_name().unwrap_or_default();
+            creds.router_key(cluster, h.rank, name)
+        } else if h.rank == CLIENT_RANK {
+            if h.identity.is_empty() && *creds.identity() != crypto::Identity::SharedSecret {
+                return Err(ProtocolError::AuthFailed(
+                    "a frontend without a name (its credential is not a frontend's)".into(),
+                ));
+            }
+            creds.client_key(cluster, me, &h.identity)
+        } else {
+            creds.rank_key(cluster, me, h.rank)
+        };
+        key.map(Some).ok_or_else(|| {
+            ProtocolError::AuthFailed(format!(
+                "this node's credential holds no key for {claim} (is it the right credential for rank {me}?)"
+            ))
+        })
     }
 
     fn on_auth(&mut self, a: &Auth) -> Result<(), ProtocolError> {
@@ -762,29 +848,20 @@ impl Connection {
                 true,
             ));
         };
-        if let Some(secret) = self.cfg.secret.clone() {
+        if let Some(key) = self.pair_key.clone() {
+            let claim = self.claimed.clone().unwrap_or_default();
             let Some(mac) = a.mac else {
                 return Err(self.fail(
                     ProtocolError::AuthFailed(format!(
-                        "rank {} sent no authentication but this node requires a shared secret",
-                        peer.rank
+                        "{claim} sent no authentication but this node requires it"
                     )),
                     true,
                 ));
             };
-            let state = mac_state(
-                &secret,
-                &self.cfg.cluster,
-                &self.local_nonce,
-                &self.peer_nonce,
-                peer.rank,
-            );
-            // Constant-time comparison.
-            if state.verify_slice(&mac).is_err() {
+            if !crypto::verify_auth_mac(&key, self.role.peer(), &self.transcript, &mac) {
                 return Err(self.fail(
                     ProtocolError::AuthFailed(format!(
-                        "rank {} answered the challenge with a wrong MAC (different shared secret?)",
-                        peer.rank
+                        "{claim} answered with a wrong MAC: it does not hold that identity's key (another rank's or another cluster's credential), or the handshake was tampered with"
                     )),
                     true,
                 ));
@@ -798,12 +875,77 @@ impl Connection {
         } else {
             self.state = State::LinkSetup(Setup {
                 kind,
+                since: self.last_rx,
+                local_info: None,
+                peer_info: None,
                 local_ready_at: None,
                 peer_ready: false,
             });
             self.events.push_back(Event::LinkSetup { kind, peer });
         }
         Ok(())
+    }
+
+    /// This end has created its side of the link being set up: `attachment` describes it
+    /// (the link prefix and a ring path or queue pair), or is empty when this end could not
+    /// create it (the connection then carries frames over TCP). Queues a [`LinkInfo`] frame.
+    pub fn link_prepared(&mut self, attachment: Vec<u8>) {
+        let State::LinkSetup(s) = &mut self.state else {
+            return;
+        };
+        if s.local_info.is_some() {
+            return;
+        }
+        s.local_info = Some(!attachment.is_empty());
+        self.transmit
+            .push_back(Body::LinkInfo(LinkInfo { attachment }));
+        self.maybe_tcp_fallback();
+    }
+
+    fn on_link_info(&mut self, l: &LinkInfo) -> Result<(), ProtocolError> {
+        if let State::LinkSetup(s) = &mut self.state {
+            let kind = s.kind;
+            if !l.attachment.is_empty() && LinkKind::of_attachment(&l.attachment) != kind {
+                let e = ProtocolError::Config(format!(
+                    "the peer described a {} link where both asked for {}",
+                    LinkKind::of_attachment(&l.attachment).name(),
+                    kind.name()
+                ));
+                return Err(self.fail(e, true));
+            }
+            s.peer_info = Some(l.attachment.clone());
+        }
+        self.maybe_tcp_fallback();
+        Ok(())
+    }
+
+    /// The peer's description of its side of the link being set up (its [`LinkInfo`]), once
+    /// received and usable.
+    pub fn peer_link_info(&self) -> Option<&[u8]> {
+        match &self.state {
+            State::LinkSetup(s) => s.peer_info.as_deref().filter(|a| !a.is_empty()),
+            _ => None,
+        }
+    }
+
+    /// Whether this end waits for the peer's [`LinkInfo`].
+    pub fn awaits_link_info(&self) -> bool {
+        matches!(&self.state, State::LinkSetup(s) if s.peer_info.is_none())
+    }
+
+    /// Either side could not set the link up: the connection is a TCP link from now on.
+    fn maybe_tcp_fallback(&mut self) {
+        let State::LinkSetup(s) = &self.state else {
+            return;
+        };
+        let local_failed = s.local_info == Some(false);
+        let peer_failed = s.peer_info.as_ref().is_some_and(|a| a.is_empty());
+        if (local_failed && s.peer_info.is_some()) || (peer_failed && s.local_info.is_some()) {
+            self.state = State::Established;
+            if let Some(peer) = self.peer.clone() {
+                self.events.push_back(Event::Established(peer));
+            }
+        }
     }
 
     /// The link being set up, while this end has not finished its own setup.
@@ -820,12 +962,15 @@ impl Connection {
     }
 
     /// This end has set up its side of the link (mapped the peer's ring, connected the queue
-    /// pair). A shared-memory link queues its sync byte; an RDMA link is established.
+    /// pair) after both [`LinkInfo`]s were exchanged. A shared-memory link queues its sync
+    /// byte; an RDMA link is established.
     pub fn link_ready(&mut self, now: Instant) {
         let State::LinkSetup(s) = &mut self.state else {
             return;
         };
-        if s.local_ready_at.is_some() {
+        let infos_ok =
+            s.local_info == Some(true) && s.peer_info.as_ref().is_some_and(|a| !a.is_empty());
+        if s.local_ready_at.is_some() || !infos_ok {
             return;
         }
         s.local_ready_at = Some(now);
@@ -961,7 +1106,9 @@ impl Connection {
         match self.state {
             State::Closed(_) => None,
             State::AwaitHello | State::AwaitAuth => Some(self.started + self.cfg.handshake_timeout),
-            State::LinkSetup(ref s) => s.local_ready_at.map(|t| t + self.cfg.handshake_timeout),
+            State::LinkSetup(ref s) => {
+                Some(s.local_ready_at.unwrap_or(s.since) + self.cfg.handshake_timeout)
+            }
             State::Established => Some(
                 (self.last_tx + self.cfg.heartbeat_interval)
                     .min(self.last_rx + self.cfg.idle_timeout),
@@ -982,9 +1129,7 @@ impl Connection {
                 }
             }
             State::LinkSetup(ref s) => {
-                if s.local_ready_at
-                    .is_some_and(|t| now >= t + self.cfg.handshake_timeout)
-                {
+                if now >= s.local_ready_at.unwrap_or(s.since) + self.cfg.handshake_timeout {
                     self.fail(
                         ProtocolError::HandshakeTimeout(self.cfg.handshake_timeout),
                         false,
@@ -1023,7 +1168,7 @@ mod tests {
 
     fn cfg(rank: u32, secret: Option<&[u8]>) -> Arc<ProtocolConfig> {
         let mut c = ProtocolConfig::new("test", rank, 4);
-        c.secret = secret.map(Arc::from);
+        c.credentials = secret.map(|s| Arc::new(Credentials::shared_secret(s)));
         c.recv_window_bytes = 1 << 20;
         c.codec.max_frame_bytes = 256 << 10;
         c.validate().unwrap();
@@ -1071,6 +1216,7 @@ mod tests {
                 recv_window_bytes: 1 << 20,
                 attachment: vec![7],
                 incarnation: 0,
+                identity: String::new(),
             })
         );
         assert!(matches!(b.poll_event(), Some(Event::Established(p)) if p.rank == 0));
@@ -1233,32 +1379,42 @@ mod tests {
         (a, b)
     }
 
+    /// Both ends create their side after authentication and swap link infos.
+    fn exchange_infos(a: &mut Connection, b: &mut Connection, ia: &[u8], ib: &[u8], now: Instant) {
+        a.link_prepared(ia.to_vec());
+        b.link_prepared(ib.to_vec());
+        pump(a, b, now).unwrap();
+    }
+
     #[test]
     fn shm_link_setup_exchanges_one_sync_byte_each_way() {
         let t0 = Instant::now();
-        let (mut a, mut b) = pair_with(b"shm:/dev/shm/a", b"shm:/dev/shm/b", t0);
-        for (c, peer_att) in [
-            (&mut a, &b"shm:/dev/shm/b"[..]),
-            (&mut b, b"shm:/dev/shm/a"),
-        ] {
+        let (mut a, mut b) = pair_with(b"shm:", b"shm:", t0);
+        for c in [&mut a, &mut b] {
             match c.poll_event() {
                 Some(Event::LinkSetup { kind, peer }) => {
                     assert_eq!(kind, LinkKind::Shm);
-                    assert_eq!(peer.attachment, peer_att);
+                    assert_eq!(peer.attachment, b"shm:", "the hello only asks for the link");
                 }
                 other => panic!("expected LinkSetup, got {other:?}"),
             }
             assert!(!c.is_established() && c.pending_link() == Some(LinkKind::Shm));
-            assert_eq!(
-                c.poll_timeout(),
-                None,
-                "no deadline while the driver sets up"
-            );
+            assert_eq!(c.poll_timeout(), Some(t0 + Duration::from_secs(5)));
             assert!(
                 c.try_reserve(64).is_err(),
                 "no application frames before the link is up"
             );
+            assert!(c.awaits_link_info() && c.peer_link_info().is_none());
+            c.link_ready(t0);
+            assert_eq!(
+                c.poll_transmit_raw(),
+                None,
+                "not ready before the link infos"
+            );
         }
+        exchange_infos(&mut a, &mut b, b"shm:/dev/shm/a", b"shm:/dev/shm/b", t0);
+        assert_eq!(a.peer_link_info(), Some(&b"shm:/dev/shm/b"[..]));
+        assert_eq!(b.peer_link_info(), Some(&b"shm:/dev/shm/a"[..]));
         // a finishes first: it owes its sync byte and waits for b's.
         a.link_ready(t0);
         assert_eq!(a.poll_transmit_raw(), Some(SHM_SYNC_BYTE));
@@ -1281,12 +1437,36 @@ mod tests {
     }
 
     #[test]
+    fn a_side_that_cannot_create_its_ring_makes_both_use_tcp() {
+        let t0 = Instant::now();
+        for (ia, ib) in [(&b""[..], &b"shm:/b"[..]), (b"shm:/a", b"")] {
+            let (mut a, mut b) = pair_with(b"shm:", b"shm:", t0);
+            exchange_infos(&mut a, &mut b, ia, ib, t0);
+            for c in [&mut a, &mut b] {
+                assert!(c.is_established(), "{ia:?} / {ib:?}");
+                assert!(matches!(c.poll_event(), Some(Event::LinkSetup { .. })));
+                assert!(matches!(c.poll_event(), Some(Event::Established(_))));
+                assert_eq!(c.poll_transmit_raw(), None, "no sync byte on TCP");
+            }
+        }
+        // A description of another link kind is a protocol violation.
+        let (mut a, mut b) = pair_with(b"shm:", b"shm:", t0);
+        a.link_prepared(b"shm:/a".to_vec());
+        b.link_prepared(b"rdma:x".to_vec());
+        assert!(pump(&mut a, &mut b, t0).is_err());
+        assert!(
+            a.close_reason()
+                .is_some_and(|e| e.to_string().contains("rdma link"))
+        );
+    }
+
+    #[test]
     fn link_kind_falls_back_to_tcp_unless_both_hellos_agree() {
         let now = Instant::now();
         for (x, y) in [
-            (&b"shm:/p"[..], &b""[..]),
-            (b"", b"shm:/p"),
-            (b"rdma:qp", b"shm:/p"),
+            (&b"shm:"[..], &b""[..]),
+            (b"", b"shm:"),
+            (b"rdma:", b"shm:"),
             (b"", b""),
         ] {
             let (mut a, mut b) = pair_with(x, y, now);
@@ -1300,7 +1480,7 @@ mod tests {
             let mut c = Connection::new(cfg(2, None), None, [0; 32], att.to_vec(), now);
             c.poll_transmit().unwrap()
         };
-        assert_eq!(requested_link(&hello(b"shm:/x")), (LinkKind::Shm, 2));
+        assert_eq!(requested_link(&hello(b"shm:")), (LinkKind::Shm, 2));
         assert_eq!(requested_link(&hello(b"")), (LinkKind::Tcp, 2));
         let credit = Body::Credit(Credit { bytes: 1 });
         assert_eq!(requested_link(&credit), (LinkKind::Tcp, u32::MAX));
@@ -1309,7 +1489,7 @@ mod tests {
     #[test]
     fn rdma_link_setup_needs_no_sync_byte() {
         let now = Instant::now();
-        let (mut a, _b) = pair_with(b"rdma:qp-a", b"rdma:qp-b", now);
+        let (mut a, mut b) = pair_with(b"rdma:", b"rdma:", now);
         assert!(matches!(
             a.poll_event(),
             Some(Event::LinkSetup {
@@ -1317,6 +1497,7 @@ mod tests {
                 ..
             })
         ));
+        exchange_infos(&mut a, &mut b, b"rdma:qp-a", b"rdma:qp-b", now);
         assert!(!a.awaits_raw());
         a.link_ready(now);
         assert_eq!(a.poll_transmit_raw(), None);
@@ -1327,7 +1508,8 @@ mod tests {
     #[test]
     fn link_setup_times_out_or_fails_without_a_frame() {
         let t0 = Instant::now();
-        let (mut a, _b) = pair_with(b"shm:/a", b"shm:/b", t0);
+        let (mut a, mut b) = pair_with(b"shm:", b"shm:", t0);
+        exchange_infos(&mut a, &mut b, b"shm:/a", b"shm:/b", t0);
         a.link_ready(t0);
         a.handle_timeout(t0 + Duration::from_millis(4999));
         assert!(a.close_reason().is_none());
@@ -1343,7 +1525,7 @@ mod tests {
         );
         assert!(a.handle_raw(&[1]).is_err());
 
-        let (mut b, _a) = pair_with(b"shm:/b", b"shm:/a", t0);
+        let (mut b, _a) = pair_with(b"shm:", b"shm:", t0);
         let e = b.link_setup_failed("cannot map ring");
         assert!(matches!(e, ProtocolError::Closed(ref m) if m == "link setup: cannot map ring"));
         assert!(
@@ -1352,7 +1534,7 @@ mod tests {
         );
         assert!(b.poll_transmit_raw().is_none());
         // A frame during link setup is refused.
-        let (mut c, _d) = pair_with(b"shm:/c", b"shm:/d", t0);
+        let (mut c, _d) = pair_with(b"shm:", b"shm:", t0);
         let hb = Body::Heartbeat(Heartbeat {
             seq: 1,
             sent_at_us: 0,
@@ -1374,5 +1556,268 @@ mod tests {
         let body = Body::Credit(Credit { bytes: 5 });
         assert!(a.handle_frame(now, &body, 64).is_err());
         assert!(matches!(a.poll_transmit(), Some(Body::Error(_))));
+    }
+
+    // ----- Identity, transcript binding and pre-auth bounds -----
+
+    fn master(b: u8) -> Key {
+        Key::from_bytes([b; 32])
+    }
+
+    /// An end of cluster "test" (4 ranks, rank 0 the router) holding `creds`.
+    fn with_creds(rank: u32, creds: Option<Credentials>) -> Arc<ProtocolConfig> {
+        let mut c = (*cfg(rank, None)).clone();
+        c.credentials = creds.map(Arc::new);
+        c.accept_clients = rank == 0;
+        Arc::new(c)
+    }
+
+    fn issued(m: &Key, rank: u32) -> Credentials {
+        Credentials::issue_rank(m, "test", rank, 4, 1)
+    }
+
+    /// Dialer `a` (expecting rank 0) against acceptor `b`.
+    fn handshake(
+        a: Arc<ProtocolConfig>,
+        b: Arc<ProtocolConfig>,
+    ) -> (Connection, Connection, Result<(), ProtocolError>) {
+        let now = Instant::now();
+        let mut a = Connection::new(a, Some(0), [1; 32], vec![], now);
+        let mut b = Connection::new(b, None, [2; 32], vec![], now);
+        let r = pump_each(&mut a, &mut b, now);
+        (a, b, r)
+    }
+
+    /// Moves one frame at a time each way (as drivers do: each end answers before it reads
+    /// on), ignoring failures, until both ends are quiet; `Err` if either end closed.
+    fn pump_each(
+        a: &mut Connection,
+        b: &mut Connection,
+        now: Instant,
+    ) -> Result<(), ProtocolError> {
+        loop {
+            let mut moved = false;
+            if let Some(f) = a.poll_transmit() {
+                moved = true;
+                let _ = b.handle_frame(now, &f, 64);
+            }
+            if let Some(f) = b.poll_transmit() {
+                moved = true;
+                let _ = a.handle_frame(now, &f, 64);
+            }
+            if !moved {
+                break;
+            }
+        }
+        match (a.close_reason(), b.close_reason()) {
+            (Some(e), _) | (_, Some(e)) => Err(e.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    fn auth_failure(c: &Connection) -> String {
+        match c.close_reason() {
+            Some(ProtocolError::AuthFailed(m)) => m.clone(),
+            other => panic!("expected an authentication failure, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn issued_credentials_authenticate_and_agree_on_session_keys() {
+        let m = master(1);
+        let (a, b, r) = handshake(
+            with_creds(2, Some(issued(&m, 2))),
+            with_creds(0, Some(issued(&m, 0))),
+        );
+        r.unwrap();
+        assert!(a.is_established() && b.is_established());
+        let (ka, kb) = (a.session_keys().unwrap(), b.session_keys().unwrap());
+        assert_eq!(ka.send, kb.recv);
+        assert_eq!(ka.recv, kb.send);
+        // A frame sealed by one end opens at the other.
+        let mut s = crypto::Sealer::new(&ka.send);
+        let mut o = crypto::Opener::new(&kb.recv);
+        let head = crate::codec::encode_frame(
+            &Body::Credit(Credit { bytes: 3 }),
+            &[],
+            &CodecConfig::default(),
+        )
+        .unwrap();
+        let mut wire = Vec::new();
+        s.seal_frame(&head, &[], &mut wire).unwrap();
+        assert_eq!(
+            crypto::open_frame(&mut o, &wire, &CodecConfig::default())
+                .unwrap()
+                .0,
+            head
+        );
+    }
+
+    #[test]
+    fn a_rank_claimed_with_another_ranks_keys_is_refused() {
+        let m = master(1);
+        // The holder of rank 2's file relabels it as rank 1's and claims rank 1.
+        let text = issued(&m, 2).to_file_text().replace("rank = 2", "rank = 1");
+        let forged = Credentials::parse(&text, "forged").unwrap();
+        let (a, b, r) = handshake(
+            with_creds(1, Some(forged)),
+            with_creds(0, Some(issued(&m, 0))),
+        );
+        assert!(r.is_err() && !b.is_established() && !a.is_established());
+        let why = auth_failure(&b);
+        assert!(why.contains("rank 1") && why.contains("wrong MAC"), "{why}");
+        // Its own file cannot act as rank 1 at all.
+        let (a, _b, r) = handshake(
+            with_creds(1, Some(issued(&m, 2))),
+            with_creds(0, Some(issued(&m, 0))),
+        );
+        assert!(r.is_err());
+        assert!(auth_failure(&a).contains("holds no key"));
+    }
+
+    #[test]
+    fn another_clusters_key_is_refused() {
+        let (_a, b, r) = handshake(
+            with_creds(2, Some(issued(&master(9), 2))),
+            with_creds(0, Some(issued(&master(1), 0))),
+        );
+        assert!(r.is_err());
+        assert!(auth_failure(&b).contains("wrong MAC"));
+    }
+
+    #[test]
+    fn a_frontend_credential_cannot_join_the_mesh() {
+        let m = master(1);
+        let fe = Credentials::issue_frontend(&m, "test", "fe", 1);
+        // As a mesh rank, the frontend's credential holds no pair key.
+        let (a, _b, r) = handshake(
+            with_creds(2, Some(fe.clone())),
+            with_creds(0, Some(issued(&m, 0))),
+        );
+        assert!(r.is_err());
+        assert!(auth_failure(&a).contains("holds no key"));
+        // Its frontend key passed off as a pair key does not verify either.
+        let key_hex: String = fe
+            .router_key("test", 0, "fe")
+            .unwrap()
+            .bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let text =
+            format!("# expertmesh credential v1\ncluster = test\nrank = 2\npair 0 = {key_hex}\n");
+        let forged = Credentials::parse(&text, "forged").unwrap();
+        let (_a, b, r) = handshake(
+            with_creds(2, Some(forged)),
+            with_creds(0, Some(issued(&m, 0))),
+        );
+        assert!(r.is_err());
+        assert!(auth_failure(&b).contains("wrong MAC"));
+        // As a frontend it authenticates with the router (and only under its own name).
+        let mut client = (*with_creds(CLIENT_RANK, Some(fe))).clone();
+        client.world_size = 1;
+        let (a, b, r) = handshake(Arc::new(client), with_creds(0, Some(issued(&m, 0))));
+        r.unwrap();
+        assert!(a.is_established() && b.is_established());
+        assert_eq!(b.peer().unwrap().identity, "fe");
+        // A worker does not accept frontends (it derives no frontend key).
+        let mut worker = (*with_creds(3, Some(issued(&m, 3)))).clone();
+        worker.accept_clients = true;
+        let mut c2 = (*with_creds(
+            CLIENT_RANK,
+            Some(Credentials::issue_frontend(&m, "test", "fe", 4)),
+        ))
+        .clone();
+        c2.world_size = 4;
+        let now = Instant::now();
+        let mut a = Connection::new(Arc::new(c2), Some(3), [1; 32], vec![], now);
+        let mut b = Connection::new(Arc::new(worker), None, [2; 32], vec![], now);
+        assert!(pump_each(&mut a, &mut b, now).is_err());
+        assert!(auth_failure(&b).contains("holds no key"));
+    }
+
+    /// Runs a handshake with `tamper` applied to the acceptor's hello on its way to the dialer.
+    fn tampered(tamper: impl Fn(&mut Hello)) -> (Connection, Connection) {
+        let m = master(1);
+        let now = Instant::now();
+        let mut a = Connection::new(
+            with_creds(2, Some(issued(&m, 2))),
+            Some(0),
+            [1; 32],
+            vec![],
+            now,
+        );
+        let mut b = Connection::new(
+            with_creds(0, Some(issued(&m, 0))),
+            None,
+            [2; 32],
+            vec![],
+            now,
+        );
+        for _ in 0..4 {
+            while let Some(f) = a.poll_transmit() {
+                let _ = b.handle_frame(now, &f, 64);
+            }
+            while let Some(mut f) = b.poll_transmit() {
+                if let Body::Hello(h) = &mut f {
+                    tamper(h);
+                }
+                let _ = a.handle_frame(now, &f, 64);
+            }
+        }
+        (a, b)
+    }
+
+    #[test]
+    fn the_auth_mac_covers_every_hello_field() {
+        let (a, b) = tampered(|_| {});
+        assert!(
+            a.is_established() && b.is_established(),
+            "untampered handshake"
+        );
+        let fields: [(&str, &dyn Fn(&mut Hello)); 6] = [
+            ("nonce", &|h| h.nonce[0] ^= 1),
+            ("incarnation", &|h| h.incarnation ^= 1),
+            ("fingerprint", &|h| h.fingerprint[5] ^= 1),
+            ("window", &|h| h.recv_window_bytes += 64 << 10),
+            ("link request", &|h| h.attachment = b"shm:".to_vec()),
+            ("name", &|h| h.identity = "x".into()),
+        ];
+        for (what, f) in fields {
+            let (a, b) = tampered(f);
+            assert!(
+                !a.is_established() && !b.is_established(),
+                "tampered {what} went unnoticed"
+            );
+        }
+    }
+
+    #[test]
+    fn credentials_on_one_side_only_are_refused() {
+        let m = master(1);
+        let (a, b, r) = handshake(with_creds(2, None), with_creds(0, Some(issued(&m, 0))));
+        assert!(r.is_err() && !a.is_established() && !b.is_established());
+        assert!(auth_failure(&b).contains("insecure"));
+        let (a, b, r) = handshake(with_creds(2, Some(issued(&m, 2))), with_creds(0, None));
+        assert!(r.is_err() && !a.is_established());
+        assert!(auth_failure(&b).contains("this node has none"));
+    }
+
+    #[test]
+    fn frames_larger_than_the_pre_auth_cap_are_refused_before_authentication() {
+        let now = Instant::now();
+        let mut a = Connection::new(cfg(0, Some(b"k")), None, [1; 32], vec![], now);
+        let hb = Body::Heartbeat(Heartbeat {
+            seq: 1,
+            sent_at_us: 0,
+        });
+        let err = a
+            .handle_frame(now, &hb, PRE_AUTH_MAX_FRAME_BYTES as u64 + 1)
+            .unwrap_err();
+        assert!(
+            matches!(err, ProtocolError::PreAuthTooLarge { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("before authentication"));
     }
 }

@@ -1,25 +1,29 @@
 //! Link setup: turns an accepted or dialled TCP connection into an established link of the
 //! right kind (TCP, shared memory or RDMA), ready for the mesh to install.
 //!
-//! Why this exists: a shared-memory or RDMA link is prepared before the hello (its description
-//! travels as the hello's attachment), finished from the peer's attachment after
-//! authentication, and confirmed (shared memory: one sync byte each way) before it carries
-//! frames. The protocol core decides every step ([`Connection`]: the hello, authentication,
-//! the link kind both ends agree on, the sync byte and its deadline); this module calls the
-//! driver that owns each link kind for the local work ([`shm`](crate::shm) creates and maps
-//! rings, `rdma` creates and connects queue pairs) and lets [`tcp`] move the bytes.
-//! A local set-up failure on the accepting side degrades to TCP with a warning; on the dialling
-//! side it is an error starting with "link setup", after which the mesh redials over TCP.
+//! Why this exists: a shared-memory or RDMA link is asked for in the hello, created only after
+//! authentication (so an unauthenticated peer cannot make this process create a 32 MiB ring
+//! file or a queue pair), described to the peer in a sealed link-info frame, finished from
+//! the peer's description, and confirmed (shared memory: one sync byte each way) before it
+//! carries frames. The protocol core decides every step ([`Connection`]: the hello,
+//! authentication, the link kind both ends agree on, the link infos, the sync byte and its
+//! deadline); this module calls the driver that owns each link kind for the local work
+//! ([`shm`](crate::shm) creates and maps rings, `rdma` creates and connects queue pairs) and
+//! lets [`tcp`] move the bytes. A side that cannot create its part of the link says so in its
+//! link info and both ends carry frames over TCP (with a warning); a failure after the infos
+//! are exchanged is an error starting with "link setup", after which the mesh redials over
+//! TCP.
 //!
 //! Layering: imports the drivers ([`tcp`], [`shm`](crate::shm), `rdma`),
 //! [`link`](crate::link), [`protocol`](crate::protocol) and [`codec`]; only
 //! [`mesh`](crate::mesh) imports it.
 
 use crate::codec;
+use crate::crypto::Opener;
 use crate::link::{FrameWriter, Link, LinkKind, NewLink, Rank, nonce};
-use crate::protocol::{Connection, ProtocolConfig, ProtocolError, requested_link};
+use crate::protocol::{Connection, ProtocolConfig, ProtocolError, describe_claim, requested_link};
 use crate::shm::{RingConsumer, RingProducer, ShmConfig};
-use crate::tcp::{self, ReadError, TcpSink};
+use crate::tcp::{self, Crypt, TcpSink};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
@@ -47,8 +51,8 @@ pub(crate) struct Established {
 
 /// The receiving half of an established link, started once the link is installed.
 pub(crate) enum Reader {
-    /// The socket's read half.
-    Tcp(tokio::net::tcp::OwnedReadHalf),
+    /// The socket's read half (and its opener when the link is sealed).
+    Tcp(tokio::net::tcp::OwnedReadHalf, Option<Opener>),
     /// This end's ring, and the TCP connection whose closing means the peer is gone.
     Shm(RingConsumer, TcpStream),
     /// The queue pair's completions, and the TCP connection as for shared memory.
@@ -61,7 +65,7 @@ impl Reader {
     /// connection for the peer's exit).
     pub(crate) fn start(self, link: &Arc<Link>, codec: codec::CodecConfig) {
         match self {
-            Self::Tcp(read) => tcp::spawn_reader(link, read, codec),
+            Self::Tcp(read, open) => tcp::spawn_reader(link, read, open, codec),
             Self::Shm(ring, control) => {
                 crate::shm::spawn_consumer(Arc::clone(link), ring, codec);
                 tcp::spawn_control_watch(link, control);
@@ -75,7 +79,7 @@ impl Reader {
     }
 }
 
-/// This end's side of a link, prepared before the hello.
+/// This end's side of a link, created after authentication.
 enum Prepared {
     None,
     Shm(RingConsumer),
@@ -84,7 +88,7 @@ enum Prepared {
 }
 
 impl Prepared {
-    /// The hello attachment describing this side (empty for TCP).
+    /// The link info describing this side (empty: none).
     fn attachment(&self) -> Vec<u8> {
         match self {
             Self::None => Vec::new(),
@@ -95,23 +99,40 @@ impl Prepared {
     }
 }
 
-/// Accepts a connection: peeks the dialer's hello (its attachment decides the link kind), then
-/// sets up that link.
-pub(crate) async fn accept(
-    env: &SetupEnv,
-    mut stream: TcpStream,
-) -> Result<Established, ProtocolError> {
+/// A refused incoming handshake: why, and who the peer's hello claimed to be.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    /// Who the peer claimed to be ("rank 3", "frontend \"fe\""), when its hello arrived.
+    pub(crate) claimed: Option<String>,
+    /// Why it was refused.
+    pub(crate) error: ProtocolError,
+}
+
+/// Accepts a connection: peeks the dialer's hello (at most the pre-authentication frame
+/// size) for the link it asks for, then authenticates and sets up that link.
+pub(crate) async fn accept(env: &SetupEnv, mut stream: TcpStream) -> Result<Established, Refused> {
     let _ = stream.set_nodelay(true);
     let codec = env.proto.codec;
     let deadline = env.proto.handshake_timeout;
     let pool = crate::link::BufPool::new(0);
-    let first = tokio::time::timeout(deadline, tcp::read_frame(&mut stream, &codec, &pool))
+    let refused = |claimed, error| Refused { claimed, error };
+    let first = tokio::time::timeout(
+        deadline,
+        tcp::read_frame(&mut stream, &tcp::pre_auth_codec(&codec), &pool),
+    )
+    .await
+    .map_err(|_| refused(None, ProtocolError::HandshakeTimeout(deadline)))?
+    .map_err(|e| refused(None, e.into_protocol()))?;
+    let (body, _) = codec::decode_with_header(&first.0, &first.1[..first.0.frame_len as usize])
+        .map_err(|e| refused(None, e.into()))?;
+    let claimed = match &body {
+        codec::Body::Hello(h) => Some(describe_claim(h)),
+        _ => None,
+    };
+    let (kind, _) = requested_link(&body);
+    establish(env, stream, None, kind, Some(first))
         .await
-        .map_err(|_| ProtocolError::HandshakeTimeout(deadline))?
-        .map_err(ReadError::into_protocol)?;
-    let (body, _) = codec::decode_with_header(&first.0, &first.1[..first.0.frame_len as usize])?;
-    let (kind, peer_rank) = requested_link(&body);
-    establish(env, stream, None, kind, Some(first), peer_rank).await
+        .map_err(|error| refused(claimed, error))
 }
 
 /// Dials `peer` at `addr` and sets up a link of `kind`.
@@ -122,7 +143,19 @@ pub(crate) async fn dial(
     kind: LinkKind,
 ) -> Result<Established, ProtocolError> {
     let stream = tcp::connect(addr).await?;
-    establish(env, stream, Some(peer), kind, None, peer).await
+    establish(env, stream, Some(peer), kind, None).await
+}
+
+/// The protocol settings to announce when asking for `kind`: a shared-memory ring caps the
+/// receive window (the ring itself is created after authentication).
+fn announce(env: &SetupEnv, kind: LinkKind) -> Arc<ProtocolConfig> {
+    if kind != LinkKind::Shm {
+        return Arc::clone(&env.proto);
+    }
+    let mut c = (*env.proto).clone();
+    let ring_window = crate::shm::usable_window(&env.shm, &c.codec);
+    c.recv_window_bytes = c.recv_window_bytes.min(ring_window);
+    Arc::new(c)
 }
 
 /// Handshakes over `stream` and finishes a link of `kind` (TCP, or shm/RDMA set up over it).
@@ -135,43 +168,23 @@ async fn establish(
         codec::FrameHeader,
         expertmesh_quant::aligned::AlignedVec<u8>,
     )>,
-    peer_hint: Rank,
 ) -> Result<Established, ProtocolError> {
     let codec = env.proto.codec;
-    let (prepared, cfg) = prepare(env, kind, expected.is_some(), peer_hint)?;
+    let cfg = announce(env, kind);
     let recv_window = cfg.recv_window_bytes;
-    let attachment = prepared.attachment();
-    let mut conn = Connection::new(cfg, expected, nonce(), attachment, Instant::now());
+    let request = kind.attachment_prefix().to_vec();
+    let mut conn = Connection::new(cfg, expected, nonce(), request, Instant::now());
     let deadline = env.proto.handshake_timeout;
-    let peer = tcp::handshake(&mut stream, &mut conn, &codec, first, deadline).await?;
-    let pending = conn.pending_link();
-    let (kind, writer, reader) = match prepared {
-        Prepared::Shm(ring) if pending == Some(LinkKind::Shm) => {
-            let writer = finish_shm(env, &mut stream, &mut conn, &ring).await?;
-            (LinkKind::Shm, writer, Reader::Shm(ring, stream))
+    let mut crypt = Crypt::default();
+    let peer = tcp::handshake(&mut stream, &mut conn, &codec, first, deadline, &mut crypt).await?;
+    let (kind, writer, reader) = match conn.pending_link() {
+        Some(kind) => {
+            let prepared = prepare(env, kind, peer.rank);
+            conn.link_prepared(prepared.attachment());
+            tcp::exchange_link_info(&mut stream, &mut conn, &codec, &mut crypt, deadline).await?;
+            finish(env, stream, &mut conn, prepared, crypt).await?
         }
-        #[cfg(feature = "rdma")]
-        Prepared::Rdma(p) if pending == Some(LinkKind::Rdma) => {
-            let (writer, reader) = finish_rdma(&mut stream, &mut conn, p).await?;
-            (LinkKind::Rdma, writer, Reader::Rdma(reader, stream))
-        }
-        _ => {
-            // Plain TCP (requested, or one side could not set up shm/RDMA): the protocol
-            // established the connection right after authentication.
-            if kind != LinkKind::Tcp {
-                tracing::warn!(
-                    peer = peer.rank,
-                    "{} not available on both sides; using TCP",
-                    kind.name()
-                );
-            }
-            let (read, write) = stream.into_split();
-            (
-                LinkKind::Tcp,
-                FrameWriter::new(TcpSink(write)),
-                Reader::Tcp(read),
-            )
-        }
+        None => tcp_link(stream, crypt),
     };
     let new = NewLink {
         peer,
@@ -183,59 +196,83 @@ async fn establish(
     Ok(Established { new, reader })
 }
 
-/// Prepares this end's side of a `kind` link before the hello, and the protocol settings to
-/// announce (a ring caps the receive window). A failure degrades to TCP when accepting and is
-/// a "link setup" error when dialling (the dialer then retries over TCP).
-fn prepare(
+/// The halves of a TCP link.
+fn tcp_link(stream: TcpStream, crypt: Crypt) -> (LinkKind, FrameWriter, Reader) {
+    let (read, write) = stream.into_split();
+    (
+        LinkKind::Tcp,
+        FrameWriter::new(TcpSink(write, crypt.seal)),
+        Reader::Tcp(read, crypt.open),
+    )
+}
+
+/// After the link infos: a TCP link when either side fell back, else this end's side of the
+/// shared-memory or RDMA link finished from the peer's link info.
+async fn finish(
     env: &SetupEnv,
-    kind: LinkKind,
-    dialing: bool,
-    peer_hint: Rank,
-) -> Result<(Prepared, Arc<ProtocolConfig>), ProtocolError> {
-    let fail_or_tcp = |what: &str, e: String| {
-        if dialing {
-            return Err(ProtocolError::Closed(format!("link setup: {e}")));
+    mut stream: TcpStream,
+    conn: &mut Connection,
+    prepared: Prepared,
+    crypt: Crypt,
+) -> Result<(LinkKind, FrameWriter, Reader), ProtocolError> {
+    if conn.is_established() {
+        if !matches!(prepared, Prepared::None) || conn.peer_link_info().is_none() {
+            tracing::warn!(
+                peer = conn.peer().map_or(0, |p| p.rank),
+                "shared memory or RDMA not available on both sides; using TCP"
+            );
         }
-        tracing::warn!(
-            peer = peer_hint,
-            "{what} unavailable ({e}); answering with TCP"
-        );
-        Ok((Prepared::None, Arc::clone(&env.proto)))
+        return Ok(tcp_link(stream, crypt));
+    }
+    match prepared {
+        Prepared::Shm(ring) => {
+            let writer = finish_shm(env, &mut stream, conn, &ring).await?;
+            Ok((LinkKind::Shm, writer, Reader::Shm(ring, stream)))
+        }
+        #[cfg(feature = "rdma")]
+        Prepared::Rdma(p) => {
+            let (writer, reader) = finish_rdma(&mut stream, conn, p).await?;
+            Ok((
+                LinkKind::Rdma,
+                FrameWriter::new(writer),
+                Reader::Rdma(reader, stream),
+            ))
+        }
+        Prepared::None => Err(conn.link_setup_failed("no local side of the link")),
+    }
+}
+
+/// Creates this end's side of a `kind` link after authentication (`Prepared::None`, with a
+/// warning, when it cannot: the link info then says so and both ends use TCP).
+fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
+    let unavailable = |what: &str, e: String| {
+        tracing::warn!(peer, "{what} unavailable ({e}); falling back to TCP");
+        Prepared::None
     };
     match kind {
-        LinkKind::Tcp => Ok((Prepared::None, Arc::clone(&env.proto))),
+        LinkKind::Tcp => Prepared::None,
         LinkKind::Shm => {
             let me = env.proto.local_rank;
-            match RingConsumer::create(&env.shm, &env.proto.cluster, peer_hint, me) {
-                Ok(ring) => {
-                    let mut c = (*env.proto).clone();
-                    c.recv_window_bytes = c.recv_window_bytes.min(ring.usable_window(&c.codec));
-                    Ok((Prepared::Shm(ring), Arc::new(c)))
-                }
-                Err(e) => fail_or_tcp("shared memory", e.to_string()),
+            match RingConsumer::create(&env.shm, &env.proto.cluster, peer, me) {
+                Ok(ring) => Prepared::Shm(ring),
+                Err(e) => unavailable("shared memory", e.to_string()),
             }
         }
         #[cfg(feature = "rdma")]
         LinkKind::Rdma => {
-            let ring_bytes = env.shm.ring_bytes;
             match crate::rdma::RdmaPrepared::new(
                 env.rdma_device.as_deref(),
                 env.local_ip,
-                ring_bytes,
+                env.shm.ring_bytes,
             ) {
-                Ok(p) => Ok((Prepared::Rdma(p), Arc::clone(&env.proto))),
-                Err(e) => fail_or_tcp("RDMA", e.to_string()),
+                Ok(p) => Prepared::Rdma(p),
+                Err(e) => unavailable("RDMA", e.to_string()),
             }
         }
         #[cfg(not(feature = "rdma"))]
         LinkKind::Rdma => {
             let _ = (&env.rdma_device, env.local_ip);
-            if dialing {
-                return Err(ProtocolError::Closed(
-                    "link setup: this build lacks feature `rdma`".into(),
-                ));
-            }
-            Ok((Prepared::None, Arc::clone(&env.proto)))
+            unavailable("RDMA", "this build lacks feature `rdma`".into())
         }
     }
 }
@@ -248,11 +285,8 @@ async fn finish_shm(
     conn: &mut Connection,
     ring: &RingConsumer,
 ) -> Result<FrameWriter, ProtocolError> {
-    let attachment = conn
-        .peer()
-        .map(|p| p.attachment.clone())
-        .unwrap_or_default();
-    let producer = match RingProducer::open_attachment(&attachment, &env.shm) {
+    let info = conn.peer_link_info().unwrap_or_default().to_vec();
+    let producer = match RingProducer::open_attachment(&info, &env.shm) {
         Ok(p) => p,
         Err(e) => return Err(conn.link_setup_failed(e)),
     };
@@ -268,12 +302,9 @@ async fn finish_rdma(
     stream: &mut TcpStream,
     conn: &mut Connection,
     prepared: crate::rdma::RdmaPrepared,
-) -> Result<(FrameWriter, crate::rdma::RdmaReader), ProtocolError> {
-    let attachment = conn
-        .peer()
-        .map(|p| p.attachment.clone())
-        .unwrap_or_default();
-    let info = attachment
+) -> Result<(crate::rdma::RdmaWriter, crate::rdma::RdmaReader), ProtocolError> {
+    let info = conn.peer_link_info().unwrap_or_default().to_vec();
+    let info = info
         .strip_prefix(crate::protocol::RDMA_ATTACHMENT)
         .unwrap_or_default();
     let (writer, reader) = match prepared.connect(info) {
@@ -282,5 +313,5 @@ async fn finish_rdma(
     };
     conn.link_ready(Instant::now());
     tcp::drive_link_setup(stream, conn).await?;
-    Ok((FrameWriter::new(writer), reader))
+    Ok((writer, reader))
 }

@@ -234,6 +234,14 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
     removed
 }
 
+/// The largest receive window a ring of `cfg.ring_bytes` supports (known before the ring is
+/// created, so a hello can announce it): wrap waste of one record never blocks a sender that
+/// holds credit.
+pub(crate) fn usable_window(cfg: &ShmConfig, codec: &CodecConfig) -> u64 {
+    let max_record = RECORD_HEADER + codec::align_up(codec.max_frame_bytes);
+    codec::align_up(cfg.ring_bytes).saturating_sub(max_record) as u64
+}
+
 /// The receiving end of a ring: owns (creates) the segment.
 pub(crate) struct RingConsumer {
     seg: Arc<Segment>,
@@ -330,13 +338,6 @@ impl RingConsumer {
         let mut a = SHM_ATTACHMENT.to_vec();
         a.extend_from_slice(self.path().as_os_str().as_encoded_bytes());
         a
-    }
-
-    /// The largest receive window this ring supports: wrap waste of one record never blocks a
-    /// sender that holds credit.
-    pub(crate) fn usable_window(&self, codec: &CodecConfig) -> u64 {
-        let max_record = RECORD_HEADER + codec::align_up(codec.max_frame_bytes);
-        self.seg.capacity.saturating_sub(max_record) as u64
     }
 
     /// Removes the ring's file (the mappings stay valid).
@@ -576,14 +577,24 @@ impl RingProducer {
                 path: path.to_path_buf(),
                 source,
             })?;
-        let size = file
-            .metadata()
-            .map_err(|source| ShmError::Io {
-                what: "stat peer ring",
-                path: path.to_path_buf(),
-                source,
-            })?
-            .len() as usize;
+        let meta = file.metadata().map_err(|source| ShmError::Io {
+            what: "stat peer ring",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        {
+            use std::os::unix::fs::MetadataExt;
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if meta.uid() != me || meta.mode() & 0o077 != 0 {
+                return Err(bad(format!(
+                    "owned by uid {} with mode {:o}; a ring must belong to this user (uid {me}) with mode 0600",
+                    meta.uid(),
+                    meta.mode() & 0o777
+                )));
+            }
+        }
+        let size = meta.len() as usize;
         if size < DATA_OFFSET + 2 * PAYLOAD_ALIGN {
             return Err(bad(format!("file of {size} bytes is too small")));
         }

@@ -8,12 +8,27 @@
 //! one vectored write of header and payload (no copy into a staging buffer), and read directly
 //! into 64-byte aligned pooled buffers.
 //!
+//! With credentials, every frame after an end's own auth answer is sealed
+//! ([`crypto`](crate::crypto): AES-256-GCM, counter nonces): [`SealBuf`] encrypts a frame into
+//! a staging buffer bounded by one chunk, [`FrameIn`] reads a sealed head, opens it, checks
+//! the header and only then reads the payload straight into the pooled aligned buffer and
+//! opens it in place. A frame that does not open closes the connection
+//! ([`ReadError::Integrity`]). Before the peer has authenticated, frames are read with the
+//! maximum size capped at [`PRE_AUTH_MAX_FRAME_BYTES`](crate::codec::PRE_AUTH_MAX_FRAME_BYTES).
+//!
+//! Pre-authentication limits on the accepting side live here too ([`HandshakeGate`]: at most
+//! a few handshakes per source address and in total; [`MemoryBudget`]: all connections'
+//! receive buffers together), with the rate-limited log of refused handshakes
+//! ([`log_refusal`]).
+//!
 //! This module only moves bytes: what to send and what the bytes mean during the handshake and
 //! link setup is decided by the sans-IO [`Connection`]; which link to build is decided by
-//! [`setup`](crate::setup). Layering: imports [`link`](crate::link), [`codec`] and
-//! [`protocol`](crate::protocol) only; used by `setup`, `mesh` and `frontend`.
+//! [`setup`](crate::setup). Layering: imports [`link`](crate::link), [`codec`],
+//! [`crypto`](crate::crypto) and [`protocol`](crate::protocol) only; used by `setup`, `mesh`
+//! and `frontend`.
 
-use crate::codec::{self, Body, CodecConfig, FrameHeader, HEADER_LEN};
+use crate::codec::{self, Body, CodecConfig, FrameHeader, HEADER_LEN, PRE_AUTH_MAX_FRAME_BYTES};
+use crate::crypto::{self, IntegrityError, Key, Opener, SEALED_PREFIX_BYTES, Sealer, TAG_BYTES};
 use crate::link::{BufPool, FrameSink, Link, SinkFuture, Storage};
 use crate::protocol::{Connection, Event, PeerInfo, ProtocolError};
 use expertmesh_quant::aligned::AlignedVec;
@@ -52,15 +67,237 @@ pub(crate) enum ReadError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Codec(#[from] codec::CodecError),
+    #[error(transparent)]
+    Integrity(#[from] IntegrityError),
 }
 
 impl ReadError {
     pub(crate) fn into_protocol(self) -> ProtocolError {
         match self {
             Self::Codec(c) => ProtocolError::Codec(c),
+            Self::Integrity(e) => ProtocolError::Integrity(e),
             other => ProtocolError::Closed(other.to_string()),
         }
     }
+}
+
+/// The codec settings for frames read before the peer has authenticated: `cfg` with its
+/// maximum frame size capped at [`PRE_AUTH_MAX_FRAME_BYTES`].
+pub(crate) fn pre_auth_codec(cfg: &CodecConfig) -> CodecConfig {
+    CodecConfig {
+        max_frame_bytes: cfg.max_frame_bytes.min(PRE_AUTH_MAX_FRAME_BYTES),
+        ..*cfg
+    }
+}
+
+/// The sending direction's sealing state: the sealer and its staging buffer (about one
+/// chunk; reused for every frame).
+pub(crate) struct SealBuf {
+    sealer: Sealer,
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for SealBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.sealer.fmt(f)
+    }
+}
+
+impl SealBuf {
+    /// Seals with `key` from counter 0.
+    pub(crate) fn new(key: &Key) -> Self {
+        Self {
+            sealer: Sealer::new(key),
+            buf: Vec::new(),
+        }
+    }
+}
+
+/// Writes one frame (`head` then `payload`): as it is without `seal`, else sealed, the payload
+/// in chunks (one write per [`crypto::SEAL_CHUNK_BYTES`] at most).
+pub(crate) async fn write_frame_sealed<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    seal: Option<&mut SealBuf>,
+    head: &[u8],
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let Some(s) = seal else {
+        return write_vectored_all(w, head, payload).await;
+    };
+    let fail = |e: IntegrityError| std::io::Error::other(e.to_string());
+    s.buf.clear();
+    s.sealer.seal_head(head, &mut s.buf).map_err(fail)?;
+    let mut off = 0;
+    for n in crypto::payload_chunks(payload.len()) {
+        if s.buf.len() + n + TAG_BYTES > crypto::SEAL_CHUNK_BYTES + TAG_BYTES + 4096 {
+            w.write_all(&s.buf).await?;
+            s.buf.clear();
+        }
+        s.sealer
+            .seal_chunk(&payload[off..off + n], &mut s.buf)
+            .map_err(fail)?;
+        off += n;
+    }
+    w.write_all(&s.buf).await?;
+    if s.buf.capacity() > 2 * crypto::SEAL_CHUNK_BYTES {
+        s.buf = Vec::new();
+    }
+    Ok(())
+}
+
+/// Reads frames from a stream: plain, or (after [`FrameIn::set_opener`]) sealed. The header
+/// is read and checked (and, sealed, authenticated) first; the rest of the frame is read only
+/// when asked ([`FrameIn::read_body`] or [`FrameIn::skip_body`]), so a reader can decide
+/// from the header alone whether to take a frame.
+pub(crate) struct FrameIn<R> {
+    r: R,
+    open: Option<Opener>,
+    /// The head of the frame whose header was read (plain: the 32 header bytes; sealed: the
+    /// whole opened head), reused between frames.
+    head: Vec<u8>,
+}
+
+impl<R> std::fmt::Debug for FrameIn<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameIn")
+            .field("sealed", &self.open.is_some())
+            .finish()
+    }
+}
+
+impl<R: AsyncRead + Unpin> FrameIn<R> {
+    /// Reads from `r`, opening frames with `open` (`None`: plain frames).
+    pub(crate) fn new(r: R, open: Option<Opener>) -> Self {
+        Self {
+            r,
+            open,
+            head: Vec::with_capacity(HEADER_LEN),
+        }
+    }
+
+    /// The reader and its opener.
+    pub(crate) fn into_parts(self) -> (R, Option<Opener>) {
+        (self.r, self.open)
+    }
+
+    /// Reads and checks the next frame's header (sealed: its whole head, authenticated).
+    pub(crate) async fn read_header(
+        &mut self,
+        cfg: &CodecConfig,
+    ) -> Result<FrameHeader, ReadError> {
+        let Some(open) = self.open.as_mut() else {
+            self.head.resize(HEADER_LEN, 0);
+            read_exact_or_eof(&mut self.r, &mut self.head).await?;
+            return Ok(codec::decode_header(&self.head, cfg)?);
+        };
+        let mut prefix = [0u8; SEALED_PREFIX_BYTES];
+        read_exact_or_eof(&mut self.r, &mut prefix).await?;
+        let head_len = crypto::sealed_head_len(prefix, cfg)?;
+        self.head.resize(head_len + TAG_BYTES, 0);
+        self.r.read_exact(&mut self.head).await?;
+        let header = crypto::open_head(open, prefix, &mut self.head, cfg)?;
+        self.head.truncate(head_len);
+        Ok(header)
+    }
+
+    /// Reads the rest of the frame whose header [`FrameIn::read_header`] returned into a
+    /// pooled 64-byte aligned buffer (opened in place); the buffer holds the whole frame.
+    pub(crate) async fn read_body(
+        &mut self,
+        header: &FrameHeader,
+        pool: &BufPool,
+    ) -> Result<AlignedVec<u8>, ReadError> {
+        let len = header.frame_len as usize;
+        let mut buf = pool.take(len);
+        let have = self.head.len();
+        buf[..have].copy_from_slice(&self.head);
+        let Some(open) = self.open.as_mut() else {
+            self.r.read_exact(&mut buf[have..len]).await?;
+            return Ok(buf);
+        };
+        let mut off = have;
+        for n in crypto::payload_chunks(header.payload_len as usize) {
+            self.r.read_exact(&mut buf[off..off + n]).await?;
+            let mut tag = [0u8; TAG_BYTES];
+            self.r.read_exact(&mut tag).await?;
+            open.open_separate(&mut buf[off..off + n], &tag)?;
+            off += n;
+        }
+        Ok(buf)
+    }
+
+    /// Reads the metadata (and its padding) of the frame whose header was read, when a plain
+    /// head does not hold it yet (a sealed head always does), unless it is longer than
+    /// `max_meta` bytes. Returns the frame's bytes up to its payload (`None`: over `max_meta`,
+    /// nothing read). [`FrameIn::read_body`] and [`FrameIn::skip_body`] go on from there.
+    pub(crate) async fn read_meta(
+        &mut self,
+        header: &FrameHeader,
+        max_meta: usize,
+    ) -> Result<Option<&[u8]>, ReadError> {
+        let end = header.payload_offset();
+        let have = self.head.len();
+        if have < end {
+            if end - have > max_meta {
+                return Ok(None);
+            }
+            self.head.resize(end, 0);
+            self.r.read_exact(&mut self.head[have..]).await?;
+        }
+        Ok(Some(&self.head))
+    }
+
+    /// Reads past the rest of the frame whose header was read, keeping nothing of it.
+    pub(crate) async fn skip_body(&mut self, header: &FrameHeader) -> Result<(), ReadError> {
+        let rest = match self.open.as_mut() {
+            None => header.frame_len as u64 - self.head.len() as u64,
+            Some(open) => {
+                let mut bytes = 0u64;
+                for n in crypto::payload_chunks(header.payload_len as usize) {
+                    open.skip()?;
+                    bytes += (n + TAG_BYTES) as u64;
+                }
+                bytes
+            }
+        };
+        let copied = tokio::io::copy(&mut (&mut self.r).take(rest), &mut tokio::io::sink()).await?;
+        if copied < rest {
+            return Err(ReadError::Eof);
+        }
+        Ok(())
+    }
+
+    /// Reads one whole frame.
+    pub(crate) async fn read_frame(
+        &mut self,
+        cfg: &CodecConfig,
+        pool: &BufPool,
+    ) -> Result<(FrameHeader, AlignedVec<u8>), ReadError> {
+        let header = self.read_header(cfg).await?;
+        let buf = self.read_body(&header, pool).await?;
+        Ok((header, buf))
+    }
+}
+
+/// `read_exact`, with a clean end of stream before the first byte reported as [`ReadError::Eof`].
+async fn read_exact_or_eof<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+) -> Result<(), ReadError> {
+    match r.read_exact(buf).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(ReadError::Eof),
+        Err(e) => Err(ReadError::Io(e)),
+    }
+}
+
+/// The sealing state of a connection's two directions (both `None`: plain, insecure mode).
+#[derive(Debug, Default)]
+pub(crate) struct Crypt {
+    /// Seals what this end writes (set after this end's auth answer).
+    pub(crate) seal: Option<SealBuf>,
+    /// Opens what this end reads (set after the peer's auth answer).
+    pub(crate) open: Option<Opener>,
 }
 
 /// Reads one frame: header first (validated against the maximum size before any allocation),
@@ -84,15 +321,68 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     Ok((header, buf))
 }
 
-/// Writes a protocol frame (no payload).
+/// Writes a protocol frame (no payload), sealed when `seal` is set.
 async fn write_body<W: AsyncWrite + Unpin>(
     w: &mut W,
     body: &Body,
     codec: &CodecConfig,
+    seal: Option<&mut SealBuf>,
 ) -> std::io::Result<()> {
     let bytes = codec::encode_frame(body, &[], codec)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    w.write_all(&bytes).await
+    write_frame_sealed(w, seal, &bytes, &[]).await
+}
+
+/// Writes the protocol's queued frames; after this end's own auth answer, every later frame
+/// is sealed.
+async fn flush_transmit(
+    stream: &mut TcpStream,
+    conn: &mut Connection,
+    codec: &CodecConfig,
+    crypt: &mut Crypt,
+) -> std::io::Result<()> {
+    while let Some(b) = conn.poll_transmit() {
+        write_body(stream, &b, codec, crypt.seal.as_mut()).await?;
+        if Connection::seals_after(&b) {
+            crypt.seal = conn.session_keys().map(|k| SealBuf::new(&k.send));
+        }
+    }
+    Ok(())
+}
+
+/// Reads one handshake frame: plain and capped at the pre-authentication size until the
+/// peer's auth answer, sealed after it.
+async fn read_handshake_frame(
+    stream: &mut TcpStream,
+    codec: &CodecConfig,
+    crypt: &mut Crypt,
+) -> Result<(FrameHeader, AlignedVec<u8>), ReadError> {
+    let pool = BufPool::new(0);
+    match crypt.open.take() {
+        None => read_frame(stream, &pre_auth_codec(codec), &pool).await,
+        Some(open) => {
+            let mut r = FrameIn::new(&mut *stream, Some(open));
+            let f = r.read_frame(codec, &pool).await;
+            crypt.open = r.into_parts().1;
+            f
+        }
+    }
+}
+
+/// Feeds one handshake frame to the protocol; after the peer's auth answer, frames are
+/// opened with the receiving session key.
+fn feed_handshake_frame(
+    conn: &mut Connection,
+    crypt: &mut Crypt,
+    header: &FrameHeader,
+    buf: &[u8],
+) -> Result<(), ProtocolError> {
+    let (body, _) = codec::decode_with_header(header, &buf[..header.frame_len as usize])?;
+    conn.handle_frame(Instant::now(), &body, header.frame_len as u64)?;
+    if Connection::seals_after(&body) {
+        crypt.open = conn.session_keys().map(|k| Opener::new(&k.recv));
+    }
+    Ok(())
 }
 
 /// Runs the handshake over `stream` until established or until the protocol asks for link
@@ -104,16 +394,14 @@ pub(crate) async fn handshake(
     codec: &CodecConfig,
     first: Option<(FrameHeader, AlignedVec<u8>)>,
     deadline: Duration,
+    crypt: &mut Crypt,
 ) -> Result<PeerInfo, ProtocolError> {
-    let pool = BufPool::new(0);
     let run = async {
         let mut pending = first;
         loop {
-            while let Some(b) = conn.poll_transmit() {
-                write_body(stream, &b, codec)
-                    .await
-                    .map_err(|e| ProtocolError::Closed(format!("handshake write: {e}")))?;
-            }
+            flush_transmit(stream, conn, codec, crypt)
+                .await
+                .map_err(|e| ProtocolError::Closed(format!("handshake write: {e}")))?;
             match conn.poll_event() {
                 Some(Event::Established(p)) | Some(Event::LinkSetup { peer: p, .. }) => {
                     return Ok(p);
@@ -126,19 +414,59 @@ pub(crate) async fn handshake(
             }
             let (header, buf) = match pending.take() {
                 Some(f) => f,
-                None => read_frame(stream, codec, &pool).await.map_err(|e| match e {
-                    ReadError::Eof => ProtocolError::Closed(
-                        "peer closed the connection during the handshake (did it refuse us? check its log)".into(),
-                    ),
-                    other => other.into_protocol(),
-                })?,
+                None => read_handshake_frame(stream, codec, crypt)
+                    .await
+                    .map_err(handshake_read_error)?,
             };
-            let (body, _) = codec::decode_with_header(&header, &buf[..header.frame_len as usize])?;
-            if let Err(e) = conn.handle_frame(Instant::now(), &body, 0) {
+            if let Err(e) = feed_handshake_frame(conn, crypt, &header, &buf) {
                 // Flush the refusal so the peer learns why.
-                while let Some(b) = conn.poll_transmit() {
-                    let _ = write_body(stream, &b, codec).await;
-                }
+                let _ = flush_transmit(stream, conn, codec, crypt).await;
+                return Err(e);
+            }
+        }
+    };
+    match tokio::time::timeout(deadline, run).await {
+        Ok(r) => r,
+        Err(_) => Err(ProtocolError::HandshakeTimeout(deadline)),
+    }
+}
+
+fn handshake_read_error(e: ReadError) -> ProtocolError {
+    match e {
+        ReadError::Eof => ProtocolError::Closed(
+            "peer closed the connection during the handshake (did it refuse us? check its log)"
+                .into(),
+        ),
+        other => other.into_protocol(),
+    }
+}
+
+/// After [`Connection::link_prepared`]: sends this end's link info and reads the peer's
+/// (sealed with credentials), within the handshake deadline. Returns once the peer's info is
+/// in, or the connection fell back to TCP (then [`Connection::is_established`]).
+pub(crate) async fn exchange_link_info(
+    stream: &mut TcpStream,
+    conn: &mut Connection,
+    codec: &CodecConfig,
+    crypt: &mut Crypt,
+    deadline: Duration,
+) -> Result<(), ProtocolError> {
+    let run = async {
+        loop {
+            flush_transmit(stream, conn, codec, crypt)
+                .await
+                .map_err(|e| ProtocolError::Closed(format!("link setup write: {e}")))?;
+            if let Some(e) = conn.close_reason() {
+                return Err(e.clone());
+            }
+            if !conn.awaits_link_info() || conn.is_established() {
+                return Ok(());
+            }
+            let (header, buf) = read_handshake_frame(stream, codec, crypt)
+                .await
+                .map_err(handshake_read_error)?;
+            if let Err(e) = feed_handshake_frame(conn, crypt, &header, &buf) {
+                let _ = flush_transmit(stream, conn, codec, crypt).await;
                 return Err(e);
             }
         }
@@ -197,17 +525,27 @@ pub(crate) async fn drive_link_setup(
     }
 }
 
+/// How long a TCP connect may take before the dialer gives up (and redials after its backoff).
+pub(crate) const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Dials `addr` with `TCP_NODELAY` set.
 pub(crate) async fn connect(addr: std::net::SocketAddr) -> Result<TcpStream, ProtocolError> {
-    let stream = TcpStream::connect(addr)
+    // Bounded: a SYN lost in a partition would otherwise wait out the kernel's retransmission
+    // schedule (tens of seconds) before the dialer's next, jittered attempt.
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
+        .map_err(|_| {
+            ProtocolError::Closed(format!(
+                "connect to {addr}: no answer within {CONNECT_TIMEOUT:?}"
+            ))
+        })?
         .map_err(|e| ProtocolError::Closed(format!("connect to {addr}: {e}")))?;
     let _ = stream.set_nodelay(true);
     Ok(stream)
 }
 
-/// The sending half of a TCP link.
-pub(crate) struct TcpSink(pub(crate) OwnedWriteHalf);
+/// The sending half of a TCP link (sealing every frame when the link is encrypted).
+pub(crate) struct TcpSink(pub(crate) OwnedWriteHalf, pub(crate) Option<SealBuf>);
 
 impl FrameSink for TcpSink {
     fn write_frame<'a>(
@@ -216,7 +554,7 @@ impl FrameSink for TcpSink {
         payload: &'a [u8],
     ) -> SinkFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            write_vectored_all(&mut self.0, head, payload)
+            write_frame_sealed(&mut self.0, self.1.as_mut(), head, payload)
                 .await
                 .map_err(|e| format!("TCP write: {e}"))
         })
@@ -229,9 +567,14 @@ impl FrameSink for TcpSink {
     }
 }
 
-/// Starts the reader task of a TCP link.
-pub(crate) fn spawn_reader(link: &Arc<Link>, read: OwnedReadHalf, codec: CodecConfig) {
-    let reader = tokio::spawn(tcp_reader(Arc::clone(link), read, codec));
+/// Starts the reader task of a TCP link (opening sealed frames with `open`).
+pub(crate) fn spawn_reader(
+    link: &Arc<Link>,
+    read: OwnedReadHalf,
+    open: Option<Opener>,
+    codec: CodecConfig,
+) {
+    let reader = tokio::spawn(tcp_reader(Arc::clone(link), read, open, codec));
     link.add_task(reader.abort_handle());
 }
 
@@ -254,10 +597,15 @@ async fn watch_control_socket(link: Arc<Link>, mut stream: TcpStream) {
 }
 
 /// Reads frames from the socket into `link` until it fails.
-async fn tcp_reader(link: Arc<Link>, read: OwnedReadHalf, codec: CodecConfig) {
-    let mut r = tokio::io::BufReader::with_capacity(64 << 10, read);
+async fn tcp_reader(
+    link: Arc<Link>,
+    read: OwnedReadHalf,
+    open: Option<Opener>,
+    codec: CodecConfig,
+) {
+    let mut r = FrameIn::new(tokio::io::BufReader::with_capacity(64 << 10, read), open);
     loop {
-        let (header, buf) = match read_frame(&mut r, &codec, &link.pool).await {
+        let (header, buf) = match r.read_frame(&codec, &link.pool).await {
             Ok(f) => f,
             Err(e) => {
                 link.fail(e.into_protocol());
@@ -280,3 +628,195 @@ async fn tcp_reader(link: Arc<Link>, read: OwnedReadHalf, codec: CodecConfig) {
         }
     }
 }
+
+/// Limits on handshakes in progress on one listener: at most `per_source` from one IP address
+/// and `total` in all. A connection over either limit is closed at once, before anything is
+/// read from it. Clones share the counts.
+#[derive(Clone, Debug)]
+pub struct HandshakeGate {
+    inner: Arc<std::sync::Mutex<GateState>>,
+    per_source: u32,
+    total: u32,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    by_source: std::collections::HashMap<std::net::IpAddr, u32>,
+    total: u32,
+}
+
+/// Default limit of concurrent handshakes from one source address.
+pub const HANDSHAKES_PER_SOURCE: u32 = 8;
+/// Default limit of concurrent handshakes on one listener.
+pub const HANDSHAKES_TOTAL: u32 = 64;
+
+impl Default for HandshakeGate {
+    fn default() -> Self {
+        Self::new(HANDSHAKES_PER_SOURCE, HANDSHAKES_TOTAL)
+    }
+}
+
+impl HandshakeGate {
+    /// A gate admitting `per_source` handshakes per address and `total` in all.
+    pub fn new(per_source: u32, total: u32) -> Self {
+        Self {
+            inner: Arc::default(),
+            per_source,
+            total,
+        }
+    }
+
+    /// Admits a handshake from `ip`, or says which limit it hit.
+    pub fn try_enter(&self, ip: std::net::IpAddr) -> Result<HandshakePermit, String> {
+        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if st.total >= self.total {
+            return Err(format!(
+                "{} handshakes already in progress (limit {})",
+                st.total, self.total
+            ));
+        }
+        let n = st.by_source.entry(ip).or_insert(0);
+        if *n >= self.per_source {
+            return Err(format!(
+                "{n} handshakes from {ip} already in progress (limit {})",
+                self.per_source
+            ));
+        }
+        *n += 1;
+        st.total += 1;
+        Ok(HandshakePermit {
+            gate: self.clone(),
+            ip,
+        })
+    }
+
+    /// Handshakes in progress now.
+    pub fn in_progress(&self) -> u32 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).total
+    }
+}
+
+/// One admitted handshake; dropping it frees its place.
+#[derive(Debug)]
+pub struct HandshakePermit {
+    gate: HandshakeGate,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for HandshakePermit {
+    fn drop(&mut self) {
+        let mut st = self.gate.inner.lock().unwrap_or_else(|e| e.into_inner());
+        st.total = st.total.saturating_sub(1);
+        if let Some(n) = st.by_source.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                st.by_source.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// A budget of bytes that all connections of a listener may hold for receive buffers
+/// together. Each authenticated connection reserves its worst case (its receive window) and
+/// returns it on close; one beyond the budget is refused with a clear error. Clones share it.
+#[derive(Clone, Debug)]
+pub struct MemoryBudget {
+    used: Arc<std::sync::atomic::AtomicU64>,
+    limit: u64,
+}
+
+impl MemoryBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        Self {
+            used: Arc::default(),
+            limit,
+        }
+    }
+
+    /// Reserves `bytes`, or explains why not.
+    pub fn reserve(&self, bytes: u64) -> Result<MemoryReservation, String> {
+        use std::sync::atomic::Ordering;
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            let next = cur.saturating_add(bytes);
+            if next > self.limit {
+                return Err(format!(
+                    "connection memory budget exhausted: {} MiB of {} MiB reserved by open connections, this one needs {} MiB; close idle connections or raise the budget",
+                    cur >> 20,
+                    self.limit >> 20,
+                    bytes.div_ceil(1 << 20)
+                ));
+            }
+            match self
+                .used
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    return Ok(MemoryReservation {
+                        used: Arc::clone(&self.used),
+                        bytes,
+                    });
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> u64 {
+        self.used.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The budget.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+}
+
+/// Bytes reserved from a [`MemoryBudget`]; returned on drop.
+#[derive(Debug)]
+pub struct MemoryReservation {
+    used: Arc<std::sync::atomic::AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for MemoryReservation {
+    fn drop(&mut self) {
+        self.used
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// Logs a refused handshake at warn level: the peer's address, who it claimed to be, and
+/// why. At most [`REFUSAL_LOGS_PER_SECOND`] lines a second over the whole process; the next
+/// line printed says how many were suppressed meanwhile.
+pub fn log_refusal(what: &str, from: std::net::SocketAddr, claimed: Option<&str>, reason: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static WINDOW: std::sync::Mutex<(Option<Instant>, u32)> = std::sync::Mutex::new((None, 0));
+    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
+    let now = Instant::now();
+    {
+        let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+        match w.0 {
+            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
+                if w.1 >= REFUSAL_LOGS_PER_SECOND {
+                    SUPPRESSED.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                w.1 += 1;
+            }
+            _ => *w = (Some(now), 1),
+        }
+    }
+    let suppressed = SUPPRESSED.swap(0, Ordering::Relaxed);
+    let claimed = claimed.unwrap_or("(no hello)");
+    if suppressed > 0 {
+        tracing::warn!(%from, claimed, suppressed, "refused {what}: {reason} ({suppressed} more refusals not logged)");
+    } else {
+        tracing::warn!(%from, claimed, "refused {what}: {reason}");
+    }
+}
+
+/// Refused handshakes logged per second at most (see [`log_refusal`]).
+pub const REFUSAL_LOGS_PER_SECOND: u32 = 5;

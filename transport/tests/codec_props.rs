@@ -111,6 +111,7 @@ fn body() -> impl Strategy<Value = Body> {
                         attachment,
                         incarnation: inc,
                         fingerprint: fp,
+                        identity: String::new(),
                     })
                 }
             ),

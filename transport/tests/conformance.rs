@@ -10,6 +10,7 @@ use bytes::Bytes;
 use expertmesh_transport::codec::{
     self, Body, CodecConfig, ErrorCode, ErrorFrame, ExpertResult, Heartbeat, OutputLayout,
 };
+use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::protocol::{Connection, ProtocolConfig};
 use expertmesh_transport::{
     LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress, PeerErrorKind,
@@ -472,9 +473,9 @@ async fn failed_authentication_is_refused(kind: LinkKind) {
     let addrs = free_addrs(2);
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let mut c0 = config(kind, 0, &addrs, dir.path());
-    c0.protocol.secret = Some(Arc::from(&b"right secret"[..]));
+    c0.protocol.credentials = Some(Arc::new(Credentials::shared_secret(b"right secret")));
     let mut c1 = config(kind, 1, &addrs, dir.path());
-    c1.protocol.secret = Some(Arc::from(&b"wrong secret"[..]));
+    c1.protocol.credentials = Some(Arc::new(Credentials::shared_secret(b"wrong secret")));
     let (m0, _e0) = Mesh::start(c0.clone()).await.unwrap();
     let (m1, _e1) = Mesh::start(c1).await.unwrap();
     let err = m1
@@ -496,7 +497,7 @@ async fn failed_authentication_is_refused(kind: LinkKind) {
     assert_eq!(leftovers, 0, "ring files left after refused handshakes");
     // The right secret connects.
     let mut c1 = config(kind, 1, &addrs, dir.path());
-    c1.protocol.secret = Some(Arc::from(&b"right secret"[..]));
+    c1.protocol.credentials = Some(Arc::new(Credentials::shared_secret(b"right secret")));
     let (m1, _e1) = Mesh::start(c1).await.unwrap();
     m1.wait_connected(&[0], T).await.unwrap();
     m0.shutdown();

@@ -6,6 +6,7 @@
 //! error handling must be right before anything is layered on top.
 
 use expertmesh_transport::codec::{self, Body, ErrorCode, LayerRequest, LayerResponse};
+use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 use expertmesh_transport::frontend::{
     FrameConnection, FrameListener, FrontendConfig, FrontendError,
@@ -174,7 +175,7 @@ async fn raw_client(
     let mut p = ProtocolConfig::new(cfg.cluster.clone(), codec::CLIENT_RANK, 1);
     p.codec = cfg.codec;
     p.recv_window_bytes = 2 * cfg.codec.max_frame_bytes as u64;
-    p.secret = cfg.secret.clone();
+    p.credentials = cfg.credentials.clone();
     let mut conn = Connection::new(Arc::new(p), None, [9; 32], Vec::new(), Instant::now());
     let mut dec = codec::StreamDecoder::new(cfg.codec);
     loop {
@@ -256,7 +257,7 @@ async fn intact_header_with_bad_metadata_is_answered_and_the_connection_goes_on(
 #[tokio::test]
 async fn garbage_closes_only_that_connection_and_auth_failures_are_refused() {
     let mut cfg = FrontendConfig::new("fe");
-    cfg.secret = Some(Arc::from(&b"k"[..]));
+    cfg.credentials = Some(Arc::new(Credentials::shared_secret(b"k")));
     let addr = start(cfg.clone()).await;
     let mut good = FrameConnection::connect(addr, &cfg).await.unwrap();
     // Garbage on another socket: closed without an answer.
@@ -268,7 +269,7 @@ async fn garbage_closes_only_that_connection_and_auth_failures_are_refused() {
         .expect("closed");
     // Wrong secret: refused with a clear error.
     let mut wrong = cfg.clone();
-    wrong.secret = Some(Arc::from(&b"nope"[..]));
+    wrong.credentials = Some(Arc::new(Credentials::shared_secret(b"nope")));
     let err = FrameConnection::connect(addr, &wrong).await.unwrap_err();
     assert!(
         err.to_string().contains("authentication") || err.to_string().contains("refused"),
@@ -276,7 +277,7 @@ async fn garbage_closes_only_that_connection_and_auth_failures_are_refused() {
     );
     // No secret at all: refused too.
     let mut none = cfg.clone();
-    none.secret = None;
+    none.credentials = None;
     assert!(FrameConnection::connect(addr, &none).await.is_err());
     // The good connection is unaffected.
     let (body, payload, _) = request(1, 1, 32);

@@ -28,6 +28,7 @@ use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
 use expertmesh_transport::codec::CodecConfig;
+use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::mesh::{LinkKind, MeshConfig, PeerAddress};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -55,8 +56,10 @@ pub struct Deployment {
     pub seed: u64,
     /// The converted weights folder, when serving a real checkpoint.
     pub weights: Option<Arc<ConvertedWeights>>,
-    /// Shared secret for the mesh and frontends (`None`: no authentication).
-    pub secret: Option<Arc<[u8]>>,
+    /// This process's credentials for the mesh and its frontends (its own rank's, from
+    /// `--credentials`; or the legacy shared secret from `EXPERTMESH_SECRET`). `None`: no
+    /// authentication and no encryption.
+    pub credentials: Option<Arc<Credentials>>,
 }
 
 impl Deployment {
@@ -71,7 +74,7 @@ impl Deployment {
             placement,
             seed,
             weights: None,
-            secret: secret_from_env()?,
+            credentials: secret_from_env()?,
         })
     }
 
@@ -105,7 +108,7 @@ impl Deployment {
                 dir: weights.to_path_buf(),
                 manifest,
             })),
-            secret: secret_from_env()?,
+            credentials: secret_from_env()?,
         })
     }
 
@@ -322,7 +325,7 @@ impl Deployment {
                 .chain(node_peers.iter().copied().filter(|&p| p < rank))
                 .collect()
         });
-        cfg.protocol.secret = self.secret.clone();
+        cfg.protocol.credentials = self.credentials.clone();
         cfg.protocol.codec = CodecConfig {
             max_frame_bytes: MAX_FRAME_BYTES,
             payload_checksum: false,
@@ -455,12 +458,15 @@ fn check_manifest(
     Ok(())
 }
 
-/// The shared secret from `EXPERTMESH_SECRET` or the file named by `EXPERTMESH_SECRET_FILE`.
-pub fn secret_from_env() -> anyhow::Result<Option<Arc<[u8]>>> {
+/// The legacy shared secret from `EXPERTMESH_SECRET` or the file named by
+/// `EXPERTMESH_SECRET_FILE`, as credentials (every holder can act as any rank; links are
+/// still encrypted). Prefer per-process credentials (`expertmesh keys issue`).
+pub fn secret_from_env() -> anyhow::Result<Option<Arc<Credentials>>> {
+    let shared = |b: &[u8]| Some(Arc::new(Credentials::shared_secret(b)));
     if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
         && !s.is_empty()
     {
-        return Ok(Some(Arc::from(s.into_bytes())));
+        return Ok(shared(s.as_bytes()));
     }
     if let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") {
         let bytes = std::fs::read(&p).with_context(|| format!("reading secret file {p}"))?;
@@ -468,7 +474,7 @@ pub fn secret_from_env() -> anyhow::Result<Option<Arc<[u8]>>> {
         if trimmed.is_empty() {
             bail!("secret file {p} is empty");
         }
-        return Ok(Some(Arc::from(trimmed)));
+        return Ok(shared(&trimmed));
     }
     Ok(None)
 }
