@@ -4,7 +4,8 @@
 //! (examples/single-host-2routers.toml), clients given both routers keep working when one
 //! router stops under load: every call succeeds with the bit-identical answer of the in-process
 //! reference (exact mode), none is wrong, none hangs, and the clients that used the stopped
-//! router moved to the other; (b) a router process (`expertmesh up`) stopped with SIGSTOP: a
+//! router moved to the other; `infer` given both routers, the stopped one first, answers
+//! through the other; (b) a router process (`expertmesh up`) stopped with SIGSTOP: a
 //! call with a 2 s deadline returns DeadlineExceeded within 2.5 s (before the client kept its
 //! deadline it waited as long as the router was stopped), and after SIGCONT the same client's
 //! next call is answered bit for bit.
@@ -162,6 +163,29 @@ fn failover_clients_get_every_answer_bit_for_bit_when_a_router_stops_under_load(
     );
     let s = fabric.router(0).unwrap().stats();
     assert_eq!(s.failures, 0, "router 0: {s:?}");
+    // `infer` given both routers, the stopped one first: it answers through the other.
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("x.npy"), dir.path().join("y.npy"));
+    let (layer, x, want) = &cases[1];
+    let tokens = x.len() / h;
+    let npy = expertmesh_fabric::npy::encode(tokens, h, x, expertmesh_fabric::npy::NpyDtype::F32);
+    std::fs::write(&input, npy).unwrap();
+    let run = common::run(&[
+        "infer",
+        "--router",
+        &format!("{},{}", addrs[1], addrs[0]),
+        "--cluster",
+        &cfg.cluster,
+        "--layer",
+        &layer.to_string(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+    let y = expertmesh_fabric::npy::read(&output).unwrap();
+    assert_eq!(bits(&y.data), *want, "infer's answer through router 0");
     fabric.shutdown();
 }
 
