@@ -67,6 +67,12 @@ pub enum PeerErrorKind {
     /// The mesh was shut down.
     #[error("transport shut down")]
     Shutdown,
+    /// The frame was bound to a link of the peer that has since been replaced by a newer
+    /// connection (the peer restarted): it belongs to the old one and is not sent.
+    #[error(
+        "the link this frame belongs to (generation {0}) was replaced by a newer connection; not sent"
+    )]
+    LinkReplaced(u64),
 }
 
 /// A frame to send: the body and its payload (shared, so one buffer can go to several peers).
@@ -189,6 +195,7 @@ pub struct RecvFrame {
     payload: Range<usize>,
     storage: Storage,
     link: Weak<Link>,
+    generation: u64,
 }
 
 impl fmt::Debug for RecvFrame {
@@ -215,6 +222,13 @@ impl RecvFrame {
     /// The payload (64-byte aligned).
     pub fn payload(&self) -> &[u8] {
         &self.storage.bytes()[self.payload.clone()]
+    }
+
+    /// Which link of its peer carried the frame (see [`crate::mesh::Mesh::send_on`]): work
+    /// answered with `send_on` and this generation never reaches a newer connection of the
+    /// peer (a restarted router gets no answers to its predecessor's dispatches).
+    pub fn link_generation(&self) -> u64 {
+        self.generation
     }
 
     /// Total encoded length of the frame.
@@ -341,12 +355,24 @@ pub(crate) struct Link {
     owner: Weak<dyn LinkOwner>,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     recv_window: u64,
+    /// Which link of its peer this is: the mesh numbers a rank's links 1, 2, ... as they are
+    /// installed, and sends bound to one ([`crate::mesh::Mesh::send_on`]) fail on another.
+    pub(crate) generation: u64,
+    /// When the link was made, and microseconds after that when a frame (any, heartbeats
+    /// included) last arrived.
+    created: Instant,
+    heard_us: AtomicU64,
 }
 
 impl Link {
     /// A link for a completed handshake, reporting to `owner`. Its receive buffer pool keeps at
     /// most the receive window (capped at 256 MiB) of idle buffers.
-    pub(crate) fn new(new: NewLink, codec: codec::CodecConfig, owner: Weak<dyn LinkOwner>) -> Self {
+    pub(crate) fn new(
+        new: NewLink,
+        codec: codec::CodecConfig,
+        owner: Weak<dyn LinkOwner>,
+        generation: u64,
+    ) -> Self {
         let pool_idle = new.recv_window.min(256 << 20);
         Link {
             peer: new.peer.rank,
@@ -362,6 +388,9 @@ impl Link {
             owner,
             tasks: Mutex::new(Vec::new()),
             recv_window: new.recv_window,
+            generation,
+            created: Instant::now(),
+            heard_us: AtomicU64::new(0),
         }
     }
 
@@ -449,9 +478,12 @@ impl Link {
         let (body, payload) =
             codec::decode_with_header(header, &bytes[..header.frame_len as usize])?;
         let frame_len = header.frame_len as usize;
+        let now = Instant::now();
+        let heard = now.saturating_duration_since(self.created).as_micros();
+        self.heard_us.store(heard as u64, Ordering::Relaxed);
         let disp = {
             let mut p = self.lock_proto();
-            let d = p.handle_frame(Instant::now(), &body, credit_cost(frame_len));
+            let d = p.handle_frame(now, &body, credit_cost(frame_len));
             if p.has_transmit() {
                 self.ctrl.notify_one();
             }
@@ -473,6 +505,7 @@ impl Link {
                 payload,
                 storage,
                 link: Arc::downgrade(self),
+                generation: self.generation,
             })),
         }
     }
@@ -571,6 +604,16 @@ impl Link {
                 return;
             }
         }
+    }
+
+    /// When a frame from the peer last arrived (the link's creation before the first).
+    pub(crate) fn last_heard(&self) -> Instant {
+        self.created + std::time::Duration::from_micros(self.heard_us.load(Ordering::Relaxed))
+    }
+
+    /// The peer process's incarnation, as its hello announced it.
+    pub(crate) fn peer_incarnation(&self) -> Option<u64> {
+        self.lock_proto().peer().map(|p| p.incarnation)
     }
 
     /// Flow-control figures of this link.

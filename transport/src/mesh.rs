@@ -33,7 +33,7 @@
 //! `link`, [`protocol`](crate::protocol) and [`codec`](crate::codec) (not the
 //! drivers themselves), and nothing in the crate imports it.
 
-use crate::codec::{HEADER_LEN, PAYLOAD_ALIGN};
+use crate::codec::{Body, ErrorCode, ErrorFrame, HEADER_LEN, PAYLOAD_ALIGN};
 use crate::link::{Link, LinkOwner, NewLink};
 pub use crate::link::{
     LinkKind, OutFrame, PeerError, PeerErrorKind, PeerStats, Rank, RecvFrame, credit_cost,
@@ -45,9 +45,9 @@ pub use crate::shm::ShmConfig;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 
@@ -110,7 +110,7 @@ impl MeshConfig {
             protocol: ProtocolConfig::new(cluster, rank, world),
             peers,
             reconnect_initial: Duration::from_millis(20),
-            reconnect_max: Duration::from_secs(2),
+            reconnect_max: Duration::from_secs(1),
             shm: ShmConfig::default(),
             rdma_device: None,
             dial_ranks: None,
@@ -167,7 +167,27 @@ pub enum TransportEvent {
 struct PeerSlot {
     current: Mutex<Option<Arc<Link>>>,
     last_error: Mutex<Option<String>>,
+    /// Links installed for this rank so far (the last one's generation).
+    generations: AtomicU64,
+    /// Second connections refused for this rank: when a refusal was last logged, and how many
+    /// since.
+    refusals: Mutex<(Option<Instant>, u64)>,
 }
+
+impl PeerSlot {
+    fn new() -> Self {
+        Self {
+            current: Mutex::new(None),
+            last_error: Mutex::new(None),
+            generations: AtomicU64::new(0),
+            refusals: Mutex::new((None, 0)),
+        }
+    }
+}
+
+/// Least time between two logged refusals of a second connection for the same rank (each
+/// refusal is counted; the log line says how many there were).
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(5);
 
 /// The state of a running mesh, shared by its handle, its tasks and (weakly) its links.
 pub(crate) struct MeshInner {
@@ -216,18 +236,37 @@ impl MeshInner {
         self.shutdown.load(Ordering::Acquire)
     }
 
-    /// Installs an established link for its peer, replacing an older one.
-    fn install(self: &Arc<Self>, new: NewLink) -> Arc<Link> {
+    /// How recently a link must have heard from its peer to count as live: two heartbeat
+    /// intervals (a live peer sends something at least once per interval).
+    fn live_window(&self) -> Duration {
+        self.proto_cfg.heartbeat_interval * 2
+    }
+
+    /// Installs an established link for its peer, replacing an older one that has failed or
+    /// gone silent. A connection from another process claiming a rank whose link is live (a
+    /// second worker started for the same device) is refused: told why, closed, and logged
+    /// (rate-limited); the live link stays.
+    fn install(self: &Arc<Self>, new: NewLink, from: Option<SocketAddr>) -> Option<Arc<Link>> {
         let rank = new.peer.rank;
         let kind = new.kind;
         let incarnation = new.peer.incarnation;
         let owner: std::sync::Weak<dyn LinkOwner> = Arc::downgrade(self) as _;
-        let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner));
-        let old = {
-            let slot = &self.peers[rank as usize];
-            let mut cur = slot.current.lock().unwrap_or_else(|e| e.into_inner());
-            cur.replace(Arc::clone(&link))
-        };
+        let slot = &self.peers[rank as usize];
+        let mut cur = slot.current.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(live) = cur.as_ref()
+            && !live.is_closed()
+            && live.peer_incarnation() != Some(incarnation)
+            && live.last_heard().elapsed() < self.live_window()
+        {
+            let theirs = live.peer_incarnation().unwrap_or(0);
+            drop(cur);
+            self.refuse_second(new, from, theirs, owner);
+            return None;
+        }
+        let generation = slot.generations.fetch_add(1, Ordering::AcqRel) + 1;
+        let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner, generation));
+        let old = cur.replace(Arc::clone(&link));
+        drop(cur);
         if let Some(old) = old {
             old.fail(ProtocolError::Closed(
                 "superseded by a new connection from the same rank".into(),
@@ -246,14 +285,59 @@ impl MeshInner {
             link: kind,
             incarnation,
         });
-        link
+        Some(link)
     }
 
-    /// Installs a link fresh from setup and starts reading its frames.
-    fn adopt(self: &Arc<Self>, est: Established) {
+    /// Refuses `new`, a connection claiming a rank that has a live link from another process
+    /// (incarnation `live`): the newcomer gets an error frame saying why, then the connection
+    /// closes; the refusal is logged at most every [`REFUSAL_LOG_EVERY`] per rank.
+    fn refuse_second(
+        &self,
+        new: NewLink,
+        from: Option<SocketAddr>,
+        live: u64,
+        owner: std::sync::Weak<dyn LinkOwner>,
+    ) {
+        let rank = new.peer.rank;
+        let incarnation = new.peer.incarnation;
+        let from_s = from.map_or_else(|| "?".to_owned(), |a| a.to_string());
+        let message = format!(
+            "rank {rank} is already served by a live process (incarnation {live:016x}); this              connection from {from_s} (incarnation {incarnation:016x}) is refused: two processes              were started for the same rank (check the --device of every worker)"
+        );
+        {
+            let slot = &self.peers[rank as usize];
+            let mut r = slot.refusals.lock().unwrap_or_else(|e| e.into_inner());
+            r.1 += 1;
+            if r.0.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
+                tracing::warn!(
+                    peer = rank, from = %from_s, refused = r.1,
+                    "refused a second connection for a rank with a live link: {message}"
+                );
+                *r = (Some(Instant::now()), 0);
+            }
+        }
+        // Never installed: its closing reports nothing (the live link is the rank's).
+        let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner, 0));
+        let frame = OutFrame::new(Body::Error(ErrorFrame {
+            request_id: 0,
+            code: ErrorCode::PeerUnavailable,
+            message: message.clone(),
+        }));
+        tokio::spawn(async move {
+            let mut head = Vec::with_capacity(256);
+            let _ =
+                tokio::time::timeout(Duration::from_secs(1), link.send(&frame, &mut head)).await;
+            link.fail(ProtocolError::Closed(message));
+        });
+    }
+
+    /// Installs a link fresh from setup (accepted from `from`, or dialled) and starts reading
+    /// its frames; a refused second connection is closed instead.
+    fn adopt(self: &Arc<Self>, est: Established, from: Option<SocketAddr>) {
         let Established { new, reader } = est;
-        let link = self.install(new);
-        reader.start(&link, self.proto_cfg.codec);
+        if let Some(link) = self.install(new, from) {
+            reader.start(&link, self.proto_cfg.codec);
+        }
     }
 
     /// Forgets a failed link (unless already superseded) and reports it.
@@ -405,12 +489,7 @@ impl Mesh {
             proto_cfg,
             setup,
             event_capacity,
-            peers: (0..world)
-                .map(|_| PeerSlot {
-                    current: Mutex::new(None),
-                    last_error: Mutex::new(None),
-                })
-                .collect(),
+            peers: (0..world).map(|_| PeerSlot::new()).collect(),
             events: tx,
             shutdown: AtomicBool::new(false),
             shutdown_notify: Notify::new(),
@@ -530,6 +609,47 @@ impl Transport for Mesh {
     }
 
     async fn send(&self, peer: Rank, frame: &OutFrame) -> Result<(), PeerError> {
+        let link = self.link_to(peer)?;
+        let mut head = Vec::with_capacity(256);
+        link.send(frame, &mut head).await
+    }
+
+    fn is_connected(&self, peer: Rank) -> bool {
+        self.inner.current(peer).is_some()
+    }
+}
+
+impl Mesh {
+    /// Sends one frame to `peer` over the link of generation `generation` only (the one a
+    /// frame being answered came on: [`RecvFrame::link_generation`]). Fails with
+    /// [`PeerErrorKind::LinkReplaced`] when the peer's link has since been replaced (the peer
+    /// restarted: the answer belongs to its previous process), otherwise as
+    /// [`Transport::send`].
+    pub async fn send_on(
+        &self,
+        peer: Rank,
+        generation: u64,
+        frame: &OutFrame,
+    ) -> Result<(), PeerError> {
+        let link = self.link_to(peer)?;
+        if link.generation != generation {
+            return Err(PeerError {
+                peer,
+                kind: PeerErrorKind::LinkReplaced(generation),
+            });
+        }
+        let mut head = Vec::with_capacity(256);
+        link.send(frame, &mut head).await
+    }
+
+    /// The generation of the link to `peer` now, if connected (1 for its first link, counting
+    /// up as links replace each other).
+    pub fn link_generation(&self, peer: Rank) -> Option<u64> {
+        self.inner.current(peer).map(|l| l.generation)
+    }
+
+    /// The established link to `peer`, or the error a send to it fails with.
+    fn link_to(&self, peer: Rank) -> Result<Arc<Link>, PeerError> {
         if peer >= self.world_size() || peer == self.local_rank() {
             return Err(PeerError {
                 peer,
@@ -553,12 +673,7 @@ impl Transport for Mesh {
                 kind: PeerErrorKind::NotConnected(last),
             });
         };
-        let mut head = Vec::with_capacity(256);
-        link.send(frame, &mut head).await
-    }
-
-    fn is_connected(&self, peer: Rank) -> bool {
-        self.inner.current(peer).is_some()
+        Ok(link)
     }
 }
 
@@ -609,24 +724,35 @@ async fn accept_loop(inner: Arc<MeshInner>, listener: TcpListener) {
 }
 
 /// Sets up a link from an accepted connection and installs it (the handshake's place under
-/// the gate is freed once authenticated).
+/// the gate is freed once authenticated; `install` decides whether a rank that is already
+/// connected is replaced or refused).
 async fn accept_one(
     inner: &Arc<MeshInner>,
     stream: TcpStream,
     permit: crate::tcp::HandshakePermit,
 ) -> Result<(), setup::Refused> {
+    let from = stream.peer_addr().ok();
     let est = setup::accept(&inner.setup, stream).await?;
     drop(permit);
-    inner.adopt(est);
+    inner.adopt(est, from);
     Ok(())
 }
 
-/// Dials `peer` forever (until shutdown), redialling with exponential backoff after a failure
-/// or a lost link. A shared-memory or RDMA setup failure falls back to TCP for the next try.
+/// Dials `peer` forever (until shutdown), redialling after a failure or a lost link with
+/// jittered exponential backoff (from `reconnect_initial`, doubling up to `reconnect_max`,
+/// each wait drawn from its upper half so restarted peers do not redial in step). A link that
+/// dies young (the peer refused it as a second connection for this rank, or it failed at
+/// once) does not reset the backoff: a peer that keeps closing the link is not redialled in a
+/// tight loop. TCP connects give up after a connect timeout, so a SYN lost in a partition is
+/// retried within about a second of the heal, not on the kernel's retransmission schedule.
+/// A shared-memory or RDMA setup failure falls back to TCP for the next try.
 async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
-    let mut backoff = inner.cfg.reconnect_initial;
+    let initial = inner.cfg.reconnect_initial;
+    let mut backoff = initial;
+    let mut jitter = Jitter::new(u64::from(peer) ^ inner.proto_cfg.incarnation);
     let mut fallback_tcp = false;
     let mut failures = 0u32;
+    let mut linked_at: Option<Instant> = None;
     while !inner.is_shutdown() {
         if let Some(link) = inner.current(peer) {
             let closed = link.closed_notify.notified();
@@ -635,7 +761,16 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
             if !link.is_closed() {
                 closed.await;
             }
-            backoff = inner.cfg.reconnect_initial;
+            let lived = linked_at.take().map_or(Duration::MAX, |t| t.elapsed());
+            if lived >= inner.cfg.reconnect_max * 2 {
+                backoff = initial;
+                continue;
+            }
+            // A young link's loss: wait before redialling, as after a failed dial.
+            if !sleep_or_shutdown(&inner, jitter.spread(backoff)).await {
+                return;
+            }
+            backoff = (backoff * 2).min(inner.cfg.reconnect_max);
             continue;
         }
         let spec = inner.cfg.peers[peer as usize].clone();
@@ -646,15 +781,16 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
         };
         match setup::dial(&inner.setup, spec.addr, peer, kind).await {
             Ok(est) => {
-                inner.adopt(est);
+                inner.adopt(est, None);
+                linked_at = Some(Instant::now());
                 failures = 0;
-                backoff = inner.cfg.reconnect_initial;
             }
             Err(e) => {
                 failures += 1;
+                let wait = jitter.spread(backoff);
                 let msg = format!("dial {} ({}): {e}", spec.addr, kind.name());
                 if failures == 1 || failures.is_multiple_of(20) {
-                    tracing::warn!(peer, attempt = failures, "{msg}; retrying in {backoff:?}");
+                    tracing::warn!(peer, attempt = failures, "{msg}; retrying in {wait:?}");
                 } else {
                     tracing::debug!(peer, attempt = failures, "{msg}");
                 }
@@ -670,13 +806,44 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
                     fallback_tcp = true;
                     continue;
                 }
-                let sleep = tokio::time::sleep(backoff);
-                tokio::select! {
-                    _ = sleep => {}
-                    _ = inner.shutdown_notify.notified() => return,
+                if !sleep_or_shutdown(&inner, wait).await {
+                    return;
                 }
                 backoff = (backoff * 2).min(inner.cfg.reconnect_max);
             }
         }
+    }
+}
+
+/// Sleeps `d`; false when the mesh shut down meanwhile.
+async fn sleep_or_shutdown(inner: &MeshInner, d: Duration) -> bool {
+    let shut = inner.shutdown_notify.notified();
+    tokio::pin!(shut);
+    shut.as_mut().enable();
+    if inner.is_shutdown() {
+        return false;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = shut => false,
+    }
+}
+
+/// Spreads redial waits (xorshift64*, seeded per dialled peer and process).
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    /// A wait drawn uniformly from `[d / 2, d]`.
+    fn spread(&mut self, d: Duration) -> Duration {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11; // 53 random bits
+        let unit = r as f64 / (1u64 << 53) as f64;
+        d.mul_f64(0.5 + 0.5 * unit)
     }
 }
