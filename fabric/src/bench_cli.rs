@@ -65,6 +65,12 @@ pub enum BenchTarget {
     /// the int8 peak (prefill) measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
     Kernels(KernelsCli),
+    /// A small multi-process fabric (exact mode, replicas) under checked load for N minutes
+    /// with a random fault about once a minute (worker kill/pause, router restart/pause, and
+    /// with root partitions and slow links): calls, clean errors, wrong answers and hangs
+    /// (both must be 0), recovery after each fault, RSS at start and end.
+    #[command(after_help = crate::bench_soak::EXIT_CODES)]
+    Soak(crate::bench_soak::SoakCli),
     /// Dispatch-frame throughput and round-trip latency over TCP loopback and shared memory,
     /// against a raw socket and memcpy measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
@@ -248,6 +254,7 @@ pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
         BenchTarget::Cluster(c) => crate::bench_cluster::run_cli(c),
         BenchTarget::Compare(c) => crate::bench_compare::run(&c),
+        BenchTarget::Soak(c) => crate::bench_soak::run_cli(c),
         BenchTarget::Convert(c) => {
             let report = crate::bench_convert::run(&c.options())?;
             report.print_table();

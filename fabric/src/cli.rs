@@ -141,17 +141,32 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Log lines (tracing) go to stderr: warnings from every crate, and the worker's lifecycle
-/// (backend choice, links) at info. `EXPERTMESH_LOG` overrides the filter (`RUST_LOG` syntax).
+/// The default log filter: warnings from every crate, and the fabric's own lifecycle at info
+/// (links up and lost with rank, address and link kind; workers refused in the handshake;
+/// devices quarantined and released; results of another incarnation dropped; metrics and load
+/// files served). `EXPERTMESH_LOG` overrides it (`RUST_LOG` syntax, e.g.
+/// `EXPERTMESH_LOG=debug` or `EXPERTMESH_LOG=warn,expertmesh_router=debug`).
+pub const DEFAULT_LOG_FILTER: &str = "warn,expertmesh=info,expertmesh_fabric=info,\
+expertmesh_router=info,expertmesh_worker=info,expertmesh_transport=info";
+
+/// Log lines (tracing) go to stderr, one event per line with its time, level, target (the
+/// crate and module) and key=value fields, colored only on a terminal; `EXPERTMESH_LOG_FORMAT=json` writes one JSON
+/// object per line instead (for log shippers). Every process logs the same way: `up` and
+/// `router` here, each worker process to its log file (its stderr).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("EXPERTMESH_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,expertmesh_worker=info"));
-    let _ = tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_target(false)
-        .without_time()
-        .try_init();
+        .with_target(true)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let json = std::env::var("EXPERTMESH_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {

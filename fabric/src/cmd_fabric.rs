@@ -243,6 +243,8 @@ pub struct WorkerCli {
     #[arg(long)]
     exit_with_parent: bool,
     #[command(flatten)]
+    metrics: crate::observe::MetricsArgs,
+    #[command(flatten)]
     security: crate::keys_cmd::SecurityArgs,
 }
 
@@ -287,6 +289,7 @@ pub fn worker(cli: WorkerCli) -> anyhow::Result<ExitCode> {
                 BackendArg::Hip => BackendChoice::Hip,
             },
             max_tokens: cli.max_tokens.max(1),
+            metrics: cli.metrics.metrics,
         },
     )?;
     Ok(ExitCode::SUCCESS)
@@ -338,6 +341,8 @@ pub struct RouterCli {
     #[arg(long, default_value_t = 1)]
     threads: usize,
     #[command(flatten)]
+    observe: crate::observe::ObserveArgs,
+    #[command(flatten)]
     security: crate::keys_cmd::SecurityArgs,
 }
 
@@ -376,7 +381,9 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
             .mesh_addr()
             .map_or_else(|| "?".into(), |a| a.to_string())
     );
+    let observers = crate::observe::start(&cli.observe, &[&service], &dep.spec)?;
     wait_for_ctrl_c()?;
+    drop(observers);
     drop(service);
     Ok(ExitCode::SUCCESS)
 }
@@ -414,6 +421,8 @@ pub struct UpCli {
     link: LinkArg,
     #[command(flatten)]
     router: RouterArgs,
+    #[command(flatten)]
+    observe: crate::observe::ObserveArgs,
     /// Cluster master key (`expertmesh keys init`): `up` issues each router, worker and the
     /// printed frontend its own credentials (authenticated, encrypted links). Without it the
     /// fabric runs unauthenticated and unencrypted (loopback only, unless --insecure).
@@ -437,6 +446,8 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link.into();
     opts.router = cli.router.config();
+    let worker_metrics = crate::observe::up_worker_addrs(&cli.observe, &cli.topology)?;
+    opts.worker_metrics = worker_metrics.clone();
     opts.key = cli.key.clone();
     opts.insecure = cli.insecure;
     if cli.key.is_none() {
@@ -490,6 +501,7 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         "  try: expertmesh infer --router {} --cluster {} --layer {} --input X.npy --output Y.npy",
         fronts.join(","),
         dep.topology.name(),
+    let _observers = crate::observe::start_up(&cli.observe, &fabric, &worker_metrics)?;
         dep.spec.moe_layer_ids()[0]
     );
     println!("Ctrl-C to stop.");

@@ -15,6 +15,7 @@ pub mod bench_kernels;
 pub mod bench_machine;
 pub mod bench_report;
 pub mod bench_roofline;
+pub mod bench_soak;
 pub mod bench_stats;
 pub mod bench_transport;
 pub mod cli;

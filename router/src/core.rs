@@ -275,6 +275,8 @@ pub struct RequestValidator {
     max_request_tokens: usize,
     default_deadline: Duration,
     max_deadline: Duration,
+    /// Where refusals are counted ([`RequestValidator::metrics`]).
+    metrics: std::sync::Arc<crate::metrics::RouterMetrics>,
 }
 
 /// The end of the message refusing a non-finite hidden state: the refusal that comes after every
@@ -296,6 +298,11 @@ fn reject<T>(code: ErrorCode, message: String) -> Result<T, Rejection> {
 }
 
 impl RequestValidator {
+    /// The router's metrics, where the service counts the requests it refuses.
+    pub fn metrics(&self) -> &crate::metrics::RouterMetrics {
+        &self.metrics
+    }
+
     /// Validate a frontend `LayerRequest` and decode its payload, or say what is wrong.
     pub fn validate(
         &self,
@@ -626,6 +633,8 @@ pub struct RouterCore {
     last_stale_warn: Option<Instant>,
     actions: Vec<Action>,
     stats: RouterStats,
+    /// Prometheus figures ([`crate::metrics`]).
+    metrics: crate::metrics::CoreMetrics,
 }
 
 impl RouterCore {
@@ -651,6 +660,8 @@ impl RouterCore {
             debug_assert_eq!(l.owners.owners.len(), e as usize);
             owners_ext.insert(l.layer, o);
         }
+        let layer_ids: Vec<u32> = layers.iter().map(|l| l.layer).collect();
+        let metrics = crate::metrics::CoreMetrics::new(&layer_ids, e as usize, &rank_names);
         let health = Health::new(
             replicas.alive.len(),
             cfg.straggler_timeout,
@@ -675,6 +686,7 @@ impl RouterCore {
             last_stale_warn: None,
             actions: Vec::new(),
             stats: RouterStats::default(),
+            metrics,
         }
     }
 
@@ -691,6 +703,11 @@ impl RouterCore {
     /// Counters so far.
     pub fn stats(&self) -> &RouterStats {
         &self.stats
+    }
+
+    /// The metrics this core keeps (shared with its service and `/metrics` endpoint).
+    pub fn metrics(&self) -> &std::sync::Arc<crate::metrics::RouterMetrics> {
+        self.metrics.shared()
     }
 
     /// This router's incarnation: random per core (so per router process), the high 32 bits
@@ -786,6 +803,7 @@ impl RouterCore {
             max_request_tokens: self.cfg.max_request_tokens,
             default_deadline: self.cfg.default_deadline,
             max_deadline: self.cfg.max_deadline,
+            metrics: std::sync::Arc::clone(self.metrics.shared()),
         }
     }
 
@@ -1025,6 +1043,7 @@ impl RouterCore {
         }
         part.live = false;
         let latency = now.saturating_duration_since(part.sent_at);
+        self.metrics.on_part_answered(part.sent_at, now);
         let in_time = !part.straggled;
         let pairs = part.plan.pairs() as u64;
         self.replicas.load[from as usize] = self.replicas.load[from as usize].saturating_sub(pairs);
@@ -1170,6 +1189,7 @@ impl RouterCore {
 
     fn fail_one(&mut self, client: ClientId, request_id: u64, code: ErrorCode, message: String) {
         self.stats.failures += 1;
+        self.metrics.on_error(code);
         self.actions.push(Action::Fail {
             client,
             request_id,
@@ -1291,6 +1311,9 @@ impl RouterCore {
             outstanding: 0,
         };
         self.inflight.insert(id, batch);
+        let (b, opened) = (&self.inflight[&id], p.flush_at.checked_sub(self.cfg.batch_window));
+        let opened = opened.unwrap_or(now);
+        self.metrics.on_batch(id, layer, b.members.len(), &b.routing, opened, now);
         // Micro-batches: plan and send each chunk of tokens separately.
         let mb = self.cfg.micro_batch_tokens.max(1);
         let mut start = 0;
@@ -1305,6 +1328,7 @@ impl RouterCore {
             }
             start = end;
         }
+        self.metrics.on_dispatched(now);
         self.send_probes(id, now);
         if self
             .inflight
@@ -1693,6 +1717,7 @@ impl RouterCore {
         let Some(b) = self.inflight.remove(&id) else {
             return;
         };
+        let combine_started = Instant::now();
         let h = self.spec.hidden as usize;
         let shared = if b.shared_local.is_empty() {
             0
@@ -1742,6 +1767,7 @@ impl RouterCore {
                 }
             }
         }
+        self.metrics.on_completed(id, b.members.len(), combine_started);
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;

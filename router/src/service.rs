@@ -117,6 +117,7 @@ impl std::fmt::Debug for RouterService {
         f.debug_struct("RouterService")
             .field("frontend_addr", &self.frontend_addr)
             .finish()
+    metrics: Arc<crate::metrics::RouterMetrics>,
     }
 }
 
@@ -156,7 +157,7 @@ impl RouterService {
             thread: Arc::default(),
         };
         let clients: ClientQueues = Arc::default();
-        let stats = Arc::new(Mutex::new(crate::core::RouterStats::default()));
+        let (stats, metrics) = (Arc::clone(core.metrics().stats_cell()), Arc::clone(core.metrics()));
         let validator = core.validator();
         let hidden = core.spec().hidden as usize;
 
@@ -213,6 +214,7 @@ impl RouterService {
         let rt = self.runtime.as_ref().expect("running");
         rt.block_on(self.mesh.wait_connected(ranks, timeout))
     }
+            metrics,
 
     /// The link kind to rank `r`, when connected.
     pub fn link_kind(&self, r: u32) -> Option<expertmesh_transport::mesh::LinkKind> {
@@ -247,6 +249,11 @@ impl RouterService {
 impl Drop for RouterService {
     fn drop(&mut self) {
         self.shutdown();
+    /// This router's metrics (what its `/metrics` endpoint and load-statistics writer read).
+    pub fn metrics(&self) -> &Arc<crate::metrics::RouterMetrics> {
+        &self.metrics
+    }
+
     }
 }
 
@@ -443,6 +450,7 @@ impl FrontendConn {
                 Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
                     tracing::info!(%peer, error = %e, "frontend connection closed");
+            self.validator.metrics().on_error(code);
                     break;
                 }
             };
@@ -780,3 +788,7 @@ impl CoreLoop {
         }
     }
 }
+                self.core.metrics().on_received(from, f.frame_len());
+                self.core.metrics().on_link(peer, true);
+                self.core.metrics().on_link(e.peer, false);
+        self.core.metrics().on_sent(rank, &frame);

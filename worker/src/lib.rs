@@ -9,6 +9,7 @@
 //! * [`exec`] — dispatch execution: a `Dispatch` frame in, a result frame out.
 //! * [`fair`] — round-robin scheduling of dispatches from several routers.
 //! * [`fanout`] — a node's leader sharing one dispatch with the node's other devices.
+//! * [`metrics`] — Prometheus metrics of a worker.
 //! * [`process`] — the worker process: backend choice, mesh loop, compute thread.
 //! * [`shared`] — shared experts run on the router host, and the router core around them.
 
@@ -16,6 +17,7 @@ pub mod deploy;
 pub mod exec;
 pub mod fair;
 pub mod fanout;
+pub mod metrics;
 pub mod process;
 pub mod shared;
 pub mod weights;
