@@ -360,8 +360,9 @@ pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(30);
 
 /// How a [`RouterClient`] bounds its waits: deadlines, keepalive, reconnects (see the
 /// [module docs](self)).
+///
+/// Build one from the defaults: `ClientOptions { keepalive_timeout: d, ..ClientOptions::default() }`.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct ClientOptions {
     /// The client-side deadline of a call given no `deadline`.
     pub default_deadline: Duration,
