@@ -1311,9 +1311,10 @@ impl RouterCore {
             outstanding: 0,
         };
         self.inflight.insert(id, batch);
-        let (b, opened) = (&self.inflight[&id], p.flush_at.checked_sub(self.cfg.batch_window));
-        let opened = opened.unwrap_or(now);
-        self.metrics.on_batch(id, layer, b.members.len(), &b.routing, opened, now);
+        let opened = p.flush_at.checked_sub(self.cfg.batch_window).unwrap_or(now);
+        let b = &self.inflight[&id];
+        let (n, r) = (b.members.len(), &b.routing);
+        self.metrics.on_batch(id, layer, n, r, opened, now);
         // Micro-batches: plan and send each chunk of tokens separately.
         let mb = self.cfg.micro_batch_tokens.max(1);
         let mut start = 0;
@@ -1717,7 +1718,7 @@ impl RouterCore {
         let Some(b) = self.inflight.remove(&id) else {
             return;
         };
-        let combine_started = Instant::now();
+        let combining = Instant::now();
         let h = self.spec.hidden as usize;
         let shared = if b.shared_local.is_empty() {
             0
@@ -1767,7 +1768,7 @@ impl RouterCore {
                 }
             }
         }
-        self.metrics.on_completed(id, b.members.len(), combine_started);
+        self.metrics.on_completed(id, b.members.len(), combining);
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;

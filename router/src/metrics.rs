@@ -36,7 +36,12 @@
 //! | `expertmesh_router_link_received_bytes_total` | `peer` | frame bytes received from a worker |
 //! | `expertmesh_router_worker_connected` | `peer` | 1 while the link to the worker is up |
 //! | `expertmesh_router_worker_losses_total` | `peer` | times the link to the worker was lost |
-//! | `expertmesh_router_hedges_total` | | parts re-sent to a replica (straggler, lost link, node leader's failure) |
+//! | `expertmesh_router_hedges_total` | | parts re-sent to a replica after their device's hedge timeout |
+//! | `expertmesh_router_redispatches_total` | | parts sent again for any reason (hedge, lost link, failed send) |
+//! | `expertmesh_router_quarantines_total` | | devices taken out of replica choice |
+//! | `expertmesh_router_quarantine_releases_total` | | quarantined devices back after a probe answered in time |
+//! | `expertmesh_router_probes_total` | | probes sent to quarantined devices |
+//! | `expertmesh_router_stale_results_total` | | frames of another router incarnation dropped |
 //! | `expertmesh_router_batches_total` | | batches dispatched |
 
 pub mod http;
@@ -426,12 +431,40 @@ impl RouterMetrics {
             None,
             errors,
         )?;
-        encode_counter(
-            enc,
-            "expertmesh_router_hedges",
-            "Parts re-sent to a replica (straggler, lost link, a node leader that could not reach a peer).",
-            stats.parts_redispatched,
-        )?;
+        for (name, help, v) in [
+            (
+                "expertmesh_router_hedges",
+                "Parts re-sent to a replica because their device had not answered within its hedge timeout.",
+                stats.hedges,
+            ),
+            (
+                "expertmesh_router_redispatches",
+                "Parts sent again for any reason (hedge, lost link, failed send, a node leader that could not reach a peer).",
+                stats.parts_redispatched,
+            ),
+            (
+                "expertmesh_router_quarantines",
+                "Times a device was taken out of replica choice (quarantined).",
+                stats.quarantines,
+            ),
+            (
+                "expertmesh_router_quarantine_releases",
+                "Times a quarantined device answered its probe in time and came back.",
+                stats.quarantine_releases,
+            ),
+            (
+                "expertmesh_router_probes",
+                "Probes sent to devices whose quarantine ran out.",
+                stats.probes,
+            ),
+            (
+                "expertmesh_router_stale_results",
+                "Result and error frames dropped because they belong to another router incarnation.",
+                stats.stale_results,
+            ),
+        ] {
+            encode_counter(enc, name, help, v)?;
+        }
         encode_counter(
             enc,
             "expertmesh_router_batches",

@@ -157,7 +157,8 @@ impl RouterService {
             thread: Arc::default(),
         };
         let clients: ClientQueues = Arc::default();
-        let (stats, metrics) = (Arc::clone(core.metrics().stats_cell()), Arc::clone(core.metrics()));
+        let metrics = Arc::clone(core.metrics());
+        let stats = Arc::clone(metrics.stats_cell());
         let validator = core.validator();
         let hidden = core.spec().hidden as usize;
 

@@ -64,6 +64,8 @@ pub struct WorkerOptions {
     pub backend: BackendChoice,
     /// Largest batch (tokens) a dispatch may carry.
     pub max_tokens: usize,
+    /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Choose and load the backend for device `d`.
@@ -190,6 +192,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
+    let (metrics, _metrics_server) = crate::metrics::start(&dep, rank, opts.metrics)?;
     let ctx = ComputeCtx {
         exec,
         fanout,
@@ -199,6 +202,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         queue: FairQueue::new(routers.len()),
         names: dep.rank_names(),
         id,
+        metrics,
     };
     {
         let _guard = rt.enter();
@@ -244,6 +248,7 @@ struct ComputeCtx {
     queue: FairQueue<Input>,
     names: Vec<String>,
     id: String,
+    metrics: Arc<crate::metrics::WorkerMetrics>,
 }
 
 /// Wakes the compute loop (the waker it polls the mesh's events with).
@@ -319,6 +324,7 @@ impl ComputeCtx {
         match ev {
             TransportEvent::Frame(f) => {
                 let from = f.peer();
+                self.metrics.on_received(from, f.frame_len());
                 let input = match f.body() {
                     Body::Dispatch(_) => Input::Dispatch(f),
                     Body::Result(res) => Input::PeerResult {
@@ -336,9 +342,11 @@ impl ComputeCtx {
             }
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
+                self.metrics.on_link(peer, true, 0);
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = self.queue.drop_sender(e.peer as usize);
+                self.metrics.on_link(e.peer, false, dropped);
                 tracing::warn!(
                     worker = %self.id, peer = name(e.peer), error = %e.kind, dropped,
                     "link lost; redialing (its queued dispatches dropped)"
@@ -397,10 +405,12 @@ impl ComputeCtx {
             }
             return;
         }
+        let started = Instant::now();
         let out = match self.exec.execute(d, frame.payload()) {
             Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
             Err(e) => error_frame(d.batch_id, e),
         };
+        self.metrics.on_executed(d, started);
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
         self.send(from, &out);
@@ -440,6 +450,7 @@ impl ComputeCtx {
     }
 
     fn send(&self, to: u32, frame: &OutFrame) {
+        self.metrics.on_sent(to, frame);
         if let Err(e) = self.handle.block_on(self.mesh.send(to, frame)) {
             tracing::warn!(error = %e, "result not delivered");
         }

@@ -1,0 +1,281 @@
+//! The operator's view of a running fabric: `--metrics` endpoints and the live load file.
+//!
+//! Why this exists: `router`, `worker` and `up` share one way to expose what they do. Each
+//! router and each worker serves Prometheus metrics on its own port (`--metrics ADDR`; port 0
+//! picks free ports, and every chosen address is printed), and a router can keep a live
+//! per-expert load file in the planner's statistics format (`--load-stats FILE`), refreshed
+//! atomically every few seconds, so `expertmesh plan --load FILE` replans replication from
+//! the traffic actually served (the loop from traffic back to placement).
+//!
+//! Ports for `up --metrics HOST:PORT`: router `i` gets `PORT + i`, worker `d` gets
+//! `PORT + routers + d`; with port 0 every process gets a free port (the workers' are picked
+//! here, before they start, so they can be printed and kept across worker restarts).
+
+use crate::cmd_fabric::parse_endpoint;
+use crate::local::LocalFabric;
+use anyhow::{Context, anyhow};
+use clap::Args;
+use expertmesh_planner::stats::LoadStats;
+use expertmesh_router::metrics::http::MetricsServer;
+use expertmesh_router::metrics::{RouterMetrics, registry_of};
+use expertmesh_router::service::RouterService;
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::topology::{DeviceRank, Topology};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// `--metrics` alone (the worker's flag).
+#[derive(Args, Debug, Clone, Default)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks a free port,
+    /// printed at start).
+    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+/// `--metrics` and the live load file (the router's and `up`'s flags).
+#[derive(Args, Debug, Clone)]
+pub struct ObserveArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks free ports).
+    /// With `up`, router i listens on PORT+i and worker d on PORT+routers+d (all free ports
+    /// when PORT is 0); every address is printed at start.
+    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+    /// Keep a live per-expert load file here, in the planner's statistics format
+    /// (`expertmesh plan --load FILE` reads it; .json for JSON, else CSV): tokens routed to
+    /// each expert since start, rewritten atomically every --load-stats-every seconds and at
+    /// exit.
+    #[arg(long, value_name = "FILE")]
+    pub load_stats: Option<PathBuf>,
+    /// Seconds between rewrites of the --load-stats file.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub load_stats_every: f64,
+}
+
+/// What observes a running router or fabric; dropping it stops the endpoints and writes the
+/// load file one last time.
+#[derive(Debug, Default)]
+pub struct Observers {
+    servers: Vec<MetricsServer>,
+    writer: Option<LoadStatsWriter>,
+}
+
+impl Observers {
+    /// The `/metrics` URLs served, routers first.
+    pub fn urls(&self) -> Vec<String> {
+        self.servers.iter().map(MetricsServer::url).collect()
+    }
+}
+
+/// The address of process `i` (routers first, then workers) for `--metrics base`.
+fn nth_addr(base: SocketAddr, i: usize) -> anyhow::Result<SocketAddr> {
+    if base.port() == 0 {
+        return Ok(base);
+    }
+    let port = u16::try_from(usize::from(base.port()) + i)
+        .map_err(|_| anyhow!("--metrics {base}: process {i} would need a port past 65535"))?;
+    Ok(SocketAddr::new(base.ip(), port))
+}
+
+/// `up`: the address of each worker's endpoint, by topology device rank (empty without
+/// `--metrics`). With port 0 free ports are picked now, so they can be printed before the
+/// workers start and kept when one restarts.
+pub fn worker_metrics_addrs(
+    args: &ObserveArgs,
+    routers: usize,
+    devices: usize,
+) -> anyhow::Result<Vec<SocketAddr>> {
+    let Some(base) = args.metrics else {
+        return Ok(Vec::new());
+    };
+    if base.port() != 0 {
+        return (0..devices).map(|d| nth_addr(base, routers + d)).collect();
+    }
+    let listeners: Vec<std::net::TcpListener> = (0..devices)
+        .map(|_| std::net::TcpListener::bind(base))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("picking free ports for the workers' --metrics on {base}"))?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().context("reading a picked port"))
+        .collect()
+}
+
+/// `up`: each worker's `--metrics` address ([`worker_metrics_addrs`]) for the routers and
+/// devices of `topology` (empty without `--metrics`).
+pub fn up_worker_addrs(args: &ObserveArgs, topology: &Path) -> anyhow::Result<Vec<SocketAddr>> {
+    if args.metrics.is_none() {
+        return Ok(Vec::new());
+    }
+    let t = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
+    worker_metrics_addrs(args, t.routers().len().max(1), t.devices().len())
+}
+
+/// `up`: the observers of every router of `fabric`, and the URLs of its workers' endpoints
+/// (`workers`, by device rank) printed.
+pub fn start_up(
+    args: &ObserveArgs,
+    fabric: &LocalFabric,
+    workers: &[SocketAddr],
+) -> anyhow::Result<Observers> {
+    let dep = fabric.deployment();
+    let routers: Vec<&RouterService> = (0..dep.router_count() as usize)
+        .filter_map(|i| fabric.router(i))
+        .collect();
+    let obs = start(args, &routers, &dep.spec)?;
+    for (d, a) in workers.iter().enumerate() {
+        let name = dep.device_label(DeviceRank(d as u32));
+        println!("  metrics: worker {name} at http://{a}/metrics");
+    }
+    Ok(obs)
+}
+
+/// Start the observers of `routers` (one endpoint each, and one load file summed over them)
+/// serving `spec`, printing each endpoint's URL.
+pub fn start(
+    args: &ObserveArgs,
+    routers: &[&RouterService],
+    spec: &ModelSpec,
+) -> anyhow::Result<Observers> {
+    let mut obs = Observers::default();
+    if let Some(base) = args.metrics {
+        for (i, r) in routers.iter().enumerate() {
+            let addr = nth_addr(base, i)?;
+            let server = MetricsServer::start(addr, registry_of(Arc::clone(r.metrics())))
+                .map_err(|e| anyhow!("router {i}: {e}"))?;
+            tracing::info!(router = i, url = %server.url(), "serving metrics");
+            println!("  metrics: router {i} at {}", server.url());
+            obs.servers.push(server);
+        }
+    }
+    if let Some(path) = &args.load_stats {
+        let every = Duration::try_from_secs_f64(args.load_stats_every)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                anyhow!(
+                    "--load-stats-every {}: give a positive number of seconds",
+                    args.load_stats_every
+                )
+            })?;
+        let sources: Vec<Arc<RouterMetrics>> =
+            routers.iter().map(|r| Arc::clone(r.metrics())).collect();
+        let writer = LoadStatsWriter::start(path.clone(), every, spec.clone(), sources)?;
+        println!(
+            "  load statistics: {} (every {:.1} s; `expertmesh plan --load` reads it)",
+            path.display(),
+            every.as_secs_f64()
+        );
+        obs.writer = Some(writer);
+    }
+    Ok(obs)
+}
+
+/// Rewrites the live load file from the routers' per-expert counts, on its own thread.
+#[derive(Debug)]
+pub struct LoadStatsWriter {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LoadStatsWriter {
+    /// Write `path` now (so a bad path fails at start, with its reason), then every `every`
+    /// and once more when dropped.
+    pub fn start(
+        path: PathBuf,
+        every: Duration,
+        spec: ModelSpec,
+        sources: Vec<Arc<RouterMetrics>>,
+    ) -> anyhow::Result<Self> {
+        write_load(&path, &spec, &sources)?;
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("load-stats".into())
+            .spawn(move || {
+                loop {
+                    let last = !matches!(
+                        stopped.recv_timeout(every),
+                        Err(mpsc::RecvTimeoutError::Timeout)
+                    );
+                    if let Err(e) = write_load(&path, &spec, &sources) {
+                        tracing::warn!(error = %format!("{e:#}"), "writing the load statistics failed");
+                    }
+                    if last {
+                        return;
+                    }
+                }
+            })
+            .context("starting the load statistics writer")?;
+        Ok(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for LoadStatsWriter {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The routers' per-expert counts so far, summed, as the planner's load statistics: one row
+/// of counts per MoE layer of `spec` (a layer no router serves has no data), and the window's
+/// tokens (the most any layer saw).
+pub fn load_stats(spec: &ModelSpec, sources: &[Arc<RouterMetrics>]) -> anyhow::Result<LoadStats> {
+    let ids = spec.moe_layer_ids();
+    let e = spec.routed_experts as usize;
+    let mut counts: Vec<Option<Vec<f64>>> = vec![None; ids.len()];
+    let mut tokens = vec![0u64; ids.len()];
+    for m in sources {
+        for (layer, c) in m.expert_load() {
+            let Some(li) = ids.iter().position(|&l| l == layer) else {
+                continue;
+            };
+            let row = counts[li].get_or_insert_with(|| vec![0.0; e]);
+            for (r, &v) in row.iter_mut().zip(&c) {
+                *r += v as f64;
+            }
+            tokens[li] += m.layer_tokens(layer);
+        }
+    }
+    let window = tokens.iter().copied().max().unwrap_or(0);
+    Ok(LoadStats::new(spec, counts)
+        .map_err(|e| anyhow!("load statistics: {e}"))?
+        .with_tokens(window as f64))
+}
+
+fn write_load(path: &Path, spec: &ModelSpec, sources: &[Arc<RouterMetrics>]) -> anyhow::Result<()> {
+    load_stats(spec, sources)?
+        .write_atomic(path, spec)
+        .with_context(|| format!("--load-stats: cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_per_process() {
+        let base: SocketAddr = "127.0.0.1:9100".parse().unwrap();
+        assert_eq!(nth_addr(base, 3).unwrap().port(), 9103);
+        let zero: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        assert_eq!(nth_addr(zero, 3).unwrap(), zero);
+        let top: SocketAddr = "127.0.0.1:65535".parse().unwrap();
+        assert!(nth_addr(top, 1).is_err());
+        let args = ObserveArgs {
+            metrics: Some(zero),
+            load_stats: None,
+            load_stats_every: 1.0,
+        };
+        let picked = worker_metrics_addrs(&args, 1, 3).unwrap();
+        assert_eq!(picked.len(), 3);
+        assert!(picked.iter().all(|a| a.port() != 0));
+    }
+}
