@@ -820,3 +820,59 @@ pub fn log_refusal(what: &str, from: std::net::SocketAddr, claimed: Option<&str>
 
 /// Refused handshakes logged per second at most (see [`log_refusal`]).
 pub const REFUSAL_LOGS_PER_SECOND: u32 = 5;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handshake_gate_limits_per_source_and_in_total() {
+        let g = HandshakeGate::new(2, 3);
+        let a: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+        let b: std::net::IpAddr = "10.0.0.2".parse().unwrap();
+        let p1 = g.try_enter(a).unwrap();
+        let _p2 = g.try_enter(a).unwrap();
+        assert!(g.try_enter(a).unwrap_err().contains("from 10.0.0.1"));
+        let _p3 = g.try_enter(b).unwrap();
+        assert!(g.try_enter(b).unwrap_err().contains("limit 3"));
+        drop(p1);
+        assert_eq!(g.in_progress(), 2);
+        assert!(g.try_enter(a).is_ok(), "a freed place is reused");
+    }
+
+    #[test]
+    fn the_memory_budget_refuses_beyond_its_limit_and_returns_on_drop() {
+        let m = MemoryBudget::new(100 << 20);
+        let r1 = m.reserve(60 << 20).unwrap();
+        let e = m.reserve(60 << 20).unwrap_err();
+        assert!(
+            e.contains("budget exhausted") && e.contains("60 MiB of 100 MiB"),
+            "{e}"
+        );
+        drop(r1);
+        assert_eq!(m.used(), 0);
+        let _r2 = m.reserve(60 << 20).unwrap();
+    }
+
+    #[test]
+    fn a_pre_auth_header_announcing_a_huge_frame_is_refused_unread() {
+        let cfg = pre_auth_codec(&CodecConfig::default());
+        let body = Body::Credit(codec::Credit { bytes: 1 });
+        let mut frame = codec::encode_frame(&body, &[], &CodecConfig::default()).unwrap();
+        // Announce a 16 MiB frame (header checksum fixed up, as an attacker would).
+        frame[8..12].copy_from_slice(&(16u32 << 20).to_le_bytes());
+        let crc = crc32c::crc32c(&frame[..24]);
+        frame[24..28].copy_from_slice(&crc.to_le_bytes());
+        let e = codec::decode_header(&frame, &cfg).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                codec::CodecError::TooLarge {
+                    max: PRE_AUTH_MAX_FRAME_BYTES,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
