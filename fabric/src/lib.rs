@@ -26,6 +26,7 @@ pub mod keys_cmd;
 pub mod local;
 pub mod models_cmd;
 pub mod npy;
+pub mod observe;
 pub mod plan_cmd;
 pub mod plan_default;
 mod table;

@@ -286,14 +286,14 @@ impl LocalFabric {
         if o.insecure {
             cmd.arg("--insecure");
         }
+        if let Some(a) = o.worker_metrics.get(d) {
+            cmd.arg("--metrics").arg(a.to_string());
+        }
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());
         }
         let child = cmd
             .spawn()
-        if let Some(a) = o.worker_metrics.get(d) {
-            cmd.arg("--metrics").arg(a.to_string());
-        }
             .with_context(|| format!("starting worker {} with {}", dev.id(), o.exe.display()))?;
         self.workers[d] = Some(child);
         Ok(())

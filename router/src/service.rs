@@ -110,6 +110,7 @@ pub struct RouterService {
     frontend_addr: SocketAddr,
     mesh: Mesh,
     stats: Arc<Mutex<crate::core::RouterStats>>,
+    metrics: Arc<crate::metrics::RouterMetrics>,
 }
 
 impl std::fmt::Debug for RouterService {
@@ -117,7 +118,6 @@ impl std::fmt::Debug for RouterService {
         f.debug_struct("RouterService")
             .field("frontend_addr", &self.frontend_addr)
             .finish()
-    metrics: Arc<crate::metrics::RouterMetrics>,
     }
 }
 
@@ -197,6 +197,7 @@ impl RouterService {
             frontend_addr,
             mesh,
             stats,
+            metrics,
         })
     }
 
@@ -215,7 +216,6 @@ impl RouterService {
         let rt = self.runtime.as_ref().expect("running");
         rt.block_on(self.mesh.wait_connected(ranks, timeout))
     }
-            metrics,
 
     /// The link kind to rank `r`, when connected.
     pub fn link_kind(&self, r: u32) -> Option<expertmesh_transport::mesh::LinkKind> {
@@ -230,6 +230,11 @@ impl RouterService {
     /// The core's counters (updated after every batch of work).
     pub fn stats(&self) -> crate::core::RouterStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// This router's metrics (what its `/metrics` endpoint and load-statistics writer read).
+    pub fn metrics(&self) -> &Arc<crate::metrics::RouterMetrics> {
+        &self.metrics
     }
 
     /// Stop the core, close every connection and the mesh.
@@ -250,11 +255,6 @@ impl RouterService {
 impl Drop for RouterService {
     fn drop(&mut self) {
         self.shutdown();
-    /// This router's metrics (what its `/metrics` endpoint and load-statistics writer read).
-    pub fn metrics(&self) -> &Arc<crate::metrics::RouterMetrics> {
-        &self.metrics
-    }
-
     }
 }
 
@@ -425,6 +425,7 @@ impl FrontendConn {
     ) {
         let reply = |request_id: u64, code: ErrorCode, message: String| {
             // Never full: this message holds the permit of the frame that caused it.
+            self.validator.metrics().on_error(code);
             let _ = out_tx.try_send(ClientMsg::Error {
                 request_id,
                 code,
@@ -451,7 +452,6 @@ impl FrontendConn {
                 Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
                     tracing::info!(%peer, error = %e, "frontend connection closed");
-            self.validator.metrics().on_error(code);
                     break;
                 }
             };
@@ -662,6 +662,7 @@ impl CoreLoop {
         match ev {
             TransportEvent::Frame(f) => {
                 let from = f.peer();
+                self.core.metrics().on_received(from, f.frame_len());
                 match f.body() {
                     Body::Result(res) => self.core.on_result(from, res, f.payload(), now),
                     Body::Error(e) => {
@@ -678,6 +679,7 @@ impl CoreLoop {
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
                 self.core.on_peer_up(peer);
+                self.core.metrics().on_link(peer, true);
                 // Published at once: a launcher waits for this before it counts a restarted
                 // worker as back (no action follows that would publish it).
                 *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
@@ -685,6 +687,7 @@ impl CoreLoop {
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 self.core.on_peer_lost(e.peer, now);
+                self.core.metrics().on_link(e.peer, false);
             }
         }
     }
@@ -776,6 +779,7 @@ impl CoreLoop {
     /// frame now, from this thread, without waking a runtime thread; a send that has to wait
     /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled.
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
+        self.core.metrics().on_sent(rank, &frame);
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
         let mut send = Box::pin(async move {
             if let Err(e) = mesh.send(rank, &frame).await {
@@ -789,7 +793,3 @@ impl CoreLoop {
         }
     }
 }
-                self.core.metrics().on_received(from, f.frame_len());
-                self.core.metrics().on_link(peer, true);
-                self.core.metrics().on_link(e.peer, false);
-        self.core.metrics().on_sent(rank, &frame);
