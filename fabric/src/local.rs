@@ -52,8 +52,6 @@ pub struct LocalFabricOptions {
     pub connect_timeout: Duration,
     /// Directory for worker logs (default: a fresh temporary directory).
     pub log_dir: Option<PathBuf>,
-    /// Each worker's `--metrics` address, by device rank (empty: workers serve no metrics).
-    pub worker_metrics: Vec<SocketAddr>,
     /// A cluster master key (`expertmesh keys init`): every router, worker and
     /// [`LocalFabric::frontend_config`] then gets its own issued credentials (authenticated,
     /// encrypted links). `None`: no credentials.
@@ -79,7 +77,6 @@ impl LocalFabricOptions {
             worker_threads: None,
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
-            worker_metrics: Vec::new(),
             key: None,
             insecure: false,
         }
@@ -110,6 +107,8 @@ pub struct LocalFabric {
     services: Vec<Option<RouterService>>,
     gates: Vec<FrontendGate>,
     router_mesh: Vec<SocketAddr>,
+    /// Where each router's frontends connect, by instance (kept for restarts).
+    router_frontends: Vec<SocketAddr>,
     /// Each device's listen address when the launcher picks them (ephemeral ports on a
     /// topology whose nodes fan out: node peers must know where to dial each other).
     device_addrs: Vec<SocketAddr>,
@@ -142,11 +141,13 @@ impl LocalFabric {
         let mut services = Vec::new();
         let mut gates = Vec::new();
         let mut router_mesh = Vec::new();
+        let mut router_frontends = Vec::new();
         for instance in 0..dep.router_count() {
             // Frontends are refused, with the reason, until every worker has connected; the
             // reason names the missing workers from the first moment the port listens.
             let gate = FrontendGate::closed(starting_reason(&all_names));
-            let service = start_router(&dep, &opts, instance, gate.clone())?;
+            let service = start_router(&dep, &opts, instance, gate.clone(), None)?;
+            router_frontends.push(service.frontend_addr());
             router_mesh.push(
                 service
                     .mesh_addr()
@@ -162,6 +163,7 @@ impl LocalFabric {
             services,
             gates,
             router_mesh,
+            router_frontends,
             device_addrs,
             workers: (0..n).map(|_| None).collect(),
             log_dir,
@@ -286,9 +288,6 @@ impl LocalFabric {
         if o.insecure {
             cmd.arg("--insecure");
         }
-        if let Some(a) = o.worker_metrics.get(d) {
-            cmd.arg("--metrics").arg(a.to_string());
-        }
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());
         }
@@ -365,6 +364,106 @@ impl LocalFabric {
         if let Some(mut s) = self.services.get_mut(instance).and_then(Option::take) {
             s.shutdown();
         }
+    }
+
+    /// Start router `instance` again at the mesh and frontend addresses it had (stopping it
+    /// first when it runs): to the workers, a restarted router process (a new core, so a new
+    /// incarnation in every batch id, and new mesh links; the workers redial it with their
+    /// backoff). Returns once every worker has rejoined it and its core has taken them up;
+    /// until then its frontends are refused with the names of the workers still missing.
+    pub fn restart_router(&mut self, instance: usize) -> anyhow::Result<()> {
+        let frontend = match self.router(instance) {
+            Some(s) => s.frontend_addr(),
+            None => *self
+                .router_frontends
+                .get(instance)
+                .ok_or_else(|| anyhow!("router {instance} does not exist"))?,
+        };
+        self.stop_router(instance);
+        let n = self.dep.topology.devices().len();
+        let all_names: Vec<String> = (0..n).map(|d| self.label(d)).collect();
+        let gate = FrontendGate::closed(starting_reason(&all_names));
+        let at = Some((self.router_mesh[instance], frontend));
+        let service = start_router(&self.dep, &self.opts, instance as u32, gate.clone(), at)?;
+        self.services[instance] = Some(service);
+        self.gates[instance] = gate.clone();
+        let all: Vec<usize> = (0..n).collect();
+        self.wait_for_workers(&all)?;
+        let ranks = n as u64;
+        let deadline = std::time::Instant::now() + self.opts.connect_timeout;
+        while self.router(instance).map_or(0, |s| s.stats().peer_ups) < ranks {
+            if std::time::Instant::now() >= deadline {
+                bail!("router {instance} restarted but its core did not take every worker up");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        gate.open();
+        Ok(())
+    }
+
+    /// Start an extra worker process for device `d`, besides the one the fabric runs: the
+    /// fabric's worker arguments with `overrides` (`("--seed", "7")`, `("--placement",
+    /// path)`, ...) replacing or adding to them, listening on an ephemeral port. Tests use it
+    /// for workers the routers must refuse (a second process for a live device, other weights,
+    /// another placement). Returns the process (it dies with the launcher) and its log file.
+    pub fn spawn_extra_worker(
+        &self,
+        d: usize,
+        overrides: &[(&str, &str)],
+    ) -> anyhow::Result<(Child, PathBuf)> {
+        let o = &self.opts;
+        let dev = self
+            .dep
+            .topology
+            .devices()
+            .get(d)
+            .ok_or_else(|| anyhow!("no device {d}"))?;
+        let path = |p: &Path| p.display().to_string();
+        let mut args: Vec<(String, String)> = vec![("--topology".into(), path(&o.topology))];
+        match &o.weights {
+            Some(w) => args.push(("--weights".into(), path(w))),
+            None => {
+                args.push(("--model".into(), o.model.clone()));
+                args.push(("--placement".into(), path(&o.placement)));
+                args.push(("--seed".into(), o.seed.to_string()));
+            }
+        }
+        args.push(("--device".into(), dev.id().to_string()));
+        for r in &self.router_mesh {
+            args.push(("--router".into(), r.to_string()));
+        }
+        args.push(("--link".into(), o.link.name().to_string()));
+        let max_tokens = o.router.micro_batch_tokens.max(1).to_string();
+        args.push(("--max-tokens".into(), max_tokens));
+        args.push(("--listen".into(), "127.0.0.1:0".into()));
+        if !self.device_addrs.is_empty() {
+            let all: Vec<String> = self.device_addrs.iter().map(ToString::to_string).collect();
+            args.push(("--device-addrs".into(), all.join(",")));
+        }
+        for &(k, v) in overrides {
+            match args.iter_mut().find(|(a, _)| a == k) {
+                Some(a) => a.1 = v.to_string(),
+                None => args.push((k.to_string(), v.to_string())),
+            }
+        }
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| t.as_nanos());
+        let log_path = self.log_dir.join(format!("extra-worker-{d}-{stamp}.log"));
+        let log = std::fs::File::create(&log_path).context("creating a worker log")?;
+        let mut cmd = Command::new(&o.exe);
+        cmd.arg("worker");
+        for (k, v) in &args {
+            cmd.arg(k).arg(v);
+        }
+        cmd.arg("--exit-with-parent")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting an extra worker for {}", dev.id()))?;
+        Ok((child, log_path))
     }
 
     /// Directory of the worker logs.
@@ -484,21 +583,25 @@ fn log_dir(opts: &LocalFabricOptions) -> anyhow::Result<(Option<tempfile::TempDi
     }
 }
 
-/// Start router `instance` of the deployment, its frontends held at `gate`.
+/// Start router `instance` of the deployment, its frontends held at `gate`; `at` gives its
+/// (mesh, frontend) addresses for a restart (otherwise they come from the options and the
+/// topology).
 fn start_router(
     dep: &Deployment,
     opts: &LocalFabricOptions,
     instance: u32,
     gate: FrontendGate,
+    at: Option<(SocketAddr, SocketAddr)>,
 ) -> anyhow::Result<RouterService> {
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("literal");
-    let mesh_listen = if opts.ephemeral_ports {
-        loopback
-    } else {
-        dep.router_mesh_endpoint(instance)?
+    let mesh_listen = match at {
+        Some((mesh, _)) => mesh,
+        None if opts.ephemeral_ports => loopback,
+        None => dep.router_mesh_endpoint(instance)?,
     };
-    let frontend_listen = match opts.frontend_listen {
-        Some(a) if instance == 0 => a,
+    let frontend_listen = match (at, opts.frontend_listen) {
+        (Some((_, f)), _) => f,
+        (None, Some(a)) if instance == 0 => a,
         _ if opts.ephemeral_ports => loopback,
         _ => dep.router_frontend_endpoint(instance)?,
     };

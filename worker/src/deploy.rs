@@ -27,9 +27,10 @@ use expertmesh_shard::manifest::Manifest;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
-use expertmesh_transport::codec::CodecConfig;
+use expertmesh_transport::codec::{CodecConfig, FINGERPRINT_BYTES};
 use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::mesh::{LinkKind, MeshConfig, PeerAddress};
+use sha2::{Digest, Sha256};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -334,7 +335,95 @@ impl Deployment {
         cfg.protocol.idle_timeout = Duration::from_secs(5);
         cfg.protocol.heartbeat_interval = Duration::from_millis(500);
         cfg.shm.ring_bytes = SHM_RING_BYTES;
+        let table = self.fingerprints();
+        cfg.protocol.fingerprint = table[rank as usize];
+        cfg.protocol.peer_fingerprints = Some(table.into());
         cfg
+    }
+
+    /// What every mesh rank serves, by rank, as the fingerprints the handshake checks: SHA-256
+    /// over the model (its parsed spec), the weights' identity (the synthetic seed; or the
+    /// converted folder's conversion fingerprint and the rank's own file's size and crc32c as
+    /// the manifest records them, so no weight file is read) and the rank's part of the
+    /// placement (a device: the routed and shared experts it holds in every layer; a router:
+    /// its instance and the whole placement, which it plans with). The router and every worker
+    /// compute the same table from the same files, and the handshake refuses a rank whose
+    /// hello carries another: a worker started with another seed, weights folder, model or
+    /// placement is refused at join, with the reason logged on both sides.
+    pub fn fingerprints(&self) -> Vec<[u8; FINGERPRINT_BYTES]> {
+        let mut base = Sha256::new();
+        base.update(b"expertmesh fingerprint v1\0");
+        base.update(serde_json::to_vec(&self.spec).unwrap_or_default());
+        match &self.weights {
+            None => {
+                base.update(b"synthetic\0");
+                base.update(self.seed.to_le_bytes());
+            }
+            Some(w) => {
+                base.update(b"converted\0");
+                base.update(w.manifest.fingerprint.as_bytes());
+            }
+        }
+        let layers = self.spec.moe_layer_ids();
+        (0..self.world_size())
+            .map(|rank| {
+                let mut h = base.clone();
+                match self.device_of(rank) {
+                    None => {
+                        h.update(b"\0router\0");
+                        h.update(rank.to_le_bytes());
+                        if let Some(w) = &self.weights {
+                            let r = &w.manifest.router;
+                            h.update(r.bytes.to_le_bytes());
+                            h.update(r.crc32c.to_le_bytes());
+                        }
+                        for &l in &layers {
+                            self.hash_layer_placement(&mut h, l);
+                        }
+                    }
+                    Some(d) => {
+                        h.update(b"\0device\0");
+                        h.update(d.0.to_le_bytes());
+                        if let Some(s) = self
+                            .weights
+                            .as_ref()
+                            .and_then(|w| w.manifest.shards.get(d.0 as usize))
+                        {
+                            h.update(s.bytes.to_le_bytes());
+                            h.update(s.crc32c.to_le_bytes());
+                        }
+                        for &l in &layers {
+                            let experts = self.placement.experts_on(d, l);
+                            let shared_here = matches!(
+                                self.placement.shared_location(l),
+                                Some(SharedLocation::Device(x)) if x == d
+                            );
+                            h.update(l.to_le_bytes());
+                            h.update((experts.len() as u32).to_le_bytes());
+                            experts.iter().for_each(|e| h.update(e.to_le_bytes()));
+                            h.update([u8::from(shared_here)]);
+                        }
+                    }
+                }
+                h.finalize().into()
+            })
+            .collect()
+    }
+
+    /// Feeds layer `l`'s whole placement (every expert's owners, where its shared experts
+    /// run) to `h`.
+    fn hash_layer_placement(&self, h: &mut Sha256, l: u32) {
+        h.update(l.to_le_bytes());
+        for e in 0..self.spec.routed_experts {
+            let owners = self.placement.owners(l, e);
+            h.update((owners.len() as u32).to_le_bytes());
+            owners.iter().for_each(|d| h.update(d.0.to_le_bytes()));
+        }
+        let shared = match self.placement.shared_location(l) {
+            Some(SharedLocation::Device(d)) => d.0,
+            _ => u32::MAX,
+        };
+        h.update(shared.to_le_bytes());
     }
 
     /// The router's view of every MoE layer: gate, owners as mesh ranks, shared site. Gates

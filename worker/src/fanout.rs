@@ -136,6 +136,8 @@ struct Share {
 #[derive(Debug)]
 struct Pending {
     router: u32,
+    /// The generation of the router's link the dispatch came on (the answer goes back on it).
+    generation: u64,
     batch_id: u64,
     part: u32,
     layer: u32,
@@ -152,6 +154,7 @@ impl Pending {
     fn error(&self, code: ErrorCode, message: String) -> ToRouter {
         ToRouter {
             router: self.router,
+            generation: self.generation,
             frame: OutFrame::new(Body::Error(ErrorFrame {
                 request_id: self.batch_id,
                 code,
@@ -178,6 +181,9 @@ pub struct Forward {
 pub struct ToRouter {
     /// The router's mesh rank.
     pub router: u32,
+    /// The generation of the router's link the dispatch came on: the frame is sent on that
+    /// link only (`Mesh::send_on`), never to a restarted router.
+    pub generation: u64,
     /// The frame.
     pub frame: OutFrame,
 }
@@ -196,13 +202,16 @@ pub struct NodeFanout {
 
 impl NodeFanout {
     /// A fan-out for a device with `homes`, rows of `hidden` values; a forwarded dispatch
-    /// whose peers do not all answer within `timeout` fails.
+    /// whose peers do not all answer within `timeout` fails. Sub-dispatch ids start at a
+    /// random 32-bit prefix (per fan-out, so per worker process) in their high bits: a node
+    /// peer's answer to an earlier process of this leader can never match a new one's entry.
     pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration) -> Self {
+        let prefix = u64::from(expertmesh_router::core::fresh_incarnation());
         Self {
             homes,
             hidden,
             timeout,
-            next_id: 1,
+            next_id: (prefix << 32) | 1,
             pending: HashMap::new(),
             subs: HashMap::new(),
         }
@@ -218,12 +227,14 @@ impl NodeFanout {
         self.pending.len()
     }
 
-    /// Splits router `from`'s dispatch `d` into this device's share and one share per peer
-    /// (each pair to this device when it holds the expert, else to the lowest live peer of the
-    /// node holding it). Fails naming the expert when no live device of the node holds one.
+    /// Splits router `from`'s dispatch `d` (which came on link generation `generation`) into
+    /// this device's share and one share per peer (each pair to this device when it holds the
+    /// expert, else to the lowest live peer of the node holding it). Fails naming the expert
+    /// when no live device of the node holds one.
     pub fn start(
         &mut self,
         from: u32,
+        generation: u64,
         d: &Dispatch,
         payload: &[u8],
         is_live: impl Fn(u32) -> bool,
@@ -279,6 +290,7 @@ impl NodeFanout {
             key,
             Pending {
                 router: from,
+                generation,
                 batch_id: d.batch_id,
                 part: d.part,
                 layer: d.layer,
@@ -489,6 +501,7 @@ impl NodeFanout {
         };
         Some(ToRouter {
             router: p.router,
+            generation: p.generation,
             frame: OutFrame::with_payload(Body::Result(res), Bytes::from(bytes)),
         })
     }
@@ -648,7 +661,7 @@ mod tests {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
         assert!(f.needs_forwarding(&d));
         let now = Instant::now();
-        let fwd = f.start(9, &d, &payload, |r| r != 6, now).unwrap();
+        let fwd = f.start(9, 1, &d, &payload, |r| r != 6, now).unwrap();
         let ranks: Vec<u32> = fwd.remote.iter().map(|(r, _)| *r).collect();
         assert_eq!(ranks, [5, 7], "expert 4 skips dead peer 6");
         let (sub, sub_payload) = fwd.local.as_ref().unwrap();
@@ -693,7 +706,7 @@ mod tests {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
         let (d, p) = dispatch(&[1], &[9], WireLayout::PerSlot);
         assert!(f.needs_forwarding(&d));
-        let e = f.start(9, &d, &p, |_| true, Instant::now()).unwrap_err();
+        let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
     }
 
@@ -701,10 +714,12 @@ mod tests {
     fn experts_without_a_live_home_on_the_node_are_refused() {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
         let (d, p) = dispatch(&[1], &[5], WireLayout::PerSlot);
-        let e = f.start(9, &d, &p, |_| true, Instant::now()).unwrap_err();
+        let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
         let (d, p) = dispatch(&[1], &[2], WireLayout::PerSlot);
-        let e = f.start(9, &d, &p, |_| false, Instant::now()).unwrap_err();
+        let e = f
+            .start(9, 1, &d, &p, |_| false, Instant::now())
+            .unwrap_err();
         assert_eq!(e.code, ErrorCode::PeerUnavailable);
         assert!(e.message.contains("b/cpu1"), "{}", e.message);
         assert_eq!(f.pending(), 0);
@@ -715,7 +730,7 @@ mod tests {
         let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
         let now = Instant::now();
-        let fwd = f.start(9, &d, &p, |_| true, now).unwrap();
+        let fwd = f.start(9, 1, &d, &p, |_| true, now).unwrap();
         let failed = f.on_peer_lost(5);
         assert_eq!(failed.len(), 1);
         let Body::Error(e) = &failed[0].frame.body else {
@@ -729,7 +744,7 @@ mod tests {
         let (res, bytes) = result_frame(sd, &run_share(sd, &fwd.remote[0].1.payload));
         assert!(f.on_result(5, &res, &bytes).is_none());
         // a silent peer: the timeout fails it
-        let fwd = f.start(9, &d, &p, |_| true, now).unwrap();
+        let fwd = f.start(9, 1, &d, &p, |_| true, now).unwrap();
         assert!(f.expire(now + Duration::from_secs(4)).is_empty());
         let late = f.expire(now + Duration::from_secs(5));
         assert_eq!(late.len(), 1);

@@ -24,7 +24,7 @@ use expertmesh_backend::{BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_transport::codec::{Body, ErrorFrame, ExpertResult};
 use expertmesh_transport::mesh::{
-    LinkKind, Mesh, MeshEvents, OutFrame, RecvFrame, Transport, TransportEvent,
+    LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, Transport, TransportEvent,
 };
 use std::future::Future;
 use std::net::SocketAddr;
@@ -64,8 +64,6 @@ pub struct WorkerOptions {
     pub backend: BackendChoice,
     /// Largest batch (tokens) a dispatch may carry.
     pub max_tokens: usize,
-    /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
-    pub metrics: Option<SocketAddr>,
 }
 
 /// Choose and load the backend for device `d`.
@@ -192,7 +190,6 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let (metrics, _metrics_server) = crate::metrics::start(&dep, rank, opts.metrics)?;
     let ctx = ComputeCtx {
         exec,
         fanout,
@@ -202,7 +199,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         queue: FairQueue::new(routers.len()),
         names: dep.rank_names(),
         id,
-        metrics,
+        stale: StaleWork::default(),
     };
     {
         let _guard = rt.enter();
@@ -248,7 +245,35 @@ struct ComputeCtx {
     queue: FairQueue<Input>,
     names: Vec<String>,
     id: String,
-    metrics: Arc<crate::metrics::WorkerMetrics>,
+    /// Work of replaced links: dispatches dropped unrun, answers not sent, and when that was
+    /// last logged at warn level.
+    stale: StaleWork,
+}
+
+/// Work that belonged to a link since replaced (its router restarted): counted, logged at
+/// debug, and at warn level at most every [`STALE_LOG_EVERY`].
+#[derive(Debug, Default)]
+struct StaleWork {
+    dispatches: u64,
+    answers: u64,
+    refusals: u64,
+    last_warn: Option<Instant>,
+}
+
+/// Least time between two warnings about stale work or refusals by a router.
+const STALE_LOG_EVERY: Duration = Duration::from_secs(5);
+
+impl StaleWork {
+    /// Whether a warning is due now (and records that it was given).
+    fn warn_due(&mut self) -> bool {
+        let due = self
+            .last_warn
+            .is_none_or(|t| t.elapsed() >= STALE_LOG_EVERY);
+        if due {
+            self.last_warn = Some(Instant::now());
+        }
+        due
+    }
 }
 
 /// Wakes the compute loop (the waker it polls the mesh's events with).
@@ -324,9 +349,20 @@ impl ComputeCtx {
         match ev {
             TransportEvent::Frame(f) => {
                 let from = f.peer();
-                self.metrics.on_received(from, f.frame_len());
                 let input = match f.body() {
                     Body::Dispatch(_) => Input::Dispatch(f),
+                    // A router refusing this connection (another process serves this device):
+                    // say so, rate-limited (the dialer keeps retrying with backoff).
+                    Body::Error(e) if from < self.routers && e.request_id == 0 => {
+                        self.stale.refusals += 1;
+                        if self.stale.warn_due() {
+                            tracing::warn!(
+                                worker = %self.id, peer = name(from), refusals = self.stale.refusals,
+                                "refused by the router: {}", e.message
+                            );
+                        }
+                        return;
+                    }
                     Body::Result(res) => Input::PeerResult {
                         from,
                         res: *res,
@@ -342,11 +378,10 @@ impl ComputeCtx {
             }
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
-                self.metrics.on_link(peer, true, 0);
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = self.queue.drop_sender(e.peer as usize);
-                self.metrics.on_link(e.peer, false, dropped);
+                self.stale.dispatches += dropped as u64;
                 tracing::warn!(
                     worker = %self.id, peer = name(e.peer), error = %e.kind, dropped,
                     "link lost; redialing (its queued dispatches dropped)"
@@ -379,12 +414,25 @@ impl ComputeCtx {
     }
 
     /// Runs a dispatch here, or (a router's dispatch holding experts of node peers) forwards
-    /// its shares.
+    /// its shares. A dispatch whose link has since been replaced (its sender restarted) is
+    /// dropped unrun: nobody would read the answer, and it must not reach the new process.
     fn dispatch(&mut self, frame: RecvFrame) {
         let from = frame.peer();
+        let generation = frame.link_generation();
         let Body::Dispatch(d) = frame.body() else {
             return;
         };
+        if self.mesh.link_generation(from) != Some(generation) {
+            self.stale.dispatches += 1;
+            tracing::debug!(worker = %self.id, from, batch = d.batch_id, "dropped a dispatch of a replaced link");
+            if self.stale.warn_due() {
+                tracing::warn!(
+                    worker = %self.id, from, dropped = self.stale.dispatches,
+                    "dropping queued dispatches of a link that was replaced (its router restarted)"
+                );
+            }
+            return;
+        }
         if from < self.routers
             && let Some(f) = self.fanout.as_mut()
             && f.needs_forwarding(d)
@@ -392,6 +440,7 @@ impl ComputeCtx {
             let mesh = &self.mesh;
             let started = f.start(
                 from,
+                generation,
                 d,
                 frame.payload(),
                 |r| mesh.is_connected(r),
@@ -401,19 +450,17 @@ impl ComputeCtx {
             drop(frame);
             match started {
                 Ok(fwd) => self.forward(fwd),
-                Err(e) => self.send(from, &error_frame(batch_id, e)),
+                Err(e) => self.send_on(from, generation, &error_frame(batch_id, e)),
             }
             return;
         }
-        let started = Instant::now();
         let out = match self.exec.execute(d, frame.payload()) {
             Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
             Err(e) => error_frame(d.batch_id, e),
         };
-        self.metrics.on_executed(d, started);
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
-        self.send(from, &out);
+        self.send_on(from, generation, &out);
     }
 
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
@@ -443,16 +490,25 @@ impl ComputeCtx {
         self.to_routers(out);
     }
 
-    fn to_routers(&self, frames: impl IntoIterator<Item = ToRouter>) {
+    fn to_routers(&mut self, frames: impl IntoIterator<Item = ToRouter>) {
         for t in frames {
-            self.send(t.router, &t.frame);
+            self.send_on(t.router, t.generation, &t.frame);
         }
     }
 
-    fn send(&self, to: u32, frame: &OutFrame) {
-        self.metrics.on_sent(to, frame);
-        if let Err(e) = self.handle.block_on(self.mesh.send(to, frame)) {
-            tracing::warn!(error = %e, "result not delivered");
+    /// Sends an answer on the link (generation) its dispatch came on; an answer whose link
+    /// was replaced meanwhile is dropped and counted.
+    fn send_on(&mut self, to: u32, generation: u64, frame: &OutFrame) {
+        match self
+            .handle
+            .block_on(self.mesh.send_on(to, generation, frame))
+        {
+            Ok(()) => {}
+            Err(e) if matches!(e.kind, PeerErrorKind::LinkReplaced(_)) => {
+                self.stale.answers += 1;
+                tracing::debug!(worker = %self.id, error = %e, "answer of a replaced link dropped");
+            }
+            Err(e) => tracing::warn!(error = %e, "result not delivered"),
         }
     }
 }
