@@ -501,9 +501,9 @@ pub fn up(cli: UpCli) -> anyhow::Result<ExitCode> {
         "  try: expertmesh infer --router {} --cluster {} --layer {} --input X.npy --output Y.npy",
         fronts.join(","),
         dep.topology.name(),
-    let _observers = crate::observe::start_up(&cli.observe, &fabric, &worker_metrics)?;
         dep.spec.moe_layer_ids()[0]
     );
+    let _observers = crate::observe::start_up(&cli.observe, &fabric, &worker_metrics)?;
     println!("Ctrl-C to stop.");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
