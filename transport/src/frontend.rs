@@ -547,6 +547,138 @@ impl FrameReader {
     }
 }
 
+/// Largest metadata [`FrameReader::read_head`] reads before a frame's payload (a
+/// `LayerRequest`'s is under 64 bytes); a frame with more metadata has its head read only when
+/// it is taken ([`FrameReader::read_payload`]).
+pub const MAX_HEAD_META_BYTES: usize = 4096;
+
+/// A frame's header and metadata, read before its payload ([`FrameReader::read_head`]):
+/// enough to decide whether to take the frame ([`FrameReader::read_payload`]) or to pass over
+/// it ([`FrameReader::skip_payload`]) without ever holding its payload. The server sheds
+/// requests this way when it is at capacity.
+#[derive(Debug)]
+pub struct FrameHead {
+    header: codec::FrameHeader,
+    body: Option<Result<Body, CodecError>>,
+    request_id: Option<u64>,
+}
+
+impl FrameHead {
+    /// The frame's kind.
+    pub fn kind(&self) -> codec::FrameKind {
+        self.header.kind
+    }
+
+    /// The whole frame's length in bytes (header, metadata, padding and payload).
+    pub fn frame_len(&self) -> usize {
+        self.header.frame_len as usize
+    }
+
+    /// The metadata, decoded: `None` when it is longer than [`MAX_HEAD_META_BYTES`] (not read
+    /// yet), `Some(Err(..))` when it does not decode (the stream is still framed).
+    pub fn body(&self) -> Option<&Result<Body, CodecError>> {
+        self.body.as_ref()
+    }
+
+    /// The request id in the metadata (also from metadata that does not decode: the first 8
+    /// bytes of every request-carrying kind), when it was read.
+    pub fn request_id(&self) -> Option<u64> {
+        self.request_id
+    }
+}
+
+/// The request id in the first 8 metadata bytes of a request-carrying frame kind.
+fn meta_request_id(header: &codec::FrameHeader, meta: &[u8]) -> Option<u64> {
+    (header.kind.is_application() && meta.len() >= 8).then(|| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&meta[..8]);
+        u64::from_le_bytes(a)
+    })
+}
+
+/// A failed read as the connection's error (a broken header leaves the stream unframed).
+fn read_error(peer: SocketAddr, e: ReadError) -> FrontendError {
+    match e {
+        ReadError::Eof => FrontendError::Closed { peer },
+        ReadError::Io(source) => FrontendError::Io { peer, source },
+        ReadError::Integrity(error) => FrontendError::Integrity { peer, error },
+        ReadError::Codec(error) => FrontendError::BadFrame {
+            peer,
+            recoverable: false,
+            request_id: None,
+            error,
+        },
+    }
+}
+
+impl FrameReader {
+    /// Reads the next frame's header and metadata, not its payload. Follow with
+    /// [`FrameReader::read_payload`] or [`FrameReader::skip_payload`] before the next call.
+    /// Heartbeats are returned too (their payload is empty).
+    pub async fn read_head(&mut self) -> Result<FrameHead, FrontendError> {
+        let peer = self.peer;
+        let header = self
+            .read
+            .read_header(&self.codec)
+            .await
+            .map_err(|e| read_error(peer, e))?;
+        let head = self
+            .read
+            .read_meta(&header, MAX_HEAD_META_BYTES)
+            .await
+            .map_err(|e| read_error(peer, e))?;
+        let (body, request_id) = match head {
+            None => (None, None),
+            Some(bytes) => {
+                let meta = &bytes[header.meta_range()];
+                let body = Body::decode_meta(header.kind, meta);
+                let id = match &body {
+                    Ok(b) => b.request_id(),
+                    Err(_) => meta_request_id(&header, meta),
+                };
+                (Some(body), id)
+            }
+        };
+        Ok(FrameHead {
+            header,
+            body,
+            request_id,
+        })
+    }
+
+    /// Reads the payload of the frame whose head [`FrameReader::read_head`] returned and
+    /// decodes the whole frame (payload checksum and length included). A frame whose header is
+    /// intact but whose content is bad is [`FrontendError::BadFrame`] with `recoverable: true`.
+    pub async fn read_payload(&mut self, head: FrameHead) -> Result<ClientFrame, FrontendError> {
+        let peer = self.peer;
+        let header = head.header;
+        let buf = self
+            .read
+            .read_body(&header, &self.pool)
+            .await
+            .map_err(|e| read_error(peer, e))?;
+        match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
+            Ok((body, payload)) => Ok(ClientFrame { body, buf, payload }),
+            Err(error) => Err(FrontendError::BadFrame {
+                peer,
+                recoverable: true,
+                request_id: meta_request_id(&header, &buf[header.meta_range()]),
+                error,
+            }),
+        }
+    }
+
+    /// Reads past the payload of the frame whose head [`FrameReader::read_head`] returned,
+    /// through a small fixed buffer: nothing of the size the header announces is allocated.
+    pub async fn skip_payload(&mut self, head: FrameHead) -> Result<(), FrontendError> {
+        let peer = self.peer;
+        self.read
+            .skip_body(&head.header)
+            .await
+            .map_err(|e| read_error(peer, e))
+    }
+}
+
 /// Writing half of a [`FrameConnection`].
 #[derive(Debug)]
 pub struct FrameWriter {
