@@ -52,6 +52,8 @@ pub struct LocalFabricOptions {
     pub connect_timeout: Duration,
     /// Directory for worker logs (default: a fresh temporary directory).
     pub log_dir: Option<PathBuf>,
+    /// Each worker's `--metrics` address, by device rank (empty: workers serve no metrics).
+    pub worker_metrics: Vec<SocketAddr>,
     /// A cluster master key (`expertmesh keys init`): every router, worker and
     /// [`LocalFabric::frontend_config`] then gets its own issued credentials (authenticated,
     /// encrypted links). `None`: no credentials.
@@ -77,6 +79,7 @@ impl LocalFabricOptions {
             worker_threads: None,
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
+            worker_metrics: Vec::new(),
             key: None,
             insecure: false,
         }
@@ -287,6 +290,9 @@ impl LocalFabric {
         }
         if o.insecure {
             cmd.arg("--insecure");
+        }
+        if let Some(a) = o.worker_metrics.get(d) {
+            cmd.arg("--metrics").arg(a.to_string());
         }
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());

@@ -64,6 +64,8 @@ pub struct WorkerOptions {
     pub backend: BackendChoice,
     /// Largest batch (tokens) a dispatch may carry.
     pub max_tokens: usize,
+    /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Choose and load the backend for device `d`.
@@ -190,6 +192,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
+    let (metrics, _metrics_server) = crate::metrics::start(&dep, rank, opts.metrics)?;
     let ctx = ComputeCtx {
         exec,
         fanout,
@@ -199,6 +202,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         queue: FairQueue::new(routers.len()),
         names: dep.rank_names(),
         id,
+        metrics,
         stale: StaleWork::default(),
     };
     {
@@ -245,6 +249,7 @@ struct ComputeCtx {
     queue: FairQueue<Input>,
     names: Vec<String>,
     id: String,
+    metrics: Arc<crate::metrics::WorkerMetrics>,
     /// Work of replaced links: dispatches dropped unrun, answers not sent, and when that was
     /// last logged at warn level.
     stale: StaleWork,
@@ -349,6 +354,7 @@ impl ComputeCtx {
         match ev {
             TransportEvent::Frame(f) => {
                 let from = f.peer();
+                self.metrics.on_received(from, f.frame_len());
                 let input = match f.body() {
                     Body::Dispatch(_) => Input::Dispatch(f),
                     // A router refusing this connection (another process serves this device):
@@ -378,10 +384,12 @@ impl ComputeCtx {
             }
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
+                self.metrics.on_link(peer, true, 0);
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = self.queue.drop_sender(e.peer as usize);
                 self.stale.dispatches += dropped as u64;
+                self.metrics.on_link(e.peer, false, dropped);
                 tracing::warn!(
                     worker = %self.id, peer = name(e.peer), error = %e.kind, dropped,
                     "link lost; redialing (its queued dispatches dropped)"
@@ -454,10 +462,12 @@ impl ComputeCtx {
             }
             return;
         }
+        let started = Instant::now();
         let out = match self.exec.execute(d, frame.payload()) {
             Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
             Err(e) => error_frame(d.batch_id, e),
         };
+        self.metrics.on_executed(d, started);
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
         self.send_on(from, generation, &out);
@@ -499,6 +509,7 @@ impl ComputeCtx {
     /// Sends an answer on the link (generation) its dispatch came on; an answer whose link
     /// was replaced meanwhile is dropped and counted.
     fn send_on(&mut self, to: u32, generation: u64, frame: &OutFrame) {
+        self.metrics.on_sent(to, frame);
         match self
             .handle
             .block_on(self.mesh.send_on(to, generation, frame))
