@@ -22,12 +22,13 @@ mod common;
 use expertmesh_transport::codec::{
     self, Body, CodecConfig, FORMAT_VERSION, HEADER_LEN, Hello, LayerRequest,
 };
+use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::dtype::{self, ActivationDtype};
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use expertmesh_transport::{LinkKind, Mesh, MeshConfig, PeerAddress, TransportEvent};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,40 +111,69 @@ fn topo(tag: &str) -> Topo {
     }
 }
 
-/// What each party holds. Today's fabric knows one cluster-wide shared secret
-/// (`EXPERTMESH_SECRET`): every party holds the same one, which is exactly what the attacks
-/// exploit.
+/// What each party holds: per-process credentials from `expertmesh keys` (a cluster master
+/// key from `keys init`; `up --key` issues the router's and each worker's from it). The test
+/// issues an honest frontend's file and, for the rogue, worker rank 2's (`--device
+/// local/cpu1`): the rogue claims rank 1 holding rank 2's or the frontend's credential.
 struct Creds {
-    secret: String,
+    master: PathBuf,
+    frontend: Arc<Credentials>,
+    worker2: Arc<Credentials>,
 }
 
 impl Creds {
-    fn new() -> Self {
-        let mut b = [0u8; 16];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut b))
-            .expect("/dev/urandom");
+    fn new(topo: &Topo) -> Self {
+        let dir = topo.dir.path();
+        let master = dir.join("master.key");
+        let keys = |args: &[&str]| {
+            let r = common::run(args);
+            assert_eq!(r.code, 0, "expertmesh {args:?}:\n{}{}", r.stdout, r.stderr);
+        };
+        let path = |p: &Path| p.to_str().expect("UTF-8 temp path").to_owned();
+        let topology = path(&topo.topology);
+        keys(&["keys", "init", "--out", &path(&master)]);
+        let issue = |who: &[&str], file: &str| {
+            let out = dir.join(file);
+            let mut args = vec!["keys", "issue", "--key"];
+            let m = path(&master);
+            let o = path(&out);
+            args.extend([m.as_str(), "--topology", topology.as_str()]);
+            args.extend(who);
+            args.extend(["--out", o.as_str()]);
+            keys(&args);
+            Arc::new(Credentials::load(&out).expect("load an issued credential"))
+        };
+        let frontend = issue(&["--frontend", "fe-honest"], "frontend.cred");
+        let worker2 = issue(&["--device", "local/cpu1"], "rank2.cred");
         Self {
-            secret: b.iter().map(|x| format!("{x:02x}")).collect(),
+            master,
+            frontend,
+            worker2,
         }
     }
 
-    /// Environment and arguments for the `up` process.
+    /// Arguments for the `up` process.
     fn apply(&self, cmd: &mut Command) {
-        cmd.env("EXPERTMESH_SECRET", &self.secret);
+        cmd.arg("--key").arg(&self.master);
     }
 
     /// An honest frontend's settings.
     fn frontend(&self, cluster: &str) -> FrontendConfig {
         let mut f = FrontendConfig::new(cluster);
-        f.secret = Some(Arc::from(self.secret.as_bytes()));
+        f.credentials = Some(Arc::clone(&self.frontend));
         f
     }
 
-    /// What a rogue holding the credentials of `held` (a worker rank, or `None` for a
+    /// What a rogue holding the credentials of `held` (worker rank 2, or `None` for a
     /// frontend's) puts into its mesh configuration.
-    fn rogue_mesh(&self, _held: Option<u32>, cfg: &mut MeshConfig) {
-        cfg.protocol.secret = Some(Arc::from(self.secret.as_bytes()));
+    fn rogue_mesh(&self, held: Option<u32>, cfg: &mut MeshConfig) {
+        cfg.protocol.credentials = Some(match held {
+            Some(r) => {
+                assert_eq!(r, 2, "the test issues rank 2's credential only");
+                Arc::clone(&self.worker2)
+            }
+            None => Arc::clone(&self.frontend),
+        });
     }
 }
 
@@ -158,7 +188,7 @@ struct Fabric {
 impl Fabric {
     fn start(tag: &str) -> Fabric {
         let topo = topo(tag);
-        let creds = Creds::new();
+        let creds = Creds::new(&topo);
         let stderr_log = topo.dir.path().join("up.stderr");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_expertmesh"));
         cmd.args([
@@ -610,6 +640,9 @@ fn tampered_frames_are_detected_not_answered() {
             let mut conn = FrameConnection::connect(proxy.addr, &f.frontend())
                 .await
                 .map_err(|e| format!("connect through the proxy: {e}"))?;
+            if !conn.is_encrypted() {
+                return Err("the frontend connection is not encrypted".to_string());
+            }
             // The first call passes untouched (the proxy is transparent until armed).
             let clean = call(&mut conn, 1, 0, &x).await?;
             if clean != honest0 {
@@ -708,6 +741,7 @@ fn rogue_hello(cluster: &str, rank: u32, attachment: Vec<u8>) -> Vec<u8> {
         attachment,
         incarnation: 7,
         fingerprint: [0; codec::FINGERPRINT_BYTES],
+        identity: String::new(),
     });
     let cfg = CodecConfig {
         max_frame_bytes: MESH_MAX_FRAME,

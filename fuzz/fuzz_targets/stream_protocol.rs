@@ -1,9 +1,10 @@
 //! Fuzz target: an arbitrary byte stream, cut into arbitrary chunks, through the streaming
-//! decoder and into the protocol state machine (handshake, credits, heartbeats, timeouts). It
+//! decoder and into the protocol state machine (handshake, credits, heartbeats, timeouts) in plaintext. It
 //! must never panic, and the state machine's invariants must hold.
 #![no_main]
 
 use expertmesh_transport::codec::{CodecConfig, StreamDecoder};
+use expertmesh_transport::crypto::{Credentials, Key};
 use expertmesh_transport::protocol::{Connection, ProtocolConfig};
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
@@ -20,7 +21,13 @@ fuzz_target!(|data: &[u8]| {
     };
     cfg.recv_window_bytes = 1 << 17;
     if ctl & 2 == 2 {
-        cfg.secret = Some(Arc::from(&b"secret"[..]));
+        cfg.credentials = Some(Arc::new(Credentials::issue_rank(
+            &Key::from_bytes([7; 32]),
+            "fuzz",
+            0,
+            4,
+            1,
+        )));
     }
     let now = Instant::now();
     let mut conn = Connection::new(Arc::new(cfg.clone()), None, [1; 32], Vec::new(), now);
