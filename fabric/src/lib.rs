@@ -13,6 +13,7 @@ pub mod bench_fabric;
 pub mod bench_json;
 pub mod bench_kernels;
 pub mod bench_machine;
+pub mod bench_overload;
 pub mod bench_report;
 pub mod bench_roofline;
 pub mod bench_soak;

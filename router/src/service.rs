@@ -18,15 +18,22 @@
 //! Bounds: each connection has at most `max_outstanding_per_client` requests in flight (the
 //! reader stops reading until a response frees a slot, so TCP backpressure reaches the
 //! frontend); the core bounds batches in flight; sends wait for the mesh's per-peer credit.
+//! Admission ([`crate::admission`]) is decided from each request's header and metadata before
+//! its payload is read: past the router's capacity (`RouterConfig::max_inflight_requests`,
+//! `max_inflight_tokens`) or the connection's fair share of it, the request is answered
+//! `Overloaded` and its payload skipped through a small fixed buffer, so shedding costs neither
+//! memory nor decoding. After a burst the allocator's free pages are returned to the system
+//! ([`MemoryTrim`]), so the router's memory comes back to its baseline.
 //! A frame whose header is intact but whose content is bad is answered with an error frame and
 //! the connection goes on; a broken stream closes only that connection.
 
+use crate::admission::{Admission, AdmissionLimits, Shed};
 use crate::core::{Action, ClientId, RouterCore};
-use expertmesh_transport::codec::{Body, ErrorCode, LayerResponse};
+use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest, LayerResponse};
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::frontend::{
-    FrameListener, FrameReader, FrameWriter as FrontendWriter, FrontendConfig, FrontendError,
-    IncomingClient,
+    FrameHead, FrameListener, FrameReader, FrameWriter as FrontendWriter, FrontendConfig,
+    FrontendError, IncomingClient, MAX_HEAD_META_BYTES,
 };
 use expertmesh_transport::mesh::{
     Mesh, MeshConfig, MeshEvents, OutFrame, StartError, Transport, TransportEvent,
@@ -164,6 +171,14 @@ impl RouterService {
 
         // Frontend acceptor.
         let open = Arc::new(AtomicUsize::new(0));
+        let admission = Arc::new(AdmissionGate {
+            state: Mutex::new(Admission::new(AdmissionLimits {
+                max_requests: core.config().max_inflight_requests,
+                max_tokens: core.config().max_inflight_tokens,
+                max_per_client: cfg.max_outstanding_per_client.max(1),
+            })),
+            released: tokio::sync::Notify::new(),
+        });
         runtime.spawn(accept_loop(
             listener,
             validator,
@@ -171,6 +186,7 @@ impl RouterService {
             clients.clone(),
             Arc::clone(&open),
             cfg.max_outstanding_per_client.max(1),
+            Arc::clone(&admission),
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let core_loop = CoreLoop {
@@ -185,6 +201,8 @@ impl RouterService {
             stats: stats.clone(),
             hidden,
             open,
+            admission,
+            trim: MemoryTrim::default(),
         };
         let core_thread = std::thread::Builder::new()
             .name("router-core".into())
@@ -334,6 +352,7 @@ async fn accept_loop(
     clients: ClientQueues,
     open: Arc<AtomicUsize>,
     max_outstanding: usize,
+    admission: Arc<AdmissionGate>,
 ) {
     let mut next_client: ClientId = 1;
     loop {
@@ -354,6 +373,7 @@ async fn accept_loop(
             clients: clients.clone(),
             open: open.clone(),
             max_outstanding,
+            admission: Arc::clone(&admission),
         };
         tokio::spawn(conn.serve(incoming));
     }
@@ -368,6 +388,8 @@ struct FrontendConn {
     /// Open (handshaken) frontend connections, shared by all of them.
     open: Arc<AtomicUsize>,
     max_outstanding: usize,
+    /// The router's admitted requests, shared by every connection and the core thread.
+    admission: Arc<AdmissionGate>,
 }
 
 impl FrontendConn {
@@ -402,9 +424,11 @@ impl FrontendConn {
         // The task holds no sender of its own queue: it ends once this connection is gone.
         let write_task = tokio::spawn(write_responses(writer, slots.clone(), peer, out_rx));
         // Counted before this connection's first request reaches the core (same queue).
+        self.admission.lock().open();
         self.open.fetch_add(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         self.read_requests(reader, &out_tx, &slots, peer).await;
+        self.admission.lock().close(self.client);
         self.open.fetch_sub(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         self.clients
@@ -415,7 +439,9 @@ impl FrontendConn {
         let _ = write_task.await;
     }
 
-    /// Reader: requests are validated here and handed to the core.
+    /// Reader: each request is admitted or shed from its header and metadata, before its
+    /// payload is read ([`crate::admission`]); an admitted one is read, validated here and
+    /// handed to the core. A shed or refused request's payload is skipped, never held.
     async fn read_requests(
         &self,
         mut reader: FrameReader,
@@ -437,47 +463,165 @@ impl FrontendConn {
                 Ok(p) => p.forget(),
                 Err(_) => break,
             }
-            let frame = match reader.read_frame().await {
-                Ok(f) => f,
-                Err(FrontendError::BadFrame {
-                    recoverable: true,
-                    request_id,
-                    error,
-                    ..
-                }) => {
-                    let message = format!("bad frame: {error}");
-                    reply(request_id.unwrap_or(0), ErrorCode::BadFrame, message);
-                    continue;
-                }
+            let head = match reader.read_head().await {
+                Ok(h) => h,
                 Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
                     tracing::info!(%peer, error = %e, "frontend connection closed");
                     break;
                 }
             };
-            match frame.body() {
-                Body::LayerRequest(req) => {
-                    let now = Instant::now();
-                    match self
-                        .validator
-                        .validate(self.client, req, frame.payload(), now)
-                    {
-                        Ok(r) => {
-                            if send_to_core(&self.tx, CoreInput::Request(r)).await.is_err() {
-                                break;
-                            }
-                        }
-                        Err(e) => reply(req.request_id, e.code, e.message),
+            let taken = match self.take(head).await {
+                Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
+                Take::Skip(head, answer) => {
+                    let skipped = reader.skip_payload(head).await;
+                    match answer {
+                        Some((id, code, message)) => reply(id, code, message),
+                        None => slots.add_permits(1), // a heartbeat: no answer
+                    }
+                    skipped.map(|()| None)
+                }
+            };
+            match taken {
+                Ok(None) => {}
+                Ok(Some(Ok(r))) => {
+                    if send_to_core(&self.tx, CoreInput::Request(r)).await.is_err() {
+                        break;
                     }
                 }
-                Body::Heartbeat(_) => slots.add_permits(1),
-                other => {
-                    let message = format!(
-                        "frontends send LayerRequest frames, not {:?}",
-                        kind_name(other)
-                    );
-                    reply(0, ErrorCode::BadFrame, message);
+                Ok(Some(Err((id, code, message)))) => reply(id, code, message),
+                Err(e) => {
+                    tracing::info!(%peer, error = %e, "frontend connection closed");
+                    break;
                 }
+            }
+        }
+    }
+
+    /// What to do with a frame from its head alone: read an admitted request, or skip the
+    /// payload (answering a shed or refused request, or nothing for a heartbeat). A request
+    /// over its share waits up to [`ADMISSION_WAIT`] for room before it is shed.
+    async fn take(&self, head: FrameHead) -> Take {
+        let (id, body) = (head.request_id().unwrap_or(0), head.body());
+        let req = match body {
+            Some(Ok(Body::LayerRequest(req))) => *req,
+            Some(Ok(Body::Heartbeat(_))) => return Take::Skip(head, None),
+            Some(Ok(other)) => {
+                let message = format!(
+                    "frontends send LayerRequest frames, not {:?}",
+                    kind_name(other)
+                );
+                return Take::Skip(head, Some((0, ErrorCode::BadFrame, message)));
+            }
+            Some(Err(error)) => {
+                let message = format!("bad frame: {error}");
+                return Take::Skip(head, Some((id, ErrorCode::BadFrame, message)));
+            }
+            None => {
+                let message = format!(
+                    "bad frame: {:?} metadata over {MAX_HEAD_META_BYTES} bytes; frontends send LayerRequest frames",
+                    head.kind()
+                );
+                return Take::Skip(head, Some((id, ErrorCode::BadFrame, message)));
+            }
+        };
+        if let Err(e) = self.validator.check(&req) {
+            return Take::Skip(head, Some((req.request_id, e.code, e.message)));
+        }
+        match self.admission.admit(self.client, &req).await {
+            Ok(()) => Take::Request(req, head),
+            Err(shed) => {
+                let answer = (req.request_id, ErrorCode::Overloaded, shed.to_string());
+                Take::Skip(head, Some(answer))
+            }
+        }
+    }
+
+    /// Read and validate the payload of admitted request `req`. Returns the request for the
+    /// core or the refusal to answer (the request's share is released then); `Err` when the
+    /// connection broke.
+    async fn read_request(
+        &self,
+        reader: &mut FrameReader,
+        req: LayerRequest,
+        head: FrameHead,
+    ) -> Result<Option<Result<crate::core::Request, Answer>>, FrontendError> {
+        let release = || self.admission.lock().release(self.client, req.request_id);
+        let frame = match reader.read_payload(head).await {
+            Ok(f) => f,
+            Err(FrontendError::BadFrame {
+                recoverable: true,
+                error,
+                ..
+            }) => {
+                release();
+                let message = format!("bad frame: {error}");
+                return Ok(Some(Err((req.request_id, ErrorCode::BadFrame, message))));
+            }
+            Err(e) => {
+                release();
+                return Err(e);
+            }
+        };
+        let now = Instant::now();
+        let validated = self
+            .validator
+            .validate(self.client, &req, frame.payload(), now);
+        drop(frame);
+        Ok(Some(validated.map_err(|e| {
+            release();
+            (req.request_id, e.code, e.message)
+        })))
+    }
+}
+
+/// An error answer: request id, code, message.
+type Answer = (u64, ErrorCode, String);
+
+/// What the reader does with a frame after its head ([`FrontendConn::take`]).
+enum Take {
+    /// An admitted request: read its payload.
+    Request(LayerRequest, FrameHead),
+    /// Skip the payload, then answer (`None`: a heartbeat, no answer).
+    Skip(FrameHead, Option<Answer>),
+}
+
+/// How long a request over its connection's share waits (its payload unread) for the share to
+/// free before it is shed: a greedy connection is slowed to its share rather than spinning
+/// through refusals, and a refusal still comes quickly.
+const ADMISSION_WAIT: Duration = Duration::from_millis(100);
+
+/// The router's admission state, shared by the connection tasks (which admit) and the core
+/// thread (which releases as answers leave and then wakes the waiting readers).
+struct AdmissionGate {
+    state: Mutex<Admission>,
+    /// Notified after answers freed shares.
+    released: tokio::sync::Notify,
+}
+
+impl AdmissionGate {
+    /// Locks the state (a poisoned lock is still consistent: every update is one step).
+    fn lock(&self) -> std::sync::MutexGuard<'_, Admission> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admit `req` of `client`, waiting up to [`ADMISSION_WAIT`] for shares to free before
+    /// shedding it.
+    async fn admit(&self, client: ClientId, req: &LayerRequest) -> Result<(), Shed> {
+        let until = tokio::time::Instant::now() + ADMISSION_WAIT;
+        loop {
+            let freed = self.released.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            let shed = match self
+                .lock()
+                .admit(client, req.request_id, req.tokens as usize)
+            {
+                Ok(()) => return Ok(()),
+                Err(shed) => shed,
+            };
+            if tokio::time::timeout_at(until, freed).await.is_err() {
+                return Err(shed);
             }
         }
     }
@@ -562,6 +706,48 @@ fn kind_name(b: &Body) -> &'static str {
 /// Inputs (and, separately, mesh events) the core thread takes per pass before it acts.
 const PASS: usize = 64;
 
+/// Gives the heap memory freed after a burst of work back to the operating system: once the
+/// router has been idle (nothing admitted, no batch in flight) for [`MemoryTrim::IDLE`] after
+/// being busy, the core thread calls glibc's `malloc_trim`, which releases the free pages of
+/// every allocator arena. Without it the allocator keeps its high-water mark (issue 15: 84 MiB
+/// before a load, 600–800 MiB after it).
+#[derive(Debug, Default)]
+struct MemoryTrim {
+    /// When the router was last busy, if it has not been trimmed since.
+    busy_at: Option<Instant>,
+}
+
+impl MemoryTrim {
+    /// How long the router must be idle before its memory is trimmed.
+    const IDLE: Duration = Duration::from_millis(250);
+
+    fn busy(&mut self, now: Instant) {
+        self.busy_at = Some(now);
+    }
+
+    /// When a trim is due (`None`: nothing to trim).
+    fn due(&self) -> Option<Instant> {
+        self.busy_at.map(|t| t + Self::IDLE)
+    }
+
+    /// Trim when due and `idle`.
+    fn poll(&mut self, now: Instant, idle: bool) {
+        if idle && self.due().is_some_and(|t| t <= now) {
+            self.busy_at = None;
+            release_free_memory();
+        }
+    }
+}
+
+/// Returns the allocator's free pages to the operating system (glibc; elsewhere a no-op).
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// The core thread's state: the core, its input queue, the mesh's events, and what carrying
 /// out actions needs.
 struct CoreLoop {
@@ -579,6 +765,10 @@ struct CoreLoop {
     names: Vec<String>,
     /// Open frontend connections (kept by the connection tasks).
     open: Arc<AtomicUsize>,
+    /// The admitted requests: each answer the core gives frees its request's share.
+    admission: Arc<AdmissionGate>,
+    /// Gives the memory of a finished burst back to the system.
+    trim: MemoryTrim,
 }
 
 impl CoreLoop {
@@ -622,8 +812,18 @@ impl CoreLoop {
             }
             self.core.on_tick(Instant::now());
             busy |= self.act(&mut cx);
-            if !busy {
-                match self.core.next_timeout() {
+            let now = Instant::now();
+            if busy {
+                self.trim.busy(now);
+            } else {
+                let idle = self.core.inflight() == 0 && self.admission.lock().in_flight().0 == 0;
+                self.trim.poll(now, idle);
+                let trim_at = self.trim.due().filter(|_| idle);
+                match [self.core.next_timeout(), trim_at]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                {
                     Some(t) => {
                         let now = Instant::now();
                         if t > now {
@@ -713,6 +913,8 @@ impl CoreLoop {
     fn perform(&self, actions: Vec<Action>, cx: &mut Context<'_>) {
         // One short lock per pass; nothing below blocks (writes are polled once, then spawned).
         let clients_now = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let mut admission = self.admission.lock();
+        let mut released = false;
         for a in actions {
             match a {
                 Action::Send {
@@ -727,6 +929,8 @@ impl CoreLoop {
                     tokens,
                     output,
                 } => {
+                    admission.release(client, request_id);
+                    released = true;
                     let msg = ClientMsg::Response {
                         request_id,
                         tokens,
@@ -743,6 +947,8 @@ impl CoreLoop {
                     code,
                     message,
                 } => {
+                    admission.release(client, request_id);
+                    released = true;
                     let msg = ClientMsg::Error {
                         request_id,
                         code,
@@ -753,6 +959,10 @@ impl CoreLoop {
                     }
                 }
             }
+        }
+        drop(admission);
+        if released {
+            self.admission.released.notify_waiters();
         }
     }
 

@@ -1,0 +1,268 @@
+//! The pipelined-clients overload load: many greedy frontends that keep a fixed number of
+//! large requests in flight each, plus one modest frontend that sends one small request at a
+//! time, against a running router; with the router process's memory read from `/proc`.
+//!
+//! Why this exists: issue 15 measured that a router under more load than it can serve lost
+//! three quarters of its goodput and kept 600–800 MiB of memory after the load. The same load
+//! drives the overload test (`tests/overload.rs`, real processes) and the figures in
+//! BENCHMARKS.md, so the numbers and the assertions come from one generator.
+//!
+//! What it measures: goodput (tokens of successful answers per second of the whole run), how
+//! each answer ended (output, `Overloaded`, `DeadlineExceeded`, other refusals), the modest
+//! client's successes, and the peak of the router's resident memory sampled while the load runs.
+
+use expertmesh_router::client::{CallHandle, ClientError, RouterClient};
+use expertmesh_transport::codec::ErrorCode;
+use expertmesh_transport::frontend::FrontendConfig;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The shape of one load run.
+#[derive(Clone, Debug)]
+pub struct OverloadLoad {
+    /// Greedy frontend connections.
+    pub greedy_clients: usize,
+    /// Requests each greedy connection keeps in flight (it sends the next one as soon as an
+    /// answer, of any kind, arrives).
+    pub depth: usize,
+    /// Tokens of each greedy request.
+    pub tokens: usize,
+    /// Tokens of the modest client's requests (`0`: no modest client).
+    pub modest_tokens: usize,
+    /// MoE layer every request calls.
+    pub layer: u32,
+    /// The model's hidden size.
+    pub hidden: usize,
+    /// Deadline the greedy requests carry (`None`: the router's default).
+    pub deadline: Option<Duration>,
+    /// How long the load runs.
+    pub duration: Duration,
+}
+
+/// How the requests of one run ended.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    /// Greedy requests answered with an output.
+    pub ok_requests: u64,
+    /// Tokens of those answers.
+    pub ok_tokens: u64,
+    /// Greedy requests refused with `Overloaded`.
+    pub overloaded: u64,
+    /// Greedy requests failed with `DeadlineExceeded`.
+    pub deadline_exceeded: u64,
+    /// Greedy requests failed otherwise (another refusal or a broken connection).
+    pub other_failures: u64,
+    /// The modest client's requests answered with an output.
+    pub modest_ok: u64,
+    /// The modest client's requests that failed, for any reason.
+    pub modest_failed: u64,
+    /// The first failure of the modest client, to say why.
+    pub modest_first_error: Option<String>,
+    /// Wall time of the run, seconds.
+    pub seconds: f64,
+    /// Peak resident memory of the router process while the load ran (KiB), when a process id
+    /// was given.
+    pub rss_peak_kib: Option<u64>,
+}
+
+impl LoadReport {
+    /// Successful tokens per second, greedy and modest clients together.
+    pub fn goodput(&self, modest_tokens: usize) -> f64 {
+        let tokens = self.ok_tokens + self.modest_ok * modest_tokens as u64;
+        tokens as f64 / self.seconds.max(1e-9)
+    }
+}
+
+/// A process's resident memory from `/proc/<pid>/status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcMemory {
+    /// `VmRSS`: resident now (KiB).
+    pub rss_kib: u64,
+    /// `VmHWM`: the peak resident size since the process started (KiB).
+    pub hwm_kib: u64,
+}
+
+/// Read `VmRSS` and `VmHWM` of process `pid` (`None` off Linux or when it has exited).
+pub fn proc_memory(pid: u32) -> Option<ProcMemory> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    };
+    Some(ProcMemory {
+        rss_kib: field("VmRSS:")?,
+        hwm_kib: field("VmHWM:")?,
+    })
+}
+
+/// Shared tallies of the greedy clients.
+#[derive(Default)]
+struct Tally {
+    ok_requests: AtomicU64,
+    ok_tokens: AtomicU64,
+    overloaded: AtomicU64,
+    deadline_exceeded: AtomicU64,
+    other: AtomicU64,
+}
+
+impl Tally {
+    fn count(&self, r: &Result<Vec<f32>, ClientError>, tokens: usize) {
+        let c = match r {
+            Ok(_) => {
+                self.ok_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+                &self.ok_requests
+            }
+            Err(e) if e.code() == Some(ErrorCode::Overloaded) => &self.overloaded,
+            Err(e) if e.code() == Some(ErrorCode::DeadlineExceeded) => &self.deadline_exceeded,
+            Err(_) => &self.other,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Deterministic, finite hidden states for `tokens` rows (values in [-1, 1)).
+pub fn load_input(tokens: usize, hidden: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..tokens * hidden)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Run `load` against the router at `addr`, sampling the memory of process `router_pid` every
+/// 20 ms while it runs. Each greedy connection keeps `depth` requests in flight and sends the
+/// next one as soon as any answer arrives (an `Overloaded` refusal included: the harshest
+/// client); the modest client waits for each answer before it sends the next request.
+/// Connection failures at the start are errors; later ones are counted as failures.
+pub async fn run_load(
+    addr: SocketAddr,
+    cfg: &FrontendConfig,
+    load: &OverloadLoad,
+    router_pid: Option<u32>,
+) -> Result<LoadReport, ClientError> {
+    let tally = Arc::new(Tally::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = router_pid.map(|pid| {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(m) = proc_memory(pid) {
+                    peak = peak.max(m.rss_kib);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            peak
+        })
+    });
+    // Every connection is open before any request is sent (a fleet of frontends connected
+    // at start), so the router's shares count all of them from the first request.
+    let mut clients = Vec::new();
+    for _ in 0..load.greedy_clients {
+        clients.push(RouterClient::connect(addr, cfg).await?);
+    }
+    let modest = match load.modest_tokens {
+        0 => None,
+        _ => Some(RouterClient::connect(addr, cfg).await?),
+    };
+    let greedy: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(c, client)| {
+            let x = load_input(load.tokens, load.hidden, c as u64 + 1);
+            tokio::spawn(greedy_client(client, x, load.clone(), Arc::clone(&tally)))
+        })
+        .collect();
+    let modest = modest.map(|client| tokio::spawn(modest_client(client, load.clone())));
+    let start = Instant::now();
+    for g in greedy {
+        let _ = g.await;
+    }
+    let (modest_ok, modest_failed, modest_first_error) = match modest {
+        Some(m) => m
+            .await
+            .unwrap_or((0, 1, Some("modest client panicked".into()))),
+        None => (0, 0, None),
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let rss_peak_kib = sampler.and_then(|s| s.join().ok());
+    Ok(LoadReport {
+        ok_requests: tally.ok_requests.load(Ordering::Relaxed),
+        ok_tokens: tally.ok_tokens.load(Ordering::Relaxed),
+        overloaded: tally.overloaded.load(Ordering::Relaxed),
+        deadline_exceeded: tally.deadline_exceeded.load(Ordering::Relaxed),
+        other_failures: tally.other.load(Ordering::Relaxed),
+        modest_ok,
+        modest_failed,
+        modest_first_error,
+        seconds,
+        rss_peak_kib,
+    })
+}
+
+/// One greedy connection: `depth` requests in flight until the run's time is up, then every
+/// outstanding answer is collected.
+async fn greedy_client(
+    mut client: RouterClient,
+    x: Vec<f32>,
+    load: OverloadLoad,
+    tally: Arc<Tally>,
+) {
+    client.set_max_in_flight(load.depth.max(1));
+    let end = Instant::now() + load.duration;
+    let mut handles: VecDeque<CallHandle> = VecDeque::new();
+    loop {
+        while Instant::now() < end && handles.len() < load.depth.max(1) {
+            match client
+                .submit(load.layer, &x, load.hidden, None, load.deadline)
+                .await
+            {
+                Ok(h) => handles.push_back(h),
+                Err(_) => {
+                    tally.other.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+        let Some(h) = handles.pop_front() else {
+            return;
+        };
+        let r = client.wait(h).await;
+        let broken = matches!(r, Err(ClientError::Transport(_)));
+        tally.count(&r, load.tokens);
+        if broken {
+            return;
+        }
+    }
+}
+
+/// The modest connection: one request at a time until the run's time is up. Returns
+/// (successes, failures, the first failure).
+async fn modest_client(mut client: RouterClient, load: OverloadLoad) -> (u64, u64, Option<String>) {
+    let x = load_input(load.modest_tokens, load.hidden, 999);
+    let end = Instant::now() + load.duration;
+    let (mut ok, mut failed, mut first) = (0, 0, None);
+    while Instant::now() < end {
+        match client.call(load.layer, &x, load.hidden, None, None).await {
+            Ok(_) => ok += 1,
+            Err(e) => {
+                failed += 1;
+                first.get_or_insert_with(|| e.to_string());
+                if matches!(e, ClientError::Transport(_)) {
+                    break;
+                }
+            }
+        }
+    }
+    (ok, failed, first)
+}
