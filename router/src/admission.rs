@@ -9,18 +9,18 @@
 //! payload is skipped, never held.
 //!
 //! The rule (sans-IO; the service shares one [`Admission`] between its connection tasks, which
-//! admit, and its core thread, which releases as answers leave). A connection's fair share is
-//! the router's capacity (`max_requests`, `max_tokens`) divided by the number of busy
-//! connections (those with a request in flight, counting the asking one), and at most
-//! `max_per_client` requests. A request is admitted when
-//! * it keeps its connection within its fair share — even when the router is at capacity, so a
-//!   modest connection is served however many greedy ones keep the router full; or
-//! * its connection has nothing in flight and the router is below capacity — so a request
-//!   larger than a share still gets its turn.
+//! admit, and its core thread, which releases as answers leave). With `C` the router's
+//! capacity (`max_requests`, `max_tokens`), a request is admitted when
+//! * the router stays within `C` and its connection stays within its fair share of `C` among
+//!   the busy connections (those with a request in flight, counting the asking one; at most
+//!   `max_per_client` requests), or has nothing in flight (a request larger than a share still
+//!   gets its turn): work-conserving, a lone connection may use the whole capacity; or
+//! * its connection stays within its guaranteed share, `C` divided by the open connections:
+//!   admitted even when the router is full (up to `2C`), so a modest connection is served
+//!   however many greedy ones keep the router busy. The guaranteed shares add up to `C`.
 //!
-//! Otherwise it is shed: a greedy connection first, and a lone connection may use the whole
-//! capacity. Bound: at most twice the capacity (requests and tokens) is admitted at a time;
-//! the second half only ever to connections within their shares.
+//! Otherwise it is shed, a greedy connection first. Bound: at most `2C` (requests and tokens)
+//! is admitted at a time.
 
 use crate::core::ClientId;
 use std::collections::HashMap;
@@ -89,6 +89,8 @@ pub struct Admission {
     clients: HashMap<ClientId, ClientLoad>,
     /// Connections with at least one request in flight.
     busy: usize,
+    /// Open connections ([`Admission::open`] minus [`Admission::close`]).
+    open: usize,
     requests: usize,
     tokens: usize,
 }
@@ -104,6 +106,7 @@ impl Admission {
             },
             clients: HashMap::new(),
             busy: 0,
+            open: 0,
             requests: 0,
             tokens: 0,
         }
@@ -125,26 +128,31 @@ impl Admission {
     pub fn admit(&mut self, client: ClientId, request_id: u64, tokens: usize) -> Result<(), Shed> {
         let limits = self.limits;
         let (requests, tokens_in) = self.client_in_flight(client);
-        let busy = self.busy + usize::from(requests == 0);
-        let share_requests = (limits.max_requests / busy)
-            .max(1)
-            .min(limits.max_per_client);
-        let share_tokens = limits.max_tokens / busy;
-        let within_share = requests < share_requests && tokens_in + tokens <= share_tokens;
+        // Within a share of the capacity among `n` connections, this request included.
+        let within = |n: usize| {
+            let share_requests = (limits.max_requests / n.max(1))
+                .max(1)
+                .min(limits.max_per_client);
+            requests < share_requests && tokens_in + tokens <= limits.max_tokens / n.max(1)
+        };
         // Below `times` × the capacity, this request included.
         let below = |times: usize| {
             self.requests < times * limits.max_requests
                 && self.tokens + tokens <= times * limits.max_tokens
         };
-        let admitted = (within_share && below(2)) || (requests == 0 && below(1));
+        let busy = self.busy + usize::from(requests == 0);
+        let admitted =
+            (below(1) && (requests == 0 || within(busy))) || (below(2) && within(self.open.max(1)));
         if !admitted {
             return Err(if requests > 0 {
                 Shed::OverShare {
                     requests,
                     tokens: tokens_in,
                     busy,
-                    share_requests,
-                    share_tokens,
+                    share_requests: (limits.max_requests / busy)
+                        .max(1)
+                        .min(limits.max_per_client),
+                    share_tokens: limits.max_tokens / busy,
                 }
             } else {
                 Shed::Saturated {
@@ -187,9 +195,15 @@ impl Admission {
         }
     }
 
+    /// A connection has opened (it counts for the guaranteed shares from now on).
+    pub fn open(&mut self) {
+        self.open += 1;
+    }
+
     /// `client` has closed. Its requests still in flight keep their share until released
     /// (the router still holds their work).
     pub fn close(&mut self, client: ClientId) {
+        self.open = self.open.saturating_sub(1);
         match self.clients.get_mut(&client) {
             Some(c) if !c.inflight.is_empty() => c.closed = true,
             Some(_) => {
@@ -215,12 +229,14 @@ mod tests {
     #[test]
     fn a_lone_connection_may_use_the_capacity_up_to_its_own_limit() {
         let mut a = Admission::new(limits());
+        a.open();
         for id in 0..4 {
             a.admit(1, id, 256).unwrap();
         }
         // 1024 tokens in flight: the token capacity is used up.
         assert!(matches!(a.admit(1, 9, 1), Err(Shed::OverShare { .. })));
         let mut a = Admission::new(limits());
+        a.open();
         for id in 0..6 {
             a.admit(1, id, 1).unwrap();
         }
@@ -240,12 +256,14 @@ mod tests {
     #[test]
     fn a_greedy_connection_is_shed_while_a_modest_one_is_served() {
         let mut a = Admission::new(limits());
-        // The greedy connection takes everything while alone.
+        a.open();
+        a.open();
+        // The greedy connection takes everything while the other is idle.
         for id in 0..4 {
             a.admit(1, id, 256).unwrap();
         }
-        // A modest connection still gets its first request (the capacity is exceeded by it,
-        // not refused).
+        // The modest connection still gets a request within its guaranteed share (half of the
+        // capacity: two connections are open), past the capacity.
         a.admit(2, 100, 32).unwrap();
         // The greedy one is now over its share (2 busy: 512 tokens each) until it drains.
         a.release(1, 0);
@@ -273,16 +291,20 @@ mod tests {
         // Four connections with one request each: the capacity is used up, and each is at its
         // share (one request).
         for c in 1..=4 {
+            a.open();
             a.admit(c, 0, 1).unwrap();
         }
         for c in 1..=4 {
             let e = a.admit(c, 1, 1).unwrap_err();
             assert!(matches!(e, Shed::OverShare { .. }), "client {c}: {e:?}");
         }
-        // New connections are within their shares: admitted up to twice the capacity.
+        // New connections are within their guaranteed shares: admitted up to twice the
+        // capacity.
         for c in 5..=8 {
+            a.open();
             a.admit(c, 0, 1).unwrap();
         }
+        a.open();
         let e = a.admit(9, 0, 1).unwrap_err();
         assert!(matches!(e, Shed::Saturated { requests: 8, .. }), "{e:?}");
         assert_eq!(a.in_flight(), (8, 8));
@@ -292,13 +314,16 @@ mod tests {
     fn a_request_larger_than_a_share_waits_for_room_not_forever() {
         let mut a = Admission::new(limits()); // 1024 tokens
         // Two connections keep 512 tokens each in flight: the router is full.
+        a.open();
+        a.open();
         for c in [1, 2] {
             a.admit(c, 0, 256).unwrap();
             a.admit(c, 1, 256).unwrap();
         }
-        // A third connection's 256-token request is over its share (1024 / 3) only with the
-        // router full: shed, then admitted once there is room.
-        a.admit(3, 0, 32).unwrap(); // a small one fits its share
+        // A third connection: a small request fits its guaranteed share (1024 / 3), a 512-token
+        // one does not and the router is full: shed, then admitted once there is room.
+        a.open();
+        a.admit(3, 0, 32).unwrap();
         a.release(3, 0);
         assert!(matches!(a.admit(3, 1, 512), Err(Shed::Saturated { .. })));
         a.release(1, 0);
@@ -309,6 +334,7 @@ mod tests {
     #[test]
     fn release_frees_only_admitted_requests_and_forgets_closed_connections() {
         let mut a = Admission::new(limits());
+        a.open();
         a.admit(1, 7, 10).unwrap();
         a.admit(1, 7, 20).unwrap(); // a duplicate id: released one at a time
         a.release(1, 8); // never admitted: ignored
