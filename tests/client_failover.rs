@@ -8,7 +8,8 @@
 //! through the other; (b) a router process (`expertmesh up`) stopped with SIGSTOP: a
 //! call with a 2 s deadline returns DeadlineExceeded within 2.5 s (before the client kept its
 //! deadline it waited as long as the router was stopped), and after SIGCONT the same client's
-//! next call is answered bit for bit.
+//! next call is answered bit for bit; (c) a failover client given two `up` processes leaves the
+//! one that is SIGSTOPped within the keepalive bound and gets the other's bit-identical answer.
 
 mod common;
 
@@ -299,6 +300,7 @@ fn a_call_to_a_stopped_router_process_ends_at_its_deadline() {
     let took = t.elapsed();
     let r = r.unwrap_or_else(|_| panic!("no answer after {took:?} on a 2 s deadline"));
     let e = r.expect_err("the router is stopped");
+    eprintln!("a 2 s call to a stopped router returned after {took:?}: {e}");
     assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
     assert!(
         took >= Duration::from_secs(2) && took < Duration::from_millis(2500),
@@ -311,4 +313,45 @@ fn a_call_to_a_stopped_router_process_ends_at_its_deadline() {
     let again = rt.block_on(c.call(layer, &x, h, None, Some(Duration::from_secs(20))));
     assert_eq!(bits(&again.unwrap()), bits(&want));
     assert_eq!((c.in_flight(), c.ready()), (0, 0));
+}
+
+#[test]
+fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound() {
+    // Two fabrics of the same model, seed and placement: either answers every call alike.
+    let (a, b) = (Up::start(), Up::start());
+    let spec = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[1];
+    let rt = rt();
+    let cfg = FrontendConfig::new("single-host");
+    let opts = ClientOptions::default();
+    let bound = opts.keepalive_interval + opts.keepalive_timeout;
+    let routers = [a.frontend, b.frontend];
+    let connect = RouterClient::connect_any(&routers, &cfg, opts);
+    let mut c = rt.block_on(connect).unwrap();
+    assert_eq!(c.peer_addr(), a.frontend);
+    let x = reference::synthetic_hidden(11, 5, h);
+    let want = rt.block_on(c.call(layer, &x, h, None, None)).unwrap();
+    a.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    let call = c.call(layer, &x, h, None, Some(Duration::from_secs(10)));
+    let got = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), call).await });
+    let took = t.elapsed();
+    let got = got.unwrap_or_else(|_| panic!("no answer after {took:?}"));
+    eprintln!("answered by the other router {took:?} after the first was stopped");
+    assert_eq!(
+        bits(&got.unwrap()),
+        bits(&want),
+        "answered by the other router"
+    );
+    assert_eq!((c.failovers(), c.peer_addr()), (1, b.frontend));
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(2),
+        "keepalive bound {bound:?}, took {took:?}"
+    );
+    // Router a stays stopped: later calls go to b at once.
+    let t = Instant::now();
+    let again = rt.block_on(c.call(layer, &x, h, None, None)).unwrap();
+    assert_eq!(bits(&again), bits(&want));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
