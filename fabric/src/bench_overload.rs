@@ -228,9 +228,14 @@ async fn greedy_client(
                 .await
             {
                 Ok(h) => handles.push_back(h),
-                Err(_) => {
-                    tally.other.fetch_add(1, Ordering::Relaxed);
-                    return;
+                Err(e) => {
+                    // The client's own refusals (a deadline it could not send in time) count
+                    // like the router's; a broken connection ends this client.
+                    let broken = matches!(e, ClientError::Transport(_));
+                    tally.count(&Err(e), load.tokens);
+                    if broken {
+                        return;
+                    }
                 }
             }
         }
