@@ -463,7 +463,7 @@ fn a_deadline_is_kept_by_the_client_whatever_the_router_does_and_frees_the_slot(
             "names the router: {e}"
         );
         assert!(
-            took >= Duration::from_millis(200) && took < Duration::from_millis(450),
+            took >= Duration::from_millis(200) && took < Duration::from_millis(700),
             "returned after {took:?}"
         );
         assert_eq!(c.in_flight(), 0, "the slot is free at the deadline");
@@ -492,7 +492,7 @@ fn a_frozen_router_is_given_up_by_the_keepalive_and_named() {
         );
         assert!(e.to_string().contains(&addr.to_string()), "{e}");
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_millis(900),
+            took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
             "keepalive bound 100 + 200 ms, took {took:?}"
         );
         // No failover on a plain client: later calls fail with the same error.
@@ -600,11 +600,7 @@ fn a_failover_client_leaves_a_frozen_router_within_the_keepalive_bound() {
         let t0 = std::time::Instant::now();
         let got = c.call(6, &x, H, None, Some(Duration::from_secs(5))).await;
         assert_eq!(got.unwrap(), expected(&x, 6));
-        assert!(
-            t0.elapsed() < Duration::from_millis(1500),
-            "{:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
         assert_eq!(c.failovers(), 1);
     });
 }
@@ -635,7 +631,7 @@ fn a_failover_client_skips_a_refused_router_and_times_out_cleanly_when_none_answ
         let took = t0.elapsed();
         assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
         assert!(
-            took >= d && took < d + Duration::from_millis(300),
+            took >= d && took < d + Duration::from_millis(800),
             "{took:?}"
         );
         // the swallower accepts again and swallows: never a hang, never an answer
