@@ -126,7 +126,11 @@ fn workers_with_other_weights_or_placement_and_second_workers_are_refused() {
     // A second process for live device 0: refused, told why; the live worker keeps serving.
     let (extra, log) = fabric.spawn_extra_worker(0, &[]).unwrap();
     let extra = Reaper(extra);
-    wait_for_log(&log, "already served by a live process", Duration::from_secs(30));
+    wait_for_log(
+        &log,
+        "already served by a live process",
+        Duration::from_secs(30),
+    );
     std::thread::sleep(Duration::from_secs(2)); // its redials are refused too
     assert_eq!(run_cases(&fabric, &cases), (n, 0, 0));
     assert_eq!(
@@ -141,9 +145,10 @@ fn workers_with_other_weights_or_placement_and_second_workers_are_refused() {
     // never answer wrong.
     fabric.kill_worker(0).unwrap();
     let placement = fabric.log_dir().join("other.placement.toml");
-    let text = std::fs::read_to_string(root().join("examples/single-host-demo-small.placement.toml"))
-        .unwrap()
-        .replace("experts = \"0-19\"", "experts = \"0-15\"");
+    let text =
+        std::fs::read_to_string(root().join("examples/single-host-demo-small.placement.toml"))
+            .unwrap()
+            .replace("experts = \"0-19\"", "experts = \"0-15\"");
     std::fs::write(&placement, text).unwrap();
     let misfits: [&[(&str, &str)]; 2] = [
         &[("--seed", "7")],
@@ -152,11 +157,19 @@ fn workers_with_other_weights_or_placement_and_second_workers_are_refused() {
     for overrides in misfits {
         let (w, log) = fabric.spawn_extra_worker(0, overrides).unwrap();
         let w = Reaper(w);
-        wait_for_log(&log, "serves other weights or another placement", Duration::from_secs(60));
+        wait_for_log(
+            &log,
+            "serves other weights or another placement",
+            Duration::from_secs(60),
+        );
         let (ok, wrong, err) = run_cases(&fabric, &cases);
         assert_eq!(wrong, 0, "{overrides:?}: a refused worker never answers");
         assert_eq!(ok + err, n);
-        assert_eq!(fabric.service().stats().peer_ups, ups, "{overrides:?} was taken up");
+        assert_eq!(
+            fabric.service().stats().peer_ups,
+            ups,
+            "{overrides:?} was taken up"
+        );
         drop(w);
     }
 

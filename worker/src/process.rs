@@ -325,7 +325,7 @@ impl ComputeCtx {
             let now = Instant::now();
             if let Some(f) = self.fanout.as_mut() {
                 let expired = f.expire(now);
-                self.to_routers(expired);
+                self.answer_routers(expired);
             }
             if let Some((_, input)) = self.queue.pop() {
                 self.handle_input(input);
@@ -401,7 +401,7 @@ impl ComputeCtx {
                     .as_mut()
                     .map(|f| f.on_peer_lost(e.peer))
                     .unwrap_or_default();
-                self.to_routers(failed);
+                self.answer_routers(failed);
             }
         }
     }
@@ -418,7 +418,7 @@ impl ComputeCtx {
                 .as_mut()
                 .and_then(|f| f.on_error(from, frame.request_id, frame.code, &frame.message)),
         };
-        self.to_routers(out);
+        self.answer_routers(out);
     }
 
     /// Runs a dispatch here, or (a router's dispatch holding experts of node peers) forwards
@@ -497,10 +497,10 @@ impl ComputeCtx {
                 Ok((res, bytes)) => f.on_local(key, &res, &bytes),
                 Err(e) => f.on_local_error(key, e),
             });
-        self.to_routers(out);
+        self.answer_routers(out);
     }
 
-    fn to_routers(&mut self, frames: impl IntoIterator<Item = ToRouter>) {
+    fn answer_routers(&mut self, frames: impl IntoIterator<Item = ToRouter>) {
         for t in frames {
             self.send_on(t.router, t.generation, &t.frame);
         }
