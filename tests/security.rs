@@ -476,6 +476,13 @@ fn rank_takeover(tag: &str, held: Option<u32>) {
         after, baseline,
         "answers after the attack differ from before it"
     );
+    // The router logged the refusal with the rank the rogue claimed (issue 15 item 1).
+    let log = f.stderr();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("refused mesh connection") && l.contains("rank 1")),
+        "no refusal naming the claimed rank in the router's log:\n{log}"
+    );
 }
 
 #[test]
