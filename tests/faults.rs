@@ -22,7 +22,12 @@
 //!   within 2 s after the heal (calls needing it fail cleanly meanwhile, 0 hangs); a worker
 //!   whose sends are throttled to 256 kbit/s (each answer 0.5 s late) is routed around: p99 of
 //!   calls under 400 ms;
-//! * a client whose router is SIGSTOPped gets DeadlineExceeded within its 2 s deadline + 1 s.
+//! * a client whose router is SIGSTOPped gets DeadlineExceeded within its 2 s deadline + 1 s;
+//! * failover clients given two routers (`RouterClient::connect_any`) ride through one router
+//!   being SIGSTOPped for 6 s: every call bit-identical, none over 5 s (keepalive 1 s + 2 s,
+//!   then the other router);
+//! * `expertmesh bench soak` for 45 s with a fault every ~12 s exits 0 (0 wrong, 0 hangs) and
+//!   its JSON has every call, every fault (each injected and undone) and every process's RSS.
 //!
 //! Tests hold one lock (their time bounds need the machine to themselves). Every child dies
 //! with its test: `FaultCluster`'s `Drop` sends SIGCONT then SIGKILL to each (on panics too),
@@ -113,6 +118,7 @@ fn drive_opts(f: &FaultCluster, deadline: Duration) -> DriveOptions {
         margin: Duration::from_secs(2),
         reconnect_pause: Duration::from_millis(20),
         think: Duration::ZERO,
+        failover: false,
     }
 }
 
@@ -565,7 +571,15 @@ fn a_client_whose_router_is_stopped_gets_deadline_exceeded_in_time() {
         Err(_) => panic!(
             "the call with a 2 s deadline had no answer after {took:?} with its router stopped (bound: deadline + 1 s)"
         ),
-        Ok(Ok(_)) => panic!("a stopped router answered?"),
+        Ok(Ok(got)) => panic!(
+            "a stopped router answered after {took:?} (bit-identical: {}; router state: {})",
+            common::bits(&got) == c.want,
+            std::fs::read_to_string(format!("/proc/{}/status", f.router_pid(0).unwrap_or(0)))
+                .unwrap_or_default()
+                .lines()
+                .find(|l| l.starts_with("State"))
+                .unwrap_or("?")
+        ),
         Ok(Err(e)) => {
             assert_eq!(
                 golden::error_kind(&e),
@@ -575,4 +589,113 @@ fn a_client_whose_router_is_stopped_gets_deadline_exceeded_in_time() {
             assert!(took < deadline + Duration::from_secs(1), "{took:?}");
         }
     }
+}
+
+#[test]
+fn failover_clients_ride_through_a_stopped_router() {
+    let _g = serial();
+    let s = start(&["0-15", "16-31"], false, |o| o.routers = 2);
+    let f = s.fabric;
+    let golden = Arc::new(reference().golden(32, &[1, 8], 91).unwrap());
+    // Both clients start on router 0, the one that will be stopped.
+    let opts = DriveOptions {
+        routers: vec![f.frontend_addr(0), f.frontend_addr(1)],
+        failover: true,
+        ..drive_opts(&f, Duration::from_secs(6))
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..2)
+        .map(|id| {
+            let (opts, golden, stop) = (opts.clone(), Arc::clone(&golden), Arc::clone(&stop));
+            std::thread::spawn(move || golden::drive(id, &opts, &golden, id * 5, &stop))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let stopped = Instant::now();
+    f.pause_router(0, true).unwrap();
+    std::thread::sleep(Duration::from_secs(6));
+    f.pause_router(0, false).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let records = golden::join_clients(clients);
+    let t = Tally::of(&records);
+    assert_eq!(
+        (t.wrong, t.hangs, t.error_count()),
+        (0, 0, 0),
+        "failover clients with router 0 stopped for 6 s: {}",
+        describe(&records)
+    );
+    let during = records
+        .iter()
+        .filter(|r| {
+            r.start > stopped + Duration::from_secs(4) && r.start < stopped + Duration::from_secs(6)
+        })
+        .count();
+    assert!(
+        during > 0,
+        "no call was answered while router 0 was stopped"
+    );
+    let max = records.iter().map(|r| r.latency).max().unwrap_or_default();
+    assert!(
+        max < Duration::from_secs(5),
+        "a call took {max:?} (bound 5 s: keepalive 1 s + 2 s, then the other router)"
+    );
+}
+
+#[test]
+fn a_short_soak_reports_every_call_and_fault() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("soak.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args([
+            "bench",
+            "soak",
+            "--minutes",
+            "0.75",
+            "--fault-every-s",
+            "12",
+            "--seed",
+            "7",
+            "--net",
+            "loopback",
+            "--json",
+        ])
+        .arg(&json)
+        .arg("--dir")
+        .arg(dir.path().join("files"))
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "the soak failed:\n{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let soak = &v["machine"]["soak"];
+    let tally = &soak["tally"];
+    assert!(tally["ok"].as_u64().unwrap() > 100, "{soak:#}");
+    assert_eq!(tally["wrong"], 0, "{soak:#}");
+    assert_eq!(tally["hangs"], 0, "{soak:#}");
+    let faults = soak["faults"].as_array().unwrap();
+    assert!(
+        faults.len() >= 2,
+        "a fault about every 12 s in 45 s: {soak:#}"
+    );
+    for f in faults {
+        assert_eq!(
+            f["note"], "",
+            "a fault could not be injected or undone: {f:#}"
+        );
+    }
+    let rss = soak["rss"].as_array().unwrap();
+    assert_eq!(rss.len(), 4, "router and three workers: {soak:#}");
+    assert!(
+        rss.iter().all(|r| r["start_kb"].as_u64().unwrap_or(0) > 0),
+        "{soak:#}"
+    );
+    assert!(text.contains("PASS: 0 wrong answers, 0 hangs"), "{text}");
+    assert!(
+        v["results"][0]["name"] == "soak_bit_identical_calls",
+        "{v:#}"
+    );
 }

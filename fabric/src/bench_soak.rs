@@ -72,7 +72,8 @@ pub struct SoakCli {
     /// Checking clients.
     #[arg(long, default_value_t = 3)]
     pub clients: usize,
-    /// Router processes (clients fail over between them).
+    /// Router processes; with more than one every client is a failover client over all of
+    /// them (`RouterClient::connect_any`).
     #[arg(long, default_value_t = 1)]
     pub routers: usize,
     /// Deadline of every call, ms.
@@ -376,6 +377,7 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
         margin: Duration::from_millis(cli.hang_margin_ms),
         reconnect_pause: Duration::from_millis(50),
         think: Duration::ZERO,
+        failover: cli.routers > 1,
     };
     let rss_start: Vec<(String, Option<u64>)> = fabric
         .processes()
@@ -390,7 +392,7 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
     stop.store(true, Ordering::Relaxed);
     let records = golden::join_clients(clients);
     let seconds = t0.elapsed().as_secs_f64();
-    let rss = rss_start
+    let rss: Vec<RssRecord> = rss_start
         .into_iter()
         .map(|(process, start_kb)| {
             let end_kb = fabric
@@ -405,17 +407,34 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
             }
         })
         .collect();
+    Ok(build_report(
+        cli, namespaces, seconds, t0, faults, rss, &records, &golden,
+    ))
+}
+
+/// The report of a finished run.
+#[allow(clippy::too_many_arguments)] // the run's parts, gathered once at its end
+fn build_report(
+    cli: &SoakCli,
+    namespaces: bool,
+    seconds: f64,
+    t0: Instant,
+    faults: Vec<FaultRecord>,
+    rss: Vec<RssRecord>,
+    records: &[CallRecord],
+    golden: &golden::Golden,
+) -> SoakReport {
     let faults = faults
         .into_iter()
-        .map(|f| with_recovery(f, &records, &golden))
+        .map(|f| with_recovery(f, records, golden))
         .collect();
-    Ok(SoakReport {
+    SoakReport {
         seconds,
         network: if namespaces { "namespaces" } else { "loopback" }.into(),
         seed: cli.seed,
-        tally: Tally::of(&records),
-        ok_latency_p50_s: golden::ok_latency_percentile(&records, 50.0),
-        ok_latency_p99_s: golden::ok_latency_percentile(&records, 99.0),
+        tally: Tally::of(records),
+        ok_latency_p50_s: golden::ok_latency_percentile(records, 50.0),
+        ok_latency_p99_s: golden::ok_latency_percentile(records, 99.0),
         faults,
         rss,
         examples: records
@@ -434,7 +453,7 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
                 )
             })
             .collect(),
-    })
+    }
 }
 
 /// The fault loop (this thread: children are started from it, so their parent-death signal
@@ -459,13 +478,19 @@ fn inject_faults(
             FaultKind::SlowLink,
         ]);
     }
+    // Room a fault needs to end before the run does (a partition lasts longest).
+    let room = if fabric.has_namespaces() {
+        Duration::from_secs_f64(PARTITION_S + 2.0)
+    } else {
+        Duration::from_secs(12)
+    };
     let mut out = Vec::new();
     let every = cli.fault_every_s;
     let mut next = every * (0.5 + 0.2 * rng.unit());
     loop {
         let wait_until = t0 + Duration::from_secs_f64(next);
         // A fault needs room to end before the run does.
-        if wait_until + Duration::from_secs(27) > t0 + total {
+        if wait_until + room > t0 + total {
             break;
         }
         std::thread::sleep(wait_until.saturating_duration_since(Instant::now()));

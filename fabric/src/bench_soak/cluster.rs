@@ -124,6 +124,23 @@ impl Proc {
         Ok(())
     }
 
+    /// SIGSTOP and wait (up to 2 s) until every thread shows as stopped (a signal reaches a
+    /// running thread a little later), or SIGCONT.
+    fn pause(&self, stop: bool) -> anyhow::Result<()> {
+        if !stop {
+            return self.signal(libc::SIGCONT);
+        }
+        self.signal(libc::SIGSTOP)?;
+        let until = Instant::now() + Duration::from_secs(2);
+        while !all_threads_stopped(self.child.id()) {
+            if Instant::now() > until {
+                bail!("process {} did not stop within 2 s", self.child.id());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     /// SIGCONT (a stopped child dies too), SIGKILL, reap.
     fn kill(mut self) {
         let _ = self.signal(libc::SIGCONT);
@@ -140,6 +157,19 @@ impl Proc {
     pub fn rss_kb(&self) -> Option<u64> {
         rss_kb(self.child.id())
     }
+}
+
+/// Whether every thread of `pid` is in state T (stopped).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // The state follows the command name in parentheses.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+    })
 }
 
 /// VmRSS of `pid` in kB.
@@ -391,20 +421,20 @@ impl FaultCluster {
         }
     }
 
-    /// SIGSTOP (`stop`) or SIGCONT router `i`.
+    /// SIGSTOP (`stop`: returns once every thread has stopped) or SIGCONT router `i`.
     pub fn pause_router(&self, i: usize, stop: bool) -> anyhow::Result<()> {
         let p = self.routers[i]
             .as_ref()
             .ok_or_else(|| anyhow!("router {i} is not running"))?;
-        p.signal(if stop { libc::SIGSTOP } else { libc::SIGCONT })
+        p.pause(stop)
     }
 
-    /// SIGSTOP (`stop`) or SIGCONT worker `d`.
+    /// SIGSTOP (`stop`: returns once every thread has stopped) or SIGCONT worker `d`.
     pub fn pause_worker(&self, d: usize, stop: bool) -> anyhow::Result<()> {
         let p = self.workers[d]
             .as_ref()
             .ok_or_else(|| anyhow!("worker {d} is not running"))?;
-        p.signal(if stop { libc::SIGSTOP } else { libc::SIGCONT })
+        p.pause(stop)
     }
 
     /// SIGKILL worker `d`.
@@ -426,7 +456,15 @@ impl FaultCluster {
     /// placement file; or nothing: a duplicate). Returns its index among the extras; it runs
     /// until [`FaultCluster::kill_extra`] or the cluster is dropped.
     pub fn start_extra_worker(&mut self, d: usize, how: &WorkerOverride) -> anyhow::Result<usize> {
-        let args = self.worker_args(d, how);
+        let mut args = self.worker_args(d, how);
+        // Another process for the device listens elsewhere (as on another host).
+        let listen = match &self.net {
+            Some(_) => format!("{}:{}", self.worker_addrs[d].ip(), 7601 + self.extras.len()),
+            None => "127.0.0.1:0".to_string(),
+        };
+        if let Some(i) = args.iter().position(|a| a == "--listen") {
+            args[i + 1] = listen;
+        }
         let name = format!("extra-{}-cpu{d}", self.extras.len());
         let p = self.spawn(&name, d + 1, "worker", &args)?;
         self.extras.push(p);
@@ -695,9 +733,12 @@ impl FaultCluster {
             }
             None => Command::new(&self.opts.exe),
         };
-        cmd.arg(sub)
-            .args(args)
-            .env("EXPERTMESH_LOG", "info")
+        cmd.arg(sub).args(args);
+        if self.net.is_some() {
+            // Namespace addresses are not loopback: the links run unauthenticated on purpose.
+            cmd.arg("--insecure");
+        }
+        cmd.env("EXPERTMESH_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)

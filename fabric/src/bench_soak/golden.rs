@@ -8,7 +8,7 @@
 
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::client::{ClientError, RouterClient};
+use expertmesh_router::client::{ClientError, ClientOptions, RouterClient};
 use expertmesh_router::reference;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::frontend::FrontendConfig;
@@ -199,6 +199,10 @@ pub struct DriveOptions {
     pub reconnect_pause: Duration,
     /// Pause between calls.
     pub think: Duration,
+    /// One failover client over every router (`RouterClient::connect_any`: it moves to the
+    /// next router by itself) instead of a plain client per router that this driver replaces
+    /// when its connection breaks.
+    pub failover: bool,
 }
 
 /// A client that calls until `stop` is set, cycling through `golden`'s cases from `first`,
@@ -248,24 +252,18 @@ pub fn drive_until(
         let case = &golden.cases[case_ix];
         let start = Instant::now();
         if client.is_none() {
-            let addr = opts.routers[router % opts.routers.len()];
-            let connect = RouterClient::connect(addr, &opts.frontend);
-            let limit = opts.deadline + opts.margin;
-            match rt.block_on(async { tokio::time::timeout(limit, connect).await }) {
-                Ok(Ok(c)) => client = Some(c),
-                Ok(Err(e)) => {
-                    out.push(error_record(id, case_ix, start, "connect", e.to_string()));
-                    router += 1;
-                    std::thread::sleep(opts.reconnect_pause);
-                    continue;
-                }
-                Err(_) => {
-                    let msg = format!("connect to {addr} did not finish");
+            match connect(&rt, opts, router) {
+                Ok(c) => client = Some(c),
+                Err((outcome, message)) => {
+                    let hang = outcome == Outcome::Hang;
                     out.push(CallRecord {
-                        outcome: Outcome::Hang,
-                        ..error_record(id, case_ix, start, "", msg)
+                        outcome,
+                        ..error_record(id, case_ix, start, "connect", message)
                     });
                     router += 1;
+                    if !hang {
+                        std::thread::sleep(opts.reconnect_pause);
+                    }
                     continue;
                 }
             }
@@ -317,6 +315,35 @@ pub fn drive_until(
         }
     }
     out
+}
+
+/// A client for router `router` (modulo the list), or a failover client over all of them;
+/// or how connecting ended: a clean error, or a hang (no end by deadline + margin).
+fn connect(
+    rt: &tokio::runtime::Runtime,
+    opts: &DriveOptions,
+    router: usize,
+) -> Result<RouterClient, (Outcome, String)> {
+    let addr = opts.routers[router % opts.routers.len()];
+    let limit = opts.deadline + opts.margin;
+    let connected = rt.block_on(async {
+        if opts.failover {
+            let o = ClientOptions {
+                default_deadline: opts.deadline,
+                ..ClientOptions::default()
+            };
+            let connect = RouterClient::connect_any(&opts.routers, &opts.frontend, o);
+            tokio::time::timeout(limit, connect).await
+        } else {
+            let connect = RouterClient::connect(addr, &opts.frontend);
+            tokio::time::timeout(limit, connect).await
+        }
+    });
+    match connected {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err((Outcome::Error("connect".into()), e.to_string())),
+        Err(_) => Err((Outcome::Hang, format!("connect to {addr} did not finish"))),
+    }
 }
 
 /// The router's error code, or "connection" for a broken connection, or the error kind.
@@ -409,7 +436,7 @@ pub fn spawn_clients(
             let mut o = opts;
             // Spread the clients over the routers.
             let n = o.routers.len();
-            if n > 1 {
+            if n > 1 && !o.failover {
                 o.routers.rotate_left(id % n);
             }
             std::thread::spawn(move || {
