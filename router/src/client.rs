@@ -366,9 +366,11 @@ pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(30);
 pub struct ClientOptions {
     /// The client-side deadline of a call given no `deadline`.
     pub default_deadline: Duration,
-    /// Probe a router that has sent nothing for this long while calls are outstanding.
+    /// Probe a router that has sent nothing for this long while calls are outstanding
+    /// (`Duration::MAX`: never; the calls' deadlines still hold).
     pub keepalive_interval: Duration,
-    /// Give up a router that sends nothing for this long after a probe.
+    /// Give up a router that sends nothing for this long after a probe. Raise it for routers
+    /// that may be too loaded to read a probe for seconds.
     pub keepalive_timeout: Duration,
     /// Limit of one connect attempt (TCP connect and handshake) when failing over.
     pub connect_timeout: Duration,

@@ -123,22 +123,26 @@ impl Keepalive {
                 KeepaliveAction::Unresponsive(quiet)
             }
             Some(_) => KeepaliveAction::Wait,
-            None if quiet >= self.interval + self.timeout => KeepaliveAction::Unresponsive(quiet),
+            None if quiet >= self.interval.saturating_add(self.timeout) => {
+                KeepaliveAction::Unresponsive(quiet)
+            }
             None if quiet >= self.interval && can_probe => KeepaliveAction::Probe,
             None => KeepaliveAction::Wait,
         }
     }
 
     /// When [`Keepalive::poll`] may next have something to do (`None`: not while nothing is
-    /// outstanding).
+    /// outstanding, or never).
     pub(super) fn next_event(&self) -> Option<Instant> {
         if !self.active {
             return None;
         }
-        Some(match self.probe_at {
-            Some(at) => at + self.timeout,
-            None => self.quiet_since + self.interval,
-        })
+        // `None` too when the instant is past what `Instant` holds (a keepalive turned off
+        // with `Duration::MAX`).
+        match self.probe_at {
+            Some(at) => at.checked_add(self.timeout),
+            None => self.quiet_since.checked_add(self.interval),
+        }
     }
 }
 
@@ -164,10 +168,12 @@ impl Reconnect {
     /// A schedule over `n` routers (at least 1), connected to router `current`.
     pub(super) fn new(n: usize, current: usize, base: Duration, cap: Duration) -> Self {
         let n = n.max(1);
+        let base = base.min(Duration::from_secs(3600));
         Self {
             n,
             base,
-            cap: cap.max(base),
+            // (at most an hour, so that `Instant + wait` cannot overflow)
+            cap: cap.max(base).min(Duration::from_secs(3600)),
             next: (current + 1) % n,
             tried: 0,
             rounds: 0,
@@ -291,6 +297,16 @@ mod tests {
         assert!(*waits.last().unwrap() > 390 * MS, "{waits:?}");
         r.connected(0);
         assert_eq!(r.attempt(now), Ok(1), "no backoff after a success");
+    }
+
+    #[test]
+    fn a_keepalive_of_duration_max_never_fires() {
+        let t0 = Instant::now();
+        let mut k = Keepalive::new(Duration::MAX, Duration::MAX, t0);
+        assert_eq!(k.poll(t0, true, true), KeepaliveAction::Wait);
+        let later = t0 + Duration::from_secs(86_400 * 365);
+        assert_eq!(k.poll(later, true, true), KeepaliveAction::Wait);
+        assert_eq!(k.next_event(), None);
     }
 
     #[test]
