@@ -315,7 +315,8 @@ pub fn run_cli(cli: SoakCli) -> anyhow::Result<ExitCode> {
     if !(cli.minutes > 0.0 && cli.minutes <= 24.0 * 60.0) {
         bail!("--minutes must be in (0, 1440]");
     }
-    if !(cli.fault_every_s >= 1.0) || cli.clients == 0 || cli.routers == 0 {
+    if cli.fault_every_s.is_nan() || cli.fault_every_s < 1.0 || cli.clients == 0 || cli.routers == 0
+    {
         bail!("--fault-every-s must be at least 1, --clients and --routers at least 1");
     }
     crate::bench_cluster::netns::install_signal_cleanup();
