@@ -360,6 +360,7 @@ fn scraping_a_running_up_shows_the_traffic() {
     }
 
     // Each worker's series: what it computed adds up to what the router sent it.
+    let resent = r.sum("expertmesh_router_redispatches_total", &[]);
     let mut pairs_on_workers = 0.0;
     let mut all_text = text.clone();
     for (who, url) in &workers {
@@ -369,14 +370,23 @@ fn scraping_a_running_up_shows_the_traffic() {
         all_text.push_str(&text);
         let device = who.trim_start_matches("worker ").split(' ').next().unwrap();
         let pairs = w.sum("expertmesh_worker_pairs_total", &[("device", device)]);
-        assert_eq!(
-            pairs,
-            r.sum(
-                "expertmesh_router_device_pairs_total",
-                &[("device", device)]
-            ),
-            "{who}: pairs computed = pairs the router dispatched to it"
+        let sent = r.sum(
+            "expertmesh_router_device_pairs_total",
+            &[("device", device)],
         );
+        // A re-sent part (a hedge on a slow machine) may still be computing on its first
+        // device when the router is scraped: then the device has computed at most what it got.
+        if resent == 0.0 {
+            assert_eq!(
+                pairs, sent,
+                "{who}: pairs computed = pairs the router sent it"
+            );
+        } else {
+            assert!(
+                pairs <= sent && pairs > 0.0,
+                "{who}: {pairs} pairs computed of {sent}"
+            );
+        }
         pairs_on_workers += pairs;
         assert!(
             w.sum("expertmesh_worker_dispatches_total", &[]) > 0.0,
@@ -400,10 +410,12 @@ fn scraping_a_running_up_shows_the_traffic() {
             1.0
         );
     }
-    assert_eq!(
-        pairs_on_workers,
-        r.sum("expertmesh_router_device_pairs_total", &[])
-    );
+    if resent == 0.0 {
+        assert_eq!(
+            pairs_on_workers,
+            r.sum("expertmesh_router_device_pairs_total", &[])
+        );
+    }
 
     // The Grafana dashboard is valid JSON whose every query uses series these endpoints serve.
     let dash: serde_json::Value = serde_json::from_str(
