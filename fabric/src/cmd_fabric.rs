@@ -366,7 +366,10 @@ pub fn router(cli: RouterCli) -> anyhow::Result<ExitCode> {
         dep.mesh_config(instance, &[], &[], mesh_listen, cli.link.into()),
         ServiceConfig {
             frontend_listen: listen,
-            frontend: frontend_config(&dep),
+            frontend: FrontendConfig {
+                server_rank: instance,
+                ..frontend_config(&dep)
+            },
             max_outstanding_per_client: 32,
         },
     )

@@ -627,6 +627,7 @@ fn start_router(
     let mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
     let mut frontend = frontend_config(dep);
     frontend.gate = gate;
+    frontend.server_rank = instance;
     RouterService::start(
         core,
         mesh_cfg,

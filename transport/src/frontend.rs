@@ -52,7 +52,8 @@ pub struct FrontendConfig {
     pub codec: CodecConfig,
     /// Handshake deadline.
     pub handshake_timeout: Duration,
-    /// The server's rank announced to clients (the router's rank).
+    /// Server side: the rank announced to clients (the router's instance; its frontends'
+    /// keys are derived from that router's root). Clients accept any router's rank.
     pub server_rank: u32,
     /// Server side: while closed, clients are refused with the gate's reason (a fabric whose
     /// workers have not all connected yet). Open by default.
@@ -413,8 +414,8 @@ impl FrameConnection {
             .map_err(|source| FrontendError::Io { peer: addr, source })?;
         let _ = stream.set_nodelay(true);
         let proto = Arc::new(cfg.protocol(false));
-        let expected = Some(cfg.server_rank);
-        let mut conn = Connection::new(proto, expected, nonce(), Vec::new(), Instant::now());
+        // Any router may answer: its hello's rank says which, and picks the key.
+        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
         let mut crypt = Crypt::default();
         handshake(
             &mut stream,

@@ -488,7 +488,8 @@ pub fn describe_claim(h: &Hello) -> String {
 }
 
 impl Connection {
-    /// A new connection end. `expected_peer` is the rank dialled (`None` when accepting);
+    /// A new connection end. `expected_peer` is the rank dialled (`None` when accepting, and
+    /// for a frontend client, which serves under whichever router rank answers);
     /// `nonce` must be fresh random bytes; `attachment` goes into our hello. Queues our hello.
     pub fn new(
         cfg: Arc<ProtocolConfig>,
@@ -519,6 +520,12 @@ impl Connection {
             identity,
         };
         let local_hello_meta = crate::codec::hello_meta(&hello);
+        // A frontend client always dials (it takes whichever router answers).
+        let role = if expected_peer.is_some() || cfg.local_rank == CLIENT_RANK {
+            Role::Dialer
+        } else {
+            Role::Acceptor
+        };
         let mut transmit = VecDeque::with_capacity(8);
         transmit.push_back(Body::Hello(hello));
         Self {
@@ -538,11 +545,7 @@ impl Connection {
             transmit_raw: None,
             events: VecDeque::with_capacity(4),
             local_link,
-            role: if expected_peer.is_some() {
-                Role::Dialer
-            } else {
-                Role::Acceptor
-            },
+            role,
             local_hello_meta,
             pair_key: None,
             transcript: [0; 32],
@@ -722,6 +725,23 @@ impl Connection {
             return Err(self.fail(
                 ProtocolError::UnexpectedRank {
                     expected,
+                    got: h.rank,
+                },
+                true,
+            ));
+        }
+        // A frontend client takes whichever router answers: a router's frontend listener
+        // announces its instance as the last rank of its world. A mesh port announces the
+        // whole mesh; one of a rank other than 0 (a worker's, typically) is refused here with
+        // the rank it announced, so the client can say which port it reached.
+        if self.cfg.local_rank == CLIENT_RANK
+            && self.expected_peer.is_none()
+            && h.rank != 0
+            && h.rank.checked_add(1) != Some(h.world_size)
+        {
+            return Err(self.fail(
+                ProtocolError::UnexpectedRank {
+                    expected: h.world_size.saturating_sub(1),
                     got: h.rank,
                 },
                 true,
@@ -1775,7 +1795,8 @@ mod tests {
             a.is_established() && b.is_established(),
             "untampered handshake"
         );
-        let fields: [(&str, &dyn Fn(&mut Hello)); 6] = [
+        type Tamper<'a> = (&'a str, &'a dyn Fn(&mut Hello));
+        let fields: [Tamper<'_>; 6] = [
             ("nonce", &|h| h.nonce[0] ^= 1),
             ("incarnation", &|h| h.incarnation ^= 1),
             ("fingerprint", &|h| h.fingerprint[5] ^= 1),
@@ -1819,5 +1840,27 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("before authentication"));
+    }
+
+    #[test]
+    fn a_frontend_authenticates_with_whichever_router_answers() {
+        let m = master(1);
+        let fe = Credentials::issue_frontend(&m, "test", "fe", 2);
+        for router in 0..2u32 {
+            let mut server = (*cfg(router, None)).clone();
+            server.credentials = Some(Arc::new(Credentials::issue_rank(&m, "test", router, 4, 2)));
+            server.accept_clients = true;
+            // As a router's frontend listener announces itself: the last rank of its world.
+            server.world_size = router + 1;
+            let mut client = (*cfg(CLIENT_RANK, None)).clone();
+            client.world_size = 1;
+            client.credentials = Some(Arc::new(fe.clone()));
+            let now = Instant::now();
+            let mut a = Connection::new(Arc::new(client), None, [1; 32], vec![], now);
+            let mut b = Connection::new(Arc::new(server), None, [2; 32], vec![], now);
+            pump_each(&mut a, &mut b, now).unwrap();
+            assert!(a.is_established() && b.is_established(), "router {router}");
+            assert_eq!(a.peer().unwrap().rank, router);
+        }
     }
 }

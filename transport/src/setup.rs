@@ -52,7 +52,7 @@ pub(crate) struct Established {
 /// The receiving half of an established link, started once the link is installed.
 pub(crate) enum Reader {
     /// The socket's read half (and its opener when the link is sealed).
-    Tcp(tokio::net::tcp::OwnedReadHalf, Option<Opener>),
+    Tcp(tokio::net::tcp::OwnedReadHalf, Option<Box<Opener>>),
     /// This end's ring, and the TCP connection whose closing means the peer is gone.
     Shm(RingConsumer, TcpStream),
     /// The queue pair's completions, and the TCP connection as for shared memory.
@@ -65,7 +65,7 @@ impl Reader {
     /// connection for the peer's exit).
     pub(crate) fn start(self, link: &Arc<Link>, codec: codec::CodecConfig) {
         match self {
-            Self::Tcp(read, open) => tcp::spawn_reader(link, read, open, codec),
+            Self::Tcp(read, open) => tcp::spawn_reader(link, read, open.map(|o| *o), codec),
             Self::Shm(ring, control) => {
                 crate::shm::spawn_consumer(Arc::clone(link), ring, codec);
                 tcp::spawn_control_watch(link, control);
@@ -202,7 +202,7 @@ fn tcp_link(stream: TcpStream, crypt: Crypt) -> (LinkKind, FrameWriter, Reader) 
     (
         LinkKind::Tcp,
         FrameWriter::new(TcpSink(write, crypt.seal)),
-        Reader::Tcp(read, crypt.open),
+        Reader::Tcp(read, crypt.open.map(Box::new)),
     )
 }
 
