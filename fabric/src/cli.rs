@@ -25,6 +25,8 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
   up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used)
   infer               0 output written; 1 the router answered with an error; 2 usage, I/O or
                       connection error
+  keys init|issue     0 written; 2 the file exists (never overwritten), bad key, topology or
+                      options
 Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
 
 /// Each command's exit codes, appended to its own --help (after any text it has).

@@ -22,11 +22,15 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
+/// Exit codes of `keys init` and `keys issue`, shown by their --help.
+pub const KEYS_EXIT: &str = "Exit codes: 0 written; 2 the file exists (never overwritten), an unreadable or malformed key or topology, an unknown device or router, bad options (1 is not used).";
+
 /// `expertmesh keys ...`.
 #[derive(Subcommand, Debug)]
 pub enum KeysCli {
     /// Write a new random cluster master key (mode 0600; an existing file is never
     /// overwritten). Keep it on the operator's machine: it derives every credential.
+    #[command(after_help = KEYS_EXIT)]
     Init {
         /// Where to write the key.
         #[arg(long)]
@@ -34,6 +38,7 @@ pub enum KeysCli {
     },
     /// Issue one principal's credential file from the master key and the topology: a device
     /// (worker), a router instance, or a named frontend.
+    #[command(after_help = KEYS_EXIT)]
     Issue(IssueArgs),
 }
 
