@@ -504,11 +504,21 @@ fn partition_then_heal(f: &FaultCluster, cut: Cut, secs: u64) {
     );
 }
 
+/// Whether namespaces, iptables and tc are usable here; prints why not.
+fn namespaces_or_skip() -> bool {
+    match namespaces_permitted() {
+        Ok(()) => true,
+        Err(why) => {
+            println!("skipped: network namespaces, iptables or tc not permitted here: {why}");
+            false
+        }
+    }
+}
+
 #[test]
-fn partitions_heal_within_two_seconds_and_slow_links_are_routed_around() {
+fn partitions_heal_within_two_seconds() {
     let _g = serial();
-    if let Err(why) = namespaces_permitted() {
-        println!("skipped: network namespaces, iptables or tc not permitted here: {why}");
+    if !namespaces_or_skip() {
         return;
     }
     let s = start(&REPLICATED_PAIR, true, |_| {});
@@ -517,8 +527,18 @@ fn partitions_heal_within_two_seconds_and_slow_links_are_routed_around() {
     // connect without a timeout then waits out its SYN retries long after the heal.
     partition_then_heal(&f, Cut::BothWays, 40);
     partition_then_heal(&f, Cut::WorkerToRouter, 30);
+}
+
+#[test]
+fn a_throttled_worker_with_a_replica_is_routed_around() {
+    let _g = serial();
+    if !namespaces_or_skip() {
+        return;
+    }
+    let s = start(&REPLICATED_PAIR, true, |_| {});
+    let f = s.fabric;
     // cpu0's sends throttled to 256 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
-    // 0.5 s); its replica cpu2 is healthy.
+    // 0.5 s): a gray failure; its replica cpu2 is healthy.
     let golden = confined(24, 71, 0, 15);
     f.slow_link(0, Some(256)).unwrap();
     let slow = load(&f, &golden, 2, 8.0, Duration::from_secs(10));
