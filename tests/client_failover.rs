@@ -199,6 +199,17 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A free port `p` whose successor `p + 1` is free too (the second worker's data port).
+fn free_port_pair() -> u16 {
+    loop {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
 /// An `expertmesh up` child; stopped processes are continued, and the child interrupted (then
 /// killed) when this is dropped, even when the test fails.
 struct Up {
@@ -213,7 +224,7 @@ impl Up {
         use std::io::BufRead;
         let dir = tempfile::tempdir().unwrap();
         let topo = std::fs::read_to_string(root().join("examples/single-host.toml")).unwrap();
-        let (front, control, data) = (free_port(), free_port(), free_port());
+        let (front, control, data) = (free_port(), free_port(), free_port_pair());
         let topo = topo
             .replace("port = 47400", &format!("port = {front}"))
             .replace("control_port = 47401", &format!("control_port = {control}"))
