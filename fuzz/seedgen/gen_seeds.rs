@@ -254,6 +254,36 @@ fn frontend_seeds() {
     write("frontend_handshake", "preauth00", &s);
 }
 
+fn frontend_socket_seeds() {
+    // An insecure client (the server runs without credentials on loopback): hello, empty auth,
+    // then requests, a heartbeat, and a request with bad metadata (recoverable).
+    let mut h = hello(CLIENT_RANK, b"", "");
+    if let Body::Hello(x) = &mut h {
+        x.cluster = "fuzz".into();
+        x.auth_required = false;
+        x.world_size = 1;
+        x.incarnation = 0;
+        x.fingerprint = [0; 32];
+    }
+    let mut s = frame(&h, &[]);
+    s.extend(frame(&Body::Auth(Auth { mac: None }), &[]));
+    let payload = vec![0x3e; 3 * 16 * 4];
+    s.extend(frame(&layer_request(1), &payload));
+    s.extend(frame(
+        &Body::Heartbeat(Heartbeat {
+            seq: 1,
+            sent_at_us: 2,
+        }),
+        &[],
+    ));
+    let mut bad = frame(&layer_request(2), &payload);
+    bad[32 + 20] = 0xff; // the dtype byte: still framed, a recoverable bad frame
+    s.extend(&bad);
+    s.extend(frame(&layer_request(3), &payload));
+    write("frontend_socket", "insecure00", &s);
+    write("frontend_socket", "hello00", &frame(&h, &[]));
+}
+
 fn mesh_seeds() {
     for (rank, shm) in [(1u32, false), (2, true)] {
         let mut acceptor = Fuzzed::new(mesh_config(0), None, FUZZED_NONCE, shm);
@@ -298,6 +328,7 @@ fn main() {
     stream_protocol_seeds();
     sealed_reader_seeds();
     frontend_seeds();
+    frontend_socket_seeds();
     mesh_seeds();
     println!("seeds written under fuzz/seeds/");
 }
