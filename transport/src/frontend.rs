@@ -323,14 +323,22 @@ impl IncomingClient {
         if let Err(source) = r {
             return Err(refused(source));
         }
-        let reservation = self
+        let budget = self
             .cfg
             .memory_budget
-            .reserve(self.cfg.connection_reserve_bytes())
-            .map_err(|m| refused(ProtocolError::Closed(m)))?;
+            .reserve(self.cfg.connection_reserve_bytes());
         let mut c = FrameConnection::from_stream(self.stream, peer, self.cfg.codec, crypt);
-        c.reader.reservation = Some(reservation);
-        Ok(c)
+        match budget {
+            Ok(reservation) => {
+                c.reader.reservation = Some(reservation);
+                Ok(c)
+            }
+            Err(why) => {
+                // Tell the (authenticated) client why before closing.
+                let _ = c.write_frame_error(ErrorCode::Overloaded, &why).await;
+                Err(refused(ProtocolError::Closed(why)))
+            }
+        }
     }
 }
 
@@ -450,6 +458,19 @@ impl FrameConnection {
                 head: Vec::with_capacity(256),
                 seal: crypt.seal,
             },
+        }
+    }
+
+    /// Writes a connection-level error frame (request id 0), bounded by a short timeout.
+    async fn write_frame_error(
+        &mut self,
+        code: ErrorCode,
+        message: &str,
+    ) -> Result<(), FrontendError> {
+        let w = self.writer.write_error(0, code, message);
+        match tokio::time::timeout(Duration::from_secs(1), w).await {
+            Ok(r) => r,
+            Err(_) => Ok(()),
         }
     }
 

@@ -234,3 +234,36 @@ async fn connections_beyond_the_handshake_limit_are_closed_at_once() {
     );
     assert_eq!(gate.in_progress(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_beyond_the_memory_budget_is_told_why_and_closed() {
+    let mut server = FrontendConfig::new("budget");
+    server.codec.max_frame_bytes = 1 << 20;
+    // Room for one connection's reservation (two maximum frames), not two.
+    server.memory_budget = expertmesh_transport::MemoryBudget::new(3 << 20);
+    server.credentials = Some(Arc::new(Credentials::shared_secret(b"budget test")));
+    let l = FrameListener::bind("127.0.0.1:0".parse().unwrap(), server.clone())
+        .await
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(echo_server(l));
+    let mut client = server.clone();
+    client.memory_budget = expertmesh_transport::MemoryBudget::new(u64::MAX);
+    let mut first = FrameConnection::connect(addr, &client).await.unwrap();
+    let mut second = FrameConnection::connect(addr, &client).await.unwrap();
+    let f = tokio::time::timeout(T, second.read_frame())
+        .await
+        .unwrap()
+        .unwrap();
+    match f.body() {
+        Body::Error(e) => assert!(e.message.contains("memory budget"), "{}", e.message),
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+    // The first connection is served.
+    let fr = frame(1, 1, 64);
+    first.write_frame(&fr.body, &fr.payload).await.unwrap();
+    tokio::time::timeout(T, first.read_frame())
+        .await
+        .unwrap()
+        .unwrap();
+}
