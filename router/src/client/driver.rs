@@ -326,6 +326,10 @@ impl RouterClient {
             Finished::Read(Ok(frame)) => {
                 self.keepalive.received(now);
                 self.route(frame);
+                if self.pending.in_flight() == 0 && !self.link.write.is_busy() {
+                    // The caller may not step again before its next call.
+                    self.keepalive.idle();
+                }
             }
             Finished::Read(Err(e)) => {
                 self.keepalive.received(now);

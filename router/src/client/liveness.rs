@@ -93,6 +93,13 @@ impl Keepalive {
         self.probe_at = None;
     }
 
+    /// Nothing is outstanding any more (the last answer was taken): the silence that follows
+    /// is not the router's fault, and the next call starts the clock again.
+    pub(super) fn idle(&mut self) {
+        self.active = false;
+        self.probe_at = None;
+    }
+
     /// A probe was written at `now`.
     pub(super) fn probe_sent(&mut self, now: Instant) {
         self.probe_at = Some(now);
@@ -297,6 +304,22 @@ mod tests {
         assert!(*waits.last().unwrap() > 390 * MS, "{waits:?}");
         r.connected(0);
         assert_eq!(r.attempt(now), Ok(1), "no backoff after a success");
+    }
+
+    #[test]
+    fn silence_after_the_last_answer_is_not_counted_against_the_next_call() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut k = Keepalive::new(ms(1000), ms(2000), t0);
+        assert_eq!(k.poll(t0, true, true), KeepaliveAction::Wait);
+        // The answer arrives and the call returns without another poll.
+        k.received(t0 + ms(10));
+        k.idle();
+        // The client comes back 5 s later with a new call: the router is not blamed.
+        let later = t0 + ms(5000);
+        assert_eq!(k.poll(later, true, true), KeepaliveAction::Wait);
+        assert_eq!(k.poll(later + ms(999), true, true), KeepaliveAction::Wait);
+        assert_eq!(k.poll(later + ms(1000), true, true), KeepaliveAction::Probe);
     }
 
     #[test]
