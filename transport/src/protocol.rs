@@ -702,33 +702,28 @@ impl Connection {
         }
     }
 
-    fn on_hello(&mut self, h: &Hello) -> Result<(), ProtocolError> {
-        self.claimed = Some(describe_claim(h));
+    /// The checks a peer's hello must pass before it is answered: version, cluster, rank,
+    /// world size, receive window and (when configured) the fingerprint of what it serves.
+    fn check_hello(&self, h: &Hello) -> Result<(), ProtocolError> {
         if h.format_version != FORMAT_VERSION {
-            return Err(self.fail(
-                ProtocolError::VersionMismatch {
-                    theirs: h.format_version,
-                },
-                true,
-            ));
+            return Err(ProtocolError::VersionMismatch {
+                theirs: h.format_version,
+            });
         }
         if h.cluster != self.cfg.cluster {
             let e = ProtocolError::ClusterMismatch {
                 ours: self.cfg.cluster.clone(),
                 theirs: h.cluster.clone(),
             };
-            return Err(self.fail(e, true));
+            return Err(e);
         }
         if let Some(expected) = self.expected_peer
             && h.rank != expected
         {
-            return Err(self.fail(
-                ProtocolError::UnexpectedRank {
-                    expected,
-                    got: h.rank,
-                },
-                true,
-            ));
+            return Err(ProtocolError::UnexpectedRank {
+                expected,
+                got: h.rank,
+            });
         }
         // A frontend client takes whichever router answers: a router's frontend listener
         // announces its instance as the last rank of its world. A mesh port announces the
@@ -739,13 +734,10 @@ impl Connection {
             && h.rank != 0
             && h.rank.checked_add(1) != Some(h.world_size)
         {
-            return Err(self.fail(
-                ProtocolError::UnexpectedRank {
-                    expected: h.world_size.saturating_sub(1),
-                    got: h.rank,
-                },
-                true,
-            ));
+            return Err(ProtocolError::UnexpectedRank {
+                expected: h.world_size.saturating_sub(1),
+                got: h.rank,
+            });
         }
         let client_ok = h.rank == CLIENT_RANK && self.cfg.accept_clients;
         let server_ok = self.cfg.local_rank == CLIENT_RANK && h.rank < h.world_size;
@@ -753,31 +745,22 @@ impl Connection {
             && !server_ok
             && (h.rank >= self.cfg.world_size || h.rank == self.cfg.local_rank)
         {
-            return Err(self.fail(
-                ProtocolError::BadRank {
-                    rank: h.rank,
-                    world_size: self.cfg.world_size,
-                },
-                true,
-            ));
+            return Err(ProtocolError::BadRank {
+                rank: h.rank,
+                world_size: self.cfg.world_size,
+            });
         }
         if !client_ok && !server_ok && h.world_size != self.cfg.world_size {
-            return Err(self.fail(
-                ProtocolError::Config(format!(
-                    "rank {} is configured for {} ranks, this node for {}; use the same rank list everywhere",
-                    h.rank, h.world_size, self.cfg.world_size
-                )),
-                true,
-            ));
+            return Err(ProtocolError::Config(format!(
+                "rank {} is configured for {} ranks, this node for {}; use the same rank list everywhere",
+                h.rank, h.world_size, self.cfg.world_size
+            )));
         }
         if h.recv_window_bytes < self.cfg.codec.max_frame_bytes as u64 {
-            return Err(self.fail(
-                ProtocolError::Config(format!(
-                    "peer's receive window {} is smaller than max_frame_bytes {}",
-                    h.recv_window_bytes, self.cfg.codec.max_frame_bytes
-                )),
-                true,
-            ));
+            return Err(ProtocolError::Config(format!(
+                "peer's receive window {} is smaller than max_frame_bytes {}",
+                h.recv_window_bytes, self.cfg.codec.max_frame_bytes
+            )));
         }
         if let Some(table) = &self.cfg.peer_fingerprints
             && let Some(expected) = table.get(h.rank as usize)
@@ -788,6 +771,14 @@ impl Connection {
                 theirs: short_hex(&h.fingerprint),
                 expected: short_hex(expected),
             };
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn on_hello(&mut self, h: &Hello) -> Result<(), ProtocolError> {
+        self.claimed = Some(describe_claim(h));
+        if let Err(e) = self.check_hello(h) {
             return Err(self.fail(e, true));
         }
         self.peer = Some(PeerInfo {
