@@ -540,6 +540,11 @@ fn a_throttled_worker_with_a_replica_is_routed_around() {
     // cpu0's sends throttled to 256 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
     // 0.5 s): a gray failure; its replica cpu2 is healthy.
     let golden = confined(24, 71, 0, 15);
+    // The fabric has served traffic before the fault, as a running one has: the router knows
+    // how fast each device answers (a device slow from its very first answer is hedged
+    // against its peers' latency once they have answered: router/src/health.rs unit tests).
+    let warm = load(&f, &golden, 2, 2.0, Duration::from_secs(10));
+    assert_eq!(Tally::of(&warm).wrong, 0, "{}", describe(&warm));
     f.slow_link(0, Some(256)).unwrap();
     let slow = load(&f, &golden, 2, 8.0, Duration::from_secs(10));
     f.slow_link(0, None).unwrap();

@@ -45,6 +45,11 @@ pub struct HedgePolicy {
     pub probe_timeout: Duration,
     /// Answers in time after a release that reset the backoff to its initial value.
     pub answers_to_reset_backoff: u32,
+    /// A device's hedge timeout for a layer is at most this many times the fastest other
+    /// device's for that layer: a device that is uniformly slow (a throttled link, a gray
+    /// failure from its first answer on) never looks late against its own history, but does
+    /// against its peers'.
+    pub peer_slack: f64,
 }
 
 impl Default for HedgePolicy {
@@ -61,6 +66,7 @@ impl Default for HedgePolicy {
             backoff_max: Duration::from_secs(30),
             probe_timeout: Duration::from_secs(1),
             answers_to_reset_backoff: 50,
+            peer_slack: 4.0,
         }
     }
 }
@@ -156,6 +162,9 @@ pub struct Health {
     ceiling: Duration,
     devices: Vec<Device>,
     layers: HashMap<(u32, u32), LatencyWindow>,
+    /// Per layer, the two devices with the shortest hedge timeouts (so every device has a
+    /// fastest *other* device to be compared with).
+    fastest: HashMap<u32, [Option<(Duration, u32)>; 2]>,
 }
 
 impl Health {
@@ -172,6 +181,7 @@ impl Health {
         Self {
             devices: vec![device; ranks],
             layers: HashMap::new(),
+            fastest: HashMap::new(),
             policy,
             ceiling,
         }
@@ -184,11 +194,36 @@ impl Health {
 
     /// How long a part sent to `rank` for `layer` may go unanswered before it is hedged.
     pub fn hedge_after(&self, rank: u32, layer: u32) -> Duration {
-        self.layers
+        let own = self
+            .layers
             .get(&(rank, layer))
             .and_then(|w| w.hedge_after)
             .or_else(|| self.devices.get(rank as usize)?.window.hedge_after)
-            .unwrap_or(self.ceiling)
+            .unwrap_or(self.ceiling);
+        let peer = self
+            .fastest
+            .get(&layer)
+            .and_then(|two| two.iter().flatten().find(|&&(_, r)| r != rank))
+            .map(|&(t, _)| t.mul_f64(self.policy.peer_slack).max(self.policy.floor));
+        peer.map_or(own, |p| own.min(p))
+    }
+
+    /// Refreshes the two fastest devices of `layer` after `rank`'s estimate for it changed.
+    fn refresh_fastest(&mut self, layer: u32) {
+        let mut two: [Option<(Duration, u32)>; 2] = [None, None];
+        for r in 0..self.devices.len() as u32 {
+            let Some(t) = self.layers.get(&(r, layer)).and_then(|w| w.hedge_after) else {
+                continue;
+            };
+            match two {
+                [None, _] => two[0] = Some((t, r)),
+                [Some((t0, _)), _] if t < t0 => two = [Some((t, r)), two[0]],
+                [_, None] => two[1] = Some((t, r)),
+                [_, Some((t1, _))] if t < t1 => two[1] = Some((t, r)),
+                _ => {}
+            }
+        }
+        self.fastest.insert(layer, two);
     }
 
     /// Whether `rank` is out of rotation (quarantined or being probed).
@@ -221,6 +256,8 @@ impl Health {
             .entry((rank, layer))
             .or_insert_with(LatencyWindow::new)
             .record(latency, policy, ceiling);
+        self.refresh_fastest(layer);
+        let (policy, d) = (&self.policy, &mut self.devices[rank as usize]);
         d.score *= policy.forgiveness;
         d.good_since_release = d.good_since_release.saturating_add(1);
         if d.good_since_release >= policy.answers_to_reset_backoff {
@@ -403,6 +440,35 @@ mod tests {
             h.on_answer(2, 1, Duration::from_secs(2), now);
         }
         assert_eq!(h.hedge_after(2, 1), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_uniformly_slow_device_is_hedged_against_its_fastest_peer() {
+        let p = HedgePolicy::default();
+        let mut h = Health::new(3, Duration::from_secs(3), p.clone());
+        let now = Instant::now();
+        // Device 0 is slow from its first answer on (a throttled link): against its own
+        // history it never looks late.
+        for _ in 0..WINDOW {
+            h.on_answer(0, 5, ms(500), now);
+        }
+        assert_eq!(h.hedge_after(0, 5), Duration::from_secs(1) + ms(500));
+        // Its replica answers layer 5 in 5 ms: device 0 is hedged after peer_slack × the
+        // replica's 15 ms.
+        for _ in 0..WINDOW {
+            h.on_answer(1, 5, ms(5), now);
+        }
+        assert_eq!(h.hedge_after(1, 5), ms(15));
+        assert_eq!(h.hedge_after(0, 5), ms(15).mul_f64(p.peer_slack));
+        // The fastest device is compared with the next fastest, never with itself.
+        for _ in 0..WINDOW {
+            h.on_answer(2, 5, ms(4), now);
+        }
+        assert_eq!(h.hedge_after(2, 5), ms(12));
+        assert_eq!(h.hedge_after(1, 5), ms(15), "own estimate below 4 × 12 ms");
+        assert_eq!(h.hedge_after(0, 5), ms(12).mul_f64(p.peer_slack));
+        // Another layer has no peers yet: only the device's own estimate.
+        assert_eq!(h.hedge_after(0, 6), Duration::from_secs(1) + ms(500));
     }
 
     #[test]
