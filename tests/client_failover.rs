@@ -86,13 +86,15 @@ struct Tally {
 }
 
 /// `rounds` rounds over `cases` (hidden size `hidden`), four requests pipelined at a time,
-/// through a failover client given `routers` in that order.
+/// through a failover client given `routers` in that order; every answer taken counts in
+/// `done`.
 fn drive(
     routers: &[SocketAddr],
     cfg: &FrontendConfig,
     cases: &Cases,
     hidden: usize,
     rounds: usize,
+    done: &std::sync::atomic::AtomicUsize,
 ) -> Tally {
     let rt = rt();
     let mut t = Tally::default();
@@ -115,6 +117,7 @@ fn drive(
                 }
             }
             for (hd, want) in handles {
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 match rt.block_on(c.wait(hd)) {
                     Ok(got) if bits(&got) == **want => t.ok += 1,
                     Ok(_) => t.wrong += 1,
@@ -137,25 +140,33 @@ fn failover_clients_get_every_answer_bit_for_bit_when_a_router_stops_under_load(
     let cfg = fabric.frontend_config();
     let addrs: Vec<SocketAddr> = fabric.frontend_addrs().into_iter().flatten().collect();
     assert_eq!(addrs.len(), 2);
-    // Clients 0 and 2 start on router 1 (the one that stops), 1 and 3 on router 0.
+    // Clients 0 and 2 start on router 1 (the one that stops), 1 and 3 on router 0. Each makes
+    // 480 calls; router 1 stops once 100 have been answered in all, so every client is still
+    // calling then however fast or slow the machine is.
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let rounds = 60;
     let threads: Vec<_> = (0..4)
         .map(|i| {
-            let (cases, cfg) = (Arc::clone(&cases), cfg.clone());
+            let (cases, cfg, done) = (Arc::clone(&cases), cfg.clone(), Arc::clone(&done));
             let order = if i % 2 == 0 {
                 vec![addrs[1], addrs[0]]
             } else {
                 vec![addrs[0], addrs[1]]
             };
-            std::thread::spawn(move || drive(&order, &cfg, &cases, h, 12))
+            std::thread::spawn(move || drive(&order, &cfg, &cases, h, rounds, &done))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    while done.load(std::sync::atomic::Ordering::Relaxed) < 100 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     fabric.stop_router(1);
     let tallies: Vec<Tally> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     for (i, t) in tallies.iter().enumerate() {
         assert_eq!(t.wrong, 0, "client {i}: {t:?}");
         assert!(t.errors.is_empty(), "client {i}: {t:?}");
-        assert_eq!(t.ok, 12 * cases.len(), "client {i}: {t:?}");
+        assert_eq!(t.ok, rounds * cases.len(), "client {i}: {t:?}");
     }
     // The clients that started on router 1 were still calling when it stopped.
     assert!(

@@ -56,7 +56,9 @@
 //! [`ErrorCode::DeadlineExceeded`] itself; but whatever the router does (it is stopped, cut off,
 //! or never answers), the client's `wait` returns [`ClientError::Deadline`] (whose
 //! [`code`](ClientError::code) is `DeadlineExceeded`) at the request's deadline, measured from
-//! its `submit`, plus the few milliseconds of a timer. `submit` itself gives up with the same
+//! its `submit`, plus [`ROUTER_ANSWER_GRACE`] when the router was told the deadline (so a live
+//! router's own answer, which names what it waited for, arrives first) and the few
+//! milliseconds of a timer. `submit` itself gives up with the same
 //! error when the request could not be sent before its deadline. A request whose deadline
 //! passed is forgotten at once: its in-flight slot is free for the next request, and its late
 //! answer, if one comes, is discarded.
@@ -113,6 +115,11 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// How long past a deadline the router was told the client still waits for the router's own
+/// answer (a live router answers `DeadlineExceeded` at the deadline, naming the devices it
+/// waited for); a stopped or cut-off router is given up then.
+pub const ROUTER_ANSWER_GRACE: Duration = Duration::from_millis(250);
 
 /// Largest payload of a [`RouterClient::check_shape`] probe: it asks about at most this many
 /// bytes of fp8 activations, so the router decodes a few MiB at most.

@@ -48,7 +48,14 @@ impl RouterClient {
         deadline: Option<std::time::Duration>,
     ) -> Result<CallHandle, ClientError> {
         let budget = deadline.unwrap_or(self.opts.default_deadline);
-        let due = Instant::now() + budget;
+        // The router is told `deadline` too: a live router's own DeadlineExceeded (which names
+        // the devices it waited for) gets a moment to arrive before the client gives up.
+        let grace = if deadline.is_some() {
+            super::ROUTER_ANSWER_GRACE
+        } else {
+            std::time::Duration::ZERO
+        };
+        let due = Instant::now() + budget + grace;
         if let Err(e) = self.make_room(due, budget).await {
             self.recycle(payload);
             return Err(e);
