@@ -289,8 +289,13 @@ impl RouterClient {
             };
             let mut req = call.req;
             if req.deadline_us != 0 {
-                // A request sent again carries the rest of its deadline.
-                let left = call.deadline.saturating_duration_since(Instant::now());
+                // The router is told the rest of the caller's deadline (the client's own
+                // deadline is ROUTER_ANSWER_GRACE later); a request sent again carries what is
+                // left of it.
+                let left = call
+                    .deadline
+                    .saturating_duration_since(Instant::now())
+                    .saturating_sub(super::ROUTER_ANSWER_GRACE);
                 req.deadline_us = (left.as_micros() as u64).max(1);
             }
             let payload = match &call.payload {
