@@ -26,6 +26,9 @@ struct InFlight {
     answer: Result<(ExpertResult, Vec<u8>), (ErrorCode, String)>,
 }
 
+/// A request's answer as its client got it: output rows, or the error code and message.
+type Answer = Result<Vec<f32>, (ErrorCode, String)>;
+
 /// Mesh rank 0 is the router, ranks 1.. are workers answering after `latency[rank]`.
 struct Sim {
     core: RouterCore,
@@ -38,7 +41,7 @@ struct Sim {
     queue: Vec<InFlight>,
     now: Instant,
     /// Per request: the answer and when it came.
-    responses: HashMap<u64, (Instant, Result<Vec<f32>, (ErrorCode, String)>)>,
+    responses: HashMap<u64, (Instant, Answer)>,
     /// Dispatches sent, per rank.
     sent: HashMap<u32, usize>,
 }
