@@ -17,6 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{free_port, two_cpu_topology};
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -75,45 +78,6 @@ fn infer(router: &str, cluster: &str, layer: u32, input: &Path, output: &Path) -
     run(c, Duration::from_secs(60))
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A two-CPU-worker topology on 127.0.0.1 with free ports; `data` is cpu0's data port (cpu1's
-/// is `data + 1`).
-fn topology(dir: &Path, frontend: u16, control: u16, data: u16) -> PathBuf {
-    let p = dir.join("friction.toml");
-    std::fs::write(
-        &p,
-        format!(
-            r#"format = 1
-name = "friction"
-[router]
-node = "local"
-port = {frontend}
-[[nodes]]
-name = "local"
-address = "127.0.0.1"
-control_port = {control}
-data_port = {data}
-intra_link = "shm"
-intra_bandwidth_gb_s = 10
-nics = [ {{ name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 }} ]
-devices = [
-  {{ name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-  {{ name = "cpu1", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-]
-"#
-        ),
-    )
-    .unwrap();
-    p
-}
-
 fn options() -> LocalFabricOptions {
     let mut o = LocalFabricOptions::new(
         root().join("examples/single-host.toml"),
@@ -144,7 +108,13 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
             break (l, p);
         }
     };
-    let topo = topology(dir.path(), free_port(), free_port(), data);
+    let topo = two_cpu_topology(
+        &dir.path().join("friction.toml"),
+        "friction",
+        free_port(),
+        free_port(),
+        data,
+    );
     let mut c = Command::new(bin());
     c.arg("up")
         .arg("--topology")

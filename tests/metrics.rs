@@ -9,65 +9,15 @@
 
 mod common;
 
-use common::root;
+use common::{free_pair, free_port, root, two_cpu_topology};
 use expertmesh_router::client::{ClientError, RouterClient};
 use expertmesh_router::reference;
 use expertmesh_topology::model::preset_by_name;
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A free port whose successor is free too (the two workers' data ports).
-fn free_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
-/// single-host.toml (the placement example's cluster) on free ports.
-fn topology(dir: &Path) -> PathBuf {
-    let p = dir.join("single-host.toml");
-    let (front, control, data) = (free_port(), free_port(), free_pair());
-    std::fs::write(
-        &p,
-        format!(
-            r#"format = 1
-name = "single-host"
-[router]
-node = "local"
-port = {front}
-[[nodes]]
-name = "local"
-address = "127.0.0.1"
-control_port = {control}
-data_port = {data}
-intra_link = "shm"
-intra_bandwidth_gb_s = 10
-nics = [ {{ name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 }} ]
-devices = [
-  {{ name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-  {{ name = "cpu1", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-]
-"#
-        ),
-    )
-    .unwrap();
-    p
-}
 
 /// `up` running; interrupted (SIGINT) and reaped when dropped.
 struct Up(Child);
@@ -223,7 +173,13 @@ fn scraping_a_running_up_shows_the_traffic() {
         .current_dir(root())
         .arg("up")
         .arg("--topology")
-        .arg(topology(dir.path()))
+        .arg(two_cpu_topology(
+            &dir.path().join("single-host.toml"),
+            "single-host",
+            free_port(),
+            free_port(),
+            free_pair(),
+        ))
         .args(["--model", "demo-small", "--mode", "exact"])
         .arg("--placement")
         .arg(root().join("examples/single-host-demo-small.placement.toml"))

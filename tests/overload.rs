@@ -22,61 +22,19 @@ use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::ActivationDtype;
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::{free_pair, free_port, two_cpu_topology};
 
 const HIDDEN: usize = 1024; // demo-small
 const LAYER: u32 = 1;
 
 fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A two-CPU-worker topology on free loopback ports, named like the placement's cluster.
-fn topology(dir: &Path) -> PathBuf {
-    let data = loop {
-        let p = free_port();
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            break p;
-        }
-    };
-    let (frontend, control) = (free_port(), free_port());
-    let p = dir.join("overload.toml");
-    std::fs::write(
-        &p,
-        format!(
-            r#"format = 1
-name = "single-host"
-[router]
-node = "local"
-port = {frontend}
-[[nodes]]
-name = "local"
-address = "127.0.0.1"
-control_port = {control}
-data_port = {data}
-intra_link = "shm"
-intra_bandwidth_gb_s = 10
-nics = [ {{ name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 }} ]
-devices = [
-  {{ name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-  {{ name = "cpu1", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
-]
-"#
-        ),
-    )
-    .unwrap();
-    p
 }
 
 /// `expertmesh up` running in its own process; stopped (SIGINT, then SIGKILL) on drop.
@@ -89,7 +47,13 @@ struct Up {
 impl Up {
     fn start() -> Up {
         let dir = tempfile::tempdir().unwrap();
-        let topo = topology(dir.path());
+        let topo = two_cpu_topology(
+            &dir.path().join("overload.toml"),
+            "single-host",
+            free_port(),
+            free_port(),
+            free_pair(),
+        );
         let mut child = Command::new(bin())
             .arg("up")
             .arg("--topology")

@@ -58,3 +58,58 @@ pub(crate) fn rt() -> tokio::runtime::Runtime {
 pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+/// A free loopback port (bound and released: another process may take it meanwhile).
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A free port whose successor is free too (the two workers' data ports).
+pub(crate) fn free_pair() -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// Writes a one-node topology named `name` at `path`: a router on `frontend`, and two
+/// one-thread CPU workers on 127.0.0.1 whose data ports are `data` and `data + 1`.
+pub(crate) fn two_cpu_topology(
+    path: &std::path::Path,
+    name: &str,
+    frontend: u16,
+    control: u16,
+    data: u16,
+) -> PathBuf {
+    std::fs::write(
+        path,
+        format!(
+            r#"format = 1
+name = "{name}"
+[router]
+node = "local"
+port = {frontend}
+[[nodes]]
+name = "local"
+address = "127.0.0.1"
+control_port = {control}
+data_port = {data}
+intra_link = "shm"
+intra_bandwidth_gb_s = 10
+nics = [ {{ name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 }} ]
+devices = [
+  {{ name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
+  {{ name = "cpu1", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
+]
+"#
+        ),
+    )
+    .unwrap();
+    path.to_path_buf()
+}
