@@ -168,6 +168,19 @@ impl Slots {
     }
 }
 
+/// The series of `slots`, slot `i` labelled `key = labels[i]` (e.g. per MoE layer).
+pub fn per_label<T: std::fmt::Display>(
+    key: &'static str,
+    labels: &[T],
+    slots: &Slots,
+) -> Vec<([(&'static str, String); 1], u64)> {
+    labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| ([(key, l.to_string())], slots.get(i)))
+        .collect()
+}
+
 /// Encode a counter family `name` with one sample per `(labels, value)`.
 pub fn encode_counters<L>(
     enc: &mut DescriptorEncoder,
@@ -390,26 +403,19 @@ impl RouterMetrics {
     }
 
     fn encode_traffic(&self, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let per_layer = |s: &Slots| {
-            self.layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| ([("layer", l.to_string())], s.get(i)))
-                .collect::<Vec<_>>()
-        };
         encode_counters(
             enc,
             "expertmesh_router_requests",
             "Requests the router batched and dispatched, per MoE layer.",
             None,
-            per_layer(&self.requests),
+            per_label("layer", &self.layers, &self.requests),
         )?;
         encode_counters(
             enc,
             "expertmesh_router_tokens",
             "Tokens of the requests batched, per MoE layer.",
             None,
-            per_layer(&self.tokens),
+            per_label("layer", &self.layers, &self.tokens),
         )?;
         let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
         encode_counter(

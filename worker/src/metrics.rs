@@ -28,7 +28,7 @@
 use expertmesh_router::metrics::http::MetricsServer;
 use expertmesh_router::metrics::{
     ErrorCounts, Slots, encode_counter, encode_counters, encode_gauges, encode_histograms,
-    latency_buckets,
+    latency_buckets, per_label,
 };
 use expertmesh_transport::codec::{self, Body, Dispatch};
 use expertmesh_transport::mesh::OutFrame;
@@ -185,33 +185,26 @@ impl WorkerMetrics {
     }
 
     fn encode_work(&self, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let per_layer = |s: &Slots| {
-            self.layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| ([("layer", l.to_string())], s.get(i)))
-                .collect::<Vec<_>>()
-        };
         encode_counters(
             enc,
             "expertmesh_worker_dispatches",
             "Dispatches computed on this device, per MoE layer.",
             None,
-            per_layer(&self.dispatches),
+            per_label("layer", &self.layers, &self.dispatches),
         )?;
         encode_counters(
             enc,
             "expertmesh_worker_tokens",
             "Tokens of the dispatches computed, per MoE layer.",
             None,
-            per_layer(&self.tokens),
+            per_label("layer", &self.layers, &self.tokens),
         )?;
         encode_counters(
             enc,
             "expertmesh_worker_pairs",
             "(token, expert) pairs computed, per MoE layer.",
             None,
-            per_layer(&self.pairs),
+            per_label("layer", &self.layers, &self.pairs),
         )?;
         let e = self.experts;
         let experts = self.layers.iter().enumerate().flat_map(|(i, l)| {
