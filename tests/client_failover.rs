@@ -15,38 +15,16 @@ mod common;
 
 use common::{bits, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientOptions, RouterClient};
-use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_transport::codec::ErrorCode;
 use expertmesh_transport::frontend::FrontendConfig;
-use expertmesh_transport::mesh::LinkKind;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn two_routers() -> LocalFabric {
-    let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host-2routers.toml"),
-        "demo-small",
-        root().join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = LinkKind::Tcp;
-    o.router = RouterConfig {
-        mode: ComputeMode::Exact,
-        batch_window: Duration::from_micros(100),
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    };
-    o.connect_timeout = Duration::from_secs(60);
-    LocalFabric::start(o).expect("fabric with two routers starts")
-}
+use common::two_routers;
 
 /// (layer, input, expected output bits) from the in-process reference.
 type Cases = Vec<(u32, Vec<f32>, Vec<u32>)>;

@@ -10,42 +10,19 @@
 
 mod common;
 
-use common::{bits, root, rt};
+use common::{bits, rt};
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_fabric::local::LocalFabric;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_transport::frontend::FrontendConfig;
-use expertmesh_transport::mesh::LinkKind;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-fn start() -> LocalFabric {
-    let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host-2routers.toml"),
-        "demo-small",
-        root().join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = LinkKind::Tcp;
-    o.router = RouterConfig {
-        mode: ComputeMode::Exact,
-        batch_window: Duration::from_micros(100),
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    };
-    o.connect_timeout = Duration::from_secs(60);
-    let fabric = LocalFabric::start(o).expect("fabric with two routers starts");
-    assert_eq!(fabric.deployment().router_count(), 2);
-    fabric
-}
+use common::two_routers as start;
 
 /// A set of (layer, input, expected output bits) computed by the in-process reference.
 struct Cases {

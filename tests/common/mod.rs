@@ -113,3 +113,31 @@ devices = [
     .unwrap();
     path.to_path_buf()
 }
+
+/// A fabric of `examples/single-host-2routers.toml` (two routers sharing two CPU workers) on
+/// free ports, exact mode, TCP links.
+pub(crate) fn two_routers() -> expertmesh_fabric::local::LocalFabric {
+    use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+    use expertmesh_quant::contract::ComputeMode;
+    use expertmesh_router::core::RouterConfig;
+    use std::time::Duration;
+    let mut o = LocalFabricOptions::new(
+        root().join("examples/single-host-2routers.toml"),
+        "demo-small",
+        root().join("examples/single-host-demo-small.placement.toml"),
+    );
+    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
+    o.ephemeral_ports = true;
+    o.link = expertmesh_transport::mesh::LinkKind::Tcp;
+    o.router = RouterConfig {
+        mode: ComputeMode::Exact,
+        batch_window: Duration::from_micros(100),
+        micro_batch_tokens: 16,
+        default_deadline: Duration::from_secs(20),
+        ..RouterConfig::default()
+    };
+    o.connect_timeout = Duration::from_secs(60);
+    let fabric = LocalFabric::start(o).expect("fabric with two routers starts");
+    assert_eq!(fabric.deployment().router_count(), 2);
+    fabric
+}
