@@ -155,6 +155,8 @@ struct Scratch {
 pub struct CpuBackend {
     isa: Isa,
     threads: usize,
+    /// The CPUs the worker threads are pinned to (`None`: unpinned).
+    pinned: Option<Vec<usize>>,
     pool: Option<rayon::ThreadPool>,
     index: HashMap<ExpertKey, usize>,
     experts: Vec<CpuExpert>,
@@ -181,6 +183,19 @@ impl CpuBackend {
 
     /// A backend forced to `isa` (which must be supported by this CPU).
     pub fn with_isa(threads: usize, isa: Isa) -> Result<Self, BackendError> {
+        Self::with_isa_pinned(threads, isa, None)
+    }
+
+    /// A backend whose worker thread `i` is pinned to CPU `pin[i % pin.len()]` (`None` or
+    /// an empty list: unpinned, wherever the OS schedules them). Pinning is best effort: a
+    /// CPU outside the process's affinity mask leaves that thread unpinned; with one thread the
+    /// work runs inline on the caller's thread and nothing is pinned. Pin only when this
+    /// process owns those CPUs: two pinned processes on one CPU cannot move apart.
+    pub fn with_isa_pinned(
+        threads: usize,
+        isa: Isa,
+        pin: Option<Vec<usize>>,
+    ) -> Result<Self, BackendError> {
         if !isa.supported() {
             return Err(BackendError::NoDevice {
                 backend: "cpu",
@@ -188,11 +203,19 @@ impl CpuBackend {
             });
         }
         let threads = threads.max(1);
+        // One thread runs the work inline on the caller's thread, which is never pinned.
+        let pin = pin.filter(|cpus| !cpus.is_empty() && threads > 1);
+        let pinned = pin.clone();
         let pool = if threads > 1 {
             Some(
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .thread_name(|i| format!("expert-cpu-{i}"))
+                    .start_handler(move |i| {
+                        if let Some(cpus) = &pin {
+                            membw::pin_to(cpus[i % cpus.len()]);
+                        }
+                    })
                     .build()
                     .map_err(|e| BackendError::Device {
                         backend: "cpu",
@@ -205,6 +228,7 @@ impl CpuBackend {
         Ok(Self {
             isa,
             threads,
+            pinned,
             pool,
             index: HashMap::new(),
             experts: Vec::new(),
@@ -225,6 +249,11 @@ impl CpuBackend {
     /// Worker threads.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// The CPUs the worker threads are pinned to (`None`: unpinned).
+    pub fn pinned_cpus(&self) -> Option<&[usize]> {
+        self.pinned.as_deref()
     }
 
     /// Run `n` work items on every thread of the pool (or inline with one thread).
@@ -737,5 +766,47 @@ fn precombine(
         for (a, &b) in o.iter_mut().zip(y) {
             *a += w * b;
         }
+    }
+}
+
+#[cfg(test)]
+mod pin_tests {
+    use super::*;
+
+    /// The CPU each pool thread runs on, read by the thread itself.
+    #[cfg(target_os = "linux")]
+    fn pool_cpus(b: &CpuBackend) -> Vec<i32> {
+        // SAFETY: sched_getcpu takes no arguments and only reads the calling thread's CPU.
+        b.pool
+            .as_ref()
+            .expect("a pool for 2 threads")
+            .broadcast(|_| unsafe { libc::sched_getcpu() })
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn pinned_threads_run_only_on_their_cpu() {
+        let allowed = membw::allowed_cpus();
+        let Some(&last) = allowed.last() else {
+            eprintln!("skipped: this process's affinity mask could not be read");
+            return;
+        };
+        // Both threads on the last allowed CPU: neither may run anywhere else, every call.
+        let b = CpuBackend::with_isa_pinned(2, Isa::detect(), Some(vec![last])).unwrap();
+        assert_eq!(b.pinned_cpus(), Some(&[last][..]));
+        for _ in 0..20 {
+            assert_eq!(pool_cpus(&b), vec![last as i32; 2]);
+        }
+    }
+
+    #[test]
+    fn unpinned_and_single_thread_backends_pin_nothing() {
+        let b = CpuBackend::with_isa_pinned(2, Isa::detect(), None).unwrap();
+        assert_eq!(b.pinned_cpus(), None);
+        // One thread works inline on the caller's thread, which must not be pinned.
+        let b = CpuBackend::with_isa_pinned(1, Isa::detect(), Some(vec![0])).unwrap();
+        assert_eq!(b.pinned_cpus(), None);
+        let b = CpuBackend::with_isa_pinned(2, Isa::detect(), Some(Vec::new())).unwrap();
+        assert_eq!(b.pinned_cpus(), None);
     }
 }

@@ -216,6 +216,10 @@ pub struct KernelsCli {
     /// --seconds is too short to fill it, but at least 2 x the last-level cache).
     #[arg(long, default_value_t = 0)]
     pool_mib: u64,
+    /// Where the backend's threads run: `limit` pins them as the best read probe's threads
+    /// (the placement the memory limit was measured with), `unpinned` leaves them to the OS.
+    #[arg(long, value_enum, default_value_t = crate::bench_kernels::KernelPin::Limit)]
+    pin: crate::bench_kernels::KernelPin,
 }
 
 /// Arguments of `bench transport`.
@@ -312,6 +316,7 @@ pub fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 batches: k.batches,
                 prefill_tokens: k.prefill_tokens,
                 pool_bytes: k.pool_mib << 20,
+                pin: k.pin,
             })?;
             report.print_table();
             crate::bench_report::finish(&report, k.json.as_deref(), k.report.as_deref())?;

@@ -55,6 +55,29 @@ pub struct KernelBenchOptions {
     pub prefill_tokens: usize,
     /// Minimum pool size in bytes (0: the default, max(32 × LLC, 1 GiB), less in a short run).
     pub pool_bytes: u64,
+    /// Where the backend's threads run.
+    pub pin: KernelPin,
+}
+
+/// Where `bench kernels` runs the backend's threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KernelPin {
+    /// As the best read probe's threads: the kernel gets the placement its limit was measured
+    /// with (pinned, when pinned threads read best), so a machine whose pinned read bandwidth
+    /// moves between runs moves the kernel with its limit.
+    Limit,
+    /// Wherever the OS schedules them (what a worker does).
+    Unpinned,
+}
+
+impl KernelPin {
+    /// The CPUs to pin `threads` backend threads to, given the limit's best probe.
+    fn cpus(self, threads: usize, best: &ProbeConfig) -> Option<Vec<usize>> {
+        match self {
+            KernelPin::Limit => best.placement.cpus(threads),
+            KernelPin::Unpinned => None,
+        }
+    }
 }
 
 /// Repetitions per case by default: enough to see a 10% change of a ratio between two runs on
@@ -128,6 +151,7 @@ impl Effort {
             "models": opts.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
             "batches": opts.batches,
             "prefill_tokens": opts.prefill_tokens,
+            "pin": format!("{:?}", opts.pin).to_lowercase(),
             "pool_bytes": self.pool_bytes,
             "full_pool_bytes": self.full_pool_bytes,
             "probe_bytes": self.probe_bytes,
@@ -388,6 +412,7 @@ impl ModelBench {
     fn load(
         spec: &ModelSpec,
         threads: usize,
+        pin: Option<Vec<usize>>,
         pool_bytes: u64,
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
@@ -414,7 +439,8 @@ impl ModelBench {
             })
             .collect();
         drop(distinct);
-        let mut backend = CpuBackend::new(threads)?;
+        let isa = expertmesh_cpu_backend::kernels::Isa::detect();
+        let mut backend = CpuBackend::with_isa_pinned(threads, isa, pin)?;
         backend.load(
             experts,
             BatchLimits {
@@ -599,7 +625,8 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
             .map_or(0.0, |(_, s)| Spread::of(s).median / 1e9)
     );
     let mut skipped = Vec::new();
-    let (mut models, mut cases) = setup_cases(opts, &effort, &clock, &mut skipped)?;
+    let pin = opts.pin.cpus(opts.threads, &limits.best);
+    let (mut models, mut cases) = setup_cases(opts, &effort, &clock, pin.clone(), &mut skipped)?;
     let done = measure(&mut models, &mut cases, &mut limits, opts, &clock)?;
     limits.describe(&mut report);
     let extra = &mut report.machine.extra;
@@ -609,6 +636,8 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     settings["elapsed_s"] = clock.start.elapsed().as_secs_f64().into();
     extra.insert("settings".into(), settings);
     extra.insert("threads".into(), opts.threads.into());
+    // The CPUs the backend's threads were pinned to (null: unpinned).
+    extra.insert("kernel_pinned_cpus".into(), serde_json::json!(pin));
     if let Some(m) = models.first() {
         extra.insert("backend".into(), m.backend.name().into());
     }
@@ -638,6 +667,7 @@ fn setup_cases(
     opts: &KernelBenchOptions,
     effort: &Effort,
     clock: &Clock,
+    pin: Option<Vec<usize>>,
     skipped: &mut Vec<serde_json::Value>,
 ) -> anyhow::Result<(Vec<ModelBench>, Vec<Case>)> {
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
@@ -662,7 +692,7 @@ fn setup_cases(
             );
             continue;
         }
-        let mut m = ModelBench::load(spec, opts.threads, pool_bytes, max_tokens)?;
+        let mut m = ModelBench::load(spec, opts.threads, pin.clone(), pool_bytes, max_tokens)?;
         let mut kinds: Vec<Kind> = opts.batches.iter().map(|&b| Kind::Decode(b)).collect();
         kinds.push(Kind::Accurate);
         if opts.prefill_tokens > 0 {
@@ -827,6 +857,7 @@ mod tests {
             batches: vec![1, 4],
             prefill_tokens: 8,
             pool_bytes: 0,
+            pin: KernelPin::Limit,
         }
     }
 
