@@ -173,16 +173,7 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
         .map(|_| TOKEN_COUNTS.iter().map(|_| Unit::default()).collect())
         .collect();
     if let Some(li) = pairs.iter().position(|(l, _)| *l == LinkKind::Tcp) {
-        // At most a tenth of the run; a short run measures fewer ways (the first is the
-        // per-frame writer on the kept connection).
-        let until = start + Duration::from_secs_f64(0.1 * args.seconds);
-        let passes = if args.seconds >= 20.0 { 3 } else { 1 };
-        for (ti, &tokens) in TOKEN_COUNTS.iter().enumerate() {
-            let frame = dispatch_frame(tokens);
-            let msg = codec::frame_len(&frame.body, frame.payload.len());
-            let count = frames_for(SLOT_S, msg);
-            units[li][ti].tcp_way = Some(raw.sweep(&rt, tokens, msg, count, passes, until)?);
-        }
+        sweep_tcp_limits(&rt, &mut raw, &mut units[li], start, args.seconds)?;
     }
     let mut done = 0;
     'reps: for rep in 0..args.repetitions.max(1) {
@@ -253,6 +244,27 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
     crate::bench_report::print_table(&report);
     crate::bench_report::finish(&report, args.json.as_deref(), args.report.as_deref())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Chooses each frame size's TCP limit way ([`RawTcp::sweep`]) in at most a tenth of the
+/// run; a short run measures fewer ways (the first is the per-frame writer on the kept
+/// connection).
+fn sweep_tcp_limits(
+    rt: &tokio::runtime::Runtime,
+    raw: &mut RawTcp,
+    units: &mut [Unit],
+    start: Instant,
+    seconds: f64,
+) -> anyhow::Result<()> {
+    let until = start + Duration::from_secs_f64(0.1 * seconds);
+    let passes = if seconds >= 20.0 { 3 } else { 1 };
+    for (u, &tokens) in units.iter_mut().zip(&TOKEN_COUNTS) {
+        let frame = dispatch_frame(tokens);
+        let msg = codec::frame_len(&frame.body, frame.payload.len());
+        let count = frames_for(SLOT_S, msg);
+        u.tcp_way = Some(raw.sweep(rt, tokens, msg, count, passes, until)?);
+    }
+    Ok(())
 }
 
 /// One repetition of one (link, frame size): throughput then round trips, each with its
