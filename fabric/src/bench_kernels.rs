@@ -629,7 +629,9 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     let (mut models, mut cases) = setup_cases(opts, &effort, &clock, pin.clone(), &mut skipped)?;
     let done = measure(&mut models, &mut cases, &mut limits, opts, &clock)?;
     limits.describe(&mut report);
+    let moved = limit_moved(&limits.bw);
     let extra = &mut report.machine.extra;
+    extra.insert("read_limit_moved".into(), moved.is_some().into());
     extra.insert("device_kind".into(), "cpu".into());
     let mut settings = effort.settings(opts);
     settings["repetitions_done"] = done.into();
@@ -651,6 +653,9 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     report
         .results
         .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
+    if let Some(line) = moved {
+        println!("{line}");
+    }
     for bug in report.bench_bugs() {
         println!(
             "BENCH BUG: {} B={} ratio {:.3} is past its limit by more than 2%: the limit was not measured as a limit",
@@ -658,6 +663,27 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
         );
     }
     Ok(report)
+}
+
+/// p90 / p10 of the read limit's samples past which the limit moved during the run: steady
+/// runs here spread 5-10%; a run whose two-thread reads switched between ~32 and ~40 GB/s
+/// (the host's placement of the vCPUs, as far as the VM can tell) spread 27%.
+const LIMIT_MOVED: f64 = 1.15;
+
+/// The warning for a read limit that moved during the run (`None`: it held still). Decode
+/// kernels below the limit do not move with it, so their ratios move instead.
+fn limit_moved(bw: &[f64]) -> Option<String> {
+    let s = Spread::of(bw);
+    (s.p10 > 0.0 && s.p90 / s.p10 > LIMIT_MOVED).then(|| {
+        format!(
+            "NOTE: the read limit moved during this run (p10 {:.1}, p90 {:.1} GB/s, {:.0}% apart): \
+             memory-bound ratios of this run are not comparable with a run at another limit \
+             (`bench compare` prints both limits first); rerun when it holds still",
+            s.p10 / 1e9,
+            s.p90 / 1e9,
+            (s.p90 / s.p10 - 1.0) * 100.0
+        )
+    })
 }
 
 /// Setup: each model's pool and its cases, each warmed up by one call (which also times it);
@@ -859,6 +885,17 @@ mod tests {
             pool_bytes: 0,
             pin: KernelPin::Limit,
         }
+    }
+
+    #[test]
+    fn a_limit_that_moved_during_the_run_is_named() {
+        let steady: Vec<f64> = (0..21).map(|i| 31e9 + (i % 5) as f64 * 0.4e9).collect();
+        assert_eq!(limit_moved(&steady), None);
+        let mut moved = steady.clone();
+        moved.extend((0..10).map(|i| 40e9 + i as f64 * 0.1e9));
+        let line = limit_moved(&moved).expect("a 31 -> 40 GB/s switch is a move");
+        assert!(line.contains("moved"), "{line}");
+        assert_eq!(limit_moved(&[]), None);
     }
 
     #[test]
