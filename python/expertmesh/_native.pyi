@@ -1,5 +1,6 @@
 """Type stubs of the Rust extension `expertmesh._native` (import these from `expertmesh`)."""
 
+import os
 from typing import Any, List, Optional, Protocol, Tuple, TypeVar, Union
 
 import numpy as np
@@ -19,7 +20,8 @@ HiddenStates = Union[
 ]
 # Router logits `[tokens, experts]` float32.
 Logits = Union[npt.NDArray[np.float32], _DLPack]
-Address = Union[str, Tuple[str, int]]
+# "HOST:PORT", (host, port), or several routers: "A:P,B:P" or a list (the first that answers).
+Address = Union[str, Tuple[str, int], List[Union[str, Tuple[str, int]]]]
 
 _Out = TypeVar("_Out")
 
@@ -51,6 +53,7 @@ class RouterClient:
         cluster: str = "single-host",
         secret: Union[str, bytes, None] = None,
         *,
+        credentials: Union[str, "os.PathLike[str]", None] = None,
         max_in_flight: int = 32,
         connect_timeout_s: float = 10.0,
     ) -> None: ...

@@ -28,6 +28,7 @@ The arrays must not be modified until the call has finished.
 from __future__ import annotations
 
 import asyncio
+import os
 import concurrent.futures
 from typing import Any, List, Optional, Union
 
@@ -39,16 +40,17 @@ __all__ = ["RouterClient"]
 class RouterClient:
     """An asyncio client of the router: ``connections`` pooled connections.
 
-    Create it with ``await RouterClient.connect(addr, cluster=..., secret=None,
+    Create it with ``await RouterClient.connect(addr, cluster=..., credentials=None,
     connections=4)`` (the constructor connects too, but blocks the event loop while it does).
     """
 
     def __init__(
         self,
-        addr: Union[str, "tuple[str, int]"],
+        addr: Union[str, "tuple[str, int]", List[Union[str, "tuple[str, int]"]]],
         cluster: str = "single-host",
         secret: Union[str, bytes, None] = None,
         *,
+        credentials: Union[str, "os.PathLike[str]", None] = None,
         connections: int = 4,
         max_in_flight: int = _native.DEFAULT_MAX_IN_FLIGHT,
         connect_timeout_s: float = 10.0,
@@ -60,6 +62,7 @@ class RouterClient:
                 addr,
                 cluster,
                 secret,
+                credentials=credentials,
                 max_in_flight=max_in_flight,
                 connect_timeout_s=connect_timeout_s,
             )
@@ -74,10 +77,11 @@ class RouterClient:
     @classmethod
     async def connect(
         cls,
-        addr: Union[str, "tuple[str, int]"],
+        addr: Union[str, "tuple[str, int]", List[Union[str, "tuple[str, int]"]]],
         cluster: str = "single-host",
         secret: Union[str, bytes, None] = None,
         *,
+        credentials: Union[str, "os.PathLike[str]", None] = None,
         connections: int = 4,
         max_in_flight: int = _native.DEFAULT_MAX_IN_FLIGHT,
         connect_timeout_s: float = 10.0,
@@ -90,6 +94,7 @@ class RouterClient:
                 addr,
                 cluster,
                 secret,
+                credentials=credentials,
                 connections=connections,
                 max_in_flight=max_in_flight,
                 connect_timeout_s=connect_timeout_s,

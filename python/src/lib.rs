@@ -24,7 +24,7 @@ use expertmesh_transport::frontend::FrontendConfig;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,11 +101,16 @@ struct Request {
 ///
 /// Connects and authenticates at once. ``addr`` is ``"HOST:PORT"`` (or
 /// a ``(host, port)`` tuple): the frontend address ``expertmesh up`` / ``expertmesh router``
-/// prints. ``cluster`` is the topology's ``name``, checked in the handshake. ``secret`` (``str``
-/// or ``bytes``) is the shared HMAC secret; ``None`` reads ``EXPERTMESH_SECRET`` or the file
-/// named by ``EXPERTMESH_SECRET_FILE`` as the command-line tools do (neither set: no
-/// authentication); ``""`` forces none. ``max_in_flight`` bounds the requests submitted and not
-/// yet answered (keep it at most the router's per-connection limit, 32).
+/// prints; several routers (``"A:P,B:P"`` or a list of addresses) are tried in order and the
+/// first that answers is used, as ``expertmesh infer --router A,B`` does. ``cluster`` is the
+/// topology's ``name``, checked in the handshake. ``credentials`` is the path of this frontend's
+/// credentials file (``expertmesh keys issue --frontend NAME``): the frontend authenticates
+/// under its own name and every frame is encrypted. ``secret`` (``str`` or ``bytes``) is the
+/// legacy shared secret (any holder can act as any frontend); ``None`` reads
+/// ``EXPERTMESH_SECRET`` or the file named by ``EXPERTMESH_SECRET_FILE`` as the command-line
+/// tools do (neither set: no authentication); ``""`` forces none. Give at most one of the two.
+/// ``max_in_flight`` bounds the requests submitted and not yet answered (keep it at most the
+/// router's per-connection limit, 32).
 ///
 /// Inputs are borrowed, never copied: ``x`` is ``[tokens, hidden]`` C-contiguous float32,
 /// float16, or bfloat16 bits as uint16 (NumPy) — or a CPU torch tensor of float32, float16 or
@@ -174,17 +179,26 @@ impl PyHandle {
 #[pymethods]
 impl PyRouterClient {
     #[new]
-    #[pyo3(signature = (addr, cluster = "single-host", secret = None, *, max_in_flight = 32, connect_timeout_s = 10.0))]
+    #[pyo3(signature = (addr, cluster = "single-host", secret = None, *, credentials = None, max_in_flight = 32, connect_timeout_s = 10.0))]
     fn new(
         py: Python<'_>,
         addr: &Bound<'_, PyAny>,
         cluster: &str,
         secret: Option<&Bound<'_, PyAny>>,
+        credentials: Option<std::path::PathBuf>,
         max_in_flight: usize,
         connect_timeout_s: f64,
     ) -> PyResult<Self> {
         let addrs = resolve(addr)?;
-        let cfg = frontend_config(cluster, secret)?;
+        let cfg = match credentials {
+            Some(path) if secret.is_none() => credentials_config(cluster, &path)?,
+            Some(_) => {
+                return Err(PyValueError::new_err(
+                    "credentials and secret: give one (credentials are per frontend; the secret is the legacy shared one)",
+                ));
+            }
+            None => frontend_config(cluster, secret)?,
+        };
         if max_in_flight == 0 {
             return Err(PyValueError::new_err("max_in_flight: must be at least 1"));
         }
@@ -520,8 +534,33 @@ async fn connect_any(
     Err(last.unwrap_or_else(|| ClientError::Input("no address to connect to".into())))
 }
 
-/// `"HOST:PORT"` or `(host, port)`: every address it resolves to, IPv4 first.
+/// `"HOST:PORT"`, `(host, port)`, `"A:P,B:P"` or a list of addresses: every address each
+/// resolves to (IPv4 first), in the order given.
 fn resolve(addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
+    if let Ok(s) = addr.cast::<PyString>() {
+        let text = s.extract::<String>()?;
+        if text.contains(',') {
+            let mut all = Vec::new();
+            for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                all.extend(resolve_one(&PyString::new(addr.py(), part).into_any())?);
+            }
+            return Ok(all);
+        }
+    } else if let Ok(list) = addr.cast::<PyList>() {
+        let mut all = Vec::new();
+        for item in list.iter() {
+            all.extend(resolve_one(&item)?);
+        }
+        if all.is_empty() {
+            return Err(PyValueError::new_err("addr: the list of routers is empty"));
+        }
+        return Ok(all);
+    }
+    resolve_one(addr)
+}
+
+/// One `"HOST:PORT"` or `(host, port)`: every address it resolves to, IPv4 first.
+fn resolve_one(addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
     let text = if let Ok(s) = addr.cast::<PyString>() {
         s.extract::<String>()?
     } else if let Ok((host, port)) = addr.extract::<(String, u16)>() {
@@ -580,6 +619,20 @@ fn frontend_config(cluster: &str, secret: Option<&Bound<'_, PyAny>>) -> PyResult
     // The legacy shared secret: links are encrypted, but any holder can act as any frontend.
     cfg.credentials =
         secret.map(|s| Arc::new(expertmesh_transport::crypto::Credentials::shared_secret(&s)));
+    Ok(cfg)
+}
+
+/// The handshake settings for a frontend with its own credentials file (issued by
+/// `expertmesh keys issue --frontend NAME`): checked to be a frontend's, for `cluster`.
+fn credentials_config(cluster: &str, path: &std::path::Path) -> PyResult<FrontendConfig> {
+    use expertmesh_transport::crypto::Credentials;
+    let creds =
+        Credentials::load(path).map_err(|e| PyValueError::new_err(format!("credentials: {e}")))?;
+    creds
+        .check_frontend(cluster)
+        .map_err(|e| PyValueError::new_err(format!("credentials {}: {e}", path.display())))?;
+    let mut cfg = FrontendConfig::new(cluster);
+    cfg.credentials = Some(Arc::new(creds));
     Ok(cfg)
 }
 
