@@ -50,7 +50,7 @@ def main(argv):
             for j, v in enumerate(vals)
             if i != j
         )
-        cells = [f"{m:.2f} [{lo:.2f}–{hi:.2f}]" + (" BUG" if bug else "") for m, lo, hi, _, bug in vals]
+        cells = [f"{m:.3f} [{lo:.3f}–{hi:.3f}]" + (" BUG" if bug else "") for m, lo, hi, _, bug in vals]
         rows.append((k, vals[0][3], cells, ok))
         if not ok:
             bad += 1
