@@ -138,7 +138,7 @@ pub fn rowblock_exact(
             // SAFETY: as above for AVX2.
             unsafe {
                 match toks.len() {
-                    1 => x86::exact_avx2::<1>(m, rb, toks, out),
+                    1 => x86::exact_avx2_1(m, rb, &toks[0], &mut out[0]),
                     2 => x86::exact_avx2::<2>(m, rb, toks, out),
                     3 => x86::exact_avx2::<3>(m, rb, toks, out),
                     4 => x86::exact_avx2::<4>(m, rb, toks, out),
@@ -593,6 +593,88 @@ mod x86 {
         for t in 0..T {
             // SAFETY: out[t] is 16 f32.
             unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), tree512(&mut p[t])) };
+        }
+    }
+
+    /// AVX2 exact kernel for one token (decode): both 8-row halves of each block in one pass,
+    /// so the row block is read once, in order, and the token's code broadcasts, block scale
+    /// and zero-point term serve both halves. Each row's arithmetic is exactly
+    /// [`exact_avx2`]'s (integer sums are exact; the float steps and the lane order are the
+    /// same), so the two agree bit for bit.
+    ///
+    /// # Safety
+    /// As [`exact_avx2`] for one token.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn exact_avx2_1(
+        m: &R16Matrix,
+        rb: usize,
+        tok: &TokenQ8<'_>,
+        out: &mut [f32; ROWS],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut p = [[_mm256_setzero_ps(); LANES]; 2];
+        for b in 0..m.blocks() {
+            let g = b / bpg;
+            // SAFETY: as in `exact_avx2`: tile `b` is 256 bytes of the row block, the scales
+            // and zeros hold 16 per group, the token holds 8 i32 of codes per block.
+            unsafe {
+                let tile = nib.add(b * 256);
+                let q = tok.q.as_ptr().cast::<i32>().add(b * 8);
+                let mut s16 = [_mm256_setzero_si256(); 2];
+                for c in 0..4 {
+                    let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
+                    let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
+                    for (half, acc) in s16.iter_mut().enumerate() {
+                        let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
+                        let lo = _mm256_and_si256(w, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(lo, ql));
+                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(hi, qh));
+                    }
+                }
+                let qs = *tok.qsum.get_unchecked(b);
+                let d = _mm256_set1_ps(*tok.d.get_unchecked(b));
+                for (half, s16) in s16.iter().enumerate() {
+                    let sp = scales.add(g * ROWS + half * 8);
+                    let s = match dtype {
+                        ScaleDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm_loadu_si128(sp.cast())),
+                            16,
+                        )),
+                        ScaleDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(sp.cast())),
+                    };
+                    let corr = match zeros {
+                        None => _mm256_set1_epi32(qs << 3),
+                        Some(z) => _mm256_mullo_epi32(
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                z.as_ptr().add(g * ROWS + half * 8).cast(),
+                            )),
+                            _mm256_set1_epi32(qs),
+                        ),
+                    };
+                    let isum = _mm256_sub_epi32(_mm256_madd_epi16(*s16, ones), corr);
+                    let term = _mm256_mul_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum));
+                    let slot = &mut p[half][b % LANES];
+                    *slot = _mm256_add_ps(*slot, term);
+                }
+            }
+        }
+        for (half, ph) in p.iter_mut().enumerate() {
+            let mut w = LANES / 2;
+            while w > 0 {
+                for l in 0..w {
+                    ph[l] = _mm256_add_ps(ph[l], ph[l + w]);
+                }
+                w /= 2;
+            }
+            // SAFETY: out has 16 f32; this half writes 8 of them.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(half * 8), ph[0]) };
         }
     }
 
