@@ -678,7 +678,8 @@ mod x86 {
         }
     }
 
-    /// AVX2 exact kernel for `T` tokens: two 8-row halves per row block.
+    /// AVX2 exact kernel for `T` tokens: each block's two 8-row halves in turn, so the row
+    /// block is read once, in order (the partial sums of both halves stay live).
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C; `rb` must be a row block of `m`; `toks` and `out`
@@ -699,10 +700,10 @@ mod x86 {
         let blocks = m.blocks();
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        for half in 0..2 {
-            let mut p = [[_mm256_setzero_ps(); LANES]; T];
-            for b in 0..blocks {
-                let g = b / bpg;
+        let mut p = [[[_mm256_setzero_ps(); LANES]; 2]; T];
+        for b in 0..blocks {
+            let g = b / bpg;
+            for half in 0..2 {
                 // SAFETY: as in `exact_vnni`; each half reads 32 of the 64 bytes of a chunk.
                 unsafe {
                     let tile = nib.add(b * 256 + half * 32);
@@ -746,13 +747,15 @@ mod x86 {
                         let isum = _mm256_sub_epi32(acc, corr);
                         let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
                         let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
-                        let slot = &mut p[t][b % LANES];
+                        let slot = &mut p[t][half][b % LANES];
                         *slot = _mm256_add_ps(*slot, term);
                     }
                 }
             }
-            for t in 0..T {
-                let pt = &mut p[t];
+        }
+        for t in 0..T {
+            for half in 0..2 {
+                let pt = &mut p[t][half];
                 let mut w = LANES / 2;
                 while w > 0 {
                     for l in 0..w {
