@@ -619,8 +619,12 @@ mod x86 {
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut p = [[_mm256_setzero_ps(); LANES]; 2];
+        // Software prefetch ahead, as the VNNI kernel does (`prefetch_ahead`).
+        let total = m.row_blocks() * m.blocks() * 256;
+        let base_off = rb * m.blocks() * 256;
         for b in 0..m.blocks() {
             let g = b / bpg;
+            prefetch_ahead(nib, base_off, total, b);
             // SAFETY: as in `exact_avx2`: tile `b` is 256 bytes of the row block, the scales
             // and zeros hold 16 per group, the token holds 8 i32 of codes per block.
             unsafe {
