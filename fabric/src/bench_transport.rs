@@ -3,9 +3,14 @@
 //!
 //! Why this exists: the transport's cost must be known relative to what the machine can do at
 //! all, not as an absolute number that changes with every host. Limits:
-//! - TCP throughput: a raw blocking-socket stream between two threads (same message size), the
-//!   better of one write per frame and eight frames per write (the mesh coalesces frames);
-//! - TCP round trip: a raw blocking-socket ping-pong (same message out, 64-byte answer back);
+//! - TCP throughput: a raw loopback stream (same message size) on a connection kept for the
+//!   whole run, as the mesh's link is (a fresh one starts with small windows and the mesh beat
+//!   it). A sweep at the start picks, per frame size, the best of five ways ([`RawWay`]:
+//!   blocking or tokio sockets, kept or fresh connection, one or eight frames per write: the
+//!   mesh coalesces frames); each repetition takes the best of two passes of it and one of the
+//!   other socket kind;
+//! - TCP round trip: raw ping-pong on kept connections (same message out, 64-byte answer back),
+//!   per percentile the lower of blocking and tokio sockets;
 //! - shared-memory throughput: single-thread `memcpy` bandwidth for the frame size, the better
 //!   of a ring as large as the shm ring and a cache-warm ring of two frames;
 //! - shared-memory round trip: two threads passing the frame through a shared buffer with an
