@@ -596,6 +596,50 @@ mod x86 {
         }
     }
 
+    /// The 8 row scales at `p` widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `p` must point at 8 readable `u16` values.
+    #[inline(always)]
+    unsafe fn scales8(dtype: ScaleDtype, p: *const u16) -> __m256 {
+        // SAFETY: caller guarantees 8 readable u16 at p.
+        unsafe {
+            let raw = _mm_loadu_si128(p.cast());
+            match dtype {
+                ScaleDtype::Bf16 => {
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                }
+                ScaleDtype::F16 => _mm256_cvtph_ps(raw),
+            }
+        }
+    }
+
+    /// The 8 row zero points at `p` widened to i32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `p` must point at 8 readable bytes.
+    #[inline(always)]
+    unsafe fn zeros8(p: *const u8) -> __m256i {
+        // SAFETY: caller guarantees 8 readable bytes at p.
+        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())) }
+    }
+
+    /// The zero-point term a block's integer sums lose per row: `z · Σq` (`z` = 8 without zero
+    /// points, the symmetric code's midpoint), `qs` being the block's code sum.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline(always)]
+    unsafe fn zero_term8(z: Option<__m256i>, qs: i32) -> __m256i {
+        // SAFETY: AVX2 is the caller's precondition; no memory is touched.
+        unsafe {
+            match z {
+                None => _mm256_set1_epi32(qs << 3),
+                Some(z) => _mm256_mullo_epi32(z, _mm256_set1_epi32(qs)),
+            }
+        }
+    }
+
     /// AVX2 exact kernel for one token (decode): both 8-row halves of each block in one pass,
     /// so the row block is read once, in order, and the token's code broadcasts, block scale
     /// and zero-point term serve both halves. Each row's arithmetic is exactly
@@ -645,23 +689,9 @@ mod x86 {
                 let qs = *tok.qsum.get_unchecked(b);
                 let d = _mm256_set1_ps(*tok.d.get_unchecked(b));
                 for (half, s16) in s16.iter().enumerate() {
-                    let sp = scales.add(g * ROWS + half * 8);
-                    let s = match dtype {
-                        ScaleDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
-                            _mm256_cvtepu16_epi32(_mm_loadu_si128(sp.cast())),
-                            16,
-                        )),
-                        ScaleDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(sp.cast())),
-                    };
-                    let corr = match zeros {
-                        None => _mm256_set1_epi32(qs << 3),
-                        Some(z) => _mm256_mullo_epi32(
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                z.as_ptr().add(g * ROWS + half * 8).cast(),
-                            )),
-                            _mm256_set1_epi32(qs),
-                        ),
-                    };
+                    let s = scales8(dtype, scales.add(g * ROWS + half * 8));
+                    let z = zeros.map(|z| zeros8(z.as_ptr().add(g * ROWS + half * 8)));
+                    let corr = zero_term8(z, qs);
                     let isum = _mm256_sub_epi32(_mm256_madd_epi16(*s16, ones), corr);
                     let term = _mm256_mul_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum));
                     let slot = &mut p[half][b % LANES];
@@ -718,19 +748,8 @@ mod x86 {
                         lo[c] = _mm256_and_si256(w, mask);
                         hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
                     }
-                    let sp = scales.add(g * ROWS + half * 8);
-                    let s = match dtype {
-                        ScaleDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
-                            _mm256_cvtepu16_epi32(_mm_loadu_si128(sp.cast())),
-                            16,
-                        )),
-                        ScaleDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(sp.cast())),
-                    };
-                    let z = zeros.map(|z| {
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                            z.as_ptr().add(g * ROWS + half * 8).cast(),
-                        ))
-                    });
+                    let s = scales8(dtype, scales.add(g * ROWS + half * 8));
+                    let z = zeros.map(|z| zeros8(z.as_ptr().add(g * ROWS + half * 8)));
                     for t in 0..T {
                         let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
                         // Σ over 8 pmaddubsw results stays within i16: each is at most
@@ -743,11 +762,7 @@ mod x86 {
                             s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], qh));
                         }
                         let acc = _mm256_madd_epi16(s16, ones);
-                        let qs = *toks[t].qsum.get_unchecked(b);
-                        let corr = match z {
-                            None => _mm256_set1_epi32(qs << 3),
-                            Some(z) => _mm256_mullo_epi32(z, _mm256_set1_epi32(qs)),
-                        };
+                        let corr = zero_term8(z, *toks[t].qsum.get_unchecked(b));
                         let isum = _mm256_sub_epi32(acc, corr);
                         let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
                         let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
