@@ -10,40 +10,19 @@
 //! not fail); dropped handles and a `wait` cancelled by a timeout leave nothing behind; a
 //! connection broken with requests in flight fails each of them with the same error.
 
-use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
-use expertmesh_quant::contract::ComputeMode;
+mod common;
+
+use expertmesh_fabric::local::LocalFabric;
 use expertmesh_router::client::{CallHandle, ClientError, HiddenStates, RouterClient};
-use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_transport::codec::ErrorCode;
 use expertmesh_transport::dtype::ActivationDtype;
 use expertmesh_transport::mesh::LinkKind;
 use half::{bf16, f16};
-use std::path::PathBuf;
 use std::time::Duration;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn start_fabric() -> LocalFabric {
-    let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host.toml"),
-        "demo-small",
-        root().join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = LinkKind::Tcp;
-    o.router = RouterConfig {
-        mode: ComputeMode::Exact,
-        batch_window: Duration::from_micros(100),
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    };
-    o.connect_timeout = Duration::from_secs(60);
-    LocalFabric::start(o).unwrap()
+    LocalFabric::start(common::demo_options("single-host.toml", LinkKind::Tcp)).unwrap()
 }
 
 fn rt() -> tokio::runtime::Runtime {

@@ -13,14 +13,12 @@ mod common;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_transport::crypto::{self, Credentials, Key};
 use expertmesh_transport::mesh::LinkKind;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 fn mode_of(p: &Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o777
@@ -92,24 +90,8 @@ fn keys_cli_writes_private_files_and_never_overwrites() {
 }
 
 fn options(link: LinkKind, key: &Path) -> LocalFabricOptions {
-    let root = common::root();
-    let mut o = LocalFabricOptions::new(
-        root.join("examples/single-host.toml"),
-        "demo-small",
-        root.join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = link;
+    let mut o = common::demo_options("single-host.toml", link);
     o.key = Some(key.to_path_buf());
-    o.router = RouterConfig {
-        mode: ComputeMode::Exact,
-        batch_window: Duration::from_micros(100),
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    };
-    o.connect_timeout = Duration::from_secs(60);
     o
 }
 

@@ -114,21 +114,25 @@ devices = [
     path.to_path_buf()
 }
 
-/// A fabric of `examples/single-host-2routers.toml` (two routers sharing two CPU workers) on
-/// free ports, exact mode, TCP links.
-pub(crate) fn two_routers() -> expertmesh_fabric::local::LocalFabric {
-    use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+/// Options of a demo-small fabric on `examples/TOPOLOGY` with its demo-small placement: the
+/// test binary, free ports, `link` links, exact mode with a short batch window, generous
+/// deadlines (the settings the fabric tests share; tests change what they test).
+pub(crate) fn demo_options(
+    topology: &str,
+    link: expertmesh_transport::mesh::LinkKind,
+) -> expertmesh_fabric::local::LocalFabricOptions {
+    use expertmesh_fabric::local::LocalFabricOptions;
     use expertmesh_quant::contract::ComputeMode;
     use expertmesh_router::core::RouterConfig;
     use std::time::Duration;
     let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host-2routers.toml"),
+        root().join("examples").join(topology),
         "demo-small",
         root().join("examples/single-host-demo-small.placement.toml"),
     );
     o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
     o.ephemeral_ports = true;
-    o.link = expertmesh_transport::mesh::LinkKind::Tcp;
+    o.link = link;
     o.router = RouterConfig {
         mode: ComputeMode::Exact,
         batch_window: Duration::from_micros(100),
@@ -137,6 +141,17 @@ pub(crate) fn two_routers() -> expertmesh_fabric::local::LocalFabric {
         ..RouterConfig::default()
     };
     o.connect_timeout = Duration::from_secs(60);
+    o
+}
+
+/// A fabric of `examples/single-host-2routers.toml` (two routers sharing two CPU workers) on
+/// free ports, exact mode, TCP links.
+pub(crate) fn two_routers() -> expertmesh_fabric::local::LocalFabric {
+    use expertmesh_fabric::local::LocalFabric;
+    let o = demo_options(
+        "single-host-2routers.toml",
+        expertmesh_transport::mesh::LinkKind::Tcp,
+    );
     let fabric = LocalFabric::start(o).expect("fabric with two routers starts");
     assert_eq!(fabric.deployment().router_count(), 2);
     fabric
