@@ -172,6 +172,30 @@ impl LayerMode {
     }
 }
 
+/// A serving mode name that is not one of [`LayerMode::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown mode {0:?}: give exact, exact-bf16, accurate or serving")]
+pub struct UnknownLayerMode(pub String);
+
+impl std::str::FromStr for LayerMode {
+    type Err = UnknownLayerMode;
+
+    /// The mode named `s` ([`LayerMode::name`]; case-insensitive, `_` for `-` accepted).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let want = s.trim().replace('_', "-");
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name().eq_ignore_ascii_case(&want))
+            .ok_or_else(|| UnknownLayerMode(s.to_owned()))
+    }
+}
+
+impl std::fmt::Display for LayerMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl RouterConfig {
     /// The named mode of `mode` and `results`, when they form one.
     pub fn layer_mode(&self) -> Option<LayerMode> {
@@ -1971,5 +1995,16 @@ mod tests {
         };
         assert_eq!(odd.layer_mode(), None);
         assert_eq!(odd.wire_format(), f(f32in, slots, bf16));
+    }
+
+    #[test]
+    fn every_mode_parses_from_its_name() {
+        for m in LayerMode::ALL {
+            assert_eq!(m.name().parse::<LayerMode>(), Ok(m));
+            assert_eq!(m.to_string().to_uppercase().parse::<LayerMode>(), Ok(m));
+        }
+        assert_eq!("exact_bf16".parse::<LayerMode>(), Ok(LayerMode::ExactBf16));
+        let err = "fast".parse::<LayerMode>().unwrap_err();
+        assert!(err.to_string().contains("exact-bf16"), "{err}");
     }
 }

@@ -124,6 +124,34 @@ impl LinkKind {
     }
 }
 
+impl LinkKind {
+    /// Every link kind, in the order help texts list them.
+    pub const ALL: [LinkKind; 3] = [LinkKind::Tcp, LinkKind::Shm, LinkKind::Rdma];
+}
+
+/// A link kind name that is not `tcp`, `shm` or `rdma`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown link kind {0:?}: give tcp, shm or rdma")]
+pub struct UnknownLinkKind(pub String);
+
+impl std::str::FromStr for LinkKind {
+    type Err = UnknownLinkKind;
+
+    /// The kind named `s` ([`LinkKind::name`]: `tcp`, `shm`, `rdma`; case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| UnknownLinkKind(s.to_owned()))
+    }
+}
+
+impl std::fmt::Display for LinkKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The link kind and rank a dialer's first frame asks for: the acceptor asks for the same
 /// link in its hello (nothing is created before authentication). A frame that is not a hello
 /// asks for TCP from rank `u32::MAX` (the handshake then refuses it).
@@ -1176,6 +1204,16 @@ mod tests {
     use super::*;
     use crate::codec::{ExpertResult, OutputLayout};
     use crate::dtype::OutputDtype;
+
+    #[test]
+    fn every_link_kind_parses_from_its_name() {
+        for k in LinkKind::ALL {
+            assert_eq!(k.name().parse::<LinkKind>(), Ok(k));
+            assert_eq!(k.to_string().to_uppercase().parse::<LinkKind>(), Ok(k));
+        }
+        let err = "ib".parse::<LinkKind>().unwrap_err();
+        assert!(err.to_string().contains("tcp, shm or rdma"), "{err}");
+    }
 
     fn cfg(rank: u32, secret: Option<&[u8]>) -> Arc<ProtocolConfig> {
         let mut c = ProtocolConfig::new("test", rank, 4);
