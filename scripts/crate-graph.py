@@ -4,7 +4,8 @@
 Why this exists: ARCHITECTURE.md promises a layered workspace: `quant` at the bottom depending
 on nothing of ours, the `backend` trait crate depending on no implementation, `hip-kernels` a
 leaf that only the worker and the binary use, the file parser and the transport free of
-kernels. This script reads `cargo metadata` and fails CI when a dependency breaks that.
+kernels, the launcher (`fabric`) free of the measurement method (`benches`), and the command
+line (clap) only in the binary. This script reads `cargo metadata` and fails CI when a dependency breaks that.
 
 Usage: scripts/crate-graph.py [--dot]
 """
@@ -31,10 +32,33 @@ ALLOWED = {
         "expertmesh-hip-kernels", "expertmesh-topology", "expertmesh-transport",
         "expertmesh-router", "expertmesh-shard",
     },
+    # A fabric's processes on one host: composes the serving libraries, measures nothing.
+    "expertmesh-fabric": {
+        "expertmesh-topology", "expertmesh-planner", "expertmesh-transport",
+        "expertmesh-router", "expertmesh-worker",
+    },
+    # The benches measure the backends themselves, and start fabrics through the launcher.
+    "expertmesh-benches": {
+        "expertmesh-quant", "expertmesh-backend", "expertmesh-cpu-backend",
+        "expertmesh-topology", "expertmesh-planner", "expertmesh-checkpoint",
+        "expertmesh-transport", "expertmesh-router", "expertmesh-worker", "expertmesh-fabric",
+    },
+    # The binary and its commands: the top of the graph, anything below it.
+    "expertmesh": {
+        "expertmesh-quant", "expertmesh-topology", "expertmesh-planner",
+        "expertmesh-checkpoint", "expertmesh-transport", "expertmesh-router",
+        "expertmesh-worker", "expertmesh-fabric", "expertmesh-benches",
+    },
+}
+# External crates that belong to one layer: the command line and the binary's error type stay
+# at the binary's edge, so libraries return typed errors (thiserror) and take plain options.
+EXTERNAL_ONLY_IN = {
+    "clap": {"expertmesh"},
+    "tracing-subscriber": {"expertmesh"},
 }
 # Backend implementations: only these crates may depend on them.
 IMPLEMENTATIONS = {"expertmesh-cpu-backend", "expertmesh-hip-kernels"}
-MAY_USE_IMPLEMENTATIONS = {"expertmesh-worker", "expertmesh-fabric", "expertmesh"}
+MAY_USE_IMPLEMENTATIONS = {"expertmesh-worker", "expertmesh-benches", "expertmesh"}
 
 
 def main():
@@ -42,7 +66,10 @@ def main():
         ["cargo", "metadata", "--format-version", "1", "--no-deps"]))
     members = {p["name"]: p for p in meta["packages"]}
     graph = {}
+    external = {}
     for name, p in members.items():
+        external[name] = {d["name"] for d in p["dependencies"]
+                          if d["name"] not in members and d.get("kind") in (None, "build")}
         deps = {d["name"] for d in p["dependencies"]
                 if d["name"] in members and d.get("kind") in (None, "build")}
         graph[name] = sorted(deps)
@@ -63,6 +90,10 @@ def main():
         for d in ds:
             if d in IMPLEMENTATIONS and n not in MAY_USE_IMPLEMENTATIONS:
                 problems.append(f"{n} depends on the backend implementation {d}")
+    for n, ext in sorted(external.items()):
+        for d in sorted(ext):
+            if d in EXTERNAL_ONLY_IN and n not in EXTERNAL_ONLY_IN[d]:
+                problems.append(f"{n} depends on {d}, which only {sorted(EXTERNAL_ONLY_IN[d])} may use")
     for n in ALLOWED:
         if n not in graph:
             problems.append(f"{n} is not a workspace member")

@@ -1,5 +1,5 @@
-//! The `expertmesh` binary: a thin entry point over `expertmesh_fabric::cli`.
+//! The `expertmesh` binary: a thin entry point over [`expertmesh::cli::main`].
 
 fn main() -> std::process::ExitCode {
-    expertmesh_fabric::cli::main()
+    expertmesh::cli::main()
 }

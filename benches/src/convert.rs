@@ -38,7 +38,7 @@
 //! are recorded in `machine`: the conversion is compute-bound and its limit is not, so other
 //! work on a shared machine lowers its ratio.
 
-use crate::bench_json::{BenchReport, BenchResult, Better};
+use crate::method::json::{BenchReport, BenchResult, Better};
 use anyhow::{Context, anyhow};
 use expertmesh_backend::{BackendError, ExpertBackend, ExpertShape, ExpertSource};
 use expertmesh_checkpoint::convert::{ConvertJob, convert, gate_tensor_names};
@@ -405,7 +405,7 @@ fn write_checkpoint(
 
 /// The embedded single-host topology (two CPU devices), with room for any size of run.
 fn write_topology(dir: &Path) -> anyhow::Result<PathBuf> {
-    let text = crate::demo::SINGLE_HOST_TOPOLOGY
+    let text = expertmesh_fabric::defaults::SINGLE_HOST_TOPOLOGY
         .replace("expert_memory = \"256 MiB\"", "expert_memory = \"64 GiB\"");
     let path = dir.join("single-host.toml");
     std::fs::write(&path, text)?;

@@ -15,9 +15,9 @@
 //! frontend is waiting. The wire table prints the bytes per token per layer each serving mode
 //! sends (`codec::wire_bytes_per_token`, from encoded frames) for this model and Kimi K2.
 
-use crate::bench_json::{BenchReport, BenchResult};
-use crate::local::{LocalFabric, LocalFabricOptions};
+use crate::method::json::{BenchReport, BenchResult};
 use anyhow::anyhow;
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::reference;
@@ -55,7 +55,7 @@ pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
         .tempdir()?;
-    let (topology, placement, _planned) = crate::demo::local_files(
+    let (topology, placement, _planned) = expertmesh_fabric::defaults::local_files(
         tmp.path(),
         o.topology.as_deref(),
         &o.model,
@@ -154,7 +154,7 @@ fn in_process_limits(
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     lat.sort_by(f64::total_cmp);
-    let p50 = crate::bench_json::percentile(&lat, 50.0);
+    let p50 = crate::method::stats::percentile(&lat, 50.0);
     println!("in-process layer, 1 token: p50 {p50:.0} us ({threads} threads)");
     Ok(InProcess {
         tokens_per_s: limits,
@@ -352,7 +352,7 @@ impl LinkRun<'_> {
         let msg = one_token_dispatch_bytes(spec, o.mode);
         let mut raw = raw_tcp_round_trips_us(msg, alone.len().clamp(200, 5000))?;
         raw.sort_by(f64::total_cmp);
-        let raw50 = crate::bench_json::percentile(&raw, 50.0);
+        let raw50 = crate::method::stats::percentile(&raw, 50.0);
         let limit = self.limits.one_token_us + 3.0 * raw50;
         let name = format!("fabric-{}-{} {}", link.name(), o.mode.name(), spec.name);
         let limit_is = format!(
@@ -361,7 +361,7 @@ impl LinkRun<'_> {
         );
         for (lat, what) in [(&alone, "latency"), (&window, "latency window")] {
             for (p, tag) in [(50.0, "p50"), (99.0, "p99")] {
-                let v = crate::bench_json::percentile(lat, p);
+                let v = crate::method::stats::percentile(lat, p);
                 println!(
                     "fabric over {}, 1 token, {what} {tag}: {v:>7.0} us = {:.2} of the limit {limit:.0} us",
                     link.name(),

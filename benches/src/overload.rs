@@ -38,8 +38,48 @@ pub struct OverloadLoad {
     pub hidden: usize,
     /// Deadline the greedy requests carry (`None`: the router's default).
     pub deadline: Option<Duration>,
-    /// How long the load runs.
+    /// How long the load runs at least.
     pub duration: Duration,
+    /// Answers (of any kind) the modest client must have before the load stops: the run goes
+    /// on past `duration` until it has them, so a slow or busy machine measures the same
+    /// thing as a fast one, only for longer (`0`: stop at `duration`).
+    pub modest_answers: u64,
+    /// The longest the load runs, whatever the modest client has.
+    pub max_duration: Duration,
+}
+
+/// When a load run stops: `duration` has passed and the modest client has its answers, or
+/// `max_duration` has passed.
+#[derive(Debug)]
+struct RunClock {
+    min_end: Instant,
+    max_end: Instant,
+    modest_target: u64,
+    modest_answers: AtomicU64,
+}
+
+impl RunClock {
+    fn new(load: &OverloadLoad) -> RunClock {
+        let now = Instant::now();
+        RunClock {
+            min_end: now + load.duration,
+            max_end: now + load.max_duration.max(load.duration),
+            modest_target: if load.modest_tokens == 0 {
+                0
+            } else {
+                load.modest_answers
+            },
+            modest_answers: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the load is over.
+    fn done(&self) -> bool {
+        let now = Instant::now();
+        now >= self.max_end
+            || (now >= self.min_end
+                && self.modest_answers.load(Ordering::Relaxed) >= self.modest_target)
+    }
 }
 
 /// How the requests of one run ended.
@@ -174,15 +214,20 @@ pub async fn run_load(
         0 => None,
         _ => Some(RouterClient::connect(addr, cfg).await?),
     };
+    let clock = Arc::new(RunClock::new(load));
     let greedy: Vec<_> = clients
         .into_iter()
         .enumerate()
         .map(|(c, client)| {
             let x = load_input(load.tokens, load.hidden, c as u64 + 1);
-            tokio::spawn(greedy_client(client, x, load.clone(), Arc::clone(&tally)))
+            let (load, tally, clock) = (load.clone(), Arc::clone(&tally), Arc::clone(&clock));
+            tokio::spawn(greedy_client(client, x, load, tally, clock))
         })
         .collect();
-    let modest = modest.map(|client| tokio::spawn(modest_client(client, load.clone())));
+    let modest = modest.map(|client| {
+        let clock = Arc::clone(&clock);
+        tokio::spawn(modest_client(client, load.clone(), clock))
+    });
     let start = Instant::now();
     for g in greedy {
         let _ = g.await;
@@ -210,19 +255,19 @@ pub async fn run_load(
     })
 }
 
-/// One greedy connection: `depth` requests in flight until the run's time is up, then every
+/// One greedy connection: `depth` requests in flight until the run is over, then every
 /// outstanding answer is collected.
 async fn greedy_client(
     mut client: RouterClient,
     x: Vec<f32>,
     load: OverloadLoad,
     tally: Arc<Tally>,
+    clock: Arc<RunClock>,
 ) {
     client.set_max_in_flight(load.depth.max(1));
-    let end = Instant::now() + load.duration;
     let mut handles: VecDeque<CallHandle> = VecDeque::new();
     loop {
-        while Instant::now() < end && handles.len() < load.depth.max(1) {
+        while !clock.done() && handles.len() < load.depth.max(1) {
             match client
                 .submit(load.layer, &x, load.hidden, None, load.deadline)
                 .await
@@ -251,14 +296,19 @@ async fn greedy_client(
     }
 }
 
-/// The modest connection: one request at a time until the run's time is up. Returns
-/// (successes, failures, the first failure).
-async fn modest_client(mut client: RouterClient, load: OverloadLoad) -> (u64, u64, Option<String>) {
+/// The modest connection: one request at a time until the run is over. Returns (successes,
+/// failures, the first failure).
+async fn modest_client(
+    mut client: RouterClient,
+    load: OverloadLoad,
+    clock: Arc<RunClock>,
+) -> (u64, u64, Option<String>) {
     let x = load_input(load.modest_tokens, load.hidden, 999);
-    let end = Instant::now() + load.duration;
     let (mut ok, mut failed, mut first) = (0, 0, None);
-    while Instant::now() < end {
-        match client.call(load.layer, &x, load.hidden, None, None).await {
+    while !clock.done() {
+        let answer = client.call(load.layer, &x, load.hidden, None, None).await;
+        clock.modest_answers.fetch_add(1, Ordering::Relaxed);
+        match answer {
             Ok(_) => ok += 1,
             Err(e) => {
                 failed += 1;

@@ -28,7 +28,7 @@
 //! Every result says which way its ratio is good (`better`: throughput `higher`, round trip
 //! `lower`), in the JSON and in the table's last column.
 //!
-//! Statistics ([`crate::bench_stats`]): each figure is the median of `--repeats` repetitions.
+//! Statistics ([`crate::method::stats`]): each figure is the median of `--repeats` repetitions.
 //! One repetition of a (link, frame size) measures the mesh's throughput (a slot of about
 //! [`SLOT_S`]) and a chunk of round trips, and the same for the limit, back to back (the limit
 //! first on odd repetitions), so drift hits both; a round-trip figure is the median over
@@ -38,7 +38,8 @@
 //! Frames are dispatch frames of 1, 8, 64 and 256 tokens of hidden 7168 in bf16, each token with
 //! two (expert, weight) pairs, exactly what the router sends a device.
 
-use crate::bench_json::{BenchReport, BenchResult, percentile};
+use crate::method::json::{BenchReport, BenchResult};
+use crate::method::stats::percentile;
 use bytes::Bytes;
 use expertmesh_transport::codec::{
     self, Body, Dispatch, ExpertResult, OutputLayout, WireComputeMode,
@@ -50,7 +51,6 @@ use expertmesh_transport::{
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -65,9 +65,7 @@ const BENCH_RING_BYTES: usize = 24 << 20;
 
 /// Options of the transport bench.
 #[derive(Debug, Clone)]
-pub struct TransportBenchArgs {
-    /// Write the JSON report here.
-    pub json: Option<PathBuf>,
+pub struct TransportBenchOptions {
     /// Seconds the whole run may take.
     pub seconds: f64,
     /// Round trips per latency sample.
@@ -76,8 +74,6 @@ pub struct TransportBenchArgs {
     pub links: Vec<LinkKind>,
     /// Repetitions per figure (fewer when `seconds` runs out).
     pub repetitions: usize,
-    /// Write an HTML report with plots into this folder.
-    pub report: Option<PathBuf>,
 }
 
 /// Repetitions per figure by default: enough to see a 10% change of a ratio between two runs
@@ -88,15 +84,13 @@ pub const DEFAULT_REPETITIONS: usize = 31;
 /// Target seconds of one throughput sample (assuming ~2 GB/s to size it).
 const SLOT_S: f64 = 0.1;
 
-impl Default for TransportBenchArgs {
+impl Default for TransportBenchOptions {
     fn default() -> Self {
         Self {
-            json: None,
             seconds: 30.0,
             round_trips: 100,
             links: vec![LinkKind::Tcp, LinkKind::Shm],
             repetitions: DEFAULT_REPETITIONS,
-            report: None,
         }
     }
 }
@@ -151,8 +145,8 @@ struct Unit {
     tcp_way: Option<RawWay>,
 }
 
-/// Runs the bench and prints a table; writes JSON and the HTML report when asked.
-pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
+/// Runs the bench (progress on stdout) and returns its report.
+pub fn run(args: &TransportBenchOptions) -> anyhow::Result<BenchReport> {
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -233,7 +227,7 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
     m.insert("tcp_limit_sweep".into(), serde_json::json!(raw.swept));
     m.insert("hidden".into(), serde_json::json!(HIDDEN));
     m.insert("dtype".into(), serde_json::json!("bf16"));
-    crate::bench_machine::finish(m);
+    crate::method::machine::finish(m);
     m.insert(
         "settings".into(),
         serde_json::json!({
@@ -246,9 +240,7 @@ pub fn run(args: &TransportBenchArgs) -> anyhow::Result<ExitCode> {
     println!(
         "ratio = achieved / limit (medians of {done} interleaved repetitions; spread p10-p90 of the per-repetition ratios); batch = tokens per frame"
     );
-    crate::bench_report::print_table(&report);
-    crate::bench_report::finish(&report, args.json.as_deref(), args.report.as_deref())?;
-    Ok(ExitCode::SUCCESS)
+    Ok(report)
 }
 
 /// Chooses each frame size's TCP limit way ([`RawTcp::sweep`]) in at most a tenth of the
@@ -282,7 +274,7 @@ fn sample_unit(
     meshes: &[Mesh],
     events: &mut MeshEvents,
     tokens: usize,
-    args: &TransportBenchArgs,
+    args: &TransportBenchOptions,
     rep: usize,
     u: &mut Unit,
 ) -> anyhow::Result<()> {
@@ -363,7 +355,7 @@ fn sample_encrypted(
     plain: (&[Mesh], &mut MeshEvents),
     enc: (&[Mesh], &mut MeshEvents),
     tokens: usize,
-    args: &TransportBenchArgs,
+    args: &TransportBenchOptions,
     rep: usize,
     u: &mut Unit,
 ) -> anyhow::Result<()> {
@@ -745,7 +737,7 @@ impl RawTcp {
             }
         }
         samples.retain(|(_, s)| !s.is_empty());
-        let median = |s: &[f64]| crate::bench_stats::Spread::of(s).median;
+        let median = |s: &[f64]| crate::method::stats::Spread::of(s).median;
         let best = samples
             .iter()
             .max_by(|a, b| median(&a.1).total_cmp(&median(&b.1)))
@@ -1025,15 +1017,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("em-bench-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let json = dir.join("t.json");
-        let args = TransportBenchArgs {
-            json: Some(json.clone()),
+        let args = TransportBenchOptions {
             seconds: 20.0,
             round_trips: 20,
             links: vec![LinkKind::Tcp, LinkKind::Shm],
             repetitions: 2,
-            report: None,
         };
-        run(&args).unwrap();
+        run(&args).unwrap().write(&json).unwrap();
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let results = v["results"].as_array().unwrap();

@@ -284,7 +284,7 @@ impl LocalFabric {
             cmd.arg("--listen").arg("127.0.0.1:0");
         }
         if let Some(k) = &o.key {
-            let lc = crate::keys_cmd::LocalCredentials::new(k, &self.dep, &self.log_dir)?;
+            let lc = crate::credentials::LocalCredentials::new(k, &self.dep, &self.log_dir)?;
             cmd.arg("--credentials")
                 .arg(lc.worker_file(&self.dep, d as u32)?);
         }
@@ -341,7 +341,7 @@ impl LocalFabric {
     pub fn frontend_config(&self) -> FrontendConfig {
         let mut f = frontend_config(&self.dep);
         if let Some(k) = &self.opts.key
-            && let Ok(lc) = crate::keys_cmd::LocalCredentials::new(k, &self.dep, &self.log_dir)
+            && let Ok(lc) = crate::credentials::LocalCredentials::new(k, &self.dep, &self.log_dir)
         {
             f.credentials = Some(lc.frontend(&self.dep, "local"));
         }
@@ -614,7 +614,7 @@ fn start_router(
     let with_creds;
     let dep = match &opts.key {
         Some(k) => {
-            let lc = crate::keys_cmd::LocalCredentials::new(k, dep, Path::new("."))?;
+            let lc = crate::credentials::LocalCredentials::new(k, dep, Path::new("."))?;
             let mut d = dep.clone();
             d.credentials = Some(lc.router(dep, instance));
             with_creds = d;

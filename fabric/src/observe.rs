@@ -11,10 +11,8 @@
 //! `PORT + routers + d`; with port 0 every process gets a free port (the workers' are picked
 //! here, before they start, so they can be printed and kept across worker restarts).
 
-use crate::cmd_fabric::parse_endpoint;
 use crate::local::LocalFabric;
 use anyhow::{Context, anyhow};
-use clap::Args;
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_router::metrics::http::MetricsServer;
 use expertmesh_router::metrics::{RouterMetrics, registry_of};
@@ -27,32 +25,28 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-/// `--metrics` alone (the worker's flag).
-#[derive(Args, Debug, Clone, Default)]
-pub struct MetricsArgs {
-    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks a free port,
-    /// printed at start).
-    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
+/// What to observe: a `/metrics` endpoint per process and the live load file (the router's
+/// and `up`'s `--metrics`, `--load-stats` and `--load-stats-every`).
+#[derive(Debug, Clone)]
+pub struct ObserveOptions {
+    /// Serve Prometheus metrics at http://ADDR/metrics; with `up`, router i at PORT+i and
+    /// worker d at PORT+routers+d (all free ports when PORT is 0).
     pub metrics: Option<SocketAddr>,
+    /// Keep a live per-expert load file here, in the planner's statistics format (.json for
+    /// JSON, else CSV).
+    pub load_stats: Option<PathBuf>,
+    /// Seconds between rewrites of the load file.
+    pub load_stats_every: f64,
 }
 
-/// `--metrics` and the live load file (the router's and `up`'s flags).
-#[derive(Args, Debug, Clone)]
-pub struct ObserveArgs {
-    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks free ports).
-    /// With `up`, router i listens on PORT+i and worker d on PORT+routers+d (all free ports
-    /// when PORT is 0); every address is printed at start.
-    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
-    pub metrics: Option<SocketAddr>,
-    /// Keep a live per-expert load file here, in the planner's statistics format
-    /// (`expertmesh plan --load FILE` reads it; .json for JSON, else CSV): tokens routed to
-    /// each expert since start, rewritten atomically every --load-stats-every seconds and at
-    /// exit.
-    #[arg(long, value_name = "FILE")]
-    pub load_stats: Option<PathBuf>,
-    /// Seconds between rewrites of the --load-stats file.
-    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
-    pub load_stats_every: f64,
+impl Default for ObserveOptions {
+    fn default() -> Self {
+        Self {
+            metrics: None,
+            load_stats: None,
+            load_stats_every: 10.0,
+        }
+    }
 }
 
 /// What observes a running router or fabric; dropping it stops the endpoints and writes the
@@ -84,7 +78,7 @@ fn nth_addr(base: SocketAddr, i: usize) -> anyhow::Result<SocketAddr> {
 /// `--metrics`). With port 0 free ports are picked now, so they can be printed before the
 /// workers start and kept when one restarts.
 pub fn worker_metrics_addrs(
-    args: &ObserveArgs,
+    args: &ObserveOptions,
     routers: usize,
     devices: usize,
 ) -> anyhow::Result<Vec<SocketAddr>> {
@@ -106,7 +100,7 @@ pub fn worker_metrics_addrs(
 
 /// `up`: each worker's `--metrics` address ([`worker_metrics_addrs`]) for the routers and
 /// devices of `topology` (empty without `--metrics`).
-pub fn up_worker_addrs(args: &ObserveArgs, topology: &Path) -> anyhow::Result<Vec<SocketAddr>> {
+pub fn up_worker_addrs(args: &ObserveOptions, topology: &Path) -> anyhow::Result<Vec<SocketAddr>> {
     if args.metrics.is_none() {
         return Ok(Vec::new());
     }
@@ -117,7 +111,7 @@ pub fn up_worker_addrs(args: &ObserveArgs, topology: &Path) -> anyhow::Result<Ve
 /// `up`: the observers of every router of `fabric`, and the URLs of its workers' endpoints
 /// (`workers`, by device rank) printed.
 pub fn start_up(
-    args: &ObserveArgs,
+    args: &ObserveOptions,
     fabric: &LocalFabric,
     workers: &[SocketAddr],
 ) -> anyhow::Result<Observers> {
@@ -136,7 +130,7 @@ pub fn start_up(
 /// Start the observers of `routers` (one endpoint each, and one load file summed over them)
 /// serving `spec`, printing each endpoint's URL.
 pub fn start(
-    args: &ObserveArgs,
+    args: &ObserveOptions,
     routers: &[&RouterService],
     spec: &ModelSpec,
 ) -> anyhow::Result<Observers> {
@@ -269,7 +263,7 @@ mod tests {
         assert_eq!(nth_addr(zero, 3).unwrap(), zero);
         let top: SocketAddr = "127.0.0.1:65535".parse().unwrap();
         assert!(nth_addr(top, 1).is_err());
-        let args = ObserveArgs {
+        let args = ObserveOptions {
             metrics: Some(zero),
             load_stats: None,
             load_stats_every: 1.0,

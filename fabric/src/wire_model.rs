@@ -13,22 +13,10 @@ use expertmesh_planner::wire::{ResultRows, WireModel};
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_transport::codec::{OutputLayout, WireBytes, WireFormat, wire_bytes_per_token};
 
-/// The serving mode named `name` ("exact", "exact-bf16", "accurate", "serving").
-pub fn layer_mode(name: &str) -> anyhow::Result<LayerMode> {
-    LayerMode::ALL
-        .into_iter()
-        .find(|m| m.name() == name)
-        .ok_or_else(|| {
-            let names: Vec<&str> = LayerMode::ALL.iter().map(|m| m.name()).collect();
-            anyhow!("unknown mode {name:?}; use one of {}", names.join(", "))
-        })
-}
-
-/// The wire model of mode `name` for hidden size `hidden` and micro-batches of `micro_batch`
+/// The wire model of `mode` for hidden size `hidden` and micro-batches of `micro_batch`
 /// tokens, from encoded frames: per-frame, per-token and per-pair (or per-row) bytes are the
 /// differences between frames of different sizes.
-pub fn wire_model(name: &str, hidden: u32, micro_batch: usize) -> anyhow::Result<WireModel> {
-    let mode = layer_mode(name)?;
+pub fn wire_model(mode: LayerMode, hidden: u32, micro_batch: usize) -> anyhow::Result<WireModel> {
     let format = mode.apply(RouterConfig::default()).wire_format();
     let h = hidden as usize;
     // Total frame bytes for `tokens` tokens with `slots` slots each.
@@ -70,11 +58,9 @@ pub fn wire_model(name: &str, hidden: u32, micro_batch: usize) -> anyhow::Result
     })
 }
 
-/// The wire format of mode `name` (for reports).
-pub fn wire_format(name: &str) -> anyhow::Result<WireFormat> {
-    Ok(layer_mode(name)?
-        .apply(RouterConfig::default())
-        .wire_format())
+/// The wire format of `mode` (for reports).
+pub fn wire_format(mode: LayerMode) -> WireFormat {
+    mode.apply(RouterConfig::default()).wire_format()
 }
 
 #[cfg(test)]
@@ -87,8 +73,8 @@ mod tests {
     fn planner_arithmetic_matches_the_codec() {
         for hidden in [1024u32, 2048, 7168] {
             for (name, planner) in [
-                ("exact", WireModel::exact(hidden, 32)),
-                ("accurate", WireModel::accurate(hidden, 32)),
+                (LayerMode::Exact, WireModel::exact(hidden, 32)),
+                (LayerMode::Accurate, WireModel::accurate(hidden, 32)),
             ] {
                 let codec = wire_model(name, hidden, 32).unwrap();
                 assert_eq!(
@@ -120,13 +106,12 @@ mod tests {
     /// per slot.
     #[test]
     fn serving_and_exact_bf16_halve_the_rows() {
-        let s = wire_model("serving", 2048, 32).unwrap();
+        let s = wire_model(LayerMode::Serving, 2048, 32).unwrap();
         assert_eq!(s.result_rows, ResultRows::PerToken);
         assert_eq!(s.result_row_bytes, 4096.0);
         assert_eq!(s.dispatch_token_bytes, 2048.0 + 256.0 + 2.0);
-        let e = wire_model("exact-bf16", 2048, 32).unwrap();
+        let e = wire_model(LayerMode::ExactBf16, 2048, 32).unwrap();
         assert_eq!(e.result_rows, ResultRows::PerSlot);
         assert_eq!(e.result_row_bytes, 4096.0);
-        assert!(wire_model("fast", 2048, 32).is_err());
     }
 }

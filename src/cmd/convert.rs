@@ -8,7 +8,7 @@
 //! (named), or writing failed (disk full: nothing written is corrupted, re-run to resume);
 //! 2 usage.
 
-use crate::cli::EXIT_INVALID;
+use crate::exit::EXIT_INVALID;
 use anyhow::anyhow;
 use clap::Args;
 use expertmesh_checkpoint::convert::{
@@ -27,11 +27,11 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 /// Exit codes of `convert`, shown in its --help.
-pub const CONVERT_EXIT: &str = "Exit codes: 0 converted; 1 the checkpoint, its config.json or the placement has a problem (the tensor or file is named), or writing failed (e.g. disk full: finished shards are kept, re-run to resume); 2 usage.";
+pub(crate) const CONVERT_EXIT: &str = "Exit codes: 0 converted; 1 the checkpoint, its config.json or the placement has a problem (the tensor or file is named), or writing failed (e.g. disk full: finished shards are kept, re-run to resume); 2 usage.";
 
 /// `expertmesh convert`.
 #[derive(Args, Debug)]
-pub struct ConvertArgs {
+pub(crate) struct ConvertArgs {
     /// Hugging Face checkpoint folder (config.json + *.safetensors).
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -60,7 +60,7 @@ pub struct ConvertArgs {
 }
 
 /// Run `expertmesh convert`.
-pub fn run(args: &ConvertArgs) -> ExitCode {
+pub(crate) fn run(args: &ConvertArgs) -> ExitCode {
     match convert_checked(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -8,14 +8,19 @@
 //! wire per token, and what a weight-moving (offloading) design would have moved instead. The
 //! process exits 0 only if every response matched.
 
-use crate::cmd_fabric::{LinkArg, ModeArg, RouterArgs};
-use crate::local::{LocalFabric, LocalFabricOptions};
+use crate::args::{RouterArgs, link_parser};
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
+use expertmesh_benches::method::json::MachineInfo;
+use expertmesh_benches::method::stats::percentile;
+use expertmesh_fabric::defaults::local_files;
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
+use expertmesh_router::core::LayerMode;
 use expertmesh_router::core::RouterStats;
 use expertmesh_router::reference;
+use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -23,46 +28,9 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The single-host example topology, embedded so the demo runs from any directory.
-pub const SINGLE_HOST_TOPOLOGY: &str = include_str!("../../examples/single-host.toml");
-/// Its placement of `demo-small`.
-pub const SINGLE_HOST_PLACEMENT: &str =
-    include_str!("../../examples/single-host-demo-small.placement.toml");
-
-/// The files a local run uses: the given ones, or the embedded single-host topology and (for
-/// `demo-small`) its placement written to `dir`, or a balanced plan. The returned guard keeps a
-/// planned placement's temporary file alive.
-pub fn local_files(
-    dir: &std::path::Path,
-    topology: Option<&std::path::Path>,
-    model: &str,
-    placement: Option<&std::path::Path>,
-) -> anyhow::Result<(PathBuf, PathBuf, Option<tempfile::TempDir>)> {
-    let topo = match topology {
-        Some(p) => p.to_path_buf(),
-        None => {
-            let p = dir.join("single-host.toml");
-            std::fs::write(&p, SINGLE_HOST_TOPOLOGY)?;
-            p
-        }
-    };
-    Ok(match placement {
-        Some(p) => (topo, p.to_path_buf(), None),
-        None if model == "demo-small" && topology.is_none() => {
-            let p = dir.join("single-host-demo-small.placement.toml");
-            std::fs::write(&p, SINGLE_HOST_PLACEMENT)?;
-            (topo, p, None)
-        }
-        None => {
-            let (p, guard) = crate::plan_default::balanced_placement_file(&topo, model)?;
-            (topo, p, guard)
-        }
-    })
-}
-
 /// `expertmesh demo`.
 #[derive(Args, Debug)]
-pub struct DemoCli {
+pub(crate) struct DemoCli {
     /// Write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -76,8 +44,8 @@ pub struct DemoCli {
     #[arg(long)]
     placement: Option<PathBuf>,
     /// Worker ↔ router link.
-    #[arg(long, value_enum, default_value_t = LinkArg::Tcp)]
-    link: LinkArg,
+    #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
+    link: LinkKind,
     /// Rounds over the (layer, batch) schedule.
     #[arg(long, default_value_t = 10)]
     rounds: usize,
@@ -102,12 +70,8 @@ struct Call {
     latency: Duration,
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    crate::bench_json::percentile(sorted, p)
-}
-
 /// Run the demo.
-pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-demo-")
         .tempdir()?;
@@ -118,11 +82,11 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         cli.placement.as_deref(),
     )?;
     // The demo checks bit for bit (exact) or against a stated tolerance (accurate).
-    let mode = match cli.router.mode_or(ModeArg::Exact) {
-        m @ (ModeArg::Exact | ModeArg::Accurate) => ComputeMode::from(m),
+    let mode = match cli.router.mode_or(LayerMode::Exact) {
+        m @ (LayerMode::Exact | LayerMode::Accurate) => m.compute(),
         other => bail!(
             "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/wire_modes.rs",
-            expertmesh_router::core::LayerMode::from(other).name()
+            other.name()
         ),
     };
     let fabric = start_fabric(&cli, &topology, &placement, tmp.path(), mode)?;
@@ -163,8 +127,8 @@ fn start_fabric(
     mode: ComputeMode,
 ) -> anyhow::Result<LocalFabric> {
     let mut opts = LocalFabricOptions::new(topology, &cli.model, placement);
-    opts.link = cli.link.into();
-    opts.router = cli.router.config_in(ModeArg::Exact);
+    opts.link = cli.link;
+    opts.router = cli.router.config_in(LayerMode::Exact);
     opts.ephemeral_ports = true;
     opts.log_dir = Some(tmp.join("logs"));
     println!("ExpertMesh demo: starting a local fabric ...");
@@ -192,7 +156,7 @@ fn start_fabric(
             .map(|d| d.id().to_string())
             .collect::<Vec<_>>()
             .join(", "),
-        link_name(cli.link),
+        cli.link.name(),
         mode.name(),
         t_start.elapsed().as_secs_f64(),
         fabric.frontend_addr()
@@ -444,26 +408,25 @@ fn report(
     if let Some(path) = &cli.json {
         let report = serde_json::json!({
             "model": dep.spec.name, "topology": dep.topology.name(), "mode": mode.name(),
-            "link": link_name(cli.link),
+            "link": cli.link.name(),
             "calls": calls.len(), "tokens": total_tokens, "seconds": traffic_secs,
             "tokens_per_s": tokens_per_s,
             "latency_us_p50": percentile(&lat, 50.0), "latency_us_p99": percentile(&lat, 99.0),
             "per_batch": per_batch,
             "wire_bytes_per_token": wire_per_token, "offload_bytes_per_token": offload_per_token,
             "mismatches": mismatches, "errors": errors, "ok": ok,
-            "machine": crate::bench_json::MachineInfo::detect(),
+            "machine": MachineInfo::detect(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("  wrote {}", path.display());
     }
-    let _ = ModeArg::Exact;
     if ok {
         println!("demo OK");
         Ok(ExitCode::SUCCESS)
     } else {
         println!("demo FAILED: {mismatches} mismatched, {errors} failed responses");
-        Ok(ExitCode::from(crate::cli::EXIT_INVALID))
+        Ok(ExitCode::from(crate::exit::EXIT_INVALID))
     }
 }
 
@@ -519,10 +482,6 @@ fn report_per_batch(cli: &DemoCli, calls: &[Call]) -> Vec<serde_json::Value> {
         per_batch.push(serde_json::json!({"batch": b, "calls": l.len(), "latency_us_p50": percentile(&l, 50.0), "latency_us_p99": percentile(&l, 99.0)}));
     }
     per_batch
-}
-
-fn link_name(l: LinkArg) -> &'static str {
-    expertmesh_transport::mesh::LinkKind::from(l).name()
 }
 
 fn human_bytes(b: u64) -> String {

@@ -18,7 +18,7 @@ use std::process::ExitCode;
 /// Arguments of `expertmesh models`.
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("one_model").args(["model", "from_hf"])))]
-pub struct ModelsArgs {
+pub(crate) struct ModelsArgs {
     /// Show one model (a preset name or a model TOML file) in detail.
     model: Option<String>,
     /// Show the model of a Hugging Face checkpoint folder, read from DIR/config.json
@@ -33,7 +33,7 @@ pub struct ModelsArgs {
 }
 
 /// Run `models`.
-pub fn run(args: &ModelsArgs) -> ExitCode {
+pub(crate) fn run(args: &ModelsArgs) -> ExitCode {
     if let Some(dir) = &args.from_hf {
         return run_from_hf(dir, args.toml);
     }
@@ -60,9 +60,9 @@ pub fn run(args: &ModelsArgs) -> ExitCode {
                 }
             );
             ExitCode::from(if e.is_usage() {
-                crate::cli::EXIT_USAGE
+                crate::exit::EXIT_USAGE
             } else {
-                crate::cli::EXIT_INVALID
+                crate::exit::EXIT_INVALID
             })
         }
     }
@@ -81,11 +81,11 @@ fn run_from_hf(dir: &std::path::Path, toml: bool) -> ExitCode {
         }
         Err(e) if e.is_usage() => {
             eprintln!("error: {e}");
-            ExitCode::from(crate::cli::EXIT_USAGE)
+            ExitCode::from(crate::exit::EXIT_USAGE)
         }
         Err(e) => {
             eprintln!("{e}");
-            ExitCode::from(crate::cli::EXIT_INVALID)
+            ExitCode::from(crate::exit::EXIT_INVALID)
         }
     }
 }

@@ -24,6 +24,7 @@ use expertmesh_planner::{
     self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
     describe_shortfall,
 };
+use expertmesh_router::core::LayerMode;
 use expertmesh_topology::diag::FileError;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::units::format_bytes;
@@ -35,7 +36,7 @@ use std::process::ExitCode;
 
 /// `--strategy` values.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StrategyArg {
+pub(crate) enum StrategyArg {
     /// Hierarchical when groups line up with nodes or co-selection statistics are given.
     Auto,
     /// Replicate and pack over all devices at once.
@@ -46,7 +47,7 @@ pub enum StrategyArg {
 
 /// `--eplb-layers` values.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EplbLayersArg {
+pub(crate) enum EplbLayersArg {
     /// One row per model layer (SGLang `--init-expert-location`).
     All,
     /// One row per MoE layer (vLLM's map).
@@ -69,7 +70,7 @@ Exit codes: 0 planned, 1 does not fit (shortfall named), 2 usage or input error.
 /// Arguments of `expertmesh plan`.
 #[derive(clap::Args, Debug)]
 #[command(after_long_help = FORMATS_HELP)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// Topology TOML file.
     #[arg(long)]
     topology: PathBuf,
@@ -136,8 +137,8 @@ pub struct PlanArgs {
     /// out, an f32 row per slot back), exact-bf16 (bf16 rows per slot), accurate (f32 out, a
     /// pre-combined f32 row per device back) or serving (q8 out, a pre-combined bf16 row per
     /// device back; the default of `up` and `router`).
-    #[arg(long, default_value = "serving")]
-    mode: String,
+    #[arg(long, default_value = "serving", value_parser = crate::args::mode_parser())]
+    mode: LayerMode,
     /// Tokens per micro-batch of the router (one frame per micro-batch and device).
     #[arg(long, default_value_t = 32)]
     micro_batch: usize,
@@ -166,12 +167,12 @@ impl<E: std::fmt::Display> From<E> for Usage {
 const SWEEP: [usize; 6] = [1, 8, 32, 64, 128, 256];
 
 /// Run `plan`; prints the report and returns the exit code.
-pub fn run(args: &PlanArgs) -> ExitCode {
+pub(crate) fn run(args: &PlanArgs) -> ExitCode {
     match run_inner(args) {
         Ok(code) => code,
         Err(Usage(msg)) => {
             eprintln!("error: {msg}");
-            ExitCode::from(crate::cli::EXIT_USAGE)
+            ExitCode::from(crate::exit::EXIT_USAGE)
         }
     }
 }
@@ -278,8 +279,9 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
     }
     let mut warnings: Vec<String> = Vec::new();
     let inputs = read_inputs(args, &mut warnings)?;
-    let wire = crate::wire_bytes::wire_model(&args.mode, inputs.model.hidden, args.micro_batch)
-        .map_err(|e| Usage(format!("--mode: {e}")))?;
+    let wire =
+        expertmesh_fabric::wire_model::wire_model(args.mode, inputs.model.hidden, args.micro_batch)
+            .map_err(|e| Usage(format!("--mode: {e}")))?;
     let Placed {
         placement,
         strategy_name,
@@ -700,7 +702,7 @@ fn report_no_fit(
         t.devices().len(),
         describe_shortfall(s)
     );
-    ExitCode::from(crate::cli::EXIT_INVALID)
+    ExitCode::from(crate::exit::EXIT_INVALID)
 }
 
 /// Everything the report shows.

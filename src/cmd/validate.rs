@@ -22,7 +22,7 @@ use std::process::ExitCode;
 
 /// Arguments of `expertmesh validate`.
 #[derive(clap::Args, Debug)]
-pub struct ValidateArgs {
+pub(crate) struct ValidateArgs {
     /// Topology TOML file.
     topology: PathBuf,
     /// Model preset name or model TOML file (default: the placement's model, when that is a
@@ -69,7 +69,7 @@ impl Found {
 }
 
 /// Run `validate`; prints the summary (stdout) or the problems (stderr) and returns the exit code.
-pub fn run(args: &ValidateArgs) -> ExitCode {
+pub(crate) fn run(args: &ValidateArgs) -> ExitCode {
     let mut out = String::new();
     match validate(args, &mut out) {
         Ok(()) => {
@@ -78,7 +78,7 @@ pub fn run(args: &ValidateArgs) -> ExitCode {
         }
         Err(Failure::Usage(msg)) => {
             eprintln!("error: {msg}");
-            ExitCode::from(crate::cli::EXIT_USAGE)
+            ExitCode::from(crate::exit::EXIT_USAGE)
         }
         Err(Failure::Invalid(lines, count)) => {
             let mut err = String::new();
@@ -92,7 +92,7 @@ pub fn run(args: &ValidateArgs) -> ExitCode {
                 thousands(count),
                 if count == 1 { "" } else { "s" }
             );
-            ExitCode::from(crate::cli::EXIT_INVALID)
+            ExitCode::from(crate::exit::EXIT_INVALID)
         }
     }
 }

@@ -43,6 +43,33 @@ pub enum BackendChoice {
     Hip,
 }
 
+impl BackendChoice {
+    /// Every choice, as `--backend` lists them.
+    pub const ALL: [BackendChoice; 3] =
+        [BackendChoice::Auto, BackendChoice::Cpu, BackendChoice::Hip];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Cpu => "cpu",
+            Self::Hip => "hip",
+        }
+    }
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+
+    /// The choice named `s` ([`BackendChoice::name`]).
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("unknown backend {s:?}: give auto, cpu or hip"))
+    }
+}
+
 /// How one worker runs.
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {

@@ -10,7 +10,7 @@
 //! real cluster at those batch sizes. For every batch size the table shows tokens/s measured
 //! (tokens through every MoE layer per second, from all frontends) and predicted
 //! (`expertmesh_planner::evaluate::Evaluator::roofline` on the generated topology and
-//! placement, with the bytes the fabric sends: [`crate::wire_bytes`]), their ratio, per-layer
+//! placement, with the bytes the fabric sends: [`expertmesh_fabric::wire_model`]), their ratio, per-layer
 //! call latency p50/p99, and the router node's NIC bytes per token measured next to the
 //! planner's. In exact mode (the default) every answer is compared bit for bit with the
 //! in-process reference, in serving mode (`--mode serving`: bf16 rows pre-combined per device)
@@ -23,12 +23,14 @@
 mod files;
 pub mod netns;
 
-use crate::bench_json::{BenchReport, BenchResult};
+use crate::method::json::{BenchReport, BenchResult};
+use crate::method::stats::percentile;
 use anyhow::{Context, anyhow, bail};
 use expertmesh_planner::evaluate::{Evaluator, Hardware, NicBytes, Roofline};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
+use expertmesh_router::core::LayerMode;
 use expertmesh_router::reference;
 use expertmesh_transport::frontend::FrontendConfig;
 use expertmesh_worker::deploy::Deployment;
@@ -94,8 +96,8 @@ pub struct ClusterBenchOptions {
     pub micro_batch: usize,
     /// CPU workers per node (with two or more, a remote node's leader fans dispatches out).
     pub devices_per_node: usize,
-    /// Serving mode: "exact" (answers bit for bit) or "serving" (within [`SERVING_TOLERANCE`]).
-    pub mode: String,
+    /// Serving mode: exact (answers bit for bit) or serving (within [`SERVING_TOLERANCE`]).
+    pub mode: LayerMode,
     /// Folder for the generated files and logs (default: a temporary folder, removed).
     pub dir: Option<PathBuf>,
     /// Scheduling niceness of the cluster's processes and frontends (negative: ahead of other
@@ -127,7 +129,7 @@ impl ClusterBenchOptions {
             layers: 2,
             micro_batch: 32,
             devices_per_node: 1,
-            mode: "exact".to_owned(),
+            mode: LayerMode::Exact,
             dir: None,
             nice: 0,
             exe: None,
@@ -285,7 +287,7 @@ fn describe_machine(o: &ClusterBenchOptions, report: &mut BenchReport) {
         )
         .into(),
     );
-    extra.insert("mode".into(), o.mode.clone().into());
+    extra.insert("mode".into(), o.mode.name().into());
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         extra.insert("loadavg_at_start".into(), l.trim().into());
     }
@@ -396,7 +398,7 @@ fn start_processes(
         args.extend(
             [
                 "--mode",
-                &o.mode,
+                o.mode.name(),
                 "--micro-batch",
                 &o.micro_batch.to_string(),
                 "--max-tokens",
@@ -617,7 +619,7 @@ fn measure(
     fcfg: &FrontendConfig,
 ) -> anyhow::Result<Measured> {
     let shared = Arc::new(Shared {
-        tolerance: (o.mode != "exact").then_some(SERVING_TOLERANCE),
+        tolerance: (o.mode != LayerMode::Exact).then_some(SERVING_TOLERANCE),
         ..Shared::default()
     });
     let mut threads = Vec::new();
@@ -810,7 +812,7 @@ fn predict(
     routers: usize,
 ) -> anyhow::Result<Prediction> {
     let hw = Hardware::from_topology(&f.topology);
-    let wire = crate::wire_bytes::wire_model(&o.mode, f.model.hidden, o.micro_batch)?;
+    let wire = expertmesh_fabric::wire_model::wire_model(o.mode, f.model.hidden, o.micro_batch)?;
     let ev = Evaluator::new(
         &f.topology,
         &f.model,
@@ -829,14 +831,6 @@ fn predict(
             received: nic.received * framing,
         },
     })
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// A table row from a measurement and its prediction.
@@ -859,8 +853,8 @@ fn row_of(
         measured_tokens_per_s: m.calls_per_s * b as f64 / layers,
         predicted_tokens_per_s: p.tokens_per_s,
         bottleneck: p.bottleneck.clone(),
-        p50_ms: percentile(&lat, 0.5),
-        p99_ms: percentile(&lat, 0.99),
+        p50_ms: percentile(&lat, 50.0),
+        p99_ms: percentile(&lat, 99.0),
         calls: m.calls,
         router_nic_rx_bytes_per_token: m.nic_rx_per_s / layer_tokens,
         router_nic_tx_bytes_per_token: m.nic_tx_per_s / layer_tokens,
@@ -943,169 +937,27 @@ fn push_result(report: &mut BenchReport, r: &ClusterRow) {
     );
 }
 
-/// Arguments of `bench cluster` (defaults: the standard run; `--quick`: the test's).
-#[derive(clap::Args, Debug)]
-pub struct ClusterCli {
-    /// Write the results as JSON to this file (format: `expertmesh bench --help`; achieved =
-    /// measured, limit = the planner's prediction).
-    #[arg(long)]
-    json: Option<PathBuf>,
-    /// Small figures (3 nodes of 2 workers at 40 Mbit/s, 1 and 3 routers, batches 1 and 8)
-    /// for tests.
-    #[arg(long)]
-    quick: bool,
-    /// Nodes (network namespaces), one CPU worker each.
-    #[arg(long)]
-    nodes: Option<usize>,
-    /// Comma-separated router counts, each run as its own cluster (routers on nodes 0..R-1;
-    /// default 1 and one per node).
-    #[arg(long, value_delimiter = ',')]
-    routers: Vec<usize>,
-    /// NIC line rate in Mbit/s, each direction (tc tbf on both ends of every veth).
-    #[arg(long)]
-    line_rate_mbit: Option<f64>,
-    /// Scale the line rate from this topology's first NIC instead (with --scale).
-    #[arg(long, requires = "scale")]
-    scale_from: Option<PathBuf>,
-    /// Factor applied to --scale-from's line rate (e.g. 0.01: 10 Gbit/s becomes 100 Mbit/s).
-    #[arg(long)]
-    scale: Option<f64>,
-    /// tbf bucket in bytes (larger allows longer bursts above the rate).
-    #[arg(long)]
-    tbf_burst: Option<u64>,
-    /// tbf queue latency in ms (sets the queue length; too short drops packets).
-    #[arg(long)]
-    tbf_latency_ms: Option<f64>,
-    /// Comma-separated batch sizes (tokens per layer call per frontend).
-    #[arg(long, value_delimiter = ',')]
-    batches: Vec<usize>,
-    /// Seconds of measurement per batch size.
-    #[arg(long)]
-    seconds: Option<f64>,
-    /// Frontend connections per router.
-    #[arg(long)]
-    clients: Option<usize>,
-    /// Model hidden size (a multiple of 64).
-    #[arg(long)]
-    hidden: Option<u32>,
-    /// CPU workers per node (two or more: the router sends a remote node one dispatch per
-    /// micro-batch and its leader fans it out over shared memory).
-    #[arg(long)]
-    devices_per_node: Option<usize>,
-    /// Serving mode of the routers: exact (every answer bit for bit against the in-process
-    /// reference) or serving (bf16 rows pre-combined per device; RMS error within 1% of the
-    /// reference's RMS). The prediction counts that mode's wire.
-    #[arg(long, default_value = "exact", value_parser = ["exact", "serving"])]
-    mode: String,
-    /// Keep the generated topology, model, placement and logs in this folder.
-    #[arg(long)]
-    dir: Option<PathBuf>,
-    /// Niceness of the cluster's processes and frontends (e.g. -10 on a busy shared machine:
-    /// the emulation is latency-sensitive though it needs little CPU).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    nice: i32,
-}
-
-impl ClusterCli {
-    /// The options these arguments describe.
-    pub fn options(&self) -> anyhow::Result<ClusterBenchOptions> {
-        let mut o = if self.quick {
-            ClusterBenchOptions::quick()
-        } else {
-            ClusterBenchOptions::standard()
-        };
-        if let Some(n) = self.nodes {
-            o.nodes = n;
-            if self.routers.is_empty() && !self.quick {
-                o.routers = vec![1, n];
-            }
-        }
-        if !self.routers.is_empty() {
-            o.routers = self.routers.clone();
-        }
-        if let Some(path) = &self.scale_from {
-            let t = expertmesh_topology::Topology::load(path).map_err(|e| anyhow!("{e}"))?;
-            let nic = t
-                .nodes()
-                .iter()
-                .flat_map(|n| n.nics())
-                .next()
-                .ok_or_else(|| anyhow!("{} has no NIC", path.display()))?;
-            let scale = self.scale.unwrap_or(1.0);
-            o.line_rate_mbit = nic.speed_gbit_s() * 1000.0 * scale;
-            o.scaled_from = Some(format!(
-                "{} Gbit/s of {} x {scale}",
-                nic.speed_gbit_s(),
-                path.display()
-            ));
-        }
-        if let Some(r) = self.line_rate_mbit {
-            o.line_rate_mbit = r;
-        }
-        o.tbf_burst_bytes = self.tbf_burst.unwrap_or(o.tbf_burst_bytes);
-        o.tbf_latency_ms = self.tbf_latency_ms.unwrap_or(o.tbf_latency_ms);
-        if !self.batches.is_empty() {
-            o.batches = self.batches.clone();
-        }
-        o.seconds = self.seconds.unwrap_or(o.seconds);
-        o.clients = self.clients.unwrap_or(o.clients).max(1);
-        o.hidden = self.hidden.unwrap_or(o.hidden);
-        o.mode = self.mode.clone();
-        o.devices_per_node = self
-            .devices_per_node
-            .unwrap_or(o.devices_per_node)
-            .clamp(1, 8);
-        anyhow::ensure!(
-            o.hidden >= 64 && o.hidden % 64 == 0,
-            "--hidden must be a multiple of 64"
-        );
-        anyhow::ensure!(
-            o.line_rate_mbit.is_finite() && o.line_rate_mbit >= 1.0,
-            "the line rate must be at least 1 Mbit/s"
-        );
-        anyhow::ensure!(
-            o.seconds > 0.0 && o.seconds <= 600.0,
-            "--seconds must be in (0, 600]"
-        );
-        o.dir = self.dir.clone();
-        o.nice = self.nice;
-        Ok(o)
-    }
-}
-
-/// Run `bench cluster` from the command line: the table, the JSON, exit 1 when an answer was
-/// wrong or a call failed.
-pub fn run_cli(c: ClusterCli) -> anyhow::Result<std::process::ExitCode> {
-    let o = c.options()?;
-    let out = run(&o)?;
-    println!();
-    println!(
-        "| routers | batch | tokens/s measured | predicted | ratio | p50 ms | p99 ms | bottleneck |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    for r in &out.rows {
+impl ClusterOutcome {
+    /// Prints the rows as a Markdown table: measured and predicted tokens/s, their ratio,
+    /// latency percentiles and the predicted bottleneck.
+    pub fn print_table(&self) {
+        println!();
         println!(
-            "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
-            r.routers,
-            r.batch,
-            r.measured_tokens_per_s,
-            r.predicted_tokens_per_s,
-            r.ratio(),
-            r.p50_ms,
-            r.p99_ms,
-            r.bottleneck
+            "| routers | batch | tokens/s measured | predicted | ratio | p50 ms | p99 ms | bottleneck |"
         );
+        println!("|---|---|---|---|---|---|---|---|");
+        for r in &self.rows {
+            println!(
+                "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+                r.routers,
+                r.batch,
+                r.measured_tokens_per_s,
+                r.predicted_tokens_per_s,
+                r.ratio(),
+                r.p50_ms,
+                r.p99_ms,
+                r.bottleneck
+            );
+        }
     }
-    if let Some(path) = &c.json {
-        out.report.write(path)?;
-        println!("wrote {}", path.display());
-    }
-    for p in &out.problems {
-        eprintln!("error: {p}");
-    }
-    Ok(if out.problems.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::from(crate::cli::EXIT_INVALID)
-    })
 }

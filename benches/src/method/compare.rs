@@ -5,41 +5,30 @@
 //! and one question: which figures moved beyond run-to-run noise? Figures are matched by
 //! (name, batch, unit); the ratio is compared, since it is what stays meaningful on a shared
 //! machine. With raw samples on both sides the per-repetition ratios are compared by a
-//! Mann–Whitney test ([`crate::bench_stats::judge`]); with spreads only, by whether the p10–p90
+//! Mann–Whitney test ([`crate::method::stats::judge`]); with spreads only, by whether the p10–p90
 //! ranges are disjoint; without either, the verdict is "unknown". The machines' descriptions
 //! are compared too, so a difference of CPU, kernel, build or revision is seen first.
 
-use crate::bench_json::{BenchReport, BenchResult, Better};
-use crate::bench_report::{ReportError, esc, page, plot_err, section};
-use crate::bench_stats::{Spread, Verdict, judge};
+use crate::method::json::{BenchReport, BenchResult, Better};
+use crate::method::report::{ReportError, esc, page, plot_err, section};
+use crate::method::stats::{Spread, Verdict, judge};
 use plotters::prelude::*;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// Arguments of `bench compare`.
-#[derive(clap::Args, Debug)]
-pub struct CompareCli {
-    /// The first (reference) bench JSON file.
-    a: PathBuf,
-    /// The second bench JSON file, compared against the first.
-    b: PathBuf,
-    /// Write an HTML page with the changes plotted into this folder (index.html).
-    #[arg(long)]
-    report: Option<PathBuf>,
-}
-
-/// Runs `bench compare`: prints the comparison (and writes the page); exit 0 whatever the
-/// verdicts (the output says which figures moved).
-pub fn run(c: &CompareCli) -> anyhow::Result<std::process::ExitCode> {
-    let a = BenchReport::read(&c.a)?;
-    let b = BenchReport::read(&c.b)?;
-    let (diffs, unmatched) = compare(&a, &b);
-    print(&a, &b, &diffs, &unmatched);
-    if let Some(dir) = &c.report {
-        let page = write_report(&a, &b, &diffs, dir)?;
+/// Runs `bench compare` on the files `a` (reference) and `b`: prints the comparison, and
+/// writes the page into `report` when given. The verdicts are printed, not returned: moving
+/// figures are not an error.
+pub fn run(a: &Path, b: &Path, report: Option<&Path>) -> anyhow::Result<()> {
+    let ra = BenchReport::read(a)?;
+    let rb = BenchReport::read(b)?;
+    let (diffs, unmatched) = compare(&ra, &rb);
+    print(&ra, &rb, &diffs, &unmatched);
+    if let Some(dir) = report {
+        let page = write_report(&ra, &rb, &diffs, dir)?;
         println!("wrote {}", page.display());
     }
-    Ok(std::process::ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// One figure present in both runs.
@@ -356,7 +345,7 @@ fn change_plot(title: &str, diffs: &[Diff]) -> Result<String, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench_json::MachineInfo;
+    use crate::method::json::MachineInfo;
 
     fn report(rows: Vec<BenchResult>) -> BenchReport {
         BenchReport {

@@ -16,7 +16,7 @@
 //! a ratio past its limit by more than 2% sets `bench_bug: true`. Reading a report back
 //! ([`BenchReport::read`]) accepts files written before these fields existed.
 
-use crate::bench_stats::{Spread, paired_ratios, repetitions_for, repetitions_for_resampled};
+use crate::method::stats::{Spread, paired_ratios, repetitions_for, repetitions_for_resampled};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -314,7 +314,7 @@ impl BenchReport {
             "cpu_isa".into(),
             expertmesh_cpu_backend::kernels::Isa::detect().name().into(),
         );
-        crate::bench_machine::describe(&mut machine.extra);
+        crate::method::machine::describe(&mut machine.extra);
         Self {
             machine,
             results: Vec::new(),
@@ -405,15 +405,6 @@ pub enum ReadError {
     },
 }
 
-/// Percentile (nearest rank) of sorted samples; 0 for none.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,14 +481,5 @@ mod tests {
         assert!(lucky.ratio < 0.98 && !lucky.is_bench_bug());
         let always = BenchResult::from_samples("l", 1, &[9.0, 9.0, 9.5], &[10.0; 3], "us");
         assert!(always.is_bench_bug());
-    }
-
-    #[test]
-    fn percentile_is_nearest_rank() {
-        let s: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&s, 50.0), 50.0);
-        assert_eq!(percentile(&s, 99.0), 99.0);
-        assert_eq!(percentile(&s, 100.0), 100.0);
-        assert_eq!(percentile(&[7.0], 99.0), 7.0);
     }
 }

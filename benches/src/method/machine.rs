@@ -94,6 +94,34 @@ pub fn describe(extra: &mut BTreeMap<String, Value>) {
     extra.insert("binary_modified_unix".into(), json!(modified));
 }
 
+/// Memory this process may still allocate without pushing the machine into swap or the OOM
+/// killer: the kernel's `MemAvailable`, and less when a cgroup (a container, a systemd slice)
+/// limits the process to less (`memory.max - memory.current`, cgroup v2). `None` when
+/// neither can be read (not Linux).
+pub fn memory_available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let available = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)?;
+    let read = |p: &str| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("0::").map(str::to_owned))
+        })
+        .and_then(|path| {
+            let dir = format!("/sys/fs/cgroup{}", path.trim_end_matches('/'));
+            let max = read(&format!("{dir}/memory.max"))?;
+            let current = read(&format!("{dir}/memory.current")).unwrap_or(0);
+            Some(max.saturating_sub(current))
+        });
+    Some(cgroup.map_or(available, |c| c.min(available)))
+}
+
 /// Adds what changed during the run: `loadavg_end` and the process's CPU seconds
 /// (`cpu_seconds`, user + system) and involuntary context switches (`involuntary_switches`:
 /// how often other work took a core from the bench).

@@ -7,7 +7,7 @@
 //! backend only (no fonts, no bitmap libraries) and embedded inline, so the page is one
 //! self-contained file that any browser renders.
 
-use crate::bench_json::{BenchReport, BenchResult, Better};
+use crate::method::json::{BenchReport, BenchResult, Better};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

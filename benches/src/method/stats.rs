@@ -5,7 +5,7 @@
 //! (run-to-run ratios moved by 2× in issue 17). Every bench figure is therefore the median of
 //! repeated, interleaved measurements of the thing and its limit, with the spread of those
 //! repetitions reported next to it, and `bench compare` needs one rule for "outside noise".
-//! Percentiles are nearest-rank (the same definition as [`crate::bench_json::percentile`]).
+//! Percentiles are nearest-rank ([`percentile`]: the one definition every bench uses).
 
 use serde::{Deserialize, Serialize};
 
@@ -30,8 +30,8 @@ impl Spread {
         Spread {
             n: s.len(),
             median: median_sorted(&s),
-            p10: crate::bench_json::percentile(&s, 10.0),
-            p90: crate::bench_json::percentile(&s, 90.0),
+            p10: percentile(&s, 10.0),
+            p90: percentile(&s, 90.0),
         }
     }
 
@@ -201,6 +201,15 @@ pub fn judge(a: &[f64], b: &[f64], sa: Option<&Spread>, sb: Option<&Spread>) -> 
     }
 }
 
+/// Percentile (nearest rank) of sorted samples; 0 for none.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,5 +338,14 @@ mod tests {
         assert!(quiet < noisy, "{quiet} {noisy}");
         // σ = 0.3 / 2.563 = 0.117 → 2·7.85·1.37·1.15 ≈ 24.8
         assert_eq!(noisy, 25);
+    }
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&s, 50.0), 50.0);
+        assert_eq!(percentile(&s, 99.0), 99.0);
+        assert_eq!(percentile(&s, 100.0), 100.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
     }
 }

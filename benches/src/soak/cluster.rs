@@ -16,7 +16,7 @@
 //! addresses on the command line: two free loopback ports each, or 10.77.0.1 in namespace node 0,
 //! where the clients must run too ([`FaultCluster::client_namespace`]).
 
-use crate::bench_cluster::netns::{Emulation, Shaping};
+use crate::cluster::netns::{Emulation, Shaping};
 use anyhow::{Context, anyhow, bail};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;

@@ -227,7 +227,7 @@ pub fn drive_until(
 ) -> Vec<CallRecord> {
     let mut out = Vec::new();
     if let Some(ns) = &opts.namespace
-        && let Err(e) = crate::bench_cluster::netns::enter(ns)
+        && let Err(e) = crate::cluster::netns::enter(ns)
     {
         out.push(error_record(
             id,
@@ -420,7 +420,7 @@ pub fn ok_latency_percentile<'a>(records: impl IntoIterator<Item = &'a CallRecor
         .map(|r| r.latency.as_secs_f64())
         .collect();
     v.sort_by(f64::total_cmp);
-    crate::bench_json::percentile(&v, p)
+    crate::method::stats::percentile(&v, p)
 }
 
 /// Start `n` checking clients on threads; `stop` ends them. Join with [`join_clients`].

@@ -22,22 +22,16 @@
 pub mod cluster;
 pub mod golden;
 
-use crate::bench_json::{BenchReport, BenchResult};
+use crate::method::json::{BenchReport, BenchResult};
 use anyhow::{Context, bail};
 use cluster::{Cut, FaultCluster, FaultClusterOptions};
 use expertmesh_transport::frontend::FrontendConfig;
 use golden::{CallRecord, DriveOptions, Outcome, Reference, Tally};
 use serde::Serialize;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-/// Exit codes of `bench soak`, shown by its --help.
-pub const EXIT_CODES: &str = "\
-Exit codes: 0 every answer bit-identical or a clean error and no call hung; 1 a wrong answer or
-a hung call; 2 bad options, or a fabric that could not start.";
 
 /// How long a partition lasts, s: past the 5 s idle timeout, so the links are declared dead
 /// and redialed while it lasts.
@@ -47,7 +41,7 @@ const PARTITION_S: f64 = 25.0;
 pub const SOAK_PLACEMENT: [&str; 3] = ["0-15,24-31", "8-31", "0-7,16-23"];
 
 /// Namespaces or loopback.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NetMode {
     /// Namespaces when permitted, else loopback (said in the output).
     Auto,
@@ -57,41 +51,86 @@ pub enum NetMode {
     Loopback,
 }
 
-/// Arguments of `bench soak`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct SoakCli {
+impl NetMode {
+    /// Every network mode, as `--net` lists them.
+    pub const ALL: [NetMode; 3] = [NetMode::Auto, NetMode::Namespaces, NetMode::Loopback];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Namespaces => "namespaces",
+            Self::Loopback => "loopback",
+        }
+    }
+}
+
+impl std::str::FromStr for NetMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown network mode {s:?}: give auto, namespaces or loopback"))
+    }
+}
+
+/// How a soak runs (`bench soak`'s options; [`SoakOptions::default`] is its defaults).
+#[derive(Debug, Clone)]
+pub struct SoakOptions {
     /// Length of the run in minutes (fractions allowed, e.g. 0.5).
-    #[arg(long, default_value_t = 10.0)]
     pub minutes: f64,
     /// Seed of the fault schedule (which fault, which target, when).
-    #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Seconds between faults (each ±20%).
-    #[arg(long, default_value_t = 60.0)]
     pub fault_every_s: f64,
     /// Checking clients.
-    #[arg(long, default_value_t = 3)]
     pub clients: usize,
     /// Router processes; with more than one every client is a failover client over all of
     /// them (`RouterClient::connect_any`).
-    #[arg(long, default_value_t = 1)]
     pub routers: usize,
     /// Deadline of every call, ms.
-    #[arg(long, default_value_t = 2000)]
     pub deadline_ms: u64,
     /// A call with no answer by deadline + this is a hang, ms.
-    #[arg(long, default_value_t = 2000)]
     pub hang_margin_ms: u64,
     /// Network: namespaces (partitions, slow links) or loopback.
-    #[arg(long, value_enum, default_value_t = NetMode::Auto)]
     pub net: NetMode,
-    /// Write the report as JSON (format: `expertmesh bench --help`; details under
-    /// machine.soak).
-    #[arg(long)]
-    pub json: Option<PathBuf>,
     /// Folder for the fabric's files and logs, kept (default: a temporary folder, removed).
-    #[arg(long)]
     pub dir: Option<PathBuf>,
+}
+
+impl Default for SoakOptions {
+    fn default() -> Self {
+        Self {
+            minutes: 10.0,
+            seed: 1,
+            fault_every_s: 60.0,
+            clients: 3,
+            routers: 1,
+            deadline_ms: 2000,
+            hang_margin_ms: 2000,
+            net: NetMode::Auto,
+            dir: None,
+        }
+    }
+}
+
+impl SoakOptions {
+    /// Refuses options a soak cannot run with, naming the option.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if !(self.minutes > 0.0 && self.minutes <= 24.0 * 60.0) {
+            bail!("--minutes must be in (0, 1440]");
+        }
+        if self.fault_every_s.is_nan()
+            || self.fault_every_s < 1.0
+            || self.clients == 0
+            || self.routers == 0
+        {
+            bail!("--fault-every-s must be at least 1, --clients and --routers at least 1");
+        }
+        Ok(())
+    }
 }
 
 /// What kind of fault.
@@ -310,32 +349,9 @@ impl Xorshift {
     }
 }
 
-/// Run `bench soak` from the command line.
-pub fn run_cli(cli: SoakCli) -> anyhow::Result<ExitCode> {
-    if !(cli.minutes > 0.0 && cli.minutes <= 24.0 * 60.0) {
-        bail!("--minutes must be in (0, 1440]");
-    }
-    if cli.fault_every_s.is_nan() || cli.fault_every_s < 1.0 || cli.clients == 0 || cli.routers == 0
-    {
-        bail!("--fault-every-s must be at least 1, --clients and --routers at least 1");
-    }
-    crate::bench_cluster::netns::install_signal_cleanup();
-    let report = run(&cli)?;
-    print!("{}", report.summary());
-    if let Some(path) = &cli.json {
-        report.bench_report().write(path)?;
-        println!("wrote {}", path.display());
-    }
-    Ok(if report.passed() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
-}
-
-/// Start the fabric, load it, inject faults for `cli.minutes`, report.
-pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
-    let namespaces = match cli.net {
+/// Start the fabric, load it, inject faults for `soak.minutes`, report.
+pub fn run(soak: &SoakOptions) -> anyhow::Result<SoakReport> {
+    let namespaces = match soak.net {
         NetMode::Loopback => false,
         NetMode::Namespaces => true,
         NetMode::Auto => match cluster::namespaces_permitted() {
@@ -348,7 +364,7 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
             }
         },
     };
-    let (_tmp, dir) = match &cli.dir {
+    let (_tmp, dir) = match &soak.dir {
         Some(d) => (None, d.clone()),
         None => {
             let t = tempfile::Builder::new()
@@ -360,7 +376,7 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
     };
     let exe = std::env::current_exe().context("finding the expertmesh binary")?;
     let mut opts = FaultClusterOptions::new(exe, &dir, &SOAK_PLACEMENT);
-    opts.routers = cli.routers;
+    opts.routers = soak.routers;
     opts.namespaces = namespaces;
     let spec =
         expertmesh_topology::model::preset_by_name(&opts.model).context("demo-small preset")?;
@@ -371,14 +387,14 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
     let golden = Arc::new(Reference::new(&spec, opts.seed)?.golden(96, &[1, 4, 16], 1)?);
     let mut fabric = FaultCluster::start(opts)?;
     let drive = DriveOptions {
-        routers: (0..cli.routers).map(|i| fabric.frontend_addr(i)).collect(),
+        routers: (0..soak.routers).map(|i| fabric.frontend_addr(i)).collect(),
         frontend: FrontendConfig::new("faults"),
         namespace: fabric.client_namespace(),
-        deadline: Duration::from_millis(cli.deadline_ms),
-        margin: Duration::from_millis(cli.hang_margin_ms),
+        deadline: Duration::from_millis(soak.deadline_ms),
+        margin: Duration::from_millis(soak.hang_margin_ms),
         reconnect_pause: Duration::from_millis(50),
         think: Duration::ZERO,
-        failover: cli.routers > 1,
+        failover: soak.routers > 1,
     };
     let rss_start: Vec<(String, Option<u64>)> = fabric
         .processes()
@@ -387,9 +403,9 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
-    let clients = golden::spawn_clients(cli.clients, &drive, &golden, &stop);
-    let total = Duration::from_secs_f64(cli.minutes * 60.0);
-    let faults = inject_faults(&mut fabric, cli, t0, total);
+    let clients = golden::spawn_clients(soak.clients, &drive, &golden, &stop);
+    let total = Duration::from_secs_f64(soak.minutes * 60.0);
+    let faults = inject_faults(&mut fabric, soak, t0, total);
     stop.store(true, Ordering::Relaxed);
     let records = golden::join_clients(clients);
     let seconds = t0.elapsed().as_secs_f64();
@@ -409,14 +425,14 @@ pub fn run(cli: &SoakCli) -> anyhow::Result<SoakReport> {
         })
         .collect();
     Ok(build_report(
-        cli, namespaces, seconds, t0, faults, rss, &records, &golden,
+        soak, namespaces, seconds, t0, faults, rss, &records, &golden,
     ))
 }
 
 /// The report of a finished run.
 #[allow(clippy::too_many_arguments)] // the run's parts, gathered once at its end
 fn build_report(
-    cli: &SoakCli,
+    opts: &SoakOptions,
     namespaces: bool,
     seconds: f64,
     t0: Instant,
@@ -432,7 +448,7 @@ fn build_report(
     SoakReport {
         seconds,
         network: if namespaces { "namespaces" } else { "loopback" }.into(),
-        seed: cli.seed,
+        seed: opts.seed,
         tally: Tally::of(records),
         ok_latency_p50_s: golden::ok_latency_percentile(records, 50.0),
         ok_latency_p99_s: golden::ok_latency_percentile(records, 99.0),
@@ -461,11 +477,11 @@ fn build_report(
 /// stays armed until the run ends).
 fn inject_faults(
     fabric: &mut FaultCluster,
-    cli: &SoakCli,
+    opts: &SoakOptions,
     t0: Instant,
     total: Duration,
 ) -> Vec<FaultRecord> {
-    let mut rng = Xorshift(cli.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Xorshift(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut kinds = vec![
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
@@ -486,7 +502,7 @@ fn inject_faults(
         Duration::from_secs(12)
     };
     let mut out = Vec::new();
-    let every = cli.fault_every_s;
+    let every = opts.fault_every_s;
     let mut next = every * (0.5 + 0.2 * rng.unit());
     loop {
         let wait_until = t0 + Duration::from_secs_f64(next);
@@ -497,7 +513,7 @@ fn inject_faults(
         std::thread::sleep(wait_until.saturating_duration_since(Instant::now()));
         let kind = kinds[rng.below(kinds.len())];
         let target = match kind {
-            FaultKind::RouterRestart | FaultKind::RouterPause => rng.below(cli.routers),
+            FaultKind::RouterRestart | FaultKind::RouterPause => rng.below(opts.routers),
             _ => rng.below(fabric.devices()),
         };
         let rec = inject_one(fabric, kind, target, t0);

@@ -1,0 +1,249 @@
+//! Argument groups and value parsers that several commands share: a deployment's files, the
+//! router's tuning, credentials, observers, and the parsers that turn words into the domain
+//! types (`LayerMode`, `LinkKind`, `BackendChoice`, addresses).
+//!
+//! Why this exists: `worker`, `router`, `up`, `infer`, `demo` and `bench` must spell the same
+//! option the same way with the same help, and the command line must not grow mirror enums of
+//! the library's types: each parser lists the type's own names (its `FromStr`) with help for
+//! each value.
+
+use anyhow::bail;
+use clap::Args;
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use expertmesh_fabric::credentials::Security;
+use expertmesh_fabric::observe::ObserveOptions;
+use expertmesh_router::core::{LayerMode, RouterConfig};
+use expertmesh_transport::dtype::ActivationDtype;
+use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::deploy::Deployment;
+use expertmesh_worker::process::BackendChoice;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
+pub(crate) fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
+    expertmesh_fabric::endpoint::parse_endpoint(s)
+}
+
+/// What each serving mode means, for `--mode`'s help.
+fn mode_help(m: LayerMode) -> &'static str {
+    match m {
+        LayerMode::Exact => {
+            "W4A8, per-slot f32 results: bit-identical to the reference whatever the placement"
+        }
+        LayerMode::ExactBf16 => {
+            "W4A8, per-slot results rounded to bf16: half of exact's result bytes, bits still placement-independent (the reference with bf16 expert outputs)"
+        }
+        LayerMode::Accurate => {
+            "W4A16, f32 results pre-combined per device: within 1e-4 of the f64 reference"
+        }
+        LayerMode::Serving => {
+            "W4A8 (q8 dispatch), results pre-combined per device and sent in bf16: the leanest wire, within the exact mode's tolerance of f64 (RMS < 2%) plus bf16 rounding"
+        }
+    }
+}
+
+/// `--mode`: a [`LayerMode`] by its name.
+pub(crate) fn mode_parser() -> impl TypedValueParser<Value = LayerMode> {
+    PossibleValuesParser::new(
+        LayerMode::ALL.map(|m| PossibleValue::new(m.name()).help(mode_help(m))),
+    )
+    .map(|s| s.parse::<LayerMode>().expect("a listed mode name"))
+}
+
+/// What each link kind is, for `--link`'s help.
+fn link_help(l: LinkKind) -> &'static str {
+    match l {
+        LinkKind::Tcp => "TCP (any hosts)",
+        LinkKind::Shm => {
+            "shared-memory rings (same host; falls back to TCP when /dev/shm is unusable)"
+        }
+        LinkKind::Rdma => "RoCE (build with `--features rdma`)",
+    }
+}
+
+/// `--link`: a [`LinkKind`] among `kinds`, by its name.
+pub(crate) fn link_parser(kinds: &[LinkKind]) -> impl TypedValueParser<Value = LinkKind> + use<> {
+    PossibleValuesParser::new(
+        kinds
+            .iter()
+            .map(|&l| PossibleValue::new(l.name()).help(link_help(l)))
+            .collect::<Vec<_>>(),
+    )
+    .map(|s| s.parse::<LinkKind>().expect("a listed link name"))
+}
+
+/// `--backend`: a [`BackendChoice`] by its name.
+pub(crate) fn backend_parser() -> impl TypedValueParser<Value = BackendChoice> {
+    let help = |b: BackendChoice| match b {
+        BackendChoice::Auto => "HIP when available for GPU devices, else CPU",
+        BackendChoice::Cpu => "CPU backend",
+        BackendChoice::Hip => "HIP backend (error when unavailable)",
+    };
+    PossibleValuesParser::new(
+        BackendChoice::ALL.map(|b| PossibleValue::new(b.name()).help(help(b))),
+    )
+    .map(|s| s.parse::<BackendChoice>().expect("a listed backend name"))
+}
+
+/// The files of a deployment: topology plus either a converted weights folder (`--weights`,
+/// whose manifest names the model and placement) or a model and a placement (synthetic weights
+/// from `--seed`).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct DeployArgs {
+    /// Topology file.
+    #[arg(long)]
+    pub(crate) topology: PathBuf,
+    /// Converted weights folder (written by `expertmesh convert`); the model and the placement
+    /// come from its manifest.
+    #[arg(long, conflicts_with_all = ["model", "placement", "seed"])]
+    pub(crate) weights: Option<PathBuf>,
+    /// Model preset or model TOML file (synthetic weights; not with --weights).
+    #[arg(long, required_unless_present = "weights")]
+    pub(crate) model: Option<String>,
+    /// Placement file (not with --weights).
+    #[arg(long, required_unless_present = "weights")]
+    pub(crate) placement: Option<PathBuf>,
+    /// Seed of the synthetic expert weights (must match on every process; not with --weights).
+    #[arg(long, default_value_t = 42)]
+    pub(crate) seed: u64,
+}
+
+impl DeployArgs {
+    /// Load the deployment these arguments describe.
+    pub(crate) fn load(&self) -> anyhow::Result<Deployment> {
+        match (&self.weights, &self.model, &self.placement) {
+            (Some(w), _, _) => Deployment::load_converted(&self.topology, w),
+            (None, Some(m), Some(p)) => Deployment::load(&self.topology, m, p, self.seed),
+            _ => bail!("give --weights W, or --model and --placement"),
+        }
+    }
+}
+
+/// Router tuning shared by `router`, `up`, `demo` and `bench fabric`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RouterArgs {
+    /// Serving mode (numerics and result wire). Default: serving for `up` and `router`, exact
+    /// for `demo` and `bench fabric`.
+    #[arg(long, value_parser = mode_parser())]
+    pub(crate) mode: Option<LayerMode>,
+    /// How long a batch waits for more requests of the same layer, in microseconds (it goes
+    /// at once when every connected frontend has a request in it).
+    #[arg(long, default_value_t = 200)]
+    pub(crate) batch_window_us: u64,
+    /// Tokens per micro-batch.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) micro_batch: usize,
+    /// Largest request (tokens).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_tokens: usize,
+    /// Deadline of requests that carry none, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) deadline_ms: u64,
+    /// Longest deadline a request may ask for, in milliseconds (longer ones are cut to it).
+    #[arg(long, default_value_t = 60_000)]
+    pub(crate) max_deadline_ms: u64,
+    /// Tokens of admitted, unanswered requests, all frontends together: beyond this (or a
+    /// frontend's fair share of it) requests are refused with Overloaded before their data is
+    /// read.
+    #[arg(long, default_value_t = 2048)]
+    pub(crate) max_inflight_tokens: usize,
+    /// Re-send a part to a replica after this many milliseconds without an answer.
+    #[arg(long, default_value_t = 3_000)]
+    pub(crate) straggler_ms: u64,
+}
+
+impl RouterArgs {
+    /// `--mode`, or `default` when it is not given (each command has its own default).
+    pub(crate) fn mode_or(&self, default: LayerMode) -> LayerMode {
+        self.mode.unwrap_or(default)
+    }
+
+    /// The router configuration of `up` and `router` (serving mode unless `--mode` says).
+    pub(crate) fn config(&self) -> RouterConfig {
+        self.config_in(LayerMode::Serving)
+    }
+
+    /// The router configuration, in `default` mode unless `--mode` says otherwise.
+    pub(crate) fn config_in(&self, default: LayerMode) -> RouterConfig {
+        let mode = self.mode_or(default);
+        mode.apply(RouterConfig {
+            mode: mode.compute(),
+            max_request_tokens: self.max_tokens,
+            max_batch_tokens: self.max_tokens,
+            micro_batch_tokens: self.micro_batch.max(1),
+            batch_window: Duration::from_micros(self.batch_window_us),
+            default_deadline: Duration::from_millis(self.deadline_ms),
+            straggler_timeout: Duration::from_millis(self.straggler_ms),
+            max_inflight_batches: 64,
+            max_deadline: Duration::from_millis(self.max_deadline_ms),
+            max_inflight_requests: 64,
+            max_inflight_tokens: self.max_inflight_tokens.max(1),
+            accurate_dtype: ActivationDtype::F32,
+            results: mode.results(),
+        })
+    }
+}
+
+/// `--credentials FILE` and `--insecure`, shared by `worker`, `router`, `infer`.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct SecurityArgs {
+    /// This process's credential file (`expertmesh keys issue`): authenticates it as its own
+    /// rank or frontend name, and encrypts every TCP link.
+    #[arg(long)]
+    pub(crate) credentials: Option<PathBuf>,
+    /// Run without credentials on a non-loopback address: all traffic is then
+    /// unauthenticated and unencrypted (without credentials only loopback is allowed).
+    #[arg(long)]
+    pub(crate) insecure: bool,
+}
+
+impl SecurityArgs {
+    /// The launcher's view of these flags.
+    pub(crate) fn security(&self) -> Security {
+        Security {
+            credentials: self.credentials.clone(),
+            insecure: self.insecure,
+        }
+    }
+}
+
+/// `--metrics` alone (the worker's flag).
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct MetricsArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks a free port,
+    /// printed at start).
+    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
+    pub(crate) metrics: Option<SocketAddr>,
+}
+
+/// `--metrics` and the live load file (the router's and `up`'s flags).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ObserveArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT; port 0 picks free ports).
+    /// With `up`, router i listens on PORT+i and worker d on PORT+routers+d (all free ports
+    /// when PORT is 0); every address is printed at start.
+    #[arg(long, value_parser = parse_endpoint, value_name = "ADDR")]
+    pub(crate) metrics: Option<SocketAddr>,
+    /// Keep a live per-expert load file here, in the planner's statistics format
+    /// (`expertmesh plan --load FILE` reads it; .json for JSON, else CSV): tokens routed to
+    /// each expert since start, rewritten atomically every --load-stats-every seconds and at
+    /// exit.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) load_stats: Option<PathBuf>,
+    /// Seconds between rewrites of the --load-stats file.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub(crate) load_stats_every: f64,
+}
+
+impl ObserveArgs {
+    /// The observers these flags ask for.
+    pub(crate) fn options(&self) -> ObserveOptions {
+        ObserveOptions {
+            metrics: self.metrics,
+            load_stats: self.load_stats.clone(),
+            load_stats_every: self.load_stats_every,
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! `expertmesh router`: the router service of a deployment, until Ctrl-C.
+//!
+//! Why this exists: a multi-host deployment runs one of these per `[[router]]` of its topology
+//! (the local launcher starts the same service in its own process); this module turns
+//! arguments into the router core, the mesh and frontend listeners, and the observers.
+
+use crate::args::{DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser, parse_endpoint};
+use anyhow::anyhow;
+use clap::Args;
+use expertmesh_fabric::local::frontend_config;
+use expertmesh_fabric::observe;
+use expertmesh_router::service::{RouterService, ServiceConfig};
+use expertmesh_transport::frontend::FrontendConfig;
+use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::shared::router_core;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+/// `expertmesh router`.
+#[derive(Args, Debug)]
+pub(crate) struct RouterCli {
+    #[command(flatten)]
+    deploy: DeployArgs,
+    #[command(flatten)]
+    router: RouterArgs,
+    /// Which router of the topology this is (0-based, in the order of its `[[router]]`
+    /// tables; several routers share the same workers).
+    #[arg(long, default_value_t = 0)]
+    instance: u32,
+    /// Frontend listen address (default: this router's section of the topology).
+    #[arg(long, value_parser = parse_endpoint)]
+    listen: Option<SocketAddr>,
+    /// Mesh listen address for workers (default: this router's mesh_port, or its node's
+    /// control port).
+    #[arg(long, value_parser = parse_endpoint)]
+    mesh_listen: Option<SocketAddr>,
+    /// Link kind workers use (must match the workers' --link).
+    #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
+    link: LinkKind,
+    /// Threads for shared experts run on the router.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    #[command(flatten)]
+    observe: ObserveArgs,
+    #[command(flatten)]
+    security: SecurityArgs,
+}
+
+/// Run `expertmesh router` until interrupted.
+pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
+    let mut dep = cli.deploy.load()?;
+    let instance = cli.instance;
+    let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
+    let mesh_listen = match cli.mesh_listen {
+        Some(a) => a,
+        None => dep.router_mesh_endpoint(instance)?,
+    };
+    let listen = match cli.listen {
+        Some(a) => a,
+        None => dep.router_frontend_endpoint(instance)?,
+    };
+    cli.security
+        .security()
+        .apply_rank(&mut dep, instance, &[mesh_listen, listen])?;
+    let service = RouterService::start(
+        core,
+        dep.mesh_config(instance, &[], &[], mesh_listen, cli.link),
+        ServiceConfig {
+            frontend_listen: listen,
+            frontend: FrontendConfig {
+                server_rank: instance,
+                ..frontend_config(&dep)
+            },
+            max_outstanding_per_client: 32,
+        },
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    println!(
+        "expertmesh router {instance} of {}: model {} on {} devices; frontends connect to {}, workers to {}",
+        dep.router_count(),
+        dep.spec.name,
+        dep.topology.devices().len(),
+        service.frontend_addr(),
+        service
+            .mesh_addr()
+            .map_or_else(|| "?".into(), |a| a.to_string())
+    );
+    let observers = observe::start(&cli.observe.options(), &[&service], &dep.spec)?;
+    expertmesh_fabric::process::wait_for_ctrl_c()?;
+    drop(observers);
+    drop(service);
+    Ok(ExitCode::SUCCESS)
+}

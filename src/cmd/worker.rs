@@ -1,0 +1,88 @@
+//! `expertmesh worker`: one expert worker (one device) of a deployment.
+//!
+//! Why this exists: a multi-host deployment starts one of these per device, and the local
+//! launcher starts the same command for each of its workers, so both run exactly the same code
+//! ([`expertmesh_worker::process::run`]); this module only turns arguments into its options.
+
+use crate::args::{
+    DeployArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
+};
+use clap::Args;
+use expertmesh_transport::mesh::LinkKind;
+use expertmesh_worker::process::{BackendChoice, WorkerOptions};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+/// `expertmesh worker`.
+#[derive(Args, Debug)]
+pub(crate) struct WorkerCli {
+    #[command(flatten)]
+    deploy: DeployArgs,
+    /// Device to serve: its id ("node/device") or topology rank.
+    #[arg(long)]
+    device: String,
+    /// Router mesh address; repeat it (or separate with commas) once per router, in the
+    /// topology's order (default: every router's mesh port from the topology).
+    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
+    router: Vec<SocketAddr>,
+    /// Listen address of this worker (default: the device's data port).
+    #[arg(long, value_parser = parse_endpoint)]
+    listen: Option<SocketAddr>,
+    /// Every device's listen address in topology order, comma-separated (default: the
+    /// topology's data endpoints); node peers dial each other there to share dispatches.
+    #[arg(long, value_parser = parse_endpoint, value_delimiter = ',')]
+    device_addrs: Vec<SocketAddr>,
+    /// Link to the router.
+    #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
+    link: LinkKind,
+    /// Backend threads (default: the topology's `threads` for CPU devices).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Backend: auto (HIP for GPU devices when available, else CPU), cpu or hip.
+    #[arg(long, default_value = "auto", value_parser = backend_parser())]
+    backend: BackendChoice,
+    /// Largest dispatch (tokens) this worker accepts; match the router's --micro-batch.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Exit when the parent process exits (used by the local launcher).
+    #[arg(long)]
+    exit_with_parent: bool,
+    #[command(flatten)]
+    metrics: MetricsArgs,
+    #[command(flatten)]
+    security: SecurityArgs,
+}
+
+/// Run `expertmesh worker`.
+pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
+    if cli.exit_with_parent {
+        expertmesh_fabric::process::exit_with_parent();
+    }
+    let mut dep = cli.deploy.load()?;
+    let d = dep.device(&cli.device)?;
+    let listen = match cli.listen {
+        Some(a) => a,
+        None => dep.worker_endpoint(d)?,
+    };
+    let mut exposed = vec![listen];
+    exposed.extend(&cli.router);
+    let rank = dep.mesh_rank(d);
+    cli.security
+        .security()
+        .apply_rank(&mut dep, rank, &exposed)?;
+    expertmesh_worker::process::run(
+        dep,
+        WorkerOptions {
+            device: cli.device,
+            routers: cli.router,
+            listen: cli.listen,
+            device_addrs: cli.device_addrs,
+            link: cli.link,
+            threads: cli.threads,
+            backend: cli.backend,
+            max_tokens: cli.max_tokens.max(1),
+            metrics: cli.metrics.metrics,
+        },
+    )?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,388 @@
+//! A first-time user's path through `expertmesh up` → `expertmesh infer`, run as a user runs it:
+//! the real binary, real worker processes, real sockets on 127.0.0.1.
+//!
+//! Checks (issue 14, part B): a worker that cannot start makes `up` fail at once naming the
+//! device (id and topology rank) with its log; frontends are refused, naming the missing
+//! workers, until every worker has connected; `infer --help` and the README say how to make the
+//! input; float64 input is converted with a note; host names are accepted; connection and I/O
+//! errors are said once; a mesh port is recognised as not the frontend; an input over the
+//! router's per-request limit is refused from its header, before its data is read, with exit 1.
+
+use expertmesh::npy::{self, NpyDtype};
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::reference;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::{free_port, two_cpu_topology};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"))
+}
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+/// Run `cmd` with its output in files (no pipe can fill up), killed after `limit`.
+fn run(mut cmd: Command, limit: Duration) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("out"), dir.path().join("err"));
+    let t = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let r = Run {
+        code: status.and_then(|s| s.code()),
+        stdout: std::fs::read_to_string(&out).unwrap(),
+        stderr: std::fs::read_to_string(&err).unwrap(),
+        took: t.elapsed(),
+    };
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    r
+}
+
+fn infer(router: &str, cluster: &str, layer: u32, input: &Path, output: &Path) -> Run {
+    let mut c = Command::new(bin());
+    c.args(["infer", "--router", router, "--cluster", cluster])
+        .args(["--layer", &layer.to_string()])
+        .arg("--input")
+        .arg(input)
+        .arg("--output")
+        .arg(output);
+    run(c, Duration::from_secs(60))
+}
+
+fn options() -> LocalFabricOptions {
+    let mut o = LocalFabricOptions::new(
+        root().join("examples/single-host.toml"),
+        "demo-small",
+        root().join("examples/single-host-demo-small.placement.toml"),
+    );
+    o.exe = bin();
+    o.ephemeral_ports = true;
+    o.connect_timeout = Duration::from_secs(60);
+    o
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    // cpu0's data port is taken (held by this test); cpu1's is free.
+    let (busy, data) = loop {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break (l, p);
+        }
+    };
+    let topo = two_cpu_topology(
+        &dir.path().join("friction.toml"),
+        "friction",
+        free_port(),
+        free_port(),
+        data,
+    );
+    let mut c = Command::new(bin());
+    c.arg("up")
+        .arg("--topology")
+        .arg(&topo)
+        .args(["--model", "demo-small"]);
+    let r = run(c, Duration::from_secs(60));
+    drop(busy);
+    let all = format!("{}{}", r.stdout, r.stderr);
+    assert_eq!(
+        r.code,
+        Some(2),
+        "up exits 2 when a worker cannot start:\n{all}"
+    );
+    assert!(
+        r.took < Duration::from_secs(30),
+        "reported after {:?}, not at once",
+        r.took
+    );
+    assert!(
+        r.stderr
+            .contains("worker local/cpu0 (rank 0) failed to start"),
+        "names the device and its topology rank:\n{all}"
+    );
+    assert!(
+        r.stderr
+            .contains(&format!("cannot listen on 127.0.0.1:{data}")),
+        "shows the worker's own error from its log:\n{all}"
+    );
+    let log = r
+        .stderr
+        .split(" log (")
+        .nth(1)
+        .and_then(|s| s.split("):").next())
+        .unwrap_or_else(|| panic!("the error names the worker's log:\n{all}"));
+    assert!(log.ends_with("worker-0.log"), "{log}");
+    let text = std::fs::read_to_string(log).expect("the log is kept after `up` exits");
+    assert!(text.contains("cannot listen on"), "{text}");
+    let _ = std::fs::remove_dir_all(Path::new(log).parent().unwrap());
+    // Only the worker that failed is blamed (the other one's info line "worker connected …
+    // (rank 1)" is no blame).
+    let blame: Vec<&str> = all
+        .lines()
+        .filter(|l| !l.contains(" INFO ") && !l.contains(" DEBUG "))
+        .collect();
+    assert!(
+        !blame
+            .iter()
+            .any(|l| l.contains("rank 1") || l.contains("ranks [")),
+        "{all}"
+    );
+    assert!(
+        !r.stdout.contains("frontends:"),
+        "a fabric without all its workers is not announced:\n{all}"
+    );
+}
+
+#[test]
+fn frontends_are_refused_naming_the_missing_workers_until_every_worker_is_up() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    // Workers that take two seconds to start: this binary behind a shell script.
+    let slow = dir.path().join("slow-expertmesh");
+    std::fs::write(
+        &slow,
+        format!("#!/bin/sh\nsleep 2\nexec '{}' \"$@\"\n", bin().display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut o = options();
+    o.exe = slow;
+    o.frontend_listen = Some(addr);
+    let cfg = expertmesh_transport::frontend::FrontendConfig::new("single-host");
+    // The fabric lives in its own thread for the whole test: workers die with the thread
+    // that started them.
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let owner = std::thread::spawn(move || {
+        let f = LocalFabric::start(o).map(|f| (f.deployment().spec.clone(), f));
+        match f {
+            Ok((spec, f)) => {
+                started_tx.send(Ok(spec)).unwrap();
+                let _ = stop_rx.recv_timeout(Duration::from_secs(60));
+                f.shutdown();
+            }
+            Err(e) => started_tx.send(Err(format!("{e:#}"))).unwrap(),
+        }
+    });
+    let rt = rt();
+    let t = Instant::now();
+    let refusal = loop {
+        assert!(t.elapsed() < Duration::from_secs(30), "never refused");
+        match rt.block_on(RouterClient::connect(addr, &cfg)) {
+            Err(e) if e.to_string().contains("refused the connection") => break e.to_string(),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)), // not listening yet
+            Ok(_) => panic!("a frontend was accepted before the workers connected"),
+        }
+    };
+    assert!(
+        refusal.contains("have not connected yet") && refusal.contains("local/cpu0 (rank 0)"),
+        "{refusal}"
+    );
+    let spec = started_rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    let h = spec.hidden as usize;
+    let mut c = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
+    let x = reference::synthetic_hidden(3, 2, h);
+    let y = rt.block_on(c.call(1, &x, h, None, None)).unwrap();
+    assert_eq!(y.len(), 2 * h, "served once every worker is up");
+    stop_tx.send(()).unwrap();
+    owner.join().unwrap();
+}
+
+#[test]
+fn help_and_readme_say_how_to_make_the_input() {
+    let _machine = crate::support::shared();
+    let mut c = Command::new(bin());
+    c.args(["infer", "--help"]);
+    let r = run(c, Duration::from_secs(10));
+    assert_eq!(r.code, Some(0));
+    for want in [
+        "import numpy as np",
+        ".astype(np.float32)",
+        "np.save(\"x.npy\", x)",
+        "[tokens, hidden]",
+        "uint16",
+        "float64",
+    ] {
+        assert!(
+            r.stdout.contains(want),
+            "infer --help lacks {want:?}:\n{}",
+            r.stdout
+        );
+    }
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    // The first screen: the newcomer path, up then infer, with the NumPy recipe.
+    let first: String = readme.lines().take(45).collect::<Vec<_>>().join("\n");
+    for want in [
+        "expertmesh up",
+        "import numpy as np",
+        "np.save(",
+        "expertmesh infer",
+    ] {
+        assert!(first.contains(want), "README's first screen lacks {want:?}");
+    }
+    assert!(first.find("expertmesh up") < first.find("expertmesh infer"));
+}
+
+/// One fabric (library launcher, real worker processes), then `infer` as a user runs it.
+#[test]
+fn infer_as_a_user_runs_it() {
+    let _machine = crate::support::shared();
+    let fabric = LocalFabric::start(options()).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let front = fabric.frontend_addr();
+    let x = reference::synthetic_hidden(11, 3, h);
+    let (x32, x64) = (dir.path().join("x32.npy"), dir.path().join("x64.npy"));
+    std::fs::write(&x32, npy::encode(3, h, &x, NpyDtype::F32)).unwrap();
+    std::fs::write(&x64, npy::encode(3, h, &x, NpyDtype::F64)).unwrap();
+    let (y32, y64) = (dir.path().join("y32.npy"), dir.path().join("y64.npy"));
+
+    // 3. the worker's log names its device by id and topology rank
+    let log = std::fs::read_to_string(fabric.log_dir().join("worker-0.log")).unwrap();
+    assert!(log.contains("worker local/cpu0 (rank 0) ready"), "{log}");
+    assert!(!log.contains("rank 1"), "{log}");
+
+    // 4. a host name for --router
+    let r = infer(
+        &format!("localhost:{}", front.port()),
+        "single-host",
+        1,
+        &x32,
+        &y32,
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+
+    // 2. float64 input: converted to f32 with a note, same answer
+    let r = infer(&front.to_string(), "single-host", 1, &x64, &y64);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("float64") && r.stderr.contains("converted to float32"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(npy::read(&y64).unwrap(), npy::read(&y32).unwrap());
+
+    // 4. errors said once: wrong cluster, closed port, unwritable output
+    let r = infer(&front.to_string(), "no-such-cluster", 1, &x32, &y32);
+    assert_eq!(r.code, Some(2));
+    assert_eq!(
+        r.stderr.matches("belongs to cluster").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+    let closed = format!("127.0.0.1:{}", free_port());
+    let r = infer(&closed, "single-host", 1, &x32, &y32);
+    assert_eq!(r.code, Some(2));
+    assert_eq!(
+        r.stderr.matches("onnection refused").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("is the router running"), "{}", r.stderr);
+    let nowhere = dir.path().join("no-such-dir/y.npy");
+    let r = infer(&front.to_string(), "single-host", 1, &x32, &nowhere);
+    assert_eq!(r.code, Some(2));
+    assert_eq!(
+        r.stderr.matches("No such file or directory").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+
+    // 4. a mesh port is not the frontend: a worker's, and the router's port for workers
+    let worker = log
+        .split("listening on ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .expect("the worker log says where it listens")
+        .to_string();
+    let mesh = fabric.service().mesh_addr().unwrap().to_string();
+    for (port, what) in [
+        (&worker, "a worker's mesh port (device rank 0)"),
+        (&mesh, "mesh port"),
+    ] {
+        let r = infer(port, "single-host", 1, &x32, &y32);
+        assert_eq!(r.code, Some(2), "{port}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(what) && r.stderr.contains("not the router's frontend port"),
+            "{port}: {}",
+            r.stderr
+        );
+        assert!(!r.stderr.contains("receive window"), "{}", r.stderr);
+    }
+
+    // 5. too many tokens: refused from the header (the data is not even there), exit 1
+    let huge = dir.path().join("huge.npy");
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': (1000000, {h}), }}");
+    header.push_str(&" ".repeat(63 - (10 + header.len()) % 64));
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes()); // 4 GB of data announced, none there
+    std::fs::write(&huge, &bytes).unwrap();
+    for (input, tokens) in [(huge, 1_000_000usize), (dir.path().join("257.npy"), 257)] {
+        if tokens == 257 {
+            let x = reference::synthetic_hidden(1, 257, h);
+            std::fs::write(&input, npy::encode(257, h, &x, NpyDtype::F32)).unwrap();
+        }
+        let r = infer(&front.to_string(), "single-host", 1, &input, &y32);
+        assert_eq!(r.code, Some(1), "{tokens} tokens: {}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("{tokens} tokens"))
+                && r.stderr.contains("1 to 256 tokens")
+                && r.stderr.contains("split"),
+            "{}",
+            r.stderr
+        );
+        assert!(r.took < Duration::from_secs(10), "took {:?}", r.took);
+    }
+    fabric.shutdown();
+}

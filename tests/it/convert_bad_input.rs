@@ -1,0 +1,284 @@
+//! `expertmesh convert` and `--weights` on bad input (issue 10): a missing tensor, a shape that
+//! contradicts config.json, NaN weights, a truncated checkpoint file, a full disk, a corrupt or
+//! truncated shard. Each is exit 1 (convert) or a refusal to start (worker) naming the tensor
+//! or file; nothing already written is corrupted, and a re-run resumes.
+
+use crate::hf_support::tiny::{TinySpec, write_tiny_checkpoint};
+use crate::support::{Run, root, run};
+use expertmesh_checkpoint::safetensors::{Checkpoint, write_safetensors};
+use expertmesh_shard::file::ShardFile;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn tiny(dir: &Path, model_type: &str) -> PathBuf {
+    let ck = dir.join("ckpt");
+    write_tiny_checkpoint(&ck, &TinySpec::for_model_type(model_type));
+    ck
+}
+
+fn convert(ckpt: &Path, out: &Path) -> Run {
+    run(&[
+        "convert",
+        "--threads",
+        "2",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--topology",
+        "examples/single-host.toml",
+        "--out",
+        out.to_str().unwrap(),
+    ])
+}
+
+fn convert_with(ckpt: &Path, out: &Path, placement: &Path) -> Run {
+    run(&[
+        "convert",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--topology",
+        "examples/single-host.toml",
+        "--placement",
+        placement.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+}
+
+/// Rewrite `model.safetensors` through `edit(name, bytes)`: `None` drops the tensor.
+fn rewrite(ckpt: &Path, edit: impl Fn(&str, &mut Vec<u8>) -> bool) {
+    let c = Checkpoint::open(ckpt).unwrap();
+    let mut owned = Vec::new();
+    for name in c.tensor_names() {
+        let v = c.tensor(name).unwrap();
+        let mut bytes = v.bytes().to_vec();
+        if edit(name, &mut bytes) {
+            owned.push((name.to_string(), v.dtype(), v.shape().to_vec(), bytes));
+        }
+    }
+    drop(c);
+    let refs: Vec<_> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    write_safetensors(ckpt.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
+}
+
+fn fails_naming(r: &Run, what: &str) {
+    assert_eq!(r.code, 1, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains(what),
+        "does not name {what:?}:\n{}",
+        r.stderr
+    );
+    assert!(!r.stdout.contains("converted"), "{}", r.stdout);
+}
+
+const UP: &str = "model.layers.1.mlp.experts.3.up_proj.weight";
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "qwen3_moe");
+    rewrite(&ck, |n, _| n != UP);
+    let out = d.path().join("w");
+    fails_naming(&convert(&ck, &out), UP);
+    assert!(
+        !out.join("manifest.json").exists(),
+        "no manifest after a failure"
+    );
+}
+
+#[test]
+fn a_shape_that_contradicts_config_json_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "qwen3_moe");
+    let cfg = std::fs::read_to_string(ck.join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    v["moe_intermediate_size"] = 64.into();
+    std::fs::write(ck.join("config.json"), v.to_string()).unwrap();
+    let r = convert(&ck, &d.path().join("w"));
+    fails_naming(&r, "gate_proj.weight");
+    assert!(r.stderr.contains("config.json"), "{}", r.stderr);
+}
+
+#[test]
+fn nan_weights_and_a_nan_gate_are_named() {
+    for target in [UP, "model.layers.2.mlp.gate.weight"] {
+        let d = tempfile::tempdir().unwrap();
+        let ck = tiny(d.path(), "qwen3_moe");
+        rewrite(&ck, |n, b| {
+            if n == target {
+                b[10..12].copy_from_slice(&0x7FC0u16.to_le_bytes()); // bf16 NaN
+            }
+            true
+        });
+        let r = convert(&ck, &d.path().join("w"));
+        fails_naming(&r, target);
+        assert!(r.stderr.contains("not finite"), "{}", r.stderr);
+    }
+}
+
+#[test]
+fn a_truncated_checkpoint_file_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "mixtral");
+    let f = ck.join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+    file.set_len(len - 100).unwrap();
+    fails_naming(&convert(&ck, &d.path().join("w")), "model.safetensors");
+}
+
+/// Every shard present in `out` is complete (opens and its body checksum holds).
+fn all_shards_complete(out: &Path) -> usize {
+    let mut n = 0;
+    for e in std::fs::read_dir(out).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            !name.starts_with('.'),
+            "a temporary file was left behind: {name}"
+        );
+        if name.ends_with(".emshard") {
+            let f = ShardFile::open(&p).unwrap();
+            f.verify(None).unwrap();
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn a_full_disk_fails_naming_the_file_and_a_rerun_resumes() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "deepseek_v3");
+    let out = d.path().join("w");
+    // An uneven placement: device 0's shard (2 experts) fits, device 1's (14) does not.
+    // RLIMIT_FSIZE makes writes past 32 KiB fail with EFBIG ("File too large") once SIGXFSZ is
+    // ignored, as a full disk would.
+    let placement = d.path().join("uneven.toml");
+    std::fs::write(
+        &placement,
+        "format = 1\nmodel = \"ckpt\"\ncluster = \"single-host\"\n\n[[assign]]\n\
+         layers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"0\"\n\n[[assign]]\n\
+         layers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"1-7\"\n\n\
+         [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n",
+    )
+    .unwrap();
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 32; exec {} convert --threads 1 --checkpoint {} --topology \
+         examples/single-host.toml --placement {} --out {}",
+        env!("CARGO_BIN_EXE_expertmesh"),
+        ck.display(),
+        placement.display(),
+        out.display()
+    );
+    let o = std::process::Command::new("bash")
+        .args(["-c", &script])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(".emshard"), "names the shard: {stderr}");
+    assert!(!out.join("manifest.json").exists());
+    assert_eq!(
+        all_shards_complete(&out),
+        1,
+        "the shard that fitted is kept, nothing else"
+    );
+    let r = convert_with(&ck, &out, &placement);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("1 kept from an earlier run"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+    assert_eq!(all_shards_complete(&out), 3, "two devices and the router");
+    let again = convert_with(&ck, &out, &placement);
+    assert!(
+        again.stdout.contains("0 shards written"),
+        "{}",
+        again.stdout
+    );
+    // Another placement is another job: every shard is rewritten.
+    let other = convert(&ck, &out);
+    assert!(
+        other.stdout.contains("2 shards written"),
+        "{}",
+        other.stdout
+    );
+}
+
+fn worker(out: &Path) -> Run {
+    run(&[
+        "worker",
+        "--topology",
+        "examples/single-host.toml",
+        "--weights",
+        out.to_str().unwrap(),
+        "--device",
+        "local/cpu1",
+        "--router",
+        "127.0.0.1:1",
+    ])
+}
+
+#[test]
+fn a_corrupt_or_truncated_shard_stops_the_worker_naming_the_file() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "olmoe");
+    let out = d.path().join("w");
+    assert_eq!(convert(&ck, &out).code, 0);
+    let shard = out.join("device-0001.emshard");
+    let good = std::fs::read(&shard).unwrap();
+    let mut flipped = good.clone();
+    flipped[5000] ^= 1;
+    std::fs::write(&shard, &flipped).unwrap();
+    let r = worker(&out);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("device-0001.emshard") && r.stderr.contains("checksum"),
+        "{}",
+        r.stderr
+    );
+    std::fs::write(&shard, &good[..good.len() - 7]).unwrap();
+    let r = worker(&out);
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("device-0001.emshard"), "{}", r.stderr);
+    // --weights with --model is a usage error
+    let r = run(&[
+        "worker",
+        "--topology",
+        "examples/single-host.toml",
+        "--weights",
+        out.to_str().unwrap(),
+        "--model",
+        "demo-small",
+        "--device",
+        "0",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}
+
+#[test]
+fn weights_for_another_cluster_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "olmoe");
+    let out = d.path().join("w");
+    assert_eq!(convert(&ck, &out).code, 0);
+    let r = run(&[
+        "worker",
+        "--topology",
+        "examples/rx7900xtx-1x2.toml",
+        "--weights",
+        out.to_str().unwrap(),
+        "--device",
+        "0",
+        "--router",
+        "127.0.0.1:1",
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("converted for cluster"), "{}", r.stderr);
+}

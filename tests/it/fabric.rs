@@ -1,0 +1,700 @@
+//! The fabric end to end: real worker processes (this crate's `expertmesh` binary) over TCP and
+//! shared memory, the router service in the test process, frontends over real sockets.
+//!
+//! Checks: exact-mode output bit-identical to the in-process reference; accurate mode within
+//! tolerance of f64; a killed worker makes affected requests fail within their deadline when
+//! there is no replica and complete through a replica when there is one; a restarted worker
+//! rejoins; every bad-input case is answered with an error and the next good request on the
+//! same connection succeeds.
+
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_router::client::{ClientError, RouterClient};
+use expertmesh_router::core::RouterConfig;
+use expertmesh_router::reference;
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
+use expertmesh_transport::dtype::ActivationDtype;
+use expertmesh_transport::mesh::LinkKind;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn options(link: LinkKind, mode: ComputeMode) -> LocalFabricOptions {
+    let mut o = LocalFabricOptions::new(
+        root().join("examples/single-host.toml"),
+        "demo-small",
+        root().join("examples/single-host-demo-small.placement.toml"),
+    );
+    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
+    o.ephemeral_ports = true;
+    o.link = link;
+    o.router = RouterConfig {
+        mode,
+        batch_window: Duration::from_micros(100),
+        micro_batch_tokens: 16,
+        default_deadline: Duration::from_secs(20),
+        ..RouterConfig::default()
+    };
+    o.connect_timeout = Duration::from_secs(60);
+    o
+}
+
+/// The in-process reference: every expert of every layer on one CPU backend.
+struct Reference {
+    spec: ModelSpec,
+    seed: u64,
+    backend: CpuBackend,
+}
+
+impl Reference {
+    fn new(spec: &ModelSpec, seed: u64) -> Self {
+        let backend =
+            expertmesh_worker::weights::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64)
+                .unwrap();
+        Self {
+            spec: spec.clone(),
+            seed,
+            backend,
+        }
+    }
+
+    fn layer(&mut self, layer: u32, x: &[f32], mode: ComputeMode) -> (Vec<u32>, Vec<f32>) {
+        let gate = reference::synthetic_gate(&self.spec, self.seed, layer);
+        let (r, out) =
+            reference::moe_layer_backend(&self.spec, &gate, layer, &mut self.backend, x, mode)
+                .unwrap();
+        (r.experts, out)
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn exact_end_to_end(link: LinkKind) {
+    let fabric = LocalFabric::start(options(link, ComputeMode::Exact)).unwrap();
+    for rank in [1, 2] {
+        assert_eq!(
+            fabric.service().link_kind(rank),
+            Some(link),
+            "worker {rank} runs over the requested link"
+        );
+    }
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let mut reference = Reference::new(&spec, fabric.deployment().seed);
+    let rt = rt();
+    let mut client = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
+        for tokens in [1usize, 7, 40] {
+            let x = reference::synthetic_hidden(i as u64 * 10 + tokens as u64, tokens, h);
+            let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+            let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{link:?} layer {layer} tokens {tokens}"
+            );
+        }
+    }
+    // One call also against the scalar oracle itself (not just the CPU backend).
+    let layer = spec.moe_layer_ids()[0];
+    let x = reference::synthetic_hidden(5, 3, h);
+    let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+    let lw = reference::synthetic_layer(&spec, fabric.deployment().seed, layer).unwrap();
+    let (_, oracle) = reference::moe_layer(&spec, &lw, &x, ComputeMode::Exact).unwrap();
+    assert_eq!(bits(&got), bits(&oracle));
+    // router logits from the frontend: the router gates with them instead of its gate matrix
+    // (here the same logits, so the same answer; and different logits change the routing)
+    let gate = reference::synthetic_gate(&spec, fabric.deployment().seed, layer);
+    let logits = gate.logits(&x);
+    let got_l = rt
+        .block_on(client.call(layer, &x, h, Some(&logits), None))
+        .unwrap();
+    assert_eq!(
+        bits(&got_l),
+        bits(&oracle),
+        "frontend logits equal to the gate's give the same output"
+    );
+    let flipped: Vec<f32> = logits.iter().map(|v| -v).collect();
+    let got_f = rt
+        .block_on(client.call(layer, &x, h, Some(&flipped), None))
+        .unwrap();
+    assert_ne!(
+        bits(&got_f),
+        bits(&oracle),
+        "the router used the frontend's logits"
+    );
+    // bf16 input: the router decodes it exactly, so the reference sees the bf16-rounded values.
+    let xb: Vec<f32> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let got = rt
+        .block_on(client.call_as(layer, &x, h, ActivationDtype::Bf16, None, None))
+        .unwrap();
+    let (_, want) = reference.layer(layer, &xb, ComputeMode::Exact);
+    assert_eq!(bits(&got), bits(&want), "bf16 input");
+    let stats = fabric.service().stats();
+    assert!(stats.responses >= 16 && stats.failures == 0, "{stats:?}");
+    fabric.shutdown();
+}
+
+#[test]
+fn exact_over_tcp_is_bit_identical_to_the_reference() {
+    let _machine = crate::support::shared();
+    exact_end_to_end(LinkKind::Tcp);
+}
+
+#[test]
+fn exact_over_shared_memory_is_bit_identical_to_the_reference() {
+    let _machine = crate::support::shared();
+    // Two workers, two rings each. Without that much free /dev/shm the links would (correctly)
+    // fall back to TCP; say so instead of passing as a TCP run.
+    let need = 4 * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
+    let free = shm_free_bytes();
+    if free < need {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: /dev/shm has {} MiB free, the shared-memory fabric needs {} MiB",
+            free >> 20,
+            need >> 20
+        );
+        return;
+    }
+    exact_end_to_end(LinkKind::Shm);
+}
+
+fn shm_free_bytes() -> u64 {
+    let path = std::ffi::CString::new("/dev/shm").unwrap();
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+            return 0;
+        }
+        st.f_bavail as u64 * st.f_frsize as u64
+    }
+}
+
+#[test]
+fn accurate_mode_is_within_tolerance_of_f64() {
+    let _machine = crate::support::shared();
+    let fabric = LocalFabric::start(options(LinkKind::Tcp, ComputeMode::Accurate)).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let rt = rt();
+    let mut client = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let layer = spec.moe_layer_ids()[1];
+    let x = reference::synthetic_hidden(77, 12, h);
+    let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+    let lw = reference::synthetic_layer(&spec, fabric.deployment().seed, layer).unwrap();
+    let logits = lw.gate.logits(&x);
+    let routing = expertmesh_router::gating::route(&spec, &logits, &lw.gate.bias).unwrap();
+    let truth = reference::moe_layer_f64(&lw, &x, &routing);
+    let err = reference::rel_error_vs_rms(&got, &truth);
+    assert!(err < 1e-4, "accurate error {err}");
+    fabric.shutdown();
+}
+
+/// Single tokens whose experts all lie in `allowed` (and ones that need some outside it).
+fn tokens_by_experts(
+    r: &mut Reference,
+    layer: u32,
+    allowed: std::ops::Range<u32>,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let h = r.spec.hidden as usize;
+    let (mut inside, mut outside) = (Vec::new(), Vec::new());
+    for seed in 0..400 {
+        let x = reference::synthetic_hidden(10_000 + seed, 1, h);
+        let (experts, _) = r.layer(layer, &x, ComputeMode::Exact);
+        if experts.iter().all(|e| allowed.contains(e)) {
+            if inside.len() < 3 {
+                inside.push(x);
+            }
+        } else if outside.len() < 3 {
+            outside.push(x);
+        }
+        if inside.len() == 3 && outside.len() == 3 {
+            break;
+        }
+    }
+    assert!(
+        inside.len() == 3 && outside.len() == 3,
+        "could not find test tokens"
+    );
+    (inside, outside)
+}
+
+#[test]
+fn a_killed_worker_fails_requests_in_time_or_they_complete_through_a_replica_and_it_rejoins() {
+    let _machine = crate::support::shared();
+    // Placement: cpu0 holds 0-19, cpu1 holds 16-31 and replicas of 0-3. Killing cpu1 leaves
+    // experts 20-31 without an owner; everything else is still served.
+    let mut opts = options(LinkKind::Tcp, ComputeMode::Exact);
+    opts.router.default_deadline = Duration::from_secs(3);
+    let mut fabric = LocalFabric::start(opts).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[2];
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (servable, unservable) = tokens_by_experts(&mut r, layer, 0..20);
+    let rt = rt();
+    let mut client = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+
+    // Kill while a stream of requests is in flight: nothing may hang past its deadline.
+    let mut busy = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let big = reference::synthetic_hidden(3, 64, h);
+    let started = Instant::now();
+    let in_flight = rt.spawn(async move {
+        let mut outcomes = Vec::new();
+        for _ in 0..6 {
+            let t = Instant::now();
+            outcomes.push((
+                busy.call(layer, &big, h, None, Some(Duration::from_secs(3)))
+                    .await
+                    .map(|_| ()),
+                t.elapsed(),
+            ));
+        }
+        outcomes
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    fabric.kill_worker(1).unwrap();
+    let outcomes = rt.block_on(in_flight).unwrap();
+    for (res, took) in &outcomes {
+        assert!(
+            *took < Duration::from_secs(5),
+            "a request took {took:?}, past its 3 s deadline"
+        );
+        if let Err(e) = res {
+            assert!(
+                matches!(
+                    e.code(),
+                    Some(ErrorCode::PeerUnavailable | ErrorCode::DeadlineExceeded)
+                ),
+                "{e}"
+            );
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+
+    // Without a replica: an error naming the device, well within the deadline.
+    for x in &unservable {
+        let t = Instant::now();
+        let e = rt
+            .block_on(client.call(layer, x, h, None, Some(Duration::from_secs(3))))
+            .unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_secs(4),
+            "took {:?}",
+            t.elapsed()
+        );
+        match &e {
+            ClientError::Server { code, message, .. } => {
+                assert!(
+                    matches!(
+                        code,
+                        ErrorCode::PeerUnavailable | ErrorCode::DeadlineExceeded
+                    ),
+                    "{e}"
+                );
+                assert!(message.contains("local/cpu1"), "{message}");
+            }
+            other => panic!("expected a router error, got {other}"),
+        }
+    }
+    // With a replica (or a surviving owner): completes, bit-identical.
+    for x in &servable {
+        let got = rt.block_on(client.call(layer, x, h, None, None)).unwrap();
+        let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+        assert_eq!(bits(&got), bits(&want));
+    }
+    // The worker restarts and rejoins: everything is served again.
+    fabric.restart_worker(1).unwrap();
+    for x in unservable.iter().chain(&servable) {
+        let got = rt.block_on(client.call(layer, x, h, None, None)).unwrap();
+        let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+        assert_eq!(bits(&got), bits(&want));
+    }
+    fabric.shutdown();
+}
+
+#[test]
+fn bad_input_gets_an_error_and_the_connection_stays_usable() {
+    let _machine = crate::support::shared();
+    let fabric = LocalFabric::start(options(LinkKind::Tcp, ComputeMode::Exact)).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[0];
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let good = reference::synthetic_hidden(1, 2, h);
+    let expect_err = |res: Result<Vec<f32>, ClientError>, code: ErrorCode, needle: &str| {
+        let e = res.unwrap_err();
+        assert_eq!(e.code(), Some(code), "{e}");
+        assert!(
+            e.to_string().contains(needle),
+            "{e} should mention {needle:?}"
+        );
+    };
+    // wrong hidden size
+    let x = vec![0.5f32; 2 * (h + 32)];
+    expect_err(
+        rt.block_on(c.call(layer, &x, h + 32, None, None)),
+        ErrorCode::InvalidInput,
+        "hidden size",
+    );
+    assert!(rt.block_on(c.call(layer, &good, h, None, None)).is_ok());
+    // unknown layer
+    expect_err(
+        rt.block_on(c.call(99, &good, h, None, None)),
+        ErrorCode::NotFound,
+        "layer 99",
+    );
+    assert!(rt.block_on(c.call(layer, &good, h, None, None)).is_ok());
+    // too many tokens
+    let many = vec![0.1f32; 300 * h];
+    expect_err(
+        rt.block_on(c.call(layer, &many, h, None, None)),
+        ErrorCode::InvalidInput,
+        "300 tokens",
+    );
+    assert!(rt.block_on(c.call(layer, &good, h, None, None)).is_ok());
+    // NaN and Inf
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = good.clone();
+        x[h + 5] = bad;
+        expect_err(
+            rt.block_on(c.call(layer, &x, h, None, None)),
+            ErrorCode::InvalidInput,
+            "token 1 element 5",
+        );
+        assert!(rt.block_on(c.call(layer, &good, h, None, None)).is_ok());
+    }
+    // wrong-size logits
+    let logits = vec![0.0f32; 2 * 5];
+    expect_err(
+        rt.block_on(c.call(layer, &good, h, Some(&logits), None)),
+        ErrorCode::InvalidInput,
+        "logits",
+    );
+    // a malformed frame with an intact header: nonzero padding between metadata and payload
+    let body = Body::LayerRequest(LayerRequest {
+        request_id: 4242,
+        layer,
+        tokens: 1,
+        hidden: h as u32,
+        dtype: ActivationDtype::F32,
+        logit_experts: 0,
+        deadline_us: 0,
+    });
+    let mut bytes = expertmesh_transport::codec::encode_frame(
+        &body,
+        &vec![0u8; 4 * h],
+        &fabric.frontend_config().codec,
+    )
+    .unwrap();
+    let payload_start = bytes.len() - 4 * h;
+    bytes[payload_start - 1] = 0xAB;
+    rt.block_on(c.write_raw(&bytes)).unwrap();
+    // the malformed frame's error comes back first, naming the request; then a good call works
+    let e = rt.block_on(c.call(layer, &good, h, None, None));
+    match e {
+        Err(ClientError::Server { code, .. }) => assert_eq!(code, ErrorCode::BadFrame),
+        Ok(_) => {}
+        Err(other) => panic!("{other}"),
+    }
+    // and garbage that breaks framing closes only that connection
+    let mut g = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    rt.block_on(g.write_raw(&[0xFFu8; 64])).unwrap();
+    assert!(rt.block_on(g.call(layer, &good, h, None, None)).is_err());
+    let again = rt.block_on(c.call(layer, &good, h, None, None)).unwrap();
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (_, want) = r.layer(layer, &good, ComputeMode::Exact);
+    assert_eq!(
+        bits(&again),
+        bits(&want),
+        "the connection still works after every bad request"
+    );
+    fabric.shutdown();
+}
+
+#[test]
+fn infer_command_reads_and_writes_npy() {
+    let _machine = crate::support::shared();
+    let fabric = LocalFabric::start(options(LinkKind::Tcp, ComputeMode::Exact)).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[3];
+    let dir = tempfile::tempdir().unwrap();
+    let x = reference::synthetic_hidden(8, 5, h);
+    let input = dir.path().join("x.npy");
+    let output = dir.path().join("y.npy");
+    // bf16 bits as uint16, as a frontend with bf16 activations would write them
+    std::fs::write(
+        &input,
+        expertmesh::npy::encode(5, h, &x, expertmesh::npy::NpyDtype::Bf16Bits),
+    )
+    .unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args([
+            "infer",
+            "--router",
+            &fabric.frontend_addr().to_string(),
+            "--cluster",
+            "single-host",
+            "--layer",
+            &layer.to_string(),
+        ])
+        .arg("--input")
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let y = expertmesh::npy::read(&output).unwrap();
+    assert_eq!((y.rows, y.cols), (5, h));
+    let xb: Vec<f32> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (_, want) = r.layer(layer, &xb, ComputeMode::Exact);
+    assert_eq!(bits(&y.data), bits(&want));
+    // an unknown layer: exit 1 with the router's reason
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args([
+            "infer",
+            "--router",
+            &fabric.frontend_addr().to_string(),
+            "--cluster",
+            "single-host",
+            "--layer",
+            "77",
+        ])
+        .arg("--input")
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("layer 77"));
+    fabric.shutdown();
+}
+
+#[test]
+fn up_serves_until_interrupted() {
+    let _machine = crate::support::shared();
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .arg("up")
+        .arg("--topology")
+        .arg(root().join("examples/single-host.toml"))
+        .args(["--model", "demo-small"])
+        .arg("--placement")
+        .arg(root().join("examples/single-host-demo-small.placement.toml"))
+        .args(["--mode", "exact"]) // compared bit for bit below; `up` defaults to serving
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.trim().strip_prefix("frontends: ") {
+            addr = rest
+                .split_whitespace()
+                .next()
+                .map(|a| a.parse::<std::net::SocketAddr>().unwrap());
+            break;
+        }
+    }
+    let addr = addr.expect("up printed where frontends connect");
+    assert_eq!(addr.port(), 47400, "the topology's [router] port");
+    let spec = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
+    let h = spec.hidden as usize;
+    let x = reference::synthetic_hidden(1, 3, h);
+    let rt = rt();
+    let cfg = expertmesh_transport::frontend::FrontendConfig::new("single-host");
+    let mut c = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
+    let got = rt.block_on(c.call(1, &x, h, None, None)).unwrap();
+    let mut r = Reference::new(&spec, 42);
+    let (_, want) = r.layer(1, &x, ComputeMode::Exact);
+    assert_eq!(bits(&got), bits(&want));
+    // SAFETY: sending SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let t = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "up exited with {status}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "up did not stop on Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_worker_that_stops_answering_fails_only_the_requests_that_need_it_within_their_deadline() {
+    let _machine = crate::support::shared();
+    let mut opts = options(LinkKind::Tcp, ComputeMode::Exact);
+    opts.router.straggler_timeout = Duration::from_millis(300);
+    let fabric = LocalFabric::start(opts).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[1];
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    // cpu1 holds 16-31 (0-3 as replicas); tokens whose experts are all in 0..16 need only cpu0.
+    let (cpu0_only, needs_cpu1) = tokens_by_experts(&mut r, layer, 0..16);
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    fabric.signal_worker(1, libc::SIGSTOP).unwrap();
+    for x in &needs_cpu1 {
+        let t = Instant::now();
+        let res = rt.block_on(c.call(layer, x, h, None, Some(Duration::from_millis(1500))));
+        let took = t.elapsed();
+        // experts 16-19 have a replica on cpu0 (hedged after 300 ms); 20-31 do not
+        match res {
+            Ok(got) => {
+                let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+                assert_eq!(bits(&got), bits(&want));
+            }
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e.code(),
+                        Some(ErrorCode::DeadlineExceeded | ErrorCode::PeerUnavailable)
+                    ),
+                    "{e}"
+                );
+                assert!(e.to_string().contains("local/cpu1"), "{e}");
+            }
+        }
+        assert!(
+            took < Duration::from_millis(3000),
+            "answered after {took:?}, deadline 1.5 s"
+        );
+    }
+    for x in &cpu0_only {
+        let got = rt.block_on(c.call(layer, x, h, None, None)).unwrap();
+        let (_, want) = r.layer(layer, x, ComputeMode::Exact);
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "requests that do not need the stopped worker are served"
+        );
+    }
+    fabric.signal_worker(1, libc::SIGCONT).unwrap();
+    fabric.shutdown();
+}
+
+#[test]
+fn a_gpu_device_without_hip_falls_back_to_the_cpu_backend_with_a_log_line() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let topo = dir.path().join("gpu-box.toml");
+    std::fs::write(
+        &topo,
+        r#"format = 1
+name = "gpu-box"
+[router]
+node = "box"
+port = 47500
+[[nodes]]
+name = "box"
+address = "127.0.0.1"
+control_port = 47501
+data_port = 47510
+intra_link = "pcie"
+intra_bandwidth_gb_s = 32
+nics = [ { name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 } ]
+devices = [
+  { name = "gpu0", kind = "gpu", arch = "gfx90a", expert_memory = "1 GiB", memory_bandwidth_gb_s = 1600, int8_tops = 362, bf16_tflops = 181, gpu_index = 0 },
+  { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
+]
+"#,
+    )
+    .unwrap();
+    let (placement, _guard) =
+        expertmesh_fabric::defaults::balanced_placement_file(&topo, "demo-small").unwrap();
+    let mut o = LocalFabricOptions::new(&topo, "demo-small", &placement);
+    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
+    o.ephemeral_ports = true;
+    let fabric = LocalFabric::start(o).unwrap();
+    let log = std::fs::read_to_string(fabric.log_dir().join("worker-0.log")).unwrap();
+    assert!(
+        log.contains("falling back to the CPU backend"),
+        "worker 0 log:\n{log}"
+    );
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let x = reference::synthetic_hidden(2, 4, h);
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let got = rt.block_on(c.call(2, &x, h, None, None)).unwrap();
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (_, want) = r.layer(2, &x, ComputeMode::Exact);
+    assert_eq!(bits(&got), bits(&want));
+    fabric.shutdown();
+}

@@ -1,0 +1,176 @@
+//! Running the real `expertmesh` binary from the CLI integration tests: one helper shared by
+//! every test file that drives the binary as a user would; and the small helpers the fabric
+//! tests share (a client runtime, f32 bits for bit-for-bit comparisons).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// The repository root (the binary runs there, so relative example paths work).
+pub(crate) fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// What one run of the binary did.
+pub(crate) struct Run {
+    /// Exit code.
+    pub(crate) code: i32,
+    /// Standard output.
+    pub(crate) stdout: String,
+    /// Standard error.
+    pub(crate) stderr: String,
+}
+
+/// Run `expertmesh ARGS` in the repository root. Fails the test if it panicked or printed a
+/// backtrace: bad input must get a message and an exit code, never a panic.
+pub(crate) fn run(args: &[&str]) -> Run {
+    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("run expertmesh");
+    let r = Run {
+        code: o.status.code().expect("exited normally, not by a signal"),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    };
+    for bad in ["panicked", "stack backtrace", "RUST_BACKTRACE"] {
+        assert!(
+            !r.stderr.contains(bad) && !r.stdout.contains(bad),
+            "{args:?} printed {bad:?}:\n{}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+    r
+}
+
+/// A current-thread runtime for a test's `RouterClient` calls.
+pub(crate) fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// The bits of `v`, to compare outputs bit for bit.
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A free loopback port (bound and released: another process may take it meanwhile).
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A free port whose successor is free too (the two workers' data ports).
+pub(crate) fn free_pair() -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// Writes a one-node topology named `name` at `path`: a router on `frontend`, and two
+/// one-thread CPU workers on 127.0.0.1 whose data ports are `data` and `data + 1`.
+pub(crate) fn two_cpu_topology(
+    path: &std::path::Path,
+    name: &str,
+    frontend: u16,
+    control: u16,
+    data: u16,
+) -> PathBuf {
+    std::fs::write(
+        path,
+        format!(
+            r#"format = 1
+name = "{name}"
+[router]
+node = "local"
+port = {frontend}
+[[nodes]]
+name = "local"
+address = "127.0.0.1"
+control_port = {control}
+data_port = {data}
+intra_link = "shm"
+intra_bandwidth_gb_s = 10
+nics = [ {{ name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 }} ]
+devices = [
+  {{ name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
+  {{ name = "cpu1", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "256 MiB", memory_bandwidth_gb_s = 20 }},
+]
+"#
+        ),
+    )
+    .unwrap();
+    path.to_path_buf()
+}
+
+/// Options of a demo-small fabric on `examples/TOPOLOGY` with its demo-small placement: the
+/// test binary, free ports, `link` links, exact mode with a short batch window, generous
+/// deadlines (the settings the fabric tests share; tests change what they test).
+pub(crate) fn demo_options(
+    topology: &str,
+    link: expertmesh_transport::mesh::LinkKind,
+) -> expertmesh_fabric::local::LocalFabricOptions {
+    use expertmesh_fabric::local::LocalFabricOptions;
+    use expertmesh_quant::contract::ComputeMode;
+    use expertmesh_router::core::RouterConfig;
+    use std::time::Duration;
+    let mut o = LocalFabricOptions::new(
+        root().join("examples").join(topology),
+        "demo-small",
+        root().join("examples/single-host-demo-small.placement.toml"),
+    );
+    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
+    o.ephemeral_ports = true;
+    o.link = link;
+    o.router = RouterConfig {
+        mode: ComputeMode::Exact,
+        batch_window: Duration::from_micros(100),
+        micro_batch_tokens: 16,
+        default_deadline: Duration::from_secs(20),
+        ..RouterConfig::default()
+    };
+    o.connect_timeout = Duration::from_secs(60);
+    o
+}
+
+/// A fabric of `examples/single-host-2routers.toml` (two routers sharing two CPU workers) on
+/// free ports, exact mode, TCP links.
+pub(crate) fn two_routers() -> expertmesh_fabric::local::LocalFabric {
+    use expertmesh_fabric::local::LocalFabric;
+    let o = demo_options(
+        "single-host-2routers.toml",
+        expertmesh_transport::mesh::LinkKind::Tcp,
+    );
+    let fabric = LocalFabric::start(o).expect("fabric with two routers starts");
+    assert_eq!(fabric.deployment().router_count(), 2);
+    fabric
+}
+
+/// The machine, as the tests of this binary share it. Tests that start fabrics (processes,
+/// sockets, shared memory) hold it shared and run side by side; tests that assert wall-clock
+/// bounds (recovery within 1-2 s of a fault, goodput under overload against the unloaded
+/// rate, the emulated cluster against the planner's prediction) hold it alone, so what they
+/// measure is the fabric and not a neighbour test's load. Tests that only read files take
+/// neither.
+static MACHINE: RwLock<()> = RwLock::new(());
+
+/// Share the machine with the other fabric tests (see [`MACHINE`]).
+pub(crate) fn shared() -> RwLockReadGuard<'static, ()> {
+    MACHINE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Have the machine to this test alone (see [`MACHINE`]).
+pub(crate) fn alone() -> RwLockWriteGuard<'static, ()> {
+    MACHINE.write().unwrap_or_else(|e| e.into_inner())
+}
