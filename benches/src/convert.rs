@@ -188,7 +188,7 @@ impl ConvertBenchOptions {
 }
 
 /// Worker loads per conversion repeat.
-pub const LOAD_RUNS_PER_REPEAT: usize = 3;
+pub(crate) const LOAD_RUNS_PER_REPEAT: usize = 3;
 
 /// How synthetic expert weights are drawn (each scaled to standard deviation `1/sqrt(fan_in)`
 /// before rounding to BF16).
@@ -204,9 +204,9 @@ pub enum WeightDist {
 }
 
 /// One input column in this many is an outlier column of [`WeightDist::OutlierColumns`].
-pub const OUTLIER_EVERY: u64 = 128;
+pub(crate) const OUTLIER_EVERY: u64 = 128;
 /// How much larger an outlier column's weights are.
-pub const OUTLIER_SCALE: f64 = 10.0;
+pub(crate) const OUTLIER_SCALE: f64 = 10.0;
 
 impl WeightDist {
     /// Every distribution, the checkpoint's first.

@@ -428,7 +428,9 @@ fn raw_tcp_round_trips_us(msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> 
 /// encoded frames: a token goes to `k` devices with one of its experts each (the spread case
 /// of a large expert-parallel placement) or to one device holding all `k`; frames of 1 and of
 /// 32 tokens. Shared experts run on the router (no wire).
-pub fn wire_table(spec: &expertmesh_topology::model::ModelSpec) -> Vec<(LayerMode, [f64; 4])> {
+pub(crate) fn wire_table(
+    spec: &expertmesh_topology::model::ModelSpec,
+) -> Vec<(LayerMode, [f64; 4])> {
     let (h, k) = (spec.hidden as usize, spec.top_k as usize);
     LayerMode::ALL
         .into_iter()

@@ -114,7 +114,7 @@ impl std::str::FromStr for KernelPin {
 pub const DEFAULT_REPETITIONS: usize = 21;
 
 /// The most of `--seconds` that setup (probe sweep, pools, warm-up calls) may take.
-pub const SETUP_SHARE: f64 = 0.4;
+pub(crate) const SETUP_SHARE: f64 = 0.4;
 
 /// Bytes per second a pool loads at (measured here: 0.23–0.37 GB/s), for the time plan.
 const POOL_LOAD_RATE: f64 = 0.25e9;
@@ -126,7 +126,7 @@ const SLOT_S: f64 = 0.03;
 /// probe buffer and the weight pools may hold together: the rest is the machine's (a 24 GiB
 /// machine with a 480 MiB last-level cache would otherwise be asked for 32 x LLC per model
 /// and per probe, and the kernel's OOM killer ended such a run).
-pub const MEMORY_SHARE: f64 = 0.5;
+pub(crate) const MEMORY_SHARE: f64 = 0.5;
 
 /// The smallest weight pool and probe buffer a run is measured with whatever the memory
 /// (below these the figures would be mostly cache reads, and the run refuses to start).
@@ -803,13 +803,20 @@ pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
     if let Some(m) = models.first() {
         extra.insert("backend".into(), m.backend.name().into());
     }
-    extra.insert("skipped_cases".into(), skipped.into());
     machine::finish(extra);
     for c in &cases {
-        if let Some(r) = result_of(c, &models[c.model], opts.threads) {
-            report.results.push(r);
+        match result_of(c, &models[c.model], opts.threads) {
+            Some(r) => report.results.push(r),
+            None => skipped.push(serde_json::json!({
+                "model": models[c.model].spec.name, "case": format!("{:?}", c.kind),
+                "why": "set up, but no repetition of it fitted in --seconds",
+            })),
         }
     }
+    report
+        .machine
+        .extra
+        .insert("skipped_cases".into(), skipped.into());
     report
         .results
         .sort_by(|a, b| a.name.cmp(&b.name).then(a.batch.cmp(&b.batch)));
@@ -1107,10 +1114,14 @@ mod tests {
             assert_eq!(s["memory_limited"], true);
             assert_eq!(s["memory_available_bytes"], available);
         }
-        // Unlimited memory: the full sizes, unchanged.
+        // Ample memory: the sizes the time alone gives.
         let free = Effort::new(&o, llc, Some(1 << 50)).unwrap();
-        assert_eq!(free, Effort::new(&o, llc, Some(1 << 50)).unwrap());
-        assert!(!free.memory_limited && free.pool_bytes == free.full_pool_bytes);
+        let timed = Effort::new(&o, llc, None).unwrap();
+        assert!(!free.memory_limited, "{free:?}");
+        assert_eq!(
+            (free.pool_bytes, free.probe_bytes),
+            (timed.pool_bytes, timed.probe_bytes)
+        );
         // Too little for even the smallest run, or a --pool-mib past the budget: refused
         // before anything is allocated, naming what to change.
         let e = Effort::new(&o, llc, Some(64 << 20)).unwrap_err();

@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 /// Hidden size of the benchmarked frames (DeepSeek-V3 / Kimi K2).
 pub const HIDDEN: usize = 7168;
 /// Token counts of the benchmarked frames.
-pub const TOKEN_COUNTS: [usize; 4] = [1, 8, 64, 256];
+pub(crate) const TOKEN_COUNTS: [usize; 4] = [1, 8, 64, 256];
 const ACK_BYTES: usize = 64;
 /// Shared-memory ring size in the bench (room for several 256-token frames).
 const BENCH_RING_BYTES: usize = 24 << 20;
@@ -594,28 +594,23 @@ async fn mesh_throughput(
     let stream = with_id(frame, 2, 0);
     let bytes = codec::frame_len(&frame.body, frame.payload.len()) as f64;
     // Warm-up (untimed): fills the receive buffer pool and the socket or ring once.
-    let warm = (count / 4).clamp(2, 32);
-    for _ in 0..warm {
-        meshes[0].send(1, &stream).await?;
-    }
-    meshes[0]
-        .send(1, &with_id(&dispatch_frame(1), 3, warm as u32))
-        .await?;
-    events
-        .recv_frame(Duration::from_secs(60))
-        .await
-        .ok_or_else(|| anyhow::anyhow!("no warm-up ack from rank 1"))?;
+    // `n` frames, then a marker frame that rank 1 acknowledges once it has them all.
+    let mut burst = async |n: usize, what: &str| -> anyhow::Result<()> {
+        for _ in 0..n {
+            meshes[0].send(1, &stream).await?;
+        }
+        meshes[0]
+            .send(1, &with_id(&dispatch_frame(1), 3, n as u32))
+            .await?;
+        events
+            .recv_frame(Duration::from_secs(60))
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no {what} ack from rank 1"))?;
+        Ok(())
+    };
+    burst((count / 4).clamp(2, 32), "warm-up").await?;
     let start = Instant::now();
-    for _ in 0..count {
-        meshes[0].send(1, &stream).await?;
-    }
-    meshes[0]
-        .send(1, &with_id(&dispatch_frame(1), 3, count as u32))
-        .await?;
-    events
-        .recv_frame(Duration::from_secs(60))
-        .await
-        .ok_or_else(|| anyhow::anyhow!("no completion ack from rank 1"))?;
+    burst(count, "completion").await?;
     let secs = start.elapsed().as_secs_f64();
     Ok(bytes * count as f64 / secs / 1e9)
 }

@@ -209,7 +209,7 @@ impl LocalCredentials {
     }
 
     /// Writes device `d`'s credential file (once) and returns its path.
-    pub fn worker_file(&self, dep: &Deployment, d: u32) -> anyhow::Result<PathBuf> {
+    pub(crate) fn worker_file(&self, dep: &Deployment, d: u32) -> anyhow::Result<PathBuf> {
         let path = self.dir.join(format!("device-{d}.cred"));
         if !path.exists() {
             let c = Credentials::issue_rank(

@@ -42,7 +42,7 @@ pub fn balanced_placement_file(
 /// The single-host example topology, embedded so the demo runs from any directory.
 pub const SINGLE_HOST_TOPOLOGY: &str = include_str!("../../examples/single-host.toml");
 /// Its placement of `demo-small`.
-pub const SINGLE_HOST_PLACEMENT: &str =
+pub(crate) const SINGLE_HOST_PLACEMENT: &str =
     include_str!("../../examples/single-host-demo-small.placement.toml");
 
 /// The files a local run uses: the given ones, or the embedded single-host topology and (for

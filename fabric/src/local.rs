@@ -533,7 +533,7 @@ impl LocalFabric {
     }
 
     /// Check every worker process is alive; returns the devices that exited, with status.
-    pub fn exited_workers(&mut self) -> Vec<(usize, String)> {
+    pub(crate) fn exited_workers(&mut self) -> Vec<(usize, String)> {
         let mut out = Vec::new();
         for (d, w) in self.workers.iter_mut().enumerate() {
             if let Some(c) = w

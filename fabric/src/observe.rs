@@ -57,13 +57,6 @@ pub struct Observers {
     writer: Option<LoadStatsWriter>,
 }
 
-impl Observers {
-    /// The `/metrics` URLs served, routers first.
-    pub fn urls(&self) -> Vec<String> {
-        self.servers.iter().map(MetricsServer::url).collect()
-    }
-}
-
 /// The address of process `i` (routers first, then workers) for `--metrics base`.
 fn nth_addr(base: SocketAddr, i: usize) -> anyhow::Result<SocketAddr> {
     if base.port() == 0 {
@@ -77,7 +70,7 @@ fn nth_addr(base: SocketAddr, i: usize) -> anyhow::Result<SocketAddr> {
 /// `up`: the address of each worker's endpoint, by topology device rank (empty without
 /// `--metrics`). With port 0 free ports are picked now, so they can be printed before the
 /// workers start and kept when one restarts.
-pub fn worker_metrics_addrs(
+pub(crate) fn worker_metrics_addrs(
     args: &ObserveOptions,
     routers: usize,
     devices: usize,

@@ -50,7 +50,7 @@ root, no iproute2: \"network namespaces not permitted\").";
 /// Largest RMS error of a serving-mode answer against the exact reference, relative to the
 /// reference's RMS: the per-device pre-combined sums are rounded to bf16 (8 significant bits,
 /// about 0.1-0.2% RMS) and added in another order; a wrong answer is off by ~100%.
-pub const SERVING_TOLERANCE: f64 = 0.01;
+pub(crate) const SERVING_TOLERANCE: f64 = 0.01;
 
 /// Seed of the synthetic weights (every process uses the same).
 const SEED: u64 = 42;

@@ -31,13 +31,15 @@ pub struct Shaping {
     pub mtu: u32,
 }
 
-/// Run `ip`/`tc` with `args`; an error names the command and its stderr.
-fn cmd(program: &str, args: &[&str]) -> anyhow::Result<()> {
+/// Run a system command (`ip`, `tc`, `iptables`) with `args`; an error names the command and
+/// its stderr. The cluster and soak benches change namespaces, links and filters only
+/// through this.
+pub fn cmd(program: &str, args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .with_context(|| format!("cannot run {program} (is iproute2 installed?)"))?;
+        .with_context(|| format!("cannot run {program} (are iproute2 and iptables installed?)"))?;
     if !out.status.success() {
         bail!(
             "`{program} {}` failed: {}",
@@ -58,7 +60,7 @@ pub struct Emulation {
 
 impl Emulation {
     /// The namespace name of node `i`.
-    pub fn node_ns(&self, i: usize) -> String {
+    pub(crate) fn node_ns(&self, i: usize) -> String {
         format!("{}n{i}", self.prefix)
     }
 
@@ -68,7 +70,7 @@ impl Emulation {
 
     /// The address of node `i` (10.77.0.i+1; every run has its own switch, so addresses of
     /// parallel runs never meet).
-    pub fn node_address(i: usize) -> String {
+    pub(crate) fn node_address(i: usize) -> String {
         format!("10.77.0.{}", i + 1)
     }
 
@@ -156,7 +158,7 @@ impl Emulation {
     }
 
     /// Bytes node `i`'s NIC has sent and received so far.
-    pub fn nic_bytes(&self, i: usize) -> anyhow::Result<(u64, u64)> {
+    pub(crate) fn nic_bytes(&self, i: usize) -> anyhow::Result<(u64, u64)> {
         let ns = self.node_ns(i);
         let out = Command::new("ip")
             .args(["-n", &ns, "-s", "-j", "link", "show", "dev", "eth0"])
@@ -171,7 +173,7 @@ impl Emulation {
 
     /// Packets the tbf qdiscs dropped and TCP segments retransmitted so far, over every node
     /// (both ends of every link): a healthy run keeps both near zero.
-    pub fn drops_and_retransmits(&self) -> (u64, u64) {
+    pub(crate) fn drops_and_retransmits(&self) -> (u64, u64) {
         let run = |args: &[&str]| -> String {
             Command::new("ip")
                 .args(args)
@@ -202,7 +204,7 @@ impl Emulation {
     }
 
     /// CPU seconds (user + system) the processes of this emulation and this process have used.
-    pub fn cpu_seconds(&self) -> f64 {
+    pub(crate) fn cpu_seconds(&self) -> f64 {
         // SAFETY: sysconf only reads a configuration value.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
         let ticks = |path: &str| -> u64 {
@@ -237,7 +239,7 @@ impl Emulation {
     }
 
     /// Stop every process (SIGTERM, then SIGKILL after a grace period).
-    pub fn stop_processes(&mut self) {
+    pub(crate) fn stop_processes(&mut self) {
         for (_, c) in &mut self.children {
             // SAFETY: kill only signals a child this process started and has not yet reaped.
             unsafe {

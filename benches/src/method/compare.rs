@@ -111,7 +111,7 @@ pub fn compare(a: &BenchReport, b: &BenchReport) -> (Vec<Diff>, Vec<String>) {
 }
 
 /// The machine fields that differ between the runs (`key: A -> B`).
-pub fn machine_differences(a: &BenchReport, b: &BenchReport) -> Vec<String> {
+pub(crate) fn machine_differences(a: &BenchReport, b: &BenchReport) -> Vec<String> {
     let fields = [
         "cpu_model_number",
         "cpu_family",
@@ -211,7 +211,7 @@ pub fn print(a: &BenchReport, b: &BenchReport, diffs: &[Diff], unmatched: &[Stri
 
 /// Writes `DIR/index.html`: the relative change of every figure with its range from the
 /// spreads (red: outside noise), and the table.
-pub fn write_report(
+pub(crate) fn write_report(
     a: &BenchReport,
     b: &BenchReport,
     diffs: &[Diff],

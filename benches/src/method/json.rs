@@ -114,7 +114,7 @@ pub enum Better {
 
 impl Better {
     /// The direction for a unit: times (`us`, `ms`, `s`) are latencies, anything else a rate.
-    pub fn for_unit(unit: &str) -> Better {
+    pub(crate) fn for_unit(unit: &str) -> Better {
         match unit {
             "us" | "ms" | "s" | "ns" => Better::Lower,
             _ => Better::Higher,
@@ -131,7 +131,7 @@ impl Better {
 }
 
 /// Header of the tables every bench prints (then one [`table_row`] per result).
-pub fn table_header(name_width: usize) -> String {
+pub(crate) fn table_header(name_width: usize) -> String {
     format!(
         "{:<name_width$} {:>6} {:>12} {:>12} {:>8} {:>7} {:>13} {:>4}  {}",
         "name", "batch", "achieved", "limit", "unit", "ratio", "ratio p10-p90", "reps", "direction"
@@ -140,7 +140,7 @@ pub fn table_header(name_width: usize) -> String {
 
 /// One result as a table row under [`table_header`] (the spread columns blank for a result
 /// without repetitions; `BENCH BUG` after the direction when the ratio is past its limit).
-pub fn table_row(r: &BenchResult, name_width: usize) -> String {
+pub(crate) fn table_row(r: &BenchResult, name_width: usize) -> String {
     let (spread, reps) = match r.ratio_spread() {
         Some(s) => (format!("{:.3}-{:.3}", s.p10, s.p90), s.n.to_string()),
         None => (String::new(), String::new()),
@@ -184,7 +184,7 @@ impl BenchResult {
     /// back to back. `achieved` and `limit` are the medians (`ratio` = their quotient, as
     /// always); the spreads, the per-repetition ratios' p10–p90, the raw samples, the
     /// repetitions a 10% difference needs at this noise, and `bench_bug` are added.
-    pub fn from_samples(
+    pub(crate) fn from_samples(
         name: impl Into<String>,
         batch: u64,
         achieved: &[f64],
@@ -226,7 +226,7 @@ impl BenchResult {
     /// trips is scheduling noise, so one lucky p99 is not a bug). A limit is what the machine
     /// can do at all, so such a ratio means the limit was measured badly, not that the thing
     /// beat it.
-    pub fn is_bench_bug(&self) -> bool {
+    pub(crate) fn is_bench_bug(&self) -> bool {
         if self.limit <= 0.0 {
             return false;
         }
@@ -250,12 +250,12 @@ impl BenchResult {
     }
 
     /// The per-repetition ratios from the raw samples (empty when not recorded).
-    pub fn ratio_samples(&self) -> Vec<f64> {
+    pub(crate) fn ratio_samples(&self) -> Vec<f64> {
         paired_ratios(&self.samples("achieved"), &self.samples("limit"))
     }
 
     /// The ratio's spread: from the raw samples, else from `ratio_p10`/`ratio_p90`, else none.
-    pub fn ratio_spread(&self) -> Option<Spread> {
+    pub(crate) fn ratio_spread(&self) -> Option<Spread> {
         let raw = self.ratio_samples();
         if !raw.is_empty() {
             return Some(Spread::of(&raw));
@@ -270,13 +270,13 @@ impl BenchResult {
     }
 
     /// A numeric extra field.
-    pub fn extra_f64(&self, key: &str) -> Option<f64> {
+    pub(crate) fn extra_f64(&self, key: &str) -> Option<f64> {
         self.extra.get(key).and_then(|v| v.as_f64())
     }
 }
 
 /// How far past 1 a ratio may be before it is reported as a bench bug (2%).
-pub const BUG_MARGIN: f64 = 1.02;
+pub(crate) const BUG_MARGIN: f64 = 1.02;
 
 impl Default for BenchReport {
     fn default() -> Self {
@@ -335,7 +335,7 @@ impl BenchReport {
 
     /// How many repetitions a 10% change needs in this run (`repetitions_for_10pct` over the
     /// figures that have it), as one line; none when no figure has repetitions.
-    pub fn power_line(&self) -> Option<String> {
+    pub(crate) fn power_line(&self) -> Option<String> {
         let with: Vec<&BenchResult> = self
             .results
             .iter()
@@ -370,7 +370,7 @@ impl BenchReport {
     }
 
     /// The bench bugs among the results (ratios past their limit, [`BenchResult::is_bench_bug`]).
-    pub fn bench_bugs(&self) -> Vec<&BenchResult> {
+    pub(crate) fn bench_bugs(&self) -> Vec<&BenchResult> {
         self.results.iter().filter(|r| r.is_bench_bug()).collect()
     }
 

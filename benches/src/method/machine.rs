@@ -10,8 +10,9 @@
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
-/// The fields [`describe`] adds to `machine`.
-pub const FIELDS: [&str; 11] = [
+/// The fields [`describe`] adds to `machine` (the test holds it to them).
+#[cfg(test)]
+const FIELDS: [&str; 11] = [
     "cpu_vendor",
     "cpu_family",
     "cpu_model_number",
@@ -98,7 +99,7 @@ pub fn describe(extra: &mut BTreeMap<String, Value>) {
 /// killer: the kernel's `MemAvailable`, and less when a cgroup (a container, a systemd slice)
 /// limits the process to less (`memory.max - memory.current`, cgroup v2). `None` when
 /// neither can be read (not Linux).
-pub fn memory_available_bytes() -> Option<u64> {
+pub(crate) fn memory_available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let available = meminfo
         .lines()

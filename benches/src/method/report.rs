@@ -8,6 +8,7 @@
 //! self-contained file that any browser renders.
 
 use crate::method::json::{BenchReport, BenchResult, Better};
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -60,7 +61,7 @@ pub fn print_table(report: &BenchReport) {
 }
 
 /// Writes `DIR/index.html` (the folder is created) and returns its path.
-pub fn write_report(report: &BenchReport, dir: &Path) -> Result<PathBuf, ReportError> {
+pub(crate) fn write_report(report: &BenchReport, dir: &Path) -> Result<PathBuf, ReportError> {
     std::fs::create_dir_all(dir).map_err(|source| ReportError::Io {
         path: dir.to_path_buf(),
         source,
@@ -152,14 +153,14 @@ pub fn section(body: &mut String, title: &str, svg: &str) {
 }
 
 /// HTML-escapes `s`.
-pub fn esc(s: &str) -> String {
+pub(crate) fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
 }
 
 /// A plotting error as a [`ReportError`].
-pub fn plot_err(name: &str) -> impl Fn(String) -> ReportError + '_ {
+pub(crate) fn plot_err(name: &str) -> impl Fn(String) -> ReportError + '_ {
     move |message| ReportError::Plot {
         name: name.to_owned(),
         message,
@@ -185,6 +186,85 @@ fn batch_range(rows: &[&BenchResult]) -> std::ops::Range<f64> {
     (lo / 1.5)..(hi * 1.5)
 }
 
+/// The chart a batch plot draws its marks in: the batch on a log x axis, and `Y`.
+type BatchChart<'a, 'b, Y> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<LogCoord<f64>, Y>>;
+
+/// The scaffolding every plot against the batch shares: the SVG canvas, the chart with the
+/// batch on a log x axis and `y` on the other, the mesh with both axis names, and the legend
+/// box at `legend`; `draw` adds the plot's own marks (a line per series with
+/// [`series_line`], bars, reference lines).
+fn batch_chart<Y>(
+    title: &str,
+    rows: &[&BenchResult],
+    y: Y,
+    (y_desc, y_fmt): (&str, &dyn Fn(&f64) -> String),
+    legend: SeriesLabelPosition,
+    draw: impl for<'a, 'b> FnOnce(&mut BatchChart<'a, 'b, Y::CoordDescType>) -> Result<(), ReportError>,
+) -> Result<String, ReportError>
+where
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    let err = plot_err(title);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(batch_range(rows).log_scale(), y)
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("batch (tokens per call / frame)")
+            .y_desc(y_desc)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(y_fmt)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        draw(&mut chart)?;
+        chart
+            .configure_series_labels()
+            .position(legend)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        root.present().map_err(|e| err(e.to_string()))?;
+    }
+    Ok(svg)
+}
+
+/// Series `i`'s line through `points` in its palette color, with dots and a legend entry
+/// named `name`; returns the color for the series' other marks.
+fn series_line<Y: Ranged<ValueType = f64>>(
+    chart: &mut BatchChart<'_, '_, Y>,
+    (i, name): (usize, &str),
+    points: Vec<(f64, f64)>,
+    err: &dyn Fn(String) -> ReportError,
+) -> Result<RGBAColor, ReportError> {
+    let c = Palette99::pick(i).to_rgba();
+    chart
+        .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))
+        .map_err(|e| err(e.to_string()))?
+        .label(name)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    chart
+        .draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled())))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(c)
+}
+
+/// The (lo, hi) of the positive values, widened by 1.5 each way for a log axis.
+fn log_bounds(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
+    let (lo, hi) = values
+        .filter(|v| *v > 0.0)
+        .fold((f64::MAX, 0f64), |(a, b), v| (a.min(v), b.max(v)));
+    (lo / 1.5)..(hi * 1.5)
+}
+
 /// Ratio against batch, one line per series, p10–p90 bars, the 1.0 and 1.02 lines.
 fn ratio_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportError> {
     let err = plot_err(title);
@@ -193,205 +273,116 @@ fn ratio_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportError>
         .map(|r| r.ratio_spread().map_or(r.ratio, |s| s.p90.max(r.ratio)))
         .fold(1.1f64, f64::max)
         * 1.05;
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(55)
-            .build_cartesian_2d(batch_range(rows).log_scale(), 0f64..hi)
-            .map_err(|e| err(e.to_string()))?;
-        chart
-            .configure_mesh()
-            .x_desc("batch (tokens per call / frame)")
-            .y_desc("ratio")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.2}"))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        let r = chart.x_range();
-        for (y, style) in [(1.0, BLACK.stroke_width(1)), (1.02, RED.stroke_width(1))] {
-            chart
-                .draw_series(DashedLineSeries::new(
-                    vec![(r.start, y), (r.end, y)],
-                    6,
-                    4,
-                    style,
-                ))
-                .map_err(|e| err(e.to_string()))?;
-        }
-        for (i, (name, pts)) in series(rows).into_iter().enumerate() {
-            let c = Palette99::pick(i).to_rgba();
-            let line: Vec<(f64, f64)> = pts
-                .iter()
-                .map(|r| (r.batch.max(1) as f64, r.ratio))
-                .collect();
-            chart
-                .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))
-                .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
-                });
-            chart
-                .draw_series(pts.iter().filter_map(|r| {
-                    let s = r.ratio_spread()?;
-                    let x = r.batch.max(1) as f64;
-                    Some(ErrorBar::new_vertical(
-                        x,
-                        s.p10,
-                        r.ratio,
-                        s.p90,
-                        c.filled(),
-                        8,
+    let y_fmt = |y: &f64| format!("{y:.2}");
+    batch_chart(
+        title,
+        rows,
+        0f64..hi,
+        ("ratio", &y_fmt),
+        SeriesLabelPosition::UpperRight,
+        |chart| {
+            let r = chart.x_range();
+            for (y, style) in [(1.0, BLACK.stroke_width(1)), (1.02, RED.stroke_width(1))] {
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        vec![(r.start, y), (r.end, y)],
+                        6,
+                        4,
+                        style,
                     ))
-                }))
-                .map_err(|e| err(e.to_string()))?;
-            chart
-                .draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))
-                .map_err(|e| err(e.to_string()))?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        root.present().map_err(|e| err(e.to_string()))?;
-    }
-    Ok(svg)
+                    .map_err(|e| err(e.to_string()))?;
+            }
+            for (i, (name, pts)) in series(rows).into_iter().enumerate() {
+                let line = pts
+                    .iter()
+                    .map(|r| (r.batch.max(1) as f64, r.ratio))
+                    .collect();
+                let c = series_line(chart, (i, name), line, &err)?;
+                chart
+                    .draw_series(pts.iter().filter_map(|r| {
+                        let s = r.ratio_spread()?;
+                        let x = r.batch.max(1) as f64;
+                        Some(ErrorBar::new_vertical(
+                            x,
+                            s.p10,
+                            r.ratio,
+                            s.p90,
+                            c.filled(),
+                            8,
+                        ))
+                    }))
+                    .map_err(|e| err(e.to_string()))?;
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Achieved (solid) and limit (dashed) latency against batch, log scales.
 fn latency_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportError> {
     let err = plot_err(title);
-    let vals = rows
-        .iter()
-        .flat_map(|r| [r.achieved, r.limit])
-        .filter(|v| *v > 0.0);
-    let (lo, hi) = vals.fold((f64::MAX, 0f64), |(a, b), v| (a.min(v), b.max(v)));
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(
-                batch_range(rows).log_scale(),
-                ((lo / 1.5)..(hi * 1.5)).log_scale(),
-            )
-            .map_err(|e| err(e.to_string()))?;
-        chart
-            .configure_mesh()
-            .x_desc("batch (tokens per frame)")
-            .y_desc("round trip, us")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        for (i, (name, pts)) in series(rows).into_iter().enumerate() {
-            let c = Palette99::pick(i).to_rgba();
-            let a: Vec<(f64, f64)> = pts
-                .iter()
-                .map(|r| (r.batch.max(1) as f64, r.achieved))
-                .collect();
-            let l: Vec<(f64, f64)> = pts
-                .iter()
-                .map(|r| (r.batch.max(1) as f64, r.limit))
-                .collect();
-            chart
-                .draw_series(LineSeries::new(a.clone(), c.stroke_width(2)))
-                .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
-                });
-            chart
-                .draw_series(a.iter().map(|&p| Circle::new(p, 3, c.filled())))
-                .map_err(|e| err(e.to_string()))?;
-            chart
-                .draw_series(DashedLineSeries::new(l, 5, 4, c.stroke_width(1)))
-                .map_err(|e| err(e.to_string()))?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        root.present().map_err(|e| err(e.to_string()))?;
-    }
-    Ok(svg)
+    let y = log_bounds(rows.iter().flat_map(|r| [r.achieved, r.limit])).log_scale();
+    let y_fmt = |y: &f64| format!("{y:.0}");
+    batch_chart(
+        title,
+        rows,
+        y,
+        ("round trip, us", &y_fmt),
+        SeriesLabelPosition::UpperLeft,
+        |chart| {
+            for (i, (name, pts)) in series(rows).into_iter().enumerate() {
+                let at = |v: fn(&BenchResult) -> f64| -> Vec<(f64, f64)> {
+                    pts.iter().map(|r| (r.batch.max(1) as f64, v(r))).collect()
+                };
+                let c = series_line(chart, (i, name), at(|r| r.achieved), &err)?;
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        at(|r| r.limit),
+                        5,
+                        4,
+                        c.stroke_width(1),
+                    ))
+                    .map_err(|e| err(e.to_string()))?;
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Kernel call latency against batch with p10–p90 bars, log scales.
 fn call_latency_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportError> {
     let err = plot_err(title);
     let f = |r: &BenchResult, k: &str| r.extra_f64(k).unwrap_or(0.0);
-    let vals = rows
-        .iter()
-        .flat_map(|r| [f(r, "latency_us_p10"), f(r, "latency_us_p90")]);
-    let (lo, hi) = vals
-        .filter(|v| *v > 0.0)
-        .fold((f64::MAX, 0f64), |(a, b), v| (a.min(v), b.max(v)));
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(
-                batch_range(rows).log_scale(),
-                ((lo / 1.5)..(hi * 1.5)).log_scale(),
-            )
-            .map_err(|e| err(e.to_string()))?;
-        chart
-            .configure_mesh()
-            .x_desc("batch (tokens per call)")
-            .y_desc("one call, us")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        for (i, (name, pts)) in series(rows).into_iter().enumerate() {
-            let c = Palette99::pick(i).to_rgba();
-            let line: Vec<(f64, f64)> = pts
-                .iter()
-                .map(|r| (r.batch.max(1) as f64, f(r, "latency_us")))
-                .collect();
-            chart
-                .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))
-                .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
-                });
-            chart
-                .draw_series(pts.iter().map(|r| {
-                    let x = r.batch.max(1) as f64;
-                    let (p10, p90) = (f(r, "latency_us_p10"), f(r, "latency_us_p90"));
-                    ErrorBar::new_vertical(x, p10, f(r, "latency_us"), p90, c.filled(), 8)
-                }))
-                .map_err(|e| err(e.to_string()))?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        root.present().map_err(|e| err(e.to_string()))?;
-    }
-    Ok(svg)
+    let y = log_bounds(
+        rows.iter()
+            .flat_map(|r| [f(r, "latency_us_p10"), f(r, "latency_us_p90")]),
+    )
+    .log_scale();
+    let y_fmt = |y: &f64| format!("{y:.0}");
+    batch_chart(
+        title,
+        rows,
+        y,
+        ("one call, us", &y_fmt),
+        SeriesLabelPosition::UpperLeft,
+        |chart| {
+            for (i, (name, pts)) in series(rows).into_iter().enumerate() {
+                let line = pts
+                    .iter()
+                    .map(|r| (r.batch.max(1) as f64, f(r, "latency_us")))
+                    .collect();
+                let c = series_line(chart, (i, name), line, &err)?;
+                chart
+                    .draw_series(pts.iter().map(|r| {
+                        let x = r.batch.max(1) as f64;
+                        let (p10, p90) = (f(r, "latency_us_p10"), f(r, "latency_us_p90"));
+                        ErrorBar::new_vertical(x, p10, f(r, "latency_us"), p90, c.filled(), 8)
+                    }))
+                    .map_err(|e| err(e.to_string()))?;
+            }
+            Ok(())
+        },
+    )
 }
 
 /// The roofline min(peak, bandwidth × intensity) and each kernel result at its intensity

@@ -61,21 +61,21 @@ impl Roofline {
 
     /// The roofline as a byte rate for work of `bytes` and `ops`: bytes / [`Roofline::time`] =
     /// min(read bandwidth, compute peak × bytes / ops).
-    pub fn byte_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
+    pub(crate) fn byte_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
         let (t, b) = self.time(bytes, ops);
         (if t > 0.0 { bytes / t } else { 0.0 }, b)
     }
 
     /// The roofline as an operation rate: ops / [`Roofline::time`] = min(compute peak, read
     /// bandwidth × ops / bytes).
-    pub fn op_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
+    pub(crate) fn op_rate(&self, bytes: f64, ops: f64) -> (f64, Bound) {
         let (t, b) = self.time(bytes, ops);
         (if t > 0.0 { ops / t } else { 0.0 }, b)
     }
 }
 
 /// The instruction sequence the peak loop runs on this CPU.
-pub fn peak_basis() -> &'static str {
+pub(crate) fn peak_basis() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f")
@@ -93,7 +93,7 @@ pub fn peak_basis() -> &'static str {
 /// One pass of the int8 peak loop: `iters` iterations on each of `threads` threads (started
 /// together, thread `i` pinned to the `i`-th allowed CPU so two threads never share a core
 /// while another is idle); returns int8 operations (2 per multiply-accumulate) per second.
-pub fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
+pub(crate) fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
     use expertmesh_cpu_backend::membw::{Placement, pin_to};
     let threads = threads.max(1);
     let cpus = Placement::Compact.cpus(threads);
@@ -125,7 +125,7 @@ pub fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
 
 /// Iterations of [`int8_peak_pass`] that take about `secs` on one thread here (from a short
 /// calibration pass).
-pub fn iters_for(secs: f64) -> usize {
+pub(crate) fn iters_for(secs: f64) -> usize {
     let probe = 20_000;
     let t = Instant::now();
     std::hint::black_box(dot_loop(probe));

@@ -36,7 +36,7 @@ impl Spread {
     }
 
     /// (p90 − p10) relative to the median (0 when the median is 0).
-    pub fn relative_width(&self) -> f64 {
+    pub(crate) fn relative_width(&self) -> f64 {
         if self.median == 0.0 {
             0.0
         } else {
@@ -46,7 +46,7 @@ impl Spread {
 }
 
 /// Median of sorted samples (0 for none).
-pub fn median_sorted(s: &[f64]) -> f64 {
+pub(crate) fn median_sorted(s: &[f64]) -> f64 {
     match s.len() {
         0 => 0.0,
         n if n % 2 == 1 => s[n / 2],
@@ -56,7 +56,7 @@ pub fn median_sorted(s: &[f64]) -> f64 {
 
 /// Per-pair ratios `a[i] / b[i]` of interleaved measurements (pairs with a non-positive
 /// limit are left out).
-pub fn paired_ratios(achieved: &[f64], limit: &[f64]) -> Vec<f64> {
+pub(crate) fn paired_ratios(achieved: &[f64], limit: &[f64]) -> Vec<f64> {
     achieved
         .iter()
         .zip(limit)
@@ -70,14 +70,14 @@ pub fn paired_ratios(achieved: &[f64], limit: &[f64]) -> Vec<f64> {
 /// approximation n = 2·(1.96 + 0.84)²·(σ/δ)² with σ estimated robustly as
 /// (p90 − p10) / 2.563 of the median (the width of ±1.2816σ of a normal distribution), plus
 /// 15% for a rank test instead of a t-test. At least 3.
-pub fn repetitions_for(s: &Spread, delta: f64) -> usize {
+pub(crate) fn repetitions_for(s: &Spread, delta: f64) -> usize {
     let sigma = s.relative_width() / 2.563;
     let n = 2.0 * (1.96f64 + 0.8416).powi(2) * (sigma / delta).powi(2) * 1.15;
     (n.ceil() as usize).max(3)
 }
 
 /// Repetition counts [`repetitions_for_resampled`] tries.
-pub const RESAMPLED_COUNTS: [usize; 9] = [3, 5, 7, 11, 15, 21, 31, 41, 61];
+pub(crate) const RESAMPLED_COUNTS: [usize; 9] = [3, 5, 7, 11, 15, 21, 31, 41, 61];
 
 /// Resampled trials per repetition count in [`repetitions_for_resampled`].
 const TRIALS: usize = 60;
@@ -87,7 +87,7 @@ const TRIALS: usize = 60;
 /// (with replacement) from `samples` against `n` others scaled by `1 − delta`: an empirical
 /// power analysis on the run's own noise, heavy tails and all. None with fewer than 5 samples
 /// or when even the largest count is not enough. Deterministic (fixed seed).
-pub fn repetitions_for_resampled(samples: &[f64], delta: f64) -> Option<usize> {
+pub(crate) fn repetitions_for_resampled(samples: &[f64], delta: f64) -> Option<usize> {
     let s: Vec<f64> = samples.iter().copied().filter(|x| x.is_finite()).collect();
     if s.len() < 5 {
         return None;
@@ -113,7 +113,7 @@ pub fn repetitions_for_resampled(samples: &[f64], delta: f64) -> Option<usize> {
 
 /// Mann–Whitney U test of two sample sets: the two-sided p-value from the normal
 /// approximation with tie correction (1 when either side has fewer than 2 samples).
-pub fn mann_whitney_p(a: &[f64], b: &[f64]) -> f64 {
+pub(crate) fn mann_whitney_p(a: &[f64], b: &[f64]) -> f64 {
     let (n1, n2) = (a.len(), b.len());
     if n1 < 2 || n2 < 2 {
         return 1.0;
@@ -176,7 +176,7 @@ pub enum Verdict {
 }
 
 /// Significance level of [`judge`]'s rank test.
-pub const ALPHA: f64 = 0.01;
+pub(crate) const ALPHA: f64 = 0.01;
 
 /// Whether samples `b` differ from samples `a` beyond noise: with raw samples on both sides
 /// (at least 3 each), a Mann–Whitney test at [`ALPHA`]; with spreads only, whether the p10–p90

@@ -136,7 +136,7 @@ impl Reference {
 }
 
 /// Expert ids of a placement range string ("0-15,24-31").
-pub fn parse_experts(s: &str) -> Vec<u32> {
+pub(crate) fn parse_experts(s: &str) -> Vec<u32> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {

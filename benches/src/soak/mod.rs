@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 const PARTITION_S: f64 = 25.0;
 
 /// The soak's placement: three workers, every expert of demo-small on two of them.
-pub const SOAK_PLACEMENT: [&str; 3] = ["0-15,24-31", "8-31", "0-7,16-23"];
+pub(crate) const SOAK_PLACEMENT: [&str; 3] = ["0-15,24-31", "8-31", "0-7,16-23"];
 
 /// Namespaces or loopback.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
