@@ -106,7 +106,12 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         dir.path().display()
     );
     let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "process_kill::child_rank",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("EXPERTMESH_CHILD_SPEC", spec)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

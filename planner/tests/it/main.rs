@@ -1,0 +1,3 @@
+//! The planner's integration tests, one binary: mutated planner inputs never panic the readers.
+
+mod mutated_plan_inputs;
