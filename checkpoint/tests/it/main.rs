@@ -6,3 +6,4 @@ mod gptq_import;
 mod hf_config;
 mod packed_import;
 mod safetensors;
+mod support;
