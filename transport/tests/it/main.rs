@@ -8,3 +8,4 @@ mod frontend;
 mod mesh_links;
 mod process_kill;
 mod sealed_links;
+mod support;
