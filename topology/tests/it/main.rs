@@ -2,3 +2,4 @@
 //! readers.
 
 mod mutated_files;
+mod support;
