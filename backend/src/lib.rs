@@ -24,6 +24,7 @@
 
 pub mod grouping;
 
+pub use expertmesh_quant::contract::OutputLayout;
 pub use grouping::Grouping;
 
 use expertmesh_quant::contract::ComputeMode;
@@ -81,15 +82,6 @@ pub struct ExpertGroup<'a> {
     pub weights: &'a [f32],
     /// Output row of each (token, expert) pair (see the module docs).
     pub out_rows: &'a [u32],
-}
-
-/// How results are written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputLayout {
-    /// One unweighted row per (token, expert) pair, `[pairs][H]`.
-    PerSlot,
-    /// One row per input token, the weighted sum of its pairs on this device, `[T][H]`.
-    PreCombined,
 }
 
 /// One grouped batch.

@@ -41,9 +41,7 @@
 use crate::method::json::{BenchReport, BenchResult};
 use crate::method::stats::percentile;
 use bytes::Bytes;
-use expertmesh_transport::codec::{
-    self, Body, Dispatch, ExpertResult, OutputLayout, WireComputeMode,
-};
+use expertmesh_transport::codec::{self, Body, ComputeMode, Dispatch, ExpertResult, OutputLayout};
 use expertmesh_transport::{
     ActivationDtype, LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress,
     Transport, TransportEvent,
@@ -104,7 +102,7 @@ fn dispatch_frame(tokens: usize) -> OutFrame {
         tokens: tokens as u32,
         hidden: HIDDEN as u32,
         dtype: ActivationDtype::Bf16,
-        mode: WireComputeMode::Exact,
+        mode: ComputeMode::Exact,
         layout: OutputLayout::PerSlot,
         result_dtype: OutputDtype::F32,
         expert_counts: vec![2; tokens],

@@ -14,7 +14,7 @@ use expertmesh_fuzz::{
 use expertmesh_transport::codec::{
     self, Auth, Body, CLIENT_RANK, CodecConfig, Credit, Dispatch, ErrorCode, ErrorFrame,
     ExpertResult, FORMAT_VERSION, Heartbeat, Hello, LayerRequest, LayerResponse, LinkInfo,
-    OutputLayout, WireComputeMode,
+    OutputLayout, ComputeMode,
 };
 use expertmesh_transport::crypto::{Key, Sealer};
 use expertmesh_transport::{ActivationDtype, OutputDtype};
@@ -72,7 +72,7 @@ fn every_kind() -> Vec<(Body, Vec<u8>)> {
                 tokens: 2,
                 hidden: 16,
                 dtype: ActivationDtype::F32,
-                mode: WireComputeMode::Exact,
+                mode: ComputeMode::Exact,
                 layout: OutputLayout::PerSlot,
                 result_dtype: OutputDtype::F32,
                 expert_counts: vec![2, 1],

@@ -2,7 +2,7 @@
 //!
 //! Why this exists: the HIP runtime passes each kernel one struct by value, so Rust and C must
 //! agree on every field offset. These `#[repr(C)]` types are the Rust side; a test compiles the
-//! header with g++ and compares every offset (`tests/kernel_host.rs`), so a drift fails in CI
+//! header with g++ and compares every offset (`tests/it/kernel_host.rs`), so a drift fails in CI
 //! even on machines without a GPU. Every pointer is a device pointer into buffers allocated when
 //! experts are loaded (see the header for each array's shape).
 

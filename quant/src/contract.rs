@@ -101,6 +101,18 @@ impl ComputeMode {
     }
 }
 
+/// How an expert computation's results are laid out: what a backend writes and what a worker
+/// sends back (one definition for the backend trait and the wire).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OutputLayout {
+    /// One unweighted row per (token, expert) pair, `[pairs][H]`, in the dispatch's order; the
+    /// router combines them in slot order.
+    PerSlot,
+    /// One row per input token, `[T][H]`: the weighted sum of its pairs on this device (the
+    /// worker's experts already summed with their routing weights).
+    PreCombined,
+}
+
 /// Partial sums per row in the exact reduction (see the module docs, §3).
 pub const LANES: usize = 16;
 

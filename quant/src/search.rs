@@ -33,7 +33,7 @@
 //! [`PackedMatrix::quantize`] writes, so the dequantizer and every kernel read it unchanged. The
 //! quantizer is deterministic: its result is defined by the sequential search above with every
 //! sum in element order, and is the same bit for bit on every machine and with or without the
-//! vector kernels (`tests/search_oracle.rs` compares it with that straightforward
+//! vector kernels (`tests/it/search_oracle.rs` compares it with that straightforward
 //! implementation). It allocates only the output, for 16-bit inputs one row of f32 scratch, and
 //! an 8 KiB table.
 //!

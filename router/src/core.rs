@@ -34,8 +34,7 @@ use expertmesh_backend::BackendError;
 use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{
-    Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout,
-    WireComputeMode, WireFormat,
+    Body, Dispatch, ErrorCode, ExpertResult, LayerRequest, OutputLayout as WireLayout, WireFormat,
 };
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 use expertmesh_transport::mesh::OutFrame;
@@ -1499,10 +1498,7 @@ impl RouterCore {
             tokens: n as u32,
             hidden: h as u32,
             dtype,
-            mode: match mode {
-                ComputeMode::Exact => WireComputeMode::Exact,
-                ComputeMode::Accurate => WireComputeMode::Accurate,
-            },
+            mode,
             layout: self.wire.layout,
             result_dtype: self.wire.result,
             expert_counts: plan.counts.iter().map(|&c| c as u16).collect(),

@@ -166,7 +166,18 @@ impl Manifest {
             what: "reading",
             source,
         })?;
-        let m: Manifest = serde_json::from_slice(&text)
+        Self::parse(&text, &path)
+    }
+
+    /// Parse and check a manifest's bytes (`path` names it in errors): the JSON, the format
+    /// and version, and that every file it names lies inside the folder. Any bytes give a
+    /// manifest or an error, never a panic (the `manifest` fuzz target's entry point).
+    pub fn parse(text: &[u8], path: &Path) -> Result<Self, ManifestError> {
+        let invalid = |reason: String| ManifestError::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let m: Manifest = serde_json::from_slice(text)
             .map_err(|e| invalid(format!("not a valid manifest: {e}")))?;
         if m.format != MANIFEST_FORMAT || m.format_version != MANIFEST_VERSION {
             return Err(invalid(format!(

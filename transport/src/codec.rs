@@ -29,10 +29,22 @@
 //! copying them again. Every length in the header and the metadata is checked against the
 //! configured maximum frame size and against the bytes actually present before anything is
 //! allocated; decoding arbitrary bytes returns an error and never panics (fuzzed, see `fuzz/`).
+//!
+//! A dispatch's compute mode and result layout are the exact-mode contract's own
+//! [`ComputeMode`] and [`OutputLayout`] (re-exported here), one byte each on the wire. The
+//! bytes each serving mode costs per token are measured on encoded frames by the `wire_size`
+//! submodule ([`wire_bytes_per_token`]).
 
 pub use crate::align::{PAYLOAD_ALIGN, align_up};
 use crate::dtype::{ActivationDtype, OutputDtype};
+/// The numerical contract a dispatch asks for and the layout of its results: one definition in
+/// the exact-mode contract, shared by the backends and the wire (a dispatch's mode byte is 0
+/// exact, 1 accurate; its layout byte 0 per slot, 1 pre-combined).
+pub use expertmesh_quant::contract::{ComputeMode, OutputLayout};
 use std::ops::Range;
+
+mod wire_size;
+pub use wire_size::{WireBytes, WireFormat, wire_bytes_per_token};
 
 /// Magic number at the start of every frame ("EMMF" as little-endian bytes).
 pub const MAGIC: u32 = 0x464D_4D45;
@@ -500,25 +512,6 @@ impl StreamDecoder {
 // Bodies
 // ---------------------------------------------------------------------------------------------
 
-/// Which numerical contract the worker applies (mirrors
-/// `expertmesh_quant::contract::ComputeMode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WireComputeMode {
-    /// Exact (W4A8) mode: bit-identical results.
-    Exact,
-    /// Accurate (W4A16) mode: within a tolerance of f64.
-    Accurate,
-}
-
-/// How a worker lays out its results.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OutputLayout {
-    /// One row per (token, expert) pair in the dispatch's order; the router combines.
-    PerSlot,
-    /// One row per token, the worker's experts already summed with their routing weights.
-    PreCombined,
-}
-
 /// Stable error codes carried by error frames (never renumbered; operators grep for them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
@@ -659,7 +652,7 @@ pub struct Dispatch {
     /// Encoding of the payload activations.
     pub dtype: ActivationDtype,
     /// Numerical contract to apply.
-    pub mode: WireComputeMode,
+    pub mode: ComputeMode,
     /// Result layout wanted.
     pub layout: OutputLayout,
     /// Encoding of the result rows wanted (on the wire: the byte after the layout, once
@@ -875,10 +868,18 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn mode_from(kind: FrameKind, v: u8) -> Result<WireComputeMode, CodecError> {
+/// The dispatch's compute-mode byte: 0 exact, 1 accurate.
+fn mode_u8(m: ComputeMode) -> u8 {
+    match m {
+        ComputeMode::Exact => 0,
+        ComputeMode::Accurate => 1,
+    }
+}
+
+fn mode_from(kind: FrameKind, v: u8) -> Result<ComputeMode, CodecError> {
     match v {
-        0 => Ok(WireComputeMode::Exact),
-        1 => Ok(WireComputeMode::Accurate),
+        0 => Ok(ComputeMode::Exact),
+        1 => Ok(ComputeMode::Accurate),
         _ => Err(bad(kind, format!("unknown compute mode {v}"))),
     }
 }
@@ -1088,10 +1089,7 @@ impl Body {
                 out.extend_from_slice(&d.tokens.to_le_bytes());
                 out.extend_from_slice(&d.hidden.to_le_bytes());
                 out.push(d.dtype as u8);
-                out.push(match d.mode {
-                    WireComputeMode::Exact => 0,
-                    WireComputeMode::Accurate => 1,
-                });
+                out.push(mode_u8(d.mode));
                 out.push(layout_u8(d.layout));
                 out.push(result_dtype_u8(d.result_dtype));
                 out.extend_from_slice(&(d.experts.len() as u32).to_le_bytes());
@@ -1402,131 +1400,9 @@ fn layout_u8(l: OutputLayout) -> u8 {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Wire cost
-// ---------------------------------------------------------------------------------------------
-
-/// How one device's share of a layer call travels: the dispatch's activation encoding and the
-/// result's layout and encoding (a serving mode's wire, e.g. exact mode = q8-block32 out,
-/// per-slot f32 back).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WireFormat {
-    /// Encoding of the dispatched activations.
-    pub dispatch: ActivationDtype,
-    /// Result rows: one per (token, slot) or one per token.
-    pub layout: OutputLayout,
-    /// Encoding of the result rows.
-    pub result: OutputDtype,
-}
-
-/// Bytes per token that one destination device costs on the wire, averaged over a frame of
-/// `tokens` tokens: the dispatch frame out and the result frame back, headers, metadata and
-/// padding included (transport-level overhead such as TCP/IP headers and credit frames is not).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct WireBytes {
-    /// Dispatch frame bytes per token (router → device).
-    pub dispatch: f64,
-    /// Result frame bytes per token (device → router).
-    pub result: f64,
-}
-
-impl WireBytes {
-    /// Both directions together.
-    pub fn total(&self) -> f64 {
-        self.dispatch + self.result
-    }
-}
-
-/// The bytes the fabric actually sends per token to and from one destination device, for a
-/// frame of `tokens` tokens of hidden size `hidden`, each with `slots_per_token` of this
-/// device's experts, in wire format `wire`. Measured by encoding a real dispatch and a real
-/// result frame with this codec (so it follows every change of the frame format), then dividing
-/// by `tokens`. A token routed to `d` devices costs the sum over its destinations; the planner's
-/// traffic model and the benches call this rather than restating the layout.
-pub fn wire_bytes_per_token(
-    wire: WireFormat,
-    hidden: usize,
-    tokens: usize,
-    slots_per_token: usize,
-) -> Result<WireBytes, CodecError> {
-    let tokens = tokens.max(1);
-    let cfg = CodecConfig {
-        max_frame_bytes: MAX_MAX_FRAME_BYTES,
-        payload_checksum: false,
-    };
-    let pairs = tokens * slots_per_token;
-    let dispatch = Body::Dispatch(Dispatch {
-        batch_id: 1,
-        layer: 0,
-        part: 0,
-        tokens: tokens as u32,
-        hidden: hidden as u32,
-        dtype: wire.dispatch,
-        mode: WireComputeMode::Exact,
-        layout: wire.layout,
-        result_dtype: wire.result,
-        expert_counts: vec![slots_per_token as u16; tokens],
-        experts: vec![0; pairs],
-        weights: vec![0.0; pairs],
-    });
-    let rows = match wire.layout {
-        OutputLayout::PerSlot => pairs,
-        OutputLayout::PreCombined => tokens,
-    };
-    let result = Body::Result(ExpertResult {
-        batch_id: 1,
-        layer: 0,
-        part: 0,
-        layout: wire.layout,
-        rows: rows as u32,
-        hidden: hidden as u32,
-        dtype: wire.result,
-    });
-    let mut head = Vec::new();
-    let mut encoded = |body: &Body| -> Result<usize, CodecError> {
-        let payload = vec![0u8; body.expected_payload_len()? as usize];
-        encode_head(body, &payload, &cfg, &mut head)
-    };
-    let (d, r) = (encoded(&dispatch)?, encoded(&result)?);
-    Ok(WireBytes {
-        dispatch: d as f64 / tokens as f64,
-        result: r as f64 / tokens as f64,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const Q8_F32_SLOTS: WireFormat = WireFormat {
-        dispatch: ActivationDtype::Q8Block32,
-        layout: OutputLayout::PerSlot,
-        result: OutputDtype::F32,
-    };
-
-    #[test]
-    fn wire_bytes_are_the_encoded_frame_lengths() {
-        // One token of hidden 1024 with 2 slots: q8 payload 1024 + 32·4 scales; head 32 + meta
-        // (40 + 2 + 16) = 90 → 128. Result: 2 rows of 1024 f32 = 8192, head 32 + 24 → 64.
-        let w = wire_bytes_per_token(Q8_F32_SLOTS, 1024, 1, 2).unwrap();
-        assert_eq!(w.dispatch, (128 + 1024 + 128) as f64);
-        assert_eq!(w.result, (64 + 8192) as f64);
-        let bf16 = WireFormat {
-            result: OutputDtype::Bf16,
-            ..Q8_F32_SLOTS
-        };
-        assert_eq!(
-            wire_bytes_per_token(bf16, 1024, 1, 2).unwrap().result,
-            (64 + 4096) as f64
-        );
-        let combined = WireFormat {
-            layout: OutputLayout::PreCombined,
-            ..bf16
-        };
-        let c = wire_bytes_per_token(combined, 1024, 1, 2).unwrap();
-        assert_eq!(c.result, (64 + 2048) as f64);
-        assert_eq!(c.total(), c.dispatch + c.result);
-    }
 
     #[test]
     fn dispatch_result_dtype_round_trips_and_zero_means_f32() {
@@ -1538,7 +1414,7 @@ mod tests {
                 tokens: 1,
                 hidden: 32,
                 dtype: ActivationDtype::Q8Block32,
-                mode: WireComputeMode::Exact,
+                mode: ComputeMode::Exact,
                 layout: OutputLayout::PreCombined,
                 result_dtype,
                 expert_counts: vec![1],

@@ -524,7 +524,13 @@ pub fn master_key_text(master: &Key) -> String {
 /// Reads a cluster master key file (refusing one readable by other users).
 pub fn load_master_key(path: &Path) -> Result<Key, KeyError> {
     let text = read_secret_file(path)?;
-    let shown = path.display().to_string();
+    parse_master_key(&text, &path.display().to_string())
+}
+
+/// Parses a cluster master key file's text (`path` names it in errors). Any text gives a key
+/// or an error, never a panic (the `credential_files` fuzz target's entry point).
+pub fn parse_master_key(text: &str, path: &str) -> Result<Key, KeyError> {
+    let shown = path.to_owned();
     let mut lines = text.lines();
     if lines.next().map(str::trim) != Some(MASTER_HEADER) {
         return Err(KeyError::Parse {

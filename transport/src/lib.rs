@@ -46,13 +46,13 @@
 //! `mesh` imports `setup`, `link`, `protocol`, `codec` and (for [`ShmConfig`]) `shm`;
 //! `frontend` imports `tcp`, `link`, `protocol`, `codec`; `setup` imports the drivers, `link`,
 //! `protocol`, `codec`; a driver imports `link`, `protocol`, `codec`; `link` imports `protocol`
-//! and `codec`; `protocol` imports `codec`; `codec` imports `dtype` and `align`; `dtype` imports
-//! `align`.
+//! and `codec`; `protocol` imports `codec`; `codec`
+//! imports `dtype` and `align`; `dtype` imports `align`.
 //!
 //! # Example: two ranks exchange a dispatch and a result
 //!
 //! ```no_run
-//! use expertmesh_transport::codec::{Body, Dispatch, ExpertResult, OutputLayout, WireComputeMode};
+//! use expertmesh_transport::codec::{Body, ComputeMode, Dispatch, ExpertResult, OutputLayout};
 //! use expertmesh_transport::{dtype, ActivationDtype, LinkKind, Mesh, MeshConfig, OutFrame,
 //!     OutputDtype, PeerAddress, Transport, TransportEvent};
 //! use std::time::Duration;
@@ -77,7 +77,7 @@
 //! dtype::encode_activations(dtype, tokens, hidden, &x, &mut payload)?;
 //! let body = Body::Dispatch(Dispatch {
 //!     batch_id: 42, layer: 3, part: 0, tokens: 2, hidden: 7168, dtype,
-//!     mode: WireComputeMode::Exact, layout: OutputLayout::PerSlot, result_dtype: OutputDtype::F32,
+//!     mode: ComputeMode::Exact, layout: OutputLayout::PerSlot, result_dtype: OutputDtype::F32,
 //!     expert_counts: vec![2, 1], experts: vec![5, 9, 9], weights: vec![0.7, 0.3, 1.0],
 //! });
 //! mesh.send(1, &OutFrame::with_payload(body, payload)).await?; // waits for credit

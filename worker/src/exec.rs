@@ -18,9 +18,7 @@ use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
 };
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_transport::codec::{
-    Dispatch, ErrorCode, ExpertResult, OutputLayout as WireLayout, WireComputeMode,
-};
+use expertmesh_transport::codec::{Dispatch, ErrorCode, ExpertResult};
 use expertmesh_transport::dtype::{self, ActivationDtype, OutputDtype};
 
 /// Runs dispatches on a backend with buffers sized once.
@@ -92,14 +90,7 @@ impl DispatchExecutor {
     ) -> Result<(ExpertResult, Bytes), ExecError> {
         let pairs = self.check(d, payload)?;
         let (h, t) = (self.hidden, d.tokens as usize);
-        let mode = match d.mode {
-            WireComputeMode::Exact => ComputeMode::Exact,
-            WireComputeMode::Accurate => ComputeMode::Accurate,
-        };
-        let layout = match d.layout {
-            WireLayout::PerSlot => OutputLayout::PerSlot,
-            WireLayout::PreCombined => OutputLayout::PreCombined,
-        };
+        let (mode, layout) = (d.mode, d.layout);
         let rows = match layout {
             OutputLayout::PerSlot => pairs,
             OutputLayout::PreCombined => t,

@@ -30,7 +30,7 @@ use bytes::Bytes;
 use expertmesh_topology::placement::SharedLocation;
 use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::codec::{
-    Body, Dispatch, ErrorCode, ErrorFrame, ExpertResult, OutputLayout as WireLayout,
+    Body, Dispatch, ErrorCode, ErrorFrame, ExpertResult, OutputLayout,
 };
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::mesh::OutFrame;
@@ -141,7 +141,7 @@ struct Pending {
     batch_id: u64,
     part: u32,
     layer: u32,
-    layout: WireLayout,
+    layout: OutputLayout,
     dtype: OutputDtype,
     rows: usize,
     started: Instant,
@@ -241,7 +241,7 @@ impl NodeFanout {
         now: Instant,
     ) -> Result<Forward, ExecError> {
         let dest = self.destinations(d, &is_live)?;
-        let per_slot = d.layout == WireLayout::PerSlot;
+        let per_slot = d.layout == OutputLayout::PerSlot;
         // shares in a fixed order: this device first, then peers by rank
         let mut order: Vec<Option<u32>> = dest.clone();
         order.sort_unstable();
@@ -480,8 +480,8 @@ impl NodeFanout {
             for (i, &t) in s.targets.iter().enumerate() {
                 let (dst, src) = (&mut out[t as usize * h..][..h], &rows[i * h..][..h]);
                 match p.layout {
-                    WireLayout::PerSlot => dst.copy_from_slice(src),
-                    WireLayout::PreCombined => dst.iter_mut().zip(src).for_each(|(a, b)| *a += b),
+                    OutputLayout::PerSlot => dst.copy_from_slice(src),
+                    OutputLayout::PreCombined => dst.iter_mut().zip(src).for_each(|(a, b)| *a += b),
                 }
             }
         }
@@ -567,7 +567,7 @@ fn sub_dispatch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use expertmesh_transport::codec::WireComputeMode;
+    use expertmesh_transport::codec::ComputeMode;
     use expertmesh_transport::dtype::ActivationDtype;
 
     const H: usize = 4;
@@ -590,7 +590,7 @@ mod tests {
     }
 
     /// A dispatch of `counts.len()` tokens whose f32 rows hold the token index.
-    fn dispatch(counts: &[u16], experts: &[u32], layout: WireLayout) -> (Dispatch, Vec<u8>) {
+    fn dispatch(counts: &[u16], experts: &[u32], layout: OutputLayout) -> (Dispatch, Vec<u8>) {
         let t = counts.len();
         let x: Vec<f32> = (0..t * H).map(|i| (i / H) as f32).collect();
         let mut payload = vec![0u8; t * H * 4];
@@ -602,7 +602,7 @@ mod tests {
             tokens: t as u32,
             hidden: H as u32,
             dtype: ActivationDtype::F32,
-            mode: WireComputeMode::Exact,
+            mode: ComputeMode::Exact,
             layout,
             result_dtype: OutputDtype::F32,
             expert_counts: counts.to_vec(),
@@ -624,14 +624,14 @@ mod tests {
             let mut acc = 0f32;
             for _ in 0..c {
                 let v = token * 100.0 + d.experts[p] as f32;
-                if d.layout == WireLayout::PerSlot {
+                if d.layout == OutputLayout::PerSlot {
                     out.extend(std::iter::repeat_n(v, H));
                 } else {
                     acc += d.weights[p] * v;
                 }
                 p += 1;
             }
-            if d.layout == WireLayout::PreCombined {
+            if d.layout == OutputLayout::PreCombined {
                 out.extend(std::iter::repeat_n(acc, H));
             }
         }
@@ -655,7 +655,7 @@ mod tests {
 
     /// Runs a forwarded dispatch to the end (peers answer in reverse order) and returns the
     /// assembled rows the router gets.
-    fn serve(layout: WireLayout) -> (Vec<f32>, Vec<f32>) {
+    fn serve(layout: OutputLayout) -> (Vec<f32>, Vec<f32>) {
         // token 0: experts 0, 2; token 1: 4; token 2: 1, 3, 4
         let (d, payload) = dispatch(&[2, 1, 3], &[0, 2, 4, 1, 3, 4], layout);
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
@@ -689,13 +689,13 @@ mod tests {
 
     #[test]
     fn per_slot_rows_are_assembled_in_the_dispatch_order() {
-        let (got, direct) = serve(WireLayout::PerSlot);
+        let (got, direct) = serve(OutputLayout::PerSlot);
         assert_eq!(got, direct);
     }
 
     #[test]
     fn pre_combined_rows_are_summed_per_token() {
-        let (got, direct) = serve(WireLayout::PreCombined);
+        let (got, direct) = serve(OutputLayout::PreCombined);
         for (g, w) in got.iter().zip(&direct) {
             assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
         }
@@ -704,7 +704,7 @@ mod tests {
     #[test]
     fn an_unknown_expert_id_is_not_taken_for_a_local_one() {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
-        let (d, p) = dispatch(&[1], &[9], WireLayout::PerSlot);
+        let (d, p) = dispatch(&[1], &[9], OutputLayout::PerSlot);
         assert!(f.needs_forwarding(&d));
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
@@ -713,10 +713,10 @@ mod tests {
     #[test]
     fn experts_without_a_live_home_on_the_node_are_refused() {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
-        let (d, p) = dispatch(&[1], &[5], WireLayout::PerSlot);
+        let (d, p) = dispatch(&[1], &[5], OutputLayout::PerSlot);
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
-        let (d, p) = dispatch(&[1], &[2], WireLayout::PerSlot);
+        let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
         let e = f
             .start(9, 1, &d, &p, |_| false, Instant::now())
             .unwrap_err();
@@ -727,7 +727,7 @@ mod tests {
 
     #[test]
     fn a_lost_or_silent_peer_fails_the_dispatch_once() {
-        let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
+        let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
         let now = Instant::now();
         let fwd = f.start(9, 1, &d, &p, |_| true, now).unwrap();

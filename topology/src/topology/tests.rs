@@ -1,8 +1,10 @@
 //! Unit tests of topology parsing and validation: each problem kind, all problems at once,
 //! line:column, nearest-key suggestions, and the examples shipped in `examples/`.
 
+use super::device_types::is_gfx_target;
 use super::*;
 use crate::diag::Problem;
+use std::path::Path;
 
 fn examples_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")

@@ -8,36 +8,21 @@
 //! own auth answer, the reader opens in place into the pooled aligned buffer, and the
 //! shared-memory ring path travels in a sealed link-info frame.
 
+use crate::support::{free_addrs, peers, result_body};
 use bytes::Bytes;
-use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
+use expertmesh_transport::codec::Body;
 use expertmesh_transport::crypto::{Credentials, Key};
 use expertmesh_transport::frontend::{FrameConnection, FrameListener, FrontendConfig};
 use expertmesh_transport::{
-    HandshakeGate, LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, PeerAddress, Transport,
+    HandshakeGate, LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, Transport,
 };
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
 
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 fn frame(id: u64, rows: u32, hidden: u32) -> OutFrame {
-    let body = Body::Result(ExpertResult {
-        batch_id: id,
-        layer: 1,
-        part: 0,
-        layout: OutputLayout::PerSlot,
-        rows,
-        hidden,
-        dtype: OutputDtype::F32,
-    });
+    let body = result_body([id, 1, 0], rows, hidden, OutputDtype::F32);
     let n = (rows * hidden * 4) as usize;
     OutFrame::with_payload(
         body,
@@ -57,11 +42,7 @@ async fn sealed_pair(
     let addrs = free_addrs(2);
     let (mut meshes, mut events) = (Vec::new(), Vec::new());
     for rank in 0..2u32 {
-        let peers = addrs
-            .iter()
-            .map(|&addr| PeerAddress { addr, link: kind })
-            .collect();
-        let mut c = MeshConfig::new("sealed", rank, peers);
+        let mut c = MeshConfig::new("sealed", rank, peers(&addrs, kind));
         c.protocol.codec.max_frame_bytes = 4 << 20;
         c.protocol.recv_window_bytes = 8 << 20;
         c.shm.dir = dir.to_path_buf();

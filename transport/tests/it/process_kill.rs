@@ -6,9 +6,9 @@
 //! Why this exists: an in-process shutdown closes sockets politely; a crashed process does not.
 //! The child rank is this same test binary re-executed with `EXPERTMESH_CHILD_*` variables.
 
-use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
+use crate::support::{peers, result_body};
 use expertmesh_transport::{
-    LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, PeerAddress, Transport, TransportEvent,
+    LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, Transport, TransportEvent,
 };
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
@@ -17,11 +17,7 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(10);
 
 fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path) -> MeshConfig {
-    let peers = addrs
-        .iter()
-        .map(|&addr| PeerAddress { addr, link: kind })
-        .collect();
-    let mut c = MeshConfig::new("kill-test", rank, peers);
+    let mut c = MeshConfig::new("kill-test", rank, peers(addrs, kind));
     c.protocol.codec.max_frame_bytes = 256 << 10;
     c.protocol.recv_window_bytes = 512 << 10;
     c.shm.dir = dir.to_path_buf();
@@ -33,15 +29,7 @@ fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path
 }
 
 fn frame() -> OutFrame {
-    let body = Body::Result(ExpertResult {
-        batch_id: 1,
-        layer: 0,
-        part: 0,
-        layout: OutputLayout::PerSlot,
-        rows: 100,
-        hidden: 300,
-        dtype: OutputDtype::Bf16,
-    });
+    let body = result_body([1, 0, 0], 100, 300, OutputDtype::Bf16);
     OutFrame::with_payload(body, vec![1u8; 60_000])
 }
 
@@ -106,7 +94,12 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         dir.path().display()
     );
     let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "process_kill::child_rank",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("EXPERTMESH_CHILD_SPEC", spec)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -6,15 +6,14 @@
 //! when this whole file passes against it. Each test body is written once and instantiated per
 //! driver by the `conformance!` macro.
 
+use crate::support::{crc32c, free_addrs, peers, result_body};
 use bytes::Bytes;
-use expertmesh_transport::codec::{
-    self, Body, CodecConfig, ErrorCode, ErrorFrame, ExpertResult, Heartbeat, OutputLayout,
-};
+use expertmesh_transport::codec::{self, Body, CodecConfig, ErrorCode, ErrorFrame, Heartbeat};
 use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::protocol::{Connection, ProtocolConfig};
 use expertmesh_transport::{
-    LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress, PeerErrorKind,
-    Transport, TransportEvent,
+    LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerErrorKind, Transport,
+    TransportEvent,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,24 +32,13 @@ struct Cluster {
     _shm_dir: tempfile::TempDir,
 }
 
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 fn config(
     kind: LinkKind,
     rank: u32,
     addrs: &[SocketAddr],
     shm_dir: &std::path::Path,
 ) -> MeshConfig {
-    let peers = addrs
-        .iter()
-        .map(|&addr| PeerAddress { addr, link: kind })
-        .collect();
-    let mut c = MeshConfig::new("conformance", rank, peers);
+    let mut c = MeshConfig::new("conformance", rank, peers(addrs, kind));
     c.protocol.codec = CodecConfig {
         max_frame_bytes: MAX_FRAME,
         payload_checksum: true,
@@ -103,15 +91,7 @@ async fn cluster_of(world: usize, started: usize, kind: LinkKind) -> Cluster {
 }
 
 fn result_frame(id: u64, rows: u32, hidden: u32, fill: u8) -> OutFrame {
-    let body = Body::Result(ExpertResult {
-        batch_id: id,
-        layer: 3,
-        part: 1,
-        layout: OutputLayout::PerSlot,
-        rows,
-        hidden,
-        dtype: OutputDtype::Bf16,
-    });
+    let body = result_body([id, 3, 1], rows, hidden, OutputDtype::Bf16);
     let len = (rows * hidden * 2) as usize;
     let payload: Vec<u8> = (0..len)
         .map(|i| (i as u8).wrapping_mul(31) ^ fill)
@@ -367,7 +347,7 @@ async fn garbage_and_oversized_frames_close_only_that_connection(kind: LinkKind)
     .unwrap();
     hdr.truncate(codec::HEADER_LEN);
     hdr[8..12].copy_from_slice(&(u32::MAX - 63).to_le_bytes());
-    let crc = crc32c_table(&hdr[..24]);
+    let crc = crc32c(&hdr[..24]);
     hdr[24..28].copy_from_slice(&crc.to_le_bytes());
     s.write_all(&hdr).await.unwrap();
     let mut buf = Vec::new();
@@ -423,22 +403,6 @@ async fn garbage_and_oversized_frames_close_only_that_connection(kind: LinkKind)
         Some(78)
     );
     assert!(!c.meshes[0].is_connected(2));
-}
-
-fn crc32c_table(data: &[u8]) -> u32 {
-    // Bitwise CRC-32C (Castagnoli), independent of the crate under test.
-    let mut crc = !0u32;
-    for &byte in data {
-        crc ^= byte as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0x82F6_3B78
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 async fn manual_handshake(s: &mut tokio::net::TcpStream, conn: &mut Connection) {

@@ -13,14 +13,12 @@
 //!   connection closes in well under the handshake timeout instead of waiting for the body);
 //! - a hello asking for shared memory before authentication creates no ring file.
 
-use expertmesh_transport::codec::{
-    self, Body, CodecConfig, ExpertResult, FORMAT_VERSION, HEADER_LEN, Hello, OutputLayout,
-};
+use crate::support::{crc32c, free_addrs, peers, result_body};
+use expertmesh_transport::codec::{self, Body, CodecConfig, FORMAT_VERSION, HEADER_LEN, Hello};
 use expertmesh_transport::crypto::{Credentials, Key};
 use expertmesh_transport::frontend::{FrameConnection, FrameListener, FrontendConfig};
 use expertmesh_transport::{
-    LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress, Transport,
-    TransportEvent,
+    LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, Transport, TransportEvent,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,23 +39,9 @@ fn rank_creds(master: &Key, rank: u32) -> Arc<Credentials> {
     Arc::new(Credentials::issue_rank(master, CLUSTER, rank, WORLD, 1))
 }
 
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 /// Rank `rank` of a star around rank 0 (workers dial the router only), over TCP, with `creds`.
 fn config(rank: u32, addrs: &[SocketAddr], creds: Arc<Credentials>) -> MeshConfig {
-    let peers = addrs
-        .iter()
-        .map(|&addr| PeerAddress {
-            addr,
-            link: LinkKind::Tcp,
-        })
-        .collect();
-    let mut c = MeshConfig::new(CLUSTER, rank, peers);
+    let mut c = MeshConfig::new(CLUSTER, rank, peers(addrs, LinkKind::Tcp));
     c.dial_ranks = Some(if rank == 0 { vec![] } else { vec![0] });
     c.protocol.credentials = Some(creds);
     c.protocol.codec = CodecConfig {
@@ -73,15 +57,7 @@ fn config(rank: u32, addrs: &[SocketAddr], creds: Arc<Credentials>) -> MeshConfi
 
 fn result_frame(batch: u64, fill: u8) -> OutFrame {
     let (rows, hidden) = (4u32, 64u32);
-    let body = Body::Result(ExpertResult {
-        batch_id: batch,
-        layer: 0,
-        part: 0,
-        layout: OutputLayout::PerSlot,
-        rows,
-        hidden,
-        dtype: OutputDtype::F32,
-    });
+    let body = result_body([batch, 0, 0], rows, hidden, OutputDtype::F32);
     OutFrame::with_payload(body, vec![fill; (rows * hidden * 4) as usize])
 }
 
@@ -332,22 +308,6 @@ async fn a_flipped_byte_on_a_sealed_link_is_detected() {
     assert_eq!(seen.altered.load(Ordering::SeqCst), 0);
     m0.shutdown();
     m1.shutdown();
-}
-
-/// Bitwise CRC-32C (Castagnoli), independent of the crate under test.
-fn crc32c(data: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &byte in data {
-        crc ^= byte as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0x82F6_3B78
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 /// A valid header announcing a hello of `frame_len` bytes.

@@ -2,29 +2,18 @@
 //! bit round-trips, the dequantized values equal an independent decoder's, and malformed or
 //! incompatible checkpoints are refused with errors naming the tensor.
 
-use std::collections::BTreeMap;
-
-use expertmesh_checkpoint::experts::{
-    ExpertError, ExpertRef, Family, expert_tensor_names, read_expert,
-};
-use expertmesh_checkpoint::safetensors::{
-    Checkpoint, Dtype, SINGLE_FILE, TensorData, write_safetensors,
-};
-use expertmesh_quant::format::{ExpertWeights, GateUp, QuantSpec, ScaleDtype, w13_row};
+use expertmesh_checkpoint::experts::{ExpertRef, Family, read_expert};
+use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype};
+use expertmesh_quant::format::ScaleDtype;
 use expertmesh_quant::synth::SplitMix64;
-use expertmesh_topology::model::{ModelSpec, preset_by_name};
+use expertmesh_topology::model::ModelSpec;
 use half::bf16;
 use tempfile::TempDir;
 
-/// `(name, dtype, shape, bytes)`.
-type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+use crate::support::{self, Owned, bases, proj_row, write_checkpoint};
 
 /// The generated projections, the tensors written, and what `read_expert` made of them.
-type Imported = (
-    Vec<Proj>,
-    Vec<Owned>,
-    Result<(ExpertWeights, f64), ExpertError>,
-);
+type Imported = support::Imported<Proj>;
 
 const H: usize = 64;
 const F: usize = 32;
@@ -39,21 +28,7 @@ struct Proj {
 }
 
 fn model(h: usize, f: usize, group: u32, scale_dtype: ScaleDtype) -> ModelSpec {
-    let mut m = preset_by_name("deepseek-v3").unwrap();
-    m.num_layers = 1;
-    m.first_dense_layers = 0;
-    m.moe_layer_step = 1;
-    m.hidden = h as u32;
-    m.routed_experts = 2;
-    m.moe_intermediate = f as u32;
-    m.shared_experts = 0;
-    m.shared_intermediate = 0;
-    m.quant = QuantSpec {
-        group_size: group,
-        scale_dtype,
-        zero_points: false,
-    };
-    m
+    support::model(h, f, support::quant(group as usize, scale_dtype, false))
 }
 
 fn random_proj(rng: &mut SplitMix64, rows: usize, cols: usize, group: usize) -> Proj {
@@ -122,12 +97,6 @@ fn decode(packed: &[u8], scales: &[u8], rows: usize, cols: usize, group: usize) 
     out
 }
 
-fn bases() -> [String; 3] {
-    expert_tensor_names(Family::DeepseekV3, 0, ExpertRef::Routed(0))
-        .unwrap()
-        .map(|n| n.strip_suffix(".weight").unwrap().to_string())
-}
-
 /// A checkpoint of one pack-quantized expert (group `group`), after `edit`; reads it with
 /// `spec`. Returns the generated projections and the result.
 fn import(
@@ -149,11 +118,7 @@ fn import(
         .collect();
     edit(&mut all);
     let dir = TempDir::new().unwrap();
-    let borrowed: Vec<TensorData<'_>> = all
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-        .collect();
-    write_safetensors(dir.path().join(SINGLE_FILE), &borrowed, &BTreeMap::new()).unwrap();
+    write_checkpoint(dir.path(), &all, None);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let result = read_expert(&ckpt, spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
     (projs, all, result)
@@ -178,13 +143,7 @@ fn round_trip(h: usize, f: usize, group: usize) {
             group,
         );
         for r in 0..p.rows {
-            let (m, n) = match i {
-                0 => (w.w13(), w13_row(GateUp::Gate, r)),
-                1 => (w.w13(), w13_row(GateUp::Up, r)),
-                _ => (w.w2(), r),
-            };
-            let mut row = vec![0f32; p.cols];
-            m.dequantize_row(n, &mut row);
+            let (m, n, row) = proj_row(&w, i, r, p.cols);
             for c in 0..p.cols {
                 assert_eq!(m.code(n, c), p.codes[r * p.cols + c], "proj {i} ({r}, {c})");
                 assert_eq!(m.zero(n, c / group), 8);

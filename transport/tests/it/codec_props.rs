@@ -68,9 +68,9 @@ fn dispatch() -> impl Strategy<Value = Body> {
                     hidden: h32 * 32,
                     dtype,
                     mode: if exact {
-                        WireComputeMode::Exact
+                        ComputeMode::Exact
                     } else {
-                        WireComputeMode::Accurate
+                        ComputeMode::Accurate
                     },
                     layout,
                     result_dtype: if exact {

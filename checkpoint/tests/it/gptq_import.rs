@@ -4,30 +4,19 @@
 //! formats and wrong shapes are refused naming the tensor; `source_quant` gives the spec that
 //! makes each format's import lossless.
 
-use std::collections::BTreeMap;
-use std::path::Path;
-
 use expertmesh_checkpoint::experts::{
     ExpertError, ExpertRef, Family, expert_tensor_names, read_expert, source_quant,
 };
-use expertmesh_checkpoint::safetensors::{
-    Checkpoint, Dtype, SINGLE_FILE, TensorData, write_safetensors,
-};
-use expertmesh_quant::format::{ExpertWeights, GateUp, QuantSpec, ScaleDtype, w13_row};
+use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype};
+use expertmesh_quant::format::{QuantSpec, ScaleDtype};
 use expertmesh_quant::synth::SplitMix64;
-use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use half::{bf16, f16};
 use tempfile::TempDir;
 
-/// `(name, dtype, shape, bytes)`.
-type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+use crate::support::{self, Owned, bases, model, proj_row, quant, write_checkpoint};
 
 /// The generated projections, the tensors written, and what `read_expert` made of them.
-type Imported = (
-    Vec<Proj>,
-    Vec<Owned>,
-    Result<(ExpertWeights, f64), ExpertError>,
-);
+type Imported = support::Imported<Proj>;
 
 /// AutoAWQ's order, written out here independently of the crate.
 const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
@@ -83,28 +72,6 @@ impl Case {
             g_idx: false,
             seed: 7,
         }
-    }
-}
-
-fn model(h: usize, f: usize, quant: QuantSpec) -> ModelSpec {
-    let mut m = preset_by_name("deepseek-v3").unwrap();
-    m.num_layers = 1;
-    m.first_dense_layers = 0;
-    m.moe_layer_step = 1;
-    m.hidden = h as u32;
-    m.routed_experts = 2;
-    m.moe_intermediate = f as u32;
-    m.shared_experts = 0;
-    m.shared_intermediate = 0;
-    m.quant = quant;
-    m
-}
-
-fn quant(group: usize, scale_dtype: ScaleDtype, zero_points: bool) -> QuantSpec {
-    QuantSpec {
-        group_size: group as u32,
-        scale_dtype,
-        zero_points,
     }
 }
 
@@ -206,12 +173,6 @@ fn tensors(base: &str, p: &Proj, fmt: Fmt, g_idx: bool) -> Vec<Owned> {
     out
 }
 
-fn bases() -> [String; 3] {
-    expert_tensor_names(Family::DeepseekV3, 0, ExpertRef::Routed(0))
-        .unwrap()
-        .map(|n| n.strip_suffix(".weight").unwrap().to_string())
-}
-
 fn config_json(c: &Case) -> serde_json::Value {
     let (method, format) = match c.fmt {
         Fmt::V1 => ("gptq", Some("gptq")),
@@ -231,18 +192,6 @@ fn config_json(c: &Case) -> serde_json::Value {
         });
     }
     serde_json::json!({ "model_type": "deepseek_v3", "quantization_config": q })
-}
-
-/// Writes `tensors` (and `config`, when given) into `dir`.
-fn write_checkpoint(dir: &Path, tensors: &[Owned], config: Option<&serde_json::Value>) {
-    let borrowed: Vec<TensorData<'_>> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-        .collect();
-    write_safetensors(dir.join(SINGLE_FILE), &borrowed, &BTreeMap::new()).unwrap();
-    if let Some(config) = config {
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    }
 }
 
 /// The projections and tensors of one expert of case `c`.
@@ -321,13 +270,7 @@ fn round_trip(c: &Case, q: QuantSpec) {
     for (i, p) in projs.iter().enumerate() {
         let expected = decode(&all, &bases()[i], c.fmt, [p.rows, p.cols]);
         for r in 0..p.rows {
-            let (m, n) = match i {
-                0 => (w.w13(), w13_row(GateUp::Gate, r)),
-                1 => (w.w13(), w13_row(GateUp::Up, r)),
-                _ => (w.w2(), r),
-            };
-            let mut row = vec![0f32; p.cols];
-            m.dequantize_row(n, &mut row);
+            let (m, n, row) = proj_row(&w, i, r, p.cols);
             for k in 0..p.cols {
                 let g = k / p.group;
                 assert_eq!(m.code(n, k), p.codes[r * p.cols + k], "proj {i} ({r}, {k})");

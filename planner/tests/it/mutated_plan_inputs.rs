@@ -10,14 +10,9 @@ use expertmesh_planner::stats::{CoSelection, LoadStats};
 use expertmesh_topology::Topology;
 use expertmesh_topology::model::preset_by_name;
 use proptest::prelude::*;
-use std::path::Path;
 
-fn example(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name);
-    std::fs::read_to_string(path).unwrap()
-}
+use crate::support::{self, apply, example};
+use std::path::Path;
 
 const TOKENS: &[&str] = &[
     ",",
@@ -48,48 +43,9 @@ const TOKENS: &[&str] = &[
     "\u{0}",
 ];
 
-#[derive(Clone, Debug)]
-enum Edit {
-    Delete { at: usize, len: usize },
-    Insert { at: usize, token: usize },
-    Replace { at: usize, byte: u8 },
-}
-
-fn apply(text: &str, edits: &[Edit]) -> String {
-    let mut bytes = text.as_bytes().to_vec();
-    for e in edits {
-        let n = bytes.len().max(1);
-        match *e {
-            Edit::Delete { at, len } => {
-                let at = (at % n).min(bytes.len());
-                let end = (at + len).min(bytes.len());
-                bytes.drain(at..end);
-            }
-            Edit::Insert { at, token } => {
-                let at = (at % n).min(bytes.len());
-                let t = TOKENS[token % TOKENS.len()].as_bytes();
-                bytes.splice(at..at, t.iter().copied());
-            }
-            Edit::Replace { at, byte } => {
-                if !bytes.is_empty() {
-                    let at = at % bytes.len();
-                    bytes[at] = byte;
-                }
-            }
-        }
-    }
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
-fn edits() -> impl Strategy<Value = Vec<Edit>> {
-    proptest::collection::vec(
-        prop_oneof![
-            (any::<usize>(), 1usize..40).prop_map(|(at, len)| Edit::Delete { at, len }),
-            (any::<usize>(), any::<usize>()).prop_map(|(at, token)| Edit::Insert { at, token }),
-            (any::<usize>(), 32u8..127).prop_map(|(at, byte)| Edit::Replace { at, byte }),
-        ],
-        1..6,
-    )
+/// One to five edits inserting [`TOKENS`].
+fn edits() -> impl Strategy<Value = Vec<support::Edit>> {
+    support::edits_with(TOKENS)
 }
 
 fn single_host() -> Topology {

@@ -4,10 +4,11 @@
 //! the new one. Also the redial bound: a peer that comes up after a long outage is joined
 //! within about the backoff cap.
 
-use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
+use crate::support::{free_addrs, peers, result_body};
+use expertmesh_transport::codec::Body;
 use expertmesh_transport::mesh::{MeshEvents, PeerErrorKind};
 use expertmesh_transport::{
-    LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, PeerAddress, Transport, TransportEvent,
+    LinkKind, Mesh, MeshConfig, OutFrame, OutputDtype, Transport, TransportEvent,
 };
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -15,20 +16,12 @@ use std::time::{Duration, Instant};
 const T: Duration = Duration::from_secs(10);
 
 fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    free_addrs(1)[0]
 }
 
 /// Rank `rank` of a two-rank mesh at `addrs`, announcing `incarnation`.
 fn config(rank: u32, addrs: [SocketAddr; 2], incarnation: u64) -> MeshConfig {
-    let peers = addrs
-        .iter()
-        .map(|&addr| PeerAddress {
-            addr,
-            link: LinkKind::Tcp,
-        })
-        .collect();
-    let mut c = MeshConfig::new("links-test", rank, peers);
+    let mut c = MeshConfig::new("links-test", rank, peers(&addrs, LinkKind::Tcp));
     c.protocol.incarnation = incarnation;
     c.protocol.heartbeat_interval = Duration::from_millis(100);
     c.protocol.idle_timeout = Duration::from_secs(2);
@@ -36,15 +29,7 @@ fn config(rank: u32, addrs: [SocketAddr; 2], incarnation: u64) -> MeshConfig {
 }
 
 fn frame(batch_id: u64) -> OutFrame {
-    OutFrame::new(Body::Result(ExpertResult {
-        batch_id,
-        layer: 0,
-        part: 0,
-        layout: OutputLayout::PerSlot,
-        rows: 0,
-        hidden: 0,
-        dtype: OutputDtype::F32,
-    }))
+    OutFrame::new(result_body([batch_id, 0, 0], 0, 0, OutputDtype::F32))
 }
 
 /// The next frame's batch id (of a result frame) or the message of an error frame.

@@ -1,0 +1,122 @@
+//! An atomic safetensors writer, for tests and tools.
+//!
+//! Why this exists: tests and tools build checkpoints; the file is written to a temporary name,
+//! synced and renamed, so a reader never sees a partial file.
+
+use super::dtype::Dtype;
+use super::error::{Result, SafetensorsError};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A tensor's header entry as the writer emits it.
+#[derive(Serialize)]
+pub(super) struct WriteEntry<'a> {
+    pub(super) dtype: &'static str,
+    pub(super) shape: &'a [usize],
+    pub(super) data_offsets: [u64; 2],
+}
+
+/// A tensor to write: `(name, dtype, shape, little-endian bytes)`.
+pub type TensorData<'a> = (&'a str, Dtype, &'a [usize], &'a [u8]);
+
+/// Temp-file names unique within this process.
+pub(super) static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Writes a valid safetensors file of `tensors` (`(name, dtype, shape, little-endian bytes)`,
+/// laid out in the given order) and `metadata` (omitted when empty). The header is padded with
+/// spaces to a multiple of 8 bytes, as the reference implementation does. The file appears
+/// atomically: written to a temporary file beside it, synced, then renamed over `path`.
+pub fn write_safetensors(
+    path: impl AsRef<Path>,
+    tensors: &[TensorData<'_>],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let header = write_header(path, tensors, metadata)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let temp = path.with_file_name(format!(".{name}.tmp-{}-{unique}", std::process::id()));
+    let result = write_file(&temp, &header, tensors).and_then(|()| std::fs::rename(&temp, path));
+    result.map_err(|source| {
+        let _ = std::fs::remove_file(&temp);
+        SafetensorsError::Write {
+            path: path.to_path_buf(),
+            source,
+        }
+    })
+}
+
+/// The header of [`write_safetensors`], length prefix included and padded.
+pub(super) fn write_header(
+    path: &Path,
+    tensors: &[TensorData<'_>],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let invalid = |tensor: &str, message: String| SafetensorsError::WriteInvalid {
+        path: path.to_path_buf(),
+        tensor: tensor.to_string(),
+        message,
+    };
+    let mut map = serde_json::Map::new();
+    if !metadata.is_empty() {
+        map.insert("__metadata__".into(), serde_json::json!(metadata));
+    }
+    let mut offset = 0u64;
+    for &(name, dtype, shape, bytes) in tensors {
+        if name == "__metadata__" {
+            return Err(invalid(name, "the name is reserved for metadata".into()));
+        }
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+        if expected != Some(bytes.len()) {
+            return Err(invalid(
+                name,
+                format!(
+                    "{dtype} {shape:?} needs {expected:?} bytes but {} were given",
+                    bytes.len()
+                ),
+            ));
+        }
+        let end = offset + bytes.len() as u64;
+        let entry = WriteEntry {
+            dtype: dtype.name(),
+            shape,
+            data_offsets: [offset, end],
+        };
+        let value = serde_json::to_value(entry).map_err(|e| invalid(name, e.to_string()))?;
+        if map.insert(name.to_string(), value).is_some() {
+            return Err(invalid(name, "the name is given twice".into()));
+        }
+        offset = end;
+    }
+    let mut json = serde_json::to_vec(&map).map_err(|e| invalid("", e.to_string()))?;
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + json.len());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// Writes `header` then every tensor's bytes to a new file at `temp`, synced.
+pub(super) fn write_file(
+    temp: &Path,
+    header: &[u8],
+    tensors: &[TensorData<'_>],
+) -> std::io::Result<()> {
+    let mut out = BufWriter::new(File::create_new(temp)?);
+    out.write_all(header)?;
+    for (_, _, _, bytes) in tensors {
+        out.write_all(bytes)?;
+    }
+    out.into_inner().map_err(|e| e.into_error())?.sync_all()
+}

@@ -1,0 +1,4 @@
+//! The HIP kernels' integration tests, one binary: the kernels' arithmetic on the CPU and the HIP
+//! backend's behaviour without a GPU (`cargo test -p expertmesh-hip-kernels --features hip --test it`).
+
+mod kernel_host;

@@ -1,0 +1,5 @@
+//! The topology crate's integration tests, one binary: mutated example files never panic the
+//! readers.
+
+mod mutated_files;
+mod support;

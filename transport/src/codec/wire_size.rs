@@ -1,0 +1,137 @@
+//! Wire-size accounting: the bytes one destination device costs per token, measured on frames
+//! the codec encodes.
+//!
+//! Why this exists: the planner's traffic model, the router's report and the benches all need
+//! each serving mode's bytes on the wire; restating the frame layout in each would drift from
+//! it. [`wire_bytes_per_token`] encodes a real dispatch and a real result frame with
+//! the codec and divides by the tokens, so every change of the frame format is followed. The
+//! codec re-exports it; nothing in the data path calls it.
+
+use super::{
+    Body, CodecConfig, CodecError, ComputeMode, Dispatch, ExpertResult, MAX_MAX_FRAME_BYTES,
+    OutputLayout, encode_head,
+};
+use crate::dtype::{ActivationDtype, OutputDtype};
+
+/// How one device's share of a layer call travels: the dispatch's activation encoding and the
+/// result's layout and encoding (a serving mode's wire, e.g. exact mode = q8-block32 out,
+/// per-slot f32 back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WireFormat {
+    /// Encoding of the dispatched activations.
+    pub dispatch: ActivationDtype,
+    /// Result rows: one per (token, slot) or one per token.
+    pub layout: OutputLayout,
+    /// Encoding of the result rows.
+    pub result: OutputDtype,
+}
+
+/// Bytes per token that one destination device costs on the wire, averaged over a frame of
+/// `tokens` tokens: the dispatch frame out and the result frame back, headers, metadata and
+/// padding included (transport-level overhead such as TCP/IP headers and credit frames is not).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WireBytes {
+    /// Dispatch frame bytes per token (router → device).
+    pub dispatch: f64,
+    /// Result frame bytes per token (device → router).
+    pub result: f64,
+}
+
+impl WireBytes {
+    /// Both directions together.
+    pub fn total(&self) -> f64 {
+        self.dispatch + self.result
+    }
+}
+
+/// The bytes the fabric actually sends per token to and from one destination device, for a
+/// frame of `tokens` tokens of hidden size `hidden`, each with `slots_per_token` of this
+/// device's experts, in wire format `wire`. Measured by encoding a real dispatch and a real
+/// result frame with this codec (so it follows every change of the frame format), then dividing
+/// by `tokens`. A token routed to `d` devices costs the sum over its destinations; the planner's
+/// traffic model and the benches call this rather than restating the layout.
+pub fn wire_bytes_per_token(
+    wire: WireFormat,
+    hidden: usize,
+    tokens: usize,
+    slots_per_token: usize,
+) -> Result<WireBytes, CodecError> {
+    let tokens = tokens.max(1);
+    let cfg = CodecConfig {
+        max_frame_bytes: MAX_MAX_FRAME_BYTES,
+        payload_checksum: false,
+    };
+    let pairs = tokens * slots_per_token;
+    let dispatch = Body::Dispatch(Dispatch {
+        batch_id: 1,
+        layer: 0,
+        part: 0,
+        tokens: tokens as u32,
+        hidden: hidden as u32,
+        dtype: wire.dispatch,
+        mode: ComputeMode::Exact,
+        layout: wire.layout,
+        result_dtype: wire.result,
+        expert_counts: vec![slots_per_token as u16; tokens],
+        experts: vec![0; pairs],
+        weights: vec![0.0; pairs],
+    });
+    let rows = match wire.layout {
+        OutputLayout::PerSlot => pairs,
+        OutputLayout::PreCombined => tokens,
+    };
+    let result = Body::Result(ExpertResult {
+        batch_id: 1,
+        layer: 0,
+        part: 0,
+        layout: wire.layout,
+        rows: rows as u32,
+        hidden: hidden as u32,
+        dtype: wire.result,
+    });
+    let mut head = Vec::new();
+    let mut encoded = |body: &Body| -> Result<usize, CodecError> {
+        let payload = vec![0u8; body.expected_payload_len()? as usize];
+        encode_head(body, &payload, &cfg, &mut head)
+    };
+    let (d, r) = (encoded(&dispatch)?, encoded(&result)?);
+    Ok(WireBytes {
+        dispatch: d as f64 / tokens as f64,
+        result: r as f64 / tokens as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const Q8_F32_SLOTS: WireFormat = WireFormat {
+        dispatch: ActivationDtype::Q8Block32,
+        layout: OutputLayout::PerSlot,
+        result: OutputDtype::F32,
+    };
+
+    #[test]
+    fn wire_bytes_are_the_encoded_frame_lengths() {
+        // One token of hidden 1024 with 2 slots: q8 payload 1024 + 32·4 scales; head 32 + meta
+        // (40 + 2 + 16) = 90 → 128. Result: 2 rows of 1024 f32 = 8192, head 32 + 24 → 64.
+        let w = wire_bytes_per_token(Q8_F32_SLOTS, 1024, 1, 2).unwrap();
+        assert_eq!(w.dispatch, (128 + 1024 + 128) as f64);
+        assert_eq!(w.result, (64 + 8192) as f64);
+        let bf16 = WireFormat {
+            result: OutputDtype::Bf16,
+            ..Q8_F32_SLOTS
+        };
+        assert_eq!(
+            wire_bytes_per_token(bf16, 1024, 1, 2).unwrap().result,
+            (64 + 4096) as f64
+        );
+        let combined = WireFormat {
+            layout: OutputLayout::PreCombined,
+            ..bf16
+        };
+        let c = wire_bytes_per_token(combined, 1024, 1, 2).unwrap();
+        assert_eq!(c.result, (64 + 2048) as f64);
+        assert_eq!(c.total(), c.dispatch + c.result);
+    }
+}

@@ -1,0 +1,57 @@
+//! Helpers shared by the transport's integration tests: free loopback ports, a mesh's peer
+//! list, a per-slot result frame's body, and an independent CRC-32C.
+
+use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
+use expertmesh_transport::{LinkKind, OutputDtype, PeerAddress};
+use std::net::SocketAddr;
+
+/// `n` distinct free loopback addresses (the listeners are closed again on return).
+pub(crate) fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    let ls: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+}
+
+/// Every rank at `addrs`, linked by `link`.
+pub(crate) fn peers(addrs: &[SocketAddr], link: LinkKind) -> Vec<PeerAddress> {
+    addrs
+        .iter()
+        .map(|&addr| PeerAddress { addr, link })
+        .collect()
+}
+
+/// A per-slot result: part `part` of batch `batch_id` for `layer`, `rows` rows of `hidden`
+/// values in `dtype`.
+pub(crate) fn result_body(
+    [batch_id, layer, part]: [u64; 3],
+    rows: u32,
+    hidden: u32,
+    dtype: OutputDtype,
+) -> Body {
+    Body::Result(ExpertResult {
+        batch_id,
+        layer: layer as u32,
+        part: part as u32,
+        layout: OutputLayout::PerSlot,
+        rows,
+        hidden,
+        dtype,
+    })
+}
+
+/// Bitwise CRC-32C (Castagnoli), independent of the crate under test.
+pub(crate) fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in data {
+        crc ^= byte as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0x82F6_3B78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
