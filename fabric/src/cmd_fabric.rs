@@ -190,8 +190,8 @@ impl RouterArgs {
     /// The router configuration, in `default` mode unless `--mode` says otherwise.
     pub fn config_in(&self, default: ModeArg) -> RouterConfig {
         let mode = LayerMode::from(self.mode_or(default));
-        mode.apply(RouterConfig {
-            mode: mode.compute(),
+        RouterConfig {
+            mode,
             max_request_tokens: self.max_tokens,
             max_batch_tokens: self.max_tokens,
             micro_batch_tokens: self.micro_batch.max(1),
@@ -203,8 +203,7 @@ impl RouterArgs {
             max_inflight_requests: 64,
             max_inflight_tokens: self.max_inflight_tokens.max(1),
             accurate_dtype: ActivationDtype::F32,
-            results: mode.results(),
-        })
+        }
     }
 }
 

@@ -165,7 +165,10 @@ fn build_with(
     tweak(&mut replicas);
     let core = RouterCore::new(
         spec.clone(),
-        RouterConfig { mode, ..cfg },
+        RouterConfig {
+            mode: mode.into(),
+            ..cfg
+        },
         setups,
         replicas,
         names,

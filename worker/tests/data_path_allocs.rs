@@ -167,7 +167,7 @@ fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
     let mut replicas = Replicas::new(3);
     replicas.alive[0] = false;
     let cfg = RouterConfig {
-        mode,
+        mode: mode.into(),
         batch_window: Duration::ZERO,
         max_batch_tokens: MAX_TOKENS,
         micro_batch_tokens: MAX_TOKENS,

@@ -102,7 +102,7 @@ impl RouterCore {
             .map(|(&id, _)| id)
             .collect();
         for id in ids {
-            let mode = self.cfg.mode;
+            let mode = self.cfg.mode.compute();
             let Some(b) = self.inflight.get_mut(&id) else {
                 continue;
             };
@@ -111,7 +111,7 @@ impl RouterCore {
                 None => Err(BackendError::NotLoaded),
             };
             b.shared_pending = false;
-            if self.cfg.results == ResultWire::SlotsBf16 {
+            if self.cfg.mode.results() == ResultWire::SlotsBf16 {
                 // Every expert output is rounded to bf16, wherever it ran (the contract of
                 // exact-bf16: the same bits with the shared experts on a worker).
                 dtype::round_to_bf16(&mut b.shared_local);

@@ -18,8 +18,10 @@ use std::time::Duration;
 /// Router settings.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
-    /// Numerical contract of every layer call.
-    pub mode: ComputeMode,
+    /// The serving mode: the kernels' numerical contract and what workers send back (one
+    /// named mode, so the two cannot disagree; the wire format derives from it:
+    /// [`RouterConfig::wire_format`]).
+    pub mode: LayerMode,
     /// Largest request accepted (tokens).
     pub max_request_tokens: usize,
     /// Largest merged batch (tokens).
@@ -48,12 +50,10 @@ pub struct RouterConfig {
     /// Dispatch encoding in accurate mode (exact mode always sends `q8-block32`, which is
     /// lossless for it).
     pub accurate_dtype: ActivationDtype,
-    /// What workers send back and who combines it ([`LayerMode`] names the useful pairs of
-    /// `mode` and `results`).
-    pub results: ResultWire,
 }
 
-/// What a worker sends back for its share of a layer call, and who combines it.
+/// What a worker sends back for its share of a layer call, and who combines it (derived from
+/// the [`LayerMode`]: [`LayerMode::results`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ResultWire {
     /// The compute mode's full-precision wire: in exact mode one f32 row per (token, slot),
@@ -132,12 +132,19 @@ impl LayerMode {
         matches!(self, Self::Exact | Self::ExactBf16)
     }
 
-    /// `cfg` with this mode's kernel contract and result wire.
+    /// `cfg` in this mode.
     pub fn apply(self, cfg: RouterConfig) -> RouterConfig {
-        RouterConfig {
-            mode: self.compute(),
-            results: self.results(),
-            ..cfg
+        RouterConfig { mode: self, ..cfg }
+    }
+}
+
+impl From<ComputeMode> for LayerMode {
+    /// The mode of a kernel contract with its full-precision results: [`LayerMode::Exact`] or
+    /// [`LayerMode::Accurate`].
+    fn from(mode: ComputeMode) -> Self {
+        match mode {
+            ComputeMode::Exact => Self::Exact,
+            ComputeMode::Accurate => Self::Accurate,
         }
     }
 }
@@ -167,23 +174,17 @@ impl std::fmt::Display for LayerMode {
 }
 
 impl RouterConfig {
-    /// The named mode of `mode` and `results`, when they form one.
-    pub fn layer_mode(&self) -> Option<LayerMode> {
-        LayerMode::ALL
-            .into_iter()
-            .find(|m| m.compute() == self.mode && m.results() == self.results)
-    }
-
     /// What a dispatch and its result look like on the wire in this configuration (feed it to
     /// `codec::wire_bytes_per_token` for the bytes per token).
     pub fn wire_format(&self) -> WireFormat {
-        let per_slot = match self.results {
-            ResultWire::Full => self.mode == ComputeMode::Exact,
+        let (compute, results) = (self.mode.compute(), self.mode.results());
+        let per_slot = match results {
+            ResultWire::Full => compute == ComputeMode::Exact,
             ResultWire::SlotsBf16 => true,
             ResultWire::CombinedBf16 => false,
         };
         WireFormat {
-            dispatch: match self.mode {
+            dispatch: match compute {
                 ComputeMode::Exact => ActivationDtype::Q8Block32,
                 ComputeMode::Accurate => self.accurate_dtype,
             },
@@ -192,7 +193,7 @@ impl RouterConfig {
             } else {
                 WireLayout::PreCombined
             },
-            result: match self.results {
+            result: match results {
                 ResultWire::Full => OutputDtype::F32,
                 ResultWire::SlotsBf16 | ResultWire::CombinedBf16 => OutputDtype::Bf16,
             },
@@ -206,7 +207,7 @@ pub const DEFAULT_MAX_DEADLINE: Duration = Duration::from_secs(60);
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
-            mode: ComputeMode::Exact,
+            mode: LayerMode::Exact,
             max_request_tokens: 256,
             max_batch_tokens: 256,
             micro_batch_tokens: 32,
@@ -218,7 +219,6 @@ impl Default for RouterConfig {
             max_inflight_requests: 64,
             max_inflight_tokens: 2048,
             accurate_dtype: ActivationDtype::F32,
-            results: ResultWire::Full,
         }
     }
 }
@@ -281,16 +281,13 @@ mod tests {
         assert_eq!(wire(LayerMode::Accurate), f(f32in, combined, f32out));
         assert_eq!(wire(LayerMode::Serving), f(q8, combined, bf16));
         for m in LayerMode::ALL {
-            assert_eq!(m.apply(RouterConfig::default()).layer_mode(), Some(m));
+            assert_eq!(m.apply(RouterConfig::default()).mode, m);
         }
-        assert_eq!(RouterConfig::default().layer_mode(), Some(LayerMode::Exact));
-        let odd = RouterConfig {
-            mode: ComputeMode::Accurate,
-            results: ResultWire::SlotsBf16,
-            ..RouterConfig::default()
-        };
-        assert_eq!(odd.layer_mode(), None);
-        assert_eq!(odd.wire_format(), f(f32in, slots, bf16));
+        assert_eq!(RouterConfig::default().mode, LayerMode::Exact);
+        // A configuration holds one mode: no pair of kernel contract and result wire outside
+        // LayerMode::ALL can be configured.
+        assert_eq!(LayerMode::from(ComputeMode::Exact), LayerMode::Exact);
+        assert_eq!(LayerMode::from(ComputeMode::Accurate), LayerMode::Accurate);
     }
 
     #[test]

@@ -192,7 +192,7 @@ impl RouterCore {
         };
         let (routing, shared_weights, shared_pending, shared_local) =
             shared_parts(&self.spec, setup, routing, &p.x);
-        let q8 = (self.cfg.mode == ComputeMode::Exact).then(|| {
+        let q8 = (self.cfg.mode.compute() == ComputeMode::Exact).then(|| {
             let mut q = vec![0i8; tokens * h];
             let mut d = vec![0f32; tokens * h / 32];
             contract::quantize_activations(&p.x, &mut q, &mut d);
@@ -311,7 +311,7 @@ impl RouterCore {
         plan: &DevicePlan,
     ) -> (OutFrame, usize) {
         let h = self.spec.hidden as usize;
-        let mode = self.cfg.mode;
+        let mode = self.cfg.mode.compute();
         let n = plan.tokens.len();
         let (dtype, payload) = dispatch_payload(b, &plan.tokens, h, mode, self.cfg.accurate_dtype);
         let dispatch = Dispatch {
