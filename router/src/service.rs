@@ -895,27 +895,30 @@ impl CoreLoop {
     /// Carry out the core's actions (and the deferred router-side work after the sends it
     /// overlaps with). Returns whether there were any.
     fn act(&mut self, cx: &mut Context<'_>) -> bool {
-        let mut actions = self.core.drain_actions();
+        let mut any = self.perform(cx);
         if self.core.has_deferred() {
-            // Send what is ready first, then run the router's own share of the work.
-            self.perform(actions, cx);
+            // What was ready is sent; now run the router's own share of the work.
             self.core.run_deferred();
-            actions = self.core.drain_actions();
+            any |= self.perform(cx);
         }
-        if actions.is_empty() {
-            return false;
-        }
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
-        self.perform(actions, cx);
-        true
+        any
     }
 
-    fn perform(&self, actions: Vec<Action>, cx: &mut Context<'_>) {
+    /// Carry out every action the core has; returns whether it had any. The core's counters
+    /// are published before the first (every action of this pass is already counted).
+    fn perform(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(first) = self.core.poll_action() else {
+            return false;
+        };
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
         // One short lock per pass; nothing below blocks (writes are polled once, then spawned).
-        let clients_now = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        let mut admission = self.admission.lock();
+        let clients = Arc::clone(&self.clients);
+        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
+        let admission_gate = Arc::clone(&self.admission);
+        let mut admission = admission_gate.lock();
         let mut released = false;
-        for a in actions {
+        let mut next = Some(first);
+        while let Some(a) = next {
             match a {
                 Action::Send {
                     rank,
@@ -959,11 +962,13 @@ impl CoreLoop {
                     }
                 }
             }
+            next = self.core.poll_action();
         }
         drop(admission);
         if released {
-            self.admission.released.notify_waiters();
+            admission_gate.released.notify_waiters();
         }
+        true
     }
 
     /// Answer a request: written from this thread when the connection's writer is free (polled

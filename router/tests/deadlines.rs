@@ -96,7 +96,7 @@ impl Sim {
     /// Take the core's actions: sends are held for [`Sim::deliver`], answers recorded.
     fn collect(&mut self) {
         loop {
-            let actions = self.core.drain_actions();
+            let actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() {
                 return;
             }

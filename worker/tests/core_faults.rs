@@ -143,7 +143,7 @@ impl Sim {
     /// device's latency.
     fn pump(&mut self) {
         loop {
-            let actions = self.core.drain_actions();
+            let actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() {
                 return;
             }

@@ -201,10 +201,10 @@ impl Cluster {
         self.worker_allocs = (0, 0);
         self.core.submit(req, self.now);
         for _ in 0..16 {
-            let mut actions = self.core.drain_actions();
+            let mut actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() && self.core.has_deferred() {
                 self.core.run_deferred();
-                actions = self.core.drain_actions();
+                actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             }
             for a in actions {
                 match a {

@@ -161,10 +161,10 @@ impl Sim {
     /// Deliver every pending action; workers answer at once.
     fn pump(&mut self) {
         for _ in 0..100 {
-            let mut actions = self.core.drain_actions();
+            let mut actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() && self.core.has_deferred() {
                 self.core.run_deferred();
-                actions = self.core.drain_actions();
+                actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             }
             if actions.is_empty() {
                 return;

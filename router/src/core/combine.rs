@@ -189,7 +189,7 @@ impl RouterCore {
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;
-            self.actions.push(Action::Respond {
+            self.actions.push_back(Action::Respond {
                 client: m.client,
                 request_id: m.request_id,
                 tokens: m.tokens,

@@ -291,7 +291,7 @@ impl RouterCore {
                 live: true,
             });
             b.outstanding += 1;
-            self.actions.push(Action::Send {
+            self.actions.push_back(Action::Send {
                 rank,
                 frame,
                 batch: id,

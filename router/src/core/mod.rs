@@ -56,7 +56,7 @@ use crate::plan::{DevicePlan, LayerOwners, Replicas};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{ErrorCode, ExpertResult, LayerRequest, WireFormat};
 use expertmesh_transport::mesh::OutFrame;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Identifies a frontend connection to the driver.
@@ -222,7 +222,8 @@ pub struct RouterCore {
     probes: HashMap<u32, (u32, usize)>,
     /// When a stale result was last logged at warn level (rate limit).
     last_stale_warn: Option<Instant>,
-    actions: Vec<Action>,
+    /// Actions not yet taken by the driver, oldest first.
+    actions: VecDeque<Action>,
     stats: RouterStats,
     /// Prometheus figures ([`crate::metrics`]).
     metrics: crate::metrics::CoreMetrics,
@@ -275,7 +276,7 @@ impl RouterCore {
             health,
             probes: HashMap::new(),
             last_stale_warn: None,
-            actions: Vec::new(),
+            actions: VecDeque::new(),
             stats: RouterStats::default(),
             metrics,
         }
@@ -345,9 +346,11 @@ impl RouterCore {
         self.inflight.len()
     }
 
-    /// Take the actions produced so far.
-    pub fn drain_actions(&mut self) -> Vec<Action> {
-        std::mem::take(&mut self.actions)
+    /// The next action for the driver, oldest first; `None` when there is none. The driver
+    /// takes actions until `None` after every input it feeds (actions taken, the queue keeps
+    /// its capacity: no allocation per pass).
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
     }
 
     /// The earliest time [`RouterCore::on_tick`] has work to do.
@@ -475,7 +478,8 @@ impl RouterCore {
     }
 
     /// Run work deferred until the driver has sent the latest dispatch frames: the shared
-    /// experts of batches whose shared experts live on the router. Call after draining actions.
+    /// experts of batches whose shared experts live on the router. Call once the actions are
+    /// taken ([`RouterCore::poll_action`] gave `None`), then take the new ones.
     pub fn run_deferred(&mut self) {
         self.run_router_shared();
     }
@@ -488,7 +492,7 @@ impl RouterCore {
     fn fail_one(&mut self, client: ClientId, request_id: u64, code: ErrorCode, message: String) {
         self.stats.failures += 1;
         self.metrics.on_error(code);
-        self.actions.push(Action::Fail {
+        self.actions.push_back(Action::Fail {
             client,
             request_id,
             code,

@@ -376,7 +376,7 @@ impl RouterCore {
             self.probes.insert(rank, (layer, rows));
             self.stats.probes += 1;
             tracing::debug!(device = %self.name(rank), batch = id, part = part_id, "probe sent");
-            self.actions.push(Action::Send {
+            self.actions.push_back(Action::Send {
                 rank,
                 frame,
                 batch: id,
