@@ -276,6 +276,22 @@ impl Drop for RouterService {
     }
 }
 
+/// A random nonzero router incarnation (for [`RouterCore::new`]; the worker's node fan-out
+/// uses one for its sub-dispatch ids too): the standard library's per-process random hash
+/// keys mixed with the time and the process id, so router processes (and restarts) differ.
+/// It lives with the service because it reads the clock; the core takes it as given.
+pub fn fresh_incarnation() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(t);
+    h.write_u32(std::process::id());
+    let v = h.finish();
+    ((v >> 32) as u32 ^ v as u32).max(1)
+}
+
 /// Capacity of the core's input queue (requests, worker frames, link notices). Producers
 /// wait when it is full ([`send_to_core`]), so a burst backs up into TCP and the mesh's credit
 /// windows instead of into memory.
@@ -898,7 +914,7 @@ impl CoreLoop {
         let mut any = self.perform(cx);
         if self.core.has_deferred() {
             // What was ready is sent; now run the router's own share of the work.
-            self.core.run_deferred();
+            self.core.run_deferred(Instant::now());
             any |= self.perform(cx);
         }
         any

@@ -12,6 +12,7 @@ use expertmesh_router::core::{
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
 use expertmesh_router::reference;
+use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::{Body, ErrorCode, ExpertResult, LayerRequest, OutputLayout};
 use expertmesh_transport::dtype::ActivationDtype;
@@ -62,7 +63,15 @@ impl Sim {
             ..RouterConfig::default()
         };
         let names = vec!["router".into(), "dev0".into(), "dev1".into()];
-        let core = RouterCore::new(spec.clone(), cfg, setups, replicas, names, None);
+        let core = RouterCore::new(
+            spec.clone(),
+            cfg,
+            setups,
+            replicas,
+            names,
+            None,
+            fresh_incarnation(),
+        );
         Sim {
             spec,
             core,

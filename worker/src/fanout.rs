@@ -202,16 +202,16 @@ pub struct NodeFanout {
 
 impl NodeFanout {
     /// A fan-out for a device with `homes`, rows of `hidden` values; a forwarded dispatch
-    /// whose peers do not all answer within `timeout` fails. Sub-dispatch ids start at a
-    /// random 32-bit prefix (per fan-out, so per worker process) in their high bits: a node
-    /// peer's answer to an earlier process of this leader can never match a new one's entry.
-    pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration) -> Self {
-        let prefix = u64::from(expertmesh_router::core::fresh_incarnation());
+    /// whose peers do not all answer within `timeout` fails. Sub-dispatch ids start at
+    /// `prefix` in their high 32 bits: given a random one per fan-out (so per worker process;
+    /// `expertmesh_router::service::fresh_incarnation`), a node peer's answer to an earlier
+    /// process of this leader can never match a new one's entry.
+    pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration, prefix: u32) -> Self {
         Self {
             homes,
             hidden,
             timeout,
-            next_id: (prefix << 32) | 1,
+            next_id: (u64::from(prefix) << 32) | 1,
             pending: HashMap::new(),
             subs: HashMap::new(),
         }
@@ -658,7 +658,7 @@ mod tests {
     fn serve(layout: WireLayout) -> (Vec<f32>, Vec<f32>) {
         // token 0: experts 0, 2; token 1: 4; token 2: 1, 3, 4
         let (d, payload) = dispatch(&[2, 1, 3], &[0, 2, 4, 1, 3, 4], layout);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         assert!(f.needs_forwarding(&d));
         let now = Instant::now();
         let fwd = f.start(9, 1, &d, &payload, |r| r != 6, now).unwrap();
@@ -703,7 +703,7 @@ mod tests {
 
     #[test]
     fn an_unknown_expert_id_is_not_taken_for_a_local_one() {
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[9], WireLayout::PerSlot);
         assert!(f.needs_forwarding(&d));
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
@@ -712,7 +712,7 @@ mod tests {
 
     #[test]
     fn experts_without_a_live_home_on_the_node_are_refused() {
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[5], WireLayout::PerSlot);
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
@@ -728,7 +728,7 @@ mod tests {
     #[test]
     fn a_lost_or_silent_peer_fails_the_dispatch_once() {
         let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let now = Instant::now();
         let fwd = f.start(9, 1, &d, &p, |_| true, now).unwrap();
         let failed = f.on_peer_lost(5);

@@ -252,5 +252,6 @@ pub fn router_core(
         dep.replicas(instance),
         dep.rank_names(),
         runner,
+        expertmesh_router::service::fresh_incarnation(),
     ))
 }

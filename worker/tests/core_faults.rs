@@ -10,6 +10,7 @@ use expertmesh_router::core::{Action, LayerSetup, Request, RouterConfig, RouterC
 use expertmesh_router::health::HedgePolicy;
 use expertmesh_router::plan::{LayerOwners, Replicas};
 use expertmesh_router::reference::{self, LayerWeights};
+use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::{Body, ErrorCode, ExpertResult};
 use expertmesh_worker::exec::DispatchExecutor;
@@ -107,7 +108,15 @@ fn build(spec: &ModelSpec, assign: &[Vec<u32>]) -> (Sim, HashMap<u32, LayerWeigh
         default_deadline: Duration::from_secs(10),
         ..RouterConfig::default()
     };
-    let core = RouterCore::new(spec.clone(), cfg, setups, replicas, names, None);
+    let core = RouterCore::new(
+        spec.clone(),
+        cfg,
+        setups,
+        replicas,
+        names,
+        None,
+        fresh_incarnation(),
+    );
     let sim = Sim {
         core,
         workers,

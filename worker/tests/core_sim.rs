@@ -10,6 +10,7 @@ use expertmesh_router::core::{
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
 use expertmesh_router::reference::{self, LayerWeights};
+use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::ActivationDtype;
@@ -173,6 +174,7 @@ fn build_with(
         replicas,
         names,
         runner,
+        fresh_incarnation(),
     );
     (
         Sim {
@@ -218,7 +220,7 @@ impl Sim {
         for _ in 0..100 {
             let mut actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() && self.core.has_deferred() {
-                self.core.run_deferred();
+                self.core.run_deferred(self.now);
                 actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             }
             if actions.is_empty() {

@@ -20,6 +20,7 @@ use expertmesh_router::core::{
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
 use expertmesh_router::reference::{self, LayerWeights};
+use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::Body;
 use expertmesh_worker::exec::DispatchExecutor;
@@ -174,7 +175,15 @@ fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
         ..RouterConfig::default()
     };
     let names = vec!["router".into(), "dev0".into(), "dev1".into()];
-    let core = RouterCore::new(spec.clone(), cfg, setups, replicas, names, runner);
+    let core = RouterCore::new(
+        spec.clone(),
+        cfg,
+        setups,
+        replicas,
+        names,
+        runner,
+        fresh_incarnation(),
+    );
     Cluster {
         spec,
         core,
@@ -203,7 +212,7 @@ impl Cluster {
         for _ in 0..16 {
             let mut actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() && self.core.has_deferred() {
-                self.core.run_deferred();
+                self.core.run_deferred(self.now);
                 actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             }
             for a in actions {

@@ -22,6 +22,7 @@ use expertmesh_router::core::{
 use expertmesh_router::gating;
 use expertmesh_router::plan::{LayerOwners, Replicas};
 use expertmesh_router::reference::{self, ExpertRounding, LayerWeights};
+use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::Body;
 use expertmesh_worker::exec::DispatchExecutor;
@@ -137,7 +138,15 @@ fn build(spec: &ModelSpec, assign: &[Vec<u32>], shared: SharedSite, cfg: RouterC
     let mut replicas = Replicas::new(ranks);
     replicas.alive[0] = false;
     Sim {
-        core: RouterCore::new(spec.clone(), cfg, setups, replicas, names, runner),
+        core: RouterCore::new(
+            spec.clone(),
+            cfg,
+            setups,
+            replicas,
+            names,
+            runner,
+            fresh_incarnation(),
+        ),
         workers,
         now: Instant::now(),
         responses: HashMap::new(),
@@ -163,7 +172,7 @@ impl Sim {
         for _ in 0..100 {
             let mut actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             if actions.is_empty() && self.core.has_deferred() {
-                self.core.run_deferred();
+                self.core.run_deferred(self.now);
                 actions = std::iter::from_fn(|| self.core.poll_action()).collect::<Vec<_>>();
             }
             if actions.is_empty() {

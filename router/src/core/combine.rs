@@ -88,13 +88,13 @@ impl RouterCore {
             self.health_event(ev, "it answered a part only it could serve in time");
         }
         if done {
-            self.complete(res.batch_id);
+            self.complete(res.batch_id, now);
         }
     }
 
     /// [`RouterCore::run_deferred`]: the router's own shared experts of every batch waiting for
     /// them; a batch whose parts are all in completes.
-    pub(super) fn run_router_shared(&mut self) {
+    pub(super) fn run_router_shared(&mut self, now: Instant) {
         let ids: Vec<u64> = self
             .inflight
             .iter()
@@ -124,18 +124,18 @@ impl RouterCore {
                     ErrorCode::Internal,
                     format!("shared expert of layer {layer} on the router: {msg}"),
                 ),
-                Ok(()) if done => self.complete(id),
+                Ok(()) if done => self.complete(id, now),
                 Ok(()) => {}
             }
         }
     }
 
-    /// Combine a finished batch and answer its requests.
-    pub(super) fn complete(&mut self, id: u64) {
+    /// Combine a finished batch and answer its requests (`now`: when combining starts, for
+    /// the metrics' combine stage).
+    pub(super) fn complete(&mut self, id: u64, now: Instant) {
         let Some(b) = self.inflight.remove(&id) else {
             return;
         };
-        let combining = Instant::now();
         let h = self.spec.hidden as usize;
         let shared = if b.shared_local.is_empty() {
             0
@@ -185,7 +185,7 @@ impl RouterCore {
                 }
             }
         }
-        self.metrics.on_completed(id, b.members.len(), combining);
+        self.metrics.on_completed(id, b.members.len(), now);
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;

@@ -158,7 +158,7 @@ impl RouterCore {
             .get(&id)
             .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
         {
-            self.complete(id);
+            self.complete(id, now);
         }
     }
 

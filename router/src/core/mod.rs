@@ -7,6 +7,12 @@
 //! service ([`crate::service`]) feeds it requests, worker frames, peer notices and the current
 //! time, and carries out the [`Action`]s it returns. Tests drive it with simulated workers.
 //!
+//! Time: every input that needs the time carries it (`now`); the core never reads a clock, and
+//! its incarnation is given to it ([`RouterCore::new`]; the service draws a random one), so the
+//! same inputs give the same actions. Only the metrics it updates
+//! ([`crate::metrics::CoreMetrics`]) read the wall clock, to time the CPU work of the dispatch
+//! and combine stages; nothing the core decides depends on them.
+//!
 //! Numerics: the serving mode ([`LayerMode`]: the kernels'
 //! [`ComputeMode`](expertmesh_quant::contract::ComputeMode) and the [`ResultWire`]) decides
 //! what workers send back. With per-slot results (exact, exact-bf16) workers return one row per
@@ -47,7 +53,6 @@ pub use config::{
     DEFAULT_MAX_DEADLINE, LayerMode, LayerSetup, ResultWire, RouterConfig, SharedRunner,
     SharedSite, UnknownLayerMode,
 };
-pub use recovery::fresh_incarnation;
 pub use validate::{NON_FINITE_INPUT, Rejection, Request, RequestValidator};
 
 use crate::gating::Routing;
@@ -232,6 +237,8 @@ pub struct RouterCore {
 impl RouterCore {
     /// A router for `spec` over `layers`. `rank_names[r]` names mesh rank `r` in messages;
     /// `replicas` carries node locality and starts with every worker considered alive.
+    /// `incarnation` (nonzero; the service's `fresh_incarnation` for a router process) goes
+    /// into the high 32 bits of every batch id ([`RouterCore::incarnation`]).
     pub fn new(
         spec: ModelSpec,
         cfg: RouterConfig,
@@ -239,6 +246,7 @@ impl RouterCore {
         replicas: Replicas,
         rank_names: Vec<String>,
         shared_runner: Option<Box<dyn SharedRunner>>,
+        incarnation: u32,
     ) -> Self {
         let e = spec.routed_experts;
         let mut owners_ext = HashMap::new();
@@ -272,7 +280,7 @@ impl RouterCore {
             pending: BTreeMap::new(),
             inflight: BTreeMap::new(),
             next_batch: 1,
-            incarnation: fresh_incarnation(),
+            incarnation: incarnation.max(1),
             health,
             probes: HashMap::new(),
             last_stale_warn: None,
@@ -480,8 +488,8 @@ impl RouterCore {
     /// Run work deferred until the driver has sent the latest dispatch frames: the shared
     /// experts of batches whose shared experts live on the router. Call once the actions are
     /// taken ([`RouterCore::poll_action`] gave `None`), then take the new ones.
-    pub fn run_deferred(&mut self) {
-        self.run_router_shared();
+    pub fn run_deferred(&mut self, now: Instant) {
+        self.run_router_shared(now);
     }
 
     /// Whether [`RouterCore::run_deferred`] has work.

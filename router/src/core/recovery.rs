@@ -285,7 +285,7 @@ impl RouterCore {
                 .get(&id)
                 .is_some_and(|b| b.outstanding == 0 && !b.shared_pending)
         {
-            self.complete(id);
+            self.complete(id, now);
         }
     }
 
@@ -449,17 +449,3 @@ const STRAGGLER_RECHECK: Duration = Duration::from_millis(25);
 
 /// Least time between two warnings about stale frames (each is counted and logged at debug).
 const STALE_WARN_EVERY: Duration = Duration::from_secs(5);
-
-/// A random nonzero router incarnation: the standard library's per-process random hash keys
-/// mixed with the time and the process id, so router processes (and restarts) differ.
-pub fn fresh_incarnation() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    h.write_u128(t);
-    h.write_u32(std::process::id());
-    let v = h.finish();
-    ((v >> 32) as u32 ^ v as u32).max(1)
-}
