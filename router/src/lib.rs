@@ -12,6 +12,7 @@
 //! * [`health`] — device health: adaptive hedge timeouts and quarantine with probing.
 //! * [`metrics`] — Prometheus metrics of a router and the `/metrics` endpoint.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
+//! * [`ranks`] — the names of the mesh ranks (routers first, their number given).
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 //! * [`service`] — the router service: the I/O driver around the core.
 
@@ -22,5 +23,6 @@ pub mod gating;
 pub mod health;
 pub mod metrics;
 pub mod plan;
+pub mod ranks;
 pub mod reference;
 pub mod service;

@@ -11,6 +11,7 @@ use expertmesh_router::core::{
     Action, ClientId, LayerSetup, Request, RouterConfig, RouterCore, SharedSite,
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_router::ranks::RankNames;
 use expertmesh_router::reference;
 use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -68,7 +69,7 @@ impl Sim {
             cfg,
             setups,
             replicas,
-            names,
+            RankNames::new(names, 1),
             None,
             fresh_incarnation(),
         );

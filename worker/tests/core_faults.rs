@@ -9,6 +9,7 @@ use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::core::{Action, LayerSetup, Request, RouterConfig, RouterCore, SharedSite};
 use expertmesh_router::health::HedgePolicy;
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_router::ranks::RankNames;
 use expertmesh_router::reference::{self, LayerWeights};
 use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -113,7 +114,7 @@ fn build(spec: &ModelSpec, assign: &[Vec<u32>]) -> (Sim, HashMap<u32, LayerWeigh
         cfg,
         setups,
         replicas,
-        names,
+        RankNames::new(names, 1),
         None,
         fresh_incarnation(),
     );

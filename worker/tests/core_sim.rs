@@ -9,6 +9,7 @@ use expertmesh_router::core::{
     Action, LayerSetup, Request, RouterConfig, RouterCore, SharedRunner, SharedSite,
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_router::ranks::RankNames;
 use expertmesh_router::reference::{self, LayerWeights};
 use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -172,7 +173,7 @@ fn build_with(
         },
         setups,
         replicas,
-        names,
+        RankNames::new(names, 1),
         runner,
         fresh_incarnation(),
     );

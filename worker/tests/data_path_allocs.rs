@@ -19,6 +19,7 @@ use expertmesh_router::core::{
     Action, LayerSetup, Request, RouterConfig, RouterCore, SharedRunner, SharedSite,
 };
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_router::ranks::RankNames;
 use expertmesh_router::reference::{self, LayerWeights};
 use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -180,7 +181,7 @@ fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
         cfg,
         setups,
         replicas,
-        names,
+        RankNames::new(names, 1),
         runner,
         fresh_incarnation(),
     );

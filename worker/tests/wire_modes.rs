@@ -21,6 +21,7 @@ use expertmesh_router::core::{
 };
 use expertmesh_router::gating;
 use expertmesh_router::plan::{LayerOwners, Replicas};
+use expertmesh_router::ranks::RankNames;
 use expertmesh_router::reference::{self, ExpertRounding, LayerWeights};
 use expertmesh_router::service::fresh_incarnation;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -143,7 +144,7 @@ fn build(spec: &ModelSpec, assign: &[Vec<u32>], shared: SharedSite, cfg: RouterC
             cfg,
             setups,
             replicas,
-            names,
+            RankNames::new(names, 1),
             runner,
             fresh_incarnation(),
         ),

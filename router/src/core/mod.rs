@@ -58,6 +58,7 @@ pub use validate::{NON_FINITE_INPUT, Rejection, Request, RequestValidator};
 use crate::gating::Routing;
 use crate::health::{Health, HedgePolicy};
 use crate::plan::{DevicePlan, LayerOwners, Replicas};
+use crate::ranks::RankNames;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{ErrorCode, ExpertResult, LayerRequest, WireFormat};
 use expertmesh_transport::mesh::OutFrame;
@@ -213,7 +214,8 @@ pub struct RouterCore {
     /// Owners extended with the shared experts' pseudo-ids (`E + i`) per layer.
     owners_ext: HashMap<u32, LayerOwners>,
     replicas: Replicas,
-    rank_names: Vec<String>,
+    /// Names of the mesh ranks (messages, logs, metrics).
+    ranks: RankNames,
     shared_runner: Option<Box<dyn SharedRunner>>,
     pending: BTreeMap<u32, Pending>,
     inflight: BTreeMap<u64, Inflight>,
@@ -235,7 +237,8 @@ pub struct RouterCore {
 }
 
 impl RouterCore {
-    /// A router for `spec` over `layers`. `rank_names[r]` names mesh rank `r` in messages;
+    /// A router for `spec` over `layers`. `ranks` names the mesh ranks in messages (the routers
+    /// first: their number comes from the deployment);
     /// `replicas` carries node locality and starts with every worker considered alive.
     /// `incarnation` (nonzero; the service's `fresh_incarnation` for a router process) goes
     /// into the high 32 bits of every batch id ([`RouterCore::incarnation`]).
@@ -244,7 +247,7 @@ impl RouterCore {
         cfg: RouterConfig,
         layers: Vec<LayerSetup>,
         replicas: Replicas,
-        rank_names: Vec<String>,
+        ranks: RankNames,
         shared_runner: Option<Box<dyn SharedRunner>>,
         incarnation: u32,
     ) -> Self {
@@ -261,7 +264,7 @@ impl RouterCore {
             owners_ext.insert(l.layer, o);
         }
         let layer_ids: Vec<u32> = layers.iter().map(|l| l.layer).collect();
-        let metrics = crate::metrics::CoreMetrics::new(&layer_ids, e as usize, &rank_names);
+        let metrics = crate::metrics::CoreMetrics::new(&layer_ids, e as usize, &ranks);
         let health = Health::new(
             replicas.alive.len(),
             cfg.straggler_timeout,
@@ -275,7 +278,7 @@ impl RouterCore {
             layers: layers.into_iter().map(|l| (l.layer, l)).collect(),
             owners_ext,
             replicas,
-            rank_names,
+            ranks,
             shared_runner,
             pending: BTreeMap::new(),
             inflight: BTreeMap::new(),
@@ -373,28 +376,14 @@ impl RouterCore {
     }
 
     /// How messages name mesh rank `rank`: the device's name and its topology rank
-    /// (`rank` minus the number of routers), or the router's name.
+    /// (`rank` minus the number of routers), or the router's name ([`RankNames::label`]).
     pub fn name(&self, rank: u32) -> String {
-        // Routers come first (their names have no '/'; device ids are "node/device").
-        let routers = self
-            .rank_names
-            .iter()
-            .take_while(|n| !n.contains('/'))
-            .count()
-            .max(1) as u32;
-        match self.rank_names.get(rank as usize) {
-            Some(n) if rank < routers => n.clone(),
-            Some(n) => format!("{n} (rank {})", rank - routers),
-            None if rank == 0 => "router".into(),
-            None => format!("device rank {}", rank.saturating_sub(routers)),
-        }
+        self.ranks.label(rank)
     }
 
     /// [`RouterCore::name`] of every mesh rank, for the service's logs.
     pub fn rank_labels(&self) -> Vec<String> {
-        (0..self.rank_names.len() as u32)
-            .map(|r| self.name(r))
-            .collect()
+        self.ranks.labels()
     }
 
     /// A validator for frontend requests that can run outside the core (in connection tasks).
