@@ -15,6 +15,8 @@
 //! * [`ranks`] — the names of the mesh ranks (routers first, their number given).
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 //! * [`service`] — the router service: the I/O driver around the core.
+//! * `sim` — a simulated cluster the core's tests drive it with (cargo feature `sim`, enabled
+//!   by the router's and the worker's dev-dependencies only).
 
 pub mod admission;
 pub mod client;
@@ -26,3 +28,5 @@ pub mod plan;
 pub mod ranks;
 pub mod reference;
 pub mod service;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
