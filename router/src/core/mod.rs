@@ -27,10 +27,11 @@
 //! as soon as every connected frontend ([`RouterCore::set_frontends`]) has a request in it —
 //! nobody else can join, so waiting longer only adds latency.
 //!
-//! Bounds: at most `max_inflight_batches` batches are in flight (beyond that new requests are
-//! refused with `Overloaded`), each batch holds at most `max_batch_tokens` tokens, and every
-//! batch has a deadline after which its requests fail with an error naming the devices that did
-//! not answer.
+//! Bounds: a request that finds `max_inflight_batches` batches in flight is refused with
+//! `Overloaded` (a layer's pending batch, opened below the limit, may still go out past it, so
+//! batches in flight and pending stay within the limit plus one per layer), each batch holds at
+//! most `max_batch_tokens` tokens, and every batch has a deadline after which its requests fail
+//! with an error naming the devices that did not answer.
 //!
 //! Layout: this module holds the core's state and its API (every input the driver feeds it,
 //! and the actions it takes out); each concern's logic lives in its own module:
@@ -42,10 +43,13 @@
 //!   stragglers, deadlines, device faults, quarantine probes, stale incarnations.
 //! * `combine` — worker results decoded into place, the router's own shared experts, and a
 //!   finished batch combined into its requests' outputs.
+//! * `invariants` — the rules the state keeps between inputs, checked after every input in
+//!   debug builds.
 
 mod combine;
 mod config;
 mod dispatch;
+mod invariants;
 mod recovery;
 mod validate;
 
@@ -413,6 +417,7 @@ impl RouterCore {
     /// batch window closes or the batch is full).
     pub fn submit(&mut self, req: Request, now: Instant) {
         self.admit(req, now);
+        self.debug_check();
     }
 
     /// The driver's count of open frontend connections. A pending batch that holds a request of
@@ -422,6 +427,7 @@ impl RouterCore {
     pub fn set_frontends(&mut self, open: usize, now: Instant) {
         self.frontends = Some(open);
         self.flush_joined_by(open, now);
+        self.debug_check();
     }
 
     /// Handle timers: close batch windows, re-send stragglers, fail requests past deadline.
@@ -429,11 +435,13 @@ impl RouterCore {
         self.flush_due(now);
         self.expire_probes(now);
         self.watch_inflight(now);
+        self.debug_check();
     }
 
     /// A worker's result frame arrived.
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8], now: Instant) {
         self.take_result(from, res, payload, now);
+        self.debug_check();
     }
 
     /// A worker answered a dispatch with an error frame. Frames of another router incarnation
@@ -454,11 +462,13 @@ impl RouterCore {
         now: Instant,
     ) {
         self.take_worker_error(from, request_id, code, message, now);
+        self.debug_check();
     }
 
     /// A link to a worker failed: its outstanding parts go to replicas, or their batches fail.
     pub fn on_peer_lost(&mut self, rank: u32, now: Instant) {
         self.peer_lost(rank, now);
+        self.debug_check();
     }
 
     /// A link to a worker is (again) established.
@@ -467,11 +477,13 @@ impl RouterCore {
         if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
             *a = true;
         }
+        self.debug_check();
     }
 
     /// Sending a part failed (the link went down while the send waited).
     pub fn on_send_failed(&mut self, rank: u32, batch: u64, part: u32, now: Instant) {
         self.send_failed(rank, batch, part, now);
+        self.debug_check();
     }
 
     /// Run work deferred until the driver has sent the latest dispatch frames: the shared
@@ -479,6 +491,7 @@ impl RouterCore {
     /// taken ([`RouterCore::poll_action`] gave `None`), then take the new ones.
     pub fn run_deferred(&mut self, now: Instant) {
         self.run_router_shared(now);
+        self.debug_check();
     }
 
     /// Whether [`RouterCore::run_deferred`] has work.
