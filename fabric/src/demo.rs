@@ -121,7 +121,7 @@ pub fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     let mode = match cli.router.mode_or(ModeArg::Exact) {
         m @ (ModeArg::Exact | ModeArg::Accurate) => ComputeMode::from(m),
         other => bail!(
-            "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/wire_modes.rs",
+            "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/it/wire_modes.rs",
             expertmesh_router::core::LayerMode::from(other).name()
         ),
     };
