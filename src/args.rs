@@ -167,9 +167,8 @@ impl RouterArgs {
 
     /// The router configuration, in `default` mode unless `--mode` says otherwise.
     pub(crate) fn config_in(&self, default: LayerMode) -> RouterConfig {
-        let mode = self.mode_or(default);
-        mode.apply(RouterConfig {
-            mode: mode.compute(),
+        RouterConfig {
+            mode: self.mode_or(default),
             max_request_tokens: self.max_tokens,
             max_batch_tokens: self.max_tokens,
             micro_batch_tokens: self.micro_batch.max(1),
@@ -181,8 +180,7 @@ impl RouterArgs {
             max_inflight_requests: 64,
             max_inflight_tokens: self.max_inflight_tokens.max(1),
             accurate_dtype: ActivationDtype::F32,
-            results: mode.results(),
-        })
+        }
     }
 }
 

@@ -12,8 +12,11 @@
 //! * [`health`] — device health: adaptive hedge timeouts and quarantine with probing.
 //! * [`metrics`] — Prometheus metrics of a router and the `/metrics` endpoint.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
+//! * [`ranks`] — the names of the mesh ranks (routers first, their number given).
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
 //! * [`service`] — the router service: the I/O driver around the core.
+//! * `sim` — a simulated cluster the core's tests drive it with (cargo feature `sim`, enabled
+//!   by the router's and the worker's dev-dependencies only).
 
 pub mod admission;
 pub mod client;
@@ -22,5 +25,8 @@ pub mod gating;
 pub mod health;
 pub mod metrics;
 pub mod plan;
+pub mod ranks;
 pub mod reference;
 pub mod service;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;

@@ -48,6 +48,7 @@ pub mod http;
 
 use crate::core::RouterStats;
 use crate::gating::Routing;
+use crate::ranks::RankNames;
 use expertmesh_transport::codec::{self, Body, ErrorCode};
 use expertmesh_transport::mesh::OutFrame;
 use prometheus_client::collector::Collector;
@@ -294,17 +295,17 @@ impl std::fmt::Debug for RouterMetrics {
 
 impl RouterMetrics {
     /// Metrics for a router serving `layers` (any order) of a model with `experts` routed
-    /// experts, whose mesh ranks are named `ranks` (routers first: names without '/').
-    pub fn new(layers: &[u32], experts: usize, ranks: &[String]) -> Self {
+    /// experts, whose mesh ranks are named `ranks` (routers first, then the devices).
+    pub fn new(layers: &[u32], experts: usize, ranks: &RankNames) -> Self {
         let mut layers = layers.to_vec();
         layers.sort_unstable();
         layers.dedup();
-        let routers = ranks.iter().take_while(|n| !n.contains('/')).count();
+        let routers = (ranks.routers() as usize).min(ranks.len());
         let n = ranks.len();
         let hist = || Histogram::new(latency_buckets());
         Self {
             experts,
-            ranks: ranks.to_vec(),
+            ranks: ranks.names().to_vec(),
             routers,
             requests: Slots::new(layers.len()),
             tokens: Slots::new(layers.len()),
@@ -591,7 +592,7 @@ impl std::fmt::Debug for CoreMetrics {
 
 impl CoreMetrics {
     /// See [`RouterMetrics::new`].
-    pub fn new(layers: &[u32], experts: usize, ranks: &[String]) -> Self {
+    pub fn new(layers: &[u32], experts: usize, ranks: &RankNames) -> Self {
         Self {
             shared: Arc::new(RouterMetrics::new(layers, experts, ranks)),
             opened: vec![(0, Instant::now()); OPENED_RING].into_boxed_slice(),
@@ -679,7 +680,7 @@ mod tests {
     #[test]
     fn counts_reach_the_text() {
         let ranks: Vec<String> = ["router", "n/cpu0", "n/cpu1"].map(String::from).to_vec();
-        let mut core = CoreMetrics::new(&[3, 1], 4, &ranks);
+        let mut core = CoreMetrics::new(&[3, 1], 4, &RankNames::new(ranks, 1));
         let routing = Routing {
             top_k: 2,
             experts: vec![0, 3, 3, 4], // 4 is a remote shared expert's pseudo-id: not load

@@ -276,6 +276,22 @@ impl Drop for RouterService {
     }
 }
 
+/// A random nonzero router incarnation (for [`RouterCore::new`]; the worker's node fan-out
+/// uses one for its sub-dispatch ids too): the standard library's per-process random hash
+/// keys mixed with the time and the process id, so router processes (and restarts) differ.
+/// It lives with the service because it reads the clock; the core takes it as given.
+pub fn fresh_incarnation() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(t);
+    h.write_u32(std::process::id());
+    let v = h.finish();
+    ((v >> 32) as u32 ^ v as u32).max(1)
+}
+
 /// Capacity of the core's input queue (requests, worker frames, link notices). Producers
 /// wait when it is full ([`send_to_core`]), so a burst backs up into TCP and the mesh's credit
 /// windows instead of into memory.
@@ -895,27 +911,30 @@ impl CoreLoop {
     /// Carry out the core's actions (and the deferred router-side work after the sends it
     /// overlaps with). Returns whether there were any.
     fn act(&mut self, cx: &mut Context<'_>) -> bool {
-        let mut actions = self.core.drain_actions();
+        let mut any = self.perform(cx);
         if self.core.has_deferred() {
-            // Send what is ready first, then run the router's own share of the work.
-            self.perform(actions, cx);
-            self.core.run_deferred();
-            actions = self.core.drain_actions();
+            // What was ready is sent; now run the router's own share of the work.
+            self.core.run_deferred(Instant::now());
+            any |= self.perform(cx);
         }
-        if actions.is_empty() {
-            return false;
-        }
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
-        self.perform(actions, cx);
-        true
+        any
     }
 
-    fn perform(&self, actions: Vec<Action>, cx: &mut Context<'_>) {
+    /// Carry out every action the core has; returns whether it had any. The core's counters
+    /// are published before the first (every action of this pass is already counted).
+    fn perform(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(first) = self.core.poll_action() else {
+            return false;
+        };
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
         // One short lock per pass; nothing below blocks (writes are polled once, then spawned).
-        let clients_now = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        let mut admission = self.admission.lock();
+        let clients = Arc::clone(&self.clients);
+        let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
+        let admission_gate = Arc::clone(&self.admission);
+        let mut admission = admission_gate.lock();
         let mut released = false;
-        for a in actions {
+        let mut next = Some(first);
+        while let Some(a) = next {
             match a {
                 Action::Send {
                     rank,
@@ -959,11 +978,13 @@ impl CoreLoop {
                     }
                 }
             }
+            next = self.core.poll_action();
         }
         drop(admission);
         if released {
-            self.admission.released.notify_waiters();
+            admission_gate.released.notify_waiters();
         }
+        true
     }
 
     /// Answer a request: written from this thread when the connection's writer is free (polled

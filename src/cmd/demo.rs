@@ -85,7 +85,7 @@ pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     let mode = match cli.router.mode_or(LayerMode::Exact) {
         m @ (LayerMode::Exact | LayerMode::Accurate) => m.compute(),
         other => bail!(
-            "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/wire_modes.rs",
+            "the demo checks exact and accurate modes; {} is served by `up` and `router` and tested in worker/tests/it/wire_modes.rs",
             other.name()
         ),
     };

@@ -92,7 +92,7 @@ fn options(out: &Path, mode: ComputeMode) -> LocalFabricOptions {
     o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
     o.ephemeral_ports = true;
     o.router = RouterConfig {
-        mode,
+        mode: mode.into(),
         batch_window: Duration::from_micros(100),
         micro_batch_tokens: 16,
         default_deadline: Duration::from_secs(20),

@@ -34,7 +34,7 @@ fn options(link: LinkKind, mode: ComputeMode) -> LocalFabricOptions {
     o.ephemeral_ports = true;
     o.link = link;
     o.router = RouterConfig {
-        mode,
+        mode: mode.into(),
         batch_window: Duration::from_micros(100),
         micro_batch_tokens: 16,
         default_deadline: Duration::from_secs(20),

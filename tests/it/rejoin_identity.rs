@@ -29,7 +29,7 @@ fn start() -> LocalFabric {
     o.ephemeral_ports = true;
     o.link = LinkKind::Tcp;
     o.router = RouterConfig {
-        mode: ComputeMode::Exact,
+        mode: ComputeMode::Exact.into(),
         batch_window: Duration::ZERO,
         micro_batch_tokens: 16,
         default_deadline: Duration::from_secs(20),

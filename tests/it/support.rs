@@ -134,7 +134,7 @@ pub(crate) fn demo_options(
     o.ephemeral_ports = true;
     o.link = link;
     o.router = RouterConfig {
-        mode: ComputeMode::Exact,
+        mode: ComputeMode::Exact.into(),
         batch_window: Duration::from_micros(100),
         micro_batch_tokens: 16,
         default_deadline: Duration::from_secs(20),

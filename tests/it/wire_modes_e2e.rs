@@ -3,7 +3,7 @@
 //!
 //! Checks: exact-bf16 bit-identical to the reference whose expert outputs are rounded to bf16;
 //! serving mode within its stated tolerance of the f64 reference (RMS < 2%, worst element
-//! < 12% of the output RMS, as exact mode; `worker/tests/wire_modes.rs` states and tests the
+//! < 12% of the output RMS, as exact mode; `worker/tests/it/wire_modes.rs` states and tests the
 //! bf16 part separately) with a fraction of exact mode's result bytes; and a lone frontend does
 //! not wait for a long batch window, while one with a second (idle) frontend connected does.
 

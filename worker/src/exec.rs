@@ -6,7 +6,7 @@
 //! summed in slot order in f32), in f32 or rounded to bf16 as the dispatch asks
 //! (`Dispatch::result_dtype`). The worker process
 //! (`expertmesh worker`) is a thin loop around [`DispatchExecutor`], and the simulated cluster
-//! test (`worker/tests/core_sim.rs`) drives it against the router core in process.
+//! tests (`worker/tests/it/core_sim.rs`) drive it against the router core in process.
 //!
 //! Copies and allocations: a q8 payload is read in place (zero-copy view), other dtypes are
 //! decoded once into a preallocated buffer; grouping reuses its buffers; the result rows are

@@ -22,7 +22,9 @@
 //! peer: those are handed to the runtime, so two devices of a node cannot block each other on
 //! credit). Bounds: one pending entry per forwarded router dispatch; the routers bound the
 //! dispatches they have in flight (`max_inflight_batches`), and an entry whose peers do not
-//! answer within the timeout fails with an error frame naming the device.
+//! answer within the timeout fails with an error frame naming the device. The table's rules
+//! (each entry's waiting count, sub-dispatch ids one to one with the peer shares still out)
+//! are checked after every input in debug builds.
 
 use crate::deploy::Deployment;
 use crate::exec::ExecError;
@@ -202,16 +204,16 @@ pub struct NodeFanout {
 
 impl NodeFanout {
     /// A fan-out for a device with `homes`, rows of `hidden` values; a forwarded dispatch
-    /// whose peers do not all answer within `timeout` fails. Sub-dispatch ids start at a
-    /// random 32-bit prefix (per fan-out, so per worker process) in their high bits: a node
-    /// peer's answer to an earlier process of this leader can never match a new one's entry.
-    pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration) -> Self {
-        let prefix = u64::from(expertmesh_router::core::fresh_incarnation());
+    /// whose peers do not all answer within `timeout` fails. Sub-dispatch ids start at
+    /// `prefix` in their high 32 bits: given a random one per fan-out (so per worker process;
+    /// `expertmesh_router::service::fresh_incarnation`), a node peer's answer to an earlier
+    /// process of this leader can never match a new one's entry.
+    pub fn new(homes: ExpertHomes, hidden: usize, timeout: Duration, prefix: u32) -> Self {
         Self {
             homes,
             hidden,
             timeout,
-            next_id: (prefix << 32) | 1,
+            next_id: (u64::from(prefix) << 32) | 1,
             pending: HashMap::new(),
             subs: HashMap::new(),
         }
@@ -240,6 +242,19 @@ impl NodeFanout {
         is_live: impl Fn(u32) -> bool,
         now: Instant,
     ) -> Result<Forward, ExecError> {
+        self.checked(|f| f.split(from, generation, d, payload, is_live, now))
+    }
+
+    /// [`NodeFanout::start`]: nothing is kept unless every share could be made.
+    fn split(
+        &mut self,
+        from: u32,
+        generation: u64,
+        d: &Dispatch,
+        payload: &[u8],
+        is_live: impl Fn(u32) -> bool,
+        now: Instant,
+    ) -> Result<Forward, ExecError> {
         let dest = self.destinations(d, &is_live)?;
         let per_slot = d.layout == OutputLayout::PerSlot;
         // shares in a fixed order: this device first, then peers by rank
@@ -250,6 +265,7 @@ impl NodeFanout {
         let mut shares = Vec::with_capacity(order.len());
         let mut local = None;
         let mut remote = Vec::new();
+        let mut subs = Vec::new();
         for who in order {
             let (sub, rows, targets) = sub_dispatch(d, &dest, who, per_slot);
             let mut bytes = Vec::new();
@@ -270,7 +286,7 @@ impl NodeFanout {
                 None => local = Some((sub, bytes)),
                 Some(r) => {
                     sub.batch_id = self.take_id();
-                    self.subs.insert(sub.batch_id, (key, shares.len()));
+                    subs.push((sub.batch_id, (key, shares.len())));
                     let frame = OutFrame::with_payload(Body::Dispatch(sub), Bytes::from(bytes));
                     remote.push((r, frame));
                 }
@@ -302,6 +318,7 @@ impl NodeFanout {
                 shares,
             },
         );
+        self.subs.extend(subs);
         Ok(Forward { key, local, remote })
     }
 
@@ -345,25 +362,25 @@ impl NodeFanout {
 
     /// This device's share of pending `key` ran: its result frame.
     pub fn on_local(&mut self, key: u64, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
-        let share = self
-            .pending
-            .get(&key)?
-            .shares
-            .iter()
-            .position(|s| s.rank.is_none())?;
-        self.answer(key, share, None, res, payload)
+        self.checked(|f| {
+            let shares = &f.pending.get(&key)?.shares;
+            let share = shares.iter().position(|s| s.rank.is_none())?;
+            f.answer(key, share, None, res, payload)
+        })
     }
 
     /// This device's share of pending `key` failed: the router gets the error.
     pub fn on_local_error(&mut self, key: u64, e: ExecError) -> Option<ToRouter> {
-        self.fail(key, e.code, e.message)
+        self.checked(|f| f.fail(key, e.code, e.message))
     }
 
     /// A peer answered a share. Results that belong to nothing pending (late, after a
     /// failure or timeout) are ignored.
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
-        let (key, share) = self.subs.remove(&res.batch_id)?;
-        self.answer(key, share, Some(from), res, payload)
+        self.checked(|f| {
+            let (key, share) = f.subs.remove(&res.batch_id)?;
+            f.answer(key, share, Some(from), res, payload)
+        })
     }
 
     /// Share `share` of pending `key` answered (by peer `from`, or by this device): its rows
@@ -403,14 +420,16 @@ impl NodeFanout {
         code: ErrorCode,
         message: &str,
     ) -> Option<ToRouter> {
-        let &(key, share) = self.subs.get(&request_id)?;
-        let sender = self.pending.get(&key)?.shares.get(share)?.rank;
-        if sender != Some(from) {
-            return None; // not the peer this share went to
-        }
-        self.subs.remove(&request_id);
-        let msg = format!("{} (node peer): {message}", self.homes.name(from));
-        self.fail(key, code, msg)
+        self.checked(|f| {
+            let &(key, share) = f.subs.get(&request_id)?;
+            let sender = f.pending.get(&key)?.shares.get(share)?.rank;
+            if sender != Some(from) {
+                return None; // not the peer this share went to
+            }
+            f.subs.remove(&request_id);
+            let msg = format!("{} (node peer): {message}", f.homes.name(from));
+            f.fail(key, code, msg)
+        })
     }
 
     /// The link to peer `rank` is lost: every dispatch waiting on it fails.
@@ -429,9 +448,11 @@ impl NodeFanout {
             "{} (node peer) was lost while serving a forwarded share",
             self.homes.name(rank)
         );
-        keys.into_iter()
-            .filter_map(|k| self.fail(k, ErrorCode::PeerUnavailable, msg.clone()))
-            .collect()
+        self.checked(|f| {
+            keys.into_iter()
+                .filter_map(|k| f.fail(k, ErrorCode::PeerUnavailable, msg.clone()))
+                .collect()
+        })
     }
 
     /// Pending dispatches older than the timeout fail, naming the peers that did not answer.
@@ -451,15 +472,75 @@ impl NodeFanout {
                 (k, who.join(", "))
             })
             .collect();
-        late.into_iter()
-            .filter_map(|(k, who)| {
-                let msg = format!(
-                    "node peer(s) {who} did not answer a forwarded share within {:?}",
-                    self.timeout
-                );
-                self.fail(k, ErrorCode::PeerUnavailable, msg)
-            })
-            .collect()
+        self.checked(|f| {
+            late.into_iter()
+                .filter_map(|(k, who)| {
+                    let msg = format!(
+                        "node peer(s) {who} did not answer a forwarded share within {:?}",
+                        f.timeout
+                    );
+                    f.fail(k, ErrorCode::PeerUnavailable, msg)
+                })
+                .collect()
+        })
+    }
+
+    /// Runs `op` on the table, then checks its invariants when debug assertions are on
+    /// ([`NodeFanout::check_invariants`]): every public input goes through here.
+    fn checked<T>(&mut self, op: impl FnOnce(&mut Self) -> T) -> T {
+        let out = op(self);
+        if cfg!(debug_assertions) {
+            self.check_invariants();
+        }
+        out
+    }
+
+    /// Panics, naming the rule, unless the table is consistent (checked after every input in
+    /// debug builds, as TigerBeetle does, so a slip panics where it happens rather than
+    /// surfacing later as a lost or doubled answer):
+    /// * an entry's `waiting` count is its shares not yet answered, it has one local share at
+    ///   most, and an answered share holds a row per target;
+    /// * the sub-dispatch ids map one to one onto the peer shares not yet answered;
+    /// * every id handed out lies below the next one.
+    fn check_invariants(&self) {
+        let mut waiting_on_peers = 0;
+        for (&key, p) in &self.pending {
+            assert!(key < self.next_id, "entry {key}: an id not yet handed out");
+            let unanswered = p.shares.iter().filter(|s| s.rows.is_none()).count();
+            assert_eq!(
+                p.waiting, unanswered,
+                "entry {key}: waiting counts the shares not yet answered"
+            );
+            let local = p.shares.iter().filter(|s| s.rank.is_none()).count();
+            assert!(local <= 1, "entry {key}: {local} local shares");
+            for s in &p.shares {
+                if let Some(rows) = &s.rows {
+                    let want = s.targets.len() * self.hidden;
+                    assert_eq!(rows.len(), want, "entry {key}: a row per target");
+                }
+            }
+            waiting_on_peers += p
+                .shares
+                .iter()
+                .filter(|s| s.rank.is_some() && s.rows.is_none())
+                .count();
+        }
+        for (&sub, &(key, i)) in &self.subs {
+            assert!(
+                sub < self.next_id,
+                "sub-dispatch {sub}: an id not yet handed out"
+            );
+            let share = self.pending.get(&key).and_then(|p| p.shares.get(i));
+            assert!(
+                share.is_some_and(|s| s.rank.is_some() && s.rows.is_none()),
+                "sub-dispatch {sub}: maps to share {i} of entry {key}, not a peer share waiting"
+            );
+        }
+        assert_eq!(
+            self.subs.len(),
+            waiting_on_peers,
+            "one sub-dispatch id per peer share not yet answered"
+        );
     }
 
     fn fail(&mut self, key: u64, code: ErrorCode, message: String) -> Option<ToRouter> {
@@ -658,7 +739,7 @@ mod tests {
     fn serve(layout: OutputLayout) -> (Vec<f32>, Vec<f32>) {
         // token 0: experts 0, 2; token 1: 4; token 2: 1, 3, 4
         let (d, payload) = dispatch(&[2, 1, 3], &[0, 2, 4, 1, 3, 4], layout);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         assert!(f.needs_forwarding(&d));
         let now = Instant::now();
         let fwd = f.start(9, 1, &d, &payload, |r| r != 6, now).unwrap();
@@ -703,7 +784,7 @@ mod tests {
 
     #[test]
     fn an_unknown_expert_id_is_not_taken_for_a_local_one() {
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[9], OutputLayout::PerSlot);
         assert!(f.needs_forwarding(&d));
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
@@ -712,7 +793,7 @@ mod tests {
 
     #[test]
     fn experts_without_a_live_home_on_the_node_are_refused() {
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[5], OutputLayout::PerSlot);
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
@@ -726,9 +807,30 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "waiting counts the shares not yet answered")]
+    fn a_waiting_count_that_disagrees_with_the_shares_trips_the_check() {
+        let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
+        let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        f.check_invariants();
+        f.pending.get_mut(&fwd.key).unwrap().waiting += 1;
+        f.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "one sub-dispatch id per peer share not yet answered")]
+    fn a_lost_sub_dispatch_id_trips_the_check() {
+        let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
+        let _ = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        f.subs.clear();
+        f.check_invariants();
+    }
+
+    #[test]
     fn a_lost_or_silent_peer_fails_the_dispatch_once() {
         let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5));
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let now = Instant::now();
         let fwd = f.start(9, 1, &d, &p, |_| true, now).unwrap();
         let failed = f.on_peer_lost(5);

@@ -177,6 +177,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
             ExpertHomes::for_device(&dep, d),
             dep.spec.hidden as usize,
             FANOUT_TIMEOUT,
+            expertmesh_router::service::fresh_incarnation(),
         )
     });
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -17,6 +17,7 @@ use expertmesh_backend::{
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::core::{RouterConfig, RouterCore, SharedRunner};
+use expertmesh_router::ranks::RankNames;
 
 /// Runs the router's shared experts on a CPU backend in the router process.
 #[derive(Debug)]
@@ -250,7 +251,8 @@ pub fn router_core(
         cfg,
         dep.layer_setups()?,
         dep.replicas(instance),
-        dep.rank_names(),
+        RankNames::new(dep.rank_names(), dep.router_count()),
         runner,
+        expertmesh_router::service::fresh_incarnation(),
     ))
 }

@@ -26,7 +26,7 @@
 //! Masking of dropped groups: transformers and the remote `modeling_deepseek.py` fill dropped
 //! groups with `0.0` before the final `topk`; DeepSeek-V3's `inference/model.py` (and SGLang,
 //! vLLM) fill them with `-inf`. This reference uses **`-inf`** (only kept groups are
-//! candidates), the semantics the project serves (see `router/tests/hf_semantics.rs`). The two
+//! candidates), the semantics the project serves (see `router/tests/it/hf_semantics.rs`). The two
 //! agree exactly whenever the `top_k`-th best selection score among kept groups is positive;
 //! [`Routing::zero_mask_agrees`] says whether that holds for a token, so tests can assert it
 //! (the tiny checkpoints' biases are small enough that it holds for ordinary tokens).

@@ -11,23 +11,29 @@
 //!   no intermediate rows.
 //!
 //! Counting is per thread (a thread-local counter), so tests running in parallel do not mix.
+//! The counting allocator is the global allocator of this whole test binary (`it`): every test
+//! in it runs under it, at the cost of one thread-local add per allocation, and each test runs
+//! on its own thread, so the other tests' allocations never show in these counts. That is why
+//! this file is a module of the crate's one test binary rather than a binary of its own.
+//!
+//! The router's side runs on the shared simulated cluster (`expertmesh_router::sim`), whose
+//! pump allocates nothing once warm (the core's action queue and the answer log keep their
+//! capacity), so what is counted is the core's own work.
 
+use crate::support::ExecWorker;
 use expertmesh_backend::{BatchLimits, ExpertBackend, ExpertKey};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::core::{
-    Action, LayerSetup, Request, RouterConfig, RouterCore, SharedRunner, SharedSite,
-};
-use expertmesh_router::plan::{LayerOwners, Replicas};
-use expertmesh_router::reference::{self, LayerWeights};
+use expertmesh_router::core::{RouterConfig, SharedRunner, SharedSite};
+use expertmesh_router::reference;
+use expertmesh_router::sim::{Sim, SimWorker, WorkerAnswer};
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
-use expertmesh_transport::codec::Body;
-use expertmesh_worker::exec::DispatchExecutor;
+use expertmesh_transport::codec::Dispatch;
 use expertmesh_worker::shared::CpuSharedRunner;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::rc::Rc;
+use std::time::Duration;
 
 struct Counting;
 
@@ -81,106 +87,84 @@ fn counted<R>(f: impl FnOnce() -> R) -> (R, u64, u64) {
 const SEED: u64 = 5;
 const MAX_TOKENS: usize = 64;
 
-/// A router core and two workers (experts split in halves), in process.
+/// The router core and two devices (experts split in halves) of the simulated cluster.
 struct Cluster {
     spec: ModelSpec,
-    core: RouterCore,
-    workers: HashMap<u32, DispatchExecutor>,
-    now: Instant,
-    /// Allocations / bytes counted inside the workers' `execute` during the last call.
-    worker_allocs: (u64, u64),
+    sim: Sim,
+    /// Allocations / bytes counted inside the devices' `execute` during the last call.
+    worker_allocs: Rc<Cell<(u64, u64)>>,
+}
+
+/// A device whose executor's allocations are counted apart (into `allocs`).
+struct Counted {
+    exec: ExecWorker,
+    allocs: Rc<Cell<(u64, u64)>>,
+}
+
+impl SimWorker for Counted {
+    fn answer(&mut self, d: &Dispatch, payload: &[u8]) -> WorkerAnswer {
+        let (answer, n, b) = counted(|| self.exec.answer(d, payload));
+        let (n0, b0) = self.allocs.get();
+        self.allocs.set((n0 + n, b0 + b));
+        answer
+    }
 }
 
 fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
     let spec = preset_by_name("demo-small").unwrap();
-    let layers: Vec<u32> = spec.moe_layer_ids();
-    let lw: HashMap<u32, LayerWeights> = layers
-        .iter()
-        .map(|&l| (l, reference::synthetic_layer(&spec, SEED, l).unwrap()))
-        .collect();
     let e = spec.routed_experts;
     let halves = [(0..e / 2).collect::<Vec<u32>>(), (e / 2..e).collect()];
-    let mut owners = vec![Vec::new(); e as usize];
-    let mut workers = HashMap::new();
-    for (d, experts) in halves.iter().enumerate() {
-        let rank = d as u32 + 1;
-        let mut list = Vec::new();
-        for &l in &layers {
-            for &x in experts {
-                owners[x as usize].push(rank);
-                let key = ExpertKey {
-                    layer: l,
-                    expert: x,
-                };
-                list.push((key, lw[&l].experts[x as usize].clone()));
-            }
-        }
-        let limits = BatchLimits {
-            max_tokens: MAX_TOKENS,
-            max_pairs: MAX_TOKENS * spec.top_k as usize,
-        };
-        let mut be = CpuBackend::new(1).unwrap();
-        be.load(list, limits).unwrap();
-        let exec = DispatchExecutor::new(Box::new(be), spec.hidden as usize, limits);
-        workers.insert(rank, exec);
-    }
-    for o in &mut owners {
-        o.dedup();
-    }
     let site = if shared_on_router {
         SharedSite::Router
     } else {
         SharedSite::None
     };
-    let setups = layers
-        .iter()
-        .map(|&l| LayerSetup {
-            layer: l,
-            gate: lw[&l].gate.clone(),
-            owners: LayerOwners {
-                owners: owners.clone(),
-            },
-            shared: site,
-        })
-        .collect();
-    let runner = shared_on_router.then(|| {
+    let cfg = RouterConfig {
+        mode: mode.into(),
+        batch_window: Duration::ZERO,
+        max_batch_tokens: MAX_TOKENS,
+        micro_batch_tokens: MAX_TOKENS,
+        ..RouterConfig::default()
+    };
+    let (h, s) = (spec.hidden as usize, spec.shared_experts as usize);
+    // The router's shared experts on the CPU backend, as the router process runs them.
+    let runner = move |lw: &std::collections::HashMap<u32, reference::LayerWeights>| {
         let mut keyed = Vec::new();
-        for &l in &layers {
-            for (i, w) in lw[&l].shared.iter().enumerate() {
+        for (&layer, w) in lw {
+            for (i, w) in w.shared.iter().enumerate() {
                 let key = ExpertKey {
-                    layer: l,
+                    layer,
                     expert: e + i as u32,
                 };
                 keyed.push((key, w.clone()));
             }
         }
-        let s = spec.shared_experts as usize;
         let mut be = CpuBackend::new(1).unwrap();
         let limits = BatchLimits {
             max_tokens: MAX_TOKENS,
             max_pairs: MAX_TOKENS * s,
         };
         be.load(keyed, limits).unwrap();
-        let r = CpuSharedRunner::new(be, e, s as u32, spec.hidden as usize, MAX_TOKENS);
+        let r = CpuSharedRunner::new(be, e, s as u32, h, MAX_TOKENS);
         Box::new(r) as Box<dyn SharedRunner>
-    });
-    let mut replicas = Replicas::new(3);
-    replicas.alive[0] = false;
-    let cfg = RouterConfig {
-        mode,
-        batch_window: Duration::ZERO,
-        max_batch_tokens: MAX_TOKENS,
-        micro_batch_tokens: MAX_TOKENS,
-        ..RouterConfig::default()
     };
-    let names = vec!["router".into(), "dev0".into(), "dev1".into()];
-    let core = RouterCore::new(spec.clone(), cfg, setups, replicas, names, runner);
+    let worker_allocs = Rc::new(Cell::new((0, 0)));
+    let allocs = Rc::clone(&worker_allocs);
+    let mut sim = Sim::builder(&spec, &halves)
+        .shared(site)
+        .config(cfg)
+        .seed(SEED)
+        .router_shared(runner)
+        .build(move |_, experts| {
+            let exec = ExecWorker::new(h, experts);
+            let allocs = Rc::clone(&allocs);
+            Box::new(Counted { exec, allocs })
+        });
+    sim.deadline = Duration::from_secs(60);
     Cluster {
         spec,
-        core,
-        workers,
-        now: Instant::now(),
-        worker_allocs: (0, 0),
+        sim,
+        worker_allocs,
     }
 }
 
@@ -188,43 +172,10 @@ impl Cluster {
     /// One layer call of `x` (built outside the counted region by the caller); returns the
     /// output. Worker-side allocations are counted separately into `worker_allocs`.
     fn call(&mut self, id: u64, x: Vec<f32>) -> Vec<f32> {
-        let tokens = x.len() / self.spec.hidden as usize;
-        let req = Request {
-            client: 1,
-            request_id: id,
-            layer: self.spec.moe_layer_ids()[0],
-            tokens,
-            x,
-            logits: None,
-            deadline: self.now + Duration::from_secs(60),
-        };
-        self.worker_allocs = (0, 0);
-        self.core.submit(req, self.now);
-        for _ in 0..16 {
-            let mut actions = self.core.drain_actions();
-            if actions.is_empty() && self.core.has_deferred() {
-                self.core.run_deferred();
-                actions = self.core.drain_actions();
-            }
-            for a in actions {
-                match a {
-                    Action::Send { rank, frame, .. } => {
-                        let Body::Dispatch(d) = &frame.body else {
-                            panic!("router sent {:?}", frame.body)
-                        };
-                        let w = self.workers.get_mut(&rank).unwrap();
-                        let (res, n, b) = counted(|| w.execute(d, &frame.payload));
-                        self.worker_allocs.0 += n;
-                        self.worker_allocs.1 += b;
-                        let (res, bytes) = res.unwrap();
-                        self.core.on_result(rank, &res, &bytes, self.now);
-                    }
-                    Action::Respond { output, .. } => return output,
-                    Action::Fail { message, .. } => panic!("layer call failed: {message}"),
-                }
-            }
-        }
-        panic!("no response");
+        self.worker_allocs.set((0, 0));
+        let layer = self.spec.moe_layer_ids()[0];
+        let (_, answer) = self.sim.call(id, layer, x);
+        answer.unwrap_or_else(|(_, message)| panic!("layer call failed: {message}"))
     }
 }
 
@@ -239,7 +190,7 @@ fn measure(c: &mut Cluster, tokens: usize) -> (u64, u64, u64, u64) {
     let x = reference::synthetic_hidden(7, tokens, h);
     let (out, n, b) = counted(|| c.call(9, x));
     assert_eq!(out.len(), tokens * h);
-    let (wn, wb) = c.worker_allocs;
+    let (wn, wb) = c.worker_allocs.get();
     // The workers ran inside the counted region too: take them out.
     let (n, b) = (n - wn, b - wb);
     let (k, e) = (c.spec.top_k as usize, c.spec.routed_experts as usize);

@@ -13,198 +13,38 @@
 //!   element < 3% of the output RMS.
 //! * accurate (W4A16, f32 pre-combined): worst element < 1e-4 of the output RMS.
 
-use expertmesh_backend::{BatchLimits, ExpertBackend, ExpertKey};
-use expertmesh_cpu_backend::CpuBackend;
+use crate::support::{bits, with_executors};
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::core::{
-    Action, LayerMode, LayerSetup, Request, RouterConfig, RouterCore, SharedRunner, SharedSite,
-};
+use expertmesh_router::core::{LayerMode, RouterConfig, SharedSite};
 use expertmesh_router::gating;
-use expertmesh_router::plan::{LayerOwners, Replicas};
-use expertmesh_router::reference::{self, ExpertRounding, LayerWeights};
+use expertmesh_router::reference::{self, ExpertRounding};
+use expertmesh_router::sim::Sim;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
-use expertmesh_transport::codec::Body;
-use expertmesh_worker::exec::DispatchExecutor;
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SEED: u64 = 91;
 
-/// Shared experts on the router, computed with the exact scalar oracle (what the CPU backend
-/// computes bit for bit).
-struct RouterShared {
-    hidden: usize,
-    layers: HashMap<u32, LayerWeights>,
-}
-
-impl SharedRunner for RouterShared {
-    fn run(
-        &mut self,
-        layer: u32,
-        x: &[f32],
-        tokens: usize,
-        mode: ComputeMode,
-        out: &mut [f32],
-    ) -> Result<(), expertmesh_backend::BackendError> {
-        use expertmesh_quant::reference as oracle;
-        let h = self.hidden;
-        let lw = &self.layers[&layer];
-        let s = lw.shared.len();
-        for t in 0..tokens {
-            let xt = &x[t * h..(t + 1) * h];
-            let qa = oracle::QuantizedVec::new(xt);
-            for (i, w) in lw.shared.iter().enumerate() {
-                let y = &mut out[(t * s + i) * h..(t * s + i + 1) * h];
-                match mode {
-                    ComputeMode::Exact => oracle::expert_ffn_exact_quantized(w, &qa, y),
-                    ComputeMode::Accurate => oracle::expert_ffn_accurate(w, xt, y),
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-struct Sim {
-    core: RouterCore,
-    workers: HashMap<u32, DispatchExecutor>,
-    now: Instant,
-    responses: HashMap<u64, Vec<f32>>,
-}
-
-/// `assign[d]` = routed experts of device d (mesh rank d + 1), every layer.
+/// `assign[d]` = routed experts of device d (mesh rank d + 1), every layer; shared experts on
+/// the router run with the exact scalar oracle (what the CPU backend computes bit for bit).
 fn build(spec: &ModelSpec, assign: &[Vec<u32>], shared: SharedSite, cfg: RouterConfig) -> Sim {
-    let layers: HashMap<u32, LayerWeights> = spec
-        .moe_layer_ids()
-        .into_iter()
-        .map(|l| (l, reference::synthetic_layer(spec, SEED, l).unwrap()))
-        .collect();
-    let mut owners = vec![Vec::new(); spec.routed_experts as usize];
-    for (d, experts) in assign.iter().enumerate() {
-        for &x in experts {
-            owners[x as usize].push(d as u32 + 1);
-        }
-    }
-    let setups = layers
-        .iter()
-        .map(|(&l, lw)| LayerSetup {
-            layer: l,
-            gate: lw.gate.clone(),
-            owners: LayerOwners {
-                owners: owners.clone(),
-            },
-            shared,
-        })
-        .collect();
-    let mut workers = HashMap::new();
-    for (d, experts) in assign.iter().enumerate() {
-        let rank = d as u32 + 1;
-        let mut list = Vec::new();
-        for (&l, lw) in &layers {
-            let key = |expert| ExpertKey { layer: l, expert };
-            list.extend(
-                experts
-                    .iter()
-                    .map(|&x| (key(x), lw.experts[x as usize].clone())),
-            );
-            if shared == SharedSite::Rank(rank) {
-                let e = spec.routed_experts;
-                list.extend(
-                    lw.shared
-                        .iter()
-                        .enumerate()
-                        .map(|(i, w)| (key(e + i as u32), w.clone())),
-                );
-            }
-        }
-        let limits = BatchLimits {
-            max_tokens: 64,
-            max_pairs: 64 * 8,
-        };
-        let mut be = CpuBackend::new(1).unwrap();
-        be.load(list, limits).unwrap();
-        let exec = DispatchExecutor::new(Box::new(be), spec.hidden as usize, limits);
-        workers.insert(rank, exec);
-    }
-    let ranks = assign.len() + 1;
-    let names = (0..ranks).map(|r| format!("dev{r}")).collect();
-    let runner = (shared == SharedSite::Router).then(|| {
-        Box::new(RouterShared {
-            hidden: spec.hidden as usize,
-            layers: layers.clone(),
-        }) as Box<dyn SharedRunner>
-    });
-    let mut replicas = Replicas::new(ranks);
-    replicas.alive[0] = false;
-    Sim {
-        core: RouterCore::new(spec.clone(), cfg, setups, replicas, names, runner),
-        workers,
-        now: Instant::now(),
-        responses: HashMap::new(),
-    }
+    with_executors(
+        Sim::builder(spec, assign)
+            .shared(shared)
+            .config(cfg)
+            .seed(SEED),
+    )
 }
 
-impl Sim {
-    fn submit(&mut self, client: u64, request_id: u64, layer: u32, x: &[f32], tokens: usize) {
-        let req = Request {
-            client,
-            request_id,
-            layer,
-            tokens,
-            x: x.to_vec(),
-            logits: None,
-            deadline: self.now + Duration::from_secs(5),
-        };
-        self.core.submit(req, self.now);
-    }
+/// One layer call of `x` through the fabric from client 1 (window 0: dispatched at once).
+fn call(sim: &mut Sim, id: u64, layer: u32, x: &[f32]) -> Vec<f32> {
+    let (_, answer) = sim.call(id, layer, x.to_vec());
+    answer.unwrap_or_else(|(_, message)| panic!("request failed: {message}"))
+}
 
-    /// Deliver every pending action; workers answer at once.
-    fn pump(&mut self) {
-        for _ in 0..100 {
-            let mut actions = self.core.drain_actions();
-            if actions.is_empty() && self.core.has_deferred() {
-                self.core.run_deferred();
-                actions = self.core.drain_actions();
-            }
-            if actions.is_empty() {
-                return;
-            }
-            for a in actions {
-                match a {
-                    Action::Send { rank, frame, .. } => {
-                        let Body::Dispatch(d) = &frame.body else {
-                            panic!("router sent {:?}", frame.body)
-                        };
-                        let (res, bytes) = self
-                            .workers
-                            .get_mut(&rank)
-                            .unwrap()
-                            .execute(d, &frame.payload)
-                            .unwrap();
-                        assert_eq!(
-                            res.dtype, d.result_dtype,
-                            "the worker answers in the dtype asked"
-                        );
-                        self.core.on_result(rank, &res, &bytes, self.now);
-                    }
-                    Action::Respond {
-                        request_id, output, ..
-                    } => {
-                        self.responses.insert(request_id, output);
-                    }
-                    Action::Fail { message, .. } => panic!("request failed: {message}"),
-                }
-            }
-        }
-        panic!("router did not settle");
-    }
-
-    /// One layer call of `x` through the fabric (window 0: dispatched at once).
-    fn call(&mut self, id: u64, layer: u32, x: &[f32], tokens: usize) -> Vec<f32> {
-        self.submit(1, id, layer, x, tokens);
-        self.pump();
-        self.responses.remove(&id).expect("answered")
-    }
+/// Submit `x` for `layer` as request `id` of frontend `client`, due in 5 s (not pumped).
+fn submit(sim: &mut Sim, client: u64, id: u64, layer: u32, x: &[f32]) {
+    sim.submit(client, id, layer, x.to_vec(), Duration::from_secs(5));
 }
 
 fn cfg(mode: LayerMode) -> RouterConfig {
@@ -213,10 +53,6 @@ fn cfg(mode: LayerMode) -> RouterConfig {
         micro_batch_tokens: 5,
         ..RouterConfig::default()
     })
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Placements of toy-grouped's 16 experts: one device, two halves, four interleaved with
@@ -270,7 +106,7 @@ fn exact_bf16_is_bit_identical_to_the_rounded_reference_whatever_the_placement()
         for (p, assign) in placements().iter().enumerate() {
             for shared in [SharedSite::Router, SharedSite::Rank(1)] {
                 let mut sim = build(&spec, assign, shared, cfg(LayerMode::ExactBf16));
-                let got = sim.call(1, layer, &x, tokens);
+                let got = call(&mut sim, 1, layer, &x);
                 assert_eq!(
                     bits(&got),
                     bits(&want),
@@ -309,7 +145,7 @@ fn every_mode_is_within_its_stated_tolerance_of_f64() {
         for mode in LayerMode::ALL {
             for shared in [SharedSite::Router, SharedSite::Rank(2)] {
                 let mut sim = build(&spec, &assign, shared, cfg(mode));
-                let got = sim.call(1, layer, &x, tokens);
+                let got = call(&mut sim, 1, layer, &x);
                 let (worst, rms) = errors(&got, &truth);
                 let what = format!(
                     "{name} {} shared {shared:?}: worst {worst:.2e}, rms {rms:.2e}",
@@ -343,7 +179,7 @@ fn result_bytes_per_mode_follow_the_wire() {
     let mut bytes = HashMap::new();
     for mode in LayerMode::ALL {
         let mut sim = build(&spec, &assign, SharedSite::Router, cfg(mode));
-        sim.call(1, 0, &x, tokens);
+        call(&mut sim, 1, 0, &x);
         bytes.insert(mode.name(), sim.core.stats().result_payload_bytes);
     }
     // One device owns every expert: per-slot rows are top-4 per token, pre-combined rows one.
@@ -365,37 +201,34 @@ fn the_window_closes_when_every_connected_frontend_has_a_request_pending() {
     let mut sim = build(&spec, &[(0..16).collect()], SharedSite::Router, config);
     let (l0, l1) = (spec.moe_layer_ids()[0], spec.moe_layer_ids()[1]);
     // Unknown frontend count: the window decides.
-    sim.submit(1, 1, l0, &x, 2);
+    submit(&mut sim, 1, 1, l0, &x);
     sim.pump();
-    assert!(sim.responses.is_empty(), "waits for the window");
+    assert!(sim.replies.is_empty(), "waits for the window");
     sim.now += window;
     sim.core.on_tick(sim.now);
     sim.pump();
-    assert!(sim.responses.contains_key(&1));
+    assert!(sim.answered(1));
     // Two frontends connected: the first request waits, the second closes the window.
     sim.core.set_frontends(2, sim.now);
-    sim.submit(1, 2, l0, &x, 2);
-    sim.submit(1, 3, l0, &x, 2); // the same frontend again: still waiting for the other
+    submit(&mut sim, 1, 2, l0, &x);
+    submit(&mut sim, 1, 3, l0, &x); // the same frontend again: still waiting for the other
     sim.pump();
-    assert!(!sim.responses.contains_key(&2));
-    sim.submit(2, 4, l0, &x, 2);
+    assert!(!sim.answered(2));
+    submit(&mut sim, 2, 4, l0, &x);
     sim.pump();
     for id in [2, 3, 4] {
-        assert!(
-            sim.responses.contains_key(&id),
-            "request {id} answered without the window"
-        );
+        assert!(sim.answered(id), "request {id} answered without the window");
     }
     // A lone frontend never waits; a batch pending when a frontend leaves goes at once.
     sim.core.set_frontends(1, sim.now);
-    sim.submit(1, 5, l1, &x, 2);
+    submit(&mut sim, 1, 5, l1, &x);
     sim.pump();
-    assert!(sim.responses.contains_key(&5));
+    assert!(sim.answered(5));
     sim.core.set_frontends(2, sim.now);
-    sim.submit(2, 6, l1, &x, 2);
+    submit(&mut sim, 2, 6, l1, &x);
     sim.pump();
-    assert!(!sim.responses.contains_key(&6));
+    assert!(!sim.answered(6));
     sim.core.set_frontends(1, sim.now);
     sim.pump();
-    assert!(sim.responses.contains_key(&6));
+    assert!(sim.answered(6));
 }

@@ -1,0 +1,229 @@
+//! The router core under device faults, against simulated workers (the real dispatch executor
+//! and CPU backend) that answer after a per-device latency on a virtual clock: adaptive hedge
+//! timing, quarantine with probing, answers of another router incarnation, error answers
+//! failed over to replicas.
+
+use crate::support::{bits, with_executors};
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_router::core::RouterConfig;
+use expertmesh_router::health::HedgePolicy;
+use expertmesh_router::reference::{self, LayerWeights};
+use expertmesh_router::sim::Sim;
+use expertmesh_topology::model::{ModelSpec, preset_by_name};
+use expertmesh_transport::codec::ErrorCode;
+use std::collections::HashMap;
+use std::time::Duration;
+
+const SEED: u64 = 91;
+
+/// `assign[d]` = experts of device d (mesh rank d + 1) in every layer; every device answers
+/// after 2 ms (`sim.latency`) and requests are due in 10 s.
+fn build(spec: &ModelSpec, assign: &[Vec<u32>]) -> (Sim, HashMap<u32, LayerWeights>) {
+    let cfg = RouterConfig {
+        batch_window: Duration::ZERO,
+        micro_batch_tokens: 64,
+        straggler_timeout: Duration::from_secs(3),
+        default_deadline: Duration::from_secs(10),
+        ..RouterConfig::default()
+    };
+    let mut sim = with_executors(Sim::builder(spec, assign).config(cfg).seed(SEED));
+    sim.deadline = Duration::from_secs(10);
+    for rank in 1..=assign.len() as u32 {
+        sim.latency.insert(rank, Duration::from_millis(2));
+    }
+    let layers = sim.layers.clone();
+    (sim, layers)
+}
+
+#[test]
+fn a_paused_replica_is_hedged_in_milliseconds_then_quarantined_then_probed_back() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let h = spec.hidden as usize;
+    let want = |x: &[f32]| {
+        let (_, y) = reference::moe_layer(&spec, &layers[&0], x, ComputeMode::Exact).unwrap();
+        bits(&y)
+    };
+    // Warm up: both devices answer in 2 ms; the hedge timeout settles at the floor.
+    for i in 0..40 {
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (took, out) = sim.call(i, 0, x.clone());
+        assert_eq!(bits(&out.unwrap()), want(&x));
+        assert!(took <= Duration::from_millis(3), "{took:?}");
+    }
+    let floor = HedgePolicy::default().floor;
+    assert_eq!(sim.core.hedge_after(1, 0), floor);
+    assert_eq!(sim.core.hedge_after(2, 0), floor);
+
+    // Device 1 pauses (SIGSTOP): calls are hedged to device 2 after ~10 ms, not 3 s.
+    sim.silent.push(1);
+    let mut slow = 0;
+    for i in 100..120 {
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (took, out) = sim.call(i, 0, x.clone());
+        assert_eq!(bits(&out.unwrap()), want(&x), "hedged answers are exact");
+        assert!(
+            took <= floor + Duration::from_millis(5),
+            "call {i} took {took:?}"
+        );
+        slow += usize::from(took > Duration::from_millis(3));
+    }
+    let st = sim.core.stats().clone();
+    assert!(st.hedges >= 1 && slow >= 1, "{st:?}");
+    // ... and after a few straggles it is out of rotation: calls no longer wait on it.
+    assert_eq!(st.quarantines, 1, "{st:?}");
+    assert_eq!(sim.core.quarantined(), vec![1]);
+    assert!(slow <= 5, "quarantine stops the hedging: {slow} slow calls");
+    let sent_before = sim.sent.get(&1).copied().unwrap_or(0);
+    for i in 200..210 {
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (took, _) = sim.call(i, 0, x.clone());
+        assert!(took <= Duration::from_millis(3), "{took:?}");
+    }
+    assert_eq!(
+        sim.sent.get(&1).copied().unwrap_or(0),
+        sent_before,
+        "nothing sent to a quarantined device before its probe"
+    );
+
+    // Still paused when the quarantine runs out: the probe goes unanswered, calls do not wait,
+    // and the quarantine doubles.
+    let period = HedgePolicy::default().backoff_initial;
+    sim.run_until(sim.now + period);
+    let x = reference::synthetic_hidden(300, 4, h);
+    let (took, _) = sim.call(300, 0, x.clone());
+    assert!(
+        took <= Duration::from_millis(3),
+        "a probe never delays a call: {took:?}"
+    );
+    assert_eq!(sim.core.stats().probes, 1);
+    sim.run_until(sim.now + HedgePolicy::default().probe_timeout);
+    assert_eq!(sim.core.stats().quarantines, 2);
+    assert_eq!(sim.core.stats().quarantine_releases, 0);
+
+    // Resumed: the next probe (after the doubled period) is answered and it is back.
+    sim.silent.clear();
+    sim.run_until(sim.now + period * 2);
+    let x = reference::synthetic_hidden(301, 4, h);
+    let _ = sim.call(301, 0, x.clone());
+    sim.run_until(sim.now + Duration::from_millis(5));
+    assert_eq!(sim.core.stats().probes, 2);
+    assert_eq!(sim.core.stats().quarantine_releases, 1);
+    assert!(sim.core.quarantined().is_empty());
+    let before = sim.sent.get(&1).copied().unwrap_or(0);
+    for i in 400..410 {
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (_, out) = sim.call(i, 0, x.clone());
+        assert_eq!(bits(&out.unwrap()), want(&x));
+    }
+    assert!(sim.sent[&1] > before, "back in replica choice");
+}
+
+#[test]
+fn a_quarantined_sole_owner_is_still_used_for_its_own_experts() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    // device 1 holds experts 0-3 alone, device 2 holds everything
+    let (mut sim, layers) = build(&spec, &[(0..4).collect(), (0..8).collect()]);
+    let h = spec.hidden as usize;
+    let t0 = sim.now;
+    // a flapping link: lost and back three times
+    for k in 0..3u32 {
+        sim.core
+            .on_peer_lost(1, t0 + Duration::from_millis(100 * k as u64));
+        sim.core.on_peer_up(1);
+    }
+    assert_eq!(
+        sim.core.quarantined(),
+        vec![1],
+        "a link that keeps failing is benched"
+    );
+    for i in 0..10 {
+        let x = reference::synthetic_hidden(i, 8, h);
+        let (_, out) = sim.call(i, 0, x.clone());
+        let (_, y) = reference::moe_layer(&spec, &layers[&0], &x, ComputeMode::Exact).unwrap();
+        assert_eq!(bits(&out.unwrap()), bits(&y));
+    }
+    assert_eq!(
+        sim.sent.get(&1).copied().unwrap_or(0),
+        0,
+        "device 2 holds every expert"
+    );
+
+    // with device 2 gone, device 1 is the only owner of experts 0-3 and is used
+    sim.core.on_peer_lost(2, sim.now);
+    let lw = &layers[&0];
+    let x = (0..200)
+        .map(|s| reference::synthetic_hidden(s, 1, h))
+        .find(|x| {
+            let r =
+                expertmesh_router::gating::route(&spec, &lw.gate.logits(x), &lw.gate.bias).unwrap();
+            r.experts.iter().all(|&e| e < 4)
+        })
+        .unwrap();
+    let (_, out) = sim.call(50, 0, x.clone());
+    let (_, y) = reference::moe_layer(&spec, lw, &x, ComputeMode::Exact).unwrap();
+    assert_eq!(bits(&out.unwrap()), bits(&y));
+    assert!(sim.sent[&1] >= 1);
+}
+
+#[test]
+fn answers_to_another_router_incarnation_are_dropped_and_counted() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let (mut old, layers) = build(&spec, std::slice::from_ref(&all));
+    let (mut new, _) = build(&spec, &[all]);
+    old.core.set_incarnation(0x1111);
+    new.core.set_incarnation(0x2222);
+    let h = spec.hidden as usize;
+    // The old router dispatches batch 1 of its incarnation; the worker computes it.
+    let x_old = reference::synthetic_hidden(1, 3, h);
+    old.request(1, 0, &x_old);
+    let stale = old.queue.pop().unwrap();
+    assert_eq!(stale.batch, 0x1111_0000_0001);
+    // The restarted router has its own batch 1 in flight (another input) when the old
+    // answer reaches it: dropped, counted, and the live batch is answered right.
+    new.latency.insert(1, Duration::from_millis(50));
+    let x_new = reference::synthetic_hidden(2, 3, h);
+    new.request(7, 0, &x_new);
+    let Ok((res, bytes)) = &stale.answer else {
+        panic!("the worker answered")
+    };
+    new.core.on_result(1, res, bytes, new.now);
+    new.core
+        .on_worker_error(1, stale.batch, ErrorCode::Internal, "old", new.now);
+    assert_eq!(new.core.stats().stale_results, 2);
+    assert!(new.replies.is_empty(), "the stale answer completed nothing");
+    // its own answer completes it exactly
+    new.run_until(new.now + Duration::from_millis(60));
+    let out = new.take(7).expect("answered");
+    let (_, y) = reference::moe_layer(&spec, &layers[&0], &x_new, ComputeMode::Exact).unwrap();
+    assert_eq!(bits(&out.unwrap()), bits(&y));
+}
+
+#[test]
+fn an_error_answer_goes_to_a_replica_when_one_holds_the_experts() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let h = spec.hidden as usize;
+    // device 1 says its experts are not loaded (a worker started with another placement)
+    sim.erroring.insert(1, ErrorCode::NotFound);
+    for i in 0..10 {
+        sim.run_until(sim.now + Duration::from_millis(25));
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (_, out) = sim.call(i, 0, x.clone());
+        let (_, y) = reference::moe_layer(&spec, &layers[&0], &x, ComputeMode::Exact).unwrap();
+        assert_eq!(bits(&out.expect("failed over")), bits(&y));
+    }
+    assert_eq!(sim.core.quarantined(), vec![1]);
+
+    // without a replica the device's error is the answer
+    let (mut sim, _) = build(&spec, &[(0..8).collect()]);
+    sim.erroring.insert(1, ErrorCode::NotFound);
+    let x = reference::synthetic_hidden(3, 2, h);
+    let (_, out) = sim.call(1, 0, x.clone());
+    let (code, msg) = out.unwrap_err();
+    assert_eq!(code, ErrorCode::NotFound);
+    assert!(msg.contains("node0/dev0"), "{msg}");
+}
