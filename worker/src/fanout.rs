@@ -802,23 +802,27 @@ mod tests {
         assert_eq!(f.pending(), 0);
     }
 
-    #[test]
-    #[should_panic(expected = "waiting counts the shares not yet answered")]
-    fn a_waiting_count_that_disagrees_with_the_shares_trips_the_check() {
+    /// A fan-out with one dispatch forwarded (a local share and one for peer 5): its key.
+    fn one_forwarded() -> (NodeFanout, u64) {
         let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
         f.check_invariants();
-        f.pending.get_mut(&fwd.key).unwrap().waiting += 1;
+        (f, fwd.key)
+    }
+
+    #[test]
+    #[should_panic(expected = "waiting counts the shares not yet answered")]
+    fn a_waiting_count_that_disagrees_with_the_shares_trips_the_check() {
+        let (mut f, key) = one_forwarded();
+        f.pending.get_mut(&key).unwrap().waiting += 1;
         f.check_invariants();
     }
 
     #[test]
     #[should_panic(expected = "one sub-dispatch id per peer share not yet answered")]
     fn a_lost_sub_dispatch_id_trips_the_check() {
-        let (d, p) = dispatch(&[2], &[0, 2], WireLayout::PerSlot);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
-        let _ = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        let (mut f, _) = one_forwarded();
         f.subs.clear();
         f.check_invariants();
     }
