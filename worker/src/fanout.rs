@@ -242,19 +242,8 @@ impl NodeFanout {
         is_live: impl Fn(u32) -> bool,
         now: Instant,
     ) -> Result<Forward, ExecError> {
-        self.checked(|f| f.split(from, generation, d, payload, is_live, now))
-    }
-
-    /// [`NodeFanout::start`]: nothing is kept unless every share could be made.
-    fn split(
-        &mut self,
-        from: u32,
-        generation: u64,
-        d: &Dispatch,
-        payload: &[u8],
-        is_live: impl Fn(u32) -> bool,
-        now: Instant,
-    ) -> Result<Forward, ExecError> {
+        // Nothing is kept unless every share could be made (an error leaves the table as it
+        // was).
         let dest = self.destinations(d, &is_live)?;
         let per_slot = d.layout == OutputLayout::PerSlot;
         // shares in a fixed order: this device first, then peers by rank
@@ -319,6 +308,7 @@ impl NodeFanout {
             },
         );
         self.subs.extend(subs);
+        self.debug_check();
         Ok(Forward { key, local, remote })
     }
 
@@ -486,13 +476,19 @@ impl NodeFanout {
     }
 
     /// Runs `op` on the table, then checks its invariants when debug assertions are on
-    /// ([`NodeFanout::check_invariants`]): every public input goes through here.
+    /// ([`NodeFanout::check_invariants`]): every public input but `start` (which checks at its
+    /// end) goes through here.
     fn checked<T>(&mut self, op: impl FnOnce(&mut Self) -> T) -> T {
         let out = op(self);
+        self.debug_check();
+        out
+    }
+
+    /// [`NodeFanout::check_invariants`] when debug assertions are on; nothing otherwise.
+    fn debug_check(&self) {
         if cfg!(debug_assertions) {
             self.check_invariants();
         }
-        out
     }
 
     /// Panics, naming the rule, unless the table is consistent (checked after every input in
@@ -806,23 +802,27 @@ mod tests {
         assert_eq!(f.pending(), 0);
     }
 
-    #[test]
-    #[should_panic(expected = "waiting counts the shares not yet answered")]
-    fn a_waiting_count_that_disagrees_with_the_shares_trips_the_check() {
+    /// A fan-out with one dispatch forwarded (a local share and one for peer 5): its key.
+    fn one_forwarded() -> (NodeFanout, u64) {
         let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
         f.check_invariants();
-        f.pending.get_mut(&fwd.key).unwrap().waiting += 1;
+        (f, fwd.key)
+    }
+
+    #[test]
+    #[should_panic(expected = "waiting counts the shares not yet answered")]
+    fn a_waiting_count_that_disagrees_with_the_shares_trips_the_check() {
+        let (mut f, key) = one_forwarded();
+        f.pending.get_mut(&key).unwrap().waiting += 1;
         f.check_invariants();
     }
 
     #[test]
     #[should_panic(expected = "one sub-dispatch id per peer share not yet answered")]
     fn a_lost_sub_dispatch_id_trips_the_check() {
-        let (d, p) = dispatch(&[2], &[0, 2], OutputLayout::PerSlot);
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
-        let _ = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        let (mut f, _) = one_forwarded();
         f.subs.clear();
         f.check_invariants();
     }
