@@ -13,19 +13,11 @@ use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::reference;
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{free_port, two_cpu_topology};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"))
-}
+use crate::support::{bin, free_port, root, rt, two_cpu_topology};
 
 struct Run {
     code: Option<i32>,
@@ -87,13 +79,6 @@ fn options() -> LocalFabricOptions {
     o.ephemeral_ports = true;
     o.connect_timeout = Duration::from_secs(60);
     o
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 #[test]

@@ -11,7 +11,7 @@
 //! next call is answered bit for bit; (c) a failover client given two `up` processes leaves the
 //! one that is SIGSTOPped within the keepalive bound and gets the other's bit-identical answer.
 
-use crate::support::{bits, root, rt};
+use crate::support::{bits, free_pair, free_port, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientOptions, RouterClient};
@@ -178,26 +178,6 @@ fn failover_clients_get_every_answer_bit_for_bit_when_a_router_stops_under_load(
     fabric.shutdown();
 }
 
-/// A free TCP port on loopback (bound, then released for the child to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A free port `p` whose successor `p + 1` is free too (the second worker's data port).
-fn free_port_pair() -> u16 {
-    loop {
-        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
 /// An `expertmesh up` child; stopped processes are continued, and the child interrupted (then
 /// killed) when this is dropped, even when the test fails.
 struct Up {
@@ -212,7 +192,7 @@ impl Up {
         use std::io::BufRead;
         let dir = tempfile::tempdir().unwrap();
         let topo = std::fs::read_to_string(root().join("examples/single-host.toml")).unwrap();
-        let (front, control, data) = (free_port(), free_port(), free_port_pair());
+        let (front, control, data) = (free_port(), free_port(), free_pair());
         let topo = topo
             .replace("port = 47400", &format!("port = {front}"))
             .replace("control_port = 47401", &format!("control_port = {control}"))

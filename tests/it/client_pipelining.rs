@@ -10,6 +10,7 @@
 //! not fail); dropped handles and a `wait` cancelled by a timeout leave nothing behind; a
 //! connection broken with requests in flight fails each of them with the same error.
 
+use crate::support::{bits, rt};
 use expertmesh_fabric::local::LocalFabric;
 use expertmesh_router::client::{CallHandle, ClientError, HiddenStates, RouterClient};
 use expertmesh_router::reference;
@@ -27,23 +28,12 @@ fn start_fabric() -> LocalFabric {
     .unwrap()
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn connect(rt: &tokio::runtime::Runtime, fabric: &LocalFabric) -> RouterClient {
     rt.block_on(RouterClient::connect(
         fabric.frontend_addr(),
         &fabric.frontend_config(),
     ))
     .unwrap()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// A deterministic permutation of `0..n` (Fisher–Yates with a small LCG).

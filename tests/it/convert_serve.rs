@@ -18,6 +18,7 @@ use crate::hf_support::reference::{DenseExpert, block_from_tiny, moe_block_f64, 
 use crate::hf_support::tiny::{
     TinyCheckpoint, TinySpec, WeightFormat, random_tokens, write_tiny_checkpoint,
 };
+use crate::support::{root, rt};
 use expertmesh_backend::{ExpertBackend, ExpertKey};
 use expertmesh_checkpoint::experts::ExpertRef;
 use expertmesh_cpu_backend::CpuBackend;
@@ -32,10 +33,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn topology() -> PathBuf {
     root().join("examples/single-host.toml")
@@ -100,13 +97,6 @@ fn options(out: &Path, mode: ComputeMode) -> LocalFabricOptions {
     };
     o.connect_timeout = Duration::from_secs(60);
     o
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// The shared expert the fabric serves for `layer`: dense from the router file, or packed.

@@ -7,11 +7,11 @@
 //! rejoins; every bad-input case is answered with an error and the next good request on the
 //! same connection succeeds.
 
+use crate::support::{bits, demo_options, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientError, RouterClient};
-use expertmesh_router::core::RouterConfig;
 use expertmesh_router::reference;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
@@ -20,27 +20,10 @@ use expertmesh_transport::mesh::LinkKind;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
+/// The shared demo-small fabric options in `mode` over `link`.
 fn options(link: LinkKind, mode: ComputeMode) -> LocalFabricOptions {
-    let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host.toml"),
-        "demo-small",
-        root().join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = link;
-    o.router = RouterConfig {
-        mode: mode.into(),
-        batch_window: Duration::from_micros(100),
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    };
-    o.connect_timeout = Duration::from_secs(60);
+    let mut o = demo_options("single-host.toml", link);
+    o.router.mode = mode.into();
     o
 }
 
@@ -70,17 +53,6 @@ impl Reference {
                 .unwrap();
         (r.experts, out)
     }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 fn exact_end_to_end(link: LinkKind) {

@@ -21,18 +21,13 @@ use expertmesh_transport::dtype::ActivationDtype;
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{free_pair, free_port, two_cpu_topology};
+use crate::support::{bin, free_pair, free_port, root, two_cpu_topology};
 
 const HIDDEN: usize = 1024; // demo-small
 const LAYER: u32 = 1;
-
-fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"))
-}
 
 /// `expertmesh up` running in its own process; stopped (SIGINT, then SIGKILL) on drop.
 struct Up {
@@ -109,10 +104,6 @@ impl Drop for Up {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn frontend() -> FrontendConfig {

@@ -46,6 +46,11 @@ pub(crate) fn run(args: &[&str]) -> Run {
     r
 }
 
+/// The `expertmesh` binary cargo built for these tests.
+pub(crate) fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"))
+}
+
 /// A current-thread runtime for a test's `RouterClient` calls.
 pub(crate) fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()

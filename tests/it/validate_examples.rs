@@ -2,13 +2,10 @@
 //! deliberately broken files in `tests/data/` are rejected with every problem listed (exit 1),
 //! and unreadable files or bad arguments are usage errors (exit 2) — never a panic or backtrace.
 
+use crate::support::root;
 use expertmesh_topology::PlacementFile;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn expertmesh(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_expertmesh"))

@@ -7,47 +7,21 @@
 //! bf16 part separately) with a fraction of exact mode's result bytes; and a lone frontend does
 //! not wait for a long batch window, while one with a second (idle) frontend connected does.
 
+use crate::support::{bits, demo_options, rt};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::core::{LayerMode, RouterConfig};
+use expertmesh_router::core::LayerMode;
 use expertmesh_router::reference::{self, ExpertRounding};
 use expertmesh_transport::mesh::LinkKind;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
+/// The shared demo-small fabric options in `mode` over `link`, batching for `window`.
 fn options(link: LinkKind, mode: LayerMode, window: Duration) -> LocalFabricOptions {
-    let mut o = LocalFabricOptions::new(
-        root().join("examples/single-host.toml"),
-        "demo-small",
-        root().join("examples/single-host-demo-small.placement.toml"),
-    );
-    o.exe = PathBuf::from(env!("CARGO_BIN_EXE_expertmesh"));
-    o.ephemeral_ports = true;
-    o.link = link;
-    o.router = mode.apply(RouterConfig {
-        batch_window: window,
-        micro_batch_tokens: 16,
-        default_deadline: Duration::from_secs(20),
-        ..RouterConfig::default()
-    });
-    o.connect_timeout = Duration::from_secs(60);
+    let mut o = demo_options("single-host.toml", link);
+    o.router.mode = mode;
+    o.router.batch_window = window;
     o
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Calls `layer` with 20 tokens in `mode` over `link`; returns the output and the result
