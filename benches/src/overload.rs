@@ -4,7 +4,7 @@
 //!
 //! Why this exists: issue 15 measured that a router under more load than it can serve lost
 //! three quarters of its goodput and kept 600–800 MiB of memory after the load. The same load
-//! drives the overload test (`tests/overload.rs`, real processes) and the figures in
+//! drives the overload test (`tests/it/overload.rs`, real processes) and the figures in
 //! BENCHMARKS.md, so the numbers and the assertions come from one generator.
 //!
 //! What it measures: goodput (tokens of successful answers per second of the whole run), how

@@ -4,7 +4,7 @@
 //! a device whose worker is live is refused (the live one keeps serving, no flapping); a
 //! restarted router (new incarnation, new links) answers bit for bit at once.
 //!
-//! The fault suite (tests/faults.rs) covers kills, pauses and partitions; this file checks the
+//! The fault suite (tests/it/faults.rs) covers kills, pauses and partitions; this file checks the
 //! identity and incarnation rules those rely on.
 
 use crate::support::{bits, root, rt};

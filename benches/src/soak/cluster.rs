@@ -3,7 +3,7 @@
 //! where network namespaces are permitted — partitions (iptables DROP, both ways or one way)
 //! and slow links (tc tbf) between a worker and the routers.
 //!
-//! Why this exists: the fault suite (`tests/faults.rs`) and `expertmesh bench soak` need the
+//! Why this exists: the fault suite (`tests/it/faults.rs`) and `expertmesh bench soak` need the
 //! same thing: every process of the fabric as a separate child (so any of them, the router
 //! included, can be stopped, killed or cut off), golden answers to check every call against,
 //! and nothing left behind. Every child gets SIGKILL when the process that started it dies

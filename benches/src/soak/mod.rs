@@ -3,7 +3,7 @@
 //! back after each fault.
 //!
 //! Why this exists: correctness under faults (issue 16) is a property of hours, not of one
-//! scripted test: a soak finds the interleavings the fault suite (`tests/faults.rs`) does not
+//! scripted test: a soak finds the interleavings the fault suite (`tests/it/faults.rs`) does not
 //! script. The fabric is demo-small in exact mode (every answer has golden bits: see
 //! [`golden`]) on three CPU workers, every expert on two of them (any one worker may fail),
 //! one router (or `--routers N`), each process a separate child ([`cluster`]); with root and

@@ -3,7 +3,7 @@
 //! dropped handles, and futures cancelled in the middle of a frame.
 //!
 //! Why here and not against the real fabric: the order, timing and failures of the answers
-//! are chosen by the test, so every case is deterministic. (`tests/client_pipelining.rs` runs
+//! are chosen by the test, so every case is deterministic. (`tests/it/client_pipelining.rs` runs
 //! the same API against the real router and workers.)
 
 use super::*;

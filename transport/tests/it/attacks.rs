@@ -2,7 +2,7 @@
 //! peer on the same network can try against a mesh rank or a frontend listener that runs with
 //! per-rank credentials.
 //!
-//! Why this exists: the fabric-level attack tests (`tests/security.rs`) show each attack failing
+//! Why this exists: the fabric-level attack tests (`tests/it/security.rs`) show each attack failing
 //! against whole `expertmesh up` processes; these pin down the transport's own guarantees, fast
 //! and without model weights:
 //! - a rogue holding another rank's, a frontend's or another cluster's credential cannot claim
