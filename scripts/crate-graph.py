@@ -5,7 +5,7 @@ Why this exists: ARCHITECTURE.md promises a layered workspace: `quant` at the bo
 on nothing of ours, the `backend` trait crate depending on no implementation, `hip-kernels` a
 leaf that only the worker and the binary use, the file parser and the transport free of
 kernels, the launcher (`fabric`) free of the measurement method (`benches`), and the command
-line (clap) only in the binary. This script reads `cargo metadata` and fails CI when a dependency breaks that.
+line (clap) and the catch-all error type (anyhow) only in the binary. This script reads `cargo metadata` and fails CI when a dependency breaks that.
 
 Usage: scripts/crate-graph.py [--dot]
 """
@@ -53,6 +53,7 @@ ALLOWED = {
 # External crates that belong to one layer: the command line and the binary's error type stay
 # at the binary's edge, so libraries return typed errors (thiserror) and take plain options.
 EXTERNAL_ONLY_IN = {
+    "anyhow": {"expertmesh"},
     "clap": {"expertmesh"},
     "tracing-subscriber": {"expertmesh"},
 }

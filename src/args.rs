@@ -114,8 +114,8 @@ impl DeployArgs {
     /// Load the deployment these arguments describe.
     pub(crate) fn load(&self) -> anyhow::Result<Deployment> {
         match (&self.weights, &self.model, &self.placement) {
-            (Some(w), _, _) => Deployment::load_converted(&self.topology, w),
-            (None, Some(m), Some(p)) => Deployment::load(&self.topology, m, p, self.seed),
+            (Some(w), _, _) => Ok(Deployment::load_converted(&self.topology, w)?),
+            (None, Some(m), Some(p)) => Ok(Deployment::load(&self.topology, m, p, self.seed)?),
             _ => bail!("give --weights W, or --model and --placement"),
         }
     }

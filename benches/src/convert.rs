@@ -38,8 +38,8 @@
 //! are recorded in `machine`: the conversion is compute-bound and its limit is not, so other
 //! work on a shared machine lowers its ratio.
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult, Better};
-use anyhow::{Context, anyhow};
 use expertmesh_backend::{BackendError, ExpertBackend, ExpertShape, ExpertSource};
 use expertmesh_checkpoint::convert::{ConvertJob, convert, gate_tensor_names};
 use expertmesh_checkpoint::experts::{ExpertRef, Family, expert_tensor_names, source_quant};
@@ -135,36 +135,41 @@ impl ConvertBenchOptions {
     }
 
     /// Refuse sizes the converter or the planner cannot take.
-    pub fn check(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.hidden >= 32 && self.hidden % 32 == 0,
-            "--hidden must be a positive multiple of 32"
-        );
-        anyhow::ensure!(
-            self.moe_inter >= 32 && self.moe_inter % 32 == 0,
-            "--moe-inter must be a positive multiple of 32"
-        );
-        anyhow::ensure!(
-            (2..=1024).contains(&self.experts),
-            "--experts must be in 2..=1024"
-        );
-        anyhow::ensure!(
-            (1..=256).contains(&self.layers),
-            "--layers must be in 1..=256"
-        );
-        anyhow::ensure!(
-            !self.threads.is_empty() && self.threads.iter().all(|&t| (1..=1024).contains(&t)),
-            "--threads must list thread counts in 1..=1024"
-        );
-        anyhow::ensure!(
-            (1..=100).contains(&self.repeats),
-            "--repeats must be in 1..=100"
-        );
-        anyhow::ensure!(
-            self.error_experts == 0 || self.error_inputs >= 1,
-            "--error-inputs must be at least 1"
-        );
-        Ok(())
+    pub fn check(&self) -> Result<(), BenchError> {
+        let checks = [
+            (
+                self.hidden >= 32 && self.hidden % 32 == 0,
+                "--hidden must be a positive multiple of 32",
+            ),
+            (
+                self.moe_inter >= 32 && self.moe_inter % 32 == 0,
+                "--moe-inter must be a positive multiple of 32",
+            ),
+            (
+                (2..=1024).contains(&self.experts),
+                "--experts must be in 2..=1024",
+            ),
+            (
+                (1..=256).contains(&self.layers),
+                "--layers must be in 1..=256",
+            ),
+            (
+                !self.threads.is_empty() && self.threads.iter().all(|&t| (1..=1024).contains(&t)),
+                "--threads must list thread counts in 1..=1024",
+            ),
+            (
+                (1..=100).contains(&self.repeats),
+                "--repeats must be in 1..=100",
+            ),
+            (
+                self.error_experts == 0 || self.error_inputs >= 1,
+                "--error-inputs must be at least 1",
+            ),
+        ];
+        match checks.into_iter().find(|(ok, _)| !ok) {
+            Some((_, what)) => Err(BenchError::Options(what.to_string())),
+            None => Ok(()),
+        }
     }
 
     fn settings(&self, dir: &Path) -> serde_json::Value {
@@ -361,8 +366,8 @@ fn write_checkpoint(
     dir: &Path,
     opts: &ConvertBenchOptions,
     threads: usize,
-) -> anyhow::Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+) -> Result<Vec<PathBuf>, BenchError> {
+    std::fs::create_dir_all(dir).map_err(BenchError::io(format!("creating {}", dir.display())))?;
     let config = serde_json::to_string_pretty(&config_json(opts))?;
     std::fs::write(dir.join("config.json"), config)?;
     let (h, f, e) = (opts.hidden, opts.moe_inter, opts.experts);
@@ -404,7 +409,7 @@ fn write_checkpoint(
 }
 
 /// The embedded single-host topology (two CPU devices), with room for any size of run.
-fn write_topology(dir: &Path) -> anyhow::Result<PathBuf> {
+fn write_topology(dir: &Path) -> Result<PathBuf, BenchError> {
     let text = expertmesh_fabric::defaults::SINGLE_HOST_TOPOLOGY
         .replace("expert_memory = \"256 MiB\"", "expert_memory = \"64 GiB\"");
     let path = dir.join("single-host.toml");
@@ -414,7 +419,7 @@ fn write_topology(dir: &Path) -> anyhow::Result<PathBuf> {
 
 /// Read every file of `files` fully into `buf` (one reused buffer, as large as the largest
 /// file) with [`std::fs::File::read`]; returns bytes read and seconds.
-fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> anyhow::Result<(u64, f64)> {
+fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> Result<(u64, f64), BenchError> {
     let mut largest = 0;
     for p in files {
         largest = largest.max(std::fs::metadata(p)?.len() as usize);
@@ -425,7 +430,8 @@ fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> anyhow::Result<(u64, f64)> 
     let t0 = Instant::now();
     let mut total = 0u64;
     for p in files {
-        let mut f = std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?;
+        let mut f =
+            std::fs::File::open(p).map_err(BenchError::io(format!("reading {}", p.display())))?;
         let mut at = 0;
         loop {
             let n = f.read(&mut buf[at..])?;
@@ -453,7 +459,7 @@ struct Prepared {
 
 /// Write the checkpoint and topology into `dir`, read the model back as `expertmesh convert`
 /// does, and plan the balanced default placement.
-fn prepare(dir: &Path, opts: &ConvertBenchOptions) -> anyhow::Result<Prepared> {
+fn prepare(dir: &Path, opts: &ConvertBenchOptions) -> Result<Prepared, BenchError> {
     let ckpt_dir = dir.join("bench-qwen3-moe");
     let t0 = Instant::now();
     let threads = opts.threads.iter().copied().max().unwrap_or(1);
@@ -468,18 +474,23 @@ fn prepare(dir: &Path, opts: &ConvertBenchOptions) -> anyhow::Result<Prepared> {
         t0.elapsed().as_secs_f64()
     );
     let topology_path = write_topology(dir)?;
-    let topology = Topology::load(&topology_path).map_err(|e| anyhow!("{e}"))?;
-    let ckpt = Checkpoint::open(&ckpt_dir).map_err(|e| anyhow!("{e}"))?;
-    let (mut spec, family) = load_hf_model_and_family(&ckpt_dir).map_err(|e| anyhow!("{e}"))?;
-    anyhow::ensure!(family == Family::Qwen3Moe, "the config reads as {family:?}");
-    spec.quant = source_quant(&ckpt, &spec, family).map_err(|e| anyhow!("{e}"))?;
+    let topology = Topology::load(&topology_path).map_err(BenchError::File)?;
+    let ckpt = Checkpoint::open(&ckpt_dir)?;
+    let (mut spec, family) = load_hf_model_and_family(&ckpt_dir).map_err(BenchError::HfConfig)?;
+    if family != Family::Qwen3Moe {
+        return Err(BenchError::Family(family));
+    }
+    spec.quant = source_quant(&ckpt, &spec, family)?;
     spec.quant.zero_points |= opts.zero_points;
     let plan_opts = PlanOptions {
         description: format!("balanced default of expertmesh convert for {}", spec.name),
         ..PlanOptions::default()
     };
-    let planned = plan::plan(&topology, &spec, None, None, &plan_opts)
-        .map_err(|e| anyhow!("planning the bench placement: {e}"))?;
+    let planned =
+        plan::plan(&topology, &spec, None, None, &plan_opts).map_err(|cause| BenchError::Plan {
+            what: "planning the bench placement",
+            cause,
+        })?;
     Ok(Prepared {
         dir: dir.to_path_buf(),
         ckpt_dir,
@@ -517,7 +528,7 @@ fn convert_case(
     threads: usize,
     repeats: usize,
     buf: &mut Vec<u8>,
-) -> anyhow::Result<(BenchResult, PathBuf)> {
+) -> Result<(BenchResult, PathBuf), BenchError> {
     let (mut achieved, mut limit, mut bytes) = (Vec::new(), Vec::new(), 0);
     let mut out = PathBuf::new();
     for rep in 0..repeats {
@@ -528,7 +539,7 @@ fn convert_case(
         }
         out = p.dir.join(format!("converted-{threads}t-{rep}"));
         let _ = std::fs::remove_dir_all(&out);
-        let ckpt = Checkpoint::open(&p.ckpt_dir).map_err(|e| anyhow!("{e}"))?;
+        let ckpt = Checkpoint::open(&p.ckpt_dir)?;
         let job = ConvertJob {
             ckpt: &ckpt,
             family: Family::Qwen3Moe,
@@ -541,9 +552,11 @@ fn convert_case(
             shared_dense: false, // qwen3_moe has no shared expert
         };
         let t0 = Instant::now();
-        let report = convert(&job, &|_| {}).map_err(|e| anyhow!("converting: {e}"))?;
+        let report = convert(&job, &|_| {}).map_err(BenchError::from)?;
         let secs = t0.elapsed().as_secs_f64();
-        anyhow::ensure!(report.shards_kept == 0, "a fresh folder kept a shard");
+        if report.shards_kept != 0 {
+            return Err(BenchError::ShardKept);
+        }
         bytes = report.source_bytes_converted;
         achieved.push(bytes as f64 / secs);
         println!(
@@ -625,7 +638,7 @@ impl ExpertSource for TimedSource<'_> {
 }
 
 /// Load every device's shard of `out` the way its worker does; returns the times.
-fn load_all(p: &Prepared, out: &Path) -> anyhow::Result<LoadTimes> {
+fn load_all(p: &Prepared, out: &Path) -> Result<LoadTimes, BenchError> {
     let mut t = LoadTimes::default();
     let mut backends = Vec::new();
     for d in p.topology.devices() {
@@ -635,7 +648,7 @@ fn load_all(p: &Prepared, out: &Path) -> anyhow::Result<LoadTimes> {
         let mut src = expertmesh_worker::weights::device_expert_source(&dep, d.rank())?;
         let t2 = Instant::now();
         let threads = d.threads().map_or(1, |x| x as usize);
-        let mut backend = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
+        let mut backend = CpuBackend::new(threads)?;
         let limits = expertmesh_worker::process::worker_limits(&dep, 64);
         let mut timed = TimedSource {
             inner: &mut *src,
@@ -644,7 +657,10 @@ fn load_all(p: &Prepared, out: &Path) -> anyhow::Result<LoadTimes> {
         };
         backend
             .load_from(&mut timed, limits)
-            .map_err(|e| anyhow!("{}: {e}", d.id()))?;
+            .map_err(|cause| BenchError::DeviceBackend {
+                device: d.id().to_string(),
+                cause,
+            })?;
         let t3 = Instant::now();
         t.deploy += (t1 - t0).as_secs_f64();
         t.open_verify += (t2 - t1).as_secs_f64() + timed.finish_secs;
@@ -663,9 +679,9 @@ fn load_case(
     out: &Path,
     runs: usize,
     buf: &mut Vec<u8>,
-) -> anyhow::Result<BenchResult> {
+) -> Result<BenchResult, BenchError> {
     let dep = Deployment::load_converted(&p.topology_path, out)?;
-    let w = dep.weights.as_ref().ok_or_else(|| anyhow!("no weights"))?;
+    let w = dep.weights.as_ref().ok_or(BenchError::NoWeights)?;
     let shards: Vec<PathBuf> = w.manifest.shards.iter().map(|s| w.path(&s.file)).collect();
     let bytes: u64 = w.manifest.shards.iter().map(|s| s.bytes).sum();
     raw_read(&shards, buf)?; // warm-up
@@ -782,7 +798,7 @@ fn both_quantizers(
     rows: usize,
     cols: usize,
     spec: QuantSpec,
-) -> anyhow::Result<([Vec<f32>; 2], [f64; 2])> {
+) -> Result<([Vec<f32>; 2], [f64; 2]), BenchError> {
     let t0 = Instant::now();
     let searched = quantize_matrix_searched(w, rows, cols, spec)?;
     let t1 = Instant::now();
@@ -798,7 +814,7 @@ fn expert_error(
     opts: &ConvertBenchOptions,
     spec: QuantSpec,
     seed: u64,
-) -> anyhow::Result<ErrorSums> {
+) -> Result<ErrorSums, BenchError> {
     let (h, f) = (opts.hidden, opts.moe_inter);
     let shapes = [(f, h), (f, h), (h, f)];
     let mut s = ErrorSums::default();
@@ -839,17 +855,19 @@ fn error_weights(
     opts: &ConvertBenchOptions,
     dist: WeightDist,
     i: usize,
-) -> anyhow::Result<[Vec<f32>; 3]> {
+) -> Result<[Vec<f32>; 3], BenchError> {
     let (layer, e) = error_expert(opts, i);
     if dist != WeightDist::Gaussian {
         let m = synthetic_expert(opts, dist, layer, e);
         return Ok(m.map(|v| v.iter().map(|x| x.to_f32()).collect()));
     }
     let names = expert_tensor_names(Family::Qwen3Moe, layer as u32, ExpertRef::Routed(e as u32))?;
-    let read = |n: &String| -> anyhow::Result<Vec<f32>> {
-        let v = ckpt.tensor(n).map_err(|e| anyhow!("{e}"))?;
-        v.to_f32_vec()
-            .map_err(|e| anyhow!("{}: {e}", p.ckpt_dir.display()))
+    let read = |n: &String| -> Result<Vec<f32>, BenchError> {
+        let v = ckpt.tensor(n)?;
+        v.to_f32_vec().map_err(|cause| BenchError::Tensor {
+            dir: p.ckpt_dir.clone(),
+            cause: Box::new(cause),
+        })
     };
     Ok([read(&names[0])?, read(&names[1])?, read(&names[2])?])
 }
@@ -860,8 +878,8 @@ fn error_case(
     opts: &ConvertBenchOptions,
     dist: WeightDist,
     threads: usize,
-) -> anyhow::Result<[BenchResult; 2]> {
-    let ckpt = Checkpoint::open(&p.ckpt_dir).map_err(|e| anyhow!("{e}"))?;
+) -> Result<[BenchResult; 2], BenchError> {
+    let ckpt = Checkpoint::open(&p.ckpt_dir)?;
     let n = opts.error_experts;
     let parts = par_map(n, threads, |i| {
         let w = error_weights(p, &ckpt, opts, dist, i)?;
@@ -923,7 +941,7 @@ fn error_case(
 }
 
 /// Run the bench and return the report.
-pub fn run(opts: &ConvertBenchOptions) -> anyhow::Result<BenchReport> {
+pub fn run(opts: &ConvertBenchOptions) -> Result<BenchReport, BenchError> {
     opts.check()?;
     let temp;
     let dir = match &opts.dir {

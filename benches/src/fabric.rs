@@ -15,8 +15,8 @@
 //! frontend is waiting. The wire table prints the bytes per token per layer each serving mode
 //! sends (`codec::wire_bytes_per_token`, from encoded frames) for this model and Kimi K2.
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
-use anyhow::anyhow;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::{LayerMode, RouterConfig};
@@ -51,7 +51,7 @@ pub struct FabricBenchOptions {
 }
 
 /// Run the benchmark.
-pub fn run(o: &FabricBenchOptions) -> anyhow::Result<BenchReport> {
+pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
         .tempdir()?;
@@ -114,7 +114,7 @@ fn in_process_limits(
     dep: &Deployment,
     layer: u32,
     threads: usize,
-) -> anyhow::Result<InProcess> {
+) -> Result<InProcess, BenchError> {
     let spec = &dep.spec;
     let h = spec.hidden as usize;
     let mut backend = expertmesh_worker::weights::reference_backend(
@@ -124,19 +124,19 @@ fn in_process_limits(
         threads,
         max_batch(o),
     )
-    .map_err(|e| anyhow!(e))?;
+    .map_err(BenchError::ReferenceBackend)?;
     let gate = reference::synthetic_gate(spec, dep.seed, layer);
     let mut limits = Vec::new();
     for &b in &o.batches {
         let x = reference::synthetic_hidden(b as u64, b, h);
         let mode = o.mode.compute();
         let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
-            .map_err(|e| anyhow!(e))?;
+            .map_err(BenchError::ReferenceLayer)?;
         let t0 = Instant::now();
         let mut calls = 0u64;
         while t0.elapsed().as_secs_f64() < o.seconds || calls < 3 {
             reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
-                .map_err(|e| anyhow!(e))?;
+                .map_err(BenchError::ReferenceLayer)?;
             calls += 1;
         }
         let tps = (calls as usize * b) as f64 / t0.elapsed().as_secs_f64();
@@ -150,7 +150,7 @@ fn in_process_limits(
     while t0.elapsed().as_secs_f64() < o.seconds.min(1.0) || lat.len() < 20 {
         let t = Instant::now();
         reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode.compute())
-            .map_err(|e| anyhow!(e))?;
+            .map_err(BenchError::ReferenceLayer)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     lat.sort_by(f64::total_cmp);
@@ -187,7 +187,7 @@ impl LinkRun<'_> {
         placement: &std::path::Path,
         link: LinkKind,
         report: &mut BenchReport,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), BenchError> {
         let (o, spec, threads) = (self.o, &self.dep.spec, self.threads);
         let maxb = max_batch(o);
         let mut opts = LocalFabricOptions::new(topology, &o.model, placement);
@@ -247,7 +247,7 @@ impl LinkRun<'_> {
         rt: &tokio::runtime::Runtime,
         fabric: &LocalFabric,
         b: usize,
-    ) -> anyhow::Result<f64> {
+    ) -> Result<f64, BenchError> {
         let (o, layer) = (self.o, self.layer);
         let h = self.dep.spec.hidden as usize;
         let addr = fabric.frontend_addr();
@@ -262,10 +262,10 @@ impl LinkRun<'_> {
             for _ in 0..o.clients.max(1) {
                 let mut c = RouterClient::connect(addr, &fcfg)
                     .await
-                    .map_err(|e| anyhow!("{e}"))?;
+                    .map_err(BenchError::from)?;
                 c.call(layer, &x, h, None, None)
                     .await
-                    .map_err(|e| anyhow!("{e}"))?;
+                    .map_err(BenchError::from)?;
                 clients.push(c);
             }
             let t0 = Instant::now();
@@ -276,16 +276,16 @@ impl LinkRun<'_> {
                     while Instant::now() < stop_at {
                         c.call(layer, &x, h, None, None)
                             .await
-                            .map_err(|e| anyhow!("{e}"))?;
+                            .map_err(BenchError::from)?;
                         tokens.fetch_add(b as u64, Ordering::Relaxed);
                     }
-                    Ok::<(), anyhow::Error>(())
+                    Ok::<(), BenchError>(())
                 }));
             }
             for t in tasks {
-                t.await.map_err(|e| anyhow!("{e}"))??;
+                t.await??;
             }
-            Ok::<f64, anyhow::Error>(t0.elapsed().as_secs_f64())
+            Ok::<f64, BenchError>(t0.elapsed().as_secs_f64())
         })?;
         Ok(tokens.load(Ordering::Relaxed) as f64 / secs)
     }
@@ -298,11 +298,11 @@ async fn one_token_latencies(
     x: &[f32],
     h: usize,
     secs: f64,
-) -> anyhow::Result<Vec<f64>> {
+) -> Result<Vec<f64>, BenchError> {
     for _ in 0..10 {
         c.call(layer, x, h, None, None)
             .await
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(BenchError::from)?;
     }
     let mut lat = Vec::new();
     let t0 = Instant::now();
@@ -310,7 +310,7 @@ async fn one_token_latencies(
         let t = Instant::now();
         c.call(layer, x, h, None, None)
             .await
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(BenchError::from)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     lat.sort_by(f64::total_cmp);
@@ -327,7 +327,7 @@ impl LinkRun<'_> {
         fabric: &LocalFabric,
         link: LinkKind,
         report: &mut BenchReport,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), BenchError> {
         let (o, layer) = (self.o, self.layer);
         let spec = &self.dep.spec;
         let h = spec.hidden as usize;
@@ -338,16 +338,16 @@ impl LinkRun<'_> {
         let (alone, window) = rt.block_on(async {
             let mut c = RouterClient::connect(addr, &fcfg)
                 .await
-                .map_err(|e| anyhow!("{e}"))?;
+                .map_err(BenchError::from)?;
             let alone = one_token_latencies(&mut c, layer, &x, h, secs).await?;
             let idle = RouterClient::connect(addr, &fcfg)
                 .await
-                .map_err(|e| anyhow!("{e}"))?;
+                .map_err(BenchError::from)?;
             // The router counts a connection once its side of the handshake is done.
             tokio::time::sleep(Duration::from_millis(200)).await;
             let window = one_token_latencies(&mut c, layer, &x, h, secs).await?;
             drop(idle);
-            Ok::<_, anyhow::Error>((alone, window))
+            Ok::<_, BenchError>((alone, window))
         })?;
         let msg = one_token_dispatch_bytes(spec, o.mode);
         let mut raw = raw_tcp_round_trips_us(msg, alone.len().clamp(200, 5000))?;
@@ -391,7 +391,7 @@ fn one_token_dispatch_bytes(
 
 /// Round trips (µs) of `msg` bytes over a raw blocking loopback TCP socket (no delay), each
 /// answered by 64 bytes: the transport's floor for one dispatch and its answer.
-fn raw_tcp_round_trips_us(msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> {
+fn raw_tcp_round_trips_us(msg: usize, trips: usize) -> Result<Vec<f64>, BenchError> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
@@ -420,7 +420,7 @@ fn raw_tcp_round_trips_us(msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> 
     }
     server
         .join()
-        .map_err(|_| anyhow!("raw TCP server panicked"))??;
+        .map_err(|_| BenchError::Panicked("raw TCP server"))??;
     Ok(lat)
 }
 

@@ -31,6 +31,7 @@
 //! `machine.settings`). The JSON's `machine.device_kind` is `"cpu"`: `plan --calibrate`
 //! applies these figures to CPU devices only.
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
 use crate::method::machine;
 use crate::method::roofline::{self, Bound, Roofline};
@@ -563,7 +564,7 @@ impl ModelBench {
         pin: Option<Vec<usize>>,
         pool_bytes: u64,
         max_tokens: usize,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, BenchError> {
         let (h, f) = (spec.hidden as usize, spec.moe_intermediate as usize);
         let (e, k) = (spec.routed_experts as usize, spec.top_k as usize);
         let expert_bytes = spec.expert_bytes();
@@ -620,7 +621,7 @@ impl ModelBench {
     }
 
     /// One call of `kind`; the experts rotate so consecutive calls read other experts.
-    fn call(&mut self, kind: Kind) -> anyhow::Result<Call> {
+    fn call(&mut self, kind: Kind) -> Result<Call, BenchError> {
         let (tokens, mode, mut rb) = match kind {
             Kind::Decode(_) | Kind::Accurate => {
                 let (b, mode) = match kind {
@@ -664,7 +665,7 @@ impl ModelBench {
         tokens: usize,
         rb: &mut RoutedBatch,
         mode: ComputeMode,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), BenchError> {
         let hidden = self.h;
         self.out.resize(rb.pairs * hidden, 0.0);
         let (offset, pool) = (rb.offset, rb.pool);
@@ -708,7 +709,7 @@ impl Case {
     }
 
     /// One repetition: a limit sample, then a slot of calls (at least one, about [`SLOT_S`]).
-    fn sample(&mut self, m: &mut ModelBench, limits: &mut Limits) -> anyhow::Result<()> {
+    fn sample(&mut self, m: &mut ModelBench, limits: &mut Limits) -> Result<(), BenchError> {
         let mut roof = limits.sample();
         if self.kind == Kind::Accurate {
             // The int8 peak says nothing about f32 arithmetic: memory only.
@@ -753,7 +754,7 @@ impl Case {
 }
 
 /// Run the kernel benchmark and return the report.
-pub fn run(opts: &KernelBenchOptions) -> anyhow::Result<BenchReport> {
+pub fn run(opts: &KernelBenchOptions) -> Result<BenchReport, BenchError> {
     let mut report = BenchReport::new();
     let llc = membw::last_level_cache_bytes();
     let effort = Effort::new(opts, llc, machine::memory_available_bytes())?;
@@ -862,7 +863,7 @@ fn setup_cases(
     clock: &Clock,
     pin: Option<Vec<usize>>,
     skipped: &mut Vec<serde_json::Value>,
-) -> anyhow::Result<(Vec<ModelBench>, Vec<Case>)> {
+) -> Result<(Vec<ModelBench>, Vec<Case>), BenchError> {
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let max_tokens = max_b.max(opts.prefill_tokens);
     let (mut models, mut cases) = (Vec::new(), Vec::new());
@@ -944,7 +945,7 @@ fn measure(
     limits: &mut Limits,
     opts: &KernelBenchOptions,
     clock: &Clock,
-) -> anyhow::Result<usize> {
+) -> Result<usize, BenchError> {
     if cases.is_empty() {
         // Every case was skipped (no time left for a pool): nothing was repeated.
         return Ok(0);

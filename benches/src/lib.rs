@@ -16,9 +16,12 @@
 
 pub mod cluster;
 pub mod convert;
+pub mod error;
 pub mod fabric;
 pub mod kernels;
 pub mod method;
 pub mod overload;
 pub mod soak;
 pub mod transport;
+
+pub use error::BenchError;

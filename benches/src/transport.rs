@@ -38,6 +38,7 @@
 //! Frames are dispatch frames of 1, 8, 64 and 256 tokens of hidden 7168 in bf16, each token with
 //! two (expert, weight) pairs, exactly what the router sends a device.
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
 use crate::method::stats::percentile;
 use bytes::Bytes;
@@ -144,7 +145,7 @@ struct Unit {
 }
 
 /// Runs the bench (progress on stdout) and returns its report.
-pub fn run(args: &TransportBenchOptions) -> anyhow::Result<BenchReport> {
+pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -250,7 +251,7 @@ fn sweep_tcp_limits(
     units: &mut [Unit],
     start: Instant,
     seconds: f64,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let until = start + Duration::from_secs_f64(0.1 * seconds);
     let passes = if seconds >= 20.0 { 3 } else { 1 };
     for (u, &tokens) in units.iter_mut().zip(&TOKEN_COUNTS) {
@@ -275,7 +276,7 @@ fn sample_unit(
     args: &TransportBenchOptions,
     rep: usize,
     u: &mut Unit,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let frame = dispatch_frame(tokens);
     let msg = codec::frame_len(&frame.body, frame.payload.len());
     let count = frames_for(SLOT_S, msg);
@@ -356,7 +357,7 @@ fn sample_encrypted(
     args: &TransportBenchOptions,
     rep: usize,
     u: &mut Unit,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let frame = dispatch_frame(tokens);
     let msg = codec::frame_len(&frame.body, frame.payload.len());
     let count = frames_for(SLOT_S, msg);
@@ -464,7 +465,7 @@ fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
     out
 }
 
-fn tempfile_dir() -> anyhow::Result<PathBuf> {
+fn tempfile_dir() -> Result<PathBuf, BenchError> {
     let base = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
@@ -486,7 +487,7 @@ async fn start_pair(
     link: LinkKind,
     shm_dir: &std::path::Path,
     encrypted: bool,
-) -> anyhow::Result<(Vec<Mesh>, MeshEvents)> {
+) -> Result<(Vec<Mesh>, MeshEvents), BenchError> {
     let master = expertmesh_transport::crypto::Key::random()?;
     let addrs: Vec<SocketAddr> = {
         let ls: Vec<_> = (0..2)
@@ -524,12 +525,12 @@ async fn start_pair(
     meshes[0]
         .wait_connected(&[1], Duration::from_secs(10))
         .await?;
-    anyhow::ensure!(
-        meshes[0].link_kind(1) == Some(link),
-        "{} link could not be set up (fell back to {:?})",
-        link.name(),
-        meshes[0].link_kind(1)
-    );
+    if meshes[0].link_kind(1) != Some(link) {
+        return Err(BenchError::LinkFallback {
+            link,
+            got: meshes[0].link_kind(1),
+        });
+    }
     Ok((meshes, rx0.expect("rank 0 events")))
 }
 
@@ -588,12 +589,12 @@ async fn mesh_throughput(
     events: &mut MeshEvents,
     frame: &OutFrame,
     count: usize,
-) -> anyhow::Result<f64> {
+) -> Result<f64, BenchError> {
     let stream = with_id(frame, 2, 0);
     let bytes = codec::frame_len(&frame.body, frame.payload.len()) as f64;
     // Warm-up (untimed): fills the receive buffer pool and the socket or ring once.
     // `n` frames, then a marker frame that rank 1 acknowledges once it has them all.
-    let mut burst = async |n: usize, what: &str| -> anyhow::Result<()> {
+    let mut burst = async |n: usize, what: &str| -> Result<(), BenchError> {
         for _ in 0..n {
             meshes[0].send(1, &stream).await?;
         }
@@ -603,7 +604,7 @@ async fn mesh_throughput(
         events
             .recv_frame(Duration::from_secs(60))
             .await
-            .ok_or_else(|| anyhow::anyhow!("no {what} ack from rank 1"))?;
+            .ok_or_else(|| BenchError::NoAck(what.to_string()))?;
         Ok(())
     };
     burst((count / 4).clamp(2, 32), "warm-up").await?;
@@ -618,7 +619,7 @@ async fn mesh_round_trips(
     events: &mut MeshEvents,
     frame: &OutFrame,
     trips: usize,
-) -> anyhow::Result<Vec<f64>> {
+) -> Result<Vec<f64>, BenchError> {
     let ping = with_id(frame, 1, 0);
     let mut out = Vec::with_capacity(trips);
     for i in 0..trips + 10 {
@@ -627,7 +628,7 @@ async fn mesh_round_trips(
         events
             .recv_frame(Duration::from_secs(10))
             .await
-            .ok_or_else(|| anyhow::anyhow!("no answer from rank 1"))?;
+            .ok_or(BenchError::NoAnswer)?;
         if i >= 10 {
             out.push(t0.elapsed().as_secs_f64() * 1e6);
         }
@@ -635,7 +636,7 @@ async fn mesh_round_trips(
     Ok(out)
 }
 
-fn loopback_pair() -> anyhow::Result<(TcpStream, TcpStream)> {
+fn loopback_pair() -> Result<(TcpStream, TcpStream), BenchError> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let a = TcpStream::connect(l.local_addr()?)?;
     let (b, _) = l.accept()?;
@@ -689,7 +690,7 @@ impl RawWay {
 }
 
 impl RawTcp {
-    async fn new() -> anyhow::Result<Self> {
+    async fn new() -> Result<Self, BenchError> {
         let (a, b) = loopback_pair()?;
         let (ta, tb) = loopback_pair()?;
         for s in [&ta, &tb] {
@@ -718,7 +719,7 @@ impl RawTcp {
         count: usize,
         passes: usize,
         until: Instant,
-    ) -> anyhow::Result<RawWay> {
+    ) -> Result<RawWay, BenchError> {
         let mut samples: Vec<(RawWay, Vec<f64>)> =
             RawWay::ALL.iter().map(|&w| (w, Vec::new())).collect();
         'passes: for _ in 0..passes {
@@ -751,7 +752,7 @@ impl RawTcp {
         way: RawWay,
         msg: usize,
         count: usize,
-    ) -> anyhow::Result<f64> {
+    ) -> Result<f64, BenchError> {
         match way {
             RawWay::BlockingKept(batch) => stream_gbps(&self.a, &self.b, msg, count, batch),
             RawWay::BlockingFresh(batch) => {
@@ -764,7 +765,11 @@ impl RawTcp {
 
     /// Round trips (µs) of a `msg`-byte frame answered by a small ack over tokio's pair (an
     /// echo task answers): the floor as the mesh's I/O reaches it.
-    async fn tokio_ping_pong_us(&mut self, msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> {
+    async fn tokio_ping_pong_us(
+        &mut self,
+        msg: usize,
+        trips: usize,
+    ) -> Result<Vec<f64>, BenchError> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut tb = self
             .tb
@@ -796,7 +801,7 @@ impl RawTcp {
 
     /// Bytes per second (GB/s) of `count` frames of `msg` bytes over tokio's pair: one task
     /// writes them (`write_all` per frame), a reader task reads them whole and acks.
-    async fn tokio_stream_gbps(&mut self, msg: usize, count: usize) -> anyhow::Result<f64> {
+    async fn tokio_stream_gbps(&mut self, msg: usize, count: usize) -> Result<f64, BenchError> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut tb = self
             .tb
@@ -831,7 +836,7 @@ impl RawTcp {
     }
 
     /// Round trips (µs) of a `msg`-byte frame answered by a small ack: the TCP link's floor.
-    fn ping_pong_us(&self, msg: usize, trips: usize) -> anyhow::Result<Vec<f64>> {
+    fn ping_pong_us(&self, msg: usize, trips: usize) -> Result<Vec<f64>, BenchError> {
         let (mut a, mut b) = (&self.a, self.b.try_clone()?);
         let server = std::thread::spawn(move || -> std::io::Result<()> {
             let mut buf = vec![0u8; msg];
@@ -855,7 +860,7 @@ impl RawTcp {
         }
         server
             .join()
-            .map_err(|_| anyhow::anyhow!("raw ping-pong server panicked"))??;
+            .map_err(|_| BenchError::Panicked("raw ping-pong server"))??;
         Ok(out)
     }
 }
@@ -868,7 +873,7 @@ fn stream_gbps(
     msg: usize,
     count: usize,
     batch: usize,
-) -> anyhow::Result<f64> {
+) -> Result<f64, BenchError> {
     let mut b = b.try_clone()?;
     let batch = batch.clamp(1, count.max(1));
     let writes = count.div_ceil(batch);
@@ -900,7 +905,7 @@ fn stream_gbps(
     let secs = start.elapsed().as_secs_f64();
     reader
         .join()
-        .map_err(|_| anyhow::anyhow!("raw stream reader panicked"))??;
+        .map_err(|_| BenchError::Panicked("raw stream reader"))??;
     Ok((msg * batch * writes) as f64 / secs / 1e9)
 }
 

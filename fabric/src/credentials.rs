@@ -9,7 +9,7 @@
 //! the operator says `--insecure` (a warning at start); the legacy `EXPERTMESH_SECRET` still
 //! works and still encrypts, but any holder can claim any rank: a warning says so.
 
-use anyhow::{anyhow, bail};
+use crate::FabricError;
 use expertmesh_transport::crypto::{self, Credentials, Identity, Key};
 use expertmesh_worker::deploy::Deployment;
 use std::net::SocketAddr;
@@ -43,14 +43,17 @@ pub fn issue(
     master: &Key,
     topo: &expertmesh_topology::topology::Topology,
     who: &Principal,
-) -> anyhow::Result<Credentials> {
+) -> Result<Credentials, FabricError> {
     let routers = (topo.routers().len() as u32).max(1);
     let world = routers + topo.devices().len() as u32;
     let cluster = topo.name();
     Ok(match who {
         Principal::Router(i) => {
             if *i >= routers {
-                bail!("router {i} does not exist: the topology has {routers} router(s)");
+                return Err(FabricError::NoSuchRouter {
+                    instance: *i,
+                    routers,
+                });
             }
             Credentials::issue_rank(master, cluster, *i, world, routers)
         }
@@ -60,11 +63,10 @@ pub fn issue(
                 None => match d.parse::<u32>() {
                     Ok(n) if (n as usize) < topo.devices().len() => n,
                     _ => {
-                        let ids: Vec<&str> = topo.devices().iter().map(|x| x.id()).collect();
-                        bail!(
-                            "no device {d:?} in the topology; devices are {}",
-                            ids.join(", ")
-                        )
+                        return Err(FabricError::NoSuchDevice {
+                            which: d.clone(),
+                            devices: topo.devices().iter().map(|x| x.id().to_string()).collect(),
+                        });
                     }
                 },
             };
@@ -72,7 +74,7 @@ pub fn issue(
         }
         Principal::Frontend(name) => {
             if name.is_empty() || name.len() > expertmesh_transport::codec::MAX_IDENTITY_BYTES {
-                bail!("a frontend name must be 1 to 255 bytes");
+                return Err(FabricError::FrontendName);
             }
             Credentials::issue_frontend(master, cluster, name, routers)
         }
@@ -91,14 +93,10 @@ pub struct Security {
 
 impl Security {
     /// Loads the credential file, if given.
-    pub fn load(&self) -> anyhow::Result<Option<Arc<Credentials>>> {
+    pub fn load(&self) -> Result<Option<Arc<Credentials>>, FabricError> {
         self.credentials
             .as_deref()
-            .map(|p| {
-                Credentials::load(p)
-                    .map(Arc::new)
-                    .map_err(|e| anyhow!("{e}"))
-            })
+            .map(|p| Credentials::load(p).map(Arc::new).map_err(FabricError::Key))
             .transpose()
     }
 
@@ -109,10 +107,10 @@ impl Security {
         dep: &mut Deployment,
         rank: u32,
         addrs: &[SocketAddr],
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), FabricError> {
         if let Some(c) = self.load()? {
             c.check_rank(dep.topology.name(), rank)
-                .map_err(|e| anyhow!("--credentials: {e}"))?;
+                .map_err(FabricError::WrongCredentials)?;
             dep.credentials = Some(c);
         }
         check_security(dep.credentials.as_deref(), self.insecure, addrs)
@@ -124,11 +122,11 @@ impl Security {
         &self,
         cluster: &str,
         addrs: &[SocketAddr],
-    ) -> anyhow::Result<Option<Arc<Credentials>>> {
+    ) -> Result<Option<Arc<Credentials>>, FabricError> {
         let creds = match self.load()? {
             Some(c) => {
                 c.check_frontend(cluster)
-                    .map_err(|e| anyhow!("--credentials: {e}"))?;
+                    .map_err(FabricError::WrongCredentials)?;
                 Some(c)
             }
             None => expertmesh_worker::deploy::secret_from_env()?,
@@ -144,7 +142,7 @@ pub fn check_security(
     creds: Option<&Credentials>,
     insecure: bool,
     addrs: &[SocketAddr],
-) -> anyhow::Result<()> {
+) -> Result<(), FabricError> {
     let exposed: Vec<String> = addrs
         .iter()
         .filter(|a| !a.ip().is_loopback())
@@ -167,12 +165,7 @@ pub fn check_security(
              who reaches these ports can join the mesh or read activations",
             exposed.join(", ")
         ),
-        None => bail!(
-            "no credentials for non-loopback address(es) {}: pass --credentials FILE (make one \
-             with `expertmesh keys init` and `expertmesh keys issue`), or --insecure to run \
-             unauthenticated and unencrypted",
-            exposed.join(", ")
-        ),
+        None => return Err(FabricError::Insecure { exposed }),
     }
     Ok(())
 }
@@ -188,7 +181,7 @@ pub struct LocalCredentials {
 
 impl LocalCredentials {
     /// Reads the master key at `key` for the cluster of `dep`; files go to `dir`.
-    pub fn new(key: &Path, dep: &Deployment, dir: &Path) -> anyhow::Result<Self> {
+    pub fn new(key: &Path, dep: &Deployment, dir: &Path) -> Result<Self, FabricError> {
         let master = crypto::load_master_key(key)?;
         Ok(Self {
             master,
@@ -209,7 +202,7 @@ impl LocalCredentials {
     }
 
     /// Writes device `d`'s credential file (once) and returns its path.
-    pub(crate) fn worker_file(&self, dep: &Deployment, d: u32) -> anyhow::Result<PathBuf> {
+    pub(crate) fn worker_file(&self, dep: &Deployment, d: u32) -> Result<PathBuf, FabricError> {
         let path = self.dir.join(format!("device-{d}.cred"));
         if !path.exists() {
             let c = Credentials::issue_rank(

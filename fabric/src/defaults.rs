@@ -7,7 +7,7 @@
 //! the router) and is written to a temporary file; for load-aware, replicated placements run
 //! `expertmesh plan` and pass `--placement`.
 
-use anyhow::anyhow;
+use crate::FabricError;
 use expertmesh_planner::{self as plan, PlanOptions};
 use expertmesh_topology::topology::Topology;
 use std::path::{Path, PathBuf};
@@ -17,20 +17,19 @@ use std::path::{Path, PathBuf};
 pub fn balanced_placement_file(
     topology: &Path,
     model: &str,
-) -> anyhow::Result<(PathBuf, Option<tempfile::TempDir>)> {
-    let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
-    let spec = expertmesh_topology::resolve_model(model).map_err(|e| anyhow!("{e}"))?;
+) -> Result<(PathBuf, Option<tempfile::TempDir>), FabricError> {
+    let topo = Topology::load(topology).map_err(FabricError::Topology)?;
+    let spec = expertmesh_topology::resolve_model(model).map_err(FabricError::Model)?;
     let opts = PlanOptions {
         description: "balanced default of expertmesh up".into(),
         ..PlanOptions::default()
     };
-    let p = plan::plan(&topo, &spec, None, None, &opts).map_err(|e| {
-        anyhow!(
-            "no placement of {} fits {}: {e}; see `expertmesh plan`",
-            spec.name,
-            topo.name()
-        )
-    })?;
+    let p =
+        plan::plan(&topo, &spec, None, None, &opts).map_err(|cause| FabricError::NoPlacement {
+            model: spec.name.clone(),
+            cluster: topo.name().to_string(),
+            cause,
+        })?;
     let dir = tempfile::Builder::new()
         .prefix("expertmesh-up-")
         .tempdir()?;
@@ -53,7 +52,7 @@ pub fn local_files(
     topology: Option<&std::path::Path>,
     model: &str,
     placement: Option<&std::path::Path>,
-) -> anyhow::Result<(PathBuf, PathBuf, Option<tempfile::TempDir>)> {
+) -> Result<(PathBuf, PathBuf, Option<tempfile::TempDir>), FabricError> {
     let topo = match topology {
         Some(p) => p.to_path_buf(),
         None => {

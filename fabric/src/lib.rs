@@ -12,7 +12,10 @@
 pub mod credentials;
 pub mod defaults;
 pub mod endpoint;
+pub mod error;
 pub mod local;
 pub mod observe;
 pub mod process;
 pub mod wire_model;
+
+pub use error::FabricError;

@@ -8,7 +8,7 @@
 //! `expertmesh worker ...`; they die with the launcher (parent-death signal) so nothing is left
 //! running.
 
-use anyhow::{Context, anyhow, bail};
+use crate::FabricError;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
 use expertmesh_topology::topology::DeviceRank;
@@ -131,7 +131,7 @@ impl std::fmt::Debug for LocalFabric {
 impl LocalFabric {
     /// Start the routers and every worker, and wait until all workers are connected to every
     /// router.
-    pub fn start(opts: LocalFabricOptions) -> anyhow::Result<Self> {
+    pub fn start(opts: LocalFabricOptions) -> Result<Self, FabricError> {
         let dep = match &opts.weights {
             Some(w) => Deployment::load_converted(&opts.topology, w)?,
             None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
@@ -154,7 +154,7 @@ impl LocalFabric {
             router_mesh.push(
                 service
                     .mesh_addr()
-                    .ok_or_else(|| anyhow!("router {instance}'s mesh has no address"))?,
+                    .ok_or(FabricError::RouterMeshAddress(instance))?,
             );
             services.push(Some(service));
             gates.push(gate);
@@ -192,7 +192,7 @@ impl LocalFabric {
     /// Wait until the workers `devices` (topology ranks) are connected, polling their processes:
     /// a worker that exits first is reported at once with its status and the end of its log.
     /// While waiting, frontends are refused with the names of the workers still missing.
-    fn wait_for_workers(&mut self, devices: &[usize]) -> anyhow::Result<()> {
+    fn wait_for_workers(&mut self, devices: &[usize]) -> Result<(), FabricError> {
         let deadline = std::time::Instant::now() + self.opts.connect_timeout;
         loop {
             let missing: Vec<usize> = devices
@@ -215,20 +215,19 @@ impl LocalFabric {
                 .find(|(d, _)| missing.contains(d))
             {
                 self.workers[d] = None;
-                bail!(
-                    "worker {} failed to start: it exited ({status}) before connecting to the router\n{}",
-                    self.label(d),
-                    self.worker_log_tail(&[d])
-                );
+                return Err(FabricError::WorkerExited {
+                    worker: self.label(d),
+                    status,
+                    log_tail: self.worker_log_tail(&[d]),
+                });
             }
             let names: Vec<String> = missing.iter().map(|&d| self.label(d)).collect();
             if std::time::Instant::now() >= deadline {
-                bail!(
-                    "workers {} did not connect within {:?}\n{}",
-                    names.join(", "),
-                    self.opts.connect_timeout,
-                    self.worker_log_tail(&missing)
-                );
+                return Err(FabricError::WorkersTimeout {
+                    workers: names,
+                    timeout: self.opts.connect_timeout,
+                    log_tail: self.worker_log_tail(&missing),
+                });
             }
             for g in &self.gates {
                 if g.reason().is_some() {
@@ -248,10 +247,11 @@ impl LocalFabric {
         self.log_dir.join(format!("worker-{d}.log"))
     }
 
-    fn spawn_worker(&mut self, d: usize) -> anyhow::Result<()> {
+    fn spawn_worker(&mut self, d: usize) -> Result<(), FabricError> {
         let o = &self.opts;
         let dev = &self.dep.topology.devices()[d];
-        let log = std::fs::File::create(self.worker_log(d)).context("creating a worker log")?;
+        let log = std::fs::File::create(self.worker_log(d))
+            .map_err(FabricError::io("creating a worker log"))?;
         let mut cmd = Command::new(&o.exe);
         cmd.arg("worker").arg("--topology").arg(&o.topology);
         match &o.weights {
@@ -297,9 +297,11 @@ impl LocalFabric {
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());
         }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting worker {} with {}", dev.id(), o.exe.display()))?;
+        let child = cmd.spawn().map_err(FabricError::io(format!(
+            "starting worker {} with {}",
+            dev.id(),
+            o.exe.display()
+        )))?;
         self.workers[d] = Some(child);
         Ok(())
     }
@@ -377,13 +379,13 @@ impl LocalFabric {
     /// incarnation in every batch id, and new mesh links; the workers redial it with their
     /// backoff). Returns once every worker has rejoined it and its core has taken them up;
     /// until then its frontends are refused with the names of the workers still missing.
-    pub fn restart_router(&mut self, instance: usize) -> anyhow::Result<()> {
+    pub fn restart_router(&mut self, instance: usize) -> Result<(), FabricError> {
         let frontend = match self.router(instance) {
             Some(s) => s.frontend_addr(),
             None => *self
                 .router_frontends
                 .get(instance)
-                .ok_or_else(|| anyhow!("router {instance} does not exist"))?,
+                .ok_or(FabricError::UnknownRouter(instance))?,
         };
         self.stop_router(instance);
         let n = self.dep.topology.devices().len();
@@ -399,7 +401,7 @@ impl LocalFabric {
         let deadline = std::time::Instant::now() + self.opts.connect_timeout;
         while self.router(instance).map_or(0, |s| s.stats().peer_ups) < ranks {
             if std::time::Instant::now() >= deadline {
-                bail!("router {instance} restarted but its core did not take every worker up");
+                return Err(FabricError::RouterNotTakingUp(instance));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -416,14 +418,14 @@ impl LocalFabric {
         &self,
         d: usize,
         overrides: &[(&str, &str)],
-    ) -> anyhow::Result<(Child, PathBuf)> {
+    ) -> Result<(Child, PathBuf), FabricError> {
         let o = &self.opts;
         let dev = self
             .dep
             .topology
             .devices()
             .get(d)
-            .ok_or_else(|| anyhow!("no device {d}"))?;
+            .ok_or(FabricError::UnknownDevice(d))?;
         let path = |p: &Path| p.display().to_string();
         let mut args: Vec<(String, String)> = vec![("--topology".into(), path(&o.topology))];
         match &o.weights {
@@ -456,7 +458,8 @@ impl LocalFabric {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |t| t.as_nanos());
         let log_path = self.log_dir.join(format!("extra-worker-{d}-{stamp}.log"));
-        let log = std::fs::File::create(&log_path).context("creating a worker log")?;
+        let log =
+            std::fs::File::create(&log_path).map_err(FabricError::io("creating a worker log"))?;
         let mut cmd = Command::new(&o.exe);
         cmd.arg("worker");
         for (k, v) in &args {
@@ -466,9 +469,10 @@ impl LocalFabric {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting an extra worker for {}", dev.id()))?;
+        let child = cmd.spawn().map_err(FabricError::io(format!(
+            "starting an extra worker for {}",
+            dev.id()
+        )))?;
         Ok((child, log_path))
     }
 
@@ -479,24 +483,25 @@ impl LocalFabric {
 
     /// Send `signal` to worker `d`'s process (tests: SIGSTOP to make a worker stop answering,
     /// SIGCONT to resume it).
-    pub fn signal_worker(&self, d: usize, signal: i32) -> anyhow::Result<()> {
+    pub fn signal_worker(&self, d: usize, signal: i32) -> Result<(), FabricError> {
         let Some(c) = &self.workers[d] else {
-            bail!("worker {d} is not running")
+            return Err(FabricError::WorkerNotRunning(d));
         };
         // SAFETY: kill(2) on our own child's pid.
         if unsafe { libc::kill(c.id() as i32, signal) } != 0 {
-            bail!(
-                "signal {signal} to worker {d}: {}",
-                std::io::Error::last_os_error()
-            );
+            return Err(FabricError::Signal {
+                signal,
+                worker: d,
+                cause: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }
 
     /// Kill worker `d` (topology device rank) with SIGKILL.
-    pub fn kill_worker(&mut self, d: usize) -> anyhow::Result<()> {
+    pub fn kill_worker(&mut self, d: usize) -> Result<(), FabricError> {
         if let Some(mut c) = self.workers[d].take() {
-            c.kill().context("killing a worker")?;
+            c.kill().map_err(FabricError::io("killing a worker"))?;
             let _ = c.wait();
         }
         Ok(())
@@ -504,7 +509,7 @@ impl LocalFabric {
 
     /// Start worker `d` again and wait until it has rejoined: connected to every router, and
     /// each router's core has taken the link up (so the next call may use it).
-    pub fn restart_worker(&mut self, d: usize) -> anyhow::Result<()> {
+    pub fn restart_worker(&mut self, d: usize) -> Result<(), FabricError> {
         self.kill_worker(d)?;
         let ups = |f: &Self| -> Vec<u64> {
             f.services
@@ -522,10 +527,7 @@ impl LocalFabric {
             .any(|(now, was)| now <= was && *was != u64::MAX)
         {
             if std::time::Instant::now() >= deadline {
-                bail!(
-                    "worker {} connected but a router did not take it up",
-                    self.label(d)
-                );
+                return Err(FabricError::WorkerNotTakenUp(self.label(d)));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -572,17 +574,18 @@ impl Drop for LocalFabric {
 }
 
 /// The worker log directory: the one asked for, or a fresh temporary one.
-fn log_dir(opts: &LocalFabricOptions) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf)> {
+fn log_dir(opts: &LocalFabricOptions) -> Result<(Option<tempfile::TempDir>, PathBuf), FabricError> {
     match &opts.log_dir {
         Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            std::fs::create_dir_all(d)
+                .map_err(FabricError::io(format!("creating {}", d.display())))?;
             Ok((None, d.clone()))
         }
         None => {
             let t = tempfile::Builder::new()
                 .prefix("expertmesh-")
                 .tempdir()
-                .context("creating a log directory")?;
+                .map_err(FabricError::io("creating a log directory"))?;
             let p = t.path().to_path_buf();
             Ok((Some(t), p))
         }
@@ -598,7 +601,7 @@ fn start_router(
     instance: u32,
     gate: FrontendGate,
     at: Option<(SocketAddr, SocketAddr)>,
-) -> anyhow::Result<RouterService> {
+) -> Result<RouterService, FabricError> {
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("literal");
     let mesh_listen = match at {
         Some((mesh, _)) => mesh,
@@ -637,7 +640,7 @@ fn start_router(
             max_outstanding_per_client: 32,
         },
     )
-    .map_err(|e| anyhow!("router {instance}: {e}"))
+    .map_err(|cause| FabricError::RouterStart { instance, cause })
 }
 
 /// With ephemeral ports on a topology where some node fans out, a free loopback port for every
@@ -646,7 +649,7 @@ fn start_router(
 fn pick_device_addrs(
     dep: &Deployment,
     opts: &LocalFabricOptions,
-) -> anyhow::Result<Vec<SocketAddr>> {
+) -> Result<Vec<SocketAddr>, FabricError> {
     let fans_out = (0..dep.topology.nodes().len()).any(|n| dep.node_fans_out(n));
     if !opts.ephemeral_ports || !fans_out {
         return Ok(Vec::new());
@@ -654,9 +657,12 @@ fn pick_device_addrs(
     let listeners: Vec<std::net::TcpListener> = (0..dep.topology.devices().len())
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
         .collect::<Result<_, _>>()
-        .context("picking free ports for the workers")?;
+        .map_err(FabricError::io("picking free ports for the workers"))?;
     listeners
         .iter()
-        .map(|l| l.local_addr().context("reading a picked port"))
+        .map(|l| {
+            l.local_addr()
+                .map_err(FabricError::io("reading a picked port"))
+        })
         .collect()
 }

@@ -11,8 +11,8 @@
 //! `PORT + routers + d`; with port 0 every process gets a free port (the workers' are picked
 //! here, before they start, so they can be printed and kept across worker restarts).
 
+use crate::FabricError;
 use crate::local::LocalFabric;
-use anyhow::{Context, anyhow};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_router::metrics::http::MetricsServer;
 use expertmesh_router::metrics::{RouterMetrics, registry_of};
@@ -58,12 +58,12 @@ pub struct Observers {
 }
 
 /// The address of process `i` (routers first, then workers) for `--metrics base`.
-fn nth_addr(base: SocketAddr, i: usize) -> anyhow::Result<SocketAddr> {
+fn nth_addr(base: SocketAddr, i: usize) -> Result<SocketAddr, FabricError> {
     if base.port() == 0 {
         return Ok(base);
     }
     let port = u16::try_from(usize::from(base.port()) + i)
-        .map_err(|_| anyhow!("--metrics {base}: process {i} would need a port past 65535"))?;
+        .map_err(|_| FabricError::MetricsPort { base, process: i })?;
     Ok(SocketAddr::new(base.ip(), port))
 }
 
@@ -74,7 +74,7 @@ pub(crate) fn worker_metrics_addrs(
     args: &ObserveOptions,
     routers: usize,
     devices: usize,
-) -> anyhow::Result<Vec<SocketAddr>> {
+) -> Result<Vec<SocketAddr>, FabricError> {
     let Some(base) = args.metrics else {
         return Ok(Vec::new());
     };
@@ -84,20 +84,28 @@ pub(crate) fn worker_metrics_addrs(
     let listeners: Vec<std::net::TcpListener> = (0..devices)
         .map(|_| std::net::TcpListener::bind(base))
         .collect::<Result<_, _>>()
-        .with_context(|| format!("picking free ports for the workers' --metrics on {base}"))?;
+        .map_err(FabricError::io(format!(
+            "picking free ports for the workers' --metrics on {base}"
+        )))?;
     listeners
         .iter()
-        .map(|l| l.local_addr().context("reading a picked port"))
+        .map(|l| {
+            l.local_addr()
+                .map_err(FabricError::io("reading a picked port"))
+        })
         .collect()
 }
 
 /// `up`: each worker's `--metrics` address ([`worker_metrics_addrs`]) for the routers and
 /// devices of `topology` (empty without `--metrics`).
-pub fn up_worker_addrs(args: &ObserveOptions, topology: &Path) -> anyhow::Result<Vec<SocketAddr>> {
+pub fn up_worker_addrs(
+    args: &ObserveOptions,
+    topology: &Path,
+) -> Result<Vec<SocketAddr>, FabricError> {
     if args.metrics.is_none() {
         return Ok(Vec::new());
     }
-    let t = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
+    let t = Topology::load(topology).map_err(FabricError::Topology)?;
     worker_metrics_addrs(args, t.routers().len().max(1), t.devices().len())
 }
 
@@ -107,7 +115,7 @@ pub fn start_up(
     args: &ObserveOptions,
     fabric: &LocalFabric,
     workers: &[SocketAddr],
-) -> anyhow::Result<Observers> {
+) -> Result<Observers, FabricError> {
     let dep = fabric.deployment();
     let routers: Vec<&RouterService> = (0..dep.router_count() as usize)
         .filter_map(|i| fabric.router(i))
@@ -126,13 +134,13 @@ pub fn start(
     args: &ObserveOptions,
     routers: &[&RouterService],
     spec: &ModelSpec,
-) -> anyhow::Result<Observers> {
+) -> Result<Observers, FabricError> {
     let mut obs = Observers::default();
     if let Some(base) = args.metrics {
         for (i, r) in routers.iter().enumerate() {
             let addr = nth_addr(base, i)?;
             let server = MetricsServer::start(addr, registry_of(Arc::clone(r.metrics())))
-                .map_err(|e| anyhow!("router {i}: {e}"))?;
+                .map_err(|cause| FabricError::RouterMetrics { instance: i, cause })?;
             tracing::info!(router = i, url = %server.url(), "serving metrics");
             println!("  metrics: router {i} at {}", server.url());
             obs.servers.push(server);
@@ -142,12 +150,7 @@ pub fn start(
         let every = Duration::try_from_secs_f64(args.load_stats_every)
             .ok()
             .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                anyhow!(
-                    "--load-stats-every {}: give a positive number of seconds",
-                    args.load_stats_every
-                )
-            })?;
+            .ok_or(FabricError::LoadStatsEvery(args.load_stats_every))?;
         let sources: Vec<Arc<RouterMetrics>> =
             routers.iter().map(|r| Arc::clone(r.metrics())).collect();
         let writer = LoadStatsWriter::start(path.clone(), every, spec.clone(), sources)?;
@@ -176,7 +179,7 @@ impl LoadStatsWriter {
         every: Duration,
         spec: ModelSpec,
         sources: Vec<Arc<RouterMetrics>>,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, FabricError> {
         write_load(&path, &spec, &sources)?;
         let (stop, stopped) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -195,7 +198,7 @@ impl LoadStatsWriter {
                     }
                 }
             })
-            .context("starting the load statistics writer")?;
+            .map_err(FabricError::io("starting the load statistics writer"))?;
         Ok(Self {
             stop: Some(stop),
             thread: Some(thread),
@@ -215,7 +218,10 @@ impl Drop for LoadStatsWriter {
 /// The routers' per-expert counts so far, summed, as the planner's load statistics: one row
 /// of counts per MoE layer of `spec` (a layer no router serves has no data), and the window's
 /// tokens (the most any layer saw).
-pub fn load_stats(spec: &ModelSpec, sources: &[Arc<RouterMetrics>]) -> anyhow::Result<LoadStats> {
+pub fn load_stats(
+    spec: &ModelSpec,
+    sources: &[Arc<RouterMetrics>],
+) -> Result<LoadStats, FabricError> {
     let ids = spec.moe_layer_ids();
     let e = spec.routed_experts as usize;
     let mut counts: Vec<Option<Vec<f64>>> = vec![None; ids.len()];
@@ -234,14 +240,21 @@ pub fn load_stats(spec: &ModelSpec, sources: &[Arc<RouterMetrics>]) -> anyhow::R
     }
     let window = tokens.iter().copied().max().unwrap_or(0);
     Ok(LoadStats::new(spec, counts)
-        .map_err(|e| anyhow!("load statistics: {e}"))?
+        .map_err(FabricError::LoadStats)?
         .with_tokens(window as f64))
 }
 
-fn write_load(path: &Path, spec: &ModelSpec, sources: &[Arc<RouterMetrics>]) -> anyhow::Result<()> {
+fn write_load(
+    path: &Path,
+    spec: &ModelSpec,
+    sources: &[Arc<RouterMetrics>],
+) -> Result<(), FabricError> {
     load_stats(spec, sources)?
         .write_atomic(path, spec)
-        .with_context(|| format!("--load-stats: cannot write {}", path.display()))
+        .map_err(|cause| FabricError::WriteLoadStats {
+            path: path.to_path_buf(),
+            cause,
+        })
 }
 
 #[cfg(test)]

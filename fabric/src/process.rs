@@ -5,8 +5,8 @@
 //! stop, and a worker started by the local launcher must never outlive it (parent-death
 //! signal), so nothing is left running when a test or `up` ends.
 
+use crate::FabricError;
 use crate::local::LocalFabric;
-use anyhow::Context;
 use expertmesh_topology::topology::DeviceRank;
 use std::time::Duration;
 
@@ -35,18 +35,18 @@ pub fn exit_with_parent() {
 pub fn exit_with_parent() {}
 
 /// Blocks until Ctrl-C (SIGINT).
-pub fn wait_for_ctrl_c() -> anyhow::Result<()> {
+pub fn wait_for_ctrl_c() -> Result<(), FabricError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(tokio::signal::ctrl_c())
-        .context("waiting for Ctrl-C")?;
+        .map_err(FabricError::io("waiting for Ctrl-C"))?;
     Ok(())
 }
 
 /// Runs `fabric` until Ctrl-C, restarting every worker that exits (checked twice a second);
 /// each exit and restart is reported on stderr.
-pub fn supervise_until_ctrl_c(fabric: &mut LocalFabric) -> anyhow::Result<()> {
+pub fn supervise_until_ctrl_c(fabric: &mut LocalFabric) -> Result<(), FabricError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

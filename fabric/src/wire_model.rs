@@ -8,7 +8,7 @@
 //! prediction follows every change of the frame format. A test holds the planner's own
 //! arithmetic equal to it.
 
-use anyhow::anyhow;
+use crate::FabricError;
 use expertmesh_planner::wire::{ResultRows, WireModel};
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_transport::codec::{OutputLayout, WireBytes, WireFormat, wire_bytes_per_token};
@@ -16,13 +16,17 @@ use expertmesh_transport::codec::{OutputLayout, WireBytes, WireFormat, wire_byte
 /// The wire model of `mode` for hidden size `hidden` and micro-batches of `micro_batch`
 /// tokens, from encoded frames: per-frame, per-token and per-pair (or per-row) bytes are the
 /// differences between frames of different sizes.
-pub fn wire_model(mode: LayerMode, hidden: u32, micro_batch: usize) -> anyhow::Result<WireModel> {
+pub fn wire_model(
+    mode: LayerMode,
+    hidden: u32,
+    micro_batch: usize,
+) -> Result<WireModel, FabricError> {
     let format = mode.apply(RouterConfig::default()).wire_format();
     let h = hidden as usize;
     // Total frame bytes for `tokens` tokens with `slots` slots each.
-    let total = |tokens: usize, slots: usize| -> anyhow::Result<(f64, f64)> {
+    let total = |tokens: usize, slots: usize| -> Result<(f64, f64), FabricError> {
         let WireBytes { dispatch, result } =
-            wire_bytes_per_token(format, h, tokens, slots).map_err(|e| anyhow!("{e}"))?;
+            wire_bytes_per_token(format, h, tokens, slots).map_err(FabricError::Wire)?;
         Ok((dispatch * tokens as f64, result * tokens as f64))
     };
     // Sizes that are whole multiples of 64 bytes everywhere, so padding cancels out.

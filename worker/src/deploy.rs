@@ -20,10 +20,13 @@
 //! * expert weights come from [`crate::weights`]: a converted weights folder (`--weights W`,
 //!   whose manifest also names the model and the placement), or synthetic from the seed.
 
-use anyhow::{Context, anyhow, bail};
+use crate::weights::WeightsError;
+use expertmesh_quant::format::QuantSpec;
 use expertmesh_router::core::{LayerSetup, SharedSite};
 use expertmesh_router::plan::{LayerOwners, Replicas};
-use expertmesh_shard::manifest::Manifest;
+use expertmesh_shard::manifest::{Manifest, ManifestError};
+use expertmesh_topology::FileError;
+use expertmesh_topology::ResolveError;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
@@ -43,6 +46,138 @@ pub const MAX_FRAME_BYTES: usize = 16 << 20;
 /// Bytes of each shared-memory ring (one per direction per worker): two maximum frames, so
 /// the credit window (the same two frames) always fits.
 pub const SHM_RING_BYTES: usize = 2 * MAX_FRAME_BYTES + 256;
+
+/// Why a deployment could not be loaded, or a device, router or endpoint of it looked up.
+///
+/// Every message includes its cause (the lower error's own message, which names the file), and
+/// no variant exposes that cause as [`std::error::Error::source`]: the binary prints errors
+/// with their chain (`{:#}`), which would otherwise say it twice. The lower errors stay typed
+/// in their variants for callers that match on them.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeployError {
+    /// The topology, placement or model file could not be read or is invalid.
+    #[error("{0}")]
+    File(FileError),
+    /// The model is neither a preset nor a readable, valid model file.
+    #[error("{0}")]
+    Model(ResolveError),
+    /// The converted weights folder's manifest could not be read or is invalid.
+    #[error("{0}")]
+    Manifest(ManifestError),
+    /// The weights folder was converted for another cluster than the topology.
+    #[error(
+        "{} was converted for cluster {converted_for:?} but the topology is {topology:?}; pass \
+         that topology, or convert again with this one (`expertmesh convert --topology ...`)",
+        weights.display()
+    )]
+    OtherCluster {
+        /// The weights folder.
+        weights: PathBuf,
+        /// The cluster its manifest names.
+        converted_for: String,
+        /// The topology's cluster name.
+        topology: String,
+    },
+    /// The manifest names another model or format than its model file.
+    #[error(
+        "{}: the manifest says model {manifest_model:?} ({manifest_quant}) but {model_file} says \
+         {model:?} ({quant}); the folder was edited: convert again",
+        dir.display()
+    )]
+    ManifestModel {
+        /// The weights folder.
+        dir: PathBuf,
+        /// The model the manifest names.
+        manifest_model: String,
+        /// The format the manifest names.
+        manifest_quant: QuantSpec,
+        /// The model file (in the folder).
+        model_file: String,
+        /// The model the model file names.
+        model: String,
+        /// The format the model file names.
+        quant: QuantSpec,
+    },
+    /// The manifest's shards are not the topology's devices.
+    #[error(
+        "{}: the manifest has shards for devices {shards:?} but the topology's devices are \
+         {devices:?}; convert again with this topology",
+        dir.display()
+    )]
+    ManifestDevices {
+        /// The weights folder.
+        dir: PathBuf,
+        /// The devices the manifest has shards for, in order.
+        shards: Vec<String>,
+        /// The topology's devices, in rank order.
+        devices: Vec<String>,
+    },
+    /// A router instance the topology does not declare.
+    #[error(
+        "router instance {instance} does not exist: topology {cluster} declares {routers} \
+         router{} (instances 0..{routers}); add a [[router]] table or pass a smaller --instance",
+        if *routers == 1 { "" } else { "s" }
+    )]
+    NoRouterInstance {
+        /// The instance asked for.
+        instance: u32,
+        /// The topology's cluster name.
+        cluster: String,
+        /// How many routers it declares.
+        routers: u32,
+    },
+    /// A device that is neither an id nor a rank of the topology.
+    #[error("no device {which:?} in topology {cluster}; devices are {}", devices.join(", "))]
+    NoDevice {
+        /// What was asked for.
+        which: String,
+        /// The topology's cluster name.
+        cluster: String,
+        /// Its device ids.
+        devices: Vec<String>,
+    },
+    /// A device rank outside the topology.
+    #[error("no device rank {0}")]
+    NoDeviceRank(u32),
+    /// A node index outside the topology.
+    #[error("topology has no node {0}")]
+    NoNode(usize),
+    /// A router's frontend endpoint was asked of a topology without a router section.
+    #[error("topology {cluster} has no [router] section; pass --listen")]
+    NoRouterSection {
+        /// The topology's cluster name.
+        cluster: String,
+    },
+    /// An endpoint's host name could not be resolved.
+    #[error("resolving {endpoint}: {cause}")]
+    Resolve {
+        /// The endpoint ("host:port").
+        endpoint: String,
+        /// Why.
+        cause: std::io::Error,
+    },
+    /// An endpoint's host name resolves to no address.
+    #[error("{endpoint} resolves to no address")]
+    NoAddress {
+        /// The endpoint ("host:port").
+        endpoint: String,
+    },
+    /// The file named by `EXPERTMESH_SECRET_FILE` could not be read.
+    #[error("reading secret file {path}: {cause}")]
+    SecretFile {
+        /// The file.
+        path: String,
+        /// Why.
+        cause: std::io::Error,
+    },
+    /// The file named by `EXPERTMESH_SECRET_FILE` is empty.
+    #[error("secret file {path} is empty")]
+    EmptySecret {
+        /// The file.
+        path: String,
+    },
+}
 
 /// A deployment: the validated files plus the wire settings both sides derive from them.
 #[derive(Clone, Debug)]
@@ -65,10 +200,15 @@ pub struct Deployment {
 
 impl Deployment {
     /// Load and cross-validate the three files.
-    pub fn load(topology: &Path, model: &str, placement: &Path, seed: u64) -> anyhow::Result<Self> {
-        let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
-        let spec = expertmesh_topology::resolve_model(model).map_err(|e| anyhow!("{e}"))?;
-        let placement = Placement::load(placement, &topo, &spec).map_err(|e| anyhow!("{e}"))?;
+    pub fn load(
+        topology: &Path,
+        model: &str,
+        placement: &Path,
+        seed: u64,
+    ) -> Result<Self, DeployError> {
+        let topo = Topology::load(topology).map_err(DeployError::File)?;
+        let spec = expertmesh_topology::resolve_model(model).map_err(DeployError::Model)?;
+        let placement = Placement::load(placement, &topo, &spec).map_err(DeployError::File)?;
         Ok(Self {
             topology: topo,
             spec,
@@ -82,23 +222,21 @@ impl Deployment {
     /// Load a deployment of the converted weights folder `weights` on `topology`: the model
     /// and the placement come from its manifest, checked against each other and the topology
     /// (weights converted for another cluster or an edited folder are refused).
-    pub fn load_converted(topology: &Path, weights: &Path) -> anyhow::Result<Self> {
-        let topo = Topology::load(topology).map_err(|e| anyhow!("{e}"))?;
-        let manifest = Manifest::load(weights).map_err(|e| anyhow!("{e}"))?;
+    pub fn load_converted(topology: &Path, weights: &Path) -> Result<Self, DeployError> {
+        let topo = Topology::load(topology).map_err(DeployError::File)?;
+        let manifest = Manifest::load(weights).map_err(DeployError::Manifest)?;
         if manifest.topology != topo.name() {
-            bail!(
-                "{} was converted for cluster {:?} but the topology is {:?}; pass that \
-                 topology, or convert again with this one (`expertmesh convert --topology ...`)",
-                weights.display(),
-                manifest.topology,
-                topo.name()
-            );
+            return Err(DeployError::OtherCluster {
+                weights: weights.to_path_buf(),
+                converted_for: manifest.topology.clone(),
+                topology: topo.name().to_string(),
+            });
         }
         let model_path = weights.join(&manifest.model_file);
         let spec =
-            expertmesh_topology::model_file::load_model(&model_path).map_err(|e| anyhow!("{e}"))?;
+            expertmesh_topology::model_file::load_model(&model_path).map_err(DeployError::File)?;
         let placement = Placement::load(&weights.join(&manifest.placement_file), &topo, &spec)
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(DeployError::File)?;
         check_manifest(&manifest, &topo, &spec, weights)?;
         Ok(Self {
             topology: topo,
@@ -134,22 +272,19 @@ impl Deployment {
     }
 
     /// Checks a router instance number against the topology.
-    pub fn check_router_instance(&self, instance: u32) -> anyhow::Result<()> {
+    pub fn check_router_instance(&self, instance: u32) -> Result<(), DeployError> {
         if instance >= self.router_count() {
-            bail!(
-                "router instance {instance} does not exist: topology {} declares {} router{} \
-                 (instances 0..{}); add a [[router]] table or pass a smaller --instance",
-                self.topology.name(),
-                self.router_count(),
-                if self.router_count() == 1 { "" } else { "s" },
-                self.router_count()
-            );
+            return Err(DeployError::NoRouterInstance {
+                instance,
+                cluster: self.topology.name().to_string(),
+                routers: self.router_count(),
+            });
         }
         Ok(())
     }
 
     /// Resolve a device given as an id ("node/dev") or a rank number.
-    pub fn device(&self, which: &str) -> anyhow::Result<DeviceRank> {
+    pub fn device(&self, which: &str) -> Result<DeviceRank, DeployError> {
         if let Some(d) = self.topology.device_by_id(which) {
             return Ok(d.rank());
         }
@@ -158,12 +293,16 @@ impl Deployment {
         {
             return Ok(DeviceRank(n));
         }
-        let ids: Vec<&str> = self.topology.devices().iter().map(|d| d.id()).collect();
-        bail!(
-            "no device {which:?} in topology {}; devices are {}",
-            self.topology.name(),
-            ids.join(", ")
-        )
+        Err(DeployError::NoDevice {
+            which: which.to_string(),
+            cluster: self.topology.name().to_string(),
+            devices: self
+                .topology
+                .devices()
+                .iter()
+                .map(|d| d.id().to_string())
+                .collect(),
+        })
     }
 
     /// A device for messages and logs: its id and its topology rank, "local/cpu0 (rank 0)".
@@ -191,7 +330,7 @@ impl Deployment {
 
     /// Router `instance`'s mesh endpoint from the topology: its node's address and its
     /// `mesh_port` (the first node's control port when the file has no router section).
-    pub fn router_mesh_endpoint(&self, instance: u32) -> anyhow::Result<SocketAddr> {
+    pub fn router_mesh_endpoint(&self, instance: u32) -> Result<SocketAddr, DeployError> {
         self.check_router_instance(instance)?;
         let idx = self.router_node(instance);
         let port = self
@@ -203,36 +342,35 @@ impl Deployment {
             .topology
             .nodes()
             .get(idx)
-            .ok_or_else(|| anyhow!("topology has no node {idx}"))?;
+            .ok_or(DeployError::NoNode(idx))?;
         let port = port.unwrap_or(node.control_port());
         resolve(&format!("{}:{}", node.address(), port))
     }
 
     /// Every router's mesh endpoint, by instance.
-    pub fn router_mesh_endpoints(&self) -> anyhow::Result<Vec<SocketAddr>> {
+    pub fn router_mesh_endpoints(&self) -> Result<Vec<SocketAddr>, DeployError> {
         (0..self.router_count())
             .map(|i| self.router_mesh_endpoint(i))
             .collect()
     }
 
     /// Where frontends of router `instance` connect, from the topology's router section.
-    pub fn router_frontend_endpoint(&self, instance: u32) -> anyhow::Result<SocketAddr> {
+    pub fn router_frontend_endpoint(&self, instance: u32) -> Result<SocketAddr, DeployError> {
         self.check_router_instance(instance)?;
         match self.topology.routers().get(instance as usize) {
             Some(r) => resolve(&r.listen_endpoint()),
-            None => bail!(
-                "topology {} has no [router] section; pass --listen",
-                self.topology.name()
-            ),
+            None => Err(DeployError::NoRouterSection {
+                cluster: self.topology.name().to_string(),
+            }),
         }
     }
 
     /// A device's worker endpoint from the topology.
-    pub fn worker_endpoint(&self, d: DeviceRank) -> anyhow::Result<SocketAddr> {
+    pub fn worker_endpoint(&self, d: DeviceRank) -> Result<SocketAddr, DeployError> {
         let dev = self
             .topology
             .device(d)
-            .ok_or_else(|| anyhow!("no device rank {}", d.0))?;
+            .ok_or(DeployError::NoDeviceRank(d.0))?;
         resolve(&self.topology.data_endpoint(dev))
     }
 
@@ -428,7 +566,7 @@ impl Deployment {
 
     /// The router's view of every MoE layer: gate, owners as mesh ranks, shared site. Gates
     /// come from the router file of converted weights (synthetic from the seed otherwise).
-    pub fn layer_setups(&self) -> anyhow::Result<Vec<LayerSetup>> {
+    pub fn layer_setups(&self) -> Result<Vec<LayerSetup>, WeightsError> {
         let e = self.spec.routed_experts;
         let mut gates = crate::weights::Gates::open(self)?;
         self.spec
@@ -522,27 +660,26 @@ fn check_manifest(
     topo: &Topology,
     spec: &ModelSpec,
     dir: &Path,
-) -> anyhow::Result<()> {
+) -> Result<(), DeployError> {
     // The cluster name was checked before the placement was read (its message is clearer).
-    let d = dir.display();
     if m.model != spec.name || m.quant != spec.quant {
-        bail!(
-            "{d}: the manifest says model {:?} ({}) but {} says {:?} ({}); the folder was \
-             edited: convert again",
-            m.model,
-            m.quant,
-            m.model_file,
-            spec.name,
-            spec.quant
-        );
+        return Err(DeployError::ManifestModel {
+            dir: dir.to_path_buf(),
+            manifest_model: m.model.clone(),
+            manifest_quant: m.quant,
+            model_file: m.model_file.clone(),
+            model: spec.name.clone(),
+            quant: spec.quant,
+        });
     }
-    let ids: Vec<&str> = topo.devices().iter().map(|x| x.id()).collect();
-    let shard_ids: Vec<&str> = m.shards.iter().map(|s| s.device.as_str()).collect();
+    let ids: Vec<String> = topo.devices().iter().map(|x| x.id().to_string()).collect();
+    let shard_ids: Vec<String> = m.shards.iter().map(|s| s.device.clone()).collect();
     if ids != shard_ids {
-        bail!(
-            "{d}: the manifest has shards for devices {shard_ids:?} but the topology's devices \
-             are {ids:?}; convert again with this topology"
-        );
+        return Err(DeployError::ManifestDevices {
+            dir: dir.to_path_buf(),
+            shards: shard_ids,
+            devices: ids,
+        });
     }
     Ok(())
 }
@@ -550,7 +687,7 @@ fn check_manifest(
 /// The legacy shared secret from `EXPERTMESH_SECRET` or the file named by
 /// `EXPERTMESH_SECRET_FILE`, as credentials (every holder can act as any rank; links are
 /// still encrypted). Prefer per-process credentials (`expertmesh keys issue`).
-pub fn secret_from_env() -> anyhow::Result<Option<Arc<Credentials>>> {
+pub fn secret_from_env() -> Result<Option<Arc<Credentials>>, DeployError> {
     let shared = |b: &[u8]| Some(Arc::new(Credentials::shared_secret(b)));
     if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
         && !s.is_empty()
@@ -558,20 +695,92 @@ pub fn secret_from_env() -> anyhow::Result<Option<Arc<Credentials>>> {
         return Ok(shared(s.as_bytes()));
     }
     if let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") {
-        let bytes = std::fs::read(&p).with_context(|| format!("reading secret file {p}"))?;
+        let bytes = std::fs::read(&p).map_err(|cause| DeployError::SecretFile {
+            path: p.clone(),
+            cause,
+        })?;
         let trimmed: Vec<u8> = bytes.trim_ascii_end().to_vec();
         if trimmed.is_empty() {
-            bail!("secret file {p} is empty");
+            return Err(DeployError::EmptySecret { path: p });
         }
         return Ok(shared(&trimmed));
     }
     Ok(None)
 }
 
-fn resolve(endpoint: &str) -> anyhow::Result<SocketAddr> {
+fn resolve(endpoint: &str) -> Result<SocketAddr, DeployError> {
     endpoint
         .to_socket_addrs()
-        .with_context(|| format!("resolving {endpoint}"))?
+        .map_err(|cause| DeployError::Resolve {
+            endpoint: endpoint.to_string(),
+            cause,
+        })?
         .next()
-        .ok_or_else(|| anyhow!("{endpoint} resolves to no address"))
+        .ok_or_else(|| DeployError::NoAddress {
+            endpoint: endpoint.to_string(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The messages built from several fields read as they did when they were formatted in
+    /// place (the binary's users and tests see them).
+    #[test]
+    fn messages_read_as_before() {
+        let e = DeployError::NoRouterInstance {
+            instance: 2,
+            cluster: "lab".into(),
+            routers: 1,
+        };
+        assert_eq!(
+            e.to_string(),
+            "router instance 2 does not exist: topology lab declares 1 router (instances \
+             0..1); add a [[router]] table or pass a smaller --instance"
+        );
+        let e = DeployError::OtherCluster {
+            weights: "w".into(),
+            converted_for: "a".into(),
+            topology: "b".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "w was converted for cluster \"a\" but the topology is \"b\"; pass that topology, \
+             or convert again with this one (`expertmesh convert --topology ...`)"
+        );
+        let e = DeployError::NoDevice {
+            which: "x".into(),
+            cluster: "lab".into(),
+            devices: vec!["n/a".into(), "n/b".into()],
+        };
+        assert_eq!(
+            e.to_string(),
+            "no device \"x\" in topology lab; devices are n/a, n/b"
+        );
+        let e = crate::process::WorkerError::RouterCount {
+            given: 1,
+            cluster: "lab".into(),
+            routers: 2,
+        };
+        assert_eq!(
+            e.to_string(),
+            "1 router address was given but topology lab declares 2 routers; pass one --router \
+             per router, in the topology's order"
+        );
+    }
+
+    /// No variant exposes its cause as a source: the message already says it, and the
+    /// binary's `{:#}` would say it twice.
+    #[test]
+    fn causes_are_in_the_message_only() {
+        use std::error::Error;
+        let cause = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
+        let e = DeployError::SecretFile {
+            path: "s".into(),
+            cause,
+        };
+        assert_eq!(e.to_string(), "reading secret file s: gone");
+        assert!(e.source().is_none());
+    }
 }

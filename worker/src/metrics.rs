@@ -46,7 +46,7 @@ pub fn start(
     dep: &crate::deploy::Deployment,
     rank: u32,
     listen: Option<SocketAddr>,
-) -> anyhow::Result<(Arc<WorkerMetrics>, Option<MetricsServer>)> {
+) -> Result<(Arc<WorkerMetrics>, Option<MetricsServer>), crate::process::WorkerError> {
     let names = dep.rank_names();
     let experts = (dep.spec.routed_experts + dep.spec.shared_experts) as usize;
     let metrics = Arc::new(WorkerMetrics::new(
@@ -58,8 +58,12 @@ pub fn start(
         return Ok((metrics, None));
     };
     let device = names.get(rank as usize).cloned().unwrap_or_default();
-    let server = MetricsServer::start(listen, metrics.registry(&device))
-        .map_err(|e| anyhow::anyhow!("worker {device}: {e}"))?;
+    let server = MetricsServer::start(listen, metrics.registry(&device)).map_err(|cause| {
+        crate::process::WorkerError::Metrics {
+            worker: device.clone(),
+            cause,
+        }
+    })?;
     tracing::info!(worker = %device, url = %server.url(), "serving metrics");
     println!("expertmesh worker {device} metrics at {}", server.url());
     Ok((metrics, Some(server)))

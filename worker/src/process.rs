@@ -13,24 +13,102 @@
 //! here, and one busy router cannot starve another. A router whose link is lost costs only
 //! its own queued dispatches (dropped: nobody would read their results).
 
-use crate::deploy::Deployment;
+use crate::deploy::{DeployError, Deployment};
 use crate::exec::DispatchExecutor;
 use crate::exec::ExecError;
 use crate::fair::FairQueue;
 use crate::fanout::{ExpertHomes, Forward, NodeFanout, ToRouter};
-use crate::weights;
-use anyhow::{Context, anyhow, bail};
-use expertmesh_backend::{BatchLimits, ExpertBackend};
+use crate::weights::{self, WeightsError};
+use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_router::metrics::http::MetricsServerError;
 use expertmesh_transport::codec::{Body, ErrorFrame, ExpertResult};
 use expertmesh_transport::mesh::{
-    LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, Transport, TransportEvent,
+    LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
+    TransportEvent,
 };
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
+
+/// Why a worker process (or the router core of a router process) could not start: its
+/// deployment or weights, its backend, its runtime, its mesh or its metrics endpoint.
+///
+/// Every message includes its cause, and no variant exposes it as
+/// [`std::error::Error::source`] (see [`DeployError`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The device, a router or an endpoint could not be looked up in the deployment.
+    #[error("{0}")]
+    Deploy(DeployError),
+    /// The experts (or the router's gates and shared experts) could not be loaded.
+    #[error("{0}")]
+    Weights(WeightsError),
+    /// A device rank the topology does not have.
+    #[error("no device {0}")]
+    NoDevice(u32),
+    /// A device's backend could not start or load its experts.
+    #[error("{device}: {cause}")]
+    DeviceBackend {
+        /// The device's id.
+        device: String,
+        /// Why.
+        cause: BackendError,
+    },
+    /// A CPU backend (the router's, for shared experts, or a worker's) could not start or
+    /// load its experts.
+    #[error("{0}")]
+    Backend(BackendError),
+    /// The worker's async runtime could not start.
+    #[error("starting the worker runtime: {0}")]
+    Runtime(std::io::Error),
+    /// The worker could not join the mesh.
+    #[error("worker {worker}: {cause}")]
+    Mesh {
+        /// The device, as "node/device (rank N)".
+        worker: String,
+        /// Why.
+        cause: StartError,
+    },
+    /// The worker's `/metrics` endpoint could not start.
+    #[error("worker {worker}: {cause}")]
+    Metrics {
+        /// The device's id.
+        worker: String,
+        /// Why.
+        cause: MetricsServerError,
+    },
+    /// `--router` was given, but not once per router of the topology.
+    #[error(
+        "{given} router address{} given but topology {cluster} declares {routers} router{}; \
+         pass one --router per router, in the topology's order",
+        if *given == 1 { " was" } else { "es were" },
+        if *routers == 1 { "" } else { "s" }
+    )]
+    RouterCount {
+        /// How many addresses were given.
+        given: usize,
+        /// The topology's cluster name.
+        cluster: String,
+        /// How many routers it declares.
+        routers: u32,
+    },
+}
+
+impl From<DeployError> for WorkerError {
+    fn from(e: DeployError) -> Self {
+        Self::Deploy(e)
+    }
+}
+
+impl From<WeightsError> for WorkerError {
+    fn from(e: WeightsError) -> Self {
+        Self::Weights(e)
+    }
+}
 
 /// Which backend a worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,12 +178,13 @@ fn make_backend(
     dep: &Deployment,
     opts: &WorkerOptions,
     limits: BatchLimits,
-) -> anyhow::Result<Box<dyn ExpertBackend>> {
+) -> Result<Box<dyn ExpertBackend>, WorkerError> {
     let d = dep.device(&opts.device)?;
-    let dev = dep
-        .topology
-        .device(d)
-        .ok_or_else(|| anyhow!("no device {}", d.0))?;
+    let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
+    let on_device = |cause| WorkerError::DeviceBackend {
+        device: dev.id().to_string(),
+        cause,
+    };
     let mut experts = weights::device_expert_source(dep, d)?;
     let threads = opts
         .threads
@@ -119,8 +198,7 @@ fn make_backend(
     if want_hip {
         match expertmesh_hip_kernels::hip::HipBackend::new(dev.gpu_index().unwrap_or(0) as usize) {
             Ok(mut hip) => {
-                hip.load_from(&mut *experts, limits)
-                    .map_err(|e| anyhow!("{}: {e}", dev.id()))?;
+                hip.load_from(&mut *experts, limits).map_err(on_device)?;
                 return Ok(Box::new(hip));
             }
             Err(e) if opts.backend == BackendChoice::Auto => {
@@ -129,12 +207,11 @@ fn make_backend(
                     "HIP backend unavailable ({e}); falling back to the CPU backend"
                 );
             }
-            Err(e) => return Err(anyhow!("{}: {e}", dev.id())),
+            Err(e) => return Err(on_device(e)),
         }
     }
-    let mut cpu = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
-    cpu.load_from(&mut *experts, limits)
-        .map_err(|e| anyhow!("{}: {e}", dev.id()))?;
+    let mut cpu = CpuBackend::new(threads).map_err(WorkerError::Backend)?;
+    cpu.load_from(&mut *experts, limits).map_err(on_device)?;
     Ok(Box::new(cpu))
 }
 
@@ -148,7 +225,7 @@ pub fn worker_limits(dep: &Deployment, max_tokens: usize) -> BatchLimits {
 }
 
 /// Run a worker until the process is killed.
-pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
+pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let d = dep.device(&opts.device)?;
     let rank = dep.mesh_rank(d);
     let t0 = Instant::now();
@@ -185,12 +262,15 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> anyhow::Result<()> {
         .thread_name("worker-io")
         .enable_all()
         .build()
-        .context("starting the worker runtime")?;
+        .map_err(WorkerError::Runtime)?;
     // Messages name the device and its topology rank; the mesh rank stays internal.
     let id = dep.device_label(d);
     let (mesh, events) = rt
         .block_on(Mesh::start(cfg))
-        .map_err(|e| anyhow!("worker {id}: {e}"))?;
+        .map_err(|cause| WorkerError::Mesh {
+            worker: id.clone(),
+            cause,
+        })?;
     if !node_peers.is_empty() {
         if let Err(e) = rt.block_on(mesh.wait_connected(&node_peers, NODE_JOIN_TIMEOUT)) {
             tracing::warn!(
@@ -563,20 +643,19 @@ fn error_frame(batch_id: u64, e: ExecError) -> OutFrame {
 
 /// The routers' mesh endpoints: given on the command line (one per router), or from the
 /// topology.
-fn router_addresses(dep: &Deployment, given: &[SocketAddr]) -> anyhow::Result<Vec<SocketAddr>> {
+fn router_addresses(
+    dep: &Deployment,
+    given: &[SocketAddr],
+) -> Result<Vec<SocketAddr>, WorkerError> {
     if given.is_empty() {
-        return dep.router_mesh_endpoints();
+        return Ok(dep.router_mesh_endpoints()?);
     }
     if given.len() as u32 != dep.router_count() {
-        bail!(
-            "{} router address{} given but topology {} declares {} router{}; pass one --router \
-             per router, in the topology's order",
-            given.len(),
-            if given.len() == 1 { " was" } else { "es were" },
-            dep.topology.name(),
-            dep.router_count(),
-            if dep.router_count() == 1 { "" } else { "s" },
-        );
+        return Err(WorkerError::RouterCount {
+            given: given.len(),
+            cluster: dep.topology.name().to_string(),
+            routers: dep.router_count(),
+        });
     }
     Ok(given.to_vec())
 }

@@ -9,8 +9,8 @@
 //! shared experts, served losslessly).
 
 use crate::deploy::Deployment;
-use crate::weights;
-use anyhow::anyhow;
+use crate::process::WorkerError;
+use crate::weights::{self, WeightsError};
 use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, GroupedBatch, Grouping, OutputLayout,
 };
@@ -138,7 +138,7 @@ pub struct DenseSharedRunner {
 
 impl DenseSharedRunner {
     /// Every layer's dense shared experts from the router file of `dep`'s converted weights.
-    pub fn load(dep: &Deployment) -> anyhow::Result<Self> {
+    pub fn load(dep: &Deployment) -> Result<Self, WeightsError> {
         let f = weights::open_shard(dep, None)?;
         let spec = &dep.spec;
         let (h, inter) = (spec.hidden as usize, spec.shared_intermediate as usize);
@@ -148,11 +148,18 @@ impl DenseSharedRunner {
             for i in 0..spec.shared_experts {
                 let [g, u, d] = expertmesh_shard::shared_dense_names(layer, i).map(|n| {
                     f.tensor_f32(&n)
-                        .map_err(|e| anyhow!("{e}"))
+                        .map_err(WeightsError::Shard)
                         .and_then(|(shape, v)| {
-                            (v.len() == h * inter)
-                                .then_some(v)
-                                .ok_or_else(|| anyhow!("{n}: shape {shape:?}, need {inter}x{h}"))
+                            if v.len() == h * inter {
+                                Ok(v)
+                            } else {
+                                Err(WeightsError::DenseSharedShape {
+                                    name: n,
+                                    shape,
+                                    inter,
+                                    hidden: h,
+                                })
+                            }
                         })
                 });
                 experts.push(DenseExpert {
@@ -219,13 +226,13 @@ pub fn router_core(
     cfg: RouterConfig,
     threads: usize,
     instance: u32,
-) -> anyhow::Result<RouterCore> {
+) -> Result<RouterCore, WorkerError> {
     dep.check_router_instance(instance)?;
     let runner: Option<Box<dyn SharedRunner>> = if dep.shared_dense() {
         Some(Box::new(DenseSharedRunner::load(dep)?))
     } else if dep.shared_on_router() {
         let experts = weights::load_router_shared_experts(dep)?;
-        let mut backend = CpuBackend::new(threads).map_err(|e| anyhow!("{e}"))?;
+        let mut backend = CpuBackend::new(threads).map_err(WorkerError::Backend)?;
         let s = dep.spec.shared_experts as usize;
         backend
             .load(
@@ -235,7 +242,7 @@ pub fn router_core(
                     max_pairs: cfg.max_batch_tokens * s,
                 },
             )
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(WorkerError::Backend)?;
         Some(Box::new(CpuSharedRunner::new(
             backend,
             dep.spec.routed_experts,

@@ -9,19 +9,176 @@
 //! backend) lives here too: it is the only other place that builds a concrete backend.
 
 use crate::deploy::Deployment;
-use anyhow::{Context, anyhow, bail};
 use expertmesh_backend::{
     BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertShape, ExpertSource, VecSource,
 };
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_quant::format::{ExpertWeights, FormatError, PackedRef};
+use expertmesh_quant::format::{ExpertWeights, FormatError, PackedRef, QuantSpec};
 use expertmesh_router::gating::GateWeights;
+use expertmesh_shard::ShardError;
 use expertmesh_shard::file::{ShardFile, ShardKind};
 use expertmesh_shard::{gate_bias_name, gate_weight_name};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::SharedLocation;
 use expertmesh_topology::topology::DeviceRank;
 use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// Why a device's (or the router's) weights could not be loaded: a shard or the router file
+/// missing, damaged, of another conversion or not matching the placement; or a synthetic
+/// expert that could not be generated.
+///
+/// Every message includes its cause, and no variant exposes it as
+/// [`std::error::Error::source`] (see [`crate::deploy::DeployError`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WeightsError {
+    /// A synthetic routed expert could not be generated.
+    #[error("generating layer {layer} expert {expert}: {cause}")]
+    SyntheticExpert {
+        /// Layer.
+        layer: u32,
+        /// Expert.
+        expert: u32,
+        /// Why.
+        cause: FormatError,
+    },
+    /// A synthetic shared expert could not be generated.
+    #[error("generating layer {layer} shared expert {index}: {cause}")]
+    SyntheticShared {
+        /// Layer.
+        layer: u32,
+        /// Which shared expert of the layer.
+        index: u32,
+        /// Why.
+        cause: FormatError,
+    },
+    /// Shards were asked of a deployment with synthetic weights.
+    #[error("the deployment has no converted weights")]
+    NotConverted,
+    /// A device rank outside the topology.
+    #[error("no device rank {0}")]
+    NoDeviceRank(u32),
+    /// The manifest lists no shard for a device.
+    #[error("{}: the manifest has no shard for device {device}", dir.display())]
+    NoShard {
+        /// The weights folder.
+        dir: PathBuf,
+        /// The device's id.
+        device: String,
+    },
+    /// A shard or the router file could not be read, is damaged, fails its checksum or lacks
+    /// a tensor.
+    #[error("{0}")]
+    Shard(ShardError),
+    /// A shard's own index names another conversion, kind or device than the manifest.
+    #[error(
+        "{}: this shard belongs to another conversion or device than the manifest says \
+         (kind {kind:?}, device {device:?}); convert again",
+        path.display()
+    )]
+    ForeignShard {
+        /// The shard.
+        path: PathBuf,
+        /// The kind its index says.
+        kind: ShardKind,
+        /// The device its index says.
+        device: Option<String>,
+    },
+    /// A shard's format or hidden size is not the model's.
+    #[error(
+        "{}: shard format {quant} hidden {hidden} but the model says {model_quant} hidden \
+         {model_hidden}",
+        path.display()
+    )]
+    ShardFormat {
+        /// The shard.
+        path: PathBuf,
+        /// The shard's format.
+        quant: QuantSpec,
+        /// The shard's hidden size.
+        hidden: u64,
+        /// The model's format.
+        model_quant: QuantSpec,
+        /// The model's hidden size.
+        model_hidden: u32,
+    },
+    /// Reading the experts out of a shard failed.
+    #[error("{0}")]
+    Load(BackendError),
+    /// A device shard holds an expert the placement does not give the device.
+    #[error(
+        "{}: holds layer {layer} expert {expert}, which the placement does not give this \
+         device; the folder was edited: convert again",
+        path.display()
+    )]
+    NotPlaced {
+        /// The shard.
+        path: PathBuf,
+        /// Layer.
+        layer: u32,
+        /// Expert.
+        expert: u32,
+    },
+    /// A shard lacks experts the placement needs (the first few, as (layer, expert)).
+    #[error(
+        "{}: missing experts the placement needs (layer, expert): {missing:?}; convert again",
+        path.display()
+    )]
+    MissingExperts {
+        /// The shard.
+        path: PathBuf,
+        /// Up to five missing (layer, expert) pairs.
+        missing: Vec<(u32, u32)>,
+    },
+    /// The thread checking a shard's checksum could not start.
+    #[error("starting the checksum thread: {0}")]
+    ChecksumThread(std::io::Error),
+    /// A layer's gate in the router file has another shape than the model's.
+    #[error(
+        "{}: layer {layer} gate has shape {weight:?} / bias {bias:?}, the model needs \
+         [{experts}, {hidden}] / [{experts}]",
+        path.display()
+    )]
+    GateShape {
+        /// The router file.
+        path: PathBuf,
+        /// Layer.
+        layer: u32,
+        /// The gate weight's shape.
+        weight: Vec<u64>,
+        /// The gate bias's shape.
+        bias: Vec<u64>,
+        /// The model's routed experts.
+        experts: usize,
+        /// The model's hidden size.
+        hidden: usize,
+    },
+    /// A layer's shared-expert gate in the router file has another shape than the model's.
+    #[error("{}: {name} has shape {shape:?}, the model needs [{hidden}]", path.display())]
+    SharedGateShape {
+        /// The router file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        shape: Vec<u64>,
+        /// The model's hidden size.
+        hidden: usize,
+    },
+    /// A dense shared expert's matrix in the router file has another size than the model's.
+    #[error("{name}: shape {shape:?}, need {inter}x{hidden}")]
+    DenseSharedShape {
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        shape: Vec<u64>,
+        /// The model's shared intermediate size.
+        inter: usize,
+        /// The model's hidden size.
+        hidden: usize,
+    },
+}
 
 /// Why the reference backend could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -40,7 +197,7 @@ pub enum ReferenceError {
 pub fn load_device_experts(
     dep: &Deployment,
     d: DeviceRank,
-) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+) -> Result<Vec<(ExpertKey, ExpertWeights)>, WeightsError> {
     if dep.weights.is_some() {
         return load_shard_experts(dep, Some(d));
     }
@@ -48,10 +205,13 @@ pub fn load_device_experts(
     let mut out = Vec::new();
     for layer in spec.moe_layer_ids() {
         for &e in dep.placement.experts_on(d, layer) {
-            let w = spec
-                .synthetic(dep.seed)
-                .routed(layer, e)
-                .with_context(|| format!("generating layer {layer} expert {e}"))?;
+            let w = spec.synthetic(dep.seed).routed(layer, e).map_err(|cause| {
+                WeightsError::SyntheticExpert {
+                    layer,
+                    expert: e,
+                    cause,
+                }
+            })?;
             out.push((ExpertKey { layer, expert: e }, w));
         }
         if matches!(dep.placement.shared_location(layer), Some(SharedLocation::Device(x)) if x == d)
@@ -65,7 +225,7 @@ pub fn load_device_experts(
 /// The shared experts the router runs itself.
 pub fn load_router_shared_experts(
     dep: &Deployment,
-) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+) -> Result<Vec<(ExpertKey, ExpertWeights)>, WeightsError> {
     if dep.weights.is_some() {
         return load_shard_experts(dep, None);
     }
@@ -86,13 +246,16 @@ fn push_shared(
     dep: &Deployment,
     layer: u32,
     out: &mut Vec<(ExpertKey, ExpertWeights)>,
-) -> anyhow::Result<()> {
+) -> Result<(), WeightsError> {
     let spec = &dep.spec;
     for i in 0..spec.shared_experts {
-        let w = spec
-            .synthetic(dep.seed)
-            .shared(layer, i)
-            .with_context(|| format!("generating layer {layer} shared expert {i}"))?;
+        let w = spec.synthetic(dep.seed).shared(layer, i).map_err(|cause| {
+            WeightsError::SyntheticShared {
+                layer,
+                index: i,
+                cause,
+            }
+        })?;
         out.push((
             ExpertKey {
                 layer,
@@ -132,9 +295,9 @@ fn expected_keys(dep: &Deployment, d: Option<DeviceRank>) -> BTreeSet<(u32, u32)
 }
 
 /// Open and verify the shard of device `d` (`None`: the router file) against the manifest.
-pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<ShardFile> {
+pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> Result<ShardFile, WeightsError> {
     let (f, crc) = open_shard_unverified(dep, d)?;
-    f.verify(Some(crc)).map_err(|e| anyhow!("{e}"))?;
+    f.verify(Some(crc)).map_err(WeightsError::Shard)?;
     Ok(f)
 }
 
@@ -144,11 +307,8 @@ pub fn open_shard(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Sha
 fn open_shard_unverified(
     dep: &Deployment,
     d: Option<DeviceRank>,
-) -> anyhow::Result<(ShardFile, u32)> {
-    let w = dep
-        .weights
-        .as_ref()
-        .ok_or_else(|| anyhow!("the deployment has no converted weights"))?;
+) -> Result<(ShardFile, u32), WeightsError> {
+    let w = dep.weights.as_ref().ok_or(WeightsError::NotConverted)?;
     let m = &w.manifest;
     let (record, kind, id) = match d {
         Some(d) => {
@@ -156,38 +316,33 @@ fn open_shard_unverified(
                 .topology
                 .device(d)
                 .map(|x| x.id().to_string())
-                .ok_or_else(|| anyhow!("no device rank {}", d.0))?;
-            let r = m.shard_of(&id).ok_or_else(|| {
-                anyhow!(
-                    "{}: the manifest has no shard for device {id}",
-                    w.dir.display()
-                )
+                .ok_or(WeightsError::NoDeviceRank(d.0))?;
+            let r = m.shard_of(&id).ok_or_else(|| WeightsError::NoShard {
+                dir: w.dir.clone(),
+                device: id.clone(),
             })?;
             (r, ShardKind::Device, Some(id))
         }
         None => (&m.router, ShardKind::Router, None),
     };
     let path = w.path(&record.file);
-    let f = ShardFile::open(&path).map_err(|e| anyhow!("{e}"))?;
+    let f = ShardFile::open(&path).map_err(WeightsError::Shard)?;
     let idx = f.index();
     if idx.kind != kind || idx.device != id || idx.fingerprint != m.fingerprint {
-        bail!(
-            "{}: this shard belongs to another conversion or device than the manifest says \
-             (kind {:?}, device {:?}); convert again",
-            path.display(),
-            idx.kind,
-            idx.device
-        );
+        return Err(WeightsError::ForeignShard {
+            path,
+            kind: idx.kind,
+            device: idx.device.clone(),
+        });
     }
     if idx.quant != dep.spec.quant || idx.hidden != u64::from(dep.spec.hidden) {
-        bail!(
-            "{}: shard format {} hidden {} but the model says {} hidden {}",
-            path.display(),
-            idx.quant,
-            idx.hidden,
-            dep.spec.quant,
-            dep.spec.hidden
-        );
+        return Err(WeightsError::ShardFormat {
+            path,
+            quant: idx.quant,
+            hidden: idx.hidden,
+            model_quant: dep.spec.quant,
+            model_hidden: dep.spec.hidden,
+        });
     }
     Ok((f, record.crc32c))
 }
@@ -197,9 +352,9 @@ fn open_shard_unverified(
 fn load_shard_experts(
     dep: &Deployment,
     d: Option<DeviceRank>,
-) -> anyhow::Result<Vec<(ExpertKey, ExpertWeights)>> {
+) -> Result<Vec<(ExpertKey, ExpertWeights)>, WeightsError> {
     let mut src = ShardSource::open(dep, d)?;
-    expertmesh_backend::collect_source(&mut src).map_err(|e| anyhow!("{e}"))
+    expertmesh_backend::collect_source(&mut src).map_err(WeightsError::Load)
 }
 
 /// The experts device `d` pins, as a source a backend loads one expert at a time: from its
@@ -207,7 +362,7 @@ fn load_shard_experts(
 pub fn device_expert_source(
     dep: &Deployment,
     d: DeviceRank,
-) -> anyhow::Result<Box<dyn ExpertSource>> {
+) -> Result<Box<dyn ExpertSource>, WeightsError> {
     if dep.weights.is_some() {
         return Ok(Box::new(ShardSource::open(dep, Some(d))?));
     }
@@ -229,7 +384,7 @@ pub struct ShardSource {
 impl ShardSource {
     /// Open and verify the shard of device `d` (`None`: the router file) and select the
     /// experts the placement gives it (every expert of a device shard must be one).
-    pub fn open(dep: &Deployment, d: Option<DeviceRank>) -> anyhow::Result<Self> {
+    pub fn open(dep: &Deployment, d: Option<DeviceRank>) -> Result<Self, WeightsError> {
         let (file, crc) = open_shard_unverified(dep, d)?;
         let want = expected_keys(dep, d);
         let (mut entries, mut shapes) = (Vec::new(), Vec::new());
@@ -238,13 +393,11 @@ impl ShardSource {
                 if d.is_none() {
                     continue; // the router file holds every shared expert
                 }
-                bail!(
-                    "{}: holds layer {} expert {}, which the placement does not give this \
-                     device; the folder was edited: convert again",
-                    file.path().display(),
-                    e.layer,
-                    e.expert
-                );
+                return Err(WeightsError::NotPlaced {
+                    path: file.path().to_path_buf(),
+                    layer: e.layer,
+                    expert: e.expert,
+                });
             }
             entries.push(i);
             shapes.push(ExpertShape {
@@ -260,19 +413,17 @@ impl ShardSource {
         if shapes.len() != want.len() {
             let have: BTreeSet<(u32, u32)> =
                 shapes.iter().map(|s| (s.key.layer, s.key.expert)).collect();
-            let missing: Vec<_> = want.difference(&have).take(5).collect();
-            bail!(
-                "{}: missing experts the placement needs (layer, expert): {missing:?}; convert \
-                 again",
-                file.path().display()
-            );
+            return Err(WeightsError::MissingExperts {
+                path: file.path().to_path_buf(),
+                missing: want.difference(&have).take(5).copied().collect(),
+            });
         }
         let file = std::sync::Arc::new(file);
         let checked = std::sync::Arc::clone(&file);
         let verify = std::thread::Builder::new()
             .name("shard-verify".into())
             .spawn(move || checked.verify(Some(crc)))
-            .map_err(|e| anyhow!("starting the checksum thread: {e}"))?;
+            .map_err(WeightsError::ChecksumThread)?;
         Ok(Self {
             file,
             verify: Some(verify),
@@ -334,7 +485,7 @@ pub enum Gates {
 
 impl Gates {
     /// Open the router file when the deployment has converted weights.
-    pub fn open(dep: &Deployment) -> anyhow::Result<Self> {
+    pub fn open(dep: &Deployment) -> Result<Self, WeightsError> {
         Ok(match dep.weights {
             Some(_) => Gates::File(open_shard(dep, None)?),
             None => Gates::Synthetic,
@@ -342,7 +493,7 @@ impl Gates {
     }
 
     /// The gate of `layer`.
-    pub fn layer(&mut self, dep: &Deployment, layer: u32) -> anyhow::Result<GateWeights> {
+    pub fn layer(&mut self, dep: &Deployment, layer: u32) -> Result<GateWeights, WeightsError> {
         let spec = &dep.spec;
         let f = match self {
             Gates::Synthetic => {
@@ -355,24 +506,30 @@ impl Gates {
         let (e, h) = (spec.routed_experts as usize, spec.hidden as usize);
         let (ws, weight) = f
             .tensor_f32(&gate_weight_name(layer))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(WeightsError::Shard)?;
         let (bs, bias) = f
             .tensor_f32(&gate_bias_name(layer))
-            .map_err(|e| anyhow!("{e}"))?;
+            .map_err(WeightsError::Shard)?;
         if ws != [e as u64, h as u64] || bs != [e as u64] {
-            bail!(
-                "{}: layer {layer} gate has shape {ws:?} / bias {bs:?}, the model needs [{e}, {h}] / [{e}]",
-                f.path().display()
-            );
+            return Err(WeightsError::GateShape {
+                path: f.path().to_path_buf(),
+                layer,
+                weight: ws,
+                bias: bs,
+                experts: e,
+                hidden: h,
+            });
         }
         let shared_gate = if spec.shared_expert_gate {
             let name = expertmesh_shard::shared_gate_name(layer);
-            let (gs, g) = f.tensor_f32(&name).map_err(|e| anyhow!("{e}"))?;
+            let (gs, g) = f.tensor_f32(&name).map_err(WeightsError::Shard)?;
             if gs != [h as u64] {
-                bail!(
-                    "{}: {name} has shape {gs:?}, the model needs [{h}]",
-                    f.path().display()
-                );
+                return Err(WeightsError::SharedGateShape {
+                    path: f.path().to_path_buf(),
+                    name,
+                    shape: gs,
+                    hidden: h,
+                });
             }
             Some(g)
         } else {

@@ -3,7 +3,7 @@
 //! NICs with `R` routers, and the planner's balanced placement.
 
 use super::ClusterBenchOptions;
-use anyhow::{Context, anyhow};
+use crate::BenchError;
 use expertmesh_planner::{PlanOptions, plan};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::{Placement, Topology, resolve_model};
@@ -94,26 +94,30 @@ pub(super) fn write(
     dir: &Path,
     o: &ClusterBenchOptions,
     routers: usize,
-) -> anyhow::Result<ClusterFiles> {
+) -> Result<ClusterFiles, BenchError> {
     let model_path = dir.join("model.toml");
     let topology_path = dir.join(format!("topology-{routers}r.toml"));
     let placement_path = dir.join("placement.toml");
-    std::fs::write(&model_path, model_toml(o))
-        .with_context(|| format!("cannot write {}", model_path.display()))?;
+    let cannot_write = |p: &Path| BenchError::io(format!("cannot write {}", p.display()));
+    std::fs::write(&model_path, model_toml(o)).map_err(cannot_write(&model_path))?;
     std::fs::write(&topology_path, topology_toml(o, routers))
-        .with_context(|| format!("cannot write {}", topology_path.display()))?;
-    let model = resolve_model(&model_path.to_string_lossy()).map_err(|e| anyhow!("{e}"))?;
-    let topology = Topology::load(&topology_path).map_err(|e| anyhow!("{e}"))?;
-    let planned = plan(&topology, &model, None, None, &PlanOptions::default())
-        .map_err(|e| anyhow!("planning the emulated cluster: {e}"))?;
+        .map_err(cannot_write(&topology_path))?;
+    let model = resolve_model(&model_path.to_string_lossy()).map_err(BenchError::Model)?;
+    let topology = Topology::load(&topology_path).map_err(BenchError::File)?;
+    let planned =
+        plan(&topology, &model, None, None, &PlanOptions::default()).map_err(|cause| {
+            BenchError::Plan {
+                what: "planning the emulated cluster",
+                cause,
+            }
+        })?;
     let text = format!(
         "# Written by `expertmesh bench cluster`: the planner's balanced placement.\n{}",
         planned.placement.to_toml_string()
     );
-    std::fs::write(&placement_path, text)
-        .with_context(|| format!("cannot write {}", placement_path.display()))?;
+    std::fs::write(&placement_path, text).map_err(cannot_write(&placement_path))?;
     let placement =
-        Placement::load(&placement_path, &topology, &model).map_err(|e| anyhow!("{e}"))?;
+        Placement::load(&placement_path, &topology, &model).map_err(BenchError::File)?;
     Ok(ClusterFiles {
         model_path,
         topology_path,

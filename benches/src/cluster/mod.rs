@@ -23,9 +23,9 @@
 mod files;
 pub mod netns;
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
 use crate::method::stats::percentile;
-use anyhow::{Context, anyhow, bail};
 use expertmesh_planner::evaluate::{Evaluator, Hardware, NicBytes, Roofline};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_quant::contract::ComputeMode;
@@ -215,29 +215,25 @@ pub struct ClusterOutcome {
 }
 
 /// Run the benchmark: one emulated cluster per router count.
-pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
-    anyhow::ensure!(o.nodes >= 2, "--nodes must be at least 2");
-    anyhow::ensure!(
-        o.routers.iter().all(|&r| (1..=o.nodes).contains(&r)),
-        "--routers must be between 1 and --nodes"
-    );
-    anyhow::ensure!(!o.batches.is_empty() && o.batches.iter().all(|&b| (1..=256).contains(&b)));
+pub fn run(o: &ClusterBenchOptions) -> Result<ClusterOutcome, BenchError> {
+    check(o)?;
     netns::install_signal_cleanup();
     if o.nice != 0 {
         // SAFETY: setpriority only changes this thread's niceness; threads started from it
         // (the frontends) inherit it.
         let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, o.nice) };
-        anyhow::ensure!(
-            rc == 0,
-            "--nice {}: {}",
-            o.nice,
-            std::io::Error::last_os_error()
-        );
+        if rc != 0 {
+            return Err(BenchError::Nice {
+                nice: o.nice,
+                cause: std::io::Error::last_os_error(),
+            });
+        }
     }
     let tmp;
     let dir: &Path = match &o.dir {
         Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+            std::fs::create_dir_all(d)
+                .map_err(BenchError::io(format!("cannot create {}", d.display())))?;
             d
         }
         None => {
@@ -256,16 +252,35 @@ pub fn run(o: &ClusterBenchOptions) -> anyhow::Result<ClusterOutcome> {
     // Every process runs a copy of this binary, so a rebuild during the run cannot swap it.
     let mut o = o.clone();
     if o.exe.is_none() {
-        let src = std::env::current_exe().context("cannot find the expertmesh binary")?;
+        let src =
+            std::env::current_exe().map_err(BenchError::io("cannot find the expertmesh binary"))?;
         let dst = dir.join("expertmesh");
-        std::fs::copy(&src, &dst)
-            .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
+        std::fs::copy(&src, &dst).map_err(BenchError::io(format!(
+            "cannot copy {} to {}",
+            src.display(),
+            dst.display()
+        )))?;
         o.exe = Some(dst);
     }
     for &routers in &o.routers {
         run_config(&o, dir, routers, &mut out)?;
     }
     Ok(out)
+}
+
+/// Refuses options the emulated cluster cannot run with, naming the option.
+fn check(o: &ClusterBenchOptions) -> Result<(), BenchError> {
+    let bad = |what: &str| Err(BenchError::Options(what.to_string()));
+    if o.nodes < 2 {
+        return bad("--nodes must be at least 2");
+    }
+    if !o.routers.iter().all(|&r| (1..=o.nodes).contains(&r)) {
+        return bad("--routers must be between 1 and --nodes");
+    }
+    if o.batches.is_empty() || !o.batches.iter().all(|&b| (1..=256).contains(&b)) {
+        return bad("--batches must list batch sizes in 1..=256");
+    }
+    Ok(())
 }
 
 /// Record the settings in the report's machine section.
@@ -299,7 +314,7 @@ fn run_config(
     dir: &Path,
     routers: usize,
     out: &mut ClusterOutcome,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let files = files::write(dir, o, routers)?;
     let dep = Deployment::load(
         &files.topology_path,
@@ -350,10 +365,12 @@ fn start_processes(
     f: &ClusterFiles,
     routers: usize,
     dir: &Path,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let exe = match &o.exe {
         Some(e) => e.clone(),
-        None => std::env::current_exe().context("cannot find the expertmesh binary")?,
+        None => {
+            std::env::current_exe().map_err(BenchError::io("cannot find the expertmesh binary"))?
+        }
     };
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let deploy = [
@@ -426,7 +443,7 @@ fn wait_ready(
     dep: &Deployment,
     routers: usize,
     fcfg: &FrontendConfig,
-) -> anyhow::Result<()> {
+) -> Result<(), BenchError> {
     let h = dep.spec.hidden as usize;
     let layer = dep.spec.moe_layer_ids()[0];
     // 32 tokens: every device is touched, so every worker has connected once this answers.
@@ -437,7 +454,7 @@ fn wait_ready(
         let mut last = String::new();
         loop {
             if let Some(e) = emu.exited() {
-                bail!("{e}");
+                return Err(BenchError::ProcessExited(e));
             }
             let (cfg, x) = (fcfg.clone(), x.clone());
             let attempt = in_namespace(&ns, move |rt| {
@@ -445,7 +462,7 @@ fn wait_ready(
                     let mut c = RouterClient::connect(router_addr(r), &cfg).await?;
                     c.call(layer, &x, h, None, None).await
                 })
-                .map_err(|e| anyhow!("{e}"))
+                .map_err(BenchError::from)
             });
             match attempt {
                 Ok(_) => break,
@@ -453,7 +470,13 @@ fn wait_ready(
                     last = e.to_string();
                     std::thread::sleep(Duration::from_millis(200));
                 }
-                Err(e) => bail!("router {r} not ready after 60 s: {e} ({last})"),
+                Err(e) => {
+                    return Err(BenchError::NotReady {
+                        router: r,
+                        cause: Box::new(e),
+                        last,
+                    });
+                }
             }
         }
     }
@@ -463,8 +486,8 @@ fn wait_ready(
 /// Run `f` on a new thread inside namespace `ns` with a current-thread runtime.
 fn in_namespace<T: Send + 'static>(
     ns: &str,
-    f: impl FnOnce(&tokio::runtime::Runtime) -> anyhow::Result<T> + Send + 'static,
-) -> anyhow::Result<T> {
+    f: impl FnOnce(&tokio::runtime::Runtime) -> Result<T, BenchError> + Send + 'static,
+) -> Result<T, BenchError> {
     let ns = ns.to_owned();
     std::thread::spawn(move || {
         netns::enter(&ns)?;
@@ -474,7 +497,7 @@ fn in_namespace<T: Send + 'static>(
         f(&rt)
     })
     .join()
-    .map_err(|_| anyhow!("frontend thread panicked"))?
+    .map_err(|_| BenchError::Panicked("frontend thread"))?
 }
 
 /// Inputs and expected outputs per (router, client): a pool each client cycles through, and
@@ -500,13 +523,13 @@ impl Pools {
         dep: &Deployment,
         routers: usize,
         b: usize,
-    ) -> anyhow::Result<Pools> {
+    ) -> Result<Pools, BenchError> {
         let spec = &dep.spec;
         let (h, layers) = (spec.hidden as usize, spec.moe_layer_ids());
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut backend =
             expertmesh_worker::weights::reference_backend(spec, dep.seed, &layers, threads, b)
-                .map_err(|e| anyhow!(e))?;
+                .map_err(BenchError::ReferenceBackend)?;
         let gates: Vec<_> = layers
             .iter()
             .map(|&l| reference::synthetic_gate(spec, dep.seed, l))
@@ -532,7 +555,7 @@ impl Pools {
                             &x,
                             ComputeMode::Exact,
                         )
-                        .map_err(|e| anyhow!(e))?;
+                        .map_err(BenchError::ReferenceLayer)?;
                         for &x in &routing.experts {
                             counts[li][x as usize] += 1.0;
                         }
@@ -545,7 +568,7 @@ impl Pools {
             per_client.push(clients);
         }
         let load = LoadStats::new(spec, counts.into_iter().map(Some).collect())
-            .map_err(|e| anyhow!("load statistics: {e}"))?;
+            .map_err(BenchError::LoadStats)?;
         Ok(Pools { per_client, load })
     }
 }
@@ -617,7 +640,7 @@ fn measure(
     routers: usize,
     pools: &Pools,
     fcfg: &FrontendConfig,
-) -> anyhow::Result<Measured> {
+) -> Result<Measured, BenchError> {
     let shared = Arc::new(Shared {
         tolerance: (o.mode != LayerMode::Exact).then_some(SERVING_TOLERANCE),
         ..Shared::default()
@@ -666,11 +689,11 @@ fn measure(
     for t in threads {
         completions.extend(
             t.join()
-                .map_err(|_| anyhow!("frontend thread panicked"))??,
+                .map_err(|_| BenchError::Panicked("frontend thread"))??,
         );
     }
     if let Some(e) = emu.exited() {
-        bail!("{e}");
+        return Err(BenchError::ProcessExited(e));
     }
     let latencies_ms = std::mem::take(&mut *shared.latencies_ms.lock().expect("not poisoned"));
     let first_problem = shared.first_problem.lock().expect("not poisoned").clone();
@@ -703,19 +726,22 @@ struct FrontendJob {
 impl FrontendJob {
     /// Connect every client, then call layer after layer until told to stop; each client's
     /// call completion times.
-    async fn run(self) -> anyhow::Result<Vec<Vec<Instant>>> {
+    async fn run(self) -> Result<Vec<Vec<Instant>>, BenchError> {
         let mut tasks = Vec::new();
         for pool in &self.pools {
             let c = RouterClient::connect(router_addr(self.router), &self.cfg)
                 .await
-                .map_err(|e| anyhow!("router {}: {e}", self.router))?;
+                .map_err(|cause| BenchError::RouterClient {
+                    router: self.router,
+                    cause: Box::new(cause),
+                })?;
             let (layers, h) = (self.layers.clone(), self.hidden);
             let (pool, shared) = (pool.clone(), self.shared.clone());
             tasks.push(tokio::spawn(client_loop(c, layers, h, pool, shared)));
         }
         let mut done = Vec::new();
         for t in tasks {
-            done.push(t.await.map_err(|e| anyhow!("{e}"))?);
+            done.push(t.await?);
         }
         Ok(done)
     }
@@ -810,7 +836,7 @@ fn predict(
     load: Option<&LoadStats>,
     b: usize,
     routers: usize,
-) -> anyhow::Result<Prediction> {
+) -> Result<Prediction, BenchError> {
     let hw = Hardware::from_topology(&f.topology);
     let wire = expertmesh_fabric::wire_model::wire_model(o.mode, f.model.hidden, o.micro_batch)?;
     let ev = Evaluator::new(

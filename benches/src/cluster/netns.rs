@@ -8,7 +8,7 @@
 //! do not collide, and is removed by [`Emulation`]'s `Drop` — on errors and panics — and by
 //! the Ctrl-C / SIGTERM handler installed by [`install_signal_cleanup`].
 
-use anyhow::{Context, anyhow, bail};
+use crate::BenchError;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -34,18 +34,20 @@ pub struct Shaping {
 /// Run a system command (`ip`, `tc`, `iptables`) with `args`; an error names the command and
 /// its stderr. The cluster and soak benches change namespaces, links and filters only
 /// through this.
-pub fn cmd(program: &str, args: &[&str]) -> anyhow::Result<()> {
+pub fn cmd(program: &str, args: &[&str]) -> Result<(), BenchError> {
     let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .with_context(|| format!("cannot run {program} (are iproute2 and iptables installed?)"))?;
+        .map_err(BenchError::io(format!(
+            "cannot run {program} (are iproute2 and iptables installed?)"
+        )))?;
     if !out.status.success() {
-        bail!(
-            "`{program} {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        return Err(BenchError::Command {
+            program: program.to_string(),
+            args: args.iter().map(ToString::to_string).collect(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(())
 }
@@ -76,8 +78,10 @@ impl Emulation {
 
     /// Build `nodes` node namespaces around a bridge, each link shaped as `shaping` says.
     /// Fails with "network namespaces not permitted: ..." when `ip netns add` does.
-    pub fn create(nodes: usize, shaping: Shaping) -> anyhow::Result<Emulation> {
-        anyhow::ensure!((1..=200).contains(&nodes), "--nodes must be 1-200");
+    pub fn create(nodes: usize, shaping: Shaping) -> Result<Emulation, BenchError> {
+        if !(1..=200).contains(&nodes) {
+            return Err(BenchError::Options("--nodes must be 1-200".into()));
+        }
         let mut e = Emulation {
             prefix: format!("emc-{}-", std::process::id()),
             nodes,
@@ -86,7 +90,7 @@ impl Emulation {
         };
         let sw = e.switch_ns();
         cmd("ip", &["netns", "add", &sw])
-            .map_err(|err| anyhow!("network namespaces not permitted: {err}"))?;
+            .map_err(|err| BenchError::NamespacesNotPermitted(Box::new(err)))?;
         e.created.push(sw.clone());
         e.register();
         cmd("ip", &["-n", &sw, "link", "set", "lo", "up"])?;
@@ -99,7 +103,7 @@ impl Emulation {
     }
 
     /// One node: its namespace, the veth pair to the switch, addresses, MTU and shaping.
-    fn add_node(&mut self, i: usize, s: Shaping) -> anyhow::Result<()> {
+    fn add_node(&mut self, i: usize, s: Shaping) -> Result<(), BenchError> {
         let (ns, sw) = (self.node_ns(i), self.switch_ns());
         cmd("ip", &["netns", "add", &ns])?;
         self.created.push(ns.clone());
@@ -129,10 +133,10 @@ impl Emulation {
 
     /// Start `args` (the first is the program) inside node `i`'s namespace; its output goes to
     /// `log`.
-    pub fn spawn(&mut self, i: usize, args: &[String], log: &Path) -> anyhow::Result<()> {
+    pub fn spawn(&mut self, i: usize, args: &[String], log: &Path) -> Result<(), BenchError> {
         let ns = self.node_ns(i);
         let file = std::fs::File::create(log)
-            .with_context(|| format!("cannot create {}", log.display()))?;
+            .map_err(BenchError::io(format!("cannot create {}", log.display())))?;
         let child = Command::new("ip")
             .args(["netns", "exec", &ns])
             .args(args)
@@ -140,7 +144,7 @@ impl Emulation {
             .stdout(file.try_clone()?)
             .stderr(file)
             .spawn()
-            .context("cannot start a process in a namespace")?;
+            .map_err(BenchError::io("cannot start a process in a namespace"))?;
         let name = format!("{} ({})", args[1..].join(" "), log.display());
         self.children.push((name, child));
         self.register();
@@ -158,14 +162,17 @@ impl Emulation {
     }
 
     /// Bytes node `i`'s NIC has sent and received so far.
-    pub(crate) fn nic_bytes(&self, i: usize) -> anyhow::Result<(u64, u64)> {
+    pub(crate) fn nic_bytes(&self, i: usize) -> Result<(u64, u64), BenchError> {
         let ns = self.node_ns(i);
         let out = Command::new("ip")
             .args(["-n", &ns, "-s", "-j", "link", "show", "dev", "eth0"])
             .output()
-            .context("cannot run ip")?;
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("ip -s -j link show in {ns}: not JSON"))?;
+            .map_err(BenchError::io("cannot run ip"))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|cause| BenchError::NotJson {
+                what: format!("ip -s -j link show in {ns}"),
+                cause,
+            })?;
         let stats = &v[0]["stats64"];
         let get = |dir: &str| stats[dir]["bytes"].as_u64().unwrap_or(0);
         Ok((get("tx"), get("rx")))
@@ -272,7 +279,7 @@ impl Drop for Emulation {
 }
 
 /// `tc tbf` on `dev` in namespace `ns`.
-fn shape(ns: &str, dev: &str, s: Shaping) -> anyhow::Result<()> {
+fn shape(ns: &str, dev: &str, s: Shaping) -> Result<(), BenchError> {
     let rate = format!("{}kbit", (s.rate_mbit * 1000.0).round().max(8.0) as u64);
     let burst = s.burst_bytes.max(u64::from(s.mtu) + 64).to_string();
     let latency = format!("{}ms", s.latency_ms.max(1.0));
@@ -286,14 +293,17 @@ fn shape(ns: &str, dev: &str, s: Shaping) -> anyhow::Result<()> {
 }
 
 /// Move the calling thread into namespace `ns` (sockets it opens afterwards live there).
-pub fn enter(ns: &str) -> anyhow::Result<()> {
+pub fn enter(ns: &str) -> Result<(), BenchError> {
     let path = format!("/var/run/netns/{ns}");
-    let f = std::fs::File::open(&path).with_context(|| format!("cannot open {path}"))?;
+    let f = std::fs::File::open(&path).map_err(BenchError::io(format!("cannot open {path}")))?;
     // SAFETY: setns with an open namespace file descriptor changes this thread's network
     // namespace only; the descriptor stays valid for the call.
     let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
     if rc != 0 {
-        bail!("setns({path}): {}", std::io::Error::last_os_error());
+        return Err(BenchError::Setns {
+            path,
+            cause: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }

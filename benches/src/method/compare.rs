@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 /// Runs `bench compare` on the files `a` (reference) and `b`: prints the comparison, and
 /// writes the page into `report` when given. The verdicts are printed, not returned: moving
 /// figures are not an error.
-pub fn run(a: &Path, b: &Path, report: Option<&Path>) -> anyhow::Result<()> {
+pub fn run(a: &Path, b: &Path, report: Option<&Path>) -> Result<(), crate::BenchError> {
     let ra = BenchReport::read(a)?;
     let rb = BenchReport::read(b)?;
     let (diffs, unmatched) = compare(&ra, &rb);

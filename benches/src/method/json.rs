@@ -375,10 +375,12 @@ impl BenchReport {
     }
 
     /// Writes the report as pretty JSON.
-    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+    pub fn write(&self, path: &Path) -> Result<(), crate::BenchError> {
         let text = serde_json::to_string_pretty(self)?;
-        std::fs::write(path, text)
-            .map_err(|e| anyhow::anyhow!("cannot write bench report {}: {e}", path.display()))
+        std::fs::write(path, text).map_err(|cause| crate::BenchError::WriteReport {
+            path: path.to_path_buf(),
+            cause,
+        })
     }
 }
 

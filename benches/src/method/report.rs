@@ -43,7 +43,11 @@ pub enum ReportError {
 const SIZE: (u32, u32) = (1000, 520);
 
 /// Writes the JSON (when `json` is given) and the HTML report (when `dir` is given).
-pub fn finish(report: &BenchReport, json: Option<&Path>, dir: Option<&Path>) -> anyhow::Result<()> {
+pub fn finish(
+    report: &BenchReport,
+    json: Option<&Path>,
+    dir: Option<&Path>,
+) -> Result<(), crate::BenchError> {
     if let Some(p) = json {
         report.write(p)?;
         println!("wrote {}", p.display());

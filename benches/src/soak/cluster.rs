@@ -16,8 +16,8 @@
 //! addresses on the command line: two free loopback ports each, or 10.77.0.1 in namespace node 0,
 //! where the clients must run too ([`FaultCluster::client_namespace`]).
 
+use crate::BenchError;
 use crate::cluster::netns::{Emulation, Shaping};
-use anyhow::{Context, anyhow, bail};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -112,21 +112,21 @@ impl Proc {
         &self.log
     }
 
-    fn signal(&self, sig: i32) -> anyhow::Result<()> {
+    fn signal(&self, sig: i32) -> Result<(), BenchError> {
         // SAFETY: kill(2) on a child this process started and has not reaped.
         if unsafe { libc::kill(self.child.id() as libc::pid_t, sig) } != 0 {
-            bail!(
-                "signal {sig} to {}: {}",
-                self.child.id(),
-                std::io::Error::last_os_error()
-            );
+            return Err(BenchError::Signal {
+                signal: sig,
+                pid: self.child.id(),
+                cause: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }
 
     /// SIGSTOP and wait (up to 2 s) until every thread shows as stopped (a signal reaches a
     /// running thread a little later), or SIGCONT.
-    fn pause(&self, stop: bool) -> anyhow::Result<()> {
+    fn pause(&self, stop: bool) -> Result<(), BenchError> {
         if !stop {
             return self.signal(libc::SIGCONT);
         }
@@ -134,7 +134,7 @@ impl Proc {
         let until = Instant::now() + Duration::from_secs(2);
         while !all_threads_stopped(self.child.id()) {
             if Instant::now() > until {
-                bail!("process {} did not stop within 2 s", self.child.id());
+                return Err(BenchError::DidNotStop(self.child.id()));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -236,9 +236,9 @@ pub fn namespaces_permitted() -> Result<(), String> {
 impl FaultCluster {
     /// Write the files, start the routers and the workers, and wait until every router has
     /// taken every worker up.
-    pub fn start(opts: FaultClusterOptions) -> anyhow::Result<Self> {
+    pub fn start(opts: FaultClusterOptions) -> Result<Self, BenchError> {
         std::fs::create_dir_all(&opts.dir)
-            .with_context(|| format!("creating {}", opts.dir.display()))?;
+            .map_err(BenchError::io(format!("creating {}", opts.dir.display())))?;
         let topology = opts.dir.join("topology.toml");
         let placement = opts.dir.join("placement.toml");
         let n = opts.placement.len();
@@ -247,10 +247,9 @@ impl FaultCluster {
         } else {
             opts.node_sizes.clone()
         };
-        anyhow::ensure!(
-            sizes.iter().sum::<usize>() == n && (!opts.namespaces || sizes.iter().all(|&k| k == 1)),
-            "node sizes {sizes:?} must add up to the {n} devices (one per node with namespaces)"
-        );
+        if sizes.iter().sum::<usize>() != n || (opts.namespaces && sizes.iter().any(|&k| k != 1)) {
+            return Err(BenchError::NodeSizes { sizes, devices: n });
+        }
         // Loopback: every port at once (held until all are picked, so none repeats).
         let free = if opts.namespaces {
             Vec::new()
@@ -296,7 +295,7 @@ impl FaultCluster {
                 Some(_) => router_ns_addresses(i),
                 None => Ok((free[2 * i], free[2 * i + 1])),
             })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>, BenchError>>()?;
         let mut c = Self {
             topology,
             placement,
@@ -371,7 +370,7 @@ impl FaultCluster {
     }
 
     /// Start (or restart) router `i` and wait until it listens.
-    pub fn start_router(&mut self, i: usize) -> anyhow::Result<()> {
+    pub fn start_router(&mut self, i: usize) -> Result<(), BenchError> {
         if let Some(p) = self.routers[i].take() {
             p.kill();
         }
@@ -400,10 +399,17 @@ impl FaultCluster {
                 return Ok(());
             }
             if let Some(s) = self.routers[i].as_mut().and_then(Proc::exited) {
-                bail!("router {i} exited ({s}):\n{}", self.log_tail_router(i));
+                return Err(BenchError::ExitedAtStart {
+                    process: format!("router {i}"),
+                    status: s,
+                    log_tail: self.log_tail_router(i),
+                });
             }
             if Instant::now() > until {
-                bail!("router {i} did not start:\n{}", self.log_tail_router(i));
+                return Err(BenchError::RouterDidNotStart {
+                    router: i,
+                    log_tail: self.log_tail_router(i),
+                });
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -417,18 +423,18 @@ impl FaultCluster {
     }
 
     /// SIGSTOP (`stop`: returns once every thread has stopped) or SIGCONT router `i`.
-    pub fn pause_router(&self, i: usize, stop: bool) -> anyhow::Result<()> {
+    pub fn pause_router(&self, i: usize, stop: bool) -> Result<(), BenchError> {
         let p = self.routers[i]
             .as_ref()
-            .ok_or_else(|| anyhow!("router {i} is not running"))?;
+            .ok_or_else(|| BenchError::NotRunning(format!("router {i}")))?;
         p.pause(stop)
     }
 
     /// SIGSTOP (`stop`: returns once every thread has stopped) or SIGCONT worker `d`.
-    pub fn pause_worker(&self, d: usize, stop: bool) -> anyhow::Result<()> {
+    pub fn pause_worker(&self, d: usize, stop: bool) -> Result<(), BenchError> {
         let p = self.workers[d]
             .as_ref()
-            .ok_or_else(|| anyhow!("worker {d} is not running"))?;
+            .ok_or_else(|| BenchError::NotRunning(format!("worker {d}")))?;
         p.pause(stop)
     }
 
@@ -441,7 +447,7 @@ impl FaultCluster {
 
     /// Start worker `d` (killing the old one) and wait until it has loaded its experts;
     /// returns the moment its "ready" line was seen. It joins the routers on its own.
-    pub fn start_worker(&mut self, d: usize) -> anyhow::Result<Instant> {
+    pub fn start_worker(&mut self, d: usize) -> Result<Instant, BenchError> {
         self.kill_worker(d);
         self.spawn_worker(d)?;
         self.wait_worker_ready(d)
@@ -450,7 +456,11 @@ impl FaultCluster {
     /// Start one more worker process claiming device `d`, with `how` (another seed, model or
     /// placement file; or nothing: a duplicate). Returns its index among the extras; it runs
     /// until [`FaultCluster::kill_extra`] or the cluster is dropped.
-    pub fn start_extra_worker(&mut self, d: usize, how: &WorkerOverride) -> anyhow::Result<usize> {
+    pub fn start_extra_worker(
+        &mut self,
+        d: usize,
+        how: &WorkerOverride,
+    ) -> Result<usize, BenchError> {
         let mut args = self.worker_args(d, how);
         // Another process for the device listens elsewhere (as on another host).
         let listen = match &self.net {
@@ -517,7 +527,7 @@ impl FaultCluster {
         d: usize,
         before: usize,
         timeout: Duration,
-    ) -> anyhow::Result<Instant> {
+    ) -> Result<Instant, BenchError> {
         self.wait_joined_on(0, d, before, timeout)
     }
 
@@ -527,19 +537,20 @@ impl FaultCluster {
         d: usize,
         before: usize,
         timeout: Duration,
-    ) -> anyhow::Result<Instant> {
+    ) -> Result<Instant, BenchError> {
         let until = Instant::now() + timeout;
         loop {
             if self.joins_seen(i, d) > before {
                 return Ok(Instant::now());
             }
             if Instant::now() > until {
-                bail!(
-                    "router {i} did not take worker {} up within {timeout:?}\n{}\n{}",
-                    self.device_id(d),
-                    self.log_tail_router(i),
-                    self.log_tail_worker(d)
-                );
+                return Err(BenchError::NotTakenUp {
+                    router: i,
+                    worker: self.device_id(d),
+                    timeout,
+                    router_log: self.log_tail_router(i),
+                    worker_log: self.log_tail_worker(d),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -552,7 +563,7 @@ impl FaultCluster {
         d: usize,
         before: &[usize],
         timeout: Duration,
-    ) -> anyhow::Result<Instant> {
+    ) -> Result<Instant, BenchError> {
         let mut last = Instant::now();
         for (i, &b) in before.iter().enumerate() {
             if self.routers[i].is_some() {
@@ -570,7 +581,7 @@ impl FaultCluster {
     }
 
     /// Cut worker `d` off from the routers (namespaces only).
-    pub fn partition(&self, d: usize, cut: Cut) -> anyhow::Result<()> {
+    pub fn partition(&self, d: usize, cut: Cut) -> Result<(), BenchError> {
         let ns = self.worker_ns(d)?;
         let chains: &[&str] = match cut {
             Cut::BothWays => &["INPUT", "OUTPUT"],
@@ -591,14 +602,14 @@ impl FaultCluster {
     }
 
     /// Remove every partition rule of worker `d`.
-    pub fn heal(&self, d: usize) -> anyhow::Result<()> {
+    pub fn heal(&self, d: usize) -> Result<(), BenchError> {
         let ns = self.worker_ns(d)?;
         crate::cluster::netns::cmd("ip", &["netns", "exec", &ns, "iptables", "-F"])
     }
 
     /// Throttle what worker `d` sends to `kbit` kbit/s (tc tbf with a deep queue: its answers
     /// arrive late rather than lost), namespaces only; `None` restores the plain link.
-    pub fn slow_link(&self, d: usize, kbit: Option<u32>) -> anyhow::Result<()> {
+    pub fn slow_link(&self, d: usize, kbit: Option<u32>) -> Result<(), BenchError> {
         let ns = self.worker_ns(d)?;
         let (rate, latency) = match kbit {
             Some(k) => (format!("{k}kbit"), "10s"),
@@ -613,10 +624,10 @@ impl FaultCluster {
         )
     }
 
-    fn worker_ns(&self, d: usize) -> anyhow::Result<String> {
+    fn worker_ns(&self, d: usize) -> Result<String, BenchError> {
         match &self.net {
             Some(e) => Ok(e.node_ns(d + 1)),
-            None => bail!("partitions and slow links need network namespaces"),
+            None => Err(BenchError::NeedsNamespaces),
         }
     }
 
@@ -670,14 +681,14 @@ impl FaultCluster {
         args
     }
 
-    fn spawn_worker(&mut self, d: usize) -> anyhow::Result<()> {
+    fn spawn_worker(&mut self, d: usize) -> Result<(), BenchError> {
         let args = self.worker_args(d, &WorkerOverride::default());
         let p = self.spawn(&format!("cpu{d}"), d + 1, "worker", &args)?;
         self.workers[d] = Some(p);
         Ok(())
     }
 
-    fn wait_worker_ready(&mut self, d: usize) -> anyhow::Result<Instant> {
+    fn wait_worker_ready(&mut self, d: usize) -> Result<Instant, BenchError> {
         let until = Instant::now() + self.opts.ready_timeout;
         let log = self.opts.dir.join(format!("cpu{d}.log"));
         loop {
@@ -686,10 +697,17 @@ impl FaultCluster {
                 return Ok(Instant::now());
             }
             if let Some(s) = self.workers[d].as_mut().and_then(Proc::exited) {
-                bail!("worker cpu{d} exited ({s}):\n{}", tail(&log, 12));
+                return Err(BenchError::ExitedAtStart {
+                    process: format!("worker cpu{d}"),
+                    status: s,
+                    log_tail: tail(&log, 12),
+                });
             }
             if Instant::now() > until {
-                bail!("worker cpu{d} did not load:\n{}", tail(&log, 12));
+                return Err(BenchError::WorkerDidNotLoad {
+                    device: d,
+                    log_tail: tail(&log, 12),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -703,15 +721,15 @@ impl FaultCluster {
         node: usize,
         sub: &str,
         args: &[String],
-    ) -> anyhow::Result<Proc> {
+    ) -> Result<Proc, BenchError> {
         let n = self.starts.entry(name.to_string()).or_insert(0);
         let log = self.opts.dir.join(format!("{name}.log"));
         if *n > 0 && log.exists() {
             let _ = std::fs::rename(&log, self.opts.dir.join(format!("{name}.{n}.log")));
         }
         *n += 1;
-        let file =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let file = std::fs::File::create(&log)
+            .map_err(BenchError::io(format!("creating {}", log.display())))?;
         let mut cmd = match &self.net {
             Some(e) => {
                 let mut c = Command::new("ip");
@@ -745,9 +763,10 @@ impl FaultCluster {
                 Ok(())
             });
         }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", self.opts.exe.display()))?;
+        let child = cmd.spawn().map_err(BenchError::io(format!(
+            "starting {}",
+            self.opts.exe.display()
+        )))?;
         Ok(Proc {
             child,
             log,
@@ -780,11 +799,11 @@ fn is_join_line(l: &str) -> bool {
 }
 
 /// `n` free loopback ports (all listeners held until every port is picked).
-fn free_ports(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
+fn free_ports(n: usize) -> Result<Vec<SocketAddr>, BenchError> {
     let held = (0..n)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
         .collect::<Result<Vec<_>, _>>()
-        .context("picking free ports")?;
+        .map_err(BenchError::io("picking free ports"))?;
     Ok(held
         .iter()
         .map(|l| l.local_addr())
@@ -792,7 +811,7 @@ fn free_ports(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
 }
 
 /// (frontend, mesh) of router `i` in namespace node 0.
-fn router_ns_addresses(i: usize) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+fn router_ns_addresses(i: usize) -> Result<(SocketAddr, SocketAddr), BenchError> {
     let ip = Emulation::node_address(0);
     let f = format!("{ip}:{}", NS_FRONTEND_PORT + i as u16).parse()?;
     let m = format!("{ip}:{}", NS_MESH_PORT + i as u16).parse()?;
@@ -801,12 +820,13 @@ fn router_ns_addresses(i: usize) -> anyhow::Result<(SocketAddr, SocketAddr)> {
 
 /// Listen addresses of the devices on loopback: each node's devices on consecutive free ports
 /// (a node's devices listen at its data port + their index, as the topology says).
-fn loopback_worker_ports(sizes: &[usize]) -> anyhow::Result<Vec<SocketAddr>> {
+fn loopback_worker_ports(sizes: &[usize]) -> Result<Vec<SocketAddr>, BenchError> {
     let mut out = Vec::new();
     for &k in sizes {
         let mut found = None;
         for _ in 0..200 {
-            let held = std::net::TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
+            let held = std::net::TcpListener::bind("127.0.0.1:0")
+                .map_err(BenchError::io("picking a free port"))?;
             let base = held.local_addr()?.port();
             let rest: Result<Vec<_>, _> = (1..k as u16)
                 .map(|i| std::net::TcpListener::bind(("127.0.0.1", base.wrapping_add(i))))
@@ -816,7 +836,7 @@ fn loopback_worker_ports(sizes: &[usize]) -> anyhow::Result<Vec<SocketAddr>> {
                 break;
             }
         }
-        let base = found.ok_or_else(|| anyhow!("no {k} consecutive free ports"))?;
+        let base = found.ok_or(BenchError::NoConsecutivePorts(k))?;
         out.extend((0..k as u16).map(|i| SocketAddr::from(([127, 0, 0, 1], base + i))));
     }
     Ok(out)

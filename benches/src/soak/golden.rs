@@ -6,6 +6,7 @@
 //! and every answer is classified ([`Outcome`]): bit-identical, wrong, a clean error (by code),
 //! or a hang (no answer by deadline + margin, measured by the client's own clock).
 
+use crate::BenchError;
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientError, ClientOptions, RouterClient};
@@ -50,10 +51,10 @@ pub struct Reference {
 
 impl Reference {
     /// The reference of `spec` with weights from `seed`.
-    pub fn new(spec: &ModelSpec, seed: u64) -> anyhow::Result<Self> {
+    pub fn new(spec: &ModelSpec, seed: u64) -> Result<Self, BenchError> {
         let backend =
             expertmesh_worker::weights::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64)
-                .map_err(|e| anyhow::anyhow!("reference: {e}"))?;
+                .map_err(BenchError::GoldenBackend)?;
         Ok(Self {
             spec: spec.clone(),
             seed,
@@ -62,7 +63,7 @@ impl Reference {
     }
 
     /// The case for `x` on `layer`.
-    pub fn case(&mut self, layer: u32, x: Vec<f32>) -> anyhow::Result<Case> {
+    pub fn case(&mut self, layer: u32, x: Vec<f32>) -> Result<Case, BenchError> {
         let h = self.spec.hidden as usize;
         let gate = reference::synthetic_gate(&self.spec, self.seed, layer);
         let (routing, out) = reference::moe_layer_backend(
@@ -73,7 +74,7 @@ impl Reference {
             &x,
             ComputeMode::Exact,
         )
-        .map_err(|e| anyhow::anyhow!("reference: {e}"))?;
+        .map_err(BenchError::GoldenLayer)?;
         let mut experts = routing.experts.clone();
         experts.sort_unstable();
         experts.dedup();
@@ -92,7 +93,7 @@ impl Reference {
         n: usize,
         token_counts: &[usize],
         salt: u64,
-    ) -> anyhow::Result<Golden> {
+    ) -> Result<Golden, BenchError> {
         let layers = self.spec.moe_layer_ids();
         let h = self.spec.hidden as usize;
         let mut cases = Vec::with_capacity(n);
@@ -112,17 +113,18 @@ impl Reference {
         n: usize,
         salt: u64,
         keep: impl Fn(u32) -> bool,
-    ) -> anyhow::Result<Golden> {
+    ) -> Result<Golden, BenchError> {
         let layers = self.spec.moe_layer_ids();
         let h = self.spec.hidden as usize;
         let mut cases = Vec::with_capacity(n);
         let mut draw = 0u64;
         while cases.len() < n {
-            anyhow::ensure!(
-                draw < 200 * n as u64,
-                "only {} of {n} inputs route to the wanted experts",
-                cases.len()
-            );
+            if draw >= 200 * n as u64 {
+                return Err(BenchError::NotConfined {
+                    found: cases.len(),
+                    wanted: n,
+                });
+            }
             let layer = layers[draw as usize % layers.len()];
             let x = reference::synthetic_hidden(salt.wrapping_mul(7_919) + draw, 1, h);
             draw += 1;

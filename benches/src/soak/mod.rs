@@ -22,8 +22,8 @@
 pub mod cluster;
 pub mod golden;
 
+use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
-use anyhow::{Context, bail};
 use cluster::{Cut, FaultCluster, FaultClusterOptions};
 use expertmesh_transport::frontend::FrontendConfig;
 use golden::{CallRecord, DriveOptions, Outcome, Reference, Tally};
@@ -118,16 +118,18 @@ impl Default for SoakOptions {
 
 impl SoakOptions {
     /// Refuses options a soak cannot run with, naming the option.
-    pub fn check(&self) -> anyhow::Result<()> {
+    pub fn check(&self) -> Result<(), BenchError> {
         if !(self.minutes > 0.0 && self.minutes <= 24.0 * 60.0) {
-            bail!("--minutes must be in (0, 1440]");
+            return Err(BenchError::Options("--minutes must be in (0, 1440]".into()));
         }
         if self.fault_every_s.is_nan()
             || self.fault_every_s < 1.0
             || self.clients == 0
             || self.routers == 0
         {
-            bail!("--fault-every-s must be at least 1, --clients and --routers at least 1");
+            return Err(BenchError::Options(
+                "--fault-every-s must be at least 1, --clients and --routers at least 1".into(),
+            ));
         }
         Ok(())
     }
@@ -350,7 +352,7 @@ impl Xorshift {
 }
 
 /// Start the fabric, load it, inject faults for `soak.minutes`, report.
-pub fn run(soak: &SoakOptions) -> anyhow::Result<SoakReport> {
+pub fn run(soak: &SoakOptions) -> Result<SoakReport, BenchError> {
     let namespaces = match soak.net {
         NetMode::Loopback => false,
         NetMode::Namespaces => true,
@@ -374,12 +376,12 @@ pub fn run(soak: &SoakOptions) -> anyhow::Result<SoakReport> {
             (Some(t), p)
         }
     };
-    let exe = std::env::current_exe().context("finding the expertmesh binary")?;
+    let exe = std::env::current_exe().map_err(BenchError::io("finding the expertmesh binary"))?;
     let mut opts = FaultClusterOptions::new(exe, &dir, &SOAK_PLACEMENT);
     opts.routers = soak.routers;
     opts.namespaces = namespaces;
-    let spec =
-        expertmesh_topology::model::preset_by_name(&opts.model).context("demo-small preset")?;
+    let spec = expertmesh_topology::model::preset_by_name(&opts.model)
+        .ok_or_else(|| BenchError::NoPreset(opts.model.clone()))?;
     println!(
         "soak: computing golden answers, starting the fabric in {}",
         dir.display()
@@ -630,8 +632,8 @@ fn inject_one(
 fn timed(
     fabric: &mut FaultCluster,
     seconds: f64,
-    mut f: impl FnMut(&mut FaultCluster, bool) -> anyhow::Result<()>,
-) -> (anyhow::Result<()>, Instant) {
+    mut f: impl FnMut(&mut FaultCluster, bool) -> Result<(), BenchError>,
+) -> (Result<(), BenchError>, Instant) {
     if let Err(e) = f(fabric, true) {
         return (Err(e), Instant::now());
     }
