@@ -152,9 +152,26 @@ pub(crate) struct RouterArgs {
     /// Re-send a part to a replica after this many milliseconds without an answer.
     #[arg(long, default_value_t = 3_000)]
     pub(crate) straggler_ms: u64,
+    /// Most connections one frontend name may hold open to a router (0: no limit); one more
+    /// is refused, saying so, so that one frontend cannot take every connection's memory.
+    #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_MAX_CONNECTIONS_PER_FRONTEND)]
+    pub(crate) max_connections_per_frontend: u32,
+    /// Close a frontend connection that has sent no request for this many seconds and has
+    /// none in flight (0: never).
+    #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs())]
+    pub(crate) frontend_idle_timeout_s: u64,
 }
 
 impl RouterArgs {
+    /// `--max-connections-per-frontend` and `--frontend-idle-timeout-s`.
+    pub(crate) fn frontend_limits(&self) -> expertmesh_fabric::local::FrontendLimits {
+        expertmesh_fabric::local::FrontendLimits {
+            max_connections_per_frontend: self.max_connections_per_frontend,
+            idle_timeout: (self.frontend_idle_timeout_s > 0)
+                .then(|| Duration::from_secs(self.frontend_idle_timeout_s)),
+        }
+    }
+
     /// `--mode`, or `default` when it is not given (each command has its own default).
     pub(crate) fn mode_or(&self, default: LayerMode) -> LayerMode {
         self.mode.unwrap_or(default)

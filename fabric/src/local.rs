@@ -60,6 +60,37 @@ pub struct LocalFabricOptions {
     pub key: Option<PathBuf>,
     /// Let workers run without credentials on non-loopback addresses (`--insecure`).
     pub insecure: bool,
+    /// Limits on each router's frontend connections.
+    pub frontend_limits: FrontendLimits,
+}
+
+/// Limits on a router's frontend connections (`--max-connections-per-frontend`,
+/// `--frontend-idle-timeout-s`): how many one frontend name may hold open, and how long one
+/// may sit idle (no request, none in flight) before the router closes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrontendLimits {
+    /// Most connections per frontend name (0: no limit).
+    pub max_connections_per_frontend: u32,
+    /// Idle time after which a connection is closed (`None`: never).
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Default for FrontendLimits {
+    fn default() -> Self {
+        Self {
+            max_connections_per_frontend:
+                expertmesh_transport::frontend::DEFAULT_MAX_CONNECTIONS_PER_FRONTEND,
+            idle_timeout: Some(expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT),
+        }
+    }
+}
+
+impl FrontendLimits {
+    /// Sets these limits on a router's frontend settings.
+    pub fn apply(&self, f: &mut FrontendConfig) {
+        f.max_connections_per_frontend = self.max_connections_per_frontend;
+        f.idle_timeout = self.idle_timeout;
+    }
 }
 
 impl LocalFabricOptions {
@@ -82,6 +113,7 @@ impl LocalFabricOptions {
             worker_metrics: Vec::new(),
             key: None,
             insecure: false,
+            frontend_limits: FrontendLimits::default(),
         }
     }
 }
@@ -629,6 +661,7 @@ fn start_router(
     let core = router_core(dep, opts.router.clone(), router_threads, instance)?;
     let mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
     let mut frontend = frontend_config(dep);
+    opts.frontend_limits.apply(&mut frontend);
     frontend.gate = gate;
     frontend.server_rank = instance;
     RouterService::start(

@@ -181,12 +181,16 @@ impl RouterService {
         });
         runtime.spawn(accept_loop(
             listener,
-            validator,
-            input_tx.clone(),
-            clients.clone(),
-            Arc::clone(&open),
-            cfg.max_outstanding_per_client.max(1),
-            Arc::clone(&admission),
+            FrontendConn {
+                client: 0,
+                validator,
+                tx: input_tx.clone(),
+                clients: clients.clone(),
+                open: Arc::clone(&open),
+                max_outstanding: cfg.max_outstanding_per_client.max(1),
+                admission: Arc::clone(&admission),
+                idle_timeout: cfg.frontend.idle_timeout,
+            },
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let core_loop = CoreLoop {
@@ -360,16 +364,9 @@ impl std::task::Wake for Unpark {
     }
 }
 
-/// Accept frontend connections forever; each is served by its own task.
-async fn accept_loop(
-    listener: FrameListener,
-    validator: crate::core::RequestValidator,
-    tx: CoreTx,
-    clients: ClientQueues,
-    open: Arc<AtomicUsize>,
-    max_outstanding: usize,
-    admission: Arc<AdmissionGate>,
-) {
+/// Accept frontend connections forever; each is served by its own task (a copy of `template`
+/// with its own client id).
+async fn accept_loop(listener: FrameListener, template: FrontendConn) {
     let mut next_client: ClientId = 1;
     loop {
         let incoming = match listener.accept().await {
@@ -384,12 +381,13 @@ async fn accept_loop(
         next_client += 1;
         let conn = FrontendConn {
             client,
-            validator: validator.clone(),
-            tx: tx.clone(),
-            clients: clients.clone(),
-            open: open.clone(),
-            max_outstanding,
-            admission: Arc::clone(&admission),
+            validator: template.validator.clone(),
+            tx: template.tx.clone(),
+            clients: template.clients.clone(),
+            open: template.open.clone(),
+            max_outstanding: template.max_outstanding,
+            admission: Arc::clone(&template.admission),
+            idle_timeout: template.idle_timeout,
         };
         tokio::spawn(conn.serve(incoming));
     }
@@ -406,6 +404,9 @@ struct FrontendConn {
     max_outstanding: usize,
     /// The router's admitted requests, shared by every connection and the core thread.
     admission: Arc<AdmissionGate>,
+    /// Close the connection once it has had nothing in flight and sent no request for this
+    /// long ([`FrontendConfig::idle_timeout`]).
+    idle_timeout: Option<Duration>,
 }
 
 impl FrontendConn {
@@ -474,12 +475,29 @@ impl FrontendConn {
                 message,
             });
         };
+        let mut last_request = tokio::time::Instant::now();
         loop {
             match slots.acquire().await {
                 Ok(p) => p.forget(),
                 Err(_) => break,
             }
-            let head = match reader.read_head().await {
+            let read = tokio::select! {
+                r = reader.read_head() => r,
+                idle = self.idle(last_request, slots) => {
+                    let message = format!(
+                        "closed: no request for {idle:?} and none in flight (the router's \
+                         frontend idle timeout, router --frontend-idle-timeout-s); connect again"
+                    );
+                    tracing::info!(%peer, frontend = reader.frontend(), "frontend connection {message}");
+                    let _ = out_tx.try_send(ClientMsg::Error {
+                        request_id: 0,
+                        code: ErrorCode::ShuttingDown,
+                        message,
+                    });
+                    break;
+                }
+            };
+            let head = match read {
                 Ok(h) => h,
                 Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
@@ -487,6 +505,9 @@ impl FrontendConn {
                     break;
                 }
             };
+            if !matches!(head.body(), Some(Ok(Body::Heartbeat(_)))) {
+                last_request = tokio::time::Instant::now();
+            }
             let taken = match self.take(head).await {
                 Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
                 Take::Skip(head, answer) => {
@@ -511,6 +532,25 @@ impl FrontendConn {
                     break;
                 }
             }
+        }
+    }
+
+    /// Completes (with the timeout) once this connection has been idle for
+    /// [`FrontendConn::idle_timeout`]: no request since `last_request` and none in flight
+    /// (`slots` holds one permit per request in flight, plus the one taken for the read under
+    /// way). Never completes without an idle timeout.
+    async fn idle(&self, last_request: tokio::time::Instant, slots: &Semaphore) -> Duration {
+        let Some(idle) = self.idle_timeout else {
+            return std::future::pending().await;
+        };
+        let mut at = last_request + idle;
+        loop {
+            tokio::time::sleep_until(at).await;
+            if slots.available_permits() + 1 >= self.max_outstanding {
+                return idle;
+            }
+            // Requests still in flight: look again once the longest of them could be done.
+            at = tokio::time::Instant::now() + idle.min(Duration::from_secs(1));
         }
     }
 

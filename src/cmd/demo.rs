@@ -129,6 +129,7 @@ fn start_fabric(
     let mut opts = LocalFabricOptions::new(topology, &cli.model, placement);
     opts.link = cli.link;
     opts.router = cli.router.config_in(LayerMode::Exact);
+    opts.frontend_limits = cli.router.frontend_limits();
     opts.ephemeral_ports = true;
     opts.log_dir = Some(tmp.join("logs"));
     println!("ExpertMesh demo: starting a local fabric ...");

@@ -10,7 +10,6 @@ use clap::Args;
 use expertmesh_fabric::local::frontend_config;
 use expertmesh_fabric::observe;
 use expertmesh_router::service::{RouterService, ServiceConfig};
-use expertmesh_transport::frontend::FrontendConfig;
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::shared::router_core;
 use std::net::SocketAddr;
@@ -67,9 +66,11 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
         dep.mesh_config(instance, &[], &[], mesh_listen, cli.link),
         ServiceConfig {
             frontend_listen: listen,
-            frontend: FrontendConfig {
-                server_rank: instance,
-                ..frontend_config(&dep)
+            frontend: {
+                let mut f = frontend_config(&dep);
+                f.server_rank = instance;
+                cli.router.frontend_limits().apply(&mut f);
+                f
             },
             max_outstanding_per_client: 32,
         },

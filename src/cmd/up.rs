@@ -64,6 +64,7 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.weights = cli.weights.clone();
     opts.link = cli.link;
     opts.router = cli.router.config();
+    opts.frontend_limits = cli.router.frontend_limits();
     let observe_opts = cli.observe.options();
     let worker_metrics = observe::up_worker_addrs(&observe_opts, &cli.topology)?;
     opts.worker_metrics = worker_metrics.clone();

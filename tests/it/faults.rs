@@ -726,3 +726,52 @@ fn a_short_soak_reports_every_call_and_fault() {
         "{v:#}"
     );
 }
+
+/// Issue 27, hole 3: 8 addresses x 8 connections trickling bytes at 1 byte/s into the
+/// router's mesh port used to hold every handshake place, so a restarted worker rejoined
+/// after 12 s (or not at all). The topology names every node's address: handshakes from
+/// them are never displaced by others', and the oldest stalled one gives way to a newcomer.
+/// The worker must serve again within 2 s of having loaded.
+#[test]
+fn a_restarted_worker_rejoins_within_two_seconds_while_the_mesh_port_is_slow_lorised() {
+    let _g = serial();
+    let s = start(&["0-15", "16-31"], false, |_| {});
+    let mut f = s.fabric;
+    let golden = confined(16, 57, 16, 31);
+    let opts = drive_opts(&f, Duration::from_secs(5));
+    let warm = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 4);
+    assert_eq!(Tally::of(&warm).ok, 4, "{}", describe(&warm));
+    let attack = crate::support::SlowLoris::start(f.router_mesh_addr(0), 8, 8, vec![0x45; 64]);
+    let t0 = Instant::now();
+    while attack.connects() < 64 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        attack.connects() >= 64,
+        "the attack opened {} connections",
+        attack.connects()
+    );
+    f.kill_worker(1);
+    let ready = f.start_worker(1).unwrap();
+    let mut back = None;
+    while back.is_none() && ready.elapsed() < Duration::from_secs(15) {
+        let r = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 1);
+        let r = &r[0];
+        assert_ne!(r.outcome, Outcome::Wrong);
+        if r.outcome == Outcome::Ok {
+            back = Some((r.start + r.latency).duration_since(ready));
+        } else {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let connects = attack.connects();
+    drop(attack);
+    let back = back.unwrap_or_else(|| {
+        panic!("cpu1 never served again within 15 s of loading while the mesh port was slow-lorised ({connects} attack connections):\n{}", f.log_tail_router(0))
+    });
+    assert!(
+        back < Duration::from_secs(2),
+        "cpu1 served again {back:?} after it had loaded (bound 2 s) while 8 addresses slow-lorised the router's mesh port"
+    );
+}

@@ -116,6 +116,8 @@ fn topo(tag: &str) -> Topo {
 struct Creds {
     master: PathBuf,
     frontend: Arc<Credentials>,
+    /// A second frontend's ("fe-other").
+    other: Arc<Credentials>,
     worker2: Arc<Credentials>,
 }
 
@@ -142,10 +144,12 @@ impl Creds {
             Arc::new(Credentials::load(&out).expect("load an issued credential"))
         };
         let frontend = issue(&["--frontend", "fe-honest"], "frontend.cred");
+        let other = issue(&["--frontend", "fe-other"], "other.cred");
         let worker2 = issue(&["--device", "local/cpu1"], "rank2.cred");
         Self {
             master,
             frontend,
+            other,
             worker2,
         }
     }
@@ -185,6 +189,11 @@ struct Fabric {
 
 impl Fabric {
     fn start(tag: &str) -> Fabric {
+        Self::start_with(tag, &[])
+    }
+
+    /// `up` with `extra` arguments.
+    fn start_with(tag: &str, extra: &[&str]) -> Fabric {
         let topo = topo(tag);
         let creds = Creds::new(&topo);
         let stderr_log = topo.dir.path().join("up.stderr");
@@ -202,6 +211,7 @@ impl Fabric {
         .arg(&topo.topology)
         .arg("--placement")
         .arg(&topo.placement)
+        .args(extra)
         .current_dir(crate::support::root())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -944,5 +954,281 @@ fn preauth_shm_hello_creates_no_ring() {
         peak_rss - base_rss <= FLAT_RSS_BYTES,
         "router RSS grew by {} bytes from unauthenticated shm hellos",
         peak_rss - base_rss
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 27: four holes found by probes written from the wire format.
+
+/// The incarnation the router's log gives for the live link of `rank` (the hello carries it
+/// in plaintext: anyone on the path can read it, so this is what an attacker knows).
+fn live_incarnation(log: &str, rank: u32) -> u64 {
+    let peer = format!("peer={rank}");
+    log.lines()
+        .filter(|l| l.contains("link established") && l.split_whitespace().any(|w| w == peer))
+        .filter_map(|l| {
+            let at = l.find("incarnation=")? + "incarnation=".len();
+            let hex: String = l[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_hexdigit())
+                .collect();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .next_back()
+        .unwrap_or_else(|| panic!("no 'link established' line for rank {rank} in:\n{log}"))
+}
+
+/// Hole 1: a second process holding rank 2's **own** credential, the live rank 2's
+/// fingerprint and its incarnation (both read off the plaintext hello) used to be taken for
+/// the live process reconnecting and swapped in: it got other clients' activations and its
+/// answers were returned as success. It must be refused and get nothing while rank 2 lives.
+#[test]
+fn a_duplicate_with_the_ranks_own_credential_and_copied_incarnation_is_refused() {
+    let _machine = crate::support::shared();
+    let mut f = Fabric::start("dup-inc");
+    let rt = rt();
+    let x = hidden_states(6, 11);
+    let baseline = rt.block_on(honest_call(&f, 0, &x)).expect("honest call");
+    let incarnation = live_incarnation(&f.stderr(), 2);
+    let links_of_rank2 = |log: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains("link established") && l.split_whitespace().any(|w| w == "peer=2")
+            })
+            .count()
+    };
+    let links_before = links_of_rank2(&f.stderr());
+    let dep = expertmesh_worker::deploy::Deployment::load(
+        &f.topo.topology,
+        "demo-small",
+        &f.topo.placement,
+        42,
+    )
+    .expect("the fabric's deployment");
+    let fingerprint = dep.fingerprints()[2];
+    let (leaked, answers) = rt.block_on(async {
+        let listen = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let peers = (0..3u32)
+            .map(|r| PeerAddress {
+                addr: match r {
+                    0 => f.topo.router_mesh,
+                    2 => listen,
+                    r => f.topo.workers[r as usize - 1],
+                },
+                link: LinkKind::Tcp,
+            })
+            .collect();
+        let mut cfg = MeshConfig::new(f.topo.name.clone(), 2, peers);
+        cfg.dial_ranks = Some(vec![0]);
+        cfg.protocol.codec = CodecConfig {
+            max_frame_bytes: MESH_MAX_FRAME,
+            payload_checksum: false,
+        };
+        cfg.protocol.recv_window_bytes = 2 * MESH_MAX_FRAME as u64;
+        cfg.protocol.incarnation = incarnation;
+        cfg.protocol.fingerprint = fingerprint;
+        cfg.protocol.credentials = Some(Arc::clone(&f.creds.worker2));
+        cfg.reconnect_initial = Duration::from_millis(50);
+        cfg.reconnect_max = Duration::from_millis(200);
+        let (rogue, mut events) = Mesh::start(cfg).await.expect("rogue mesh starts");
+        let leaked = Arc::new(AtomicU64::new(0));
+        let leaked2 = Arc::clone(&leaked);
+        let sink = tokio::spawn(async move {
+            while let Some(ev) = events.recv().await {
+                // Anything but the router's refusal (an error frame saying why) is a leak.
+                if let TransportEvent::Frame(fr) = ev
+                    && !matches!(fr.body(), Body::Error(_))
+                {
+                    leaked2.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        // Its handshake succeeds (it holds rank 2's key); the router then decides. Give it
+        // time to retry a few times.
+        let _ = rogue.wait_connected(&[0], Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut answers = Vec::new();
+        for layer in 0..4u32 {
+            answers.push((layer, honest_call(&f, layer, &x).await));
+        }
+        rogue.shutdown();
+        sink.abort();
+        (leaked.load(Ordering::Relaxed), answers)
+    });
+    f.assert_alive();
+    let log = f.stderr();
+    assert_eq!(
+        links_of_rank2(&log),
+        links_before,
+        "a duplicate rank 2 with its own credential and the live incarnation {incarnation:016x} \
+         was installed in place of the live one (router log):\n{log}"
+    );
+    assert_eq!(
+        leaked, 0,
+        "the duplicate rank 2 received {leaked} frames other than its refusal"
+    );
+    for (layer, a) in answers {
+        let a = a.unwrap_or_else(|e| panic!("honest call to layer {layer} failed: {e}"));
+        if layer == 0 {
+            assert_eq!(
+                a, baseline,
+                "an answer changed while a duplicate rank 2 tried"
+            );
+        }
+    }
+    assert!(
+        log.lines()
+            .any(|l| l.contains("refused a second connection") && l.contains("rank 2")),
+        "no refusal of the duplicate rank 2 in the router's log:\n{log}"
+    );
+}
+
+/// Hole 2: 8 addresses x 8 connections trickling their hello at 1 byte/s used to hold every
+/// handshake place of the frontend port (0 of 80 honest connections got in). Honest
+/// frontends must connect within 1 s each, and be answered, for the whole attack.
+#[test]
+fn honest_frontends_connect_within_a_second_while_eight_addresses_slow_loris_the_port() {
+    let _machine = crate::support::alone();
+    let f = Fabric::start("loris-fe");
+    let rt = rt();
+    let x = hidden_states(2, 5);
+    let baseline = rt.block_on(honest_call(&f, 1, &x)).expect("honest call");
+    let attack = crate::support::SlowLoris::start(
+        f.topo.frontend,
+        8,
+        8,
+        rogue_hello(&f.topo.name, u32::MAX, Vec::new()),
+    );
+    // Every handshake place taken (64 connections, each stalled for up to the 5 s timeout).
+    let t0 = Instant::now();
+    while attack.connects() < 64 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        attack.connects() >= 64,
+        "the attack opened {} connections",
+        attack.connects()
+    );
+    let cfg = f.frontend();
+    let mut slowest = Duration::ZERO;
+    for i in 0..10 {
+        let t = Instant::now();
+        let conn = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                FrameConnection::connect(f.topo.frontend, &cfg),
+            )
+            .await
+        });
+        let took = t.elapsed();
+        let mut conn = conn
+            .unwrap_or_else(|_| panic!("honest connection {i} not in after 10 s of the attack"))
+            .unwrap_or_else(|e| panic!("honest connection {i} refused during the attack: {e}"));
+        slowest = slowest.max(took);
+        let got = rt.block_on(call(&mut conn, 1, 1, &x));
+        assert_eq!(
+            got.as_ref(),
+            Ok(&baseline),
+            "honest call {i} during the attack"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the slowest of 10 honest connections took {slowest:?} to get in (bound 1 s) while \
+         8 addresses slow-lorised the frontend port ({} attack connections)",
+        attack.connects()
+    );
+    drop(attack);
+}
+
+/// Hole 4: one frontend's idle connections used to take the whole connection memory budget
+/// (64 connections) and lock every other frontend out. One frontend holds at most 16
+/// (`--max-connections-per-frontend`); the 17th is refused saying so; another frontend is
+/// served meanwhile; idle connections are closed after `--frontend-idle-timeout-s` (here 3 s)
+/// and a connection in use is not.
+#[test]
+fn one_frontends_connections_are_capped_and_idle_ones_closed() {
+    let _machine = crate::support::shared();
+    let f = Fabric::start_with("fe-cap", &["--frontend-idle-timeout-s", "3"]);
+    let rt = rt();
+    let x = hidden_states(2, 9);
+    let baseline = rt.block_on(honest_call(&f, 2, &x)).expect("honest call");
+    let cfg = f.frontend();
+    let (mut open, mut refused) = (Vec::new(), Vec::new());
+    for i in 0..64u64 {
+        let mut conn = rt
+            .block_on(FrameConnection::connect(f.topo.frontend, &cfg))
+            .unwrap_or_else(|e| panic!("connection {i}: handshake failed: {e}"));
+        match rt.block_on(call(&mut conn, i + 1, 2, &x)) {
+            Ok(bits) => {
+                assert_eq!(bits, baseline, "connection {i}'s answer");
+                open.push(conn);
+            }
+            Err(e) => refused.push(e),
+        }
+    }
+    assert_eq!(
+        (open.len(), refused.len()),
+        (16, 48),
+        "one frontend's 64 connections: {} served, refused: {:?}",
+        open.len(),
+        refused.first()
+    );
+    assert!(
+        refused
+            .iter()
+            .all(|e| e.contains("already has 16 connections open")
+                && e.contains("--max-connections-per-frontend")),
+        "refusals do not say why: {:?}",
+        refused.first()
+    );
+    // Another frontend is served while the first holds its 16.
+    let mut other_cfg = FrontendConfig::new(&f.topo.name);
+    other_cfg.credentials = Some(Arc::clone(&f.creds.other));
+    let mut other = rt
+        .block_on(FrameConnection::connect(f.topo.frontend, &other_cfg))
+        .expect("another frontend connects");
+    assert_eq!(
+        rt.block_on(call(&mut other, 1, 2, &x)).as_ref(),
+        Ok(&baseline)
+    );
+    // Past the idle timeout: one connection kept busy (a call a second) stays open, the idle
+    // ones are closed with a message saying why.
+    let mut busy = open.pop().expect("a served connection");
+    for i in 0..5u64 {
+        std::thread::sleep(Duration::from_secs(1));
+        let got = rt.block_on(call(&mut busy, 100 + i, 2, &x));
+        assert_eq!(got.as_ref(), Ok(&baseline), "busy connection, call {i}");
+    }
+    for (i, conn) in open.iter_mut().enumerate() {
+        let r = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), conn.read_frame()).await
+        });
+        match r {
+            Ok(Ok(fr)) => match fr.body() {
+                Body::Error(e) => assert!(
+                    e.message.contains("idle timeout"),
+                    "idle connection {i}: {}",
+                    e.message
+                ),
+                other => panic!("idle connection {i}: unexpected {other:?}"),
+            },
+            Ok(Err(_)) => {} // closed
+            Err(_) => panic!("idle connection {i} still open 5 s after the 3 s idle timeout"),
+        }
+    }
+    drop(open);
+    // Their places are free again.
+    let mut again = rt
+        .block_on(FrameConnection::connect(f.topo.frontend, &cfg))
+        .expect("the first frontend connects again");
+    assert_eq!(
+        rt.block_on(call(&mut again, 1, 2, &x)).as_ref(),
+        Ok(&baseline)
     );
 }

@@ -179,3 +179,118 @@ pub(crate) fn shared() -> RwLockReadGuard<'static, ()> {
 pub(crate) fn alone() -> RwLockWriteGuard<'static, ()> {
     MACHINE.write().unwrap_or_else(|e| e.into_inner())
 }
+
+/// A slow-loris attack on one listener (issue 27): from each of `sources` (loopback
+/// addresses other than 127.0.0.1), `per_source` connections that trickle `prefix` one byte
+/// a second, each reconnecting 50 ms after the listener closes it, until dropped.
+pub(crate) struct SlowLoris {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    connects: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SlowLoris {
+    /// Starts the attack on `to` from 127.0.0.2, 127.0.0.3, ... (`sources` addresses).
+    pub(crate) fn start(
+        to: std::net::SocketAddr,
+        sources: u8,
+        per_source: usize,
+        prefix: Vec<u8>,
+    ) -> SlowLoris {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let stop = Arc::new(AtomicBool::new(false));
+        let connects = Arc::new(AtomicU64::new(0));
+        let (stop2, connects2) = (Arc::clone(&stop), Arc::clone(&connects));
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a tokio runtime");
+            rt.block_on(async move {
+                let prefix = Arc::new(prefix);
+                let mut tasks = Vec::new();
+                for s in 0..sources {
+                    let src = std::net::SocketAddr::from(([127, 0, 0, 2 + s], 0));
+                    for _ in 0..per_source {
+                        let (stop, connects, prefix) = (
+                            Arc::clone(&stop2),
+                            Arc::clone(&connects2),
+                            Arc::clone(&prefix),
+                        );
+                        tasks.push(tokio::spawn(async move {
+                            while !stop.load(Ordering::Relaxed) {
+                                trickle(src, to, &prefix, &stop, &connects).await;
+                                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                            }
+                        }));
+                    }
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+            });
+        });
+        SlowLoris {
+            stop,
+            connects,
+            thread: Some(thread),
+        }
+    }
+
+    /// Connections opened so far.
+    pub(crate) fn connects(&self) -> u64 {
+        self.connects.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// One slow-loris connection: connect from `src`, then one byte of `prefix` a second until
+/// the listener closes it (a write fails) or `stop`.
+async fn trickle(
+    src: std::net::SocketAddr,
+    to: std::net::SocketAddr,
+    prefix: &[u8],
+    stop: &std::sync::atomic::AtomicBool,
+    connects: &std::sync::atomic::AtomicU64,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
+        return;
+    };
+    if socket.bind(src).is_err() {
+        return;
+    }
+    let connect = tokio::time::timeout(std::time::Duration::from_secs(1), socket.connect(to));
+    let Ok(Ok(mut stream)) = connect.await else {
+        return;
+    };
+    connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    for b in prefix {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) || stream.write_all(&[*b]).await.is_err()
+        {
+            return;
+        }
+        // Wait a second in slices, watching for the listener closing the connection (a read
+        // of 0 bytes or an error) and for `stop`.
+        let mut sink = [0u8; 256];
+        for _ in 0..10 {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                return;
+            }
+            let read = std::time::Duration::from_millis(100);
+            match tokio::time::timeout(read, stream.read(&mut sink)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return,
+                Ok(Ok(_)) | Err(_) => {}
+            }
+        }
+    }
+}
+
+impl Drop for SlowLoris {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -63,10 +63,73 @@ pub struct FrontendConfig {
     /// Server side: the bytes all authenticated connections may reserve for their buffers
     /// together; each reserves [`FrontendConfig::connection_reserve_bytes`].
     pub memory_budget: MemoryBudget,
+    /// Server side: the open connections of each frontend name, capped at
+    /// [`FrontendConfig::max_connections_per_frontend`] (clones share the counts), so that
+    /// one frontend cannot take the whole memory budget from the others.
+    pub per_frontend: FrontendConnections,
+    /// Server side: most connections one frontend name may hold open at once (0: no limit).
+    pub max_connections_per_frontend: u32,
+    /// Server side: a connection with no request in flight that has sent no request for this
+    /// long is closed (`None`: never). Heartbeats do not count as requests.
+    pub idle_timeout: Option<Duration>,
 }
 
 /// Default [`FrontendConfig::memory_budget`]: 8 GiB.
 pub const DEFAULT_FRONTEND_MEMORY_BUDGET: u64 = 8 << 30;
+/// Default [`FrontendConfig::max_connections_per_frontend`]: 16 (with 64 MiB frames each
+/// reserves 128 MiB, so one frontend holds at most a quarter of the default budget).
+pub const DEFAULT_MAX_CONNECTIONS_PER_FRONTEND: u32 = 16;
+/// Default [`FrontendConfig::idle_timeout`]: 5 minutes.
+pub const DEFAULT_FRONTEND_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The open connections of each frontend name on one listener. Clones share the counts.
+#[derive(Clone, Debug, Default)]
+pub struct FrontendConnections(Arc<Mutex<std::collections::HashMap<String, u32>>>);
+
+impl FrontendConnections {
+    /// Counts a new connection of frontend `name`, or says why not (`limit` 0: no limit).
+    pub fn open(&self, name: &str, limit: u32) -> Result<FrontendConnectionSlot, String> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(name.to_owned()).or_insert(0);
+        if limit > 0 && *n >= limit {
+            return Err(format!(
+                "frontend {name:?} already has {n} connections open to this router, the most one \
+                 frontend may hold (router --max-connections-per-frontend); close idle ones or \
+                 share fewer among more calls"
+            ));
+        }
+        *n += 1;
+        Ok(FrontendConnectionSlot {
+            counts: self.clone(),
+            name: name.to_owned(),
+        })
+    }
+
+    /// Open connections of frontend `name`.
+    pub fn count(&self, name: &str) -> u32 {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// One counted connection of a frontend; dropping it frees its place.
+#[derive(Debug)]
+pub struct FrontendConnectionSlot {
+    counts: FrontendConnections,
+    name: String,
+}
+
+impl Drop for FrontendConnectionSlot {
+    fn drop(&mut self) {
+        let mut m = self.counts.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.name) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.name);
+            }
+        }
+    }
+}
 
 /// Whether a frontend listener lets clients in. Clones share one state.
 #[derive(Clone, Debug, Default)]
@@ -96,7 +159,8 @@ impl FrontendGate {
 
 impl FrontendConfig {
     /// Defaults for `cluster`: no credentials, 64 MiB frames, 5 s handshake, 8 handshakes per
-    /// source address and 64 in all, an 8 GiB connection memory budget.
+    /// source address and 64 in all, an 8 GiB connection memory budget, 16 connections per
+    /// frontend name, idle connections closed after 5 minutes.
     pub fn new(cluster: impl Into<String>) -> Self {
         Self {
             cluster: cluster.into(),
@@ -110,6 +174,9 @@ impl FrontendConfig {
             gate: FrontendGate::default(),
             handshake_gate: HandshakeGate::default(),
             memory_budget: MemoryBudget::new(DEFAULT_FRONTEND_MEMORY_BUDGET),
+            per_frontend: FrontendConnections::default(),
+            max_connections_per_frontend: DEFAULT_MAX_CONNECTIONS_PER_FRONTEND,
+            idle_timeout: Some(DEFAULT_FRONTEND_IDLE_TIMEOUT),
         }
     }
 
@@ -301,15 +368,17 @@ impl IncomingClient {
         let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
         let peer = self.peer;
         let mut crypt = Crypt::default();
-        let r = handshake(
-            &mut self.stream,
-            &mut conn,
-            &self.cfg.codec,
-            None,
-            self.cfg.handshake_timeout,
-            &mut crypt,
-        )
-        .await;
+        let r = tokio::select! {
+            r = handshake(
+                &mut self.stream,
+                &mut conn,
+                &self.cfg.codec,
+                None,
+                self.cfg.handshake_timeout,
+                &mut crypt,
+            ) => r,
+            () = self.permit.evicted() => Err(ProtocolError::Closed(crate::tcp::EVICTED_REASON.into())),
+        };
         drop(self.permit);
         let refused = |source: ProtocolError| {
             log_refusal(
@@ -320,17 +389,27 @@ impl IncomingClient {
             );
             FrontendError::Handshake { peer, source }
         };
-        if let Err(source) = r {
-            return Err(refused(source));
-        }
-        let budget = self
+        let client = match r {
+            Ok(client) => client,
+            Err(source) => return Err(refused(source)),
+        };
+        let admitted = self
             .cfg
-            .memory_budget
-            .reserve(self.cfg.connection_reserve_bytes());
+            .per_frontend
+            .open(&client.identity, self.cfg.max_connections_per_frontend)
+            .and_then(|slot| {
+                let budget = self
+                    .cfg
+                    .memory_budget
+                    .reserve(self.cfg.connection_reserve_bytes());
+                budget.map(|reservation| (slot, reservation))
+            });
         let mut c = FrameConnection::from_stream(self.stream, peer, self.cfg.codec, crypt);
-        match budget {
-            Ok(reservation) => {
+        match admitted {
+            Ok((slot, reservation)) => {
                 c.reader.reservation = Some(reservation);
+                c.reader.frontend_slot = Some(slot);
+                c.reader.frontend = client.identity;
                 Ok(c)
             }
             Err(why) => {
@@ -450,6 +529,8 @@ impl FrameConnection {
                 codec,
                 pool: BufPool::new(4 * codec.max_frame_bytes as u64),
                 reservation: None,
+                frontend_slot: None,
+                frontend: String::new(),
             },
             writer: FrameWriter {
                 write: w,
@@ -522,9 +603,19 @@ pub struct FrameReader {
     pool: Arc<BufPool>,
     /// Server side: this connection's share of the listener's memory budget.
     reservation: Option<MemoryReservation>,
+    /// Server side: this connection's place among its frontend's connections.
+    frontend_slot: Option<FrontendConnectionSlot>,
+    /// Server side: the frontend name the client authenticated as.
+    frontend: String,
 }
 
 impl FrameReader {
+    /// Server side: the frontend name the client authenticated as (claimed, without
+    /// credentials).
+    pub fn frontend(&self) -> &str {
+        &self.frontend
+    }
+
     /// Reads the next application frame (heartbeats are skipped).
     pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
         loop {

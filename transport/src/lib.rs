@@ -124,6 +124,6 @@ pub use mesh::{
 };
 pub use protocol::ProtocolConfig;
 pub use tcp::{
-    HANDSHAKES_PER_SOURCE, HANDSHAKES_TOTAL, HandshakeGate, HandshakePermit, MemoryBudget,
-    MemoryReservation, REFUSAL_LOGS_PER_SECOND, log_refusal,
+    EVICTED_REASON, HANDSHAKE_EVICT_AFTER, HANDSHAKES_PER_SOURCE, HANDSHAKES_TOTAL, HandshakeGate,
+    HandshakePermit, MemoryBudget, MemoryReservation, REFUSAL_LOGS_PER_SECOND, log_refusal,
 };

@@ -98,7 +98,9 @@ pub struct MeshConfig {
     /// and `Some(vec![])` on rank 0; then only rank 0's address must be reachable.
     pub dial_ranks: Option<Vec<Rank>>,
     /// Limits on handshakes in progress on this rank's listener (per source address and in
-    /// total); connections over them are closed at once.
+    /// total; connections over them are closed at once or evict the oldest handshake). It
+    /// trusts the addresses of `peers` (set by [`MeshConfig::new`]): their handshakes are
+    /// never displaced by other addresses'.
     pub handshake_gate: crate::tcp::HandshakeGate,
 }
 
@@ -106,6 +108,8 @@ impl MeshConfig {
     /// A configuration for `rank` of `peers.len()` ranks with default settings.
     pub fn new(cluster: impl Into<String>, rank: Rank, peers: Vec<PeerAddress>) -> Self {
         let world = peers.len() as u32;
+        let handshake_gate =
+            crate::tcp::HandshakeGate::default().trusting(peers.iter().map(|p| p.addr.ip()));
         Self {
             protocol: ProtocolConfig::new(cluster, rank, world),
             peers,
@@ -114,7 +118,7 @@ impl MeshConfig {
             shm: ShmConfig::default(),
             rdma_device: None,
             dial_ranks: None,
-            handshake_gate: crate::tcp::HandshakeGate::default(),
+            handshake_gate,
         }
     }
 }
@@ -243,9 +247,18 @@ impl MeshInner {
     }
 
     /// Installs an established link for its peer, replacing an older one that has failed or
-    /// gone silent. A connection from another process claiming a rank whose link is live (a
-    /// second worker started for the same device) is refused: told why, closed, and logged
-    /// (rate-limited); the live link stays.
+    /// gone silent. A new connection claiming a rank whose link is live (heard from within
+    /// [`MeshInner::live_window`]) is refused, whatever incarnation its hello claims: told why,
+    /// closed, and logged (rate-limited); the live link stays.
+    ///
+    /// The incarnation is not trusted here: it travels in the hello before authentication, so
+    /// anyone who saw it can send it, and a second process holding the rank's credential (a
+    /// stolen file, a duplicate started from a copied deployment) that claimed the live
+    /// process's incarnation used to be taken for that process reconnecting and swapped in
+    /// (issue 27). The live process itself never needs to displace a live link: a process that
+    /// gives a link up closes its socket (the close ends the link here), and a link whose peer
+    /// can no longer reach it falls silent and stops counting as live within the window, so a
+    /// genuine redial is accepted at most one window later.
     fn install(self: &Arc<Self>, new: NewLink, from: Option<SocketAddr>) -> Option<Arc<Link>> {
         let rank = new.peer.rank;
         let kind = new.kind;
@@ -255,7 +268,6 @@ impl MeshInner {
         let mut cur = slot.current.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(live) = cur.as_ref()
             && !live.is_closed()
-            && live.peer_incarnation() != Some(incarnation)
             && live.last_heard().elapsed() < self.live_window()
         {
             let theirs = live.peer_incarnation().unwrap_or(0);
@@ -302,7 +314,7 @@ impl MeshInner {
         let incarnation = new.peer.incarnation;
         let from_s = from.map_or_else(|| "?".to_owned(), |a| a.to_string());
         let message = format!(
-            "rank {rank} is already served by a live process (incarnation {live:016x}); this              connection from {from_s} (incarnation {incarnation:016x}) is refused: two processes              were started for the same rank (check the --device of every worker)"
+            "rank {rank} is already served by a live link (incarnation {live:016x}); this              connection from {from_s} (claiming incarnation {incarnation:016x}) is refused: two              processes were started for the same rank (check the --device of every worker), or the              live one's link was not yet given up (it is redialled)"
         );
         {
             let slot = &self.peers[rank as usize];
@@ -732,7 +744,15 @@ async fn accept_one(
     permit: crate::tcp::HandshakePermit,
 ) -> Result<(), setup::Refused> {
     let from = stream.peer_addr().ok();
-    let est = setup::accept(&inner.setup, stream).await?;
+    let est = tokio::select! {
+        est = setup::accept(&inner.setup, stream) => est?,
+        () = permit.evicted() => {
+            return Err(setup::Refused {
+                claimed: None,
+                error: ProtocolError::Closed(crate::tcp::EVICTED_REASON.into()),
+            });
+        }
+    };
     drop(permit);
     inner.adopt(est, from);
     Ok(())

@@ -630,25 +630,53 @@ async fn tcp_reader(
 }
 
 /// Limits on handshakes in progress on one listener: at most `per_source` from one IP address
-/// and `total` in all. A connection over either limit is closed at once, before anything is
-/// read from it. Clones share the counts.
+/// and `total` in all. A connection over the per-source limit is closed at once, before
+/// anything is read from it. When all `total` places are taken, a new connection takes the
+/// place of the oldest handshake from another address that has been in progress for at least
+/// [`HANDSHAKE_EVICT_AFTER`] (an honest handshake takes milliseconds, a slow-loris holds its
+/// place for the whole handshake timeout): that one is told to stop
+/// ([`HandshakePermit::evicted`]) and closed. Handshakes from `trusted` addresses (a mesh
+/// listener trusts the addresses its topology names) are evicted only for another trusted
+/// one, and only after every untrusted one. So a few addresses trickling bytes cannot keep
+/// honest connections out (issue 27): at worst they slow each other down. Clones share the
+/// counts.
 #[derive(Clone, Debug)]
 pub struct HandshakeGate {
     inner: Arc<std::sync::Mutex<GateState>>,
     per_source: u32,
     total: u32,
+    trusted: Arc<std::collections::HashSet<std::net::IpAddr>>,
 }
 
 #[derive(Debug, Default)]
 struct GateState {
     by_source: std::collections::HashMap<std::net::IpAddr, u32>,
-    total: u32,
+    /// Handshakes in progress, by permit id.
+    pending: std::collections::HashMap<u64, Pending>,
+    next_id: u64,
+    evictions: u64,
+}
+
+#[derive(Debug)]
+struct Pending {
+    ip: std::net::IpAddr,
+    since: Instant,
+    eviction: Arc<Eviction>,
+}
+
+/// The signal an evicted handshake waits on.
+#[derive(Debug, Default)]
+struct Eviction {
+    evicted: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
 }
 
 /// Default limit of concurrent handshakes from one source address.
 pub const HANDSHAKES_PER_SOURCE: u32 = 8;
 /// Default limit of concurrent handshakes on one listener.
 pub const HANDSHAKES_TOTAL: u32 = 64;
+/// How long a handshake is safe from eviction by newer connections ([`HandshakeGate`]).
+pub const HANDSHAKE_EVICT_AFTER: Duration = Duration::from_millis(250);
 
 impl Default for HandshakeGate {
     fn default() -> Self {
@@ -663,36 +691,116 @@ impl HandshakeGate {
             inner: Arc::default(),
             per_source,
             total,
+            trusted: Arc::default(),
+        }
+    }
+
+    /// The same limits, with handshakes from `ips` evicted last (a mesh listener's known
+    /// peers). The counts start afresh.
+    pub fn trusting(self, ips: impl IntoIterator<Item = std::net::IpAddr>) -> Self {
+        Self {
+            inner: Arc::default(),
+            trusted: Arc::new(ips.into_iter().collect()),
+            ..self
         }
     }
 
     /// Admits a handshake from `ip`, or says which limit it hit.
     pub fn try_enter(&self, ip: std::net::IpAddr) -> Result<HandshakePermit, String> {
+        self.try_enter_at(ip, Instant::now())
+    }
+
+    /// [`HandshakeGate::try_enter`] at time `now` (tests pass their own clock).
+    pub fn try_enter_at(
+        &self,
+        ip: std::net::IpAddr,
+        now: Instant,
+    ) -> Result<HandshakePermit, String> {
         let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if st.total >= self.total {
-            return Err(format!(
-                "{} handshakes already in progress (limit {})",
-                st.total, self.total
-            ));
-        }
-        let n = st.by_source.entry(ip).or_insert(0);
-        if *n >= self.per_source {
+        let n = st.by_source.get(&ip).copied().unwrap_or(0);
+        if n >= self.per_source {
             return Err(format!(
                 "{n} handshakes from {ip} already in progress (limit {})",
                 self.per_source
             ));
         }
-        *n += 1;
-        st.total += 1;
+        if st.pending.len() as u32 >= self.total {
+            let Some(victim) = self.victim(&st, ip, now) else {
+                return Err(format!(
+                    "{} handshakes already in progress (limit {}), none older than {:?} from another address",
+                    st.pending.len(),
+                    self.total,
+                    HANDSHAKE_EVICT_AFTER
+                ));
+            };
+            if let Some(p) = Self::remove(&mut st, victim) {
+                p.eviction
+                    .evicted
+                    .store(true, std::sync::atomic::Ordering::Release);
+                p.eviction.notify.notify_one();
+                st.evictions += 1;
+            }
+        }
+        *st.by_source.entry(ip).or_insert(0) += 1;
+        let id = st.next_id;
+        st.next_id += 1;
+        let eviction = Arc::new(Eviction::default());
+        st.pending.insert(
+            id,
+            Pending {
+                ip,
+                since: now,
+                eviction: Arc::clone(&eviction),
+            },
+        );
         Ok(HandshakePermit {
             gate: self.clone(),
-            ip,
+            id,
+            eviction,
         })
+    }
+
+    /// The handshake a newcomer from `ip` may take the place of: the oldest one from another
+    /// address in progress for at least [`HANDSHAKE_EVICT_AFTER`], untrusted ones first; a
+    /// newcomer from an untrusted address never displaces a trusted one.
+    fn victim(&self, st: &GateState, ip: std::net::IpAddr, now: Instant) -> Option<u64> {
+        let newcomer_trusted = self.trusted.contains(&ip);
+        st.pending
+            .iter()
+            .filter(|(_, p)| {
+                p.ip != ip && now.saturating_duration_since(p.since) >= HANDSHAKE_EVICT_AFTER
+            })
+            .filter(|(_, p)| newcomer_trusted || !self.trusted.contains(&p.ip))
+            .min_by_key(|(id, p)| (self.trusted.contains(&p.ip), p.since, **id))
+            .map(|(id, _)| *id)
+    }
+
+    fn remove(st: &mut GateState, id: u64) -> Option<Pending> {
+        let p = st.pending.remove(&id)?;
+        if let Some(n) = st.by_source.get_mut(&p.ip) {
+            *n -= 1;
+            if *n == 0 {
+                st.by_source.remove(&p.ip);
+            }
+        }
+        Some(p)
     }
 
     /// Handshakes in progress now.
     pub fn in_progress(&self) -> u32 {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).total
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pending
+            .len() as u32
+    }
+
+    /// Handshakes evicted so far to make room for newer connections.
+    pub fn evictions(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .evictions
     }
 }
 
@@ -700,19 +808,42 @@ impl HandshakeGate {
 #[derive(Debug)]
 pub struct HandshakePermit {
     gate: HandshakeGate,
-    ip: std::net::IpAddr,
+    id: u64,
+    eviction: Arc<Eviction>,
 }
+
+impl HandshakePermit {
+    /// Completes when a newer connection has taken this handshake's place (see
+    /// [`HandshakeGate`]): the handshake is to be abandoned and its connection closed.
+    pub async fn evicted(&self) {
+        loop {
+            let notified = self.eviction.notify.notified();
+            if self
+                .eviction
+                .evicted
+                .load(std::sync::atomic::Ordering::Acquire)
+            {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Whether a newer connection has taken this handshake's place.
+    pub fn is_evicted(&self) -> bool {
+        self.eviction
+            .evicted
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// Why an evicted handshake ended (for logs and errors).
+pub const EVICTED_REASON: &str = "handshake evicted: every handshake place was taken and this one was the oldest (a slow or stalled hello); connect again";
 
 impl Drop for HandshakePermit {
     fn drop(&mut self) {
         let mut st = self.gate.inner.lock().unwrap_or_else(|e| e.into_inner());
-        st.total = st.total.saturating_sub(1);
-        if let Some(n) = st.by_source.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                st.by_source.remove(&self.ip);
-            }
-        }
+        HandshakeGate::remove(&mut st, self.id);
     }
 }
 
@@ -838,6 +969,91 @@ mod tests {
         drop(p1);
         assert_eq!(g.in_progress(), 2);
         assert!(g.try_enter(a).is_ok(), "a freed place is reused");
+    }
+
+    #[test]
+    fn a_full_gate_evicts_the_oldest_handshake_of_another_address_once_old_enough() {
+        let g = HandshakeGate::new(2, 3);
+        let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap() };
+        let t0 = Instant::now();
+        let old = g.try_enter_at(ip("10.0.0.1"), t0).unwrap();
+        let mid = g
+            .try_enter_at(ip("10.0.0.1"), t0 + Duration::from_millis(10))
+            .unwrap();
+        let young = g
+            .try_enter_at(ip("10.0.0.2"), t0 + Duration::from_millis(20))
+            .unwrap();
+        // Full, and nothing is old enough yet: refused.
+        let soon = t0 + HANDSHAKE_EVICT_AFTER / 2;
+        assert!(
+            g.try_enter_at(ip("10.0.0.3"), soon)
+                .unwrap_err()
+                .contains("limit 3")
+        );
+        // Later, the oldest (from another address) makes room.
+        let later = t0 + HANDSHAKE_EVICT_AFTER + Duration::from_millis(5);
+        let newcomer = g.try_enter_at(ip("10.0.0.3"), later).unwrap();
+        assert!(old.is_evicted() && !mid.is_evicted() && !young.is_evicted());
+        assert_eq!((g.in_progress(), g.evictions()), (3, 1));
+        // A newcomer from 10.0.0.2 takes the place of another address's old enough
+        // handshake (10.0.0.1's `mid`), never its own address's.
+        let again = g
+            .try_enter_at(ip("10.0.0.2"), later + Duration::from_millis(30))
+            .unwrap();
+        assert!(mid.is_evicted() && !young.is_evicted() && !newcomer.is_evicted());
+        drop(old);
+        drop(mid);
+        assert_eq!(
+            g.in_progress(),
+            3,
+            "an evicted permit's drop frees nothing twice"
+        );
+        drop((young, newcomer, again));
+        assert_eq!(g.in_progress(), 0);
+    }
+
+    #[test]
+    fn untrusted_addresses_never_displace_trusted_handshakes() {
+        let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap() };
+        let g = HandshakeGate::new(4, 2).trusting([ip("10.0.0.1"), ip("10.0.0.2")]);
+        let t0 = Instant::now();
+        let later = t0 + 2 * HANDSHAKE_EVICT_AFTER;
+        let peer = g.try_enter_at(ip("10.0.0.1"), t0).unwrap();
+        let rogue = g
+            .try_enter_at(ip("10.9.0.1"), t0 + Duration::from_millis(1))
+            .unwrap();
+        // An untrusted newcomer may only take an untrusted place.
+        let rogue2 = g.try_enter_at(ip("10.9.0.2"), later).unwrap();
+        assert!(rogue.is_evicted() && !peer.is_evicted());
+        let e = g.try_enter_at(ip("10.9.0.3"), later).unwrap_err();
+        assert!(e.contains("limit 2"), "{e}");
+        // A trusted newcomer takes an untrusted place before an older trusted one.
+        let at = later + HANDSHAKE_EVICT_AFTER;
+        let peer2 = g.try_enter_at(ip("10.0.0.2"), at).unwrap();
+        assert!(rogue2.is_evicted() && !peer.is_evicted() && !peer2.is_evicted());
+        // Then, with only trusted ones left, the oldest of another address.
+        let peer3 = g
+            .try_enter_at(ip("10.0.0.2"), at + Duration::from_millis(1))
+            .unwrap();
+        assert!(peer.is_evicted() && !peer2.is_evicted() && !peer3.is_evicted());
+    }
+
+    #[tokio::test]
+    async fn an_evicted_permit_wakes_its_waiter() {
+        let g = HandshakeGate::new(1, 1);
+        let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap() };
+        let t0 = Instant::now();
+        let first = g.try_enter_at(ip("10.0.0.1"), t0).unwrap();
+        let wait = tokio::spawn(async move {
+            first.evicted().await;
+            first.is_evicted()
+        });
+        tokio::task::yield_now().await;
+        let _second = g
+            .try_enter_at(ip("10.0.0.2"), t0 + HANDSHAKE_EVICT_AFTER)
+            .unwrap();
+        let woke = tokio::time::timeout(Duration::from_secs(5), wait).await;
+        assert!(woke.expect("woken within 5 s").unwrap());
     }
 
     #[test]

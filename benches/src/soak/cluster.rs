@@ -344,6 +344,11 @@ impl FaultCluster {
         self.router_addrs[i].0
     }
 
+    /// Router `i`'s mesh address (where workers connect).
+    pub fn router_mesh_addr(&self, i: usize) -> SocketAddr {
+        self.router_addrs[i].1
+    }
+
     /// The namespace client threads must enter first (`netns::enter`), when there is one.
     pub fn client_namespace(&self) -> Option<String> {
         self.net.as_ref().map(|e| e.node_ns(0))
