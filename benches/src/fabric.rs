@@ -193,6 +193,9 @@ impl LinkRun<'_> {
         let mut opts = LocalFabricOptions::new(topology, &o.model, placement);
         opts.ephemeral_ports = true;
         opts.link = link;
+        // Every client of this bench is one unnamed frontend: let it open them all.
+        let cap = &mut opts.frontend_limits.max_connections_per_frontend;
+        *cap = (*cap).max(u32::try_from(o.clients).unwrap_or(u32::MAX));
         opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
             max_batch_tokens: maxb,

@@ -1154,7 +1154,15 @@ fn honest_frontends_connect_within_a_second_while_eight_addresses_slow_loris_the
 #[test]
 fn one_frontends_connections_are_capped_and_idle_ones_closed() {
     let _machine = crate::support::shared();
-    let f = Fabric::start_with("fe-cap", &["--frontend-idle-timeout-s", "3"]);
+    let f = Fabric::start_with(
+        "fe-cap",
+        &[
+            "--max-connections-per-frontend",
+            "16",
+            "--frontend-idle-timeout-s",
+            "3",
+        ],
+    );
     let rt = rt();
     let x = hidden_states(2, 9);
     let baseline = rt.block_on(honest_call(&f, 2, &x)).expect("honest call");
@@ -1180,10 +1188,9 @@ fn one_frontends_connections_are_capped_and_idle_ones_closed() {
         refused.first()
     );
     assert!(
-        refused
-            .iter()
-            .all(|e| e.contains("already has 16 connections open")
-                && e.contains("--max-connections-per-frontend")),
+        refused.iter().all(|e| e
+            .contains("16 connections of frontend \"fe-honest\" are already open")
+            && e.contains("--max-connections-per-frontend")),
         "refusals do not say why: {:?}",
         refused.first()
     );

@@ -76,9 +76,10 @@ pub struct FrontendConfig {
 
 /// Default [`FrontendConfig::memory_budget`]: 8 GiB.
 pub const DEFAULT_FRONTEND_MEMORY_BUDGET: u64 = 8 << 30;
-/// Default [`FrontendConfig::max_connections_per_frontend`]: 16 (with 64 MiB frames each
-/// reserves 128 MiB, so one frontend holds at most a quarter of the default budget).
-pub const DEFAULT_MAX_CONNECTIONS_PER_FRONTEND: u32 = 16;
+/// Default [`FrontendConfig::max_connections_per_frontend`]: 32 (with 64 MiB frames each
+/// reserves 128 MiB, so one frontend holds at most half of the default budget and the others
+/// always have the other half).
+pub const DEFAULT_MAX_CONNECTIONS_PER_FRONTEND: u32 = 32;
 /// Default [`FrontendConfig::idle_timeout`]: 5 minutes.
 pub const DEFAULT_FRONTEND_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -92,8 +93,13 @@ impl FrontendConnections {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let n = m.entry(name.to_owned()).or_insert(0);
         if limit > 0 && *n >= limit {
+            let who = if name.is_empty() {
+                "frontends without a name (no credentials)".to_owned()
+            } else {
+                format!("frontend {name:?}")
+            };
             return Err(format!(
-                "frontend {name:?} already has {n} connections open to this router, the most one \
+                "{n} connections of {who} are already open to this router, the most one \
                  frontend may hold (router --max-connections-per-frontend); close idle ones or \
                  share fewer among more calls"
             ));
@@ -159,7 +165,7 @@ impl FrontendGate {
 
 impl FrontendConfig {
     /// Defaults for `cluster`: no credentials, 64 MiB frames, 5 s handshake, 8 handshakes per
-    /// source address and 64 in all, an 8 GiB connection memory budget, 16 connections per
+    /// source address and 64 in all, an 8 GiB connection memory budget, 32 connections per
     /// frontend name, idle connections closed after 5 minutes.
     pub fn new(cluster: impl Into<String>) -> Self {
         Self {
