@@ -770,6 +770,7 @@ fn a_restarted_worker_rejoins_within_two_seconds_while_the_mesh_port_is_slow_lor
     let back = back.unwrap_or_else(|| {
         panic!("cpu1 never served again within 15 s of loading while the mesh port was slow-lorised ({connects} attack connections):\n{}", f.log_tail_router(0))
     });
+    println!("cpu1 served again {back:?} after loading ({connects} attack connections)");
     assert!(
         back < Duration::from_secs(2),
         "cpu1 served again {back:?} after it had loaded (bound 2 s) while 8 addresses slow-lorised the router's mesh port"
