@@ -1243,3 +1243,40 @@ fn one_frontends_connections_are_capped_and_idle_ones_closed() {
         Ok(&baseline)
     );
 }
+
+/// The idle timeout does not break a plain client that calls again later: before its next
+/// request a `RouterClient` whose connection the router closed for idleness connects again
+/// (the router read nothing after deciding), and the call is answered bit for bit.
+#[test]
+fn a_plain_client_reconnects_after_the_router_closed_it_for_idleness() {
+    let _machine = crate::support::shared();
+    let f = Fabric::start_with("idle-rc", &["--frontend-idle-timeout-s", "1"]);
+    let rt = rt();
+    let x = hidden_states(3, 21);
+    let mut client = rt
+        .block_on(expertmesh_router::client::RouterClient::connect(
+            f.topo.frontend,
+            &f.frontend(),
+        ))
+        .expect("client connects");
+    let deadline = Some(Duration::from_secs(20));
+    let first = rt
+        .block_on(client.call(1, &x, HIDDEN, None, deadline))
+        .expect("first call");
+    for round in 0..2 {
+        std::thread::sleep(Duration::from_millis(2500));
+        let again = rt
+            .block_on(client.call(1, &x, HIDDEN, None, deadline))
+            .unwrap_or_else(|e| panic!("call after {round} idle closes: {e}"));
+        assert_eq!(crate::support::bits(&again), crate::support::bits(&first));
+    }
+    let log = f.stderr();
+    let closes = log
+        .lines()
+        .filter(|l| l.contains("frontend connection closed: no request for"))
+        .count();
+    assert!(
+        closes >= 2,
+        "the router did not close the idle connection twice (so this shows nothing):\n{log}"
+    );
+}

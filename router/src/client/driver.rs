@@ -56,6 +56,10 @@ impl RouterClient {
             std::time::Duration::ZERO
         };
         let due = Instant::now() + budget + grace;
+        if let Err(e) = self.replace_if_closed_idle(due).await {
+            self.recycle(payload);
+            return Err(e);
+        }
         if let Err(e) = self.make_room(due, budget).await {
             self.recycle(payload);
             return Err(e);
@@ -101,6 +105,68 @@ impl RouterClient {
             };
         }
         Ok(handle)
+    }
+
+    /// Before a request goes out on a connection with nothing in flight: if the router has
+    /// closed it for idleness (its frontend idle timeout: an error frame `ShuttingDown` naming
+    /// no request, already waiting on the socket), connect to the same router again, by `due`.
+    /// The router reads nothing more once it has decided a connection is idle, so nothing is
+    /// lost; a connection closed any other way is left to the usual path (the request fails,
+    /// or a failover client moves on).
+    async fn replace_if_closed_idle(&mut self, due: Instant) -> Result<(), ClientError> {
+        // A router's idle timeout is a second or more: a connection used within the last
+        // second was not closed for idleness (and a call right after a call pays nothing here).
+        if self.last_io.elapsed() < Duration::from_secs(1)
+            || self.pending.in_flight() > 0
+            || !self.calls.is_empty()
+            || self.broken.is_some()
+            || self.link.is_closed()
+            || !self.link.write.is_idle()
+        {
+            return Ok(());
+        }
+        self.link.read.start_read();
+        // Let the runtime look at the socket (a yielded task runs after the I/O driver), then
+        // take what is there without waiting.
+        tokio::task::yield_now().await;
+        let Some(Some(finished)) = poll_once(self.link.read.finish()) else {
+            return Ok(()); // nothing: the connection is open
+        };
+        let idle_closed = matches!(
+            &finished,
+            Finished::Read(Ok(frame)) if matches!(
+                frame.body(),
+                Body::Error(e) if e.request_id == 0 && e.code == ErrorCode::ShuttingDown
+            )
+        );
+        if !idle_closed {
+            self.absorb(finished);
+            return Ok(());
+        }
+        let addr = self.routers[self.current];
+        tracing::debug!(router = %addr, "the router closed this idle connection; connecting again");
+        self.link.close();
+        let limit = self
+            .opts
+            .connect_timeout
+            .min(due.saturating_duration_since(Instant::now()));
+        match connect_within(addr, &self.cfg, limit).await {
+            Ok(conn) => {
+                self.link = Link::new(conn);
+                self.last_io = Instant::now();
+                self.keepalive = Keepalive::new(
+                    self.opts.keepalive_interval,
+                    self.opts.keepalive_timeout,
+                    Instant::now(),
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let peer = self.link.peer();
+                self.break_with(e.duplicate(peer));
+                Err(e)
+            }
+        }
     }
 
     /// Wait until fewer than `max_in_flight` requests are in flight, or `due` (a request of
@@ -320,6 +386,7 @@ impl RouterClient {
     /// Account for a finished operation.
     fn absorb(&mut self, finished: Finished) {
         let now = Instant::now();
+        self.last_io = now;
         match finished {
             Finished::Wrote { payload, result } => {
                 self.recycle_payload(payload);
@@ -458,6 +525,7 @@ impl RouterClient {
     /// Use router `i` from now on and queue the unanswered requests on it.
     fn install(&mut self, i: usize, conn: FrameConnection) {
         self.link = Link::new(conn);
+        self.last_io = Instant::now();
         self.current = i;
         self.reconnect.connected(i);
         self.keepalive = Keepalive::new(
@@ -528,5 +596,15 @@ impl RouterClient {
         if let Payload::Owned(b) = p {
             self.recycle(b);
         }
+    }
+}
+
+/// Polls `f` once, without waiting: its output when it is ready now.
+fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
     }
 }
