@@ -56,8 +56,14 @@ fn every_kind() -> Vec<(Body, Vec<u8>)> {
         (hello(1, b"", ""), vec![]),
         (hello(CLIENT_RANK, b"", "fe-fuzz"), vec![]),
         (hello(2, b"shm:", ""), vec![]),
-        (Body::Auth(Auth { mac: Some([4; 32]) }), vec![]),
-        (Body::Auth(Auth { mac: None }), vec![]),
+        (Body::Auth(Auth {
+            mac: Some([4; 32]),
+            identity: Some([5; expertmesh_transport::codec::SEALED_IDENTITY_BYTES]),
+        }), vec![]),
+        (Body::Auth(Auth {
+            mac: None,
+            identity: None,
+        }), vec![]),
         (
             Body::LinkInfo(LinkInfo {
                 attachment: b"shm:/dev/shm/expertmesh-fuzz-1to0-1-00".to_vec(),
@@ -154,7 +160,10 @@ fn stream_protocol_seeds() {
     // ctl 0x3c: chunks of 15 bytes, no checksum, no credentials.
     let mut s = vec![0x3c];
     s.extend(frame(&hello(1, b"", ""), &[]));
-    s.extend(frame(&Body::Auth(Auth { mac: None }), &[]));
+    s.extend(frame(&Body::Auth(Auth {
+            mac: None,
+            identity: None,
+        }), &[]));
     s.extend(frame(
         &Body::Heartbeat(Heartbeat {
             seq: 1,
@@ -245,7 +254,10 @@ fn frontend_seeds() {
         x.world_size = 1;
     }
     s.extend(frame(&h, &[]));
-    s.extend(frame(&Body::Auth(Auth { mac: None }), &[]));
+    s.extend(frame(&Body::Auth(Auth {
+            mac: None,
+            identity: None,
+        }), &[]));
     write("frontend_handshake", "insecure00", &s);
     let mut big = frame(&layer_request(3), &[0u8; 3 * 16 * 4]);
     big.truncate(64);
@@ -266,7 +278,10 @@ fn frontend_socket_seeds() {
         x.fingerprint = [0; 32];
     }
     let mut s = frame(&h, &[]);
-    s.extend(frame(&Body::Auth(Auth { mac: None }), &[]));
+    s.extend(frame(&Body::Auth(Auth {
+            mac: None,
+            identity: None,
+        }), &[]));
     let payload = vec![0x3e; 3 * 16 * 4];
     s.extend(frame(&layer_request(1), &payload));
     s.extend(frame(

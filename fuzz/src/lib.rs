@@ -329,7 +329,10 @@ impl Fuzzed {
 
 /// An auth answer without a MAC (for seeds that claim to run without credentials).
 pub fn empty_auth() -> Body {
-    Body::Auth(Auth { mac: None })
+    Body::Auth(Auth {
+        mac: None,
+        identity: None,
+    })
 }
 
 /// Runs one `frontend_handshake` input (first byte: chunk size and clock ticks; the rest: what

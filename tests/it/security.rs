@@ -960,8 +960,9 @@ fn preauth_shm_hello_creates_no_ring() {
 // ---------------------------------------------------------------------------------------------
 // Issue 27: four holes found by probes written from the wire format.
 
-/// The incarnation the router's log gives for the live link of `rank` (the hello carries it
-/// in plaintext: anyone on the path can read it, so this is what an attacker knows).
+/// The incarnation the router's log gives for the live link of `rank`. Before issue 27 the
+/// hello carried it in plaintext (now it is sealed); the rogue is given it here as if it had
+/// leaked, so the refusal cannot rest on the rogue not knowing it.
 fn live_incarnation(log: &str, rank: u32) -> u64 {
     let peer = format!("peer={rank}");
     log.lines()
@@ -979,7 +980,7 @@ fn live_incarnation(log: &str, rank: u32) -> u64 {
 }
 
 /// Hole 1: a second process holding rank 2's **own** credential, the live rank 2's
-/// fingerprint and its incarnation (both read off the plaintext hello) used to be taken for
+/// fingerprint and its incarnation (both then read off the plaintext hello) used to be taken for
 /// the live process reconnecting and swapped in: it got other clients' activations and its
 /// answers were returned as success. It must be refused and get nothing while rank 2 lives.
 #[test]

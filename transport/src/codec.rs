@@ -49,7 +49,7 @@ pub use wire_size::{WireBytes, WireFormat, wire_bytes_per_token};
 /// Magic number at the start of every frame ("EMMF" as little-endian bytes).
 pub const MAGIC: u32 = 0x464D_4D45;
 /// Version of the frame format; a peer with another version is refused at the handshake.
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 32;
 /// Smallest maximum frame size a configuration may ask for.
@@ -628,12 +628,20 @@ pub const FINGERPRINT_BYTES: usize = 32;
 /// The rank a frontend client announces in its hello.
 pub const CLIENT_RANK: u32 = u32::MAX;
 
+/// Bytes of a sealed identity in an [`Auth`]: incarnation (8) and fingerprint (32) under
+/// AES-256-GCM (16-byte tag).
+pub const SEALED_IDENTITY_BYTES: usize = 8 + FINGERPRINT_BYTES + 16;
+
 /// Authentication answer: HMAC-SHA256 keyed with the pair's key over the handshake transcript
-/// (absent when the sender runs without credentials).
+/// (absent when the sender runs without credentials), and the sender's identity sealed under a
+/// key only the pair holds ([`crate::crypto::seal_identity`]; with credentials the hello
+/// carries a zero incarnation and fingerprint).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Auth {
     /// The MAC, or `None` when the sender has no credentials configured.
     pub mac: Option<[u8; NONCE_BYTES]>,
+    /// The sealed incarnation and fingerprint (with credentials only).
+    pub identity: Option<[u8; SEALED_IDENTITY_BYTES]>,
 }
 
 /// Router → worker: tokens of one micro-batch and, per token, this device's experts.
@@ -1039,7 +1047,14 @@ impl Body {
                     + h.identity.len()
             }
             Self::LinkInfo(l) => 2 + l.attachment.len(),
-            Self::Auth(a) => 1 + if a.mac.is_some() { NONCE_BYTES } else { 0 },
+            Self::Auth(a) => {
+                2 + if a.mac.is_some() { NONCE_BYTES } else { 0 }
+                    + if a.identity.is_some() {
+                        SEALED_IDENTITY_BYTES
+                    } else {
+                        0
+                    }
+            }
             Self::Dispatch(d) => {
                 8 + 4 * 4 + 4 + 4 + 2 * d.expert_counts.len() + 8 * d.experts.len()
             }
@@ -1075,13 +1090,22 @@ impl Body {
                 out.extend_from_slice(&(l.attachment.len() as u16).to_le_bytes());
                 out.extend_from_slice(&l.attachment);
             }
-            Self::Auth(a) => match &a.mac {
-                Some(m) => {
-                    out.push(NONCE_BYTES as u8);
-                    out.extend_from_slice(m);
+            Self::Auth(a) => {
+                match &a.mac {
+                    Some(m) => {
+                        out.push(NONCE_BYTES as u8);
+                        out.extend_from_slice(m);
+                    }
+                    None => out.push(0),
                 }
-                None => out.push(0),
-            },
+                match &a.identity {
+                    Some(id) => {
+                        out.push(SEALED_IDENTITY_BYTES as u8);
+                        out.extend_from_slice(id);
+                    }
+                    None => out.push(0),
+                }
+            }
             Self::Dispatch(d) => {
                 out.extend_from_slice(&d.batch_id.to_le_bytes());
                 out.extend_from_slice(&d.layer.to_le_bytes());
@@ -1236,7 +1260,22 @@ fn decode_auth(c: &mut Cursor<'_>) -> Result<Auth, CodecError> {
         NONCE_BYTES => Some(c.array32("mac")?),
         _ => return Err(bad(c.kind, format!("mac length {n} is not 0 or 32"))),
     };
-    Ok(Auth { mac })
+    let n = c.u8("sealed identity length")? as usize;
+    let identity = match n {
+        0 => None,
+        SEALED_IDENTITY_BYTES => {
+            let mut id = [0u8; SEALED_IDENTITY_BYTES];
+            id.copy_from_slice(c.take(SEALED_IDENTITY_BYTES, "sealed identity")?);
+            Some(id)
+        }
+        _ => {
+            return Err(bad(
+                c.kind,
+                format!("sealed identity length {n} is not 0 or {SEALED_IDENTITY_BYTES}"),
+            ));
+        }
+    };
+    Ok(Auth { mac, identity })
 }
 
 /// Decodes the metadata of a dispatch (lengths checked before any vector is allocated).

@@ -71,6 +71,7 @@ const FRONTEND_LABEL: &[u8] = b"expertmesh-frontend-v1";
 const LEGACY_LABEL: &[u8] = b"expertmesh-shared-secret-v1";
 const AUTH_LABEL: &[u8] = b"expertmesh-auth-v2";
 const SESSION_LABEL: &[u8] = b"expertmesh-session-v2";
+const IDENTITY_LABEL: &[u8] = b"expertmesh-identity-v1";
 const CRED_HEADER: &str = "# expertmesh credential v1";
 const MASTER_HEADER: &str = "# expertmesh cluster master key v1";
 
@@ -655,6 +656,53 @@ fn nonce(counter: u64) -> Nonce {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&counter.to_le_bytes());
     Nonce::assume_unique_for_key(n)
+}
+
+/// The key that seals `sender`'s identity (incarnation and fingerprint) in its auth answer:
+/// derived like the session keys from the pair key and the transcript, with its own label, so
+/// it is used for that one record only (nonce 0).
+fn identity_key(pair: &Key, transcript: &[u8; 32], sender: Role) -> LessSafeKey {
+    let prk = hmac(transcript, &[&pair.0]);
+    aead_key(&Key(hmac(&prk, &[IDENTITY_LABEL, sender.label()])))
+}
+
+/// Seals what a hello no longer carries in the clear when credentials are configured: the
+/// sender's process incarnation and the fingerprint of what its rank serves (issue 27: a
+/// value anyone can read must not say who a process is). Only the holder of the pair key
+/// opens it, and only for this handshake (the transcript is both the key's salt and the AAD).
+pub fn seal_identity(
+    pair: &Key,
+    transcript: &[u8; 32],
+    sender: Role,
+    incarnation: u64,
+    fingerprint: &[u8; codec::FINGERPRINT_BYTES],
+) -> [u8; codec::SEALED_IDENTITY_BYTES] {
+    let mut out = [0u8; codec::SEALED_IDENTITY_BYTES];
+    let (body, tag) = out.split_at_mut(8 + codec::FINGERPRINT_BYTES);
+    body[..8].copy_from_slice(&incarnation.to_le_bytes());
+    body[8..].copy_from_slice(fingerprint);
+    let t = identity_key(pair, transcript, sender)
+        .seal_in_place_separate_tag(nonce(0), Aad::from(transcript), body)
+        .expect("one 40-byte record under a fresh key");
+    tag.copy_from_slice(t.as_ref());
+    out
+}
+
+/// Opens a sealed identity ([`seal_identity`]): `(incarnation, fingerprint)`, or `None` when it
+/// was not sealed under this pair key, transcript and sender.
+pub fn open_identity(
+    pair: &Key,
+    transcript: &[u8; 32],
+    sender: Role,
+    sealed: &[u8; codec::SEALED_IDENTITY_BYTES],
+) -> Option<(u64, [u8; codec::FINGERPRINT_BYTES])> {
+    let mut buf = *sealed;
+    let plain = identity_key(pair, transcript, sender)
+        .open_in_place(nonce(0), Aad::from(transcript), &mut buf)
+        .ok()?;
+    let incarnation = u64::from_le_bytes(plain[..8].try_into().ok()?);
+    let fingerprint = plain[8..8 + codec::FINGERPRINT_BYTES].try_into().ok()?;
+    Some((incarnation, fingerprint))
 }
 
 fn aead_key(k: &Key) -> LessSafeKey {

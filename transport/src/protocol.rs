@@ -14,11 +14,14 @@
 //!
 //! Both ends send [`Hello`](crate::codec::Hello) at once (cluster name, rank, format version, receive window, a fresh
 //! 32-byte nonce, whether they authenticate, the link they ask for, the sender process's
-//! incarnation, the fingerprint of what its rank serves, and a frontend's name). Before the
-//! peer has authenticated, a frame larger than [`PRE_AUTH_MAX_FRAME_BYTES`] is refused. On the
-//! peer's hello each end checks cluster, version, rank and (when
-//! [`ProtocolConfig::peer_fingerprints`] is set) that the peer serves the model, weights and
-//! experts expected of its rank, then looks up the key it shares with the rank or frontend the
+//! incarnation, the fingerprint of what its rank serves, and a frontend's name; with
+//! credentials the incarnation and fingerprint are zero there and travel sealed in the auth
+//! answer instead). Before the peer has authenticated, a frame larger than
+//! [`PRE_AUTH_MAX_FRAME_BYTES`] is refused. On the peer's hello each end checks cluster,
+//! version, rank and, without credentials, (when [`ProtocolConfig::peer_fingerprints`] is set)
+//! that the peer serves the model, weights and experts expected of its rank (with
+//! credentials: once its sealed identity has opened, after its MAC verified), then looks up
+//! the key it shares with the rank or frontend the
 //! peer claims ([`Credentials`](crate::crypto::Credentials): a rank holds a key only for pairs
 //! that include itself, a router derives its frontends' keys) and answers with [`Auth`](crate::codec::Auth):
 //! `HMAC-SHA256(key, "expertmesh-auth-v2" ‖ role ‖ transcript)`, the transcript being a hash

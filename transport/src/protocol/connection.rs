@@ -112,8 +112,17 @@ impl Connection {
             auth_required: cfg.credentials.is_some(),
             nonce,
             attachment,
-            incarnation: cfg.incarnation,
-            fingerprint: cfg.fingerprint,
+            // With credentials these travel sealed in the auth answer instead (issue 27).
+            incarnation: if cfg.credentials.is_some() {
+                0
+            } else {
+                cfg.incarnation
+            },
+            fingerprint: if cfg.credentials.is_some() {
+                [0; crate::codec::FINGERPRINT_BYTES]
+            } else {
+                cfg.fingerprint
+            },
             identity,
         };
         let local_hello_meta = crate::codec::hello_meta(&hello);
@@ -160,7 +169,7 @@ impl Connection {
 
     /// Whether frames after `body` on the wire are sealed (it is an [`Auth`] with a MAC).
     pub fn seals_after(body: &Body) -> bool {
-        matches!(body, Body::Auth(Auth { mac: Some(_) }))
+        matches!(body, Body::Auth(Auth { mac: Some(_), .. }))
     }
 
     /// Who the peer's hello claimed to be ("rank 3", "frontend \"fe\""), once received.

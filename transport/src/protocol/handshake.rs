@@ -2,11 +2,15 @@
 //! identity it claims, and verifying its transcript MAC.
 //!
 //! Why this exists: this is where a connection decides who the peer is. A hello is checked
-//! (version, cluster, rank, world size, window, fingerprint) before it is answered; the answer is
-//! an [`Auth`] whose MAC binds the key of the claimed identity ([`Credentials`]: per rank pair,
-//! or per frontend) to a hash of both hellos ([`crypto::transcript`]), and the same transcript
-//! derives the session keys. A peer that cannot produce the MAC never reaches the established
-//! state.
+//! (version, cluster, rank, world size, window; the fingerprint too without credentials)
+//! before it is answered; the answer is an [`Auth`] whose MAC binds the key of the claimed
+//! identity ([`Credentials`]: per rank pair, or per frontend) to a hash of both hellos
+//! ([`crypto::transcript`]), and the same transcript derives the session keys. With
+//! credentials the [`Auth`] also carries the sender's incarnation and fingerprint sealed under
+//! a key of that pair and transcript ([`crypto::seal_identity`]), so nothing readable on the
+//! wire says which process or which weights a rank is; they are opened and the fingerprint
+//! checked once the MAC verified. A peer that cannot produce the MAC never reaches the
+//! established state.
 //!
 //! [`Credentials`]: crate::crypto::Credentials
 
@@ -92,16 +96,29 @@ impl Connection {
                 h.recv_window_bytes, self.cfg.codec.max_frame_bytes
             )));
         }
+        // With credentials the fingerprint comes sealed in the auth answer and is checked
+        // there ([`Connection::on_auth`]); the hello's is zero.
+        if self.cfg.credentials.is_none() {
+            self.check_fingerprint(h.rank, &h.fingerprint)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `fingerprint` is what rank `rank` must serve (when this end knows).
+    fn check_fingerprint(
+        &self,
+        rank: u32,
+        fingerprint: &[u8; FINGERPRINT_BYTES],
+    ) -> Result<(), ProtocolError> {
         if let Some(table) = &self.cfg.peer_fingerprints
-            && let Some(expected) = table.get(h.rank as usize)
-            && *expected != h.fingerprint
+            && let Some(expected) = table.get(rank as usize)
+            && expected != fingerprint
         {
-            let e = ProtocolError::FingerprintMismatch {
-                rank: h.rank,
-                theirs: short_hex(&h.fingerprint),
+            return Err(ProtocolError::FingerprintMismatch {
+                rank,
+                theirs: short_hex(fingerprint),
                 expected: short_hex(expected),
-            };
-            return Err(e);
+            });
         }
         Ok(())
     }
@@ -129,12 +146,22 @@ impl Connection {
                 self.transcript = crypto::transcript(d, a);
                 self.session = Some(crypto::session_keys(&key, &self.transcript, self.role));
                 let mac = crypto::auth_mac(&key, self.role, &self.transcript);
+                let sealed = crypto::seal_identity(
+                    &key,
+                    &self.transcript,
+                    self.role,
+                    self.cfg.incarnation,
+                    &self.cfg.fingerprint,
+                );
                 self.pair_key = Some(key);
-                Some(mac)
+                Some((mac, sealed))
             }
             Err(e) => return Err(self.fail(e, true)),
         };
-        self.transmit.push_back(Body::Auth(Auth { mac }));
+        self.transmit.push_back(Body::Auth(Auth {
+            mac: mac.map(|m| m.0),
+            identity: mac.map(|m| m.1),
+        }));
         self.state = State::AwaitAuth;
         Ok(())
     }
@@ -180,7 +207,7 @@ impl Connection {
     }
 
     pub(super) fn on_auth(&mut self, a: &Auth) -> Result<(), ProtocolError> {
-        let Some(peer) = self.peer.clone() else {
+        let Some(mut peer) = self.peer.clone() else {
             return Err(self.fail(
                 ProtocolError::UnexpectedFrame {
                     kind: FrameKind::Auth,
@@ -207,6 +234,23 @@ impl Connection {
                     true,
                 ));
             }
+            let opened = a
+                .identity
+                .as_ref()
+                .and_then(|s| crypto::open_identity(&key, &self.transcript, self.role.peer(), s));
+            let Some((incarnation, fingerprint)) = opened else {
+                return Err(self.fail(
+                    ProtocolError::AuthFailed(format!(
+                        "{claim} sent no sealed identity, or one that does not open under its key"
+                    )),
+                    true,
+                ));
+            };
+            if let Err(e) = self.check_fingerprint(peer.rank, &fingerprint) {
+                return Err(self.fail(e, true));
+            }
+            peer.incarnation = incarnation;
+            self.peer = Some(peer.clone());
         }
         self.send_credit = peer.recv_window_bytes;
         let kind = negotiate(self.local_link, &peer.attachment);

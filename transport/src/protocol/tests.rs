@@ -692,3 +692,39 @@ fn a_frontend_authenticates_with_whichever_router_answers() {
         assert_eq!(a.peer().unwrap().rank, router);
     }
 }
+
+/// With credentials a hello carries no incarnation and no fingerprint in the clear (issue 27:
+/// a value anyone on the path can read must not say who a process is); they arrive sealed in
+/// the auth answer, and a sealed identity that was altered does not open.
+#[test]
+fn with_credentials_identity_travels_sealed_not_in_the_hello() {
+    let now = Instant::now();
+    let mut a = Connection::new(fingerprinted(0, 0, 11), Some(1), [1; 32], vec![], now);
+    let mut b = Connection::new(fingerprinted(1, 0, 22), None, [2; 32], vec![], now);
+    let hello = a.poll_transmit().expect("a's hello");
+    let Body::Hello(h) = &hello else {
+        panic!("expected a hello, got {hello:?}")
+    };
+    assert_eq!(h.incarnation, 0);
+    assert_eq!(h.fingerprint, [0; 32]);
+    b.handle_frame(now, &hello, 64).unwrap();
+    let mut b_frames = Vec::new();
+    while let Some(f) = b.poll_transmit() {
+        b_frames.push(f);
+    }
+    for f in &b_frames {
+        if let Body::Hello(h) = f {
+            assert_eq!((h.incarnation, h.fingerprint), (0, [0; 32]));
+        }
+        a.handle_frame(now, f, 64).unwrap();
+    }
+    // a's auth answer, with one bit of its sealed identity flipped.
+    let mut auth = a.poll_transmit().expect("a's auth answer");
+    let Body::Auth(x) = &mut auth else {
+        panic!("expected an auth answer, got {auth:?}")
+    };
+    x.identity.as_mut().expect("a sealed identity")[3] ^= 1;
+    let e = b.handle_frame(now, &auth, 64).unwrap_err();
+    assert!(e.to_string().contains("sealed identity"), "{e}");
+    assert!(!b.is_established());
+}

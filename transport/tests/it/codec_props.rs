@@ -115,7 +115,17 @@ fn body() -> impl Strategy<Value = Body> {
                     })
                 }
             ),
-        proptest::option::of(any::<[u8; 32]>()).prop_map(|mac| Body::Auth(Auth { mac })),
+        (
+            proptest::option::of(any::<[u8; 32]>()),
+            proptest::option::of(proptest::collection::vec(
+                any::<u8>(),
+                SEALED_IDENTITY_BYTES
+            )),
+        )
+            .prop_map(|(mac, id)| Body::Auth(Auth {
+                mac,
+                identity: id.map(|v| v.try_into().unwrap()),
+            })),
         dispatch(),
         (
             any::<u64>(),
