@@ -443,22 +443,33 @@ fn a_killed_worker_is_detected_within_a_second_and_rejoins_within_a_second() {
         failed.message
     );
     let ready = f.start_worker(1).unwrap();
-    let mut back = None;
-    while back.is_none() && ready.elapsed() < Duration::from_secs(10) {
-        let r = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 1);
-        let r = &r[0];
-        assert_ne!(r.outcome, Outcome::Wrong);
-        if r.outcome == Outcome::Ok {
-            back = Some((r.start + r.latency).duration_since(ready));
-        } else {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-    let back = back.expect("cpu1 never served again after its restart");
+    let back = served_again(&opts, &golden, ready, Duration::from_secs(10))
+        .expect("cpu1 never served again after its restart");
     assert!(
         back < Duration::from_secs(1),
         "cpu1 served again {back:?} after it had loaded (bound 1 s)"
     );
+}
+
+/// One call at a time on `golden` until one is answered bit for bit (never a wrong one): how
+/// long after `ready` (a restarted worker having loaded) that answer ended, or `None` after
+/// `within`.
+fn served_again(
+    opts: &DriveOptions,
+    golden: &Arc<Golden>,
+    ready: Instant,
+    within: Duration,
+) -> Option<Duration> {
+    while ready.elapsed() < within {
+        let r = golden::drive_until(0, opts, golden, 0, &|n| n >= 1);
+        let r = &r[0];
+        assert_ne!(r.outcome, Outcome::Wrong);
+        if r.outcome == Outcome::Ok {
+            return Some((r.start + r.latency).duration_since(ready));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
 }
 
 /// Calls needing cpu1 (16-31) through a partition of `secs`, then the heal: nothing wrong or
@@ -742,29 +753,10 @@ fn a_restarted_worker_rejoins_within_two_seconds_while_the_mesh_port_is_slow_lor
     let warm = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 4);
     assert_eq!(Tally::of(&warm).ok, 4, "{}", describe(&warm));
     let attack = crate::support::SlowLoris::start(f.router_mesh_addr(0), 8, 8, vec![0x45; 64]);
-    let t0 = Instant::now();
-    while attack.connects() < 64 && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(
-        attack.connects() >= 64,
-        "the attack opened {} connections",
-        attack.connects()
-    );
+    attack.wait_connected(64);
     f.kill_worker(1);
     let ready = f.start_worker(1).unwrap();
-    let mut back = None;
-    while back.is_none() && ready.elapsed() < Duration::from_secs(15) {
-        let r = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 1);
-        let r = &r[0];
-        assert_ne!(r.outcome, Outcome::Wrong);
-        if r.outcome == Outcome::Ok {
-            back = Some((r.start + r.latency).duration_since(ready));
-        } else {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
+    let back = served_again(&opts, &golden, ready, Duration::from_secs(15));
     let connects = attack.connects();
     drop(attack);
     let back = back.unwrap_or_else(|| {

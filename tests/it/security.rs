@@ -394,41 +394,7 @@ async fn honest_call(f: &Fabric, layer: u32, x: &[f32]) -> Result<Vec<u32>, Stri
 /// `held` (another worker's rank, or `None`: a frontend's). Its event loop records every frame
 /// it is sent (activations leaking to the impostor).
 async fn rogue_claims_live_rank(f: &Fabric, claimed: u32, held: Option<u32>) {
-    let listen = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let peers = (0..3u32)
-        .map(|r| PeerAddress {
-            addr: match r {
-                0 => f.topo.router_mesh,
-                r if r == claimed => listen,
-                r => f.topo.workers[r as usize - 1],
-            },
-            link: LinkKind::Tcp,
-        })
-        .collect();
-    let mut cfg = MeshConfig::new(f.topo.name.clone(), claimed, peers);
-    cfg.dial_ranks = Some(vec![0]);
-    cfg.protocol.codec = CodecConfig {
-        max_frame_bytes: MESH_MAX_FRAME,
-        payload_checksum: false,
-    };
-    cfg.protocol.recv_window_bytes = 2 * MESH_MAX_FRAME as u64;
-    cfg.reconnect_initial = Duration::from_millis(50);
-    cfg.reconnect_max = Duration::from_millis(200);
-    f.creds.rogue_mesh(held, &mut cfg);
-    let (rogue, mut events) = Mesh::start(cfg).await.expect("rogue mesh starts");
-    let leaked = Arc::new(AtomicU64::new(0));
-    let leaked2 = Arc::clone(&leaked);
-    let sink = tokio::spawn(async move {
-        while let Some(ev) = events.recv().await {
-            if let TransportEvent::Frame(fr) = ev {
-                leaked2.fetch_add(1, Ordering::Relaxed);
-                drop(fr);
-            }
-        }
-    });
+    let (rogue, leaked, sink) = rogue_mesh(f, claimed, |cfg| f.creds.rogue_mesh(held, cfg)).await;
     let accepted = rogue
         .wait_connected(&[0], Duration::from_secs(3))
         .await
@@ -467,6 +433,53 @@ async fn rogue_claims_live_rank(f: &Fabric, claimed: u32, held: Option<u32>) {
             );
         }
     }
+}
+
+/// A rogue mesh endpoint of rank `claimed` that dials the router only (its settings finished
+/// by `creds`: whose credential it holds, what it claims), and a count of the frames other
+/// than error frames (a refusal says why in one) that reach it: activations leaking to it.
+async fn rogue_mesh(
+    f: &Fabric,
+    claimed: u32,
+    creds: impl FnOnce(&mut MeshConfig),
+) -> (Mesh, Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
+    let listen = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let peers = (0..3u32)
+        .map(|r| PeerAddress {
+            addr: match r {
+                0 => f.topo.router_mesh,
+                r if r == claimed => listen,
+                r => f.topo.workers[r as usize - 1],
+            },
+            link: LinkKind::Tcp,
+        })
+        .collect();
+    let mut cfg = MeshConfig::new(f.topo.name.clone(), claimed, peers);
+    cfg.dial_ranks = Some(vec![0]);
+    cfg.protocol.codec = CodecConfig {
+        max_frame_bytes: MESH_MAX_FRAME,
+        payload_checksum: false,
+    };
+    cfg.protocol.recv_window_bytes = 2 * MESH_MAX_FRAME as u64;
+    cfg.reconnect_initial = Duration::from_millis(50);
+    cfg.reconnect_max = Duration::from_millis(200);
+    creds(&mut cfg);
+    let (rogue, mut events) = Mesh::start(cfg).await.expect("rogue mesh starts");
+    let leaked = Arc::new(AtomicU64::new(0));
+    let leaked2 = Arc::clone(&leaked);
+    let sink = tokio::spawn(async move {
+        while let Some(ev) = events.recv().await {
+            if let TransportEvent::Frame(fr) = ev
+                && !matches!(fr.body(), Body::Error(_))
+            {
+                leaked2.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    (rogue, leaked, sink)
 }
 
 /// Baseline answers (before any rogue) must equal the answers during and after the attack.
@@ -1008,45 +1021,12 @@ fn a_duplicate_with_the_ranks_own_credential_and_copied_incarnation_is_refused()
     .expect("the fabric's deployment");
     let fingerprint = dep.fingerprints()[2];
     let (leaked, answers) = rt.block_on(async {
-        let listen = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
-        let peers = (0..3u32)
-            .map(|r| PeerAddress {
-                addr: match r {
-                    0 => f.topo.router_mesh,
-                    2 => listen,
-                    r => f.topo.workers[r as usize - 1],
-                },
-                link: LinkKind::Tcp,
-            })
-            .collect();
-        let mut cfg = MeshConfig::new(f.topo.name.clone(), 2, peers);
-        cfg.dial_ranks = Some(vec![0]);
-        cfg.protocol.codec = CodecConfig {
-            max_frame_bytes: MESH_MAX_FRAME,
-            payload_checksum: false,
-        };
-        cfg.protocol.recv_window_bytes = 2 * MESH_MAX_FRAME as u64;
-        cfg.protocol.incarnation = incarnation;
-        cfg.protocol.fingerprint = fingerprint;
-        cfg.protocol.credentials = Some(Arc::clone(&f.creds.worker2));
-        cfg.reconnect_initial = Duration::from_millis(50);
-        cfg.reconnect_max = Duration::from_millis(200);
-        let (rogue, mut events) = Mesh::start(cfg).await.expect("rogue mesh starts");
-        let leaked = Arc::new(AtomicU64::new(0));
-        let leaked2 = Arc::clone(&leaked);
-        let sink = tokio::spawn(async move {
-            while let Some(ev) = events.recv().await {
-                // Anything but the router's refusal (an error frame saying why) is a leak.
-                if let TransportEvent::Frame(fr) = ev
-                    && !matches!(fr.body(), Body::Error(_))
-                {
-                    leaked2.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
+        let (rogue, leaked, sink) = rogue_mesh(&f, 2, |cfg| {
+            cfg.protocol.incarnation = incarnation;
+            cfg.protocol.fingerprint = fingerprint;
+            cfg.protocol.credentials = Some(Arc::clone(&f.creds.worker2));
+        })
+        .await;
         // Its handshake succeeds (it holds rank 2's key); the router then decides. Give it
         // time to retry a few times.
         let _ = rogue.wait_connected(&[0], Duration::from_secs(3)).await;
@@ -1104,16 +1084,7 @@ fn honest_frontends_connect_within_a_second_while_eight_addresses_slow_loris_the
         rogue_hello(&f.topo.name, u32::MAX, Vec::new()),
     );
     // Every handshake place taken (64 connections, each stalled for up to the 5 s timeout).
-    let t0 = Instant::now();
-    while attack.connects() < 64 && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(
-        attack.connects() >= 64,
-        "the attack opened {} connections",
-        attack.connects()
-    );
+    attack.wait_connected(64);
     let cfg = f.frontend();
     let mut slowest = Duration::ZERO;
     for i in 0..10 {

@@ -238,6 +238,21 @@ impl SlowLoris {
         }
     }
 
+    /// Waits (up to 10 s) until `n` connections are open, then a second more so each has
+    /// started its stall; fails the test if they never were.
+    pub(crate) fn wait_connected(&self, n: u64) {
+        let t0 = std::time::Instant::now();
+        while self.connects() < n && t0.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        assert!(
+            self.connects() >= n,
+            "the slow-loris attack opened only {} connections (bind 127.0.0.2 and up?)",
+            self.connects()
+        );
+    }
+
     /// Connections opened so far.
     pub(crate) fn connects(&self) -> u64 {
         self.connects.load(std::sync::atomic::Ordering::Relaxed)
