@@ -69,8 +69,8 @@ pub struct FrontendConfig {
     pub per_frontend: FrontendConnections,
     /// Server side: most connections one frontend name may hold open at once (0: no limit).
     pub max_connections_per_frontend: u32,
-    /// Server side: a connection with no request in flight that has sent no request for this
-    /// long is closed (`None`: never). Heartbeats do not count as requests.
+    /// Server side: a connection with no request in flight that has neither sent a request
+    /// nor had one answered for this long is closed (`None`: never). Heartbeats do not count.
     pub idle_timeout: Option<Duration>,
 }
 
