@@ -2,7 +2,9 @@
 //! embeds the code objects; without it, does nothing (the default build needs only Rust).
 //!
 //! * Compiler: `hipcc` from `$HIP_PATH/bin`, `$ROCM_PATH/bin`, `/opt/rocm/bin` or `PATH`.
-//! * Targets: `EXPERTMESH_HIP_TARGETS` (comma separated, default `gfx90a,gfx942,gfx1100`). A target
+//! * Targets: `EXPERTMESH_HIP_TARGETS` (comma separated, default
+//!   `gfx90a,gfx940,gfx942,gfx1030,gfx1100`: MI200, MI300 (ROCm 5.2 knows only gfx940 of them),
+//!   RX 6000, RX 7000; each takes a different branch of the kernels). A target
 //!   the compiler rejects is skipped with a cargo warning naming it. A target whose ROCm device
 //!   library is missing (Debian's ROCm 5.2 has none for gfx11) is built with `-nogpulib`: the
 //!   kernels call only clang builtins, never the device library.
@@ -17,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const FAMILIES: [&str; 3] = ["activations", "decode", "prefill"];
-const DEFAULT_TARGETS: &str = "gfx90a,gfx942,gfx1100";
+const DEFAULT_TARGETS: &str = "gfx90a,gfx940,gfx942,gfx1030,gfx1100";
 
 fn main() {
     println!("cargo:rerun-if-env-changed=CARGO_FEATURE_HIP");

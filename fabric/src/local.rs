@@ -48,6 +48,8 @@ pub struct LocalFabricOptions {
     pub ephemeral_ports: bool,
     /// Worker backend threads (default: the topology's).
     pub worker_threads: Option<usize>,
+    /// The HIP runtime library GPU workers open (`--hip-library`; default: theirs).
+    pub hip_library: Option<PathBuf>,
     /// How long to wait for every worker to load its experts and connect.
     pub connect_timeout: Duration,
     /// Directory for worker logs (default: a fresh temporary directory).
@@ -108,6 +110,7 @@ impl LocalFabricOptions {
             frontend_listen: None,
             ephemeral_ports: false,
             worker_threads: None,
+            hip_library: None,
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
             worker_metrics: Vec::new(),
@@ -328,6 +331,9 @@ impl LocalFabric {
         }
         if let Some(t) = o.worker_threads {
             cmd.arg("--threads").arg(t.to_string());
+        }
+        if let Some(lib) = &o.hip_library {
+            cmd.arg("--hip-library").arg(lib);
         }
         let child = cmd.spawn().map_err(FabricError::io(format!(
             "starting worker {} with {}",

@@ -28,8 +28,8 @@
 
 #if defined(EM_DEVICE_AMD)
 #define EM_WAVE __AMDGCN_WAVEFRONT_SIZE
-#else
-#define EM_WAVE 32
+#elif !defined(EM_WAVE)
+#define EM_WAVE 32  // the portable path: NVIDIA's warp (a host build may choose 64)
 #endif
 
 // Kernel entry points have C linkage so the Rust runtime finds them by name.
@@ -141,8 +141,10 @@ __device__ inline int32_t em_load_coherent_i32(const int32_t* p) {
 __device__ inline void em_sleep() {
 #if defined(EM_DEVICE_AMD)
     __builtin_amdgcn_s_sleep(2);
-#elif __CUDA_ARCH__ >= 700
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
     __nanosleep(200);
+#elif defined(EM_HOST_SLEEP)
+    EM_HOST_SLEEP();  // a host build (the HIP-CPU stand-in)
 #endif
 }
 

@@ -10,7 +10,10 @@
 //!   otherwise).
 //! * [`kernel_abi`] — Rust mirrors of the HIP kernels' argument blocks.
 //! * [`testvec`] — kernel test vectors (the `EMTV` file the C++ harnesses read).
+//! * [`standin`] — builds the HIP-CPU stand-in for the HIP runtime, on which the backend and the
+//!   real kernels run without a GPU (test support).
 
 pub mod hip;
 pub mod kernel_abi;
+pub mod standin;
 pub mod testvec;

@@ -41,6 +41,10 @@ pub(crate) struct WorkerCli {
     /// Backend: auto (HIP for GPU devices when available, else CPU), cpu or hip.
     #[arg(long, default_value = "auto", value_parser = backend_parser())]
     backend: BackendChoice,
+    /// The HIP runtime library to open (default: $EXPERTMESH_HIP_LIBRARY, else libamdhip64 from
+    /// $HIP_PATH, $ROCM_PATH, /opt/rocm or the loader's path).
+    #[arg(long, value_name = "PATH")]
+    hip_library: Option<std::path::PathBuf>,
     /// Largest dispatch (tokens) this worker accepts; match the router's --micro-batch.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -80,6 +84,7 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
             link: cli.link,
             threads: cli.threads,
             backend: cli.backend,
+            hip_library: cli.hip_library,
             max_tokens: cli.max_tokens.max(1),
             metrics: cli.metrics.metrics,
         },

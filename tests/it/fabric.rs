@@ -28,14 +28,14 @@ fn options(link: LinkKind, mode: ComputeMode) -> LocalFabricOptions {
 }
 
 /// The in-process reference: every expert of every layer on one CPU backend.
-struct Reference {
+pub(crate) struct Reference {
     spec: ModelSpec,
     seed: u64,
     backend: CpuBackend,
 }
 
 impl Reference {
-    fn new(spec: &ModelSpec, seed: u64) -> Self {
+    pub(crate) fn new(spec: &ModelSpec, seed: u64) -> Self {
         let backend =
             expertmesh_worker::weights::reference_backend(spec, seed, &spec.moe_layer_ids(), 1, 64)
                 .unwrap();
@@ -46,7 +46,12 @@ impl Reference {
         }
     }
 
-    fn layer(&mut self, layer: u32, x: &[f32], mode: ComputeMode) -> (Vec<u32>, Vec<f32>) {
+    pub(crate) fn layer(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        mode: ComputeMode,
+    ) -> (Vec<u32>, Vec<f32>) {
         let gate = reference::synthetic_gate(&self.spec, self.seed, layer);
         let (r, out) =
             reference::moe_layer_backend(&self.spec, &gate, layer, &mut self.backend, x, mode)

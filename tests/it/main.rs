@@ -24,6 +24,8 @@ mod emulated_cluster;
 mod fabric;
 mod faults;
 mod hf_support_check;
+#[cfg(feature = "hip")]
+mod hip_standin;
 mod metrics;
 mod models_from_hf;
 mod multi_router;

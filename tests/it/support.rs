@@ -59,6 +59,14 @@ pub(crate) fn rt() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// Say something on the real stderr (the harness captures `eprintln!`): a skip or a "ran: ..."
+/// line then shows in every run, never as a silent pass.
+#[cfg_attr(not(feature = "hip"), allow(dead_code))]
+pub(crate) fn say(what: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{what}");
+}
+
 /// The bits of `v`, to compare outputs bit for bit.
 pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

@@ -167,6 +167,9 @@ pub struct WorkerOptions {
     pub threads: Option<usize>,
     /// Backend choice.
     pub backend: BackendChoice,
+    /// The HIP runtime library to open (default: `EXPERTMESH_HIP_LIBRARY`, else `libamdhip64`
+    /// from ROCm's usual places).
+    pub hip_library: Option<std::path::PathBuf>,
     /// Largest batch (tokens) a dispatch may carry.
     pub max_tokens: usize,
     /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
@@ -196,7 +199,12 @@ fn make_backend(
         BackendChoice::Auto => dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu,
     };
     if want_hip {
-        match expertmesh_hip_kernels::hip::HipBackend::new(dev.gpu_index().unwrap_or(0) as usize) {
+        let gpu = dev.gpu_index().unwrap_or(0) as usize;
+        let hip = match &opts.hip_library {
+            Some(lib) => expertmesh_hip_kernels::hip::HipBackend::with_library(gpu, lib),
+            None => expertmesh_hip_kernels::hip::HipBackend::new(gpu),
+        };
+        match hip {
             Ok(mut hip) => {
                 hip.load_from(&mut *experts, limits).map_err(on_device)?;
                 return Ok(Box::new(hip));

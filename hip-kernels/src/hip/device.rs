@@ -109,12 +109,15 @@ pub(crate) struct HipDevice {
 unsafe impl Send for HipDevice {}
 
 impl HipDevice {
-    pub(crate) fn open(device: usize) -> Result<Self, BackendError> {
+    pub(crate) fn open(
+        device: usize,
+        library: Option<&std::path::Path>,
+    ) -> Result<Self, BackendError> {
         let no_device = |detail: String| BackendError::NoDevice {
             backend: BACKEND,
             detail,
         };
-        let hip = Hip::open().map_err(no_device)?;
+        let hip = Hip::open(library).map_err(no_device)?;
         let api = &hip.api;
         // SAFETY: plain runtime calls with valid out-pointers.
         unsafe {

@@ -11,6 +11,7 @@
 //! Memory spaces: in every signature below, `hipDeviceptr` arguments are device global memory
 //! (from `hipMalloc`), `host` pointers are ordinary or pinned (`hipHostMalloc`) host memory.
 
+use super::LIBRARY_ENV;
 use libloading::Library;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
@@ -124,17 +125,27 @@ const LIBRARY_NAMES: [&str; 4] = [
 ];
 
 impl Hip {
-    /// Open the runtime. Err carries a message for [`BackendError::NoDevice`].
-    pub(crate) fn open() -> Result<Self, String> {
+    /// Open the runtime: `library` when given, else the file named by [`LIBRARY_ENV`], else
+    /// `libamdhip64` from `$HIP_PATH`, `$ROCM_PATH`, `/opt/rocm` and the loader's path. An
+    /// explicitly named library is the only one tried. Err carries a message for
+    /// [`BackendError::NoDevice`].
+    pub(crate) fn open(library: Option<&std::path::Path>) -> Result<Self, String> {
         let mut tried = Vec::new();
         let mut candidates: Vec<std::path::PathBuf> = Vec::new();
-        for var in ["HIP_PATH", "ROCM_PATH"] {
-            if let Some(root) = std::env::var_os(var) {
-                candidates.push(std::path::Path::new(&root).join("lib/libamdhip64.so"));
+        let named = library
+            .map(std::path::Path::to_path_buf)
+            .or_else(|| std::env::var_os(LIBRARY_ENV).map(std::path::PathBuf::from));
+        if let Some(path) = &named {
+            candidates.push(path.clone());
+        } else {
+            for var in ["HIP_PATH", "ROCM_PATH"] {
+                if let Some(root) = std::env::var_os(var) {
+                    candidates.push(std::path::Path::new(&root).join("lib/libamdhip64.so"));
+                }
             }
+            candidates.push("/opt/rocm/lib/libamdhip64.so".into());
+            candidates.extend(LIBRARY_NAMES.iter().map(std::path::PathBuf::from));
         }
-        candidates.push("/opt/rocm/lib/libamdhip64.so".into());
-        candidates.extend(LIBRARY_NAMES.iter().map(std::path::PathBuf::from));
         for name in candidates {
             // SAFETY: loading the HIP runtime runs its initializers, which is what using HIP
             // requires; no other code is loaded.
@@ -146,14 +157,22 @@ impl Hip {
                             .ok()
                             .map(|s| *s)
                     };
-                    let api = HipApi::resolve(lib)?;
+                    let api =
+                        HipApi::resolve(lib).map_err(|e| format!("{}: {e}", name.display()))?;
                     return Ok(Self { api, error_string });
                 }
                 Err(e) => tried.push(format!("{}: {e}", name.display())),
             }
         }
+        if named.is_some() {
+            return Err(format!(
+                "the HIP runtime library named by the caller or {LIBRARY_ENV} could not be loaded: {}",
+                tried.join("; ")
+            ));
+        }
         Err(format!(
-            "the HIP runtime library could not be loaded (install ROCm's libamdhip64, or set ROCM_PATH); tried {}",
+            "the HIP runtime library could not be loaded (install ROCm's libamdhip64, or set ROCM_PATH or \
+             {LIBRARY_ENV}); tried {}",
             tried.join("; ")
         ))
     }

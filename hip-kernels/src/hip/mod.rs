@@ -23,6 +23,12 @@ mod objects {
     include!(concat!(env!("OUT_DIR"), "/hip_objects.rs"));
 }
 
+/// The environment variable naming the HIP runtime library to open instead of searching for
+/// `libamdhip64` (`$HIP_PATH/lib`, `$ROCM_PATH/lib`, `/opt/rocm/lib`, then the loader's path): a
+/// ROCm installed elsewhere, or the test stand-in that runs the kernels on the CPU
+/// (`hip-kernels/standin/`). [`HipBackend::with_library`] names one for a single backend.
+pub const LIBRARY_ENV: &str = "EXPERTMESH_HIP_LIBRARY";
+
 /// AMD targets whose code objects are embedded in this build (empty without the feature).
 pub fn compiled_targets() -> Vec<&'static str> {
     #[cfg(feature = "hip")]
@@ -59,15 +65,25 @@ impl HipBackend {
     /// Errors: [`BackendError::NotCompiled`] without the `hip` feature; [`BackendError::NoDevice`]
     /// when the HIP runtime is missing, reports no device, or no embedded code object matches it.
     pub fn new(device: usize) -> Result<Self, BackendError> {
+        Self::open(device, None)
+    }
+
+    /// Open HIP device `device` through the HIP runtime library at `library` (and no other):
+    /// like [`HipBackend::new`] with [`LIBRARY_ENV`] set, for this backend only.
+    pub fn with_library(device: usize, library: &std::path::Path) -> Result<Self, BackendError> {
+        Self::open(device, Some(library))
+    }
+
+    fn open(device: usize, library: Option<&std::path::Path>) -> Result<Self, BackendError> {
         #[cfg(feature = "hip")]
         {
             Ok(Self {
-                inner: device::HipDevice::open(device)?,
+                inner: device::HipDevice::open(device, library)?,
             })
         }
         #[cfg(not(feature = "hip"))]
         {
-            let _ = device;
+            let _ = (device, library);
             Err(BackendError::NotCompiled {
                 backend: "hip",
                 feature: "hip",

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-const SEED: u64 = 20_260_601;
+pub(crate) const SEED: u64 = 20_260_601;
 
 fn harness_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("harness")
@@ -180,14 +180,14 @@ fn kernel_argument_layout_matches_the_c_header() {
 }
 
 /// Build a backend batch from a vector case.
-struct CaseBatch {
+pub(crate) struct CaseBatch {
     groups_tokens: Vec<Vec<u32>>,
     groups_weights: Vec<Vec<f32>>,
     groups_rows: Vec<Vec<u32>>,
 }
 
 impl CaseBatch {
-    fn new(c: &VectorCase) -> Self {
+    pub(crate) fn new(c: &VectorCase) -> Self {
         let (mut t, mut w, mut r) = (Vec::new(), Vec::new(), Vec::new());
         let mut p = 0usize;
         for g in &c.groups {
@@ -204,7 +204,7 @@ impl CaseBatch {
         }
     }
 
-    fn groups<'a>(&'a self, c: &VectorCase) -> Vec<ExpertGroup<'a>> {
+    pub(crate) fn groups<'a>(&'a self, c: &VectorCase) -> Vec<ExpertGroup<'a>> {
         c.groups
             .iter()
             .enumerate()

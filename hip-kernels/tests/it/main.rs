@@ -2,3 +2,7 @@
 //! backend's behaviour without a GPU (`cargo test -p expertmesh-hip-kernels --features hip --test it`).
 
 mod kernel_host;
+mod matrix_emu;
+#[cfg(feature = "hip")]
+mod standin;
+mod support;

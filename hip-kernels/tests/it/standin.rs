@@ -1,0 +1,421 @@
+//! The production `HipBackend` running the real kernels on the CPU, through the HIP-CPU stand-in.
+//!
+//! `hip-kernels/standin/` builds a stand-in for `libamdhip64`: the HIP entry points `HipBackend`
+//! binds, with the project's unmodified `kernels/*.hip` compiled for the host through ROCm's
+//! HIP-CPU. One stand-in library per target branch, so every path through the kernels executes:
+//!
+//! | branch | compiler | device reports | path |
+//! |---|---|---|---|
+//! | generic wave 64 | g++ | gfx90a | portable (ids, `__syncthreads`, `__shfl_xor_sync`) |
+//! | generic wave 32 | g++ | gfx1030 | portable, 32-lane waves |
+//! | gfx90a | clang++ | gfx90a | AMD builtins, sdot4, MFMA i32 16x16x16 i8 |
+//! | gfx940 | clang++ | gfx940 | AMD builtins, sdot4, MFMA i32 16x16x32 i8 (the gfx942 path) |
+//! | gfx1030 | clang++ | gfx1030 | AMD builtins, wave 32, sdot4, portable prefill |
+//! | gfx1100 | clang++ | gfx1100 | AMD builtins, wave 32, sudot4, WMMA i32 16x16x16 iu8 |
+//!
+//! Each branch: exact mode bit-identical to `CpuBackend` (both output layouts, fused and two-phase
+//! decode, f32 and pre-quantized input), accurate mode within `ACCURATE_REL_TOL` of f64, over g32 /
+//! g64 / g128, f16 / bf16 scales, zero points, 1–16 token decode, prefill batches and one
+//! Kimi-K2-sized expert. Three kernel mutations (a removed barrier, a reversed reduction tree, a
+//! wrong prefill row mapping) must each make the check fail. The MFMA / WMMA emulators are checked
+//! against AMD's matrix instruction calculator (`matrix_emu.rs`, which runs without the feature).
+//!
+//! Needs `../shared/third_party/hip-cpu` (or `EXPERTMESH_HIP_CPU`), oneTBB (`libtbb-dev`), g++ and
+//! clang++; without HIP-CPU or a compiler each test says "skipped: ..." on stderr and returns. The
+//! stand-in cannot show GPU memory-model races (x86 fences are stronger) or speed:
+//! `scripts/gpu-check.sh` on a real GPU is the check for those.
+
+use super::support::say;
+use expertmesh_backend::{
+    Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
+};
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_hip_kernels::hip::{self, HipBackend};
+use expertmesh_hip_kernels::standin::{
+    self, Branch, Built, GENERIC32, GENERIC64, GFX90A, GFX940, GFX1030, GFX1100, Mutation,
+};
+use expertmesh_hip_kernels::testvec::{self, CaseParams, VectorCase};
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::format::{QuantSpec, ScaleDtype};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+/// Build (or reuse) a stand-in under this test target's temporary folder; None after a loud skip.
+fn build_standin(branch: Branch, mutation: Option<Mutation>) -> Option<PathBuf> {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hip-standin");
+    match standin::build(branch, mutation, &cache) {
+        Ok(Built::Library(lib)) => Some(lib),
+        Ok(Built::Skipped(why)) => {
+            say(&format!("skipped: {why}"));
+            None
+        }
+        Err(e) => panic!("building the {} stand-in: {e}", branch.key),
+    }
+}
+
+/// The stand-in library of an unmutated branch, built once per test process.
+fn standin_lib(branch: Branch) -> Option<PathBuf> {
+    static BUILT: OnceLock<Mutex<HashMap<&'static str, Option<PathBuf>>>> = OnceLock::new();
+    let map = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(done) = map.lock().expect("lock").get(branch.key) {
+        return done.clone();
+    }
+    let built = build_standin(branch, None);
+    map.lock().expect("lock").insert(branch.key, built.clone());
+    built
+}
+
+fn spec(group_size: u32, scale_dtype: ScaleDtype, zero_points: bool) -> QuantSpec {
+    QuantSpec {
+        group_size,
+        scale_dtype,
+        zero_points,
+    }
+}
+
+fn params(
+    spec: QuantSpec,
+    (hidden, inter): (usize, usize),
+    experts: usize,
+    tokens: usize,
+    top_k: usize,
+) -> CaseParams {
+    CaseParams {
+        spec,
+        hidden,
+        inter,
+        experts,
+        tokens,
+        top_k,
+        gaussian: false,
+    }
+}
+
+/// The conformance set: the standard vectors (g32 / g64 / g128, f16 / bf16, zero points, edge
+/// blocks, empty experts, a prefill group past one tile), decode batches of 1 to 16 tokens, and
+/// prefill batches (groups of 8 to 40 tokens, several 16-token items per group).
+fn conformance_cases() -> &'static [VectorCase] {
+    static CASES: OnceLock<Vec<VectorCase>> = OnceLock::new();
+    CASES.get_or_init(|| {
+        let mut cases = testvec::standard_cases(super::kernel_host::SEED).expect("standard cases");
+        let sweep = [
+            (1, spec(32, ScaleDtype::Bf16, false)),
+            (2, spec(64, ScaleDtype::F16, true)),
+            (3, spec(128, ScaleDtype::Bf16, true)),
+            (5, spec(32, ScaleDtype::F16, false)),
+            (8, spec(64, ScaleDtype::Bf16, false)),
+            (12, spec(32, ScaleDtype::Bf16, true)),
+            (16, spec(128, ScaleDtype::F16, false)),
+        ];
+        for (i, (tokens, s)) in sweep.into_iter().enumerate() {
+            // 8 experts, top-2: at most 16·2/8·... tokens per expert stay under the prefill
+            // threshold for the small batches and cross it for the larger ones.
+            let p = params(s, (256, 128), 8, tokens, 2);
+            cases.push(testvec::generate_case(&p, 7_000 + i as u64).expect("sweep case"));
+        }
+        for (i, (tokens, experts, s)) in [
+            (40, 2, spec(32, ScaleDtype::Bf16, false)),
+            (24, 1, spec(64, ScaleDtype::F16, true)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let p = params(s, (512, 192), experts, tokens, 1);
+            cases.push(testvec::generate_case(&p, 8_000 + i as u64).expect("prefill case"));
+        }
+        cases
+    })
+}
+
+/// One Kimi-K2-sized expert (H 7168, F 2048, g32 bf16): one token (decode) and 8 tokens
+/// (prefill).
+fn kimi_cases() -> &'static [VectorCase] {
+    static CASES: OnceLock<Vec<VectorCase>> = OnceLock::new();
+    CASES.get_or_init(|| {
+        [1, 8]
+            .into_iter()
+            .map(|tokens| {
+                let p = params(
+                    spec(32, ScaleDtype::Bf16, false),
+                    (7168, 2048),
+                    1,
+                    tokens,
+                    1,
+                );
+                testvec::generate_case(&p, 9_000 + tokens as u64).expect("Kimi case")
+            })
+            .collect()
+    })
+}
+
+/// Run every case through `hip` and the CPU backend: exact bit for bit (f32 and pre-quantized
+/// input, both layouts, fused and two-phase decode), accurate within `ACCURATE_REL_TOL` of f64.
+/// `full = false` (the Kimi-sized expert, to stay fast): fused decode, exact per-slot and accurate
+/// only. Ok(batches checked) or Err(the first difference).
+fn check_against_cpu(
+    hip: &mut HipBackend,
+    cases: &[VectorCase],
+    full: bool,
+) -> Result<usize, String> {
+    let mut cpu = CpuBackend::new(1).map_err(|e| e.to_string())?;
+    let mut batches = 0;
+    for (ci, c) in cases.iter().enumerate() {
+        let experts: Vec<(ExpertKey, _)> = c
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                (
+                    ExpertKey {
+                        layer: 0,
+                        expert: i as u32,
+                    },
+                    w.clone(),
+                )
+            })
+            .collect();
+        let limits = BatchLimits {
+            max_tokens: c.tokens,
+            max_pairs: c.pairs(),
+        };
+        let what = format!(
+            "case {ci} (H {}, F {}, {}, {} experts, {} tokens, {} pairs)",
+            c.hidden,
+            c.inter,
+            c.spec,
+            c.experts.len(),
+            c.tokens,
+            c.pairs()
+        );
+        hip.load(experts.clone(), limits)
+            .map_err(|e| format!("{what}: HIP load: {e}"))?;
+        cpu.load(experts, limits)
+            .map_err(|e| format!("{what}: CPU load: {e}"))?;
+        let cb = super::kernel_host::CaseBatch::new(c);
+        let groups: Vec<ExpertGroup<'_>> = cb.groups(c);
+        let all = [
+            (ComputeMode::Exact, OutputLayout::PerSlot, false),
+            (ComputeMode::Exact, OutputLayout::PreCombined, false),
+            (ComputeMode::Exact, OutputLayout::PerSlot, true),
+            (ComputeMode::Accurate, OutputLayout::PerSlot, false),
+        ];
+        let (fused_modes, combos): (&[bool], &[_]) = if full {
+            (&[true, false], &all)
+        } else {
+            (&[true], &[all[0], all[3]])
+        };
+        for &fused in fused_modes {
+            hip.set_fused_decode(fused);
+            for &(mode, layout, q8) in combos {
+                let batch = GroupedBatch {
+                    mode,
+                    hidden: c.hidden,
+                    tokens: c.tokens,
+                    input: if q8 {
+                        Activations::Q8 { q: &c.xq, d: &c.xd }
+                    } else {
+                        Activations::F32(&c.x)
+                    },
+                    groups: &groups,
+                    layout,
+                };
+                let what = format!(
+                    "{what}, {mode:?} {layout:?}{}, fused {fused}",
+                    if q8 { " q8" } else { "" }
+                );
+                let mut got = vec![f32::NAN; batch.output_len()];
+                hip.execute(&batch, &mut got)
+                    .map_err(|e| format!("{what}: HIP execute: {e}"))?;
+                batches += 1;
+                if mode == ComputeMode::Accurate {
+                    let err = testvec::accurate_error(&got, &c.y_f64, c.hidden);
+                    if err.is_nan() || err > testvec::ACCURATE_REL_TOL {
+                        return Err(format!(
+                            "{what}: accurate error {err:.3e} past the tolerance {:.1e}",
+                            testvec::ACCURATE_REL_TOL
+                        ));
+                    }
+                    continue;
+                }
+                let mut want = vec![0f32; batch.output_len()];
+                cpu.execute(&batch, &mut want)
+                    .map_err(|e| format!("{what}: CPU execute: {e}"))?;
+                if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                    let differ = (0..want.len())
+                        .filter(|&i| got[i].to_bits() != want[i].to_bits())
+                        .count();
+                    return Err(format!(
+                        "{what}: {differ} of {} outputs differ from CpuBackend; first at {i} (row {}, col {}): \
+                         {} ({:#010x}) against {} ({:#010x})",
+                        want.len(),
+                        i / c.hidden,
+                        i % c.hidden,
+                        got[i],
+                        got[i].to_bits(),
+                        want[i],
+                        want[i].to_bits()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(batches)
+}
+
+/// Open the backend on `branch`'s stand-in and check it; None after a loud skip.
+fn run_branch(branch: Branch, cases: &[VectorCase], full: bool) -> Option<Result<usize, String>> {
+    let lib = standin_lib(branch)?;
+    Some(open_and_check(branch, &lib, cases, full))
+}
+
+fn open_and_check(
+    branch: Branch,
+    lib: &Path,
+    cases: &[VectorCase],
+    full: bool,
+) -> Result<usize, String> {
+    let mut hip = HipBackend::with_library(0, lib)
+        .map_err(|e| format!("HipBackend on the {} stand-in: {e}", branch.key))?;
+    let name = hip.name();
+    if name != format!("hip-{}", branch.arch) {
+        return Err(format!(
+            "the backend says {name}, expected hip-{}",
+            branch.arch
+        ));
+    }
+    check_against_cpu(&mut hip, cases, full)
+}
+
+fn conformance(branch: Branch) {
+    if !hip::compiled_targets().contains(&branch.arch) {
+        panic!(
+            "this build has no {} code object (built: {:?}, skipped by the compiler: {:?}); the {} stand-in needs \
+             it: build with EXPERTMESH_HIP_TARGETS including {}",
+            branch.arch,
+            hip::compiled_targets(),
+            hip::skipped_targets(),
+            branch.key,
+            branch.arch
+        );
+    }
+    let Some(result) = run_branch(branch, conformance_cases(), true) else {
+        return;
+    };
+    match result {
+        Ok(n) => say(&format!(
+            "ran: HipBackend over the HIP-CPU stand-in, {} branch (device {}): {n} batches, exact bit-identical to \
+             CpuBackend, accurate within tolerance",
+            branch.key, branch.arch
+        )),
+        Err(e) => panic!("{} branch: {e}", branch.key),
+    }
+}
+
+#[test]
+fn standin_generic_wave64_matches_the_cpu_backend() {
+    conformance(GENERIC64);
+}
+
+#[test]
+fn standin_generic_wave32_matches_the_cpu_backend() {
+    conformance(GENERIC32);
+}
+
+#[test]
+fn standin_gfx90a_mfma_16x16x16_matches_the_cpu_backend() {
+    conformance(GFX90A);
+}
+
+#[test]
+fn standin_gfx940_mfma_16x16x32_matches_the_cpu_backend() {
+    conformance(GFX940);
+}
+
+#[test]
+fn standin_gfx1030_wave32_matches_the_cpu_backend() {
+    conformance(GFX1030);
+}
+
+#[test]
+fn standin_gfx1100_wmma_matches_the_cpu_backend() {
+    conformance(GFX1100);
+}
+
+/// A Kimi-K2-sized expert through the MFMA branch (decode and prefill): the kernels' indexing at
+/// the largest shape served.
+#[test]
+fn standin_runs_a_kimi_sized_expert() {
+    let Some(result) = run_branch(GFX90A, kimi_cases(), false) else {
+        return;
+    };
+    let n = result.unwrap_or_else(|e| panic!("Kimi-sized expert on gfx90a: {e}"));
+    say(&format!(
+        "ran: Kimi-sized expert (H 7168, F 2048) on the gfx90a stand-in: {n} batches"
+    ));
+}
+
+/// The check above can fail: each mutation of the kernels (applied to a copy) makes it report a
+/// difference from CpuBackend on the branch whose path it breaks.
+#[test]
+fn kernel_mutations_fail_the_standin_check() {
+    let decode_case = &conformance_cases()[..1];
+    let prefill_case = std::slice::from_ref(
+        conformance_cases()
+            .iter()
+            .rev()
+            .find(|c| c.groups.iter().any(|g| g.count >= 16))
+            .expect("a prefill case"),
+    );
+    let mutations = [
+        (
+            GENERIC64,
+            Mutation {
+                name: "no-barrier-before-swiglu",
+                file: "decode.hip",
+                from: "sh.rows[team + EM_TEAMS * r][t] = P[r][t];\n        }\n        em_sync();\n",
+                to: "sh.rows[team + EM_TEAMS * r][t] = P[r][t];\n        }\n",
+            },
+            decode_case,
+        ),
+        (
+            GENERIC64,
+            Mutation {
+                name: "reversed-xor-tree",
+                file: "em_device.h",
+                from: "for (int w = EM_LANES / 2; w > 0; w /= 2) p = p + em_shfl_xor(p, w);",
+                to: "for (int w = 1; w < EM_LANES; w *= 2) p = p + em_shfl_xor(p, w);",
+            },
+            decode_case,
+        ),
+        (
+            GFX90A,
+            Mutation {
+                name: "wrong-prefill-row-mapping",
+                file: "prefill.hip",
+                from: "return EM_ENTRIES * (lane / 16) + e;",
+                to: "return (lane / 16) + EM_ENTRIES * e;",
+            },
+            prefill_case,
+        ),
+    ];
+    for (branch, m, cases) in mutations {
+        let Some(lib) = build_standin(branch, Some(m)) else {
+            return;
+        };
+        match open_and_check(branch, &lib, cases, true) {
+            Ok(n) => panic!(
+                "mutation {} of kernels/{} on the {} branch passed the check ({n} batches): the check cannot see it",
+                m.name, m.file, branch.key
+            ),
+            Err(e) => {
+                assert!(
+                    e.contains("differ from CpuBackend"),
+                    "mutation {}: unexpected failure: {e}",
+                    m.name
+                );
+                say(&format!("mutation {} ({}) caught: {e}", m.name, branch.key));
+            }
+        }
+    }
+}
