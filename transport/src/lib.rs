@@ -13,12 +13,13 @@
 //!   flow control, heartbeats and timeouts), quinn-proto style.
 //! - `link` (internal): one established link whatever its driver, and the types drivers and
 //!   the mesh share (re-exported from [`mesh`]).
-//! - `tcp` (internal), [`shm`], `rdma` (feature `rdma`): the drivers; each moves frame bytes
-//!   for its link kind. [`shm`] and `rdma` also export their error types.
+//! - `tcp` (internal), [`shm`], [`rdma`]: the drivers; each moves frame bytes for its link kind.
+//!   [`rdma`] is one link over a narrow NIC interface with three providers: raw verbs (feature
+//!   `rdma`), libfabric (feature `libfabric`) and an in-process NIC with fault injection (tests).
 //! - `setup` (internal): turns a TCP connection into an established link of the agreed kind,
 //!   calling the driver that owns it.
 //! - [`mesh`]: the [`Transport`] trait and the rank-to-rank mesh that runs the protocol over
-//!   TCP, shared memory or (feature `rdma`) RoCE links: listening, dialling, the event queue.
+//!   TCP, shared memory or RDMA links: listening, dialling, the event queue.
 //! - [`frontend`]: framed connections for clients that are not ranks (serving frontends).
 //!
 //! # Module layering
@@ -110,7 +111,6 @@ pub mod frontend;
 mod link;
 pub mod mesh;
 pub mod protocol;
-#[cfg(feature = "rdma")]
 pub mod rdma;
 mod setup;
 pub mod shm;

@@ -93,6 +93,8 @@ pub struct MeshConfig {
     pub shm: ShmConfig,
     /// RDMA device name (`None`: the first device) and the IPv4 address whose GID to use.
     pub rdma_device: Option<String>,
+    /// Which NIC implementation carries RDMA links (default: raw verbs).
+    pub rdma_provider: crate::rdma::RdmaProvider,
     /// Lower ranks this rank dials (`None`: every lower rank, a full mesh). A star around
     /// rank 0 (workers that only talk to the router) sets `Some(vec![0])` on every other rank
     /// and `Some(vec![])` on rank 0; then only rank 0's address must be reachable.
@@ -117,6 +119,7 @@ impl MeshConfig {
             reconnect_max: Duration::from_secs(1),
             shm: ShmConfig::default(),
             rdma_device: None,
+            rdma_provider: crate::rdma::RdmaProvider::default(),
             dial_ranks: None,
             handshake_gate,
         }
@@ -472,15 +475,20 @@ impl Mesh {
                 cfg.protocol.local_rank, cfg.protocol.world_size, world
             )));
         }
-        if cfg.peers.iter().any(|p| p.link == LinkKind::Rdma) && !cfg!(feature = "rdma") {
-            return Err(StartError::Config(
-                "an RDMA link is configured but this build lacks feature `rdma`; rebuild with --features rdma or use tcp".into(),
-            ));
+        if cfg.peers.iter().any(|p| p.link == LinkKind::Rdma) {
+            cfg.rdma_provider.compiled().map_err(|e| {
+                StartError::Config(format!(
+                    "an RDMA link is configured but {e}; rebuild with that feature, choose another \
+                     --rdma-provider, or use tcp"
+                ))
+            })?;
         }
         let shm_need = cfg.protocol.codec.max_frame_bytes * 2 + 2 * PAYLOAD_ALIGN;
-        if cfg.peers.iter().any(|p| p.link == LinkKind::Shm) && cfg.shm.ring_bytes < shm_need {
+        let ringed = |p: &PeerAddress| matches!(p.link, LinkKind::Shm | LinkKind::Rdma);
+        if cfg.peers.iter().any(ringed) && cfg.shm.ring_bytes < shm_need {
             return Err(StartError::Config(format!(
-                "shm.ring_bytes {} must be at least twice max_frame_bytes plus 128 ({shm_need})",
+                "shm.ring_bytes {} (also the RDMA ring size) must be at least twice max_frame_bytes plus 128 \
+                 ({shm_need})",
                 cfg.shm.ring_bytes
             )));
         }
@@ -495,6 +503,7 @@ impl Mesh {
             proto: Arc::clone(&proto_cfg),
             shm: cfg.shm.clone(),
             rdma_device: cfg.rdma_device.clone(),
+            rdma_provider: cfg.rdma_provider.clone(),
             local_ip: cfg.peers[cfg.protocol.local_rank as usize].addr.ip(),
         };
         let inner = Arc::new(MeshInner {

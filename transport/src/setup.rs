@@ -37,6 +37,8 @@ pub(crate) struct SetupEnv {
     pub(crate) shm: ShmConfig,
     /// RDMA device name (`None`: the first device).
     pub(crate) rdma_device: Option<String>,
+    /// Which NIC implementation carries RDMA links.
+    pub(crate) rdma_provider: crate::rdma::RdmaProvider,
     /// This rank's listen address, whose GID an RDMA link uses.
     pub(crate) local_ip: IpAddr,
 }
@@ -56,7 +58,6 @@ pub(crate) enum Reader {
     /// This end's ring, and the TCP connection whose closing means the peer is gone.
     Shm(RingConsumer, TcpStream),
     /// The queue pair's completions, and the TCP connection as for shared memory.
-    #[cfg(feature = "rdma")]
     Rdma(crate::rdma::RdmaReader, TcpStream),
 }
 
@@ -70,7 +71,6 @@ impl Reader {
                 crate::shm::spawn_consumer(Arc::clone(link), ring, codec);
                 tcp::spawn_control_watch(link, control);
             }
-            #[cfg(feature = "rdma")]
             Self::Rdma(reader, control) => {
                 crate::rdma::spawn_poller(Arc::clone(link), reader, codec);
                 tcp::spawn_control_watch(link, control);
@@ -83,7 +83,6 @@ impl Reader {
 enum Prepared {
     None,
     Shm(RingConsumer),
-    #[cfg(feature = "rdma")]
     Rdma(crate::rdma::RdmaPrepared),
 }
 
@@ -93,7 +92,6 @@ impl Prepared {
         match self {
             Self::None => Vec::new(),
             Self::Shm(ring) => ring.attachment(),
-            #[cfg(feature = "rdma")]
             Self::Rdma(p) => p.attachment(),
         }
     }
@@ -146,10 +144,11 @@ pub(crate) async fn dial(
     establish(env, stream, Some(peer), kind, None).await
 }
 
-/// The protocol settings to announce when asking for `kind`: a shared-memory ring caps the
-/// receive window (the ring itself is created after authentication).
+/// The protocol settings to announce when asking for `kind`: a shared-memory or RDMA ring caps
+/// the receive window (the ring itself is created after authentication; RDMA rings have the
+/// shared-memory ring's size and record format).
 fn announce(env: &SetupEnv, kind: LinkKind) -> Arc<ProtocolConfig> {
-    if kind != LinkKind::Shm {
+    if kind == LinkKind::Tcp {
         return Arc::clone(&env.proto);
     }
     let mut c = (*env.proto).clone();
@@ -229,7 +228,6 @@ async fn finish(
             let writer = finish_shm(env, &mut stream, conn, &ring).await?;
             Ok((LinkKind::Shm, writer, Reader::Shm(ring, stream)))
         }
-        #[cfg(feature = "rdma")]
         Prepared::Rdma(p) => {
             let (writer, reader) = finish_rdma(&mut stream, conn, p).await?;
             Ok((
@@ -258,9 +256,9 @@ fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
                 Err(e) => unavailable("shared memory", e.to_string()),
             }
         }
-        #[cfg(feature = "rdma")]
         LinkKind::Rdma => {
             match crate::rdma::RdmaPrepared::new(
+                &env.rdma_provider,
                 env.rdma_device.as_deref(),
                 env.local_ip,
                 env.shm.ring_bytes,
@@ -268,11 +266,6 @@ fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
                 Ok(p) => Prepared::Rdma(p),
                 Err(e) => unavailable("RDMA", e.to_string()),
             }
-        }
-        #[cfg(not(feature = "rdma"))]
-        LinkKind::Rdma => {
-            let _ = (&env.rdma_device, env.local_ip);
-            unavailable("RDMA", "this build lacks feature `rdma`".into())
         }
     }
 }
@@ -297,7 +290,6 @@ async fn finish_shm(
 }
 
 /// Connects the queue pair to the peer's (no sync byte: the protocol establishes at once).
-#[cfg(feature = "rdma")]
 async fn finish_rdma(
     stream: &mut TcpStream,
     conn: &mut Connection,

@@ -4,7 +4,8 @@
 //! Why this exists: the receiver's memory stays bounded by its window only if every end counts
 //! the same way. Each end announces its receive window `W`; a sender holds at most the credit the
 //! peer gave it, a receiver refuses a peer past its window ([`ProtocolError::CreditViolation`]) and
-//! returns released bytes in [`Credit`] frames of at least `W/4`. `Connection::check_invariants`
+//! returns released bytes in [`Credit`] frames of at least `W/4` (less when the window is barely
+//! larger than the largest frame, so a drained receiver never leaves its peer starved). `Connection::check_invariants`
 //! asserts the accounting (debug builds) at every change of it.
 
 use super::connection::{Connection, Disposition, State};
@@ -73,13 +74,24 @@ impl Connection {
             return;
         }
         self.release_pending += frame_len;
-        if self.release_pending >= self.cfg.recv_window_bytes / 4 {
+        if self.release_pending >= self.credit_return_threshold() {
             self.transmit.push_back(Body::Credit(Credit {
                 bytes: self.release_pending,
             }));
             self.release_pending = 0;
         }
         self.check_invariants();
+    }
+
+    /// Released bytes are returned once they reach `W/4`, or sooner when holding them back could
+    /// starve the peer: with the largest frame costing `M`, a peer whose every frame was released
+    /// has `W - pending` credit, so `pending` must stay at most `W - M` (a ring-capped window,
+    /// shared memory or RDMA, can be barely larger than `M`).
+    fn credit_return_threshold(&self) -> u64 {
+        let window = self.cfg.recv_window_bytes;
+        let max_cost = (crate::codec::PAYLOAD_ALIGN
+            + crate::codec::align_up(self.cfg.codec.max_frame_bytes)) as u64;
+        (window / 4).min(window.saturating_sub(max_cost) + 1).max(1)
     }
 
     /// A [`Credit`] frame from the peer: `bytes` more may be sent.

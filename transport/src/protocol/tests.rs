@@ -195,6 +195,50 @@ fn credit_window_bounds_sends_and_is_returned() {
     assert!(a.try_reserve(frame).unwrap());
 }
 
+/// A ring-capped window (shared memory, RDMA) can be barely larger than the largest frame; a
+/// receiver that has released everything must then have returned enough credit for it, however
+/// small the frames before were (W/4 alone would hold back up to a quarter of the window).
+#[test]
+fn a_drained_receiver_never_leaves_its_peer_short_of_its_largest_frame() {
+    let max_frame = 64 << 10;
+    let max_cost = (crate::codec::PAYLOAD_ALIGN + max_frame) as u64;
+    let config = |rank| {
+        let mut c = ProtocolConfig::new("test", rank, 4);
+        c.codec.max_frame_bytes = max_frame;
+        c.recv_window_bytes = max_cost + 64;
+        Arc::new(c)
+    };
+    let now = Instant::now();
+    let mut a = Connection::new(config(0), Some(1), [1; 32], vec![], now);
+    let mut b = Connection::new(config(1), None, [2; 32], vec![7], now);
+    pump(&mut a, &mut b, now).unwrap();
+    let body = Body::Result(ExpertResult {
+        batch_id: 1,
+        layer: 0,
+        part: 0,
+        layout: OutputLayout::PerSlot,
+        rows: 0,
+        hidden: 0,
+        dtype: OutputDtype::F32,
+    });
+    for (i, cost) in [1024u64, 15488, 4096, 640, 15488, 15488, 64]
+        .into_iter()
+        .enumerate()
+    {
+        assert!(a.try_reserve(cost).unwrap(), "frame {i} fits");
+        b.handle_frame(now, &body, cost).unwrap();
+        b.release(cost);
+        while let Some(f) = b.poll_transmit() {
+            a.handle_frame(now, &f, 64).unwrap();
+        }
+        assert!(
+            a.send_credit() >= max_cost,
+            "after frame {i} the largest frame ({max_cost}) fits in the credit ({})",
+            a.send_credit()
+        );
+    }
+}
+
 #[test]
 fn heartbeats_and_idle_timeout() {
     let (mut a, _b, r) = pair(None, None);

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use expertmesh_transport::codec::{self, Body, CodecConfig, ErrorCode, ErrorFrame, Heartbeat};
 use expertmesh_transport::crypto::Credentials;
 use expertmesh_transport::protocol::{Connection, ProtocolConfig};
+use expertmesh_transport::rdma::{DEFAULT_LIBFABRIC_PROVIDER, RdmaProvider};
 use expertmesh_transport::{
     LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerErrorKind, Transport,
     TransportEvent,
@@ -22,6 +23,39 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MAX_FRAME: usize = 256 << 10;
+
+/// A driver of the suite: a link kind and, for RDMA, the NIC under it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Driver {
+    Tcp,
+    Shm,
+    /// Raw verbs (feature `rdma`, an RDMA device).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    RdmaVerbs,
+    /// The in-process NIC (no faults).
+    RdmaInProcess,
+    /// libfabric over `tcp;ofi_rxm` (feature `libfabric`).
+    #[cfg_attr(not(feature = "libfabric"), allow(dead_code))]
+    RdmaLibfabric,
+}
+
+impl Driver {
+    pub(crate) fn kind(self) -> LinkKind {
+        match self {
+            Self::Tcp => LinkKind::Tcp,
+            Self::Shm => LinkKind::Shm,
+            _ => LinkKind::Rdma,
+        }
+    }
+
+    pub(crate) fn provider(self) -> RdmaProvider {
+        match self {
+            Self::RdmaInProcess => RdmaProvider::InProcess(Default::default()),
+            Self::RdmaLibfabric => RdmaProvider::Libfabric(DEFAULT_LIBFABRIC_PROVIDER.into()),
+            _ => RdmaProvider::Verbs,
+        }
+    }
+}
 const WINDOW: u64 = 2 * MAX_FRAME as u64;
 const T: Duration = Duration::from_secs(5);
 
@@ -32,19 +66,20 @@ struct Cluster {
     _shm_dir: tempfile::TempDir,
 }
 
-fn config(
-    kind: LinkKind,
-    rank: u32,
-    addrs: &[SocketAddr],
-    shm_dir: &std::path::Path,
-) -> MeshConfig {
-    let mut c = MeshConfig::new("conformance", rank, peers(addrs, kind));
+fn config(kind: Driver, rank: u32, addrs: &[SocketAddr], shm_dir: &std::path::Path) -> MeshConfig {
+    let mut c = MeshConfig::new("conformance", rank, peers(addrs, kind.kind()));
+    c.rdma_provider = kind.provider();
     c.protocol.codec = CodecConfig {
         max_frame_bytes: MAX_FRAME,
         payload_checksum: true,
     };
     c.protocol.recv_window_bytes = WINDOW;
-    c.protocol.handshake_timeout = Duration::from_secs(2);
+    // libfabric's tcp;ofi_rxm spends ~50 ms of CPU enabling each endpoint (its message buffer
+    // pools), and this suite opens up to 20 at once on a busy machine.
+    c.protocol.handshake_timeout = match kind {
+        Driver::RdmaLibfabric => Duration::from_secs(10),
+        _ => Duration::from_secs(2),
+    };
     c.reconnect_initial = Duration::from_millis(5);
     c.reconnect_max = Duration::from_millis(100);
     c.shm.dir = shm_dir.to_path_buf();
@@ -53,12 +88,12 @@ fn config(
     c
 }
 
-async fn cluster(n: usize, kind: LinkKind) -> Cluster {
+async fn cluster(n: usize, kind: Driver) -> Cluster {
     cluster_of(n, n, kind).await
 }
 
 /// A cluster of `world` ranks of which the first `started` run.
-async fn cluster_of(world: usize, started: usize, kind: LinkKind) -> Cluster {
+async fn cluster_of(world: usize, started: usize, kind: Driver) -> Cluster {
     let addrs = free_addrs(world);
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let mut meshes = Vec::new();
@@ -82,7 +117,7 @@ async fn cluster_of(world: usize, started: usize, kind: LinkKind) -> Cluster {
         for &p in &others {
             assert_eq!(
                 m.link_kind(p),
-                Some(kind),
+                Some(kind.kind()),
                 "rank {r} → {p} uses the requested link"
             );
         }
@@ -110,7 +145,7 @@ fn check_payload(f: &expertmesh_transport::RecvFrame, fill: u8) {
     }
 }
 
-async fn per_peer_ordering(kind: LinkKind) {
+async fn per_peer_ordering(kind: Driver) {
     let mut c = cluster(2, kind).await;
     let n = 300u64;
     let m1 = c.meshes[1].clone();
@@ -135,7 +170,7 @@ async fn per_peer_ordering(kind: LinkKind) {
     sender.await.unwrap();
 }
 
-async fn tiny_and_max_size_frames(kind: LinkKind) {
+async fn tiny_and_max_size_frames(kind: Driver) {
     let mut c = cluster(2, kind).await;
     // Tiny: an error frame with an empty message, no payload.
     let tiny = OutFrame::new(Body::Error(ErrorFrame {
@@ -181,7 +216,7 @@ async fn tiny_and_max_size_frames(kind: LinkKind) {
     assert_eq!(f.body().request_id(), Some(4));
 }
 
-async fn many_peers_at_once(kind: LinkKind) {
+async fn many_peers_at_once(kind: Driver) {
     let n = 5usize;
     let per_pair = 25u64;
     let mut c = cluster(n, kind).await;
@@ -223,7 +258,7 @@ async fn many_peers_at_once(kind: LinkKind) {
     }
 }
 
-async fn backpressure_bounds_memory(kind: LinkKind) {
+async fn backpressure_bounds_memory(kind: Driver) {
     let mut c = cluster(2, kind).await;
     let frame = result_frame(0, 100, 300, 0); // 60 000-byte payload
     let cost =
@@ -240,10 +275,15 @@ async fn backpressure_bounds_memory(kind: LinkKind) {
             sent2.fetch_add(1, Ordering::SeqCst);
         }
     });
-    // The receiver does not consume: the sender must stall at the window.
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let stalled_at = sent.load(Ordering::SeqCst);
+    // The receiver does not consume: the sender fills its window (however long that takes on
+    // a busy machine), then stalls there.
     let max_in_window = (WINDOW / cost) as usize;
+    let t0 = Instant::now();
+    while sent.load(Ordering::SeqCst) < max_in_window.saturating_sub(1) && t0.elapsed() < T {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stalled_at = sent.load(Ordering::SeqCst);
     assert!(
         stalled_at <= max_in_window,
         "sent {stalled_at} frames, window admits {max_in_window}"
@@ -278,7 +318,7 @@ async fn backpressure_bounds_memory(kind: LinkKind) {
     sender.await.unwrap();
 }
 
-async fn peer_disconnect_fails_pending_sends(kind: LinkKind) {
+async fn peer_disconnect_fails_pending_sends(kind: Driver) {
     let mut c = cluster(2, kind).await;
     let m1 = c.meshes[1].clone();
     // Fill the window so that later sends are pending on credit.
@@ -320,7 +360,7 @@ async fn peer_disconnect_fails_pending_sends(kind: LinkKind) {
     assert_eq!(err.peer, 0);
 }
 
-async fn garbage_and_oversized_frames_close_only_that_connection(kind: LinkKind) {
+async fn garbage_and_oversized_frames_close_only_that_connection(kind: Driver) {
     // Rank 2 of 3 never starts: the test impersonates it without racing its redials.
     let mut c = cluster_of(3, 2, kind).await;
     let target = c.addrs[0];
@@ -433,7 +473,7 @@ async fn manual_handshake(s: &mut tokio::net::TcpStream, conn: &mut Connection) 
     }
 }
 
-async fn failed_authentication_is_refused(kind: LinkKind) {
+async fn failed_authentication_is_refused(kind: Driver) {
     let addrs = free_addrs(2);
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let mut c0 = config(kind, 0, &addrs, dir.path());
@@ -498,8 +538,11 @@ fn always() -> bool {
     true
 }
 
-conformance!(tcp, LinkKind::Tcp, always);
-conformance!(shm, LinkKind::Shm, always);
+conformance!(tcp, Driver::Tcp, always);
+conformance!(shm, Driver::Shm, always);
+conformance!(rdma_in_process, Driver::RdmaInProcess, always);
+#[cfg(feature = "libfabric")]
+conformance!(rdma_libfabric, Driver::RdmaLibfabric, always);
 
 #[cfg(feature = "rdma")]
 fn rdma_device_present() -> bool {
@@ -518,7 +561,7 @@ fn rdma_device_present() -> bool {
 }
 
 #[cfg(feature = "rdma")]
-conformance!(rdma, LinkKind::Rdma, rdma_device_present);
+conformance!(rdma_verbs, Driver::RdmaVerbs, rdma_device_present);
 
 /// When shared memory cannot be set up (here: the ring directory does not exist, as with a
 /// missing or full /dev/shm), the pair falls back to TCP with a warning and still works.
@@ -529,7 +572,7 @@ async fn shm_failure_falls_back_to_tcp() {
     let mut meshes = Vec::new();
     let mut events = Vec::new();
     for r in 0..2 {
-        let (m, e) = Mesh::start(config(LinkKind::Shm, r, &addrs, missing))
+        let (m, e) = Mesh::start(config(Driver::Shm, r, &addrs, missing))
             .await
             .unwrap();
         meshes.push(m);

@@ -1,81 +1,28 @@
-//! The RoCE / InfiniBand driver (feature `rdma`): one reliable-connected queue pair per peer,
-//! RDMA WRITE with immediate into the peer's registered receive ring, a completion polling
-//! thread, credits returned in-band by the shared protocol core.
+//! The raw ibverbs NIC (feature `rdma`): one reliable-connected queue pair per link, RoCE or
+//! InfiniBand.
 //!
-//! Why this exists: between hosts with RDMA NICs, activations should move NIC to NIC without
-//! kernel sockets. The protocol (handshake, authentication, credits, heartbeats) is the same
-//! sans-IO core as on TCP and shared memory; this module only moves frame bytes.
+//! Why this exists: on hosts with RDMA NICs and no libfabric, or where the last microsecond
+//! matters, the link's writes go straight to an RC queue pair. This module implements only the
+//! [`Nic`] interface (queue pair setup, registered rings, posting, completions); the ring
+//! records, credits and the poller are the link's ([`super`]).
 //!
-//! Set-up: the queue pair is created and its receive ring registered before the hello; the
-//! queue pair number, PSN, LID, GID and the ring's address, key and size travel in the hello's
-//! attachment over the authenticated TCP connection, which then stays open for dead-peer
-//! detection. The GID is the port's entry whose IPv4-mapped address equals this rank's listen
+//! Set-up: the queue pair is created and both rings registered when the endpoint opens; the
+//! queue pair number, PSN, LID, GID and the ring's address and key are its endpoint
+//! description. The GID is the port's entry whose IPv4-mapped address equals this rank's listen
 //! address (RoCE v2 preferred), so the topology's IP plan selects the NIC port.
-//!
-//! Data path: the sender copies a frame into its registered staging ring at the same offset it
-//! will occupy in the peer's ring (64-byte record header, then the frame) and posts one
-//! `RDMA_WRITE_WITH_IMM` whose immediate is the record offset / 64. The peer's poller thread
-//! takes the receive completion, validates the record like any untrusted bytes, copies the frame
-//! into a pooled aligned buffer (freeing the ring slot at once) and hands it to the link. Credits
-//! (record sizes) bound the bytes in the peer's ring; send completions bound staging reuse.
 //!
 //! Verbs are called through `ibverbs-sys` (the `ibverbs` crate's FFI) because the safe crate
 //! offers no write-with-immediate; device discovery and the GID table use the `ibverbs` crate.
-//!
-//! Layering: this driver imports only [`link`](crate::link) (the link it feeds and the
-//! [`FrameSink`] interface it implements), [`codec`] and
-//! [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
-use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
-use crate::link::{FrameSink, Link, SinkFuture, Storage, nonce};
-use crate::protocol::{ProtocolError, RDMA_ATTACHMENT};
+use super::nic::{Completion, Nic, Posted};
+use super::{RECV_WRS, RdmaError, SEND_WRS};
+use crate::link::nonce;
 use expertmesh_quant::aligned::AlignedVec;
 use ibverbs_sys as ffi;
 use std::net::IpAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::OnceLock;
 
-const RECORD_HEADER: usize = PAYLOAD_ALIGN;
-const RECV_WRS: u32 = 512;
-const SEND_WRS: u32 = 512;
 const IB_PORT: u8 = 1;
-
-/// Why the RDMA driver could not be set up or used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RdmaError {
-    /// No RDMA device (or not the configured one).
-    #[error("no RDMA device{}", .0.as_deref().map(|n| format!(" named {n:?}")).unwrap_or_default())]
-    NoDevice(Option<String>),
-    /// A verbs call failed.
-    #[error("{call} failed: {source}")]
-    Verbs {
-        /// The verbs function.
-        call: &'static str,
-        /// errno.
-        #[source]
-        source: std::io::Error,
-    },
-    /// No GID of the port matches this rank's IPv4 address.
-    #[error(
-        "no GID on port {port} matches IPv4 {ip}; configure the rank's address to the NIC's IP (GIDs: {candidates})"
-    )]
-    NoGid {
-        /// Port.
-        port: u8,
-        /// Address sought.
-        ip: String,
-        /// The IPv4 GIDs found.
-        candidates: String,
-    },
-    /// The peer's queue pair description is malformed.
-    #[error("malformed RDMA attachment from the peer ({0} bytes)")]
-    BadPeerInfo(usize),
-    /// The link is closed.
-    #[error("RDMA link closed")]
-    Closed,
-}
 
 fn verbs(call: &'static str) -> RdmaError {
     RdmaError::Verbs {
@@ -172,7 +119,7 @@ impl QpInfo {
 
     fn decode(b: &[u8]) -> Result<Self, RdmaError> {
         if b.len() != QP_INFO_LEN {
-            return Err(RdmaError::BadPeerInfo(b.len()));
+            return Err(RdmaError::BadPeerInfo(format!("{} bytes", b.len())));
         }
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
         let u64_at = |o: usize| {
@@ -266,10 +213,9 @@ fn remote_write_access() -> i32 {
 
 impl Resources {
     /// Opens the device owning the GID of `ip` and sets up a queue pair in INIT with
-    /// registered receive and staging rings of `ring_bytes` (rounded up to 64) each.
-    fn new(device: Option<&str>, ip: IpAddr, ring_bytes: usize) -> Result<Self, RdmaError> {
+    /// registered receive and staging rings of `capacity` bytes each.
+    fn new(device: Option<&str>, ip: IpAddr, capacity: usize) -> Result<Self, RdmaError> {
         let (name, gid_index, gid) = choose_gid(device, ip)?;
-        let capacity = codec::align_up(ring_bytes);
         let mut res = Resources {
             ctx: std::ptr::null_mut(),
             pd: std::ptr::null_mut(),
@@ -291,9 +237,6 @@ impl Resources {
         res.register_rings()?;
         res.create_qp()?;
         res.init_qp()?;
-        for _ in 0..RECV_WRS {
-            res.post_recv()?;
-        }
         Ok(res)
     }
 
@@ -500,39 +443,33 @@ impl Resources {
     }
 }
 
-/// A queue pair prepared before the handshake.
-pub(crate) struct RdmaPrepared {
-    res: Arc<Resources>,
+/// The verbs endpoint of one link.
+pub(crate) struct VerbsNic {
+    res: Resources,
     psn: u32,
+    remote: OnceLock<QpInfo>,
 }
 
-impl RdmaPrepared {
-    /// Opens `device` (`None`: the first), picks the GID of `ip` and registers receive and
-    /// staging rings of `ring_bytes` each.
+impl VerbsNic {
+    /// Opens the device owning the GID of `ip` (or `device`) with rings of `capacity` bytes.
     pub(crate) fn new(
         device: Option<&str>,
         ip: IpAddr,
-        ring_bytes: usize,
+        capacity: usize,
     ) -> Result<Self, RdmaError> {
-        let res = Resources::new(device, ip, ring_bytes)?;
+        let res = Resources::new(device, ip, capacity)?;
         let n = nonce();
-        let psn = u32::from_le_bytes([n[0], n[1], n[2], 0]);
         Ok(Self {
-            res: Arc::new(res),
-            psn,
+            res,
+            psn: u32::from_le_bytes([n[0], n[1], n[2], 0]),
+            remote: OnceLock::new(),
         })
     }
+}
 
-    /// The hello attachment describing this queue pair: [`RDMA_ATTACHMENT`] and its info.
-    pub(crate) fn attachment(&self) -> Vec<u8> {
-        let mut a = RDMA_ATTACHMENT.to_vec();
-        a.extend_from_slice(&self.local_info());
-        a
-    }
-
-    /// The encoded queue pair description (without the attachment prefix).
-    pub(crate) fn local_info(&self) -> Vec<u8> {
-        // SAFETY: qp and recv_mr are live.
+impl Nic for VerbsNic {
+    fn local_info(&self) -> Vec<u8> {
+        // SAFETY: qp and recv_mr are live for the life of `res`.
         let (qpn, rkey) = unsafe { ((*self.res.qp).qp_num, (*self.res.recv_mr).rkey) };
         QpInfo {
             qpn,
@@ -546,83 +483,50 @@ impl RdmaPrepared {
         .encode()
     }
 
-    /// Moves the queue pair to RTS towards the peer described by `info`.
-    pub(crate) fn connect(self, info: &[u8]) -> Result<(RdmaWriter, RdmaReader), RdmaError> {
-        let remote = QpInfo::decode(info)?;
+    fn connect(&self, peer: &[u8]) -> Result<(), RdmaError> {
+        let remote = QpInfo::decode(peer)?;
         if remote.ring_capacity != self.res.send_ring.len() as u64 {
-            return Err(RdmaError::BadPeerInfo(info.len()));
+            return Err(RdmaError::BadPeerInfo(format!(
+                "ring of {} bytes, this end {}",
+                remote.ring_capacity,
+                self.res.send_ring.len()
+            )));
         }
         self.res.connect(self.psn, &remote)?;
-        let shared = Arc::new(Shared {
-            send_done: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
-        });
-        Ok((
-            RdmaWriter {
-                res: Arc::clone(&self.res),
-                remote,
-                head: 0,
-                shared: Arc::clone(&shared),
-            },
-            RdmaReader {
-                res: self.res,
-                shared,
-            },
-        ))
+        self.remote
+            .set(remote)
+            .map_err(|_| RdmaError::BadPeerInfo("connected twice".into()))
     }
-}
 
-struct Shared {
-    send_done: AtomicU64,
-    closed: AtomicBool,
-}
+    fn ring_capacity(&self) -> usize {
+        self.res.recv_ring.len()
+    }
 
-/// Sending half: staging ring + RDMA WRITE with immediate.
-pub(crate) struct RdmaWriter {
-    res: Arc<Resources>,
-    remote: QpInfo,
-    head: u64,
-    shared: Arc<Shared>,
-}
+    fn recv_ring(&self) -> *const u8 {
+        self.res.recv_ring.as_ptr()
+    }
 
-impl RdmaWriter {
-    pub(crate) async fn write_frame(
-        &mut self,
-        head: &[u8],
-        payload: &[u8],
-    ) -> Result<(), RdmaError> {
-        let len = head.len() + payload.len();
-        let cap = self.res.send_ring.len() as u64;
-        let record = (RECORD_HEADER + codec::align_up(len)) as u64;
-        let (off, wrap) = loop {
-            if self.shared.closed.load(Ordering::Acquire) {
-                return Err(RdmaError::Closed);
-            }
-            let off = self.head % cap;
-            let wrap = if off + record > cap { cap - off } else { 0 };
-            let done = self.shared.send_done.load(Ordering::Acquire);
-            if self.head + wrap + record - done <= cap {
-                break (if wrap > 0 { 0 } else { off as usize }, wrap);
-            }
-            tokio::time::sleep(Duration::from_micros(50)).await;
-        };
-        let staging = self.res.send_ring.as_ptr() as *mut u8;
-        // SAFETY: [off, off + record) of the staging ring is free (send completions passed it).
-        unsafe {
-            std::ptr::write_unaligned(staging.add(off) as *mut u64, len as u64);
-            let dst = staging.add(off + RECORD_HEADER);
-            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), dst.add(head.len()), payload.len());
-        }
-        self.head += wrap + record;
+    fn staging(&self) -> *mut u8 {
+        self.res.send_ring.as_ptr() as *mut u8
+    }
+
+    fn post_write(
+        &self,
+        off: usize,
+        len: usize,
+        imm: u32,
+        wr_id: u64,
+    ) -> Result<Posted, RdmaError> {
+        let remote = self.remote.get().ok_or(RdmaError::Closed)?;
+        let staging = self.staging();
         let mut sge = ffi::ibv_sge {
             addr: staging as u64 + off as u64,
-            length: record as u32,
+            length: len as u32,
             // SAFETY: send_mr is live.
             lkey: unsafe { (*self.res.send_mr).lkey },
         };
         let mut wr = ffi::ibv_send_wr {
-            wr_id: self.head,
+            wr_id,
             next: std::ptr::null_mut(),
             sg_list: &mut sge,
             num_sge: 1,
@@ -630,10 +534,10 @@ impl RdmaWriter {
             send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
             ..Default::default()
         };
-        wr.__bindgen_anon_1.imm_data = ((off / PAYLOAD_ALIGN) as u32).to_be();
+        wr.__bindgen_anon_1.imm_data = imm.to_be();
         wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-            remote_addr: self.remote.ring_addr + off as u64,
-            rkey: self.remote.ring_rkey,
+            remote_addr: remote.ring_addr + off as u64,
+            rkey: remote.ring_rkey,
         };
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: qp is live and in RTS; sge points into the registered staging ring.
@@ -644,138 +548,48 @@ impl RdmaWriter {
                 None => libc::ENOSYS,
             }
         };
-        verbs_rc("ibv_post_send (RDMA_WRITE_WITH_IMM)", rc)
-    }
-
-    pub(crate) fn close(&self) {
-        self.shared.closed.store(true, Ordering::Release);
-    }
-}
-
-impl FrameSink for RdmaWriter {
-    fn write_frame<'a>(
-        &'a mut self,
-        head: &'a [u8],
-        payload: &'a [u8],
-    ) -> SinkFuture<'a, Result<(), String>> {
-        Box::pin(async move {
-            RdmaWriter::write_frame(self, head, payload)
-                .await
-                .map_err(|e| e.to_string())
-        })
-    }
-
-    fn shutdown(&mut self) -> SinkFuture<'_, ()> {
-        self.close();
-        Box::pin(std::future::ready(()))
-    }
-}
-
-/// Receiving half, run by the completion polling thread.
-pub(crate) struct RdmaReader {
-    res: Arc<Resources>,
-    shared: Arc<Shared>,
-}
-
-/// Starts the completion polling thread of a link.
-pub(crate) fn spawn_poller(link: Arc<Link>, reader: RdmaReader, codec: CodecConfig) {
-    let handle = tokio::runtime::Handle::current();
-    let spawned = std::thread::Builder::new()
-        .name(format!("rdma-cq-{}", link.peer))
-        .spawn(move || {
-            let _rt = handle.enter();
-            if let Err(e) = poll_loop(&link, &reader, &codec) {
-                reader.shared.closed.store(true, Ordering::Release);
-                link.fail(e);
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::error!("cannot spawn RDMA completion thread: {e}");
-    }
-}
-
-fn poll_loop(
-    link: &Arc<Link>,
-    reader: &RdmaReader,
-    codec: &CodecConfig,
-) -> Result<(), ProtocolError> {
-    let res = &reader.res;
-    let cap = res.recv_ring.len();
-    let mut wcs = [ffi::ibv_wc::default(); 32];
-    let mut idle = 0u32;
-    loop {
-        if link.is_closed() || reader.shared.closed.load(Ordering::Acquire) {
-            return Ok(());
+        if rc == libc::ENOMEM {
+            return Ok(Posted::Again); // the send queue is full
         }
-        // SAFETY: cq is live; wcs has room for 32 completions.
+        verbs_rc("ibv_post_send (RDMA_WRITE_WITH_IMM)", rc).map(|()| Posted::Accepted)
+    }
+
+    fn needs_receives(&self) -> bool {
+        true
+    }
+
+    fn post_recv(&self) -> Result<(), RdmaError> {
+        self.res.post_recv()
+    }
+
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<(), RdmaError> {
+        let mut wcs = [ffi::ibv_wc::default(); 32];
+        let want = max.min(wcs.len()) as i32;
+        // SAFETY: cq is live; wcs has room for `want` completions.
         let n = unsafe {
-            let ctx = (*res.cq).context;
+            let ctx = (*self.res.cq).context;
             match (*ctx).ops.poll_cq {
-                Some(f) => f(res.cq, wcs.len() as i32, wcs.as_mut_ptr()),
+                Some(f) => f(self.res.cq, want, wcs.as_mut_ptr()),
                 None => -1,
             }
         };
         if n < 0 {
-            return Err(ProtocolError::Closed("ibv_poll_cq failed".into()));
+            return Err(verbs("ibv_poll_cq"));
         }
-        if n == 0 {
-            idle += 1;
-            if idle > 1000 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
-            }
-            continue;
-        }
-        idle = 0;
         for wc in &wcs[..n as usize] {
-            if let Some((status, vendor)) = wc.error() {
-                return Err(ProtocolError::Closed(format!(
-                    "RDMA work completion failed: status {status}, vendor error {vendor:#x}"
-                )));
-            }
-            if wc.opcode() != ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
-                // A send completion: staging up to wr_id may be reused.
-                reader
-                    .shared
-                    .send_done
-                    .fetch_max(wc.wr_id(), Ordering::AcqRel);
-                continue;
-            }
-            res.post_recv()
-                .map_err(|e| ProtocolError::Closed(e.to_string()))?;
-            let off = u32::from_be(wc.imm_data().unwrap_or(u32::MAX)) as usize * PAYLOAD_ALIGN;
-            if off + RECORD_HEADER > cap {
-                return Err(ProtocolError::Closed(format!(
-                    "RDMA record offset {off} outside the ring"
-                )));
-            }
-            let base = res.recv_ring.as_ptr();
-            // SAFETY: off + 8 <= cap (checked); the NIC finished writing this record before
-            // generating the completion.
-            let len = unsafe { std::ptr::read_unaligned(base.add(off) as *const u64) } as usize;
-            if len < HEADER_LEN || len > codec.max_frame_bytes || off + RECORD_HEADER + len > cap {
-                return Err(ProtocolError::Closed(format!(
-                    "corrupt RDMA record of {len} bytes at {off}"
-                )));
-            }
-            let frame = &res.recv_ring[off + RECORD_HEADER..off + RECORD_HEADER + len];
-            let header = codec::decode_header(frame, codec)?;
-            if header.frame_len as usize != len {
-                return Err(ProtocolError::Closed(
-                    "RDMA record length differs from frame header".into(),
-                ));
-            }
-            let mut buf = link.pool.take(len);
-            buf[..len].copy_from_slice(frame);
-            let storage = Storage::Heap {
-                buf: Some(buf),
-                pool: Arc::downgrade(&link.pool),
-            };
-            if let Some(f) = link.on_frame(&header, storage)? {
-                link.deliver(f);
-            }
+            out.push(if let Some((status, vendor)) = wc.error() {
+                Completion::Failed(format!(
+                    "work completion status {status}, vendor error {vendor:#x}"
+                ))
+            } else if wc.opcode() == ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                Completion::Received {
+                    imm: u32::from_be(wc.imm_data().unwrap_or(u32::MAX)),
+                }
+            } else {
+                Completion::Sent { wr_id: wc.wr_id() }
+            });
         }
+        Ok(())
     }
 }
 
