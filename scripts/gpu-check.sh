@@ -9,6 +9,11 @@
 #   scripts/gpu-check.sh [OUT_DIR]      (on the GPU machine: OUT_DIR defaults to $OUT, then
 #                                        .gpu-out; writes OUT_DIR/gpu-check.json and the log)
 #
+# Every CI run already executes the kernels without a GPU, through the HIP-CPU stand-in for the
+# HIP runtime (hip-kernels/standin/, `cargo test -p expertmesh-hip-kernels --features hip`): bit
+# for bit, every target branch. The stand-in cannot show GPU memory-model races (x86 fences are
+# stronger) or speed; this script, on a real GPU, is the check for those.
+#
 # Needs nvcc (PATH or /usr/local/cuda/bin) and an NVIDIA GPU; no Rust when the vectors were
 # prepared. If the HIP NVIDIA headers do not compile with this CUDA, it retries with the CUDA
 # runtime directly (EM_HIP_NVIDIA_SHIM) and says so. Bounded: compile ~1 min, run <= 240 s.

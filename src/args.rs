@@ -59,7 +59,10 @@ fn link_help(l: LinkKind) -> &'static str {
         LinkKind::Shm => {
             "shared-memory rings (same host; falls back to TCP when /dev/shm is unusable)"
         }
-        LinkKind::Rdma => "RoCE (build with `--features rdma`)",
+        LinkKind::Rdma => {
+            "RDMA writes with immediate into the peer's ring (--rdma-provider: verbs for RoCE/InfiniBand, \
+             build with `--features rdma`; libfabric[:PROVIDER], build with `--features libfabric`)"
+        }
     }
 }
 
@@ -72,6 +75,14 @@ pub(crate) fn link_parser(kinds: &[LinkKind]) -> impl TypedValueParser<Value = L
             .collect::<Vec<_>>(),
     )
     .map(|s| s.parse::<LinkKind>().expect("a listed link name"))
+}
+
+/// `--rdma-provider`: an [`RdmaProvider`](expertmesh_transport::rdma::RdmaProvider) by its name
+/// (`verbs`, `libfabric`, `libfabric:<provider>`).
+pub(crate) fn rdma_provider_parser(
+    s: &str,
+) -> Result<expertmesh_transport::rdma::RdmaProvider, String> {
+    s.parse()
 }
 
 /// `--backend`: a [`BackendChoice`] by its name.

@@ -43,6 +43,7 @@ use crate::method::json::{BenchReport, BenchResult};
 use crate::method::stats::percentile;
 use bytes::Bytes;
 use expertmesh_transport::codec::{self, Body, ComputeMode, Dispatch, ExpertResult, OutputLayout};
+use expertmesh_transport::rdma::RdmaProvider;
 use expertmesh_transport::{
     ActivationDtype, LinkKind, Mesh, MeshConfig, MeshEvents, OutFrame, OutputDtype, PeerAddress,
     Transport, TransportEvent,
@@ -73,6 +74,8 @@ pub struct TransportBenchOptions {
     pub links: Vec<LinkKind>,
     /// Repetitions per figure (fewer when `seconds` runs out).
     pub repetitions: usize,
+    /// The NIC under the RDMA link, when `links` has it.
+    pub rdma_provider: RdmaProvider,
 }
 
 /// Repetitions per figure by default: enough to see a 10% change of a ratio between two runs
@@ -90,6 +93,7 @@ impl Default for TransportBenchOptions {
             round_trips: 100,
             links: vec![LinkKind::Tcp, LinkKind::Shm],
             repetitions: DEFAULT_REPETITIONS,
+            rdma_provider: RdmaProvider::default(),
         }
     }
 }
@@ -159,10 +163,16 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
     let mut raw = rt.block_on(RawTcp::new())?;
     let mut pairs = Vec::new();
     for &link in &args.links {
-        pairs.push((link, rt.block_on(start_pair(link, &shm_dir, false))?));
+        let pair = start_pair(link, &shm_dir, false, &args.rdma_provider);
+        pairs.push((link, rt.block_on(pair)?));
     }
     let mut encrypted = match args.links.contains(&LinkKind::Tcp) {
-        true => Some(rt.block_on(start_pair(LinkKind::Tcp, &shm_dir, true))?),
+        true => Some(rt.block_on(start_pair(
+            LinkKind::Tcp,
+            &shm_dir,
+            true,
+            &args.rdma_provider,
+        ))?),
         false => None,
     };
     let mut enc_units: Vec<Unit> = TOKEN_COUNTS.iter().map(|_| Unit::default()).collect();
@@ -170,8 +180,18 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         .iter()
         .map(|_| TOKEN_COUNTS.iter().map(|_| Unit::default()).collect())
         .collect();
-    if let Some(li) = pairs.iter().position(|(l, _)| *l == LinkKind::Tcp) {
+    let tcp_bound = |l: LinkKind| tcp_limited(l, &args.rdma_provider);
+    if let Some(li) = pairs.iter().position(|(l, _)| tcp_bound(*l)) {
         sweep_tcp_limits(&rt, &mut raw, &mut units[li], start, args.seconds)?;
+        // Every other link that runs over TCP sockets shares the sweep's best way.
+        let ways: Vec<Option<RawWay>> = units[li].iter().map(|u| u.tcp_way).collect();
+        for (lj, (l, _)) in pairs.iter().enumerate() {
+            if lj != li && tcp_bound(*l) {
+                for (u, &w) in units[lj].iter_mut().zip(&ways) {
+                    u.tcp_way = w;
+                }
+            }
+        }
     }
     let mut done = 0;
     'reps: for rep in 0..args.repetitions.max(1) {
@@ -214,7 +234,9 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
     let mut report = BenchReport::new();
     for ((link, _), us) in pairs.iter().zip(&units) {
         for (u, &tokens) in us.iter().zip(&TOKEN_COUNTS) {
-            report.results.extend(unit_results(*link, tokens, u));
+            report
+                .results
+                .extend(unit_results(*link, &args.rdma_provider, tokens, u));
         }
     }
     if encrypted.is_some() {
@@ -245,6 +267,16 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
 /// Chooses each frame size's TCP limit way ([`RawTcp::sweep`]) in at most a tenth of the
 /// run; a short run measures fewer ways (the first is the per-frame writer on the kept
 /// connection).
+/// Whether `link` moves its bytes over TCP sockets, so that raw loopback TCP is its limit: TCP,
+/// and RDMA over libfabric's `tcp` providers.
+fn tcp_limited(link: LinkKind, provider: &RdmaProvider) -> bool {
+    match link {
+        LinkKind::Tcp => true,
+        LinkKind::Rdma => matches!(provider, RdmaProvider::Libfabric(p) if p.starts_with("tcp")),
+        LinkKind::Shm => false,
+    }
+}
+
 fn sweep_tcp_limits(
     rt: &tokio::runtime::Runtime,
     raw: &mut RawTcp,
@@ -291,11 +323,12 @@ fn sample_unit(
             thr.0 = rt.block_on(mesh_throughput(meshes, events, &frame, count))?;
             rtt.0 = rt.block_on(mesh_round_trips(meshes, events, &frame, trips))?;
         } else {
-            thr.1 = match link {
+            let tcp = tcp_limited(link, &args.rdma_provider);
+            thr.1 = match tcp {
                 // An upper envelope (interference only lowers a pass): two passes of the
                 // sweep's way and one of the runner-up kind (tokio's sockets, or blocking
                 // ones when tokio's won), the best of the three.
-                LinkKind::Tcp => {
+                true => {
                     let way = u.tcp_way.unwrap_or(RawWay::BlockingKept(1));
                     let other = match way {
                         RawWay::TokioKept => RawWay::BlockingKept(1),
@@ -307,16 +340,16 @@ fn sample_unit(
                 }
                 // The better of a ring as large as the shm ring's and one of two frames
                 // (cache-warm): the mesh's copy may find its ring in cache.
-                _ => {
+                false => {
                     memcpy_gbps(msg, count, BENCH_RING_BYTES).max(memcpy_gbps(msg, count, 2 * msg))
                 }
             };
-            rtt.1 = match link {
-                LinkKind::Tcp => {
+            rtt.1 = match tcp {
+                true => {
                     rtt_alt = rt.block_on(raw.tokio_ping_pong_us(msg, trips))?;
                     raw.ping_pong_us(msg, trips)?
                 }
-                _ => memory_ping_pong_us(msg, trips),
+                false => memory_ping_pong_us(msg, trips),
             };
         }
     }
@@ -417,16 +450,21 @@ fn encrypted_results(tokens: usize, u: &Unit) -> Vec<BenchResult> {
 }
 
 /// The three result rows of one (link, frame size).
-fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
+fn unit_results(
+    link: LinkKind,
+    provider: &RdmaProvider,
+    tokens: usize,
+    u: &Unit,
+) -> Vec<BenchResult> {
     if u.thr.0.is_empty() {
         return Vec::new();
     }
-    let (thr_limit, rtt_limit) = match link {
-        LinkKind::Tcp => (
+    let (thr_limit, rtt_limit) = match tcp_limited(link, provider) {
+        true => (
             "raw loopback TCP stream: the best way of a sweep at the start (blocking or tokio sockets, a connection kept for the run or a fresh one, 1 or 8 frames per write; tcp_limit_sweep in machine); per repetition the best of 2 passes of it and 1 of the other socket kind",
             "raw TCP ping-pong on connections kept for the run: per repetition and percentile, the lower of blocking and tokio sockets",
         ),
-        _ => (
+        false => (
             "single-thread memcpy from one buffer into a ring: the better of the shm ring's size and two frames",
             "two threads, one memcpy in + atomic flag each way (spin, then yield); the peer reads 64 bytes",
         ),
@@ -440,6 +478,7 @@ fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
             "GB/s",
         )
         .with("limit_is", thr_limit)
+        .with("link_provider", link_provider(link, provider))
         .with("frame_bytes", u.frame_bytes as u64)
         .with("frames", u.frames as u64),
     ];
@@ -465,6 +504,14 @@ fn unit_results(link: LinkKind, tokens: usize, u: &Unit) -> Vec<BenchResult> {
     out
 }
 
+/// What carries `link`'s bytes, for the JSON rows: the NIC provider for RDMA.
+fn link_provider(link: LinkKind, provider: &RdmaProvider) -> String {
+    match link {
+        LinkKind::Rdma => provider.name(),
+        _ => link.name().to_string(),
+    }
+}
+
 fn tempfile_dir() -> Result<PathBuf, BenchError> {
     let base = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
@@ -487,6 +534,7 @@ async fn start_pair(
     link: LinkKind,
     shm_dir: &std::path::Path,
     encrypted: bool,
+    rdma_provider: &RdmaProvider,
 ) -> Result<(Vec<Mesh>, MeshEvents), BenchError> {
     let master = expertmesh_transport::crypto::Key::random()?;
     let addrs: Vec<SocketAddr> = {
@@ -509,6 +557,7 @@ async fn start_pair(
         cfg.protocol.recv_window_bytes = 64 << 20;
         cfg.shm.dir = shm_dir.to_path_buf();
         cfg.shm.ring_bytes = BENCH_RING_BYTES;
+        cfg.rdma_provider = rdma_provider.clone();
         if encrypted {
             let c =
                 expertmesh_transport::crypto::Credentials::issue_rank(&master, "bench", rank, 2, 1);
@@ -1018,8 +1067,10 @@ mod tests {
         let args = TransportBenchOptions {
             seconds: 20.0,
             round_trips: 20,
-            links: vec![LinkKind::Tcp, LinkKind::Shm],
+            links: vec![LinkKind::Tcp, LinkKind::Shm, LinkKind::Rdma],
             repetitions: 2,
+            // The RDMA link on the in-process NIC: both meshes of the bench live here.
+            rdma_provider: RdmaProvider::InProcess(Default::default()),
         };
         run(&args).unwrap().write(&json).unwrap();
         let v: serde_json::Value =
@@ -1028,7 +1079,15 @@ mod tests {
         // Three rows per (link, size), and two encrypted-TCP rows per size.
         assert_eq!(
             results.len(),
-            2 * TOKEN_COUNTS.len() * 3 + 2 * TOKEN_COUNTS.len()
+            3 * TOKEN_COUNTS.len() * 3 + 2 * TOKEN_COUNTS.len()
+        );
+        assert!(
+            results
+                .iter()
+                .any(|r| r["name"] == "rdma_dispatch_throughput"
+                    && r["link_provider"] == "in-process"
+                    && r["ratio"].as_f64().is_some_and(|x| x > 0.0)),
+            "an RDMA row names its NIC"
         );
         assert!(
             results

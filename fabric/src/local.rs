@@ -50,6 +50,8 @@ pub struct LocalFabricOptions {
     pub worker_threads: Option<usize>,
     /// The HIP runtime library GPU workers open (`--hip-library`; default: theirs).
     pub hip_library: Option<PathBuf>,
+    /// The NIC under RDMA links, for the router and every worker (`--rdma-provider`).
+    pub rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// How long to wait for every worker to load its experts and connect.
     pub connect_timeout: Duration,
     /// Directory for worker logs (default: a fresh temporary directory).
@@ -111,6 +113,7 @@ impl LocalFabricOptions {
             ephemeral_ports: false,
             worker_threads: None,
             hip_library: None,
+            rdma_provider: Default::default(),
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
             worker_metrics: Vec::new(),
@@ -335,6 +338,7 @@ impl LocalFabric {
         if let Some(lib) = &o.hip_library {
             cmd.arg("--hip-library").arg(lib);
         }
+        cmd.arg("--rdma-provider").arg(o.rdma_provider.name());
         let child = cmd.spawn().map_err(FabricError::io(format!(
             "starting worker {} with {}",
             dev.id(),
@@ -479,6 +483,7 @@ impl LocalFabric {
             args.push(("--router".into(), r.to_string()));
         }
         args.push(("--link".into(), o.link.name().to_string()));
+        args.push(("--rdma-provider".into(), o.rdma_provider.name()));
         let max_tokens = o.router.micro_batch_tokens.max(1).to_string();
         args.push(("--max-tokens".into(), max_tokens));
         args.push(("--listen".into(), "127.0.0.1:0".into()));
@@ -665,7 +670,8 @@ fn start_router(
     };
     let router_threads = 1;
     let core = router_core(dep, opts.router.clone(), router_threads, instance)?;
-    let mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
+    let mut mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
+    mesh_cfg.rdma_provider = opts.rdma_provider.clone();
     let mut frontend = frontend_config(dep);
     opts.frontend_limits.apply(&mut frontend);
     frontend.gate = gate;

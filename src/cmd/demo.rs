@@ -46,6 +46,10 @@ pub(crate) struct DemoCli {
     /// Worker ↔ router link.
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
+    /// The NIC under RDMA links: verbs, libfabric (= libfabric:tcp;ofi_rxm, any host) or
+    /// libfabric:<provider>.
+    #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
+    rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Rounds over the (layer, batch) schedule.
     #[arg(long, default_value_t = 10)]
     rounds: usize,
@@ -128,6 +132,7 @@ fn start_fabric(
 ) -> anyhow::Result<LocalFabric> {
     let mut opts = LocalFabricOptions::new(topology, &cli.model, placement);
     opts.link = cli.link;
+    opts.rdma_provider = cli.rdma_provider.clone();
     opts.router = cli.router.config_in(LayerMode::Exact);
     opts.frontend_limits = cli.router.frontend_limits();
     opts.ephemeral_ports = true;

@@ -4,7 +4,10 @@
 //! (the local launcher starts the same service in its own process); this module turns
 //! arguments into the router core, the mesh and frontend listeners, and the observers.
 
-use crate::args::{DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser, parse_endpoint};
+use crate::args::{
+    DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser, parse_endpoint,
+    rdma_provider_parser,
+};
 use anyhow::anyhow;
 use clap::Args;
 use expertmesh_fabric::local::frontend_config;
@@ -36,6 +39,10 @@ pub(crate) struct RouterCli {
     /// Link kind workers use (must match the workers' --link).
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
+    /// The NIC under RDMA links (must match the workers' --rdma-provider): verbs, libfabric or
+    /// libfabric:<provider>.
+    #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
+    rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Threads for shared experts run on the router.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -61,9 +68,11 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
     cli.security
         .security()
         .apply_rank(&mut dep, instance, &[mesh_listen, listen])?;
+    let mut mesh = dep.mesh_config(instance, &[], &[], mesh_listen, cli.link);
+    mesh.rdma_provider = cli.rdma_provider.clone();
     let service = RouterService::start(
         core,
-        dep.mesh_config(instance, &[], &[], mesh_listen, cli.link),
+        mesh,
         ServiceConfig {
             frontend_listen: listen,
             frontend: {

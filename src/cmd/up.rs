@@ -37,6 +37,10 @@ pub(crate) struct UpCli {
     /// Worker ↔ router link.
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
+    /// The NIC under RDMA links: verbs, libfabric (= libfabric:tcp;ofi_rxm, any host) or
+    /// libfabric:<provider>.
+    #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
+    rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     #[command(flatten)]
     router: RouterArgs,
     #[command(flatten)]
@@ -63,6 +67,7 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.seed = cli.seed;
     opts.weights = cli.weights.clone();
     opts.link = cli.link;
+    opts.rdma_provider = cli.rdma_provider.clone();
     opts.router = cli.router.config();
     opts.frontend_limits = cli.router.frontend_limits();
     let observe_opts = cli.observe.options();

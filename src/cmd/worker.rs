@@ -6,6 +6,7 @@
 
 use crate::args::{
     DeployArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
+    rdma_provider_parser,
 };
 use clap::Args;
 use expertmesh_transport::mesh::LinkKind;
@@ -35,6 +36,11 @@ pub(crate) struct WorkerCli {
     /// Link to the router.
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
+    /// The NIC under RDMA links: verbs (RoCE/InfiniBand), libfabric (= libfabric:tcp;ofi_rxm)
+    /// or libfabric:<provider> (e.g. libfabric:verbs;ofi_rxm, libfabric:efa). Routers and
+    /// workers must agree.
+    #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
+    rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Backend threads (default: the topology's `threads` for CPU devices).
     #[arg(long)]
     threads: Option<usize>,
@@ -85,6 +91,7 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
             threads: cli.threads,
             backend: cli.backend,
             hip_library: cli.hip_library,
+            rdma_provider: cli.rdma_provider,
             max_tokens: cli.max_tokens.max(1),
             metrics: cli.metrics.metrics,
         },

@@ -61,7 +61,12 @@ impl Reference {
 }
 
 fn exact_end_to_end(link: LinkKind) {
-    let fabric = LocalFabric::start(options(link, ComputeMode::Exact)).unwrap();
+    exact_end_to_end_with(options(link, ComputeMode::Exact));
+}
+
+fn exact_end_to_end_with(o: LocalFabricOptions) {
+    let link = o.link;
+    let fabric = LocalFabric::start(o).unwrap();
     for rank in [1, 2] {
         assert_eq!(
             fabric.service().link_kind(rank),
@@ -138,6 +143,21 @@ fn exact_end_to_end(link: LinkKind) {
 fn exact_over_tcp_is_bit_identical_to_the_reference() {
     let _machine = crate::support::shared();
     exact_end_to_end(LinkKind::Tcp);
+}
+
+/// RDMA links between the router (this process) and real worker processes, on libfabric's
+/// `tcp;ofi_rxm` provider over loopback: the RDMA link's data path (one write with immediate per
+/// frame into the peer's registered ring) between processes, no RDMA NIC needed.
+#[cfg(feature = "libfabric")]
+#[test]
+fn exact_over_rdma_on_libfabric_is_bit_identical_to_the_reference() {
+    let _machine = crate::support::shared();
+    let mut o = options(LinkKind::Rdma, ComputeMode::Exact);
+    o.rdma_provider = "libfabric".parse().unwrap();
+    exact_end_to_end_with(o);
+    crate::support::say(
+        "ran: the fabric over RDMA links on libfabric (tcp;ofi_rxm) between processes, bit-identical",
+    );
 }
 
 #[test]

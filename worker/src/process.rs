@@ -170,6 +170,8 @@ pub struct WorkerOptions {
     /// The HIP runtime library to open (default: `EXPERTMESH_HIP_LIBRARY`, else `libamdhip64`
     /// from ROCm's usual places).
     pub hip_library: Option<std::path::PathBuf>,
+    /// The NIC under RDMA links (routers and workers must agree).
+    pub rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Largest batch (tokens) a dispatch may carry.
     pub max_tokens: usize,
     /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
@@ -248,6 +250,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         None => dep.worker_endpoint(d)?,
     };
     let mut cfg = dep.mesh_config(rank, &routers, &opts.device_addrs, listen, opts.link);
+    cfg.rdma_provider = opts.rdma_provider.clone();
     let node_peers = dep.node_peers(d);
     let r_count = dep.router_count();
     if !node_peers.is_empty() {

@@ -253,9 +253,13 @@ pub(crate) struct TransportCli {
     /// Write an HTML page with SVG plots into this folder (index.html).
     #[arg(long)]
     report: Option<PathBuf>,
-    /// Links to measure: tcp, shm (repeatable; default both).
-    #[arg(long = "link", value_parser = link_parser(&BENCH_LINKS))]
+    /// Links to measure: tcp, shm, rdma (repeatable; default tcp and shm).
+    #[arg(long = "link", value_parser = link_parser(&LinkKind::ALL))]
     links: Vec<LinkKind>,
+    /// The NIC under the rdma link: verbs (an RDMA device; `--features rdma`), libfabric
+    /// (tcp;ofi_rxm, any host; `--features libfabric`) or libfabric:<provider>.
+    #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
+    rdma_provider: expertmesh_transport::rdma::RdmaProvider,
 }
 
 /// `--pin`: a [`KernelPin`] by its name.
@@ -365,6 +369,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
             if !t.links.is_empty() {
                 args.links = t.links;
             }
+            args.rdma_provider = t.rdma_provider;
             let report = transport::run(&args)?;
             report.print_table();
             report::finish(&report, t.json.as_deref(), t.report.as_deref())?;

@@ -31,8 +31,9 @@ pub struct SimFaults {
     pub reorder: bool,
     /// Write number n (0-based) of this endpoint completes with an error.
     pub fail_write: Option<u64>,
-    /// This endpoint never has a receive posted: a write with immediate to it fails at the
-    /// sender ("receiver not ready"), as on verbs once the RNR retries are spent.
+    /// This endpoint never has a receive posted: a write with immediate to it waits for one
+    /// forever, as verbs retries "receiver not ready" without end (`rnr_retry` 7), so the link
+    /// can only end by the protocol's idle timeout.
     pub no_receives: bool,
     /// Write number n (0-based) of this endpoint carries a corrupt immediate.
     pub bad_immediate: Option<u64>,
@@ -46,8 +47,20 @@ pub struct SimFaults {
 /// How long a batch may wait for company before it is released anyway.
 const BATCH_WAIT: Duration = Duration::from_millis(20);
 
+/// A write waiting at its target for a posted receive ("receiver not ready").
+struct Stalled {
+    from: Weak<Endpoint>,
+    off: usize,
+    len: usize,
+    imm: u32,
+    wr_id: u64,
+}
+
 struct Queue {
     pending: VecDeque<(Instant, Completion)>,
+    /// Writes to this endpoint waiting for a receive, in arrival order (a queue pair delivers in
+    /// order: a later write never overtakes a stalled one).
+    stalled: VecDeque<Stalled>,
     posted_receives: u64,
     refused: u32,
     writes: u64,
@@ -116,6 +129,7 @@ impl SimNic {
             staging_ptr,
             queue: Mutex::new(Queue {
                 pending: VecDeque::new(),
+                stalled: VecDeque::new(),
                 posted_receives: 0,
                 refused: 0,
                 writes: 0,
@@ -135,39 +149,60 @@ impl SimNic {
         }
     }
 
-    /// Delivers a write of `len` bytes at `off` into `peer`; the completion the sender gets.
-    fn deliver(&self, peer: &Endpoint, off: usize, len: usize, imm: u32) -> Completion {
-        let now = Instant::now();
+    /// A write from this endpoint to `peer`: lands now, or waits at the peer for a receive.
+    /// Returns the sender's completion when there is one already.
+    fn deliver(&self, peer: &Arc<Endpoint>, w: Stalled) -> Option<Completion> {
         let mut q = lock(&peer.queue);
         if q.vanished {
-            return Completion::Failed(
+            return Some(Completion::Failed(
                 "remote endpoint gone (transport retry counter exceeded)".into(),
-            );
+            ));
         }
-        if q.posted_receives == 0 {
-            return Completion::Failed(
-                "receiver not ready: no receive posted (RNR retry counter exceeded)".into(),
-            );
+        if q.posted_receives == 0 || !q.stalled.is_empty() {
+            q.stalled.push_back(w);
+            return None;
         }
-        if off + len > peer.capacity || off + len > self.ep.capacity {
+        Some(peer.land(&mut q, &self.ep, &w))
+    }
+}
+
+impl Endpoint {
+    /// Lands a write from `from` into this endpoint's ring (the caller holds `q`, this
+    /// endpoint's queue, and has checked a receive is posted); the sender's completion.
+    fn land(&self, q: &mut Queue, from: &Endpoint, w: &Stalled) -> Completion {
+        if w.off + w.len > self.capacity || w.off + w.len > from.capacity {
             return Completion::Failed(
                 "remote access error: write outside the registered ring".into(),
             );
         }
-        // SAFETY: both ranges lie inside their rings (checked); the peer's bytes there were
-        // released by it (credits), and it reads them only after taking the completion queued
-        // below under the same lock.
+        // SAFETY: both ranges lie inside their rings (checked); this endpoint's bytes there
+        // were released by it (credits), and it reads them only after taking the completion
+        // queued below under the lock the caller holds; the sender leaves its staging bytes
+        // alone until it takes the returned completion.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ep.staging_ptr.add(off), peer.recv_ptr.add(off), len)
+            std::ptr::copy_nonoverlapping(
+                from.staging_ptr.add(w.off),
+                self.recv_ptr.add(w.off),
+                w.len,
+            )
         };
         q.posted_receives -= 1;
-        q.pending
-            .push_back((now + peer.faults.delay, Completion::Received { imm }));
+        q.pending.push_back((
+            Instant::now() + self.faults.delay,
+            Completion::Received { imm: w.imm },
+        ));
         q.received += 1;
-        if peer.faults.vanish_after == Some(q.received) {
+        if self.faults.vanish_after == Some(q.received) {
             q.vanished = true;
         }
-        Completion::Sent { wr_id: 0 }
+        Completion::Sent { wr_id: w.wr_id }
+    }
+
+    /// Queues `done` on this endpoint's completion queue.
+    fn complete(&self, done: Completion) {
+        lock(&self.queue)
+            .pending
+            .push_back((Instant::now() + self.faults.delay, done));
     }
 }
 
@@ -232,22 +267,32 @@ impl Nic for SimNic {
         };
         let peer = lock(&self.ep.peer).as_ref().and_then(Weak::upgrade);
         let done = if f.fail_write == Some(n) {
-            Completion::Failed(format!(
+            Some(Completion::Failed(format!(
                 "injected: write {n} completed with IBV_WC_REM_OP_ERR"
-            ))
+            )))
         } else {
             match peer {
-                Some(p) => match self.deliver(&p, off, len, imm) {
-                    Completion::Sent { .. } => Completion::Sent { wr_id },
-                    other => other,
-                },
-                None => Completion::Failed(
+                Some(p) => {
+                    let from = Arc::downgrade(&self.ep);
+                    self.deliver(
+                        &p,
+                        Stalled {
+                            from,
+                            off,
+                            len,
+                            imm,
+                            wr_id,
+                        },
+                    )
+                }
+                None => Some(Completion::Failed(
                     "remote endpoint gone (transport retry counter exceeded)".into(),
-                ),
+                )),
             }
         };
-        let mut q = lock(&self.ep.queue);
-        q.pending.push_back((Instant::now() + f.delay, done));
+        if let Some(done) = done {
+            self.ep.complete(done);
+        }
         Ok(Posted::Accepted)
     }
 
@@ -256,8 +301,25 @@ impl Nic for SimNic {
     }
 
     fn post_recv(&self) -> Result<(), RdmaError> {
-        if !self.ep.faults.no_receives {
-            lock(&self.ep.queue).posted_receives += 1;
+        if self.ep.faults.no_receives {
+            return Ok(());
+        }
+        // A write stalled for want of a receive lands now; its sender's completion is queued
+        // after this endpoint's lock is released (never two endpoints' locks at once).
+        let landed = {
+            let mut q = lock(&self.ep.queue);
+            q.posted_receives += 1;
+            match q.stalled.pop_front() {
+                // A sender that is gone: its write dies with it.
+                Some(w) => w.from.upgrade().map(|from| {
+                    let done = self.ep.land(&mut q, &from, &w);
+                    (from, done)
+                }),
+                None => None,
+            }
+        };
+        if let Some((from, done)) = landed {
+            from.complete(done);
         }
         Ok(())
     }

@@ -32,6 +32,10 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
             payload_checksum: true,
         };
         c.protocol.handshake_timeout = Duration::from_secs(2);
+        // A write that can never land (no receive posted: verbs retries it forever) ends the
+        // link only by the protocol's idle timeout.
+        c.protocol.heartbeat_interval = Duration::from_millis(200);
+        c.protocol.idle_timeout = Duration::from_secs(1);
         c.reconnect_initial = Duration::from_millis(5);
         c.reconnect_max = Duration::from_millis(50);
         c.shm.ring_bytes = ring;
@@ -55,6 +59,11 @@ fn frame(id: u64) -> OutFrame {
     };
     let body = result_body([id, 3, 1], rows, 128, OutputDtype::Bf16);
     OutFrame::with_payload(body, payload(id, rows as usize * 256))
+}
+
+/// Frame `id` with no payload: a 100-odd-byte record, so thousands fit in the credit window.
+fn tiny_frame(id: u64) -> OutFrame {
+    OutFrame::new(result_body([id, 3, 1], 0, 128, OutputDtype::Bf16))
 }
 
 fn payload(id: u64, len: usize) -> Vec<u8> {
@@ -85,11 +94,21 @@ fn check(f: &expertmesh_transport::RecvFrame) -> u64 {
 /// Sends `n` frames from rank 1 to rank 0 and collects what arrives: (ids received in order,
 /// errors the sender saw, links reported lost on either side).
 async fn run(meshes: &[Mesh], events: &mut [MeshEvents], n: u64) -> (Vec<u64>, Vec<String>, usize) {
+    run_frames(meshes, events, n, frame).await
+}
+
+/// [`run`] with frames from `make`.
+async fn run_frames(
+    meshes: &[Mesh],
+    events: &mut [MeshEvents],
+    n: u64,
+    make: fn(u64) -> OutFrame,
+) -> (Vec<u64>, Vec<String>, usize) {
     let m1 = meshes[1].clone();
     let sender = tokio::spawn(async move {
         let mut errors = Vec::new();
         for id in 0..n {
-            if let Err(e) = m1.send(0, &frame(id)).await {
+            if let Err(e) = m1.send(0, &make(id)).await {
                 errors.push(e.to_string());
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
@@ -178,6 +197,23 @@ async fn batched_delayed_and_reordered_completions_are_survived() {
     survived(receiver, sender, 4 * MAX_FRAME).await;
 }
 
+/// More writes in flight than receives posted (the receiver's completions show late, so it
+/// re-posts late): the extra writes wait for receives, as verbs' RNR retries make them, and
+/// every frame still arrives in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_beyond_the_posted_receives_wait_for_them() {
+    let receiver = SimFaults {
+        batch: 64,
+        delay: Duration::from_millis(3),
+        ..Default::default()
+    };
+    let (meshes, mut events) = pair(receiver, SimFaults::default(), 4 * MAX_FRAME).await;
+    let n = 3000;
+    let (got, errors, lost) = run_frames(&meshes, &mut events, n, tiny_frame).await;
+    assert!(errors.is_empty() && lost == 0, "{errors:?} lost {lost}");
+    assert_eq!(got, (0..n).collect::<Vec<_>>(), "every frame, in order");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_refused_until_the_connection_is_up_are_retried() {
     let sender = SimFaults {
@@ -215,6 +251,8 @@ async fn a_failed_write_completion_ends_the_link_cleanly() {
     );
 }
 
+/// Verbs retries a write that finds no receive posted without end (`rnr_retry` 7): nothing
+/// lands, the receiver hears nothing from the sender and closes the link at its idle timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_with_no_receive_posted_fails_cleanly() {
     let receiver = SimFaults {
