@@ -646,28 +646,7 @@ fn a_gpu_device_without_hip_falls_back_to_the_cpu_backend_with_a_log_line() {
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
     let topo = dir.path().join("gpu-box.toml");
-    std::fs::write(
-        &topo,
-        r#"format = 1
-name = "gpu-box"
-[router]
-node = "box"
-port = 47500
-[[nodes]]
-name = "box"
-address = "127.0.0.1"
-control_port = 47501
-data_port = 47510
-intra_link = "pcie"
-intra_bandwidth_gb_s = 32
-nics = [ { name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 } ]
-devices = [
-  { name = "gpu0", kind = "gpu", arch = "gfx90a", expert_memory = "1 GiB", memory_bandwidth_gb_s = 1600, int8_tops = 362, bf16_tflops = 181, gpu_index = 0 },
-  { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
-]
-"#,
-    )
-    .unwrap();
+    std::fs::write(&topo, crate::support::GPU_BOX_TOPOLOGY).unwrap();
     let (placement, _guard) =
         expertmesh_fabric::defaults::balanced_placement_file(&topo, "demo-small").unwrap();
     let mut o = LocalFabricOptions::new(&topo, "demo-small", &placement);

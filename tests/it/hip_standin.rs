@@ -16,25 +16,6 @@ use expertmesh_router::client::RouterClient;
 use expertmesh_router::reference;
 use std::path::{Path, PathBuf};
 
-const TOPOLOGY: &str = r#"format = 1
-name = "gpu-box"
-[router]
-node = "box"
-port = 47500
-[[nodes]]
-name = "box"
-address = "127.0.0.1"
-control_port = 47501
-data_port = 47510
-intra_link = "pcie"
-intra_bandwidth_gb_s = 32
-nics = [ { name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 } ]
-devices = [
-  { name = "gpu0", kind = "gpu", arch = "gfx90a", expert_memory = "1 GiB", memory_bandwidth_gb_s = 1600, int8_tops = 362, bf16_tflops = 181, gpu_index = 0 },
-  { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
-]
-"#;
-
 #[test]
 fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
     let _machine = crate::support::shared();
@@ -49,7 +30,7 @@ fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
     };
     let dir = tempfile::tempdir().unwrap();
     let topo = dir.path().join("gpu-box.toml");
-    std::fs::write(&topo, TOPOLOGY).unwrap();
+    std::fs::write(&topo, crate::support::GPU_BOX_TOPOLOGY).unwrap();
     let (placement, _guard) =
         expertmesh_fabric::defaults::balanced_placement_file(&topo, "demo-small").unwrap();
     let mut o = LocalFabricOptions::new(&topo, "demo-small", &placement);

@@ -59,6 +59,27 @@ pub(crate) fn rt() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// One node with a GPU device (gfx90a, GPU index 0) and a CPU device, on fixed loopback ports
+/// (tests start it with `ephemeral_ports`).
+pub(crate) const GPU_BOX_TOPOLOGY: &str = r#"format = 1
+name = "gpu-box"
+[router]
+node = "box"
+port = 47500
+[[nodes]]
+name = "box"
+address = "127.0.0.1"
+control_port = 47501
+data_port = 47510
+intra_link = "pcie"
+intra_bandwidth_gb_s = 32
+nics = [ { name = "lo", kind = "tcp", speed_gbit_s = 100, mtu = 65536 } ]
+devices = [
+  { name = "gpu0", kind = "gpu", arch = "gfx90a", expert_memory = "1 GiB", memory_bandwidth_gb_s = 1600, int8_tops = 362, bf16_tflops = 181, gpu_index = 0 },
+  { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
+]
+"#;
+
 /// Say something on the real stderr (the harness captures `eprintln!`): a skip or a "ran: ..."
 /// line then shows in every run, never as a silent pass.
 #[cfg_attr(not(any(feature = "hip", feature = "libfabric")), allow(dead_code))]

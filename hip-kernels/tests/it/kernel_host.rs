@@ -10,14 +10,10 @@
 //!
 //! g++ is required for the C++ checks; without it they print "skipped: g++ not found" and return.
 
-use expertmesh_backend::{
-    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch,
-    OutputLayout,
-};
+use expertmesh_backend::{BackendError, ExpertBackend, ExpertGroup, ExpertKey};
 use expertmesh_hip_kernels::hip::HipBackend;
 use expertmesh_hip_kernels::kernel_abi;
 use expertmesh_hip_kernels::testvec::{self, VectorCase};
-use expertmesh_quant::contract::ComputeMode;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -247,68 +243,24 @@ fn hip_backend_on_this_machine() {
         }
         Err(e) => panic!("HipBackend::new failed unexpectedly: {e}"),
     };
-    // A real AMD GPU: every standard case, exact bit for bit, accurate within tolerance, both
-    // layouts and both decode launch modes.
-    for c in cases() {
-        let experts = c
-            .experts
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                (
-                    ExpertKey {
-                        layer: 0,
-                        expert: i as u32,
-                    },
-                    w.clone(),
-                )
-            })
-            .collect();
-        let limits = BatchLimits {
-            max_tokens: c.tokens,
-            max_pairs: c.pairs(),
-        };
-        backend.load(experts, limits).expect("load");
-        let cb = CaseBatch::new(c);
-        let groups = cb.groups(c);
-        for fused in [true, false] {
-            backend.set_fused_decode(fused);
-            for (mode, layout) in [
-                (ComputeMode::Exact, OutputLayout::PerSlot),
-                (ComputeMode::Exact, OutputLayout::PreCombined),
-                (ComputeMode::Accurate, OutputLayout::PerSlot),
-            ] {
-                let batch = GroupedBatch {
-                    mode,
-                    hidden: c.hidden,
-                    tokens: c.tokens,
-                    input: Activations::F32(&c.x),
-                    groups: &groups,
-                    layout,
-                };
-                let mut out = vec![0f32; batch.output_len()];
-                backend.execute(&batch, &mut out).expect("execute");
-                match (mode, layout) {
-                    (ComputeMode::Exact, OutputLayout::PerSlot) => {
-                        assert!(
-                            out.iter()
-                                .zip(&c.y_exact)
-                                .all(|(a, b)| a.to_bits() == b.to_bits())
-                        )
-                    }
-                    (ComputeMode::Exact, OutputLayout::PreCombined) => {
-                        assert!(
-                            out.iter()
-                                .zip(&c.y_combined)
-                                .all(|(a, b)| a.to_bits() == b.to_bits())
-                        )
-                    }
-                    _ => assert!(
-                        testvec::accurate_error(&out, &c.y_f64, c.hidden)
-                            <= testvec::ACCURATE_REL_TOL
-                    ),
-                }
-            }
-        }
-    }
+    // A real AMD GPU: the conformance set (the standard cases, 1-16 token decode, prefill) and a
+    // Kimi-sized expert against the CPU backend, as the HIP-CPU stand-in runs it for every
+    // branch: exact bit for bit, accurate within tolerance, both layouts and decode modes.
+    let n = super::backend_check::check_against_cpu(
+        &mut backend,
+        super::backend_check::conformance_cases(),
+        true,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", backend.name()));
+    let k = super::backend_check::check_against_cpu(
+        &mut backend,
+        super::backend_check::kimi_cases(),
+        false,
+    )
+    .unwrap_or_else(|e| panic!("{} (Kimi-sized): {e}", backend.name()));
+    skip(&format!(
+        "ran: {} on this machine's GPU: {} batches match the CPU backend",
+        backend.name(),
+        n + k
+    ));
 }

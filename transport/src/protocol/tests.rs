@@ -150,13 +150,9 @@ fn missing_secret_is_refused() {
     assert!(!b.is_established());
 }
 
-#[test]
-fn credit_window_bounds_sends_and_is_returned() {
-    let (mut a, mut b, r) = pair(None, None);
-    r.unwrap();
-    let now = Instant::now();
-    let frame = 100 << 10;
-    let body = Body::Result(ExpertResult {
+/// An application frame (a result with no rows) for the credit tests.
+fn empty_result() -> Body {
+    Body::Result(ExpertResult {
         batch_id: 1,
         layer: 0,
         part: 0,
@@ -164,7 +160,16 @@ fn credit_window_bounds_sends_and_is_returned() {
         rows: 0,
         hidden: 0,
         dtype: OutputDtype::F32,
-    });
+    })
+}
+
+#[test]
+fn credit_window_bounds_sends_and_is_returned() {
+    let (mut a, mut b, r) = pair(None, None);
+    r.unwrap();
+    let now = Instant::now();
+    let frame = 100 << 10;
+    let body = empty_result();
     let mut sent = 0;
     while a.try_reserve(frame).unwrap() {
         assert_eq!(
@@ -212,15 +217,7 @@ fn a_drained_receiver_never_leaves_its_peer_short_of_its_largest_frame() {
     let mut a = Connection::new(config(0), Some(1), [1; 32], vec![], now);
     let mut b = Connection::new(config(1), None, [2; 32], vec![7], now);
     pump(&mut a, &mut b, now).unwrap();
-    let body = Body::Result(ExpertResult {
-        batch_id: 1,
-        layer: 0,
-        part: 0,
-        layout: OutputLayout::PerSlot,
-        rows: 0,
-        hidden: 0,
-        dtype: OutputDtype::F32,
-    });
+    let body = empty_result();
     for (i, cost) in [1024u64, 15488, 4096, 640, 15488, 15488, 64]
         .into_iter()
         .enumerate()
