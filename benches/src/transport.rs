@@ -166,13 +166,9 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         let pair = start_pair(link, &shm_dir, false, &args.rdma_provider);
         pairs.push((link, rt.block_on(pair)?));
     }
+    let sealed = start_pair(LinkKind::Tcp, &shm_dir, true, &args.rdma_provider);
     let mut encrypted = match args.links.contains(&LinkKind::Tcp) {
-        true => Some(rt.block_on(start_pair(
-            LinkKind::Tcp,
-            &shm_dir,
-            true,
-            &args.rdma_provider,
-        ))?),
+        true => Some(rt.block_on(sealed)?),
         false => None,
     };
     let mut enc_units: Vec<Unit> = TOKEN_COUNTS.iter().map(|_| Unit::default()).collect();
@@ -180,19 +176,8 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         .iter()
         .map(|_| TOKEN_COUNTS.iter().map(|_| Unit::default()).collect())
         .collect();
-    let tcp_bound = |l: LinkKind| tcp_limited(l, &args.rdma_provider);
-    if let Some(li) = pairs.iter().position(|(l, _)| tcp_bound(*l)) {
-        sweep_tcp_limits(&rt, &mut raw, &mut units[li], start, args.seconds)?;
-        // Every other link that runs over TCP sockets shares the sweep's best way.
-        let ways: Vec<Option<RawWay>> = units[li].iter().map(|u| u.tcp_way).collect();
-        for (lj, (l, _)) in pairs.iter().enumerate() {
-            if lj != li && tcp_bound(*l) {
-                for (u, &w) in units[lj].iter_mut().zip(&ways) {
-                    u.tcp_way = w;
-                }
-            }
-        }
-    }
+    let links: Vec<LinkKind> = pairs.iter().map(|(l, _)| *l).collect();
+    sweep_tcp_bound_links(&rt, &mut raw, &links, &mut units, args, start)?;
     let mut done = 0;
     'reps: for rep in 0..args.repetitions.max(1) {
         for (li, (link, (meshes, events))) in pairs.iter_mut().enumerate() {
@@ -222,12 +207,12 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         }
         done = rep + 1;
     }
-    for (_, (meshes, _)) in &pairs {
-        for m in meshes {
-            m.shutdown();
-        }
-    }
-    for m in encrypted.iter().flat_map(|(m, _)| m) {
+    let encrypted_meshes = encrypted.iter().flat_map(|(m, _)| m);
+    for m in pairs
+        .iter()
+        .flat_map(|(_, (m, _))| m)
+        .chain(encrypted_meshes)
+    {
         m.shutdown();
     }
     let _ = std::fs::remove_dir_all(&shm_dir);
@@ -264,9 +249,6 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
     Ok(report)
 }
 
-/// Chooses each frame size's TCP limit way ([`RawTcp::sweep`]) in at most a tenth of the
-/// run; a short run measures fewer ways (the first is the per-frame writer on the kept
-/// connection).
 /// Whether `link` moves its bytes over TCP sockets, so that raw loopback TCP is its limit: TCP,
 /// and RDMA over libfabric's `tcp` providers.
 fn tcp_limited(link: LinkKind, provider: &RdmaProvider) -> bool {
@@ -277,6 +259,35 @@ fn tcp_limited(link: LinkKind, provider: &RdmaProvider) -> bool {
     }
 }
 
+/// Sweeps the raw TCP ways once for the first link that runs over TCP sockets (TCP, or RDMA on
+/// libfabric's tcp provider); every other such link shares the sweep's best way.
+fn sweep_tcp_bound_links(
+    rt: &tokio::runtime::Runtime,
+    raw: &mut RawTcp,
+    links: &[LinkKind],
+    units: &mut [Vec<Unit>],
+    args: &TransportBenchOptions,
+    start: Instant,
+) -> Result<(), BenchError> {
+    let tcp_bound = |l: LinkKind| tcp_limited(l, &args.rdma_provider);
+    let Some(li) = links.iter().position(|&l| tcp_bound(l)) else {
+        return Ok(());
+    };
+    sweep_tcp_limits(rt, raw, &mut units[li], start, args.seconds)?;
+    let ways: Vec<Option<RawWay>> = units[li].iter().map(|u| u.tcp_way).collect();
+    for (lj, &l) in links.iter().enumerate() {
+        if lj != li && tcp_bound(l) {
+            for (u, &w) in units[lj].iter_mut().zip(&ways) {
+                u.tcp_way = w;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Chooses each frame size's TCP limit way ([`RawTcp::sweep`]) in at most a tenth of the
+/// run; a short run measures fewer ways (the first is the per-frame writer on the kept
+/// connection).
 fn sweep_tcp_limits(
     rt: &tokio::runtime::Runtime,
     raw: &mut RawTcp,
