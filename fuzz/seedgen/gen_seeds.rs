@@ -338,6 +338,31 @@ fn mesh_seeds() {
     }
 }
 
+fn rdma_link_info_seeds() {
+    use expertmesh_transport::rdma::wire::{FabricEndpoint, LinkInfo};
+    let mut endpoint = Vec::new();
+    FabricEndpoint {
+        provider: b"tcp;ofi_rxm",
+        name: &[2, 0, 0x9c, 0x40, 127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        base: 0,
+        key: 1,
+    }
+    .encode(&mut endpoint);
+    for (i, (tag, ep)) in [(2u8, endpoint.as_slice()), (3, &7u64.to_le_bytes()[..])]
+        .into_iter()
+        .enumerate()
+    {
+        let mut b = Vec::new();
+        LinkInfo {
+            provider_tag: tag,
+            ring_capacity: 32 << 20,
+            endpoint: ep,
+        }
+        .encode(&mut b);
+        write("rdma_link_info", &format!("seed{i}"), &b);
+    }
+}
+
 fn main() {
     decode_frame_seeds();
     stream_protocol_seeds();
@@ -345,5 +370,6 @@ fn main() {
     frontend_seeds();
     frontend_socket_seeds();
     mesh_seeds();
+    rdma_link_info_seeds();
     println!("seeds written under fuzz/seeds/");
 }

@@ -16,6 +16,7 @@
 
 use super::RdmaError;
 use super::nic::{Completion, Nic, Posted};
+use super::wire::{FabricEndpoint, decode_fabric_endpoint};
 use expertmesh_quant::aligned::AlignedVec;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::net::IpAddr;
@@ -195,36 +196,26 @@ impl Nic for FabricNic {
         };
         let len = if rc == 0 { len.min(name.len()) } else { 0 };
         let mut v = Vec::with_capacity(64 + len);
-        v.push(self.provider.len() as u8);
-        v.extend_from_slice(self.provider.as_bytes());
-        v.extend_from_slice(&(len as u16).to_le_bytes());
-        v.extend_from_slice(&name[..len]);
-        v.extend_from_slice(&base.to_le_bytes());
-        v.extend_from_slice(&key.to_le_bytes());
+        FabricEndpoint {
+            provider: self.provider.as_bytes(),
+            name: &name[..len],
+            base,
+            key,
+        }
+        .encode(&mut v);
         v
     }
 
     fn connect(&self, peer: &[u8]) -> Result<(), RdmaError> {
-        let bad = |why: &str| RdmaError::BadPeerInfo(format!("libfabric endpoint: {why}"));
-        let (&plen, rest) = peer.split_first().ok_or_else(|| bad("empty"))?;
-        let (prov, rest) = rest
-            .split_at_checked(plen as usize)
-            .ok_or_else(|| bad("short"))?;
-        if prov != self.provider.as_bytes() {
-            return Err(bad(&format!(
-                "the peer uses provider {:?}, this end {:?}: configure the same on both",
-                String::from_utf8_lossy(prov),
+        let ep = decode_fabric_endpoint(peer)?;
+        if ep.provider != self.provider.as_bytes() {
+            return Err(RdmaError::BadPeerInfo(format!(
+                "the peer uses libfabric provider {:?}, this end {:?}: configure the same on both",
+                String::from_utf8_lossy(ep.provider),
                 self.provider
             )));
         }
-        let (nlen, rest) = rest.split_at_checked(2).ok_or_else(|| bad("short"))?;
-        let nlen = u16::from_le_bytes([nlen[0], nlen[1]]) as usize;
-        if nlen == 0 || rest.len() != nlen + 16 {
-            return Err(bad("malformed address"));
-        }
-        let (name, tail) = rest.split_at(nlen);
-        let base = u64::from_le_bytes(tail[..8].try_into().map_err(|_| bad("base"))?);
-        let key = u64::from_le_bytes(tail[8..16].try_into().map_err(|_| bad("key"))?);
+        let (name, base, key) = (ep.name, ep.base, ep.key);
         let h = self.lock();
         let mut msg = [0u8; 256];
         // SAFETY: live handle; `name` is the peer's fi_getname bytes; msg is writable.

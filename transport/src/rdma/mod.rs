@@ -44,6 +44,7 @@ pub(crate) mod nic;
 pub mod sim;
 #[cfg(feature = "rdma")]
 mod verbs;
+pub mod wire;
 
 /// Bytes of a record header in the ring: frame length (u64), sequence number (u64), padding.
 const RECORD_HEADER: usize = PAYLOAD_ALIGN;
@@ -226,34 +227,33 @@ impl RdmaPrepared {
     /// ring capacity and the provider's endpoint description.
     pub(crate) fn attachment(&self) -> Vec<u8> {
         let mut a = RDMA_ATTACHMENT.to_vec();
-        a.push(self.tag);
-        a.extend_from_slice(&(self.nic.ring_capacity() as u64).to_le_bytes());
-        a.extend_from_slice(&self.nic.local_info());
+        let endpoint = self.nic.local_info();
+        wire::LinkInfo {
+            provider_tag: self.tag,
+            ring_capacity: self.nic.ring_capacity() as u64,
+            endpoint: &endpoint,
+        }
+        .encode(&mut a);
         a
     }
 
     /// Connects to the peer described by its link info (without the attachment prefix).
     pub(crate) fn connect(self, info: &[u8]) -> Result<(RdmaWriter, RdmaReader), RdmaError> {
-        let Some((&tag, rest)) = info.split_first() else {
-            return Err(RdmaError::BadPeerInfo("empty".into()));
-        };
-        if tag != self.tag {
+        let peer = wire::decode_link_info(info)?;
+        if peer.provider_tag != self.tag {
             return Err(RdmaError::BadPeerInfo(format!(
-                "the peer uses RDMA provider {tag}, this end {}: configure the same --rdma-provider on both",
-                self.tag
+                "the peer uses RDMA provider {}, this end {}: configure the same --rdma-provider on both",
+                peer.provider_tag, self.tag
             )));
         }
-        let (cap, desc) = rest
-            .split_at_checked(8)
-            .ok_or_else(|| RdmaError::BadPeerInfo(format!("{} bytes", info.len())))?;
-        let cap = u64::from_le_bytes(cap.try_into().unwrap_or_default());
-        if cap != self.nic.ring_capacity() as u64 {
+        if peer.ring_capacity != self.nic.ring_capacity() as u64 {
             return Err(RdmaError::BadPeerInfo(format!(
-                "ring of {cap} bytes, this end {}: configure the same ring size on both",
+                "ring of {} bytes, this end {}: configure the same ring size on both",
+                peer.ring_capacity,
                 self.nic.ring_capacity()
             )));
         }
-        self.nic.connect(desc)?;
+        self.nic.connect(peer.endpoint)?;
         let shared = Arc::new(Shared {
             send_done: AtomicU64::new(0),
             sends_completed: AtomicU64::new(0),
