@@ -145,8 +145,15 @@ pub(crate) fn table_row(r: &BenchResult, name_width: usize) -> String {
         Some(s) => (format!("{:.3}-{:.3}", s.p10, s.p90), s.n.to_string()),
         None => (String::new(), String::new()),
     };
+    let tag = if r.is_bench_bug() {
+        "  BENCH BUG"
+    } else if r.is_against_reference() {
+        "  (limit: a reference, not a bound)"
+    } else {
+        ""
+    };
     format!(
-        "{:<name_width$} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3} {spread:>13} {reps:>4}  {} is better{}",
+        "{:<name_width$} {:>6} {:>12.3} {:>12.3} {:>8} {:>7.3} {spread:>13} {reps:>4}  {} is better{tag}",
         r.name,
         r.batch,
         r.achieved,
@@ -154,11 +161,22 @@ pub(crate) fn table_row(r: &BenchResult, name_width: usize) -> String {
         r.unit,
         r.ratio,
         r.better.name(),
-        if r.is_bench_bug() { "  BENCH BUG" } else { "" }
     )
 }
 
 impl BenchResult {
+    /// Mark the limit as a reference to beat, not a bound the result cannot pass (JSON:
+    /// `"limit_role": "reference"`; by default a limit is `"bound"`, what the machine or the
+    /// format allows at all). The report then never calls a ratio past it a bench bug.
+    pub fn against_reference(self) -> Self {
+        self.with("limit_role", "reference")
+    }
+
+    /// Whether the limit is a reference to beat ([`BenchResult::against_reference`]).
+    pub fn is_against_reference(&self) -> bool {
+        self.extra.get("limit_role").and_then(|v| v.as_str()) == Some("reference")
+    }
+
     /// A result; `ratio` is computed (0 when the limit is not positive) and which way it is
     /// good follows from the unit ([`Better::for_unit`]).
     pub fn new(name: impl Into<String>, batch: u64, achieved: f64, limit: f64, unit: &str) -> Self {
@@ -226,8 +244,11 @@ impl BenchResult {
     /// trips is scheduling noise, so one lucky p99 is not a bug). A limit is what the machine
     /// can do at all, so such a ratio means the limit was measured badly, not that the thing
     /// beat it.
+    ///
+    /// A result whose limit is a reference to beat ([`BenchResult::against_reference`]) is never
+    /// one: passing it is the point.
     pub(crate) fn is_bench_bug(&self) -> bool {
-        if self.limit <= 0.0 {
+        if self.limit <= 0.0 || self.is_against_reference() {
             return false;
         }
         match self.better {
@@ -431,6 +452,10 @@ mod tests {
         assert_eq!(res["better"], "higher");
         assert_eq!(v["results"][1]["better"], "lower");
         assert!(table_row(&r.results[1], 10).ends_with("lower is better  BENCH BUG"));
+        // The same ratio against a reference is the result doing better than it, not a bug.
+        let reference = r.results[1].clone().against_reference();
+        assert!(!reference.is_bench_bug());
+        assert!(table_row(&reference, 10).ends_with("(limit: a reference, not a bound)"));
         assert!(table_row(&r.results[0], 10).ends_with("higher is better"));
         assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
     }

@@ -35,6 +35,13 @@ enum Kind {
     Signed,
     /// Gaussian FP8 E4M3 codes with known block scales (f32 grid for gate/up, bf16 for down).
     Fp8,
+    /// BF16 weights on a symmetric INT4 grid, as a quantization-aware-trained model publishes
+    /// them: per group of 32 along each row, a power-of-two scale times codes in `-m ..= m-1`,
+    /// the group's largest code `m` anywhere from 4 to 8 (used, on either side).
+    PowerOfTwoGrid,
+    /// BF16 weights on a full-range INT4 grid: per group, a 5-bit scale (not a power of two)
+    /// times codes in `-7 ..= 7` with ±7 used.
+    FullRangeGrid,
 }
 
 /// A small model: two MoE layers, three routed experts of width `f`, and (when `shared`) one
@@ -91,6 +98,14 @@ fn weight(
         })
         .collect();
     let shape = vec![rows, cols];
+    if matches!(kind, Kind::PowerOfTwoGrid | Kind::FullRangeGrid) {
+        let grid: Vec<f32> = (0..rows * cols / 32)
+            .flat_map(|_| grid_group(kind, rng))
+            .collect();
+        let (bytes, values) = bf16_bytes(&grid);
+        assert_eq!(values, grid, "grid weights are exact in bf16");
+        return (vec![(name.into(), Dtype::BF16, shape, bytes)], values);
+    }
     if !matches!(kind, Kind::Fp8) {
         let (bytes, values) = bf16_bytes(&gauss);
         return (vec![(name.into(), Dtype::BF16, shape, bytes)], values);
@@ -119,6 +134,39 @@ fn weight(
         vec![(name.into(), Dtype::F8E4M3, shape, codes), scale],
         values,
     )
+}
+
+/// One group of 32 grid weights of `kind` (see [`Kind`]), around magnitude 2^-4.
+fn grid_group(kind: Kind, rng: &mut SplitMix64) -> Vec<f32> {
+    let e = -9 + rng.below(4) as i32;
+    let (d, m) = match kind {
+        Kind::PowerOfTwoGrid => (2f32.powi(e), 4 + rng.below(5) as i64),
+        _ => ((16 + rng.below(16)) as f32 / 16.0 * 2f32.powi(e), 7),
+    };
+    let span = if matches!(kind, Kind::PowerOfTwoGrid) {
+        2 * m
+    } else {
+        15
+    };
+    let low = if matches!(kind, Kind::PowerOfTwoGrid) {
+        -m
+    } else {
+        -7
+    };
+    let extreme = match kind {
+        Kind::PowerOfTwoGrid => [-m, m - 1][rng.below(2) as usize],
+        _ => [-7, 7][rng.below(2) as usize],
+    };
+    (0..32)
+        .map(|i| {
+            let c = if i == 7 {
+                extreme
+            } else {
+                low + rng.below(span as u64) as i64
+            };
+            d * c as f32
+        })
+        .collect()
 }
 
 /// The three tensors of one expert of width `f` in `family`'s naming.
@@ -216,6 +264,15 @@ fn round_trip(family: Family, kind: Kind, h: usize, f: usize, sharded: bool) {
         let all_deq = deq.concat();
         let expect = rel(&all_src, &all_deq);
         assert!(err <= 0.12, "{layer} {which}: relative error {err}");
+        if matches!(kind, Kind::PowerOfTwoGrid | Kind::FullRangeGrid) {
+            assert_eq!(err, 0.0, "{layer} {which}: weights on an INT4 grid");
+            for i in 0..3 {
+                assert!(
+                    source.values[i] == deq[i],
+                    "{layer} {which} tensor {i} not exact"
+                );
+            }
+        }
         assert!(
             (err - expect).abs() < 1e-6,
             "reported {err}, measured {expect}"
@@ -229,6 +286,14 @@ fn round_trip(family: Family, kind: Kind, h: usize, f: usize, sharded: bool) {
             assert!(deq[1].iter().all(|&v| v <= 0.0) && deq[1].iter().sum::<f32>() < 0.0);
         }
     }
+}
+
+/// Weights that already lie on an INT4 grid come back exactly (error 0), whatever the grid's
+/// largest code: the converter's quantizer finds the scale that fits, absmax/4 included.
+#[test]
+fn weights_on_int4_grids_convert_with_error_zero() {
+    round_trip(Family::DeepseekV3, Kind::PowerOfTwoGrid, 128, 64, false);
+    round_trip(Family::Mixtral, Kind::FullRangeGrid, 128, 64, true);
 }
 
 #[test]
