@@ -105,8 +105,6 @@ pub(super) struct Solver {
     abs: Vec<f64>,
     /// Code magnitudes during a sweep.
     codes: Vec<u8>,
-    /// The largest code magnitude of each element in the current range.
-    caps: Vec<f64>,
     s_vv: f64,
     a_sum: f64,
     n: f64,
@@ -128,7 +126,6 @@ impl Solver {
             v: Vec::with_capacity(group),
             abs: Vec::with_capacity(group),
             codes: Vec::with_capacity(group),
-            caps: Vec::with_capacity(group),
             s_vv: 0.0,
             a_sum: 0.0,
             n: group as f64,
@@ -190,14 +187,12 @@ impl Solver {
         self.v.clear();
         self.abs.clear();
         self.codes.clear();
-        self.caps.clear();
         let (mut s_vv, mut a_sum, mut p, mut n) = (0.0, 0.0, 0f64, 0f64);
         for &x in w {
             let v = x as f64;
             self.v.push(v);
             self.abs.push(v.abs());
             self.codes.push(0);
-            self.caps.push(0.0);
             s_vv += v * v;
             a_sum += v.abs();
             p = p.max(v);
