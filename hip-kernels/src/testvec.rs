@@ -167,6 +167,28 @@ pub struct CaseParams {
     pub gaussian: bool,
 }
 
+impl CaseParams {
+    /// A case of random codes (not quantized Gaussian weights): `hidden` and `inter` sizes,
+    /// `experts` in the batch, `tokens`, `top_k` experts per token.
+    pub fn random_codes(
+        spec: QuantSpec,
+        (hidden, inter): (usize, usize),
+        experts: usize,
+        tokens: usize,
+        top_k: usize,
+    ) -> Self {
+        Self {
+            spec,
+            hidden,
+            inter,
+            experts,
+            tokens,
+            top_k,
+            gaussian: false,
+        }
+    }
+}
+
 /// Generate one case and compute every reference output.
 pub fn generate_case(p: &CaseParams, seed: u64) -> Result<VectorCase, FormatError> {
     assert!(

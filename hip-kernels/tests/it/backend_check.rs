@@ -21,24 +21,6 @@ fn spec(group_size: u32, scale_dtype: ScaleDtype, zero_points: bool) -> QuantSpe
     }
 }
 
-fn params(
-    spec: QuantSpec,
-    (hidden, inter): (usize, usize),
-    experts: usize,
-    tokens: usize,
-    top_k: usize,
-) -> CaseParams {
-    CaseParams {
-        spec,
-        hidden,
-        inter,
-        experts,
-        tokens,
-        top_k,
-        gaussian: false,
-    }
-}
-
 /// The conformance set: the standard vectors (g32 / g64 / g128, f16 / bf16, zero points, edge
 /// blocks, empty experts, a prefill group past one tile), decode batches of 1 to 16 tokens, and
 /// prefill batches (groups of 8 to 40 tokens, several 16-token items per group).
@@ -58,7 +40,7 @@ pub(crate) fn conformance_cases() -> &'static [VectorCase] {
         for (i, (tokens, s)) in sweep.into_iter().enumerate() {
             // 8 experts, top-2: at most 16·2/8·... tokens per expert stay under the prefill
             // threshold for the small batches and cross it for the larger ones.
-            let p = params(s, (256, 128), 8, tokens, 2);
+            let p = CaseParams::random_codes(s, (256, 128), 8, tokens, 2);
             cases.push(testvec::generate_case(&p, 7_000 + i as u64).expect("sweep case"));
         }
         for (i, (tokens, experts, s)) in [
@@ -68,7 +50,7 @@ pub(crate) fn conformance_cases() -> &'static [VectorCase] {
         .into_iter()
         .enumerate()
         {
-            let p = params(s, (512, 192), experts, tokens, 1);
+            let p = CaseParams::random_codes(s, (512, 192), experts, tokens, 1);
             cases.push(testvec::generate_case(&p, 8_000 + i as u64).expect("prefill case"));
         }
         cases
@@ -83,7 +65,7 @@ pub(crate) fn kimi_cases() -> &'static [VectorCase] {
         [1, 8]
             .into_iter()
             .map(|tokens| {
-                let p = params(
+                let p = CaseParams::random_codes(
                     spec(32, ScaleDtype::Bf16, false),
                     (7168, 2048),
                     1,

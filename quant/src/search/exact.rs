@@ -40,14 +40,7 @@ impl Choice {
 /// `|q - z| ≤ 15`, so the product rounds only when it overflows.
 #[inline(always)]
 pub(super) fn dequantized(v: f32, d: f32, z: u8) -> f32 {
-    if d == 0.0 {
-        return 0.0;
-    }
-    // Adding and subtracting 1.5 · 2^23 rounds half to even for |x| ≤ 2^22, inlined (no `rintf`).
-    const MAGIC32: f32 = 12_582_912.0;
-    let zf = z as f32;
-    let q = ((((v / d).clamp(-32.0, 32.0) + MAGIC32) - MAGIC32) + zf).clamp(0.0, 15.0);
-    d * (q - zf)
+    d * (super::code(v, d, z) as f32 - z as f32)
 }
 
 /// The squared error of `choice` on group `w` as an f64 sum in element order (within `2^-45`

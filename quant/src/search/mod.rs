@@ -201,7 +201,7 @@ fn write_codes(m: &mut PackedMatrix, n: usize, g: usize, w: &[f32], d: f32, z: u
 /// The code of weight `v` under scale `d` and zero point `z`: [`PackedMatrix::quantize`]'s rule
 /// (clamping `v / d` to `±32` first cannot change a code in `0..=15`).
 #[inline(always)]
-fn code(v: f32, d: f32, z: u8) -> u8 {
+pub(super) fn code(v: f32, d: f32, z: u8) -> u8 {
     if d == 0.0 {
         z
     } else {
