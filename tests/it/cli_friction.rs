@@ -367,7 +367,7 @@ fn infer_as_a_user_runs_it() {
             "{}",
             r.stderr
         );
-        assert!(r.took < Duration::from_secs(10), "took {:?}", r.took);
+        assert!(r.took < Duration::from_secs(60), "took {:?}", r.took);
     }
     fabric.shutdown();
 }

@@ -276,14 +276,17 @@ fn a_call_to_a_stopped_router_process_ends_at_its_deadline() {
     // (A watchdog, so that a client that does not keep its deadline fails the test instead of
     // hanging it.)
     let call = c.call(layer, &x, h, None, Some(Duration::from_secs(2)));
-    let r = rt.block_on(async { tokio::time::timeout(Duration::from_secs(8), call).await });
+    let r = rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), call).await });
     let took = t.elapsed();
     let r = r.unwrap_or_else(|_| panic!("no answer after {took:?} on a 2 s deadline"));
     let e = r.expect_err("the router is stopped");
     eprintln!("a 2 s call to a stopped router returned after {took:?}: {e}");
     assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
+    // Never before the deadline; after it, by the deadline's own timer (DeadlineExceeded, the
+    // router never answers), with slack for a busy machine: the bound only catches a client
+    // that waits on something else (a keepalive, a connect timeout) instead.
     assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_millis(2500),
+        took >= Duration::from_secs(2) && took < Duration::from_secs(20),
         "a 2 s deadline returned after {took:?}"
     );
     assert!(e.to_string().contains(&up.frontend.to_string()), "{e}");
@@ -316,7 +319,7 @@ fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound(
     a.signal(libc::SIGSTOP);
     let t = Instant::now();
     let call = c.call(layer, &x, h, None, Some(Duration::from_secs(10)));
-    let got = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), call).await });
+    let got = rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), call).await });
     let took = t.elapsed();
     let got = got.unwrap_or_else(|_| panic!("no answer after {took:?}"));
     eprintln!("answered by the other router {took:?} after the first was stopped");
@@ -327,12 +330,13 @@ fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound(
     );
     assert_eq!((c.failovers(), c.peer_addr()), (1, b.frontend));
     assert!(
-        took >= bound && took < bound + Duration::from_secs(2),
+        took >= bound && took < bound + Duration::from_secs(10),
         "keepalive bound {bound:?}, took {took:?}"
     );
     // Router a stays stopped: later calls go to b at once.
     let t = Instant::now();
     let again = rt.block_on(c.call(layer, &x, h, None, None)).unwrap();
     assert_eq!(bits(&again), bits(&want));
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!((c.failovers(), c.peer_addr()), (1, b.frontend));
+    assert!(t.elapsed() < bound, "{:?}", t.elapsed());
 }

@@ -173,7 +173,7 @@ fn round(
             Err(e) => panic!("the connection itself failed: {e}"),
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(6),
+            t0.elapsed() < Duration::from_secs(30),
             "call {i} hung past its deadline"
         );
     }

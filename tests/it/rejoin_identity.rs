@@ -189,7 +189,7 @@ fn a_restarted_router_answers_bit_for_bit_at_once() {
         fabric.restart_router(0).unwrap();
         let rejoined = t0.elapsed();
         assert!(
-            rejoined < Duration::from_secs(10),
+            rejoined < Duration::from_secs(60),
             "workers rejoined the restarted router after {rejoined:?}"
         );
         assert_eq!(run_cases(&fabric, &cases), (n, 0, 0));

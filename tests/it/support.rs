@@ -267,11 +267,11 @@ impl SlowLoris {
         }
     }
 
-    /// Waits (up to 10 s) until `n` connections are open, then a second more so each has
+    /// Waits (up to 60 s) until `n` connections are open, then a second more so each has
     /// started its stall; fails the test if they never were.
     pub(crate) fn wait_connected(&self, n: u64) {
         let t0 = std::time::Instant::now();
-        while self.connects() < n && t0.elapsed() < std::time::Duration::from_secs(10) {
+        while self.connects() < n && t0.elapsed() < std::time::Duration::from_secs(60) {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
         std::thread::sleep(std::time::Duration::from_secs(1));

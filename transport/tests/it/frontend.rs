@@ -17,7 +17,7 @@ use std::time::Duration;
 use std::time::Instant;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const T: Duration = Duration::from_secs(5);
+const T: Duration = Duration::from_secs(30);
 
 /// A toy service: answers each LayerRequest with `2·x` (decoded from the request's dtype), and
 /// bad frames with error frames.

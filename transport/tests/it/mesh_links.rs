@@ -13,7 +13,7 @@ use expertmesh_transport::{
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-const T: Duration = Duration::from_secs(10);
+const T: Duration = Duration::from_secs(30);
 
 fn free_addr() -> SocketAddr {
     free_addrs(1)[0]

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-const T: Duration = Duration::from_secs(10);
+const T: Duration = Duration::from_secs(30);
 
 fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path) -> MeshConfig {
     let mut c = MeshConfig::new("kill-test", rank, peers(addrs, kind));
