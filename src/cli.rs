@@ -45,6 +45,10 @@ enum Command {
     /// credential file (`issue`).
     #[command(subcommand)]
     Keys(cmd::keys::KeysCli),
+    /// Write what runs the fabric on a cluster engine: Slurm, Kubernetes or systemd (every
+    /// process with exactly its own files), and print how to start it.
+    #[command(subcommand)]
+    Deploy(cmd::deploy::DeployCli),
 }
 
 /// The command line definition, with each command's exit codes at the end of its --help
@@ -154,6 +158,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Router(args) => cmd::router::run(args),
         Command::Infer(args) => cmd::infer::run(args),
         Command::Keys(args) => cmd::keys::run(args),
+        Command::Deploy(args) => cmd::deploy::run(args),
         Command::Bench(target) => cmd::bench::run(target),
     }
 }

@@ -28,6 +28,8 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
                       connection error
   keys init|issue     0 written; 2 the file exists (never overwritten), bad key, topology or
                       options
+  deploy ENGINE       0 written; 2 invalid topology, model, placement, weights or key, bad
+                      options, or a failed write
 Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
 
 /// Each command's exit codes, appended to its own --help (after any text it has).

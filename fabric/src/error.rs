@@ -185,6 +185,10 @@ pub enum FabricError {
     /// An I/O error whose own message says all there is (a temporary file, a pipe, a runtime).
     #[error("{0}")]
     Io(std::io::Error),
+    /// The files for a cluster engine (`expertmesh deploy`) could not be made: the message
+    /// names the option or file and what to do.
+    #[error("{0}")]
+    Engine(String),
 }
 
 impl FabricError {

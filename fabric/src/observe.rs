@@ -139,7 +139,8 @@ pub fn start(
     if let Some(base) = args.metrics {
         for (i, r) in routers.iter().enumerate() {
             let addr = nth_addr(base, i)?;
-            let server = MetricsServer::start(addr, registry_of(Arc::clone(r.metrics())))
+            let registry = registry_of(Arc::clone(r.metrics()));
+            let server = MetricsServer::start_with_readiness(addr, registry, r.readiness())
                 .map_err(|cause| FabricError::RouterMetrics { instance: i, cause })?;
             tracing::info!(router = i, url = %server.url(), "serving metrics");
             println!("  metrics: router {i} at {}", server.url());

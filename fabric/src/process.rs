@@ -1,8 +1,9 @@
-//! A fabric process's life on one host: dying with its launcher, waiting for Ctrl-C, and the
+//! A fabric process's life on one host: dying with its launcher, waiting for a stop signal,
+//! and the
 //! launcher's loop that restarts workers that exit.
 //!
 //! Why this exists: `expertmesh up`, `router` and `worker` share one way to run until told to
-//! stop, and a worker started by the local launcher must never outlive it (parent-death
+//! stop (SIGTERM from a cluster engine, or Ctrl-C), and a worker started by the local launcher must never outlive it (parent-death
 //! signal), so nothing is left running when a test or `up` ends.
 
 use crate::FabricError;
@@ -34,26 +35,26 @@ pub fn exit_with_parent() {
 #[cfg(not(target_os = "linux"))]
 pub fn exit_with_parent() {}
 
-/// Blocks until Ctrl-C (SIGINT).
-pub fn wait_for_ctrl_c() -> Result<(), FabricError> {
+/// Blocks until SIGTERM (a cluster engine stopping the process: Slurm's `scancel`,
+/// Kubernetes, systemd) or SIGINT (Ctrl-C); returns the signal's name.
+pub fn wait_for_stop_signal() -> Result<&'static str, FabricError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(tokio::signal::ctrl_c())
-        .map_err(FabricError::io("waiting for Ctrl-C"))?;
-    Ok(())
+    Ok(rt.block_on(expertmesh_worker::process::stop_signal()))
 }
 
-/// Runs `fabric` until Ctrl-C, restarting every worker that exits (checked twice a second);
-/// each exit and restart is reported on stderr.
-pub fn supervise_until_ctrl_c(fabric: &mut LocalFabric) -> Result<(), FabricError> {
+/// Runs `fabric` until SIGTERM or SIGINT, restarting every worker that exits (checked twice
+/// a second); each exit and restart is reported on stderr.
+pub fn supervise_until_stopped(fabric: &mut LocalFabric) -> Result<(), FabricError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let mut signal = Box::pin(expertmesh_worker::process::stop_signal());
     loop {
         let stop = rt.block_on(async {
             tokio::select! {
-                r = tokio::signal::ctrl_c() => { r.ok(); true }
+                _ = &mut signal => true,
                 _ = tokio::time::sleep(Duration::from_millis(500)) => false,
             }
         });

@@ -70,6 +70,11 @@ pub enum Shed {
         /// Its token limit.
         max_tokens: usize,
     },
+    /// The router is stopping: it answers what it admitted and takes nothing new.
+    #[error(
+        "router draining before it stops: it takes no new requests; send this one to another router"
+    )]
+    Draining,
 }
 
 /// One connection's requests in flight.
@@ -93,6 +98,8 @@ pub struct Admission {
     open: usize,
     requests: usize,
     tokens: usize,
+    /// [`Admission::drain`] was called: nothing more is admitted.
+    draining: bool,
 }
 
 impl Admission {
@@ -109,7 +116,13 @@ impl Admission {
             open: 0,
             requests: 0,
             tokens: 0,
+            draining: false,
         }
+    }
+
+    /// Admit nothing more (the router is stopping); what is in flight is still released.
+    pub fn drain(&mut self) {
+        self.draining = true;
     }
 
     /// Requests and tokens in flight, all connections together.
@@ -126,6 +139,9 @@ impl Admission {
 
     /// Admit request `request_id` of `tokens` tokens from `client`, or say why not.
     pub fn admit(&mut self, client: ClientId, request_id: u64, tokens: usize) -> Result<(), Shed> {
+        if self.draining {
+            return Err(Shed::Draining);
+        }
         let limits = self.limits;
         let (requests, tokens_in) = self.client_in_flight(client);
         // Within a share of the capacity among `n` connections, this request included.
@@ -224,6 +240,22 @@ mod tests {
             max_tokens: 1024,
             max_per_client: 6,
         }
+    }
+
+    #[test]
+    fn a_draining_router_admits_nothing_and_still_releases() {
+        let mut a = Admission::new(limits());
+        a.open();
+        a.admit(1, 1, 16).unwrap();
+        a.admit(2, 2, 16).unwrap();
+        a.drain();
+        assert_eq!(a.admit(3, 3, 1), Err(Shed::Draining));
+        assert_eq!(a.admit(1, 4, 1), Err(Shed::Draining));
+        assert_eq!(a.in_flight(), (2, 32));
+        a.release(1, 1);
+        a.release(2, 2);
+        assert_eq!(a.in_flight(), (0, 0));
+        assert!(Shed::Draining.to_string().contains("another router"));
     }
 
     #[test]

@@ -118,6 +118,8 @@ pub struct RouterService {
     mesh: Mesh,
     stats: Arc<Mutex<crate::core::RouterStats>>,
     metrics: Arc<crate::metrics::RouterMetrics>,
+    ranks: crate::ranks::RankNames,
+    admission: Arc<AdmissionGate>,
 }
 
 impl std::fmt::Debug for RouterService {
@@ -193,6 +195,7 @@ impl RouterService {
             },
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
+        let ranks = core.rank_names().clone();
         let core_loop = CoreLoop {
             names: core.rank_labels(),
             core,
@@ -205,7 +208,7 @@ impl RouterService {
             stats: stats.clone(),
             hidden,
             open,
-            admission,
+            admission: Arc::clone(&admission),
             trim: MemoryTrim::default(),
         };
         let core_thread = std::thread::Builder::new()
@@ -220,7 +223,51 @@ impl RouterService {
             mesh,
             stats,
             metrics,
+            ranks,
+            admission,
         })
+    }
+
+    /// This router's `/ready` check: ready when every device's worker has joined it; else the
+    /// reason names the workers not joined (the first few).
+    pub fn readiness(&self) -> crate::metrics::http::Readiness {
+        let mesh = self.mesh.clone();
+        let ranks = self.ranks.clone();
+        Arc::new(move || {
+            let devices = ranks.routers()..ranks.len() as u32;
+            let total = devices.len();
+            let missing: Vec<u32> = devices.filter(|&r| !mesh.is_connected(r)).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let shown: Vec<String> = missing.iter().take(8).map(|&r| ranks.label(r)).collect();
+            Err(format!(
+                "{} of {total} workers not joined: {}{}",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            ))
+        })
+    }
+
+    /// Stop admitting requests (each new one is refused with `Overloaded`, saying the router is
+    /// draining, so a failover client sends it to another router) and wait up to `timeout` for
+    /// the admitted ones to be answered. Returns how many were still unanswered at the end
+    /// (0: drained). The service keeps running; [`RouterService::shutdown`] stops it.
+    pub fn drain(&self, timeout: Duration) -> usize {
+        self.admission.lock().drain();
+        let until = Instant::now() + timeout;
+        loop {
+            let (requests, _) = self.admission.lock().in_flight();
+            if requests == 0 || Instant::now() >= until {
+                return requests;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Where frontends connect.

@@ -2,12 +2,14 @@
 //!
 //! Why this exists: a command is a thin layer between its arguments and a library, and each
 //! has one home: `models`, `validate`, `plan` and `convert` work on files; `demo`, `up`,
-//! `worker`, `router` and `infer` run or call a fabric; `keys` makes credentials; `bench` runs
+//! `worker`, `router` and `infer` run or call a fabric; `keys` makes credentials; `deploy` writes the files that run a fabric on
+//! a cluster engine; `bench` runs
 //! the measurements.
 
 pub(crate) mod bench;
 pub(crate) mod convert;
 pub(crate) mod demo;
+pub(crate) mod deploy;
 pub(crate) mod infer;
 pub(crate) mod keys;
 pub(crate) mod models;

@@ -17,6 +17,7 @@ use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::shared::router_core;
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::time::Duration;
 
 /// `expertmesh router`.
 #[derive(Args, Debug)]
@@ -46,6 +47,10 @@ pub(crate) struct RouterCli {
     /// Threads for shared experts run on the router.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// On SIGTERM or SIGINT, how long to keep answering the requests already admitted (new
+    /// ones are refused, saying the router is draining) before exiting.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    drain_timeout_s: f64,
     #[command(flatten)]
     observe: ObserveArgs,
     #[command(flatten)]
@@ -96,8 +101,21 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
             .map_or_else(|| "?".into(), |a| a.to_string())
     );
     let observers = observe::start(&cli.observe.options(), &[&service], &dep.spec)?;
-    expertmesh_fabric::process::wait_for_ctrl_c()?;
+    let signal = expertmesh_fabric::process::wait_for_stop_signal()?;
+    let drain = Duration::try_from_secs_f64(cli.drain_timeout_s).unwrap_or(Duration::ZERO);
+    println!(
+        "expertmesh router {instance}: {signal}: draining (up to {:.0} s)",
+        drain.as_secs_f64()
+    );
+    let left = service.drain(drain);
+    if left > 0 {
+        eprintln!(
+            "expertmesh router {instance}: {left} requests unanswered after {:.0} s of draining; they fail as the router stops",
+            drain.as_secs_f64()
+        );
+    }
     drop(observers);
     drop(service);
+    println!("expertmesh router {instance}: stopped");
     Ok(ExitCode::SUCCESS)
 }

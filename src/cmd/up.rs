@@ -130,7 +130,7 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     );
     let _observers = observe::start_up(&observe_opts, &fabric, &worker_metrics)?;
     println!("Ctrl-C to stop.");
-    expertmesh_fabric::process::supervise_until_ctrl_c(&mut fabric)?;
+    expertmesh_fabric::process::supervise_until_stopped(&mut fabric)?;
     println!("stopping");
     fabric.shutdown();
     Ok(ExitCode::SUCCESS)

@@ -20,6 +20,7 @@ mod client_pipelining;
 mod convert_bad_input;
 mod convert_serve;
 mod credentials;
+mod deploy_engines;
 mod emulated_cluster;
 mod fabric;
 mod faults;

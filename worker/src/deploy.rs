@@ -638,6 +638,9 @@ impl Deployment {
     }
 }
 
+/// The manifest's file name within a converted weights folder.
+pub const MANIFEST_FILE: &str = expertmesh_shard::manifest::MANIFEST_FILE;
+
 /// A converted weights folder and its manifest.
 #[derive(Clone, Debug)]
 pub struct ConvertedWeights {

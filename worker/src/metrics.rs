@@ -46,6 +46,7 @@ pub fn start(
     dep: &crate::deploy::Deployment,
     rank: u32,
     listen: Option<SocketAddr>,
+    ready: expertmesh_router::metrics::http::Readiness,
 ) -> Result<(Arc<WorkerMetrics>, Option<MetricsServer>), crate::process::WorkerError> {
     let names = dep.rank_names();
     let experts = (dep.spec.routed_experts + dep.spec.shared_experts) as usize;
@@ -58,12 +59,11 @@ pub fn start(
         return Ok((metrics, None));
     };
     let device = names.get(rank as usize).cloned().unwrap_or_default();
-    let server = MetricsServer::start(listen, metrics.registry(&device)).map_err(|cause| {
-        crate::process::WorkerError::Metrics {
+    let server = MetricsServer::start_with_readiness(listen, metrics.registry(&device), ready)
+        .map_err(|cause| crate::process::WorkerError::Metrics {
             worker: device.clone(),
             cause,
-        }
-    })?;
+        })?;
     tracing::info!(worker = %device, url = %server.url(), "serving metrics");
     println!("expertmesh worker {device} metrics at {}", server.url());
     Ok((metrics, Some(server)))

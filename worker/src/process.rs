@@ -30,6 +30,7 @@ use expertmesh_transport::mesh::{
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -234,7 +235,60 @@ pub fn worker_limits(dep: &Deployment, max_tokens: usize) -> BatchLimits {
     }
 }
 
-/// Run a worker until the process is killed.
+/// The first SIGTERM or SIGINT, named. When the handlers cannot be installed (logged), this
+/// never returns and the signals keep their default action (the process ends at once).
+pub async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::warn!("cannot install SIGTERM/SIGINT handlers; the default actions apply");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
+/// The worker's `/ready` check: joined to every router (the routers missing are named).
+fn readiness(dep: &Deployment, mesh: &Mesh) -> expertmesh_router::metrics::http::Readiness {
+    let mesh = mesh.clone();
+    let names = dep.rank_names();
+    let routers = dep.router_count();
+    Arc::new(move || {
+        let missing: Vec<&str> = (0..routers)
+            .filter(|&r| !mesh.is_connected(r))
+            .map(|r| names.get(r as usize).map_or("router", String::as_str))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("not joined to router(s) {}", missing.join(", ")))
+        }
+    })
+}
+
+/// A flag set, and the calling (compute) thread woken, on SIGTERM or SIGINT (Slurm's
+/// `scancel`, Kubernetes, systemd, Ctrl-C): the compute loop then finishes and answers what
+/// is queued and returns; routers send later parts to a replica or fail them with a reason.
+fn stop_on_signal(rt: &tokio::runtime::Runtime) -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    let compute = std::thread::current();
+    rt.spawn(async move {
+        let signal = stop_signal().await;
+        tracing::info!(signal, "stopping: finishing queued dispatches");
+        eprintln!("expertmesh worker: {signal}: finishing queued dispatches, then exiting");
+        flag.store(true, Ordering::SeqCst);
+        compute.unpark();
+    });
+    stop
+}
+
+/// Run a worker until SIGTERM or SIGINT (it finishes and answers what is queued, then returns)
+/// or until its mesh ends.
 pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let d = dep.device(&opts.device)?;
     let rank = dep.mesh_rank(d);
@@ -311,8 +365,11 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let (metrics, _metrics_server) = crate::metrics::start(&dep, rank, opts.metrics)?;
+    let (metrics, _metrics_server) =
+        crate::metrics::start(&dep, rank, opts.metrics, readiness(&dep, &mesh))?;
+    let stop = stop_on_signal(&rt);
     let ctx = ComputeCtx {
+        stop,
         exec,
         fanout,
         routers: dep.router_count(),
@@ -360,6 +417,8 @@ enum Input {
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
 /// mesh to answer on, and the inputs waiting per sender.
 struct ComputeCtx {
+    /// Set by SIGTERM/SIGINT: return once the queue is empty.
+    stop: Arc<AtomicBool>,
     exec: DispatchExecutor,
     fanout: Option<NodeFanout>,
     routers: u32,
@@ -417,7 +476,7 @@ impl std::task::Wake for Unpark {
 const EVENTS_PER_PASS: usize = 64;
 
 impl ComputeCtx {
-    /// Until the mesh's events end: take the ready events into the queues, run the next
+    /// Until the mesh's events end (or a stop signal, once the queue is empty): take the ready events into the queues, run the next
     /// input round robin over senders, and sleep on this thread's park token when there is
     /// nothing to do (the mesh's event queue unparks it).
     fn run(mut self, mut events: MeshEvents) {
@@ -450,7 +509,7 @@ impl ComputeCtx {
                 self.handle_input(input);
                 continue;
             }
-            if !open {
+            if !open || self.stop.load(Ordering::SeqCst) {
                 return;
             }
             if more {

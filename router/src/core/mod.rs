@@ -390,6 +390,11 @@ impl RouterCore {
         self.ranks.labels()
     }
 
+    /// The names of the mesh ranks and how many routers lead them.
+    pub fn rank_names(&self) -> &RankNames {
+        &self.ranks
+    }
+
     /// A validator for frontend requests that can run outside the core (in connection tasks).
     pub fn validator(&self) -> RequestValidator {
         RequestValidator {

@@ -9,8 +9,13 @@
 //! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
 //! in the kernel's accept queue), a request head may be at most [`MAX_HEAD_BYTES`] and must
 //! arrive within [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
-//! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`
-//! or `/` is answered 404 or 405 with a line saying what is served.
+//! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
+//! `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is served.
+//!
+//! Health for cluster engines (Kubernetes probes, a Slurm script waiting for its fabric):
+//! `/live` answers 200 while the process's responder runs; `/ready` answers 200 when the
+//! process's [`Readiness`] check passes (a router: every worker joined; a worker: joined every
+//! router), else 503 with the reason on one line.
 
 use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
@@ -30,6 +35,10 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Content type of the Prometheus text exposition format, version 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// The `/ready` check: `Ok` when the process can serve, else why not (one line). Called on
+/// the responder's thread for each `/ready` request, so it must be quick and never block.
+pub type Readiness = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +79,15 @@ impl MetricsServer {
     /// Bind `listen` (port 0 picks a free port) and serve `registry` on `GET /metrics` from a
     /// thread of its own until dropped.
     pub fn start(listen: SocketAddr, registry: Registry) -> Result<Self, MetricsServerError> {
+        Self::start_with_readiness(listen, registry, Arc::new(|| Ok(())))
+    }
+
+    /// [`MetricsServer::start`] with a `/ready` check (without one, `/ready` is always 200).
+    pub fn start_with_readiness(
+        listen: SocketAddr,
+        registry: Registry,
+        ready: Readiness,
+    ) -> Result<Self, MetricsServerError> {
         let bind = |source| MetricsServerError::Bind {
             addr: listen,
             source,
@@ -83,7 +101,7 @@ impl MetricsServer {
             .map_err(MetricsServerError::Start)?;
         let stop = Arc::new(Notify::new());
         let stop_rx = Arc::clone(&stop);
-        let registry = Arc::new(registry);
+        let registry = Arc::new(Endpoints { registry, ready });
         let thread = std::thread::Builder::new()
             .name("metrics-http".into())
             .spawn(move || {
@@ -130,7 +148,7 @@ impl Drop for MetricsServer {
 }
 
 /// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once.
-async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Registry>) {
+async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
@@ -153,7 +171,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Registry>)
 }
 
 /// Read one request head and answer it; the connection closes afterwards.
-async fn serve_one(mut stream: tokio::net::TcpStream, registry: &Registry) {
+async fn serve_one(mut stream: tokio::net::TcpStream, registry: &Endpoints) {
     let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
         Ok(Some(h)) => h,
         _ => return,
@@ -215,25 +233,46 @@ fn body_is_metrics(head: &[u8]) -> bool {
     request_line(head).1 == "/metrics"
 }
 
+/// What the responder serves: the metrics and the readiness check.
+struct Endpoints {
+    registry: Registry,
+    ready: Readiness,
+}
+
 /// Status and body for a request head.
-fn answer(head: &[u8], registry: &Registry) -> (u16, String) {
+fn answer(head: &[u8], endpoints: &Endpoints) -> (u16, String) {
     let (method, path) = request_line(head);
     if method != "GET" && method != "HEAD" {
-        return (405, "only GET /metrics is served here\n".into());
+        return (
+            405,
+            "only GET of /metrics, /live and /ready is served here\n".into(),
+        );
     }
     match path {
+        "/live" => (200, "alive\n".into()),
+        "/ready" => match (endpoints.ready)() {
+            Ok(()) => (200, "ready\n".into()),
+            Err(why) => (503, format!("not ready: {why}\n")),
+        },
         "/metrics" => {
             let mut text = String::with_capacity(64 << 10);
-            match prometheus_client::encoding::prometheus_text::encode(&mut text, registry) {
+            match prometheus_client::encoding::prometheus_text::encode(
+                &mut text,
+                &endpoints.registry,
+            ) {
                 Ok(()) => (200, text),
                 Err(_) => (500, "encoding the metrics failed\n".into()),
             }
         }
         "/" => (
             200,
-            "expertmesh: Prometheus metrics at /metrics\n".to_owned(),
+            "expertmesh: Prometheus metrics at /metrics, liveness at /live, readiness at /ready\n"
+                .to_owned(),
         ),
-        _ => (404, format!("no {path} here; metrics are at /metrics\n")),
+        _ => (
+            404,
+            format!("no {path} here; metrics are at /metrics, health at /live and /ready\n"),
+        ),
     }
 }
 
@@ -242,6 +281,7 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        503 => "Service Unavailable",
         _ => "Internal Server Error",
     }
 }
@@ -284,6 +324,41 @@ mod tests {
         assert!(again.contains("expertmesh_test_things_total 7"), "{again}");
         drop(server);
         assert!(std::net::TcpStream::connect(addr).is_err());
+    }
+
+    #[test]
+    fn live_and_ready_follow_the_check() {
+        let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&ready);
+        let server = MetricsServer::start_with_readiness(
+            "127.0.0.1:0".parse().unwrap(),
+            Registry::default(),
+            Arc::new(move || {
+                if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    Ok(())
+                } else {
+                    Err("waiting for workers a/0, a/1".into())
+                }
+            }),
+        )
+        .unwrap();
+        let addr = server.local_addr();
+        let live = get(addr, "GET /live HTTP/1.0\r\n\r\n");
+        assert!(live.starts_with("HTTP/1.1 200 OK\r\n"), "{live}");
+        let not = get(addr, "GET /ready HTTP/1.0\r\n\r\n");
+        assert!(not.starts_with("HTTP/1.1 503 "), "{not}");
+        assert!(
+            not.ends_with("not ready: waiting for workers a/0, a/1\n"),
+            "{not}"
+        );
+        ready.store(true, std::sync::atomic::Ordering::SeqCst);
+        let yes = get(addr, "GET /ready?verbose HTTP/1.0\r\n\r\n");
+        assert!(yes.starts_with("HTTP/1.1 200 OK\r\n"), "{yes}");
+        // Without a check, /ready is always 200.
+        let plain =
+            MetricsServer::start("127.0.0.1:0".parse().unwrap(), Registry::default()).unwrap();
+        let r = get(plain.local_addr(), "GET /ready HTTP/1.0\r\n\r\n");
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
     }
 
     #[test]

@@ -1,0 +1,297 @@
+//! Kubernetes: plain manifests, one Deployment per process, pinned to its node.
+//!
+//! Why this exists: cloud serving runs on Kubernetes. The manifests (`kubernetes/*.yaml`,
+//! applied with `kubectl apply -f`) are:
+//! - `fabric.yaml`: a ConfigMap with the bundle's `fabric/` files (`launch.sh`, topology,
+//!   model, placement), mounted at `/etc/expertmesh`;
+//! - `credentials.yaml`: one Secret per process holding only that process's credential,
+//!   mounted at `/var/run/expertmesh/credentials` (never the master key);
+//! - `processes.yaml`: one Deployment per process (one replica, `Recreate`: two copies of a
+//!   rank never run at once), pinned to its node by `kubernetes.io/hostname`, on the host's
+//!   network (`hostNetwork`: the topology's addresses are the nodes', and RoCE needs it),
+//!   running `sh /etc/expertmesh/launch.sh PROCESS` with the node name from the downward API
+//!   (`EXPERTMESH_NODE`, checked by the script); probes: startup and liveness on `/live`,
+//!   readiness on `/ready` (a router: every worker joined); GPU devices ask for one
+//!   `--gpu-resource`, RDMA links for one `--rdma-resource` (with `IPC_LOCK`); the weights
+//!   folder is a read-only `hostPath`; SIGTERM on termination drains (grace period 60 s);
+//!   a change of placement, weights or arguments changes the pod template's
+//!   `expertmesh.io/generation` annotation, so `kubectl apply` rolls exactly those pods;
+//! - `services.yaml`: a Service per router (its frontend port) for frontends, and a
+//!   PodDisruptionBudget per component (one pod of each at a time).
+
+use super::{Plan, Role, Writer};
+use crate::FabricError;
+use serde_json::{Value, json};
+use std::path::Path;
+
+/// Where the ConfigMap is mounted in every container.
+pub const CONFIG_DIR: &str = "/etc/expertmesh";
+/// Where a process's credential Secret is mounted.
+pub const CREDENTIALS_DIR: &str = "/var/run/expertmesh/credentials";
+
+/// Kubernetes' settings.
+#[derive(Debug, Clone)]
+pub struct KubernetesOptions {
+    /// Container image with the `expertmesh` binary (and `/bin/sh`).
+    pub image: String,
+    /// Namespace of every object (default: kubectl's).
+    pub namespace: Option<String>,
+    /// Extended resource a GPU device's pod asks for.
+    pub gpu_resource: String,
+    /// Extended resource a pod asks for when its links are RDMA (the RDMA device plugin's).
+    pub rdma_resource: Option<String>,
+}
+
+/// Write the manifests; the next steps.
+pub(super) fn write(
+    plan: &Plan,
+    o: &KubernetesOptions,
+    w: &mut Writer,
+) -> Result<Vec<String>, FabricError> {
+    if o.image.is_empty() {
+        return Err(FabricError::Engine(
+            "--image: give the container image that holds the expertmesh binary".into(),
+        ));
+    }
+    let c = plan.cluster_label();
+    let docs = [
+        ("fabric.yaml", vec![config_map(plan, o)]),
+        (
+            "credentials.yaml",
+            plan.processes
+                .iter()
+                .filter_map(|p| {
+                    let text = plan.credentials.get(&p.name)?;
+                    Some(secret(plan, o, &p.name, text))
+                })
+                .collect(),
+        ),
+        (
+            "processes.yaml",
+            plan.processes
+                .iter()
+                .map(|p| deployment(plan, o, p))
+                .collect(),
+        ),
+        ("services.yaml", services(plan, o)),
+    ];
+    for (file, objects) in docs {
+        if objects.is_empty() {
+            continue;
+        }
+        let text = format!(
+            "# ExpertMesh fabric {:?}, generation {}: written by `expertmesh deploy kubernetes`; do not edit.\n{}",
+            plan.dep.topology.name(),
+            plan.generation,
+            super::yaml::documents(&objects)
+        );
+        w.file(&Path::new("kubernetes").join(file), text.as_bytes(), false)?;
+    }
+    let out = plan.opts.out.display();
+    let ns = o
+        .namespace
+        .as_ref()
+        .map_or_else(String::new, |n| format!(" -n {n}"));
+    Ok(vec![
+        "put each host's weights files where hosts/HOST.files lists (a read-only hostPath)".into(),
+        format!("start:  kubectl apply -f {out}/kubernetes/"),
+        format!(
+            "ready:  kubectl{ns} wait --for=condition=Available deployment -l app.kubernetes.io/instance={c} --timeout=15m"
+        ),
+        format!(
+            "use:    frontends connect to Service {c}-router-I (port of router I in the topology)"
+        ),
+        format!(
+            "update: re-run deploy, then kubectl apply -f {out}/kubernetes/ (pods whose generation changed restart)"
+        ),
+        format!(
+            "stop:   kubectl delete -f {out}/kubernetes/ (SIGTERM: routers drain, workers finish)"
+        ),
+    ])
+}
+
+/// Labels of every object of the fabric, plus those given.
+fn labels(plan: &Plan, extra: &[(&str, &str)]) -> Value {
+    let mut m = serde_json::Map::new();
+    m.insert("app.kubernetes.io/name".into(), json!("expertmesh"));
+    m.insert(
+        "app.kubernetes.io/instance".into(),
+        json!(plan.cluster_label()),
+    );
+    for (k, v) in extra {
+        m.insert((*k).into(), json!(v));
+    }
+    Value::Object(m)
+}
+
+fn metadata(plan: &Plan, o: &KubernetesOptions, name: &str, extra: &[(&str, &str)]) -> Value {
+    let mut m = json!({ "name": name, "labels": labels(plan, extra) });
+    if let Some(ns) = &o.namespace {
+        m["namespace"] = json!(ns);
+    }
+    m
+}
+
+fn config_map(plan: &Plan, o: &KubernetesOptions) -> Value {
+    let mut data = serde_json::Map::new();
+    for (name, bytes) in &plan.fabric_files {
+        data.insert(
+            name.clone(),
+            json!(String::from_utf8_lossy(bytes).into_owned()),
+        );
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(plan, o, &format!("{}-fabric", plan.cluster_label()), &[]),
+        "data": data,
+    })
+}
+
+fn secret(plan: &Plan, o: &KubernetesOptions, process: &str, text: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(
+            plan,
+            o,
+            &format!("{}-{process}-credential", plan.cluster_label()),
+            &[("expertmesh.io/process", process)],
+        ),
+        "type": "Opaque",
+        "stringData": { format!("{process}.cred"): text },
+    })
+}
+
+fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
+    let c = plan.cluster_label();
+    let component = p.role.component();
+    let pod_labels = [
+        ("app.kubernetes.io/component", component),
+        ("expertmesh.io/process", p.name.as_str()),
+    ];
+    let selector = json!({
+        "app.kubernetes.io/instance": c,
+        "expertmesh.io/process": p.name,
+    });
+    let mut env = vec![
+        json!({ "name": "EXPERTMESH_NODE", "valueFrom": { "fieldRef": { "fieldPath": "spec.nodeName" } } }),
+        json!({ "name": "EXPERTMESH_BIN", "value": plan.opts.bin }),
+    ];
+    let mut mounts = vec![json!({ "name": "fabric", "mountPath": CONFIG_DIR, "readOnly": true })];
+    let mut volumes =
+        vec![json!({ "name": "fabric", "configMap": { "name": format!("{c}-fabric") } })];
+    if plan.credentials.contains_key(&p.name) {
+        env.push(json!({ "name": "EXPERTMESH_CREDENTIALS_DIR", "value": CREDENTIALS_DIR }));
+        mounts
+            .push(json!({ "name": "credential", "mountPath": CREDENTIALS_DIR, "readOnly": true }));
+        volumes.push(json!({
+            "name": "credential",
+            "secret": { "secretName": format!("{c}-{}-credential", p.name), "defaultMode": 0o400 },
+        }));
+    }
+    if let super::Source::Weights { on_hosts, .. } = &plan.opts.source {
+        mounts.push(json!({ "name": "weights", "mountPath": on_hosts, "readOnly": true }));
+        volumes.push(
+            json!({ "name": "weights", "hostPath": { "path": on_hosts, "type": "Directory" } }),
+        );
+    }
+    // Shared-memory rings between processes of one pod's host need a real /dev/shm.
+    mounts.push(json!({ "name": "dshm", "mountPath": "/dev/shm" }));
+    volumes.push(json!({ "name": "dshm", "emptyDir": { "medium": "Memory" } }));
+    let mut ports = vec![json!({ "name": "metrics", "containerPort": p.metrics_port })];
+    if let Role::Router(i) = p.role
+        && let Some(r) = plan.dep.topology.routers().get(i as usize)
+    {
+        ports.push(json!({ "name": "frontend", "containerPort": r.port() }));
+    }
+    let mut limits = serde_json::Map::new();
+    if let Role::Worker(d, _) = &p.role {
+        let gpu = plan
+            .dep
+            .topology
+            .device(*d)
+            .is_some_and(|dev| dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu);
+        if gpu {
+            limits.insert(o.gpu_resource.clone(), json!(1));
+        }
+    }
+    let mut container = json!({
+        "name": "expertmesh",
+        "image": o.image,
+        "command": ["/bin/sh", format!("{CONFIG_DIR}/launch.sh"), p.name],
+        "env": env,
+        "ports": ports,
+        "startupProbe": { "httpGet": { "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 90 },
+        "livenessProbe": { "httpGet": { "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 6 },
+        "readinessProbe": { "httpGet": { "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2 },
+        "volumeMounts": mounts,
+    });
+    if let Some(r) = &o.rdma_resource {
+        limits.insert(r.clone(), json!(1));
+        container["securityContext"] = json!({ "capabilities": { "add": ["IPC_LOCK"] } });
+    }
+    if !limits.is_empty() {
+        container["resources"] = json!({ "limits": limits });
+    }
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(plan, o, &format!("{c}-{}", p.name), &pod_labels),
+        "spec": {
+            "replicas": 1,
+            "strategy": { "type": "Recreate" },
+            "selector": { "matchLabels": selector },
+            "template": {
+                "metadata": {
+                    "labels": labels(plan, &pod_labels),
+                    "annotations": {
+                        "expertmesh.io/generation": p.generation,
+                        "expertmesh.io/node": p.node_name,
+                    },
+                },
+                "spec": {
+                    "nodeSelector": { "kubernetes.io/hostname": p.host },
+                    "hostNetwork": true,
+                    "dnsPolicy": "ClusterFirstWithHostNet",
+                    "enableServiceLinks": false,
+                    "terminationGracePeriodSeconds": 60,
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    })
+}
+
+fn services(plan: &Plan, o: &KubernetesOptions) -> Vec<Value> {
+    let c = plan.cluster_label();
+    let mut out = Vec::new();
+    for p in &plan.processes {
+        let Role::Router(i) = p.role else { continue };
+        let Some(r) = plan.dep.topology.routers().get(i as usize) else {
+            continue;
+        };
+        out.push(json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata(plan, o, &format!("{c}-{}", p.name), &[("app.kubernetes.io/component", "router")]),
+            "spec": {
+                "selector": { "app.kubernetes.io/instance": c, "expertmesh.io/process": p.name },
+                "ports": [{ "name": "frontend", "port": r.port(), "targetPort": r.port(), "protocol": "TCP" }],
+            },
+        }));
+    }
+    for component in ["router", "worker"] {
+        out.push(json!({
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": metadata(plan, o, &format!("{c}-{component}s"), &[("app.kubernetes.io/component", component)]),
+            "spec": {
+                "maxUnavailable": 1,
+                "selector": { "matchLabels": { "app.kubernetes.io/instance": c, "app.kubernetes.io/component": component } },
+            },
+        }));
+    }
+    out
+}

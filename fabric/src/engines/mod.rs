@@ -1,0 +1,663 @@
+//! A multi-host fabric on the engines clusters already run: Slurm, Kubernetes and systemd.
+//!
+//! Why this exists: `expertmesh up` starts a whole fabric, but only on one host. A cluster
+//! builder describes the cluster once (topology, model, placement or converted weights) and
+//! `expertmesh deploy ENGINE` turns that into everything the engine needs: one process per
+//! router instance and per device, each with exactly its own files (its credential, never the
+//! master key; the topology, model and placement; its shard within the weights folder on its
+//! host), and the engine's own files to start, restart and stop them. ExpertMesh does not grow
+//! its own multi-host launcher.
+//!
+//! Every engine runs the same entry point, `launch.sh` in the bundle (see [`launch`]): it
+//! picks its process from its argument, `$EXPERTMESH_PROCESS`, or Slurm's `$SLURM_PROCID`;
+//! refuses to start on another host than the one the topology gives the process; and runs
+//! `expertmesh router` or `expertmesh worker` with that process's arguments. The processes
+//! stop on SIGTERM: a router drains (answers what it admitted, refuses the rest saying so), a
+//! worker answers what is queued. Each serves `/metrics`, `/live` and `/ready` (a router is
+//! ready when every worker joined it) on its node's address at `--metrics-port` plus its
+//! index, which Kubernetes probes and the Slurm script waits on.
+//!
+//! Layout of `--out DIR`:
+//! - `fabric/`: what every host gets (the Kubernetes ConfigMap): `launch.sh`,
+//!   `topology.toml`, the model and placement files of a synthetic deployment, and
+//!   `processes.tsv` (process, role, topology node, host, metrics port).
+//! - `credentials/PROCESS.cred`: one per process (mode 0600); `frontends/NAME.cred` for the
+//!   serving clients named with `--frontend`.
+//! - `hosts/HOST.files`: which files each host needs (its processes' credentials, and of the
+//!   weights folder only the manifest, model, placement and its own shards or router file).
+//! - the engine's files: `slurm/`, `kubernetes/` or `systemd/` (see their modules).
+//!
+//! The generation (a hash of every rank's fingerprint, which covers the model, the weights'
+//! identity and the placement, and of the processes' arguments) is written into every file
+//! an engine compares, so re-running `deploy` after a new placement or new weights changes
+//! exactly what must restart (Kubernetes rolls the pods whose template changed).
+
+pub mod kubernetes;
+pub mod launch;
+pub mod slurm;
+pub mod systemd;
+pub mod yaml;
+
+use crate::FabricError;
+use crate::credentials::{Principal, issue};
+use expertmesh_topology::topology::DeviceRank;
+use expertmesh_transport::crypto::Key;
+use expertmesh_worker::deploy::Deployment;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Which engine to write files for, with its own settings.
+#[derive(Debug, Clone)]
+pub enum Engine {
+    /// One Slurm batch job: one task per process.
+    Slurm(slurm::SlurmOptions),
+    /// Kubernetes manifests: one Deployment per process, pinned to its node.
+    Kubernetes(kubernetes::KubernetesOptions),
+    /// One systemd unit per process, per host.
+    Systemd(systemd::SystemdOptions),
+}
+
+impl Engine {
+    /// "slurm", "kubernetes" or "systemd".
+    pub fn name(&self) -> &'static str {
+        match self {
+            Engine::Slurm(_) => "slurm",
+            Engine::Kubernetes(_) => "kubernetes",
+            Engine::Systemd(_) => "systemd",
+        }
+    }
+}
+
+/// Where the deployment's model and weights come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// A converted weights folder: the processes read it at this path on their hosts.
+    Weights {
+        /// The folder here (its manifest names the files each host needs).
+        here: PathBuf,
+        /// The folder's path on every host.
+        on_hosts: String,
+    },
+    /// Synthetic weights: a model preset or file, a placement file and the seed.
+    Synthetic {
+        /// Model preset name or model file.
+        model: String,
+        /// Placement file.
+        placement: PathBuf,
+        /// Seed of the synthetic weights.
+        seed: u64,
+    },
+}
+
+/// What `expertmesh deploy` was asked for (all engines).
+#[derive(Debug, Clone)]
+pub struct DeployOptions {
+    /// The topology file (copied into the bundle).
+    pub topology: PathBuf,
+    /// Model and weights.
+    pub source: Source,
+    /// Output folder.
+    pub out: PathBuf,
+    /// The cluster master key: each process gets its own credential derived from it. `None`:
+    /// no credentials (only with `insecure` or a loopback-only topology).
+    pub master_key: Option<Key>,
+    /// Run without credentials off loopback.
+    pub insecure: bool,
+    /// Serving clients to issue credential files for (`frontends/NAME.cred`).
+    pub frontends: Vec<String>,
+    /// Engine host name of a topology node (Slurm node, Kubernetes node, ssh host); default:
+    /// the node's name.
+    pub hosts: BTreeMap<String, String>,
+    /// The `expertmesh` binary on the hosts (the entry point's default; `$EXPERTMESH_BIN`
+    /// overrides it at run time).
+    pub bin: String,
+    /// First metrics and health port: process `i` (routers first, then devices in topology
+    /// order) listens on its node's address at this port plus `i`.
+    pub metrics_port: u16,
+    /// Extra arguments of every `expertmesh router` (e.g. `--mode exact`).
+    pub router_args: Vec<String>,
+    /// Extra arguments of every `expertmesh worker` (e.g. `--link shm`).
+    pub worker_args: Vec<String>,
+}
+
+/// One process of the fabric.
+#[derive(Debug, Clone)]
+pub struct Process {
+    /// `router-I` or `worker-R` (R: the device's topology rank); also its credential's name.
+    pub name: String,
+    /// What it runs.
+    pub role: Role,
+    /// Index of its node in the topology.
+    pub node: usize,
+    /// The topology node's name.
+    pub node_name: String,
+    /// The engine's name of its host.
+    pub host: String,
+    /// Its node's address (where it listens).
+    pub address: String,
+    /// Its metrics and health port.
+    pub metrics_port: u16,
+    /// `expertmesh` arguments.
+    pub args: Vec<launch::Arg>,
+    /// Hash of this process's rank fingerprint (model, weights' identity, its placement),
+    /// host and arguments (12 hex digits): changes exactly when this process must restart.
+    pub generation: String,
+}
+
+/// A process's role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Router instance.
+    Router(u32),
+    /// The worker of a device: its topology rank and id (`node/device`).
+    Worker(DeviceRank, String),
+}
+
+impl Role {
+    /// "router" or "worker".
+    pub fn component(&self) -> &'static str {
+        match self {
+            Role::Router(_) => "router",
+            Role::Worker(..) => "worker",
+        }
+    }
+}
+
+/// Everything the engines' writers share: the deployment, the processes, the bundle's files.
+#[derive(Debug)]
+pub struct Plan {
+    /// The loaded deployment.
+    pub dep: Deployment,
+    /// The options.
+    pub opts: DeployOptions,
+    /// Routers first, then one worker per device in topology order.
+    pub processes: Vec<Process>,
+    /// Hash of every process's generation (12 hex digits).
+    pub generation: String,
+    /// Files of the bundle's `fabric/` folder: (name, contents).
+    pub fabric_files: Vec<(String, Vec<u8>)>,
+    /// Credential file text per process name (and per `frontends/NAME`).
+    pub credentials: BTreeMap<String, String>,
+    /// Frontend credential texts by frontend name.
+    pub frontend_credentials: BTreeMap<String, String>,
+}
+
+/// What `deploy` wrote, and the commands that start the fabric.
+#[derive(Debug)]
+pub struct Written {
+    /// Files written, relative to the output folder.
+    pub files: Vec<PathBuf>,
+    /// The one or two commands to start it (and how to update and stop it), for the user.
+    pub next_steps: Vec<String>,
+}
+
+impl Plan {
+    /// Plan `dep` for the engines: processes, arguments, credentials, bundle files.
+    pub fn new(dep: Deployment, opts: DeployOptions) -> Result<Self, FabricError> {
+        check_options(&dep, &opts)?;
+        let topo = &dep.topology;
+        let mut fabric_files = vec![(
+            "topology.toml".to_owned(),
+            read(&opts.topology, "the topology")?,
+        )];
+        let model_arg = model_args(&opts.source, &mut fabric_files)?;
+        let mut processes = list_processes(&dep, &opts)?;
+        let mut credentials = BTreeMap::new();
+        for p in &mut processes {
+            p.args = process_args(p, &model_arg, &opts);
+            if let Some(key) = &opts.master_key {
+                let who = match &p.role {
+                    Role::Router(i) => Principal::Router(*i),
+                    Role::Worker(_, id) => Principal::Device(id.clone()),
+                };
+                credentials.insert(p.name.clone(), issue(key, topo, &who)?.to_file_text());
+            }
+        }
+        let mut frontend_credentials = BTreeMap::new();
+        for f in &opts.frontends {
+            let Some(key) = &opts.master_key else {
+                return Err(FabricError::Engine(
+                    "--frontend needs --key: a frontend credential is derived from the master key"
+                        .into(),
+                ));
+            };
+            let text = issue(key, topo, &Principal::Frontend(f.clone()))?.to_file_text();
+            frontend_credentials.insert(f.clone(), text);
+        }
+        let fingerprints = dep.fingerprints();
+        for p in &mut processes {
+            let rank = match &p.role {
+                Role::Router(i) => *i as usize,
+                Role::Worker(d, _) => dep.mesh_rank(*d) as usize,
+            };
+            p.generation = process_generation(fingerprints.get(rank), p);
+        }
+        let generation = hex12(&{
+            use sha2::{Digest, Sha256};
+            let mut h = Sha256::new();
+            for p in &processes {
+                h.update(p.generation.as_bytes());
+            }
+            h.finalize()
+        });
+        let mut plan = Self {
+            dep,
+            opts,
+            processes,
+            generation,
+            fabric_files,
+            credentials,
+            frontend_credentials,
+        };
+        let script = launch::script(&plan);
+        plan.fabric_files
+            .push(("launch.sh".into(), script.into_bytes()));
+        plan.fabric_files
+            .push(("processes.tsv".into(), processes_table(&plan).into_bytes()));
+        Ok(plan)
+    }
+
+    /// The processes on host `host`.
+    pub fn on_host<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Process> + 'a {
+        self.processes.iter().filter(move |p| p.host == host)
+    }
+
+    /// The hosts, in topology order, each once.
+    pub fn hosts(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for p in &self.processes {
+            if !out.contains(&p.host) {
+                out.push(p.host.clone());
+            }
+        }
+        out
+    }
+
+    /// The cluster's name, made into a DNS label (lowercase letters, digits and '-').
+    pub fn cluster_label(&self) -> String {
+        dns_label(self.dep.topology.name())
+    }
+
+    /// The frontend endpoint (`address:port`) of router `i`.
+    pub fn frontend_endpoint(&self, i: u32) -> String {
+        self.dep.topology.routers().get(i as usize).map_or_else(
+            || {
+                self.dep
+                    .router_frontend_endpoint(i)
+                    .map_or_else(|e| e.to_string(), |a| a.to_string())
+            },
+            |r| r.listen_endpoint(),
+        )
+    }
+
+    /// Write the bundle and the engine's files under the output folder.
+    pub fn write(&self, engine: &Engine) -> Result<Written, FabricError> {
+        let mut w = Writer::new(&self.opts.out)?;
+        for (name, bytes) in &self.fabric_files {
+            w.file(&Path::new("fabric").join(name), bytes, false)?;
+        }
+        for (name, text) in &self.credentials {
+            w.file(
+                &Path::new("credentials").join(format!("{name}.cred")),
+                text.as_bytes(),
+                true,
+            )?;
+        }
+        for (name, text) in &self.frontend_credentials {
+            w.file(
+                &Path::new("frontends").join(format!("{}.cred", file_safe(name))),
+                text.as_bytes(),
+                true,
+            )?;
+        }
+        for host in self.hosts() {
+            w.file(
+                &Path::new("hosts").join(format!("{}.files", file_safe(&host))),
+                self.host_files(&host).as_bytes(),
+                false,
+            )?;
+        }
+        let next_steps = match engine {
+            Engine::Slurm(o) => slurm::write(self, o, &mut w)?,
+            Engine::Kubernetes(o) => kubernetes::write(self, o, &mut w)?,
+            Engine::Systemd(o) => systemd::write(self, o, &mut w)?,
+        };
+        Ok(Written {
+            files: w.written,
+            next_steps,
+        })
+    }
+
+    /// `hosts/HOST.files`: what host `host` needs, one path per line with a comment saying why.
+    fn host_files(&self, host: &str) -> String {
+        let mut s = format!(
+            "# Files host {host} needs for cluster {} (generation {}), written by `expertmesh deploy`.\n\
+             # Paths under the bundle (this folder's parent), then the weights folder's files.\n",
+            self.dep.topology.name(),
+            self.generation
+        );
+        s += "fabric/\n";
+        for p in self.on_host(host) {
+            if self.credentials.contains_key(&p.name) {
+                s += &format!("credentials/{}.cred\n", p.name);
+            }
+        }
+        if let (Source::Weights { on_hosts, .. }, Some(w)) = (&self.opts.source, &self.dep.weights)
+        {
+            let m = &w.manifest;
+            s += &format!("# from the weights folder, at {on_hosts} on the host:\n");
+            s += &format!(
+                "{on_hosts}/{}\n{on_hosts}/{}\n{on_hosts}/{}\n",
+                expertmesh_worker::deploy::MANIFEST_FILE,
+                m.model_file,
+                m.placement_file
+            );
+            let mut router_file = false;
+            for p in self.on_host(host) {
+                match &p.role {
+                    Role::Router(_) => router_file = true,
+                    Role::Worker(d, _) => {
+                        if let Some(r) = m.shards.get(d.0 as usize) {
+                            s += &format!("{on_hosts}/{}\n", r.file);
+                        }
+                    }
+                }
+            }
+            if router_file {
+                s += &format!("{on_hosts}/{}\n", m.router.file);
+            }
+        }
+        s
+    }
+}
+
+/// Refuses options that cannot make a working fabric: a `--host` for no node, no
+/// credentials off loopback without `--insecure`.
+fn check_options(dep: &Deployment, opts: &DeployOptions) -> Result<(), FabricError> {
+    let topo = &dep.topology;
+    for node in opts.hosts.keys() {
+        if !topo.nodes().iter().any(|n| n.name() == node) {
+            return Err(FabricError::Engine(format!(
+                "--host {node}=...: the topology has no node {node:?} (its nodes: {})",
+                topo.nodes()
+                    .iter()
+                    .map(|n| n.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
+    let loopback_only = topo.nodes().iter().all(|n| {
+        n.address()
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|a| a.is_loopback())
+    });
+    if opts.master_key.is_none() && !opts.insecure && !loopback_only {
+        return Err(FabricError::Engine(
+            "the topology's nodes are not on loopback: give --key MASTER (from `expertmesh keys init`) so each process gets its own credential, or --insecure to run unauthenticated and unencrypted".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The processes: routers, then one worker per device in topology order (arguments and
+/// generations are filled in later).
+fn list_processes(dep: &Deployment, opts: &DeployOptions) -> Result<Vec<Process>, FabricError> {
+    let topo = &dep.topology;
+    let routers = dep.router_count();
+    let total = routers as usize + topo.devices().len();
+    if usize::from(opts.metrics_port) + total > usize::from(u16::MAX) {
+        return Err(FabricError::Engine(format!(
+            "--metrics-port {}: {total} processes need ports up to {}, past 65535",
+            opts.metrics_port,
+            usize::from(opts.metrics_port) + total - 1
+        )));
+    }
+    let roles = (0..routers)
+        .map(|i| (format!("router-{i}"), Role::Router(i), dep.router_node(i)))
+        .chain(topo.devices().iter().map(|dev| {
+            (
+                format!("worker-{}", dev.rank().0),
+                Role::Worker(dev.rank(), dev.id().to_owned()),
+                dev.node_index(),
+            )
+        }));
+    Ok(roles
+        .enumerate()
+        .map(|(index, (name, role, node))| {
+            let n = &topo.nodes()[node];
+            Process {
+                name,
+                role,
+                node,
+                node_name: n.name().to_owned(),
+                host: opts
+                    .hosts
+                    .get(n.name())
+                    .cloned()
+                    .unwrap_or_else(|| n.name().to_owned()),
+                address: n.address().to_owned(),
+                metrics_port: opts.metrics_port + index as u16,
+                args: Vec::new(),
+                generation: String::new(),
+            }
+        })
+        .collect())
+}
+
+/// The model and weights arguments every process shares; copies a model file and the
+/// placement into the bundle's files.
+fn model_args(
+    source: &Source,
+    fabric_files: &mut Vec<(String, Vec<u8>)>,
+) -> Result<Vec<launch::Arg>, FabricError> {
+    Ok(match source {
+        Source::Weights { on_hosts, .. } => {
+            vec![launch::Arg::lit("--weights"), launch::Arg::lit(on_hosts)]
+        }
+        Source::Synthetic {
+            model,
+            placement,
+            seed,
+        } => {
+            let model = if Path::new(model).is_file() {
+                fabric_files.push(("model.toml".into(), read(Path::new(model), "the model")?));
+                launch::Arg::File("model.toml".into())
+            } else {
+                launch::Arg::lit(model)
+            };
+            fabric_files.push(("placement.toml".into(), read(placement, "the placement")?));
+            vec![
+                launch::Arg::lit("--model"),
+                model,
+                launch::Arg::lit("--placement"),
+                launch::Arg::File("placement.toml".into()),
+                launch::Arg::lit("--seed"),
+                launch::Arg::lit(&seed.to_string()),
+            ]
+        }
+    })
+}
+
+/// The `expertmesh` arguments of process `p` (files relative to the bundle's `fabric/`).
+fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec<launch::Arg> {
+    use launch::Arg;
+    let mut a = vec![
+        Arg::lit(p.role.component()),
+        Arg::lit("--topology"),
+        Arg::File("topology.toml".into()),
+    ];
+    a.extend(model.iter().cloned());
+    let extra = match &p.role {
+        Role::Router(i) => {
+            a.extend([Arg::lit("--instance"), Arg::lit(&i.to_string())]);
+            &opts.router_args
+        }
+        Role::Worker(_, id) => {
+            a.extend([Arg::lit("--device"), Arg::lit(id)]);
+            &opts.worker_args
+        }
+    };
+    a.extend([
+        Arg::lit("--metrics"),
+        Arg::lit(&crate::endpoint::join(&p.address, p.metrics_port)),
+    ]);
+    if opts.master_key.is_some() {
+        a.extend([Arg::lit("--credentials"), Arg::Credential(p.name.clone())]);
+    } else if opts.insecure {
+        a.push(Arg::lit("--insecure"));
+    }
+    a.extend(extra.iter().map(|s| Arg::lit(s)));
+    a
+}
+
+/// [`Process::generation`] of `p`, whose rank's fingerprint is `fingerprint`.
+fn process_generation(fingerprint: Option<&[u8; 32]>, p: &Process) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    if let Some(f) = fingerprint {
+        h.update(f);
+    }
+    h.update(p.name.as_bytes());
+    h.update([0]);
+    h.update(p.host.as_bytes());
+    for a in &p.args {
+        h.update([0]);
+        h.update(format!("{a:?}").as_bytes());
+    }
+    hex12(&h.finalize())
+}
+
+/// The first 6 bytes of `digest` in hex.
+fn hex12(digest: &[u8]) -> String {
+    digest[..6].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `processes.tsv`: process, role, node, host, metrics port.
+fn processes_table(plan: &Plan) -> String {
+    let mut s = String::from("# process\trole\tnode\thost\tmetrics\n");
+    for p in &plan.processes {
+        let role = match &p.role {
+            Role::Router(i) => format!("router {i}"),
+            Role::Worker(_, id) => format!("worker {id}"),
+        };
+        s += &format!(
+            "{}\t{role}\t{}\t{}\t{}\n",
+            p.name,
+            p.node_name,
+            p.host,
+            crate::endpoint::join(&p.address, p.metrics_port)
+        );
+    }
+    s
+}
+
+/// `s` as a DNS label: lowercase ASCII letters, digits and '-', starting and ending with an
+/// alphanumeric, at most 40 characters (room for the suffixes added to it).
+pub fn dns_label(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    out.truncate(40);
+    let out = out.trim_matches('-').to_owned();
+    if out.is_empty() {
+        "expertmesh".into()
+    } else {
+        out
+    }
+}
+
+/// `s` usable as one file name (no '/', no leading '.').
+fn file_safe(s: &str) -> String {
+    let out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    out.trim_start_matches('.').to_owned()
+}
+
+fn read(path: &Path, what: &str) -> Result<Vec<u8>, FabricError> {
+    std::fs::read(path)
+        .map_err(|e| FabricError::Engine(format!("cannot read {what} {}: {e}", path.display())))
+}
+
+/// Writes files under the output folder, each atomically (temporary file, then rename), and
+/// remembers what it wrote.
+pub struct Writer {
+    root: PathBuf,
+    written: Vec<PathBuf>,
+}
+
+impl Writer {
+    fn new(root: &Path) -> Result<Self, FabricError> {
+        std::fs::create_dir_all(root).map_err(|e| {
+            FabricError::Engine(format!(
+                "cannot create the output folder {}: {e}",
+                root.display()
+            ))
+        })?;
+        Ok(Self {
+            root: root.to_path_buf(),
+            written: Vec::new(),
+        })
+    }
+
+    /// Write `rel` (relative to the output folder); `secret`: mode 0600, else 0644 (0755 for
+    /// a `.sh` or `.sbatch` file).
+    pub fn file(&mut self, rel: &Path, bytes: &[u8], secret: bool) -> Result<(), FabricError> {
+        use std::io::Write;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let path = self.root.join(rel);
+        let fail = |e: std::io::Error| {
+            FabricError::Engine(format!(
+                "cannot write {}: {e} (is the disk full or the folder read-only?)",
+                path.display()
+            ))
+        };
+        let dir = path.parent().unwrap_or(&self.root);
+        std::fs::create_dir_all(dir).map_err(fail)?;
+        let tmp = dir.join(format!(
+            ".{}.tmp-{}",
+            path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+            std::process::id()
+        ));
+        let exec = matches!(
+            rel.extension().and_then(|e| e.to_str()),
+            Some("sh" | "sbatch")
+        );
+        let mode = if secret {
+            0o600
+        } else if exec {
+            0o755
+        } else {
+            0o644
+        };
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(fail)?;
+        f.write_all(bytes).map_err(fail)?;
+        f.sync_all().map_err(fail)?;
+        drop(f);
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(fail)?;
+        std::fs::rename(&tmp, &path).map_err(fail)?;
+        self.written.push(rel.to_path_buf());
+        Ok(())
+    }
+}

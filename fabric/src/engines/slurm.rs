@@ -1,0 +1,172 @@
+//! Slurm: one batch job, one task per process, placed on its host.
+//!
+//! Why this exists: HPC centres (most AMD GPU clusters) run Slurm. `slurm/expertmesh.sbatch`
+//! asks for the fabric's hosts (`--nodelist`) and one task per process; `srun
+//! --distribution=arbitrary` with `SLURM_HOSTFILE=slurm/hostfile` (one host per task, in
+//! process order) puts task `i` on process `i`'s host, and each task runs `launch.sh`, which
+//! picks process `$SLURM_PROCID`. Tasks are processes, not CPU slots (a worker runs its own
+//! threads), hence `--overcommit`.
+//!
+//! Failures: `--kill-on-bad-exit=0`, so a task that dies never takes the job down (a fabric
+//! with replicas for the lost worker keeps answering); `launch.sh` restarts it, 2 s apart, up
+//! to `$EXPERTMESH_RESTARTS` times (`--restarts`, default 3), then leaves it down. The script
+//! waits until every router's `/ready` answers 200 (every worker joined) and prints
+//! `expertmesh: fabric NAME ready: frontends connect to ...` in the job's output. `scancel`
+//! sends SIGTERM: routers drain (up to their `--drain-timeout-s`, keep it under Slurm's
+//! `KillWait`), workers finish what is queued, every task exits 0.
+//!
+//! The bundle must be at the same path on every node (a shared filesystem, or copied there:
+//! `--bundle-path`), and each host's weights files where `hosts/HOST.files` says.
+
+use super::launch::quote;
+use super::{Plan, Writer};
+use crate::FabricError;
+use std::path::Path;
+
+/// Slurm's settings.
+#[derive(Debug, Clone, Default)]
+pub struct SlurmOptions {
+    /// `--partition`.
+    pub partition: Option<String>,
+    /// `--account`.
+    pub account: Option<String>,
+    /// `--time` (Slurm's syntax, e.g. `7-00:00:00`).
+    pub time: Option<String>,
+    /// Restarts of a failed process by `launch.sh` (0: none).
+    pub restarts: u32,
+    /// Where the output folder is on the cluster's nodes (default: its absolute path here).
+    pub bundle_path: Option<String>,
+}
+
+/// Write `slurm/expertmesh.sbatch` and `slurm/hostfile`; the next steps.
+pub(super) fn write(
+    plan: &Plan,
+    o: &SlurmOptions,
+    w: &mut Writer,
+) -> Result<Vec<String>, FabricError> {
+    let bundle = match &o.bundle_path {
+        Some(p) => p.clone(),
+        None => std::path::absolute(&plan.opts.out)
+            .map_err(|e| FabricError::Engine(format!("the output folder's path: {e}")))?
+            .display()
+            .to_string(),
+    };
+    let hostfile: String = plan
+        .processes
+        .iter()
+        .map(|p| format!("{}\n", p.host))
+        .collect();
+    w.file(Path::new("slurm/hostfile"), hostfile.as_bytes(), false)?;
+    let script = sbatch(plan, o, &bundle);
+    w.file(
+        Path::new("slurm/expertmesh.sbatch"),
+        script.as_bytes(),
+        false,
+    )?;
+    let sbatch = format!("{bundle}/slurm/expertmesh.sbatch");
+    Ok(vec![
+        format!(
+            "put {bundle} at that path on every node (a shared filesystem, or copy it), and each host's weights files as hosts/HOST.files lists"
+        ),
+        format!("start:  sbatch {}", quote(&sbatch)),
+        format!(
+            "ready:  the job's output {bundle}/slurm/expertmesh-JOBID.out says \"fabric {} ready\"",
+            plan.dep.topology.name()
+        ),
+        "stop:   scancel JOBID (SIGTERM: routers drain, workers finish, every task exits 0)"
+            .into(),
+        "update: re-run deploy with the new placement or weights, then scancel and sbatch again (Slurm has no rolling update)"
+            .into(),
+    ])
+}
+
+/// The batch script.
+fn sbatch(plan: &Plan, o: &SlurmOptions, bundle: &str) -> String {
+    let hosts = plan.hosts();
+    let name = plan.dep.topology.name();
+    let mut s = format!(
+        "#!/bin/bash\n\
+         # ExpertMesh fabric {q}, generation {g}: written by `expertmesh deploy slurm`; do not edit.\n\
+         # Start: sbatch {sb}   Stop: scancel JOBID\n\
+         #SBATCH --job-name=expertmesh-{label}\n\
+         #SBATCH --nodes={n}\n\
+         #SBATCH --ntasks={p}\n\
+         #SBATCH --nodelist={nodes}\n\
+         #SBATCH --overcommit\n\
+         #SBATCH --output={bundle}/slurm/expertmesh-%j.out\n",
+        q = quote(name),
+        g = plan.generation,
+        sb = quote(&format!("{bundle}/slurm/expertmesh.sbatch")),
+        label = plan.cluster_label(),
+        n = hosts.len(),
+        p = plan.processes.len(),
+        nodes = hosts.join(","),
+    );
+    for (opt, v) in [
+        ("partition", &o.partition),
+        ("account", &o.account),
+        ("time", &o.time),
+    ] {
+        if let Some(v) = v {
+            s += &format!("#SBATCH --{opt}={v}\n");
+        }
+    }
+    s += &format!(
+        r#"set -uo pipefail
+bundle={bundle_q}
+export SLURM_HOSTFILE="$bundle/slurm/hostfile"
+export EXPERTMESH_RESTARTS=${{EXPERTMESH_RESTARTS:-{restarts}}}
+srun --distribution=arbitrary --ntasks={p} --overcommit --kill-on-bad-exit=0 --label "$bundle/fabric/launch.sh" &
+step=$!
+stop() {{
+  echo "expertmesh: stopping: routers drain, workers finish what is queued"
+  kill -TERM "$step" 2>/dev/null
+}}
+trap stop TERM INT
+# Whether HOST PORT answers GET /ready with 200.
+ready() {{
+  (
+    exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf 'GET /ready HTTP/1.0\r\n\r\n' >&3
+    line=""
+    IFS= read -r -t 5 line <&3 || true
+    [[ $line == *" 200 "* ]]
+  ) 2>/dev/null
+}}
+for r in {routers}; do
+  addr=${{r% *}}
+  port=${{r#* }}
+  until ready "$addr" "$port"; do
+    if ! kill -0 "$step" 2>/dev/null; then
+      echo "expertmesh: the fabric's job step ended before the router at $addr (health port $port) was ready" >&2
+      wait "$step"
+      exit 1
+    fi
+    sleep 1
+  done
+done
+echo "expertmesh: fabric {name_q} ready: frontends connect to {frontends}"
+rc=0
+wait "$step" || rc=$?
+while kill -0 "$step" 2>/dev/null; do rc=0; wait "$step" || rc=$?; done
+echo "expertmesh: the fabric's job step ended with status $rc"
+exit "$rc"
+"#,
+        bundle_q = quote(bundle),
+        restarts = o.restarts,
+        p = plan.processes.len(),
+        routers = plan
+            .processes
+            .iter()
+            .filter(|p| p.role.component() == "router")
+            .map(|p| quote(&format!("{} {}", p.address, p.metrics_port)))
+            .collect::<Vec<_>>()
+            .join(" "),
+        name_q = name.replace(['"', '\\', '$', '`'], "_"),
+        frontends = (0..plan.dep.router_count())
+            .map(|i| plan.frontend_endpoint(i))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
+    s
+}

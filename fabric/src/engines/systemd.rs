@@ -1,0 +1,150 @@
+//! systemd: one unit per process, per host, for bare metal.
+//!
+//! Why this exists: bare-metal clusters run their services under systemd. Each host gets the
+//! bundle's `fabric/` at `--install-dir` and one unit per process it runs,
+//! `systemd/HOST/expertmesh-CLUSTER-PROCESS.service`: `launch.sh PROCESS` with the host's name
+//! (`%H`) checked against the process's; its credential handed over by systemd
+//! (`LoadCredential=`, so only the unit reads it); `Restart=on-failure`; SIGTERM to stop
+//! (routers drain, `TimeoutStopSec=60`); hardening that leaves `/dev/shm` and the GPU and RDMA
+//! devices usable (`ProtectSystem=strict` keeps `/dev` writable; no `PrivateDevices`,
+//! `LimitMEMLOCK=infinity` for RDMA memory registration). `systemd/hosts.txt` says which unit
+//! goes on which host and the commands to install, start, check, update and stop them.
+
+use super::launch::quote;
+use super::{Plan, Writer};
+use crate::FabricError;
+use std::path::Path;
+
+/// systemd's settings.
+#[derive(Debug, Clone)]
+pub struct SystemdOptions {
+    /// Where each host keeps the bundle's `fabric/` and `credentials/` (default
+    /// `/etc/expertmesh/CLUSTER`).
+    pub install_dir: Option<String>,
+}
+
+/// Write the units and `systemd/hosts.txt`; the next steps.
+pub(super) fn write(
+    plan: &Plan,
+    o: &SystemdOptions,
+    w: &mut Writer,
+) -> Result<Vec<String>, FabricError> {
+    let c = plan.cluster_label();
+    let dir = o
+        .install_dir
+        .clone()
+        .unwrap_or_else(|| format!("/etc/expertmesh/{c}"));
+    if !dir.starts_with('/') || dir.chars().any(|ch| ch.is_whitespace() || ch == '%') {
+        return Err(FabricError::Engine(format!(
+            "--install-dir {dir:?}: give an absolute path without spaces or '%'"
+        )));
+    }
+    let out = plan.opts.out.display().to_string();
+    let mut hosts = format!(
+        "# ExpertMesh fabric {:?}, generation {}: which unit goes on which host.\n\
+         # On each host: copy the files, then enable and start its units.\n",
+        plan.dep.topology.name(),
+        plan.generation
+    );
+    for host in plan.hosts() {
+        let units: Vec<String> = plan
+            .on_host(&host)
+            .map(|p| format!("expertmesh-{c}-{}.service", p.name))
+            .collect();
+        for p in plan.on_host(&host) {
+            let unit = unit(plan, p, &dir);
+            let path = Path::new("systemd")
+                .join(&host)
+                .join(format!("expertmesh-{c}-{}.service", p.name));
+            w.file(&path, unit.as_bytes(), false)?;
+        }
+        let creds: Vec<String> = plan
+            .on_host(&host)
+            .filter(|p| plan.credentials.contains_key(&p.name))
+            .map(|p| format!("{out}/credentials/{}.cred", p.name))
+            .collect();
+        hosts += &format!("\n[{host}] {}\n", units.join(" "));
+        hosts += &format!(
+            "  ssh {h} mkdir -p {dir}/credentials && rsync -a {out}/fabric/ {h}:{dir}/fabric/\n",
+            h = quote(&host)
+        );
+        if !creds.is_empty() {
+            hosts += &format!(
+                "  rsync -a --chmod=F600 {} {h}:{dir}/credentials/\n",
+                creds.join(" "),
+                h = quote(&host)
+            );
+        }
+        hosts += &format!(
+            "  rsync -a {out}/systemd/{host}/ {h}:/etc/systemd/system/ && ssh {h} 'systemctl daemon-reload && systemctl enable --now {}'\n",
+            units.join(" "),
+            h = quote(&host)
+        );
+    }
+    hosts += &format!(
+        "\ncheck:  systemctl status 'expertmesh-{c}-*'; curl http://ADDRESS:PORT/ready (processes.tsv lists each health address)\n\
+         update: re-run deploy, copy again, then on each host in turn: systemctl restart 'expertmesh-{c}-*'\n\
+         stop:   systemctl disable --now 'expertmesh-{c}-*' (SIGTERM: routers drain, workers finish)\n"
+    );
+    w.file(Path::new("systemd/hosts.txt"), hosts.as_bytes(), false)?;
+    Ok(vec![
+        format!(
+            "install: follow {out}/systemd/hosts.txt on each host (copy, then systemctl enable --now)"
+        ),
+        format!("check:   systemctl status 'expertmesh-{c}-*' on each host"),
+        format!("stop:    systemctl disable --now 'expertmesh-{c}-*'"),
+    ])
+}
+
+/// The unit of process `p` (the bundle installed at `dir` on its host).
+fn unit(plan: &Plan, p: &super::Process, dir: &str) -> String {
+    let role = match &p.role {
+        super::Role::Router(i) => format!("router {i}"),
+        super::Role::Worker(_, id) => format!("worker of device {id}"),
+    };
+    let mut s = format!(
+        "# ExpertMesh fabric {:?}, generation {}: written by `expertmesh deploy systemd`; do not edit.\n\
+         [Unit]\n\
+         Description=ExpertMesh {}: {role}\n\
+         After=network-online.target\n\
+         Wants=network-online.target\n\
+         StartLimitIntervalSec=300\n\
+         StartLimitBurst=10\n\
+         \n\
+         [Service]\n\
+         Type=simple\n\
+         ExecStart=/bin/sh {dir}/fabric/launch.sh {}\n\
+         Environment=EXPERTMESH_NODE=%H\n\
+         Environment=EXPERTMESH_BIN={}\n",
+        plan.dep.topology.name(),
+        p.generation,
+        plan.dep.topology.name().replace(['\n', '%'], "_"),
+        p.name,
+        plan.opts.bin.replace(['\n', '%', ' '], "_"),
+    );
+    if plan.credentials.contains_key(&p.name) {
+        s += &format!(
+            "LoadCredential={n}.cred:{dir}/credentials/{n}.cred\n",
+            n = p.name
+        );
+    }
+    s += "Restart=on-failure\n\
+          RestartSec=2\n\
+          KillSignal=SIGTERM\n\
+          TimeoutStopSec=60\n\
+          LimitMEMLOCK=infinity\n\
+          LimitNOFILE=65536\n\
+          NoNewPrivileges=yes\n\
+          ProtectSystem=strict\n\
+          ProtectHome=yes\n\
+          PrivateTmp=yes\n\
+          ProtectKernelTunables=yes\n\
+          ProtectKernelModules=yes\n\
+          ProtectControlGroups=yes\n\
+          RestrictSUIDSGID=yes\n\
+          LockPersonality=yes\n\
+          \n\
+          [Install]\n\
+          WantedBy=multi-user.target\n";
+    s
+}

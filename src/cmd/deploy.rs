@@ -1,0 +1,242 @@
+//! `expertmesh deploy slurm|kubernetes|systemd`: the files that run a fabric on a cluster
+//! engine.
+//!
+//! Why this exists: a cluster builder describes the cluster once (topology, model and
+//! placement, or converted weights) and should not start routers and workers by hand on every
+//! host. This command turns its arguments into [`expertmesh_fabric::engines`]' options, writes
+//! the bundle and the engine's files, and prints the commands that start, update and stop it.
+
+use crate::args::DeployArgs;
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use expertmesh_fabric::engines::{
+    DeployOptions, Engine, Plan, Source, kubernetes::KubernetesOptions, slurm::SlurmOptions,
+    systemd::SystemdOptions,
+};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Exit codes of `deploy`, shown by its --help.
+pub(crate) const DEPLOY_EXIT: &str = "Exit codes: 0 written; 2 an unreadable or invalid topology, model, placement, weights or key, bad options, or a failed write (1 is not used).";
+
+/// `expertmesh deploy ...`.
+#[derive(Subcommand, Debug)]
+pub(crate) enum DeployCli {
+    /// One Slurm batch job: one task per process on its host (`srun --distribution=arbitrary`),
+    /// failed processes restarted by the entry script, `scancel` drains and stops.
+    #[command(after_help = DEPLOY_EXIT)]
+    Slurm {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Slurm partition.
+        #[arg(long)]
+        partition: Option<String>,
+        /// Slurm account.
+        #[arg(long)]
+        account: Option<String>,
+        /// Time limit, in Slurm's syntax (e.g. 7-00:00:00).
+        #[arg(long)]
+        time: Option<String>,
+        /// Restarts of a failed process before it is left down (0: none).
+        #[arg(long, default_value_t = 3)]
+        restarts: u32,
+        /// Where --out is on the cluster's nodes (default: its absolute path here, e.g. on a
+        /// shared filesystem).
+        #[arg(long)]
+        bundle_path: Option<String>,
+    },
+    /// Kubernetes manifests: a ConfigMap, one Secret and one Deployment per process (pinned to
+    /// its node, host network, probes), a Service per router, PodDisruptionBudgets.
+    #[command(after_help = DEPLOY_EXIT)]
+    Kubernetes {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Container image holding the expertmesh binary (and /bin/sh).
+        #[arg(long)]
+        image: String,
+        /// Namespace of every object (default: kubectl's).
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Extended resource a GPU device's pod asks for.
+        #[arg(long, default_value = "amd.com/gpu")]
+        gpu_resource: String,
+        /// Extended resource every pod asks for when its links are RDMA (the RDMA device
+        /// plugin's, e.g. rdma/hca_shared_devices_a); also adds IPC_LOCK.
+        #[arg(long)]
+        rdma_resource: Option<String>,
+    },
+    /// One systemd unit per process, per host, and the list of which goes where.
+    #[command(after_help = DEPLOY_EXIT)]
+    Systemd {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Where each host keeps the bundle (default /etc/expertmesh/CLUSTER).
+        #[arg(long)]
+        install_dir: Option<String>,
+    },
+}
+
+/// What every engine takes.
+#[derive(Args, Debug)]
+pub(crate) struct CommonArgs {
+    #[command(flatten)]
+    deploy: DeployArgs,
+    /// Output folder (created; files of an earlier run are replaced).
+    #[arg(long)]
+    out: PathBuf,
+    /// The cluster master key (`expertmesh keys init`): each process gets its own credential
+    /// derived from it; the key itself is written nowhere.
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// Run without credentials on non-loopback addresses (unauthenticated, unencrypted).
+    #[arg(long, conflicts_with = "key")]
+    insecure: bool,
+    /// A serving client to issue a credential for (frontends/NAME.cred); repeat for more.
+    #[arg(long = "frontend", value_name = "NAME")]
+    frontends: Vec<String>,
+    /// The engine's name of a topology node's host (Slurm node, Kubernetes node, ssh host),
+    /// NODE=HOST; repeat per node. Default: the node's name.
+    #[arg(long = "host", value_name = "NODE=HOST")]
+    hosts: Vec<String>,
+    /// The expertmesh binary on the hosts.
+    #[arg(long, default_value = "expertmesh")]
+    bin: String,
+    /// The weights folder's path on every host (default: --weights, made absolute).
+    #[arg(long)]
+    weights_on_hosts: Option<String>,
+    /// First metrics and health port: process I (routers, then devices in topology order)
+    /// serves /metrics, /live and /ready on its node's address at this port + I.
+    #[arg(long, default_value_t = 9400)]
+    metrics_port: u16,
+    /// An extra argument for every router (e.g. --router-arg=--mode --router-arg=exact);
+    /// repeat per argument.
+    #[arg(long = "router-arg", value_name = "ARG", allow_hyphen_values = true)]
+    router_args: Vec<String>,
+    /// An extra argument for every worker (e.g. --worker-arg=--link --worker-arg=shm).
+    #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+}
+
+impl CommonArgs {
+    fn options(&self) -> anyhow::Result<DeployOptions> {
+        let source = match &self.deploy.weights {
+            Some(w) => Source::Weights {
+                here: w.clone(),
+                on_hosts: match &self.weights_on_hosts {
+                    Some(p) => p.clone(),
+                    None => std::path::absolute(w)
+                        .with_context(|| format!("the weights folder {}", w.display()))?
+                        .display()
+                        .to_string(),
+                },
+            },
+            None => Source::Synthetic {
+                model: self.deploy.model.clone().unwrap_or_default(),
+                placement: self.deploy.placement.clone().unwrap_or_default(),
+                seed: self.deploy.seed,
+            },
+        };
+        let mut hosts = BTreeMap::new();
+        for h in &self.hosts {
+            let Some((node, host)) = h
+                .split_once('=')
+                .filter(|(n, h)| !n.is_empty() && !h.is_empty())
+            else {
+                bail!(
+                    "--host {h:?}: write NODE=HOST (a topology node's name = the engine's host name)"
+                );
+            };
+            if hosts.insert(node.to_owned(), host.to_owned()).is_some() {
+                bail!("--host: node {node:?} given twice");
+            }
+        }
+        let master_key = match &self.key {
+            Some(k) => Some(expertmesh_transport::crypto::load_master_key(k)?),
+            None => None,
+        };
+        Ok(DeployOptions {
+            topology: self.deploy.topology.clone(),
+            source,
+            out: self.out.clone(),
+            master_key,
+            insecure: self.insecure,
+            frontends: self.frontends.clone(),
+            hosts,
+            bin: self.bin.clone(),
+            metrics_port: self.metrics_port,
+            router_args: self.router_args.clone(),
+            worker_args: self.worker_args.clone(),
+        })
+    }
+}
+
+/// Run `expertmesh deploy`.
+pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
+    let (common, engine) = match cli {
+        DeployCli::Slurm {
+            common,
+            partition,
+            account,
+            time,
+            restarts,
+            bundle_path,
+        } => (
+            common,
+            Engine::Slurm(SlurmOptions {
+                partition,
+                account,
+                time,
+                restarts,
+                bundle_path,
+            }),
+        ),
+        DeployCli::Kubernetes {
+            common,
+            image,
+            namespace,
+            gpu_resource,
+            rdma_resource,
+        } => (
+            common,
+            Engine::Kubernetes(KubernetesOptions {
+                image,
+                namespace,
+                gpu_resource,
+                rdma_resource,
+            }),
+        ),
+        DeployCli::Systemd {
+            common,
+            install_dir,
+        } => (common, Engine::Systemd(SystemdOptions { install_dir })),
+    };
+    let dep = common.deploy.load()?;
+    let plan = Plan::new(dep, common.options()?)?;
+    let written = plan.write(&engine)?;
+    println!(
+        "expertmesh deploy {}: fabric {:?} (generation {}), {} processes on {} hosts, {} files in {}",
+        engine.name(),
+        plan.dep.topology.name(),
+        plan.generation,
+        plan.processes.len(),
+        plan.hosts().len(),
+        written.files.len(),
+        common.out.display()
+    );
+    for p in &plan.processes {
+        println!(
+            "  {:<10} on {:<16} health http://{}:{}/ready",
+            p.name, p.host, p.address, p.metrics_port
+        );
+    }
+    if plan.credentials.is_empty() {
+        println!(
+            "  no credentials (--insecure or loopback): traffic is unauthenticated and unencrypted"
+        );
+    }
+    for step in &written.next_steps {
+        println!("{step}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
