@@ -83,7 +83,7 @@ impl Inputs {
     /// `expertmesh deploy ENGINE ...` for demo-small on this topology (exact mode), writing to
     /// `out`; `extra` are more arguments.
     fn deploy(&self, engine: &[&str], out: &Path, extra: &[&str]) -> crate::support::Run {
-        let placement = root().join("examples/single-host-demo-small.placement.toml");
+        let placement = example_placement();
         let metrics = self.metrics.to_string();
         let mut args = vec!["deploy"];
         args.extend(engine);
@@ -220,11 +220,15 @@ fn wait_ready(health: &str, children: &mut Children, logs: &Path) {
     }
 }
 
+/// The example placement of demo-small on a one-node "single-host" topology.
+fn example_placement() -> PathBuf {
+    root().join("examples/single-host-demo-small.placement.toml")
+}
+
 /// The in-process reference of demo-small layer `layer` (seed 42) for `x`, as bits.
-fn reference_bits(topology: &Path, layer: u32, x: &[f32]) -> Vec<u32> {
-    let placement = root().join("examples/single-host-demo-small.placement.toml");
-    let dep = expertmesh_worker::deploy::Deployment::load(topology, "demo-small", &placement, 42)
-        .unwrap();
+fn reference_bits(topology: &Path, placement: &Path, layer: u32, x: &[f32]) -> Vec<u32> {
+    let dep =
+        expertmesh_worker::deploy::Deployment::load(topology, "demo-small", placement, 42).unwrap();
     let mut backend =
         expertmesh_worker::weights::reference_backend(&dep.spec, dep.seed, &[layer], 1, 64)
             .unwrap();
@@ -236,10 +240,21 @@ fn reference_bits(topology: &Path, layer: u32, x: &[f32]) -> Vec<u32> {
 }
 
 /// Calls `router` with the frontend credential `cred` on layers 1 and 2 and checks each answer
-/// bit for bit against the reference.
+/// bit for bit against the reference (demo-small on `topology` with the example placement).
 fn check_answers(router: SocketAddr, cred: &Path, topology: &Path) {
+    check_answers_placed(router, cred, topology, &example_placement(), "single-host");
+}
+
+/// [`check_answers`] for fabric `cluster` with `placement`.
+fn check_answers_placed(
+    router: SocketAddr,
+    cred: &Path,
+    topology: &Path,
+    placement: &Path,
+    cluster: &str,
+) {
     let rt = rt();
-    let mut cfg = FrontendConfig::new("single-host");
+    let mut cfg = FrontendConfig::new(cluster);
     cfg.credentials = Some(Arc::new(Credentials::load(cred).unwrap()));
     let mut client = rt
         .block_on(RouterClient::connect(router, &cfg))
@@ -251,7 +266,7 @@ fn check_answers(router: SocketAddr, cred: &Path, topology: &Path) {
             .unwrap_or_else(|e| panic!("layer {layer}: {e}"));
         assert_eq!(
             bits(&got),
-            reference_bits(topology, layer, &x),
+            reference_bits(topology, placement, layer, &x),
             "layer {layer}"
         );
     }
@@ -380,7 +395,7 @@ fn every_process_gets_only_its_own_credential_and_the_files_check() {
         .unwrap()
         .replace("127.0.0.1", "10.9.8.7");
     std::fs::write(&remote, text).unwrap();
-    let placement = root().join("examples/single-host-demo-small.placement.toml");
+    let placement = example_placement();
     let r = crate::support::run(&[
         "deploy",
         "systemd",
@@ -552,6 +567,634 @@ fn units_installed_with_only_their_hosts_files_serve_bit_for_bit_and_stop_on_sig
     for (name, _, health) in &procs {
         assert_eq!(http_status(health, "/live"), None, "{name} still answers");
     }
+    let router_log = std::fs::read_to_string(logs.join("router-0.log")).unwrap();
+    assert!(router_log.contains("SIGTERM: draining"), "{router_log}");
+}
+
+/// Whether this process runs as root (Slurm's daemons, namespaces and mounts need it).
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Whether `program` is on PATH (or at an absolute path) and runs.
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {program}"))
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A one-node Slurm cluster of this test's own: munged, slurmctld and slurmd in the
+/// foreground as children, every file and socket in a temporary folder, on free ports. The
+/// daemons are stopped on drop.
+struct Slurm {
+    dir: tempfile::TempDir,
+    conf: PathBuf,
+    node: String,
+    daemons: Vec<(String, Child)>,
+}
+
+impl Slurm {
+    /// Start it, or say why it cannot run here.
+    fn start() -> Result<Self, String> {
+        if !is_root() {
+            return Err("not root".into());
+        }
+        for p in [
+            "munged",
+            "slurmctld",
+            "slurmd",
+            "sbatch",
+            "scancel",
+            "squeue",
+            "sinfo",
+        ] {
+            if !have(p) {
+                return Err(format!(
+                    "no {p} (Debian's slurm-wlm and munge; .ci/run installs them)"
+                ));
+            }
+        }
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let d = dir.path();
+        for sub in ["munge", "state", "spool", "log"] {
+            std::fs::create_dir_all(d.join(sub)).map_err(|e| e.to_string())?;
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let key = d.join("munge/munge.key");
+        let mut bytes = [0u8; 1024];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut bytes))
+            .map_err(|e| e.to_string())?;
+        std::fs::write(&key, bytes).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400))
+            .map_err(|e| e.to_string())?;
+        std::fs::set_permissions(d.join("munge"), std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| e.to_string())?;
+        let socket = d.join("munge/munge.socket");
+        let host = hostname();
+        let node = "emnode".to_owned();
+        let (ctld, slurmd) = (free_run(1), free_run(1));
+        let conf = d.join("slurm.conf");
+        let p = |s: &str| d.join(s).display().to_string();
+        std::fs::write(
+            &conf,
+            format!(
+                "ClusterName=emtest\nSlurmctldHost={host}(127.0.0.1)\nSlurmctldPort={ctld}\nSlurmdPort={slurmd}\n\
+                 SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nAuthInfo=socket={sock}\nCredType=cred/munge\n\
+                 StateSaveLocation={state}\nSlurmdSpoolDir={spool}\nSlurmctldPidFile={ctldpid}\nSlurmdPidFile={dpid}\n\
+                 SlurmctldLogFile={ctldlog}\nSlurmdLogFile={dlog}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
+                 JobAcctGatherType=jobacct_gather/none\nSchedulerType=sched/backfill\nSelectType=select/cons_tres\n\
+                 SelectTypeParameters=CR_Core\nReturnToService=2\nKillWait=30\nMpiDefault=none\n\
+                 NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n\
+                 PartitionName=em Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n",
+                sock = socket.display(),
+                state = p("state"),
+                spool = p("spool"),
+                ctldpid = p("slurmctld.pid"),
+                dpid = p("slurmd.pid"),
+                ctldlog = p("log/slurmctld.log"),
+                dlog = p("log/slurmd.log"),
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let mut s = Slurm {
+            conf,
+            node,
+            daemons: Vec::new(),
+            dir,
+        };
+        let d = s.dir.path().to_path_buf();
+        let spawn = |program: &str, args: Vec<String>| -> Result<Child, String> {
+            let log = std::fs::File::create(d.join(format!("log/{program}.out")))
+                .map_err(|e| e.to_string())?;
+            Command::new(program)
+                .args(args)
+                .env("SLURM_CONF", d.join("slurm.conf"))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().map_err(|e| e.to_string())?)
+                .stderr(log)
+                .spawn()
+                .map_err(|e| format!("{program}: {e}"))
+        };
+        let munged = spawn(
+            "munged",
+            vec![
+                "-F".into(),
+                "--force".into(),
+                format!("--key-file={}", key.display()),
+                format!("--socket={}", socket.display()),
+                format!("--pid-file={}", d.join("munge/munged.pid").display()),
+                format!("--log-file={}", d.join("log/munged.log").display()),
+                format!("--seed-file={}", d.join("munge/seed").display()),
+            ],
+        )?;
+        s.daemons.push(("munged".into(), munged));
+        let t0 = Instant::now();
+        while !socket.exists() {
+            if t0.elapsed() > GUARD {
+                return Err(format!("munged did not start: {}", s.log("munged.out")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let conf = s.conf.display().to_string();
+        let ctld = spawn("slurmctld", vec!["-D".into(), "-f".into(), conf.clone()])?;
+        s.daemons.push(("slurmctld".into(), ctld));
+        let slurmd = spawn(
+            "slurmd",
+            vec!["-D".into(), "-f".into(), conf, "-N".into(), s.node.clone()],
+        )?;
+        s.daemons.push(("slurmd".into(), slurmd));
+        let t0 = Instant::now();
+        loop {
+            let state = s.command("sinfo", &["-h", "-n", &s.node.clone(), "-o", "%T"]);
+            if state.trim() == "idle" {
+                return Ok(s);
+            }
+            if t0.elapsed() > GUARD {
+                return Err(format!(
+                    "the Slurm node never became idle (sinfo: {state:?}); slurmctld: {} slurmd: {}",
+                    s.log("slurmctld.log"),
+                    s.log("slurmd.log")
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join("log").join(name)).unwrap_or_default()
+    }
+
+    /// A Slurm client command's stdout (its stderr appended).
+    fn command(&self, program: &str, args: &[&str]) -> String {
+        let o = Command::new(program)
+            .args(args)
+            .env("SLURM_CONF", &self.conf)
+            .output()
+            .unwrap_or_else(|e| panic!("{program}: {e}"));
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let _ = self.command("scancel", &["--user", "root"]);
+        for (_, c) in self.daemons.iter_mut().rev() {
+            // SAFETY: kill has no memory preconditions; the pid is our own child's.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while c.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Pids of the processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(needle) && pid != std::process::id() {
+            out.push((pid, cmd));
+        }
+    }
+    out
+}
+
+/// Waits until the job's output file holds `what`; fails with the output when the job ends
+/// first.
+fn wait_output(slurm: &Slurm, out_file: &Path, job: &str, what: &str) -> String {
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(out_file).unwrap_or_default();
+        if text.contains(what) {
+            return text;
+        }
+        let queued = slurm.command("squeue", &["-h", "-j", job, "-o", "%T"]);
+        assert!(
+            t0.elapsed() < GUARD && !queued.trim().is_empty() || text.contains(what),
+            "job {job} ({queued:?}) never printed {what:?}:\n{text}\nslurmd: {}",
+            slurm.log("slurmd.log")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_real_slurm_job_runs_the_fabric_restarts_a_dead_task_and_scancel_ends_it() {
+    let slurm = match Slurm::start() {
+        Ok(s) => s,
+        Err(why) => {
+            say(&format!("skipped: the Slurm job test ({why})"));
+            return;
+        }
+    };
+    let _machine = crate::support::shared();
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("bundle");
+    let r = inputs.deploy(
+        &["slurm", "--restarts", "1"],
+        &out,
+        &[
+            "--key",
+            inputs.key.to_str().unwrap(),
+            "--frontend",
+            "fe",
+            "--host",
+            &format!("local={}", slurm.node),
+        ],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let submitted = Command::new("sbatch")
+        .arg("--parsable")
+        .arg(out.join("slurm/expertmesh.sbatch"))
+        .env("SLURM_CONF", &slurm.conf)
+        .env("EXPERTMESH_BIN", bin())
+        .output()
+        .unwrap();
+    let job = String::from_utf8_lossy(&submitted.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(
+        submitted.status.success() && !job.is_empty(),
+        "sbatch: {}",
+        String::from_utf8_lossy(&submitted.stderr)
+    );
+    let out_file = out.join(format!("slurm/expertmesh-{job}.out"));
+    wait_output(&slurm, &out_file, &job, "fabric single-host ready");
+    let fe = out.join("frontends/fe.cred");
+    check_answers(inputs.frontend_addr(), &fe, &inputs.topology);
+    // A task dies: the entry script restarts it and the fabric answers again.
+    let bundle = out.display().to_string();
+    let worker: Vec<(u32, String)> = processes_mentioning("--device local/cpu1")
+        .into_iter()
+        .filter(|(_, c)| c.contains(&bundle) && c.contains(" worker "))
+        .collect();
+    assert_eq!(worker.len(), 1, "{worker:?}");
+    // SAFETY: kill has no memory preconditions; the pid is the job's worker process.
+    unsafe { libc::kill(worker[0].0 as i32, libc::SIGKILL) };
+    wait_output(&slurm, &out_file, &job, "restart 1 of 1");
+    let procs = processes(&out);
+    let t0 = Instant::now();
+    let router_health = &procs[0].2;
+    // Ready again once the restarted worker has joined (it drops out of /ready meanwhile).
+    loop {
+        let back = processes_mentioning("--device local/cpu1")
+            .into_iter()
+            .any(|(pid, c)| pid != worker[0].0 && c.contains(" worker "));
+        if back && http_status(router_health, "/ready") == Some(200) {
+            break;
+        }
+        assert!(t0.elapsed() < GUARD, "the restarted worker never rejoined");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    check_answers(inputs.frontend_addr(), &fe, &inputs.topology);
+    // scancel: every process drains and exits; the job ends; nothing is left running.
+    let cancel = slurm.command("scancel", &[&job]);
+    assert!(cancel.trim().is_empty(), "scancel: {cancel}");
+    let t0 = Instant::now();
+    while !slurm
+        .command("squeue", &["-h", "-j", &job])
+        .trim()
+        .is_empty()
+        || !processes_mentioning(&bundle).is_empty()
+    {
+        assert!(
+            t0.elapsed() < GUARD,
+            "still running after scancel: {:?}",
+            processes_mentioning(&bundle)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = std::fs::read_to_string(&out_file).unwrap();
+    assert!(text.contains("router 0: SIGTERM: draining"), "{text}");
+    assert!(text.contains("router 0: stopped"), "{text}");
+    assert_eq!(
+        text.matches("SIGTERM: finishing queued dispatches").count(),
+        2,
+        "{text}"
+    );
+}
+
+/// Two nodes, "node-a" (the router and cpu0) and "node-b" (cpu1), at the emulated nodes'
+/// addresses, and demo-small placed across them.
+fn two_node_files(dir: &Path) -> (PathBuf, PathBuf) {
+    use expertmesh_benches::cluster::netns::Emulation;
+    let node = |name: &str, i: usize, device: &str| {
+        format!(
+            "[[nodes]]\nname = \"{name}\"\naddress = \"{}\"\ncontrol_port = 47401\ndata_port = 47410\n\
+             nics = [ {{ name = \"eth0\", kind = \"tcp\", speed_gbit_s = 10, mtu = 1500 }} ]\n\
+             devices = [ {{ name = \"{device}\", kind = \"cpu\", arch = \"cpu\", threads = 1, expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20 }} ]\n",
+            Emulation::node_address(i)
+        )
+    };
+    let topology = dir.join("k8s-test.toml");
+    std::fs::write(
+        &topology,
+        format!(
+            "format = 1\nname = \"k8s-test\"\n[router]\nnode = \"node-a\"\nport = 47400\n{}{}",
+            node("node-a", 0, "cpu0"),
+            node("node-b", 1, "cpu1")
+        ),
+    )
+    .unwrap();
+    let placement = dir.join("k8s-test.placement.toml");
+    let text = std::fs::read_to_string(example_placement())
+        .unwrap()
+        .replace("cluster = \"single-host\"", "cluster = \"k8s-test\"")
+        .replace("local/cpu0", "node-a/cpu0")
+        .replace("local/cpu1", "node-b/cpu1");
+    std::fs::write(&placement, text).unwrap();
+    (topology, placement)
+}
+
+/// Every YAML document of `files`, parsed by PyYAML (an independent parser) into JSON.
+fn yaml_documents(files: &[PathBuf]) -> Result<Vec<serde_json::Value>, String> {
+    let o = Command::new("python3")
+        .arg("-c")
+        .arg("import sys, json, yaml\njson.dump([d for f in sys.argv[1:] for d in yaml.safe_load_all(open(f)) if d], sys.stdout)")
+        .args(files)
+        .output()
+        .map_err(|e| format!("python3: {e}"))?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())
+}
+
+/// Run `f` on a thread inside network namespace `ns` (its sockets live there).
+fn in_namespace<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let ns = ns.to_owned();
+    std::thread::spawn(move || {
+        expertmesh_benches::cluster::netns::enter(&ns).unwrap();
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// Mount points the test created on the host (removed again, innermost first).
+struct MountPoints(Vec<PathBuf>);
+
+impl Drop for MountPoints {
+    fn drop(&mut self) {
+        for p in self.0.iter().rev() {
+            let _ = std::fs::remove_dir(p);
+        }
+    }
+}
+
+/// A pod of the manifests started as the kubelet would: the container's command and
+/// environment (the node name from the downward API), its volumes bind-mounted at their
+/// mount paths in a mount namespace of its own, in its node's network namespace (host
+/// network). Returns the child and its health address.
+struct PodStart<'a> {
+    emulation: &'a expertmesh_benches::cluster::netns::Emulation,
+    volumes: &'a Path,
+    scratch: &'a Path,
+    logs: &'a Path,
+    hosts: [&'a str; 2],
+}
+
+impl PodStart<'_> {
+    fn start(
+        &self,
+        deployment: &serde_json::Value,
+        created: &mut MountPoints,
+    ) -> (String, Child, usize, String) {
+        use expertmesh_benches::cluster::netns::Emulation;
+        let pod = &deployment["spec"]["template"]["spec"];
+        let host = pod["nodeSelector"]["kubernetes.io/hostname"]
+            .as_str()
+            .unwrap();
+        let node = self.hosts.iter().position(|h| *h == host).unwrap();
+        assert_eq!(pod["hostNetwork"], true);
+        let c = &pod["containers"][0];
+        let process = c["command"][2].as_str().unwrap().to_owned();
+        let mut script = String::from("set -e\n");
+        for m in c["volumeMounts"].as_array().unwrap() {
+            let v = pod["volumes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == m["name"])
+                .unwrap();
+            let source = if let Some(cm) = v["configMap"]["name"].as_str() {
+                self.volumes.join(cm)
+            } else if let Some(secret) = v["secret"]["secretName"].as_str() {
+                // The kubelet writes a Secret's files with the volume's defaultMode (0644
+                // when none is given).
+                use std::os::unix::fs::PermissionsExt;
+                let mode = v["secret"]["defaultMode"].as_u64().unwrap_or(0o644) as u32;
+                let folder = self.volumes.join(secret);
+                for f in std::fs::read_dir(&folder).unwrap().flatten() {
+                    let perm = std::fs::Permissions::from_mode(mode);
+                    std::fs::set_permissions(f.path(), perm).unwrap();
+                }
+                folder
+            } else if v.get("emptyDir").is_some() {
+                let p = self
+                    .scratch
+                    .join(format!("{process}-{}", m["name"].as_str().unwrap()));
+                std::fs::create_dir_all(&p).unwrap();
+                p
+            } else {
+                panic!("volume {v} is not one this test mounts");
+            };
+            let target = PathBuf::from(m["mountPath"].as_str().unwrap());
+            let mut missing = Vec::new();
+            let mut t = target.clone();
+            while !t.exists() {
+                missing.push(t.clone());
+                t = t.parent().unwrap().to_path_buf();
+            }
+            for p in missing.into_iter().rev() {
+                std::fs::create_dir(&p).unwrap();
+                created.0.push(p);
+            }
+            script += &format!(
+                "mount --bind '{}' '{}'\n",
+                source.display(),
+                target.display()
+            );
+        }
+        script += "exec \"$@\"\n";
+        let env: Vec<(String, String)> = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+                    Some("spec.nodeName") => host.to_owned(),
+                    Some(other) => panic!("downward-API field {other} not emulated"),
+                    None => e["value"].as_str().unwrap().to_owned(),
+                };
+                (e["name"].as_str().unwrap().to_owned(), value)
+            })
+            .collect();
+        let command: Vec<&str> = c["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let log = std::fs::File::create(self.logs.join(format!("{process}.log"))).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.emulation.node_ns(node)])
+            .args(["unshare", "--mount", "--propagation", "private"])
+            .args(["sh", "-c", &script, "pod"])
+            .args(&command)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/ready");
+        let port = c["ports"][0]["containerPort"].as_u64().unwrap();
+        let health = format!("{}:{port}", Emulation::node_address(node));
+        (process, child, node, health)
+    }
+}
+
+#[test]
+fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes() {
+    use expertmesh_benches::cluster::netns::{Emulation, Shaping};
+    if !is_root() || !have("unshare") {
+        say("skipped: the Kubernetes pods test (needs root and unshare)");
+        return;
+    }
+    if let Err(e) = yaml_documents(&[]) {
+        say(&format!(
+            "skipped: the Kubernetes pods test (python3 with PyYAML, Debian's python3-yaml: {e})"
+        ));
+        return;
+    }
+    let _machine = crate::support::shared();
+    let shaping = Shaping {
+        rate_mbit: 1000.0,
+        burst_bytes: 1 << 20,
+        latency_ms: 50.0,
+        mtu: 1500,
+    };
+    let emulation = match Emulation::create(2, shaping) {
+        Ok(e) => e,
+        Err(e) => {
+            say(&format!("skipped: the Kubernetes pods test ({e})"));
+            return;
+        }
+    };
+    let inputs = Inputs::new();
+    let dir = inputs.dir.path();
+    let (topology, placement) = two_node_files(dir);
+    let out = dir.join("out");
+    let r = crate::support::run(&[
+        "deploy",
+        "kubernetes",
+        "--image",
+        "registry.example/expertmesh:test",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--model",
+        "demo-small",
+        "--placement",
+        placement.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--key",
+        inputs.key.to_str().unwrap(),
+        "--frontend",
+        "fe",
+        "--host",
+        "node-a=k8s-a",
+        "--host",
+        "node-b=k8s-b",
+        "--bin",
+        bin().to_str().unwrap(),
+        "--router-arg=--mode",
+        "--router-arg=exact",
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let docs = yaml_documents(&files_under(&out.join("kubernetes"))).expect("the manifests parse");
+    // What the kubelet mounts: each ConfigMap and Secret as a folder of files.
+    let volumes = dir.join("volumes");
+    for d in &docs {
+        let data = match d["kind"].as_str() {
+            Some("ConfigMap") => &d["data"],
+            Some("Secret") => &d["stringData"],
+            _ => continue,
+        };
+        let folder = volumes.join(d["metadata"]["name"].as_str().unwrap());
+        std::fs::create_dir_all(&folder).unwrap();
+        for (file, text) in data.as_object().unwrap() {
+            std::fs::write(folder.join(file), text.as_str().unwrap()).unwrap();
+        }
+    }
+    let logs = dir.join("logs");
+    let scratch = dir.join("empty-dirs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let starter = PodStart {
+        emulation: &emulation,
+        volumes: &volumes,
+        scratch: &scratch,
+        logs: &logs,
+        hosts: ["k8s-a", "k8s-b"],
+    };
+    let mut created = MountPoints(Vec::new());
+    let mut children = Children::default();
+    let mut health = Vec::new();
+    for d in docs.iter().filter(|d| d["kind"] == "Deployment") {
+        let (process, child, node, addr) = starter.start(d, &mut created);
+        children.0.push((process, child));
+        health.push((node, addr));
+    }
+    assert_eq!(children.0.len(), 3);
+    // The readiness probes, from each pod's node (the kubelet probes the host network).
+    for (node, addr) in &health {
+        let t0 = Instant::now();
+        loop {
+            let a = addr.clone();
+            let ns = emulation.node_ns(*node);
+            if in_namespace(&ns, move || http_status(&a, "/ready")) == Some(200) {
+                break;
+            }
+            children.check_running(&logs);
+            assert!(t0.elapsed() < GUARD, "{addr}/ready never answered 200");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // A frontend on node-a calls the router's port.
+    let router: SocketAddr = format!("{}:47400", Emulation::node_address(0))
+        .parse()
+        .unwrap();
+    let fe = out.join("frontends/fe.cred");
+    in_namespace(&emulation.node_ns(0), move || {
+        check_answers_placed(router, &fe, &topology, &placement, "k8s-test")
+    });
+    // Termination: SIGTERM to each container's process; every one exits 0.
+    children.stop_all(&logs);
     let router_log = std::fs::read_to_string(logs.join("router-0.log")).unwrap();
     assert!(router_log.contains("SIGTERM: draining"), "{router_log}");
 }

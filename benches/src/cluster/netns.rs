@@ -62,7 +62,7 @@ pub struct Emulation {
 
 impl Emulation {
     /// The namespace name of node `i`.
-    pub(crate) fn node_ns(&self, i: usize) -> String {
+    pub fn node_ns(&self, i: usize) -> String {
         format!("{}n{i}", self.prefix)
     }
 
@@ -72,7 +72,7 @@ impl Emulation {
 
     /// The address of node `i` (10.77.0.i+1; every run has its own switch, so addresses of
     /// parallel runs never meet).
-    pub(crate) fn node_address(i: usize) -> String {
+    pub fn node_address(i: usize) -> String {
         format!("10.77.0.{}", i + 1)
     }
 
