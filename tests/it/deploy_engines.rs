@@ -928,18 +928,34 @@ fn two_node_files(dir: &Path) -> (PathBuf, PathBuf) {
     (topology, placement)
 }
 
-/// Every YAML document of `files`, parsed by PyYAML (an independent parser) into JSON.
+/// Every YAML document of `files`, parsed by PyYAML (an independent parser) into JSON: with
+/// Debian's Python (where python3-yaml installs it), else the `python3` on PATH.
 fn yaml_documents(files: &[PathBuf]) -> Result<Vec<serde_json::Value>, String> {
-    let o = Command::new("python3")
-        .arg("-c")
-        .arg("import sys, json, yaml\njson.dump([d for f in sys.argv[1:] for d in yaml.safe_load_all(open(f)) if d], sys.stdout)")
-        .args(files)
-        .output()
-        .map_err(|e| format!("python3: {e}"))?;
-    if !o.status.success() {
-        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    let script = "import sys, json, yaml\njson.dump([d for f in sys.argv[1:] for d in yaml.safe_load_all(open(f)) if d], sys.stdout)";
+    let mut errors = Vec::new();
+    for python in ["/usr/bin/python3", "python3"] {
+        let o = match Command::new(python)
+            .arg("-c")
+            .arg(script)
+            .args(files)
+            .output()
+        {
+            Ok(o) => o,
+            Err(e) => {
+                errors.push(format!("{python}: {e}"));
+                continue;
+            }
+        };
+        if o.status.success() {
+            return serde_json::from_slice(&o.stdout).map_err(|e| e.to_string());
+        }
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        errors.push(format!(
+            "{python}: {}",
+            stderr.lines().last().unwrap_or_default()
+        ));
     }
-    serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())
+    Err(errors.join("; "))
 }
 
 /// Run `f` on a thread inside network namespace `ns` (its sockets live there).
@@ -1197,4 +1213,194 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
     children.stop_all(&logs);
     let router_log = std::fs::read_to_string(logs.join("router-0.log")).unwrap();
     assert!(router_log.contains("SIGTERM: draining"), "{router_log}");
+}
+
+#[test]
+fn converted_weights_serve_when_each_host_holds_only_its_listed_files() {
+    use crate::hf_support::tiny::{TinySpec, WeightFormat, random_tokens, write_tiny_checkpoint};
+    use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+    if !is_root() || !have("unshare") {
+        say(
+            "skipped: the per-host weights test (needs root and unshare for a private mount of the weights path)",
+        );
+        return;
+    }
+    let _machine = crate::support::shared();
+    let inputs = Inputs::new();
+    let dir = inputs.dir.path();
+    // Two hosts on loopback addresses: node-a (router, cpu0) and node-b (cpu1).
+    let (frontend, control, data) = (free_run(1), free_run(1), free_run(1));
+    let node = |name: &str, addr: &str, device: &str| {
+        format!(
+            "[[nodes]]\nname = \"{name}\"\naddress = \"{addr}\"\ncontrol_port = {control}\ndata_port = {data}\n\
+             nics = [ {{ name = \"lo\", kind = \"tcp\", speed_gbit_s = 100, mtu = 65536 }} ]\n\
+             devices = [ {{ name = \"{device}\", kind = \"cpu\", arch = \"cpu\", threads = 1, expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20 }} ]\n"
+        )
+    };
+    let topology = dir.join("two-hosts.toml");
+    std::fs::write(
+        &topology,
+        format!(
+            "format = 1\nname = \"two-hosts\"\n[router]\nnode = \"node-a\"\nport = {frontend}\n{}{}",
+            node("node-a", "127.0.0.1", "cpu0"),
+            node("node-b", "127.0.0.2", "cpu1")
+        ),
+    )
+    .unwrap();
+    let spec = TinySpec::for_model_type("qwen3_moe").with_dtype(WeightFormat::Bf16);
+    let ck = write_tiny_checkpoint(&dir.join("ckpt"), &spec);
+    let weights = dir.join("weights");
+    let r = crate::support::run(&[
+        "convert",
+        "--threads",
+        "2",
+        "--checkpoint",
+        ck.dir.to_str().unwrap(),
+        "--topology",
+        topology.to_str().unwrap(),
+        "--out",
+        weights.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    // The weights' path on every host; each host's copy holds only what hosts/HOST.files lists.
+    let on_hosts = "/srv/expertmesh-deploy-test-weights";
+    let out = dir.join("out");
+    let r = crate::support::run(&[
+        "deploy",
+        "systemd",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--weights",
+        weights.to_str().unwrap(),
+        "--weights-on-hosts",
+        on_hosts,
+        "--out",
+        out.to_str().unwrap(),
+        "--install-dir",
+        out.to_str().unwrap(),
+        "--key",
+        inputs.key.to_str().unwrap(),
+        "--frontend",
+        "fe",
+        "--metrics-port",
+        &free_run(3).to_string(),
+        "--bin",
+        bin().to_str().unwrap(),
+        "--router-arg=--mode",
+        "--router-arg=exact",
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let mut host_dirs = std::collections::BTreeMap::new();
+    for host in ["node-a", "node-b"] {
+        let list = std::fs::read_to_string(out.join(format!("hosts/{host}.files"))).unwrap();
+        let mine = dir.join(format!("host-{host}"));
+        std::fs::create_dir_all(&mine).unwrap();
+        let mut n = 0;
+        for f in list
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{on_hosts}/")))
+        {
+            std::fs::copy(weights.join(f), mine.join(f)).unwrap();
+            n += 1;
+        }
+        // The manifest, model, placement, and the host's own shard(s) or router file.
+        assert_eq!(n, if host == "node-a" { 5 } else { 4 }, "{list}");
+        host_dirs.insert(host, mine);
+    }
+    let mut created = MountPoints(Vec::new());
+    std::fs::create_dir(on_hosts).unwrap();
+    created.0.push(PathBuf::from(on_hosts));
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut children = Children::default();
+    for (name, host, _) in processes(&out) {
+        let unit = parse_unit(&out.join(format!(
+            "systemd/{host}/expertmesh-two-hosts-{name}.service"
+        )));
+        let creds = dir.join(format!("run/credentials/{name}"));
+        std::fs::create_dir_all(&creds).unwrap();
+        let (cred_name, src) = unit.credential.expect("a LoadCredential= line");
+        std::fs::copy(&src, creds.join(&cred_name)).unwrap();
+        let script = format!(
+            "set -e\nmount --bind '{}' '{on_hosts}'\nexec \"$@\"\n",
+            host_dirs[host.as_str()].display()
+        );
+        let log = std::fs::File::create(logs.join(format!("{name}.log"))).unwrap();
+        let child = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                &script,
+                "unit",
+            ])
+            .args(&unit.exec)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(
+                unit.env
+                    .iter()
+                    .filter(|(k, _)| k != "EXPERTMESH_NODE")
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )
+            .env("EXPERTMESH_NODE", &host)
+            .env("CREDENTIALS_DIRECTORY", &creds)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        children.0.push((name, child));
+    }
+    for (_, _, health) in processes(&out) {
+        wait_ready(&health, &mut children, &logs);
+    }
+    // The oracle: the same converted weights served whole by the local launcher (exact mode
+    // is placement-independent; convert_serve.rs checks that path against the reference).
+    let mut o = LocalFabricOptions::new(topology.clone(), "", "");
+    o.weights = Some(weights.clone());
+    o.exe = bin();
+    o.ephemeral_ports = true;
+    o.router.mode = ComputeMode::Exact.into();
+    o.connect_timeout = Duration::from_secs(60);
+    let whole = LocalFabric::start(o).unwrap();
+    let rt = rt();
+    let mut cfg = FrontendConfig::new("two-hosts");
+    cfg.credentials = Some(Arc::new(
+        Credentials::load(&out.join("frontends/fe.cred")).unwrap(),
+    ));
+    let router = SocketAddr::from(([127, 0, 0, 1], frontend));
+    let mut deployed = rt.block_on(RouterClient::connect(router, &cfg)).unwrap();
+    let mut local = rt
+        .block_on(RouterClient::connect(
+            whole.frontend_addr(),
+            &whole.frontend_config(),
+        ))
+        .unwrap();
+    let dep = expertmesh_worker::deploy::Deployment::load_converted(&topology, &weights).unwrap();
+    let h = dep.spec.hidden as usize;
+    let layers = dep.spec.moe_layer_ids();
+    assert!(!layers.is_empty());
+    for &layer in &layers {
+        let x: Vec<f32> = random_tokens(9, h, 7 + u64::from(layer))
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        let deadline = Some(Duration::from_secs(60));
+        let got = rt
+            .block_on(deployed.call(layer, &x, h, None, deadline))
+            .unwrap();
+        let want = rt
+            .block_on(local.call(layer, &x, h, None, deadline))
+            .unwrap();
+        assert_eq!(bits(&got), bits(&want), "layer {layer}");
+    }
+    whole.shutdown();
+    children.stop_all(&logs);
+    say(&format!(
+        "ran: converted weights from per-host folders, {} layers bit for bit",
+        layers.len()
+    ));
 }
