@@ -80,6 +80,8 @@ def test_gpu_rdma_cluster_manifests_validate(tmp_path: Path) -> None:
         c = w["spec"]["template"]["spec"]["containers"][0]
         assert c["resources"]["limits"] == {"amd.com/gpu": 1, "rdma/hca_shared_devices_a": 1}
         assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        # The device plugin shows the pod only its own GPU, as index 0.
+        assert {"name": "EXPERTMESH_GPU_INDEX", "value": "0"} in c["env"]
     _validate(docs)
 
 

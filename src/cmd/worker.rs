@@ -51,6 +51,10 @@ pub(crate) struct WorkerCli {
     /// $HIP_PATH, $ROCM_PATH, /opt/rocm or the loader's path).
     #[arg(long, value_name = "PATH")]
     hip_library: Option<std::path::PathBuf>,
+    /// The GPU to use, overriding the topology's gpu_index (in a container that sees only the
+    /// GPU its device plugin gave it, 0).
+    #[arg(long, value_name = "N")]
+    gpu_index: Option<usize>,
     /// Largest dispatch (tokens) this worker accepts; match the router's --micro-batch.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -91,6 +95,7 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
             threads: cli.threads,
             backend: cli.backend,
             hip_library: cli.hip_library,
+            gpu_index: cli.gpu_index,
             rdma_provider: cli.rdma_provider,
             max_tokens: cli.max_tokens.max(1),
             metrics: cli.metrics.metrics,

@@ -306,6 +306,12 @@ fn every_process_gets_only_its_own_credential_and_the_files_check() {
             let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600, "{name}");
         }
+        if engine[0] == "kubernetes" {
+            use std::os::unix::fs::PermissionsExt;
+            let secrets = out.join("kubernetes/credentials.yaml");
+            let mode = std::fs::metadata(&secrets).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "the Secrets' manifest");
+        }
         let fe = std::fs::read_to_string(out.join("frontends/fe.cred")).unwrap();
         assert!(fe.contains("\nfrontend = fe\n"), "{fe}");
         for f in files_under(&out) {

@@ -171,6 +171,9 @@ pub struct WorkerOptions {
     /// The HIP runtime library to open (default: `EXPERTMESH_HIP_LIBRARY`, else `libamdhip64`
     /// from ROCm's usual places).
     pub hip_library: Option<std::path::PathBuf>,
+    /// The GPU to use, overriding the topology's `gpu_index` (a container that sees only the
+    /// GPU its device plugin gave it sees it as 0).
+    pub gpu_index: Option<usize>,
     /// The NIC under RDMA links (routers and workers must agree).
     pub rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Largest batch (tokens) a dispatch may carry.
@@ -202,7 +205,9 @@ fn make_backend(
         BackendChoice::Auto => dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu,
     };
     if want_hip {
-        let gpu = dev.gpu_index().unwrap_or(0) as usize;
+        let gpu = opts
+            .gpu_index
+            .unwrap_or(dev.gpu_index().unwrap_or(0) as usize);
         let hip = match &opts.hip_library {
             Some(lib) => expertmesh_hip_kernels::hip::HipBackend::with_library(gpu, lib),
             None => expertmesh_hip_kernels::hip::HipBackend::new(gpu),

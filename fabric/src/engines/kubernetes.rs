@@ -85,7 +85,9 @@ pub(super) fn write(
             plan.generation,
             super::yaml::documents(&objects)
         );
-        w.file(&Path::new("kubernetes").join(file), text.as_bytes(), false)?;
+        // The Secrets' file holds credentials: readable by its owner only.
+        let secret = file == "credentials.yaml";
+        w.file(&Path::new("kubernetes").join(file), text.as_bytes(), secret)?;
     }
     let out = plan.opts.out.display();
     let ns = o
@@ -214,6 +216,8 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
             .is_some_and(|dev| dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu);
         if gpu {
             limits.insert(o.gpu_resource.clone(), json!(1));
+            // The device plugin shows the pod only the GPU it gave it, as index 0.
+            env.push(json!({ "name": "EXPERTMESH_GPU_INDEX", "value": "0" }));
         }
     }
     let mut container = json!({

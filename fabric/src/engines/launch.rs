@@ -13,6 +13,8 @@
 //! - files: relative to the script's folder; credentials from systemd's
 //!   `$CREDENTIALS_DIRECTORY`, else `$EXPERTMESH_CREDENTIALS_DIR`, else `../credentials`;
 //!   the binary from `$EXPERTMESH_BIN`, else the one `deploy` was told;
+//! - a GPU worker in a container that sees only its device plugin's GPU gets
+//!   `--gpu-index $EXPERTMESH_GPU_INDEX` (the Kubernetes manifests set it to 0);
 //! - restarts: with `$EXPERTMESH_RESTARTS` = N > 0 (the Slurm job sets it) the script keeps
 //!   the process as a child, restarts it after a failure up to N times, 2 s apart, and on
 //!   SIGTERM/SIGINT passes the signal on and exits with the process's status; otherwise it
@@ -102,6 +104,10 @@ case "$proc" in
         r#"  '') echo "launch.sh: which process? Give it as the argument or in EXPERTMESH_PROCESS (one of: {list})" >&2; exit 2 ;;
   *) echo "launch.sh: no process '$proc' in fabric \"{cluster}\" (one of: {list})" >&2; exit 2 ;;
 esac
+# A container that sees only the GPU its device plugin gave it: that GPU is index 0 there.
+if [ "$1" = worker ] && [ -n "${{EXPERTMESH_GPU_INDEX:-}}" ]; then
+  set -- "$@" --gpu-index "$EXPERTMESH_GPU_INDEX"
+fi
 node=${{EXPERTMESH_NODE:-${{SLURMD_NODENAME:-}}}}
 if [ -n "$node" ] && [ "$node" != "$host" ]; then
   echo "launch.sh: $proc belongs on host $host, but this is $node: check the engine's placement (deploy --host NODE=HOST)" >&2
