@@ -8,9 +8,12 @@
 //! own command lines and environment) answers bit for bit against the in-process reference
 //! and stops cleanly on SIGTERM.
 //!
-//! As root, with Debian's `slurm-wlm` and `munge`: a real Slurm (munged, slurmctld, slurmd
-//! started by the test in a folder of its own) runs the generated batch job; the fabric
-//! answers bit for bit; `scancel` ends it and nothing is left running. As root with
+//! As root, with Debian's `slurm-wlm` and `munge`: a real two-node Slurm (munged, slurmctld
+//! and one slurmd per node, each node a network namespace, started by the test in a folder of
+//! its own) runs the generated batch job, each task on its node; the fabric answers bit for
+//! bit, a killed worker task is restarted on its node and the fabric answers again, and
+//! `scancel` ends it with nothing left running. Converted weights are served from per-host
+//! folders holding only what `hosts/HOST.files` lists. As root with
 //! `python3-yaml` and network namespaces: the Kubernetes manifests' pods run as the kubelet
 //! would start them (ConfigMap and Secret files mounted at the manifests' paths in a mount
 //! namespace of their own, downward-API node name, host network = the node's namespace), on
@@ -593,19 +596,27 @@ fn have(program: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// A one-node Slurm cluster of this test's own: munged, slurmctld and slurmd in the
-/// foreground as children, every file and socket in a temporary folder, on free ports. The
-/// daemons are stopped on drop.
+/// A two-node Slurm cluster of this test's own, each node a network namespace of an emulated
+/// cluster (node i at 10.77.0.i+1, `expertmesh_benches::cluster::netns`): munged (its socket
+/// in the test's folder, reachable from every namespace), slurmctld on node 0 and one slurmd
+/// per node (`-N n0`, `-N n1`; spool, pid and log files per node through `%n`), all in the
+/// foreground as children, entered with `nsenter --net` (which keeps /sys, so slurmd finds
+/// its cgroups); every Slurm command runs in node 0's namespace. The daemons are stopped on
+/// drop, then the namespaces deleted.
 struct Slurm {
     dir: tempfile::TempDir,
     conf: PathBuf,
-    node: String,
     daemons: Vec<(String, Child)>,
+    emulation: expertmesh_benches::cluster::netns::Emulation,
 }
+
+/// The Slurm node names of the emulated nodes.
+const SLURM_NODES: [&str; 2] = ["n0", "n1"];
 
 impl Slurm {
     /// Start it, or say why it cannot run here.
     fn start() -> Result<Self, String> {
+        use expertmesh_benches::cluster::netns::{Emulation, Shaping};
         if !is_root() {
             return Err("not root".into());
         }
@@ -617,6 +628,7 @@ impl Slurm {
             "scancel",
             "squeue",
             "sinfo",
+            "nsenter",
         ] {
             if !have(p) {
                 return Err(format!(
@@ -624,9 +636,16 @@ impl Slurm {
                 ));
             }
         }
+        let shaping = Shaping {
+            rate_mbit: 1000.0,
+            burst_bytes: 1 << 20,
+            latency_ms: 50.0,
+            mtu: 1500,
+        };
+        let emulation = Emulation::create(2, shaping).map_err(|e| e.to_string())?;
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let d = dir.path();
-        for sub in ["munge", "state", "spool", "log"] {
+        for sub in ["munge", "state", "log"] {
             std::fs::create_dir_all(d.join(sub)).map_err(|e| e.to_string())?;
         }
         use std::os::unix::fs::PermissionsExt;
@@ -642,63 +661,60 @@ impl Slurm {
             .map_err(|e| e.to_string())?;
         let socket = d.join("munge/munge.socket");
         let host = hostname();
-        let node = "emnode".to_owned();
-        let (ctld, slurmd) = (free_run(1), free_run(1));
         let conf = d.join("slurm.conf");
         let p = |s: &str| d.join(s).display().to_string();
-        std::fs::write(
-            &conf,
-            format!(
-                "ClusterName=emtest\nSlurmctldHost={host}(127.0.0.1)\nSlurmctldPort={ctld}\nSlurmdPort={slurmd}\n\
-                 SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nAuthInfo=socket={sock}\nCredType=cred/munge\n\
-                 StateSaveLocation={state}\nSlurmdSpoolDir={spool}\nSlurmctldPidFile={ctldpid}\nSlurmdPidFile={dpid}\n\
-                 SlurmctldLogFile={ctldlog}\nSlurmdLogFile={dlog}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
-                 JobAcctGatherType=jobacct_gather/none\nSchedulerType=sched/backfill\nSelectType=select/cons_tres\n\
-                 SelectTypeParameters=CR_Core\nReturnToService=2\nKillWait=30\nMpiDefault=none\n\
-                 NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n\
-                 PartitionName=em Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n",
-                sock = socket.display(),
-                state = p("state"),
-                spool = p("spool"),
-                ctldpid = p("slurmctld.pid"),
-                dpid = p("slurmd.pid"),
-                ctldlog = p("log/slurmctld.log"),
-                dlog = p("log/slurmd.log"),
-            ),
-        )
-        .map_err(|e| e.to_string())?;
+        let mut text = format!(
+            "ClusterName=emtest\nSlurmctldHost={host}({ctl})\nSlurmctldPort=46817\nSlurmdPort=46818\n\
+             SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nAuthInfo=socket={sock}\nCredType=cred/munge\n\
+             StateSaveLocation={state}\nSlurmdSpoolDir={spool}\nSlurmctldPidFile={ctldpid}\nSlurmdPidFile={dpid}\n\
+             SlurmctldLogFile={ctldlog}\nSlurmdLogFile={dlog}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
+             JobAcctGatherType=jobacct_gather/none\nSchedulerType=sched/backfill\nSelectType=select/cons_tres\n\
+             SelectTypeParameters=CR_Core\nReturnToService=2\nKillWait=30\nMpiDefault=none\n",
+            ctl = Emulation::node_address(0),
+            sock = socket.display(),
+            state = p("state"),
+            spool = p("spool-%n"),
+            ctldpid = p("slurmctld.pid"),
+            dpid = p("slurmd-%n.pid"),
+            ctldlog = p("log/slurmctld.log"),
+            dlog = p("log/slurmd-%n.log"),
+        );
+        for (i, n) in SLURM_NODES.iter().enumerate() {
+            text += &format!(
+                "NodeName={n} NodeHostname={host} NodeAddr={} CPUs=2 State=UNKNOWN\n",
+                Emulation::node_address(i)
+            );
+        }
+        text += &format!(
+            "PartitionName=em Nodes={} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n",
+            SLURM_NODES.join(",")
+        );
+        std::fs::write(&conf, text).map_err(|e| e.to_string())?;
         let mut s = Slurm {
             conf,
-            node,
             daemons: Vec::new(),
             dir,
+            emulation,
         };
-        let d = s.dir.path().to_path_buf();
-        let spawn = |program: &str, args: Vec<String>| -> Result<Child, String> {
-            let log = std::fs::File::create(d.join(format!("log/{program}.out")))
-                .map_err(|e| e.to_string())?;
-            Command::new(program)
-                .args(args)
-                .env("SLURM_CONF", d.join("slurm.conf"))
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().map_err(|e| e.to_string())?)
-                .stderr(log)
-                .spawn()
-                .map_err(|e| format!("{program}: {e}"))
-        };
-        let munged = spawn(
+        s.spawn(
             "munged",
-            vec![
+            None,
+            &[
                 "-F".into(),
                 "--force".into(),
                 format!("--key-file={}", key.display()),
                 format!("--socket={}", socket.display()),
-                format!("--pid-file={}", d.join("munge/munged.pid").display()),
-                format!("--log-file={}", d.join("log/munged.log").display()),
-                format!("--seed-file={}", d.join("munge/seed").display()),
+                format!(
+                    "--pid-file={}",
+                    s.dir.path().join("munge/munged.pid").display()
+                ),
+                format!(
+                    "--log-file={}",
+                    s.dir.path().join("log/munged.log").display()
+                ),
+                format!("--seed-file={}", s.dir.path().join("munge/seed").display()),
             ],
         )?;
-        s.daemons.push(("munged".into(), munged));
         let t0 = Instant::now();
         while !socket.exists() {
             if t0.elapsed() > GUARD {
@@ -707,39 +723,80 @@ impl Slurm {
             std::thread::sleep(Duration::from_millis(50));
         }
         let conf = s.conf.display().to_string();
-        let ctld = spawn("slurmctld", vec!["-D".into(), "-f".into(), conf.clone()])?;
-        s.daemons.push(("slurmctld".into(), ctld));
-        let slurmd = spawn(
-            "slurmd",
-            vec!["-D".into(), "-f".into(), conf, "-N".into(), s.node.clone()],
+        s.spawn(
+            "slurmctld",
+            Some(0),
+            &["-D".into(), "-f".into(), conf.clone()],
         )?;
-        s.daemons.push(("slurmd".into(), slurmd));
+        for (i, n) in SLURM_NODES.iter().enumerate() {
+            let args = [
+                "-D".into(),
+                "-f".into(),
+                conf.clone(),
+                "-N".into(),
+                (*n).into(),
+            ];
+            s.spawn("slurmd", Some(i), &args)?;
+        }
         let t0 = Instant::now();
         loop {
-            let state = s.command("sinfo", &["-h", "-n", &s.node.clone(), "-o", "%T"]);
-            if state.trim() == "idle" {
+            let state = s.command("sinfo", &["-h", "-o", "%T %D"]);
+            if state.trim() == "idle 2" {
                 return Ok(s);
             }
             if t0.elapsed() > GUARD {
                 return Err(format!(
-                    "the Slurm node never became idle (sinfo: {state:?}); slurmctld: {} slurmd: {}",
+                    "the Slurm nodes never became idle (sinfo: {state:?}); slurmctld: {} slurmd n0: {}",
                     s.log("slurmctld.log"),
-                    s.log("slurmd.log")
+                    s.log("slurmd-n0.log")
                 ));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
 
+    /// Start daemon `program` in node `node`'s network namespace (munged: in this one).
+    fn spawn(&mut self, program: &str, node: Option<usize>, args: &[String]) -> Result<(), String> {
+        let name = match node {
+            Some(i) => format!("{program}-{i}"),
+            None => program.to_owned(),
+        };
+        let log = std::fs::File::create(self.dir.path().join(format!("log/{name}.out")))
+            .map_err(|e| e.to_string())?;
+        let mut c = match node {
+            Some(i) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{}", self.emulation.node_ns(i)))
+                    .arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
+        let child = c
+            .args(args)
+            .env("SLURM_CONF", &self.conf)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("{program}: {e}"))?;
+        self.daemons.push((name, child));
+        Ok(())
+    }
+
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join("log").join(name)).unwrap_or_default()
     }
 
-    /// A Slurm client command's stdout (its stderr appended).
-    fn command(&self, program: &str, args: &[&str]) -> String {
-        let o = Command::new(program)
+    /// A Slurm client command run in node 0's namespace, with `env`: its stdout (stderr
+    /// appended).
+    fn command_with(&self, program: &str, args: &[&str], env: &[(&str, &Path)]) -> String {
+        let o = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.emulation.node_ns(0)))
+            .arg(program)
             .args(args)
             .env("SLURM_CONF", &self.conf)
+            .envs(env.iter().copied())
             .output()
             .unwrap_or_else(|e| panic!("{program}: {e}"));
         format!(
@@ -747,6 +804,10 @@ impl Slurm {
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
         )
+    }
+
+    fn command(&self, program: &str, args: &[&str]) -> String {
+        self.command_with(program, args, &[])
     }
 }
 
@@ -795,16 +856,27 @@ fn wait_output(slurm: &Slurm, out_file: &Path, job: &str, what: &str) -> String 
         }
         let queued = slurm.command("squeue", &["-h", "-j", job, "-o", "%T"]);
         assert!(
-            t0.elapsed() < GUARD && !queued.trim().is_empty() || text.contains(what),
-            "job {job} ({queued:?}) never printed {what:?}:\n{text}\nslurmd: {}",
-            slurm.log("slurmd.log")
+            t0.elapsed() < GUARD && !queued.trim().is_empty(),
+            "job {job} ({queued:?}) never printed {what:?}:\n{text}\nslurmd n0: {}",
+            slurm.log("slurmd-n0.log")
         );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
+/// `GET /ready` at `addr` from node `node`'s namespace.
+fn ready_in(
+    emulation: &expertmesh_benches::cluster::netns::Emulation,
+    node: usize,
+    addr: &str,
+) -> bool {
+    let a = addr.to_owned();
+    in_namespace(&emulation.node_ns(node), move || http_status(&a, "/ready")) == Some(200)
+}
+
 #[test]
-fn a_real_slurm_job_runs_the_fabric_restarts_a_dead_task_and_scancel_ends_it() {
+fn a_real_slurm_job_on_two_nodes_serves_restarts_a_dead_task_and_scancel_ends_it() {
+    use expertmesh_benches::cluster::netns::Emulation;
     let slurm = match Slurm::start() {
         Ok(s) => s,
         Err(why) => {
@@ -814,47 +886,65 @@ fn a_real_slurm_job_runs_the_fabric_restarts_a_dead_task_and_scancel_ends_it() {
     };
     let _machine = crate::support::shared();
     let inputs = Inputs::new();
-    let out = inputs.dir.path().join("bundle");
-    let r = inputs.deploy(
-        &["slurm", "--restarts", "1"],
-        &out,
-        &[
-            "--key",
-            inputs.key.to_str().unwrap(),
-            "--frontend",
-            "fe",
-            "--host",
-            &format!("local={}", slurm.node),
-        ],
-    );
+    let dir = inputs.dir.path();
+    let (topology, placement) = two_node_files(dir);
+    let out = dir.join("bundle");
+    let r = crate::support::run(&[
+        "deploy",
+        "slurm",
+        "--restarts",
+        "1",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--model",
+        "demo-small",
+        "--placement",
+        placement.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--key",
+        inputs.key.to_str().unwrap(),
+        "--frontend",
+        "fe",
+        "--host",
+        "node-a=n0",
+        "--host",
+        "node-b=n1",
+        "--router-arg=--mode",
+        "--router-arg=exact",
+    ]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let submitted = Command::new("sbatch")
-        .arg("--parsable")
-        .arg(out.join("slurm/expertmesh.sbatch"))
-        .env("SLURM_CONF", &slurm.conf)
-        .env("EXPERTMESH_BIN", bin())
-        .output()
-        .unwrap();
-    let job = String::from_utf8_lossy(&submitted.stdout)
-        .trim()
-        .split(';')
-        .next()
-        .unwrap()
-        .to_owned();
+    let sbatch = out.join("slurm/expertmesh.sbatch");
+    let exe = bin();
+    let submitted = slurm.command_with(
+        "sbatch",
+        &["--parsable", sbatch.to_str().unwrap()],
+        &[("EXPERTMESH_BIN", exe.as_path())],
+    );
+    let job = submitted.trim().split(';').next().unwrap().to_owned();
     assert!(
-        submitted.status.success() && !job.is_empty(),
-        "sbatch: {}",
-        String::from_utf8_lossy(&submitted.stderr)
+        !job.is_empty() && job.chars().all(|c| c.is_ascii_digit()),
+        "sbatch: {submitted}"
     );
     let out_file = out.join(format!("slurm/expertmesh-{job}.out"));
-    wait_output(&slurm, &out_file, &job, "fabric single-host ready");
+    wait_output(&slurm, &out_file, &job, "fabric two-nodes ready");
+    let router: SocketAddr = format!("{}:47400", Emulation::node_address(0))
+        .parse()
+        .unwrap();
     let fe = out.join("frontends/fe.cred");
-    check_answers(inputs.frontend_addr(), &fe, &inputs.topology);
-    // A task dies: the entry script restarts it and the fabric answers again.
+    let check = || {
+        let (fe, topology, placement) = (fe.clone(), topology.clone(), placement.clone());
+        in_namespace(&slurm.emulation.node_ns(0), move || {
+            check_answers_placed(router, &fe, &topology, &placement, "two-nodes")
+        });
+    };
+    check();
+    // A task dies: the entry script restarts it on its node and the fabric answers again.
     let bundle = out.display().to_string();
-    let worker: Vec<(u32, String)> = processes_mentioning("--device local/cpu1")
+    let on_b = |c: &String| c.contains(&bundle) && c.contains(" worker ");
+    let worker: Vec<(u32, String)> = processes_mentioning("--device node-b/cpu1")
         .into_iter()
-        .filter(|(_, c)| c.contains(&bundle) && c.contains(" worker "))
+        .filter(|(_, c)| on_b(c))
         .collect();
     assert_eq!(worker.len(), 1, "{worker:?}");
     // SAFETY: kill has no memory preconditions; the pid is the job's worker process.
@@ -862,19 +952,17 @@ fn a_real_slurm_job_runs_the_fabric_restarts_a_dead_task_and_scancel_ends_it() {
     wait_output(&slurm, &out_file, &job, "restart 1 of 1");
     let procs = processes(&out);
     let t0 = Instant::now();
-    let router_health = &procs[0].2;
-    // Ready again once the restarted worker has joined (it drops out of /ready meanwhile).
     loop {
-        let back = processes_mentioning("--device local/cpu1")
+        let back = processes_mentioning("--device node-b/cpu1")
             .into_iter()
-            .any(|(pid, c)| pid != worker[0].0 && c.contains(" worker "));
-        if back && http_status(router_health, "/ready") == Some(200) {
+            .any(|(pid, c)| pid != worker[0].0 && on_b(&c));
+        if back && ready_in(&slurm.emulation, 0, &procs[0].2) {
             break;
         }
         assert!(t0.elapsed() < GUARD, "the restarted worker never rejoined");
         std::thread::sleep(Duration::from_millis(100));
     }
-    check_answers(inputs.frontend_addr(), &fe, &inputs.topology);
+    check();
     // scancel: every process drains and exits; the job ends; nothing is left running.
     let cancel = slurm.command("scancel", &[&job]);
     assert!(cancel.trim().is_empty(), "scancel: {cancel}");
@@ -914,20 +1002,20 @@ fn two_node_files(dir: &Path) -> (PathBuf, PathBuf) {
             Emulation::node_address(i)
         )
     };
-    let topology = dir.join("k8s-test.toml");
+    let topology = dir.join("two-nodes.toml");
     std::fs::write(
         &topology,
         format!(
-            "format = 1\nname = \"k8s-test\"\n[router]\nnode = \"node-a\"\nport = 47400\n{}{}",
+            "format = 1\nname = \"two-nodes\"\n[router]\nnode = \"node-a\"\nport = 47400\n{}{}",
             node("node-a", 0, "cpu0"),
             node("node-b", 1, "cpu1")
         ),
     )
     .unwrap();
-    let placement = dir.join("k8s-test.placement.toml");
+    let placement = dir.join("two-nodes.placement.toml");
     let text = std::fs::read_to_string(example_placement())
         .unwrap()
-        .replace("cluster = \"single-host\"", "cluster = \"k8s-test\"")
+        .replace("cluster = \"single-host\"", "cluster = \"two-nodes\"")
         .replace("local/cpu0", "node-a/cpu0")
         .replace("local/cpu1", "node-b/cpu1");
     std::fs::write(&placement, text).unwrap();
@@ -1213,7 +1301,7 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
         .unwrap();
     let fe = out.join("frontends/fe.cred");
     in_namespace(&emulation.node_ns(0), move || {
-        check_answers_placed(router, &fe, &topology, &placement, "k8s-test")
+        check_answers_placed(router, &fe, &topology, &placement, "two-nodes")
     });
     // Termination: SIGTERM to each container's process; every one exits 0.
     children.stop_all(&logs);
