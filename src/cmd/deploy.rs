@@ -122,7 +122,6 @@ impl CommonArgs {
     fn options(&self) -> anyhow::Result<DeployOptions> {
         let source = match &self.deploy.weights {
             Some(w) => Source::Weights {
-                here: w.clone(),
                 on_hosts: match &self.weights_on_hosts {
                     Some(p) => p.clone(),
                     None => std::path::absolute(w)

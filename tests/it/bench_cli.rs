@@ -338,8 +338,14 @@ fn transport_results_say_which_way_each_ratio_is_good() {
         // Each row's limit is positive, in the row's unit, and says what it is.
         assert!(r["limit"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["limit_is"].as_str().is_some(), "{r}");
-        // Two interleaved repetitions, kept raw.
-        assert_eq!(r["repetitions"], 2, "{r}");
-        assert_eq!(r["samples"]["limit"].as_array().unwrap().len(), 2, "{r}");
+        // Two interleaved repetitions asked for, kept raw; the --seconds budget may stop the
+        // run after the first on a slow or busy machine, and the row records what it ran.
+        let reps = r["repetitions"].as_u64().unwrap();
+        assert!((1..=2).contains(&reps), "{r}");
+        assert_eq!(
+            r["samples"]["limit"].as_array().unwrap().len() as u64,
+            reps,
+            "{r}"
+        );
     }
 }

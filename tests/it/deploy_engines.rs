@@ -86,13 +86,24 @@ impl Inputs {
     /// `expertmesh deploy ENGINE ...` for demo-small on this topology (exact mode), writing to
     /// `out`; `extra` are more arguments.
     fn deploy(&self, engine: &[&str], out: &Path, extra: &[&str]) -> crate::support::Run {
-        let placement = example_placement();
+        self.deploy_on(&self.topology, &example_placement(), engine, out, extra)
+    }
+
+    /// [`Inputs::deploy`] of `topology` with `placement`.
+    fn deploy_on(
+        &self,
+        topology: &Path,
+        placement: &Path,
+        engine: &[&str],
+        out: &Path,
+        extra: &[&str],
+    ) -> crate::support::Run {
         let metrics = self.metrics.to_string();
         let mut args = vec!["deploy"];
         args.extend(engine);
         args.extend([
             "--topology",
-            self.topology.to_str().unwrap(),
+            topology.to_str().unwrap(),
             "--model",
             "demo-small",
             "--placement",
@@ -610,13 +621,23 @@ struct Slurm {
     emulation: expertmesh_benches::cluster::netns::Emulation,
 }
 
+/// The emulated nodes' links: fast enough that they never bind (these tests check answers,
+/// not speed).
+const FAST_LINKS: expertmesh_benches::cluster::netns::Shaping =
+    expertmesh_benches::cluster::netns::Shaping {
+        rate_mbit: 1000.0,
+        burst_bytes: 1 << 20,
+        latency_ms: 50.0,
+        mtu: 1500,
+    };
+
 /// The Slurm node names of the emulated nodes.
 const SLURM_NODES: [&str; 2] = ["n0", "n1"];
 
 impl Slurm {
     /// Start it, or say why it cannot run here.
     fn start() -> Result<Self, String> {
-        use expertmesh_benches::cluster::netns::{Emulation, Shaping};
+        use expertmesh_benches::cluster::netns::Emulation;
         if !is_root() {
             return Err("not root".into());
         }
@@ -636,13 +657,7 @@ impl Slurm {
                 ));
             }
         }
-        let shaping = Shaping {
-            rate_mbit: 1000.0,
-            burst_bytes: 1 << 20,
-            latency_ms: 50.0,
-            mtu: 1500,
-        };
-        let emulation = Emulation::create(2, shaping).map_err(|e| e.to_string())?;
+        let emulation = Emulation::create(2, FAST_LINKS).map_err(|e| e.to_string())?;
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let d = dir.path();
         for sub in ["munge", "state", "log"] {
@@ -889,30 +904,23 @@ fn a_real_slurm_job_on_two_nodes_serves_restarts_a_dead_task_and_scancel_ends_it
     let dir = inputs.dir.path();
     let (topology, placement) = two_node_files(dir);
     let out = dir.join("bundle");
-    let r = crate::support::run(&[
-        "deploy",
-        "slurm",
-        "--restarts",
-        "1",
-        "--topology",
-        topology.to_str().unwrap(),
-        "--model",
-        "demo-small",
-        "--placement",
-        placement.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--key",
-        inputs.key.to_str().unwrap(),
-        "--frontend",
-        "fe",
-        "--host",
-        "node-a=n0",
-        "--host",
-        "node-b=n1",
-        "--router-arg=--mode",
-        "--router-arg=exact",
-    ]);
+    let key = inputs.key.to_str().unwrap();
+    let r = inputs.deploy_on(
+        &topology,
+        &placement,
+        &["slurm", "--restarts", "1"],
+        &out,
+        &[
+            "--key",
+            key,
+            "--frontend",
+            "fe",
+            "--host",
+            "node-a=n0",
+            "--host",
+            "node-b=n1",
+        ],
+    );
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     let sbatch = out.join("slurm/expertmesh.sbatch");
     let exe = bin();
@@ -1191,7 +1199,7 @@ impl PodStart<'_> {
 
 #[test]
 fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes() {
-    use expertmesh_benches::cluster::netns::{Emulation, Shaping};
+    use expertmesh_benches::cluster::netns::Emulation;
     if !is_root() || !have("unshare") {
         say("skipped: the Kubernetes pods test (needs root and unshare)");
         return;
@@ -1203,13 +1211,7 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
         return;
     }
     let _machine = crate::support::shared();
-    let shaping = Shaping {
-        rate_mbit: 1000.0,
-        burst_bytes: 1 << 20,
-        latency_ms: 50.0,
-        mtu: 1500,
-    };
-    let emulation = match Emulation::create(2, shaping) {
+    let emulation = match Emulation::create(2, FAST_LINKS) {
         Ok(e) => e,
         Err(e) => {
             say(&format!("skipped: the Kubernetes pods test ({e})"));
@@ -1220,32 +1222,26 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
     let dir = inputs.dir.path();
     let (topology, placement) = two_node_files(dir);
     let out = dir.join("out");
-    let r = crate::support::run(&[
-        "deploy",
-        "kubernetes",
-        "--image",
-        "registry.example/expertmesh:test",
-        "--topology",
-        topology.to_str().unwrap(),
-        "--model",
-        "demo-small",
-        "--placement",
-        placement.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--key",
-        inputs.key.to_str().unwrap(),
-        "--frontend",
-        "fe",
-        "--host",
-        "node-a=k8s-a",
-        "--host",
-        "node-b=k8s-b",
-        "--bin",
-        bin().to_str().unwrap(),
-        "--router-arg=--mode",
-        "--router-arg=exact",
-    ]);
+    let key = inputs.key.to_str().unwrap();
+    let exe = bin();
+    let r = inputs.deploy_on(
+        &topology,
+        &placement,
+        &["kubernetes", "--image", "registry.example/expertmesh:test"],
+        &out,
+        &[
+            "--key",
+            key,
+            "--frontend",
+            "fe",
+            "--host",
+            "node-a=k8s-a",
+            "--host",
+            "node-b=k8s-b",
+            "--bin",
+            exe.to_str().unwrap(),
+        ],
+    );
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     let docs = yaml_documents(&files_under(&out.join("kubernetes"))).expect("the manifests parse");
     // What the kubelet mounts: each ConfigMap and Secret as a folder of files.

@@ -422,7 +422,7 @@ enum Input {
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
 /// mesh to answer on, and the inputs waiting per sender.
 struct ComputeCtx {
-    /// Set by SIGTERM/SIGINT: return once the queue is empty.
+    /// Set by SIGTERM/SIGINT: take no new input, return once the queue is empty.
     stop: Arc<AtomicBool>,
     exec: DispatchExecutor,
     fanout: Option<NodeFanout>,
@@ -481,19 +481,23 @@ impl std::task::Wake for Unpark {
 const EVENTS_PER_PASS: usize = 64;
 
 impl ComputeCtx {
-    /// Until the mesh's events end (or a stop signal, once the queue is empty): take the ready events into the queues, run the next
-    /// input round robin over senders, and sleep on this thread's park token when there is
-    /// nothing to do (the mesh's event queue unparks it).
+    /// Until the mesh's events end, or a stop signal came and the queue is empty: take the
+    /// ready events into the queues, run the next input round robin over senders, and sleep
+    /// on this thread's park token when there is nothing to do (the mesh's event queue, or
+    /// the stop signal, unparks it).
     fn run(mut self, mut events: MeshEvents) {
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = TaskContext::from_waker(&waker);
         let mut open = true;
         loop {
+            // Once stopping, nothing new is taken from the links (so a busy router cannot keep
+            // the worker alive): what is queued is answered, then the loop returns.
+            let stopping = self.stop.load(Ordering::SeqCst);
             // Whether the event queue may still hold events (then this pass must not park:
             // the waker is registered only by a poll that finds the queue empty).
-            let mut more = open;
+            let mut more = open && !stopping;
             for _ in 0..EVENTS_PER_PASS {
-                if !open {
+                if !open || stopping {
                     break;
                 }
                 match std::pin::pin!(events.recv()).poll(&mut cx) {
@@ -514,7 +518,7 @@ impl ComputeCtx {
                 self.handle_input(input);
                 continue;
             }
-            if !open || self.stop.load(Ordering::SeqCst) {
+            if !open || stopping {
                 return;
             }
             if more {

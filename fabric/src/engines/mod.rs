@@ -71,10 +71,9 @@ impl Engine {
 /// Where the deployment's model and weights come from.
 #[derive(Debug, Clone)]
 pub enum Source {
-    /// A converted weights folder: the processes read it at this path on their hosts.
+    /// A converted weights folder (loaded into the deployment; its manifest names the files
+    /// each host needs): the processes read it at this path on their hosts.
     Weights {
-        /// The folder here (its manifest names the files each host needs).
-        here: PathBuf,
         /// The folder's path on every host.
         on_hosts: String,
     },
