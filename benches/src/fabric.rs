@@ -5,11 +5,20 @@
 //! figure is the ceiling — gate, the CPU backend running every expert of the layer with all
 //! the cores the workers have together, combine — and the fabric figure is the same work
 //! through the router, the transport and worker processes, with several frontends keeping it
-//! busy. `ratio = fabric / in-process`; the target is ≥ 0.7 at batch 64 on two workers.
+//! busy. The ceiling does the same work with the same concurrency: the `clients` frontends'
+//! batches of `b` tokens, which the router may batch together, run in-process as one batch of
+//! `clients × b` tokens (what an ideal batcher would run; the backend reads each expert once
+//! per batch, so this is the fastest way through that work). `ratio = fabric / in-process`
+//! (at most 1); the target is ≥ 0.7 at batch 64 on two workers.
 //!
 //! Latency rows (`... latency_p50` / `_p99`, batch 1): one frontend calling a 1-token layer
-//! again and again, against `limit = in-process 1-token layer time + 3 × raw loopback TCP
-//! round trip`, both measured in the same run (`ratio ≤ 1` meets the target). A second row
+//! again and again, against a floor measured in the same run: the in-process 1-token layer
+//! time, which no fabric can beat (`ratio ≥ 1`, lower is better; the ratio is what the
+//! frontend's call and the worker's hop cost on top of the compute). A raw blocking loopback
+//! TCP round trip of the same bytes is measured too and recorded beside it
+//! (`raw_tcp_round_trip_us_p50`), but it is not part of the floor: on a small VM a blocking
+//! socket's wake-ups can cost more than the fabric's whole hop (its threads spin briefly before
+//! they park), so it is not a lower bound. A second row
 //! (`... window`) repeats it with another frontend connected but idle, so the batch window
 //! applies: what every lone call paid before the window learned to close when every connected
 //! frontend is waiting. The wire table prints the bytes per token per layer each serving mode
@@ -122,13 +131,16 @@ fn in_process_limits(
         dep.seed,
         &[layer],
         threads,
-        max_batch(o),
+        max_batch(o) * o.clients.max(1),
     )
     .map_err(BenchError::ReferenceBackend)?;
     let gate = reference::synthetic_gate(spec, dep.seed, layer);
     let mut limits = Vec::new();
+    let clients = o.clients.max(1);
     for &b in &o.batches {
-        let x = reference::synthetic_hidden(b as u64, b, h);
+        // The clients' concurrent batches as the one batch an ideal batcher would make.
+        let tokens = b * clients;
+        let x = reference::synthetic_hidden(b as u64, tokens, h);
         let mode = o.mode.compute();
         let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
             .map_err(BenchError::ReferenceLayer)?;
@@ -139,8 +151,10 @@ fn in_process_limits(
                 .map_err(BenchError::ReferenceLayer)?;
             calls += 1;
         }
-        let tps = (calls as usize * b) as f64 / t0.elapsed().as_secs_f64();
-        println!("in-process layer, batch {b:>3}: {tps:>9.0} tokens/s ({threads} threads)");
+        let tps = (calls as usize * tokens) as f64 / t0.elapsed().as_secs_f64();
+        println!(
+            "in-process layer, {clients} x {b:>3} tokens as one batch: {tps:>9.0} tokens/s ({threads} threads)"
+        );
         limits.push(tps);
     }
     // The 1-token call's time, for the latency rows' limit.
@@ -227,7 +241,11 @@ impl LinkRun<'_> {
                 )
                 .with(
                     "limit_is",
-                    format!("the same layer in-process on one CPU backend with {threads} threads"),
+                    format!(
+                        "the same layer in-process on one CPU backend with {threads} threads, the {} clients' {b}-token batches as one batch of {} tokens",
+                        o.clients.max(1),
+                        b * o.clients.max(1)
+                    ),
                 )
                 .with("clients", o.clients as u64)
                 .with("workers", self.dep.topology.devices().len() as u64),
@@ -323,7 +341,8 @@ async fn one_token_latencies(
 impl LinkRun<'_> {
     /// Latency step: 1-token calls from one frontend (the window closes at once: it is the
     /// only one connected), then again with a second, idle frontend connected (the window
-    /// applies), against the in-process 1-token time plus three raw TCP round trips.
+    /// applies), against the floor: the in-process 1-token time (a raw TCP round trip is
+    /// recorded beside it).
     fn latency(
         &self,
         rt: &tokio::runtime::Runtime,
@@ -356,23 +375,23 @@ impl LinkRun<'_> {
         let mut raw = raw_tcp_round_trips_us(msg, alone.len().clamp(200, 5000))?;
         raw.sort_by(f64::total_cmp);
         let raw50 = crate::method::stats::percentile(&raw, 50.0);
-        let limit = self.limits.one_token_us + 3.0 * raw50;
+        let limit = self.limits.one_token_us;
         let name = format!("fabric-{}-{} {}", link.name(), o.mode.name(), spec.name);
         let limit_is = format!(
-            "in-process 1-token layer ({:.0} us) + 3 x raw loopback TCP round trip ({raw50:.1} us, {msg} bytes out, 64 back)",
-            self.limits.one_token_us
+            "a floor: the in-process 1-token layer ({limit:.0} us); the fabric adds the frontend's call and the worker's hop (a raw blocking loopback TCP round trip of {msg} bytes out, 64 back: {raw50:.1} us p50, not a floor)"
         );
         for (lat, what) in [(&alone, "latency"), (&window, "latency window")] {
             for (p, tag) in [(50.0, "p50"), (99.0, "p99")] {
                 let v = crate::method::stats::percentile(lat, p);
                 println!(
-                    "fabric over {}, 1 token, {what} {tag}: {v:>7.0} us = {:.2} of the limit {limit:.0} us",
+                    "fabric over {}, 1 token, {what} {tag}: {v:>7.0} us = {:.2} x the floor {limit:.0} us",
                     link.name(),
                     v / limit
                 );
                 report.results.push(
                     BenchResult::new(format!("{name} {what} {tag}"), 1, v, limit, "us")
                         .with("limit_is", limit_is.clone())
+                        .with("raw_tcp_round_trip_us_p50", raw50)
                         .with("calls", lat.len() as u64)
                         .with("frontends", if what == "latency" { 1u64 } else { 2u64 }),
                 );

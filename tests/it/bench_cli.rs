@@ -349,3 +349,61 @@ fn transport_results_say_which_way_each_ratio_is_good() {
         );
     }
 }
+
+/// `bench fabric`'s limits do the work the fabric does: the clients' concurrent batches as one
+/// in-process batch (an ideal batcher), and for latency the in-process 1-token layer as the
+/// floor (a raw TCP round trip is recorded beside it, not added to it). Structure only: the
+/// figures depend on the machine.
+#[test]
+fn fabric_limits_do_the_same_work_as_the_fabric() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("fabric.json");
+    let r = run(&[
+        "bench",
+        "fabric",
+        "--seconds",
+        "0.3",
+        "--batches",
+        "1,8",
+        "--clients",
+        "3",
+        "--link",
+        "shm",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let v = read_json(&json);
+    let results = v["results"].as_array().unwrap();
+    let (mut throughput, mut floors) = (0, Vec::new());
+    for row in results {
+        let limit_is = row["limit_is"].as_str().unwrap();
+        match row["unit"].as_str().unwrap() {
+            "tokens/s" => {
+                let b = row["batch"].as_u64().unwrap();
+                assert!(
+                    limit_is.contains(&format!("as one batch of {} tokens", 3 * b)),
+                    "{row}"
+                );
+                throughput += 1;
+            }
+            "us" => {
+                assert_eq!(row["better"], "lower", "{row}");
+                assert!(limit_is.starts_with("a floor"), "{row}");
+                assert!(
+                    row["raw_tcp_round_trip_us_p50"].as_f64().unwrap() > 0.0,
+                    "{row}"
+                );
+                floors.push(row["limit"].as_f64().unwrap());
+            }
+            other => panic!("unit {other}: {row}"),
+        }
+    }
+    assert_eq!(throughput, 2);
+    assert_eq!(floors.len(), 4);
+    assert!(
+        floors.iter().all(|&f| f > 0.0 && f == floors[0]),
+        "{floors:?}"
+    );
+}
