@@ -46,6 +46,9 @@ use expertmesh_quant::synth::{self, SplitMix64};
 use expertmesh_topology::model::ModelSpec;
 use std::time::{Duration, Instant};
 
+/// The CPU kernels' instruction sets (`--isa`).
+pub use expertmesh_cpu_backend::kernels::Isa;
+
 /// Options of `bench kernels`.
 #[derive(Debug, Clone)]
 pub struct KernelBenchOptions {
@@ -65,6 +68,8 @@ pub struct KernelBenchOptions {
     pub pool_bytes: u64,
     /// Where the backend's threads run.
     pub pin: KernelPin,
+    /// The instruction set the kernels use (`None`: the best this CPU has).
+    pub isa: Option<expertmesh_cpu_backend::kernels::Isa>,
 }
 
 /// Where `bench kernels` runs the backend's threads.
@@ -562,6 +567,7 @@ impl ModelBench {
         spec: &ModelSpec,
         threads: usize,
         pin: Option<Vec<usize>>,
+        isa: expertmesh_cpu_backend::kernels::Isa,
         pool_bytes: u64,
         max_tokens: usize,
     ) -> Result<Self, BenchError> {
@@ -588,7 +594,6 @@ impl ModelBench {
             })
             .collect();
         drop(distinct);
-        let isa = expertmesh_cpu_backend::kernels::Isa::detect();
         let mut backend = CpuBackend::with_isa_pinned(threads, isa, pin)?;
         backend.load(
             experts,
@@ -893,7 +898,10 @@ fn setup_cases(
         } else {
             pool_bytes
         };
-        let mut m = ModelBench::load(spec, opts.threads, pin.clone(), pool_bytes, max_tokens)?;
+        let isa = opts
+            .isa
+            .unwrap_or_else(expertmesh_cpu_backend::kernels::Isa::detect);
+        let mut m = ModelBench::load(spec, opts.threads, pin.clone(), isa, pool_bytes, max_tokens)?;
         let mut kinds: Vec<Kind> = opts.batches.iter().map(|&b| Kind::Decode(b)).collect();
         kinds.push(Kind::Accurate);
         if opts.prefill_tokens > 0 {
@@ -1062,6 +1070,7 @@ mod tests {
             prefill_tokens: 8,
             pool_bytes: 0,
             pin: KernelPin::Limit,
+            isa: None,
         }
     }
 

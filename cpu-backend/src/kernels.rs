@@ -11,6 +11,10 @@
 //! halving tree at the end. Each SIMD lane is one output row, so every lane performs exactly the
 //! scalar sequence: the three paths are bit-identical by construction and by test.
 //!
+//! Accurate mode (f32 activations) has AVX2 and AVX-512 kernels too: each dequantizes a tile
+//! once for all its tokens and sums in its own order (tolerance-tested against f64), with
+//! several independent FMA chains per token when few tokens share the tile.
+//!
 //! PERF-CRITICAL: no allocation, no locking, no logging in this module.
 
 use super::layout::{R16Matrix, ROWS};
@@ -245,11 +249,34 @@ pub fn rowblock_accurate(
     out: &mut [[f32; ROWS]],
 ) {
     assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    // One token alone gets four FMA chains, two or three tokens two each: enough independent
+    // chains to cover the FMA latency (four or more tokens are already that many chains).
+    macro_rules! by_tokens {
+        ($module:ident :: $kernel:ident) => {
+            match toks.len() {
+                0 => {}
+                1 => $module::$kernel::<1, 4>(m, rb, toks, out),
+                2 => $module::$kernel::<2, 2>(m, rb, toks, out),
+                3 => $module::$kernel::<3, 2>(m, rb, toks, out),
+                4 => $module::$kernel::<4, 1>(m, rb, toks, out),
+                5 => $module::$kernel::<5, 1>(m, rb, toks, out),
+                6 => $module::$kernel::<6, 1>(m, rb, toks, out),
+                7 => $module::$kernel::<7, 1>(m, rb, toks, out),
+                _ => $module::$kernel::<8, 1>(m, rb, toks, out),
+            }
+        };
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
-            // SAFETY: AVX-512 F/BW supported; in-bounds slices as in `rowblock_exact`.
-            unsafe { x86::accurate_avx512(m, rb, toks, out) }
+        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() && x86::fma_f16c() => {
+            // SAFETY: AVX-512 F/BW, FMA and F16C supported; `toks` holds at most
+            // MAX_TOKEN_TILE (8) slices of K floats and `out` as many rows (asserted above).
+            unsafe { by_tokens!(x86::accurate_avx512) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.supported_cached() && x86::fma_f16c() => {
+            // SAFETY: AVX2, FMA and F16C supported; slices as above.
+            unsafe { by_tokens!(x86::accurate_avx2) }
         }
         _ => accurate_scalar(m, rb, toks, out),
     }
@@ -440,6 +467,11 @@ mod x86 {
             let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
             _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
         }
+    }
+
+    /// Whether this CPU has FMA and F16C (every AVX2 CPU so far; checked, not assumed).
+    pub(super) fn fma_f16c() -> bool {
+        std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("f16c")
     }
 
     /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
@@ -789,15 +821,20 @@ mod x86 {
         let _ = BLOCK;
     }
 
-    /// AVX-512 accurate kernel: dequantize each nibble lane to f32, FMA with the broadcast
-    /// activation, scale per block.
+    /// The accurate kernels' per-token accumulator chains: `CH` independent FMA chains per
+    /// token break the block's 32-FMA dependency chain when few tokens share the tile (one
+    /// token alone would otherwise wait on FMA latency, not on memory).
+    ///
+    /// AVX-512 accurate kernel for `NT` tokens with `CH` chains each: each nibble lane
+    /// dequantized to f32 once per block (`vpermps` from a 16-entry table), FMA with the
+    /// broadcast activation for every token, the block's chains summed, then scaled.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW, F16C and FMA; `rb` must be a row block of `m`;
-    /// `toks.len()` must be at most [`super::MAX_TOKEN_TILE`] and at most `out.len()`, and
-    /// each token slice must hold `m.cols()` floats (read unchecked).
+    /// `toks` and `out` must hold at least `NT` entries, each token slice `m.cols()` floats
+    /// (read unchecked).
     #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    pub(super) unsafe fn accurate_avx512(
+    pub(super) unsafe fn accurate_avx512<const NT: usize, const CH: usize>(
         m: &R16Matrix,
         rb: usize,
         toks: &[&[f32]],
@@ -808,19 +845,43 @@ mod x86 {
         let zeros = m.row_block_zeros(rb);
         let bpg = m.blocks_per_group();
         let dtype = m.spec().scale_dtype;
-        let nt = toks.len();
+        let blocks = m.blocks();
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
         // f32(u - 8) for every code u: `vpermps` looks a lane's low 4 bits up in this table, so
         // a nibble becomes its centred float in one instruction (no mask, no convert).
         let table = _mm512_setr_ps(
             -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
         );
-        let mut acc = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
-        for b in 0..m.blocks() {
+        let mut x = [std::ptr::null::<f32>(); NT];
+        for t in 0..NT {
+            x[t] = toks[t].as_ptr();
+        }
+        let mut acc = [_mm512_setzero_ps(); NT];
+        for b in 0..blocks {
             let g = b / bpg;
-            // SAFETY: as in `exact_vnni`; x slices hold K floats.
+            prefetch_ahead(nib, base_off, total, b);
+            // SAFETY: as in `exact_vnni_1`; each token slice holds K floats.
             unsafe {
                 let tile = nib.add(b * 256);
                 let s = scales16_512(dtype, scales.add(g * ROWS));
+                let mut bs = [[_mm512_setzero_ps(); CH]; NT];
+                for c in 0..4 {
+                    let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                    for i in 0..4 {
+                        let sh = _mm512_srl_epi32(w, _mm_cvtsi32_si128((8 * i) as i32));
+                        let lo = _mm512_permutexvar_ps(sh, table);
+                        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(sh, 4), table);
+                        let k = (4 * c + i) % CH;
+                        for t in 0..NT {
+                            let xb = x[t].add(b * BLOCK);
+                            let xl = _mm512_set1_ps(*xb.add(4 * c + i));
+                            let xh = _mm512_set1_ps(*xb.add(16 + 4 * c + i));
+                            bs[t][k] = _mm512_fmadd_ps(lo, xl, bs[t][k]);
+                            bs[t][k] = _mm512_fmadd_ps(hi, xh, bs[t][k]);
+                        }
+                    }
+                }
                 // Σ(u - z)·x = Σ(u - 8)·x + (8 - z)·Σx: zero points add one term per block.
                 let zc = zeros.map(|z| {
                     _mm512_sub_ps(
@@ -830,36 +891,123 @@ mod x86 {
                         ))),
                     )
                 });
-                let mut bs = [_mm512_setzero_ps(); super::MAX_TOKEN_TILE];
-                for c in 0..4 {
-                    let w = _mm512_loadu_si512(tile.add(c * 64).cast());
-                    for i in 0..4 {
-                        let sh = _mm512_srl_epi32(w, _mm_cvtsi32_si128((8 * i) as i32));
-                        let lo = _mm512_permutexvar_ps(sh, table);
-                        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(sh, 4), table);
-                        for t in 0..nt {
-                            let x = toks[t].as_ptr().add(b * BLOCK);
-                            bs[t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x.add(4 * c + i)), bs[t]);
-                            bs[t] =
-                                _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(16 + 4 * c + i)), bs[t]);
-                        }
+                for t in 0..NT {
+                    let mut sum = bs[t][0];
+                    for ch in 1..CH {
+                        sum = _mm512_add_ps(sum, bs[t][ch]);
                     }
-                }
-                if let Some(zc) = zc {
-                    for t in 0..nt {
-                        let xb = std::slice::from_raw_parts(toks[t].as_ptr().add(b * BLOCK), BLOCK);
-                        let xs: f32 = xb.iter().sum();
-                        bs[t] = _mm512_fmadd_ps(zc, _mm512_set1_ps(xs), bs[t]);
+                    if let Some(zc) = zc {
+                        let xs = block_sum(x[t].add(b * BLOCK));
+                        sum = _mm512_fmadd_ps(zc, _mm512_set1_ps(xs), sum);
                     }
-                }
-                for t in 0..nt {
-                    acc[t] = _mm512_fmadd_ps(s, bs[t], acc[t]);
+                    acc[t] = _mm512_fmadd_ps(s, sum, acc[t]);
                 }
             }
         }
-        for t in 0..nt {
+        for t in 0..NT {
             // SAFETY: out[t] is 16 f32.
             unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+        }
+    }
+
+    /// Σ of the block's 32 activations at `x`.
+    ///
+    /// # Safety
+    /// `x` must point at 32 readable floats.
+    #[inline(always)]
+    unsafe fn block_sum(x: *const f32) -> f32 {
+        // SAFETY: the caller guarantees 32 floats at x.
+        unsafe { std::slice::from_raw_parts(x, BLOCK) }.iter().sum()
+    }
+
+    /// AVX2 accurate kernel for `NT` tokens with `CH` chains each: both 8-row halves of each
+    /// block in turn (the row block is read once, in order); a nibble becomes `f32(u - 8)`
+    /// exactly by placing it in the mantissa of 2^23 and subtracting 2^23 + 8.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; otherwise as [`accurate_avx512`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn accurate_avx2<const NT: usize, const CH: usize>(
+        m: &R16Matrix,
+        rb: usize,
+        toks: &[&[f32]],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let nib = m.row_block_nibbles(rb).as_ptr();
+        let scales = m.row_block_scales(rb).as_ptr();
+        let zeros = m.row_block_zeros(rb);
+        let bpg = m.blocks_per_group();
+        let dtype = m.spec().scale_dtype;
+        let blocks = m.blocks();
+        let total = m.row_blocks() * blocks * 256;
+        let base_off = rb * blocks * 256;
+        let mask = _mm256_set1_epi32(0x0F);
+        let magic = _mm256_set1_epi32(0x4B00_0000);
+        let bias = _mm256_set1_ps(8_388_616.0); // 2^23 + 8
+        let mut x = [std::ptr::null::<f32>(); NT];
+        for t in 0..NT {
+            x[t] = toks[t].as_ptr();
+        }
+        let mut acc = [[_mm256_setzero_ps(); 2]; NT];
+        for b in 0..blocks {
+            let g = b / bpg;
+            prefetch_ahead(nib, base_off, total, b);
+            let mut xs = [0f32; NT];
+            if zeros.is_some() {
+                for t in 0..NT {
+                    // SAFETY: each token slice holds K floats.
+                    xs[t] = unsafe { block_sum(x[t].add(b * BLOCK)) };
+                }
+            }
+            for half in 0..2 {
+                // SAFETY: tile `b` is 256 bytes of the row block, this half reads 32 of each
+                // 64-byte chunk; scales and zeros hold 16 per group; tokens hold K floats.
+                unsafe {
+                    let tile = nib.add(b * 256 + half * 32);
+                    let mut bs = [[_mm256_setzero_ps(); CH]; NT];
+                    for c in 0..4 {
+                        let w = _mm256_loadu_si256(tile.add(c * 64).cast());
+                        for i in 0..4 {
+                            let sh = _mm256_srl_epi32(w, _mm_cvtsi32_si128((8 * i) as i32));
+                            let to_f32 = |v: __m256i| {
+                                let m = _mm256_or_si256(_mm256_and_si256(v, mask), magic);
+                                _mm256_sub_ps(_mm256_castsi256_ps(m), bias)
+                            };
+                            let lo = to_f32(sh);
+                            let hi = to_f32(_mm256_srli_epi32(sh, 4));
+                            let k = (4 * c + i) % CH;
+                            for t in 0..NT {
+                                let xb = x[t].add(b * BLOCK);
+                                let xl = _mm256_broadcast_ss(&*xb.add(4 * c + i));
+                                let xh = _mm256_broadcast_ss(&*xb.add(16 + 4 * c + i));
+                                bs[t][k] = _mm256_fmadd_ps(lo, xl, bs[t][k]);
+                                bs[t][k] = _mm256_fmadd_ps(hi, xh, bs[t][k]);
+                            }
+                        }
+                    }
+                    let s = scales8(dtype, scales.add(g * ROWS + half * 8));
+                    let zc = zeros.map(|z| {
+                        let z = zeros8(z.as_ptr().add(g * ROWS + half * 8));
+                        _mm256_sub_ps(_mm256_set1_ps(8.0), _mm256_cvtepi32_ps(z))
+                    });
+                    for t in 0..NT {
+                        let mut sum = bs[t][0];
+                        for ch in 1..CH {
+                            sum = _mm256_add_ps(sum, bs[t][ch]);
+                        }
+                        if let Some(zc) = zc {
+                            sum = _mm256_fmadd_ps(zc, _mm256_set1_ps(xs[t]), sum);
+                        }
+                        acc[t][half] = _mm256_fmadd_ps(s, sum, acc[t][half]);
+                    }
+                }
+            }
+        }
+        for t in 0..NT {
+            for half in 0..2 {
+                // SAFETY: out[t] has 16 f32; this half writes 8 of them.
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(half * 8), acc[t][half]) };
+            }
         }
     }
 }

@@ -407,3 +407,15 @@ fn fabric_limits_do_the_same_work_as_the_fabric() {
         "{floors:?}"
     );
 }
+
+/// `bench kernels --isa` takes only an instruction set this CPU runs, and says which it has.
+#[test]
+fn kernel_bench_isa_is_checked() {
+    let r = run(&["bench", "kernels", "--isa", "avx9"]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("one of scalar, avx2, avx512-vnni"),
+        "{}",
+        r.stderr
+    );
+}

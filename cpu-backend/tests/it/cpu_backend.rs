@@ -303,11 +303,14 @@ fn backend_accurate_within_tolerance() {
         scale_dtype: ScaleDtype::F16,
         zero_points: true,
     };
-    for (isa, spec) in Isa::available()
-        .into_iter()
-        .flat_map(|i| [(i, QuantSpec::G32_BF16), (i, asym)])
-    {
-        let tb = TestBatch::random(spec, 256, &[128, 64, 128], 9, 2, 5);
+    // Token counts that give every expert's tile 1 to 8 tokens (the kernels' per-count paths).
+    let cases = Isa::available().into_iter().flat_map(|i| {
+        [1usize, 2, 3, 5, 8, 9, 17]
+            .into_iter()
+            .flat_map(move |n| [(i, QuantSpec::G32_BF16, n), (i, asym, n)])
+    });
+    for (isa, spec, tokens) in cases {
+        let tb = TestBatch::random(spec, 256, &[128, 64, 128], tokens, 2, 5 + tokens as u64);
         let h = tb.hidden;
         {
             let mut be = CpuBackend::with_isa(2, isa).unwrap();
@@ -330,7 +333,10 @@ fn backend_accurate_within_tolerance() {
                 }
             }
             // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
-            assert!(worst < 1e-4, "{isa:?} {spec}: accurate mode error {worst}");
+            assert!(
+                worst < 1e-4,
+                "{isa:?} {spec} {tokens} tokens: accurate mode error {worst}"
+            );
         }
     }
 }

@@ -233,6 +233,10 @@ pub(crate) struct KernelsCli {
     /// (the placement the memory limit was measured with), `unpinned` leaves them to the OS.
     #[arg(long, default_value = "limit", value_parser = pin_parser())]
     pin: KernelPin,
+    /// Instruction set of the kernels: scalar, avx2 or avx512-vnni (default: the best this CPU
+    /// has), to compare the paths on one machine.
+    #[arg(long, value_parser = isa_parser)]
+    isa: Option<kernels::Isa>,
 }
 
 /// Arguments of `bench transport`.
@@ -267,6 +271,27 @@ fn pin_parser() -> impl clap::builder::TypedValueParser<Value = KernelPin> {
     use clap::builder::TypedValueParser as _;
     clap::builder::PossibleValuesParser::new(KernelPin::ALL.map(KernelPin::name))
         .map(|s| s.parse::<KernelPin>().expect("a listed placement"))
+}
+
+/// `--isa`: an instruction set this CPU supports.
+fn isa_parser(s: &str) -> Result<kernels::Isa, String> {
+    use kernels::Isa;
+    let all = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni];
+    let isa = all
+        .into_iter()
+        .find(|i| i.name() == s)
+        .ok_or_else(|| format!("{s:?}: one of scalar, avx2, avx512-vnni"))?;
+    if !isa.supported() {
+        return Err(format!(
+            "this CPU cannot run {s} (it has: {})",
+            Isa::available()
+                .iter()
+                .map(|i| i.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(isa)
 }
 
 /// Arguments of `bench compare`.
@@ -350,6 +375,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 prefill_tokens: k.prefill_tokens,
                 pool_bytes: k.pool_mib << 20,
                 pin: k.pin,
+                isa: k.isa,
             })?;
             report.print_table();
             report::finish(&report, k.json.as_deref(), k.report.as_deref())?;
