@@ -254,8 +254,8 @@ impl RouterService {
         })
     }
 
-    /// Stop admitting requests (each new one is refused with `Overloaded`, saying the router is
-    /// draining, so a failover client sends it to another router) and wait up to `timeout` for
+    /// Stop admitting requests (each new one is refused with `ShuttingDown`, saying the router
+    /// is draining, so a failover client sends it to another router) and wait up to `timeout` for
     /// the admitted ones to be answered. Returns how many were still unanswered at the end
     /// (0: drained). The service keeps running; [`RouterService::shutdown`] stops it.
     pub fn drain(&self, timeout: Duration) -> usize {
@@ -639,8 +639,13 @@ impl FrontendConn {
         match self.admission.admit(self.client, &req).await {
             Ok(()) => Take::Request(req, head),
             Err(shed) => {
-                let answer = (req.request_id, ErrorCode::Overloaded, shed.to_string());
-                Take::Skip(head, Some(answer))
+                // A draining router says it is going away (a failover client then sends its
+                // unanswered requests to the next router); a full one says retry.
+                let code = match shed {
+                    Shed::Draining => ErrorCode::ShuttingDown,
+                    _ => ErrorCode::Overloaded,
+                };
+                Take::Skip(head, Some((req.request_id, code, shed.to_string())))
             }
         }
     }

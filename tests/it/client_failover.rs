@@ -340,3 +340,47 @@ fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound(
     assert_eq!((c.failovers(), c.peer_addr()), (1, b.frontend));
     assert!(t.elapsed() < bound, "{:?}", t.elapsed());
 }
+
+/// A router draining before it stops (SIGTERM: `RouterService::drain`) refuses new requests
+/// with ShuttingDown; a failover client then sends them to the other router, and a plain
+/// client gets that code with the reason. Every answer is bit for bit the same.
+#[test]
+fn a_draining_router_hands_new_requests_to_the_next_router() {
+    let _machine = crate::support::shared();
+    let fabric = two_routers();
+    let addrs: Vec<SocketAddr> = fabric.frontend_addrs().into_iter().flatten().collect();
+    assert_eq!(addrs.len(), 2);
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[0];
+    let rt = rt();
+    let cfg = fabric.frontend_config();
+    let mut failover = rt
+        .block_on(RouterClient::connect_any(
+            &addrs,
+            &cfg,
+            ClientOptions::default(),
+        ))
+        .unwrap();
+    let mut plain = rt.block_on(RouterClient::connect(addrs[0], &cfg)).unwrap();
+    assert_eq!(failover.peer_addr(), addrs[0]);
+    let x = reference::synthetic_hidden(31, 6, h);
+    let deadline = Some(Duration::from_secs(60));
+    let want = rt
+        .block_on(failover.call(layer, &x, h, None, deadline))
+        .unwrap();
+    // Nothing is in flight: the drain ends at once, with nothing left unanswered.
+    assert_eq!(fabric.router(0).unwrap().drain(Duration::from_secs(60)), 0);
+    for _ in 0..3 {
+        let got = rt
+            .block_on(failover.call(layer, &x, h, None, deadline))
+            .expect("answered by the other router");
+        assert_eq!(bits(&got), bits(&want));
+    }
+    assert_eq!((failover.failovers(), failover.peer_addr()), (1, addrs[1]));
+    let e = rt
+        .block_on(plain.call(layer, &x, h, None, deadline))
+        .expect_err("the draining router takes nothing new");
+    assert_eq!(e.code(), Some(ErrorCode::ShuttingDown), "{e}");
+    assert!(e.to_string().contains("draining"), "{e}");
+}
