@@ -229,6 +229,18 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
             p.name, p.host, p.address, p.metrics_port
         );
     }
+    if !written.removed.is_empty() {
+        let shown: Vec<String> = written
+            .removed
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        println!(
+            "  removed {} files of an earlier deploy that this one does not have: {}",
+            shown.len(),
+            shown.join(", ")
+        );
+    }
     if plan.credentials.is_empty() {
         println!(
             "  no credentials (--insecure or loopback): traffic is unauthenticated and unencrypted"

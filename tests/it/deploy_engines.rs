@@ -1494,3 +1494,60 @@ fn converted_weights_serve_when_each_host_holds_only_its_listed_files() {
         layers.len()
     ));
 }
+
+#[test]
+fn a_later_deploy_removes_what_the_earlier_one_wrote_and_it_does_not() {
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("out");
+    let key = inputs.key.to_str().unwrap();
+    let two = root().join("examples/single-host-2routers.toml");
+    let r = inputs.deploy_on(
+        &two,
+        &example_placement(),
+        &["systemd"],
+        &out,
+        &["--key", key],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let router1 = [
+        out.join("credentials/router-1.cred"),
+        out.join("systemd/local/expertmesh-single-host-router-1.service"),
+    ];
+    assert!(router1.iter().all(|p| p.exists()));
+    // A file of the user's own in the folder is never touched.
+    let mine = out.join("systemd/notes.txt");
+    std::fs::write(&mine, "mine").unwrap();
+    // The same cluster with one router: router 1's files go, the rest is rewritten.
+    let one = inputs.topology.clone();
+    let r = inputs.deploy_on(
+        &one,
+        &example_placement(),
+        &["systemd"],
+        &out,
+        &["--key", key],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    for p in &router1 {
+        assert!(!p.exists(), "{} left behind", p.display());
+    }
+    assert!(r.stdout.contains("removed 2 files"), "{}", r.stdout);
+    assert!(out.join("credentials/router-0.cred").exists());
+    assert_eq!(std::fs::read_to_string(&mine).unwrap(), "mine");
+    // A list that names paths outside the folder removes nothing there.
+    let outside = inputs.dir.path().join("outside.txt");
+    std::fs::write(&outside, "keep").unwrap();
+    std::fs::write(
+        out.join(".expertmesh-deploy-files"),
+        format!("../outside.txt\n{}\n", outside.display()),
+    )
+    .unwrap();
+    let r = inputs.deploy_on(
+        &one,
+        &example_placement(),
+        &["systemd"],
+        &out,
+        &["--key", key],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+}

@@ -26,6 +26,9 @@
 //! - `hosts/HOST.files`: which files each host needs (its processes' credentials, and of the
 //!   weights folder only the manifest, model, placement and its own shards or router file).
 //! - the engine's files: `slurm/`, `kubernetes/` or `systemd/` (see their modules).
+//! - `.expertmesh-deploy-files`: what this deploy wrote. A later deploy into the same folder
+//!   removes the files of that list it does not write again (a process, host or frontend
+//!   gone), and nothing else.
 //!
 //! The generation (a hash of every rank's fingerprint, which covers the model, the weights'
 //! identity and the placement, and of the processes' arguments) is written into every file
@@ -186,6 +189,9 @@ pub struct Plan {
 pub struct Written {
     /// Files written, relative to the output folder.
     pub files: Vec<PathBuf>,
+    /// Files an earlier deploy into the same folder wrote that this one did not (a process,
+    /// host or frontend no longer there), removed so the folder holds exactly this deployment.
+    pub removed: Vec<PathBuf>,
     /// The one or two commands to start it (and how to update and stop it), for the user.
     pub next_steps: Vec<String>,
 }
@@ -321,8 +327,10 @@ impl Plan {
             Engine::Kubernetes(o) => kubernetes::write(self, o, &mut w)?,
             Engine::Systemd(o) => systemd::write(self, o, &mut w)?,
         };
+        let removed = w.finish()?;
         Ok(Written {
             files: w.written,
+            removed,
             next_steps,
         })
     }
@@ -593,6 +601,9 @@ fn read(path: &Path, what: &str) -> Result<Vec<u8>, FabricError> {
         .map_err(|e| FabricError::Engine(format!("cannot read {what} {}: {e}", path.display())))
 }
 
+/// The list of the files the last deploy wrote into its output folder.
+pub const LIST_FILE: &str = ".expertmesh-deploy-files";
+
 /// Writes files under the output folder, each atomically (temporary file, then rename), and
 /// remembers what it wrote.
 pub struct Writer {
@@ -612,6 +623,48 @@ impl Writer {
             root: root.to_path_buf(),
             written: Vec::new(),
         })
+    }
+
+    /// Remove what the previous deploy into this folder wrote and this one did not (only files
+    /// its list names, never anything else), then record this deploy's list
+    /// ([`LIST_FILE`]). Returns the files removed.
+    fn finish(&mut self) -> Result<Vec<PathBuf>, FabricError> {
+        let list = self.root.join(LIST_FILE);
+        let before = std::fs::read_to_string(&list).unwrap_or_default();
+        let mut removed = Vec::new();
+        for line in before
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let rel = PathBuf::from(line);
+            // Only plain relative paths inside the folder (a hand-edited list cannot reach out).
+            let inside = rel
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside || self.written.contains(&rel) {
+                continue;
+            }
+            match std::fs::remove_file(self.root.join(&rel)) {
+                Ok(()) => removed.push(rel),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(FabricError::Engine(format!(
+                        "cannot remove {} (written by an earlier deploy, not by this one): {e}",
+                        self.root.join(&rel).display()
+                    )));
+                }
+            }
+        }
+        let mut text = String::from(
+            "# The files `expertmesh deploy` wrote here; the next deploy removes those it does not write.\n",
+        );
+        for f in &self.written {
+            text += &format!("{}\n", f.display());
+        }
+        let written = std::mem::take(&mut self.written);
+        self.file(Path::new(LIST_FILE), text.as_bytes(), false)?;
+        self.written = written;
+        Ok(removed)
     }
 
     /// Write `rel` (relative to the output folder); `secret`: mode 0600, else 0644 (0755 for
