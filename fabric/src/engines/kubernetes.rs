@@ -165,17 +165,11 @@ fn secret(plan: &Plan, o: &KubernetesOptions, process: &str, text: &str) -> Valu
     })
 }
 
-fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
+/// A process's environment, volume mounts and volumes: the ConfigMap at [`CONFIG_DIR`], its
+/// credential Secret at [`CREDENTIALS_DIR`], the weights folder (read-only hostPath), and an
+/// in-memory `/dev/shm` for shared-memory rings.
+fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
     let c = plan.cluster_label();
-    let component = p.role.component();
-    let pod_labels = [
-        ("app.kubernetes.io/component", component),
-        ("expertmesh.io/process", p.name.as_str()),
-    ];
-    let selector = json!({
-        "app.kubernetes.io/instance": c,
-        "expertmesh.io/process": p.name,
-    });
     let mut env = vec![
         json!({ "name": "EXPERTMESH_NODE", "valueFrom": { "fieldRef": { "fieldPath": "spec.nodeName" } } }),
         json!({ "name": "EXPERTMESH_BIN", "value": plan.opts.bin }),
@@ -201,6 +195,21 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
     // Shared-memory rings between processes of one pod's host need a real /dev/shm.
     mounts.push(json!({ "name": "dshm", "mountPath": "/dev/shm" }));
     volumes.push(json!({ "name": "dshm", "emptyDir": { "medium": "Memory" } }));
+    (env, mounts, volumes)
+}
+
+fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
+    let c = plan.cluster_label();
+    let component = p.role.component();
+    let pod_labels = [
+        ("app.kubernetes.io/component", component),
+        ("expertmesh.io/process", p.name.as_str()),
+    ];
+    let selector = json!({
+        "app.kubernetes.io/instance": c,
+        "expertmesh.io/process": p.name,
+    });
+    let (mut env, mounts, volumes) = pod_files(plan, p);
     let mut ports = vec![json!({ "name": "metrics", "containerPort": p.metrics_port })];
     if let Role::Router(i) = p.role
         && let Some(r) = plan.dep.topology.routers().get(i as usize)
