@@ -732,7 +732,7 @@ impl Slurm {
         )?;
         let t0 = Instant::now();
         while !socket.exists() {
-            if t0.elapsed() > GUARD {
+            if t0.elapsed() > GUARD || s.exited().is_some() {
                 return Err(format!("munged did not start: {}", s.log("munged.out")));
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -758,6 +758,13 @@ impl Slurm {
             let state = s.command("sinfo", &["-h", "-o", "%T %D"]);
             if state.trim() == "idle 2" {
                 return Ok(s);
+            }
+            if let Some(dead) = s.exited() {
+                return Err(format!(
+                    "{dead} exited at start: {} {}",
+                    s.log(&format!("{dead}.out")),
+                    s.log("slurmd-n0.log")
+                ));
             }
             if t0.elapsed() > GUARD {
                 return Err(format!(
@@ -801,6 +808,13 @@ impl Slurm {
 
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join("log").join(name)).unwrap_or_default()
+    }
+
+    /// The name of a daemon that has exited, if one has.
+    fn exited(&mut self) -> Option<String> {
+        self.daemons
+            .iter_mut()
+            .find_map(|(name, c)| c.try_wait().ok().flatten().map(|_| name.clone()))
     }
 
     /// A Slurm client command run in node 0's namespace, with `env`: its stdout (stderr
