@@ -1565,3 +1565,44 @@ fn a_later_deploy_removes_what_the_earlier_one_wrote_and_it_does_not() {
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
 }
+
+#[test]
+fn a_systemd_router_may_write_its_load_file_and_only_there() {
+    let inputs = Inputs::new();
+    let key = inputs.key.to_str().unwrap();
+    let out = inputs.dir.path().join("out");
+    let stats = [
+        "--router-arg=--load-stats",
+        "--router-arg=/var/lib/em-test/load.json",
+    ];
+    let mut args = vec!["--key", key];
+    args.extend(stats);
+    let r = inputs.deploy(&["systemd"], &out, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let unit = |name: &str| {
+        std::fs::read_to_string(out.join(format!(
+            "systemd/local/expertmesh-single-host-{name}.service"
+        )))
+        .unwrap()
+    };
+    let router = unit("router-0");
+    assert!(router.contains("\nProtectSystem=strict\n"), "{router}");
+    assert!(
+        router.contains("\nReadWritePaths=/var/lib/em-test\n"),
+        "{router}"
+    );
+    assert!(!unit("worker-0").contains("ReadWritePaths"));
+    // A relative load file cannot be written under ProtectSystem=strict: refused, saying so.
+    let r = inputs.deploy(
+        &["systemd"],
+        &inputs.dir.path().join("out2"),
+        &[
+            "--key",
+            key,
+            "--router-arg=--load-stats",
+            "--router-arg=load.json",
+        ],
+    );
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("absolute path"), "{}", r.stderr);
+}

@@ -7,7 +7,8 @@
 //! (`LoadCredential=`, so only the unit reads it); `Restart=on-failure`; SIGTERM to stop
 //! (routers drain, `TimeoutStopSec=60`); hardening that leaves `/dev/shm` and the GPU and RDMA
 //! devices usable (`ProtectSystem=strict` keeps `/dev` writable; no `PrivateDevices`,
-//! `LimitMEMLOCK=infinity` for RDMA memory registration). `systemd/hosts.txt` says which unit
+//! `LimitMEMLOCK=infinity` for RDMA memory registration; `ReadWritePaths=` for the folder of a
+//! router's `--load-stats` file). `systemd/hosts.txt` says which unit
 //! goes on which host and the commands to install, start, check, update and stop them.
 
 use super::launch::quote;
@@ -52,7 +53,7 @@ pub(super) fn write(
             .map(|p| format!("expertmesh-{c}-{}.service", p.name))
             .collect();
         for p in plan.on_host(&host) {
-            let unit = unit(plan, p, &dir);
+            let unit = unit(plan, p, &dir)?;
             let path = Path::new("systemd")
                 .join(&host)
                 .join(format!("expertmesh-{c}-{}.service", p.name));
@@ -96,8 +97,34 @@ pub(super) fn write(
     ])
 }
 
+/// The folders of the files a process's arguments tell it to write (`--load-stats FILE`),
+/// for `ReadWritePaths=`.
+fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError> {
+    let mut out = Vec::new();
+    for w in args.windows(2) {
+        if let (super::launch::Arg::Lit(flag), super::launch::Arg::Lit(file)) = (&w[0], &w[1])
+            && flag == "--load-stats"
+        {
+            let folder = std::path::Path::new(file)
+                .parent()
+                .filter(|p| p.is_absolute())
+                .ok_or_else(|| {
+                    FabricError::Engine(format!(
+                        "--load-stats {file}: give an absolute path under systemd (the unit's file system is read-only but for that file's folder)"
+                    ))
+                })?
+                .display()
+                .to_string();
+            if !out.contains(&folder) {
+                out.push(folder);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The unit of process `p` (the bundle installed at `dir` on its host).
-fn unit(plan: &Plan, p: &super::Process, dir: &str) -> String {
+fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricError> {
     let role = match &p.role {
         super::Role::Router(i) => format!("router {i}"),
         super::Role::Worker(_, id) => format!("worker of device {id}"),
@@ -128,6 +155,11 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> String {
             n = p.name
         );
     }
+    // ProtectSystem=strict makes the file system read-only: a file the process writes (the
+    // router's --load-stats) needs its folder writable.
+    for path in written_paths(&p.args)? {
+        s += &format!("ReadWritePaths={path}\n");
+    }
     s += "Restart=on-failure\n\
           RestartSec=2\n\
           KillSignal=SIGTERM\n\
@@ -146,5 +178,5 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> String {
           \n\
           [Install]\n\
           WantedBy=multi-user.target\n";
-    s
+    Ok(s)
 }
