@@ -1010,6 +1010,9 @@ fn a_real_slurm_job_on_two_nodes_serves_restarts_a_dead_task_and_scancel_ends_it
         2,
         "{text}"
     );
+    say(
+        "ran: a two-node Slurm job of the fabric: bit for bit, a killed task restarted, scancel clean",
+    );
 }
 
 /// Two nodes, "node-a" (the router and cpu0) and "node-b" (cpu1), at the emulated nodes'
@@ -1317,6 +1320,9 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
     children.stop_all(&logs);
     let router_log = std::fs::read_to_string(logs.join("router-0.log")).unwrap();
     assert!(router_log.contains("SIGTERM: draining"), "{router_log}");
+    say(
+        "ran: the Kubernetes pods as the kubelet would start them, on two emulated nodes: bit for bit",
+    );
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! processes started inside those namespaces.
 //!
 //! Why this exists: `bench cluster` needs real NIC limits between real processes on one
-//! machine. Everything created here carries a per-run prefix (`emc-<pid>-`), so parallel runs
+//! machine. Everything created here carries a per-run prefix (`emc-<pid>-<n>-`), so parallel runs
 //! do not collide, and is removed by [`Emulation`]'s `Drop` — on errors and panics — and by
 //! the Ctrl-C / SIGTERM handler installed by [`install_signal_cleanup`].
 
@@ -83,7 +83,11 @@ impl Emulation {
             return Err(BenchError::Options("--nodes must be 1-200".into()));
         }
         let mut e = Emulation {
-            prefix: format!("emc-{}-", std::process::id()),
+            // Unique per emulation: one process (a test binary) may run several at once.
+            prefix: format!("emc-{}-{}-", std::process::id(), {
+                static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            }),
             nodes,
             created: Vec::new(),
             children: Vec::new(),
