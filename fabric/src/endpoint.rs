@@ -37,12 +37,3 @@ pub fn resolve_all(s: &str) -> Result<Vec<SocketAddr>, String> {
     }
     Ok(addrs)
 }
-
-/// `host:port`, an IPv6 address bracketed (`[::1]:9400`).
-pub fn join(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
-}

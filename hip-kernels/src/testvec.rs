@@ -369,13 +369,8 @@ pub fn standard_params() -> Vec<CaseParams> {
     };
     use ScaleDtype::{Bf16, F16};
     let c = |spec, hidden, inter, experts, tokens, top_k, gaussian| CaseParams {
-        spec,
-        hidden,
-        inter,
-        experts,
-        tokens,
-        top_k,
         gaussian,
+        ..CaseParams::random_codes(spec, (hidden, inter), experts, tokens, top_k)
     };
     vec![
         c(spec(32, Bf16, false), 96, 64, 5, 3, 2, false),

@@ -77,6 +77,19 @@ pub enum Shed {
     Draining,
 }
 
+impl Shed {
+    /// The error code a refused request is answered with: a draining router says it is going
+    /// away (`ShuttingDown`: a failover client sends its unanswered requests to the next
+    /// router), a full one says retry (`Overloaded`).
+    pub fn code(&self) -> expertmesh_transport::codec::ErrorCode {
+        use expertmesh_transport::codec::ErrorCode;
+        match self {
+            Shed::Draining => ErrorCode::ShuttingDown,
+            Shed::OverShare { .. } | Shed::Saturated { .. } => ErrorCode::Overloaded,
+        }
+    }
+}
+
 /// One connection's requests in flight.
 #[derive(Debug, Default)]
 struct ClientLoad {

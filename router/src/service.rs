@@ -638,15 +638,7 @@ impl FrontendConn {
         }
         match self.admission.admit(self.client, &req).await {
             Ok(()) => Take::Request(req, head),
-            Err(shed) => {
-                // A draining router says it is going away (a failover client then sends its
-                // unanswered requests to the next router); a full one says retry.
-                let code = match shed {
-                    Shed::Draining => ErrorCode::ShuttingDown,
-                    _ => ErrorCode::Overloaded,
-                };
-                Take::Skip(head, Some((req.request_id, code, shed.to_string())))
-            }
+            Err(shed) => Take::Skip(head, Some((req.request_id, shed.code(), shed.to_string()))),
         }
     }
 

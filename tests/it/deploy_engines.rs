@@ -119,6 +119,29 @@ impl Inputs {
         crate::support::run(&args)
     }
 
+    /// Deploy demo-small on the two emulated nodes ([`two_node_files`]), node-a and node-b on
+    /// the engine's hosts `hosts`, with this master key and a frontend "fe"; asserts it was
+    /// written. Returns the topology and placement.
+    fn deploy_two_nodes(
+        &self,
+        engine: &[&str],
+        out: &Path,
+        hosts: [&str; 2],
+        extra: &[&str],
+    ) -> (PathBuf, PathBuf) {
+        let (topology, placement) = two_node_files(self.dir.path());
+        let (a, b) = (
+            format!("node-a={}", hosts[0]),
+            format!("node-b={}", hosts[1]),
+        );
+        let key = self.key.to_str().unwrap();
+        let mut args = vec!["--key", key, "--frontend", "fe", "--host", &a, "--host", &b];
+        args.extend(extra);
+        let r = self.deploy_on(&topology, &placement, engine, out, &args);
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        (topology, placement)
+    }
+
     fn frontend_addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.frontend))
     }
@@ -916,26 +939,9 @@ fn a_real_slurm_job_on_two_nodes_serves_restarts_a_dead_task_and_scancel_ends_it
     let _machine = crate::support::shared();
     let inputs = Inputs::new();
     let dir = inputs.dir.path();
-    let (topology, placement) = two_node_files(dir);
     let out = dir.join("bundle");
-    let key = inputs.key.to_str().unwrap();
-    let r = inputs.deploy_on(
-        &topology,
-        &placement,
-        &["slurm", "--restarts", "1"],
-        &out,
-        &[
-            "--key",
-            key,
-            "--frontend",
-            "fe",
-            "--host",
-            "node-a=n0",
-            "--host",
-            "node-b=n1",
-        ],
-    );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let (topology, placement) =
+        inputs.deploy_two_nodes(&["slurm", "--restarts", "1"], &out, ["n0", "n1"], &[]);
     let sbatch = out.join("slurm/expertmesh.sbatch");
     let exe = bin();
     let submitted = slurm.command_with(
@@ -1237,29 +1243,14 @@ fn kubernetes_pods_started_as_the_kubelet_would_serve_bit_for_bit_on_two_nodes()
     };
     let inputs = Inputs::new();
     let dir = inputs.dir.path();
-    let (topology, placement) = two_node_files(dir);
     let out = dir.join("out");
-    let key = inputs.key.to_str().unwrap();
     let exe = bin();
-    let r = inputs.deploy_on(
-        &topology,
-        &placement,
+    let (topology, placement) = inputs.deploy_two_nodes(
         &["kubernetes", "--image", "registry.example/expertmesh:test"],
         &out,
-        &[
-            "--key",
-            key,
-            "--frontend",
-            "fe",
-            "--host",
-            "node-a=k8s-a",
-            "--host",
-            "node-b=k8s-b",
-            "--bin",
-            exe.to_str().unwrap(),
-        ],
+        ["k8s-a", "k8s-b"],
+        &["--bin", exe.to_str().unwrap()],
     );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     let docs = yaml_documents(&files_under(&out.join("kubernetes"))).expect("the manifests parse");
     // What the kubelet mounts: each ConfigMap and Secret as a folder of files.
     let volumes = dir.join("volumes");

@@ -86,6 +86,6 @@ mod values;
 pub(crate) use raw::top_level_keys;
 pub use types::{
     Device, DeviceKind, DeviceRank, GidSelection, IntraLink, IntraLinkKind, MeasuredTiers, Nic,
-    NicKind, Node, RouterSpec, TOPOLOGY_FORMAT, TierMeasure, Topology,
+    NicKind, Node, RouterSpec, TOPOLOGY_FORMAT, TierMeasure, Topology, endpoint,
 };
 pub use values::is_valid_host;

@@ -507,7 +507,10 @@ fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec
     };
     a.extend([
         Arg::lit("--metrics"),
-        Arg::lit(&crate::endpoint::join(&p.address, p.metrics_port)),
+        Arg::lit(&expertmesh_topology::topology::endpoint(
+            &p.address,
+            p.metrics_port,
+        )),
     ]);
     if opts.master_key.is_some() {
         a.extend([Arg::lit("--credentials"), Arg::Credential(p.name.clone())]);
@@ -553,7 +556,7 @@ fn processes_table(plan: &Plan) -> String {
             p.name,
             p.node_name,
             p.host,
-            crate::endpoint::join(&p.address, p.metrics_port)
+            expertmesh_topology::topology::endpoint(&p.address, p.metrics_port)
         );
     }
     s

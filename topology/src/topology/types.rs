@@ -505,7 +505,8 @@ impl Topology {
     }
 }
 
-pub(super) fn endpoint(host: &str, port: u16) -> String {
+/// `host:port`, an IPv6 address bracketed (`[::1]:9400`).
+pub fn endpoint(host: &str, port: u16) -> String {
     if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
