@@ -22,7 +22,11 @@
 //! exactly zero for a group that some choice reproduces exactly.
 //!
 //! [`solve`] says how it is found without trying every scale: a sweep over the breakpoints
-//! of the group's error, which is a quadratic in the scale between them.
+//! of the group's error, which is a quadratic in the scale between them. Symmetric groups with
+//! bfloat16 scales (what conversion writes by default) take [`fast`] first, which finds the
+//! same choice about twice as fast by filing each element's code steps under scale patterns
+//! instead of sorting them; it leaves f16 scales, zero points and extreme magnitudes to the
+//! sweep, which is also its test oracle.
 //!
 //! # Output and limits
 //!
@@ -40,6 +44,7 @@
 //! * It allocates the output, one row of f32 scratch, and a few small buffers per call.
 
 mod exact;
+mod fast;
 mod grid;
 mod solve;
 
@@ -140,6 +145,13 @@ pub fn quantize_rows_searched(
 /// [`quantize_matrix_searched`] stores it.
 pub fn search_group(w: &[f32], spec: QuantSpec) -> Choice {
     solve::Solver::new(spec.scale_dtype, spec.zero_points, w.len()).solve(w)
+}
+
+/// [`search_group`] by the breakpoint sweep alone, never the fast symmetric search: the
+/// oracle the fast search is tested against (same result by definition, slower).
+#[doc(hidden)]
+pub fn search_group_sweep(w: &[f32], spec: QuantSpec) -> Choice {
+    solve::Solver::sweep_only(spec.scale_dtype, spec.zero_points, w.len()).solve(w)
 }
 
 /// `‖x − deq(x)‖₂ / ‖x‖₂` in f64, with `deq` the exact dequantization of `packed`.

@@ -48,6 +48,7 @@
 //! search finds.
 
 use super::exact::{self, Choice};
+use super::fast::FastSym;
 use super::grid::Grid;
 use crate::format::{ScaleDtype, quantize_group_asym, quantize_group_sym_scale};
 use std::cmp::Ordering;
@@ -113,10 +114,22 @@ pub(super) struct Solver {
     n_max: f64,
     /// The least `model + τ` offered: no choice whose stored-rule error is above it can win.
     ub: f64,
+    /// The fast search for symmetric groups (absent with zero points, or when the sweep alone
+    /// is asked for).
+    fast: Option<FastSym>,
 }
 
 impl Solver {
     pub(super) fn new(dtype: ScaleDtype, zero_points: bool, group: usize) -> Self {
+        let mut s = Self::sweep_only(dtype, zero_points, group);
+        if !zero_points {
+            s.fast = FastSym::new(dtype);
+        }
+        s
+    }
+
+    /// A solver that always sweeps (the fast search's oracle in tests).
+    pub(super) fn sweep_only(dtype: ScaleDtype, zero_points: bool, group: usize) -> Self {
         Self {
             grid: Grid::new(dtype),
             dtype,
@@ -132,12 +145,16 @@ impl Solver {
             p_max: 0.0,
             n_max: 0.0,
             ub: 0.0,
+            fast: None,
         }
     }
 
     /// The best stored choice for group `w` (finite weights, at most 128).
     pub(super) fn solve(&mut self, w: &[f32]) -> Choice {
         debug_assert!(w.len() <= 128);
+        if let Some(c) = self.fast.as_mut().and_then(|f| f.solve(w)) {
+            return c;
+        }
         self.load(w);
         if self.s_vv == 0.0 {
             return Choice { bits: 0, zero: 8 };

@@ -13,6 +13,7 @@
 use expertmesh_quant::format::{PackedMatrix, QuantSpec, ScaleDtype};
 use expertmesh_quant::search::{
     Choice, choice_order, quantize_matrix_searched, relative_error, search_group,
+    search_group_sweep,
 };
 use expertmesh_quant::synth::SplitMix64;
 use half::bf16;
@@ -302,6 +303,54 @@ fn grid_weights_are_reproduced_exactly() {
                 "{spec} {kind:?}: searched error 0, absmax {:.4}",
                 relative_error(&x, &absmax)
             );
+        }
+    }
+}
+
+/// The fast symmetric search (bfloat16 scales; f16 ones and zero points always sweep) and the
+/// breakpoint sweep choose alike on many groups of every kind, magnitude and size (the sweep
+/// is itself checked against the exhaustive oracle above, on fewer groups).
+#[test]
+fn fast_search_matches_the_sweep() {
+    let magnitudes = [1e-40, 1e-30, 1e-7, 0.02, 1.0, 500.0, 4e5, 1e30, 1e37];
+    let mut rng = SplitMix64::new(0xFA57);
+    for scale_dtype in [ScaleDtype::Bf16] {
+        for gs in [32usize, 64, 128] {
+            let spec = QuantSpec {
+                group_size: gs as u32,
+                scale_dtype,
+                zero_points: false,
+            };
+            let reps = 4096 / gs;
+            for (k, &kind) in KINDS.iter().enumerate() {
+                for (m, &s) in magnitudes.iter().enumerate() {
+                    for r in 0..reps / 8 + usize::from((k + m) % 3 == 0) * reps {
+                        let w = group(&mut rng, kind, gs, s);
+                        let (got, want) = (search_group(&w, spec), search_group_sweep(&w, spec));
+                        assert_eq!(
+                            got, want,
+                            "{spec} {kind:?} magnitude {s:e} repetition {r}: fast {got:?}, \
+                             sweep {want:?}, weights {w:?}"
+                        );
+                    }
+                }
+            }
+            // Weights on the breakpoints of a bfloat16 scale (`(c + ½)·d`, where the code is a
+            // half-even tie), and a few ulps off them: the cases where the f32 division decides.
+            for r in 0..512 {
+                let d =
+                    bf16::from_f64(0.01 * (1.0 + rng.next_u64() as f64 / u64::MAX as f64)).to_f64();
+                let w: Vec<f32> = (0..gs)
+                    .map(|_| {
+                        let c = (rng.next_u64() % 16) as f64 - 8.0;
+                        let v = ((c + 0.5) * d) as f32;
+                        let ulps = (rng.next_u64() % 5) as i32 - 2;
+                        f32::from_bits((v.to_bits() as i32 + ulps * (r % 2)) as u32)
+                    })
+                    .collect();
+                let (got, want) = (search_group(&w, spec), search_group_sweep(&w, spec));
+                assert_eq!(got, want, "{spec} half-step group {r}: weights {w:?}");
+            }
         }
     }
 }
