@@ -70,21 +70,14 @@ impl<T: Pod> AlignedVec<T> {
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
         #[cfg(target_os = "linux")]
-        let raw = if layout.size() >= HUGE_THRESHOLD {
-            // SAFETY: non-zero size.
-            let raw = unsafe { alloc::alloc(layout) };
-            if !raw.is_null() {
-                // SAFETY: raw..raw+size is our allocation; MADV_HUGEPAGE is only advice.
-                unsafe { libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE) };
-                // SAFETY: zero the whole allocation (after the advice, so pages fault in huge).
-                unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
-            }
-            raw
-        } else {
-            // SAFETY: the layout has non-zero size (max(1)).
-            unsafe { alloc::alloc_zeroed(layout) }
-        };
-        #[cfg(not(target_os = "linux"))]
+        if layout.size() >= HUGE_THRESHOLD {
+            // Fresh anonymous pages read as zero: no pass over the memory here (the pages fault
+            // in, huge, where they are first written).
+            return Self {
+                ptr: huge::map(layout.size()).cast::<T>(),
+                len,
+            };
+        }
         // SAFETY: the layout has non-zero size (max(1)).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
@@ -104,16 +97,14 @@ impl<T: Pod> AlignedVec<T> {
     /// zeroing memory it overwrites at once.
     pub fn from_fn(len: usize, mut next: impl FnMut() -> T) -> Self {
         let layout = Self::layout(len);
-        // SAFETY: the layout has non-zero size (max(1)).
-        let raw = unsafe { alloc::alloc(layout) };
-        let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
-            alloc::handle_alloc_error(layout)
-        };
         #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE_THRESHOLD {
-            // SAFETY: raw..raw+size is our allocation; MADV_HUGEPAGE is only advice.
-            unsafe { libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE) };
-        }
+        let ptr = if layout.size() >= HUGE_THRESHOLD {
+            huge::map(layout.size()).cast::<T>()
+        } else {
+            Self::alloc(layout)
+        };
+        #[cfg(not(target_os = "linux"))]
+        let ptr = Self::alloc(layout);
         // If `next` panics the buffer leaks (never reads uninitialised memory): acceptable
         // for a panic path, and it keeps this free of a drop guard.
         for i in 0..len {
@@ -122,6 +113,16 @@ impl<T: Pod> AlignedVec<T> {
             unsafe { ptr.as_ptr().add(i).write(next()) };
         }
         Self { ptr, len }
+    }
+
+    /// Uninitialised memory for `layout` from the global allocator.
+    fn alloc(layout: Layout) -> NonNull<T> {
+        // SAFETY: the layout has non-zero size (max(1)).
+        let raw = unsafe { alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
+            alloc::handle_alloc_error(layout)
+        };
+        ptr
     }
 
     /// Number of elements.
@@ -145,8 +146,15 @@ impl<T: Pod> AlignedVec<T> {
 
 impl<T: Pod> Drop for AlignedVec<T> {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with the same layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr().cast::<u8>(), Self::layout(self.len)) }
+        let layout = Self::layout(self.len);
+        #[cfg(target_os = "linux")]
+        if layout.size() >= HUGE_THRESHOLD {
+            // SAFETY: mapped by `huge::map` with this size; nothing borrows it any more.
+            unsafe { huge::unmap(self.ptr.cast::<u8>(), layout.size()) };
+            return;
+        }
+        // SAFETY: allocated in `alloc` or `zeroed` with the same layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr().cast::<u8>(), layout) }
     }
 }
 
@@ -183,6 +191,70 @@ impl<T: Pod + PartialEq> PartialEq for AlignedVec<T> {
     }
 }
 
+/// Buffers of [`HUGE_THRESHOLD`] bytes or more: their own anonymous mappings, 2 MiB aligned
+/// and advised as huge pages. Fresh anonymous memory reads as zero, so a zeroed buffer costs no
+/// pass over it (the global allocator's aligned path would memset it, and the kernel zeroes
+/// the pages again when they fault in).
+#[cfg(target_os = "linux")]
+mod huge {
+    use super::HUGE_ALIGN;
+    use std::alloc::{self, Layout};
+    use std::ptr::NonNull;
+
+    const PAGE: usize = 4096;
+
+    /// Map `size` bytes (non-zero), aligned to [`HUGE_ALIGN`]; out of memory is the global
+    /// allocator's error.
+    pub(super) fn map(size: usize) -> NonNull<u8> {
+        let span = size.next_multiple_of(PAGE);
+        let fail = || -> ! {
+            alloc::handle_alloc_error(
+                Layout::from_size_align(size, HUGE_ALIGN).expect("a valid huge layout"),
+            )
+        };
+        let whole = span + HUGE_ALIGN;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                whole,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            fail();
+        }
+        let base = base as usize;
+        let start = base.next_multiple_of(HUGE_ALIGN);
+        // SAFETY: both trimmed ranges lie inside the mapping just made and are page aligned
+        // (mmap returns page-aligned memory; `start` and `span` are multiples of PAGE).
+        unsafe {
+            if start > base {
+                libc::munmap(base as *mut libc::c_void, start - base);
+            }
+            let end = start + span;
+            if base + whole > end {
+                libc::munmap(end as *mut libc::c_void, base + whole - end);
+            }
+            // Only advice: without transparent huge pages the buffer works in 4 KiB pages.
+            libc::madvise(start as *mut libc::c_void, span, libc::MADV_HUGEPAGE);
+        }
+        NonNull::new(start as *mut u8).unwrap_or_else(|| fail())
+    }
+
+    /// Unmap a buffer from [`map`].
+    ///
+    /// # Safety
+    /// `ptr` and `size` must be those of one [`map`] call, not used afterwards.
+    pub(super) unsafe fn unmap(ptr: NonNull<u8>, size: usize) {
+        // SAFETY: per the contract, this is exactly the mapping `map` kept.
+        unsafe { libc::munmap(ptr.as_ptr().cast(), size.next_multiple_of(PAGE)) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,5 +276,23 @@ mod tests {
         let b = AlignedVec::from_slice(&big);
         assert_eq!(&b[..], &big[..]);
         assert_eq!(AlignedVec::<u16>::from_slice(&[]).len(), 0);
+    }
+
+    /// Huge buffers (their own mappings on Linux): aligned to 2 MiB, zero, writable to the last
+    /// byte, and unmapped on drop (many in a row do not run out of address space or memory).
+    #[test]
+    fn huge_buffers_are_aligned_zeroed_and_freed() {
+        for round in 0..64usize {
+            let len = HUGE_THRESHOLD / 4 + 4099 * round;
+            let mut v = AlignedVec::<u32>::zeroed(len);
+            assert_eq!(v.as_ptr() as usize % HUGE_ALIGN, 0);
+            assert!(v.iter().step_by(997).all(|&x| x == 0) && v[len - 1] == 0);
+            v[len - 1] = round as u32;
+            v[0] = 7;
+            assert_eq!((v[0], v[len - 1]), (7, round as u32));
+            let w = AlignedVec::from_fn(len, || round as u32);
+            assert_eq!(w.as_ptr() as usize % HUGE_ALIGN, 0);
+            assert!(w.iter().all(|&x| x == round as u32));
+        }
     }
 }
