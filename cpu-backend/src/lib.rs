@@ -13,7 +13,9 @@
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
 //! Work items are pulled from an atomic counter by every thread of a fixed-size pool (sized by
-//! the topology's CPU device: no oversubscription), so large experts are split across threads
+//! the topology's CPU device: no oversubscription; the caller's thread is one of them, and the
+//! others spin between the steps of a call instead of sleeping: [`pool`]), so large experts are
+//! split across threads
 //! and small ones do not leave threads idle. Within an item, tokens are processed in tiles of
 //! [`kernels::MAX_TOKEN_TILE`] against each loaded weight tile, and a row block's weights are
 //! re-read only from cache for further token tiles (prefill blocking). All scratch buffers are
@@ -22,6 +24,7 @@
 pub mod kernels;
 pub mod layout;
 pub mod membw;
+mod pool;
 
 use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, ExpertShape,
@@ -33,6 +36,7 @@ use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
 use kernels::{Isa, MAX_TOKEN_TILE, TokenQ8};
 use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
+use pool::SpinPool;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -157,7 +161,7 @@ pub struct CpuBackend {
     threads: usize,
     /// The CPUs the worker threads are pinned to (`None`: unpinned).
     pinned: Option<Vec<usize>>,
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<SpinPool>,
     index: HashMap<ExpertKey, usize>,
     experts: Vec<CpuExpert>,
     limits: BatchLimits,
@@ -186,8 +190,9 @@ impl CpuBackend {
         Self::with_isa_pinned(threads, isa, None)
     }
 
-    /// A backend whose worker thread `i` is pinned to CPU `pin[i % pin.len()]` (`None` or
-    /// an empty list: unpinned, wherever the OS schedules them). Pinning is best effort: a
+    /// A backend whose helper thread `i` (`1 .. threads`; the caller's thread is the
+    /// `threads`-th worker and is never pinned) is pinned to CPU `pin[i % pin.len()]` (`None`
+    /// or an empty list: unpinned, wherever the OS schedules them). Pinning is best effort: a
     /// CPU outside the process's affinity mask leaves that thread unpinned; with one thread the
     /// work runs inline on the caller's thread and nothing is pinned. Pin only when this
     /// process owns those CPUs: two pinned processes on one CPU cannot move apart.
@@ -207,20 +212,16 @@ impl CpuBackend {
         let pin = pin.filter(|cpus| !cpus.is_empty() && threads > 1);
         let pinned = pin.clone();
         let pool = if threads > 1 {
+            let on_start = move |i: usize| {
+                if let Some(cpus) = &pin {
+                    membw::pin_to(cpus[i % cpus.len()]);
+                }
+            };
             Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("expert-cpu-{i}"))
-                    .start_handler(move |i| {
-                        if let Some(cpus) = &pin {
-                            membw::pin_to(cpus[i % cpus.len()]);
-                        }
-                    })
-                    .build()
-                    .map_err(|e| BackendError::Device {
-                        backend: "cpu",
-                        detail: format!("cannot start {threads} threads: {e}"),
-                    })?,
+                SpinPool::new(threads, on_start).map_err(|e| BackendError::Device {
+                    backend: "cpu",
+                    detail: format!("cannot start {threads} threads: {e}"),
+                })?,
             )
         } else {
             None
@@ -257,7 +258,7 @@ impl CpuBackend {
     }
 
     /// Run `n` work items on every thread of the pool (or inline with one thread).
-    fn run_items(pool: Option<&rayon::ThreadPool>, n: usize, f: impl Fn(usize) + Sync) {
+    fn run_items(pool: Option<&SpinPool>, n: usize, f: impl Fn(usize) + Sync) {
         if n == 0 {
             return;
         }
@@ -265,7 +266,7 @@ impl CpuBackend {
             None => (0..n).for_each(f),
             Some(pool) => {
                 let next = AtomicUsize::new(0);
-                pool.broadcast(|_| {
+                pool.run(&|_| {
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= n {
@@ -490,7 +491,7 @@ impl ExpertBackend for CpuBackend {
 struct Pass<'a, 'b> {
     batch: &'a GroupedBatch<'b>,
     experts: &'a [CpuExpert],
-    pool: Option<&'a rayon::ThreadPool>,
+    pool: Option<&'a SpinPool>,
     isa: Isa,
     mode: ComputeMode,
     max_inter: usize,
@@ -773,14 +774,20 @@ fn precombine(
 mod pin_tests {
     use super::*;
 
-    /// The CPU each pool thread runs on, read by the thread itself.
+    /// The CPU each helper thread of the pool runs on (index 1 ..), read by the thread itself
+    /// (the caller, index 0, works on jobs too but is the caller's thread, never pinned).
     #[cfg(target_os = "linux")]
     fn pool_cpus(b: &CpuBackend) -> Vec<i32> {
+        let pool = b.pool.as_ref().expect("a pool for 3 threads");
+        let cpus: Vec<std::sync::atomic::AtomicI32> = (0..pool.threads())
+            .map(|_| std::sync::atomic::AtomicI32::new(-1))
+            .collect();
         // SAFETY: sched_getcpu takes no arguments and only reads the calling thread's CPU.
-        b.pool
-            .as_ref()
-            .expect("a pool for 2 threads")
-            .broadcast(|_| unsafe { libc::sched_getcpu() })
+        pool.run(&|i| cpus[i].store(unsafe { libc::sched_getcpu() }, Ordering::Relaxed));
+        cpus[1..]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
     }
 
     #[test]
@@ -791,8 +798,8 @@ mod pin_tests {
             eprintln!("skipped: this process's affinity mask could not be read");
             return;
         };
-        // Both threads on the last allowed CPU: neither may run anywhere else, every call.
-        let b = CpuBackend::with_isa_pinned(2, Isa::detect(), Some(vec![last])).unwrap();
+        // Both helpers on the last allowed CPU: neither may run anywhere else, every call.
+        let b = CpuBackend::with_isa_pinned(3, Isa::detect(), Some(vec![last])).unwrap();
         assert_eq!(b.pinned_cpus(), Some(&[last][..]));
         for _ in 0..20 {
             assert_eq!(pool_cpus(&b), vec![last as i32; 2]);
