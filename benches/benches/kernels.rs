@@ -131,5 +131,68 @@ fn expert(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, row_block, expert);
+/// One small expert per call (Qwen3-30B-A3B: H 2048, F 768, 2.4 MB), each call another of 64
+/// (150 MB: read from memory, not cache): the call is short enough that dispatching its steps
+/// to the pool's threads shows.
+fn small_expert_per_call(c: &mut Criterion) {
+    let (h, f, pool) = (2048, 768, 64u32);
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let experts: Vec<_> = (0..pool)
+        .map(|e| {
+            let w = synth::synthetic_expert(QuantSpec::G32_BF16, h, f, 5, 0, e).unwrap();
+            (
+                ExpertKey {
+                    layer: 0,
+                    expert: e,
+                },
+                w,
+            )
+        })
+        .collect();
+    let bytes = experts[0].1.bytes() as u64;
+    let mut be = CpuBackend::new(threads).unwrap();
+    be.load(
+        experts,
+        BatchLimits {
+            max_tokens: 1,
+            max_pairs: 1,
+        },
+    )
+    .unwrap();
+    let x = synth::normal_vec(&mut SplitMix64::new(4), h, 1.0);
+    let mut g = c.benchmark_group("expert");
+    g.throughput(Throughput::Bytes(bytes));
+    g.sample_size(30);
+    g.bench_function(format!("qwen3/exact/1tok/1expert/{threads}threads"), |b| {
+        let mut out = vec![0f32; h];
+        let mut next = 0u32;
+        b.iter(|| {
+            next = (next + 1) % pool;
+            let groups = [ExpertGroup {
+                key: ExpertKey {
+                    layer: 0,
+                    expert: next,
+                },
+                tokens: &[0],
+                weights: &[1.0],
+                out_rows: &[0],
+            }];
+            let batch = GroupedBatch {
+                mode: ComputeMode::Exact,
+                hidden: h,
+                tokens: 1,
+                input: Activations::F32(&x),
+                groups: &groups,
+                layout: OutputLayout::PerSlot,
+            };
+            be.execute(&batch, &mut out).unwrap();
+            black_box(&out);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, row_block, expert, small_expert_per_call);
 criterion_main!(benches);
