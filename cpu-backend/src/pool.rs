@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long a helper spins for the next job before it parks.
-const SPIN: Duration = Duration::from_micros(200);
+const SPIN: Duration = Duration::from_micros(50);
 /// Spins between clock reads (and, for a waiting caller, before it yields its core).
 const SPINS_PER_CHECK: u32 = 256;
 
