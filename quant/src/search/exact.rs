@@ -75,6 +75,30 @@ pub fn order(w: &[f32], dtype: ScaleDtype, a: Choice, b: Choice) -> Ordering {
     by_error.then_with(|| a.tie_key().cmp(&b.tie_key()))
 }
 
+/// The least of `choices` in [`order`] on `w` (choices whose dequantized values overflow are
+/// skipped), or the zero scale when none is left: how both searches settle their finalists.
+pub(super) fn least(w: &[f32], dtype: ScaleDtype, choices: impl Iterator<Item = Choice>) -> Choice {
+    let mut best: Option<(Choice, f32, f64)> = None;
+    for c in choices {
+        let d = dtype.to_f32(c.bits);
+        let Some(e) = error_f64(w, d, c.zero) else {
+            continue;
+        };
+        let better = match best {
+            None => true,
+            Some((b, bd, be)) => match compare_errors(w, (d, c.zero, e), (bd, b.zero, be)) {
+                Ordering::Less => true,
+                Ordering::Greater => false,
+                Ordering::Equal => c.tie_key() < b.tie_key(),
+            },
+        };
+        if better {
+            best = Some((c, d, e));
+        }
+    }
+    best.map_or(Choice { bits: 0, zero: 8 }, |b| b.0)
+}
+
 /// Compare two choices' exact errors, given their f64 sums from [`error_f64`].
 pub(super) fn compare_errors(w: &[f32], a: (f32, u8, f64), b: (f32, u8, f64)) -> Ordering {
     // Each sum is within 2^-45 (relative) of its exact value.

@@ -33,27 +33,15 @@
 
 use super::exact::{self, Choice};
 use super::grid::Grid;
+use super::solve::{HALF, SLACK, upper_bound};
 use crate::format::{ScaleDtype, quantize_group_sym_scale};
-use std::cmp::Ordering;
 
 /// The largest group.
 const MAX_GROUP: usize = 128;
 /// Windows of more patterns than this are left to the sweep.
 const MAX_WINDOW: usize = 512;
-/// `2^-40`: the relative margin of the f64 model.
-const SLACK: f64 = 1.0 / (1u64 << 40) as f64;
 /// A breakpoint this near (relative) a pattern is settled by the stored rule.
 const NEAR: f64 = 1.0 / (1u64 << 20) as f64;
-/// `1 / (k + 1/2)` for `k = 0 ..= 15`.
-const HALF: [f64; 16] = {
-    let mut t = [0.0; 16];
-    let mut k = 0;
-    while k < 16 {
-        t[k] = 1.0 / (k as f64 + 0.5);
-        k += 1;
-    }
-    t
-};
 
 /// A finalist: a positive scale pattern (0: the zero scale), the range (`false`: codes
 /// `−8 ..= 7`, a positive stored scale; `true`: `−7 ..= 8`, a negative one), its model error
@@ -143,7 +131,15 @@ impl FastSym {
         let lo_pos = ((p - r) / 7.0).max((q - r) / 8.0);
         let lo_neg = ((p - r) / 8.0).max((q - r) / 7.0);
         let d_lo = lo_pos.min(lo_neg).max(0.0) * (1.0 - SLACK);
-        let d_hi = upper_bound(w, p.max(q), self.ub).min(self.grid.max_value());
+        let mut abs = [0f64; MAX_GROUP];
+        for (a, &v) in abs.iter_mut().zip(w) {
+            *a = (v as f64).abs();
+        }
+        // With no bound below it, `2·max|v|`: from there every code is 0, the zero scale's error,
+        // and the zero scale wins the tie.
+        let d_hi = upper_bound(&abs[..w.len()], self.ub)
+            .unwrap_or(2.0 * p.max(q))
+            .min(self.grid.max_value());
         if d_lo > d_hi {
             return Some((1, 0));
         }
@@ -294,27 +290,11 @@ impl FastSym {
         if rest.peek().is_none() {
             return first;
         }
-        let mut best: Option<(Choice, f32, f64)> = None;
-        for c in std::iter::once(first).chain(rest.map(choice)) {
-            let d = self.dtype.to_f32(c.bits);
-            let Some(e) = exact::error_f64(w, d, c.zero) else {
-                continue;
-            };
-            let better = match best {
-                None => true,
-                Some((b, bd, be)) => {
-                    match exact::compare_errors(w, (d, c.zero, e), (bd, b.zero, be)) {
-                        Ordering::Less => true,
-                        Ordering::Greater => false,
-                        Ordering::Equal => c.tie_key() < b.tie_key(),
-                    }
-                }
-            };
-            if better {
-                best = Some((c, d, e));
-            }
-        }
-        best.map_or(Choice { bits: 0, zero: 8 }, |b| b.0)
+        exact::least(
+            w,
+            self.dtype,
+            std::iter::once(first).chain(rest.map(choice)),
+        )
     }
 }
 
@@ -322,119 +302,4 @@ impl FastSym {
 #[inline(always)]
 fn bf16_value(g: u16) -> f64 {
     f32::from_bits((g as u32) << 16) as f64
-}
-
-/// A scale above which no choice beats `ub`: the least `D` found by bisection (rounded up) with
-/// `Σ_{|v|<D} min(|v|, D − |v|)² > ub` (every element smaller than a scale at least `D` costs
-/// that much), or `2·max|v|` (from there every code is 0: the zero scale's error, and its tie).
-fn upper_bound(w: &[f32], m: f64, ub: f64) -> f64 {
-    let mut abs = [0f64; MAX_GROUP];
-    for (a, &v) in abs.iter_mut().zip(w) {
-        *a = (v as f64).abs();
-    }
-    let abs = &abs[..w.len().next_multiple_of(4)];
-    let beyond = |d: f64| {
-        // Lanes past the group hold 0, which adds 0.
-        let mut acc = [0f64; 4];
-        for a4 in abs.chunks_exact(4) {
-            for l in 0..4 {
-                let t = a4[l].min(d - a4[l]).max(0.0);
-                acc[l] += t * t;
-            }
-        }
-        ((acc[0] + acc[1]) + (acc[2] + acc[3])) * (1.0 - SLACK) > ub
-    };
-    let top = 2.0 * m;
-    if !beyond(top) {
-        return top;
-    }
-    let (mut lo, mut hi) = (0.0, top);
-    for _ in 0..8 {
-        let mid = 0.5 * (lo + hi);
-        if beyond(mid) {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    hi
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::synth::SplitMix64;
-
-    /// Ordinary groups take the fast path (the oracle tests compare its choices; this checks
-    /// they are its own, not the sweep's).
-    #[test]
-    fn ordinary_groups_take_the_fast_path() {
-        let mut rng = SplitMix64::new(3);
-        let mut f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
-        for gs in [32, 64, 128] {
-            for s in [1e-7, 0.02, 1.0, 4e5] {
-                for _ in 0..50 {
-                    let w: Vec<f32> = (0..gs).map(|_| (rng.normal() * s) as f32).collect();
-                    assert!(f.solve(&w).is_some(), "group of {gs} at {s:e}");
-                }
-            }
-        }
-    }
-
-    /// f16 scales, and magnitudes whose model products leave f64's comfortable range, go to
-    /// the sweep.
-    #[test]
-    fn f16_scales_and_extreme_magnitudes_go_to_the_sweep() {
-        assert!(FastSym::new(ScaleDtype::F16).is_none());
-        let mut f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
-        for s in [1e-35f32, 1e35] {
-            let w: Vec<f32> = (0..32).map(|i| s * (i as f32 - 15.5)).collect();
-            assert!(f.solve(&w).is_none(), "magnitude {s:e}");
-        }
-        // An all-zero group is the zero scale at once.
-        assert_eq!(f.solve(&[0.0; 32]), Some(Choice { bits: 0, zero: 8 }));
-    }
-
-    /// Where a code step is filed, against the stored rule at every pattern of the window:
-    /// weights on a breakpoint (`(k + ½)·d`, a half-even tie) and a few ulps off it, where the
-    /// f32 division decides, and random ones.
-    #[test]
-    fn steps_are_filed_where_the_stored_rule_takes_them() {
-        let f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
-        let mut rng = SplitMix64::new(11);
-        let (g_lo, g_hi) = (0x3C00u16, 0x3E00u16);
-        let brute = |x: f32, k: u32| {
-            (g_lo..=g_hi)
-                .rev()
-                .find(|&g| FastSym::stored_code(x, bf16_value(g) as f32) > k)
-        };
-        let mut settled = 0;
-        for case in 0..20_000u32 {
-            let k = (rng.next_u64() % 8) as u32;
-            let g = g_lo + (rng.next_u64() % (g_hi - g_lo) as u64) as u16;
-            let x = match case % 3 {
-                0 => ((k as f64 + 0.5) * bf16_value(g)) as f32,
-                1 => {
-                    let v = ((k as f64 + 0.5) * bf16_value(g)) as f32;
-                    let ulps = (rng.next_u64() % 7) as i32 - 3;
-                    f32::from_bits((v.to_bits() as i32 + ulps) as u32)
-                }
-                _ => (rng.normal().abs() * 0.05) as f32,
-            };
-            let want = brute(x, k);
-            let got = f.step_pattern(x, k, g_lo, g_hi);
-            settled += usize::from(case % 3 != 2 && got.is_some());
-            assert_eq!(
-                got,
-                want,
-                "x {x:e} ({:#x}), step {k} -> {}",
-                x.to_bits(),
-                k + 1
-            );
-        }
-        assert!(
-            settled > 1000,
-            "the tie cases landed in the window: {settled}"
-        );
-    }
 }

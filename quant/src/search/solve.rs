@@ -51,12 +51,11 @@ use super::exact::{self, Choice};
 use super::fast::FastSym;
 use super::grid::Grid;
 use crate::format::{ScaleDtype, quantize_group_asym, quantize_group_sym_scale};
-use std::cmp::Ordering;
 
 /// `2^-40`: the relative slack on rigorous bounds computed in f64.
-const SLACK: f64 = 1.0 / (1u64 << 40) as f64;
+pub(super) const SLACK: f64 = 1.0 / (1u64 << 40) as f64;
 /// `1 / (k + 1/2)` for `k = 0 ..= 15`: breakpoint `k → k+1` of an element is `|v| · HALF[k]`.
-const HALF: [f64; 16] = {
+pub(super) const HALF: [f64; 16] = {
     let mut t = [0.0; 16];
     let mut k = 0;
     while k < 16 {
@@ -177,7 +176,8 @@ impl Solver {
         {
             self.offer(mag, self.range_of(first), e, e * SLACK);
         }
-        let d_hi = self.upper_bound();
+        let d_hi = upper_bound(&self.abs, self.ub)
+            .map_or(self.grid.max_value(), |d| d.min(self.grid.max_value()));
         if self.zero_points {
             // The ranges in order of promise: nearest the one that fits [min, max] first.
             let fit = -(15.0 * self.n_max / (self.p_max + self.n_max)).round() as i32;
@@ -273,37 +273,6 @@ impl Solver {
             let ub = self.ub;
             self.offers.retain(|o| o.model - o.tau <= ub);
         }
-    }
-
-    /// A scale above which no choice can beat `ub`: the least `D` (to a bisection's precision,
-    /// rounded up) with `Σ_{|v|<D} min(|v|, D − |v|)² > ub`, or the largest stored scale.
-    fn upper_bound(&self) -> f64 {
-        let beyond = |d: f64| {
-            // Branch-free in four lanes: an element at or above `d` gives `min(a, d − a) ≤ 0`,
-            // clamped to 0.
-            let mut acc = [0f64; 4];
-            for a4 in self.abs.chunks_exact(4) {
-                for l in 0..4 {
-                    let t = a4[l].min(d - a4[l]).max(0.0);
-                    acc[l] += t * t;
-                }
-            }
-            ((acc[0] + acc[1]) + (acc[2] + acc[3])) * (1.0 - SLACK) > self.ub
-        };
-        let top = 2.0 * self.abs.iter().fold(0f64, |m, &a| m.max(a));
-        if !beyond(top) {
-            return self.grid.max_value();
-        }
-        let (mut lo, mut hi) = (0.0, top);
-        for _ in 0..10 {
-            let mid = 0.5 * (lo + hi);
-            if beyond(mid) {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
-        }
-        hi.min(self.grid.max_value())
     }
 
     /// Sweep the range `lo ..= lo + 15` over the scales its clipping bound leaves below `d_hi`.
@@ -466,31 +435,46 @@ impl Solver {
     /// The least offer in the order of [`exact::order`], among those that can still be it.
     fn pick(&mut self, w: &[f32]) -> Choice {
         let ub = self.ub;
-        let mut best: Option<(Choice, f32, f64)> = None;
-        for j in 0..self.offers.len() {
-            let o = self.offers[j];
-            if o.model - o.tau > ub {
-                continue;
-            }
-            let c = self.choice(&o);
-            let d = self.dtype.to_f32(c.bits);
-            let Some(e) = exact::error_f64(w, d, c.zero) else {
-                continue;
-            };
-            let better = match best {
-                None => true,
-                Some((b, bd, be)) => {
-                    match exact::compare_errors(w, (d, c.zero, e), (bd, b.zero, be)) {
-                        Ordering::Less => true,
-                        Ordering::Greater => false,
-                        Ordering::Equal => c.tie_key() < b.tie_key(),
-                    }
-                }
-            };
-            if better {
-                best = Some((c, d, e));
+        let finalists = self.offers.iter().filter(|o| o.model - o.tau <= ub);
+        exact::least(w, self.dtype, finalists.map(|o| self.choice(o)))
+    }
+}
+
+/// A scale above which no choice beats `ub`, for a group of magnitudes `abs`: the least `D`
+/// found by bisection (rounded up) with `Σ_{|v|<D} min(|v|, D − |v|)² > ub` (every element
+/// smaller than a scale at least `D` costs that much), or `None` when even `2·max|v|` is not
+/// such a bound.
+pub(super) fn upper_bound(abs: &[f64], ub: f64) -> Option<f64> {
+    let beyond = |d: f64| {
+        // Branch-free in four lanes: an element at or above `d` gives `min(a, d − a) ≤ 0`,
+        // clamped to 0.
+        let mut acc = [0f64; 4];
+        let quads = abs.chunks_exact(4);
+        let rest = quads.remainder();
+        for a4 in quads {
+            for l in 0..4 {
+                let t = a4[l].min(d - a4[l]).max(0.0);
+                acc[l] += t * t;
             }
         }
-        best.map_or(Choice { bits: 0, zero: 8 }, |b| b.0)
+        for (l, &a) in rest.iter().enumerate() {
+            let t = a.min(d - a).max(0.0);
+            acc[l] += t * t;
+        }
+        ((acc[0] + acc[1]) + (acc[2] + acc[3])) * (1.0 - SLACK) > ub
+    };
+    let top = 2.0 * abs.iter().fold(0f64, |m, &a| m.max(a));
+    if !beyond(top) {
+        return None;
     }
+    let (mut lo, mut hi) = (0.0, top);
+    for _ in 0..10 {
+        let mid = 0.5 * (lo + hi);
+        if beyond(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
 }
