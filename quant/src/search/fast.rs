@@ -303,3 +303,82 @@ impl FastSym {
 fn bf16_value(g: u16) -> f64 {
     f32::from_bits((g as u32) << 16) as f64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::SplitMix64;
+
+    /// Ordinary groups take the fast path (the oracle tests compare its choices; this checks
+    /// they are its own, not the sweep's).
+    #[test]
+    fn ordinary_groups_take_the_fast_path() {
+        let mut rng = SplitMix64::new(3);
+        let mut f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
+        for gs in [32, 64, 128] {
+            for s in [1e-7, 0.02, 1.0, 4e5] {
+                for _ in 0..50 {
+                    let w: Vec<f32> = (0..gs).map(|_| (rng.normal() * s) as f32).collect();
+                    assert!(f.solve(&w).is_some(), "group of {gs} at {s:e}");
+                }
+            }
+        }
+    }
+
+    /// f16 scales, and magnitudes whose model products leave f64's comfortable range, go to
+    /// the sweep.
+    #[test]
+    fn f16_scales_and_extreme_magnitudes_go_to_the_sweep() {
+        assert!(FastSym::new(ScaleDtype::F16).is_none());
+        let mut f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
+        for s in [1e-35f32, 1e35] {
+            let w: Vec<f32> = (0..32).map(|i| s * (i as f32 - 15.5)).collect();
+            assert!(f.solve(&w).is_none(), "magnitude {s:e}");
+        }
+        // An all-zero group is the zero scale at once.
+        assert_eq!(f.solve(&[0.0; 32]), Some(Choice { bits: 0, zero: 8 }));
+    }
+
+    /// Where a code step is filed, against the stored rule at every pattern of the window:
+    /// weights on a breakpoint (`(k + ½)·d`, a half-even tie) and a few ulps off it, where the
+    /// f32 division decides, and random ones.
+    #[test]
+    fn steps_are_filed_where_the_stored_rule_takes_them() {
+        let f = FastSym::new(ScaleDtype::Bf16).expect("bf16 scales");
+        let mut rng = SplitMix64::new(11);
+        let (g_lo, g_hi) = (0x3C00u16, 0x3E00u16);
+        let brute = |x: f32, k: u32| {
+            (g_lo..=g_hi)
+                .rev()
+                .find(|&g| FastSym::stored_code(x, bf16_value(g) as f32) > k)
+        };
+        let mut settled = 0;
+        for case in 0..20_000u32 {
+            let k = (rng.next_u64() % 8) as u32;
+            let g = g_lo + (rng.next_u64() % (g_hi - g_lo) as u64) as u16;
+            let x = match case % 3 {
+                0 => ((k as f64 + 0.5) * bf16_value(g)) as f32,
+                1 => {
+                    let v = ((k as f64 + 0.5) * bf16_value(g)) as f32;
+                    let ulps = (rng.next_u64() % 7) as i32 - 3;
+                    f32::from_bits((v.to_bits() as i32 + ulps) as u32)
+                }
+                _ => (rng.normal().abs() * 0.05) as f32,
+            };
+            let want = brute(x, k);
+            let got = f.step_pattern(x, k, g_lo, g_hi);
+            settled += usize::from(case % 3 != 2 && got.is_some());
+            assert_eq!(
+                got,
+                want,
+                "x {x:e} ({:#x}), step {k} -> {}",
+                x.to_bits(),
+                k + 1
+            );
+        }
+        assert!(
+            settled > 1000,
+            "the tie cases landed in the window: {settled}"
+        );
+    }
+}
