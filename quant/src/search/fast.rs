@@ -19,7 +19,8 @@
 //! 2. Each element's code at the window's largest pattern is computed with the stored rule;
 //!    each later step `k → k + 1` (as the scale falls) is filed under the last pattern that
 //!    has it: the largest pattern below `|v| / (k + ½)`, settled by the stored rule when the
-//!    breakpoint lies within `2^-20` of a pattern (a tie, or the f32 division rounding across).
+//!    breakpoint lies within `2^-11` of a pattern step of a pattern (at least `2^-19` of the
+//!    value: a tie, or the f32 division rounding across).
 //!    The step adds `|v|` to `Σ|v|·k` and `2k + 1` to `Σk²` in each range whose cap allows it.
 //! 3. Walking the patterns down, the prefix sums give each pattern's codes' sums, and its error
 //!    `Σv² − 2d·Σ|v|k + d²·Σk²` in f64, exact to `2^-40` of the terms (the codes are the stored
@@ -40,9 +41,6 @@ use crate::format::{ScaleDtype, quantize_group_sym_scale};
 const MAX_GROUP: usize = 128;
 /// Windows of more patterns than this are left to the sweep.
 const MAX_WINDOW: usize = 512;
-/// A breakpoint this near (relative) a pattern is settled by the stored rule.
-const NEAR: f64 = 1.0 / (1u64 << 20) as f64;
-
 /// A finalist: a positive scale pattern (0: the zero scale), the range (`false`: codes
 /// `−8 ..= 7`, a positive stored scale; `true`: `−7 ..= 8`, a negative one), its model error
 /// and margin.
@@ -97,8 +95,8 @@ impl FastSym {
         for &v in w {
             let v = v as f64;
             s_vv += v * v;
-            p = p.max(v);
-            q = q.max(-v);
+            p = if v > p { v } else { p };
+            q = if -v > q { -v } else { q };
         }
         if s_vv == 0.0 {
             return Some(Choice { bits: 0, zero: 8 });
@@ -157,20 +155,24 @@ impl FastSym {
     #[inline(always)]
     fn stored_code(x: f32, d: f32) -> u32 {
         const MAGIC32: f32 = 12_582_912.0;
-        (((x / d).min(32.0) + MAGIC32) - MAGIC32) as u32
+        let y = x / d;
+        (((if y < 32.0 { y } else { 32.0 }) + MAGIC32) - MAGIC32) as u32
     }
 
     /// The last pattern (largest, within `g_lo ..= g_hi`) at which `x`'s code is at least
     /// `k + 1`, or `None` if none in the window is.
     #[inline(always)]
     fn step_pattern(&self, x: f32, k: u32, g_lo: u16, g_hi: u16) -> Option<u16> {
-        let b = x as f64 * HALF[k as usize];
-        // The bfloat16 pattern at or below `b` (as f32): exact unless `b` lies within
-        // `2^-24` of a pattern, which the check below settles.
-        let mut g = (((b as f32).to_bits() >> 16) as u16).min(g_hi);
-        let near = |g: u16| (bf16_value(g) - b).abs() <= NEAR * b;
-        if near(g) || (g < g_hi && near(g + 1)) {
+        let b = (x as f64 * HALF[k as usize]) as f32;
+        // The bfloat16 pattern at or below `b` (rounded to f32: within 2^-24) and where `b`
+        // lies between it and the next, in 2^-16 of the step. A step is at least 2^-8 of the
+        // value, so 32 units are more than 2^-20 + 2^-24 of it: outside them, the pattern is
+        // the last with the higher code, whatever the f32 division does.
+        let bits = b.to_bits();
+        let (mut g, frac) = ((bits >> 16) as u16, bits & 0xFFFF);
+        if g > g_hi || !(32..=0xFFFF - 32).contains(&frac) {
             // Settle by the stored rule: the code falls as the scale grows.
+            g = g.min(g_hi);
             let at = |g: u16| Self::stored_code(x, bf16_value(g) as f32) > k;
             if g < g_hi && at(g + 1) {
                 g += 1;
@@ -246,7 +248,8 @@ impl FastSym {
                 };
                 let tau = ((s_vv + a) + b) * SLACK;
                 self.model[r][i] = (model, tau);
-                ub = ub.min(model + tau);
+                // A select, not `f64::min`: no NaN here, and the select is cheaper.
+                ub = if model + tau < ub { model + tau } else { ub };
             }
         }
         self.ub = ub;
@@ -261,7 +264,9 @@ impl FastSym {
     }
 
     fn offer(&mut self, bits: u16, negative: bool, model: f64, tau: f64) {
-        self.ub = self.ub.min(model + tau);
+        if model + tau < self.ub {
+            self.ub = model + tau;
+        }
         self.offers.push(Offer {
             bits,
             negative,

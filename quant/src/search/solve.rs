@@ -451,15 +451,18 @@ pub(super) fn upper_bound(abs: &[f64], ub: f64) -> Option<f64> {
         let mut acc = [0f64; 4];
         let quads = abs.chunks_exact(4);
         let rest = quads.remainder();
+        // `min(a, d − a)` clamped at 0, with comparisons (no NaN here: plain selects).
+        let cost = |a: f64| {
+            let t = if a < d - a { a } else { d - a };
+            if t > 0.0 { t * t } else { 0.0 }
+        };
         for a4 in quads {
             for l in 0..4 {
-                let t = a4[l].min(d - a4[l]).max(0.0);
-                acc[l] += t * t;
+                acc[l] += cost(a4[l]);
             }
         }
         for (l, &a) in rest.iter().enumerate() {
-            let t = a.min(d - a).max(0.0);
-            acc[l] += t * t;
+            acc[l] += cost(a);
         }
         ((acc[0] + acc[1]) + (acc[2] + acc[3])) * (1.0 - SLACK) > ub
     };
