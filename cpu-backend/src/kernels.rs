@@ -477,17 +477,36 @@ mod x86 {
     /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
 
-    /// Prefetch the tile `PREFETCH_BLOCKS` after tile `b` of the row block starting at byte
-    /// `base_off` of the matrix's `total` nibble bytes. Addresses past the row block continue
-    /// into the next one (row blocks are contiguous); nothing past the matrix is touched;
-    /// `wrapping_add` keeps the arithmetic defined and prefetches never fault.
-    #[inline(always)]
-    fn prefetch_ahead(nib: *const u8, base_off: usize, total: usize, b: usize) {
-        if base_off + (b + PREFETCH_BLOCKS + 1) * 256 <= total {
-            let pf = nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
-            for line in 0..4 {
-                // SAFETY: a prefetch is a hint; the address lies inside the matrix.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+    /// Software prefetch `PREFETCH_BLOCKS` tiles ahead within one row block's matrix:
+    /// addresses past the row block continue into the next one (row blocks are contiguous);
+    /// nothing past the matrix is touched; `wrapping_add` keeps the arithmetic defined and
+    /// prefetches never fault.
+    #[derive(Clone, Copy)]
+    struct Ahead {
+        /// The row block's first nibble byte.
+        nib: *const u8,
+        /// Tiles from the row block's start to the end of the matrix.
+        tiles_left: usize,
+    }
+
+    impl Ahead {
+        #[inline(always)]
+        fn new(m: &R16Matrix, rb: usize) -> Self {
+            Self {
+                nib: m.row_block_nibbles(rb).as_ptr(),
+                tiles_left: (m.row_blocks() - rb) * m.blocks(),
+            }
+        }
+
+        /// Prefetch the tile `PREFETCH_BLOCKS` after tile `b` of the row block.
+        #[inline(always)]
+        fn tile(self, b: usize) {
+            if b + PREFETCH_BLOCKS < self.tiles_left {
+                let pf = self.nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
+                for line in 0..4 {
+                    // SAFETY: a prefetch is a hint; the address lies inside the matrix.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+                }
             }
         }
     }
@@ -515,14 +534,13 @@ mod x86 {
         let q = tok.q.as_ptr().cast::<i32>();
         let mut p = [_mm512_setzero_ps(); LANES];
         let mut b = 0;
-        // Software prefetch ahead (`prefetch_ahead`): DRAM latency needs more bytes in flight
+        // Software prefetch ahead (`Ahead`): DRAM latency needs more bytes in flight
         // than the out-of-order window holds at this compute rate.
-        let total = m.row_blocks() * blocks * 256;
-        let base_off = rb * blocks * 256;
+        let ahead = Ahead::new(m, rb);
         macro_rules! step {
             ($j:expr) => {{
                 let bb = b + $j;
-                prefetch_ahead(nib, base_off, total, bb);
+                ahead.tile(bb);
                 // SAFETY: bb < blocks; see `load_tile512` and `term512`.
                 unsafe {
                     let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
@@ -597,15 +615,14 @@ mod x86 {
         let bpg = m.blocks_per_group();
         let dtype = m.spec().scale_dtype;
         let blocks = m.blocks();
-        let total = m.row_blocks() * blocks * 256;
-        let base_off = rb * blocks * 256;
+        let ahead = Ahead::new(m, rb);
         let mut q = [std::ptr::null::<i32>(); T];
         for t in 0..T {
             q[t] = toks[t].q.as_ptr().cast::<i32>();
         }
         let mut p = [[_mm512_setzero_ps(); LANES]; T];
         for b in 0..blocks {
-            prefetch_ahead(nib, base_off, total, b);
+            ahead.tile(b);
             // SAFETY: b < blocks; see `load_tile512` and `term512`.
             unsafe {
                 let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
@@ -695,12 +712,11 @@ mod x86 {
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut p = [[_mm256_setzero_ps(); LANES]; 2];
-        // Software prefetch ahead, as the VNNI kernel does (`prefetch_ahead`).
-        let total = m.row_blocks() * m.blocks() * 256;
-        let base_off = rb * m.blocks() * 256;
+        // Software prefetch ahead, as the VNNI kernel does (`Ahead`).
+        let ahead = Ahead::new(m, rb);
         for b in 0..m.blocks() {
             let g = b / bpg;
-            prefetch_ahead(nib, base_off, total, b);
+            ahead.tile(b);
             // SAFETY: as in `exact_avx2`: tile `b` is 256 bytes of the row block, the scales
             // and zeros hold 16 per group, the token holds 8 i32 of codes per block.
             unsafe {
@@ -846,8 +862,7 @@ mod x86 {
         let bpg = m.blocks_per_group();
         let dtype = m.spec().scale_dtype;
         let blocks = m.blocks();
-        let total = m.row_blocks() * blocks * 256;
-        let base_off = rb * blocks * 256;
+        let ahead = Ahead::new(m, rb);
         // f32(u - 8) for every code u: `vpermps` looks a lane's low 4 bits up in this table, so
         // a nibble becomes its centred float in one instruction (no mask, no convert).
         let table = _mm512_setr_ps(
@@ -860,7 +875,7 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); NT];
         for b in 0..blocks {
             let g = b / bpg;
-            prefetch_ahead(nib, base_off, total, b);
+            ahead.tile(b);
             // SAFETY: as in `exact_vnni_1`; each token slice holds K floats.
             unsafe {
                 let tile = nib.add(b * 256);
@@ -939,8 +954,7 @@ mod x86 {
         let bpg = m.blocks_per_group();
         let dtype = m.spec().scale_dtype;
         let blocks = m.blocks();
-        let total = m.row_blocks() * blocks * 256;
-        let base_off = rb * blocks * 256;
+        let ahead = Ahead::new(m, rb);
         let mask = _mm256_set1_epi32(0x0F);
         let magic = _mm256_set1_epi32(0x4B00_0000);
         let bias = _mm256_set1_ps(8_388_616.0); // 2^23 + 8
@@ -951,7 +965,7 @@ mod x86 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NT];
         for b in 0..blocks {
             let g = b / bpg;
-            prefetch_ahead(nib, base_off, total, b);
+            ahead.tile(b);
             let mut xs = [0f32; NT];
             if zeros.is_some() {
                 for t in 0..NT {

@@ -1530,14 +1530,18 @@ fn a_later_deploy_removes_what_the_earlier_one_wrote_and_it_does_not() {
     std::fs::write(&mine, "mine").unwrap();
     // The same cluster with one router: router 1's files go, the rest is rewritten.
     let one = inputs.topology.clone();
-    let r = inputs.deploy_on(
-        &one,
-        &example_placement(),
-        &["systemd"],
-        &out,
-        &["--key", key],
-    );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let redeploy = || {
+        let r = inputs.deploy_on(
+            &one,
+            &example_placement(),
+            &["systemd"],
+            &out,
+            &["--key", key],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        r
+    };
+    let r = redeploy();
     for p in &router1 {
         assert!(!p.exists(), "{} left behind", p.display());
     }
@@ -1552,14 +1556,7 @@ fn a_later_deploy_removes_what_the_earlier_one_wrote_and_it_does_not() {
         format!("../outside.txt\n{}\n", outside.display()),
     )
     .unwrap();
-    let r = inputs.deploy_on(
-        &one,
-        &example_placement(),
-        &["systemd"],
-        &out,
-        &["--key", key],
-    );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    redeploy();
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
 }
 

@@ -65,6 +65,8 @@ pub(super) struct FastSym {
     model: [Vec<(f64, f64)>; 2],
     offers: Vec<Offer>,
     ub: f64,
+    /// The group's magnitudes (for the window's upper bound).
+    abs: [f64; MAX_GROUP],
 }
 
 impl FastSym {
@@ -82,6 +84,7 @@ impl FastSym {
             model: [vec![(0.0, 0.0); MAX_WINDOW], vec![(0.0, 0.0); MAX_WINDOW]],
             offers: Vec::with_capacity(64),
             ub: 0.0,
+            abs: [0.0; MAX_GROUP],
         })
     }
 
@@ -92,8 +95,9 @@ impl FastSym {
             return None;
         }
         let (mut s_vv, mut p, mut q) = (0f64, 0f64, 0f64);
-        for &v in w {
+        for (a, &v) in self.abs.iter_mut().zip(w) {
             let v = v as f64;
+            *a = v.abs();
             s_vv += v * v;
             p = if v > p { v } else { p };
             q = if -v > q { -v } else { q };
@@ -129,13 +133,9 @@ impl FastSym {
         let lo_pos = ((p - r) / 7.0).max((q - r) / 8.0);
         let lo_neg = ((p - r) / 8.0).max((q - r) / 7.0);
         let d_lo = lo_pos.min(lo_neg).max(0.0) * (1.0 - SLACK);
-        let mut abs = [0f64; MAX_GROUP];
-        for (a, &v) in abs.iter_mut().zip(w) {
-            *a = (v as f64).abs();
-        }
         // With no bound below it, `2·max|v|`: from there every code is 0, the zero scale's error,
         // and the zero scale wins the tie.
-        let d_hi = upper_bound(&abs[..w.len()], self.ub)
+        let d_hi = upper_bound(&self.abs[..w.len()], self.ub)
             .unwrap_or(2.0 * p.max(q))
             .min(self.grid.max_value());
         if d_lo > d_hi {
