@@ -21,6 +21,7 @@
 //! re-read only from cache for further token tiles (prefill blocking). All scratch buffers are
 //! sized at `load` from [`BatchLimits`]; `execute` allocates nothing.
 
+pub mod amx;
 pub mod kernels;
 pub mod layout;
 pub mod membw;
