@@ -30,6 +30,9 @@ pub enum Isa {
     Avx2,
     /// AVX-512 F/BW + VNNI (`vpdpbusd`).
     Avx512Vnni,
+    /// AVX-512 VNNI, plus AMX-INT8 tiles for exact-mode token tiles of many tokens
+    /// ([`crate::amx`]; fewer tokens and accurate mode run the VNNI kernels).
+    Amx,
 }
 
 impl Isa {
@@ -41,6 +44,9 @@ impl Isa {
                 && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::arch::is_x86_feature_detected!("avx512vnni")
             {
+                if crate::amx::tiles::amx_available().is_ok() {
+                    return Isa::Amx;
+                }
                 return Isa::Avx512Vnni;
             }
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -54,11 +60,14 @@ impl Isa {
     pub fn available() -> Vec<Isa> {
         let best = Isa::detect();
         let mut v = vec![Isa::Scalar];
-        if matches!(best, Isa::Avx2 | Isa::Avx512Vnni) {
+        if best != Isa::Scalar {
             v.push(Isa::Avx2);
         }
-        if best == Isa::Avx512Vnni {
+        if matches!(best, Isa::Avx512Vnni | Isa::Amx) {
             v.push(Isa::Avx512Vnni);
+        }
+        if best == Isa::Amx {
+            v.push(Isa::Amx);
         }
         v
     }
@@ -69,6 +78,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Amx => "amx-int8",
         }
     }
 
@@ -119,7 +129,7 @@ pub fn rowblock_exact(
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
             // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); slices are in bounds
             // (R16Matrix guarantees tile sizes, TokenQ8 lengths are asserted in debug and
             // checked by the backend before any kernel runs).
@@ -138,7 +148,7 @@ pub fn rowblock_exact(
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.supported_cached() => {
+        Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
             // SAFETY: as above for AVX2.
             unsafe {
                 match toks.len() {
@@ -167,7 +177,8 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => best != Isa::Scalar,
-            Isa::Avx512Vnni => best == Isa::Avx512Vnni,
+            Isa::Avx512Vnni => matches!(best, Isa::Avx512Vnni | Isa::Amx),
+            Isa::Amx => best == Isa::Amx,
         }
     }
 }
@@ -225,7 +236,7 @@ fn exact_scalar(m: &R16Matrix, rb: usize, toks: &[TokenQ8<'_>], out: &mut [[f32;
 pub fn swiglu16(isa: Isa, g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() => {
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
             assert!(out.len() >= ROWS);
             // SAFETY: AVX-512 F is available; `out` holds at least 16 floats (asserted).
             unsafe { x86::swiglu16_avx512(g, u, out) }
@@ -268,13 +279,15 @@ pub fn rowblock_accurate(
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if Isa::Avx512Vnni.supported_cached() && x86::fma_f16c() => {
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() && x86::fma_f16c() => {
             // SAFETY: AVX-512 F/BW, FMA and F16C supported; `toks` holds at most
             // MAX_TOKEN_TILE (8) slices of K floats and `out` as many rows (asserted above).
             unsafe { by_tokens!(x86::accurate_avx512) }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.supported_cached() && x86::fma_f16c() => {
+        Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx
+            if Isa::Avx2.supported_cached() && x86::fma_f16c() =>
+        {
             // SAFETY: AVX2, FMA and F16C supported; slices as above.
             unsafe { by_tokens!(x86::accurate_avx2) }
         }
@@ -312,7 +325,7 @@ fn accurate_scalar(m: &R16Matrix, rb: usize, toks: &[&[f32]], out: &mut [[f32; R
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     //! x86-64 SIMD implementations; see the parent module for the contract they follow.
     use super::{R16Matrix, ROWS, TokenQ8};
     use expertmesh_quant::contract::LANES;
@@ -325,7 +338,7 @@ mod x86 {
     /// The CPU must support AVX-512 F (and F16C for f16 scales); `p` must point at 16 readable
     /// `u16` values (no alignment required).
     #[inline(always)]
-    unsafe fn scales16_512(dtype: ScaleDtype, p: *const u16) -> __m512 {
+    pub(crate) unsafe fn scales16_512(dtype: ScaleDtype, p: *const u16) -> __m512 {
         // SAFETY: caller guarantees 16 readable u16 at p.
         unsafe {
             let raw = _mm256_loadu_si256(p.cast());

@@ -27,6 +27,7 @@ pub mod layout;
 pub mod membw;
 mod pool;
 
+use amx::{AMX_TOKEN_TILE, TokenRows};
 use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, ExpertShape,
     ExpertSource, GroupedBatch, OutputLayout, VecSource,
@@ -43,6 +44,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// W2 row blocks per stage-2 work item (64 rows).
 const W2_TILE_ROW_BLOCKS: usize = 4;
+
+/// With [`Isa::Amx`], each full tile of this many tokens of one expert runs on the AMX kernel
+/// and the rest (fewer than 16) on the VNNI kernels: measured on a 2-vCPU Xeon, AMX gains
+/// only from about 12 tokens per tile (a K = 32 tile operation, its load and its store cost
+/// about as much for 4 tokens as for 16).
+pub const AMX_MIN_TOKENS: usize = AMX_TOKEN_TILE;
 
 /// One expert in the R16 layout.
 #[derive(Debug)]
@@ -88,6 +95,9 @@ struct RowSource<'a> {
 enum TileInputs<'a> {
     Exact([TokenQ8<'a>; MAX_TOKEN_TILE]),
     Accurate([&'a [f32]; MAX_TOKEN_TILE]),
+    /// Up to 16 tokens whose rows are evenly strided (pairs in group order), for AMX (on
+    /// the tile emulator when the flag is set).
+    Amx(TokenRows<'a>, bool),
 }
 
 impl<'a> TileInputs<'a> {
@@ -119,11 +129,39 @@ impl<'a> TileInputs<'a> {
         }
     }
 
+    /// Rows `first..first + n` of `src` as one AMX token tile: row-major (`blocked` false:
+    /// row `r` at `r·stride`) or gathered block-major ([`gather_amx_rows`]: block `b` of the
+    /// tile's token `t` at `first·stride + (b·n + t)·32`).
+    fn amx(src: &RowSource<'a>, first: usize, n: usize, blocked: bool, emulated: bool) -> Self {
+        let bs = src.stride / BLOCK;
+        let (q_stride, q_block) = if blocked {
+            (BLOCK, BLOCK * n)
+        } else {
+            (src.stride, BLOCK)
+        };
+        TileInputs::Amx(
+            TokenRows {
+                q: &src.q[first * src.stride..],
+                q_stride,
+                q_block,
+                d: &src.d[first * bs..],
+                d_stride: bs,
+                tokens: n,
+            },
+            emulated,
+        )
+    }
+
     /// Rows `16rb..16rb+16` of `m` for the first `n` tokens of the tile.
     fn run(&self, isa: Isa, m: &R16Matrix, rb: usize, n: usize, out: &mut [[f32; ROWS]]) {
         match self {
             TileInputs::Exact(t) => kernels::rowblock_exact(isa, m, rb, &t[..n], out),
             TileInputs::Accurate(t) => kernels::rowblock_accurate(isa, m, rb, &t[..n], out),
+            TileInputs::Amx(x, true) => {
+                amx::rowblock_exact_emulated(m, rb, x, out, amx::EmulatedGlue::Avx512);
+            }
+            TileInputs::Amx(x, false) => amx::rowblock_exact_amx(m, rb, x, out)
+                .expect("Isa::Amx is only in use where AMX is available (CpuBackend::with_isa)"),
         }
     }
 }
@@ -144,6 +182,10 @@ struct Scratch {
     hqs: AlignedVec<i32>,
     /// Per-pair outputs for pre-combining `[max_pairs][H]`.
     pair_out: AlignedVec<f32>,
+    /// Input codes and scales gathered per pair, for the AMX kernel's strided rows
+    /// (`[max_pairs][H]`, `[max_pairs][H/32]`; empty unless the ISA is [`Isa::Amx`]).
+    xg: AlignedVec<i8>,
+    xgd: AlignedVec<f32>,
     /// (group, tile) work items.
     items: Vec<(u32, u32)>,
     /// First pair index of each group.
@@ -159,6 +201,8 @@ struct Scratch {
 /// The CPU expert backend.
 pub struct CpuBackend {
     isa: Isa,
+    /// Run the AMX kernel through the tile emulator (tests; [`CpuBackend::with_amx_emulated`]).
+    amx_emulated: bool,
     threads: usize,
     /// The CPUs the worker threads are pinned to (`None`: unpinned).
     pinned: Option<Vec<usize>>,
@@ -208,6 +252,23 @@ impl CpuBackend {
                 detail: format!("this CPU does not support {}", isa.name()),
             });
         }
+        Self::build(threads, isa, pin, false)
+    }
+
+    /// For tests on any machine: [`Isa::Amx`]'s scheduling (token tiles of 16, rows gathered in
+    /// pair order) with the AMX kernel run through the tile emulator
+    /// ([`amx::rowblock_exact_emulated`]; slow) and the best available kernels elsewhere.
+    #[doc(hidden)]
+    pub fn with_amx_emulated(threads: usize) -> Result<Self, BackendError> {
+        Self::build(threads, Isa::Amx, None, true)
+    }
+
+    fn build(
+        threads: usize,
+        isa: Isa,
+        pin: Option<Vec<usize>>,
+        amx_emulated: bool,
+    ) -> Result<Self, BackendError> {
         let threads = threads.max(1);
         // One thread runs the work inline on the caller's thread, which is never pinned.
         let pin = pin.filter(|cpus| !cpus.is_empty() && threads > 1);
@@ -229,6 +290,7 @@ impl CpuBackend {
         };
         Ok(Self {
             isa,
+            amx_emulated,
             threads,
             pinned,
             pool,
@@ -292,8 +354,9 @@ fn mismatch(s: &ExpertShape, rows: usize, cols: usize, spec: QuantSpec) -> Backe
 impl Scratch {
     /// Every buffer a batch up to `limits` needs, for `experts` experts of at most
     /// `max_inter` intermediate size.
-    fn new(hidden: usize, max_inter: usize, experts: usize, limits: BatchLimits) -> Self {
+    fn new(hidden: usize, max_inter: usize, experts: usize, limits: BatchLimits, isa: Isa) -> Self {
         let (t, p) = (limits.max_tokens, limits.max_pairs);
+        let gp = if isa == Isa::Amx { p } else { 0 };
         let max_items_per_group =
             (2 * max_inter / 32).max(hidden.div_ceil(ROWS * W2_TILE_ROW_BLOCKS));
         let max_groups = p.min(experts);
@@ -308,6 +371,8 @@ impl Scratch {
             hd: AlignedVec::zeroed(p * max_inter / BLOCK),
             hqs: AlignedVec::zeroed(p * max_inter / BLOCK),
             pair_out: AlignedVec::zeroed(p * hidden),
+            xg: AlignedVec::zeroed(gp * hidden),
+            xgd: AlignedVec::zeroed(gp * hidden / BLOCK),
             items: Vec::with_capacity(max_groups * max_items_per_group),
             group_pair0: Vec::with_capacity(max_groups + 1),
             group_expert: Vec::with_capacity(max_groups),
@@ -410,7 +475,13 @@ impl ExpertBackend for CpuBackend {
                 w2,
             });
         }
-        self.scratch = Some(Scratch::new(hidden, max_inter, list.len(), limits));
+        self.scratch = Some(Scratch::new(
+            hidden,
+            max_inter,
+            list.len(),
+            limits,
+            self.isa,
+        ));
         self.index = index;
         self.experts = list;
         self.limits = limits;
@@ -445,6 +516,7 @@ impl ExpertBackend for CpuBackend {
             experts: &self.experts,
             pool: self.pool.as_ref(),
             isa: self.isa,
+            amx_emulated: self.amx_emulated,
             mode: batch.mode,
             max_inter: sc.max_inter,
             group_pair0: &sc.group_pair0,
@@ -453,8 +525,10 @@ impl ExpertBackend for CpuBackend {
 
         // 1. Quantize the input once per token (exact mode).
         let xsrc = quantize_inputs(batch, &mut sc.xq, &mut sc.xd, &mut sc.xqs);
+        // 1b. Rows in pair order for the AMX groups (their A tiles need evenly strided rows).
+        let xg = gather_amx_rows(&pass, &xsrc, &mut sc.xg, &mut sc.xgd);
         // 2. Stage 1 items: (group, 32-row W13 tile).
-        stage1(&pass, &mut sc.items, &xsrc, &mut sc.h);
+        stage1(&pass, &mut sc.items, &xsrc, &xg, &mut sc.h);
         // 3. Quantize each pair's intermediate (exact mode).
         if pass.mode == ComputeMode::Exact {
             quantize_intermediate(&pass, &sc.h, &mut sc.hq, &mut sc.hd, &mut sc.hqs);
@@ -494,6 +568,7 @@ struct Pass<'a, 'b> {
     experts: &'a [CpuExpert],
     pool: Option<&'a SpinPool>,
     isa: Isa,
+    amx_emulated: bool,
     mode: ComputeMode,
     max_inter: usize,
     /// First pair index of each group, and the total pair count last.
@@ -503,6 +578,27 @@ struct Pass<'a, 'b> {
 }
 
 impl<'a, 'b> Pass<'a, 'b> {
+    /// How many of a group's `n` tokens run on the AMX kernel (whole tiles of 16, first).
+    #[inline(always)]
+    fn amx_tokens(&self, n: usize) -> usize {
+        if self.isa == Isa::Amx && self.mode == ComputeMode::Exact && n >= AMX_MIN_TOKENS {
+            n / AMX_TOKEN_TILE * AMX_TOKEN_TILE
+        } else {
+            0
+        }
+    }
+
+    /// A group's token tiles: `(first, len, amx)` in token order, the AMX tiles of 16 first,
+    /// then tiles of up to [`MAX_TOKEN_TILE`] for the VNNI (or AVX2, scalar) kernels.
+    #[inline(always)]
+    fn token_tiles(&self, n: usize) -> impl Iterator<Item = (usize, usize, bool)> {
+        let amx = self.amx_tokens(n);
+        let big = (0..amx).step_by(AMX_TOKEN_TILE);
+        let small = (amx..n).step_by(MAX_TOKEN_TILE);
+        big.map(|f| (f, AMX_TOKEN_TILE, true))
+            .chain(small.map(move |f| (f, MAX_TOKEN_TILE.min(n - f), false)))
+    }
+
     /// Group `gi` of a work item: the group, its expert and its first pair index.
     #[inline(always)]
     fn item_group(&self, gi: u32) -> (&'a ExpertGroup<'b>, &'a CpuExpert, usize) {
@@ -594,12 +690,48 @@ fn quantize_inputs<'a>(
     }
 }
 
+/// Step 1b: copy the input codes of the AMX token tiles into pair order, block-major within
+/// each tile of 16 (block `b` of the tile's token `t` at `tile_start·H + (16b + t)·32`, so an A
+/// tile is one contiguous 512-byte read), and their block scales row by row; returns where
+/// they are (indexed by pair).
+fn gather_amx_rows<'a>(
+    pass: &Pass<'_, '_>,
+    xsrc: &RowSource<'_>,
+    xg: &'a mut [i8],
+    xgd: &'a mut [f32],
+) -> RowSource<'a> {
+    let (h, nb) = (pass.batch.hidden, pass.batch.hidden / BLOCK);
+    for (gi, g) in pass.batch.groups.iter().enumerate() {
+        let p0 = pass.group_pair0[gi] as usize;
+        let amx = pass.amx_tokens(g.tokens.len());
+        for (i, &t) in g.tokens[..amx].iter().enumerate() {
+            let (t, p) = (t as usize, p0 + i);
+            let tile = &mut xg[(p - i % AMX_TOKEN_TILE) * h..][..AMX_TOKEN_TILE * h];
+            let row = &xsrc.q[t * h..(t + 1) * h];
+            for (b, codes) in row.chunks_exact(BLOCK).enumerate() {
+                let at = (b * AMX_TOKEN_TILE + i % AMX_TOKEN_TILE) * BLOCK;
+                tile[at..at + BLOCK].copy_from_slice(codes);
+            }
+            xgd[p * nb..(p + 1) * nb].copy_from_slice(&xsrc.d[t * nb..(t + 1) * nb]);
+        }
+    }
+    RowSource {
+        q: xg,
+        d: xgd,
+        qsum: &[],
+        f32: &[],
+        stride: h,
+        len: h,
+    }
+}
+
 /// Step 2: stage 1 over (group, 32-row W13 tile) items: gate and up rows, then `silu(g)·u`
 /// into each pair's intermediate row of `hbuf` (`[max_pairs][max_inter]`).
 fn stage1(
     pass: &Pass<'_, '_>,
     items: &mut Vec<(u32, u32)>,
     xsrc: &RowSource<'_>,
+    xg: &RowSource<'_>,
     hbuf: &mut [f32],
 ) {
     let &Pass {
@@ -619,15 +751,19 @@ fn stage1(
     CpuBackend::run_items(pool, items.len(), |i| {
         let (gi, tile) = items[i];
         let (g, ex, p0) = pass.item_group(gi);
-        let mut gate = [[0f32; ROWS]; MAX_TOKEN_TILE];
-        let mut up = [[0f32; ROWS]; MAX_TOKEN_TILE];
-        for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
-            let n = toks.len();
-            let inputs = TileInputs::gather(mode, xsrc, toks.iter().map(|&t| t as usize));
+        let mut gate = [[0f32; ROWS]; AMX_TOKEN_TILE];
+        let mut up = [[0f32; ROWS]; AMX_TOKEN_TILE];
+        for (first, n, amx) in pass.token_tiles(g.tokens.len()) {
+            let inputs = if amx {
+                TileInputs::amx(xg, p0 + first, n, true, pass.amx_emulated)
+            } else {
+                let toks = &g.tokens[first..first + n];
+                TileInputs::gather(mode, xsrc, toks.iter().map(|&t| t as usize))
+            };
             inputs.run(isa, &ex.w13, 2 * tile as usize, n, &mut gate);
             inputs.run(isa, &ex.w13, 2 * tile as usize + 1, n, &mut up);
             for j in 0..n {
-                let pair = p0 + ci * MAX_TOKEN_TILE + j;
+                let pair = p0 + first + j;
                 // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
                 // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
                 let dst = unsafe {
@@ -714,16 +850,20 @@ fn stage2(
         let f = ex.inter;
         let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
         let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
-        let mut y = [[0f32; ROWS]; MAX_TOKEN_TILE];
+        let mut y = [[0f32; ROWS]; AMX_TOKEN_TILE];
         for rb in rb0..rb1 {
-            for (ci, toks) in g.tokens.chunks(MAX_TOKEN_TILE).enumerate() {
-                let n = toks.len();
-                let pb = p0 + ci * MAX_TOKEN_TILE;
+            for (first, n, amx) in pass.token_tiles(g.tokens.len()) {
+                let pb = p0 + first;
                 let hsrc = RowSource { len: f, ..*hsrc };
-                TileInputs::gather(mode, &hsrc, pb..pb + n).run(isa, &ex.w2, rb, n, &mut y);
+                let inputs = if amx {
+                    TileInputs::amx(&hsrc, pb, n, false, pass.amx_emulated)
+                } else {
+                    TileInputs::gather(mode, &hsrc, pb..pb + n)
+                };
+                inputs.run(isa, &ex.w2, rb, n, &mut y);
                 let rows = ROWS.min(h - rb * ROWS);
                 for j in 0..n {
-                    let local = ci * MAX_TOKEN_TILE + j;
+                    let local = first + j;
                     let row = if per_slot {
                         g.out_rows[local] as usize
                     } else {

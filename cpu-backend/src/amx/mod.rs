@@ -27,26 +27,25 @@ pub mod tiles;
 
 use crate::layout::{R16Matrix, ROWS};
 use expertmesh_quant::contract::LANES;
-use expertmesh_quant::format::BLOCK;
+use expertmesh_quant::format::{BLOCK, ScaleDtype};
 use tiles::{Amx, AmxUnavailable, Emulator, TileCfg, Tiles};
 
 /// Tokens per AMX call (the A tile's 16 rows).
 pub const AMX_TOKEN_TILE: usize = 16;
 
-/// Tile numbers: A (activations), B (widened weights), C (i32 results).
-const TA: u8 = 0;
-const TB: u8 = 2;
-const TC: u8 = 4;
-
-/// Up to [`AMX_TOKEN_TILE`] tokens' quantized activations as the A tile reads them: token `t`'s
-/// K int8 codes at `q[t·q_stride..]` and its K/32 block scales at `d[t·d_stride..]` (host
-/// memory; rows need not be contiguous, only evenly strided).
+/// Up to [`AMX_TOKEN_TILE`] tokens' quantized activations as the A tile reads them: token
+/// `t`'s 32 int8 codes of block `b` at `q[t·q_stride + b·q_block..]` and its K/32 block scales
+/// at `d[t·d_stride..]` (host memory). Row-major rows have `q_block` = 32 and `q_stride` ≥ K;
+/// the backend gathers a tile block-major (`q_stride` = 32, `q_block` = 32·tokens) so each A
+/// tile is one contiguous 512-byte read instead of 16 rows K bytes apart.
 #[derive(Clone, Copy, Debug)]
 pub struct TokenRows<'a> {
-    /// int8 codes, token `t` at `t·q_stride`.
+    /// int8 codes, token `t`'s block `b` at `t·q_stride + b·q_block`.
     pub q: &'a [i8],
-    /// Bytes between two tokens' codes.
+    /// Bytes between two tokens' codes of one block.
     pub q_stride: usize,
+    /// Bytes between one token's consecutive blocks.
+    pub q_block: usize,
     /// Per-block f32 scales, token `t` at `t·d_stride`.
     pub d: &'a [f32],
     /// Floats between two tokens' scales.
@@ -65,7 +64,8 @@ impl TokenRows<'_> {
             "AMX kernel: {t} tokens (1..=16)"
         );
         assert!(
-            self.q.len() >= (t - 1) * self.q_stride + k,
+            self.q_block >= BLOCK
+                && self.q.len() >= (t - 1) * self.q_stride + (k / BLOCK - 1) * self.q_block + BLOCK,
             "AMX kernel: codes too short"
         );
         assert!(
@@ -75,21 +75,320 @@ impl TokenRows<'_> {
     }
 }
 
-/// 64-byte aligned per-call staging: the widened B tile and the stored C tile.
-#[repr(C, align(64))]
-struct Stage {
-    b: [i8; 512],
-    c: [[i32; ROWS]; AMX_TOKEN_TILE],
+/// Tile numbers: two sets (A activations, B widened weights, C i32 results), used by
+/// alternate blocks so the next block's tile operations run while this block's results are
+/// combined.
+const SET0: (u8, u8, u8) = (0, 2, 4);
+const SET1: (u8, u8, u8) = (1, 3, 5);
+
+/// Partial sums `[token][b % 16][row]` of one call (16 KiB, on the stack).
+type Partials = [[[f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+
+/// The non-tile work of the kernel: widening a weight tile into the B staging and adding a
+/// block's terms to the partials. Two implementations with the same arithmetic: [`Portable`]
+/// (any CPU; with the emulator everywhere) and `Avx512` (with the instructions, and with the
+/// emulator on AVX-512 machines).
+trait Glue {
+    /// The zero points of one group, replicated per B dword lane (byte `4r + i` = row `r`).
+    type Z: Copy;
+    /// The 16 row scales of one group as f32.
+    type S: Copy;
+    /// Group `g`'s zero points (8 without zero points).
+    ///
+    /// # Safety
+    /// `z`, when present, holds at least `16g + 16` bytes; the CPU runs the implementation's
+    /// instructions.
+    unsafe fn zeros(z: Option<&[u8]>, g: usize) -> Self::Z;
+    /// Group `g`'s scales.
+    ///
+    /// # Safety
+    /// `scales` holds at least `16g + 16` values; the CPU runs the implementation's instructions.
+    unsafe fn scales(dtype: ScaleDtype, scales: &[u16], g: usize) -> Self::S;
+    /// B staging ← the R16 tile widened to i8 `code − z` (low nibbles, then high nibbles).
+    ///
+    /// # Safety
+    /// The CPU runs the implementation's instructions.
+    unsafe fn widen(tile: &[u8; 256], z: Self::Z, out: &mut [i8; 512]);
+    /// One token's 16 row partials (a register on AVX-512).
+    type V: Copy;
+    /// Zero partials.
+    ///
+    /// # Safety
+    /// The CPU runs the implementation's instructions.
+    unsafe fn zero_acc() -> Self::V;
+    /// `acc[t] += (s · d[t·d_stride]) · f32(c[t])` for every token `t < mt`.
+    ///
+    /// # Safety
+    /// `d` points at `mt` floats `d_stride` apart (host memory); the CPU runs the
+    /// implementation's instructions.
+    unsafe fn combine(
+        acc: &mut [Self::V; AMX_TOKEN_TILE],
+        c: &[[i32; ROWS]; AMX_TOKEN_TILE],
+        s: Self::S,
+        d: *const f32,
+        d_stride: usize,
+        mt: usize,
+    );
+    /// `p[t][lane] = acc[t]` for `t < mt`, and the accumulators back to zero.
+    ///
+    /// # Safety
+    /// The CPU runs the implementation's instructions.
+    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: &mut Partials, lane: usize, mt: usize);
 }
 
-/// The kernel over any tile implementation; see the module docs for the sequence.
+/// Plain Rust glue.
+struct Portable;
+
+impl Glue for Portable {
+    type Z = [i8; 64];
+    type S = [f32; ROWS];
+
+    #[inline(always)]
+    unsafe fn zeros(z: Option<&[u8]>, g: usize) -> Self::Z {
+        std::array::from_fn(|i| z.map_or(8, |z| z[g * ROWS + i / 4]) as i8)
+    }
+
+    #[inline(always)]
+    unsafe fn scales(dtype: ScaleDtype, scales: &[u16], g: usize) -> Self::S {
+        std::array::from_fn(|r| dtype.to_f32(scales[g * ROWS + r]))
+    }
+
+    #[inline(always)]
+    unsafe fn widen(tile: &[u8; 256], z: Self::Z, out: &mut [i8; 512]) {
+        for i in 0..256 {
+            out[i] = (tile[i] & 0x0F) as i8 - z[i % 64];
+            out[256 + i] = (tile[i] >> 4) as i8 - z[i % 64];
+        }
+    }
+
+    type V = [f32; ROWS];
+
+    #[inline(always)]
+    unsafe fn zero_acc() -> Self::V {
+        [0.0; ROWS]
+    }
+
+    #[inline(always)]
+    unsafe fn combine(
+        acc: &mut [Self::V; AMX_TOKEN_TILE],
+        c: &[[i32; ROWS]; AMX_TOKEN_TILE],
+        s: Self::S,
+        d: *const f32,
+        d_stride: usize,
+        mt: usize,
+    ) {
+        for (t, (at, ct)) in acc.iter_mut().zip(c).take(mt).enumerate() {
+            // SAFETY: t < mt (caller's bound on `d`).
+            let dt = unsafe { *d.add(t * d_stride) };
+            for r in 0..ROWS {
+                at[r] += (s[r] * dt) * ct[r] as f32;
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: &mut Partials, lane: usize, mt: usize) {
+        for (at, pt) in acc.iter_mut().zip(p.iter_mut()).take(mt) {
+            pt[lane] = *at;
+            *at = [0.0; ROWS];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The glue on AVX-512 F/BW: every lane performs [`super::Portable`]'s operations.
+    use super::{AMX_TOKEN_TILE, Glue, Partials, ROWS};
+    use expertmesh_quant::format::ScaleDtype;
+    use std::arch::x86_64::*;
+
+    /// Callable only from code compiled with AVX-512 F/BW enabled on a CPU that has them.
+    pub(super) struct Avx512;
+
+    impl Glue for Avx512 {
+        type Z = __m512i;
+        type S = __m512;
+
+        #[inline(always)]
+        unsafe fn zeros(z: Option<&[u8]>, g: usize) -> __m512i {
+            // SAFETY: z holds 16g + 16 bytes (caller); AVX-512 F (caller).
+            unsafe {
+                match z {
+                    None => _mm512_set1_epi8(8),
+                    Some(z) => _mm512_mullo_epi32(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(z.as_ptr().add(g * ROWS).cast())),
+                        _mm512_set1_epi32(0x0101_0101),
+                    ),
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn scales(dtype: ScaleDtype, scales: &[u16], g: usize) -> __m512 {
+            debug_assert!(scales.len() >= g * ROWS + ROWS);
+            // SAFETY: 16 values at 16g (caller).
+            unsafe { crate::kernels::x86::scales16_512(dtype, scales.as_ptr().add(g * ROWS)) }
+        }
+
+        #[inline(always)]
+        unsafe fn widen(tile: &[u8; 256], z: __m512i, out: &mut [i8; 512]) {
+            // SAFETY: 256 bytes in, 512 out; AVX-512 F/BW (caller).
+            unsafe {
+                let mask = _mm512_set1_epi8(0x0F);
+                for c in 0..4 {
+                    let w = _mm512_loadu_si512(tile.as_ptr().add(64 * c).cast());
+                    let lo = _mm512_sub_epi8(_mm512_and_si512(w, mask), z);
+                    let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), mask), z);
+                    _mm512_storeu_si512(out.as_mut_ptr().add(64 * c).cast(), lo);
+                    _mm512_storeu_si512(out.as_mut_ptr().add(256 + 64 * c).cast(), hi);
+                }
+            }
+        }
+
+        type V = __m512;
+
+        #[inline(always)]
+        unsafe fn zero_acc() -> __m512 {
+            // SAFETY: AVX-512 F (caller).
+            unsafe { _mm512_setzero_ps() }
+        }
+
+        #[inline(always)]
+        unsafe fn combine(
+            acc: &mut [__m512; AMX_TOKEN_TILE],
+            c: &[[i32; ROWS]; AMX_TOKEN_TILE],
+            s: __m512,
+            d: *const f32,
+            d_stride: usize,
+            mt: usize,
+        ) {
+            // SAFETY: t < mt ≤ 16 (caller's bound on `d`); rows of 16 values; AVX-512 F.
+            // The loop has a constant trip count so it unrolls and `acc` stays in registers.
+            unsafe {
+                for t in 0..AMX_TOKEN_TILE {
+                    if t < mt {
+                        let ct = _mm512_loadu_si512(c[t].as_ptr().cast());
+                        let sd = _mm512_mul_ps(s, _mm512_set1_ps(*d.add(t * d_stride)));
+                        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(sd, _mm512_cvtepi32_ps(ct)));
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn flush(
+            acc: &mut [__m512; AMX_TOKEN_TILE],
+            p: &mut Partials,
+            lane: usize,
+            mt: usize,
+        ) {
+            // SAFETY: 16 floats per (token, lane); AVX-512 F.
+            unsafe {
+                for t in 0..AMX_TOKEN_TILE {
+                    if t < mt {
+                        _mm512_storeu_ps(p[t][lane].as_mut_ptr(), acc[t]);
+                        acc[t] = _mm512_setzero_ps();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Widened B tiles in flight: block `b` is widened [`AHEAD`] iterations before its tile
+/// load, so the load finds the stores committed (a tile load right after the vector stores
+/// that wrote its bytes waits for them).
+const RING: usize = 4;
+/// Blocks widened ahead of the one whose tiles are issued next (`AHEAD + 2 ≤ RING`).
+const AHEAD: usize = 2;
+
+/// The order blocks are visited in: lane by lane (`b % 16` = 0, then 1, ...), ascending
+/// within a lane, so one lane's partials stay in registers until the lane ends; `None` after
+/// the last block.
+#[derive(Clone, Copy)]
+struct Visit {
+    /// The block, and its position in the visiting order.
+    b: usize,
+    i: usize,
+}
+
+impl Visit {
+    #[inline(always)]
+    fn next(self, blocks: usize) -> Option<Visit> {
+        let b = if self.b + LANES < blocks {
+            self.b + LANES
+        } else if self.b % LANES + 1 < LANES.min(blocks) {
+            self.b % LANES + 1
+        } else {
+            return None;
+        };
+        Some(Visit { b, i: self.i + 1 })
+    }
+}
+
+/// Widen block `v.b` (if any) into ring slot `v.i % RING`.
+///
+/// # Safety
+/// The CPU runs `G`'s instructions.
+#[inline(always)]
+unsafe fn widen<G: Glue>(
+    nib: &[u8],
+    zeros: Option<&[u8]>,
+    bpg: usize,
+    v: Option<Visit>,
+    ring: &mut [[i8; 512]; RING],
+) {
+    if let Some(v) = v {
+        let tile: &[u8; 256] = nib[v.b * 256..][..256].try_into().expect("256-byte tile");
+        // SAFETY: the caller's contract; the zero points of block b's group exist.
+        unsafe { G::widen(tile, G::zeros(zeros, v.b / bpg), &mut ring[v.i % RING]) };
+    }
+}
+
+/// Issue block `b`'s tile operations on set `(A, B, C)`: B from its ring slot, the i32
+/// results stored to `c`.
+///
+/// # Safety
+/// As for [`exact_tiles`]; tiles `A`, `B`, `C` are configured as the kernel configures them,
+/// and block `b` exists and has been widened.
+#[inline(always)]
+unsafe fn issue<T: Tiles, const A: u8, const B: u8, const C: u8>(
+    t: &mut T,
+    x: &TokenRows<'_>,
+    v: Visit,
+    ring: &[[i8; 512]; RING],
+    c: &mut [[i32; ROWS]; AMX_TOKEN_TILE],
+) {
+    // SAFETY: the caller's contract; A reads `tokens` rows of 32 bytes at stride q_stride
+    // starting inside the codes (checked by `TokenRows::check`); B reads a 512-byte slot;
+    // C writes tokens × 64 bytes into `c` (16 × 64 bytes).
+    unsafe {
+        t.zero::<C>();
+        t.load::<A>(x.q.as_ptr().add(v.b * x.q_block).cast(), x.q_stride);
+        t.load::<B>(ring[v.i % RING].as_ptr().cast(), 64);
+        t.dpbssd::<C, A, B>();
+        t.store::<C>(c.as_mut_ptr().cast(), ROWS * 4);
+    }
+}
+
+/// 64-byte aligned per-call staging: the ring of widened B tiles and one stored C tile per
+/// tile set.
+#[repr(C, align(64))]
+struct Stage {
+    ring: [[i8; 512]; RING],
+    c: [[[i32; ROWS]; AMX_TOKEN_TILE]; 2],
+}
+
+/// The kernel over any tile and glue implementation; see the module docs for the sequence.
+/// Blocks alternate between two tile sets: block `b + 1`'s tile operations are issued before
+/// block `b`'s results are combined, and weights are widened [`AHEAD`] blocks earlier still.
 ///
 /// # Safety
 /// `x` must have passed [`TokenRows::check`] for `m.cols()`, and `rb` must be a row block of
-/// `m`; with [`Amx`] the caller must hold one (permission granted) and the CPU must run the
-/// AVX-512 code this is inlined into.
+/// `m`; with [`Amx`] the caller must hold one (permission granted); the CPU must run `G`'s
+/// instructions.
 #[inline(always)]
-unsafe fn exact_tiles<T: Tiles>(
+unsafe fn exact_tiles<T: Tiles, G: Glue>(
     t: &mut T,
     m: &R16Matrix,
     rb: usize,
@@ -97,64 +396,74 @@ unsafe fn exact_tiles<T: Tiles>(
     out: &mut [[f32; ROWS]],
 ) {
     let mt = x.tokens;
+    let (a_rows, c_colsb) = (mt as u8, (ROWS * 4) as u16);
     let cfg = TileCfg::palette1()
-        .tile(TA, mt as u8, BLOCK as u16)
-        .tile(TB, 8, 64)
-        .tile(TC, mt as u8, (ROWS * 4) as u16);
+        .tile(SET0.0, a_rows, BLOCK as u16)
+        .tile(SET1.0, a_rows, BLOCK as u16)
+        .tile(SET0.1, 8, 64)
+        .tile(SET1.1, 8, 64)
+        .tile(SET0.2, a_rows, c_colsb)
+        .tile(SET1.2, a_rows, c_colsb);
     let nib = m.row_block_nibbles(rb);
     let scales = m.row_block_scales(rb);
     let zeros = m.row_block_zeros(rb);
-    let bpg = m.blocks_per_group();
+    let (bpg, blocks) = (m.blocks_per_group(), m.blocks());
     let dtype = m.spec().scale_dtype;
-    let mut p = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+    let mut p: Partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
     let mut st = Stage {
-        b: [0; 512],
-        c: [[0; ROWS]; AMX_TOKEN_TILE],
+        ring: [[0; 512]; RING],
+        c: [[[0; ROWS]; AMX_TOKEN_TILE]; 2],
     };
-    let mut zrep = [8i8; 64];
-    let mut s = [0f32; ROWS];
-    // SAFETY: the configuration is valid (rows ≤ 16, colsb ≤ 64); the caller holds the tiles.
-    unsafe { t.config(&cfg) };
-    for b in 0..m.blocks() {
-        let g = b / bpg;
-        if b % bpg == 0 {
-            for (r, sr) in s.iter_mut().enumerate() {
-                *sr = dtype.to_f32(scales[g * ROWS + r]);
+    let Stage { ring, c } = &mut st;
+    let [c0, c1] = c;
+    let d = x.d.as_ptr();
+    // SAFETY: the CPU runs G's instructions (caller).
+    let mut acc = [unsafe { G::zero_acc() }; AMX_TOKEN_TILE];
+    let adv = |v: Option<Visit>| v.and_then(|v| v.next(blocks));
+    let first = Some(Visit { b: 0, i: 0 });
+    let mut wv = first;
+    // Cursors in visiting order: the block to widen, to issue, to combine.
+    // SAFETY: the configuration is valid (rows ≤ 16, colsb ≤ 64); the caller holds the
+    // tiles; blocks are < `blocks` and are widened before they are issued; `d` of block b
+    // holds `mt` scales `d_stride` apart (checked).
+    unsafe {
+        t.config(&cfg);
+        for _ in 0..=AHEAD {
+            widen::<G>(nib, zeros, bpg, wv, ring);
+            wv = adv(wv);
+        }
+        let mut cv = first;
+        issue::<T, { SET0.0 }, { SET0.1 }, { SET0.2 }>(t, x, Visit { b: 0, i: 0 }, ring, c0);
+        // Two visits per iteration: set 0's results are combined while set 1 computes, and
+        // the other way round.
+        while let Some(v0) = cv {
+            let v1 = v0.next(blocks);
+            widen::<G>(nib, zeros, bpg, wv, ring);
+            wv = adv(wv);
+            if let Some(v1) = v1 {
+                issue::<T, { SET1.0 }, { SET1.1 }, { SET1.2 }>(t, x, v1, ring, c1);
             }
-            if let Some(z) = zeros {
-                for (i, zr) in zrep.iter_mut().enumerate() {
-                    *zr = z[g * ROWS + i / 4] as i8;
-                }
+            let s0 = G::scales(dtype, scales, v0.b / bpg);
+            G::combine(&mut acc, c0, s0, d.add(v0.b), x.d_stride, mt);
+            if v1.is_none_or(|v1| v1.b % LANES != v0.b % LANES) {
+                G::flush(&mut acc, &mut p, v0.b % LANES, mt);
             }
-        }
-        let tile: &[u8; 256] = nib[b * 256..][..256].try_into().expect("256-byte tile");
-        for i in 0..256 {
-            let byte = tile[i];
-            st.b[i] = (byte & 0x0F) as i8 - zrep[i % 64];
-            st.b[256 + i] = (byte >> 4) as i8 - zrep[i % 64];
-        }
-        // SAFETY: A reads `mt` rows of 32 bytes at stride q_stride starting inside the codes
-        // (checked by `TokenRows::check`); B reads 8 × 64 staged bytes; C writes mt × 64 bytes
-        // into `st.c` (16 × 64 bytes).
-        unsafe {
-            t.zero::<TC>();
-            t.load::<TA>(x.q.as_ptr().add(b * BLOCK).cast(), x.q_stride);
-            t.load::<TB>(st.b.as_ptr().cast(), 64);
-            t.dpbssd::<TC, TA, TB>();
-            t.store::<TC>(st.c.as_mut_ptr().cast(), ROWS * 4);
-        }
-        let lane = b % LANES;
-        for (tok, (pt, c)) in p.iter_mut().zip(&st.c).take(mt).enumerate() {
-            // SAFETY: tok < tokens and b < K/32: inside the scales (checked).
-            let d = unsafe { *x.d.get_unchecked(tok * x.d_stride + b) };
-            let acc = &mut pt[lane];
-            for r in 0..ROWS {
-                acc[r] += (s[r] * d) * c[r] as f32;
+            let Some(v1) = v1 else { break };
+            let v2 = v1.next(blocks);
+            widen::<G>(nib, zeros, bpg, wv, ring);
+            wv = adv(wv);
+            if let Some(v2) = v2 {
+                issue::<T, { SET0.0 }, { SET0.1 }, { SET0.2 }>(t, x, v2, ring, c0);
             }
+            let s1 = G::scales(dtype, scales, v1.b / bpg);
+            G::combine(&mut acc, c1, s1, d.add(v1.b), x.d_stride, mt);
+            if v2.is_none_or(|v2| v2.b % LANES != v1.b % LANES) {
+                G::flush(&mut acc, &mut p, v1.b % LANES, mt);
+            }
+            cv = v2;
         }
+        t.release();
     }
-    // SAFETY: as for `config`.
-    unsafe { t.release() };
     for (o, pt) in out.iter_mut().zip(p.iter_mut()).take(mt) {
         let mut w = LANES / 2;
         while w > 0 {
@@ -187,45 +496,66 @@ pub fn rowblock_exact_amx(
         if crate::kernels::Isa::Avx512Vnni.supported() {
             // SAFETY: AMX permission is held (`amx`), AVX-512 F/BW are present (checked), `x`
             // was checked against K and `rb` is in range.
-            unsafe { exact_amx_avx512(&mut amx, m, rb, x, out) };
+            unsafe { exact_avx512(&mut amx, m, rb, x, out) };
             return Ok(());
         }
     }
-    // SAFETY: as above, without the AVX-512 code generation.
-    unsafe { exact_tiles(&mut amx, m, rb, x, out) };
+    // SAFETY: as above, with the portable glue.
+    unsafe { exact_tiles::<_, Portable>(&mut amx, m, rb, x, out) };
     Ok(())
 }
 
-/// [`exact_tiles`] on the instructions, compiled with AVX-512 so the widening and the f32
-/// combine are vectorized.
+/// [`exact_tiles`] with the AVX-512 glue, on either tile implementation.
 ///
 /// # Safety
-/// As for [`exact_tiles`] with [`Amx`]; the CPU must support AVX-512 F/BW.
+/// As for [`exact_tiles`]; the CPU must support AVX-512 F/BW (and F16C, which every AVX-512
+/// CPU has, for f16 scales).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn exact_amx_avx512(
-    amx: &mut Amx,
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn exact_avx512<T: Tiles>(
+    t: &mut T,
     m: &R16Matrix,
     rb: usize,
     x: &TokenRows<'_>,
     out: &mut [[f32; ROWS]],
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { exact_tiles(amx, m, rb, x, out) }
+    unsafe { exact_tiles::<_, avx512::Avx512>(t, m, rb, x, out) }
+}
+
+/// Which glue [`rowblock_exact_emulated`] runs with the emulator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmulatedGlue {
+    /// Plain Rust (any CPU).
+    Portable,
+    /// The AVX-512 glue the instructions run with (AVX-512 CPUs only; falls back to portable
+    /// elsewhere). Returns whether it ran.
+    Avx512,
 }
 
 /// Exact mode through the tile emulator: the same kernel source as [`rowblock_exact_amx`],
-/// runnable on any machine (slow; for tests).
+/// runnable on any machine (slow; for tests). Returns the glue that ran.
 pub fn rowblock_exact_emulated(
     m: &R16Matrix,
     rb: usize,
     x: &TokenRows<'_>,
     out: &mut [[f32; ROWS]],
-) {
+    glue: EmulatedGlue,
+) -> EmulatedGlue {
     x.check(m.cols());
     assert!(rb < m.row_blocks() && out.len() >= x.tokens);
     let mut emu = Emulator::new();
-    // SAFETY: `x` was checked against K and `rb` is in range; the emulator checks its own
-    // shapes and panics where the hardware would fault.
-    unsafe { exact_tiles(&mut emu, m, rb, x, out) }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if glue == EmulatedGlue::Avx512 && crate::kernels::Isa::Avx512Vnni.supported() {
+            // SAFETY: AVX-512 F/BW present (checked); `x` was checked against K and `rb` is
+            // in range; the emulator checks its own shapes and panics where hardware faults.
+            unsafe { exact_avx512(&mut emu, m, rb, x, out) };
+            return EmulatedGlue::Avx512;
+        }
+    }
+    let _ = glue;
+    // SAFETY: as above, with the portable glue.
+    unsafe { exact_tiles::<_, Portable>(&mut emu, m, rb, x, out) };
+    EmulatedGlue::Portable
 }

@@ -3,7 +3,7 @@
 //! instructions against the emulator, bit for bit. The hardware tests say which ran.
 
 use expertmesh_cpu_backend::amx::tiles::{self, Amx, Emulator, TileCfg, Tiles};
-use expertmesh_cpu_backend::amx::{self, TokenRows};
+use expertmesh_cpu_backend::amx::{self, EmulatedGlue, TokenRows};
 use expertmesh_cpu_backend::layout::R16Matrix;
 use expertmesh_quant::format::{PackedMatrix, QuantSpec, ScaleDtype};
 use expertmesh_quant::reference::{self, QuantizedVec};
@@ -59,6 +59,7 @@ impl Tokens {
         TokenRows {
             q: &self.q,
             q_stride: self.stride,
+            q_block: 32,
             d: &self.d,
             d_stride: self.d_stride,
             tokens: self.acts.len(),
@@ -106,7 +107,11 @@ proptest! {
         let mut rng = SplitMix64::new(seed);
         let m = synth::random_packed("test", spec, rows, cols, &mut rng).unwrap();
         let toks = Tokens::new(cols, ntok, gap * 32, seed ^ 1);
-        check_kernel(&m, &toks, &amx::rowblock_exact_emulated)?;
+        for glue in [EmulatedGlue::Portable, EmulatedGlue::Avx512] {
+            check_kernel(&m, &toks, &|m, rb, x, out| {
+                amx::rowblock_exact_emulated(m, rb, x, out, glue);
+            })?;
+        }
     }
 }
 
@@ -136,7 +141,29 @@ fn emulated_amx_kernel_is_exact_at_the_extremes() {
         a.q.fill(v);
         toks.q[t * toks.stride..t * toks.stride + cols].fill(v);
     }
-    check_kernel(&m, &toks, &amx::rowblock_exact_emulated).unwrap();
+    for glue in [EmulatedGlue::Portable, EmulatedGlue::Avx512] {
+        check_kernel(&m, &toks, &|m, rb, x, out| {
+            amx::rowblock_exact_emulated(m, rb, x, out, glue);
+        })
+        .unwrap();
+    }
+}
+
+/// Which glue code the emulator tests ran with on this machine (the AVX-512 glue is the one
+/// the instructions run with; it needs an AVX-512 CPU).
+#[test]
+fn emulated_glue_coverage_is_reported() {
+    let mut rng = SplitMix64::new(3);
+    let m = synth::random_packed("glue", QuantSpec::G32_BF16, 16, 64, &mut rng).unwrap();
+    let r16 = R16Matrix::from_canonical(&m);
+    let toks = Tokens::new(64, 3, 0, 4);
+    let mut out = [[0f32; 16]; 16];
+    let ran = amx::rowblock_exact_emulated(&r16, 0, &toks.rows(), &mut out, EmulatedGlue::Avx512);
+    if ran == EmulatedGlue::Avx512 {
+        println!("ran: the AVX-512 glue with the tile emulator");
+    } else {
+        println!("skipped: the AVX-512 glue (no AVX-512 here); the portable glue ran");
+    }
 }
 
 fn amx_or_skip(what: &str) -> Option<Amx> {

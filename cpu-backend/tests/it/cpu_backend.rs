@@ -202,8 +202,17 @@ impl TestBatch {
 }
 
 fn check_exact(tb: &TestBatch, isa: Isa, threads: usize) -> Result<(), TestCaseError> {
+    check_exact_on(tb, CpuBackend::with_isa(threads, isa).unwrap())
+}
+
+/// The AMX scheduling on any machine: the tile emulator runs the AMX kernel.
+fn check_exact_amx_emulated(tb: &TestBatch, threads: usize) -> Result<(), TestCaseError> {
+    check_exact_on(tb, CpuBackend::with_amx_emulated(threads).unwrap())
+}
+
+fn check_exact_on(tb: &TestBatch, mut be: CpuBackend) -> Result<(), TestCaseError> {
+    let isa = be.name();
     let h = tb.hidden;
-    let mut be = CpuBackend::with_isa(threads, isa).unwrap();
     let per_slot = tb.run(&mut be, ComputeMode::Exact, OutputLayout::PerSlot);
     let combined = tb.run(&mut be, ComputeMode::Exact, OutputLayout::PreCombined);
     let rows = tb.out_rows();
@@ -275,6 +284,7 @@ proptest! {
                 check_exact(&tb, isa, threads)?;
             }
         }
+        check_exact_amx_emulated(&tb, 2)?;
     }
 }
 
@@ -293,6 +303,7 @@ fn backend_exact_large_batch() {
         for isa in Isa::available() {
             check_exact(&tb, isa, 2).unwrap();
         }
+        check_exact_amx_emulated(&tb, 2).unwrap();
     }
 }
 

@@ -233,7 +233,7 @@ pub(crate) struct KernelsCli {
     /// (the placement the memory limit was measured with), `unpinned` leaves them to the OS.
     #[arg(long, default_value = "limit", value_parser = pin_parser())]
     pin: KernelPin,
-    /// Instruction set of the kernels: scalar, avx2 or avx512-vnni (default: the best this CPU
+    /// Instruction set of the kernels: scalar, avx2, avx512-vnni or amx-int8 (default: the best this CPU
     /// has), to compare the paths on one machine.
     #[arg(long, value_parser = isa_parser)]
     isa: Option<kernels::Isa>,
@@ -276,11 +276,11 @@ fn pin_parser() -> impl clap::builder::TypedValueParser<Value = KernelPin> {
 /// `--isa`: an instruction set this CPU supports.
 fn isa_parser(s: &str) -> Result<kernels::Isa, String> {
     use kernels::Isa;
-    let all = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni];
+    let all = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::Amx];
     let isa = all
         .into_iter()
         .find(|i| i.name() == s)
-        .ok_or_else(|| format!("{s:?}: one of scalar, avx2, avx512-vnni"))?;
+        .ok_or_else(|| format!("{s:?}: one of scalar, avx2, avx512-vnni, amx-int8"))?;
     if !isa.supported() {
         return Err(format!(
             "this CPU cannot run {s} (it has: {})",
