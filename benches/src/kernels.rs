@@ -362,21 +362,25 @@ impl Clock {
     }
 }
 
-/// The same-run limits: the best read probe configuration (from a sweep) and the peak loop.
+/// The same-run limits: the best read probe configuration (from a sweep), the peak loop,
+/// and with the AMX kernels the AMX contract loop.
 struct Limits {
     buf: Vec<u8>,
     best: ProbeConfig,
     sweep: Vec<(ProbeConfig, Vec<f64>)>,
     peak_iters: usize,
+    /// Iterations of the AMX contract loop per pass (`None`: the kernels do not use AMX).
+    amx_iters: Option<usize>,
     threads: usize,
     bw: Vec<f64>,
     peak: Vec<f64>,
+    amx: Vec<f64>,
 }
 
 impl Limits {
     /// Sweep every probe configuration (passes round-robin until `effort.probe_passes` each
     /// or a tenth of the setup time is spent) and keep the one with the best median.
-    fn sweep(threads: usize, effort: &Effort, llc: u64, clock: &Clock) -> Limits {
+    fn sweep(threads: usize, effort: &Effort, llc: u64, clock: &Clock, amx: bool) -> Limits {
         let big = effort.probe_bytes as usize;
         let small = ((16 * llc) as usize).max(512 << 20).min(big);
         let mut sizes = vec![small, big];
@@ -412,23 +416,33 @@ impl Limits {
             best,
             sweep,
             peak_iters: roofline::iters_for(0.004),
+            amx_iters: amx.then(|| roofline::amx_iters_for(0.004)).flatten(),
             threads,
             bw: Vec::new(),
             peak: Vec::new(),
+            amx: Vec::new(),
         }
     }
 
     /// One limit sample: the better of two passes of the best probe and of two passes of
     /// the peak loop (a limit is an upper envelope: interference only lowers a pass, so the
-    /// better of two is the less disturbed one).
+    /// better of two is the less disturbed one). With AMX the compute ceiling is the faster
+    /// of the peak loop and the AMX contract loop (the kernels use whichever path is faster
+    /// for a token tile, so the ceiling is the better of the two).
     fn sample(&mut self) -> Roofline {
         let best_of_2 = |f: &mut dyn FnMut() -> f64| f().max(f());
-        let r = Roofline {
+        let mut r = Roofline {
             read_bytes_per_s: best_of_2(&mut || membw::read_pass(&self.buf, &self.best)),
             ops_per_s: best_of_2(&mut || roofline::int8_peak_pass(self.threads, self.peak_iters)),
         };
         self.bw.push(r.read_bytes_per_s);
         self.peak.push(r.ops_per_s);
+        if let Some(iters) = self.amx_iters {
+            let threads = self.threads;
+            let amx = best_of_2(&mut || roofline::amx_contract_pass(threads, iters).unwrap_or(0.0));
+            self.amx.push(amx);
+            r.ops_per_s = r.ops_per_s.max(amx);
+        }
         r
     }
 
@@ -439,7 +453,12 @@ impl Limits {
             .iter()
             .find(|(c, _)| *c == self.best)
             .map_or(0.0, |(_, s)| Spread::of(s).median);
-        2.0 * (self.best.bytes as f64 / bw.max(1e9) + 0.004)
+        let loops = if self.amx_iters.is_some() {
+            0.008
+        } else {
+            0.004
+        };
+        2.0 * (self.best.bytes as f64 / bw.max(1e9) + loops)
     }
 
     /// The sweep and the interleaved samples, for `machine` in the JSON.
@@ -470,6 +489,19 @@ impl Limits {
         m.insert("int8_peak_tops_p10".into(), (peak.p10 / 1e12).into());
         m.insert("int8_peak_tops_p90".into(), (peak.p90 / 1e12).into());
         m.insert("int8_peak_basis".into(), roofline::peak_basis().into());
+        if !self.amx.is_empty() {
+            let amx = Spread::of(&self.amx);
+            m.insert(
+                "amx_contract_tops_median".into(),
+                (amx.median / 1e12).into(),
+            );
+            m.insert("amx_contract_tops_p10".into(), (amx.p10 / 1e12).into());
+            m.insert("amx_contract_tops_p90".into(), (amx.p90 / 1e12).into());
+            m.insert(
+                "amx_contract_basis".into(),
+                roofline::AMX_CONTRACT_BASIS.into(),
+            );
+        }
     }
 }
 
@@ -770,7 +802,16 @@ pub fn run(opts: &KernelBenchOptions) -> Result<BenchReport, BenchError> {
     if let Some(line) = effort.memory_line(llc) {
         println!("{line}");
     }
-    let mut limits = Limits::sweep(opts.threads, &effort, llc, &clock);
+    let isa = opts
+        .isa
+        .unwrap_or_else(expertmesh_cpu_backend::kernels::Isa::detect);
+    let amx = isa == expertmesh_cpu_backend::kernels::Isa::Amx;
+    let mut limits = Limits::sweep(opts.threads, &effort, llc, &clock, amx);
+    if let Some(iters) = limits.amx_iters {
+        println!(
+            "  AMX kernels: compute limit = max(int8 peak loop, AMX contract loop of {iters} blocks)"
+        );
+    }
     println!(
         "  read probes: {} configurations swept; best {} at {:.2} GB/s (median of its passes)",
         limits.sweep.len(),
@@ -811,7 +852,7 @@ pub fn run(opts: &KernelBenchOptions) -> Result<BenchReport, BenchError> {
     }
     machine::finish(extra);
     for c in &cases {
-        match result_of(c, &models[c.model], opts.threads) {
+        match result_of(c, &models[c.model], opts.threads, amx) {
             Some(r) => report.results.push(r),
             None => skipped.push(serde_json::json!({
                 "model": models[c.model].spec.name, "case": format!("{:?}", c.kind),
@@ -984,7 +1025,7 @@ fn measure(
 }
 
 /// The result row of a case (none without samples).
-fn result_of(c: &Case, m: &ModelBench, threads: usize) -> Option<BenchResult> {
+fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<BenchResult> {
     if c.achieved.is_empty() {
         return None;
     }
@@ -1022,6 +1063,9 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize) -> Option<BenchResult> {
     let ratio_best = if r.limit > 0.0 { best / r.limit } else { 0.0 };
     let limit_kind = if c.kind == Kind::Accurate {
         "memory read bandwidth (best read probe), same run, interleaved; f32 peak not measured"
+    } else if amx {
+        "roofline min(bytes / read bandwidth, int8 ops / max(int8 peak, AMX contract loop)), \
+         same run, interleaved"
     } else {
         "roofline min(bytes / read bandwidth, int8 ops / int8 peak), same run, interleaved"
     };

@@ -110,6 +110,22 @@ pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
     }
 }
 
+/// Contract §1 for a whole vector (`x.len()` a multiple of 32): codes into `q`, block scales
+/// into `d`, bit-identical to [`contract::quantize_activations`]. On AVX-512 each block is
+/// two vectors (`vrndscaleps` rounds half to even as `round_ties_even` does); a block with a
+/// NaN, an infinity or an amax below the contract's minimum takes the scalar code.
+pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
+            assert!(x.len() % BLOCK == 0 && q.len() == x.len() && d.len() == x.len() / BLOCK);
+            // SAFETY: AVX-512 F/BW supported; lengths asserted above.
+            unsafe { x86::quantize_avx512(x, q, d) }
+        }
+        _ => contract::quantize_activations(x, q, d),
+    }
+}
+
 /// Maximum tokens computed together against one loaded weight tile.
 pub const MAX_TOKEN_TILE: usize = 8;
 
@@ -169,8 +185,9 @@ pub fn rowblock_exact(
 }
 
 impl Isa {
+    /// [`Isa::supported`] without allocating (cached detection), for hot paths.
     #[inline(always)]
-    fn supported_cached(self) -> bool {
+    pub(crate) fn supported_cached(self) -> bool {
         use std::sync::OnceLock;
         static BEST: OnceLock<Isa> = OnceLock::new();
         let best = *BEST.get_or_init(Isa::detect);
@@ -479,6 +496,44 @@ pub(crate) mod x86 {
             let e = _mm512_mul_ps(p, pow2);
             let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
             _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
+        }
+    }
+
+    /// [`super::quantize_activations`] on AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW; `x.len()` is a multiple of 32, `q` as long, `d`
+    /// `x.len() / 32` long.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+        use expertmesh_quant::contract::{MIN_BLOCK_AMAX, quantize_block};
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        for (b, db) in d.iter_mut().enumerate() {
+            let (xb, qb) = (&x[b * BLOCK..][..BLOCK], &mut q[b * BLOCK..][..BLOCK]);
+            // SAFETY: xb holds 32 floats and qb 32 bytes.
+            unsafe {
+                let v = [
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb.as_ptr().add(16)),
+                ];
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[1]) != 0;
+                let a = |v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
+                let amax = _mm512_reduce_max_ps(_mm512_max_ps(a(v[0]), a(v[1])));
+                if nan || !amax.is_finite() || amax < MIN_BLOCK_AMAX {
+                    *db = quantize_block(xb, qb);
+                    continue;
+                }
+                *db = amax / 127.0;
+                let inv = _mm512_set1_ps(127.0 / amax);
+                for (h, v) in v.into_iter().enumerate() {
+                    let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                        _mm512_mul_ps(v, inv),
+                    );
+                    let c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+                    _mm_storeu_si128(qb.as_mut_ptr().add(16 * h).cast(), _mm512_cvtepi32_epi8(c));
+                }
+            }
         }
     }
 

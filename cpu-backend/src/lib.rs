@@ -33,7 +33,7 @@ use expertmesh_backend::{
     ExpertSource, GroupedBatch, OutputLayout, VecSource,
 };
 use expertmesh_quant::aligned::AlignedVec;
-use expertmesh_quant::contract::{self, ComputeMode};
+use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
 use kernels::{Isa, MAX_TOKEN_TILE, TokenQ8};
 use layout::MatrixDims;
@@ -524,7 +524,7 @@ impl ExpertBackend for CpuBackend {
         };
 
         // 1. Quantize the input once per token (exact mode).
-        let xsrc = quantize_inputs(batch, &mut sc.xq, &mut sc.xd, &mut sc.xqs);
+        let xsrc = quantize_inputs(batch, self.isa, &mut sc.xq, &mut sc.xd, &mut sc.xqs);
         // 1b. Rows in pair order for the AMX groups (their A tiles need evenly strided rows).
         let xg = gather_amx_rows(&pass, &xsrc, &mut sc.xg, &mut sc.xgd);
         // 2. Stage 1 items: (group, 32-row W13 tile).
@@ -647,6 +647,7 @@ fn resolve_groups(
 /// the kernels read each token's row.
 fn quantize_inputs<'a>(
     batch: &GroupedBatch<'a>,
+    batch_isa: Isa,
     xq: &'a mut [i8],
     xd: &'a mut [f32],
     xqs: &'a mut [i32],
@@ -658,7 +659,7 @@ fn quantize_inputs<'a>(
             for t in 0..batch.tokens {
                 let q = &mut xq[t * h..(t + 1) * h];
                 let d = &mut xd[t * nb..(t + 1) * nb];
-                contract::quantize_activations(&x[t * h..(t + 1) * h], q, d);
+                kernels::quantize_activations(batch_isa, &x[t * h..(t + 1) * h], q, d);
                 kernels::block_sums(q, &mut xqs[t * nb..(t + 1) * nb]);
             }
             (
@@ -818,7 +819,7 @@ fn quantize_intermediate(
                 std::slice::from_raw_parts_mut(hqs.ptr().add(p * nbm), f / BLOCK),
             )
         };
-        contract::quantize_activations(&hsrc[p * max_inter..p * max_inter + f], q, d);
+        kernels::quantize_activations(pass.isa, &hsrc[p * max_inter..p * max_inter + f], q, d);
         kernels::block_sums(q, s);
     });
 }

@@ -94,6 +94,36 @@ pub(crate) fn peak_basis() -> &'static str {
 /// together, thread `i` pinned to the `i`-th allowed CPU so two threads never share a core
 /// while another is idle); returns int8 operations (2 per multiply-accumulate) per second.
 pub(crate) fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
+    parallel_pass(threads, &|| {
+        let (ops, sink) = dot_loop(std::hint::black_box(iters));
+        std::hint::black_box(sink);
+        ops
+    })
+}
+
+/// What the AMX contract loop is (`bench kernels` JSON: `amx_contract_basis`).
+pub(crate) const AMX_CONTRACT_BASIS: &str = "per 32-element block of 16 tokens x 16 rows: \
+    TILEZERO, TILELOADD A and B from L1, one K=32 TDPBSSD, TILESTORED, then per token the \
+    contract's f32 combine (s*d)*f32(isum) added to a partial; two tile sets alternating \
+    (expertmesh_cpu_backend::amx::contract_loop)";
+
+/// One pass of the AMX contract loop ([`expertmesh_cpu_backend::amx::contract_loop`]: the
+/// most an exact AMX kernel can do under the contract) on `threads` threads as
+/// [`int8_peak_pass`] runs its loop; int8 operations per second, or `None` where this process
+/// cannot run AMX.
+pub(crate) fn amx_contract_pass(threads: usize, iters: usize) -> Option<f64> {
+    use expertmesh_cpu_backend::amx;
+    amx::tiles::amx_available().ok()?;
+    Some(parallel_pass(threads, &|| {
+        let (blocks, sink) = amx::contract_loop(std::hint::black_box(iters)).unwrap_or((0, 0.0));
+        std::hint::black_box(sink);
+        blocks as f64 * amx::CONTRACT_LOOP_OPS as f64
+    }))
+}
+
+/// Runs `work` (returning the operations it did) on `threads` threads, started together and
+/// pinned as [`int8_peak_pass`] says; operations per second over the span of all of them.
+fn parallel_pass(threads: usize, work: &(dyn Fn() -> f64 + Sync)) -> f64 {
     use expertmesh_cpu_backend::membw::{Placement, pin_to};
     let threads = threads.max(1);
     let cpus = Placement::Compact.cpus(threads);
@@ -110,8 +140,7 @@ pub(crate) fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
                         }
                         ready.wait();
                         let t0 = Instant::now();
-                        let (ops, sink) = dot_loop(std::hint::black_box(iters));
-                        std::hint::black_box(sink);
+                        let ops = work();
                         (t0, Instant::now(), ops)
                     })
                 })
@@ -121,6 +150,17 @@ pub(crate) fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
     let spans: Vec<_> = runs.iter().map(|r| r.map(|(a, b, _)| (a, b))).collect();
     let ops: f64 = runs.iter().flatten().map(|r| r.2).sum();
     expertmesh_cpu_backend::membw::span_secs(&spans).map_or(0.0, |secs| ops / secs)
+}
+
+/// Iterations of [`amx_contract_pass`] that take about `secs` on one thread here (from a
+/// short calibration pass); `None` without AMX.
+pub(crate) fn amx_iters_for(secs: f64) -> Option<usize> {
+    use expertmesh_cpu_backend::amx;
+    let probe = 20_000;
+    let t = Instant::now();
+    std::hint::black_box(amx::contract_loop(probe).ok()?);
+    let per = t.elapsed().as_secs_f64() / probe as f64;
+    Some(((secs / per.max(1e-12)) as usize).clamp(1_000, 100_000_000))
 }
 
 /// Iterations of [`int8_peak_pass`] that take about `secs` on one thread here (from a short

@@ -493,7 +493,7 @@ pub fn rowblock_exact_amx(
     assert!(rb < m.row_blocks() && out.len() >= x.tokens);
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::kernels::Isa::Avx512Vnni.supported() {
+        if crate::kernels::Isa::Avx512Vnni.supported_cached() {
             // SAFETY: AMX permission is held (`amx`), AVX-512 F/BW are present (checked), `x`
             // was checked against K and `rb` is in range.
             unsafe { exact_avx512(&mut amx, m, rb, x, out) };
@@ -547,7 +547,7 @@ pub fn rowblock_exact_emulated(
     let mut emu = Emulator::new();
     #[cfg(target_arch = "x86_64")]
     {
-        if glue == EmulatedGlue::Avx512 && crate::kernels::Isa::Avx512Vnni.supported() {
+        if glue == EmulatedGlue::Avx512 && crate::kernels::Isa::Avx512Vnni.supported_cached() {
             // SAFETY: AVX-512 F/BW present (checked); `x` was checked against K and `rb` is
             // in range; the emulator checks its own shapes and panics where hardware faults.
             unsafe { exact_avx512(&mut emu, m, rb, x, out) };
@@ -558,4 +558,93 @@ pub fn rowblock_exact_emulated(
     // SAFETY: as above, with the portable glue.
     unsafe { exact_tiles::<_, Portable>(&mut emu, m, rb, x, out) };
     EmulatedGlue::Portable
+}
+
+/// int8 operations (2 per multiply-add) one iteration of [`contract_loop`] does: one block of
+/// 16 tokens × 16 rows × 32.
+pub const CONTRACT_LOOP_OPS: u64 = 2 * (AMX_TOKEN_TILE * ROWS * BLOCK) as u64;
+
+/// The limit of any exact AMX kernel under the contract, run for `iters` blocks on this
+/// thread: per block what the contract cannot do without (zero C, load A and B from L1, one
+/// K = 32 `TDPBSSD`, store C, and per token the f32 combine `acc += (s·d)·f32(isum)`), two
+/// tile sets alternating as in the kernel, and nothing the kernel also does (no weight
+/// widening, no streaming from memory). Returns the blocks done (`iters` rounded up to even;
+/// [`CONTRACT_LOOP_OPS`] each) and a value the optimizer must keep. Benches measure it beside
+/// the kernel (`bench kernels`: the compute limit of the rows the AMX kernel runs).
+pub fn contract_loop(iters: usize) -> Result<(u64, f32), AmxUnavailable> {
+    let mut amx = Amx::new()?;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::kernels::Isa::Avx512Vnni.supported_cached() {
+            // SAFETY: AMX permission is held (`amx`); AVX-512 F/BW present (checked).
+            let sink = unsafe { contract_loop_avx512(&mut amx, iters) };
+            return Ok((2 * iters.div_ceil(2) as u64, sink));
+        }
+    }
+    let _ = (&mut amx, iters);
+    Err(AmxUnavailable::NoCpuSupport)
+}
+
+/// [`contract_loop`] with the AVX-512 glue.
+///
+/// # Safety
+/// The caller holds `amx`; the CPU supports AVX-512 F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn contract_loop_avx512(amx: &mut Amx, iters: usize) -> f32 {
+    use avx512::Avx512 as G;
+    #[repr(C, align(64))]
+    struct Inputs {
+        a: [[i8; 512]; 2],
+        ring: [[i8; 512]; RING],
+        c: [[[i32; ROWS]; AMX_TOKEN_TILE]; 2],
+    }
+    let mut st = Inputs {
+        a: [[3; 512]; 2],
+        ring: [[5; 512]; RING],
+        c: [[[0; ROWS]; AMX_TOKEN_TILE]; 2],
+    };
+    let d = [0.5f32; AMX_TOKEN_TILE];
+    let mut p: Partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+    let (mt, c_colsb) = (AMX_TOKEN_TILE as u8, (ROWS * 4) as u16);
+    let cfg = TileCfg::palette1()
+        .tile(SET0.0, mt, BLOCK as u16)
+        .tile(SET1.0, mt, BLOCK as u16)
+        .tile(SET0.1, 8, 64)
+        .tile(SET1.1, 8, 64)
+        .tile(SET0.2, mt, c_colsb)
+        .tile(SET1.2, mt, c_colsb);
+    let Inputs { a, ring, c } = &mut st;
+    let [c0, c1] = c;
+    // Two A tiles (16 tokens × 32 B, contiguous), `q_block` 512: blocks 0 and 1 alternate.
+    let x = TokenRows {
+        q: a.as_flattened(),
+        q_stride: BLOCK,
+        q_block: 512,
+        d: &d,
+        d_stride: 1,
+        tokens: AMX_TOKEN_TILE,
+    };
+    // SAFETY: AVX-512 and `amx` (caller); every tile op reads or writes the 64-byte aligned
+    // buffers above (A: 16 rows × 32 B of `a[v.b]`, B: a ring slot, C: `c0`/`c1`).
+    unsafe {
+        let scales = [0x3f80u16; ROWS]; // bf16 1.0
+        let s = G::scales(ScaleDtype::Bf16, &scales, 0);
+        let mut acc = [G::zero_acc(); AMX_TOKEN_TILE];
+        amx.config(&cfg);
+        for i in 0..iters.div_ceil(2) {
+            let v0 = Visit { b: 0, i: 2 * i };
+            let v1 = Visit { b: 1, i: 2 * i + 1 };
+            issue::<Amx, { SET1.0 }, { SET1.1 }, { SET1.2 }>(amx, &x, v1, ring, c1);
+            G::combine(&mut acc, c0, s, d.as_ptr(), 1, AMX_TOKEN_TILE);
+            issue::<Amx, { SET0.0 }, { SET0.1 }, { SET0.2 }>(amx, &x, v0, ring, c0);
+            G::combine(&mut acc, c1, s, d.as_ptr(), 1, AMX_TOKEN_TILE);
+            if i % LANES == LANES - 1 {
+                G::flush(&mut acc, &mut p, i / LANES % LANES, AMX_TOKEN_TILE);
+            }
+        }
+        amx.release();
+        G::flush(&mut acc, &mut p, 0, AMX_TOKEN_TILE);
+    }
+    p.iter().flatten().flatten().sum()
 }

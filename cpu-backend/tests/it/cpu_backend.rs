@@ -7,7 +7,7 @@ use expertmesh_backend::{
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_cpu_backend::kernels::{self, Isa, TokenQ8};
 use expertmesh_cpu_backend::layout::R16Matrix;
-use expertmesh_quant::contract::ComputeMode;
+use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
 use expertmesh_quant::reference::{self, QuantizedVec};
 use expertmesh_quant::synth::{self, SplitMix64};
@@ -446,5 +446,39 @@ fn vector_swiglu_is_bit_identical_to_the_contract() {
                 );
             }
         }
+    }
+}
+
+/// The vectorized activation quantization equals contract §1 bit for bit on every ISA: random
+/// vectors at many magnitudes, exact half-way products (ties to even), all-zero and
+/// below-minimum blocks, and blocks with NaN or infinity (which take the scalar code).
+#[test]
+fn vector_quantization_is_bit_identical_to_the_contract() {
+    let mut rng = SplitMix64::new(9);
+    let mut x: Vec<f32> = Vec::new();
+    for scale in [1e-30f32, 1e-8, 1.0, 3.5e3, 1e30] {
+        x.extend(
+            synth::normal_vec(&mut rng, 32 * 40, 1.0)
+                .iter()
+                .map(|v| v * scale),
+        );
+    }
+    // 127 · k / 254 products land exactly on .5 for amax 127: ties to even.
+    x.extend((0..32).map(|k| if k == 0 { 127.0 } else { (k as f32) - 0.5 }));
+    x.extend([0.0f32; 32]);
+    x.extend([f32::from_bits(0x0F00_0000); 32]);
+    let mut odd = vec![1.0f32; 64];
+    odd[3] = f32::NAN;
+    odd[40] = f32::INFINITY;
+    x.extend(odd);
+    let n = x.len();
+    let (mut q0, mut d0) = (vec![0i8; n], vec![0f32; n / 32]);
+    contract::quantize_activations(&x, &mut q0, &mut d0);
+    for isa in Isa::available() {
+        let (mut q, mut d) = (vec![1i8; n], vec![1f32; n / 32]);
+        kernels::quantize_activations(isa, &x, &mut q, &mut d);
+        assert_eq!(q, q0, "{isa:?} codes");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&d), bits(&d0), "{isa:?} scales");
     }
 }
