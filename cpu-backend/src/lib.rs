@@ -51,6 +51,12 @@ const W2_TILE_ROW_BLOCKS: usize = 4;
 /// about as much for 4 tokens as for 16).
 pub const AMX_MIN_TOKENS: usize = AMX_TOKEN_TILE;
 
+/// With [`Isa::Amx`], the AMX kernel runs only for matrices of at least this many columns:
+/// its fixed cost per call (tile configuration, pipeline fill, the partials' tree) outweighs
+/// its gain over VNNI on short rows (measured on a 2-vCPU Xeon, 16 tokens: about 0.7x VNNI
+/// at K = 768, 1.0-1.15x at K = 2048, 1.45x at K = 7168).
+pub const AMX_MIN_COLS: usize = 2048;
+
 /// One expert in the R16 layout.
 #[derive(Debug)]
 struct CpuExpert {
@@ -203,6 +209,8 @@ pub struct CpuBackend {
     isa: Isa,
     /// Run the AMX kernel through the tile emulator (tests; [`CpuBackend::with_amx_emulated`]).
     amx_emulated: bool,
+    /// Fewest matrix columns for the AMX kernel ([`AMX_MIN_COLS`]; tests lower it).
+    amx_min_cols: usize,
     threads: usize,
     /// The CPUs the worker threads are pinned to (`None`: unpinned).
     pinned: Option<Vec<usize>>,
@@ -291,6 +299,7 @@ impl CpuBackend {
         Ok(Self {
             isa,
             amx_emulated,
+            amx_min_cols: if amx_emulated { 0 } else { AMX_MIN_COLS },
             threads,
             pinned,
             pool,
@@ -303,6 +312,14 @@ impl CpuBackend {
             scratch: None,
             loaded_bytes: 0,
         })
+    }
+
+    /// For tests: run the AMX kernel (with [`Isa::Amx`]) on matrices of at least `cols`
+    /// columns instead of [`AMX_MIN_COLS`], so small test shapes reach it.
+    #[doc(hidden)]
+    pub fn with_amx_min_cols(mut self, cols: usize) -> Self {
+        self.amx_min_cols = cols;
+        self
     }
 
     /// The ISA in use.
@@ -517,6 +534,7 @@ impl ExpertBackend for CpuBackend {
             pool: self.pool.as_ref(),
             isa: self.isa,
             amx_emulated: self.amx_emulated,
+            amx_min_cols: self.amx_min_cols,
             mode: batch.mode,
             max_inter: sc.max_inter,
             group_pair0: &sc.group_pair0,
@@ -569,6 +587,7 @@ struct Pass<'a, 'b> {
     pool: Option<&'a SpinPool>,
     isa: Isa,
     amx_emulated: bool,
+    amx_min_cols: usize,
     mode: ComputeMode,
     max_inter: usize,
     /// First pair index of each group, and the total pair count last.
@@ -578,10 +597,15 @@ struct Pass<'a, 'b> {
 }
 
 impl<'a, 'b> Pass<'a, 'b> {
-    /// How many of a group's `n` tokens run on the AMX kernel (whole tiles of 16, first).
+    /// How many of a group's `n` tokens run on the AMX kernel against a matrix of `k`
+    /// columns (whole tiles of 16, first).
     #[inline(always)]
-    fn amx_tokens(&self, n: usize) -> usize {
-        if self.isa == Isa::Amx && self.mode == ComputeMode::Exact && n >= AMX_MIN_TOKENS {
+    fn amx_tokens(&self, n: usize, k: usize) -> usize {
+        if self.isa == Isa::Amx
+            && self.mode == ComputeMode::Exact
+            && n >= AMX_MIN_TOKENS
+            && k >= self.amx_min_cols
+        {
             n / AMX_TOKEN_TILE * AMX_TOKEN_TILE
         } else {
             0
@@ -591,8 +615,8 @@ impl<'a, 'b> Pass<'a, 'b> {
     /// A group's token tiles: `(first, len, amx)` in token order, the AMX tiles of 16 first,
     /// then tiles of up to [`MAX_TOKEN_TILE`] for the VNNI (or AVX2, scalar) kernels.
     #[inline(always)]
-    fn token_tiles(&self, n: usize) -> impl Iterator<Item = (usize, usize, bool)> {
-        let amx = self.amx_tokens(n);
+    fn token_tiles(&self, n: usize, k: usize) -> impl Iterator<Item = (usize, usize, bool)> {
+        let amx = self.amx_tokens(n, k);
         let big = (0..amx).step_by(AMX_TOKEN_TILE);
         let small = (amx..n).step_by(MAX_TOKEN_TILE);
         big.map(|f| (f, AMX_TOKEN_TILE, true))
@@ -704,7 +728,7 @@ fn gather_amx_rows<'a>(
     let (h, nb) = (pass.batch.hidden, pass.batch.hidden / BLOCK);
     for (gi, g) in pass.batch.groups.iter().enumerate() {
         let p0 = pass.group_pair0[gi] as usize;
-        let amx = pass.amx_tokens(g.tokens.len());
+        let amx = pass.amx_tokens(g.tokens.len(), h);
         for (i, &t) in g.tokens[..amx].iter().enumerate() {
             let (t, p) = (t as usize, p0 + i);
             let tile = &mut xg[(p - i % AMX_TOKEN_TILE) * h..][..AMX_TOKEN_TILE * h];
@@ -754,7 +778,7 @@ fn stage1(
         let (g, ex, p0) = pass.item_group(gi);
         let mut gate = [[0f32; ROWS]; AMX_TOKEN_TILE];
         let mut up = [[0f32; ROWS]; AMX_TOKEN_TILE];
-        for (first, n, amx) in pass.token_tiles(g.tokens.len()) {
+        for (first, n, amx) in pass.token_tiles(g.tokens.len(), ex.w13.cols()) {
             let inputs = if amx {
                 TileInputs::amx(xg, p0 + first, n, true, pass.amx_emulated)
             } else {
@@ -853,7 +877,7 @@ fn stage2(
         let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
         let mut y = [[0f32; ROWS]; AMX_TOKEN_TILE];
         for rb in rb0..rb1 {
-            for (first, n, amx) in pass.token_tiles(g.tokens.len()) {
+            for (first, n, amx) in pass.token_tiles(g.tokens.len(), f) {
                 let pb = p0 + first;
                 let hsrc = RowSource { len: f, ..*hsrc };
                 let inputs = if amx {
