@@ -7,7 +7,11 @@
 //! case's limit is its roofline, min(bytes / read bandwidth, ops / int8 peak)
 //! ([`crate::method::roofline`]), where the read bandwidth is the best configuration of several
 //! read kernels, thread counts, placements and buffer sizes ([`membw::probe_configs`], swept
-//! at the start), and the peak is a dot-product loop on the kernel's instruction.
+//! at the start), and the peak is a dot-product loop on the kernel's instruction. Where the
+//! kernels use AMX (`--isa amx-int8`, the default on AMX machines), the compute ceiling is the
+//! faster of that loop and the AMX contract loop (`amx::contract_loop`: the K = 32 tile
+//! operation, its store and the contract's f32 combine per block, nothing else), both in the
+//! same run (`machine.amx_contract_tops_*`).
 //!
 //! Batches route B tokens top-k over the routed experts of one layer of a real model shape, so
 //! the number of touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool

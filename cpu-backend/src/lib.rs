@@ -52,10 +52,10 @@ const W2_TILE_ROW_BLOCKS: usize = 4;
 pub const AMX_MIN_TOKENS: usize = AMX_TOKEN_TILE;
 
 /// With [`Isa::Amx`], the AMX kernel runs only for matrices of at least this many columns:
-/// its fixed cost per call (tile configuration, pipeline fill, the partials' tree) outweighs
-/// its gain over VNNI on short rows (measured on a 2-vCPU Xeon, 16 tokens: about 0.7x VNNI
-/// at K = 768, 1.0-1.15x at K = 2048, 1.45x at K = 7168).
-pub const AMX_MIN_COLS: usize = 2048;
+/// its fixed cost per call (tile configuration, pipeline fill, the partials' tree; about
+/// 0.35 µs) outweighs its gain over VNNI on short rows (measured on a 2-vCPU Xeon, 16 tokens,
+/// same process: 1.2-1.8x VNNI from K = 768, mixed at 256-512).
+pub const AMX_MIN_COLS: usize = 768;
 
 /// One expert in the R16 layout.
 #[derive(Debug)]

@@ -82,7 +82,9 @@ const SET0: (u8, u8, u8) = (0, 2, 4);
 const SET1: (u8, u8, u8) = (1, 3, 5);
 
 /// Partial sums `[token][b % 16][row]` of one call (16 KiB, on the stack).
-type Partials = [[[f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+/// Written lane by lane as lanes end ([`Glue::flush`]) and read only where written
+/// ([`Glue::tree`]), so it is never zeroed.
+type Partials = std::mem::MaybeUninit<[[[f32; ROWS]; LANES]; AMX_TOKEN_TILE]>;
 
 /// The non-tile work of the kernel: widening a weight tile into the B staging and adding a
 /// block's terms to the partials. Two implementations with the same arithmetic: [`Portable`]
@@ -129,11 +131,20 @@ trait Glue {
         d_stride: usize,
         mt: usize,
     );
-    /// `p[t][lane] = acc[t]` for `t < mt`, and the accumulators back to zero.
+    /// The contract's halving tree over one token's 16 partials (lane `l` += lane `l + w`
+    /// for w = 8, 4, 2, 1), row by row; lanes from `lanes` on were never written and count
+    /// as +0.0, as the contract's zero-initialized partials do.
     ///
     /// # Safety
-    /// The CPU runs the implementation's instructions.
-    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: &mut Partials, lane: usize, mt: usize);
+    /// `p` points at the token's `[16 lanes][16 rows]` f32 partials (host memory), lanes
+    /// below `lanes` written; the CPU runs the implementation's instructions.
+    unsafe fn tree(p: *const f32, lanes: usize) -> [f32; ROWS];
+    /// Partials `[t][lane]` = `acc[t]` for `t < mt`, and the accumulators back to zero.
+    ///
+    /// # Safety
+    /// `p` points at `[16 tokens][16 lanes][16 rows]` writable f32 (host memory); the CPU
+    /// runs the implementation's instructions.
+    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: *mut f32, lane: usize, mt: usize);
 }
 
 /// Plain Rust glue.
@@ -164,6 +175,28 @@ impl Glue for Portable {
     type V = [f32; ROWS];
 
     #[inline(always)]
+    unsafe fn tree(p: *const f32, lanes: usize) -> [f32; ROWS] {
+        let mut p: [[f32; ROWS]; LANES] = std::array::from_fn(|l| {
+            if l < lanes {
+                // SAFETY: lanes below `lanes` are written (caller).
+                unsafe { p.add(l * ROWS).cast::<[f32; ROWS]>().read() }
+            } else {
+                [0.0; ROWS]
+            }
+        });
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                for r in 0..ROWS {
+                    p[l][r] += p[l + w][r];
+                }
+            }
+            w /= 2;
+        }
+        p[0]
+    }
+
+    #[inline(always)]
     unsafe fn zero_acc() -> Self::V {
         [0.0; ROWS]
     }
@@ -187,9 +220,14 @@ impl Glue for Portable {
     }
 
     #[inline(always)]
-    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: &mut Partials, lane: usize, mt: usize) {
-        for (at, pt) in acc.iter_mut().zip(p.iter_mut()).take(mt) {
-            pt[lane] = *at;
+    unsafe fn flush(acc: &mut [Self::V; AMX_TOKEN_TILE], p: *mut f32, lane: usize, mt: usize) {
+        for (t, at) in acc.iter_mut().enumerate().take(mt) {
+            // SAFETY: inside the partials (caller).
+            unsafe {
+                p.add((t * LANES + lane) * ROWS)
+                    .cast::<[f32; ROWS]>()
+                    .write(*at)
+            };
             *at = [0.0; ROWS];
         }
     }
@@ -198,7 +236,7 @@ impl Glue for Portable {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     //! The glue on AVX-512 F/BW: every lane performs [`super::Portable`]'s operations.
-    use super::{AMX_TOKEN_TILE, Glue, Partials, ROWS};
+    use super::{AMX_TOKEN_TILE, Glue, LANES, ROWS};
     use expertmesh_quant::format::ScaleDtype;
     use std::arch::x86_64::*;
 
@@ -248,6 +286,30 @@ mod avx512 {
         type V = __m512;
 
         #[inline(always)]
+        unsafe fn tree(p: *const f32, lanes: usize) -> [f32; ROWS] {
+            // SAFETY: AVX-512 F (caller); lanes below `lanes` are written 16-float rows.
+            unsafe {
+                let mut v: [__m512; LANES] = std::array::from_fn(|l| {
+                    if l < lanes {
+                        _mm512_loadu_ps(p.add(l * ROWS))
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                let mut w = LANES / 2;
+                while w > 0 {
+                    for l in 0..w {
+                        v[l] = _mm512_add_ps(v[l], v[l + w]);
+                    }
+                    w /= 2;
+                }
+                let mut out = [0f32; ROWS];
+                _mm512_storeu_ps(out.as_mut_ptr(), v[0]);
+                out
+            }
+        }
+
+        #[inline(always)]
         unsafe fn zero_acc() -> __m512 {
             // SAFETY: AVX-512 F (caller).
             unsafe { _mm512_setzero_ps() }
@@ -276,17 +338,12 @@ mod avx512 {
         }
 
         #[inline(always)]
-        unsafe fn flush(
-            acc: &mut [__m512; AMX_TOKEN_TILE],
-            p: &mut Partials,
-            lane: usize,
-            mt: usize,
-        ) {
-            // SAFETY: 16 floats per (token, lane); AVX-512 F.
+        unsafe fn flush(acc: &mut [__m512; AMX_TOKEN_TILE], p: *mut f32, lane: usize, mt: usize) {
+            // SAFETY: 16 floats per (token, lane) inside the partials (caller); AVX-512 F.
             unsafe {
                 for t in 0..AMX_TOKEN_TILE {
                     if t < mt {
-                        _mm512_storeu_ps(p[t][lane].as_mut_ptr(), acc[t]);
+                        _mm512_storeu_ps(p.add((t * LANES + lane) * ROWS), acc[t]);
                         acc[t] = _mm512_setzero_ps();
                     }
                 }
@@ -409,7 +466,8 @@ unsafe fn exact_tiles<T: Tiles, G: Glue>(
     let zeros = m.row_block_zeros(rb);
     let (bpg, blocks) = (m.blocks_per_group(), m.blocks());
     let dtype = m.spec().scale_dtype;
-    let mut p: Partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+    let mut partials = Partials::uninit();
+    let p = partials.as_mut_ptr().cast::<f32>();
     let mut st = Stage {
         ring: [[0; 512]; RING],
         c: [[[0; ROWS]; AMX_TOKEN_TILE]; 2],
@@ -446,7 +504,7 @@ unsafe fn exact_tiles<T: Tiles, G: Glue>(
             let s0 = G::scales(dtype, scales, v0.b / bpg);
             G::combine(&mut acc, c0, s0, d.add(v0.b), x.d_stride, mt);
             if v1.is_none_or(|v1| v1.b % LANES != v0.b % LANES) {
-                G::flush(&mut acc, &mut p, v0.b % LANES, mt);
+                G::flush(&mut acc, p, v0.b % LANES, mt);
             }
             let Some(v1) = v1 else { break };
             let v2 = v1.next(blocks);
@@ -458,23 +516,16 @@ unsafe fn exact_tiles<T: Tiles, G: Glue>(
             let s1 = G::scales(dtype, scales, v1.b / bpg);
             G::combine(&mut acc, c1, s1, d.add(v1.b), x.d_stride, mt);
             if v2.is_none_or(|v2| v2.b % LANES != v1.b % LANES) {
-                G::flush(&mut acc, &mut p, v1.b % LANES, mt);
+                G::flush(&mut acc, p, v1.b % LANES, mt);
             }
             cv = v2;
         }
         t.release();
     }
-    for (o, pt) in out.iter_mut().zip(p.iter_mut()).take(mt) {
-        let mut w = LANES / 2;
-        while w > 0 {
-            for l in 0..w {
-                for r in 0..ROWS {
-                    pt[l][r] += pt[l + w][r];
-                }
-            }
-            w /= 2;
-        }
-        *o = pt[0];
+    for (t, o) in out.iter_mut().enumerate().take(mt) {
+        // SAFETY: every lane below min(16, blocks) of tokens < mt was flushed; the CPU runs
+        // G's instructions (caller).
+        *o = unsafe { G::tree(p.add(t * LANES * ROWS), LANES.min(blocks)) };
     }
 }
 
@@ -605,7 +656,8 @@ unsafe fn contract_loop_avx512(amx: &mut Amx, iters: usize) -> f32 {
         c: [[[0; ROWS]; AMX_TOKEN_TILE]; 2],
     };
     let d = [0.5f32; AMX_TOKEN_TILE];
-    let mut p: Partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+    let mut partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
+    let p = partials.as_mut_ptr().cast::<f32>();
     let (mt, c_colsb) = (AMX_TOKEN_TILE as u8, (ROWS * 4) as u16);
     let cfg = TileCfg::palette1()
         .tile(SET0.0, mt, BLOCK as u16)
@@ -640,11 +692,11 @@ unsafe fn contract_loop_avx512(amx: &mut Amx, iters: usize) -> f32 {
             issue::<Amx, { SET0.0 }, { SET0.1 }, { SET0.2 }>(amx, &x, v0, ring, c0);
             G::combine(&mut acc, c1, s, d.as_ptr(), 1, AMX_TOKEN_TILE);
             if i % LANES == LANES - 1 {
-                G::flush(&mut acc, &mut p, i / LANES % LANES, AMX_TOKEN_TILE);
+                G::flush(&mut acc, p, i / LANES % LANES, AMX_TOKEN_TILE);
             }
         }
         amx.release();
-        G::flush(&mut acc, &mut p, 0, AMX_TOKEN_TILE);
+        G::flush(&mut acc, p, 0, AMX_TOKEN_TILE);
     }
-    p.iter().flatten().flatten().sum()
+    partials.iter().flatten().flatten().sum()
 }
