@@ -234,17 +234,23 @@ fn exact_scalar(m: &R16Matrix, rb: usize, toks: &[TokenQ8<'_>], out: &mut [[f32;
                 p[b % LANES][r] += term;
             }
         }
-        let mut w = LANES / 2;
-        while w > 0 {
-            for l in 0..w {
-                for r in 0..ROWS {
-                    p[l][r] += p[l + w][r];
-                }
-            }
-            w /= 2;
-        }
-        out[t] = p[0];
+        out[t] = halving_tree(&mut p);
     }
+}
+
+/// The contract's halving tree over 16 rows' partials (lane `l` += lane `l + w` for w = 8, 4,
+/// 2, 1), row by row; returns lane 0.
+pub(crate) fn halving_tree(p: &mut [[f32; ROWS]; LANES]) -> [f32; ROWS] {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            for r in 0..ROWS {
+                p[l][r] += p[l + w][r];
+            }
+        }
+        w /= 2;
+    }
+    p[0]
 }
 
 /// The gate/up epilogue for 16 rows: `out[r] = silu(g[r]) * u[r]` exactly as

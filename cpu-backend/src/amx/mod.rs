@@ -184,16 +184,7 @@ impl Glue for Portable {
                 [0.0; ROWS]
             }
         });
-        let mut w = LANES / 2;
-        while w > 0 {
-            for l in 0..w {
-                for r in 0..ROWS {
-                    p[l][r] += p[l + w][r];
-                }
-            }
-            w /= 2;
-        }
-        p[0]
+        crate::kernels::halving_tree(&mut p)
     }
 
     #[inline(always)]
@@ -436,6 +427,19 @@ struct Stage {
     c: [[[i32; ROWS]; AMX_TOKEN_TILE]; 2],
 }
 
+/// The tiles of both sets for `tokens` tokens: A `tokens × 32` bytes, B 8 × 64 (a widened
+/// block of 16 rows, VNNI layout), C `tokens × 16` i32.
+fn tile_config(tokens: usize) -> TileCfg {
+    let (rows, c_colsb) = (tokens as u8, (ROWS * 4) as u16);
+    TileCfg::palette1()
+        .tile(SET0.0, rows, BLOCK as u16)
+        .tile(SET1.0, rows, BLOCK as u16)
+        .tile(SET0.1, 8, 64)
+        .tile(SET1.1, 8, 64)
+        .tile(SET0.2, rows, c_colsb)
+        .tile(SET1.2, rows, c_colsb)
+}
+
 /// The kernel over any tile and glue implementation; see the module docs for the sequence.
 /// Blocks alternate between two tile sets: block `b + 1`'s tile operations are issued before
 /// block `b`'s results are combined, and weights are widened [`AHEAD`] blocks earlier still.
@@ -453,14 +457,7 @@ unsafe fn exact_tiles<T: Tiles, G: Glue>(
     out: &mut [[f32; ROWS]],
 ) {
     let mt = x.tokens;
-    let (a_rows, c_colsb) = (mt as u8, (ROWS * 4) as u16);
-    let cfg = TileCfg::palette1()
-        .tile(SET0.0, a_rows, BLOCK as u16)
-        .tile(SET1.0, a_rows, BLOCK as u16)
-        .tile(SET0.1, 8, 64)
-        .tile(SET1.1, 8, 64)
-        .tile(SET0.2, a_rows, c_colsb)
-        .tile(SET1.2, a_rows, c_colsb);
+    let cfg = tile_config(mt);
     let nib = m.row_block_nibbles(rb);
     let scales = m.row_block_scales(rb);
     let zeros = m.row_block_zeros(rb);
@@ -492,33 +489,34 @@ unsafe fn exact_tiles<T: Tiles, G: Glue>(
         }
         let mut cv = first;
         issue::<T, { SET0.0 }, { SET0.1 }, { SET0.2 }>(t, x, Visit { b: 0, i: 0 }, ring, c0);
+        // One visit: widen ahead, issue the next visit's tiles on the other set, combine this
+        // visit's stored results (on `$c`), and store the partials when its lane ends.
+        macro_rules! visit {
+            ($v:expr, $next_set:expr, $c:expr, $c_next:expr) => {{
+                let v: Visit = $v;
+                let next = v.next(blocks);
+                widen::<G>(nib, zeros, bpg, wv, ring);
+                wv = adv(wv);
+                if let Some(n) = next {
+                    issue::<T, { $next_set.0 }, { $next_set.1 }, { $next_set.2 }>(
+                        t, x, n, ring, $c_next,
+                    );
+                }
+                let s = G::scales(dtype, scales, v.b / bpg);
+                G::combine(&mut acc, $c, s, d.add(v.b), x.d_stride, mt);
+                if next.is_none_or(|n| n.b % LANES != v.b % LANES) {
+                    G::flush(&mut acc, p, v.b % LANES, mt);
+                }
+                next
+            }};
+        }
         // Two visits per iteration: set 0's results are combined while set 1 computes, and
-        // the other way round.
+        // the other way round (tile numbers are constants, so the sets alternate by code).
         while let Some(v0) = cv {
-            let v1 = v0.next(blocks);
-            widen::<G>(nib, zeros, bpg, wv, ring);
-            wv = adv(wv);
-            if let Some(v1) = v1 {
-                issue::<T, { SET1.0 }, { SET1.1 }, { SET1.2 }>(t, x, v1, ring, c1);
-            }
-            let s0 = G::scales(dtype, scales, v0.b / bpg);
-            G::combine(&mut acc, c0, s0, d.add(v0.b), x.d_stride, mt);
-            if v1.is_none_or(|v1| v1.b % LANES != v0.b % LANES) {
-                G::flush(&mut acc, p, v0.b % LANES, mt);
-            }
-            let Some(v1) = v1 else { break };
-            let v2 = v1.next(blocks);
-            widen::<G>(nib, zeros, bpg, wv, ring);
-            wv = adv(wv);
-            if let Some(v2) = v2 {
-                issue::<T, { SET0.0 }, { SET0.1 }, { SET0.2 }>(t, x, v2, ring, c0);
-            }
-            let s1 = G::scales(dtype, scales, v1.b / bpg);
-            G::combine(&mut acc, c1, s1, d.add(v1.b), x.d_stride, mt);
-            if v2.is_none_or(|v2| v2.b % LANES != v1.b % LANES) {
-                G::flush(&mut acc, p, v1.b % LANES, mt);
-            }
-            cv = v2;
+            let Some(v1) = visit!(v0, SET1, c0, c1) else {
+                break;
+            };
+            cv = visit!(v1, SET0, c1, c0);
         }
         t.release();
     }
@@ -658,14 +656,7 @@ unsafe fn contract_loop_avx512(amx: &mut Amx, iters: usize) -> f32 {
     let d = [0.5f32; AMX_TOKEN_TILE];
     let mut partials = [[[0f32; ROWS]; LANES]; AMX_TOKEN_TILE];
     let p = partials.as_mut_ptr().cast::<f32>();
-    let (mt, c_colsb) = (AMX_TOKEN_TILE as u8, (ROWS * 4) as u16);
-    let cfg = TileCfg::palette1()
-        .tile(SET0.0, mt, BLOCK as u16)
-        .tile(SET1.0, mt, BLOCK as u16)
-        .tile(SET0.1, 8, 64)
-        .tile(SET1.1, 8, 64)
-        .tile(SET0.2, mt, c_colsb)
-        .tile(SET1.2, mt, c_colsb);
+    let cfg = tile_config(AMX_TOKEN_TILE);
     let Inputs { a, ring, c } = &mut st;
     let [c0, c1] = c;
     // Two A tiles (16 tokens × 32 B, contiguous), `q_block` 512: blocks 0 and 1 alternate.

@@ -2,6 +2,7 @@
 //! the kernel against the contract's scalar dot on every machine; on AMX machines the
 //! instructions against the emulator, bit for bit. The hardware tests say which ran.
 
+use super::cpu_backend::spec_strategy;
 use expertmesh_cpu_backend::amx::tiles::{self, Amx, Emulator, TileCfg, Tiles};
 use expertmesh_cpu_backend::amx::{self, EmulatedGlue, TokenRows};
 use expertmesh_cpu_backend::layout::R16Matrix;
@@ -9,19 +10,6 @@ use expertmesh_quant::format::{PackedMatrix, QuantSpec, ScaleDtype};
 use expertmesh_quant::reference::{self, QuantizedVec};
 use expertmesh_quant::synth::{self, SplitMix64};
 use proptest::prelude::*;
-
-fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
-    (
-        prop::sample::select(vec![32u32, 64, 128]),
-        prop::sample::select(vec![ScaleDtype::F16, ScaleDtype::Bf16]),
-        any::<bool>(),
-    )
-        .prop_map(|(group_size, scale_dtype, zero_points)| QuantSpec {
-            group_size,
-            scale_dtype,
-            zero_points,
-        })
-}
 
 /// `ntok` tokens' quantized activations in one buffer, token rows `stride` apart (the gap
 /// filled with codes that must not be read), and the same tokens as reference vectors.

@@ -13,7 +13,7 @@ use expertmesh_quant::reference::{self, QuantizedVec};
 use expertmesh_quant::synth::{self, SplitMix64};
 use proptest::prelude::*;
 
-fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
+pub(crate) fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
     (
         prop::sample::select(vec![32u32, 64, 128]),
         prop::sample::select(vec![ScaleDtype::F16, ScaleDtype::Bf16]),
