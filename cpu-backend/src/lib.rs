@@ -5,7 +5,10 @@
 //! bandwidth) and exact (bit-identical to [`expertmesh_quant::reference`] in exact mode on every ISA).
 //!
 //! How a batch runs:
-//! 1. each input token is quantized once (contract §1) unless it arrived quantized;
+//! 1. each input token is quantized once (contract §1) unless it arrived quantized; with
+//!    [`Isa::Amx`], the codes of the tokens that run on the AMX kernel (whole 16-token tiles of
+//!    one expert, [`AMX_MIN_TOKENS`], against matrices of at least [`AMX_MIN_COLS`] columns)
+//!    are then gathered block-major per tile (one contiguous A-tile read per block);
 //! 2. **stage 1**, work items (group, 32-row W13 tile): 16 gate rows and the matching 16 up rows
 //!    for every token of the group, then `silu(g)·u` into the pair's intermediate `h`;
 //! 3. each pair's `h` is quantized (exact mode);
