@@ -109,6 +109,9 @@ fn run_quick(mode: &str, mbit: f64) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
 }
 
+/// Machine CPU busy fraction from which a row measured the CPU rather than the network.
+const CPU_SATURATED: f64 = 0.85;
+
 /// The rows of a quick run: 1 router and one per node, batches 1 and 8; 2 workers per node, so
 /// remote nodes get one dispatch per micro-batch and fan it out. Every answer correct, every
 /// measured/predicted ratio in a loose band, more tokens/s with a router per node.
@@ -128,18 +131,36 @@ fn check_rows(report: &Value) {
     };
     // Network-bound: one router per node moves more tokens than one router.
     assert!(tps(3, 8) > 1.5 * tps(1, 8), "{report}");
+    let mut checked = 0;
     for r in results {
         assert_eq!(r["mismatches"], 0, "{r}");
         assert_eq!(r["errors"], 0, "{r}");
         assert!(r["calls"].as_u64().unwrap() > 10, "{r}");
         assert_eq!(r["bottleneck"], "network", "{r}");
         // measured / predicted: the target is 0.8-1.2; a loaded CI machine gets a looser band.
+        // The prediction is the network's: a row whose machine ran out of CPU (three routers,
+        // six workers and the shapers on 2 cores can) measured the CPU, not the plan, so its
+        // ratio says nothing about the plan and is reported, not checked.
         let ratio = r["ratio"].as_f64().unwrap();
+        let cpu_busy = r["cpu_busy"].as_f64().unwrap_or(0.0);
+        if cpu_busy >= CPU_SATURATED {
+            println!(
+                "not checked: measured/predicted {ratio:.2} of {} routers batch {}: the CPU was \
+                 {:.0}% busy, so the network was not what limited it",
+                r["routers"],
+                r["batch"],
+                100.0 * cpu_busy
+            );
+            continue;
+        }
         assert!(
             (0.6..=1.4).contains(&ratio),
             "measured/predicted {ratio}: {r}"
         );
+        checked += 1;
     }
+    // One router per run leaves the CPU room: at least its rows check the plan.
+    assert!(checked > 0, "every row ran out of CPU: {report}");
 }
 
 /// Exact mode: every answer across the namespaces bit-identical to the in-process reference.
