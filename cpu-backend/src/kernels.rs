@@ -151,7 +151,16 @@ pub fn rowblock_exact(
             // checked by the backend before any kernel runs).
             unsafe {
                 match toks.len() {
-                    1 => x86::exact_vnni_1(m, rb, &toks[0], &mut out[0]),
+                    1 => {
+                        _ = x86::exact_vnni_1::<1>(
+                            &[RowBlockJob {
+                                m,
+                                rb,
+                                tok: toks[0],
+                            }],
+                            out,
+                        )
+                    }
                     2 => x86::exact_vnni_multi::<2>(m, rb, toks, out),
                     3 => x86::exact_vnni_multi::<3>(m, rb, toks, out),
                     4 => x86::exact_vnni_multi::<4>(m, rb, toks, out),
@@ -181,6 +190,88 @@ pub fn rowblock_exact(
             }
         }
         _ => exact_scalar(m, rb, toks, out),
+    }
+}
+
+/// The most row blocks [`rowblocks_exact_1`] reads as interleaved streams.
+pub const MAX_STREAMS: usize = 4;
+
+/// One row block of one matrix against one token: what [`rowblocks_exact_1`] computes.
+#[derive(Clone, Copy, Debug)]
+pub struct RowBlockJob<'a> {
+    /// The matrix.
+    pub m: &'a R16Matrix,
+    /// Its row block.
+    pub rb: usize,
+    /// The token (`m.cols()` codes).
+    pub tok: TokenQ8<'a>,
+}
+
+impl RowBlockJob<'_> {
+    /// Whether two jobs can run in one interleaved pass (same K and format).
+    fn same_shape(&self, other: &RowBlockJob<'_>) -> bool {
+        self.m.blocks() == other.m.blocks() && self.m.spec() == other.m.spec()
+    }
+}
+
+/// Exact mode for one token per job: `out[i]` gets the 16 rows of `jobs[i]` (rows
+/// `16rb..16rb+16` of its matrix against its token). Bit-identical to [`rowblock_exact`] on
+/// each job. On AVX-512 VNNI up to [`MAX_STREAMS`] jobs of the same K and format are read as
+/// interleaved streams (one stream per core leaves DRAM bandwidth unused); each stream's
+/// prefetch runs on into the next row block of its matrix, so a caller that walks each
+/// stream's matrix in order (job `i` at row block `rb`, then `rb + 1` in its next call) keeps
+/// every stream sequential. Elsewhere the jobs run one after the other.
+pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; ROWS]]) {
+    assert!(
+        out.len() >= jobs.len(),
+        "{} outputs for {} jobs",
+        out.len(),
+        jobs.len()
+    );
+    for j in jobs {
+        assert!(
+            j.rb < j.m.row_blocks(),
+            "row block {} past the matrix",
+            j.rb
+        );
+        debug_assert_eq!(j.tok.q.len(), j.m.cols());
+        debug_assert_eq!(j.tok.d.len(), j.m.blocks());
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
+            let mut i = 0;
+            while i < jobs.len() {
+                let run = jobs[i..]
+                    .iter()
+                    .take(MAX_STREAMS)
+                    .take_while(|j| j.same_shape(&jobs[i]))
+                    .count();
+                let (js, o) = (&jobs[i..], &mut out[i..]);
+                // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
+                // block is inside its matrix (asserted) and the first S jobs share K and the
+                // format; `o` holds at least S entries; the tokens' lengths are the backend's
+                // (checked before any kernel runs, asserted in debug).
+                i += unsafe {
+                    match run {
+                        4.. => x86::exact_vnni_1::<4>(js, o),
+                        2 | 3 => x86::exact_vnni_1::<2>(js, o),
+                        _ => x86::exact_vnni_1::<1>(js, o),
+                    }
+                };
+            }
+        }
+        _ => {
+            for (j, o) in jobs.iter().zip(out.iter_mut()) {
+                rowblock_exact(
+                    isa,
+                    j.m,
+                    j.rb,
+                    std::slice::from_ref(&j.tok),
+                    std::slice::from_mut(o),
+                );
+            }
+        }
     }
 }
 
@@ -350,7 +441,7 @@ fn accurate_scalar(m: &R16Matrix, rb: usize, toks: &[&[f32]], out: &mut [[f32; R
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     //! x86-64 SIMD implementations; see the parent module for the contract they follow.
-    use super::{R16Matrix, ROWS, TokenQ8};
+    use super::{R16Matrix, ROWS, RowBlockJob, TokenQ8};
     use expertmesh_quant::contract::LANES;
     use expertmesh_quant::format::{BLOCK, ScaleDtype};
     use std::arch::x86_64::*;
@@ -585,46 +676,169 @@ pub(crate) mod x86 {
         }
     }
 
-    /// AVX-512 VNNI exact kernel for one token (decode): blocks in natural order so the
-    /// hardware prefetcher streams the row block from DRAM; the 16 partial sums stay in
-    /// registers (the block loop is unrolled by 16 so each partial has a fixed register).
+    /// The contract's term for one token, one K block and one tile of 16 rows, with fewer
+    /// instructions than [`term512`] (the single-token kernel has no other token to share
+    /// the unpacking with): the high nibbles are masked in place (`w & 0xF0` = 16·code), so
+    /// their dot is 16 times the wanted one and one exact arithmetic shift recovers it; the
+    /// two dots run as two independent chains. Integer sums are exact, so `isum` and the
+    /// float steps after it are [`term512`]'s, bit for bit.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW/VNNI; `rb` must be a row block of `m`, and `tok.q`
-    /// must hold `m.cols()` codes and `tok.d`/`tok.qsum` `m.blocks()` values (read unchecked).
+    /// The CPU must support AVX-512 F/BW/VNNI; `tile` must point at 256 readable bytes and
+    /// `q` at the block's 32 codes (8 `i32`, no alignment required).
+    #[inline(always)]
+    unsafe fn term512_1(
+        tile: *const u8,
+        s: __m512,
+        corr: __m512i,
+        q: *const i32,
+        d: f32,
+    ) -> __m512 {
+        // SAFETY: the caller guarantees the tile's 256 bytes and the block's 32 codes.
+        unsafe {
+            let mlo = _mm512_set1_epi8(0x0F);
+            let mhi = _mm512_set1_epi8(0xF0u8 as i8);
+            let mut w = [_mm512_setzero_si512(); 4];
+            for (c, wc) in w.iter_mut().enumerate() {
+                *wc = _mm512_loadu_si512(tile.add(c * 64).cast());
+            }
+            // Σ over one block of 16·code·q (16 high-nibble codes per row) is at most
+            // 16·15·128·16 < 2^31 in magnitude: no wrap-around, and it is a multiple of 16,
+            // so the shift is an exact division.
+            let mut lo = corr;
+            for (c, wc) in w.iter().enumerate() {
+                let qc = _mm512_set1_epi32(q.add(c).read_unaligned());
+                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(*wc, mlo), qc);
+            }
+            let mut hi = _mm512_setzero_si512();
+            for (c, wc) in w.iter().enumerate() {
+                let qc = _mm512_set1_epi32(q.add(4 + c).read_unaligned());
+                hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(*wc, mhi), qc);
+            }
+            let isum = _mm512_add_epi32(lo, _mm512_srai_epi32::<4>(hi));
+            let sd = _mm512_mul_ps(s, _mm512_set1_ps(d));
+            _mm512_mul_ps(sd, _mm512_cvtepi32_ps(isum))
+        }
+    }
+
+    /// [`exact_vnni_streams`] for the first `S` jobs, dispatched once per call on the format
+    /// (zero points, scale type) so the block loop has no branch on it. Returns `S`.
+    ///
+    /// # Safety
+    /// As [`exact_vnni_streams`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn exact_vnni_1(
-        m: &R16Matrix,
-        rb: usize,
-        tok: &TokenQ8<'_>,
-        out: &mut [f32; ROWS],
+    pub(super) unsafe fn exact_vnni_1<const S: usize>(
+        jobs: &[RowBlockJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) -> usize {
+        let spec = jobs[0].m.spec();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (spec.zero_points, spec.scale_dtype) {
+                (false, ScaleDtype::Bf16) => exact_vnni_streams::<S, false, false>(jobs, out),
+                (false, ScaleDtype::F16) => exact_vnni_streams::<S, false, true>(jobs, out),
+                (true, ScaleDtype::Bf16) => exact_vnni_streams::<S, true, false>(jobs, out),
+                (true, ScaleDtype::F16) => exact_vnni_streams::<S, true, true>(jobs, out),
+            }
+        }
+        S
+    }
+
+    /// Where one stream of [`exact_vnni_streams`] reads: its row block's nibbles, scales,
+    /// zero points (null without) and token, and how many tiles are left in its matrix.
+    struct Stream {
+        nib: *const u8,
+        scales: *const u16,
+        zeros: *const u8,
+        q: *const i32,
+        qsum: *const i32,
+        d: *const f32,
+        tiles_left: usize,
+    }
+
+    /// AVX-512 VNNI exact kernel for one token per job (decode) over `S` jobs, read as `S`
+    /// interleaved streams: block `b` of every job's row block, then block `b + 1`. One core
+    /// reading one stream leaves DRAM bandwidth unused (the hardware prefetcher follows few
+    /// pages at a time); `S` streams keep more in flight. Each job keeps its own 16 partials,
+    /// so each row's arithmetic is exactly the scalar contract's. Blocks are in natural
+    /// order; the block loop is unrolled by 16 so each partial index is a constant. Software
+    /// prefetch runs [`PREFETCH_BLOCKS`] tiles ahead in each stream and, past a row block's
+    /// end, on into the next row block of the same matrix, never past the matrix.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VNNI; `jobs` and `out` must hold at least `S`
+    /// entries; the first `S` jobs must share K and the format (`Z`, `F16` matching it), each
+    /// row block inside its matrix, each token with `cols` codes and `blocks` scales and sums
+    /// (read unchecked).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn exact_vnni_streams<const S: usize, const Z: bool, const F16: bool>(
+        jobs: &[RowBlockJob<'_>],
+        out: &mut [[f32; ROWS]],
     ) {
-        let nib = m.row_block_nibbles(rb).as_ptr();
-        let scales = m.row_block_scales(rb).as_ptr();
-        let zeros = m.row_block_zeros(rb);
-        let bpg = m.blocks_per_group();
-        let dtype = m.spec().scale_dtype;
-        let blocks = m.blocks();
-        let q = tok.q.as_ptr().cast::<i32>();
-        let mut p = [_mm512_setzero_ps(); LANES];
+        let m0 = jobs[0].m;
+        let blocks = m0.blocks();
+        // Groups are 32, 64 or 128 columns: blocks per group is a power of two.
+        let shift = m0.blocks_per_group().trailing_zeros();
+        let dtype = if F16 {
+            ScaleDtype::F16
+        } else {
+            ScaleDtype::Bf16
+        };
+        let st: [Stream; S] = std::array::from_fn(|s| {
+            let RowBlockJob { m, rb, tok } = jobs[s];
+            Stream {
+                nib: m.row_block_nibbles(rb).as_ptr(),
+                scales: m.row_block_scales(rb).as_ptr(),
+                zeros: m
+                    .row_block_zeros(rb)
+                    .map_or(std::ptr::null(), |z| z.as_ptr()),
+                q: tok.q.as_ptr().cast::<i32>(),
+                qsum: tok.qsum.as_ptr(),
+                d: tok.d.as_ptr(),
+                tiles_left: (m.row_blocks() - rb) * blocks,
+            }
+        });
+        let mut p = [[_mm512_setzero_ps(); LANES]; S];
         let mut b = 0;
-        // Software prefetch ahead (`Ahead`): DRAM latency needs more bytes in flight
-        // than the out-of-order window holds at this compute rate.
-        let ahead = Ahead::new(m, rb);
         macro_rules! step {
             ($j:expr) => {{
                 let bb = b + $j;
-                ahead.tile(bb);
-                // SAFETY: bb < blocks; see `load_tile512` and `term512`.
-                unsafe {
-                    let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
-                    let t = term512(
-                        &w,
-                        q.add(bb * 8),
-                        *tok.qsum.get_unchecked(bb),
-                        *tok.d.get_unchecked(bb),
-                    );
-                    p[$j] = _mm512_add_ps(p[$j], t);
+                let g = bb >> shift;
+                let ahead = bb + PREFETCH_BLOCKS;
+                for s in 0..S {
+                    let st = &st[s];
+                    // SAFETY: bb < blocks and g < groups: every read below is inside the
+                    // stream's row block or its token (see the function's contract); the
+                    // prefetch address stays inside the matrix (and prefetches never fault).
+                    unsafe {
+                        if ahead < st.tiles_left {
+                            let pf = st.nib.wrapping_add(ahead * 256);
+                            for line in 0..4 {
+                                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
+                            }
+                        }
+                        let qs = *st.qsum.add(bb);
+                        let sc = scales16_512(dtype, st.scales.add(g * ROWS));
+                        let corr = if Z {
+                            let z = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                st.zeros.add(g * ROWS).cast(),
+                            ));
+                            _mm512_sub_epi32(
+                                _mm512_setzero_si512(),
+                                _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
+                            )
+                        } else {
+                            _mm512_set1_epi32(-(qs << 3))
+                        };
+                        let t = term512_1(
+                            st.nib.add(bb * 256),
+                            sc,
+                            corr,
+                            st.q.add(bb * 8),
+                            *st.d.add(bb),
+                        );
+                        p[s][$j] = _mm512_add_ps(p[s][$j], t);
+                    }
                 }
             }};
         }
@@ -648,23 +862,13 @@ pub(crate) mod x86 {
             b += LANES;
         }
         // Tail (blocks % 16 != 0): partial index is still b % 16 = j.
-        let rest = blocks - b;
-        for j in 0..rest {
-            let bb = b + j;
-            // SAFETY: bb < blocks.
-            unsafe {
-                let w = load_tile512(nib, scales, zeros, dtype, bb, bb / bpg);
-                let t = term512(
-                    &w,
-                    q.add(bb * 8),
-                    *tok.qsum.get_unchecked(bb),
-                    *tok.d.get_unchecked(bb),
-                );
-                p[j] = _mm512_add_ps(p[j], t);
-            }
+        for j in 0..blocks - b {
+            step!(j);
         }
-        // SAFETY: out is 16 f32.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tree512(&mut p)) };
+        for (s, ps) in p.iter_mut().enumerate() {
+            // SAFETY: out[s] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[s].as_mut_ptr(), tree512(ps)) };
+        }
     }
 
     /// AVX-512 VNNI exact kernel for `T` tokens (2..=8): natural block order (a sequential
@@ -686,7 +890,8 @@ pub(crate) mod x86 {
         let nib = m.row_block_nibbles(rb).as_ptr();
         let scales = m.row_block_scales(rb).as_ptr();
         let zeros = m.row_block_zeros(rb);
-        let bpg = m.blocks_per_group();
+        // Groups are 32, 64 or 128 columns: blocks per group is a power of two.
+        let shift = m.blocks_per_group().trailing_zeros();
         let dtype = m.spec().scale_dtype;
         let blocks = m.blocks();
         let ahead = Ahead::new(m, rb);
@@ -699,7 +904,7 @@ pub(crate) mod x86 {
             ahead.tile(b);
             // SAFETY: b < blocks; see `load_tile512` and `term512`.
             unsafe {
-                let w = load_tile512(nib, scales, zeros, dtype, b, b / bpg);
+                let w = load_tile512(nib, scales, zeros, dtype, b, b >> shift);
                 let l = b % LANES;
                 for t in 0..T {
                     let tk = toks.get_unchecked(t);

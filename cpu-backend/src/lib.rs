@@ -9,17 +9,23 @@
 //!    [`Isa::Amx`], the codes of the tokens that run on the AMX kernel (whole 16-token tiles of
 //!    one expert, [`AMX_MIN_TOKENS`], against matrices of at least [`AMX_MIN_COLS`] columns)
 //!    are then gathered block-major per tile (one contiguous A-tile read per block);
-//! 2. **stage 1**, work items (group, 32-row W13 tile): 16 gate rows and the matching 16 up rows
-//!    for every token of the group, then `silu(g)·u` into the pair's intermediate `h`;
+//! 2. **stage 1**, work items (unit, 32-row W13 tile): 16 gate rows and the matching 16 up rows
+//!    for every token of the unit, then `silu(g)·u` into the pair's intermediate `h`;
 //! 3. each pair's `h` is quantized (exact mode);
-//! 4. **stage 2**, work items (group, 64-row W2 tile): the expert outputs;
+//! 4. **stage 2**, work items (unit, 64-row W2 tile): the expert outputs;
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
-//! Work items are pulled from an atomic counter by every thread of a fixed-size pool (sized by
-//! the topology's CPU device: no oversubscription; the caller's thread is one of them, and the
-//! others spin between the steps of a call instead of sleeping: [`pool`]), so large experts are
-//! split across threads
-//! and small ones do not leave threads idle. Within an item, tokens are processed in tiles of
+//! A unit is one group, or in exact mode a run of up to [`kernels::MAX_STREAMS`] one-token
+//! groups of the same shape (decode: most experts get one token): their row blocks are read as
+//! interleaved streams in one kernel pass ([`kernels::rowblocks_exact_1`]), each stream walking
+//! its expert's matrix in order, because one core reading one stream leaves DRAM bandwidth
+//! unused.
+//!
+//! Work items are claimed in runs of consecutive items from an atomic counter by every thread
+//! of a fixed-size pool (sized by the topology's CPU device: no oversubscription; the caller's
+//! thread is one of them, and the others spin between the steps of a call instead of
+//! sleeping: [`pool`]), so large experts are split across threads, small ones do not leave
+//! threads idle, and each thread's reads stay sequential. Within an item, tokens are processed in tiles of
 //! [`kernels::MAX_TOKEN_TILE`] against each loaded weight tile, and a row block's weights are
 //! re-read only from cache for further token tiles (prefill blocking). All scratch buffers are
 //! sized at `load` from [`BatchLimits`]; `execute` allocates nothing.
@@ -38,7 +44,7 @@ use expertmesh_backend::{
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
-use kernels::{Isa, MAX_TOKEN_TILE, TokenQ8};
+use kernels::{Isa, MAX_TOKEN_TILE, RowBlockJob, TokenQ8};
 use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
 use pool::SpinPool;
@@ -96,6 +102,29 @@ struct RowSource<'a> {
     f32: &'a [f32],
     stride: usize,
     len: usize,
+}
+
+impl<'a> RowSource<'a> {
+    /// Row `r` as one exact-mode token.
+    fn token(&self, r: usize) -> TokenQ8<'a> {
+        let (s, len, bs, nb) = (self.stride, self.len, self.stride / BLOCK, self.len / BLOCK);
+        TokenQ8 {
+            q: &self.q[r * s..r * s + len],
+            d: &self.d[r * bs..r * bs + nb],
+            qsum: &self.qsum[r * bs..r * bs + nb],
+        }
+    }
+}
+
+/// A unit of work items: one group, or (exact mode) up to [`kernels::MAX_STREAMS`]
+/// consecutive one-token groups of the same expert shape whose row blocks the kernel reads as
+/// interleaved streams ([`kernels::rowblocks_exact_1`]).
+#[derive(Clone, Copy, Debug)]
+struct Unit {
+    first: u32,
+    groups: u32,
+    /// The groups have one token each and run as streams of one pass.
+    streams: bool,
 }
 
 /// The inputs of one token tile, gathered once and used for every row block of the tile (a
@@ -195,8 +224,10 @@ struct Scratch {
     /// (`[max_pairs][H]`, `[max_pairs][H/32]`; empty unless the ISA is [`Isa::Amx`]).
     xg: AlignedVec<i8>,
     xgd: AlignedVec<f32>,
-    /// (group, tile) work items.
+    /// (unit, tile) work items.
     items: Vec<(u32, u32)>,
+    /// The batch's groups as work units.
+    units: Vec<Unit>,
     /// First pair index of each group.
     group_pair0: Vec<u32>,
     /// Expert index of each group.
@@ -341,6 +372,11 @@ impl CpuBackend {
     }
 
     /// Run `n` work items on every thread of the pool (or inline with one thread).
+    ///
+    /// Threads claim runs of consecutive items (about an eighth of a thread's share, so the
+    /// last runs still balance the load): consecutive items read consecutive row blocks, so a
+    /// thread's weight reads stay one long stream its prefetches run ahead in, rather than
+    /// hopping over the row blocks another thread reads.
     fn run_items(pool: Option<&SpinPool>, n: usize, f: impl Fn(usize) + Sync) {
         if n == 0 {
             return;
@@ -348,14 +384,15 @@ impl CpuBackend {
         match pool {
             None => (0..n).for_each(f),
             Some(pool) => {
+                let run = n.div_ceil(8 * pool.threads()).max(1);
                 let next = AtomicUsize::new(0);
                 pool.run(&|_| {
                     loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= n {
+                        let first = next.fetch_add(run, Ordering::Relaxed);
+                        if first >= n {
                             break;
                         }
-                        f(i);
+                        (first..(first + run).min(n)).for_each(&f);
                     }
                 });
             }
@@ -394,6 +431,7 @@ impl Scratch {
             xg: AlignedVec::zeroed(gp * hidden),
             xgd: AlignedVec::zeroed(gp * hidden / BLOCK),
             items: Vec::with_capacity(max_groups * max_items_per_group),
+            units: Vec::with_capacity(max_groups),
             group_pair0: Vec::with_capacity(max_groups + 1),
             group_expert: Vec::with_capacity(max_groups),
             combine: Vec::with_capacity(p),
@@ -542,6 +580,12 @@ impl ExpertBackend for CpuBackend {
             max_inter: sc.max_inter,
             group_pair0: &sc.group_pair0,
             group_expert: &sc.group_expert,
+            units: &[],
+        };
+        form_units(&pass, &mut sc.units);
+        let pass = Pass {
+            units: &sc.units,
+            ..pass
         };
 
         // 1. Quantize the input once per token (exact mode).
@@ -597,6 +641,8 @@ struct Pass<'a, 'b> {
     group_pair0: &'a [u32],
     /// Expert index of each group.
     group_expert: &'a [u32],
+    /// The groups as work units.
+    units: &'a [Unit],
 }
 
 impl<'a, 'b> Pass<'a, 'b> {
@@ -638,7 +684,37 @@ impl<'a, 'b> Pass<'a, 'b> {
     }
 }
 
-/// Rebuild the (group, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
+/// Step 0b: the batch's groups as work units: in exact mode, runs of up to
+/// [`kernels::MAX_STREAMS`] consecutive one-token groups whose experts have the same
+/// intermediate size become one unit (their weights are read as interleaved streams); every
+/// other group is a unit of its own.
+fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
+    units.clear();
+    let groups = pass.batch.groups;
+    let single = |gi: usize| pass.mode == ComputeMode::Exact && groups[gi].tokens.len() == 1;
+    let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
+    let mut gi = 0;
+    while gi < groups.len() {
+        let mut n = 1;
+        if single(gi) {
+            while n < kernels::MAX_STREAMS
+                && gi + n < groups.len()
+                && single(gi + n)
+                && inter(gi + n) == inter(gi)
+            {
+                n += 1;
+            }
+        }
+        units.push(Unit {
+            first: gi as u32,
+            groups: n as u32,
+            streams: single(gi),
+        });
+        gi += n;
+    }
+}
+
+/// Rebuild the (unit, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
 fn fill_items(items: &mut Vec<(u32, u32)>, groups: usize, tiles: impl Fn(usize) -> usize) {
     items.clear();
     for gi in 0..groups {
@@ -771,14 +847,20 @@ fn stage1(
         group_expert,
         ..
     } = pass;
-    fill_items(items, group_expert.len(), |gi| {
-        experts[group_expert[gi] as usize].inter / 16
+    let units = pass.units;
+    fill_items(items, units.len(), |u| {
+        experts[group_expert[units[u].first as usize] as usize].inter / 16
     });
     let hbuf = SharedMut(hbuf.as_mut_ptr());
     let items = &*items;
     CpuBackend::run_items(pool, items.len(), |i| {
-        let (gi, tile) = items[i];
-        let (g, ex, p0) = pass.item_group(gi);
+        let (u, tile) = items[i];
+        let unit = units[u as usize];
+        if unit.streams {
+            stage1_streams(pass, unit, tile as usize, xsrc, hbuf);
+            return;
+        }
+        let (g, ex, p0) = pass.item_group(unit.first);
         let mut gate = [[0f32; ROWS]; AMX_TOKEN_TILE];
         let mut up = [[0f32; ROWS]; AMX_TOKEN_TILE];
         for (first, n, amx) in pass.token_tiles(g.tokens.len(), ex.w13.cols()) {
@@ -804,6 +886,44 @@ fn stage1(
             }
         }
     });
+}
+
+/// A stage-1 item of a streams unit: W13 tile `tile` (gate row block `2·tile`, then up
+/// `2·tile + 1`) of each group's expert against its one token, the groups' row blocks read as
+/// interleaved streams; `silu(g)·u` into each pair's intermediate row.
+fn stage1_streams(
+    pass: &Pass<'_, '_>,
+    unit: Unit,
+    tile: usize,
+    xsrc: &RowSource<'_>,
+    hbuf: SharedMut<f32>,
+) {
+    let n = unit.groups as usize;
+    let job = |s: usize, rb: usize| {
+        let (g, ex, _) = pass.item_group(unit.first + s.min(n - 1) as u32);
+        RowBlockJob {
+            m: &ex.w13,
+            rb,
+            tok: xsrc.token(g.tokens[0] as usize),
+        }
+    };
+    let gate_jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] =
+        std::array::from_fn(|s| job(s, 2 * tile));
+    let up_jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] =
+        std::array::from_fn(|s| job(s, 2 * tile + 1));
+    let mut gate = [[0f32; ROWS]; kernels::MAX_STREAMS];
+    let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
+    kernels::rowblocks_exact_1(pass.isa, &gate_jobs[..n], &mut gate);
+    kernels::rowblocks_exact_1(pass.isa, &up_jobs[..n], &mut up);
+    for s in 0..n {
+        let (_, _, pair) = pass.item_group(unit.first + s as u32);
+        // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
+        // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(hbuf.ptr().add(pair * pass.max_inter + tile * 16), 16)
+        };
+        kernels::swiglu16(pass.isa, &gate[s], &up[s], dst);
+    }
 }
 
 /// Step 3: quantize each pair's intermediate `hsrc` row into `hq`/`hd`/`hqs` (exact mode).
@@ -869,15 +989,21 @@ fn stage2(
     } = pass;
     let h = batch.hidden;
     let w2_tiles = (h.div_ceil(ROWS)).div_ceil(W2_TILE_ROW_BLOCKS);
-    fill_items(items, batch.groups.len(), |_| w2_tiles);
+    let units = pass.units;
+    fill_items(items, units.len(), |_| w2_tiles);
     let ybuf = SharedMut(ybuf.as_mut_ptr());
     let items = &*items;
     CpuBackend::run_items(pool, items.len(), |i| {
-        let (gi, tile) = items[i];
-        let (g, ex, p0) = pass.item_group(gi);
-        let f = ex.inter;
+        let (u, tile) = items[i];
+        let unit = units[u as usize];
         let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
         let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
+        if unit.streams {
+            stage2_streams(pass, unit, rb0..rb1, hsrc, ybuf, per_slot);
+            return;
+        }
+        let (g, ex, p0) = pass.item_group(unit.first);
+        let f = ex.inter;
         let mut y = [[0f32; ROWS]; AMX_TOKEN_TILE];
         for rb in rb0..rb1 {
             for (first, n, amx) in pass.token_tiles(g.tokens.len(), f) {
@@ -907,6 +1033,53 @@ fn stage2(
             }
         }
     });
+}
+
+/// A stage-2 item of a streams unit: W2 row blocks `rbs` of each group's expert against its
+/// pair's intermediate, the groups' row blocks read as interleaved streams (each stream walks
+/// its matrix in order); into the slot's output row (`per_slot`) or the pair's row.
+fn stage2_streams(
+    pass: &Pass<'_, '_>,
+    unit: Unit,
+    rbs: std::ops::Range<usize>,
+    hsrc: &RowSource<'_>,
+    ybuf: SharedMut<f32>,
+    per_slot: bool,
+) {
+    let n = unit.groups as usize;
+    let h = pass.batch.hidden;
+    let job = |s: usize, rb: usize| {
+        let (_, ex, pair) = pass.item_group(unit.first + s.min(n - 1) as u32);
+        let hsrc = RowSource {
+            len: ex.inter,
+            ..*hsrc
+        };
+        RowBlockJob {
+            m: &ex.w2,
+            rb,
+            tok: hsrc.token(pair),
+        }
+    };
+    for rb in rbs {
+        let jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| job(s, rb));
+        let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
+        kernels::rowblocks_exact_1(pass.isa, &jobs[..n], &mut y);
+        let rows = ROWS.min(h - rb * ROWS);
+        for (s, ys) in y[..n].iter().enumerate() {
+            let (g, _, pair) = pass.item_group(unit.first + s as u32);
+            let row = if per_slot {
+                g.out_rows[0] as usize
+            } else {
+                pair
+            };
+            // SAFETY: (row, rb) is written by exactly this item; the output holds pairs × H
+            // floats (validated) and pair_out max_pairs × H.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(ybuf.ptr().add(row * h + rb * ROWS), rows)
+            };
+            dst.copy_from_slice(&ys[..rows]);
+        }
+    }
 }
 
 /// Step 5: pre-combine the per-pair outputs per token in output-row order (contract §5).

@@ -100,7 +100,6 @@ impl SpinPool {
     }
 
     /// Threads in all, the caller included.
-    #[cfg(test)]
     pub(crate) fn threads(&self) -> usize {
         self.handles.len() + 1
     }

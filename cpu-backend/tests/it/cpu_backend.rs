@@ -5,7 +5,7 @@ use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_cpu_backend::kernels::{self, Isa, TokenQ8};
+use expertmesh_cpu_backend::kernels::{self, Isa, RowBlockJob, TokenQ8};
 use expertmesh_cpu_backend::layout::R16Matrix;
 use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
@@ -70,6 +70,58 @@ proptest! {
                         prop_assert_eq!(out[t][r].to_bits(), want.to_bits(),
                             "{:?} row {} token {}: {} vs {}", isa, rb * 16 + r, t, out[t][r], want);
                     }
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// The one-token kernel over a list of jobs (row blocks of several matrices, each with its
+    /// own token; read as interleaved streams on AVX-512 VNNI, 4, 2 and 1 at a time, and split
+    /// where K differs) equals the contract's scalar row dot bit for bit, on every ISA: K with
+    /// and without a tail of blocks past 16, partial last row blocks.
+    #[test]
+    fn rowblocks_exact_1_is_bit_identical(
+        spec in spec_strategy(), kb in 1usize..40, other_kb in 1usize..40,
+        picks in prop::collection::vec((0usize..3, 0usize..4), 1..10), seed in any::<u64>()
+    ) {
+        let g = spec.group_size as usize;
+        let cols = (kb * 32).div_ceil(g) * g;
+        let other_cols = (other_kb * 32).div_ceil(g) * g;
+        // Three matrices: two of K `cols`, one of K `other_cols`; 1 to 4 row blocks each, the
+        // last one partial when the seed says so.
+        let shapes = [(4 * 16 - (seed % 3) as usize, cols), (3 * 16, cols), (2 * 16 - 5, other_cols)];
+        let ms: Vec<PackedMatrix> = shapes.iter().enumerate()
+            .map(|(i, &(rows, k))| random_matrix(spec, rows, k, seed ^ i as u64))
+            .collect();
+        let r16: Vec<R16Matrix> = ms.iter().map(R16Matrix::from_canonical).collect();
+        let mut rng = SplitMix64::new(seed ^ 7);
+        let acts: Vec<QuantizedVec> = picks.iter()
+            .map(|&(mi, _)| QuantizedVec::new(&synth::normal_vec(&mut rng, ms[mi].cols(), 1.0)))
+            .collect();
+        let sums: Vec<Vec<i32>> = acts.iter().map(|a| {
+            let mut s = vec![0; a.q.len() / 32];
+            kernels::block_sums(&a.q, &mut s);
+            s
+        }).collect();
+        let jobs: Vec<RowBlockJob> = picks.iter().enumerate().map(|(i, &(mi, rb))| RowBlockJob {
+            m: &r16[mi],
+            rb: rb % r16[mi].row_blocks(),
+            tok: TokenQ8 { q: &acts[i].q, d: &acts[i].d, qsum: &sums[i] },
+        }).collect();
+        for isa in Isa::available() {
+            let mut out = vec![[f32::NAN; 16]; jobs.len()];
+            kernels::rowblocks_exact_1(isa, &jobs, &mut out);
+            for (i, (o, j)) in out.iter().zip(&jobs).enumerate() {
+                let m = &ms[picks[i].0];
+                for r in 0..16.min(m.rows() - j.rb * 16) {
+                    let want = reference::row_dot_exact(m, j.rb * 16 + r, &acts[i]);
+                    prop_assert_eq!(o[r].to_bits(), want.to_bits(),
+                        "{:?} job {} (matrix {}, row {}): {} vs {}",
+                        isa, i, picks[i].0, j.rb * 16 + r, o[r], want);
                 }
             }
         }
@@ -310,6 +362,30 @@ fn backend_exact_large_batch() {
             check_exact(&tb, isa, 2).unwrap();
         }
         check_exact_amx_emulated(&tb, 2).unwrap();
+    }
+}
+
+/// Decode batches where most experts get one token: the backend runs runs of such groups as
+/// interleaved streams (up to four experts per pass, split where the intermediate size
+/// changes), bit-identical to the reference for every format, ISA and thread count.
+#[test]
+fn backend_exact_decode_streams() {
+    let asym = QuantSpec {
+        group_size: 64,
+        scale_dtype: ScaleDtype::F16,
+        zero_points: true,
+    };
+    for (i, spec) in [QuantSpec::G32_BF16, asym].into_iter().enumerate() {
+        for tokens in [1usize, 2, 5] {
+            // Nine experts, one of a different intermediate size in the middle.
+            let inters = [128, 128, 128, 128, 128, 64, 128, 128, 128];
+            let tb = TestBatch::random(spec, 320, &inters, tokens, 6, (10 * i + tokens) as u64);
+            for isa in Isa::available() {
+                for threads in [1, 2] {
+                    check_exact(&tb, isa, threads).unwrap();
+                }
+            }
+        }
     }
 }
 
