@@ -15,10 +15,11 @@
 //! 4. **stage 2**, work items (unit, 64-row W2 tile): the expert outputs;
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
-//! A unit is one group, or in exact mode a run of up to [`kernels::MAX_STREAMS`] one-token
-//! groups of the same shape (decode: most experts get one token): their row blocks are read as
-//! interleaved streams in one kernel pass ([`kernels::rowblocks_exact_1`]), each stream walking
-//! its expert's matrix in order, because one core reading one stream leaves DRAM bandwidth
+//! A unit is one group, or in exact mode a run of groups of the same shape with at most
+//! [`STREAM_GROUP_TOKENS`] tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
+//! experts get one token or two): their row blocks are read as interleaved streams in one
+//! kernel pass ([`kernels::rowblocks_exact_1`]), one per token, each stream walking its
+//! expert's matrix in order, because one core reading one stream leaves DRAM bandwidth
 //! unused.
 //!
 //! Work items are claimed in runs of consecutive items from an atomic counter by every thread
@@ -50,6 +51,11 @@ use layout::{R16Matrix, ROWS};
 use pool::SpinPool;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The most tokens a group may have to run as streams of a unit ([`form_units`]): beyond it
+/// the multi-token kernel, which unpacks each weight tile once for all the group's tokens,
+/// does less work per byte.
+const STREAM_GROUP_TOKENS: usize = 2;
 
 /// W2 row blocks per stage-2 work item (64 rows).
 const W2_TILE_ROW_BLOCKS: usize = 4;
@@ -116,14 +122,16 @@ impl<'a> RowSource<'a> {
     }
 }
 
-/// A unit of work items: one group, or (exact mode) up to [`kernels::MAX_STREAMS`]
-/// consecutive one-token groups of the same expert shape whose row blocks the kernel reads as
-/// interleaved streams ([`kernels::rowblocks_exact_1`]).
+/// A unit of work items: one group, or (exact mode) consecutive groups of at most
+/// [`STREAM_GROUP_TOKENS`] tokens each and the same expert shape, [`kernels::MAX_STREAMS`]
+/// tokens in all, whose row blocks the kernel reads as interleaved streams, one per token
+/// ([`kernels::rowblocks_exact_1`]; two tokens of one group read the same row block, the
+/// second from cache).
 #[derive(Clone, Copy, Debug)]
 struct Unit {
     first: u32,
     groups: u32,
-    /// The groups have one token each and run as streams of one pass.
+    /// The groups' tokens run as streams of one pass.
     streams: bool,
 }
 
@@ -691,27 +699,44 @@ impl<'a, 'b> Pass<'a, 'b> {
 fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
     units.clear();
     let groups = pass.batch.groups;
-    let single = |gi: usize| pass.mode == ComputeMode::Exact && groups[gi].tokens.len() == 1;
+    let tokens = |gi: usize| groups[gi].tokens.len();
+    let streams = |gi: usize| pass.mode == ComputeMode::Exact && tokens(gi) <= STREAM_GROUP_TOKENS;
     let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
     let mut gi = 0;
     while gi < groups.len() {
         let mut n = 1;
-        if single(gi) {
-            while n < kernels::MAX_STREAMS
-                && gi + n < groups.len()
-                && single(gi + n)
+        if streams(gi) {
+            let mut jobs = tokens(gi);
+            while gi + n < groups.len()
+                && streams(gi + n)
+                && jobs + tokens(gi + n) <= kernels::MAX_STREAMS
                 && inter(gi + n) == inter(gi)
             {
+                jobs += tokens(gi + n);
                 n += 1;
             }
         }
         units.push(Unit {
             first: gi as u32,
             groups: n as u32,
-            streams: single(gi),
+            streams: streams(gi),
         });
         gi += n;
     }
+}
+
+/// The streams of a streams unit: (group, token within the group) for each, in order, and
+/// how many there are ([`form_units`] keeps it at most [`kernels::MAX_STREAMS`]).
+fn unit_streams(pass: &Pass<'_, '_>, unit: Unit) -> ([(u32, usize); kernels::MAX_STREAMS], usize) {
+    let mut slots = [(unit.first, 0); kernels::MAX_STREAMS];
+    let mut n = 0;
+    for gi in unit.first..unit.first + unit.groups {
+        for local in 0..pass.batch.groups[gi as usize].tokens.len() {
+            slots[n] = (gi, local);
+            n += 1;
+        }
+    }
+    (slots, n)
 }
 
 /// Rebuild the (unit, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
@@ -898,13 +923,14 @@ fn stage1_streams(
     xsrc: &RowSource<'_>,
     hbuf: SharedMut<f32>,
 ) {
-    let n = unit.groups as usize;
+    let (slots, n) = unit_streams(pass, unit);
     let job = |s: usize, rb: usize| {
-        let (g, ex, _) = pass.item_group(unit.first + s.min(n - 1) as u32);
+        let (gi, local) = slots[s];
+        let (g, ex, _) = pass.item_group(gi);
         RowBlockJob {
             m: &ex.w13,
             rb,
-            tok: xsrc.token(g.tokens[0] as usize),
+            tok: xsrc.token(g.tokens[local] as usize),
         }
     };
     let gate_jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] =
@@ -915,8 +941,8 @@ fn stage1_streams(
     let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
     kernels::rowblocks_exact_1(pass.isa, &gate_jobs[..n], &mut gate);
     kernels::rowblocks_exact_1(pass.isa, &up_jobs[..n], &mut up);
-    for s in 0..n {
-        let (_, _, pair) = pass.item_group(unit.first + s as u32);
+    for (s, &(gi, local)) in slots[..n].iter().enumerate() {
+        let pair = pass.item_group(gi).2 + local;
         // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
         // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
         let dst = unsafe {
@@ -1046,10 +1072,12 @@ fn stage2_streams(
     ybuf: SharedMut<f32>,
     per_slot: bool,
 ) {
-    let n = unit.groups as usize;
+    let (slots, n) = unit_streams(pass, unit);
     let h = pass.batch.hidden;
     let job = |s: usize, rb: usize| {
-        let (_, ex, pair) = pass.item_group(unit.first + s.min(n - 1) as u32);
+        let (gi, local) = slots[s];
+        let (_, ex, p0) = pass.item_group(gi);
+        let pair = p0 + local;
         let hsrc = RowSource {
             len: ex.inter,
             ..*hsrc
@@ -1065,12 +1093,12 @@ fn stage2_streams(
         let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
         kernels::rowblocks_exact_1(pass.isa, &jobs[..n], &mut y);
         let rows = ROWS.min(h - rb * ROWS);
-        for (s, ys) in y[..n].iter().enumerate() {
-            let (g, _, pair) = pass.item_group(unit.first + s as u32);
+        for (ys, &(gi, local)) in y.iter().zip(&slots[..n]) {
+            let (g, _, p0) = pass.item_group(gi);
             let row = if per_slot {
-                g.out_rows[0] as usize
+                g.out_rows[local] as usize
             } else {
-                pair
+                p0 + local
             };
             // SAFETY: (row, rb) is written by exactly this item; the output holds pairs × H
             // floats (validated) and pair_out max_pairs × H.
