@@ -126,6 +126,47 @@ pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
     }
 }
 
+/// Int8 levels of an accurate-mode activation ([`quantize_levels`]).
+pub const ACCURATE_LEVELS: usize = 3;
+
+/// Accurate mode's activation for the integer kernels: `x` (a multiple of 32 floats) as a sum
+/// of [`ACCURATE_LEVELS`] contract-§1 quantizations, each of what the levels before it left
+/// over (`x ≈ Σ_l d_l·q_l` per block; level 1 is exactly [`quantize_activations`]'s). Each
+/// level shrinks the block's error by at least 254×, so three leave at most amax·2⁻²⁴-ish,
+/// f32's own rounding: the exact kernels then run accurate mode on the three levels as three
+/// tokens (sharing each unpacked weight tile) and add the results, instead of dequantizing
+/// every weight to f32 (about half the instructions per weight tile). Level `l` goes to
+/// `q[l·stride..][..K]`, `d`/`qsum[l·block_stride..][..K/32]`.
+pub fn quantize_levels(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    qsum: &mut [i32],
+    stride: usize,
+    block_stride: usize,
+) {
+    let (k, nb) = (x.len(), x.len() / BLOCK);
+    assert!(k % BLOCK == 0 && stride >= k && block_stride >= nb);
+    let last = ACCURATE_LEVELS - 1;
+    assert!(q.len() >= last * stride + k && d.len() >= last * block_stride + nb);
+    assert!(qsum.len() >= last * block_stride + nb);
+    for b in 0..nb {
+        let mut r = [0f32; BLOCK];
+        r.copy_from_slice(&x[b * BLOCK..(b + 1) * BLOCK]);
+        for l in 0..ACCURATE_LEVELS {
+            let ql = &mut q[l * stride + b * BLOCK..l * stride + (b + 1) * BLOCK];
+            let dl = contract::quantize_block(&r, ql);
+            let mut sum = 0i32;
+            for (ri, &qi) in r.iter_mut().zip(ql.iter()) {
+                *ri -= dl * f32::from(qi);
+                sum += i32::from(qi);
+            }
+            d[l * block_stride + b] = dl;
+            qsum[l * block_stride + b] = sum;
+        }
+    }
+}
+
 /// Maximum tokens computed together against one loaded weight tile.
 pub const MAX_TOKEN_TILE: usize = 8;
 

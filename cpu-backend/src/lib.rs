@@ -45,7 +45,7 @@ use expertmesh_backend::{
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
-use kernels::{Isa, MAX_TOKEN_TILE, RowBlockJob, TokenQ8};
+use kernels::{ACCURATE_LEVELS, Isa, MAX_TOKEN_TILE, RowBlockJob, TokenQ8};
 use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
 use pool::SpinPool;
@@ -56,6 +56,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// the multi-token kernel, which unpacks each weight tile once for all the group's tokens,
 /// does less work per byte.
 const STREAM_GROUP_TOKENS: usize = 2;
+
+/// Tokens per accurate-mode token tile: each token is [`ACCURATE_LEVELS`] kernel tokens.
+const ACCURATE_TOKEN_TILE: usize = MAX_TOKEN_TILE / ACCURATE_LEVELS;
 
 /// W2 row blocks per stage-2 work item (64 rows).
 const W2_TILE_ROW_BLOCKS: usize = 4;
@@ -97,15 +100,14 @@ impl<T> SharedMut<T> {
     }
 }
 
-/// Where the activations of a kernel's input rows live: row `r` is `q[r·stride..][..len]`,
-/// `d`/`qsum` at `r·block_stride`, and `f32[r·stride..][..len]` (exact mode reads the first
-/// three, accurate mode the last).
+/// Where the quantized activations of a kernel's input rows live: row `r` is
+/// `q[r·stride..][..len]`, `d`/`qsum` at `r·stride/32` (in accurate mode token or pair `r`
+/// is rows `3r..3r + 3`, its levels).
 #[derive(Clone, Copy)]
 struct RowSource<'a> {
     q: &'a [i8],
     d: &'a [f32],
     qsum: &'a [i32],
-    f32: &'a [f32],
     stride: usize,
     len: usize,
 }
@@ -140,37 +142,37 @@ struct Unit {
 #[allow(clippy::large_enum_variant)]
 enum TileInputs<'a> {
     Exact([TokenQ8<'a>; MAX_TOKEN_TILE]),
-    Accurate([&'a [f32]; MAX_TOKEN_TILE]),
+    /// Accurate mode: each token's [`ACCURATE_LEVELS`] levels ([`kernels::quantize_levels`]),
+    /// consecutive.
+    Levels([TokenQ8<'a>; MAX_TOKEN_TILE]),
     /// Up to 16 tokens whose rows are evenly strided (pairs in group order), for AMX (on
     /// the tile emulator when the flag is set).
     Amx(TokenRows<'a>, bool),
 }
 
 impl<'a> TileInputs<'a> {
+    /// The tile of `rows` (at most [`MAX_TOKEN_TILE`] in exact mode, [`ACCURATE_TOKEN_TILE`]
+    /// in accurate mode, where row `r`'s levels are rows `3r..3r + 3` of `src`).
     fn gather(mode: ComputeMode, src: &RowSource<'a>, rows: impl Iterator<Item = usize>) -> Self {
-        let (s, len, bs, nb) = (src.stride, src.len, src.stride / BLOCK, src.len / BLOCK);
+        let mut t = [TokenQ8 {
+            q: &[],
+            d: &[],
+            qsum: &[],
+        }; MAX_TOKEN_TILE];
         match mode {
             ComputeMode::Exact => {
-                let mut t = [TokenQ8 {
-                    q: &[],
-                    d: &[],
-                    qsum: &[],
-                }; MAX_TOKEN_TILE];
                 for (j, r) in rows.enumerate() {
-                    t[j] = TokenQ8 {
-                        q: &src.q[r * s..r * s + len],
-                        d: &src.d[r * bs..r * bs + nb],
-                        qsum: &src.qsum[r * bs..r * bs + nb],
-                    };
+                    t[j] = src.token(r);
                 }
                 TileInputs::Exact(t)
             }
             ComputeMode::Accurate => {
-                let mut t: [&[f32]; MAX_TOKEN_TILE] = [&[]; MAX_TOKEN_TILE];
                 for (j, r) in rows.enumerate() {
-                    t[j] = &src.f32[r * s..r * s + len];
+                    for l in 0..ACCURATE_LEVELS {
+                        t[ACCURATE_LEVELS * j + l] = src.token(ACCURATE_LEVELS * r + l);
+                    }
                 }
-                TileInputs::Accurate(t)
+                TileInputs::Levels(t)
             }
         }
     }
@@ -202,7 +204,15 @@ impl<'a> TileInputs<'a> {
     fn run(&self, isa: Isa, m: &R16Matrix, rb: usize, n: usize, out: &mut [[f32; ROWS]]) {
         match self {
             TileInputs::Exact(t) => kernels::rowblock_exact(isa, m, rb, &t[..n], out),
-            TileInputs::Accurate(t) => kernels::rowblock_accurate(isa, m, rb, &t[..n], out),
+            TileInputs::Levels(t) => {
+                let mut lv = [[0f32; ROWS]; MAX_TOKEN_TILE];
+                kernels::rowblock_exact(isa, m, rb, &t[..ACCURATE_LEVELS * n], &mut lv);
+                for (o, l) in out[..n].iter_mut().zip(lv.chunks_exact(ACCURATE_LEVELS)) {
+                    for r in 0..ROWS {
+                        *o.get_mut(r).expect("16 rows") = (l[0][r] + l[1][r]) + l[2][r];
+                    }
+                }
+            }
             TileInputs::Amx(x, true) => {
                 amx::rowblock_exact_emulated(m, rb, x, out, amx::EmulatedGlue::Avx512);
             }
@@ -421,6 +431,8 @@ impl Scratch {
     /// `max_inter` intermediate size.
     fn new(hidden: usize, max_inter: usize, experts: usize, limits: BatchLimits, isa: Isa) -> Self {
         let (t, p) = (limits.max_tokens, limits.max_pairs);
+        // Rows per token or pair: accurate mode's levels.
+        let lv = ACCURATE_LEVELS;
         let gp = if isa == Isa::Amx { p } else { 0 };
         let max_items_per_group =
             (2 * max_inter / 32).max(hidden.div_ceil(ROWS * W2_TILE_ROW_BLOCKS));
@@ -428,13 +440,13 @@ impl Scratch {
         Scratch {
             hidden,
             max_inter,
-            xq: AlignedVec::zeroed(t * hidden),
-            xd: AlignedVec::zeroed(t * hidden / BLOCK),
-            xqs: AlignedVec::zeroed(t * hidden / BLOCK),
+            xq: AlignedVec::zeroed(lv * t * hidden),
+            xd: AlignedVec::zeroed(lv * t * hidden / BLOCK),
+            xqs: AlignedVec::zeroed(lv * t * hidden / BLOCK),
             h: AlignedVec::zeroed(p * max_inter),
-            hq: AlignedVec::zeroed(p * max_inter),
-            hd: AlignedVec::zeroed(p * max_inter / BLOCK),
-            hqs: AlignedVec::zeroed(p * max_inter / BLOCK),
+            hq: AlignedVec::zeroed(lv * p * max_inter),
+            hd: AlignedVec::zeroed(lv * p * max_inter / BLOCK),
+            hqs: AlignedVec::zeroed(lv * p * max_inter / BLOCK),
             pair_out: AlignedVec::zeroed(p * hidden),
             xg: AlignedVec::zeroed(gp * hidden),
             xgd: AlignedVec::zeroed(gp * hidden / BLOCK),
@@ -602,17 +614,14 @@ impl ExpertBackend for CpuBackend {
         let xg = gather_amx_rows(&pass, &xsrc, &mut sc.xg, &mut sc.xgd);
         // 2. Stage 1 items: (group, 32-row W13 tile).
         stage1(&pass, &mut sc.items, &xsrc, &xg, &mut sc.h);
-        // 3. Quantize each pair's intermediate (exact mode).
-        if pass.mode == ComputeMode::Exact {
-            quantize_intermediate(&pass, &sc.h, &mut sc.hq, &mut sc.hd, &mut sc.hqs);
-        }
+        // 3. Quantize each pair's intermediate (accurate mode: its levels).
+        quantize_intermediate(&pass, &sc.h, &mut sc.hq, &mut sc.hd, &mut sc.hqs);
         // 4. Stage 2 items: (group, 64-row W2 tile).
         let per_slot = batch.layout == OutputLayout::PerSlot;
         let hsrc = RowSource {
             q: &sc.hq,
             d: &sc.hd,
             qsum: &sc.hqs,
-            f32: &sc.h,
             stride: sc.max_inter,
             len: sc.max_inter,
         };
@@ -674,10 +683,14 @@ impl<'a, 'b> Pass<'a, 'b> {
     #[inline(always)]
     fn token_tiles(&self, n: usize, k: usize) -> impl Iterator<Item = (usize, usize, bool)> {
         let amx = self.amx_tokens(n, k);
+        let tile = match self.mode {
+            ComputeMode::Exact => MAX_TOKEN_TILE,
+            ComputeMode::Accurate => ACCURATE_TOKEN_TILE,
+        };
         let big = (0..amx).step_by(AMX_TOKEN_TILE);
-        let small = (amx..n).step_by(MAX_TOKEN_TILE);
+        let small = (amx..n).step_by(tile);
         big.map(|f| (f, AMX_TOKEN_TILE, true))
-            .chain(small.map(move |f| (f, MAX_TOKEN_TILE.min(n - f), false)))
+            .chain(small.map(move |f| (f, tile.min(n - f), false)))
     }
 
     /// Group `gi` of a work item: the group, its expert and its first pair index.
@@ -796,6 +809,22 @@ fn quantize_inputs<'a>(
                 &xqs[..batch.tokens * nb],
             )
         }
+        (ComputeMode::Accurate, Activations::F32(x)) => {
+            let nb = h / BLOCK;
+            let rows = ACCURATE_LEVELS * batch.tokens;
+            for t in 0..batch.tokens {
+                let (r, rb) = (ACCURATE_LEVELS * t * h, ACCURATE_LEVELS * t * nb);
+                kernels::quantize_levels(
+                    &x[t * h..(t + 1) * h],
+                    &mut xq[r..],
+                    &mut xd[rb..],
+                    &mut xqs[rb..],
+                    h,
+                    nb,
+                );
+            }
+            (&xq[..rows * h], &xd[..rows * nb], &xqs[..rows * nb])
+        }
         (ComputeMode::Exact, Activations::Q8 { q, d }) => {
             let nb = h / BLOCK;
             for t in 0..batch.tokens {
@@ -805,15 +834,10 @@ fn quantize_inputs<'a>(
         }
         _ => (&[][..], &[][..], &[][..]),
     };
-    let f32: &[f32] = match batch.input {
-        Activations::F32(x) => x,
-        Activations::Q8 { .. } => &[],
-    };
     RowSource {
         q,
         d,
         qsum,
-        f32,
         stride: h,
         len: h,
     }
@@ -848,7 +872,6 @@ fn gather_amx_rows<'a>(
         q: xg,
         d: xgd,
         qsum: &[],
-        f32: &[],
         stride: h,
         len: h,
     }
@@ -980,20 +1003,33 @@ fn quantize_intermediate(
     } else {
         None
     };
+    let exact = pass.mode == ComputeMode::Exact;
     CpuBackend::run_items(qpool, pairs, |p| {
         let gi = group_pair0.partition_point(|&p0| p0 as usize <= p) - 1;
         let f = experts[group_expert[gi] as usize].inter;
         let nbm = max_inter / BLOCK;
-        // SAFETY: each pair owns its rows of hq/hd/hqs.
+        let x = &hsrc[p * max_inter..p * max_inter + f];
+        // Rows of this pair: one, or its levels in accurate mode.
+        let (rows, r0) = if exact {
+            (1, p)
+        } else {
+            (ACCURATE_LEVELS, ACCURATE_LEVELS * p)
+        };
+        let (qn, dn) = ((rows - 1) * max_inter + f, (rows - 1) * nbm + f / BLOCK);
+        // SAFETY: each pair owns its rows r0..r0 + rows of hq/hd/hqs (sized for the levels).
         let (q, d, s) = unsafe {
             (
-                std::slice::from_raw_parts_mut(hq.ptr().add(p * max_inter), f),
-                std::slice::from_raw_parts_mut(hd.ptr().add(p * nbm), f / BLOCK),
-                std::slice::from_raw_parts_mut(hqs.ptr().add(p * nbm), f / BLOCK),
+                std::slice::from_raw_parts_mut(hq.ptr().add(r0 * max_inter), qn),
+                std::slice::from_raw_parts_mut(hd.ptr().add(r0 * nbm), dn),
+                std::slice::from_raw_parts_mut(hqs.ptr().add(r0 * nbm), dn),
             )
         };
-        kernels::quantize_activations(pass.isa, &hsrc[p * max_inter..p * max_inter + f], q, d);
-        kernels::block_sums(q, s);
+        if exact {
+            kernels::quantize_activations(pass.isa, x, q, d);
+            kernels::block_sums(q, s);
+        } else {
+            kernels::quantize_levels(x, q, d, s, max_inter, nbm);
+        }
     });
 }
 
