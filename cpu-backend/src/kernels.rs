@@ -11,9 +11,13 @@
 //! halving tree at the end. Each SIMD lane is one output row, so every lane performs exactly the
 //! scalar sequence: the three paths are bit-identical by construction and by test.
 //!
-//! Accurate mode (f32 activations) has AVX2 and AVX-512 kernels too: each dequantizes a tile
-//! once for all its tokens and sums in its own order (tolerance-tested against f64), with
-//! several independent FMA chains per token when few tokens share the tile.
+//! Accurate mode (f32 activations) runs in the backend on the integer kernels: each activation
+//! as [`ACCURATE_LEVELS`] int8 levels ([`quantize_levels`]), three kernel tokens whose
+//! results add up ([`rowblock_levels`]), and a one-token streams kernel that unpacks each tile
+//! once for the three levels ([`rowblocks_accurate_1`]); tolerance-tested against f64. The
+//! f32 kernels ([`rowblock_accurate`]: each tile dequantized once for all its tokens, several
+//! FMA chains per token) stay as the f32 reference path; they do about twice the
+//! instructions per weight tile.
 //!
 //! PERF-CRITICAL: no allocation, no locking, no logging in this module.
 
@@ -316,6 +320,95 @@ pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; RO
     }
 }
 
+/// One row block of one matrix against one accurate-mode token (its
+/// [`ACCURATE_LEVELS`] levels): what [`rowblocks_accurate_1`] computes.
+#[derive(Clone, Copy, Debug)]
+pub struct LevelsJob<'a> {
+    /// The matrix.
+    pub m: &'a R16Matrix,
+    /// Its row block.
+    pub rb: usize,
+    /// The token's levels ([`quantize_levels`]), each `m.cols()` codes.
+    pub levels: [TokenQ8<'a>; ACCURATE_LEVELS],
+}
+
+/// Accurate mode, one token per job: `out[i]` gets the 16 rows of `jobs[i]`, the levels' dots
+/// added (within accurate mode's tolerance of the f64 dot of the token's activation; not the
+/// exact contract's order). On AVX-512 VNNI up to [`MAX_STREAMS`] jobs of the same K and format
+/// are read as interleaved streams, each weight tile unpacked once for the three levels and
+/// the sum kept in registers; elsewhere [`rowblock_exact`] runs the levels as three tokens.
+pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; ROWS]]) {
+    assert!(
+        out.len() >= jobs.len(),
+        "{} outputs for {} jobs",
+        out.len(),
+        jobs.len()
+    );
+    for j in jobs {
+        assert!(
+            j.rb < j.m.row_blocks(),
+            "row block {} past the matrix",
+            j.rb
+        );
+        for l in &j.levels {
+            assert!(l.q.len() == j.m.cols() && l.d.len() == j.m.blocks());
+            assert!(l.qsum.len() == j.m.blocks());
+        }
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
+            let same = |a: &LevelsJob<'_>, b: &LevelsJob<'_>| {
+                a.m.blocks() == b.m.blocks() && a.m.spec() == b.m.spec()
+            };
+            let mut i = 0;
+            while i < jobs.len() {
+                let run = jobs[i..]
+                    .iter()
+                    .take(MAX_STREAMS)
+                    .take_while(|j| same(j, &jobs[i]))
+                    .count();
+                let (js, o) = (&jobs[i..], &mut out[i..]);
+                // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
+                // block is inside its matrix and every level holds K codes and K/32 scales and
+                // sums (asserted); the first S jobs share K and the format; `o` holds S rows.
+                i += unsafe {
+                    match run {
+                        4.. => x86::accurate_levels::<4>(js, o),
+                        2 | 3 => x86::accurate_levels::<2>(js, o),
+                        _ => x86::accurate_levels::<1>(js, o),
+                    }
+                };
+            }
+        }
+        _ => {
+            for (j, o) in jobs.iter().zip(out.iter_mut()) {
+                rowblock_levels(isa, j.m, j.rb, &j.levels, std::slice::from_mut(o));
+            }
+        }
+    }
+}
+
+/// Accurate mode on [`rowblock_exact`]: `toks` holds each token's [`ACCURATE_LEVELS`] levels
+/// in turn (at most [`MAX_TOKEN_TILE`] rows), `out[t]` gets token `t`'s levels added.
+pub fn rowblock_levels(
+    isa: Isa,
+    m: &R16Matrix,
+    rb: usize,
+    toks: &[TokenQ8<'_>],
+    out: &mut [[f32; ROWS]],
+) {
+    let n = toks.len() / ACCURATE_LEVELS;
+    assert!(toks.len() % ACCURATE_LEVELS == 0 && out.len() >= n);
+    let mut lv = [[0f32; ROWS]; MAX_TOKEN_TILE];
+    rowblock_exact(isa, m, rb, toks, &mut lv);
+    for (o, l) in out[..n].iter_mut().zip(lv.chunks_exact(ACCURATE_LEVELS)) {
+        for (r, or) in o.iter_mut().enumerate() {
+            *or = (l[0][r] + l[1][r]) + l[2][r];
+        }
+    }
+}
+
 impl Isa {
     /// [`Isa::supported`] without allocating (cached detection), for hot paths.
     #[inline(always)]
@@ -482,7 +575,7 @@ fn accurate_scalar(m: &R16Matrix, rb: usize, toks: &[&[f32]], out: &mut [[f32; R
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     //! x86-64 SIMD implementations; see the parent module for the contract they follow.
-    use super::{R16Matrix, ROWS, RowBlockJob, TokenQ8};
+    use super::{ACCURATE_LEVELS, LevelsJob, R16Matrix, ROWS, RowBlockJob, TokenQ8};
     use expertmesh_quant::contract::LANES;
     use expertmesh_quant::format::{BLOCK, ScaleDtype};
     use std::arch::x86_64::*;
@@ -909,6 +1002,140 @@ pub(crate) mod x86 {
         for (s, ps) in p.iter_mut().enumerate() {
             // SAFETY: out[s] is 16 f32.
             unsafe { _mm512_storeu_ps(out[s].as_mut_ptr(), tree512(ps)) };
+        }
+    }
+
+    /// [`accurate_levels_streams`] for the first `S` jobs, dispatched once per call on the
+    /// format. Returns `S`.
+    ///
+    /// # Safety
+    /// As [`accurate_levels_streams`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn accurate_levels<const S: usize>(
+        jobs: &[LevelsJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) -> usize {
+        let spec = jobs[0].m.spec();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (spec.zero_points, spec.scale_dtype) {
+                (false, ScaleDtype::Bf16) => accurate_levels_streams::<S, false, false>(jobs, out),
+                (false, ScaleDtype::F16) => accurate_levels_streams::<S, false, true>(jobs, out),
+                (true, ScaleDtype::Bf16) => accurate_levels_streams::<S, true, false>(jobs, out),
+                (true, ScaleDtype::F16) => accurate_levels_streams::<S, true, true>(jobs, out),
+            }
+        }
+        S
+    }
+
+    /// AVX-512 VNNI accurate kernel for one token per job over `S` jobs read as interleaved
+    /// streams (as [`exact_vnni_streams`]): each tile's nibbles are masked once and serve the
+    /// token's three levels (three exact i32 dots, the high nibbles masked in place and shifted
+    /// back as in [`term512_1`]); per block `Σ_l d_l·f32(isum_l)` (two FMAs), then one FMA with
+    /// the row scales into one of two accumulators per stream (accurate mode has no
+    /// prescribed order), so every sum stays in registers.
+    ///
+    /// # Safety
+    /// As [`exact_vnni_streams`], with each level of each job's token holding `cols` codes and
+    /// `blocks` scales and sums.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn accurate_levels_streams<const S: usize, const Z: bool, const F16: bool>(
+        jobs: &[LevelsJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        let m0 = jobs[0].m;
+        let blocks = m0.blocks();
+        let shift = m0.blocks_per_group().trailing_zeros();
+        let dtype = if F16 {
+            ScaleDtype::F16
+        } else {
+            ScaleDtype::Bf16
+        };
+        let st: [Stream; S] = std::array::from_fn(|s| {
+            let LevelsJob { m, rb, levels } = jobs[s];
+            Stream {
+                nib: m.row_block_nibbles(rb).as_ptr(),
+                scales: m.row_block_scales(rb).as_ptr(),
+                zeros: m
+                    .row_block_zeros(rb)
+                    .map_or(std::ptr::null(), |z| z.as_ptr()),
+                q: levels[0].q.as_ptr().cast::<i32>(),
+                qsum: levels[0].qsum.as_ptr(),
+                d: levels[0].d.as_ptr(),
+                tiles_left: (m.row_blocks() - rb) * blocks,
+            }
+        });
+        let lq: [[*const i32; ACCURATE_LEVELS]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].q.as_ptr().cast()));
+        let lqs: [[*const i32; ACCURATE_LEVELS]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].qsum.as_ptr()));
+        let ld: [[*const f32; ACCURATE_LEVELS]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].d.as_ptr()));
+        let mlo = _mm512_set1_epi8(0x0F);
+        let mhi = _mm512_set1_epi8(0xF0u8 as i8);
+        let mut acc = [[_mm512_setzero_ps(); 2]; S];
+        for bb in 0..blocks {
+            let g = bb >> shift;
+            let ahead = bb + PREFETCH_BLOCKS;
+            for s in 0..S {
+                let st = &st[s];
+                // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
+                // block or its token's levels (the function's contract); the prefetch address
+                // stays inside the matrix.
+                unsafe {
+                    if ahead < st.tiles_left {
+                        let pf = st.nib.wrapping_add(ahead * 256);
+                        for line in 0..4 {
+                            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
+                        }
+                    }
+                    let tile = st.nib.add(bb * 256);
+                    let mut lo = [_mm512_setzero_si512(); 4];
+                    let mut hi = [_mm512_setzero_si512(); 4];
+                    for c in 0..4 {
+                        let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                        lo[c] = _mm512_and_si512(w, mlo);
+                        hi[c] = _mm512_and_si512(w, mhi);
+                    }
+                    let z = if Z {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(st.zeros.add(g * ROWS).cast()))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    let mut sum = _mm512_setzero_ps();
+                    for l in 0..ACCURATE_LEVELS {
+                        let q = lq[s][l].add(bb * 8);
+                        let qs = *lqs[s][l].add(bb);
+                        let mut a = if Z {
+                            _mm512_sub_epi32(
+                                _mm512_setzero_si512(),
+                                _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
+                            )
+                        } else {
+                            _mm512_set1_epi32(-(qs << 3))
+                        };
+                        let mut b = _mm512_setzero_si512();
+                        for c in 0..4 {
+                            let qc = _mm512_set1_epi32(q.add(c).read_unaligned());
+                            a = _mm512_dpbusd_epi32(a, lo[c], qc);
+                        }
+                        for c in 0..4 {
+                            let qc = _mm512_set1_epi32(q.add(4 + c).read_unaligned());
+                            b = _mm512_dpbusd_epi32(b, hi[c], qc);
+                        }
+                        let isum = _mm512_add_epi32(a, _mm512_srai_epi32::<4>(b));
+                        let d = _mm512_set1_ps(*ld[s][l].add(bb));
+                        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d, sum);
+                    }
+                    let sc = scales16_512(dtype, st.scales.add(g * ROWS));
+                    let k = bb & 1;
+                    acc[s][k] = _mm512_fmadd_ps(sc, sum, acc[s][k]);
+                }
+            }
+        }
+        for (s, a) in acc.iter().enumerate() {
+            // SAFETY: out[s] is 16 f32.
+            unsafe { _mm512_storeu_ps(out[s].as_mut_ptr(), _mm512_add_ps(a[0], a[1])) };
         }
     }
 

@@ -15,12 +15,16 @@
 //! 4. **stage 2**, work items (unit, 64-row W2 tile): the expert outputs;
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
-//! A unit is one group, or in exact mode a run of groups of the same shape with at most
+//! A unit is one group, or a run of groups of the same shape with at most
 //! [`STREAM_GROUP_TOKENS`] tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
 //! experts get one token or two): their row blocks are read as interleaved streams in one
-//! kernel pass ([`kernels::rowblocks_exact_1`]), one per token, each stream walking its
-//! expert's matrix in order, because one core reading one stream leaves DRAM bandwidth
-//! unused.
+//! kernel pass ([`kernels::rowblocks_exact_1`], [`kernels::rowblocks_accurate_1`]), one per
+//! token, each stream walking its expert's matrix in order, because one core reading one
+//! stream leaves DRAM bandwidth unused.
+//!
+//! Accurate mode runs on the same integer kernels: each activation (input and intermediate)
+//! is quantized into [`ACCURATE_LEVELS`] int8 levels that add back up to it within f32
+//! rounding ([`kernels::quantize_levels`]), and a token's result is the sum of its levels'.
 //!
 //! Work items are claimed in runs of consecutive items from an atomic counter by every thread
 //! of a fixed-size pool (sized by the topology's CPU device: no oversubscription; the caller's
@@ -45,7 +49,7 @@ use expertmesh_backend::{
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{BLOCK, ExpertWeights, PackedRows, QuantSpec};
-use kernels::{ACCURATE_LEVELS, Isa, MAX_TOKEN_TILE, RowBlockJob, TokenQ8};
+use kernels::{ACCURATE_LEVELS, Isa, LevelsJob, MAX_TOKEN_TILE, RowBlockJob, TokenQ8};
 use layout::MatrixDims;
 use layout::{R16Matrix, ROWS};
 use pool::SpinPool;
@@ -124,7 +128,7 @@ impl<'a> RowSource<'a> {
     }
 }
 
-/// A unit of work items: one group, or (exact mode) consecutive groups of at most
+/// A unit of work items: one group, or consecutive groups of at most
 /// [`STREAM_GROUP_TOKENS`] tokens each and the same expert shape, [`kernels::MAX_STREAMS`]
 /// tokens in all, whose row blocks the kernel reads as interleaved streams, one per token
 /// ([`kernels::rowblocks_exact_1`]; two tokens of one group read the same row block, the
@@ -205,13 +209,7 @@ impl<'a> TileInputs<'a> {
         match self {
             TileInputs::Exact(t) => kernels::rowblock_exact(isa, m, rb, &t[..n], out),
             TileInputs::Levels(t) => {
-                let mut lv = [[0f32; ROWS]; MAX_TOKEN_TILE];
-                kernels::rowblock_exact(isa, m, rb, &t[..ACCURATE_LEVELS * n], &mut lv);
-                for (o, l) in out[..n].iter_mut().zip(lv.chunks_exact(ACCURATE_LEVELS)) {
-                    for r in 0..ROWS {
-                        *o.get_mut(r).expect("16 rows") = (l[0][r] + l[1][r]) + l[2][r];
-                    }
-                }
+                kernels::rowblock_levels(isa, m, rb, &t[..ACCURATE_LEVELS * n], out);
             }
             TileInputs::Amx(x, true) => {
                 amx::rowblock_exact_emulated(m, rb, x, out, amx::EmulatedGlue::Avx512);
@@ -705,15 +703,15 @@ impl<'a, 'b> Pass<'a, 'b> {
     }
 }
 
-/// Step 0b: the batch's groups as work units: in exact mode, runs of up to
-/// [`kernels::MAX_STREAMS`] consecutive one-token groups whose experts have the same
-/// intermediate size become one unit (their weights are read as interleaved streams); every
-/// other group is a unit of its own.
+/// Step 0b: the batch's groups as work units: runs of consecutive groups of at most
+/// [`STREAM_GROUP_TOKENS`] tokens whose experts have the same intermediate size become one
+/// unit of at most [`kernels::MAX_STREAMS`] tokens (their weights are read as interleaved
+/// streams); every other group is a unit of its own.
 fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
     units.clear();
     let groups = pass.batch.groups;
     let tokens = |gi: usize| groups[gi].tokens.len();
-    let streams = |gi: usize| pass.mode == ComputeMode::Exact && tokens(gi) <= STREAM_GROUP_TOKENS;
+    let streams = |gi: usize| tokens(gi) <= STREAM_GROUP_TOKENS;
     let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
     let mut gi = 0;
     while gi < groups.len() {
@@ -950,20 +948,12 @@ fn stage1_streams(
     let job = |s: usize, rb: usize| {
         let (gi, local) = slots[s];
         let (g, ex, _) = pass.item_group(gi);
-        RowBlockJob {
-            m: &ex.w13,
-            rb,
-            tok: xsrc.token(g.tokens[local] as usize),
-        }
+        (&ex.w13, rb, *xsrc, g.tokens[local] as usize)
     };
-    let gate_jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] =
-        std::array::from_fn(|s| job(s, 2 * tile));
-    let up_jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] =
-        std::array::from_fn(|s| job(s, 2 * tile + 1));
     let mut gate = [[0f32; ROWS]; kernels::MAX_STREAMS];
     let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
-    kernels::rowblocks_exact_1(pass.isa, &gate_jobs[..n], &mut gate);
-    kernels::rowblocks_exact_1(pass.isa, &up_jobs[..n], &mut up);
+    run_streams(pass, n, |s| job(s, 2 * tile), &mut gate);
+    run_streams(pass, n, |s| job(s, 2 * tile + 1), &mut up);
     for (s, &(gi, local)) in slots[..n].iter().enumerate() {
         let pair = pass.item_group(gi).2 + local;
         // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
@@ -972,6 +962,41 @@ fn stage1_streams(
             std::slice::from_raw_parts_mut(hbuf.ptr().add(pair * pass.max_inter + tile * 16), 16)
         };
         kernels::swiglu16(pass.isa, &gate[s], &up[s], dst);
+    }
+}
+
+/// Run `n` stream jobs in the pass's mode: job `s` is row block `rb` of matrix `m` against
+/// row `r` of `src` (exact mode: [`kernels::rowblocks_exact_1`]; accurate mode: the row's
+/// levels, [`kernels::rowblocks_accurate_1`]).
+fn run_streams<'m>(
+    pass: &Pass<'_, '_>,
+    n: usize,
+    job: impl Fn(usize) -> (&'m R16Matrix, usize, RowSource<'m>, usize),
+    out: &mut [[f32; ROWS]],
+) {
+    match pass.mode {
+        ComputeMode::Exact => {
+            let jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
+                let (m, rb, src, r) = job(s);
+                RowBlockJob {
+                    m,
+                    rb,
+                    tok: src.token(r),
+                }
+            });
+            kernels::rowblocks_exact_1(pass.isa, &jobs[..n], out);
+        }
+        ComputeMode::Accurate => {
+            let jobs: [LevelsJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
+                let (m, rb, src, r) = job(s);
+                LevelsJob {
+                    m,
+                    rb,
+                    levels: std::array::from_fn(|l| src.token(ACCURATE_LEVELS * r + l)),
+                }
+            });
+            kernels::rowblocks_accurate_1(pass.isa, &jobs[..n], out);
+        }
     }
 }
 
@@ -1113,21 +1138,15 @@ fn stage2_streams(
     let job = |s: usize, rb: usize| {
         let (gi, local) = slots[s];
         let (_, ex, p0) = pass.item_group(gi);
-        let pair = p0 + local;
         let hsrc = RowSource {
             len: ex.inter,
             ..*hsrc
         };
-        RowBlockJob {
-            m: &ex.w2,
-            rb,
-            tok: hsrc.token(pair),
-        }
+        (&ex.w2, rb, hsrc, p0 + local)
     };
     for rb in rbs {
-        let jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| job(s, rb));
         let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
-        kernels::rowblocks_exact_1(pass.isa, &jobs[..n], &mut y);
+        run_streams(pass, n, |s| job(s, rb), &mut y);
         let rows = ROWS.min(h - rb * ROWS);
         for (ys, &(gi, local)) in y.iter().zip(&slots[..n]) {
             let (g, _, p0) = pass.item_group(gi);
