@@ -252,10 +252,24 @@ pub struct RowBlockJob<'a> {
     pub tok: TokenQ8<'a>,
 }
 
-impl RowBlockJob<'_> {
-    /// Whether two jobs can run in one interleaved pass (same K and format).
-    fn same_shape(&self, other: &RowBlockJob<'_>) -> bool {
-        self.m.blocks() == other.m.blocks() && self.m.spec() == other.m.spec()
+/// Split `jobs` into interleaved passes: from each first job, up to [`MAX_STREAMS`]
+/// consecutive jobs with its `shape`; `pass(first, run)` runs some of them (at least one) and
+/// says how many.
+#[cfg(target_arch = "x86_64")]
+fn stream_passes<J, K: PartialEq>(
+    jobs: &[J],
+    shape: impl Fn(&J) -> K,
+    mut pass: impl FnMut(usize, usize) -> usize,
+) {
+    let mut i = 0;
+    while i < jobs.len() {
+        let first = shape(&jobs[i]);
+        let run = jobs[i..]
+            .iter()
+            .take(MAX_STREAMS)
+            .take_while(|j| shape(j) == first)
+            .count();
+        i += pass(i, run);
     }
 }
 
@@ -285,26 +299,24 @@ pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; RO
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            let mut i = 0;
-            while i < jobs.len() {
-                let run = jobs[i..]
-                    .iter()
-                    .take(MAX_STREAMS)
-                    .take_while(|j| j.same_shape(&jobs[i]))
-                    .count();
-                let (js, o) = (&jobs[i..], &mut out[i..]);
-                // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
-                // block is inside its matrix (asserted) and the first S jobs share K and the
-                // format; `o` holds at least S entries; the tokens' lengths are the backend's
-                // (checked before any kernel runs, asserted in debug).
-                i += unsafe {
-                    match run {
-                        4.. => x86::exact_vnni_1::<4>(js, o),
-                        2 | 3 => x86::exact_vnni_1::<2>(js, o),
-                        _ => x86::exact_vnni_1::<1>(js, o),
+            stream_passes(
+                jobs,
+                |j| (j.m.blocks(), j.m.spec()),
+                |i, run| {
+                    let (js, o) = (&jobs[i..], &mut out[i..]);
+                    // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
+                    // block is inside its matrix (asserted) and the first `run` jobs share K and
+                    // the format; `o` holds at least `run` entries; the tokens' lengths are the
+                    // backend's (checked before any kernel runs, asserted in debug).
+                    unsafe {
+                        match run {
+                            4.. => x86::exact_vnni_1::<4>(js, o),
+                            2 | 3 => x86::exact_vnni_1::<2>(js, o),
+                            _ => x86::exact_vnni_1::<1>(js, o),
+                        }
                     }
-                };
-            }
+                },
+            );
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
@@ -358,28 +370,24 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            let same = |a: &LevelsJob<'_>, b: &LevelsJob<'_>| {
-                a.m.blocks() == b.m.blocks() && a.m.spec() == b.m.spec()
-            };
-            let mut i = 0;
-            while i < jobs.len() {
-                let run = jobs[i..]
-                    .iter()
-                    .take(MAX_STREAMS)
-                    .take_while(|j| same(j, &jobs[i]))
-                    .count();
-                let (js, o) = (&jobs[i..], &mut out[i..]);
-                // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
-                // block is inside its matrix and every level holds K codes and K/32 scales and
-                // sums (asserted); the first S jobs share K and the format; `o` holds S rows.
-                i += unsafe {
-                    match run {
-                        4.. => x86::accurate_levels::<4>(js, o),
-                        2 | 3 => x86::accurate_levels::<2>(js, o),
-                        _ => x86::accurate_levels::<1>(js, o),
+            stream_passes(
+                jobs,
+                |j| (j.m.blocks(), j.m.spec()),
+                |i, run| {
+                    let (js, o) = (&jobs[i..], &mut out[i..]);
+                    // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
+                    // block is inside its matrix and every level holds K codes and K/32 scales and
+                    // sums (asserted); the first `run` jobs share K and the format; `o` holds
+                    // `run` rows.
+                    unsafe {
+                        match run {
+                            4.. => x86::accurate_levels::<4>(js, o),
+                            2 | 3 => x86::accurate_levels::<2>(js, o),
+                            _ => x86::accurate_levels::<1>(js, o),
+                        }
                     }
-                };
-            }
+                },
+            );
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
@@ -890,6 +898,36 @@ pub(crate) mod x86 {
         tiles_left: usize,
     }
 
+    impl Stream {
+        /// Row block `rb` of `m` against `tok`.
+        fn new(m: &R16Matrix, rb: usize, tok: &TokenQ8<'_>) -> Self {
+            Stream {
+                nib: m.row_block_nibbles(rb).as_ptr(),
+                scales: m.row_block_scales(rb).as_ptr(),
+                zeros: m
+                    .row_block_zeros(rb)
+                    .map_or(std::ptr::null(), |z| z.as_ptr()),
+                q: tok.q.as_ptr().cast::<i32>(),
+                qsum: tok.qsum.as_ptr(),
+                d: tok.d.as_ptr(),
+                tiles_left: (m.row_blocks() - rb) * m.blocks(),
+            }
+        }
+
+        /// Prefetch the stream's tile `tile` (counted from its row block's start, on into the
+        /// next row blocks), unless it is past the matrix.
+        #[inline(always)]
+        fn prefetch(&self, tile: usize) {
+            if tile < self.tiles_left {
+                let pf = self.nib.wrapping_add(tile * 256);
+                for line in 0..4 {
+                    // SAFETY: a prefetch is a hint; the address lies inside the matrix.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+                }
+            }
+        }
+    }
+
     /// AVX-512 VNNI exact kernel for one token per job (decode) over `S` jobs, read as `S`
     /// interleaved streams: block `b` of every job's row block, then block `b + 1`. One core
     /// reading one stream leaves DRAM bandwidth unused (the hardware prefetcher follows few
@@ -918,20 +956,8 @@ pub(crate) mod x86 {
         } else {
             ScaleDtype::Bf16
         };
-        let st: [Stream; S] = std::array::from_fn(|s| {
-            let RowBlockJob { m, rb, tok } = jobs[s];
-            Stream {
-                nib: m.row_block_nibbles(rb).as_ptr(),
-                scales: m.row_block_scales(rb).as_ptr(),
-                zeros: m
-                    .row_block_zeros(rb)
-                    .map_or(std::ptr::null(), |z| z.as_ptr()),
-                q: tok.q.as_ptr().cast::<i32>(),
-                qsum: tok.qsum.as_ptr(),
-                d: tok.d.as_ptr(),
-                tiles_left: (m.row_blocks() - rb) * blocks,
-            }
-        });
+        let st: [Stream; S] =
+            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].tok));
         let mut p = [[_mm512_setzero_ps(); LANES]; S];
         let mut b = 0;
         macro_rules! step {
@@ -945,12 +971,7 @@ pub(crate) mod x86 {
                     // stream's row block or its token (see the function's contract); the
                     // prefetch address stays inside the matrix (and prefetches never fault).
                     unsafe {
-                        if ahead < st.tiles_left {
-                            let pf = st.nib.wrapping_add(ahead * 256);
-                            for line in 0..4 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
-                            }
-                        }
+                        st.prefetch(ahead);
                         let qs = *st.qsum.add(bb);
                         let sc = scales16_512(dtype, st.scales.add(g * ROWS));
                         let corr = if Z {
@@ -1051,20 +1072,8 @@ pub(crate) mod x86 {
         } else {
             ScaleDtype::Bf16
         };
-        let st: [Stream; S] = std::array::from_fn(|s| {
-            let LevelsJob { m, rb, levels } = jobs[s];
-            Stream {
-                nib: m.row_block_nibbles(rb).as_ptr(),
-                scales: m.row_block_scales(rb).as_ptr(),
-                zeros: m
-                    .row_block_zeros(rb)
-                    .map_or(std::ptr::null(), |z| z.as_ptr()),
-                q: levels[0].q.as_ptr().cast::<i32>(),
-                qsum: levels[0].qsum.as_ptr(),
-                d: levels[0].d.as_ptr(),
-                tiles_left: (m.row_blocks() - rb) * blocks,
-            }
-        });
+        let st: [Stream; S] =
+            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].levels[0]));
         let lq: [[*const i32; ACCURATE_LEVELS]; S] =
             std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].q.as_ptr().cast()));
         let lqs: [[*const i32; ACCURATE_LEVELS]; S] =
@@ -1083,12 +1092,7 @@ pub(crate) mod x86 {
                 // block or its token's levels (the function's contract); the prefetch address
                 // stays inside the matrix.
                 unsafe {
-                    if ahead < st.tiles_left {
-                        let pf = st.nib.wrapping_add(ahead * 256);
-                        for line in 0..4 {
-                            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast());
-                        }
-                    }
+                    st.prefetch(ahead);
                     let tile = st.nib.add(bb * 256);
                     let mut lo = [_mm512_setzero_si512(); 4];
                     let mut hi = [_mm512_setzero_si512(); 4];
