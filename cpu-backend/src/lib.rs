@@ -711,7 +711,8 @@ fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
     units.clear();
     let groups = pass.batch.groups;
     let tokens = |gi: usize| groups[gi].tokens.len();
-    let streams = |gi: usize| tokens(gi) <= STREAM_GROUP_TOKENS;
+    // A group without tokens (allowed: nothing to compute) stays a unit of its own.
+    let streams = |gi: usize| (1..=STREAM_GROUP_TOKENS).contains(&tokens(gi));
     let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
     let mut gi = 0;
     while gi < groups.len() {
@@ -737,7 +738,7 @@ fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
 }
 
 /// The streams of a streams unit: (group, token within the group) for each, in order, and
-/// how many there are ([`form_units`] keeps it at most [`kernels::MAX_STREAMS`]).
+/// how many there are ([`form_units`] keeps it between 1 and [`kernels::MAX_STREAMS`]).
 fn unit_streams(pass: &Pass<'_, '_>, unit: Unit) -> ([(u32, usize); kernels::MAX_STREAMS], usize) {
     let mut slots = [(unit.first, 0); kernels::MAX_STREAMS];
     let mut n = 0;
@@ -945,8 +946,9 @@ fn stage1_streams(
     hbuf: SharedMut<f32>,
 ) {
     let (slots, n) = unit_streams(pass, unit);
+    // Slots past `n` repeat the last stream (the arrays are full; only `n` run).
     let job = |s: usize, rb: usize| {
-        let (gi, local) = slots[s];
+        let (gi, local) = slots[s.min(n - 1)];
         let (g, ex, _) = pass.item_group(gi);
         (&ex.w13, rb, *xsrc, g.tokens[local] as usize)
     };
@@ -1136,7 +1138,7 @@ fn stage2_streams(
     let (slots, n) = unit_streams(pass, unit);
     let h = pass.batch.hidden;
     let job = |s: usize, rb: usize| {
-        let (gi, local) = slots[s];
+        let (gi, local) = slots[s.min(n - 1)];
         let (_, ex, p0) = pass.item_group(gi);
         let hsrc = RowSource {
             len: ex.inter,
