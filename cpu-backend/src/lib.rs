@@ -30,10 +30,12 @@
 //! of a fixed-size pool (sized by the topology's CPU device: no oversubscription; the caller's
 //! thread is one of them, and the others spin between the steps of a call instead of
 //! sleeping: [`pool`]), so large experts are split across threads, small ones do not leave
-//! threads idle, and each thread's reads stay sequential. Within an item, tokens are processed in tiles of
-//! [`kernels::MAX_TOKEN_TILE`] against each loaded weight tile, and a row block's weights are
-//! re-read only from cache for further token tiles (prefill blocking). All scratch buffers are
-//! sized at `load` from [`BatchLimits`]; `execute` allocates nothing.
+//! threads idle, and each thread's reads stay sequential. Within an item, tokens are
+//! processed in tiles of [`kernels::MAX_TOKEN_TILE`] kernel tokens against each loaded weight
+//! tile, and a row block's weights are re-read only from cache for further token tiles
+//! (prefill blocking). All scratch buffers are sized at `load` from [`BatchLimits`] (the
+//! activation codes for three levels per token or pair, accurate mode's); `execute`
+//! allocates nothing.
 
 pub mod amx;
 pub mod kernels;
