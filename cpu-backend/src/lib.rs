@@ -16,7 +16,7 @@
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
 //! A unit is one group, or a run of groups of the same shape with at most
-//! [`STREAM_GROUP_TOKENS`] tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
+//! `STREAM_GROUP_TOKENS` (two) tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
 //! experts get one token or two): their row blocks are read as interleaved streams in one
 //! kernel pass ([`kernels::rowblocks_exact_1`], [`kernels::rowblocks_accurate_1`]), one per
 //! token, each stream walking its expert's matrix in order, because one core reading one
