@@ -153,41 +153,53 @@ impl R16Matrix {
         let rows = m.rows();
         let blocks = m.cols() / BLOCK;
         let groups = m.cols() / m.spec().group();
-        // One row's scales and zero points, fetched with one call each per row.
-        let (mut row_scales, mut row_zeros) = (vec![0u16; groups], vec![0u8; groups]);
+        let per_block = blocks * TILE_BYTES;
         // Padding rows of a partial last row block read as zero codes (0x88 nibbles, zero
-        // point 8); full row blocks are overwritten below, so only the partial one is filled.
+        // point 8) and scale 0 (the arena starts zeroed); full row blocks are overwritten
+        // below, so only the partial one is filled.
         if rows % ROWS != 0 {
             let last = rows / ROWS;
-            let per_block = blocks * TILE_BYTES;
             arena[nib.start + last * per_block..nib.end].fill(0x88);
             if let Some(z) = &zr {
                 let per_z = groups * ROWS;
                 arena[z.start + last * per_z..z.end].fill(8);
             }
         }
-        for n in 0..rows {
-            let (rb, r) = (n / ROWS, n % ROWS);
-            let src = m.row_nibbles(n);
-            for b in 0..blocks {
-                let tile = &mut arena[nib.start + (rb * blocks + b) * TILE_BYTES..][..TILE_BYTES];
-                let blk = &src[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-                for c in 0..4 {
-                    // canonical byte j holds elements j (low) and j + 16 (high); R16 byte
-                    // (c, r, i) holds elements 4c + i (low) and 16 + 4c + i (high): the same
-                    // pair, so the four bytes i = 0..4 copy unchanged.
-                    tile[c * 64 + 4 * r..][..4].copy_from_slice(&blk[4 * c..][..4]);
+        // One row block's scales and zero points, `[row][group]`, fetched with one call per
+        // row, then written group by group in row order.
+        let mut rb_scales = vec![0u16; ROWS * groups];
+        let mut rb_zeros = vec![0u8; if zr.is_some() { ROWS * groups } else { 0 }];
+        for rb in 0..rows.div_ceil(ROWS) {
+            let n0 = rb * ROWS;
+            let nr = ROWS.min(rows - n0);
+            let src: [&[u8]; ROWS] =
+                std::array::from_fn(|r| if r < nr { m.row_nibbles(n0 + r) } else { &[] });
+            let tiles = &mut arena[nib.start + rb * per_block..][..per_block];
+            transpose_row_block(&src[..nr], tiles, blocks);
+            for r in 0..nr {
+                m.row_scale_bits_into(n0 + r, &mut rb_scales[r * groups..(r + 1) * groups]);
+            }
+            let at = sc.start + rb * groups * ROWS * 2;
+            for (g, out) in arena[at..at + groups * ROWS * 2]
+                .chunks_exact_mut(2 * ROWS)
+                .enumerate()
+            {
+                for (r, o) in out.chunks_exact_mut(2).take(nr).enumerate() {
+                    o.copy_from_slice(&rb_scales[r * groups + g].to_ne_bytes());
                 }
             }
-            m.row_scale_bits_into(n, &mut row_scales);
-            for (g, s) in row_scales.iter().enumerate() {
-                let at = sc.start + ((rb * groups + g) * ROWS + r) * 2;
-                arena[at..at + 2].copy_from_slice(&s.to_ne_bytes());
-            }
             if let Some(z) = &zr {
-                m.row_zeros_into(n, &mut row_zeros);
-                for (g, &zero) in row_zeros.iter().enumerate() {
-                    arena[z.start + (rb * groups + g) * ROWS + r] = zero;
+                for r in 0..nr {
+                    m.row_zeros_into(n0 + r, &mut rb_zeros[r * groups..(r + 1) * groups]);
+                }
+                let at = z.start + rb * groups * ROWS;
+                for (g, out) in arena[at..at + groups * ROWS]
+                    .chunks_exact_mut(ROWS)
+                    .enumerate()
+                {
+                    for (r, o) in out.iter_mut().take(nr).enumerate() {
+                        *o = rb_zeros[r * groups + g];
+                    }
                 }
             }
         }
@@ -290,5 +302,61 @@ impl R16Matrix {
     /// Bytes held (nibbles, scales, zeros).
     pub fn bytes(&self) -> usize {
         self.nibbles.len() + self.scales.len() + self.zeros.as_ref().map_or(0, |z| z.len())
+    }
+}
+
+/// Repacks one row block's nibbles: `src` holds its rows' canonical nibble bytes (16, or fewer
+/// for a partial last block), `tiles` its `blocks` tiles of [`TILE_BYTES`]. Canonical byte `j`
+/// of a block holds elements `j` (low) and `j + 16` (high); R16 byte `(c, r, i)` holds elements
+/// `4c + i` and `16 + 4c + i` of row `r`: the same pair, so each tile is a transpose of
+/// 4-byte words, `[row][c]` into `[c][row]`.
+fn transpose_row_block(src: &[&[u8]], tiles: &mut [u8], blocks: usize) {
+    assert!(src.len() <= ROWS && tiles.len() == blocks * TILE_BYTES);
+    assert!(src.iter().all(|row| row.len() == blocks * BLOCK_BYTES));
+    #[cfg(target_arch = "x86_64")]
+    if let Ok(rows) = <&[&[u8]; ROWS]>::try_from(src) {
+        // SAFETY: every row holds `blocks` blocks and `tiles` as many tiles (asserted above).
+        unsafe { transpose_sse2(rows, tiles, blocks) };
+        return;
+    }
+    for (r, row) in src.iter().enumerate() {
+        for (tile, blk) in tiles
+            .chunks_exact_mut(TILE_BYTES)
+            .zip(row.chunks_exact(BLOCK_BYTES))
+        {
+            for c in 0..4 {
+                tile[c * 64 + 4 * r..][..4].copy_from_slice(&blk[4 * c..][..4]);
+            }
+        }
+    }
+}
+
+/// [`transpose_row_block`] for a full row block: per block, four 4×4 word transposes
+/// (SSE2, part of every x86-64 CPU), each tile written once, in order.
+///
+/// # Safety
+/// Each of the 16 rows holds `blocks × 16` bytes and `tiles` holds `blocks` × [`TILE_BYTES`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn transpose_sse2(rows: &[&[u8]; ROWS], tiles: &mut [u8], blocks: usize) {
+    use std::arch::x86_64::*;
+    let out = tiles.as_mut_ptr();
+    for b in 0..blocks {
+        // SAFETY: b < blocks, so each row's bytes 16b..16b+16 and the tile's 256 bytes are in
+        // bounds (caller's contract); unaligned loads and stores.
+        unsafe {
+            let t = out.add(b * TILE_BYTES);
+            for q in 0..4 {
+                let ld = |j: usize| {
+                    _mm_loadu_si128(rows[4 * q + j].as_ptr().add(b * BLOCK_BYTES).cast())
+                };
+                let (a0, a1, a2, a3) = (ld(0), ld(1), ld(2), ld(3));
+                let (t0, t1) = (_mm_unpacklo_epi32(a0, a1), _mm_unpacklo_epi32(a2, a3));
+                let (t2, t3) = (_mm_unpackhi_epi32(a0, a1), _mm_unpackhi_epi32(a2, a3));
+                _mm_storeu_si128(t.add(16 * q).cast(), _mm_unpacklo_epi64(t0, t1));
+                _mm_storeu_si128(t.add(64 + 16 * q).cast(), _mm_unpackhi_epi64(t0, t1));
+                _mm_storeu_si128(t.add(128 + 16 * q).cast(), _mm_unpacklo_epi64(t2, t3));
+                _mm_storeu_si128(t.add(192 + 16 * q).cast(), _mm_unpackhi_epi64(t2, t3));
+            }
+        }
     }
 }
