@@ -185,6 +185,47 @@ async fn per_peer_ordering(kind: Driver) {
     sender.await.unwrap();
 }
 
+/// Frames the application holds stay intact whatever order it drops them in, while the sender
+/// goes on sending (shared memory reads frames in place and its producer starts over at the
+/// ring's start early while the consumer keeps up: it must never write over a held frame).
+async fn held_frames_stay_intact_in_any_drop_order(kind: Driver) {
+    let mut c = cluster(2, kind).await;
+    let n = 400u64;
+    // Payloads of 0 to 61 440 bytes: five held frames and the next one fit the window.
+    let rows = |i: u64| ((i * 7919) % 31) as u32;
+    let m1 = c.meshes[1].clone();
+    let sender = tokio::spawn(async move {
+        for i in 0..n {
+            m1.send(0, &result_frame(i, rows(i), 1024, i as u8))
+                .await
+                .unwrap();
+        }
+    });
+    let mut held: Vec<(u64, expertmesh_transport::RecvFrame)> = Vec::new();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for i in 0..n {
+        let f = c.events[0].recv_frame(T).await.expect("frame");
+        assert_eq!(f.body().request_id(), Some(i), "frames arrive in order");
+        check_payload(&f, i as u8);
+        held.push((i, f));
+        let keep = (next() % 6) as usize;
+        while held.len() > keep {
+            let (j, f) = held.swap_remove(next() as usize % held.len());
+            check_payload(&f, j as u8); // unchanged while it was held
+        }
+    }
+    for (j, f) in held {
+        check_payload(&f, j as u8);
+    }
+    sender.await.unwrap();
+}
+
 async fn tiny_and_max_size_frames(kind: Driver) {
     let mut c = cluster(2, kind).await;
     // Tiny: an error frame with an empty message, no payload.
@@ -611,6 +652,7 @@ macro_rules! conformance {
                 };
             }
             case!(per_peer_ordering);
+            case!(held_frames_stay_intact_in_any_drop_order);
             case!(tiny_and_max_size_frames);
             case!(many_peers_at_once);
             case!(backpressure_bounds_memory);
