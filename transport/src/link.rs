@@ -23,7 +23,7 @@ use std::ops::Range;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// A rank in the cluster, `0..world_size`.
@@ -654,6 +654,22 @@ impl Drop for TornWriteGuard<'_> {
 }
 
 /// Spawns `f` on the current runtime, if there is one (a link may fail after it shut down).
+/// How long a driver polls (yielding to other tasks) for room in a full ring or send queue
+/// before it sleeps: the peer usually frees room within microseconds, and a timer sleep lasts
+/// at least a millisecond whatever it asks for.
+const ROOM_POLL: Duration = Duration::from_micros(100);
+
+/// One step of a driver's wait for room: yields to other tasks while the wait (begun at
+/// `since`, set on the first call) is younger than [`ROOM_POLL`], then sleeps `nap`.
+pub(crate) async fn wait_for_room(since: &mut Option<Instant>, nap: Duration) {
+    let began = *since.get_or_insert_with(Instant::now);
+    if began.elapsed() < ROOM_POLL {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(nap).await;
+    }
+}
+
 fn tokio_spawn_detached<F: Future<Output = ()> + Send + 'static>(f: F) {
     if let Ok(h) = tokio::runtime::Handle::try_current() {
         h.spawn(f);

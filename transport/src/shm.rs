@@ -20,10 +20,6 @@
 //!
 //! Records start at 64-byte aligned offsets and never straddle the end of the ring (a WRAP
 //! record skips the tail end), so every frame is contiguous and its payload 64-byte aligned.
-//! The producer also writes a WRAP record early, once the bytes before its position hold
-//! twice what the consumer still holds plus the next record: while the consumer keeps up,
-//! frames cycle through a few cache-warm records at the start of the ring instead of sweeping
-//! all of it through memory (at 64-token frames that doubled the throughput on a 2-vCPU VM).
 //! The consumer spins briefly when the ring is empty, then sleeps on a futex that the producer
 //! wakes only when the consumer has announced that it sleeps: an idle link burns no CPU.
 //!
@@ -38,7 +34,7 @@
 //! [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
 use crate::codec::{self, CodecConfig, HEADER_LEN, PAYLOAD_ALIGN};
-use crate::link::{FrameSink, Lease, Link, Rank, Region, SinkFuture, Storage, nonce};
+use crate::link::{self, FrameSink, Lease, Link, Rank, Region, SinkFuture, Storage, nonce};
 use crate::protocol::{ProtocolError, SHM_ATTACHMENT};
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -55,8 +51,6 @@ const DATA_OFFSET: usize = 4096;
 const RECORD_HEADER: usize = PAYLOAD_ALIGN;
 const WRAP: u64 = u64::MAX;
 const FILE_PREFIX: &str = "expertmesh-";
-/// How long a producer whose ring is full polls for space before it sleeps.
-const SPACE_POLL: Duration = Duration::from_micros(100);
 
 /// Shared-memory driver settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -665,30 +659,13 @@ impl RingProducer {
             }
             let tail = h.tail.load(Ordering::Acquire);
             let off = self.head % cap;
-            // Start over at offset 0 when the record does not fit before the end, and also
-            // early, as soon as the bytes before `off` hold twice what is still held plus this
-            // record: while the consumer keeps up, frames then cycle through a few cache-warm
-            // records instead of sweeping the whole ring through memory, and the producer has
-            // as much room again as is in flight before it could reach a held record.
-            let held = self.head - tail;
-            let early = off > 0 && 2 * (held + record) <= off;
-            let wrap = if off + record > cap || early {
-                cap - off
-            } else {
-                0
-            };
+            let wrap = if off + record > cap { cap - off } else { 0 };
             if self.head + wrap + record - tail <= cap {
                 break (off as usize, wrap);
             }
-            // Out of space (the application holds old frames): poll for a short while (the
-            // consumer usually releases within microseconds), then wait without burning a
-            // core (the timer's resolution is a millisecond).
-            let since = *waiting_since.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() < SPACE_POLL {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(Duration::from_micros(200)).await;
-            }
+            // Out of space (the application holds old frames): poll briefly, then wait
+            // without burning a core.
+            link::wait_for_room(&mut waiting_since, Duration::from_micros(200)).await;
         };
         let data = self.seg.data();
         // SAFETY: the region [head, head + wrap + record) is free (checked against tail above)

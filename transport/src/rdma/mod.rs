@@ -29,7 +29,7 @@
 //! it implements), [`codec`] and [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
 use crate::codec::{self, CodecConfig, FrameHeader, HEADER_LEN, PAYLOAD_ALIGN};
-use crate::link::{FrameSink, Link, SinkFuture, Storage};
+use crate::link::{self, FrameSink, Link, SinkFuture, Storage};
 use crate::protocol::{ProtocolError, RDMA_ATTACHMENT};
 use nic::{Completion, Nic, Posted};
 use std::collections::{BTreeMap, BTreeSet};
@@ -299,6 +299,7 @@ impl RdmaWriter {
     /// the bytes skipped to wrap.
     async fn reserve(&self, record: u64) -> Result<(usize, u64), RdmaError> {
         let cap = self.nic.ring_capacity() as u64;
+        let mut waiting_since = None;
         loop {
             if self.shared.closed.load(Ordering::Acquire) {
                 return Err(RdmaError::Closed);
@@ -310,7 +311,7 @@ impl RdmaWriter {
             if self.head + wrap + record - done <= cap && self.seq - completed < SEND_WRS as u64 {
                 return Ok((if wrap > 0 { 0 } else { off as usize }, wrap));
             }
-            tokio::time::sleep(Duration::from_micros(50)).await;
+            link::wait_for_room(&mut waiting_since, Duration::from_micros(50)).await;
         }
     }
 
@@ -345,6 +346,7 @@ impl RdmaWriter {
         self.shared.ends[(self.seq % SEND_WRS as u64) as usize].store(self.head, Ordering::Release);
         let imm = (off / PAYLOAD_ALIGN) as u32;
         let t0 = Instant::now();
+        let mut waiting_since = None;
         loop {
             if self.shared.closed.load(Ordering::Acquire) {
                 return Err(RdmaError::Closed);
@@ -352,7 +354,7 @@ impl RdmaWriter {
             match self.nic.post_write(off, record as usize, imm, self.seq)? {
                 Posted::Accepted => break,
                 Posted::Again if t0.elapsed() < POST_DEADLINE => {
-                    tokio::time::sleep(Duration::from_micros(50)).await
+                    link::wait_for_room(&mut waiting_since, Duration::from_micros(50)).await
                 }
                 Posted::Again => {
                     return Err(RdmaError::Provider {
