@@ -236,7 +236,11 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
 
 /// The largest receive window a ring of `cfg.ring_bytes` supports (known before the ring is
 /// created, so a hello can announce it): wrap waste of one record never blocks a sender that
-/// holds credit.
+/// holds credit while the receiver drops frames in order. Ring space is freed in order, so a
+/// frame held while later ones are dropped keeps their space too: the sender then waits for it
+/// even with credit left. That is backpressure, unless the receiver keeps the old frame until
+/// later frames of the same link arrive: once the frames from the old one on fill the ring,
+/// both ends wait.
 pub(crate) fn usable_window(cfg: &ShmConfig, codec: &CodecConfig) -> u64 {
     let max_record = RECORD_HEADER + codec::align_up(codec.max_frame_bytes);
     codec::align_up(cfg.ring_bytes).saturating_sub(max_record) as u64
