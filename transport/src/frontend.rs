@@ -530,7 +530,10 @@ impl FrameConnection {
         let (r, w) = stream.into_split();
         Self {
             reader: FrameReader {
-                read: FrameIn::new(tokio::io::BufReader::with_capacity(64 << 10, r), crypt.open),
+                read: FrameIn::new(
+                    tokio::io::BufReader::with_capacity(crate::tcp::READ_BUFFER_BYTES, r),
+                    crypt.open,
+                ),
                 peer,
                 codec,
                 pool: BufPool::new(4 * codec.max_frame_bytes as u64),
