@@ -1,6 +1,6 @@
 //! The link layer: one established link to one peer, whatever driver carries it, and the types
 //! every driver and the mesh share (ranks, received frames and their storage, the receive
-//! buffer pool, the frame writer interface, peer errors).
+//! buffer pool, the frame writer interface, the wait for room in a full ring, peer errors).
 //!
 //! Why this exists: the drivers ([`tcp`](crate::tcp), [`shm`](crate::shm), `rdma`) and the
 //! [`mesh`](crate::mesh) all need these types, and the drivers must not depend on the mesh (nor
@@ -653,7 +653,6 @@ impl Drop for TornWriteGuard<'_> {
     }
 }
 
-/// Spawns `f` on the current runtime, if there is one (a link may fail after it shut down).
 /// How long a driver polls (yielding to other tasks) for room in a full ring or send queue
 /// before it sleeps: the peer usually frees room within microseconds, and a timer sleep lasts
 /// at least a millisecond whatever it asks for.
@@ -670,6 +669,7 @@ pub(crate) async fn wait_for_room(since: &mut Option<Instant>, nap: Duration) {
     }
 }
 
+/// Spawns `f` on the current runtime, if there is one (a link may fail after it shut down).
 fn tokio_spawn_detached<F: Future<Output = ()> + Send + 'static>(f: F) {
     if let Ok(h) = tokio::runtime::Handle::try_current() {
         h.spawn(f);
