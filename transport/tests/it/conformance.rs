@@ -218,9 +218,13 @@ async fn held_frames_stay_intact_in_any_drop_order(kind: Driver) {
         check_payload(&f, i as u8);
         held.push((i, f));
         let keep = (next() % 6) as usize;
-        while held.len() > keep || held.iter().any(|&(j, _)| i - j >= 8) {
-            let oldest = held.iter().position(|&(j, _)| i - j >= 8);
-            let at = oldest.unwrap_or(next() as usize % held.len());
+        loop {
+            // A frame eight behind goes first; then random ones down to `keep`.
+            let at = match held.iter().position(|&(j, _)| i - j >= 8) {
+                Some(at) => at,
+                None if held.len() > keep => next() as usize % held.len(),
+                None => break,
+            };
             let (j, f) = held.swap_remove(at);
             check_payload(&f, j as u8); // unchanged while it was held
         }
