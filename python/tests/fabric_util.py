@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import IO, List, Optional, Sequence
 
 import numpy as np
+
+from expertmesh._ports import free_port_block, topology_with_free_ports  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -171,45 +171,15 @@ class SplitFabric:
         _stop(self.router)
 
 
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def topology_with_free_ports(src: Path, dst: Path) -> Path:
-    """A copy of the topology ``src`` (one node) whose router, control and data ports are free."""
-    text = src.read_text()
-    devices = len(re.findall(r"\{\s*name\s*=", text.split("devices", 1)[1]))
-    base = free_port_block(2 + devices)
-    text = re.sub(r"(?m)^port\s*=\s*\d+", f"port = {base}", text)
-    text = re.sub(r"(?m)^control_port\s*=\s*\d+", f"control_port = {base + 1}", text)
-    text = re.sub(r"(?m)^data_port\s*=\s*\d+", f"data_port = {base + 2}", text)
-    dst.write_text(text)
-    return dst
-
-
 class UpFabric:
     """``expertmesh up`` (its own router and workers) on free ports, until :meth:`close`."""
 
-    def __init__(self, tmp: Path, args: Sequence[object], topology: Path = EXAMPLES / "single-host.toml") -> None:
+    def __init__(self, tmp: Path, args: Sequence[object], topology: Path = EXAMPLES / "single-host.toml",
+                 free_ports: bool = True) -> None:
+        """``free_ports=False`` runs ``topology`` as it is (e.g. to restart a fabric on the
+        ports an earlier one had: ``UpFabric(tmp2, args, first.topology, free_ports=False)``)."""
         exe = expertmesh_bin()
-        self.topology = topology_with_free_ports(topology, tmp / "topology.toml")
+        self.topology = topology_with_free_ports(topology, tmp / "topology.toml") if free_ports else topology
         if "--mode" not in [str(a) for a in args]:
             args = [*args, "--mode", "exact"]  # the tests compare bit for bit (up defaults to serving)
         self.proc = _spawn([exe, "up", "--topology", self.topology, *args], tmp / "up.log")

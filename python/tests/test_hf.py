@@ -13,8 +13,6 @@ it: `pip install torch transformers` (tested layout: transformers 4.57), then
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -30,36 +28,16 @@ except ImportError as e:  # pragma: no cover - the CI case
 
 import expertmesh
 from expertmesh import hf
-from fabric_util import EXAMPLES, UpFabric, expertmesh_bin, topology_with_free_ports
-
-
-def _convert(model, tmp):
-    """Save ``model`` as a checkpoint under ``tmp`` and convert it into ``tmp / "w"`` with the
-    ``expertmesh`` binary; returns the checkpoint folder."""
-    ckpt = tmp / "ckpt"
-    model.save_pretrained(ckpt, safe_serialization=True)
-    topo = topology_with_free_ports(EXAMPLES / "single-host.toml", tmp / "t.toml")
-    r = subprocess.run(
-        [str(expertmesh_bin()), "convert", "--checkpoint", str(ckpt), "--topology", str(topo),
-         "--out", str(tmp / "w")],
-        capture_output=True, text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    return ckpt
+from fabric_util import UpFabric
+from moe_models import make_int4_exact, save_and_convert, tiny
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1,
-        norm_topk_prob=True, max_position_embeddings=128,
-    )
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    ckpt = _convert(model, tmp)
+    model = tiny("qwen3_moe").eval()
+    ckpt = save_and_convert(model, tmp)
     fabric = UpFabric(tmp, ["--weights", tmp / "w"])
     yield model, fabric
     fabric.close()
@@ -89,42 +67,14 @@ def test_attach_serves_the_moe_blocks_from_the_fabric(served):
         assert out.shape == (1, 7)
 
 
-def _tiny(kind):
-    """A tiny transformers model of each other supported architecture (random weights)."""
-    common = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, max_position_embeddings=128)
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(
-            intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
-            num_local_experts=8, num_experts_per_tok=2, **common)
-        return transformers.MixtralForCausalLM(cfg)
-    if kind == "olmoe":
-        cfg = transformers.OlmoeConfig(
-            intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4, num_experts=8,
-            num_experts_per_tok=2, **common)
-        return transformers.OlmoeForCausalLM(cfg)
-    if kind == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(
-            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-            num_hidden_layers=2, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-            **common)
-        return transformers.Qwen2MoeForCausalLM(cfg)
-    cfg = transformers.DeepseekV3Config(
-        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
-        **common)
-    return transformers.DeepseekV3ForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen2_moe", "deepseek_v3"])
 def test_attach_each_architecture(kind, tmp_path):
     """Saved by transformers (its own config.json, without e.g. DeepSeek's scoring_func),
     converted, served; every replaced block returns the fabric's output bit for bit, stays
     within INT4 error of the local experts, and the model still generates."""
     torch.manual_seed(0)
-    model = _tiny(kind).eval()
-    ckpt = _convert(model, tmp_path)
+    model = tiny(kind).eval()
+    ckpt = save_and_convert(model, tmp_path)
     fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w"])
     try:
         client = expertmesh.RouterClient(fabric.addr, fabric.cluster)
@@ -149,43 +99,15 @@ def test_attach_each_architecture(kind, tmp_path):
         fabric.close()
 
 
-def _make_int4_exact(model):
-    """Round every expert weight (routed and shared; not the router gates) onto the packed INT4
-    grid: groups of 32 along the input dimension, a bf16 scale s = max|w| / 8 and codes in
-    [-8, 7] with the largest element at -8. The converter then reproduces these weights
-    exactly (quantization error 0), so the fabric serves the very model that runs locally."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            expert = (".experts." in name or ".experts" in name.rsplit(".", 1)[0]
-                      or ".shared_expert." in name or ".shared_experts." in name)
-            if not expert or p.dim() < 2 or p.shape[-1] % 32:
-                continue
-            g = p.data.reshape(*p.shape[:-1], p.shape[-1] // 32, 32)
-            s = (g.abs().amax(-1, keepdim=True) / 8).to(torch.bfloat16).to(torch.float32)
-            s = torch.where(s == 0, torch.ones_like(s), s)
-            q = torch.clamp(torch.round(g / s), -8, 7)
-            top = g.abs().argmax(-1, keepdim=True)
-            q.scatter_(-1, top, -8.0)
-            p.data.copy_((q * s).reshape(p.shape))
-
-
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"])
 def test_logits_and_greedy_tokens_match_the_unmodified_model(kind, tmp_path):
     """With expert weights already on the INT4 grid (so conversion is lossless), the model
     with the fabric attached (accurate mode) gives the unmodified model's logits within 1e-4
     relative and the same greedy tokens."""
     torch.manual_seed(1)
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
-            max_position_embeddings=128)
-        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    else:
-        model = _tiny(kind).eval()
-    _make_int4_exact(model)
-    ckpt = _convert(model, tmp_path)
+    model = tiny(kind).eval()
+    make_int4_exact(model)
+    ckpt = save_and_convert(model, tmp_path)
     ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
     with torch.no_grad():
         want = model(ids).logits
@@ -209,16 +131,8 @@ def test_load_without_experts_reads_no_expert_and_gives_the_same_logits(kind, tm
     """The frontend path of examples/hf_generate.py: the model built with only its non-expert
     tensors read gives the logits of the fully loaded model with the same fabric attached."""
     torch.manual_seed(2)
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
-            max_position_embeddings=128)
-        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    else:
-        model = _tiny(kind).eval()
-    ckpt = _convert(model, tmp_path)
+    model = tiny(kind).eval()
+    ckpt = save_and_convert(model, tmp_path)
     fabric = UpFabric(tmp_path, ["--weights", tmp_path / "w"])
     try:
         client = expertmesh.RouterClient(fabric.addr, fabric.cluster)
