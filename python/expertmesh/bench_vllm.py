@@ -263,6 +263,28 @@ class Fabric:
         self.log.close()
 
 
+def synthetic_checkpoint(folder: Path, args: argparse.Namespace) -> Path:
+    """A Qwen3-MoE-shaped checkpoint with random weights (bf16, seed 0) in ``folder``, built by
+    transformers unless ``folder/config.json`` exists; attention is 16 heads of 64 (4 KV heads),
+    the vocabulary 1024 tokens. Returns ``folder``."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, max_position_embeddings=max(512, args.max_model_len))
+    with torch.device("cpu"):
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def _median(rows: List[Dict[str, Any]], key: str) -> Optional[float]:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -275,7 +297,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(RESULT + json.dumps(result), flush=True)
         return 0
     ap = argparse.ArgumentParser(prog="python -m expertmesh.bench_vllm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint folder (safetensors)")
+    ap.add_argument("--checkpoint", type=Path, help="HF checkpoint folder (safetensors)")
+    ap.add_argument("--synthetic", type=Path, metavar="DIR",
+                    help="instead: build a Qwen3-MoE-shaped checkpoint with random weights in DIR "
+                         "(if it is not there yet; shape from --hidden/--moe-intermediate/"
+                         "--experts/--top-k/--layers, bf16, seed 0) and bench it")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--topology", type=Path, default=_repo() / "examples" / "single-host.toml")
     ap.add_argument("--weights", type=Path, help="its conversion (default: convert into a temporary folder)")
     ap.add_argument("--mode", default="serving", choices=["exact", "exact-bf16", "accurate", "serving"],
@@ -289,6 +320,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", type=Path, help="write every repetition here")
     args = ap.parse_args(argv)
 
+    if (args.checkpoint is None) == (args.synthetic is None):
+        ap.error("give --checkpoint DIR or --synthetic DIR")
+    if args.synthetic is not None:
+        args.checkpoint = synthetic_checkpoint(args.synthetic, args)
     binary = expertmesh_bin()
     work = Path(tempfile.mkdtemp(prefix="em-bench-vllm-"))
     topo = topology_with_free_ports(args.topology, work / "topology.toml")

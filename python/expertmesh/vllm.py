@@ -243,10 +243,10 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
     out = torch.empty(tokens, shape[-1], dtype=torch.float32)
     if tokens == 0:
         return out.to(dtype).reshape(shape)
-    client = _CLIENT.get()
     step = cfg.max_tokens
     started = time.perf_counter()
     try:
+        client = _CLIENT.get()
         handles = [
             (i, client.submit(layer, x[i : i + step], deadline_ms=cfg.deadline_ms))
             for i in range(0, tokens, step)
@@ -258,7 +258,7 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
         # fresh one (a restarted fabric is picked up without restarting vLLM).
         _CLIENT.reset()
         raise FabricMoEError(
-            f"ExpertMesh: MoE layer {layer} ({layer_name}) for {tokens} tokens failed at the "
+            f"{_ERROR_MARK}{layer} ({layer_name}) for {tokens} tokens failed at the "
             f"router {cfg.router}: {type(e).__name__}: {e}"
         ) from e
     elapsed = time.perf_counter() - started
@@ -400,6 +400,20 @@ def _define_and_register() -> None:
     register_model_loader(LOAD_FORMAT)(FabricModelLoader)
 
 
+# What every FabricMoEError's message starts with: a worker process (vLLM's multiprocess
+# executor, `vllm serve`) sends the engine only the text, inside its own RuntimeError.
+_ERROR_MARK = "ExpertMesh: MoE layer "
+
+
+def _is_fabric_error(e: BaseException) -> bool:
+    """Whether ``e`` is a :class:`FabricMoEError`, raised here or in a worker process."""
+    while e is not None:
+        if isinstance(e, FabricMoEError) or (isinstance(e, RuntimeError) and _ERROR_MARK in str(e)):
+            return True
+        e = e.__cause__  # type: ignore[assignment]
+    return False
+
+
 def _contain_fabric_errors() -> None:
     """A step whose MoE call failed fails its requests, not the engine: ``EngineCore.step``
     catches :class:`FabricMoEError`, finishes every request of the step (the running ones) with
@@ -423,7 +437,9 @@ def _contain_fabric_errors() -> None:
     def contained_step(self: Any) -> Any:
         try:
             return step(self)
-        except FabricMoEError as e:
+        except Exception as e:
+            if not _is_fabric_error(e):
+                raise
             ids = [r.request_id for r in self.scheduler.running]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             # The failed step's blocks may be registered in the prefix cache with part of their

@@ -252,3 +252,83 @@ def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tm
     assert recovered["tokens"] == s.local["tokens"], recovered
     st = result["plugin_stats"]
     assert st["failed_steps"] >= 1 and st["failed_requests"] == len(PROMPTS), st
+
+
+def _complete(port: int, prompt: list) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return {"status": r.status, **json.loads(r.read())}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, **json.loads(e.read() or b"{}")}
+
+
+def test_the_openai_server_serves_through_the_fabric_and_survives_its_restart(served, tmp_path):
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the engine and the
+    model in processes of their own) with the plugin: a completion gives unmodified vLLM's
+    tokens; with the fabric stopped a completion fails (HTTP 500) and the server lives; with
+    the fabric started again on the same ports the tokens come back."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from expertmesh._ports import free_port_block
+
+    s = served("qwen3_moe")
+    (tmp_path / "a").mkdir()
+    fabric = UpFabric(tmp_path / "a", ["--weights", s.tmp / "w", "--mode", "accurate"])
+    port = free_port_block(1)
+    env = bench_vllm.plugin_env(fabric.addr, fabric.cluster, {
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.ckpt),
+         "--served-model-name", "m", "--load-format", "expertmesh", "--dtype", "float32",
+         "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "128",
+         "--port", str(port)],
+        env=env, stdout=(tmp_path / "server.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    restarted = None
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up in 300 s"
+                time.sleep(2)
+        ok = _complete(port, PROMPTS[0])
+        assert ok["status"] == 200 and ok["choices"][0]["token_ids"] == s.local["tokens"][0], ok
+        fabric.close()
+        down = _complete(port, PROMPTS[0])
+        assert down["status"] == 500, down
+        assert server.poll() is None
+        (tmp_path / "b").mkdir()
+        restarted = UpFabric(tmp_path / "b", ["--weights", s.tmp / "w", "--mode", "accurate"],
+                             fabric.topology, free_ports=False)
+        back = _complete(port, PROMPTS[0])
+        assert back["status"] == 200 and back["choices"][0]["token_ids"] == s.local["tokens"][0], back
+        assert "a step failed" in (tmp_path / "server.log").read_text()
+    finally:
+        import os
+        import signal
+
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        fabric.close()
+        if restarted is not None:
+            restarted.close()
