@@ -355,7 +355,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         fabric.close()
     local = [r for r in rows if r["arm"] == "local"]
     fab = [r for r in rows if r["arm"] == "fabric"]
-    same = all(r["tokens"] == local[0]["tokens"] for r in rows)
+    # Only a lossless conversion served in accurate mode gives vLLM's own tokens (the tests
+    # check that); here the share of greedy tokens equal to the first local run's is a figure.
+    ref = [t for seq in local[0]["tokens"] for t in seq]
+    agree = {arm: statistics.median(
+        sum(a == b for a, b in zip([t for seq in r["tokens"] for t in seq], ref)) / max(1, len(ref))
+        for r in rows if r["arm"] == arm) for arm in ("local", "fabric")}
     summary = {}
     for key in ("tokens_per_s", "moe_call_decode_us_median", "moe_call_prefill_us_median",
                 "rss_after_load_bytes", "peak_rss_bytes"):
@@ -366,10 +371,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         ratio = v["fabric_over_local"]
         print(f"{key:34s} {v['local'] or 0:14.1f} {v['fabric'] or 0:14.1f} "
               f"{ratio if ratio is not None else float('nan'):12.3f}")
-    print(f"greedy tokens identical across all runs: {same}")
+    print(f"greedy tokens equal to the first local run's (median share): local {agree['local']:.3f}, "
+          f"fabric {agree['fabric']:.3f} (mode {args.mode}; equal only for INT4-grid weights in "
+          "accurate mode)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "summary": summary, "tokens_identical": same,
+                                         "summary": summary, "tokens_equal_share": agree,
                                          "rows": rows}, indent=1))
     return 0
 

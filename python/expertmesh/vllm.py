@@ -270,6 +270,25 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
     return out.to(dtype).reshape(shape)
 
 
+def _check_served(layer: int, hidden: int, layer_name: str) -> None:
+    """At model build time: the router serves MoE layer ``layer`` with this hidden size and
+    accepts requests of the plugin's ``max_tokens`` (else vLLM refuses to start, saying why)."""
+    assert _CONFIG is not None and _CLIENT is not None
+    cfg = _CONFIG
+    try:
+        _CLIENT.get().check_shape(layer, cfg.max_tokens, hidden)
+    except FabricMoEError:
+        raise
+    except Exception as e:
+        _CLIENT.reset()
+        raise FabricMoEError(
+            f"{_ERROR_MARK}{layer} ({layer_name}): the router at {cfg.router} does not take "
+            f"{cfg.max_tokens} tokens x hidden {hidden} for it: {type(e).__name__}: {e}. It "
+            f"serves another checkpoint (convert this one), or set {ENV_MAX_TOKENS} to at most "
+            "the router's --max-tokens."
+        ) from e
+
+
 def _fabric_moe_fake(hidden_states: Any, layer_name: str) -> Any:
     import torch
 
@@ -357,7 +376,9 @@ def _define_and_register() -> None:
                     f"{dtype} (DeepSeek's float16 path rescales the block's output): pass "
                     "dtype=\"bfloat16\" or \"float32\""
                 )
-            _LAYERS[layer_name] = int(m.group(1))
+            layer = int(m.group(1))
+            _check_served(layer, self.moe_config.hidden_dim_unpadded, layer_name)
+            _LAYERS[layer_name] = layer
 
         def forward(self, hidden_states: Any, router_logits: Any, input_ids: Any = None,
                     shared_experts_input: Any = None) -> Any:

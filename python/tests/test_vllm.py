@@ -152,21 +152,28 @@ def test_the_plugin_refuses_a_load_format_that_reads_the_experts(served, tmp_pat
     assert 'load_format="expertmesh"' in str(e.value), str(e.value)
 
 
-def test_no_fabric_fails_the_requests_with_an_error_naming_the_router(tmp_path):
-    """Nothing listens at the router's address: every request finishes with an error (no
-    token), the log says why and where, and the engine does not die."""
+def test_without_a_fabric_vllm_refuses_to_start_naming_the_router(tmp_path):
     ckpt = _build("qwen3_moe", tmp_path, seed=1)
     from expertmesh._ports import free_port_block
 
-    dead = f"127.0.0.1:{free_port_block(1)}"
-    spec = _spec("qwen3_moe", ckpt, True, warmup=False)
-    res = bench_vllm.run_child(spec, bench_vllm.plugin_env(dead, "single-host"),
-                               log=tmp_path / "dead.log")
-    assert res["finish_reasons"] == ["error"] * len(PROMPTS), res["finish_reasons"]
-    assert all(t == [] for t in res["tokens"]), res["tokens"]
-    log = (tmp_path / "dead.log").read_text()
-    assert "a step failed" in log and f"cannot connect to the router at {dead}" in log, log[-3000:]
-    assert res["plugin_stats"]["failed_requests"] == len(PROMPTS)
+    dead = f"127.0.0.1:{free_port_block(1)}"  # nothing listens there
+    with pytest.raises(RuntimeError) as e:
+        bench_vllm.run_child(_spec("qwen3_moe", ckpt, True), bench_vllm.plugin_env(dead, "single-host"),
+                             log=tmp_path / "dead.log")
+    assert f"cannot connect to the router at {dead}" in str(e.value), str(e.value)
+
+
+def test_a_fabric_serving_another_shape_or_fewer_tokens_is_refused_at_start(served, tmp_path):
+    """The Mixtral fabric does not serve Qwen3's layer 2 (Mixtral has two layers), and no
+    router takes 100000 tokens per request: vLLM refuses to start, saying which and why."""
+    qwen, mixtral = served("qwen3_moe"), served("mixtral")
+    with pytest.raises(RuntimeError) as e:
+        _run(_spec("qwen3_moe", qwen.ckpt, True), mixtral.fabric, tmp_path, "shape")
+    assert "MoE layer 2" in str(e.value) and "serves another checkpoint" in str(e.value), str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        _run(_spec("qwen3_moe", qwen.ckpt, True), qwen.fabric, tmp_path, "tokens",
+             EXPERTMESH_VLLM_MAX_TOKENS="100000")
+    assert "EXPERTMESH_VLLM_MAX_TOKENS" in str(e.value), str(e.value)
 
 
 def test_vllm_holds_less_memory_by_the_experts_bytes(tmp_path):
