@@ -88,7 +88,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     load_s = time.perf_counter() - t0
     rss_after_load = _proc_status_bytes("VmRSS")
 
-    calls: List[List[float]] = []  # [tokens, seconds] per MoE runner forward
+    calls: List[List[float]] = []  # [tokens, seconds, start, end] per MoE runner forward
     runner_classes: List[str] = []
 
     def hook_runners(model: Any) -> int:
@@ -103,7 +103,8 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
                 def post(mod: Any, args: Any, kwargs: Any, out: Any) -> None:
                     x = args[0] if args else kwargs["hidden_states"]
-                    calls.append([float(x.shape[0]), time.perf_counter() - mod._em_t0])
+                    now = time.perf_counter()
+                    calls.append([float(x.shape[0]), now - mod._em_t0, mod._em_t0, now])
 
                 m.register_forward_pre_hook(pre, with_kwargs=True)
                 m.register_forward_hook(post, with_kwargs=True)
@@ -141,8 +142,9 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         later.append({"tokens": [list(o.outputs[0].token_ids) for o in again],
                       "finish_reasons": [o.outputs[0].finish_reason for o in again]})
     batch = len(prompts)
-    decode = [s for t, s in timed_calls if t <= batch]
-    prefill = [s for t, s in timed_calls if t > batch]
+    decode = [c[1] for c in timed_calls if c[0] <= batch]
+    prefill = [c[1] for c in timed_calls if c[0] > batch]
+    gaps = [b[2] - a[3] for a, b in zip(timed_calls, timed_calls[1:]) if a[0] <= batch and b[0] <= batch]
     return {
         "fabric": fabric,
         "model": spec["model"],
@@ -155,6 +157,11 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         "generated_tokens": sum(len(t) for t in tokens),
         "generate_s": gen_s,
         "tokens_per_s": sum(len(t) for t in tokens) / gen_s if gen_s > 0 else 0.0,
+        "moe_seconds_total": sum(c[1] for c in timed_calls),
+        # From the end of one decode MoE call to the start of the next (vLLM's own work between
+        # them: a layer's attention and norms, or the step's sampling and scheduling).
+        "between_decode_moe_calls_us_median": 1e6 * statistics.median(gaps) if gaps else None,
+        "moe_call_decode_us_p90": 1e6 * sorted(decode)[int(0.9 * (len(decode) - 1))] if decode else None,
         "moe_calls_decode": len(decode),
         "moe_call_decode_us_median": 1e6 * statistics.median(decode) if decode else None,
         "moe_calls_prefill": len(prefill),
@@ -349,7 +356,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 res["arm"], res["repeat"] = arm, rep
                 rows.append(res)
                 print(f"{arm:6s} rep {rep}: {res['tokens_per_s']:8.1f} tok/s, MoE call decode "
-                      f"{res['moe_call_decode_us_median'] or 0:8.1f} us, RSS after load "
+                      f"{res['moe_call_decode_us_median'] or 0:8.1f} us, between MoE calls "
+                      f"{res['between_decode_moe_calls_us_median'] or 0:8.1f} us, RSS after load "
                       f"{res['rss_after_load_bytes'] / 2**20:7.0f} MiB", flush=True)
     finally:
         fabric.close()
@@ -362,7 +370,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         sum(a == b for a, b in zip([t for seq in r["tokens"] for t in seq], ref)) / max(1, len(ref))
         for r in rows if r["arm"] == arm) for arm in ("local", "fabric")}
     summary = {}
-    for key in ("tokens_per_s", "moe_call_decode_us_median", "moe_call_prefill_us_median",
+    for key in ("tokens_per_s", "moe_call_decode_us_median", "moe_call_decode_us_p90",
+                "moe_call_prefill_us_median", "between_decode_moe_calls_us_median",
                 "rss_after_load_bytes", "peak_rss_bytes"):
         lo, fa = _median(local, key), _median(fab, key)
         summary[key] = {"local": lo, "fabric": fa, "fabric_over_local": (fa / lo) if lo and fa else None}
