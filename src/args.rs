@@ -85,6 +85,32 @@ pub(crate) fn rdma_provider_parser(
     s.parse()
 }
 
+/// `plan --strategy`: a [`Strategy`](expertmesh_planner::Strategy) by its name.
+pub(crate) fn strategy_parser() -> impl TypedValueParser<Value = expertmesh_planner::Strategy> {
+    use expertmesh_planner::Strategy;
+    let help = |x: Strategy| match x {
+        Strategy::Auto => {
+            "hierarchical when groups line up with nodes or co-selection statistics are given, else global"
+        }
+        Strategy::Global => "replicate and pack over all devices at once",
+        Strategy::Hierarchical => "nodes first, then devices inside each node",
+    };
+    PossibleValuesParser::new(Strategy::ALL.map(|x| PossibleValue::new(x.name()).help(help(x))))
+        .map(|s| s.parse::<Strategy>().expect("a listed strategy name"))
+}
+
+/// `plan --eplb-layers`: [`EplbLayers`](expertmesh_planner::eplb::EplbLayers) by its name.
+pub(crate) fn eplb_layers_parser()
+-> impl TypedValueParser<Value = expertmesh_planner::eplb::EplbLayers> {
+    use expertmesh_planner::eplb::EplbLayers;
+    let help = |x: EplbLayers| match x {
+        EplbLayers::All => "one row per model layer (SGLang --init-expert-location)",
+        EplbLayers::Moe => "one row per MoE layer (vLLM's map)",
+    };
+    PossibleValuesParser::new(EplbLayers::ALL.map(|x| PossibleValue::new(x.name()).help(help(x))))
+        .map(|s| s.parse::<EplbLayers>().expect("a listed row choice"))
+}
+
 /// `--backend`: a [`BackendChoice`] by its name.
 pub(crate) fn backend_parser() -> impl TypedValueParser<Value = BackendChoice> {
     let help = |b: BackendChoice| match b {

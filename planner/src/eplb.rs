@@ -37,6 +37,30 @@ pub enum EplbLayers {
     Moe,
 }
 
+impl EplbLayers {
+    /// Both row choices, in the order the command line lists them.
+    pub const ALL: [EplbLayers; 2] = [EplbLayers::All, EplbLayers::Moe];
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            EplbLayers::All => "all",
+            EplbLayers::Moe => "moe",
+        }
+    }
+}
+
+impl std::str::FromStr for EplbLayers {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        EplbLayers::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| format!("unknown map rows {s:?}: one of all, moe"))
+    }
+}
+
 /// `phy2log` rows of a placement, one per MoE layer, slots device-major in each device's slot
 /// order. Err when devices hold different numbers of slots.
 pub fn phy2log(placement: &Placement, topology: &Topology) -> Result<Vec<Vec<u32>>, String> {
@@ -294,6 +318,20 @@ mod tests {
     use super::*;
     use expertmesh_topology::model::preset_by_name;
     use expertmesh_topology::placement::SharedLocation;
+
+    #[test]
+    fn row_choices_and_strategies_parse_by_their_names_only() {
+        for x in EplbLayers::ALL {
+            assert_eq!(x.name().parse::<EplbLayers>(), Ok(x));
+        }
+        for x in crate::Strategy::ALL {
+            assert_eq!(x.name().parse::<crate::Strategy>(), Ok(x));
+        }
+        let e = "MoE".parse::<EplbLayers>().unwrap_err();
+        assert!(e.contains("\"MoE\"") && e.contains("all, moe"), "{e}");
+        let e = "greedy".parse::<crate::Strategy>().unwrap_err();
+        assert!(e.contains("auto, global, hierarchical"), "{e}");
+    }
 
     fn topo() -> Topology {
         Topology::from_toml_str(

@@ -70,6 +70,34 @@ pub enum Strategy {
     Hierarchical,
 }
 
+impl Strategy {
+    /// Every strategy, in the order the command line lists them.
+    pub const ALL: [Strategy; 3] = [Strategy::Auto, Strategy::Global, Strategy::Hierarchical];
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Auto => "auto",
+            Strategy::Global => "global",
+            Strategy::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Strategy::ALL.map(Strategy::name).into();
+                format!("unknown strategy {s:?}: one of {}", names.join(", "))
+            })
+    }
+}
+
 /// The strategy a plan actually used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]

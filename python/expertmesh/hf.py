@@ -14,7 +14,7 @@ up --weights``)::
     hf.attach(model, client)              # replaced blocks: {layer: module name}
     out = model.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=20)
 
-Written against transformers 4.57 (the MoE block classes ``Qwen3MoeSparseMoeBlock``,
+Written against transformers 4.57 and tested with 5.19 too (the MoE block classes ``Qwen3MoeSparseMoeBlock``,
 ``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``DeepseekV3MoE``
 (also Kimi K2's remote code), ``Glm4MoeMoE``) and torch ≥ 2.1. Blocks are found by class name,
 and their decoder layer index by module name (``model.layers.{L}.mlp`` or

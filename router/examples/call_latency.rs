@@ -13,8 +13,10 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+    // Nearest rank, the benches' definition (benches::method::stats::percentile; this example
+    // cannot depend on the benches crate, which depends on the router).
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 /// Raw blocking loopback TCP round trips of `msg` bytes out, 64 back, in µs (sorted).

@@ -34,26 +34,6 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-/// `--strategy` values.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StrategyArg {
-    /// Hierarchical when groups line up with nodes or co-selection statistics are given.
-    Auto,
-    /// Replicate and pack over all devices at once.
-    Global,
-    /// Nodes first, then devices inside each node.
-    Hierarchical,
-}
-
-/// `--eplb-layers` values.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EplbLayersArg {
-    /// One row per model layer (SGLang `--init-expert-location`).
-    All,
-    /// One row per MoE layer (vLLM's map).
-    Moe,
-}
-
 /// The statistics formats, shown by `expertmesh plan --help`.
 const FORMATS_HELP: &str = "\
 Statistics files (JSON or CSV, chosen by extension; layers are model layer ids, experts 0..E-1):
@@ -105,8 +85,8 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     redundant: Option<u32>,
     /// Placement strategy.
-    #[arg(long, value_enum, default_value = "auto")]
-    strategy: StrategyArg,
+    #[arg(long, value_parser = crate::args::strategy_parser(), default_value = "auto")]
+    strategy: Strategy,
     /// Where shared experts run: "router" (the router host, default), "spread" (each layer's on
     /// the device with the most free memory) or a device id ("node/device").
     #[arg(long, default_value = "router")]
@@ -146,8 +126,8 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     export_eplb: Option<PathBuf>,
     /// Rows of the exported map.
-    #[arg(long, value_enum, default_value = "all")]
-    eplb_layers: EplbLayersArg,
+    #[arg(long, value_parser = crate::args::eplb_layers_parser(), default_value = "all")]
+    eplb_layers: EplbLayers,
     /// Turn a vLLM/SGLang/TensorRT-LLM expert map (JSON) into the placement instead of
     /// planning one.
     #[arg(long, conflicts_with_all = ["coselect", "synthetic_coselect", "redundant"])]
@@ -376,11 +356,7 @@ fn read_inputs(args: &PlanArgs, warnings: &mut Vec<String>) -> Result<Inputs, Us
     let shared = shared_policy(&args.shared);
     let options = PlanOptions {
         redundant: args.redundant,
-        strategy: match args.strategy {
-            StrategyArg::Auto => Strategy::Auto,
-            StrategyArg::Global => Strategy::Global,
-            StrategyArg::Hierarchical => Strategy::Hierarchical,
-        },
+        strategy: args.strategy,
         shared: shared.clone(),
         locality_slack: args.locality_slack,
         description: String::new(),
@@ -570,11 +546,7 @@ fn write_files(
         written.push(format!("placement: {}", out.display()));
     }
     if let Some(path) = &args.export_eplb {
-        let layers = match args.eplb_layers {
-            EplbLayersArg::All => EplbLayers::All,
-            EplbLayersArg::Moe => EplbLayers::Moe,
-        };
-        let text = eplb::export_json(placement, topology, model, layers)
+        let text = eplb::export_json(placement, topology, model, args.eplb_layers)
             .map_err(|e| Usage(format!("cannot export the EPLB map: {e}")))?;
         write_file(path, &text)?;
         written.push(format!("EPLB map: {}", path.display()));

@@ -11,9 +11,7 @@
 
 use super::{Action, Inflight, Member, ResultWire, RouterCore};
 use expertmesh_backend::BackendError;
-use expertmesh_transport::codec::{
-    ErrorCode, ExpertResult, OutputLayout as WireLayout, WireFormat,
-};
+use expertmesh_transport::codec::{ErrorCode, ExpertResult, OutputLayout, WireFormat};
 use expertmesh_transport::dtype::{self, DtypeError, OutputDtype};
 use std::time::Instant;
 
@@ -48,8 +46,8 @@ impl RouterCore {
             return; // superseded by a re-dispatch
         }
         let expect_rows = match wire.layout {
-            WireLayout::PerSlot => part.plan.pairs(),
-            WireLayout::PreCombined => part.plan.tokens.len(),
+            OutputLayout::PerSlot => part.plan.pairs(),
+            OutputLayout::PreCombined => part.plan.tokens.len(),
         };
         let wrong = res.rows as usize != expect_rows
             || res.layout != wire.layout
@@ -148,7 +146,7 @@ impl RouterCore {
         // contract's (slots in order, then shared), whatever request it belongs to.
         let mut outs: Vec<Vec<f32>> = b.members.iter().map(|m| vec![0f32; m.tokens * h]).collect();
         match self.wire.layout {
-            WireLayout::PerSlot => {
+            OutputLayout::PerSlot => {
                 for t in 0..b.tokens {
                     let o = member_row(&b.members, &mut outs, t, h);
                     let w = b.routing.weights_of(t);
@@ -163,7 +161,7 @@ impl RouterCore {
                     }
                 }
             }
-            WireLayout::PreCombined => {
+            OutputLayout::PreCombined => {
                 for (tokens, rows) in b.partials.values() {
                     for (j, &t) in tokens.iter().enumerate() {
                         let o = member_row(&b.members, &mut outs, t as usize, h);
@@ -217,7 +215,7 @@ impl Inflight {
         let row_bytes = h * res.dtype.elem_bytes();
         let round = wire.result == OutputDtype::Bf16 && res.dtype != OutputDtype::Bf16;
         match wire.layout {
-            WireLayout::PerSlot => {
+            OutputLayout::PerSlot => {
                 let slots = self.routing.top_k;
                 part.plan
                     .pair_targets()
@@ -232,7 +230,7 @@ impl Inflight {
                         Ok(())
                     })
             }
-            WireLayout::PreCombined => {
+            OutputLayout::PreCombined => {
                 let mut rows = vec![0f32; part.plan.tokens.len() * h];
                 dtype::decode_output(res.dtype, payload, &mut rows)?;
                 if round {

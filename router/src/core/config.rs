@@ -11,7 +11,7 @@ use crate::gating::GateWeights;
 use crate::plan::LayerOwners;
 use expertmesh_backend::BackendError;
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_transport::codec::{OutputLayout as WireLayout, WireFormat};
+use expertmesh_transport::codec::{OutputLayout, WireFormat};
 use expertmesh_transport::dtype::{ActivationDtype, OutputDtype};
 use std::time::Duration;
 
@@ -189,9 +189,9 @@ impl RouterConfig {
                 ComputeMode::Accurate => self.accurate_dtype,
             },
             layout: if per_slot {
-                WireLayout::PerSlot
+                OutputLayout::PerSlot
             } else {
-                WireLayout::PreCombined
+                OutputLayout::PreCombined
             },
             result: match results {
                 ResultWire::Full => OutputDtype::F32,
@@ -274,7 +274,7 @@ mod tests {
             result,
         };
         let (q8, f32in) = (ActivationDtype::Q8Block32, ActivationDtype::F32);
-        let (slots, combined) = (WireLayout::PerSlot, WireLayout::PreCombined);
+        let (slots, combined) = (OutputLayout::PerSlot, OutputLayout::PreCombined);
         let (f32out, bf16) = (OutputDtype::F32, OutputDtype::Bf16);
         assert_eq!(wire(LayerMode::Exact), f(q8, slots, f32out));
         assert_eq!(wire(LayerMode::ExactBf16), f(q8, slots, bf16));

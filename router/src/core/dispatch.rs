@@ -14,7 +14,7 @@ use crate::plan::{self, DevicePlan, LayerOwners, PlanError, Replicas};
 use bytes::Bytes;
 use expertmesh_quant::contract::{self, ComputeMode};
 use expertmesh_topology::model::ModelSpec;
-use expertmesh_transport::codec::{Body, Dispatch, ErrorCode, OutputLayout as WireLayout};
+use expertmesh_transport::codec::{Body, Dispatch, ErrorCode, OutputLayout};
 use expertmesh_transport::dtype::{self, ActivationDtype};
 use expertmesh_transport::mesh::OutFrame;
 use std::collections::BTreeMap;
@@ -204,7 +204,7 @@ impl RouterCore {
             tokens,
             members: p.members,
             deadline: p.deadline,
-            slot_rows: if self.wire.layout == WireLayout::PerSlot {
+            slot_rows: if self.wire.layout == OutputLayout::PerSlot {
                 vec![0f32; tokens * slots * h]
             } else {
                 Vec::new()

@@ -10,7 +10,7 @@
 //! rule panics at the input that broke it, naming the rule. Release builds skip it.
 
 use super::{Inflight, Member, Pending, RouterCore};
-use expertmesh_transport::codec::OutputLayout as WireLayout;
+use expertmesh_transport::codec::OutputLayout;
 use std::fmt::Display;
 
 impl RouterCore {
@@ -121,12 +121,12 @@ impl RouterCore {
             "{what}: its deadline is the latest"
         );
         match self.wire.layout {
-            WireLayout::PerSlot => {
+            OutputLayout::PerSlot => {
                 let rows = b.tokens * b.routing.top_k * h;
                 assert_eq!(b.slot_rows.len(), rows, "{what}: a row per (token, slot)");
                 assert!(b.partials.is_empty(), "{what}: per-slot rows only");
             }
-            WireLayout::PreCombined => {
+            OutputLayout::PreCombined => {
                 assert!(b.slot_rows.is_empty(), "{what}: pre-combined rows only");
                 for &part in b.partials.keys() {
                     let answered = b.parts.get(part as usize).is_some_and(|p| !p.live);

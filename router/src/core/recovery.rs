@@ -11,7 +11,7 @@
 
 use super::{Action, Part, RouterCore};
 use crate::health::HealthEvent;
-use expertmesh_transport::codec::{ErrorCode, ExpertResult, OutputLayout as WireLayout};
+use expertmesh_transport::codec::{ErrorCode, ExpertResult, OutputLayout};
 use std::time::{Duration, Instant};
 
 /// Why a part is sent again, and where to.
@@ -359,8 +359,8 @@ impl RouterCore {
             let part_id = b.parts.len() as u32;
             let (frame, _) = self.part_frame(b, id, part_id, &plan);
             let rows = match self.wire.layout {
-                WireLayout::PerSlot => plan.pairs(),
-                WireLayout::PreCombined => plan.tokens.len(),
+                OutputLayout::PerSlot => plan.pairs(),
+                OutputLayout::PreCombined => plan.tokens.len(),
             };
             let layer = b.layer;
             let b = self.inflight.get_mut(&id).expect("checked above");
