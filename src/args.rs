@@ -46,8 +46,18 @@ fn mode_help(m: LayerMode) -> &'static str {
 
 /// `--mode`: a [`LayerMode`] by its name.
 pub(crate) fn mode_parser() -> impl TypedValueParser<Value = LayerMode> {
+    modes_parser(&LayerMode::ALL)
+}
+
+/// `--mode` where a command runs only some modes: a [`LayerMode`] among `modes`, by its name.
+pub(crate) fn modes_parser(
+    modes: &[LayerMode],
+) -> impl TypedValueParser<Value = LayerMode> + use<> {
     PossibleValuesParser::new(
-        LayerMode::ALL.map(|m| PossibleValue::new(m.name()).help(mode_help(m))),
+        modes
+            .iter()
+            .map(|&m| PossibleValue::new(m.name()).help(mode_help(m)))
+            .collect::<Vec<_>>(),
     )
     .map(|s| s.parse::<LayerMode>().expect("a listed mode name"))
 }

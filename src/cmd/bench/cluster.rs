@@ -7,6 +7,7 @@
 
 use anyhow::anyhow;
 use expertmesh_benches::cluster::ClusterBenchOptions;
+use expertmesh_router::core::LayerMode;
 use std::path::PathBuf;
 
 /// Arguments of `bench cluster` (defaults: the standard run; `--quick`: the test's).
@@ -61,8 +62,9 @@ pub(crate) struct ClusterCli {
     /// Serving mode of the routers: exact (every answer bit for bit against the in-process
     /// reference) or serving (bf16 rows pre-combined per device; RMS error within 1% of the
     /// reference's RMS). The prediction counts that mode's wire.
-    #[arg(long, default_value = "exact", value_parser = ["exact", "serving"])]
-    mode: String,
+    #[arg(long, default_value = "exact",
+          value_parser = crate::args::modes_parser(&[LayerMode::Exact, LayerMode::Serving]))]
+    mode: LayerMode,
     /// Keep the generated topology, model, placement and logs in this folder.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -116,7 +118,7 @@ impl ClusterCli {
         o.seconds = self.seconds.unwrap_or(o.seconds);
         o.clients = self.clients.unwrap_or(o.clients).max(1);
         o.hidden = self.hidden.unwrap_or(o.hidden);
-        o.mode = self.mode.parse().map_err(|e| anyhow!("--mode: {e}"))?;
+        o.mode = self.mode;
         o.devices_per_node = self
             .devices_per_node
             .unwrap_or(o.devices_per_node)
