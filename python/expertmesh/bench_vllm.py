@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -246,14 +248,29 @@ class Fabric:
         self.addr = ""
         self.cluster = ""
         deadline = time.monotonic() + 120
-        seen = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        seen: List[str] = []
+        lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        stdout = self.proc.stdout
+        assert stdout is not None
+
+        def pump() -> None:  # a thread, so a silent `up` cannot hold the bench past the deadline
+            for raw in stdout:
+                lines.put(raw)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
             seen.append(line.rstrip())
             m = re.search(r"frontends: (\S+) \(cluster \"([^\"]+)\"\)", line)
             if m and not self.addr:
                 self.addr, self.cluster = m.group(1), m.group(2)
-            if "Ctrl-C to stop." in line or time.monotonic() > deadline:
+            if "Ctrl-C to stop." in line:
                 break
         if not self.addr or self.proc.poll() is not None:
             self.close()

@@ -125,6 +125,8 @@ class PluginConfig:
             return None
         max_tokens = _positive(env, ENV_MAX_TOKENS, 256, int)
         deadline = env.get(ENV_DEADLINE_MS)
+        if deadline not in (None, "") and not _positive(env, ENV_DEADLINE_MS, 0, float) < 1e12:
+            raise ValueError(f"{ENV_DEADLINE_MS}={deadline!r}: expected a positive number below 1e12")
         return PluginConfig(
             router=router,
             cluster=env.get(ENV_CLUSTER, "single-host").strip() or "single-host",
@@ -191,8 +193,16 @@ class _Client:
         self.client: Any = None
         self.lock = threading.Lock()
 
+    def _forget_inherited(self) -> None:
+        # A connection inherited through fork() is never closed here: its socket (and its
+        # runtime's epoll set) is shared with the parent, which may still use it.
+        if self.client is not None and self.pid != os.getpid():
+            _INHERITED.append(self.client)
+            self.client = None
+
     def reset(self) -> None:
         with self.lock:
+            self._forget_inherited()
             client, self.client = self.client, None
         if client is not None:
             try:
@@ -202,7 +212,8 @@ class _Client:
 
     def get(self) -> Any:
         with self.lock:
-            if self.client is None or self.pid != os.getpid():
+            self._forget_inherited()
+            if self.client is None:
                 from . import _native
 
                 c = self.config
@@ -220,6 +231,8 @@ class _Client:
             return self.client
 
 
+_INHERITED: list = []  # connections of a parent process, kept open (see _Client)
+_STEP: list = []  # the request size every served layer accepts: min(max_tokens, router's)
 _CONFIG: Optional[PluginConfig] = None
 _CLIENT: Optional[_Client] = None
 _LAYERS: Dict[str, int] = {}  # vLLM layer name -> the fabric's MoE layer (decoder layer index)
@@ -234,16 +247,20 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
     assert _CONFIG is not None and _CLIENT is not None
     layer = _LAYERS[layer_name]
     cfg = _CONFIG
-    shape, dtype = hidden_states.shape, hidden_states.dtype
+    from ._errors import Error as FabricClientError
+
+    shape, dtype, device = hidden_states.shape, hidden_states.dtype, hidden_states.device
     x = hidden_states.reshape(-1, shape[-1])
+    if x.device.type != "cpu":  # the client reads host memory (not tested: no GPU here)
+        x = x.to("cpu")
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     x = x.contiguous()
     tokens = x.shape[0]
     out = torch.empty(tokens, shape[-1], dtype=torch.float32)
     if tokens == 0:
-        return out.to(dtype).reshape(shape)
-    step = cfg.max_tokens
+        return out.to(device=device, dtype=dtype).reshape(shape)
+    step = min(_STEP) if _STEP else cfg.max_tokens
     started = time.perf_counter()
     try:
         client = _CLIENT.get()
@@ -253,9 +270,10 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
         ]
         for i, h in handles:
             client.wait(h, out=out[i : i + step])
-    except Exception as e:
-        # A broken or refused call may leave the connection unusable: the next call opens a
-        # fresh one (a restarted fabric is picked up without restarting vLLM).
+    except (FabricClientError, FabricMoEError) as e:
+        # The router refused, or the connection broke (argument errors are bugs here: they
+        # propagate as they are). The next call opens a fresh connection, so a restarted
+        # fabric is picked up without restarting vLLM.
         _CLIENT.reset()
         raise FabricMoEError(
             f"{_ERROR_MARK}{layer} ({layer_name}) for {tokens} tokens failed at the "
@@ -267,7 +285,7 @@ def _fabric_moe(hidden_states: Any, layer_name: str) -> Any:
         _STATS.requests += len(handles)
         _STATS.tokens += tokens
         _STATS.seconds += elapsed
-    return out.to(dtype).reshape(shape)
+    return out.to(device=device, dtype=dtype).reshape(shape)
 
 
 def _check_served(layer: int, hidden: int, layer_name: str) -> None:
@@ -275,11 +293,13 @@ def _check_served(layer: int, hidden: int, layer_name: str) -> None:
     accepts requests of the plugin's ``max_tokens`` (else vLLM refuses to start, saying why)."""
     assert _CONFIG is not None and _CLIENT is not None
     cfg = _CONFIG
+    from ._errors import Error as FabricClientError
+
     try:
-        _CLIENT.get().check_shape(layer, cfg.max_tokens, hidden)
+        accepted = int(_CLIENT.get().check_shape(layer, cfg.max_tokens, hidden))
     except FabricMoEError:
         raise
-    except Exception as e:
+    except FabricClientError as e:
         _CLIENT.reset()
         raise FabricMoEError(
             f"{_ERROR_MARK}{layer} ({layer_name}): the router at {cfg.router} does not take "
@@ -287,6 +307,9 @@ def _check_served(layer: int, hidden: int, layer_name: str) -> None:
             f"serves another checkpoint (convert this one), or set {ENV_MAX_TOKENS} to at most "
             "the router's --max-tokens."
         ) from e
+    # The router may take fewer tokens per request than asked (a request's size is bounded in
+    # bytes too): requests are split at what every layer accepts.
+    _STEP.append(max(1, min(cfg.max_tokens, accepted)))
 
 
 def _fabric_moe_fake(hidden_states: Any, layer_name: str) -> Any:
@@ -437,7 +460,7 @@ def _is_fabric_error(e: BaseException) -> bool:
 
 def _contain_fabric_errors() -> None:
     """A step whose MoE call failed fails its requests, not the engine: ``EngineCore.step``
-    catches :class:`FabricMoEError`, finishes every request of the step (the running ones) with
+    catches :class:`FabricMoEError`, finishes every request the step scheduled with
     ``finish_reason="error"``, resets the prefix cache (the step may have registered blocks whose
     KV it never finished) and returns their outputs; waiting requests and later steps go on.
     The model runner drops the failed requests at the next step (they are in the scheduler's
@@ -461,13 +484,20 @@ def _contain_fabric_errors() -> None:
         except Exception as e:
             if not _is_fabric_error(e):
                 raise
-            ids = [r.request_id for r in self.scheduler.running]
-            failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            sched = self.scheduler
+            scheduled = set(getattr(sched, "prev_step_scheduled_req_ids", ()) or ())
+            ids = [r.request_id for r in sched.running if not scheduled or r.request_id in scheduled]
+            failed = sched.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             # The failed step's blocks may be registered in the prefix cache with part of their
-            # KV written: drop the cache so no later request reuses them. Should that not be
+            # KV written: drop the cache so no later request reuses them (running requests the
+            # step did not schedule are sent back to be recomputed). Should that not be
             # possible, the engine fails (vLLM's way) rather than risk a wrong answer.
-            if not self.scheduler.reset_prefix_cache():
-                raise
+            try:
+                dropped = sched.reset_prefix_cache(reset_running_requests=bool(sched.running))
+            except RuntimeError:
+                dropped = False
+            if not dropped:
+                raise e
             log.error("ExpertMesh: a step failed; its %d requests finish with an error: %s",
                       len(failed), e)
             with _STATS.lock:

@@ -83,8 +83,12 @@ class Served:
         self.kind, self.tmp = kind, tmp
         self.ckpt = _build(kind, tmp, seed=1)
         self.fabric = UpFabric(tmp, ["--weights", tmp / "w", "--mode", "accurate"])
-        self.local = _run(_spec(kind, self.ckpt, False), None, tmp, "local")
-        self.with_fabric = _run(_spec(kind, self.ckpt, True), self.fabric, tmp, "fabric")
+        try:
+            self.local = _run(_spec(kind, self.ckpt, False), None, tmp, "local")
+            self.with_fabric = _run(_spec(kind, self.ckpt, True), self.fabric, tmp, "fabric")
+        except BaseException:
+            self.fabric.close()
+            raise
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def test_settings_are_read_with_defaults():
 @pytest.mark.parametrize("name,value", [
     (plugin.ENV_MAX_TOKENS, "0"), (plugin.ENV_MAX_TOKENS, "-3"), (plugin.ENV_MAX_TOKENS, "many"),
     (plugin.ENV_MAX_TOKENS, "2.5"), (plugin.ENV_DEADLINE_MS, "0"), (plugin.ENV_DEADLINE_MS, "nan"),
+    (plugin.ENV_DEADLINE_MS, "inf"), (plugin.ENV_DEADLINE_MS, "1e13"),
 ])
 def test_a_malformed_setting_is_an_error_naming_it(name, value):
     with pytest.raises(ValueError) as e:
