@@ -58,8 +58,8 @@ def _proc_status_bytes(field: str) -> int:
 def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     """One vLLM run in this process (call it in a fresh process: vLLM's state is per process).
     ``spec``: model, dtype, prompts (lists of token ids), max_tokens, logprobs, fabric (bool),
-    warmup (bool), max_model_len, load_format (overrides the arm's), rounds and
-    pause_between_rounds (generate again; see below), attention_backend (e.g. ``CPU_MLA``: vLLM's reference MLA,
+    warmup (bool), max_model_len, load_format (overrides the arm's), rounds,
+    pause_between_rounds and later_prompts (generate again; see below), attention_backend (e.g. ``CPU_MLA``: vLLM's reference MLA,
     which runs float32 where the AMX one needs 16-bit weights)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -140,7 +140,10 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         if spec.get("pause_between_rounds"):
             print(f"ROUND-DONE {i - 1}", flush=True)
             sys.stdin.readline()
-        again = llm.generate(prompts, sp, use_tqdm=False)
+        later_prompts = spec.get("later_prompts")
+        these = ([TokensPrompt(prompt_token_ids=list(p)) for p in later_prompts[i - 1]]
+                 if later_prompts else prompts)
+        again = llm.generate(these, sp, use_tqdm=False)
         later.append({"tokens": [list(o.outputs[0].token_ids) for o in again],
                       "finish_reasons": [o.outputs[0].finish_reason for o in again]})
     batch = len(prompts)

@@ -16,12 +16,13 @@ from fabric_util import EXAMPLES, expertmesh_bin, topology_with_free_ports
 KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
 
 
-def tiny(kind: str, head_dim: int = 16, hidden: int = 64) -> "transformers.PreTrainedModel":
+def tiny(kind: str, head_dim: int = 16, hidden: int = 64,
+         max_positions: int = 128) -> "transformers.PreTrainedModel":
     """A tiny model of family ``kind`` (random weights; seed them first). ``head_dim``: the
     attention head size (vLLM's CPU attention needs 32 or more; transformers takes 16)."""
     heads = hidden // head_dim
     common = dict(vocab_size=64, hidden_size=hidden, num_attention_heads=heads,
-                  max_position_embeddings=128)
+                  max_position_embeddings=max_positions)
     if kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
             intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,

@@ -265,6 +265,63 @@ def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tm
     assert st["failed_steps"] >= 1 and st["failed_requests"] == len(PROMPTS), st
 
 
+def test_a_failed_step_leaves_no_half_written_block_for_later_requests(tmp_path):
+    """A 300-token prompt (vLLM's CPU blocks hold 128 tokens) first seen in a step the fabric
+    fails: its full blocks were registered in the prefix cache when the step was scheduled, with
+    their KV half written. The same prompt after the fabric is back must give unmodified vLLM's
+    tokens (the failed step dropped the prefix cache), not tokens from those blocks."""
+    import json
+    import subprocess
+    import sys
+
+    torch.manual_seed(4)
+    model = tiny("qwen3_moe", head_dim=32, max_positions=512).eval()
+    make_int4_exact(model)
+    ckpt = save_and_convert(model, tmp_path)
+    long = [(7 * i + 3) % 61 + 1 for i in range(300)]
+    common = dict(max_model_len=512, max_tokens=MAX_TOKENS, logprobs=1, dtype="float32")
+    (tmp_path / "a").mkdir()
+    fabric = UpFabric(tmp_path / "a", ["--weights", tmp_path / "w", "--mode", "accurate"])
+    restarted = None
+    child = None
+    try:
+        want = _run(dict(model=str(ckpt), prompts=[long], fabric=False, **common), None,
+                    tmp_path, "local")["tokens"][0]
+        spec = dict(model=str(ckpt), prompts=[PROMPTS[0]], fabric=True, rounds=3,
+                    pause_between_rounds=True, later_prompts=[[long], [long]], **common)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "expertmesh.bench_vllm", "child", json.dumps(spec)],
+            env=bench_vllm.plugin_env(fabric.addr, fabric.cluster), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=(tmp_path / "child.err").open("w"), text=True)
+        assert child.stdin is not None and child.stdout is not None
+        result = None
+        for line in child.stdout:
+            if line.startswith("ROUND-DONE 0"):
+                fabric.close()
+            elif line.startswith("ROUND-DONE 1"):
+                (tmp_path / "b").mkdir()
+                restarted = UpFabric(tmp_path / "b", ["--weights", tmp_path / "w", "--mode", "accurate"],
+                                     fabric.topology, free_ports=False)
+            elif line.startswith(bench_vllm.RESULT):
+                result = json.loads(line[len(bench_vllm.RESULT):])
+                break
+            else:
+                continue
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        assert child.wait(timeout=300) == 0, (tmp_path / "child.err").read_text()[-3000:]
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        fabric.close()
+        if restarted is not None:
+            restarted.close()
+    assert result is not None, (tmp_path / "child.err").read_text()[-3000:]
+    failed, recovered = result["later_rounds"]
+    assert failed["finish_reasons"] == ["error"], failed
+    assert recovered["tokens"] == [want], (recovered["tokens"], want)
+
+
 def _complete(port: int, prompt: list) -> dict:
     import json
     import urllib.error
