@@ -211,35 +211,31 @@ def test_vllm_holds_less_memory_by_the_experts_bytes(tmp_path):
     assert with_fabric["plugin_stats"]["expert_tensors_seen_by_layers"] == 0
 
 
-def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tmp_path):
-    """One vLLM engine, three rounds of the same prompts: the fabric serves the first; it is
-    stopped before the second, whose requests finish with finish_reason "error" (no token, no
-    wrong answer) while the engine lives on; it is started again on the same ports before the
-    third, which gives the first round's tokens."""
+def _rounds_across_a_fabric_restart(spec: dict, weights: Path, tmp_path: Path) -> dict:
+    """Serve ``weights`` (accurate mode) and run a vLLM child of ``spec`` (3 rounds, pausing
+    between them): the whole fabric (router and workers) is stopped after round 0 and started
+    again on the same ports after round 1. Returns the child's result."""
     import json
     import subprocess
     import sys
 
-    s = served("qwen3_moe")
     (tmp_path / "a").mkdir()
-    fabric = UpFabric(tmp_path / "a", ["--weights", s.tmp / "w", "--mode", "accurate"])
-    spec = _spec("qwen3_moe", s.ckpt, True, rounds=3, pause_between_rounds=True)
-    env = bench_vllm.plugin_env(fabric.addr, fabric.cluster)
+    fabric = UpFabric(tmp_path / "a", ["--weights", weights, "--mode", "accurate"])
+    spec = {**spec, "rounds": 3, "pause_between_rounds": True}
     child = subprocess.Popen(
-        [sys.executable, "-m", "expertmesh.bench_vllm", "child", json.dumps(spec)], env=env,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "child.err").open("w"),
-        text=True,
-    )
+        [sys.executable, "-m", "expertmesh.bench_vllm", "child", json.dumps(spec)],
+        env=bench_vllm.plugin_env(fabric.addr, fabric.cluster), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=(tmp_path / "child.err").open("w"), text=True)
     restarted = None
+    result = None
     try:
         assert child.stdin is not None and child.stdout is not None
-        result = None
         for line in child.stdout:
             if line.startswith("ROUND-DONE 0"):
-                fabric.close()  # the whole fabric: router and workers
+                fabric.close()
             elif line.startswith("ROUND-DONE 1"):
                 (tmp_path / "b").mkdir()
-                restarted = UpFabric(tmp_path / "b", ["--weights", s.tmp / "w", "--mode", "accurate"],
+                restarted = UpFabric(tmp_path / "b", ["--weights", weights, "--mode", "accurate"],
                                      fabric.topology, free_ports=False)
             elif line.startswith(bench_vllm.RESULT):
                 result = json.loads(line[len(bench_vllm.RESULT):])
@@ -248,7 +244,8 @@ def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tm
                 continue
             child.stdin.write("go\n")
             child.stdin.flush()
-        assert child.wait(timeout=300) == 0, (tmp_path / "child.err").read_text()[-3000:]
+        # A hang guard only: the child's own work has no time bound to meet.
+        assert child.wait(timeout=600) == 0, (tmp_path / "child.err").read_text()[-3000:]
     finally:
         if child.poll() is None:
             child.kill()
@@ -256,6 +253,16 @@ def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tm
         if restarted is not None:
             restarted.close()
     assert result is not None, (tmp_path / "child.err").read_text()[-3000:]
+    return result
+
+
+def test_a_fabric_failure_fails_the_step_and_the_engine_keeps_serving(served, tmp_path):
+    """One vLLM engine, three rounds of the same prompts: the fabric serves the first; it is
+    stopped before the second, whose requests finish with finish_reason "error" (no token, no
+    wrong answer) while the engine lives on; it is started again on the same ports before the
+    third, which gives the first round's tokens."""
+    s = served("qwen3_moe")
+    result = _rounds_across_a_fabric_restart(_spec("qwen3_moe", s.ckpt, True), s.tmp / "w", tmp_path)
     assert result["tokens"] == s.local["tokens"]
     failed, recovered = result["later_rounds"]
     assert failed["finish_reasons"] == ["error"] * len(PROMPTS), failed
@@ -270,53 +277,16 @@ def test_a_failed_step_leaves_no_half_written_block_for_later_requests(tmp_path)
     fails: its full blocks were registered in the prefix cache when the step was scheduled, with
     their KV half written. The same prompt after the fabric is back must give unmodified vLLM's
     tokens (the failed step dropped the prefix cache), not tokens from those blocks."""
-    import json
-    import subprocess
-    import sys
-
     torch.manual_seed(4)
     model = tiny("qwen3_moe", head_dim=32, max_positions=512).eval()
     make_int4_exact(model)
     ckpt = save_and_convert(model, tmp_path)
     long = [(7 * i + 3) % 61 + 1 for i in range(300)]
-    common = dict(max_model_len=512, max_tokens=MAX_TOKENS, logprobs=1, dtype="float32")
-    (tmp_path / "a").mkdir()
-    fabric = UpFabric(tmp_path / "a", ["--weights", tmp_path / "w", "--mode", "accurate"])
-    restarted = None
-    child = None
-    try:
-        want = _run(dict(model=str(ckpt), prompts=[long], fabric=False, **common), None,
-                    tmp_path, "local")["tokens"][0]
-        spec = dict(model=str(ckpt), prompts=[PROMPTS[0]], fabric=True, rounds=3,
-                    pause_between_rounds=True, later_prompts=[[long], [long]], **common)
-        child = subprocess.Popen(
-            [sys.executable, "-m", "expertmesh.bench_vllm", "child", json.dumps(spec)],
-            env=bench_vllm.plugin_env(fabric.addr, fabric.cluster), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=(tmp_path / "child.err").open("w"), text=True)
-        assert child.stdin is not None and child.stdout is not None
-        result = None
-        for line in child.stdout:
-            if line.startswith("ROUND-DONE 0"):
-                fabric.close()
-            elif line.startswith("ROUND-DONE 1"):
-                (tmp_path / "b").mkdir()
-                restarted = UpFabric(tmp_path / "b", ["--weights", tmp_path / "w", "--mode", "accurate"],
-                                     fabric.topology, free_ports=False)
-            elif line.startswith(bench_vllm.RESULT):
-                result = json.loads(line[len(bench_vllm.RESULT):])
-                break
-            else:
-                continue
-            child.stdin.write("go\n")
-            child.stdin.flush()
-        assert child.wait(timeout=300) == 0, (tmp_path / "child.err").read_text()[-3000:]
-    finally:
-        if child is not None and child.poll() is None:
-            child.kill()
-        fabric.close()
-        if restarted is not None:
-            restarted.close()
-    assert result is not None, (tmp_path / "child.err").read_text()[-3000:]
+    common = dict(model=str(ckpt), max_model_len=512, max_tokens=MAX_TOKENS, logprobs=1,
+                  dtype="float32")
+    want = _run(dict(prompts=[long], fabric=False, **common), None, tmp_path, "local")["tokens"][0]
+    spec = dict(prompts=[PROMPTS[0]], fabric=True, later_prompts=[[long], [long]], **common)
+    result = _rounds_across_a_fabric_restart(spec, tmp_path / "w", tmp_path)
     failed, recovered = result["later_rounds"]
     assert failed["finish_reasons"] == ["error"], failed
     assert recovered["tokens"] == [want], (recovered["tokens"], want)
@@ -332,7 +302,7 @@ def _complete(port: int, prompt: list) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=600) as r:  # hang guard
             return {"status": r.status, **json.loads(r.read())}
     except urllib.error.HTTPError as e:
         return {"status": e.code, **json.loads(e.read() or b"{}")}
@@ -366,14 +336,14 @@ def test_the_openai_server_serves_through_the_fabric_and_survives_its_restart(se
     )
     restarted = None
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a hang guard, not a speed requirement
         while True:
             assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
                 break
             except OSError:
-                assert time.monotonic() < deadline, "the server did not come up in 300 s"
+                assert time.monotonic() < deadline, "the server did not come up in 900 s"
                 time.sleep(2)
         ok = _complete(port, PROMPTS[0])
         assert ok["status"] == 200 and ok["choices"][0]["token_ids"] == s.local["tokens"][0], ok
