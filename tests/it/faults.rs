@@ -17,9 +17,10 @@
 //! * a killed worker (no replica): calls needing it fail cleanly within 1 s of the kill; after a
 //!   restart they succeed within 1 s of the worker having loaded;
 //! * with network namespaces (root, `ip netns`, iptables, tc; otherwise the test prints
-//!   "skipped: ..." and passes): a worker partitioned both ways for 15 s and one way for 12 s
-//!   (past the 5 s idle timeout, through redials that time out; a connect without a timeout
-//!   would still be waiting for its next SYN retry) rejoins within 2 s after the heal (calls needing it fail cleanly meanwhile, 0 hangs); a worker
+//!   "skipped: ..." and passes): a worker partitioned both ways for 15 s while another is
+//!   partitioned one way for 12 s (past the 5 s idle timeout, through redials that time out; a
+//!   connect without a timeout would still be waiting for its next SYN retry) each rejoin
+//!   within 2 s after their heal (calls needing them fail cleanly meanwhile, 0 hangs); a worker
 //!   whose sends are throttled to 256 kbit/s (each answer 0.5 s late) is routed around: p99 of
 //!   calls under 400 ms;
 //! * a client whose router is SIGSTOPped gets DeadlineExceeded within its 2 s deadline + 1 s;
@@ -30,7 +31,8 @@
 //!   12 s of room before the end) exits 0 (0 wrong, 0 hangs) and
 //!   its JSON has every call, every fault (each injected and undone) and every process's RSS.
 //!
-//! Tests hold one lock (their time bounds need the machine to themselves). Every child dies
+//! Tests that bound a time hold the machine alone (`crate::support::alone`); the three refusal
+//! tests, which bound none, share it with the other fabric tests. Every child dies
 //! with its test: `FaultCluster`'s `Drop` sends SIGCONT then SIGKILL to each (on panics too),
 //! each also has a parent-death signal, and namespaces (with their iptables rules and
 //! qdiscs) are deleted on drop.
@@ -244,7 +246,9 @@ fn wait_loaded(f: &mut FaultCluster, k: usize, what: &str) {
 /// Replace cpu2 (cpu0's replica) with a misconfigured worker; calls needing 0-15 must still be
 /// bit-identical (through cpu0), never wrong, never NotFound.
 fn misconfigured_replica_is_refused(how: WorkerOverride, what: &str) {
-    let _g = serial();
+    // No time bound here (a hang is a call unanswered 2 s past its 5 s deadline): the
+    // machine is shared with the other fabric tests.
+    let _g = crate::support::shared();
     let s = start(&REPLICATED_PAIR, false, |_| {});
     let mut f = s.fabric;
     let golden = confined(24, 21, 0, 15);
@@ -472,10 +476,11 @@ fn served_again(
     None
 }
 
-/// Calls needing cpu1 (16-31) through a partition of `secs`, then the heal: nothing wrong or
-/// hung meanwhile, and calls succeed within 2 s after the heal.
-fn partition_then_heal(f: &FaultCluster, cut: Cut, secs: u64) {
-    let golden = confined(16, 61, 16, 31);
+/// Calls needing only worker `w`'s experts (`lo..=hi`, held by no other worker) through a
+/// partition of `secs`, then the heal: nothing wrong or hung meanwhile, and calls succeed
+/// within 2 s after the heal.
+fn partition_then_heal(f: &FaultCluster, w: usize, (lo, hi): (u32, u32), cut: Cut, secs: u64) {
+    let golden = confined(16, 61 + w as u64, lo, hi);
     let opts = drive_opts(f, Duration::from_secs(2));
     let stop = Arc::new(AtomicBool::new(false));
     let client = {
@@ -483,9 +488,9 @@ fn partition_then_heal(f: &FaultCluster, cut: Cut, secs: u64) {
         std::thread::spawn(move || golden::drive(0, &opts, &golden, 0, &stop))
     };
     std::thread::sleep(Duration::from_secs(1));
-    f.partition(1, cut).unwrap();
+    f.partition(w, cut).unwrap();
     std::thread::sleep(Duration::from_secs(secs));
-    f.heal(1).unwrap();
+    f.heal(w).unwrap();
     let healed = Instant::now();
     // Twice the bound: a first success later than 2 s fails either way.
     std::thread::sleep(Duration::from_secs(4));
@@ -495,22 +500,22 @@ fn partition_then_heal(f: &FaultCluster, cut: Cut, secs: u64) {
     assert_eq!(
         (t.wrong, t.hangs),
         (0, 0),
-        "{cut:?}: {}",
+        "{cut:?} of cpu{w}: {}",
         describe(&records)
     );
     let back = records
         .iter()
         .find(|r| r.start >= healed && r.outcome == Outcome::Ok)
         .map(|r| (r.start + r.latency).duration_since(healed));
-    let back =
-        back.unwrap_or_else(|| panic!("{cut:?}: cpu1 never served again: {}", describe(&records)));
+    let back = back
+        .unwrap_or_else(|| panic!("{cut:?}: cpu{w} never served again: {}", describe(&records)));
     assert!(
         back < Duration::from_secs(2),
-        "{cut:?}: calls needing cpu1 succeeded again {back:?} after the heal (bound 2 s)"
+        "{cut:?}: calls needing cpu{w} succeeded again {back:?} after the heal (bound 2 s)"
     );
     assert!(
         t.error_count() > 0,
-        "{cut:?}: a {secs} s partition of cpu1 failed no call needing it: {}",
+        "{cut:?}: a {secs} s partition of cpu{w} failed no call needing it: {}",
         describe(&records)
     );
 }
@@ -532,14 +537,23 @@ fn partitions_heal_within_two_seconds() {
     if !namespaces_or_skip() {
         return;
     }
-    let s = start(&REPLICATED_PAIR, true, |_| {});
-    let f = s.fabric;
+    // cpu0 and cpu1 each hold experts no other worker holds; they are cut at the same time,
+    // cpu0 both ways and cpu1 one way, each with its own client.
+    let s = start(&["0-15", "16-31"], true, |_| {});
+    let f = &s.fabric;
     // Long enough that the links are declared dead (5 s idle) and redials back off to their
     // 1 s ceiling, each connect timing out: a connect without a timeout begun when the link
     // died (SYN retries 1, 3, 7 s later: at 6, 8, 12, then 20 s) would still be waiting long
     // after the heal.
-    partition_then_heal(&f, Cut::BothWays, 15);
-    partition_then_heal(&f, Cut::WorkerToRouter, 12);
+    std::thread::scope(|scope| {
+        let both = scope.spawn(|| partition_then_heal(f, 0, (0, 15), Cut::BothWays, 15));
+        let one = scope.spawn(|| partition_then_heal(f, 1, (16, 31), Cut::WorkerToRouter, 12));
+        for h in [both, one] {
+            if let Err(panic) = h.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
 }
 
 #[test]

@@ -19,6 +19,7 @@ use expertmesh_quant::synth::SplitMix64;
 use half::bf16;
 use std::cmp::Ordering;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
 /// The weight kinds, each at the magnitude `s`.
 #[derive(Clone, Copy, Debug)]
@@ -161,9 +162,16 @@ fn error(w: &[f32], d: f32, z: u8, stop: f64) -> f64 {
 /// ordered exactly.
 fn exhaustive(w: &[f32], spec: QuantSpec, choices: &[(Choice, f32)]) -> Choice {
     let near = |e: f64| e * (1.0 + 2f64.powi(-40));
+    // One pass: every choice within 2^-40 of the least so far is kept (the least only falls,
+    // so every choice within 2^-40 of the final least is among them), then filtered below.
     let mut least = f64::INFINITY;
+    let mut kept: Vec<(Choice, f32, f64)> = Vec::new();
     for &(c, d) in choices {
-        least = least.min(error(w, d, c.zero, near(least)));
+        let e = error(w, d, c.zero, near(least));
+        if e.is_finite() {
+            least = least.min(e);
+            kept.push((c, d, e));
+        }
     }
     // The tie-break: the zero scale first, then the smaller magnitude, the positive sign, the
     // smaller zero point.
@@ -175,8 +183,8 @@ fn exhaustive(w: &[f32], spec: QuantSpec, choices: &[(Choice, f32)]) -> Choice {
     // same exact error: the tie-break alone orders them), then ordered exactly.
     let mut by_output: HashMap<Vec<u32>, Choice> = HashMap::new();
     let mut out = Vec::with_capacity(w.len());
-    for &(c, d) in choices {
-        if error(w, d, c.zero, near(least)).is_infinite() {
+    for &(c, d, e) in &kept {
+        if e > near(least) {
             continue;
         }
         out.clear();
@@ -195,31 +203,57 @@ fn exhaustive(w: &[f32], spec: QuantSpec, choices: &[(Choice, f32)]) -> Choice {
         .expect("the zero scale is always a choice")
 }
 
+/// Checks every group against the oracle, the groups shared among the machine's cores (the
+/// oracle tries every 16-bit scale of each group: most of this binary's run time). A failure
+/// in any thread fails the test with that group's message.
 fn check_groups(spec: QuantSpec, groups: &[Vec<f32>]) {
     let choices = all_choices(spec);
-    for (i, w) in groups.iter().enumerate() {
-        let want = exhaustive(w, spec, &choices);
-        let got = search_group(w, spec);
-        assert_eq!(
-            choice_order(w, spec.scale_dtype, got, want),
-            Ordering::Equal,
-            "{spec} group {i}: searched {got:?} (error {:e}), exhaustive {want:?} (error {:e}), \
-             weights {w:?}",
-            error(
-                w,
-                spec.scale_dtype.to_f32(got.bits),
-                got.zero,
-                f64::INFINITY
-            ),
-            error(
-                w,
-                spec.scale_dtype.to_f32(want.bits),
-                want.zero,
-                f64::INFINITY
-            ),
-        );
-        assert_eq!(got, want, "{spec} group {i}");
-    }
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(groups.len());
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    loop {
+                        let i = next.fetch_add(1, AtomicOrdering::Relaxed);
+                        let Some(w) = groups.get(i) else { break };
+                        check_group(spec, &choices, i, w);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            if let Err(panic) = w.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
+}
+
+fn check_group(spec: QuantSpec, choices: &[(Choice, f32)], i: usize, w: &[f32]) {
+    let want = exhaustive(w, spec, choices);
+    let got = search_group(w, spec);
+    assert_eq!(
+        choice_order(w, spec.scale_dtype, got, want),
+        Ordering::Equal,
+        "{spec} group {i}: searched {got:?} (error {:e}), exhaustive {want:?} (error {:e}), \
+         weights {w:?}",
+        error(
+            w,
+            spec.scale_dtype.to_f32(got.bits),
+            got.zero,
+            f64::INFINITY
+        ),
+        error(
+            w,
+            spec.scale_dtype.to_f32(want.bits),
+            want.zero,
+            f64::INFINITY
+        ),
+    );
+    assert_eq!(got, want, "{spec} group {i}");
 }
 
 /// Every kind at every magnitude (groups of 32 without zero points and bf16 scales; a fraction
