@@ -53,7 +53,12 @@ impl Isa {
                 }
                 return Isa::Avx512Vnni;
             }
-            if std::arch::is_x86_feature_detected!("avx2") {
+            // The AVX2 kernels also use F16C (f16 scales) and FMA (accurate mode), which
+            // every AVX2 CPU has; checked all the same.
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
                 return Isa::Avx2;
             }
         }
@@ -222,7 +227,16 @@ pub fn rowblock_exact(
             // SAFETY: as above for AVX2.
             unsafe {
                 match toks.len() {
-                    1 => x86::exact_avx2_1(m, rb, &toks[0], &mut out[0]),
+                    1 => {
+                        _ = x86::exact_avx2_1::<1>(
+                            &[RowBlockJob {
+                                m,
+                                rb,
+                                tok: toks[0],
+                            }],
+                            out,
+                        )
+                    }
                     2 => x86::exact_avx2::<2>(m, rb, toks, out),
                     3 => x86::exact_avx2::<3>(m, rb, toks, out),
                     4 => x86::exact_avx2::<4>(m, rb, toks, out),
@@ -275,11 +289,11 @@ fn stream_passes<J, K: PartialEq>(
 
 /// Exact mode for one token per job: `out[i]` gets the 16 rows of `jobs[i]` (rows
 /// `16rb..16rb+16` of its matrix against its token). Bit-identical to [`rowblock_exact`] on
-/// each job. On AVX-512 VNNI up to [`MAX_STREAMS`] jobs of the same K and format are read as
-/// interleaved streams (one stream per core leaves DRAM bandwidth unused); each stream's
-/// prefetch runs on into the next row block of its matrix, so a caller that walks each
-/// stream's matrix in order (job `i` at row block `rb`, then `rb + 1` in its next call) keeps
-/// every stream sequential. Elsewhere the jobs run one after the other.
+/// each job. On AVX-512 VNNI and AVX2 up to [`MAX_STREAMS`] jobs of the same K and format are
+/// read as interleaved streams (one stream per core leaves DRAM bandwidth unused); each
+/// stream's prefetch runs on into the next row block of its matrix, so a caller that walks
+/// each stream's matrix in order (job `i` at row block `rb`, then `rb + 1` in its next call)
+/// keeps every stream sequential. The scalar path runs the jobs one after the other.
 pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; ROWS]]) {
     assert!(
         out.len() >= jobs.len(),
@@ -318,6 +332,25 @@ pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; RO
                 },
             );
         }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
+            stream_passes(
+                jobs,
+                |j| (j.m.blocks(), j.m.spec()),
+                |i, run| {
+                    let (js, o) = (&jobs[i..], &mut out[i..]);
+                    // SAFETY: the CPU supports AVX2 and F16C (checked above); otherwise as
+                    // the AVX-512 arm above.
+                    unsafe {
+                        match run {
+                            4.. => x86::exact_avx2_1::<4>(js, o),
+                            2 | 3 => x86::exact_avx2_1::<2>(js, o),
+                            _ => x86::exact_avx2_1::<1>(js, o),
+                        }
+                    }
+                },
+            );
+        }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
                 rowblock_exact(
@@ -346,9 +379,10 @@ pub struct LevelsJob<'a> {
 
 /// Accurate mode, one token per job: `out[i]` gets the 16 rows of `jobs[i]`, the levels' dots
 /// added (within accurate mode's tolerance of the f64 dot of the token's activation; not the
-/// exact contract's order). On AVX-512 VNNI up to [`MAX_STREAMS`] jobs of the same K and format
-/// are read as interleaved streams, each weight tile unpacked once for the three levels and
-/// the sum kept in registers; elsewhere [`rowblock_exact`] runs the levels as three tokens.
+/// exact contract's order). On AVX-512 VNNI and AVX2 up to [`MAX_STREAMS`] jobs of the same K
+/// and format are read as interleaved streams, each weight tile unpacked once for the three
+/// levels and the sums kept in registers; the scalar path runs [`rowblock_exact`] on the
+/// levels as three tokens.
 pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; ROWS]]) {
     assert!(
         out.len() >= jobs.len(),
@@ -384,6 +418,25 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
                             4.. => x86::accurate_levels::<4>(js, o),
                             2 | 3 => x86::accurate_levels::<2>(js, o),
                             _ => x86::accurate_levels::<1>(js, o),
+                        }
+                    }
+                },
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
+            stream_passes(
+                jobs,
+                |j| (j.m.blocks(), j.m.spec()),
+                |i, run| {
+                    let (js, o) = (&jobs[i..], &mut out[i..]);
+                    // SAFETY: the CPU supports AVX2, F16C and FMA (checked above); otherwise as
+                    // the AVX-512 arm above.
+                    unsafe {
+                        match run {
+                            4.. => x86::accurate_levels_avx2::<4>(js, o),
+                            2 | 3 => x86::accurate_levels_avx2::<2>(js, o),
+                            _ => x86::accurate_levels_avx2::<1>(js, o),
                         }
                     }
                 },
@@ -1240,74 +1293,253 @@ pub(crate) mod x86 {
         }
     }
 
-    /// AVX2 exact kernel for one token (decode): both 8-row halves of each block in one pass,
-    /// so the row block is read once, in order, and the token's code broadcasts, block scale
-    /// and zero-point term serve both halves. Each row's arithmetic is exactly
-    /// [`exact_avx2`]'s (integer sums are exact; the float steps and the lane order are the
-    /// same), so the two agree bit for bit.
+    /// [`exact_avx2_streams`] for the first `S` jobs, dispatched once per call on the format
+    /// (zero points, scale type) so the block loop has no branch on it. Returns `S`.
     ///
     /// # Safety
-    /// As [`exact_avx2`] for one token.
+    /// As [`exact_avx2_streams`].
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn exact_avx2_1(
-        m: &R16Matrix,
-        rb: usize,
-        tok: &TokenQ8<'_>,
-        out: &mut [f32; ROWS],
+    pub(super) unsafe fn exact_avx2_1<const S: usize>(
+        jobs: &[RowBlockJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) -> usize {
+        let spec = jobs[0].m.spec();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (spec.zero_points, spec.scale_dtype) {
+                (false, ScaleDtype::Bf16) => exact_avx2_streams::<S, false, false>(jobs, out),
+                (false, ScaleDtype::F16) => exact_avx2_streams::<S, false, true>(jobs, out),
+                (true, ScaleDtype::Bf16) => exact_avx2_streams::<S, true, false>(jobs, out),
+                (true, ScaleDtype::F16) => exact_avx2_streams::<S, true, true>(jobs, out),
+            }
+        }
+        S
+    }
+
+    /// The zero-point term of `Z`-format rows for code sum `qs`: `z · qs` from the 8 zero
+    /// points at `zeros` with zero points, `8 · qs` (the symmetric midpoint) without.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; with `Z`, `zeros` must point at 8 readable bytes.
+    #[inline(always)]
+    unsafe fn zero_term8_at<const Z: bool>(zeros: *const u8, qs: i32) -> __m256i {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if Z {
+                _mm256_mullo_epi32(zeros8(zeros), _mm256_set1_epi32(qs))
+            } else {
+                _mm256_set1_epi32(qs << 3)
+            }
+        }
+    }
+
+    /// AVX2 exact kernel for one token per job (decode) over `S` jobs read as interleaved
+    /// streams, as [`exact_vnni_streams`] does: block `b` of every job's row block, then block
+    /// `b + 1`, prefetching ahead in each stream. Per job and block both 8-row halves in one
+    /// pass (the code broadcasts, block scale and zero-point term serve both); each row's
+    /// arithmetic is exactly [`exact_avx2`]'s (integer sums are exact; the float steps and
+    /// the partial index `b % 16` are the same), so the two agree bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; otherwise as [`exact_vnni_streams`].
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn exact_avx2_streams<const S: usize, const Z: bool, const F16: bool>(
+        jobs: &[RowBlockJob<'_>],
+        out: &mut [[f32; ROWS]],
     ) {
-        let nib = m.row_block_nibbles(rb).as_ptr();
-        let scales = m.row_block_scales(rb).as_ptr();
-        let zeros = m.row_block_zeros(rb);
-        let bpg = m.blocks_per_group();
-        let dtype = m.spec().scale_dtype;
+        let m0 = jobs[0].m;
+        let blocks = m0.blocks();
+        let shift = m0.blocks_per_group().trailing_zeros();
+        let dtype = if F16 {
+            ScaleDtype::F16
+        } else {
+            ScaleDtype::Bf16
+        };
+        let st: [Stream; S] =
+            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].tok));
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        let mut p = [[_mm256_setzero_ps(); LANES]; 2];
-        // Software prefetch ahead, as the VNNI kernel does (`Ahead`).
-        let ahead = Ahead::new(m, rb);
-        for b in 0..m.blocks() {
-            let g = b / bpg;
-            ahead.tile(b);
-            // SAFETY: as in `exact_avx2`: tile `b` is 256 bytes of the row block, the scales
-            // and zeros hold 16 per group, the token holds 8 i32 of codes per block.
-            unsafe {
-                let tile = nib.add(b * 256);
-                let q = tok.q.as_ptr().cast::<i32>().add(b * 8);
-                let mut s16 = [_mm256_setzero_si256(); 2];
-                for c in 0..4 {
-                    let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
-                    let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
-                    for (half, acc) in s16.iter_mut().enumerate() {
-                        let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
-                        let lo = _mm256_and_si256(w, mask);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(lo, ql));
-                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(hi, qh));
+        let mut p = [[[_mm256_setzero_ps(); LANES]; 2]; S];
+        for bb in 0..blocks {
+            let g = bb >> shift;
+            let ahead = bb + PREFETCH_BLOCKS;
+            for s in 0..S {
+                let st = &st[s];
+                // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
+                // block (tile `bb` is 256 bytes; 16 scales and zero points per group) or its
+                // token (8 i32 of codes, one scale and one sum per block); the prefetch
+                // address stays inside the matrix.
+                unsafe {
+                    st.prefetch(ahead);
+                    let tile = st.nib.add(bb * 256);
+                    let q = st.q.add(bb * 8);
+                    // Σ over 8 pmaddubsw results stays within i16 (see `exact_avx2`).
+                    let mut s16 = [_mm256_setzero_si256(); 2];
+                    for c in 0..4 {
+                        let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
+                        let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
+                        for (half, acc) in s16.iter_mut().enumerate() {
+                            let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
+                            let lo = _mm256_and_si256(w, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                            *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(lo, ql));
+                            *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(hi, qh));
+                        }
                     }
-                }
-                let qs = *tok.qsum.get_unchecked(b);
-                let d = _mm256_set1_ps(*tok.d.get_unchecked(b));
-                for (half, s16) in s16.iter().enumerate() {
-                    let s = scales8(dtype, scales.add(g * ROWS + half * 8));
-                    let z = zeros.map(|z| zeros8(z.as_ptr().add(g * ROWS + half * 8)));
-                    let corr = zero_term8(z, qs);
-                    let isum = _mm256_sub_epi32(_mm256_madd_epi16(*s16, ones), corr);
-                    let term = _mm256_mul_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(isum));
-                    let slot = &mut p[half][b % LANES];
-                    *slot = _mm256_add_ps(*slot, term);
+                    let qs = *st.qsum.add(bb);
+                    let d = _mm256_set1_ps(*st.d.add(bb));
+                    for (half, s16) in s16.iter().enumerate() {
+                        let at = g * ROWS + half * 8;
+                        let sc = scales8(dtype, st.scales.add(at));
+                        let corr = zero_term8_at::<Z>(st.zeros.wrapping_add(at), qs);
+                        let isum = _mm256_sub_epi32(_mm256_madd_epi16(*s16, ones), corr);
+                        let term = _mm256_mul_ps(_mm256_mul_ps(sc, d), _mm256_cvtepi32_ps(isum));
+                        let slot = &mut p[s][half][bb % LANES];
+                        *slot = _mm256_add_ps(*slot, term);
+                    }
                 }
             }
         }
-        for (half, ph) in p.iter_mut().enumerate() {
-            let mut w = LANES / 2;
-            while w > 0 {
-                for l in 0..w {
-                    ph[l] = _mm256_add_ps(ph[l], ph[l + w]);
+        for (s, ps) in p.iter_mut().enumerate() {
+            for (half, ph) in ps.iter_mut().enumerate() {
+                let mut w = LANES / 2;
+                while w > 0 {
+                    for l in 0..w {
+                        ph[l] = _mm256_add_ps(ph[l], ph[l + w]);
+                    }
+                    w /= 2;
                 }
-                w /= 2;
+                // SAFETY: out[s] has 16 f32; this half writes 8 of them.
+                unsafe { _mm256_storeu_ps(out[s].as_mut_ptr().add(half * 8), ph[0]) };
             }
-            // SAFETY: out has 16 f32; this half writes 8 of them.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(half * 8), ph[0]) };
+        }
+    }
+
+    /// [`accurate_levels_avx2_streams`] for the first `S` jobs, dispatched once per call on
+    /// the format. Returns `S`.
+    ///
+    /// # Safety
+    /// As [`accurate_levels_avx2_streams`].
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn accurate_levels_avx2<const S: usize>(
+        jobs: &[LevelsJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) -> usize {
+        let spec = jobs[0].m.spec();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (spec.zero_points, spec.scale_dtype) {
+                (false, ScaleDtype::Bf16) => {
+                    accurate_levels_avx2_streams::<S, false, false>(jobs, out)
+                }
+                (false, ScaleDtype::F16) => {
+                    accurate_levels_avx2_streams::<S, false, true>(jobs, out)
+                }
+                (true, ScaleDtype::Bf16) => {
+                    accurate_levels_avx2_streams::<S, true, false>(jobs, out)
+                }
+                (true, ScaleDtype::F16) => accurate_levels_avx2_streams::<S, true, true>(jobs, out),
+            }
+        }
+        S
+    }
+
+    /// AVX2 accurate kernel for one token per job over `S` jobs read as interleaved streams
+    /// (as [`accurate_levels_streams`] on AVX-512): each 32-byte half-chunk of a tile is loaded
+    /// and unpacked once and serves the token's three levels (three exact i32 dots per 8-row
+    /// half, `pmaddubsw` + `pmaddwd` as in [`exact_avx2`]); per block `Σ_l d_l·f32(isum_l)`
+    /// (FMAs), then one FMA with the row scales into one of two accumulators per half
+    /// (accurate mode has no prescribed order).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; otherwise as [`accurate_levels_streams`].
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn accurate_levels_avx2_streams<const S: usize, const Z: bool, const F16: bool>(
+        jobs: &[LevelsJob<'_>],
+        out: &mut [[f32; ROWS]],
+    ) {
+        const LV: usize = ACCURATE_LEVELS;
+        let m0 = jobs[0].m;
+        let blocks = m0.blocks();
+        let shift = m0.blocks_per_group().trailing_zeros();
+        let dtype = if F16 {
+            ScaleDtype::F16
+        } else {
+            ScaleDtype::Bf16
+        };
+        let st: [Stream; S] =
+            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].levels[0]));
+        let lq: [[*const i32; LV]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].q.as_ptr().cast()));
+        let lqs: [[*const i32; LV]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].qsum.as_ptr()));
+        let ld: [[*const f32; LV]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].d.as_ptr()));
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; S];
+        for bb in 0..blocks {
+            let g = bb >> shift;
+            let ahead = bb + PREFETCH_BLOCKS;
+            for s in 0..S {
+                let st = &st[s];
+                // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
+                // block or its token's levels (the function's contract); the prefetch address
+                // stays inside the matrix.
+                unsafe {
+                    st.prefetch(ahead);
+                    let tile = st.nib.add(bb * 256);
+                    let q: [*const i32; LV] = std::array::from_fn(|l| lq[s][l].add(bb * 8));
+                    // Per level and half, Σ over 8 pmaddubsw results (within i16).
+                    let mut s16 = [[_mm256_setzero_si256(); 2]; LV];
+                    for c in 0..4 {
+                        let ql: [__m256i; LV] = std::array::from_fn(|l| {
+                            _mm256_set1_epi32(q[l].add(c).read_unaligned())
+                        });
+                        let qh: [__m256i; LV] = std::array::from_fn(|l| {
+                            _mm256_set1_epi32(q[l].add(4 + c).read_unaligned())
+                        });
+                        for half in 0..2 {
+                            let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
+                            let lo = _mm256_and_si256(w, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                            for l in 0..LV {
+                                let a = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, ql[l]),
+                                    _mm256_maddubs_epi16(hi, qh[l]),
+                                );
+                                s16[l][half] = _mm256_add_epi16(s16[l][half], a);
+                            }
+                        }
+                    }
+                    let k = bb & 1;
+                    for half in 0..2 {
+                        let at = g * ROWS + half * 8;
+                        let mut sum = _mm256_setzero_ps();
+                        for l in 0..LV {
+                            let qs = *lqs[s][l].add(bb);
+                            let corr = zero_term8_at::<Z>(st.zeros.wrapping_add(at), qs);
+                            let isum =
+                                _mm256_sub_epi32(_mm256_madd_epi16(s16[l][half], ones), corr);
+                            let d = _mm256_set1_ps(*ld[s][l].add(bb));
+                            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, sum);
+                        }
+                        let sc = scales8(dtype, st.scales.add(at));
+                        acc[s][half][k] = _mm256_fmadd_ps(sc, sum, acc[s][half][k]);
+                    }
+                }
+            }
+        }
+        for (s, a) in acc.iter().enumerate() {
+            for (half, ah) in a.iter().enumerate() {
+                // SAFETY: out[s] has 16 f32; this half writes 8 of them.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out[s].as_mut_ptr().add(half * 8),
+                        _mm256_add_ps(ah[0], ah[1]),
+                    )
+                };
+            }
         }
     }
 
