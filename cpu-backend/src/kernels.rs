@@ -926,17 +926,56 @@ pub(crate) mod x86 {
         jobs: &[RowBlockJob<'_>],
         out: &mut [[f32; ROWS]],
     ) -> usize {
-        let spec = jobs[0].m.spec();
         // SAFETY: forwarded from the caller.
-        unsafe {
+        unsafe { by_format!(exact_vnni_streams::<S>(jobs, out)) };
+        S
+    }
+
+    /// Calls `kernel::<S, Z, F16>(jobs, out)` with `Z` and `F16` the format of `jobs[0]`'s
+    /// matrix (zero points, f16 scales): one branch per call, none in the block loop.
+    macro_rules! by_format {
+        ($kernel:ident::<$s:ident>($jobs:expr, $out:expr)) => {{
+            let spec = $jobs[0].m.spec();
             match (spec.zero_points, spec.scale_dtype) {
-                (false, ScaleDtype::Bf16) => exact_vnni_streams::<S, false, false>(jobs, out),
-                (false, ScaleDtype::F16) => exact_vnni_streams::<S, false, true>(jobs, out),
-                (true, ScaleDtype::Bf16) => exact_vnni_streams::<S, true, false>(jobs, out),
-                (true, ScaleDtype::F16) => exact_vnni_streams::<S, true, true>(jobs, out),
+                (false, ScaleDtype::Bf16) => $kernel::<$s, false, false>($jobs, $out),
+                (false, ScaleDtype::F16) => $kernel::<$s, false, true>($jobs, $out),
+                (true, ScaleDtype::Bf16) => $kernel::<$s, true, false>($jobs, $out),
+                (true, ScaleDtype::F16) => $kernel::<$s, true, true>($jobs, $out),
+            }
+        }};
+    }
+    use by_format;
+
+    /// The scale type a kernel's `F16` parameter stands for.
+    #[inline(always)]
+    fn scale_dtype<const F16: bool>() -> ScaleDtype {
+        if F16 {
+            ScaleDtype::F16
+        } else {
+            ScaleDtype::Bf16
+        }
+    }
+
+    /// Where the `S` streams of an accurate-mode kernel read: each job's row block (as a
+    /// [`Stream`], with its first level as the token) and every level's codes, sums and scales.
+    struct LevelStreams<const S: usize> {
+        st: [Stream; S],
+        q: [[*const i32; ACCURATE_LEVELS]; S],
+        qsum: [[*const i32; ACCURATE_LEVELS]; S],
+        d: [[*const f32; ACCURATE_LEVELS]; S],
+    }
+
+    impl<const S: usize> LevelStreams<S> {
+        /// The first `S` of `jobs`.
+        fn new(jobs: &[LevelsJob<'_>]) -> Self {
+            let lv = |s: usize, l: usize| &jobs[s].levels[l];
+            LevelStreams {
+                st: std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, lv(s, 0))),
+                q: std::array::from_fn(|s| std::array::from_fn(|l| lv(s, l).q.as_ptr().cast())),
+                qsum: std::array::from_fn(|s| std::array::from_fn(|l| lv(s, l).qsum.as_ptr())),
+                d: std::array::from_fn(|s| std::array::from_fn(|l| lv(s, l).d.as_ptr())),
             }
         }
-        S
     }
 
     /// Where one stream of [`exact_vnni_streams`] reads: its row block's nibbles, scales,
@@ -1004,11 +1043,7 @@ pub(crate) mod x86 {
         let blocks = m0.blocks();
         // Groups are 32, 64 or 128 columns: blocks per group is a power of two.
         let shift = m0.blocks_per_group().trailing_zeros();
-        let dtype = if F16 {
-            ScaleDtype::F16
-        } else {
-            ScaleDtype::Bf16
-        };
+        let dtype = scale_dtype::<F16>();
         let st: [Stream; S] =
             std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].tok));
         let mut p = [[_mm512_setzero_ps(); LANES]; S];
@@ -1089,16 +1124,8 @@ pub(crate) mod x86 {
         jobs: &[LevelsJob<'_>],
         out: &mut [[f32; ROWS]],
     ) -> usize {
-        let spec = jobs[0].m.spec();
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match (spec.zero_points, spec.scale_dtype) {
-                (false, ScaleDtype::Bf16) => accurate_levels_streams::<S, false, false>(jobs, out),
-                (false, ScaleDtype::F16) => accurate_levels_streams::<S, false, true>(jobs, out),
-                (true, ScaleDtype::Bf16) => accurate_levels_streams::<S, true, false>(jobs, out),
-                (true, ScaleDtype::F16) => accurate_levels_streams::<S, true, true>(jobs, out),
-            }
-        }
+        unsafe { by_format!(accurate_levels_streams::<S>(jobs, out)) };
         S
     }
 
@@ -1120,19 +1147,13 @@ pub(crate) mod x86 {
         let m0 = jobs[0].m;
         let blocks = m0.blocks();
         let shift = m0.blocks_per_group().trailing_zeros();
-        let dtype = if F16 {
-            ScaleDtype::F16
-        } else {
-            ScaleDtype::Bf16
-        };
-        let st: [Stream; S] =
-            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].levels[0]));
-        let lq: [[*const i32; ACCURATE_LEVELS]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].q.as_ptr().cast()));
-        let lqs: [[*const i32; ACCURATE_LEVELS]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].qsum.as_ptr()));
-        let ld: [[*const f32; ACCURATE_LEVELS]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].d.as_ptr()));
+        let dtype = scale_dtype::<F16>();
+        let LevelStreams {
+            st,
+            q: lq,
+            qsum: lqs,
+            d: ld,
+        } = LevelStreams::<S>::new(jobs);
         let mlo = _mm512_set1_epi8(0x0F);
         let mhi = _mm512_set1_epi8(0xF0u8 as i8);
         let mut acc = [[_mm512_setzero_ps(); 2]; S];
@@ -1303,16 +1324,8 @@ pub(crate) mod x86 {
         jobs: &[RowBlockJob<'_>],
         out: &mut [[f32; ROWS]],
     ) -> usize {
-        let spec = jobs[0].m.spec();
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match (spec.zero_points, spec.scale_dtype) {
-                (false, ScaleDtype::Bf16) => exact_avx2_streams::<S, false, false>(jobs, out),
-                (false, ScaleDtype::F16) => exact_avx2_streams::<S, false, true>(jobs, out),
-                (true, ScaleDtype::Bf16) => exact_avx2_streams::<S, true, false>(jobs, out),
-                (true, ScaleDtype::F16) => exact_avx2_streams::<S, true, true>(jobs, out),
-            }
-        }
+        unsafe { by_format!(exact_avx2_streams::<S>(jobs, out)) };
         S
     }
 
@@ -1350,11 +1363,7 @@ pub(crate) mod x86 {
         let m0 = jobs[0].m;
         let blocks = m0.blocks();
         let shift = m0.blocks_per_group().trailing_zeros();
-        let dtype = if F16 {
-            ScaleDtype::F16
-        } else {
-            ScaleDtype::Bf16
-        };
+        let dtype = scale_dtype::<F16>();
         let st: [Stream; S] =
             std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].tok));
         let mask = _mm256_set1_epi8(0x0F);
@@ -1425,22 +1434,8 @@ pub(crate) mod x86 {
         jobs: &[LevelsJob<'_>],
         out: &mut [[f32; ROWS]],
     ) -> usize {
-        let spec = jobs[0].m.spec();
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match (spec.zero_points, spec.scale_dtype) {
-                (false, ScaleDtype::Bf16) => {
-                    accurate_levels_avx2_streams::<S, false, false>(jobs, out)
-                }
-                (false, ScaleDtype::F16) => {
-                    accurate_levels_avx2_streams::<S, false, true>(jobs, out)
-                }
-                (true, ScaleDtype::Bf16) => {
-                    accurate_levels_avx2_streams::<S, true, false>(jobs, out)
-                }
-                (true, ScaleDtype::F16) => accurate_levels_avx2_streams::<S, true, true>(jobs, out),
-            }
-        }
+        unsafe { by_format!(accurate_levels_avx2_streams::<S>(jobs, out)) };
         S
     }
 
@@ -1462,19 +1457,13 @@ pub(crate) mod x86 {
         let m0 = jobs[0].m;
         let blocks = m0.blocks();
         let shift = m0.blocks_per_group().trailing_zeros();
-        let dtype = if F16 {
-            ScaleDtype::F16
-        } else {
-            ScaleDtype::Bf16
-        };
-        let st: [Stream; S] =
-            std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].levels[0]));
-        let lq: [[*const i32; LV]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].q.as_ptr().cast()));
-        let lqs: [[*const i32; LV]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].qsum.as_ptr()));
-        let ld: [[*const f32; LV]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|l| jobs[s].levels[l].d.as_ptr()));
+        let dtype = scale_dtype::<F16>();
+        let LevelStreams {
+            st,
+            q: lq,
+            qsum: lqs,
+            d: ld,
+        } = LevelStreams::<S>::new(jobs);
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; S];
