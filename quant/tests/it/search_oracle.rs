@@ -209,8 +209,11 @@ fn exhaustive(w: &[f32], spec: QuantSpec, choices: &[(Choice, f32)]) -> Choice {
 fn check_groups(spec: QuantSpec, groups: &[Vec<f32>]) {
     let choices = all_choices(spec);
     let next = AtomicUsize::new(0);
+    // At most 8 threads: each holds up to every choice of a group (25 MB for an all-zero
+    // group with zero points) while it orders them.
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
+        .min(8)
         .min(groups.len());
     std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
