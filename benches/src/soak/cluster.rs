@@ -592,16 +592,16 @@ impl FaultCluster {
             Cut::BothWays => &["INPUT", "OUTPUT"],
             Cut::WorkerToRouter => &["OUTPUT"],
         };
+        // `-w`: iptables-legacy holds one lock for every namespace; two partitions begun at
+        // once wait for it instead of failing (iptables-nft ignores the flag).
         for chain in chains {
-            let args = ["netns", "exec", &ns, "iptables", "-I", chain, "-i", "eth0"];
-            let args: Vec<&str> = if *chain == "OUTPUT" {
-                vec![
-                    "netns", "exec", &ns, "iptables", "-I", chain, "-o", "eth0", "-j", "DROP",
-                ]
-            } else {
-                args.iter().copied().chain(["-j", "DROP"]).collect()
-            };
-            crate::cluster::netns::cmd("ip", &args)?;
+            let dir = if *chain == "OUTPUT" { "-o" } else { "-i" };
+            crate::cluster::netns::cmd(
+                "ip",
+                &[
+                    "netns", "exec", &ns, "iptables", "-w", "-I", chain, dir, "eth0", "-j", "DROP",
+                ],
+            )?;
         }
         Ok(())
     }
@@ -609,7 +609,7 @@ impl FaultCluster {
     /// Remove every partition rule of worker `d`.
     pub fn heal(&self, d: usize) -> Result<(), BenchError> {
         let ns = self.worker_ns(d)?;
-        crate::cluster::netns::cmd("ip", &["netns", "exec", &ns, "iptables", "-F"])
+        crate::cluster::netns::cmd("ip", &["netns", "exec", &ns, "iptables", "-w", "-F"])
     }
 
     /// Throttle what worker `d` sends to `kbit` kbit/s (tc tbf with a deep queue: its answers
