@@ -266,15 +266,26 @@ pub struct RowBlockJob<'a> {
     pub tok: TokenQ8<'a>,
 }
 
-/// Split `jobs` into interleaved passes: from each first job, up to [`MAX_STREAMS`]
-/// consecutive jobs with its `shape`; `pass(first, run)` runs some of them (at least one) and
-/// says how many.
+/// One ISA's stream kernels for 4, 2 and 1 streams: each runs that many of the jobs it is
+/// given (the first ones), writes their outputs and returns how many it ran.
 #[cfg(target_arch = "x86_64")]
-fn stream_passes<J, K: PartialEq>(
+type StreamKernels<J> = [unsafe fn(&[J], &mut [[f32; ROWS]]) -> usize; 3];
+
+/// Runs `jobs` in interleaved passes: from each first job, up to [`MAX_STREAMS`] consecutive
+/// jobs that share its K and format, run by the widest of `kernels` that fits.
+///
+/// # Safety
+/// The CPU must support what `kernels` need; every job's row block must be inside its matrix
+/// and its token(s) hold the matrix's K codes and K/32 scales and sums (the callers assert
+/// it); `out` must hold an entry per job.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_stream_passes<J>(
     jobs: &[J],
-    shape: impl Fn(&J) -> K,
-    mut pass: impl FnMut(usize, usize) -> usize,
+    out: &mut [[f32; ROWS]],
+    matrix: impl Fn(&J) -> &R16Matrix,
+    kernels: StreamKernels<J>,
 ) {
+    let shape = |j: &J| (matrix(j).blocks(), matrix(j).spec());
     let mut i = 0;
     while i < jobs.len() {
         let first = shape(&jobs[i]);
@@ -283,7 +294,14 @@ fn stream_passes<J, K: PartialEq>(
             .take(MAX_STREAMS)
             .take_while(|j| shape(j) == first)
             .count();
-        i += pass(i, run);
+        let kernel = match run {
+            4.. => kernels[0],
+            2 | 3 => kernels[1],
+            _ => kernels[2],
+        };
+        // SAFETY: the first `run` jobs from `i` share K and the format (checked just above);
+        // the rest is the caller's contract.
+        i += unsafe { kernel(&jobs[i..], &mut out[i..]) };
     }
 }
 
@@ -313,43 +331,39 @@ pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; RO
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            stream_passes(
-                jobs,
-                |j| (j.m.blocks(), j.m.spec()),
-                |i, run| {
-                    let (js, o) = (&jobs[i..], &mut out[i..]);
-                    // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
-                    // block is inside its matrix (asserted) and the first `run` jobs share K and
-                    // the format; `o` holds at least `run` entries; the tokens' lengths are the
-                    // backend's (checked before any kernel runs, asserted in debug).
-                    unsafe {
-                        match run {
-                            4.. => x86::exact_vnni_1::<4>(js, o),
-                            2 | 3 => x86::exact_vnni_1::<2>(js, o),
-                            _ => x86::exact_vnni_1::<1>(js, o),
-                        }
-                    }
-                },
-            );
+            // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row block is
+            // inside its matrix (asserted); the tokens' lengths are the backend's (checked before
+            // any kernel runs, asserted in debug).
+            unsafe {
+                run_stream_passes(
+                    jobs,
+                    out,
+                    |j| j.m,
+                    [
+                        x86::exact_vnni_1::<4> as _,
+                        x86::exact_vnni_1::<2> as _,
+                        x86::exact_vnni_1::<1> as _,
+                    ],
+                )
+            }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
-            stream_passes(
-                jobs,
-                |j| (j.m.blocks(), j.m.spec()),
-                |i, run| {
-                    let (js, o) = (&jobs[i..], &mut out[i..]);
-                    // SAFETY: the CPU supports AVX2 and F16C (checked above); otherwise as
-                    // the AVX-512 arm above.
-                    unsafe {
-                        match run {
-                            4.. => x86::exact_avx2_1::<4>(js, o),
-                            2 | 3 => x86::exact_avx2_1::<2>(js, o),
-                            _ => x86::exact_avx2_1::<1>(js, o),
-                        }
-                    }
-                },
-            );
+            // SAFETY: the CPU supports AVX2 and F16C (checked above); every job's row block is
+            // inside its matrix (asserted); the tokens' lengths are the backend's (checked before
+            // any kernel runs, asserted in debug).
+            unsafe {
+                run_stream_passes(
+                    jobs,
+                    out,
+                    |j| j.m,
+                    [
+                        x86::exact_avx2_1::<4> as _,
+                        x86::exact_avx2_1::<2> as _,
+                        x86::exact_avx2_1::<1> as _,
+                    ],
+                )
+            }
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
@@ -404,43 +418,37 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            stream_passes(
-                jobs,
-                |j| (j.m.blocks(), j.m.spec()),
-                |i, run| {
-                    let (js, o) = (&jobs[i..], &mut out[i..]);
-                    // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row
-                    // block is inside its matrix and every level holds K codes and K/32 scales and
-                    // sums (asserted); the first `run` jobs share K and the format; `o` holds
-                    // `run` rows.
-                    unsafe {
-                        match run {
-                            4.. => x86::accurate_levels::<4>(js, o),
-                            2 | 3 => x86::accurate_levels::<2>(js, o),
-                            _ => x86::accurate_levels::<1>(js, o),
-                        }
-                    }
-                },
-            );
+            // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row block is
+            // inside its matrix and every level holds K codes and K/32 scales and sums (asserted).
+            unsafe {
+                run_stream_passes(
+                    jobs,
+                    out,
+                    |j| j.m,
+                    [
+                        x86::accurate_levels::<4> as _,
+                        x86::accurate_levels::<2> as _,
+                        x86::accurate_levels::<1> as _,
+                    ],
+                )
+            }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
-            stream_passes(
-                jobs,
-                |j| (j.m.blocks(), j.m.spec()),
-                |i, run| {
-                    let (js, o) = (&jobs[i..], &mut out[i..]);
-                    // SAFETY: the CPU supports AVX2, F16C and FMA (checked above); otherwise as
-                    // the AVX-512 arm above.
-                    unsafe {
-                        match run {
-                            4.. => x86::accurate_levels_avx2::<4>(js, o),
-                            2 | 3 => x86::accurate_levels_avx2::<2>(js, o),
-                            _ => x86::accurate_levels_avx2::<1>(js, o),
-                        }
-                    }
-                },
-            );
+            // SAFETY: the CPU supports AVX2, F16C and FMA (checked above); every job's row block is
+            // inside its matrix and every level holds K codes and K/32 scales and sums (asserted).
+            unsafe {
+                run_stream_passes(
+                    jobs,
+                    out,
+                    |j| j.m,
+                    [
+                        x86::accurate_levels_avx2::<4> as _,
+                        x86::accurate_levels_avx2::<2> as _,
+                        x86::accurate_levels_avx2::<1> as _,
+                    ],
+                )
+            }
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
