@@ -255,8 +255,8 @@ fn misconfigured_replica_is_refused(how: WorkerOverride, what: &str) {
     f.kill_worker(2);
     let k = f.start_extra_worker(2, &how).unwrap();
     wait_loaded(&mut f, k, what);
-    // Time for it to join if it were accepted (a join takes milliseconds once loaded).
-    std::thread::sleep(Duration::from_secs(1));
+    // The refusal is logged before the load, however long the join attempt takes here.
+    wait_refused(&mut f, k, what);
     let records = load(&f, &golden, 2, 2.0, Duration::from_secs(5));
     let t = Tally::of(&records);
     println!("{what}: {}", describe(&records));
@@ -272,17 +272,29 @@ fn misconfigured_replica_is_refused(how: WorkerOverride, what: &str) {
         "{what}: fewer than 90% bit-identical: {}",
         describe(&records)
     );
-    let logs = format!(
-        "{}\n{}",
-        log_text(&f.dir().join("router-0.log")),
-        log_text(f.extra(k).log())
-    );
-    assert!(
-        says_refused(&logs),
-        "{what}: neither the router's nor the worker's log says it was refused:\n{}\n{}",
-        f.log_tail_router(0),
-        log_text(f.extra(k).log())
-    );
+}
+
+/// Wait until the router's or extra worker `k`'s log says `k` was refused (60 s: a hang
+/// guard; a worker that was accepted is never refused and fails here).
+fn wait_refused(f: &mut FaultCluster, k: usize, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let logs = format!(
+            "{}\n{}",
+            log_text(&f.dir().join("router-0.log")),
+            log_text(f.extra(k).log())
+        );
+        if says_refused(&logs) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{what}: neither the router's nor the worker's log says it was refused:\n{}\n{}",
+            f.log_tail_router(0),
+            log_text(f.extra(k).log())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -348,7 +360,7 @@ fn a_second_worker_for_a_live_device_is_refused() {
     let joins = f.joins_seen(0, 0);
     let k = f.start_extra_worker(0, &WorkerOverride::default()).unwrap();
     wait_loaded(&mut f, k, "the duplicate cpu0");
-    std::thread::sleep(Duration::from_secs(1));
+    wait_refused(&mut f, k, "the duplicate cpu0");
     let during = load(&f, &golden, 2, 2.0, Duration::from_secs(5));
     let (tb, td) = (Tally::of(&before), Tally::of(&during));
     assert_eq!(td.wrong, 0, "{}", describe(&during));
@@ -364,17 +376,6 @@ fn a_second_worker_for_a_live_device_is_refused() {
         tb.ok,
         td.ok,
         describe(&during)
-    );
-    let logs = format!(
-        "{}\n{}",
-        log_text(&f.dir().join("router-0.log")),
-        log_text(f.extra(k).log())
-    );
-    assert!(
-        says_refused(&logs),
-        "nothing says the duplicate cpu0 was refused:\n{}\n{}",
-        f.log_tail_router(0),
-        log_text(f.extra(k).log())
     );
 }
 
