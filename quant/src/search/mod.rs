@@ -43,6 +43,7 @@
 //!   [`FormatError::ScaleOverflow`] as [`PackedMatrix::quantize`] does.
 //! * It allocates the output, one row of f32 scratch, and a few small buffers per call.
 
+pub mod direct;
 mod exact;
 mod fast;
 mod grid;

@@ -47,6 +47,7 @@
 //! result is the minimum of that order over all stored choices, the same one an exhaustive
 //! search finds.
 
+use super::direct::Direct;
 use super::exact::{self, Choice};
 use super::fast::FastSym;
 use super::grid::Grid;
@@ -113,8 +114,9 @@ pub(super) struct Solver {
     n_max: f64,
     /// The least `model + τ` offered: no choice whose stored-rule error is above it can win.
     ub: f64,
-    /// The fast search for symmetric groups (absent with zero points, or when the sweep alone
-    /// is asked for).
+    /// The direct and the fast search for symmetric groups (absent with zero points, or when
+    /// the sweep alone is asked for).
+    direct: Option<Direct>,
     fast: Option<FastSym>,
 }
 
@@ -122,6 +124,7 @@ impl Solver {
     pub(super) fn new(dtype: ScaleDtype, zero_points: bool, group: usize) -> Self {
         let mut s = Self::sweep_only(dtype, zero_points, group);
         if !zero_points {
+            s.direct = Direct::new(dtype);
             s.fast = FastSym::new(dtype);
         }
         s
@@ -144,6 +147,7 @@ impl Solver {
             p_max: 0.0,
             n_max: 0.0,
             ub: 0.0,
+            direct: None,
             fast: None,
         }
     }
@@ -151,6 +155,9 @@ impl Solver {
     /// The best stored choice for group `w` (finite weights, at most 128).
     pub(super) fn solve(&mut self, w: &[f32]) -> Choice {
         debug_assert!(w.len() <= 128);
+        if let Some(c) = self.direct.as_mut().and_then(|d| d.solve(w)) {
+            return c;
+        }
         if let Some(c) = self.fast.as_mut().and_then(|f| f.solve(w)) {
             return c;
         }

@@ -1,0 +1,653 @@
+//! The direct search for symmetric groups with bfloat16 scales: every stored scale that can
+//! win is evaluated outright, sixteen scales at a time in vector lanes.
+//!
+//! Why this exists: the fast search ([`super::fast`]) files each element's code steps under
+//! scale patterns and walks the window with prefix sums: few operations, but all of them
+//! scalar, data-dependent and in f64 (about 13,000 cycles per group of 32 on an Intel Xeon),
+//! which kept conversion at a hundredth of a disk read. Evaluating a scale directly costs a
+//! handful of vector operations per element, and sixteen scales share each element's load:
+//! the same window costs a fraction of the time, with no branches on the data.
+//!
+//! # The search
+//!
+//! Both symmetric ranges are searched together, as in [`super::fast`]: a positive stored scale
+//! `d` gives the code magnitudes `min(rne(|v| / d), cap)` with a cap of 7 for positive and 8
+//! for negative weights; a negative stored scale `−d` the other way round.
+//!
+//! 1. Sixteen patterns just below `absmax / 7.5`, where the optimum of ordinary groups lies
+//!    most often, are evaluated first: their least error bounds the best one (`ub`).
+//! 2. Upward, sixteen patterns at a time, until every larger scale provably costs more than
+//!    `ub`: the elements smaller than the scale already do (`Σ min(|v|, d − |v|)²`, the
+//!    sweep's bound above its window), or the scale passes `2·absmax` (every code 0).
+//! 3. Downward likewise, until the clipping of the elements above their caps costs more
+//!    (`Σ (|v| − cap·d)²` over them, at least the sweep's bound below its window).
+//! 4. Every evaluated choice whose error can be within the margin of the least is a finalist;
+//!    the finalists are ordered exactly by [`super::exact`] as the sweep's are. Usually there
+//!    is one and nothing is recomputed.
+//!
+//! Bounding blocks of patterns before evaluating them (each element's distance from the
+//! nearest code over a block) was measured and dropped: a bound tight enough to prune costs
+//! several evaluations per element, and an evaluation is four vector operations.
+//!
+//! # One evaluation and its margin
+//!
+//! In lane `j`, with the scale `d` (a bfloat16 value, exact in f32) and `inv = 1/d` rounded to
+//! f32, an element's code magnitude is `k = min(rne(|v| · inv), cap)` and its error
+//! `(|v| − d·k)²`, summed over the group in f32 (`d·k` is exact: at most 12 significant bits).
+//! The model differs from the stored rule's exact error in two ways, both covered by the
+//! bounds a pass records, `model · (1 ∓ 2^-16) ∓ (2^-19 · d · Σ|v| + 2^-120)` (twice the room
+//! each source below needs, which also covers the f32 arithmetic that applies them):
+//!
+//! * Rounding: the residual rounds once, its square once, and the sum of `n ≤ 128`
+//!   non-negative terms at most `n − 1` times: within `(n + 3) · 2^-24 < 2^-17` of the model;
+//!   a square or sum that falls below f32's normal range is off by at most `2^-149` each.
+//! * Codes: `|v| · inv` is within `2^-23` (relative) of `|v| / d`, as is the stored rule's f32
+//!   division, so the two codes differ only where `|v| / d` is within `2^-22` of a half-integer
+//!   `k + ½`. There the two codes' errors differ by `2d · ||v| − d(k + ½)| ≤ 2^-21 · d · |v|`.
+//!
+//! Elements that cannot reach code 8 anywhere in a pass (`|v| < 7.5 · (1 − 2^-20) · d_min`)
+//! need no cap: both ranges give them the same code, computed once. The negative scale's
+//! codes equal the positive one's unless some element reaches 8; where none can (the largest
+//! `|v| · inv` below `7.5 · (1 − 2^-20)`), the negative scale would lose the tie and is not
+//! offered.
+//!
+//! Groups whose largest magnitude lies outside `[2^-40, 2^40]` (where f32 sums could leave the
+//! normal range) and windows of more than [`MAX_PASSES`] passes are left to the other searches:
+//! [`Direct::solve`] returns `None`.
+
+use super::exact::{self, Choice};
+use super::grid::Grid;
+use super::solve::SLACK;
+use crate::format::ScaleDtype;
+
+/// Scales evaluated per pass (one 512-bit vector of f32).
+const LANES: usize = 16;
+/// The largest group.
+const MAX_GROUP: usize = 128;
+/// Groups that need more passes than this (1,024 patterns) are left to the other searches.
+const MAX_PASSES: usize = 64;
+/// The first pass: patterns `anchor − FIRST_BELOW ..` with `anchor` the pattern of
+/// `absmax / 7.5` (ordinary groups' optimum lies 5 to 30 patterns below it, most often 14).
+const FIRST_BELOW: u16 = 20;
+/// Magnitudes at the lower end of `2^-20` of a code step: a largest `|v| · inv` below
+/// `7.5 · CAP_SAFE` puts no code at 8 under either rounding.
+const CAP_SAFE: f64 = 1.0 - 1.0 / (1u64 << 20) as f64;
+/// `1.5 · 2^23`: adding and subtracting it rounds an f32 below `2^22` half to even.
+const MAGIC32: f32 = 12_582_912.0;
+
+/// Which vector instructions the passes are compiled for (detected once per search).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Plain,
+}
+
+impl Level {
+    /// Every level this CPU can run, the best first.
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let fma = std::arch::is_x86_feature_detected!("fma");
+            if fma && std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Level::Avx512);
+            }
+            if fma && std::arch::is_x86_feature_detected!("avx2") {
+                v.push(Level::Avx2);
+            }
+        }
+        v.push(Level::Plain);
+        v
+    }
+
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !std::arch::is_x86_feature_detected!("fma") {
+                return Level::Plain;
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Level::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Level::Avx2;
+            }
+        }
+        Level::Plain
+    }
+}
+
+/// One group's elements split for a pass: the ones that may reach code 8 (magnitude and both
+/// ranges' caps) and the ones that cannot.
+struct Split<'a> {
+    big: &'a [f32],
+    caps: &'a [[f32; 2]],
+    small: &'a [f32],
+}
+
+/// A pass's results: per lane, lower bounds of the stored rule's error in both ranges
+/// (infinite where the negative scale is not a choice); over the lanes, the least lower and
+/// the least upper bound; and the pass's patterns (the first `lanes` are distinct).
+#[derive(Clone, Copy)]
+struct Bounds {
+    lower: [[f32; LANES]; 2],
+    least_lower: f32,
+    upper: f32,
+    patterns: [u16; LANES],
+    lanes: usize,
+}
+
+/// The direct search's buffers, reused from group to group.
+pub(super) struct Direct {
+    grid: Grid,
+    level: Level,
+    /// The group's magnitudes, and their caps in the two ranges (positive scale, negative).
+    abs: [f32; MAX_GROUP],
+    caps: [[f32; 2]; MAX_GROUP],
+    abs64: [f64; MAX_GROUP],
+    /// The current split (see [`Split`]).
+    big: [f32; MAX_GROUP],
+    big_caps: [[f32; 2]; MAX_GROUP],
+    small: [f32; MAX_GROUP],
+    n_big: usize,
+    n_small: usize,
+    /// This group's passes so far (they never overlap).
+    passes: Vec<Bounds>,
+    /// `2^-19 · Σ|v|`, rounded up: times a scale, the codes' share of the margin.
+    slack: f32,
+    /// The least upper bound of a choice's error so far.
+    ub: f32,
+}
+
+/// Relative margins of the model (see the module docs), with room for the f32 arithmetic that
+/// applies them.
+const LOWER: f32 = 1.0 - 1.0 / 65_536.0;
+const UPPER: f32 = 1.0 + 1.0 / 65_536.0;
+/// `2^-120`: the absolute margin (sums that leave f32's normal range).
+const TINY: f32 = 7.523_164e-37;
+
+impl Direct {
+    /// A search for `dtype` scales, or `None` for a type this search does not take (f16).
+    pub(super) fn new(dtype: ScaleDtype) -> Option<Self> {
+        if dtype != ScaleDtype::Bf16 {
+            return None;
+        }
+        Some(Self {
+            grid: Grid::new(dtype),
+            level: Level::detect(),
+            abs: [0.0; MAX_GROUP],
+            caps: [[0.0; 2]; MAX_GROUP],
+            abs64: [0.0; MAX_GROUP],
+            big: [0.0; MAX_GROUP],
+            big_caps: [[0.0; 2]; MAX_GROUP],
+            small: [0.0; MAX_GROUP],
+            n_big: 0,
+            n_small: 0,
+            passes: Vec::with_capacity(MAX_PASSES),
+            slack: 0.0,
+            ub: 0.0,
+        })
+    }
+
+    /// The best stored choice for the symmetric group `w` (finite weights, at most 128), or
+    /// `None` when the group is one the other searches must take.
+    pub(super) fn solve(&mut self, w: &[f32]) -> Option<Choice> {
+        let n = w.len();
+        if n > MAX_GROUP || n == 0 {
+            return None;
+        }
+        let (mut s_vv, mut sum_abs, mut p, mut q) = (0f64, 0f64, 0f32, 0f32);
+        for (i, &v) in w.iter().enumerate() {
+            let a = v.abs();
+            self.abs[i] = a;
+            self.abs64[i] = a as f64;
+            // Positive weights are capped at 7 by a positive scale, negative ones at 8.
+            self.caps[i] = if v > 0.0 { [7.0, 8.0] } else { [8.0, 7.0] };
+            s_vv += v as f64 * v as f64;
+            sum_abs += a as f64;
+            p = if v > p { v } else { p };
+            q = if -v > q { -v } else { q };
+        }
+        if s_vv == 0.0 {
+            return Some(Choice { bits: 0, zero: 8 });
+        }
+        let absmax = p.max(q);
+        if !(2f32.powi(-40)..=2f32.powi(40)).contains(&absmax) {
+            return None;
+        }
+        self.slack = (sum_abs / (1u64 << 19) as f64) as f32 * UPPER;
+        // The zero scale's error bounds the best one.
+        let zero_upper = (s_vv * (1.0 + SLACK)) as f32 * UPPER;
+        let zero_lower = (s_vv * (1.0 - SLACK)) as f32 * LOWER;
+        self.ub = zero_upper;
+        // The first pass: sixteen patterns below absmax / 7.5.
+        let anchor = ((absmax / 7.5).to_bits() >> 16) as u16;
+        let first_lo = anchor.saturating_sub(FIRST_BELOW).max(1);
+        let first_hi = first_lo + LANES as u16 - 1;
+        self.passes.clear();
+        self.split(n, self.grid.value(first_lo) as f32);
+        self.pass(&consecutive(first_lo));
+        // Upward, while a scale of the next pass can beat `ub`: elements smaller than it
+        // already cost more (see `beyond`), and from `2·absmax` on every code is 0 (the zero
+        // scale's error, and the zero scale wins the tie).
+        let top = self.grid.floor(2.0 * absmax as f64).unwrap_or(0);
+        let mut g = first_hi + 1;
+        while g <= top && !self.beyond(n, self.grid.value(g) as f32) {
+            if self.passes.len() == MAX_PASSES {
+                return None;
+            }
+            self.pass(&consecutive(g));
+            g += LANES as u16;
+        }
+        // Downward, while the clipping of the next pass's largest scale does not cost more.
+        let mut g = first_lo;
+        let mut split_at = first_lo;
+        while g > LANES as u16 && !self.clipped(n, self.grid.value(g - 1) as f32) {
+            if self.passes.len() == MAX_PASSES {
+                return None;
+            }
+            g -= LANES as u16;
+            if g < split_at {
+                // Split for this pass and the next few below it.
+                split_at = g.saturating_sub(4 * LANES as u16).max(1);
+                self.split(n, self.grid.value(split_at) as f32);
+            }
+            self.pass(&consecutive(g));
+        }
+        Some(self.pick(w, zero_lower))
+    }
+
+    /// Whether every scale of at least `d` provably costs more than `ub`: each element smaller
+    /// than `d` costs at least `min(|v|, d − |v|)²` there (its code is 0 or 1). Summed in f32
+    /// in eight lanes: within `(n + 3) · 2^-24` of the real sum, so scaled down by `2^-16`.
+    fn beyond(&self, n: usize, d: f32) -> bool {
+        let mut acc = [0f32; 8];
+        for chunk in self.abs[..n].chunks(8) {
+            for (acc, &a) in acc.iter_mut().zip(chunk) {
+                let t = if a < d - a { a } else { d - a };
+                *acc += if t > 0.0 { t * t } else { 0.0 };
+            }
+        }
+        acc.iter().sum::<f32>() * LOWER > self.ub
+    }
+
+    /// Whether every scale of at most `d` provably costs more than `ub` in both ranges: an
+    /// element above its cap `c` costs at least `(|v| − c·d)²` (`c·d` is exact). Summed in f32
+    /// as in [`Self::beyond`].
+    fn clipped(&self, n: usize, d: f32) -> bool {
+        let mut acc = [[0f32; 8]; 2];
+        for (chunk, caps) in self.abs[..n].chunks(8).zip(self.caps[..n].chunks(8)) {
+            for (l, (&a, c)) in chunk.iter().zip(caps).enumerate() {
+                for r in 0..2 {
+                    let e = a - c[r] * d;
+                    acc[r][l] += if e > 0.0 { e * e } else { 0.0 };
+                }
+            }
+        }
+        (0..2).all(|r| acc[r].iter().sum::<f32>() * LOWER > self.ub)
+    }
+
+    /// Split the elements for passes whose smallest scale is `d_min`: those that cannot reach
+    /// code 8 there (`|v| < 7.5 · (1 − 2^-20) · d_min`, one ulp of room) need no cap.
+    fn split(&mut self, n: usize, d_min: f32) {
+        let limit = (7.5 * CAP_SAFE * d_min as f64) as f32;
+        let limit = f32::from_bits(limit.to_bits().saturating_sub(1));
+        let (mut nb, mut ns) = (0, 0);
+        for i in 0..n {
+            let a = self.abs[i];
+            if a < limit {
+                self.small[ns] = a;
+                ns += 1;
+            } else {
+                self.big[nb] = a;
+                self.big_caps[nb] = self.caps[i];
+                nb += 1;
+            }
+        }
+        (self.n_big, self.n_small) = (nb, ns);
+    }
+
+    /// Evaluate the patterns `g` (one to sixteen, each at least the current split's `d_min`;
+    /// the last fills the lanes left over) with the current split.
+    fn pass(&mut self, g: &[u16]) {
+        debug_assert!(!g.is_empty() && g.len() <= LANES);
+        let patterns: [u16; LANES] = std::array::from_fn(|j| g[j.min(g.len() - 1)]);
+        let d = patterns.map(|g| self.grid.value(g) as f32);
+        let split = Split {
+            big: &self.big[..self.n_big],
+            caps: &self.big_caps[..self.n_big],
+            small: &self.small[..self.n_small],
+        };
+        let mut b = match self.level {
+            // SAFETY: the level was detected on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => unsafe { pass_avx512(&split, &d, self.slack) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => unsafe { pass_avx2(&split, &d, self.slack) },
+            Level::Plain => pass_body::<false>(&split, &d, self.slack),
+        };
+        self.ub = if b.upper < self.ub { b.upper } else { self.ub };
+        b.patterns = patterns;
+        b.lanes = g.len();
+        self.passes.push(b);
+    }
+
+    /// The least finalist in the exact order among the zero scale (whose error is at least
+    /// `zero_lower`) and the patterns evaluated.
+    fn pick(&self, w: &[f32], zero_lower: f32) -> Choice {
+        let ub = self.ub;
+        let zero = Choice { bits: 0, zero: 8 };
+        let finalists = || {
+            let zero_scale = (zero_lower <= ub).then_some(zero);
+            let scales = self
+                .passes
+                .iter()
+                .filter(move |b| b.least_lower <= ub)
+                .flat_map(move |b| {
+                    (0..b.lanes).flat_map(move |j| {
+                        (0..2).filter_map(move |r| {
+                            (b.lower[r][j] <= ub).then_some(Choice {
+                                bits: b.patterns[j] | (r as u16) << 15,
+                                zero: 8,
+                            })
+                        })
+                    })
+                });
+            zero_scale.into_iter().chain(scales)
+        };
+        let mut all = finalists();
+        let first = all.next().unwrap_or(zero);
+        if all.next().is_none() {
+            return first;
+        }
+        exact::least(w, ScaleDtype::Bf16, finalists())
+    }
+}
+
+/// Round half to even, `c − a·b` and `a·b + c`: fused and with a rounding instruction where
+/// the pass is compiled for FMA (`FUSED`), else in separate steps (`a·b` is exact wherever
+/// `c − a·b` is used, so both give the same value there).
+#[inline(always)]
+fn rne<const FUSED: bool>(x: f32) -> f32 {
+    if FUSED {
+        x.round_ties_even()
+    } else {
+        (x + MAGIC32) - MAGIC32
+    }
+}
+
+#[inline(always)]
+fn sub_mul<const FUSED: bool>(c: f32, a: f32, b: f32) -> f32 {
+    if FUSED { (-a).mul_add(b, c) } else { c - a * b }
+}
+
+#[inline(always)]
+fn add_sq<const FUSED: bool>(acc: f32, r: f32) -> f32 {
+    if FUSED {
+        r.mul_add(r, acc)
+    } else {
+        acc + r * r
+    }
+}
+
+/// One pass over the elements for sixteen scales `d`: each lane's bounds of the stored rule's
+/// error in both ranges (`slack`: the codes' share of the margin per unit of scale).
+#[inline(always)]
+fn pass_body<const FUSED: bool>(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
+    let mut inv = [0f32; LANES];
+    for j in 0..LANES {
+        inv[j] = 1.0 / d[j];
+    }
+    let mut ea = [0f32; LANES];
+    let mut eb = [0f32; LANES];
+    let mut tmax = [0f32; LANES];
+    for (&a, &[ca, cb]) in s.big.iter().zip(s.caps) {
+        for j in 0..LANES {
+            let t = a * inv[j];
+            let t = if t < 32.0 { t } else { 32.0 };
+            let k = rne::<FUSED>(t);
+            let ka = if k < ca { k } else { ca };
+            let kb = if k < cb { k } else { cb };
+            ea[j] = add_sq::<FUSED>(ea[j], sub_mul::<FUSED>(a, d[j], ka));
+            eb[j] = add_sq::<FUSED>(eb[j], sub_mul::<FUSED>(a, d[j], kb));
+            tmax[j] = if t > tmax[j] { t } else { tmax[j] };
+        }
+    }
+    // Four independent sums (the additions' latency, not their count, bounds one sum).
+    let mut es = [[0f32; LANES]; 4];
+    let quads = s.small.chunks_exact(4);
+    let rest = quads.remainder();
+    for quad in quads {
+        for (acc, &a) in es.iter_mut().zip(quad) {
+            for j in 0..LANES {
+                let k = rne::<FUSED>(a * inv[j]);
+                acc[j] = add_sq::<FUSED>(acc[j], sub_mul::<FUSED>(a, d[j], k));
+            }
+        }
+    }
+    for (acc, &a) in es.iter_mut().zip(rest) {
+        for j in 0..LANES {
+            let k = rne::<FUSED>(a * inv[j]);
+            acc[j] = add_sq::<FUSED>(acc[j], sub_mul::<FUSED>(a, d[j], k));
+        }
+    }
+    let eight = (7.5 * CAP_SAFE) as f32;
+    let mut lower = [[0f32; LANES]; 2];
+    let mut upper = [0f32; LANES];
+    let mut least = [0f32; LANES];
+    for j in 0..LANES {
+        let small = (es[0][j] + es[1][j]) + (es[2][j] + es[3][j]);
+        let tol = d[j] * slack + TINY;
+        let (ma, mb) = (ea[j] + small, eb[j] + small);
+        // The negative scale's codes differ from the positive one's only if one can be 8.
+        let b_differs = tmax[j] >= eight;
+        let (la, lb) = (ma * LOWER - tol, mb * LOWER - tol);
+        lower[0][j] = la;
+        lower[1][j] = if b_differs { lb } else { f32::INFINITY };
+        let (ua, ub) = (ma * UPPER + tol, mb * UPPER + tol);
+        upper[j] = if b_differs && ub < ua { ub } else { ua };
+        least[j] = if b_differs && lb < la { lb } else { la };
+    }
+    // The least lane, halving (a tree of vector minima, not a chain of scalar ones).
+    let min = |mut v: [f32; LANES]| {
+        let mut w = LANES / 2;
+        while w > 0 {
+            for j in 0..w {
+                v[j] = if v[j + w] < v[j] { v[j + w] } else { v[j] };
+            }
+            w /= 2;
+        }
+        v[0]
+    };
+    Bounds {
+        lower,
+        least_lower: min(least),
+        upper: min(upper),
+        patterns: [0; LANES],
+        lanes: LANES,
+    }
+}
+
+/// Sixteen consecutive patterns from `g0` (the magnitudes taken keep every pass below
+/// `2^42`, far from the grid's end).
+fn consecutive(g0: u16) -> [u16; LANES] {
+    debug_assert!(g0 + LANES as u16 <= super::max_scale(ScaleDtype::Bf16));
+    std::array::from_fn(|j| g0 + j as u16)
+}
+
+/// [`pass_body`] compiled for AVX-512 (with FMA).
+///
+/// # Safety
+///
+/// The CPU must have AVX-512F and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn pass_avx512(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
+    pass_body::<true>(s, d, slack)
+}
+
+/// [`pass_body`] compiled for AVX2 (with FMA).
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pass_avx2(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
+    pass_body::<true>(s, d, slack)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::solve::Solver;
+    use super::*;
+    use crate::synth::SplitMix64;
+    use half::bf16;
+
+    /// A search at `level`.
+    fn at(level: Level) -> Direct {
+        let mut d = Direct::new(ScaleDtype::Bf16).expect("bf16 scales");
+        d.level = level;
+        d
+    }
+
+    /// Groups of every kind the direct search must take: Gaussian and heavy-tailed weights at
+    /// ordinary magnitudes, weights on power-of-two INT4 grids (error 0 is reachable), and
+    /// weights on or a few ulps off half-steps of a bfloat16 scale (where the f32 division and
+    /// the model's product can round to different codes).
+    fn groups(rng: &mut SplitMix64, gs: usize) -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        for s in [1e-7, 0.02, 1.0, 4e5] {
+            for _ in 0..24 {
+                out.push((0..gs).map(|_| (rng.normal() * s) as f32).collect());
+                out.push(
+                    (0..gs)
+                        .map(|_| {
+                            let chi = (rng.normal().powi(2) + rng.normal().powi(2)) / 2.0;
+                            (rng.normal() / chi.sqrt().max(1e-3) * s) as f32
+                        })
+                        .collect(),
+                );
+            }
+        }
+        for m in 1..=8i64 {
+            let d = 2f64.powi((rng.next_u64() % 20) as i32 - 10);
+            out.push(
+                (0..gs)
+                    .map(|i| {
+                        let c = if i == 0 {
+                            -m
+                        } else {
+                            (rng.next_u64() % (2 * m as u64)) as i64 - m
+                        };
+                        (d * c as f64) as f32
+                    })
+                    .collect(),
+            );
+        }
+        for r in 0..64 {
+            let d = bf16::from_f64(0.01 * (1.0 + rng.next_u64() as f64 / u64::MAX as f64)).to_f64();
+            out.push(
+                (0..gs)
+                    .map(|_| {
+                        let c = (rng.next_u64() % 16) as f64 - 8.0;
+                        let v = ((c + 0.5) * d) as f32;
+                        let ulps = (rng.next_u64() % 5) as i32 - 2;
+                        f32::from_bits((v.to_bits() as i32 + ulps * (r % 2)) as u32)
+                    })
+                    .collect(),
+            );
+        }
+        out
+    }
+
+    /// Every level this CPU runs takes these groups itself and chooses as the breakpoint sweep
+    /// does (the sweep is checked against the exhaustive oracle in `tests/it`).
+    #[test]
+    fn every_level_takes_ordinary_groups_and_matches_the_sweep() {
+        let levels = Level::available();
+        println!("direct search levels run here: {levels:?}");
+        if !levels.iter().any(|l| *l != Level::Plain) {
+            println!("skipped: the vector levels (this CPU has no AVX2 with FMA)");
+        }
+        let mut rng = SplitMix64::new(0xD1EC7);
+        for gs in [32usize, 64, 128] {
+            let mut sweep = Solver::sweep_only(ScaleDtype::Bf16, false, gs);
+            let groups = groups(&mut rng, gs);
+            let want: Vec<Choice> = groups.iter().map(|w| sweep.solve(w)).collect();
+            for &level in &levels {
+                let mut direct = at(level);
+                for (w, want) in groups.iter().zip(&want) {
+                    let got = direct.solve(w);
+                    assert_eq!(got, Some(*want), "{level:?}, group of {gs}: {w:?}");
+                }
+            }
+        }
+    }
+
+    /// A pass's bounds hold the stored rule's exact error between them, lane by lane, at every
+    /// level: each lower bound is at most the error, and the least upper bound at least the
+    /// least error (including on half-steps, where the codes can differ).
+    #[test]
+    fn pass_bounds_hold_the_exact_error() {
+        let mut rng = SplitMix64::new(0xB0B);
+        for &level in &Level::available() {
+            let mut direct = at(level);
+            for w in groups(&mut rng, 32) {
+                if direct.solve(&w).is_none() {
+                    continue;
+                }
+                for b in &direct.passes {
+                    let mut least = f64::INFINITY;
+                    for j in 0..b.lanes {
+                        let d = f32::from_bits((b.patterns[j] as u32) << 16);
+                        let errors = [d, -d].map(|d| exact::error_f64(&w, d, 8).expect("finite"));
+                        if b.lower[1][j] == f32::INFINITY {
+                            // Not offered: its codes are the positive scale's.
+                            let codes = |d: f32| {
+                                w.iter()
+                                    .map(|&v| (v / d).round_ties_even().clamp(-8.0, 7.0) * d)
+                                    .collect::<Vec<f32>>()
+                            };
+                            assert_eq!(
+                                codes(d),
+                                codes(-d),
+                                "{level:?}: negative {d:e} dropped: {w:?}"
+                            );
+                        }
+                        for (r, &e) in errors.iter().enumerate() {
+                            least = least.min(e);
+                            assert!(
+                                b.lower[r][j] == f32::INFINITY || b.lower[r][j] as f64 <= e,
+                                "{level:?}: lower {} above the error {e} at {d:e}, range {r}: {w:?}",
+                                b.lower[r][j]
+                            );
+                        }
+                    }
+                    assert!(
+                        b.upper as f64 >= least,
+                        "{level:?}: upper {} < {least}",
+                        b.upper
+                    );
+                }
+            }
+        }
+    }
+
+    /// Magnitudes outside `[2^-40, 2^40]` are left to the other searches; an all-zero group is
+    /// the zero scale at once.
+    #[test]
+    fn extreme_magnitudes_are_left_to_the_other_searches() {
+        let mut direct = at(Level::detect());
+        for s in [1e-20f32, 1e20] {
+            let w: Vec<f32> = (0..32).map(|i| s * (i as f32 - 15.5)).collect();
+            assert_eq!(direct.solve(&w), None, "magnitude {s:e}");
+        }
+        assert_eq!(direct.solve(&[0.0; 32]), Some(Choice { bits: 0, zero: 8 }));
+    }
+}
