@@ -57,7 +57,6 @@
 
 use super::exact::{self, Choice};
 use super::grid::Grid;
-use super::solve::SLACK;
 use crate::format::ScaleDtype;
 
 /// Scales evaluated per pass (one 512-bit vector of f32).
@@ -121,42 +120,60 @@ impl Level {
     }
 }
 
-/// One group's elements split for a pass: the ones that may reach code 8 (magnitude and both
-/// ranges' caps) and the ones that cannot.
+/// Call kernel `$f` compiled for `$level`.
+macro_rules! at_level {
+    ($level:expr, $f:ident($($arg:expr),*)) => {
+        match $level {
+            // SAFETY: the level was detected on this CPU (AVX-512F and FMA).
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => unsafe { avx512::$f($($arg),*) },
+            // SAFETY: as above (AVX2 and FMA).
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => unsafe { avx2::$f($($arg),*) },
+            // SAFETY: no target features.
+            Level::Plain => unsafe { plain::$f($($arg),*) },
+        }
+    };
+}
+
+/// One group's elements split for a pass: the ones that may reach code 8 (magnitude and the
+/// positive scale's cap; the negative one's is `15 −` it) and the ones that cannot.
 struct Split<'a> {
     big: &'a [f32],
-    caps: &'a [[f32; 2]],
+    cap_a: &'a [f32],
     small: &'a [f32],
 }
 
 /// A pass's results: per lane, lower bounds of the stored rule's error in both ranges
 /// (infinite where the negative scale is not a choice); over the lanes, the least lower and
-/// the least upper bound; and the pass's patterns (the first `lanes` are distinct).
+/// the least upper bound; and the pass's first pattern (its lanes are the next sixteen).
 #[derive(Clone, Copy)]
 struct Bounds {
     lower: [[f32; LANES]; 2],
     least_lower: f32,
     upper: f32,
-    patterns: [u16; LANES],
-    lanes: usize,
+    g0: u16,
 }
 
 /// The direct search's buffers, reused from group to group.
 pub(super) struct Direct {
     grid: Grid,
     level: Level,
-    /// The group's magnitudes, and their caps in the two ranges (positive scale, negative).
+    /// The group's magnitudes, and their caps under a positive scale (7 for positive
+    /// weights, 8 for the others; a negative scale's are `15 −` these).
     abs: [f32; MAX_GROUP],
-    caps: [[f32; 2]; MAX_GROUP],
-    abs64: [f64; MAX_GROUP],
+    cap_a: [f32; MAX_GROUP],
     /// The current split (see [`Split`]).
     big: [f32; MAX_GROUP],
-    big_caps: [[f32; 2]; MAX_GROUP],
+    big_cap_a: [f32; MAX_GROUP],
     small: [f32; MAX_GROUP],
     n_big: usize,
     n_small: usize,
-    /// This group's passes so far (they never overlap).
+    /// This group's passes so far (the first `n_passes`; they never overlap), and the
+    /// finalists among them.
     passes: Vec<Bounds>,
+    n_passes: usize,
+    finalists: Vec<Choice>,
     /// `2^-19 · Σ|v|`, rounded up: times a scale, the codes' share of the margin.
     slack: f32,
     /// The least upper bound of a choice's error so far.
@@ -180,14 +197,23 @@ impl Direct {
             grid: Grid::new(dtype),
             level: Level::detect(),
             abs: [0.0; MAX_GROUP],
-            caps: [[0.0; 2]; MAX_GROUP],
-            abs64: [0.0; MAX_GROUP],
+            cap_a: [0.0; MAX_GROUP],
             big: [0.0; MAX_GROUP],
-            big_caps: [[0.0; 2]; MAX_GROUP],
+            big_cap_a: [0.0; MAX_GROUP],
             small: [0.0; MAX_GROUP],
             n_big: 0,
             n_small: 0,
-            passes: Vec::with_capacity(MAX_PASSES),
+            passes: vec![
+                Bounds {
+                    lower: [[0.0; LANES]; 2],
+                    least_lower: 0.0,
+                    upper: 0.0,
+                    g0: 0,
+                };
+                MAX_PASSES
+            ],
+            n_passes: 0,
+            finalists: Vec::with_capacity(2 * LANES),
             slack: 0.0,
             ub: 0.0,
         })
@@ -197,57 +223,51 @@ impl Direct {
     /// `None` when the group is one the other searches must take.
     pub(super) fn solve(&mut self, w: &[f32]) -> Option<Choice> {
         let n = w.len();
-        if n > MAX_GROUP || n == 0 {
+        // The kernels take whole vectors of elements (groups are 32, 64 or 128).
+        if n > MAX_GROUP || n == 0 || n % LANES != 0 {
             return None;
         }
-        let (mut s_vv, mut sum_abs, mut p, mut q) = (0f64, 0f64, 0f32, 0f32);
-        for (i, &v) in w.iter().enumerate() {
-            let a = v.abs();
-            self.abs[i] = a;
-            self.abs64[i] = a as f64;
-            // Positive weights are capped at 7 by a positive scale, negative ones at 8.
-            self.caps[i] = if v > 0.0 { [7.0, 8.0] } else { [8.0, 7.0] };
-            s_vv += v as f64 * v as f64;
-            sum_abs += a as f64;
-            p = if v > p { v } else { p };
-            q = if -v > q { -v } else { q };
-        }
-        if s_vv == 0.0 {
+        let l = at_level!(
+            self.level,
+            load(w, &mut self.abs[..n], &mut self.cap_a[..n])
+        );
+        let absmax = if l.p > l.q { l.p } else { l.q };
+        if absmax == 0.0 {
             return Some(Choice { bits: 0, zero: 8 });
         }
-        let absmax = p.max(q);
         if !(2f32.powi(-40)..=2f32.powi(40)).contains(&absmax) {
             return None;
         }
-        self.slack = (sum_abs / (1u64 << 19) as f64) as f32 * UPPER;
-        // The zero scale's error bounds the best one.
-        let zero_upper = (s_vv * (1.0 + SLACK)) as f32 * UPPER;
-        let zero_lower = (s_vv * (1.0 - SLACK)) as f32 * LOWER;
+        // `2^-20 · Σ|v|` from an f32 sum (within `n · 2^-24`), doubled for room.
+        self.slack = l.sum_abs * (1.0 / 524_288.0) * UPPER;
+        // The zero scale's error bounds the best one (`Σv²` summed in f32 like a model).
+        let zero_upper = l.s_vv * UPPER + TINY;
+        let zero_lower = l.s_vv * LOWER - TINY;
         self.ub = zero_upper;
         // The first pass: sixteen patterns below absmax / 7.5.
         let anchor = ((absmax / 7.5).to_bits() >> 16) as u16;
         let first_lo = anchor.saturating_sub(FIRST_BELOW).max(1);
         let first_hi = first_lo + LANES as u16 - 1;
-        self.passes.clear();
+        self.n_passes = 0;
         self.split(n, self.grid.value(first_lo) as f32);
-        self.pass(&consecutive(first_lo));
+        self.pass(first_lo);
         // Upward, while a scale of the next pass can beat `ub`: elements smaller than it
         // already cost more (see `beyond`), and from `2·absmax` on every code is 0 (the zero
         // scale's error, and the zero scale wins the tie).
         let top = self.grid.floor(2.0 * absmax as f64).unwrap_or(0);
         let mut g = first_hi + 1;
-        while g <= top && !self.beyond(n, self.grid.value(g) as f32) {
-            if self.passes.len() == MAX_PASSES {
+        while g <= top && !self.beyond(n, g) {
+            if self.n_passes == MAX_PASSES {
                 return None;
             }
-            self.pass(&consecutive(g));
+            self.pass(g);
             g += LANES as u16;
         }
         // Downward, while the clipping of the next pass's largest scale does not cost more.
         let mut g = first_lo;
         let mut split_at = first_lo;
-        while g > LANES as u16 && !self.clipped(n, self.grid.value(g - 1) as f32) {
-            if self.passes.len() == MAX_PASSES {
+        while g > LANES as u16 && !self.clipped(n, g - 1) {
+            if self.n_passes == MAX_PASSES {
                 return None;
             }
             g -= LANES as u16;
@@ -256,39 +276,27 @@ impl Direct {
                 split_at = g.saturating_sub(4 * LANES as u16).max(1);
                 self.split(n, self.grid.value(split_at) as f32);
             }
-            self.pass(&consecutive(g));
+            self.pass(g);
         }
         Some(self.pick(w, zero_lower))
     }
 
-    /// Whether every scale of at least `d` provably costs more than `ub`: each element smaller
-    /// than `d` costs at least `min(|v|, d − |v|)²` there (its code is 0 or 1). Summed in f32
-    /// in eight lanes: within `(n + 3) · 2^-24` of the real sum, so scaled down by `2^-16`.
-    fn beyond(&self, n: usize, d: f32) -> bool {
-        let mut acc = [0f32; 8];
-        for chunk in self.abs[..n].chunks(8) {
-            for (acc, &a) in acc.iter_mut().zip(chunk) {
-                let t = if a < d - a { a } else { d - a };
-                *acc += if t > 0.0 { t * t } else { 0.0 };
-            }
-        }
-        acc.iter().sum::<f32>() * LOWER > self.ub
+    /// Whether every scale of at least pattern `g`'s provably costs more than `ub`: see
+    /// [`beyond_sum`].
+    fn beyond(&self, n: usize, g: u16) -> bool {
+        let d = bf16_value(g);
+        at_level!(self.level, beyond_sum(&self.abs[..n], d)) * LOWER > self.ub
     }
 
-    /// Whether every scale of at most `d` provably costs more than `ub` in both ranges: an
-    /// element above its cap `c` costs at least `(|v| − c·d)²` (`c·d` is exact). Summed in f32
-    /// as in [`Self::beyond`].
-    fn clipped(&self, n: usize, d: f32) -> bool {
-        let mut acc = [[0f32; 8]; 2];
-        for (chunk, caps) in self.abs[..n].chunks(8).zip(self.caps[..n].chunks(8)) {
-            for (l, (&a, c)) in chunk.iter().zip(caps).enumerate() {
-                for r in 0..2 {
-                    let e = a - c[r] * d;
-                    acc[r][l] += if e > 0.0 { e * e } else { 0.0 };
-                }
-            }
-        }
-        (0..2).all(|r| acc[r].iter().sum::<f32>() * LOWER > self.ub)
+    /// Whether every scale of at most pattern `g`'s provably costs more than `ub` in both
+    /// ranges: see [`clipped_sums`].
+    fn clipped(&self, n: usize, g: u16) -> bool {
+        let d = bf16_value(g);
+        let sums = at_level!(
+            self.level,
+            clipped_sums(&self.abs[..n], &self.cap_a[..n], d)
+        );
+        sums[0] * LOWER > self.ub && sums[1] * LOWER > self.ub
     }
 
     /// Split the elements for passes whose smallest scale is `d_min`: those that cannot reach
@@ -297,75 +305,67 @@ impl Direct {
         let limit = (7.5 * CAP_SAFE * d_min as f64) as f32;
         let limit = f32::from_bits(limit.to_bits().saturating_sub(1));
         let (mut nb, mut ns) = (0, 0);
+        // Branch-free: each element is written to both lists, and counted in one.
         for i in 0..n {
-            let a = self.abs[i];
-            if a < limit {
-                self.small[ns] = a;
-                ns += 1;
-            } else {
-                self.big[nb] = a;
-                self.big_caps[nb] = self.caps[i];
-                nb += 1;
-            }
+            let (a, c) = (self.abs[i], self.cap_a[i]);
+            self.small[ns] = a;
+            self.big[nb] = a;
+            self.big_cap_a[nb] = c;
+            let small = usize::from(a < limit);
+            ns += small;
+            nb += 1 - small;
         }
         (self.n_big, self.n_small) = (nb, ns);
     }
 
-    /// Evaluate the patterns `g` (one to sixteen, each at least the current split's `d_min`;
-    /// the last fills the lanes left over) with the current split.
-    fn pass(&mut self, g: &[u16]) {
-        debug_assert!(!g.is_empty() && g.len() <= LANES);
-        let patterns: [u16; LANES] = std::array::from_fn(|j| g[j.min(g.len() - 1)]);
-        let d = patterns.map(|g| self.grid.value(g) as f32);
+    /// Evaluate the sixteen patterns from `g0` (each at least the current split's `d_min`)
+    /// with the current split.
+    fn pass(&mut self, g0: u16) {
+        let mut d = [0f32; LANES];
+        for (j, d) in d.iter_mut().enumerate() {
+            *d = bf16_value(g0 + j as u16);
+        }
         let split = Split {
             big: &self.big[..self.n_big],
-            caps: &self.big_caps[..self.n_big],
+            cap_a: &self.big_cap_a[..self.n_big],
             small: &self.small[..self.n_small],
         };
-        let mut b = match self.level {
-            // SAFETY: the level was detected on this CPU.
-            #[cfg(target_arch = "x86_64")]
-            Level::Avx512 => unsafe { pass_avx512(&split, &d, self.slack) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Level::Avx2 => unsafe { pass_avx2(&split, &d, self.slack) },
-            Level::Plain => pass_body::<false>(&split, &d, self.slack),
-        };
+        let b = &mut self.passes[self.n_passes];
+        at_level!(self.level, pass_bounds(&split, &d, self.slack, b));
+        b.g0 = g0;
         self.ub = if b.upper < self.ub { b.upper } else { self.ub };
-        b.patterns = patterns;
-        b.lanes = g.len();
-        self.passes.push(b);
+        self.n_passes += 1;
     }
 
     /// The least finalist in the exact order among the zero scale (whose error is at least
     /// `zero_lower`) and the patterns evaluated.
-    fn pick(&self, w: &[f32], zero_lower: f32) -> Choice {
+    fn pick(&mut self, w: &[f32], zero_lower: f32) -> Choice {
         let ub = self.ub;
         let zero = Choice { bits: 0, zero: 8 };
-        let finalists = || {
-            let zero_scale = (zero_lower <= ub).then_some(zero);
-            let scales = self
-                .passes
-                .iter()
-                .filter(move |b| b.least_lower <= ub)
-                .flat_map(move |b| {
-                    (0..b.lanes).flat_map(move |j| {
-                        (0..2).filter_map(move |r| {
-                            (b.lower[r][j] <= ub).then_some(Choice {
-                                bits: b.patterns[j] | (r as u16) << 15,
-                                zero: 8,
-                            })
-                        })
-                    })
-                });
-            zero_scale.into_iter().chain(scales)
-        };
-        let mut all = finalists();
-        let first = all.next().unwrap_or(zero);
-        if all.next().is_none() {
-            return first;
+        self.finalists.clear();
+        if zero_lower <= ub {
+            self.finalists.push(zero);
         }
-        exact::least(w, ScaleDtype::Bf16, finalists())
+        for b in self.passes[..self.n_passes]
+            .iter()
+            .filter(|b| b.least_lower <= ub)
+        {
+            for j in 0..LANES {
+                for r in 0..2 {
+                    if b.lower[r][j] <= ub {
+                        self.finalists.push(Choice {
+                            bits: (b.g0 + j as u16) | (r as u16) << 15,
+                            zero: 8,
+                        });
+                    }
+                }
+            }
+        }
+        match self.finalists[..] {
+            [] => zero,
+            [only] => only,
+            _ => exact::least(w, ScaleDtype::Bf16, self.finalists.iter().copied()),
+        }
     }
 }
 
@@ -398,7 +398,7 @@ fn add_sq<const FUSED: bool>(acc: f32, r: f32) -> f32 {
 /// One pass over the elements for sixteen scales `d`: each lane's bounds of the stored rule's
 /// error in both ranges (`slack`: the codes' share of the margin per unit of scale).
 #[inline(always)]
-fn pass_body<const FUSED: bool>(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
+fn pass_body<const FUSED: bool>(s: &Split<'_>, d: &[f32; LANES], slack: f32, out: &mut Bounds) {
     let mut inv = [0f32; LANES];
     for j in 0..LANES {
         inv[j] = 1.0 / d[j];
@@ -406,7 +406,8 @@ fn pass_body<const FUSED: bool>(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> 
     let mut ea = [0f32; LANES];
     let mut eb = [0f32; LANES];
     let mut tmax = [0f32; LANES];
-    for (&a, &[ca, cb]) in s.big.iter().zip(s.caps) {
+    for (&a, &ca) in s.big.iter().zip(s.cap_a) {
+        let cb = 15.0 - ca;
         for j in 0..LANES {
             let t = a * inv[j];
             let t = if t < 32.0 { t } else { 32.0 };
@@ -453,54 +454,162 @@ fn pass_body<const FUSED: bool>(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> 
         upper[j] = if b_differs && ub < ua { ub } else { ua };
         least[j] = if b_differs && lb < la { lb } else { la };
     }
-    // The least lane, halving (a tree of vector minima, not a chain of scalar ones).
-    let min = |mut v: [f32; LANES]| {
-        let mut w = LANES / 2;
-        while w > 0 {
-            for j in 0..w {
-                v[j] = if v[j + w] < v[j] { v[j + w] } else { v[j] };
-            }
-            w /= 2;
+    out.lower = lower;
+    out.least_lower = min_tree(least);
+    out.upper = min_tree(upper);
+}
+
+/// The value of a positive bfloat16 pattern, in f32 (exact).
+#[inline(always)]
+fn bf16_value(g: u16) -> f32 {
+    f32::from_bits((g as u32) << 16)
+}
+
+/// What [`load`] takes from a group: f32 sums of `v²` and `|v|` (each within `n · 2^-24` of the
+/// real one, squares that leave the normal range aside), the largest positive weight and the
+/// largest magnitude of a negative one.
+struct Loaded {
+    s_vv: f32,
+    sum_abs: f32,
+    p: f32,
+    q: f32,
+}
+
+/// Fill the magnitudes and the positive scale's caps (7 for positive weights, 8 for the others)
+/// of group `w` (a multiple of sixteen elements, as every kernel here takes), and take its
+/// sums and extremes.
+#[inline(always)]
+fn load(w: &[f32], abs: &mut [f32], cap_a: &mut [f32]) -> Loaded {
+    let (mut s_vv, mut sum_abs, mut p, mut q) =
+        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    for ((w, abs), cap_a) in w
+        .chunks_exact(LANES)
+        .zip(abs.chunks_exact_mut(LANES))
+        .zip(cap_a.chunks_exact_mut(LANES))
+    {
+        for (l, &v) in w.iter().enumerate() {
+            let a = v.abs();
+            abs[l] = a;
+            cap_a[l] = if v > 0.0 { 7.0 } else { 8.0 };
+            s_vv[l] += v * v;
+            sum_abs[l] += a;
+            p[l] = if v > p[l] { v } else { p[l] };
+            q[l] = if -v > q[l] { -v } else { q[l] };
         }
-        v[0]
-    };
-    Bounds {
-        lower,
-        least_lower: min(least),
-        upper: min(upper),
-        patterns: [0; LANES],
-        lanes: LANES,
+    }
+    Loaded {
+        s_vv: sum_tree(s_vv),
+        sum_abs: sum_tree(sum_abs),
+        p: max_tree(p),
+        q: max_tree(q),
     }
 }
 
-/// Sixteen consecutive patterns from `g0` (the magnitudes taken keep every pass below
-/// `2^42`, far from the grid's end).
-fn consecutive(g0: u16) -> [u16; LANES] {
-    debug_assert!(g0 + LANES as u16 <= super::max_scale(ScaleDtype::Bf16));
-    std::array::from_fn(|j| g0 + j as u16)
+/// `Σ min(|v|, d − |v|)²` over the elements below `d`, in f32 (within `(n + 2) · 2^-24`): at
+/// every scale of at least `d` an element smaller than it has code 0 or 1, so costs at least
+/// its term. A lower bound of the error of every such scale once lowered by `2^-16`.
+#[inline(always)]
+fn beyond_sum(abs: &[f32], d: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    for chunk in abs.chunks_exact(LANES) {
+        for (acc, &a) in acc.iter_mut().zip(chunk) {
+            let t = if a < d - a { a } else { d - a };
+            let t = if t > 0.0 { t } else { 0.0 };
+            *acc += t * t;
+        }
+    }
+    sum_tree(acc)
 }
 
-/// [`pass_body`] compiled for AVX-512 (with FMA).
-///
-/// # Safety
-///
-/// The CPU must have AVX-512F and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn pass_avx512(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
-    pass_body::<true>(s, d, slack)
+/// `Σ (|v| − cap·d)²` over the elements above their cap, in both ranges (caps `cap_a` and
+/// `15 − cap_a`), in f32 (`cap·d` is exact): at every scale of at most `d` each such element
+/// is clipped at least that much. Lower bounds once lowered by `2^-16`.
+#[inline(always)]
+fn clipped_sums(abs: &[f32], cap_a: &[f32], d: f32) -> [f32; 2] {
+    let mut acc = [[0f32; LANES]; 2];
+    for (chunk, caps) in abs.chunks_exact(LANES).zip(cap_a.chunks_exact(LANES)) {
+        for (l, (&a, &ca)) in chunk.iter().zip(caps).enumerate() {
+            let (ea, eb) = (a - ca * d, a - (15.0 - ca) * d);
+            let (ea, eb) = (
+                if ea > 0.0 { ea } else { 0.0 },
+                if eb > 0.0 { eb } else { 0.0 },
+            );
+            acc[0][l] += ea * ea;
+            acc[1][l] += eb * eb;
+        }
+    }
+    acc.map(sum_tree)
 }
 
-/// [`pass_body`] compiled for AVX2 (with FMA).
-///
-/// # Safety
-///
-/// The CPU must have AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn pass_avx2(s: &Split<'_>, d: &[f32; LANES], slack: f32) -> Bounds {
-    pass_body::<true>(s, d, slack)
+/// Sixteen lanes folded by `f`, halving (a tree of vector operations, not a chain of scalar
+/// ones).
+#[inline(always)]
+fn fold_tree(mut v: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for j in 0..w {
+            v[j] = f(v[j], v[j + w]);
+        }
+        w /= 2;
+    }
+    v[0]
 }
+
+#[inline(always)]
+fn sum_tree(v: [f32; LANES]) -> f32 {
+    fold_tree(v, |a, b| a + b)
+}
+
+/// Selects, not `f32::min`/`max`: no NaN here, and a select is one instruction.
+#[inline(always)]
+fn min_tree(v: [f32; LANES]) -> f32 {
+    fold_tree(v, |a, b| if b < a { b } else { a })
+}
+
+#[inline(always)]
+fn max_tree(v: [f32; LANES]) -> f32 {
+    fold_tree(v, |a, b| if b > a { b } else { a })
+}
+
+/// Instantiate the kernels (`load`, `pass_bounds`, `beyond_sum`, `clipped_sums`) in a module,
+/// compiled with the given target features and fused or separate arithmetic.
+macro_rules! kernels {
+    ($(#[$attr:meta])* $module:ident, $fused:literal) => {
+        mod $module {
+            use super::*;
+            $(#[$attr])*
+            pub(super) unsafe fn load(w: &[f32], abs: &mut [f32], cap_a: &mut [f32]) -> Loaded {
+                super::load(w, abs, cap_a)
+            }
+            $(#[$attr])*
+            pub(super) unsafe fn pass_bounds(s: &Split<'_>, d: &[f32; LANES], slack: f32, out: &mut Bounds) {
+                pass_body::<$fused>(s, d, slack, out)
+            }
+            $(#[$attr])*
+            pub(super) unsafe fn beyond_sum(abs: &[f32], d: f32) -> f32 {
+                super::beyond_sum(abs, d)
+            }
+            $(#[$attr])*
+            pub(super) unsafe fn clipped_sums(abs: &[f32], cap_a: &[f32], d: f32) -> [f32; 2] {
+                super::clipped_sums(abs, cap_a, d)
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+kernels!(
+    #[target_feature(enable = "avx512f,fma")]
+    avx512,
+    true
+);
+#[cfg(target_arch = "x86_64")]
+kernels!(
+    #[target_feature(enable = "avx2,fma")]
+    avx2,
+    true
+);
+kernels!(plain, false);
 
 #[cfg(test)]
 mod tests {
@@ -602,10 +711,10 @@ mod tests {
                 if direct.solve(&w).is_none() {
                     continue;
                 }
-                for b in &direct.passes {
+                for b in &direct.passes[..direct.n_passes] {
                     let mut least = f64::INFINITY;
-                    for j in 0..b.lanes {
-                        let d = f32::from_bits((b.patterns[j] as u32) << 16);
+                    for j in 0..LANES {
+                        let d = bf16_value(b.g0 + j as u16);
                         let errors = [d, -d].map(|d| exact::error_f64(&w, d, 8).expect("finite"));
                         if b.lower[1][j] == f32::INFINITY {
                             // Not offered: its codes are the positive scale's.
