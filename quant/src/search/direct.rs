@@ -1,16 +1,17 @@
 //! The direct search for symmetric groups with bfloat16 scales: every stored scale that can
 //! win is evaluated outright, sixteen scales at a time in vector lanes.
 //!
-//! Why this exists: the fast search ([`super::fast`]) files each element's code steps under
-//! scale patterns and walks the window with prefix sums: few operations, but all of them
-//! scalar, data-dependent and in f64 (about 13,000 cycles per group of 32 on an Intel Xeon),
-//! which kept conversion at a hundredth of a disk read. Evaluating a scale directly costs a
-//! handful of vector operations per element, and sixteen scales share each element's load:
-//! the same window costs a fraction of the time, with no branches on the data.
+//! Why this exists: the breakpoint sweep ([`super::solve`]) sorts each group's code steps and
+//! walks its segments in f64, and the search that replaced it for these groups filed the
+//! steps under scale patterns and walked them with prefix sums: few operations, but all of
+//! them scalar and data-dependent (about 13,000 cycles per group of 32 on an Intel Xeon),
+//! which kept conversion at a hundredth of a disk read. Evaluating a scale directly costs four
+//! vector operations per element, and sixteen scales share each element's load: the same
+//! window costs a fraction of the time, with no branches on the data.
 //!
 //! # The search
 //!
-//! Both symmetric ranges are searched together, as in [`super::fast`]: a positive stored scale
+//! Both symmetric ranges are searched together: a positive stored scale
 //! `d` gives the code magnitudes `min(rne(|v| / d), cap)` with a cap of 7 for positive and 8
 //! for negative weights; a negative stored scale `−d` the other way round.
 //!

@@ -49,14 +49,13 @@
 
 use super::direct::Direct;
 use super::exact::{self, Choice};
-use super::fast::FastSym;
 use super::grid::Grid;
 use crate::format::{ScaleDtype, quantize_group_asym, quantize_group_sym_scale};
 
 /// `2^-40`: the relative slack on rigorous bounds computed in f64.
-pub(super) const SLACK: f64 = 1.0 / (1u64 << 40) as f64;
+const SLACK: f64 = 1.0 / (1u64 << 40) as f64;
 /// `1 / (k + 1/2)` for `k = 0 ..= 15`: breakpoint `k → k+1` of an element is `|v| · HALF[k]`.
-pub(super) const HALF: [f64; 16] = {
+const HALF: [f64; 16] = {
     let mut t = [0.0; 16];
     let mut k = 0;
     while k < 16 {
@@ -114,10 +113,9 @@ pub(super) struct Solver {
     n_max: f64,
     /// The least `model + τ` offered: no choice whose stored-rule error is above it can win.
     ub: f64,
-    /// The direct and the fast search for symmetric groups (absent with zero points, or when
-    /// the sweep alone is asked for).
+    /// The direct search for symmetric groups (absent with zero points, or when the sweep
+    /// alone is asked for).
     direct: Option<Direct>,
-    fast: Option<FastSym>,
 }
 
 impl Solver {
@@ -125,12 +123,11 @@ impl Solver {
         let mut s = Self::sweep_only(dtype, zero_points, group);
         if !zero_points {
             s.direct = Direct::new(dtype);
-            s.fast = FastSym::new(dtype);
         }
         s
     }
 
-    /// A solver that always sweeps (the fast search's oracle in tests).
+    /// A solver that always sweeps (the direct search's oracle in tests).
     pub(super) fn sweep_only(dtype: ScaleDtype, zero_points: bool, group: usize) -> Self {
         Self {
             grid: Grid::new(dtype),
@@ -148,7 +145,6 @@ impl Solver {
             n_max: 0.0,
             ub: 0.0,
             direct: None,
-            fast: None,
         }
     }
 
@@ -156,9 +152,6 @@ impl Solver {
     pub(super) fn solve(&mut self, w: &[f32]) -> Choice {
         debug_assert!(w.len() <= 128);
         if let Some(c) = self.direct.as_mut().and_then(|d| d.solve(w)) {
-            return c;
-        }
-        if let Some(c) = self.fast.as_mut().and_then(|f| f.solve(w)) {
             return c;
         }
         self.load(w);
@@ -451,7 +444,7 @@ impl Solver {
 /// found by bisection (rounded up) with `Σ_{|v|<D} min(|v|, D − |v|)² > ub` (every element
 /// smaller than a scale at least `D` costs that much), or `None` when even `2·max|v|` is not
 /// such a bound.
-pub(super) fn upper_bound(abs: &[f64], ub: f64) -> Option<f64> {
+fn upper_bound(abs: &[f64], ub: f64) -> Option<f64> {
     let beyond = |d: f64| {
         // Branch-free in four lanes: an element at or above `d` gives `min(a, d − a) ≤ 0`,
         // clamped to 0.

@@ -344,11 +344,11 @@ fn grid_weights_are_reproduced_exactly() {
     }
 }
 
-/// The fast symmetric search (bfloat16 scales; f16 ones and zero points always sweep) and the
-/// breakpoint sweep choose alike on many groups of every kind, magnitude and size (the sweep
-/// is itself checked against the exhaustive oracle above, on fewer groups).
+/// The direct symmetric search (bfloat16 scales; f16 ones and zero points always sweep) and
+/// the breakpoint sweep choose alike on many groups of every kind, magnitude and size (the
+/// sweep is itself checked against the exhaustive oracle above, on fewer groups).
 #[test]
-fn fast_search_matches_the_sweep() {
+fn direct_search_matches_the_sweep() {
     let magnitudes = [1e-40, 1e-30, 1e-7, 0.02, 1.0, 500.0, 4e5, 1e30, 1e37];
     let mut rng = SplitMix64::new(0xFA57);
     for scale_dtype in [ScaleDtype::Bf16] {
@@ -366,7 +366,7 @@ fn fast_search_matches_the_sweep() {
                         let (got, want) = (search_group(&w, spec), search_group_sweep(&w, spec));
                         assert_eq!(
                             got, want,
-                            "{spec} {kind:?} magnitude {s:e} repetition {r}: fast {got:?}, \
+                            "{spec} {kind:?} magnitude {s:e} repetition {r}: direct {got:?}, \
                              sweep {want:?}, weights {w:?}"
                         );
                     }
