@@ -42,6 +42,7 @@ pub mod evaluate;
 pub mod packing;
 pub mod stats;
 pub mod synthetic;
+pub mod transition;
 pub mod wire;
 
 pub use capacity::{SharedPolicy, Shortfall};

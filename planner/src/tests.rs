@@ -20,7 +20,7 @@ fn example(name: &str) -> Topology {
 }
 
 /// A cluster of `nodes[i]` devices per node; device budgets in expert slots plus a remainder.
-fn cluster(nodes: &[Vec<(u64, u64, u32)>], expert_bytes: u64) -> Topology {
+pub(crate) fn cluster(nodes: &[Vec<(u64, u64, u32)>], expert_bytes: u64) -> Topology {
     let mut t = String::from("format = 1\nname = \"prop\"\n");
     for (n, devs) in nodes.iter().enumerate() {
         t.push_str(&format!(

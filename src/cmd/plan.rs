@@ -4,8 +4,9 @@
 //! Why this exists: this is what a cluster builder runs before buying or wiring anything. It
 //! wires the planner library (`expertmesh_planner`) to files and a report: statistics in
 //! (`--load`, `--coselect`, or `--synthetic-load zipf:S`), a placement out (`--out`, which
-//! `expertmesh validate` and the fabric read), optional vLLM/SGLang EPLB maps in and out, and a
-//! human table or JSON (`--json`). Exit codes: 0 planned; 1 the model does not fit (the
+//! `expertmesh validate` and the fabric read), optional vLLM/SGLang EPLB maps in and out, the
+//! order of a live change from the placement served now (`--from`,
+//! `expertmesh_planner::transition`), and a human table or JSON (`--json`). Exit codes: 0 planned; 1 the model does not fit (the
 //! shortfall is named per device and in total); 2 usage or input errors (unreadable or malformed
 //! files, bad options). It never panics on bad input.
 //!
@@ -19,6 +20,7 @@ use expertmesh_planner::calibrate::{self, BenchFile, Calibration, CalibrationIte
 use expertmesh_planner::eplb::{self, EplbLayers};
 use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
 use expertmesh_planner::stats::{CoSelection, LoadStats};
+use expertmesh_planner::transition::{Transition, TransitionError, transition};
 use expertmesh_planner::wire::WireModel;
 use expertmesh_planner::{
     self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
@@ -97,6 +99,11 @@ pub(crate) struct PlanArgs {
     /// Write the placement file here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// The placement the fabric serves now: the report adds how a live change to this plan
+    /// would go (steps of loads, router switch and frees that keep every expert served and
+    /// every device within memory; covering replicas where devices are full).
+    #[arg(long)]
+    from: Option<PathBuf>,
     /// Print the report as JSON (stdout).
     #[arg(long)]
     json: bool,
@@ -272,6 +279,19 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         Err(no_fit) => return Ok(no_fit),
     };
     let ev = evaluate(args, &inputs, &placement, &wire, &mut notes);
+    let live = match &args.from {
+        Some(path) => {
+            let old = Placement::load(path, &inputs.topology, &inputs.model)
+                .map_err(|e| Usage(format!("--from: {e}")))?;
+            Some(transition(
+                &inputs.topology,
+                &inputs.model,
+                &old,
+                &placement,
+            ))
+        }
+        None => None,
+    };
     let written = write_files(args, &inputs, &placement, &strategy_name, redundant)?;
     let (topology, model, coselect) = (&inputs.topology, &inputs.model, &inputs.coselect);
     let report = Report {
@@ -300,6 +320,7 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         notes: &notes,
         warnings: &warnings,
         written: &written,
+        live: live.as_ref(),
     };
     for w in &warnings {
         eprintln!("warning: {w}");
@@ -697,6 +718,8 @@ struct Report<'a> {
     notes: &'a [String],
     warnings: &'a [String],
     written: &'a [String],
+    /// The live change from `--from` (None without it).
+    live: Option<&'a Result<Transition, TransitionError>>,
 }
 
 /// The calibration section of the text report: each figure changed (old → new, from which
@@ -722,6 +745,98 @@ fn text_calibration(cal: &Calibration, out: &mut String) {
     }
     for i in &cal.left_alone {
         line(out, "left alone", i);
+    }
+}
+
+/// Loads, covering replicas and frees over a transition's steps.
+fn live_counts(t: &Transition) -> (usize, usize, usize) {
+    let covers = t
+        .steps
+        .iter()
+        .flat_map(|s| &s.loads)
+        .filter(|m| m.cover)
+        .count();
+    let frees = t.steps.iter().map(|s| s.frees.len()).sum();
+    (t.loads(), covers, frees)
+}
+
+/// The live-change section of the text report: the steps, and each device's peak against
+/// its room.
+fn text_live(
+    topology: &Topology,
+    from: &Path,
+    live: &Result<Transition, TransitionError>,
+    out: &mut String,
+) {
+    let t = match live {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = writeln!(
+                out,
+                "live change from {}: not possible: {e}",
+                from.display()
+            );
+            return;
+        }
+    };
+    let (loads, covers, frees) = live_counts(t);
+    let _ = writeln!(
+        out,
+        "live change from {}: {} step(s), {loads} expert loads ({covers} covering replicas), \
+         {frees} frees",
+        from.display(),
+        t.steps.len()
+    );
+    for (i, s) in t.steps.iter().enumerate().take(8) {
+        let c = s.loads.iter().filter(|m| m.cover).count();
+        let _ = writeln!(
+            out,
+            "  step {}: load {} ({c} covering), switch, free {}",
+            i + 1,
+            s.loads.len(),
+            s.frees.len()
+        );
+    }
+    if t.steps.len() > 8 {
+        let _ = writeln!(out, "  ... {} more steps", t.steps.len() - 8);
+    }
+    for d in topology.devices() {
+        let r = d.rank().index();
+        let peak = t.steps.iter().map(|s| s.peak_slots[r]).max().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "  {}: peak {peak} of {} expert slots",
+            d.id(),
+            t.slots[r]
+        );
+    }
+}
+
+/// The live change as JSON: counts, per-step counts, each device's peak and room; or the
+/// reason it cannot be made.
+fn live_json(live: &Result<Transition, TransitionError>) -> Value {
+    match live {
+        Err(e) => json!({ "possible": false, "error": e.to_string() }),
+        Ok(t) => {
+            let (loads, covers, frees) = live_counts(t);
+            let peak: Vec<u64> = (0..t.slots.len())
+                .map(|r| t.steps.iter().map(|s| s.peak_slots[r]).max().unwrap_or(0))
+                .collect();
+            json!({
+                "possible": true,
+                "steps": t.steps.len(),
+                "loads": loads,
+                "covers": covers,
+                "frees": frees,
+                "step_list": t.steps.iter().map(|s| json!({
+                    "loads": s.loads.len(),
+                    "covers": s.loads.iter().filter(|m| m.cover).count(),
+                    "frees": s.frees.len(),
+                })).collect::<Vec<_>>(),
+                "peak_slots": peak,
+                "slots": t.slots,
+            })
+        }
     }
 }
 
@@ -755,6 +870,9 @@ impl Report<'_> {
         self.text_balance(&mut out);
         self.text_traffic(&mut out);
         self.text_roofline(&mut out);
+        if let (Some(live), Some(from)) = (self.live, &self.args.from) {
+            text_live(self.topology, from, live, &mut out);
+        }
         self.text_footer(&mut out);
         out
     }
@@ -1061,6 +1179,7 @@ impl Report<'_> {
             "notes": self.notes,
             "warnings": self.warnings,
             "written": self.written,
+            "live_change": self.live.map(live_json),
         })
     }
 }

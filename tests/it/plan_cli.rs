@@ -1,7 +1,8 @@
 //! `expertmesh plan` as a user runs it: the real binary on the example clusters and real files.
 //! Placements it writes must pass `expertmesh validate`; an impossible fit exits 1 naming the
 //! shortfall; skewed statistics are balanced; co-selection cuts fan-out; EPLB maps round-trip;
-//! bench figures replace datasheet ones; bad input exits 2 with a message, never a panic.
+//! bench figures replace datasheet ones; a live change from the placement served now keeps
+//! every device within memory; bad input exits 2 with a message, never a panic.
 
 use serde_json::Value;
 use std::path::Path;
@@ -619,4 +620,92 @@ fn bad_input_exits_2_with_a_message() {
     assert_eq!(r.code, 2, "missing --model is a usage error");
     // Nothing written on failure.
     assert!(!Path::new(&tmp(&dir, "never.toml")).exists());
+}
+
+/// `--from`: the order of a live change from a served placement to a Zipf-balanced one. Every
+/// expert the new placement adds to a device is loaded, no device's peak passes its room, and
+/// a placement of another model is a usage error.
+#[test]
+fn a_live_change_from_the_served_placement_stays_within_memory() {
+    use expertmesh_topology::{Placement, Topology, model::preset_by_name};
+    let dir = tempfile::tempdir().unwrap();
+    let topo = "examples/single-host.toml";
+    let (old, new) = (tmp(&dir, "old.toml"), tmp(&dir, "new.toml"));
+    let r = run(&[
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "demo-small",
+        "--out",
+        &old,
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let args = [
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "demo-small",
+        "--synthetic-load",
+        "zipf:1.2:3",
+        "--from",
+        &old,
+        "--out",
+        &new,
+    ];
+    let r = run(&[&args[..], &["--json"]].concat());
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let live = &json(&r)["live_change"];
+    assert_eq!(live["possible"], true, "{live}");
+    // Expert loads the change needs at least: what each device gains, from the two files.
+    let (t, m) = (
+        Topology::load(Path::new(topo)).unwrap(),
+        preset_by_name("demo-small").unwrap(),
+    );
+    let (po, pn) = (
+        Placement::load(Path::new(&old), &t, &m).unwrap(),
+        Placement::load(Path::new(&new), &t, &m).unwrap(),
+    );
+    let gains: usize = po
+        .layers()
+        .iter()
+        .flat_map(|&l| t.devices().iter().map(move |d| (l, d.rank())))
+        .map(|(l, r)| {
+            let before = po.experts_on(r, l);
+            pn.experts_on(r, l)
+                .iter()
+                .filter(|e| !before.contains(e))
+                .count()
+        })
+        .sum();
+    assert!(gains > 0, "the Zipf plan differs from the uniform one");
+    assert!(
+        live["loads"].as_u64().unwrap() >= gains as u64,
+        "{live} vs {gains} gains"
+    );
+    assert!(live["steps"].as_u64().unwrap() >= 1, "{live}");
+    let (peak, slots) = (
+        live["peak_slots"].as_array().unwrap(),
+        live["slots"].as_array().unwrap(),
+    );
+    assert_eq!(peak.len(), t.devices().len());
+    for (p, s) in peak.iter().zip(slots) {
+        assert!(p.as_u64().unwrap() <= s.as_u64().unwrap(), "{live}");
+    }
+    let r = run(&args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("live change from"), "{}", r.stdout);
+    // A placement of another model is refused with the option's name.
+    let r = run(&[
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "toy-mixtral",
+        "--from",
+        &old,
+    ]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("--from"), "{}", r.stderr);
 }

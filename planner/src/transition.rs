@@ -1,0 +1,818 @@
+//! The order of a live placement change: which experts each device loads, when the routers
+//! switch, and which experts each device frees, so that no device ever holds more than its
+//! memory and no expert is ever without an owner.
+//!
+//! Why this exists: a running fabric changes placement (a rebalance for skewed traffic, a
+//! device added or drained) while it serves. A device can load the experts it gains only into
+//! memory it has free next to the ones it still serves, and may free an expert only once
+//! another device serves it. When every gainer has room the change is one step: load every
+//! gain, switch, free every loss. When some device is full, the change needs several steps
+//! and sometimes a temporary replica on a third device that covers an expert while its owner
+//! makes room ("free first, then load, with the replica that covers the gap").
+//!
+//! # The plan
+//!
+//! A [`Transition`] is a list of [`Step`]s from the old placement to the new one. Each step:
+//!
+//! 1. every device loads its step's experts (its gains that fit now, and any covering
+//!    replicas) while serving what it holds;
+//! 2. the routers switch, layer by layer, to the step's placement: every expert's owners are
+//!    the devices that hold it after the loads, less the ones that free it in this step;
+//! 3. once no part still needs them, the devices free the step's experts.
+//!
+//! So during a step a device holds what it held before plus its loads ([`Step::peak_slots`]
+//! is at most its budget), and after it what the step's placement gives it. Every step's
+//! placement gives every expert of every layer at least one owner.
+//!
+//! # How it is found
+//!
+//! Batched first: each step loads every gain that fits (gains whose expert another device
+//! must free first, so that device can free it and make room), then frees every loss whose
+//! expert keeps another owner. When neither is possible, a full device that waits to load
+//! holds an expert that only it serves; a device with a free slot takes a covering replica
+//! of it, so the waiting device frees it and loads its gain in the next step.
+//!
+//! When that runs out of room (free slots used up by gains before a swap needed them), one
+//! expert at a time ([`one_at_a_time`]): drop every replica beyond one per expert, move each
+//! expert that is not on a new owner through a free slot, then load the new placement's
+//! other replicas. That finds an order whenever one exists: it is refused
+//! ([`TransitionError::NoRoom`]) only when one replica per expert fills every slot, where no
+//! expert can be loaded or freed at all. Tests replay every plan and compare feasibility with
+//! a breadth-first search over single moves (load onto a free slot, or free an expert another
+//! device holds) on small cases.
+//!
+//! Limits: shared experts stay where they are (a change of their location is an error), and
+//! every routed expert costs the model's one expert size.
+
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::placement::Placement;
+use expertmesh_topology::topology::{DeviceRank, Topology};
+use std::collections::BTreeSet;
+
+/// One expert on one device, in a step's loads or frees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Move {
+    /// The device.
+    pub device: DeviceRank,
+    /// The MoE layer id.
+    pub layer: u32,
+    /// The routed expert.
+    pub expert: u32,
+    /// A load of a temporary replica: the new placement does not give this device the expert,
+    /// which it holds only until the expert's final owners have it (always false for frees).
+    pub cover: bool,
+}
+
+/// One step of a transition (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// What the devices load before the switch.
+    pub loads: Vec<Move>,
+    /// What they free after it.
+    pub frees: Vec<Move>,
+    /// The routed experts of every layer the routers switch to: `[layer index][device rank]`
+    /// → experts in ascending order (the layers are the model's MoE layers, in order).
+    pub owners: Vec<Vec<Vec<u32>>>,
+    /// Per device rank, routed-expert slots in use at the step's peak (after the loads,
+    /// before the frees).
+    pub peak_slots: Vec<u64>,
+}
+
+/// An ordered placement change (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// The steps, in order; empty when the placements are equal.
+    pub steps: Vec<Step>,
+    /// Per device rank, how many routed experts fit next to its shared experts.
+    pub slots: Vec<u64>,
+}
+
+impl Transition {
+    /// Expert loads over all steps (what moves over the fabric or from disk).
+    pub fn loads(&self) -> usize {
+        self.steps.iter().map(|s| s.loads.len()).sum()
+    }
+}
+
+/// Why a placement change cannot be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransitionError {
+    /// The placements are not of the same model on the same devices.
+    #[error("the placements differ in {what}: both must be of the same model and topology")]
+    Mismatch {
+        /// What differs.
+        what: &'static str,
+    },
+    /// A live change keeps shared experts where they are.
+    #[error(
+        "layer {layer}'s shared experts move ({from} -> {to}): a live placement change keeps \
+         shared experts in place; restart the fabric with the new placement instead"
+    )]
+    SharedMoved {
+        /// The MoE layer id.
+        layer: u32,
+        /// The old location.
+        from: String,
+        /// The new location.
+        to: String,
+    },
+    /// The old or the new placement gives a device more experts than its memory holds.
+    #[error(
+        "device rank {device} would hold {held} routed experts but has room for {slots}: the \
+         {which} placement does not fit"
+    )]
+    DoesNotFit {
+        /// The device.
+        device: DeviceRank,
+        /// Experts it would hold.
+        held: u64,
+        /// Experts it has room for.
+        slots: u64,
+        /// "old" or "new".
+        which: &'static str,
+    },
+    /// Every device is full and every expert that must move has one owner.
+    #[error(
+        "every device is full even with one replica per expert: device rank {device} must \
+         free layer {layer} expert {expert} before it can load what it gains, and no other \
+         device has a free expert slot to hold that expert meanwhile; free memory on some \
+         device (or add one) and try again"
+    )]
+    NoRoom {
+        /// A device that must free an expert.
+        device: DeviceRank,
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: u32,
+    },
+}
+
+/// Plan the live change from `old` to `new`, two placements of `model` on `topology`.
+pub fn transition(
+    topology: &Topology,
+    model: &ModelSpec,
+    old: &Placement,
+    new: &Placement,
+) -> Result<Transition, TransitionError> {
+    let layers = check_same(old, new)?;
+    let slots = routed_slots(topology, model, old);
+    let held = |p: &Placement| -> Vec<Vec<BTreeSet<u32>>> {
+        layers
+            .iter()
+            .map(|&l| {
+                topology
+                    .devices()
+                    .iter()
+                    .map(|d| p.experts_on(d.rank(), l).iter().copied().collect())
+                    .collect()
+            })
+            .collect()
+    };
+    let (state, target) = (held(old), held(new));
+    for (which, p) in [("old", &state), ("new", &target)] {
+        for (r, &room) in slots.iter().enumerate() {
+            let n = count(p, r);
+            if n > room {
+                return Err(TransitionError::DoesNotFit {
+                    device: DeviceRank(r as u32),
+                    held: n,
+                    slots: room,
+                    which,
+                });
+            }
+        }
+    }
+    // Batched first (fewest steps); if that runs out of room, one expert at a time, which
+    // finds an order whenever one exists.
+    let steps = plan_steps(&layers, &slots, &state, &target)
+        .or_else(|_| one_at_a_time(&layers, &slots, &state, &target))?;
+    Ok(Transition { steps, slots })
+}
+
+/// The batched steps from `state` to `target`, or an error where they run out of room (the
+/// caller then goes one expert at a time).
+fn plan_steps(
+    layers: &[u32],
+    slots: &[u64],
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Result<Vec<Step>, TransitionError> {
+    let mut state = state.to_vec();
+    let mut steps = Vec::new();
+    // Progress: a step loads a gain, or frees a loss, or covers an expert so that a full
+    // device can load a gain in the next step; a plan longer than this has stalled.
+    let limit = 4 * (total(&state) + total(target)) as usize + 4;
+    while state != target {
+        if steps.len() > limit {
+            let (li, r, e) = stuck_loss(slots, &state, target).unwrap_or((0, 0, 0));
+            return Err(TransitionError::NoRoom {
+                device: DeviceRank(r as u32),
+                layer: layers[li],
+                expert: e,
+            });
+        }
+        let step = next_step(layers, slots, &state, target)?;
+        apply(&mut state, &step, layers);
+        steps.push(step);
+    }
+    Ok(steps)
+}
+
+/// The MoE layers of two placements of the same model on the same devices, with the same
+/// shared experts' locations.
+fn check_same(old: &Placement, new: &Placement) -> Result<Vec<u32>, TransitionError> {
+    let mismatch = |what| Err(TransitionError::Mismatch { what });
+    if old.model_name() != new.model_name() {
+        return mismatch("model");
+    }
+    if old.cluster_name() != new.cluster_name() || old.device_count() != new.device_count() {
+        return mismatch("cluster");
+    }
+    if old.layers() != new.layers() || old.routed_experts() != new.routed_experts() {
+        return mismatch("layers");
+    }
+    for &layer in old.layers() {
+        let (from, to) = (old.shared_location(layer), new.shared_location(layer));
+        if from != to {
+            let name = |s: Option<_>| s.map_or("none".to_owned(), |s| format!("{s}"));
+            return Err(TransitionError::SharedMoved {
+                layer,
+                from: name(from),
+                to: name(to),
+            });
+        }
+    }
+    Ok(old.layers().to_vec())
+}
+
+/// Per device rank, the routed experts that fit next to the shared experts placed on it.
+fn routed_slots(topology: &Topology, model: &ModelSpec, p: &Placement) -> Vec<u64> {
+    let expert = model.expert_bytes().max(1);
+    p.usage(topology, model)
+        .iter()
+        .map(|u| u.budget_bytes.saturating_sub(u.shared_bytes) / expert)
+        .collect()
+}
+
+fn count(held: &[Vec<BTreeSet<u32>>], rank: usize) -> u64 {
+    held.iter().map(|l| l[rank].len() as u64).sum()
+}
+
+fn total(held: &[Vec<BTreeSet<u32>>]) -> u64 {
+    held.iter().flatten().map(|s| s.len() as u64).sum()
+}
+
+/// The order that exists whenever any does: drop every replica beyond one per expert (the
+/// one kept is a new owner where one holds it), move the experts that are not on a new owner
+/// one per step through a free slot, then load the new placement's other replicas. With one
+/// replica per expert and no free slot anywhere nothing can move at all, so that is the only
+/// refusal ([`TransitionError::NoRoom`]). A move goes to a free slot on the expert's new owner;
+/// when no new owner has one, every device that is owed an expert is full and so holds an
+/// expert that leaves it, which a free slot elsewhere covers: the next step fills the slot
+/// that frees.
+fn one_at_a_time(
+    layers: &[u32],
+    slots: &[u64],
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Result<Vec<Step>, TransitionError> {
+    let devices = slots.len();
+    let mut state = state.to_vec();
+    let mut steps = Vec::new();
+    let push = |steps: &mut Vec<Step>, state: &mut Vec<Vec<BTreeSet<u32>>>, loads, frees| {
+        let step = step_of(layers, state, loads, frees);
+        apply(state, &step, layers);
+        steps.push(step);
+    };
+    let frees = extra_replicas(layers, &state, target);
+    if !frees.is_empty() {
+        push(&mut steps, &mut state, Vec::new(), frees);
+    }
+    loop {
+        let held: Vec<u64> = (0..devices).map(|r| count(&state, r)).collect();
+        let misplaced = misplaced(&state, target);
+        let Some(&(li, e, from, _)) = misplaced.first() else {
+            break;
+        };
+        let (li, e, from, to, cover) =
+            if let Some(&(li, e, from, to)) = misplaced.iter().find(|m| held[m.3] < slots[m.3]) {
+                (li, e, from, to, false)
+            } else {
+                let Some(hole) = (0..devices).find(|&r| held[r] < slots[r]) else {
+                    return Err(TransitionError::NoRoom {
+                        device: DeviceRank(from as u32),
+                        layer: layers[li],
+                        expert: e,
+                    });
+                };
+                // Cover an expert that sits on a device owed another one.
+                let &(li, e, from, _) = misplaced
+                    .iter()
+                    .find(|m| misplaced.iter().any(|n| n.3 == m.2))
+                    .expect("a full device owed an expert holds one that leaves it");
+                (li, e, from, hole, true)
+            };
+        let (load, free) = (mv(to, layers[li], e, cover), mv(from, layers[li], e, false));
+        push(&mut steps, &mut state, vec![load], vec![free]);
+    }
+    let loads: Vec<Move> = target
+        .iter()
+        .enumerate()
+        .flat_map(|(li, layer)| {
+            let state = &state;
+            layer.iter().enumerate().flat_map(move |(r, want)| {
+                want.difference(&state[li][r])
+                    .map(move |&e| mv(r, layers[li], e, false))
+            })
+        })
+        .collect();
+    if !loads.is_empty() {
+        push(&mut steps, &mut state, loads, Vec::new());
+    }
+    Ok(steps)
+}
+
+/// The frees that leave one owner per expert: a new owner where one holds it, else the first.
+fn extra_replicas(
+    layers: &[u32],
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Vec<Move> {
+    let mut frees = Vec::new();
+    for (li, layer) in state.iter().enumerate() {
+        let experts: BTreeSet<u32> = layer.iter().flatten().copied().collect();
+        for e in experts {
+            let owners: Vec<usize> = (0..layer.len())
+                .filter(|&r| layer[r].contains(&e))
+                .collect();
+            let keep = owners
+                .iter()
+                .copied()
+                .find(|&r| target[li][r].contains(&e))
+                .unwrap_or(owners[0]);
+            let drop = owners.iter().filter(|&&r| r != keep);
+            frees.extend(drop.map(|&r| mv(r, layers[li], e, false)));
+        }
+    }
+    frees
+}
+
+/// Experts held by a device the new placement does not give them to, as (layer index,
+/// expert, the device, a new owner).
+fn misplaced(
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Vec<(usize, u32, usize, usize)> {
+    let mut out = Vec::new();
+    for (li, layer) in state.iter().enumerate() {
+        for (r, held) in layer.iter().enumerate() {
+            for &e in held.difference(&target[li][r]) {
+                let to = (0..layer.len())
+                    .find(|&t| target[li][t].contains(&e))
+                    .expect("the new placement owns every expert");
+                out.push((li, e, r, to));
+            }
+        }
+    }
+    out
+}
+
+/// A step of `loads` then `frees` from `state`, with its placement and peak.
+fn step_of(
+    layers: &[u32],
+    state: &[Vec<BTreeSet<u32>>],
+    loads: Vec<Move>,
+    frees: Vec<Move>,
+) -> Step {
+    let mut after = state.to_vec();
+    let li = |layer: u32| {
+        layers
+            .iter()
+            .position(|&l| l == layer)
+            .expect("a MoE layer")
+    };
+    for m in &loads {
+        after[li(m.layer)][m.device.index()].insert(m.expert);
+    }
+    let devices = state.first().map_or(0, Vec::len);
+    let peak_slots = (0..devices).map(|r| count(&after, r)).collect();
+    for m in &frees {
+        after[li(m.layer)][m.device.index()].remove(&m.expert);
+    }
+    Step {
+        loads,
+        frees,
+        owners: after
+            .iter()
+            .map(|l| l.iter().map(|s| s.iter().copied().collect()).collect())
+            .collect(),
+        peak_slots,
+    }
+}
+
+/// The next step from `state` towards `target` (see the module docs).
+fn next_step(
+    layers: &[u32],
+    slots: &[u64],
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Result<Step, TransitionError> {
+    let devices = slots.len();
+    let mut used: Vec<u64> = (0..devices).map(|r| count(state, r)).collect();
+    let mut after = state.to_vec();
+    let mut loads = Vec::new();
+    // Gains whose expert another device must free come first: loading one lets that device
+    // free it and so makes room there.
+    let mut gains: Vec<(bool, usize, usize, u32)> = Vec::new();
+    for (li, layer) in target.iter().enumerate() {
+        for (r, want) in layer.iter().enumerate() {
+            for &e in want.difference(&state[li][r]) {
+                let frees_one = (0..devices)
+                    .any(|o| o != r && state[li][o].contains(&e) && !target[li][o].contains(&e));
+                gains.push((!frees_one, li, r, e));
+            }
+        }
+    }
+    gains.sort_unstable();
+    for (_, li, r, e) in gains {
+        if used[r] < slots[r] {
+            used[r] += 1;
+            after[li][r].insert(e);
+            loads.push(mv(r, layers[li], e, false));
+        }
+    }
+    let mut frees = free_losses(layers, state, &mut after, target);
+    if loads.is_empty() && frees.is_empty() {
+        // Stuck: cover one expert whose only owner must free it to make room for a gain, on
+        // a device with room.
+        let (li, r, e) = stuck_loss(slots, state, target).expect("a full device has a loss");
+        let Some(c) = (0..devices).find(|&c| used[c] < slots[c] && !after[li][c].contains(&e))
+        else {
+            return Err(TransitionError::NoRoom {
+                device: DeviceRank(r as u32),
+                layer: layers[li],
+                expert: e,
+            });
+        };
+        used[c] += 1;
+        after[li][c].insert(e);
+        loads.push(mv(c, layers[li], e, true));
+        frees = free_losses(layers, state, &mut after, target);
+    }
+    Ok(Step {
+        loads,
+        frees,
+        owners: after
+            .iter()
+            .map(|l| l.iter().map(|s| s.iter().copied().collect()).collect())
+            .collect(),
+        peak_slots: used,
+    })
+}
+
+/// Free, from `after`, every expert a device held before the step (`state`: a covering
+/// replica loaded in this step stays for its switch) but the target does not give it, while
+/// another device still holds it; the frees made.
+fn free_losses(
+    layers: &[u32],
+    state: &[Vec<BTreeSet<u32>>],
+    after: &mut [Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Vec<Move> {
+    let mut frees = Vec::new();
+    for (li, layer) in after.iter_mut().enumerate() {
+        for r in 0..layer.len() {
+            let losses: Vec<u32> = state[li][r].difference(&target[li][r]).copied().collect();
+            for e in losses {
+                let owners = layer.iter().filter(|s| s.contains(&e)).count();
+                if owners >= 2 {
+                    layer[r].remove(&e);
+                    frees.push(mv(r, layers[li], e, false));
+                }
+            }
+        }
+    }
+    frees
+}
+
+/// When no gain is loaded and no loss can be freed: an expert that a full device with a
+/// pending gain must free, as (layer index, rank, expert). Such a device exists (with no gain
+/// pending, the state would hold the whole target and every loss would have another owner; a
+/// device with room loads its gains), and being full it holds more than the target leaves it:
+/// a loss, its expert's only owner. Freeing it makes room for the gain in the next step.
+fn stuck_loss(
+    slots: &[u64],
+    state: &[Vec<BTreeSet<u32>>],
+    target: &[Vec<BTreeSet<u32>>],
+) -> Option<(usize, usize, u32)> {
+    let gaining = (0..slots.len()).find(|&r| {
+        count(state, r) == slots[r]
+            && state
+                .iter()
+                .zip(target)
+                .any(|(s, t)| t[r].difference(&s[r]).next().is_some())
+    })?;
+    state.iter().enumerate().find_map(|(li, layer)| {
+        layer[gaining]
+            .difference(&target[li][gaining])
+            .next()
+            .map(|&e| (li, gaining, e))
+    })
+}
+
+/// The state after a step: its loads added, its frees removed.
+fn apply(state: &mut [Vec<BTreeSet<u32>>], step: &Step, layers: &[u32]) {
+    let li = |layer: u32| {
+        layers
+            .iter()
+            .position(|&l| l == layer)
+            .expect("a MoE layer")
+    };
+    for m in &step.loads {
+        state[li(m.layer)][m.device.index()].insert(m.expert);
+    }
+    for m in &step.frees {
+        state[li(m.layer)][m.device.index()].remove(&m.expert);
+    }
+}
+
+fn mv(rank: usize, layer: u32, expert: u32, cover: bool) -> Move {
+    Move {
+        device: DeviceRank(rank as u32),
+        layer,
+        expert,
+        cover,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use expertmesh_topology::model::preset_by_name;
+    use proptest::prelude::*;
+    use std::collections::{HashSet, VecDeque};
+
+    /// `toy-mixtral` (4 experts) with `layers` MoE layers.
+    fn model(layers: u32) -> ModelSpec {
+        let mut m = preset_by_name("toy-mixtral").expect("preset");
+        m.num_layers = layers;
+        m.first_dense_layers = 0;
+        m
+    }
+
+    /// One node of devices with room for `slots[r]` routed experts each.
+    fn topology(m: &ModelSpec, slots: &[u64]) -> Topology {
+        let devices: Vec<(u64, u64, u32)> = slots.iter().map(|&s| (s, 0, 100)).collect();
+        crate::tests::cluster(&[devices], m.expert_bytes())
+    }
+
+    /// A placement from `[layer][device]` bitmasks of experts.
+    fn placement(t: &Topology, m: &ModelSpec, masks: &[Vec<u8>]) -> Placement {
+        let slots = masks
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|&b| (0..m.routed_experts).filter(|e| b >> e & 1 == 1).collect())
+                    .collect()
+            })
+            .collect();
+        Placement::new(t, m, slots, Vec::new(), "test").expect("a valid placement")
+    }
+
+    /// Replay `plan` from `old`: each step's loads are new and fit, its frees are held, its
+    /// placement is what the loads and frees leave and owns every expert; the end is `new`.
+    fn replay(
+        t: &Topology,
+        m: &ModelSpec,
+        old: &Placement,
+        new: &Placement,
+        plan: &Transition,
+    ) -> Result<(), TestCaseError> {
+        let layers = old.layers().to_vec();
+        let devices = old.device_count();
+        let held = |p: &Placement| -> Vec<Vec<BTreeSet<u32>>> {
+            layers
+                .iter()
+                .map(|&l| {
+                    (0..devices)
+                        .map(|r| {
+                            p.experts_on(DeviceRank(r as u32), l)
+                                .iter()
+                                .copied()
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let mut state = held(old);
+        for (i, step) in plan.steps.iter().enumerate() {
+            prop_assert!(
+                !step.loads.is_empty() || !step.frees.is_empty(),
+                "step {} is empty",
+                i
+            );
+            for mv in &step.loads {
+                let li = layers.iter().position(|&l| l == mv.layer).unwrap();
+                prop_assert!(
+                    state[li][mv.device.index()].insert(mv.expert),
+                    "step {}: {:?} already held",
+                    i,
+                    mv
+                );
+            }
+            for r in 0..devices {
+                let n: usize = state.iter().map(|l| l[r].len()).sum();
+                prop_assert!(
+                    n as u64 <= plan.slots[r],
+                    "step {}: device {} holds {} of {}",
+                    i,
+                    r,
+                    n,
+                    plan.slots[r]
+                );
+                prop_assert_eq!(n as u64, step.peak_slots[r]);
+            }
+            for mv in &step.frees {
+                let li = layers.iter().position(|&l| l == mv.layer).unwrap();
+                prop_assert!(
+                    state[li][mv.device.index()].remove(&mv.expert),
+                    "step {}: {:?} not held",
+                    i,
+                    mv
+                );
+            }
+            for (li, layer) in state.iter().enumerate() {
+                for e in 0..m.routed_experts {
+                    prop_assert!(
+                        layer.iter().any(|s| s.contains(&e)),
+                        "step {}: layer {} expert {} has no owner",
+                        i,
+                        li,
+                        e
+                    );
+                }
+                let owners: Vec<Vec<u32>> =
+                    layer.iter().map(|s| s.iter().copied().collect()).collect();
+                prop_assert_eq!(&owners, &step.owners[li]);
+            }
+            let valid = Placement::new(t, m, step.owners.clone(), Vec::new(), "step");
+            prop_assert!(valid.is_ok(), "step {}: {:?}", i, valid);
+        }
+        prop_assert_eq!(state, held(new));
+        Ok(())
+    }
+
+    /// Whether `new` can be reached from `old` (one layer) by single moves: load an expert on
+    /// a device with a free slot, or free one that another device holds.
+    fn reachable(slots: &[u64], experts: u32, old: &[u8], new: &[u8]) -> bool {
+        let covered = |s: &[u8]| s.iter().fold(0u8, |a, &b| a | b) == (1 << experts) - 1;
+        let mut seen = HashSet::from([old.to_vec()]);
+        let mut queue = VecDeque::from([old.to_vec()]);
+        while let Some(s) = queue.pop_front() {
+            if s == new {
+                return true;
+            }
+            for r in 0..s.len() {
+                for e in 0..experts {
+                    let mut n = s.clone();
+                    n[r] ^= 1 << e;
+                    let ok = if s[r] >> e & 1 == 0 {
+                        (n[r].count_ones() as u64) <= slots[r]
+                    } else {
+                        covered(&n)
+                    };
+                    if ok && seen.insert(n.clone()) {
+                        queue.push_back(n);
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    /// A random placement as `[layer][device]` bitmasks of four experts: each expert on a
+    /// device with room, then extra replicas where there is room; `None` if the slots cannot
+    /// hold every expert.
+    fn random_masks(slots: &[u64], layers: usize, seed: u64) -> Option<Vec<Vec<u8>>> {
+        let mut rng = seed | 1;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let mut used = vec![0u64; slots.len()];
+        let mut masks = vec![vec![0u8; slots.len()]; layers];
+        for layer in masks.iter_mut() {
+            for e in 0..4 {
+                let room: Vec<usize> = (0..slots.len()).filter(|&r| used[r] < slots[r]).collect();
+                let r = *room.get(next(room.len().max(1) as u64) as usize)?;
+                layer[r] |= 1 << e;
+                used[r] += 1;
+            }
+        }
+        for layer in masks.iter_mut() {
+            for (r, mask) in layer.iter_mut().enumerate() {
+                for e in 0..4 {
+                    if *mask >> e & 1 == 0 && used[r] < slots[r] && next(3) == 0 {
+                        *mask |= 1 << e;
+                        used[r] += 1;
+                    }
+                }
+            }
+        }
+        Some(masks)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+        /// One layer, two to four devices: a plan exactly when single moves can get there,
+        /// and every plan replays.
+        #[test]
+        fn one_layer_plans_exactly_when_moves_can_reach_the_new_placement(
+            slots in prop::collection::vec(0u64..4, 2..5),
+            seeds in any::<(u64, u64)>(),
+        ) {
+            let (Some(old), Some(new)) = (random_masks(&slots, 1, seeds.0), random_masks(&slots, 1, seeds.1)) else {
+                return Ok(());
+            };
+            let m = model(1);
+            let t = topology(&m, &slots);
+            let (po, pn) = (placement(&t, &m, &old), placement(&t, &m, &new));
+            let plan = transition(&t, &m, &po, &pn);
+            prop_assert_eq!(plan.is_ok(), reachable(&slots, 4, &old[0], &new[0]), "{:?}", plan);
+            match plan {
+                Ok(plan) => replay(&t, &m, &po, &pn, &plan)?,
+                Err(e) => prop_assert!(matches!(e, TransitionError::NoRoom { .. }), "{}", e),
+            }
+        }
+
+        /// Two layers share each device's memory: every plan replays, and a change is refused
+        /// exactly when nothing can move: one replica per expert fills every slot.
+        #[test]
+        fn two_layer_plans_replay_and_are_refused_only_when_nothing_can_move(
+            slots in prop::collection::vec(0u64..7, 2..5),
+            seeds in any::<(u64, u64)>(),
+        ) {
+            let (Some(old), Some(new)) = (random_masks(&slots, 2, seeds.0), random_masks(&slots, 2, seeds.1)) else {
+                return Ok(());
+            };
+            let m = model(2);
+            let t = topology(&m, &slots);
+            let (po, pn) = (placement(&t, &m, &old), placement(&t, &m, &new));
+            let stuck = old != new && slots.iter().sum::<u64>() == 2 * 4;
+            match transition(&t, &m, &po, &pn) {
+                Ok(plan) => {
+                    prop_assert!(!stuck, "a plan where nothing can move: {:?}", plan);
+                    replay(&t, &m, &po, &pn, &plan)?;
+                }
+                Err(e) => prop_assert!(stuck, "refused though a slot is free: {}", e),
+            }
+        }
+    }
+
+    /// Two full devices swapping their experts need the third's free slot for covering
+    /// replicas; without it the change cannot be made live, and the error names a device and
+    /// an expert.
+    #[test]
+    fn a_swap_between_full_devices_goes_through_a_cover_or_is_refused() {
+        let m = model(1);
+        let t = topology(&m, &[2, 2, 1]);
+        let old = placement(&t, &m, &[vec![0b0011, 0b1100, 0]]);
+        let new = placement(&t, &m, &[vec![0b1100, 0b0011, 0]]);
+        let plan = transition(&t, &m, &old, &new).expect("a plan through the free slot");
+        assert!(
+            plan.steps.iter().flat_map(|s| &s.loads).any(|l| l.cover),
+            "{plan:?}"
+        );
+        replay(&t, &m, &old, &new, &plan).expect("the plan replays");
+        let t = topology(&m, &[2, 2, 0]);
+        let old = placement(&t, &m, &[vec![0b0011, 0b1100, 0]]);
+        let new = placement(&t, &m, &[vec![0b1100, 0b0011, 0]]);
+        let err = transition(&t, &m, &old, &new).expect_err("no free slot");
+        assert!(matches!(err, TransitionError::NoRoom { .. }), "{err}");
+        assert!(err.to_string().contains("every device is full"), "{err}");
+    }
+
+    /// With room everywhere, the change is one step: load every gain, switch, free every loss.
+    #[test]
+    fn with_room_everywhere_the_change_is_one_step() {
+        let m = model(2);
+        let t = topology(&m, &[8, 8]);
+        let old = placement(&t, &m, &[vec![0b0011, 0b1100], vec![0b1111, 0]]);
+        let new = placement(&t, &m, &[vec![0b1100, 0b0011], vec![0, 0b1111]]);
+        let plan = transition(&t, &m, &old, &new).expect("a plan");
+        assert_eq!(plan.steps.len(), 1, "{plan:?}");
+        assert_eq!(plan.loads(), 8);
+        replay(&t, &m, &old, &new, &plan).expect("the plan replays");
+        assert!(
+            transition(&t, &m, &old, &old)
+                .expect("no change")
+                .steps
+                .is_empty()
+        );
+    }
+}
