@@ -85,12 +85,25 @@ pub struct Transition {
     pub steps: Vec<Step>,
     /// Per device rank, how many routed experts fit next to its shared experts.
     pub slots: Vec<u64>,
+    /// Per device rank, routed experts held before the change.
+    pub before: Vec<u64>,
 }
 
 impl Transition {
     /// Expert loads over all steps (what moves over the fabric or from disk).
     pub fn loads(&self) -> usize {
         self.steps.iter().map(|s| s.loads.len()).sum()
+    }
+
+    /// Per device rank, the most routed experts held at once during the change (before it,
+    /// or at a step's peak).
+    pub fn peak_slots(&self) -> Vec<u64> {
+        (0..self.slots.len())
+            .map(|r| {
+                let steps = self.steps.iter().map(|s| s.peak_slots[r]);
+                steps.fold(self.before[r], u64::max)
+            })
+            .collect()
     }
 }
 
@@ -187,7 +200,12 @@ pub fn transition(
     // finds an order whenever one exists.
     let steps = plan_steps(&layers, &slots, &state, &target)
         .or_else(|_| one_at_a_time(&layers, &slots, &state, &target))?;
-    Ok(Transition { steps, slots })
+    let before = (0..slots.len()).map(|r| count(&state, r)).collect();
+    Ok(Transition {
+        steps,
+        slots,
+        before,
+    })
 }
 
 /// The batched steps from `state` to `target`, or an error where they run out of room (the
@@ -217,6 +235,111 @@ fn plan_steps(
         steps.push(step);
     }
     Ok(steps)
+}
+
+/// `new` with each layer's expert lists reassigned among interchangeable devices, so that as
+/// many experts as possible stay on the device that holds them in `old` and a live change
+/// moves fewer weights.
+///
+/// Devices are interchangeable in a layer when they share a node, kind, architecture and
+/// memory bandwidth and hold the same number of experts there: swapping their lists changes
+/// no device's memory, no layer's load per unit of bandwidth and no node's traffic. Within
+/// each such class the lists go greedily by overlap with what each device holds now (largest
+/// first). Errors as [`transition`] for placements of different models or clusters.
+pub fn keep_in_place(
+    topology: &Topology,
+    model: &ModelSpec,
+    old: &Placement,
+    new: &Placement,
+) -> Result<Placement, TransitionError> {
+    let layers = check_same(old, new)?;
+    let devices = topology.devices();
+    let class = |d: &expertmesh_topology::topology::Device| {
+        (
+            d.node_index(),
+            format!("{:?}/{}", d.kind(), d.arch()),
+            d.memory_bandwidth_gb_s().to_bits(),
+        )
+    };
+    let mut slots = Vec::with_capacity(layers.len());
+    for &layer in &layers {
+        let lists: Vec<Vec<u32>> = devices
+            .iter()
+            .map(|d| new.experts_on(d.rank(), layer).to_vec())
+            .collect();
+        let mut out = lists.clone();
+        let mut done = vec![false; devices.len()];
+        for d in devices {
+            let r = d.rank().index();
+            if done[r] {
+                continue;
+            }
+            let members: Vec<usize> = devices
+                .iter()
+                .filter(|o| class(o) == class(d) && lists[o.rank().index()].len() == lists[r].len())
+                .map(|o| o.rank().index())
+                .collect();
+            for &m in &members {
+                done[m] = true;
+            }
+            let held: Vec<BTreeSet<u32>> = members
+                .iter()
+                .map(|&m| {
+                    old.experts_on(DeviceRank(m as u32), layer)
+                        .iter()
+                        .copied()
+                        .collect()
+                })
+                .collect();
+            // (overlap, receiving device, list's device), largest overlap first.
+            let mut pairs: Vec<(usize, usize, usize)> = Vec::new();
+            for (i, h) in held.iter().enumerate() {
+                for (j, &m) in members.iter().enumerate() {
+                    let overlap = lists[m].iter().filter(|e| h.contains(e)).count();
+                    if overlap > 0 {
+                        pairs.push((overlap, i, j));
+                    }
+                }
+            }
+            pairs.sort_unstable_by(|a, b| b.cmp(a));
+            let (mut given, mut taken) = (vec![None; members.len()], vec![false; members.len()]);
+            for (_, i, j) in pairs {
+                if given[i].is_none() && !taken[j] {
+                    given[i] = Some(j);
+                    taken[j] = true;
+                }
+            }
+            let mut rest = (0..members.len()).filter(|&j| !taken[j]);
+            let pick: Vec<usize> = given
+                .iter()
+                .map(|g| g.unwrap_or_else(|| rest.next().expect("as many lists as devices")))
+                .collect();
+            // Greedy matching is not optimal: never keep fewer in place than the plan as given.
+            let kept = |j: &dyn Fn(usize) -> usize| -> usize {
+                (0..members.len())
+                    .map(|i| {
+                        lists[members[j(i)]]
+                            .iter()
+                            .filter(|e| held[i].contains(e))
+                            .count()
+                    })
+                    .sum()
+            };
+            if kept(&|i| pick[i]) >= kept(&|i| i) {
+                for (i, &j) in pick.iter().enumerate() {
+                    out[members[i]] = lists[members[j]].clone();
+                }
+            }
+        }
+        slots.push(out);
+    }
+    let shared = layers
+        .iter()
+        .filter_map(|&l| new.shared_location(l))
+        .collect();
+    let description = new.description().to_owned();
+    Ok(Placement::new(topology, model, slots, shared, &description)
+        .expect("a relabelling of a valid placement among equal devices is valid"))
 }
 
 /// The MoE layers of two placements of the same model on the same devices, with the same
@@ -770,6 +893,58 @@ mod tests {
                     replay(&t, &m, &po, &pn, &plan)?;
                 }
                 Err(e) => prop_assert!(stuck, "refused though a slot is free: {}", e),
+            }
+        }
+    }
+
+    /// Lists swapped between interchangeable devices go back where the old placement has
+    /// them: nothing moves; and keeping in place never moves more than the plan as given.
+    #[test]
+    fn keeping_in_place_undoes_a_relabelling_among_equal_devices() {
+        let m = model(2);
+        let t = topology(&m, &[4, 4, 4]);
+        let old = placement(
+            &t,
+            &m,
+            &[vec![0b0011, 0b1100, 0b0010], vec![0b0001, 0b0010, 0b1100]],
+        );
+        let swapped = placement(
+            &t,
+            &m,
+            &[vec![0b1100, 0b0011, 0b0010], vec![0b0010, 0b0001, 0b1100]],
+        );
+        assert!(transition(&t, &m, &old, &swapped).expect("a plan").loads() > 0);
+        let kept = keep_in_place(&t, &m, &old, &swapped).expect("same model");
+        assert_eq!(kept, old);
+        assert_eq!(
+            transition(&t, &m, &old, &kept).expect("no change").loads(),
+            0
+        );
+        let mut rng = 7u64;
+        for seed in 0..200u64 {
+            let slots = [3, 3, 2 + seed % 3];
+            let t = topology(&m, &slots);
+            let (Some(a), Some(b)) = (
+                random_masks(&slots, 2, seed),
+                random_masks(&slots, 2, seed ^ rng),
+            ) else {
+                continue;
+            };
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1);
+            let (pa, pb) = (placement(&t, &m, &a), placement(&t, &m, &b));
+            let kept = keep_in_place(&t, &m, &pa, &pb).expect("same model");
+            let moves = |p: &Placement| {
+                transition(&t, &m, &pa, p).map(|x| {
+                    x.loads()
+                        - x.steps
+                            .iter()
+                            .flat_map(|s| &s.loads)
+                            .filter(|l| l.cover)
+                            .count()
+                })
+            };
+            if let (Ok(direct), Ok(kept_moves)) = (moves(&pb), moves(&kept)) {
+                assert!(kept_moves <= direct, "seed {seed}: {kept_moves} > {direct}");
             }
         }
     }

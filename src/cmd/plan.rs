@@ -20,7 +20,7 @@ use expertmesh_planner::calibrate::{self, BenchFile, Calibration, CalibrationIte
 use expertmesh_planner::eplb::{self, EplbLayers};
 use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
 use expertmesh_planner::stats::{CoSelection, LoadStats};
-use expertmesh_planner::transition::{Transition, TransitionError, transition};
+use expertmesh_planner::transition::{Transition, TransitionError, keep_in_place, transition};
 use expertmesh_planner::wire::WireModel;
 use expertmesh_planner::{
     self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
@@ -99,9 +99,11 @@ pub(crate) struct PlanArgs {
     /// Write the placement file here.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// The placement the fabric serves now: the report adds how a live change to this plan
-    /// would go (steps of loads, router switch and frees that keep every expert served and
-    /// every device within memory; covering replicas where devices are full).
+    /// The placement the fabric serves now: the plan keeps experts on the devices that serve
+    /// them where interchangeable devices allow (same balance and memory), and the report adds
+    /// how a live change to it would go (steps of loads, router switch and frees that keep
+    /// every expert served and every device within memory; covering replicas where devices
+    /// are full).
     #[arg(long)]
     from: Option<PathBuf>,
     /// Print the report as JSON (stdout).
@@ -278,20 +280,20 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         Ok(placed) => placed,
         Err(no_fit) => return Ok(no_fit),
     };
-    let ev = evaluate(args, &inputs, &placement, &wire, &mut notes);
-    let live = match &args.from {
+    // With --from: the same plan with each layer's lists swapped among interchangeable
+    // devices to keep experts where they are served now, and the live change to it.
+    let (placement, live) = match &args.from {
         Some(path) => {
-            let old = Placement::load(path, &inputs.topology, &inputs.model)
-                .map_err(|e| Usage(format!("--from: {e}")))?;
-            Some(transition(
-                &inputs.topology,
-                &inputs.model,
-                &old,
-                &placement,
-            ))
+            let (t, m) = (&inputs.topology, &inputs.model);
+            let old = Placement::load(path, t, m).map_err(|e| Usage(format!("--from: {e}")))?;
+            let kept =
+                keep_in_place(t, m, &old, &placement).map_err(|e| Usage(format!("--from: {e}")))?;
+            let live = transition(t, m, &old, &kept);
+            (kept, Some(live))
         }
-        None => None,
+        None => (placement, None),
     };
+    let ev = evaluate(args, &inputs, &placement, &wire, &mut notes);
     let written = write_files(args, &inputs, &placement, &strategy_name, redundant)?;
     let (topology, model, coselect) = (&inputs.topology, &inputs.model, &inputs.coselect);
     let report = Report {
@@ -800,13 +802,14 @@ fn text_live(
     if t.steps.len() > 8 {
         let _ = writeln!(out, "  ... {} more steps", t.steps.len() - 8);
     }
+    let peak = t.peak_slots();
     for d in topology.devices() {
         let r = d.rank().index();
-        let peak = t.steps.iter().map(|s| s.peak_slots[r]).max().unwrap_or(0);
         let _ = writeln!(
             out,
-            "  {}: peak {peak} of {} expert slots",
+            "  {}: peak {} of {} expert slots",
             d.id(),
+            peak[r],
             t.slots[r]
         );
     }
@@ -819,9 +822,6 @@ fn live_json(live: &Result<Transition, TransitionError>) -> Value {
         Err(e) => json!({ "possible": false, "error": e.to_string() }),
         Ok(t) => {
             let (loads, covers, frees) = live_counts(t);
-            let peak: Vec<u64> = (0..t.slots.len())
-                .map(|r| t.steps.iter().map(|s| s.peak_slots[r]).max().unwrap_or(0))
-                .collect();
             json!({
                 "possible": true,
                 "steps": t.steps.len(),
@@ -833,7 +833,7 @@ fn live_json(live: &Result<Transition, TransitionError>) -> Value {
                     "covers": s.loads.iter().filter(|m| m.cover).count(),
                     "frees": s.frees.len(),
                 })).collect::<Vec<_>>(),
-                "peak_slots": peak,
+                "peak_slots": t.peak_slots(),
                 "slots": t.slots,
             })
         }

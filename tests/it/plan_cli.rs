@@ -623,8 +623,9 @@ fn bad_input_exits_2_with_a_message() {
 }
 
 /// `--from`: the order of a live change from a served placement to a Zipf-balanced one. Every
-/// expert the new placement adds to a device is loaded, no device's peak passes its room, and
-/// a placement of another model is a usage error.
+/// expert the new placement adds to a device is loaded, no device's peak passes its room, the
+/// same plan from its own output moves nothing, and a placement of another model is a usage
+/// error.
 #[test]
 fn a_live_change_from_the_served_placement_stays_within_memory() {
     use expertmesh_topology::{Placement, Topology, model::preset_by_name};
@@ -696,6 +697,29 @@ fn a_live_change_from_the_served_placement_stays_within_memory() {
     let r = run(&args);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.contains("live change from"), "{}", r.stdout);
+    // The same plan again, from what it wrote: it keeps every expert in place.
+    let again = tmp(&dir, "again.toml");
+    let r = run(&[
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "demo-small",
+        "--synthetic-load",
+        "zipf:1.2:3",
+        "--from",
+        &new,
+        "--out",
+        &again,
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let live = &json(&r)["live_change"];
+    assert_eq!(
+        (live["loads"].as_u64(), live["steps"].as_u64()),
+        (Some(0), Some(0)),
+        "{live}"
+    );
     // A placement of another model is refused with the option's name.
     let r = run(&[
         "plan",
