@@ -583,15 +583,7 @@ fn next_step(
         loads.push(mv(c, layers[li], e, true));
         frees = free_losses(layers, state, &mut after, target);
     }
-    Ok(Step {
-        loads,
-        frees,
-        owners: after
-            .iter()
-            .map(|l| l.iter().map(|s| s.iter().copied().collect()).collect())
-            .collect(),
-        peak_slots: used,
-    })
+    Ok(step_of(layers, state, loads, frees))
 }
 
 /// Free, from `after`, every expert a device held before the step (`state`: a covering

@@ -642,19 +642,20 @@ fn a_live_change_from_the_served_placement_stays_within_memory() {
         &old,
     ]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    let args = [
-        "plan",
-        "--topology",
-        topo,
-        "--model",
-        "demo-small",
-        "--synthetic-load",
-        "zipf:1.2:3",
-        "--from",
-        &old,
-        "--out",
-        &new,
-    ];
+    let zipf_from = |from: &str, out: &str| -> Vec<String> {
+        let args = ["plan", "--topology", topo, "--model", "demo-small"];
+        let more = [
+            "--synthetic-load",
+            "zipf:1.2:3",
+            "--from",
+            from,
+            "--out",
+            out,
+        ];
+        args.iter().chain(&more).map(|s| s.to_string()).collect()
+    };
+    let args = zipf_from(&old, &new);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let r = run(&[&args[..], &["--json"]].concat());
     assert_eq!(r.code, 0, "{}", r.stderr);
     let live = &json(&r)["live_change"];
@@ -699,20 +700,9 @@ fn a_live_change_from_the_served_placement_stays_within_memory() {
     assert!(r.stdout.contains("live change from"), "{}", r.stdout);
     // The same plan again, from what it wrote: it keeps every expert in place.
     let again = tmp(&dir, "again.toml");
-    let r = run(&[
-        "plan",
-        "--topology",
-        topo,
-        "--model",
-        "demo-small",
-        "--synthetic-load",
-        "zipf:1.2:3",
-        "--from",
-        &new,
-        "--out",
-        &again,
-        "--json",
-    ]);
+    let again_args = zipf_from(&new, &again);
+    let again_args: Vec<&str> = again_args.iter().map(String::as_str).collect();
+    let r = run(&[&again_args[..], &["--json"]].concat());
     assert_eq!(r.code, 0, "{}", r.stderr);
     let live = &json(&r)["live_change"];
     assert_eq!(
