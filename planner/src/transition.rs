@@ -44,6 +44,7 @@
 //! Limits: shared experts stay where they are (a change of their location is an error), and
 //! every routed expert costs the model's one expert size.
 
+use crate::stats::{CoSelection, LoadStats};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::Placement;
 use expertmesh_topology::topology::{DeviceRank, Topology};
@@ -237,99 +238,90 @@ fn plan_steps(
     Ok(steps)
 }
 
-/// `new` with each layer's expert lists reassigned among interchangeable devices, so that as
-/// many experts as possible stay on the device that holds them in `old` and a live change
-/// moves fewer weights.
+/// `new` changed so that as many experts as possible stay on the device that serves them in
+/// `old`, and a live change moves fewer weights, with each device keeping the same count (so
+/// the same memory) and, `within_nodes`, each node the same experts (so the same traffic:
+/// what a hierarchical plan chose). `load` and `coselect` are the statistics `new` was planned
+/// with (uniform without).
 ///
-/// Devices are interchangeable in a layer when they share a node, kind, architecture and
-/// memory bandwidth and hold the same number of experts there: swapping their lists changes
-/// no device's memory, no layer's load per unit of bandwidth and no node's traffic. Within
-/// each such class the lists go greedily by overlap with what each device holds now (largest
-/// first). Errors as [`transition`] for placements of different models or clusters.
+/// Per layer and node (or the whole cluster), the better of two, by experts kept in place:
+///
+/// * **Swapped lists:** devices are interchangeable when they share a node, kind,
+///   architecture and memory bandwidth and hold as many experts in the layer; their lists are
+///   reassigned greedily by overlap with what each holds now. This changes no device's load
+///   per unit of bandwidth.
+/// * **Repacked:** each device keeps what it holds that the node still needs (heaviest first),
+///   and the node's other replicas go, heaviest first, to the device whose load per unit of
+///   bandwidth ends up lowest (never two replicas of an expert on one device). Taken only if
+///   the busiest device stays within [`REPACK_SLACK`] of the plan's.
+///
+/// Errors as [`transition`] for placements of different models or clusters.
 pub fn keep_in_place(
     topology: &Topology,
     model: &ModelSpec,
     old: &Placement,
     new: &Placement,
+    load: Option<&LoadStats>,
+    coselect: Option<&CoSelection>,
+    within_nodes: bool,
 ) -> Result<Placement, TransitionError> {
     let layers = check_same(old, new)?;
     let devices = topology.devices();
-    let class = |d: &expertmesh_topology::topology::Device| {
-        (
-            d.node_index(),
-            format!("{:?}/{}", d.kind(), d.arch()),
-            d.memory_bandwidth_gb_s().to_bits(),
-        )
-    };
+    let speed: Vec<f64> = devices.iter().map(|d| d.memory_bandwidth_gb_s()).collect();
     let mut slots = Vec::with_capacity(layers.len());
-    for &layer in &layers {
+    for (li, &layer) in layers.iter().enumerate() {
         let lists: Vec<Vec<u32>> = devices
             .iter()
             .map(|d| new.experts_on(d.rank(), layer).to_vec())
             .collect();
-        let mut out = lists.clone();
-        let mut done = vec![false; devices.len()];
-        for d in devices {
-            let r = d.rank().index();
-            if done[r] {
-                continue;
-            }
-            let members: Vec<usize> = devices
-                .iter()
-                .filter(|o| class(o) == class(d) && lists[o.rank().index()].len() == lists[r].len())
-                .map(|o| o.rank().index())
-                .collect();
-            for &m in &members {
-                done[m] = true;
-            }
-            let held: Vec<BTreeSet<u32>> = members
-                .iter()
-                .map(|&m| {
-                    old.experts_on(DeviceRank(m as u32), layer)
-                        .iter()
-                        .copied()
-                        .collect()
-                })
-                .collect();
-            // (overlap, receiving device, list's device), largest overlap first.
-            let mut pairs: Vec<(usize, usize, usize)> = Vec::new();
-            for (i, h) in held.iter().enumerate() {
-                for (j, &m) in members.iter().enumerate() {
-                    let overlap = lists[m].iter().filter(|e| h.contains(e)).count();
-                    if overlap > 0 {
-                        pairs.push((overlap, i, j));
-                    }
-                }
-            }
-            pairs.sort_unstable_by(|a, b| b.cmp(a));
-            let (mut given, mut taken) = (vec![None; members.len()], vec![false; members.len()]);
-            for (_, i, j) in pairs {
-                if given[i].is_none() && !taken[j] {
-                    given[i] = Some(j);
-                    taken[j] = true;
-                }
-            }
-            let mut rest = (0..members.len()).filter(|&j| !taken[j]);
-            let pick: Vec<usize> = given
-                .iter()
-                .map(|g| g.unwrap_or_else(|| rest.next().expect("as many lists as devices")))
-                .collect();
-            // Greedy matching is not optimal: never keep fewer in place than the plan as given.
-            let kept = |j: &dyn Fn(usize) -> usize| -> usize {
-                (0..members.len())
-                    .map(|i| {
-                        lists[members[j(i)]]
-                            .iter()
-                            .filter(|e| held[i].contains(e))
-                            .count()
-                    })
+        let held: Vec<BTreeSet<u32>> = devices
+            .iter()
+            .map(|d| old.experts_on(d.rank(), layer).iter().copied().collect())
+            .collect();
+        let mut out = swap_lists(topology, &lists, &held);
+        // Per replica of each expert: its load shared by its replicas.
+        let loads = crate::layer_loads(model, load, coselect, li);
+        let mut replicas = vec![0u32; loads.len()];
+        for &e in lists.iter().flatten() {
+            replicas[e as usize] += 1;
+        }
+        let weight = |e: u32| loads[e as usize] / replicas[e as usize].max(1) as f64;
+        // The whole cluster at once where a plan chose no node sets; then node by node (what
+        // a hierarchical plan allows, and a second chance for a global one).
+        let whole = (!within_nodes).then(|| (0..devices.len()).collect::<Vec<usize>>());
+        let nodes = (0..topology.nodes().len()).map(|n| {
+            (0..devices.len())
+                .filter(|&r| devices[r].node_index() == n)
+                .collect()
+        });
+        for members in whole.into_iter().chain(nodes) {
+            let members: Vec<usize> = members;
+            let busiest = |l: &[Vec<u32>]| -> f64 {
+                let per = members
+                    .iter()
+                    .map(|&r| l[r].iter().map(|&e| weight(e)).sum::<f64>() / speed[r]);
+                per.fold(0.0, f64::max)
+            };
+            let moved = |l: &[Vec<u32>]| -> usize {
+                members
+                    .iter()
+                    .map(|&r| l[r].iter().filter(|e| !held[r].contains(e)).count())
                     .sum()
             };
-            if kept(&|i| pick[i]) >= kept(&|i| i) {
-                for (i, &j) in pick.iter().enumerate() {
-                    out[members[i]] = lists[members[j]].clone();
-                }
+            let cap = busiest(&lists) * (1.0 + REPACK_SLACK);
+            let Some(repacked) = repack_node(&members, &lists, &held, &weight, &speed, cap) else {
+                continue;
+            };
+            let mut candidate = out.clone();
+            for (&r, list) in members.iter().zip(repacked) {
+                candidate[r] = list;
             }
+            if busiest(&candidate) <= cap && moved(&candidate) < moved(&out) {
+                out = candidate;
+            }
+        }
+        for list in &mut out {
+            list.sort_unstable();
         }
         slots.push(out);
     }
@@ -339,7 +331,136 @@ pub fn keep_in_place(
         .collect();
     let description = new.description().to_owned();
     Ok(Placement::new(topology, model, slots, shared, &description)
-        .expect("a relabelling of a valid placement among equal devices is valid"))
+        .expect("each node keeps its experts and each device its count: still valid"))
+}
+
+/// How much busier (relative) than the plan's a node's busiest device may get when repacked
+/// to keep experts in place.
+pub const REPACK_SLACK: f64 = 0.02;
+
+/// `lists` reassigned among interchangeable devices (same node, kind, architecture, memory
+/// bandwidth and count) greedily by overlap with `held`, never keeping fewer in place.
+fn swap_lists(topology: &Topology, lists: &[Vec<u32>], held: &[BTreeSet<u32>]) -> Vec<Vec<u32>> {
+    let devices = topology.devices();
+    let class = |r: usize| {
+        let d = &devices[r];
+        let kind = format!("{:?}/{}", d.kind(), d.arch());
+        (
+            d.node_index(),
+            kind,
+            d.memory_bandwidth_gb_s().to_bits(),
+            lists[r].len(),
+        )
+    };
+    let mut out = lists.to_vec();
+    let mut done = vec![false; devices.len()];
+    for r in 0..devices.len() {
+        if done[r] {
+            continue;
+        }
+        let members: Vec<usize> = (0..devices.len())
+            .filter(|&o| class(o) == class(r))
+            .collect();
+        for &m in &members {
+            done[m] = true;
+        }
+        // (overlap, receiving device, list's device), largest overlap first.
+        let mut pairs: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, &a) in members.iter().enumerate() {
+            for (j, &b) in members.iter().enumerate() {
+                let overlap = lists[b].iter().filter(|e| held[a].contains(e)).count();
+                if overlap > 0 {
+                    pairs.push((overlap, i, j));
+                }
+            }
+        }
+        pairs.sort_unstable_by(|a, b| b.cmp(a));
+        let (mut given, mut taken) = (vec![None; members.len()], vec![false; members.len()]);
+        for (_, i, j) in pairs {
+            if given[i].is_none() && !taken[j] {
+                given[i] = Some(j);
+                taken[j] = true;
+            }
+        }
+        let mut rest = (0..members.len()).filter(|&j| !taken[j]);
+        let pick: Vec<usize> = given
+            .iter()
+            .map(|g| g.unwrap_or_else(|| rest.next().expect("as many lists as devices")))
+            .collect();
+        // Greedy matching is not optimal: never keep fewer in place than the plan as given.
+        let kept = |j: &dyn Fn(usize) -> usize| -> usize {
+            (0..members.len())
+                .map(|i| {
+                    lists[members[j(i)]]
+                        .iter()
+                        .filter(|e| held[members[i]].contains(e))
+                        .count()
+                })
+                .sum()
+        };
+        if kept(&|i| pick[i]) >= kept(&|i| i) {
+            for (i, &j) in pick.iter().enumerate() {
+                out[members[i]] = lists[members[j]].clone();
+            }
+        }
+    }
+    out
+}
+
+/// The replicas `lists` gives the devices `members`, repacked: each device keeps what it
+/// `held` that is still to be placed (heaviest first, up to its count, while its load per unit
+/// of `speed` stays at most `cap`), then the rest go heaviest first to the device with room
+/// whose load per unit of speed ends up lowest, never two replicas of an expert on one device.
+/// `None` if the greedy corners itself.
+fn repack_node(
+    members: &[usize],
+    lists: &[Vec<u32>],
+    held: &[BTreeSet<u32>],
+    weight: &dyn Fn(u32) -> f64,
+    speed: &[f64],
+    cap: f64,
+) -> Option<Vec<Vec<u32>>> {
+    let mut left: std::collections::BTreeMap<u32, u32> = std::collections::BTreeMap::new();
+    for &r in members {
+        for &e in &lists[r] {
+            *left.entry(e).or_default() += 1;
+        }
+    }
+    let heavier = |a: &u32, b: &u32| weight(*b).total_cmp(&weight(*a)).then(a.cmp(b));
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); members.len()];
+    let mut sum = vec![0f64; members.len()];
+    for (i, &r) in members.iter().enumerate() {
+        let mut keep: Vec<u32> = held[r]
+            .iter()
+            .copied()
+            .filter(|e| left.contains_key(e))
+            .collect();
+        keep.sort_by(heavier);
+        for e in keep {
+            let n = left.get_mut(&e)?;
+            if out[i].len() < lists[r].len() && *n > 0 && (sum[i] + weight(e)) / speed[r] <= cap {
+                *n -= 1;
+                out[i].push(e);
+                sum[i] += weight(e);
+            }
+        }
+    }
+    let mut rest: Vec<u32> = left
+        .iter()
+        .flat_map(|(&e, &n)| std::iter::repeat_n(e, n as usize))
+        .collect();
+    rest.sort_by(heavier);
+    for e in rest {
+        let i = (0..members.len())
+            .filter(|&i| out[i].len() < lists[members[i]].len() && !out[i].contains(&e))
+            .min_by(|&a, &b| {
+                let at = |i: usize| (sum[i] + weight(e)) / speed[members[i]];
+                at(a).total_cmp(&at(b))
+            })?;
+        out[i].push(e);
+        sum[i] += weight(e);
+    }
+    Some(out)
 }
 
 /// The MoE layers of two placements of the same model on the same devices, with the same
@@ -906,7 +1027,7 @@ mod tests {
             &[vec![0b1100, 0b0011, 0b0010], vec![0b0010, 0b0001, 0b1100]],
         );
         assert!(transition(&t, &m, &old, &swapped).expect("a plan").loads() > 0);
-        let kept = keep_in_place(&t, &m, &old, &swapped).expect("same model");
+        let kept = keep_in_place(&t, &m, &old, &swapped, None, None, true).expect("same model");
         assert_eq!(kept, old);
         assert_eq!(
             transition(&t, &m, &old, &kept).expect("no change").loads(),
@@ -924,7 +1045,8 @@ mod tests {
             };
             rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1);
             let (pa, pb) = (placement(&t, &m, &a), placement(&t, &m, &b));
-            let kept = keep_in_place(&t, &m, &pa, &pb).expect("same model");
+            let kept =
+                keep_in_place(&t, &m, &pa, &pb, None, None, seed % 2 == 0).expect("same model");
             let moves = |p: &Placement| {
                 transition(&t, &m, &pa, p).map(|x| {
                     x.loads()
@@ -938,6 +1060,79 @@ mod tests {
             if let (Ok(direct), Ok(kept_moves)) = (moves(&pb), moves(&kept)) {
                 assert!(kept_moves <= direct, "seed {seed}: {kept_moves} > {direct}");
             }
+        }
+    }
+
+    /// With skewed loads, keeping in place never leaves a device busier (load per unit of
+    /// bandwidth) than the plan's busiest times `1 + REPACK_SLACK`, never keeps fewer experts
+    /// in place than the plan as given, and keeps every device's count.
+    #[test]
+    fn keeping_in_place_stays_within_the_balance_slack() {
+        let m = model(2);
+        for seed in 0..300u64 {
+            let slots = [3, 4, 3 + seed % 2];
+            let t = topology(&m, &slots);
+            let (Some(a), Some(b)) = (
+                random_masks(&slots, 2, seed),
+                random_masks(&slots, 2, !seed),
+            ) else {
+                continue;
+            };
+            let (pa, pb) = (placement(&t, &m, &a), placement(&t, &m, &b));
+            let skew = |e: usize| (1 + (seed as usize + 3 * e) % 7) as f64;
+            let counts = (0..2).map(|_| Some((0..4).map(skew).collect())).collect();
+            let stats = LoadStats::new(&m, counts).expect("valid statistics");
+            let kept = keep_in_place(&t, &m, &pa, &pb, Some(&stats), None, seed % 2 == 0)
+                .expect("same model");
+            for (li, &layer) in pb.layers().iter().enumerate() {
+                let loads = crate::layer_loads(&m, Some(&stats), None, li);
+                let busiest = |p: &Placement| {
+                    let mut replicas = [0u32; 4];
+                    for d in t.devices() {
+                        for &e in p.experts_on(d.rank(), layer) {
+                            replicas[e as usize] += 1;
+                        }
+                    }
+                    t.devices()
+                        .iter()
+                        .map(|d| {
+                            let l: f64 = p
+                                .experts_on(d.rank(), layer)
+                                .iter()
+                                .map(|&e| loads[e as usize] / replicas[e as usize] as f64)
+                                .sum();
+                            l / d.memory_bandwidth_gb_s()
+                        })
+                        .fold(0.0, f64::max)
+                };
+                assert!(
+                    busiest(&kept) <= busiest(&pb) * (1.0 + REPACK_SLACK) + 1e-12,
+                    "seed {seed} layer {layer}"
+                );
+                for d in t.devices() {
+                    assert_eq!(
+                        kept.experts_on(d.rank(), layer).len(),
+                        pb.experts_on(d.rank(), layer).len()
+                    );
+                }
+            }
+            let in_place = |p: &Placement| -> usize {
+                pa.layers()
+                    .iter()
+                    .map(|&l| {
+                        t.devices()
+                            .iter()
+                            .map(|d| {
+                                p.experts_on(d.rank(), l)
+                                    .iter()
+                                    .filter(|e| pa.experts_on(d.rank(), l).contains(e))
+                                    .count()
+                            })
+                            .sum::<usize>()
+                    })
+                    .sum()
+            };
+            assert!(in_place(&kept) >= in_place(&pb), "seed {seed}");
         }
     }
 

@@ -280,14 +280,23 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         Ok(placed) => placed,
         Err(no_fit) => return Ok(no_fit),
     };
-    // With --from: the same plan with each layer's lists swapped among interchangeable
-    // devices to keep experts where they are served now, and the live change to it.
+    // With --from: the plan changed to keep experts where they are served now (same memory
+    // per device, balance within a stated slack), and the live change to it.
     let (placement, live) = match &args.from {
         Some(path) => {
             let (t, m) = (&inputs.topology, &inputs.model);
             let old = Placement::load(path, t, m).map_err(|e| Usage(format!("--from: {e}")))?;
-            let kept =
-                keep_in_place(t, m, &old, &placement).map_err(|e| Usage(format!("--from: {e}")))?;
+            let kept = keep_in_place(
+                t,
+                m,
+                &old,
+                &placement,
+                inputs.load.as_ref(),
+                inputs.coselect.as_ref(),
+                // A hierarchical plan chose each node's experts: keep them.
+                strategy_name != "global",
+            )
+            .map_err(|e| Usage(format!("--from: {e}")))?;
             let live = transition(t, m, &old, &kept);
             (kept, Some(live))
         }
