@@ -250,10 +250,12 @@ fn plan_steps(
 ///   architecture and memory bandwidth and hold as many experts in the layer; their lists are
 ///   reassigned greedily by overlap with what each holds now. This changes no device's load
 ///   per unit of bandwidth.
-/// * **Repacked:** each device keeps what it holds that the node still needs (heaviest first),
-///   and the node's other replicas go, heaviest first, to the device whose load per unit of
-///   bandwidth ends up lowest (never two replicas of an expert on one device). Taken only if
-///   the busiest device stays within [`REPACK_SLACK`] of the plan's.
+/// * **Repacked:** each device keeps what it holds that the new plan still needs (heaviest
+///   first, while its load stays under the cap below), the other replicas go, heaviest first,
+///   to the device whose load per unit of bandwidth ends up lowest (never two replicas of an
+///   expert on one device), and while the busiest device is over the cap its heaviest replica
+///   is swapped for a lighter one elsewhere. Taken only if the busiest device stays within
+///   [`REPACK_SLACK`] of the plan's busiest.
 ///
 /// Errors as [`transition`] for placements of different models or clusters.
 pub fn keep_in_place(
@@ -460,7 +462,57 @@ fn repack_node(
         out[i].push(e);
         sum[i] += weight(e);
     }
+    settle(&mut out, &mut sum, members, weight, speed, cap);
     Some(out)
+}
+
+/// Swap replicas off the busiest device while it is above `cap`: its heaviest replica for a
+/// lighter one of the device whose load ends lowest, when both end below the busiest's load
+/// (counts unchanged, never two replicas of an expert on one device; at most one pass of
+/// swaps per replica).
+fn settle(
+    out: &mut [Vec<u32>],
+    sum: &mut [f64],
+    members: &[usize],
+    weight: &dyn Fn(u32) -> f64,
+    speed: &[f64],
+    cap: f64,
+) {
+    let norm = |sum: &[f64], i: usize| sum[i] / speed[members[i]];
+    for _ in 0..out.iter().map(Vec::len).sum::<usize>() {
+        let b = (0..out.len())
+            .max_by(|&x, &y| norm(sum, x).total_cmp(&norm(sum, y)))
+            .expect("members");
+        let top = norm(sum, b);
+        if top <= cap {
+            return;
+        }
+        // The best swap: (new max of the pair, device, index on b, index on d).
+        let mut best: Option<(f64, usize, usize, usize)> = None;
+        for (xi, &x) in out[b].iter().enumerate() {
+            for d in (0..out.len()).filter(|&d| d != b && !out[d].contains(&x)) {
+                for (yi, &y) in out[d].iter().enumerate() {
+                    let dw = weight(x) - weight(y);
+                    if dw <= 0.0 || out[b].contains(&y) {
+                        continue;
+                    }
+                    let pair =
+                        ((sum[b] - dw) / speed[members[b]]).max((sum[d] + dw) / speed[members[d]]);
+                    if pair < top && best.is_none_or(|bst| pair < bst.0) {
+                        best = Some((pair, d, xi, yi));
+                    }
+                }
+            }
+        }
+        let Some((_, d, xi, yi)) = best else {
+            return;
+        };
+        let (x, y) = (out[b][xi], out[d][yi]);
+        let dw = weight(x) - weight(y);
+        (out[b][xi], out[d][yi]) = (y, x);
+        sum[b] -= dw;
+        sum[d] += dw;
+    }
 }
 
 /// The MoE layers of two placements of the same model on the same devices, with the same

@@ -623,9 +623,9 @@ fn bad_input_exits_2_with_a_message() {
 }
 
 /// `--from`: the order of a live change from a served placement to a Zipf-balanced one. Every
-/// expert the new placement adds to a device is loaded, no device's peak passes its room, the
-/// same plan from its own output moves nothing, and a placement of another model is a usage
-/// error.
+/// expert the new placement adds to a device is loaded, fewer are added than by the same plan
+/// made from scratch, no device's peak passes its room, the same plan from its own output
+/// moves nothing, and a placement of another model is a usage error.
 #[test]
 fn a_live_change_from_the_served_placement_stays_within_memory() {
     use expertmesh_topology::{Placement, Topology, model::preset_by_name};
@@ -685,6 +685,37 @@ fn a_live_change_from_the_served_placement_stays_within_memory() {
     assert!(
         live["loads"].as_u64().unwrap() >= gains as u64,
         "{live} vs {gains} gains"
+    );
+    // Fewer than the same plan made without --from would move.
+    let scratch = tmp(&dir, "scratch.toml");
+    let r = run(&[
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "demo-small",
+        "--synthetic-load",
+        "zipf:1.2:3",
+        "--out",
+        &scratch,
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let ps = Placement::load(Path::new(&scratch), &t, &m).unwrap();
+    let scratch_gains: usize = po
+        .layers()
+        .iter()
+        .flat_map(|&l| t.devices().iter().map(move |d| (l, d.rank())))
+        .map(|(l, r)| {
+            let before = po.experts_on(r, l);
+            ps.experts_on(r, l)
+                .iter()
+                .filter(|e| !before.contains(e))
+                .count()
+        })
+        .sum();
+    assert!(
+        gains < scratch_gains,
+        "{gains} gains kept in place vs {scratch_gains} from scratch"
     );
     assert!(live["steps"].as_u64().unwrap() >= 1, "{live}");
     let (peak, slots) = (
