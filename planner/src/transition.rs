@@ -41,8 +41,16 @@
 //! a breadth-first search over single moves (load onto a free slot, or free an expert another
 //! device holds) on small cases.
 //!
+//! # Moving fewer weights
+//!
+//! A plan made from load statistics knows nothing of what is served now: [`keep_in_place`]
+//! changes it, before the transition is planned, so that devices keep the experts they hold
+//! where the plan's balance allows (each device keeps its expert count; the busiest device
+//! stays within [`REPACK_SLACK`] of the plan's). `expertmesh plan --from` does both.
+//!
 //! Limits: shared experts stay where they are (a change of their location is an error), and
-//! every routed expert costs the model's one expert size.
+//! every routed expert costs the model's one expert size. The fabric does not apply these
+//! steps to running workers and routers yet (issue 29).
 
 use crate::stats::{CoSelection, LoadStats};
 use expertmesh_topology::model::ModelSpec;
