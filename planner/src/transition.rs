@@ -46,7 +46,8 @@
 //! A plan made from load statistics knows nothing of what is served now: [`keep_in_place`]
 //! changes it, before the transition is planned, so that devices keep the experts they hold
 //! where the plan's balance allows (each device keeps its expert count; the busiest device
-//! stays within [`REPACK_SLACK`] of the plan's). `expertmesh plan --from` does both.
+//! stays within a given slack of the plan's, [`REPACK_SLACK`] by default). `expertmesh plan
+//! --from` does both (`--move-slack` sets the slack).
 //!
 //! Limits: shared experts stay where they are (a change of their location is an error), and
 //! every routed expert costs the model's one expert size. The fabric does not apply these
@@ -263,7 +264,8 @@ fn plan_steps(
 ///   to the device whose load per unit of bandwidth ends up lowest (never two replicas of an
 ///   expert on one device), and while the busiest device is over the cap its heaviest replica
 ///   is swapped for a lighter one elsewhere. Taken only if the busiest device stays within
-///   [`REPACK_SLACK`] of the plan's busiest.
+///   `slack` (relative, e.g. [`REPACK_SLACK`]) of the plan's busiest; 0 takes a repack only
+///   where it is no busier than the plan.
 ///
 /// Errors as [`transition`] for placements of different models or clusters.
 pub fn keep_in_place(
@@ -271,10 +273,14 @@ pub fn keep_in_place(
     model: &ModelSpec,
     old: &Placement,
     new: &Placement,
-    load: Option<&LoadStats>,
-    coselect: Option<&CoSelection>,
-    within_nodes: bool,
+    how: &Keep<'_>,
 ) -> Result<Placement, TransitionError> {
+    let Keep {
+        load,
+        coselect,
+        within_nodes,
+        slack,
+    } = *how;
     let layers = check_same(old, new)?;
     let devices = topology.devices();
     let speed: Vec<f64> = devices.iter().map(|d| d.memory_bandwidth_gb_s()).collect();
@@ -318,7 +324,7 @@ pub fn keep_in_place(
                     .map(|&r| l[r].iter().filter(|e| !held[r].contains(e)).count())
                     .sum()
             };
-            let cap = busiest(&lists) * (1.0 + REPACK_SLACK);
+            let cap = busiest(&lists) * (1.0 + slack.max(0.0));
             let Some(repacked) = repack_node(&members, &lists, &held, &weight, &speed, cap) else {
                 continue;
             };
@@ -344,9 +350,24 @@ pub fn keep_in_place(
         .expect("each node keeps its experts and each device its count: still valid"))
 }
 
-/// How much busier (relative) than the plan's a node's busiest device may get when repacked
-/// to keep experts in place.
+/// How much busier (relative) than the plan's the busiest device may get by default when a
+/// plan is repacked to keep experts in place.
 pub const REPACK_SLACK: f64 = 0.02;
+
+/// What [`keep_in_place`] keeps to: the statistics the new plan was made with (uniform
+/// without), whether each node keeps the plan's experts (what a hierarchical plan chose), and
+/// the balance slack.
+#[derive(Clone, Copy, Debug)]
+pub struct Keep<'a> {
+    /// Expert-load statistics.
+    pub load: Option<&'a LoadStats>,
+    /// Co-selection statistics.
+    pub coselect: Option<&'a CoSelection>,
+    /// Keep each node's experts as the plan has them.
+    pub within_nodes: bool,
+    /// How much busier (relative) than the plan's busiest device any device may get.
+    pub slack: f64,
+}
 
 /// `lists` reassigned among interchangeable devices (same node, kind, architecture, memory
 /// bandwidth and count) greedily by overlap with `held`, never keeping fewer in place.
@@ -1087,7 +1108,19 @@ mod tests {
             &[vec![0b1100, 0b0011, 0b0010], vec![0b0010, 0b0001, 0b1100]],
         );
         assert!(transition(&t, &m, &old, &swapped).expect("a plan").loads() > 0);
-        let kept = keep_in_place(&t, &m, &old, &swapped, None, None, true).expect("same model");
+        let kept = keep_in_place(
+            &t,
+            &m,
+            &old,
+            &swapped,
+            &Keep {
+                load: None,
+                coselect: None,
+                within_nodes: true,
+                slack: REPACK_SLACK,
+            },
+        )
+        .expect("same model");
         assert_eq!(kept, old);
         assert_eq!(
             transition(&t, &m, &old, &kept).expect("no change").loads(),
@@ -1105,8 +1138,19 @@ mod tests {
             };
             rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1);
             let (pa, pb) = (placement(&t, &m, &a), placement(&t, &m, &b));
-            let kept =
-                keep_in_place(&t, &m, &pa, &pb, None, None, seed % 2 == 0).expect("same model");
+            let kept = keep_in_place(
+                &t,
+                &m,
+                &pa,
+                &pb,
+                &Keep {
+                    load: None,
+                    coselect: None,
+                    within_nodes: seed % 2 == 0,
+                    slack: REPACK_SLACK,
+                },
+            )
+            .expect("same model");
             let moves = |p: &Placement| {
                 transition(&t, &m, &pa, p).map(|x| {
                     x.loads()
@@ -1142,8 +1186,13 @@ mod tests {
             let skew = |e: usize| (1 + (seed as usize + 3 * e) % 7) as f64;
             let counts = (0..2).map(|_| Some((0..4).map(skew).collect())).collect();
             let stats = LoadStats::new(&m, counts).expect("valid statistics");
-            let kept = keep_in_place(&t, &m, &pa, &pb, Some(&stats), None, seed % 2 == 0)
-                .expect("same model");
+            let how = Keep {
+                load: Some(&stats),
+                coselect: None,
+                within_nodes: seed % 2 == 0,
+                slack: REPACK_SLACK,
+            };
+            let kept = keep_in_place(&t, &m, &pa, &pb, &how).expect("same model");
             for (li, &layer) in pb.layers().iter().enumerate() {
                 let loads = crate::layer_loads(&m, Some(&stats), None, li);
                 let busiest = |p: &Placement| {

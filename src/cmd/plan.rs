@@ -20,7 +20,9 @@ use expertmesh_planner::calibrate::{self, BenchFile, Calibration, CalibrationIte
 use expertmesh_planner::eplb::{self, EplbLayers};
 use expertmesh_planner::evaluate::{Evaluation, Evaluator, Hardware, Roofline};
 use expertmesh_planner::stats::{CoSelection, LoadStats};
-use expertmesh_planner::transition::{Transition, TransitionError, keep_in_place, transition};
+use expertmesh_planner::transition::{
+    Keep, Transition, TransitionError, keep_in_place, transition,
+};
 use expertmesh_planner::wire::WireModel;
 use expertmesh_planner::{
     self as plan, PlanError, PlanOptions, SharedPolicy, Shortfall, Strategy, capacity,
@@ -106,6 +108,11 @@ pub(crate) struct PlanArgs {
     /// are full).
     #[arg(long)]
     from: Option<PathBuf>,
+    /// With --from: how much busier (relative) than the plan's busiest device a device may get
+    /// so that experts stay where they are served (0.02 = 2%; 0 moves only what keeps the
+    /// plan's balance).
+    #[arg(long, default_value_t = expertmesh_planner::transition::REPACK_SLACK)]
+    move_slack: f64,
     /// Print the report as JSON (stdout).
     #[arg(long)]
     json: bool,
@@ -261,6 +268,9 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
     if args.batch == 0 || args.concurrency == 0 {
         return Err(Usage("--batch and --concurrency must be at least 1".into()));
     }
+    if !(args.move_slack.is_finite() && args.move_slack >= 0.0) {
+        return Err(Usage("--move-slack must be a non-negative number".into()));
+    }
     if !(args.locality_slack.is_finite() && args.locality_slack >= 0.0) {
         return Err(Usage(
             "--locality-slack must be a non-negative number".into(),
@@ -286,17 +296,15 @@ fn run_inner(args: &PlanArgs) -> Result<ExitCode, Usage> {
         Some(path) => {
             let (t, m) = (&inputs.topology, &inputs.model);
             let old = Placement::load(path, t, m).map_err(|e| Usage(format!("--from: {e}")))?;
-            let kept = keep_in_place(
-                t,
-                m,
-                &old,
-                &placement,
-                inputs.load.as_ref(),
-                inputs.coselect.as_ref(),
+            let how = Keep {
+                load: inputs.load.as_ref(),
+                coselect: inputs.coselect.as_ref(),
                 // A hierarchical plan chose each node's experts: keep them.
-                strategy_name != "global",
-            )
-            .map_err(|e| Usage(format!("--from: {e}")))?;
+                within_nodes: strategy_name != "global",
+                slack: args.move_slack,
+            };
+            let kept = keep_in_place(t, m, &old, &placement, &how)
+                .map_err(|e| Usage(format!("--from: {e}")))?;
             let live = transition(t, m, &old, &kept);
             (kept, Some(live))
         }

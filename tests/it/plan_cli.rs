@@ -741,6 +741,37 @@ fn a_live_change_from_the_served_placement_stays_within_memory() {
         (Some(0), Some(0)),
         "{live}"
     );
+    // With no balance slack, keeping in place leaves the busiest device as the plan has it
+    // (per layer, within rounding), and a negative slack is a usage error.
+    let balance = |extra: &[&str]| -> f64 {
+        let args = ["plan", "--topology", topo, "--model", "demo-small"];
+        let r = run(&[
+            &args[..],
+            &["--synthetic-load", "zipf:1.2:3", "--json"],
+            extra,
+        ]
+        .concat());
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        json(&r)["load"]["after"]["max_over_mean"].as_f64().unwrap()
+    };
+    let (plain, strict) = (
+        balance(&[]),
+        balance(&["--from", &old, "--move-slack", "0"]),
+    );
+    assert!(
+        strict <= plain * (1.0 + 1e-9),
+        "{strict} vs the plan's {plain}"
+    );
+    let r = run(&[
+        "plan",
+        "--topology",
+        topo,
+        "--model",
+        "demo-small",
+        "--move-slack=-1",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert!(r.stderr.contains("--move-slack"), "{}", r.stderr);
     // A placement of another model is refused with the option's name.
     let r = run(&[
         "plan",
