@@ -271,6 +271,14 @@ pub struct RowBlockJob<'a> {
 #[cfg(target_arch = "x86_64")]
 type StreamKernels<J> = [unsafe fn(&[J], &mut [[f32; ROWS]]) -> usize; 3];
 
+/// A one-token stream kernel generic over its stream count, as [`StreamKernels`] for 4, 2, 1.
+#[cfg(target_arch = "x86_64")]
+macro_rules! streams {
+    ($($kernel:ident)::+) => {
+        [$($kernel)::+::<4> as _, $($kernel)::+::<2> as _, $($kernel)::+::<1> as _]
+    };
+}
+
 /// Runs `jobs` in interleaved passes: from each first job, up to [`MAX_STREAMS`] consecutive
 /// jobs that share its K and format, run by the widest of `kernels` that fits.
 ///
@@ -334,36 +342,14 @@ pub fn rowblocks_exact_1(isa: Isa, jobs: &[RowBlockJob<'_>], out: &mut [[f32; RO
             // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row block is
             // inside its matrix (asserted); the tokens' lengths are the backend's (checked before
             // any kernel runs, asserted in debug).
-            unsafe {
-                run_stream_passes(
-                    jobs,
-                    out,
-                    |j| j.m,
-                    [
-                        x86::exact_vnni_1::<4> as _,
-                        x86::exact_vnni_1::<2> as _,
-                        x86::exact_vnni_1::<1> as _,
-                    ],
-                )
-            }
+            unsafe { run_stream_passes(jobs, out, |j| j.m, streams!(x86::exact_vnni_1)) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
             // SAFETY: the CPU supports AVX2 and F16C (checked above); every job's row block is
             // inside its matrix (asserted); the tokens' lengths are the backend's (checked before
             // any kernel runs, asserted in debug).
-            unsafe {
-                run_stream_passes(
-                    jobs,
-                    out,
-                    |j| j.m,
-                    [
-                        x86::exact_avx2_1::<4> as _,
-                        x86::exact_avx2_1::<2> as _,
-                        x86::exact_avx2_1::<1> as _,
-                    ],
-                )
-            }
+            unsafe { run_stream_passes(jobs, out, |j| j.m, streams!(x86::exact_avx2_1)) }
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
@@ -420,35 +406,13 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
             // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); every job's row block is
             // inside its matrix and every level holds K codes and K/32 scales and sums (asserted).
-            unsafe {
-                run_stream_passes(
-                    jobs,
-                    out,
-                    |j| j.m,
-                    [
-                        x86::accurate_levels::<4> as _,
-                        x86::accurate_levels::<2> as _,
-                        x86::accurate_levels::<1> as _,
-                    ],
-                )
-            }
+            unsafe { run_stream_passes(jobs, out, |j| j.m, streams!(x86::accurate_levels)) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
             // SAFETY: the CPU supports AVX2, F16C and FMA (checked above); every job's row block is
             // inside its matrix and every level holds K codes and K/32 scales and sums (asserted).
-            unsafe {
-                run_stream_passes(
-                    jobs,
-                    out,
-                    |j| j.m,
-                    [
-                        x86::accurate_levels_avx2::<4> as _,
-                        x86::accurate_levels_avx2::<2> as _,
-                        x86::accurate_levels_avx2::<1> as _,
-                    ],
-                )
-            }
+            unsafe { run_stream_passes(jobs, out, |j| j.m, streams!(x86::accurate_levels_avx2)) }
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {

@@ -180,19 +180,10 @@ pub fn transition(
 ) -> Result<Transition, TransitionError> {
     let layers = check_same(old, new)?;
     let slots = routed_slots(topology, model, old);
-    let held = |p: &Placement| -> Vec<Vec<BTreeSet<u32>>> {
-        layers
-            .iter()
-            .map(|&l| {
-                topology
-                    .devices()
-                    .iter()
-                    .map(|d| p.experts_on(d.rank(), l).iter().copied().collect())
-                    .collect()
-            })
-            .collect()
-    };
-    let (state, target) = (held(old), held(new));
+    let (state, target) = (
+        held_sets(topology, old, &layers),
+        held_sets(topology, new, &layers),
+    );
     for (which, p) in [("old", &state), ("new", &target)] {
         for (r, &room) in slots.iter().enumerate() {
             let n = count(p, r);
@@ -284,17 +275,23 @@ pub fn keep_in_place(
     let layers = check_same(old, new)?;
     let devices = topology.devices();
     let speed: Vec<f64> = devices.iter().map(|d| d.memory_bandwidth_gb_s()).collect();
+    // Devices alike in all but their lists: node, kind and architecture, bandwidth.
+    let alike: Vec<(usize, String, u64)> = devices
+        .iter()
+        .map(|d| {
+            let kind = format!("{:?}/{}", d.kind(), d.arch());
+            (d.node_index(), kind, d.memory_bandwidth_gb_s().to_bits())
+        })
+        .collect();
+    let all_held = held_sets(topology, old, &layers);
     let mut slots = Vec::with_capacity(layers.len());
     for (li, &layer) in layers.iter().enumerate() {
         let lists: Vec<Vec<u32>> = devices
             .iter()
             .map(|d| new.experts_on(d.rank(), layer).to_vec())
             .collect();
-        let held: Vec<BTreeSet<u32>> = devices
-            .iter()
-            .map(|d| old.experts_on(d.rank(), layer).iter().copied().collect())
-            .collect();
-        let mut out = swap_lists(topology, &lists, &held);
+        let held = &all_held[li];
+        let mut out = swap_lists(&alike, &lists, held);
         // Per replica of each expert: its load shared by its replicas.
         let loads = crate::layer_loads(model, load, coselect, li);
         let mut replicas = vec![0u32; loads.len()];
@@ -325,7 +322,7 @@ pub fn keep_in_place(
                     .sum()
             };
             let cap = busiest(&lists) * (1.0 + slack.max(0.0));
-            let Some(repacked) = repack_node(&members, &lists, &held, &weight, &speed, cap) else {
+            let Some(repacked) = repack_node(&members, &lists, held, &weight, &speed, cap) else {
                 continue;
             };
             let mut candidate = out.clone();
@@ -369,29 +366,23 @@ pub struct Keep<'a> {
     pub slack: f64,
 }
 
-/// `lists` reassigned among interchangeable devices (same node, kind, architecture, memory
-/// bandwidth and count) greedily by overlap with `held`, never keeping fewer in place.
-fn swap_lists(topology: &Topology, lists: &[Vec<u32>], held: &[BTreeSet<u32>]) -> Vec<Vec<u32>> {
-    let devices = topology.devices();
-    let class = |r: usize| {
-        let d = &devices[r];
-        let kind = format!("{:?}/{}", d.kind(), d.arch());
-        (
-            d.node_index(),
-            kind,
-            d.memory_bandwidth_gb_s().to_bits(),
-            lists[r].len(),
-        )
-    };
+/// `lists` reassigned among interchangeable devices (equal in `alike`: node, kind and
+/// architecture, memory bandwidth; and holding as many) greedily by overlap with `held`, never
+/// keeping fewer in place.
+fn swap_lists(
+    alike: &[(usize, String, u64)],
+    lists: &[Vec<u32>],
+    held: &[BTreeSet<u32>],
+) -> Vec<Vec<u32>> {
+    let n = lists.len();
+    let class = |r: usize| (&alike[r], lists[r].len());
     let mut out = lists.to_vec();
-    let mut done = vec![false; devices.len()];
-    for r in 0..devices.len() {
+    let mut done = vec![false; n];
+    for r in 0..n {
         if done[r] {
             continue;
         }
-        let members: Vec<usize> = (0..devices.len())
-            .filter(|&o| class(o) == class(r))
-            .collect();
+        let members: Vec<usize> = (0..n).filter(|&o| class(o) == class(r)).collect();
         for &m in &members {
             done[m] = true;
         }
@@ -542,6 +533,18 @@ fn settle(
         sum[b] -= dw;
         sum[d] += dw;
     }
+}
+
+/// Per MoE layer (`layers`, in order) and device rank, the routed experts `p` places there.
+fn held_sets(topology: &Topology, p: &Placement, layers: &[u32]) -> Vec<Vec<BTreeSet<u32>>> {
+    let devices = topology.devices();
+    let on = |l: u32| -> Vec<BTreeSet<u32>> {
+        let sets = devices
+            .iter()
+            .map(|d| p.experts_on(d.rank(), l).iter().copied());
+        sets.map(|s| s.collect()).collect()
+    };
+    layers.iter().map(|&l| on(l)).collect()
 }
 
 /// The MoE layers of two placements of the same model on the same devices, with the same
@@ -908,21 +911,7 @@ mod tests {
     ) -> Result<(), TestCaseError> {
         let layers = old.layers().to_vec();
         let devices = old.device_count();
-        let held = |p: &Placement| -> Vec<Vec<BTreeSet<u32>>> {
-            layers
-                .iter()
-                .map(|&l| {
-                    (0..devices)
-                        .map(|r| {
-                            p.experts_on(DeviceRank(r as u32), l)
-                                .iter()
-                                .copied()
-                                .collect()
-                        })
-                        .collect()
-                })
-                .collect()
-        };
+        let held = |p: &Placement| held_sets(t, p, &layers);
         let mut state = held(old);
         for (i, step) in plan.steps.iter().enumerate() {
             prop_assert!(

@@ -115,6 +115,22 @@ pub fn normal_vec(rng: &mut SplitMix64, n: usize, scale: f64) -> Vec<f32> {
     (0..n).map(|_| (rng.normal() * scale) as f32).collect()
 }
 
+/// `n` weights on the breakpoints of a random bfloat16 scale `d` near 0.01 (`(c + ½)·d` for
+/// codes `c` in `-8 ..= 7`, where round-half-even decides the code), each moved up to two
+/// ulps off it when `jitter`: the groups where a quantizer's f32 division decides, for the
+/// searched quantizer's tests.
+pub fn half_step_group(rng: &mut SplitMix64, n: usize, jitter: bool) -> Vec<f32> {
+    let d = half::bf16::from_f64(0.01 * (1.0 + rng.next_f64())).to_f64();
+    (0..n)
+        .map(|_| {
+            let c = (rng.next_u64() % 16) as f64 - 8.0;
+            let v = ((c + 0.5) * d) as f32;
+            let ulps = (rng.next_u64() % 5) as i32 - 2;
+            f32::from_bits((v.to_bits() as i32 + ulps * i32::from(jitter)) as u32)
+        })
+        .collect()
+}
+
 /// A packed matrix filled directly with random codes and scales (no dense matrix, so large
 /// experts are generated at memory speed). Codes are uniform over 0..16 and scales are
 /// `(0.5 + U[0,1)) · base` with `base` chosen so a unit-variance input gives unit-variance

@@ -617,7 +617,6 @@ mod tests {
     use super::super::solve::Solver;
     use super::*;
     use crate::synth::SplitMix64;
-    use half::bf16;
 
     /// A search at `level`.
     fn at(level: Level) -> Direct {
@@ -661,17 +660,7 @@ mod tests {
             );
         }
         for r in 0..64 {
-            let d = bf16::from_f64(0.01 * (1.0 + rng.next_u64() as f64 / u64::MAX as f64)).to_f64();
-            out.push(
-                (0..gs)
-                    .map(|_| {
-                        let c = (rng.next_u64() % 16) as f64 - 8.0;
-                        let v = ((c + 0.5) * d) as f32;
-                        let ulps = (rng.next_u64() % 5) as i32 - 2;
-                        f32::from_bits((v.to_bits() as i32 + ulps * (r % 2)) as u32)
-                    })
-                    .collect(),
-            );
+            out.push(crate::synth::half_step_group(rng, gs, r % 2 == 1));
         }
         out
     }

@@ -15,7 +15,7 @@ use expertmesh_quant::search::{
     Choice, choice_order, quantize_matrix_searched, relative_error, search_group,
     search_group_sweep,
 };
-use expertmesh_quant::synth::SplitMix64;
+use expertmesh_quant::synth::{SplitMix64, half_step_group};
 use half::bf16;
 use std::cmp::Ordering;
 use std::collections::HashMap;
@@ -375,16 +375,7 @@ fn direct_search_matches_the_sweep() {
             // Weights on the breakpoints of a bfloat16 scale (`(c + ½)·d`, where the code is a
             // half-even tie), and a few ulps off them: the cases where the f32 division decides.
             for r in 0..512 {
-                let d =
-                    bf16::from_f64(0.01 * (1.0 + rng.next_u64() as f64 / u64::MAX as f64)).to_f64();
-                let w: Vec<f32> = (0..gs)
-                    .map(|_| {
-                        let c = (rng.next_u64() % 16) as f64 - 8.0;
-                        let v = ((c + 0.5) * d) as f32;
-                        let ulps = (rng.next_u64() % 5) as i32 - 2;
-                        f32::from_bits((v.to_bits() as i32 + ulps * (r % 2)) as u32)
-                    })
-                    .collect();
+                let w = half_step_group(&mut rng, gs, r % 2 == 1);
                 let (got, want) = (search_group(&w, spec), search_group_sweep(&w, spec));
                 assert_eq!(got, want, "{spec} half-step group {r}: weights {w:?}");
             }
