@@ -41,6 +41,9 @@ enum Command {
     Router(cmd::router::RouterCli),
     /// One MoE-layer call from .npy files through a running router.
     Infer(cmd::infer::InferCli),
+    /// Apply a new placement to a running fabric: gaining devices load first, losing devices
+    /// release once every router stopped sending them; no call fails.
+    Rebalance(cmd::rebalance::RebalanceCli),
     /// Make the cluster's credentials: a master key (`init`), and each process's own
     /// credential file (`issue`).
     #[command(subcommand)]
@@ -157,6 +160,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Worker(args) => cmd::worker::run(args),
         Command::Router(args) => cmd::router::run(args),
         Command::Infer(args) => cmd::infer::run(args),
+        Command::Rebalance(args) => cmd::rebalance::run(args),
         Command::Keys(args) => cmd::keys::run(args),
         Command::Deploy(args) => cmd::deploy::run(args),
         Command::Bench(target) => cmd::bench::run(target),

@@ -33,7 +33,7 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
 Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
 
 /// Each command's exit codes, appended to its own --help (after any text it has).
-pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 9] = [
+pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 10] = [
     ("models", MODELS_EXIT),
     ("validate", VALIDATE_EXIT),
     ("plan", PLAN_EXIT),
@@ -43,6 +43,7 @@ pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 9] = [
     ("worker", SERVE_EXIT),
     ("router", SERVE_EXIT),
     ("infer", INFER_EXIT),
+    ("rebalance", REBALANCE_EXIT),
 ];
 const MODELS_EXIT: &str = "Exit codes: 0 listed or shown; 1 the model file has problems; 2 unknown preset, unreadable file, bad options.";
 const VALIDATE_EXIT: &str = "Exit codes: 0 valid; 1 problems found (listed with line:column); 2 unreadable file, unknown preset, bad options.";
@@ -51,4 +52,5 @@ const PLAN_EXIT: &str =
 const DEMO_EXIT: &str = "Exit codes: 0 every response matched the reference; 1 mismatched or failed responses; 2 usage or start-up error.";
 const SERVE_EXIT: &str =
     "Exit codes: 0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used).";
+const REBALANCE_EXIT: &str = "Exit codes: 0 the placement is served; 1 the router refused it or the change failed (undone, or the devices that did not confirm named); 2 usage, file or connection error.";
 const INFER_EXIT: &str = "Exit codes: 0 output written; 1 the router answered with an error; 2 usage, I/O or connection error.";

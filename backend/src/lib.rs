@@ -399,4 +399,26 @@ pub trait ExpertBackend: Send {
 
     /// Bytes of expert weights pinned.
     fn loaded_bytes(&self) -> u64;
+
+    /// Pin the experts of `source` next to those loaded (a live placement change: the device
+    /// gains experts while it serves its others). Keys already loaded are an error, and so is a
+    /// hidden size unlike the loaded experts'. A backend that cannot change its set while
+    /// serving says so (the default), and the change is refused for its device.
+    fn add_experts(&mut self, source: &mut dyn ExpertSource) -> Result<(), BackendError> {
+        let _ = source;
+        Err(BackendError::Source(format!(
+            "the {} backend cannot gain experts while serving; restart its worker with the new placement",
+            self.name()
+        )))
+    }
+
+    /// Release `keys` (a live placement change: the device lost them) and their memory. A key
+    /// not loaded is an error and nothing is released.
+    fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        let _ = keys;
+        Err(BackendError::Source(format!(
+            "the {} backend cannot release experts while serving; restart its worker with the new placement",
+            self.name()
+        )))
+    }
 }

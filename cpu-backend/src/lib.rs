@@ -85,6 +85,8 @@ pub const AMX_MIN_COLS: usize = 768;
 #[derive(Debug)]
 struct CpuExpert {
     inter: usize,
+    /// Bytes of its packed weights (the format's accounting, as `loaded_bytes` counts).
+    bytes: u64,
     w13: R16Matrix,
     w2: R16Matrix,
 }
@@ -272,6 +274,8 @@ pub struct CpuBackend {
     limits: BatchLimits,
     scratch: Option<Scratch>,
     loaded_bytes: u64,
+    /// Hidden size of every loaded expert.
+    hidden: usize,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -363,6 +367,7 @@ impl CpuBackend {
             },
             scratch: None,
             loaded_bytes: 0,
+            hidden: 0,
         })
     }
 
@@ -480,90 +485,18 @@ impl ExpertBackend for CpuBackend {
         source: &mut dyn ExpertSource,
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
-        let shapes: Vec<ExpertShape> = source.shapes().to_vec();
-        let hidden = shapes.first().map_or(0, |s| s.hidden);
-        let mut index = HashMap::with_capacity(shapes.len());
-        for s in &shapes {
-            if s.hidden != hidden {
-                return Err(BackendError::Shape(format!(
-                    "{} has hidden size {} but other experts have {hidden}",
-                    s.key, s.hidden
-                )));
-            }
-            s.quant
-                .check_shape("W13", s.hidden)
-                .and_then(|()| s.quant.check_shape("W2", s.inter))
-                .map_err(|e| BackendError::Shape(format!("{}: {e}", s.key)))?;
-            if index.insert(s.key, index.len()).is_some() {
-                return Err(BackendError::Shape(format!("{} was given twice", s.key)));
-            }
-        }
-        let bytes: u64 = shapes
+        let packed = pack_source(source, None)?;
+        self.index = packed
+            .keys
             .iter()
-            .map(|s| s.quant.expert_bytes(s.hidden as u64, s.inter as u64))
-            .sum();
-        let max_inter = shapes.iter().map(|s| s.inter).max().unwrap_or(0);
-        let dims: Vec<MatrixDims> = shapes
-            .iter()
-            .flat_map(|s| {
-                [
-                    (2 * s.inter, s.hidden, s.quant),
-                    (s.hidden, s.inter, s.quant),
-                ]
-            })
+            .enumerate()
+            .map(|(i, &k)| (k, i))
             .collect();
-        // One arena for every matrix of the device (huge pages, one stream of allocations).
-        let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
-        let packed = R16Matrix::pack_streamed(&dims, |i, write| {
-            let (s, d) = (&shapes[i / 2], dims[i]);
-            // In place when the source can (a mapped shard): no copy before the repack.
-            if let Some(r) = source.expert_ref(i / 2) {
-                let (w13, w2) = r?;
-                let m: &dyn PackedRows = if i % 2 == 0 { &w13 } else { &w2 };
-                if (m.rows(), m.cols(), m.spec()) != d {
-                    return Err(mismatch(s, m.rows(), m.cols(), m.spec()));
-                }
-                write(m);
-                return Ok(());
-            }
-            if i % 2 == 1 {
-                let w2 = pending_w2.take().expect("W2 follows its W13");
-                write(&w2);
-                return Ok(());
-            }
-            let w = source.expert(i / 2)?;
-            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
-                return Err(mismatch(s, 2 * w.inter(), w.hidden(), w.spec()));
-            }
-            let (w13, w2) = w.into_parts();
-            write(&w13);
-            pending_w2 = Some(w2);
-            Ok(())
-        })?;
-        source.finish()?;
-        let mut packed = packed.into_iter();
-        let mut list = Vec::with_capacity(shapes.len());
-        for s in &shapes {
-            let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
-                unreachable!("two matrices were packed per expert")
-            };
-            list.push(CpuExpert {
-                inter: s.inter,
-                w13,
-                w2,
-            });
-        }
-        self.scratch = Some(Scratch::new(
-            hidden,
-            max_inter,
-            list.len(),
-            limits,
-            self.isa,
-        ));
-        self.index = index;
-        self.experts = list;
+        self.experts = packed.experts;
         self.limits = limits;
-        self.loaded_bytes = bytes;
+        self.loaded_bytes = packed.bytes;
+        self.hidden = packed.hidden;
+        self.resize_scratch();
         Ok(())
     }
 
@@ -641,6 +574,154 @@ impl ExpertBackend for CpuBackend {
     fn loaded_bytes(&self) -> u64 {
         self.loaded_bytes
     }
+
+    /// Packs the new experts into an arena of their own (the loaded ones are untouched and
+    /// keep serving), then adds them; the scratch buffers grow with the expert count.
+    fn add_experts(&mut self, source: &mut dyn ExpertSource) -> Result<(), BackendError> {
+        if self.scratch.is_none() {
+            return Err(BackendError::NotLoaded);
+        }
+        let packed = pack_source(source, Some((&self.index, self.hidden)))?;
+        for (k, e) in packed.keys.into_iter().zip(packed.experts) {
+            self.index.insert(k, self.experts.len());
+            self.experts.push(e);
+        }
+        self.loaded_bytes += packed.bytes;
+        self.resize_scratch();
+        Ok(())
+    }
+
+    /// Drops the experts; an arena's memory returns once none of its experts is left.
+    fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        if let Some(k) = keys.iter().find(|k| !self.index.contains_key(k)) {
+            return Err(BackendError::UnknownExpert(*k));
+        }
+        let gone: std::collections::HashSet<usize> = keys.iter().map(|k| self.index[k]).collect();
+        let mut order: Vec<(usize, ExpertKey)> = self.index.iter().map(|(&k, &i)| (i, k)).collect();
+        order.sort_unstable();
+        let experts = std::mem::take(&mut self.experts);
+        self.index.clear();
+        for ((i, key), e) in order.into_iter().zip(experts) {
+            if gone.contains(&i) {
+                self.loaded_bytes -= e.bytes;
+                continue;
+            }
+            self.index.insert(key, self.experts.len());
+            self.experts.push(e);
+        }
+        self.resize_scratch();
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// Buffers for batches up to the limits over the experts loaded now (a load, or a live
+    /// change of the set: never on the data path).
+    fn resize_scratch(&mut self) {
+        let max_inter = self.experts.iter().map(|e| e.inter).max().unwrap_or(0);
+        self.scratch = Some(Scratch::new(
+            self.hidden,
+            max_inter,
+            self.experts.len(),
+            self.limits,
+            self.isa,
+        ));
+    }
+}
+
+/// Experts packed from a source ([`pack_source`]), in the source's order.
+struct PackedSet {
+    keys: Vec<ExpertKey>,
+    experts: Vec<CpuExpert>,
+    hidden: usize,
+    bytes: u64,
+}
+
+/// Packs every expert of `source` into one arena (huge pages, one stream of allocations),
+/// each as the source hands it over. With `loaded` (the index and hidden size of experts
+/// already loaded) the new ones must have that hidden size and keys not loaded yet.
+fn pack_source(
+    source: &mut dyn ExpertSource,
+    loaded: Option<(&HashMap<ExpertKey, usize>, usize)>,
+) -> Result<PackedSet, BackendError> {
+    let shapes: Vec<ExpertShape> = source.shapes().to_vec();
+    let hidden = loaded.map_or_else(|| shapes.first().map_or(0, |s| s.hidden), |(_, h)| h);
+    let mut seen = std::collections::HashSet::with_capacity(shapes.len());
+    for s in &shapes {
+        if s.hidden != hidden {
+            return Err(BackendError::Shape(format!(
+                "{} has hidden size {} but other experts have {hidden}",
+                s.key, s.hidden
+            )));
+        }
+        s.quant
+            .check_shape("W13", s.hidden)
+            .and_then(|()| s.quant.check_shape("W2", s.inter))
+            .map_err(|e| BackendError::Shape(format!("{}: {e}", s.key)))?;
+        if !seen.insert(s.key) || loaded.is_some_and(|(index, _)| index.contains_key(&s.key)) {
+            return Err(BackendError::Shape(format!("{} was given twice", s.key)));
+        }
+    }
+    let bytes: u64 = shapes
+        .iter()
+        .map(|s| s.quant.expert_bytes(s.hidden as u64, s.inter as u64))
+        .sum();
+    let dims: Vec<MatrixDims> = shapes
+        .iter()
+        .flat_map(|s| {
+            [
+                (2 * s.inter, s.hidden, s.quant),
+                (s.hidden, s.inter, s.quant),
+            ]
+        })
+        .collect();
+    let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
+    let packed = R16Matrix::pack_streamed(&dims, |i, write| {
+        let (s, d) = (&shapes[i / 2], dims[i]);
+        // In place when the source can (a mapped shard): no copy before the repack.
+        if let Some(r) = source.expert_ref(i / 2) {
+            let (w13, w2) = r?;
+            let m: &dyn PackedRows = if i % 2 == 0 { &w13 } else { &w2 };
+            if (m.rows(), m.cols(), m.spec()) != d {
+                return Err(mismatch(s, m.rows(), m.cols(), m.spec()));
+            }
+            write(m);
+            return Ok(());
+        }
+        if i % 2 == 1 {
+            let w2 = pending_w2.take().expect("W2 follows its W13");
+            write(&w2);
+            return Ok(());
+        }
+        let w = source.expert(i / 2)?;
+        if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
+            return Err(mismatch(s, 2 * w.inter(), w.hidden(), w.spec()));
+        }
+        let (w13, w2) = w.into_parts();
+        write(&w13);
+        pending_w2 = Some(w2);
+        Ok(())
+    })?;
+    source.finish()?;
+    let mut packed = packed.into_iter();
+    let mut experts = Vec::with_capacity(shapes.len());
+    for s in &shapes {
+        let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
+            unreachable!("two matrices were packed per expert")
+        };
+        experts.push(CpuExpert {
+            inter: s.inter,
+            bytes: s.quant.expert_bytes(s.hidden as u64, s.inter as u64),
+            w13,
+            w2,
+        });
+    }
+    Ok(PackedSet {
+        keys: shapes.iter().map(|s| s.key).collect(),
+        experts,
+        hidden,
+        bytes,
+    })
 }
 
 /// What every step of one `execute` shares: the batch, the loaded experts, the pool and the

@@ -14,7 +14,7 @@ use expertmesh_fuzz::{
 use expertmesh_transport::codec::{
     self, Auth, Body, CLIENT_RANK, CodecConfig, Credit, Dispatch, ErrorCode, ErrorFrame,
     ExpertResult, FORMAT_VERSION, Heartbeat, Hello, LayerRequest, LayerResponse, LinkInfo,
-    OutputLayout, ComputeMode,
+    OutputLayout, ComputeMode, Placement, PlacementOp, encode_placement_entries,
 };
 use expertmesh_transport::crypto::{Key, Sealer};
 use expertmesh_transport::{ActivationDtype, OutputDtype};
@@ -124,6 +124,10 @@ fn every_kind() -> Vec<(Body, Vec<u8>)> {
                 dtype: OutputDtype::F32,
             }),
             vec![0x3d; 3 * 16 * 4],
+        ),
+        (
+            Body::Placement(Placement::new(PlacementOp::Hold, 2, 2)),
+            encode_placement_entries(&[(1, 0, 3), (1, 0, 4)]),
         ),
     ]
 }

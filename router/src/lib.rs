@@ -26,6 +26,7 @@ pub mod health;
 pub mod metrics;
 pub mod plan;
 pub mod ranks;
+pub mod rebalance;
 pub mod reference;
 pub mod service;
 #[cfg(any(test, feature = "sim"))]

@@ -29,7 +29,11 @@
 
 use crate::admission::{Admission, AdmissionLimits, Shed};
 use crate::core::{Action, ClientId, RouterCore};
-use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest, LayerResponse};
+use crate::rebalance::{ChangeAction, Coordinator};
+use expertmesh_transport::codec::{
+    Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
+    placement_entries,
+};
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::frontend::{
     FrameHead, FrameListener, FrameReader, FrameWriter as FrontendWriter, FrontendConfig,
@@ -92,6 +96,13 @@ enum CoreInput {
         batch: u64,
         part: u32,
     },
+    /// A frontend asks to apply a placement to the running fabric.
+    Apply {
+        client: ClientId,
+        request_id: u64,
+        entries: Vec<(u32, u32, u32)>,
+        timeout: Duration,
+    },
     Stop,
 }
 
@@ -107,6 +118,8 @@ enum ClientMsg {
         code: ErrorCode,
         message: String,
     },
+    /// A placement change answered ([`PlacementOp::Applied`]).
+    Placement(Placement),
 }
 
 /// A running router service. Dropping it (or [`RouterService::shutdown`]) stops everything.
@@ -196,7 +209,15 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
+        let coordinator = Coordinator::new(
+            ranks.routers(),
+            core.rank_labels(),
+            core.layers(),
+            core.spec().routed_experts,
+        );
         let core_loop = CoreLoop {
+            coordinator,
+            failed_changes: Vec::new(),
             names: core.rank_labels(),
             core,
             rx: input_rx,
@@ -555,6 +576,24 @@ impl FrontendConn {
             }
             let taken = match self.take(head).await {
                 Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
+                Take::Placement(p, head) => {
+                    match self.read_placement(&mut reader, &p, head).await {
+                        Ok(Ok(apply)) => {
+                            if send_to_core(&self.tx, apply).await.is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                        Ok(Err(message)) => {
+                            reply(p.request_id, ErrorCode::InvalidInput, message);
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::info!(%peer, error = %e, "frontend connection closed");
+                            break;
+                        }
+                    }
+                }
                 Take::Skip(head, answer) => {
                     let skipped = reader.skip_payload(head).await;
                     match answer {
@@ -614,6 +653,9 @@ impl FrontendConn {
         let req = match body {
             Some(Ok(Body::LayerRequest(req))) => *req,
             Some(Ok(Body::Heartbeat(_))) => return Take::Skip(head, None),
+            Some(Ok(Body::Placement(p))) if p.op == PlacementOp::Apply => {
+                return Take::Placement(p.clone(), head);
+            }
             Some(Ok(other)) => {
                 let message = format!(
                     "frontends send LayerRequest frames, not {:?}",
@@ -680,6 +722,43 @@ impl FrontendConn {
     }
 }
 
+impl FrontendConn {
+    /// Reads the entries of a frontend's placement to apply. `Ok(Err)`: a bad placement frame
+    /// (answered, the connection goes on); `Err`: the connection broke.
+    async fn read_placement(
+        &self,
+        reader: &mut FrameReader,
+        p: &Placement,
+        head: FrameHead,
+    ) -> Result<Result<CoreInput, String>, FrontendError> {
+        let frame = match reader.read_payload(head).await {
+            Ok(f) => f,
+            Err(FrontendError::BadFrame {
+                recoverable: true,
+                error,
+                ..
+            }) => return Ok(Err(format!("bad placement frame: {error}"))),
+            Err(e) => return Err(e),
+        };
+        let entries = match placement_entries(p, frame.payload()) {
+            Ok(e) => e,
+            Err(e) => return Ok(Err(format!("bad placement frame: {e}"))),
+        };
+        tracing::info!(
+            frontend = reader.frontend(),
+            entries = entries.len(),
+            request_id = p.request_id,
+            "placement change asked"
+        );
+        Ok(Ok(CoreInput::Apply {
+            client: self.client,
+            request_id: p.request_id,
+            entries,
+            timeout: Duration::from_millis(u64::from(p.millis.max(1))),
+        }))
+    }
+}
+
 /// An error answer: request id, code, message.
 type Answer = (u64, ErrorCode, String);
 
@@ -687,6 +766,8 @@ type Answer = (u64, ErrorCode, String);
 enum Take {
     /// An admitted request: read its payload.
     Request(LayerRequest, FrameHead),
+    /// A placement to apply: read its entries.
+    Placement(Placement, FrameHead),
     /// Skip the payload, then answer (`None`: a heartbeat, no answer).
     Skip(FrameHead, Option<Answer>),
 }
@@ -790,6 +871,10 @@ async fn write_answer(
             slots.add_permits(1);
             writer.write_error(request_id, code, &message).await
         }
+        ClientMsg::Placement(p) => {
+            slots.add_permits(1);
+            writer.write_frame(&Body::Placement(p), &[]).await
+        }
     }
 }
 
@@ -805,6 +890,7 @@ fn kind_name(b: &Body) -> &'static str {
         Body::Credit(_) => "Credit",
         Body::LayerRequest(_) => "LayerRequest",
         Body::LayerResponse(_) => "LayerResponse",
+        Body::Placement(_) => "Placement",
     }
 }
 
@@ -874,6 +960,10 @@ struct CoreLoop {
     admission: Arc<AdmissionGate>,
     /// Gives the memory of a finished burst back to the system.
     trim: MemoryTrim,
+    /// Live placement changes this router coordinates ([`crate::rebalance`]).
+    coordinator: Coordinator,
+    /// Placement changes refused before they started, to answer (client, request, why).
+    failed_changes: Vec<(ClientId, u64, String)>,
 }
 
 impl CoreLoop {
@@ -916,6 +1006,8 @@ impl CoreLoop {
                 }
             }
             self.core.on_tick(Instant::now());
+            self.coordinator.on_tick(Instant::now());
+            busy |= self.coordinate();
             busy |= self.act(&mut cx);
             let now = Instant::now();
             if busy {
@@ -924,10 +1016,14 @@ impl CoreLoop {
                 let idle = self.core.inflight() == 0 && self.admission.lock().in_flight().0 == 0;
                 self.trim.poll(now, idle);
                 let trim_at = self.trim.due().filter(|_| idle);
-                match [self.core.next_timeout(), trim_at]
-                    .into_iter()
-                    .flatten()
-                    .min()
+                match [
+                    self.core.next_timeout(),
+                    trim_at,
+                    self.coordinator.next_timeout(),
+                ]
+                .into_iter()
+                .flatten()
+                .min()
                 {
                     Some(t) => {
                         let now = Instant::now();
@@ -953,7 +1049,173 @@ impl CoreLoop {
             CoreInput::SendFailed { rank, batch, part } => {
                 self.core.on_send_failed(rank, batch, part, now)
             }
+            CoreInput::Apply {
+                client,
+                request_id,
+                entries,
+                timeout,
+            } => {
+                if let Err(message) = self
+                    .coordinator
+                    .apply(client, request_id, &entries, timeout, now)
+                {
+                    tracing::warn!(request_id, "placement change refused: {message}");
+                    self.failed_changes.push((client, request_id, message));
+                }
+            }
         }
+    }
+
+    /// A worker announced what it holds: the core routes by it from now on, the coordinator
+    /// counts it, and the worker gets this router's confirmation (behind every dispatch
+    /// planned on its older set: they were sent before, on the same link).
+    fn holding(&mut self, from: u32, p: &Placement, payload: &[u8], now: Instant) {
+        let entries = match placement_entries(p, payload) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(from, error = %e, "a worker's holding announcement is malformed; ignored");
+                return;
+            }
+        };
+        let held: Vec<(u32, u32)> = entries
+            .iter()
+            .filter(|&&(r, _, _)| r == from)
+            .map(|&(_, l, e)| (l, e))
+            .collect();
+        if held.len() != entries.len() {
+            tracing::warn!(from, "a worker announced experts of another rank; ignored");
+            return;
+        }
+        match self.core.set_holdings(from, &held) {
+            Ok(orphans) if !orphans.is_empty() => tracing::warn!(
+                worker = %self.names.get(from as usize).map_or("?", String::as_str),
+                version = p.version,
+                "experts without an owner now (calls needing them fail until one holds them): {:?}",
+                &orphans[..orphans.len().min(8)]
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(from, "a worker's holding announcement was refused: {e}");
+                return;
+            }
+        }
+        if !p.message.is_empty() {
+            tracing::warn!(
+                from,
+                version = p.version,
+                "a worker refused a placement change: {}",
+                p.message
+            );
+        }
+        self.coordinator
+            .on_holding(from, p.version, &held, &p.message, now);
+        let seen = Placement::new(PlacementOp::Seen, p.version, 0);
+        self.send_control(from, OutFrame::new(Body::Placement(seen)));
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
+    }
+
+    /// Sends a control frame (a hold, a confirmation) to worker `rank`, in order behind what
+    /// this thread sent it before; a failure is logged (a lost link is reported to the
+    /// coordinator as a lost peer).
+    fn send_control(&self, rank: u32, frame: OutFrame) {
+        self.core.metrics().on_sent(rank, &frame);
+        let mesh = self.mesh.clone();
+        let mut send = Box::pin(async move {
+            if let Err(e) = mesh.send(rank, &frame).await {
+                tracing::warn!(rank, error = %e, "placement frame not delivered");
+            }
+        });
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        if send
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending()
+        {
+            self.rt.spawn(send);
+        }
+    }
+
+    /// Carries out the coordinator's actions: holds to workers, answers to frontends.
+    fn coordinate(&mut self) -> bool {
+        let mut any = false;
+        let failed = std::mem::take(&mut self.failed_changes);
+        let mut answers: Vec<(ClientId, ClientMsg)> = failed
+            .into_iter()
+            .map(|(client, request_id, message)| {
+                let msg = ClientMsg::Error {
+                    request_id,
+                    code: ErrorCode::InvalidInput,
+                    message,
+                };
+                (client, msg)
+            })
+            .collect();
+        while let Some(a) = self.coordinator.poll_action() {
+            any = true;
+            match a {
+                ChangeAction::Hold {
+                    rank,
+                    version,
+                    experts,
+                } => {
+                    let entries: Vec<(u32, u32, u32)> =
+                        experts.iter().map(|&(l, e)| (rank, l, e)).collect();
+                    let hold = Placement::new(PlacementOp::Hold, version, entries.len());
+                    let frame = OutFrame::with_payload(
+                        Body::Placement(hold),
+                        bytes::Bytes::from(encode_placement_entries(&entries)),
+                    );
+                    self.send_control(rank, frame);
+                }
+                ChangeAction::Applied {
+                    client,
+                    request_id,
+                    version,
+                    loaded,
+                    released,
+                    took,
+                } => {
+                    tracing::info!(
+                        version,
+                        loaded,
+                        released,
+                        "placement change applied in {took:?}"
+                    );
+                    let mut p = Placement::new(PlacementOp::Applied, version, 0);
+                    p.request_id = request_id;
+                    p.loaded = loaded;
+                    p.released = released;
+                    p.millis = u32::try_from(took.as_millis()).unwrap_or(u32::MAX);
+                    answers.push((client, ClientMsg::Placement(p)));
+                }
+                ChangeAction::Failed {
+                    client,
+                    request_id,
+                    message,
+                } => {
+                    tracing::warn!(request_id, "placement change failed: {message}");
+                    let msg = ClientMsg::Error {
+                        request_id,
+                        code: ErrorCode::PeerUnavailable,
+                        message,
+                    };
+                    answers.push((client, msg));
+                }
+            }
+        }
+        if !answers.is_empty() {
+            any = true;
+            let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+            let mut cx = Context::from_waker(&waker);
+            let clients = Arc::clone(&self.clients);
+            let clients = clients.lock().unwrap_or_else(|e| e.into_inner());
+            for (client, msg) in answers {
+                if let Some(c) = clients.get(&client) {
+                    self.answer(c, msg, &mut cx);
+                }
+            }
+        }
+        any
     }
 
     fn event(&mut self, ev: TransportEvent) {
@@ -970,6 +1232,9 @@ impl CoreLoop {
                 self.core.metrics().on_received(from, f.frame_len());
                 match f.body() {
                     Body::Result(res) => self.core.on_result(from, res, f.payload(), now),
+                    Body::Placement(p) if p.op == PlacementOp::Holding => {
+                        self.holding(from, p, f.payload(), now)
+                    }
                     Body::Error(e) => {
                         self.core
                             .on_worker_error(from, e.request_id, e.code, &e.message, now)
@@ -992,6 +1257,7 @@ impl CoreLoop {
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 self.core.on_peer_lost(e.peer, now);
+                self.coordinator.on_peer_lost(e.peer, now);
                 self.core.metrics().on_link(e.peer, false);
             }
         }

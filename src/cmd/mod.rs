@@ -2,7 +2,8 @@
 //!
 //! Why this exists: a command is a thin layer between its arguments and a library, and each
 //! has one home: `models`, `validate`, `plan` and `convert` work on files; `demo`, `up`,
-//! `worker`, `router` and `infer` run or call a fabric; `keys` makes credentials; `deploy` writes the files that run a fabric on
+//! `worker`, `router` and `infer` run or call a fabric; `rebalance` changes a running
+//! fabric's placement; `keys` makes credentials; `deploy` writes the files that run a fabric on
 //! a cluster engine; `bench` runs
 //! the measurements.
 
@@ -14,6 +15,7 @@ pub(crate) mod infer;
 pub(crate) mod keys;
 pub(crate) mod models;
 pub(crate) mod plan;
+pub(crate) mod rebalance;
 pub(crate) mod router;
 pub(crate) mod up;
 pub(crate) mod validate;

@@ -33,6 +33,7 @@ mod multi_router;
 mod node_fanout;
 mod overload;
 mod plan_cli;
+mod rebalance;
 mod rejoin_identity;
 mod security;
 mod validate_examples;

@@ -221,6 +221,10 @@ pub enum FrameKind {
     /// After authentication: this end's side of a shared-memory or RDMA link (sealed on the
     /// TCP connection, so ring paths and queue pairs are never exchanged before it).
     LinkInfo = 10,
+    /// A live placement change: router → worker (hold exactly these experts), worker → every
+    /// router (what it holds now), router → worker (seen), frontend → router (apply this
+    /// placement) and router → frontend (applied). See [`Placement`].
+    Placement = 11,
 }
 
 impl FrameKind {
@@ -237,6 +241,7 @@ impl FrameKind {
             8 => Self::LayerRequest,
             9 => Self::LayerResponse,
             10 => Self::LinkInfo,
+            11 => Self::Placement,
             _ => return None,
         })
     }
@@ -787,6 +792,119 @@ pub struct LayerResponse {
     pub dtype: OutputDtype,
 }
 
+/// What a [`Placement`] frame says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum PlacementOp {
+    /// Router → worker: hold exactly the listed experts (load the missing ones first, then
+    /// drop the rest once every router has seen the new set).
+    Hold = 1,
+    /// Worker → every router: the experts it serves now, at `version` (sent when a link comes
+    /// up and after every change; `message` says why a requested change failed).
+    Holding = 2,
+    /// Router → worker: this router routes by the worker's `Holding` of `version` from now on
+    /// (sent after every dispatch planned on the older set, on the same link).
+    Seen = 3,
+    /// Frontend → router: apply this placement to the running fabric (every worker rank; a
+    /// rank without entries is emptied), within `timeout_ms`.
+    Apply = 4,
+    /// Router → frontend: the placement of [`PlacementOp::Apply`] `request_id` is served at
+    /// `version` (failures are error frames).
+    Applied = 5,
+}
+
+impl PlacementOp {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Hold,
+            2 => Self::Holding,
+            3 => Self::Seen,
+            4 => Self::Apply,
+            5 => Self::Applied,
+            _ => return None,
+        })
+    }
+}
+
+/// Longest message in a placement frame, in bytes (it fits a frontend's header read).
+pub const MAX_PLACEMENT_MESSAGE_BYTES: usize = 2048;
+
+/// Bytes of one placement entry in a payload: mesh rank, layer, expert (u32 each).
+pub const PLACEMENT_ENTRY_BYTES: usize = 12;
+
+/// A live placement change (see [`PlacementOp`]). The payload lists `entries`
+/// (mesh rank, layer, expert) triples, u32 little endian ([`encode_placement_entries`],
+/// [`placement_entries`]); a worker's own lists carry its own rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// What this frame says.
+    pub op: PlacementOp,
+    /// The frontend's request id (`Apply`, `Applied`); 0 otherwise.
+    pub request_id: u64,
+    /// The placement version: every change increases it; a worker refuses an older one.
+    pub version: u64,
+    /// (rank, layer, expert) triples in the payload.
+    pub entries: u32,
+    /// `Apply`: how long the change may take, in milliseconds; `Applied`: how long it took.
+    pub millis: u32,
+    /// `Applied`: experts loaded over every device.
+    pub loaded: u32,
+    /// `Applied`: experts released over every device.
+    pub released: u32,
+    /// Why a change failed (`Holding`), or a summary (`Applied`); UTF-8, at most
+    /// [`MAX_PLACEMENT_MESSAGE_BYTES`].
+    pub message: String,
+}
+
+impl Placement {
+    /// A frame of `op` with `entries` listed and every other field zero.
+    pub fn new(op: PlacementOp, version: u64, entries: usize) -> Self {
+        Self {
+            op,
+            request_id: 0,
+            version,
+            entries: entries as u32,
+            millis: 0,
+            loaded: 0,
+            released: 0,
+            message: String::new(),
+        }
+    }
+}
+
+/// The payload listing `entries` (mesh rank, layer, expert).
+pub fn encode_placement_entries(entries: &[(u32, u32, u32)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(entries.len() * PLACEMENT_ENTRY_BYTES);
+    for &(r, l, e) in entries {
+        out.extend_from_slice(&r.to_le_bytes());
+        out.extend_from_slice(&l.to_le_bytes());
+        out.extend_from_slice(&e.to_le_bytes());
+    }
+    out
+}
+
+/// The (mesh rank, layer, expert) entries of a placement frame's payload.
+pub fn placement_entries(
+    p: &Placement,
+    payload: &[u8],
+) -> Result<Vec<(u32, u32, u32)>, CodecError> {
+    let n = p.entries as usize;
+    if payload.len() != n.saturating_mul(PLACEMENT_ENTRY_BYTES) {
+        return Err(bad(
+            FrameKind::Placement,
+            format!(
+                "{} payload bytes for {n} entries of 12 bytes",
+                payload.len()
+            ),
+        ));
+    }
+    let u = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    Ok(payload
+        .chunks_exact(PLACEMENT_ENTRY_BYTES)
+        .map(|c| (u(&c[0..4]), u(&c[4..8]), u(&c[8..12])))
+        .collect())
+}
+
 /// The kind-specific part of a frame (everything but the payload).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Body {
@@ -810,6 +928,8 @@ pub enum Body {
     LayerRequest(LayerRequest),
     /// See [`LayerResponse`].
     LayerResponse(LayerResponse),
+    /// See [`Placement`].
+    Placement(Placement),
 }
 
 fn bad(kind: FrameKind, what: impl Into<String>) -> CodecError {
@@ -922,6 +1042,7 @@ impl Body {
             Self::Credit(_) => FrameKind::Credit,
             Self::LayerRequest(_) => FrameKind::LayerRequest,
             Self::LayerResponse(_) => FrameKind::LayerResponse,
+            Self::Placement(_) => FrameKind::Placement,
         }
     }
 
@@ -933,6 +1054,7 @@ impl Body {
             Self::Error(e) => Some(e.request_id),
             Self::LayerRequest(r) => Some(r.request_id),
             Self::LayerResponse(r) => Some(r.request_id),
+            Self::Placement(p) => Some(p.request_id),
             _ => None,
         }
     }
@@ -984,6 +1106,9 @@ impl Body {
             Self::Error(e) if e.message.len() > MAX_ERROR_MESSAGE_BYTES => {
                 return Err(bad(kind, "error message longer than 4096 bytes"));
             }
+            Self::Placement(p) if p.message.len() > MAX_PLACEMENT_MESSAGE_BYTES => {
+                return Err(bad(kind, "placement message longer than 2048 bytes"));
+            }
             _ => {}
         }
         Ok(())
@@ -1023,6 +1148,7 @@ impl Body {
                 .checked_mul(r.hidden as u64)
                 .and_then(|n| n.checked_mul(r.dtype.elem_bytes() as u64))
                 .ok_or_else(shape_err)?,
+            Self::Placement(p) => p.entries as u64 * PLACEMENT_ENTRY_BYTES as u64,
             _ => 0,
         })
     }
@@ -1064,6 +1190,7 @@ impl Body {
             Self::Credit(_) => 8,
             Self::LayerRequest(_) => 8 + 4 + 4 + 4 + 4 + 4 + 8,
             Self::LayerResponse(_) => 8 + 4 + 4 + 4,
+            Self::Placement(p) => 4 + 8 + 8 + 4 * 4 + 2 + p.message.len(),
         }
     }
 
@@ -1165,6 +1292,16 @@ impl Body {
                 out.push(r.dtype as u8);
                 out.extend_from_slice(&[0, 0, 0]);
             }
+            Self::Placement(p) => {
+                out.extend_from_slice(&[p.op as u8, 0, 0, 0]);
+                out.extend_from_slice(&p.request_id.to_le_bytes());
+                out.extend_from_slice(&p.version.to_le_bytes());
+                for v in [p.entries, p.millis, p.loaded, p.released] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                out.extend_from_slice(&(p.message.len() as u16).to_le_bytes());
+                out.extend_from_slice(p.message.as_bytes());
+            }
         }
     }
 
@@ -1200,6 +1337,7 @@ impl Body {
             }),
             FrameKind::LayerRequest => Body::LayerRequest(decode_layer_request(&mut c)?),
             FrameKind::LayerResponse => Body::LayerResponse(decode_layer_response(&mut c)?),
+            FrameKind::Placement => Body::Placement(decode_placement(&mut c)?),
         };
         c.finish()?;
         Ok(body)
@@ -1357,6 +1495,37 @@ fn decode_result(c: &mut Cursor<'_>) -> Result<ExpertResult, CodecError> {
         rows,
         hidden,
         dtype,
+    })
+}
+
+/// Decodes the metadata of a placement frame.
+fn decode_placement(c: &mut Cursor<'_>) -> Result<Placement, CodecError> {
+    let op = c.u8("placement op")?;
+    let op = PlacementOp::from_u8(op)
+        .ok_or_else(|| bad(c.kind, format!("unknown placement op {op}")))?;
+    c.take(3, "reserved")?;
+    let request_id = c.u64("request id")?;
+    let version = c.u64("version")?;
+    let entries = c.u32("entries")?;
+    let millis = c.u32("milliseconds")?;
+    let loaded = c.u32("loaded")?;
+    let released = c.u32("released")?;
+    let n = c.u16("message length")? as usize;
+    if n > MAX_PLACEMENT_MESSAGE_BYTES {
+        return Err(bad(c.kind, format!("message of {n} bytes exceeds 2048")));
+    }
+    let message = std::str::from_utf8(c.take(n, "message")?)
+        .map_err(|_| bad(c.kind, "message is not UTF-8"))?
+        .to_owned();
+    Ok(Placement {
+        op,
+        request_id,
+        version,
+        entries,
+        millis,
+        loaded,
+        released,
+        message,
     })
 }
 

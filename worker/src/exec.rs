@@ -82,6 +82,11 @@ impl DispatchExecutor {
         self.backend.name()
     }
 
+    /// The backend, to change its experts between dispatches (a live placement change).
+    pub fn backend_mut(&mut self) -> &mut dyn ExpertBackend {
+        &mut *self.backend
+    }
+
     /// Run one dispatch. Errors name the problem; the caller answers with an error frame.
     pub fn execute(
         &mut self,

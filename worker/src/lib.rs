@@ -9,6 +9,8 @@
 //! * [`exec`] — dispatch execution: a `Dispatch` frame in, a result frame out.
 //! * [`fair`] — round-robin scheduling of dispatches from several routers.
 //! * [`fanout`] — a node's leader sharing one dispatch with the node's other devices.
+//! * [`holdings`] — what the device holds during live placement changes, and when a dropped
+//!   expert may be freed.
 //! * [`metrics`] — Prometheus metrics of a worker.
 //! * [`process`] — the worker process: backend choice, mesh loop, compute thread.
 //! * [`shared`] — shared experts run on the router host, and the router core around them.
@@ -17,6 +19,7 @@ pub mod deploy;
 pub mod exec;
 pub mod fair;
 pub mod fanout;
+pub mod holdings;
 pub mod metrics;
 pub mod process;
 pub mod shared;

@@ -19,10 +19,14 @@ use crate::exec::ExecError;
 use crate::fair::FairQueue;
 use crate::fanout::{ExpertHomes, Forward, NodeFanout, ToRouter};
 use crate::weights::{self, WeightsError};
+use expertmesh_backend::ExpertKey;
 use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_router::metrics::http::MetricsServerError;
-use expertmesh_transport::codec::{Body, ErrorFrame, ExpertResult};
+use expertmesh_transport::codec::{
+    Body, ErrorFrame, ExpertResult, MAX_PLACEMENT_MESSAGE_BYTES, Placement, PlacementOp,
+    encode_placement_entries, placement_entries,
+};
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
     TransportEvent,
@@ -385,6 +389,13 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         id,
         metrics,
         stale: StaleWork::default(),
+        holdings: crate::holdings::Holdings::new(placed_experts(&dep, d)),
+        rank,
+        expert_memory: dep
+            .topology
+            .device(d)
+            .map_or(u64::MAX, |x| x.expert_memory_bytes()),
+        dep,
     };
     {
         let _guard = rt.enter();
@@ -417,6 +428,13 @@ enum Input {
     },
     /// A node peer's error for a forwarded share.
     PeerError { from: u32, frame: ErrorFrame },
+    /// A router's `Hold` or `Seen` (queued behind its dispatches: a `Seen` frees only after
+    /// every dispatch that router sent before it has run).
+    Placement {
+        from: u32,
+        frame: Placement,
+        payload: Vec<u8>,
+    },
 }
 
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
@@ -436,6 +454,14 @@ struct ComputeCtx {
     /// Work of replaced links: dispatches dropped unrun, answers not sent, and when that was
     /// last logged at warn level.
     stale: StaleWork,
+    /// What this device holds and announces (live placement changes).
+    holdings: crate::holdings::Holdings,
+    /// This worker's mesh rank.
+    rank: u32,
+    /// The device's budget for pinned experts (a change must fit next to what it serves).
+    expert_memory: u64,
+    /// The deployment (where gained experts are read from).
+    dep: Deployment,
 }
 
 /// Work that belonged to a link since replaced (its router restarted): counted, logged at
@@ -565,6 +591,11 @@ impl ComputeCtx {
                         from,
                         frame: e.clone(),
                     },
+                    Body::Placement(p) if from < self.routers => Input::Placement {
+                        from,
+                        frame: p.clone(),
+                        payload: f.payload().to_vec(),
+                    },
                     _ => return,
                 };
                 self.queue.push(from as usize, input);
@@ -572,6 +603,10 @@ impl ComputeCtx {
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
                 self.metrics.on_link(peer, true, 0);
+                if peer < self.routers {
+                    // First on the link: the router routes by what this device holds now.
+                    self.announce_to(peer);
+                }
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = self.queue.drop_sender(e.peer as usize);
@@ -589,6 +624,10 @@ impl ComputeCtx {
                     .map(|f| f.on_peer_lost(e.peer))
                     .unwrap_or_default();
                 self.answer_routers(failed);
+                if e.peer < self.routers {
+                    let free = self.holdings.on_router_lost(e.peer);
+                    self.release(&free);
+                }
             }
         }
     }
@@ -604,6 +643,11 @@ impl ComputeCtx {
                 .fanout
                 .as_mut()
                 .and_then(|f| f.on_error(from, frame.request_id, frame.code, &frame.message)),
+            Input::Placement {
+                from,
+                frame,
+                payload,
+            } => return self.placement(from, &frame, &payload),
         };
         self.answer_routers(out);
     }
@@ -660,6 +704,140 @@ impl ComputeCtx {
         self.send_on(from, generation, &out);
     }
 
+    /// A router's `Hold` (load the gains, serve the new set, announce it; free the dropped
+    /// experts once every router confirmed) or `Seen` (a router's confirmation).
+    fn placement(&mut self, from: u32, p: &Placement, payload: &[u8]) {
+        match p.op {
+            PlacementOp::Seen => {
+                let free = self.holdings.on_seen(from, p.version);
+                self.release(&free);
+            }
+            PlacementOp::Hold => {
+                let started = Instant::now();
+                let (version, gained) = match self.hold(p, payload) {
+                    Ok(v) => v,
+                    Err(why) => {
+                        tracing::warn!(worker = %self.id, version = p.version, "placement change refused: {why}");
+                        let why = truncate(&why, MAX_PLACEMENT_MESSAGE_BYTES);
+                        return self.announce_as(p.version, &why);
+                    }
+                };
+                tracing::info!(
+                    worker = %self.id, version, gained, experts = self.holdings.serving().len(),
+                    releasing = self.holdings.releasing(),
+                    "placement changed in {:.1} ms", started.elapsed().as_secs_f64() * 1e3
+                );
+                self.announce_as(version, "");
+            }
+            other => {
+                tracing::warn!(worker = %self.id, from, op = ?other, "unexpected placement frame from a router")
+            }
+        }
+    }
+
+    /// Carries out a `Hold`: checks it, loads the gains onto the backend (between dispatches:
+    /// the ones queued wait for the load), and serves the new set. Returns the version and
+    /// the experts loaded.
+    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<(u64, usize), String> {
+        if self.fanout.is_some() {
+            return Err(
+                "this device's node fans dispatches out to its devices (per-node dedup), \
+                        whose expert map cannot change while serving yet; restart the node's \
+                        workers with the new placement"
+                    .into(),
+            );
+        }
+        let entries = placement_entries(p, payload).map_err(|e| e.to_string())?;
+        if let Some(&(r, l, e)) = entries.iter().find(|&&(r, _, _)| r != self.rank) {
+            return Err(format!(
+                "the hold lists layer {l} expert {e} for mesh rank {r}, not this worker's {}",
+                self.rank
+            ));
+        }
+        let plan = self
+            .holdings
+            .plan(p.version, entries.iter().map(|&(_, l, e)| (l, e)))?;
+        if !plan.load.is_empty() {
+            let backend = self.exec.backend_mut();
+            let need = backend
+                .loaded_bytes()
+                .saturating_add(plan.load.len() as u64 * self.dep.spec.expert_bytes());
+            if need > self.expert_memory {
+                return Err(format!(
+                    "{} more experts would pin {need} bytes next to what this device serves, over \
+                     its expert_memory of {} bytes; apply the change in steps (expertmesh plan \
+                     --from shows them) or give the device more memory",
+                    plan.load.len(),
+                    self.expert_memory
+                ));
+            }
+            let mut source =
+                weights::gained_expert_source(&self.dep, &plan.load).map_err(|e| e.to_string())?;
+            backend
+                .add_experts(&mut *source)
+                .map_err(|e| format!("loading the gained experts: {e}"))?;
+        }
+        let (version, gained) = (plan.version, plan.load.len());
+        let connected: Vec<u32> = (0..self.routers)
+            .filter(|&r| self.mesh.is_connected(r))
+            .collect();
+        let free = self.holdings.commit(plan, connected);
+        self.release(&free);
+        Ok((version, gained))
+    }
+
+    /// Frees experts no router can send here any more.
+    fn release(&mut self, experts: &[(u32, u32)]) {
+        if experts.is_empty() {
+            return;
+        }
+        let keys: Vec<ExpertKey> = experts
+            .iter()
+            .map(|&(layer, expert)| ExpertKey { layer, expert })
+            .collect();
+        match self.exec.backend_mut().release_experts(&keys) {
+            Ok(()) => {
+                tracing::info!(worker = %self.id, released = keys.len(), "released the experts every router stopped sending here")
+            }
+            Err(e) => {
+                tracing::error!(worker = %self.id, error = %e, "releasing experts failed; they stay loaded")
+            }
+        }
+    }
+
+    /// Announces what this device serves to every connected router, at `version`; a
+    /// non-empty `message` says why the hold of `version` was refused (the set announced is
+    /// then the one served, at that hold's version, so the coordinator matches it).
+    fn announce_as(&mut self, version: u64, message: &str) {
+        for r in 0..self.routers {
+            if self.mesh.is_connected(r) {
+                self.announce_frame(r, version, message);
+            }
+        }
+    }
+
+    /// Announces what this device serves, at its version, to router `r` (its link came up).
+    fn announce_to(&mut self, r: u32) {
+        let version = self.holdings.version();
+        self.announce_frame(r, version, "");
+    }
+
+    fn announce_frame(&mut self, r: u32, version: u64, message: &str) {
+        let serving = self.holdings.serving();
+        let entries: Vec<(u32, u32, u32)> =
+            serving.iter().map(|&(l, e)| (self.rank, l, e)).collect();
+        let mut body = Placement::new(PlacementOp::Holding, version, entries.len());
+        body.message = message.to_owned();
+        let frame = OutFrame::with_payload(
+            Body::Placement(body),
+            bytes::Bytes::from(encode_placement_entries(&entries)),
+        );
+        self.metrics.on_sent(r, &frame);
+        if let Err(e) = self.handle.block_on(self.mesh.send(r, &frame)) {
+            tracing::warn!(worker = %self.id, router = r, error = %e, "announcing what this device holds failed");
+        }
+    }
+
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
     fn forward(&mut self, fwd: Forward) {
         let Forward { key, local, remote } = fwd;
@@ -709,6 +887,27 @@ impl ComputeCtx {
             Err(e) => tracing::warn!(error = %e, "result not delivered"),
         }
     }
+}
+
+/// The routed experts device `d` loads at start (its placement file's), as (layer, expert).
+fn placed_experts(
+    dep: &Deployment,
+    d: expertmesh_topology::topology::DeviceRank,
+) -> Vec<(u32, u32)> {
+    dep.spec
+        .moe_layer_ids()
+        .into_iter()
+        .flat_map(|l| dep.placement.experts_on(d, l).iter().map(move |&e| (l, e)))
+        .collect()
+}
+
+/// `s` cut to at most `max` bytes at a character boundary.
+fn truncate(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
 }
 
 /// The error frame answering dispatch `batch_id`.

@@ -474,6 +474,143 @@ impl ExpertSource for ShardSource {
     }
 }
 
+/// The routed experts `keys` ((layer, expert), ascending) a device gains in a live placement
+/// change, as a source its backend loads one at a time: from the host's converted weights
+/// (whichever device shards of the conversion hold them; each shard used is checked against
+/// the manifest's checksum before the load commits, as at start), or synthetic from the seed.
+pub fn gained_expert_source(
+    dep: &Deployment,
+    keys: &[(u32, u32)],
+) -> Result<Box<dyn ExpertSource>, WeightsError> {
+    let spec = &dep.spec;
+    let Some(w) = dep.weights.as_ref() else {
+        let synth = spec.synthetic(dep.seed);
+        let experts =
+            keys.iter()
+                .map(|&(layer, expert)| {
+                    let weights = synth.routed(layer, expert).map_err(|cause| {
+                        WeightsError::SyntheticExpert {
+                            layer,
+                            expert,
+                            cause,
+                        }
+                    })?;
+                    Ok((ExpertKey { layer, expert }, weights))
+                })
+                .collect::<Result<Vec<_>, WeightsError>>()?;
+        return Ok(Box::new(VecSource::new(experts)));
+    };
+    let mut missing: BTreeSet<(u32, u32)> = keys.iter().copied().collect();
+    let mut src = GainSource::default();
+    for (i, d) in dep.topology.devices().iter().enumerate() {
+        if missing.is_empty() {
+            break;
+        }
+        let id = d.id().to_string();
+        if w.manifest.shard_of(&id).is_none() {
+            continue;
+        }
+        let (file, crc) = open_shard_unverified(dep, Some(DeviceRank(i as u32)))?;
+        let hits: Vec<(usize, ExpertShape)> = file
+            .index()
+            .experts
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| missing.remove(&(e.layer, e.expert)))
+            .map(|(at, e)| {
+                let shape = ExpertShape {
+                    key: ExpertKey {
+                        layer: e.layer,
+                        expert: e.expert,
+                    },
+                    hidden: file.index().hidden as usize,
+                    inter: e.inter as usize,
+                    quant: file.index().quant,
+                };
+                (at, shape)
+            })
+            .collect();
+        if hits.is_empty() {
+            continue;
+        }
+        let file = std::sync::Arc::new(file);
+        let checked = std::sync::Arc::clone(&file);
+        let verify = std::thread::Builder::new()
+            .name("shard-verify".into())
+            .spawn(move || checked.verify(Some(crc)))
+            .map_err(WeightsError::ChecksumThread)?;
+        src.verify.push((file.path().to_path_buf(), verify));
+        for (at, shape) in hits {
+            src.entries.push((std::sync::Arc::clone(&file), at));
+            src.shapes.push(shape);
+        }
+    }
+    if !missing.is_empty() {
+        return Err(WeightsError::MissingExperts {
+            path: w.dir.clone(),
+            missing: missing.into_iter().take(5).collect(),
+        });
+    }
+    Ok(Box::new(src))
+}
+
+/// Experts gathered from several device shards ([`gained_expert_source`]): each shard's
+/// checksum runs on its own thread while the experts are copied out, and
+/// [`ExpertSource::finish`] fails the load unless every one matches the manifest.
+#[derive(Debug, Default)]
+struct GainSource {
+    entries: Vec<(std::sync::Arc<ShardFile>, usize)>,
+    shapes: Vec<ExpertShape>,
+    verify: Vec<ShardCheck>,
+}
+
+/// A shard's path and the thread checking its checksum.
+type ShardCheck = (
+    PathBuf,
+    std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>,
+);
+
+impl ExpertSource for GainSource {
+    fn shapes(&self) -> &[ExpertShape] {
+        &self.shapes
+    }
+
+    fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError> {
+        let (file, at) = self
+            .entries
+            .get(i)
+            .ok_or_else(|| BackendError::Source(format!("no gained expert {i}")))?;
+        file.expert(*at)
+            .map_err(|e| BackendError::Source(e.to_string()))
+    }
+
+    fn expert_ref(
+        &mut self,
+        i: usize,
+    ) -> Option<Result<(PackedRef<'_>, PackedRef<'_>), BackendError>> {
+        let (file, at) = self.entries.get(i)?;
+        Some(
+            file.expert_ref(*at)
+                .map_err(|e| BackendError::Source(e.to_string())),
+        )
+    }
+
+    fn finish(&mut self) -> Result<(), BackendError> {
+        for (path, v) in self.verify.drain(..) {
+            match v.join() {
+                Ok(r) => r.map_err(|e| BackendError::Source(e.to_string()))?,
+                Err(_) => {
+                    return Err(BackendError::Source(format!(
+                        "{}: the checksum thread panicked",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The router's gates: from the router file of converted weights, or synthetic.
 #[derive(Debug)]
 pub enum Gates {

@@ -124,3 +124,101 @@ fn a_failing_or_lying_source_fails_the_load_with_its_reason() {
     assert!(e.contains("checksum mismatch"), "{e}");
     assert_eq!(b.loaded_bytes(), 0);
 }
+
+#[test]
+fn experts_gained_and_released_while_loaded_compute_what_a_fresh_load_does() {
+    let all = experts();
+    let mut whole = CpuBackend::new(1).unwrap();
+    whole.load(all.clone(), LIMITS).unwrap();
+    // Start with experts 0 and 3, gain 1 and 2 (a live placement change), in another order.
+    let mut live = CpuBackend::new(1).unwrap();
+    live.load(vec![all[3].clone(), all[0].clone()], LIMITS)
+        .unwrap();
+    live.add_experts(&mut VecSource::new(vec![all[2].clone(), all[1].clone()]))
+        .unwrap();
+    assert_eq!(live.loaded_bytes(), whole.loaded_bytes());
+    assert_eq!(run(&mut live), run(&mut whole));
+    // A key already loaded, or a hidden size unlike the loaded experts', is refused, and the
+    // set is unchanged.
+    let again = live
+        .add_experts(&mut VecSource::new(vec![all[1].clone()]))
+        .unwrap_err();
+    assert!(again.to_string().contains("given twice"), "{again}");
+    let key = ExpertKey {
+        layer: 2,
+        expert: 0,
+    };
+    let wide = synthetic_expert(QuantSpec::G32_BF16, 128, 32, 5, 2, 0).unwrap();
+    let e = live
+        .add_experts(&mut VecSource::new(vec![(key, wide)]))
+        .unwrap_err();
+    assert!(e.to_string().contains("hidden size 128"), "{e}");
+    assert_eq!(run(&mut live), run(&mut whole));
+    // Releasing one expert: the batch naming it fails naming it, the others' outputs are
+    // unchanged, and its bytes are returned; an unknown key releases nothing.
+    let before = live.loaded_bytes();
+    let e = live
+        .release_experts(&[
+            all[1].0,
+            ExpertKey {
+                layer: 1,
+                expert: 9,
+            },
+        ])
+        .unwrap_err();
+    assert!(
+        matches!(e, BackendError::UnknownExpert(k) if k.expert == 9),
+        "{e}"
+    );
+    assert_eq!(live.loaded_bytes(), before);
+    live.release_experts(&[all[1].0]).unwrap();
+    let one_bytes = QuantSpec::G32_BF16.expert_bytes(64, 64);
+    assert_eq!(live.loaded_bytes(), before - one_bytes);
+    let mut g = Grouping::with_capacity(2);
+    g.push(1, 0, 1.0, 0);
+    let x = vec![0.5f32; 64];
+    let mut out = vec![0f32; 64];
+    let err = g
+        .with_groups(1, |groups| {
+            let batch = GroupedBatch {
+                mode: ComputeMode::Exact,
+                hidden: 64,
+                tokens: 1,
+                input: Activations::F32(&x),
+                groups,
+                layout: OutputLayout::PerSlot,
+            };
+            live.execute(&batch, &mut out)
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::UnknownExpert(k) if k.expert == 1),
+        "{err}"
+    );
+    // Experts 0, 2, 3 against a backend loaded with exactly those.
+    let mut rest = CpuBackend::new(1).unwrap();
+    rest.load(vec![all[0].clone(), all[2].clone(), all[3].clone()], LIMITS)
+        .unwrap();
+    let run_without_1 = |b: &mut CpuBackend| {
+        let mut g = Grouping::with_capacity(4);
+        for (t, e) in [(0u32, 0u32), (0, 2), (1, 3), (1, 2)] {
+            g.push(e, t, 0.25, g.len() as u32);
+        }
+        let x: Vec<f32> = (0..128).map(|i| (i % 9) as f32 / 9.0 - 0.4).collect();
+        let mut out = vec![0f32; 4 * 64];
+        g.with_groups(1, |groups| {
+            let batch = GroupedBatch {
+                mode: ComputeMode::Exact,
+                hidden: 64,
+                tokens: 2,
+                input: Activations::F32(&x),
+                groups,
+                layout: OutputLayout::PerSlot,
+            };
+            b.execute(&batch, &mut out)
+        })
+        .unwrap();
+        out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    assert_eq!(run_without_1(&mut live), run_without_1(&mut rest));
+}

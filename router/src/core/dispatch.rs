@@ -258,11 +258,19 @@ impl RouterCore {
                 } else {
                     format!("expert {expert}")
                 };
-                let msg = format!(
-                    "layer {}: {what} is unavailable: {} down and the placement has no other replica",
-                    b.layer,
-                    who.join(", ")
-                );
+                let msg = if who.is_empty() {
+                    format!(
+                        "layer {}: {what} has no owner: no device announced it (after a live \
+                         placement change, apply a placement that places it)",
+                        b.layer
+                    )
+                } else {
+                    format!(
+                        "layer {}: {what} is unavailable: {} down and the placement has no other replica",
+                        b.layer,
+                        who.join(", ")
+                    )
+                };
                 self.fail_batch(id, ErrorCode::PeerUnavailable, msg);
                 return false;
             }

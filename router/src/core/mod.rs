@@ -143,6 +143,9 @@ pub struct RouterStats {
     pub quarantine_releases: u64,
     /// Probes sent (a live part mirrored to a device whose quarantine ran out).
     pub probes: u64,
+    /// Workers' announcements of what they hold taken into the owners
+    /// ([`RouterCore::set_holdings`]).
+    pub holdings: u64,
 }
 
 struct Member {
@@ -483,6 +486,58 @@ impl RouterCore {
             *a = true;
         }
         self.debug_check();
+    }
+
+    /// Worker `rank` serves exactly `held` ((layer, expert) pairs) from now on (its
+    /// announcement during a live placement change, or when its link comes up): it becomes an
+    /// owner of those experts of this router's layers and stops being one of every other
+    /// (pairs of layers this router does not serve are ignored). Parts already sent are not
+    /// touched: a worker keeps what it releases until every router has seen its new set.
+    /// Returns the experts of this router's layers that no rank owns any more, ascending.
+    ///
+    /// # Errors
+    /// A rank that is not a worker's, or an expert outside the model; nothing changes then.
+    pub fn set_holdings(
+        &mut self,
+        rank: u32,
+        held: &[(u32, u32)],
+    ) -> Result<Vec<(u32, u32)>, String> {
+        let experts = self.spec.routed_experts;
+        if rank < self.ranks.routers() || rank as usize >= self.replicas.alive.len() {
+            return Err(format!("mesh rank {rank} is not a worker of this fabric"));
+        }
+        if let Some(&(l, e)) = held.iter().find(|&&(_, e)| e >= experts) {
+            return Err(format!(
+                "layer {l} expert {e} is outside the model's {experts} routed experts"
+            ));
+        }
+        let mut orphans = Vec::new();
+        let mut layers: Vec<u32> = self.layers.keys().copied().collect();
+        layers.sort_unstable();
+        for l in layers {
+            let mine: std::collections::BTreeSet<u32> = held
+                .iter()
+                .filter(|&&(hl, _)| hl == l)
+                .map(|&(_, e)| e)
+                .collect();
+            let setup = self.layers.get_mut(&l).expect("listed above");
+            let ext = self.owners_ext.get_mut(&l).expect("one per layer");
+            for e in 0..experts {
+                let list = &mut setup.owners.owners[e as usize];
+                list.retain(|&r| r != rank);
+                if mine.contains(&e) {
+                    let at = list.partition_point(|&r| r < rank);
+                    list.insert(at, rank);
+                }
+                if list.is_empty() {
+                    orphans.push((l, e));
+                }
+                ext.owners[e as usize].clone_from(list);
+            }
+        }
+        self.stats.holdings += 1;
+        self.debug_check();
+        Ok(orphans)
     }
 
     /// Sending a part failed (the link went down while the send waited).

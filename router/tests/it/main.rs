@@ -2,6 +2,7 @@
 //!
 //! * `deadlines` — per-request deadlines in the router core, on the simulated cluster.
 //! * `hf_semantics` — gating against re-implementations of the published routers.
+//! * `holdings` — the core routes by what workers announce they hold (live placement changes).
 //!
 //! The simulated cluster the core's tests drive it with is not a module of this binary but
 //! `expertmesh_router::sim` (cargo feature `sim`, enabled by this crate's dev-dependency on
@@ -10,3 +11,4 @@
 
 mod deadlines;
 mod hf_semantics;
+mod holdings;

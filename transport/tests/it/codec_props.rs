@@ -191,7 +191,52 @@ fn body() -> impl Strategy<Value = Body> {
                 })
             }
         ),
+        (
+            1u8..6,
+            any::<u64>(),
+            any::<u64>(),
+            0u32..20,
+            any::<[u32; 3]>(),
+            small_string(300)
+        )
+            .prop_map(
+                |(op, request_id, version, entries, [millis, loaded, released], message)| {
+                    let op = [
+                        PlacementOp::Hold,
+                        PlacementOp::Holding,
+                        PlacementOp::Seen,
+                        PlacementOp::Apply,
+                        PlacementOp::Applied,
+                    ][op as usize - 1];
+                    Body::Placement(Placement {
+                        op,
+                        request_id,
+                        version,
+                        entries,
+                        millis,
+                        loaded,
+                        released,
+                        message,
+                    })
+                }
+            ),
     ]
+}
+
+proptest! {
+    #[test]
+    fn placement_entries_round_trip_and_a_wrong_length_is_refused(
+        entries in proptest::collection::vec(any::<(u32, u32, u32)>(), 0..40),
+        cut in 1usize..12,
+    ) {
+        let payload = encode_placement_entries(&entries);
+        let p = Placement::new(PlacementOp::Hold, 1, entries.len());
+        prop_assert_eq!(placement_entries(&p, &payload).unwrap(), entries.clone());
+        let mut short = payload.clone();
+        short.truncate(payload.len().saturating_sub(cut));
+        let short_is_refused = entries.is_empty() || placement_entries(&p, &short).is_err();
+        prop_assert!(short_is_refused);
+    }
 }
 
 fn frame() -> impl Strategy<Value = (Body, Vec<u8>)> {

@@ -1,0 +1,523 @@
+//! Live placement changes, the coordinating router's side: a sans-IO state machine from a
+//! frontend's "apply this placement" to the workers' confirmations.
+//!
+//! Why this exists: experts are stationary per token, not forever. A new placement (a plan
+//! from live load, a device added or drained) must reach a running fabric with no failed and
+//! no wrong call. The workers are the truth about what each device holds: a worker announces
+//! its set (`Holding`, with a version) when a link comes up and after every change, every
+//! router routes by those announcements ([`crate::core::RouterCore::set_holdings`]) and
+//! confirms each one (`Seen`), and a worker computes only experts it holds. So a router and a
+//! worker cannot disagree silently: a router never sends an expert to a device that did not
+//! say it holds it, and a device releases an expert only once every router has seen a set
+//! without it (the `Seen` travels behind every dispatch planned on the older set, on the same
+//! link, so the worker has run them all by then).
+//!
+//! One change, in three steps, each step one placement version:
+//! 1. **Load** (version v): each device that gains experts is asked to hold its old set plus
+//!    its gains (`Hold`). It loads them while it serves the others, checks them (the shard's
+//!    checksum against the manifest), and announces the union: from then on every router may
+//!    send it the new experts too (they are the same weights as the old owners').
+//! 2. **Release** (v + 1), once every gainer has announced: each device that loses experts is
+//!    asked to hold exactly its new set. It announces that set at once (routers stop choosing
+//!    it for the lost experts) and frees them when every router has confirmed.
+//! 3. **Applied**: every device announced its new set; the frontend gets the version and the
+//!    experts loaded and released.
+//!
+//! A gainer that fails to load (no room, a damaged shard, a backend that cannot grow), is lost,
+//! or is still loading at the deadline fails the change: every gainer is asked to hold its old
+//! set again (v + 1, the undo), and the frontend gets the reason once they have (or at the
+//! next deadline). Nothing was released yet, so every expert kept every owner throughout.
+//!
+//! Apply checks before anything moves: one change at a time; entries name workers, this
+//! router's layers and the model's experts; every worker has announced what it holds (a
+//! change needs every device connected); and every expert of every layer keeps an owner in
+//! the new placement. Memory: a device needs room for its old set and its gains together
+//! (the worker refuses otherwise, failing the change); `planner::transition` orders a change
+//! that does not fit into steps of such changes.
+//!
+//! A worker that restarts after a change loads its placement file again. This router re-applies
+//! the set it last applied to such a device (an announcement of version 0 that differs from it)
+//! once; routers that did not coordinate the change, or a restarted coordinator, do not know
+//! it: replace the fabric's placement file with the applied one for restarts.
+
+use crate::core::ClientId;
+use std::collections::{BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+/// One routed expert: (layer, expert).
+pub type Expert = (u32, u32);
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChangeAction {
+    /// Send a `Hold` of `experts` at `version` to worker `rank`.
+    Hold {
+        /// The worker's mesh rank.
+        rank: u32,
+        /// The placement version of this step.
+        version: u64,
+        /// Exactly what it must hold, ascending.
+        experts: Vec<Expert>,
+    },
+    /// Answer the frontend: its placement is served at `version`.
+    Applied {
+        /// The frontend connection.
+        client: ClientId,
+        /// Its request id.
+        request_id: u64,
+        /// The version every device announced.
+        version: u64,
+        /// Experts loaded over every device.
+        loaded: u32,
+        /// Experts released over every device.
+        released: u32,
+        /// From the request to the last announcement.
+        took: Duration,
+    },
+    /// Answer the frontend: the change failed (every device is back on its old set, or the
+    /// message says which did not confirm it).
+    Failed {
+        /// The frontend connection.
+        client: ClientId,
+        /// Its request id.
+        request_id: u64,
+        /// What went wrong and what to do.
+        message: String,
+    },
+}
+
+/// What a worker announced it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Held {
+    version: u64,
+    experts: BTreeSet<Expert>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Load,
+    Release,
+    Undo,
+}
+
+/// The change under way.
+#[derive(Debug)]
+struct Change {
+    client: ClientId,
+    request_id: u64,
+    started: Instant,
+    timeout: Duration,
+    deadline: Instant,
+    step: Step,
+    /// The version of the current step.
+    version: u64,
+    /// Per worker (rank − routers): its set before the change, and its new one.
+    before: Vec<BTreeSet<Expert>>,
+    target: Vec<BTreeSet<Expert>>,
+    /// Per worker: the set awaited from it in this step (`None`: nothing awaited).
+    awaited: Vec<Option<BTreeSet<Expert>>>,
+    /// Workers asked to load in step 1 (the undo asks them back).
+    gainers: Vec<bool>,
+    loaded: u32,
+    released: u32,
+    /// Why the change is being undone.
+    failure: Option<String>,
+}
+
+/// The coordinating router's state. See the module docs.
+#[derive(Debug)]
+pub struct Coordinator {
+    routers: u32,
+    /// Labels of the mesh ranks (messages).
+    names: Vec<String>,
+    layers: Vec<u32>,
+    experts: u32,
+    held: Vec<Option<Held>>,
+    change: Option<Change>,
+    /// Per worker, the set the last applied change gave it (re-applied to a restarted worker).
+    applied: Option<(u64, Vec<BTreeSet<Expert>>)>,
+    actions: VecDeque<ChangeAction>,
+}
+
+impl Coordinator {
+    /// A coordinator for a fabric whose mesh ranks are `names` (the first `routers` are the
+    /// routers), serving `layers` of a model with `experts` routed experts per layer.
+    pub fn new(routers: u32, names: Vec<String>, layers: Vec<u32>, experts: u32) -> Self {
+        let world = names.len();
+        Self {
+            routers,
+            names,
+            layers,
+            experts,
+            held: vec![None; world],
+            change: None,
+            applied: None,
+            actions: VecDeque::new(),
+        }
+    }
+
+    fn workers(&self) -> usize {
+        self.held.len().saturating_sub(self.routers as usize)
+    }
+
+    fn name(&self, rank: u32) -> String {
+        self.names
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("mesh rank {rank}"))
+    }
+
+    /// The highest version any worker announced.
+    pub fn version(&self) -> u64 {
+        self.held
+            .iter()
+            .flatten()
+            .map(|h| h.version)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether a change is under way.
+    pub fn busy(&self) -> bool {
+        self.change.is_some()
+    }
+
+    /// The next action to take.
+    pub fn poll_action(&mut self) -> Option<ChangeAction> {
+        self.actions.pop_front()
+    }
+
+    /// When [`Coordinator::on_tick`] must run next.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        self.change.as_ref().map(|c| c.deadline)
+    }
+
+    /// Apply the placement `entries` ((mesh rank, layer, expert); every worker of the fabric
+    /// is targeted, one without entries is emptied) asked by `client`'s `request_id`, within
+    /// `timeout`. The answer comes as an action.
+    ///
+    /// # Errors
+    /// Why the change cannot start (nothing was sent): answer it at once.
+    pub fn apply(
+        &mut self,
+        client: ClientId,
+        request_id: u64,
+        entries: &[(u32, u32, u32)],
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<(), String> {
+        if let Some(c) = &self.change {
+            return Err(format!(
+                "a placement change is under way (version {}); wait for its answer and try again",
+                c.version
+            ));
+        }
+        let (routers, n) = (self.routers, self.workers());
+        let mut target = vec![BTreeSet::new(); n];
+        for &(rank, layer, expert) in entries {
+            if rank < routers || (rank - routers) as usize >= n {
+                return Err(format!(
+                    "mesh rank {rank} is not a worker of this fabric (workers are {routers}..{})",
+                    routers as usize + n
+                ));
+            }
+            if !self.layers.contains(&layer) || expert >= self.experts {
+                return Err(format!(
+                    "{} is given layer {layer} expert {expert}, which this router does not serve \
+                     (layers {:?}, {} experts each)",
+                    self.name(rank),
+                    self.layers,
+                    self.experts
+                ));
+            }
+            target[(rank - routers) as usize].insert((layer, expert));
+        }
+        let mut before = Vec::with_capacity(n);
+        for w in 0..n {
+            let rank = routers + w as u32;
+            match &self.held[rank as usize] {
+                Some(h) => before.push(h.experts.clone()),
+                None => {
+                    return Err(format!(
+                        "{} has not announced what it holds (not connected): a live change needs \
+                         every device connected; start it, or apply a placement without it once \
+                         it is removed from the topology",
+                        self.name(rank)
+                    ));
+                }
+            }
+        }
+        for &l in &self.layers {
+            for e in 0..self.experts {
+                if !target.iter().any(|t| t.contains(&(l, e))) {
+                    return Err(format!(
+                        "layer {l} expert {e} has no owner in the new placement: every expert needs one"
+                    ));
+                }
+            }
+        }
+        let version = self.version() + 1;
+        let mut change = Change {
+            client,
+            request_id,
+            started: now,
+            timeout,
+            deadline: now + timeout,
+            step: Step::Load,
+            version,
+            awaited: vec![None; n],
+            gainers: vec![false; n],
+            loaded: 0,
+            released: 0,
+            failure: None,
+            before,
+            target,
+        };
+        for w in 0..n {
+            let union: BTreeSet<Expert> =
+                change.before[w].union(&change.target[w]).copied().collect();
+            if union.len() > change.before[w].len() {
+                change.loaded += (union.len() - change.before[w].len()) as u32;
+                change.gainers[w] = true;
+                self.hold(routers + w as u32, version, &union);
+                change.awaited[w] = Some(union);
+            }
+        }
+        self.change = Some(change);
+        self.advance(now);
+        Ok(())
+    }
+
+    fn hold(&mut self, rank: u32, version: u64, experts: &BTreeSet<Expert>) {
+        self.actions.push_back(ChangeAction::Hold {
+            rank,
+            version,
+            experts: experts.iter().copied().collect(),
+        });
+    }
+
+    /// Worker `rank` announced it holds `experts` at `version`; `message` is why it refused
+    /// or failed a `Hold` (empty when it did not).
+    pub fn on_holding(
+        &mut self,
+        rank: u32,
+        version: u64,
+        experts: &[Expert],
+        message: &str,
+        now: Instant,
+    ) {
+        let Some(slot) = self.held.get_mut(rank as usize) else {
+            return;
+        };
+        let set: BTreeSet<Expert> = experts.iter().copied().collect();
+        *slot = Some(Held {
+            version,
+            experts: set.clone(),
+        });
+        let Some(w) = rank.checked_sub(self.routers).map(|w| w as usize) else {
+            return;
+        };
+        let name = self.name(rank);
+        let Some(c) = self.change.as_mut() else {
+            // A restarted worker (version 0) back on its placement file: give it what the
+            // last change gave it, once.
+            if let Some((v, sets)) = &self.applied
+                && version == 0
+                && message.is_empty()
+                && sets.get(w).is_some_and(|s| *s != set)
+            {
+                let (v, target) = (*v, sets[w].clone());
+                tracing::warn!(
+                    worker = %name,
+                    version = v,
+                    "a restarted worker announced its placement file's experts; re-applying the last change's set"
+                );
+                self.hold(rank, v, &target);
+            }
+            return;
+        };
+        let Some(want) = c.awaited.get(w).cloned().flatten() else {
+            return;
+        };
+        if version >= c.version && set == want {
+            c.awaited[w] = None;
+        } else if !message.is_empty() && version >= c.version {
+            let why = format!("{name}: {message}");
+            c.awaited[w] = None;
+            self.fail(why, now);
+        }
+        self.advance(now);
+    }
+
+    /// The link to worker `rank` was lost: what it holds is unknown until it announces again.
+    pub fn on_peer_lost(&mut self, rank: u32, now: Instant) {
+        let Some(slot) = self.held.get_mut(rank as usize) else {
+            return;
+        };
+        *slot = None;
+        let Some(w) = rank.checked_sub(self.routers).map(|w| w as usize) else {
+            return;
+        };
+        let name = self.name(rank);
+        let Some(c) = self.change.as_mut() else {
+            return;
+        };
+        if c.awaited.get(w).is_some_and(Option::is_some) {
+            c.awaited[w] = None;
+            if c.step == Step::Load {
+                self.fail(format!("{name} was lost while loading its gains"), now);
+            }
+        }
+        self.advance(now);
+    }
+
+    /// Past the deadline of the step under way: a load still waited for fails the change; a
+    /// release or an undo still waited for is answered with the devices that did not confirm.
+    pub fn on_tick(&mut self, now: Instant) {
+        let Some(c) = self.change.as_ref() else {
+            return;
+        };
+        if now < c.deadline {
+            return;
+        }
+        let late: Vec<String> = c
+            .awaited
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.is_some())
+            .map(|(w, _)| self.name(self.routers + w as u32))
+            .collect();
+        let (step, timeout) = (c.step, c.timeout);
+        match step {
+            Step::Load => self.fail(
+                format!(
+                    "timed out after {timeout:?} waiting for {} to load their gains",
+                    late.join(", ")
+                ),
+                now,
+            ),
+            Step::Release | Step::Undo => {
+                let c = self.change.take().expect("checked above");
+                let message = match step {
+                    Step::Release => format!(
+                        "the new placement (version {}) is served, but {} did not confirm \
+                         releasing the experts they lost within {timeout:?}",
+                        c.version,
+                        late.join(", ")
+                    ),
+                    _ => format!(
+                        "{}; and {} did not confirm their return to the old set within {timeout:?}",
+                        c.failure.unwrap_or_default(),
+                        late.join(", ")
+                    ),
+                };
+                self.actions.push_back(ChangeAction::Failed {
+                    client: c.client,
+                    request_id: c.request_id,
+                    message,
+                });
+            }
+        }
+    }
+
+    /// Fail the change during its load: every gainer is asked back to its old set.
+    fn fail(&mut self, why: String, now: Instant) {
+        let routers = self.routers;
+        let Some(c) = self.change.as_mut() else {
+            return;
+        };
+        if c.step != Step::Load {
+            // A release cannot be undone (the new owners serve already); say so at the end.
+            c.failure.get_or_insert(why);
+            return;
+        }
+        c.step = Step::Undo;
+        c.version += 1;
+        c.deadline = now + c.timeout;
+        c.failure = Some(why);
+        let version = c.version;
+        let mut holds = Vec::new();
+        for w in 0..c.before.len() {
+            if c.gainers[w] && self.held[routers as usize + w].is_some() {
+                c.awaited[w] = Some(c.before[w].clone());
+                holds.push((routers + w as u32, c.before[w].clone()));
+            } else {
+                c.awaited[w] = None;
+            }
+        }
+        for (rank, set) in holds {
+            self.hold(rank, version, &set);
+        }
+    }
+
+    /// Moves to the next step when nothing is awaited in this one.
+    fn advance(&mut self, now: Instant) {
+        let routers = self.routers;
+        let Some(c) = self.change.as_mut() else {
+            return;
+        };
+        if c.awaited.iter().any(Option::is_some) {
+            return;
+        }
+        match c.step {
+            Step::Load => {
+                c.step = Step::Release;
+                c.version += 1;
+                c.deadline = now + c.timeout;
+                let version = c.version;
+                let mut holds = Vec::new();
+                for w in 0..c.before.len() {
+                    let union: BTreeSet<Expert> =
+                        c.before[w].union(&c.target[w]).copied().collect();
+                    if union.len() > c.target[w].len() {
+                        c.released += (union.len() - c.target[w].len()) as u32;
+                        c.awaited[w] = Some(c.target[w].clone());
+                        holds.push((routers + w as u32, c.target[w].clone()));
+                    }
+                }
+                for (rank, set) in holds {
+                    self.hold(rank, version, &set);
+                }
+                self.advance(now);
+            }
+            Step::Release => {
+                let c = self.change.take().expect("matched above");
+                let done = match c.failure {
+                    Some(why) => ChangeAction::Failed {
+                        client: c.client,
+                        request_id: c.request_id,
+                        message: format!(
+                            "the new placement (version {}) is served, but a release failed: {why}",
+                            c.version
+                        ),
+                    },
+                    None => ChangeAction::Applied {
+                        client: c.client,
+                        request_id: c.request_id,
+                        version: c.version,
+                        loaded: c.loaded,
+                        released: c.released,
+                        took: now.saturating_duration_since(c.started),
+                    },
+                };
+                self.applied = Some((c.version, c.target));
+                self.actions.push_back(done);
+            }
+            Step::Undo => {
+                let c = self.change.take().expect("matched above");
+                self.actions.push_back(ChangeAction::Failed {
+                    client: c.client,
+                    request_id: c.request_id,
+                    message: format!(
+                        "the placement change failed and was undone (every device is back on \
+                         what it held): {}",
+                        c.failure.unwrap_or_default()
+                    ),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

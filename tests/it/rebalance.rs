@@ -1,0 +1,283 @@
+//! Live placement changes of a running fabric (issue 29): `expertmesh rebalance` run as its
+//! own process against a fabric of real processes (two routers sharing two CPU workers),
+//! while clients of both routers pipeline calls that are each checked bit for bit against the
+//! in-process reference (exact mode).
+//!
+//! Checks: a change that moves most experts completes with 0 wrong and 0 failed calls, is
+//! reported with the experts loaded and released, reaches both routers, and is served (a
+//! change back loads exactly what the first released); a change that does not fit a gaining
+//! device's memory is refused by that device and undone, the router's answer names why, and
+//! calls go on unharmed; a change the router cannot start (an unknown device rank in a
+//! placement for another topology, say) is refused before anything moves.
+
+use crate::support::{bits, root, rt};
+use expertmesh_cpu_backend::CpuBackend;
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_quant::contract::ComputeMode;
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::reference;
+use expertmesh_transport::frontend::FrontendConfig;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// (layer, input, expected output bits) by the in-process reference.
+type Cases = Arc<Vec<(u32, Vec<f32>, Vec<u32>)>>;
+
+fn cases(fabric: &LocalFabric) -> Cases {
+    let dep = fabric.deployment();
+    let spec = dep.spec.clone();
+    let h = spec.hidden as usize;
+    let layers = spec.moe_layer_ids();
+    let mut backend: CpuBackend =
+        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &layers, 1, 64).unwrap();
+    let mut out = Vec::new();
+    for (i, &layer) in layers.iter().enumerate() {
+        for t in [1usize, 6, 24] {
+            let x = reference::synthetic_hidden(7 + i as u64 * 31 + t as u64, t, h);
+            let gate = reference::synthetic_gate(&spec, dep.seed, layer);
+            let (_, want) = reference::moe_layer_backend(
+                &spec,
+                &gate,
+                layer,
+                &mut backend,
+                &x,
+                ComputeMode::Exact,
+            )
+            .unwrap();
+            out.push((layer, x, bits(&want)));
+        }
+    }
+    Arc::new(out)
+}
+
+/// Pipelined checked calls against `addr` until `stop`: (right, wrong, failed) with the
+/// first failure's message. Returns once the first calls were answered, so the load is
+/// under way.
+fn drive(
+    addr: SocketAddr,
+    cfg: FrontendConfig,
+    cases: Cases,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<(usize, usize, usize, Option<String>)> {
+    let started = Arc::new(std::sync::Barrier::new(2));
+    let go = Arc::clone(&started);
+    let h = std::thread::spawn(move || {
+        let mut go = Some(go);
+        let rt = rt();
+        let mut client = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
+        let hidden = 1024; // demo-small
+        let (mut ok, mut wrong, mut failed, mut first) = (0, 0, 0, None);
+        while !stop.load(Ordering::Relaxed) {
+            for chunk in cases.chunks(4) {
+                let mut handles = Vec::new();
+                for (layer, x, want) in chunk {
+                    let d = Some(Duration::from_secs(20));
+                    match rt.block_on(client.submit(*layer, x, hidden, None, d)) {
+                        Ok(hd) => handles.push((hd, want)),
+                        Err(e) => {
+                            failed += 1;
+                            first.get_or_insert(e.to_string());
+                        }
+                    }
+                }
+                for (hd, want) in handles {
+                    match rt.block_on(client.wait(hd)) {
+                        Ok(got) if bits(&got) == **want => ok += 1,
+                        Ok(_) => wrong += 1,
+                        Err(e) => {
+                            failed += 1;
+                            first.get_or_insert(e.to_string());
+                        }
+                    }
+                }
+                if let Some(g) = go.take() {
+                    g.wait();
+                }
+            }
+        }
+        (ok, wrong, failed, first)
+    });
+    started.wait();
+    h
+}
+
+/// A demo-small placement for examples/single-host-2routers.toml: cpu0 and cpu1 with these
+/// expert ranges on every layer, the shared expert on the router.
+fn placement(dir: &Path, name: &str, cpu0: &str, cpu1: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "format = 1\nmodel = \"demo-small\"\ncluster = \"single-host\"\n\n\
+             [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"{cpu0}\"\n\n\
+             [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"{cpu1}\"\n\n\
+             [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Runs `expertmesh rebalance` against `router`.
+fn rebalance(router: SocketAddr, topology: &Path, placement: &Path) -> crate::support::Run {
+    let o = Command::new(crate::support::bin())
+        .args([
+            "rebalance",
+            "--router",
+            &router.to_string(),
+            "--model",
+            "demo-small",
+        ])
+        .arg("--topology")
+        .arg(topology)
+        .arg("--placement")
+        .arg(placement)
+        .args(["--timeout-s", "60"])
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("run expertmesh rebalance");
+    let r = crate::support::Run {
+        code: o.status.code().expect("exited normally"),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    };
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    r
+}
+
+/// A two-router fabric on `topology` (demo-small, exact mode, TCP) with `expert_memory` per
+/// device, from the shipped topology.
+fn fabric(dir: &Path, expert_memory: &str) -> (LocalFabric, PathBuf) {
+    let text = std::fs::read_to_string(root().join("examples/single-host-2routers.toml"))
+        .unwrap()
+        .replace(
+            "expert_memory = \"256 MiB\"",
+            &format!("expert_memory = \"{expert_memory}\""),
+        );
+    let topology = dir.join("topology.toml");
+    std::fs::write(&topology, text).unwrap();
+    let mut o: LocalFabricOptions = crate::support::demo_options(
+        "single-host-2routers.toml",
+        expertmesh_transport::mesh::LinkKind::Tcp,
+    );
+    o.topology = topology.clone();
+    o.log_dir = Some(dir.join("logs"));
+    (LocalFabric::start(o).expect("the fabric starts"), topology)
+}
+
+#[test]
+fn a_live_change_under_load_from_both_routers_has_no_failed_and_no_wrong_call() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let (fabric, topology) = fabric(dir.path(), "256 MiB");
+    let cases = cases(&fabric);
+    let addrs: Vec<SocketAddr> = fabric.frontend_addrs().into_iter().flatten().collect();
+    assert_eq!(addrs.len(), 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let load: Vec<_> = addrs
+        .iter()
+        .map(|&a| {
+            drive(
+                a,
+                fabric.frontend_config(),
+                Arc::clone(&cases),
+                Arc::clone(&stop),
+            )
+        })
+        .collect();
+    let holdings_before: Vec<u64> = (0..2)
+        .map(|i| fabric.router(i).unwrap().stats().holdings)
+        .collect();
+    // cpu0 0-19 / cpu1 16-31,0-3  ->  cpu0 12-31 / cpu1 0-15: per layer cpu0 gains 12 and
+    // loses 12, cpu1 gains 12 and loses 16.
+    let new = placement(dir.path(), "new.toml", "12-31", "0-15");
+    let r = rebalance(addrs[0], &topology, &new);
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout
+            .contains("version 2: 96 experts loaded, 112 released"),
+        "{}",
+        r.stdout
+    );
+    // Back again, through the other router: exactly what was released is loaded.
+    let old = root().join("examples/single-host-demo-small.placement.toml");
+    let r = rebalance(addrs[1], &topology, &old);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout
+            .contains("version 4: 112 experts loaded, 96 released"),
+        "{}",
+        r.stdout
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    for (i, h) in load.into_iter().enumerate() {
+        let (ok, wrong, failed, first) = h.join().unwrap();
+        crate::support::say(&format!(
+            "router {i}: {ok} calls right, {wrong} wrong, {failed} failed"
+        ));
+        assert!(ok > 0, "router {i}: no call answered");
+        assert_eq!((wrong, failed), (0, 0), "router {i}: {first:?}");
+    }
+    // Both routers took every announcement: 2 workers x 2 steps x 2 changes.
+    for (i, before) in holdings_before.into_iter().enumerate() {
+        let after = fabric.router(i).unwrap().stats().holdings;
+        assert!(after >= before + 8, "router {i}: {before} -> {after}");
+    }
+}
+
+#[test]
+fn a_change_a_device_has_no_room_for_is_undone_and_calls_go_on() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    // 80 experts of 0.88 MB fit in 80 MiB, the 128 of old and new sets together do not.
+    let (fabric, topology) = fabric(dir.path(), "80 MiB");
+    let cases = cases(&fabric);
+    let addr = fabric.frontend_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
+    let new = placement(dir.path(), "new.toml", "12-31", "0-15");
+    let r = rebalance(addr, &topology, &new);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("undone") && r.stderr.contains("expert_memory"),
+        "{}",
+        r.stderr
+    );
+    // A placement naming a device the fabric does not have is refused before anything moves
+    // (checked against the topology here, so sent with a topology of three devices).
+    let three = dir.path().join("three.toml");
+    let text = std::fs::read_to_string(&topology).unwrap().replace(
+        "devices = [\n",
+        "devices = [\n  { name = \"cpu9\", kind = \"cpu\", arch = \"cpu\", threads = 1, expert_memory = \"80 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n",
+    );
+    std::fs::write(&three, text).unwrap();
+    let r = rebalance(
+        addr,
+        &three,
+        &placement(dir.path(), "p3.toml", "0-19", "16-31"),
+    );
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("not a worker"), "{}", r.stderr);
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    assert!(ok > 0);
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    // The old placement still serves: a change within memory succeeds afterwards.
+    let fits = placement(dir.path(), "fits.toml", "0-19", "16-31");
+    let r = rebalance(addr, &topology, &fits);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("0 experts loaded, 16 released"),
+        "{}",
+        r.stdout
+    );
+}

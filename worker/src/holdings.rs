@@ -1,0 +1,222 @@
+//! What a worker holds during live placement changes: a sans-IO state machine.
+//!
+//! Why this exists: a device gains and loses experts while it serves
+//! ([`expertmesh_router::rebalance`] has the protocol). The worker is the truth about its set:
+//! it announces what routers may send it (`Holding`), and it must never free an expert that a
+//! dispatch already on its way still names. This module decides, from a router's `Hold`, what
+//! to load and what to announce, and from the routers' `Seen` confirmations when an expert
+//! dropped from the announcement may really be freed: once every router connected when it was
+//! dropped has confirmed a version without it (a `Seen` travels on the same link after every
+//! dispatch planned on the older set, and the worker takes frames of one link in order), or its
+//! link is gone (its queued dispatches were dropped with it). The compute loop carries out the
+//! loads and frees on its backend.
+
+use std::collections::BTreeSet;
+
+/// One routed expert: (layer, expert).
+pub type Expert = (u32, u32);
+
+/// Experts dropped from the announcement at `version`, still loaded until every router in
+/// `waiting` has confirmed.
+#[derive(Debug, Clone)]
+struct Release {
+    version: u64,
+    experts: BTreeSet<Expert>,
+    waiting: BTreeSet<u32>,
+}
+
+/// What a `Hold` asks of this worker once accepted ([`Holdings::plan`]): load `load`, then
+/// [`Holdings::commit`] it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HoldPlan {
+    /// The version of the hold.
+    pub version: u64,
+    /// Experts to load (neither served nor still loaded), ascending.
+    pub load: Vec<Expert>,
+    /// The set to serve.
+    target: BTreeSet<Expert>,
+}
+
+/// The worker's set. See the module docs.
+#[derive(Debug, Clone)]
+pub struct Holdings {
+    version: u64,
+    serving: BTreeSet<Expert>,
+    releasing: Vec<Release>,
+}
+
+impl Holdings {
+    /// A worker that loaded `serving` at start (version 0).
+    pub fn new(serving: impl IntoIterator<Item = Expert>) -> Self {
+        Self {
+            version: 0,
+            serving: serving.into_iter().collect(),
+            releasing: Vec::new(),
+        }
+    }
+
+    /// The version of the set announced.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The set announced: what routers may send here.
+    pub fn serving(&self) -> Vec<Expert> {
+        self.serving.iter().copied().collect()
+    }
+
+    /// Experts dropped from the announcement and not yet freed.
+    pub fn releasing(&self) -> usize {
+        self.releasing.iter().map(|r| r.experts.len()).sum()
+    }
+
+    /// Every expert loaded now: served or still releasing.
+    fn loaded(&self) -> BTreeSet<Expert> {
+        let mut all = self.serving.clone();
+        for r in &self.releasing {
+            all.extend(r.experts.iter().copied());
+        }
+        all
+    }
+
+    /// A router asks this worker to hold exactly `target` at `version`.
+    ///
+    /// # Errors
+    /// A version older than the one served, or the same version with another set (the
+    /// message for the refusal's announcement).
+    pub fn plan(
+        &self,
+        version: u64,
+        target: impl IntoIterator<Item = Expert>,
+    ) -> Result<HoldPlan, String> {
+        let target: BTreeSet<Expert> = target.into_iter().collect();
+        if version < self.version || (version == self.version && target != self.serving) {
+            return Err(format!(
+                "a hold of version {version} is older than the set served (version {}); \
+                 ask again from the current placement",
+                self.version
+            ));
+        }
+        let loaded = self.loaded();
+        Ok(HoldPlan {
+            version,
+            load: target.difference(&loaded).copied().collect(),
+            target,
+        })
+    }
+
+    /// `plan`'s gains are loaded: serve its set from now on (announce it to every router).
+    /// What it drops is freed once every router of `connected` has confirmed a version at
+    /// least this one. Returns the experts to free now (none when a router must confirm).
+    pub fn commit(
+        &mut self,
+        plan: HoldPlan,
+        connected: impl IntoIterator<Item = u32>,
+    ) -> Vec<Expert> {
+        let dropped: BTreeSet<Expert> = self.serving.difference(&plan.target).copied().collect();
+        // Anything asked for again is served again (it is still loaded).
+        for r in &mut self.releasing {
+            r.experts.retain(|e| !plan.target.contains(e));
+        }
+        self.version = plan.version;
+        self.serving = plan.target;
+        if !dropped.is_empty() {
+            self.releasing.push(Release {
+                version: plan.version,
+                experts: dropped,
+                waiting: connected.into_iter().collect(),
+            });
+        }
+        self.take_done()
+    }
+
+    /// Router `router` confirmed it routes by this worker's set of `version` (or later).
+    /// Returns the experts to free now.
+    pub fn on_seen(&mut self, router: u32, version: u64) -> Vec<Expert> {
+        for r in self.releasing.iter_mut().filter(|r| r.version <= version) {
+            r.waiting.remove(&router);
+        }
+        self.take_done()
+    }
+
+    /// The link to `router` is gone (its queued dispatches with it). Returns the experts to
+    /// free now.
+    pub fn on_router_lost(&mut self, router: u32) -> Vec<Expert> {
+        for r in &mut self.releasing {
+            r.waiting.remove(&router);
+        }
+        self.take_done()
+    }
+
+    fn take_done(&mut self) -> Vec<Expert> {
+        let mut out = Vec::new();
+        self.releasing.retain(|r| {
+            let done = r.waiting.is_empty();
+            if done {
+                out.extend(r.experts.iter().copied());
+            }
+            !done
+        });
+        out.sort_unstable();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(v: &[u32]) -> Vec<Expert> {
+        v.iter().map(|&e| (1, e)).collect()
+    }
+
+    #[test]
+    fn a_dropped_expert_is_freed_only_after_every_connected_router_confirmed() {
+        let mut h = Holdings::new(set(&[0, 1]));
+        // Step 1: gain 2 (nothing dropped).
+        let p = h.plan(1, set(&[0, 1, 2])).unwrap();
+        assert_eq!(p.load, set(&[2]));
+        assert!(h.commit(p, [0, 1]).is_empty());
+        // Step 2: drop 0 and 1.
+        let p = h.plan(2, set(&[2])).unwrap();
+        assert!(p.load.is_empty());
+        assert!(h.commit(p, [0, 1]).is_empty());
+        assert_eq!((h.version(), h.serving(), h.releasing()), (2, set(&[2]), 2));
+        // Router 0 confirms an older version: nothing yet; then version 2.
+        assert!(h.on_seen(0, 1).is_empty());
+        assert!(h.on_seen(0, 2).is_empty());
+        // Router 1's link is lost: its queued work is gone, so the experts are freed.
+        assert_eq!(h.on_router_lost(1), set(&[0, 1]));
+        assert_eq!(h.releasing(), 0);
+    }
+
+    #[test]
+    fn an_expert_asked_back_while_releasing_is_served_again_without_a_load() {
+        let mut h = Holdings::new(set(&[0, 1]));
+        let p = h.plan(1, set(&[0])).unwrap();
+        assert!(h.commit(p, [0]).is_empty());
+        let p = h.plan(2, set(&[0, 1])).unwrap();
+        assert!(p.load.is_empty(), "{p:?}");
+        assert!(h.commit(p, [0]).is_empty());
+        // The confirmation frees nothing: 1 is served again.
+        assert!(h.on_seen(0, 2).is_empty());
+        assert_eq!((h.serving(), h.releasing()), (set(&[0, 1]), 0));
+        // With no router connected, a drop is freed at once.
+        let p = h.plan(3, set(&[1])).unwrap();
+        assert_eq!(h.commit(p, []), set(&[0]));
+    }
+
+    #[test]
+    fn an_older_hold_or_another_set_at_the_same_version_is_refused() {
+        let mut h = Holdings::new(set(&[0]));
+        let p = h.plan(4, set(&[0, 1])).unwrap();
+        h.commit(p, []);
+        assert!(h.plan(3, set(&[0])).unwrap_err().contains("older"));
+        assert!(h.plan(4, set(&[1])).is_err());
+        // The same hold again (a repeated message) is accepted and changes nothing.
+        let p = h.plan(4, set(&[0, 1])).unwrap();
+        assert!(p.load.is_empty());
+        assert!(h.commit(p, [0]).is_empty());
+        assert_eq!((h.version(), h.serving()), (4, set(&[0, 1])));
+    }
+}
