@@ -55,7 +55,7 @@
 
 use crate::stats::{CoSelection, LoadStats};
 use expertmesh_topology::model::ModelSpec;
-use expertmesh_topology::placement::Placement;
+use expertmesh_topology::placement::{Placement, SharedLocation};
 use expertmesh_topology::topology::{DeviceRank, Topology};
 use std::collections::BTreeSet;
 
@@ -153,6 +153,31 @@ pub enum TransitionError {
         slots: u64,
         /// "old" or "new".
         which: &'static str,
+    },
+    /// A drained device runs shared experts, which a live change keeps in place.
+    #[error(
+        "device rank {device} runs layer {layer}'s shared experts: a live change keeps shared \
+         experts in place, so it cannot be drained; restart the fabric with a placement that \
+         runs them elsewhere"
+    )]
+    DrainsShared {
+        /// The device.
+        device: DeviceRank,
+        /// The layer.
+        layer: u32,
+    },
+    /// A drained device holds an expert no other device has room for.
+    #[error(
+        "layer {layer} expert {expert} is held only by the drained device rank {device} and no \
+         other device has a free expert slot for it; free memory elsewhere (or add a device) first"
+    )]
+    NoRoomToDrain {
+        /// The drained device.
+        device: DeviceRank,
+        /// The layer.
+        layer: u32,
+        /// The expert.
+        expert: u32,
     },
     /// Every device is full and every expert that must move has one owner.
     #[error(
@@ -345,6 +370,68 @@ pub fn keep_in_place(
     let description = new.description().to_owned();
     Ok(Placement::new(topology, model, slots, shared, &description)
         .expect("each node keeps its experts and each device its count: still valid"))
+}
+
+/// `served` with device `device` emptied, for draining it from a running fabric: every
+/// expert only it holds goes to another device with a free expert slot (the one holding the
+/// fewest of that layer's experts, then the fewest overall, then the lower rank); every other
+/// device keeps what it holds. Its shared experts cannot move live (an error).
+pub fn drained(
+    topology: &Topology,
+    model: &ModelSpec,
+    served: &Placement,
+    device: DeviceRank,
+) -> Result<Placement, TransitionError> {
+    let layers = model.moe_layer_ids();
+    let d = device.index();
+    let n = topology.devices().len();
+    if d >= n {
+        return Err(TransitionError::Mismatch {
+            what: "device count (the drained device is not in the topology)",
+        });
+    }
+    let slots = routed_slots(topology, model, served);
+    let mut lists: Vec<Vec<Vec<u32>>> = layers
+        .iter()
+        .map(|&l| {
+            topology
+                .devices()
+                .iter()
+                .map(|x| served.experts_on(x.rank(), l).to_vec())
+                .collect()
+        })
+        .collect();
+    let mut used: Vec<u64> = (0..n)
+        .map(|r| lists.iter().map(|l| l[r].len() as u64).sum())
+        .collect();
+    for (li, &layer) in layers.iter().enumerate() {
+        if served.shared_location(layer) == Some(SharedLocation::Device(device)) {
+            return Err(TransitionError::DrainsShared { device, layer });
+        }
+        for e in std::mem::take(&mut lists[li][d]) {
+            used[d] -= 1;
+            if lists[li].iter().any(|list| list.contains(&e)) {
+                continue;
+            }
+            let to = (0..n)
+                .filter(|&r| r != d && used[r] < slots[r])
+                .min_by_key(|&r| (lists[li][r].len(), used[r], r))
+                .ok_or(TransitionError::NoRoomToDrain {
+                    device,
+                    layer,
+                    expert: e,
+                })?;
+            lists[li][to].push(e);
+            used[to] += 1;
+        }
+    }
+    let shared = layers
+        .iter()
+        .filter_map(|&l| served.shared_location(l))
+        .collect();
+    let description = format!("{} (device rank {} drained)", served.description(), d);
+    Ok(Placement::new(topology, model, lists, shared, &description)
+        .expect("every device stays within its slots and every expert keeps an owner"))
 }
 
 /// How much busier (relative) than the plan's the busiest device may get by default when a
@@ -1076,6 +1163,59 @@ mod tests {
                     replay(&t, &m, &po, &pn, &plan)?;
                 }
                 Err(e) => prop_assert!(stuck, "refused though a slot is free: {}", e),
+            }
+        }
+
+        /// Draining a device empties it, keeps every other device's experts, stays within
+        /// every device's slots, keeps an owner per expert, and is refused exactly when the
+        /// other devices' free slots are fewer than the experts only the drained one holds.
+        #[test]
+        fn a_drain_moves_only_the_drained_devices_sole_experts_and_fails_only_without_room(
+            slots in prop::collection::vec(0u64..7, 2..5),
+            seed in any::<u64>(),
+            which in any::<prop::sample::Index>(),
+        ) {
+            let Some(old) = random_masks(&slots, 2, seed) else {
+                return Ok(());
+            };
+            let m = model(2);
+            let t = topology(&m, &slots);
+            let po = placement(&t, &m, &old);
+            let d = which.index(slots.len());
+            let layers = m.moe_layer_ids();
+            let held = held_sets(&t, &po, &layers);
+            let sole: usize = held
+                .iter()
+                .map(|l| l[d].iter().filter(|e| (0..slots.len()).all(|r| r == d || !l[r].contains(e))).count())
+                .sum();
+            let free: u64 = (0..slots.len())
+                .filter(|&r| r != d)
+                .map(|r| slots[r] - count(&held, r))
+                .sum();
+            match drained(&t, &m, &po, DeviceRank(d as u32)) {
+                Ok(p) => {
+                    prop_assert!(free >= sole as u64);
+                    let after = held_sets(&t, &p, &layers);
+                    prop_assert_eq!(count(&after, d), 0);
+                    for (li, l) in after.iter().enumerate() {
+                        for r in (0..slots.len()).filter(|&r| r != d) {
+                            prop_assert!(held[li][r].is_subset(&l[r]));
+                        }
+                        for e in 0..m.routed_experts {
+                            prop_assert!(l.iter().any(|s| s.contains(&e)));
+                        }
+                    }
+                    for (r, &room) in slots.iter().enumerate() {
+                        prop_assert!(count(&after, r) <= room);
+                    }
+                    let moved: u64 = (0..slots.len()).map(|r| count(&after, r)).sum::<u64>()
+                        - (0..slots.len()).filter(|&r| r != d).map(|r| count(&held, r)).sum::<u64>();
+                    prop_assert_eq!(moved, sole as u64);
+                }
+                Err(e) => {
+                    prop_assert!(free < sole as u64, "refused with {} free slots for {} experts: {}", free, sole, e);
+                    prop_assert!(matches!(e, TransitionError::NoRoomToDrain { .. }), "{}", e);
+                }
             }
         }
     }

@@ -218,6 +218,10 @@ impl RouterService {
         let core_loop = CoreLoop {
             coordinator,
             failed_changes: Vec::new(),
+            unsent: (0..core.rank_labels().len())
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+            unconfirmed: Vec::new(),
             names: core.rank_labels(),
             core,
             rx: input_rx,
@@ -964,6 +968,10 @@ struct CoreLoop {
     coordinator: Coordinator,
     /// Placement changes refused before they started, to answer (client, request, why).
     failed_changes: Vec<(ClientId, u64, String)>,
+    /// Per mesh rank, dispatch sends not yet written ([`CoreLoop::send`]).
+    unsent: Arc<[AtomicUsize]>,
+    /// Confirmations waiting for their worker's unsent dispatches ([`CoreLoop::confirm`]).
+    unconfirmed: Vec<(u32, OutFrame)>,
 }
 
 impl CoreLoop {
@@ -1009,6 +1017,7 @@ impl CoreLoop {
             self.coordinator.on_tick(Instant::now());
             busy |= self.coordinate();
             busy |= self.act(&mut cx);
+            let confirming = !self.unconfirmed.is_empty() && self.confirm();
             let now = Instant::now();
             if busy {
                 self.trim.busy(now);
@@ -1016,10 +1025,13 @@ impl CoreLoop {
                 let idle = self.core.inflight() == 0 && self.admission.lock().in_flight().0 == 0;
                 self.trim.poll(now, idle);
                 let trim_at = self.trim.due().filter(|_| idle);
+                // A confirmation waiting for sends to finish looks again in a millisecond.
+                let confirm_at = confirming.then(|| now + Duration::from_millis(1));
                 match [
                     self.core.next_timeout(),
                     trim_at,
                     self.coordinator.next_timeout(),
+                    confirm_at,
                 ]
                 .into_iter()
                 .flatten()
@@ -1110,8 +1122,30 @@ impl CoreLoop {
         self.coordinator
             .on_holding(from, p.version, &held, &p.message, now);
         let seen = Placement::new(PlacementOp::Seen, p.version, 0);
-        self.send_control(from, OutFrame::new(Body::Placement(seen)));
+        // Sent by `confirm` once the core's actions of this pass are carried out: dispatches
+        // planned on the older set may still be queued in the core.
+        self.unconfirmed
+            .push((from, OutFrame::new(Body::Placement(seen))));
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
+    }
+
+    /// Sends the confirmations (`Seen`) whose worker has no dispatch of this router still
+    /// being sent: each goes on the link behind every dispatch planned on the worker's older
+    /// set. Returns whether any is still waiting.
+    fn confirm(&mut self) -> bool {
+        let waiting = std::mem::take(&mut self.unconfirmed);
+        for (rank, frame) in waiting {
+            let busy = self
+                .unsent
+                .get(rank as usize)
+                .is_some_and(|n| n.load(Ordering::Acquire) > 0);
+            if busy {
+                self.unconfirmed.push((rank, frame));
+            } else {
+                self.send_control(rank, frame);
+            }
+        }
+        !self.unconfirmed.is_empty()
     }
 
     /// Sends a control frame (a hold, a confirmation) to worker `rank`, in order behind what
@@ -1363,12 +1397,22 @@ impl CoreLoop {
 
     /// Send one dispatch frame. The send is polled once here: a link with credit writes the
     /// frame now, from this thread, without waking a runtime thread; a send that has to wait
-    /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled.
+    /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled. The
+    /// rank's count of unfinished sends covers it until it is written (a worker's `Seen`
+    /// waits for them: a smaller frame could otherwise take the link's credit first).
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
         self.core.metrics().on_sent(rank, &frame);
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
+        let unsent = Arc::clone(&self.unsent);
+        if let Some(n) = unsent.get(rank as usize) {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
         let mut send = Box::pin(async move {
-            if let Err(e) = mesh.send(rank, &frame).await {
+            let sent = mesh.send(rank, &frame).await;
+            if let Some(n) = unsent.get(rank as usize) {
+                n.fetch_sub(1, Ordering::AcqRel);
+            }
+            if let Err(e) = sent {
                 tracing::warn!(rank, error = %e, "dispatch send failed");
                 let failed = CoreInput::SendFailed { rank, batch, part };
                 let _ = send_to_core(&tx, failed).await;

@@ -11,6 +11,7 @@ use crate::args::SecurityArgs;
 use anyhow::{anyhow, bail};
 use clap::Args;
 use expertmesh_fabric::endpoint;
+use expertmesh_planner::transition;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::Placement as PlacementFile;
 use expertmesh_topology::topology::Topology;
@@ -44,8 +45,22 @@ pub(crate) struct RebalanceCli {
     /// The new placement file (`expertmesh plan` writes one). Every device of the topology
     /// holds exactly what it lists once the change is applied; the shared experts stay where
     /// they run.
-    #[arg(long)]
-    placement: PathBuf,
+    #[arg(long, required_unless_present = "drain", conflicts_with = "drain")]
+    placement: Option<PathBuf>,
+    /// The placement the fabric serves now. With it the change is planned in steps that each
+    /// fit every device's memory (`expertmesh plan --from` shows them), applied one after
+    /// the other; without it the change is one step, and a device without room for its old
+    /// and new experts together refuses it.
+    #[arg(long, value_name = "SERVED")]
+    from: Option<PathBuf>,
+    /// Drain this device (NODE/DEVICE) instead of applying a placement: every expert only it
+    /// holds moves to the other devices with room (needs --from); then it serves nothing and
+    /// its worker can stop with no call failing.
+    #[arg(long, value_name = "NODE/DEVICE", requires = "from")]
+    drain: Option<String>,
+    /// Write the placement applied here (TOML), for workers restarted later.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
     /// How long each step of the change may take (loading the gains, releasing).
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
     timeout_s: f64,
@@ -62,58 +77,126 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     let topo = Topology::load(&cli.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
-    let placement =
-        PlacementFile::load(&cli.placement, &topo, &spec).map_err(|e| anyhow!("{e}"))?;
-    let entries = entries_of(&topo, &spec, &placement);
+    let load = |p: &PathBuf| PlacementFile::load(p, &topo, &spec).map_err(|e| anyhow!("{e}"));
+    let served = cli.from.as_ref().map(load).transpose()?;
+    let (new, what) = match (&cli.placement, &cli.drain, &served) {
+        (Some(p), _, _) => (load(p)?, format!("placement {}", p.display())),
+        (None, Some(dev), Some(old)) => {
+            let d = topo.device_by_id(dev).ok_or_else(|| {
+                anyhow!(
+                    "--drain {dev}: no such device in {}",
+                    cli.topology.display()
+                )
+            })?;
+            let p = transition::drained(&topo, &spec, old, d.rank())
+                .map_err(|e| anyhow!("--drain {dev}: {e}"))?;
+            (p, format!("{dev} drained"))
+        }
+        _ => bail!("give --placement NEW, or --drain NODE/DEVICE with --from SERVED"),
+    };
+    let steps: Vec<Vec<(u32, u32, u32)>> = match &served {
+        Some(old) => {
+            let plan = transition::transition(&topo, &spec, old, &new)
+                .map_err(|e| anyhow!("planning the change from --from: {e}"))?;
+            plan.steps
+                .iter()
+                .map(|s| step_entries(&topo, &spec, &s.owners))
+                .collect()
+        }
+        None => vec![entries_of(&topo, &spec, &new)],
+    };
+    if let Some(out) = &cli.out {
+        std::fs::write(out, new.to_toml_string())
+            .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
+    }
     let addrs = endpoint::resolve_all(cli.router.trim()).map_err(|e| anyhow!("--router: {e}"))?;
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
     cfg.credentials = cli.security.security().frontend(&cli.cluster, &addrs)?;
     let timeout = Duration::from_secs_f64(cli.timeout_s);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let addr = *addrs
         .first()
         .ok_or_else(|| anyhow!("--router {}: no address", cli.router))?;
-    let answer = rt.block_on(async {
-        let mut conn = FrameConnection::connect(addr, &cfg)
-            .await
-            .map_err(|e| anyhow!("{e}; is the router running, and is this its frontend port?"))?;
-        let mut p = Placement::new(PlacementOp::Apply, 0, entries.len());
-        p.request_id = 1;
-        p.millis = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
-        conn.write_frame(&Body::Placement(p), &encode_placement_entries(&entries))
-            .await
-            .map_err(|e| anyhow!("{e}"))?;
-        // Load, release, and (on failure) the undo each get the timeout.
-        let wait = 3 * timeout + Duration::from_secs(10);
-        let frame = tokio::time::timeout(wait, conn.read_frame())
-            .await
-            .map_err(|_| anyhow!("no answer from the router within {wait:?}"))?
-            .map_err(|e| anyhow!("{e}"))?;
-        anyhow::Ok(frame.body().clone())
-    })?;
-    match answer {
-        Body::Placement(p) if p.op == PlacementOp::Applied => {
-            println!(
-                "placement {} is served at version {}: {} experts loaded, {} released, in {:.2} s",
-                cli.placement.display(),
-                p.version,
-                p.loaded,
-                p.released,
-                f64::from(p.millis) / 1e3
-            );
-            println!(
-                "note: a worker restarted later loads its placement file; make {} the fabric's \
-                 placement (or convert with it) before restarting workers",
-                cli.placement.display()
-            );
-            Ok(ExitCode::SUCCESS)
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut conn = rt
+        .block_on(FrameConnection::connect(addr, &cfg))
+        .map_err(|e| anyhow!("{e}; is the router running, and is this its frontend port?"))?;
+    let (mut loaded, mut released, mut millis) = (0u64, 0u64, 0u64);
+    let mut version = 0;
+    for (i, entries) in steps.iter().enumerate() {
+        match rt.block_on(apply(&mut conn, i as u64 + 1, entries, timeout))? {
+            Ok(p) => {
+                if steps.len() > 1 {
+                    println!(
+                        "step {} of {}: version {}, {} experts loaded, {} released, in {:.2} s",
+                        i + 1,
+                        steps.len(),
+                        p.version,
+                        p.loaded,
+                        p.released,
+                        f64::from(p.millis) / 1e3
+                    );
+                }
+                loaded += u64::from(p.loaded);
+                released += u64::from(p.released);
+                millis += u64::from(p.millis);
+                version = p.version;
+            }
+            Err(message) => {
+                eprintln!("error: the placement change failed: {message}");
+                if i > 0 {
+                    eprintln!(
+                        "note: steps 1 to {i} of {} were applied; the fabric serves step {i}'s placement",
+                        steps.len()
+                    );
+                }
+                return Ok(ExitCode::from(crate::exit::EXIT_INVALID));
+            }
         }
-        Body::Error(e) => {
-            eprintln!("error: the placement change failed: {}", e.message);
-            Ok(ExitCode::from(crate::exit::EXIT_INVALID))
-        }
+    }
+    let in_steps = if steps.len() > 1 {
+        format!(" ({} steps)", steps.len())
+    } else {
+        String::new()
+    };
+    println!(
+        "{what} is served at version {version}: {loaded} experts loaded, {released} released, \
+         in {:.2} s{in_steps}",
+        millis as f64 / 1e3
+    );
+    let out = cli.out.as_ref().map(|o| format!(" ({})", o.display()));
+    println!(
+        "note: a worker restarted later loads its placement file; serve the applied \
+         placement{} before restarting workers",
+        out.unwrap_or_default()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Sends one placement to apply and waits for the answer: the `Applied` frame, or the
+/// router's reason (`Err` inside); the outer error is a broken connection or no answer.
+async fn apply(
+    conn: &mut FrameConnection,
+    request_id: u64,
+    entries: &[(u32, u32, u32)],
+    timeout: Duration,
+) -> anyhow::Result<Result<Placement, String>> {
+    let mut p = Placement::new(PlacementOp::Apply, 0, entries.len());
+    p.request_id = request_id;
+    p.millis = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    conn.write_frame(&Body::Placement(p), &encode_placement_entries(entries))
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
+    // Load, release, and (on failure) the undo each get the timeout.
+    let wait = 3 * timeout + Duration::from_secs(10);
+    let frame = tokio::time::timeout(wait, conn.read_frame())
+        .await
+        .map_err(|_| anyhow!("no answer from the router within {wait:?}"))?
+        .map_err(|e| anyhow!("{e}"))?;
+    match frame.body() {
+        Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Ok(p.clone())),
+        Body::Error(e) => Ok(Err(e.message.clone())),
         other => bail!(
             "the router answered with an unexpected {:?} frame",
             other.kind()
@@ -135,16 +218,30 @@ fn model_of(cli: &RebalanceCli) -> anyhow::Result<ModelSpec> {
 /// Every (mesh rank, layer, expert) of the placement: the routers are mesh ranks
 /// `0..routers`, device `d` is `routers + d`.
 fn entries_of(topo: &Topology, spec: &ModelSpec, p: &PlacementFile) -> Vec<(u32, u32, u32)> {
+    let owners: Vec<Vec<Vec<u32>>> = spec
+        .moe_layer_ids()
+        .into_iter()
+        .map(|l| {
+            topo.devices()
+                .iter()
+                .map(|d| p.experts_on(d.rank(), l).to_vec())
+                .collect()
+        })
+        .collect();
+    step_entries(topo, spec, &owners)
+}
+
+/// The entries of `[layer index][device rank] → experts` (a transition step's owners).
+fn step_entries(
+    topo: &Topology,
+    spec: &ModelSpec,
+    owners: &[Vec<Vec<u32>>],
+) -> Vec<(u32, u32, u32)> {
     let routers = (topo.routers().len() as u32).max(1);
     let mut out = Vec::new();
-    for d in topo.devices() {
-        let rank = routers + d.rank().0;
-        for layer in spec.moe_layer_ids() {
-            out.extend(
-                p.experts_on(d.rank(), layer)
-                    .iter()
-                    .map(|&e| (rank, layer, e)),
-            );
+    for (layer, per_device) in spec.moe_layer_ids().into_iter().zip(owners) {
+        for (d, experts) in per_device.iter().enumerate() {
+            out.extend(experts.iter().map(|&e| (routers + d as u32, layer, e)));
         }
     }
     out

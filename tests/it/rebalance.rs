@@ -125,6 +125,19 @@ fn placement(dir: &Path, name: &str, cpu0: &str, cpu1: &str) -> PathBuf {
 
 /// Runs `expertmesh rebalance` against `router`.
 fn rebalance(router: SocketAddr, topology: &Path, placement: &Path) -> crate::support::Run {
+    rebalance_with(
+        router,
+        topology,
+        &["--placement".as_ref(), placement.as_os_str()],
+    )
+}
+
+/// Runs `expertmesh rebalance` against `router` with `args` after the common ones.
+fn rebalance_with(
+    router: SocketAddr,
+    topology: &Path,
+    args: &[&std::ffi::OsStr],
+) -> crate::support::Run {
     let o = Command::new(crate::support::bin())
         .args([
             "rebalance",
@@ -135,8 +148,7 @@ fn rebalance(router: SocketAddr, topology: &Path, placement: &Path) -> crate::su
         ])
         .arg("--topology")
         .arg(topology)
-        .arg("--placement")
-        .arg(placement)
+        .args(args)
         .args(["--timeout-s", "60"])
         .current_dir(root())
         .env("RUST_BACKTRACE", "1")
@@ -226,9 +238,15 @@ fn a_live_change_under_load_from_both_routers_has_no_failed_and_no_wrong_call() 
         assert!(ok > 0, "router {i}: no call answered");
         assert_eq!((wrong, failed), (0, 0), "router {i}: {first:?}");
     }
-    // Both routers took every announcement: 2 workers x 2 steps x 2 changes.
+    // Both routers take every announcement: 2 workers x 2 steps x 2 changes (the router that
+    // did not coordinate may take the last ones just after the answer).
     for (i, before) in holdings_before.into_iter().enumerate() {
-        let after = fabric.router(i).unwrap().stats().holdings;
+        let router = fabric.router(i).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while router.stats().holdings < before + 8 && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let after = router.stats().holdings;
         assert!(after >= before + 8, "router {i}: {before} -> {after}");
     }
 }
@@ -266,18 +284,94 @@ fn a_change_a_device_has_no_room_for_is_undone_and_calls_go_on() {
     );
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("not a worker"), "{}", r.stderr);
+    // Given the served placement, the same change is planned in steps that each fit, and
+    // applied one after the other.
+    let served = root().join("examples/single-host-demo-small.placement.toml");
+    let r = rebalance_with(
+        addr,
+        &topology,
+        &[
+            "--from".as_ref(),
+            served.as_os_str(),
+            "--placement".as_ref(),
+            new.as_os_str(),
+        ],
+    );
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains(" steps)") && r.stdout.contains("step 2 of"),
+        "{}",
+        r.stdout
+    );
+    // Draining a device whose experts the other has no room for is refused before anything
+    // is sent.
+    let r = rebalance_with(
+        addr,
+        &topology,
+        &[
+            "--from".as_ref(),
+            new.as_os_str(),
+            "--drain".as_ref(),
+            "local/cpu1".as_ref(),
+        ],
+    );
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("no other device has a free expert slot"),
+        "{}",
+        r.stderr
+    );
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
     let (ok, wrong, failed, first) = load.join().unwrap();
     assert!(ok > 0);
     assert_eq!((wrong, failed), (0, 0), "{first:?}");
-    // The old placement still serves: a change within memory succeeds afterwards.
-    let fits = placement(dir.path(), "fits.toml", "0-19", "16-31");
-    let r = rebalance(addr, &topology, &fits);
+}
+
+#[test]
+fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut fabric, topology) = fabric(dir.path(), "256 MiB");
+    let cases = cases(&fabric);
+    let addr = fabric.frontend_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
+    let served = root().join("examples/single-host-demo-small.placement.toml");
+    let out = dir.path().join("drained.toml");
+    let r = rebalance_with(
+        addr,
+        &topology,
+        &[
+            "--from".as_ref(),
+            served.as_os_str(),
+            "--drain".as_ref(),
+            "local/cpu1".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+    );
+    crate::support::say(&r.stdout);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    // cpu1 held 16-31 and 0-3 of each layer; 20-31 only it: 12 x 4 layers move to cpu0.
     assert!(
-        r.stdout.contains("0 experts loaded, 16 released"),
+        r.stdout.contains("local/cpu1 drained is served"),
         "{}",
         r.stdout
     );
+    assert!(
+        r.stdout.contains("48 experts loaded, 80 released"),
+        "{}",
+        r.stdout
+    );
+    let written = std::fs::read_to_string(&out).unwrap();
+    assert!(written.contains("local/cpu0"), "{written}");
+    // Its worker stops; calls go on, every one right.
+    fabric.kill_worker(1).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    assert!(ok > 0);
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
 }

@@ -396,6 +396,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
             .device(d)
             .map_or(u64::MAX, |x| x.expert_memory_bytes()),
         dep,
+        deferred: None,
     };
     {
         let _guard = rt.enter();
@@ -462,6 +463,9 @@ struct ComputeCtx {
     expert_memory: u64,
     /// The deployment (where gained experts are read from).
     dep: Deployment,
+    /// A hold whose gains fit only once the experts being released are freed: (router,
+    /// frame, entries).
+    deferred: Option<(u32, Placement, Vec<u8>)>,
 }
 
 /// Work that belonged to a link since replaced (its router restarted): counted, logged at
@@ -714,8 +718,18 @@ impl ComputeCtx {
             }
             PlacementOp::Hold => {
                 let started = Instant::now();
+                // A newer hold replaces one waiting for room.
+                self.deferred = None;
                 let (version, gained) = match self.hold(p, payload) {
-                    Ok(v) => v,
+                    Ok(Some(v)) => v,
+                    Ok(None) => {
+                        tracing::info!(
+                            worker = %self.id, version = p.version, releasing = self.holdings.releasing(),
+                            "placement change waits for experts being released to make room"
+                        );
+                        self.deferred = Some((from, p.clone(), payload.to_vec()));
+                        return;
+                    }
                     Err(why) => {
                         tracing::warn!(worker = %self.id, version = p.version, "placement change refused: {why}");
                         let why = truncate(&why, MAX_PLACEMENT_MESSAGE_BYTES);
@@ -737,8 +751,9 @@ impl ComputeCtx {
 
     /// Carries out a `Hold`: checks it, loads the gains onto the backend (between dispatches:
     /// the ones queued wait for the load), and serves the new set. Returns the version and
-    /// the experts loaded.
-    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<(u64, usize), String> {
+    /// the experts loaded; `None` when the gains fit only once the experts being released
+    /// are freed (the hold is taken again then).
+    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<Option<(u64, usize)>, String> {
         if self.fanout.is_some() {
             return Err(
                 "this device's node fans dispatches out to its devices (per-node dedup), \
@@ -762,11 +777,15 @@ impl ComputeCtx {
             let need = backend
                 .loaded_bytes()
                 .saturating_add(plan.load.len() as u64 * self.dep.spec.expert_bytes());
+            let releasing = self.holdings.releasing() as u64 * self.dep.spec.expert_bytes();
+            if need > self.expert_memory && need - releasing.min(need) <= self.expert_memory {
+                return Ok(None);
+            }
             if need > self.expert_memory {
                 return Err(format!(
                     "{} more experts would pin {need} bytes next to what this device serves, over \
-                     its expert_memory of {} bytes; apply the change in steps (expertmesh plan \
-                     --from shows them) or give the device more memory",
+                     its expert_memory of {} bytes; apply the change in steps (expertmesh \
+                     rebalance --from SERVED plans them) or give the device more memory",
                     plan.load.len(),
                     self.expert_memory
                 ));
@@ -783,7 +802,7 @@ impl ComputeCtx {
             .collect();
         let free = self.holdings.commit(plan, connected);
         self.release(&free);
-        Ok((version, gained))
+        Ok(Some((version, gained)))
     }
 
     /// Frees experts no router can send here any more.
@@ -802,6 +821,10 @@ impl ComputeCtx {
             Err(e) => {
                 tracing::error!(worker = %self.id, error = %e, "releasing experts failed; they stay loaded")
             }
+        }
+        // A hold that waited for this room is taken again.
+        if let Some((from, p, payload)) = self.deferred.take() {
+            self.placement(from, &p, &payload);
         }
     }
 
