@@ -35,10 +35,13 @@
 //! (the worker refuses otherwise, failing the change); `planner::transition` orders a change
 //! that does not fit into steps of such changes.
 //!
-//! A worker that restarts after a change loads its placement file again. This router re-applies
-//! the set it last applied to such a device (an announcement of version 0 that differs from it)
-//! once; routers that did not coordinate the change, or a restarted coordinator, do not know
-//! it: replace the fabric's placement file with the applied one for restarts.
+//! A worker that restarts after a change loads its placement file again (the handshake still
+//! checks each process against the fabric's files). This router re-applies the set it last
+//! applied to such a device (an announcement of version 0 that differs from it), once per
+//! restart; routers that did not coordinate the change, or a restarted coordinator, do not
+//! know it, and the device serves its file's set (correctly: routers route by what it
+//! announces). To keep a change across restarts, start the whole fabric with the applied
+//! placement (`rebalance --out`).
 
 use crate::core::ClientId;
 use std::collections::{BTreeSet, VecDeque};

@@ -209,19 +209,8 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
-        let coordinator = Coordinator::new(
-            ranks.routers(),
-            core.rank_labels(),
-            core.layers(),
-            core.spec().routed_experts,
-        );
         let core_loop = CoreLoop {
-            coordinator,
-            failed_changes: Vec::new(),
-            unsent: (0..core.rank_labels().len())
-                .map(|_| AtomicUsize::new(0))
-                .collect(),
-            unconfirmed: Vec::new(),
+            changes: Changes::new(&core),
             names: core.rank_labels(),
             core,
             rx: input_rx,
@@ -964,14 +953,37 @@ struct CoreLoop {
     admission: Arc<AdmissionGate>,
     /// Gives the memory of a finished burst back to the system.
     trim: MemoryTrim,
-    /// Live placement changes this router coordinates ([`crate::rebalance`]).
+    /// Live placement changes: coordination and confirmations.
+    changes: Changes,
+}
+
+/// The core thread's part in live placement changes.
+struct Changes {
+    /// The changes this router coordinates ([`crate::rebalance`]).
     coordinator: Coordinator,
-    /// Placement changes refused before they started, to answer (client, request, why).
-    failed_changes: Vec<(ClientId, u64, String)>,
+    /// Changes refused before they started, to answer (client, request, why).
+    failed: Vec<(ClientId, u64, String)>,
     /// Per mesh rank, dispatch sends not yet written ([`CoreLoop::send`]).
     unsent: Arc<[AtomicUsize]>,
     /// Confirmations waiting for their worker's unsent dispatches ([`CoreLoop::confirm`]).
     unconfirmed: Vec<(u32, OutFrame)>,
+}
+
+impl Changes {
+    fn new(core: &RouterCore) -> Self {
+        let names = core.rank_labels();
+        Self {
+            unsent: (0..names.len()).map(|_| AtomicUsize::new(0)).collect(),
+            coordinator: Coordinator::new(
+                core.rank_names().routers(),
+                names,
+                core.layers(),
+                core.spec().routed_experts,
+            ),
+            failed: Vec::new(),
+            unconfirmed: Vec::new(),
+        }
+    }
 }
 
 impl CoreLoop {
@@ -1014,10 +1026,10 @@ impl CoreLoop {
                 }
             }
             self.core.on_tick(Instant::now());
-            self.coordinator.on_tick(Instant::now());
+            self.changes.coordinator.on_tick(Instant::now());
             busy |= self.coordinate();
             busy |= self.act(&mut cx);
-            let confirming = !self.unconfirmed.is_empty() && self.confirm();
+            let confirming = !self.changes.unconfirmed.is_empty() && self.confirm();
             let now = Instant::now();
             if busy {
                 self.trim.busy(now);
@@ -1030,7 +1042,7 @@ impl CoreLoop {
                 match [
                     self.core.next_timeout(),
                     trim_at,
-                    self.coordinator.next_timeout(),
+                    self.changes.coordinator.next_timeout(),
                     confirm_at,
                 ]
                 .into_iter()
@@ -1068,11 +1080,12 @@ impl CoreLoop {
                 timeout,
             } => {
                 if let Err(message) = self
+                    .changes
                     .coordinator
                     .apply(client, request_id, &entries, timeout, now)
                 {
                     tracing::warn!(request_id, "placement change refused: {message}");
-                    self.failed_changes.push((client, request_id, message));
+                    self.changes.failed.push((client, request_id, message));
                 }
             }
         }
@@ -1119,12 +1132,14 @@ impl CoreLoop {
                 p.message
             );
         }
-        self.coordinator
+        self.changes
+            .coordinator
             .on_holding(from, p.version, &held, &p.message, now);
         let seen = Placement::new(PlacementOp::Seen, p.version, 0);
         // Sent by `confirm` once the core's actions of this pass are carried out: dispatches
         // planned on the older set may still be queued in the core.
-        self.unconfirmed
+        self.changes
+            .unconfirmed
             .push((from, OutFrame::new(Body::Placement(seen))));
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
     }
@@ -1133,19 +1148,20 @@ impl CoreLoop {
     /// being sent: each goes on the link behind every dispatch planned on the worker's older
     /// set. Returns whether any is still waiting.
     fn confirm(&mut self) -> bool {
-        let waiting = std::mem::take(&mut self.unconfirmed);
+        let waiting = std::mem::take(&mut self.changes.unconfirmed);
         for (rank, frame) in waiting {
             let busy = self
+                .changes
                 .unsent
                 .get(rank as usize)
                 .is_some_and(|n| n.load(Ordering::Acquire) > 0);
             if busy {
-                self.unconfirmed.push((rank, frame));
+                self.changes.unconfirmed.push((rank, frame));
             } else {
                 self.send_control(rank, frame);
             }
         }
-        !self.unconfirmed.is_empty()
+        !self.changes.unconfirmed.is_empty()
     }
 
     /// Sends a control frame (a hold, a confirmation) to worker `rank`, in order behind what
@@ -1172,7 +1188,7 @@ impl CoreLoop {
     /// Carries out the coordinator's actions: holds to workers, answers to frontends.
     fn coordinate(&mut self) -> bool {
         let mut any = false;
-        let failed = std::mem::take(&mut self.failed_changes);
+        let failed = std::mem::take(&mut self.changes.failed);
         let mut answers: Vec<(ClientId, ClientMsg)> = failed
             .into_iter()
             .map(|(client, request_id, message)| {
@@ -1184,7 +1200,7 @@ impl CoreLoop {
                 (client, msg)
             })
             .collect();
-        while let Some(a) = self.coordinator.poll_action() {
+        while let Some(a) = self.changes.coordinator.poll_action() {
             any = true;
             match a {
                 ChangeAction::Hold {
@@ -1291,7 +1307,7 @@ impl CoreLoop {
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 self.core.on_peer_lost(e.peer, now);
-                self.coordinator.on_peer_lost(e.peer, now);
+                self.changes.coordinator.on_peer_lost(e.peer, now);
                 self.core.metrics().on_link(e.peer, false);
             }
         }
@@ -1403,7 +1419,7 @@ impl CoreLoop {
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
         self.core.metrics().on_sent(rank, &frame);
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
-        let unsent = Arc::clone(&self.unsent);
+        let unsent = Arc::clone(&self.changes.unsent);
         if let Some(n) = unsent.get(rank as usize) {
             n.fetch_add(1, Ordering::AcqRel);
         }

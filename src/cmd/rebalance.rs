@@ -21,6 +21,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// (mesh rank, layer, expert) of one placement to apply.
+type Entries = Vec<(u32, u32, u32)>;
+
 /// `expertmesh rebalance`.
 #[derive(Args, Debug)]
 pub(crate) struct RebalanceCli {
@@ -77,37 +80,10 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     let topo = Topology::load(&cli.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
-    let load = |p: &PathBuf| PlacementFile::load(p, &topo, &spec).map_err(|e| anyhow!("{e}"));
-    let served = cli.from.as_ref().map(load).transpose()?;
-    let (new, what) = match (&cli.placement, &cli.drain, &served) {
-        (Some(p), _, _) => (load(p)?, format!("placement {}", p.display())),
-        (None, Some(dev), Some(old)) => {
-            let d = topo.device_by_id(dev).ok_or_else(|| {
-                anyhow!(
-                    "--drain {dev}: no such device in {}",
-                    cli.topology.display()
-                )
-            })?;
-            let p = transition::drained(&topo, &spec, old, d.rank())
-                .map_err(|e| anyhow!("--drain {dev}: {e}"))?;
-            (p, format!("{dev} drained"))
-        }
-        _ => bail!("give --placement NEW, or --drain NODE/DEVICE with --from SERVED"),
-    };
-    let steps: Vec<Vec<(u32, u32, u32)>> = match &served {
-        Some(old) => {
-            let plan = transition::transition(&topo, &spec, old, &new)
-                .map_err(|e| anyhow!("planning the change from --from: {e}"))?;
-            plan.steps
-                .iter()
-                .map(|s| step_entries(&topo, &spec, &s.owners))
-                .collect()
-        }
-        None => vec![entries_of(&topo, &spec, &new)],
-    };
-    if let Some(out) = &cli.out {
-        std::fs::write(out, new.to_toml_string())
-            .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
+    let (steps, what) = plan(&cli, &topo, &spec)?;
+    if steps.is_empty() {
+        println!("{what}: equal to --from, nothing to change");
+        return Ok(ExitCode::SUCCESS);
     }
     let addrs = endpoint::resolve_all(cli.router.trim()).map_err(|e| anyhow!("--router: {e}"))?;
     let mut cfg = FrontendConfig::new(cli.cluster.clone());
@@ -165,13 +141,57 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
          in {:.2} s{in_steps}",
         millis as f64 / 1e3
     );
-    let out = cli.out.as_ref().map(|o| format!(" ({})", o.display()));
+    let permanent = match &cli.out {
+        Some(o) => format!("start the whole fabric with {} to keep it", o.display()),
+        None => "write it with --out and start the whole fabric with it to keep it".into(),
+    };
     println!(
-        "note: a worker restarted later loads its placement file; serve the applied \
-         placement{} before restarting workers",
-        out.unwrap_or_default()
+        "note: a worker restarted later starts from the fabric's placement file, and the router \
+         that applied this change gives it its new set again; {permanent}"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The change to apply, as the entries of each step (one step without `--from`), and what it
+/// is (for the summary). The applied placement is written to `--out` when asked.
+fn plan(
+    cli: &RebalanceCli,
+    topo: &Topology,
+    spec: &ModelSpec,
+) -> anyhow::Result<(Vec<Entries>, String)> {
+    let load = |p: &PathBuf| PlacementFile::load(p, topo, spec).map_err(|e| anyhow!("{e}"));
+    let served = cli.from.as_ref().map(load).transpose()?;
+    let (new, what) = match (&cli.placement, &cli.drain, &served) {
+        (Some(p), _, _) => (load(p)?, format!("placement {}", p.display())),
+        (None, Some(dev), Some(old)) => {
+            let d = topo.device_by_id(dev).ok_or_else(|| {
+                anyhow!(
+                    "--drain {dev}: no such device in {}",
+                    cli.topology.display()
+                )
+            })?;
+            let p = transition::drained(topo, spec, old, d.rank())
+                .map_err(|e| anyhow!("--drain {dev}: {e}"))?;
+            (p, format!("{dev} drained"))
+        }
+        _ => bail!("give --placement NEW, or --drain NODE/DEVICE with --from SERVED"),
+    };
+    let steps: Vec<Entries> = match &served {
+        Some(old) => {
+            let plan = transition::transition(topo, spec, old, &new)
+                .map_err(|e| anyhow!("planning the change from --from: {e}"))?;
+            plan.steps
+                .iter()
+                .map(|s| step_entries(topo, spec, &s.owners))
+                .collect()
+        }
+        None => vec![entries_of(topo, spec, &new)],
+    };
+    if let Some(out) = &cli.out {
+        std::fs::write(out, new.to_toml_string())
+            .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
+    }
+    Ok((steps, what))
 }
 
 /// Sends one placement to apply and waits for the answer: the `Applied` frame, or the

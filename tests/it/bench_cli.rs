@@ -35,6 +35,10 @@ fn every_help_states_exit_codes() {
         (&["up", "--help"], &["0 stopped cleanly"]),
         (&["worker", "--help"], &["0 stopped cleanly"]),
         (&["router", "--help"], &["0 stopped cleanly"]),
+        (
+            &["rebalance", "--help"],
+            &["0 the placement is served", "--drain"],
+        ),
         // infer keeps its own help (how to make an input) and gains its exit codes.
         (
             &["infer", "--help"],

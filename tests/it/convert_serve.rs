@@ -196,6 +196,44 @@ fn check_exact(ck: &TinyCheckpoint, out: &Path) {
         .then(|| expertmesh_worker::shared::DenseSharedRunner::load(&dep).unwrap());
     let setups = dep.layer_setups().unwrap();
     let fabric = LocalFabric::start(options(out, ComputeMode::Exact)).unwrap();
+    check_served(ck, &dep, &mut backend, &mut dense, &setups, &fabric);
+    fabric.shutdown();
+}
+
+/// Every MoE layer of the converted `out` served by `fabric` bit for bit like the exact
+/// in-process reference.
+fn check_served_exactly(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric) {
+    let dep = Deployment::load_converted(&topology(), out).unwrap();
+    let (experts, _) = converted_experts(out);
+    let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
+        .into_iter()
+        .map(|((layer, expert), w)| (ExpertKey { layer, expert }, w))
+        .collect();
+    let mut backend = CpuBackend::new(1).unwrap();
+    let slots = (dep.spec.top_k + dep.spec.shared_experts) as usize;
+    let limits = expertmesh_backend::BatchLimits {
+        max_tokens: 64,
+        max_pairs: 64 * slots,
+    };
+    backend.load(keyed, limits).unwrap();
+    let mut dense = dep
+        .shared_dense()
+        .then(|| expertmesh_worker::shared::DenseSharedRunner::load(&dep).unwrap());
+    let setups = dep.layer_setups().unwrap();
+    check_served(ck, &dep, &mut backend, &mut dense, &setups, fabric);
+}
+
+/// One call per layer of `setups` through `fabric`, compared bit for bit with `backend`
+/// (plus the router's dense shared experts, when it runs them).
+fn check_served(
+    ck: &TinyCheckpoint,
+    dep: &Deployment,
+    backend: &mut CpuBackend,
+    dense: &mut Option<expertmesh_worker::shared::DenseSharedRunner>,
+    setups: &[expertmesh_router::core::LayerSetup],
+    fabric: &LocalFabric,
+) {
+    let spec = dep.spec.clone();
     let h = spec.hidden as usize;
     let rt = rt();
     let mut client = rt
@@ -204,7 +242,7 @@ fn check_exact(ck: &TinyCheckpoint, out: &Path) {
             &fabric.frontend_config(),
         ))
         .unwrap();
-    for s in &setups {
+    for s in setups {
         let tokens = 9;
         let x: Vec<f32> = random_tokens(tokens, h, 7 + u64::from(s.layer))
             .iter()
@@ -221,7 +259,7 @@ fn check_exact(ck: &TinyCheckpoint, out: &Path) {
             &routed_spec,
             &s.gate,
             s.layer,
-            &mut backend,
+            backend,
             &x,
             ComputeMode::Exact,
         )
@@ -244,7 +282,6 @@ fn check_exact(ck: &TinyCheckpoint, out: &Path) {
             s.layer
         );
     }
-    fabric.shutdown();
 }
 
 fn case(
@@ -473,4 +510,85 @@ fn olmoe_bf16_with_zero_points_matches_the_reference() {
         stderr.contains("--zero-points applies to float checkpoints"),
         "{stderr}"
     );
+}
+
+/// Converted weights move live (issue 29): each device gains the other's experts from the
+/// other's shard (checked against the manifest's checksum) while the fabric serves; served
+/// afterwards bit for bit like before. A change whose gains come from a damaged shard is
+/// refused by the gainer and undone, and the fabric still serves every layer exactly.
+#[test]
+fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_change() {
+    use expertmesh_topology::placement::Placement;
+    let _machine = crate::support::shared();
+    let (dir, ck, out) = case("qwen3_moe", WeightFormat::Bf16, 1);
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    let layers = dep.spec.moe_layer_ids();
+    // Every layer's lists of the two devices swapped; shared experts stay.
+    let swap = |p: &Placement| -> Placement {
+        let slots = layers
+            .iter()
+            .map(|&l| {
+                let ranks: Vec<_> = dep.topology.devices().iter().map(|d| d.rank()).collect();
+                ranks
+                    .iter()
+                    .rev()
+                    .map(|&r| p.experts_on(r, l).to_vec())
+                    .collect()
+            })
+            .collect();
+        let shared = layers
+            .iter()
+            .filter_map(|&l| p.shared_location(l))
+            .collect();
+        Placement::new(&dep.topology, &dep.spec, slots, shared, "swapped").unwrap()
+    };
+    let swapped = dir.path().join("swapped.toml");
+    std::fs::write(&swapped, swap(&dep.placement).to_toml_string()).unwrap();
+    let original = dir.path().join("original.toml");
+    std::fs::write(&original, dep.placement.to_toml_string()).unwrap();
+    let fabric = LocalFabric::start(options(&out, ComputeMode::Exact)).unwrap();
+    let rebalance = |placement: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+            .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
+            .arg("--topology")
+            .arg(topology())
+            .arg("--weights")
+            .arg(&out)
+            .arg("--placement")
+            .arg(placement)
+            .args(["--timeout-s", "60"])
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o.status.code(), text)
+    };
+    let (code, text) = rebalance(&swapped);
+    crate::support::say(&text);
+    assert_eq!(code, Some(0), "{text}");
+    check_served_exactly(&ck, &out, &fabric);
+    // Damage device 0's shard: moving its experts back to device 0 must read from it.
+    let record = &dep.weights.as_ref().unwrap().manifest.shards[0];
+    let path = out.join(&record.file);
+    let intact = std::fs::read(&path).unwrap();
+    let at = ShardFile::open(&path).unwrap().index().experts[0]
+        .w13
+        .nibbles
+        .offset as usize;
+    let mut bytes = intact.clone();
+    bytes[at] ^= 0x5a;
+    std::fs::write(&path, bytes).unwrap();
+    let (code, text) = rebalance(&original);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("undone") && text.contains("checksum mismatch"),
+        "{text}"
+    );
+    // (The reference reads every shard: the intact bytes back first.)
+    std::fs::write(&path, intact).unwrap();
+    check_served_exactly(&ck, &out, &fabric);
+    fabric.shutdown();
 }

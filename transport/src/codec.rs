@@ -1196,23 +1196,7 @@ impl Body {
 
     fn write_meta(&self, out: &mut Vec<u8>) {
         match self {
-            Self::Hello(h) => {
-                out.push(h.format_version);
-                out.push(u8::from(h.auth_required));
-                out.extend_from_slice(&0u16.to_le_bytes());
-                out.extend_from_slice(&h.rank.to_le_bytes());
-                out.extend_from_slice(&h.world_size.to_le_bytes());
-                out.extend_from_slice(&h.recv_window_bytes.to_le_bytes());
-                out.extend_from_slice(&h.nonce);
-                out.push(h.cluster.len() as u8);
-                out.extend_from_slice(h.cluster.as_bytes());
-                out.extend_from_slice(&(h.attachment.len() as u16).to_le_bytes());
-                out.extend_from_slice(&h.attachment);
-                out.extend_from_slice(&h.incarnation.to_le_bytes());
-                out.extend_from_slice(&h.fingerprint);
-                out.push(h.identity.len() as u8);
-                out.extend_from_slice(h.identity.as_bytes());
-            }
+            Self::Hello(h) => write_hello(h, out),
             Self::LinkInfo(l) => {
                 out.extend_from_slice(&(l.attachment.len() as u16).to_le_bytes());
                 out.extend_from_slice(&l.attachment);
@@ -1292,16 +1276,7 @@ impl Body {
                 out.push(r.dtype as u8);
                 out.extend_from_slice(&[0, 0, 0]);
             }
-            Self::Placement(p) => {
-                out.extend_from_slice(&[p.op as u8, 0, 0, 0]);
-                out.extend_from_slice(&p.request_id.to_le_bytes());
-                out.extend_from_slice(&p.version.to_le_bytes());
-                for v in [p.entries, p.millis, p.loaded, p.released] {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-                out.extend_from_slice(&(p.message.len() as u16).to_le_bytes());
-                out.extend_from_slice(p.message.as_bytes());
-            }
+            Self::Placement(p) => write_placement(p, out),
         }
     }
 
@@ -1496,6 +1471,37 @@ fn decode_result(c: &mut Cursor<'_>) -> Result<ExpertResult, CodecError> {
         hidden,
         dtype,
     })
+}
+
+/// Encodes the metadata of a hello.
+fn write_hello(h: &Hello, out: &mut Vec<u8>) {
+    out.push(h.format_version);
+    out.push(u8::from(h.auth_required));
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&h.rank.to_le_bytes());
+    out.extend_from_slice(&h.world_size.to_le_bytes());
+    out.extend_from_slice(&h.recv_window_bytes.to_le_bytes());
+    out.extend_from_slice(&h.nonce);
+    out.push(h.cluster.len() as u8);
+    out.extend_from_slice(h.cluster.as_bytes());
+    out.extend_from_slice(&(h.attachment.len() as u16).to_le_bytes());
+    out.extend_from_slice(&h.attachment);
+    out.extend_from_slice(&h.incarnation.to_le_bytes());
+    out.extend_from_slice(&h.fingerprint);
+    out.push(h.identity.len() as u8);
+    out.extend_from_slice(h.identity.as_bytes());
+}
+
+/// Encodes the metadata of a placement frame.
+fn write_placement(p: &Placement, out: &mut Vec<u8>) {
+    out.extend_from_slice(&[p.op as u8, 0, 0, 0]);
+    out.extend_from_slice(&p.request_id.to_le_bytes());
+    out.extend_from_slice(&p.version.to_le_bytes());
+    for v in [p.entries, p.millis, p.loaded, p.released] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out.extend_from_slice(&(p.message.len() as u16).to_le_bytes());
+    out.extend_from_slice(p.message.as_bytes());
 }
 
 /// Decodes the metadata of a placement frame.

@@ -367,8 +367,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         if routers.len() == 1 { "" } else { "s" },
         shown.join(", "),
     );
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
+    let _ = std::io::Write::flush(&mut std::io::stdout());
 
     // The compute loop runs on this thread and reads the mesh's events itself: a frame goes
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
@@ -389,14 +388,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         id,
         metrics,
         stale: StaleWork::default(),
-        holdings: crate::holdings::Holdings::new(placed_experts(&dep, d)),
-        rank,
-        expert_memory: dep
-            .topology
-            .device(d)
-            .map_or(u64::MAX, |x| x.expert_memory_bytes()),
-        dep,
-        deferred: None,
+        live: Live::new(dep, d, rank),
     };
     {
         let _guard = rt.enter();
@@ -455,7 +447,13 @@ struct ComputeCtx {
     /// Work of replaced links: dispatches dropped unrun, answers not sent, and when that was
     /// last logged at warn level.
     stale: StaleWork,
-    /// What this device holds and announces (live placement changes).
+    /// Live placement changes: what this device holds, its memory, a deferred hold.
+    live: Live,
+}
+
+/// What a worker needs for live placement changes.
+struct Live {
+    /// What this device holds and announces.
     holdings: crate::holdings::Holdings,
     /// This worker's mesh rank.
     rank: u32,
@@ -466,6 +464,23 @@ struct ComputeCtx {
     /// A hold whose gains fit only once the experts being released are freed: (router,
     /// frame, entries).
     deferred: Option<(u32, Placement, Vec<u8>)>,
+}
+
+impl Live {
+    /// Device `d` (mesh rank `rank`) serving its placement file's experts.
+    fn new(dep: Deployment, d: expertmesh_topology::topology::DeviceRank, rank: u32) -> Self {
+        let expert_memory = dep
+            .topology
+            .device(d)
+            .map_or(u64::MAX, |x| x.expert_memory_bytes());
+        Self {
+            holdings: crate::holdings::Holdings::new(placed_experts(&dep, d)),
+            rank,
+            expert_memory,
+            dep,
+            deferred: None,
+        }
+    }
 }
 
 /// Work that belonged to a link since replaced (its router restarted): counted, logged at
@@ -629,7 +644,7 @@ impl ComputeCtx {
                     .unwrap_or_default();
                 self.answer_routers(failed);
                 if e.peer < self.routers {
-                    let free = self.holdings.on_router_lost(e.peer);
+                    let free = self.live.holdings.on_router_lost(e.peer);
                     self.release(&free);
                 }
             }
@@ -713,21 +728,21 @@ impl ComputeCtx {
     fn placement(&mut self, from: u32, p: &Placement, payload: &[u8]) {
         match p.op {
             PlacementOp::Seen => {
-                let free = self.holdings.on_seen(from, p.version);
+                let free = self.live.holdings.on_seen(from, p.version);
                 self.release(&free);
             }
             PlacementOp::Hold => {
                 let started = Instant::now();
                 // A newer hold replaces one waiting for room.
-                self.deferred = None;
+                self.live.deferred = None;
                 let (version, gained) = match self.hold(p, payload) {
                     Ok(Some(v)) => v,
                     Ok(None) => {
                         tracing::info!(
-                            worker = %self.id, version = p.version, releasing = self.holdings.releasing(),
+                            worker = %self.id, version = p.version, releasing = self.live.holdings.releasing(),
                             "placement change waits for experts being released to make room"
                         );
-                        self.deferred = Some((from, p.clone(), payload.to_vec()));
+                        self.live.deferred = Some((from, p.clone(), payload.to_vec()));
                         return;
                     }
                     Err(why) => {
@@ -737,8 +752,8 @@ impl ComputeCtx {
                     }
                 };
                 tracing::info!(
-                    worker = %self.id, version, gained, experts = self.holdings.serving().len(),
-                    releasing = self.holdings.releasing(),
+                    worker = %self.id, version, gained, experts = self.live.holdings.serving().len(),
+                    releasing = self.live.holdings.releasing(),
                     "placement changed in {:.1} ms", started.elapsed().as_secs_f64() * 1e3
                 );
                 self.announce_as(version, "");
@@ -763,35 +778,39 @@ impl ComputeCtx {
             );
         }
         let entries = placement_entries(p, payload).map_err(|e| e.to_string())?;
-        if let Some(&(r, l, e)) = entries.iter().find(|&&(r, _, _)| r != self.rank) {
+        if let Some(&(r, l, e)) = entries.iter().find(|&&(r, _, _)| r != self.live.rank) {
             return Err(format!(
                 "the hold lists layer {l} expert {e} for mesh rank {r}, not this worker's {}",
-                self.rank
+                self.live.rank
             ));
         }
         let plan = self
+            .live
             .holdings
             .plan(p.version, entries.iter().map(|&(_, l, e)| (l, e)))?;
         if !plan.load.is_empty() {
             let backend = self.exec.backend_mut();
             let need = backend
                 .loaded_bytes()
-                .saturating_add(plan.load.len() as u64 * self.dep.spec.expert_bytes());
-            let releasing = self.holdings.releasing() as u64 * self.dep.spec.expert_bytes();
-            if need > self.expert_memory && need - releasing.min(need) <= self.expert_memory {
+                .saturating_add(plan.load.len() as u64 * self.live.dep.spec.expert_bytes());
+            let releasing =
+                self.live.holdings.releasing() as u64 * self.live.dep.spec.expert_bytes();
+            if need > self.live.expert_memory
+                && need - releasing.min(need) <= self.live.expert_memory
+            {
                 return Ok(None);
             }
-            if need > self.expert_memory {
+            if need > self.live.expert_memory {
                 return Err(format!(
                     "{} more experts would pin {need} bytes next to what this device serves, over \
                      its expert_memory of {} bytes; apply the change in steps (expertmesh \
                      rebalance --from SERVED plans them) or give the device more memory",
                     plan.load.len(),
-                    self.expert_memory
+                    self.live.expert_memory
                 ));
             }
-            let mut source =
-                weights::gained_expert_source(&self.dep, &plan.load).map_err(|e| e.to_string())?;
+            let mut source = weights::gained_expert_source(&self.live.dep, &plan.load)
+                .map_err(|e| e.to_string())?;
             backend
                 .add_experts(&mut *source)
                 .map_err(|e| format!("loading the gained experts: {e}"))?;
@@ -800,7 +819,7 @@ impl ComputeCtx {
         let connected: Vec<u32> = (0..self.routers)
             .filter(|&r| self.mesh.is_connected(r))
             .collect();
-        let free = self.holdings.commit(plan, connected);
+        let free = self.live.holdings.commit(plan, connected);
         self.release(&free);
         Ok(Some((version, gained)))
     }
@@ -823,7 +842,7 @@ impl ComputeCtx {
             }
         }
         // A hold that waited for this room is taken again.
-        if let Some((from, p, payload)) = self.deferred.take() {
+        if let Some((from, p, payload)) = self.live.deferred.take() {
             self.placement(from, &p, &payload);
         }
     }
@@ -841,14 +860,16 @@ impl ComputeCtx {
 
     /// Announces what this device serves, at its version, to router `r` (its link came up).
     fn announce_to(&mut self, r: u32) {
-        let version = self.holdings.version();
+        let version = self.live.holdings.version();
         self.announce_frame(r, version, "");
     }
 
     fn announce_frame(&mut self, r: u32, version: u64, message: &str) {
-        let serving = self.holdings.serving();
-        let entries: Vec<(u32, u32, u32)> =
-            serving.iter().map(|&(l, e)| (self.rank, l, e)).collect();
+        let serving = self.live.holdings.serving();
+        let entries: Vec<(u32, u32, u32)> = serving
+            .iter()
+            .map(|&(l, e)| (self.live.rank, l, e))
+            .collect();
         let mut body = Placement::new(PlacementOp::Holding, version, entries.len());
         body.message = message.to_owned();
         let frame = OutFrame::with_payload(
