@@ -12,7 +12,9 @@
 //! without it (the `Seen` travels behind every dispatch planned on the older set, on the same
 //! link, so the worker has run them all by then).
 //!
-//! One change, in three steps, each step one placement version:
+//! One change, in three steps after a survey (every device is asked what it holds, so the
+//! change starts from the truth even when an earlier change's announcements are still on
+//! their way to this router), each step one placement version:
 //! 1. **Load** (version v): each device that gains experts is asked to hold its old set plus
 //!    its gains (`Hold`). It loads them while it serves the others, checks them (the shard's
 //!    checksum against the manifest), and announces the union: from then on every router may
@@ -53,6 +55,14 @@ pub type Expert = (u32, u32);
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChangeAction {
+    /// Ask worker `rank` what it holds (a `Survey` numbered `nonce`, answered by a `Holding`
+    /// carrying it).
+    Survey {
+        /// The worker's mesh rank.
+        rank: u32,
+        /// The survey's number.
+        nonce: u64,
+    },
     /// Send a `Hold` of `experts` at `version` to worker `rank`.
     Hold {
         /// The worker's mesh rank.
@@ -98,6 +108,8 @@ struct Held {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
+    /// Asking every device what it holds (the survey's number).
+    Survey(u64),
     Load,
     Release,
     Undo,
@@ -114,8 +126,11 @@ struct Change {
     step: Step,
     /// The version of the current step.
     version: u64,
-    /// Per worker (rank − routers): its set before the change, and its new one.
+    /// Per worker (rank − routers): its set before the change (its survey answer), and its
+    /// new one.
     before: Vec<BTreeSet<Expert>>,
+    /// Per worker: whether it answered the survey.
+    surveyed: Vec<bool>,
     target: Vec<BTreeSet<Expert>>,
     /// Per worker: the set awaited from it in this step (`None`: nothing awaited).
     awaited: Vec<Option<BTreeSet<Expert>>>,
@@ -139,6 +154,8 @@ pub struct Coordinator {
     change: Option<Change>,
     /// Per worker, the set the last applied change gave it (re-applied to a restarted worker).
     applied: Option<(u64, Vec<BTreeSet<Expert>>)>,
+    /// Surveys started (each change's number).
+    surveys: u64,
     actions: VecDeque<ChangeAction>,
 }
 
@@ -155,6 +172,7 @@ impl Coordinator {
             held: vec![None; world],
             change: None,
             applied: None,
+            surveys: 0,
             actions: VecDeque::new(),
         }
     }
@@ -209,11 +227,10 @@ impl Coordinator {
         timeout: Duration,
         now: Instant,
     ) -> Result<(), String> {
-        if let Some(c) = &self.change {
-            return Err(format!(
-                "a placement change is under way (version {}); wait for its answer and try again",
-                c.version
-            ));
+        if self.change.is_some() {
+            return Err(
+                "a placement change is under way; wait for its answer and try again".into(),
+            );
         }
         let (routers, n) = (self.routers, self.workers());
         let mut target = vec![BTreeSet::new(); n];
@@ -235,20 +252,13 @@ impl Coordinator {
             }
             target[(rank - routers) as usize].insert((layer, expert));
         }
-        let mut before = Vec::with_capacity(n);
-        for w in 0..n {
-            let rank = routers + w as u32;
-            match &self.held[rank as usize] {
-                Some(h) => before.push(h.experts.clone()),
-                None => {
-                    return Err(format!(
-                        "{} has not announced what it holds (not connected): a live change needs \
-                         every device connected; start it, or apply a placement without it once \
-                         it is removed from the topology",
-                        self.name(rank)
-                    ));
-                }
-            }
+        if let Some(w) = (0..n).find(|&w| self.held[routers as usize + w].is_none()) {
+            return Err(format!(
+                "{} has not announced what it holds (not connected): a live change needs every \
+                 device connected; start it, or apply a placement without it once it is removed \
+                 from the topology",
+                self.name(routers + w as u32)
+            ));
         }
         for &l in &self.layers {
             for e in 0..self.experts {
@@ -259,36 +269,60 @@ impl Coordinator {
                 }
             }
         }
-        let version = self.version() + 1;
-        let mut change = Change {
+        // Step 0: what every device holds now, asked afresh (an announcement of an earlier
+        // change may still be on its way here).
+        self.surveys += 1;
+        let survey = self.surveys;
+        for w in 0..n {
+            self.actions.push_back(ChangeAction::Survey {
+                rank: routers + w as u32,
+                nonce: survey,
+            });
+        }
+        self.change = Some(Change {
             client,
             request_id,
             started: now,
             timeout,
             deadline: now + timeout,
-            step: Step::Load,
-            version,
+            step: Step::Survey(survey),
+            version: 0,
             awaited: vec![None; n],
             gainers: vec![false; n],
             loaded: 0,
             released: 0,
             failure: None,
-            before,
+            before: vec![BTreeSet::new(); n],
+            surveyed: vec![false; n],
             target,
+        });
+        Ok(())
+    }
+
+    /// Every device answered the survey: the load step starts (version one above any
+    /// announced).
+    fn start_load(&mut self, now: Instant) {
+        let (routers, version) = (self.routers, self.version() + 1);
+        let Some(c) = self.change.as_mut() else {
+            return;
         };
-        for w in 0..n {
-            let union: BTreeSet<Expert> =
-                change.before[w].union(&change.target[w]).copied().collect();
-            if union.len() > change.before[w].len() {
-                change.loaded += (union.len() - change.before[w].len()) as u32;
-                change.gainers[w] = true;
-                self.hold(routers + w as u32, version, &union);
-                change.awaited[w] = Some(union);
+        c.step = Step::Load;
+        c.version = version;
+        c.deadline = now + c.timeout;
+        let mut holds = Vec::new();
+        for w in 0..c.before.len() {
+            let union: BTreeSet<Expert> = c.before[w].union(&c.target[w]).copied().collect();
+            if union.len() > c.before[w].len() {
+                c.loaded += (union.len() - c.before[w].len()) as u32;
+                c.gainers[w] = true;
+                holds.push((routers + w as u32, union.clone()));
+                c.awaited[w] = Some(union);
             }
         }
-        self.change = Some(change);
+        for (rank, set) in holds {
+            self.hold(rank, version, &set);
+        }
         self.advance(now);
-        Ok(())
     }
 
     fn hold(&mut self, rank: u32, version: u64, experts: &BTreeSet<Expert>) {
@@ -300,13 +334,14 @@ impl Coordinator {
     }
 
     /// Worker `rank` announced it holds `experts` at `version`; `message` is why it refused
-    /// or failed a `Hold` (empty when it did not).
+    /// or failed a `Hold` (empty when it did not); `survey` is the survey it answers (0: none).
     pub fn on_holding(
         &mut self,
         rank: u32,
         version: u64,
         experts: &[Expert],
         message: &str,
+        survey: u64,
         now: Instant,
     ) {
         let Some(slot) = self.held.get_mut(rank as usize) else {
@@ -339,6 +374,16 @@ impl Coordinator {
             }
             return;
         };
+        if let Step::Survey(n) = c.step {
+            if n == survey && survey != 0 && w < c.before.len() {
+                c.before[w] = set;
+                c.surveyed[w] = true;
+                if c.surveyed.iter().all(|&s| s) {
+                    self.start_load(now);
+                }
+            }
+            return;
+        }
         let Some(want) = c.awaited.get(w).cloned().flatten() else {
             return;
         };
@@ -365,6 +410,15 @@ impl Coordinator {
         let Some(c) = self.change.as_mut() else {
             return;
         };
+        if matches!(c.step, Step::Survey(_)) {
+            let c = self.change.take().expect("matched above");
+            self.actions.push_back(ChangeAction::Failed {
+                client: c.client,
+                request_id: c.request_id,
+                message: format!("{name} was lost before the change started; nothing moved"),
+            });
+            return;
+        }
         if c.awaited.get(w).is_some_and(Option::is_some) {
             c.awaited[w] = None;
             if c.step == Step::Load {
@@ -391,6 +445,25 @@ impl Coordinator {
             .map(|(w, _)| self.name(self.routers + w as u32))
             .collect();
         let (step, timeout) = (c.step, c.timeout);
+        if matches!(step, Step::Survey(_)) {
+            let late: Vec<String> = c
+                .surveyed
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| !**s)
+                .map(|(w, _)| self.name(self.routers + w as u32))
+                .collect();
+            let c = self.change.take().expect("checked above");
+            self.actions.push_back(ChangeAction::Failed {
+                client: c.client,
+                request_id: c.request_id,
+                message: format!(
+                    "{} did not say what they hold within {timeout:?}; nothing moved",
+                    late.join(", ")
+                ),
+            });
+            return;
+        }
         match step {
             Step::Load => self.fail(
                 format!(
@@ -399,6 +472,7 @@ impl Coordinator {
                 ),
                 now,
             ),
+            Step::Survey(_) => unreachable!("answered above"),
             Step::Release | Step::Undo => {
                 let c = self.change.take().expect("checked above");
                 let message = match step {
@@ -463,6 +537,7 @@ impl Coordinator {
             return;
         }
         match c.step {
+            Step::Survey(_) => {}
             Step::Load => {
                 c.step = Step::Release;
                 c.version += 1;

@@ -1134,7 +1134,7 @@ impl CoreLoop {
         }
         self.changes
             .coordinator
-            .on_holding(from, p.version, &held, &p.message, now);
+            .on_holding(from, p.version, &held, &p.message, p.request_id, now);
         let seen = Placement::new(PlacementOp::Seen, p.version, 0);
         // Sent by `confirm` once the core's actions of this pass are carried out: dispatches
         // planned on the older set may still be queued in the core.
@@ -1203,6 +1203,11 @@ impl CoreLoop {
         while let Some(a) = self.changes.coordinator.poll_action() {
             any = true;
             match a {
+                ChangeAction::Survey { rank, nonce } => {
+                    let mut survey = Placement::new(PlacementOp::Survey, 0, 0);
+                    survey.request_id = nonce;
+                    self.send_control(rank, OutFrame::new(Body::Placement(survey)));
+                }
                 ChangeAction::Hold {
                     rank,
                     version,

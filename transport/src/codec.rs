@@ -811,6 +811,9 @@ pub enum PlacementOp {
     /// Router → frontend: the placement of [`PlacementOp::Apply`] `request_id` is served at
     /// `version` (failures are error frames).
     Applied = 5,
+    /// Router → worker: announce what you hold to me now, with this `request_id` (a change
+    /// starts from every device's answer).
+    Survey = 6,
 }
 
 impl PlacementOp {
@@ -821,6 +824,7 @@ impl PlacementOp {
             3 => Self::Seen,
             4 => Self::Apply,
             5 => Self::Applied,
+            6 => Self::Survey,
             _ => return None,
         })
     }
@@ -839,7 +843,8 @@ pub const PLACEMENT_ENTRY_BYTES: usize = 12;
 pub struct Placement {
     /// What this frame says.
     pub op: PlacementOp,
-    /// The frontend's request id (`Apply`, `Applied`); 0 otherwise.
+    /// The frontend's request id (`Apply`, `Applied`), or the survey answered (`Survey`, and
+    /// the `Holding` answering it); 0 otherwise.
     pub request_id: u64,
     /// The placement version: every change increases it; a worker refuses an older one.
     pub version: u64,

@@ -727,6 +727,10 @@ impl ComputeCtx {
     /// experts once every router confirmed) or `Seen` (a router's confirmation).
     fn placement(&mut self, from: u32, p: &Placement, payload: &[u8]) {
         match p.op {
+            PlacementOp::Survey => {
+                let version = self.live.holdings.version();
+                self.announce_frame(from, version, "", p.request_id);
+            }
             PlacementOp::Seen => {
                 let free = self.live.holdings.on_seen(from, p.version);
                 self.release(&free);
@@ -853,7 +857,7 @@ impl ComputeCtx {
     fn announce_as(&mut self, version: u64, message: &str) {
         for r in 0..self.routers {
             if self.mesh.is_connected(r) {
-                self.announce_frame(r, version, message);
+                self.announce_frame(r, version, message, 0);
             }
         }
     }
@@ -861,10 +865,12 @@ impl ComputeCtx {
     /// Announces what this device serves, at its version, to router `r` (its link came up).
     fn announce_to(&mut self, r: u32) {
         let version = self.live.holdings.version();
-        self.announce_frame(r, version, "");
+        self.announce_frame(r, version, "", 0);
     }
 
-    fn announce_frame(&mut self, r: u32, version: u64, message: &str) {
+    /// Announces what this device serves to router `r` at `version`, with `message` (why a
+    /// hold was refused) and `survey` (the survey it answers, 0: none).
+    fn announce_frame(&mut self, r: u32, version: u64, message: &str, survey: u64) {
         let serving = self.live.holdings.serving();
         let entries: Vec<(u32, u32, u32)> = serving
             .iter()
@@ -872,6 +878,7 @@ impl ComputeCtx {
             .collect();
         let mut body = Placement::new(PlacementOp::Holding, version, entries.len());
         body.message = message.to_owned();
+        body.request_id = survey;
         let frame = OutFrame::with_payload(
             Body::Placement(body),
             bytes::Bytes::from(encode_placement_entries(&entries)),

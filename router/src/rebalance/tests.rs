@@ -22,7 +22,7 @@ struct Fabric {
     held: BTreeMap<u32, (u64, BTreeSet<Expert>)>,
     /// Ranks that refuse any hold that adds experts.
     refuse_gains: BTreeSet<u32>,
-    /// Ranks that never answer.
+    /// Ranks that never answer a hold.
     silent: BTreeSet<u32>,
     answers: Vec<ChangeAction>,
     experts: u32,
@@ -43,7 +43,7 @@ impl Fabric {
             let rank = ROUTERS + w as u32;
             f.held.insert(rank, (0, s.clone()));
             let list: Vec<Expert> = s.iter().copied().collect();
-            c.on_holding(rank, 0, &list, "", now);
+            c.on_holding(rank, 0, &list, "", 0, now);
         }
         f
     }
@@ -60,6 +60,11 @@ impl Fabric {
         while let Some(a) = c.poll_action() {
             assert!(self.covered(), "an expert lost its last owner");
             match a {
+                ChangeAction::Survey { rank, nonce } => {
+                    let (version, set) = self.held[&rank].clone();
+                    let list: Vec<Expert> = set.iter().copied().collect();
+                    c.on_holding(rank, version, &list, "", nonce, self.now);
+                }
                 ChangeAction::Hold {
                     rank,
                     version,
@@ -72,11 +77,11 @@ impl Fabric {
                     let old = self.held[&rank].1.clone();
                     if self.refuse_gains.contains(&rank) && !set.is_subset(&old) {
                         let list: Vec<Expert> = old.iter().copied().collect();
-                        c.on_holding(rank, version, &list, "no room", self.now);
+                        c.on_holding(rank, version, &list, "no room", 0, self.now);
                         continue;
                     }
                     self.held.insert(rank, (version, set));
-                    c.on_holding(rank, version, &experts, "", self.now);
+                    c.on_holding(rank, version, &experts, "", 0, self.now);
                 }
                 done => self.answers.push(done),
             }
@@ -113,6 +118,25 @@ fn a_swap_loads_first_releases_after_and_answers_with_the_counts() {
     let target = sets(&[&[2, 3], &[0, 1]]);
     let mut f = Fabric::new(&mut c, &before, 4);
     c.apply(7, 9, &entries(&target), T, f.now).unwrap();
+    // Step 0 asks every device what it holds; an announcement that is not the survey's
+    // answer (an earlier one still on its way) does not count.
+    let surveys: Vec<ChangeAction> = std::iter::from_fn(|| c.poll_action()).collect();
+    assert_eq!(surveys.len(), 2);
+    assert!(matches!(
+        surveys[0],
+        ChangeAction::Survey { rank: 1, nonce: 1 }
+    ));
+    let stale: Vec<Expert> = target[0].iter().copied().collect();
+    c.on_holding(ROUTERS, 0, &stale, "", 0, f.now);
+    assert!(c.poll_action().is_none());
+    for a in surveys {
+        let ChangeAction::Survey { rank, nonce } = a else {
+            unreachable!()
+        };
+        let (version, set) = f.held[&rank].clone();
+        let list: Vec<Expert> = set.iter().copied().collect();
+        c.on_holding(rank, version, &list, "", nonce, f.now);
+    }
     // Step 1 asks both for the union, at one version above what they announced.
     let first: Vec<ChangeAction> = std::iter::from_fn(|| c.poll_action()).collect();
     assert_eq!(first.len(), 2);
@@ -210,6 +234,37 @@ fn a_lost_or_silent_gainer_fails_the_change_and_the_others_return() {
 }
 
 #[test]
+fn a_device_lost_or_silent_during_the_survey_fails_the_change_before_anything_moves() {
+    for lost in [true, false] {
+        let mut c = coordinator(2, 4);
+        let before = sets(&[&[0, 1], &[2, 3]]);
+        let f = Fabric::new(&mut c, &before, 4);
+        c.apply(1, 2, &entries(&sets(&[&[2, 3], &[0, 1]])), T, f.now)
+            .unwrap();
+        // Only worker 1 answers.
+        while let Some(a) = c.poll_action() {
+            if let ChangeAction::Survey { rank: 1, nonce } = a {
+                let list: Vec<Expert> = before[0].iter().copied().collect();
+                c.on_holding(1, 0, &list, "", nonce, f.now);
+            }
+        }
+        if lost {
+            c.on_peer_lost(2, f.now);
+        } else {
+            c.on_tick(f.now + T);
+        }
+        let Some(ChangeAction::Failed { message, .. }) = c.poll_action() else {
+            panic!("no answer")
+        };
+        assert!(
+            message.contains("rank2") && message.contains("nothing moved"),
+            "{message}"
+        );
+        assert!(c.poll_action().is_none() && !c.busy());
+    }
+}
+
+#[test]
 fn a_change_that_cannot_start_says_why_and_sends_nothing() {
     let mut c = coordinator(2, 4);
     let before = sets(&[&[0, 1], &[2, 3]]);
@@ -232,7 +287,7 @@ fn a_change_that_cannot_start_says_why_and_sends_nothing() {
     let err = c.apply(1, 1, &ok, T, f.now).unwrap_err();
     assert!(err.contains("rank1 has not announced"), "{err}");
     let list: Vec<Expert> = before[0].iter().copied().collect();
-    c.on_holding(ROUTERS, 0, &list, "", f.now);
+    c.on_holding(ROUTERS, 0, &list, "", 0, f.now);
     c.apply(1, 1, &ok, T, f.now).unwrap();
     let err = c.apply(1, 2, &ok, T, f.now).unwrap_err();
     assert!(err.contains("under way"), "{err}");
@@ -249,7 +304,7 @@ fn a_worker_restarted_on_its_placement_file_gets_the_applied_set_again() {
     assert!(matches!(f.answers[..], [ChangeAction::Applied { .. }]));
     // Worker 0 restarts: version 0, its file's set.
     let list: Vec<Expert> = before[0].iter().copied().collect();
-    c.on_holding(ROUTERS, 0, &list, "", f.now);
+    c.on_holding(ROUTERS, 0, &list, "", 0, f.now);
     let want: Vec<Expert> = target[0].iter().copied().collect();
     assert_eq!(
         c.poll_action(),
@@ -310,7 +365,9 @@ proptest! {
                 prop_assert!(refused);
                 &before
             }
-            ChangeAction::Hold { .. } => unreachable!("holds are answered by the fabric"),
+            ChangeAction::Hold { .. } | ChangeAction::Survey { .. } => {
+                unreachable!("holds and surveys are answered by the fabric")
+            }
         };
         for w in 0..3 {
             prop_assert_eq!(&f.held[&(ROUTERS + w as u32)].1, &end[w]);

@@ -192,7 +192,7 @@ fn body() -> impl Strategy<Value = Body> {
             }
         ),
         (
-            1u8..6,
+            1u8..7,
             any::<u64>(),
             any::<u64>(),
             0u32..20,
