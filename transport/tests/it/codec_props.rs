@@ -207,6 +207,7 @@ fn body() -> impl Strategy<Value = Body> {
                         PlacementOp::Seen,
                         PlacementOp::Apply,
                         PlacementOp::Applied,
+                        PlacementOp::Survey,
                     ][op as usize - 1];
                     Body::Placement(Placement {
                         op,
