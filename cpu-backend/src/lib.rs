@@ -581,7 +581,10 @@ impl ExpertBackend for CpuBackend {
         if self.scratch.is_none() {
             return Err(BackendError::NotLoaded);
         }
-        let packed = pack_source(source, Some((&self.index, self.hidden)))?;
+        // A device that holds nothing yet takes the hidden size of what it gains.
+        let loaded = (!self.experts.is_empty()).then_some((&self.index, self.hidden));
+        let packed = pack_source(source, loaded)?;
+        self.hidden = packed.hidden;
         for (k, e) in packed.keys.into_iter().zip(packed.experts) {
             self.index.insert(k, self.experts.len());
             self.experts.push(e);

@@ -8,7 +8,10 @@
 //! change back loads exactly what the first released); a change that does not fit a gaining
 //! device's memory is refused by that device and undone, the router's answer names why, and
 //! calls go on unharmed; a change the router cannot start (an unknown device rank in a
-//! placement for another topology, say) is refused before anything moves.
+//! placement for another topology, say) is refused before anything moves; with the served
+//! placement a change is applied in steps that each fit memory; a drained device serves
+//! nothing and its worker stops with no call failing; a device declared in the topology but
+//! holding nothing joins the running fabric and takes experts.
 
 use crate::support::{bits, root, rt};
 use expertmesh_cpu_backend::CpuBackend;
@@ -370,6 +373,64 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     // Its worker stops; calls go on, every one right.
     fabric.kill_worker(1).unwrap();
     std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    assert!(ok > 0);
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+}
+
+#[test]
+fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    // A third device declared in the topology, holding nothing in the served placement.
+    let spare = "  { name = \"cpu2\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
+                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n";
+    let text = std::fs::read_to_string(root().join("examples/single-host-2routers.toml"))
+        .unwrap()
+        .replace("numa = 0 },\n]", &format!("numa = 0 }},\n{spare}]"));
+    assert!(text.contains("cpu2"), "{text}");
+    let topology = dir.path().join("topology.toml");
+    std::fs::write(&topology, text).unwrap();
+    let mut o: LocalFabricOptions = crate::support::demo_options(
+        "single-host-2routers.toml",
+        expertmesh_transport::mesh::LinkKind::Tcp,
+    );
+    o.topology = topology.clone();
+    o.log_dir = Some(dir.path().join("logs"));
+    let mut fabric = LocalFabric::start(o).expect("the fabric starts");
+    // The spare's worker is down, then joins while calls run.
+    fabric.kill_worker(2).unwrap();
+    let cases = cases(&fabric);
+    let addr = fabric.frontend_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
+    let announced = fabric.router(0).unwrap().stats().holdings;
+    fabric.restart_worker(2).unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while fabric.router(0).unwrap().stats().holdings == announced {
+        assert!(
+            std::time::Instant::now() < until,
+            "the joined worker never announced"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let path = dir.path().join("three.toml");
+    std::fs::write(
+        &path,
+        "format = 1\nmodel = \"demo-small\"\ncluster = \"single-host\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"0-10\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"11-21\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu2\"\nexperts = \"22-31\"\n\n\
+         [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n",
+    )
+    .unwrap();
+    let r = rebalance(addr, &topology, &path);
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    // Per layer cpu2 gains 22-31 and cpu1 gains 11-15: 15 x 4 layers.
+    assert!(r.stdout.contains("60 experts loaded"), "{}", r.stdout);
+    std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
     let (ok, wrong, failed, first) = load.join().unwrap();
     assert!(ok > 0);

@@ -222,3 +222,17 @@ fn experts_gained_and_released_while_loaded_compute_what_a_fresh_load_does() {
     };
     assert_eq!(run_without_1(&mut live), run_without_1(&mut rest));
 }
+
+#[test]
+fn a_backend_loaded_with_nothing_gains_experts_of_any_hidden_size() {
+    let all = experts();
+    let mut whole = CpuBackend::new(1).unwrap();
+    whole.load(all.clone(), LIMITS).unwrap();
+    // A spare device: loaded with no experts, then given all of them live.
+    let mut spare = CpuBackend::new(1).unwrap();
+    spare.load(Vec::new(), LIMITS).unwrap();
+    assert_eq!(spare.loaded_bytes(), 0);
+    spare.add_experts(&mut VecSource::new(all)).unwrap();
+    assert_eq!(spare.loaded_bytes(), whole.loaded_bytes());
+    assert_eq!(run(&mut spare), run(&mut whole));
+}
