@@ -21,6 +21,7 @@ pub mod fabric;
 pub mod kernels;
 pub mod method;
 pub mod overload;
+pub mod rebalance;
 pub mod soak;
 pub mod transport;
 

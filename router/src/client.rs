@@ -103,6 +103,7 @@ mod encode;
 mod link;
 mod liveness;
 mod pending;
+pub mod placement;
 #[cfg(test)]
 mod tests;
 

@@ -12,10 +12,10 @@ use anyhow::{anyhow, bail};
 use clap::Args;
 use expertmesh_fabric::endpoint;
 use expertmesh_planner::transition;
+use expertmesh_router::client::placement::{ApplyError, apply_placement};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::Placement as PlacementFile;
 use expertmesh_topology::topology::Topology;
-use expertmesh_transport::codec::{Body, Placement, PlacementOp, encode_placement_entries};
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -101,7 +101,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     let (mut loaded, mut released, mut millis) = (0u64, 0u64, 0u64);
     let mut version = 0;
     for (i, entries) in steps.iter().enumerate() {
-        match rt.block_on(apply(&mut conn, i as u64 + 1, entries, timeout))? {
+        match rt.block_on(apply_placement(&mut conn, i as u64 + 1, entries, timeout)) {
             Ok(p) => {
                 if steps.len() > 1 {
                     println!(
@@ -111,13 +111,19 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
                         p.version,
                         p.loaded,
                         p.released,
-                        f64::from(p.millis) / 1e3
+                        p.took.as_secs_f64()
                     );
                 }
                 loaded += u64::from(p.loaded);
                 released += u64::from(p.released);
-                millis += u64::from(p.millis);
+                millis += p.took.as_millis() as u64;
                 version = p.version;
+            }
+            Err(
+                e
+                @ (ApplyError::Transport(_) | ApplyError::NoAnswer(_) | ApplyError::Unexpected(_)),
+            ) => {
+                bail!("{e}")
             }
             Err(message) => {
                 eprintln!("error: the placement change failed: {message}");
@@ -192,36 +198,6 @@ fn plan(
             .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
     }
     Ok((steps, what))
-}
-
-/// Sends one placement to apply and waits for the answer: the `Applied` frame, or the
-/// router's reason (`Err` inside); the outer error is a broken connection or no answer.
-async fn apply(
-    conn: &mut FrameConnection,
-    request_id: u64,
-    entries: &[(u32, u32, u32)],
-    timeout: Duration,
-) -> anyhow::Result<Result<Placement, String>> {
-    let mut p = Placement::new(PlacementOp::Apply, 0, entries.len());
-    p.request_id = request_id;
-    p.millis = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
-    conn.write_frame(&Body::Placement(p), &encode_placement_entries(entries))
-        .await
-        .map_err(|e| anyhow!("{e}"))?;
-    // Load, release, and (on failure) the undo each get the timeout.
-    let wait = 3 * timeout + Duration::from_secs(10);
-    let frame = tokio::time::timeout(wait, conn.read_frame())
-        .await
-        .map_err(|_| anyhow!("no answer from the router within {wait:?}"))?
-        .map_err(|e| anyhow!("{e}"))?;
-    match frame.body() {
-        Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Ok(p.clone())),
-        Body::Error(e) => Ok(Err(e.message.clone())),
-        other => bail!(
-            "the router answered with an unexpected {:?} frame",
-            other.kind()
-        ),
-    }
 }
 
 /// The model: `--model`, or the converted folder's.

@@ -27,6 +27,7 @@ fn every_help_states_exit_codes() {
         (&["bench", "kernels", "--help"], &["0 measured"]),
         (&["bench", "transport", "--help"], &["0 measured"]),
         (&["bench", "fabric", "--help"], &["0 measured"]),
+        (&["bench", "rebalance", "--help"], &["0 measured"]),
         (
             &["bench", "compare", "--help"],
             &["0 measured", "outside noise"],
@@ -409,6 +410,70 @@ fn fabric_limits_do_the_same_work_as_the_fabric() {
     assert!(
         floors.iter().all(|&f| f > 0.0 && f == floors[0]),
         "{floors:?}"
+    );
+}
+
+/// `bench rebalance` measures before and after a live change planned for its skewed traffic:
+/// a gain row per batch against the predicted gain (a reference, not a bound), the p99 while
+/// the change is applied, and the change itself (experts loaded, bytes, seconds). Structure
+/// and the deterministic prediction only: the figures depend on the machine.
+#[test]
+fn rebalance_bench_records_the_change_and_the_predicted_gain() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rebalance.json");
+    let r = run(&[
+        "bench",
+        "rebalance",
+        "--seconds",
+        "0.3",
+        "--batches",
+        "4,8",
+        "--clients",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let v = read_json(&json);
+    let m = &v["machine"];
+    // Zipf traffic whose hot experts sit on one device: the plan spreads them.
+    let predicted = m["predicted_gain"].as_f64().unwrap();
+    assert!(predicted > 1.2, "{m}");
+    assert!(m["experts_loaded"].as_u64().unwrap() > 0, "{m}");
+    assert_eq!(
+        m["bytes_loaded"].as_u64().unwrap(),
+        m["experts_loaded"].as_u64().unwrap() * 884_736,
+        "{m}"
+    );
+    let results = v["results"].as_array().unwrap();
+    let gains: Vec<_> = results
+        .iter()
+        .filter(|r| r["name"].as_str().unwrap().starts_with("rebalance-gain"))
+        .collect();
+    assert_eq!(gains.len(), 2);
+    for row in gains {
+        assert_eq!(row["predicted_gain"].as_f64().unwrap(), predicted, "{row}");
+        let before = row["before_tokens_per_s"].as_f64().unwrap();
+        assert!(before > 0.0, "{row}");
+        let limit = row["limit"].as_f64().unwrap();
+        assert!((limit - before * predicted).abs() <= 1e-6 * limit, "{row}");
+    }
+    let during: Vec<_> = results
+        .iter()
+        .filter(|r| {
+            r["name"]
+                .as_str()
+                .unwrap()
+                .starts_with("rebalance-p99-during")
+        })
+        .collect();
+    assert_eq!(during.len(), 1);
+    assert_eq!(during[0]["batch"].as_u64(), Some(8));
+    assert!(
+        during[0]["calls_during"].as_u64().unwrap() >= 2,
+        "{}",
+        during[0]
     );
 }
 

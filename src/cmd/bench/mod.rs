@@ -13,7 +13,7 @@ use anyhow::anyhow;
 use clap::{Args, Subcommand};
 use expertmesh_benches::kernels::{self, KernelPin};
 use expertmesh_benches::method::{compare, report};
-use expertmesh_benches::{convert, fabric, transport};
+use expertmesh_benches::{convert, fabric, rebalance, transport};
 use expertmesh_router::core::LayerMode;
 use expertmesh_transport::LinkKind;
 use std::path::PathBuf;
@@ -78,6 +78,11 @@ pub(crate) enum BenchTarget {
     /// the int8 peak (prefill) measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
     Kernels(KernelsCli),
+    /// Skewed (Zipf) traffic on the local fabric before and after a live placement change
+    /// planned for it, against the gain the planner's device-load model predicts; the p99 of
+    /// calls while the change is applied against the p99 before.
+    #[command(after_help = BENCH_EXIT_CODES)]
+    Rebalance(RebalanceCli),
     /// A small multi-process fabric (exact mode, replicas) under checked load for N minutes
     /// with a random fault about once a minute (worker kill/pause, router restart/pause, and
     /// with root partitions and slow links): calls, clean errors, wrong answers and hangs
@@ -191,6 +196,27 @@ pub(crate) struct FabricCli {
     /// Numerical mode.
     #[arg(long, default_value = "exact", value_parser = mode_parser())]
     mode: LayerMode,
+}
+
+/// Arguments of `bench rebalance`.
+#[derive(Args, Debug)]
+pub(crate) struct RebalanceCli {
+    /// Write the results as JSON to this file (format: `expertmesh bench --help`).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Comma-separated batch sizes.
+    #[arg(long, default_value = "16,64", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Concurrent frontend clients.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Zipf exponent of the expert popularity (hot experts are the low ids, all on the first
+    /// device of the load-blind placement).
+    #[arg(long, default_value_t = 1.2)]
+    zipf: f64,
 }
 
 /// Arguments of `bench kernels`.
@@ -315,6 +341,24 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         BenchTarget::Soak(c) => soak::run(c),
+        BenchTarget::Rebalance(r) => {
+            anyhow::ensure!(
+                r.seconds > 0.0 && r.seconds <= 600.0,
+                "--seconds must be in (0, 600]"
+            );
+            let report = rebalance::run(&rebalance::RebalanceBenchOptions {
+                batches: r.batches,
+                seconds: r.seconds,
+                clients: r.clients,
+                zipf: r.zipf,
+            })?;
+            report.print_table();
+            if let Some(path) = r.json {
+                report.write(&path)?;
+                println!("wrote {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         BenchTarget::Convert(c) => {
             let report = convert::run(&c.options())?;
             report.print_table();

@@ -1,0 +1,414 @@
+//! `expertmesh bench rebalance`: skewed traffic before and after a live placement change,
+//! against the gain the planner's device-load model predicts, measured in the same run.
+//!
+//! Why this exists: a rebalance is worth what it buys. The bench serves one MoE layer of
+//! demo-small on the local fabric (the embedded single-host topology: two CPU workers) from a
+//! placement that ignores load (contiguous expert blocks, no replicas), and drives it with
+//! traffic whose experts follow a Zipf law over the expert ids (the frontends send router
+//! logits that pick each token's top-k), so the hot experts all sit on the first device. It
+//! measures tokens/s and the p99 of a call per batch size; plans a placement for the measured
+//! expert counts (`planner::plan` with them as load statistics, replicas allowed); applies it
+//! with `expertmesh rebalance`'s request while one frontend keeps calling (the p99 of those
+//! calls is the "during" figure); and measures again.
+//!
+//! Rows: `rebalance-gain` per batch: tokens/s after against the before figure times the
+//! predicted gain (the busiest device's routed pairs before / after, replicas sharing their
+//! expert's pairs evenly: the planner's device-load model). A reference to compare, not a
+//! limit: ratio 1 means the fabric gained what the model predicts; the goal is 0.8 to
+//! 1.2. `rebalance-p99-during` per batch: the p99 call latency while the change is applied,
+//! against the p99 before (lower is better). `machine` records the change: experts loaded and
+//! released, bytes loaded, seconds to apply.
+
+use crate::BenchError;
+use crate::method::json::{BenchReport, BenchResult};
+use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_planner::stats::LoadStats;
+use expertmesh_router::client::RouterClient;
+use expertmesh_router::client::placement::apply_placement;
+use expertmesh_router::core::{LayerMode, RouterConfig};
+use expertmesh_router::reference;
+use expertmesh_topology::model::ModelSpec;
+use expertmesh_topology::placement::{Placement, SharedLocation};
+use expertmesh_topology::topology::Topology;
+use expertmesh_transport::frontend::FrameConnection;
+use expertmesh_worker::deploy::Deployment;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Options of `bench rebalance`.
+#[derive(Clone, Debug)]
+pub struct RebalanceBenchOptions {
+    /// Batch sizes (tokens per layer call).
+    pub batches: Vec<usize>,
+    /// Seconds per measurement.
+    pub seconds: f64,
+    /// Concurrent frontend clients.
+    pub clients: usize,
+    /// Zipf exponent of the expert popularity (0: uniform).
+    pub zipf: f64,
+}
+
+/// Batches per batch size in the traffic pool (cycled).
+const POOL: usize = 32;
+
+/// Run the benchmark.
+pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
+    if o.batches.is_empty() || o.batches.contains(&0) || !(o.zipf >= 0.0) {
+        return Err(BenchError::Options(
+            "--batches needs sizes >= 1 and --zipf a value >= 0".into(),
+        ));
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("expertmesh-bench-")
+        .tempdir()?;
+    let model = "demo-small";
+    let (topology, balanced, _) =
+        expertmesh_fabric::defaults::local_files(tmp.path(), None, model, None)?;
+    let dep = Deployment::load(&topology, model, &balanced, 42)?;
+    let (topo, spec) = (&dep.topology, &dep.spec);
+    let layer = spec.moe_layer_ids()[0];
+    let served = blocks(topo, spec)?;
+    let served_path = tmp.path().join("served.toml");
+    std::fs::write(&served_path, served.to_toml_string())?;
+    let traffic = Traffic::new(spec, &o.batches, o.zipf);
+    let planned = plan_for(topo, spec, &traffic.counts)?;
+    let predicted = busiest(&served, topo, layer, &traffic.counts)
+        / busiest(&planned, topo, layer, &traffic.counts).max(1e-9);
+    let mut report = BenchReport::new();
+    let extra = &mut report.machine.extra;
+    extra.insert("model".into(), model.into());
+    extra.insert("zipf".into(), o.zipf.into());
+    extra.insert("clients".into(), o.clients.into());
+    extra.insert("predicted_gain".into(), predicted.into());
+    let mut opts = LocalFabricOptions::new(&topology, model, &served_path);
+    opts.ephemeral_ports = true;
+    let maxb = o.batches.iter().copied().max().unwrap_or(1);
+    let cap = &mut opts.frontend_limits.max_connections_per_frontend;
+    *cap = (*cap).max(u32::try_from(o.clients + 2).unwrap_or(u32::MAX));
+    opts.router = LayerMode::Exact.apply(RouterConfig {
+        max_request_tokens: maxb,
+        max_batch_tokens: maxb * o.clients.max(1),
+        micro_batch_tokens: 16,
+        batch_window: Duration::from_micros(50),
+        ..RouterConfig::default()
+    });
+    let fabric = LocalFabric::start(opts)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let drive = Drive {
+        fabric: &fabric,
+        rt: &rt,
+        layer,
+        hidden: spec.hidden as usize,
+        traffic: &traffic,
+        clients: o.clients.max(1),
+    };
+    let before: Vec<Measured> = o
+        .batches
+        .iter()
+        .map(|&b| drive.measure(b, Duration::from_secs_f64(o.seconds), None))
+        .collect::<Result<_, _>>()?;
+    // The change, applied while one frontend keeps calling at the largest batch.
+    let entries = entries_of(topo, spec, &planned);
+    let during = Arc::new(During::default());
+    let result = std::thread::scope(|s| {
+        let load = s.spawn(|| drive.measure(maxb, Duration::from_secs(3600), Some(&during)));
+        // The change starts once that frontend's calls are under way.
+        while during.calls.load(Ordering::Acquire) < 2 && !load.is_finished() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let applied = rt.block_on(async {
+            let mut conn =
+                FrameConnection::connect(fabric.frontend_addr(), &fabric.frontend_config())
+                    .await
+                    .map_err(|e| BenchError::Options(format!("connecting to the router: {e}")))?;
+            apply_placement(&mut conn, 1, &entries, Duration::from_secs(120))
+                .await
+                .map_err(|e| BenchError::Options(format!("the placement change failed: {e}")))
+        });
+        during.stop.store(true, Ordering::Relaxed);
+        let measured = load.join().expect("the load thread does not panic");
+        applied.and_then(|a| measured.map(|d| (a, d)))
+    });
+    let (applied, during) = result?;
+    let extra = &mut report.machine.extra;
+    extra.insert("experts_loaded".into(), applied.loaded.into());
+    extra.insert("experts_released".into(), applied.released.into());
+    extra.insert(
+        "bytes_loaded".into(),
+        (u64::from(applied.loaded) * spec.expert_bytes()).into(),
+    );
+    extra.insert("apply_seconds".into(), applied.took.as_secs_f64().into());
+    println!(
+        "placement change: {} experts loaded ({:.1} MB), {} released, in {:.2} s; {} calls during it",
+        applied.loaded,
+        (u64::from(applied.loaded) * spec.expert_bytes()) as f64 / 1e6,
+        applied.released,
+        applied.took.as_secs_f64(),
+        during.calls
+    );
+    for (i, &b) in o.batches.iter().enumerate() {
+        let after = drive.measure(b, Duration::from_secs_f64(o.seconds), None)?;
+        let gain = after.tokens_per_s / before[i].tokens_per_s.max(1e-9);
+        println!(
+            "batch {b:>3}: {:.0} -> {:.0} tokens/s, gain {gain:.2} (predicted {predicted:.2}); p99 {:.1} -> {:.1} ms",
+            before[i].tokens_per_s, after.tokens_per_s, before[i].p99_ms, after.p99_ms
+        );
+        report.results.push(
+            BenchResult::new(
+                format!("rebalance-gain {model}"),
+                b as u64,
+                after.tokens_per_s,
+                before[i].tokens_per_s * predicted,
+                "tokens/s",
+            )
+            .against_reference()
+            .with(
+                "limit_is",
+                "tokens/s before the change times the planner's predicted gain (busiest device's pairs before / after)",
+            )
+            .with("before_tokens_per_s", before[i].tokens_per_s)
+            .with("measured_gain", gain)
+            .with("predicted_gain", predicted)
+            .with("p99_ms_after", after.p99_ms),
+        );
+        if b == maxb {
+            report.results.push(
+                BenchResult::new(
+                    format!("rebalance-p99-during {model}"),
+                    b as u64,
+                    during.p99_ms,
+                    before[i].p99_ms,
+                    "ms",
+                )
+                .against_reference()
+                .with("limit_is", "the p99 call latency before the change")
+                .with("calls_during", during.calls as u64),
+            );
+        }
+    }
+    fabric.shutdown();
+    Ok(report)
+}
+
+/// The load-blind placement: each device a contiguous block of every layer's experts, no
+/// replicas, the shared experts on the router.
+fn blocks(topo: &Topology, spec: &ModelSpec) -> Result<Placement, BenchError> {
+    let n = topo.devices().len().max(1) as u32;
+    let e = spec.routed_experts;
+    let layer: Vec<Vec<u32>> = (0..n)
+        .map(|d| (d * e / n..(d + 1) * e / n).collect())
+        .collect();
+    let layers = spec.moe_layer_ids();
+    let slots = vec![layer; layers.len()];
+    let shared = vec![SharedLocation::Router; layers.len()];
+    Placement::new(topo, spec, slots, shared, "contiguous blocks, no replicas")
+        .map_err(|p| BenchError::Options(format!("the block placement is invalid: {p:?}")))
+}
+
+/// The planner's placement for `counts` (tokens routed to each expert, the same in every
+/// layer), replicas allowed.
+fn plan_for(topo: &Topology, spec: &ModelSpec, counts: &[f64]) -> Result<Placement, BenchError> {
+    let layers = spec.moe_layer_ids().len();
+    let stats =
+        LoadStats::new(spec, vec![Some(counts.to_vec()); layers]).map_err(BenchError::Options)?;
+    let opts = expertmesh_planner::PlanOptions {
+        description: "planned for the bench's Zipf traffic".into(),
+        ..expertmesh_planner::PlanOptions::default()
+    };
+    expertmesh_planner::plan(topo, spec, Some(&stats), None, &opts)
+        .map(|p| p.placement)
+        .map_err(|cause| BenchError::Plan {
+            what: "the rebalanced placement",
+            cause,
+        })
+}
+
+/// The routed pairs of the busiest device of `layer` (replicas share their expert's evenly).
+fn busiest(p: &Placement, topo: &Topology, layer: u32, counts: &[f64]) -> f64 {
+    topo.devices()
+        .iter()
+        .map(|d| {
+            p.experts_on(d.rank(), layer)
+                .iter()
+                .map(|&e| counts[e as usize] / p.owners(layer, e).len().max(1) as f64)
+                .sum::<f64>()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Every (mesh rank, layer, expert) of `p`.
+fn entries_of(topo: &Topology, spec: &ModelSpec, p: &Placement) -> Vec<(u32, u32, u32)> {
+    let routers = (topo.routers().len() as u32).max(1);
+    let mut out = Vec::new();
+    for d in topo.devices() {
+        for l in spec.moe_layer_ids() {
+            let rank = routers + d.rank().0;
+            out.extend(p.experts_on(d.rank(), l).iter().map(|&e| (rank, l, e)));
+        }
+    }
+    out
+}
+
+/// (hidden states, router logits) of each batch of a pool.
+type Pool = Arc<Vec<(Vec<f32>, Vec<f32>)>>;
+
+/// The bench's traffic: per batch size, a pool of hidden states and router logits whose
+/// top-k are drawn from the Zipf popularity; and the tokens routed to each expert over all.
+struct Traffic {
+    /// Per batch size: (hidden states, logits) of each batch of the pool.
+    pools: Vec<(usize, Pool)>,
+    counts: Vec<f64>,
+}
+
+impl Traffic {
+    fn new(spec: &ModelSpec, batches: &[usize], s: f64) -> Self {
+        let (e, k, h) = (
+            spec.routed_experts as usize,
+            spec.top_k as usize,
+            spec.hidden as usize,
+        );
+        let popularity: Vec<f64> = (0..e).map(|i| 1.0 / ((i + 1) as f64).powf(s)).collect();
+        let mut rng = expertmesh_quant::synth::SplitMix64::new(0x5eed_2026);
+        let mut counts = vec![0.0; e];
+        let mut pools = Vec::new();
+        for &b in batches {
+            let pool: Vec<(Vec<f32>, Vec<f32>)> = (0..POOL)
+                .map(|i| {
+                    let x = reference::synthetic_hidden((b * POOL + i) as u64, b, h);
+                    let mut logits = vec![-10.0f32; b * e];
+                    for t in 0..b {
+                        let mut w = popularity.clone();
+                        for slot in 0..k {
+                            let pick = draw(&w, rng.next_f64());
+                            w[pick] = 0.0;
+                            counts[pick] += 1.0;
+                            logits[t * e + pick] = 10.0 - slot as f32;
+                        }
+                    }
+                    (x, logits)
+                })
+                .collect();
+            pools.push((b, Arc::new(pool)));
+        }
+        Self { pools, counts }
+    }
+
+    fn pool(&self, b: usize) -> Pool {
+        let (_, pool) = self
+            .pools
+            .iter()
+            .find(|(size, _)| *size == b)
+            .expect("a pool per batch size");
+        Arc::clone(pool)
+    }
+}
+
+/// The index `u` (uniform in [0, 1)) falls on in the cumulative weights `w`.
+fn draw(w: &[f64], u: f64) -> usize {
+    let total: f64 = w.iter().sum();
+    let mut at = u * total;
+    for (i, &x) in w.iter().enumerate() {
+        if at < x {
+            return i;
+        }
+        at -= x;
+    }
+    w.iter().rposition(|&x| x > 0.0).unwrap_or(0)
+}
+
+/// The frontend calling while the change is applied: told to stop, and counting its calls.
+#[derive(Debug, Default)]
+struct During {
+    stop: AtomicBool,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+/// What one measurement gave.
+struct Measured {
+    tokens_per_s: f64,
+    p99_ms: f64,
+    calls: usize,
+}
+
+/// Frontends calling the fabric with the bench's traffic.
+struct Drive<'a> {
+    fabric: &'a LocalFabric,
+    rt: &'a tokio::runtime::Runtime,
+    layer: u32,
+    hidden: usize,
+    traffic: &'a Traffic,
+    clients: usize,
+}
+
+impl Drive<'_> {
+    /// `clients` frontends (one with `stop`) calling batches of `b` tokens for `time` or until
+    /// `stop` is set: tokens/s and the p99 of a call.
+    fn measure(
+        &self,
+        b: usize,
+        time: Duration,
+        during: Option<&Arc<During>>,
+    ) -> Result<Measured, BenchError> {
+        let clients = if during.is_some() { 1 } else { self.clients };
+        let (addr, cfg) = (self.fabric.frontend_addr(), self.fabric.frontend_config());
+        let (layer, h, pool) = (self.layer, self.hidden, self.traffic.pool(b));
+        let (latencies, secs) = self.rt.block_on(async {
+            let mut conns = Vec::new();
+            for _ in 0..clients {
+                let mut c = RouterClient::connect(addr, &cfg).await?;
+                let (x, logits) = &pool[0];
+                c.call(layer, x, h, Some(logits), None).await?;
+                conns.push(c);
+            }
+            let t0 = Instant::now();
+            let until = t0 + time;
+            let tasks: Vec<_> = conns
+                .into_iter()
+                .enumerate()
+                .map(|(ci, mut c)| {
+                    let (pool, during) = (Arc::clone(&pool), during.cloned());
+                    tokio::spawn(async move {
+                        let mut lat = Vec::new();
+                        let mut i = ci;
+                        let stopped = || {
+                            during
+                                .as_ref()
+                                .is_some_and(|d| d.stop.load(Ordering::Relaxed))
+                        };
+                        while Instant::now() < until && !stopped() {
+                            let (x, logits) = &pool[i % pool.len()];
+                            let t = Instant::now();
+                            c.call(layer, x, h, Some(logits), None).await?;
+                            lat.push(t.elapsed().as_secs_f64() * 1e3);
+                            if let Some(d) = &during {
+                                d.calls.fetch_add(1, Ordering::AcqRel);
+                            }
+                            i += clients;
+                        }
+                        Ok::<Vec<f64>, BenchError>(lat)
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await??);
+            }
+            Ok::<_, BenchError>((all, t0.elapsed().as_secs_f64()))
+        })?;
+        let mut sorted = latencies;
+        sorted.sort_by(f64::total_cmp);
+        let p99 = sorted
+            .get(((sorted.len() as f64 * 0.99) as usize).min(sorted.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0);
+        Ok(Measured {
+            tokens_per_s: (sorted.len() * b) as f64 / secs.max(1e-9),
+            p99_ms: p99,
+            calls: sorted.len(),
+        })
+    }
+}
