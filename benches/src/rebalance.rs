@@ -24,7 +24,7 @@ use crate::method::json::{BenchReport, BenchResult};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::client::placement::apply_placement;
+use expertmesh_router::client::placement::{Applied, apply_placement};
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::reference;
 use expertmesh_topology::model::ModelSpec;
@@ -54,7 +54,7 @@ const POOL: usize = 32;
 
 /// Run the benchmark.
 pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
-    if o.batches.is_empty() || o.batches.contains(&0) || !(o.zipf >= 0.0) {
+    if o.batches.is_empty() || o.batches.contains(&0) || o.zipf.is_nan() || o.zipf < 0.0 {
         return Err(BenchError::Options(
             "--batches needs sizes >= 1 and --zipf a value >= 0".into(),
         ));
@@ -81,19 +81,8 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     extra.insert("zipf".into(), o.zipf.into());
     extra.insert("clients".into(), o.clients.into());
     extra.insert("predicted_gain".into(), predicted.into());
-    let mut opts = LocalFabricOptions::new(&topology, model, &served_path);
-    opts.ephemeral_ports = true;
     let maxb = o.batches.iter().copied().max().unwrap_or(1);
-    let cap = &mut opts.frontend_limits.max_connections_per_frontend;
-    *cap = (*cap).max(u32::try_from(o.clients + 2).unwrap_or(u32::MAX));
-    opts.router = LayerMode::Exact.apply(RouterConfig {
-        max_request_tokens: maxb,
-        max_batch_tokens: maxb * o.clients.max(1),
-        micro_batch_tokens: 16,
-        batch_window: Duration::from_micros(50),
-        ..RouterConfig::default()
-    });
-    let fabric = LocalFabric::start(opts)?;
+    let fabric = start(o, &topology, model, &served_path)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -113,43 +102,8 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
         .collect::<Result<_, _>>()?;
     // The change, applied while one frontend keeps calling at the largest batch.
     let entries = entries_of(topo, spec, &planned);
-    let during = Arc::new(During::default());
-    let result = std::thread::scope(|s| {
-        let load = s.spawn(|| drive.measure(maxb, Duration::from_secs(3600), Some(&during)));
-        // The change starts once that frontend's calls are under way.
-        while during.calls.load(Ordering::Acquire) < 2 && !load.is_finished() {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let applied = rt.block_on(async {
-            let mut conn =
-                FrameConnection::connect(fabric.frontend_addr(), &fabric.frontend_config())
-                    .await
-                    .map_err(|e| BenchError::Options(format!("connecting to the router: {e}")))?;
-            apply_placement(&mut conn, 1, &entries, Duration::from_secs(120))
-                .await
-                .map_err(|e| BenchError::Options(format!("the placement change failed: {e}")))
-        });
-        during.stop.store(true, Ordering::Relaxed);
-        let measured = load.join().expect("the load thread does not panic");
-        applied.and_then(|a| measured.map(|d| (a, d)))
-    });
-    let (applied, during) = result?;
-    let extra = &mut report.machine.extra;
-    extra.insert("experts_loaded".into(), applied.loaded.into());
-    extra.insert("experts_released".into(), applied.released.into());
-    extra.insert(
-        "bytes_loaded".into(),
-        (u64::from(applied.loaded) * spec.expert_bytes()).into(),
-    );
-    extra.insert("apply_seconds".into(), applied.took.as_secs_f64().into());
-    println!(
-        "placement change: {} experts loaded ({:.1} MB), {} released, in {:.2} s; {} calls during it",
-        applied.loaded,
-        (u64::from(applied.loaded) * spec.expert_bytes()) as f64 / 1e6,
-        applied.released,
-        applied.took.as_secs_f64(),
-        during.calls
-    );
+    let (applied, during) = drive.apply_under_load(&entries, maxb)?;
+    record_change(&mut report, &applied, &during, spec.expert_bytes());
     for (i, &b) in o.batches.iter().enumerate() {
         let after = drive.measure(b, Duration::from_secs_f64(o.seconds), None)?;
         let gain = after.tokens_per_s / before[i].tokens_per_s.max(1e-9);
@@ -192,6 +146,52 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     }
     fabric.shutdown();
     Ok(report)
+}
+
+/// Records the change in the report's machine description and prints it.
+fn record_change(
+    report: &mut BenchReport,
+    applied: &Applied,
+    during: &Measured,
+    expert_bytes: u64,
+) {
+    let bytes = u64::from(applied.loaded) * expert_bytes;
+    let extra = &mut report.machine.extra;
+    extra.insert("experts_loaded".into(), applied.loaded.into());
+    extra.insert("experts_released".into(), applied.released.into());
+    extra.insert("bytes_loaded".into(), bytes.into());
+    extra.insert("apply_seconds".into(), applied.took.as_secs_f64().into());
+    println!(
+        "placement change: {} experts loaded ({:.1} MB), {} released, in {:.2} s; {} calls during it",
+        applied.loaded,
+        bytes as f64 / 1e6,
+        applied.released,
+        applied.took.as_secs_f64(),
+        during.calls
+    );
+}
+
+/// The local fabric serving `served` (exact mode, batches up to the largest size from every
+/// client).
+fn start(
+    o: &RebalanceBenchOptions,
+    topology: &std::path::Path,
+    model: &str,
+    served: &std::path::Path,
+) -> Result<LocalFabric, BenchError> {
+    let mut opts = LocalFabricOptions::new(topology, model, served);
+    opts.ephemeral_ports = true;
+    let maxb = o.batches.iter().copied().max().unwrap_or(1);
+    let cap = &mut opts.frontend_limits.max_connections_per_frontend;
+    *cap = (*cap).max(u32::try_from(o.clients + 2).unwrap_or(u32::MAX));
+    opts.router = LayerMode::Exact.apply(RouterConfig {
+        max_request_tokens: maxb,
+        max_batch_tokens: maxb * o.clients.max(1),
+        micro_batch_tokens: 16,
+        batch_window: Duration::from_micros(50),
+        ..RouterConfig::default()
+    });
+    Ok(LocalFabric::start(opts)?)
 }
 
 /// The load-blind placement: each device a contiguous block of every layer's experts, no
@@ -345,6 +345,34 @@ struct Drive<'a> {
 }
 
 impl Drive<'_> {
+    /// Applies `entries` while one frontend calls batches of `b` tokens (the change starts
+    /// once its calls are under way): the router's answer and those calls' figures.
+    fn apply_under_load(
+        &self,
+        entries: &[(u32, u32, u32)],
+        b: usize,
+    ) -> Result<(Applied, Measured), BenchError> {
+        let during = Arc::new(During::default());
+        std::thread::scope(|s| {
+            let load = s.spawn(|| self.measure(b, Duration::from_secs(3600), Some(&during)));
+            while during.calls.load(Ordering::Acquire) < 2 && !load.is_finished() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let (addr, cfg) = (self.fabric.frontend_addr(), self.fabric.frontend_config());
+            let applied = self.rt.block_on(async {
+                let mut conn = FrameConnection::connect(addr, &cfg)
+                    .await
+                    .map_err(|e| BenchError::Options(format!("connecting to the router: {e}")))?;
+                apply_placement(&mut conn, 1, entries, Duration::from_secs(120))
+                    .await
+                    .map_err(|e| BenchError::Options(format!("the placement change failed: {e}")))
+            });
+            during.stop.store(true, Ordering::Relaxed);
+            let measured = load.join().expect("the load thread does not panic");
+            applied.and_then(|a| measured.map(|d| (a, d)))
+        })
+    }
+
     /// `clients` frontends (one with `stop`) calling batches of `b` tokens for `time` or until
     /// `stop` is set: tokens/s and the p99 of a call.
     fn measure(

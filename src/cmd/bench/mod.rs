@@ -332,6 +332,19 @@ pub(crate) struct CompareCli {
     report: Option<PathBuf>,
 }
 
+/// Prints a report's table and writes its JSON when asked.
+fn print_and_write(
+    report: &expertmesh_benches::method::json::BenchReport,
+    json: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    report.print_table();
+    if let Some(path) = json {
+        report.write(path)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Runs a bench target.
 pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
     match target {
@@ -352,21 +365,11 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 clients: r.clients,
                 zipf: r.zipf,
             })?;
-            report.print_table();
-            if let Some(path) = r.json {
-                report.write(&path)?;
-                println!("wrote {}", path.display());
-            }
-            Ok(ExitCode::SUCCESS)
+            print_and_write(&report, r.json.as_deref())
         }
         BenchTarget::Convert(c) => {
             let report = convert::run(&c.options())?;
-            report.print_table();
-            if let Some(path) = c.json {
-                report.write(&path)?;
-                println!("wrote {}", path.display());
-            }
-            Ok(ExitCode::SUCCESS)
+            print_and_write(&report, c.json.as_deref())
         }
         BenchTarget::Fabric(f) => {
             anyhow::ensure!(
@@ -388,12 +391,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 links,
                 mode: f.mode,
             })?;
-            report.print_table();
-            if let Some(path) = f.json {
-                report.write(&path)?;
-                println!("wrote {}", path.display());
-            }
-            Ok(ExitCode::SUCCESS)
+            print_and_write(&report, f.json.as_deref())
         }
         BenchTarget::Kernels(k) => {
             anyhow::ensure!(
