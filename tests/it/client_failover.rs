@@ -12,8 +12,6 @@
 //! one that is SIGSTOPped within the keepalive bound and gets the other's bit-identical answer.
 
 use crate::support::{bits, free_pair, free_port, root, rt};
-use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::{ClientOptions, RouterClient};
 use expertmesh_router::reference;
 use expertmesh_transport::codec::ErrorCode;
@@ -25,31 +23,10 @@ use std::time::{Duration, Instant};
 use crate::support::two_routers;
 
 /// (layer, input, expected output bits) from the in-process reference.
-type Cases = Vec<(u32, Vec<f32>, Vec<u32>)>;
+type Cases = crate::support::RefCases;
 
 fn cases(spec: &expertmesh_topology::model::ModelSpec, seed: u64, tokens: &[usize]) -> Cases {
-    let h = spec.hidden as usize;
-    let layers = spec.moe_layer_ids();
-    let mut backend: CpuBackend =
-        expertmesh_worker::weights::reference_backend(spec, seed, &layers, 1, 64).unwrap();
-    let mut out = Vec::new();
-    for (i, &layer) in layers.iter().enumerate() {
-        for &t in tokens {
-            let x = reference::synthetic_hidden(7 + i as u64 * 100 + t as u64, t, h);
-            let gate = reference::synthetic_gate(spec, seed, layer);
-            let (_, want) = reference::moe_layer_backend(
-                spec,
-                &gate,
-                layer,
-                &mut backend,
-                &x,
-                ComputeMode::Exact,
-            )
-            .unwrap();
-            out.push((layer, x, bits(&want)));
-        }
-    }
-    out
+    crate::support::reference_cases(spec, seed, tokens, 7)
 }
 
 /// What one client saw.

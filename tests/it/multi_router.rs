@@ -9,11 +9,8 @@
 //! `worker/src/fair.rs` against a brute-force model.
 
 use crate::support::{bits, rt};
-use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::LocalFabric;
-use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::reference;
 use expertmesh_transport::frontend::FrontendConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,36 +27,9 @@ struct Cases {
 
 fn cases(fabric: &LocalFabric, token_counts: &[usize], salt: u64) -> Arc<Cases> {
     let dep = fabric.deployment();
-    let spec = dep.spec.clone();
-    let h = spec.hidden as usize;
-    let mut backend: CpuBackend = expertmesh_worker::weights::reference_backend(
-        &spec,
-        dep.seed,
-        &spec.moe_layer_ids(),
-        1,
-        64,
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
-        for &t in token_counts {
-            let x = reference::synthetic_hidden(salt + i as u64 * 100 + t as u64, t, h);
-            let gate = reference::synthetic_gate(&spec, dep.seed, layer);
-            let (_, want) = reference::moe_layer_backend(
-                &spec,
-                &gate,
-                layer,
-                &mut backend,
-                &x,
-                ComputeMode::Exact,
-            )
-            .unwrap();
-            out.push((layer, x, bits(&want)));
-        }
-    }
     Arc::new(Cases {
-        hidden: h,
-        cases: out,
+        hidden: dep.spec.hidden as usize,
+        cases: crate::support::reference_cases(&dep.spec, dep.seed, token_counts, salt),
     })
 }
 

@@ -14,11 +14,8 @@
 //! holding nothing joins the running fabric and takes experts.
 
 use crate::support::{bits, root, rt};
-use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
-use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::reference;
 use expertmesh_transport::frontend::FrontendConfig;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -29,33 +26,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// (layer, input, expected output bits) by the in-process reference.
-type Cases = Arc<Vec<(u32, Vec<f32>, Vec<u32>)>>;
+type Cases = Arc<crate::support::RefCases>;
 
 fn cases(fabric: &LocalFabric) -> Cases {
     let dep = fabric.deployment();
-    let spec = dep.spec.clone();
-    let h = spec.hidden as usize;
-    let layers = spec.moe_layer_ids();
-    let mut backend: CpuBackend =
-        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &layers, 1, 64).unwrap();
-    let mut out = Vec::new();
-    for (i, &layer) in layers.iter().enumerate() {
-        for t in [1usize, 6, 24] {
-            let x = reference::synthetic_hidden(7 + i as u64 * 31 + t as u64, t, h);
-            let gate = reference::synthetic_gate(&spec, dep.seed, layer);
-            let (_, want) = reference::moe_layer_backend(
-                &spec,
-                &gate,
-                layer,
-                &mut backend,
-                &x,
-                ComputeMode::Exact,
-            )
-            .unwrap();
-            out.push((layer, x, bits(&want)));
-        }
-    }
-    Arc::new(out)
+    Arc::new(crate::support::reference_cases(
+        &dep.spec,
+        dep.seed,
+        &[1, 6, 24],
+        7,
+    ))
 }
 
 /// Pipelined checked calls against `addr` until `stop`: (right, wrong, failed) with the

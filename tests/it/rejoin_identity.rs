@@ -8,12 +8,10 @@
 //! identity and incarnation rules those rely on.
 
 use crate::support::{bits, root, rt};
-use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::RouterConfig;
-use expertmesh_router::reference;
 use expertmesh_transport::mesh::LinkKind;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -42,29 +40,7 @@ fn start() -> LocalFabric {
 /// (layer, input, reference output bits) for every MoE layer and a few token counts.
 fn cases(fabric: &LocalFabric) -> Vec<(u32, Vec<f32>, Vec<u32>)> {
     let dep = fabric.deployment();
-    let spec = dep.spec.clone();
-    let h = spec.hidden as usize;
-    let layers = spec.moe_layer_ids();
-    let mut backend: CpuBackend =
-        expertmesh_worker::weights::reference_backend(&spec, dep.seed, &layers, 1, 64).unwrap();
-    let mut out = Vec::new();
-    for (i, &layer) in layers.iter().enumerate() {
-        for t in [1usize, 7, 20] {
-            let x = reference::synthetic_hidden(900 + i as u64 * 10 + t as u64, t, h);
-            let gate = reference::synthetic_gate(&spec, dep.seed, layer);
-            let (_, want) = reference::moe_layer_backend(
-                &spec,
-                &gate,
-                layer,
-                &mut backend,
-                &x,
-                ComputeMode::Exact,
-            )
-            .unwrap();
-            out.push((layer, x, bits(&want)));
-        }
-    }
-    out
+    crate::support::reference_cases(&dep.spec, dep.seed, &[1, 7, 20], 900)
 }
 
 /// Runs every case once through router 0; returns (bit-identical, wrong, errors).

@@ -338,3 +338,41 @@ impl Drop for SlowLoris {
         }
     }
 }
+
+/// (layer, input, expected output bits) of layer calls.
+pub(crate) type RefCases = Vec<(u32, Vec<f32>, Vec<u32>)>;
+
+/// Calls of every MoE layer of `spec` with each of `tokens` tokens (inputs varied by `salt`),
+/// answered by the in-process exact reference: one CPU backend holding every expert of the
+/// synthetic weights of `seed` (bit-identical to the fabric in exact mode).
+pub(crate) fn reference_cases(
+    spec: &expertmesh_topology::model::ModelSpec,
+    seed: u64,
+    tokens: &[usize],
+    salt: u64,
+) -> RefCases {
+    use expertmesh_quant::contract::ComputeMode;
+    use expertmesh_router::reference;
+    let h = spec.hidden as usize;
+    let layers = spec.moe_layer_ids();
+    let mut backend: expertmesh_cpu_backend::CpuBackend =
+        expertmesh_worker::weights::reference_backend(spec, seed, &layers, 1, 64).unwrap();
+    let mut out = Vec::new();
+    for (i, &layer) in layers.iter().enumerate() {
+        for &t in tokens {
+            let x = reference::synthetic_hidden(salt + i as u64 * 100 + t as u64, t, h);
+            let gate = reference::synthetic_gate(spec, seed, layer);
+            let (_, want) = reference::moe_layer_backend(
+                spec,
+                &gate,
+                layer,
+                &mut backend,
+                &x,
+                ComputeMode::Exact,
+            )
+            .unwrap();
+            out.push((layer, x, bits(&want)));
+        }
+    }
+    out
+}

@@ -63,16 +63,20 @@ impl ExpertSource for Faulty {
 }
 
 fn run(b: &mut CpuBackend) -> Vec<u32> {
+    run_pairs(b, &[(0, 0), (0, 3), (1, 1), (1, 2)]).unwrap()
+}
+
+/// One exact per-slot batch of two tokens over (token, expert) pairs (weight 0.5, rows in
+/// pair order): the output bits, or the backend's error.
+fn run_pairs(b: &mut CpuBackend, pairs: &[(u32, u32)]) -> Result<Vec<u32>, BackendError> {
     let x: Vec<f32> = (0..2 * 64)
         .map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0)
         .collect();
-    let mut g = Grouping::with_capacity(8);
-    for t in 0..2u32 {
-        for (s, e) in [(0, t), (1, 3 - t)] {
-            g.push(e, t, 0.5, t * 2 + s);
-        }
+    let mut g = Grouping::with_capacity(pairs.len());
+    for (row, &(t, e)) in pairs.iter().enumerate() {
+        g.push(e, t, 0.5, row as u32);
     }
-    let mut out = vec![0f32; 4 * 64];
+    let mut out = vec![0f32; pairs.len() * 64];
     g.with_groups(1, |groups| {
         let batch = GroupedBatch {
             mode: ComputeMode::Exact,
@@ -83,9 +87,8 @@ fn run(b: &mut CpuBackend) -> Vec<u32> {
             layout: OutputLayout::PerSlot,
         };
         b.execute(&batch, &mut out)
-    })
-    .unwrap();
-    out.iter().map(|v| v.to_bits()).collect()
+    })?;
+    Ok(out.iter().map(|v| v.to_bits()).collect())
 }
 
 #[test]
@@ -174,23 +177,7 @@ fn experts_gained_and_released_while_loaded_compute_what_a_fresh_load_does() {
     live.release_experts(&[all[1].0]).unwrap();
     let one_bytes = QuantSpec::G32_BF16.expert_bytes(64, 64);
     assert_eq!(live.loaded_bytes(), before - one_bytes);
-    let mut g = Grouping::with_capacity(2);
-    g.push(1, 0, 1.0, 0);
-    let x = vec![0.5f32; 64];
-    let mut out = vec![0f32; 64];
-    let err = g
-        .with_groups(1, |groups| {
-            let batch = GroupedBatch {
-                mode: ComputeMode::Exact,
-                hidden: 64,
-                tokens: 1,
-                input: Activations::F32(&x),
-                groups,
-                layout: OutputLayout::PerSlot,
-            };
-            live.execute(&batch, &mut out)
-        })
-        .unwrap_err();
+    let err = run_pairs(&mut live, &[(0, 1)]).unwrap_err();
     assert!(
         matches!(err, BackendError::UnknownExpert(k) if k.expert == 1),
         "{err}"
@@ -199,28 +186,11 @@ fn experts_gained_and_released_while_loaded_compute_what_a_fresh_load_does() {
     let mut rest = CpuBackend::new(1).unwrap();
     rest.load(vec![all[0].clone(), all[2].clone(), all[3].clone()], LIMITS)
         .unwrap();
-    let run_without_1 = |b: &mut CpuBackend| {
-        let mut g = Grouping::with_capacity(4);
-        for (t, e) in [(0u32, 0u32), (0, 2), (1, 3), (1, 2)] {
-            g.push(e, t, 0.25, g.len() as u32);
-        }
-        let x: Vec<f32> = (0..128).map(|i| (i % 9) as f32 / 9.0 - 0.4).collect();
-        let mut out = vec![0f32; 4 * 64];
-        g.with_groups(1, |groups| {
-            let batch = GroupedBatch {
-                mode: ComputeMode::Exact,
-                hidden: 64,
-                tokens: 2,
-                input: Activations::F32(&x),
-                groups,
-                layout: OutputLayout::PerSlot,
-            };
-            b.execute(&batch, &mut out)
-        })
-        .unwrap();
-        out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
-    };
-    assert_eq!(run_without_1(&mut live), run_without_1(&mut rest));
+    let without_1 = [(0, 0), (0, 2), (1, 3), (1, 2)];
+    assert_eq!(
+        run_pairs(&mut live, &without_1).unwrap(),
+        run_pairs(&mut rest, &without_1).unwrap()
+    );
 }
 
 #[test]
