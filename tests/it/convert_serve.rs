@@ -173,30 +173,8 @@ fn check_accurate(ck: &TinyCheckpoint, out: &Path) {
 /// Calls every MoE layer in exact mode and compares bit for bit with the in-process exact
 /// reference on the same converted weights.
 fn check_exact(ck: &TinyCheckpoint, out: &Path) {
-    let dep = Deployment::load_converted(&topology(), out).unwrap();
-    let spec = dep.spec.clone();
-    let (experts, _) = converted_experts(out);
-    let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
-        .into_iter()
-        .map(|((layer, expert), w)| (ExpertKey { layer, expert }, w))
-        .collect();
-    let mut backend = CpuBackend::new(1).unwrap();
-    let slots = (spec.top_k + spec.shared_experts) as usize;
-    backend
-        .load(
-            keyed,
-            expertmesh_backend::BatchLimits {
-                max_tokens: 64,
-                max_pairs: 64 * slots,
-            },
-        )
-        .unwrap();
-    let mut dense = dep
-        .shared_dense()
-        .then(|| expertmesh_worker::shared::DenseSharedRunner::load(&dep).unwrap());
-    let setups = dep.layer_setups().unwrap();
     let fabric = LocalFabric::start(options(out, ComputeMode::Exact)).unwrap();
-    check_served(ck, &dep, &mut backend, &mut dense, &setups, &fabric);
+    check_served_exactly(ck, out, &fabric);
     fabric.shutdown();
 }
 

@@ -400,15 +400,7 @@ impl ShardSource {
                 });
             }
             entries.push(i);
-            shapes.push(ExpertShape {
-                key: ExpertKey {
-                    layer: e.layer,
-                    expert: e.expert,
-                },
-                hidden: file.index().hidden as usize,
-                inter: e.inter as usize,
-                quant: file.index().quant,
-            });
+            shapes.push(shard_shape(&file, e));
         }
         if shapes.len() != want.len() {
             let have: BTreeSet<(u32, u32)> =
@@ -517,18 +509,7 @@ pub fn gained_expert_source(
             .iter()
             .enumerate()
             .filter(|(_, e)| missing.remove(&(e.layer, e.expert)))
-            .map(|(at, e)| {
-                let shape = ExpertShape {
-                    key: ExpertKey {
-                        layer: e.layer,
-                        expert: e.expert,
-                    },
-                    hidden: file.index().hidden as usize,
-                    inter: e.inter as usize,
-                    quant: file.index().quant,
-                };
-                (at, shape)
-            })
+            .map(|(at, e)| (at, shard_shape(&file, e)))
             .collect();
         if hits.is_empty() {
             continue;
@@ -552,6 +533,19 @@ pub fn gained_expert_source(
         });
     }
     Ok(Box::new(src))
+}
+
+/// The key and shape of expert entry `e` of `file`.
+fn shard_shape(file: &ShardFile, e: &expertmesh_shard::file::ExpertEntry) -> ExpertShape {
+    ExpertShape {
+        key: ExpertKey {
+            layer: e.layer,
+            expert: e.expert,
+        },
+        hidden: file.index().hidden as usize,
+        inter: e.inter as usize,
+        quant: file.index().quant,
+    }
 }
 
 /// Experts gathered from several device shards ([`gained_expert_source`]): each shard's
