@@ -369,6 +369,31 @@ pub fn collect_source(
     Ok(experts)
 }
 
+/// Packs experts for one backend off the thread that serves ([`ExpertBackend::stager`]).
+pub trait ExpertStager: Send {
+    /// Every expert of `source`, packed the way the backend keeps them.
+    fn stage(&self, source: &mut dyn ExpertSource) -> Result<StagedExperts, BackendError>;
+}
+
+/// Experts packed by an [`ExpertStager`], waiting for [`ExpertBackend::install`].
+pub struct StagedExperts {
+    /// Their keys, in the order staged.
+    pub keys: Vec<ExpertKey>,
+    /// Bytes of their packed weights (the format's accounting).
+    pub bytes: u64,
+    /// The backend's own packed form (only the backend whose stager made it reads it).
+    pub packed: Box<dyn std::any::Any + Send>,
+}
+
+impl fmt::Debug for StagedExperts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagedExperts")
+            .field("experts", &self.keys.len())
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A device that runs packed-INT4 experts. See the module docs for the design.
 pub trait ExpertBackend: Send {
     /// Short name for logs and reports ("cpu-avx512-vnni", "hip-gfx90a", ...).
@@ -408,6 +433,24 @@ pub trait ExpertBackend: Send {
         let _ = source;
         Err(BackendError::Source(format!(
             "the {} backend cannot gain experts while serving; restart its worker with the new placement",
+            self.name()
+        )))
+    }
+
+    /// A stager that packs experts for this backend on another thread, so that a device
+    /// gaining experts keeps serving while they are packed and only installs them
+    /// ([`ExpertBackend::install`]). `None` (the default): gains go through
+    /// [`ExpertBackend::add_experts`] on the serving thread.
+    fn stager(&self) -> Option<Box<dyn ExpertStager>> {
+        None
+    }
+
+    /// Pin experts this backend's stager packed next to those loaded. The checks of
+    /// [`ExpertBackend::add_experts`] apply; experts staged by another backend are an error.
+    fn install(&mut self, staged: StagedExperts) -> Result<(), BackendError> {
+        let _ = staged;
+        Err(BackendError::Source(format!(
+            "the {} backend has no stager; its gains load through add_experts",
             self.name()
         )))
     }

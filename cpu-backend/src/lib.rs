@@ -46,7 +46,7 @@ mod pool;
 use amx::{AMX_TOKEN_TILE, TokenRows};
 use expertmesh_backend::{
     Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, ExpertShape,
-    ExpertSource, GroupedBatch, OutputLayout, VecSource,
+    ExpertSource, ExpertStager, GroupedBatch, OutputLayout, StagedExperts, VecSource,
 };
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::ComputeMode;
@@ -584,14 +584,21 @@ impl ExpertBackend for CpuBackend {
         // A device that holds nothing yet takes the hidden size of what it gains.
         let loaded = (!self.experts.is_empty()).then_some((&self.index, self.hidden));
         let packed = pack_source(source, loaded)?;
-        self.hidden = packed.hidden;
-        for (k, e) in packed.keys.into_iter().zip(packed.experts) {
-            self.index.insert(k, self.experts.len());
-            self.experts.push(e);
+        self.append(packed)
+    }
+
+    fn stager(&self) -> Option<Box<dyn ExpertStager>> {
+        Some(Box::new(CpuStager))
+    }
+
+    fn install(&mut self, staged: StagedExperts) -> Result<(), BackendError> {
+        if self.scratch.is_none() {
+            return Err(BackendError::NotLoaded);
         }
-        self.loaded_bytes += packed.bytes;
-        self.resize_scratch();
-        Ok(())
+        let packed = staged.packed.downcast::<PackedSet>().map_err(|_| {
+            BackendError::Source("these experts were staged by another backend".into())
+        })?;
+        self.append(*packed)
     }
 
     /// Drops the experts; an arena's memory returns once none of its experts is left.
@@ -617,7 +624,45 @@ impl ExpertBackend for CpuBackend {
     }
 }
 
+/// The CPU backend's stager: packs on the calling thread into an arena of its own.
+struct CpuStager;
+
+impl ExpertStager for CpuStager {
+    fn stage(&self, source: &mut dyn ExpertSource) -> Result<StagedExperts, BackendError> {
+        let packed = pack_source(source, None)?;
+        Ok(StagedExperts {
+            keys: packed.keys.clone(),
+            bytes: packed.bytes,
+            packed: Box::new(packed),
+        })
+    }
+}
+
 impl CpuBackend {
+    /// Adds packed experts next to the loaded ones: refused (nothing added) when one is
+    /// loaded already or their hidden size differs (a device holding nothing takes theirs).
+    fn append(&mut self, packed: PackedSet) -> Result<(), BackendError> {
+        if !self.experts.is_empty() && !packed.keys.is_empty() && packed.hidden != self.hidden {
+            return Err(BackendError::Shape(format!(
+                "{} has hidden size {} but the loaded experts have {}",
+                packed.keys[0], packed.hidden, self.hidden
+            )));
+        }
+        if let Some(k) = packed.keys.iter().find(|k| self.index.contains_key(k)) {
+            return Err(BackendError::Shape(format!("{k} was given twice")));
+        }
+        if !packed.keys.is_empty() {
+            self.hidden = packed.hidden;
+        }
+        for (k, e) in packed.keys.into_iter().zip(packed.experts) {
+            self.index.insert(k, self.experts.len());
+            self.experts.push(e);
+        }
+        self.loaded_bytes += packed.bytes;
+        self.resize_scratch();
+        Ok(())
+    }
+
     /// Buffers for batches up to the limits over the experts loaded now (a load, or a live
     /// change of the set: never on the data path).
     fn resize_scratch(&mut self) {

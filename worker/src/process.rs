@@ -461,9 +461,31 @@ struct Live {
     expert_memory: u64,
     /// The deployment (where gained experts are read from).
     dep: Deployment,
-    /// A hold whose gains fit only once the experts being released are freed: (router,
-    /// frame, entries).
+    /// A hold taken again later: its gains fit only once the experts being released are
+    /// freed, or another hold's gains are being staged: (router, frame, entries).
     deferred: Option<(u32, Placement, Vec<u8>)>,
+    /// Gains being read and packed on a loader thread while this device serves.
+    staging: Option<Staging>,
+    /// Experts every router stopped sending while gains were staged: freed after the install
+    /// (unless the staged hold serves them again).
+    free_later: Vec<(u32, u32)>,
+}
+
+/// A hold whose gains a loader thread reads and packs ([`ExpertBackend::stager`]).
+struct Staging {
+    plan: crate::holdings::HoldPlan,
+    started: Instant,
+    loader: std::thread::JoinHandle<Result<expertmesh_backend::StagedExperts, String>>,
+}
+
+/// What became of a `Hold`.
+enum HoldOutcome {
+    /// Served now: its version and the experts loaded.
+    Done(u64, usize),
+    /// Taken again once the experts being released are freed.
+    Deferred,
+    /// Its gains are being staged on a loader thread.
+    Staging,
 }
 
 impl Live {
@@ -479,6 +501,8 @@ impl Live {
             expert_memory,
             dep,
             deferred: None,
+            staging: None,
+            free_later: Vec::new(),
         }
     }
 }
@@ -559,6 +583,7 @@ impl ComputeCtx {
                 let expired = f.expire(now);
                 self.answer_routers(expired);
             }
+            self.poll_staging();
             if let Some((_, input)) = self.queue.pop() {
                 self.handle_input(input);
                 continue;
@@ -736,31 +761,28 @@ impl ComputeCtx {
                 self.release(&free);
             }
             PlacementOp::Hold => {
-                let started = Instant::now();
-                // A newer hold replaces one waiting for room.
+                // A newer hold replaces one waiting; one arriving while gains are staged waits
+                // for them (it is taken again once they are installed or failed).
                 self.live.deferred = None;
-                let (version, gained) = match self.hold(p, payload) {
-                    Ok(Some(v)) => v,
-                    Ok(None) => {
+                if self.live.staging.is_some() {
+                    self.live.deferred = Some((from, p.clone(), payload.to_vec()));
+                    return;
+                }
+                let started = Instant::now();
+                match self.hold(p, payload) {
+                    Ok(HoldOutcome::Done(version, gained)) => {
+                        self.changed(version, gained, started)
+                    }
+                    Ok(HoldOutcome::Deferred) => {
                         tracing::info!(
                             worker = %self.id, version = p.version, releasing = self.live.holdings.releasing(),
                             "placement change waits for experts being released to make room"
                         );
                         self.live.deferred = Some((from, p.clone(), payload.to_vec()));
-                        return;
                     }
-                    Err(why) => {
-                        tracing::warn!(worker = %self.id, version = p.version, "placement change refused: {why}");
-                        let why = truncate(&why, MAX_PLACEMENT_MESSAGE_BYTES);
-                        return self.announce_as(p.version, &why);
-                    }
-                };
-                tracing::info!(
-                    worker = %self.id, version, gained, experts = self.live.holdings.serving().len(),
-                    releasing = self.live.holdings.releasing(),
-                    "placement changed in {:.1} ms", started.elapsed().as_secs_f64() * 1e3
-                );
-                self.announce_as(version, "");
+                    Ok(HoldOutcome::Staging) => {}
+                    Err(why) => self.refuse(p.version, &why),
+                }
             }
             other => {
                 tracing::warn!(worker = %self.id, from, op = ?other, "unexpected placement frame from a router")
@@ -768,11 +790,77 @@ impl ComputeCtx {
         }
     }
 
-    /// Carries out a `Hold`: checks it, loads the gains onto the backend (between dispatches:
-    /// the ones queued wait for the load), and serves the new set. Returns the version and
-    /// the experts loaded; `None` when the gains fit only once the experts being released
-    /// are freed (the hold is taken again then).
-    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<Option<(u64, usize)>, String> {
+    /// A hold is served: say so and announce the set.
+    fn changed(&mut self, version: u64, gained: usize, started: Instant) {
+        tracing::info!(
+            worker = %self.id, version, gained, experts = self.live.holdings.serving().len(),
+            releasing = self.live.holdings.releasing(),
+            "placement changed in {:.1} ms", started.elapsed().as_secs_f64() * 1e3
+        );
+        self.announce_as(version, "");
+    }
+
+    /// A hold of `version` is refused or failed: announce the set served, with why.
+    fn refuse(&mut self, version: u64, why: &str) {
+        tracing::warn!(worker = %self.id, version, "placement change refused: {why}");
+        let why = truncate(why, MAX_PLACEMENT_MESSAGE_BYTES);
+        self.announce_as(version, &why);
+    }
+
+    /// Installs gains a loader thread finished staging, serves their hold's set and announces
+    /// it (or announces why they failed); then frees what waited and takes a waiting hold.
+    fn poll_staging(&mut self) {
+        if !self
+            .live
+            .staging
+            .as_ref()
+            .is_some_and(|s| s.loader.is_finished())
+        {
+            return;
+        }
+        let Staging {
+            plan,
+            started,
+            loader,
+        } = self.live.staging.take().expect("checked above");
+        let version = plan.version;
+        let staged = loader
+            .join()
+            .unwrap_or_else(|_| Err("the loader thread panicked".into()))
+            .and_then(|staged| {
+                self.exec
+                    .backend_mut()
+                    .install(staged)
+                    .map_err(|e| format!("installing the gained experts: {e}"))
+            });
+        match staged {
+            Ok(()) => {
+                let gained = plan.load.len();
+                let connected: Vec<u32> = (0..self.routers)
+                    .filter(|&r| self.mesh.is_connected(r))
+                    .collect();
+                let free = self.live.holdings.commit(plan, connected);
+                self.changed(version, gained, started);
+                self.release(&free);
+            }
+            Err(why) => self.refuse(version, &why),
+        }
+        let serving: std::collections::BTreeSet<(u32, u32)> =
+            self.live.holdings.serving().into_iter().collect();
+        let later: Vec<(u32, u32)> = std::mem::take(&mut self.live.free_later)
+            .into_iter()
+            .filter(|e| !serving.contains(e))
+            .collect();
+        self.release(&later);
+        if let Some((from, p, payload)) = self.live.deferred.take() {
+            self.placement(from, &p, &payload);
+        }
+    }
+
+    /// Carries out a `Hold`: checks it, then either stages the gains on a loader thread (a
+    /// backend with a stager: this device serves meanwhile; [`ComputeCtx::poll_staging`]
+    /// installs them), or loads them here between dispatches, and serves the new set.
+    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<HoldOutcome, String> {
         if self.fanout.is_some() {
             return Err(
                 "this device's node fans dispatches out to its devices (per-node dedup), \
@@ -802,7 +890,7 @@ impl ComputeCtx {
             if need > self.live.expert_memory
                 && need - releasing.min(need) <= self.live.expert_memory
             {
-                return Ok(None);
+                return Ok(HoldOutcome::Deferred);
             }
             if need > self.live.expert_memory {
                 return Err(format!(
@@ -812,6 +900,30 @@ impl ComputeCtx {
                     plan.load.len(),
                     self.live.expert_memory
                 ));
+            }
+            if let Some(stager) = backend.stager() {
+                let (dep, load) = (self.live.dep.clone(), plan.load.clone());
+                let compute = std::thread::current();
+                let loader = std::thread::Builder::new()
+                    .name("expert-loader".into())
+                    .spawn(move || {
+                        let staged = weights::gained_expert_source(&dep, &load)
+                            .map_err(|e| e.to_string())
+                            .and_then(|mut source| {
+                                stager
+                                    .stage(&mut *source)
+                                    .map_err(|e| format!("loading the gained experts: {e}"))
+                            });
+                        compute.unpark();
+                        staged
+                    })
+                    .map_err(|e| format!("starting the loader thread: {e}"))?;
+                self.live.staging = Some(Staging {
+                    plan,
+                    started: Instant::now(),
+                    loader,
+                });
+                return Ok(HoldOutcome::Staging);
             }
             let mut source = weights::gained_expert_source(&self.live.dep, &plan.load)
                 .map_err(|e| e.to_string())?;
@@ -825,12 +937,17 @@ impl ComputeCtx {
             .collect();
         let free = self.live.holdings.commit(plan, connected);
         self.release(&free);
-        Ok(Some((version, gained)))
+        Ok(HoldOutcome::Done(version, gained))
     }
 
     /// Frees experts no router can send here any more.
     fn release(&mut self, experts: &[(u32, u32)]) {
         if experts.is_empty() {
+            return;
+        }
+        if self.live.staging.is_some() {
+            // The staged hold was planned with these loaded; they wait for its install.
+            self.live.free_later.extend_from_slice(experts);
             return;
         }
         let keys: Vec<ExpertKey> = experts

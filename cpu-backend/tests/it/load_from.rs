@@ -206,3 +206,39 @@ fn a_backend_loaded_with_nothing_gains_experts_of_any_hidden_size() {
     assert_eq!(spare.loaded_bytes(), whole.loaded_bytes());
     assert_eq!(run(&mut spare), run(&mut whole));
 }
+
+#[test]
+fn experts_staged_on_another_thread_and_installed_compute_what_a_fresh_load_does() {
+    use expertmesh_backend::StagedExperts;
+    let all = experts();
+    let mut whole = CpuBackend::new(1).unwrap();
+    whole.load(all.clone(), LIMITS).unwrap();
+    let mut live = CpuBackend::new(1).unwrap();
+    live.load(vec![all[0].clone(), all[3].clone()], LIMITS)
+        .unwrap();
+    let stager = live.stager().expect("the CPU backend stages");
+    let gains = vec![all[1].clone(), all[2].clone()];
+    let staged = std::thread::spawn(move || stager.stage(&mut VecSource::new(gains)).unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(staged.keys, vec![all[1].0, all[2].0]);
+    // Nothing changes until it is installed.
+    assert_eq!(live.loaded_bytes() + staged.bytes, whole.loaded_bytes());
+    live.install(staged).unwrap();
+    assert_eq!(run(&mut live), run(&mut whole));
+    // Staged again, the same keys are refused; so is another backend's staging.
+    let stager = live.stager().unwrap();
+    let again = stager
+        .stage(&mut VecSource::new(vec![all[1].clone()]))
+        .unwrap();
+    let e = live.install(again).unwrap_err();
+    assert!(e.to_string().contains("given twice"), "{e}");
+    let foreign = StagedExperts {
+        keys: vec![],
+        bytes: 0,
+        packed: Box::new(7u32),
+    };
+    let e = live.install(foreign).unwrap_err();
+    assert!(e.to_string().contains("another backend"), "{e}");
+    assert_eq!(run(&mut live), run(&mut whole));
+}
