@@ -967,6 +967,9 @@ struct Changes {
     unsent: Arc<[AtomicUsize]>,
     /// Confirmations waiting for their worker's unsent dispatches ([`CoreLoop::confirm`]).
     unconfirmed: Vec<(u32, OutFrame)>,
+    /// Per mesh rank: its worker announced what it holds on its current link (it may be
+    /// chosen for parts; the core takes the link up then).
+    announced: Vec<bool>,
 }
 
 impl Changes {
@@ -982,6 +985,7 @@ impl Changes {
             ),
             failed: Vec::new(),
             unconfirmed: Vec::new(),
+            announced: vec![false; core.rank_labels().len()],
         }
     }
 }
@@ -1135,6 +1139,13 @@ impl CoreLoop {
         self.changes
             .coordinator
             .on_holding(from, p.version, &held, &p.message, p.request_id, now);
+        if let Some(a) = self.changes.announced.get_mut(from as usize)
+            && !*a
+        {
+            *a = true;
+            self.core.on_peer_up(from);
+            tracing::debug!(from, version = p.version, "worker announced what it holds");
+        }
         let seen = Placement::new(PlacementOp::Seen, p.version, 0);
         // Sent by `confirm` once the core's actions of this pass are carried out: dispatches
         // planned on the older set may still be queued in the core.
@@ -1303,11 +1314,12 @@ impl CoreLoop {
             }
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
-                self.core.on_peer_up(peer);
+                // Chosen for parts once it says what it holds (its first frame on the link).
+                self.core.on_peer_joining(peer);
+                if let Some(a) = self.changes.announced.get_mut(peer as usize) {
+                    *a = false;
+                }
                 self.core.metrics().on_link(peer, true);
-                // Published at once: a launcher waits for this before it counts a restarted
-                // worker as back (no action follows that would publish it).
-                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
             }
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");

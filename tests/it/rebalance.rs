@@ -416,3 +416,72 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
     assert!(ok > 0);
     assert_eq!((wrong, failed), (0, 0), "{first:?}");
 }
+
+#[test]
+fn a_router_restarted_during_a_change_routes_by_what_the_workers_hold() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut fabric, topology) = fabric(dir.path(), "256 MiB");
+    let cases = cases(&fabric);
+    let addrs: Vec<SocketAddr> = fabric.frontend_addrs().into_iter().flatten().collect();
+    // Load on router 1, which keeps running.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(
+        addrs[1],
+        fabric.frontend_config(),
+        Arc::clone(&cases),
+        Arc::clone(&stop),
+    );
+    let new = placement(dir.path(), "new.toml", "12-31", "0-15");
+    let announced = fabric.router(0).unwrap().stats().holdings;
+    let change = Command::new(crate::support::bin())
+        .args(["rebalance", "--router", &addrs[0].to_string()])
+        .args(["--model", "demo-small", "--timeout-s", "60"])
+        .arg("--topology")
+        .arg(&topology)
+        .arg("--placement")
+        .arg(&new)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Router 0, the coordinator, restarts with its placement file (the old placement) once
+    // the change is under way (the workers answered its survey).
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while fabric.router(0).unwrap().stats().holdings < announced + 2 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the change never started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    fabric.restart_router(0).unwrap();
+    let o = change.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    crate::support::say(&format!("the change during the restart: {said}"));
+    // Done before the restart (0), or cut off with its connection (2); never half-served.
+    assert!(matches!(o.status.code(), Some(0 | 2)), "{said}");
+    // The restarted router answers right at once: it routes by the workers' announcements,
+    // not by its file.
+    let rt = rt();
+    let mut client = rt
+        .block_on(RouterClient::connect(addrs[0], &fabric.frontend_config()))
+        .unwrap();
+    for (layer, x, want) in cases.iter() {
+        let got = rt
+            .block_on(client.call(*layer, x, 1024, None, Some(Duration::from_secs(20))))
+            .unwrap();
+        assert_eq!(bits(&got), *want, "layer {layer}");
+    }
+    // Asked again, the change completes from what the workers hold.
+    let r = rebalance(addrs[0], &topology, &new);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    assert!(ok > 0);
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+}

@@ -129,7 +129,8 @@ pub struct RouterStats {
     pub result_payload_bytes: u64,
     /// Tokens answered.
     pub tokens: u64,
-    /// Worker links the core has seen come up (it counts a device live from then on).
+    /// Worker links the core has taken up: the link came up and the worker announced what it
+    /// holds (it counts the device live from then on).
     pub peer_ups: u64,
     /// Result and error frames dropped because their batch id carries another router
     /// incarnation: work dispatched by an earlier router process on this rank.
@@ -479,7 +480,19 @@ impl RouterCore {
         self.debug_check();
     }
 
-    /// A link to a worker is (again) established.
+    /// A link to a worker came up but the worker has not said what it holds yet: it is not
+    /// chosen for parts until it has ([`RouterCore::on_peer_up`], after its announcement
+    /// went through [`RouterCore::set_holdings`]), so a router that restarted with an older
+    /// placement file never sends it an expert it no longer holds. (A new link has no parts
+    /// out; the old link's were handled when it was lost.)
+    pub fn on_peer_joining(&mut self, rank: u32) {
+        if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
+            *a = false;
+        }
+        self.debug_check();
+    }
+
+    /// A link to a worker is (again) established and the worker may be chosen.
     pub fn on_peer_up(&mut self, rank: u32) {
         self.stats.peer_ups += 1;
         if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
