@@ -80,7 +80,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     let topo = Topology::load(&cli.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
-    let (steps, what) = plan(&cli, &topo, &spec)?;
+    let (steps, what, applied_toml) = plan(&cli, &topo, &spec)?;
     if steps.is_empty() {
         println!("{what}: equal to --from, nothing to change");
         return Ok(ExitCode::SUCCESS);
@@ -137,6 +137,11 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    // Written once the placement is served, never for one that was not.
+    if let Some(out) = &cli.out {
+        std::fs::write(out, &applied_toml)
+            .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
+    }
     let in_steps = if steps.len() > 1 {
         format!(" ({} steps)", steps.len())
     } else {
@@ -158,13 +163,13 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The change to apply, as the entries of each step (one step without `--from`), and what it
-/// is (for the summary). The applied placement is written to `--out` when asked.
+/// The change to apply, as the entries of each step (one step without `--from`), what it is
+/// (for the summary), and the placement's TOML (for `--out`).
 fn plan(
     cli: &RebalanceCli,
     topo: &Topology,
     spec: &ModelSpec,
-) -> anyhow::Result<(Vec<Entries>, String)> {
+) -> anyhow::Result<(Vec<Entries>, String, String)> {
     let load = |p: &PathBuf| PlacementFile::load(p, topo, spec).map_err(|e| anyhow!("{e}"));
     let served = cli.from.as_ref().map(load).transpose()?;
     let (new, what) = match (&cli.placement, &cli.drain, &served) {
@@ -193,11 +198,7 @@ fn plan(
         }
         None => vec![entries_of(topo, spec, &new)],
     };
-    if let Some(out) = &cli.out {
-        std::fs::write(out, new.to_toml_string())
-            .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
-    }
-    Ok((steps, what))
+    Ok((steps, what, new.to_toml_string()))
 }
 
 /// The model: `--model`, or the converted folder's.

@@ -498,9 +498,12 @@ pub fn gained_expert_source(
         if missing.is_empty() {
             break;
         }
+        // A shard this host does not have (a multi-host fabric copies each host its own)
+        // is skipped: another may hold the expert.
         let id = d.id().to_string();
-        if w.manifest.shard_of(&id).is_none() {
-            continue;
+        match w.manifest.shard_of(&id) {
+            Some(r) if w.path(&r.file).exists() => {}
+            _ => continue,
         }
         let (file, crc) = open_shard_unverified(dep, Some(DeviceRank(i as u32)))?;
         let hits: Vec<(usize, ExpertShape)> = file
