@@ -156,13 +156,24 @@ pub struct Coordinator {
     applied: Option<(u64, Vec<BTreeSet<Expert>>)>,
     /// Surveys started (each change's number).
     surveys: u64,
+    /// Whether this router coordinates changes (router 0 of the fabric).
+    coordinates: bool,
     actions: VecDeque<ChangeAction>,
 }
 
 impl Coordinator {
     /// A coordinator for a fabric whose mesh ranks are `names` (the first `routers` are the
     /// routers), serving `layers` of a model with `experts` routed experts per layer.
-    pub fn new(routers: u32, names: Vec<String>, layers: Vec<u32>, experts: u32) -> Self {
+    ///
+    /// Only one router of a fabric coordinates (`coordinates`: router 0), so two changes never
+    /// overwrite each other's sets; the others refuse a change and name it.
+    pub fn new(
+        routers: u32,
+        names: Vec<String>,
+        layers: Vec<u32>,
+        experts: u32,
+        coordinates: bool,
+    ) -> Self {
         let world = names.len();
         Self {
             routers,
@@ -173,6 +184,7 @@ impl Coordinator {
             change: None,
             applied: None,
             surveys: 0,
+            coordinates,
             actions: VecDeque::new(),
         }
     }
@@ -227,6 +239,13 @@ impl Coordinator {
         timeout: Duration,
         now: Instant,
     ) -> Result<(), String> {
+        if !self.coordinates {
+            return Err(format!(
+                "{} coordinates live placement changes (one coordinator, so that two changes \
+                 never overwrite each other); send the change to its frontend",
+                self.name(0)
+            ));
+        }
         if self.change.is_some() {
             return Err(
                 "a placement change is under way; wait for its answer and try again".into(),

@@ -157,6 +157,7 @@ impl RouterService {
             .enable_all()
             .build()
             .map_err(ServiceError::Runtime)?;
+        let own_rank = mesh_cfg.protocol.local_rank;
         let (mesh, events) = runtime.block_on(Mesh::start(mesh_cfg))?;
         let listener = runtime
             .block_on(FrameListener::bind(
@@ -210,7 +211,7 @@ impl RouterService {
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
         let core_loop = CoreLoop {
-            changes: Changes::new(&core),
+            changes: Changes::new(&core, own_rank),
             names: core.rank_labels(),
             core,
             rx: input_rx,
@@ -973,7 +974,8 @@ struct Changes {
 }
 
 impl Changes {
-    fn new(core: &RouterCore) -> Self {
+    /// The part of the router with mesh rank `own_rank` (router 0 coordinates changes).
+    fn new(core: &RouterCore, own_rank: u32) -> Self {
         let names = core.rank_labels();
         Self {
             unsent: (0..names.len()).map(|_| AtomicUsize::new(0)).collect(),
@@ -982,6 +984,7 @@ impl Changes {
                 names,
                 core.layers(),
                 core.spec().routed_experts,
+                own_rank == 0,
             ),
             failed: Vec::new(),
             unconfirmed: Vec::new(),

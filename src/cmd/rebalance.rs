@@ -27,8 +27,8 @@ type Entries = Vec<(u32, u32, u32)>;
 /// `expertmesh rebalance`.
 #[derive(Args, Debug)]
 pub(crate) struct RebalanceCli {
-    /// A router's frontend address, HOST:PORT: it coordinates the change for the whole fabric
-    /// (every router routes by what the workers announce).
+    /// Router 0's frontend address, HOST:PORT: it coordinates the change for the whole
+    /// fabric (every router routes by what the workers announce; the others refuse changes).
     #[arg(long)]
     router: String,
     /// Cluster name (the topology's `name`), checked in the handshake.

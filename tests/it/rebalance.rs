@@ -201,9 +201,17 @@ fn a_live_change_under_load_from_both_routers_has_no_failed_and_no_wrong_call() 
         "{}",
         r.stdout
     );
-    // Back again, through the other router: exactly what was released is loaded.
+    // Router 1 does not coordinate: it refuses and names router 0.
     let old = root().join("examples/single-host-demo-small.placement.toml");
     let r = rebalance(addrs[1], &topology, &old);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("coordinates live placement changes"),
+        "{}",
+        r.stderr
+    );
+    // Back again: exactly what was released is loaded.
+    let r = rebalance(addrs[0], &topology, &old);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(
         r.stdout

@@ -13,7 +13,7 @@ fn coordinator(workers: usize, experts: u32) -> Coordinator {
     let names = (0..ROUTERS as usize + workers)
         .map(|r| format!("rank{r}"))
         .collect();
-    Coordinator::new(ROUTERS, names, LAYERS.to_vec(), experts)
+    Coordinator::new(ROUTERS, names, LAYERS.to_vec(), experts, true)
 }
 
 /// Simulated workers: what each announced, and how each answers a hold.
