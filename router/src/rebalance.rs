@@ -19,11 +19,15 @@
 //!    its gains (`Hold`). It loads them while it serves the others, checks them (the shard's
 //!    checksum against the manifest), and announces the union: from then on every router may
 //!    send it the new experts too (they are the same weights as the old owners').
-//! 2. **Release** (v + 1), once every gainer has announced: each device that loses experts is
-//!    asked to hold exactly its new set. It announces that set at once (routers stop choosing
-//!    it for the lost experts) and frees them when every router has confirmed.
-//! 3. **Applied**: every device announced its new set; the frontend gets the version and the
-//!    experts loaded and released.
+//! 2. **Release** (v + 1), once every gainer has announced and said its union is *settled*
+//!    (`Settled`: every router connected to it confirmed the union, so every router already
+//!    routes by it; without this wait a router slower to hear the gainer than the loser would
+//!    see the lost experts without any owner): each device that loses experts is asked to hold
+//!    exactly its new set. It announces that set at once (routers stop choosing it for the
+//!    lost experts) and frees them when every router has confirmed.
+//! 3. **Applied**: every device announced its new set and said it settled (every router routes
+//!    by the new placement); the frontend gets the version and the experts loaded and
+//!    released.
 //!
 //! A gainer that fails to load (no room, a damaged shard, a backend that cannot grow), is lost,
 //! or is still loading at the deadline fails the change: every gainer is asked to hold its old
@@ -134,6 +138,9 @@ struct Change {
     target: Vec<BTreeSet<Expert>>,
     /// Per worker: the set awaited from it in this step (`None`: nothing awaited).
     awaited: Vec<Option<BTreeSet<Expert>>>,
+    /// Per worker: it announced the awaited set; the step waits on until it also says the set
+    /// is settled (every router connected to it confirmed it).
+    announced: Vec<bool>,
     /// Workers asked to load in step 1 (the undo asks them back).
     gainers: Vec<bool>,
     loaded: u32,
@@ -307,6 +314,7 @@ impl Coordinator {
             step: Step::Survey(survey),
             version: 0,
             awaited: vec![None; n],
+            announced: vec![false; n],
             gainers: vec![false; n],
             loaded: 0,
             released: 0,
@@ -336,6 +344,7 @@ impl Coordinator {
                 c.gainers[w] = true;
                 holds.push((routers + w as u32, union.clone()));
                 c.awaited[w] = Some(union);
+                c.announced[w] = false;
             }
         }
         for (rank, set) in holds {
@@ -406,14 +415,34 @@ impl Coordinator {
         let Some(want) = c.awaited.get(w).cloned().flatten() else {
             return;
         };
-        if version >= c.version && set == want {
-            c.awaited[w] = None;
-        } else if !message.is_empty() && version >= c.version {
+        if !message.is_empty() && version >= c.version {
             let why = format!("{name}: {message}");
             c.awaited[w] = None;
             self.fail(why, now);
+        } else {
+            c.announced[w] = version >= c.version && set == want;
         }
         self.advance(now);
+    }
+
+    /// Worker `rank` says every router connected to it confirmed its set of `version`: no
+    /// router routes by an older set of it any more. A step waits for this from every device
+    /// it asked, after their announcements: so a release never starts while another router
+    /// still routes by a gainer's set without its gains (an expert would have no owner there).
+    pub fn on_settled(&mut self, rank: u32, version: u64, now: Instant) {
+        let Some(w) = rank.checked_sub(self.routers).map(|w| w as usize) else {
+            return;
+        };
+        let Some(c) = self.change.as_mut() else {
+            return;
+        };
+        if matches!(c.step, Step::Survey(_)) || version < c.version {
+            return;
+        }
+        if c.announced.get(w) == Some(&true) && c.awaited[w].is_some() {
+            c.awaited[w] = None;
+            self.advance(now);
+        }
     }
 
     /// The link to worker `rank` was lost: what it holds is unknown until it announces again.
@@ -486,7 +515,8 @@ impl Coordinator {
         match step {
             Step::Load => self.fail(
                 format!(
-                    "timed out after {timeout:?} waiting for {} to load their gains",
+                    "timed out after {timeout:?} waiting for {} to load their gains and for every \
+                     router to confirm them",
                     late.join(", ")
                 ),
                 now,
@@ -536,6 +566,7 @@ impl Coordinator {
         for w in 0..c.before.len() {
             if c.gainers[w] && self.held[routers as usize + w].is_some() {
                 c.awaited[w] = Some(c.before[w].clone());
+                c.announced[w] = false;
                 holds.push((routers + w as u32, c.before[w].clone()));
             } else {
                 c.awaited[w] = None;
@@ -569,6 +600,7 @@ impl Coordinator {
                     if union.len() > c.target[w].len() {
                         c.released += (union.len() - c.target[w].len()) as u32;
                         c.awaited[w] = Some(c.target[w].clone());
+                        c.announced[w] = false;
                         holds.push((routers + w as u32, c.target[w].clone()));
                     }
                 }

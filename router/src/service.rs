@@ -1304,6 +1304,9 @@ impl CoreLoop {
                     Body::Placement(p) if p.op == PlacementOp::Holding => {
                         self.holding(from, p, f.payload(), now)
                     }
+                    Body::Placement(p) if p.op == PlacementOp::Settled => {
+                        self.changes.coordinator.on_settled(from, p.version, now)
+                    }
                     Body::Error(e) => {
                         self.core
                             .on_worker_error(from, e.request_id, e.code, &e.message, now)

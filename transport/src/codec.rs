@@ -814,6 +814,10 @@ pub enum PlacementOp {
     /// Router → worker: announce what you hold to me now, with this `request_id` (a change
     /// starts from every device's answer).
     Survey = 6,
+    /// Worker → every router: every router connected when this worker announced its set of
+    /// `version` has confirmed it (`Seen`) or lost its link: no router routes by an older set
+    /// of this worker any more (a change's next step waits for it).
+    Settled = 7,
 }
 
 impl PlacementOp {
@@ -825,6 +829,7 @@ impl PlacementOp {
             4 => Self::Apply,
             5 => Self::Applied,
             6 => Self::Survey,
+            7 => Self::Settled,
             _ => return None,
         })
     }

@@ -8,18 +8,21 @@
 //! dropped from the announcement may really be freed: once every router connected when it was
 //! dropped has confirmed a version without it (a `Seen` travels on the same link after every
 //! dispatch planned on the older set, and the worker takes frames of one link in order), or its
-//! link is gone (its queued dispatches were dropped with it). The compute loop carries out the
-//! loads and frees on its backend.
+//! link is gone (its queued dispatches were dropped with it). The same confirmations settle
+//! the version: once every such router confirmed it, no router routes by an older set of this
+//! worker, and the worker says so (`Settled`; a change's next step waits for it, so that no
+//! router ever sees an expert without an owner between a gain and a release). The compute
+//! loop carries out the loads and frees on its backend.
 
 use std::collections::BTreeSet;
 
 /// One routed expert: (layer, expert).
 pub type Expert = (u32, u32);
 
-/// Experts dropped from the announcement at `version`, still loaded until every router in
-/// `waiting` has confirmed.
+/// The announcement of `version`, awaiting the confirmation of every router in `waiting`;
+/// the experts it dropped (maybe none) stay loaded until then.
 #[derive(Debug, Clone)]
-struct Release {
+struct Pending {
     version: u64,
     experts: BTreeSet<Expert>,
     waiting: BTreeSet<u32>,
@@ -42,7 +45,18 @@ pub struct HoldPlan {
 pub struct Holdings {
     version: u64,
     serving: BTreeSet<Expert>,
-    releasing: Vec<Release>,
+    pending: Vec<Pending>,
+}
+
+/// What confirmations completed ([`Holdings::commit`], [`Holdings::on_seen`],
+/// [`Holdings::on_router_lost`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Confirmed {
+    /// Experts no router can send here any more: free them now. Ascending.
+    pub free: Vec<Expert>,
+    /// The highest version every router connected at its announcement has confirmed just
+    /// now (announce `Settled` for it).
+    pub settled: Option<u64>,
 }
 
 impl Holdings {
@@ -51,7 +65,7 @@ impl Holdings {
         Self {
             version: 0,
             serving: serving.into_iter().collect(),
-            releasing: Vec::new(),
+            pending: Vec::new(),
         }
     }
 
@@ -67,13 +81,13 @@ impl Holdings {
 
     /// Experts dropped from the announcement and not yet freed.
     pub fn releasing(&self) -> usize {
-        self.releasing.iter().map(|r| r.experts.len()).sum()
+        self.pending.iter().map(|r| r.experts.len()).sum()
     }
 
     /// Every expert loaded now: served or still releasing.
     fn loaded(&self) -> BTreeSet<Expert> {
         let mut all = self.serving.clone();
-        for r in &self.releasing {
+        for r in &self.pending {
             all.extend(r.experts.iter().copied());
         }
         all
@@ -106,58 +120,55 @@ impl Holdings {
     }
 
     /// `plan`'s gains are loaded: serve its set from now on (announce it to every router).
-    /// What it drops is freed once every router of `connected` has confirmed a version at
-    /// least this one. Returns the experts to free now (none when a router must confirm).
+    /// What it drops is freed, and the version settled, once every router of `connected` has
+    /// confirmed a version at least this one (at once when none is connected).
     pub fn commit(
         &mut self,
         plan: HoldPlan,
         connected: impl IntoIterator<Item = u32>,
-    ) -> Vec<Expert> {
+    ) -> Confirmed {
         let dropped: BTreeSet<Expert> = self.serving.difference(&plan.target).copied().collect();
         // Anything asked for again is served again (it is still loaded).
-        for r in &mut self.releasing {
+        for r in &mut self.pending {
             r.experts.retain(|e| !plan.target.contains(e));
         }
         self.version = plan.version;
         self.serving = plan.target;
-        if !dropped.is_empty() {
-            self.releasing.push(Release {
-                version: plan.version,
-                experts: dropped,
-                waiting: connected.into_iter().collect(),
-            });
-        }
+        self.pending.push(Pending {
+            version: plan.version,
+            experts: dropped,
+            waiting: connected.into_iter().collect(),
+        });
         self.take_done()
     }
 
     /// Router `router` confirmed it routes by this worker's set of `version` (or later).
-    /// Returns the experts to free now.
-    pub fn on_seen(&mut self, router: u32, version: u64) -> Vec<Expert> {
-        for r in self.releasing.iter_mut().filter(|r| r.version <= version) {
+    pub fn on_seen(&mut self, router: u32, version: u64) -> Confirmed {
+        for r in self.pending.iter_mut().filter(|r| r.version <= version) {
             r.waiting.remove(&router);
         }
         self.take_done()
     }
 
-    /// The link to `router` is gone (its queued dispatches with it). Returns the experts to
-    /// free now.
-    pub fn on_router_lost(&mut self, router: u32) -> Vec<Expert> {
-        for r in &mut self.releasing {
+    /// The link to `router` is gone (its queued dispatches with it).
+    pub fn on_router_lost(&mut self, router: u32) -> Confirmed {
+        for r in &mut self.pending {
             r.waiting.remove(&router);
         }
         self.take_done()
     }
 
-    fn take_done(&mut self) -> Vec<Expert> {
-        let mut out = Vec::new();
-        self.releasing.retain(|r| {
+    fn take_done(&mut self) -> Confirmed {
+        let mut out = Confirmed::default();
+        self.pending.retain(|r| {
             let done = r.waiting.is_empty();
             if done {
-                out.extend(r.experts.iter().copied());
+                out.free.extend(r.experts.iter().copied());
+                out.settled = out.settled.max(Some(r.version));
             }
             !done
         });
-        out.sort_unstable();
+        out.free.sort_unstable();
         out
     }
 }
@@ -176,17 +187,27 @@ mod tests {
         // Step 1: gain 2 (nothing dropped).
         let p = h.plan(1, set(&[0, 1, 2])).unwrap();
         assert_eq!(p.load, set(&[2]));
-        assert!(h.commit(p, [0, 1]).is_empty());
+        assert_eq!(h.commit(p, [0, 1]), Confirmed::default());
         // Step 2: drop 0 and 1.
         let p = h.plan(2, set(&[2])).unwrap();
         assert!(p.load.is_empty());
-        assert!(h.commit(p, [0, 1]).is_empty());
+        assert_eq!(h.commit(p, [0, 1]), Confirmed::default());
         assert_eq!((h.version(), h.serving(), h.releasing()), (2, set(&[2]), 2));
-        // Router 0 confirms an older version: nothing yet; then version 2.
-        assert!(h.on_seen(0, 1).is_empty());
-        assert!(h.on_seen(0, 2).is_empty());
+        // Router 0 confirms version 1: not settled (router 1 has not); then version 2.
+        assert_eq!(h.on_seen(0, 1), Confirmed::default());
+        assert_eq!(h.on_seen(0, 2), Confirmed::default());
+        // Router 1 confirms version 1: settled, nothing to free.
+        let one = Confirmed {
+            free: vec![],
+            settled: Some(1),
+        };
+        assert_eq!(h.on_seen(1, 1), one);
         // Router 1's link is lost: its queued work is gone, so the experts are freed.
-        assert_eq!(h.on_router_lost(1), set(&[0, 1]));
+        let two = Confirmed {
+            free: set(&[0, 1]),
+            settled: Some(2),
+        };
+        assert_eq!(h.on_router_lost(1), two);
         assert_eq!(h.releasing(), 0);
     }
 
@@ -194,29 +215,31 @@ mod tests {
     fn an_expert_asked_back_while_releasing_is_served_again_without_a_load() {
         let mut h = Holdings::new(set(&[0, 1]));
         let p = h.plan(1, set(&[0])).unwrap();
-        assert!(h.commit(p, [0]).is_empty());
+        assert_eq!(h.commit(p, [0]), Confirmed::default());
         let p = h.plan(2, set(&[0, 1])).unwrap();
         assert!(p.load.is_empty(), "{p:?}");
-        assert!(h.commit(p, [0]).is_empty());
-        // The confirmation frees nothing: 1 is served again.
-        assert!(h.on_seen(0, 2).is_empty());
+        assert_eq!(h.commit(p, [0]), Confirmed::default());
+        // The confirmation frees nothing: 1 is served again. It settles both versions.
+        let settled = h.on_seen(0, 2);
+        assert_eq!((settled.free, settled.settled), (vec![], Some(2)));
         assert_eq!((h.serving(), h.releasing()), (set(&[0, 1]), 0));
-        // With no router connected, a drop is freed at once.
+        // With no router connected, a drop is freed and settled at once.
         let p = h.plan(3, set(&[1])).unwrap();
-        assert_eq!(h.commit(p, []), set(&[0]));
+        let now = h.commit(p, []);
+        assert_eq!((now.free, now.settled), (set(&[0]), Some(3)));
     }
 
     #[test]
     fn an_older_hold_or_another_set_at_the_same_version_is_refused() {
         let mut h = Holdings::new(set(&[0]));
         let p = h.plan(4, set(&[0, 1])).unwrap();
-        h.commit(p, []);
+        assert_eq!(h.commit(p, []).settled, Some(4));
         assert!(h.plan(3, set(&[0])).unwrap_err().contains("older"));
         assert!(h.plan(4, set(&[1])).is_err());
         // The same hold again (a repeated message) is accepted and changes nothing.
         let p = h.plan(4, set(&[0, 1])).unwrap();
         assert!(p.load.is_empty());
-        assert!(h.commit(p, [0]).is_empty());
+        assert_eq!(h.commit(p, [0]), Confirmed::default());
         assert_eq!((h.version(), h.serving()), (4, set(&[0, 1])));
     }
 }

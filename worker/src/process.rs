@@ -18,6 +18,7 @@ use crate::exec::DispatchExecutor;
 use crate::exec::ExecError;
 use crate::fair::FairQueue;
 use crate::fanout::{ExpertHomes, Forward, NodeFanout, ToRouter};
+use crate::holdings::Confirmed;
 use crate::weights::{self, WeightsError};
 use expertmesh_backend::ExpertKey;
 use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend};
@@ -480,8 +481,8 @@ struct Staging {
 
 /// What became of a `Hold`.
 enum HoldOutcome {
-    /// Served now: its version and the experts loaded.
-    Done(u64, usize),
+    /// Served now: its version, the experts loaded, and what the commit confirmed at once.
+    Done(u64, usize, Confirmed),
     /// Taken again once the experts being released are freed.
     Deferred,
     /// Its gains are being staged on a loader thread.
@@ -669,8 +670,8 @@ impl ComputeCtx {
                     .unwrap_or_default();
                 self.answer_routers(failed);
                 if e.peer < self.routers {
-                    let free = self.live.holdings.on_router_lost(e.peer);
-                    self.release(&free);
+                    let confirmed = self.live.holdings.on_router_lost(e.peer);
+                    self.confirmed(confirmed);
                 }
             }
         }
@@ -757,8 +758,8 @@ impl ComputeCtx {
                 self.announce_frame(from, version, "", p.request_id);
             }
             PlacementOp::Seen => {
-                let free = self.live.holdings.on_seen(from, p.version);
-                self.release(&free);
+                let confirmed = self.live.holdings.on_seen(from, p.version);
+                self.confirmed(confirmed);
             }
             PlacementOp::Hold => {
                 // A newer hold replaces one waiting; one arriving while gains are staged waits
@@ -770,8 +771,9 @@ impl ComputeCtx {
                 }
                 let started = Instant::now();
                 match self.hold(p, payload) {
-                    Ok(HoldOutcome::Done(version, gained)) => {
-                        self.changed(version, gained, started)
+                    Ok(HoldOutcome::Done(version, gained, confirmed)) => {
+                        self.changed(version, gained, started);
+                        self.confirmed(confirmed);
                     }
                     Ok(HoldOutcome::Deferred) => {
                         tracing::info!(
@@ -839,9 +841,9 @@ impl ComputeCtx {
                 let connected: Vec<u32> = (0..self.routers)
                     .filter(|&r| self.mesh.is_connected(r))
                     .collect();
-                let free = self.live.holdings.commit(plan, connected);
+                let confirmed = self.live.holdings.commit(plan, connected);
                 self.changed(version, gained, started);
-                self.release(&free);
+                self.confirmed(confirmed);
             }
             Err(why) => self.refuse(version, &why),
         }
@@ -935,9 +937,27 @@ impl ComputeCtx {
         let connected: Vec<u32> = (0..self.routers)
             .filter(|&r| self.mesh.is_connected(r))
             .collect();
-        let free = self.live.holdings.commit(plan, connected);
-        self.release(&free);
-        Ok(HoldOutcome::Done(version, gained))
+        let confirmed = self.live.holdings.commit(plan, connected);
+        Ok(HoldOutcome::Done(version, gained, confirmed))
+    }
+
+    /// Carries out what routers' confirmations completed: frees the experts no router can
+    /// send here any more, and tells every router a version settled (after its `Holding`).
+    fn confirmed(&mut self, confirmed: Confirmed) {
+        self.release(&confirmed.free);
+        if let Some(version) = confirmed.settled {
+            tracing::debug!(worker = %self.id, version, "every router confirmed the set announced");
+            for r in 0..self.routers {
+                if self.mesh.is_connected(r) {
+                    let frame = OutFrame::new(Body::Placement(Placement::new(
+                        PlacementOp::Settled,
+                        version,
+                        0,
+                    )));
+                    self.send_control(r, &frame, "saying the set announced is settled");
+                }
+            }
+        }
     }
 
     /// Frees experts no router can send here any more.
@@ -1000,9 +1020,14 @@ impl ComputeCtx {
             Body::Placement(body),
             bytes::Bytes::from(encode_placement_entries(&entries)),
         );
-        self.metrics.on_sent(r, &frame);
-        if let Err(e) = self.handle.block_on(self.mesh.send(r, &frame)) {
-            tracing::warn!(worker = %self.id, router = r, error = %e, "announcing what this device holds failed");
+        self.send_control(r, &frame, "announcing what this device holds");
+    }
+
+    /// Sends a placement frame to router `r`, in order behind what this thread sent it.
+    fn send_control(&mut self, r: u32, frame: &OutFrame, doing: &str) {
+        self.metrics.on_sent(r, frame);
+        if let Err(e) = self.handle.block_on(self.mesh.send(r, frame)) {
+            tracing::warn!(worker = %self.id, router = r, error = %e, "{doing} failed");
         }
     }
 

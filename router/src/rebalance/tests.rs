@@ -1,6 +1,7 @@
-//! The coordinator against simulated workers that load, fail or vanish: every expert keeps an
-//! announced owner at every step, and a change ends on the new sets (applied) or the old ones
-//! (failed and undone), never between.
+//! The coordinator against simulated workers that load, fail or vanish, and a second router
+//! that hears the workers' announcements late and in any order across workers: every expert
+//! keeps an announced owner at every step in both routers' views, and a change ends on the new
+//! sets (applied) or the old ones (failed and undone), never between.
 
 use super::*;
 use proptest::prelude::*;
@@ -16,10 +17,22 @@ fn coordinator(workers: usize, experts: u32) -> Coordinator {
     Coordinator::new(ROUTERS, names, LAYERS.to_vec(), experts, true)
 }
 
+/// An announcement on its way to the second router: (worker rank, version, set, whether the
+/// worker settles it once this router confirms it).
+type Announcement = (u32, u64, BTreeSet<Expert>, bool);
+
 /// Simulated workers: what each announced, and how each answers a hold.
 struct Fabric {
     now: Instant,
+    /// What each worker announced, as the coordinating router hears it (at once).
     held: BTreeMap<u32, (u64, BTreeSet<Expert>)>,
+    /// The same as the second router hears it: late, per worker in order.
+    other: BTreeMap<u32, (u64, BTreeSet<Expert>)>,
+    in_flight: VecDeque<Announcement>,
+    /// Which worker's oldest announcement the second router hears next (indices into the
+    /// workers with one in flight, used in turn; empty: the last such worker).
+    order: Vec<usize>,
+    turn: usize,
     /// Ranks that refuse any hold that adds experts.
     refuse_gains: BTreeSet<u32>,
     /// Ranks that never answer a hold.
@@ -34,6 +47,10 @@ impl Fabric {
         let mut f = Self {
             now,
             held: BTreeMap::new(),
+            other: BTreeMap::new(),
+            in_flight: VecDeque::new(),
+            order: Vec::new(),
+            turn: 0,
             refuse_gains: BTreeSet::new(),
             silent: BTreeSet::new(),
             answers: Vec::new(),
@@ -42,23 +59,57 @@ impl Fabric {
         for (w, s) in sets.iter().enumerate() {
             let rank = ROUTERS + w as u32;
             f.held.insert(rank, (0, s.clone()));
+            f.other.insert(rank, (0, s.clone()));
             let list: Vec<Expert> = s.iter().copied().collect();
             c.on_holding(rank, 0, &list, "", 0, now);
         }
         f
     }
 
-    /// Every expert of every layer has an announced owner.
+    /// Every expert of every layer has an announced owner in both routers' views.
     fn covered(&self) -> bool {
-        LAYERS.iter().all(|&l| {
-            (0..self.experts).all(|e| self.held.values().any(|(_, s)| s.contains(&(l, e))))
+        [&self.held, &self.other].iter().all(|view| {
+            LAYERS.iter().all(|&l| {
+                (0..self.experts).all(|e| view.values().any(|(_, s)| s.contains(&(l, e))))
+            })
         })
     }
 
-    /// Runs the coordinator's actions until it has none, answering holds.
+    /// The second router hears one announcement (the oldest of the worker `order` picks) and
+    /// confirms it; the worker says it settled when it was a change.
+    fn deliver(&mut self, c: &mut Coordinator) {
+        let mut ranks: Vec<u32> = self.in_flight.iter().map(|a| a.0).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let pick = match self.order.get(self.turn % self.order.len().max(1)) {
+            Some(&i) => ranks[i % ranks.len()],
+            None => *ranks.last().expect("called with one in flight"),
+        };
+        self.turn += 1;
+        let at = self
+            .in_flight
+            .iter()
+            .position(|a| a.0 == pick)
+            .expect("picked from those in flight");
+        let (rank, version, set, settles) = self.in_flight.remove(at).expect("found above");
+        self.other.insert(rank, (version, set));
+        if settles {
+            c.on_settled(rank, version, self.now);
+        }
+    }
+
+    /// Runs the coordinator's actions until it has none and the second router heard every
+    /// announcement, answering holds.
     fn run(&mut self, c: &mut Coordinator) {
-        while let Some(a) = c.poll_action() {
+        loop {
             assert!(self.covered(), "an expert lost its last owner");
+            let Some(a) = c.poll_action() else {
+                if self.in_flight.is_empty() {
+                    break;
+                }
+                self.deliver(c);
+                continue;
+            };
             match a {
                 ChangeAction::Survey { rank, nonce } => {
                     let (version, set) = self.held[&rank].clone();
@@ -77,10 +128,12 @@ impl Fabric {
                     let old = self.held[&rank].1.clone();
                     if self.refuse_gains.contains(&rank) && !set.is_subset(&old) {
                         let list: Vec<Expert> = old.iter().copied().collect();
+                        self.in_flight.push_back((rank, version, old, false));
                         c.on_holding(rank, version, &list, "no room", 0, self.now);
                         continue;
                     }
-                    self.held.insert(rank, (version, set));
+                    self.held.insert(rank, (version, set.clone()));
+                    self.in_flight.push_back((rank, version, set, true));
                     c.on_holding(rank, version, &experts, "", 0, self.now);
                 }
                 done => self.answers.push(done),
@@ -169,6 +222,55 @@ fn a_swap_loads_first_releases_after_and_answers_with_the_counts() {
     }
     assert!(!c.busy());
     assert_eq!(c.version(), 2);
+}
+
+#[test]
+fn a_release_waits_until_every_gainer_says_every_router_routes_by_its_gains() {
+    let mut c = coordinator(2, 2);
+    let before = sets(&[&[0], &[1]]);
+    let target = sets(&[&[1], &[0]]);
+    let f = Fabric::new(&mut c, &before, 2);
+    c.apply(1, 1, &entries(&target), T, f.now).unwrap();
+    // Every device answers the survey and loads its gains; no router has confirmed them yet.
+    let mut unions = Vec::new();
+    while let Some(a) = c.poll_action() {
+        match a {
+            ChangeAction::Survey { rank, nonce } => {
+                let list: Vec<Expert> = f.held[&rank].1.iter().copied().collect();
+                c.on_holding(rank, 0, &list, "", nonce, f.now);
+            }
+            ChangeAction::Hold {
+                rank,
+                version,
+                experts,
+            } => {
+                assert_eq!(version, 1);
+                c.on_holding(rank, version, &experts, "", 0, f.now);
+                unions.push(rank);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(unions, [ROUTERS, ROUTERS + 1]);
+    // One gainer settled, the other settled only an older version: no release yet.
+    c.on_settled(ROUTERS + 1, 1, f.now);
+    c.on_settled(ROUTERS, 0, f.now);
+    assert_eq!(c.poll_action(), None);
+    // A settle before the announcement does not count either (a restarted link's).
+    c.on_settled(ROUTERS, 1, f.now);
+    let releases: Vec<ChangeAction> = std::iter::from_fn(|| c.poll_action()).collect();
+    assert_eq!(releases.len(), 2, "{releases:?}");
+    for (w, a) in releases.iter().enumerate() {
+        let want: Vec<Expert> = target[w].iter().copied().collect();
+        assert_eq!(
+            a,
+            &ChangeAction::Hold {
+                rank: ROUTERS + w as u32,
+                version: 2,
+                experts: want
+            }
+        );
+    }
 }
 
 #[test]
@@ -342,9 +444,11 @@ proptest! {
         before in placement(3, 3),
         target in placement(3, 3),
         refuse in proptest::option::of(0u32..3),
+        order in proptest::collection::vec(0usize..3, 0..8),
     ) {
         let mut c = coordinator(3, 3);
         let mut f = Fabric::new(&mut c, &before, 3);
+        f.order = order;
         if let Some(w) = refuse {
             f.refuse_gains.insert(ROUTERS + w);
         }

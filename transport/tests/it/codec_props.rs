@@ -192,7 +192,7 @@ fn body() -> impl Strategy<Value = Body> {
             }
         ),
         (
-            1u8..7,
+            1u8..8,
             any::<u64>(),
             any::<u64>(),
             0u32..20,
@@ -208,6 +208,7 @@ fn body() -> impl Strategy<Value = Body> {
                         PlacementOp::Apply,
                         PlacementOp::Applied,
                         PlacementOp::Survey,
+                        PlacementOp::Settled,
                     ][op as usize - 1];
                     Body::Placement(Placement {
                         op,
