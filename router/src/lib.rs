@@ -7,6 +7,7 @@
 //!
 //! * [`admission`] — which frontend requests the router takes in: capacity and fair shares.
 //! * [`client`] — `RouterClient`, what a serving frontend links.
+//! * [`confirmations`] — when a router may confirm a worker's announcement (`Seen`).
 //! * [`core`] — the sans-IO router state machine: batching, dispatch, failover, combine.
 //! * [`gating`] — logits → (expert, weight) slots for every scoring family.
 //! * [`health`] — device health: adaptive hedge timeouts and quarantine with probing.
@@ -20,6 +21,7 @@
 
 pub mod admission;
 pub mod client;
+pub mod confirmations;
 pub mod core;
 pub mod gating;
 pub mod health;

@@ -28,6 +28,7 @@
 //! the connection goes on; a broken stream closes only that connection.
 
 use crate::admission::{Admission, AdmissionLimits, Shed};
+use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
 use expertmesh_transport::codec::{
@@ -964,10 +965,9 @@ struct Changes {
     coordinator: Coordinator,
     /// Changes refused before they started, to answer (client, request, why).
     failed: Vec<(ClientId, u64, String)>,
-    /// Per mesh rank, dispatch sends not yet written ([`CoreLoop::send`]).
-    unsent: Arc<[AtomicUsize]>,
-    /// Confirmations waiting for their worker's unsent dispatches ([`CoreLoop::confirm`]).
-    unconfirmed: Vec<(u32, OutFrame)>,
+    /// Confirmations (`Seen`) waiting for the dispatches sent their worker before them
+    /// ([`CoreLoop::send`] counts each send under way).
+    unconfirmed: Confirmations<OutFrame>,
     /// Per mesh rank: its worker announced what it holds on its current link (it may be
     /// chosen for parts; the core takes the link up then).
     announced: Vec<bool>,
@@ -978,7 +978,6 @@ impl Changes {
     fn new(core: &RouterCore, own_rank: u32) -> Self {
         let names = core.rank_labels();
         Self {
-            unsent: (0..names.len()).map(|_| AtomicUsize::new(0)).collect(),
             coordinator: Coordinator::new(
                 core.rank_names().routers(),
                 names,
@@ -987,7 +986,7 @@ impl Changes {
                 own_rank == 0,
             ),
             failed: Vec::new(),
-            unconfirmed: Vec::new(),
+            unconfirmed: Confirmations::new(core.rank_labels().len()),
             announced: vec![false; core.rank_labels().len()],
         }
     }
@@ -1036,7 +1035,7 @@ impl CoreLoop {
             self.changes.coordinator.on_tick(Instant::now());
             busy |= self.coordinate();
             busy |= self.act(&mut cx);
-            let confirming = !self.changes.unconfirmed.is_empty() && self.confirm();
+            let confirming = self.changes.unconfirmed.pending() && self.confirm();
             let now = Instant::now();
             if busy {
                 self.trim.busy(now);
@@ -1154,28 +1153,18 @@ impl CoreLoop {
         // planned on the older set may still be queued in the core.
         self.changes
             .unconfirmed
-            .push((from, OutFrame::new(Body::Placement(seen))));
+            .push(from, OutFrame::new(Body::Placement(seen)));
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
     }
 
-    /// Sends the confirmations (`Seen`) whose worker has no dispatch of this router still
-    /// being sent: each goes on the link behind every dispatch planned on the worker's older
-    /// set. Returns whether any is still waiting.
+    /// Sends the confirmations (`Seen`) whose worker has no dispatch begun before them still
+    /// being sent ([`Confirmations`]): each goes on the link behind every dispatch planned on
+    /// the worker's older set. Returns whether any is still waiting.
     fn confirm(&mut self) -> bool {
-        let waiting = std::mem::take(&mut self.changes.unconfirmed);
-        for (rank, frame) in waiting {
-            let busy = self
-                .changes
-                .unsent
-                .get(rank as usize)
-                .is_some_and(|n| n.load(Ordering::Acquire) > 0);
-            if busy {
-                self.changes.unconfirmed.push((rank, frame));
-            } else {
-                self.send_control(rank, frame);
-            }
+        for (rank, frame) in self.changes.unconfirmed.ready() {
+            self.send_control(rank, frame);
         }
-        !self.changes.unconfirmed.is_empty()
+        self.changes.unconfirmed.pending()
     }
 
     /// Sends a control frame (a hold, a confirmation) to worker `rank`, in order behind what
@@ -1438,19 +1427,15 @@ impl CoreLoop {
     /// frame now, from this thread, without waking a runtime thread; a send that has to wait
     /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled. The
     /// rank's count of unfinished sends covers it until it is written (a worker's `Seen`
-    /// waits for them: a smaller frame could otherwise take the link's credit first).
+    /// waits for those begun before it: a smaller frame could otherwise take the link's
+    /// credit first).
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
         self.core.metrics().on_sent(rank, &frame);
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
-        let unsent = Arc::clone(&self.changes.unsent);
-        if let Some(n) = unsent.get(rank as usize) {
-            n.fetch_add(1, Ordering::AcqRel);
-        }
+        let under_way = self.changes.unconfirmed.begin_send(rank);
         let mut send = Box::pin(async move {
             let sent = mesh.send(rank, &frame).await;
-            if let Some(n) = unsent.get(rank as usize) {
-                n.fetch_sub(1, Ordering::AcqRel);
-            }
+            drop(under_way);
             if let Err(e) = sent {
                 tracing::warn!(rank, error = %e, "dispatch send failed");
                 let failed = CoreInput::SendFailed { rank, batch, part };
