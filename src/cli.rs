@@ -44,6 +44,9 @@ enum Command {
     /// Apply a new placement to a running fabric: gaining devices load first, losing devices
     /// release once every router stopped sending them; no call fails.
     Rebalance(cmd::rebalance::RebalanceCli),
+    /// Drain a device of a running fabric: its experts move to the others (each loaded before
+    /// it is released), then it serves nothing and can stop; no call fails.
+    Drain(cmd::rebalance::DrainCli),
     /// Make the cluster's credentials: a master key (`init`), and each process's own
     /// credential file (`issue`).
     #[command(subcommand)]
@@ -161,6 +164,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Router(args) => cmd::router::run(args),
         Command::Infer(args) => cmd::infer::run(args),
         Command::Rebalance(args) => cmd::rebalance::run(args),
+        Command::Drain(args) => cmd::rebalance::drain(args),
         Command::Keys(args) => cmd::keys::run(args),
         Command::Deploy(args) => cmd::deploy::run(args),
         Command::Bench(target) => cmd::bench::run(target),

@@ -33,7 +33,7 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
 Benchmarks and their JSON format: `expertmesh bench --help` and BENCHMARKS.md.";
 
 /// Each command's exit codes, appended to its own --help (after any text it has).
-pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 10] = [
+pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 11] = [
     ("models", MODELS_EXIT),
     ("validate", VALIDATE_EXIT),
     ("plan", PLAN_EXIT),
@@ -44,6 +44,7 @@ pub(crate) const COMMAND_EXIT_CODES: [(&str, &str); 10] = [
     ("router", SERVE_EXIT),
     ("infer", INFER_EXIT),
     ("rebalance", REBALANCE_EXIT),
+    ("drain", REBALANCE_EXIT),
 ];
 const MODELS_EXIT: &str = "Exit codes: 0 listed or shown; 1 the model file has problems; 2 unknown preset, unreadable file, bad options.";
 const VALIDATE_EXIT: &str = "Exit codes: 0 valid; 1 problems found (listed with line:column); 2 unreadable file, unknown preset, bad options.";

@@ -24,9 +24,9 @@ use std::time::Duration;
 /// (mesh rank, layer, expert) of one placement to apply.
 type Entries = Vec<(u32, u32, u32)>;
 
-/// `expertmesh rebalance`.
+/// What `rebalance` and `drain` both take: the running fabric and how long a step may take.
 #[derive(Args, Debug)]
-pub(crate) struct RebalanceCli {
+pub(crate) struct FabricArgs {
     /// Router 0's frontend address, HOST:PORT: it coordinates the change for the whole
     /// fabric (every router routes by what the workers announce; the others refuse changes).
     #[arg(long)]
@@ -45,6 +45,19 @@ pub(crate) struct RebalanceCli {
     /// read their new experts from it).
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// Write the placement applied here (TOML), for workers restarted later.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// How long each step of the change may take (loading the gains, releasing).
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    timeout_s: f64,
+    #[command(flatten)]
+    security: SecurityArgs,
+}
+
+/// `expertmesh rebalance`.
+#[derive(Args, Debug)]
+pub(crate) struct RebalanceCli {
     /// The new placement file (`expertmesh plan` writes one). Every device of the topology
     /// holds exactly what it lists once the change is applied; the shared experts stay where
     /// they run.
@@ -56,42 +69,78 @@ pub(crate) struct RebalanceCli {
     /// and new experts together refuses it.
     #[arg(long, value_name = "SERVED")]
     from: Option<PathBuf>,
-    /// Drain this device (NODE/DEVICE) instead of applying a placement: every expert only it
-    /// holds moves to the other devices with room (needs --from); then it serves nothing and
-    /// its worker can stop with no call failing.
+    /// Drain this device (NODE/DEVICE) instead of applying a placement (the same as
+    /// `expertmesh drain --device`; needs --from).
     #[arg(long, value_name = "NODE/DEVICE", requires = "from")]
     drain: Option<String>,
-    /// Write the placement applied here (TOML), for workers restarted later.
-    #[arg(long, value_name = "FILE")]
-    out: Option<PathBuf>,
-    /// How long each step of the change may take (loading the gains, releasing).
-    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
-    timeout_s: f64,
     #[command(flatten)]
-    security: SecurityArgs,
+    fabric: FabricArgs,
+}
+
+/// `expertmesh drain`.
+#[derive(Args, Debug)]
+pub(crate) struct DrainCli {
+    /// The device to drain, NODE/DEVICE as in the topology: every expert only it holds moves
+    /// to the other devices with room; then it serves nothing and its worker can stop with
+    /// no call failing.
+    #[arg(long, value_name = "NODE/DEVICE")]
+    device: String,
+    /// The placement the fabric serves now (the moves are planned from it, in steps that fit
+    /// every device's memory).
+    #[arg(long, value_name = "SERVED")]
+    from: PathBuf,
+    #[command(flatten)]
+    fabric: FabricArgs,
+}
+
+/// Run `expertmesh drain`: `rebalance --drain` under its own name, with the same exit codes.
+pub(crate) fn drain(cli: DrainCli) -> anyhow::Result<ExitCode> {
+    let device = cli.device.clone();
+    let code = run(RebalanceCli {
+        placement: None,
+        from: Some(cli.from),
+        drain: Some(cli.device),
+        fabric: cli.fabric,
+    })?;
+    if code == ExitCode::SUCCESS {
+        println!(
+            "{device} serves nothing now: stop its worker (SIGTERM, or remove it from the \
+             engine's job) and no call fails; take it out of the topology before the fabric's \
+             next restart"
+        );
+    }
+    Ok(code)
 }
 
 /// Run `expertmesh rebalance`: exit 0 once the placement is served, 1 when the router refused
 /// it or the change failed (its reason printed; the fabric serves the old placement, or says
 /// which device did not confirm), 2 on usage, file or connection errors.
 pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
-    if !(cli.timeout_s > 0.0 && cli.timeout_s <= 86_400.0) {
-        bail!("--timeout-s must be in (0, 86400], not {}", cli.timeout_s);
+    if !(cli.fabric.timeout_s > 0.0 && cli.fabric.timeout_s <= 86_400.0) {
+        bail!(
+            "--timeout-s must be in (0, 86400], not {}",
+            cli.fabric.timeout_s
+        );
     }
-    let topo = Topology::load(&cli.topology).map_err(|e| anyhow!("{e}"))?;
+    let topo = Topology::load(&cli.fabric.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
     let (steps, what, applied_toml) = plan(&cli, &topo, &spec)?;
     if steps.is_empty() {
         println!("{what}: equal to --from, nothing to change");
         return Ok(ExitCode::SUCCESS);
     }
-    let addrs = endpoint::resolve_all(cli.router.trim()).map_err(|e| anyhow!("--router: {e}"))?;
-    let mut cfg = FrontendConfig::new(cli.cluster.clone());
-    cfg.credentials = cli.security.security().frontend(&cli.cluster, &addrs)?;
-    let timeout = Duration::from_secs_f64(cli.timeout_s);
+    let addrs =
+        endpoint::resolve_all(cli.fabric.router.trim()).map_err(|e| anyhow!("--router: {e}"))?;
+    let mut cfg = FrontendConfig::new(cli.fabric.cluster.clone());
+    cfg.credentials = cli
+        .fabric
+        .security
+        .security()
+        .frontend(&cli.fabric.cluster, &addrs)?;
+    let timeout = Duration::from_secs_f64(cli.fabric.timeout_s);
     let addr = *addrs
         .first()
-        .ok_or_else(|| anyhow!("--router {}: no address", cli.router))?;
+        .ok_or_else(|| anyhow!("--router {}: no address", cli.fabric.router))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -138,7 +187,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
         }
     }
     // Written once the placement is served, never for one that was not.
-    if let Some(out) = &cli.out {
+    if let Some(out) = &cli.fabric.out {
         std::fs::write(out, &applied_toml)
             .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
     }
@@ -152,7 +201,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
          in {:.2} s{in_steps}",
         millis as f64 / 1e3
     );
-    let permanent = match &cli.out {
+    let permanent = match &cli.fabric.out {
         Some(o) => format!("start the whole fabric with {} to keep it", o.display()),
         None => "write it with --out and start the whole fabric with it to keep it".into(),
     };
@@ -178,7 +227,7 @@ fn plan(
             let d = topo.device_by_id(dev).ok_or_else(|| {
                 anyhow!(
                     "--drain {dev}: no such device in {}",
-                    cli.topology.display()
+                    cli.fabric.topology.display()
                 )
             })?;
             let p = transition::drained(topo, spec, old, d.rank())
@@ -203,11 +252,13 @@ fn plan(
 
 /// The model: `--model`, or the converted folder's.
 fn model_of(cli: &RebalanceCli) -> anyhow::Result<ModelSpec> {
-    match (&cli.model, &cli.weights) {
+    match (&cli.fabric.model, &cli.fabric.weights) {
         (Some(m), _) => expertmesh_topology::resolve_model(m).map_err(|e| anyhow!("{e}")),
-        (None, Some(w)) => expertmesh_worker::deploy::Deployment::load_converted(&cli.topology, w)
-            .map(|d| d.spec)
-            .map_err(|e| anyhow!("{e}")),
+        (None, Some(w)) => {
+            expertmesh_worker::deploy::Deployment::load_converted(&cli.fabric.topology, w)
+                .map(|d| d.spec)
+                .map_err(|e| anyhow!("{e}"))
+        }
         (None, None) => bail!("give the model: --model PRESET|FILE, or --weights DIR"),
     }
 }

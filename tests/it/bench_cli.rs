@@ -40,6 +40,10 @@ fn every_help_states_exit_codes() {
             &["rebalance", "--help"],
             &["0 the placement is served", "--drain"],
         ),
+        (
+            &["drain", "--help"],
+            &["0 the placement is served", "--device", "--from"],
+        ),
         // infer keeps its own help (how to make an input) and gains its exit codes.
         (
             &["infer", "--help"],

@@ -121,9 +121,19 @@ fn rebalance_with(
     topology: &Path,
     args: &[&std::ffi::OsStr],
 ) -> crate::support::Run {
+    command_with("rebalance", router, topology, args)
+}
+
+/// `expertmesh COMMAND` (`rebalance` or `drain`) against `router` with `args`.
+fn command_with(
+    command: &str,
+    router: SocketAddr,
+    topology: &Path,
+    args: &[&std::ffi::OsStr],
+) -> crate::support::Run {
     let o = Command::new(crate::support::bin())
         .args([
-            "rebalance",
+            command,
             "--router",
             &router.to_string(),
             "--model",
@@ -331,13 +341,14 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
     let served = root().join("examples/single-host-demo-small.placement.toml");
     let out = dir.path().join("drained.toml");
-    let r = rebalance_with(
+    let r = command_with(
+        "drain",
         addr,
         &topology,
         &[
             "--from".as_ref(),
             served.as_os_str(),
-            "--drain".as_ref(),
+            "--device".as_ref(),
             "local/cpu1".as_ref(),
             "--out".as_ref(),
             out.as_os_str(),
@@ -347,7 +358,8 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     // cpu1 held 16-31 and 0-3 of each layer; 20-31 only it: 12 x 4 layers move to cpu0.
     assert!(
-        r.stdout.contains("local/cpu1 drained is served"),
+        r.stdout.contains("local/cpu1 drained is served")
+            && r.stdout.contains("local/cpu1 serves nothing now: stop its worker"),
         "{}",
         r.stdout
     );
