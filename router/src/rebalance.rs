@@ -563,14 +563,30 @@ impl Coordinator {
         c.failure = Some(why);
         let version = c.version;
         let mut holds = Vec::new();
+        let mut gone = Vec::new();
         for w in 0..c.before.len() {
             if c.gainers[w] && self.held[routers as usize + w].is_some() {
                 c.awaited[w] = Some(c.before[w].clone());
                 c.announced[w] = false;
                 holds.push((routers + w as u32, c.before[w].clone()));
             } else {
+                if c.gainers[w] {
+                    gone.push(
+                        self.names
+                            .get(routers as usize + w)
+                            .cloned()
+                            .unwrap_or_default(),
+                    );
+                }
                 c.awaited[w] = None;
             }
+        }
+        if !gone.is_empty() {
+            let why = c.failure.take().unwrap_or_default();
+            c.failure = Some(format!(
+                "{why} ({} not connected: it serves its placement file's set when it returns)",
+                gone.join(", ")
+            ));
         }
         for (rank, set) in holds {
             self.hold(rank, version, &set);
@@ -638,8 +654,8 @@ impl Coordinator {
                     client: c.client,
                     request_id: c.request_id,
                     message: format!(
-                        "the placement change failed and was undone (every device is back on \
-                         what it held): {}",
+                        "the placement change failed and was undone (every connected device is \
+                         back on what it held): {}",
                         c.failure.unwrap_or_default()
                     ),
                 });

@@ -359,7 +359,8 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     // cpu1 held 16-31 and 0-3 of each layer; 20-31 only it: 12 x 4 layers move to cpu0.
     assert!(
         r.stdout.contains("local/cpu1 drained is served")
-            && r.stdout.contains("local/cpu1 serves nothing now: stop its worker"),
+            && r.stdout
+                .contains("local/cpu1 serves nothing now: stop its worker"),
         "{}",
         r.stdout
     );

@@ -8,7 +8,9 @@
 //! dropped from the announcement may really be freed: once every router connected when it was
 //! dropped has confirmed a version without it (a `Seen` travels on the same link after every
 //! dispatch planned on the older set, and the worker takes frames of one link in order), or its
-//! link is gone (its queued dispatches were dropped with it). The same confirmations settle
+//! link is gone (its queued dispatches were dropped with it). Versions are never reused: a
+//! hold must be newer than every version committed or refused here, so a late confirmation of
+//! one set never confirms another. The same confirmations settle
 //! the version: once every such router confirmed it, no router routes by an older set of this
 //! worker, and the worker says so (`Settled`; a change's next step waits for it, so that no
 //! router ever sees an expert without an owner between a gain and a release). The compute
@@ -44,6 +46,9 @@ pub struct HoldPlan {
 #[derive(Debug, Clone)]
 pub struct Holdings {
     version: u64,
+    /// The newest version this worker committed or refused: a new hold must be newer, so a
+    /// router's confirmation of one version never confirms another set (module docs).
+    newest: u64,
     serving: BTreeSet<Expert>,
     pending: Vec<Pending>,
 }
@@ -64,6 +69,7 @@ impl Holdings {
     pub fn new(serving: impl IntoIterator<Item = Expert>) -> Self {
         Self {
             version: 0,
+            newest: 0,
             serving: serving.into_iter().collect(),
             pending: Vec::new(),
         }
@@ -72,6 +78,18 @@ impl Holdings {
     /// The version of the set announced.
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// The newest version committed or refused here: what this worker announces when asked
+    /// (a survey, a new link), so that the next change is numbered above every version it
+    /// has used.
+    pub fn newest(&self) -> u64 {
+        self.newest
+    }
+
+    /// A hold of `version` was refused (or failed): versions up to it are used.
+    pub fn refused(&mut self, version: u64) {
+        self.newest = self.newest.max(version);
     }
 
     /// The set announced: what routers may send here.
@@ -96,19 +114,20 @@ impl Holdings {
     /// A router asks this worker to hold exactly `target` at `version`.
     ///
     /// # Errors
-    /// A version older than the one served, or the same version with another set (the
-    /// message for the refusal's announcement).
+    /// A version not newer than every version committed or refused here, unless it repeats
+    /// the hold served (the message for the refusal's announcement).
     pub fn plan(
         &self,
         version: u64,
         target: impl IntoIterator<Item = Expert>,
     ) -> Result<HoldPlan, String> {
         let target: BTreeSet<Expert> = target.into_iter().collect();
-        if version < self.version || (version == self.version && target != self.serving) {
+        let repeat = version == self.version && target == self.serving;
+        if !repeat && version <= self.newest {
             return Err(format!(
-                "a hold of version {version} is older than the set served (version {}); \
-                 ask again from the current placement",
-                self.version
+                "a hold of version {version} is not newer than version {} used here (the set \
+                 served is version {}); ask again from the current placement",
+                self.newest, self.version
             ));
         }
         let loaded = self.loaded();
@@ -133,6 +152,7 @@ impl Holdings {
             r.experts.retain(|e| !plan.target.contains(e));
         }
         self.version = plan.version;
+        self.newest = self.newest.max(plan.version);
         self.serving = plan.target;
         self.pending.push(Pending {
             version: plan.version,
@@ -234,12 +254,36 @@ mod tests {
         let mut h = Holdings::new(set(&[0]));
         let p = h.plan(4, set(&[0, 1])).unwrap();
         assert_eq!(h.commit(p, []).settled, Some(4));
-        assert!(h.plan(3, set(&[0])).unwrap_err().contains("older"));
+        assert!(h.plan(3, set(&[0])).unwrap_err().contains("not newer"));
         assert!(h.plan(4, set(&[1])).is_err());
         // The same hold again (a repeated message) is accepted and changes nothing.
         let p = h.plan(4, set(&[0, 1])).unwrap();
         assert!(p.load.is_empty());
         assert_eq!(h.commit(p, [0]), Confirmed::default());
         assert_eq!((h.version(), h.serving()), (4, set(&[0, 1])));
+    }
+
+    #[test]
+    fn a_refused_version_is_never_used_again_so_an_old_confirmation_confirms_nothing_new() {
+        let mut h = Holdings::new(set(&[0, 1]));
+        // Version 5 refused (say, no room): the set stays at version 0.
+        assert!(h.plan(5, set(&[0, 1, 2])).is_ok());
+        h.refused(5);
+        assert_eq!((h.version(), h.newest()), (0, 5));
+        // A later change numbered 5 again (a restarted coordinator) is refused too ...
+        assert!(
+            h.plan(5, set(&[1]))
+                .unwrap_err()
+                .contains("not newer than version 5")
+        );
+        // ... and one above it is taken; a router's confirmation of the refused version 5
+        // (sent for the refusal's announcement) does not confirm it.
+        let p = h.plan(6, set(&[1])).unwrap();
+        assert_eq!(h.commit(p, [0]), Confirmed::default());
+        assert_eq!(h.on_seen(0, 5), Confirmed::default());
+        assert_eq!(h.releasing(), 1);
+        let done = h.on_seen(0, 6);
+        assert_eq!((done.free, done.settled), (set(&[0]), Some(6)));
+        assert_eq!((h.version(), h.newest()), (6, 6));
     }
 }

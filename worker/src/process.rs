@@ -754,7 +754,7 @@ impl ComputeCtx {
     fn placement(&mut self, from: u32, p: &Placement, payload: &[u8]) {
         match p.op {
             PlacementOp::Survey => {
-                let version = self.live.holdings.version();
+                let version = self.live.holdings.newest();
                 self.announce_frame(from, version, "", p.request_id);
             }
             PlacementOp::Seen => {
@@ -804,6 +804,7 @@ impl ComputeCtx {
 
     /// A hold of `version` is refused or failed: announce the set served, with why.
     fn refuse(&mut self, version: u64, why: &str) {
+        self.live.holdings.refused(version);
         tracing::warn!(worker = %self.id, version, "placement change refused: {why}");
         let why = truncate(why, MAX_PLACEMENT_MESSAGE_BYTES);
         self.announce_as(version, &why);
@@ -999,9 +1000,10 @@ impl ComputeCtx {
         }
     }
 
-    /// Announces what this device serves, at its version, to router `r` (its link came up).
+    /// Announces what this device serves to router `r` (its link came up), at the newest
+    /// version used here (so a change starts above it).
     fn announce_to(&mut self, r: u32) {
-        let version = self.live.holdings.version();
+        let version = self.live.holdings.newest();
         self.announce_frame(r, version, "", 0);
     }
 

@@ -35,7 +35,7 @@ pub enum ApplyError {
     /// No answer came within the wait.
     #[error("no answer from the router within {0:?}")]
     NoAnswer(Duration),
-    /// The router answered with another frame.
+    /// The router answered with another frame, or an answer to another request.
     #[error("the router answered with an unexpected {0} frame")]
     Unexpected(String),
 }
@@ -60,6 +60,18 @@ pub async fn apply_placement(
         .await
         .map_err(|_| ApplyError::NoAnswer(wait))??;
     match frame.body() {
+        Body::Placement(p) if p.op == PlacementOp::Applied && p.request_id != request_id => {
+            Err(ApplyError::Unexpected(format!(
+                "Applied (of request {}, not this request {request_id})",
+                p.request_id
+            )))
+        }
+        Body::Error(e) if e.request_id != request_id && e.request_id != 0 => {
+            Err(ApplyError::Unexpected(format!(
+                "Error (of request {}, not this request {request_id}: {})",
+                e.request_id, e.message
+            )))
+        }
         Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Applied {
             version: p.version,
             loaded: p.loaded,

@@ -330,6 +330,8 @@ fn a_lost_or_silent_gainer_fails_the_change_and_the_others_return() {
             message.contains(why) && message.contains("rank2"),
             "{message}"
         );
+        // A lost gainer cannot be asked back: the answer says so.
+        assert_eq!(message.contains("rank2 not connected"), lost, "{message}");
         assert_eq!(f.held[&ROUTERS].1, before[0]);
         assert!(!c.busy());
     }
