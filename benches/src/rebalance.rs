@@ -12,8 +12,8 @@
 //! calls is the "during" figure); and measures again.
 //!
 //! Rows: `rebalance-gain` per batch: tokens/s after against the before figure times the
-//! predicted gain (the busiest device's routed pairs before / after, replicas sharing their
-//! expert's pairs evenly: the planner's device-load model). A reference to compare, not a
+//! predicted gain (`planner::busiest_load` before / after: the busiest device's routed pairs,
+//! replicas sharing their expert's pairs evenly). A reference to compare, not a
 //! limit: ratio 1 means the fabric gained what the model predicts; the goal is 0.8 to
 //! 1.2. `rebalance-p99-during` at the largest batch: the p99 of one frontend's calls while the
 //! change is applied, against that frontend calling alone before it (lower is better). `machine` records the change: experts loaded and
@@ -67,14 +67,14 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
         expertmesh_fabric::defaults::local_files(tmp.path(), None, model, None)?;
     let dep = Deployment::load(&topology, model, &balanced, 42)?;
     let (topo, spec) = (&dep.topology, &dep.spec);
-    let layer = spec.moe_layer_ids()[0];
     let served = blocks(topo, spec)?;
     let served_path = tmp.path().join("served.toml");
     std::fs::write(&served_path, served.to_toml_string())?;
     let traffic = Traffic::new(spec, &o.batches, o.zipf);
-    let planned = plan_for(topo, spec, &traffic.counts)?;
-    let predicted = busiest(&served, topo, layer, &traffic.counts)
-        / busiest(&planned, topo, layer, &traffic.counts).max(1e-9);
+    let stats = traffic_stats(spec, &traffic.counts)?;
+    let planned = plan_for(topo, spec, &stats)?;
+    let predicted = expertmesh_planner::busiest_load(topo, spec, &served, &stats)
+        / expertmesh_planner::busiest_load(topo, spec, &planned, &stats).max(1e-9);
     let mut report = BenchReport::new();
     let extra = &mut report.machine.extra;
     extra.insert("model".into(), model.into());
@@ -90,7 +90,7 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     let drive = Drive {
         fabric: &fabric,
         rt: &rt,
-        layer,
+        layer: spec.moe_layer_ids()[0],
         hidden: spec.hidden as usize,
         traffic: &traffic,
     };
@@ -213,35 +213,24 @@ fn blocks(topo: &Topology, spec: &ModelSpec) -> Result<Placement, BenchError> {
         .map_err(|p| BenchError::Options(format!("the block placement is invalid: {p:?}")))
 }
 
-/// The planner's placement for `counts` (tokens routed to each expert, the same in every
-/// layer), replicas allowed.
-fn plan_for(topo: &Topology, spec: &ModelSpec, counts: &[f64]) -> Result<Placement, BenchError> {
+/// `counts` (tokens routed to each expert) as load statistics, the same in every layer.
+fn traffic_stats(spec: &ModelSpec, counts: &[f64]) -> Result<LoadStats, BenchError> {
     let layers = spec.moe_layer_ids().len();
-    let stats =
-        LoadStats::new(spec, vec![Some(counts.to_vec()); layers]).map_err(BenchError::Options)?;
+    LoadStats::new(spec, vec![Some(counts.to_vec()); layers]).map_err(BenchError::Options)
+}
+
+/// The planner's placement for `stats`, replicas allowed.
+fn plan_for(topo: &Topology, spec: &ModelSpec, stats: &LoadStats) -> Result<Placement, BenchError> {
     let opts = expertmesh_planner::PlanOptions {
         description: "planned for the bench's Zipf traffic".into(),
         ..expertmesh_planner::PlanOptions::default()
     };
-    expertmesh_planner::plan(topo, spec, Some(&stats), None, &opts)
+    expertmesh_planner::plan(topo, spec, Some(stats), None, &opts)
         .map(|p| p.placement)
         .map_err(|cause| BenchError::Plan {
             what: "the rebalanced placement",
             cause,
         })
-}
-
-/// The routed pairs of the busiest device of `layer` (replicas share their expert's evenly).
-fn busiest(p: &Placement, topo: &Topology, layer: u32, counts: &[f64]) -> f64 {
-    topo.devices()
-        .iter()
-        .map(|d| {
-            p.experts_on(d.rank(), layer)
-                .iter()
-                .map(|&e| counts[e as usize] / p.owners(layer, e).len().max(1) as f64)
-                .sum::<f64>()
-        })
-        .fold(0.0, f64::max)
 }
 
 /// Every (mesh rank, layer, expert) of `p`.

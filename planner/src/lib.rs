@@ -254,6 +254,44 @@ pub fn layer_loads(
     stats::inclusion(&raw, model.top_k)
 }
 
+/// The expected work of the busiest device, summed over the MoE layers: per layer, the
+/// largest share of the layer's routed (token, expert) pairs one device serves under `load`
+/// (an expert's load split evenly among its owners; every layer weighs the same, since every
+/// token passes every layer). With alike devices a placement's throughput is inversely
+/// proportional to it, so `busiest_load(old) / busiest_load(new)` is the gain a change
+/// predicts (what `expertmesh bench rebalance` and the router's automatic rebalancing use).
+pub fn busiest_load(
+    topology: &Topology,
+    model: &ModelSpec,
+    placement: &Placement,
+    load: &LoadStats,
+) -> f64 {
+    model
+        .moe_layer_ids()
+        .into_iter()
+        .enumerate()
+        .map(|(li, layer)| {
+            let w = load.weights(li);
+            let total: f64 = w.iter().sum();
+            let share = |e: u32| {
+                let owners = placement.owners(layer, e).len().max(1) as f64;
+                w.get(e as usize).copied().unwrap_or(0.0) / total.max(f64::MIN_POSITIVE) / owners
+            };
+            topology
+                .devices()
+                .iter()
+                .map(|d| {
+                    placement
+                        .experts_on(d.rank(), layer)
+                        .iter()
+                        .map(|&e| share(e))
+                        .sum::<f64>()
+                })
+                .fold(0.0, f64::max)
+        })
+        .sum()
+}
+
 /// Plan a placement of `model` on `topology`.
 pub fn plan(
     topology: &Topology,

@@ -326,3 +326,40 @@ fn too_small_a_cluster_reports_the_shortfall_per_device() {
         other => panic!("expected no fit, got {:?}", other.map(|p| p.strategy)),
     }
 }
+
+#[test]
+fn the_busiest_load_counts_each_devices_share_with_replicas_splitting_their_expert() {
+    let m = preset_by_name("toy-softmax").unwrap();
+    let e = m.routed_experts;
+    let layers = m.moe_layer_ids().len();
+    let slots = (e as usize * layers) as u64;
+    let t = cluster(&[vec![(slots, 0, 20), (slots, 0, 20)]], m.expert_bytes());
+    let shared = vec![SharedLocation::Router; layers];
+    let placement = |d0: Vec<u32>, d1: Vec<u32>| {
+        Placement::new(&t, &m, vec![vec![d0, d1]; layers], shared.clone(), "test").unwrap()
+    };
+    let half = e / 2;
+    let blocks = placement((0..half).collect(), (half..e).collect());
+    let uniform = LoadStats::new(&m, vec![None; layers]).unwrap();
+    let got = busiest_load(&t, &m, &blocks, &uniform);
+    assert!((got - 0.5 * layers as f64).abs() < 1e-12, "{got}");
+    // Expert 0 takes e times the load of each other one (total 2e - 1).
+    let mut hot = vec![1.0; e as usize];
+    hot[0] = e as f64;
+    let skewed = LoadStats::new(&m, vec![Some(hot); layers]).unwrap();
+    let total = (2 * e - 1) as f64;
+    let got = busiest_load(&t, &m, &blocks, &skewed);
+    let want = layers as f64 * (e + half - 1) as f64 / total;
+    assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    // Expert 0 on both devices: each serves half of its load.
+    let replicated = placement(
+        (0..half).collect(),
+        std::iter::once(0).chain(half..e).collect(),
+    );
+    let got = busiest_load(&t, &m, &replicated, &skewed);
+    let d0 = e as f64 / 2.0 + (half - 1) as f64;
+    let d1 = e as f64 / 2.0 + (e - half) as f64;
+    let want = layers as f64 * d0.max(d1) / total;
+    assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    assert!(busiest_load(&t, &m, &blocks, &skewed) > got);
+}

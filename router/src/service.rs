@@ -28,6 +28,7 @@
 //! the connection goes on; a broken stream closes only that connection.
 
 use crate::admission::{Admission, AdmissionLimits, Shed};
+use crate::client::placement::Applied;
 use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
@@ -97,12 +98,14 @@ enum CoreInput {
         batch: u64,
         part: u32,
     },
-    /// A frontend asks to apply a placement to the running fabric.
+    /// A frontend asks to apply a placement to the running fabric (or this process does:
+    /// `reply` set, [`PlacementHandle`]).
     Apply {
         client: ClientId,
         request_id: u64,
         entries: Vec<(u32, u32, u32)>,
         timeout: Duration,
+        reply: Option<std_mpsc::Sender<Result<Applied, String>>>,
     },
     Stop,
 }
@@ -317,6 +320,15 @@ impl RouterService {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Applies placements to the running fabric from this process, as a frontend would
+    /// (`expertmesh router --auto-rebalance-every`); only router 0 coordinates changes.
+    pub fn placement_handle(&self) -> PlacementHandle {
+        PlacementHandle {
+            tx: self.input.clone(),
+            next_request: Arc::default(),
+        }
+    }
+
     /// This router's metrics (what its `/metrics` endpoint and load-statistics writer read).
     pub fn metrics(&self) -> &Arc<crate::metrics::RouterMetrics> {
         &self.metrics
@@ -376,6 +388,70 @@ struct ClientOut {
     writer: Arc<tokio::sync::Mutex<FrontendWriter>>,
     slots: Arc<Semaphore>,
     peer: SocketAddr,
+}
+
+/// The client id of changes asked from this process ([`PlacementHandle`]); frontend
+/// connections count up from 1.
+const IN_PROCESS: ClientId = ClientId::MAX;
+
+/// Applies placements to the running fabric from the router's own process (its automatic
+/// rebalancing), through the same coordinator and answers as a frontend's `Apply`.
+#[derive(Clone)]
+pub struct PlacementHandle {
+    tx: CoreTx,
+    next_request: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl std::fmt::Debug for PlacementHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlacementHandle").finish_non_exhaustive()
+    }
+}
+
+impl PlacementHandle {
+    /// Applies `entries` ((mesh rank, layer, expert); every worker targeted, one without
+    /// entries is emptied), each step within `timeout`, and waits for the answer (blocking:
+    /// call it from a thread of its own).
+    ///
+    /// # Errors
+    /// Why the change was refused or failed (the coordinator's message), or that the router
+    /// stopped or did not answer.
+    pub fn apply(
+        &self,
+        entries: Vec<(u32, u32, u32)>,
+        timeout: Duration,
+    ) -> Result<Applied, String> {
+        let request_id = self.next_request.fetch_add(1, Ordering::AcqRel) + 1;
+        let (reply, answer) = std_mpsc::channel();
+        let mut msg = CoreInput::Apply {
+            client: IN_PROCESS,
+            request_id,
+            entries,
+            timeout,
+            reply: Some(reply),
+        };
+        loop {
+            match self.tx.tx.try_send(msg) {
+                Ok(()) => break,
+                Err(std_mpsc::TrySendError::Full(m)) => {
+                    msg = m;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(std_mpsc::TrySendError::Disconnected(_)) => {
+                    return Err("the router stopped".into());
+                }
+            }
+        }
+        self.tx.wake();
+        let wait = 4 * timeout + Duration::from_secs(10);
+        match answer.recv_timeout(wait) {
+            Ok(a) => a,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => Err(format!(
+                "no answer from the router's coordinator within {wait:?}"
+            )),
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => Err("the router stopped".into()),
+        }
+    }
 }
 
 /// The core's input queue (frontend requests, connection counts, failed sends) and the core
@@ -750,6 +826,7 @@ impl FrontendConn {
             request_id: p.request_id,
             entries,
             timeout: Duration::from_millis(u64::from(p.millis.max(1))),
+            reply: None,
         }))
     }
 }
@@ -971,6 +1048,9 @@ struct Changes {
     /// Per mesh rank: its worker announced what it holds on its current link (it may be
     /// chosen for parts; the core takes the link up then).
     announced: Vec<bool>,
+    /// Changes asked from this process ([`PlacementHandle`], client [`IN_PROCESS`]): where
+    /// each request's answer goes.
+    in_process: HashMap<u64, std_mpsc::Sender<Result<Applied, String>>>,
 }
 
 impl Changes {
@@ -988,6 +1068,7 @@ impl Changes {
             failed: Vec::new(),
             unconfirmed: Confirmations::new(core.rank_labels().len()),
             announced: vec![false; core.rank_labels().len()],
+            in_process: HashMap::new(),
         }
     }
 }
@@ -1084,7 +1165,11 @@ impl CoreLoop {
                 request_id,
                 entries,
                 timeout,
+                reply,
             } => {
+                if let Some(reply) = reply {
+                    self.changes.in_process.insert(request_id, reply);
+                }
                 if let Err(message) = self
                     .changes
                     .coordinator
@@ -1261,6 +1346,33 @@ impl CoreLoop {
                 }
             }
         }
+        // Answers to this process's own changes go to their handles.
+        answers.retain(|(client, msg)| {
+            if *client != IN_PROCESS {
+                return true;
+            }
+            let (id, answer) = match msg {
+                ClientMsg::Placement(p) => (
+                    p.request_id,
+                    Ok(Applied {
+                        version: p.version,
+                        loaded: p.loaded,
+                        released: p.released,
+                        took: Duration::from_millis(u64::from(p.millis)),
+                    }),
+                ),
+                ClientMsg::Error {
+                    request_id,
+                    message,
+                    ..
+                } => (*request_id, Err(message.clone())),
+                ClientMsg::Response { request_id, .. } => (*request_id, Err(String::new())),
+            };
+            if let Some(reply) = self.changes.in_process.remove(&id) {
+                let _ = reply.send(answer);
+            }
+            false
+        });
         if !answers.is_empty() {
             any = true;
             let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
