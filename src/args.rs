@@ -309,3 +309,70 @@ impl ObserveArgs {
         }
     }
 }
+
+/// Automatic rebalancing on router 0 (`router` and `up`): off unless `--auto-rebalance-every`
+/// is given.
+#[derive(Args, Debug)]
+pub(crate) struct AutoRebalanceArgs {
+    /// Replan the placement every SECONDS from the load this router routed since the last
+    /// round, and apply the new one live (no call fails) when the planner predicts at least
+    /// --auto-rebalance-min-gain (the busiest device's load before / after). Router 0 only.
+    #[arg(long, value_name = "SECONDS")]
+    pub(crate) auto_rebalance_every: Option<f64>,
+    /// The predicted gain a change needs (at least 1).
+    #[arg(long, default_value_t = 1.2, value_name = "RATIO")]
+    pub(crate) auto_rebalance_min_gain: f64,
+    /// Tokens a round needs routed before it plans anything.
+    #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
+    pub(crate) auto_rebalance_min_tokens: u64,
+    /// How long each step of an automatic change may take.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    pub(crate) auto_rebalance_timeout_s: f64,
+}
+
+impl AutoRebalanceArgs {
+    /// Starts the automatic rebalancing of router `instance` (`service`) of `dep`, when
+    /// asked (printing that it runs).
+    pub(crate) fn start(
+        &self,
+        instance: u32,
+        service: &expertmesh_router::service::RouterService,
+        dep: &Deployment,
+    ) -> anyhow::Result<Option<expertmesh_fabric::auto_rebalance::AutoRebalancer>> {
+        use expertmesh_fabric::auto_rebalance::{AutoOptions, AutoRebalancer};
+        let Some(every) = self.auto_rebalance_every else {
+            return Ok(None);
+        };
+        if instance != 0 {
+            bail!(
+                "--auto-rebalance-every: router {instance} does not coordinate placement changes; \
+                 give it to router 0"
+            );
+        }
+        let seconds = |flag: &str, s: f64| {
+            Duration::try_from_secs_f64(s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| anyhow::anyhow!("{flag} {s}: give a positive number of seconds"))
+        };
+        let opts = AutoOptions {
+            every: seconds("--auto-rebalance-every", every)?,
+            min_gain: self.auto_rebalance_min_gain,
+            min_tokens: self.auto_rebalance_min_tokens,
+            timeout: seconds("--auto-rebalance-timeout-s", self.auto_rebalance_timeout_s)?,
+        };
+        let auto = AutoRebalancer::start(
+            opts,
+            service.placement_handle(),
+            std::sync::Arc::clone(service.metrics()),
+            dep.topology.clone(),
+            dep.spec.clone(),
+            dep.placement.clone(),
+        )?;
+        println!(
+            "  automatic rebalancing: every {every} s, when the predicted gain reaches {} ({} tokens routed at least)",
+            self.auto_rebalance_min_gain, self.auto_rebalance_min_tokens
+        );
+        Ok(Some(auto))
+    }
+}

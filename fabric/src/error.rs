@@ -160,6 +160,9 @@ pub enum FabricError {
     /// `--load-stats-every` is not a positive number of seconds.
     #[error("--load-stats-every {0}: give a positive number of seconds")]
     LoadStatsEvery(f64),
+    /// The automatic rebalancing options are out of range.
+    #[error("--auto-rebalance: {0}")]
+    AutoRebalance(String),
     /// The routers' counts do not form load statistics of the model.
     #[error("load statistics: {0}")]
     LoadStats(String),

@@ -11,6 +11,7 @@
 //! router service, transport) into processes. No command-line parsing lives here (that is the
 //! `expertmesh` binary's), and no measurement method (that is `expertmesh-benches`').
 
+pub mod auto_rebalance;
 pub mod credentials;
 pub mod defaults;
 pub mod endpoint;

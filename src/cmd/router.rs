@@ -5,8 +5,8 @@
 //! arguments into the router core, the mesh and frontend listeners, and the observers.
 
 use crate::args::{
-    DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser, parse_endpoint,
-    rdma_provider_parser,
+    AutoRebalanceArgs, DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser,
+    parse_endpoint, rdma_provider_parser,
 };
 use anyhow::anyhow;
 use clap::Args;
@@ -53,6 +53,8 @@ pub(crate) struct RouterCli {
     drain_timeout_s: f64,
     #[command(flatten)]
     observe: ObserveArgs,
+    #[command(flatten)]
+    auto: AutoRebalanceArgs,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -101,6 +103,7 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
             .map_or_else(|| "?".into(), |a| a.to_string())
     );
     let observers = observe::start(&cli.observe.options(), &[&service], &dep.spec)?;
+    let auto = cli.auto.start(instance, &service, &dep)?;
     let signal = expertmesh_fabric::process::wait_for_stop_signal()?;
     let drain = Duration::try_from_secs_f64(cli.drain_timeout_s).unwrap_or(Duration::ZERO);
     println!(
@@ -114,6 +117,7 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
             drain.as_secs_f64()
         );
     }
+    drop(auto);
     drop(observers);
     drop(service);
     println!("expertmesh router {instance}: stopped");

@@ -5,7 +5,7 @@
 //! folder) to a fabric frontends can call; it prints where they connect and what input they
 //! send. The launcher itself is [`expertmesh_fabric::local`].
 
-use crate::args::{ObserveArgs, RouterArgs, link_parser};
+use crate::args::{AutoRebalanceArgs, ObserveArgs, RouterArgs, link_parser};
 use clap::Args;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_fabric::{credentials, defaults, observe};
@@ -45,6 +45,8 @@ pub(crate) struct UpCli {
     router: RouterArgs,
     #[command(flatten)]
     observe: ObserveArgs,
+    #[command(flatten)]
+    auto: AutoRebalanceArgs,
     /// Cluster master key (`expertmesh keys init`): `up` issues each router, worker and the
     /// printed frontend its own credentials (authenticated, encrypted links). Without it the
     /// fabric runs unauthenticated and unencrypted (loopback only, unless --insecure).
@@ -129,9 +131,14 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
         dep.spec.moe_layer_ids()[0]
     );
     let _observers = observe::start_up(&observe_opts, &fabric, &worker_metrics)?;
+    let auto = match fabric.router(0) {
+        Some(r) => cli.auto.start(0, r, fabric.deployment())?,
+        None => None,
+    };
     println!("Ctrl-C to stop.");
     expertmesh_fabric::process::supervise_until_stopped(&mut fabric)?;
     println!("stopping");
+    drop(auto);
     fabric.shutdown();
     Ok(ExitCode::SUCCESS)
 }

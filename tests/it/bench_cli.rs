@@ -33,9 +33,15 @@ fn every_help_states_exit_codes() {
             &["0 measured", "outside noise"],
         ),
         (&["demo", "--help"], &["1 mismatched or failed responses"]),
-        (&["up", "--help"], &["0 stopped cleanly"]),
+        (
+            &["up", "--help"],
+            &["0 stopped cleanly", "--auto-rebalance-every"],
+        ),
         (&["worker", "--help"], &["0 stopped cleanly"]),
-        (&["router", "--help"], &["0 stopped cleanly"]),
+        (
+            &["router", "--help"],
+            &["0 stopped cleanly", "--auto-rebalance-every"],
+        ),
         (
             &["rebalance", "--help"],
             &["0 the placement is served", "--drain"],

@@ -11,7 +11,8 @@
 //! placement for another topology, say) is refused before anything moves; with the served
 //! placement a change is applied in steps that each fit memory; a drained device serves
 //! nothing and its worker stops with no call failing; a device declared in the topology but
-//! holding nothing joins the running fabric and takes experts.
+//! holding nothing joins the running fabric and takes experts; router 0's automatic
+//! rebalancing moves a lopsided placement to one planned from the load it routed.
 
 use crate::support::{bits, root, rt};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
@@ -159,6 +160,15 @@ fn command_with(
 /// A two-router fabric on `topology` (demo-small, exact mode, TCP) with `expert_memory` per
 /// device, from the shipped topology.
 fn fabric(dir: &Path, expert_memory: &str) -> (LocalFabric, PathBuf) {
+    fabric_serving(dir, expert_memory, None)
+}
+
+/// [`fabric`], started with `placement` instead of the shipped demo-small placement.
+fn fabric_serving(
+    dir: &Path,
+    expert_memory: &str,
+    placement: Option<PathBuf>,
+) -> (LocalFabric, PathBuf) {
     let text = std::fs::read_to_string(root().join("examples/single-host-2routers.toml"))
         .unwrap()
         .replace(
@@ -173,6 +183,9 @@ fn fabric(dir: &Path, expert_memory: &str) -> (LocalFabric, PathBuf) {
     );
     o.topology = topology.clone();
     o.log_dir = Some(dir.join("logs"));
+    if let Some(p) = placement {
+        o.placement = p;
+    }
     (LocalFabric::start(o).expect("the fabric starts"), topology)
 }
 
@@ -505,4 +518,92 @@ fn a_router_restarted_during_a_change_routes_by_what_the_workers_hold() {
     let (ok, wrong, failed, first) = load.join().unwrap();
     assert!(ok > 0);
     assert_eq!((wrong, failed), (0, 0), "{first:?}");
+}
+
+#[test]
+fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_call() {
+    use expertmesh_fabric::auto_rebalance::{AutoOptions, AutoRebalancer, Round};
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    // A lopsided start: cpu0 serves 28 of each layer's 32 experts.
+    let lopsided = placement(dir.path(), "lopsided.toml", "0-27", "28-31");
+    let (fabric, _) = fabric_serving(dir.path(), "256 MiB", Some(lopsided));
+    let cases = cases(&fabric);
+    let addr = fabric.frontend_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
+    let router = fabric.router(0).unwrap();
+    let dep = fabric.deployment();
+    let opts = AutoOptions {
+        every: Duration::from_millis(500),
+        min_gain: 1.2,
+        min_tokens: 20,
+        timeout: Duration::from_secs(60),
+    };
+    let auto = AutoRebalancer::start(
+        opts,
+        router.placement_handle(),
+        Arc::clone(router.metrics()),
+        dep.topology.clone(),
+        dep.spec.clone(),
+        dep.placement.clone(),
+    )
+    .unwrap();
+    // Until a change was applied and a round after it decided (bounded, not timed: the
+    // rounds come as fast as the machine routes tokens).
+    let until = std::time::Instant::now() + Duration::from_secs(180);
+    let (rounds, at) = loop {
+        let rounds = auto.rounds();
+        let at = rounds
+            .iter()
+            .position(|r| matches!(r, Round::Applied { .. }));
+        if let Some(at) = at
+            && rounds[at + 1..]
+                .iter()
+                .any(|r| matches!(r, Round::Kept { .. } | Round::Applied { .. }))
+        {
+            break (rounds, at);
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no change applied and decided after: {rounds:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    drop(auto);
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    crate::support::say(&format!(
+        "automatic rebalancing: {rounds:?}; {ok} calls right, {wrong} wrong, {failed} failed"
+    ));
+    assert!(ok > 0);
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    assert!(
+        !rounds.iter().any(|r| matches!(r, Round::Failed { .. })),
+        "{rounds:?}"
+    );
+    let Round::Applied {
+        predicted_gain,
+        loaded,
+        released,
+        ..
+    } = rounds[at]
+    else {
+        unreachable!("found above")
+    };
+    assert!(
+        predicted_gain >= 1.2 && loaded > 0 && released > 0,
+        "{rounds:?}"
+    );
+    // The next decision, on the load routed since, predicts less than the change did.
+    let next = rounds[at + 1..]
+        .iter()
+        .find_map(|r| match r {
+            Round::Kept { predicted_gain } | Round::Applied { predicted_gain, .. } => {
+                Some(*predicted_gain)
+            }
+            _ => None,
+        })
+        .unwrap();
+    assert!(next < predicted_gain, "{rounds:?}");
 }
