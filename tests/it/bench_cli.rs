@@ -435,6 +435,8 @@ fn rebalance_bench_records_the_change_and_the_predicted_gain() {
     let r = run(&[
         "bench",
         "rebalance",
+        "--model",
+        "demo-small",
         "--seconds",
         "0.3",
         "--batches",

@@ -217,6 +217,12 @@ pub(crate) struct RebalanceCli {
     /// device of the load-blind placement).
     #[arg(long, default_value_t = 1.2)]
     zipf: f64,
+    /// The model served (a preset name or a model TOML file; one MoE layer of it is
+    /// called). `wide` (the default): one MoE layer of 32 experts top-4 the width of
+    /// GLM-4.5-Air's (hidden 4096, intermediate 1408), so the devices' compute, not the
+    /// router's per-call work, bounds the throughput, as the planner's model assumes.
+    #[arg(long, default_value = "wide")]
+    model: String,
 }
 
 /// Arguments of `bench kernels`.
@@ -364,6 +370,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 seconds: r.seconds,
                 clients: r.clients,
                 zipf: r.zipf,
+                model: r.model,
             })?;
             print_and_write(&report, r.json.as_deref())
         }
