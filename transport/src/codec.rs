@@ -818,6 +818,15 @@ pub enum PlacementOp {
     /// `version` has confirmed it (`Seen`) or lost its link: no router routes by an older set
     /// of this worker any more (a change's next step waits for it).
     Settled = 7,
+    /// Worker → router: send me routed expert (layer, expert) of the single entry (its rank
+    /// is the asker's), as `request_id`'s stream of `Chunk`s; router → a worker that owns it:
+    /// stream it to me (the entry names the owner). A gain in a live change whose weights
+    /// are not on the gainer's host is copied from a current owner this way.
+    Fetch = 8,
+    /// Owner → router → asker: bytes of the stream `request_id` at byte offset `version`;
+    /// `loaded` is 1 on the last chunk; a non-empty `message` ends the stream with why it
+    /// failed.
+    Chunk = 9,
 }
 
 impl PlacementOp {
@@ -830,6 +839,8 @@ impl PlacementOp {
             5 => Self::Applied,
             6 => Self::Survey,
             7 => Self::Settled,
+            8 => Self::Fetch,
+            9 => Self::Chunk,
             _ => return None,
         })
     }

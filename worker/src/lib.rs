@@ -9,6 +9,7 @@
 //! * [`exec`] — dispatch execution: a `Dispatch` frame in, a result frame out.
 //! * [`fair`] — round-robin scheduling of dispatches from several routers.
 //! * [`fanout`] — a node's leader sharing one dispatch with the node's other devices.
+//! * [`fetch`] — copying a gained expert from its owner: the stream's bytes and reassembly.
 //! * [`holdings`] — what the device holds during live placement changes, and when a dropped
 //!   expert may be freed.
 //! * [`metrics`] — Prometheus metrics of a worker.
@@ -19,6 +20,7 @@ pub mod deploy;
 pub mod exec;
 pub mod fair;
 pub mod fanout;
+pub mod fetch;
 pub mod holdings;
 pub mod metrics;
 pub mod process;

@@ -192,7 +192,7 @@ fn body() -> impl Strategy<Value = Body> {
             }
         ),
         (
-            1u8..8,
+            1u8..10,
             any::<u64>(),
             any::<u64>(),
             0u32..20,
@@ -209,6 +209,8 @@ fn body() -> impl Strategy<Value = Body> {
                         PlacementOp::Applied,
                         PlacementOp::Survey,
                         PlacementOp::Settled,
+                        PlacementOp::Fetch,
+                        PlacementOp::Chunk,
                     ][op as usize - 1];
                     Body::Placement(Placement {
                         op,
