@@ -96,13 +96,7 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
         .tempdir()?;
-    let model = if o.model == "wide" {
-        let p = tmp.path().join("rebalance-wide.model.toml");
-        std::fs::write(&p, WIDE_MODEL)?;
-        p.to_string_lossy().into_owned()
-    } else {
-        o.model.clone()
-    };
+    let model = model_arg(&o.model, tmp.path())?;
     let model = model.as_str();
     let (topology, balanced, _guard) =
         expertmesh_fabric::defaults::local_files(tmp.path(), None, model, None)?;
@@ -160,25 +154,8 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
             "batch {b:>3}: {:.0} -> {:.0} tokens/s, gain {gain:.2} (predicted {predicted:.2}, roofline {roof:.2}); p99 {:.1} -> {:.1} ms",
             before[i].tokens_per_s, after.tokens_per_s, before[i].p99_ms, after.p99_ms
         );
-        report.results.push(
-            BenchResult::new(
-                format!("rebalance-gain {}", spec.name),
-                b as u64,
-                after.tokens_per_s,
-                before[i].tokens_per_s * predicted,
-                "tokens/s",
-            )
-            .against_reference()
-            .with(
-                "limit_is",
-                "tokens/s before the change times the planner's predicted gain (busiest device's pairs before / after)",
-            )
-            .with("before_tokens_per_s", before[i].tokens_per_s)
-            .with("measured_gain", gain)
-            .with("predicted_gain", predicted)
-            .with("roofline_predicted_gain", roof)
-            .with("p99_ms_after", after.p99_ms),
-        );
+        let row = gain_row(&spec.name, b, &before[i], &after, predicted, roof);
+        report.results.push(row);
         if b == maxb {
             report.results.push(
                 BenchResult::new(
@@ -199,6 +176,47 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     }
     fabric.shutdown();
     Ok(report)
+}
+
+/// The model `--model` names: a preset or file as given, or `wide` written to `dir`.
+fn model_arg(model: &str, dir: &std::path::Path) -> Result<String, BenchError> {
+    if model != "wide" {
+        return Ok(model.to_owned());
+    }
+    let p = dir.join("rebalance-wide.model.toml");
+    std::fs::write(&p, WIDE_MODEL)?;
+    Ok(p.to_string_lossy().into_owned())
+}
+
+/// The `rebalance-gain` row of batch `b`: tokens/s after against before × `predicted`.
+fn gain_row(
+    model: &str,
+    b: usize,
+    before: &Measured,
+    after: &Measured,
+    predicted: f64,
+    roofline: f64,
+) -> BenchResult {
+    BenchResult::new(
+        format!("rebalance-gain {model}"),
+        b as u64,
+        after.tokens_per_s,
+        before.tokens_per_s * predicted,
+        "tokens/s",
+    )
+    .against_reference()
+    .with(
+        "limit_is",
+        "tokens/s before the change times the planner's predicted gain (busiest device's pairs before / after)",
+    )
+    .with("before_tokens_per_s", before.tokens_per_s)
+    .with(
+        "measured_gain",
+        after.tokens_per_s / before.tokens_per_s.max(1e-9),
+    )
+    .with("predicted_gain", predicted)
+    .with("roofline_predicted_gain", roofline)
+    .with("p99_ms_after", after.p99_ms)
 }
 
 /// Records the change in the report's machine description and prints it.

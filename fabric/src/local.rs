@@ -35,6 +35,10 @@ pub struct LocalFabricOptions {
     /// A converted weights folder to serve (its manifest's model and placement are used;
     /// `model`, `placement` and `seed` are then ignored).
     pub weights: Option<PathBuf>,
+    /// Per device (rank order), a weights folder its worker reads instead of `weights`: the
+    /// per-host copies of a multi-host deployment (each holding only its host's shards), on
+    /// one machine. Empty: every worker reads `weights`.
+    pub worker_weights: Vec<PathBuf>,
     /// Worker ↔ router link.
     pub link: LinkKind,
     /// Router settings (mode, batching, deadlines).
@@ -98,6 +102,11 @@ impl FrontendLimits {
 }
 
 impl LocalFabricOptions {
+    /// The weights folder device `d`'s worker reads (`worker_weights`, else `weights`).
+    fn weights_of(&self, d: usize) -> Option<&PathBuf> {
+        self.worker_weights.get(d).or(self.weights.as_ref())
+    }
+
     /// Defaults for a topology/model/placement triple.
     pub fn new(topology: impl Into<PathBuf>, model: &str, placement: impl Into<PathBuf>) -> Self {
         Self {
@@ -106,6 +115,7 @@ impl LocalFabricOptions {
             placement: placement.into(),
             seed: 42,
             weights: None,
+            worker_weights: Vec::new(),
             link: LinkKind::Tcp,
             router: RouterConfig::default(),
             exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("expertmesh")),
@@ -292,7 +302,7 @@ impl LocalFabric {
             .map_err(FabricError::io("creating a worker log"))?;
         let mut cmd = Command::new(&o.exe);
         cmd.arg("worker").arg("--topology").arg(&o.topology);
-        match &o.weights {
+        match o.weights_of(d) {
             Some(w) => cmd.arg("--weights").arg(w),
             None => cmd
                 .arg("--model")
@@ -470,7 +480,7 @@ impl LocalFabric {
             .ok_or(FabricError::UnknownDevice(d))?;
         let path = |p: &Path| p.display().to_string();
         let mut args: Vec<(String, String)> = vec![("--topology".into(), path(&o.topology))];
-        match &o.weights {
+        match o.weights_of(d) {
             Some(w) => args.push(("--weights".into(), path(w))),
             None => {
                 args.push(("--model".into(), o.model.clone()));

@@ -16,8 +16,10 @@
 //! change starts from the truth even when an earlier change's announcements are still on
 //! their way to this router), each step one placement version:
 //! 1. **Load** (version v): each device that gains experts is asked to hold its old set plus
-//!    its gains (`Hold`). It loads them while it serves the others, checks them (the shard's
-//!    checksum against the manifest), and announces the union: from then on every router may
+//!    its gains (`Hold`). It loads them while it serves the others (from its host's shards, or
+//!    copied from a current owner through a router when its host has none:
+//!    `expertmesh_worker::fetch`), checks them (the shard's checksum against the manifest),
+//!    and announces the union: from then on every router may
 //!    send it the new experts too (they are the same weights as the old owners').
 //! 2. **Release** (v + 1), once every gainer has announced and said its union is *settled*
 //!    (`Settled`: every router connected to it confirmed the union, so every router already

@@ -33,8 +33,8 @@ use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
 use expertmesh_transport::codec::{
-    Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
-    placement_entries,
+    Body, ErrorCode, LayerRequest, LayerResponse, MAX_PLACEMENT_MESSAGE_BYTES, Placement,
+    PlacementOp, encode_placement_entries, placement_entries,
 };
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::frontend::{
@@ -1051,6 +1051,39 @@ struct Changes {
     /// Changes asked from this process ([`PlacementHandle`], client [`IN_PROCESS`]): where
     /// each request's answer goes.
     in_process: HashMap<u64, std_mpsc::Sender<Result<Applied, String>>>,
+    /// Copies of gained experts relayed through this router, by the id the owner streams
+    /// under ([`CoreLoop::fetch`]).
+    relays: HashMap<u64, Relay>,
+    next_relay: u64,
+}
+
+/// A gained expert being copied from its owner to its gainer through this router.
+#[derive(Debug, Clone, Copy)]
+struct Relay {
+    gainer: u32,
+    /// The gainer's id of the stream.
+    gainer_id: u64,
+    owner: u32,
+}
+
+/// Copies of gained experts one router relays at once.
+const MAX_RELAYS: usize = 64;
+
+/// A `Chunk` that ends stream `request_id` with why it failed.
+fn chunk_error(request_id: u64, message: &str) -> OutFrame {
+    let mut p = Placement::new(PlacementOp::Chunk, 0, 0);
+    p.request_id = request_id;
+    p.message = truncate_message(message);
+    OutFrame::new(Body::Placement(p))
+}
+
+/// `message` cut to what a placement frame carries.
+fn truncate_message(message: &str) -> String {
+    let mut end = message.len().min(MAX_PLACEMENT_MESSAGE_BYTES);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message[..end].to_owned()
 }
 
 impl Changes {
@@ -1069,6 +1102,8 @@ impl Changes {
             unconfirmed: Confirmations::new(core.rank_labels().len()),
             announced: vec![false; core.rank_labels().len()],
             in_process: HashMap::new(),
+            relays: HashMap::new(),
+            next_relay: 0,
         }
     }
 }
@@ -1242,6 +1277,115 @@ impl CoreLoop {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
     }
 
+    /// Worker `from` gains an expert its host has no weights for and asks for a copy (one
+    /// entry, its own rank): a live owner other than it is asked to stream it here, and its
+    /// chunks go on to the gainer ([`CoreLoop::relay_chunk`]).
+    fn fetch(&mut self, from: u32, p: &Placement, payload: &[u8]) {
+        let entries = placement_entries(p, payload).unwrap_or_default();
+        let refuse = |this: &Self, why: String| {
+            tracing::warn!(from, "expert copy refused: {why}");
+            this.send_control(from, chunk_error(p.request_id, &why));
+        };
+        let [(rank, layer, expert)] = entries[..] else {
+            return refuse(self, "a fetch names exactly one expert".into());
+        };
+        if rank != from {
+            return refuse(
+                self,
+                format!("a fetch names mesh rank {rank}, not the asker's"),
+            );
+        }
+        if self.changes.relays.len() >= MAX_RELAYS {
+            return refuse(
+                self,
+                format!("{MAX_RELAYS} expert copies are under way here; ask again later"),
+            );
+        }
+        let owners: Vec<u32> = self
+            .core
+            .live_owners(layer, expert)
+            .into_iter()
+            .filter(|&r| r != from && self.mesh.is_connected(r))
+            .collect();
+        if owners.is_empty() {
+            return refuse(
+                self,
+                format!(
+                    "no other connected device serves layer {layer} expert {expert} now, and its \
+                     weights are not on the gaining device's host; copy its shard there"
+                ),
+            );
+        }
+        self.changes.next_relay += 1;
+        let id = self.changes.next_relay;
+        let owner = owners[(id as usize) % owners.len()];
+        self.changes.relays.insert(
+            id,
+            Relay {
+                gainer: from,
+                gainer_id: p.request_id,
+                owner,
+            },
+        );
+        tracing::info!(
+            gainer = from,
+            owner,
+            layer,
+            expert,
+            "relaying an expert copy"
+        );
+        let entries = [(owner, layer, expert)];
+        let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
+        ask.request_id = id;
+        let frame = OutFrame::with_payload(
+            Body::Placement(ask),
+            bytes::Bytes::from(encode_placement_entries(&entries)),
+        );
+        self.send_control(owner, frame);
+    }
+
+    /// A chunk of a relayed copy from its owner: on to the gainer (a stream ends with its
+    /// last chunk or an error). Chunks of unknown streams (a gainer gone) are dropped.
+    fn relay_chunk(&mut self, from: u32, p: &Placement, payload: &[u8]) {
+        let Some(relay) = self.changes.relays.get(&p.request_id).copied() else {
+            return;
+        };
+        if relay.owner != from {
+            tracing::warn!(from, "a chunk of another device's copy; dropped");
+            return;
+        }
+        let mut fwd = p.clone();
+        fwd.request_id = relay.gainer_id;
+        let frame =
+            OutFrame::with_payload(Body::Placement(fwd), bytes::Bytes::copy_from_slice(payload));
+        self.send_control(relay.gainer, frame);
+        if p.loaded == 1 || !p.message.is_empty() {
+            self.changes.relays.remove(&p.request_id);
+        }
+    }
+
+    /// Worker `rank`'s link is gone: the copies it owned fail at their gainers; the copies
+    /// it asked for are dropped.
+    fn relays_lost(&mut self, rank: u32) {
+        let gone: Vec<(u64, Relay)> = self
+            .changes
+            .relays
+            .iter()
+            .filter(|(_, r)| r.owner == rank || r.gainer == rank)
+            .map(|(&id, &r)| (id, r))
+            .collect();
+        for (id, r) in gone {
+            self.changes.relays.remove(&id);
+            if r.owner == rank {
+                let why = format!(
+                    "the device copying the expert ({}) was lost; the change is undone",
+                    self.names.get(rank as usize).map_or("?", String::as_str)
+                );
+                self.send_control(r.gainer, chunk_error(r.gainer_id, &why));
+            }
+        }
+    }
+
     /// Sends the confirmations (`Seen`) whose worker has no dispatch begun before them still
     /// being sent ([`Confirmations`]): each goes on the link behind every dispatch planned on
     /// the worker's older set. Returns whether any is still waiting.
@@ -1271,6 +1415,37 @@ impl CoreLoop {
         {
             self.rt.spawn(send);
         }
+    }
+
+    /// Takes the answers to this process's own changes ([`PlacementHandle`]) out of `answers`
+    /// and hands each to its handle.
+    fn answer_in_process(&mut self, answers: &mut Vec<(ClientId, ClientMsg)>) {
+        answers.retain(|(client, msg)| {
+            if *client != IN_PROCESS {
+                return true;
+            }
+            let (id, answer) = match msg {
+                ClientMsg::Placement(p) => (
+                    p.request_id,
+                    Ok(Applied {
+                        version: p.version,
+                        loaded: p.loaded,
+                        released: p.released,
+                        took: Duration::from_millis(u64::from(p.millis)),
+                    }),
+                ),
+                ClientMsg::Error {
+                    request_id,
+                    message,
+                    ..
+                } => (*request_id, Err(message.clone())),
+                ClientMsg::Response { request_id, .. } => (*request_id, Err(String::new())),
+            };
+            if let Some(reply) = self.changes.in_process.remove(&id) {
+                let _ = reply.send(answer);
+            }
+            false
+        });
     }
 
     /// Carries out the coordinator's actions: holds to workers, answers to frontends.
@@ -1346,33 +1521,7 @@ impl CoreLoop {
                 }
             }
         }
-        // Answers to this process's own changes go to their handles.
-        answers.retain(|(client, msg)| {
-            if *client != IN_PROCESS {
-                return true;
-            }
-            let (id, answer) = match msg {
-                ClientMsg::Placement(p) => (
-                    p.request_id,
-                    Ok(Applied {
-                        version: p.version,
-                        loaded: p.loaded,
-                        released: p.released,
-                        took: Duration::from_millis(u64::from(p.millis)),
-                    }),
-                ),
-                ClientMsg::Error {
-                    request_id,
-                    message,
-                    ..
-                } => (*request_id, Err(message.clone())),
-                ClientMsg::Response { request_id, .. } => (*request_id, Err(String::new())),
-            };
-            if let Some(reply) = self.changes.in_process.remove(&id) {
-                let _ = reply.send(answer);
-            }
-            false
-        });
+        self.answer_in_process(&mut answers);
         if !answers.is_empty() {
             any = true;
             let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
@@ -1408,6 +1557,12 @@ impl CoreLoop {
                     Body::Placement(p) if p.op == PlacementOp::Settled => {
                         self.changes.coordinator.on_settled(from, p.version, now)
                     }
+                    Body::Placement(p) if p.op == PlacementOp::Fetch => {
+                        self.fetch(from, p, f.payload())
+                    }
+                    Body::Placement(p) if p.op == PlacementOp::Chunk => {
+                        self.relay_chunk(from, p, f.payload())
+                    }
                     Body::Error(e) => {
                         self.core
                             .on_worker_error(from, e.request_id, e.code, &e.message, now)
@@ -1432,6 +1587,7 @@ impl CoreLoop {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 self.core.on_peer_lost(e.peer, now);
                 self.changes.coordinator.on_peer_lost(e.peer, now);
+                self.relays_lost(e.peer);
                 self.core.metrics().on_link(e.peer, false);
             }
         }

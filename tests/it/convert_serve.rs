@@ -490,61 +490,65 @@ fn olmoe_bf16_with_zero_points_matches_the_reference() {
     );
 }
 
+/// `dep`'s placement with the two devices' lists swapped on every layer (shared experts stay).
+fn swapped(dep: &Deployment) -> expertmesh_topology::placement::Placement {
+    use expertmesh_topology::placement::Placement;
+    let p = &dep.placement;
+    let layers = dep.spec.moe_layer_ids();
+    let ranks: Vec<_> = dep.topology.devices().iter().map(|d| d.rank()).collect();
+    let slots = layers
+        .iter()
+        .map(|&l| {
+            ranks
+                .iter()
+                .rev()
+                .map(|&r| p.experts_on(r, l).to_vec())
+                .collect()
+        })
+        .collect();
+    let shared = layers
+        .iter()
+        .filter_map(|&l| p.shared_location(l))
+        .collect();
+    Placement::new(&dep.topology, &dep.spec, slots, shared, "swapped").unwrap()
+}
+
+/// `expertmesh rebalance` of `placement` against `fabric` serving `out`: exit code and output.
+fn rebalance(fabric: &LocalFabric, out: &Path, placement: &Path) -> (Option<i32>, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
+        .arg("--topology")
+        .arg(topology())
+        .arg("--weights")
+        .arg(out)
+        .arg("--placement")
+        .arg(placement)
+        .args(["--timeout-s", "60"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status.code(), text)
+}
+
 /// Converted weights move live (issue 29): each device gains the other's experts from the
 /// other's shard (checked against the manifest's checksum) while the fabric serves; served
 /// afterwards bit for bit like before. A change whose gains come from a damaged shard is
 /// refused by the gainer and undone, and the fabric still serves every layer exactly.
 #[test]
 fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_change() {
-    use expertmesh_topology::placement::Placement;
     let _machine = crate::support::shared();
     let (dir, ck, out) = case("qwen3_moe", WeightFormat::Bf16, 1);
     let dep = Deployment::load_converted(&topology(), &out).unwrap();
-    let layers = dep.spec.moe_layer_ids();
-    // Every layer's lists of the two devices swapped; shared experts stay.
-    let swap = |p: &Placement| -> Placement {
-        let slots = layers
-            .iter()
-            .map(|&l| {
-                let ranks: Vec<_> = dep.topology.devices().iter().map(|d| d.rank()).collect();
-                ranks
-                    .iter()
-                    .rev()
-                    .map(|&r| p.experts_on(r, l).to_vec())
-                    .collect()
-            })
-            .collect();
-        let shared = layers
-            .iter()
-            .filter_map(|&l| p.shared_location(l))
-            .collect();
-        Placement::new(&dep.topology, &dep.spec, slots, shared, "swapped").unwrap()
-    };
-    let swapped = dir.path().join("swapped.toml");
-    std::fs::write(&swapped, swap(&dep.placement).to_toml_string()).unwrap();
+    let swapped_path = dir.path().join("swapped.toml");
+    std::fs::write(&swapped_path, swapped(&dep).to_toml_string()).unwrap();
     let original = dir.path().join("original.toml");
     std::fs::write(&original, dep.placement.to_toml_string()).unwrap();
     let fabric = LocalFabric::start(options(&out, ComputeMode::Exact)).unwrap();
-    let rebalance = |placement: &Path| {
-        let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-            .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
-            .arg("--topology")
-            .arg(topology())
-            .arg("--weights")
-            .arg(&out)
-            .arg("--placement")
-            .arg(placement)
-            .args(["--timeout-s", "60"])
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        (o.status.code(), text)
-    };
-    let (code, text) = rebalance(&swapped);
+    let (code, text) = rebalance(&fabric, &out, &swapped_path);
     crate::support::say(&text);
     assert_eq!(code, Some(0), "{text}");
     check_served_exactly(&ck, &out, &fabric);
@@ -559,7 +563,7 @@ fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_ch
     let mut bytes = intact.clone();
     bytes[at] ^= 0x5a;
     std::fs::write(&path, bytes).unwrap();
-    let (code, text) = rebalance(&original);
+    let (code, text) = rebalance(&fabric, &out, &original);
     assert_eq!(code, Some(1), "{text}");
     assert!(
         text.contains("undone") && text.contains("checksum mismatch"),
@@ -568,5 +572,82 @@ fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_ch
     // (The reference reads every shard: the intact bytes back first.)
     std::fs::write(&path, intact).unwrap();
     check_served_exactly(&ck, &out, &fabric);
+    fabric.shutdown();
+}
+
+/// On a cluster whose hosts hold only their own devices' shards (each worker here reads a
+/// folder without the other device's shard), a device gains experts whose weights only the
+/// other host has: each is copied from its current owner through the router (checked end to
+/// end), and the fabric serves every layer bit for bit afterwards. An owner whose shard is
+/// damaged fails the copy and the change is undone.
+#[test]
+fn a_gained_expert_only_another_host_has_is_copied_from_its_owner() {
+    let _machine = crate::support::shared();
+    let (dir, ck, out) = case("qwen3_moe", WeightFormat::Bf16, 1);
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    let manifest = &dep.weights.as_ref().unwrap().manifest;
+    let ids: Vec<String> = dep
+        .topology
+        .devices()
+        .iter()
+        .map(|d| d.id().to_string())
+        .collect();
+    let mut folders = Vec::new();
+    for (i, _) in ids.iter().enumerate() {
+        let others: Vec<String> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .filter_map(|(_, o)| manifest.shard_of(o).map(|r| r.file.clone()))
+            .collect();
+        let host = dir.path().join(format!("host{i}"));
+        std::fs::create_dir(&host).unwrap();
+        for entry in std::fs::read_dir(&out).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !others.contains(&name) {
+                std::fs::hard_link(entry.path(), host.join(&name)).unwrap();
+            }
+        }
+        folders.push(host);
+    }
+    let swapped_path = dir.path().join("swapped.toml");
+    std::fs::write(&swapped_path, swapped(&dep).to_toml_string()).unwrap();
+    let mut o = options(&out, ComputeMode::Exact);
+    o.worker_weights = folders;
+    let fabric = LocalFabric::start(o).unwrap();
+    // The owner reads what it copies from its host's shard, checked against the manifest: a
+    // damaged one fails the copy, and the change is undone.
+    let shard1 = out.join(&manifest.shard_of(&ids[1]).unwrap().file);
+    let intact = std::fs::read(&shard1).unwrap();
+    let at = ShardFile::open(&shard1).unwrap().index().experts[0]
+        .w13
+        .nibbles
+        .offset as usize;
+    let mut bytes = intact.clone();
+    bytes[at] ^= 0x5a;
+    // (The folders hold hard links: this writes host 1's copy too.)
+    std::fs::write(&shard1, bytes).unwrap();
+    let (code, text) = rebalance(&fabric, &out, &swapped_path);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("undone") && text.contains("checksum mismatch"),
+        "{text}"
+    );
+    std::fs::write(&shard1, intact).unwrap();
+    check_served_exactly(&ck, &out, &fabric);
+    let (code, text) = rebalance(&fabric, &out, &swapped_path);
+    crate::support::say(&text);
+    assert_eq!(code, Some(0), "{text}");
+    check_served_exactly(&ck, &out, &fabric);
+    // Every gain was a copy: each worker's log names the copies it served.
+    for d in 0..ids.len() {
+        let log = std::fs::read_to_string(fabric.log_dir().join(format!("worker-{d}.log")))
+            .unwrap_or_default();
+        assert!(
+            log.contains("expert copied to a gaining device"),
+            "worker {d}: {log}"
+        );
+    }
     fabric.shutdown();
 }

@@ -823,9 +823,9 @@ pub enum PlacementOp {
     /// stream it to me (the entry names the owner). A gain in a live change whose weights
     /// are not on the gainer's host is copied from a current owner this way.
     Fetch = 8,
-    /// Owner → router → asker: bytes of the stream `request_id` at byte offset `version`;
-    /// `loaded` is 1 on the last chunk; a non-empty `message` ends the stream with why it
-    /// failed.
+    /// Owner → router → asker: bytes of the stream `request_id` at byte offset `version` (the
+    /// payload, `entries` bytes long); `loaded` is 1 on the last chunk; a non-empty `message`
+    /// ends the stream with why it failed.
     Chunk = 9,
 }
 
@@ -864,7 +864,7 @@ pub struct Placement {
     pub request_id: u64,
     /// The placement version: every change increases it; a worker refuses an older one.
     pub version: u64,
-    /// (rank, layer, expert) triples in the payload.
+    /// (rank, layer, expert) triples in the payload; for a `Chunk`, its payload bytes.
     pub entries: u32,
     /// `Apply`: how long the change may take, in milliseconds; `Applied`: how long it took.
     pub millis: u32,
@@ -1169,6 +1169,8 @@ impl Body {
                 .checked_mul(r.hidden as u64)
                 .and_then(|n| n.checked_mul(r.dtype.elem_bytes() as u64))
                 .ok_or_else(shape_err)?,
+            // A chunk's payload is its bytes; every other op's, its entries.
+            Self::Placement(p) if p.op == PlacementOp::Chunk => u64::from(p.entries),
             Self::Placement(p) => p.entries as u64 * PLACEMENT_ENTRY_BYTES as u64,
             _ => 0,
         })

@@ -111,21 +111,13 @@ pub fn decode_expert(
     if crc32c::crc32c(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
         return Err(FetchError::Checksum);
     }
-    if &body[..4] != MAGIC {
-        return Err(bad("no EMXF magic"));
-    }
-    let u32_at = |i: usize| u32::from_le_bytes(body[4 + 4 * i..8 + 4 * i].try_into().expect("4"));
-    if u32_at(0) != VERSION {
-        return Err(bad(&format!(
-            "stream version {} (this build reads 1)",
-            u32_at(0)
-        )));
-    }
-    let key = ExpertKey {
-        layer: u32_at(1),
-        expert: u32_at(2),
-    };
-    let (h, n) = (u32_at(3) as usize, u32_at(4) as usize);
+    let Header {
+        key,
+        hidden: h,
+        inter: n,
+        spec,
+        lens,
+    } = parse_header(body)?;
     if key != want || (h, n) != (hidden, inter) {
         return Err(FetchError::Mismatch {
             got: format!(
@@ -138,29 +130,7 @@ pub fn decode_expert(
             ),
         });
     }
-    let scale_dtype = match body[28] {
-        0 => ScaleDtype::F16,
-        1 => ScaleDtype::Bf16,
-        x => return Err(bad(&format!("scale type {x}"))),
-    };
-    let zero_points = match body[29] {
-        0 => false,
-        1 => true,
-        x => return Err(bad(&format!("zero-point flag {x}"))),
-    };
-    let spec = QuantSpec {
-        group_size: u32_at(5),
-        scale_dtype,
-        zero_points,
-    };
-    spec.validate()
-        .map_err(|e| bad(&format!("packed format: {e}")))?;
-    let mut lens = [0usize; 6];
-    for (i, l) in lens.iter_mut().enumerate() {
-        let at = 32 + 8 * i;
-        let v = u64::from_le_bytes(body[at..at + 8].try_into().expect("8"));
-        *l = usize::try_from(v).map_err(|_| bad("an array length over the address space"))?;
-    }
+    let zero_points = spec.zero_points;
     let total = lens
         .iter()
         .try_fold(HEADER_BYTES, |a, &l| a.checked_add(l))
@@ -202,6 +172,66 @@ pub fn decode_expert(
     )
     .map_err(|e| bad(&e.to_string()))?;
     ExpertWeights::new(w13, w2).map_err(|e| bad(&e.to_string()))
+}
+
+/// What a stream's header says.
+struct Header {
+    key: ExpertKey,
+    hidden: usize,
+    inter: usize,
+    spec: QuantSpec,
+    /// The six arrays' lengths, in stream order.
+    lens: [usize; 6],
+}
+
+/// The header of `body` (a stream without its checksum, at least [`HEADER_BYTES`] long).
+fn parse_header(body: &[u8]) -> Result<Header, FetchError> {
+    let bad = |m: &str| FetchError::Malformed(m.to_owned());
+    if &body[..4] != MAGIC {
+        return Err(bad("no EMXF magic"));
+    }
+    let u32_at = |i: usize| u32::from_le_bytes(body[4 + 4 * i..8 + 4 * i].try_into().expect("4"));
+    if u32_at(0) != VERSION {
+        return Err(bad(&format!(
+            "stream version {} (this build reads 1)",
+            u32_at(0)
+        )));
+    }
+    let key = ExpertKey {
+        layer: u32_at(1),
+        expert: u32_at(2),
+    };
+    let (h, n) = (u32_at(3) as usize, u32_at(4) as usize);
+    let scale_dtype = match body[28] {
+        0 => ScaleDtype::F16,
+        1 => ScaleDtype::Bf16,
+        x => return Err(bad(&format!("scale type {x}"))),
+    };
+    let zero_points = match body[29] {
+        0 => false,
+        1 => true,
+        x => return Err(bad(&format!("zero-point flag {x}"))),
+    };
+    let spec = QuantSpec {
+        group_size: u32_at(5),
+        scale_dtype,
+        zero_points,
+    };
+    spec.validate()
+        .map_err(|e| bad(&format!("packed format: {e}")))?;
+    let mut lens = [0usize; 6];
+    for (i, l) in lens.iter_mut().enumerate() {
+        let at = 32 + 8 * i;
+        let v = u64::from_le_bytes(body[at..at + 8].try_into().expect("8"));
+        *l = usize::try_from(v).map_err(|_| bad("an array length over the address space"))?;
+    }
+    Ok(Header {
+        key,
+        hidden: h,
+        inter: n,
+        spec,
+        lens,
+    })
 }
 
 /// Reassembles one stream from chunks that may arrive in any order (a relay may reorder
@@ -301,6 +331,8 @@ pub fn max_stream_bytes(hidden: usize, inter: usize, group: usize) -> usize {
     let rows = 2 * inter + hidden;
     HEADER_BYTES + weights / 2 + 3 * groups + rows + 4
 }
+
+pub(crate) mod io;
 
 #[cfg(test)]
 mod tests;

@@ -470,6 +470,25 @@ struct Live {
     /// Experts every router stopped sending while gains were staged: freed after the install
     /// (unless the staged hold serves them again).
     free_later: Vec<(u32, u32)>,
+    /// Where chunks of experts copied to this device go (the loader thread), while staging.
+    chunk_tx: Option<std::sync::mpsc::Sender<crate::fetch::io::ChunkMsg>>,
+    /// Serves copies of this device's experts to gaining devices (started on first use).
+    copies: Option<crate::fetch::io::CopyServer>,
+}
+
+/// The gains `load` as one source: from this host's shards, then copied from their owners.
+fn gain_source(
+    dep: &Deployment,
+    load: &[(u32, u32)],
+    fetcher: &crate::fetch::io::Fetcher,
+) -> Result<Box<dyn expertmesh_backend::ExpertSource>, String> {
+    let (local, missing) =
+        weights::gained_expert_source_on_host(dep, load).map_err(|e| e.to_string())?;
+    if missing.is_empty() {
+        return Ok(local);
+    }
+    let copied = fetcher.fetch(dep, &missing)?;
+    Ok(Box::new(crate::fetch::io::Chain::new(local, copied)))
 }
 
 /// A hold whose gains a loader thread reads and packs ([`ExpertBackend::stager`]).
@@ -504,6 +523,8 @@ impl Live {
             deferred: None,
             staging: None,
             free_later: Vec::new(),
+            chunk_tx: None,
+            copies: None,
         }
     }
 }
@@ -761,6 +782,12 @@ impl ComputeCtx {
                 let confirmed = self.live.holdings.on_seen(from, p.version);
                 self.confirmed(confirmed);
             }
+            PlacementOp::Fetch => self.copy_asked(from, p, payload),
+            PlacementOp::Chunk => {
+                if let Some(tx) = &self.live.chunk_tx {
+                    let _ = tx.send((p.request_id, p.clone(), payload.to_vec()));
+                }
+            }
             PlacementOp::Hold => {
                 // A newer hold replaces one waiting; one arriving while gains are staged waits
                 // for them (it is taken again once they are installed or failed).
@@ -770,7 +797,7 @@ impl ComputeCtx {
                     return;
                 }
                 let started = Instant::now();
-                match self.hold(p, payload) {
+                match self.hold(from, p, payload) {
                     Ok(HoldOutcome::Done(version, gained, confirmed)) => {
                         self.changed(version, gained, started);
                         self.confirmed(confirmed);
@@ -789,6 +816,38 @@ impl ComputeCtx {
             other => {
                 tracing::warn!(worker = %self.id, from, op = ?other, "unexpected placement frame from a router")
             }
+        }
+    }
+
+    /// Router `from` asks this device to copy one of its experts to a gaining device
+    /// (`crate::fetch`): queued on the copy server, or refused at once.
+    fn copy_asked(&mut self, from: u32, p: &Placement, payload: &[u8]) {
+        let entries = placement_entries(p, payload).unwrap_or_default();
+        let asked = match entries[..] {
+            [(rank, layer, expert)] if rank == self.live.rank => Ok(ExpertKey { layer, expert }),
+            _ => Err("a copy request names exactly one expert of this device".to_owned()),
+        };
+        let queued = asked.and_then(|key| {
+            if self.live.copies.is_none() {
+                let server = crate::fetch::io::CopyServer::start(
+                    self.live.dep.clone(),
+                    self.mesh.clone(),
+                    self.handle.clone(),
+                    self.id.clone(),
+                )
+                .map_err(|e| format!("starting the copy thread: {e}"))?;
+                self.live.copies = Some(server);
+            }
+            self.live
+                .copies
+                .as_ref()
+                .expect("started above")
+                .ask(from, p.request_id, key)
+        });
+        if let Err(why) = queued {
+            tracing::warn!(worker = %self.id, "expert copy refused: {why}");
+            let frame = crate::fetch::io::chunk_error(p.request_id, &why);
+            self.send_control(from, &frame, "refusing an expert copy");
         }
     }
 
@@ -826,6 +885,7 @@ impl ComputeCtx {
             started,
             loader,
         } = self.live.staging.take().expect("checked above");
+        self.live.chunk_tx = None;
         let version = plan.version;
         let staged = loader
             .join()
@@ -863,7 +923,7 @@ impl ComputeCtx {
     /// Carries out a `Hold`: checks it, then either stages the gains on a loader thread (a
     /// backend with a stager: this device serves meanwhile; [`ComputeCtx::poll_staging`]
     /// installs them), or loads them here between dispatches, and serves the new set.
-    fn hold(&mut self, p: &Placement, payload: &[u8]) -> Result<HoldOutcome, String> {
+    fn hold(&mut self, from: u32, p: &Placement, payload: &[u8]) -> Result<HoldOutcome, String> {
         if self.fanout.is_some() {
             return Err(
                 "this device's node fans dispatches out to its devices (per-node dedup), \
@@ -907,16 +967,26 @@ impl ComputeCtx {
             if let Some(stager) = backend.stager() {
                 let (dep, load) = (self.live.dep.clone(), plan.load.clone());
                 let compute = std::thread::current();
+                // Gains whose weights are not on this host are copied from a device that
+                // serves them, through the router that asked (chunks reach the loader from
+                // the compute loop).
+                let (chunk_tx, chunks) = std::sync::mpsc::channel();
+                self.live.chunk_tx = Some(chunk_tx);
+                let fetcher = crate::fetch::io::Fetcher {
+                    router: from,
+                    rank: self.live.rank,
+                    mesh: self.mesh.clone(),
+                    handle: self.handle.clone(),
+                    chunks,
+                };
                 let loader = std::thread::Builder::new()
                     .name("expert-loader".into())
                     .spawn(move || {
-                        let staged = weights::gained_expert_source(&dep, &load)
-                            .map_err(|e| e.to_string())
-                            .and_then(|mut source| {
-                                stager
-                                    .stage(&mut *source)
-                                    .map_err(|e| format!("loading the gained experts: {e}"))
-                            });
+                        let staged = gain_source(&dep, &load, &fetcher).and_then(|mut source| {
+                            stager
+                                .stage(&mut *source)
+                                .map_err(|e| format!("loading the gained experts: {e}"))
+                        });
                         compute.unpark();
                         staged
                     })

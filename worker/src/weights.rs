@@ -474,6 +474,31 @@ pub fn gained_expert_source(
     dep: &Deployment,
     keys: &[(u32, u32)],
 ) -> Result<Box<dyn ExpertSource>, WeightsError> {
+    let (src, missing) = gained_expert_source_on_host(dep, keys)?;
+    if !missing.is_empty() {
+        let path = dep
+            .weights
+            .as_ref()
+            .map(|w| w.dir.clone())
+            .unwrap_or_default();
+        return Err(WeightsError::MissingExperts {
+            path,
+            missing: missing.into_iter().take(5).collect(),
+        });
+    }
+    Ok(src)
+}
+
+/// The gains a host has weights for, as a source, and the keys it has none for.
+pub type HostGains = (Box<dyn ExpertSource>, Vec<(u32, u32)>);
+
+/// [`gained_expert_source`] for the experts this host has weights for, and the keys it has
+/// none for (ascending; empty for synthetic weights): those are copied from a device that
+/// serves them ([`crate::fetch`]).
+pub fn gained_expert_source_on_host(
+    dep: &Deployment,
+    keys: &[(u32, u32)],
+) -> Result<HostGains, WeightsError> {
     let spec = &dep.spec;
     let Some(w) = dep.weights.as_ref() else {
         let synth = spec.synthetic(dep.seed);
@@ -490,7 +515,7 @@ pub fn gained_expert_source(
                     Ok((ExpertKey { layer, expert }, weights))
                 })
                 .collect::<Result<Vec<_>, WeightsError>>()?;
-        return Ok(Box::new(VecSource::new(experts)));
+        return Ok((Box::new(VecSource::new(experts)), Vec::new()));
     };
     let mut missing: BTreeSet<(u32, u32)> = keys.iter().copied().collect();
     let mut src = GainSource::default();
@@ -529,13 +554,7 @@ pub fn gained_expert_source(
             src.shapes.push(shape);
         }
     }
-    if !missing.is_empty() {
-        return Err(WeightsError::MissingExperts {
-            path: w.dir.clone(),
-            missing: missing.into_iter().take(5).collect(),
-        });
-    }
-    Ok(Box::new(src))
+    Ok((Box::new(src), missing.into_iter().collect()))
 }
 
 /// The key and shape of expert entry `e` of `file`.

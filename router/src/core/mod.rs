@@ -360,6 +360,21 @@ impl RouterCore {
         l
     }
 
+    /// The worker ranks that own routed expert `expert` of `layer` and may be chosen now
+    /// (their link is up and they announced it), ascending; empty for an unknown layer.
+    pub fn live_owners(&self, layer: u32, expert: u32) -> Vec<u32> {
+        self.layers
+            .get(&layer)
+            .and_then(|s| s.owners.owners.get(expert as usize))
+            .map(|list| {
+                list.iter()
+                    .copied()
+                    .filter(|&r| self.replicas.alive.get(r as usize) == Some(&true))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Batches in flight.
     pub fn inflight(&self) -> usize {
         self.inflight.len()
