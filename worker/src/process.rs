@@ -471,7 +471,7 @@ struct Live {
     /// (unless the staged hold serves them again).
     free_later: Vec<(u32, u32)>,
     /// Where chunks of experts copied to this device go (the loader thread), while staging.
-    chunk_tx: Option<std::sync::mpsc::Sender<crate::fetch::io::ChunkMsg>>,
+    chunk_tx: Option<std::sync::mpsc::SyncSender<crate::fetch::io::ChunkMsg>>,
     /// Serves copies of this device's experts to gaining devices (started on first use).
     copies: Option<crate::fetch::io::CopyServer>,
 }
@@ -784,8 +784,14 @@ impl ComputeCtx {
             }
             PlacementOp::Fetch => self.copy_asked(from, p, payload),
             PlacementOp::Chunk => {
-                if let Some(tx) = &self.live.chunk_tx {
-                    let _ = tx.send((p.request_id, p.clone(), payload.to_vec()));
+                // Bounded: a stream whose chunks overflow the loader's queue fails (its copy
+                // times out at the loader, and the change is undone).
+                if let Some(tx) = &self.live.chunk_tx
+                    && tx
+                        .try_send((p.request_id, p.clone(), payload.to_vec()))
+                        .is_err()
+                {
+                    tracing::warn!(worker = %self.id, "a chunk of an expert copy was dropped: the loader's queue is full");
                 }
             }
             PlacementOp::Hold => {
@@ -970,7 +976,8 @@ impl ComputeCtx {
                 // Gains whose weights are not on this host are copied from a device that
                 // serves them, through the router that asked (chunks reach the loader from
                 // the compute loop).
-                let (chunk_tx, chunks) = std::sync::mpsc::channel();
+                let (chunk_tx, chunks) =
+                    std::sync::mpsc::sync_channel(crate::fetch::io::CHUNK_QUEUE);
                 self.live.chunk_tx = Some(chunk_tx);
                 let fetcher = crate::fetch::io::Fetcher {
                     router: from,

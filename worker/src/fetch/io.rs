@@ -22,6 +22,9 @@ static NEXT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// Copies an owner queues before it refuses more (each is one expert).
 const COPY_QUEUE: usize = 8;
 
+/// Chunks the compute loop queues for the loader (each [`super::CHUNK_BYTES`]).
+pub(crate) const CHUNK_QUEUE: usize = 64;
+
 /// How long a gainer waits for the next chunk of a copy before it gives up.
 pub(crate) const CHUNK_WAIT: Duration = Duration::from_secs(60);
 

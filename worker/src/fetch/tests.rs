@@ -117,3 +117,18 @@ fn a_damaged_foreign_or_oversized_stream_is_refused() {
         Some(160)
     );
 }
+
+#[test]
+fn the_fuzz_seed_is_a_valid_stream_of_the_current_format() {
+    let seed = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/seeds/fetched_expert/valid-128x128-g32-bf16.bin");
+    let bytes = std::fs::read(&seed).unwrap();
+    let key = ExpertKey {
+        layer: 1,
+        expert: 2,
+    };
+    let w = decode_expert(&bytes, key, 128, 128).unwrap();
+    assert_eq!(w.spec(), spec(32, true, false));
+    // Re-encoded, it is the same bytes.
+    assert_eq!(encode_expert(key, &w), bytes);
+}
