@@ -137,7 +137,7 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     // The reference for the calls during the change: one frontend alone, before it.
     let alone = drive.measure(maxb, Duration::from_secs_f64(o.seconds), 1, None)?;
     // The change, applied while one frontend keeps calling at the largest batch.
-    let entries = entries_of(topo, spec, &planned);
+    let entries = expertmesh_planner::transition::placement_mesh_entries(topo, spec, &planned);
     let (applied, during) = drive.apply_under_load(&entries, maxb)?;
     record_change(&mut report, &applied, &during, spec.expert_bytes());
     let hw = expertmesh_planner::evaluate::Hardware::from_topology(topo);
@@ -298,19 +298,6 @@ fn plan_for(topo: &Topology, spec: &ModelSpec, stats: &LoadStats) -> Result<Plac
             what: "the rebalanced placement",
             cause,
         })
-}
-
-/// Every (mesh rank, layer, expert) of `p`.
-fn entries_of(topo: &Topology, spec: &ModelSpec, p: &Placement) -> Vec<(u32, u32, u32)> {
-    let routers = (topo.routers().len() as u32).max(1);
-    let mut out = Vec::new();
-    for d in topo.devices() {
-        for l in spec.moe_layer_ids() {
-            let rank = routers + d.rank().0;
-            out.extend(p.experts_on(d.rank(), l).iter().map(|&e| (rank, l, e)));
-        }
-    }
-    out
 }
 
 /// (hidden states, router logits) of each batch of a pool.

@@ -28,6 +28,7 @@ use expertmesh_router::service::PlacementHandle;
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::placement::Placement;
 use expertmesh_topology::topology::Topology;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -128,10 +129,12 @@ pub fn window(
     Ok(LoadStats::new(spec, counts)?.with_tokens(tokens))
 }
 
-/// The loop, on its own thread; dropping it stops it (after a change under way).
+/// The loop, on its own thread; dropping it stops it (a change under way goes on in the
+/// router's coordinator; the loop stops waiting for it and applies no further step).
 #[derive(Debug)]
 pub struct AutoRebalancer {
     stop: Option<mpsc::Sender<()>>,
+    stopping: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     rounds: Arc<Mutex<Vec<Round>>>,
 }
@@ -144,7 +147,7 @@ struct Loop {
     topology: Topology,
     spec: ModelSpec,
     served: Placement,
-    routers: u32,
+    stopping: Arc<AtomicBool>,
 }
 
 impl AutoRebalancer {
@@ -167,16 +170,16 @@ impl AutoRebalancer {
                 opts.every, opts.min_gain
             )));
         }
-        let routers = (topology.routers().len() as u32).max(1);
         let rounds: Arc<Mutex<Vec<Round>>> = Arc::default();
+        let stopping = Arc::new(AtomicBool::new(false));
         let mut l = Loop {
+            stopping: Arc::clone(&stopping),
             opts,
             handle,
             metrics,
             topology,
             spec,
             served,
-            routers,
         };
         let (stop, stopped) = mpsc::channel::<()>();
         let record = Arc::clone(&rounds);
@@ -203,6 +206,7 @@ impl AutoRebalancer {
             .map_err(FabricError::io("starting the automatic rebalancing thread"))?;
         Ok(Self {
             stop: Some(stop),
+            stopping,
             thread: Some(thread),
             rounds,
         })
@@ -219,6 +223,7 @@ impl AutoRebalancer {
 
 impl Drop for AutoRebalancer {
     fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Release);
         drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -284,9 +289,16 @@ impl Loop {
             })
             .collect();
         for (i, step) in plan.steps.iter().enumerate() {
+            if self.stopping.load(Ordering::Acquire) {
+                return Err(format!("stopped after step {i} of {steps}"));
+            }
             let applied = self
                 .handle
-                .apply(self.entries(&step.owners), self.opts.timeout)
+                .apply(
+                    transition::mesh_entries(&self.topology, &self.spec, &step.owners),
+                    self.opts.timeout,
+                    Some(&self.stopping),
+                )
                 .map_err(|e| format!("step {} of {steps}: {e}", i + 1))?;
             version = applied.version;
             loaded += applied.loaded;
@@ -301,17 +313,6 @@ impl Loop {
             .map_err(|p| format!("step {} of {steps} as a placement: {p:?}", i + 1))?;
         }
         Ok((version, loaded, released, steps))
-    }
-
-    /// (mesh rank, layer, expert) of `[layer index][device] → experts`.
-    fn entries(&self, owners: &[Vec<Vec<u32>>]) -> Vec<(u32, u32, u32)> {
-        let mut out = Vec::new();
-        for (layer, per_device) in self.spec.moe_layer_ids().into_iter().zip(owners) {
-            for (d, experts) in per_device.iter().enumerate() {
-                out.extend(experts.iter().map(|&e| (self.routers + d as u32, layer, e)));
-            }
-        }
-        out
     }
 
     fn log(&self, round: &Round) {

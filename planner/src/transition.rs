@@ -263,6 +263,44 @@ fn plan_steps(
     Ok(steps)
 }
 
+/// What a live change sends for `owners` (`[layer index][device] → experts`, a step's or a
+/// placement's): (mesh rank, layer, expert), the routers being mesh ranks `0..routers` and
+/// device `d` mesh rank `routers + d`.
+pub fn mesh_entries(
+    topology: &Topology,
+    model: &ModelSpec,
+    owners: &[Vec<Vec<u32>>],
+) -> Vec<(u32, u32, u32)> {
+    let routers = (topology.routers().len() as u32).max(1);
+    let mut out = Vec::new();
+    for (layer, per_device) in model.moe_layer_ids().into_iter().zip(owners) {
+        for (d, experts) in per_device.iter().enumerate() {
+            out.extend(experts.iter().map(|&e| (routers + d as u32, layer, e)));
+        }
+    }
+    out
+}
+
+/// [`mesh_entries`] of every device's experts in `placement`.
+pub fn placement_mesh_entries(
+    topology: &Topology,
+    model: &ModelSpec,
+    placement: &Placement,
+) -> Vec<(u32, u32, u32)> {
+    let owners: Vec<Vec<Vec<u32>>> = model
+        .moe_layer_ids()
+        .into_iter()
+        .map(|l| {
+            topology
+                .devices()
+                .iter()
+                .map(|d| placement.experts_on(d.rank(), l).to_vec())
+                .collect()
+        })
+        .collect();
+    mesh_entries(topology, model, &owners)
+}
+
 /// `new` changed so that as many experts as possible stay on the device that serves them in
 /// `old`, and a live change moves fewer weights, with each device keeping the same count (so
 /// the same memory) and, `within_nodes`, each node the same experts (so the same traffic:

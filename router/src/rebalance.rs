@@ -421,8 +421,9 @@ impl Coordinator {
             let why = format!("{name}: {message}");
             c.awaited[w] = None;
             self.fail(why, now);
-        } else {
-            c.announced[w] = version >= c.version && set == want;
+        } else if version >= c.version {
+            // (An older announcement, a stale hold's refusal say, changes nothing here.)
+            c.announced[w] = set == want;
         }
         self.advance(now);
     }
@@ -586,7 +587,8 @@ impl Coordinator {
         if !gone.is_empty() {
             let why = c.failure.take().unwrap_or_default();
             c.failure = Some(format!(
-                "{why} ({} not connected: it serves its placement file's set when it returns)",
+                "{why} ({} not connected: when it returns it announces what it holds, and routers \
+                 route by that)",
                 gone.join(", ")
             ));
         }

@@ -33,8 +33,8 @@ use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
 use expertmesh_transport::codec::{
-    Body, ErrorCode, LayerRequest, LayerResponse, MAX_PLACEMENT_MESSAGE_BYTES, Placement,
-    PlacementOp, encode_placement_entries, placement_entries,
+    Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
+    placement_entries,
 };
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::frontend::{
@@ -137,6 +137,8 @@ pub struct RouterService {
     metrics: Arc<crate::metrics::RouterMetrics>,
     ranks: crate::ranks::RankNames,
     admission: Arc<AdmissionGate>,
+    /// The request ids of in-process placement changes, shared by every handle.
+    placement_requests: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for RouterService {
@@ -244,6 +246,7 @@ impl RouterService {
             metrics,
             ranks,
             admission,
+            placement_requests: Arc::default(),
         })
     }
 
@@ -325,7 +328,7 @@ impl RouterService {
     pub fn placement_handle(&self) -> PlacementHandle {
         PlacementHandle {
             tx: self.input.clone(),
-            next_request: Arc::default(),
+            next_request: Arc::clone(&self.placement_requests),
         }
     }
 
@@ -411,7 +414,7 @@ impl std::fmt::Debug for PlacementHandle {
 impl PlacementHandle {
     /// Applies `entries` ((mesh rank, layer, expert); every worker targeted, one without
     /// entries is emptied), each step within `timeout`, and waits for the answer (blocking:
-    /// call it from a thread of its own).
+    /// call it from a thread of its own), or until `stop` is set.
     ///
     /// # Errors
     /// Why the change was refused or failed (the coordinator's message), or that the router
@@ -420,6 +423,7 @@ impl PlacementHandle {
         &self,
         entries: Vec<(u32, u32, u32)>,
         timeout: Duration,
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Applied, String> {
         let request_id = self.next_request.fetch_add(1, Ordering::AcqRel) + 1;
         let (reply, answer) = std_mpsc::channel();
@@ -444,12 +448,23 @@ impl PlacementHandle {
         }
         self.tx.wake();
         let wait = 4 * timeout + Duration::from_secs(10);
-        match answer.recv_timeout(wait) {
-            Ok(a) => a,
-            Err(std_mpsc::RecvTimeoutError::Timeout) => Err(format!(
-                "no answer from the router's coordinator within {wait:?}"
-            )),
-            Err(std_mpsc::RecvTimeoutError::Disconnected) => Err("the router stopped".into()),
+        let until = std::time::Instant::now() + wait;
+        loop {
+            match answer.recv_timeout(Duration::from_millis(100)) {
+                Ok(a) => return a,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err("the router stopped".into());
+                }
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if stop.is_some_and(|s| s.load(Ordering::Acquire)) {
+                return Err("stopped while waiting (the router's coordinator carries on)".into());
+            }
+            if std::time::Instant::now() >= until {
+                return Err(format!(
+                    "no answer from the router's coordinator within {wait:?}"
+                ));
+            }
         }
     }
 }
@@ -1058,32 +1073,26 @@ struct Changes {
 }
 
 /// A gained expert being copied from its owner to its gainer through this router.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Relay {
     gainer: u32,
     /// The gainer's id of the stream.
     gainer_id: u64,
     owner: u32,
+    /// The expert.
+    key: (u32, u32),
+    /// Other owners to ask if this one refuses before sending anything.
+    others: Vec<u32>,
+    /// Whether a chunk of it reached the gainer.
+    started: bool,
 }
 
-/// Copies of gained experts one router relays at once.
-const MAX_RELAYS: usize = 64;
+/// Copies of gained experts one router relays at once (each gainer copies one at a time).
+const MAX_RELAYS: usize = 1024;
 
 /// A `Chunk` that ends stream `request_id` with why it failed.
 fn chunk_error(request_id: u64, message: &str) -> OutFrame {
-    let mut p = Placement::new(PlacementOp::Chunk, 0, 0);
-    p.request_id = request_id;
-    p.message = truncate_message(message);
-    OutFrame::new(Body::Placement(p))
-}
-
-/// `message` cut to what a placement frame carries.
-fn truncate_message(message: &str) -> String {
-    let mut end = message.len().min(MAX_PLACEMENT_MESSAGE_BYTES);
-    while !message.is_char_boundary(end) {
-        end -= 1;
-    }
-    message[..end].to_owned()
+    OutFrame::new(Body::Placement(Placement::chunk_error(request_id, message)))
 }
 
 impl Changes {
@@ -1318,13 +1327,20 @@ impl CoreLoop {
         }
         self.changes.next_relay += 1;
         let id = self.changes.next_relay;
-        let owner = owners[(id as usize) % owners.len()];
+        // Start at a different owner for each copy (spread), then the others in turn.
+        let mut others = owners;
+        let start = (id as usize) % others.len();
+        others.rotate_left(start);
+        let owner = others.remove(0);
         self.changes.relays.insert(
             id,
             Relay {
                 gainer: from,
                 gainer_id: p.request_id,
                 owner,
+                key: (layer, expert),
+                others,
+                started: false,
             },
         );
         tracing::info!(
@@ -1334,6 +1350,11 @@ impl CoreLoop {
             expert,
             "relaying an expert copy"
         );
+        self.ask_owner(id, owner, (layer, expert));
+    }
+
+    /// Asks `owner` to stream expert `key` as relay `id`.
+    fn ask_owner(&self, id: u64, owner: u32, (layer, expert): (u32, u32)) {
         let entries = [(owner, layer, expert)];
         let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
         ask.request_id = id;
@@ -1344,16 +1365,48 @@ impl CoreLoop {
         self.send_control(owner, frame);
     }
 
+    /// The gainer's acknowledgement of a relayed copy: on to the owner (its window).
+    fn relay_ack(&mut self, from: u32, p: &Placement) {
+        let Some((&id, relay)) = self
+            .changes
+            .relays
+            .iter()
+            .find(|(_, r)| r.gainer == from && r.gainer_id == p.request_id)
+        else {
+            return;
+        };
+        let mut ack = Placement::new(PlacementOp::Ack, p.version, 0);
+        ack.request_id = id;
+        self.send_control(relay.owner, OutFrame::new(Body::Placement(ack)));
+    }
+
     /// A chunk of a relayed copy from its owner: on to the gainer (a stream ends with its
     /// last chunk or an error). Chunks of unknown streams (a gainer gone) are dropped.
     fn relay_chunk(&mut self, from: u32, p: &Placement, payload: &[u8]) {
-        let Some(relay) = self.changes.relays.get(&p.request_id).copied() else {
+        let Some(relay) = self.changes.relays.get_mut(&p.request_id) else {
             return;
         };
         if relay.owner != from {
-            tracing::warn!(from, "a chunk of another device's copy; dropped");
+            tracing::debug!(from, "a chunk of another device's copy; dropped");
             return;
         }
+        // An owner that refuses before sending anything (it was copied the expert itself,
+        // say) hands the copy to the next owner.
+        if !p.message.is_empty() && !relay.started && !relay.others.is_empty() {
+            let owner = relay.others.remove(0);
+            tracing::info!(
+                from,
+                owner,
+                "an owner could not copy the expert ({}); asking another",
+                p.message
+            );
+            relay.owner = owner;
+            let key = relay.key;
+            self.ask_owner(p.request_id, owner, key);
+            return;
+        }
+        relay.started = true;
+        let relay = relay.clone();
         let mut fwd = p.clone();
         fwd.request_id = relay.gainer_id;
         let frame =
@@ -1372,7 +1425,7 @@ impl CoreLoop {
             .relays
             .iter()
             .filter(|(_, r)| r.owner == rank || r.gainer == rank)
-            .map(|(&id, &r)| (id, r))
+            .map(|(&id, r)| (id, r.clone()))
             .collect();
         for (id, r) in gone {
             self.changes.relays.remove(&id);
@@ -1563,6 +1616,7 @@ impl CoreLoop {
                     Body::Placement(p) if p.op == PlacementOp::Chunk => {
                         self.relay_chunk(from, p, f.payload())
                     }
+                    Body::Placement(p) if p.op == PlacementOp::Ack => self.relay_ack(from, p),
                     Body::Error(e) => {
                         self.core
                             .on_worker_error(from, e.request_id, e.code, &e.message, now)

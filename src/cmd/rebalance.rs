@@ -242,10 +242,10 @@ fn plan(
                 .map_err(|e| anyhow!("planning the change from --from: {e}"))?;
             plan.steps
                 .iter()
-                .map(|s| step_entries(topo, spec, &s.owners))
+                .map(|s| transition::mesh_entries(topo, spec, &s.owners))
                 .collect()
         }
-        None => vec![entries_of(topo, spec, &new)],
+        None => vec![transition::placement_mesh_entries(topo, spec, &new)],
     };
     Ok((steps, what, new.to_toml_string()))
 }
@@ -261,36 +261,4 @@ fn model_of(cli: &RebalanceCli) -> anyhow::Result<ModelSpec> {
         }
         (None, None) => bail!("give the model: --model PRESET|FILE, or --weights DIR"),
     }
-}
-
-/// Every (mesh rank, layer, expert) of the placement: the routers are mesh ranks
-/// `0..routers`, device `d` is `routers + d`.
-fn entries_of(topo: &Topology, spec: &ModelSpec, p: &PlacementFile) -> Vec<(u32, u32, u32)> {
-    let owners: Vec<Vec<Vec<u32>>> = spec
-        .moe_layer_ids()
-        .into_iter()
-        .map(|l| {
-            topo.devices()
-                .iter()
-                .map(|d| p.experts_on(d.rank(), l).to_vec())
-                .collect()
-        })
-        .collect();
-    step_entries(topo, spec, &owners)
-}
-
-/// The entries of `[layer index][device rank] → experts` (a transition step's owners).
-fn step_entries(
-    topo: &Topology,
-    spec: &ModelSpec,
-    owners: &[Vec<Vec<u32>>],
-) -> Vec<(u32, u32, u32)> {
-    let routers = (topo.routers().len() as u32).max(1);
-    let mut out = Vec::new();
-    for (layer, per_device) in spec.moe_layer_ids().into_iter().zip(owners) {
-        for (d, experts) in per_device.iter().enumerate() {
-            out.extend(experts.iter().map(|&e| (routers + d as u32, layer, e)));
-        }
-    }
-    out
 }

@@ -827,6 +827,10 @@ pub enum PlacementOp {
     /// payload, `entries` bytes long); `loaded` is 1 on the last chunk; a non-empty `message`
     /// ends the stream with why it failed.
     Chunk = 9,
+    /// Asker → router → owner: stream `request_id` has `version` bytes received (the owner
+    /// keeps at most a window of unacknowledged bytes in flight, so a slow asker or link
+    /// slows the copy instead of queueing it in the router).
+    Ack = 10,
 }
 
 impl PlacementOp {
@@ -841,9 +845,30 @@ impl PlacementOp {
             7 => Self::Settled,
             8 => Self::Fetch,
             9 => Self::Chunk,
+            10 => Self::Ack,
             _ => return None,
         })
     }
+}
+
+impl Placement {
+    /// A `Chunk` that ends stream `request_id` with why it failed (cut to
+    /// [`MAX_PLACEMENT_MESSAGE_BYTES`]).
+    pub fn chunk_error(request_id: u64, why: &str) -> Self {
+        let mut p = Self::new(PlacementOp::Chunk, 0, 0);
+        p.request_id = request_id;
+        p.message = placement_message(why);
+        p
+    }
+}
+
+/// `message` cut at a character boundary to what a placement frame carries.
+pub fn placement_message(message: &str) -> String {
+    let mut end = message.len().min(MAX_PLACEMENT_MESSAGE_BYTES);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message[..end].to_owned()
 }
 
 /// Longest message in a placement frame, in bytes (it fits a frontend's header read).

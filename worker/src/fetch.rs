@@ -6,8 +6,9 @@
 //! shards (`expertmesh deploy`'s per-host folders) the weights of an expert it gains may be on
 //! another host only. Then it asks the coordinating router for the expert (`Fetch`), the
 //! router asks a current owner, and the owner streams the packed expert back through the
-//! router (`Chunk` frames, [`CHUNK_BYTES`] each, paced at [`FETCH_BYTES_PER_S`] so serving
-//! goes on; weights move once per change, never per token). The owner reads the expert from
+//! router (`Chunk` frames, [`CHUNK_BYTES`] each, paced at [`FETCH_BYTES_PER_S`] and at most
+//! [`WINDOW_BYTES`] ahead of the gainer's `Ack`s, so serving goes on and nothing piles up in
+//! the router; weights move once per change, never per token). The owner reads the expert from
 //! its own host's shard, checked against the manifest's checksum as at start; the stream ends
 //! with a CRC-32C of everything before it, so a damaged copy fails the load.
 //!
@@ -21,6 +22,13 @@ use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtyp
 
 /// Bytes per `Chunk` frame.
 pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// Bytes an owner sends ahead of the gainer's acknowledgements (a slow gainer or link slows
+/// the copy; nothing queues up in the router).
+pub const WINDOW_BYTES: usize = 4 * CHUNK_BYTES;
+
+// A chunk must fit the worker mesh's frames.
+const _: () = assert!(CHUNK_BYTES + 4096 < crate::deploy::MAX_FRAME_BYTES);
 
 /// The most an owner streams per second for one fetch (serving goes on meanwhile).
 pub const FETCH_BYTES_PER_S: f64 = 2e9;

@@ -25,8 +25,8 @@ use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_router::metrics::http::MetricsServerError;
 use expertmesh_transport::codec::{
-    Body, ErrorFrame, ExpertResult, MAX_PLACEMENT_MESSAGE_BYTES, Placement, PlacementOp,
-    encode_placement_entries, placement_entries,
+    Body, ErrorFrame, ExpertResult, Placement, PlacementOp, encode_placement_entries,
+    placement_entries, placement_message,
 };
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
@@ -783,6 +783,11 @@ impl ComputeCtx {
                 self.confirmed(confirmed);
             }
             PlacementOp::Fetch => self.copy_asked(from, p, payload),
+            PlacementOp::Ack => {
+                if let Some(c) = &self.live.copies {
+                    c.ack(p.request_id, p.version);
+                }
+            }
             PlacementOp::Chunk => {
                 // Bounded: a stream whose chunks overflow the loader's queue fails (its copy
                 // times out at the loader, and the change is undone).
@@ -852,7 +857,7 @@ impl ComputeCtx {
         });
         if let Err(why) = queued {
             tracing::warn!(worker = %self.id, "expert copy refused: {why}");
-            let frame = crate::fetch::io::chunk_error(p.request_id, &why);
+            let frame = OutFrame::new(Body::Placement(Placement::chunk_error(p.request_id, &why)));
             self.send_control(from, &frame, "refusing an expert copy");
         }
     }
@@ -871,7 +876,7 @@ impl ComputeCtx {
     fn refuse(&mut self, version: u64, why: &str) {
         self.live.holdings.refused(version);
         tracing::warn!(worker = %self.id, version, "placement change refused: {why}");
-        let why = truncate(why, MAX_PLACEMENT_MESSAGE_BYTES);
+        let why = placement_message(why);
         self.announce_as(version, &why);
     }
 
@@ -905,9 +910,7 @@ impl ComputeCtx {
         match staged {
             Ok(()) => {
                 let gained = plan.load.len();
-                let connected: Vec<u32> = (0..self.routers)
-                    .filter(|&r| self.mesh.is_connected(r))
-                    .collect();
+                let connected = self.connected_routers();
                 let confirmed = self.live.holdings.commit(plan, connected);
                 self.changed(version, gained, started);
                 self.confirmed(confirmed);
@@ -997,7 +1000,10 @@ impl ComputeCtx {
                         compute.unpark();
                         staged
                     })
-                    .map_err(|e| format!("starting the loader thread: {e}"))?;
+                    .map_err(|e| {
+                        self.live.chunk_tx = None;
+                        format!("starting the loader thread: {e}")
+                    })?;
                 self.live.staging = Some(Staging {
                     plan,
                     started: Instant::now(),
@@ -1012,9 +1018,7 @@ impl ComputeCtx {
                 .map_err(|e| format!("loading the gained experts: {e}"))?;
         }
         let (version, gained) = (plan.version, plan.load.len());
-        let connected: Vec<u32> = (0..self.routers)
-            .filter(|&r| self.mesh.is_connected(r))
-            .collect();
+        let connected = self.connected_routers();
         let confirmed = self.live.holdings.commit(plan, connected);
         Ok(HoldOutcome::Done(version, gained, confirmed))
     }
@@ -1025,17 +1029,22 @@ impl ComputeCtx {
         self.release(&confirmed.free);
         if let Some(version) = confirmed.settled {
             tracing::debug!(worker = %self.id, version, "every router confirmed the set announced");
-            for r in 0..self.routers {
-                if self.mesh.is_connected(r) {
-                    let frame = OutFrame::new(Body::Placement(Placement::new(
-                        PlacementOp::Settled,
-                        version,
-                        0,
-                    )));
-                    self.send_control(r, &frame, "saying the set announced is settled");
-                }
+            let frame = OutFrame::new(Body::Placement(Placement::new(
+                PlacementOp::Settled,
+                version,
+                0,
+            )));
+            for r in self.connected_routers() {
+                self.send_control(r, &frame, "saying the set announced is settled");
             }
         }
+    }
+
+    /// The routers whose link is up now.
+    fn connected_routers(&self) -> Vec<u32> {
+        (0..self.routers)
+            .filter(|&r| self.mesh.is_connected(r))
+            .collect()
     }
 
     /// Frees experts no router can send here any more.
@@ -1070,10 +1079,8 @@ impl ComputeCtx {
     /// non-empty `message` says why the hold of `version` was refused (the set announced is
     /// then the one served, at that hold's version, so the coordinator matches it).
     fn announce_as(&mut self, version: u64, message: &str) {
-        for r in 0..self.routers {
-            if self.mesh.is_connected(r) {
-                self.announce_frame(r, version, message, 0);
-            }
+        for r in self.connected_routers() {
+            self.announce_frame(r, version, message, 0);
         }
     }
 
@@ -1171,15 +1178,6 @@ fn placed_experts(
         .into_iter()
         .flat_map(|l| dep.placement.experts_on(d, l).iter().map(move |&e| (l, e)))
         .collect()
-}
-
-/// `s` cut to at most `max` bytes at a character boundary.
-fn truncate(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
 }
 
 /// The error frame answering dispatch `batch_id`.

@@ -192,7 +192,7 @@ fn body() -> impl Strategy<Value = Body> {
             }
         ),
         (
-            1u8..10,
+            1u8..11,
             any::<u64>(),
             any::<u64>(),
             0u32..20,
@@ -211,6 +211,7 @@ fn body() -> impl Strategy<Value = Body> {
                         PlacementOp::Settled,
                         PlacementOp::Fetch,
                         PlacementOp::Chunk,
+                        PlacementOp::Ack,
                     ][op as usize - 1];
                     Body::Placement(Placement {
                         op,

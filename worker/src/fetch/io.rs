@@ -3,14 +3,12 @@
 //! fetch (asks the router, reassembles the stream, decodes it), both around the sans-IO
 //! stream of the parent module.
 
-use super::{Assembly, CHUNK_BYTES, FETCH_BYTES_PER_S, decode_expert, encode_expert};
+use super::{Assembly, CHUNK_BYTES, FETCH_BYTES_PER_S, WINDOW_BYTES, decode_expert, encode_expert};
 use crate::deploy::Deployment;
 use crate::weights;
 use expertmesh_backend::{BackendError, ExpertKey, ExpertShape, ExpertSource, VecSource};
 use expertmesh_quant::format::{ExpertWeights, PackedRef};
-use expertmesh_transport::codec::{
-    Body, MAX_PLACEMENT_MESSAGE_BYTES, Placement, PlacementOp, encode_placement_entries,
-};
+use expertmesh_transport::codec::{Body, Placement, PlacementOp, encode_placement_entries};
 use expertmesh_transport::mesh::{Mesh, OutFrame, Transport};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -19,13 +17,18 @@ use std::time::{Duration, Instant};
 /// stream is never taken for a later one's).
 static NEXT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Copies an owner queues before it refuses more (each is one expert).
-const COPY_QUEUE: usize = 8;
+/// Copies an owner queues before it refuses more (each is one expert, a few bytes queued:
+/// the copies themselves run one at a time).
+const COPY_QUEUE: usize = 1024;
+
+/// Acknowledgements the compute loop queues for the copy thread.
+const ACK_QUEUE: usize = 256;
 
 /// Chunks the compute loop queues for the loader (each [`super::CHUNK_BYTES`]).
 pub(crate) const CHUNK_QUEUE: usize = 64;
 
-/// How long a gainer waits for the next chunk of a copy before it gives up.
+/// How long a gainer waits for the next chunk of a copy, and an owner for the gainer's next
+/// acknowledgement, before it gives up.
 pub(crate) const CHUNK_WAIT: Duration = Duration::from_secs(60);
 
 /// One copy asked of this owner: stream (layer, expert) to `router` as stream `id`.
@@ -38,6 +41,7 @@ struct Job {
 /// The owner's copy server: one thread, a bounded queue.
 pub(crate) struct CopyServer {
     jobs: mpsc::SyncSender<Job>,
+    acks: mpsc::SyncSender<(u64, u64)>,
 }
 
 impl CopyServer {
@@ -49,21 +53,29 @@ impl CopyServer {
         id: String,
     ) -> std::io::Result<Self> {
         let (jobs, rx) = mpsc::sync_channel::<Job>(COPY_QUEUE);
+        let (acks, acked) = mpsc::sync_channel::<(u64, u64)>(ACK_QUEUE);
         std::thread::Builder::new()
             .name("expert-copy".into())
             .spawn(move || {
                 for job in rx {
-                    let sent = serve(&dep, &mesh, &handle, &job);
+                    let sent = serve(&dep, &mesh, &handle, &job, &acked);
                     if let Err(why) = sent {
                         tracing::warn!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copy failed: {why}");
-                        let frame = chunk_error(job.id, &why);
+                        let frame =
+                            OutFrame::new(Body::Placement(Placement::chunk_error(job.id, &why)));
                         let _ = handle.block_on(mesh.send(job.router, &frame));
                     } else {
                         tracing::info!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copied to a gaining device");
                     }
                 }
             })?;
-        Ok(Self { jobs })
+        Ok(Self { jobs, acks })
+    }
+
+    /// The gainer of stream `id` has `bytes` of it (dropped when the queue is full: the
+    /// next acknowledgement covers it).
+    pub(crate) fn ack(&self, id: u64, bytes: u64) {
+        let _ = self.acks.try_send((id, bytes));
     }
 
     /// Router `router` asks for a copy of `key` as stream `id`. Refused (answered at once)
@@ -75,12 +87,14 @@ impl CopyServer {
     }
 }
 
-/// Reads `job`'s expert from this host's checked shard and streams it, paced.
+/// Reads `job`'s expert from this host's checked shard and streams it, paced, with at most
+/// [`WINDOW_BYTES`] unacknowledged by the gainer (`acked`).
 fn serve(
     dep: &Deployment,
     mesh: &Mesh,
     handle: &tokio::runtime::Handle,
     job: &Job,
+    acked: &mpsc::Receiver<(u64, u64)>,
 ) -> Result<(), String> {
     let keys = [(job.key.layer, job.key.expert)];
     let (mut source, missing) =
@@ -96,37 +110,54 @@ fn serve(
     source.finish().map_err(|e| e.to_string())?;
     let bytes = encode_expert(job.key, &weights);
     drop(weights);
-    let started = Instant::now();
-    let chunks = bytes.len().div_ceil(CHUNK_BYTES).max(1);
-    for (i, chunk) in bytes.chunks(CHUNK_BYTES).enumerate() {
-        let offset = i * CHUNK_BYTES;
-        // Paced: this chunk starts no earlier than the rate allows.
-        let due = Duration::from_secs_f64(offset as f64 / FETCH_BYTES_PER_S);
-        if let Some(wait) = due.checked_sub(started.elapsed()) {
-            std::thread::sleep(wait);
-        }
-        let mut p = Placement::new(PlacementOp::Chunk, offset as u64, chunk.len());
-        p.request_id = job.id;
-        p.loaded = u32::from(i + 1 == chunks);
-        let frame =
-            OutFrame::with_payload(Body::Placement(p), bytes::Bytes::copy_from_slice(chunk));
+    stream(&bytes, job.id, acked, CHUNK_WAIT, |frame| {
         handle
             .block_on(mesh.send(job.router, &frame))
-            .map_err(|e| format!("sending the copy: {e}"))?;
-    }
-    Ok(())
+            .map_err(|e| format!("sending the copy: {e}"))
+    })
 }
 
-/// A `Chunk` that ends stream `id` with why it failed.
-pub(crate) fn chunk_error(id: u64, why: &str) -> OutFrame {
-    let mut p = Placement::new(PlacementOp::Chunk, 0, 0);
-    p.request_id = id;
-    let mut end = why.len().min(MAX_PLACEMENT_MESSAGE_BYTES);
-    while !why.is_char_boundary(end) {
-        end -= 1;
+/// Sends `bytes` as stream `id`'s chunks through `send`, paced at [`FETCH_BYTES_PER_S`] and
+/// never more than [`WINDOW_BYTES`] past what the gainer acknowledged (`acked`: (stream,
+/// bytes received)); gives up when no acknowledgement comes for `wait`.
+pub(crate) fn stream(
+    bytes: &[u8],
+    id: u64,
+    acked: &mpsc::Receiver<(u64, u64)>,
+    wait: Duration,
+    mut send: impl FnMut(OutFrame) -> Result<(), String>,
+) -> Result<(), String> {
+    let started = Instant::now();
+    let chunks = bytes.len().div_ceil(CHUNK_BYTES).max(1);
+    let mut confirmed = 0usize;
+    for (i, chunk) in bytes.chunks(CHUNK_BYTES).enumerate() {
+        let offset = i * CHUNK_BYTES;
+        // Windowed: wait for the gainer's acknowledgements to come within reach.
+        while offset + chunk.len() > confirmed + WINDOW_BYTES {
+            match acked.recv_timeout(wait) {
+                Ok((got, n)) if got == id => confirmed = confirmed.max(n as usize),
+                Ok(_) => {} // an acknowledgement of an earlier stream
+                Err(_) => {
+                    return Err(format!(
+                        "the gaining device acknowledged nothing for {wait:?}; copy abandoned"
+                    ));
+                }
+            }
+        }
+        // Paced: this chunk starts no earlier than the rate allows.
+        let due = Duration::from_secs_f64(offset as f64 / FETCH_BYTES_PER_S);
+        if let Some(pause) = due.checked_sub(started.elapsed()) {
+            std::thread::sleep(pause);
+        }
+        let mut p = Placement::new(PlacementOp::Chunk, offset as u64, chunk.len());
+        p.request_id = id;
+        p.loaded = u32::from(i + 1 == chunks);
+        send(OutFrame::with_payload(
+            Body::Placement(p),
+            bytes::Bytes::copy_from_slice(chunk),
+        ))?;
     }
-    p.message = why[..end].to_owned();
-    OutFrame::new(Body::Placement(p))
+    Ok(())
 }
 
 /// A chunk for the gainer's loader: (stream id, the frame, its payload).
@@ -162,6 +193,7 @@ impl Fetcher {
                 .block_on(self.mesh.send(self.router, &frame))
                 .map_err(|e| format!("asking for a copy of layer {layer} expert {expert}: {e}"))?;
             let mut asm = Assembly::new(super::max_stream_bytes(hidden, inter, 32));
+            let mut received = 0u64;
             let bytes = loop {
                 let (got, p, data) = self.chunks.recv_timeout(CHUNK_WAIT).map_err(|_| {
                     format!("no copy of layer {layer} expert {expert} arrived for {CHUNK_WAIT:?}")
@@ -175,10 +207,12 @@ impl Fetcher {
                         p.message
                     ));
                 }
-                if let Some(b) = asm
+                let whole = asm
                     .add(p.version, &data, p.loaded == 1)
-                    .map_err(|e| e.to_string())?
-                {
+                    .map_err(|e| e.to_string())?;
+                received += data.len() as u64;
+                self.ack(id, received)?;
+                if let Some(b) = whole {
                     break b;
                 }
             };
@@ -187,6 +221,20 @@ impl Fetcher {
             out.push((key, w));
         }
         Ok(VecSource::new(out))
+    }
+}
+
+impl Fetcher {
+    /// Tells the owner of stream `id` (through the router) that `bytes` of it arrived.
+    fn ack(&self, id: u64, bytes: u64) -> Result<(), String> {
+        let mut p = Placement::new(PlacementOp::Ack, bytes, 0);
+        p.request_id = id;
+        self.handle
+            .block_on(
+                self.mesh
+                    .send(self.router, &OutFrame::new(Body::Placement(p))),
+            )
+            .map_err(|e| format!("acknowledging a copy: {e}"))
     }
 }
 
@@ -244,5 +292,53 @@ impl ExpertSource for Chain {
     fn finish(&mut self) -> Result<(), BackendError> {
         self.first.finish()?;
         self.second.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offset_of(frame: &OutFrame) -> (u64, usize, bool) {
+        match &frame.body {
+            Body::Placement(p) => (p.version, p.entries as usize, p.loaded == 1),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_owner_keeps_at_most_a_window_ahead_of_the_acknowledgements_and_gives_up_without_them() {
+        let bytes: Vec<u8> = (0..9 * CHUNK_BYTES + 17).map(|i| i as u8).collect();
+        let (ack, acked) = mpsc::sync_channel(64);
+        // Acknowledge every chunk as it "arrives", checking the window before each.
+        let mut sent: Vec<(u64, usize, bool)> = Vec::new();
+        let mut got = 0u64;
+        stream(&bytes, 7, &acked, Duration::from_secs(5), |frame| {
+            let (at, len, last) = offset_of(&frame);
+            assert!(
+                at as usize + len <= got as usize + WINDOW_BYTES,
+                "{at} past the window"
+            );
+            sent.push((at, len, last));
+            // A stale stream's acknowledgement first, then this one's.
+            ack.send((6, u64::MAX)).unwrap();
+            got += len as u64;
+            ack.send((7, got)).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(sent.len(), 10);
+        assert_eq!(got as usize, bytes.len());
+        assert!(sent.last().unwrap().2 && sent.iter().filter(|s| s.2).count() == 1);
+        // No acknowledgements: the window's worth goes out, then the copy is abandoned.
+        let (_keep, silent) = mpsc::sync_channel::<(u64, u64)>(1);
+        let mut n = 0;
+        let err = stream(&bytes, 8, &silent, Duration::from_millis(50), |_| {
+            n += 1;
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(n, WINDOW_BYTES / CHUNK_BYTES);
+        assert!(err.contains("acknowledged nothing"), "{err}");
     }
 }
