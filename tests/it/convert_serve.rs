@@ -45,12 +45,17 @@ fn convert(ckpt: &Path, out: &Path) -> (String, String) {
 
 /// [`convert`] with extra arguments.
 fn convert_args(ckpt: &Path, out: &Path, extra: &[&str]) -> (String, String) {
+    convert_args_on(ckpt, out, &topology(), extra)
+}
+
+/// [`convert_args`] for the cluster of topology file `topo`.
+fn convert_args_on(ckpt: &Path, out: &Path, topo: &Path, extra: &[&str]) -> (String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
         .args(["convert", "--threads", "2", "--checkpoint"])
         .arg(ckpt)
         .args(extra)
         .arg("--topology")
-        .arg(topology())
+        .arg(topo)
         .arg("--out")
         .arg(out)
         .output()
@@ -181,7 +186,12 @@ fn check_exact(ck: &TinyCheckpoint, out: &Path) {
 /// Every MoE layer of the converted `out` served by `fabric` bit for bit like the exact
 /// in-process reference.
 fn check_served_exactly(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric) {
-    let dep = Deployment::load_converted(&topology(), out).unwrap();
+    check_served_exactly_on(ck, out, fabric, &topology());
+}
+
+/// [`check_served_exactly`] for a fabric on topology file `topo`.
+fn check_served_exactly_on(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric, topo: &Path) {
+    let dep = Deployment::load_converted(topo, out).unwrap();
     let (experts, _) = converted_experts(out);
     let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
         .into_iter()
@@ -515,10 +525,20 @@ fn swapped(dep: &Deployment) -> expertmesh_topology::placement::Placement {
 
 /// `expertmesh rebalance` of `placement` against `fabric` serving `out`: exit code and output.
 fn rebalance(fabric: &LocalFabric, out: &Path, placement: &Path) -> (Option<i32>, String) {
+    rebalance_on(fabric, &topology(), out, placement)
+}
+
+/// [`rebalance`] for a fabric on topology file `topo`.
+fn rebalance_on(
+    fabric: &LocalFabric,
+    topo: &Path,
+    out: &Path,
+    placement: &Path,
+) -> (Option<i32>, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
         .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
         .arg("--topology")
-        .arg(topology())
+        .arg(topo)
         .arg("--weights")
         .arg(out)
         .arg("--placement")
@@ -575,6 +595,42 @@ fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_ch
     fabric.shutdown();
 }
 
+/// The device ids of `dep`'s topology, in rank order.
+fn device_ids(dep: &Deployment) -> Vec<String> {
+    dep.topology
+        .devices()
+        .iter()
+        .map(|d| d.id().to_string())
+        .collect()
+}
+
+/// Per device, a folder `dir/hostD` with every file of the converted folder `out` but the
+/// other devices' shards (hard links): each device on a host of its own, on one machine.
+fn per_host_folders(dir: &Path, out: &Path, dep: &Deployment) -> Vec<PathBuf> {
+    let manifest = &dep.weights.as_ref().unwrap().manifest;
+    let ids = device_ids(dep);
+    let mut folders = Vec::new();
+    for (i, _) in ids.iter().enumerate() {
+        let others: Vec<String> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .filter_map(|(_, o)| manifest.shard_of(o).map(|r| r.file.clone()))
+            .collect();
+        let host = dir.join(format!("host{i}"));
+        std::fs::create_dir(&host).unwrap();
+        for entry in std::fs::read_dir(out).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !others.contains(&name) {
+                std::fs::hard_link(entry.path(), host.join(&name)).unwrap();
+            }
+        }
+        folders.push(host);
+    }
+    folders
+}
+
 /// On a cluster whose hosts hold only their own devices' shards (each worker here reads a
 /// folder without the other device's shard), a device gains experts whose weights only the
 /// other host has: each is copied from its current owner through the router (checked end to
@@ -586,31 +642,8 @@ fn a_gained_expert_only_another_host_has_is_copied_from_its_owner() {
     let (dir, ck, out) = case("qwen3_moe", WeightFormat::Bf16, 1);
     let dep = Deployment::load_converted(&topology(), &out).unwrap();
     let manifest = &dep.weights.as_ref().unwrap().manifest;
-    let ids: Vec<String> = dep
-        .topology
-        .devices()
-        .iter()
-        .map(|d| d.id().to_string())
-        .collect();
-    let mut folders = Vec::new();
-    for (i, _) in ids.iter().enumerate() {
-        let others: Vec<String> = ids
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != i)
-            .filter_map(|(_, o)| manifest.shard_of(o).map(|r| r.file.clone()))
-            .collect();
-        let host = dir.path().join(format!("host{i}"));
-        std::fs::create_dir(&host).unwrap();
-        for entry in std::fs::read_dir(&out).unwrap() {
-            let entry = entry.unwrap();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !others.contains(&name) {
-                std::fs::hard_link(entry.path(), host.join(&name)).unwrap();
-            }
-        }
-        folders.push(host);
-    }
+    let ids = device_ids(&dep);
+    let folders = per_host_folders(dir.path(), &out, &dep);
     let swapped_path = dir.path().join("swapped.toml");
     std::fs::write(&swapped_path, swapped(&dep).to_toml_string()).unwrap();
     let mut o = options(&out, ComputeMode::Exact);
@@ -649,5 +682,73 @@ fn a_gained_expert_only_another_host_has_is_copied_from_its_owner() {
             "worker {d}: {log}"
         );
     }
+    fabric.shutdown();
+}
+
+/// An expert copied to a device is copied on from it: on three devices each with a host of
+/// its own, device 0 takes device 1's experts (copied from device 1), then device 2 takes them
+/// from device 0, whose host has no shard with them (it copies on the stream it kept). Served
+/// bit for bit after each change.
+#[test]
+fn an_expert_copied_to_a_device_is_copied_on_from_it() {
+    use expertmesh_topology::placement::Placement;
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let third = "  { name = \"cpu2\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
+                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n";
+    let text = std::fs::read_to_string(topology())
+        .unwrap()
+        .replace("numa = 0 },\n]", &format!("numa = 0 }},\n{third}]"));
+    assert!(text.contains("cpu2"), "{text}");
+    let topo = dir.path().join("three.toml");
+    std::fs::write(&topo, text).unwrap();
+    let spec = TinySpec::for_model_type("qwen3_moe")
+        .with_dtype(WeightFormat::Bf16)
+        .with_files(1);
+    let ck = write_tiny_checkpoint(&dir.path().join("ckpt"), &spec);
+    let out = dir.path().join("weights");
+    convert_args_on(&ck.dir, &out, &topo, &[]);
+    let dep = Deployment::load_converted(&topo, &out).unwrap();
+    let folders = per_host_folders(dir.path(), &out, &dep);
+    let layers = dep.spec.moe_layer_ids();
+    let ranks: Vec<_> = dep.topology.devices().iter().map(|d| d.rank()).collect();
+    let held = |l: u32, d: usize| dep.placement.experts_on(ranks[d], l).to_vec();
+    // `lists(l)` gives devices 0, 1, 2 their experts of layer l.
+    let write = |name: &str, lists: &dyn Fn(u32) -> [Vec<u32>; 3]| -> PathBuf {
+        let slots = layers.iter().map(|&l| lists(l).to_vec()).collect();
+        let shared = layers
+            .iter()
+            .filter_map(|&l| dep.placement.shared_location(l))
+            .collect();
+        let p = Placement::new(&dep.topology, &dep.spec, slots, shared, name).unwrap();
+        let path = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, p.to_toml_string()).unwrap();
+        path
+    };
+    let union = |a: Vec<u32>, b: Vec<u32>| -> Vec<u32> {
+        let mut u: Vec<u32> = a.into_iter().chain(b).collect();
+        u.sort_unstable();
+        u.dedup();
+        u
+    };
+    let first = write("first", &|l| {
+        [union(held(l, 0), held(l, 1)), Vec::new(), held(l, 2)]
+    });
+    let second = write("second", &|l| {
+        [held(l, 0), Vec::new(), union(held(l, 2), held(l, 1))]
+    });
+    let mut o = options(&out, ComputeMode::Exact);
+    o.topology = topo.clone();
+    o.worker_weights = folders;
+    let fabric = LocalFabric::start(o).unwrap();
+    for step in [&first, &second] {
+        let (code, text) = rebalance_on(&fabric, &topo, &out, step);
+        crate::support::say(&text);
+        assert_eq!(code, Some(0), "{text}");
+        check_served_exactly_on(&ck, &out, &fabric, &topo);
+    }
+    // Device 0 copied on what it had been copied (its host has no shard with it).
+    let log = std::fs::read_to_string(fabric.log_dir().join("worker-0.log")).unwrap_or_default();
+    assert!(log.contains("expert copied to a gaining device"), "{log}");
     fabric.shutdown();
 }

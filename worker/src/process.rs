@@ -474,6 +474,8 @@ struct Live {
     chunk_tx: Option<std::sync::mpsc::SyncSender<crate::fetch::io::ChunkMsg>>,
     /// Serves copies of this device's experts to gaining devices (started on first use).
     copies: Option<crate::fetch::io::CopyServer>,
+    /// The experts this device was copied, kept to copy them on.
+    copied: Arc<crate::fetch::io::CopyCache>,
 }
 
 /// The gains `load` as one source: from this host's shards, then copied from their owners.
@@ -525,6 +527,7 @@ impl Live {
             free_later: Vec::new(),
             chunk_tx: None,
             copies: None,
+            copied: Arc::new(crate::fetch::io::CopyCache::new(rank)),
         }
     }
 }
@@ -842,6 +845,7 @@ impl ComputeCtx {
             if self.live.copies.is_none() {
                 let server = crate::fetch::io::CopyServer::start(
                     self.live.dep.clone(),
+                    Arc::clone(&self.live.copied),
                     self.mesh.clone(),
                     self.handle.clone(),
                     self.id.clone(),
@@ -988,6 +992,7 @@ impl ComputeCtx {
                     mesh: self.mesh.clone(),
                     handle: self.handle.clone(),
                     chunks,
+                    cache: Arc::clone(&self.live.copied),
                 };
                 let loader = std::thread::Builder::new()
                     .name("expert-loader".into())
@@ -1063,6 +1068,9 @@ impl ComputeCtx {
             .collect();
         match self.exec.backend_mut().release_experts(&keys) {
             Ok(()) => {
+                for &k in &keys {
+                    self.live.copied.remove(k);
+                }
                 tracing::info!(worker = %self.id, released = keys.len(), "released the experts every router stopped sending here")
             }
             Err(e) => {

@@ -38,6 +38,59 @@ struct Job {
     key: ExpertKey,
 }
 
+/// The streams of experts this device was copied, kept on local disk so it can copy them on
+/// in turn (its host has no shard with them): one file per expert in a folder of its own,
+/// created on first use, removed when the expert is released and when the worker exits.
+pub(crate) struct CopyCache {
+    dir: std::path::PathBuf,
+}
+
+impl CopyCache {
+    /// The cache of the worker with mesh rank `rank` in this process (nothing on disk yet).
+    pub(crate) fn new(rank: u32) -> Self {
+        Self {
+            dir: std::env::temp_dir()
+                .join(format!("expertmesh-copies-{}-{rank}", std::process::id())),
+        }
+    }
+
+    fn path(&self, key: ExpertKey) -> std::path::PathBuf {
+        self.dir
+            .join(format!("layer{}-expert{}.emxf", key.layer, key.expert))
+    }
+
+    /// Keeps `key`'s stream. A failure (a full disk) only means this device cannot copy
+    /// it on: said once, and the copy itself goes on.
+    pub(crate) fn put(&self, key: ExpertKey, stream: &[u8]) {
+        let wrote = std::fs::create_dir_all(&self.dir)
+            .and_then(|()| std::fs::write(self.path(key), stream));
+        if let Err(e) = wrote {
+            tracing::warn!(
+                layer = key.layer,
+                expert = key.expert,
+                dir = %self.dir.display(),
+                "keeping a copied expert for copying it on failed ({e}); other devices will copy it from another owner"
+            );
+        }
+    }
+
+    /// `key`'s stream, when this device was copied it.
+    pub(crate) fn get(&self, key: ExpertKey) -> Option<Vec<u8>> {
+        std::fs::read(self.path(key)).ok()
+    }
+
+    /// Forgets `key` (released).
+    pub(crate) fn remove(&self, key: ExpertKey) {
+        let _ = std::fs::remove_file(self.path(key));
+    }
+}
+
+impl Drop for CopyCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// The owner's copy server: one thread, a bounded queue.
 pub(crate) struct CopyServer {
     jobs: mpsc::SyncSender<Job>,
@@ -48,6 +101,7 @@ impl CopyServer {
     /// Starts the thread that serves copies of `dep`'s experts from this host's shards.
     pub(crate) fn start(
         dep: Deployment,
+        cache: std::sync::Arc<CopyCache>,
         mesh: Mesh,
         handle: tokio::runtime::Handle,
         id: String,
@@ -58,7 +112,7 @@ impl CopyServer {
             .name("expert-copy".into())
             .spawn(move || {
                 for job in rx {
-                    let sent = serve(&dep, &mesh, &handle, &job, &acked);
+                    let sent = serve(&dep, &cache, &mesh, &handle, &job, &acked);
                     if let Err(why) = sent {
                         tracing::warn!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copy failed: {why}");
                         let frame =
@@ -87,10 +141,12 @@ impl CopyServer {
     }
 }
 
-/// Reads `job`'s expert from this host's checked shard and streams it, paced, with at most
-/// [`WINDOW_BYTES`] unacknowledged by the gainer (`acked`).
+/// Reads `job`'s expert from this host's checked shard (or, when this device was copied it,
+/// the stream it kept) and streams it, paced, with at most [`WINDOW_BYTES`] unacknowledged by
+/// the gainer (`acked`).
 fn serve(
     dep: &Deployment,
+    cache: &CopyCache,
     mesh: &Mesh,
     handle: &tokio::runtime::Handle,
     job: &Job,
@@ -99,17 +155,20 @@ fn serve(
     let keys = [(job.key.layer, job.key.expert)];
     let (mut source, missing) =
         weights::gained_expert_source_on_host(dep, &keys).map_err(|e| e.to_string())?;
-    if !missing.is_empty() {
-        return Err(format!(
-            "layer {} expert {}: this device serves it but its host has no shard with it (it \
-             was copied here); ask another owner",
-            job.key.layer, job.key.expert
-        ));
-    }
-    let weights = source.expert(0).map_err(|e| e.to_string())?;
-    source.finish().map_err(|e| e.to_string())?;
-    let bytes = encode_expert(job.key, &weights);
-    drop(weights);
+    let bytes = if missing.is_empty() {
+        let weights = source.expert(0).map_err(|e| e.to_string())?;
+        source.finish().map_err(|e| e.to_string())?;
+        encode_expert(job.key, &weights)
+    } else {
+        // Copied here: the stream kept (its CRC-32C goes along and is checked at the end).
+        cache.get(job.key).ok_or_else(|| {
+            format!(
+                "layer {} expert {}: this device serves it but neither its host's shards nor its \
+                 copies hold it; ask another owner",
+                job.key.layer, job.key.expert
+            )
+        })?
+    };
     stream(&bytes, job.id, acked, CHUNK_WAIT, |frame| {
         handle
             .block_on(mesh.send(job.router, &frame))
@@ -173,6 +232,8 @@ pub(crate) struct Fetcher {
     pub(crate) handle: tokio::runtime::Handle,
     /// Chunks the compute thread received.
     pub(crate) chunks: mpsc::Receiver<ChunkMsg>,
+    /// Where each copied stream is kept, so this device can copy it on.
+    pub(crate) cache: std::sync::Arc<CopyCache>,
 }
 
 impl Fetcher {
@@ -218,6 +279,7 @@ impl Fetcher {
             };
             let w: ExpertWeights =
                 decode_expert(&bytes, key, hidden, inter).map_err(|e| e.to_string())?;
+            self.cache.put(key, &bytes);
             out.push((key, w));
         }
         Ok(VecSource::new(out))
