@@ -9,8 +9,9 @@
 //! router (`Chunk` frames, [`CHUNK_BYTES`] each, paced at [`FETCH_BYTES_PER_S`] and at most
 //! [`WINDOW_BYTES`] ahead of the gainer's `Ack`s, so serving goes on and nothing piles up in
 //! the router; weights move once per change, never per token). The owner reads the expert from
-//! its own host's shard, checked against the manifest's checksum as at start; the stream ends
-//! with a CRC-32C of everything before it, so a damaged copy fails the load.
+//! its own host's shard, checked against the manifest's checksum as at start, or, when it was
+//! copied the expert itself, sends the stream it kept (`io::CopyCache`); the stream ends with
+//! a CRC-32C of everything before it, so a damaged copy fails the load.
 //!
 //! The stream: `EMXF`, version 1, the key, the shapes and the packed format, the six array
 //! lengths (u64), the arrays (W13 nibbles, scales, zero points; W2 the same), then the
