@@ -574,25 +574,30 @@ fn converted_experts_move_live_between_devices_and_a_damaged_shard_undoes_the_ch
     check_served_exactly(&ck, &out, &fabric);
     // Damage device 0's shard: moving its experts back to device 0 must read from it.
     let record = &dep.weights.as_ref().unwrap().manifest.shards[0];
-    let path = out.join(&record.file);
-    let intact = std::fs::read(&path).unwrap();
-    let at = ShardFile::open(&path).unwrap().index().experts[0]
+    refused_for_damage(&fabric, &out, &out.join(&record.file), &original);
+    check_served_exactly(&ck, &out, &fabric);
+    fabric.shutdown();
+}
+
+/// With one byte of `shard`'s first expert flipped, `rebalance` to `placement` fails (exit 1),
+/// the change is undone and the answer names the checksum; the shard is intact again after.
+fn refused_for_damage(fabric: &LocalFabric, out: &Path, shard: &Path, placement: &Path) {
+    let intact = std::fs::read(shard).unwrap();
+    let at = ShardFile::open(shard).unwrap().index().experts[0]
         .w13
         .nibbles
         .offset as usize;
     let mut bytes = intact.clone();
     bytes[at] ^= 0x5a;
-    std::fs::write(&path, bytes).unwrap();
-    let (code, text) = rebalance(&fabric, &out, &original);
+    std::fs::write(shard, bytes).unwrap();
+    let (code, text) = rebalance(fabric, out, placement);
+    // (The reference reads every shard: the intact bytes back before any assertion.)
+    std::fs::write(shard, intact).unwrap();
     assert_eq!(code, Some(1), "{text}");
     assert!(
         text.contains("undone") && text.contains("checksum mismatch"),
         "{text}"
     );
-    // (The reference reads every shard: the intact bytes back first.)
-    std::fs::write(&path, intact).unwrap();
-    check_served_exactly(&ck, &out, &fabric);
-    fabric.shutdown();
 }
 
 /// The device ids of `dep`'s topology, in rank order.
@@ -651,23 +656,9 @@ fn a_gained_expert_only_another_host_has_is_copied_from_its_owner() {
     let fabric = LocalFabric::start(o).unwrap();
     // The owner reads what it copies from its host's shard, checked against the manifest: a
     // damaged one fails the copy, and the change is undone.
+    // (The folders hold hard links: damaging the shard damages host 1's copy too.)
     let shard1 = out.join(&manifest.shard_of(&ids[1]).unwrap().file);
-    let intact = std::fs::read(&shard1).unwrap();
-    let at = ShardFile::open(&shard1).unwrap().index().experts[0]
-        .w13
-        .nibbles
-        .offset as usize;
-    let mut bytes = intact.clone();
-    bytes[at] ^= 0x5a;
-    // (The folders hold hard links: this writes host 1's copy too.)
-    std::fs::write(&shard1, bytes).unwrap();
-    let (code, text) = rebalance(&fabric, &out, &swapped_path);
-    assert_eq!(code, Some(1), "{text}");
-    assert!(
-        text.contains("undone") && text.contains("checksum mismatch"),
-        "{text}"
-    );
-    std::fs::write(&shard1, intact).unwrap();
+    refused_for_damage(&fabric, &out, &shard1, &swapped_path);
     check_served_exactly(&ck, &out, &fabric);
     let (code, text) = rebalance(&fabric, &out, &swapped_path);
     crate::support::say(&text);

@@ -90,6 +90,14 @@ fn drive(
     h
 }
 
+/// Stops the load `drive` started and checks it: calls answered, none wrong, none failed.
+fn stop_and_check(stop: &AtomicBool, load: JoinHandle<(usize, usize, usize, Option<String>)>) {
+    stop.store(true, Ordering::Relaxed);
+    let (ok, wrong, failed, first) = load.join().unwrap();
+    assert!(ok > 0, "no call answered");
+    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+}
+
 /// A demo-small placement for examples/single-host-2routers.toml: cpu0 and cpu1 with these
 /// expert ranges on every layer, the shared expert on the router.
 fn placement(dir: &Path, name: &str, cpu0: &str, cpu1: &str) -> PathBuf {
@@ -337,10 +345,7 @@ fn a_change_a_device_has_no_room_for_is_undone_and_calls_go_on() {
         r.stderr
     );
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
-    assert!(ok > 0);
-    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    stop_and_check(&stop, load);
 }
 
 #[test]
@@ -387,10 +392,7 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     // Its worker stops; calls go on, every one right.
     fabric.kill_worker(1).unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
-    assert!(ok > 0);
-    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    stop_and_check(&stop, load);
 }
 
 #[test]
@@ -445,10 +447,7 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
     // Per layer cpu2 gains 22-31 and cpu1 gains 11-15: 15 x 4 layers.
     assert!(r.stdout.contains("60 experts loaded"), "{}", r.stdout);
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
-    assert!(ok > 0);
-    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    stop_and_check(&stop, load);
 }
 
 #[test]
@@ -514,10 +513,7 @@ fn a_router_restarted_during_a_change_routes_by_what_the_workers_hold() {
     // Asked again, the change completes from what the workers hold.
     let r = rebalance(addrs[0], &topology, &new);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
-    assert!(ok > 0);
-    assert_eq!((wrong, failed), (0, 0), "{first:?}");
+    stop_and_check(&stop, load);
 }
 
 #[test]

@@ -376,7 +376,7 @@ pub fn device_expert_source(
 #[derive(Debug)]
 pub struct ShardSource {
     file: std::sync::Arc<ShardFile>,
-    verify: Option<std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>>,
+    verify: Option<VerifyThread>,
     entries: Vec<usize>,
     shapes: Vec<ExpertShape>,
 }
@@ -410,12 +410,7 @@ impl ShardSource {
                 missing: want.difference(&have).take(5).copied().collect(),
             });
         }
-        let file = std::sync::Arc::new(file);
-        let checked = std::sync::Arc::clone(&file);
-        let verify = std::thread::Builder::new()
-            .name("shard-verify".into())
-            .spawn(move || checked.verify(Some(crc)))
-            .map_err(WeightsError::ChecksumThread)?;
+        let (file, verify) = spawn_verify(file, crc)?;
         Ok(Self {
             file,
             verify: Some(verify),
@@ -542,12 +537,7 @@ pub fn gained_expert_source_on_host(
         if hits.is_empty() {
             continue;
         }
-        let file = std::sync::Arc::new(file);
-        let checked = std::sync::Arc::clone(&file);
-        let verify = std::thread::Builder::new()
-            .name("shard-verify".into())
-            .spawn(move || checked.verify(Some(crc)))
-            .map_err(WeightsError::ChecksumThread)?;
+        let (file, verify) = spawn_verify(file, crc)?;
         src.verify.push((file.path().to_path_buf(), verify));
         for (at, shape) in hits {
             src.entries.push((std::sync::Arc::clone(&file), at));
@@ -555,6 +545,24 @@ pub fn gained_expert_source_on_host(
         }
     }
     Ok((Box::new(src), missing.into_iter().collect()))
+}
+
+/// A thread checking a shard's whole-file checksum.
+type VerifyThread = std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>;
+
+/// `file` shared with a thread that checks its whole-file checksum against `crc` while its
+/// experts are read.
+fn spawn_verify(
+    file: ShardFile,
+    crc: u32,
+) -> Result<(std::sync::Arc<ShardFile>, VerifyThread), WeightsError> {
+    let file = std::sync::Arc::new(file);
+    let checked = std::sync::Arc::clone(&file);
+    let verify = std::thread::Builder::new()
+        .name("shard-verify".into())
+        .spawn(move || checked.verify(Some(crc)))
+        .map_err(WeightsError::ChecksumThread)?;
+    Ok((file, verify))
 }
 
 /// The key and shape of expert entry `e` of `file`.
@@ -581,10 +589,7 @@ struct GainSource {
 }
 
 /// A shard's path and the thread checking its checksum.
-type ShardCheck = (
-    PathBuf,
-    std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>,
-);
+type ShardCheck = (PathBuf, VerifyThread);
 
 impl ExpertSource for GainSource {
     fn shapes(&self) -> &[ExpertShape] {
