@@ -10,7 +10,7 @@
 //! applies the change through the router's own coordinator ([`PlacementHandle`]), in the steps
 //! `planner::transition` orders so that every device's memory suffices: the same protocol as
 //! `expertmesh rebalance`, with no failed and no wrong call. A round with too few tokens
-//! routed decides nothing.
+//! routed decides nothing, and its window grows into the next round's.
 //!
 //! The loop assumes it is the one changing the placement: it plans each change from the
 //! placement it last applied (the fabric's file at start). A change applied by hand in
@@ -196,9 +196,12 @@ impl AutoRebalancer {
                         (Ok(a), Ok(b)) => l.round(a, b),
                         (Err(e), _) | (_, Err(e)) => Round::Failed { message: e.clone() },
                     };
-                    // The next window starts after this round (a change's own traffic is
-                    // not planned from twice).
-                    last = l.snapshot();
+                    // Too little traffic: the window grows until it has enough. Otherwise
+                    // the next window starts after this round (a change's own traffic is not
+                    // planned from twice).
+                    if !matches!(round, Round::TooLittleTraffic { .. }) {
+                        last = l.snapshot();
+                    }
                     l.log(&round);
                     record.lock().unwrap_or_else(|e| e.into_inner()).push(round);
                 }

@@ -533,7 +533,8 @@ fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_cal
     let opts = AutoOptions {
         every: Duration::from_millis(500),
         min_gain: 1.2,
-        min_tokens: 20,
+        // Enough tokens per window for the case mix to show, however slowly they come.
+        min_tokens: 400,
         timeout: Duration::from_secs(60),
     };
     let auto = AutoRebalancer::start(
@@ -578,6 +579,16 @@ fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_cal
         !rounds.iter().any(|r| matches!(r, Round::Failed { .. })),
         "{rounds:?}"
     );
+    // A window with too little traffic grows into the next round's.
+    for w in rounds.windows(2) {
+        if let [
+            Round::TooLittleTraffic { tokens: a },
+            Round::TooLittleTraffic { tokens: b },
+        ] = w
+        {
+            assert!(b >= a, "{rounds:?}");
+        }
+    }
     let Round::Applied {
         predicted_gain,
         loaded,
