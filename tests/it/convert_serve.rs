@@ -600,6 +600,21 @@ fn refused_for_damage(fabric: &LocalFabric, out: &Path, shard: &Path, placement:
     );
 }
 
+/// Worker `d`'s log says it copied an expert to a gaining device (its copy thread logs it
+/// just after the last chunk; looked for until it shows, at most 30 s).
+fn copied_one(fabric: &LocalFabric, d: usize) {
+    let path = fabric.log_dir().join(format!("worker-{d}.log"));
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        if log.contains("expert copied to a gaining device") {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "worker {d}: {log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The device ids of `dep`'s topology, in rank order.
 fn device_ids(dep: &Deployment) -> Vec<String> {
     dep.topology
@@ -666,12 +681,7 @@ fn a_gained_expert_only_another_host_has_is_copied_from_its_owner() {
     check_served_exactly(&ck, &out, &fabric);
     // Every gain was a copy: each worker's log names the copies it served.
     for d in 0..ids.len() {
-        let log = std::fs::read_to_string(fabric.log_dir().join(format!("worker-{d}.log")))
-            .unwrap_or_default();
-        assert!(
-            log.contains("expert copied to a gaining device"),
-            "worker {d}: {log}"
-        );
+        copied_one(&fabric, d);
     }
     fabric.shutdown();
 }
@@ -739,7 +749,6 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
         check_served_exactly_on(&ck, &out, &fabric, &topo);
     }
     // Device 0 copied on what it had been copied (its host has no shard with it).
-    let log = std::fs::read_to_string(fabric.log_dir().join("worker-0.log")).unwrap_or_default();
-    assert!(log.contains("expert copied to a gaining device"), "{log}");
+    copied_one(&fabric, 0);
     fabric.shutdown();
 }
