@@ -15,6 +15,7 @@
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`ranks`] — the names of the mesh ranks (routers first, their number given).
 //! * [`reference`] — the in-process reference MoE layer and its f64 twin.
+//! * [`relay`] — copies of gained experts relayed between devices (sans-IO).
 //! * [`service`] — the router service: the I/O driver around the core.
 //! * `sim` — a simulated cluster the core's tests drive it with (cargo feature `sim`, enabled
 //!   by the router's and the worker's dev-dependencies only).
@@ -30,6 +31,7 @@ pub mod plan;
 pub mod ranks;
 pub mod rebalance;
 pub mod reference;
+pub mod relay;
 pub mod service;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;

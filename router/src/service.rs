@@ -32,6 +32,7 @@ use crate::client::placement::Applied;
 use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
+use crate::relay::{RelayAction, Relays};
 use expertmesh_transport::codec::{
     Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
     placement_entries,
@@ -1066,33 +1067,8 @@ struct Changes {
     /// Changes asked from this process ([`PlacementHandle`], client [`IN_PROCESS`]): where
     /// each request's answer goes.
     in_process: HashMap<u64, std_mpsc::Sender<Result<Applied, String>>>,
-    /// Copies of gained experts relayed through this router, by the id the owner streams
-    /// under ([`CoreLoop::fetch`]).
-    relays: HashMap<u64, Relay>,
-    next_relay: u64,
-}
-
-/// A gained expert being copied from its owner to its gainer through this router.
-#[derive(Debug, Clone)]
-struct Relay {
-    gainer: u32,
-    /// The gainer's id of the stream.
-    gainer_id: u64,
-    owner: u32,
-    /// The expert.
-    key: (u32, u32),
-    /// Other owners to ask if this one refuses before sending anything.
-    others: Vec<u32>,
-    /// Whether a chunk of it reached the gainer.
-    started: bool,
-}
-
-/// Copies of gained experts one router relays at once (each gainer copies one at a time).
-const MAX_RELAYS: usize = 1024;
-
-/// A `Chunk` that ends stream `request_id` with why it failed.
-fn chunk_error(request_id: u64, message: &str) -> OutFrame {
-    OutFrame::new(Body::Placement(Placement::chunk_error(request_id, message)))
+    /// Copies of gained experts relayed through this router ([`CoreLoop::fetch`]).
+    relays: Relays,
 }
 
 impl Changes {
@@ -1111,8 +1087,7 @@ impl Changes {
             unconfirmed: Confirmations::new(core.rank_labels().len()),
             announced: vec![false; core.rank_labels().len()],
             in_process: HashMap::new(),
-            relays: HashMap::new(),
-            next_relay: 0,
+            relays: Relays::default(),
         }
     }
 }
@@ -1286,155 +1261,104 @@ impl CoreLoop {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.core.stats().clone();
     }
 
-    /// Worker `from` gains an expert its host has no weights for and asks for a copy (one
-    /// entry, its own rank): a live owner other than it is asked to stream it here, and its
-    /// chunks go on to the gainer ([`CoreLoop::relay_chunk`]).
+    /// Worker `from` gains an expert its host has no weights for and asks for a copy: a live
+    /// owner other than it is asked to stream it here ([`crate::relay`]).
     fn fetch(&mut self, from: u32, p: &Placement, payload: &[u8]) {
         let entries = placement_entries(p, payload).unwrap_or_default();
-        let refuse = |this: &Self, why: String| {
-            tracing::warn!(from, "expert copy refused: {why}");
-            this.send_control(from, chunk_error(p.request_id, &why));
+        let owners: Vec<u32> = match entries[..] {
+            [(_, layer, expert)] => self
+                .core
+                .live_owners(layer, expert)
+                .into_iter()
+                .filter(|&r| self.mesh.is_connected(r))
+                .collect(),
+            _ => Vec::new(),
         };
-        let [(rank, layer, expert)] = entries[..] else {
-            return refuse(self, "a fetch names exactly one expert".into());
-        };
-        if rank != from {
-            return refuse(
-                self,
-                format!("a fetch names mesh rank {rank}, not the asker's"),
-            );
-        }
-        if self.changes.relays.len() >= MAX_RELAYS {
-            return refuse(
-                self,
-                format!("{MAX_RELAYS} expert copies are under way here; ask again later"),
-            );
-        }
-        let owners: Vec<u32> = self
-            .core
-            .live_owners(layer, expert)
-            .into_iter()
-            .filter(|&r| r != from && self.mesh.is_connected(r))
-            .collect();
-        if owners.is_empty() {
-            return refuse(
-                self,
-                format!(
-                    "no other connected device serves layer {layer} expert {expert} now, and its \
-                     weights are not on the gaining device's host; copy its shard there"
-                ),
-            );
-        }
-        self.changes.next_relay += 1;
-        let id = self.changes.next_relay;
-        // Start at a different owner for each copy (spread), then the others in turn.
-        let mut others = owners;
-        let start = (id as usize) % others.len();
-        others.rotate_left(start);
-        let owner = others.remove(0);
-        self.changes.relays.insert(
-            id,
-            Relay {
-                gainer: from,
-                gainer_id: p.request_id,
-                owner,
-                key: (layer, expert),
-                others,
-                started: false,
-            },
-        );
-        tracing::info!(
-            gainer = from,
-            owner,
-            layer,
-            expert,
-            "relaying an expert copy"
-        );
-        self.ask_owner(id, owner, (layer, expert));
+        let action = self
+            .changes
+            .relays
+            .fetch(from, p.request_id, &entries, owners);
+        self.relay(action, p, &[]);
     }
 
-    /// Asks `owner` to stream expert `key` as relay `id`.
-    fn ask_owner(&self, id: u64, owner: u32, (layer, expert): (u32, u32)) {
-        let entries = [(owner, layer, expert)];
-        let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
-        ask.request_id = id;
-        let frame = OutFrame::with_payload(
-            Body::Placement(ask),
-            bytes::Bytes::from(encode_placement_entries(&entries)),
-        );
-        self.send_control(owner, frame);
+    /// A chunk of a relayed copy from its owner: on to the gainer, or to the next owner.
+    fn relay_chunk(&mut self, from: u32, p: &Placement, payload: &[u8]) {
+        let failed = !p.message.is_empty();
+        if let Some(action) = self
+            .changes
+            .relays
+            .chunk(from, p.request_id, failed, p.loaded == 1)
+        {
+            if failed && matches!(action, RelayAction::Ask { .. }) {
+                tracing::info!(
+                    from,
+                    "an owner could not copy the expert ({}); asking another",
+                    p.message
+                );
+            }
+            self.relay(action, p, payload);
+        }
     }
 
     /// The gainer's acknowledgement of a relayed copy: on to the owner (its window).
     fn relay_ack(&mut self, from: u32, p: &Placement) {
-        let Some((&id, relay)) = self
-            .changes
-            .relays
-            .iter()
-            .find(|(_, r)| r.gainer == from && r.gainer_id == p.request_id)
-        else {
-            return;
-        };
-        let mut ack = Placement::new(PlacementOp::Ack, p.version, 0);
-        ack.request_id = id;
-        self.send_control(relay.owner, OutFrame::new(Body::Placement(ack)));
-    }
-
-    /// A chunk of a relayed copy from its owner: on to the gainer (a stream ends with its
-    /// last chunk or an error). Chunks of unknown streams (a gainer gone) are dropped.
-    fn relay_chunk(&mut self, from: u32, p: &Placement, payload: &[u8]) {
-        let Some(relay) = self.changes.relays.get_mut(&p.request_id) else {
-            return;
-        };
-        if relay.owner != from {
-            tracing::debug!(from, "a chunk of another device's copy; dropped");
-            return;
-        }
-        // An owner that refuses before sending anything (it was copied the expert itself,
-        // say) hands the copy to the next owner.
-        if !p.message.is_empty() && !relay.started && !relay.others.is_empty() {
-            let owner = relay.others.remove(0);
-            tracing::info!(
-                from,
-                owner,
-                "an owner could not copy the expert ({}); asking another",
-                p.message
-            );
-            relay.owner = owner;
-            let key = relay.key;
-            self.ask_owner(p.request_id, owner, key);
-            return;
-        }
-        relay.started = true;
-        let relay = relay.clone();
-        let mut fwd = p.clone();
-        fwd.request_id = relay.gainer_id;
-        let frame =
-            OutFrame::with_payload(Body::Placement(fwd), bytes::Bytes::copy_from_slice(payload));
-        self.send_control(relay.gainer, frame);
-        if p.loaded == 1 || !p.message.is_empty() {
-            self.changes.relays.remove(&p.request_id);
+        if let Some(action) = self.changes.relays.ack(from, p.request_id, p.version) {
+            self.relay(action, p, &[]);
         }
     }
 
-    /// Worker `rank`'s link is gone: the copies it owned fail at their gainers; the copies
-    /// it asked for are dropped.
+    /// Worker `rank`'s link is gone: the copies it streamed fail at their gainers.
     fn relays_lost(&mut self, rank: u32) {
-        let gone: Vec<(u64, Relay)> = self
-            .changes
-            .relays
-            .iter()
-            .filter(|(_, r)| r.owner == rank || r.gainer == rank)
-            .map(|(&id, r)| (id, r.clone()))
-            .collect();
-        for (id, r) in gone {
-            self.changes.relays.remove(&id);
-            if r.owner == rank {
-                let why = format!(
-                    "the device copying the expert ({}) was lost; the change is undone",
-                    self.names.get(rank as usize).map_or("?", String::as_str)
+        let name = self
+            .names
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("mesh rank {rank}"));
+        for action in self.changes.relays.lost(rank, &name) {
+            self.relay(action, &Placement::new(PlacementOp::Chunk, 0, 0), &[]);
+        }
+    }
+
+    /// Carries out a relay action; `p` and `payload` are the frame it answers (a forwarded
+    /// chunk's).
+    fn relay(&self, action: RelayAction, p: &Placement, payload: &[u8]) {
+        match action {
+            RelayAction::Ask { owner, id, key } => {
+                tracing::info!(
+                    owner,
+                    layer = key.0,
+                    expert = key.1,
+                    "relaying an expert copy"
                 );
-                self.send_control(r.gainer, chunk_error(r.gainer_id, &why));
+                let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
+                ask.request_id = id;
+                let entries = encode_placement_entries(&[(owner, key.0, key.1)]);
+                let frame =
+                    OutFrame::with_payload(Body::Placement(ask), bytes::Bytes::from(entries));
+                self.send_control(owner, frame);
+            }
+            RelayAction::Forward { gainer, gainer_id } => {
+                let mut fwd = p.clone();
+                fwd.request_id = gainer_id;
+                let frame = OutFrame::with_payload(
+                    Body::Placement(fwd),
+                    bytes::Bytes::copy_from_slice(payload),
+                );
+                self.send_control(gainer, frame);
+            }
+            RelayAction::Refuse {
+                gainer,
+                gainer_id,
+                why,
+            } => {
+                tracing::warn!(gainer, "expert copy refused: {why}");
+                let frame = OutFrame::new(Body::Placement(Placement::chunk_error(gainer_id, &why)));
+                self.send_control(gainer, frame);
+            }
+            RelayAction::Ack { owner, id, bytes } => {
+                let mut ack = Placement::new(PlacementOp::Ack, bytes, 0);
+                ack.request_id = id;
+                self.send_control(owner, OutFrame::new(Body::Placement(ack)));
             }
         }
     }
