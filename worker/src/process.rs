@@ -482,14 +482,14 @@ struct Live {
 fn gain_source(
     dep: &Deployment,
     load: &[(u32, u32)],
-    fetcher: &crate::fetch::io::Fetcher,
+    fetcher: crate::fetch::io::Fetcher,
 ) -> Result<Box<dyn expertmesh_backend::ExpertSource>, String> {
     let (local, missing) =
         weights::gained_expert_source_on_host(dep, load).map_err(|e| e.to_string())?;
     if missing.is_empty() {
         return Ok(local);
     }
-    let copied = fetcher.fetch(dep, &missing)?;
+    let copied = crate::fetch::io::FetchSource::new(fetcher, dep.clone(), &missing)?;
     Ok(Box::new(crate::fetch::io::Chain::new(local, copied)))
 }
 
@@ -997,7 +997,7 @@ impl ComputeCtx {
                 let loader = std::thread::Builder::new()
                     .name("expert-loader".into())
                     .spawn(move || {
-                        let staged = gain_source(&dep, &load, &fetcher).and_then(|mut source| {
+                        let staged = gain_source(&dep, &load, fetcher).and_then(|mut source| {
                             stager
                                 .stage(&mut *source)
                                 .map_err(|e| format!("loading the gained experts: {e}"))

@@ -6,7 +6,7 @@
 use super::{Assembly, CHUNK_BYTES, FETCH_BYTES_PER_S, WINDOW_BYTES, decode_expert, encode_expert};
 use crate::deploy::Deployment;
 use crate::weights;
-use expertmesh_backend::{BackendError, ExpertKey, ExpertShape, ExpertSource, VecSource};
+use expertmesh_backend::{BackendError, ExpertKey, ExpertShape, ExpertSource};
 use expertmesh_quant::format::{ExpertWeights, PackedRef};
 use expertmesh_transport::codec::{Body, Placement, PlacementOp, encode_placement_entries};
 use expertmesh_transport::mesh::{Mesh, OutFrame, Transport};
@@ -237,52 +237,119 @@ pub(crate) struct Fetcher {
 }
 
 impl Fetcher {
-    /// Copies `keys` from their owners, one after the other, as a source.
-    pub(crate) fn fetch(&self, dep: &Deployment, keys: &[(u32, u32)]) -> Result<VecSource, String> {
+    /// Copies `key` from a device that serves it.
+    fn fetch_one(&self, dep: &Deployment, key: ExpertKey) -> Result<ExpertWeights, String> {
+        let (layer, expert) = (key.layer, key.expert);
         let (hidden, inter) = (dep.spec.hidden as usize, dep.spec.moe_intermediate as usize);
-        let mut out = Vec::with_capacity(keys.len());
-        for &(layer, expert) in keys {
-            let key = ExpertKey { layer, expert };
-            let id = NEXT_STREAM.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
-            ask.request_id = id;
-            let frame = OutFrame::with_payload(
-                Body::Placement(ask),
-                bytes::Bytes::from(encode_placement_entries(&[(self.rank, layer, expert)])),
-            );
-            self.handle
-                .block_on(self.mesh.send(self.router, &frame))
-                .map_err(|e| format!("asking for a copy of layer {layer} expert {expert}: {e}"))?;
-            let mut asm = Assembly::new(super::max_stream_bytes(hidden, inter, 32));
-            let mut received = 0u64;
-            let bytes = loop {
-                let (got, p, data) = self.chunks.recv_timeout(CHUNK_WAIT).map_err(|_| {
-                    format!("no copy of layer {layer} expert {expert} arrived for {CHUNK_WAIT:?}")
-                })?;
-                if got != id {
-                    continue; // a chunk of an earlier, abandoned stream
-                }
-                if !p.message.is_empty() {
-                    return Err(format!(
-                        "copying layer {layer} expert {expert}: {}",
-                        p.message
-                    ));
-                }
-                let whole = asm
-                    .add(p.version, &data, p.loaded == 1)
-                    .map_err(|e| e.to_string())?;
-                received += data.len() as u64;
-                self.ack(id, received)?;
-                if let Some(b) = whole {
-                    break b;
-                }
-            };
-            let w: ExpertWeights =
-                decode_expert(&bytes, key, hidden, inter).map_err(|e| e.to_string())?;
-            self.cache.put(key, &bytes);
-            out.push((key, w));
+        let id = NEXT_STREAM.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
+        ask.request_id = id;
+        let frame = OutFrame::with_payload(
+            Body::Placement(ask),
+            bytes::Bytes::from(encode_placement_entries(&[(self.rank, layer, expert)])),
+        );
+        self.handle
+            .block_on(self.mesh.send(self.router, &frame))
+            .map_err(|e| format!("asking for a copy of layer {layer} expert {expert}: {e}"))?;
+        let mut asm = Assembly::new(super::max_stream_bytes(hidden, inter, 32));
+        let mut received = 0u64;
+        let bytes = loop {
+            let (got, p, data) = self.chunks.recv_timeout(CHUNK_WAIT).map_err(|_| {
+                format!("no copy of layer {layer} expert {expert} arrived for {CHUNK_WAIT:?}")
+            })?;
+            if got != id {
+                continue; // a chunk of an earlier, abandoned stream
+            }
+            if !p.message.is_empty() {
+                return Err(format!(
+                    "copying layer {layer} expert {expert}: {}",
+                    p.message
+                ));
+            }
+            let whole = asm
+                .add(p.version, &data, p.loaded == 1)
+                .map_err(|e| e.to_string())?;
+            received += data.len() as u64;
+            self.ack(id, received)?;
+            if let Some(b) = whole {
+                break b;
+            }
+        };
+        let w = decode_expert(&bytes, key, hidden, inter).map_err(|e| e.to_string())?;
+        self.cache.put(key, &bytes);
+        Ok(w)
+    }
+}
+
+/// The experts a gainer copies from their owners, as a source that copies each when the
+/// backend asks for it (one copied expert in memory at a time, next to the arena it goes
+/// into). The first is copied up front: its packed format is the conversion's, and every
+/// shape is known before the backend starts.
+pub(crate) struct FetchSource {
+    fetcher: Fetcher,
+    dep: Deployment,
+    shapes: Vec<ExpertShape>,
+    first: Option<ExpertWeights>,
+}
+
+impl FetchSource {
+    /// The copies of `keys` (not empty), the first one made now.
+    pub(crate) fn new(
+        fetcher: Fetcher,
+        dep: Deployment,
+        keys: &[(u32, u32)],
+    ) -> Result<Self, String> {
+        let key = |&(layer, expert): &(u32, u32)| ExpertKey { layer, expert };
+        let head = keys.first().ok_or("no expert to copy")?;
+        let first = fetcher.fetch_one(&dep, key(head))?;
+        let (hidden, inter, quant) = (first.hidden(), first.inter(), first.spec());
+        let shapes = keys
+            .iter()
+            .map(|k| ExpertShape {
+                key: key(k),
+                hidden,
+                inter,
+                quant,
+            })
+            .collect();
+        Ok(Self {
+            fetcher,
+            dep,
+            shapes,
+            first: Some(first),
+        })
+    }
+}
+
+impl ExpertSource for FetchSource {
+    fn shapes(&self) -> &[ExpertShape] {
+        &self.shapes
+    }
+
+    fn expert(&mut self, i: usize) -> Result<ExpertWeights, BackendError> {
+        if i == 0
+            && let Some(w) = self.first.take()
+        {
+            return Ok(w);
         }
-        Ok(VecSource::new(out))
+        let shape = *self
+            .shapes
+            .get(i)
+            .ok_or_else(|| BackendError::Source(format!("no copied expert {i}")))?;
+        let w = self
+            .fetcher
+            .fetch_one(&self.dep, shape.key)
+            .map_err(BackendError::Source)?;
+        if w.spec() != shape.quant {
+            return Err(BackendError::Source(format!(
+                "the copy of layer {} expert {} is packed as {:?}, the first copy as {:?}",
+                shape.key.layer,
+                shape.key.expert,
+                w.spec(),
+                shape.quant
+            )));
+        }
+        Ok(w)
     }
 }
 
@@ -304,13 +371,13 @@ impl Fetcher {
 /// copied from their owners).
 pub(crate) struct Chain {
     first: Box<dyn ExpertSource>,
-    second: VecSource,
+    second: FetchSource,
     shapes: Vec<ExpertShape>,
     split: usize,
 }
 
 impl Chain {
-    pub(crate) fn new(first: Box<dyn ExpertSource>, second: VecSource) -> Self {
+    pub(crate) fn new(first: Box<dyn ExpertSource>, second: FetchSource) -> Self {
         let split = first.shapes().len();
         let shapes = first
             .shapes()
