@@ -47,10 +47,13 @@ pub(crate) struct CopyCache {
 
 impl CopyCache {
     /// The cache of the worker with mesh rank `rank` in this process (nothing on disk yet).
+    /// Caches that workers killed before they could remove them left behind (their process
+    /// is gone) are removed now.
     pub(crate) fn new(rank: u32) -> Self {
+        let tmp = std::env::temp_dir();
+        remove_orphans(&tmp);
         Self {
-            dir: std::env::temp_dir()
-                .join(format!("expertmesh-copies-{}-{rank}", std::process::id())),
+            dir: tmp.join(format!("{CACHE_PREFIX}{}-{rank}", std::process::id())),
         }
     }
 
@@ -82,6 +85,33 @@ impl CopyCache {
     /// Forgets `key` (released).
     pub(crate) fn remove(&self, key: ExpertKey) {
         let _ = std::fs::remove_file(self.path(key));
+    }
+}
+
+/// The name of a copy cache folder: this, the worker's process id, `-`, its mesh rank.
+const CACHE_PREFIX: &str = "expertmesh-copies-";
+
+/// Removes the copy caches in `tmp` whose process is gone (Linux: no `/proc/PID`; elsewhere,
+/// or without `/proc`, nothing is removed). Workers in another PID namespace sharing this
+/// `tmp` would look gone: give each its own temporary folder (`TMPDIR`), as containers do.
+fn remove_orphans(tmp: &std::path::Path) {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix(CACHE_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -427,6 +457,23 @@ impl ExpertSource for Chain {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cache_left_by_a_dead_worker_is_removed_and_a_live_ones_kept() {
+        let tmp = std::env::temp_dir().join(format!("em-cache-test-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        // A process id no live process has (above the kernel's maximum), and this one's.
+        let dead = tmp.join(format!("{CACHE_PREFIX}4294967294-3"));
+        let alive = tmp.join(format!("{CACHE_PREFIX}{}-3", std::process::id()));
+        let other = tmp.join("something-else");
+        for d in [&dead, &alive, &other] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        remove_orphans(&tmp);
+        assert!(!dead.exists());
+        assert!(alive.exists() && other.exists());
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
 
     fn offset_of(frame: &OutFrame) -> (u64, usize, bool) {
         match &frame.body {
