@@ -428,25 +428,18 @@ impl PlacementHandle {
     ) -> Result<Applied, String> {
         let request_id = self.next_request.fetch_add(1, Ordering::AcqRel) + 1;
         let (reply, answer) = std_mpsc::channel();
-        let mut msg = CoreInput::Apply {
+        let msg = CoreInput::Apply {
             client: IN_PROCESS,
             request_id,
             entries,
             timeout,
             reply: Some(reply),
         };
-        loop {
-            match self.tx.tx.try_send(msg) {
-                Ok(()) => break,
-                Err(std_mpsc::TrySendError::Full(m)) => {
-                    msg = m;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(std_mpsc::TrySendError::Disconnected(_)) => {
-                    return Err("the router stopped".into());
-                }
-            }
-        }
+        // (Blocking while the core's queue is full: this caller has a thread of its own.)
+        self.tx
+            .tx
+            .send(msg)
+            .map_err(|_| "the router stopped".to_owned())?;
         self.tx.wake();
         let wait = 4 * timeout + Duration::from_secs(10);
         let until = std::time::Instant::now() + wait;
@@ -1075,6 +1068,7 @@ impl Changes {
     /// The part of the router with mesh rank `own_rank` (router 0 coordinates changes).
     fn new(core: &RouterCore, own_rank: u32) -> Self {
         let names = core.rank_labels();
+        let ranks = names.len();
         Self {
             coordinator: Coordinator::new(
                 core.rank_names().routers(),
@@ -1084,8 +1078,8 @@ impl Changes {
                 own_rank == 0,
             ),
             failed: Vec::new(),
-            unconfirmed: Confirmations::new(core.rank_labels().len()),
-            announced: vec![false; core.rank_labels().len()],
+            unconfirmed: Confirmations::new(ranks),
+            announced: vec![false; ranks],
             in_process: HashMap::new(),
             relays: Relays::default(),
         }
@@ -1278,7 +1272,7 @@ impl CoreLoop {
             .changes
             .relays
             .fetch(from, p.request_id, &entries, owners);
-        self.relay(action, p, &[]);
+        self.relay(action);
     }
 
     /// A chunk of a relayed copy from its owner: on to the gainer, or to the next owner.
@@ -1296,14 +1290,25 @@ impl CoreLoop {
                     p.message
                 );
             }
-            self.relay(action, p, payload);
+            match action {
+                RelayAction::Forward { gainer, gainer_id } => {
+                    let mut fwd = p.clone();
+                    fwd.request_id = gainer_id;
+                    let frame = OutFrame::with_payload(
+                        Body::Placement(fwd),
+                        bytes::Bytes::copy_from_slice(payload),
+                    );
+                    self.send_control(gainer, frame);
+                }
+                other => self.relay(other),
+            }
         }
     }
 
     /// The gainer's acknowledgement of a relayed copy: on to the owner (its window).
     fn relay_ack(&mut self, from: u32, p: &Placement) {
         if let Some(action) = self.changes.relays.ack(from, p.request_id, p.version) {
-            self.relay(action, p, &[]);
+            self.relay(action);
         }
     }
 
@@ -1315,13 +1320,12 @@ impl CoreLoop {
             .cloned()
             .unwrap_or_else(|| format!("mesh rank {rank}"));
         for action in self.changes.relays.lost(rank, &name) {
-            self.relay(action, &Placement::new(PlacementOp::Chunk, 0, 0), &[]);
+            self.relay(action);
         }
     }
 
-    /// Carries out a relay action; `p` and `payload` are the frame it answers (a forwarded
-    /// chunk's).
-    fn relay(&self, action: RelayAction, p: &Placement, payload: &[u8]) {
+    /// Carries out a relay action other than a chunk's forward.
+    fn relay(&self, action: RelayAction) {
         match action {
             RelayAction::Ask { owner, id, key } => {
                 tracing::info!(
@@ -1337,14 +1341,9 @@ impl CoreLoop {
                     OutFrame::with_payload(Body::Placement(ask), bytes::Bytes::from(entries));
                 self.send_control(owner, frame);
             }
-            RelayAction::Forward { gainer, gainer_id } => {
-                let mut fwd = p.clone();
-                fwd.request_id = gainer_id;
-                let frame = OutFrame::with_payload(
-                    Body::Placement(fwd),
-                    bytes::Bytes::copy_from_slice(payload),
-                );
-                self.send_control(gainer, frame);
+            RelayAction::Forward { gainer, .. } => {
+                // (Only ever the answer to a chunk: `relay_chunk` forwards its bytes.)
+                tracing::error!(gainer, "a relay forward without a chunk; dropped");
             }
             RelayAction::Refuse {
                 gainer,
@@ -1402,15 +1401,7 @@ impl CoreLoop {
                 return true;
             }
             let (id, answer) = match msg {
-                ClientMsg::Placement(p) => (
-                    p.request_id,
-                    Ok(Applied {
-                        version: p.version,
-                        loaded: p.loaded,
-                        released: p.released,
-                        took: Duration::from_millis(u64::from(p.millis)),
-                    }),
-                ),
+                ClientMsg::Placement(p) => (p.request_id, Ok(Applied::of(p))),
                 ClientMsg::Error {
                     request_id,
                     message,

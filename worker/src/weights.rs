@@ -547,6 +547,74 @@ pub fn gained_expert_source_on_host(
     Ok((Box::new(src), missing.into_iter().collect()))
 }
 
+/// This host's device shards for reading one expert at a time (an owner's copy server): a
+/// shard is checked against the manifest's checksum the first time an expert is read from it,
+/// not once per expert (a device shard can be many gigabytes).
+#[derive(Debug)]
+pub struct HostShards {
+    dep: Deployment,
+    /// Per device index: its shard on this host, opened, the manifest's checksum, and whether
+    /// the whole file was checked against it.
+    opened: std::collections::HashMap<usize, (ShardFile, u32, bool)>,
+}
+
+impl HostShards {
+    /// Nothing opened yet.
+    pub fn new(dep: Deployment) -> Self {
+        Self {
+            dep,
+            opened: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Routed expert `key` from a shard on this host that holds it (checked), or synthetic
+    /// from the seed; `None` when no shard on this host holds it.
+    ///
+    /// # Errors
+    /// A shard that cannot be opened, does not match the manifest, or is damaged.
+    pub fn expert(&mut self, key: ExpertKey) -> Result<Option<ExpertWeights>, WeightsError> {
+        let Some(w) = self.dep.weights.as_ref() else {
+            let (layer, expert) = (key.layer, key.expert);
+            return self
+                .dep
+                .spec
+                .synthetic(self.dep.seed)
+                .routed(layer, expert)
+                .map(Some)
+                .map_err(|cause| WeightsError::SyntheticExpert {
+                    layer,
+                    expert,
+                    cause,
+                });
+        };
+        for (i, d) in self.dep.topology.devices().iter().enumerate() {
+            match w.manifest.shard_of(d.id()) {
+                Some(r) if w.path(&r.file).exists() => {}
+                _ => continue,
+            }
+            if !self.opened.contains_key(&i) {
+                let (file, crc) = open_shard_unverified(&self.dep, Some(DeviceRank(i as u32)))?;
+                self.opened.insert(i, (file, crc, false));
+            }
+            let (file, crc, checked) = self.opened.get_mut(&i).expect("opened above");
+            let Some(at) = file
+                .index()
+                .experts
+                .iter()
+                .position(|e| (e.layer, e.expert) == (key.layer, key.expert))
+            else {
+                continue;
+            };
+            if !*checked {
+                file.verify(Some(*crc)).map_err(WeightsError::Shard)?;
+                *checked = true;
+            }
+            return file.expert(at).map(Some).map_err(WeightsError::Shard);
+        }
+        Ok(None)
+    }
+}
+
 /// A thread checking a shard's whole-file checksum.
 type VerifyThread = std::thread::JoinHandle<Result<(), expertmesh_shard::ShardError>>;
 

@@ -21,6 +21,18 @@ pub struct Applied {
     pub took: Duration,
 }
 
+impl Applied {
+    /// What a router's `Applied` answer says.
+    pub fn of(p: &Placement) -> Self {
+        Self {
+            version: p.version,
+            loaded: p.loaded,
+            released: p.released,
+            took: Duration::from_millis(u64::from(p.millis)),
+        }
+    }
+}
+
 /// Why a placement was not applied.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -72,12 +84,7 @@ pub async fn apply_placement(
                 e.request_id, e.message
             )))
         }
-        Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Applied {
-            version: p.version,
-            loaded: p.loaded,
-            released: p.released,
-            took: Duration::from_millis(u64::from(p.millis)),
-        }),
+        Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Applied::of(p)),
         Body::Error(e) => Err(ApplyError::Refused(e.message.clone())),
         other => Err(ApplyError::Unexpected(format!("{:?}", other.kind()))),
     }

@@ -47,13 +47,9 @@ pub(crate) struct CopyCache {
 
 impl CopyCache {
     /// The cache of the worker with mesh rank `rank` in this process (nothing on disk yet).
-    /// Caches that workers killed before they could remove them left behind (their process
-    /// is gone) are removed now.
     pub(crate) fn new(rank: u32) -> Self {
-        let tmp = std::env::temp_dir();
-        remove_orphans(&tmp);
         Self {
-            dir: tmp.join(format!("{CACHE_PREFIX}{}-{rank}", std::process::id())),
+            dir: std::env::temp_dir().join(format!("{CACHE_PREFIX}{}-{rank}", std::process::id())),
         }
     }
 
@@ -63,8 +59,14 @@ impl CopyCache {
     }
 
     /// Keeps `key`'s stream. A failure (a full disk) only means this device cannot copy
-    /// it on: said once, and the copy itself goes on.
+    /// it on: logged, and the copy itself goes on. Creating the folder first removes the
+    /// caches killed workers left behind (their process is gone).
     pub(crate) fn put(&self, key: ExpertKey, stream: &[u8]) {
+        if !self.dir.exists()
+            && let Some(tmp) = self.dir.parent()
+        {
+            remove_orphans(tmp);
+        }
         let wrote = std::fs::create_dir_all(&self.dir)
             .and_then(|()| std::fs::write(self.path(key), stream));
         if let Err(e) = wrote {
@@ -141,8 +143,9 @@ impl CopyServer {
         std::thread::Builder::new()
             .name("expert-copy".into())
             .spawn(move || {
+                let mut shards = weights::HostShards::new(dep);
                 for job in rx {
-                    let sent = serve(&dep, &cache, &mesh, &handle, &job, &acked);
+                    let sent = serve(&mut shards, &cache, &mesh, &handle, &job, &acked);
                     if let Err(why) = sent {
                         tracing::warn!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copy failed: {why}");
                         let frame =
@@ -171,23 +174,19 @@ impl CopyServer {
     }
 }
 
-/// Reads `job`'s expert from this host's checked shard (or, when this device was copied it,
+/// Reads `job`'s expert from this host's checked shards (each checked once per copy thread;
+/// or, when this device was copied it,
 /// the stream it kept) and streams it, paced, with at most [`WINDOW_BYTES`] unacknowledged by
 /// the gainer (`acked`).
 fn serve(
-    dep: &Deployment,
+    shards: &mut weights::HostShards,
     cache: &CopyCache,
     mesh: &Mesh,
     handle: &tokio::runtime::Handle,
     job: &Job,
     acked: &mpsc::Receiver<(u64, u64)>,
 ) -> Result<(), String> {
-    let keys = [(job.key.layer, job.key.expert)];
-    let (mut source, missing) =
-        weights::gained_expert_source_on_host(dep, &keys).map_err(|e| e.to_string())?;
-    let bytes = if missing.is_empty() {
-        let weights = source.expert(0).map_err(|e| e.to_string())?;
-        source.finish().map_err(|e| e.to_string())?;
+    let bytes = if let Some(weights) = shards.expert(job.key).map_err(|e| e.to_string())? {
         encode_expert(job.key, &weights)
     } else {
         // Copied here: the stream kept (its CRC-32C goes along and is checked at the end).
