@@ -16,7 +16,9 @@
 #
 # Needs nvcc (PATH or /usr/local/cuda/bin) and an NVIDIA GPU; no Rust when the vectors were
 # prepared. If the HIP NVIDIA headers do not compile with this CUDA, it retries with the CUDA
-# runtime directly (EM_HIP_NVIDIA_SHIM) and says so. Bounded: compile ~1 min, run <= 240 s.
+# runtime directly (EM_HIP_NVIDIA_SHIM) and says so. Then, where compute-sanitizer exists (and
+# EM_GPU_SANITIZE is not 0), memcheck, racecheck and synccheck over the bit-exact cases.
+# Bounded: compile ~1 min, run <= 240 s, sanitizer passes <= 90 s each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -92,9 +94,35 @@ fi
 say "running (build mode: $MODE)"
 timeout 240 "$BUILD/gpu_harness" "$VECTORS" "$OUT_DIR"
 rc=$?
+# compute-sanitizer over the bit-exact cases: out-of-bounds and misaligned accesses (memcheck),
+# shared-memory hazards (racecheck), barrier misuse (synccheck). The phase-2 wait of the fused
+# decode may time out under the sanitizer's slowdown: such a case then fails as a timeout, not a
+# race; the sanitizer's own error summary is what this step reports.
+SAN=$(command -v compute-sanitizer || true)
+[ -z "$SAN" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ] && SAN=/usr/local/cuda/bin/compute-sanitizer
+SAN_RESULT="not run (no compute-sanitizer)"
+if [ -n "$SAN" ] && [ "${EM_GPU_SANITIZE:-1}" = 1 ]; then
+  SAN_RESULT=""
+  for tool in memcheck racecheck synccheck; do
+    say "compute-sanitizer --tool $tool over the bit-exact cases"
+    EM_GPU_CORRECTNESS_ONLY=1 timeout 90 "$SAN" --tool "$tool" --error-exitcode 9 \
+      "$BUILD/gpu_harness" "$VECTORS" "$BUILD" 2>&1 | tail -25
+    src=${PIPESTATUS[0]}
+    case $src in
+      0) SAN_RESULT+="$tool clean; " ;;
+      9) SAN_RESULT+="$tool FOUND ERRORS; "; [ $rc -eq 0 ] && rc=9 ;;
+      124) SAN_RESULT+="$tool did not finish in 90 s; " ;;
+      *) SAN_RESULT+="$tool exit $src; " ;;
+    esac
+  done
+fi
+
 say "summary"
+echo "compute-sanitizer: $SAN_RESULT"
 if [ $rc -eq 0 ]; then
   echo "gpu-check: PASSED: exact mode bit-identical to the Rust reference on every case; accurate mode within tolerance"
+elif [ $rc -eq 9 ]; then
+  echo "gpu-check: FAILED: compute-sanitizer found errors (above)"
 elif [ $rc -eq 124 ]; then
   echo "gpu-check: FAILED: the harness exceeded 240 s"
 else

@@ -7,8 +7,11 @@ use std::net::SocketAddr;
 
 /// `n` distinct free loopback addresses (the listeners are closed again on return).
 pub(crate) fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    // scripts/rdma-rxe-check.sh points the suite at a Soft-RoCE device's address when the
+    // kernel cannot attach rxe to loopback.
+    let ip = std::env::var("EM_TEST_BIND_IP").unwrap_or_else(|_| "127.0.0.1".into());
     let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .map(|_| std::net::TcpListener::bind((ip.as_str(), 0)).unwrap())
         .collect();
     ls.iter().map(|l| l.local_addr().unwrap()).collect()
 }
