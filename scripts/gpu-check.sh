@@ -18,7 +18,8 @@
 # prepared. If the HIP NVIDIA headers do not compile with this CUDA, it retries with the CUDA
 # runtime directly (EM_HIP_NVIDIA_SHIM) and says so. Then, where compute-sanitizer exists (and
 # EM_GPU_SANITIZE is not 0), memcheck, racecheck and synccheck over the bit-exact cases.
-# Bounded: compile ~1 min, run <= 240 s, sanitizer passes <= 90 s each.
+# EM_GPU_VARIANTS (see below) builds and times kernel variants side by side.
+# Bounded: compile ~1 min, run <= 240 s, sanitizer passes <= 90 s each, each variant <= 240 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -77,6 +78,7 @@ if [ -d .hip-nvidia/hip ]; then
   if timeout 300 "$NVCC" "${FLAGS[@]}" -D__HIP_PLATFORM_NVIDIA__ -I.hip-nvidia -o "$BUILD/gpu_harness" "$SRC" \
        2>"$BUILD/hip.err"; then
     MODE="hip-nvidia-headers"
+    MODE_FLAGS=(-D__HIP_PLATFORM_NVIDIA__ -I.hip-nvidia)
   else
     echo "WARNING: HIP's NVIDIA headers do not compile with this CUDA; first errors:"
     grep -m 10 error "$BUILD/hip.err"
@@ -89,6 +91,7 @@ if [ -z "$MODE" ]; then
   timeout 300 "$NVCC" "${FLAGS[@]}" -DEM_HIP_NVIDIA_SHIM -o "$BUILD/gpu_harness" "$SRC" || {
     echo "gpu-check: FAILED: the harness does not compile"; exit 1; }
   MODE="cuda-shim"
+  MODE_FLAGS=(-DEM_HIP_NVIDIA_SHIM)
 fi
 
 say "running (build mode: $MODE)"
@@ -115,6 +118,52 @@ if [ -n "$SAN" ] && [ "${EM_GPU_SANITIZE:-1}" = 1 ]; then
       *) SAN_RESULT+="$tool exit $src; " ;;
     esac
   done
+fi
+
+# Kernel variants (EM_GPU_VARIANTS="name=-DMACRO=V -D...;name2=..."): the harness built once per
+# variant, in parallel, then each run alone: correctness (every variant must stay bit-identical)
+# and the decode bandwidth, OUT_DIR/variant-NAME.json each, and a table of ratios to compare.
+if [ -n "${EM_GPU_VARIANTS:-}" ]; then
+  say "building kernel variants: $EM_GPU_VARIANTS"
+  IFS=';' read -ra VARIANTS <<<"$EM_GPU_VARIANTS"
+  pids=()
+  for v in "${VARIANTS[@]}"; do
+    name=${v%%=*}
+    read -ra vflags <<<"${v#*=}"
+    timeout 300 "$NVCC" "${FLAGS[@]}" "${MODE_FLAGS[@]}" "${vflags[@]}" -o "$BUILD/variant-$name" "$SRC" \
+      2>"$BUILD/variant-$name.err" &
+    pids+=($!)
+  done
+  wait "${pids[@]}"  # not a bare wait: that would also wait for the log's tee
+  for v in "${VARIANTS[@]}"; do
+    name=${v%%=*}
+    say "variant $name (${v#*=})"
+    if [ ! -x "$BUILD/variant-$name" ]; then
+      echo "variant $name: does not compile"; grep -m 5 error "$BUILD/variant-$name.err"; [ $rc -eq 0 ] && rc=1; continue
+    fi
+    mkdir -p "$BUILD/out-$name"
+    timeout 240 "$BUILD/variant-$name" "$VECTORS" "$BUILD/out-$name" | grep -vE '^PASS'
+    vrc=${PIPESTATUS[0]}
+    cp "$BUILD/out-$name/gpu-check.json" "$OUT_DIR/variant-$name.json" 2>/dev/null
+    [ $vrc -ne 0 ] && { echo "variant $name: FAILED (exit $vrc)"; [ $rc -eq 0 ] && rc=1; }
+  done
+  say "variants: decode exact, achieved / copy bandwidth per batch size"
+  python3 - "$OUT_DIR" "$EM_GPU_VARIANTS" <<'PY'
+import json, sys
+out, spec = sys.argv[1], sys.argv[2]
+print(f"{'variant':<10} {'checks':>9} " + " ".join(f"B={b:<4}" for b in (1, 2, 4, 8, 16)) + "  worst")
+for v in spec.split(';'):
+    name = v.split('=', 1)[0]
+    try:
+        j = json.load(open(f"{out}/variant-{name}.json"))
+    except OSError:
+        print(f"{name:<10} no result"); continue
+    r = {x['batch']: x['ratio'] for x in j['results']}
+    k = {x['batch']: x.get('kernel_ratio', 0) for x in j['results']}
+    checks = f"{j['correctness_passed']}/{j['correctness_passed'] + j['correctness_failed']}"
+    print(f"{name:<10} {checks:>9} " + " ".join(f"{r.get(b, 0):<6.3f}" for b in (1, 2, 4, 8, 16))
+          + f"  {j['decode_worst_ratio']:.3f}   kernel alone B=1 {k.get(1, 0):.3f} B=16 {k.get(16, 0):.3f}")
+PY
 fi
 
 say "summary"

@@ -109,12 +109,13 @@ inline float em_host_prefill_row(const EmMatView& m, uint32_t row, const int8_t*
         float part = 0.0f;
         for (uint32_t b = l; b < nblocks; b += EM_LANES) {
             const EmRowBlock rb = em_load_row_block(m, row, b);
+            const EmRowTerms rt = em_row_terms(m, rb, b);
             uint32_t qw[8];
             memcpy(qw, q + (uint64_t)act_row * m.cols + (uint64_t)b * EM_BLOCK, 32);
             const uint64_t bi = (uint64_t)act_row * nblocks + b;
             // The matrix unit computes Σ u·q; the zero point is applied afterwards, as here.
-            const int32_t isum = em_block_isum(rb.w, qw, 0, 0) - rb.z * qs[bi];
-            part = part + em_block_term(rb.s, d[bi], isum);
+            const int32_t isum = em_block_isum(rb.w, qw, 0, 0) - rt.z * qs[bi];
+            part = part + em_block_term(rt.s, d[bi], isum);
         }
         em_tree16_push(stack, i, part);
     }

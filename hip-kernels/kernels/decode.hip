@@ -22,7 +22,30 @@
 //     term (s·d)·isum, 16 lane partials and the xor tree: contract §2–§3 bit for bit, using the
 //     very functions of em_contract.h that the host-side check runs on the CPU.
 //   * Accurate mode (W4A16): f32 activations, explicit FMAs in a fixed order, f32 intermediate.
+//
+// What the first GPU runs taught (H200 through HIP's NVIDIA headers, BENCHMARKS.md): the K loop
+// was waiting on memory it did not need to wait for — a block's scale was converted as soon as it
+// was loaded (a DRAM round trip per row per block; em_contract.h now converts at use), activations
+// came from L2 every block (now staged in LDS once per pass), a one-token pass did the arithmetic
+// of two, and each item began with a counter round trip. Loading weights further ahead did not
+// help (EM_PREFETCH_BLOCKS 2–4 measured no better). The switches below keep each change
+// measurable (scripts/gpu-check.sh EM_GPU_VARIANTS); none changes a bit of the results.
 #include "em_device.h"
+
+// 1: a workgroup takes its next work item while running the current one (see decode_main).
+#ifndef EM_ITEM_PREFETCH
+#define EM_ITEM_PREFETCH 1
+#endif
+// 1: a pass with one real token runs the one-token K loop (see lane_pass).
+#ifndef EM_SINGLE_TOKEN_PASS
+#define EM_SINGLE_TOKEN_PASS 1
+#endif
+// 1: exact-mode passes read their activation rows from LDS (see DecodeShared), for rows of up to
+// EM_STAGE_COLS elements.
+#ifndef EM_STAGE_ACT
+#define EM_STAGE_ACT 1
+#endif
+#define EM_STAGE_COLS 8192
 
 namespace {
 
@@ -35,6 +58,14 @@ struct ActQ8 {
     const int32_t* qsum;
     uint32_t cols;
     uint32_t rows[EM_DECODE_TOKENS];
+
+    // rows[t] for a run-time t, without indexing (which would put the array in scratch memory).
+    __device__ uint32_t row_of(uint32_t t) const {
+        uint32_t row = rows[0];
+        EM_UNROLL
+        for (int j = 1; j < EM_DECODE_TOKENS; ++j) row = t == (uint32_t)j ? rows[j] : row;
+        return row;
+    }
 
     __device__ void load(int t, uint32_t b, uint32_t* out, float* dd, int32_t* qs) const {
         const uint64_t row = rows[t];
@@ -73,11 +104,102 @@ struct ActF32 {
     }
 };
 
+// One pass of a lane's K loop over the EM_DECODE_TOKENS token slots of a group. With
+// EM_SINGLE_TOKEN_PASS, a pass holding one real token (the common decode case: one token per
+// expert) runs the one-token loop, half the arithmetic, and copies its partials into the clamped
+// slot: the same bits, since a row's result does not depend on T (em_contract.h).
+template <bool EXACT, class Act>
+__device__ void lane_pass(const EmMatView& m, const uint32_t* rows, uint32_t lane, const Act& act, uint32_t real,
+                          float (*P)[EM_DECODE_TOKENS]) {
+    constexpr int R = EM_ROWS_PER_TEAM;
+#if EM_SINGLE_TOKEN_PASS
+    if (real == 1) {
+        float P1[R][1];
+        for (int r = 0; r < R; ++r) P1[r][0] = 0.0f;
+        if constexpr (EXACT)
+            em_exact_lane_accumulate<R, 1>(m, rows, lane, act, P1);
+        else
+            em_accurate_lane_accumulate<R, 1>(m, rows, lane, act, P1);
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < EM_DECODE_TOKENS; ++t) P[r][t] = P[r][t] + P1[r][0];
+        return;
+    }
+#else
+    (void)real;
+#endif
+    if constexpr (EXACT)
+        em_exact_lane_accumulate<R, EM_DECODE_TOKENS>(m, rows, lane, act, P);
+    else
+        em_accurate_lane_accumulate<R, EM_DECODE_TOKENS>(m, rows, lane, act, P);
+}
+
 struct DecodeShared {
     uint32_t item;
     float rows[EM_TILE_ROWS][EM_DECODE_TOKENS];  // phase-1 row results of the tile
     float h[EM_DECODE_TOKENS][EM_BLOCK];
+#if EM_STAGE_ACT
+    // Exact mode: the pass's activation rows (x in phase 1, h in phase 2), copied once per pass so
+    // the K loop reads them from LDS instead of waiting on L2 every block.
+    em_u32x4 xq[EM_DECODE_TOKENS][EM_STAGE_COLS / 16];
+    float xd[EM_DECODE_TOKENS][EM_STAGE_COLS / EM_BLOCK];
+    int32_t xqsum[EM_DECODE_TOKENS][EM_STAGE_COLS / EM_BLOCK];
+#endif
 };
+
+#if EM_STAGE_ACT
+// The activations of a pass, read from DecodeShared (filled by stage_act).
+struct ActQ8Staged {
+    const DecodeShared* sh;
+
+    __device__ void load(int t, uint32_t b, uint32_t* out, float* dd, int32_t* qs) const {
+        const em_u32x4 lo = sh->xq[t][2 * b], hi = sh->xq[t][2 * b + 1];
+        for (int i = 0; i < 4; ++i) {
+            out[i] = lo.v[i];
+            out[4 + i] = hi.v[i];
+        }
+        *dd = sh->xd[t][b];
+        *qs = sh->xqsum[t][b];
+    }
+};
+
+// Copies the first `tokens` activation rows of `act` into `sh` (the whole workgroup; barriers
+// before, so the previous pass's readers are done, and after). Needs act.cols <= EM_STAGE_COLS.
+template <bool COHERENT>
+__device__ void stage_act(DecodeShared& sh, const ActQ8<COHERENT>& act, uint32_t tokens) {
+    const uint32_t tid = em_tid();
+    const uint32_t chunks = act.cols / 16;
+    const uint32_t nb = act.cols / EM_BLOCK;
+    em_sync();
+    for (uint32_t i = tid; i < tokens * chunks; i += EM_WG_THREADS) {
+        const uint32_t t = i / chunks, k = i % chunks;
+        const int8_t* p = act.q + (uint64_t)act.row_of(t) * act.cols + (uint64_t)k * 16;
+        sh.xq[t][k] = COHERENT ? em_load_coherent16(p) : *(const em_u32x4*)p;
+    }
+    for (uint32_t i = tid; i < tokens * nb; i += EM_WG_THREADS) {
+        const uint32_t t = i / nb, b = i % nb;
+        const uint64_t bi = (uint64_t)act.row_of(t) * nb + b;
+        sh.xd[t][b] = COHERENT ? em_load_coherent_f32(act.d + bi) : act.d[bi];
+        sh.xqsum[t][b] = COHERENT ? em_load_coherent_i32(act.qsum + bi) : act.qsum[bi];
+    }
+    em_sync();
+}
+#endif
+
+// An exact-mode pass: from LDS when the rows fit (EM_STAGE_ACT), else straight from memory.
+template <bool COHERENT>
+__device__ void exact_pass(DecodeShared& sh, const EmMatView& m, const uint32_t* rows, uint32_t lane,
+                           const ActQ8<COHERENT>& act, uint32_t real, float (*P)[EM_DECODE_TOKENS]) {
+#if EM_STAGE_ACT
+    if (act.cols <= EM_STAGE_COLS) {
+        stage_act(sh, act, EM_SINGLE_TOKEN_PASS && real == 1 ? 1u : (uint32_t)EM_DECODE_TOKENS);
+        lane_pass<true>(m, rows, lane, ActQ8Staged{&sh}, real, P);
+        return;
+    }
+#else
+    (void)sh;
+#endif
+    lane_pass<true>(m, rows, lane, act, real, P);
+}
 
 // Phase 1: W13 tile `tile` of group g -> one 32-block of h for every token of the group.
 template <bool EXACT>
@@ -101,14 +223,15 @@ __device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
             const uint32_t c = c0 + t < grp.pair_count ? c0 + t : grp.pair_count - 1;
             act_rows[t] = a.pair_token[grp.pair_begin + c];
         }
+        const uint32_t real = grp.pair_count - c0 < (uint32_t)TT ? grp.pair_count - c0 : (uint32_t)TT;
         if (EXACT) {
             ActQ8<false> act{a.xq, a.xd, a.xqsum, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            em_exact_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+            exact_pass(sh, m, rows, lane, act, real, P);
         } else {
             ActF32<false> act{a.x, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            em_accurate_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+            lane_pass<false>(m, rows, lane, act, real, P);
         }
         for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
@@ -163,7 +286,7 @@ __device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
 
 // Phase 2: W2 tile `tile` of group g -> 64 output elements of every token of the group.
 template <bool EXACT>
-__device__ void phase2(const EmFfnArgs& a, uint32_t g, uint32_t tile, bool wait) {
+__device__ void phase2(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t tile, bool wait) {
     constexpr int TT = EM_DECODE_TOKENS;
     const uint32_t tid = em_tid();
     const uint32_t team = tid / EM_LANES;
@@ -204,14 +327,15 @@ __device__ void phase2(const EmFfnArgs& a, uint32_t g, uint32_t tile, bool wait)
             const uint32_t c = c0 + t < grp.pair_count ? c0 + t : grp.pair_count - 1;
             pairs[t] = grp.pair_begin + c;
         }
+        const uint32_t real = grp.pair_count - c0 < (uint32_t)TT ? grp.pair_count - c0 : (uint32_t)TT;
         if (EXACT) {
             ActQ8<true> act{a.hq, a.hd, a.hqsum, F, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
-            em_exact_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+            exact_pass(sh, m, rows, lane, act, real, P);
         } else {
             ActF32<true> act{a.hf, F, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
-            em_accurate_lane_accumulate<EM_ROWS_PER_TEAM, TT>(m, rows, lane, act, P);
+            lane_pass<false>(m, rows, lane, act, real, P);
         }
         for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
@@ -235,18 +359,35 @@ __device__ void decode_main(const EmFfnArgs& a) {
     const uint32_t items1 = a.first_phase == 1 ? a.num_groups * tiles1 : 0;
     const uint32_t items2 = a.last_phase == 2 ? a.num_groups * tiles2 : 0;
     const bool wait = a.first_phase == 1 && a.last_phase == 2;
+#if EM_ITEM_PREFETCH
+    // The next item is taken while this one runs, so the counter's round trip is off the
+    // critical path. Still deadlock-free: a prefetched phase-1 item is held by a workgroup whose
+    // current item is earlier, hence phase 1, which never waits.
+    if (tid == 0) sh.item = em_atomic_add_agent(&a.counters[EM_COUNTER_NEXT_ITEM], 1);
+    em_sync();
+#endif
     for (;;) {
+#if !EM_ITEM_PREFETCH
         if (tid == 0) sh.item = em_atomic_add_agent(&a.counters[EM_COUNTER_NEXT_ITEM], 1);
         em_sync();
+#endif
         const uint32_t item = sh.item;
         em_sync();
         if (item >= items1 + items2) return;
+#if EM_ITEM_PREFETCH
+        uint32_t next = 0;
+        if (tid == 0) next = em_atomic_add_agent(&a.counters[EM_COUNTER_NEXT_ITEM], 1);
+#endif
         if (item < items1) {
             phase1<EXACT>(a, sh, item / tiles1, item % tiles1);
         } else {
             const uint32_t i2 = item - items1;
-            phase2<EXACT>(a, i2 / tiles2, i2 % tiles2, wait);
+            phase2<EXACT>(a, sh, i2 / tiles2, i2 % tiles2, wait);
         }
+#if EM_ITEM_PREFETCH
+        if (tid == 0) sh.item = next;
+        em_sync();
+#endif
     }
 }
 

@@ -21,7 +21,11 @@
 #define EM_ROWS_PER_TEAM 2
 #define EM_TEAMS (EM_TILE_ROWS / EM_ROWS_PER_TEAM)
 // Tokens per pass of the decode kernel (larger groups take several passes over a cached tile).
+// (Overridable only for experiments with gpu-check.sh's EM_GPU_VARIANTS: the runtime builds
+// with 2, which `src/kernel_abi.rs` mirrors.)
+#ifndef EM_DECODE_TOKENS
 #define EM_DECODE_TOKENS 2
+#endif
 // Tokens per tile of the prefill kernel (one MFMA/WMMA N-dimension); its workgroups are 4 waves
 // (256 threads on wave64 targets, 128 on wave32 targets and NVIDIA), one 16-row slice per wave.
 #define EM_PREFILL_TOKENS 16

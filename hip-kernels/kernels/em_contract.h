@@ -323,12 +323,23 @@ EM_HD int32_t em_zero_point(const EmMatView& m, uint32_t row, uint32_t group) {
 // in increasing order into its partial P[r][t] for R rows × T tokens. This is the code every FFN
 // kernel runs per lane and the host path runs per (lane, row, token); the result depends only on
 // (row, token), never on R or T, because each accumulator sees the same operation sequence.
-// The next block's weights are loaded before the current block is computed (one block of
-// prefetch per row, so two 16-byte loads per row are in flight per lane).
+// The weights of the lane's next EM_PREFETCH_BLOCKS blocks are in flight while a block is
+// computed (EmRowPipe): how far ahead a lane loads changes how many bytes are in flight per lane,
+// never the bits, so a target chooses it (scripts/gpu-check.sh measures the choices on a GPU).
+#ifndef EM_PREFETCH_BLOCKS
+#define EM_PREFETCH_BLOCKS 1
+#endif
 
-// The packed block, scale and zero point of one row at one block.
+// The packed block of one row at one block, with its scale and zero-point bytes as loaded: the
+// loads are issued here, and turned into numbers (em_row_terms) only when the block is computed,
+// so a block loaded ahead does not wait for its scale's memory latency at load time.
 struct EmRowBlock {
     em_u32x4 w;
+    uint32_t scale_bits;  // the raw bf16/f16 scale
+    uint32_t zero_byte;   // the byte holding the zero-point nibble (0 without zero points)
+};
+
+struct EmRowTerms {
     float s;
     int32_t z;
 };
@@ -337,41 +348,101 @@ EM_HD EmRowBlock em_load_row_block(const EmMatView& m, uint32_t row, uint32_t b)
     const uint32_t g = b >> m.group_shift;
     EmRowBlock rb;
     rb.w = EM_LOAD_WEIGHTS16(m.nibbles + (uint64_t)row * (m.cols / 2) + (uint64_t)b * EM_BLOCK_BYTES);
-    rb.s = em_scale_to_f32(m.scales[(uint64_t)row * m.groups_per_row + g], m.scale_is_bf16);
-    rb.z = em_zero_point(m, row, g);
+    rb.scale_bits = m.scales[(uint64_t)row * m.groups_per_row + g];
+    rb.zero_byte = m.zeros ? m.zeros[(uint64_t)row * m.zero_bytes_per_row + (g >> 1)] : 0u;
     return rb;
 }
 
+// The scale and zero point of block `b` loaded in `rb` (em_scale_to_f32 and em_zero_point's rules).
+EM_HD EmRowTerms em_row_terms(const EmMatView& m, const EmRowBlock& rb, uint32_t b) {
+    const uint32_t g = b >> m.group_shift;
+    EmRowTerms t;
+    t.s = em_scale_to_f32((uint16_t)rb.scale_bits, m.scale_is_bf16);
+    t.z = !m.zeros ? EM_DEFAULT_ZERO : (int32_t)((g & 1u) ? (rb.zero_byte >> 4) : (rb.zero_byte & 0x0Fu));
+    return t;
+}
+
+// The row blocks of one lane's K loop: blk[0] is the block being computed, blk[k] the lane's block
+// k steps ahead (in flight). `issue(b)` starts the load of block b + D·16 (block b again past the
+// end: a re-read that hits the cache) before block b is computed; `shift()` moves up one step.
+template <int R>
+struct EmRowPipe {
+    static constexpr int D = EM_PREFETCH_BLOCKS;
+    EmRowBlock blk[D + 1][R];
+
+    EM_HD void start(const EmMatView& m, const uint32_t* rows, uint32_t lane, uint32_t nblocks) {
+        EM_UNROLL
+        for (int k = 0; k < D; ++k) {
+            const uint32_t bk = lane + k * EM_LANES < nblocks ? lane + k * EM_LANES : lane;
+            EM_UNROLL
+            for (int r = 0; r < R; ++r) blk[k][r] = em_load_row_block(m, rows[r], bk);
+        }
+    }
+    EM_HD void issue(const EmMatView& m, const uint32_t* rows, uint32_t b, uint32_t nblocks) {
+        const uint32_t bn = b + D * EM_LANES < nblocks ? b + D * EM_LANES : b;
+        EM_UNROLL
+        for (int r = 0; r < R; ++r) blk[D][r] = em_load_row_block(m, rows[r], bn);
+    }
+    EM_HD void shift() {
+        EM_UNROLL
+        for (int k = 0; k < D; ++k) {
+            EM_UNROLL
+            for (int r = 0; r < R; ++r) blk[k][r] = blk[k + 1][r];
+        }
+    }
+};
+
 // Exact mode (contract §2–§3). Act must provide
 // `void load(int t, uint32_t b, uint32_t q[8], float* d, int32_t* qsum) const`.
+// With EM_ACT_PREFETCH the activations of the lane's next block are loaded with its weights, one
+// block ahead, so no iteration waits for an activation load (more registers per token).
+#ifndef EM_ACT_PREFETCH
+#define EM_ACT_PREFETCH 0
+#endif
+struct EmActBlock {
+    uint32_t q[8];
+    float d;
+    int32_t qsum;
+};
 template <int R, int T, class Act>
 EM_HD void em_exact_lane_accumulate(const EmMatView& m, const uint32_t* rows, uint32_t lane,
                                     const Act& act, float (*P)[T]) {
     const uint32_t nblocks = m.cols / EM_BLOCK;
     if (lane >= nblocks) return;
-    EmRowBlock cur[R];
+    EmRowPipe<R> pipe;
+    pipe.start(m, rows, lane, nblocks);
+#if EM_ACT_PREFETCH
+    EmActBlock xa[T];
     EM_UNROLL
-    for (int r = 0; r < R; ++r) cur[r] = em_load_row_block(m, rows[r], lane);
+    for (int t = 0; t < T; ++t) act.load(t, lane, xa[t].q, &xa[t].d, &xa[t].qsum);
+#endif
     EM_NOUNROLL
     for (uint32_t b = lane; b < nblocks; b += EM_LANES) {
-        const uint32_t bn = b + EM_LANES < nblocks ? b + EM_LANES : b;
-        EmRowBlock next[R];
-        EM_UNROLL
-        for (int r = 0; r < R; ++r) next[r] = em_load_row_block(m, rows[r], bn);
+        pipe.issue(m, rows, b, nblocks);
+        EmActBlock x[T];
+#if EM_ACT_PREFETCH
+        const uint32_t ba = b + EM_LANES < nblocks ? b + EM_LANES : b;
         EM_UNROLL
         for (int t = 0; t < T; ++t) {
-            uint32_t q[8];
-            float d;
-            int32_t qsum;
-            act.load(t, b, q, &d, &qsum);
+            x[t] = xa[t];
+            act.load(t, ba, xa[t].q, &xa[t].d, &xa[t].qsum);
+        }
+#else
+        EM_UNROLL
+        for (int t = 0; t < T; ++t) act.load(t, b, x[t].q, &x[t].d, &x[t].qsum);
+#endif
+        EmRowTerms rt[R];
+        EM_UNROLL
+        for (int r = 0; r < R; ++r) rt[r] = em_row_terms(m, pipe.blk[0][r], b);
+        EM_UNROLL
+        for (int t = 0; t < T; ++t) {
             EM_UNROLL
             for (int r = 0; r < R; ++r) {
-                const int32_t isum = em_block_isum(cur[r].w, q, qsum, cur[r].z);
-                P[r][t] = P[r][t] + em_block_term(cur[r].s, d, isum);
+                const int32_t isum = em_block_isum(pipe.blk[0][r].w, x[t].q, x[t].qsum, rt[r].z);
+                P[r][t] = P[r][t] + em_block_term(rt[r].s, x[t].d, isum);
             }
         }
-        EM_UNROLL
-        for (int r = 0; r < R; ++r) cur[r] = next[r];
+        pipe.shift();
     }
 }
 
@@ -385,15 +456,14 @@ EM_HD void em_accurate_lane_accumulate(const EmMatView& m, const uint32_t* rows,
                                        const Act& act, float (*P)[T]) {
     const uint32_t nblocks = m.cols / EM_BLOCK;
     if (lane >= nblocks) return;
-    EmRowBlock cur[R];
-    EM_UNROLL
-    for (int r = 0; r < R; ++r) cur[r] = em_load_row_block(m, rows[r], lane);
+    EmRowPipe<R> pipe;
+    pipe.start(m, rows, lane, nblocks);
     EM_NOUNROLL
     for (uint32_t b = lane; b < nblocks; b += EM_LANES) {
-        const uint32_t bn = b + EM_LANES < nblocks ? b + EM_LANES : b;
-        EmRowBlock next[R];
+        pipe.issue(m, rows, b, nblocks);
+        EmRowTerms rt[R];
         EM_UNROLL
-        for (int r = 0; r < R; ++r) next[r] = em_load_row_block(m, rows[r], bn);
+        for (int r = 0; r < R; ++r) rt[r] = em_row_terms(m, pipe.blk[0][r], b);
         EM_UNROLL
         for (int t = 0; t < T; ++t) {
             float acc[R];
@@ -407,16 +477,15 @@ EM_HD void em_accurate_lane_accumulate(const EmMatView& m, const uint32_t* rows,
                 for (int j = 0; j < 4; ++j) {
                     EM_UNROLL
                     for (int r = 0; r < R; ++r) {
-                        const int32_t u = (int32_t)((cur[r].w.v[c % 4] >> (8 * j + 4 * (c / 4))) & 0x0Fu);
-                        acc[r] = em_fma((float)(u - cur[r].z), x[j], acc[r]);
+                        const int32_t u = (int32_t)((pipe.blk[0][r].w.v[c % 4] >> (8 * j + 4 * (c / 4))) & 0x0Fu);
+                        acc[r] = em_fma((float)(u - rt[r].z), x[j], acc[r]);
                     }
                 }
             }
             EM_UNROLL
-            for (int r = 0; r < R; ++r) P[r][t] = em_fma(cur[r].s, acc[r], P[r][t]);
+            for (int r = 0; r < R; ++r) P[r][t] = em_fma(rt[r].s, acc[r], P[r][t]);
         }
-        EM_UNROLL
-        for (int r = 0; r < R; ++r) cur[r] = next[r];
+        pipe.shift();
     }
 }
 
