@@ -5,8 +5,8 @@
 // once. This kernel family does gate/up -> silu·mul -> down for every (expert, token list) of a
 // grouped batch in one persistent launch:
 //
-//   * Work items: phase 1 = (group, 64-row tile of W13), then phase 2 = (group, 64-row tile of
-//     W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
+//   * Work items: phase 1 = (group, 64-row tile of W13), then phase 2 = (group, tile of
+//     EM_PHASE2_TILE_ROWS rows of W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
 //     group g waits (bounded) until all phase-1 tiles of g are done. Since items are dispensed in
 //     order and phase-1 items never wait, every awaited tile belongs to a workgroup that is already
 //     running: no deadlock whatever the occupancy. `first_phase == last_phase` runs one phase per
@@ -27,7 +27,8 @@
 // was waiting on memory it did not need to wait for — a block's scale was converted as soon as it
 // was loaded (a DRAM round trip per row per block; em_contract.h now converts at use), activations
 // came from L2 every block (now staged in LDS once per pass), a one-token pass did the arithmetic
-// of two, and each item began with a counter round trip. Loading weights further ahead did not
+// of two, each item began with a counter round trip, and phase-2 items were too short to pay their
+// fill (now 128 W2 rows on NVIDIA, EM_PHASE2_ROWS_PER_TEAM). Loading weights further ahead did not
 // help (EM_PREFETCH_BLOCKS 2–4 measured no better). The switches below keep each change
 // measurable (scripts/gpu-check.sh EM_GPU_VARIANTS); none changes a bit of the results.
 #include "em_device.h"
@@ -46,6 +47,18 @@
 #define EM_STAGE_ACT 1
 #endif
 #define EM_STAGE_COLS 8192
+// Rows of W2 per team in a phase-2 item (a multiple of EM_ROWS_PER_TEAM): more rows per item
+// means fewer, longer phase-2 items and more bytes in flight per lane. 4 measured 9-14% faster
+// than 2 on an H200 (BENCHMARKS.md); on AMD targets 4 spills VGPRs (gfx908, gfx1100:
+// scripts/hip-isa-check.sh), so they keep 2 until an AMD GPU measures otherwise.
+#ifndef EM_PHASE2_ROWS_PER_TEAM
+#if defined(__CUDACC__)
+#define EM_PHASE2_ROWS_PER_TEAM (2 * EM_ROWS_PER_TEAM)
+#else
+#define EM_PHASE2_ROWS_PER_TEAM EM_ROWS_PER_TEAM
+#endif
+#endif
+#define EM_PHASE2_TILE_ROWS (EM_TEAMS * EM_PHASE2_ROWS_PER_TEAM)
 
 namespace {
 
@@ -108,10 +121,9 @@ struct ActF32 {
 // EM_SINGLE_TOKEN_PASS, a pass holding one real token (the common decode case: one token per
 // expert) runs the one-token loop, half the arithmetic, and copies its partials into the clamped
 // slot: the same bits, since a row's result does not depend on T (em_contract.h).
-template <bool EXACT, class Act>
+template <bool EXACT, int R, class Act>
 __device__ void lane_pass(const EmMatView& m, const uint32_t* rows, uint32_t lane, const Act& act, uint32_t real,
                           float (*P)[EM_DECODE_TOKENS]) {
-    constexpr int R = EM_ROWS_PER_TEAM;
 #if EM_SINGLE_TOKEN_PASS
     if (real == 1) {
         float P1[R][1];
@@ -186,19 +198,19 @@ __device__ void stage_act(DecodeShared& sh, const ActQ8<COHERENT>& act, uint32_t
 #endif
 
 // An exact-mode pass: from LDS when the rows fit (EM_STAGE_ACT), else straight from memory.
-template <bool COHERENT>
+template <int R, bool COHERENT>
 __device__ void exact_pass(DecodeShared& sh, const EmMatView& m, const uint32_t* rows, uint32_t lane,
                            const ActQ8<COHERENT>& act, uint32_t real, float (*P)[EM_DECODE_TOKENS]) {
 #if EM_STAGE_ACT
     if (act.cols <= EM_STAGE_COLS) {
         stage_act(sh, act, EM_SINGLE_TOKEN_PASS && real == 1 ? 1u : (uint32_t)EM_DECODE_TOKENS);
-        lane_pass<true>(m, rows, lane, ActQ8Staged{&sh}, real, P);
+        lane_pass<true, R>(m, rows, lane, ActQ8Staged{&sh}, real, P);
         return;
     }
 #else
     (void)sh;
 #endif
-    lane_pass<true>(m, rows, lane, act, real, P);
+    lane_pass<true, R>(m, rows, lane, act, real, P);
 }
 
 // Phase 1: W13 tile `tile` of group g -> one 32-block of h for every token of the group.
@@ -227,11 +239,11 @@ __device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
         if (EXACT) {
             ActQ8<false> act{a.xq, a.xd, a.xqsum, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            exact_pass(sh, m, rows, lane, act, real, P);
+            exact_pass<EM_ROWS_PER_TEAM>(sh, m, rows, lane, act, real, P);
         } else {
             ActF32<false> act{a.x, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            lane_pass<false>(m, rows, lane, act, real, P);
+            lane_pass<false, EM_ROWS_PER_TEAM>(m, rows, lane, act, real, P);
         }
         for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
@@ -311,16 +323,17 @@ __device__ void phase2(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
     }
     const EmGroup grp = a.groups[g];
     const EmMatView m = em_view(a.shape, a.experts[grp.expert_slot], 1);
-    uint32_t rows[EM_ROWS_PER_TEAM];
-    bool valid[EM_ROWS_PER_TEAM];
-    for (int r = 0; r < EM_ROWS_PER_TEAM; ++r) {
-        const uint32_t row = tile * EM_TILE_ROWS + team + EM_TEAMS * r;
+    constexpr int R = EM_PHASE2_ROWS_PER_TEAM;
+    uint32_t rows[R];
+    bool valid[R];
+    for (int r = 0; r < R; ++r) {
+        const uint32_t row = tile * EM_PHASE2_TILE_ROWS + team + EM_TEAMS * r;
         valid[r] = row < H;
         rows[r] = valid[r] ? row : H - 1;
     }
     for (uint32_t c0 = 0; c0 < grp.pair_count; c0 += TT) {
-        float P[EM_ROWS_PER_TEAM][TT];
-        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+        float P[R][TT];
+        for (int r = 0; r < R; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = 0.0f;
         uint32_t pairs[TT];
         for (int t = 0; t < TT; ++t) {
@@ -331,19 +344,19 @@ __device__ void phase2(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
         if (EXACT) {
             ActQ8<true> act{a.hq, a.hd, a.hqsum, F, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
-            exact_pass(sh, m, rows, lane, act, real, P);
+            exact_pass<R>(sh, m, rows, lane, act, real, P);
         } else {
             ActF32<true> act{a.hf, F, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = pairs[t];
-            lane_pass<false>(m, rows, lane, act, real, P);
+            lane_pass<false, R>(m, rows, lane, act, real, P);
         }
-        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+        for (int r = 0; r < R; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
         if (lane == 0) {
             for (int t = 0; t < TT; ++t) {
                 if (c0 + t >= grp.pair_count) continue;
                 const uint64_t out_row = a.pair_out[pairs[t]];
-                for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+                for (int r = 0; r < R; ++r)
                     if (valid[r]) a.y[out_row * H + rows[r]] = P[r][t];
             }
         }
@@ -355,7 +368,7 @@ __device__ void decode_main(const EmFfnArgs& a) {
     __shared__ DecodeShared sh;
     const uint32_t tid = em_tid();
     const uint32_t tiles1 = a.shape.inter / EM_BLOCK;  // 2F rows / 64 rows per tile
-    const uint32_t tiles2 = (a.shape.hidden + EM_TILE_ROWS - 1) / EM_TILE_ROWS;
+    const uint32_t tiles2 = (a.shape.hidden + EM_PHASE2_TILE_ROWS - 1) / EM_PHASE2_TILE_ROWS;
     const uint32_t items1 = a.first_phase == 1 ? a.num_groups * tiles1 : 0;
     const uint32_t items2 = a.last_phase == 2 ? a.num_groups * tiles2 : 0;
     const bool wait = a.first_phase == 1 && a.last_phase == 2;
