@@ -5,8 +5,8 @@
 // once. This kernel family does gate/up -> silu·mul -> down for every (expert, token list) of a
 // grouped batch in one persistent launch:
 //
-//   * Work items: phase 1 = (group, 64-row tile of W13), then phase 2 = (group, tile of
-//     EM_PHASE2_TILE_ROWS rows of W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
+//   * Work items: phase 1 = (group, EM_PHASE1_TILES 64-row tiles of W13), then phase 2 = (group,
+//     tile of EM_PHASE2_TILE_ROWS rows of W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
 //     group g waits (bounded) until all phase-1 tiles of g are done. Since items are dispensed in
 //     order and phase-1 items never wait, every awaited tile belongs to a workgroup that is already
 //     running: no deadlock whatever the occupancy. `first_phase == last_phase` runs one phase per
@@ -27,8 +27,9 @@
 // was waiting on memory it did not need to wait for — a block's scale was converted as soon as it
 // was loaded (a DRAM round trip per row per block; em_contract.h now converts at use), activations
 // came from L2 every block (now staged in LDS once per pass), a one-token pass did the arithmetic
-// of two, each item began with a counter round trip, and phase-2 items were too short to pay their
-// fill (now 128 W2 rows on NVIDIA, EM_PHASE2_ROWS_PER_TEAM). Loading weights further ahead did not
+// of two, each item began with a counter round trip, and items were too short to pay their fill,
+// staging and epilogue (now two W13 tiles and 128 W2 rows per item on NVIDIA: EM_PHASE1_TILES,
+// EM_PHASE2_ROWS_PER_TEAM; AMD targets keep the smaller items). Loading weights further ahead did not
 // help (EM_PREFETCH_BLOCKS 2–4 measured no better). The switches below keep each change
 // measurable (scripts/gpu-check.sh EM_GPU_VARIANTS); none changes a bit of the results.
 #include "em_device.h"
@@ -59,6 +60,16 @@
 #endif
 #endif
 #define EM_PHASE2_TILE_ROWS (EM_TEAMS * EM_PHASE2_ROWS_PER_TEAM)
+// 64-row W13 tiles per phase-1 item (1 or 2): fewer items, each paying its staging and epilogue
+// once for more weights. 2 measured 15-21% faster than 1 on an H200; AMD targets keep 1 until
+// measured there (4 rows per team spilled VGPRs in phase 2, see EM_PHASE2_ROWS_PER_TEAM).
+#ifndef EM_PHASE1_TILES
+#if defined(__CUDACC__)
+#define EM_PHASE1_TILES 2
+#else
+#define EM_PHASE1_TILES 1
+#endif
+#endif
 
 namespace {
 
@@ -147,8 +158,8 @@ __device__ void lane_pass(const EmMatView& m, const uint32_t* rows, uint32_t lan
 
 struct DecodeShared {
     uint32_t item;
-    float rows[EM_TILE_ROWS][EM_DECODE_TOKENS];  // phase-1 row results of the tile
-    float h[EM_DECODE_TOKENS][EM_BLOCK];
+    float rows[EM_TILE_ROWS * EM_PHASE1_TILES][EM_DECODE_TOKENS];  // phase-1 row results of the item
+    float h[EM_DECODE_TOKENS][EM_BLOCK * EM_PHASE1_TILES];
 #if EM_STAGE_ACT
     // Exact mode: the pass's activation rows (x in phase 1, h in phase 2), copied once per pass so
     // the K loop reads them from LDS instead of waiting on L2 every block.
@@ -215,20 +226,30 @@ __device__ void exact_pass(DecodeShared& sh, const EmMatView& m, const uint32_t*
 
 // Phase 1: W13 tile `tile` of group g -> one 32-block of h for every token of the group.
 template <bool EXACT>
-__device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t tile) {
+__device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t item_tile) {
     constexpr int TT = EM_DECODE_TOKENS;
+    constexpr int K = EM_PHASE1_TILES;
+    constexpr int R = EM_ROWS_PER_TEAM * K;
     const uint32_t tid = em_tid();
     const uint32_t team = tid / EM_LANES;
     const uint32_t lane = tid % EM_LANES;
     const EmGroup grp = a.groups[g];
     const EmMatView m = em_view(a.shape, a.experts[grp.expert_slot], 0);
     const uint32_t F = a.shape.inter;
-    uint32_t rows[EM_ROWS_PER_TEAM];
-    for (int r = 0; r < EM_ROWS_PER_TEAM; ++r) rows[r] = tile * EM_TILE_ROWS + team + EM_TEAMS * r;
+    const uint32_t tiles1 = F / EM_BLOCK;
+    const uint32_t first = item_tile * K;  // this item's first 64-row tile
+    const uint32_t ntiles = tiles1 - first < (uint32_t)K ? tiles1 - first : (uint32_t)K;
+    // Row r of a team lies in the item's tile r / EM_ROWS_PER_TEAM; rows of a tile past the end
+    // (odd tile counts) read the last row and their results are dropped.
+    uint32_t rows[R];
+    for (int r = 0; r < R; ++r) {
+        const uint32_t row = first * EM_TILE_ROWS + team + EM_TEAMS * r;
+        rows[r] = row < 2 * F ? row : 2 * F - 1;
+    }
 
     for (uint32_t c0 = 0; c0 < grp.pair_count; c0 += TT) {
-        float P[EM_ROWS_PER_TEAM][TT];
-        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+        float P[R][TT];
+        for (int r = 0; r < R; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = 0.0f;
         uint32_t act_rows[TT];
         for (int t = 0; t < TT; ++t) {
@@ -239,64 +260,68 @@ __device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
         if (EXACT) {
             ActQ8<false> act{a.xq, a.xd, a.xqsum, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            exact_pass<EM_ROWS_PER_TEAM>(sh, m, rows, lane, act, real, P);
+            exact_pass<R>(sh, m, rows, lane, act, real, P);
         } else {
             ActF32<false> act{a.x, a.shape.hidden, {}};
             for (int t = 0; t < TT; ++t) act.rows[t] = act_rows[t];
-            lane_pass<false, EM_ROWS_PER_TEAM>(m, rows, lane, act, real, P);
+            lane_pass<false, R>(m, rows, lane, act, real, P);
         }
-        for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+        for (int r = 0; r < R; ++r)
             for (int t = 0; t < TT; ++t) P[r][t] = em_tree16(P[r][t]);
         if (lane == 0) {
-            for (int r = 0; r < EM_ROWS_PER_TEAM; ++r)
+            for (int r = 0; r < R; ++r)
                 for (int t = 0; t < TT; ++t) sh.rows[team + EM_TEAMS * r][t] = P[r][t];
         }
         em_sync();
-        // Tile-local h index j (0..31) has its gate row at em_w13_row(0, j) and up row at
-        // em_w13_row(1, j) (the tile starts on a chunk boundary).
-        if (tid < (uint32_t)TT * EM_BLOCK) {
-            const uint32_t t = tid / EM_BLOCK;
-            const uint32_t j = tid % EM_BLOCK;
-            sh.h[t][j] = em_swiglu(sh.rows[em_w13_row(0, j)][t], sh.rows[em_w13_row(1, j)][t]);
+        // Tile k's local h index j (0..31) has its gate row at k·64 + em_w13_row(0, j) and its up
+        // row at k·64 + em_w13_row(1, j) (every tile starts on a chunk boundary).
+        for (uint32_t i = tid; i < (uint32_t)(TT * K * EM_BLOCK); i += EM_WG_THREADS) {
+            const uint32_t t = i / (K * EM_BLOCK);
+            const uint32_t kj = i % (K * EM_BLOCK);
+            const uint32_t k = kj / EM_BLOCK, j = kj % EM_BLOCK;
+            if (k < ntiles)
+                sh.h[t][kj] = em_swiglu(sh.rows[k * EM_TILE_ROWS + em_w13_row(0, j)][t],
+                                        sh.rows[k * EM_TILE_ROWS + em_w13_row(1, j)][t]);
         }
         em_sync();
         if (EXACT) {
-            if (tid < (uint32_t)TT && c0 + tid < grp.pair_count) {
-                const uint64_t p = grp.pair_begin + c0 + tid;
+            const uint32_t t = tid / K, k = tid % K;
+            if (tid < (uint32_t)(TT * K) && c0 + t < grp.pair_count && k < ntiles) {
+                const uint64_t p = grp.pair_begin + c0 + t;
+                const uint32_t blk = first + k;
                 int8_t q[EM_BLOCK];
                 int32_t qs;
-                const float d = em_quantize_block(sh.h[tid], q, &qs);
+                const float d = em_quantize_block(sh.h[t] + k * EM_BLOCK, q, &qs);
                 em_u32x4 lo, hi;
                 memcpy(&lo, q, 16);
                 memcpy(&hi, q + 16, 16);
-                int8_t* dst = a.hq + p * F + (uint64_t)tile * EM_BLOCK;
+                int8_t* dst = a.hq + p * F + (uint64_t)blk * EM_BLOCK;
                 *(em_u32x4*)dst = lo;
                 *(em_u32x4*)(dst + 16) = hi;
-                a.hd[p * (F / EM_BLOCK) + tile] = d;
-                a.hqsum[p * (F / EM_BLOCK) + tile] = qs;
+                a.hd[p * (F / EM_BLOCK) + blk] = d;
+                a.hqsum[p * (F / EM_BLOCK) + blk] = qs;
             }
         } else {
-            for (uint32_t i = tid; i < (uint32_t)TT * EM_BLOCK; i += EM_WG_THREADS) {
-                const uint32_t t = i / EM_BLOCK;
-                const uint32_t j = i % EM_BLOCK;
-                if (c0 + t < grp.pair_count) {
+            for (uint32_t i = tid; i < (uint32_t)(TT * K * EM_BLOCK); i += EM_WG_THREADS) {
+                const uint32_t t = i / (K * EM_BLOCK);
+                const uint32_t kj = i % (K * EM_BLOCK);
+                if (c0 + t < grp.pair_count && kj / EM_BLOCK < ntiles) {
                     const uint64_t p = grp.pair_begin + c0 + t;
-                    a.hf[p * F + (uint64_t)tile * EM_BLOCK + j] = sh.h[t][j];
+                    a.hf[p * F + (uint64_t)first * EM_BLOCK + kj] = sh.h[t][kj];
                 }
             }
         }
         em_sync();
     }
-    // Release this tile's h to phase-2 workgroups: every writer fences, then one counter bump.
+    // Release this item's h blocks to phase-2 workgroups: every writer fences, then one counter
+    // bump per 64-row tile.
     em_fence_agent();
     em_sync();
     if (tid == 0) {
         em_fence_agent();
-        em_atomic_add_agent(&a.counters[EM_COUNTER_GROUP_BASE + g], 1);
+        em_atomic_add_agent(&a.counters[EM_COUNTER_GROUP_BASE + g], ntiles);
     }
 }
-
-// Phase 2: W2 tile `tile` of group g -> 64 output elements of every token of the group.
 template <bool EXACT>
 __device__ void phase2(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t tile, bool wait) {
     constexpr int TT = EM_DECODE_TOKENS;
@@ -367,9 +392,9 @@ template <bool EXACT>
 __device__ void decode_main(const EmFfnArgs& a) {
     __shared__ DecodeShared sh;
     const uint32_t tid = em_tid();
-    const uint32_t tiles1 = a.shape.inter / EM_BLOCK;  // 2F rows / 64 rows per tile
+    const uint32_t per_group1 = (a.shape.inter / EM_BLOCK + EM_PHASE1_TILES - 1) / EM_PHASE1_TILES;
     const uint32_t tiles2 = (a.shape.hidden + EM_PHASE2_TILE_ROWS - 1) / EM_PHASE2_TILE_ROWS;
-    const uint32_t items1 = a.first_phase == 1 ? a.num_groups * tiles1 : 0;
+    const uint32_t items1 = a.first_phase == 1 ? a.num_groups * per_group1 : 0;
     const uint32_t items2 = a.last_phase == 2 ? a.num_groups * tiles2 : 0;
     const bool wait = a.first_phase == 1 && a.last_phase == 2;
 #if EM_ITEM_PREFETCH
@@ -392,7 +417,7 @@ __device__ void decode_main(const EmFfnArgs& a) {
         if (tid == 0) next = em_atomic_add_agent(&a.counters[EM_COUNTER_NEXT_ITEM], 1);
 #endif
         if (item < items1) {
-            phase1<EXACT>(a, sh, item / tiles1, item % tiles1);
+            phase1<EXACT>(a, sh, item / per_group1, item % per_group1);
         } else {
             const uint32_t i2 = item - items1;
             phase2<EXACT>(a, sh, i2 / tiles2, i2 % tiles2, wait);
