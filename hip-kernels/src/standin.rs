@@ -40,12 +40,14 @@ pub const GENERIC64: Branch = Branch {
     clang: false,
     defines: &["-DEM_WAVE=64"],
 };
-/// The portable path with 32-lane waves, on a device reporting gfx1030.
+/// The portable path with 32-lane waves, on a device reporting gfx1030: NVIDIA's path, with the
+/// decode work-item shapes measured on an NVIDIA GPU (`EM_NV_SHAPES`: two W13 tiles per phase-1
+/// item, four W2 rows per team), so CI checks those shapes bit for bit without a GPU.
 pub const GENERIC32: Branch = Branch {
     key: "generic-wave32",
     arch: "gfx1030",
     clang: false,
-    defines: &["-DEM_WAVE=32"],
+    defines: &["-DEM_WAVE=32", "-DEM_NV_SHAPES=1"],
 };
 /// AMD builtins, sdot4, MFMA i32 16x16x16 i8 (MI200).
 pub const GFX90A: Branch = Branch {
