@@ -27,13 +27,6 @@ pub enum RelayAction {
         /// (layer, expert).
         key: (u32, u32),
     },
-    /// Forward the chunk just taken to `gainer` as its stream `gainer_id`.
-    Forward {
-        /// The gainer's mesh rank.
-        gainer: u32,
-        /// The gainer's stream id.
-        gainer_id: u64,
-    },
     /// End `gainer`'s stream `gainer_id` with `why` (a `Chunk` with a message).
     Refuse {
         /// The gainer's mesh rank.
@@ -52,6 +45,21 @@ pub enum RelayAction {
         /// Bytes the gainer has.
         bytes: u64,
     },
+}
+
+/// Where a chunk from an owner goes (`Relays::chunk`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChunkRoute {
+    /// On to `gainer` as its stream `gainer_id`.
+    Forward {
+        /// The gainer's mesh rank.
+        gainer: u32,
+        /// The gainer's stream id.
+        gainer_id: u64,
+    },
+    /// Nowhere: the owner could not copy before a byte went out, so this asks the next owner
+    /// (always a `RelayAction::Ask`).
+    Next(RelayAction),
 }
 
 #[derive(Debug, Clone)]
@@ -140,7 +148,7 @@ impl Relays {
 
     /// A chunk of relay stream `id` from `from`; `failed`: it carries an error; `last`: it
     /// ends the stream. `None`: drop it (an unknown stream, another device's).
-    pub fn chunk(&mut self, from: u32, id: u64, failed: bool, last: bool) -> Option<RelayAction> {
+    pub fn chunk(&mut self, from: u32, id: u64, failed: bool, last: bool) -> Option<ChunkRoute> {
         let relay = self.relays.get_mut(&id)?;
         if relay.owner != from {
             return None;
@@ -148,14 +156,14 @@ impl Relays {
         if failed && !relay.started && !relay.others.is_empty() {
             let owner = relay.others.remove(0);
             relay.owner = owner;
-            return Some(RelayAction::Ask {
+            return Some(ChunkRoute::Next(RelayAction::Ask {
                 owner,
                 id,
                 key: relay.key,
-            });
+            }));
         }
         relay.started = true;
-        let out = RelayAction::Forward {
+        let out = ChunkRoute::Forward {
             gainer: relay.gainer,
             gainer_id: relay.gainer_id,
         };
@@ -208,6 +216,13 @@ mod tests {
         }
     }
 
+    fn next(route: Option<ChunkRoute>) -> RelayAction {
+        match route {
+            Some(ChunkRoute::Next(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn chunks_go_to_the_gainer_and_acknowledgements_to_the_owner_until_the_last() {
         let mut r = Relays::default();
@@ -223,7 +238,7 @@ mod tests {
         // Another device's chunk under this id, or an unknown id: dropped.
         assert_eq!(r.chunk(4, 1, false, false), None);
         assert_eq!(r.chunk(3, 9, false, false), None);
-        let fwd = RelayAction::Forward {
+        let fwd = ChunkRoute::Forward {
             gainer: 5,
             gainer_id: 40,
         };
@@ -247,7 +262,7 @@ mod tests {
         let mut r = Relays::default();
         let (first, id) = ask(&r.fetch(9, 1, &[(9, 2, 3)], vec![1, 2, 3]));
         // Refusal before any chunk: the next owner is asked, and so on, then the gainer hears.
-        let (second, again) = ask(&r.chunk(first, id, true, false).unwrap());
+        let (second, again) = ask(&next(r.chunk(first, id, true, false)));
         assert_eq!(again, id);
         assert_ne!(second, first);
         assert_eq!(
@@ -255,13 +270,13 @@ mod tests {
             None,
             "the old owner is out"
         );
-        let (third, _) = ask(&r.chunk(second, id, true, false).unwrap());
+        let (third, _) = ask(&next(r.chunk(second, id, true, false)));
         let mut all = vec![first, second, third];
         all.sort_unstable();
         assert_eq!(all, [1, 2, 3]);
         assert_eq!(
             r.chunk(third, id, true, false),
-            Some(RelayAction::Forward {
+            Some(ChunkRoute::Forward {
                 gainer: 9,
                 gainer_id: 1
             })
@@ -272,7 +287,7 @@ mod tests {
         r.chunk(o, id, false, false).unwrap();
         assert!(matches!(
             r.chunk(o, id, true, false),
-            Some(RelayAction::Forward { .. })
+            Some(ChunkRoute::Forward { .. })
         ));
         assert!(r.is_empty());
     }

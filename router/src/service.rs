@@ -32,7 +32,7 @@ use crate::client::placement::Applied;
 use crate::confirmations::Confirmations;
 use crate::core::{Action, ClientId, RouterCore};
 use crate::rebalance::{ChangeAction, Coordinator};
-use crate::relay::{RelayAction, Relays};
+use crate::relay::{ChunkRoute, RelayAction, Relays};
 use expertmesh_transport::codec::{
     Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
     placement_entries,
@@ -1283,15 +1283,8 @@ impl CoreLoop {
             .relays
             .chunk(from, p.request_id, failed, p.loaded == 1)
         {
-            if failed && matches!(action, RelayAction::Ask { .. }) {
-                tracing::info!(
-                    from,
-                    "an owner could not copy the expert ({}); asking another",
-                    p.message
-                );
-            }
             match action {
-                RelayAction::Forward { gainer, gainer_id } => {
+                ChunkRoute::Forward { gainer, gainer_id } => {
                     let mut fwd = p.clone();
                     fwd.request_id = gainer_id;
                     let frame = OutFrame::with_payload(
@@ -1300,7 +1293,14 @@ impl CoreLoop {
                     );
                     self.send_control(gainer, frame);
                 }
-                other => self.relay(other),
+                ChunkRoute::Next(ask) => {
+                    tracing::info!(
+                        from,
+                        "an owner could not copy the expert ({}); asking another",
+                        p.message
+                    );
+                    self.relay(ask);
+                }
             }
         }
     }
@@ -1340,10 +1340,6 @@ impl CoreLoop {
                 let frame =
                     OutFrame::with_payload(Body::Placement(ask), bytes::Bytes::from(entries));
                 self.send_control(owner, frame);
-            }
-            RelayAction::Forward { gainer, .. } => {
-                // (Only ever the answer to a chunk: `relay_chunk` forwards its bytes.)
-                tracing::error!(gainer, "a relay forward without a chunk; dropped");
             }
             RelayAction::Refuse {
                 gainer,
