@@ -43,6 +43,7 @@ static void print_abi() {
     ABI_FIELD(EmFfnArgs, reserved); ABI_SIZE(EmFfnArgs);
     ABI_FIELD(EmQuantArgs, x); ABI_FIELD(EmQuantArgs, q); ABI_FIELD(EmQuantArgs, d);
     ABI_FIELD(EmQuantArgs, qsum); ABI_FIELD(EmQuantArgs, tokens); ABI_FIELD(EmQuantArgs, hidden);
+    ABI_FIELD(EmQuantArgs, counters); ABI_FIELD(EmQuantArgs, counters_len); ABI_FIELD(EmQuantArgs, reserved);
     ABI_SIZE(EmQuantArgs);
     ABI_FIELD(EmCombineArgs, y); ABI_FIELD(EmCombineArgs, tok_ptr); ABI_FIELD(EmCombineArgs, tok_rows);
     ABI_FIELD(EmCombineArgs, tok_weights); ABI_FIELD(EmCombineArgs, out); ABI_FIELD(EmCombineArgs, tokens);

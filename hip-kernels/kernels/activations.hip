@@ -8,10 +8,13 @@
 #include "em_device.h"
 
 // One thread per (token, 32-block). With x == null the codes are already in q (the caller passed
-// pre-quantized activations) and only the code sums are computed.
+// pre-quantized activations) and only the code sums are computed. Threads i < counters_len also
+// zero counters[i]: the FFN launch that follows in stream order starts from zeroed counters
+// without a memset launch of its own.
 EM_KERNEL void em_quantize_activations(EmQuantArgs a) {
     const uint32_t blocks = a.hidden / EM_BLOCK;
     const uint64_t i = (uint64_t)em_bid() * EM_WG_THREADS + em_tid();
+    if (a.counters && i < a.counters_len) a.counters[i] = 0;
     if (i >= (uint64_t)a.tokens * blocks) return;
     int8_t* q = a.q + i * EM_BLOCK;
     if (a.x) {

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define EM_ABI_VERSION 1
+#define EM_ABI_VERSION 2
 
 // Threads per workgroup of the decode kernels, and the row tile each workgroup computes:
 // 32 teams of 16 lanes, each team owning 2 rows (tile row = team + 32·r).
@@ -99,6 +99,10 @@ typedef struct EmQuantArgs {
     int32_t* qsum;    // [T][H/32]
     uint32_t tokens;
     uint32_t hidden;
+    uint32_t* counters;     // [counters_len] set to 0 by this launch (the FFN kernels' counters,
+                            // so exact mode needs no separate reset); null: none
+    uint32_t counters_len;  // the launch has at least this many threads
+    uint32_t reserved;
 } EmQuantArgs;
 
 // Arguments of the pre-combine kernel: one thread per (token, hidden element).

@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 
 /// Version of the argument layout (`EM_ABI_VERSION`).
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// Threads per decode workgroup (`EM_WG_THREADS`); also used by the small kernels.
 pub const WG_THREADS: u32 = 512;
 /// Rows per decode/prefill row tile (`EM_TILE_ROWS`).
@@ -115,6 +115,9 @@ pub struct EmQuantArgs {
     pub qsum: *mut i32,
     pub tokens: u32,
     pub hidden: u32,
+    pub counters: *mut u32,
+    pub counters_len: u32,
+    pub reserved: u32,
 }
 
 /// `EmCombineArgs`: arguments of `em_combine_slots`.
@@ -148,7 +151,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize)> {
     fields!(v, EmFfnArgs: experts, groups, pair_token, pair_out, xq, xd, xqsum, x, hq, hd, hqsum,
         hf, y, counters, shape, num_groups, first_phase, last_phase, spin_limit, prefill_items,
         num_prefill_items, reserved);
-    fields!(v, EmQuantArgs: x, q, d, qsum, tokens, hidden);
+    fields!(v, EmQuantArgs: x, q, d, qsum, tokens, hidden, counters, counters_len, reserved);
     fields!(v, EmCombineArgs: y, tok_ptr, tok_rows, tok_weights, out, tokens, hidden);
     v
 }

@@ -4,8 +4,9 @@
 //! owns every device and pinned host allocation and frees them on drop; `execute` allocates
 //! nothing, writes the batch's work list into pinned staging, and runs on one stream:
 //!
-//! 1. upload input and work list; zero the counters;
-//! 2. exact mode: `em_quantize_activations` (codes, scales and code sums of each 32-block);
+//! 1. upload input and work list; accurate mode: zero the counters;
+//! 2. exact mode: `em_quantize_activations` (codes, scales and code sums of each 32-block; it
+//!    zeroes the counters too, one launch fewer);
 //! 3. `em_decode_{exact,accurate}` (persistent, fused or two-phase) — or, in exact mode when some
 //!    expert has at least [`PREFILL_MIN_TOKENS`] tokens, `em_prefill_exact_w13` + `_w2`;
 //! 4. PreCombined: `em_combine_slots`; download; check the kernels' status word.
@@ -462,7 +463,8 @@ impl HipDevice {
         self.finish_batch(l, batch, &work, out)
     }
 
-    /// Execute step 2: upload the input and the staged work list; zero the counters.
+    /// Execute step 1: upload the input and the staged work list; zero the counters unless the
+    /// quantization launch will (exact mode).
     fn upload_batch(
         &self,
         l: &Loaded,
@@ -498,6 +500,10 @@ impl HipDevice {
             self.up(l.d_tok_ptr, l.h_tok_ptr.cast(), (t + 1) * 4)?;
             self.up(l.d_tok_rows, l.h_tok_rows.cast(), np * 4)?;
             self.up(l.d_tok_w, l.h_tok_w.cast(), np * 4)?;
+        }
+        if batch.mode == ComputeMode::Exact {
+            // The quantization launch zeroes the counters (launch_ffn): one launch fewer.
+            return Ok(());
         }
         // SAFETY: counters buffer holds COUNTER_GROUP_BASE + max_pairs u32 ≥ 2 + ng.
         self.call("hipMemsetAsync", unsafe {
@@ -544,8 +550,12 @@ impl HipDevice {
                 qsum: l.d_xqsum.cast(),
                 tokens: t as u32,
                 hidden: h as u32,
+                counters: l.d_counters.cast(),
+                counters_len: (COUNTER_GROUP_BASE + ng) as u32,
+                reserved: 0,
             };
-            let grid = [wg_blocks(t * h / BLOCK), 1];
+            // One thread per (token, block) and at least one per counter to zero.
+            let grid = [wg_blocks((t * h / BLOCK).max(COUNTER_GROUP_BASE + ng)), 1];
             self.launch(self.kernels.quantize, grid, WG_THREADS, &mut qa)?;
         }
         let mut args = EmFfnArgs {
