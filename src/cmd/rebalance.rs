@@ -31,9 +31,9 @@ pub(crate) struct FabricArgs {
     /// fabric (every router routes by what the workers announce; the others refuse changes).
     #[arg(long)]
     router: String,
-    /// Cluster name (the topology's `name`), checked in the handshake.
-    #[arg(long, default_value = "single-host")]
-    cluster: String,
+    /// Cluster name, checked in the handshake (default: the topology's `name`).
+    #[arg(long)]
+    cluster: Option<String>,
     /// The fabric's topology file.
     #[arg(long)]
     topology: PathBuf,
@@ -131,12 +131,13 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     let addrs =
         endpoint::resolve_all(cli.fabric.router.trim()).map_err(|e| anyhow!("--router: {e}"))?;
-    let mut cfg = FrontendConfig::new(cli.fabric.cluster.clone());
-    cfg.credentials = cli
+    let cluster = cli
         .fabric
-        .security
-        .security()
-        .frontend(&cli.fabric.cluster, &addrs)?;
+        .cluster
+        .clone()
+        .unwrap_or_else(|| topo.name().to_owned());
+    let mut cfg = FrontendConfig::new(cluster.clone());
+    cfg.credentials = cli.fabric.security.security().frontend(&cluster, &addrs)?;
     let timeout = Duration::from_secs_f64(cli.fabric.timeout_s);
     let addr = *addrs
         .first()

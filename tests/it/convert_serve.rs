@@ -501,7 +501,7 @@ fn olmoe_bf16_with_zero_points_matches_the_reference() {
 }
 
 /// `dep`'s placement with the two devices' lists swapped on every layer (shared experts stay).
-fn swapped(dep: &Deployment) -> expertmesh_topology::placement::Placement {
+pub(crate) fn swapped(dep: &Deployment) -> expertmesh_topology::placement::Placement {
     use expertmesh_topology::placement::Placement;
     let p = &dep.placement;
     let layers = dep.spec.moe_layer_ids();

@@ -4,8 +4,10 @@
 //! The fabric: one GPU device (gfx90a) whose worker process opens the stand-in with
 //! `--hip-library` and runs the real kernels' gfx90a branch (MFMA prefill) on the CPU, and one
 //! CPU device. Every MoE layer of demo-small at 1, 7 and 40 tokens (decode and prefill batches on
-//! the GPU worker) is bit-identical to the in-process CPU reference. Skips loudly where the
-//! stand-in cannot be built (no HIP-CPU, no clang++).
+//! the GPU worker) is bit-identical to the in-process CPU reference, before and after the two
+//! devices swap their experts live (`expertmesh rebalance`: the HIP backend gains and releases
+//! experts while loaded). Skips loudly where the stand-in cannot be built (no HIP-CPU, no
+//! clang++).
 
 use crate::fabric::Reference;
 use crate::support::{bits, rt};
@@ -54,20 +56,55 @@ fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
         .unwrap();
     let mut reference = Reference::new(&spec, fabric.deployment().seed);
     let mut calls = 0;
-    for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
-        for tokens in [1usize, 7, 40] {
-            let x = reference::synthetic_hidden(100 + i as u64 * 10 + tokens as u64, tokens, h);
-            let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
-            let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
-            assert_eq!(bits(&got), bits(&want), "layer {layer} tokens {tokens}");
-            calls += 1;
+    let mut serve_every_layer = |client: &mut RouterClient, when: &str| {
+        for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
+            for tokens in [1usize, 7, 40] {
+                let x = reference::synthetic_hidden(100 + i as u64 * 10 + tokens as u64, tokens, h);
+                let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+                let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{when}: layer {layer} tokens {tokens}"
+                );
+                calls += 1;
+            }
         }
-    }
+    };
+    serve_every_layer(&mut client, "as placed");
+    // A live placement change (issue 29): the GPU device and the CPU device swap their experts
+    // while the fabric runs, so the HIP backend gains and releases experts while loaded.
+    let swapped = dir.path().join("swapped.toml");
+    std::fs::write(
+        &swapped,
+        crate::convert_serve::swapped(fabric.deployment()).to_toml_string(),
+    )
+    .unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
+        .args(["--model", "demo-small", "--timeout-s", "60"])
+        .arg("--topology")
+        .arg(&topo)
+        .arg("--placement")
+        .arg(&swapped)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "rebalance onto the swapped placement:\n{text}"
+    );
+    serve_every_layer(&mut client, "after the swap");
     let stats = fabric.service().stats();
     assert!(stats.failures == 0, "{stats:?}");
     crate::support::say(&format!(
         "ran: a worker on HipBackend over the gfx90a stand-in served {calls} calls through the router, \
-         bit-identical to the CPU reference"
+         bit-identical to the CPU reference, before and after swapping its experts with the CPU device live"
     ));
     fabric.shutdown();
 }

@@ -15,7 +15,8 @@ use super::ffi::{ATTR_MULTIPROCESSOR_COUNT, Hip, HipFunction, HipModule, HipStre
 use super::objects::CODE_OBJECTS;
 use crate::kernel_abi::*;
 use expertmesh_backend::{
-    Activations, BackendError, BatchLimits, ExpertKey, GroupedBatch, OutputLayout,
+    Activations, BackendError, BatchLimits, ExpertKey, ExpertShape, ExpertSource, GroupedBatch,
+    OutputLayout,
 };
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{BLOCK, ExpertWeights, QuantSpec};
@@ -53,7 +54,17 @@ struct Kernels {
 /// Device buffers and pinned staging sized at load time.
 struct Loaded {
     shape: EmShape,
+    /// The packed format every expert shares (a gained expert must match it).
+    spec: QuantSpec,
     slots: HashMap<ExpertKey, u32>,
+    /// The device table's host copy, by slot (a released slot holds null pointers).
+    table: Vec<EmExpertPtrs>,
+    /// Entries the device table `d_experts` has room for.
+    table_cap: usize,
+    /// Slots released, reused first by gained experts.
+    free_slots: Vec<u32>,
+    /// Each expert's device allocation and its weight bytes (freed when it is released).
+    weights: HashMap<ExpertKey, (*mut c_void, u64)>,
     limits: BatchLimits,
     bytes: u64,
     d_experts: *mut c_void,
@@ -87,6 +98,27 @@ struct Loaded {
     h_status: *mut u32,
     decode_grid: [u32; 2],
 }
+
+/// Experts uploaded by `load`: table entries by slot, slots and allocations by key, and the
+/// device table.
+struct Uploaded {
+    table: Vec<EmExpertPtrs>,
+    slots: HashMap<ExpertKey, u32>,
+    weights: HashMap<ExpertKey, (*mut c_void, u64)>,
+    d_experts: *mut c_void,
+}
+
+/// The table entry of a released slot: no kernel is handed its slot (the work list is built
+/// from the slots of loaded keys), and a stray read would fault on null rather than read freed
+/// memory.
+const NO_EXPERT: EmExpertPtrs = EmExpertPtrs {
+    w13_nibbles: ptr::null(),
+    w13_scales: ptr::null(),
+    w13_zeros: ptr::null(),
+    w2_nibbles: ptr::null(),
+    w2_scales: ptr::null(),
+    w2_zeros: ptr::null(),
+};
 
 /// A HIP device with its modules, stream and (after `load`) buffers.
 pub(crate) struct HipDevice {
@@ -275,85 +307,285 @@ impl HipDevice {
                 have: free as u64,
             });
         }
-        let (d_experts, slots) = self.upload_experts(&experts)?;
-        let loaded = self.alloc_buffers(shape, slots, limits, weight_bytes, d_experts)?;
+        let uploaded = self.upload_experts(&experts)?;
+        let loaded = self.alloc_buffers(shape, spec, uploaded, limits, weight_bytes)?;
         self.loaded = Some(loaded);
         Ok(())
     }
 
     /// Load step 1: upload the weights (one allocation per expert, arrays at 256-byte aligned
-    /// offsets) and their pointer table; the table's device address and each key's slot.
+    /// offsets) and their pointer table.
     fn upload_experts(
         &mut self,
         experts: &[(ExpertKey, ExpertWeights)],
-    ) -> Result<(*mut c_void, HashMap<ExpertKey, u32>), BackendError> {
-        let mut table = Vec::with_capacity(experts.len());
-        let mut slots = HashMap::with_capacity(experts.len());
+    ) -> Result<Uploaded, BackendError> {
+        let mut up = Uploaded {
+            table: Vec::with_capacity(experts.len()),
+            slots: HashMap::with_capacity(experts.len()),
+            weights: HashMap::with_capacity(experts.len()),
+            d_experts: ptr::null_mut(),
+        };
         for (i, (key, w)) in experts.iter().enumerate() {
-            let parts: [&[u8]; 6] = [
-                w.w13().nibbles(),
-                u16_bytes(w.w13().scales()),
-                w.w13().zeros().unwrap_or(&[]),
-                w.w2().nibbles(),
-                u16_bytes(w.w2().scales()),
-                w.w2().zeros().unwrap_or(&[]),
-            ];
-            let size: usize = parts
-                .iter()
-                .map(|s| s.len().next_multiple_of(SUB_ALIGN))
-                .sum();
-            let base = self.dev_alloc(size)?;
-            let mut ptrs = [ptr::null::<u8>(); 6];
-            let mut off = 0;
-            for (j, part) in parts.iter().enumerate() {
-                // SAFETY: off < size, inside the allocation just made.
-                let dst = unsafe { base.cast::<u8>().add(off) };
-                self.upload(dst.cast(), part)?;
-                ptrs[j] = if part.is_empty() { ptr::null() } else { dst };
-                off += part.len().next_multiple_of(SUB_ALIGN);
+            let (base, ptrs) = self.upload_expert(w)?;
+            up.table.push(ptrs);
+            up.weights.insert(*key, (base, w.bytes() as u64));
+            if up.slots.insert(*key, i as u32).is_some() {
+                return Err(BackendError::Shape(format!("{key} is listed twice")));
             }
-            table.push(EmExpertPtrs {
+        }
+        up.d_experts = self.write_table(&up.table, up.table.len())?;
+        Ok(up)
+    }
+
+    /// One expert's weights in one device allocation (arrays at 256-byte aligned offsets):
+    /// the allocation and the expert's table entry.
+    fn upload_expert(
+        &mut self,
+        w: &ExpertWeights,
+    ) -> Result<(*mut c_void, EmExpertPtrs), BackendError> {
+        let parts: [&[u8]; 6] = [
+            w.w13().nibbles(),
+            u16_bytes(w.w13().scales()),
+            w.w13().zeros().unwrap_or(&[]),
+            w.w2().nibbles(),
+            u16_bytes(w.w2().scales()),
+            w.w2().zeros().unwrap_or(&[]),
+        ];
+        let size: usize = parts
+            .iter()
+            .map(|s| s.len().next_multiple_of(SUB_ALIGN))
+            .sum();
+        let base = self.dev_alloc(size)?;
+        let mut ptrs = [ptr::null::<u8>(); 6];
+        let mut off = 0;
+        for (j, part) in parts.iter().enumerate() {
+            // SAFETY: off < size, inside the allocation just made.
+            let dst = unsafe { base.cast::<u8>().add(off) };
+            if let Err(e) = self.upload(dst.cast(), part) {
+                self.dev_free(base);
+                return Err(e);
+            }
+            ptrs[j] = if part.is_empty() { ptr::null() } else { dst };
+            off += part.len().next_multiple_of(SUB_ALIGN);
+        }
+        Ok((
+            base,
+            EmExpertPtrs {
                 w13_nibbles: ptrs[0],
                 w13_scales: ptrs[1].cast(),
                 w13_zeros: ptrs[2],
                 w2_nibbles: ptrs[3],
                 w2_scales: ptrs[4].cast(),
                 w2_zeros: ptrs[5],
-            });
-            if slots.insert(*key, i as u32).is_some() {
-                return Err(BackendError::Shape(format!("{key} is listed twice")));
+            },
+        ))
+    }
+
+    /// A device table with room for `cap` entries holding `table`.
+    fn write_table(
+        &mut self,
+        table: &[EmExpertPtrs],
+        cap: usize,
+    ) -> Result<*mut c_void, BackendError> {
+        let d = self.dev_alloc(cap.max(1) * size_of::<EmExpertPtrs>())?;
+        // SAFETY: EmExpertPtrs is plain data; viewing the table as bytes for the copy.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), size_of_val(table)) };
+        if let Err(e) = self.upload(d, bytes) {
+            self.dev_free(d);
+            return Err(e);
+        }
+        Ok(d)
+    }
+
+    /// Frees one device allocation of this device (after the stream is idle).
+    fn dev_free(&mut self, p: *mut c_void) {
+        self.device_allocs.retain(|&q| q != p);
+        // SAFETY: p came from hipMalloc of this device and is no longer listed, so it is freed
+        // once; callers synchronize the stream first when a kernel may have used it.
+        unsafe {
+            (self.hip.api.hipStreamSynchronize)(self.stream);
+            (self.hip.api.hipFree)(p);
+        }
+    }
+
+    /// A live placement change: pin the experts of `source` next to those loaded, each in an
+    /// allocation of its own, in free table slots first. Between batches (the backend is
+    /// `&mut`, and each batch ends with its download), so no kernel reads the table while it is
+    /// rewritten. All or nothing: on any error (a key loaded already or listed twice, another
+    /// shape or format, no device memory, a source that fails, or fails its `finish` check) the
+    /// experts uploaded so far are freed and the set is as before.
+    pub(crate) fn add_experts(
+        &mut self,
+        source: &mut dyn ExpertSource,
+    ) -> Result<(), BackendError> {
+        let mut l = self.loaded.take().ok_or(BackendError::NotLoaded)?;
+        let r = self.add_into(&mut l, source);
+        self.loaded = Some(l);
+        r
+    }
+
+    fn add_into(
+        &mut self,
+        l: &mut Loaded,
+        source: &mut dyn ExpertSource,
+    ) -> Result<(), BackendError> {
+        let shapes = source.shapes().to_vec();
+        let mut seen = std::collections::HashSet::new();
+        for s in &shapes {
+            if l.slots.contains_key(&s.key) || !seen.insert(s.key) {
+                return Err(BackendError::Shape(format!(
+                    "{} is loaded already or listed twice; nothing was added",
+                    s.key
+                )));
+            }
+            if (s.hidden, s.inter, s.quant)
+                != (l.shape.hidden as usize, l.shape.inter as usize, l.spec)
+            {
+                return Err(BackendError::Shape(format!(
+                    "{} is {}x{} {}, the loaded experts {}x{} {}: one backend holds experts of \
+                     one shape; nothing was added",
+                    s.key, s.hidden, s.inter, s.quant, l.shape.hidden, l.shape.inter, l.spec
+                )));
             }
         }
-        let d_experts = self.dev_alloc(std::mem::size_of_val(table.as_slice()))?;
-        // SAFETY: EmExpertPtrs is plain data; viewing the table as bytes for the copy.
-        let table_bytes = unsafe {
-            std::slice::from_raw_parts(
-                table.as_ptr().cast::<u8>(),
-                std::mem::size_of_val(table.as_slice()),
-            )
+        let mut added: Vec<(ExpertKey, *mut c_void, EmExpertPtrs, u64)> = Vec::new();
+        let r = self.upload_source(source, &shapes, &mut added);
+        if let Err(e) = r {
+            for (_, base, _, _) in added {
+                self.dev_free(base);
+            }
+            return Err(e);
+        }
+        // Commit: slots (freed ones first), the table (a larger device table when it is full).
+        let mut table = l.table.clone();
+        let mut free = l.free_slots.clone();
+        let mut slots = Vec::with_capacity(added.len());
+        for &(_, _, ptrs, _) in &added {
+            let slot = free.pop().unwrap_or_else(|| {
+                table.push(NO_EXPERT);
+                (table.len() - 1) as u32
+            });
+            table[slot as usize] = ptrs;
+            slots.push(slot);
+        }
+        let written = if table.len() > l.table_cap {
+            let cap = table.len().max(2 * l.table_cap);
+            self.write_table(&table, cap).map(|d| (d, cap))
+        } else {
+            // SAFETY: EmExpertPtrs is plain data; the table fits the allocation (cap entries).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), size_of_val(&table[..]))
+            };
+            self.upload(l.d_experts, bytes)
+                .map(|()| (l.d_experts, l.table_cap))
         };
-        self.upload(d_experts, table_bytes)?;
-        Ok((d_experts, slots))
+        let (d_table, cap) = match written {
+            Ok(w) => w,
+            Err(e) => {
+                for (_, base, _, _) in added {
+                    self.dev_free(base);
+                }
+                return Err(e);
+            }
+        };
+        if d_table != l.d_experts {
+            self.dev_free(l.d_experts);
+        }
+        for ((key, base, _, bytes), slot) in added.into_iter().zip(slots) {
+            l.slots.insert(key, slot);
+            l.weights.insert(key, (base, bytes));
+            l.bytes += bytes;
+        }
+        l.table = table;
+        l.free_slots = free;
+        l.table_cap = cap;
+        l.d_experts = d_table;
+        Ok(())
+    }
+
+    /// Upload each expert of `source` as it is handed over (one in host memory at a time),
+    /// recording each in `added`, then the source's own check.
+    fn upload_source(
+        &mut self,
+        source: &mut dyn ExpertSource,
+        shapes: &[ExpertShape],
+        added: &mut Vec<(ExpertKey, *mut c_void, EmExpertPtrs, u64)>,
+    ) -> Result<(), BackendError> {
+        for (i, s) in shapes.iter().enumerate() {
+            let w = source.expert(i)?;
+            let need = w.bytes() as u64 + 6 * SUB_ALIGN as u64;
+            let (mut free, mut total) = (0usize, 0usize);
+            // SAFETY: valid out-pointers.
+            self.call("hipMemGetInfo", unsafe {
+                (self.hip.api.hipMemGetInfo)(&mut free, &mut total)
+            })?;
+            if need > free as u64 {
+                return Err(BackendError::OutOfMemory {
+                    need,
+                    have: free as u64,
+                });
+            }
+            let (base, ptrs) = self.upload_expert(&w)?;
+            added.push((s.key, base, ptrs, w.bytes() as u64));
+        }
+        source.finish()
+    }
+
+    /// A live placement change: release `keys` and free their device memory. A key not
+    /// loaded is an error and nothing is released.
+    pub(crate) fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        let mut l = self.loaded.take().ok_or(BackendError::NotLoaded)?;
+        let r = self.release_from(&mut l, keys);
+        self.loaded = Some(l);
+        r
+    }
+
+    fn release_from(&mut self, l: &mut Loaded, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        if let Some(k) = keys.iter().find(|k| !l.slots.contains_key(k)) {
+            return Err(BackendError::UnknownExpert(*k));
+        }
+        for key in keys {
+            let Some(slot) = l.slots.remove(key) else {
+                continue; // listed twice
+            };
+            l.table[slot as usize] = NO_EXPERT;
+            l.free_slots.push(slot);
+            if let Some((base, bytes)) = l.weights.remove(key) {
+                self.dev_free(base);
+                l.bytes -= bytes;
+            }
+        }
+        // SAFETY: EmExpertPtrs is plain data; the table fits the allocation (table_cap entries).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(l.table.as_ptr().cast::<u8>(), size_of_val(&l.table[..]))
+        };
+        self.upload(l.d_experts, bytes)
     }
 
     /// Load step 2: allocate every device buffer and pinned staging buffer for the limits.
     fn alloc_buffers(
         &mut self,
         shape: EmShape,
-        slots: HashMap<ExpertKey, u32>,
+        spec: QuantSpec,
+        uploaded: Uploaded,
         limits: BatchLimits,
         weight_bytes: u64,
-        d_experts: *mut c_void,
     ) -> Result<Loaded, BackendError> {
         let (t, p) = (limits.max_tokens.max(1), limits.max_pairs.max(1));
         let (h, f) = (shape.hidden as usize, shape.inter as usize);
         let items_cap = 2 * (p + p / PREFILL_TOKENS as usize + 1);
         Ok(Loaded {
             shape,
-            slots,
+            spec,
+            slots: uploaded.slots,
+            table_cap: uploaded.table.len(),
+            table: uploaded.table,
+            free_slots: Vec::new(),
+            weights: uploaded.weights,
             limits,
             bytes: weight_bytes,
-            d_experts,
+            d_experts: uploaded.d_experts,
             d_x: self.dev_alloc(t * h * 4)?,
             d_xq: self.dev_alloc(t * h)?,
             d_xd: self.dev_alloc(t * h / BLOCK * 4)?,

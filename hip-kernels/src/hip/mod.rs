@@ -9,7 +9,9 @@
 //! `cfg`. Without a usable device it reports [`BackendError::NoDevice`] with the reason, and the
 //! worker falls back to the CPU backend.
 
-use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend, ExpertKey, GroupedBatch};
+use expertmesh_backend::{
+    BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertSource, GroupedBatch,
+};
 use expertmesh_quant::format::ExpertWeights;
 
 #[cfg(feature = "hip")]
@@ -146,6 +148,34 @@ impl ExpertBackend for HipBackend {
         }
         #[cfg(not(feature = "hip"))]
         match self._never {}
+    }
+
+    /// Gains experts while serving: each in a device allocation of its own, next to the loaded
+    /// ones, between batches; all or nothing.
+    fn add_experts(&mut self, source: &mut dyn ExpertSource) -> Result<(), BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.add_experts(source)
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = source;
+            match self._never {}
+        }
+    }
+
+    /// Releases experts and frees their device memory; a key not loaded is an error and
+    /// nothing is released.
+    fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            self.inner.release_experts(keys)
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = keys;
+            match self._never {}
+        }
     }
 }
 

@@ -191,3 +191,189 @@ pub(crate) fn check_against_cpu(
     }
     Ok(batches)
 }
+
+/// A source whose shard check fails after the last expert (a damaged file read to the end).
+#[cfg_attr(not(feature = "hip"), allow(dead_code))] // the stand-in tests run with `hip`
+struct FailsAtFinish(expertmesh_backend::VecSource);
+
+impl expertmesh_backend::ExpertSource for FailsAtFinish {
+    fn shapes(&self) -> &[expertmesh_backend::ExpertShape] {
+        self.0.shapes()
+    }
+    fn expert(
+        &mut self,
+        i: usize,
+    ) -> Result<expertmesh_quant::format::ExpertWeights, expertmesh_backend::BackendError> {
+        self.0.expert(i)
+    }
+    fn finish(&mut self) -> Result<(), expertmesh_backend::BackendError> {
+        Err(expertmesh_backend::BackendError::Source(
+            "checksum mismatch (planted)".into(),
+        ))
+    }
+}
+
+/// A live placement change on `hip` (issue 29): a device loaded with half of a case's experts
+/// gains the rest while loaded, serves the whole case bit-identical to `CpuBackend`, refuses
+/// bad gains and releases with nothing changed, releases two experts (their batches then fail),
+/// gains them back into the freed slots and matches again. Ok(batches checked).
+#[cfg_attr(not(feature = "hip"), allow(dead_code))] // the stand-in tests run with `hip`
+pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> {
+    use expertmesh_backend::{BackendError, VecSource};
+    let p = CaseParams::random_codes(spec(32, ScaleDtype::Bf16, true), (256, 128), 8, 6, 2);
+    let c = testvec::generate_case(&p, 7_100).map_err(|e| e.to_string())?;
+    let key = |e: u32| ExpertKey {
+        layer: 0,
+        expert: e,
+    };
+    let all: Vec<(ExpertKey, _)> = (0..8)
+        .map(|e| (key(e), c.experts[e as usize].clone()))
+        .collect();
+    let some = |keys: &[u32]| -> Vec<(ExpertKey, _)> {
+        keys.iter().map(|&e| all[e as usize].clone()).collect()
+    };
+    let bytes =
+        |keys: &[u32]| -> u64 { keys.iter().map(|&e| all[e as usize].1.bytes() as u64).sum() };
+    let limits = BatchLimits {
+        max_tokens: c.tokens,
+        max_pairs: c.pairs(),
+    };
+    let mut cpu = CpuBackend::new(1).map_err(|e| e.to_string())?;
+    cpu.load(all.clone(), limits).map_err(|e| e.to_string())?;
+    hip.load(some(&[0, 1, 2, 3]), limits)
+        .map_err(|e| format!("HIP load: {e}"))?;
+    let cb = super::kernel_host::CaseBatch::new(&c);
+    let groups = cb.groups(&c);
+    let used: Vec<u32> = c
+        .groups
+        .iter()
+        .filter(|g| g.count > 0)
+        .map(|g| g.expert)
+        .collect();
+    let (Some(&gained), true) = (used.iter().find(|&&e| e >= 4), used.len() >= 2) else {
+        return Err(format!(
+            "the case routes to {used:?}: no gained expert in use"
+        ));
+    };
+    let batch = GroupedBatch {
+        mode: ComputeMode::Exact,
+        hidden: c.hidden,
+        tokens: c.tokens,
+        input: Activations::F32(&c.x),
+        groups: &groups,
+        layout: OutputLayout::PerSlot,
+    };
+    let mut want = vec![0f32; batch.output_len()];
+    cpu.execute(&batch, &mut want).map_err(|e| e.to_string())?;
+    let mut checked = 0;
+    let mut matches = |hip: &mut HipBackend, when: &str| -> Result<(), String> {
+        let mut got = vec![f32::NAN; want.len()];
+        hip.execute(&batch, &mut got)
+            .map_err(|e| format!("{when}: HIP execute: {e}"))?;
+        let differ = (0..want.len())
+            .filter(|&i| got[i].to_bits() != want[i].to_bits())
+            .count();
+        checked += 1;
+        match differ {
+            0 => Ok(()),
+            n => Err(format!(
+                "{when}: {n} of {} outputs differ from CpuBackend",
+                want.len()
+            )),
+        }
+    };
+    let unknown = |hip: &mut HipBackend, when: &str| -> Result<(), String> {
+        let mut got = vec![0f32; want.len()];
+        match hip.execute(&batch, &mut got) {
+            Err(BackendError::UnknownExpert(_)) => Ok(()),
+            other => Err(format!(
+                "{when}: expected an unknown-expert error, got {other:?}"
+            )),
+        }
+    };
+    unknown(hip, &format!("before expert {gained} is gained"))?;
+    hip.add_experts(&mut VecSource::new(some(&[4, 5, 6, 7])))
+        .map_err(|e| format!("gaining experts 4..8: {e}"))?;
+    if hip.loaded_bytes() != bytes(&[0, 1, 2, 3, 4, 5, 6, 7]) {
+        return Err(format!(
+            "after the gain loaded_bytes is {}",
+            hip.loaded_bytes()
+        ));
+    }
+    matches(hip, "after gaining experts 4..8 (the device table grew)")?;
+    // Refused, nothing changed: a key loaded already, another shape, a source failing its
+    // check, a release naming a key not loaded.
+    let other = testvec::generate_case(
+        &CaseParams::random_codes(spec(32, ScaleDtype::Bf16, true), (512, 128), 1, 1, 1),
+        7_101,
+    )
+    .map_err(|e| e.to_string())?;
+    type Change<'a> = Box<dyn Fn(&mut HipBackend) -> Result<(), BackendError> + 'a>;
+    let refusals: [(&str, Change<'_>); 4] = [
+        (
+            "a key loaded already",
+            Box::new(|h| h.add_experts(&mut VecSource::new(some(&[2])))),
+        ),
+        (
+            "another hidden size",
+            Box::new(|h| {
+                h.add_experts(&mut VecSource::new(vec![(
+                    key(9),
+                    other.experts[0].clone(),
+                )]))
+            }),
+        ),
+        (
+            "a source failing its check",
+            Box::new(|h| {
+                h.add_experts(&mut FailsAtFinish(VecSource::new(vec![(
+                    key(8),
+                    all[1].1.clone(),
+                )])))
+            }),
+        ),
+        (
+            "a release of a key not loaded",
+            Box::new(|h| h.release_experts(&[key(0), key(99)])),
+        ),
+    ];
+    for (what, refused) in &refusals {
+        if refused(hip).is_ok() {
+            return Err(format!("{what} was accepted"));
+        }
+        if hip.loaded_bytes() != bytes(&[0, 1, 2, 3, 4, 5, 6, 7]) {
+            return Err(format!(
+                "{what}: refused, but loaded_bytes is {}",
+                hip.loaded_bytes()
+            ));
+        }
+        matches(hip, &format!("after refusing {what}"))?;
+    }
+    // Release two experts in use: their batches fail; gained back into the freed slots, the
+    // case matches again.
+    let (a, b) = (used[0], used[1]);
+    hip.release_experts(&[key(a), key(b)])
+        .map_err(|e| format!("releasing {a} and {b}: {e}"))?;
+    let rest: Vec<u32> = (0..8).filter(|&e| e != a && e != b).collect();
+    if hip.loaded_bytes() != bytes(&rest) {
+        return Err(format!(
+            "after the release loaded_bytes is {}",
+            hip.loaded_bytes()
+        ));
+    }
+    unknown(hip, "after releasing two experts in use")?;
+    // Back into the freed slots, with the key refused above for its source's check (not
+    // loaded, so it can be gained now; a copy of expert 1) into a new one.
+    let mut back = some(&[a, b]);
+    back.push((key(8), all[1].1.clone()));
+    hip.add_experts(&mut VecSource::new(back))
+        .map_err(|e| format!("gaining {a}, {b} and 8: {e}"))?;
+    if hip.loaded_bytes() != bytes(&[0, 1, 2, 3, 4, 5, 6, 7, 1]) {
+        return Err(format!(
+            "after gaining back loaded_bytes is {}",
+            hip.loaded_bytes()
+        ));
+    }
+    matches(hip, "after gaining the released experts back")?;
+    Ok(checked)
+}

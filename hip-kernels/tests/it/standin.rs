@@ -116,6 +116,24 @@ fn standin_generic_wave64_matches_the_cpu_backend() {
     conformance(GENERIC64);
 }
 
+/// A live placement change on the HIP backend: gains while loaded (the device table grows),
+/// refusals that change nothing, releases, gains back into freed slots; bit-identical to the CPU
+/// backend throughout.
+#[test]
+fn standin_backend_gains_and_releases_experts_while_loaded() {
+    let Some(lib) = standin_lib(GENERIC64) else {
+        return;
+    };
+    let mut hip = HipBackend::with_library(0, &lib).expect("HipBackend on the stand-in");
+    match super::backend_check::check_live_changes(&mut hip) {
+        Ok(n) => say(&format!(
+            "ran: HipBackend over the HIP-CPU stand-in gained and released experts while loaded, {n} batches \
+             bit-identical to CpuBackend"
+        )),
+        Err(e) => panic!("{e}"),
+    }
+}
+
 #[test]
 fn standin_generic_wave32_matches_the_cpu_backend() {
     conformance(GENERIC32);
