@@ -514,6 +514,20 @@ impl HipDevice {
     ) -> Result<(), BackendError> {
         for (i, s) in shapes.iter().enumerate() {
             let w = source.expert(i)?;
+            // The weights handed over must be what the source declared (and checked above):
+            // a smaller expert would have the kernels read past its allocation.
+            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
+                return Err(BackendError::Shape(format!(
+                    "{}: the source declared {}x{} {} but handed over {}x{} {}; nothing was added",
+                    s.key,
+                    s.hidden,
+                    s.inter,
+                    s.quant,
+                    w.hidden(),
+                    w.inter(),
+                    w.spec()
+                )));
+            }
             let need = w.bytes() as u64 + 6 * SUB_ALIGN as u64;
             let (mut free, mut total) = (0usize, 0usize);
             // SAFETY: valid out-pointers.
@@ -545,22 +559,28 @@ impl HipDevice {
         if let Some(k) = keys.iter().find(|k| !l.slots.contains_key(k)) {
             return Err(BackendError::UnknownExpert(*k));
         }
+        // The device table without them first: if that upload fails, nothing is released.
+        let mut table = l.table.clone();
+        for key in keys {
+            table[l.slots[key] as usize] = NO_EXPERT;
+        }
+        // SAFETY: EmExpertPtrs is plain data; the table fits the allocation (table_cap entries).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), size_of_val(&table[..]))
+        };
+        self.upload(l.d_experts, bytes)?;
+        l.table = table;
         for key in keys {
             let Some(slot) = l.slots.remove(key) else {
                 continue; // listed twice
             };
-            l.table[slot as usize] = NO_EXPERT;
             l.free_slots.push(slot);
             if let Some((base, bytes)) = l.weights.remove(key) {
                 self.dev_free(base);
                 l.bytes -= bytes;
             }
         }
-        // SAFETY: EmExpertPtrs is plain data; the table fits the allocation (table_cap entries).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(l.table.as_ptr().cast::<u8>(), size_of_val(&l.table[..]))
-        };
-        self.upload(l.d_experts, bytes)
+        Ok(())
     }
 
     /// Load step 2: allocate every device buffer and pinned staging buffer for the limits.

@@ -213,6 +213,26 @@ impl expertmesh_backend::ExpertSource for FailsAtFinish {
     }
 }
 
+/// A source that declares one expert's shape and hands over another's weights (a buggy or
+/// damaged source).
+#[cfg_attr(not(feature = "hip"), allow(dead_code))] // the stand-in tests run with `hip`
+struct HandsOverOther(
+    expertmesh_backend::VecSource,
+    expertmesh_quant::format::ExpertWeights,
+);
+
+impl expertmesh_backend::ExpertSource for HandsOverOther {
+    fn shapes(&self) -> &[expertmesh_backend::ExpertShape] {
+        self.0.shapes()
+    }
+    fn expert(
+        &mut self,
+        _: usize,
+    ) -> Result<expertmesh_quant::format::ExpertWeights, expertmesh_backend::BackendError> {
+        Ok(self.1.clone())
+    }
+}
+
 /// A live placement change on `hip` (issue 29): a device loaded with half of a case's experts
 /// gains the rest while loaded, serves the whole case bit-identical to `CpuBackend`, refuses
 /// bad gains and releases with nothing changed, releases two experts (their batches then fail),
@@ -309,7 +329,7 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
     )
     .map_err(|e| e.to_string())?;
     type Change<'a> = Box<dyn Fn(&mut HipBackend) -> Result<(), BackendError> + 'a>;
-    let refusals: [(&str, Change<'_>); 4] = [
+    let refusals: [(&str, Change<'_>); 5] = [
         (
             "a key loaded already",
             Box::new(|h| h.add_experts(&mut VecSource::new(some(&[2])))),
@@ -330,6 +350,15 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
                     key(8),
                     all[1].1.clone(),
                 )])))
+            }),
+        ),
+        (
+            "weights of another shape than the source declared",
+            Box::new(|h| {
+                h.add_experts(&mut HandsOverOther(
+                    VecSource::new(vec![(key(10), all[0].1.clone())]),
+                    other.experts[0].clone(),
+                ))
             }),
         ),
         (
