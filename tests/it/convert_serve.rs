@@ -535,12 +535,27 @@ fn rebalance_on(
     out: &Path,
     placement: &Path,
 ) -> (Option<i32>, String) {
+    rebalance_args(
+        fabric,
+        topo,
+        &["--weights".as_ref(), out.as_os_str()],
+        placement,
+    )
+}
+
+/// `expertmesh rebalance` of `placement` against `fabric` on topology file `topo`, with `args`
+/// naming the model or weights: exit code and output.
+pub(crate) fn rebalance_args(
+    fabric: &LocalFabric,
+    topo: &Path,
+    args: &[&std::ffi::OsStr],
+    placement: &Path,
+) -> (Option<i32>, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
         .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
         .arg("--topology")
         .arg(topo)
-        .arg("--weights")
-        .arg(out)
+        .args(args)
         .arg("--placement")
         .arg(placement)
         .args(["--timeout-s", "60"])

@@ -60,6 +60,35 @@ impl Reference {
     }
 }
 
+/// Calls every MoE layer of `spec` at 1, 7 and 40 tokens (inputs seeded from `seed`) through
+/// `client` and asserts each answer bit-identical to `reference`'s exact result; the number of
+/// calls. `what` names the check in a failure.
+pub(crate) fn every_layer_exact(
+    rt: &tokio::runtime::Runtime,
+    client: &mut RouterClient,
+    reference: &mut Reference,
+    spec: &ModelSpec,
+    seed: u64,
+    what: &str,
+) -> usize {
+    let h = spec.hidden as usize;
+    let mut calls = 0;
+    for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
+        for tokens in [1usize, 7, 40] {
+            let x = reference::synthetic_hidden(seed + i as u64 * 10 + tokens as u64, tokens, h);
+            let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+            let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{what} layer {layer} tokens {tokens}"
+            );
+            calls += 1;
+        }
+    }
+    calls
+}
+
 fn exact_end_to_end(link: LinkKind) {
     exact_end_to_end_with(options(link, ComputeMode::Exact));
 }
@@ -84,18 +113,14 @@ fn exact_end_to_end_with(o: LocalFabricOptions) {
             &fabric.frontend_config(),
         ))
         .unwrap();
-    for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
-        for tokens in [1usize, 7, 40] {
-            let x = reference::synthetic_hidden(i as u64 * 10 + tokens as u64, tokens, h);
-            let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
-            let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
-            assert_eq!(
-                bits(&got),
-                bits(&want),
-                "{link:?} layer {layer} tokens {tokens}"
-            );
-        }
-    }
+    every_layer_exact(
+        &rt,
+        &mut client,
+        &mut reference,
+        &spec,
+        0,
+        &format!("{link:?}"),
+    );
     // One call also against the scalar oracle itself (not just the CPU backend).
     let layer = spec.moe_layer_ids()[0];
     let x = reference::synthetic_hidden(5, 3, h);

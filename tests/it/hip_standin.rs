@@ -9,13 +9,11 @@
 //! experts while loaded). Skips loudly where the stand-in cannot be built (no HIP-CPU, no
 //! clang++).
 
-use crate::fabric::Reference;
-use crate::support::{bits, rt};
+use crate::fabric::{Reference, every_layer_exact};
+use crate::support::rt;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_hip_kernels::standin::{self, Built, GFX90A};
-use expertmesh_quant::contract::ComputeMode;
 use expertmesh_router::client::RouterClient;
-use expertmesh_router::reference;
 use std::path::{Path, PathBuf};
 
 #[test]
@@ -46,7 +44,6 @@ fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
         "worker 0 should serve on the HIP backend over the stand-in; its log:\n{log}"
     );
     let spec = fabric.deployment().spec.clone();
-    let h = spec.hidden as usize;
     let rt = rt();
     let mut client = rt
         .block_on(RouterClient::connect(
@@ -55,23 +52,7 @@ fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
         ))
         .unwrap();
     let mut reference = Reference::new(&spec, fabric.deployment().seed);
-    let mut calls = 0;
-    let mut serve_every_layer = |client: &mut RouterClient, when: &str| {
-        for (i, layer) in spec.moe_layer_ids().into_iter().enumerate() {
-            for tokens in [1usize, 7, 40] {
-                let x = reference::synthetic_hidden(100 + i as u64 * 10 + tokens as u64, tokens, h);
-                let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
-                let (_, want) = reference.layer(layer, &x, ComputeMode::Exact);
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{when}: layer {layer} tokens {tokens}"
-                );
-                calls += 1;
-            }
-        }
-    };
-    serve_every_layer(&mut client, "as placed");
+    let mut calls = every_layer_exact(&rt, &mut client, &mut reference, &spec, 100, "as placed:");
     // A live placement change (issue 29): the GPU device and the CPU device swap their experts
     // while the fabric runs, so the HIP backend gains and releases experts while loaded.
     let swapped = dir.path().join("swapped.toml");
@@ -80,26 +61,25 @@ fn a_hip_worker_over_the_standin_serves_bit_identical_to_the_cpu_reference() {
         crate::convert_serve::swapped(fabric.deployment()).to_toml_string(),
     )
     .unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-        .args(["rebalance", "--router", &fabric.frontend_addr().to_string()])
-        .args(["--model", "demo-small", "--timeout-s", "60"])
-        .arg("--topology")
-        .arg(&topo)
-        .arg("--placement")
-        .arg(&swapped)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+    let (code, text) = crate::convert_serve::rebalance_args(
+        &fabric,
+        &topo,
+        &["--model".as_ref(), "demo-small".as_ref()],
+        &swapped,
     );
     assert_eq!(
-        o.status.code(),
+        code,
         Some(0),
         "rebalance onto the swapped placement:\n{text}"
     );
-    serve_every_layer(&mut client, "after the swap");
+    calls += every_layer_exact(
+        &rt,
+        &mut client,
+        &mut reference,
+        &spec,
+        100,
+        "after the swap:",
+    );
     let stats = fabric.service().stats();
     assert!(stats.failures == 0, "{stats:?}");
     crate::support::say(&format!(

@@ -192,44 +192,34 @@ pub(crate) fn check_against_cpu(
     Ok(batches)
 }
 
-/// A source whose shard check fails after the last expert (a damaged file read to the end).
+/// A faulty source: it hands over `substitute` instead of what it declared (a buggy source), or
+/// fails its check after the last expert (a damaged shard read to the end).
 #[cfg_attr(not(feature = "hip"), allow(dead_code))] // the stand-in tests run with `hip`
-struct FailsAtFinish(expertmesh_backend::VecSource);
+struct Faulty {
+    inner: expertmesh_backend::VecSource,
+    substitute: Option<expertmesh_quant::format::ExpertWeights>,
+}
 
-impl expertmesh_backend::ExpertSource for FailsAtFinish {
+impl expertmesh_backend::ExpertSource for Faulty {
     fn shapes(&self) -> &[expertmesh_backend::ExpertShape] {
-        self.0.shapes()
+        self.inner.shapes()
     }
     fn expert(
         &mut self,
         i: usize,
     ) -> Result<expertmesh_quant::format::ExpertWeights, expertmesh_backend::BackendError> {
-        self.0.expert(i)
+        match &self.substitute {
+            Some(w) => Ok(w.clone()),
+            None => self.inner.expert(i),
+        }
     }
     fn finish(&mut self) -> Result<(), expertmesh_backend::BackendError> {
-        Err(expertmesh_backend::BackendError::Source(
-            "checksum mismatch (planted)".into(),
-        ))
-    }
-}
-
-/// A source that declares one expert's shape and hands over another's weights (a buggy or
-/// damaged source).
-#[cfg_attr(not(feature = "hip"), allow(dead_code))] // the stand-in tests run with `hip`
-struct HandsOverOther(
-    expertmesh_backend::VecSource,
-    expertmesh_quant::format::ExpertWeights,
-);
-
-impl expertmesh_backend::ExpertSource for HandsOverOther {
-    fn shapes(&self) -> &[expertmesh_backend::ExpertShape] {
-        self.0.shapes()
-    }
-    fn expert(
-        &mut self,
-        _: usize,
-    ) -> Result<expertmesh_quant::format::ExpertWeights, expertmesh_backend::BackendError> {
-        Ok(self.1.clone())
+        match self.substitute {
+            Some(_) => Ok(()),
+            None => Err(expertmesh_backend::BackendError::Source(
+                "checksum mismatch (planted)".into(),
+            )),
+        }
     }
 }
 
@@ -346,19 +336,19 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
         (
             "a source failing its check",
             Box::new(|h| {
-                h.add_experts(&mut FailsAtFinish(VecSource::new(vec![(
-                    key(8),
-                    all[1].1.clone(),
-                )])))
+                h.add_experts(&mut Faulty {
+                    inner: VecSource::new(vec![(key(8), all[1].1.clone())]),
+                    substitute: None,
+                })
             }),
         ),
         (
             "weights of another shape than the source declared",
             Box::new(|h| {
-                h.add_experts(&mut HandsOverOther(
-                    VecSource::new(vec![(key(10), all[0].1.clone())]),
-                    other.experts[0].clone(),
-                ))
+                h.add_experts(&mut Faulty {
+                    inner: VecSource::new(vec![(key(10), all[0].1.clone())]),
+                    substitute: Some(other.experts[0].clone()),
+                })
             }),
         ),
         (
