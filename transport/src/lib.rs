@@ -21,6 +21,8 @@
 //! - [`mesh`]: the [`Transport`] trait and the rank-to-rank mesh that runs the protocol over
 //!   TCP, shared memory or RDMA links: listening, dialling, the event queue.
 //! - [`frontend`]: framed connections for clients that are not ranks (serving frontends).
+//! - [`signals`]: resets stop handlers that linked RDMA libraries install at load time, before
+//!   a process registers its own (imports nothing of this crate).
 //!
 //! # Module layering
 //!
@@ -114,6 +116,7 @@ pub mod protocol;
 pub mod rdma;
 mod setup;
 pub mod shm;
+pub mod signals;
 mod tcp;
 
 pub use codec::{Body, CodecConfig, CodecError, FrameKind};

@@ -249,6 +249,13 @@ pub fn worker_limits(dep: &Deployment, max_tokens: usize) -> BatchLimits {
 /// never returns and the signals keep their default action (the process ends at once).
 pub async fn stop_signal() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
+    let reset = expertmesh_transport::signals::reset_stop_handlers_set_by_libraries();
+    if !reset.is_empty() {
+        tracing::debug!(
+            ?reset,
+            "a linked library had installed stop handlers; reset to the default first"
+        );
+    }
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
