@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # gpu-check.sh — build the HIP kernels for an NVIDIA GPU through HIP's NVIDIA headers, check them
-# bit for bit against the Rust reference's test vectors, and time decode on Kimi-sized experts.
+# bit for bit against the Rust reference's test vectors, and time decode (exact, accurate) and
+# prefill on Kimi-sized experts.
 #
 #   scripts/gpu-check.sh --prepare      (on a dev machine: writes .gpu-out/vectors.emtv with the
 #                                        Rust reference and copies HIP's NVIDIA headers from
@@ -122,7 +123,8 @@ fi
 
 # Kernel variants (EM_GPU_VARIANTS="name=-DMACRO=V -D...;name2=..."): the harness built once per
 # variant, in parallel, then each run alone: correctness (every variant must stay bit-identical)
-# and the decode bandwidth, OUT_DIR/variant-NAME.json each, and a table of ratios to compare.
+# and the timings, OUT_DIR/variant-NAME.json each, and a table of ratios to compare.
+# EM_GPU_DECODE_ONLY=1 times exact decode only (no accurate decode, no prefill).
 if [ -n "${EM_GPU_VARIANTS:-}" ]; then
   say "building kernel variants: $EM_GPU_VARIANTS"
   IFS=';' read -ra VARIANTS <<<"$EM_GPU_VARIANTS"
@@ -158,11 +160,17 @@ for v in spec.split(';'):
         j = json.load(open(f"{out}/variant-{name}.json"))
     except OSError:
         print(f"{name:<10} no result"); continue
-    r = {x['batch']: x['ratio'] for x in j['results']}
-    k = {x['batch']: x.get('kernel_ratio', 0) for x in j['results']}
+    exact = [x for x in j['results'] if x.get('name') == 'decode_exact_kimi_k2']
+    r = {x['batch']: x['ratio'] for x in exact}
+    k = {x['batch']: x.get('kernel_ratio', 0) for x in exact}
     checks = f"{j['correctness_passed']}/{j['correctness_passed'] + j['correctness_failed']}"
     print(f"{name:<10} {checks:>9} " + " ".join(f"{r.get(b, 0):<6.3f}" for b in (1, 2, 4, 8, 16))
           + f"  {j['decode_worst_ratio']:.3f}   kernel alone B=1 {k.get(1, 0):.3f} B=16 {k.get(16, 0):.3f}")
+    acc = {x['batch']: x['ratio'] for x in j['results'] if x.get('name') == 'decode_accurate_kimi_k2'}
+    pre = {x['tokens']: x['tops'] for x in j['results'] if x.get('name') == 'prefill_exact_kimi_k2'}
+    if acc or pre:
+        print(f"{'':<10} accurate B=1/4/16 " + " / ".join(f"{acc.get(b, 0):.3f}" for b in (1, 4, 16))
+              + "   prefill TOPS T=256/1024 " + " / ".join(f"{pre.get(t, 0):.2f}" for t in (256, 1024)))
 PY
 fi
 

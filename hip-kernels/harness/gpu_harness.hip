@@ -12,7 +12,9 @@
 //      streaming read bandwidth (a 16-byte-load read kernel), then decode exact batches B = 1..16
 //      on a layer of 384 Kimi-K2-sized experts (H 7168, F 2048, g32 bf16; ~9.5 GB, far larger
 //      than any L2) with uniform top-8 routing; achieved = weight bytes of the touched experts /
-//      time of the quantize + decode launches.
+//      time of the quantize + decode launches (and of the decode kernel alone); then (unless
+//      EM_GPU_DECODE_ONLY) decode accurate at B = 1, 4, 16 and prefill exact at 256 and 1024
+//      tokens (int8 TOPS, and weight bytes against the copy limit).
 // Writes OUT/gpu-check.json and prints PASS/FAIL lines; exit 0 iff every correctness check passed.
 //
 // Usage: gpu_harness VECTORS.emtv OUT_DIR
@@ -394,129 +396,222 @@ static Bandwidth measure_bandwidth(gpuEvent_t e0, gpuEvent_t e1) {
     return {best_copy, best_read};
 }
 
-// Times each batch twice: the whole batch (the activation quantization, which zeroes the
-// counters, and the decode launch, as the runtime issues them) and the decode kernel alone (from an event recorded after
-// the quantization, so launch gaps before the kernel still count).
-static std::string decode_bench(gpuEvent_t e0, gpuEvent_t e1, const Bandwidth& bw, double* worst_ratio) {
-    gpuEvent_t ek;
-    CHECK(gpuEventCreate(&ek));
-    const uint32_t E = 384, K = 8, H = 7168, F = 2048, MAXB = 16, ITERS = 20;
-    const size_t w13n = (size_t)2 * F * H / 2, w13s = (size_t)2 * F * (H / 32), w2n = (size_t)H * F / 2,
-                 w2s = (size_t)H * (F / 32);
-    const double expert_bytes = (double)(w13n + 2 * w13s + w2n + 2 * w2s);  // 24,772,608
-    uint8_t* nib13 = dalloc<uint8_t>(w13n * E);
-    uint16_t* sc13 = dalloc<uint16_t>(w13s * E);
-    uint8_t* nib2 = dalloc<uint8_t>(w2n * E);
-    uint16_t* sc2 = dalloc<uint16_t>(w2s * E);
-    em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)nib13, w13n * E / 4, 1, 0xFFFFFFFFu, 0);
-    em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)nib2, w2n * E / 4, 2, 0xFFFFFFFFu, 0);
-    // bf16 scales around 2^-9 .. 2^-8 (0x3B00..0x3B7F pairs).
-    em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)sc13, w13s * E / 2, 3, 0x007F007Fu, 0x3B003B00u);
-    em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)sc2, w2s * E / 2, 4, 0x007F007Fu, 0x3B003B00u);
-    std::vector<EmExpertPtrs> table(E);
-    for (uint32_t e = 0; e < E; ++e)
-        table[e] = EmExpertPtrs{nib13 + e * w13n, sc13 + e * w13s, nullptr, nib2 + e * w2n, sc2 + e * w2s, nullptr};
-    EmExpertPtrs* d_table = dupload(table);
-    float* x = dalloc<float>((size_t)MAXB * H);
-    em_fill_random<<<g_sms, 256>>>((uint32_t*)x, (size_t)MAXB * H, 5, 0x807FFFFFu, 0x3F000000u);  // ±[0.5, 1)
-    const uint32_t maxp = MAXB * K;
+// A layer of 384 Kimi-K2-sized experts in device memory and scratch for up to MAXT tokens,
+// with uniform top-8 routing drawn per batch (xorshift, the same sequence every run).
+struct KimiLayer {
+    static constexpr uint32_t E = 384, K = 8, H = 7168, F = 2048, MAXT = 1024;
+    size_t w13n = (size_t)2 * F * H / 2, w13s = (size_t)2 * F * (H / 32), w2n = (size_t)H * F / 2,
+           w2s = (size_t)H * (F / 32);
+    double expert_bytes = (double)(w13n + 2 * w13s + w2n + 2 * w2s);  // 24,772,608
+    std::vector<void*> allocs;
     EmFfnArgs a{};
-    a.experts = d_table;
-    a.groups = dalloc<EmGroup>(maxp);
-    a.pair_token = dalloc<uint32_t>(maxp);
-    a.pair_out = dalloc<uint32_t>(maxp);
-    a.x = x;
-    a.xq = dalloc<int8_t>((size_t)MAXB * H);
-    a.xd = dalloc<float>((size_t)MAXB * H / 32);
-    a.xqsum = dalloc<int32_t>((size_t)MAXB * H / 32);
-    a.hq = dalloc<int8_t>((size_t)maxp * F);
-    a.hd = dalloc<float>((size_t)maxp * F / 32);
-    a.hqsum = dalloc<int32_t>((size_t)maxp * F / 32);
-    a.hf = dalloc<float>((size_t)maxp * F);
-    a.y = dalloc<float>((size_t)maxp * H);
-    a.counters = dalloc<uint32_t>(EM_COUNTER_GROUP_BASE + maxp);
-    a.shape = EmShape{H, F, 0, 1};
-    a.first_phase = 1;
-    a.last_phase = 2;
-    a.spin_limit = 1u << 22;
-    const uint32_t grid_max = persistent_grid(em_decode_exact);
     uint64_t rng = 0x9E3779B97F4A7C15ull;
-    auto next = [&]() {
+    uint32_t groups = 0, pairs = 0, items = 0;
+
+    template <class T>
+    T* alloc(size_t n) {
+        T* p = dalloc<T>(n);
+        allocs.push_back((void*)p);
+        return p;
+    }
+    KimiLayer() {
+        uint8_t* nib13 = alloc<uint8_t>(w13n * E);
+        uint16_t* sc13 = alloc<uint16_t>(w13s * E);
+        uint8_t* nib2 = alloc<uint8_t>(w2n * E);
+        uint16_t* sc2 = alloc<uint16_t>(w2s * E);
+        em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)nib13, w13n * E / 4, 1, 0xFFFFFFFFu, 0);
+        em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)nib2, w2n * E / 4, 2, 0xFFFFFFFFu, 0);
+        // bf16 scales around 2^-9 .. 2^-8 (0x3B00..0x3B7F pairs).
+        em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)sc13, w13s * E / 2, 3, 0x007F007Fu, 0x3B003B00u);
+        em_fill_random<<<g_sms * 8, 256>>>((uint32_t*)sc2, w2s * E / 2, 4, 0x007F007Fu, 0x3B003B00u);
+        std::vector<EmExpertPtrs> table(E);
+        for (uint32_t e = 0; e < E; ++e)
+            table[e] =
+                EmExpertPtrs{nib13 + e * w13n, sc13 + e * w13s, nullptr, nib2 + e * w2n, sc2 + e * w2s, nullptr};
+        EmExpertPtrs* d_table = dupload(table);
+        allocs.push_back((void*)d_table);
+        float* x = alloc<float>((size_t)MAXT * H);
+        em_fill_random<<<g_sms, 256>>>((uint32_t*)x, (size_t)MAXT * H, 5, 0x807FFFFFu, 0x3F000000u);  // ±[0.5, 1)
+        const size_t maxp = (size_t)MAXT * K;
+        a.experts = d_table;
+        a.groups = alloc<EmGroup>(maxp);
+        a.pair_token = alloc<uint32_t>(maxp);
+        a.pair_out = alloc<uint32_t>(maxp);
+        a.x = x;
+        a.xq = alloc<int8_t>((size_t)MAXT * H);
+        a.xd = alloc<float>((size_t)MAXT * H / 32);
+        a.xqsum = alloc<int32_t>((size_t)MAXT * H / 32);
+        a.hq = alloc<int8_t>(maxp * F);
+        a.hd = alloc<float>(maxp * F / 32);
+        a.hqsum = alloc<int32_t>(maxp * F / 32);
+        a.hf = alloc<float>(maxp * F);
+        a.y = alloc<float>(maxp * H);
+        a.counters = alloc<uint32_t>(EM_COUNTER_GROUP_BASE + maxp);
+        a.prefill_items = alloc<uint32_t>(2 * (maxp / EM_PREFILL_TOKENS + E));
+        a.shape = EmShape{H, F, 0, 1};
+        a.first_phase = 1;
+        a.last_phase = 2;
+        a.spin_limit = 1u << 22;
+        CHECK(gpuDeviceSynchronize());
+    }
+    ~KimiLayer() {
+        for (void* p : allocs) (void)gpuFree(p);
+    }
+    uint64_t next() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         return rng;
-    };
+    }
+    // Routes T tokens (distinct top-K experts each) and uploads the work list: groups in expert
+    // order, pairs in group order, prefill items (group, first pair) per 16 pairs.
+    void route(uint32_t T) {
+        std::vector<std::vector<uint32_t>> chose(E);
+        for (uint32_t t = 0; t < T; ++t) {
+            uint32_t picked[K];
+            for (uint32_t k = 0; k < K;) {
+                const uint32_t e = (uint32_t)(next() % E);
+                bool dup = false;
+                for (uint32_t j = 0; j < k; ++j) dup |= picked[j] == e;
+                if (!dup) picked[k++] = e;
+            }
+            for (uint32_t k = 0; k < K; ++k) chose[picked[k]].push_back(t);
+        }
+        std::vector<EmGroup> g;
+        std::vector<uint32_t> ptok, pout, it;
+        for (uint32_t e = 0; e < E; ++e) {
+            if (chose[e].empty()) continue;
+            for (uint32_t c0 = 0; c0 < chose[e].size(); c0 += EM_PREFILL_TOKENS) {
+                it.push_back((uint32_t)g.size());
+                it.push_back(c0);
+            }
+            g.push_back({e, (uint32_t)ptok.size(), (uint32_t)chose[e].size(), 0});
+            for (uint32_t t : chose[e]) {
+                pout.push_back((uint32_t)ptok.size());
+                ptok.push_back(t);
+            }
+        }
+        CHECK(gpuMemcpy((void*)a.groups, g.data(), g.size() * sizeof(EmGroup), gpuMemcpyHostToDevice));
+        CHECK(gpuMemcpy((void*)a.pair_token, ptok.data(), ptok.size() * 4, gpuMemcpyHostToDevice));
+        CHECK(gpuMemcpy((void*)a.pair_out, pout.data(), pout.size() * 4, gpuMemcpyHostToDevice));
+        CHECK(gpuMemcpy((void*)a.prefill_items, it.data(), it.size() * 4, gpuMemcpyHostToDevice));
+        groups = (uint32_t)g.size();
+        pairs = (uint32_t)ptok.size();
+        items = (uint32_t)it.size() / 2;
+        a.num_groups = groups;
+        a.num_prefill_items = items;
+        CHECK(gpuDeviceSynchronize());
+    }
+    // Exact mode's quantization launch, which also zeroes the counters (as the runtime does).
+    void quantize(uint32_t T) {
+        run_quant(EmQuantArgs{a.x, (int8_t*)a.xq, (float*)a.xd, (int32_t*)a.xqsum, T, H, (uint32_t*)a.counters,
+                              EM_COUNTER_GROUP_BASE + groups, 0});
+    }
+};
+
+// Decode: each batch timed twice, the whole batch (exact: the activation quantization, which
+// zeroes the counters, and the decode launch, as the runtime issues them; accurate: the counter
+// reset and the decode launch) and the decode kernel alone (from an event recorded after the
+// launches before it, so launch gaps before the kernel still count). Achieved = weight bytes
+// of the touched experts / time.
+static std::string decode_rows(KimiLayer& L, bool exact, const std::vector<uint32_t>& batches, gpuEvent_t e0,
+                               gpuEvent_t e1, gpuEvent_t ek, const Bandwidth& bw, double* worst_ratio) {
+    const uint32_t ITERS = 20;
+    void (*k)(EmFfnArgs) = exact ? em_decode_exact : em_decode_accurate;
+    const uint32_t grid_max = persistent_grid(k);
+    const char* name = exact ? "decode_exact_kimi_k2" : "decode_accurate_kimi_k2";
+    printf("decode %s, Kimi-K2 experts (H %u, F %u, g32 bf16, %.1f MB each), %u experts, top-%u, %u iterations:\n",
+           exact ? "exact" : "accurate", L.H, L.F, L.expert_bytes / 1e6, L.E, L.K, ITERS);
     std::string json;
-    *worst_ratio = 1e9;
-    printf("decode exact, Kimi-K2 experts (H %u, F %u, g32 bf16, %.1f MB each), %u experts, top-%u, %u iterations:\n",
-           H, F, expert_bytes / 1e6, E, K, ITERS);
-    for (uint32_t B = 1; B <= MAXB; ++B) {
+    for (uint32_t B : batches) {
         double total_ms = 0, kernel_ms = 0, total_bytes = 0;
         uint32_t touched_sum = 0;
         for (uint32_t it = 0; it < ITERS; ++it) {
-            std::vector<std::vector<uint32_t>> chose(E);
-            for (uint32_t t = 0; t < B; ++t) {
-                uint32_t picked[K];
-                for (uint32_t k = 0; k < K;) {
-                    const uint32_t e = (uint32_t)(next() % E);
-                    bool dup = false;
-                    for (uint32_t j = 0; j < k; ++j) dup |= picked[j] == e;
-                    if (!dup) picked[k++] = e;
-                }
-                for (uint32_t k = 0; k < K; ++k) chose[picked[k]].push_back(t);
-            }
-            std::vector<EmGroup> groups;
-            std::vector<uint32_t> ptok, pout;
-            for (uint32_t e = 0; e < E; ++e) {
-                if (chose[e].empty()) continue;
-                groups.push_back({e, (uint32_t)ptok.size(), (uint32_t)chose[e].size(), 0});
-                for (uint32_t t : chose[e]) {
-                    pout.push_back((uint32_t)ptok.size());
-                    ptok.push_back(t);
-                }
-            }
-            CHECK(gpuMemcpy((void*)a.groups, groups.data(), groups.size() * sizeof(EmGroup), gpuMemcpyHostToDevice));
-            CHECK(gpuMemcpy((void*)a.pair_token, ptok.data(), ptok.size() * 4, gpuMemcpyHostToDevice));
-            CHECK(gpuMemcpy((void*)a.pair_out, pout.data(), pout.size() * 4, gpuMemcpyHostToDevice));
-            a.num_groups = (uint32_t)groups.size();
-            const uint32_t items = a.num_groups * (F / 32 + (H + 63) / 64);
+            L.route(B);
+            const uint32_t items = L.groups * (L.F / 32 + (L.H + 63) / 64);  // an upper bound
             const uint32_t grid = grid_max < items ? grid_max : items;
-            CHECK(gpuDeviceSynchronize());
             CHECK(gpuEventRecord(e0, 0));
-            // As the runtime does it: the quantization launch zeroes the counters.
-            run_quant(EmQuantArgs{a.x, (int8_t*)a.xq, (float*)a.xd, (int32_t*)a.xqsum, B, H, (uint32_t*)a.counters,
-                                  (uint32_t)(EM_COUNTER_GROUP_BASE + groups.size()), 0});
+            if (exact)
+                L.quantize(B);
+            else
+                CHECK(gpuMemset(L.a.counters, 0, (EM_COUNTER_GROUP_BASE + L.groups) * 4));
             CHECK(gpuEventRecord(ek, 0));
-            em_decode_exact<<<grid, EM_WG_THREADS>>>(a);
+            k<<<grid, EM_WG_THREADS>>>(L.a);
             CHECK(gpuEventRecord(e1, 0));
             total_ms += time_ms(e0, e1);
             kernel_ms += time_ms(ek, e1);
             CHECK(gpuGetLastError());
-            total_bytes += groups.size() * expert_bytes;
-            touched_sum += (uint32_t)groups.size();
+            total_bytes += L.groups * L.expert_bytes;
+            touched_sum += L.groups;
         }
         const double achieved = total_bytes / (total_ms * 1e-3) / 1e9;
         const double ratio = achieved / bw.copy_gbs, ratio_read = achieved / bw.read_gbs;
         const double kernel_ratio = total_bytes / (kernel_ms * 1e-3) / 1e9 / bw.copy_gbs;
-        *worst_ratio = ratio < *worst_ratio ? ratio : *worst_ratio;
+        if (exact) *worst_ratio = ratio < *worst_ratio ? ratio : *worst_ratio;
         printf("  B=%2u  experts/batch %6.1f  %8.1f us/batch  %8.1f GB/s  ratio vs copy %.3f  vs read %.3f  "
                "kernel alone %.3f\n",
                B, touched_sum / (double)ITERS, total_ms * 1e3 / ITERS, achieved, ratio, ratio_read, kernel_ratio);
         char buf[512];
         snprintf(buf, sizeof buf,
-                 "%s{\"name\": \"decode_exact_kimi_k2\", \"batch\": %u, \"achieved\": %.2f, \"limit\": %.2f, "
+                 "%s{\"name\": \"%s\", \"batch\": %u, \"achieved\": %.2f, \"limit\": %.2f, "
                  "\"unit\": \"GB/s\", \"ratio\": %.4f, \"read_limit\": %.2f, \"ratio_vs_read\": %.4f, "
                  "\"experts_per_batch\": %.2f, \"us_per_batch\": %.2f, \"us_kernel\": %.2f, "
                  "\"kernel_ratio\": %.4f}",
-                 json.empty() ? "" : ", ", B, achieved, bw.copy_gbs, ratio, bw.read_gbs, ratio_read,
+                 json.empty() ? "" : ", ", name, B, achieved, bw.copy_gbs, ratio, bw.read_gbs, ratio_read,
                  touched_sum / (double)ITERS, total_ms * 1e3 / ITERS, kernel_ms * 1e3 / ITERS, kernel_ratio);
         json += buf;
     }
-    (void)gpuFree(nib13);
-    (void)gpuFree(sc13);
-    (void)gpuFree(nib2);
-    (void)gpuFree(sc2);
+    return json;
+}
+
+// Prefill (exact): T tokens routed top-8, the quantization and the two prefill launches timed
+// together; reported as int8 TOPS (2 · pairs · 3 · H · F operations) and as weight bytes of the
+// touched experts against the copy limit.
+static std::string prefill_rows(KimiLayer& L, const std::vector<uint32_t>& tokens, gpuEvent_t e0, gpuEvent_t e1,
+                                const Bandwidth& bw) {
+    const uint32_t ITERS = 5;
+    printf("prefill exact, Kimi-K2 experts, top-%u, %u iterations:\n", L.K, ITERS);
+    std::string json;
+    const dim3 block(EM_PREFILL_WAVES * 32);
+    for (uint32_t T : tokens) {
+        double ms = 0, ops = 0, bytes = 0;
+        for (uint32_t it = 0; it < ITERS; ++it) {
+            L.route(T);
+            CHECK(gpuEventRecord(e0, 0));
+            L.quantize(T);
+            em_prefill_exact_w13<<<dim3(L.F / 32, L.items), block>>>(L.a);
+            em_prefill_exact_w2<<<dim3((L.H + 63) / 64, L.items), block>>>(L.a);
+            CHECK(gpuEventRecord(e1, 0));
+            ms += time_ms(e0, e1);
+            CHECK(gpuGetLastError());
+            ops += 2.0 * L.pairs * 3.0 * L.H * L.F;
+            bytes += L.groups * L.expert_bytes;
+        }
+        const double tops = ops / (ms * 1e-3) / 1e12, gbs = bytes / (ms * 1e-3) / 1e9;
+        printf("  T=%5u  %8.1f us/batch  %7.2f TOPS (int8)  weights %8.1f GB/s, ratio vs copy %.3f\n", T,
+               ms * 1e3 / ITERS, tops, gbs, gbs / bw.copy_gbs);
+        char buf[400];
+        snprintf(buf, sizeof buf,
+                 "%s{\"name\": \"prefill_exact_kimi_k2\", \"tokens\": %u, \"tops\": %.3f, \"weight_gbs\": %.2f, "
+                 "\"limit\": %.2f, \"ratio\": %.4f, \"us_per_batch\": %.2f}",
+                 json.empty() ? "" : ", ", T, tops, gbs, bw.copy_gbs, gbs / bw.copy_gbs, ms * 1e3 / ITERS);
+        json += buf;
+    }
+    return json;
+}
+
+static std::string decode_bench(gpuEvent_t e0, gpuEvent_t e1, const Bandwidth& bw, double* worst_ratio) {
+    gpuEvent_t ek;
+    CHECK(gpuEventCreate(&ek));
+    KimiLayer L;
+    *worst_ratio = 1e9;
+    std::vector<uint32_t> all;
+    for (uint32_t B = 1; B <= 16; ++B) all.push_back(B);
+    std::string json = decode_rows(L, true, all, e0, e1, ek, bw, worst_ratio);
+    if (!getenv("EM_GPU_DECODE_ONLY")) {
+        json += ", " + decode_rows(L, false, {1, 4, 16}, e0, e1, ek, bw, worst_ratio);
+        json += ", " + prefill_rows(L, {256, 1024}, e0, e1, bw);
+    }
     return json;
 }
 
