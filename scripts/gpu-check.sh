@@ -7,6 +7,9 @@
 #                                        Rust reference and copies HIP's NVIDIA headers from
 #                                        Debian's libamdhip64-dev into .hip-nvidia/; both folders
 #                                        are git-ignored and must travel to the GPU machine)
+#   scripts/nvcc-local.sh [-D...]       (on a dev machine without a GPU: compiles the harness
+#                                        with CUDA's compiler from PyPI and prints each kernel's
+#                                        registers and spills; run it before spending device time)
 #   scripts/gpu-check.sh [OUT_DIR]      (on the GPU machine: OUT_DIR defaults to $OUT, then
 #                                        .gpu-out; writes OUT_DIR/gpu-check.json and the log)
 #
