@@ -5,8 +5,8 @@
 // once. This kernel family does gate/up -> silu·mul -> down for every (expert, token list) of a
 // grouped batch in one persistent launch:
 //
-//   * Work items: phase 1 = (group, EM_PHASE1_TILES 64-row tiles of W13), then phase 2 = (group,
-//     tile of EM_PHASE2_TILE_ROWS rows of W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
+//   * Work items: phase 1 = (group, Phase1Tiles 64-row tiles of W13), then phase 2 = (group,
+//     tile of 32·Phase2Rows rows of W2), handed out in that order by an atomic counter. A workgroup that takes a phase-2 item of
 //     group g waits (bounded) until all phase-1 tiles of g are done. Since items are dispensed in
 //     order and phase-1 items never wait, every awaited tile belongs to a workgroup that is already
 //     running: no deadlock whatever the occupancy. `first_phase == last_phase` runs one phase per
@@ -64,7 +64,7 @@
 #define EM_PHASE2_ROWS_PER_TEAM EM_ROWS_PER_TEAM
 #endif
 #endif
-#define EM_PHASE2_TILE_ROWS (EM_TEAMS * EM_PHASE2_ROWS_PER_TEAM)
+
 // 64-row W13 tiles per phase-1 item (1 or 2): fewer items, each paying its staging and epilogue
 // once for more weights. 2 measured 15-21% faster than 1 on an H200; AMD targets keep 1 until
 // measured there (4 rows per team spilled VGPRs in phase 2, see EM_PHASE2_ROWS_PER_TEAM).
@@ -75,8 +75,29 @@
 #define EM_PHASE1_TILES 1
 #endif
 #endif
+// The item shapes above are exact mode's; accurate mode keeps one tile and two rows per team
+// unless these say otherwise (its f32 loop holds more registers: with exact mode's NVIDIA
+// shapes it spilled 776 bytes on sm_90, scripts/nvcc-local.sh).
+#ifndef EM_PHASE1_TILES_ACCURATE
+#define EM_PHASE1_TILES_ACCURATE 1
+#endif
+#ifndef EM_PHASE2_ROWS_PER_TEAM_ACCURATE
+#define EM_PHASE2_ROWS_PER_TEAM_ACCURATE EM_ROWS_PER_TEAM
+#endif
+#define EM_PHASE1_TILES_MAX \
+    (EM_PHASE1_TILES > EM_PHASE1_TILES_ACCURATE ? EM_PHASE1_TILES : EM_PHASE1_TILES_ACCURATE)
 
 namespace {
+
+// The work-item shapes of each mode (see EM_PHASE1_TILES and EM_PHASE2_ROWS_PER_TEAM).
+template <bool EXACT>
+struct Phase1Tiles {
+    static constexpr int value = EXACT ? EM_PHASE1_TILES : EM_PHASE1_TILES_ACCURATE;
+};
+template <bool EXACT>
+struct Phase2Rows {
+    static constexpr int value = EXACT ? EM_PHASE2_ROWS_PER_TEAM : EM_PHASE2_ROWS_PER_TEAM_ACCURATE;
+};
 
 // Activations in exact mode: codes [rows][cols], scales and code sums [rows][cols/32]. `rows[t]`
 // is the activation row of token slot t (input row in phase 1, pair index in phase 2).
@@ -163,8 +184,8 @@ __device__ void lane_pass(const EmMatView& m, const uint32_t* rows, uint32_t lan
 
 struct DecodeShared {
     uint32_t item;
-    float rows[EM_TILE_ROWS * EM_PHASE1_TILES][EM_DECODE_TOKENS];  // phase-1 row results of the item
-    float h[EM_DECODE_TOKENS][EM_BLOCK * EM_PHASE1_TILES];
+    float rows[EM_TILE_ROWS * EM_PHASE1_TILES_MAX][EM_DECODE_TOKENS];  // phase-1 row results of the item
+    float h[EM_DECODE_TOKENS][EM_BLOCK * EM_PHASE1_TILES_MAX];
 #if EM_STAGE_ACT
     // Exact mode: the pass's activation rows (x in phase 1, h in phase 2), copied once per pass so
     // the K loop reads them from LDS instead of waiting on L2 every block.
@@ -233,7 +254,7 @@ __device__ void exact_pass(DecodeShared& sh, const EmMatView& m, const uint32_t*
 template <bool EXACT>
 __device__ void phase1(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_t item_tile) {
     constexpr int TT = EM_DECODE_TOKENS;
-    constexpr int K = EM_PHASE1_TILES;
+    constexpr int K = Phase1Tiles<EXACT>::value;
     constexpr int R = EM_ROWS_PER_TEAM * K;
     const uint32_t tid = em_tid();
     const uint32_t team = tid / EM_LANES;
@@ -353,11 +374,11 @@ __device__ void phase2(const EmFfnArgs& a, DecodeShared& sh, uint32_t g, uint32_
     }
     const EmGroup grp = a.groups[g];
     const EmMatView m = em_view(a.shape, a.experts[grp.expert_slot], 1);
-    constexpr int R = EM_PHASE2_ROWS_PER_TEAM;
+    constexpr int R = Phase2Rows<EXACT>::value;
     uint32_t rows[R];
     bool valid[R];
     for (int r = 0; r < R; ++r) {
-        const uint32_t row = tile * EM_PHASE2_TILE_ROWS + team + EM_TEAMS * r;
+        const uint32_t row = tile * (EM_TEAMS * R) + team + EM_TEAMS * r;
         valid[r] = row < H;
         rows[r] = valid[r] ? row : H - 1;
     }
@@ -397,8 +418,9 @@ template <bool EXACT>
 __device__ void decode_main(const EmFfnArgs& a) {
     __shared__ DecodeShared sh;
     const uint32_t tid = em_tid();
-    const uint32_t per_group1 = (a.shape.inter / EM_BLOCK + EM_PHASE1_TILES - 1) / EM_PHASE1_TILES;
-    const uint32_t tiles2 = (a.shape.hidden + EM_PHASE2_TILE_ROWS - 1) / EM_PHASE2_TILE_ROWS;
+    constexpr uint32_t K = Phase1Tiles<EXACT>::value, rows2 = EM_TEAMS * Phase2Rows<EXACT>::value;
+    const uint32_t per_group1 = (a.shape.inter / EM_BLOCK + K - 1) / K;
+    const uint32_t tiles2 = (a.shape.hidden + rows2 - 1) / rows2;
     const uint32_t items1 = a.first_phase == 1 ? a.num_groups * per_group1 : 0;
     const uint32_t items2 = a.last_phase == 2 ? a.num_groups * tiles2 : 0;
     const bool wait = a.first_phase == 1 && a.last_phase == 2;
