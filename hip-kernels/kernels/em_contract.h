@@ -312,10 +312,15 @@ EM_HD em_u32x4 em_load_weights16(const uint8_t* p) {
 }
 #define EM_LOAD_WEIGHTS16(p) em_load_weights16(p)
 
+// The zero point of `group` from the byte holding its nibble (EM_DEFAULT_ZERO without zeros).
+EM_HD int32_t em_zero_in_byte(const EmMatView& m, uint32_t byte, uint32_t group) {
+    if (!m.zeros) return EM_DEFAULT_ZERO;
+    return (int32_t)((group & 1u) ? (byte >> 4) : (byte & 0x0Fu));
+}
+
 EM_HD int32_t em_zero_point(const EmMatView& m, uint32_t row, uint32_t group) {
     if (!m.zeros) return EM_DEFAULT_ZERO;
-    uint8_t byte = m.zeros[(uint64_t)row * m.zero_bytes_per_row + (group >> 1)];
-    return (group & 1u) ? (byte >> 4) : (byte & 0x0F);
+    return em_zero_in_byte(m, m.zeros[(uint64_t)row * m.zero_bytes_per_row + (group >> 1)], group);
 }
 
 // ---- the per-lane K loop ------------------------------------------------------------------------
@@ -353,12 +358,12 @@ EM_HD EmRowBlock em_load_row_block(const EmMatView& m, uint32_t row, uint32_t b)
     return rb;
 }
 
-// The scale and zero point of block `b` loaded in `rb` (em_scale_to_f32 and em_zero_point's rules).
+// The scale and zero point of block `b` loaded in `rb`.
 EM_HD EmRowTerms em_row_terms(const EmMatView& m, const EmRowBlock& rb, uint32_t b) {
     const uint32_t g = b >> m.group_shift;
     EmRowTerms t;
     t.s = em_scale_to_f32((uint16_t)rb.scale_bits, m.scale_is_bf16);
-    t.z = !m.zeros ? EM_DEFAULT_ZERO : (int32_t)((g & 1u) ? (rb.zero_byte >> 4) : (rb.zero_byte & 0x0Fu));
+    t.z = em_zero_in_byte(m, rb.zero_byte, g);
     return t;
 }
 
@@ -394,11 +399,6 @@ struct EmRowPipe {
 
 // Exact mode (contract §2–§3). Act must provide
 // `void load(int t, uint32_t b, uint32_t q[8], float* d, int32_t* qsum) const`.
-// With EM_ACT_PREFETCH the activations of the lane's next block are loaded with its weights, one
-// block ahead, so no iteration waits for an activation load (more registers per token).
-#ifndef EM_ACT_PREFETCH
-#define EM_ACT_PREFETCH 0
-#endif
 struct EmActBlock {
     uint32_t q[8];
     float d;
@@ -411,26 +411,12 @@ EM_HD void em_exact_lane_accumulate(const EmMatView& m, const uint32_t* rows, ui
     if (lane >= nblocks) return;
     EmRowPipe<R> pipe;
     pipe.start(m, rows, lane, nblocks);
-#if EM_ACT_PREFETCH
-    EmActBlock xa[T];
-    EM_UNROLL
-    for (int t = 0; t < T; ++t) act.load(t, lane, xa[t].q, &xa[t].d, &xa[t].qsum);
-#endif
     EM_NOUNROLL
     for (uint32_t b = lane; b < nblocks; b += EM_LANES) {
         pipe.issue(m, rows, b, nblocks);
         EmActBlock x[T];
-#if EM_ACT_PREFETCH
-        const uint32_t ba = b + EM_LANES < nblocks ? b + EM_LANES : b;
-        EM_UNROLL
-        for (int t = 0; t < T; ++t) {
-            x[t] = xa[t];
-            act.load(t, ba, xa[t].q, &xa[t].d, &xa[t].qsum);
-        }
-#else
         EM_UNROLL
         for (int t = 0; t < T; ++t) act.load(t, b, x[t].q, &x[t].d, &x[t].qsum);
-#endif
         EmRowTerms rt[R];
         EM_UNROLL
         for (int r = 0; r < R; ++r) rt[r] = em_row_terms(m, pipe.blk[0][r], b);

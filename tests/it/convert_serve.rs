@@ -616,18 +616,19 @@ fn refused_for_damage(fabric: &LocalFabric, out: &Path, shard: &Path, placement:
 }
 
 /// Worker `d`'s log says it copied an expert to a gaining device (its copy thread logs it
-/// just after the last chunk; looked for until it shows, at most 30 s).
+/// just after the last chunk; looked for until it shows).
 fn copied_one(fabric: &LocalFabric, d: usize) {
     let path = fabric.log_dir().join(format!("worker-{d}.log"));
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let log = std::fs::read_to_string(&path).unwrap_or_default();
-        if log.contains("expert copied to a gaining device") {
-            return;
-        }
-        assert!(std::time::Instant::now() < until, "worker {d}: {log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let copied = || {
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .contains("expert copied to a gaining device")
+    };
+    crate::support::wait_for(
+        &format!("worker {d} never logged a copy: {}", path.display()),
+        Duration::from_millis(50),
+        copied,
+    );
 }
 
 /// The device ids of `dep`'s topology, in rank order.
@@ -710,14 +711,7 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
     use expertmesh_topology::placement::Placement;
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
-    let third = "  { name = \"cpu2\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
-                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n";
-    let text = std::fs::read_to_string(topology())
-        .unwrap()
-        .replace("numa = 0 },\n]", &format!("numa = 0 }},\n{third}]"));
-    assert!(text.contains("cpu2"), "{text}");
-    let topo = dir.path().join("three.toml");
-    std::fs::write(&topo, text).unwrap();
+    let topo = crate::support::with_third_cpu(&topology(), &dir.path().join("three.toml"));
     let spec = TinySpec::for_model_type("qwen3_moe")
         .with_dtype(WeightFormat::Bf16)
         .with_files(1);

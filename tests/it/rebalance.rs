@@ -264,12 +264,11 @@ fn a_live_change_under_load_from_both_routers_has_no_failed_and_no_wrong_call() 
     // did not coordinate may take the last ones just after the answer).
     for (i, before) in holdings_before.into_iter().enumerate() {
         let router = fabric.router(i).unwrap();
-        let until = std::time::Instant::now() + Duration::from_secs(30);
-        while router.stats().holdings < before + 8 && std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let after = router.stats().holdings;
-        assert!(after >= before + 8, "router {i}: {before} -> {after}");
+        crate::support::wait_for(
+            &format!("router {i} never heard 8 announcements more than its {before}"),
+            Duration::from_millis(10),
+            || router.stats().holdings >= before + 8,
+        );
     }
 }
 
@@ -400,14 +399,10 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
     // A third device declared in the topology, holding nothing in the served placement.
-    let spare = "  { name = \"cpu2\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
-                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n";
-    let text = std::fs::read_to_string(root().join("examples/single-host-2routers.toml"))
-        .unwrap()
-        .replace("numa = 0 },\n]", &format!("numa = 0 }},\n{spare}]"));
-    assert!(text.contains("cpu2"), "{text}");
-    let topology = dir.path().join("topology.toml");
-    std::fs::write(&topology, text).unwrap();
+    let topology = crate::support::with_third_cpu(
+        &root().join("examples/single-host-2routers.toml"),
+        &dir.path().join("topology.toml"),
+    );
     let mut o: LocalFabricOptions = crate::support::demo_options(
         "single-host-2routers.toml",
         expertmesh_transport::mesh::LinkKind::Tcp,
@@ -423,14 +418,11 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
     let load = drive(addr, fabric.frontend_config(), cases, Arc::clone(&stop));
     let announced = fabric.router(0).unwrap().stats().holdings;
     fabric.restart_worker(2).unwrap();
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    while fabric.router(0).unwrap().stats().holdings == announced {
-        assert!(
-            std::time::Instant::now() < until,
-            "the joined worker never announced"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    crate::support::wait_for(
+        "the joined worker never announced",
+        Duration::from_millis(10),
+        || fabric.router(0).unwrap().stats().holdings != announced,
+    );
     let path = dir.path().join("three.toml");
     std::fs::write(
         &path,
@@ -480,14 +472,9 @@ fn a_router_restarted_during_a_change_routes_by_what_the_workers_hold() {
         .unwrap();
     // Router 0, the coordinator, restarts with its placement file (the old placement) once
     // the change is under way (the workers answered its survey).
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    while fabric.router(0).unwrap().stats().holdings < announced + 2 {
-        assert!(
-            std::time::Instant::now() < until,
-            "the change never started"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    crate::support::wait_for("the change never started", Duration::from_millis(1), || {
+        fabric.router(0).unwrap().stats().holdings >= announced + 2
+    });
     fabric.restart_router(0).unwrap();
     let o = change.wait_with_output().unwrap();
     let said = format!(

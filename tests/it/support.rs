@@ -2,7 +2,7 @@
 //! every test file that drives the binary as a user would; and the small helpers the fabric
 //! tests share (a client runtime, f32 bits for bit-for-bit comparisons).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -79,6 +79,30 @@ devices = [
   { name = "cpu0", kind = "cpu", arch = "cpu", threads = 1, expert_memory = "1 GiB", memory_bandwidth_gb_s = 20 },
 ]
 "#;
+
+/// Polls `done` every `poll` until it holds; panics naming `what` after two minutes. For what
+/// the fabric guarantees will happen (a log line written, an announcement heard), not a time
+/// budget: the bound only keeps a broken run from hanging, so a slow or busy machine passes.
+pub(crate) fn wait_for(what: &str, poll: std::time::Duration, mut done: impl FnMut() -> bool) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !done() {
+        assert!(std::time::Instant::now() < until, "{what}");
+        std::thread::sleep(poll);
+    }
+}
+
+/// `topology` with a third CPU device `cpu2` (256 MiB, one thread) after its last device,
+/// written to `out`.
+pub(crate) fn with_third_cpu(topology: &Path, out: &Path) -> PathBuf {
+    let third = "  { name = \"cpu2\", kind = \"cpu\", arch = \"cpu\", threads = 1, \
+                 expert_memory = \"256 MiB\", memory_bandwidth_gb_s = 20, numa = 0 },\n";
+    let text = std::fs::read_to_string(topology)
+        .unwrap()
+        .replace("numa = 0 },\n]", &format!("numa = 0 }},\n{third}]"));
+    assert!(text.contains("cpu2"), "{text}");
+    std::fs::write(out, text).unwrap();
+    out.to_path_buf()
+}
 
 /// Say something on the real stderr (the harness captures `eprintln!`): a skip or a "ran: ..."
 /// line then shows in every run, never as a silent pass.
