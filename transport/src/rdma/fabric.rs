@@ -20,7 +20,7 @@ use super::wire::{FabricEndpoint, decode_fabric_endpoint};
 use expertmesh_quant::aligned::AlignedVec;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::net::IpAddr;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// `-FI_EAGAIN`.
 const FI_EAGAIN: isize = -11;
@@ -71,6 +71,7 @@ unsafe extern "C" {
         err: *mut c_char,
         errlen: usize,
     ) -> isize;
+    fn em_fab_quiesce(h: *mut EmFab, idle_ms: u32, max_ms: u32) -> usize;
     fn em_fab_close(h: *mut EmFab);
     fn fi_strerror(errnum: c_int) -> *const c_char;
 }
@@ -168,11 +169,56 @@ impl FabricNic {
     }
 }
 
+/// How long a closing endpoint keeps driving progress with nothing arriving before it closes.
+const QUIESCE_IDLE_MS: u32 = 20;
+/// The most a closing endpoint waits to be quiescent.
+const QUIESCE_MAX_MS: u32 = 250;
+
+/// Closes an endpoint quiescent: progress is driven until nothing has arrived for
+/// [`QUIESCE_IDLE_MS`] (at most [`QUIESCE_MAX_MS`]), then the endpoint is closed and the rings
+/// it registered are freed, in that order. Runs on its own thread (see [`FabricNic`]'s `Drop`).
+fn close_quiescent(h: Handle, rings: [AlignedVec<u8>; 2]) {
+    // SAFETY: a live handle, used by this thread only from now on; it is closed once, before
+    // the rings it registered (moved here with it) are freed.
+    unsafe {
+        em_fab_quiesce(h.0, QUIESCE_IDLE_MS, QUIESCE_MAX_MS);
+        em_fab_close(h.0);
+    }
+    drop(rings);
+}
+
 impl Drop for FabricNic {
+    /// The link is gone (its poller and writer dropped their references); its peer learns that
+    /// from the control connection and stops writing. Closing at once could meet the peer's last
+    /// writes half-read, which libfabric 1.17's `ofi_rxm` mishandles on close (a segmentation
+    /// fault in `rxm_close_conn`, seen in CI), so the endpoint is first drained until quiet, on a
+    /// thread of its own: a drop in an async task must not block its runtime for that long.
     fn drop(&mut self) {
-        let h = self.lock().0;
-        // SAFETY: the handle is closed once, before the rings it registered are freed.
-        unsafe { em_fab_close(h) };
+        let h = Handle(std::mem::replace(&mut self.lock().0, std::ptr::null_mut()));
+        let rings = [
+            std::mem::replace(&mut self.recv, AlignedVec::zeroed(0)),
+            std::mem::replace(&mut self._staging, AlignedVec::zeroed(0)),
+        ];
+        // The job is taken by the thread, or here when no thread can be started (never both).
+        let job = Arc::new(Mutex::new(Some((h, rings))));
+        let for_thread = Arc::clone(&job);
+        let spawned = std::thread::Builder::new()
+            .name("rdma-fab-close".into())
+            .spawn(move || {
+                let taken = for_thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some((h, rings)) = taken {
+                    close_quiescent(h, rings);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(
+                "cannot spawn a thread to close a libfabric endpoint ({e}): closing it here"
+            );
+            let taken = job.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some((h, rings)) = taken {
+                close_quiescent(h, rings);
+            }
+        }
     }
 }
 

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EM_FAB_CTXS 512 /* >= the link's writes in flight (SEND_WRS) and receives (RECV_WRS) */
 
@@ -175,6 +176,43 @@ int em_fab_needs_receives(struct em_fab *h) { return (h->info->mode & FI_RX_CQ_D
 ssize_t em_fab_post_recv(struct em_fab *h) {
     unsigned slot = h->next_recv++ % EM_FAB_CTXS;
     return fi_recv(h->ep, NULL, 0, NULL, FI_ADDR_UNSPEC, &h->recv_ctx[slot]);
+}
+
+/* Drives the endpoint's progress, discarding completions, until none has come for `idle_ms`
+ * or `max_ms` have passed: called before em_fab_close so that the endpoint is closed quiescent
+ * (what the peer sent has been read whole, this end's writes have completed). libfabric 1.17's
+ * ofi_rxm flushes each connection's message queue when the endpoint closes and has been seen to
+ * dereference a bad operation context there (rxm_close_conn -> rxm_handle_comp_error, SIGSEGV)
+ * when the close met traffic in flight. Returns the completions discarded. */
+size_t em_fab_quiesce(struct em_fab *h, unsigned idle_ms, unsigned max_ms) {
+    struct fi_cq_data_entry e[32];
+    struct timespec start, last, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    last = start;
+    size_t discarded = 0;
+    for (;;) {
+        ssize_t n = fi_cq_read(h->cq, e, 32);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (n > 0) {
+            discarded += (size_t)n;
+            last = now;
+        } else if (n == -FI_EAVAIL) {
+            struct fi_cq_err_entry ce;
+            memset(&ce, 0, sizeof ce);
+            if (fi_cq_readerr(h->cq, &ce, 0) < 0) break;
+            last = now;
+        } else if (n != -FI_EAGAIN) {
+            break;
+        }
+        long since_start = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+        long since_last = (now.tv_sec - last.tv_sec) * 1000 + (now.tv_nsec - last.tv_nsec) / 1000000;
+        if (since_start >= (long)max_ms || since_last >= (long)idle_ms) break;
+        if (n <= 0) {
+            struct timespec pause = {0, 100000}; /* 100 us */
+            nanosleep(&pause, NULL);
+        }
+    }
+    return discarded;
 }
 
 /* Reads at most `max` completions: kind[i] = 0 (a write completed; value = its wr_id), 1 (a

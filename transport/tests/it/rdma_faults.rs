@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 const MAX_FRAME: usize = 64 << 10;
 /// How long a run may take before it is called a hang: a guard, not a budget (a survived run
-/// ends at its last frame, a failed one 2 s after the last frame), generous for a busy machine.
+/// ends at its last frame, a failed one 2 s after its failure is reported and its last frame
+/// came), generous for a busy machine.
 const T: Duration = Duration::from_secs(60);
 
 /// Ranks 0 (receiver) and 1 (sender) linked by the in-process NIC with the given faults; `ring`
@@ -27,6 +28,7 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
     let addrs = free_addrs(2);
     let mut meshes = Vec::new();
     let mut events = Vec::new();
+    let receiver_faults = receiver.clone();
     for (rank, faults) in [(0u32, receiver), (1, sender)] {
         let mut c = MeshConfig::new("rdma-faults", rank, peers(&addrs, LinkKind::Rdma));
         c.protocol.codec = CodecConfig {
@@ -34,10 +36,8 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
             payload_checksum: true,
         };
         c.protocol.handshake_timeout = Duration::from_secs(2);
-        // A write that can never land (no receive posted: verbs retries it forever) ends the
-        // link only by the protocol's idle timeout.
         c.protocol.heartbeat_interval = Duration::from_millis(200);
-        c.protocol.idle_timeout = Duration::from_secs(1);
+        c.protocol.idle_timeout = idle_timeout(&receiver_faults);
         c.reconnect_initial = Duration::from_millis(5);
         c.reconnect_max = Duration::from_millis(50);
         c.shm.ring_bytes = ring;
@@ -49,6 +49,18 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
     meshes[1].wait_connected(&[0], T).await.unwrap();
     assert_eq!(meshes[1].link_kind(0), Some(LinkKind::Rdma));
     (meshes, events)
+}
+
+/// The protocol's idle timeout for a pair whose receiver has `faults`. A write that can never
+/// land (no receive posted: verbs retries it forever) ends the link only by the idle timeout, so
+/// that test uses a short one; every other test uses a long one, because a heartbeat delayed past
+/// a short timeout on a busy machine would end a link the test expects to survive.
+fn idle_timeout(faults: &SimFaults) -> Duration {
+    if faults.no_receives {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_secs(30)
+    }
 }
 
 /// Frame `id`: a result whose payload size varies with the id (so records of many sizes wrap
@@ -107,7 +119,7 @@ async fn run_frames(
     make: fn(u64) -> OutFrame,
 ) -> (Vec<u64>, Vec<String>, usize) {
     let m1 = meshes[1].clone();
-    let sender = tokio::spawn(async move {
+    let mut sender = tokio::spawn(async move {
         let mut errors = Vec::new();
         for id in 0..n {
             if let Err(e) = m1.send(0, &make(id)).await {
@@ -119,6 +131,7 @@ async fn run_frames(
     });
     let mut got = Vec::new();
     let mut lost = 0;
+    let mut errors: Option<Vec<String>> = None;
     let t0 = Instant::now();
     let mut idle_since = Instant::now();
     while t0.elapsed() < T {
@@ -140,24 +153,41 @@ async fn run_frames(
             Ok(Some(TransportEvent::PeerLost(_))) => lost += 1,
             Ok(Some(_)) => {}
             Ok(None) => break,
-            // The sender is done and nothing came for 2 s: what was lost with a failed link
-            // will not come (a survived run ends at its last frame, above).
-            Err(_) if sender.is_finished() && idle_since.elapsed() > Duration::from_secs(2) => {
-                break;
+            Err(_) => {
+                lost += count_lost(&mut events[1]);
+                if errors.is_none() && sender.is_finished() {
+                    errors = Some((&mut sender).await.unwrap());
+                }
+                // A failure was reported and nothing came for 2 s since: what was lost with
+                // the link will not come. Without a reported failure the run waits for its
+                // last frame (however slow the machine), up to the hang guard `T`.
+                let failed = lost > 0 || errors.as_ref().is_some_and(|e| !e.is_empty());
+                if failed && idle_since.elapsed() > Duration::from_secs(2) {
+                    break;
+                }
             }
-            Err(_) => {}
         }
     }
-    while let Some(ev) = events[1].try_recv() {
+    lost += count_lost(&mut events[1]);
+    let errors = match errors {
+        Some(errors) => errors,
+        None => tokio::time::timeout(T, sender)
+            .await
+            .expect("the sender never hangs")
+            .unwrap(),
+    };
+    (got, errors, lost)
+}
+
+/// Links reported lost among the events waiting on `events`.
+fn count_lost(events: &mut MeshEvents) -> usize {
+    let mut lost = 0;
+    while let Some(ev) = events.try_recv() {
         if matches!(ev, TransportEvent::PeerLost(_)) {
             lost += 1;
         }
     }
-    let errors = tokio::time::timeout(T, sender)
-        .await
-        .expect("the sender never hangs")
-        .unwrap();
-    (got, errors, lost)
+    lost
 }
 
 async fn survived(receiver: SimFaults, sender: SimFaults, ring: usize) {
