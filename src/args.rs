@@ -207,15 +207,22 @@ pub(crate) struct RouterArgs {
     /// none in flight (0: never).
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs())]
     pub(crate) frontend_idle_timeout_s: u64,
+    /// Frontend names whose connections may change the placement (`expertmesh rebalance`,
+    /// `drain`); others are refused with NotPermitted. Checked where frontends are
+    /// authenticated (credentials); issue the credential with `expertmesh keys issue --frontend
+    /// admin`. Without credentials every connection may.
+    #[arg(long, value_delimiter = ',', default_value = expertmesh_transport::frontend::DEFAULT_PLACEMENT_ADMIN)]
+    pub(crate) placement_admins: Vec<String>,
 }
 
 impl RouterArgs {
-    /// `--max-connections-per-frontend` and `--frontend-idle-timeout-s`.
+    /// `--max-connections-per-frontend`, `--frontend-idle-timeout-s` and `--placement-admins`.
     pub(crate) fn frontend_limits(&self) -> expertmesh_fabric::local::FrontendLimits {
         expertmesh_fabric::local::FrontendLimits {
             max_connections_per_frontend: self.max_connections_per_frontend,
             idle_timeout: (self.frontend_idle_timeout_s > 0)
                 .then(|| Duration::from_secs(self.frontend_idle_timeout_s)),
+            placement_admins: self.placement_admins.clone(),
         }
     }
 

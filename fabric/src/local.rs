@@ -73,14 +73,17 @@ pub struct LocalFabricOptions {
 }
 
 /// Limits on a router's frontend connections (`--max-connections-per-frontend`,
-/// `--frontend-idle-timeout-s`): how many one frontend name may hold open, and how long one
-/// may sit idle (no request, none in flight) before the router closes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `--frontend-idle-timeout-s`, `--placement-admins`): how many one frontend name may hold
+/// open, how long one may sit idle (no request, none in flight) before the router closes it,
+/// and which frontends may change the placement.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendLimits {
     /// Most connections per frontend name (0: no limit).
     pub max_connections_per_frontend: u32,
     /// Idle time after which a connection is closed (`None`: never).
     pub idle_timeout: Option<Duration>,
+    /// Frontend names that may change the placement (`--placement-admins`).
+    pub placement_admins: Vec<String>,
 }
 
 impl Default for FrontendLimits {
@@ -89,6 +92,9 @@ impl Default for FrontendLimits {
             max_connections_per_frontend:
                 expertmesh_transport::frontend::DEFAULT_MAX_CONNECTIONS_PER_FRONTEND,
             idle_timeout: Some(expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT),
+            placement_admins: vec![
+                expertmesh_transport::frontend::DEFAULT_PLACEMENT_ADMIN.to_owned(),
+            ],
         }
     }
 }
@@ -98,6 +104,7 @@ impl FrontendLimits {
     pub fn apply(&self, f: &mut FrontendConfig) {
         f.max_connections_per_frontend = self.max_connections_per_frontend;
         f.idle_timeout = self.idle_timeout;
+        f.placement_admins.clone_from(&self.placement_admins);
     }
 }
 

@@ -49,6 +49,7 @@ from ._errors import (
     Error,
     InternalError,
     NotFound,
+    NotPermitted,
     Overloaded,
     ProtocolError,
     RouterError,

@@ -20,7 +20,8 @@ anything is sent (shape, dtype, layout) raises the builtin :class:`ValueError` o
     │   ├── DeviceDown           7  PeerUnavailable: a device the request needs is down
     │   ├── AuthFailed           8  AuthFailed: wrong or missing secret
     │   ├── NotFound             9  NotFound: no such MoE layer (a dense layer, past the end)
-    │   └── ShuttingDown        10  ShuttingDown: the router is stopping
+    │   ├── ShuttingDown        10  ShuttingDown: the router is stopping
+    │   └── NotPermitted        11  NotPermitted: this frontend may not do that (placement changes)
     ├── ConnectionFailed         the connection could not be made or broke (also ConnectionError)
     └── ProtocolError            the router answered something that is not an answer
 """
@@ -42,6 +43,7 @@ __all__ = [
     "AuthFailed",
     "NotFound",
     "ShuttingDown",
+    "NotPermitted",
     "ConnectionFailed",
     "ProtocolError",
 ]
@@ -156,6 +158,14 @@ class ShuttingDown(RouterError):
     code_name = "ShuttingDown"
 
 
+class NotPermitted(RouterError, PermissionError):
+    """Code 11 (NotPermitted): the frontend is authenticated but may not do this; a placement
+    change from a frontend that is not one of the router's ``--placement-admins``."""
+
+    code = 11
+    code_name = "NotPermitted"
+
+
 class ConnectionFailed(Error, ConnectionError):
     """The connection to the router could not be made (nothing listens, wrong cluster name, not
     the router's frontend port) or broke; every request in flight on it fails with this error,
@@ -181,6 +191,7 @@ for _cls in (
     AuthFailed,
     NotFound,
     ShuttingDown,
+    NotPermitted,
     ConnectionFailed,
     ProtocolError,
 ):
@@ -200,6 +211,7 @@ _BY_CODE: Dict[int, Type[RouterError]] = {
         AuthFailed,
         NotFound,
         ShuttingDown,
+        NotPermitted,
     )
 }
 _CODE_NAMES: Dict[int, str] = {c: cls.code_name for c, cls in _BY_CODE.items()}  # type: ignore[misc]

@@ -453,7 +453,7 @@ def test_every_router_error_code_has_its_exception():
         1: expertmesh.InternalError, 2: expertmesh.BadFrame, 3: expertmesh.Unsupported,
         4: expertmesh.BadRequest, 5: expertmesh.Overloaded, 6: expertmesh.DeadlineExceeded,
         7: expertmesh.DeviceDown, 8: expertmesh.AuthFailed, 9: expertmesh.NotFound,
-        10: expertmesh.ShuttingDown,
+        10: expertmesh.ShuttingDown, 11: expertmesh.NotPermitted,
     }
     for code, cls in want.items():
         e = _from_native("server", code, 17, "why", f"router refused request 17: why ({code})")

@@ -87,6 +87,7 @@ pub fn code_label(code: ErrorCode) -> String {
         ErrorCode::AuthFailed => "auth_failed",
         ErrorCode::NotFound => "not_found",
         ErrorCode::ShuttingDown => "shutting_down",
+        ErrorCode::NotPermitted => "not_permitted",
         other => return format!("code_{}", other.to_u16()),
     };
     name.to_owned()

@@ -213,6 +213,7 @@ impl RouterService {
                 max_outstanding: cfg.max_outstanding_per_client.max(1),
                 admission: Arc::clone(&admission),
                 idle_timeout: cfg.frontend.idle_timeout,
+                frontend: Arc::new(cfg.frontend.clone()),
             },
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
@@ -549,6 +550,9 @@ struct FrontendConn {
     /// Close the connection once it has had nothing in flight and sent no request for this
     /// long ([`FrontendConfig::idle_timeout`]).
     idle_timeout: Option<Duration>,
+    /// The listener's settings: who may change the placement
+    /// ([`FrontendConfig::may_change_placement`]).
+    frontend: Arc<FrontendConfig>,
 }
 
 impl FrontendConn {
@@ -656,6 +660,13 @@ impl FrontendConn {
             }
             let taken = match self.take(head).await {
                 Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
+                Take::Placement(p, head)
+                    if !self.frontend.may_change_placement(reader.frontend()) =>
+                {
+                    let (code, message) = self.placement_refused(reader.frontend(), peer);
+                    reply(p.request_id, code, message);
+                    reader.skip_payload(head).await.map(|()| None)
+                }
                 Take::Placement(p, head) => {
                     match self.read_placement(&mut reader, &p, head).await {
                         Ok(Ok(apply)) => {
@@ -803,6 +814,32 @@ impl FrontendConn {
 }
 
 impl FrontendConn {
+    /// The answer to a placement change from frontend `name`, which may not make one: logged,
+    /// and the connection goes on serving its layer calls.
+    fn placement_refused(&self, name: &str, peer: SocketAddr) -> (ErrorCode, String) {
+        tracing::warn!(
+            %peer,
+            frontend = name,
+            "placement change refused: the frontend is not a placement admin"
+        );
+        let who = if name.is_empty() {
+            "a frontend without a name".to_owned()
+        } else {
+            format!("frontend {name:?}")
+        };
+        let message = format!(
+            "{who} may not change the placement: this router takes placement changes only from \
+             the frontends named by its --placement-admins ({}); issue one's credential with \
+             `expertmesh keys issue --frontend NAME` and pass it to rebalance/drain \
+             --credentials",
+            match self.frontend.placement_admins.join(", ") {
+                admins if admins.is_empty() => "none".to_owned(),
+                admins => admins,
+            }
+        );
+        (ErrorCode::NotPermitted, message)
+    }
+
     /// Reads the entries of a frontend's placement to apply. `Ok(Err)`: a bad placement frame
     /// (answered, the connection goes on); `Err`: the connection broke.
     async fn read_placement(

@@ -17,6 +17,7 @@
 //! Each test starts its own fabric (`expertmesh up` as a child process, on a topology written
 //! with a unique cluster name and free ports), with credentials, in exact mode.
 
+use expertmesh_router::client::placement::{ApplyError, apply_placement};
 use expertmesh_transport::codec::{
     self, Body, CodecConfig, FORMAT_VERSION, HEADER_LEN, Hello, LayerRequest,
 };
@@ -1263,4 +1264,108 @@ fn a_plain_client_reconnects_after_the_router_closed_it_for_idleness() {
             .unwrap_or_else(|e| panic!("call after {round} idle closes: {e}"));
         assert_eq!(crate::support::bits(&again), crate::support::bits(&first));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placement changes.
+
+/// Only a placement admin moves experts (issue 29): a serving frontend's placement change is
+/// refused with NotPermitted, naming who may, and changes nothing; its connection goes on
+/// serving. The frontend named "admin" (`keys issue --frontend admin`, the router's default
+/// `--placement-admins`) applies the same change through `expertmesh rebalance`, and the fabric
+/// serves bit for bit as before it.
+#[test]
+fn only_a_placement_admin_changes_the_placement() {
+    let _machine = crate::support::shared();
+    let mut f = Fabric::start("placement-admin");
+    let rt = rt();
+    let x = hidden_states(3, 17);
+    let before = rt.block_on(honest_call(&f, 2, &x)).expect("honest call");
+
+    // A serving frontend on an open connection: refused, then served on the same connection.
+    let mut conn = rt
+        .block_on(FrameConnection::connect(f.topo.frontend, &f.frontend()))
+        .expect("honest frontend connects");
+    let refused = rt.block_on(apply_placement(
+        &mut conn,
+        7,
+        &[(1, 1, 0)],
+        Duration::from_secs(10),
+    ));
+    match refused {
+        Err(ApplyError::NotPermitted(m)) => assert!(
+            m.contains("\"fe-honest\"") && m.contains("--placement-admins (admin)"),
+            "{m}"
+        ),
+        other => panic!("a serving frontend's placement change: {other:?}"),
+    }
+    assert_eq!(
+        rt.block_on(call(&mut conn, 8, 2, &x)),
+        Ok(before.clone()),
+        "the refused frontend's connection goes on serving"
+    );
+
+    // The same through the CLI: the honest frontend's credential, then the admin's.
+    let dir = f.topo.dir.path().to_owned();
+    let swapped = dir.join("swapped.toml");
+    let original = std::fs::read_to_string(&f.topo.placement).expect("placement");
+    std::fs::write(
+        &swapped,
+        original
+            .replace("experts = \"0-19\"", "experts = \"12-31\"")
+            .replace("experts = \"16-31,0-3\"", "experts = \"0-15\""),
+    )
+    .expect("write the swapped placement");
+    let (router, topology) = (f.topo.frontend.to_string(), f.topo.topology.clone());
+    let rebalance = |credentials: &Path| {
+        let p = |p: &Path| p.to_str().expect("UTF-8 temp path").to_owned();
+        crate::support::run(&[
+            "rebalance",
+            "--router",
+            &router,
+            "--topology",
+            &p(&topology),
+            "--model",
+            "demo-small",
+            "--placement",
+            &p(&swapped),
+            "--credentials",
+            &p(credentials),
+            "--timeout-s",
+            "60",
+        ])
+    };
+    let r = rebalance(&dir.join("frontend.cred"));
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("may not change the placement")
+            && r.stderr.contains("keys issue --frontend"),
+        "{}",
+        r.stderr
+    );
+    f.assert_alive();
+
+    let admin = dir.join("admin.cred");
+    let issued = crate::support::run(&[
+        "keys",
+        "issue",
+        "--key",
+        f.creds.master.to_str().expect("UTF-8 temp path"),
+        "--topology",
+        f.topo.topology.to_str().expect("UTF-8 temp path"),
+        "--frontend",
+        "admin",
+        "--out",
+        admin.to_str().expect("UTF-8 temp path"),
+    ]);
+    assert_eq!(issued.code, 0, "{}{}", issued.stdout, issued.stderr);
+    let r = rebalance(&admin);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("is served at version"), "{}", r.stdout);
+    f.assert_alive();
+    assert_eq!(
+        rt.block_on(honest_call(&f, 2, &x)),
+        Ok(before),
+        "served bit for bit after the change"
+    );
 }

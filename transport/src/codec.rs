@@ -540,6 +540,9 @@ pub enum ErrorCode {
     NotFound,
     /// The receiver is shutting down.
     ShuttingDown,
+    /// The sender is authenticated but may not do this (a placement change from a frontend
+    /// that is not one of the router's placement admins).
+    NotPermitted,
     /// A code this build does not know, preserved.
     Other(u16),
 }
@@ -558,6 +561,7 @@ impl ErrorCode {
             Self::AuthFailed => 8,
             Self::NotFound => 9,
             Self::ShuttingDown => 10,
+            Self::NotPermitted => 11,
             Self::Other(v) => v,
         }
     }
@@ -575,6 +579,7 @@ impl ErrorCode {
             8 => Self::AuthFailed,
             9 => Self::NotFound,
             10 => Self::ShuttingDown,
+            11 => Self::NotPermitted,
             other => Self::Other(other),
         }
     }

@@ -72,7 +72,14 @@ pub struct FrontendConfig {
     /// Server side: a connection with no request in flight that has neither sent a request
     /// nor had one answered for this long is closed (`None`: never). Heartbeats do not count.
     pub idle_timeout: Option<Duration>,
+    /// Server side: the frontend names whose connections may change the placement of a running
+    /// fabric (`expertmesh rebalance` and `drain`), see [`FrontendConfig::may_change_placement`].
+    pub placement_admins: Vec<String>,
 }
+
+/// Default [`FrontendConfig::placement_admins`]: the frontend named "admin" (`expertmesh keys
+/// issue --frontend admin` issues its credential).
+pub const DEFAULT_PLACEMENT_ADMIN: &str = "admin";
 
 /// Default [`FrontendConfig::memory_budget`]: 8 GiB.
 pub const DEFAULT_FRONTEND_MEMORY_BUDGET: u64 = 8 << 30;
@@ -166,7 +173,8 @@ impl FrontendGate {
 impl FrontendConfig {
     /// Defaults for `cluster`: no credentials, 64 MiB frames, 5 s handshake, 8 handshakes per
     /// source address and 64 in all, an 8 GiB connection memory budget, 32 connections per
-    /// frontend name, idle connections closed after 5 minutes.
+    /// frontend name, idle connections closed after 5 minutes, placement changes from frontend
+    /// "admin" only (where frontends are authenticated).
     pub fn new(cluster: impl Into<String>) -> Self {
         Self {
             cluster: cluster.into(),
@@ -183,7 +191,19 @@ impl FrontendConfig {
             per_frontend: FrontendConnections::default(),
             max_connections_per_frontend: DEFAULT_MAX_CONNECTIONS_PER_FRONTEND,
             idle_timeout: Some(DEFAULT_FRONTEND_IDLE_TIMEOUT),
+            placement_admins: vec![DEFAULT_PLACEMENT_ADMIN.to_owned()],
         }
+    }
+
+    /// Server side: whether the connection of frontend `name` (the name this server's handshake
+    /// authenticated) may change the placement. With credentials only the frontends named in
+    /// [`FrontendConfig::placement_admins`] may: serving frontends cannot move experts. Without
+    /// credentials nothing is authenticated (loopback, or `--insecure`, where anyone who reaches
+    /// the ports can also join the mesh), so every connection may. With the legacy shared secret
+    /// the name is checked but only claimed (any holder can claim any name, as its start-up
+    /// warning says).
+    pub fn may_change_placement(&self, name: &str) -> bool {
+        self.credentials.is_none() || self.placement_admins.iter().any(|a| a == name)
     }
 
     /// What one authenticated connection reserves from the memory budget: two maximum-size
@@ -861,5 +881,37 @@ impl FrameWriter {
             message,
         });
         self.write_frame(&body, &[]).await
+    }
+}
+
+#[cfg(test)]
+mod placement_admin_tests {
+    use super::*;
+    use crate::crypto::Key;
+
+    /// Who may change the placement: with credentials only the named admins (none when the
+    /// list is empty), without credentials everyone (nothing is authenticated there).
+    #[test]
+    fn only_named_admins_change_the_placement_where_frontends_are_authenticated() {
+        let mut cfg = FrontendConfig::new("c");
+        for name in ["", "admin", "fe-1"] {
+            assert!(
+                cfg.may_change_placement(name),
+                "no credentials: {name:?} may"
+            );
+        }
+        let master = Key::from_bytes([7; crate::crypto::KEY_BYTES]);
+        cfg.credentials = Some(Arc::new(Credentials::issue_frontend(
+            &master, "c", "router", 1,
+        )));
+        assert!(cfg.may_change_placement(DEFAULT_PLACEMENT_ADMIN));
+        for name in ["", "fe-1", "Admin", "admin "] {
+            assert!(!cfg.may_change_placement(name), "{name:?} may not");
+        }
+        cfg.placement_admins = vec!["ops".into(), "fe-1".into()];
+        assert!(cfg.may_change_placement("fe-1") && cfg.may_change_placement("ops"));
+        assert!(!cfg.may_change_placement("admin"));
+        cfg.placement_admins.clear();
+        assert!(!cfg.may_change_placement("admin") && !cfg.may_change_placement(""));
     }
 }

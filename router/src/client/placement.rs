@@ -4,7 +4,9 @@
 //! Why this exists: `expertmesh rebalance` and the rebalance bench send the same request and
 //! read the same answer; the frame details live here once.
 
-use expertmesh_transport::codec::{Body, Placement, PlacementOp, encode_placement_entries};
+use expertmesh_transport::codec::{
+    Body, ErrorCode, Placement, PlacementOp, encode_placement_entries,
+};
 use expertmesh_transport::frontend::{FrameConnection, FrontendError};
 use std::time::Duration;
 
@@ -41,6 +43,10 @@ pub enum ApplyError {
     /// serves (the old placement, or which devices did not confirm).
     #[error("{0}")]
     Refused(String),
+    /// This frontend may not change the placement (it is not one of the router's placement
+    /// admins, `router --placement-admins`); nothing was changed.
+    #[error("{0}")]
+    NotPermitted(String),
     /// The connection to the router failed.
     #[error("{0}")]
     Transport(#[from] FrontendError),
@@ -85,6 +91,9 @@ pub async fn apply_placement(
             )))
         }
         Body::Placement(p) if p.op == PlacementOp::Applied => Ok(Applied::of(p)),
+        Body::Error(e) if e.code == ErrorCode::NotPermitted => {
+            Err(ApplyError::NotPermitted(e.message.clone()))
+        }
         Body::Error(e) => Err(ApplyError::Refused(e.message.clone())),
         other => Err(ApplyError::Unexpected(format!("{:?}", other.kind()))),
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 pub struct ProtocolConfig {
     /// Cluster name; peers of another cluster are refused.
     pub cluster: String,
-    /// This end's rank ([`CLIENT_RANK`] for a frontend client).
+    /// This end's rank ([`CLIENT_RANK`](crate::codec::CLIENT_RANK) for a frontend client).
     pub local_rank: u32,
     /// Number of ranks in the cluster.
     pub world_size: u32,
@@ -30,7 +30,7 @@ pub struct ProtocolConfig {
     pub idle_timeout: Duration,
     /// Close the connection if the handshake takes longer than this.
     pub handshake_timeout: Duration,
-    /// Whether peers announcing [`CLIENT_RANK`] (frontends) are accepted.
+    /// Whether peers announcing [`CLIENT_RANK`](crate::codec::CLIENT_RANK) (frontends) are accepted.
     pub accept_clients: bool,
     /// Frame codec settings.
     pub codec: CodecConfig,
@@ -113,7 +113,7 @@ impl ProtocolConfig {
 /// What the peer told us about itself in its hello.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerInfo {
-    /// The peer's rank ([`CLIENT_RANK`] for a frontend).
+    /// The peer's rank ([`CLIENT_RANK`](crate::codec::CLIENT_RANK) for a frontend).
     pub rank: u32,
     /// The peer's receive window (our initial send credit).
     pub recv_window_bytes: u64,
