@@ -6,10 +6,10 @@
 //! contract, the router's reference layer runs the scalar oracle. None of those should pull in a
 //! kernel or a socket to get them.
 //!
-//! * [`format`] — the canonical packed INT4 layout (disk = CPU = GPU source of truth), quantizers.
+//! * [`format`](mod@format) — the canonical packed INT4 layout (disk = CPU = GPU source of truth), quantizers.
 //! * [`search`] — the searched INT4 quantizer (least-squares scale / zero point search, error reports).
 //! * [`contract`] — the exact W4A8 contract: activation quantization, reduction order, `exp`.
-//! * [`reference`] — scalar oracle implementations (exact, accurate, f64).
+//! * [`reference`](mod@reference) — scalar oracle implementations (exact, accurate, f64).
 //! * [`synth`] — deterministic synthetic weights from `(seed, layer, expert)` and the RNG.
 //! * [`fp8`] — the OCP FP8 E4M3FN encoder and decoder (wire activations, checkpoint weights).
 //! * [`aligned`] — 64-byte aligned fixed-size buffers.

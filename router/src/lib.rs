@@ -14,7 +14,7 @@
 //! * [`metrics`] — Prometheus metrics of a router and the `/metrics` endpoint.
 //! * [`plan`] — dispatch planning: destinations, deduplication, replica choice.
 //! * [`ranks`] — the names of the mesh ranks (routers first, their number given).
-//! * [`reference`] — the in-process reference MoE layer and its f64 twin.
+//! * [`reference`](mod@reference) — the in-process reference MoE layer and its f64 twin.
 //! * [`relay`] — copies of gained experts relayed between devices (sans-IO).
 //! * [`service`] — the router service: the I/O driver around the core.
 //! * `sim` — a simulated cluster the core's tests drive it with (cargo feature `sim`, enabled

@@ -6,7 +6,7 @@
 //! and reader live together so the format is defined in one place; the crate depends only on
 //! the packed format (`quant`), so the worker can load shards without the checkpoint reader.
 //!
-//! * [`file`] — the shard format: atomic streaming writer, bounds-checked mmap reader.
+//! * [`file`](mod@file) — the shard format: atomic streaming writer, bounds-checked mmap reader.
 //! * [`manifest`] — `manifest.json`: files, checksums, source hashes, per-layer error.
 
 pub mod file;

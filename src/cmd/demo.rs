@@ -47,7 +47,7 @@ pub(crate) struct DemoCli {
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
     /// The NIC under RDMA links: verbs, libfabric (= libfabric:tcp;ofi_rxm, any host) or
-    /// libfabric:<provider>.
+    /// `libfabric:<provider>`.
     #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Rounds over the (layer, batch) schedule.

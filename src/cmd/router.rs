@@ -41,7 +41,7 @@ pub(crate) struct RouterCli {
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
     /// The NIC under RDMA links (must match the workers' --rdma-provider): verbs, libfabric or
-    /// libfabric:<provider>.
+    /// `libfabric:<provider>`.
     #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// Threads for shared experts run on the router.

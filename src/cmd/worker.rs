@@ -37,7 +37,7 @@ pub(crate) struct WorkerCli {
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
     /// The NIC under RDMA links: verbs (RoCE/InfiniBand), libfabric (= libfabric:tcp;ofi_rxm)
-    /// or libfabric:<provider> (e.g. libfabric:verbs;ofi_rxm, libfabric:efa). Routers and
+    /// or `libfabric:<provider>` (e.g. libfabric:verbs;ofi_rxm, libfabric:efa). Routers and
     /// workers must agree.
     #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,

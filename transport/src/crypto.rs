@@ -37,7 +37,7 @@
 //! (each tag read aside). Chunking bounds the sender's staging buffer (a shared payload is
 //! copied once into it to be encrypted) to about [`SEAL_CHUNK_BYTES`] per connection.
 //!
-//! Layering: imports [`codec`](crate::codec) only; used by `protocol`, `tcp` and `frontend`.
+//! Layering: imports [`codec`] only; used by `protocol`, `tcp` and `frontend`.
 
 use crate::codec::{self, CodecConfig, CodecError, FrameHeader, HEADER_LEN, PAYLOAD_ALIGN};
 use hmac::{Hmac, KeyInit, Mac};

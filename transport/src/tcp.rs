@@ -9,12 +9,12 @@
 //! into 64-byte aligned pooled buffers.
 //!
 //! With credentials, every frame after an end's own auth answer is sealed
-//! ([`crypto`](crate::crypto): AES-256-GCM, counter nonces): [`SealBuf`] encrypts a frame into
+//! ([`crypto`]: AES-256-GCM, counter nonces): [`SealBuf`] encrypts a frame into
 //! a staging buffer bounded by one chunk, [`FrameIn`] reads a sealed head, opens it, checks
 //! the header and only then reads the payload straight into the pooled aligned buffer and
 //! opens it in place. A frame that does not open closes the connection
 //! ([`ReadError::Integrity`]). Before the peer has authenticated, frames are read with the
-//! maximum size capped at [`PRE_AUTH_MAX_FRAME_BYTES`](crate::codec::PRE_AUTH_MAX_FRAME_BYTES).
+//! maximum size capped at [`PRE_AUTH_MAX_FRAME_BYTES`].
 //!
 //! Pre-authentication limits on the accepting side live here too ([`HandshakeGate`]: at most
 //! a few handshakes per source address and in total; [`MemoryBudget`]: all connections'
@@ -24,7 +24,7 @@
 //! This module only moves bytes: what to send and what the bytes mean during the handshake and
 //! link setup is decided by the sans-IO [`Connection`]; which link to build is decided by
 //! [`setup`](crate::setup). Layering: imports [`link`](crate::link), [`codec`],
-//! [`crypto`](crate::crypto) and [`protocol`](crate::protocol) only; used by `setup`, `mesh`
+//! [`crypto`] and [`protocol`](crate::protocol) only; used by `setup`, `mesh`
 //! and `frontend`.
 
 use crate::codec::{self, Body, CodecConfig, FrameHeader, HEADER_LEN, PRE_AUTH_MAX_FRAME_BYTES};
@@ -153,7 +153,7 @@ pub(crate) async fn write_frame_sealed<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Reads frames from a stream: plain, or (after [`FrameIn::set_opener`]) sealed. The header
+/// Reads frames from a stream: plain, or (with an opener) sealed. The header
 /// is read and checked (and, sealed, authenticated) first; the rest of the frame is read only
 /// when asked ([`FrameIn::read_body`] or [`FrameIn::skip_body`]), so a reader can decide
 /// from the header alone whether to take a frame.

@@ -4,7 +4,7 @@
 //! worker's own figures say where the time goes on the device (compute per dispatch), how
 //! much load it carries per layer and expert, which errors it answers, and the bytes on each
 //! of its links. [`WorkerMetrics`] keeps them; the router crate's
-//! [`MetricsServer`](expertmesh_router::metrics::http::MetricsServer) serves them when the
+//! [`MetricsServer`] serves them when the
 //! worker runs with `--metrics ADDR`. Encoding and cost rules are the router's
 //! ([`expertmesh_router::metrics`]): preallocated atomic slots, one histogram observe per
 //! dispatch, nothing allocated on the data path; every series carries a `device` label.

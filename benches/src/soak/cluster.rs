@@ -460,7 +460,7 @@ impl FaultCluster {
 
     /// Start one more worker process claiming device `d`, with `how` (another seed, model or
     /// placement file; or nothing: a duplicate). Returns its index among the extras; it runs
-    /// until [`FaultCluster::kill_extra`] or the cluster is dropped.
+    /// until it is killed or the cluster is dropped.
     pub fn start_extra_worker(
         &mut self,
         d: usize,

@@ -106,7 +106,7 @@ impl Dtype {
         }
     }
 
-    /// Whether [`TensorView::to_f32_into`] converts this dtype.
+    /// Whether [`TensorView::to_f32_into`](super::TensorView::to_f32_into) converts this dtype.
     pub const fn converts_to_f32(self) -> bool {
         matches!(
             self,

@@ -45,7 +45,7 @@ pub enum SafetensorsError {
         /// Its length in bytes.
         len: u64,
     },
-    /// The header length is over [`MAX_HEADER_LEN`].
+    /// The header length is over [`MAX_HEADER_LEN`](super::MAX_HEADER_LEN).
     #[error(
         "{}: header length {header_len} bytes is over the {max}-byte limit; the file is corrupt \
          or not safetensors: re-download it",
@@ -56,7 +56,7 @@ pub enum SafetensorsError {
         path: PathBuf,
         /// The header length the file claims.
         header_len: u64,
-        /// The limit, [`MAX_HEADER_LEN`].
+        /// The limit, [`MAX_HEADER_LEN`](super::MAX_HEADER_LEN).
         max: u64,
     },
     /// The header length runs past the end of the file.

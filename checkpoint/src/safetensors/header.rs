@@ -83,7 +83,7 @@ pub(super) struct RawEntry {
 /// bytes (at least its 8-byte length and header; the whole file is fine), and the result is
 /// every tensor in file order (by data offset), each checked against `file_len`.
 ///
-/// Errors name `<in-memory header>` as the file; [`SafetensorsFile::open`] names the real one.
+/// Errors name `<in-memory header>` as the file; [`SafetensorsFile::open`](super::SafetensorsFile::open) names the real one.
 /// Any bytes give tensors or an error, never a panic (this is the fuzz target's entry point).
 pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Vec<TensorInfo>> {
     parse(Path::new(IN_MEMORY), bytes, file_len).map(|h| h.tensors)

@@ -3,7 +3,7 @@
 //! Why this exists: GPU workers pin their experts in device memory and run the kernels of
 //! `hip-kernels/kernels/` on grouped batches. With the `hip` feature, [`HipBackend`] opens the HIP
 //! runtime at run time, loads the embedded code object that matches the device, allocates every
-//! buffer once in [`ExpertBackend::load`](expertmesh_backend::ExpertBackend::load), and runs each
+//! buffer once in [`ExpertBackend::load`], and runs each
 //! batch on one stream (quantize → decode or prefill → optional pre-combine). Without the
 //! feature, the same type exists and reports [`BackendError::NotCompiled`], so callers need no
 //! `cfg`. Without a usable device it reports [`BackendError::NoDevice`] with the reason, and the

@@ -2,7 +2,7 @@
 //! handles, deadlines swept, the keepalive run, and (for a failover client) a lost router
 //! replaced and its unanswered requests sent again.
 //!
-//! Why this exists: [`RouterClient`](super::RouterClient) has no background task; every wait of
+//! Why this exists: [`RouterClient`] has no background task; every wait of
 //! a caller (`submit` making room or writing, `wait` reading) runs [`RouterClient::progress`],
 //! one step bounded by the caller's own deadline, and everything that must happen on time
 //! (a deadline, a keepalive probe, a reconnect) happens in such a step. Keeping the steps here

@@ -293,7 +293,7 @@ pub(crate) struct TransportCli {
     #[arg(long = "link", value_parser = link_parser(&LinkKind::ALL))]
     links: Vec<LinkKind>,
     /// The NIC under the rdma link: verbs (an RDMA device; `--features rdma`), libfabric
-    /// (tcp;ofi_rxm, any host; `--features libfabric`) or libfabric:<provider>.
+    /// (tcp;ofi_rxm, any host; `--features libfabric`) or `libfabric:<provider>`.
     #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,
 }

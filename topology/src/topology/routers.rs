@@ -12,7 +12,7 @@ use super::values::{Sp, check, port, valid_host};
 use crate::diag::{Ctx, Field, did_you_mean, split};
 use std::collections::HashMap;
 
-/// The router entries of the file with their item labels ("[router]", or "router 2" for the
+/// The router entries of the file with their item labels ("\[router\]", or "router 2" for the
 /// second `[[router]]` table) and spans.
 pub(super) fn router_entries(raw: &Field<RawRouters>) -> Vec<(String, &RawRouter, Sp)> {
     let Some(rr) = raw else {

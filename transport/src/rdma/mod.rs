@@ -22,10 +22,10 @@
 //! into a pooled aligned buffer and hands frames to the link in sequence order (providers such
 //! as efa may complete out of order; a gap or a repeated sequence number is a link error, so a
 //! frame is never delivered twice or out of order). Credits (record sizes, see
-//! [`crate::credit_cost`]) bound the bytes in the peer's ring; send completions, taken in
+//! [`credit_cost`](crate::link::credit_cost)) bound the bytes in the peer's ring; send completions, taken in
 //! sequence order, bound staging reuse; at most [`SEND_WRS`] writes are in flight.
 //!
-//! Layering: imports [`link`](crate::link) (the link it feeds and the [`FrameSink`] interface
+//! Layering: imports [`link`] (the link it feeds and the [`FrameSink`] interface
 //! it implements), [`codec`] and [`protocol`](crate::protocol); link setup (`setup`) calls it.
 
 use crate::codec::{self, CodecConfig, FrameHeader, HEADER_LEN, PAYLOAD_ALIGN};
