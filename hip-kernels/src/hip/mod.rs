@@ -10,7 +10,8 @@
 //! worker falls back to the CPU backend.
 
 use expertmesh_backend::{
-    BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertSource, GroupedBatch,
+    BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertSource, ExpertStager, GroupedBatch,
+    StagedExperts,
 };
 use expertmesh_quant::format::ExpertWeights;
 
@@ -164,6 +165,37 @@ impl ExpertBackend for HipBackend {
         }
     }
 
+    /// Gains are read on the worker's loader thread (the host's shards and their checksums, or
+    /// a copy from another device) into host memory while this device serves; only their
+    /// upload to the device happens between batches ([`ExpertBackend::install`]).
+    fn stager(&self) -> Option<Box<dyn ExpertStager>> {
+        #[cfg(feature = "hip")]
+        {
+            Some(Box::new(HostStager))
+        }
+        #[cfg(not(feature = "hip"))]
+        match self._never {}
+    }
+
+    /// Uploads experts [`HostStager`] read, next to the loaded ones, as
+    /// [`ExpertBackend::add_experts`] does (all or nothing); experts staged by another backend
+    /// are an error.
+    fn install(&mut self, staged: StagedExperts) -> Result<(), BackendError> {
+        #[cfg(feature = "hip")]
+        {
+            let host = staged.packed.downcast::<HostStaged>().map_err(|_| {
+                BackendError::Source("these experts were staged by another backend".into())
+            })?;
+            self.inner
+                .add_experts(&mut expertmesh_backend::VecSource::new(host.experts))
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = staged;
+            match self._never {}
+        }
+    }
+
     /// Releases experts and frees their device memory; a key not loaded is an error and
     /// nothing is released.
     fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
@@ -176,6 +208,48 @@ impl ExpertBackend for HipBackend {
             let _ = keys;
             match self._never {}
         }
+    }
+}
+
+/// The HIP backend's stager: reads every expert of a source into host memory on the calling
+/// thread (the worker's loader thread), each checked against the shape its source declared (a
+/// smaller expert would have the kernels read past its device allocation).
+#[cfg(feature = "hip")]
+struct HostStager;
+
+/// Experts [`HostStager`] read, in host memory, waiting for [`ExpertBackend::install`].
+#[cfg(feature = "hip")]
+struct HostStaged {
+    experts: Vec<(ExpertKey, ExpertWeights)>,
+}
+
+#[cfg(feature = "hip")]
+impl ExpertStager for HostStager {
+    fn stage(&self, source: &mut dyn ExpertSource) -> Result<StagedExperts, BackendError> {
+        let shapes = source.shapes().to_vec();
+        let mut experts = Vec::with_capacity(shapes.len());
+        for (i, s) in shapes.iter().enumerate() {
+            let w = source.expert(i)?;
+            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
+                return Err(BackendError::Shape(format!(
+                    "{}: the source declared {}x{} {} but handed over {}x{} {}; nothing was staged",
+                    s.key,
+                    s.hidden,
+                    s.inter,
+                    s.quant,
+                    w.hidden(),
+                    w.inter(),
+                    w.spec()
+                )));
+            }
+            experts.push((s.key, w));
+        }
+        source.finish()?;
+        Ok(StagedExperts {
+            keys: shapes.iter().map(|s| s.key).collect(),
+            bytes: experts.iter().map(|(_, w)| w.bytes() as u64).sum(),
+            packed: Box::new(HostStaged { experts }),
+        })
     }
 }
 

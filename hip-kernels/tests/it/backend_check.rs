@@ -318,8 +318,9 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
         7_101,
     )
     .map_err(|e| e.to_string())?;
+    let cpu_stager = cpu.stager().ok_or("the CPU backend has no stager")?;
     type Change<'a> = Box<dyn Fn(&mut HipBackend) -> Result<(), BackendError> + 'a>;
-    let refusals: [(&str, Change<'_>); 5] = [
+    let refusals: [(&str, Change<'_>); 7] = [
         (
             "a key loaded already",
             Box::new(|h| h.add_experts(&mut VecSource::new(some(&[2])))),
@@ -349,6 +350,25 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
                     inner: VecSource::new(vec![(key(10), all[0].1.clone())]),
                     substitute: Some(other.experts[0].clone()),
                 })
+            }),
+        ),
+        (
+            "staged weights of another shape than the source declared",
+            Box::new(|h| {
+                let stager = h.stager().expect("the HIP backend has a stager");
+                let staged = stager.stage(&mut Faulty {
+                    inner: VecSource::new(vec![(key(10), all[0].1.clone())]),
+                    substitute: Some(other.experts[0].clone()),
+                })?;
+                h.install(staged)
+            }),
+        ),
+        (
+            "experts another backend staged",
+            Box::new(|h| {
+                let staged =
+                    cpu_stager.stage(&mut VecSource::new(vec![(key(11), all[0].1.clone())]))?;
+                h.install(staged)
             }),
         ),
         (
@@ -382,11 +402,17 @@ pub(crate) fn check_live_changes(hip: &mut HipBackend) -> Result<usize, String> 
     }
     unknown(hip, "after releasing two experts in use")?;
     // Back into the freed slots, with the key refused above for its source's check (not
-    // loaded, so it can be gained now; a copy of expert 1) into a new one.
+    // loaded, so it can be gained now; a copy of expert 1) into a new one: through the stager,
+    // as a worker gains them (read on its loader thread, installed between batches).
     let mut back = some(&[a, b]);
     back.push((key(8), all[1].1.clone()));
-    hip.add_experts(&mut VecSource::new(back))
-        .map_err(|e| format!("gaining {a}, {b} and 8: {e}"))?;
+    let stager = hip.stager().ok_or("the HIP backend has no stager")?;
+    let staged = std::thread::spawn(move || stager.stage(&mut VecSource::new(back)))
+        .join()
+        .map_err(|_| "the staging thread panicked".to_owned())?
+        .map_err(|e| format!("staging {a}, {b} and 8: {e}"))?;
+    hip.install(staged)
+        .map_err(|e| format!("installing {a}, {b} and 8: {e}"))?;
     if hip.loaded_bytes() != bytes(&[0, 1, 2, 3, 4, 5, 6, 7, 1]) {
         return Err(format!(
             "after gaining back loaded_bytes is {}",

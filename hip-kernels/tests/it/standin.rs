@@ -116,7 +116,8 @@ fn standin_generic_wave64_matches_the_cpu_backend() {
     conformance(GENERIC64);
 }
 
-/// A live placement change on the HIP backend: gains while loaded (the device table grows),
+/// A live placement change on the HIP backend: gains while loaded (the device table grows; the
+/// last gain staged on another thread and installed, as a worker gains them),
 /// refusals that change nothing, releases, gains back into freed slots; bit-identical to the CPU
 /// backend throughout.
 #[test]
