@@ -514,20 +514,8 @@ impl HipDevice {
     ) -> Result<(), BackendError> {
         for (i, s) in shapes.iter().enumerate() {
             let w = source.expert(i)?;
-            // The weights handed over must be what the source declared (and checked above):
-            // a smaller expert would have the kernels read past its allocation.
-            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
-                return Err(BackendError::Shape(format!(
-                    "{}: the source declared {}x{} {} but handed over {}x{} {}; nothing was added",
-                    s.key,
-                    s.hidden,
-                    s.inter,
-                    s.quant,
-                    w.hidden(),
-                    w.inter(),
-                    w.spec()
-                )));
-            }
+            // The declared shapes were checked against the loaded experts above.
+            super::as_declared(s, &w, "added")?;
             let need = w.bytes() as u64 + 6 * SUB_ALIGN as u64;
             let (mut free, mut total) = (0usize, 0usize);
             // SAFETY: valid out-pointers.

@@ -211,6 +211,30 @@ impl ExpertBackend for HipBackend {
     }
 }
 
+/// Checks that the weights a source handed over are what it declared for them (else
+/// `nothing was {undone}`): a smaller expert would have the kernels read past its device
+/// allocation.
+#[cfg(feature = "hip")]
+fn as_declared(
+    s: &expertmesh_backend::ExpertShape,
+    w: &ExpertWeights,
+    undone: &str,
+) -> Result<(), BackendError> {
+    if (w.hidden(), w.inter(), w.spec()) == (s.hidden, s.inter, s.quant) {
+        return Ok(());
+    }
+    Err(BackendError::Shape(format!(
+        "{}: the source declared {}x{} {} but handed over {}x{} {}; nothing was {undone}",
+        s.key,
+        s.hidden,
+        s.inter,
+        s.quant,
+        w.hidden(),
+        w.inter(),
+        w.spec()
+    )))
+}
+
 /// The HIP backend's stager: reads every expert of a source into host memory on the calling
 /// thread (the worker's loader thread), each checked against the shape its source declared (a
 /// smaller expert would have the kernels read past its device allocation).
@@ -230,18 +254,7 @@ impl ExpertStager for HostStager {
         let mut experts = Vec::with_capacity(shapes.len());
         for (i, s) in shapes.iter().enumerate() {
             let w = source.expert(i)?;
-            if (w.hidden(), w.inter(), w.spec()) != (s.hidden, s.inter, s.quant) {
-                return Err(BackendError::Shape(format!(
-                    "{}: the source declared {}x{} {} but handed over {}x{} {}; nothing was staged",
-                    s.key,
-                    s.hidden,
-                    s.inter,
-                    s.quant,
-                    w.hidden(),
-                    w.inter(),
-                    w.spec()
-                )));
-            }
+            as_declared(s, &w, "staged")?;
             experts.push((s.key, w));
         }
         source.finish()?;
