@@ -229,7 +229,8 @@ async fn finish(
             Ok((LinkKind::Shm, writer, Reader::Shm(ring, stream)))
         }
         Prepared::Rdma(p) => {
-            let (writer, reader) = finish_rdma(&mut stream, conn, p).await?;
+            let idle_timeout = env.proto.idle_timeout;
+            let (writer, reader) = finish_rdma(&mut stream, conn, p, idle_timeout).await?;
             Ok((
                 LinkKind::Rdma,
                 FrameWriter::new(writer),
@@ -294,12 +295,13 @@ async fn finish_rdma(
     stream: &mut TcpStream,
     conn: &mut Connection,
     prepared: crate::rdma::RdmaPrepared,
+    idle_timeout: std::time::Duration,
 ) -> Result<(crate::rdma::RdmaWriter, crate::rdma::RdmaReader), ProtocolError> {
     let info = conn.peer_link_info().unwrap_or_default().to_vec();
     let info = info
         .strip_prefix(crate::protocol::RDMA_ATTACHMENT)
         .unwrap_or_default();
-    let (writer, reader) = match prepared.connect(info) {
+    let (writer, reader) = match prepared.connect(info, idle_timeout) {
         Ok(wr) => wr,
         Err(e) => return Err(conn.link_setup_failed(e)),
     };

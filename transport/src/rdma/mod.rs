@@ -54,9 +54,6 @@ pub(crate) const RECV_WRS: u32 = 512;
 pub(crate) const SEND_WRS: u32 = 512;
 /// Completions taken per poll.
 const POLL_BATCH: usize = 32;
-/// How long a write may stay refused (`Again`) before the link is declared dead: a provider
-/// whose peer died keeps answering "try again" (libfabric over `tcp;ofi_rxm`).
-const POST_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Which NIC implementation carries RDMA links.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -237,8 +234,13 @@ impl RdmaPrepared {
         a
     }
 
-    /// Connects to the peer described by its link info (without the attachment prefix).
-    pub(crate) fn connect(self, info: &[u8]) -> Result<(RdmaWriter, RdmaReader), RdmaError> {
+    /// Connects to the peer described by its link info (without the attachment prefix); a
+    /// write refused for `post_deadline` (the link's idle timeout) ends the link.
+    pub(crate) fn connect(
+        self,
+        info: &[u8],
+        post_deadline: Duration,
+    ) -> Result<(RdmaWriter, RdmaReader), RdmaError> {
         let peer = wire::decode_link_info(info)?;
         if peer.provider_tag != self.tag {
             return Err(RdmaError::BadPeerInfo(format!(
@@ -266,6 +268,7 @@ impl RdmaPrepared {
                 head: 0,
                 seq: 0,
                 shared: Arc::clone(&shared),
+                post_deadline,
             },
             RdmaReader {
                 nic: self.nic,
@@ -292,6 +295,11 @@ pub(crate) struct RdmaWriter {
     head: u64,
     seq: u64,
     shared: Arc<Shared>,
+    /// How long a write may stay refused (`Again`) before the link is declared dead: a
+    /// provider whose peer died keeps answering "try again" (libfabric over `tcp;ofi_rxm`). The
+    /// link's idle timeout, the protocol's one bound on a peer making no progress: a
+    /// connection that is slow to come up on a busy machine is not called dead sooner.
+    post_deadline: Duration,
 }
 
 impl RdmaWriter {
@@ -353,14 +361,15 @@ impl RdmaWriter {
             }
             match self.nic.post_write(off, record as usize, imm, self.seq)? {
                 Posted::Accepted => break,
-                Posted::Again if t0.elapsed() < POST_DEADLINE => {
+                Posted::Again if t0.elapsed() < self.post_deadline => {
                     link::wait_for_room(&mut waiting_since, Duration::from_micros(50)).await
                 }
                 Posted::Again => {
                     return Err(RdmaError::Provider {
                         provider: "rdma".into(),
                         detail: format!(
-                            "a write was refused for {POST_DEADLINE:?} (the peer is gone or not progressing)"
+                            "a write was refused for {:?}, the link's idle timeout (the peer is gone or not progressing)",
+                            self.post_deadline
                         ),
                     });
                 }

@@ -28,7 +28,6 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
     let addrs = free_addrs(2);
     let mut meshes = Vec::new();
     let mut events = Vec::new();
-    let receiver_faults = receiver.clone();
     for (rank, faults) in [(0u32, receiver), (1, sender)] {
         let mut c = MeshConfig::new("rdma-faults", rank, peers(&addrs, LinkKind::Rdma));
         c.protocol.codec = CodecConfig {
@@ -37,7 +36,7 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
         };
         c.protocol.handshake_timeout = Duration::from_secs(2);
         c.protocol.heartbeat_interval = Duration::from_millis(200);
-        c.protocol.idle_timeout = idle_timeout(&receiver_faults);
+        c.protocol.idle_timeout = idle_timeout(&faults);
         c.reconnect_initial = Duration::from_millis(5);
         c.reconnect_max = Duration::from_millis(50);
         c.shm.ring_bytes = ring;
@@ -51,12 +50,13 @@ async fn pair(receiver: SimFaults, sender: SimFaults, ring: usize) -> (Vec<Mesh>
     (meshes, events)
 }
 
-/// The protocol's idle timeout for a pair whose receiver has `faults`. A write that can never
-/// land (no receive posted: verbs retries it forever) ends the link only by the idle timeout, so
-/// that test uses a short one; every other test uses a long one, because a heartbeat delayed past
-/// a short timeout on a busy machine would end a link the test expects to survive.
+/// The protocol's idle timeout of a rank whose endpoint has `faults`. A receiver with no
+/// receive posted (verbs retries a write to it forever) ends the link only by its idle timeout,
+/// and a sender whose every write is refused gives up on a write after its idle timeout, so
+/// those ranks use a short one; every other rank a long one, because a heartbeat delayed past a
+/// short timeout on a busy machine would end a link the test expects to survive.
 fn idle_timeout(faults: &SimFaults) -> Duration {
-    if faults.no_receives {
+    if faults.no_receives || faults.again_first == u32::MAX {
         Duration::from_secs(1)
     } else {
         Duration::from_secs(30)
@@ -299,6 +299,35 @@ async fn a_write_with_no_receive_posted_fails_cleanly() {
         "nothing can land without a receive: {got:?}"
     );
     assert!(!errors.is_empty());
+}
+
+/// A provider that refuses every write ("try again" forever, as libfabric's `tcp;ofi_rxm` does
+/// when its peer is gone): nothing lands, and each send gives up at the sender's idle timeout
+/// (the receiver's is long here, so only the writer's bound can end them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_refused_forever_end_the_link_cleanly() {
+    let sender = SimFaults {
+        again_first: u32::MAX,
+        ..Default::default()
+    };
+    // Few frames: each send on a link that comes back (the mesh redials) waits the idle
+    // timeout again before it fails.
+    let (meshes, mut events) = pair(SimFaults::default(), sender, 4 * MAX_FRAME).await;
+    let (got, errors, _) = run(&meshes, &mut events, 3).await;
+    assert!(
+        got.is_empty(),
+        "nothing can land when every write is refused: {got:?}"
+    );
+    assert_eq!(errors.len(), 3, "every send failed: {errors:?}");
+    for e in &errors {
+        assert!(e.starts_with("rank 0:"), "a send error names the peer: {e}");
+    }
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("refused for 1s, the link's idle timeout")),
+        "a refused write gives up at the idle timeout: {errors:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
