@@ -128,7 +128,7 @@ impl Hip {
     /// Open the runtime: `library` when given, else the file named by [`LIBRARY_ENV`], else
     /// `libamdhip64` from `$HIP_PATH`, `$ROCM_PATH`, `/opt/rocm` and the loader's path. An
     /// explicitly named library is the only one tried. Err carries a message for
-    /// [`BackendError::NoDevice`].
+    /// [`BackendError::NoDevice`](expertmesh_backend::BackendError::NoDevice).
     pub(crate) fn open(library: Option<&std::path::Path>) -> Result<Self, String> {
         let mut tried = Vec::new();
         let mut candidates: Vec<std::path::PathBuf> = Vec::new();

@@ -177,7 +177,7 @@ impl ExpertBackend for HipBackend {
         match self._never {}
     }
 
-    /// Uploads experts [`HostStager`] read, next to the loaded ones, as
+    /// Uploads experts the HIP stager (`HostStager`) read, next to the loaded ones, as
     /// [`ExpertBackend::add_experts`] does (all or nothing); experts staged by another backend
     /// are an error.
     fn install(&mut self, staged: StagedExperts) -> Result<(), BackendError> {
