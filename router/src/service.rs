@@ -212,7 +212,6 @@ impl RouterService {
                 open: Arc::clone(&open),
                 max_outstanding: cfg.max_outstanding_per_client.max(1),
                 admission: Arc::clone(&admission),
-                idle_timeout: cfg.frontend.idle_timeout,
                 frontend: Arc::new(cfg.frontend.clone()),
             },
         ));
@@ -547,10 +546,8 @@ struct FrontendConn {
     max_outstanding: usize,
     /// The router's admitted requests, shared by every connection and the core thread.
     admission: Arc<AdmissionGate>,
-    /// Close the connection once it has had nothing in flight and sent no request for this
-    /// long ([`FrontendConfig::idle_timeout`]).
-    idle_timeout: Option<Duration>,
-    /// The listener's settings: who may change the placement
+    /// The listener's settings: how long the connection may idle
+    /// ([`FrontendConfig::idle_timeout`]), who may change the placement
     /// ([`FrontendConfig::may_change_placement`]).
     frontend: Arc<FrontendConfig>,
 }
@@ -712,12 +709,12 @@ impl FrontendConn {
     }
 
     /// Completes (with the timeout) once this connection has been idle for
-    /// [`FrontendConn::idle_timeout`]: no request since `last_request`, none in flight, and
+    /// [`FrontendConfig::idle_timeout`]: no request since `last_request`, none in flight, and
     /// (when one was in flight at the deadline) a whole period since it was seen answered
     /// (`slots` holds one permit per request in flight, plus the one taken for the read under
     /// way). Never completes without an idle timeout.
     async fn idle(&self, last_request: tokio::time::Instant, slots: &Semaphore) -> Duration {
-        let Some(idle) = self.idle_timeout else {
+        let Some(idle) = self.frontend.idle_timeout else {
             return std::future::pending().await;
         };
         let mut at = last_request + idle;

@@ -124,29 +124,29 @@ struct Creds {
 
 impl Creds {
     fn new(topo: &Topo) -> Self {
-        let dir = topo.dir.path();
-        let master = dir.join("master.key");
-        let keys = |args: &[&str]| {
-            let r = crate::support::run(args);
-            assert_eq!(r.code, 0, "expertmesh {args:?}:\n{}{}", r.stdout, r.stderr);
-        };
-        let path = |p: &Path| p.to_str().expect("UTF-8 temp path").to_owned();
-        let topology = path(&topo.topology);
-        keys(&["keys", "init", "--out", &path(&master)]);
-        let issue = |who: &[&str], file: &str| {
-            let out = dir.join(file);
-            let mut args = vec!["keys", "issue", "--key"];
-            let m = path(&master);
-            let o = path(&out);
-            args.extend([m.as_str(), "--topology", topology.as_str()]);
-            args.extend(who);
-            args.extend(["--out", o.as_str()]);
-            keys(&args);
-            Arc::new(Credentials::load(&out).expect("load an issued credential"))
-        };
-        let frontend = issue(&["--frontend", "fe-honest"], "frontend.cred");
-        let other = issue(&["--frontend", "fe-other"], "other.cred");
-        let worker2 = issue(&["--device", "local/cpu1"], "rank2.cred");
+        let master = topo.dir.path().join("master.key");
+        let r = crate::support::run(&["keys", "init", "--out", utf8(&master)]);
+        assert_eq!(r.code, 0, "expertmesh keys init:\n{}{}", r.stdout, r.stderr);
+        let load =
+            |out: PathBuf| Arc::new(Credentials::load(&out).expect("load an issued credential"));
+        let frontend = load(issue(
+            topo,
+            &master,
+            &["--frontend", "fe-honest"],
+            "frontend.cred",
+        ));
+        let other = load(issue(
+            topo,
+            &master,
+            &["--frontend", "fe-other"],
+            "other.cred",
+        ));
+        let worker2 = load(issue(
+            topo,
+            &master,
+            &["--device", "local/cpu1"],
+            "rank2.cred",
+        ));
         Self {
             master,
             frontend,
@@ -178,6 +178,30 @@ impl Creds {
             None => Arc::clone(&self.frontend),
         });
     }
+}
+
+/// A temporary path as the UTF-8 argument it is.
+fn utf8(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 temp path")
+}
+
+/// `expertmesh keys issue` for `who` (`--frontend NAME`, `--device D`) from the master key at
+/// `master`, into `file` in the test's folder; the file's path.
+fn issue(topo: &Topo, master: &Path, who: &[&str], file: &str) -> PathBuf {
+    let out = topo.dir.path().join(file);
+    let mut args = vec![
+        "keys",
+        "issue",
+        "--key",
+        utf8(master),
+        "--topology",
+        utf8(&topo.topology),
+    ];
+    args.extend(who);
+    args.extend(["--out", utf8(&out)]);
+    let r = crate::support::run(&args);
+    assert_eq!(r.code, 0, "expertmesh {args:?}:\n{}{}", r.stdout, r.stderr);
+    out
 }
 
 /// A running `expertmesh up` (router in the process, two worker children).
@@ -1318,19 +1342,18 @@ fn only_a_placement_admin_changes_the_placement() {
     .expect("write the swapped placement");
     let (router, topology) = (f.topo.frontend.to_string(), f.topo.topology.clone());
     let rebalance = |credentials: &Path| {
-        let p = |p: &Path| p.to_str().expect("UTF-8 temp path").to_owned();
         crate::support::run(&[
             "rebalance",
             "--router",
             &router,
             "--topology",
-            &p(&topology),
+            utf8(&topology),
             "--model",
             "demo-small",
             "--placement",
-            &p(&swapped),
+            utf8(&swapped),
             "--credentials",
-            &p(credentials),
+            utf8(credentials),
             "--timeout-s",
             "60",
         ])
@@ -1345,20 +1368,12 @@ fn only_a_placement_admin_changes_the_placement() {
     );
     f.assert_alive();
 
-    let admin = dir.join("admin.cred");
-    let issued = crate::support::run(&[
-        "keys",
-        "issue",
-        "--key",
-        f.creds.master.to_str().expect("UTF-8 temp path"),
-        "--topology",
-        f.topo.topology.to_str().expect("UTF-8 temp path"),
-        "--frontend",
-        "admin",
-        "--out",
-        admin.to_str().expect("UTF-8 temp path"),
-    ]);
-    assert_eq!(issued.code, 0, "{}{}", issued.stdout, issued.stderr);
+    let admin = issue(
+        &f.topo,
+        &f.creds.master,
+        &["--frontend", "admin"],
+        "admin.cred",
+    );
     let r = rebalance(&admin);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("is served at version"), "{}", r.stdout);

@@ -585,6 +585,36 @@ impl<'a> Poller<'a> {
 mod tests {
     use super::*;
 
+    /// A write the provider refuses for ever fails once the link's bound has passed (here 50
+    /// ms), naming that bound; it neither hangs nor fails before it (the first refusals are
+    /// retried).
+    #[tokio::test]
+    async fn a_write_refused_past_the_deadline_fails_naming_it() {
+        let provider = |again_first| {
+            RdmaProvider::InProcess(sim::SimFaults {
+                again_first,
+                ..Default::default()
+            })
+        };
+        let ip = IpAddr::from([127, 0, 0, 1]);
+        let a = RdmaPrepared::new(&provider(u32::MAX), None, ip, 4096).unwrap();
+        let b = RdmaPrepared::new(&provider(0), None, ip, 4096).unwrap();
+        let info =
+            |p: &RdmaPrepared| p.attachment()[crate::protocol::RDMA_ATTACHMENT.len()..].to_vec();
+        let (a_info, b_info) = (info(&a), info(&b));
+        let deadline = Duration::from_millis(50);
+        let (mut writer, _reader) = a.connect(&b_info, deadline).unwrap();
+        let _b = b.connect(&a_info, deadline).unwrap();
+        let t0 = Instant::now();
+        let err = writer.write_frame(&[0u8; 64], &[]).await.unwrap_err();
+        assert!(t0.elapsed() >= deadline, "gave up after {:?}", t0.elapsed());
+        assert!(
+            err.to_string()
+                .contains("refused for 50ms, the link's idle timeout"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn providers_parse_and_name_themselves() {
         assert_eq!("verbs".parse::<RdmaProvider>(), Ok(RdmaProvider::Verbs));

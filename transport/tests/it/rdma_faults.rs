@@ -302,8 +302,9 @@ async fn a_write_with_no_receive_posted_fails_cleanly() {
 }
 
 /// A provider that refuses every write ("try again" forever, as libfabric's `tcp;ofi_rxm` does
-/// when its peer is gone): nothing lands, and each send gives up at the sender's idle timeout
-/// (the receiver's is long here, so only the writer's bound can end them).
+/// when its peer is gone): nothing lands, every send fails naming the peer (by the writer's
+/// bound, the sender's idle timeout, or a link already lost), and nothing hangs. The writer's
+/// bound itself is checked in `rdma::tests`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_refused_forever_end_the_link_cleanly() {
     let sender = SimFaults {
@@ -322,12 +323,6 @@ async fn writes_refused_forever_end_the_link_cleanly() {
     for e in &errors {
         assert!(e.starts_with("rank 0:"), "a send error names the peer: {e}");
     }
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("refused for 1s, the link's idle timeout")),
-        "a refused write gives up at the idle timeout: {errors:?}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
