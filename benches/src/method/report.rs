@@ -190,20 +190,22 @@ fn batch_range(rows: &[&BenchResult]) -> std::ops::Range<f64> {
     (lo / 1.5)..(hi * 1.5)
 }
 
-/// The chart a batch plot draws its marks in: the batch on a log x axis, and `Y`.
-type BatchChart<'a, 'b, Y> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<LogCoord<f64>, Y>>;
+/// The chart a plot draws its marks in: a log x axis, and `Y`.
+type LogXChart<'a, 'b, Y> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<LogCoord<f64>, Y>>;
 
-/// The scaffolding every plot against the batch shares: the SVG canvas, the chart with the
-/// batch on a log x axis and `y` on the other, the mesh with both axis names, and the legend
-/// box at `legend`; `draw` adds the plot's own marks (a line per series with
-/// [`series_line`], bars, reference lines).
-fn batch_chart<Y>(
+/// The name and the tick labels of an axis.
+type Axis<'f> = (&'f str, &'f dyn Fn(&f64) -> String);
+
+/// The scaffolding every plot shares: the SVG canvas, the chart with `x` on a log axis and
+/// `y` on the other, the mesh with both axis names, and the legend box at `legend`; `draw`
+/// adds the plot's own marks (a line per series with [`series_line`], bars, reference lines,
+/// a roofline).
+fn log_x_chart<Y>(
     title: &str,
-    rows: &[&BenchResult],
-    y: Y,
-    (y_desc, y_fmt): (&str, &dyn Fn(&f64) -> String),
+    (x, x_axis): (std::ops::Range<f64>, Axis<'_>),
+    (y, y_axis): (Y, Axis<'_>),
     legend: SeriesLabelPosition,
-    draw: impl for<'a, 'b> FnOnce(&mut BatchChart<'a, 'b, Y::CoordDescType>) -> Result<(), ReportError>,
+    draw: impl for<'a, 'b> FnOnce(&mut LogXChart<'a, 'b, Y::CoordDescType>) -> Result<(), ReportError>,
 ) -> Result<String, ReportError>
 where
     Y: AsRangedCoord<Value = f64>,
@@ -218,14 +220,14 @@ where
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(batch_range(rows).log_scale(), y)
+            .build_cartesian_2d(x.log_scale(), y)
             .map_err(|e| err(e.to_string()))?;
         chart
             .configure_mesh()
-            .x_desc("batch (tokens per call / frame)")
-            .y_desc(y_desc)
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(y_fmt)
+            .x_desc(x_axis.0)
+            .y_desc(y_axis.0)
+            .x_label_formatter(x_axis.1)
+            .y_label_formatter(y_axis.1)
             .draw()
             .map_err(|e| err(e.to_string()))?;
         draw(&mut chart)?;
@@ -241,10 +243,33 @@ where
     Ok(svg)
 }
 
+/// A plot against the batch: [`log_x_chart`] with the batch on the x axis.
+fn batch_chart<Y>(
+    title: &str,
+    rows: &[&BenchResult],
+    y: Y,
+    y_axis: Axis<'_>,
+    legend: SeriesLabelPosition,
+    draw: impl for<'a, 'b> FnOnce(&mut LogXChart<'a, 'b, Y::CoordDescType>) -> Result<(), ReportError>,
+) -> Result<String, ReportError>
+where
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    let x_axis: Axis<'_> = ("batch (tokens per call / frame)", &|x| format!("{x:.0}"));
+    log_x_chart(
+        title,
+        (batch_range(rows), x_axis),
+        (y, y_axis),
+        legend,
+        draw,
+    )
+}
+
 /// Series `i`'s line through `points` in its palette color, with dots and a legend entry
 /// named `name`; returns the color for the series' other marks.
 fn series_line<Y: Ranged<ValueType = f64>>(
-    chart: &mut BatchChart<'_, '_, Y>,
+    chart: &mut LogXChart<'_, '_, Y>,
     (i, name): (usize, &str),
     points: Vec<(f64, f64)>,
     err: &dyn Fn(String) -> ReportError,
@@ -412,61 +437,46 @@ fn roofline_plot(report: &BenchReport) -> Result<Option<String>, ReportError> {
     let xs = pts.iter().filter_map(|r| r.extra_f64("ops_per_byte"));
     let (xlo, xhi) = xs.fold((ridge / 4.0, ridge * 4.0), |(a, b), v| (a.min(v), b.max(v)));
     let roof = |x: f64| (bw * 1e9 * x / 1e12).min(peak);
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-        let (x0, x1) = (xlo / 2.0, xhi * 2.0);
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(
-                (x0..x1).log_scale(),
-                ((roof(x0) / 4.0)..(peak * 1.5)).log_scale(),
-            )
-            .map_err(|e| err(e.to_string()))?;
-        chart
-            .configure_mesh()
-            .x_desc("arithmetic intensity, int8 ops per weight byte")
-            .y_desc("int8 TOPS")
-            .x_label_formatter(&|x| format!("{x:.1}"))
-            .y_label_formatter(&|y| format!("{y:.3}"))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        let line: Vec<(f64, f64)> = (0..=200)
-            .map(|i| {
-                let x = x0 * (x1 / x0).powf(i as f64 / 200.0);
-                (x, roof(x))
-            })
-            .collect();
-        chart
-            .draw_series(LineSeries::new(line, BLACK.stroke_width(2)))
-            .map_err(|e| err(e.to_string()))?
-            .label(format!("roofline: {bw:.1} GB/s read, {peak:.3} int8 TOPS"))
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.stroke_width(2)));
-        let by_model = series(&pts);
-        for (i, (name, rs)) in by_model.into_iter().enumerate() {
-            let c = Palette99::pick(i).to_rgba();
-            let p: Vec<(f64, f64)> = rs
-                .iter()
-                .filter_map(|r| Some((r.extra_f64("ops_per_byte")?, r.extra_f64("int8_tops")?)))
+    let (x0, x1) = (xlo / 2.0, xhi * 2.0);
+    let x_axis: Axis<'_> = ("arithmetic intensity, int8 ops per weight byte", &|x| {
+        format!("{x:.1}")
+    });
+    let y_axis: Axis<'_> = ("int8 TOPS", &|y| format!("{y:.3}"));
+    let y = ((roof(x0) / 4.0)..(peak * 1.5)).log_scale();
+    let svg = log_x_chart(
+        title,
+        (x0..x1, x_axis),
+        (y, y_axis),
+        SeriesLabelPosition::LowerRight,
+        |chart| {
+            let line: Vec<(f64, f64)> = (0..=200)
+                .map(|i| {
+                    let x = x0 * (x1 / x0).powf(i as f64 / 200.0);
+                    (x, roof(x))
+                })
                 .collect();
             chart
-                .draw_series(p.iter().map(|&q| Circle::new(q, 4, c.filled())))
+                .draw_series(LineSeries::new(line, BLACK.stroke_width(2)))
                 .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| Circle::new((x + 9, y), 4, c.filled()));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        root.present().map_err(|e| err(e.to_string()))?;
-    }
+                .label(format!("roofline: {bw:.1} GB/s read, {peak:.3} int8 TOPS"))
+                .legend(|(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], BLACK.stroke_width(2))
+                });
+            for (i, (name, rs)) in series(&pts).into_iter().enumerate() {
+                let c = Palette99::pick(i).to_rgba();
+                let p: Vec<(f64, f64)> = rs
+                    .iter()
+                    .filter_map(|r| Some((r.extra_f64("ops_per_byte")?, r.extra_f64("int8_tops")?)))
+                    .collect();
+                chart
+                    .draw_series(p.iter().map(|&q| Circle::new(q, 4, c.filled())))
+                    .map_err(|e| err(e.to_string()))?
+                    .label(name)
+                    .legend(move |(x, y)| Circle::new((x + 9, y), 4, c.filled()));
+            }
+            Ok(())
+        },
+    )?;
     Ok(Some(svg))
 }
 

@@ -206,22 +206,9 @@ impl std::fmt::Debug for FaultCluster {
 /// `Err` says why not (tests print it after "skipped:").
 pub fn namespaces_permitted() -> Result<(), String> {
     let name = format!("emf-probe-{}", std::process::id());
-    let run = |args: &[&str]| -> Result<(), String> {
-        let out = Command::new(args[0])
-            .args(&args[1..])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", args[0]))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "`{}` failed: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))
-        }
-    };
+    // `netns::cmd` names the program, its arguments and its stderr when it fails.
+    let run =
+        |args: &[&str]| crate::cluster::netns::cmd(args[0], &args[1..]).map_err(|e| e.to_string());
     run(&["ip", "netns", "add", &name])?;
     let r = run(&["ip", "netns", "exec", &name, "iptables", "-L", "-n"]).and_then(|_| {
         run(&[
