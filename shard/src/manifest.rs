@@ -248,3 +248,51 @@ pub fn check_file_name(name: &str) -> Result<(), String> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The manifest seed of the fuzz target (what `convert` writes, with made-up figures).
+    fn seed() -> String {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/manifest/demo.json");
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    /// The first layer's `rel_error_mean` replaced by the JSON number `number`.
+    fn with_error_mean(number: &str) -> String {
+        let text = seed();
+        let key = "\"rel_error_mean\": ";
+        let start = text.find(key).expect("the seed has a layer error") + key.len();
+        let end = start + text[start..].find([',', '}', '\n']).unwrap();
+        format!("{}{number}{}", &text[..start], &text[end..])
+    }
+
+    /// The fuzz target found it (a 72-digit mean error): a number is read correctly rounded, so
+    /// a manifest written back reads to the same manifest, bit for bit.
+    #[test]
+    fn figures_read_correctly_rounded_and_write_back_to_the_same_bits() {
+        let path = Path::new("manifest.json");
+        for number in [
+            "555505555555555555555555555555555555555555555555555555555555555555555550.0123",
+            "0.1",
+            "0.30000000000000004",
+            "2.2250738585072011e-308",
+            "4.9406564584124654e-324",
+            "1.7976931348623157e308",
+            "0.012345678901234567890123456789",
+            "9007199254740993",
+        ] {
+            let m = Manifest::parse(with_error_mean(number).as_bytes(), path).unwrap();
+            let want: f64 = number.parse().unwrap();
+            assert_eq!(
+                m.layers[0].rel_error_mean.to_bits(),
+                want.to_bits(),
+                "{number} read as {}",
+                m.layers[0].rel_error_mean
+            );
+            let again = Manifest::parse(&serde_json::to_vec(&m).unwrap(), path).unwrap();
+            assert_eq!(again, m, "{number}");
+        }
+    }
+}
