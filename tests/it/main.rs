@@ -27,6 +27,7 @@ mod faults;
 mod hf_support_check;
 #[cfg(feature = "hip")]
 mod hip_standin;
+mod main_job;
 mod metrics;
 mod models_from_hf;
 mod multi_router;
