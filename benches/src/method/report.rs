@@ -243,26 +243,14 @@ where
     Ok(svg)
 }
 
-/// A plot against the batch: [`log_x_chart`] with the batch on the x axis.
-fn batch_chart<Y>(
-    title: &str,
-    rows: &[&BenchResult],
-    y: Y,
-    y_axis: Axis<'_>,
-    legend: SeriesLabelPosition,
-    draw: impl for<'a, 'b> FnOnce(&mut LogXChart<'a, 'b, Y::CoordDescType>) -> Result<(), ReportError>,
-) -> Result<String, ReportError>
-where
-    Y: AsRangedCoord<Value = f64>,
-    Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
-{
-    let x_axis: Axis<'_> = ("batch (tokens per call / frame)", &|x| format!("{x:.0}"));
-    log_x_chart(
-        title,
-        (batch_range(rows), x_axis),
-        (y, y_axis),
-        legend,
-        draw,
+/// The x axis of a plot against the batch: every row's batch on a log scale.
+fn batch_x(rows: &[&BenchResult]) -> (std::ops::Range<f64>, Axis<'static>) {
+    fn label(x: &f64) -> String {
+        format!("{x:.0}")
+    }
+    (
+        batch_range(rows),
+        ("batch (tokens per call / frame)", &label),
     )
 }
 
@@ -303,11 +291,10 @@ fn ratio_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportError>
         .fold(1.1f64, f64::max)
         * 1.05;
     let y_fmt = |y: &f64| format!("{y:.2}");
-    batch_chart(
+    log_x_chart(
         title,
-        rows,
-        0f64..hi,
-        ("ratio", &y_fmt),
+        batch_x(rows),
+        (0f64..hi, ("ratio", &y_fmt)),
         SeriesLabelPosition::UpperRight,
         |chart| {
             let r = chart.x_range();
@@ -352,11 +339,10 @@ fn latency_plot(title: &str, rows: &[&BenchResult]) -> Result<String, ReportErro
     let err = plot_err(title);
     let y = log_bounds(rows.iter().flat_map(|r| [r.achieved, r.limit])).log_scale();
     let y_fmt = |y: &f64| format!("{y:.0}");
-    batch_chart(
+    log_x_chart(
         title,
-        rows,
-        y,
-        ("round trip, us", &y_fmt),
+        batch_x(rows),
+        (y, ("round trip, us", &y_fmt)),
         SeriesLabelPosition::UpperLeft,
         |chart| {
             for (i, (name, pts)) in series(rows).into_iter().enumerate() {
@@ -388,11 +374,10 @@ fn call_latency_plot(title: &str, rows: &[&BenchResult]) -> Result<String, Repor
     )
     .log_scale();
     let y_fmt = |y: &f64| format!("{y:.0}");
-    batch_chart(
+    log_x_chart(
         title,
-        rows,
-        y,
-        ("one call, us", &y_fmt),
+        batch_x(rows),
+        (y, ("one call, us", &y_fmt)),
         SeriesLabelPosition::UpperLeft,
         |chart| {
             for (i, (name, pts)) in series(rows).into_iter().enumerate() {
