@@ -1,7 +1,8 @@
 //! Writes the seed corpora under `fuzz/seeds/` for the current frame format: one valid frame
 //! of every kind (`decode_frame`), a handshake stream (`stream_protocol`), a sealed stream
-//! (`sealed_reader`), and authenticated transcripts recorded by running an honest peer
-//! against the fuzzed end's fixed nonce and keys (`frontend_handshake`, `mesh_handshake`).
+//! (`sealed_reader`), two small device shards (`shard_file`), and authenticated transcripts
+//! recorded by running an honest peer against the fuzzed end's fixed nonce and keys
+//! (`frontend_handshake`, `mesh_handshake`).
 //!
 //! Why this exists: seeds must be regenerated whenever the frame format or the handshake
 //! changes (a version bump makes every old seed stop at the header check). Run it from `fuzz/`:
@@ -12,9 +13,9 @@ use expertmesh_fuzz::{
     honest_exchange, mesh_config, run_frontend_input, run_mesh_input,
 };
 use expertmesh_transport::codec::{
-    self, Auth, Body, CLIENT_RANK, CodecConfig, Credit, Dispatch, ErrorCode, ErrorFrame,
-    ExpertResult, FORMAT_VERSION, Heartbeat, Hello, LayerRequest, LayerResponse, LinkInfo,
-    OutputLayout, ComputeMode, Placement, PlacementOp, encode_placement_entries,
+    self, Auth, Body, CLIENT_RANK, CodecConfig, ComputeMode, Credit, Dispatch, ErrorCode,
+    ErrorFrame, ExpertResult, FORMAT_VERSION, Heartbeat, Hello, LayerRequest, LayerResponse,
+    LinkInfo, OutputLayout, Placement, PlacementOp, encode_placement_entries,
 };
 use expertmesh_transport::crypto::{Key, Sealer};
 use expertmesh_transport::{ActivationDtype, OutputDtype};
@@ -56,14 +57,20 @@ fn every_kind() -> Vec<(Body, Vec<u8>)> {
         (hello(1, b"", ""), vec![]),
         (hello(CLIENT_RANK, b"", "fe-fuzz"), vec![]),
         (hello(2, b"shm:", ""), vec![]),
-        (Body::Auth(Auth {
-            mac: Some([4; 32]),
-            identity: Some([5; expertmesh_transport::codec::SEALED_IDENTITY_BYTES]),
-        }), vec![]),
-        (Body::Auth(Auth {
-            mac: None,
-            identity: None,
-        }), vec![]),
+        (
+            Body::Auth(Auth {
+                mac: Some([4; 32]),
+                identity: Some([5; expertmesh_transport::codec::SEALED_IDENTITY_BYTES]),
+            }),
+            vec![],
+        ),
+        (
+            Body::Auth(Auth {
+                mac: None,
+                identity: None,
+            }),
+            vec![],
+        ),
         (
             Body::LinkInfo(LinkInfo {
                 attachment: b"shm:/dev/shm/expertmesh-fuzz-1to0-1-00".to_vec(),
@@ -164,10 +171,13 @@ fn stream_protocol_seeds() {
     // ctl 0x3c: chunks of 15 bytes, no checksum, no credentials.
     let mut s = vec![0x3c];
     s.extend(frame(&hello(1, b"", ""), &[]));
-    s.extend(frame(&Body::Auth(Auth {
+    s.extend(frame(
+        &Body::Auth(Auth {
             mac: None,
             identity: None,
-        }), &[]));
+        }),
+        &[],
+    ));
     s.extend(frame(
         &Body::Heartbeat(Heartbeat {
             seq: 1,
@@ -258,10 +268,13 @@ fn frontend_seeds() {
         x.world_size = 1;
     }
     s.extend(frame(&h, &[]));
-    s.extend(frame(&Body::Auth(Auth {
+    s.extend(frame(
+        &Body::Auth(Auth {
             mac: None,
             identity: None,
-        }), &[]));
+        }),
+        &[],
+    ));
     write("frontend_handshake", "insecure00", &s);
     let mut big = frame(&layer_request(3), &[0u8; 3 * 16 * 4]);
     big.truncate(64);
@@ -282,10 +295,13 @@ fn frontend_socket_seeds() {
         x.fingerprint = [0; 32];
     }
     let mut s = frame(&h, &[]);
-    s.extend(frame(&Body::Auth(Auth {
+    s.extend(frame(
+        &Body::Auth(Auth {
             mac: None,
             identity: None,
-        }), &[]));
+        }),
+        &[],
+    ));
     let payload = vec![0x3e; 3 * 16 * 4];
     s.extend(frame(&layer_request(1), &payload));
     s.extend(frame(
@@ -367,7 +383,53 @@ fn rdma_link_info_seeds() {
     }
 }
 
+/// `shard_file`: two small device shards as `convert` writes them (G32 bf16 symmetric, and
+/// G128 f16 with zero points), each with two experts and a router tensor, so mutations start
+/// past the header check.
+fn shard_file_seeds() {
+    use expertmesh_quant::format::{QuantSpec, ScaleDtype};
+    use expertmesh_quant::synth::synthetic_expert;
+    use expertmesh_shard::file::{ShardIndex, ShardKind, ShardWriter};
+    let specs = [
+        QuantSpec::G32_BF16,
+        QuantSpec {
+            group_size: 128,
+            scale_dtype: ScaleDtype::F16,
+            zero_points: true,
+        },
+    ];
+    let dir = std::env::temp_dir().join(format!("gen-seeds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temporary folder");
+    for (i, quant) in specs.into_iter().enumerate() {
+        let path = dir.join(format!("seed{i}.shard"));
+        let index = ShardIndex {
+            kind: ShardKind::Device,
+            fingerprint: "fuzz".into(),
+            device: Some("local/cpu0".into()),
+            quant,
+            hidden: 128,
+            experts: Vec::new(),
+            tensors: Vec::new(),
+        };
+        let mut w = ShardWriter::create(&path, index).expect("create seed shard");
+        for e in 0..2u32 {
+            let x = synthetic_expert(quant, 128, 128, 7, 1, e).expect("synthetic expert");
+            w.add_expert(1, e, &x, 0.01).expect("add expert");
+        }
+        w.add_tensor_f32("layers.1.gate.weight", &[2, 2], &[1.0, -2.0, 0.5, 0.0])
+            .expect("add tensor");
+        w.finish().expect("finish seed shard");
+        write(
+            "shard_file",
+            &format!("seed{i}"),
+            &std::fs::read(&path).expect("read seed shard"),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn main() {
+    shard_file_seeds();
     decode_frame_seeds();
     stream_protocol_seeds();
     sealed_reader_seeds();
