@@ -4,9 +4,9 @@
 //! recorded by running an honest peer against the fuzzed end's fixed nonce and keys
 //! (`frontend_handshake`, `mesh_handshake`).
 //!
-//! Why this exists: seeds must be regenerated whenever the frame format or the handshake
-//! changes (a version bump makes every old seed stop at the header check). Run it from `fuzz/`:
-//! `cargo run --release --example gen_seeds`.
+//! Why this exists: seeds must be regenerated whenever the frame format, the handshake or the
+//! shard format changes (a version bump makes every old seed stop at the header check). Run it
+//! from `fuzz/`: `cargo run --release --example gen_seeds`.
 
 use expertmesh_fuzz::{
     FUZZED_NONCE, Fuzzed, PEER_NONCE, frontend_client_config, frontend_server_config,

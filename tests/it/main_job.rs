@@ -10,15 +10,24 @@
 use crate::support::root;
 use std::process::Command;
 
-/// MoE layers of demo-small.
-const LAYERS: usize = 4;
 /// The default batch sizes of `demo` (`--batches`).
 const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// Rounds this test runs (`--rounds`).
 const ROUNDS: usize = 2;
 
-/// Whether `line` is a log event at INFO or below (`<RFC 3339 time>  INFO target: message`).
+/// Whether `line` is a log event at INFO or below: `<RFC 3339 time>  INFO target: message`, or
+/// the JSON form (`EXPERTMESH_LOG_FORMAT=json`) with `"level":"INFO"`.
 fn is_chatty_log_line(line: &str) -> bool {
+    if [
+        "\"level\":\"INFO\"",
+        "\"level\":\"DEBUG\"",
+        "\"level\":\"TRACE\"",
+    ]
+    .iter()
+    .any(|l| line.contains(l))
+    {
+        return true;
+    }
     let mut words = line.split_whitespace();
     let (Some(time), Some(level)) = (words.next(), words.next()) else {
         return false;
@@ -36,8 +45,9 @@ fn the_main_job_checks_every_response_and_prints_a_report_without_log_lines() {
         .args(["demo", "--rounds", &ROUNDS.to_string(), "--json"])
         .arg(&json)
         .current_dir(root())
+        // The defaults a fresh machine runs with: the log level and format the user did not set.
         .env_remove("EXPERTMESH_LOG")
-        .env_remove("RUST_LOG")
+        .env_remove("EXPERTMESH_LOG_FORMAT")
         .output()
         .expect("run expertmesh demo");
     let (stdout, stderr) = (
@@ -45,8 +55,15 @@ fn the_main_job_checks_every_response_and_prints_a_report_without_log_lines() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
-    let calls = ROUNDS * LAYERS * BATCHES.len();
-    let tokens = ROUNDS * LAYERS * BATCHES.iter().sum::<usize>();
+    for bad in ["panicked", "stack backtrace"] {
+        assert!(!stderr.contains(bad), "{stderr}");
+    }
+    let layers = expertmesh_topology::model::preset_by_name("demo-small")
+        .unwrap()
+        .moe_layer_ids()
+        .len();
+    let calls = ROUNDS * layers * BATCHES.len();
+    let tokens = ROUNDS * layers * BATCHES.iter().sum::<usize>();
     assert!(
         stdout.contains(&format!(
             "checked: {calls} of {calls} responses bit-identical to the in-process reference"
@@ -81,12 +98,7 @@ fn the_main_job_checks_every_response_and_prints_a_report_without_log_lines() {
         .collect();
     assert_eq!(batches, BATCHES.map(|b| b as u64), "{v:#}");
     for b in per_batch {
-        assert_eq!(b["calls"].as_u64(), Some((ROUNDS * LAYERS) as u64), "{b}");
-        let (p50, p99) = (
-            b["latency_us_p50"].as_f64().unwrap(),
-            b["latency_us_p99"].as_f64().unwrap(),
-        );
-        assert!(p50 > 0.0 && p50 <= p99, "{b}");
+        assert_eq!(b["calls"].as_u64(), Some((ROUNDS * layers) as u64), "{b}");
     }
 }
 
@@ -100,6 +112,9 @@ fn a_log_line_is_told_from_a_report_line() {
     ));
     assert!(!is_chatty_log_line(
         "  checked: 8 of 8 responses bit-identical to the in-process reference"
+    ));
+    assert!(is_chatty_log_line(
+        r#"{"timestamp":"2026-12-04T22:46:49Z","level":"INFO","fields":{"message":"up"}}"#
     ));
     assert!(!is_chatty_log_line("demo OK"));
     assert!(!is_chatty_log_line(""));

@@ -17,7 +17,7 @@
 //! where the clients must run too ([`FaultCluster::client_namespace`]).
 
 use crate::BenchError;
-use crate::cluster::netns::{Emulation, Shaping};
+use crate::cluster::netns::{Emulation, Shaping, cmd};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -207,8 +207,7 @@ impl std::fmt::Debug for FaultCluster {
 pub fn namespaces_permitted() -> Result<(), String> {
     let name = format!("emf-probe-{}", std::process::id());
     // `netns::cmd` names the program, its arguments and its stderr when it fails.
-    let run =
-        |args: &[&str]| crate::cluster::netns::cmd(args[0], &args[1..]).map_err(|e| e.to_string());
+    let run = |args: &[&str]| cmd(args[0], &args[1..]).map_err(|e| e.to_string());
     run(&["ip", "netns", "add", &name])?;
     let r = run(&["ip", "netns", "exec", &name, "iptables", "-L", "-n"]).and_then(|_| {
         run(&[
@@ -583,7 +582,7 @@ impl FaultCluster {
         // once wait for it instead of failing (iptables-nft ignores the flag).
         for chain in chains {
             let dir = if *chain == "OUTPUT" { "-o" } else { "-i" };
-            crate::cluster::netns::cmd(
+            cmd(
                 "ip",
                 &[
                     "netns", "exec", &ns, "iptables", "-w", "-I", chain, dir, "eth0", "-j", "DROP",
@@ -596,7 +595,7 @@ impl FaultCluster {
     /// Remove every partition rule of worker `d`.
     pub fn heal(&self, d: usize) -> Result<(), BenchError> {
         let ns = self.worker_ns(d)?;
-        crate::cluster::netns::cmd("ip", &["netns", "exec", &ns, "iptables", "-w", "-F"])
+        cmd("ip", &["netns", "exec", &ns, "iptables", "-w", "-F"])
     }
 
     /// Throttle what worker `d` sends to `kbit` kbit/s (tc tbf with a deep queue: its answers
@@ -607,7 +606,7 @@ impl FaultCluster {
             Some(k) => (format!("{k}kbit"), "10s"),
             None => ("10000mbit".to_string(), "50ms"),
         };
-        crate::cluster::netns::cmd(
+        cmd(
             "ip",
             &[
                 "netns", "exec", &ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
