@@ -501,3 +501,43 @@ fn human_bytes(b: u64) -> String {
         format!("{b:.0} B")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Demo {
+        #[command(flatten)]
+        demo: DemoCli,
+    }
+
+    /// A wrong answer fails the reference check and, for a layer's first call, the oracle
+    /// check too: it is still one mismatch, so "checked N of M" never counts below zero.
+    #[test]
+    fn a_call_that_fails_both_checks_is_one_mismatch_and_a_right_one_none() {
+        let cli = Demo::parse_from(["demo", "--rounds", "1", "--batches", "1,2"]).demo;
+        let dir = tempfile::tempdir().unwrap();
+        let (topology, placement, _planned) =
+            local_files(dir.path(), None, &cli.model, None).unwrap();
+        let dep = Deployment::load(&topology, &cli.model, &placement, 42).unwrap();
+        let spec = &dep.spec;
+        let layers = spec.moe_layer_ids();
+        let mut calls = schedule(&cli, &layers, spec.hidden as usize);
+        // Even calls answered right (the scalar oracle), odd ones wrong everywhere.
+        let mut wrong = 0;
+        for (i, c) in calls.iter_mut().enumerate() {
+            let lw = reference::synthetic_layer(spec, dep.seed, c.layer).unwrap();
+            let (_, right) = reference::moe_layer(spec, &lw, &c.x, ComputeMode::Exact).unwrap();
+            c.out = Some(Ok(if i % 2 == 0 {
+                right
+            } else {
+                wrong += 1;
+                vec![f32::NAN; right.len()]
+            }));
+        }
+        let r = check_responses(&cli, &dep, &layers, &calls, ComputeMode::Exact).unwrap();
+        assert_eq!((r.mismatches, r.errors), (wrong, 0));
+    }
+}
