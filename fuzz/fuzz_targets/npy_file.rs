@@ -12,7 +12,10 @@ fuzz_target!(|data: &[u8]| {
     match parse("fuzz.npy", data) {
         Ok(a) => {
             assert_eq!(a.rows * a.cols, a.data.len(), "shape and data disagree");
-            assert!(a.data.len() * a.dtype.size() <= data.len(), "more data than bytes");
+            assert!(
+                a.data.len() * a.dtype.size() <= data.len(),
+                "more data than bytes"
+            );
             let again = parse("again.npy", &encode(a.rows, a.cols, &a.data, NpyDtype::F32))
                 .expect("an array written as f32 reads back");
             assert_eq!((again.rows, again.cols), (a.rows, a.cols));

@@ -3,11 +3,11 @@
 //! Run: `cargo +nightly fuzz run plan_inputs -- -max_total_time=60`.
 #![no_main]
 
-use expertmesh_topology::Topology;
-use expertmesh_topology::model::preset_by_name;
 use expertmesh_planner::calibrate::BenchFile;
 use expertmesh_planner::eplb;
 use expertmesh_planner::stats::{CoSelection, LoadStats};
+use expertmesh_topology::Topology;
+use expertmesh_topology::model::preset_by_name;
 use libfuzzer_sys::fuzz_target;
 use std::path::Path;
 
