@@ -1,6 +1,7 @@
 //! Writes the seed corpora under `fuzz/seeds/` for the current frame format: one valid frame
 //! of every kind (`decode_frame`), a handshake stream (`stream_protocol`), a sealed stream
-//! (`sealed_reader`), two small device shards (`shard_file`), and authenticated transcripts
+//! (`sealed_reader`), two small device shards (`shard_file`) and safetensors files
+//! (`safetensors_header`), and authenticated transcripts
 //! recorded by running an honest peer against the fuzzed end's fixed nonce and keys
 //! (`frontend_handshake`, `mesh_handshake`).
 //!
@@ -428,7 +429,23 @@ fn shard_file_seeds() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `safetensors_header`: small files as Hugging Face writes them (8-byte little-endian header
+/// length, the JSON header, the tensors' bytes), so mutations start from a valid header.
+fn safetensors_header_seeds() {
+    let headers = [
+        r#"{"__metadata__":{"format":"pt"},"model.layers.1.mlp.experts.0.gate_proj.weight":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"model.layers.1.mlp.gate.weight":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#,
+        r#"{"w":{"dtype":"F8_E4M3","shape":[4,4],"data_offsets":[0,16]},"w_scale_inv":{"dtype":"F32","shape":[1,1],"data_offsets":[16,20]},"e":{"dtype":"I64","shape":[0],"data_offsets":[20,20]}}"#,
+    ];
+    for (i, header) in headers.iter().enumerate() {
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend((0..20u8).map(|b| b.wrapping_mul(37)));
+        write("safetensors_header", &format!("seed{i}"), &file);
+    }
+}
+
 fn main() {
+    safetensors_header_seeds();
     shard_file_seeds();
     decode_frame_seeds();
     stream_protocol_seeds();
