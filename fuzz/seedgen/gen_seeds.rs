@@ -1,9 +1,8 @@
 //! Writes the seed corpora under `fuzz/seeds/` for the current frame format: one valid frame
 //! of every kind (`decode_frame`), a handshake stream (`stream_protocol`), a sealed stream
 //! (`sealed_reader`), two small device shards (`shard_file`) and safetensors files
-//! (`safetensors_header`), and authenticated transcripts
-//! recorded by running an honest peer against the fuzzed end's fixed nonce and keys
-//! (`frontend_handshake`, `mesh_handshake`).
+//! (`safetensors_header`), and authenticated transcripts recorded by running an honest peer
+//! against the fuzzed end's fixed nonce and keys (`frontend_handshake`, `mesh_handshake`).
 //!
 //! Why this exists: seeds must be regenerated whenever the frame format, the handshake or the
 //! shard format changes (a version bump makes every old seed stop at the header check). Run it
