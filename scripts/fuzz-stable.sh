@@ -60,6 +60,8 @@ crashed=()
 for t in "${TARGETS[@]}"; do
   corpus=$OUT/corpus/$t
   artifacts=$OUT/artifacts/$t
+  # FUZZ_RUNS starts from the seeds alone.
+  if [ -n "${FUZZ_RUNS:-}" ]; then rm -rf "$corpus"; fi
   mkdir -p "$corpus" "$artifacts"
   # Seeds join the corpus once (a corpus kept from earlier runs keeps what it found).
   for f in fuzz/seeds/"$t"/* $(example_seeds "$t"); do
@@ -67,9 +69,6 @@ for t in "${TARGETS[@]}"; do
   done
   log=$OUT/$t.log
   if [ -n "${FUZZ_RUNS:-}" ]; then
-    rm -rf "$corpus" && mkdir -p "$corpus"
-    if [ -d "fuzz/seeds/$t" ]; then cp "fuzz/seeds/$t"/* "$corpus"/; fi
-    for f in $(example_seeds "$t"); do cp "$f" "$corpus"/; done
     args=("$corpus" -runs="$FUZZ_RUNS" -seed=1 -max_len=65536)
   elif [ "$SECONDS_EACH" = 0 ]; then
     args=("$corpus"/*)
