@@ -422,16 +422,16 @@ fn a_killed_worker_is_detected_within_a_second_and_rejoins_within_a_second() {
     // Only cpu1 holds 16-31.
     let golden = confined(16, 51, 16, 31);
     let opts = drive_opts(&f, Duration::from_secs(5));
-    let warm = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 8);
+    let warm = golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 8);
     assert_eq!(Tally::of(&warm).ok, 8, "{}", describe(&warm));
     let killed = Instant::now();
     f.kill_worker(1);
-    let calls = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 1);
+    let calls = golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 1);
     let mut calls = calls;
     while !matches!(calls.last().map(|r| &r.outcome), Some(Outcome::Error(_)))
         && killed.elapsed() < Duration::from_secs(10)
     {
-        calls.extend(golden::drive_until(0, &opts, &golden, 0, &|n| n >= 1));
+        calls.extend(golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 1));
     }
     let t = Tally::of(&calls);
     assert_eq!((t.wrong, t.hangs), (0, 0), "{}", describe(&calls));
@@ -466,7 +466,7 @@ fn served_again(
     within: Duration,
 ) -> Option<Duration> {
     while ready.elapsed() < within {
-        let r = golden::drive_until(0, opts, golden, 0, &|n| n >= 1);
+        let r = golden::drive_until(0, opts, golden, 0, &|c| c.len() >= 1);
         let r = &r[0];
         assert_ne!(r.outcome, Outcome::Wrong);
         if r.outcome == Outcome::Ok {
@@ -483,19 +483,30 @@ fn served_again(
 fn partition_then_heal(f: &FaultCluster, w: usize, (lo, hi): (u32, u32), cut: Cut, secs: u64) {
     let golden = confined(16, 61 + w as u64, lo, hi);
     let opts = drive_opts(f, Duration::from_secs(2));
-    let stop = Arc::new(AtomicBool::new(false));
+    // Set at the heal. The client stops at its first success after it, or 4 s after it
+    // (twice the bound: a first success later than 2 s fails either way).
+    let healed_at = Arc::new(OnceLock::<Instant>::new());
     let client = {
-        let (opts, golden, stop) = (opts.clone(), Arc::clone(&golden), Arc::clone(&stop));
-        std::thread::spawn(move || golden::drive(0, &opts, &golden, 0, &stop))
+        let (opts, golden, healed_at) = (opts.clone(), Arc::clone(&golden), Arc::clone(&healed_at));
+        std::thread::spawn(move || {
+            golden::drive_until(0, &opts, &golden, 0, &|calls| {
+                healed_at.get().is_some_and(|&h| {
+                    h.elapsed() >= Duration::from_secs(4)
+                        || calls
+                            .iter()
+                            .rev()
+                            .take_while(|r| r.start >= h)
+                            .any(|r| r.outcome == Outcome::Ok)
+                })
+            })
+        })
     };
     std::thread::sleep(Duration::from_secs(1));
     f.partition(w, cut).unwrap();
     std::thread::sleep(Duration::from_secs(secs));
     f.heal(w).unwrap();
     let healed = Instant::now();
-    // Twice the bound: a first success later than 2 s fails either way.
-    std::thread::sleep(Duration::from_secs(4));
-    stop.store(true, Ordering::Relaxed);
+    healed_at.set(healed).expect("healed once");
     let records = client.join().unwrap();
     let t = Tally::of(&records);
     assert_eq!(
@@ -705,9 +716,9 @@ fn a_short_soak_reports_every_call_and_fault() {
             "bench",
             "soak",
             "--minutes",
-            "0.4",
+            "0.3",
             "--fault-every-s",
-            "5",
+            "3",
             "--seed",
             "7",
             "--net",
@@ -732,7 +743,7 @@ fn a_short_soak_reports_every_call_and_fault() {
     let faults = soak["faults"].as_array().unwrap();
     assert!(
         faults.len() >= 2,
-        "a fault about every 5 s in 24 s: {soak:#}"
+        "a fault about every 3 s in 18 s, each leaving 12 s to end: {soak:#}"
     );
     for f in faults {
         assert_eq!(
@@ -767,7 +778,7 @@ fn a_restarted_worker_rejoins_before_a_stalled_handshake_times_out_while_the_mes
     let mut f = s.fabric;
     let golden = confined(16, 57, 16, 31);
     let opts = drive_opts(&f, Duration::from_secs(5));
-    let warm = golden::drive_until(0, &opts, &golden, 0, &|n| n >= 4);
+    let warm = golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 4);
     assert_eq!(Tally::of(&warm).ok, 4, "{}", describe(&warm));
     let attack = crate::support::SlowLoris::start(f.router_mesh_addr(0), 8, 8, vec![0x45; 64]);
     attack.wait_connected(64);

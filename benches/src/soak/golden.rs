@@ -219,13 +219,13 @@ pub fn drive(
     drive_until(id, opts, golden, first, &|_| stop.load(Ordering::Relaxed))
 }
 
-/// [`drive`] until `done(calls so far)` says so.
+/// [`drive`] until `done(the calls so far)` says so (asked before each call).
 pub fn drive_until(
     id: usize,
     opts: &DriveOptions,
     golden: &Golden,
     first: usize,
-    done: &dyn Fn(usize) -> bool,
+    done: &dyn Fn(&[CallRecord]) -> bool,
 ) -> Vec<CallRecord> {
     let mut out = Vec::new();
     if let Some(ns) = &opts.namespace
@@ -249,7 +249,7 @@ pub fn drive_until(
     let mut client: Option<RouterClient> = None;
     let mut router = 0usize;
     let mut i = first;
-    while !done(out.len()) {
+    while !done(&out) {
         let case_ix = i % golden.cases.len();
         let case = &golden.cases[case_ix];
         let start = Instant::now();
