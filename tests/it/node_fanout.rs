@@ -31,7 +31,7 @@ fn start_in(mode: LayerMode) -> LocalFabric {
     start_with(mode, "tests/data/three-nodes-demo-small.placement.toml")
 }
 
-fn start_with(mode: LayerMode, placement: &str) -> LocalFabric {
+pub(crate) fn start_with(mode: LayerMode, placement: &str) -> LocalFabric {
     let mut o = LocalFabricOptions::new(
         root().join("tests/data/three-nodes.toml"),
         "demo-small",
@@ -115,9 +115,17 @@ fn a_shared_expert_on_a_remote_node_is_forwarded_too() {
 }
 
 fn remote_node_exact(fabric: LocalFabric) {
+    one_part_per_node_exact(&fabric);
+    fabric.shutdown();
+}
+
+/// Sequential calls of 1, 5 and 16 tokens to every MoE layer: each answer bit-identical to
+/// the in-process reference, and each batch sent as at most one part per node (per-node
+/// dedup: a remote node's devices are reached through its leader).
+pub(crate) fn one_part_per_node_exact(fabric: &LocalFabric) {
     let spec = fabric.deployment().spec.clone();
     let h = spec.hidden as usize;
-    let mut reference = Reference::new(&fabric);
+    let mut reference = Reference::new(fabric);
     let rt = rt();
     let mut client = rt
         .block_on(RouterClient::connect(
@@ -131,7 +139,7 @@ fn remote_node_exact(fabric: LocalFabric) {
         for tokens in [1usize, 5, 16] {
             let x = reference::synthetic_hidden(i as u64 * 31 + tokens as u64, tokens, h);
             let got = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
-            let (_, want) = reference.layer(&fabric, layer, &x);
+            let (_, want) = reference.layer(fabric, layer, &x);
             assert_eq!(bits(&got), want, "layer {layer} tokens {tokens}");
             calls += 1;
         }
@@ -145,7 +153,6 @@ fn remote_node_exact(fabric: LocalFabric) {
     // Four devices on three nodes: with per-node dedup a batch has at most one part per node.
     assert!(parts <= 3 * batches, "{parts} parts for {batches} batches");
     assert_eq!(s.failures, 0, "{s:?}");
-    fabric.shutdown();
 }
 
 /// Sends `n` calls of `tokens` tokens to the first MoE layer; returns (exact, wrong, errors with their messages).

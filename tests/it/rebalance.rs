@@ -17,6 +17,7 @@
 use crate::support::{bits, root, rt};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
+use expertmesh_router::core::LayerMode;
 use expertmesh_transport::frontend::FrontendConfig;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -600,4 +601,68 @@ fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_cal
         })
         .unwrap();
     assert!(next < predicted_gain, "{rounds:?}");
+}
+
+/// Live changes on a node that fans dispatches out to its devices (per-node dedup): experts
+/// move between node b's two devices and onto node b from node a, under checked pipelined
+/// load, and back. The node's devices tell each other what they serve, so its leader forwards
+/// by the new sets; a pair that reaches the leader before the announcement goes back to the
+/// router, which sends it to its owner directly. No call fails, none is wrong, and the node
+/// is still reached through its leader afterwards.
+#[test]
+fn live_changes_on_a_fanning_out_node_have_no_failed_and_no_wrong_call() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let fabric = crate::node_fanout::start_with(
+        LayerMode::Exact,
+        "tests/data/three-nodes-demo-small.placement.toml",
+    );
+    let topology = root().join("tests/data/three-nodes.toml");
+    let cases = cases(&fabric);
+    let addr = fabric.frontend_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = drive(
+        addr,
+        fabric.frontend_config(),
+        Arc::clone(&cases),
+        Arc::clone(&stop),
+    );
+    // a/cpu0 0-15, b/cpu1 16-23, b/cpu2 24-31, c/cpu3 24-31  ->  a/cpu0 0-11,
+    // b/cpu1 12-15 and 24-31, b/cpu2 16-23: per layer cpu1 gains 12 and loses 8, cpu2 gains
+    // 8 and loses 8, cpu0 loses 4.
+    let new = dir.path().join("moved.toml");
+    std::fs::write(
+        &new,
+        "format = 1\nmodel = \"demo-small\"\ncluster = \"three-nodes\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"a/cpu0\"\nexperts = \"0-11\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"b/cpu1\"\nexperts = \"12-15,24-31\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"b/cpu2\"\nexperts = \"16-23\"\n\n\
+         [[assign]]\nlayers = \"all\"\ndevice = \"c/cpu3\"\nexperts = \"24-31\"\n\n\
+         [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n",
+    )
+    .unwrap();
+    let r = rebalance(addr, &topology, &new);
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("80 experts loaded, 80 released"),
+        "{}",
+        r.stdout
+    );
+    let old = root().join("tests/data/three-nodes-demo-small.placement.toml");
+    let r = rebalance(addr, &topology, &old);
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("80 experts loaded, 80 released"),
+        "{}",
+        r.stdout
+    );
+    let r = rebalance(addr, &topology, &new);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    std::thread::sleep(Duration::from_millis(300));
+    stop_and_check(&stop, load);
+    // Sequential calls on the moved placement: exact, one part per node.
+    crate::node_fanout::one_part_per_node_exact(&fabric);
+    fabric.shutdown();
 }

@@ -12,6 +12,12 @@
 //! one result in the layout and dtype the router asked for and sends it back. The router sees
 //! one part answered by one device, as without dedup.
 //!
+//! Live placement changes: the node's devices tell each other what they serve (their
+//! `Holding` announcements), and the homes follow ([`ExpertHomes::set_held`]). A pair this
+//! leader finds on no device of its node, or that a peer no longer holds, fails its dispatch
+//! with `PeerUnavailable`: the router sends it to the owners directly (its view can be a step
+//! ahead of this leader's during a change).
+//!
 //! Numerics: per-slot rows are copied, so exact mode stays bit-identical (and exact-bf16 rounds
 //! each row once, after assembly, as a device would). Pre-combined rows are summed in a fixed
 //! order (the leader's share, then the peers' by rank), so a result does not depend on the
@@ -36,7 +42,7 @@ use expertmesh_transport::codec::{
 };
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::mesh::OutFrame;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 /// Where one expert of one layer is served, seen from one device.
@@ -51,10 +57,25 @@ enum Home {
 }
 
 /// Which experts a device serves itself and which its node peers serve, per layer.
+///
+/// It starts from the deployment's placement and follows live placement changes: each device
+/// of the node tells the others the routed experts it serves whenever that set changes
+/// ([`ExpertHomes::set_held`]), as it tells the routers. Between a change at the routers and
+/// its announcement here the two views can differ for a moment; a pair that then finds no
+/// device here is answered `PeerUnavailable`, which the router sends to its owner directly
+/// ([`NodeFanout::start`]). Shared experts on a device (pseudo-ids past the routed ones) do
+/// not move and keep their homes.
 #[derive(Clone, Debug, Default)]
 pub struct ExpertHomes {
     layers: HashMap<u32, Vec<Home>>,
     names: HashMap<u32, String>,
+    /// This device's mesh rank.
+    me: u32,
+    /// Routed experts per layer (the first ids of each layer's homes).
+    routed: u32,
+    /// The routed experts each device of the node serves (this one included), by mesh rank,
+    /// as last announced: the routed part of `layers` follows from them.
+    held: BTreeMap<u32, BTreeSet<(u32, u32)>>,
 }
 
 impl ExpertHomes {
@@ -97,7 +118,69 @@ impl ExpertHomes {
             .iter()
             .map(|x| (dep.mesh_rank(x.rank()), dep.device_label(x.rank())))
             .collect();
-        Self { layers, names }
+        let mut held: BTreeMap<u32, BTreeSet<(u32, u32)>> = topo
+            .devices()
+            .iter()
+            .filter(|x| same_node(x.rank()))
+            .map(|x| (dep.mesh_rank(x.rank()), BTreeSet::new()))
+            .collect();
+        for layer in dep.spec.moe_layer_ids() {
+            for e in 0..dep.spec.routed_experts {
+                for &o in dep.placement.owners(layer, e) {
+                    if let Some(set) = held.get_mut(&dep.mesh_rank(o)) {
+                        set.insert((layer, e));
+                    }
+                }
+            }
+        }
+        Self {
+            layers,
+            names,
+            me: dep.mesh_rank(d),
+            routed: dep.spec.routed_experts,
+            held,
+        }
+    }
+
+    /// Device `rank` of this node (this one included) now serves the routed `experts`
+    /// (layer, expert): the homes of every routed expert follow. A rank that is not on this
+    /// node, and layers or experts the model does not have, are ignored.
+    pub fn set_held(&mut self, rank: u32, experts: impl IntoIterator<Item = (u32, u32)>) {
+        let Some(set) = self.held.get_mut(&rank) else {
+            return;
+        };
+        *set = experts.into_iter().collect();
+        let me = self.me;
+        for (&layer, homes) in &mut self.layers {
+            for e in 0..self.routed.min(homes.len() as u32) {
+                let key = (layer, e);
+                homes[e as usize] = if self.held.get(&me).is_some_and(|s| s.contains(&key)) {
+                    Home::Local
+                } else {
+                    // BTreeMap order: ascending ranks.
+                    let peers: Vec<u32> = self
+                        .held
+                        .iter()
+                        .filter(|&(&r, s)| r != me && s.contains(&key))
+                        .map(|(&r, _)| r)
+                        .collect();
+                    if peers.is_empty() {
+                        Home::Elsewhere
+                    } else {
+                        Home::Peers(peers)
+                    }
+                };
+            }
+        }
+    }
+
+    /// The other devices of this node (mesh ranks, ascending).
+    pub fn node_peers(&self) -> Vec<u32> {
+        self.held
+            .keys()
+            .copied()
+            .filter(|&r| r != self.me)
+            .collect()
     }
 
     /// Whether every pair of `d` is for an expert this device holds (the usual case: no
@@ -219,6 +302,17 @@ impl NodeFanout {
         }
     }
 
+    /// Device `rank` of this node (this one included) now serves the routed `experts`
+    /// ([`ExpertHomes::set_held`]).
+    pub fn set_held(&mut self, rank: u32, experts: impl IntoIterator<Item = (u32, u32)>) {
+        self.homes.set_held(rank, experts);
+    }
+
+    /// The other devices of this node (mesh ranks, ascending).
+    pub fn node_peers(&self) -> Vec<u32> {
+        self.homes.node_peers()
+    }
+
     /// Whether `d` needs the node's other devices.
     pub fn needs_forwarding(&self, d: &Dispatch) -> bool {
         !self.homes.all_local(d)
@@ -232,7 +326,8 @@ impl NodeFanout {
     /// Splits router `from`'s dispatch `d` (which came on link generation `generation`) into
     /// this device's share and one share per peer (each pair to this device when it holds the
     /// expert, else to the lowest live peer of the node holding it). Fails naming the expert
-    /// when no live device of the node holds one.
+    /// when no live device of the node holds one (`PeerUnavailable`: the router then sends
+    /// the pairs to their owners directly) or the layer has no such expert (`NotFound`).
     pub fn start(
         &mut self,
         from: u32,
@@ -339,12 +434,19 @@ impl NodeFanout {
                         ),
                     }
                 }),
-                Some(Home::Elsewhere) | None => Err(ExecError {
-                    code: ErrorCode::NotFound,
+                // The router routes by a placement this leader has not heard of yet (a live
+                // change: the gaining device's announcement is on its way), or the two
+                // disagree: the router sends the pair to its owner directly.
+                Some(Home::Elsewhere) => Err(ExecError {
+                    code: ErrorCode::PeerUnavailable,
                     message: format!(
-                        "layer {} expert {e} is on no device of this node; the router and this worker disagree on the placement",
+                        "layer {} expert {e} is on no device of this node as its leader knows it (a placement change not announced here yet?)",
                         d.layer
                     ),
+                }),
+                None => Err(ExecError {
+                    code: ErrorCode::NotFound,
+                    message: format!("layer {} has no expert {e}", d.layer),
                 }),
             })
             .collect()
@@ -418,6 +520,14 @@ impl NodeFanout {
             }
             f.subs.remove(&request_id);
             let msg = format!("{} (node peer): {message}", f.homes.name(from));
+            // The peer no longer holds an expert this leader forwarded to it (it changed its
+            // set and its announcement had not arrived): the router sends the pairs to their
+            // owners directly, as for an unreachable peer.
+            let code = if code == ErrorCode::NotFound {
+                ErrorCode::PeerUnavailable
+            } else {
+                code
+            };
             f.fail(key, code, msg)
         })
     }
@@ -660,10 +770,78 @@ mod tests {
             Home::Peers(vec![6, 7]),
             Home::Elsewhere,
         ];
+        let mut held: BTreeMap<u32, BTreeSet<(u32, u32)>> =
+            [4, 5, 6, 7].map(|r| (r, BTreeSet::new())).into();
+        for (e, h) in layer.iter().enumerate() {
+            let ranks = match h {
+                Home::Local => vec![4],
+                Home::Peers(p) => p.clone(),
+                Home::Elsewhere => vec![],
+            };
+            for r in ranks {
+                held.get_mut(&r).unwrap().insert((0, e as u32));
+            }
+        }
         ExpertHomes {
             layers: HashMap::from([(0, layer)]),
             names: HashMap::from([(5, "b/cpu1".into()), (7, "b/cpu3".into())]),
+            me: 4,
+            routed: 6,
+            held,
         }
+    }
+
+    #[test]
+    fn homes_follow_the_sets_the_node_announces() {
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
+        assert_eq!(f.node_peers(), vec![5, 6, 7]);
+        // Peer 5 gives up expert 2 and takes expert 5; this device (rank 4) gives up expert 1
+        // and takes expert 3 (which peer 5 keeps too).
+        f.set_held(5, [(0, 3), (0, 5)]);
+        f.set_held(4, [(0, 0), (0, 3)]);
+        // A rank of another node, and an unknown layer or expert, change nothing.
+        f.set_held(9, [(0, 2)]);
+        f.set_held(6, [(0, 4), (3, 1), (0, 99)]);
+        let want = [
+            Home::Local,
+            Home::Elsewhere,
+            Home::Elsewhere,
+            Home::Local,
+            Home::Peers(vec![6, 7]),
+            Home::Peers(vec![5]),
+        ];
+        for (e, w) in want.iter().enumerate() {
+            assert_eq!(f.homes.home(0, e as u32), Some(w), "expert {e}");
+        }
+        // Expert 2 is now on no device of the node: the router sends it directly.
+        let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
+        let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::PeerUnavailable);
+        // Expert 5 goes to peer 5, expert 3 stays here.
+        let (d, p) = dispatch(&[2], &[3, 5], OutputLayout::PerSlot);
+        let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        assert_eq!(fwd.local.as_ref().unwrap().0.experts, vec![3]);
+        assert_eq!(fwd.remote.len(), 1);
+        assert_eq!(fwd.remote[0].0, 5);
+    }
+
+    #[test]
+    fn a_peer_that_no_longer_holds_a_forwarded_expert_sends_the_pairs_back_to_the_router() {
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
+        let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
+        let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        let (rank, frame) = &fwd.remote[0];
+        let Body::Dispatch(sub) = &frame.body else {
+            panic!("a dispatch")
+        };
+        let t = f
+            .on_error(*rank, sub.batch_id, ErrorCode::NotFound, "no expert 2 here")
+            .unwrap();
+        let Body::Error(e) = &t.frame.body else {
+            panic!("an error")
+        };
+        assert_eq!((e.request_id, e.code), (77, ErrorCode::PeerUnavailable));
+        assert!(e.message.contains("b/cpu1"), "{}", e.message);
     }
 
     /// A dispatch of `counts.len()` tokens whose f32 rows hold the token index.
@@ -788,11 +966,12 @@ mod tests {
     }
 
     #[test]
-    fn experts_without_a_live_home_on_the_node_are_refused() {
+    fn experts_without_a_live_home_on_the_node_go_back_to_the_router() {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[5], OutputLayout::PerSlot);
         let e = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap_err();
-        assert_eq!(e.code, ErrorCode::NotFound);
+        assert_eq!(e.code, ErrorCode::PeerUnavailable);
+        assert_eq!(f.pending(), 0);
         let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
         let e = f
             .start(9, 1, &d, &p, |_| false, Instant::now())

@@ -436,6 +436,8 @@ enum Input {
         frame: Placement,
         payload: Vec<u8>,
     },
+    /// A node peer's `Holding`: the routed experts it serves now (its fan-out homes follow).
+    PeerHolding { from: u32, experts: Vec<(u32, u32)> },
 }
 
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
@@ -672,6 +674,22 @@ impl ComputeCtx {
                         frame: p.clone(),
                         payload: f.payload().to_vec(),
                     },
+                    Body::Placement(p) if p.op == PlacementOp::Holding && self.fanout.is_some() => {
+                        match placement_entries(p, f.payload()) {
+                            Ok(entries) => Input::PeerHolding {
+                                from,
+                                experts: entries
+                                    .into_iter()
+                                    .filter(|&(r, _, _)| r == from)
+                                    .map(|(_, l, e)| (l, e))
+                                    .collect(),
+                            },
+                            Err(e) => {
+                                tracing::warn!(worker = %self.id, peer = name(from), error = %e, "a node peer's announcement was malformed; ignored");
+                                return;
+                            }
+                        }
+                    }
                     _ => return,
                 };
                 self.queue.push(from as usize, input);
@@ -682,6 +700,15 @@ impl ComputeCtx {
                 if peer < self.routers {
                     // First on the link: the router routes by what this device holds now.
                     self.announce_to(peer);
+                } else if self
+                    .fanout
+                    .as_ref()
+                    .is_some_and(|f| f.node_peers().contains(&peer))
+                {
+                    // A node peer (maybe restarted): it forwards by what this device holds now.
+                    let version = self.live.holdings.newest();
+                    let frame = self.holding_frame(version, "", 0);
+                    self.send_to_node_peer(peer, frame);
                 }
             }
             TransportEvent::PeerLost(e) => {
@@ -724,6 +751,12 @@ impl ComputeCtx {
                 frame,
                 payload,
             } => return self.placement(from, &frame, &payload),
+            Input::PeerHolding { from, experts } => {
+                if let Some(f) = self.fanout.as_mut() {
+                    f.set_held(from, experts);
+                }
+                return;
+            }
         };
         self.answer_routers(out);
     }
@@ -944,14 +977,6 @@ impl ComputeCtx {
     /// backend with a stager: this device serves meanwhile; [`ComputeCtx::poll_staging`]
     /// installs them), or loads them here between dispatches, and serves the new set.
     fn hold(&mut self, from: u32, p: &Placement, payload: &[u8]) -> Result<HoldOutcome, String> {
-        if self.fanout.is_some() {
-            return Err(
-                "this device's node fans dispatches out to its devices (per-node dedup), \
-                        whose expert map cannot change while serving yet; restart the node's \
-                        workers with the new placement"
-                    .into(),
-            );
-        }
         let entries = placement_entries(p, payload).map_err(|e| e.to_string())?;
         if let Some(&(r, l, e)) = entries.iter().find(|&&(r, _, _)| r != self.live.rank) {
             return Err(format!(
@@ -1097,6 +1122,30 @@ impl ComputeCtx {
         for r in self.connected_routers() {
             self.announce_frame(r, version, message, 0);
         }
+        // The node's devices forward by what each other serves (`fanout::ExpertHomes`).
+        let me = self.live.rank;
+        let serving = self.live.holdings.serving();
+        let Some(f) = self.fanout.as_mut() else {
+            return;
+        };
+        f.set_held(me, serving);
+        let peers = f.node_peers();
+        let frame = self.holding_frame(version, "", 0);
+        for peer in peers {
+            self.send_to_node_peer(peer, frame.clone());
+        }
+    }
+
+    /// Sends `frame` to node peer `peer` without waiting on it (the peer may itself be
+    /// waiting to send here, as for forwarded shares).
+    fn send_to_node_peer(&mut self, peer: u32, frame: OutFrame) {
+        self.metrics.on_sent(peer, &frame);
+        let mesh = self.mesh.clone();
+        self.handle.spawn(async move {
+            if let Err(e) = mesh.send(peer, &frame).await {
+                tracing::warn!(error = %e, "announcing this device's experts to a node peer failed");
+            }
+        });
     }
 
     /// Announces what this device serves to router `r` (its link came up), at the newest
@@ -1109,6 +1158,13 @@ impl ComputeCtx {
     /// Announces what this device serves to router `r` at `version`, with `message` (why a
     /// hold was refused) and `survey` (the survey it answers, 0: none).
     fn announce_frame(&mut self, r: u32, version: u64, message: &str, survey: u64) {
+        let frame = self.holding_frame(version, message, survey);
+        self.send_control(r, &frame, "announcing what this device holds");
+    }
+
+    /// The `Holding` frame announcing what this device serves at `version`, with `message`
+    /// and `survey` ([`Self::announce_frame`]).
+    fn holding_frame(&self, version: u64, message: &str, survey: u64) -> OutFrame {
         let serving = self.live.holdings.serving();
         let entries: Vec<(u32, u32, u32)> = serving
             .iter()
@@ -1117,11 +1173,10 @@ impl ComputeCtx {
         let mut body = Placement::new(PlacementOp::Holding, version, entries.len());
         body.message = message.to_owned();
         body.request_id = survey;
-        let frame = OutFrame::with_payload(
+        OutFrame::with_payload(
             Body::Placement(body),
             bytes::Bytes::from(encode_placement_entries(&entries)),
-        );
-        self.send_control(r, &frame, "announcing what this device holds");
+        )
     }
 
     /// Sends a placement frame to router `r`, in order behind what this thread sent it.
