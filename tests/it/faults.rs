@@ -427,12 +427,14 @@ fn a_killed_worker_is_detected_within_a_second_and_rejoins_within_a_second() {
     assert_eq!(Tally::of(&warm).ok, 8, "{}", describe(&warm));
     let killed = Instant::now();
     f.kill_worker(1);
-    let calls = golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 1);
+    let calls = golden::drive_until(0, &opts, &golden, 0, &|c| !c.is_empty());
     let mut calls = calls;
     while !matches!(calls.last().map(|r| &r.outcome), Some(Outcome::Error(_)))
         && killed.elapsed() < Duration::from_secs(10)
     {
-        calls.extend(golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 1));
+        calls.extend(golden::drive_until(0, &opts, &golden, 0, &|c| {
+            !c.is_empty()
+        }));
     }
     let t = Tally::of(&calls);
     assert_eq!((t.wrong, t.hangs), (0, 0), "{}", describe(&calls));
@@ -467,7 +469,7 @@ fn served_again(
     within: Duration,
 ) -> Option<Duration> {
     while ready.elapsed() < within {
-        let r = golden::drive_until(0, opts, golden, 0, &|c| c.len() >= 1);
+        let r = golden::drive_until(0, opts, golden, 0, &|c| !c.is_empty());
         let r = &r[0];
         assert_ne!(r.outcome, Outcome::Wrong);
         if r.outcome == Outcome::Ok {
