@@ -607,13 +607,13 @@ fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_cal
 /// move between node b's two devices and onto node b from node a, under checked pipelined
 /// load, and back. The node's devices tell each other what they serve, so its leader forwards
 /// by the new sets; a pair that reaches the leader before the announcement goes back to the
-/// router, which sends it to its owner directly. No call fails, none is wrong, and the node
-/// is still reached through its leader afterwards.
+/// router, which sends it to its owner directly. Then the node's leader is drained and its
+/// worker stopped. No call fails, none is wrong, and a batch is still one part per node.
 #[test]
 fn live_changes_on_a_fanning_out_node_have_no_failed_and_no_wrong_call() {
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
-    let fabric = crate::node_fanout::start_with(
+    let mut fabric = crate::node_fanout::start_with(
         LayerMode::Exact,
         "tests/data/three-nodes-demo-small.placement.toml",
     );
@@ -660,9 +660,30 @@ fn live_changes_on_a_fanning_out_node_have_no_failed_and_no_wrong_call() {
     );
     let r = rebalance(addr, &topology, &new);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    std::thread::sleep(Duration::from_millis(300));
+    // Drain node b's leader (the lowest device of the node a router plans for): its experts
+    // move away, node b is reached through b/cpu2 alone, and its worker stops.
+    let r = command_with(
+        "drain",
+        addr,
+        &topology,
+        &[
+            "--from".as_ref(),
+            new.as_os_str(),
+            "--device".as_ref(),
+            "b/cpu1".as_ref(),
+        ],
+    );
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("b/cpu1 serves nothing now"),
+        "{}",
+        r.stdout
+    );
+    fabric.kill_worker(1).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
     stop_and_check(&stop, load);
-    // Sequential calls on the moved placement: exact, one part per node.
+    // Sequential calls now: exact, one part per node.
     crate::node_fanout::one_part_per_node_exact(&fabric);
     fabric.shutdown();
 }
