@@ -102,17 +102,26 @@ fn stop_and_check(stop: &AtomicBool, load: JoinHandle<(usize, usize, usize, Opti
 /// A demo-small placement for examples/single-host-2routers.toml: cpu0 and cpu1 with these
 /// expert ranges on every layer, the shared expert on the router.
 fn placement(dir: &Path, name: &str, cpu0: &str, cpu1: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(
-        &path,
-        format!(
-            "format = 1\nmodel = \"demo-small\"\ncluster = \"single-host\"\n\n\
-             [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"{cpu0}\"\n\n\
-             [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"{cpu1}\"\n\n\
-             [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n"
-        ),
+    placement_of(
+        dir,
+        name,
+        "single-host",
+        &[("local/cpu0", cpu0), ("local/cpu1", cpu1)],
     )
-    .unwrap();
+}
+
+/// A demo-small placement file `name` in `dir` for topology `cluster`: each (device, expert
+/// ranges) on every layer, the shared expert on the router.
+fn placement_of(dir: &Path, name: &str, cluster: &str, assign: &[(&str, &str)]) -> PathBuf {
+    let mut text = format!("format = 1\nmodel = \"demo-small\"\ncluster = \"{cluster}\"\n\n");
+    for (device, experts) in assign {
+        text += &format!(
+            "[[assign]]\nlayers = \"all\"\ndevice = \"{device}\"\nexperts = \"{experts}\"\n\n"
+        );
+    }
+    text += "[[shared]]\nlayers = \"all\"\ndevice = \"router\"\n";
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
     path
 }
 
@@ -123,6 +132,15 @@ fn rebalance(router: SocketAddr, topology: &Path, placement: &Path) -> crate::su
         topology,
         &["--placement".as_ref(), placement.as_os_str()],
     )
+}
+
+/// Runs `expertmesh rebalance` against `router` to `placement` and checks that it applied,
+/// its answer naming `expect` (experts loaded and released, say).
+fn rebalance_applied(router: SocketAddr, topology: &Path, placement: &Path, expect: &str) {
+    let r = rebalance(router, topology, placement);
+    crate::support::say(&r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains(expect), "{}", r.stdout);
 }
 
 /// Runs `expertmesh rebalance` against `router` with `args` after the common ones.
@@ -424,21 +442,18 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
         Duration::from_millis(10),
         || fabric.router(0).unwrap().stats().holdings != announced,
     );
-    let path = dir.path().join("three.toml");
-    std::fs::write(
-        &path,
-        "format = 1\nmodel = \"demo-small\"\ncluster = \"single-host\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"0-10\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu1\"\nexperts = \"11-21\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"local/cpu2\"\nexperts = \"22-31\"\n\n\
-         [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n",
-    )
-    .unwrap();
-    let r = rebalance(addr, &topology, &path);
-    crate::support::say(&r.stdout);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let path = placement_of(
+        dir.path(),
+        "three.toml",
+        "single-host",
+        &[
+            ("local/cpu0", "0-10"),
+            ("local/cpu1", "11-21"),
+            ("local/cpu2", "22-31"),
+        ],
+    );
     // Per layer cpu2 gains 22-31 and cpu1 gains 11-15: 15 x 4 layers.
-    assert!(r.stdout.contains("60 experts loaded"), "{}", r.stdout);
+    rebalance_applied(addr, &topology, &path, "60 experts loaded");
     std::thread::sleep(Duration::from_millis(300));
     stop_and_check(&stop, load);
 }
@@ -630,36 +645,21 @@ fn live_changes_on_a_fanning_out_node_have_no_failed_and_no_wrong_call() {
     // a/cpu0 0-15, b/cpu1 16-23, b/cpu2 24-31, c/cpu3 24-31  ->  a/cpu0 0-11,
     // b/cpu1 12-15 and 24-31, b/cpu2 16-23: per layer cpu1 gains 12 and loses 8, cpu2 gains
     // 8 and loses 8, cpu0 loses 4.
-    let new = dir.path().join("moved.toml");
-    std::fs::write(
-        &new,
-        "format = 1\nmodel = \"demo-small\"\ncluster = \"three-nodes\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"a/cpu0\"\nexperts = \"0-11\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"b/cpu1\"\nexperts = \"12-15,24-31\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"b/cpu2\"\nexperts = \"16-23\"\n\n\
-         [[assign]]\nlayers = \"all\"\ndevice = \"c/cpu3\"\nexperts = \"24-31\"\n\n\
-         [[shared]]\nlayers = \"all\"\ndevice = \"router\"\n",
-    )
-    .unwrap();
-    let r = rebalance(addr, &topology, &new);
-    crate::support::say(&r.stdout);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    assert!(
-        r.stdout.contains("80 experts loaded, 80 released"),
-        "{}",
-        r.stdout
+    let new = placement_of(
+        dir.path(),
+        "moved.toml",
+        "three-nodes",
+        &[
+            ("a/cpu0", "0-11"),
+            ("b/cpu1", "12-15,24-31"),
+            ("b/cpu2", "16-23"),
+            ("c/cpu3", "24-31"),
+        ],
     );
+    rebalance_applied(addr, &topology, &new, "80 experts loaded, 80 released");
     let old = root().join("tests/data/three-nodes-demo-small.placement.toml");
-    let r = rebalance(addr, &topology, &old);
-    crate::support::say(&r.stdout);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    assert!(
-        r.stdout.contains("80 experts loaded, 80 released"),
-        "{}",
-        r.stdout
-    );
-    let r = rebalance(addr, &topology, &new);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    rebalance_applied(addr, &topology, &old, "80 experts loaded, 80 released");
+    rebalance_applied(addr, &topology, &new, "80 experts loaded, 80 released");
     // Drain node b's leader (the lowest device of the node a router plans for): its experts
     // move away, node b is reached through b/cpu2 alone, and its worker stops.
     let r = command_with(

@@ -752,19 +752,34 @@ mod tests {
         unsafe { std::ptr::read_unaligned(seg.data().add(at) as *const u64) }
     }
 
-    #[test]
-    fn an_empty_ring_starts_over_at_its_first_bytes_past_256_kib() {
+    /// A ring of `ring_bytes` in a fresh folder of /dev/shm, its producer, and a runtime for
+    /// the producer's writes; the folder is removed when the first value is dropped.
+    fn ring_pair(
+        ring_bytes: usize,
+    ) -> (
+        tempfile::TempDir,
+        RingConsumer,
+        RingProducer,
+        tokio::runtime::Runtime,
+    ) {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let cfg = ShmConfig {
             dir: dir.path().to_path_buf(),
-            ring_bytes: 4 << 20,
+            ring_bytes,
             spin_us: 0,
         };
         let ring = RingConsumer::create(&cfg, "w", 0, 1).unwrap();
-        let mut p = RingProducer::open(ring.path(), &cfg).unwrap();
+        let p = RingProducer::open(ring.path(), &cfg).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
             .build()
             .unwrap();
+        (dir, ring, p, rt)
+    }
+
+    #[test]
+    fn an_empty_ring_starts_over_at_its_first_bytes_past_256_kib() {
+        let (_dir, ring, mut p, rt) = ring_pair(4 << 20);
         let head = [7u8; 32];
         let payload = vec![1u8; 100 << 10];
         let record = (RECORD_HEADER + codec::align_up(32 + payload.len())) as u64;
@@ -794,18 +809,7 @@ mod tests {
 
     #[test]
     fn an_empty_ring_restarts_only_where_the_record_fits_before_the_skipped_end() {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let cfg = ShmConfig {
-            dir: dir.path().to_path_buf(),
-            ring_bytes: 8 << 20,
-            spin_us: 0,
-        };
-        let ring = RingConsumer::create(&cfg, "w", 0, 1).unwrap();
-        let mut p = RingProducer::open(ring.path(), &cfg).unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let (_dir, ring, mut p, rt) = ring_pair(8 << 20);
         let head = [7u8; 32];
         let small = vec![1u8; 300 << 10];
         let large = vec![1u8; 1 << 20];
