@@ -76,6 +76,9 @@ pub struct ExpertHomes {
     /// The routed experts each device of the node serves (this one included), by mesh rank,
     /// as last announced: the routed part of `layers` follows from them.
     held: BTreeMap<u32, BTreeSet<(u32, u32)>>,
+    /// The version of each device's last announcement taken over its current link (an older
+    /// one arriving late is ignored).
+    versions: BTreeMap<u32, u64>,
 }
 
 impl ExpertHomes {
@@ -139,16 +142,29 @@ impl ExpertHomes {
             me: dep.mesh_rank(d),
             routed: dep.spec.routed_experts,
             held,
+            versions: BTreeMap::new(),
         }
     }
 
-    /// Device `rank` of this node (this one included) now serves the routed `experts`
-    /// (layer, expert): the homes of every routed expert follow. A rank that is not on this
-    /// node, and layers or experts the model does not have, are ignored.
-    pub fn set_held(&mut self, rank: u32, experts: impl IntoIterator<Item = (u32, u32)>) {
+    /// Device `rank` of this node (this one included) serves the routed `experts` (layer,
+    /// expert) as of its placement `version`: the homes of every routed expert follow. An
+    /// announcement older than the last one taken from `rank` (announcements to node peers
+    /// are sent without waiting, so two can cross), a rank that is not on this node, and
+    /// layers or experts the model does not have are ignored.
+    pub fn set_held(
+        &mut self,
+        rank: u32,
+        version: u64,
+        experts: impl IntoIterator<Item = (u32, u32)>,
+    ) {
         let Some(set) = self.held.get_mut(&rank) else {
             return;
         };
+        let last = self.versions.entry(rank).or_insert(version);
+        if version < *last {
+            return;
+        }
+        *last = version;
         *set = experts.into_iter().collect();
         let me = self.me;
         for (&layer, homes) in &mut self.layers {
@@ -181,6 +197,12 @@ impl ExpertHomes {
             .copied()
             .filter(|&r| r != self.me)
             .collect()
+    }
+
+    /// Device `rank`'s link came up (again): its versions start over (a restarted worker
+    /// counts from 0); what it last announced stands until it announces again.
+    pub fn new_link(&mut self, rank: u32) {
+        self.versions.remove(&rank);
     }
 
     /// Whether every pair of `d` is for an expert this device holds (the usual case: no
@@ -302,10 +324,20 @@ impl NodeFanout {
         }
     }
 
-    /// Device `rank` of this node (this one included) now serves the routed `experts`
-    /// ([`ExpertHomes::set_held`]).
-    pub fn set_held(&mut self, rank: u32, experts: impl IntoIterator<Item = (u32, u32)>) {
-        self.homes.set_held(rank, experts);
+    /// Device `rank` of this node (this one included) serves the routed `experts` as of
+    /// `version` ([`ExpertHomes::set_held`]).
+    pub fn set_held(
+        &mut self,
+        rank: u32,
+        version: u64,
+        experts: impl IntoIterator<Item = (u32, u32)>,
+    ) {
+        self.homes.set_held(rank, version, experts);
+    }
+
+    /// Node peer `rank`'s link came up (again) ([`ExpertHomes::new_link`]).
+    pub fn new_link(&mut self, rank: u32) {
+        self.homes.new_link(rank);
     }
 
     /// The other devices of this node (mesh ranks, ascending).
@@ -788,6 +820,7 @@ mod tests {
             me: 4,
             routed: 6,
             held,
+            versions: BTreeMap::new(),
         }
     }
 
@@ -797,11 +830,13 @@ mod tests {
         assert_eq!(f.node_peers(), vec![5, 6, 7]);
         // Peer 5 gives up expert 2 and takes expert 5; this device (rank 4) gives up expert 1
         // and takes expert 3 (which peer 5 keeps too).
-        f.set_held(5, [(0, 3), (0, 5)]);
-        f.set_held(4, [(0, 0), (0, 3)]);
+        f.set_held(5, 2, [(0, 3), (0, 5)]);
+        f.set_held(4, 2, [(0, 0), (0, 3)]);
         // A rank of another node, and an unknown layer or expert, change nothing.
-        f.set_held(9, [(0, 2)]);
-        f.set_held(6, [(0, 4), (3, 1), (0, 99)]);
+        f.set_held(9, 2, [(0, 2)]);
+        f.set_held(6, 2, [(0, 4), (3, 1), (0, 99)]);
+        // An older announcement of peer 5 arriving late is ignored...
+        f.set_held(5, 1, [(0, 2), (0, 3)]);
         let want = [
             Home::Local,
             Home::Elsewhere,
@@ -823,6 +858,11 @@ mod tests {
         assert_eq!(fwd.local.as_ref().unwrap().0.experts, vec![3]);
         assert_eq!(fwd.remote.len(), 1);
         assert_eq!(fwd.remote[0].0, 5);
+        // ...unless its link came up again (a restarted worker counts from 0).
+        f.new_link(5);
+        f.set_held(5, 0, [(0, 2), (0, 3)]);
+        assert_eq!(f.homes.home(0, 2), Some(&Home::Peers(vec![5])));
+        assert_eq!(f.homes.home(0, 5), Some(&Home::Elsewhere));
     }
 
     #[test]

@@ -436,8 +436,13 @@ enum Input {
         frame: Placement,
         payload: Vec<u8>,
     },
-    /// A node peer's `Holding`: the routed experts it serves now (its fan-out homes follow).
-    PeerHolding { from: u32, experts: Vec<(u32, u32)> },
+    /// A node peer's `Holding`: the routed experts it serves as of `version` (its fan-out
+    /// homes follow).
+    PeerHolding {
+        from: u32,
+        version: u64,
+        experts: Vec<(u32, u32)>,
+    },
 }
 
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
@@ -678,6 +683,7 @@ impl ComputeCtx {
                         match placement_entries(p, f.payload()) {
                             Ok(entries) => Input::PeerHolding {
                                 from,
+                                version: p.version,
                                 experts: entries
                                     .into_iter()
                                     .filter(|&(r, _, _)| r == from)
@@ -705,7 +711,11 @@ impl ComputeCtx {
                     .as_ref()
                     .is_some_and(|f| f.node_peers().contains(&peer))
                 {
-                    // A node peer (maybe restarted): it forwards by what this device holds now.
+                    // A node peer (maybe restarted): it forwards by what this device holds now,
+                    // and its own announcements count from its new link on.
+                    if let Some(f) = self.fanout.as_mut() {
+                        f.new_link(peer);
+                    }
                     let version = self.live.holdings.newest();
                     let frame = self.holding_frame(version, "", 0);
                     self.send_to_node_peer(peer, frame);
@@ -751,9 +761,13 @@ impl ComputeCtx {
                 frame,
                 payload,
             } => return self.placement(from, &frame, &payload),
-            Input::PeerHolding { from, experts } => {
+            Input::PeerHolding {
+                from,
+                version,
+                experts,
+            } => {
                 if let Some(f) = self.fanout.as_mut() {
-                    f.set_held(from, experts);
+                    f.set_held(from, version, experts);
                 }
                 return;
             }
@@ -1128,7 +1142,7 @@ impl ComputeCtx {
         let Some(f) = self.fanout.as_mut() else {
             return;
         };
-        f.set_held(me, serving);
+        f.set_held(me, version, serving);
         let peers = f.node_peers();
         let frame = self.holding_frame(version, "", 0);
         for peer in peers {
