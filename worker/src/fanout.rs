@@ -165,28 +165,43 @@ impl ExpertHomes {
             return;
         }
         *last = version;
-        *set = experts.into_iter().collect();
-        let me = self.me;
-        for (&layer, homes) in &mut self.layers {
-            for e in 0..self.routed.min(homes.len() as u32) {
-                let key = (layer, e);
-                homes[e as usize] = if self.held.get(&me).is_some_and(|s| s.contains(&key)) {
-                    Home::Local
-                } else {
-                    // BTreeMap order: ascending ranks.
-                    let peers: Vec<u32> = self
-                        .held
-                        .iter()
-                        .filter(|&(&r, s)| r != me && s.contains(&key))
-                        .map(|(&r, _)| r)
-                        .collect();
-                    if peers.is_empty() {
-                        Home::Elsewhere
-                    } else {
-                        Home::Peers(peers)
-                    }
-                };
+        let new: BTreeSet<(u32, u32)> = experts.into_iter().collect();
+        // Only the experts this announcement adds or drops change home (a large model has
+        // tens of thousands of (layer, expert) pairs; a change moves a few).
+        let changed: Vec<(u32, u32)> = set.symmetric_difference(&new).copied().collect();
+        *set = new;
+        for (layer, e) in changed {
+            if e >= self.routed {
+                continue;
             }
+            let home = self.home_from_held(layer, e);
+            if let Some(slot) = self
+                .layers
+                .get_mut(&layer)
+                .and_then(|h| h.get_mut(e as usize))
+            {
+                *slot = home;
+            }
+        }
+    }
+
+    /// Where routed expert `e` of `layer` is, from what the node's devices announced.
+    fn home_from_held(&self, layer: u32, e: u32) -> Home {
+        let key = (layer, e);
+        if self.held.get(&self.me).is_some_and(|s| s.contains(&key)) {
+            return Home::Local;
+        }
+        // BTreeMap order: ascending ranks.
+        let peers: Vec<u32> = self
+            .held
+            .iter()
+            .filter(|&(&r, s)| r != self.me && s.contains(&key))
+            .map(|(&r, _)| r)
+            .collect();
+        if peers.is_empty() {
+            Home::Elsewhere
+        } else {
+            Home::Peers(peers)
         }
     }
 
@@ -847,6 +862,8 @@ mod tests {
         ];
         for (e, w) in want.iter().enumerate() {
             assert_eq!(f.homes.home(0, e as u32), Some(w), "expert {e}");
+            // The incremental update agrees with the homes computed from the sets afresh.
+            assert_eq!(w, &f.homes.home_from_held(0, e as u32), "expert {e}");
         }
         // Expert 2 is now on no device of the node: the router sends it directly.
         let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
