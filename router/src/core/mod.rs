@@ -470,8 +470,9 @@ impl RouterCore {
 
     /// A worker answered a dispatch with an error frame. Frames of another router incarnation
     /// are dropped, and so is the error of a part already answered or re-sent elsewhere (the
-    /// batch goes on). When a node's leader could not reach a node peer (`PeerUnavailable`
-    /// with per-node dedup on), its parts of the batch are sent again straight to the devices,
+    /// batch goes on). When a node's leader could not serve a part through its node
+    /// (`PeerUnavailable` with per-node dedup on: a peer unreachable, or a live placement
+    /// change the leader had not heard of yet), its parts are sent again straight to the devices,
     /// so the router's own view of them decides (a replica elsewhere, the device itself over
     /// its own link, or a clean error naming it). An error that is the device's own (internal,
     /// overloaded, an expert not loaded there, shutting down) counts against the device and

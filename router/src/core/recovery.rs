@@ -22,7 +22,8 @@ enum Resend {
     /// Its device has not answered in time: to other owners, and only when another live owner
     /// exists for all its experts (the device stays alive).
     Straggler,
-    /// Its node's leader could not reach a node peer: to the devices themselves, without
+    /// Its node's leader could not serve it through its node (a peer unreachable, or a live
+    /// placement change it had not heard of yet): to the devices themselves, without
     /// per-node dedup.
     WithoutDedup,
 }
@@ -112,7 +113,7 @@ impl RouterCore {
         if code == ErrorCode::PeerUnavailable && self.replicas.node_dedup {
             tracing::warn!(
                 leader = %self.name(from), message,
-                "a node leader could not reach a node peer; sending its share directly"
+                "a node leader could not serve its share through its node (a peer unreachable, or a placement change it had not heard of yet); sending it to the devices directly"
             );
             for i in parts {
                 self.redispatch(request_id, i, now, Resend::WithoutDedup);
