@@ -18,7 +18,7 @@ fi
 fraction=$1
 shift
 period=100000
-quota=$(python3 -c "import sys; f=float(sys.argv[1]); assert 0.01 <= f <= 64; print(int(f*$period))" "$fraction") || {
+quota=$(python3 -c "import sys; f=float(sys.argv[1]); assert 0.01 <= f <= 64; print(int(f*$period))" "$fraction" 2>/dev/null) || {
     echo "FRACTION must be a number in [0.01, 64]" >&2
     exit 2
 }
