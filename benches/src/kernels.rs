@@ -727,6 +727,35 @@ impl ModelBench {
     }
 }
 
+/// What one expert costs a CPU device of `threads` threads on this machine, measured: seconds
+/// to stream its weights once, and seconds per (token, expert) pair beyond that. From calls of
+/// one expert with 1 and with 8 tokens (a decode call's experts get a few tokens each), each on
+/// another expert of a pool at least twice the last-level cache, so the weights come from
+/// memory; medians of `reps` calls each. The cost model `bench rebalance` gives the planner
+/// for CPU devices, whose topology entries carry no int8 rate.
+pub(crate) fn cpu_expert_costs(
+    spec: &ModelSpec,
+    threads: usize,
+    reps: usize,
+) -> Result<(f64, f64), BenchError> {
+    let llc = membw::last_level_cache_bytes();
+    let pool_bytes = (2 * llc).max(64 << 20);
+    let isa = expertmesh_cpu_backend::kernels::Isa::detect();
+    let mut m = ModelBench::load(spec, threads, None, isa, pool_bytes, 8)?;
+    let mut median_s = |tokens: usize| -> Result<f64, BenchError> {
+        m.call(Kind::Prefill(tokens))?; // warm-up
+        let mut s = (0..reps.max(1))
+            .map(|_| m.call(Kind::Prefill(tokens)).map(|c| c.secs))
+            .collect::<Result<Vec<f64>, _>>()?;
+        s.sort_by(f64::total_cmp);
+        Ok(s[s.len() / 2])
+    };
+    let one = median_s(1)?;
+    let eight = median_s(8)?;
+    let per_pair = ((eight - one) / 7.0).max(1e-9);
+    Ok(((one - per_pair).max(1e-9), per_pair))
+}
+
 /// One measured case: a model, what it runs, and its interleaved samples.
 struct Case {
     model: usize,

@@ -89,6 +89,41 @@ impl<'a> Evaluator<'a> {
         self.roofline_report(batch, concurrency, k.c * k.b, &sums)
     }
 
+    /// Tokens per second through the MoE layers when every device does its weight reads and
+    /// its arithmetic one after the other and the devices alone bind: per layer, the busiest
+    /// device's expected time for one call of `batch` tokens, each expert slot it holds
+    /// streamed whole when the call touches it (`1 − (1 − q)^B`) plus its pairs' int8
+    /// operations, summed over layers. This is how a CPU core runs a batch (its kernels stream
+    /// each touched expert and compute on it in the same pass: neither hides the other), where
+    /// [`Self::roofline`] takes the larger of the busiest memory and the busiest compute time.
+    /// A device without `int8_tops` counts memory only. Network and latency are left out: the
+    /// figure is for comparing placements on the same devices (a rebalance's predicted gain).
+    pub fn device_serial_tokens_per_s(&self, hw: &Hardware, batch: usize) -> f64 {
+        let b = batch.max(1) as f64;
+        let s_bytes = self.model.expert_bytes() as f64;
+        let shared_bytes =
+            self.model.shared_experts as f64 * self.model.shared_expert_bytes() as f64;
+        let ops_per_pair = 2.0 * self.model.expert_params() as f64;
+        let mut step = 0.0;
+        for f in &self.layers {
+            let mut busiest: f64 = 0.0;
+            for (d, slots) in f.slot_q.iter().enumerate() {
+                let touched: f64 = slots.iter().map(|&q| 1.0 - (1.0 - q).powf(b)).sum();
+                let mut bytes = s_bytes * touched;
+                if f.shared_on == Some(d) {
+                    bytes += shared_bytes;
+                }
+                let memory = bytes / (hw.device_bandwidth_gb_s[d].max(1e-12) * 1e9);
+                let compute = hw.device_int8_tops[d].map_or(0.0, |t| {
+                    ops_per_pair * b * f.pairs[d] / (t.max(1e-12) * 1e12)
+                });
+                busiest = busiest.max(memory + compute);
+            }
+            step += busiest;
+        }
+        if step > 0.0 { b / step } else { 0.0 }
+    }
+
     /// Roofline step: tokens/s, the bottleneck, the terms, the busiest device and NIC, and
     /// cost, from the per-layer sums (`tokens_per_step` = C × B).
     pub(super) fn roofline_report(

@@ -67,6 +67,21 @@ fn roofline_terms_match_closed_forms() {
         let cost = 64.0 / (r.tokens_per_s * 3600.0) * 1e6;
         assert!((r.usd_per_million_tokens.unwrap() - cost).abs() < 1e-9 * cost);
     }
+    // Weight reads and arithmetic one after the other on each device: 12 slots per device,
+    // each streamed when touched, plus its 12 q pairs per token of int8 arithmetic.
+    for b in [1usize, 16, 256] {
+        let bf = b as f64;
+        let memory = 12.0 * (1.0 - (1.0 - q).powf(bf)) * s / 5300e9;
+        let compute = 2.0 * m.expert_params() as f64 * bf * 12.0 * q / 2614.9e12;
+        let want = bf / (layers * (memory + compute));
+        let got = ev.device_serial_tokens_per_s(&hw, b);
+        assert!((got - want).abs() < 1e-9 * want, "B={b}: {got} vs {want}");
+        // Slower than memory or compute alone (the roofline's terms: they overlap there).
+        let r = ev.roofline(&hw, b, 1);
+        for t in [r.terms.memory_ms, r.terms.compute_ms] {
+            assert!(got < bf / (t / 1e3), "B={b}");
+        }
+    }
     let tr = ev.evaluate(&hw).traffic;
     let remote = 3.0 * (1.0 - miss(96.0));
     assert!((tr.remote_nodes_per_token - remote).abs() < 1e-12);
