@@ -118,25 +118,7 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     let planned = plan_for(topo, spec, &stats)?;
     let predicted = expertmesh_planner::busiest_load(topo, spec, &served, &stats)
         / expertmesh_planner::busiest_load(topo, spec, &planned, &stats).max(1e-9);
-    // The devices' cost per expert, measured here before the fabric starts: the planner's
-    // device-time model needs a CPU device's int8 rate, which the topology does not give.
-    let threads = topo
-        .devices()
-        .first()
-        .and_then(|d| d.threads())
-        .map_or(1, |t| t as usize);
-    let (stream_s, pair_s) = crate::kernels::cpu_expert_costs(spec, threads, 9)?;
-    let mut calibrated = expertmesh_planner::evaluate::Hardware::from_topology(topo);
-    let ops_per_pair = 2.0 * spec.expert_params() as f64;
-    for d in 0..calibrated.device_bandwidth_gb_s.len() {
-        calibrated.device_bandwidth_gb_s[d] = spec.expert_bytes() as f64 / stream_s / 1e9;
-        calibrated.device_int8_tops[d] = Some(ops_per_pair / pair_s / 1e12);
-    }
-    println!(
-        "one expert on {threads} thread(s): {:.2} ms to stream, {:.3} ms per pair",
-        stream_s * 1e3,
-        pair_s * 1e3
-    );
+    let (calibrated, stream_s, pair_s) = calibrated_hardware(topo, spec)?;
     let mut report = BenchReport::new();
     let extra = &mut report.machine.extra;
     extra.insert("model".into(), spec.name.clone().into());
@@ -215,6 +197,34 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     }
     fabric.shutdown();
     Ok(report)
+}
+
+/// The topology's hardware figures with every (CPU) device's memory and int8 rates from one
+/// expert's costs measured here on a device's threads (`kernels::cpu_expert_costs`): the
+/// planner's device-time model needs a CPU device's int8 rate, which the topology does not
+/// give. Also returns the costs (seconds to stream one expert, seconds per further pair).
+fn calibrated_hardware(
+    topo: &Topology,
+    spec: &ModelSpec,
+) -> Result<(expertmesh_planner::evaluate::Hardware, f64, f64), BenchError> {
+    let threads = topo
+        .devices()
+        .first()
+        .and_then(|d| d.threads())
+        .map_or(1, |t| t as usize);
+    let (stream_s, pair_s) = crate::kernels::cpu_expert_costs(spec, threads, 9)?;
+    let mut hw = expertmesh_planner::evaluate::Hardware::from_topology(topo);
+    let ops_per_pair = 2.0 * spec.expert_params() as f64;
+    for d in 0..hw.device_bandwidth_gb_s.len() {
+        hw.device_bandwidth_gb_s[d] = spec.expert_bytes() as f64 / stream_s / 1e9;
+        hw.device_int8_tops[d] = Some(ops_per_pair / pair_s / 1e12);
+    }
+    println!(
+        "one expert on {threads} thread(s): {:.2} ms to stream, {:.3} ms per pair",
+        stream_s * 1e3,
+        pair_s * 1e3
+    );
+    Ok((hw, stream_s, pair_s))
 }
 
 /// The model `--model` names: a preset or file as given, or `wide` written to `dir`.
