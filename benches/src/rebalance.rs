@@ -151,31 +151,27 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     let entries = expertmesh_planner::transition::placement_mesh_entries(topo, spec, &planned);
     let (applied, during) = drive.apply_under_load(&entries, maxb)?;
     record_change(&mut report, &applied, &during, spec.expert_bytes());
-    let hw = expertmesh_planner::evaluate::Hardware::from_topology(topo);
-    let roofline = |p: &Placement, b: usize| {
-        expertmesh_planner::evaluate::Evaluator::new(topo, spec, p, Some(&stats), None, 0)
-            .roofline(&hw, b, o.clients)
-            .tokens_per_s
-    };
-    let device_time = |p: &Placement, b: usize| {
-        expertmesh_planner::evaluate::Evaluator::new(topo, spec, p, Some(&stats), None, 0)
-            .device_serial_tokens_per_s(&calibrated, b)
+    let change = Change {
+        topo,
+        spec,
+        stats: &stats,
+        served: &served,
+        planned: &planned,
     };
     for (i, &b) in o.batches.iter().enumerate() {
         let after = drive.measure(b, Duration::from_secs_f64(o.seconds), o.clients, None)?;
         let gain = after.tokens_per_s / before[i].tokens_per_s.max(1e-9);
-        let roof = roofline(&planned, b) / roofline(&served, b).max(1e-9);
-        let model = device_time(&planned, b) / device_time(&served, b).max(1e-9);
+        let p = change.predictions(b, o.clients, &calibrated, predicted);
         println!(
-            "batch {b:>3}: {:.0} -> {:.0} tokens/s, gain {gain:.2} (device-time model {model:.2}, pairs {predicted:.2}, roofline {roof:.2}); p99 {:.1} -> {:.1} ms",
-            before[i].tokens_per_s, after.tokens_per_s, before[i].p99_ms, after.p99_ms
+            "batch {b:>3}: {:.0} -> {:.0} tokens/s, gain {gain:.2} (device-time model {:.2}, pairs {predicted:.2}, roofline {:.2}); p99 {:.1} -> {:.1} ms",
+            before[i].tokens_per_s,
+            after.tokens_per_s,
+            p.device_time,
+            p.roofline,
+            before[i].p99_ms,
+            after.p99_ms
         );
-        let predictions = Predictions {
-            device_time: model,
-            pairs: predicted,
-            roofline: roof,
-        };
-        let row = gain_row(&spec.name, b, &before[i], &after, &predictions);
+        let row = gain_row(&spec.name, b, &before[i], &after, &p);
         report.results.push(row);
         if b == maxb {
             report.results.push(
@@ -235,6 +231,42 @@ fn model_arg(model: &str, dir: &std::path::Path) -> Result<String, BenchError> {
     let p = dir.join("rebalance-wide.model.toml");
     std::fs::write(&p, WIDE_MODEL)?;
     Ok(p.to_string_lossy().into_owned())
+}
+
+/// A placement change the planner predicts the gain of.
+struct Change<'a> {
+    topo: &'a Topology,
+    spec: &'a ModelSpec,
+    stats: &'a LoadStats,
+    served: &'a Placement,
+    planned: &'a Placement,
+}
+
+impl Change<'_> {
+    /// The predicted gains at `batch` tokens per call and `clients` calls in flight:
+    /// the device-time model on `calibrated` figures, `pairs` as given, and the roofline on
+    /// the topology's figures.
+    fn predictions(
+        &self,
+        batch: usize,
+        clients: usize,
+        calibrated: &expertmesh_planner::evaluate::Hardware,
+        pairs: f64,
+    ) -> Predictions {
+        use expertmesh_planner::evaluate::{Evaluator, Hardware};
+        let hw = Hardware::from_topology(self.topo);
+        let ev = |p: &Placement| Evaluator::new(self.topo, self.spec, p, Some(self.stats), None, 0);
+        let (before, after) = (ev(self.served), ev(self.planned));
+        Predictions {
+            device_time: after.device_serial_tokens_per_s(calibrated, batch)
+                / before
+                    .device_serial_tokens_per_s(calibrated, batch)
+                    .max(1e-9),
+            pairs,
+            roofline: after.roofline(&hw, batch, clients).tokens_per_s
+                / before.roofline(&hw, batch, clients).tokens_per_s.max(1e-9),
+        }
+    }
 }
 
 /// The planner's predicted gains of a change at one batch size.
