@@ -96,8 +96,10 @@ impl<'a> Evaluator<'a> {
     /// operations, summed over layers. This is how a CPU core runs a batch (its kernels stream
     /// each touched expert and compute on it in the same pass: neither hides the other), where
     /// [`Self::roofline`] takes the larger of the busiest memory and the busiest compute time.
-    /// A device without `int8_tops` counts memory only. Network and latency are left out: the
-    /// figure is for comparing placements on the same devices (a rebalance's predicted gain).
+    /// A device without `int8_tops` counts memory only; a device holding the shared experts
+    /// streams them on every call (their arithmetic is not counted, as in the roofline's
+    /// compute term). Network and latency are left out: the figure is for comparing
+    /// placements on the same devices (a rebalance's predicted gain).
     pub fn device_serial_tokens_per_s(&self, hw: &Hardware, batch: usize) -> f64 {
         let b = batch.max(1) as f64;
         let s_bytes = self.model.expert_bytes() as f64;
