@@ -731,15 +731,20 @@ impl ModelBench {
 /// to stream its weights once, and seconds per (token, expert) pair beyond that. From calls of
 /// one expert with 1 and with 8 tokens (a decode call's experts get a few tokens each), each on
 /// another expert of a pool at least twice the last-level cache, so the weights come from
-/// memory; medians of `reps` calls each. The cost model `bench rebalance` gives the planner
-/// for CPU devices, whose topology entries carry no int8 rate.
+/// memory; medians of `reps` calls each. The pool takes at most a quarter of the memory the
+/// machine has available (then fewer experts, some maybe cached: the stream cost reads low).
+/// The cost model `bench rebalance` gives the planner for CPU devices, whose topology entries
+/// carry no int8 rate.
 pub(crate) fn cpu_expert_costs(
     spec: &ModelSpec,
     threads: usize,
     reps: usize,
 ) -> Result<(f64, f64), BenchError> {
     let llc = membw::last_level_cache_bytes();
-    let pool_bytes = (2 * llc).max(64 << 20);
+    let mut pool_bytes = (2 * llc).max(64 << 20);
+    if let Some(available) = machine::memory_available_bytes() {
+        pool_bytes = pool_bytes.min(available / 4);
+    }
     let isa = expertmesh_cpu_backend::kernels::Isa::detect();
     let mut m = ModelBench::load(spec, threads, None, isa, pool_bytes, 8)?;
     let mut median_s = |tokens: usize| -> Result<f64, BenchError> {
