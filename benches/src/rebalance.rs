@@ -36,6 +36,7 @@
 use crate::BenchError;
 use crate::method::json::{BenchReport, BenchResult};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
+use expertmesh_planner::evaluate::{Evaluator, Hardware};
 use expertmesh_planner::stats::LoadStats;
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::client::placement::{Applied, apply_placement};
@@ -151,17 +152,11 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
     let entries = expertmesh_planner::transition::placement_mesh_entries(topo, spec, &planned);
     let (applied, during) = drive.apply_under_load(&entries, maxb)?;
     record_change(&mut report, &applied, &during, spec.expert_bytes());
-    let change = Change {
-        topo,
-        spec,
-        stats: &stats,
-        served: &served,
-        planned: &planned,
-    };
+    let change = Change::new(topo, spec, &stats, &served, &planned, calibrated, predicted);
     for (i, &b) in o.batches.iter().enumerate() {
         let after = drive.measure(b, Duration::from_secs_f64(o.seconds), o.clients, None)?;
         let gain = after.tokens_per_s / before[i].tokens_per_s.max(1e-9);
-        let p = change.predictions(b, o.clients, &calibrated, predicted);
+        let p = change.predictions(b, o.clients);
         println!(
             "batch {b:>3}: {:.0} -> {:.0} tokens/s, gain {gain:.2} (device-time model {:.2}, pairs {predicted:.2}, roofline {:.2}); p99 {:.1} -> {:.1} ms",
             before[i].tokens_per_s,
@@ -202,14 +197,14 @@ pub fn run(o: &RebalanceBenchOptions) -> Result<BenchReport, BenchError> {
 fn calibrated_hardware(
     topo: &Topology,
     spec: &ModelSpec,
-) -> Result<(expertmesh_planner::evaluate::Hardware, f64, f64), BenchError> {
+) -> Result<(Hardware, f64, f64), BenchError> {
     let threads = topo
         .devices()
         .first()
         .and_then(|d| d.threads())
         .map_or(1, |t| t as usize);
     let (stream_s, pair_s) = crate::kernels::cpu_expert_costs(spec, threads, 9)?;
-    let mut hw = expertmesh_planner::evaluate::Hardware::from_topology(topo);
+    let mut hw = Hardware::from_topology(topo);
     let ops_per_pair = 2.0 * spec.expert_params() as f64;
     for d in 0..hw.device_bandwidth_gb_s.len() {
         hw.device_bandwidth_gb_s[d] = spec.expert_bytes() as f64 / stream_s / 1e9;
@@ -235,36 +230,45 @@ fn model_arg(model: &str, dir: &std::path::Path) -> Result<String, BenchError> {
 
 /// A placement change the planner predicts the gain of.
 struct Change<'a> {
-    topo: &'a Topology,
-    spec: &'a ModelSpec,
-    stats: &'a LoadStats,
-    served: &'a Placement,
-    planned: &'a Placement,
+    /// The planner's view of the placement served before the change and of the planned one.
+    before: Evaluator<'a>,
+    after: Evaluator<'a>,
+    /// The topology's hardware figures (the roofline) and the costs measured here (the
+    /// device-time model).
+    topology_hw: Hardware,
+    calibrated: Hardware,
+    /// The pairs model's gain (no batch size in it).
+    pairs: f64,
 }
 
-impl Change<'_> {
-    /// The predicted gains at `batch` tokens per call and `clients` calls in flight:
-    /// the device-time model on `calibrated` figures, `pairs` as given, and the roofline on
-    /// the topology's figures.
-    fn predictions(
-        &self,
-        batch: usize,
-        clients: usize,
-        calibrated: &expertmesh_planner::evaluate::Hardware,
+impl<'a> Change<'a> {
+    fn new(
+        topo: &'a Topology,
+        spec: &'a ModelSpec,
+        stats: &LoadStats,
+        served: &Placement,
+        planned: &Placement,
+        calibrated: Hardware,
         pairs: f64,
-    ) -> Predictions {
-        use expertmesh_planner::evaluate::{Evaluator, Hardware};
-        let hw = Hardware::from_topology(self.topo);
-        let ev = |p: &Placement| Evaluator::new(self.topo, self.spec, p, Some(self.stats), None, 0);
-        let (before, after) = (ev(self.served), ev(self.planned));
-        Predictions {
-            device_time: after.device_serial_tokens_per_s(calibrated, batch)
-                / before
-                    .device_serial_tokens_per_s(calibrated, batch)
-                    .max(1e-9),
+    ) -> Self {
+        let ev = |p: &Placement| Evaluator::new(topo, spec, p, Some(stats), None, 0);
+        Change {
+            before: ev(served),
+            after: ev(planned),
+            topology_hw: Hardware::from_topology(topo),
+            calibrated,
             pairs,
-            roofline: after.roofline(&hw, batch, clients).tokens_per_s
-                / before.roofline(&hw, batch, clients).tokens_per_s.max(1e-9),
+        }
+    }
+
+    /// The predicted gains at `batch` tokens per call and `clients` calls in flight.
+    fn predictions(&self, batch: usize, clients: usize) -> Predictions {
+        let model = |e: &Evaluator| e.device_serial_tokens_per_s(&self.calibrated, batch);
+        let roofline = |e: &Evaluator| e.roofline(&self.topology_hw, batch, clients).tokens_per_s;
+        Predictions {
+            device_time: model(&self.after) / model(&self.before).max(1e-9),
+            pairs: self.pairs,
+            roofline: roofline(&self.after) / roofline(&self.before).max(1e-9),
         }
     }
 }

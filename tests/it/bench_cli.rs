@@ -466,14 +466,15 @@ fn rebalance_bench_records_the_change_and_the_predicted_gain() {
     assert_eq!(gains.len(), 2);
     for row in gains {
         // The machine's figure is the pairs model's; each row's reference is the device-time
-        // model with the costs measured in the run (a gain too, the plan spreads the load).
+        // model with the costs measured in the run (its value depends on those costs, so
+        // only its form is checked).
         assert_eq!(
             row["pairs_predicted_gain"].as_f64().unwrap(),
             predicted,
             "{row}"
         );
         let model = row["predicted_gain"].as_f64().unwrap();
-        assert!(model > 1.0 && model.is_finite(), "{row}");
+        assert!(model > 0.0 && model.is_finite(), "{row}");
         let before = row["before_tokens_per_s"].as_f64().unwrap();
         assert!(before > 0.0, "{row}");
         let limit = row["limit"].as_f64().unwrap();

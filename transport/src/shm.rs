@@ -549,6 +549,25 @@ fn wait_for_data(h: &SegHeader, read_pos: u64, spin_us: u32, link: &Link) {
     h.consumer_sleeping.store(0, Ordering::SeqCst);
 }
 
+/// Where the producer's next record of `record` bytes goes, with the producer at `head` and
+/// the consumer's releases at `tail` in a ring of `cap` bytes: `Some((offset, skipped))` (the
+/// bytes a WRAP record skips first), or `None` while the ring has no room for it.
+///
+/// A record never straddles the end; and once the consumer has released everything (the ring
+/// is empty) past [`RESTART_AFTER`], the next record starts over at the ring's first bytes,
+/// which are still in cache, but only where the skipped end leaves room for it
+/// (`off >= record`: otherwise an empty ring would never have room).
+fn record_place(head: u64, tail: u64, cap: u64, record: u64) -> Option<(usize, u64)> {
+    let off = head % cap;
+    let restart = tail == head && off >= (RESTART_AFTER as u64).max(record);
+    let wrap = if off + record > cap || restart {
+        cap - off
+    } else {
+        0
+    };
+    (head + wrap + record - tail <= cap).then_some((off as usize, wrap))
+}
+
 /// The sending end of a ring (maps the peer's segment).
 pub(crate) struct RingProducer {
     seg: Arc<Segment>,
@@ -671,19 +690,8 @@ impl RingProducer {
                 return Err(ShmError::PeerClosed);
             }
             let tail = h.tail.load(Ordering::Acquire);
-            let off = self.head % cap;
-            // A record never straddles the end; and once the consumer has released everything
-            // (the ring is empty) past `RESTART_AFTER`, the next record starts over at the
-            // ring's first bytes, which are still in cache (only when the skipped tail end
-            // leaves room for it: `off >= record`).
-            let restart = tail == self.head && off >= (RESTART_AFTER as u64).max(record);
-            let wrap = if off + record > cap || restart {
-                cap - off
-            } else {
-                0
-            };
-            if self.head + wrap + record - tail <= cap {
-                break (off as usize, wrap);
+            if let Some(at) = record_place(self.head, tail, cap, record) {
+                break at;
             }
             // Out of space (the application holds old frames): poll briefly, then wait
             // without burning a core.
@@ -808,6 +816,38 @@ mod tests {
     }
 
     #[test]
+    fn where_the_next_record_goes() {
+        let (cap, kib) = (8u64 << 20, 1u64 << 10);
+        // In place while the consumer holds records, however far in.
+        assert_eq!(
+            record_place(300 * kib, 0, cap, 100 * kib),
+            Some((300 << 10, 0))
+        );
+        // Empty past 256 KiB: over at offset 0, skipping the rest.
+        assert_eq!(
+            record_place(300 * kib, 300 * kib, cap, 100 * kib),
+            Some((300 << 10, cap - 300 * kib))
+        );
+        // Empty before 256 KiB: in place.
+        assert_eq!(
+            record_place(200 * kib, 200 * kib, cap, 100 * kib),
+            Some((200 << 10, 0))
+        );
+        // Empty past 256 KiB but the record is larger than the offset: in place (restarting
+        // would count the skipped end as used and an empty ring would never have room).
+        assert_eq!(
+            record_place(300 * kib, 300 * kib, cap, 1024 * kib),
+            Some((300 << 10, 0))
+        );
+        // A record that would cross the end wraps; one that finds no room waits.
+        assert_eq!(
+            record_place(cap - kib, cap - kib, cap, 4 * kib),
+            Some(((cap - kib) as usize, kib))
+        );
+        assert_eq!(record_place(cap, 0, cap, 64), None);
+    }
+
+    #[test]
     fn an_empty_ring_restarts_only_where_the_record_fits_before_the_skipped_end() {
         let (_dir, ring, mut p, rt) = ring_pair(8 << 20);
         let head = [7u8; 32];
@@ -819,8 +859,9 @@ mod tests {
         // Past 256 KiB with the ring empty, but a 1 MiB record would not fit in the 300 KiB
         // the restart has room for (the skipped end counts as used until the consumer passes
         // it): it goes on in place, and the write completes instead of waiting forever.
+        // A guard against a hang only (the write itself takes microseconds).
         let wrote = rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(10), p.write_frame(&head, &large)).await
+            tokio::time::timeout(Duration::from_secs(60), p.write_frame(&head, &large)).await
         });
         assert!(wrote.is_ok(), "the write waited for room in an empty ring");
         assert_eq!(header_at(&ring.seg, at as usize), 32 + large.len() as u64);

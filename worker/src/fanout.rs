@@ -87,35 +87,6 @@ impl ExpertHomes {
         let topo = &dep.topology;
         let node = topo.device(d).map(|x| x.node_index());
         let same_node = |o: DeviceRank| topo.device(o).map(|x| x.node_index()) == node;
-        let home = |owners: &[DeviceRank]| {
-            if owners.contains(&d) {
-                return Home::Local;
-            }
-            let mut peers: Vec<u32> = owners
-                .iter()
-                .filter(|&&o| same_node(o))
-                .map(|&o| dep.mesh_rank(o))
-                .collect();
-            peers.sort_unstable();
-            if peers.is_empty() {
-                Home::Elsewhere
-            } else {
-                Home::Peers(peers)
-            }
-        };
-        let mut layers = HashMap::new();
-        for layer in dep.spec.moe_layer_ids() {
-            let mut homes: Vec<Home> = (0..dep.spec.routed_experts)
-                .map(|e| home(dep.placement.owners(layer, e)))
-                .collect();
-            // Shared experts that live on a device come as pseudo-ids `routed_experts + i`.
-            let shared_on = match dep.placement.shared_location(layer) {
-                Some(SharedLocation::Device(x)) => vec![x],
-                _ => Vec::new(),
-            };
-            homes.extend((0..dep.spec.shared_experts).map(|_| home(&shared_on)));
-            layers.insert(layer, homes);
-        }
         let names = topo
             .devices()
             .iter()
@@ -136,14 +107,32 @@ impl ExpertHomes {
                 }
             }
         }
-        Self {
-            layers,
+        let mut homes = Self {
+            layers: HashMap::new(),
             names,
             me: dep.mesh_rank(d),
             routed: dep.spec.routed_experts,
             held,
             versions: BTreeMap::new(),
+        };
+        for layer in dep.spec.moe_layer_ids() {
+            // Routed experts from the node's sets (as every later announcement updates them).
+            let mut layer_homes: Vec<Home> = (0..dep.spec.routed_experts)
+                .map(|e| homes.home_from_held(layer, e))
+                .collect();
+            // Shared experts that live on a device come as pseudo-ids `routed_experts + i`;
+            // they do not move.
+            let shared = match dep.placement.shared_location(layer) {
+                Some(SharedLocation::Device(x)) if x == d => Home::Local,
+                Some(SharedLocation::Device(x)) if same_node(x) => {
+                    Home::Peers(vec![dep.mesh_rank(x)])
+                }
+                _ => Home::Elsewhere,
+            };
+            layer_homes.extend((0..dep.spec.shared_experts).map(|_| shared.clone()));
+            homes.layers.insert(layer, layer_homes);
         }
+        homes
     }
 
     /// Device `rank` of this node (this one included) serves the routed `experts` (layer,
