@@ -30,6 +30,7 @@ use std::time::Instant;
 use tokio::net::TcpStream;
 
 /// What link setup needs to know about this rank.
+#[derive(Clone)]
 pub(crate) struct SetupEnv {
     /// Protocol settings of this rank.
     pub(crate) proto: Arc<ProtocolConfig>,
@@ -178,7 +179,7 @@ async fn establish(
     let peer = tcp::handshake(&mut stream, &mut conn, &codec, first, deadline, &mut crypt).await?;
     let (kind, writer, reader) = match conn.pending_link() {
         Some(kind) => {
-            let prepared = prepare(env, kind, peer.rank);
+            let prepared = prepare(env, kind, peer.rank).await;
             conn.link_prepared(prepared.attachment());
             tcp::exchange_link_info(&mut stream, &mut conn, &codec, &mut crypt, deadline).await?;
             finish(env, stream, &mut conn, prepared, crypt).await?
@@ -243,7 +244,27 @@ async fn finish(
 
 /// Creates this end's side of a `kind` link after authentication (`Prepared::None`, with a
 /// warning, when it cannot: the link info then says so and both ends use TCP).
-fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
+///
+/// A ring file or a NIC endpoint takes system calls of milliseconds (a libfabric endpoint
+/// with its registered ring, tens of them): they run on a blocking thread, so the runtime's
+/// threads go on carrying every other link's frames and timers meanwhile (many links set up
+/// at once on a small host once starved those long enough for a peer to give up).
+async fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
+    if kind == LinkKind::Tcp {
+        return Prepared::None;
+    }
+    let env = env.clone();
+    match tokio::task::spawn_blocking(move || prepare_blocking(&env, kind, peer)).await {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(peer, "preparing the {} link failed ({e}); falling back to TCP", kind.name());
+            Prepared::None
+        }
+    }
+}
+
+/// [`prepare`]'s work, on the calling thread.
+fn prepare_blocking(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
     let unavailable = |what: &str, e: String| {
         tracing::warn!(peer, "{what} unavailable ({e}); falling back to TCP");
         Prepared::None

@@ -68,6 +68,9 @@ pub struct Connection {
     pub(super) started: Instant,
     pub(super) last_rx: Instant,
     pub(super) last_tx: Instant,
+    /// When [`Connection::handle_timeout`] last ran: a gap of more than two heartbeat
+    /// intervals means this end was not running (see `heartbeats`).
+    pub(super) last_timer: Instant,
     pub(super) heartbeat_seq: u64,
     pub(super) heartbeat_queued: bool,
     pub(super) transmit: VecDeque<Body>,
@@ -145,6 +148,7 @@ impl Connection {
             started: now,
             last_rx: now,
             last_tx: now,
+            last_timer: now,
             heartbeat_seq: 0,
             heartbeat_queued: false,
             transmit,

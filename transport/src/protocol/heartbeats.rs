@@ -4,6 +4,15 @@
 //! driver asks when to wake ([`Connection::poll_timeout`]) and reports the time
 //! ([`Connection::handle_timeout`]); an established end sends a heartbeat after
 //! `heartbeat_interval` without sending, and closes after `idle_timeout` without receiving.
+//!
+//! A driver calls [`Connection::handle_timeout`] at least once per heartbeat interval while the
+//! link is established (that is when the next heartbeat is due). A longer gap means this end
+//! was not running: its process or thread was stalled (a loaded host, a paused VM, a debugger),
+//! and the frames the peer sent meanwhile may still sit unread in the socket or ring. Closing
+//! for idleness right then would drop a live link because the timer task happened to run
+//! before the reader. So after such a gap the peer gets one more heartbeat interval to be heard
+//! (time for the driver to read what is pending); a peer that is really gone is still noticed,
+//! one interval later.
 
 use super::connection::{Connection, State};
 use super::error::ProtocolError;
@@ -47,6 +56,19 @@ impl Connection {
                 }
             }
             State::Established => {
+                let unobserved = now.saturating_duration_since(self.last_timer);
+                self.last_timer = now;
+                if unobserved > 2 * self.cfg.heartbeat_interval {
+                    // This end was stalled (see the module docs): judge the peer one heartbeat
+                    // interval from now, after the driver has read what arrived meanwhile.
+                    let grace = self
+                        .cfg
+                        .idle_timeout
+                        .saturating_sub(self.cfg.heartbeat_interval);
+                    if let Some(from) = now.checked_sub(grace) {
+                        self.last_rx = self.last_rx.max(from);
+                    }
+                }
                 let idle = now.saturating_duration_since(self.last_rx);
                 if idle >= self.cfg.idle_timeout {
                     self.fail(ProtocolError::IdleTimeout(idle), false);

@@ -236,18 +236,111 @@ fn a_drained_receiver_never_leaves_its_peer_short_of_its_largest_frame() {
     }
 }
 
+/// Drives `c`'s timers as a driver does (woken at its deadline, at most every `step`) from
+/// `from` to `to`, handing every heartbeat over; returns the heartbeats sent.
+fn tick(c: &mut Connection, from: Instant, to: Instant, step: Duration) -> usize {
+    let mut heartbeats = 0;
+    let mut now = from;
+    loop {
+        let due = c.poll_timeout().unwrap_or(to);
+        now = due
+            .clamp(now + Duration::from_millis(1), now + step)
+            .min(to);
+        c.handle_timeout(now);
+        while let Some(b) = c.poll_transmit() {
+            heartbeats += usize::from(matches!(b, Body::Heartbeat(_)));
+            c.on_transmit(now);
+        }
+        if now >= to || c.close_reason().is_some() {
+            return heartbeats;
+        }
+    }
+}
+
 #[test]
 fn heartbeats_and_idle_timeout() {
     let (mut a, _b, r) = pair(None, None);
     r.unwrap();
     let t0 = Instant::now();
-    a.handle_timeout(t0 + Duration::from_millis(1100));
-    assert!(matches!(a.poll_transmit(), Some(Body::Heartbeat(_))));
-    a.handle_timeout(t0 + Duration::from_secs(11));
+    // Silence from the peer: a heartbeat every second (1 s interval), closed at 10 s.
+    let sent = tick(
+        &mut a,
+        t0,
+        t0 + Duration::from_millis(9_900),
+        Duration::from_millis(250),
+    );
+    assert!((9..=10).contains(&sent), "{sent} heartbeats in 9.9 s");
+    assert!(a.close_reason().is_none(), "open before the idle timeout");
+    tick(
+        &mut a,
+        t0 + Duration::from_millis(9_900),
+        t0 + Duration::from_millis(10_100),
+        Duration::from_millis(50),
+    );
     assert!(matches!(
         a.close_reason(),
         Some(ProtocolError::IdleTimeout(_))
     ));
+}
+
+/// An end whose timers did not run for longer than the idle timeout (its process stalled)
+/// does not close at once: frames the peer sent meanwhile are still to be read. It closes one
+/// heartbeat interval later only if nothing arrives.
+#[test]
+fn a_stalled_end_reads_before_it_judges_the_peer_idle() {
+    let (mut a, mut b, r) = pair(None, None);
+    r.unwrap();
+    let t0 = Instant::now();
+    tick(
+        &mut a,
+        t0,
+        t0 + Duration::from_millis(500),
+        Duration::from_millis(250),
+    );
+    // Stalled from 0.5 s to 15 s; the peer's heartbeat (sent at 1 s) is read right after.
+    let woke = t0 + Duration::from_secs(15);
+    a.handle_timeout(woke);
+    assert!(
+        a.close_reason().is_none(),
+        "not closed by a stall of its own"
+    );
+    b.handle_timeout(t0 + Duration::from_secs(1));
+    let hb = std::iter::from_fn(|| b.poll_transmit())
+        .find(|f| matches!(f, Body::Heartbeat(_)))
+        .expect("the peer's heartbeat");
+    a.handle_frame(woke + Duration::from_millis(1), &hb, 64)
+        .unwrap();
+    tick(
+        &mut a,
+        woke,
+        woke + Duration::from_secs(9),
+        Duration::from_millis(250),
+    );
+    assert!(
+        a.close_reason().is_none(),
+        "the peer was heard after the stall"
+    );
+    // Another stall, and this time the peer stays silent: closed one interval later.
+    let woke = woke + Duration::from_secs(30);
+    a.handle_timeout(woke);
+    assert!(a.close_reason().is_none());
+    tick(
+        &mut a,
+        woke,
+        woke + Duration::from_millis(900),
+        Duration::from_millis(100),
+    );
+    assert!(a.close_reason().is_none(), "closed before its grace ended");
+    tick(
+        &mut a,
+        woke + Duration::from_millis(900),
+        woke + Duration::from_millis(1_100),
+        Duration::from_millis(50),
+    );
+    assert!(
+        matches!(a.close_reason(), Some(ProtocolError::IdleTimeout(_))),
+        "a silent peer is still noticed after a stall"
+    );
 }
 
 #[test]

@@ -293,9 +293,9 @@ async fn many_peers_at_once(kind: Driver) {
                 for to in 0..n as u32 {
                     if to as usize != from {
                         let id = (from as u64) << 32 | i;
-                        m.send(to, &result_frame(id, 2, 128, from as u8))
-                            .await
-                            .unwrap();
+                        if let Err(e) = m.send(to, &result_frame(id, 2, 128, from as u8)).await {
+                            panic!("send {from} -> {to} (frame {i}): {e}");
+                        }
                     }
                 }
             }
@@ -304,7 +304,7 @@ async fn many_peers_at_once(kind: Driver) {
     for (to, ev) in c.events.iter_mut().enumerate() {
         let mut next = vec![0u64; n];
         for _ in 0..(n as u64 - 1) * per_pair {
-            let f = ev.recv_frame(T).await.expect("frame");
+            let f = crate::support::expect_frame(ev, T).await;
             let from = f.peer() as usize;
             assert_ne!(from, to);
             let id = f.body().request_id().unwrap();

@@ -8,7 +8,7 @@
 //! own auth answer, the reader opens in place into the pooled aligned buffer, and the
 //! shared-memory ring path travels in a sealed link-info frame.
 
-use crate::support::{free_addrs, peers, result_body};
+use crate::support::{expect_frame, free_addrs, peers, result_body};
 use bytes::Bytes;
 use expertmesh_transport::codec::Body;
 use expertmesh_transport::crypto::{Credentials, Key};
@@ -76,7 +76,7 @@ async fn frames_of_every_size_arrive_in_order_and_intact(kind: LinkKind) {
             let id = round * 10 + i as u64;
             let f = frame(id, rows, hidden);
             meshes[1].send(0, &f).await.unwrap();
-            let got = events[0].recv_frame(T).await.expect("frame delivered");
+            let got = expect_frame(&mut events[0], T).await;
             assert_eq!(got.body().request_id(), Some(id), "in order");
             assert_eq!(got.payload(), &f.payload[..], "frame {id} intact");
             assert_eq!(
@@ -86,7 +86,7 @@ async fn frames_of_every_size_arrive_in_order_and_intact(kind: LinkKind) {
             );
             // And back the other way.
             meshes[0].send(1, &f).await.unwrap();
-            let back = events[1].recv_frame(T).await.expect("frame delivered");
+            let back = expect_frame(&mut events[1], T).await;
             assert_eq!(back.payload(), &f.payload[..]);
         }
     }

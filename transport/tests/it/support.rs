@@ -58,3 +58,23 @@ pub(crate) fn crc32c(data: &[u8]) -> u32 {
     }
     !crc
 }
+
+/// The next application frame on `events` within `timeout`; panics naming the cause when a
+/// link is lost first (a frame sent on it may be lost with it, and waiting out the timeout
+/// would hide why) or when nothing arrives in time.
+pub(crate) async fn expect_frame(
+    events: &mut expertmesh_transport::MeshEvents,
+    timeout: std::time::Duration,
+) -> expertmesh_transport::RecvFrame {
+    use expertmesh_transport::TransportEvent;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout_at(deadline, events.recv()).await {
+            Ok(Some(TransportEvent::Frame(f))) => return f,
+            Ok(Some(TransportEvent::PeerLost(e))) => panic!("a link was lost: {e}"),
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the mesh shut down"),
+            Err(_) => panic!("no frame within {timeout:?} (no link was lost)"),
+        }
+    }
+}
