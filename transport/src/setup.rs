@@ -257,7 +257,11 @@ async fn prepare(env: &SetupEnv, kind: LinkKind, peer: Rank) -> Prepared {
     match tokio::task::spawn_blocking(move || prepare_blocking(&env, kind, peer)).await {
         Ok(p) => p,
         Err(e) => {
-            tracing::warn!(peer, "preparing the {} link failed ({e}); falling back to TCP", kind.name());
+            tracing::warn!(
+                peer,
+                "preparing the {} link failed ({e}); falling back to TCP",
+                kind.name()
+            );
             Prepared::None
         }
     }

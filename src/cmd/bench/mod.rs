@@ -196,6 +196,11 @@ pub(crate) struct FabricCli {
     /// Numerical mode.
     #[arg(long, default_value = "exact", value_parser = mode_parser())]
     mode: LayerMode,
+    /// Tokens per micro-batch (router split and worker limit; default: the largest batch, so
+    /// calls are not split: on one host each micro-batch would only stream the touched experts
+    /// again).
+    #[arg(long)]
+    micro_batch: Option<usize>,
 }
 
 /// Arguments of `bench rebalance`.
@@ -397,6 +402,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 clients: f.clients,
                 links,
                 mode: f.mode,
+                micro_batch: f.micro_batch,
             })?;
             print_and_write(&report, f.json.as_deref())
         }
