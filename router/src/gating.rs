@@ -72,17 +72,87 @@ impl GateWeights {
     }
 
     /// [`GateWeights::logits`] into a caller's buffer of `[tokens][experts]`.
+    ///
+    /// Every logit is [`dot8`] of its expert's row and the token, bit for bit: four experts'
+    /// dot products run side by side (each token chunk loaded once for four rows), each in its
+    /// own fixed order, with separate multiplies and adds (never fused), so the wider vectors
+    /// of an AVX build change nothing but the speed.
     pub fn logits_into(&self, x: &[f32], out: &mut [f32]) {
         let tokens = x.len() / self.hidden;
         assert_eq!(out.len(), tokens * self.experts, "logits buffer shape");
-        for t in 0..tokens {
-            let xt = &x[t * self.hidden..(t + 1) * self.hidden];
-            for e in 0..self.experts {
-                let w = &self.weight[e * self.hidden..(e + 1) * self.hidden];
-                out[t * self.experts + e] = dot8(w, xt);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: AVX was detected on this CPU.
+            unsafe { logits_avx(&self.weight, self.hidden, x, out) };
+            return;
+        }
+        logits_body(&self.weight, self.hidden, x, out);
+    }
+}
+
+/// [`GateWeights::logits_into`] compiled for AVX (256-bit vectors; no FMA: the adds stay
+/// separate).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn logits_avx(weight: &[f32], hidden: usize, x: &[f32], out: &mut [f32]) {
+    logits_body(weight, hidden, x, out);
+}
+
+/// Logits of every token of `x` (`[T][hidden]`) against every row of `weight`
+/// (`[E][hidden]`) into `out` (`[T][E]`), four rows at a time.
+#[inline(always)]
+fn logits_body(weight: &[f32], hidden: usize, x: &[f32], out: &mut [f32]) {
+    if hidden == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let experts = weight.len() / hidden;
+    for (xt, o) in x
+        .chunks_exact(hidden)
+        .zip(out.chunks_exact_mut(experts.max(1)))
+    {
+        let mut rows = weight.chunks_exact(hidden);
+        let mut quads = o.chunks_exact_mut(4);
+        for q in &mut quads {
+            let w: [&[f32]; 4] = std::array::from_fn(|_| rows.next().expect("a row per logit"));
+            q.copy_from_slice(&dot8x4(w, xt));
+        }
+        for (l, w) in quads.into_remainder().iter_mut().zip(rows) {
+            *l = dot8(w, xt);
+        }
+    }
+}
+
+/// [`dot8`] of four rows `w` with one `x`, side by side: each the same operations in the same
+/// order as alone.
+#[inline(always)]
+fn dot8x4(w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
+    let mut p = [[0f32; 8]; 4];
+    let full = x.len() / 8 * 8;
+    for c in (0..full).step_by(8) {
+        let xc = &x[c..c + 8];
+        for (pi, wi) in p.iter_mut().zip(&w) {
+            let wc = &wi[c..c + 8];
+            for j in 0..8 {
+                pi[j] += wc[j] * xc[j];
             }
         }
     }
+    for (pi, wi) in p.iter_mut().zip(&w) {
+        for (j, (a, b)) in wi[full..].iter().zip(&x[full..]).enumerate() {
+            pi[j] += a * b;
+        }
+    }
+    p.map(tree8)
+}
+
+/// The fixed pairwise sum of [`dot8`]'s eight partial sums.
+#[inline(always)]
+fn tree8(p: [f32; 8]) -> f32 {
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
 }
 
 impl GateWeights {
@@ -104,7 +174,7 @@ impl GateWeights {
 }
 
 /// The gate's dot product: 8 interleaved partial sums, then a fixed pairwise tree.
-#[inline]
+#[inline(always)]
 fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let mut p = [0f32; 8];
     let mut ca = a.chunks_exact(8);
@@ -117,7 +187,7 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
     for (j, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
         p[j] += x * y;
     }
-    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    tree8(p)
 }
 
 /// The router's decision for a batch: `top_k` (expert, weight) slots per token.
@@ -339,7 +409,51 @@ mod tests {
         prop::collection::vec((-8i32..8).prop_map(|v| v as f32 * 0.25), max_len)
     }
 
+    /// One token's gate logit by the plain definition: [`dot8`], one row at a time.
+    fn logit_alone(w: &[f32], x: &[f32]) -> f32 {
+        dot8(w, x)
+    }
+
     proptest! {
+        /// The blocked logits (four rows side by side, AVX where the CPU has it) are the
+        /// one-row dot products bit for bit, for any hidden size and expert count.
+        #[test]
+        fn blocked_logits_are_the_one_row_dot_products(
+            hidden in 1usize..80,
+            experts in 1usize..12,
+            tokens in 1usize..4,
+            seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut next = || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                // Wide magnitudes and both signs: rounding differences would show.
+                let m = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                m * f32::powi(2.0, (s % 17) as i32 - 8)
+            };
+            let weight: Vec<f32> = (0..experts * hidden).map(|_| next()).collect();
+            let x: Vec<f32> = (0..tokens * hidden).map(|_| next()).collect();
+            let g = GateWeights {
+                experts,
+                hidden,
+                weight: weight.clone(),
+                bias: vec![0.0; experts],
+                shared_gate: None,
+            };
+            let got = g.logits(&x);
+            for t in 0..tokens {
+                for e in 0..experts {
+                    let want = logit_alone(
+                        &weight[e * hidden..(e + 1) * hidden],
+                        &x[t * hidden..(t + 1) * hidden],
+                    );
+                    prop_assert_eq!(got[t * experts + e].to_bits(), want.to_bits(), "token {} expert {}", t, e);
+                }
+            }
+        }
+
         #[test]
         fn softmax_matches_brute_force(logits in coarse_logits(8)) {
             let spec = spec_for("toy-softmax");
