@@ -203,6 +203,32 @@ pub(crate) struct FabricCli {
     micro_batch: Option<usize>,
 }
 
+impl FabricCli {
+    /// The bench's options (`--seconds` checked; no `--link`: TCP and shared memory).
+    fn options(self) -> anyhow::Result<fabric::FabricBenchOptions> {
+        anyhow::ensure!(
+            self.seconds > 0.0 && self.seconds <= 600.0,
+            "--seconds must be in (0, 600]"
+        );
+        let links = if self.links.is_empty() {
+            BENCH_LINKS.to_vec()
+        } else {
+            self.links
+        };
+        Ok(fabric::FabricBenchOptions {
+            topology: self.topology,
+            model: self.model,
+            placement: self.placement,
+            batches: self.batches,
+            seconds: self.seconds,
+            clients: self.clients,
+            links,
+            mode: self.mode,
+            micro_batch: self.micro_batch,
+        })
+    }
+}
+
 /// Arguments of `bench rebalance`.
 #[derive(Args, Debug)]
 pub(crate) struct RebalanceCli {
@@ -384,27 +410,9 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
             print_and_write(&report, c.json.as_deref())
         }
         BenchTarget::Fabric(f) => {
-            anyhow::ensure!(
-                f.seconds > 0.0 && f.seconds <= 600.0,
-                "--seconds must be in (0, 600]"
-            );
-            let links = if f.links.is_empty() {
-                BENCH_LINKS.to_vec()
-            } else {
-                f.links
-            };
-            let report = fabric::run(&fabric::FabricBenchOptions {
-                topology: f.topology,
-                model: f.model,
-                placement: f.placement,
-                batches: f.batches,
-                seconds: f.seconds,
-                clients: f.clients,
-                links,
-                mode: f.mode,
-                micro_batch: f.micro_batch,
-            })?;
-            print_and_write(&report, f.json.as_deref())
+            let json = f.json.clone();
+            let report = fabric::run(&f.options()?)?;
+            print_and_write(&report, json.as_deref())
         }
         BenchTarget::Kernels(k) => {
             anyhow::ensure!(
