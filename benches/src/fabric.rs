@@ -31,6 +31,7 @@ use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::reference;
+use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec;
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
@@ -101,7 +102,7 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     report
         .machine
         .extra
-        .insert("micro_batch_tokens".into(), micro_batch(o).into());
+        .insert("micro_batch_tokens".into(), micro_batch(o, &spec).into());
     print_wire_table(&spec);
     if let Some(kimi) = expertmesh_topology::model::preset_by_name("kimi-k2") {
         print_wire_table(&kimi);
@@ -120,13 +121,27 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     Ok(report)
 }
 
-/// Tokens per micro-batch: as asked, else the largest batch. Micro-batches exist to overlap
+/// Tokens per micro-batch: as asked, else the largest batch (at most what one frame carries). Micro-batches exist to overlap
 /// the wire with compute across hosts; on one host there is little wire to hide, and each
 /// micro-batch streams every expert it touches again (16-token micro-batches of 64-token calls
 /// cost this bench a sixth to a quarter of its throughput on a 2-vCPU EPYC: 0.66-0.73 against
 /// 0.75-0.87 of the in-process layer, both links).
-fn micro_batch(o: &FabricBenchOptions) -> usize {
-    o.micro_batch.unwrap_or_else(|| max_batch(o)).max(1)
+fn micro_batch(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
+    o.micro_batch
+        .unwrap_or_else(|| max_batch(o).min(frame_tokens(o, spec)))
+        .max(1)
+}
+
+/// The most tokens one part can carry for this model and mode within the workers' frame limit
+/// (the router refuses larger micro-batches).
+fn frame_tokens(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
+    let wire = o.mode.apply(RouterConfig::default()).wire_format();
+    codec::max_tokens_per_frame(
+        wire,
+        spec.hidden as usize,
+        (spec.top_k + spec.shared_experts) as usize,
+        expertmesh_worker::deploy::MAX_FRAME_BYTES,
+    )
 }
 
 /// The largest batch size (the router's limits).
@@ -230,7 +245,7 @@ impl LinkRun<'_> {
         opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
             max_batch_tokens: maxb,
-            micro_batch_tokens: micro_batch(o),
+            micro_batch_tokens: micro_batch(o, spec),
             batch_window: Duration::from_micros(50),
             ..RouterConfig::default()
         });

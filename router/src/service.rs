@@ -85,6 +85,25 @@ pub enum ServiceError {
     /// The async runtime could not start.
     #[error("cannot start the router runtime: {0}")]
     Runtime(std::io::Error),
+    /// Micro-batches too large for one frame of this model and mode.
+    #[error(
+        "micro-batches of {micro_batch} tokens are too large for {model} in this mode: a part \
+         to one device (up to {slots} experts per token) would not fit a {max_frame_bytes}-byte \
+         frame; use micro-batches of {fits} tokens or less (`--micro-batch`, and the workers' \
+         `--max-tokens` to match)"
+    )]
+    MicroBatchTooLarge {
+        /// The configured micro-batch (tokens).
+        micro_batch: usize,
+        /// The model.
+        model: String,
+        /// Experts of one token a part may carry (routed top-k and remote shared experts).
+        slots: usize,
+        /// The mesh's frame limit.
+        max_frame_bytes: usize,
+        /// The largest micro-batch that fits.
+        fits: usize,
+    },
 }
 
 enum CoreInput {
@@ -158,6 +177,7 @@ impl RouterService {
         mesh_cfg: MeshConfig,
         cfg: ServiceConfig,
     ) -> Result<Self, ServiceError> {
+        check_micro_batch(&core, mesh_cfg.protocol.codec.max_frame_bytes)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("router-io")
@@ -479,6 +499,33 @@ impl CoreTx {
             t.unpark();
         }
     }
+}
+
+/// Refuses a micro-batch whose worst-case part (every token with all its routed experts and
+/// the remote shared experts on one device) would not fit a frame: without this check such a
+/// fabric starts and then fails the calls that happen to land that way.
+fn check_micro_batch(core: &RouterCore, max_frame_bytes: usize) -> Result<(), ServiceError> {
+    let spec = core.spec();
+    let slots = (spec.top_k + spec.shared_experts) as usize;
+    let cfg = core.config();
+    // A batch is never larger than `max_batch_tokens`, so neither is a micro-batch.
+    let micro_batch = cfg.micro_batch_tokens.min(cfg.max_batch_tokens).max(1);
+    let fits = expertmesh_transport::codec::max_tokens_per_frame(
+        cfg.wire_format(),
+        spec.hidden as usize,
+        slots,
+        max_frame_bytes,
+    );
+    if micro_batch > fits {
+        return Err(ServiceError::MicroBatchTooLarge {
+            micro_batch,
+            model: spec.name.clone(),
+            slots,
+            max_frame_bytes,
+            fits,
+        });
+    }
+    Ok(())
 }
 
 /// Hand `msg` to the core, waiting (asynchronously) while its queue is full. `Err` when the

@@ -6,7 +6,8 @@
 //! workers, until every worker has connected; `infer --help` and the README say how to make the
 //! input; float64 input is converted with a note; host names are accepted; connection and I/O
 //! errors are said once; a mesh port is recognised as not the frontend; an input over the
-//! router's per-request limit is refused from its header, before its data is read, with exit 1.
+//! router's per-request limit is refused from its header, before its data is read, with exit 1;
+//! micro-batches too large for one frame are refused when `up` starts, naming the size that fits.
 
 use expertmesh::npy::{self, NpyDtype};
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
@@ -153,6 +154,46 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
     assert!(
         !r.stdout.contains("frontends:"),
         "a fabric without all its workers is not announced:\n{all}"
+    );
+}
+
+/// Micro-batches whose parts could not fit one frame are refused when `up` starts (exit 2),
+/// saying which size fits, instead of a fabric that fails the calls routed that way.
+#[test]
+fn up_refuses_micro_batches_that_do_not_fit_a_frame() {
+    let mut c = Command::new(bin());
+    c.arg("up")
+        .arg("--topology")
+        .arg(root().join("examples/single-host.toml"))
+        .args(["--model", "demo-small", "--placement"])
+        .arg(root().join("examples/single-host-demo-small.placement.toml"))
+        .args([
+            "--mode",
+            "exact",
+            "--micro-batch",
+            "4000",
+            "--max-tokens",
+            "4000",
+        ]);
+    let r = run(c, Duration::from_secs(60));
+    let all = format!("{}{}", r.stdout, r.stderr);
+    assert_eq!(r.code, Some(2), "{all}");
+    assert!(
+        r.stderr
+            .contains("micro-batches of 4000 tokens are too large for demo-small"),
+        "{all}"
+    );
+    let fits: usize = r
+        .stderr
+        .split("use micro-batches of ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("names the size that fits:\n{all}"));
+    assert!((1..4000).contains(&fits), "{fits}");
+    assert!(
+        !r.stdout.contains("frontends:"),
+        "nothing was announced:\n{all}"
     );
 }
 

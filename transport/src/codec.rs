@@ -44,7 +44,7 @@ pub use expertmesh_quant::contract::{ComputeMode, OutputLayout};
 use std::ops::Range;
 
 mod wire_size;
-pub use wire_size::{WireBytes, WireFormat, wire_bytes_per_token};
+pub use wire_size::{WireBytes, WireFormat, max_tokens_per_frame, wire_bytes_per_token};
 
 /// Magic number at the start of every frame ("EMMF" as little-endian bytes).
 pub const MAGIC: u32 = 0x464D_4D45;

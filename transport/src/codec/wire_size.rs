@@ -101,9 +101,70 @@ pub fn wire_bytes_per_token(
     })
 }
 
+/// The most tokens one frame pair can carry to and from one device in wire format `wire`
+/// (hidden size `hidden`, every token with `slots_per_token` of the device's experts, the worst
+/// case of a part) such that both the dispatch and the result frame are at most
+/// `max_frame_bytes`, measured on encoded frames as [`wire_bytes_per_token`] is. A router must
+/// not cut micro-batches larger than this: their frames would be refused as too large.
+pub fn max_tokens_per_frame(
+    wire: WireFormat,
+    hidden: usize,
+    slots_per_token: usize,
+    max_frame_bytes: usize,
+) -> usize {
+    let fits = |tokens: usize| {
+        wire_bytes_per_token(wire, hidden, tokens, slots_per_token).is_ok_and(|w| {
+            let largest = w.dispatch.max(w.result) * tokens as f64;
+            largest <= max_frame_bytes as f64
+        })
+    };
+    // The frames grow with the tokens: the largest count that fits, by bisection.
+    let (mut lo, mut hi) = (0usize, 1usize);
+    while fits(hi) {
+        lo = hi;
+        if hi >= 1 << 24 {
+            return hi;
+        }
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The limit is the last token count whose frames fit, checked against the encoded
+    /// lengths one token either side.
+    #[test]
+    fn max_tokens_per_frame_is_the_last_count_that_fits() {
+        for (hidden, slots, limit) in [
+            (1024, 4, 16usize << 20),
+            (7168, 9, 16 << 20),
+            (2048, 8, 1 << 20),
+        ] {
+            let t = max_tokens_per_frame(Q8_F32_SLOTS, hidden, slots, limit);
+            let largest = |n: usize| {
+                let w = wire_bytes_per_token(Q8_F32_SLOTS, hidden, n, slots).unwrap();
+                w.dispatch.max(w.result) * n as f64
+            };
+            assert!(t >= 1, "one token fits");
+            assert!(largest(t) <= limit as f64, "{t} tokens fit");
+            assert!(largest(t + 1) > limit as f64, "{} tokens do not", t + 1);
+        }
+        // Kimi K2's shape in exact mode: a part of 9 slots per token (8 routed + 1 shared) is
+        // 258,048 bytes of per-slot f32 rows per token; 16 MiB carries 65 of them (and the
+        // result frame's 64-byte head), not 66.
+        assert_eq!(max_tokens_per_frame(Q8_F32_SLOTS, 7168, 9, 16 << 20), 65);
+    }
 
     const Q8_F32_SLOTS: WireFormat = WireFormat {
         dispatch: ActivationDtype::Q8Block32,
