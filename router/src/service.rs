@@ -97,7 +97,7 @@ pub enum ServiceError {
         micro_batch: usize,
         /// The model.
         model: String,
-        /// Experts of one token a part may carry (routed top-k and remote shared experts).
+        /// Experts of one token a part may carry (routed top-k, and shared experts on a worker).
         slots: usize,
         /// The mesh's frame limit.
         max_frame_bytes: usize,
@@ -501,12 +501,12 @@ impl CoreTx {
     }
 }
 
-/// Refuses a micro-batch whose worst-case part (every token with all its routed experts and
-/// the remote shared experts on one device) would not fit a frame: without this check such a
+/// Refuses a micro-batch whose worst-case part (every token with all its routed experts, and
+/// the shared experts where a worker runs them, on one device) would not fit a frame: without this check such a
 /// fabric starts and then fails the calls that happen to land that way.
 fn check_micro_batch(core: &RouterCore, max_frame_bytes: usize) -> Result<(), ServiceError> {
     let spec = core.spec();
-    let slots = (spec.top_k + spec.shared_experts) as usize;
+    let slots = core.max_slots_per_token();
     let cfg = core.config();
     // A batch is never larger than `max_batch_tokens`, so neither is a micro-batch.
     let micro_batch = cfg.micro_batch_tokens.min(cfg.max_batch_tokens).max(1);

@@ -311,6 +311,21 @@ impl RouterCore {
         &self.cfg
     }
 
+    /// The most experts of one token a part to one device can carry: the routed top-k, plus
+    /// the shared experts where some layer runs them on a worker (dispatched as extra slots).
+    pub fn max_slots_per_token(&self) -> usize {
+        let shared_on_a_worker = self
+            .layers
+            .values()
+            .any(|l| matches!(l.shared, SharedSite::Rank(_)));
+        let shared = if shared_on_a_worker {
+            self.spec.shared_experts
+        } else {
+            0
+        };
+        (self.spec.top_k + shared) as usize
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> &RouterStats {
         &self.stats
