@@ -168,6 +168,9 @@ impl DeployArgs {
     }
 }
 
+/// Tokens per micro-batch of a router whose `--micro-batch` is not given (`router`, `demo`).
+pub(crate) const DEFAULT_MICRO_BATCH: usize = 32;
+
 /// Router tuning shared by `router`, `up`, `demo` and `bench fabric`.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct RouterArgs {
@@ -179,9 +182,12 @@ pub(crate) struct RouterArgs {
     /// at once when every connected frontend has a request in it).
     #[arg(long, default_value_t = 200)]
     pub(crate) batch_window_us: u64,
-    /// Tokens per micro-batch.
-    #[arg(long, default_value_t = 32)]
-    pub(crate) micro_batch: usize,
+    /// Tokens per micro-batch: a batch is cut into parts of this many tokens, so one part's
+    /// wire overlaps another's compute. Default: 32 for `router`; for `up`, whose processes
+    /// share one host, the largest request that one frame carries (every micro-batch streams
+    /// the experts it touches again). Workers started apart take `--max-tokens` of this size.
+    #[arg(long)]
+    pub(crate) micro_batch: Option<usize>,
     /// Largest request (tokens).
     #[arg(long, default_value_t = 256)]
     pub(crate) max_tokens: usize,
@@ -242,7 +248,7 @@ impl RouterArgs {
             mode: self.mode_or(default),
             max_request_tokens: self.max_tokens,
             max_batch_tokens: self.max_tokens,
-            micro_batch_tokens: self.micro_batch.max(1),
+            micro_batch_tokens: self.micro_batch.unwrap_or(DEFAULT_MICRO_BATCH).max(1),
             batch_window: Duration::from_micros(self.batch_window_us),
             default_deadline: Duration::from_millis(self.deadline_ms),
             straggler_timeout: Duration::from_millis(self.straggler_ms),

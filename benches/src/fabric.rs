@@ -121,27 +121,20 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     Ok(report)
 }
 
-/// Tokens per micro-batch: as asked, else the largest batch (at most what one frame carries). Micro-batches exist to overlap
-/// the wire with compute across hosts; on one host there is little wire to hide, and each
-/// micro-batch streams every expert it touches again (16-token micro-batches of 64-token calls
-/// cost this bench a sixth to a quarter of its throughput on a 2-vCPU EPYC: 0.66-0.73 against
-/// 0.75-0.87 of the in-process layer, both links).
+/// Tokens per micro-batch: as asked, else what `up` uses on one host (the largest batch, at
+/// most what one frame carries). Micro-batches exist to overlap the wire with compute across
+/// hosts; on one host there is little wire to hide, and each micro-batch streams every expert
+/// it touches again (16-token micro-batches of 64-token calls cost this bench a sixth to a
+/// quarter of its throughput on a 2-vCPU EPYC: 0.66-0.73 against 0.75-0.87 of the in-process
+/// layer, both links).
 fn micro_batch(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
+    let router = o.mode.apply(RouterConfig {
+        max_batch_tokens: max_batch(o),
+        ..RouterConfig::default()
+    });
     o.micro_batch
-        .unwrap_or_else(|| max_batch(o).min(frame_tokens(o, spec)))
+        .unwrap_or_else(|| expertmesh_fabric::local::one_host_micro_batch(spec, &router))
         .max(1)
-}
-
-/// The most tokens one part can carry for this model and mode within the workers' frame limit
-/// (the router refuses larger micro-batches).
-fn frame_tokens(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
-    let wire = o.mode.apply(RouterConfig::default()).wire_format();
-    codec::max_tokens_per_frame(
-        wire,
-        spec.hidden as usize,
-        (spec.top_k + spec.shared_experts) as usize,
-        expertmesh_worker::deploy::MAX_FRAME_BYTES,
-    )
 }
 
 /// The largest batch size (the router's limits).

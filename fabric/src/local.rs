@@ -11,6 +11,7 @@
 use crate::FabricError;
 use expertmesh_router::core::RouterConfig;
 use expertmesh_router::service::{RouterService, ServiceConfig};
+use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::frontend::{FrontendConfig, FrontendGate};
 use expertmesh_transport::mesh::LinkKind;
@@ -70,6 +71,11 @@ pub struct LocalFabricOptions {
     pub insecure: bool,
     /// Limits on each router's frontend connections.
     pub frontend_limits: FrontendLimits,
+    /// Replace `router.micro_batch_tokens` by the largest batch one frame carries for the
+    /// model and mode (at most `router.max_batch_tokens`; see [`one_host_micro_batch`]): every
+    /// process of a local fabric shares this host, so there is no wire to overlap, and every
+    /// micro-batch would stream the experts it touches again.
+    pub micro_batch_fit: bool,
 }
 
 /// Limits on a router's frontend connections (`--max-connections-per-frontend`,
@@ -137,8 +143,22 @@ impl LocalFabricOptions {
             key: None,
             insecure: false,
             frontend_limits: FrontendLimits::default(),
+            micro_batch_fit: false,
         }
     }
+}
+
+/// The micro-batch of a fabric whose processes share one host: the router's largest batch,
+/// or fewer tokens where a part of that many (each token with all its routed and shared
+/// experts on one device) would not fit one frame.
+pub fn one_host_micro_batch(spec: &ModelSpec, router: &RouterConfig) -> usize {
+    let fits = expertmesh_transport::codec::max_tokens_per_frame(
+        router.wire_format(),
+        spec.hidden as usize,
+        (spec.top_k + spec.shared_experts) as usize,
+        expertmesh_worker::deploy::MAX_FRAME_BYTES,
+    );
+    router.max_batch_tokens.min(fits).max(1)
 }
 
 /// Frontend settings matching a deployment (cluster name, secret).
@@ -186,11 +206,14 @@ impl std::fmt::Debug for LocalFabric {
 impl LocalFabric {
     /// Start the routers and every worker, and wait until all workers are connected to every
     /// router.
-    pub fn start(opts: LocalFabricOptions) -> Result<Self, FabricError> {
+    pub fn start(mut opts: LocalFabricOptions) -> Result<Self, FabricError> {
         let dep = match &opts.weights {
             Some(w) => Deployment::load_converted(&opts.topology, w)?,
             None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
         };
+        if opts.micro_batch_fit {
+            opts.router.micro_batch_tokens = one_host_micro_batch(&dep.spec, &opts.router);
+        }
         let (tmp, log_dir) = log_dir(&opts)?;
         let n = dep.topology.devices().len();
         let all_names: Vec<String> = (0..n)
@@ -412,6 +435,12 @@ impl LocalFabric {
     /// The deployment (model, topology, placement).
     pub fn deployment(&self) -> &Deployment {
         &self.dep
+    }
+
+    /// The routers' settings as started (the micro-batch resolved when
+    /// [`LocalFabricOptions::micro_batch_fit`] asked for it).
+    pub fn router_config(&self) -> &RouterConfig {
+        &self.opts.router
     }
 
     /// Router 0's service (stats). Panics if it was stopped with

@@ -71,6 +71,8 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.link = cli.link;
     opts.rdma_provider = cli.rdma_provider.clone();
     opts.router = cli.router.config();
+    // Every process of `up` is on this host: no micro-batch split unless asked for.
+    opts.micro_batch_fit = cli.router.micro_batch.is_none();
     opts.frontend_limits = cli.router.frontend_limits();
     let observe_opts = cli.observe.options();
     let worker_metrics = observe::up_worker_addrs(&observe_opts, &cli.topology)?;
@@ -96,12 +98,13 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     let mut fabric = LocalFabric::start(opts)?;
     let dep = fabric.deployment();
     println!(
-        "expertmesh up: model {} on {} ({} workers over {}), {} mode",
+        "expertmesh up: model {} on {} ({} workers over {}), {} mode, micro-batches of {} tokens",
         dep.spec.name,
         dep.topology.name(),
         dep.topology.devices().len(),
         cli.link.name(),
-        cli.router.mode_or(LayerMode::Serving).name()
+        cli.router.mode_or(LayerMode::Serving).name(),
+        fabric.router_config().micro_batch_tokens
     );
     let fronts: Vec<String> = fabric
         .frontend_addrs()

@@ -568,9 +568,11 @@ fn up_serves_until_interrupted() {
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let mut lines = std::io::BufReader::new(stdout).lines();
-    let mut addr = None;
+    let (mut addr, mut said) = (None, String::new());
     for line in lines.by_ref() {
         let line = line.unwrap();
+        said.push_str(&line);
+        said.push('\n');
         if let Some(rest) = line.trim().strip_prefix("frontends: ") {
             addr = rest
                 .split_whitespace()
@@ -581,6 +583,12 @@ fn up_serves_until_interrupted() {
     }
     let addr = addr.expect("up printed where frontends connect");
     assert_eq!(addr.port(), 47400, "the topology's [router] port");
+    // All on one host: batches are not cut (the largest batch, 256 tokens by default, fits a
+    // frame of demo-small's exact mode).
+    assert!(
+        said.contains("micro-batches of 256 tokens"),
+        "up says its micro-batch:\n{said}"
+    );
     let spec = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
     let h = spec.hidden as usize;
     let x = reference::synthetic_hidden(1, 3, h);
