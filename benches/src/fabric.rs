@@ -124,9 +124,9 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
 /// Tokens per micro-batch: as asked, else what `up` uses on one host (the largest batch, at
 /// most what one frame carries). Micro-batches exist to overlap the wire with compute across
 /// hosts; on one host there is little wire to hide, and each micro-batch streams every expert
-/// it touches again (16-token micro-batches of 64-token calls cost this bench a sixth to a
-/// quarter of its throughput on a 2-vCPU EPYC: 0.66-0.73 against 0.75-0.87 of the in-process
-/// layer, both links).
+/// it touches again (16-token micro-batches of 64-token calls cost this bench 14-19 % of its
+/// tokens per second on a 2-vCPU EPYC: 0.66-0.73 against 0.75-0.87 of the in-process layer,
+/// both links).
 fn micro_batch(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
     let router = o.mode.apply(RouterConfig {
         max_batch_tokens: max_batch(o),

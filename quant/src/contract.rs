@@ -149,7 +149,8 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
 /// addition rounds to nearest even; the subtraction is exact).
 const ROUNDING_MAGIC: f32 = 12_582_912.0;
 
-/// `t.round_ties_even()` for `|t| < 2^22` (and NaN for NaN), in two additions.
+/// `t.round_ties_even()` for `|t| < 2^22` (and NaN for NaN), in two additions; except that a
+/// negative `t` that rounds to zero gives +0 (the `as i8` that follows makes both 0).
 ///
 /// Why not `round_ties_even`: on the x86-64 baseline (no SSE4.1) it is a call to the C
 /// library's `rintf` per element, which kept the router's activation quantization from

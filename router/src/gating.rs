@@ -80,6 +80,11 @@ impl GateWeights {
     pub fn logits_into(&self, x: &[f32], out: &mut [f32]) {
         let tokens = x.len() / self.hidden;
         assert_eq!(out.len(), tokens * self.experts, "logits buffer shape");
+        assert_eq!(
+            self.weight.len(),
+            self.experts * self.hidden,
+            "gate weights shape"
+        );
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx") {
             // SAFETY: AVX was detected on this CPU.
@@ -105,10 +110,6 @@ unsafe fn logits_avx(weight: &[f32], hidden: usize, x: &[f32], out: &mut [f32]) 
 /// (`[E][hidden]`) into `out` (`[T][E]`), four rows at a time.
 #[inline(always)]
 fn logits_body(weight: &[f32], hidden: usize, x: &[f32], out: &mut [f32]) {
-    if hidden == 0 {
-        out.fill(0.0);
-        return;
-    }
     let experts = weight.len() / hidden;
     for (xt, o) in x
         .chunks_exact(hidden)

@@ -89,8 +89,8 @@ pub enum ServiceError {
     #[error(
         "micro-batches of {micro_batch} tokens are too large for {model} in this mode: a part \
          to one device (up to {slots} experts per token) would not fit a {max_frame_bytes}-byte \
-         frame; use micro-batches of {fits} tokens or less (`--micro-batch`, and the workers' \
-         `--max-tokens` to match)"
+         frame; use micro-batches of {fits} tokens or less (`--micro-batch`; workers started \
+         apart need a matching `--max-tokens`)"
     )]
     MicroBatchTooLarge {
         /// The configured micro-batch (tokens).
@@ -103,6 +103,20 @@ pub enum ServiceError {
         max_frame_bytes: usize,
         /// The largest micro-batch that fits.
         fits: usize,
+    },
+    /// Not even one token's part fits a frame in this mode.
+    #[error(
+        "one token of {model} in this mode does not fit a {max_frame_bytes}-byte frame (up to \
+         {slots} experts per token on one device): choose a mode with smaller results (serving \
+         or exact-bf16)"
+    )]
+    TokenTooLarge {
+        /// The model.
+        model: String,
+        /// Experts of one token a part may carry.
+        slots: usize,
+        /// The mesh's frame limit.
+        max_frame_bytes: usize,
     },
 }
 
@@ -508,14 +522,23 @@ fn check_micro_batch(core: &RouterCore, max_frame_bytes: usize) -> Result<(), Se
     let spec = core.spec();
     let slots = core.max_slots_per_token();
     let cfg = core.config();
-    // A batch is never larger than `max_batch_tokens`, so neither is a micro-batch.
-    let micro_batch = cfg.micro_batch_tokens.min(cfg.max_batch_tokens).max(1);
+    // No part is larger than the largest batch: `max_batch_tokens`, or one request of up to
+    // `max_request_tokens` that is a batch on its own.
+    let largest = cfg.max_batch_tokens.max(cfg.max_request_tokens);
+    let micro_batch = cfg.micro_batch_tokens.min(largest).max(1);
     let fits = expertmesh_transport::codec::max_tokens_per_frame(
         cfg.wire_format(),
         spec.hidden as usize,
         slots,
         max_frame_bytes,
     );
+    if fits == 0 {
+        return Err(ServiceError::TokenTooLarge {
+            model: spec.name.clone(),
+            slots,
+            max_frame_bytes,
+        });
+    }
     if micro_batch > fits {
         return Err(ServiceError::MicroBatchTooLarge {
             micro_batch,

@@ -71,6 +71,9 @@ pub struct Connection {
     /// When [`Connection::handle_timeout`] last ran: a gap of more than two heartbeat
     /// intervals means this end was not running (see `heartbeats`).
     pub(super) last_timer: Instant,
+    /// The `last_rx` a stall's grace set (a second stall without a frame in between gets no
+    /// second grace: a starved host still notices a dead peer).
+    pub(super) graced_rx: Option<Instant>,
     pub(super) heartbeat_seq: u64,
     pub(super) heartbeat_queued: bool,
     pub(super) transmit: VecDeque<Body>,
@@ -149,6 +152,7 @@ impl Connection {
             last_rx: now,
             last_tx: now,
             last_timer: now,
+            graced_rx: None,
             heartbeat_seq: 0,
             heartbeat_queued: false,
             transmit,

@@ -12,7 +12,8 @@
 //! for idleness right then would drop a live link because the timer task happened to run
 //! before the reader. So after such a gap the peer gets one more heartbeat interval to be heard
 //! (time for the driver to read what is pending); a peer that is really gone is still noticed,
-//! one interval later.
+//! one interval later. The grace is given once per frame heard, so a host starved stall after
+//! stall still closes a link whose peer says nothing.
 
 use super::connection::{Connection, State};
 use super::error::ProtocolError;
@@ -58,15 +59,19 @@ impl Connection {
             State::Established => {
                 let unobserved = now.saturating_duration_since(self.last_timer);
                 self.last_timer = now;
-                if unobserved > 2 * self.cfg.heartbeat_interval {
+                if unobserved > 2 * self.cfg.heartbeat_interval
+                    && self.graced_rx != Some(self.last_rx)
+                {
                     // This end was stalled (see the module docs): judge the peer one heartbeat
-                    // interval from now, after the driver has read what arrived meanwhile.
+                    // interval from now, after the driver has read what arrived meanwhile. Once
+                    // per frame heard: stall after stall with nothing read closes as usual.
                     let grace = self
                         .cfg
                         .idle_timeout
                         .saturating_sub(self.cfg.heartbeat_interval);
-                    if let Some(from) = now.checked_sub(grace) {
-                        self.last_rx = self.last_rx.max(from);
+                    if let Some(from) = now.checked_sub(grace).filter(|&f| f > self.last_rx) {
+                        self.last_rx = from;
+                        self.graced_rx = Some(from);
                     }
                 }
                 let idle = now.saturating_duration_since(self.last_rx);

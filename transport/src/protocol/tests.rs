@@ -50,7 +50,15 @@ fn pair(
     sa: Option<&[u8]>,
     sb: Option<&[u8]>,
 ) -> (Connection, Connection, Result<(), ProtocolError>) {
-    let now = Instant::now();
+    pair_at(sa, sb, Instant::now())
+}
+
+/// [`pair`] set up at `now` (the timer tests' clock starts there).
+fn pair_at(
+    sa: Option<&[u8]>,
+    sb: Option<&[u8]>,
+    now: Instant,
+) -> (Connection, Connection, Result<(), ProtocolError>) {
     let mut a = Connection::new(cfg(0, sa), Some(1), [1; 32], vec![], now);
     let mut b = Connection::new(cfg(1, sb), None, [2; 32], vec![7], now);
     let r = pump(&mut a, &mut b, now);
@@ -259,9 +267,9 @@ fn tick(c: &mut Connection, from: Instant, to: Instant, step: Duration) -> usize
 
 #[test]
 fn heartbeats_and_idle_timeout() {
-    let (mut a, _b, r) = pair(None, None);
-    r.unwrap();
     let t0 = Instant::now();
+    let (mut a, _b, r) = pair_at(None, None, t0);
+    r.unwrap();
     // Silence from the peer: a heartbeat every second (1 s interval), closed at 10 s.
     let sent = tick(
         &mut a,
@@ -288,9 +296,9 @@ fn heartbeats_and_idle_timeout() {
 /// heartbeat interval later only if nothing arrives.
 #[test]
 fn a_stalled_end_reads_before_it_judges_the_peer_idle() {
-    let (mut a, mut b, r) = pair(None, None);
-    r.unwrap();
     let t0 = Instant::now();
+    let (mut a, mut b, r) = pair_at(None, None, t0);
+    r.unwrap();
     tick(
         &mut a,
         t0,
@@ -340,6 +348,27 @@ fn a_stalled_end_reads_before_it_judges_the_peer_idle() {
     assert!(
         matches!(a.close_reason(), Some(ProtocolError::IdleTimeout(_))),
         "a silent peer is still noticed after a stall"
+    );
+}
+
+/// The stall's grace is given once per frame heard: a host starved stall after stall, with
+/// nothing read in between, still closes a link whose peer is silent.
+#[test]
+fn stall_after_stall_without_a_frame_still_closes() {
+    let t0 = Instant::now();
+    let (mut a, _b, r) = pair_at(None, None, t0);
+    r.unwrap();
+    a.handle_timeout(t0 + Duration::from_millis(500));
+    a.handle_timeout(t0 + Duration::from_secs(15));
+    assert!(
+        a.close_reason().is_none(),
+        "the first stall is given its grace"
+    );
+    // Stalled again (3 s, past two heartbeat intervals) and still nothing from the peer.
+    a.handle_timeout(t0 + Duration::from_secs(18));
+    assert!(
+        matches!(a.close_reason(), Some(ProtocolError::IdleTimeout(_))),
+        "no second grace without a frame"
     );
 }
 
