@@ -31,7 +31,6 @@ use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_router::client::RouterClient;
 use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::reference;
-use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec;
 use expertmesh_transport::mesh::LinkKind;
 use expertmesh_worker::deploy::Deployment;
@@ -99,10 +98,11 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
         .machine
         .extra
         .insert("in_process_threads".into(), threads.into());
+    let micro_batch_tokens = micro_batch(o, &dep);
     report
         .machine
         .extra
-        .insert("micro_batch_tokens".into(), micro_batch(o, &spec).into());
+        .insert("micro_batch_tokens".into(), micro_batch_tokens.into());
     print_wire_table(&spec);
     if let Some(kimi) = expertmesh_topology::model::preset_by_name("kimi-k2") {
         print_wire_table(&kimi);
@@ -114,6 +114,7 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
             dep: &dep,
             layer,
             threads,
+            micro_batch_tokens,
             limits: &limits,
         };
         run.bench(&topology, &placement, link, &mut report)?;
@@ -127,13 +128,13 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
 /// it touches again (16-token micro-batches of 64-token calls cost this bench 14-19 % of its
 /// tokens per second on a 2-vCPU EPYC: 0.66-0.73 against 0.75-0.87 of the in-process layer,
 /// both links).
-fn micro_batch(o: &FabricBenchOptions, spec: &ModelSpec) -> usize {
+fn micro_batch(o: &FabricBenchOptions, dep: &Deployment) -> usize {
     let router = o.mode.apply(RouterConfig {
         max_batch_tokens: max_batch(o),
         ..RouterConfig::default()
     });
     o.micro_batch
-        .unwrap_or_else(|| expertmesh_fabric::local::one_host_micro_batch(spec, &router))
+        .unwrap_or_else(|| expertmesh_fabric::local::one_host_micro_batch(dep, &router))
         .max(1)
 }
 
@@ -213,6 +214,8 @@ struct LinkRun<'a> {
     dep: &'a Deployment,
     layer: u32,
     threads: usize,
+    /// The routers' micro-batch ([`micro_batch`]).
+    micro_batch_tokens: usize,
     /// In-process figures.
     limits: &'a InProcess,
 }
@@ -238,7 +241,7 @@ impl LinkRun<'_> {
         opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
             max_batch_tokens: maxb,
-            micro_batch_tokens: micro_batch(o, spec),
+            micro_batch_tokens: self.micro_batch_tokens,
             batch_window: Duration::from_micros(50),
             ..RouterConfig::default()
         });

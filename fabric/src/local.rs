@@ -9,9 +9,8 @@
 //! running.
 
 use crate::FabricError;
-use expertmesh_router::core::RouterConfig;
+use expertmesh_router::core::{RouterConfig, part_slots};
 use expertmesh_router::service::{RouterService, ServiceConfig};
-use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::topology::DeviceRank;
 use expertmesh_transport::frontend::{FrontendConfig, FrontendGate};
 use expertmesh_transport::mesh::LinkKind;
@@ -149,15 +148,12 @@ impl LocalFabricOptions {
 }
 
 /// The micro-batch of a fabric whose processes share one host: the router's largest batch,
-/// or fewer tokens where a part of that many (each token with all its routed and shared
-/// experts on one device) would not fit one frame.
-pub fn one_host_micro_batch(spec: &ModelSpec, router: &RouterConfig) -> usize {
-    let fits = expertmesh_transport::codec::max_tokens_per_frame(
-        router.wire_format(),
-        spec.hidden as usize,
-        (spec.top_k + spec.shared_experts) as usize,
-        expertmesh_worker::deploy::MAX_FRAME_BYTES,
-    );
+/// or fewer tokens where a part of that many (each token with all the experts a part can
+/// carry on one device) would not fit one frame.
+pub fn one_host_micro_batch(dep: &Deployment, router: &RouterConfig) -> usize {
+    let slots = part_slots(&dep.spec, dep.shared_on_a_device());
+    let fits =
+        router.largest_micro_batch(&dep.spec, slots, expertmesh_worker::deploy::MAX_FRAME_BYTES);
     router.max_batch_tokens.min(fits).max(1)
 }
 
@@ -212,7 +208,7 @@ impl LocalFabric {
             None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
         };
         if opts.micro_batch_fit {
-            opts.router.micro_batch_tokens = one_host_micro_batch(&dep.spec, &opts.router);
+            opts.router.micro_batch_tokens = one_host_micro_batch(&dep, &opts.router);
         }
         let (tmp, log_dir) = log_dir(&opts)?;
         let n = dep.topology.devices().len();

@@ -154,9 +154,10 @@ const ROUNDING_MAGIC: f32 = 12_582_912.0;
 ///
 /// Why not `round_ties_even`: on the x86-64 baseline (no SSE4.1) it is a call to the C
 /// library's `rintf` per element, which kept the router's activation quantization from
-/// vectorizing (about 4 % of a 2-vCPU fabric's CPU time at batch 64). Here `|t| ≤ 127`.
+/// vectorizing (about 4 % of a 2-vCPU fabric's CPU time at batch 64). Here `|t| ≤ 127`; the
+/// searched quantizer's code rule and its plain passes use it too.
 #[inline(always)]
-fn round_half_even_small(t: f32) -> f32 {
+pub(crate) fn round_half_even_small(t: f32) -> f32 {
     (t + ROUNDING_MAGIC) - ROUNDING_MAGIC
 }
 

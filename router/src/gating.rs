@@ -410,11 +410,6 @@ mod tests {
         prop::collection::vec((-8i32..8).prop_map(|v| v as f32 * 0.25), max_len)
     }
 
-    /// One token's gate logit by the plain definition: [`dot8`], one row at a time.
-    fn logit_alone(w: &[f32], x: &[f32]) -> f32 {
-        dot8(w, x)
-    }
-
     proptest! {
         /// The blocked logits (four rows side by side, AVX where the CPU has it) are the
         /// one-row dot products bit for bit, for any hidden size and expert count.
@@ -446,7 +441,7 @@ mod tests {
             let got = g.logits(&x);
             for t in 0..tokens {
                 for e in 0..experts {
-                    let want = logit_alone(
+                    let want = dot8(
                         &weight[e * hidden..(e + 1) * hidden],
                         &x[t * hidden..(t + 1) * hidden],
                     );

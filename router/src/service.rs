@@ -526,12 +526,7 @@ fn check_micro_batch(core: &RouterCore, max_frame_bytes: usize) -> Result<(), Se
     // `max_request_tokens` that is a batch on its own.
     let largest = cfg.max_batch_tokens.max(cfg.max_request_tokens);
     let micro_batch = cfg.micro_batch_tokens.min(largest).max(1);
-    let fits = expertmesh_transport::codec::max_tokens_per_frame(
-        cfg.wire_format(),
-        spec.hidden as usize,
-        slots,
-        max_frame_bytes,
-    );
+    let fits = cfg.largest_micro_batch(spec, slots, max_frame_bytes);
     if fits == 0 {
         return Err(ServiceError::TokenTooLarge {
             model: spec.name.clone(),

@@ -626,6 +626,18 @@ impl Deployment {
             .is_some_and(|w| w.manifest.shared_dense)
     }
 
+    /// Whether any layer runs its shared experts on a device (a worker gets them as extra
+    /// slots of its parts).
+    pub fn shared_on_a_device(&self) -> bool {
+        self.spec.shared_experts > 0
+            && self.spec.moe_layer_ids().iter().any(|&l| {
+                matches!(
+                    self.placement.shared_location(l),
+                    Some(SharedLocation::Device(_))
+                )
+            })
+    }
+
     /// Whether any layer runs its shared experts on the router.
     pub fn shared_on_router(&self) -> bool {
         self.spec.shared_experts > 0

@@ -72,8 +72,6 @@ const FIRST_BELOW: u16 = 20;
 /// Magnitudes at the lower end of `2^-20` of a code step: a largest `|v| · inv` below
 /// `7.5 · CAP_SAFE` puts no code at 8 under either rounding.
 const CAP_SAFE: f64 = 1.0 - 1.0 / (1u64 << 20) as f64;
-/// `1.5 · 2^23`: adding and subtracting it rounds an f32 below `2^22` half to even.
-const MAGIC32: f32 = 12_582_912.0;
 
 /// Which vector instructions the passes are compiled for (detected once per search).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -378,7 +376,7 @@ fn rne<const FUSED: bool>(x: f32) -> f32 {
     if FUSED {
         x.round_ties_even()
     } else {
-        (x + MAGIC32) - MAGIC32
+        crate::contract::round_half_even_small(x)
     }
 }
 

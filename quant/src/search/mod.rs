@@ -217,8 +217,8 @@ pub(super) fn code(v: f32, d: f32, z: u8) -> u8 {
     if d == 0.0 {
         z
     } else {
-        // Adding and subtracting 1.5 · 2^23 rounds half to even for |x| ≤ 2^22 (no `rintf`).
-        const MAGIC32: f32 = 12_582_912.0;
-        ((((v / d).clamp(-32.0, 32.0) + MAGIC32) - MAGIC32) + z as f32).clamp(0.0, 15.0) as u8
+        // Rounded half to even in two additions (no `rintf` call; |v / d| clamped to 32).
+        let q = crate::contract::round_half_even_small((v / d).clamp(-32.0, 32.0));
+        (q + z as f32).clamp(0.0, 15.0) as u8
     }
 }

@@ -11,6 +11,7 @@ use crate::gating::GateWeights;
 use crate::plan::LayerOwners;
 use expertmesh_backend::BackendError;
 use expertmesh_quant::contract::ComputeMode;
+use expertmesh_topology::model::ModelSpec;
 use expertmesh_transport::codec::{OutputLayout, WireFormat};
 use expertmesh_transport::dtype::{ActivationDtype, OutputDtype};
 use std::time::Duration;
@@ -173,7 +174,35 @@ impl std::fmt::Display for LayerMode {
     }
 }
 
+/// The most experts of one token a part to one device can carry in model `spec`: the routed
+/// top-k, plus the shared experts where a worker runs them (dispatched as extra slots).
+pub fn part_slots(spec: &ModelSpec, shared_on_a_worker: bool) -> usize {
+    let shared = if shared_on_a_worker {
+        spec.shared_experts
+    } else {
+        0
+    };
+    (spec.top_k + shared) as usize
+}
+
 impl RouterConfig {
+    /// The most tokens a micro-batch of `spec` can have in this configuration's wire format
+    /// when a part may carry `slots` experts per token ([`part_slots`]): both its dispatch and
+    /// its result frame within `max_frame_bytes` (0: not even one token fits).
+    pub fn largest_micro_batch(
+        &self,
+        spec: &ModelSpec,
+        slots: usize,
+        max_frame_bytes: usize,
+    ) -> usize {
+        expertmesh_transport::codec::max_tokens_per_frame(
+            self.wire_format(),
+            spec.hidden as usize,
+            slots,
+            max_frame_bytes,
+        )
+    }
+
     /// What a dispatch and its result look like on the wire in this configuration (feed it to
     /// `codec::wire_bytes_per_token` for the bytes per token).
     pub fn wire_format(&self) -> WireFormat {

@@ -55,7 +55,7 @@ mod validate;
 
 pub use config::{
     DEFAULT_MAX_DEADLINE, LayerMode, LayerSetup, ResultWire, RouterConfig, SharedRunner,
-    SharedSite, UnknownLayerMode,
+    SharedSite, UnknownLayerMode, part_slots,
 };
 pub use validate::{NON_FINITE_INPUT, Rejection, Request, RequestValidator};
 
@@ -318,12 +318,7 @@ impl RouterCore {
             .layers
             .values()
             .any(|l| matches!(l.shared, SharedSite::Rank(_)));
-        let shared = if shared_on_a_worker {
-            self.spec.shared_experts
-        } else {
-            0
-        };
-        (self.spec.top_k + shared) as usize
+        part_slots(&self.spec, shared_on_a_worker)
     }
 
     /// Counters so far.

@@ -271,24 +271,27 @@ fn heartbeats_and_idle_timeout() {
     let (mut a, _b, r) = pair_at(None, None, t0);
     r.unwrap();
     // Silence from the peer: a heartbeat every second (1 s interval), closed at 10 s.
-    let sent = tick(
-        &mut a,
-        t0,
-        t0 + Duration::from_millis(9_900),
-        Duration::from_millis(250),
-    );
+    let sent = closes_idle_between(&mut a, t0, Duration::from_secs(10));
     assert!((9..=10).contains(&sent), "{sent} heartbeats in 9.9 s");
-    assert!(a.close_reason().is_none(), "open before the idle timeout");
+}
+
+/// Drives `c` from `from` as a driver does: still open 100 ms before `from + after`, closed
+/// for idleness 100 ms after it. Returns the heartbeats sent.
+fn closes_idle_between(c: &mut Connection, from: Instant, after: Duration) -> usize {
+    let margin = Duration::from_millis(100);
+    let sent = tick(c, from, from + after - margin, Duration::from_millis(250));
+    assert!(c.close_reason().is_none(), "open {margin:?} before");
     tick(
-        &mut a,
-        t0 + Duration::from_millis(9_900),
-        t0 + Duration::from_millis(10_100),
+        c,
+        from + after - margin,
+        from + after + margin,
         Duration::from_millis(50),
     );
-    assert!(matches!(
-        a.close_reason(),
-        Some(ProtocolError::IdleTimeout(_))
-    ));
+    assert!(
+        matches!(c.close_reason(), Some(ProtocolError::IdleTimeout(_))),
+        "closed for idleness {margin:?} after"
+    );
+    sent
 }
 
 /// An end whose timers did not run for longer than the idle timeout (its process stalled)
@@ -332,23 +335,7 @@ fn a_stalled_end_reads_before_it_judges_the_peer_idle() {
     let woke = woke + Duration::from_secs(30);
     a.handle_timeout(woke);
     assert!(a.close_reason().is_none());
-    tick(
-        &mut a,
-        woke,
-        woke + Duration::from_millis(900),
-        Duration::from_millis(100),
-    );
-    assert!(a.close_reason().is_none(), "closed before its grace ended");
-    tick(
-        &mut a,
-        woke + Duration::from_millis(900),
-        woke + Duration::from_millis(1_100),
-        Duration::from_millis(50),
-    );
-    assert!(
-        matches!(a.close_reason(), Some(ProtocolError::IdleTimeout(_))),
-        "a silent peer is still noticed after a stall"
-    );
+    closes_idle_between(&mut a, woke, Duration::from_secs(1));
 }
 
 /// The stall's grace is given once per frame heard: a host starved stall after stall, with
