@@ -809,6 +809,17 @@ pub(crate) mod x86 {
     /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
 
+    /// The software prefetch of weight tiles goes to L2 only (`prefetcht1`), not L1. An L1
+    /// prefetch holds one of the core's few L1 miss buffers for its whole trip to DRAM and
+    /// lands 4 KiB of every stream in L1 ahead of use, where it evicts the activation codes,
+    /// sums and scales the kernel reads beside the weights (four streams against four
+    /// different tokens or pairs: stage 2 always, stage 1 at B > 1); an L2 prefetch is tracked
+    /// by the L2's larger queue, and the loads then find the tile in L2. On the EPYC Zen 4 VM
+    /// decode read 10–35 % more GB/s with it (the AVX2 streams kernels up to 50 %; BENCHMARKS.md,
+    /// "Decode kernels prefetch weights into L2"), and the read probes gained as much from it
+    /// (`membw`'s `-l2` kernels, so the limit keeps up).
+    const WEIGHT_PREFETCH: i32 = _MM_HINT_T1;
+
     /// Software prefetch `PREFETCH_BLOCKS` tiles ahead within one row block's matrix:
     /// addresses past the row block continue into the next one (row blocks are contiguous);
     /// nothing past the matrix is touched; `wrapping_add` keeps the arithmetic defined and
@@ -837,7 +848,7 @@ pub(crate) mod x86 {
                 let pf = self.nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
                 for line in 0..4 {
                     // SAFETY: a prefetch is a hint; the address lies inside the matrix.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+                    unsafe { _mm_prefetch::<WEIGHT_PREFETCH>(pf.wrapping_add(64 * line).cast()) };
                 }
             }
         }
@@ -986,7 +997,7 @@ pub(crate) mod x86 {
                 let pf = self.nib.wrapping_add(tile * 256);
                 for line in 0..4 {
                     // SAFETY: a prefetch is a hint; the address lies inside the matrix.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * line).cast()) };
+                    unsafe { _mm_prefetch::<WEIGHT_PREFETCH>(pf.wrapping_add(64 * line).cast()) };
                 }
             }
         }
