@@ -365,12 +365,15 @@ unsafe fn transpose_sse2(
     let out = tiles.as_mut_ptr();
     for b in 0..blocks {
         // The next row block, one line per row every four blocks (a line holds four blocks'
-        // bytes of a row): read one row block ahead. Only addresses inside a row are formed.
+        // bytes of a row): read one row block ahead, into L2 only (`prefetcht1`: sixteen
+        // source rows in flight would hold most of the core's L1 miss buffers until DRAM
+        // answers; on the EPYC Zen 4 VM the load read 5-19 % more with it). Only addresses
+        // inside a row are formed.
         if b % 4 == 0 {
             for row in next {
                 if let Some(line) = row.get(b * BLOCK_BYTES..).filter(|l| !l.is_empty()) {
                     // SAFETY: a prefetch only hints the cache (SSE, part of x86-64).
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
                 }
             }
         }
