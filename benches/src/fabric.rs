@@ -2,8 +2,9 @@
 //! same layer run in-process by the same backend, measured in the same run.
 //!
 //! Why this exists: it answers "what does distributing the experts cost?" The in-process
-//! figure is the ceiling — gate, the CPU backend running every expert of the layer with all
-//! the cores the workers have together, combine — and the fabric figure is the same work
+//! figure is the ceiling — gate (its logits on as many threads as the backend has), the CPU
+//! backend running every expert of the layer with all the cores the workers have together,
+//! combine — and the fabric figure is the same work
 //! through the router, the transport and worker processes, with several frontends keeping it
 //! busy. The ceiling does the same work with the same concurrency: the `clients` frontends'
 //! batches of `b` tokens, which the router may batch together, run in-process as one batch of
@@ -143,6 +144,49 @@ fn max_batch(o: &FabricBenchOptions) -> usize {
     o.batches.iter().copied().max().unwrap_or(64)
 }
 
+/// One in-process layer call on `x` (gate, route, the backend's experts, combine), the gate's
+/// logits computed on `threads` threads (contiguous token ranges; one runs on the caller's).
+/// The fabric's router computes the gate while the workers compute other batches, so a limit
+/// whose gate ran on one thread while the backend's other threads waited would leave a core
+/// idle the fabric can use: at 4 × 64 tokens of demo-small the gate is about a tenth of the
+/// call.
+fn layer_call(
+    spec: &expertmesh_topology::model::ModelSpec,
+    gate: &expertmesh_router::gating::GateWeights,
+    layer: u32,
+    backend: &mut dyn expertmesh_backend::ExpertBackend,
+    x: &[f32],
+    mode: expertmesh_quant::contract::ComputeMode,
+    threads: usize,
+) -> Result<(), BenchError> {
+    let (h, e) = (gate.hidden, gate.experts);
+    let tokens = x.len() / h;
+    let mut logits = vec![0f32; tokens * e];
+    let per = tokens.div_ceil(threads.clamp(1, tokens.max(1)));
+    std::thread::scope(|scope| {
+        let mut parts = x.chunks(per * h).zip(logits.chunks_mut(per * e));
+        let first = parts.next();
+        for (xs, ls) in parts {
+            scope.spawn(move || gate.logits_into(xs, ls));
+        }
+        if let Some((xs, ls)) = first {
+            gate.logits_into(xs, ls);
+        }
+    });
+    reference::moe_layer_backend_from_logits(
+        spec,
+        gate,
+        layer,
+        backend,
+        x,
+        &logits,
+        mode,
+        reference::ExpertRounding::None,
+    )
+    .map_err(BenchError::ReferenceLayer)?;
+    Ok(())
+}
+
 /// In-process step: tokens/s of the whole layer on one backend, per batch size (the limits).
 fn in_process_limits(
     o: &FabricBenchOptions,
@@ -168,13 +212,12 @@ fn in_process_limits(
         let tokens = b * clients;
         let x = reference::synthetic_hidden(b as u64, tokens, h);
         let mode = o.mode.compute();
-        let _ = reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
-            .map_err(BenchError::ReferenceLayer)?;
+        let mut call = || layer_call(spec, &gate, layer, &mut backend, &x, mode, threads);
+        call()?;
         let t0 = Instant::now();
         let mut calls = 0u64;
         while t0.elapsed().as_secs_f64() < o.seconds || calls < 3 {
-            reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, mode)
-                .map_err(BenchError::ReferenceLayer)?;
+            call()?;
             calls += 1;
         }
         let tps = (calls as usize * tokens) as f64 / t0.elapsed().as_secs_f64();
@@ -189,8 +232,7 @@ fn in_process_limits(
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < o.seconds.min(1.0) || lat.len() < 20 {
         let t = Instant::now();
-        reference::moe_layer_backend(spec, &gate, layer, &mut backend, &x, o.mode.compute())
-            .map_err(BenchError::ReferenceLayer)?;
+        layer_call(spec, &gate, layer, &mut backend, &x, o.mode.compute(), 1)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     lat.sort_by(f64::total_cmp);

@@ -207,10 +207,27 @@ pub fn moe_layer_backend_rounded(
     mode: ComputeMode,
     rounding: ExpertRounding,
 ) -> Result<(Routing, Vec<f32>), ReferenceError> {
+    let logits = gate.logits(x);
+    moe_layer_backend_from_logits(spec, gate, layer, backend, x, &logits, mode, rounding)
+}
+
+/// [`moe_layer_backend_rounded`] from the gate's logits of `x` computed by the caller
+/// (`[tokens][experts]`, as [`GateWeights::logits`] gives them): a caller that computes them
+/// on several threads (`bench fabric`'s in-process limit) runs the rest of the same layer.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_layer_backend_from_logits(
+    spec: &ModelSpec,
+    gate: &GateWeights,
+    layer: u32,
+    backend: &mut dyn ExpertBackend,
+    x: &[f32],
+    logits: &[f32],
+    mode: ComputeMode,
+    rounding: ExpertRounding,
+) -> Result<(Routing, Vec<f32>), ReferenceError> {
     let h = gate.hidden;
     let tokens = x.len() / h;
-    let logits = gate.logits(x);
-    let routing = gating::route(spec, &logits, &gate.bias)?;
+    let routing = gating::route(spec, logits, &gate.bias)?;
     let k = routing.top_k;
     let s = spec.shared_experts as usize;
     let slots = k + s;
