@@ -66,6 +66,9 @@ pub struct FabricBenchOptions {
 
 /// Run the benchmark.
 pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
+    if o.batches.is_empty() || o.batches.contains(&0) {
+        return Err(BenchError::Options("--batches needs sizes >= 1".into()));
+    }
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
         .tempdir()?;
@@ -145,11 +148,10 @@ fn max_batch(o: &FabricBenchOptions) -> usize {
 }
 
 /// One in-process layer call on `x` (gate, route, the backend's experts, combine), the gate's
-/// logits computed on `threads` threads (contiguous token ranges; one runs on the caller's).
-/// The fabric's router computes the gate while the workers compute other batches, so a limit
-/// whose gate ran on one thread while the backend's other threads waited would leave a core
-/// idle the fabric can use: at 4 × 64 tokens of demo-small the gate is about a tenth of the
-/// call.
+/// logits computed by [`logits_threaded`] on up to `threads` threads. The fabric's router
+/// computes the gate while the workers compute other batches, so a limit whose gate ran on
+/// one thread while the backend's other threads waited would leave a core idle the fabric can
+/// use: at 4 × 64 tokens of demo-small the gate is about a tenth of the call.
 fn layer_call(
     spec: &expertmesh_topology::model::ModelSpec,
     gate: &expertmesh_router::gating::GateWeights,
@@ -159,20 +161,7 @@ fn layer_call(
     mode: expertmesh_quant::contract::ComputeMode,
     threads: usize,
 ) -> Result<(), BenchError> {
-    let (h, e) = (gate.hidden, gate.experts);
-    let tokens = x.len() / h;
-    let mut logits = vec![0f32; tokens * e];
-    let per = tokens.div_ceil(threads.clamp(1, tokens.max(1)));
-    std::thread::scope(|scope| {
-        let mut parts = x.chunks(per * h).zip(logits.chunks_mut(per * e));
-        let first = parts.next();
-        for (xs, ls) in parts {
-            scope.spawn(move || gate.logits_into(xs, ls));
-        }
-        if let Some((xs, ls)) = first {
-            gate.logits_into(xs, ls);
-        }
-    });
+    let logits = logits_threaded(gate, x, threads);
     reference::moe_layer_backend_from_logits(
         spec,
         gate,
@@ -185,6 +174,37 @@ fn layer_call(
     )
     .map_err(BenchError::ReferenceLayer)?;
     Ok(())
+}
+
+/// Tokens each extra gate thread takes at least: a thread started per call costs tens of µs
+/// on a small VM, about what the gate of 64 tokens of demo-small takes.
+const GATE_TOKENS_PER_THREAD: usize = 64;
+
+/// The gate's logits of `x` (`[tokens][experts]`, bit-identical to
+/// [`GateWeights::logits`](expertmesh_router::gating::GateWeights::logits): each token's logits
+/// are computed alone), over contiguous token ranges on up to `threads` threads, one of them
+/// the caller's, each with at least [`GATE_TOKENS_PER_THREAD`] tokens.
+fn logits_threaded(
+    gate: &expertmesh_router::gating::GateWeights,
+    x: &[f32],
+    threads: usize,
+) -> Vec<f32> {
+    let (h, e) = (gate.hidden, gate.experts);
+    let tokens = x.len() / h;
+    let mut logits = vec![0f32; tokens * e];
+    let used = threads.min(tokens / GATE_TOKENS_PER_THREAD).max(1);
+    let per = tokens.div_ceil(used).max(1);
+    std::thread::scope(|scope| {
+        let mut parts = x.chunks(per * h).zip(logits.chunks_mut(per * e));
+        let first = parts.next();
+        for (xs, ls) in parts {
+            scope.spawn(move || gate.logits_into(xs, ls));
+        }
+        if let Some((xs, ls)) = first {
+            gate.logits_into(xs, ls);
+        }
+    });
+    logits
 }
 
 /// In-process step: tokens/s of the whole layer on one backend, per batch size (the limits).
@@ -563,6 +583,95 @@ fn print_wire_table(spec: &expertmesh_topology::model::ModelSpec) {
             b[1],
             b[2],
             b[3]
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use expertmesh_topology::model::preset_by_name;
+
+    #[test]
+    fn threaded_logits_are_the_gates_logits_bit_for_bit() {
+        let spec = preset_by_name("demo-small").expect("preset");
+        let gate = reference::synthetic_gate(&spec, 7, spec.moe_layer_ids()[0]);
+        for tokens in [0, 1, 3, 63, 64, 65, 130, 257] {
+            let x = reference::synthetic_hidden(tokens as u64, tokens, gate.hidden);
+            let want = gate.logits(&x);
+            for threads in [1, 2, 3, 4] {
+                let got = logits_threaded(&gate, &x, threads);
+                let same = got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{tokens} tokens on {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn the_layer_from_threaded_logits_is_the_reference_layer_and_bad_shapes_are_refused() {
+        use expertmesh_quant::contract::ComputeMode;
+        let spec = preset_by_name("demo-small").expect("preset");
+        let layer = spec.moe_layer_ids()[0];
+        let gate = reference::synthetic_gate(&spec, 7, layer);
+        let mut backend = expertmesh_worker::weights::reference_backend(&spec, 7, &[layer], 2, 130)
+            .expect("backend");
+        let x = reference::synthetic_hidden(3, 130, gate.hidden);
+        let mode = ComputeMode::Exact;
+        let (_, want) = reference::moe_layer_backend(&spec, &gate, layer, &mut backend, &x, mode)
+            .expect("reference layer");
+        let logits = logits_threaded(&gate, &x, 2);
+        let none = reference::ExpertRounding::None;
+        let (_, got) = reference::moe_layer_backend_from_logits(
+            &spec,
+            &gate,
+            layer,
+            &mut backend,
+            &x,
+            &logits,
+            mode,
+            none,
+        )
+        .expect("layer from logits");
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        assert_eq!(got.len(), want.len());
+        // Logits of one token too few, and hidden states that are not whole tokens.
+        let short = &logits[..logits.len() - gate.experts];
+        let r = reference::moe_layer_backend_from_logits(
+            &spec,
+            &gate,
+            layer,
+            &mut backend,
+            &x,
+            short,
+            mode,
+            none,
+        );
+        assert!(
+            matches!(r, Err(reference::ReferenceError::Gating(_))),
+            "{r:?}"
+        );
+        let torn = &x[..x.len() - 1];
+        let r = reference::moe_layer_backend_from_logits(
+            &spec,
+            &gate,
+            layer,
+            &mut backend,
+            torn,
+            &logits,
+            mode,
+            none,
+        );
+        assert!(
+            matches!(r, Err(reference::ReferenceError::Gating(_))),
+            "{r:?}"
         );
     }
 }

@@ -4,9 +4,9 @@
 //! the machine can read at all, measured in the same run (shared, noisy machines make absolute
 //! numbers meaningless). A limit must be a limit: one plain read loop is not what the machine
 //! can read (a kernel with software prefetch beat it by 2-40% on two machines), so
-//! [`probe_configs`] lists several read kernels ([`ReadKernel`]: plain, software-prefetched,
-//! several interleaved streams, streaming loads, 512-bit loads and streaming loads where
-//! AVX-512 exists), thread counts, thread placements ([`Placement`]) and buffer sizes, and a
+//! [`probe_configs`] lists several read kernels ([`ReadKernel`]: plain, software-prefetched
+//! into L1 or into L2, several interleaved streams, streaming loads, 512-bit loads and
+//! streaming loads where AVX-512 exists), thread counts, thread placements ([`Placement`]) and buffer sizes, and a
 //! bench takes the best of them ([`read_pass`] measures one pass of one configuration).
 
 use std::time::Instant;

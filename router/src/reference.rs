@@ -227,6 +227,19 @@ pub fn moe_layer_backend_from_logits(
 ) -> Result<(Routing, Vec<f32>), ReferenceError> {
     let h = gate.hidden;
     let tokens = x.len() / h;
+    let expected = tokens * gate.experts;
+    if x.len() % h != 0 || logits.len() != expected {
+        let (what, expected, got) = match x.len() % h {
+            0 => ("router logits", expected, logits.len()),
+            _ => ("hidden states", (tokens + 1) * h, x.len()),
+        };
+        return Err(GatingError::Shape {
+            what,
+            expected,
+            got,
+        }
+        .into());
+    }
     let routing = gating::route(spec, logits, &gate.bias)?;
     let k = routing.top_k;
     let s = spec.shared_experts as usize;
