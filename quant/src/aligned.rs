@@ -16,6 +16,13 @@ pub const BUFFER_ALIGN: usize = 64;
 /// candidates, so streaming gigabytes of expert weights does not thrash the TLB.
 pub const HUGE_THRESHOLD: usize = 4 << 20;
 const HUGE_ALIGN: usize = 2 << 20;
+/// Zeroed buffers of at least this many bytes (and below [`HUGE_THRESHOLD`]) are their own
+/// anonymous mappings too (page aligned, no huge-page advice): fresh pages read as zero, where
+/// the global allocator's aligned path would memset them (the backend's scratch buffers, a few
+/// MiB per load: 7 % of a worker load's time on the EPYC VM went to that memset). Only
+/// `zeroed` takes this tier: buffers filled at once keep the allocator, so a process holding
+/// thousands of mid-size matrices does not hold thousands of mappings.
+pub const ZERO_MAP_THRESHOLD: usize = 256 << 10;
 
 /// Element types an [`AlignedVec`] may hold: plain old data for which all-zero bytes are a valid
 /// value and which has no destructor.
@@ -45,6 +52,8 @@ unsafe impl Pod for f64 {}
 pub struct AlignedVec<T: Pod> {
     ptr: NonNull<T>,
     len: usize,
+    /// The buffer is its own anonymous mapping (`huge::map`), not the global allocator's.
+    mapped: bool,
 }
 
 // SAFETY: AlignedVec owns its allocation exactly like Vec<T>; T: Pod is Send + Sync data.
@@ -70,12 +79,14 @@ impl<T: Pod> AlignedVec<T> {
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
         #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE_THRESHOLD {
+        if layout.size() >= ZERO_MAP_THRESHOLD {
             // Fresh anonymous pages read as zero: no pass over the memory here (the pages fault
-            // in, huge, where they are first written).
+            // in, huge when the buffer is, where they are first written).
+            let huge = layout.size() >= HUGE_THRESHOLD;
             return Self {
-                ptr: huge::map(layout.size()).cast::<T>(),
+                ptr: huge::map(layout.size(), huge).cast::<T>(),
                 len,
+                mapped: true,
             };
         }
         // SAFETY: the layout has non-zero size (max(1)).
@@ -83,7 +94,11 @@ impl<T: Pod> AlignedVec<T> {
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             alloc::handle_alloc_error(layout)
         };
-        Self { ptr, len }
+        Self {
+            ptr,
+            len,
+            mapped: false,
+        }
     }
 
     /// A buffer holding a copy of `src` (written once: no zeroing first).
@@ -97,9 +112,10 @@ impl<T: Pod> AlignedVec<T> {
     /// zeroing memory it overwrites at once.
     pub fn from_fn(len: usize, mut next: impl FnMut() -> T) -> Self {
         let layout = Self::layout(len);
+        let mapped = cfg!(target_os = "linux") && layout.size() >= HUGE_THRESHOLD;
         #[cfg(target_os = "linux")]
-        let ptr = if layout.size() >= HUGE_THRESHOLD {
-            huge::map(layout.size()).cast::<T>()
+        let ptr = if mapped {
+            huge::map(layout.size(), true).cast::<T>()
         } else {
             Self::alloc(layout)
         };
@@ -112,7 +128,7 @@ impl<T: Pod> AlignedVec<T> {
             // every element is written before the slice is ever formed.
             unsafe { ptr.as_ptr().add(i).write(next()) };
         }
-        Self { ptr, len }
+        Self { ptr, len, mapped }
     }
 
     /// Uninitialised memory for `layout` from the global allocator.
@@ -148,7 +164,7 @@ impl<T: Pod> Drop for AlignedVec<T> {
     fn drop(&mut self) {
         let layout = Self::layout(self.len);
         #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE_THRESHOLD {
+        if self.mapped {
             // SAFETY: mapped by `huge::map` with this size; nothing borrows it any more.
             unsafe { huge::unmap(self.ptr.cast::<u8>(), layout.size()) };
             return;
@@ -192,7 +208,8 @@ impl<T: Pod + PartialEq> PartialEq for AlignedVec<T> {
 }
 
 /// Buffers of [`HUGE_THRESHOLD`] bytes or more: their own anonymous mappings, 2 MiB aligned
-/// and advised as huge pages. Fresh anonymous memory reads as zero, so a zeroed buffer costs no
+/// and advised as huge pages; zeroed buffers of [`ZERO_MAP_THRESHOLD`] bytes or more: their
+/// own page-aligned mappings. Fresh anonymous memory reads as zero, so a zeroed buffer costs no
 /// pass over it (the global allocator's aligned path would memset it, and the kernel zeroes
 /// the pages again when they fault in).
 #[cfg(target_os = "linux")]
@@ -203,16 +220,17 @@ mod huge {
 
     const PAGE: usize = 4096;
 
-    /// Map `size` bytes (non-zero), aligned to [`HUGE_ALIGN`]; out of memory is the global
-    /// allocator's error.
-    pub(super) fn map(size: usize) -> NonNull<u8> {
+    /// Map `size` bytes (non-zero): with `huge`, aligned to [`HUGE_ALIGN`] and advised as huge
+    /// pages, else page aligned; out of memory is the global allocator's error.
+    pub(super) fn map(size: usize, huge: bool) -> NonNull<u8> {
         let span = size.next_multiple_of(PAGE);
+        let align = if huge { HUGE_ALIGN } else { PAGE };
         let fail = || -> ! {
             alloc::handle_alloc_error(
-                Layout::from_size_align(size, HUGE_ALIGN).expect("a valid huge layout"),
+                Layout::from_size_align(size, align).expect("a valid mapped layout"),
             )
         };
-        let whole = span + HUGE_ALIGN;
+        let whole = if huge { span + HUGE_ALIGN } else { span };
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let base = unsafe {
             libc::mmap(
@@ -228,7 +246,7 @@ mod huge {
             fail();
         }
         let base = base as usize;
-        let start = base.next_multiple_of(HUGE_ALIGN);
+        let start = base.next_multiple_of(align);
         // SAFETY: both trimmed ranges lie inside the mapping just made and are page aligned
         // (mmap returns page-aligned memory; `start` and `span` are multiples of PAGE).
         unsafe {
@@ -240,7 +258,9 @@ mod huge {
                 libc::munmap(end as *mut libc::c_void, base + whole - end);
             }
             // Only advice: without transparent huge pages the buffer works in 4 KiB pages.
-            libc::madvise(start as *mut libc::c_void, span, libc::MADV_HUGEPAGE);
+            if huge {
+                libc::madvise(start as *mut libc::c_void, span, libc::MADV_HUGEPAGE);
+            }
         }
         NonNull::new(start as *mut u8).unwrap_or_else(|| fail())
     }
@@ -276,6 +296,26 @@ mod tests {
         let b = AlignedVec::from_slice(&big);
         assert_eq!(&b[..], &big[..]);
         assert_eq!(AlignedVec::<u16>::from_slice(&[]).len(), 0);
+    }
+
+    /// Zeroed buffers of the middle tier (their own page mappings on Linux) and buffers of the
+    /// same size filled at once (the allocator's): aligned, zero or filled, writable to the last
+    /// byte, freed on drop (many in a row do not run out of address space or memory).
+    #[test]
+    fn mid_size_buffers_are_aligned_zeroed_and_freed() {
+        for round in 0..256usize {
+            let len = ZERO_MAP_THRESHOLD / 2 + 4097 * (round % 64);
+            let mut v = AlignedVec::<u16>::zeroed(len);
+            assert_eq!(v.as_ptr() as usize % BUFFER_ALIGN, 0);
+            assert!(v.iter().step_by(331).all(|&x| x == 0) && v[len - 1] == 0);
+            v[len - 1] = round as u16;
+            v[0] = 7;
+            assert_eq!((v[0], v[len - 1]), (7, round as u16));
+            let w = AlignedVec::from_fn(len, || round as u16);
+            assert_eq!(w.as_ptr() as usize % BUFFER_ALIGN, 0);
+            assert!(w.iter().all(|&x| x == round as u16));
+            assert_eq!(v.clone()[len - 1], round as u16);
+        }
     }
 
     /// Huge buffers (their own mappings on Linux): aligned to 2 MiB, zero, writable to the last
