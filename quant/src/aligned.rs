@@ -52,7 +52,9 @@ unsafe impl Pod for f64 {}
 pub struct AlignedVec<T: Pod> {
     ptr: NonNull<T>,
     len: usize,
-    /// The buffer is its own anonymous mapping (`huge::map`), not the global allocator's.
+    /// The buffer is its own anonymous mapping (`huge::map`), not the global allocator's
+    /// (never on other systems).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     mapped: bool,
 }
 
