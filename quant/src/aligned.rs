@@ -300,41 +300,46 @@ mod tests {
         assert_eq!(AlignedVec::<u16>::from_slice(&[]).len(), 0);
     }
 
-    /// Zeroed buffers of the middle tier (their own page mappings on Linux) and buffers of the
-    /// same size filled at once (the allocator's): aligned, zero or filled, writable to the last
-    /// byte, freed on drop (many in a row do not run out of address space or memory).
-    #[test]
-    fn mid_size_buffers_are_aligned_zeroed_and_freed() {
-        for round in 0..256usize {
-            let len = ZERO_MAP_THRESHOLD / 2 + 4097 * (round % 64);
-            let mut v = AlignedVec::<u16>::zeroed(len);
-            assert_eq!(v.as_ptr() as usize % BUFFER_ALIGN, 0);
-            assert!(v.iter().step_by(331).all(|&x| x == 0) && v[len - 1] == 0);
-            v[len - 1] = round as u16;
-            v[0] = 7;
-            assert_eq!((v[0], v[len - 1]), (7, round as u16));
-            let w = AlignedVec::from_fn(len, || round as u16);
-            assert_eq!(w.as_ptr() as usize % BUFFER_ALIGN, 0);
-            assert!(w.iter().all(|&x| x == round as u16));
-            assert_eq!(v.clone()[len - 1], round as u16);
-        }
-    }
-
-    /// Huge buffers (their own mappings on Linux): aligned to 2 MiB, zero, writable to the last
-    /// byte, and unmapped on drop (many in a row do not run out of address space or memory).
-    #[test]
-    fn huge_buffers_are_aligned_zeroed_and_freed() {
-        for round in 0..64usize {
-            let len = HUGE_THRESHOLD / 4 + 4099 * round;
+    /// `rounds` zeroed buffers of `len(round)` u32 and as many filled at once: aligned to
+    /// `align`, zero or filled, writable to the last byte, freed on drop (many in a row do not
+    /// run out of address space or memory).
+    fn buffers_are_aligned_zeroed_and_freed(
+        rounds: usize,
+        len: impl Fn(usize) -> usize,
+        align: usize,
+    ) {
+        for round in 0..rounds {
+            let len = len(round);
             let mut v = AlignedVec::<u32>::zeroed(len);
-            assert_eq!(v.as_ptr() as usize % HUGE_ALIGN, 0);
+            assert_eq!(v.as_ptr() as usize % align, 0);
             assert!(v.iter().step_by(997).all(|&x| x == 0) && v[len - 1] == 0);
             v[len - 1] = round as u32;
             v[0] = 7;
             assert_eq!((v[0], v[len - 1]), (7, round as u32));
             let w = AlignedVec::from_fn(len, || round as u32);
-            assert_eq!(w.as_ptr() as usize % HUGE_ALIGN, 0);
+            assert_eq!(w.as_ptr() as usize % align, 0);
             assert!(w.iter().all(|&x| x == round as u32));
+            assert_eq!(v.clone()[len - 1], round as u32);
         }
+    }
+
+    /// Zeroed buffers of the middle tier (their own page mappings on Linux; buffers of the same
+    /// size filled at once stay the allocator's).
+    #[test]
+    fn mid_size_buffers_are_aligned_zeroed_and_freed() {
+        let len = |round: usize| ZERO_MAP_THRESHOLD / 4 + 4097 * (round % 64);
+        buffers_are_aligned_zeroed_and_freed(256, len, BUFFER_ALIGN);
+    }
+
+    /// Huge buffers (their own mappings on Linux): aligned to 2 MiB.
+    #[test]
+    fn huge_buffers_are_aligned_zeroed_and_freed() {
+        let len = |round: usize| HUGE_THRESHOLD / 4 + 4099 * round;
+        let align = if cfg!(target_os = "linux") {
+            HUGE_ALIGN
+        } else {
+            BUFFER_ALIGN
+        };
+        buffers_are_aligned_zeroed_and_freed(64, len, align);
     }
 }
