@@ -820,6 +820,20 @@ pub(crate) mod x86 {
     /// (`membw`'s `-l2` kernels, so the limit keeps up).
     const WEIGHT_PREFETCH: i32 = _MM_HINT_T1;
 
+    /// Prefetch ([`WEIGHT_PREFETCH`]) the four lines of tile `tile` counted from the row block
+    /// at `nib`, unless it is past the `tiles_left` tiles left in the matrix (`wrapping_add`
+    /// keeps the arithmetic defined; prefetches never fault).
+    #[inline(always)]
+    fn prefetch_tile(nib: *const u8, tiles_left: usize, tile: usize) {
+        if tile < tiles_left {
+            let pf = nib.wrapping_add(tile * 256);
+            for line in 0..4 {
+                // SAFETY: a prefetch is a hint; the address lies inside the matrix.
+                unsafe { _mm_prefetch::<WEIGHT_PREFETCH>(pf.wrapping_add(64 * line).cast()) };
+            }
+        }
+    }
+
     /// Software prefetch `PREFETCH_BLOCKS` tiles ahead within one row block's matrix:
     /// addresses past the row block continue into the next one (row blocks are contiguous);
     /// nothing past the matrix is touched; `wrapping_add` keeps the arithmetic defined and
@@ -844,13 +858,7 @@ pub(crate) mod x86 {
         /// Prefetch the tile `PREFETCH_BLOCKS` after tile `b` of the row block.
         #[inline(always)]
         fn tile(self, b: usize) {
-            if b + PREFETCH_BLOCKS < self.tiles_left {
-                let pf = self.nib.wrapping_add((b + PREFETCH_BLOCKS) * 256);
-                for line in 0..4 {
-                    // SAFETY: a prefetch is a hint; the address lies inside the matrix.
-                    unsafe { _mm_prefetch::<WEIGHT_PREFETCH>(pf.wrapping_add(64 * line).cast()) };
-                }
-            }
+            prefetch_tile(self.nib, self.tiles_left, b + PREFETCH_BLOCKS);
         }
     }
 
@@ -993,13 +1001,7 @@ pub(crate) mod x86 {
         /// next row blocks), unless it is past the matrix.
         #[inline(always)]
         fn prefetch(&self, tile: usize) {
-            if tile < self.tiles_left {
-                let pf = self.nib.wrapping_add(tile * 256);
-                for line in 0..4 {
-                    // SAFETY: a prefetch is a hint; the address lies inside the matrix.
-                    unsafe { _mm_prefetch::<WEIGHT_PREFETCH>(pf.wrapping_add(64 * line).cast()) };
-                }
-            }
+            prefetch_tile(self.nib, self.tiles_left, tile);
         }
     }
 
