@@ -1230,24 +1230,53 @@ pub(crate) mod x86 {
         for t in 0..T {
             q[t] = toks[t].q.as_ptr().cast::<i32>();
         }
-        let mut p = [[_mm512_setzero_ps(); LANES]; T];
-        for b in 0..blocks {
-            ahead.tile(b);
-            // SAFETY: b < blocks; see `load_tile512` and `term512`.
-            unsafe {
-                let w = load_tile512(nib, scales, zeros, dtype, b, b >> shift);
-                let l = b % LANES;
-                for t in 0..T {
-                    let tk = toks.get_unchecked(t);
-                    let term = term512(
-                        &w,
-                        q[t].add(b * 8),
-                        *tk.qsum.get_unchecked(b),
-                        *tk.d.get_unchecked(b),
-                    );
-                    p[t][l] = _mm512_add_ps(p[t][l], term);
+        // Block `b`'s term for every token, each handed to `$add(t, l, term)` (`l = b % 16`).
+        macro_rules! block_terms {
+            ($b:expr, $add:expr) => {{
+                let b = $b;
+                ahead.tile(b);
+                // SAFETY: b < blocks; see `load_tile512` and `term512`.
+                unsafe {
+                    let w = load_tile512(nib, scales, zeros, dtype, b, b >> shift);
+                    for t in 0..T {
+                        let tk = toks.get_unchecked(t);
+                        let term = term512(
+                            &w,
+                            q[t].add(b * 8),
+                            *tk.qsum.get_unchecked(b),
+                            *tk.d.get_unchecked(b),
+                        );
+                        $add(t, b % LANES, term);
+                    }
                 }
+            }};
+        }
+        // The partials (16 per token: 8 KiB at 8 tokens, so in memory) are not zeroed first:
+        // the first sixteen blocks write `+0.0 + term`, the contract's first addition to a
+        // partial that starts at +0.0 (so a -0.0 term still gives +0.0), and partials of a
+        // matrix with fewer blocks are set to +0.0. Zeroing them took 6 % of a Qwen3-shaped
+        // prefill (K = 768: 24 blocks per call).
+        let zero = _mm512_setzero_ps();
+        let mut p = std::mem::MaybeUninit::<[[__m512; LANES]; T]>::uninit();
+        let at = p.as_mut_ptr().cast::<__m512>();
+        let head = blocks.min(LANES);
+        for b in 0..head {
+            // t < T and l < LANES: inside `p` (the macro's unsafe block covers the write).
+            block_terms!(b, |t: usize, l: usize, term| at
+                .add(t * LANES + l)
+                .write(_mm512_add_ps(zero, term)));
+        }
+        for t in 0..T {
+            for l in head..LANES {
+                // SAFETY: as above.
+                unsafe { at.add(t * LANES + l).write(zero) };
             }
+        }
+        // SAFETY: every partial of every token was written just above.
+        let p = unsafe { p.assume_init_mut() };
+        for b in LANES..blocks {
+            block_terms!(b, |t: usize, l: usize, term| p[t][l] =
+                _mm512_add_ps(p[t][l], term));
         }
         for t in 0..T {
             // SAFETY: out[t] is 16 f32.
@@ -1539,43 +1568,72 @@ pub(crate) mod x86 {
         let blocks = m.blocks();
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        let mut p = [[[_mm256_setzero_ps(); LANES]; 2]; T];
-        for b in 0..blocks {
-            let g = b / bpg;
-            for half in 0..2 {
-                // SAFETY: as in `exact_vnni`; each half reads 32 of the 64 bytes of a chunk.
-                unsafe {
-                    let tile = nib.add(b * 256 + half * 32);
-                    let mut lo = [_mm256_setzero_si256(); 4];
-                    let mut hi = [_mm256_setzero_si256(); 4];
-                    for c in 0..4 {
-                        let w = _mm256_loadu_si256(tile.add(c * 64).cast());
-                        lo[c] = _mm256_and_si256(w, mask);
-                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-                    }
-                    let s = scales8(dtype, scales.add(g * ROWS + half * 8));
-                    let z = zeros.map(|z| zeros8(z.as_ptr().add(g * ROWS + half * 8)));
-                    for t in 0..T {
-                        let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
-                        // Σ over 8 pmaddubsw results stays within i16: each is at most
-                        // 2·15·127 = 3810 in magnitude, eight of them 30480 < 32767.
-                        let mut s16 = _mm256_setzero_si256();
+        // Block `b`'s term for every token and half, each handed to
+        // `$add(t, half, l, term)` (`l = b % 16`).
+        macro_rules! block_terms {
+            ($b:expr, $add:expr) => {{
+                let b = $b;
+                let g = b / bpg;
+                for half in 0..2 {
+                    // SAFETY: as in `exact_vnni`; each half reads 32 of the 64 bytes of a chunk.
+                    unsafe {
+                        let tile = nib.add(b * 256 + half * 32);
+                        let mut lo = [_mm256_setzero_si256(); 4];
+                        let mut hi = [_mm256_setzero_si256(); 4];
                         for c in 0..4 {
-                            let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
-                            let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
-                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], ql));
-                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], qh));
+                            let w = _mm256_loadu_si256(tile.add(c * 64).cast());
+                            lo[c] = _mm256_and_si256(w, mask);
+                            hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
                         }
-                        let acc = _mm256_madd_epi16(s16, ones);
-                        let corr = zero_term8(z, *toks[t].qsum.get_unchecked(b));
-                        let isum = _mm256_sub_epi32(acc, corr);
-                        let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
-                        let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
-                        let slot = &mut p[t][half][b % LANES];
-                        *slot = _mm256_add_ps(*slot, term);
+                        let s = scales8(dtype, scales.add(g * ROWS + half * 8));
+                        let z = zeros.map(|z| zeros8(z.as_ptr().add(g * ROWS + half * 8)));
+                        for t in 0..T {
+                            let q = toks[t].q.as_ptr().cast::<i32>().add(b * 8);
+                            // Σ over 8 pmaddubsw results stays within i16: each is at most
+                            // 2·15·127 = 3810 in magnitude, eight of them 30480 < 32767.
+                            let mut s16 = _mm256_setzero_si256();
+                            for c in 0..4 {
+                                let ql = _mm256_set1_epi32(q.add(c).read_unaligned());
+                                let qh = _mm256_set1_epi32(q.add(4 + c).read_unaligned());
+                                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], ql));
+                                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], qh));
+                            }
+                            let acc = _mm256_madd_epi16(s16, ones);
+                            let corr = zero_term8(z, *toks[t].qsum.get_unchecked(b));
+                            let isum = _mm256_sub_epi32(acc, corr);
+                            let sd = _mm256_mul_ps(s, _mm256_set1_ps(*toks[t].d.get_unchecked(b)));
+                            let term = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(isum));
+                            $add(t, half, b % LANES, term);
+                        }
                     }
                 }
+            }};
+        }
+        // The partials are not zeroed first (8 KiB at 8 tokens): as in `exact_vnni_multi`,
+        // the first sixteen blocks write `+0.0 + term` and missing ones are set to +0.0.
+        let zero = _mm256_setzero_ps();
+        let mut p = std::mem::MaybeUninit::<[[[__m256; LANES]; 2]; T]>::uninit();
+        let at = p.as_mut_ptr().cast::<__m256>();
+        let head = blocks.min(LANES);
+        for b in 0..head {
+            // Inside `p` (t < T, half < 2, l < LANES); the macro's unsafe block covers it.
+            block_terms!(b, |t: usize, half: usize, l: usize, term| at
+                .add((t * 2 + half) * LANES + l)
+                .write(_mm256_add_ps(zero, term)));
+        }
+        for i in 0..T * 2 {
+            for l in head..LANES {
+                // SAFETY: as above.
+                unsafe { at.add(i * LANES + l).write(zero) };
             }
+        }
+        // SAFETY: every partial of every token and half was written just above.
+        let p = unsafe { p.assume_init_mut() };
+        for b in LANES..blocks {
+            block_terms!(b, |t: usize, half: usize, l: usize, term| {
+                let slot: &mut __m256 = &mut p[t][half][l];
+                *slot = _mm256_add_ps(*slot, term);
+            });
         }
         for t in 0..T {
             for half in 0..2 {
