@@ -76,6 +76,67 @@ proptest! {
     }
 }
 
+/// A term of `-0.0` (negative scales against an all-zero activation) adds to partials that
+/// start at `+0.0`, as the contract's do: every kernel gives `+0.0`, bit for bit, for every
+/// token count and for K below and above sixteen blocks (where the multi-token kernels write
+/// their first sixteen blocks' partials without zeroing them first).
+#[test]
+fn negative_zero_terms_sum_to_positive_zero() {
+    for kb in [3usize, 16, 21] {
+        let cols = kb * 32;
+        let mut m = random_matrix(QuantSpec::G32_BF16, 32, cols, kb as u64);
+        for s in m.scales_mut() {
+            *s |= 0x8000; // negative scales
+        }
+        let r16 = R16Matrix::from_canonical(&m);
+        let zero = QuantizedVec::new(&vec![0f32; cols]);
+        let mut rng = SplitMix64::new(kb as u64);
+        let other = QuantizedVec::new(&synth::normal_vec(&mut rng, cols, 1.0));
+        let sum = |a: &QuantizedVec| {
+            let mut s = vec![0; kb];
+            kernels::block_sums(&a.q, &mut s);
+            s
+        };
+        let (zs, os) = (sum(&zero), sum(&other));
+        for ntok in 1..=8 {
+            // Token 1 is an ordinary one (so a kernel cannot special-case a zero batch).
+            let acts: Vec<&QuantizedVec> = (0..ntok)
+                .map(|t| if t == 1 { &other } else { &zero })
+                .collect();
+            let toks: Vec<TokenQ8> = acts
+                .iter()
+                .enumerate()
+                .map(|(t, a)| TokenQ8 {
+                    q: &a.q,
+                    d: &a.d,
+                    qsum: if t == 1 { &os } else { &zs },
+                })
+                .collect();
+            for isa in Isa::available() {
+                for rb in 0..r16.row_blocks() {
+                    let mut out = [[f32::NAN; 16]; 8];
+                    kernels::rowblock_exact(isa, &r16, rb, &toks, &mut out);
+                    for (t, a) in acts.iter().enumerate() {
+                        for r in 0..16 {
+                            let want = reference::row_dot_exact(&m, rb * 16 + r, a);
+                            if t != 1 {
+                                assert_eq!(want.to_bits(), 0, "the contract gives +0.0");
+                            }
+                            assert_eq!(
+                                out[t][r].to_bits(),
+                                want.to_bits(),
+                                "{isa:?} K {cols}, {ntok} tokens, row {}, token {t}: {} vs {want}",
+                                rb * 16 + r,
+                                out[t][r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
