@@ -183,6 +183,9 @@ pub(super) struct Direct {
     n_passes: usize,
     /// This group's blocks of sixteen patterns skipped unevaluated (their range bound).
     n_pruned: usize,
+    /// Where this group's skipped blocks start (tests check each against the exact errors).
+    #[cfg(test)]
+    skipped_at: Vec<u16>,
     finalists: Vec<Choice>,
     /// `2^-19 · Σ|v|`, rounded up: times a scale, the codes' share of the margin.
     slack: f32,
@@ -224,6 +227,8 @@ impl Direct {
             ],
             n_passes: 0,
             n_pruned: 0,
+            #[cfg(test)]
+            skipped_at: Vec::new(),
             finalists: Vec::with_capacity(2 * LANES),
             slack: 0.0,
             ub: 0.0,
@@ -261,6 +266,8 @@ impl Direct {
         let first_hi = first_lo + LANES as u16 - 1;
         self.n_passes = 0;
         self.n_pruned = 0;
+        #[cfg(test)]
+        self.skipped_at.clear();
         self.split(n, self.grid.value(first_lo) as f32);
         self.pass(first_lo);
         // Upward, while a scale of the next pass can beat `ub`: elements smaller than it
@@ -274,7 +281,7 @@ impl Direct {
         let mut i = 0;
         while g <= top && !self.beyond(n, g) {
             if i < NEAR && ranges[i] * LOWER - TINY > self.ub {
-                self.n_pruned += 1;
+                self.skipped(g);
             } else {
                 if self.n_passes == MAX_PASSES {
                     return None;
@@ -289,14 +296,14 @@ impl Direct {
         let mut split_at = first_lo;
         let mut i = 0;
         while g > LANES as u16 && !self.clipped(n, g - 1) {
-            if self.n_passes == MAX_PASSES {
-                return None;
-            }
             g -= LANES as u16;
             i += 1;
             if i <= NEAR && ranges[NEAR + i - 1] * LOWER - TINY > self.ub {
-                self.n_pruned += 1;
+                self.skipped(g);
                 continue;
+            }
+            if self.n_passes == MAX_PASSES {
+                return None;
             }
             if g < split_at {
                 // Split for this pass and the next few below it.
@@ -322,6 +329,16 @@ impl Direct {
             (lo[NEAR + i], hi[NEAR + i]) = (bf16_value(down), bf16_value(down_hi));
         }
         at_level!(self.level, range_bounds(&self.abs[..n], &lo, &hi))
+    }
+
+    /// Count the block of sixteen patterns from `g0` as skipped (tests also keep where it
+    /// starts).
+    fn skipped(&mut self, g0: u16) {
+        self.n_pruned += 1;
+        #[cfg(test)]
+        self.skipped_at.push(g0);
+        #[cfg(not(test))]
+        let _ = g0;
     }
 
     /// Whether every scale of at least pattern `g`'s provably costs more than `ub`: see
@@ -870,6 +887,33 @@ mod tests {
                                      {d:e} (block {:e}..{:e}): {w:?}",
                                     lo[j],
                                     hi[j]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            // Every block the search itself skipped (the lanes it took, the `ub` it had) holds
+            // only choices strictly worse than the one it returned, on every kind of group.
+            for gs in [32usize, 64, 128] {
+                for w in groups(&mut rng, gs) {
+                    let Some(best) = direct.solve(&w) else {
+                        continue;
+                    };
+                    let value = |c: Choice| {
+                        let d = bf16_value(c.bits & 0x7FFF);
+                        if c.bits & 0x8000 != 0 { -d } else { d }
+                    };
+                    let least = exact::error_f64(&w, value(best), 8).expect("finite");
+                    for &g0 in &direct.skipped_at {
+                        for p in 0..LANES as u16 {
+                            let d = bf16_value(g0 + p);
+                            for d in [d, -d] {
+                                let e = exact::error_f64(&w, d, 8).expect("finite");
+                                assert!(
+                                    e > least,
+                                    "{level:?}: skipped {d:e} (block from pattern {g0}) has error \
+                                     {e}, the choice {least}: {w:?}"
                                 );
                             }
                         }
