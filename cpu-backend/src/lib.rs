@@ -542,7 +542,14 @@ impl ExpertBackend for CpuBackend {
         };
 
         // 1. Quantize the input once per token (exact mode).
-        let xsrc = quantize_inputs(batch, self.isa, &mut sc.xq, &mut sc.xd, &mut sc.xqs);
+        let xsrc = quantize_inputs(
+            batch,
+            self.isa,
+            self.pool.as_ref(),
+            &mut sc.xq,
+            &mut sc.xd,
+            &mut sc.xqs,
+        );
         // 1b. Rows in pair order for the AMX groups (their A tiles need evenly strided rows).
         let xg = gather_amx_rows(&pass, &xsrc, &mut sc.xg, &mut sc.xgd);
         // 2. Stage 1 items: (group, 32-row W13 tile).
@@ -915,24 +922,45 @@ fn resolve_groups(
 }
 
 /// Step 1: quantize the input once per token (exact mode) into the scratch, and describe where
-/// the kernels read each token's row.
+/// the kernels read each token's row. Tokens are spread over the pool when there are many
+/// (a 256-token prefill's inputs took 2-4 % of the call on one thread while the other waited).
 fn quantize_inputs<'a>(
     batch: &GroupedBatch<'a>,
     batch_isa: Isa,
+    pool: Option<&SpinPool>,
     xq: &'a mut [i8],
     xd: &'a mut [f32],
     xqs: &'a mut [i32],
 ) -> RowSource<'a> {
     let h = batch.hidden;
+    let nb = h / BLOCK;
+    // Quantizing is cheap: only worth waking the pool for many values (as for intermediates).
+    let qpool = if batch.tokens * h >= 1 << 16 {
+        pool
+    } else {
+        None
+    };
     let (q, d, qsum): (&[i8], &[f32], &[i32]) = match (batch.mode, batch.input) {
         (ComputeMode::Exact, Activations::F32(x)) => {
-            let nb = h / BLOCK;
-            for t in 0..batch.tokens {
-                let q = &mut xq[t * h..(t + 1) * h];
-                let d = &mut xd[t * nb..(t + 1) * nb];
+            let (sq, sd, ss) = (
+                SharedMut(xq.as_mut_ptr()),
+                SharedMut(xd.as_mut_ptr()),
+                SharedMut(xqs.as_mut_ptr()),
+            );
+            assert!(xq.len() >= batch.tokens * h && xd.len().min(xqs.len()) >= batch.tokens * nb);
+            CpuBackend::run_items(qpool, batch.tokens, |t| {
+                // SAFETY: token t owns codes t·H.. and blocks t·nb.. of the scratch (its
+                // lengths asserted above); no other item writes them.
+                let (q, d, s) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(sq.ptr().add(t * h), h),
+                        std::slice::from_raw_parts_mut(sd.ptr().add(t * nb), nb),
+                        std::slice::from_raw_parts_mut(ss.ptr().add(t * nb), nb),
+                    )
+                };
                 kernels::quantize_activations(batch_isa, &x[t * h..(t + 1) * h], q, d);
-                kernels::block_sums(q, &mut xqs[t * nb..(t + 1) * nb]);
-            }
+                kernels::block_sums(q, s);
+            });
             (
                 &xq[..batch.tokens * h],
                 &xd[..batch.tokens * nb],
@@ -940,23 +968,29 @@ fn quantize_inputs<'a>(
             )
         }
         (ComputeMode::Accurate, Activations::F32(x)) => {
-            let nb = h / BLOCK;
             let rows = ACCURATE_LEVELS * batch.tokens;
-            for t in 0..batch.tokens {
+            let (sq, sd, ss) = (
+                SharedMut(xq.as_mut_ptr()),
+                SharedMut(xd.as_mut_ptr()),
+                SharedMut(xqs.as_mut_ptr()),
+            );
+            assert!(xq.len() >= rows * h && xd.len().min(xqs.len()) >= rows * nb);
+            CpuBackend::run_items(qpool, batch.tokens, |t| {
                 let (r, rb) = (ACCURATE_LEVELS * t * h, ACCURATE_LEVELS * t * nb);
-                kernels::quantize_levels(
-                    &x[t * h..(t + 1) * h],
-                    &mut xq[r..],
-                    &mut xd[rb..],
-                    &mut xqs[rb..],
-                    h,
-                    nb,
-                );
-            }
+                // SAFETY: token t owns its ACCURATE_LEVELS rows of codes and blocks (lengths
+                // asserted above); no other item writes them.
+                let (q, d, s) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(sq.ptr().add(r), ACCURATE_LEVELS * h),
+                        std::slice::from_raw_parts_mut(sd.ptr().add(rb), ACCURATE_LEVELS * nb),
+                        std::slice::from_raw_parts_mut(ss.ptr().add(rb), ACCURATE_LEVELS * nb),
+                    )
+                };
+                kernels::quantize_levels(&x[t * h..(t + 1) * h], q, d, s, h, nb);
+            });
             (&xq[..rows * h], &xd[..rows * nb], &xqs[..rows * nb])
         }
         (ComputeMode::Exact, Activations::Q8 { q, d }) => {
-            let nb = h / BLOCK;
             for t in 0..batch.tokens {
                 kernels::block_sums(&q[t * h..(t + 1) * h], &mut xqs[t * nb..(t + 1) * nb]);
             }

@@ -520,6 +520,42 @@ fn backend_exact_large_batch() {
     }
 }
 
+/// A batch of at least 2^16 input values (here 300 tokens of 256) quantizes its inputs on the
+/// backend's threads, one token per work item: exact mode stays bit-identical to the reference
+/// and accurate mode within its tolerance, on every ISA and with the AMX scheduling emulated.
+#[test]
+fn large_batches_quantize_their_inputs_on_every_thread() {
+    let tb = TestBatch::random(QuantSpec::G32_BF16, 256, &[64, 96], 300, 2, 0x9A7);
+    assert!(
+        tb.hidden * 300 >= 1 << 16,
+        "the pooled path needs 2^16 values"
+    );
+    for isa in Isa::available() {
+        check_exact(&tb, isa, 2).unwrap();
+        let mut be = CpuBackend::with_isa(2, isa).unwrap();
+        let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
+        let rows = tb.out_rows();
+        let h = tb.hidden;
+        let mut y = vec![0f64; h];
+        for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
+            for (i, &t) in toks.iter().enumerate() {
+                let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
+                let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
+                let r = rows[gi][i] as usize;
+                for k in 0..h {
+                    let err = (got[r * h + k] as f64 - y[k]).abs() / rms;
+                    assert!(err < 1e-4, "{isa:?} accurate: token {t} error {err}");
+                }
+            }
+        }
+    }
+    check_exact_amx_emulated(&tb, 2).unwrap();
+}
+
 /// Decode batches where most experts get one token: the backend runs runs of such groups as
 /// interleaved streams (up to four experts per pass, split where the intermediate size
 /// changes, an empty group among them), bit-identical to the reference for every format, ISA
