@@ -121,15 +121,23 @@ pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
 
 /// Contract §1 for a whole vector (`x.len()` a multiple of 32): codes into `q`, block scales
 /// into `d`, bit-identical to [`contract::quantize_activations`]. On AVX-512 each block is
-/// two vectors (`vrndscaleps` rounds half to even as `round_ties_even` does); a block with a
-/// NaN, an infinity or an amax below the contract's minimum takes the scalar code.
+/// two vectors, on AVX2 four (`vrndscaleps` / `vroundps` round half to even as
+/// `round_ties_even` does); a block with a NaN, an infinity or an amax below the contract's
+/// minimum takes the scalar code.
 pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let lengths = || x.len() % BLOCK == 0 && q.len() == x.len() && d.len() == x.len() / BLOCK;
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            assert!(x.len() % BLOCK == 0 && q.len() == x.len() && d.len() == x.len() / BLOCK);
+            assert!(lengths());
             // SAFETY: AVX-512 F/BW supported; lengths asserted above.
             unsafe { x86::quantize_avx512(x, q, d) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if Isa::Avx2.supported_cached() => {
+            assert!(lengths());
+            // SAFETY: AVX2 supported; lengths asserted above.
+            unsafe { x86::quantize_avx2(x, q, d) }
         }
         _ => contract::quantize_activations(x, q, d),
     }
@@ -522,6 +530,12 @@ pub fn swiglu16(isa: Isa, g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
             // SAFETY: AVX-512 F is available; `out` holds at least 16 floats (asserted).
             unsafe { x86::swiglu16_avx512(g, u, out) }
         }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if Isa::Avx2.supported_cached() => {
+            assert!(out.len() >= ROWS);
+            // SAFETY: AVX2 is available; `out` holds at least 16 floats (asserted).
+            unsafe { x86::swiglu16_avx2(g, u, out) }
+        }
         _ => {
             for r in 0..ROWS {
                 out[r] = contract::swiglu_contract(g[r], u[r]);
@@ -760,6 +774,104 @@ pub(crate) mod x86 {
             let e = _mm512_mul_ps(p, pow2);
             let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
             _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
+        }
+    }
+
+    /// [`super::swiglu16`] on AVX2: [`swiglu16_avx512`]'s sequence (the contract's `exp`,
+    /// unfused multiplies and additions) on two 8-row halves.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `out` must hold at least 16 floats.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn swiglu16_avx2(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+        use expertmesh_quant::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
+        for half in 0..2 {
+            // SAFETY: g and u are 16 floats; out holds 16 (checked by the caller).
+            unsafe {
+                let gv = _mm256_loadu_ps(g.as_ptr().add(8 * half));
+                let uv = _mm256_loadu_ps(u.as_ptr().add(8 * half));
+                // v = -g (exact sign flip), clamped with max then min like the scalar code
+                // (a NaN becomes EXP_MIN in both: `maxps` returns its second operand).
+                let mut v = _mm256_xor_ps(gv, _mm256_set1_ps(-0.0));
+                v = _mm256_min_ps(
+                    _mm256_max_ps(v, _mm256_set1_ps(EXP_MIN)),
+                    _mm256_set1_ps(EXP_MAX),
+                );
+                let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(v, _mm256_set1_ps(LOG2E)),
+                );
+                let mut r = _mm256_sub_ps(v, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI)));
+                r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+                let z = _mm256_mul_ps(r, r);
+                let mut p = _mm256_set1_ps(EXP_POLY[0]);
+                for &c in &EXP_POLY[1..] {
+                    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+                }
+                p = _mm256_mul_ps(p, z);
+                p = _mm256_add_ps(p, r);
+                p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
+                let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                    _mm256_cvtps_epi32(n),
+                    _mm256_set1_epi32(127),
+                )));
+                let e = _mm256_mul_ps(p, pow2);
+                let silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * half), _mm256_mul_ps(silu, uv));
+            }
+        }
+    }
+
+    /// [`super::quantize_activations`] on AVX2: each block as four vectors, the codes packed
+    /// to bytes in order (the packs work within 128-bit lanes; one dword permute restores the
+    /// order). As [`quantize_avx512`], blocks with a NaN, an infinity or a tiny amax take the
+    /// scalar code.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x.len()` is a multiple of 32, `q` as long, `d`
+    /// `x.len() / 32` long.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+        use expertmesh_quant::contract::MIN_BLOCK_AMAX;
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (b, db) in d.iter_mut().enumerate() {
+            let (xb, qb) = (&x[b * BLOCK..][..BLOCK], &mut q[b * BLOCK..][..BLOCK]);
+            // SAFETY: xb holds 32 floats and qb 32 bytes.
+            unsafe {
+                let v: [__m256; 4] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+                let unordered = _mm256_or_ps(
+                    _mm256_cmp_ps::<_CMP_UNORD_Q>(v[0], v[1]),
+                    _mm256_cmp_ps::<_CMP_UNORD_Q>(v[2], v[3]),
+                );
+                let nan = _mm256_movemask_ps(unordered) != 0;
+                let m = _mm256_max_ps(
+                    _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                    _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+                );
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+                if nan || !amax.is_finite() || amax < MIN_BLOCK_AMAX {
+                    *db = quantize_block_cold(xb, qb);
+                    continue;
+                }
+                *db = amax / 127.0;
+                let inv = _mm256_set1_ps(127.0 / amax);
+                let c: [__m256i; 4] = std::array::from_fn(|i| {
+                    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                        _mm256_mul_ps(v[i], inv),
+                    );
+                    _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+                });
+                let bytes = _mm256_packs_epi16(
+                    _mm256_packs_epi32(c[0], c[1]),
+                    _mm256_packs_epi32(c[2], c[3]),
+                );
+                let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+                _mm256_storeu_si256(qb.as_mut_ptr().cast(), bytes);
+            }
         }
     }
 
