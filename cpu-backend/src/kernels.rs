@@ -154,7 +154,12 @@ pub const ACCURATE_LEVELS: usize = 3;
 /// tokens (sharing each unpacked weight tile) and add the results, instead of dequantizing
 /// every weight to f32 (about half the instructions per weight tile). Level `l` goes to
 /// `q[l·stride..][..K]`, `d`/`qsum[l·block_stride..][..K/32]`.
+///
+/// Each level quantizes up to [`LEVEL_CHUNK`] blocks at once with `isa`'s
+/// [`quantize_activations`] (bit-identical to the contract's block quantizer on every ISA, so
+/// the levels are the same on every machine); the residuals live in a stack buffer.
 pub fn quantize_levels(
+    isa: Isa,
     x: &[f32],
     q: &mut [i8],
     d: &mut [f32],
@@ -167,22 +172,35 @@ pub fn quantize_levels(
     let last = ACCURATE_LEVELS - 1;
     assert!(q.len() >= last * stride + k && d.len() >= last * block_stride + nb);
     assert!(qsum.len() >= last * block_stride + nb);
-    for b in 0..nb {
-        let mut r = [0f32; BLOCK];
-        r.copy_from_slice(&x[b * BLOCK..(b + 1) * BLOCK]);
+    let mut residual = [0f32; LEVEL_CHUNK * BLOCK];
+    for b0 in (0..nb).step_by(LEVEL_CHUNK) {
+        let blocks = LEVEL_CHUNK.min(nb - b0);
+        let (e0, n) = (b0 * BLOCK, blocks * BLOCK);
+        let r = &mut residual[..n];
+        r.copy_from_slice(&x[e0..e0 + n]);
         for l in 0..ACCURATE_LEVELS {
-            let ql = &mut q[l * stride + b * BLOCK..l * stride + (b + 1) * BLOCK];
-            let dl = contract::quantize_block(&r, ql);
-            let mut sum = 0i32;
-            for (ri, &qi) in r.iter_mut().zip(ql.iter()) {
-                *ri -= dl * f32::from(qi);
-                sum += i32::from(qi);
+            let ql = &mut q[l * stride + e0..][..n];
+            let dl = &mut d[l * block_stride + b0..][..blocks];
+            quantize_activations(isa, r, ql, dl);
+            let sl = &mut qsum[l * block_stride + b0..][..blocks];
+            for ((rb, qb), (&db, sb)) in r
+                .chunks_exact_mut(BLOCK)
+                .zip(ql.chunks_exact(BLOCK))
+                .zip(dl.iter().zip(sl.iter_mut()))
+            {
+                let mut sum = 0i32;
+                for (ri, &qi) in rb.iter_mut().zip(qb) {
+                    *ri -= db * f32::from(qi);
+                    sum += i32::from(qi);
+                }
+                *sb = sum;
             }
-            d[l * block_stride + b] = dl;
-            qsum[l * block_stride + b] = sum;
         }
     }
 }
+
+/// Blocks per step of [`quantize_levels`] (its residual buffer: 2 KiB on the stack).
+const LEVEL_CHUNK: usize = 16;
 
 /// Maximum tokens computed together against one loaded weight tile.
 pub const MAX_TOKEN_TILE: usize = 8;

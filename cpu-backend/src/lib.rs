@@ -986,7 +986,7 @@ fn quantize_inputs<'a>(
                         std::slice::from_raw_parts_mut(ss.ptr().add(rb), ACCURATE_LEVELS * nb),
                     )
                 };
-                kernels::quantize_levels(&x[t * h..(t + 1) * h], q, d, s, h, nb);
+                kernels::quantize_levels(batch_isa, &x[t * h..(t + 1) * h], q, d, s, h, nb);
             });
             (&xq[..rows * h], &xd[..rows * nb], &xqs[..rows * nb])
         }
@@ -1220,7 +1220,7 @@ fn quantize_intermediate(
             kernels::quantize_activations(pass.isa, x, q, d);
             kernels::block_sums(q, s);
         } else {
-            kernels::quantize_levels(x, q, d, s, max_inter, nbm);
+            kernels::quantize_levels(pass.isa, x, q, d, s, max_inter, nbm);
         }
     });
 }
