@@ -277,7 +277,7 @@ impl LocalFabric {
                     self.services
                         .iter()
                         .flatten()
-                        .any(|s| !s.is_connected(rank))
+                        .any(|s| !s.is_worker_live(rank))
                 })
                 .collect();
             if missing.is_empty() {

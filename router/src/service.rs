@@ -173,7 +173,14 @@ pub struct RouterService {
     admission: Arc<AdmissionGate>,
     /// The request ids of in-process placement changes, shared by every handle.
     placement_requests: Arc<std::sync::atomic::AtomicU64>,
+    /// Per mesh rank: its worker is live for this router ([`RouterService::is_worker_live`]).
+    live: WorkersLive,
 }
+
+/// Per mesh rank, whether its worker is live for the core: its link is up and it has
+/// announced what it holds, so the core may choose it for parts. Written by the core thread
+/// only; read by the launcher and the readiness check.
+type WorkersLive = Arc<Vec<std::sync::atomic::AtomicBool>>;
 
 impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -251,6 +258,11 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
+        let live: WorkersLive = Arc::new(
+            (0..ranks.len())
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+        );
         let core_loop = CoreLoop {
             changes: Changes::new(&core, own_rank),
             names: core.rank_labels(),
@@ -266,6 +278,7 @@ impl RouterService {
             open,
             admission: Arc::clone(&admission),
             trim: MemoryTrim::default(),
+            live: Arc::clone(&live),
         };
         let core_thread = std::thread::Builder::new()
             .name("router-core".into())
@@ -282,18 +295,22 @@ impl RouterService {
             ranks,
             admission,
             placement_requests: Arc::default(),
+            live,
         })
     }
 
-    /// This router's `/ready` check: ready when every device's worker has joined it; else the
+    /// This router's `/ready` check: ready when every device's worker has joined it (its link
+    /// is up and it announced what it holds: [`RouterService::is_worker_live`]); else the
     /// reason names the workers not joined (the first few).
     pub fn readiness(&self) -> crate::metrics::http::Readiness {
-        let mesh = self.mesh.clone();
+        let live = Arc::clone(&self.live);
         let ranks = self.ranks.clone();
         Arc::new(move || {
             let devices = ranks.routers()..ranks.len() as u32;
             let total = devices.len();
-            let missing: Vec<u32> = devices.filter(|&r| !mesh.is_connected(r)).collect();
+            let missing: Vec<u32> = devices
+                .filter(|&r| !live[r as usize].load(Ordering::Acquire))
+                .collect();
             if missing.is_empty() {
                 return Ok(());
             }
@@ -351,6 +368,16 @@ impl RouterService {
     /// Whether rank `r` is connected now.
     pub fn is_connected(&self, r: u32) -> bool {
         self.mesh.is_connected(r)
+    }
+
+    /// Whether the worker of mesh rank `r` is live for this router now: its link is up and it
+    /// has announced what it holds, so requests may use it. A link can be connected a moment
+    /// before that ([`RouterService::is_connected`]): a request routed to the worker then
+    /// would find it down.
+    pub fn is_worker_live(&self, r: u32) -> bool {
+        self.live
+            .get(r as usize)
+            .is_some_and(|l| l.load(Ordering::Acquire))
     }
 
     /// The core's counters (updated after every batch of work).
@@ -1142,6 +1169,8 @@ struct CoreLoop {
     trim: MemoryTrim,
     /// Live placement changes: coordination and confirmations.
     changes: Changes,
+    /// Which workers the core may choose, for [`RouterService::is_worker_live`].
+    live: WorkersLive,
 }
 
 /// The core thread's part in live placement changes.
@@ -1343,6 +1372,7 @@ impl CoreLoop {
         {
             *a = true;
             self.core.on_peer_up(from);
+            self.set_live(from, true);
             tracing::debug!(from, version = p.version, "worker announced what it holds");
         }
         let seen = Placement::new(PlacementOp::Seen, p.version, 0);
@@ -1642,6 +1672,7 @@ impl CoreLoop {
                 tracing::info!(worker = %name(peer), link = link.name(), "worker connected");
                 // Chosen for parts once it says what it holds (its first frame on the link).
                 self.core.on_peer_joining(peer);
+                self.set_live(peer, false);
                 if let Some(a) = self.changes.announced.get_mut(peer as usize) {
                     *a = false;
                 }
@@ -1650,10 +1681,18 @@ impl CoreLoop {
             TransportEvent::PeerLost(e) => {
                 tracing::warn!(worker = %name(e.peer), error = %e, "worker link lost");
                 self.core.on_peer_lost(e.peer, now);
+                self.set_live(e.peer, false);
                 self.changes.coordinator.on_peer_lost(e.peer, now);
                 self.relays_lost(e.peer);
                 self.core.metrics().on_link(e.peer, false);
             }
+        }
+    }
+
+    /// Record whether the core may choose worker `rank` ([`RouterService::is_worker_live`]).
+    fn set_live(&self, rank: u32, live: bool) {
+        if let Some(l) = self.live.get(rank as usize) {
+            l.store(live, Ordering::Release);
         }
     }
 
