@@ -182,6 +182,15 @@ pub struct RouterService {
 /// only; read by the launcher and the readiness check.
 type WorkersLive = Arc<Vec<std::sync::atomic::AtomicBool>>;
 
+/// No worker live yet, for `ranks` mesh ranks.
+fn workers_live(ranks: usize) -> WorkersLive {
+    Arc::new(
+        (0..ranks)
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect(),
+    )
+}
+
 impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RouterService")
@@ -207,21 +216,12 @@ impl RouterService {
             .map_err(ServiceError::Runtime)?;
         let own_rank = mesh_cfg.protocol.local_rank;
         let (mesh, events) = runtime.block_on(Mesh::start(mesh_cfg))?;
+        let addr = cfg.frontend_listen;
+        let listen_err = |source: std::io::Error| ServiceError::Listen { addr, source };
         let listener = runtime
-            .block_on(FrameListener::bind(
-                cfg.frontend_listen,
-                cfg.frontend.clone(),
-            ))
-            .map_err(|source| ServiceError::Listen {
-                addr: cfg.frontend_listen,
-                source,
-            })?;
-        let frontend_addr = listener
-            .local_addr()
-            .map_err(|source| ServiceError::Listen {
-                addr: cfg.frontend_listen,
-                source,
-            })?;
+            .block_on(FrameListener::bind(addr, cfg.frontend.clone()))
+            .map_err(listen_err)?;
+        let frontend_addr = listener.local_addr().map_err(listen_err)?;
         let (tx, input_rx) = std_mpsc::sync_channel::<CoreInput>(CORE_INPUT_CAPACITY);
         let input_tx = CoreTx {
             tx,
@@ -258,11 +258,7 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
-        let live: WorkersLive = Arc::new(
-            (0..ranks.len())
-                .map(|_| std::sync::atomic::AtomicBool::new(false))
-                .collect(),
-        );
+        let live = workers_live(ranks.len());
         let core_loop = CoreLoop {
             changes: Changes::new(&core, own_rank),
             names: core.rank_labels(),

@@ -530,6 +530,32 @@ fn backend_exact_large_batch() {
     }
 }
 
+/// The worst element of `tb`'s accurate-mode output on `isa` (2 threads) against the f64
+/// reference, as a fraction of each output row's RMS.
+fn accurate_worst_error(tb: &TestBatch, isa: Isa) -> f64 {
+    let mut be = CpuBackend::with_isa(2, isa).unwrap();
+    let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
+    let rows = tb.out_rows();
+    let h = tb.hidden;
+    let mut y = vec![0f64; h];
+    let mut worst = 0f64;
+    for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
+        for (i, &t) in toks.iter().enumerate() {
+            let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
+            let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
+            let r = rows[gi][i] as usize;
+            for k in 0..h {
+                worst = worst.max((got[r * h + k] as f64 - y[k]).abs() / rms);
+            }
+        }
+    }
+    worst
+}
+
 /// A batch of at least 2^16 input values (here 300 tokens of 256) quantizes its inputs on the
 /// backend's threads, one token per work item: exact mode stays bit-identical to the reference
 /// and accurate mode within its tolerance, on every ISA and with the AMX scheduling emulated.
@@ -542,26 +568,8 @@ fn large_batches_quantize_their_inputs_on_every_thread() {
     );
     for isa in Isa::available() {
         check_exact(&tb, isa, 2).unwrap();
-        let mut be = CpuBackend::with_isa(2, isa).unwrap();
-        let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
-        let rows = tb.out_rows();
-        let h = tb.hidden;
-        let mut y = vec![0f64; h];
-        for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
-            for (i, &t) in toks.iter().enumerate() {
-                let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
-                    .iter()
-                    .map(|&v| v as f64)
-                    .collect();
-                reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
-                let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
-                let r = rows[gi][i] as usize;
-                for k in 0..h {
-                    let err = (got[r * h + k] as f64 - y[k]).abs() / rms;
-                    assert!(err < 1e-4, "{isa:?} accurate: token {t} error {err}");
-                }
-            }
-        }
+        let worst = accurate_worst_error(&tb, isa);
+        assert!(worst < 1e-4, "{isa:?} accurate: worst error {worst}");
     }
     check_exact_amx_emulated(&tb, 2).unwrap();
 }
@@ -611,34 +619,13 @@ fn backend_accurate_within_tolerance() {
     });
     for (isa, spec, tokens) in cases {
         let tb = TestBatch::random(spec, 256, &[128, 64, 128], tokens, 2, 5 + tokens as u64);
-        let h = tb.hidden;
-        {
-            let mut be = CpuBackend::with_isa(2, isa).unwrap();
-            let got = tb.run(&mut be, ComputeMode::Accurate, OutputLayout::PerSlot);
-            let rows = tb.out_rows();
-            let mut y = vec![0f64; h];
-            let mut worst = 0f64;
-            for (gi, (e, toks, _)) in tb.groups.iter().enumerate() {
-                for (i, &t) in toks.iter().enumerate() {
-                    let x: Vec<f64> = tb.x[t as usize * h..(t as usize + 1) * h]
-                        .iter()
-                        .map(|&v| v as f64)
-                        .collect();
-                    reference::expert_ffn_f64(&tb.experts[*e], &x, &mut y);
-                    let rms = (y.iter().map(|v| v * v).sum::<f64>() / h as f64).sqrt();
-                    let r = rows[gi][i] as usize;
-                    for k in 0..h {
-                        worst = worst.max((got[r * h + k] as f64 - y[k]).abs() / rms);
-                    }
-                }
-            }
-            println!("{isa:?} {spec} {tokens} tokens: worst error {worst:.2e} of the output RMS");
-            // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
-            assert!(
-                worst < 1e-4,
-                "{isa:?} {spec} {tokens} tokens: accurate mode error {worst}"
-            );
-        }
+        let worst = accurate_worst_error(&tb, isa);
+        println!("{isa:?} {spec} {tokens} tokens: worst error {worst:.2e} of the output RMS");
+        // Stated tolerance for accurate mode: worst element within 1e-4 of the output RMS.
+        assert!(
+            worst < 1e-4,
+            "{isa:?} {spec} {tokens} tokens: accurate mode error {worst}"
+        );
     }
 }
 
