@@ -921,6 +921,12 @@ fn resolve_groups(
     Ok(())
 }
 
+/// The pool to quantize `values` activations on: quantizing is cheap, only worth waking the
+/// pool for many values (2^16 or more).
+fn quantize_pool(pool: Option<&SpinPool>, values: usize) -> Option<&SpinPool> {
+    pool.filter(|_| values >= 1 << 16)
+}
+
 /// Step 1: quantize the input once per token (exact mode) into the scratch, and describe where
 /// the kernels read each token's row. Tokens are spread over the pool when there are many
 /// (a 256-token prefill's inputs took 2-4 % of the call on one thread while the other waited).
@@ -934,12 +940,7 @@ fn quantize_inputs<'a>(
 ) -> RowSource<'a> {
     let h = batch.hidden;
     let nb = h / BLOCK;
-    // Quantizing is cheap: only worth waking the pool for many values (as for intermediates).
-    let qpool = if batch.tokens * h >= 1 << 16 {
-        pool
-    } else {
-        None
-    };
+    let qpool = quantize_pool(pool, batch.tokens * h);
     let (q, d, qsum): (&[i8], &[f32], &[i32]) = match (batch.mode, batch.input) {
         (ComputeMode::Exact, Activations::F32(x)) => {
             let (sq, sd, ss) = (
@@ -1189,12 +1190,7 @@ fn quantize_intermediate(
         SharedMut(hd.as_mut_ptr()),
         SharedMut(hqs.as_mut_ptr()),
     );
-    // Quantizing is cheap: only worth waking the pool for many pairs.
-    let qpool = if pairs * max_inter >= 1 << 16 {
-        pool
-    } else {
-        None
-    };
+    let qpool = quantize_pool(pool, pairs * max_inter);
     let exact = pass.mode == ComputeMode::Exact;
     CpuBackend::run_items(qpool, pairs, |p| {
         let gi = group_pair0.partition_point(|&p0| p0 as usize <= p) - 1;

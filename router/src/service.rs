@@ -1178,9 +1178,6 @@ struct Changes {
     /// Confirmations (`Seen`) waiting for the dispatches sent their worker before them
     /// ([`CoreLoop::send`] counts each send under way).
     unconfirmed: Confirmations<OutFrame>,
-    /// Per mesh rank: its worker announced what it holds on its current link (it may be
-    /// chosen for parts; the core takes the link up then).
-    announced: Vec<bool>,
     /// Changes asked from this process ([`PlacementHandle`], client [`IN_PROCESS`]): where
     /// each request's answer goes.
     in_process: HashMap<u64, std_mpsc::Sender<Result<Applied, String>>>,
@@ -1203,7 +1200,6 @@ impl Changes {
             ),
             failed: Vec::new(),
             unconfirmed: Confirmations::new(ranks),
-            announced: vec![false; ranks],
             in_process: HashMap::new(),
             relays: Relays::default(),
         }
@@ -1363,10 +1359,12 @@ impl CoreLoop {
         self.changes
             .coordinator
             .on_holding(from, p.version, &held, &p.message, p.request_id, now);
-        if let Some(a) = self.changes.announced.get_mut(from as usize)
-            && !*a
+        // The first announcement on this link takes the worker up.
+        if self
+            .live
+            .get(from as usize)
+            .is_some_and(|l| !l.load(Ordering::Acquire))
         {
-            *a = true;
             self.core.on_peer_up(from);
             self.set_live(from, true);
             tracing::debug!(from, version = p.version, "worker announced what it holds");
@@ -1669,9 +1667,6 @@ impl CoreLoop {
                 // Chosen for parts once it says what it holds (its first frame on the link).
                 self.core.on_peer_joining(peer);
                 self.set_live(peer, false);
-                if let Some(a) = self.changes.announced.get_mut(peer as usize) {
-                    *a = false;
-                }
                 self.core.metrics().on_link(peer, true);
             }
             TransportEvent::PeerLost(e) => {

@@ -317,16 +317,16 @@ impl Direct {
 
     /// The range bounds ([`range_bounds`]) of the [`NEAR`] blocks of sixteen patterns above
     /// the first pass (from `first_lo`) and the `NEAR` below it, nearest first: lane `i`
-    /// upward, lane `NEAR + i` downward. Blocks that would start below pattern 1 get pattern
-    /// 1's (never visited: the downward search stops above them).
+    /// upward, lane `NEAR + i` downward. Blocks that would start below pattern 1 start at it
+    /// (never visited: the downward search stops above them).
     fn near_ranges(&self, n: usize, first_lo: u16) -> [f32; LANES] {
         let (mut lo, mut hi) = ([0f32; LANES], [0f32; LANES]);
         for i in 0..NEAR {
             let up = first_lo + ((i + 1) * LANES) as u16;
             let down = first_lo.saturating_sub(((i + 1) * LANES) as u16).max(1);
             (lo[i], hi[i]) = (bf16_value(up), bf16_value(up + LANES as u16 - 1));
-            let down_hi = (down + LANES as u16 - 1).min(first_lo.max(2) - 1);
-            (lo[NEAR + i], hi[NEAR + i]) = (bf16_value(down), bf16_value(down_hi));
+            let down_hi = bf16_value(down + LANES as u16 - 1);
+            (lo[NEAR + i], hi[NEAR + i]) = (bf16_value(down), down_hi);
         }
         at_level!(self.level, range_bounds(&self.abs[..n], &lo, &hi))
     }
