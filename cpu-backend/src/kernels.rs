@@ -537,26 +537,31 @@ pub(crate) fn halving_tree(p: &mut [[f32; ROWS]; LANES]) -> [f32; ROWS] {
     p[0]
 }
 
-/// The gate/up epilogue for 16 rows: `out[r] = silu(g[r]) * u[r]` exactly as
-/// [`contract::swiglu_contract`] computes it, 16 lanes at a time on AVX-512 (every lane performs
-/// the contract's operation sequence; bit-identical by construction and by test).
-pub fn swiglu16(isa: Isa, g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+/// `silu(g)·u` (the contract's SwiGLU) for whole rows of 16, in place of `g`: one call per
+/// token tile (a call per row cost more than the arithmetic). Bit-identical to
+/// [`contract::swiglu_contract`] on every ISA.
+pub fn swiglu_rows(isa: Isa, g: &mut [[f32; ROWS]], u: &[[f32; ROWS]]) {
+    assert_eq!(
+        g.len(),
+        u.len(),
+        "swiglu_rows: gate and up row counts differ"
+    );
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
-            assert!(out.len() >= ROWS);
-            // SAFETY: AVX-512 F is available; `out` holds at least 16 floats (asserted).
-            unsafe { x86::swiglu16_avx512(g, u, out) }
+            // SAFETY: AVX-512 F is available; the row counts match (asserted).
+            unsafe { x86::swiglu_rows_avx512(g, u) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if Isa::Avx2.supported_cached() => {
-            assert!(out.len() >= ROWS);
-            // SAFETY: AVX2 is available; `out` holds at least 16 floats (asserted).
-            unsafe { x86::swiglu16_avx2(g, u, out) }
+            // SAFETY: AVX2 is available; the row counts match (asserted).
+            unsafe { x86::swiglu_rows_avx2(g, u) }
         }
         _ => {
-            for r in 0..ROWS {
-                out[r] = contract::swiglu_contract(g[r], u[r]);
+            for (gr, ur) in g.iter_mut().zip(u) {
+                for (gv, &uv) in gr.iter_mut().zip(ur) {
+                    *gv = contract::swiglu_contract(*gv, uv);
+                }
             }
         }
     }
@@ -754,14 +759,26 @@ pub(crate) mod x86 {
         p[0]
     }
 
-    /// [`super::swiglu16`] on AVX-512: the contract's `exp` sequence, lane by lane.
+    /// [`super::swiglu_rows`] on AVX-512: the contract's `exp` sequence, lane by lane.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F; `out` must hold at least 16 floats.
+    /// The CPU must support AVX-512 F; `u` as long as `g`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn swiglu16_avx512(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+    pub(super) unsafe fn swiglu_rows_avx512(g: &mut [[f32; ROWS]], u: &[[f32; ROWS]]) {
+        for (gr, ur) in g.iter_mut().zip(u) {
+            // SAFETY: AVX-512 F (the caller).
+            unsafe { swiglu16_avx512(gr, ur) };
+        }
+    }
+
+    /// One row of [`swiglu_rows_avx512`], in place.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[inline(always)]
+    unsafe fn swiglu16_avx512(g: &mut [f32; ROWS], u: &[f32; ROWS]) {
         use expertmesh_quant::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
-        // SAFETY: g and u are 16 floats; out holds 16 (checked by the caller).
+        // SAFETY: g and u are 16 floats.
         unsafe {
             let gv = _mm512_loadu_ps(g.as_ptr());
             let uv = _mm512_loadu_ps(u.as_ptr());
@@ -791,20 +808,32 @@ pub(crate) mod x86 {
             )));
             let e = _mm512_mul_ps(p, pow2);
             let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(silu, uv));
+            _mm512_storeu_ps(g.as_mut_ptr(), _mm512_mul_ps(silu, uv));
         }
     }
 
-    /// [`super::swiglu16`] on AVX2: [`swiglu16_avx512`]'s sequence (the contract's `exp`,
-    /// unfused multiplies and additions) on two 8-row halves.
+    /// [`super::swiglu_rows`] on AVX2: [`swiglu16_avx512`]'s sequence (the contract's `exp`,
+    /// unfused multiplies and additions) on two 8-row halves of each row.
     ///
     /// # Safety
-    /// The CPU must support AVX2; `out` must hold at least 16 floats.
+    /// The CPU must support AVX2; `u` as long as `g`.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn swiglu16_avx2(g: &[f32; ROWS], u: &[f32; ROWS], out: &mut [f32]) {
+    pub(super) unsafe fn swiglu_rows_avx2(g: &mut [[f32; ROWS]], u: &[[f32; ROWS]]) {
+        for (gr, ur) in g.iter_mut().zip(u) {
+            // SAFETY: AVX2 (the caller).
+            unsafe { swiglu16_avx2(gr, ur) };
+        }
+    }
+
+    /// One row of [`swiglu_rows_avx2`], in place.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline(always)]
+    unsafe fn swiglu16_avx2(g: &mut [f32; ROWS], u: &[f32; ROWS]) {
         use expertmesh_quant::contract::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
         for half in 0..2 {
-            // SAFETY: g and u are 16 floats; out holds 16 (checked by the caller).
+            // SAFETY: g and u are 16 floats.
             unsafe {
                 let gv = _mm256_loadu_ps(g.as_ptr().add(8 * half));
                 let uv = _mm256_loadu_ps(u.as_ptr().add(8 * half));
@@ -834,7 +863,7 @@ pub(crate) mod x86 {
                 )));
                 let e = _mm256_mul_ps(p, pow2);
                 let silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), e));
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * half), _mm256_mul_ps(silu, uv));
+                _mm256_storeu_ps(g.as_mut_ptr().add(8 * half), _mm256_mul_ps(silu, uv));
             }
         }
     }

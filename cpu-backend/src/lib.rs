@@ -1085,17 +1085,11 @@ fn stage1(
             };
             inputs.run(isa, &ex.w13, 2 * tile as usize, n, &mut gate);
             inputs.run(isa, &ex.w13, 2 * tile as usize + 1, n, &mut up);
-            for j in 0..n {
-                let pair = p0 + first + j;
+            kernels::swiglu_rows(isa, &mut gate[..n], &up[..n]);
+            for (j, hj) in gate[..n].iter().enumerate() {
                 // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
                 // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        hbuf.ptr().add(pair * max_inter + tile as usize * 16),
-                        16,
-                    )
-                };
-                kernels::swiglu16(isa, &gate[j], &up[j], dst);
+                unsafe { put_row_block(hbuf, p0 + first + j, tile as usize, max_inter, hj) };
             }
         }
     });
@@ -1122,14 +1116,12 @@ fn stage1_streams(
     let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
     run_streams(pass, n, |s| job(s, 2 * tile), &mut gate);
     run_streams(pass, n, |s| job(s, 2 * tile + 1), &mut up);
-    for (s, &(gi, local)) in slots[..n].iter().enumerate() {
+    kernels::swiglu_rows(pass.isa, &mut gate[..n], &up[..n]);
+    for (hs, &(gi, local)) in gate[..n].iter().zip(&slots[..n]) {
         let pair = pass.item_group(gi).2 + local;
         // SAFETY: (pair, tile) is written by exactly this item; the buffer holds
         // max_pairs × max_inter floats and pair < pairs ≤ max_pairs.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(hbuf.ptr().add(pair * pass.max_inter + tile * 16), 16)
-        };
-        kernels::swiglu16(pass.isa, &gate[s], &up[s], dst);
+        unsafe { put_row_block(hbuf, pair, tile, pass.max_inter, hs) };
     }
 }
 
@@ -1255,34 +1247,51 @@ fn stage2(
         let (g, ex, p0) = pass.item_group(unit.first);
         let f = ex.inter;
         let mut y = [[0f32; ROWS]; AMX_TOKEN_TILE];
-        for rb in rb0..rb1 {
-            for (first, n, amx) in pass.token_tiles(g.tokens.len(), f) {
-                let pb = p0 + first;
-                let hsrc = RowSource { len: f, ..*hsrc };
-                let inputs = if amx {
-                    TileInputs::amx(&hsrc, pb, n, false, pass.amx_emulated)
-                } else {
-                    TileInputs::gather(mode, &hsrc, pb..pb + n)
-                };
+        // Token tiles outer: a tile's inputs are gathered once for the item's row blocks,
+        // and each output row gets the item's row blocks one after another.
+        for (first, n, amx) in pass.token_tiles(g.tokens.len(), f) {
+            let pb = p0 + first;
+            let hsrc = RowSource { len: f, ..*hsrc };
+            let inputs = if amx {
+                TileInputs::amx(&hsrc, pb, n, false, pass.amx_emulated)
+            } else {
+                TileInputs::gather(mode, &hsrc, pb..pb + n)
+            };
+            for rb in rb0..rb1 {
                 inputs.run(isa, &ex.w2, rb, n, &mut y);
-                let rows = ROWS.min(h - rb * ROWS);
-                for j in 0..n {
-                    let local = first + j;
+                for (j, yj) in y[..n].iter().enumerate() {
                     let row = if per_slot {
-                        g.out_rows[local] as usize
+                        g.out_rows[first + j] as usize
                     } else {
                         pb + j
                     };
                     // SAFETY: (row, rb) is written by exactly this item; the output holds
                     // pairs × H floats (validated) and pair_out max_pairs × H.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(ybuf.ptr().add(row * h + rb * ROWS), rows)
-                    };
-                    dst.copy_from_slice(&y[j][..rows]);
+                    unsafe { put_row_block(ybuf, row, rb, h, yj) };
                 }
             }
         }
     });
+}
+
+/// Writes row block `rb` of row `row` (`h` floats per row: an output or an intermediate)
+/// from `y`: a whole row block as one fixed-size copy (no `memmove` call for 64 bytes), the
+/// last one cut at `h`.
+///
+/// # Safety
+/// Row `row` of `ybuf` must hold `h` floats, and no other thread may access this row block.
+#[inline(always)]
+unsafe fn put_row_block(ybuf: SharedMut<f32>, row: usize, rb: usize, h: usize, y: &[f32; ROWS]) {
+    let rows = ROWS.min(h - rb * ROWS);
+    // SAFETY: the caller's contract; `rows` floats from `row·h + 16·rb` stay in the row.
+    unsafe {
+        let dst = ybuf.ptr().add(row * h + rb * ROWS);
+        if rows == ROWS {
+            dst.cast::<[f32; ROWS]>().write_unaligned(*y);
+        } else {
+            std::ptr::copy_nonoverlapping(y.as_ptr(), dst, rows);
+        }
+    }
 }
 
 /// A stage-2 item of a streams unit: W2 row blocks `rbs` of each group's expert against its
@@ -1310,7 +1319,6 @@ fn stage2_streams(
     for rb in rbs {
         let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
         run_streams(pass, n, |s| job(s, rb), &mut y);
-        let rows = ROWS.min(h - rb * ROWS);
         for (ys, &(gi, local)) in y.iter().zip(&slots[..n]) {
             let (g, _, p0) = pass.item_group(gi);
             let row = if per_slot {
@@ -1320,10 +1328,7 @@ fn stage2_streams(
             };
             // SAFETY: (row, rb) is written by exactly this item; the output holds pairs × H
             // floats (validated) and pair_out max_pairs × H.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(ybuf.ptr().add(row * h + rb * ROWS), rows)
-            };
-            dst.copy_from_slice(&ys[..rows]);
+            unsafe { put_row_block(ybuf, row, rb, h, ys) };
         }
     }
 }

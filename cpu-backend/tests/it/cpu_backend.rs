@@ -696,31 +696,37 @@ fn vector_swiglu_is_bit_identical_to_the_contract() {
         0.0f32, -0.0, 1.0, -1.0, 87.0, -87.0, 88.5, -88.5, 1e-30, -1e-30, 1e30, -1e30, 3.4e38,
         -3.4e38, 0.5, 20.0,
     ];
-    for round in 0..2000 {
-        let mut g = [0f32; 16];
-        let mut u = [0f32; 16];
-        for i in 0..16 {
-            g[i] = if round == 0 {
-                specials[i]
-            } else {
-                (rng.normal() * [0.1, 3.0, 30.0, 200.0][round % 4]) as f32
-            };
-            u[i] = (rng.normal() * 2.0) as f32;
+    for round in 0..1000 {
+        // 1 to 8 rows per call (a token tile), every row checked.
+        let rows = 1 + round % 8;
+        let mut g = vec![[0f32; 16]; rows];
+        let mut u = vec![[0f32; 16]; rows];
+        for (r, (gr, ur)) in g.iter_mut().zip(u.iter_mut()).enumerate() {
+            for i in 0..16 {
+                gr[i] = if round == 0 && r == 0 {
+                    specials[i]
+                } else {
+                    (rng.normal() * [0.1, 3.0, 30.0, 200.0][(round + r) % 4]) as f32
+                };
+                ur[i] = (rng.normal() * 2.0) as f32;
+            }
         }
         for isa in Isa::available() {
-            let mut out = [0f32; 16];
-            kernels::swiglu16(isa, &g, &u, &mut out);
-            for i in 0..16 {
-                let want = swiglu_contract(g[i], u[i]);
-                assert_eq!(
-                    out[i].to_bits(),
-                    want.to_bits(),
-                    "{isa:?} g={} u={}: {} vs {}",
-                    g[i],
-                    u[i],
-                    out[i],
-                    want
-                );
+            let mut out = g.clone();
+            kernels::swiglu_rows(isa, &mut out, &u);
+            for r in 0..rows {
+                for i in 0..16 {
+                    let want = swiglu_contract(g[r][i], u[r][i]);
+                    assert_eq!(
+                        out[r][i].to_bits(),
+                        want.to_bits(),
+                        "{isa:?} row {r} of {rows}: g={} u={}: {} vs {}",
+                        g[r][i],
+                        u[r][i],
+                        out[r][i],
+                        want
+                    );
+                }
             }
         }
     }
