@@ -131,7 +131,7 @@ pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
             assert!(lengths());
             // SAFETY: AVX-512 F/BW supported; lengths asserted above.
-            unsafe { x86::quantize_avx512(x, q, d) }
+            unsafe { x86::quantize_avx512::<false>(x, q, d, &mut []) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if Isa::Avx2.supported_cached() => {
@@ -140,6 +140,34 @@ pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
             unsafe { x86::quantize_avx2(x, q, d) }
         }
         _ => contract::quantize_activations(x, q, d),
+    }
+}
+
+/// [`quantize_activations`] and the per-block code sums ([`block_sums`]) in one pass: on
+/// AVX-512 the sums come from the codes still in registers.
+pub fn quantize_activations_sums(
+    isa: Isa,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    qsum: &mut [i32],
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
+            assert!(
+                x.len() % BLOCK == 0
+                    && q.len() == x.len()
+                    && d.len() == x.len() / BLOCK
+                    && qsum.len() == d.len()
+            );
+            // SAFETY: AVX-512 F/BW supported; lengths asserted above.
+            unsafe { x86::quantize_avx512::<true>(x, q, d, qsum) }
+        }
+        _ => {
+            quantize_activations(isa, x, q, d);
+            block_sums(q, qsum);
+        }
     }
 }
 
@@ -922,13 +950,20 @@ pub(crate) mod x86 {
         }
     }
 
-    /// [`super::quantize_activations`] on AVX-512.
+    /// [`super::quantize_activations`] on AVX-512, and with `SUMS` [`super::block_sums`] into
+    /// `qsum` from the codes still in registers (a second pass over the codes cost half as
+    /// much again as quantizing them).
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW; `x.len()` is a multiple of 32, `q` as long, `d`
-    /// `x.len() / 32` long.
+    /// `x.len() / 32` long, and with `SUMS` `qsum` as long as `d`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    pub(super) unsafe fn quantize_avx512<const SUMS: bool>(
+        x: &[f32],
+        q: &mut [i8],
+        d: &mut [f32],
+        qsum: &mut [i32],
+    ) {
         use expertmesh_quant::contract::MIN_BLOCK_AMAX;
         let abs = _mm512_set1_epi32(0x7fff_ffff);
         let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
@@ -945,16 +980,26 @@ pub(crate) mod x86 {
                 let amax = _mm512_reduce_max_ps(_mm512_max_ps(a(v[0]), a(v[1])));
                 if nan || !amax.is_finite() || amax < MIN_BLOCK_AMAX {
                     *db = quantize_block_cold(xb, qb);
+                    if SUMS {
+                        qsum[b] = qb.iter().map(|&v| i32::from(v)).sum();
+                    }
                     continue;
                 }
                 *db = amax / 127.0;
                 let inv = _mm512_set1_ps(127.0 / amax);
+                let mut sum = _mm512_setzero_si512();
                 for (h, v) in v.into_iter().enumerate() {
                     let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
                         _mm512_mul_ps(v, inv),
                     );
                     let c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+                    if SUMS {
+                        sum = _mm512_add_epi32(sum, c);
+                    }
                     _mm_storeu_si128(qb.as_mut_ptr().add(16 * h).cast(), _mm512_cvtepi32_epi8(c));
+                }
+                if SUMS {
+                    qsum[b] = _mm512_reduce_add_epi32(sum);
                 }
             }
         }

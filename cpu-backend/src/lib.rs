@@ -959,8 +959,7 @@ fn quantize_inputs<'a>(
                         std::slice::from_raw_parts_mut(ss.ptr().add(t * nb), nb),
                     )
                 };
-                kernels::quantize_activations(batch_isa, &x[t * h..(t + 1) * h], q, d);
-                kernels::block_sums(q, s);
+                kernels::quantize_activations_sums(batch_isa, &x[t * h..(t + 1) * h], q, d, s);
             });
             (
                 &xq[..batch.tokens * h],
@@ -1205,8 +1204,7 @@ fn quantize_intermediate(
             )
         };
         if exact {
-            kernels::quantize_activations(pass.isa, x, q, d);
-            kernels::block_sums(q, s);
+            kernels::quantize_activations_sums(pass.isa, x, q, d, s);
         } else {
             kernels::quantize_levels(pass.isa, x, q, d, s, max_inter, nbm);
         }

@@ -750,18 +750,59 @@ fn vector_quantization_is_bit_identical_to_the_contract() {
     x.extend((0..32).map(|k| if k == 0 { 127.0 } else { (k as f32) - 0.5 }));
     x.extend([0.0f32; 32]);
     x.extend([f32::from_bits(0x0F00_0000); 32]);
-    let mut odd = vec![1.0f32; 64];
+    let mut odd = vec![1.0f32; 96];
     odd[3] = f32::NAN;
     odd[40] = f32::INFINITY;
+    odd[90] = f32::NEG_INFINITY;
     x.extend(odd);
-    let n = x.len();
-    let (mut q0, mut d0) = (vec![0i8; n], vec![0f32; n / 32]);
-    contract::quantize_activations(&x, &mut q0, &mut d0);
-    for isa in Isa::available() {
-        let (mut q, mut d) = (vec![1i8; n], vec![1f32; n / 32]);
-        kernels::quantize_activations(isa, &x, &mut q, &mut d);
-        assert_eq!(q, q0, "{isa:?} codes");
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&d), bits(&d0), "{isa:?} scales");
+    // amax exactly the contract's minimum (quantized), and the float below it (not).
+    let min = contract::MIN_BLOCK_AMAX;
+    x.extend((0..32).map(|i| if i == 7 { -min } else { min / 3.0 }));
+    x.extend((0..32).map(|i| {
+        if i == 9 {
+            f32::from_bits(min.to_bits() - 1)
+        } else {
+            0.0
+        }
+    }));
+    x.extend(
+        synth::normal_vec(&mut rng, 32 * 20, 1.0)
+            .iter()
+            .map(|v| v * 7.0),
+    );
+    let blocks = x.len() / 32;
+    // Every window of 1 to 40 blocks at every start: the vector paths take sixteen blocks
+    // at a time, so each odd block is met at every position of a chunk and in short tails.
+    for len in 1..=40usize.min(blocks) {
+        for start in 0..=blocks - len {
+            let xs = &x[start * 32..(start + len) * 32];
+            let n = xs.len();
+            let (mut q0, mut d0) = (vec![0i8; n], vec![0f32; len]);
+            contract::quantize_activations(xs, &mut q0, &mut d0);
+            let s0: Vec<i32> = q0
+                .chunks(32)
+                .map(|b| b.iter().map(|&v| i32::from(v)).sum())
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for isa in Isa::available() {
+                let (mut q, mut d) = (vec![1i8; n], vec![1f32; len]);
+                kernels::quantize_activations(isa, xs, &mut q, &mut d);
+                assert_eq!(q, q0, "{isa:?} codes, blocks {start}..+{len}");
+                assert_eq!(
+                    bits(&d),
+                    bits(&d0),
+                    "{isa:?} scales, blocks {start}..+{len}"
+                );
+                let (mut q, mut d, mut s) = (vec![1i8; n], vec![1f32; len], vec![7i32; len]);
+                kernels::quantize_activations_sums(isa, xs, &mut q, &mut d, &mut s);
+                assert_eq!(q, q0, "{isa:?} codes with sums, blocks {start}..+{len}");
+                assert_eq!(
+                    bits(&d),
+                    bits(&d0),
+                    "{isa:?} scales with sums, {start}..+{len}"
+                );
+                assert_eq!(s, s0, "{isa:?} block sums, blocks {start}..+{len}");
+            }
+        }
     }
 }
