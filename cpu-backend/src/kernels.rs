@@ -1453,10 +1453,15 @@ pub(crate) mod x86 {
         let dtype = scale_dtype::<F16>();
         let st: [Stream; S] =
             std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].tok));
-        let mut p = [[_mm512_setzero_ps(); LANES]; S];
+        // The partials (16 per stream, 4 KiB at four streams, so in memory) are not zeroed
+        // first: the first sixteen blocks write `+0.0 + term` (as [`exact_vnni_multi`]); a
+        // stage-2 row block of a Qwen3-sized expert has only 24 blocks per call.
+        let zero = _mm512_setzero_ps();
+        let mut pu = std::mem::MaybeUninit::<[[__m512; LANES]; S]>::uninit();
+        let at = pu.as_mut_ptr().cast::<__m512>();
         let mut b = 0;
         macro_rules! step {
-            ($j:expr) => {{
+            ($j:expr, $put:expr) => {{
                 let bb = b + $j;
                 let g = bb >> shift;
                 let ahead = bb + PREFETCH_BLOCKS;
@@ -1487,33 +1492,70 @@ pub(crate) mod x86 {
                             st.q.add(bb * 8),
                             *st.d.add(bb),
                         );
-                        p[s][$j] = _mm512_add_ps(p[s][$j], t);
+                        $put(s, $j, t);
                     }
                 }
             }};
         }
+        let head = blocks.min(LANES);
+        let init = |s: usize, l: usize, t| {
+            // SAFETY: s < S and l < LANES: inside the partials.
+            unsafe { at.add(s * LANES + l).write(_mm512_add_ps(zero, t)) }
+        };
+        if head == LANES {
+            step!(0, init);
+            step!(1, init);
+            step!(2, init);
+            step!(3, init);
+            step!(4, init);
+            step!(5, init);
+            step!(6, init);
+            step!(7, init);
+            step!(8, init);
+            step!(9, init);
+            step!(10, init);
+            step!(11, init);
+            step!(12, init);
+            step!(13, init);
+            step!(14, init);
+            step!(15, init);
+        } else {
+            for j in 0..head {
+                step!(j, init);
+            }
+        }
+        for s in 0..S {
+            for l in head..LANES {
+                // SAFETY: inside the partials, as above.
+                unsafe { at.add(s * LANES + l).write(zero) };
+            }
+        }
+        // SAFETY: every partial of every stream was written just above.
+        let p = unsafe { pu.assume_init_mut() };
+        b = head;
+        let mut acc = |s: usize, l: usize, t| p[s][l] = _mm512_add_ps(p[s][l], t);
         while b + LANES <= blocks {
-            step!(0);
-            step!(1);
-            step!(2);
-            step!(3);
-            step!(4);
-            step!(5);
-            step!(6);
-            step!(7);
-            step!(8);
-            step!(9);
-            step!(10);
-            step!(11);
-            step!(12);
-            step!(13);
-            step!(14);
-            step!(15);
+            step!(0, acc);
+            step!(1, acc);
+            step!(2, acc);
+            step!(3, acc);
+            step!(4, acc);
+            step!(5, acc);
+            step!(6, acc);
+            step!(7, acc);
+            step!(8, acc);
+            step!(9, acc);
+            step!(10, acc);
+            step!(11, acc);
+            step!(12, acc);
+            step!(13, acc);
+            step!(14, acc);
+            step!(15, acc);
             b += LANES;
         }
         // Tail (blocks % 16 != 0): partial index is still b % 16 = j.
         for j in 0..blocks - b {
-            step!(j);
+            step!(j, acc);
         }
         for (s, ps) in p.iter_mut().enumerate() {
             // SAFETY: out[s] is 16 f32.

@@ -131,6 +131,26 @@ fn negative_zero_terms_sum_to_positive_zero() {
                             );
                         }
                     }
+                    // The one-token streams kernels (their partials are not zeroed either).
+                    let jobs: Vec<RowBlockJob> = toks
+                        .iter()
+                        .take(kernels::MAX_STREAMS)
+                        .map(|&tok| RowBlockJob { m: &r16, rb, tok })
+                        .collect();
+                    let mut out = [[f32::NAN; 16]; kernels::MAX_STREAMS];
+                    kernels::rowblocks_exact_1(isa, &jobs, &mut out);
+                    for (t, a) in acts.iter().enumerate().take(jobs.len()) {
+                        for r in 0..16 {
+                            let want = reference::row_dot_exact(&m, rb * 16 + r, a);
+                            assert_eq!(
+                                out[t][r].to_bits(),
+                                want.to_bits(),
+                                "{isa:?} streams, K {cols}, {} jobs, row {}, token {t}",
+                                jobs.len(),
+                                rb * 16 + r
+                            );
+                        }
+                    }
                 }
             }
         }
