@@ -120,10 +120,10 @@ pub fn block_sums(q: &[i8], qsum: &mut [i32]) {
 }
 
 /// Contract §1 for a whole vector (`x.len()` a multiple of 32): codes into `q`, block scales
-/// into `d`, bit-identical to [`contract::quantize_activations`]. On AVX-512 each block is
-/// two vectors, on AVX2 four (`vrndscaleps` / `vroundps` round half to even as
-/// `round_ties_even` does); a block with a NaN, an infinity or an amax below the contract's
-/// minimum takes the scalar code.
+/// into `d`, bit-identical to [`contract::quantize_activations`]. On AVX-512 sixteen blocks
+/// at a time (each block two vectors), on AVX2 block by block (four vectors);
+/// `vrndscaleps` / `vroundps` round half to even as `round_ties_even` does; a block with a
+/// NaN, an infinity or an amax below the contract's minimum takes the scalar code.
 pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
     let lengths = || x.len() % BLOCK == 0 && q.len() == x.len() && d.len() == x.len() / BLOCK;
     match isa {
@@ -144,7 +144,7 @@ pub fn quantize_activations(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32]) {
 }
 
 /// [`quantize_activations`] and the per-block code sums ([`block_sums`]) in one pass: on
-/// AVX-512 the sums come from the codes still in registers.
+/// AVX-512 and AVX2 the sums come from the codes still in registers.
 pub fn quantize_activations_sums(
     isa: Isa,
     x: &[f32],
@@ -909,10 +909,10 @@ pub(crate) mod x86 {
 
     /// [`super::quantize_activations`] on AVX2, and with `SUMS` [`super::block_sums`] into
     /// `qsum` from the codes still in registers; block by block (blocks with a NaN, an
-    /// infinity or a tiny amax take the scalar code). Eight blocks at a time in registers, as
-    /// on AVX-512, was measured: 1.6x faster alone, 1-4 % slower inside a prefill (sixteen
-    /// vector registers: the eight blocks' values spill to a stack the kernels' streaming
-    /// has evicted).
+    /// infinity or a tiny amax take the scalar code). Eight blocks at a time in registers (as
+    /// AVX-512 does sixteen) was measured: 1.6x faster alone, 1-4 % slower inside a prefill
+    /// (sixteen vector registers: the eight blocks' values spill to a stack the kernels'
+    /// streaming has evicted).
     ///
     /// # Safety
     /// The CPU must support AVX2; `x.len()` is a multiple of 32, `q` as long, `d`

@@ -33,7 +33,9 @@
 //! threads idle, and each thread's reads stay sequential. Within an item, tokens are
 //! processed in tiles of [`kernels::MAX_TOKEN_TILE`] kernel tokens against each loaded weight
 //! tile, and a row block's weights are re-read only from cache for further token tiles
-//! (prefill blocking). All scratch buffers are sized at `load` from [`BatchLimits`] (the
+//! (prefill blocking; stage 2 runs a token tile against all four row blocks of its item
+//! before the next tile, so those re-reads come from L1 or L2: 27 KiB of weights at F = 768,
+//! 72 KiB at F = 2048). All scratch buffers are sized at `load` from [`BatchLimits`] (the
 //! activation codes for three levels per token or pair, accurate mode's); `execute`
 //! allocates nothing.
 

@@ -78,8 +78,9 @@ proptest! {
 
 /// A term of `-0.0` (negative scales against an all-zero activation) adds to partials that
 /// start at `+0.0`, as the contract's do: every kernel gives `+0.0`, bit for bit, for every
-/// token count and for K below and above sixteen blocks (where the multi-token kernels write
-/// their first sixteen blocks' partials without zeroing them first).
+/// token count and for K below and above sixteen blocks (where the multi-token kernels and
+/// the AVX-512 one-token streams kernels, 1 to 4 streams, write their first sixteen blocks'
+/// partials without zeroing them first).
 #[test]
 fn negative_zero_terms_sum_to_positive_zero() {
     for kb in [3usize, 16, 21] {
