@@ -220,19 +220,36 @@ pub fn quantize_levels(
         for l in 0..ACCURATE_LEVELS {
             let ql = &mut q[l * stride + e0..][..n];
             let dl = &mut d[l * block_stride + b0..][..blocks];
-            quantize_activations(isa, r, ql, dl);
             let sl = &mut qsum[l * block_stride + b0..][..blocks];
-            for ((rb, qb), (&db, sb)) in r
-                .chunks_exact_mut(BLOCK)
-                .zip(ql.chunks_exact(BLOCK))
-                .zip(dl.iter().zip(sl.iter_mut()))
-            {
-                let mut sum = 0i32;
+            quantize_activations_sums(isa, r, ql, dl, sl);
+            if l < last {
+                subtract_level(isa, r, ql, dl);
+            }
+        }
+    }
+}
+
+/// What a level leaves over: `r[i] -= d[b] · f32(q[i])` for every element `i` of block `b`,
+/// a multiply then a subtraction (never fused), so the residuals, and the next level, are
+/// the same on every ISA.
+fn subtract_level(isa: Isa, r: &mut [f32], q: &[i8], d: &[f32]) {
+    assert!(r.len() == q.len() && r.len() == d.len() * BLOCK);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
+            // SAFETY: AVX-512 F supported; lengths asserted above.
+            unsafe { x86::subtract_level_avx512(r, q, d) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if Isa::Avx2.supported_cached() => {
+            // SAFETY: AVX2 supported; lengths asserted above.
+            unsafe { x86::subtract_level_avx2(r, q, d) }
+        }
+        _ => {
+            for ((rb, qb), &db) in r.chunks_exact_mut(BLOCK).zip(q.chunks_exact(BLOCK)).zip(d) {
                 for (ri, &qi) in rb.iter_mut().zip(qb) {
                     *ri -= db * f32::from(qi);
-                    sum += i32::from(qi);
                 }
-                *sb = sum;
             }
         }
     }
@@ -903,6 +920,56 @@ pub(crate) mod x86 {
                 let e = _mm256_mul_ps(p, pow2);
                 let silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), e));
                 _mm256_storeu_ps(g.as_mut_ptr().add(8 * half), _mm256_mul_ps(silu, uv));
+            }
+        }
+    }
+
+    /// [`super::subtract_level`] on AVX-512: sixteen codes widened to f32 per vector.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `r` and `q` are `32 · d.len()` long.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn subtract_level_avx512(r: &mut [f32], q: &[i8], d: &[f32]) {
+        for (b, &db) in d.iter().enumerate() {
+            let dv = _mm512_set1_ps(db);
+            for h in 0..2 {
+                let at = b * BLOCK + 16 * h;
+                // SAFETY: elements at..at + 16 exist in r and q (the caller's lengths).
+                unsafe {
+                    let qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        q.as_ptr().add(at).cast(),
+                    )));
+                    let rp = r.as_mut_ptr().add(at);
+                    _mm512_storeu_ps(
+                        rp,
+                        _mm512_sub_ps(_mm512_loadu_ps(rp), _mm512_mul_ps(dv, qv)),
+                    );
+                }
+            }
+        }
+    }
+
+    /// [`super::subtract_level`] on AVX2: eight codes widened to f32 per vector.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `r` and `q` are `32 · d.len()` long.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn subtract_level_avx2(r: &mut [f32], q: &[i8], d: &[f32]) {
+        for (b, &db) in d.iter().enumerate() {
+            let dv = _mm256_set1_ps(db);
+            for e in 0..4 {
+                let at = b * BLOCK + 8 * e;
+                // SAFETY: elements at..at + 8 exist in r and q (the caller's lengths).
+                unsafe {
+                    let qv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        q.as_ptr().add(at).cast(),
+                    )));
+                    let rp = r.as_mut_ptr().add(at);
+                    _mm256_storeu_ps(
+                        rp,
+                        _mm256_sub_ps(_mm256_loadu_ps(rp), _mm256_mul_ps(dv, qv)),
+                    );
+                }
             }
         }
     }
