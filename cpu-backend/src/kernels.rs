@@ -195,8 +195,9 @@ pub const ACCURATE_LEVELS: usize = 3;
 /// `q[l·stride..][..K]`, `d`/`qsum[l·block_stride..][..K/32]`.
 ///
 /// Each level quantizes up to [`LEVEL_CHUNK`] blocks at once with `isa`'s
-/// [`quantize_activations`] (bit-identical to the contract's block quantizer on every ISA, so
-/// the levels are the same on every machine); the residuals live in a stack buffer.
+/// [`quantize_activations_sums`] (bit-identical to the contract's block quantizer on every
+/// ISA) and subtracts what it took with [`subtract_level`] (a multiply, then a subtraction),
+/// so the levels are the same on every machine; the residuals live in a stack buffer.
 pub fn quantize_levels(
     isa: Isa,
     x: &[f32],
