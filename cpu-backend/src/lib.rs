@@ -1108,15 +1108,15 @@ fn stage1_streams(
 ) {
     let (slots, n) = unit_streams(pass, unit);
     // Slots past `n` repeat the last stream (the arrays are full; only `n` run).
-    let job = |s: usize, rb: usize| {
+    let mut jobs = StreamJobs::new(pass.mode, |s| {
         let (gi, local) = slots[s.min(n - 1)];
         let (g, ex, _) = pass.item_group(gi);
-        (&ex.w13, rb, *xsrc, g.tokens[local] as usize)
-    };
+        (&ex.w13, *xsrc, g.tokens[local] as usize)
+    });
     let mut gate = [[0f32; ROWS]; kernels::MAX_STREAMS];
     let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
-    run_streams(pass, n, |s| job(s, 2 * tile), &mut gate);
-    run_streams(pass, n, |s| job(s, 2 * tile + 1), &mut up);
+    jobs.run(pass.isa, n, 2 * tile, &mut gate);
+    jobs.run(pass.isa, n, 2 * tile + 1, &mut up);
     kernels::swiglu_rows(pass.isa, &mut gate[..n], &up[..n]);
     for (hs, &(gi, local)) in gate[..n].iter().zip(&slots[..n]) {
         let pair = pass.item_group(gi).2 + local;
@@ -1126,37 +1126,59 @@ fn stage1_streams(
     }
 }
 
-/// Run `n` stream jobs in the pass's mode: job `s` is row block `rb` of matrix `m` against
-/// row `r` of `src` (exact mode: [`kernels::rowblocks_exact_1`]; accurate mode: the row's
-/// levels, [`kernels::rowblocks_accurate_1`]).
-fn run_streams<'m>(
-    pass: &Pass<'_, '_>,
-    n: usize,
-    job: impl Fn(usize) -> (&'m R16Matrix, usize, RowSource<'m>, usize),
-    out: &mut [[f32; ROWS]],
-) {
-    match pass.mode {
-        ComputeMode::Exact => {
-            let jobs: [RowBlockJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
-                let (m, rb, src, r) = job(s);
+/// The kernel jobs of a streams unit's tokens in the pass's mode, built once per work item:
+/// job `s` is a row block of matrix `m` against row `r` of `src` (exact mode:
+/// [`kernels::rowblocks_exact_1`]; accurate mode: the row's levels,
+/// [`kernels::rowblocks_accurate_1`]); [`StreamJobs::run`] sets the row block and runs them
+/// (they were rebuilt for every row block of an item). A stack value per item, so the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum StreamJobs<'m> {
+    Exact([RowBlockJob<'m>; kernels::MAX_STREAMS]),
+    Accurate([LevelsJob<'m>; kernels::MAX_STREAMS]),
+}
+
+impl<'m> StreamJobs<'m> {
+    /// The jobs of `job(s) = (m, src, r)` for every slot `s` (slots past the unit's streams
+    /// repeat its last one; only the first `n` run).
+    fn new(
+        mode: ComputeMode,
+        job: impl Fn(usize) -> (&'m R16Matrix, RowSource<'m>, usize),
+    ) -> Self {
+        match mode {
+            ComputeMode::Exact => StreamJobs::Exact(std::array::from_fn(|s| {
+                let (m, src, r) = job(s);
                 RowBlockJob {
                     m,
-                    rb,
+                    rb: 0,
                     tok: src.token(r),
                 }
-            });
-            kernels::rowblocks_exact_1(pass.isa, &jobs[..n], out);
-        }
-        ComputeMode::Accurate => {
-            let jobs: [LevelsJob<'_>; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
-                let (m, rb, src, r) = job(s);
+            })),
+            ComputeMode::Accurate => StreamJobs::Accurate(std::array::from_fn(|s| {
+                let (m, src, r) = job(s);
                 LevelsJob {
                     m,
-                    rb,
+                    rb: 0,
                     levels: std::array::from_fn(|l| src.token(ACCURATE_LEVELS * r + l)),
                 }
-            });
-            kernels::rowblocks_accurate_1(pass.isa, &jobs[..n], out);
+            })),
+        }
+    }
+
+    /// Row block `rb` of the first `n` jobs' matrices into `out`.
+    fn run(&mut self, isa: Isa, n: usize, rb: usize, out: &mut [[f32; ROWS]]) {
+        match self {
+            StreamJobs::Exact(jobs) => {
+                for j in jobs[..n].iter_mut() {
+                    j.rb = rb;
+                }
+                kernels::rowblocks_exact_1(isa, &jobs[..n], out);
+            }
+            StreamJobs::Accurate(jobs) => {
+                for j in jobs[..n].iter_mut() {
+                    j.rb = rb;
+                }
+                kernels::rowblocks_accurate_1(isa, &jobs[..n], out);
+            }
         }
     }
 }
@@ -1307,25 +1329,29 @@ fn stage2_streams(
 ) {
     let (slots, n) = unit_streams(pass, unit);
     let h = pass.batch.hidden;
-    let job = |s: usize, rb: usize| {
+    let mut jobs = StreamJobs::new(pass.mode, |s| {
         let (gi, local) = slots[s.min(n - 1)];
         let (_, ex, p0) = pass.item_group(gi);
         let hsrc = RowSource {
             len: ex.inter,
             ..*hsrc
         };
-        (&ex.w2, rb, hsrc, p0 + local)
-    };
+        (&ex.w2, hsrc, p0 + local)
+    });
+    // Each stream's output row: the slot's (`per_slot`) or the pair's.
+    let rows: [usize; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
+        let (gi, local) = slots[s.min(n - 1)];
+        let (g, _, p0) = pass.item_group(gi);
+        if per_slot {
+            g.out_rows[local] as usize
+        } else {
+            p0 + local
+        }
+    });
+    let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
     for rb in rbs {
-        let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
-        run_streams(pass, n, |s| job(s, rb), &mut y);
-        for (ys, &(gi, local)) in y.iter().zip(&slots[..n]) {
-            let (g, _, p0) = pass.item_group(gi);
-            let row = if per_slot {
-                g.out_rows[local] as usize
-            } else {
-                p0 + local
-            };
+        jobs.run(pass.isa, n, rb, &mut y);
+        for (ys, &row) in y[..n].iter().zip(&rows) {
             // SAFETY: (row, rb) is written by exactly this item; the output holds pairs × H
             // floats (validated) and pair_out max_pairs × H.
             unsafe { put_row_block(ybuf, row, rb, h, ys) };
