@@ -196,8 +196,9 @@ pub const ACCURATE_LEVELS: usize = 3;
 ///
 /// Each level quantizes up to [`LEVEL_CHUNK`] blocks at once with `isa`'s
 /// [`quantize_activations_sums`] (bit-identical to the contract's block quantizer on every
-/// ISA) and subtracts what it took with [`subtract_level`] (a multiply, then a subtraction),
-/// so the levels are the same on every machine; the residuals live in a stack buffer.
+/// ISA) and, all but the last, subtracts what it took with [`subtract_level`] (a multiply,
+/// then a subtraction), so the levels are the same on every machine; the residuals live in a
+/// stack buffer.
 pub fn quantize_levels(
     isa: Isa,
     x: &[f32],
@@ -234,7 +235,7 @@ pub fn quantize_levels(
 /// a multiply then a subtraction (never fused), so the residuals, and the next level, are
 /// the same on every ISA.
 fn subtract_level(isa: Isa, r: &mut [f32], q: &[i8], d: &[f32]) {
-    assert!(r.len() == q.len() && r.len() == d.len() * BLOCK);
+    assert!(r.len() == q.len() && r.len() % BLOCK == 0 && r.len() / BLOCK == d.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {

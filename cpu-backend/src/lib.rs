@@ -1129,8 +1129,8 @@ fn stage1_streams(
 /// The kernel jobs of a streams unit's tokens in the pass's mode, built once per work item:
 /// job `s` is a row block of matrix `m` against row `r` of `src` (exact mode:
 /// [`kernels::rowblocks_exact_1`]; accurate mode: the row's levels,
-/// [`kernels::rowblocks_accurate_1`]); [`StreamJobs::run`] sets the row block and runs them
-/// (they were rebuilt for every row block of an item). A stack value per item, so the variants' size difference costs nothing.
+/// [`kernels::rowblocks_accurate_1`]); [`StreamJobs::run`] sets the row block and runs them.
+/// A stack value per item, so the variants' size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum StreamJobs<'m> {
     Exact([RowBlockJob<'m>; kernels::MAX_STREAMS]),
@@ -1138,8 +1138,8 @@ enum StreamJobs<'m> {
 }
 
 impl<'m> StreamJobs<'m> {
-    /// The jobs of `job(s) = (m, src, r)` for every slot `s` (slots past the unit's streams
-    /// repeat its last one; only the first `n` run).
+    /// The jobs of `job(s) = (m, src, r)` for every slot `s` (`job` must give slots past the
+    /// unit's streams its last one; only the first `n` run).
     fn new(
         mode: ComputeMode,
         job: impl Fn(usize) -> (&'m R16Matrix, RowSource<'m>, usize),
