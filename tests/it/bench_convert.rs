@@ -48,6 +48,21 @@ fn bench_convert_quick_reports_every_kind() {
         };
         assert_eq!(better, want, "{r}");
         assert!(r["limit_kind"].is_string(), "{r}");
+        if kind(r) != "quant_error" {
+            // The read limit is the faster of its two reads, run by run: its median is at
+            // least either read's median.
+            let (file, mapped) = (
+                r["limit_file_read"].as_f64(),
+                r["limit_mapped_read"].as_f64(),
+            );
+            assert!(ok(file) && ok(mapped), "both raw reads recorded: {r}");
+            let faster = file.unwrap_or(0.0).max(mapped.unwrap_or(0.0));
+            assert!(limit.unwrap_or(0.0) >= faster * (1.0 - 1e-9), "{r}");
+        }
+        if kind(r) == "load" {
+            let fresh = r["fresh_copy"].as_f64();
+            assert!(ok(fresh) && ok(r["ratio_of_fresh_copy"].as_f64()), "{r}");
+        }
     }
     let count = |k: &str| results.iter().filter(|r| kind(r) == k).count();
     // Conversion with 2 and 1 threads, one worker-load figure, and output and weight error
