@@ -302,6 +302,13 @@ pub trait PackedRows {
             *o = self.zero(n, g);
         }
     }
+    /// Row `n`'s scale bits as little-endian bytes (two per group), where the matrix holds
+    /// them so (a mapped shard's; an owned matrix's on little-endian machines): repackers
+    /// read whole rows of them with vector loads. `None` where they are not held so.
+    fn row_scales_le(&self, n: usize) -> Option<&[u8]> {
+        let _ = n;
+        None
+    }
 }
 
 /// Unpack one row's u4 zero points (two per byte, low nibble first) into `out`.
@@ -342,6 +349,13 @@ impl PackedRows for PackedMatrix {
                 unpack_zeros(&z[n * per_row..(n + 1) * per_row], out);
             }
         }
+    }
+    #[cfg(target_endian = "little")]
+    fn row_scales_le(&self, n: usize) -> Option<&[u8]> {
+        let row = self.row_scales(n);
+        // SAFETY: the bytes of the row's u16 values, in bounds and aligned for u8; on a
+        // little-endian machine they are the values' little-endian bytes.
+        Some(unsafe { std::slice::from_raw_parts(row.as_ptr().cast::<u8>(), 2 * row.len()) })
     }
 }
 
@@ -432,6 +446,10 @@ impl PackedRows for PackedRef<'_> {
                 unpack_zeros(&z[n * per_row..(n + 1) * per_row], out);
             }
         }
+    }
+    fn row_scales_le(&self, n: usize) -> Option<&[u8]> {
+        let per_row = 2 * (self.cols / self.spec.group());
+        Some(&self.scales_le[n * per_row..(n + 1) * per_row])
     }
 }
 

@@ -8,7 +8,9 @@ use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_cpu_backend::kernels::{self, Isa, RowBlockJob, TokenQ8};
 use expertmesh_cpu_backend::layout::R16Matrix;
 use expertmesh_quant::contract::{self, ComputeMode};
-use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
+use expertmesh_quant::format::{
+    ExpertWeights, PackedMatrix, PackedRef, PackedRows, QuantSpec, ScaleDtype,
+};
 use expertmesh_quant::reference::{self, QuantizedVec};
 use expertmesh_quant::synth::{self, SplitMix64};
 use proptest::prelude::*;
@@ -26,6 +28,30 @@ pub(crate) fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
         })
 }
 
+/// A matrix that gives its scales value by value only (no little-endian rows).
+struct ValuesOnly<'a>(&'a PackedMatrix);
+
+impl PackedRows for ValuesOnly<'_> {
+    fn rows(&self) -> usize {
+        self.0.rows()
+    }
+    fn cols(&self) -> usize {
+        self.0.cols()
+    }
+    fn spec(&self) -> QuantSpec {
+        self.0.spec()
+    }
+    fn row_nibbles(&self, n: usize) -> &[u8] {
+        PackedRows::row_nibbles(self.0, n)
+    }
+    fn scale_bits(&self, n: usize, g: usize) -> u16 {
+        PackedRows::scale_bits(self.0, n, g)
+    }
+    fn zero(&self, n: usize, g: usize) -> u8 {
+        PackedRows::zero(self.0, n, g)
+    }
+}
+
 fn random_matrix(spec: QuantSpec, rows: usize, cols: usize, seed: u64) -> PackedMatrix {
     let mut rng = SplitMix64::new(seed);
     synth::random_packed("test", spec, rows, cols, &mut rng).unwrap()
@@ -40,6 +66,31 @@ proptest! {
         let m = random_matrix(spec, rows, cols, seed);
         let r = R16Matrix::from_canonical(&m);
         prop_assert_eq!(r.to_canonical(), m);
+    }
+
+    /// The repack reads a matrix the same from every source: an owned matrix and a mapped
+    /// shard's view (whole row blocks' scales transposed with vector loads from their
+    /// little-endian rows) and a source that gives its scales value by value.
+    #[test]
+    fn r16_repack_is_the_same_from_every_source(
+        spec in spec_strategy(), rows in 1usize..70, kb in 1usize..24, seed in any::<u64>()
+    ) {
+        let cols = (kb * 32).div_ceil(spec.group_size as usize) * spec.group_size as usize;
+        let m = random_matrix(spec, rows, cols, seed);
+        let scales_le: Vec<u8> = m.scales().iter().flat_map(|s| s.to_le_bytes()).collect();
+        let view = PackedRef::new("test", spec, rows, cols, m.nibbles(), &scales_le, m.zeros())
+            .expect("the matrix's own lengths");
+        let dims = [(rows, cols, spec)];
+        let pack = |src: &dyn PackedRows| {
+            let r: Result<_, std::convert::Infallible> = R16Matrix::pack_streamed(&dims, |_, w| {
+                w(src);
+                Ok(())
+            });
+            r.expect("infallible").pop().expect("one matrix").to_canonical()
+        };
+        prop_assert_eq!(&pack(&m), &m);
+        prop_assert_eq!(&pack(&view), &m);
+        prop_assert_eq!(&pack(&ValuesOnly(&m)), &m);
     }
 
     /// Every ISA's row-block kernel equals the contract's scalar row dot bit for bit.
