@@ -19,8 +19,8 @@
 //!    into one reused buffer with [`std::fs::File::read`] and each file mapped with every byte
 //!    loaded ([`mapped_read`]), both recorded; one warm-up read first so both sides read the
 //!    page cache), then [`convert`] into a fresh folder. Achieved = source expert bytes /
-//!    convert seconds. Neither read is always the faster (on the EPYC Zen 4 VM the kernel's
-//!    copy reads a fifth of the map's rate), and the converter reads a map.
+//!    convert seconds. Neither read is always the faster (on an EPYC VM without AVX-512 the
+//!    kernel's copy read a fifth of the map's rate), and the converter reads a map.
 //! 3. **Load**: what a worker does from start to loaded, for every device shard: load the
 //!    deployment from the converted folder, open and verify the shard (crc32c of the whole file
 //!    against the manifest), copy each expert out of the map and pack it into a [`CpuBackend`]
@@ -439,7 +439,7 @@ struct RawRead {
 
 impl RawRead {
     /// The faster of the two reads, bytes per second: the limit. Neither is always faster:
-    /// on the EPYC Zen 4 VM of BENCHMARKS the kernel's copy ran 1.5-2.7 GB/s and the mapped
+    /// on an EPYC VM of BENCHMARKS (AVX2) the kernel's copy ran 1.5-2.7 GB/s and the mapped
     /// read 8-13 GB/s; on the Intel Xeon VM the copy alone read 6.5-13.6 GB/s.
     fn rate(&self) -> f64 {
         self.bytes as f64 / self.file_read_secs.min(self.mapped_read_secs)

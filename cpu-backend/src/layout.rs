@@ -168,7 +168,7 @@ impl R16Matrix {
         // One row block's scales and zero points, `[row][group]`, fetched with one call per
         // row, then written group by group in row order (the scales of a whole row block of a
         // source holding little-endian rows, a mapped shard's, are transposed with vector
-        // loads instead: [`transpose_scales`], 5 % of a worker load on the EPYC Zen 4 VM).
+        // loads instead: [`transpose_scales`], 5 % of a worker load on an EPYC VM).
         let mut rb_scales = vec![0u16; ROWS * groups];
         let mut rb_zeros = vec![0u8; if zr.is_some() { ROWS * groups } else { 0 }];
         let row_block = |rb: usize| -> [&[u8]; ROWS] {
