@@ -1256,6 +1256,17 @@ pub(crate) mod x86 {
 
     /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
+    /// Tiles the AVX2 one-token stream kernels prefetch ahead in each stream, exact and
+    /// accurate: much nearer than [`PREFETCH_BLOCKS`]. On an EPYC without AVX-512 (Zen 3
+    /// class, where the AVX2 path is the default) decode read 3-15 % more GB/s with 2 than
+    /// with 4 tiles and 10 % more than with 16 in exact mode, 8 % more with 4 than with 16 in
+    /// accurate mode (a probe alternating the distances in one process, Qwen3 and Kimi K2
+    /// shapes, memory-sized pools; BENCHMARKS.md, session 53). A likely reason: four streams'
+    /// far prefetches (16 tiles × 4 lines each) are more than that core's L2 miss queue holds.
+    /// The AVX-512 paths, measured on Zen 4 and Xeon VMs, keep [`PREFETCH_BLOCKS`].
+    const AVX2_EXACT_PREFETCH_BLOCKS: usize = 2;
+    /// See [`AVX2_EXACT_PREFETCH_BLOCKS`].
+    const AVX2_ACCURATE_PREFETCH_BLOCKS: usize = 4;
 
     /// The software prefetch of weight tiles goes to L2 only (`prefetcht1`), not L1. An L1
     /// prefetch holds one of the core's few L1 miss buffers for its whole trip to DRAM and
@@ -1875,7 +1886,7 @@ pub(crate) mod x86 {
         let mut p = [[[_mm256_setzero_ps(); LANES]; 2]; S];
         for bb in 0..blocks {
             let g = bb >> shift;
-            let ahead = bb + PREFETCH_BLOCKS;
+            let ahead = bb + AVX2_EXACT_PREFETCH_BLOCKS;
             for s in 0..S {
                 let st = &st[s];
                 // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
@@ -1973,7 +1984,7 @@ pub(crate) mod x86 {
         let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; S];
         for bb in 0..blocks {
             let g = bb >> shift;
-            let ahead = bb + PREFETCH_BLOCKS;
+            let ahead = bb + AVX2_ACCURATE_PREFETCH_BLOCKS;
             for s in 0..S {
                 let st = &st[s];
                 // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
