@@ -461,10 +461,10 @@ pub struct LevelsJob<'a> {
 
 /// Accurate mode, one token per job: `out[i]` gets the 16 rows of `jobs[i]`, the levels' dots
 /// added (within accurate mode's tolerance of the f64 dot of the token's activation; not the
-/// exact contract's order). On AVX-512 VNNI and AVX2 up to [`MAX_STREAMS`] jobs of the same K
-/// and format are read as interleaved streams, each weight tile unpacked once for the three
-/// levels and the sums kept in registers; the scalar path runs [`rowblock_exact`] on the
-/// levels as three tokens.
+/// exact contract's order). On AVX-512 VNNI up to [`MAX_STREAMS`] jobs of the same K and
+/// format (on AVX2 up to two) are read as interleaved streams, each weight tile unpacked once
+/// for the three levels and the sums kept in registers; the scalar path runs
+/// [`rowblock_exact`] on the levels as three tokens.
 pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; ROWS]]) {
     assert!(
         out.len() >= jobs.len(),
@@ -492,9 +492,17 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
+            // At most two streams: the four-stream kernel's sixteen accumulators take every
+            // ymm register, and on an EPYC without AVX-512 two streams read 8-11 % more
+            // (BENCHMARKS.md, session 53).
+            let kernels: StreamKernels<LevelsJob<'_>> = [
+                x86::accurate_levels_avx2::<2> as _,
+                x86::accurate_levels_avx2::<2> as _,
+                x86::accurate_levels_avx2::<1> as _,
+            ];
             // SAFETY: the CPU supports AVX2, F16C and FMA (checked above); every job's row block is
             // inside its matrix and every level holds K codes and K/32 scales and sums (asserted).
-            unsafe { run_stream_passes(jobs, out, |j| j.m, streams!(x86::accurate_levels_avx2)) }
+            unsafe { run_stream_passes(jobs, out, |j| j.m, kernels) }
         }
         _ => {
             for (j, o) in jobs.iter().zip(out.iter_mut()) {
