@@ -19,8 +19,8 @@
 //!    into one reused buffer with [`std::fs::File::read`] and each file mapped with every byte
 //!    loaded ([`mapped_read`]), both recorded; one warm-up read first so both sides read the
 //!    page cache), then [`convert`] into a fresh folder. Achieved = source expert bytes /
-//!    convert seconds. Neither read is always the faster (on an EPYC VM without AVX-512 the
-//!    kernel's copy read a fifth of the map's rate), and the converter reads a map.
+//!    convert seconds. On an EPYC VM without AVX-512 the kernel's copy read a fifth of the map's
+//!    rate, and the converter reads a map; both reads run on one thread.
 //! 3. **Load**: what a worker does from start to loaded, for every device shard: load the
 //!    deployment from the converted folder, open and verify the shard (crc32c of the whole file
 //!    against the manifest), copy each expert out of the map and pack it into a [`CpuBackend`]
@@ -432,15 +432,17 @@ struct RawRead {
     /// [`std::fs::File::read`] of each whole file into one reused buffer (a copy by the
     /// kernel).
     file_read_secs: f64,
-    /// Each file mapped and every byte loaded ([`mapped_read`]): what a reader of the map
-    /// (the converter's safetensors reader, the worker's shard reader) cannot do faster.
+    /// Each file mapped and every byte loaded on one thread ([`mapped_read`]): what one
+    /// thread reading the map (the converter's safetensors reader, the worker's shard reader)
+    /// cannot do faster.
     mapped_read_secs: f64,
 }
 
 impl RawRead {
-    /// The faster of the two reads, bytes per second: the limit. Neither is always faster:
-    /// on an EPYC VM of BENCHMARKS (AVX2) the kernel's copy ran 1.5-2.7 GB/s and the mapped
-    /// read 8-13 GB/s; on the Intel Xeon VM the copy alone read 6.5-13.6 GB/s.
+    /// The faster of the two reads, bytes per second: the limit. On the EPYC VM without
+    /// AVX-512 of BENCHMARKS the kernel's copy read 1.6-2.7 GB/s and the map 10-16; the Intel
+    /// Xeon VM's copy read 6.5-13.6 GB/s (its map unmeasured): `File::read` stays in the race
+    /// where a kernel copies faster than a mapped read, and for comparison with earlier runs.
     fn rate(&self) -> f64 {
         self.bytes as f64 / self.file_read_secs.min(self.mapped_read_secs)
     }
@@ -499,8 +501,8 @@ fn mapped_read(files: &[PathBuf]) -> Result<u64, BenchError> {
         if f.metadata()?.len() == 0 {
             continue; // an empty file cannot be mapped
         }
-        // SAFETY: a read-only private map of a file this bench wrote and nobody modifies
-        // while it is mapped; it is dropped before the next file.
+        // SAFETY: a read-only map of a file this bench wrote and nobody modifies while it is
+        // mapped (the bytes behind the slice cannot change); it is dropped before the next.
         let map = unsafe { memmap2::Mmap::map(&f) }
             .map_err(BenchError::io(format!("mapping {}", p.display())))?;
         let mut lines = map.chunks_exact(64);
@@ -518,9 +520,10 @@ fn mapped_read(files: &[PathBuf]) -> Result<u64, BenchError> {
     Ok(total)
 }
 
-/// A copy of every byte of `files` from their maps into one fresh buffer (its own huge-page
-/// mapping, as the worker's arena is): the least work of a loader that places the bytes in
-/// memory it owns. Returns bytes copied and seconds (the buffer's unmapping not included).
+/// A copy of every byte of `files` from their maps into one fresh buffer (from 4 MiB on its
+/// own huge-page mapping, as the worker's arena is; smaller ones, as in `--quick` runs, may
+/// reuse the allocator's memory): the least work of a loader that places the bytes in memory
+/// it owns. Returns bytes copied and seconds (the buffer's release not included).
 fn fresh_copy(files: &[PathBuf]) -> Result<(u64, f64), BenchError> {
     let mut len = 0;
     for p in files {

@@ -493,8 +493,9 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
             // At most two streams: the four-stream kernel's sixteen accumulators take every
-            // ymm register, and on an EPYC without AVX-512 two streams read 8-11 % more
-            // (BENCHMARKS.md, session 53).
+            // ymm register, and on an EPYC without AVX-512 two streams read 8-11 % more at
+            // B = 1 and 5 % more at B = 4, the same at B = 16 (where a unit's two-token groups
+            // make a pass of two jobs on one row block; BENCHMARKS.md, session 53).
             let kernels: StreamKernels<LevelsJob<'_>> = [
                 x86::accurate_levels_avx2::<2> as _,
                 x86::accurate_levels_avx2::<2> as _,
@@ -1266,9 +1267,9 @@ pub(crate) mod x86 {
     const PREFETCH_BLOCKS: usize = 16;
     /// Tiles the AVX2 one-token stream kernels prefetch ahead in each stream, exact and
     /// accurate: much nearer than [`PREFETCH_BLOCKS`]. On an EPYC without AVX-512 (Zen 3
-    /// class, where the AVX2 path is the default) decode read 3-15 % more GB/s with 2 than
-    /// with 4 tiles and 10 % more than with 16 in exact mode, 8 % more with 4 than with 16 in
-    /// accurate mode (a probe alternating the distances in one process, Qwen3 and Kimi K2
+    /// class, where the AVX2 path is the default) decode read 3-4 % more GB/s with 2 than
+    /// with 4 tiles and 10-19 % more than with 16 in exact mode, 8 % more with 4 than with 16
+    /// in accurate mode (a probe alternating the distances in one process, Qwen3 and Kimi K2
     /// shapes, memory-sized pools; BENCHMARKS.md, session 53). A likely reason: four streams'
     /// far prefetches (16 tiles × 4 lines each) are more than that core's L2 miss queue holds.
     /// The AVX-512 paths, measured on Zen 4 and Xeon VMs, keep [`PREFETCH_BLOCKS`].

@@ -17,10 +17,11 @@
 //!
 //! A unit is one group, or a run of groups of the same shape with at most
 //! `STREAM_GROUP_TOKENS` (two) tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
-//! experts get one token or two): their row blocks are read as interleaved streams in one
-//! kernel pass ([`kernels::rowblocks_exact_1`], [`kernels::rowblocks_accurate_1`]), one per
+//! experts get one token or two): their row blocks are read as interleaved streams, one per
 //! token, each stream walking its expert's matrix in order, because one core reading one
-//! stream leaves DRAM bandwidth unused.
+//! stream leaves DRAM bandwidth unused ([`kernels::rowblocks_exact_1`],
+//! [`kernels::rowblocks_accurate_1`]: one kernel pass over the unit, except AVX2 accurate
+//! mode, which reads at most two streams per pass).
 //!
 //! Accurate mode runs on the same integer kernels: each activation (input and intermediate)
 //! is quantized into [`ACCURATE_LEVELS`] int8 levels that add back up to it within f32
