@@ -489,30 +489,31 @@ fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> Result<RawRead, BenchError>
     })
 }
 
-/// Map each of `files` and load every byte of it once (eight u64 lanes folded with XOR, so the
-/// loads vectorize and none is dead), unmapping before the next: the page-cache read a reader
-/// of the map pays, page faults included. Returns the bytes read.
+/// Map `path` read-only (`None` for an empty file, which cannot be mapped).
+fn map_file(path: &Path) -> Result<Option<memmap2::Mmap>, BenchError> {
+    let f =
+        std::fs::File::open(path).map_err(BenchError::io(format!("reading {}", path.display())))?;
+    if f.metadata()?.len() == 0 {
+        return Ok(None);
+    }
+    // SAFETY: a read-only map of a file this bench wrote and nobody modifies while it is
+    // mapped (the bytes behind the slice cannot change); callers drop it before the next.
+    let map = unsafe { memmap2::Mmap::map(&f) }
+        .map_err(BenchError::io(format!("mapping {}", path.display())))?;
+    Ok(Some(map))
+}
+
+/// Map each of `files` and load every byte of it once (the memory probe's XOR reduction,
+/// [`membw::read_with`], and the last bytes it leaves), unmapping before the next: the
+/// page-cache read a reader of the map pays, page faults included. Returns the bytes read.
 fn mapped_read(files: &[PathBuf]) -> Result<u64, BenchError> {
-    let mut total = 0u64;
-    let mut folded = [0u64; 8];
+    let (mut total, mut folded) = (0u64, 0u64);
     for p in files {
-        let f =
-            std::fs::File::open(p).map_err(BenchError::io(format!("reading {}", p.display())))?;
-        if f.metadata()?.len() == 0 {
-            continue; // an empty file cannot be mapped
-        }
-        // SAFETY: a read-only map of a file this bench wrote and nobody modifies while it is
-        // mapped (the bytes behind the slice cannot change); it is dropped before the next.
-        let map = unsafe { memmap2::Mmap::map(&f) }
-            .map_err(BenchError::io(format!("mapping {}", p.display())))?;
-        let mut lines = map.chunks_exact(64);
-        for line in &mut lines {
-            for (lane, word) in folded.iter_mut().zip(line.chunks_exact(8)) {
-                *lane ^= u64::from_le_bytes(word.try_into().expect("8 bytes"));
-            }
-        }
-        for &b in lines.remainder() {
-            folded[0] ^= u64::from(b);
+        let Some(map) = map_file(p)? else { continue };
+        folded ^= membw::read_with(membw::ReadKernel::Plain, &map);
+        // The reduction takes whole 128-byte chunks; the rest byte by byte.
+        for &b in &map[map.len() / 128 * 128..] {
+            folded ^= u64::from(b);
         }
         total += map.len() as u64;
     }
@@ -533,14 +534,7 @@ fn fresh_copy(files: &[PathBuf]) -> Result<(u64, f64), BenchError> {
     let mut arena = expertmesh_quant::aligned::AlignedVec::<u8>::zeroed(len.max(1));
     let mut at = 0;
     for p in files {
-        let f =
-            std::fs::File::open(p).map_err(BenchError::io(format!("reading {}", p.display())))?;
-        if f.metadata()?.len() == 0 {
-            continue;
-        }
-        // SAFETY: as in `mapped_read`.
-        let map = unsafe { memmap2::Mmap::map(&f) }
-            .map_err(BenchError::io(format!("mapping {}", p.display())))?;
+        let Some(map) = map_file(p)? else { continue };
         let n = map.len().min(len - at);
         arena[at..at + n].copy_from_slice(&map[..n]);
         at += n;
