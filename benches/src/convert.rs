@@ -444,9 +444,23 @@ impl RawRead {
     /// Xeon VM's copy read 6.5-13.6 GB/s (its map unmeasured): `File::read` stays in the race
     /// where a kernel copies faster than a mapped read, and for comparison with earlier runs.
     fn rate(&self) -> f64 {
-        self.bytes as f64 / self.file_read_secs.min(self.mapped_read_secs)
+        self.file_read_rate().max(self.mapped_read_rate())
+    }
+
+    /// [`std::fs::File::read`]'s rate, bytes per second.
+    fn file_read_rate(&self) -> f64 {
+        self.bytes as f64 / self.file_read_secs
+    }
+
+    /// The mapped read's rate, bytes per second.
+    fn mapped_read_rate(&self) -> f64 {
+        self.bytes as f64 / self.mapped_read_secs
     }
 }
+
+/// What the convert and load rows' read limit is (`limit_kind`), after what is read.
+const READ_LIMIT_KIND: &str = "from the page cache, the faster of File::read of each whole \
+    file into one reused buffer and a map of each with every byte loaded, same run";
 
 /// Read every file of `files` fully both ways ([`RawRead`]): into `buf` (one reused buffer,
 /// as large as the largest file) with [`std::fs::File::read`], then mapped.
@@ -608,20 +622,19 @@ fn read_text(r: &RawRead) -> String {
     format!(
         "{:.2} GB/s (File::read {:.2}, mapped {:.2})",
         r.rate() / 1e9,
-        r.bytes as f64 / r.file_read_secs / 1e9,
-        r.bytes as f64 / r.mapped_read_secs / 1e9
+        r.file_read_rate() / 1e9,
+        r.mapped_read_rate() / 1e9
     )
 }
 
 /// `result` with the medians of both raw reads of `reads` (GB/s) beside its limit.
 fn with_reads(result: BenchResult, reads: &[RawRead]) -> BenchResult {
-    let rate = |secs: fn(&RawRead) -> f64| {
-        let rates: Vec<f64> = reads.iter().map(|r| r.bytes as f64 / secs(r)).collect();
-        membw::median(&rates) / 1e9
+    let rate = |rate: fn(&RawRead) -> f64| {
+        membw::median(&reads.iter().map(rate).collect::<Vec<_>>()) / 1e9
     };
     result
-        .with("limit_file_read", rate(|r| r.file_read_secs))
-        .with("limit_mapped_read", rate(|r| r.mapped_read_secs))
+        .with("limit_file_read", rate(RawRead::file_read_rate))
+        .with("limit_mapped_read", rate(RawRead::mapped_read_rate))
 }
 
 /// Median and best of rate samples.
@@ -697,9 +710,7 @@ fn convert_case(
     .with("source_expert_bytes", bytes)
     .with(
         "limit_kind",
-        "raw read of the same safetensors files from the page cache, the faster of File::read \
-         of each whole file into one reused buffer and a map of each with every byte loaded, \
-         same run",
+        format!("raw read of the same safetensors files {READ_LIMIT_KIND}"),
     );
     Ok((r, out))
 }
@@ -856,10 +867,11 @@ fn load_case(
     .with("median_pack_s", med(|t| t.pack))
     .with(
         "limit_kind",
-        "raw read of the same shard files from the page cache, the faster of File::read \
-                 of each whole file into one reused buffer and a map of each with every byte \
-                 loaded, same run (fresh_copy: a copy of the mapped files into one fresh \
-                 huge-page buffer, the least work of a loader, a reference)",
+        format!(
+            "raw read of the same shard files {READ_LIMIT_KIND} (fresh_copy: a copy of the \
+             mapped files into one fresh huge-page buffer, the least work of a loader, a \
+             reference)"
+        ),
     ))
 }
 

@@ -492,10 +492,12 @@ pub fn rowblocks_accurate_1(isa: Isa, jobs: &[LevelsJob<'_>], out: &mut [[f32; R
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if Isa::Avx2.supported_cached() => {
-            // At most two streams: the four-stream kernel's sixteen accumulators take every
-            // ymm register, and on an EPYC without AVX-512 two streams read 8-11 % more at
-            // B = 1 and 5 % more at B = 4, the same at B = 16 (where a unit's two-token groups
-            // make a pass of two jobs on one row block; BENCHMARKS.md, session 53).
+            // At most two streams: four streams' accumulators, level sums and codes are more
+            // than the sixteen ymm registers hold, and on an EPYC without AVX-512 two streams
+            // read 8-11 % more at B = 1 and 5 % more at B = 4, the same at B = 16 (where a
+            // unit's two-token groups make a pass of two jobs on one row block; BENCHMARKS.md,
+            // session 53); rechecked with one accumulator per half (session 54): four streams
+            // read 0.94-0.99 of two at B = 1.
             let kernels: StreamKernels<LevelsJob<'_>> = [
                 x86::accurate_levels_avx2::<2> as _,
                 x86::accurate_levels_avx2::<2> as _,

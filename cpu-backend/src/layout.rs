@@ -169,8 +169,8 @@ impl R16Matrix {
         // row, then written group by group in row order (the scales of a whole row block of a
         // source holding little-endian rows, a mapped shard or an owned matrix, are
         // transposed with vector loads instead, [`transpose_scales`]: loads 5 % faster on an
-        // EPYC VM).
-        let mut rb_scales = vec![0u16; ROWS * groups];
+        // EPYC VM; the value-by-value buffer is then never allocated).
+        let mut rb_scales = Vec::new();
         let mut rb_zeros = vec![0u8; if zr.is_some() { ROWS * groups } else { 0 }];
         let row_block = |rb: usize| -> [&[u8]; ROWS] {
             let n0 = rb * ROWS;
@@ -193,6 +193,7 @@ impl R16Matrix {
             let at = sc.start + rb * groups * ROWS * 2;
             let out = &mut arena[at..at + groups * ROWS * 2];
             if !transpose_scales(m, n0, nr, out) {
+                rb_scales.resize(ROWS * groups, 0u16);
                 for r in 0..nr {
                     m.row_scale_bits_into(n0 + r, &mut rb_scales[r * groups..(r + 1) * groups]);
                 }
