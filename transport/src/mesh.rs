@@ -317,7 +317,10 @@ impl MeshInner {
         let incarnation = new.peer.incarnation;
         let from_s = from.map_or_else(|| "?".to_owned(), |a| a.to_string());
         let message = format!(
-            "rank {rank} is already served by a live process (incarnation {live:016x}); this              connection from {from_s} (claiming incarnation {incarnation:016x}) is refused: two              processes were started for the same rank (check the --device of every worker), or the              live one's link was not yet given up (it is redialled)"
+            "rank {rank} is already served by a live process (incarnation {live:016x}); this \
+             connection from {from_s} (claiming incarnation {incarnation:016x}) is refused: two \
+             processes were started for the same rank (check the --device of every worker), or the \
+             live one's link was not yet given up (it is redialled)"
         );
         {
             let slot = &self.peers[rank as usize];

@@ -63,9 +63,12 @@ async fn a_second_process_for_a_live_rank_is_refused_and_a_restarted_one_replace
     let (second, mut second_events) = Mesh::start(config(1, [a0, a2], 0x222)).await.unwrap();
     let why = next_frame(&mut second_events).await.unwrap_err();
     assert!(
-        why.contains("rank 1 is already served by a live process"),
+        why.contains("rank 1 is already served by a live process")
+            && why.contains("two processes were started for the same rank (check the --device"),
         "{why}"
     );
+    // One sentence as written, not the source's line breaks and indentation.
+    assert!(!why.contains("  ") && !why.contains('\n'), "{why:?}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(router.link_generation(1), Some(1), "the live link stays");
     router.send(1, &frame(7)).await.unwrap();
