@@ -69,6 +69,12 @@ pub const MAX_IDENTITY_BYTES: usize = 255;
 /// Largest frame accepted before the peer has authenticated (its hello, auth answer or a
 /// refusal): a header announcing more is refused before anything is allocated for it.
 pub const PRE_AUTH_MAX_FRAME_BYTES: usize = 8192;
+/// Largest head (header, metadata and padding) a frame may have: a sealed frame's head is
+/// opened whole before its payload is read, so a receiver bounds it
+/// (`crypto::MAX_SEALED_HEAD_BYTES`), and every frame keeps to that bound so sealing never
+/// turns an encodable frame into one the peer refuses. About 14,000 tokens of dispatch
+/// metadata with nine slots each.
+pub const MAX_HEAD_BYTES: usize = 1 << 20;
 
 const FLAG_PAYLOAD_CRC: u16 = 1;
 const KNOWN_FLAGS: u16 = FLAG_PAYLOAD_CRC;
@@ -119,6 +125,17 @@ pub enum CodecError {
         /// Frame length announced or required.
         len: u64,
         /// Configured maximum.
+        max: usize,
+    },
+    /// A frame's head (header, metadata, padding) past [`MAX_HEAD_BYTES`].
+    #[error(
+        "a frame head of {len} bytes (header and metadata) exceeds the limit of {max} bytes: \
+         send fewer tokens per frame"
+    )]
+    HeadTooLarge {
+        /// The head's length.
+        len: usize,
+        /// [`MAX_HEAD_BYTES`].
         max: usize,
     },
     /// The header's lengths contradict each other.
@@ -380,6 +397,12 @@ pub fn encode_head(
     }
     let meta_len = body.meta_len();
     let head = align_up(HEADER_LEN + meta_len);
+    if head > MAX_HEAD_BYTES {
+        return Err(CodecError::HeadTooLarge {
+            len: head,
+            max: MAX_HEAD_BYTES,
+        });
+    }
     let total = head as u64 + payload.len() as u64;
     if total > cfg.max_frame_bytes as u64 {
         return Err(CodecError::TooLarge {

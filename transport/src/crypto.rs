@@ -54,7 +54,7 @@ pub const TAG_BYTES: usize = 16;
 /// Bytes of the length prefix of a sealed frame.
 pub const SEALED_PREFIX_BYTES: usize = 4;
 /// Largest head (header + metadata + padding) a sealed frame may announce.
-pub const MAX_SEALED_HEAD_BYTES: usize = 1 << 20;
+pub const MAX_SEALED_HEAD_BYTES: usize = codec::MAX_HEAD_BYTES;
 /// Bytes of payload per sealed record.
 pub const SEAL_CHUNK_BYTES: usize = 256 << 10;
 

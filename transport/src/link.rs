@@ -540,36 +540,66 @@ impl Link {
             }
             notified.await;
         }
+        // Credit taken for a frame not yet written: a send cancelled while it waits for the
+        // writer gives it back (otherwise every such cancellation shrinks the window for good).
+        let mut reserved = ReservedCredit {
+            link: self,
+            cost: Some(cost),
+        };
+        // A link that fails while this frame waits for room (a frozen or partitioned peer whose
+        // socket buffers are full) ends the write: a blocked write would hold the writer, and
+        // the link's shutdown with it, for as long as the peer's kernel answers TCP's window
+        // probes (for ever, for a frozen process).
+        let closed = self.closed_notify.notified();
+        tokio::pin!(closed);
+        closed.as_mut().enable();
         let mut w = self.writer.lock().await;
         if self.is_closed() {
             return Err(self.close_error());
         }
+        reserved.cost = None;
         // A send cancelled mid-frame would leave a torn frame on the wire: fail the link.
         let guard = TornWriteGuard { link: Some(self) };
-        let r = w.write_frame(head, &frame.payload).await;
+        let written = tokio::select! {
+            r = w.write_frame(head, &frame.payload) => Some(r),
+            () = &mut closed => None,
+        };
         std::mem::forget(guard);
         drop(w);
+        let Some(r) = written else {
+            return Err(self.close_error());
+        };
         match r {
             Ok(()) => {
                 self.lock_proto().on_transmit(Instant::now());
                 Ok(())
             }
             Err(e) => {
-                self.fail(ProtocolError::Closed(e.clone()));
+                self.fail(ProtocolError::Lost(e.clone()));
                 Err(self.err(PeerErrorKind::LinkFailed(e)))
             }
         }
     }
 
     /// Writes pending protocol frames (credits, heartbeats, a closing error).
+    /// Ends early, with nothing more written, when the link fails meanwhile (see [`Self::send`]).
     async fn flush_control(self: &Arc<Self>, head: &mut Vec<u8>) -> Result<(), String> {
+        let closed = self.closed_notify.notified();
+        tokio::pin!(closed);
+        closed.as_mut().enable();
         let mut w = self.writer.lock().await;
         loop {
+            if self.is_closed() {
+                return Ok(());
+            }
             let Some(body) = self.lock_proto().poll_transmit() else {
                 return Ok(());
             };
             if codec::encode_head(&body, &[], &self.codec, head).is_ok() {
-                w.write_frame(head, &[]).await?;
+                tokio::select! {
+                    r = w.write_frame(head, &[]) => r?,
+                    () = &mut closed => return Ok(()),
+                }
                 self.lock_proto().on_transmit(Instant::now());
             }
         }
@@ -579,20 +609,39 @@ impl Link {
     pub(crate) async fn control_loop(self: Arc<Self>) {
         let mut head = Vec::with_capacity(256);
         loop {
-            let deadline = self.lock_proto().poll_timeout();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 _ = self.ctrl.notified() => {}
-                _ = sleep => {}
+                _ = self.next_timer(Instant::now()) => {}
             }
             self.lock_proto().handle_timeout(Instant::now());
-            if let Err(e) = self.flush_control(&mut head).await {
-                self.fail(ProtocolError::Closed(e));
+            let closing = self.lock_proto().close_reason().is_some();
+            // The timers keep running while the control frames wait for the writer or for
+            // room: a send blocked on a frozen peer's full socket or ring holds the writer,
+            // and only the idle timeout (which fails the link and so ends that write) can
+            // free it. A closing error frame gets [`CLOSE_FLUSH_GRACE`] to go out.
+            // (A heartbeat queued behind a busy writer leaves its timer due: the timer is
+            // looked at again a millisecond later at the soonest, not in a spin.)
+            let flush = self.flush_control(&mut head);
+            tokio::pin!(flush);
+            let grace = tokio::time::sleep(CLOSE_FLUSH_GRACE);
+            tokio::pin!(grace);
+            let mut not_before = Instant::now();
+            let flushed = loop {
+                tokio::select! {
+                    r = &mut flush => break Some(r),
+                    _ = self.next_timer(not_before), if !closing => {
+                        let now = Instant::now();
+                        self.lock_proto().handle_timeout(now);
+                        if self.lock_proto().close_reason().is_some() {
+                            break None;
+                        }
+                        not_before = now + Duration::from_millis(1);
+                    }
+                    _ = &mut grace, if closing => break None,
+                }
+            };
+            if let Some(Err(e)) = flushed {
+                self.fail(ProtocolError::Lost(e));
                 return;
             }
             let reason = self.lock_proto().close_reason().cloned();
@@ -603,6 +652,19 @@ impl Link {
             if self.is_closed() {
                 return;
             }
+        }
+    }
+
+    /// Resolves at the protocol's next timer (heartbeat, idle timeout), but not before
+    /// `not_before`; never if it has none.
+    async fn next_timer(&self, not_before: Instant) {
+        let deadline = self.lock_proto().poll_timeout();
+        match deadline {
+            Some(d) => {
+                let at = d.max(not_before);
+                tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await
+            }
+            None => std::future::pending().await,
         }
     }
 
@@ -639,6 +701,25 @@ fn recycle(storage: Storage) {
     }
 }
 
+/// Send credit taken by [`Link::send`] for a frame that has not reached the writer: dropped
+/// with `cost` set (the send was cancelled), it returns the credit and wakes the senders
+/// waiting for some.
+struct ReservedCredit<'a> {
+    link: &'a Arc<Link>,
+    cost: Option<u64>,
+}
+
+impl Drop for ReservedCredit<'_> {
+    fn drop(&mut self) {
+        if let Some(cost) = self.cost.take() {
+            self.link.lock_proto().unreserve(cost);
+            self.link.credit.notify_waiters();
+        }
+    }
+}
+
+/// A frame being written: dropped before it is forgotten (a send cancelled mid-frame), it fails
+/// the link.
 struct TornWriteGuard<'a> {
     link: Option<&'a Arc<Link>>,
 }
@@ -652,6 +733,10 @@ impl Drop for TornWriteGuard<'_> {
         }
     }
 }
+
+/// How long a closing link waits for its closing error frame to be written before it closes
+/// anyway (the peer may be the reason it closes: frozen, not reading).
+const CLOSE_FLUSH_GRACE: Duration = Duration::from_secs(1);
 
 /// How long a driver polls (yielding to other tasks) for room in a full ring or send queue
 /// before it sleeps: the peer usually frees room within microseconds, and a timer sleep lasts

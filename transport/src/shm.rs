@@ -440,7 +440,7 @@ pub(crate) fn spawn_consumer(link: Arc<Link>, ring: RingConsumer, codec: CodecCo
 }
 
 fn corrupt(why: String) -> ProtocolError {
-    ProtocolError::Closed(format!("corrupt shared-memory ring: {why}"))
+    ProtocolError::Lost(format!("corrupt shared-memory ring: {why}"))
 }
 
 fn consumer_loop(
@@ -490,13 +490,12 @@ fn consumer_loop(
             read_pos += skip;
             continue;
         }
+        if len < HEADER_LEN as u64 || len > codec.max_frame_bytes as u64 {
+            return Err(corrupt(format!("record of {len} bytes at offset {off}")));
+        }
         let frame_len = len as usize;
         let record = (RECORD_HEADER + codec::align_up(frame_len)) as u64;
-        if len < HEADER_LEN as u64
-            || frame_len > codec.max_frame_bytes
-            || off as u64 + record > cap
-            || read_pos + record > head
-        {
+        if off as u64 + record > cap || read_pos + record > head {
             return Err(corrupt(format!("record of {len} bytes at offset {off}")));
         }
         let frame_off = off + RECORD_HEADER;

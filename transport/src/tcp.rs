@@ -84,7 +84,7 @@ impl ReadError {
         match self {
             Self::Codec(c) => ProtocolError::Codec(c),
             Self::Integrity(e) => ProtocolError::Integrity(e),
-            other => ProtocolError::Closed(other.to_string()),
+            other => ProtocolError::Lost(other.to_string()),
         }
     }
 }
@@ -409,7 +409,7 @@ pub(crate) async fn handshake(
         loop {
             flush_transmit(stream, conn, codec, crypt)
                 .await
-                .map_err(|e| ProtocolError::Closed(format!("handshake write: {e}")))?;
+                .map_err(|e| ProtocolError::Lost(format!("handshake write: {e}")))?;
             match conn.poll_event() {
                 Some(Event::Established(p)) | Some(Event::LinkSetup { peer: p, .. }) => {
                     return Ok(p);
@@ -441,7 +441,7 @@ pub(crate) async fn handshake(
 
 fn handshake_read_error(e: ReadError) -> ProtocolError {
     match e {
-        ReadError::Eof => ProtocolError::Closed(
+        ReadError::Eof => ProtocolError::Lost(
             "peer closed the connection during the handshake (did it refuse us? check its log)"
                 .into(),
         ),
@@ -543,11 +543,11 @@ pub(crate) async fn connect(addr: std::net::SocketAddr) -> Result<TcpStream, Pro
     let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| {
-            ProtocolError::Closed(format!(
+            ProtocolError::Lost(format!(
                 "connect to {addr}: no answer within {CONNECT_TIMEOUT:?}"
             ))
         })?
-        .map_err(|e| ProtocolError::Closed(format!("connect to {addr}: {e}")))?;
+        .map_err(|e| ProtocolError::Lost(format!("connect to {addr}: {e}")))?;
     let _ = stream.set_nodelay(true);
     Ok(stream)
 }
@@ -601,7 +601,7 @@ async fn watch_control_socket(link: Arc<Link>, mut stream: TcpStream) {
         Ok(n) => format!("{n} unexpected bytes on the control connection"),
         Err(e) => format!("control connection failed: {e}"),
     };
-    link.fail(ProtocolError::Closed(why));
+    link.fail(ProtocolError::Lost(why));
 }
 
 /// Reads frames from the socket into `link` until it fails.

@@ -166,6 +166,22 @@ mod tests {
         assert_eq!(max_tokens_per_frame(Q8_F32_SLOTS, 7168, 9, 16 << 20), 65);
     }
 
+    /// With a small hidden size the dispatch metadata (74 bytes a token with nine slots)
+    /// reaches the head limit a sealed peer opens long before the rows reach the frame limit:
+    /// the count stops there, and one token more is refused by the encoder, not the peer.
+    #[test]
+    fn frames_keep_their_head_within_what_a_sealed_peer_opens() {
+        let t = max_tokens_per_frame(Q8_F32_SLOTS, 32, 9, 64 << 20);
+        assert!(wire_bytes_per_token(Q8_F32_SLOTS, 32, t, 9).is_ok());
+        let over = wire_bytes_per_token(Q8_F32_SLOTS, 32, t + 1, 9);
+        assert!(
+            matches!(over, Err(CodecError::HeadTooLarge { max, .. }) if max == crate::crypto::MAX_SEALED_HEAD_BYTES),
+            "{over:?}"
+        );
+        // 1 MiB of head at 74 bytes a token, less the header and the fixed metadata.
+        assert!((14_000..14_170).contains(&t), "{t}");
+    }
+
     const Q8_F32_SLOTS: WireFormat = WireFormat {
         dispatch: ActivationDtype::Q8Block32,
         layout: OutputLayout::PerSlot,

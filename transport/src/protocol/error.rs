@@ -121,9 +121,14 @@ pub enum ProtocolError {
     /// Invalid configuration.
     #[error("invalid protocol configuration: {0}")]
     Config(String),
-    /// Closed locally.
+    /// Closed locally (shutdown, a superseded or refused link, a local limit).
     #[error("connection closed locally: {0}")]
     Closed(String),
+    /// Failed from the peer's or the network's side: the peer closed the connection or its
+    /// process ended, a read or write failed, the peer's ring or records were corrupt, a dial
+    /// failed. A fault, logged as a warning.
+    #[error("connection failed: {0}")]
+    Lost(String),
 }
 
 impl ProtocolError {

@@ -417,8 +417,11 @@ pub(crate) fn spawn_poller(link: Arc<Link>, reader: RdmaReader, codec: CodecConf
         .spawn(move || {
             let _rt = handle.enter();
             let mut poller = Poller::new(&reader, codec);
-            if let Err(e) = poller.run(&link) {
-                reader.shared.closed.store(true, Ordering::Release);
+            let ended = poller.run(&link);
+            // However the poller ends (an error, or the link failed elsewhere), no completion
+            // is processed any more: a writer waiting for room must stop waiting.
+            reader.shared.closed.store(true, Ordering::Release);
+            if let Err(e) = ended {
                 link.fail(e);
             }
         });
@@ -441,7 +444,7 @@ struct Poller<'a> {
 }
 
 fn closed(why: impl std::fmt::Display) -> ProtocolError {
-    ProtocolError::Closed(why.to_string())
+    ProtocolError::Lost(why.to_string())
 }
 
 impl<'a> Poller<'a> {

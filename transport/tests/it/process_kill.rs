@@ -1,6 +1,7 @@
 //! A peer *process* killed with SIGKILL (or frozen with SIGSTOP) mid-stream, over TCP and shared
 //! memory: the survivor's pending sends fail with an error naming the rank (for a frozen peer,
-//! after the idle timeout), a `PeerLost` event is emitted, later sends fail fast, and no
+//! after the idle timeout, also a send blocked in the write itself because the peer's socket
+//! buffers are full), a `PeerLost` event is emitted, later sends fail fast, and no
 //! shared-memory segment is left behind.
 //!
 //! Why this exists: an in-process shutdown closes sockets politely; a crashed process does not.
@@ -16,10 +17,24 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
 
-fn config(kind: LinkKind, rank: u32, addrs: &[SocketAddr], dir: &std::path::Path) -> MeshConfig {
+/// The receive window of most cases: the sender waits for credit long before the socket
+/// buffers or the 1 MiB ring are full.
+const SMALL_WINDOW: u64 = 512 << 10;
+/// A window larger than loopback socket buffers hold: a sender to a frozen peer blocks in the
+/// write, with credit left. (A shared-memory link caps its window at what its ring holds, so
+/// there the sender waits for credit, as in the cases above.)
+const LARGE_WINDOW: u64 = 256 << 20;
+
+fn config(
+    kind: LinkKind,
+    rank: u32,
+    addrs: &[SocketAddr],
+    dir: &std::path::Path,
+    window: u64,
+) -> MeshConfig {
     let mut c = MeshConfig::new("kill-test", rank, peers(addrs, kind));
     c.protocol.codec.max_frame_bytes = 256 << 10;
-    c.protocol.recv_window_bytes = 512 << 10;
+    c.protocol.recv_window_bytes = window;
     c.shm.dir = dir.to_path_buf();
     c.shm.ring_bytes = 1 << 20;
     c.shm.spin_us = 0;
@@ -47,9 +62,12 @@ fn child_rank() {
     };
     let addrs: Vec<SocketAddr> = parts[1..3].iter().map(|a| a.parse().unwrap()).collect();
     let dir = std::path::PathBuf::from(parts[3]);
+    let window: u64 = parts[4].parse().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let (_mesh, _events) = Mesh::start(config(kind, 1, &addrs, &dir)).await.unwrap();
+        let (_mesh, _events) = Mesh::start(config(kind, 1, &addrs, &dir, window))
+            .await
+            .unwrap();
         // Hold everything; the parent kills us. Give up after a while in case it does not.
         tokio::time::sleep(Duration::from_secs(30)).await;
     });
@@ -73,6 +91,11 @@ enum Failure {
     Kill,
     /// SIGSTOP: it stays connected but silent; only the idle timeout can tell.
     Stop,
+    /// SIGSTOP before anything is sent to it over TCP, with a receive window larger than the
+    /// socket buffers: the sender blocks in the write itself (with credit left), and the idle
+    /// timeout must end that write too (a frozen peer's kernel keeps answering TCP's window
+    /// probes, so the socket alone would wait for ever).
+    StopBeforeSends,
 }
 
 async fn failed_peer(kind: LinkKind, how: Failure) {
@@ -83,11 +106,16 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         ls.iter().map(|l| l.local_addr().unwrap()).collect()
     };
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let (mesh, mut events) = Mesh::start(config(kind, 0, &addrs, dir.path()))
+    let window = if how == Failure::StopBeforeSends {
+        LARGE_WINDOW
+    } else {
+        SMALL_WINDOW
+    };
+    let (mesh, mut events) = Mesh::start(config(kind, 0, &addrs, dir.path(), window))
         .await
         .unwrap();
     let spec = format!(
-        "{},{},{},{}",
+        "{},{},{},{},{window}",
         if kind == LinkKind::Shm { "shm" } else { "tcp" },
         addrs[0],
         addrs[1],
@@ -108,6 +136,11 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
     let mut child = ChildGuard(child);
     mesh.wait_connected(&[1], T).await.unwrap();
     assert_eq!(mesh.link_kind(1), Some(kind));
+    let mut started = std::time::Instant::now();
+    if how == Failure::StopBeforeSends {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
+    }
     let m = mesh.clone();
     let pending = tokio::spawn(async move {
         loop {
@@ -119,9 +152,26 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert!(
         !pending.is_finished(),
-        "sender waits for credit from the non-consuming child"
+        "sender waits for credit from the non-consuming child, or for room"
     );
-    let started = std::time::Instant::now();
+    if how == Failure::StopBeforeSends {
+        let stats = mesh.peer_stats(1).expect("the link is up");
+        assert!(
+            stats.send_credit > 0,
+            "the sender waits in the write, not for credit: {stats:?}"
+        );
+        // A second send takes credit, then waits for the busy writer; cancelled there, it
+        // gives the credit back.
+        let waited = tokio::time::timeout(Duration::from_millis(100), mesh.send(1, &frame())).await;
+        assert!(waited.is_err(), "the writer is busy: {waited:?}");
+        let after = mesh.peer_stats(1).expect("the link is up");
+        assert_eq!(
+            after.send_credit, stats.send_credit,
+            "a send cancelled before it was written keeps no credit"
+        );
+    } else {
+        started = std::time::Instant::now();
+    }
     match how {
         Failure::Kill => {
             child.0.kill().unwrap(); // SIGKILL
@@ -131,13 +181,14 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
             // SAFETY: signalling our own child process.
             unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
         }
+        Failure::StopBeforeSends => {}
     }
     let err = tokio::time::timeout(T, pending)
         .await
         .expect("pending send fails")
         .unwrap();
     assert_eq!(err.peer, 1, "{err}");
-    if how == Failure::Stop {
+    if how != Failure::Kill {
         assert!(
             err.to_string().contains("silent"),
             "idle timeout reported: {err}"
@@ -184,4 +235,9 @@ async fn stopped_peer_process_times_out_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_peer_process_times_out_shm() {
     failed_peer(LinkKind::Shm, Failure::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_blocked_on_a_frozen_peer_ends_at_the_idle_timeout() {
+    failed_peer(LinkKind::Tcp, Failure::StopBeforeSends).await;
 }
