@@ -188,6 +188,13 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         .expect("pending send fails")
         .unwrap();
     assert_eq!(err.peer, 1, "{err}");
+    if how == Failure::Kill {
+        // The peer's side failed: not reported as a local close.
+        assert!(
+            err.to_string().contains("connection failed") && !err.to_string().contains("locally"),
+            "{err}"
+        );
+    }
     if how != Failure::Kill {
         assert!(
             err.to_string().contains("silent"),
