@@ -264,7 +264,8 @@ pub fn source_quant(
 }
 
 /// The spec of a `pack-quantized` expert (`None` when its gate is not stored so): group size and
-/// scale dtype from each projection's `weight_scale`, which must agree and be representable.
+/// scale dtype from each projection's `weight_scale`, zero points where it has
+/// `weight_zero_point`; the three must agree and be representable.
 fn packed_source_quant(
     ckpt: &Checkpoint,
     names: &[String; 3],
@@ -286,7 +287,11 @@ fn packed_source_quant(
             });
         };
         let scale_name = format!("{base}.weight_scale");
-        let quant = packed_scale_quant(ckpt, &scale_name, [rows, cols])?;
+        let quant = QuantSpec {
+            // Asymmetric groups store zero points (`packed_import`'s module docs).
+            zero_points: ckpt.contains(&format!("{base}.weight_zero_point")),
+            ..packed_scale_quant(ckpt, &scale_name, [rows, cols])?
+        };
         match &found {
             Some((first, first_name)) if *first != quant => {
                 return Err(ExpertError::Packed {

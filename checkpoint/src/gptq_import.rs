@@ -388,7 +388,7 @@ impl<'a> Int4Source<'a> {
             qzeros.shape(),
             &[cols / group, rows / CODES_PER_WORD],
         )?;
-        check_g_idx(ckpt, base, cols, group)?;
+        check_g_idx(ckpt, &format!("{base}.g_idx"), cols, group)?;
         let mut src = Int4Source {
             base: base.to_string(),
             layout,
@@ -619,15 +619,16 @@ fn open_scales<'a>(
     Ok((scales, scale_dtype, group))
 }
 
-/// Checks `X.g_idx`, when present, is the trivial `k / group` of every input row `k`; any other
+/// Checks the group index tensor `name` (GPTQ's `X.g_idx`, compressed-tensors'
+/// `X.weight_g_idx`), when present, is the trivial `k / group` of every input row `k`; any other
 /// (act-order) grouping is refused.
-fn check_g_idx(
+pub(crate) fn check_g_idx(
     ckpt: &Checkpoint,
-    base: &str,
+    name: &str,
     cols: usize,
     group: usize,
 ) -> Result<(), ExpertError> {
-    let name = format!("{base}.g_idx");
+    let name = name.to_string();
     if !ckpt.contains(&name) {
         return Ok(());
     }
@@ -651,8 +652,9 @@ fn check_g_idx(
             Some(g) => {
                 let reason = format!(
                     "input row {k} is in group {g}, not {}: the checkpoint was quantized with \
-                     act-order (desc_act), whose permuted groups the packed format cannot express; \
-                     re-quantize without desc_act or use a float checkpoint",
+                     act-order (GPTQ desc_act, compressed-tensors actorder), whose permuted \
+                     groups the packed format cannot express; re-quantize without act-order or \
+                     use a float checkpoint",
                     k / group
                 );
                 return Err(packed_error(&name, reason));

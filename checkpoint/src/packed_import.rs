@@ -12,16 +12,24 @@
 //!   offset-binary `q + 8`, so `value = (code − 8) × scale`.
 //! * `X.weight_scale`: BF16 (or F16) `[rows, cols/group]`, `group` 32, 64 or 128.
 //! * `X.weight_shape`: I32 or I64 `[2]` = `[rows, cols]`.
+//! * Asymmetric (`symmetric: false`) groups also have `X.weight_zero_point`: I32
+//!   `[ceil(rows/8), cols/group]`, eight zero points per word packed along the *rows* (row
+//!   `8w + i` in bits `4i..4i+4` of word `w` of its group's column), offset-binary like the
+//!   codes, so `value = (code − zero) × scale` with both as stored.
+//! * Act-order (`actorder`) checkpoints also have `X.weight_g_idx`, each column's group: only
+//!   the trivial `k / group` is accepted (the format's groups are contiguous).
 //!
-//! The import copies each code into the format's Q4_0 nibble order (zero point 8) and each
-//! scale's 16 bits unchanged; the checkpoint's group size and scale dtype must equal the model's
-//! [`QuantSpec`] (bf16 and f16 are never converted into each other).
+//! The import copies each code into the format's Q4_0 nibble order, each zero point (8 for
+//! symmetric groups) and each scale's 16 bits unchanged; the checkpoint's group size, scale
+//! dtype and zero points must equal the model's [`QuantSpec`] (bf16 and f16 are never
+//! converted into each other).
 
 use expertmesh_quant::format::{
     ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
 };
 
 use crate::experts::{ExpertError, check_shape, relative_error, squared_error};
+use crate::gptq_import::check_g_idx;
 use crate::safetensors::{Checkpoint, Dtype, TensorView};
 
 /// Codes per packed 32-bit word.
@@ -134,6 +142,8 @@ struct PackedSource<'a> {
     packed: TensorView<'a>,
     /// `X.weight_scale`, `[rows, cols/group]` 16-bit scales.
     scales: TensorView<'a>,
+    /// `X.weight_zero_point`, `[ceil(rows/8), cols/group]` 32-bit words (asymmetric groups).
+    zeros: Option<TensorView<'a>>,
     cols: usize,
     groups: usize,
     group: usize,
@@ -198,10 +208,39 @@ impl<'a> PackedSource<'a> {
             return Err(fail(&scale_name, reason));
         }
         check_shape(&scale_name, scales.shape(), &[rows, cols / group])?;
+        let zero_name = format!("{base}.weight_zero_point");
+        let zeros = if ckpt.contains(&zero_name) {
+            let view = ckpt.tensor(&zero_name)?;
+            if !matches!(view.dtype(), Dtype::I32 | Dtype::U32) {
+                let reason = format!("dtype {} (packed zero points must be I32)", view.dtype());
+                return Err(fail(&zero_name, reason));
+            }
+            check_shape(
+                &zero_name,
+                view.shape(),
+                &[rows.div_ceil(CODES_PER_WORD), cols / group],
+            )?;
+            Some(view)
+        } else {
+            None
+        };
+        if zeros.is_some() != quant.zero_points {
+            let (has, set) = match zeros {
+                Some(_) => ("has zero points (asymmetric groups)", "true"),
+                None => ("has no zero points (symmetric groups)", "false"),
+            };
+            let reason = format!(
+                "the checkpoint {has} but the model's quant spec ({quant}) does not agree: set \
+                 the model's zero_points to {set}"
+            );
+            return Err(fail(&zero_name, reason));
+        }
+        check_g_idx(ckpt, &format!("{base}.weight_g_idx"), cols, group)?;
         Ok(PackedSource {
             base: base.to_string(),
             packed,
             scales,
+            zeros,
             cols,
             groups: cols / group,
             group,
@@ -217,6 +256,18 @@ impl<'a> PackedSource<'a> {
         ((w >> (4 * (k % CODES_PER_WORD))) & 0xF) as u8
     }
 
+    /// The u4 zero point (offset-binary, as stored) of group `g` of row `r`: 8 for symmetric
+    /// groups.
+    fn zero(&self, r: usize, g: usize) -> u8 {
+        let Some(zeros) = &self.zeros else {
+            return 8;
+        };
+        let word = (r / CODES_PER_WORD) * self.groups + g;
+        let b = &zeros.bytes()[word * 4..word * 4 + 4];
+        let w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        ((w >> (4 * (r % CODES_PER_WORD))) & 0xF) as u8
+    }
+
     /// The scale bits of group `g` of row `r`.
     fn scale_bits(&self, r: usize, g: usize) -> u16 {
         let i = 2 * (r * self.groups + g);
@@ -230,25 +281,32 @@ impl Int4Rows for PackedSource<'_> {
         &self.base
     }
 
-    /// Copies row `r` (codes in Q4_0 nibble order, scale bits as they are) into row `n` of `dst`.
+    /// Copies row `r` (codes in Q4_0 nibble order, zero points and scale bits as they are) into
+    /// row `n` of `dst`.
     fn copy_row(&self, r: usize, dst: &mut PackedMatrix, n: usize) {
         // The format places each code (its Q4_0 nibble order lives in `set_code` only).
         for k in 0..dst.cols() {
             dst.set_code(n, k, self.code(r, k));
         }
         let groups = self.groups;
+        if self.zeros.is_some() {
+            for g in 0..groups {
+                dst.set_zero(n, g, self.zero(r, g));
+            }
+        }
         let scales = &mut dst.scales_mut()[n * groups..][..groups];
         for (g, s) in scales.iter_mut().enumerate() {
             *s = self.scale_bits(r, g);
         }
     }
 
-    /// Row `r` as the checkpoint defines it, `(code − 8) × scale` in f32, rejecting non-finite
-    /// values (a NaN or infinite scale).
+    /// Row `r` as the checkpoint defines it, `(code − zero) × scale` in f32, rejecting
+    /// non-finite values (a NaN or infinite scale).
     fn fill(&self, r: usize, out: &mut [f32]) -> Result<(), ExpertError> {
         for (k, v) in out.iter_mut().enumerate() {
-            let scale = self.scale_dtype.to_f32(self.scale_bits(r, k / self.group));
-            *v = (i32::from(self.code(r, k)) - 8) as f32 * scale;
+            let g = k / self.group;
+            let scale = self.scale_dtype.to_f32(self.scale_bits(r, g));
+            *v = (i32::from(self.code(r, k)) - i32::from(self.zero(r, g))) as f32 * scale;
         }
         match out.iter().position(|v| !v.is_finite()) {
             None => Ok(()),
