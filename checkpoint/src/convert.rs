@@ -653,14 +653,34 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
     "unknown".into()
 }
 
-/// The job's identity: converter version, model, placement, topology name, and each source
-/// file's name, size and safetensors header. A kept shard must match it.
+/// The job's identity: converter version, model, placement, topology name, the checkpoint's
+/// `config.json` and `quantize_config.json` (whole: their quantization settings, such as
+/// GPTQ's `checkpoint_format` or `sym`, change how INT4 codes are read), and each source file's
+/// name, size and safetensors header. A kept shard must match it.
 fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
     let mut h = Sha256::new();
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
     h.update(expertmesh_topology::model_file::model_to_toml_string(job.spec).as_bytes());
     h.update(job.placement_text.as_bytes());
     h.update(job.topology.name().as_bytes());
+    for name in ["config.json", crate::gptq_import::GPTQ_CONFIG_FILE] {
+        let path = job.ckpt.dir().join(name);
+        // Absent and empty differ: the length goes in first.
+        let text = match std::fs::read(&path) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => {
+                return Err(ConvertError::Io {
+                    path,
+                    what: "reading the checkpoint's configuration",
+                    source,
+                });
+            }
+        };
+        h.update(name.as_bytes());
+        h.update(text.as_ref().map_or(u64::MAX, |t| t.len() as u64).to_le_bytes());
+        h.update(text.unwrap_or_default());
+    }
     for path in job.ckpt.files() {
         let io = |source| ConvertError::Io {
             path: path.to_path_buf(),
@@ -671,7 +691,11 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         let len = f.metadata().map_err(io)?.len();
         let mut head = vec![0u8; 8];
         f.read_exact(&mut head).map_err(io)?;
-        let n = u64::from_le_bytes(head[..8].try_into().expect("8 bytes")).min(len);
+        // A corrupt length reads no more than a valid header can hold (the reader refuses
+        // the file later, naming the problem).
+        let n = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"))
+            .min(len)
+            .min(crate::safetensors::MAX_HEADER_LEN);
         let mut header = Vec::new();
         f.take(n).read_to_end(&mut header).map_err(io)?;
         h.update(path.file_name().unwrap_or_default().as_encoded_bytes());

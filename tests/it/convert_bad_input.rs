@@ -211,6 +211,36 @@ fn a_full_disk_fails_naming_the_file_and_a_rerun_resumes() {
     );
 }
 
+/// The checkpoint's configuration is part of the job (its quantization settings, such as
+/// GPTQ's `checkpoint_format`, decide how INT4 codes are read): after `config.json` changed, a
+/// re-run rewrites every shard instead of keeping the earlier ones.
+#[test]
+fn an_edited_config_json_is_another_job() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "deepseek_v3");
+    let out = d.path().join("w");
+    let first = convert(&ck, &out);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let again = convert(&ck, &out);
+    assert!(
+        again.stdout.contains("0 shards written, 2 kept"),
+        "{}",
+        again.stdout
+    );
+    let config = ck.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json["quantization_note"] = serde_json::json!("an edit the model description does not see");
+    std::fs::write(&config, json.to_string()).unwrap();
+    let edited = convert(&ck, &out);
+    assert_eq!(edited.code, 0, "{}", edited.stderr);
+    assert!(
+        edited.stdout.contains("2 shards written, 0 kept"),
+        "{}",
+        edited.stdout
+    );
+}
+
 fn worker(out: &Path) -> Run {
     run(&[
         "worker",
