@@ -199,6 +199,7 @@ pub fn convert(
         what: "creating the output folder",
         source,
     })?;
+    remove_stale_temps(job.out);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(job.threads.max(1))
         .build()
@@ -678,7 +679,11 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
             }
         };
         h.update(name.as_bytes());
-        h.update(text.as_ref().map_or(u64::MAX, |t| t.len() as u64).to_le_bytes());
+        h.update(
+            text.as_ref()
+                .map_or(u64::MAX, |t| t.len() as u64)
+                .to_le_bytes(),
+        );
         h.update(text.unwrap_or_default());
     }
     for path in job.ckpt.files() {
@@ -747,17 +752,51 @@ fn hash_file(path: &Path) -> Result<SourceFile, ConvertError> {
     })
 }
 
-/// Write a small text file atomically.
+/// Write a small text file atomically (nothing left behind when it fails).
 fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
     let path = dir.join(name);
     let temp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let io = |what| {
         let path = path.clone();
-        move |source| ConvertError::Io { path, what, source }
+        let temp = temp.clone();
+        move |source| {
+            let _ = std::fs::remove_file(&temp);
+            ConvertError::Io { path, what, source }
+        }
     };
     std::fs::write(&temp, text).map_err(io("writing"))?;
     std::fs::rename(&temp, &path).map_err(io("renaming into place"))?;
     Ok(())
+}
+
+/// Removes the temporary files (`.NAME.tmp-PID…`, shards' and small files') that a conversion
+/// into `dir` killed before it could clean up left behind: those of a process that no longer
+/// runs (checked in `/proc`; elsewhere none is removed). A shard's temporary file can be as
+/// large as the shard, which matters most after a full disk. Best effort: what cannot be
+/// listed or removed stays.
+fn remove_stale_temps(dir: &Path) {
+    let proc = Path::new("/proc/self");
+    if !proc.exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(temp_owner) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The process id in a temporary file's name (`.NAME.tmp-PID` or `.NAME.tmp-PID-N`).
+fn temp_owner(name: &str) -> Option<u32> {
+    let (_, rest) = name.strip_prefix('.')?.rsplit_once(".tmp-")?;
+    rest.split('-').next()?.parse().ok()
 }
 
 /// Per-layer conversion error over every shard of the folder (device shards only: the

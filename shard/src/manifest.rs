@@ -200,12 +200,16 @@ impl Manifest {
         let path = dir.join(MANIFEST_FILE);
         let temp = dir.join(format!(".{MANIFEST_FILE}.tmp-{}", std::process::id()));
         let text = serde_json::to_vec_pretty(self).expect("the manifest serializes");
+        // A failed write leaves no temporary file behind.
         let io = |what: &'static str| {
             let temp = temp.clone();
-            move |source| ManifestError::Io {
-                path: temp,
-                what,
-                source,
+            move |source| {
+                let _ = std::fs::remove_file(&temp);
+                ManifestError::Io {
+                    path: temp,
+                    what,
+                    source,
+                }
             }
         };
         {

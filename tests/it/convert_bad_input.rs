@@ -241,6 +241,36 @@ fn an_edited_config_json_is_another_job() {
     );
 }
 
+/// Temporary files of a conversion that was killed (no process has their id any more) are
+/// removed by the next run into the folder; one of a process that still runs is left alone.
+#[test]
+fn a_killed_conversions_temporary_files_are_removed_by_the_next() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "deepseek_v3");
+    let out = d.path().join("w");
+    std::fs::create_dir_all(&out).unwrap();
+    // No process has this id (Linux ids stay below 2^22); this test's own process runs.
+    let dead = 999_999_999u32;
+    let live = std::process::id();
+    let stale = [
+        format!(".device-0001.emshard.tmp-{dead}-3"),
+        format!(".manifest.json.tmp-{dead}"),
+    ];
+    let running = format!(".device-0000.emshard.tmp-{live}-0");
+    for name in stale.iter().chain([&running]) {
+        std::fs::write(out.join(name), vec![7u8; 4096]).unwrap();
+    }
+    let r = convert(&ck, &out);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for name in &stale {
+        assert!(!out.join(name).exists(), "{name} was left behind");
+    }
+    assert!(
+        out.join(&running).exists(),
+        "a running process's file was removed"
+    );
+}
+
 fn worker(out: &Path) -> Run {
     run(&[
         "worker",
