@@ -239,21 +239,27 @@ pub fn convert(
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
-    // Source hashes run beside the conversion (one more reader of the same page cache).
+    // Source hashes run beside the conversion (one more reader of the same page cache); a
+    // failed conversion stops them, so its error comes without waiting for the whole
+    // checkpoint to be read.
+    let stop_hashing = AtomicBool::new(false);
     let hashing = std::thread::scope(|s| {
-        let hasher = s.spawn(|| source_files(job.ckpt));
+        let hasher = s.spawn(|| source_files(job.ckpt, &stop_hashing));
         let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, progress));
         let router = match &shards {
             Ok(_) => pool.install(|| write_router(job, &fingerprint, &router_items, progress)),
             Err(_) => Ok(Default::default()),
         };
+        if shards.is_err() || router.is_err() {
+            stop_hashing.store(true, Ordering::Relaxed);
+        }
         let files = hasher.join().expect("the hashing thread does not panic");
         (shards, router, files)
     });
     let (shards, router, files) = hashing;
     let (records, kept, written, converted) = shards?;
     let (router, router_bytes) = router?;
-    let files = files?;
+    let files = files?.expect("hashing is stopped only after a failure, returned above");
     write_small(
         job.out,
         MODEL_FILE,
@@ -714,17 +720,21 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// `config.json` and every safetensors file: name, size, SHA-256.
-fn source_files(ckpt: &Checkpoint) -> Result<Vec<SourceFile>, ConvertError> {
+/// `config.json` and every safetensors file: name, size, SHA-256; `None` once `stop` is set.
+fn source_files(
+    ckpt: &Checkpoint,
+    stop: &AtomicBool,
+) -> Result<Option<Vec<SourceFile>>, ConvertError> {
     let config = ckpt.dir().join("config.json");
     let paths: Vec<&Path> = std::iter::once(config.as_path())
         .chain(ckpt.files())
         .filter(|p| p.exists())
         .collect();
-    paths.into_iter().map(hash_file).collect()
+    paths.into_iter().map(|p| hash_file(p, stop)).collect()
 }
 
-fn hash_file(path: &Path) -> Result<SourceFile, ConvertError> {
+/// One file's name, size and SHA-256, read a MiB at a time; `None` once `stop` is set.
+fn hash_file(path: &Path, stop: &AtomicBool) -> Result<Option<SourceFile>, ConvertError> {
     let io = |source| ConvertError::Io {
         path: path.to_path_buf(),
         what: "hashing",
@@ -735,6 +745,9 @@ fn hash_file(path: &Path) -> Result<SourceFile, ConvertError> {
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
     loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let n = f.read(&mut buf).map_err(io)?;
         if n == 0 {
             break;
@@ -742,14 +755,14 @@ fn hash_file(path: &Path) -> Result<SourceFile, ConvertError> {
         h.update(&buf[..n]);
         bytes += n as u64;
     }
-    Ok(SourceFile {
+    Ok(Some(SourceFile {
         name: path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
         bytes,
         sha256: hex(&h.finalize()),
-    })
+    }))
 }
 
 /// Write a small text file atomically (nothing left behind when it fails).
@@ -839,4 +852,33 @@ fn layer_errors(
             }
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stopped hash reads nothing more: `None`, where the same file otherwise hashes to the
+    /// SHA-256 of its bytes.
+    #[test]
+    fn hashing_stops_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.safetensors");
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let go = AtomicBool::new(false);
+        let whole = hash_file(&path, &go).unwrap().unwrap();
+        assert_eq!(whole.bytes, bytes.len() as u64);
+        assert_eq!(whole.sha256, hex(&Sha256::digest(&bytes)));
+        let stop = AtomicBool::new(true);
+        assert!(hash_file(&path, &stop).unwrap().is_none());
+    }
+
+    #[test]
+    fn temporary_file_names_give_their_process() {
+        assert_eq!(temp_owner(".device-0001.emshard.tmp-4242-3"), Some(4242));
+        assert_eq!(temp_owner(".manifest.json.tmp-17"), Some(17));
+        assert_eq!(temp_owner("device-0001.emshard"), None);
+        assert_eq!(temp_owner(".device.tmp-x"), None);
+    }
 }
