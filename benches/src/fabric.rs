@@ -303,6 +303,10 @@ impl LinkRun<'_> {
         opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
             max_batch_tokens: maxb,
+            // Every client's largest request in flight at once.
+            max_inflight_tokens: RouterConfig::default()
+                .max_inflight_tokens
+                .max(maxb * o.clients.max(1)),
             micro_batch_tokens: self.micro_batch_tokens,
             batch_window: Duration::from_micros(50),
             ..RouterConfig::default()

@@ -357,6 +357,9 @@ fn start(
     opts.router = LayerMode::Exact.apply(RouterConfig {
         max_request_tokens: maxb,
         max_batch_tokens: maxb * o.clients.max(1),
+        max_inflight_tokens: RouterConfig::default()
+            .max_inflight_tokens
+            .max(maxb * o.clients.max(1)),
         micro_batch_tokens: 16,
         batch_window: Duration::from_micros(50),
         ..RouterConfig::default()

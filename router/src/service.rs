@@ -118,6 +118,20 @@ pub enum ServiceError {
         /// The mesh's frame limit.
         max_frame_bytes: usize,
     },
+    /// Request limits that would refuse every request, or every request above a size, for
+    /// ever.
+    #[error(
+        "requests of up to {max_request_tokens} tokens (`--max-tokens`) with at most \
+         {max_inflight_tokens} tokens in flight (`--max-inflight-tokens`): {why}"
+    )]
+    RequestLimits {
+        /// The largest request accepted.
+        max_request_tokens: usize,
+        /// The tokens the router admits at once.
+        max_inflight_tokens: usize,
+        /// What is wrong and what to change.
+        why: &'static str,
+    },
 }
 
 enum CoreInput {
@@ -208,6 +222,7 @@ impl RouterService {
         cfg: ServiceConfig,
     ) -> Result<Self, ServiceError> {
         check_micro_batch(&core, mesh_cfg.protocol.codec.max_frame_bytes)?;
+        check_request_limits(core.config())?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("router-io")
@@ -536,6 +551,25 @@ impl CoreTx {
             t.unpark();
         }
     }
+}
+
+/// Refuses request limits under which requests could never be served: no token allowed, or
+/// requests larger than what admission ever lets in at once (such a request would be answered
+/// "router at capacity, retry" on every try, even on an idle router).
+fn check_request_limits(cfg: &crate::core::RouterConfig) -> Result<(), ServiceError> {
+    let why = if cfg.max_request_tokens == 0 {
+        "a request carries at least one token: set --max-tokens to 1 or more"
+    } else if cfg.max_request_tokens > cfg.max_inflight_tokens {
+        "the largest requests could never be admitted: raise --max-inflight-tokens to at least \
+         --max-tokens, or lower --max-tokens"
+    } else {
+        return Ok(());
+    };
+    Err(ServiceError::RequestLimits {
+        max_request_tokens: cfg.max_request_tokens,
+        max_inflight_tokens: cfg.max_inflight_tokens,
+        why,
+    })
 }
 
 /// Refuses a micro-batch whose worst-case part (every token with all its routed experts, and

@@ -197,6 +197,37 @@ fn up_refuses_micro_batches_that_do_not_fit_a_frame() {
     );
 }
 
+/// Request limits that would refuse requests for ever (no token allowed, or requests larger
+/// than the router ever admits at once) are refused when `up` starts (exit 2), naming the
+/// option to change, instead of a fabric that answers "at capacity, retry" to an idle router.
+#[test]
+fn up_refuses_request_limits_that_no_request_could_pass() {
+    for (limits, says) in [
+        (["--max-tokens", "0"], "set --max-tokens to 1 or more"),
+        (
+            ["--max-tokens", "3000"],
+            "raise --max-inflight-tokens to at least --max-tokens",
+        ),
+    ] {
+        let mut c = Command::new(bin());
+        c.arg("up")
+            .arg("--topology")
+            .arg(root().join("examples/single-host.toml"))
+            .args(["--model", "demo-small", "--placement"])
+            .arg(root().join("examples/single-host-demo-small.placement.toml"))
+            .args(["--micro-batch", "8"])
+            .args(limits);
+        let r = run(c, Duration::from_secs(60));
+        let all = format!("{}{}", r.stdout, r.stderr);
+        assert_eq!(r.code, Some(2), "{all}");
+        assert!(r.stderr.contains(says), "{all}");
+        assert!(
+            !r.stdout.contains("frontends:"),
+            "nothing was announced:\n{all}"
+        );
+    }
+}
+
 #[test]
 fn frontends_are_refused_naming_the_missing_workers_until_every_worker_is_up() {
     let _machine = crate::support::shared();
