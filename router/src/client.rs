@@ -126,6 +126,20 @@ use std::time::{Duration, Instant};
 /// waited for); a stopped or cut-off router is given up then.
 pub const ROUTER_ANSWER_GRACE: Duration = Duration::from_millis(250);
 
+/// `budget` from now, or about a century from now where `budget` is longer (a deadline of
+/// `Duration::MAX` means "no deadline", not an overflow).
+pub(crate) fn instant_after(budget: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(budget.min(CENTURY)).unwrap_or(now)
+}
+
+/// A duration in whole microseconds for the wire, at most `u64::MAX` (which the router cuts to
+/// its longest deadline).
+pub(crate) fn wire_micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// Largest payload of a [`RouterClient::check_shape`] probe: it asks about at most this many
 /// bytes of fp8 activations, so the router decodes a few MiB at most.
 pub const SHAPE_PROBE_BYTES: usize = 8 << 20;
@@ -788,7 +802,7 @@ impl RouterClient {
     /// Write raw bytes on the connection (tests of the router's handling of malformed frames).
     #[doc(hidden)]
     pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        let until = Instant::now() + self.opts.default_deadline;
+        let until = instant_after(self.opts.default_deadline);
         self.flush_writes(until).await?;
         if self.link.write.start_write_raw(bytes.to_vec()).is_ok() {
             self.writing = Some(0);
@@ -814,7 +828,7 @@ fn raw_request(
         hidden: hidden as u32,
         dtype,
         logit_experts: logit_experts as u32,
-        deadline_us: deadline.map_or(0, |d| d.as_micros().max(1) as u64),
+        deadline_us: deadline.map_or(0, |d| wire_micros(d).max(1)),
     }
 }
 

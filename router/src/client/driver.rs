@@ -55,7 +55,7 @@ impl RouterClient {
         } else {
             std::time::Duration::ZERO
         };
-        let due = Instant::now() + budget + grace;
+        let due = super::instant_after(budget.saturating_add(grace));
         if let Err(e) = self.replace_if_closed_idle(due).await {
             self.recycle(payload);
             return Err(e);
@@ -362,7 +362,7 @@ impl RouterClient {
                     .deadline
                     .saturating_duration_since(Instant::now())
                     .saturating_sub(super::ROUTER_ANSWER_GRACE);
-                req.deadline_us = (left.as_micros() as u64).max(1);
+                req.deadline_us = super::wire_micros(left).max(1);
             }
             let payload = match &call.payload {
                 Some(Payload::Shared(p)) => Payload::Shared(p.clone()),

@@ -207,6 +207,19 @@ fn typed_inputs_are_sent_in_their_dtype() {
     });
 }
 
+/// A deadline too long for the clock (`Duration::MAX`, as `keepalive_interval` takes for
+/// "never") is no deadline in practice: the call is answered, nothing overflows.
+#[test]
+fn a_deadline_of_duration_max_is_served_not_an_overflow() {
+    run(async {
+        let (addr, cfg) = serve(|c| reverse_groups(c, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        let x = input(0, 2);
+        let h = c.submit(5, &x, H, None, Some(Duration::MAX)).await.unwrap();
+        assert_eq!(c.wait(h).await.unwrap(), expected(&x, 5));
+    });
+}
+
 fn half_bits_bf16(v: f32) -> u16 {
     (v.to_bits() >> 16) as u16 // exact for the values used
 }
