@@ -183,7 +183,10 @@ impl RouterCore {
                 }
             }
         }
-        self.metrics.on_completed(id, b.members.len(), now);
+        // Only the requests answered: a member already failed past its deadline was counted
+        // as that error, its latency is not a request's duration.
+        let answered = b.members.iter().filter(|m| !m.expired).count();
+        self.metrics.on_completed(id, answered, now);
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;

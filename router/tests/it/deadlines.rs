@@ -89,6 +89,17 @@ fn a_short_deadline_fails_only_its_own_request_and_the_batch_goes_on() {
     );
     assert_eq!(sim.replies_to(1, 10).len(), 1, "client 1 is answered once");
     assert_eq!(sim.core.inflight(), 0);
+    // One request was answered: the latency histogram counts it alone (client 1's failure is
+    // counted as its error, not as a request's duration).
+    let registry =
+        expertmesh_router::metrics::registry_of(std::sync::Arc::clone(sim.core.metrics()));
+    let mut text = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+    let count = text
+        .lines()
+        .find_map(|l| l.strip_prefix("expertmesh_router_request_duration_seconds_count "))
+        .unwrap_or_else(|| panic!("no request duration in:\n{text}"));
+    assert_eq!(count.trim().parse::<f64>().unwrap(), 1.0, "{text}");
 }
 
 #[test]
