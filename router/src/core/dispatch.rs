@@ -160,20 +160,81 @@ impl RouterCore {
         }
     }
 
-    /// Gates pending batch `p` of `layer` (the frontend's logits where given, the gate matrix
-    /// otherwise), quantizes its activations once in the W4A8 modes and puts it in flight with
-    /// no parts yet: its id. `None` when gating failed (its requests are failed).
-    fn open_batch(&mut self, layer: u32, p: Pending, now: Instant) -> Option<u64> {
+    /// Fails, each alone, the members of `p` with a non-finite router logit among their own
+    /// tokens (their inputs are finite, checked on arrival, but values near f32's limit
+    /// overflow the gate's dot products), naming their own token; returns the batch without
+    /// them (`None` when none is left). One request's inputs must not fail its batch-mates.
+    fn fail_non_finite_members(
+        &mut self,
+        p: Pending,
+        logits: Vec<f32>,
+    ) -> Option<(Pending, Vec<f32>)> {
         let h = self.spec.hidden as usize;
         let e = self.spec.routed_experts as usize;
-        let tokens = p.x.len() / h;
+        let bad = |m: &Member| {
+            let rows = &logits[m.offset * e..(m.offset + m.tokens) * e];
+            rows.iter()
+                .position(|v| !v.is_finite())
+                .map(|i| (i / e, i % e, rows[i]))
+        };
+        if p.members.iter().all(|m| bad(m).is_none()) {
+            return Some((p, logits));
+        }
+        let mut kept = Pending {
+            members: Vec::with_capacity(p.members.len()),
+            x: Vec::with_capacity(p.x.len()),
+            logits: Vec::with_capacity(logits.len()),
+            logits_given: Vec::with_capacity(p.logits_given.len()),
+            clients: Vec::new(),
+            flush_at: p.flush_at,
+            deadline: p.deadline,
+        };
+        let mut deadline = None;
+        for m in &p.members {
+            if let Some((token, expert, value)) = bad(m) {
+                let message = format!(
+                    "token {token}: router logit for expert {expert} is not finite ({value}): \
+                     hidden states this large overflow the gate; check the inputs"
+                );
+                self.fail_one(m.client, m.request_id, ErrorCode::InvalidInput, message);
+                continue;
+            }
+            let (from, to) = (m.offset, m.offset + m.tokens);
+            kept.members.push(Member {
+                offset: kept.logits_given.len(),
+                ..*m
+            });
+            kept.x.extend_from_slice(&p.x[from * h..to * h]);
+            kept.logits.extend_from_slice(&logits[from * e..to * e]);
+            kept.logits_given
+                .extend_from_slice(&p.logits_given[from..to]);
+            if !kept.clients.contains(&m.client) {
+                kept.clients.push(m.client);
+            }
+            deadline = deadline.max(Some(m.deadline));
+        }
+        kept.deadline = deadline?;
+        let logits = std::mem::take(&mut kept.logits);
+        Some((kept, logits))
+    }
+
+    /// Gates pending batch `p` of `layer` (the frontend's logits where given, the gate matrix
+    /// otherwise), quantizes its activations once in the W4A8 modes and puts it in flight with
+    /// no parts yet: its id. `None` when gating failed (its requests are failed) or every
+    /// member's inputs overflowed the gate ([`Self::fail_non_finite_members`]).
+    fn open_batch(&mut self, layer: u32, mut p: Pending, now: Instant) -> Option<u64> {
+        let h = self.spec.hidden as usize;
+        let e = self.spec.routed_experts as usize;
         let setup = &self.layers[&layer];
-        let mut logits = p.logits;
+        let mut logits = std::mem::take(&mut p.logits);
         for (t, _) in p.logits_given.iter().enumerate().filter(|(_, g)| !**g) {
             setup
                 .gate
                 .logits_into(&p.x[t * h..(t + 1) * h], &mut logits[t * e..(t + 1) * e]);
         }
+        let (p, logits) = self.fail_non_finite_members(p, logits)?;
+        let setup = &self.layers[&layer];
+        let tokens = p.x.len() / h;
         let routing = match gating::route(&self.spec, &logits, &setup.gate.bias) {
             Ok(r) => r,
             Err(err) => {

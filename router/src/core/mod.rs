@@ -149,6 +149,7 @@ pub struct RouterStats {
     pub holdings: u64,
 }
 
+#[derive(Clone, Copy)]
 struct Member {
     client: ClientId,
     request_id: u64,

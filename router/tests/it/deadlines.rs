@@ -2,7 +2,9 @@
 //! workers that answer with zero rows when told to: a request past its own deadline fails
 //! alone while the batch it shares goes on for the others; a batch fails as a whole only at
 //! the latest of its members' deadlines; a request already past its deadline never reaches a
-//! worker; a deadline is capped by the router's maximum.
+//! worker; a deadline is capped by the router's maximum. Also the other way one request could
+//! fail its batch-mates: finite inputs so large that the gate's logits overflow fail that
+//! request alone.
 //!
 //! Before per-request deadlines a merged batch took its members' shortest deadline and failed
 //! them all: one client sending `deadline_us = 1` failed most of another client's requests.
@@ -184,4 +186,34 @@ fn deadlines_are_capped_by_the_router_maximum() {
     let now = Instant::now();
     let r = v.validate(1, &req(u64::MAX), &x, now).unwrap();
     assert_eq!(r.deadline, now + Duration::from_secs(30));
+}
+
+/// Finite hidden states near f32's limit (they pass the NaN/Inf check on arrival) overflow the
+/// gate's dot products: that request fails alone, naming its own token, and the request that
+/// shares its batch is answered.
+#[test]
+fn inputs_that_overflow_the_gate_fail_only_their_own_request() {
+    let mut sim = cluster(Duration::from_millis(1), Duration::from_secs(60));
+    let h = sim.core.spec().hidden as usize;
+    let layer = layer(&sim);
+    request(&mut sim, 1, 10, 3, Duration::from_secs(5));
+    let mut huge = reference::synthetic_hidden(20, 2, h);
+    for v in &mut huge[h..] {
+        *v = v.signum() * f32::MAX; // token 1 of this request
+    }
+    sim.submit(2, 20, layer, huge, Duration::from_secs(5));
+    sim.pump();
+    sim.advance(Duration::from_millis(2));
+    let failed = sim.replies_to(2, 20);
+    assert_eq!(code(&failed), [Some(ErrorCode::InvalidInput)], "{failed:?}");
+    let (_, msg) = failed[0].as_ref().unwrap_err();
+    assert!(
+        msg.starts_with("token 1:") && msg.contains("not finite"),
+        "{msg}"
+    );
+    sim.deliver();
+    let ok = sim.replies_to(1, 10);
+    assert_eq!(code(&ok), [None], "{ok:?}");
+    assert_eq!(ok[0].as_ref().unwrap().len(), 3 * h);
+    assert_eq!(sim.core.inflight(), 0);
 }
