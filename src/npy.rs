@@ -98,19 +98,8 @@ pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
     };
     let (header, end) = header_text(bytes).map_err(bad)?;
     let (dtype, descr, rows, cols) = parse_header(header).map_err(bad)?;
-    let n = rows
-        .checked_mul(cols)
-        .ok_or_else(|| bad("shape overflows".into()))?;
-    let need = n
-        .checked_mul(dtype.size())
-        .ok_or_else(|| bad("shape overflows".into()))?;
     let body = &bytes[end..];
-    if body.len() != need {
-        return Err(bad(format!(
-            "data has {} bytes, shape ({rows}, {cols}) of {descr} needs {need}",
-            body.len()
-        )));
-    }
+    check_data_len(body.len() as u64, dtype, descr, rows, cols).map_err(bad)?;
     let data = match dtype {
         NpyDtype::F32 => body
             .chunks_exact(4)
@@ -135,6 +124,26 @@ pub fn parse(path: &str, bytes: &[u8]) -> Result<Array2, NpyError> {
         dtype,
         data,
     })
+}
+
+/// The data of a `rows × cols` array of `dtype` is `data_len` bytes, as the shape needs.
+fn check_data_len(
+    data_len: u64,
+    dtype: NpyDtype,
+    descr: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<(), String> {
+    let need = (rows as u64)
+        .checked_mul(cols as u64)
+        .and_then(|n| n.checked_mul(dtype.size() as u64))
+        .ok_or_else(|| format!("shape ({rows}, {cols}) is more than any file holds"))?;
+    if data_len != need {
+        return Err(format!(
+            "data has {data_len} bytes, shape ({rows}, {cols}) of {descr} needs {need}"
+        ));
+    }
+    Ok(())
 }
 
 /// Parsing step 1: check the magic and version; the header text and where the data starts.
@@ -227,7 +236,9 @@ pub fn read(path: &Path) -> Result<Array2, NpyError> {
     parse(&p, &bytes)
 }
 
-/// Read only the header of a `.npy` file (its dtype and shape), not its data.
+/// Read only the header of a `.npy` file (its dtype and shape), not its data; the file's size
+/// must be what the shape needs (a truncated file, or a header whose shape no data backs, is
+/// refused here, before anything is sized by it).
 pub fn read_header(path: &Path) -> Result<Header, NpyError> {
     use std::io::Read;
     let p = path.display().to_string();
@@ -256,9 +267,18 @@ pub fn read_header(path: &Path) -> Result<Header, NpyError> {
     if hlen > 1 << 20 {
         return Err(bad(format!("header of {hlen} bytes is not a .npy header")));
     }
+    let file_len = f.metadata().map_err(io)?.len();
     f.take(hlen).read_to_end(&mut start).map_err(io)?;
-    let (header, _) = header_text(&start).map_err(bad)?;
-    let (dtype, _, rows, cols) = parse_header(header).map_err(bad)?;
+    let (header, end) = header_text(&start).map_err(bad)?;
+    let (dtype, descr, rows, cols) = parse_header(header).map_err(bad)?;
+    check_data_len(
+        file_len.saturating_sub(end as u64),
+        dtype,
+        descr,
+        rows,
+        cols,
+    )
+    .map_err(bad)?;
     Ok(Header { dtype, rows, cols })
 }
 
@@ -334,14 +354,36 @@ mod tests {
     fn the_header_is_read_without_the_data() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x.npy");
-        let mut b = encode(3, 5, &[1.5; 15], NpyDtype::F64);
-        b.truncate(b.len() - 40); // the header alone says the shape
-        std::fs::write(&p, &b).unwrap();
+        std::fs::write(&p, encode(3, 5, &[1.5; 15], NpyDtype::F64)).unwrap();
         let h = read_header(&p).unwrap();
         assert_eq!((h.dtype, h.rows, h.cols), (NpyDtype::F64, 3, 5));
-        assert!(read(&p).unwrap_err().to_string().contains("needs 120"));
-        std::fs::write(&p, encode(3, 5, &[1.5; 15], NpyDtype::F64)).unwrap();
         assert_eq!(read(&p).unwrap().data, vec![1.5f32; 15]);
+        // A file shorter than its shape needs is refused from its size alone.
+        let mut b = encode(3, 5, &[1.5; 15], NpyDtype::F64);
+        b.truncate(b.len() - 40);
+        std::fs::write(&p, &b).unwrap();
+        assert!(
+            read_header(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("needs 120")
+        );
+        assert!(read(&p).unwrap_err().to_string().contains("needs 120"));
+        // A tiny file whose header claims 10^10 values: refused, nothing sized by it.
+        let small = encode(1, 1, &[0.0], NpyDtype::F32);
+        let at = small.windows(6).position(|w| w == b"(1, 1)").unwrap();
+        let shape = b"(100000, 100000)";
+        let mut huge = small[..at].to_vec();
+        huge.extend_from_slice(shape);
+        // The same header length: as many padding spaces fewer.
+        let rest = &small[at + 6..];
+        let pad = rest.iter().rposition(|&c| c == b' ').unwrap();
+        huge.extend_from_slice(&rest[..pad + 1 - (shape.len() - 6)]);
+        huge.extend_from_slice(&rest[pad + 1..]);
+        assert_eq!(huge.len(), small.len());
+        std::fs::write(&p, huge).unwrap();
+        let e = read_header(&p).unwrap_err().to_string();
+        assert!(e.contains("needs 40000000000"), "{e}");
         std::fs::write(&p, b"\x93NUMPY").unwrap();
         assert!(read_header(&p).is_err());
     }

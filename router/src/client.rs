@@ -737,6 +737,12 @@ impl RouterClient {
         tokens: usize,
         hidden: usize,
     ) -> Result<usize, ClientError> {
+        if tokens > u32::MAX as usize || hidden > u32::MAX as usize {
+            return Err(ClientError::Input(format!(
+                "{tokens} tokens x {hidden} values: a request describes at most {} of either",
+                u32::MAX
+            )));
+        }
         let t = tokens.min((SHAPE_PROBE_BYTES / hidden.max(1)).max(1));
         let dtype = ActivationDtype::Fp8E4m3;
         let bytes = dtype.payload_bytes(t, hidden).ok_or_else(|| {

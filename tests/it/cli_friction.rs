@@ -415,7 +415,8 @@ fn infer_as_a_user_runs_it() {
         assert!(!r.stderr.contains("receive window"), "{}", r.stderr);
     }
 
-    // 5. too many tokens: refused from the header (the data is not even there), exit 1
+    // 5. too many tokens: refused from the header (the 4 GB of data are a sparse file's hole,
+    //    never read), exit 1
     let huge = dir.path().join("huge.npy");
     let mut header =
         format!("{{'descr': '<f4', 'fortran_order': False, 'shape': (1000000, {h}), }}");
@@ -423,8 +424,12 @@ fn infer_as_a_user_runs_it() {
     header.push('\n');
     let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
     bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    bytes.extend_from_slice(header.as_bytes()); // 4 GB of data announced, none there
+    bytes.extend_from_slice(header.as_bytes()); // 4 GB of data announced
     std::fs::write(&huge, &bytes).unwrap();
+    let data = 1_000_000 * h as u64 * 4;
+    let file = std::fs::OpenOptions::new().write(true).open(&huge).unwrap();
+    file.set_len(bytes.len() as u64 + data).unwrap(); // a hole: no disk used
+    drop(file);
     for (input, tokens) in [(huge, 1_000_000usize), (dir.path().join("257.npy"), 257)] {
         if tokens == 257 {
             let x = reference::synthetic_hidden(1, 257, h);
