@@ -76,6 +76,7 @@ struct Call {
 
 /// Run the demo.
 pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
+    check_options(&cli)?;
     let tmp = tempfile::Builder::new()
         .prefix("expertmesh-demo-")
         .tempdir()?;
@@ -120,6 +121,26 @@ pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         stats: &stats,
     };
     report(&cli, &dep, mode, &traffic, &check)
+}
+
+/// Usage errors (exit 2) before anything starts: a schedule with no call, or batches the
+/// router would refuse (they would be counted as failed calls and their throughput as made up).
+fn check_options(cli: &DemoCli) -> anyhow::Result<()> {
+    if cli.rounds == 0 || cli.clients == 0 {
+        bail!(
+            "--rounds {} --clients {}: both must be at least 1",
+            cli.rounds,
+            cli.clients
+        );
+    }
+    let max = cli.router.max_tokens;
+    if let Some(&b) = cli.batches.iter().find(|&&b| b == 0 || b > max) {
+        bail!(
+            "--batches: a batch of {b} tokens; each must be 1 to {max} tokens (the router's \
+             --max-tokens)"
+        );
+    }
+    Ok(())
 }
 
 /// Setup step: start the local fabric and print what it runs.

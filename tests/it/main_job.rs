@@ -119,3 +119,29 @@ fn a_log_line_is_told_from_a_report_line() {
     assert!(!is_chatty_log_line("demo OK"));
     assert!(!is_chatty_log_line(""));
 }
+
+/// A schedule the router would refuse, or one with no call, is a usage error (exit 2) before
+/// any fabric starts, not a run that reports refused calls and a made-up throughput.
+#[test]
+fn demo_refuses_schedules_the_router_would_refuse() {
+    for (args, says) in [
+        (&["--batches", "1,1000"][..], "a batch of 1000 tokens"),
+        (&["--batches", "0"][..], "a batch of 0 tokens"),
+        (&["--rounds", "0"][..], "both must be at least 1"),
+        (&["--clients", "0"][..], "both must be at least 1"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+            .arg("demo")
+            .args(args)
+            .current_dir(root())
+            .output()
+            .expect("run expertmesh demo");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("starting a local fabric"),
+            "{args:?}: nothing started"
+        );
+    }
+}
