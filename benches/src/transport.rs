@@ -33,7 +33,8 @@
 //! [`SLOT_S`]) and a chunk of round trips, and the same for the limit, back to back (the limit
 //! first on odd repetitions), so drift hits both; a round-trip figure is the median over
 //! repetitions of each chunk's p50 or p99 (`pooled_*` keeps the percentile of all round trips).
-//! Repetitions go round every link and frame size in turn; `--seconds` bounds the whole run.
+//! Repetitions go round every link and frame size in turn; `--seconds` bounds the whole run
+//! (the first repetition always runs).
 //!
 //! Frames are dispatch frames of 1, 8, 64 and 256 tokens of hidden 7168 in bf16, each token with
 //! two (expert, weight) pairs, exactly what the router sends a device.
@@ -184,8 +185,9 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
             for (ti, &tokens) in TOKEN_COUNTS.iter().enumerate() {
                 let u = &mut units[li][ti];
                 // The last repetition's time with 20% to spare (before the first: two slots).
+                // The first repetition always runs: a run that measured nothing is no run.
                 let est = 1.2 * u.last_s.max(2.0 * SLOT_S + 0.02);
-                if Instant::now() + Duration::from_secs_f64(est) > end {
+                if rep > 0 && Instant::now() + Duration::from_secs_f64(est) > end {
                     println!(
                         "--seconds {} reached in repetition {}: stopping (figures from the repetitions done)",
                         args.seconds,
@@ -1067,6 +1069,27 @@ mod tests {
             let s = memory_ping_pong_us(msg, 25);
             assert_eq!(s.len(), 25);
             assert!(s.iter().all(|&us| us > 0.0 && us.is_finite()), "{s:?}");
+        }
+    }
+
+    /// A budget too small for even one repetition still measures one: every figure with one
+    /// sample, never an empty report that exits 0.
+    #[test]
+    fn the_first_repetition_runs_whatever_the_budget() {
+        let args = TransportBenchOptions {
+            seconds: 0.0,
+            round_trips: 10,
+            links: vec![LinkKind::Tcp],
+            repetitions: 3,
+            rdma_provider: RdmaProvider::InProcess(Default::default()),
+        };
+        let report = serde_json::to_value(run(&args).unwrap()).unwrap();
+        let results = report["results"].as_array().unwrap();
+        // Three TCP rows and two encrypted-TCP rows per size.
+        assert_eq!(results.len(), 5 * TOKEN_COUNTS.len(), "{report:#}");
+        for r in results {
+            assert_eq!(r["repetitions"].as_u64(), Some(1), "{r}");
+            assert!(r["achieved"].as_f64().is_some_and(|a| a > 0.0), "{r}");
         }
     }
 
