@@ -251,8 +251,11 @@ impl LocalFabric {
         }
         let all: Vec<usize> = (0..n).collect();
         if let Err(e) = fabric.wait_for_workers(&all) {
-            // The error points at the logs: keep them after the launcher exits.
+            // The error points at the logs: keep them after the launcher exits, but not the
+            // workers' credential files beside them (secrets have no place in a folder kept
+            // for reading).
             if let Some(t) = fabric._tmp.take() {
+                remove_credential_files(t.path());
                 let _ = t.keep();
             }
             return Err(e);
@@ -659,6 +662,18 @@ impl Drop for LocalFabric {
 }
 
 /// The worker log directory: the one asked for, or a fresh temporary one.
+/// Removes the credential files (`*.cred`) from `dir`, best effort.
+fn remove_credential_files(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.path().extension().is_some_and(|x| x == "cred") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 fn log_dir(opts: &LocalFabricOptions) -> Result<(Option<tempfile::TempDir>, PathBuf), FabricError> {
     match &opts.log_dir {
         Some(d) => {

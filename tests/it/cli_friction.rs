@@ -101,11 +101,16 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
         free_port(),
         data,
     );
+    // With a cluster key: the workers' credential files sit beside their logs.
+    let key = dir.path().join("cluster.key");
+    let k = crate::support::run(&["keys", "init", "--out", key.to_str().unwrap()]);
+    assert_eq!(k.code, 0, "{}", k.stderr);
     let mut c = Command::new(bin());
     c.arg("up")
         .arg("--topology")
         .arg(&topo)
-        .args(["--model", "demo-small"]);
+        .args(["--model", "demo-small", "--key"])
+        .arg(&key);
     let r = run(c, Duration::from_secs(60));
     drop(busy);
     let all = format!("{}{}", r.stdout, r.stderr);
@@ -138,7 +143,18 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
     assert!(log.ends_with("worker-0.log"), "{log}");
     let text = std::fs::read_to_string(log).expect("the log is kept after `up` exits");
     assert!(text.contains("cannot listen on"), "{text}");
-    let _ = std::fs::remove_dir_all(Path::new(log).parent().unwrap());
+    let kept = Path::new(log).parent().unwrap();
+    let secrets: Vec<_> = std::fs::read_dir(kept)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".cred"))
+        .collect();
+    assert!(
+        secrets.is_empty(),
+        "credentials kept with the logs: {secrets:?}"
+    );
+    let _ = std::fs::remove_dir_all(kept);
     // Only the worker that failed is blamed (the other one's info line "worker connected …
     // (rank 1)" is no blame).
     let blame: Vec<&str> = all
