@@ -6,7 +6,7 @@
 //! ([`expertmesh_fabric::credentials::issue`]). The master key stays on the operator's
 //! machine; each host gets only its processes' files.
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{anyhow, bail};
 use clap::{Args, Subcommand};
 use expertmesh_fabric::credentials::{Principal, issue};
 use expertmesh_transport::crypto::{self, Key};
@@ -56,13 +56,25 @@ pub(crate) struct IssueArgs {
     out: PathBuf,
 }
 
+/// A secret file could not be written: "refusing to overwrite" only where it exists (secret
+/// files are created, never replaced), otherwise the cause (a missing folder, permissions).
+fn writing(what: &str, e: crypto::KeyError) -> anyhow::Error {
+    let exists = matches!(&e, crypto::KeyError::Io { error, .. }
+        if error.kind() == std::io::ErrorKind::AlreadyExists);
+    if exists {
+        anyhow!("writing {what} (refusing to overwrite): {e}")
+    } else {
+        anyhow!("writing {what}: {e}")
+    }
+}
+
 /// Run `expertmesh keys`.
 pub(crate) fn run(cli: KeysCli) -> anyhow::Result<ExitCode> {
     match cli {
         KeysCli::Init { out } => {
             let key = Key::random()?;
             crypto::write_secret_file(&out, &crypto::master_key_text(&key))
-                .with_context(|| "writing the cluster master key (refusing to overwrite)")?;
+                .map_err(|e| writing("the cluster master key", e))?;
             println!(
                 "wrote the cluster master key to {} (mode 0600); issue credentials with `expertmesh keys issue --key {} ...`",
                 out.display(),
@@ -76,7 +88,7 @@ pub(crate) fn run(cli: KeysCli) -> anyhow::Result<ExitCode> {
             let who = principal(&a)?;
             let creds = issue(&master, &topo, &who)?;
             crypto::write_secret_file(&a.out, &creds.to_file_text())
-                .with_context(|| "writing the credential file (refusing to overwrite)")?;
+                .map_err(|e| writing("the credential file", e))?;
             println!(
                 "wrote {}'s credential to {} (mode 0600)",
                 who.describe(),

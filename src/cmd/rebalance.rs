@@ -226,13 +226,10 @@ fn plan(
         (Some(p), _, _) => (load(p)?, format!("placement {}", p.display())),
         (None, Some(dev), Some(old)) => {
             let d = topo.device_by_id(dev).ok_or_else(|| {
-                anyhow!(
-                    "--drain {dev}: no such device in {}",
-                    cli.fabric.topology.display()
-                )
+                anyhow!("{dev}: no such device in {}", cli.fabric.topology.display())
             })?;
             let p = transition::drained(topo, spec, old, d.rank())
-                .map_err(|e| anyhow!("--drain {dev}: {e}"))?;
+                .map_err(|e| anyhow!("draining {dev}: {e}"))?;
             (p, format!("{dev} drained"))
         }
         _ => bail!("give --placement NEW, or --drain NODE/DEVICE with --from SERVED"),

@@ -37,6 +37,15 @@ fn keys_cli_writes_private_files_and_never_overwrites() {
     let r = crate::support::run(&["keys", "init", "--out", k]);
     assert_eq!(r.code, 2);
     assert!(r.stderr.contains("refusing to overwrite"), "{}", r.stderr);
+    // A folder that does not exist: its cause, not a refusal to overwrite.
+    let nowhere = dir.path().join("no-such-folder/cluster.key");
+    let r = crate::support::run(&["keys", "init", "--out", nowhere.to_str().unwrap()]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr.contains("os error 2") && !r.stderr.contains("overwrite"),
+        "{}",
+        r.stderr
+    );
     assert_eq!(
         std::fs::read(&key).unwrap(),
         before,
