@@ -183,7 +183,7 @@ impl<'a> PackedSource<'a> {
             d => {
                 return Err(fail(
                     &scale_name,
-                    format!("dtype {d} (scales must be BF16)"),
+                    format!("dtype {d} (scales must be BF16 or F16)"),
                 ));
             }
         };

@@ -65,6 +65,14 @@ pub const DEFAULT_ZERO: u8 = 8;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum FormatError {
+    /// An expert's two matrices were packed with different specs.
+    #[error("W13 is packed as {w13} but W2 as {w2}: one expert's matrices share one spec")]
+    MixedSpecs {
+        /// W13's spec.
+        w13: QuantSpec,
+        /// W2's spec.
+        w2: QuantSpec,
+    },
     /// The group size is not one of 32, 64, 128.
     #[error("group size {0} is not supported: use 32, 64 or 128")]
     BadGroupSize(u32),
@@ -902,6 +910,12 @@ impl ExpertWeights {
         }
         check_len("W13 rows (2 x intermediate)", 2 * inter, w13.rows())?;
         check_len("W2 rows (hidden)", hidden, w2.rows())?;
+        if w13.spec() != w2.spec() {
+            return Err(FormatError::MixedSpecs {
+                w13: w13.spec(),
+                w2: w2.spec(),
+            });
+        }
         Ok(Self {
             hidden,
             inter,

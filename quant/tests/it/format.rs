@@ -2,7 +2,7 @@
 //! dequantization, byte accounting.
 
 use expertmesh_quant::format::{
-    ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row,
+    ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row,
 };
 use expertmesh_quant::synth::{self, SplitMix64};
 use proptest::prelude::*;
@@ -116,4 +116,22 @@ fn f16_scale_overflow_is_reported() {
         ..spec
     };
     assert!(PackedMatrix::quantize("W2", spec, 1, 32, &dense).is_ok());
+}
+
+/// An expert's two matrices must share one spec: mixing is refused, naming both.
+#[test]
+fn an_expert_of_two_specs_is_refused() {
+    let (h, f) = (64, 32);
+    let sym = QuantSpec::default();
+    let asym = QuantSpec {
+        zero_points: true,
+        ..sym
+    };
+    let w13 = PackedMatrix::zeroed("W13", sym, 2 * f, h).unwrap();
+    let w2 = PackedMatrix::zeroed("W2", asym, h, f).unwrap();
+    let e = ExpertWeights::new(w13, w2).unwrap_err();
+    assert!(matches!(e, FormatError::MixedSpecs { .. }), "{e}");
+    let w13 = PackedMatrix::zeroed("W13", asym, 2 * f, h).unwrap();
+    let w2 = PackedMatrix::zeroed("W2", asym, h, f).unwrap();
+    assert_eq!(ExpertWeights::new(w13, w2).unwrap().spec(), asym);
 }
