@@ -208,6 +208,7 @@ pub fn convert(
             reason: e.to_string(),
         })?;
     let fingerprint = fingerprint(job)?;
+    check_router_tensors(job)?;
     let devices = job.topology.devices();
     if job.shared_dense
         && let Some(l) = job.spec.moe_layer_ids().into_iter().find(|&l| {
@@ -453,9 +454,8 @@ fn write_router(
                 );
                 w.add_tensor_f32(&gate_weight_name(layer), &[e, h], &weight)?;
                 w.add_tensor_f32(&gate_bias_name(layer), &[e], &bias)?;
-                if job.spec.shared_expert_gate {
-                    let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
-                    let g = read_f32(job.ckpt, &name, &[1, h as usize])?;
+                if let Some((name, shape)) = router_tensors(job, layer).shared_gate {
+                    let g = read_f32(job.ckpt, &name, &shape)?;
                     w.add_tensor_f32(&shared_gate_name(layer), &[h], &g)?;
                 }
                 if job.shared_dense {
@@ -566,19 +566,67 @@ pub fn gate_tensor_names(family: Family, layer: u32) -> (String, Option<String>)
     }
 }
 
-/// `layer`'s gate weight `[E, H]` and selection bias `[E]` as f32, shapes and values checked.
-fn read_gate(job: &ConvertJob<'_>, layer: u32) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
+/// The router file's tensors of `layer` read from the checkpoint, with their shapes: the gate
+/// weight `[E, H]`, the selection bias `[E]` where the scoring has one (not for
+/// `topk_method = "greedy"`, whose bias is zero), and Qwen2's shared-expert gate `[1, H]`.
+fn router_tensors(job: &ConvertJob<'_>, layer: u32) -> RouterTensors {
     let (e, h) = (job.spec.routed_experts as usize, job.spec.hidden as usize);
     let (wname, bname) = gate_tensor_names(job.family, layer);
-    let weight = read_f32(job.ckpt, &wname, &[e, h])?;
-    let bias = match bname {
-        Some(b) if job.spec.scoring == Scoring::SigmoidBias => read_f32(job.ckpt, &b, &[e])?,
-        _ => vec![0.0; e],
+    let bias_stored =
+        job.spec.scoring == Scoring::SigmoidBias && !crate::hf_config::greedy_topk(job.ckpt.dir());
+    let shared_gate = job.spec.shared_expert_gate.then(|| {
+        let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
+        (name, vec![1, h])
+    });
+    RouterTensors {
+        gate: (wname, vec![e, h]),
+        bias: bname.filter(|_| bias_stored).map(|b| (b, vec![e])),
+        shared_gate,
+    }
+}
+
+/// One layer's router tensors in the checkpoint: (name, shape) of each ([`router_tensors`]).
+struct RouterTensors {
+    gate: (String, Vec<usize>),
+    bias: Option<(String, Vec<usize>)>,
+    shared_gate: Option<(String, Vec<usize>)>,
+}
+
+/// Checks, from the headers alone, that every router tensor is there with its shape, before
+/// any shard is written: a missing gate is named at once, not after hours of expert
+/// conversion.
+fn check_router_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
+    for layer in job.spec.moe_layer_ids() {
+        let t = router_tensors(job, layer);
+        let all = std::iter::once(&t.gate)
+            .chain(&t.bias)
+            .chain(&t.shared_gate);
+        for (name, shape) in all {
+            tensor_of_shape(job.ckpt, name, shape)?;
+        }
+    }
+    Ok(())
+}
+
+/// `layer`'s gate weight `[E, H]` and selection bias `[E]` (zero where the checkpoint stores
+/// none, see [`router_tensors`]) as f32, shapes and values checked.
+fn read_gate(job: &ConvertJob<'_>, layer: u32) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
+    let e = job.spec.routed_experts as usize;
+    let t = router_tensors(job, layer);
+    let weight = read_f32(job.ckpt, &t.gate.0, &t.gate.1)?;
+    let bias = match &t.bias {
+        Some((b, shape)) => read_f32(job.ckpt, b, shape)?,
+        None => vec![0.0; e],
     };
     Ok((weight, bias))
 }
 
-fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ConvertError> {
+/// Tensor `name`, which must have `shape`.
+fn tensor_of_shape<'c>(
+    ckpt: &'c Checkpoint,
+    name: &str,
+    shape: &[usize],
+) -> Result<crate::safetensors::TensorView<'c>, ConvertError> {
     let view = ckpt.tensor(name)?;
     if view.shape() != shape {
         return Err(ConvertError::Tensor {
@@ -590,7 +638,11 @@ fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, 
             ),
         });
     }
-    let v = view.to_f32_vec()?;
+    Ok(view)
+}
+
+fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ConvertError> {
+    let v = tensor_of_shape(ckpt, name, shape)?.to_f32_vec()?;
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(ConvertError::Tensor {
             tensor: name.into(),

@@ -122,6 +122,14 @@ pub fn load_hf_model_and_family(dir: &Path) -> Result<(ModelSpec, Family), HfCon
     Ok((spec, family))
 }
 
+/// Whether the checkpoint folder `dir`'s `config.json` says `topk_method = "greedy"`: top-k
+/// with a zero selection bias, whose checkpoints store no `e_score_correction_bias` (an
+/// unreadable config says no; loading the model reports it).
+pub fn greedy_topk(dir: &Path) -> bool {
+    read_config(&dir.join(CONFIG_FILE))
+        .is_ok_and(|c| c.get("topk_method").and_then(Value::as_str) == Some("greedy"))
+}
+
 /// Read `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].
 fn read_config(path: &Path) -> Result<Map<String, Value>, HfConfigError> {
     let io = |source| HfConfigError::Io {

@@ -88,6 +88,34 @@ fn a_missing_tensor_is_named() {
     );
 }
 
+/// The router file's tensors are checked from the headers before any shard is written: a
+/// missing selection bias is named at once, with no device shard on disk. With
+/// `topk_method = "greedy"` (a zero bias, which such checkpoints do not store) the same
+/// checkpoint converts.
+#[test]
+fn router_tensors_are_checked_before_any_shard_and_greedy_needs_no_bias() {
+    const BIAS: &str = "mlp.gate.e_score_correction_bias";
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "deepseek_v3");
+    rewrite(&ck, |n, _| !n.ends_with(BIAS));
+    let out = d.path().join("w");
+    fails_naming(&convert(&ck, &out), BIAS);
+    let shards: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".emshard"))
+        .collect();
+    assert!(shards.is_empty(), "written before the check: {shards:?}");
+    let config = ck.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    v["topk_method"] = "greedy".into();
+    std::fs::write(&config, v.to_string()).unwrap();
+    let r = convert(&ck, &out);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
 #[test]
 fn a_shape_that_contradicts_config_json_is_named() {
     let d = tempfile::tempdir().unwrap();
