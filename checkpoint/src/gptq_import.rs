@@ -450,9 +450,16 @@ impl<'a> Int4Source<'a> {
             return Err(packed_error(&scales_name, reason));
         }
         if !quant.zero_points && !self.all_eight {
+            // Where the spec came from the checkpoint itself (`gptq_source_quant`), this is a
+            // GPTQ checkpoint whose config does not say `sym` and whose first routed expert is
+            // symmetric: the config is what can say otherwise.
             let reason = format!(
                 "the checkpoint has zero points other than 8 (asymmetric quantization) but the \
-                 model's quant spec ({quant}) stores none: set zero_points to true"
+                 model's quant spec ({quant}) stores none: set its zero_points to true; where \
+                 `expertmesh convert` chose that spec (a quantization config without `sym`, \
+                 judged from routed expert 0 of the first MoE layer), add \"sym\": false to \
+                 the quantization config (config.json's quantization_config, or \
+                 quantize_config.json) and convert again"
             );
             return Err(packed_error(&format!("{}.qzeros", self.base), reason));
         }

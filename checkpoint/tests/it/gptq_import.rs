@@ -431,6 +431,8 @@ fn asymmetric_zeros_need_zero_points() {
     );
     assert!(msg.contains(".qzeros"), "{msg}");
     assert!(msg.contains("zero_points"), "{msg}");
+    // What a converter's user can do when the spec was inferred: say `sym` in the config.
+    assert!(msg.contains("\"sym\": false"), "{msg}");
 }
 
 #[test]
