@@ -741,14 +741,30 @@ struct Report<'a> {
     live: Option<&'a Result<Transition, TransitionError>>,
 }
 
+/// The plural ending of a count ("1 node", "2 nodes").
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+/// A figure for reading: four significant digits (a link's 12.48 GB/s, not
+/// 12.482843810046665); a whole number as it is (50, not 50.00).
+fn figure(v: f64) -> String {
+    if v.fract() == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let digits = v.abs().log10().floor() as i32 + 1;
+    let decimals = (4 - digits).clamp(0, 6) as usize;
+    format!("{v:.decimals$}")
+}
+
 /// The calibration section of the text report: each figure changed (old → new, from which
 /// result) and each left alone (its value, and why no result applied).
 fn text_calibration(cal: &Calibration, out: &mut String) {
     let _ = writeln!(out, "calibration (--calibrate):");
     let line = |out: &mut String, tag: &str, i: &CalibrationItem| {
         let value = match i.was {
-            Some(was) => format!("{was} -> {} {}", i.value, i.unit),
-            None => format!("{} {}", i.value, i.unit),
+            Some(was) => format!("{} -> {} {}", figure(was), figure(i.value), i.unit),
+            None => format!("{} {}", figure(i.value), i.unit),
         };
         let _ = writeln!(
             out,
@@ -899,14 +915,16 @@ impl Report<'_> {
         let (t, m, p) = (self.topology, self.model, self.placement);
         let _ = writeln!(
             out,
-            "plan: {} on {} ({} devices on {} nodes) — strategy {}, {} replica slot{} per MoE layer, {}",
+            "plan: {} on {} ({} device{} on {} node{}) — strategy {}, {} replica slot{} per MoE layer, {}",
             m.name,
             t.name(),
             t.devices().len(),
+            plural(t.devices().len()),
             t.nodes().len(),
+            plural(t.nodes().len()),
             self.strategy,
             self.redundant,
-            if self.redundant == 1 { "" } else { "s" },
+            plural(self.redundant as usize),
             shared_text(t, p)
         );
         let _ = writeln!(out, "expert load: {}\n", self.load_source);
@@ -1126,7 +1144,14 @@ impl Report<'_> {
     fn text_footer(&self, out: &mut String) {
         let _ = writeln!(out, "figures used:");
         for s in &self.hw.sources {
-            let _ = writeln!(out, "  {}: {} {} ({})", s.what, s.value, s.unit, s.from);
+            let _ = writeln!(
+                out,
+                "  {}: {} {} ({})",
+                s.what,
+                figure(s.value),
+                s.unit,
+                s.from
+            );
         }
         if let Some(cal) = self.calibration {
             text_calibration(cal, out);
@@ -1198,5 +1223,20 @@ impl Report<'_> {
             "written": self.written,
             "live_change": self.live.map(live_json),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{figure, plural};
+
+    #[test]
+    fn figures_read_as_four_significant_digits_and_counts_agree() {
+        assert_eq!(figure(12.482843810046665), "12.48");
+        assert_eq!(figure(0.000123456), "0.000123"); // at most six decimals
+        assert_eq!(figure(1234.5678), "1235");
+        assert_eq!(figure(50.0), "50");
+        assert_eq!(figure(0.0), "0");
+        assert_eq!((plural(1), plural(2), plural(0)), ("", "s", "s"));
     }
 }

@@ -419,6 +419,14 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 k.seconds > 0.0 && k.seconds <= 600.0,
                 "--seconds must be in (0, 600]"
             );
+            anyhow::ensure!(
+                !k.batches.contains(&0),
+                "--batches: a batch has at least one token"
+            );
+            anyhow::ensure!(
+                k.repeats >= 1 && k.threads != Some(0),
+                "--repeats and --threads must be at least 1"
+            );
             let models = k
                 .models
                 .iter()
@@ -432,7 +440,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
             let report = kernels::run(&kernels::KernelBenchOptions {
                 threads,
                 seconds: k.seconds,
-                repetitions: k.repeats.max(1),
+                repetitions: k.repeats,
                 models,
                 batches: k.batches,
                 prefill_tokens: k.prefill_tokens,
