@@ -26,6 +26,9 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
   up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used)
   infer               0 output written; 1 the router answered with an error; 2 usage, I/O or
                       connection error
+  rebalance, drain    0 the placement is served; 1 the router refused it or the change failed
+                      (undone, or the devices that did not confirm named); 2 usage, file or
+                      connection error
   keys init|issue     0 written; 2 the file exists (never overwritten), bad key, topology or
                       options
   deploy ENGINE       0 written; 2 invalid topology, model, placement, weights or key, bad
@@ -55,3 +58,20 @@ const SERVE_EXIT: &str =
     "Exit codes: 0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used).";
 const REBALANCE_EXIT: &str = "Exit codes: 0 the placement is served; 1 the router refused it or the change failed (undone, or the devices that did not confirm named); 2 usage, file or connection error.";
 const INFER_EXIT: &str = "Exit codes: 0 output written; 1 the router answered with an error; 2 usage, I/O or connection error.";
+
+#[cfg(test)]
+mod tests {
+    use super::{COMMAND_EXIT_CODES, EXIT_CODES_HELP};
+
+    /// `expertmesh --help` lists the exit codes of every command that states its own.
+    #[test]
+    fn the_top_level_table_names_every_command() {
+        for (command, _) in COMMAND_EXIT_CODES {
+            let listed = EXIT_CODES_HELP.lines().any(|l| {
+                let names = l.trim_start().split("  ").next().unwrap_or("");
+                names.split([',', ' ']).any(|n| n == command)
+            });
+            assert!(listed, "{command} is missing from:\n{EXIT_CODES_HELP}");
+        }
+    }
+}
