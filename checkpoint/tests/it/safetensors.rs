@@ -740,3 +740,19 @@ proptest! {
         }
     }
 }
+
+/// A checkpoint folder that is not there is said so, not reported as a folder without model
+/// files; an empty folder is the latter.
+#[test]
+fn a_missing_folder_and_an_empty_one_are_told_apart() {
+    let dir = TempDir::new().unwrap();
+    let missing = dir.path().join("not-downloaded");
+    let e = Checkpoint::open(&missing).unwrap_err();
+    assert!(matches!(e, SafetensorsError::Io { .. }), "{e}");
+    assert!(e.to_string().contains("not-downloaded"), "{e}");
+    let e = Checkpoint::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(e, SafetensorsError::NoCheckpointFiles { .. }),
+        "{e}"
+    );
+}
