@@ -77,8 +77,11 @@ struct Call {
 /// Run the demo.
 pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     check_options(&cli)?;
+    remove_stale_demo_folders();
+    // Named after this process, so that a later demo can tell an interrupted one's folder
+    // (Ctrl-C ends the process without dropping it) from a running one's.
     let tmp = tempfile::Builder::new()
-        .prefix("expertmesh-demo-")
+        .prefix(&format!("{DEMO_FOLDER_PREFIX}{}-", std::process::id()))
         .tempdir()?;
     let (topology, placement, _planned) = local_files(
         tmp.path(),
@@ -121,6 +124,35 @@ pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
         stats: &stats,
     };
     report(&cli, &dep, mode, &traffic, &check)
+}
+
+/// The start of a demo's temporary folder's name, before its process id.
+const DEMO_FOLDER_PREFIX: &str = "expertmesh-demo-";
+
+/// Removes the temporary folders (configuration, worker logs) of earlier demos that were
+/// interrupted (Ctrl-C, a kill): those whose process no longer runs (checked in `/proc`;
+/// elsewhere nothing is removed). Best effort.
+fn remove_stale_demo_folders() {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(DEMO_FOLDER_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && pid != std::process::id()
+            && !std::path::Path::new("/proc").join(pid.to_string()).exists()
+        {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Usage errors (exit 2) before anything starts: a schedule with no call, or batches the

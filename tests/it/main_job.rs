@@ -145,3 +145,40 @@ fn demo_refuses_schedules_the_router_would_refuse() {
         );
     }
 }
+
+/// An interrupted demo (Ctrl-C ends it without dropping its temporary folder) leaves a folder
+/// named after its process; the next demo removes it, and leaves a running one's alone.
+#[test]
+fn the_next_demo_removes_an_interrupted_ones_folder() {
+    let _machine = crate::support::shared();
+    let tmp = tempfile::tempdir().unwrap();
+    // No process has this id (Linux ids stay below 2^22); this test's own process runs.
+    let stale = tmp.path().join("expertmesh-demo-999999999-AbC123");
+    let running = tmp
+        .path()
+        .join(format!("expertmesh-demo-{}-XyZ789", std::process::id()));
+    for d in [&stale, &running] {
+        std::fs::create_dir_all(d.join("logs")).unwrap();
+        std::fs::write(d.join("logs/worker-0.log"), "a worker's log").unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(["demo", "--rounds", "1", "--batches", "1", "--quiet"])
+        .current_dir(root())
+        .env("TMPDIR", tmp.path())
+        .output()
+        .expect("run expertmesh demo");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stale.exists(), "the interrupted demo's folder is left");
+    assert!(running.exists(), "a running process's folder was removed");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        left.len(),
+        1,
+        "this demo's own folder is removed too: {left:?}"
+    );
+}
