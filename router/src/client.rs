@@ -101,7 +101,7 @@
 mod driver;
 mod encode;
 mod link;
-mod liveness;
+pub(crate) mod liveness;
 mod pending;
 pub mod placement;
 #[cfg(test)]

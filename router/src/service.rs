@@ -704,12 +704,19 @@ impl FrontendConn {
             .unwrap_or_else(|e| e.into_inner())
             .insert(self.client, out);
         // The task holds no sender of its own queue: it ends once this connection is gone.
-        let write_task = tokio::spawn(write_responses(writer, slots.clone(), peer, out_rx));
+        let write_task = tokio::spawn(write_responses(
+            Arc::clone(&writer),
+            slots.clone(),
+            peer,
+            out_rx,
+        ));
         // Counted before this connection's first request reaches the core (same queue).
         self.admission.lock().open();
         self.open.fetch_add(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
-        let idle_close = self.read_requests(reader, &out_tx, &slots, peer).await;
+        let idle_close = self
+            .read_requests(reader, &out_tx, &slots, &writer, peer)
+            .await;
         self.admission.lock().close(self.client);
         self.open.fetch_sub(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
@@ -729,11 +736,17 @@ impl FrontendConn {
     /// payload is read ([`crate::admission`]); an admitted one is read, validated here and
     /// handed to the core. A shed or refused request's payload is skipped, never held.
     /// Returns (frontend name, why) when it closed the connection for idleness.
+    ///
+    /// A frame's head is read before its request takes one of the connection's slots (its
+    /// payload after): a client's keepalive probe is answered at once, without a slot, so a
+    /// client with every slot taken by requests that are slow to answer (a device waited for up
+    /// to their deadline) still hears that the router is alive, instead of giving it up.
     async fn read_requests(
         &self,
         mut reader: FrameReader,
         out_tx: &mpsc::Sender<ClientMsg>,
         slots: &Semaphore,
+        writer: &tokio::sync::Mutex<FrontendWriter>,
         peer: SocketAddr,
     ) -> Option<(String, String)> {
         let reply = |request_id: u64, code: ErrorCode, message: String| {
@@ -747,10 +760,6 @@ impl FrontendConn {
         };
         let mut last_request = tokio::time::Instant::now();
         loop {
-            match slots.acquire().await {
-                Ok(p) => p.forget(),
-                Err(_) => break,
-            }
             let read = tokio::select! {
                 r = reader.read_head() => r,
                 idle = self.idle(last_request, slots) => {
@@ -774,8 +783,29 @@ impl FrontendConn {
                     break;
                 }
             };
+            if let Some(Ok(Body::LayerRequest(req))) = head.body()
+                && req.layer == crate::client::liveness::PROBE_LAYER
+                && req.tokens == 0
+                && head.payload_len() == 0
+            {
+                let message = "keepalive probe: no layer this far; the router is alive";
+                let written = writer
+                    .lock()
+                    .await
+                    .write_error(req.request_id, ErrorCode::NotFound, message)
+                    .await;
+                if let Err(e) = written {
+                    tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+                    break;
+                }
+                continue;
+            }
             if !matches!(head.body(), Some(Ok(Body::Heartbeat(_)))) {
                 last_request = tokio::time::Instant::now();
+            }
+            match slots.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
             }
             let taken = match self.take(head).await {
                 Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
@@ -833,8 +863,8 @@ impl FrontendConn {
     /// Completes (with the timeout) once this connection has been idle for
     /// [`FrontendConfig::idle_timeout`]: no request since `last_request`, none in flight, and
     /// (when one was in flight at the deadline) a whole period since it was seen answered
-    /// (`slots` holds one permit per request in flight, plus the one taken for the read under
-    /// way). Never completes without an idle timeout.
+    /// (`slots` lacks one permit per request in flight; none is taken while a head is read).
+    /// Never completes without an idle timeout.
     async fn idle(&self, last_request: tokio::time::Instant, slots: &Semaphore) -> Duration {
         let Some(idle) = self.frontend.idle_timeout else {
             return std::future::pending().await;
@@ -843,7 +873,7 @@ impl FrontendConn {
         let mut was_busy = false;
         loop {
             tokio::time::sleep_until(at).await;
-            let busy = slots.available_permits() + 1 < self.max_outstanding;
+            let busy = slots.available_permits() < self.max_outstanding;
             at = match (busy, was_busy) {
                 (false, false) => return idle,
                 // Requests in flight: look again shortly.

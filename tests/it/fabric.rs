@@ -674,6 +674,61 @@ fn a_worker_that_stops_answering_fails_only_the_requests_that_need_it_within_the
     fabric.shutdown();
 }
 
+/// A client that has every one of its connection's slots taken (the client's default window
+/// is the router's per-connection limit) by requests waiting for a stopped worker still hears
+/// the router answer its keepalive probes: each request ends with the router's own answer at
+/// its deadline (past the client's keepalive bound of 3 s), not with the client giving up a
+/// live router.
+#[test]
+fn a_full_window_waiting_for_a_stopped_worker_keeps_the_router_alive_to_its_client() {
+    let _machine = crate::support::shared();
+    let opts = options(LinkKind::Tcp, ComputeMode::Exact);
+    let fabric = LocalFabric::start(opts).unwrap();
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[1];
+    let mut r = Reference::new(&spec, fabric.deployment().seed);
+    let (_, needs_cpu1) = tokens_by_experts(&mut r, layer, 0..16);
+    assert!(!needs_cpu1.is_empty());
+    let rt = rt();
+    let mut c = rt
+        .block_on(RouterClient::connect(
+            fabric.frontend_addr(),
+            &fabric.frontend_config(),
+        ))
+        .unwrap();
+    let window = expertmesh_router::client::DEFAULT_MAX_IN_FLIGHT;
+    fabric.signal_worker(1, libc::SIGSTOP).unwrap();
+    let deadline = Duration::from_millis(4500);
+    let t = Instant::now();
+    let handles: Vec<_> = (0..window)
+        .map(|i| {
+            let x = &needs_cpu1[i % needs_cpu1.len()];
+            rt.block_on(c.submit(layer, x.as_slice(), h, None, Some(deadline)))
+                .unwrap()
+        })
+        .collect();
+    for handle in handles {
+        match rt.block_on(c.wait(handle)) {
+            Ok(_) => {} // served by a replica (experts 16-19 also live on cpu0)
+            Err(e) => assert!(
+                matches!(
+                    e.code(),
+                    Some(ErrorCode::DeadlineExceeded | ErrorCode::PeerUnavailable)
+                ),
+                "the router's answer, not the client giving it up: {e}"
+            ),
+        }
+    }
+    assert!(
+        t.elapsed() < deadline + Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    fabric.signal_worker(1, libc::SIGCONT).unwrap();
+    fabric.shutdown();
+}
+
 #[test]
 fn a_gpu_device_without_hip_falls_back_to_the_cpu_backend_with_a_log_line() {
     let _machine = crate::support::shared();

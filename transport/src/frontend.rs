@@ -716,6 +716,11 @@ impl FrameHead {
         self.header.frame_len as usize
     }
 
+    /// The payload's length in bytes (not read yet).
+    pub fn payload_len(&self) -> usize {
+        self.header.payload_len as usize
+    }
+
     /// The metadata, decoded: `None` when it is longer than [`MAX_HEAD_META_BYTES`] (not read
     /// yet), `Some(Err(..))` when it does not decode (the stream is still framed).
     pub fn body(&self) -> Option<&Result<Body, CodecError>> {

@@ -26,7 +26,7 @@ pub(super) const PROBE_ID_BIT: u64 = 1 << 63;
 
 /// Layer number of a probe: past any model's last layer, so every router refuses it with
 /// `NotFound` when it reads it, without computing anything.
-pub(super) const PROBE_LAYER: u32 = u32::MAX;
+pub(crate) const PROBE_LAYER: u32 = u32::MAX;
 
 /// A keepalive probe with id `id` (which has [`PROBE_ID_BIT`] set): no tokens, no payload.
 pub(super) fn probe_request(id: u64) -> LayerRequest {
