@@ -898,10 +898,17 @@ impl FrontendConn {
             }
             Some(Ok(other)) => {
                 let message = format!(
-                    "frontends send LayerRequest frames, not {:?}",
+                    "frontends send LayerRequest frames (and Placement frames to apply one), not \
+                     {:?}",
                     kind_name(other)
                 );
-                return Take::Skip(head, Some((0, ErrorCode::BadFrame, message)));
+                // A placement frame carries its own request id (its caller waits on it); other
+                // kinds have none to answer.
+                let rid = match other {
+                    Body::Placement(p) => p.request_id,
+                    _ => 0,
+                };
+                return Take::Skip(head, Some((rid, ErrorCode::BadFrame, message)));
             }
             Some(Err(error)) => {
                 let message = format!("bad frame: {error}");
