@@ -283,9 +283,19 @@ impl MeshInner {
         let old = cur.replace(Arc::clone(&link));
         drop(cur);
         if let Some(old) = old {
-            old.fail(ProtocolError::Closed(
-                "superseded by a new connection from the same rank".into(),
-            ));
+            let why = "superseded by a new connection from the same rank (the old link had gone \
+                       silent); what was sent on it is lost";
+            old.fail(ProtocolError::Closed(why.into()));
+            // The old link's own closing reports nothing (its successor is in place): the loss
+            // is reported here, before the new link's PeerUp, so the application learns that
+            // what it sent on the old link will not be answered (it re-sends or fails it)
+            // rather than waiting for those answers until their deadlines.
+            if !self.is_shutdown() {
+                self.notify(TransportEvent::PeerLost(PeerError {
+                    peer: rank,
+                    kind: PeerErrorKind::LinkFailed(why.into()),
+                }));
+            }
         }
         let ctl = tokio::spawn(Arc::clone(&link).control_loop());
         link.add_task(ctl.abort_handle());

@@ -63,11 +63,13 @@ fn child_rank() {
     let addrs: Vec<SocketAddr> = parts[1..3].iter().map(|a| a.parse().unwrap()).collect();
     let dir = std::path::PathBuf::from(parts[3]);
     let window: u64 = parts[4].parse().unwrap();
+    let mut cfg = config(kind, 1, &addrs, &dir, window);
+    if let Some(idle_ms) = parts.get(5) {
+        cfg.protocol.idle_timeout = Duration::from_millis(idle_ms.parse().unwrap());
+    }
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let (_mesh, _events) = Mesh::start(config(kind, 1, &addrs, &dir, window))
-            .await
-            .unwrap();
+        let (_mesh, _events) = Mesh::start(cfg).await.unwrap();
         // Hold everything; the parent kills us. Give up after a while in case it does not.
         tokio::time::sleep(Duration::from_secs(30)).await;
     });
@@ -247,4 +249,73 @@ async fn stopped_peer_process_times_out_shm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_blocked_on_a_frozen_peer_ends_at_the_idle_timeout() {
     failed_peer(LinkKind::Tcp, Failure::StopBeforeSends).await;
+}
+
+/// A frozen peer process whose rank is taken over by a new process before the idle timeout
+/// (its link silent past the live window): the mesh replaces the old link and reports it lost
+/// before the new one is up, so the application does not wait for answers on the old link
+/// until their deadlines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_link_replaced_by_a_new_process_is_reported_lost_first() {
+    let addrs: Vec<SocketAddr> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect::<Vec<_>>()
+        .iter()
+        .map(|l| l.local_addr().unwrap())
+        .collect();
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    // An idle timeout far past the live window (two 100 ms heartbeats): only the new
+    // connection can end the old link within this test.
+    let idle = Duration::from_secs(20);
+    let tcp = |rank, a: [SocketAddr; 2]| {
+        let mut c = config(LinkKind::Tcp, rank, &a, dir.path(), SMALL_WINDOW);
+        c.protocol.idle_timeout = idle;
+        c
+    };
+    let (mesh, mut events) = Mesh::start(tcp(0, [addrs[0], addrs[1]])).await.unwrap();
+    let spec = format!(
+        "tcp,{},{},{},{SMALL_WINDOW},{}",
+        addrs[0],
+        addrs[1],
+        dir.path().display(),
+        idle.as_millis()
+    );
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "process_kill::child_rank",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EXPERTMESH_CHILD_SPEC", spec)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = ChildGuard(child);
+    mesh.wait_connected(&[1], T).await.unwrap();
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
+    // The same rank again, from this process (its own listening address).
+    let (second, _second_events) = Mesh::start(tcp(1, [addrs[0], addrs[2]])).await.unwrap();
+    // Rank 1's notices: up (the child), then the takeover.
+    let mut seen: Vec<String> = Vec::new();
+    while seen.iter().filter(|s| *s == "up").count() < 2 {
+        let ev = tokio::time::timeout(T, events.recv())
+            .await
+            .expect("an event within 30 s")
+            .expect("events go on");
+        match ev {
+            TransportEvent::PeerLost(e) if e.peer == 1 => seen.push(format!("lost: {e}")),
+            TransportEvent::PeerUp { peer: 1, .. } => seen.push("up".into()),
+            _ => {}
+        }
+    }
+    assert_eq!(seen.len(), 3, "up, lost, up: {seen:?}");
+    assert!(
+        seen[1].starts_with("lost") && seen[1].contains("superseded"),
+        "{seen:?}"
+    );
+    second.shutdown();
+    mesh.shutdown();
 }
