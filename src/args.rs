@@ -255,7 +255,7 @@ impl RouterArgs {
             max_inflight_batches: 64,
             max_deadline: Duration::from_millis(self.max_deadline_ms),
             max_inflight_requests: 64,
-            max_inflight_tokens: self.max_inflight_tokens.max(1),
+            max_inflight_tokens: self.max_inflight_tokens,
             accurate_dtype: ActivationDtype::F32,
         }
     }

@@ -212,7 +212,10 @@ impl<'a> PackedSource<'a> {
         let zeros = if ckpt.contains(&zero_name) {
             let view = ckpt.tensor(&zero_name)?;
             if !matches!(view.dtype(), Dtype::I32 | Dtype::U32) {
-                let reason = format!("dtype {} (packed zero points must be I32)", view.dtype());
+                let reason = format!(
+                    "dtype {} (packed zero points must be I32 or U32)",
+                    view.dtype()
+                );
                 return Err(fail(&zero_name, reason));
             }
             check_shape(

@@ -661,7 +661,6 @@ impl Drop for LocalFabric {
     }
 }
 
-/// The worker log directory: the one asked for, or a fresh temporary one.
 /// Removes the credential files (`*.cred`) from `dir`, best effort.
 fn remove_credential_files(dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -674,6 +673,7 @@ fn remove_credential_files(dir: &std::path::Path) {
     }
 }
 
+/// The worker log directory: the one asked for, or a fresh temporary one.
 fn log_dir(opts: &LocalFabricOptions) -> Result<(Option<tempfile::TempDir>, PathBuf), FabricError> {
     match &opts.log_dir {
         Some(d) => {

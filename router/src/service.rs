@@ -89,8 +89,8 @@ pub enum ServiceError {
     #[error(
         "micro-batches of {micro_batch} tokens are too large for {model} in this mode: a part \
          to one device (up to {slots} experts per token) would not fit a {max_frame_bytes}-byte \
-         frame; use micro-batches of {fits} tokens or less (`--micro-batch`; workers started \
-         apart need a matching `--max-tokens`)"
+         frame (or its metadata the 1 MiB head of one); use micro-batches of {fits} tokens or \
+         less (`--micro-batch`; workers started apart need a matching `--max-tokens`)"
     )]
     MicroBatchTooLarge {
         /// The configured micro-batch (tokens).
@@ -559,6 +559,8 @@ impl CoreTx {
 fn check_request_limits(cfg: &crate::core::RouterConfig) -> Result<(), ServiceError> {
     let why = if cfg.max_request_tokens == 0 {
         "a request carries at least one token: set --max-tokens to 1 or more"
+    } else if cfg.max_inflight_tokens == 0 {
+        "no request could ever be admitted: set --max-inflight-tokens to at least --max-tokens"
     } else if cfg.max_request_tokens > cfg.max_inflight_tokens {
         "the largest requests could never be admitted: raise --max-inflight-tokens to at least \
          --max-tokens, or lower --max-tokens"
@@ -788,15 +790,17 @@ impl FrontendConn {
                 && req.tokens == 0
                 && head.payload_len() == 0
             {
-                let message = "keepalive probe: no layer this far; the router is alive";
-                let written = writer
-                    .lock()
-                    .await
-                    .write_error(req.request_id, ErrorCode::NotFound, message)
-                    .await;
-                if let Err(e) = written {
-                    tracing::info!(%peer, error = %e, "frontend connection closed while writing");
-                    break;
+                // Never waiting for the writer: while it is busy the client is being sent
+                // answers (or is not reading), which say as much as this one would.
+                if let Ok(mut w) = writer.try_lock() {
+                    let message = "keepalive probe: no layer this far; the router is alive";
+                    let written = w
+                        .write_error(req.request_id, ErrorCode::NotFound, message)
+                        .await;
+                    if let Err(e) = written {
+                        tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+                        break;
+                    }
                 }
                 continue;
             }

@@ -224,6 +224,10 @@ fn up_refuses_request_limits_that_no_request_could_pass() {
             ["--max-tokens", "3000"],
             "raise --max-inflight-tokens to at least --max-tokens",
         ),
+        (
+            ["--max-inflight-tokens", "0"],
+            "set --max-inflight-tokens to at least --max-tokens",
+        ),
     ] {
         let mut c = Command::new(bin());
         c.arg("up")

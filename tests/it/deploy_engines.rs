@@ -519,6 +519,14 @@ fn parse_unit(path: &Path) -> Unit {
         if let Some(v) = line.strip_prefix("ExecStart=") {
             u.exec = v.split_whitespace().map(str::to_owned).collect();
         } else if let Some(v) = line.strip_prefix("Environment=") {
+            // A double-quoted assignment, as systemd reads it: `\"`, `\\` and `%%` unescaped.
+            let v = match v.strip_prefix('"').and_then(|q| q.strip_suffix('"')) {
+                Some(q) => q
+                    .replace("\\\"", "\"")
+                    .replace("\\\\", "\\")
+                    .replace("%%", "%"),
+                None => v.to_owned(),
+            };
             let (k, v) = v.split_once('=').unwrap();
             // %H is the host name, as systemd expands it.
             u.env.push((k.to_owned(), v.replace("%H", &hostname())));
@@ -528,6 +536,43 @@ fn parse_unit(path: &Path) -> Unit {
         }
     }
     u
+}
+
+/// Paths with spaces: the unit keeps a `--bin` path whole (its environment assignment quoted)
+/// and lets the service read files under home folders (where the README's weights live);
+/// Slurm refuses an output folder its `#SBATCH` lines cannot hold, saying what to do.
+#[test]
+fn deploy_files_keep_paths_with_spaces_whole_or_refuse_them() {
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("out");
+    let bin = "/opt/em bin/expert%mesh";
+    let r = inputs.deploy(&["systemd"], &out, &["--bin", bin]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let units: Vec<PathBuf> = files_under(&out.join("systemd"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "service"))
+        .collect();
+    assert!(!units.is_empty());
+    for path in &units {
+        let u = parse_unit(path);
+        let got = u.env.iter().find(|(k, _)| k == "EXPERTMESH_BIN");
+        assert_eq!(
+            got.map(|(_, v)| v.as_str()),
+            Some(bin),
+            "{}",
+            path.display()
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        assert!(text.contains("ProtectHome=read-only\n"), "{text}");
+    }
+    let spaced = inputs.dir.path().join("my bundle");
+    let r = inputs.deploy(&["slurm"], &spaced, &[]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("#SBATCH --output cannot hold spaces"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]

@@ -688,7 +688,9 @@ fn a_full_window_waiting_for_a_stopped_worker_keeps_the_router_alive_to_its_clie
     let h = spec.hidden as usize;
     let layer = spec.moe_layer_ids()[1];
     let mut r = Reference::new(&spec, fabric.deployment().seed);
-    let (_, needs_cpu1) = tokens_by_experts(&mut r, layer, 0..16);
+    // Tokens that need an expert only cpu1 holds (20-31: 16-19 have replicas on cpu0), so no
+    // request is answered before its deadline and frees a slot early.
+    let (_, needs_cpu1) = tokens_by_experts(&mut r, layer, 0..20);
     assert!(!needs_cpu1.is_empty());
     let rt = rt();
     let mut c = rt
@@ -710,7 +712,7 @@ fn a_full_window_waiting_for_a_stopped_worker_keeps_the_router_alive_to_its_clie
         .collect();
     for handle in handles {
         match rt.block_on(c.wait(handle)) {
-            Ok(_) => {} // served by a replica (experts 16-19 also live on cpu0)
+            Ok(_) => panic!("answered although it needs the stopped worker"),
             Err(e) => assert!(
                 matches!(
                     e.code(),

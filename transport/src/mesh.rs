@@ -166,7 +166,9 @@ pub enum TransportEvent {
         /// The peer process's incarnation (changes when the peer restarts).
         incarnation: u64,
     },
-    /// A link to a peer failed; sends to it fail until it is back.
+    /// A link to a peer failed; sends to it fail until it is back. (A link replaced by a new
+    /// connection from the same rank is reported lost just before the new one's `PeerUp`;
+    /// sends already go on the new link then.)
     PeerLost(PeerError),
 }
 
@@ -283,8 +285,8 @@ impl MeshInner {
         let old = cur.replace(Arc::clone(&link));
         drop(cur);
         if let Some(old) = old {
-            let why = "superseded by a new connection from the same rank (the old link had gone \
-                       silent); what was sent on it is lost";
+            let why = "superseded by a new connection from the same rank; what was sent on the \
+                       old link is lost";
             old.fail(ProtocolError::Closed(why.into()));
             // The old link's own closing reports nothing (its successor is in place): the loss
             // is reported here, before the new link's PeerUp, so the application learns that

@@ -43,8 +43,8 @@ impl Checkpoint {
     /// opens its single `model.safetensors`.
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref().to_path_buf();
-        // A folder that is not there (or not a folder) is said so, not "has no model files".
-        if let Err(source) = std::fs::read_dir(&dir) {
+        // A folder that is not there is said so, not "has no model files".
+        if let Err(source) = std::fs::metadata(&dir) {
             return Err(SafetensorsError::Io { path: dir, source });
         }
         let index = dir.join(INDEX_FILE);

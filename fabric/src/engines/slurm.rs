@@ -51,6 +51,22 @@ pub(super) fn write(
             .display()
             .to_string(),
     };
+    // `#SBATCH` lines are split on whitespace and `%` starts a Slurm filename pattern: the
+    // job's output path (inside the bundle) can hold neither, as `systemd`'s install folder.
+    if bundle
+        .chars()
+        .any(|c| c.is_whitespace() || c == '%' || c == '\\')
+    {
+        let what = if o.bundle_path.is_some() {
+            "--bundle-path"
+        } else {
+            "the output folder (--out)"
+        };
+        return Err(FabricError::Engine(format!(
+            "{what} {bundle:?}: the Slurm script's #SBATCH --output cannot hold spaces, '%' or \
+             '\\'; choose a path without them (or give --bundle-path)"
+        )));
+    }
     let hostfile: String = plan
         .processes
         .iter()

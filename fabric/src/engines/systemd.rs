@@ -40,7 +40,8 @@ pub(super) fn write(
             "--install-dir {dir:?}: give an absolute path without spaces or '%'"
         )));
     }
-    let out = plan.opts.out.display().to_string();
+    // The bundle's folder on this machine, one shell word in the copy commands.
+    let out = quote(&plan.opts.out.display().to_string());
     let mut hosts = format!(
         "# ExpertMesh fabric {:?}, generation {}: which unit goes on which host.\n\
          # On each host: copy the files, then enable and start its units.\n",
@@ -124,6 +125,21 @@ fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError
 }
 
 /// The unit of process `p` (the bundle installed at `dir` on its host).
+/// `value` inside a double-quoted unit-file assignment (`Environment="NAME=value"`):
+/// backslashes and quotes escaped, `%` doubled (a unit-file specifier otherwise); a newline
+/// cannot be written and is refused.
+fn unit_quoted(value: &str) -> Result<String, FabricError> {
+    if value.contains('\n') {
+        return Err(FabricError::Engine(format!(
+            "--bin {value:?}: a path with a line break cannot go into a systemd unit"
+        )));
+    }
+    Ok(value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('%', "%%"))
+}
+
 fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricError> {
     let role = match &p.role {
         super::Role::Router(i) => format!("router {i}"),
@@ -142,12 +158,12 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricErro
          Type=simple\n\
          ExecStart=/bin/sh {dir}/fabric/launch.sh {}\n\
          Environment=EXPERTMESH_NODE=%H\n\
-         Environment=EXPERTMESH_BIN={}\n",
+         Environment=\"EXPERTMESH_BIN={}\"\n",
         plan.dep.topology.name(),
         p.generation,
         plan.dep.topology.name().replace(['\n', '%'], "_"),
         p.name,
-        plan.opts.bin.replace(['\n', '%', ' '], "_"),
+        unit_quoted(&plan.opts.bin)?,
     );
     if plan.credentials.contains_key(&p.name) {
         s += &format!(
@@ -168,7 +184,7 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricErro
           LimitNOFILE=65536\n\
           NoNewPrivileges=yes\n\
           ProtectSystem=strict\n\
-          ProtectHome=yes\n\
+          ProtectHome=read-only\n\
           PrivateTmp=yes\n\
           ProtectKernelTunables=yes\n\
           ProtectKernelModules=yes\n\

@@ -188,7 +188,8 @@ pub fn part_slots(spec: &ModelSpec, shared_on_a_worker: bool) -> usize {
 impl RouterConfig {
     /// The most tokens a micro-batch of `spec` can have in this configuration's wire format
     /// when a part may carry `slots` experts per token ([`part_slots`]): both its dispatch and
-    /// its result frame within `max_frame_bytes` (0: not even one token fits).
+    /// its result frame within `max_frame_bytes`, and their heads within the codec's head limit
+    /// (0: not even one token fits).
     pub fn largest_micro_batch(
         &self,
         spec: &ModelSpec,

@@ -510,8 +510,10 @@ impl RouterCore {
     /// A link to a worker came up but the worker has not said what it holds yet: it is not
     /// chosen for parts until it has ([`RouterCore::on_peer_up`], after its announcement
     /// went through [`RouterCore::set_holdings`]), so a router that restarted with an older
-    /// placement file never sends it an expert it no longer holds. (A new link has no parts
-    /// out; the old link's were handled when it was lost.)
+    /// placement file never sends it an expert it no longer holds. (The old link's parts were
+    /// handled when it was lost: the mesh reports a replaced link lost before the new one is
+    /// up. Parts sent in the moment between the new link's install and that report went on
+    /// the new link and are sent again, to a replica, when the report is taken.)
     pub fn on_peer_joining(&mut self, rank: u32) {
         if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
             *a = false;

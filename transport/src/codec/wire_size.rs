@@ -104,8 +104,9 @@ pub fn wire_bytes_per_token(
 /// The most tokens one frame pair can carry to and from one device in wire format `wire`
 /// (hidden size `hidden`, every token with `slots_per_token` of the device's experts, the worst
 /// case of a part) such that both the dispatch and the result frame are at most
-/// `max_frame_bytes`, measured on encoded frames as [`wire_bytes_per_token`] is. A router must
-/// not cut micro-batches larger than this: their frames would be refused as too large.
+/// `max_frame_bytes` and their heads within [`MAX_HEAD_BYTES`](crate::codec::MAX_HEAD_BYTES),
+/// measured on encoded frames as [`wire_bytes_per_token`] is. A router must not cut
+/// micro-batches larger than this: their frames would be refused as too large.
 pub fn max_tokens_per_frame(
     wire: WireFormat,
     hidden: usize,

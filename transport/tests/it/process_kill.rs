@@ -113,9 +113,13 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
     } else {
         SMALL_WINDOW
     };
-    let (mesh, mut events) = Mesh::start(config(kind, 0, &addrs, dir.path(), window))
-        .await
-        .unwrap();
+    let mut cfg = config(kind, 0, &addrs, dir.path(), window);
+    if how == Failure::StopBeforeSends {
+        // Room for the checks made while the peer is frozen (a cancelled send of 100 ms
+        // included) before the idle timeout ends the link, on a busy machine too.
+        cfg.protocol.idle_timeout = Duration::from_secs(3);
+    }
+    let (mesh, mut events) = Mesh::start(cfg).await.unwrap();
     let spec = format!(
         "{},{},{},{},{window}",
         if kind == LinkKind::Shm { "shm" } else { "tcp" },
