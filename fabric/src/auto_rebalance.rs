@@ -33,6 +33,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Rounds kept for [`AutoRebalancer::rounds`]: a router runs for months, a round every
+/// `--auto-rebalance-every` (each is logged as it happens).
+pub const KEPT_ROUNDS: usize = 1024;
+
 /// When and how the loop rebalances (`--auto-rebalance-*`).
 #[derive(Debug, Clone)]
 pub struct AutoOptions {
@@ -203,7 +207,11 @@ impl AutoRebalancer {
                         last = l.snapshot();
                     }
                     l.log(&round);
-                    record.lock().unwrap_or_else(|e| e.into_inner()).push(round);
+                    let mut kept = record.lock().unwrap_or_else(|e| e.into_inner());
+                    if kept.len() == KEPT_ROUNDS {
+                        kept.remove(0);
+                    }
+                    kept.push(round);
                 }
             })
             .map_err(FabricError::io("starting the automatic rebalancing thread"))?;
@@ -215,7 +223,7 @@ impl AutoRebalancer {
         })
     }
 
-    /// The rounds so far, oldest first.
+    /// The last [`KEPT_ROUNDS`] rounds, oldest first.
     pub fn rounds(&self) -> Vec<Round> {
         self.rounds
             .lock()
