@@ -41,39 +41,70 @@ struct Job {
 /// The streams of experts this device was copied, kept on local disk so it can copy them on
 /// in turn (its host has no shard with them): one file per expert in a folder of its own,
 /// created on first use, removed when the expert is released and when the worker exits.
+///
+/// The folder is made fresh, private (mode 0700) and with a random name in the shared
+/// temporary folder, never taken over from a path someone else could have made first: what it
+/// holds goes to other devices as weights, checked by an unkeyed checksum only.
 pub(crate) struct CopyCache {
-    dir: std::path::PathBuf,
+    rank: u32,
+    /// Made on first use; `None` when it could not be made (nothing is kept then).
+    dir: std::sync::OnceLock<Option<tempfile::TempDir>>,
 }
 
 impl CopyCache {
     /// The cache of the worker with mesh rank `rank` in this process (nothing on disk yet).
     pub(crate) fn new(rank: u32) -> Self {
         Self {
-            dir: std::env::temp_dir().join(format!("{CACHE_PREFIX}{}-{rank}", std::process::id())),
+            rank,
+            dir: std::sync::OnceLock::new(),
         }
     }
 
-    fn path(&self, key: ExpertKey) -> std::path::PathBuf {
-        self.dir
-            .join(format!("layer{}-expert{}.emxf", key.layer, key.expert))
+    /// The folder, made on the first call (removing first the caches killed workers left
+    /// behind: their process is gone).
+    fn folder(&self) -> Option<&std::path::Path> {
+        let made = self.dir.get_or_init(|| {
+            let tmp = std::env::temp_dir();
+            remove_orphans(&tmp);
+            let prefix = format!("{CACHE_PREFIX}{}-{}-", std::process::id(), self.rank);
+            let private = {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::Permissions::from_mode(0o700)
+            };
+            let made = tempfile::Builder::new()
+                .prefix(&prefix)
+                .permissions(private)
+                .tempdir_in(&tmp);
+            match made {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::warn!(
+                        dir = %tmp.display(),
+                        "cannot make a folder for copied experts ({e}); other devices will copy them from another owner"
+                    );
+                    None
+                }
+            }
+        });
+        made.as_ref().map(tempfile::TempDir::path)
+    }
+
+    /// `key`'s file in the folder, once the folder is made.
+    fn path(&self, key: ExpertKey) -> Option<std::path::PathBuf> {
+        Some(self.dir.get()?.as_ref()?.path().join(file_name(key)))
     }
 
     /// Keeps `key`'s stream. A failure (a full disk) only means this device cannot copy
-    /// it on: logged, and the copy itself goes on. Creating the folder first removes the
-    /// caches killed workers left behind (their process is gone).
+    /// it on: logged, and the copy itself goes on.
     pub(crate) fn put(&self, key: ExpertKey, stream: &[u8]) {
-        if !self.dir.exists()
-            && let Some(tmp) = self.dir.parent()
-        {
-            remove_orphans(tmp);
-        }
-        let wrote = std::fs::create_dir_all(&self.dir)
-            .and_then(|()| std::fs::write(self.path(key), stream));
-        if let Err(e) = wrote {
+        let Some(dir) = self.folder() else {
+            return;
+        };
+        if let Err(e) = std::fs::write(dir.join(file_name(key)), stream) {
             tracing::warn!(
                 layer = key.layer,
                 expert = key.expert,
-                dir = %self.dir.display(),
+                dir = %dir.display(),
                 "keeping a copied expert for copying it on failed ({e}); other devices will copy it from another owner"
             );
         }
@@ -81,16 +112,19 @@ impl CopyCache {
 
     /// `key`'s stream, when this device was copied it.
     pub(crate) fn get(&self, key: ExpertKey) -> Option<Vec<u8>> {
-        std::fs::read(self.path(key)).ok()
+        std::fs::read(self.path(key)?).ok()
     }
 
     /// Forgets `key` (released).
     pub(crate) fn remove(&self, key: ExpertKey) {
-        let _ = std::fs::remove_file(self.path(key));
+        if let Some(p) = self.path(key) {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
 
-/// The name of a copy cache folder: this, the worker's process id, `-`, its mesh rank.
+/// The name of a copy cache folder: this, the worker's process id, `-`, its mesh rank, `-`
+/// and random characters.
 const CACHE_PREFIX: &str = "expertmesh-copies-";
 
 /// Removes the copy caches in `tmp` whose process is gone (Linux: no `/proc/PID`; elsewhere,
@@ -117,10 +151,11 @@ fn remove_orphans(tmp: &std::path::Path) {
     }
 }
 
-impl Drop for CopyCache {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+// The folder goes with the cache: `TempDir` removes it when dropped.
+
+/// The file of `key`'s stream in a cache folder.
+fn file_name(key: ExpertKey) -> String {
+    format!("layer{}-expert{}.emxf", key.layer, key.expert)
 }
 
 /// The owner's copy server: one thread, a bounded queue.
@@ -456,6 +491,32 @@ impl ExpertSource for Chain {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cache's folder is made on first use, private (0700) and uniquely named after the
+    /// process and rank; a stream put is read back, a removed one is gone, and the folder goes
+    /// with the cache.
+    #[test]
+    fn the_copy_cache_keeps_streams_in_a_private_folder_of_its_own() {
+        use std::os::unix::fs::PermissionsExt;
+        let cache = CopyCache::new(7);
+        let key = ExpertKey {
+            layer: 3,
+            expert: 11,
+        };
+        assert_eq!(cache.get(key), None, "nothing on disk before the first put");
+        cache.put(key, b"a stream");
+        let dir = cache.folder().expect("the folder is made").to_path_buf();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let ours = format!("{CACHE_PREFIX}{}-7-", std::process::id());
+        assert!(name.starts_with(&ours) && name.len() > ours.len(), "{name}");
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", dir.display());
+        assert_eq!(cache.get(key).as_deref(), Some(&b"a stream"[..]));
+        cache.remove(key);
+        assert_eq!(cache.get(key), None);
+        drop(cache);
+        assert!(!dir.exists(), "the folder goes with the cache");
+    }
 
     #[test]
     fn a_cache_left_by_a_dead_worker_is_removed_and_a_live_ones_kept() {
