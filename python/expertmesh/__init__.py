@@ -61,3 +61,15 @@ from ._native import DEFAULT_MAX_IN_FLIGHT, Handle, RouterClient
 __version__ = "0.1.0"
 
 __all__ = ["RouterClient", "Handle", "DEFAULT_MAX_IN_FLIGHT", *_errors.__all__]
+
+# The submodules, imported on first use as attributes (``expertmesh.aio.RouterClient``, as the
+# README writes it), so that ``import expertmesh`` stays light: hf needs torch, vllm needs vLLM.
+_SUBMODULES = ("aio", "bench", "bench_vllm", "hf", "vllm")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

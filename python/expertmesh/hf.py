@@ -155,9 +155,12 @@ def attach(
     ``ValueError`` when the model has none (an unsupported family: see
     :data:`MOE_BLOCK_CLASSES`), and whatever ``client.check_shape`` raises when the router does
     not serve a replaced layer with the model's hidden size (it serves another checkpoint).
+    Every block is found and checked before any is replaced: when it raises, the model is as
+    it was.
     """
     cls = __getattr__("FabricMoE")
-    found: Dict[int, str] = {}
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    blocks = []
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
         if kind not in MOE_BLOCK_CLASSES:
@@ -165,22 +168,25 @@ def attach(
         m = _LAYER.search(name)
         if not m:
             raise ValueError(f"{name}: a {kind} outside model.layers.N.mlp; cannot tell its layer")
-        found[int(m.group(1))] = name
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        gate = getattr(module, "gate", None)
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        if hidden is not None:
-            client.check_shape(int(m.group(1)), 1, int(hidden))
-        replacement = cls(client, int(m.group(1)), gate, _returns_pair(kind), max_tokens, deadline_ms)
-        if not drop_experts:
-            replacement.original = module  # kept (a submodule): e.g. to compare outputs
-        setattr(parent, attr, replacement)
-    if not found:
+        blocks.append((int(m.group(1)), name, module, kind))
+    if not blocks:
         raise ValueError(
             f"{type(model).__name__} has no sparse MoE block of a known class "
             f"({', '.join(MOE_BLOCK_CLASSES)}); transformers version mismatch?"
         )
+    if hidden is not None:
+        for layer, _, _, _ in blocks:
+            client.check_shape(layer, 1, int(hidden))
+    found: Dict[int, str] = {}
+    for layer, name, module, kind in blocks:
+        found[layer] = name
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        gate = getattr(module, "gate", None)
+        replacement = cls(client, layer, gate, _returns_pair(kind), max_tokens, deadline_ms)
+        if not drop_experts:
+            replacement.original = module  # kept (a submodule): e.g. to compare outputs
+        setattr(parent, attr, replacement)
     return found
 
 

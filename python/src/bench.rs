@@ -34,7 +34,7 @@ pub(crate) fn rust_loop(
     depth: usize,
     warmup: usize,
 ) -> PyResult<(u64, Vec<u64>)> {
-    let addrs = resolve(addr)?;
+    let addrs = resolve(py, addr)?;
     let cfg = frontend_config(cluster, secret)?;
     let v = array::view(x, "x")?;
     if v.elem != Elem::F32 {

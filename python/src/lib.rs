@@ -189,7 +189,7 @@ impl PyRouterClient {
         max_in_flight: usize,
         connect_timeout_s: f64,
     ) -> PyResult<Self> {
-        let addrs = resolve(addr)?;
+        let addrs = resolve(py, addr)?;
         let cfg = match credentials {
             Some(path) if secret.is_none() => credentials_config(cluster, &path)?,
             Some(_) => {
@@ -535,65 +535,83 @@ async fn connect_any(
 }
 
 /// `"HOST:PORT"`, `(host, port)`, `"A:P,B:P"` or a list of addresses: every address each
-/// resolves to (IPv4 first), in the order given.
-fn resolve(addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
-    if let Ok(s) = addr.cast::<PyString>() {
+/// resolves to (IPv4 first), in the order given. The names are read from Python with the GIL
+/// held; the lookups (DNS, which can take seconds) run without it, so other Python threads
+/// and an asyncio loop go on meanwhile.
+fn resolve(py: Python<'_>, addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
+    let texts = addr_texts(addr)?;
+    py.detach(|| resolve_texts(&texts))
+        .map_err(PyValueError::new_err)
+}
+
+/// The `HOST:PORT` texts of `addr` (see [`resolve`]), at least one.
+fn addr_texts(addr: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let texts = if let Ok(s) = addr.cast::<PyString>() {
         let text = s.extract::<String>()?;
-        if text.contains(',') {
-            let mut all = Vec::new();
-            for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                all.extend(resolve_one(&PyString::new(addr.py(), part).into_any())?);
-            }
-            return Ok(all);
-        }
+        text.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect()
     } else if let Ok(list) = addr.cast::<PyList>() {
         let mut all = Vec::new();
         for item in list.iter() {
-            all.extend(resolve_one(&item)?);
+            all.push(addr_text(&item)?);
         }
-        if all.is_empty() {
-            return Err(PyValueError::new_err("addr: the list of routers is empty"));
-        }
-        return Ok(all);
+        all
+    } else {
+        vec![addr_text(addr)?]
+    };
+    if texts.is_empty() {
+        return Err(PyValueError::new_err(
+            "addr: no router address given; write HOST:PORT, several separated by commas",
+        ));
     }
-    resolve_one(addr)
+    Ok(texts)
 }
 
-/// One `"HOST:PORT"` or `(host, port)`: every address it resolves to, IPv4 first.
-fn resolve_one(addr: &Bound<'_, PyAny>) -> PyResult<Vec<SocketAddr>> {
-    let text = if let Ok(s) = addr.cast::<PyString>() {
-        s.extract::<String>()?
+/// One `"HOST:PORT"` or `(host, port)` as text.
+fn addr_text(addr: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(s) = addr.cast::<PyString>() {
+        Ok(s.extract::<String>()?.trim().to_owned())
     } else if let Ok((host, port)) = addr.extract::<(String, u16)>() {
-        if host.contains(':') {
+        Ok(if host.contains(':') {
             format!("[{host}]:{port}")
         } else {
             format!("{host}:{port}")
-        }
+        })
     } else {
-        return Err(PyTypeError::new_err(format!(
+        Err(PyTypeError::new_err(format!(
             "addr: expected \"HOST:PORT\" or a (host, port) tuple, got {}",
             array::type_name(addr)
-        )));
-    };
-    if let Ok(a) = text.parse::<SocketAddr>() {
-        return Ok(vec![a]);
+        )))
     }
-    if !text.contains(':') {
-        return Err(PyValueError::new_err(format!(
-            "addr: {text:?} has no port; write HOST:PORT, e.g. 127.0.0.1:47400"
-        )));
+}
+
+/// Every address the texts resolve to, IPv4 first within each, in the order given.
+fn resolve_texts(texts: &[String]) -> Result<Vec<SocketAddr>, String> {
+    let mut all = Vec::new();
+    for text in texts {
+        if let Ok(a) = text.parse::<SocketAddr>() {
+            all.push(a);
+            continue;
+        }
+        if !text.contains(':') {
+            return Err(format!(
+                "addr: {text:?} has no port; write HOST:PORT, e.g. 127.0.0.1:47400"
+            ));
+        }
+        let mut addrs: Vec<SocketAddr> = text
+            .to_socket_addrs()
+            .map_err(|e| format!("addr: cannot resolve {text:?}: {e}"))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(format!("addr: {text:?} resolves to no address"));
+        }
+        addrs.sort_by_key(|a| !a.is_ipv4());
+        all.extend(addrs);
     }
-    let mut addrs: Vec<SocketAddr> = text
-        .to_socket_addrs()
-        .map_err(|e| PyValueError::new_err(format!("addr: cannot resolve {text:?}: {e}")))?
-        .collect();
-    if addrs.is_empty() {
-        return Err(PyValueError::new_err(format!(
-            "addr: {text:?} resolves to no address"
-        )));
-    }
-    addrs.sort_by_key(|a| !a.is_ipv4());
-    Ok(addrs)
+    Ok(all)
 }
 
 /// The handshake settings: `cluster` and the secret (given, or from the environment as the

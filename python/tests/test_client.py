@@ -324,6 +324,9 @@ def test_connection_errors(fabric):
         expertmesh.RouterClient("localhost")
     with pytest.raises(TypeError, match="addr: expected"):
         expertmesh.RouterClient(47400)
+    for nothing in (",", " , ", []):
+        with pytest.raises(ValueError, match="addr: no router address given"):
+            expertmesh.RouterClient(nothing)
     with pytest.raises(TypeError, match="secret: expected str or bytes"):
         expertmesh.RouterClient(fabric.addr, secret=5)
     host, port = fabric.addr.rsplit(":", 1)
@@ -466,3 +469,23 @@ def test_every_router_error_code_has_its_exception():
     assert type(_from_native("protocol", None, None, "odd", "odd")) is expertmesh.ProtocolError
     assert type(_from_native("input", None, None, "bad", "bad")) is ValueError
     assert issubclass(expertmesh.DeadlineExceeded, TimeoutError)
+
+
+def test_submodules_are_attributes_as_the_readme_writes_them():
+    # The README's `expertmesh.aio.RouterClient.connect(...)` after a plain `import expertmesh`,
+    # in a fresh interpreter (this file imports `aio` itself, which would hide the problem).
+    import subprocess
+    import sys
+
+    code = (
+        "import expertmesh\n"
+        "assert expertmesh.aio.RouterClient.__name__ == 'RouterClient'\n"
+        "try:\n"
+        "    expertmesh.nothing\n"
+        "except AttributeError as e:\n"
+        "    assert \"no attribute 'nothing'\" in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
