@@ -564,7 +564,7 @@ fn addr_texts(addr: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     };
     if texts.is_empty() {
         return Err(PyValueError::new_err(
-            "addr: no router address given; write HOST:PORT, several separated by commas",
+            "addr: the list of routers is empty; write HOST:PORT, several separated by commas",
         ));
     }
     Ok(texts)

@@ -325,7 +325,7 @@ def test_connection_errors(fabric):
     with pytest.raises(TypeError, match="addr: expected"):
         expertmesh.RouterClient(47400)
     for nothing in (",", " , ", []):
-        with pytest.raises(ValueError, match="addr: no router address given"):
+        with pytest.raises(ValueError, match="addr: the list of routers is empty"):
             expertmesh.RouterClient(nothing)
     with pytest.raises(TypeError, match="secret: expected str or bytes"):
         expertmesh.RouterClient(fabric.addr, secret=5)

@@ -817,11 +817,15 @@ impl ComputeCtx {
             return;
         }
         let started = Instant::now();
+        // Only a dispatch computed counts (tokens, pairs, each expert's pairs, compute time):
+        // a refused one (an expert not held, overload) computed nothing.
         let out = match self.exec.execute(d, frame.payload()) {
-            Ok((res, bytes)) => OutFrame::with_payload(Body::Result(res), bytes),
+            Ok((res, bytes)) => {
+                self.metrics.on_executed(d, started);
+                OutFrame::with_payload(Body::Result(res), bytes)
+            }
             Err(e) => error_frame(d.batch_id, e),
         };
-        self.metrics.on_executed(d, started);
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
         self.send_on(from, generation, &out);
@@ -1218,11 +1222,17 @@ impl ComputeCtx {
         let Some((sub, payload)) = local else {
             return;
         };
+        // This device's own share of a forwarded dispatch is computed here: counted as one.
+        let started = Instant::now();
+        let metrics = &self.metrics;
         let out = self
             .fanout
             .as_mut()
             .and_then(|f| match self.exec.execute(&sub, &payload) {
-                Ok((res, bytes)) => f.on_local(key, &res, &bytes),
+                Ok((res, bytes)) => {
+                    metrics.on_executed(&sub, started);
+                    f.on_local(key, &res, &bytes)
+                }
                 Err(e) => f.on_local_error(key, e),
             });
         self.answer_routers(out);
