@@ -209,34 +209,9 @@ pub fn convert(
         })?;
     let fingerprint = fingerprint(job)?;
     check_router_tensors(job)?;
+    check_dense_shared_on_router(job)?;
     let devices = job.topology.devices();
-    if job.shared_dense
-        && let Some(l) = job.spec.moe_layer_ids().into_iter().find(|&l| {
-            matches!(
-                job.placement.shared_location(l),
-                Some(SharedLocation::Device(_))
-            )
-        })
-    {
-        return Err(ConvertError::Placement(format!(
-            "the placement runs layer {l}'s shared experts on a device, but this checkpoint \
-             keeps them unquantized and dense shared experts run on the router: place shared \
-             experts on the router, or pass --quantize-shared to quantize them to INT4"
-        )));
-    }
-    let plans: Vec<Vec<Item>> = devices
-        .iter()
-        .map(|d| device_items(job.spec, job.placement, d.rank()))
-        .collect();
-    let router_items: Vec<Item> = if job.shared_dense {
-        Vec::new()
-    } else {
-        job.spec
-            .moe_layer_ids()
-            .into_iter()
-            .flat_map(|l| shared_items(job.spec, l))
-            .collect()
-    };
+    let (plans, router_items) = job_items(job);
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
@@ -295,6 +270,47 @@ pub fn convert(
         shards_written: written,
         source_bytes_converted: converted + router_bytes,
     })
+}
+
+/// Dense (unquantized) shared experts run on the router: a placement that puts a layer's
+/// shared experts on a device cannot keep them dense.
+fn check_dense_shared_on_router(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
+    if job.shared_dense
+        && let Some(l) = job.spec.moe_layer_ids().into_iter().find(|&l| {
+            matches!(
+                job.placement.shared_location(l),
+                Some(SharedLocation::Device(_))
+            )
+        })
+    {
+        return Err(ConvertError::Placement(format!(
+            "the placement runs layer {l}'s shared experts on a device, but this checkpoint \
+             keeps them unquantized and dense shared experts run on the router: place shared \
+             experts on the router, or pass --quantize-shared to quantize them to INT4"
+        )));
+    }
+    Ok(())
+}
+
+/// The experts of each device's shard (topology order) and those of the router file (the
+/// shared experts, quantized, unless kept dense there).
+fn job_items(job: &ConvertJob<'_>) -> (Vec<Vec<Item>>, Vec<Item>) {
+    let plans = job
+        .topology
+        .devices()
+        .iter()
+        .map(|d| device_items(job.spec, job.placement, d.rank()))
+        .collect();
+    let router_items = if job.shared_dense {
+        Vec::new()
+    } else {
+        job.spec
+            .moe_layer_ids()
+            .into_iter()
+            .flat_map(|l| shared_items(job.spec, l))
+            .collect()
+    };
+    (plans, router_items)
 }
 
 type ShardsResult = Result<(Vec<ShardRecord>, usize, usize, u64), ConvertError>;

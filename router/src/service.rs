@@ -737,12 +737,8 @@ impl FrontendConn {
     /// Reader: each request is admitted or shed from its header and metadata, before its
     /// payload is read ([`crate::admission`]); an admitted one is read, validated here and
     /// handed to the core. A shed or refused request's payload is skipped, never held.
-    /// Returns (frontend name, why) when it closed the connection for idleness.
-    ///
-    /// A frame's head is read before its request takes one of the connection's slots (its
-    /// payload after): a client's keepalive probe is answered at once, without a slot, so a
-    /// client with every slot taken by requests that are slow to answer (a device waited for up
-    /// to their deadline) still hears that the router is alive, instead of giving it up.
+    /// Returns (frontend name, why) when it closed the connection for idleness. A head is read
+    /// before its request takes a slot: keepalive probes need none ([`answer_probe`]).
     async fn read_requests(
         &self,
         mut reader: FrameReader,
@@ -765,51 +761,31 @@ impl FrontendConn {
             let read = tokio::select! {
                 r = reader.read_head() => r,
                 idle = self.idle(last_request, slots) => {
-                    let message = format!(
-                        "closed: no request for {idle:?} and none in flight (the router's \
-                         frontend idle timeout, router --frontend-idle-timeout-s); connect again"
-                    );
-                    let _ = out_tx.try_send(ClientMsg::Error {
-                        request_id: 0,
-                        code: ErrorCode::ShuttingDown,
-                        message: message.clone(),
-                    });
-                    return Some((reader.frontend().to_owned(), message));
+                    return Some(idle_closed(idle, &reader, out_tx));
                 }
             };
             let head = match read {
                 Ok(h) => h,
-                Err(FrontendError::Closed { .. }) => break,
                 Err(e) => {
-                    tracing::info!(%peer, error = %e, "frontend connection closed");
+                    if !matches!(e, FrontendError::Closed { .. }) {
+                        tracing::info!(%peer, error = %e, "frontend connection closed");
+                    }
                     break;
                 }
             };
-            if let Some(Ok(Body::LayerRequest(req))) = head.body()
-                && req.layer == crate::client::liveness::PROBE_LAYER
-                && req.tokens == 0
-                && head.payload_len() == 0
-            {
-                // Never waiting for the writer: while it is busy the client is being sent
-                // answers (or is not reading), which say as much as this one would.
-                if let Ok(mut w) = writer.try_lock() {
-                    let message = "keepalive probe: no layer this far; the router is alive";
-                    let written = w
-                        .write_error(req.request_id, ErrorCode::NotFound, message)
-                        .await;
-                    if let Err(e) = written {
-                        tracing::info!(%peer, error = %e, "frontend connection closed while writing");
-                        break;
-                    }
+            match answer_probe(&head, writer).await {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+                    break;
                 }
-                continue;
             }
             if !matches!(head.body(), Some(Ok(Body::Heartbeat(_)))) {
                 last_request = tokio::time::Instant::now();
             }
-            match slots.acquire().await {
-                Ok(p) => p.forget(),
-                Err(_) => break,
+            if slots.acquire().await.map(|p| p.forget()).is_err() {
+                break; // the connection is closing
             }
             let taken = match self.take(head).await {
                 Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
@@ -1107,6 +1083,52 @@ async fn write_responses(
             return;
         }
     }
+}
+
+/// Tells the client its connection closes for idleness (`idle` without a request); returns
+/// (frontend name, why) for the log.
+fn idle_closed(
+    idle: Duration,
+    reader: &FrameReader,
+    out_tx: &mpsc::Sender<ClientMsg>,
+) -> (String, String) {
+    let message = format!(
+        "closed: no request for {idle:?} and none in flight (the router's frontend idle \
+         timeout, router --frontend-idle-timeout-s); connect again"
+    );
+    let _ = out_tx.try_send(ClientMsg::Error {
+        request_id: 0,
+        code: ErrorCode::ShuttingDown,
+        message: message.clone(),
+    });
+    (reader.frontend().to_owned(), message)
+}
+
+/// Answers `head` at once when it is a client's keepalive probe (a request for no layer, no
+/// tokens, no payload), without taking a slot: `Ok(true)`. So a client whose every slot waits
+/// on requests slow to answer (a device waited for up to their deadline) still hears that the
+/// router is alive, instead of giving it up. Never waits for the writer: while
+/// it is busy the client is being sent answers (or is not reading), which say as much as this
+/// one would. `Ok(false)`: not a probe.
+async fn answer_probe(
+    head: &FrameHead,
+    writer: &tokio::sync::Mutex<FrontendWriter>,
+) -> Result<bool, FrontendError> {
+    let Some(Ok(Body::LayerRequest(req))) = head.body() else {
+        return Ok(false);
+    };
+    if req.layer != crate::client::liveness::PROBE_LAYER
+        || req.tokens != 0
+        || head.payload_len() != 0
+    {
+        return Ok(false);
+    }
+    if let Ok(mut w) = writer.try_lock() {
+        let message = "keepalive probe: no layer this far; the router is alive";
+        w.write_error(req.request_id, ErrorCode::NotFound, message)
+            .await?;
+    }
+    Ok(true)
 }
 
 /// Writes one answer, returning its request's permit first. The combined f32 rows are written
