@@ -173,24 +173,30 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
     );
 }
 
-/// Micro-batches whose parts could not fit one frame are refused when `up` starts (exit 2),
-/// saying which size fits, instead of a fabric that fails the calls routed that way.
-#[test]
-fn up_refuses_micro_batches_that_do_not_fit_a_frame() {
+/// `expertmesh up` of demo-small on the single-host example and its placement.
+fn up_demo_small() -> Command {
     let mut c = Command::new(bin());
     c.arg("up")
         .arg("--topology")
         .arg(root().join("examples/single-host.toml"))
         .args(["--model", "demo-small", "--placement"])
-        .arg(root().join("examples/single-host-demo-small.placement.toml"))
-        .args([
-            "--mode",
-            "exact",
-            "--micro-batch",
-            "4000",
-            "--max-tokens",
-            "4000",
-        ]);
+        .arg(root().join("examples/single-host-demo-small.placement.toml"));
+    c
+}
+
+/// Micro-batches whose parts could not fit one frame are refused when `up` starts (exit 2),
+/// saying which size fits, instead of a fabric that fails the calls routed that way.
+#[test]
+fn up_refuses_micro_batches_that_do_not_fit_a_frame() {
+    let mut c = up_demo_small();
+    c.args([
+        "--mode",
+        "exact",
+        "--micro-batch",
+        "4000",
+        "--max-tokens",
+        "4000",
+    ]);
     let r = run(c, Duration::from_secs(60));
     let all = format!("{}{}", r.stdout, r.stderr);
     assert_eq!(r.code, Some(2), "{all}");
@@ -229,14 +235,8 @@ fn up_refuses_request_limits_that_no_request_could_pass() {
             "set --max-inflight-tokens to at least --max-tokens",
         ),
     ] {
-        let mut c = Command::new(bin());
-        c.arg("up")
-            .arg("--topology")
-            .arg(root().join("examples/single-host.toml"))
-            .args(["--model", "demo-small", "--placement"])
-            .arg(root().join("examples/single-host-demo-small.placement.toml"))
-            .args(["--micro-batch", "8"])
-            .args(limits);
+        let mut c = up_demo_small();
+        c.args(["--micro-batch", "8"]).args(limits);
         let r = run(c, Duration::from_secs(60));
         let all = format!("{}{}", r.stdout, r.stderr);
         assert_eq!(r.code, Some(2), "{all}");

@@ -48,7 +48,8 @@ fn frame() -> OutFrame {
     OutFrame::with_payload(body, vec![1u8; 60_000])
 }
 
-/// The child rank: joins the mesh and never consumes what it receives.
+/// The child rank: joins the mesh and never consumes what it receives. Its spec (in
+/// `EXPERTMESH_CHILD_SPEC`): `tcp|shm,ADDR0,ADDR1,DIR,WINDOW[,IDLE_MS]`.
 #[test]
 fn child_rank() {
     let Ok(spec) = std::env::var("EXPERTMESH_CHILD_SPEC") else {
@@ -84,6 +85,24 @@ impl Drop for ChildGuard {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// This test binary re-executed as [`child_rank`] with `spec` (see there), killed when the
+/// guard is dropped.
+fn spawn_child(spec: &str) -> ChildGuard {
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "process_kill::child_rank",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EXPERTMESH_CHILD_SPEC", spec)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    ChildGuard(child)
 }
 
 /// How the child is made to fail.
@@ -127,19 +146,7 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         addrs[1],
         dir.path().display()
     );
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "process_kill::child_rank",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EXPERTMESH_CHILD_SPEC", spec)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut child = ChildGuard(child);
+    let mut child = spawn_child(&spec);
     mesh.wait_connected(&[1], T).await.unwrap();
     assert_eq!(mesh.link_kind(1), Some(kind));
     let mut started = std::time::Instant::now();
@@ -284,19 +291,7 @@ async fn a_silent_link_replaced_by_a_new_process_is_reported_lost_first() {
         dir.path().display(),
         idle.as_millis()
     );
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "process_kill::child_rank",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EXPERTMESH_CHILD_SPEC", spec)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let child = ChildGuard(child);
+    let child = spawn_child(&spec);
     mesh.wait_connected(&[1], T).await.unwrap();
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGSTOP) };
