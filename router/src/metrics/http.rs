@@ -7,8 +7,10 @@
 //! runtime and a stuck scraper cannot hold anything the data path needs.
 //!
 //! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
-//! in the kernel's accept queue), a request head may be at most [`MAX_HEAD_BYTES`] and must
-//! arrive within [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
+//! in the kernel's accept queue, except that a new one takes the place of the oldest still
+//! waiting for its request head: idle connections cannot keep a cluster engine's health probe
+//! out), a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
+//! [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
 //! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
 //! `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is served.
 //!
@@ -147,13 +149,18 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once.
+/// A connection being served: its task, and whether its request head has arrived.
+struct Served {
+    task: tokio::task::AbortHandle,
+    head_read: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once; with every slot taken, a
+/// new connection ends the oldest one still waiting for its request head.
 async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut served: std::collections::VecDeque<Served> = std::collections::VecDeque::new();
     loop {
-        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
-            return;
-        };
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
             Err(e) => {
@@ -162,20 +169,44 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>
                 continue;
             }
         };
+        served.retain(|c| !c.task.is_finished());
+        if slots.available_permits() == 0 {
+            let waiting = served
+                .iter()
+                .position(|c| !c.head_read.load(std::sync::atomic::Ordering::Acquire));
+            if let Some(c) = waiting.and_then(|i| served.remove(i)) {
+                c.task.abort(); // its permit comes back as the task is dropped
+            }
+        }
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
         let registry = Arc::clone(&registry);
-        tokio::spawn(async move {
-            serve_one(stream, &registry).await;
+        let head_read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&head_read);
+        let task = tokio::spawn(async move {
+            serve_one(stream, &registry, &flag).await;
             drop(permit);
+        });
+        served.push_back(Served {
+            task: task.abort_handle(),
+            head_read,
         });
     }
 }
 
-/// Read one request head and answer it; the connection closes afterwards.
-async fn serve_one(mut stream: tokio::net::TcpStream, registry: &Endpoints) {
+/// Read one request head (`head_read` set once it has arrived) and answer it; the connection
+/// closes afterwards.
+async fn serve_one(
+    mut stream: tokio::net::TcpStream,
+    registry: &Endpoints,
+    head_read: &std::sync::atomic::AtomicBool,
+) {
     let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
         Ok(Some(h)) => h,
         _ => return,
     };
+    head_read.store(true, std::sync::atomic::Ordering::Release);
     let (status, body) = answer(&head, registry);
     let head_only = head.starts_with(b"HEAD ");
     let content_type = if status == 200 && body_is_metrics(&head) {
@@ -318,10 +349,23 @@ mod tests {
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         let post = get(addr, "POST /metrics HTTP/1.1\r\n\r\n");
         assert!(post.starts_with("HTTP/1.1 405"), "{post}");
-        // A client that never finishes its head does not block the next scrape.
-        let _idle = std::net::TcpStream::connect(addr).unwrap();
+        // A client that never finishes its head does not block the next scrape, nor do as
+        // many as there are slots: the oldest idle one makes room (its connection is closed).
+        let idle: Vec<_> = (0..MAX_CONNECTIONS + 2)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
         let again = get(addr, "GET /metrics HTTP/1.0\r\n\r\n");
         assert!(again.contains("expertmesh_test_things_total 7"), "{again}");
+        // The three oldest made room (for the two idle ones after them and the scrape); the
+        // rest are still open, not timed out (which is how slots freed before).
+        let open = |mut c: &std::net::TcpStream| {
+            c.set_nonblocking(true).unwrap();
+            let mut byte = [0u8; 1];
+            matches!(c.read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        };
+        let states: Vec<bool> = idle.iter().map(open).collect();
+        assert_eq!(states[..3], [false; 3], "{states:?}");
+        assert!(states[3..].iter().all(|&o| o), "{states:?}");
         drop(server);
         assert!(std::net::TcpStream::connect(addr).is_err());
     }
