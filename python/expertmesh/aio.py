@@ -131,27 +131,31 @@ class RouterClient:
     ) -> Any:
         """One MoE layer call (see :meth:`expertmesh.RouterClient.moe`); returns the output
         ``[tokens, hidden]`` float32 (``out`` when given)."""
+        return await self._call("moe", layer, x, logits, out, deadline_ms)
+
+    async def check_shape(self, layer: int, tokens: int, hidden: int) -> int:
+        """See :meth:`expertmesh.RouterClient.check_shape`."""
+        return await self._call("check_shape", layer, tokens, hidden)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """``method`` of an idle connection, run on a worker thread. A call that waited for a
+        connection while the client was closed raises ``ValueError`` as a call after
+        ``close`` does."""
         idle = self._queue()
         client = await idle.get()
         loop = asyncio.get_running_loop()
         try:
-            done = self._pool.submit(client.moe, layer, x, logits, out, deadline_ms)
+            if self._closed:
+                raise ValueError("the RouterClient was closed")
+            try:
+                done = self._pool.submit(getattr(client, method), *args)
+            except RuntimeError as e:  # the pool shut down: closed meanwhile
+                raise ValueError("the RouterClient was closed") from e
         except BaseException:
             idle.put_nowait(client)
             raise
         # The connection goes back when the call has finished on its thread, even when the
         # awaiting task was cancelled meanwhile.
-        done.add_done_callback(
-            lambda _: loop.call_soon_threadsafe(idle.put_nowait, client)
-        )
-        return await asyncio.wrap_future(done)
-
-    async def check_shape(self, layer: int, tokens: int, hidden: int) -> int:
-        """See :meth:`expertmesh.RouterClient.check_shape`."""
-        idle = self._queue()
-        client = await idle.get()
-        loop = asyncio.get_running_loop()
-        done = self._pool.submit(client.check_shape, layer, tokens, hidden)
         done.add_done_callback(
             lambda _: loop.call_soon_threadsafe(idle.put_nowait, client)
         )

@@ -383,6 +383,23 @@ def test_asyncio_client_runs_calls_concurrently_with_equal_results(fabric, clien
         assert_bits_equal(a, w)
 
 
+def test_asyncio_calls_waiting_for_a_connection_when_closed_raise_value_error(fabric):
+    x = rand(4, 91)
+
+    async def main():
+        c = await aio.RouterClient.connect(fabric.addr, fabric.cluster, "", connections=1)
+        first = asyncio.ensure_future(c.moe(1, x))
+        await asyncio.sleep(0)  # it takes the only connection
+        waiting = asyncio.ensure_future(c.moe(1, x))
+        await asyncio.sleep(0)  # it waits for that connection
+        await c.aclose()  # the call in flight finishes first
+        await first
+        with pytest.raises(ValueError, match="the RouterClient was closed"):
+            await waiting
+
+    asyncio.run(main())
+
+
 # --- authentication, docs, bench ----------------------------------------------------------------
 
 
