@@ -201,19 +201,29 @@ impl LocalCredentials {
         ))
     }
 
-    /// Writes device `d`'s credential file (once) and returns its path.
+    /// Writes device `d`'s credential file and returns its path. Issuing is deterministic, so
+    /// a file already there with the same text is kept (a restarted worker reads it again); one
+    /// with other text (left in a caller's folder by an earlier fabric of another key or
+    /// topology) is replaced, never handed to the worker.
     pub(crate) fn worker_file(&self, dep: &Deployment, d: u32) -> Result<PathBuf, FabricError> {
         let path = self.dir.join(format!("device-{d}.cred"));
-        if !path.exists() {
-            let c = Credentials::issue_rank(
-                &self.master,
-                &self.cluster,
-                dep.router_count() + d,
-                dep.world_size(),
-                dep.router_count(),
-            );
-            crypto::write_secret_file(&path, &c.to_file_text())?;
+        let text = Credentials::issue_rank(
+            &self.master,
+            &self.cluster,
+            dep.router_count() + d,
+            dep.world_size(),
+            dep.router_count(),
+        )
+        .to_file_text();
+        match std::fs::read_to_string(&path) {
+            Ok(old) if old == text => return Ok(path),
+            Ok(_) => {
+                std::fs::remove_file(&path)
+                    .map_err(FabricError::io("replacing a stale credential file"))?;
+            }
+            Err(_) => {}
         }
+        crypto::write_secret_file(&path, &text)?;
         Ok(path)
     }
 

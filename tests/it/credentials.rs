@@ -215,3 +215,34 @@ fn fabric_with_issued_credentials_over_shm() {
     let _machine = crate::support::shared();
     secure_fabric_end_to_end(LinkKind::Shm);
 }
+
+/// A local fabric whose log folder (given by the caller) still holds the credential files of
+/// an earlier fabric with another master key replaces them: its workers join and serve, where
+/// the old files would have failed every handshake.
+#[test]
+fn a_stale_credential_file_in_a_given_log_folder_is_replaced() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    for (i, name) in ["first.key", "second.key"].iter().enumerate() {
+        let key = dir.path().join(name);
+        crypto::write_secret_file(&key, &crypto::master_key_text(&Key::random().unwrap())).unwrap();
+        let mut o = options(LinkKind::Tcp, &key);
+        o.log_dir = Some(logs.clone());
+        let fabric = LocalFabric::start(o).unwrap_or_else(|e| panic!("fabric {i}: {e:#}"));
+        let spec = fabric.deployment().spec.clone();
+        let h = spec.hidden as usize;
+        let layer = spec.moe_layer_ids()[0];
+        let rt = crate::support::rt();
+        let mut client = rt
+            .block_on(RouterClient::connect(
+                fabric.frontend_addr(),
+                &fabric.frontend_config(),
+            ))
+            .unwrap();
+        let x = vec![0.5f32; h];
+        rt.block_on(client.call(layer, &x, h, None, None))
+            .unwrap_or_else(|e| panic!("fabric {i}: {e}"));
+        fabric.shutdown();
+    }
+}
