@@ -46,7 +46,7 @@ ALLOWED = {
     # The binary and its commands: the top of the graph, anything below it.
     "expertmesh": {
         "expertmesh-quant", "expertmesh-topology", "expertmesh-planner",
-        "expertmesh-checkpoint", "expertmesh-transport", "expertmesh-router",
+        "expertmesh-checkpoint", "expertmesh-shard", "expertmesh-transport", "expertmesh-router",
         "expertmesh-worker", "expertmesh-fabric", "expertmesh-benches",
     },
 }

@@ -199,7 +199,8 @@ pub fn convert(
         what: "creating the output folder",
         source,
     })?;
-    remove_stale_temps(job.out);
+    // A killed conversion's temporary files (a shard's is as large as the shard).
+    expertmesh_shard::stale::remove_stale_temps(job.out);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(job.threads.max(1))
         .build()
@@ -462,16 +463,16 @@ fn write_router(
         None => {
             let index = empty_index(job, fingerprint, ShardKind::Router, None);
             let mut w = ShardWriter::create(&path, index)?;
-            for layer in job.spec.moe_layer_ids() {
-                let (weight, bias) = read_gate(job, layer)?;
+            for (layer, t) in router_tensors(job) {
+                let (weight, bias) = read_gate(job, &t)?;
                 let (e, h) = (
                     u64::from(job.spec.routed_experts),
                     u64::from(job.spec.hidden),
                 );
                 w.add_tensor_f32(&gate_weight_name(layer), &[e, h], &weight)?;
                 w.add_tensor_f32(&gate_bias_name(layer), &[e], &bias)?;
-                if let Some((name, shape)) = router_tensors(job, layer).shared_gate {
-                    let g = read_f32(job.ckpt, &name, &shape)?;
+                if let Some((name, shape)) = &t.shared_gate {
+                    let g = read_f32(job.ckpt, name, shape)?;
                     w.add_tensor_f32(&shared_gate_name(layer), &[h], &g)?;
                 }
                 if job.shared_dense {
@@ -582,23 +583,27 @@ pub fn gate_tensor_names(family: Family, layer: u32) -> (String, Option<String>)
     }
 }
 
-/// The router file's tensors of `layer` read from the checkpoint, with their shapes: the gate
-/// weight `[E, H]`, the selection bias `[E]` where the scoring has one (not for
+/// The router file's tensors of each MoE layer read from the checkpoint, with their shapes:
+/// the gate weight `[E, H]`, the selection bias `[E]` where the scoring has one (not for
 /// `topk_method = "greedy"`, whose bias is zero), and Qwen2's shared-expert gate `[1, H]`.
-fn router_tensors(job: &ConvertJob<'_>, layer: u32) -> RouterTensors {
+fn router_tensors(job: &ConvertJob<'_>) -> Vec<(u32, RouterTensors)> {
     let (e, h) = (job.spec.routed_experts as usize, job.spec.hidden as usize);
-    let (wname, bname) = gate_tensor_names(job.family, layer);
     let bias_stored =
         job.spec.scoring == Scoring::SigmoidBias && !crate::hf_config::greedy_topk(job.ckpt.dir());
-    let shared_gate = job.spec.shared_expert_gate.then(|| {
-        let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
-        (name, vec![1, h])
-    });
-    RouterTensors {
-        gate: (wname, vec![e, h]),
-        bias: bname.filter(|_| bias_stored).map(|b| (b, vec![e])),
-        shared_gate,
-    }
+    let tensors = |layer: u32| {
+        let (wname, bname) = gate_tensor_names(job.family, layer);
+        let shared_gate = job.spec.shared_expert_gate.then(|| {
+            let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
+            (name, vec![1, h])
+        });
+        RouterTensors {
+            gate: (wname, vec![e, h]),
+            bias: bname.filter(|_| bias_stored).map(|b| (b, vec![e])),
+            shared_gate,
+        }
+    };
+    let layers = job.spec.moe_layer_ids().into_iter();
+    layers.map(|l| (l, tensors(l))).collect()
 }
 
 /// One layer's router tensors in the checkpoint: (name, shape) of each ([`router_tensors`]).
@@ -612,8 +617,7 @@ struct RouterTensors {
 /// any shard is written: a missing gate is named at once, not after hours of expert
 /// conversion.
 fn check_router_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
-    for layer in job.spec.moe_layer_ids() {
-        let t = router_tensors(job, layer);
+    for (_, t) in router_tensors(job) {
         let all = std::iter::once(&t.gate)
             .chain(&t.bias)
             .chain(&t.shared_gate);
@@ -624,11 +628,13 @@ fn check_router_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
     Ok(())
 }
 
-/// `layer`'s gate weight `[E, H]` and selection bias `[E]` (zero where the checkpoint stores
+/// A layer's gate weight `[E, H]` and selection bias `[E]` (zero where the checkpoint stores
 /// none, see [`router_tensors`]) as f32, shapes and values checked.
-fn read_gate(job: &ConvertJob<'_>, layer: u32) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
+fn read_gate(
+    job: &ConvertJob<'_>,
+    t: &RouterTensors,
+) -> Result<(Vec<f32>, Vec<f32>), ConvertError> {
     let e = job.spec.routed_experts as usize;
-    let t = router_tensors(job, layer);
     let weight = read_f32(job.ckpt, &t.gate.0, &t.gate.1)?;
     let bias = match &t.bias {
         Some((b, shape)) => read_f32(job.ckpt, b, shape)?,
@@ -850,36 +856,6 @@ fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
     Ok(())
 }
 
-/// Removes the temporary files (`.NAME.tmp-PID…`, shards' and small files') that a conversion
-/// into `dir` killed before it could clean up left behind: those of a process that no longer
-/// runs (checked in `/proc`; elsewhere none is removed). A shard's temporary file can be as
-/// large as the shard, which matters most after a full disk. Best effort: what cannot be
-/// listed or removed stays.
-fn remove_stale_temps(dir: &Path) {
-    let proc = Path::new("/proc/self");
-    if !proc.exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(temp_owner) else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
-
-/// The process id in a temporary file's name (`.NAME.tmp-PID` or `.NAME.tmp-PID-N`).
-fn temp_owner(name: &str) -> Option<u32> {
-    let (_, rest) = name.strip_prefix('.')?.rsplit_once(".tmp-")?;
-    rest.split('-').next()?.parse().ok()
-}
-
 /// Per-layer conversion error over every shard of the folder (device shards only: the
 /// router's shared experts are also counted when no device holds them).
 fn layer_errors(
@@ -940,13 +916,5 @@ mod tests {
         assert_eq!(whole.sha256, hex(&Sha256::digest(&bytes)));
         let stop = AtomicBool::new(true);
         assert!(hash_file(&path, &stop).unwrap().is_none());
-    }
-
-    #[test]
-    fn temporary_file_names_give_their_process() {
-        assert_eq!(temp_owner(".device-0001.emshard.tmp-4242-3"), Some(4242));
-        assert_eq!(temp_owner(".manifest.json.tmp-17"), Some(17));
-        assert_eq!(temp_owner("device-0001.emshard"), None);
-        assert_eq!(temp_owner(".device.tmp-x"), None);
     }
 }

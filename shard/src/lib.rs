@@ -8,9 +8,11 @@
 //!
 //! * [`file`](mod@file) — the shard format: atomic streaming writer, bounds-checked mmap reader.
 //! * [`manifest`] — `manifest.json`: files, checksums, source hashes, per-layer error.
+//! * [`stale`] — removing what killed processes left (temporary files and folders).
 
 pub mod file;
 pub mod manifest;
+pub mod stale;
 
 pub use file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardSummary, ShardWriter};
 pub use manifest::{Manifest, ManifestError};

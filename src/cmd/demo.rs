@@ -133,26 +133,9 @@ const DEMO_FOLDER_PREFIX: &str = "expertmesh-demo-";
 /// interrupted (Ctrl-C, a kill): those whose process no longer runs (checked in `/proc`;
 /// elsewhere nothing is removed). Best effort.
 fn remove_stale_demo_folders() {
-    if !std::path::Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let pid = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(DEMO_FOLDER_PREFIX))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid
-            && pid != std::process::id()
-            && !std::path::Path::new("/proc").join(pid.to_string()).exists()
-        {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
+    use expertmesh_shard::stale;
+    let tmp = std::env::temp_dir();
+    stale::remove_left_by_gone_processes(&tmp, |name| stale::pid_after(DEMO_FOLDER_PREFIX, name));
 }
 
 /// Usage errors (exit 2) before anything starts: a schedule with no call, or batches the

@@ -131,24 +131,8 @@ const CACHE_PREFIX: &str = "expertmesh-copies-";
 /// or without `/proc`, nothing is removed). Workers in another PID namespace sharing this
 /// `tmp` would look gone: give each its own temporary folder (`TMPDIR`), as containers do.
 fn remove_orphans(tmp: &std::path::Path) {
-    if !std::path::Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(tmp) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name
-            .strip_prefix(CACHE_PREFIX)
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid
-            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
-        {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
+    use expertmesh_shard::stale;
+    stale::remove_left_by_gone_processes(tmp, |name| stale::pid_after(CACHE_PREFIX, name));
 }
 
 // The folder goes with the cache: `TempDir` removes it when dropped.
