@@ -135,8 +135,8 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
     let mut cfg = config(kind, 0, &addrs, dir.path(), window);
     if how == Failure::StopBeforeSends {
         // Room for the checks made while the peer is frozen (a cancelled send of 100 ms
-        // included) before the idle timeout ends the link, on a busy machine too.
-        cfg.protocol.idle_timeout = Duration::from_secs(3);
+        // included) before the idle timeout ends the link, on a slow or busy machine too.
+        cfg.protocol.idle_timeout = Duration::from_secs(10);
     }
     let (mesh, mut events) = Mesh::start(cfg).await.unwrap();
     let spec = format!(
@@ -275,9 +275,9 @@ async fn a_silent_link_replaced_by_a_new_process_is_reported_lost_first() {
         .map(|l| l.local_addr().unwrap())
         .collect();
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    // An idle timeout far past the live window (two 100 ms heartbeats): only the new
-    // connection can end the old link within this test.
-    let idle = Duration::from_secs(20);
+    // An idle timeout far past the live window (two 100 ms heartbeats) and this test: only
+    // the new connection can end the old link, however slow the machine.
+    let idle = Duration::from_secs(600);
     let tcp = |rank, a: [SocketAddr; 2]| {
         let mut c = config(LinkKind::Tcp, rank, &a, dir.path(), SMALL_WINDOW);
         c.protocol.idle_timeout = idle;
