@@ -310,9 +310,18 @@ pub trait ExpertSource {
 
     /// Called once after the last expert, before the backend commits the load: a source that
     /// checks its data alongside (a shard's checksum) reports a failure here, and the load
-    /// fails.
+    /// fails. A backend that takes no expert from the source (it found the same content, by
+    /// [`ExpertSource::content_id`], already prepared) does not call it.
     fn finish(&mut self) -> Result<(), BackendError> {
         Ok(())
+    }
+
+    /// A name for exactly what this source hands over (a converted shard: its conversion's
+    /// fingerprint, file, size and checksum, and the experts selected), stable across
+    /// processes: a backend may keep what it derives from the experts under this name and reuse
+    /// it when the same name comes again. `None` (in-memory experts): nothing may be reused.
+    fn content_id(&self) -> Option<String> {
+        None
     }
 }
 

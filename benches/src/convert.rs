@@ -20,7 +20,9 @@
 //!    loaded ([`mapped_read`]), both recorded; one warm-up read first so both sides read the
 //!    page cache), then [`convert`] into a fresh folder. Achieved = source expert bytes /
 //!    convert seconds. On an EPYC VM without AVX-512 the kernel's copy read a fifth of the map's
-//!    rate, and the converter reads a map; both reads run on one thread.
+//!    rate, and the converter reads a map; both reads run on one thread. A step on two threads
+//!    or more (a two-thread conversion, the loads below) is held to the faster of those and the
+//!    same maps read on two threads ([`mapped_read_pair`], also recorded).
 //! 3. **Load**: what a worker does from start to loaded, for every device shard: load the
 //!    deployment from the converted folder, open and verify the shard (crc32c of the whole file
 //!    against the manifest), copy each expert out of the map and pack it into a [`CpuBackend`]
@@ -31,7 +33,13 @@
 //!    new worker process). Beside it, a reference rather than a limit: a copy of the mapped
 //!    shard files into one fresh huge-page buffer ([`fresh_copy`]), the least work of a loader
 //!    that places the bytes in memory of its own (fresh memory costs the kernel's zeroing).
-//! 4. **Quantizer error**: on some of the checkpoint's experts (read back from it, so the BF16
+//!    The load runs on two threads (the repack, and the shard's checksum beside it), so its
+//!    limit includes the two-thread read; the one-thread ratio is recorded too.
+//! 4. **Load from the tile cache** (`worker --tile-cache`): one load that repacks and keeps
+//!    each device's arena in a cache folder (not timed), then the same number of loads that map
+//!    the kept files and check them (crc32c on two threads), against the same limit. Achieved
+//!    counts the shards' bytes, as the repacking row does.
+//! 5. **Quantizer error**: on some of the checkpoint's experts (read back from it, so the BF16
 //!    values exactly), and on experts of the same shape with heavy-tailed weights (Student-t
 //!    with ν = 4, and Gaussian with a few outlier input columns), the relative L2 error of the
 //!    expert FFN output `down · (silu(gate·x) ⊙ up·x)` in f64 over random Gaussian inputs, with
@@ -42,7 +50,7 @@
 //!    recorded beside.
 //!
 //! Throughputs are medians over runs (the best alongside); results carry `kind` (`convert`,
-//! `load`, `quant_error`) and what the limit is. The load averages before and after the run
+//! `load`, `load_tile_cache`, `quant_error`) and what the limit is. The load averages before and after the run
 //! are recorded in `machine`: the conversion is compute-bound and its limit is not, so other
 //! work on a shared machine lowers its ratio.
 
@@ -55,6 +63,7 @@ use expertmesh_checkpoint::hf_config::load_hf_model_and_family;
 use expertmesh_checkpoint::safetensors::{
     Checkpoint, Dtype, INDEX_FILE, TensorData, write_safetensors,
 };
+use expertmesh_cpu_backend::tile_cache::{TileCache, TileCacheUse};
 use expertmesh_cpu_backend::{CpuBackend, membw};
 use expertmesh_planner::{self as plan, PlanOptions};
 use expertmesh_quant::format::{ExpertWeights, PackedMatrix, PackedRef, QuantSpec};
@@ -436,6 +445,9 @@ struct RawRead {
     /// thread reading the map (the converter's safetensors reader, the worker's shard reader)
     /// cannot do faster.
     mapped_read_secs: f64,
+    /// The same maps read by two threads, each taking half of every file
+    /// ([`mapped_read_pair`]): what a step reading on two threads cannot do faster.
+    mapped_pair_secs: f64,
 }
 
 impl RawRead {
@@ -445,6 +457,22 @@ impl RawRead {
     /// where a kernel copies faster than a mapped read, and for comparison with earlier runs.
     fn rate(&self) -> f64 {
         self.file_read_rate().max(self.mapped_read_rate())
+    }
+
+    /// The limit of a step that reads on `threads` threads, bytes per second: [`Self::rate`],
+    /// or with two threads or more, the faster of it and the two-thread mapped read (the
+    /// worker loads check on two threads; the two-thread conversions read on two).
+    fn rate_on(&self, threads: usize) -> f64 {
+        if threads >= 2 {
+            self.rate().max(self.mapped_pair_rate())
+        } else {
+            self.rate()
+        }
+    }
+
+    /// The two-thread mapped read's rate, bytes per second.
+    fn mapped_pair_rate(&self) -> f64 {
+        self.bytes as f64 / self.mapped_pair_secs
     }
 
     /// [`std::fs::File::read`]'s rate, bytes per second.
@@ -459,8 +487,13 @@ impl RawRead {
 }
 
 /// What the convert and load rows' read limit is (`limit_kind`), after what is read.
-const READ_LIMIT_KIND: &str = "from the page cache, the faster of File::read of each whole \
-    file into one reused buffer and a map of each with every byte loaded, same run";
+const READ_LIMIT_KIND: &str = "from the page cache, the fastest of File::read of each whole \
+    file into one reused buffer, a map of each with every byte loaded, and (for a step on two \
+    threads or more) the same maps read on two threads, same run";
+
+/// Threads a worker load reads on: the repack and its shard's checksum thread, or the tile
+/// cache's check on (at least) two.
+const LOAD_THREADS: usize = 2;
 
 /// Read every file of `files` fully both ways ([`RawRead`]): into `buf` (one reused buffer,
 /// as large as the largest file) with [`std::fs::File::read`], then mapped.
@@ -491,7 +524,10 @@ fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> Result<RawRead, BenchError>
     let t0 = Instant::now();
     let mapped = mapped_read(files)?;
     let mapped_read_secs = t0.elapsed().as_secs_f64();
-    if mapped != total {
+    let t0 = Instant::now();
+    let pair = mapped_read_pair(files)?;
+    let mapped_pair_secs = t0.elapsed().as_secs_f64();
+    if mapped != total || pair != total {
         return Err(BenchError::io("reading the files twice for the raw read")(
             std::io::Error::other("a file changed size between the two reads"),
         ));
@@ -500,6 +536,7 @@ fn raw_read(files: &[PathBuf], buf: &mut Vec<u8>) -> Result<RawRead, BenchError>
         bytes: total,
         file_read_secs,
         mapped_read_secs,
+        mapped_pair_secs,
     })
 }
 
@@ -533,6 +570,35 @@ fn mapped_read(files: &[PathBuf]) -> Result<u64, BenchError> {
     }
     std::hint::black_box(folded);
     Ok(total)
+}
+
+/// [`mapped_read`] on two threads: every file mapped, the first half of each read by this
+/// thread and the second by a helper (started inside the timing, as a loader's would be).
+/// Returns the bytes read.
+fn mapped_read_pair(files: &[PathBuf]) -> Result<u64, BenchError> {
+    let mut maps = Vec::with_capacity(files.len());
+    for p in files {
+        maps.extend(map_file(p)?);
+    }
+    let fold = |half: usize| {
+        let mut folded = 0u64;
+        for map in &maps {
+            let mid = map.len() / 2 / 128 * 128;
+            let part = if half == 0 { &map[..mid] } else { &map[mid..] };
+            folded ^= membw::read_with(membw::ReadKernel::Plain, part);
+            for &b in &part[part.len() / 128 * 128..] {
+                folded ^= u64::from(b);
+            }
+        }
+        folded
+    };
+    let folded = std::thread::scope(|s| {
+        let helper = s.spawn(|| fold(1));
+        let mine = fold(0);
+        mine ^ helper.join().unwrap_or(0)
+    });
+    std::hint::black_box(folded);
+    Ok(maps.iter().map(|m| m.len() as u64).sum())
 }
 
 /// A copy of every byte of `files` from their maps into one fresh buffer (from 4 MiB on its
@@ -620,10 +686,11 @@ fn prepare(dir: &Path, opts: &ConvertBenchOptions) -> Result<Prepared, BenchErro
 /// A raw read's two rates, for the progress lines.
 fn read_text(r: &RawRead) -> String {
     format!(
-        "{:.2} GB/s (File::read {:.2}, mapped {:.2})",
+        "{:.2} GB/s (File::read {:.2}, mapped {:.2}, mapped on two threads {:.2})",
         r.rate() / 1e9,
         r.file_read_rate() / 1e9,
-        r.mapped_read_rate() / 1e9
+        r.mapped_read_rate() / 1e9,
+        r.mapped_pair_rate() / 1e9
     )
 }
 
@@ -635,6 +702,10 @@ fn with_reads(result: BenchResult, reads: &[RawRead]) -> BenchResult {
     result
         .with("limit_file_read", rate(RawRead::file_read_rate))
         .with("limit_mapped_read", rate(RawRead::mapped_read_rate))
+        .with(
+            "limit_mapped_read_two_threads",
+            rate(RawRead::mapped_pair_rate),
+        )
 }
 
 /// Median and best of rate samples.
@@ -668,7 +739,7 @@ fn convert_case(
     let mut out = PathBuf::new();
     for rep in 0..repeats {
         let read = raw_read(&p.files, buf)?;
-        limit.push(read.rate());
+        limit.push(read.rate_on(threads));
         reads.push(read);
         if rep > 0 {
             let _ = std::fs::remove_dir_all(&out);
@@ -773,12 +844,22 @@ impl ExpertSource for TimedSource<'_> {
         self.finish_secs += t0.elapsed().as_secs_f64();
         r
     }
+
+    fn content_id(&self) -> Option<String> {
+        self.inner.content_id()
+    }
 }
 
-/// Load every device's shard of `out` the way its worker does; returns the times.
-fn load_all(p: &Prepared, out: &Path) -> Result<LoadTimes, BenchError> {
+/// Load every device's shard of `out` the way its worker does (with `tile_cache`, as a worker
+/// started with `--tile-cache`); returns the times and what each load did with the cache.
+fn load_all(
+    p: &Prepared,
+    out: &Path,
+    tile_cache: Option<&Path>,
+) -> Result<(LoadTimes, Vec<TileCacheUse>), BenchError> {
     let mut t = LoadTimes::default();
     let mut backends = Vec::new();
+    let mut uses = Vec::new();
     for d in p.topology.devices() {
         let t0 = Instant::now();
         let dep = Deployment::load_converted(&p.topology_path, out)?;
@@ -787,6 +868,7 @@ fn load_all(p: &Prepared, out: &Path) -> Result<LoadTimes, BenchError> {
         let t2 = Instant::now();
         let threads = d.threads().map_or(1, |x| x as usize);
         let mut backend = CpuBackend::new(threads)?;
+        backend.set_tile_cache(tile_cache.map(TileCache::new));
         let limits = expertmesh_worker::process::worker_limits(&dep, 64);
         let mut timed = TimedSource {
             inner: &mut *src,
@@ -804,9 +886,10 @@ fn load_all(p: &Prepared, out: &Path) -> Result<LoadTimes, BenchError> {
         t.open_verify += (t2 - t1).as_secs_f64() + timed.finish_secs;
         t.copy += timed.secs;
         t.pack += (t3 - t2).as_secs_f64() - timed.secs - timed.finish_secs;
+        uses.push(backend.tile_cache_use().clone());
         backends.push(backend); // dropped after the last device, outside the timings
     }
-    Ok(t)
+    Ok((t, uses))
 }
 
 /// Worker load of every device shard of `out`, `runs` times, each after a raw read of the
@@ -824,12 +907,14 @@ fn load_case(
     let bytes: u64 = w.manifest.shards.iter().map(|s| s.bytes).sum();
     raw_read(&shards, buf)?; // warm-up
     let (mut achieved, mut limit, mut times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut one_thread = Vec::new();
     let (mut reads, mut copies) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let read = raw_read(&shards, buf)?;
-        limit.push(read.rate());
+        limit.push(read.rate_on(LOAD_THREADS));
+        one_thread.push(read.rate());
         reads.push(read);
-        let t = load_all(p, out)?;
+        let (t, _) = load_all(p, out, None)?;
         // After the load: the first load is the first use of fresh memory in this process.
         let (copied, copy_secs) = fresh_copy(&shards)?;
         copies.push(copied as f64 / copy_secs);
@@ -854,6 +939,10 @@ fn load_case(
         throughput_result("worker_load_throughput", 1, &achieved, &limit),
         &reads,
     )
+    .with(
+        "ratio_of_one_thread_read",
+        membw::median(&achieved) / membw::median(&one_thread),
+    )
     .with("fresh_copy", fresh / 1e9)
     .with("ratio_of_fresh_copy", membw::median(&achieved) / fresh)
     .with("kind", "load")
@@ -871,6 +960,90 @@ fn load_case(
             "raw read of the same shard files {READ_LIMIT_KIND} (fresh_copy: a copy of the \
              mapped files into one fresh huge-page buffer, the least work of a loader, a \
              reference)"
+        ),
+    ))
+}
+
+/// Worker load of every device shard of `out` from a tile cache (`worker --tile-cache`):
+/// one load that repacks and keeps the tiles (not timed), then `runs` loads that map them, each
+/// after a raw read of the shard files. Achieved counts the shards' bytes, as the repacking
+/// load's row does (the tile files hold the same weights, padded to whole row blocks).
+fn mapped_load_case(
+    p: &Prepared,
+    out: &Path,
+    runs: usize,
+    buf: &mut Vec<u8>,
+) -> Result<BenchResult, BenchError> {
+    let dep = Deployment::load_converted(&p.topology_path, out)?;
+    let w = dep.weights.as_ref().ok_or(BenchError::NoWeights)?;
+    let shards: Vec<PathBuf> = w.manifest.shards.iter().map(|s| w.path(&s.file)).collect();
+    let bytes: u64 = w.manifest.shards.iter().map(|s| s.bytes).sum();
+    let tiles = out.join("tile-cache");
+    let (_, uses) = load_all(p, out, Some(&tiles))?;
+    if let Some(u) = uses
+        .iter()
+        .find(|u| !matches!(u, TileCacheUse::Written { .. }))
+    {
+        return Err(BenchError::TileCache(format!(
+            "the first load did not keep its tiles: {u:?}"
+        )));
+    }
+    let tile_bytes: u64 = std::fs::read_dir(&tiles)?
+        .filter_map(Result::ok)
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let (mut achieved, mut limit, mut reads, mut pinned) =
+        (Vec::new(), Vec::new(), Vec::new(), true);
+    let mut one_thread = Vec::new();
+    for _ in 0..runs {
+        let read = raw_read(&shards, buf)?;
+        limit.push(read.rate_on(LOAD_THREADS));
+        one_thread.push(read.rate());
+        reads.push(read);
+        let (t, uses) = load_all(p, out, Some(&tiles))?;
+        for u in &uses {
+            match u {
+                TileCacheUse::Mapped { pinned: pin, .. } => pinned &= *pin,
+                other => {
+                    return Err(BenchError::TileCache(format!(
+                        "a load did not map the kept tiles: {other:?}"
+                    )));
+                }
+            }
+        }
+        achieved.push(bytes as f64 / t.total());
+        println!(
+            "  worker load from the tile cache: {:.3} GB/s ({:.1} ms: deployment {:.1}, open + \
+             map + verify {:.1} [{:.2} + {:.2}]); raw read {}",
+            bytes as f64 / t.total() / 1e9,
+            t.total() * 1e3,
+            t.deploy * 1e3,
+            (t.open_verify + t.pack) * 1e3,
+            t.open_verify * 1e3,
+            t.pack * 1e3,
+            read_text(&read)
+        );
+    }
+    std::fs::remove_dir_all(&tiles)?;
+    Ok(with_reads(
+        throughput_result("worker_load_tile_cache_throughput", 1, &achieved, &limit),
+        &reads,
+    )
+    .with("kind", "load_tile_cache")
+    .with("shard_bytes", bytes)
+    .with(
+        "ratio_of_one_thread_read",
+        membw::median(&achieved) / membw::median(&one_thread),
+    )
+    .with("tile_cache_bytes", tile_bytes)
+    .with("shards", shards.len())
+    .with("pinned", pinned)
+    .with(
+        "limit_kind",
+        format!(
+            "raw read of the same shard files {READ_LIMIT_KIND}; the load maps the tile cache \
+             files a first load wrote and checks their crc32c on the device's threads"
         ),
     ))
 }
@@ -1126,6 +1299,9 @@ pub fn run(opts: &ConvertBenchOptions) -> Result<BenchReport, BenchError> {
     let out = load_from.expect("at least one thread count");
     let runs = opts.repeats * LOAD_RUNS_PER_REPEAT;
     report.results.push(load_case(&p, &out, runs, &mut buf)?);
+    report
+        .results
+        .push(mapped_load_case(&p, &out, runs, &mut buf)?);
     drop(buf);
     let threads = opts.threads.iter().copied().max().unwrap_or(1);
     for dist in WeightDist::ALL

@@ -99,6 +99,9 @@ pub enum BenchError {
     /// A converted folder the bench made has no weights in its deployment.
     #[error("no weights")]
     NoWeights,
+    /// The worker load from a tile cache did not do what it measures (keep, then map).
+    #[error("worker load from the tile cache: {0}")]
+    TileCache(String),
 
     // --- the in-process reference and the backends
     /// The in-process reference backend could not be built.

@@ -38,7 +38,7 @@ pub struct R16Matrix {
     rows: usize,
     cols: usize,
     spec: QuantSpec,
-    arena: Arc<AlignedVec<u8>>,
+    arena: Arc<Arena>,
     nibbles: Range<usize>,
     /// Byte range of the u16 scales (64-byte aligned start).
     scales: Range<usize>,
@@ -66,6 +66,62 @@ fn region_sizes(rows: usize, cols: usize, spec: QuantSpec) -> (usize, usize, usi
 
 /// The shape of one matrix to pack: rows, columns, format.
 pub type MatrixDims = (usize, usize, QuantSpec);
+
+/// Byte ranges of one matrix's nibbles, scales and zero points within its arena.
+type Regions = (Range<usize>, Range<usize>, Option<Range<usize>>);
+
+/// Where each matrix of `dims` lies in one arena: in order, each region 64-byte aligned.
+fn arena_regions(dims: &[MatrixDims]) -> Vec<Regions> {
+    let mut off = 0;
+    dims.iter()
+        .map(|&d| {
+            let (n, s, z) = region_sizes(d.0, d.1, d.2);
+            let nib = off..off + n;
+            let sc = off + pad64(n)..off + pad64(n) + s;
+            let zr = (z > 0).then(|| off + pad64(n) + pad64(s)..off + pad64(n) + pad64(s) + z);
+            off += R16Matrix::footprint_of(d);
+            (nib, sc, zr)
+        })
+        .collect()
+}
+
+/// Bytes of the arena that holds the matrices `dims` (at least 64).
+pub fn arena_bytes(dims: &[MatrixDims]) -> usize {
+    dims.iter()
+        .map(|&d| R16Matrix::footprint_of(d))
+        .sum::<usize>()
+        .max(64)
+}
+
+/// The memory an arena of tiles lives in: filled by a repack in memory of the process's own,
+/// or a mapped tile cache file that already holds the repacked bytes ([`crate::tile_cache`]).
+/// Either way it starts 64-byte aligned and is read-only once the matrices exist.
+pub enum Arena {
+    /// Repacked into fresh memory (huge pages where the kernel gives them).
+    Owned(AlignedVec<u8>),
+    /// The tiles of a verified tile cache file, mapped read-only.
+    Mapped(crate::tile_cache::MappedTiles),
+}
+
+impl std::ops::Deref for Arena {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Arena::Owned(v) => v,
+            Arena::Mapped(m) => m.bytes(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Arena::Owned(v) => write!(f, "Arena::Owned({} bytes)", v.len()),
+            Arena::Mapped(m) => write!(f, "Arena::Mapped({} bytes)", m.bytes().len()),
+        }
+    }
+}
 
 impl R16Matrix {
     /// Arena bytes one matrix needs (each region 64-byte aligned).
@@ -104,15 +160,9 @@ impl R16Matrix {
         dims: &[MatrixDims],
         mut fill: impl FnMut(usize, &mut dyn FnMut(&dyn PackedRows)) -> Result<(), E>,
     ) -> Result<Vec<Self>, E> {
-        let total: usize = dims.iter().map(|&d| Self::footprint_of(d)).sum();
-        let mut arena = AlignedVec::<u8>::zeroed(total.max(64));
-        let mut layout = Vec::with_capacity(dims.len());
-        let mut off = 0;
-        for (i, &d) in dims.iter().enumerate() {
-            let (n, s, z) = region_sizes(d.0, d.1, d.2);
-            let nib = off..off + n;
-            let sc = off + pad64(n)..off + pad64(n) + s;
-            let zr = (z > 0).then(|| off + pad64(n) + pad64(s)..off + pad64(n) + pad64(s) + z);
+        let regions = arena_regions(dims);
+        let mut arena = AlignedVec::<u8>::zeroed(arena_bytes(dims));
+        for (i, (&d, (nib, sc, zr))) in dims.iter().zip(&regions).enumerate() {
             let mut written = false;
             fill(i, &mut |m: &dyn PackedRows| {
                 assert_eq!(
@@ -124,13 +174,20 @@ impl R16Matrix {
                 written = true;
             })?;
             assert!(written, "pack_streamed: matrix {i} was not handed over");
-            layout.push((nib, sc, zr));
-            off += Self::footprint_of(d);
         }
-        let arena = Arc::new(arena);
-        Ok(dims
-            .iter()
-            .zip(layout)
+        Ok(Self::views(dims, regions, Arc::new(Arena::Owned(arena))))
+    }
+
+    /// The matrices of the shapes `dims` over an arena that already holds their tiles, laid
+    /// out as [`R16Matrix::pack_streamed`] lays them out (a mapped tile cache file). `None`
+    /// when the arena's size is not [`arena_bytes`] of `dims`.
+    pub(crate) fn over_arena(dims: &[MatrixDims], arena: Arc<Arena>) -> Option<Vec<Self>> {
+        (arena.len() == arena_bytes(dims)).then(|| Self::views(dims, arena_regions(dims), arena))
+    }
+
+    fn views(dims: &[MatrixDims], regions: Vec<Regions>, arena: Arc<Arena>) -> Vec<Self> {
+        dims.iter()
+            .zip(regions)
             .map(|(&(rows, cols, spec), (nibbles, scales, zeros))| Self {
                 rows,
                 cols,
@@ -140,7 +197,12 @@ impl R16Matrix {
                 scales,
                 zeros,
             })
-            .collect())
+            .collect()
+    }
+
+    /// The whole arena this matrix lies in (shared by every matrix packed with it).
+    pub(crate) fn arena(&self) -> &Arc<Arena> {
+        &self.arena
     }
 
     fn write(

@@ -45,6 +45,7 @@ pub mod kernels;
 pub mod layout;
 pub mod membw;
 mod pool;
+pub mod tile_cache;
 
 use amx::{AMX_TOKEN_TILE, TokenRows};
 use expertmesh_backend::{
@@ -279,6 +280,10 @@ pub struct CpuBackend {
     loaded_bytes: u64,
     /// Hidden size of every loaded expert.
     hidden: usize,
+    /// Where `load_from` keeps and finds repacked arenas (`None`: it always repacks).
+    tile_cache: Option<tile_cache::TileCache>,
+    /// What the last `load_from` did with the tile cache.
+    tile_cache_use: tile_cache::TileCacheUse,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -371,7 +376,21 @@ impl CpuBackend {
             scratch: None,
             loaded_bytes: 0,
             hidden: 0,
+            tile_cache: None,
+            tile_cache_use: tile_cache::TileCacheUse::Unused,
         })
+    }
+
+    /// Keep each device arena `load_from` repacks in `cache`, and map it from there instead of
+    /// repacking when the same source (by its content id) is loaded again ([`tile_cache`]).
+    /// `None`: always repack.
+    pub fn set_tile_cache(&mut self, cache: Option<tile_cache::TileCache>) {
+        self.tile_cache = cache;
+    }
+
+    /// What the last `load_from` did with the tile cache.
+    pub fn tile_cache_use(&self) -> &tile_cache::TileCacheUse {
+        &self.tile_cache_use
     }
 
     /// For tests: run the AMX kernel (with [`Isa::Amx`]) on matrices of at least `cols`
@@ -488,7 +507,23 @@ impl ExpertBackend for CpuBackend {
         source: &mut dyn ExpertSource,
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
-        let packed = pack_source(source, None)?;
+        let packed = match (&self.tile_cache, source.content_id()) {
+            (Some(cache), Some(id)) => {
+                // The check of a kept file runs on the device's threads, at least two: a
+                // repacking load also checks its shard on a second thread beside the repack.
+                let (packed, used) = load_cached(cache, &id, source, self.threads.max(2))?;
+                self.tile_cache_use = used;
+                packed
+            }
+            (cache, _) => {
+                self.tile_cache_use = if cache.is_some() {
+                    tile_cache::TileCacheUse::NoContentId
+                } else {
+                    tile_cache::TileCacheUse::Unused
+                };
+                pack_source(source, None)?
+            }
+        };
         self.index = packed
             .keys
             .iter()
@@ -695,17 +730,16 @@ struct PackedSet {
     bytes: u64,
 }
 
-/// Packs every expert of `source` into one arena (huge pages, one stream of allocations),
-/// each as the source hands it over. With `loaded` (the index and hidden size of experts
-/// already loaded) the new ones must have that hidden size and keys not loaded yet.
-fn pack_source(
-    source: &mut dyn ExpertSource,
+/// The shapes of `source`'s experts, checked: one hidden size (`loaded`'s, with experts
+/// already loaded, whose keys must not come again), shapes the format can hold, no key twice.
+/// Returns the hidden size, the canonical bytes and the matrices to pack (W13, W2 per expert).
+fn checked_shapes(
+    shapes: &[ExpertShape],
     loaded: Option<(&HashMap<ExpertKey, usize>, usize)>,
-) -> Result<PackedSet, BackendError> {
-    let shapes: Vec<ExpertShape> = source.shapes().to_vec();
+) -> Result<(usize, u64, Vec<MatrixDims>), BackendError> {
     let hidden = loaded.map_or_else(|| shapes.first().map_or(0, |s| s.hidden), |(_, h)| h);
     let mut seen = std::collections::HashSet::with_capacity(shapes.len());
-    for s in &shapes {
+    for s in shapes {
         if s.hidden != hidden {
             return Err(BackendError::Shape(format!(
                 "{} has hidden size {} but other experts have {hidden}",
@@ -733,6 +767,80 @@ fn pack_source(
             ]
         })
         .collect();
+    Ok((hidden, bytes, dims))
+}
+
+/// The experts of `shapes` over their packed matrices (W13, W2 per expert, in order).
+fn assemble(
+    shapes: &[ExpertShape],
+    matrices: Vec<R16Matrix>,
+    hidden: usize,
+    bytes: u64,
+) -> PackedSet {
+    let mut packed = matrices.into_iter();
+    let mut experts = Vec::with_capacity(shapes.len());
+    for s in shapes {
+        let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
+            unreachable!("two matrices were packed per expert")
+        };
+        experts.push(CpuExpert {
+            inter: s.inter,
+            bytes: s.quant.expert_bytes(s.hidden as u64, s.inter as u64),
+            w13,
+            w2,
+        });
+    }
+    PackedSet {
+        keys: shapes.iter().map(|s| s.key).collect(),
+        experts,
+        hidden,
+        bytes,
+    }
+}
+
+/// The experts of `source` from `cache` when it holds a checked arena of the source's content
+/// (`content_id`): the source hands over nothing and is not finished. Otherwise packed from
+/// the source, and the arena written to the cache for the next load. A cache failure never
+/// fails the load; what happened is returned with the experts.
+fn load_cached(
+    cache: &tile_cache::TileCache,
+    content_id: &str,
+    source: &mut dyn ExpertSource,
+    threads: usize,
+) -> Result<(PackedSet, tile_cache::TileCacheUse), BackendError> {
+    use tile_cache::TileCacheUse;
+    let shapes: Vec<ExpertShape> = source.shapes().to_vec();
+    let (hidden, bytes, dims) = checked_shapes(&shapes, None)?;
+    let description = tile_cache::description(content_id, &shapes, &dims);
+    let miss = match cache.open(&description, &dims, threads) {
+        Ok((matrices, file, pinned)) => {
+            let packed = assemble(&shapes, matrices, hidden, bytes);
+            return Ok((packed, TileCacheUse::Mapped { file, pinned }));
+        }
+        Err(miss) => miss,
+    };
+    let packed = pack_source(source, None)?;
+    let arena = packed.experts.first().map(|e| e.w13.arena());
+    let used = match arena.map(|a| cache.store(&description, a)) {
+        Some(Ok(file)) => TileCacheUse::Written { file, miss },
+        Some(Err(error)) => TileCacheUse::NotWritten { miss, error },
+        None => TileCacheUse::NotWritten {
+            miss,
+            error: "no experts to keep".into(),
+        },
+    };
+    Ok((packed, used))
+}
+
+/// Packs every expert of `source` into one arena (huge pages, one stream of allocations),
+/// each as the source hands it over. With `loaded` (the index and hidden size of experts
+/// already loaded) the new ones must have that hidden size and keys not loaded yet.
+fn pack_source(
+    source: &mut dyn ExpertSource,
+    loaded: Option<(&HashMap<ExpertKey, usize>, usize)>,
+) -> Result<PackedSet, BackendError> {
+    let shapes: Vec<ExpertShape> = source.shapes().to_vec();
+    let (hidden, bytes, dims) = checked_shapes(&shapes, loaded)?;
     let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
     let packed = R16Matrix::pack_streamed(&dims, |i, write| {
         let (s, d) = (&shapes[i / 2], dims[i]);
@@ -761,25 +869,7 @@ fn pack_source(
         Ok(())
     })?;
     source.finish()?;
-    let mut packed = packed.into_iter();
-    let mut experts = Vec::with_capacity(shapes.len());
-    for s in &shapes {
-        let (Some(w13), Some(w2)) = (packed.next(), packed.next()) else {
-            unreachable!("two matrices were packed per expert")
-        };
-        experts.push(CpuExpert {
-            inter: s.inter,
-            bytes: s.quant.expert_bytes(s.hidden as u64, s.inter as u64),
-            w13,
-            w2,
-        });
-    }
-    Ok(PackedSet {
-        keys: shapes.iter().map(|s| s.key).collect(),
-        experts,
-        hidden,
-        bytes,
-    })
+    Ok(assemble(&shapes, packed, hidden, bytes))
 }
 
 /// What every step of one `execute` shares: the batch, the loaded experts, the pool and the

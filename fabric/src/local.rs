@@ -54,6 +54,8 @@ pub struct LocalFabricOptions {
     pub worker_threads: Option<usize>,
     /// The HIP runtime library GPU workers open (`--hip-library`; default: theirs).
     pub hip_library: Option<PathBuf>,
+    /// The folder CPU workers keep their repacked tiles in (`--tile-cache`; `None`: none).
+    pub tile_cache: Option<PathBuf>,
     /// The NIC under RDMA links, for the router and every worker (`--rdma-provider`).
     pub rdma_provider: expertmesh_transport::rdma::RdmaProvider,
     /// How long to wait for every worker to load its experts and connect.
@@ -135,6 +137,7 @@ impl LocalFabricOptions {
             ephemeral_ports: false,
             worker_threads: None,
             hip_library: None,
+            tile_cache: None,
             rdma_provider: Default::default(),
             connect_timeout: Duration::from_secs(120),
             log_dir: None,
@@ -376,6 +379,9 @@ impl LocalFabric {
         }
         if let Some(lib) = &o.hip_library {
             cmd.arg("--hip-library").arg(lib);
+        }
+        if let Some(dir) = &o.tile_cache {
+            cmd.arg("--tile-cache").arg(dir);
         }
         cmd.arg("--rdma-provider").arg(o.rdma_provider.name());
         let child = cmd.spawn().map_err(FabricError::io(format!(

@@ -55,6 +55,10 @@ pub(crate) struct UpCli {
     /// Run without a key on non-loopback addresses (unauthenticated, unencrypted).
     #[arg(long)]
     insecure: bool,
+    /// CPU workers keep their repacked tiles of the shards in this folder (private to this
+    /// user) and map them from there on the next start instead of repacking (with --weights).
+    #[arg(long, value_name = "DIR", requires = "weights")]
+    tile_cache: Option<PathBuf>,
 }
 
 /// Run `expertmesh up` until interrupted; restarts workers that exit.
@@ -79,6 +83,7 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.worker_metrics = worker_metrics.clone();
     opts.key = cli.key.clone();
     opts.insecure = cli.insecure;
+    opts.tile_cache = cli.tile_cache.clone();
     if cli.key.is_none() {
         let probe = match &cli.weights {
             Some(w) => Deployment::load_converted(&cli.topology, w),

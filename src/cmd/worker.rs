@@ -58,6 +58,11 @@ pub(crate) struct WorkerCli {
     /// Largest dispatch (tokens) this worker accepts; match the router's --micro-batch.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
+    /// Keep the CPU backend's repacked tiles of this device's shard in this folder (private
+    /// to this user; created 0700) and map them from there on the next start instead of
+    /// repacking: a restart loads at the speed of a read. Converted weights only.
+    #[arg(long, value_name = "DIR")]
+    tile_cache: Option<std::path::PathBuf>,
     /// Exit when the parent process exits (used by the local launcher).
     #[arg(long)]
     exit_with_parent: bool,
@@ -99,6 +104,7 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
             rdma_provider: cli.rdma_provider,
             max_tokens: cli.max_tokens.max(1),
             metrics: cli.metrics.metrics,
+            tile_cache: cli.tile_cache,
         },
     )?;
     Ok(ExitCode::SUCCESS)

@@ -761,3 +761,69 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
     copied_one(&fabric, 0);
     fabric.shutdown();
 }
+
+/// Workers started with `--tile-cache` keep their repacked tiles (one private file per
+/// device), and restarted they map those instead of reading their shards: with a nibble of
+/// every device shard then changed (which a repacking load refuses by the manifest's
+/// checksum), the restarted fabric still serves every layer bit for bit as before.
+#[test]
+fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    let _machine = crate::support::shared();
+    let (d, ck, out) = case("olmoe", WeightFormat::Bf16, 1);
+    let tiles = d.path().join("tiles");
+    let mut o = options(&out, ComputeMode::Exact);
+    o.tile_cache = Some(tiles.clone());
+    let fabric = LocalFabric::start(o.clone()).unwrap();
+    check_served_exactly(&ck, &out, &fabric);
+    fabric.shutdown();
+    let kept: Vec<PathBuf> = std::fs::read_dir(&tiles)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "r16"))
+        .collect();
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    assert_eq!(kept.len(), dep.topology.devices().len(), "{kept:?}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&tiles), 0o700);
+    assert!(kept.iter().all(|p| mode(p) == 0o400));
+
+    // The reference, from the intact shards; then damage every device shard's first expert.
+    let (experts, _) = converted_experts(&out);
+    let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
+        .into_iter()
+        .map(|((layer, expert), w)| (ExpertKey { layer, expert }, w))
+        .collect();
+    let mut backend = CpuBackend::new(1).unwrap();
+    let slots = (dep.spec.top_k + dep.spec.shared_experts) as usize;
+    let limits = expertmesh_backend::BatchLimits {
+        max_tokens: 64,
+        max_pairs: 64 * slots,
+    };
+    backend.load(keyed, limits).unwrap();
+    let w = dep.weights.as_ref().unwrap();
+    for s in &w.manifest.shards {
+        let path = w.path(&s.file);
+        let at = ShardFile::open(&path).unwrap().index().experts[0]
+            .w13
+            .nibbles
+            .offset;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x11], at).unwrap();
+        let e = ShardFile::open(&path)
+            .unwrap()
+            .verify(Some(s.crc32c))
+            .unwrap_err();
+        assert!(e.to_string().contains("checksum"), "{e}");
+    }
+    let setups = dep.layer_setups().unwrap();
+    let fabric = LocalFabric::start(o).unwrap();
+    check_served(&ck, &dep, &mut backend, &mut None, &setups, &fabric);
+    fabric.shutdown();
+}

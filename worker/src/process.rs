@@ -185,6 +185,9 @@ pub struct WorkerOptions {
     pub max_tokens: usize,
     /// Serve Prometheus metrics at `/metrics` on this address (port 0 picks a free one).
     pub metrics: Option<SocketAddr>,
+    /// A folder where the CPU backend keeps its repacked tiles of the shard, and maps them
+    /// from on the next start instead of repacking ([`expertmesh_cpu_backend::tile_cache`]).
+    pub tile_cache: Option<std::path::PathBuf>,
 }
 
 /// Choose and load the backend for device `d`.
@@ -232,8 +235,46 @@ fn make_backend(
         }
     }
     let mut cpu = CpuBackend::new(threads).map_err(WorkerError::Backend)?;
+    if let Some(dir) = &opts.tile_cache {
+        expertmesh_shard::stale::remove_stale_temps(dir);
+        cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
+            dir,
+        )));
+    }
     cpu.load_from(&mut *experts, limits).map_err(on_device)?;
+    log_tile_cache_use(dev.id(), cpu.tile_cache_use());
     Ok(Box::new(cpu))
+}
+
+/// Says what the load of device `id` did with the tile cache (nothing without one).
+fn log_tile_cache_use(id: &str, used: &expertmesh_cpu_backend::tile_cache::TileCacheUse) {
+    use expertmesh_cpu_backend::tile_cache::TileCacheUse;
+    match used {
+        TileCacheUse::Unused => {}
+        TileCacheUse::NoContentId => tracing::info!(
+            device = %id,
+            "tile cache not used: synthetic weights have no stable identity (convert a checkpoint)"
+        ),
+        TileCacheUse::Mapped { file, pinned: true } => tracing::info!(
+            device = %id, file = %file.display(), "experts mapped from the tile cache, locked in memory"
+        ),
+        TileCacheUse::Mapped {
+            file,
+            pinned: false,
+        } => tracing::warn!(
+            device = %id, file = %file.display(),
+            "experts mapped from the tile cache but not locked in memory (the memory lock \
+             limit is too small: raise it, e.g. LimitMEMLOCK=infinity or `ulimit -l \
+             unlimited`); under memory pressure the kernel may evict tiles and read them back"
+        ),
+        TileCacheUse::Written { file, miss } => tracing::info!(
+            device = %id, file = %file.display(), %miss,
+            "experts repacked; the tiles are kept for the next start"
+        ),
+        TileCacheUse::NotWritten { miss, error } => tracing::warn!(
+            device = %id, %miss, %error, "experts repacked; the tile cache could not keep them"
+        ),
+    }
 }
 
 /// Batch limits of a worker: `max_tokens` tokens, each with all its routed and shared slots.

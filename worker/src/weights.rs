@@ -371,19 +371,27 @@ pub fn device_expert_source(
 
 /// A shard's experts that one process must load, handed over one at a time. The checksum of
 /// the whole file is computed on another thread while the experts are copied out (the two
-/// passes overlap); [`ExpertSource::finish`] waits for it, and the load fails if it does not
-/// match the manifest, so nothing from a damaged shard is ever served.
+/// passes overlap; the thread starts with the first expert taken, so a backend that takes none
+/// because it holds the same content already, by [`ExpertSource::content_id`], reads nothing);
+/// [`ExpertSource::finish`] waits for it, and the load fails if it does not match the
+/// manifest, so nothing from a damaged shard is ever served.
 #[derive(Debug)]
 pub struct ShardSource {
     file: std::sync::Arc<ShardFile>,
+    /// The whole file's crc32c the manifest records.
+    crc: u32,
+    /// The checksum thread, once an expert was taken.
     verify: Option<VerifyThread>,
+    /// Whether the checksum thread was started (or the file checked).
+    verify_started: bool,
     entries: Vec<usize>,
     shapes: Vec<ExpertShape>,
 }
 
 impl ShardSource {
-    /// Open and verify the shard of device `d` (`None`: the router file) and select the
-    /// experts the placement gives it (every expert of a device shard must be one).
+    /// Open the shard of device `d` (`None`: the router file) and select the experts the
+    /// placement gives it (every expert of a device shard must be one); its checksum is
+    /// checked as its experts are read.
     pub fn open(dep: &Deployment, d: Option<DeviceRank>) -> Result<Self, WeightsError> {
         let (file, crc) = open_shard_unverified(dep, d)?;
         let want = expected_keys(dep, d);
@@ -410,13 +418,26 @@ impl ShardSource {
                 missing: want.difference(&have).take(5).copied().collect(),
             });
         }
-        let (file, verify) = spawn_verify(file, crc)?;
         Ok(Self {
-            file,
-            verify: Some(verify),
+            file: std::sync::Arc::new(file),
+            crc,
+            verify: None,
+            verify_started: false,
             entries,
             shapes,
         })
+    }
+
+    /// Start the checksum thread if it is not running yet (the first expert taken).
+    fn start_verify(&mut self) -> Result<(), BackendError> {
+        if !self.verify_started {
+            self.verify = Some(
+                spawn_verify_shared(std::sync::Arc::clone(&self.file), self.crc)
+                    .map_err(|e| BackendError::Source(e.to_string()))?,
+            );
+            self.verify_started = true;
+        }
+        Ok(())
     }
 }
 
@@ -430,6 +451,7 @@ impl ExpertSource for ShardSource {
             .entries
             .get(i)
             .ok_or_else(|| BackendError::Source(format!("no expert {i} in the shard")))?;
+        self.start_verify()?;
         self.file
             .expert(at)
             .map_err(|e| BackendError::Source(e.to_string()))
@@ -440,6 +462,9 @@ impl ExpertSource for ShardSource {
         i: usize,
     ) -> Option<Result<(PackedRef<'_>, PackedRef<'_>), BackendError>> {
         let at = *self.entries.get(i)?;
+        if let Err(e) = self.start_verify() {
+            return Some(Err(e));
+        }
         Some(
             self.file
                 .expert_ref(at)
@@ -448,6 +473,14 @@ impl ExpertSource for ShardSource {
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
+        if !self.verify_started {
+            // Nothing was taken (no experts): check the file here, as a load always does.
+            self.verify_started = true;
+            return self
+                .file
+                .verify(Some(self.crc))
+                .map_err(|e| BackendError::Source(e.to_string()));
+        }
         let Some(v) = self.verify.take() else {
             return Ok(());
         };
@@ -458,6 +491,20 @@ impl ExpertSource for ShardSource {
                 self.file.path().display()
             ))),
         }
+    }
+
+    /// The conversion's fingerprint, the shard's device and file name, the manifest's
+    /// checksum of it, and the experts selected.
+    fn content_id(&self) -> Option<String> {
+        let idx = self.file.index();
+        let name = self.file.path().file_name()?.to_string_lossy();
+        Some(format!(
+            "shard {name} of conversion {} for device {}, crc32c {:08x}, entries {:?}",
+            idx.fingerprint,
+            idx.device.as_deref().unwrap_or("router"),
+            self.crc,
+            self.entries
+        ))
     }
 }
 
@@ -625,12 +672,19 @@ fn spawn_verify(
     crc: u32,
 ) -> Result<(std::sync::Arc<ShardFile>, VerifyThread), WeightsError> {
     let file = std::sync::Arc::new(file);
-    let checked = std::sync::Arc::clone(&file);
-    let verify = std::thread::Builder::new()
-        .name("shard-verify".into())
-        .spawn(move || checked.verify(Some(crc)))
-        .map_err(WeightsError::ChecksumThread)?;
+    let verify = spawn_verify_shared(std::sync::Arc::clone(&file), crc)?;
     Ok((file, verify))
+}
+
+/// A thread checking `file`'s whole-file checksum against `crc`.
+fn spawn_verify_shared(
+    file: std::sync::Arc<ShardFile>,
+    crc: u32,
+) -> Result<VerifyThread, WeightsError> {
+    std::thread::Builder::new()
+        .name("shard-verify".into())
+        .spawn(move || file.verify(Some(crc)))
+        .map_err(WeightsError::ChecksumThread)
 }
 
 /// The key and shape of expert entry `e` of `file`.

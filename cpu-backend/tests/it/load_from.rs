@@ -11,7 +11,7 @@ use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::{ExpertWeights, QuantSpec};
 use expertmesh_quant::synth::synthetic_expert;
 
-fn experts() -> Vec<(ExpertKey, ExpertWeights)> {
+pub(crate) fn experts() -> Vec<(ExpertKey, ExpertWeights)> {
     (0..4u32)
         .map(|e| {
             let w = synthetic_expert(QuantSpec::G32_BF16, 64, 32 * (1 + e as usize % 2), 5, 1, e)
@@ -27,7 +27,7 @@ fn experts() -> Vec<(ExpertKey, ExpertWeights)> {
         .collect()
 }
 
-const LIMITS: BatchLimits = BatchLimits {
+pub(crate) const LIMITS: BatchLimits = BatchLimits {
     max_tokens: 4,
     max_pairs: 8,
 };
@@ -62,7 +62,7 @@ impl ExpertSource for Faulty {
     }
 }
 
-fn run(b: &mut CpuBackend) -> Vec<u32> {
+pub(crate) fn run(b: &mut CpuBackend) -> Vec<u32> {
     run_pairs(b, &[(0, 0), (0, 3), (1, 1), (1, 2)]).unwrap()
 }
 
