@@ -316,13 +316,24 @@ pub trait ExpertSource {
         Ok(())
     }
 
-    /// A name for exactly what this source hands over (a converted shard: its conversion's
-    /// fingerprint, file, size and checksum, and the experts selected), stable across
-    /// processes: a backend may keep what it derives from the experts under this name and reuse
-    /// it when the same name comes again. `None` (in-memory experts): nothing may be reused.
-    fn content_id(&self) -> Option<String> {
+    /// What exactly this source hands over, named stably across processes: a backend may keep
+    /// what it derives from the experts under this name and reuse it when the same name comes
+    /// again. `None` (in-memory experts): nothing may be reused.
+    fn content_id(&self) -> Option<ContentId> {
         None
     }
+}
+
+/// The name of a source's content ([`ExpertSource::content_id`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContentId {
+    /// Where the content lives (a converted shard: its path): a backend keeps at most one
+    /// derived copy per place, so new content at the same place replaces the old copy.
+    pub place: String,
+    /// Everything that tells this content from any other at that place (a converted shard: the
+    /// conversion's fingerprint, the file's size, modification time, inode and checksum, the
+    /// experts selected). A derived copy is reused only when this is equal.
+    pub id: String,
 }
 
 /// An in-memory set of experts as an [`ExpertSource`] (each handed over once).

@@ -49,8 +49,8 @@ pub mod tile_cache;
 
 use amx::{AMX_TOKEN_TILE, TokenRows};
 use expertmesh_backend::{
-    Activations, BackendError, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, ExpertShape,
-    ExpertSource, ExpertStager, GroupedBatch, OutputLayout, StagedExperts, VecSource,
+    Activations, BackendError, BatchLimits, ContentId, ExpertBackend, ExpertGroup, ExpertKey,
+    ExpertShape, ExpertSource, ExpertStager, GroupedBatch, OutputLayout, StagedExperts, VecSource,
 };
 use expertmesh_quant::aligned::AlignedVec;
 use expertmesh_quant::contract::ComputeMode;
@@ -507,6 +507,7 @@ impl ExpertBackend for CpuBackend {
         source: &mut dyn ExpertSource,
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
+        self.tile_cache_use = tile_cache::TileCacheUse::Unused;
         let packed = match (&self.tile_cache, source.content_id()) {
             (Some(cache), Some(id)) => {
                 // The check of a kept file runs on the device's threads, at least two: a
@@ -799,30 +800,35 @@ fn assemble(
 }
 
 /// The experts of `source` from `cache` when it holds a checked arena of the source's content
-/// (`content_id`): the source hands over nothing and is not finished. Otherwise packed from
-/// the source, and the arena written to the cache for the next load. A cache failure never
-/// fails the load; what happened is returned with the experts.
+/// (`content`): the source hands over nothing and is not finished. Otherwise packed from the
+/// source (which checks its data at `finish`), and only then the arena written to the cache
+/// for the next load. A cache failure never fails the load; what happened is returned.
 fn load_cached(
     cache: &tile_cache::TileCache,
-    content_id: &str,
+    content: &ContentId,
     source: &mut dyn ExpertSource,
     threads: usize,
 ) -> Result<(PackedSet, tile_cache::TileCacheUse), BackendError> {
     use tile_cache::TileCacheUse;
     let shapes: Vec<ExpertShape> = source.shapes().to_vec();
     let (hidden, bytes, dims) = checked_shapes(&shapes, None)?;
-    let description = tile_cache::description(content_id, &shapes, &dims);
-    let miss = match cache.open(&description, &dims, threads) {
-        Ok((matrices, file, pinned)) => {
+    let description = tile_cache::description(&content.id, &shapes, &dims);
+    let miss = match cache.open(&content.place, &description, &dims, threads) {
+        Ok((matrices, file, mapped)) => {
             let packed = assemble(&shapes, matrices, hidden, bytes);
-            return Ok((packed, TileCacheUse::Mapped { file, pinned }));
+            return Ok((packed, TileCacheUse::Reused { file, mapped }));
         }
         Err(miss) => miss,
     };
     let packed = pack_source(source, None)?;
+    let t0 = std::time::Instant::now();
     let arena = packed.experts.first().map(|e| e.w13.arena());
-    let used = match arena.map(|a| cache.store(&description, a)) {
-        Some(Ok(file)) => TileCacheUse::Written { file, miss },
+    let used = match arena.map(|a| cache.store(&content.place, &description, a)) {
+        Some(Ok(file)) => TileCacheUse::Written {
+            file,
+            miss,
+            write_s: t0.elapsed().as_secs_f64(),
+        },
         Some(Err(error)) => TileCacheUse::NotWritten { miss, error },
         None => TileCacheUse::NotWritten {
             miss,

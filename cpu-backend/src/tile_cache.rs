@@ -19,20 +19,26 @@
 //!
 //! Invariants:
 //! * A file is used only when its description equals the load's byte for byte (the layout
-//!   version, this crate's version, the source's content id, every expert's key and shape, the
-//!   arena's size) and every chunk's crc32c matches: a stale, foreign, truncated or damaged
-//!   file is a miss, never wrong weights.
+//!   version, a fingerprint of what this build's repack writes for a fixed set of matrices,
+//!   the target's architecture and byte order, this crate's version, the source's content id,
+//!   every expert's key and shape, the arena's size) and every chunk's crc32c matches: a
+//!   stale, foreign, truncated or damaged file is a miss, never wrong weights.
+//! * One file per place the source names (a shard's path): new content at that place (a
+//!   re-conversion, an upgrade) replaces the old file instead of piling up beside it.
 //! * The folder must belong to this user and be writable by no one else (anyone who can write
-//!   it chooses the weights); it is created 0700 and the files 0400.
+//!   it chooses the weights), and its parent must not let others replace it (writable by
+//!   others only with the sticky bit, as `/tmp`); it is created 0700 and the files 0400.
 //! * Files are written under a temporary name and renamed into place, never rewritten: a file
 //!   that is mapped is never truncated by us (truncating a mapped file faults its readers).
 //!   Other programs must not edit the files in place either; deleting them is safe.
+//! * Served tiles are pinned: the mapped file is locked in memory (`mlock`), or, where the
+//!   memory lock limit does not allow it, copied into the process's own memory (as a repack
+//!   would place it, about half a read's speed) and the map dropped. Either way the checksums
+//!   are checked over the very bytes served, which the kernel cannot evict and read back.
 //! * No failure of the cache fails a load: a miss repacks, a failed write is reported.
-//!   Mapped tiles are pinned (`mlock`) where the memory lock limit allows; otherwise the kernel
-//!   may evict them under memory pressure and read them back from the file (slower, still
-//!   correct).
 
-use crate::layout::{MatrixDims, R16Matrix, arena_bytes};
+use crate::layout::{Arena, MatrixDims, R16Matrix, arena_bytes};
+use expertmesh_quant::aligned::AlignedVec;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -46,36 +52,40 @@ const LAYOUT_VERSION: u32 = 1;
 const CHUNK_BYTES: usize = 4 << 20;
 /// Where the arena starts: a page boundary, so a map of it is 64-byte aligned.
 const DATA_ALIGN: usize = 4096;
-/// Longest description read from a file (a damaged length field must not allocate gigabytes).
-const MAX_DESCRIPTION: usize = 64 << 20;
 
 /// A folder of tile cache files ([`crate::CpuBackend::set_tile_cache`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TileCache {
     dir: PathBuf,
+    /// Lock a mapped file in memory when the limit allows (tests turn it off to take the copy).
+    lock: bool,
 }
 
 /// What one load did with the tile cache, for the caller to report.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum TileCacheUse {
     /// No cache folder was set, or the last load used none.
     Unused,
     /// The source cannot name its content (in-memory experts), so nothing derived from it
     /// may be reused: repacked, nothing written.
     NoContentId,
-    /// The tiles came from `file`, checked; `pinned`: locked in memory.
-    Mapped {
+    /// The tiles came from `file`, checked.
+    Reused {
         /// The cache file.
         file: PathBuf,
-        /// Locked in memory (`mlock`); `false` where the lock limit was too small.
-        pinned: bool,
+        /// Served from the file's map, locked in memory; `false`: the memory lock limit was too
+        /// small, so the tiles were copied into the process's own memory instead.
+        mapped: bool,
     },
-    /// Repacked (`miss` says why no file was used), then written to `file` for the next load.
+    /// Repacked (`miss` says why no file was used), then written to `file` for the next load
+    /// in `write_s` seconds (part of this load's time).
     Written {
         /// The cache file written.
         file: PathBuf,
         /// Why no file was used.
         miss: String,
+        /// Seconds spent writing it.
+        write_s: f64,
     },
     /// Repacked (`miss` says why no file was used); writing the cache failed (`error`).
     NotWritten {
@@ -86,7 +96,8 @@ pub enum TileCacheUse {
     },
 }
 
-/// Tiles mapped read-only from a checked cache file (the arena starts at a page boundary).
+/// Tiles mapped read-only from a cache file and locked in memory (the arena starts at a page
+/// boundary).
 pub struct MappedTiles {
     map: memmap2::Mmap,
     data_offset: usize,
@@ -102,7 +113,19 @@ impl MappedTiles {
 impl TileCache {
     /// A cache in `dir` (created 0700 on first write).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+        Self {
+            dir: dir.into(),
+            lock: true,
+        }
+    }
+
+    /// For tests: never lock a mapped file, so kept tiles are copied into owned memory (what
+    /// happens where the memory lock limit is too small; a test running as root cannot make
+    /// `mlock` fail).
+    #[doc(hidden)]
+    pub fn without_lock(mut self) -> Self {
+        self.lock = false;
+        self
     }
 
     /// The cache folder.
@@ -110,16 +133,17 @@ impl TileCache {
         &self.dir
     }
 
-    /// The file that holds the arena `description` names.
-    fn file_for(&self, description: &str) -> PathBuf {
+    /// The file that holds the arena of whatever lives at `place`.
+    fn file_for(&self, place: &str) -> PathBuf {
         self.dir
-            .join(format!("{:016x}.r16", fnv1a64(description.as_bytes())))
+            .join(format!("{:016x}.r16", fnv1a64(place.as_bytes())))
     }
 
-    /// The matrices `dims` from the cache file `description` names, checked on `threads`
-    /// threads. `Err`: why the file could not be used (a miss).
+    /// The matrices `dims` from the cache file of `place`, which must carry `description`,
+    /// checked on `threads` threads. `Err`: why the file could not be used (a miss).
     pub(crate) fn open(
         &self,
+        place: &str,
         description: &str,
         dims: &[MatrixDims],
         threads: usize,
@@ -131,7 +155,7 @@ impl TileCache {
             ));
         }
         check_private_folder(&self.dir, false)?;
-        let path = self.file_for(description);
+        let path = self.file_for(place);
         let mut file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -153,27 +177,41 @@ impl TileCache {
         // file in place (temporary name, then rename), and the folder is private to this user.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .map_err(|e| fail(format!("cannot map it: {e}")))?;
-        // Locking faults every page in too (one pass over the page tables); without the lock
-        // the checksums' reads fault them in.
-        let pinned = map.lock().is_ok();
-        let tiles = MappedTiles {
-            map,
-            data_offset: header.data_offset,
+        // Locking faults every page in too (one pass over the page tables). Without the lock
+        // the kernel could evict pages and read them back unchecked: copy instead.
+        let mapped = self.lock && map.lock().is_ok();
+        let arena = if mapped {
+            Arena::Mapped(MappedTiles {
+                map,
+                data_offset: header.data_offset,
+            })
+        } else {
+            let tiles = &map[header.data_offset..];
+            let mut owned = AlignedVec::<u8>::zeroed(tiles.len());
+            owned.copy_from_slice(tiles);
+            Arena::Owned(owned)
         };
-        if let Some(bad) = first_bad_chunk(tiles.bytes(), &header.chunk_crcs, threads) {
+        if let Some(bad) = first_bad_chunk(&arena, &header.chunk_crcs, threads) {
             return Err(fail(format!(
                 "chunk {bad} of its tiles does not match its checksum (damaged)"
             )));
         }
-        let matrices = R16Matrix::over_arena(dims, Arc::new(crate::layout::Arena::Mapped(tiles)))
+        let matrices = R16Matrix::over_arena(dims, Arc::new(arena))
             .ok_or_else(|| fail("the arena does not fit the experts".into()))?;
-        Ok((matrices, path, pinned))
+        Ok((matrices, path, mapped))
     }
 
-    /// Write `arena` as the file `description` names (temporary name, then rename).
-    pub(crate) fn store(&self, description: &str, arena: &[u8]) -> Result<PathBuf, String> {
+    /// Write `arena` as the file of `place`, carrying `description` (temporary name, then
+    /// rename over the place's previous file). Not synced: a file torn by a crash fails its
+    /// checksums and is replaced.
+    pub(crate) fn store(
+        &self,
+        place: &str,
+        description: &str,
+        arena: &[u8],
+    ) -> Result<PathBuf, String> {
         check_private_folder(&self.dir, true)?;
-        let path = self.file_for(description);
+        let path = self.file_for(place);
         let tmp = self.dir.join(format!(
             ".{}.tmp-{}-{}",
             path.file_name()
@@ -186,7 +224,6 @@ impl TileCache {
             let mut f = create_read_only(&tmp)?;
             f.write_all(&header)?;
             f.write_all(arena)?;
-            f.sync_data()?;
             fs::rename(&tmp, &path)
         })();
         if let Err(e) = written {
@@ -202,7 +239,7 @@ impl TileCache {
 }
 
 /// The description a cache file must carry to hold the arena of `experts` (key and shape, in
-/// load order) from the source named `content_id`.
+/// load order) from the source whose content is `content_id`.
 pub(crate) fn description(
     content_id: &str,
     experts: &[expertmesh_backend::ExpertShape],
@@ -210,8 +247,15 @@ pub(crate) fn description(
 ) -> String {
     use std::fmt::Write as _;
     let mut d = format!(
-        "expertmesh R16 tile cache, layout {LAYOUT_VERSION}, expertmesh-cpu-backend {}\n\
-         source: {content_id}\n",
+        "expertmesh R16 tile cache, layout {LAYOUT_VERSION} (repack fingerprint {:016x}), \
+         {} {}-endian, expertmesh-cpu-backend {}\nsource: {content_id}\n",
+        repack_fingerprint(),
+        std::env::consts::ARCH,
+        if cfg!(target_endian = "little") {
+            "little"
+        } else {
+            "big"
+        },
         env!("CARGO_PKG_VERSION")
     );
     for s in experts {
@@ -223,6 +267,40 @@ pub(crate) fn description(
     }
     let _ = write!(d, "arena bytes {}", arena_bytes(dims));
     d
+}
+
+/// A hash of the arena this build's repack writes for a fixed set of experts (every group
+/// size, both scale types, with and without zero points): a change to the R16 layout or to
+/// how it is written makes every file an older build kept a miss, whether or not anyone
+/// remembered to raise [`LAYOUT_VERSION`]. Computed once per process (a few hundred KiB).
+fn repack_fingerprint() -> u64 {
+    static FINGERPRINT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *FINGERPRINT.get_or_init(|| {
+        use expertmesh_quant::format::{QuantSpec, ScaleDtype};
+        let mut experts = Vec::new();
+        for (i, (group_size, scale_dtype, zero_points)) in [
+            (32, ScaleDtype::Bf16, false),
+            (32, ScaleDtype::F16, true),
+            (64, ScaleDtype::F16, false),
+            (128, ScaleDtype::Bf16, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let spec = QuantSpec {
+                group_size,
+                scale_dtype,
+                zero_points,
+            };
+            let w = expertmesh_quant::synth::synthetic_expert(spec, 256, 128, 7, 0, i as u32)
+                .expect("a valid synthetic expert");
+            experts.push(w.into_parts());
+        }
+        let ms: Vec<&expertmesh_quant::format::PackedMatrix> =
+            experts.iter().flat_map(|(a, b)| [a, b]).collect();
+        let packed = R16Matrix::pack_all(&ms);
+        packed.first().map_or(0, |m| fnv1a64(&m.arena()[..]))
+    })
 }
 
 /// What a file's header says, once its description and arena size matched.
@@ -255,7 +333,7 @@ fn read_header(file: &mut File, description: &str, arena_bytes: usize) -> Result
         return Err("not a tile cache file of this layout".into());
     }
     let dlen = u32::from_le_bytes(fixed[8..].try_into().expect("4 bytes")) as usize;
-    if dlen != description.len() || dlen > MAX_DESCRIPTION {
+    if dlen != description.len() {
         return Err("made for other experts, another conversion or another version".into());
     }
     let mut desc = vec![0u8; dlen + 12];
@@ -302,7 +380,7 @@ fn read_exact(file: &mut File, buf: &mut [u8]) -> Result<(), String> {
 }
 
 /// The first chunk of `arena` whose crc32c is not `crcs`' (checked on up to `threads`
-/// threads), or `None`.
+/// threads; where a thread cannot be started, its share is checked here), or `None`.
 fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> {
     let chunks: Vec<&[u8]> = arena.chunks(CHUNK_BYTES).collect();
     if chunks.len() != crcs.len() {
@@ -315,11 +393,18 @@ fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> 
     };
     std::thread::scope(|s| {
         let helpers: Vec<_> = (1..threads)
-            .map(|t| s.spawn(move || check(t * per)))
+            .map(|t| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || check(t * per))
+                    .map_err(|_| t)
+            })
             .collect();
         let mut bad = check(0);
         for h in helpers {
-            let found = h.join().unwrap_or(Some(0));
+            let found = match h {
+                Ok(h) => h.join().unwrap_or(Some(0)),
+                Err(t) => check(t * per),
+            };
             bad = match (bad, found) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -357,7 +442,38 @@ fn check_private_folder(dir: &Path, create: bool) -> Result<(), String> {
             dir.display()
         ));
     }
-    check_owner(dir, &meta)
+    check_owner(dir, &meta)?;
+    check_parent(dir)
+}
+
+/// Others must not be able to replace `dir`: its parent is writable only by its owner, or
+/// has the sticky bit (as `/tmp`: there only an entry's owner may rename or remove it).
+#[cfg(target_os = "linux")]
+fn check_parent(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::env::current_dir().map_err(|e| format!("the current folder: {e}"))?,
+    };
+    let meta = fs::metadata(&parent)
+        .map_err(|e| format!("the tile cache folder's parent {}: {e}", parent.display()))?;
+    if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+        return Err(format!(
+            "tile cache folder {}: its parent {} is writable by others (mode {:o}) without the \
+             sticky bit, so they could replace the folder: pick a folder under a private \
+             parent",
+            dir.display(),
+            parent.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+/// Elsewhere nothing is checked ([`check_owner`] refuses the cache first).
+#[cfg(not(target_os = "linux"))]
+fn check_parent(_dir: &Path) -> Result<(), String> {
+    Ok(())
 }
 
 /// The folder `dir` (`meta`) belongs to this user and no one else can write it.

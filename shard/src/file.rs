@@ -456,6 +456,51 @@ pub struct ShardFile {
     map: Mmap,
     index: ShardIndex,
     body_crc: u32,
+    /// The mapped file's identity (`fstat` of the descriptor mapped, not of the path, which
+    /// may name another file by now).
+    identity: FileIdentity,
+}
+
+/// Which file a [`ShardFile`] mapped, as `fstat` saw it when it was opened: a file rewritten
+/// or replaced since has another identity (size, time or inode), even if its checksum
+/// collides with the old one's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Last modification, seconds since the epoch and nanoseconds.
+    pub modified: (i64, i64),
+    /// The file system's device and the file's inode (0 where the platform has none).
+    pub device_inode: (u64, u64),
+}
+
+impl FileIdentity {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            Self {
+                bytes: meta.len(),
+                modified: (meta.mtime(), meta.mtime_nsec()),
+                device_inode: (meta.dev(), meta.ino()),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let modified = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or((0, 0), |d| {
+                    (d.as_secs() as i64, i64::from(d.subsec_nanos()))
+                });
+            Self {
+                bytes: meta.len(),
+                modified,
+                device_inode: (0, 0),
+            }
+        }
+    }
 }
 
 impl ShardFile {
@@ -474,6 +519,14 @@ impl ShardFile {
             what: "mapping",
             source,
         })?;
+        let identity = file
+            .metadata()
+            .map(|m| FileIdentity::of(&m))
+            .map_err(|source| ShardError::Io {
+                path: path.to_path_buf(),
+                what: "reading the metadata of",
+                source,
+            })?;
         let (index, body_crc) = parse(&map).map_err(|reason| ShardError::Corrupt {
             path: path.to_path_buf(),
             reason,
@@ -483,12 +536,18 @@ impl ShardFile {
             map,
             index,
             body_crc,
+            identity,
         })
     }
 
     /// The file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Which file was mapped, taken from its descriptor when it was opened.
+    pub fn identity(&self) -> FileIdentity {
+        self.identity
     }
 
     /// The index.

@@ -71,7 +71,8 @@ fn bench_convert_quick_reports_every_kind() {
             assert!(ok(fresh) && ok(r["ratio_of_fresh_copy"].as_f64()), "{r}");
         }
         if kind(r) == "load_tile_cache" {
-            assert!(r["pinned"].is_boolean(), "{r}");
+            assert!(r["mapped"].is_boolean(), "{r}");
+            assert!(ok(r["first_load_keeping_tiles"].as_f64()), "{r}");
             assert!(ok(r["tile_cache_bytes"].as_f64()), "{r}");
         }
     }

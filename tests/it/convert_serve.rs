@@ -764,8 +764,9 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
 
 /// Workers started with `--tile-cache` keep their repacked tiles (one private file per
 /// device), and restarted they map those instead of reading their shards: with a nibble of
-/// every device shard then changed (which a repacking load refuses by the manifest's
-/// checksum), the restarted fabric still serves every layer bit for bit as before.
+/// every device shard then changed in place, size and time kept (which a repacking load
+/// refuses by the manifest's checksum), the restarted fabric still serves every layer bit for
+/// bit as before.
 #[test]
 fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     use std::os::unix::fs::{FileExt, PermissionsExt};
@@ -813,9 +814,12 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
             .write(true)
             .open(&path)
             .unwrap();
+        let modified = f.metadata().unwrap().modified().unwrap();
         let mut b = [0u8];
         f.read_exact_at(&mut b, at).unwrap();
         f.write_all_at(&[b[0] ^ 0x11], at).unwrap();
+        // Bit rot keeps the file's size and time (a rewrite would not: other content).
+        f.set_modified(modified).unwrap();
         let e = ShardFile::open(&path)
             .unwrap()
             .verify(Some(s.crc32c))
@@ -823,7 +827,19 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
         assert!(e.to_string().contains("checksum"), "{e}");
     }
     let setups = dep.layer_setups().unwrap();
-    let fabric = LocalFabric::start(o).unwrap();
+    let fabric = LocalFabric::start(o.clone()).unwrap();
     check_served(&ck, &dep, &mut backend, &mut None, &setups, &fabric);
     fabric.shutdown();
+
+    // A shard whose time changed is other content: the kept tiles are not used, the repack
+    // reads the damaged shard, and the worker refuses it.
+    let first = w.path(&w.manifest.shards[0].file);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&first)
+        .unwrap();
+    f.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
+        .unwrap();
+    let e = LocalFabric::start(o).map(|f| f.shutdown()).unwrap_err();
+    assert!(e.to_string().contains("checksum mismatch"), "{e}");
 }

@@ -1605,6 +1605,58 @@ fn a_later_deploy_removes_what_the_earlier_one_wrote_and_it_does_not() {
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
 }
 
+/// A worker's `--tile-cache` folder is writable under `ProtectSystem=strict`, and `hosts.txt`
+/// creates it (private) before the units start; a relative one is refused.
+#[test]
+fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
+    let inputs = Inputs::new();
+    let key = inputs.key.to_str().unwrap();
+    let out = inputs.dir.path().join("out");
+    let args = [
+        "--key",
+        key,
+        "--worker-arg=--tile-cache",
+        "--worker-arg=/var/cache/em-test/tiles",
+    ];
+    let r = inputs.deploy(&["systemd"], &out, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let read = |p: &str| std::fs::read_to_string(out.join(p)).unwrap();
+    let worker = read("systemd/local/expertmesh-single-host-worker-0.service");
+    assert!(
+        worker.contains("\nReadWritePaths=/var/cache/em-test/tiles\n"),
+        "{worker}"
+    );
+    assert!(worker.contains("\nLimitMEMLOCK=infinity\n"), "{worker}");
+    let router = read("systemd/local/expertmesh-single-host-router-0.service");
+    assert!(!router.contains("ReadWritePaths"), "{router}");
+    let hosts = read("systemd/hosts.txt");
+    let mkdir = hosts
+        .find("mkdir -p -m 700 /var/cache/em-test/tiles")
+        .unwrap_or_else(|| panic!("no mkdir of the tile cache in\n{hosts}"));
+    let enable = hosts.find("systemctl enable --now").expect("enable");
+    assert!(
+        mkdir < enable,
+        "the folder is made before the units start:\n{hosts}"
+    );
+    let r = inputs.deploy(
+        &["systemd"],
+        &inputs.dir.path().join("out2"),
+        &[
+            "--key",
+            key,
+            "--worker-arg=--tile-cache",
+            "--worker-arg=tiles",
+        ],
+    );
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr
+            .contains("--tile-cache tiles: give an absolute path"),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn a_systemd_router_may_write_its_load_file_and_only_there() {
     let inputs = Inputs::new();

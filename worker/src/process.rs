@@ -222,6 +222,12 @@ fn make_backend(
         };
         match hip {
             Ok(mut hip) => {
+                if opts.tile_cache.is_some() {
+                    tracing::info!(
+                        device = %dev.id(),
+                        "--tile-cache is for the CPU backend; the HIP backend uploads the shard"
+                    );
+                }
                 hip.load_from(&mut *experts, limits).map_err(on_device)?;
                 return Ok(Box::new(hip));
             }
@@ -255,20 +261,25 @@ fn log_tile_cache_use(id: &str, used: &expertmesh_cpu_backend::tile_cache::TileC
             device = %id,
             "tile cache not used: synthetic weights have no stable identity (convert a checkpoint)"
         ),
-        TileCacheUse::Mapped { file, pinned: true } => tracing::info!(
-            device = %id, file = %file.display(), "experts mapped from the tile cache, locked in memory"
+        TileCacheUse::Reused { file, mapped: true } => tracing::info!(
+            device = %id, file = %file.display(),
+            "experts mapped from the tile cache and locked in memory"
         ),
-        TileCacheUse::Mapped {
+        TileCacheUse::Reused {
             file,
-            pinned: false,
+            mapped: false,
         } => tracing::warn!(
             device = %id, file = %file.display(),
-            "experts mapped from the tile cache but not locked in memory (the memory lock \
-             limit is too small: raise it, e.g. LimitMEMLOCK=infinity or `ulimit -l \
-             unlimited`); under memory pressure the kernel may evict tiles and read them back"
+            "experts copied from the tile cache into this process's memory: the memory lock \
+             limit is too small to serve from the locked file (raise it, e.g. \
+             LimitMEMLOCK=infinity or `ulimit -l unlimited`, for the faster load)"
         ),
-        TileCacheUse::Written { file, miss } => tracing::info!(
-            device = %id, file = %file.display(), %miss,
+        TileCacheUse::Written {
+            file,
+            miss,
+            write_s,
+        } => tracing::info!(
+            device = %id, file = %file.display(), %miss, write_s = format!("{write_s:.2}"),
             "experts repacked; the tiles are kept for the next start"
         ),
         TileCacheUse::NotWritten { miss, error } => tracing::warn!(

@@ -10,7 +10,8 @@
 
 use crate::deploy::Deployment;
 use expertmesh_backend::{
-    BackendError, BatchLimits, ExpertBackend, ExpertKey, ExpertShape, ExpertSource, VecSource,
+    BackendError, BatchLimits, ContentId, ExpertBackend, ExpertKey, ExpertShape, ExpertSource,
+    VecSource,
 };
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_quant::format::{ExpertWeights, FormatError, PackedRef, QuantSpec};
@@ -493,18 +494,31 @@ impl ExpertSource for ShardSource {
         }
     }
 
-    /// The conversion's fingerprint, the shard's device and file name, the manifest's
-    /// checksum of it, and the experts selected.
-    fn content_id(&self) -> Option<String> {
+    /// The shard's path; the conversion's fingerprint, the shard's device, size, modification
+    /// time, inode and the manifest's checksum of it, and the experts selected (a rewritten or
+    /// replaced shard is other content even when its 32-bit checksum collides).
+    fn content_id(&self) -> Option<ContentId> {
         let idx = self.file.index();
-        let name = self.file.path().file_name()?.to_string_lossy();
-        Some(format!(
-            "shard {name} of conversion {} for device {}, crc32c {:08x}, entries {:?}",
-            idx.fingerprint,
-            idx.device.as_deref().unwrap_or("router"),
-            self.crc,
-            self.entries
-        ))
+        let path = self.file.path();
+        let place = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        // The mapped file's own identity: the path may name a newer file by now.
+        let f = self.file.identity();
+        Some(ContentId {
+            place: place.display().to_string(),
+            id: format!(
+                "shard of conversion {} for device {}: {} bytes, modified {}.{:09}, file {}:{}, \
+                 crc32c {:08x}, entries {:?}",
+                idx.fingerprint,
+                idx.device.as_deref().unwrap_or("router"),
+                f.bytes,
+                f.modified.0,
+                f.modified.1,
+                f.device_inode.0,
+                f.device_inode.1,
+                self.crc,
+                self.entries
+            ),
+        })
     }
 }
 
@@ -760,14 +774,14 @@ pub enum Gates {
     /// Synthetic from the seed.
     Synthetic,
     /// Read from the router file.
-    File(ShardFile),
+    File(Box<ShardFile>),
 }
 
 impl Gates {
     /// Open the router file when the deployment has converted weights.
     pub fn open(dep: &Deployment) -> Result<Self, WeightsError> {
         Ok(match dep.weights {
-            Some(_) => Gates::File(open_shard(dep, None)?),
+            Some(_) => Gates::File(Box::new(open_shard(dep, None)?)),
             None => Gates::Synthetic,
         })
     }

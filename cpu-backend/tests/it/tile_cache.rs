@@ -1,18 +1,22 @@
 //! The tile cache: a load of a named source keeps its repacked arena in a file, a later load of
-//! the same name maps it without taking anything from the source and computes the same bits,
-//! and a file that is damaged, truncated, made for other weights or kept in a folder others can
+//! the same name maps it (or copies it, where it may not lock it) without taking anything from
+//! the source and computes the same bits, new content at the same place replaces the file, and
+//! a file that is damaged, truncated, made for other weights or kept in a folder others can
 //! write is never used (the load repacks, correctly).
 
 use crate::load_from::{LIMITS, experts, run};
-use expertmesh_backend::{BackendError, ExpertBackend, ExpertShape, ExpertSource, VecSource};
+use expertmesh_backend::{
+    BackendError, ContentId, ExpertBackend, ExpertKey, ExpertShape, ExpertSource, VecSource,
+};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_cpu_backend::tile_cache::{TileCache, TileCacheUse};
 use expertmesh_quant::format::ExpertWeights;
 use std::path::{Path, PathBuf};
 
-/// [`VecSource`] with a content id, counting what the backend takes from it.
+/// [`VecSource`] with a content id (at place "shard"), counting what the backend takes.
 struct Named {
     inner: VecSource,
+    place: String,
     id: String,
     taken: usize,
     finished: bool,
@@ -20,8 +24,13 @@ struct Named {
 }
 
 fn named(id: &str) -> Named {
+    named_with("shard", id, experts())
+}
+
+fn named_with(place: &str, id: &str, experts: Vec<(ExpertKey, ExpertWeights)>) -> Named {
     Named {
-        inner: VecSource::new(experts()),
+        inner: VecSource::new(experts),
+        place: place.into(),
         id: id.into(),
         taken: 0,
         finished: false,
@@ -44,15 +53,22 @@ impl ExpertSource for Named {
         }
         Ok(())
     }
-    fn content_id(&self) -> Option<String> {
-        Some(self.id.clone())
+    fn content_id(&self) -> Option<ContentId> {
+        Some(ContentId {
+            place: self.place.clone(),
+            id: self.id.clone(),
+        })
     }
 }
 
 /// Load `src` on a backend with the cache in `dir`; the backend and what it did.
 fn load(dir: &Path, src: &mut Named) -> (CpuBackend, TileCacheUse) {
+    load_with(TileCache::new(dir), src)
+}
+
+fn load_with(cache: TileCache, src: &mut Named) -> (CpuBackend, TileCacheUse) {
     let mut b = CpuBackend::new(2).unwrap();
-    b.set_tile_cache(Some(TileCache::new(dir)));
+    b.set_tile_cache(Some(cache));
     b.load_from(src, LIMITS).unwrap();
     let used = b.tile_cache_use().clone();
     (b, used)
@@ -77,7 +93,7 @@ fn cache_files(dir: &Path) -> Vec<PathBuf> {
 
 fn written(used: &TileCacheUse) -> (PathBuf, String) {
     match used {
-        TileCacheUse::Written { file, miss } => (file.clone(), miss.clone()),
+        TileCacheUse::Written { file, miss, .. } => (file.clone(), miss.clone()),
         other => panic!("expected a repack kept in the cache, got {other:?}"),
     }
 }
@@ -107,10 +123,13 @@ fn a_second_load_maps_the_tiles_the_first_kept_and_computes_the_same_bits() {
 
     let mut second_src = named("shard a");
     let (mut second, used) = load(&dir, &mut second_src);
-    match &used {
-        TileCacheUse::Mapped { file: f, .. } => assert_eq!(f, &file),
-        other => panic!("expected the kept tiles mapped, got {other:?}"),
-    }
+    assert_eq!(
+        used,
+        TileCacheUse::Reused {
+            file: file.clone(),
+            mapped: true
+        }
+    );
     assert_eq!(
         second_src.taken, 0,
         "a mapped load takes nothing from the source"
@@ -120,6 +139,19 @@ fn a_second_load_maps_the_tiles_the_first_kept_and_computes_the_same_bits() {
     let want = plain_bits();
     assert_eq!(run(&mut first), want);
     assert_eq!(run(&mut second), want);
+
+    // Where the file may not be locked in memory, the tiles are copied: the same bits.
+    let mut third_src = named("shard a");
+    let (mut third, used) = load_with(TileCache::new(&dir).without_lock(), &mut third_src);
+    assert_eq!(
+        used,
+        TileCacheUse::Reused {
+            file,
+            mapped: false
+        }
+    );
+    assert_eq!(third_src.taken, 0);
+    assert_eq!(run(&mut third), want);
 }
 
 #[test]
@@ -161,29 +193,105 @@ fn damaged_truncated_or_foreign_files_are_misses_and_are_replaced() {
         assert_eq!(run(&mut b), want, "{why}");
         // The replacement maps.
         let (_, used) = load(&dir, &mut named("shard a"));
-        assert!(matches!(used, TileCacheUse::Mapped { .. }), "{used:?}");
+        assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
     }
 }
 
 #[test]
-fn a_file_made_for_another_source_is_not_used_even_under_its_name() {
+fn new_content_at_a_place_replaces_its_file_and_other_places_keep_theirs() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("tiles");
     let (_, used) = load(&dir, &mut named("shard a"));
-    let (file_a, _) = written(&used);
-    let (_, used) = load(&dir, &mut named("shard b"));
-    let (file_b, miss) = written(&used);
-    assert_ne!(file_a, file_b);
-    assert!(miss.contains("no cache file"), "{miss}");
-    // Shard a's tiles under shard b's name: the description differs, a miss.
-    std::fs::remove_file(&file_b).unwrap();
-    std::fs::copy(&file_a, &file_b).unwrap();
+    let (file, _) = written(&used);
+    // Other content at the same place (a re-conversion): the kept file is not used, and is
+    // replaced.
     let mut src = named("shard b");
     let (mut b, used) = load(&dir, &mut src);
-    let (_, miss) = written(&used);
+    let (again, miss) = written(&used);
+    assert_eq!(again, file);
     assert!(miss.contains("made for other experts"), "{miss}");
     assert_eq!(src.taken, 4);
     assert_eq!(run(&mut b), plain_bits());
+    assert_eq!(cache_files(&dir), vec![file.clone()]);
+    // The first content is now the stranger there.
+    let mut src = named("shard a");
+    let (_, used) = load(&dir, &mut src);
+    let (_, miss) = written(&used);
+    assert!(miss.contains("made for other experts"), "{miss}");
+    assert_eq!(src.taken, 4);
+    // Another place gets a file of its own, and both are reused.
+    let (_, used) = load(&dir, &mut named_with("other shard", "shard a", experts()));
+    let (other, _) = written(&used);
+    assert_ne!(other, file);
+    assert_eq!(cache_files(&dir).len(), 2);
+    let (_, used) = load(&dir, &mut named("shard a"));
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+}
+
+/// Experts whose arena spans several 4 MiB chunks (checked on two threads): damage in the last
+/// chunk is found, and an intact file is reused with the same bits as a repack.
+#[test]
+fn every_chunk_of_a_large_arena_is_checked() {
+    use expertmesh_quant::format::QuantSpec;
+    use expertmesh_quant::synth::synthetic_expert;
+    let big = || -> Vec<(ExpertKey, ExpertWeights)> {
+        (0..6u32)
+            .map(|e| {
+                let key = ExpertKey {
+                    layer: 1,
+                    expert: e,
+                };
+                (
+                    key,
+                    synthetic_expert(QuantSpec::G32_BF16, 1024, 1024, 5, 1, e).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiles");
+    let (mut first, used) = load(&dir, &mut named_with("big", "big", big()));
+    let (file, _) = written(&used);
+    let len = std::fs::metadata(&file).unwrap().len();
+    assert!(len > 2 * (4 << 20), "{len} bytes: not several chunks");
+    let (mut second, used) = load(&dir, &mut named_with("big", "big", big()));
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+    let pairs = [(0, 0), (0, 5), (1, 2), (1, 3)];
+    let bits = |b: &mut CpuBackend| {
+        let x: Vec<f32> = (0..2 * 1024)
+            .map(|i| ((i * 13 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let mut g = expertmesh_backend::Grouping::with_capacity(pairs.len());
+        for (row, &(t, e)) in pairs.iter().enumerate() {
+            g.push(e, t, 0.5, row as u32);
+        }
+        let mut out = vec![0f32; pairs.len() * 1024];
+        g.with_groups(1, |groups| {
+            let batch = expertmesh_backend::GroupedBatch {
+                mode: expertmesh_quant::contract::ComputeMode::Exact,
+                hidden: 1024,
+                tokens: 2,
+                input: expertmesh_backend::Activations::F32(&x),
+                groups,
+                layout: expertmesh_backend::OutputLayout::PerSlot,
+            };
+            b.execute(&batch, &mut out)
+        })
+        .unwrap();
+        out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    assert_eq!(bits(&mut first), bits(&mut second));
+    poke(&file, len - 10, 0x77);
+    let (_, used) = load(&dir, &mut named_with("big", "big", big()));
+    let (_, miss) = written(&used);
+    // The header fits one page here, so the arena is everything after the first 4096 bytes.
+    let last = (len - 4096 - 1) / (4 << 20);
+    assert!(last >= 2, "{len}");
+    assert!(
+        miss.contains(&format!("chunk {last} of its tiles")),
+        "{miss}"
+    );
+    assert!(miss.contains("damaged"), "{miss}");
 }
 
 #[test]
@@ -205,6 +313,22 @@ fn a_folder_others_can_write_is_refused_and_the_load_repacks() {
     }
     assert_eq!(src.taken, 4);
     assert_eq!(run(&mut b), plain_bits());
+
+    // A private folder whose parent others may write (no sticky bit) could be replaced by
+    // them: refused too. With the sticky bit (as /tmp) it is used.
+    let open = tmp.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (_, used) = load(&open.join("tiles"), &mut named("shard a"));
+    match &used {
+        TileCacheUse::NotWritten { error, .. } => {
+            assert!(error.contains("writable by others"), "{error}");
+        }
+        other => panic!("expected the cache refused, got {other:?}"),
+    }
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let (_, used) = load(&open.join("tiles"), &mut named("shard a"));
+    written(&used);
 }
 
 #[test]

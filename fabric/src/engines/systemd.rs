@@ -7,8 +7,9 @@
 //! (`LoadCredential=`, so only the unit reads it); `Restart=on-failure`; SIGTERM to stop
 //! (routers drain, `TimeoutStopSec=60`); hardening that leaves `/dev/shm` and the GPU and RDMA
 //! devices usable (`ProtectSystem=strict` keeps `/dev` writable; no `PrivateDevices`,
-//! `LimitMEMLOCK=infinity` for RDMA memory registration; `ReadWritePaths=` for the folder of a
-//! router's `--load-stats` file). `systemd/hosts.txt` says which unit
+//! `LimitMEMLOCK=infinity` for RDMA memory registration and a tile cache's lock;
+//! `ReadWritePaths=` for the folder of a router's `--load-stats` file and a worker's
+//! `--tile-cache` folder, which `hosts.txt` creates first). `systemd/hosts.txt` says which unit
 //! goes on which host and the commands to install, start, check, update and stop them.
 
 use super::launch::quote;
@@ -70,6 +71,23 @@ pub(super) fn write(
             "  ssh {h} mkdir -p {dir}/credentials && rsync -a {out}/fabric/ {h}:{dir}/fabric/\n",
             h = quote(&host)
         );
+        // A unit's writable folders must exist before it starts (ReadWritePaths=).
+        let mut folders: Vec<String> = Vec::new();
+        for p in plan.on_host(&host) {
+            for f in written_paths(&p.args)? {
+                if !folders.contains(&f) {
+                    folders.push(f);
+                }
+            }
+        }
+        if !folders.is_empty() {
+            let quoted: Vec<String> = folders.iter().map(|f| quote(f)).collect();
+            hosts += &format!(
+                "  ssh {h} mkdir -p -m 700 {}\n",
+                quoted.join(" "),
+                h = quote(&host)
+            );
+        }
         if !creds.is_empty() {
             hosts += &format!(
                 "  rsync -a --chmod=F600 {} {h}:{dir}/credentials/\n",
@@ -103,22 +121,25 @@ pub(super) fn write(
 fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError> {
     let mut out = Vec::new();
     for w in args.windows(2) {
-        if let (super::launch::Arg::Lit(flag), super::launch::Arg::Lit(file)) = (&w[0], &w[1])
-            && flag == "--load-stats"
-        {
-            let folder = std::path::Path::new(file)
-                .parent()
-                .filter(|p| p.is_absolute())
-                .ok_or_else(|| {
-                    FabricError::Engine(format!(
-                        "--load-stats {file}: give an absolute path under systemd (the unit's file system is read-only but for that file's folder)"
-                    ))
-                })?
-                .display()
-                .to_string();
-            if !out.contains(&folder) {
-                out.push(folder);
-            }
+        let (super::launch::Arg::Lit(flag), super::launch::Arg::Lit(path)) = (&w[0], &w[1]) else {
+            continue;
+        };
+        // The router's load file is written in its folder; a worker's tile cache is a folder.
+        let folder = match flag.as_str() {
+            "--load-stats" => std::path::Path::new(path).parent(),
+            "--tile-cache" => Some(std::path::Path::new(path.as_str())),
+            _ => continue,
+        }
+        .filter(|p| p.is_absolute())
+        .ok_or_else(|| {
+            FabricError::Engine(format!(
+                "{flag} {path}: give an absolute path under systemd (the unit's file system is read-only but for the folders it writes)"
+            ))
+        })?
+        .display()
+        .to_string();
+        if !out.contains(&folder) {
+            out.push(folder);
         }
     }
     Ok(out)
