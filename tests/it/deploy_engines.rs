@@ -1657,6 +1657,54 @@ fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
     );
 }
 
+/// On Kubernetes a worker's `--tile-cache` folder is an emptyDir (kept across the
+/// container's restarts) with `IPC_LOCK` to lock the tiles, and `launch.sh` makes the folder
+/// private before the worker starts (an emptyDir starts world-writable; the worker refuses a
+/// folder others can write).
+#[test]
+fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
+    use std::os::unix::fs::PermissionsExt;
+    let inputs = Inputs::new();
+    let key = inputs.key.to_str().unwrap();
+    let out = inputs.dir.path().join("out");
+    let tiles = inputs.dir.path().join("empty-dir");
+    let tiles_arg = format!("--worker-arg=--tile-cache={}", tiles.display());
+    let args = ["--key", key, tiles_arg.as_str()];
+    let k8s = ["kubernetes", "--image", "registry.example/expertmesh:1"];
+    let r = inputs.deploy(&k8s, &out, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    // Per Deployment document: the workers mount it and may lock memory, the router neither.
+    let docs: Vec<&str> = manifests.split("\n---\n").collect();
+    let mount = format!("\"mountPath\": \"{}\"", tiles.display());
+    let workers: Vec<&&str> = docs.iter().filter(|d| d.contains("worker-")).collect();
+    assert_eq!(workers.len(), 2, "{manifests}");
+    for d in &workers {
+        assert!(d.contains(&mount) && d.contains("\"tile-cache\""), "{d}");
+        assert!(d.contains("IPC_LOCK"), "{d}");
+    }
+    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    assert!(
+        !router.contains("tile-cache") && !router.contains("IPC_LOCK"),
+        "{router}"
+    );
+
+    // The kubelet's emptyDir: world-writable. launch.sh makes it private, then runs the worker.
+    std::fs::create_dir(&tiles).unwrap();
+    std::fs::set_permissions(&tiles, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let o = Command::new("sh")
+        .arg(out.join("fabric/launch.sh"))
+        .arg("worker-0")
+        .env("EXPERTMESH_BIN", "/bin/true")
+        .env_remove("EXPERTMESH_NODE")
+        .env_remove("SLURMD_NODENAME")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mode = std::fs::metadata(&tiles).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+}
+
 #[test]
 fn a_systemd_router_may_write_its_load_file_and_only_there() {
     let inputs = Inputs::new();

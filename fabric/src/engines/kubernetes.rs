@@ -13,7 +13,9 @@
 //!   (`EXPERTMESH_NODE`, checked by the script); probes: startup and liveness on `/live`,
 //!   readiness on `/ready` (a router: every worker joined); GPU devices ask for one
 //!   `--gpu-resource`, RDMA links for one `--rdma-resource` (with `IPC_LOCK`); the weights
-//!   folder is a read-only `hostPath`; SIGTERM on termination drains (grace period 60 s);
+//!   folder is a read-only `hostPath`; a worker's `--tile-cache` folder is an `emptyDir`
+//!   (kept across the container's restarts; `launch.sh` makes it private) with `IPC_LOCK`
+//!   to lock the tiles in memory; SIGTERM on termination drains (grace period 60 s);
 //!   a change of placement, weights or arguments changes the pod template's
 //!   `expertmesh.io/generation` annotation, so `kubectl apply` rolls exactly those pods;
 //! - `services.yaml`: a Service per router (its frontend port) for frontends, and a
@@ -195,7 +197,19 @@ fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Va
     // Shared-memory rings between processes of one pod's host need a real /dev/shm.
     mounts.push(json!({ "name": "dshm", "mountPath": "/dev/shm" }));
     volumes.push(json!({ "name": "dshm", "emptyDir": { "medium": "Memory" } }));
+    // A worker's tile cache outlives its container's restarts (not the pod's) in an emptyDir.
+    if let Some(dir) = tile_cache(p) {
+        mounts.push(json!({ "name": "tile-cache", "mountPath": dir }));
+        volumes.push(json!({ "name": "tile-cache", "emptyDir": {} }));
+    }
     (env, mounts, volumes)
+}
+
+/// The `--tile-cache` folder of worker `p`, if it has one.
+fn tile_cache(p: &super::Process) -> Option<String> {
+    matches!(p.role, Role::Worker(..))
+        .then(|| super::flag_values(&p.args, "--tile-cache").pop())
+        .flatten()
 }
 
 fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
@@ -242,6 +256,9 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
     });
     if let Some(r) = &o.rdma_resource {
         limits.insert(r.clone(), json!(1));
+    }
+    // RDMA registers (locks) its buffers; a tile cache locks its tiles in memory.
+    if o.rdma_resource.is_some() || tile_cache(p).is_some() {
         container["securityContext"] = json!({ "capabilities": { "add": ["IPC_LOCK"] } });
     }
     if !limits.is_empty() {

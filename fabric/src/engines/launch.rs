@@ -15,6 +15,7 @@
 //!   the binary from `$EXPERTMESH_BIN`, else the one `deploy` was told;
 //! - a GPU worker in a container that sees only its device plugin's GPU gets
 //!   `--gpu-index $EXPERTMESH_GPU_INDEX` (the Kubernetes manifests set it to 0);
+//! - a worker's `--tile-cache` folder is created and made private (mode 0700) first;
 //! - restarts: with `$EXPERTMESH_RESTARTS` = N > 0 (the Slurm job sets it) the script keeps
 //!   the process as a child, restarts it after a failure up to N times, 2 s apart, and on
 //!   SIGTERM/SIGINT passes the signal on and exits with the process's status; otherwise it
@@ -75,6 +76,7 @@ here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
 bin=${{EXPERTMESH_BIN:-{bin}}}
 creds=${{CREDENTIALS_DIRECTORY:-${{EXPERTMESH_CREDENTIALS_DIR:-$here/../credentials}}}}
 proc=${{1:-${{EXPERTMESH_PROCESS:-}}}}
+tiles=
 if [ -z "$proc" ] && [ -n "${{SLURM_PROCID:-}}" ]; then
   case "$SLURM_PROCID" in
 "#,
@@ -93,8 +95,12 @@ case "$proc" in
 "#;
     for p in &plan.processes {
         let args: Vec<String> = p.args.iter().map(Arg::shell).collect();
+        let tiles = match super::flag_values(&p.args, "--tile-cache").pop() {
+            Some(dir) => format!(" tiles={};", quote(&dir)),
+            None => String::new(),
+        };
         s += &format!(
-            "  {name}) host={host}; set -- {args} ;;\n",
+            "  {name}) host={host};{tiles} set -- {args} ;;\n",
             name = p.name,
             host = quote(&p.host),
             args = args.join(" ")
@@ -112,6 +118,11 @@ node=${{EXPERTMESH_NODE:-${{SLURMD_NODENAME:-}}}}
 if [ -n "$node" ] && [ "$node" != "$host" ]; then
   echo "launch.sh: $proc belongs on host $host, but this is $node: check the engine's placement (deploy --host NODE=HOST)" >&2
   exit 2
+fi
+# A worker's tile cache folder must be private (a Kubernetes emptyDir starts world-writable).
+if [ -n "$tiles" ]; then
+  mkdir -p -- "$tiles" && chmod 700 -- "$tiles" \
+    || echo "launch.sh: cannot make the tile cache folder $tiles private; the worker will repack" >&2
 fi
 restarts=${{EXPERTMESH_RESTARTS:-0}}
 if [ "$restarts" -le 0 ]; then

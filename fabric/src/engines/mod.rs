@@ -521,6 +521,26 @@ fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec
     a
 }
 
+/// The folders `args` name after `flag`, as `FLAG VALUE` or `FLAG=VALUE` (a worker's
+/// `--tile-cache`, a router's `--load-stats`), in order.
+pub(crate) fn flag_values(args: &[launch::Arg], flag: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, a) in args.iter().enumerate() {
+        let launch::Arg::Lit(text) = a else { continue };
+        if text == flag {
+            if let Some(launch::Arg::Lit(v)) = args.get(i + 1) {
+                out.push(v.clone());
+            }
+        } else if let Some(v) = text
+            .strip_prefix(flag)
+            .and_then(|rest| rest.strip_prefix('='))
+        {
+            out.push(v.to_owned());
+        }
+    }
+    out
+}
+
 /// [`Process::generation`] of `p`, whose rank's fingerprint is `fingerprint`.
 fn process_generation(fingerprint: Option<&[u8; 32]>, p: &Process) -> String {
     use sha2::{Digest, Sha256};

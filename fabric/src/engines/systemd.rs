@@ -120,24 +120,24 @@ pub(super) fn write(
 /// for `ReadWritePaths=`.
 fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError> {
     let mut out = Vec::new();
-    for w in args.windows(2) {
-        let (super::launch::Arg::Lit(flag), super::launch::Arg::Lit(path)) = (&w[0], &w[1]) else {
-            continue;
-        };
-        // The router's load file is written in its folder; a worker's tile cache is a folder.
-        let folder = match flag.as_str() {
-            "--load-stats" => std::path::Path::new(path).parent(),
-            "--tile-cache" => Some(std::path::Path::new(path.as_str())),
-            _ => continue,
-        }
-        .filter(|p| p.is_absolute())
-        .ok_or_else(|| {
-            FabricError::Engine(format!(
-                "{flag} {path}: give an absolute path under systemd (the unit's file system is read-only but for the folders it writes)"
-            ))
-        })?
-        .display()
-        .to_string();
+    // The router's load file is written in its folder; a worker's tile cache is a folder.
+    let files = super::flag_values(args, "--load-stats")
+        .into_iter()
+        .map(|f| ("--load-stats", f, true));
+    let folders = super::flag_values(args, "--tile-cache")
+        .into_iter()
+        .map(|f| ("--tile-cache", f, false));
+    for (flag, path, is_file) in files.chain(folders) {
+        let p = std::path::Path::new(&path);
+        let folder = if is_file { p.parent() } else { Some(p) }
+            .filter(|p| p.is_absolute())
+            .ok_or_else(|| {
+                FabricError::Engine(format!(
+                    "{flag} {path}: give an absolute path under systemd (the unit's file system is read-only but for the folders it writes)"
+                ))
+            })?
+            .display()
+            .to_string();
         if !out.contains(&folder) {
             out.push(folder);
         }
