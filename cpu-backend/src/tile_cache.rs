@@ -325,8 +325,46 @@ fn encode_header(description: &str, arena: &[u8]) -> Vec<u8> {
     h
 }
 
+/// For the fuzz target: checks `file`, a whole cache file's bytes, as a load does against
+/// `description` and an arena of `arena_bytes` (header, size, every chunk's checksum); the
+/// arena's offset in it when all pass, else why not. Never panics; allocates nothing sized by
+/// a field of the file.
+#[doc(hidden)]
+pub fn check_file_bytes(
+    file: &[u8],
+    description: &str,
+    arena_bytes: usize,
+) -> Result<usize, String> {
+    let header = read_header(&mut io::Cursor::new(file), description, arena_bytes)?;
+    if file.len() != header.data_offset + arena_bytes {
+        return Err(format!(
+            "holds {} bytes, the arena needs {arena_bytes} after a {}-byte header (truncated?)",
+            file.len(),
+            header.data_offset
+        ));
+    }
+    match first_bad_chunk(&file[header.data_offset..], &header.chunk_crcs, 1) {
+        Some(bad) => Err(format!(
+            "chunk {bad} of its tiles does not match its checksum"
+        )),
+        None => Ok(header.data_offset),
+    }
+}
+
+/// For the fuzz target: the whole cache file that keeps `arena` under `description`.
+#[doc(hidden)]
+pub fn file_bytes(description: &str, arena: &[u8]) -> Vec<u8> {
+    let mut f = encode_header(description, arena);
+    f.extend_from_slice(arena);
+    f
+}
+
 /// The header of `file`, which must carry `description` and an arena of `arena_bytes`.
-fn read_header(file: &mut File, description: &str, arena_bytes: usize) -> Result<Header, String> {
+fn read_header(
+    file: &mut impl Read,
+    description: &str,
+    arena_bytes: usize,
+) -> Result<Header, String> {
     let mut fixed = [0u8; 12];
     read_exact(file, &mut fixed)?;
     if &fixed[..8] != MAGIC {
@@ -372,7 +410,7 @@ fn read_header(file: &mut File, description: &str, arena_bytes: usize) -> Result
     })
 }
 
-fn read_exact(file: &mut File, buf: &mut [u8]) -> Result<(), String> {
+fn read_exact(file: &mut impl Read, buf: &mut [u8]) -> Result<(), String> {
     file.read_exact(buf).map_err(|e| match e.kind() {
         io::ErrorKind::UnexpectedEof => "shorter than its header (truncated)".to_string(),
         _ => format!("cannot read it: {e}"),
