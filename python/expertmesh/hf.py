@@ -36,7 +36,7 @@ Needs ``torch`` and ``transformers`` (``pip install torch transformers``; not in
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _native
 
@@ -154,7 +154,10 @@ def attach(
     Returns ``{decoder layer index: module name}`` of the replaced blocks. Raises
     ``ValueError`` when the model has none (an unsupported family: see
     :data:`MOE_BLOCK_CLASSES`), and whatever ``client.check_shape`` raises when the router does
-    not serve a replaced layer with the model's hidden size (it serves another checkpoint).
+    not serve a replaced layer with the model's hidden size (it serves another checkpoint) or
+    takes fewer than ``max_tokens`` tokens per request (lower ``max_tokens`` to its
+    ``--max-tokens``). Each block sends requests of at most ``max_tokens`` tokens, fewer where
+    the router's byte bound per request takes fewer.
     Every block is found and checked before any is replaced: when it raises, the model is as
     it was.
     """
@@ -174,20 +177,38 @@ def attach(
             f"{type(model).__name__} has no sparse MoE block of a known class "
             f"({', '.join(MOE_BLOCK_CLASSES)}); transformers version mismatch?"
         )
-    if hidden is not None:
-        for layer, _, _, _ in blocks:
-            client.check_shape(layer, 1, int(hidden))
+    steps = _request_steps(client, [b[0] for b in blocks], hidden, max_tokens)
     found: Dict[int, str] = {}
     for layer, name, module, kind in blocks:
         found[layer] = name
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         gate = getattr(module, "gate", None)
-        replacement = cls(client, layer, gate, _returns_pair(kind), max_tokens, deadline_ms)
+        replacement = cls(client, layer, gate, _returns_pair(kind), steps[layer], deadline_ms)
         if not drop_experts:
             replacement.original = module  # kept (a submodule): e.g. to compare outputs
         setattr(parent, attr, replacement)
     return found
+
+
+def _request_steps(
+    client: _native.RouterClient, layers: List[int], hidden: Optional[int], max_tokens: int
+) -> Dict[int, int]:
+    """Tokens per request for each of ``layers``: ``max_tokens``, or fewer where the router takes
+    fewer per request (its size is bounded in bytes too). Raises ``ValueError`` for
+    ``max_tokens`` below 1, and whatever ``client.check_shape`` raises when the router does not
+    serve a layer with ``hidden`` values per token or takes fewer than ``max_tokens`` tokens
+    per request (its ``--max-tokens``): then every forward of more tokens would fail, so
+    attaching fails first. Without ``hidden`` (a model without ``config.hidden_size``) nothing
+    is asked."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    if hidden is None:
+        return {layer: max_tokens for layer in layers}
+    return {
+        layer: max(1, min(max_tokens, int(client.check_shape(layer, max_tokens, int(hidden)))))
+        for layer in layers
+    }
 
 
 def _checkpoint_files(checkpoint: Any) -> list:

@@ -506,3 +506,20 @@ def test_submodules_are_attributes_as_the_readme_writes_them():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_hf_attach_asks_the_router_for_its_request_size(client):
+    """`hf.attach`'s request sizes come from the router (no torch needed for this part): the
+    asked size where the router takes it, a refusal where the router's --max-tokens (256 here)
+    is smaller, so a model fails at attach instead of on its first long forward."""
+    from expertmesh import hf
+
+    assert hf._request_steps(client, [0, 1], H, 256) == {0: 256, 1: 256}
+    assert hf._request_steps(client, [2], H, 8) == {2: 8}
+    with pytest.raises(expertmesh.Error, match="300 tokens"):
+        hf._request_steps(client, [1], H, 300)
+    with pytest.raises(expertmesh.Error):
+        hf._request_steps(client, [1], 8, 16)  # another hidden size: another checkpoint
+    assert hf._request_steps(client, [3], None, 64) == {3: 64}
+    with pytest.raises(ValueError, match="at least 1"):
+        hf._request_steps(client, [1], H, 0)
