@@ -1013,7 +1013,7 @@ fn mapped_load_case(
         let (t, uses) = load_all(p, out, Some(&tiles))?;
         for u in &uses {
             match u {
-                TileCacheUse::Reused { mapped: m, .. } => mapped &= *m,
+                TileCacheUse::Reused { lock_error, .. } => mapped &= lock_error.is_none(),
                 other => {
                     return Err(BenchError::TileCache(format!(
                         "a load did not reuse the kept tiles: {other:?}"

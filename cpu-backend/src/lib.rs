@@ -813,10 +813,14 @@ fn load_cached(
     let shapes: Vec<ExpertShape> = source.shapes().to_vec();
     let (hidden, bytes, dims) = checked_shapes(&shapes, None)?;
     let description = tile_cache::description(&content.id, &shapes, &dims);
+    if shapes.is_empty() {
+        // Nothing to keep (a device that holds no experts yet).
+        return Ok((pack_source(source, None)?, TileCacheUse::Unused));
+    }
     let miss = match cache.open(&content.place, &description, &dims, threads) {
-        Ok((matrices, file, mapped)) => {
+        Ok((matrices, file, lock_error)) => {
             let packed = assemble(&shapes, matrices, hidden, bytes);
-            return Ok((packed, TileCacheUse::Reused { file, mapped }));
+            return Ok((packed, TileCacheUse::Reused { file, lock_error }));
         }
         Err(miss) => miss,
     };

@@ -73,9 +73,10 @@ pub enum TileCacheUse {
     Reused {
         /// The cache file.
         file: PathBuf,
-        /// Served from the file's map, locked in memory; `false`: the memory lock limit was too
-        /// small, so the tiles were copied into the process's own memory instead.
-        mapped: bool,
+        /// `None`: served from the file's map, locked in memory. Otherwise why the map could
+        /// not be locked (usually a memory lock limit too small): the tiles were copied into
+        /// the process's own memory instead.
+        lock_error: Option<String>,
     },
     /// Repacked (`miss` says why no file was used), then written to `file` for the next load
     /// in `write_s` seconds (part of this load's time).
@@ -140,14 +141,15 @@ impl TileCache {
     }
 
     /// The matrices `dims` from the cache file of `place`, which must carry `description`,
-    /// checked on `threads` threads. `Err`: why the file could not be used (a miss).
+    /// checked on `threads` threads, with why the file's map could not be locked (then the
+    /// tiles were copied into owned memory). `Err`: why the file could not be used (a miss).
     pub(crate) fn open(
         &self,
         place: &str,
         description: &str,
         dims: &[MatrixDims],
         threads: usize,
-    ) -> Result<(Vec<R16Matrix>, PathBuf, bool), String> {
+    ) -> Result<(Vec<R16Matrix>, PathBuf, Option<String>), String> {
         if !self.dir.exists() {
             return Err(format!(
                 "no cache file in {} yet (the folder is made on the first write)",
@@ -179,17 +181,23 @@ impl TileCache {
             .map_err(|e| fail(format!("cannot map it: {e}")))?;
         // Locking faults every page in too (one pass over the page tables). Without the lock
         // the kernel could evict pages and read them back unchecked: copy instead.
-        let mapped = self.lock && map.lock().is_ok();
-        let arena = if mapped {
-            Arena::Mapped(MappedTiles {
+        let lock = if self.lock {
+            map.lock().map_err(|e| e.to_string())
+        } else {
+            Err("not asked to lock".to_string())
+        };
+        let arena = match &lock {
+            Ok(()) => Arena::Mapped(MappedTiles {
                 map,
                 data_offset: header.data_offset,
-            })
-        } else {
-            let tiles = &map[header.data_offset..];
-            let mut owned = AlignedVec::<u8>::zeroed(tiles.len());
-            owned.copy_from_slice(tiles);
-            Arena::Owned(owned)
+            }),
+            Err(_) => {
+                let tiles = &map[header.data_offset..];
+                let mut owned = AlignedVec::<u8>::zeroed(tiles.len());
+                owned.copy_from_slice(tiles);
+                drop(map);
+                Arena::Owned(owned)
+            }
         };
         if let Some(bad) = first_bad_chunk(&arena, &header.chunk_crcs, threads) {
             return Err(fail(format!(
@@ -198,7 +206,7 @@ impl TileCache {
         }
         let matrices = R16Matrix::over_arena(dims, Arc::new(arena))
             .ok_or_else(|| fail("the arena does not fit the experts".into()))?;
-        Ok((matrices, path, mapped))
+        Ok((matrices, path, lock.err()))
     }
 
     /// Write `arena` as the file of `place`, carrying `description` (temporary name, then
@@ -211,6 +219,7 @@ impl TileCache {
         arena: &[u8],
     ) -> Result<PathBuf, String> {
         check_private_folder(&self.dir, true)?;
+        remove_stale_temps(&self.dir);
         let path = self.file_for(place);
         let tmp = self.dir.join(format!(
             ".{}.tmp-{}-{}",
@@ -229,8 +238,8 @@ impl TileCache {
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             return Err(format!(
-                "cannot write {} ({e}): the next load repacks again; free space or pick \
-                 another folder",
+                "cannot write {} ({e}): the next load repacks again; free space, make the \
+                 folder writable or pick another",
                 path.display()
             ));
         }
@@ -298,8 +307,41 @@ fn repack_fingerprint() -> u64 {
         }
         let ms: Vec<&expertmesh_quant::format::PackedMatrix> =
             experts.iter().flat_map(|(a, b)| [a, b]).collect();
-        let packed = R16Matrix::pack_all(&ms);
-        packed.first().map_or(0, |m| fnv1a64(&m.arena()[..]))
+        let owned = R16Matrix::pack_all(&ms);
+        // A worker repacks views of its mapped shard (`PackedRef` over little-endian arrays):
+        // that path's reads go into the fingerprint too.
+        let scales: Vec<Vec<u8>> = ms
+            .iter()
+            .map(|m| m.scales().iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<expertmesh_quant::format::PackedRef<'_>> = ms
+            .iter()
+            .zip(&scales)
+            .map(|(m, sc)| {
+                expertmesh_quant::format::PackedRef::new(
+                    "fingerprint",
+                    m.spec(),
+                    m.rows(),
+                    m.cols(),
+                    m.nibbles(),
+                    sc,
+                    m.zeros(),
+                )
+                .expect("the views of valid matrices")
+            })
+            .collect();
+        let dims: Vec<MatrixDims> = ms.iter().map(|m| (m.rows(), m.cols(), m.spec())).collect();
+        let viewed: Result<_, std::convert::Infallible> =
+            R16Matrix::pack_streamed(&dims, |i, write| {
+                write(&views[i]);
+                Ok(())
+            });
+        let viewed = match viewed {
+            Ok(v) => v,
+            Err(e) => match e {},
+        };
+        let hash = |packed: &[R16Matrix]| packed.first().map_or(0, |m| fnv1a64(&m.arena()[..]));
+        hash(&owned) ^ hash(&viewed).rotate_left(1)
     })
 }
 
@@ -452,6 +494,42 @@ fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> 
     })
 }
 
+/// Removes the temporary files of writers that are gone from the (private, checked) cache
+/// folder `dir`: only names this module makes (`.HASH.r16.tmp-PID-N`, HASH 16 hex digits),
+/// whose process no longer runs on this host, or whose process id is this process's own (a
+/// writer of an earlier life of a container's process 1: this process writes none before it
+/// calls this). Best effort. Two backends of one process storing in one folder at once could
+/// remove each other's file: the loser's write fails (reported), never wrong weights.
+fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let procs = Path::new("/proc");
+    let me = std::process::id();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(temp_owner) else {
+            continue;
+        };
+        let gone = procs.join("self").exists() && !procs.join(pid.to_string()).exists();
+        if pid == me || gone {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
+/// The process id in a temporary file's name `.HASH.r16.tmp-PID-N` (HASH 16 hex digits).
+fn temp_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?;
+    let (hash, rest) = rest.split_once(".r16.tmp-")?;
+    if hash.len() != 16 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let (pid, n) = rest.split_once('-')?;
+    (n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()).then_some(())?;
+    pid.parse().ok()
+}
+
 /// A new file only this user may read (never an existing one: `create_new`).
 fn create_read_only(path: &Path) -> io::Result<File> {
     let mut o = fs::OpenOptions::new();
@@ -464,6 +542,18 @@ fn create_read_only(path: &Path) -> io::Result<File> {
 /// `dir` must be a folder of this user that no one else can write; with `create`, a missing
 /// one is made (mode 0700).
 fn check_private_folder(dir: &Path, create: bool) -> Result<(), String> {
+    // `tiles/` would follow a link where `tiles` does not; `.`, `..` and `/` have no parent
+    // to check.
+    let text = dir.to_string_lossy();
+    let trimmed = text.trim_end_matches('/');
+    let last = trimmed.rsplit('/').next().unwrap_or_default();
+    if last.is_empty() || last == "." || last == ".." {
+        return Err(format!(
+            "tile cache folder {}: name a folder of its own (not `.`, `..` or `/`)",
+            dir.display()
+        ));
+    }
+    let dir = Path::new(trimmed);
     if create && !dir.exists() {
         let mut b = fs::DirBuilder::new();
         b.recursive(true);
@@ -495,13 +585,17 @@ fn check_parent(dir: &Path) -> Result<(), String> {
     };
     let meta = fs::metadata(&parent)
         .map_err(|e| format!("the tile cache folder's parent {}: {e}", parent.display()))?;
-    if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let writable_by_others = meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0;
+    if writable_by_others || (meta.uid() != me && meta.uid() != 0) {
         return Err(format!(
-            "tile cache folder {}: its parent {} is writable by others (mode {:o}) without the \
-             sticky bit, so they could replace the folder: pick a folder under a private \
-             parent",
+            "tile cache folder {}: its parent {} (owner uid {}, mode {:o}) lets others replace \
+             the folder; it must belong to uid {me} or root and be writable by no one else \
+             unless sticky (as /tmp): pick a folder under a private parent",
             dir.display(),
             parent.display(),
+            meta.uid(),
             meta.mode() & 0o7777
         ));
     }

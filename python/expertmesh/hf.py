@@ -157,7 +157,7 @@ def attach(
     not serve a replaced layer with the model's hidden size (it serves another checkpoint) or
     takes fewer than ``max_tokens`` tokens per request (lower ``max_tokens`` to its
     ``--max-tokens``). Each block sends requests of at most ``max_tokens`` tokens, fewer where
-    the router's byte bound per request takes fewer.
+    one shape probe (8 MiB at a byte per value) carries fewer.
     Every block is found and checked before any is replaced: when it raises, the model is as
     it was.
     """
@@ -194,8 +194,9 @@ def attach(
 def _request_steps(
     client: _native.RouterClient, layers: List[int], hidden: Optional[int], max_tokens: int
 ) -> Dict[int, int]:
-    """Tokens per request for each of ``layers``: ``max_tokens``, or fewer where the router takes
-    fewer per request (its size is bounded in bytes too). Raises ``ValueError`` for
+    """Tokens per request for each of ``layers``: ``max_tokens``, or fewer where one shape probe
+    cannot carry ``max_tokens`` x ``hidden`` (8 MiB at a byte per value: the router is asked
+    about that many, and requests are cut to it). Raises ``ValueError`` for
     ``max_tokens`` below 1, and whatever ``client.check_shape`` raises when the router does not
     serve a layer with ``hidden`` values per token or takes fewer than ``max_tokens`` tokens
     per request (its ``--max-tokens``): then every forward of more tokens would fail, so

@@ -1623,7 +1623,7 @@ fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
     let read = |p: &str| std::fs::read_to_string(out.join(p)).unwrap();
     let worker = read("systemd/local/expertmesh-single-host-worker-0.service");
     assert!(
-        worker.contains("\nReadWritePaths=/var/cache/em-test/tiles\n"),
+        worker.contains("\nReadWritePaths=-/var/cache/em-test/tiles\n"),
         "{worker}"
     );
     assert!(worker.contains("\nLimitMEMLOCK=infinity\n"), "{worker}");
@@ -1701,8 +1701,28 @@ fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mode = std::fs::metadata(&tiles).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o700);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&tiles), 0o700);
+    // A folder already in use is left as it is (the worker refuses it if it is not private);
+    // a missing one is created private whatever the umask.
+    std::fs::write(tiles.join("kept.r16"), b"x").unwrap();
+    std::fs::set_permissions(&tiles, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let launch = |env_umask: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("umask {env_umask}; exec sh \"$0\" worker-0"))
+            .arg(out.join("fabric/launch.sh"))
+            .env("EXPERTMESH_BIN", "/bin/true")
+            .env_remove("EXPERTMESH_NODE")
+            .env_remove("SLURMD_NODENAME")
+            .output()
+            .unwrap()
+    };
+    assert!(launch("022").status.success());
+    assert_eq!(mode(&tiles), 0o755);
+    std::fs::remove_dir_all(&tiles).unwrap();
+    assert!(launch("000").status.success());
+    assert_eq!(mode(&tiles), 0o700);
 }
 
 #[test]

@@ -242,7 +242,6 @@ fn make_backend(
     }
     let mut cpu = CpuBackend::new(threads).map_err(WorkerError::Backend)?;
     if let Some(dir) = &opts.tile_cache {
-        expertmesh_shard::stale::remove_stale_temps(dir);
         cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
             dir,
         )));
@@ -261,18 +260,21 @@ fn log_tile_cache_use(id: &str, used: &expertmesh_cpu_backend::tile_cache::TileC
             device = %id,
             "tile cache not used: synthetic weights have no stable identity (convert a checkpoint)"
         ),
-        TileCacheUse::Reused { file, mapped: true } => tracing::info!(
+        TileCacheUse::Reused {
+            file,
+            lock_error: None,
+        } => tracing::info!(
             device = %id, file = %file.display(),
             "experts mapped from the tile cache and locked in memory"
         ),
         TileCacheUse::Reused {
             file,
-            mapped: false,
+            lock_error: Some(error),
         } => tracing::warn!(
-            device = %id, file = %file.display(),
-            "experts copied from the tile cache into this process's memory: the memory lock \
-             limit is too small to serve from the locked file (raise it, e.g. \
-             LimitMEMLOCK=infinity or `ulimit -l unlimited`, for the faster load)"
+            device = %id, file = %file.display(), %error,
+            "experts copied from the tile cache into this process's memory: its map could not \
+             be locked (usually the memory lock limit: raise it, e.g. LimitMEMLOCK=infinity or \
+             `ulimit -l unlimited`, for the faster load)"
         ),
         TileCacheUse::Written {
             file,

@@ -106,6 +106,12 @@ fn poke(file: &Path, at: u64, value: u8) {
     f.write_all_at(&[value], at).unwrap();
 }
 
+/// Change the byte at `at` of `file` (whatever it holds).
+fn flip(file: &Path, at: u64) {
+    let old = std::fs::read(file).unwrap()[at as usize];
+    poke(file, at, old ^ 0x5a);
+}
+
 #[test]
 fn a_second_load_maps_the_tiles_the_first_kept_and_computes_the_same_bits() {
     use std::os::unix::fs::PermissionsExt;
@@ -123,13 +129,21 @@ fn a_second_load_maps_the_tiles_the_first_kept_and_computes_the_same_bits() {
 
     let mut second_src = named("shard a");
     let (mut second, used) = load(&dir, &mut second_src);
-    assert_eq!(
-        used,
+    match &used {
         TileCacheUse::Reused {
-            file: file.clone(),
-            mapped: true
+            file: f,
+            lock_error,
+        } => {
+            assert_eq!(f, &file);
+            // Served from the locked map wherever this process may lock that much.
+            if may_lock() {
+                assert_eq!(lock_error, &None);
+            } else {
+                eprintln!("note: mlock not allowed here ({lock_error:?}): the tiles were copied");
+            }
         }
-    );
+        other => panic!("expected the kept tiles reused, got {other:?}"),
+    }
     assert_eq!(
         second_src.taken, 0,
         "a mapped load takes nothing from the source"
@@ -146,12 +160,89 @@ fn a_second_load_maps_the_tiles_the_first_kept_and_computes_the_same_bits() {
     assert_eq!(
         used,
         TileCacheUse::Reused {
-            file,
-            mapped: false
+            file: file.clone(),
+            lock_error: Some("not asked to lock".into())
         }
     );
     assert_eq!(third_src.taken, 0);
     assert_eq!(run(&mut third), want);
+
+    // Damage is found on the copy path too (the checksums run over the copy).
+    flip(&file, std::fs::metadata(&file).unwrap().len() - 1);
+    let mut src = named("shard a");
+    let (mut b, used) = load_with(TileCache::new(&dir).without_lock(), &mut src);
+    let (_, miss) = written(&used);
+    assert!(miss.contains("damaged"), "{miss}");
+    assert_eq!(src.taken, 4);
+    assert_eq!(run(&mut b), want);
+}
+
+/// Whether this process may lock a few MiB (root, or a memory lock limit of 16 MiB or more).
+fn may_lock() -> bool {
+    // SAFETY: plain libc calls with a valid out-pointer.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        libc::geteuid() == 0
+            || (libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) == 0
+                && (lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur >= 16 << 20))
+    }
+}
+
+/// A writer killed mid-write leaves its temporary file; the next write removes it (and one of
+/// this process's own id, which only an earlier life of a container's process 1 can have
+/// left), but never a file the cache did not name.
+#[test]
+fn temporary_files_of_gone_writers_are_removed_and_nothing_else() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiles");
+    std::fs::create_dir(&dir).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // A process id that runs no process: past the kernel's largest.
+    let gone = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map_or(4_194_304 + 1, |m| m + 1);
+    let me = std::process::id();
+    let left = [
+        format!(".0123456789abcdef.r16.tmp-{gone}-7"),
+        format!(".fedcba9876543210.r16.tmp-{me}-1"),
+    ];
+    let kept = [
+        format!(
+            ".0123456789abcdef.r16.tmp-{}-7",
+            std::os::unix::process::parent_id()
+        ),
+        format!(".shard.emshard.tmp-{gone}-1"),
+        "notes.txt".to_string(),
+    ];
+    for n in left.iter().chain(&kept) {
+        std::fs::write(dir.join(n), b"x").unwrap();
+    }
+    let (_, used) = load(&dir, &mut named("shard a"));
+    written(&used);
+    for n in &left {
+        assert!(!dir.join(n).exists(), "{n} left behind");
+    }
+    for n in &kept {
+        assert!(dir.join(n).exists(), "{n} removed");
+    }
+}
+
+/// `.`, `..`, `/` and the like are refused: they name no folder whose parent can be checked.
+#[test]
+fn folders_without_a_name_of_their_own_are_refused() {
+    for bad in [".", "..", "/", "tiles/..", "./."] {
+        let mut src = named("shard a");
+        let (mut b, used) = load(Path::new(bad), &mut src);
+        match &used {
+            TileCacheUse::NotWritten { error, .. } => {
+                assert!(error.contains("a folder of its own"), "{bad}: {error}")
+            }
+            other => panic!("{bad}: expected the cache refused, got {other:?}"),
+        }
+        assert_eq!(run(&mut b), plain_bits());
+    }
 }
 
 #[test]
@@ -171,7 +262,7 @@ fn damaged_truncated_or_foreign_files_are_misses_and_are_replaced() {
     let size_top = crcs - 12 + 7;
     let cases: [(&str, &dyn Fn()); 5] = [
         ("states", &|| poke(&file, size_top, 0x40)),
-        ("damaged", &|| poke(&file, len - 100, 0x5a)),
+        ("damaged", &|| flip(&file, len - 100)),
         ("header does not match its checksum", &|| {
             poke(&file, crcs, bytes[crcs as usize] ^ 1)
         }),
@@ -281,7 +372,7 @@ fn every_chunk_of_a_large_arena_is_checked() {
         out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
     };
     assert_eq!(bits(&mut first), bits(&mut second));
-    poke(&file, len - 10, 0x77);
+    flip(&file, len - 10);
     let (_, used) = load(&dir, &mut named_with("big", "big", big()));
     let (_, miss) = written(&used);
     // The header fits one page here, so the arena is everything after the first 4096 bytes.
@@ -322,7 +413,7 @@ fn a_folder_others_can_write_is_refused_and_the_load_repacks() {
     let (_, used) = load(&open.join("tiles"), &mut named("shard a"));
     match &used {
         TileCacheUse::NotWritten { error, .. } => {
-            assert!(error.contains("writable by others"), "{error}");
+            assert!(error.contains("lets others replace"), "{error}");
         }
         other => panic!("expected the cache refused, got {other:?}"),
     }

@@ -15,7 +15,8 @@
 //!   the binary from `$EXPERTMESH_BIN`, else the one `deploy` was told;
 //! - a GPU worker in a container that sees only its device plugin's GPU gets
 //!   `--gpu-index $EXPERTMESH_GPU_INDEX` (the Kubernetes manifests set it to 0);
-//! - a worker's `--tile-cache` folder is created and made private (mode 0700) first;
+//! - a worker's `--tile-cache` folder is created private (mode 0700) when missing, and made
+//!   private when empty (a Kubernetes emptyDir starts world-writable);
 //! - restarts: with `$EXPERTMESH_RESTARTS` = N > 0 (the Slurm job sets it) the script keeps
 //!   the process as a child, restarts it after a failure up to N times, 2 s apart, and on
 //!   SIGTERM/SIGINT passes the signal on and exits with the process's status; otherwise it
@@ -119,10 +120,16 @@ if [ -n "$node" ] && [ "$node" != "$host" ]; then
   echo "launch.sh: $proc belongs on host $host, but this is $node: check the engine's placement (deploy --host NODE=HOST)" >&2
   exit 2
 fi
-# A worker's tile cache folder must be private (a Kubernetes emptyDir starts world-writable).
+# A worker's tile cache folder must be private: made so when missing, or when empty (a
+# Kubernetes emptyDir starts world-writable); a folder already in use is left as it is.
 if [ -n "$tiles" ]; then
-  mkdir -p -- "$tiles" && chmod 700 -- "$tiles" \
-    || echo "launch.sh: cannot make the tile cache folder $tiles private; the worker will repack" >&2
+  if [ ! -e "$tiles" ]; then
+    (umask 077 && mkdir -p -- "$tiles") \
+      || echo "launch.sh: cannot create the tile cache folder $tiles; the worker will repack" >&2
+  elif [ -d "$tiles" ] && [ -z "$(ls -A -- "$tiles" 2>/dev/null)" ]; then
+    chmod 700 -- "$tiles" \
+      || echo "launch.sh: cannot make the tile cache folder $tiles private; the worker will repack" >&2
+  fi
 fi
 restarts=${{EXPERTMESH_RESTARTS:-0}}
 if [ "$restarts" -le 0 ]; then

@@ -210,6 +210,7 @@ impl Plan {
         let mut credentials = BTreeMap::new();
         for p in &mut processes {
             p.args = process_args(p, &model_arg, &opts);
+            check_tile_cache_args(&p.args)?;
             if let Some(key) = &opts.master_key {
                 let who = match &p.role {
                     Role::Router(i) => Principal::Router(*i),
@@ -519,6 +520,23 @@ fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec
     }
     a.extend(extra.iter().map(|s| Arg::lit(s)));
     a
+}
+
+/// A worker's `--tile-cache` folder, wherever an engine starts it, must be absolute (the
+/// engines start processes in folders of their own) and one word for systemd and the shell
+/// (no spaces, `%` or quotes).
+fn check_tile_cache_args(args: &[launch::Arg]) -> Result<(), FabricError> {
+    for dir in flag_values(args, "--tile-cache") {
+        let plain = !dir
+            .chars()
+            .any(|c| c.is_whitespace() || matches!(c, '%' | '"' | '\'' | '\\'));
+        if !dir.starts_with('/') || !plain {
+            return Err(FabricError::Engine(format!(
+                "--tile-cache {dir}: give an absolute path without spaces, '%' or quotes"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The folders `args` name after `flag`, as `FLAG VALUE` or `FLAG=VALUE` (a worker's

@@ -74,7 +74,8 @@ pub(super) fn write(
         // A unit's writable folders must exist before it starts (ReadWritePaths=).
         let mut folders: Vec<String> = Vec::new();
         for p in plan.on_host(&host) {
-            for f in written_paths(&p.args)? {
+            let cache = super::flag_values(&p.args, "--tile-cache");
+            for f in written_paths(&p.args)?.into_iter().chain(cache) {
                 if !folders.contains(&f) {
                     folders.push(f);
                 }
@@ -120,20 +121,13 @@ pub(super) fn write(
 /// for `ReadWritePaths=`.
 fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError> {
     let mut out = Vec::new();
-    // The router's load file is written in its folder; a worker's tile cache is a folder.
-    let files = super::flag_values(args, "--load-stats")
-        .into_iter()
-        .map(|f| ("--load-stats", f, true));
-    let folders = super::flag_values(args, "--tile-cache")
-        .into_iter()
-        .map(|f| ("--tile-cache", f, false));
-    for (flag, path, is_file) in files.chain(folders) {
-        let p = std::path::Path::new(&path);
-        let folder = if is_file { p.parent() } else { Some(p) }
+    for file in super::flag_values(args, "--load-stats") {
+        let folder = std::path::Path::new(&file)
+            .parent()
             .filter(|p| p.is_absolute())
             .ok_or_else(|| {
                 FabricError::Engine(format!(
-                    "{flag} {path}: give an absolute path under systemd (the unit's file system is read-only but for the folders it writes)"
+                    "--load-stats {file}: give an absolute path under systemd (the unit's file system is read-only but for that file's folder)"
                 ))
             })?
             .display()
@@ -193,9 +187,13 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricErro
         );
     }
     // ProtectSystem=strict makes the file system read-only: a file the process writes (the
-    // router's --load-stats) needs its folder writable.
+    // router's --load-stats) needs its folder writable, and so does a worker's tile cache
+    // (`-`: a missing cache folder must not keep the worker from starting; it repacks).
     for path in written_paths(&p.args)? {
         s += &format!("ReadWritePaths={path}\n");
+    }
+    for path in super::flag_values(&p.args, "--tile-cache") {
+        s += &format!("ReadWritePaths=-{path}\n");
     }
     s += "Restart=on-failure\n\
           RestartSec=2\n\
