@@ -294,16 +294,43 @@ fn new_content_at_a_place_replaces_its_file_and_other_places_keep_theirs() {
     let dir = tmp.path().join("tiles");
     let (_, used) = load(&dir, &mut named("shard a"));
     let (file, _) = written(&used);
-    // Other content at the same place (a re-conversion): the kept file is not used, and is
-    // replaced.
-    let mut src = named("shard b");
+    // A backend serving from the kept file (mapped where it may lock it).
+    let (mut serving, used) = load(&dir, &mut named("shard a"));
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+    // Other content at the same place (a re-conversion, other weights of the same shapes): the
+    // kept file is not used, and is replaced.
+    let reconverted = || {
+        let mut e = experts();
+        for (k, w) in &mut e {
+            *w = expertmesh_quant::synth::synthetic_expert(
+                w.spec(),
+                w.hidden(),
+                w.inter(),
+                6,
+                k.layer,
+                k.expert,
+            )
+            .unwrap();
+        }
+        e
+    };
+    let mut plain = CpuBackend::new(1).unwrap();
+    plain.load(reconverted(), LIMITS).unwrap();
+    let new_bits = run(&mut plain);
+    assert_ne!(new_bits, plain_bits());
+    let mut src = named_with("shard", "shard b", reconverted());
     let (mut b, used) = load(&dir, &mut src);
     let (again, miss) = written(&used);
     assert_eq!(again, file);
     assert!(miss.contains("made for other experts"), "{miss}");
     assert_eq!(src.taken, 4);
-    assert_eq!(run(&mut b), plain_bits());
+    assert_eq!(run(&mut b), new_bits);
     assert_eq!(cache_files(&dir), vec![file.clone()]);
+    // The file it mapped was replaced, not rewritten: it still serves its own weights.
+    assert_eq!(run(&mut serving), plain_bits());
+    let (mut b, used) = load(&dir, &mut named_with("shard", "shard b", reconverted()));
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+    assert_eq!(run(&mut b), new_bits);
     // The first content is now the stranger there.
     let mut src = named("shard a");
     let (_, used) = load(&dir, &mut src);
