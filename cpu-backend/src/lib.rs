@@ -284,7 +284,12 @@ pub struct CpuBackend {
     tile_cache: Option<tile_cache::TileCache>,
     /// What the last `load_from` did with the tile cache.
     tile_cache_use: tile_cache::TileCacheUse,
+    /// The thread writing the tiles the last `load_from` repacked, until taken.
+    tile_cache_writer: Option<TileCacheWriter>,
 }
+
+/// A thread writing a repacked arena to the tile cache; it returns the outcome.
+pub type TileCacheWriter = std::thread::JoinHandle<tile_cache::TileCacheUse>;
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -378,6 +383,7 @@ impl CpuBackend {
             hidden: 0,
             tile_cache: None,
             tile_cache_use: tile_cache::TileCacheUse::Unused,
+            tile_cache_writer: None,
         })
     }
 
@@ -391,6 +397,13 @@ impl CpuBackend {
     /// What the last `load_from` did with the tile cache.
     pub fn tile_cache_use(&self) -> &tile_cache::TileCacheUse {
         &self.tile_cache_use
+    }
+
+    /// The thread writing the tiles the last `load_from` repacked (with
+    /// [`tile_cache::TileCacheUse::Writing`]): join it for the outcome. A process that exits
+    /// before it ends leaves a temporary file, which the next write removes.
+    pub fn take_tile_cache_writer(&mut self) -> Option<TileCacheWriter> {
+        self.tile_cache_writer.take()
     }
 
     /// For tests: run the AMX kernel (with [`Isa::Amx`]) on matrices of at least `cols`
@@ -508,12 +521,14 @@ impl ExpertBackend for CpuBackend {
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
         self.tile_cache_use = tile_cache::TileCacheUse::Unused;
+        self.tile_cache_writer = None;
         let packed = match (&self.tile_cache, source.content_id()) {
             (Some(cache), Some(id)) => {
                 // The check of a kept file runs on the device's threads, at least two: a
                 // repacking load also checks its shard on a second thread beside the repack.
-                let (packed, used) = load_cached(cache, &id, source, self.threads.max(2))?;
+                let (packed, used, writer) = load_cached(cache, &id, source, self.threads.max(2))?;
                 self.tile_cache_use = used;
+                self.tile_cache_writer = writer;
                 packed
             }
             (cache, _) => {
@@ -802,44 +817,65 @@ fn assemble(
 /// The experts of `source` from `cache` when it holds a checked arena of the source's content
 /// (`content`): the source hands over nothing and is not finished. Otherwise packed from the
 /// source (which checks its data at `finish`), and only then the arena written to the cache
-/// for the next load. A cache failure never fails the load; what happened is returned.
+/// for the next load, by the thread returned. A cache failure never fails the load; what
+/// happened is returned.
 fn load_cached(
     cache: &tile_cache::TileCache,
     content: &ContentId,
     source: &mut dyn ExpertSource,
     threads: usize,
-) -> Result<(PackedSet, tile_cache::TileCacheUse), BackendError> {
+) -> Result<(PackedSet, tile_cache::TileCacheUse, Option<TileCacheWriter>), BackendError> {
     use tile_cache::TileCacheUse;
     let shapes: Vec<ExpertShape> = source.shapes().to_vec();
     let (hidden, bytes, dims) = checked_shapes(&shapes, None)?;
     let description = tile_cache::description(&content.id, &shapes, &dims);
     if shapes.is_empty() {
         // Nothing to keep (a device that holds no experts yet).
-        return Ok((pack_source(source, None)?, TileCacheUse::Unused));
+        return Ok((pack_source(source, None)?, TileCacheUse::Unused, None));
     }
     let miss = match cache.open(&content.place, &description, &dims, threads) {
         Ok((matrices, file, lock_error)) => {
             let packed = assemble(&shapes, matrices, hidden, bytes);
-            return Ok((packed, TileCacheUse::Reused { file, lock_error }));
+            return Ok((packed, TileCacheUse::Reused { file, lock_error }, None));
         }
         Err(miss) => miss,
     };
     let packed = pack_source(source, None)?;
-    let t0 = std::time::Instant::now();
-    let arena = packed.experts.first().map(|e| e.w13.arena());
-    let used = match arena.map(|a| cache.store(&content.place, &description, a)) {
-        Some(Ok(file)) => TileCacheUse::Written {
-            file,
-            miss,
-            write_s: t0.elapsed().as_secs_f64(),
-        },
-        Some(Err(error)) => TileCacheUse::NotWritten { miss, error },
-        None => TileCacheUse::NotWritten {
-            miss,
-            error: "no experts to keep".into(),
-        },
+    let Some(arena) = packed
+        .experts
+        .first()
+        .map(|e| std::sync::Arc::clone(e.w13.arena()))
+    else {
+        return Ok((packed, TileCacheUse::Unused, None));
     };
-    Ok((packed, used))
+    // Written beside the serving, not before it: the load does not wait for the disk.
+    let file = cache.file_for(&content.place);
+    let (cache, place, why) = (cache.clone(), content.place.clone(), miss.clone());
+    let write = move || {
+        let t0 = std::time::Instant::now();
+        match cache.store(&place, &description, &arena) {
+            Ok(file) => TileCacheUse::Written {
+                file,
+                miss: why,
+                write_s: t0.elapsed().as_secs_f64(),
+            },
+            Err(error) => TileCacheUse::NotWritten { miss: why, error },
+        }
+    };
+    match std::thread::Builder::new()
+        .name("tile-cache-write".into())
+        .spawn(write)
+    {
+        Ok(writer) => Ok((packed, TileCacheUse::Writing { file, miss }, Some(writer))),
+        Err(e) => Ok((
+            packed,
+            TileCacheUse::NotWritten {
+                miss,
+                error: format!("cannot start the thread that writes it: {e}"),
+            },
+            None,
+        )),
+    }
 }
 
 /// Packs every expert of `source` into one arena (huge pages, one stream of allocations),

@@ -35,7 +35,9 @@
 //!   memory lock limit does not allow it, copied into the process's own memory (as a repack
 //!   would place it, about half a read's speed) and the map dropped. Either way the checksums
 //!   are checked over the very bytes served, which the kernel cannot evict and read back.
-//! * No failure of the cache fails a load: a miss repacks, a failed write is reported.
+//! * No failure of the cache fails a load: a miss repacks, a failed write is reported. The
+//!   write runs on a thread of its own after the load (the worker serves meanwhile); a process
+//!   that ends before it does leaves a temporary file, which the next write removes.
 
 use crate::layout::{Arena, MatrixDims, R16Matrix, arena_bytes};
 use expertmesh_quant::aligned::AlignedVec;
@@ -78,8 +80,18 @@ pub enum TileCacheUse {
         /// the process's own memory instead.
         lock_error: Option<String>,
     },
+    /// Repacked (`miss` says why no file was used); `file` is being written for the next load
+    /// on a thread of its own, so the load does not wait for the disk
+    /// ([`crate::CpuBackend::take_tile_cache_writer`] gives its outcome, `Written` or
+    /// `NotWritten`).
+    Writing {
+        /// The cache file being written.
+        file: PathBuf,
+        /// Why no file was used.
+        miss: String,
+    },
     /// Repacked (`miss` says why no file was used), then written to `file` for the next load
-    /// in `write_s` seconds (part of this load's time).
+    /// in `write_s` seconds.
     Written {
         /// The cache file written.
         file: PathBuf,
@@ -135,7 +147,7 @@ impl TileCache {
     }
 
     /// The file that holds the arena of whatever lives at `place`.
-    fn file_for(&self, place: &str) -> PathBuf {
+    pub(crate) fn file_for(&self, place: &str) -> PathBuf {
         self.dir
             .join(format!("{:016x}.r16", fnv1a64(place.as_bytes())))
     }

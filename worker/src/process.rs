@@ -191,11 +191,13 @@ pub struct WorkerOptions {
 }
 
 /// Choose and load the backend for device `d`.
+/// With a tile cache being written, the thread that waits for it (joined at a clean stop, so
+/// a stop does not leave the file half written).
 fn make_backend(
     dep: &Deployment,
     opts: &WorkerOptions,
     limits: BatchLimits,
-) -> Result<Box<dyn ExpertBackend>, WorkerError> {
+) -> Result<(Box<dyn ExpertBackend>, Option<std::thread::JoinHandle<()>>), WorkerError> {
     let d = dep.device(&opts.device)?;
     let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
     let on_device = |cause| WorkerError::DeviceBackend {
@@ -229,7 +231,7 @@ fn make_backend(
                     );
                 }
                 hip.load_from(&mut *experts, limits).map_err(on_device)?;
-                return Ok(Box::new(hip));
+                return Ok((Box::new(hip), None));
             }
             Err(e) if opts.backend == BackendChoice::Auto => {
                 tracing::warn!(
@@ -248,7 +250,19 @@ fn make_backend(
     }
     cpu.load_from(&mut *experts, limits).map_err(on_device)?;
     log_tile_cache_use(dev.id(), cpu.tile_cache_use());
-    Ok(Box::new(cpu))
+    // The tiles are written beside the serving; their outcome is logged when known.
+    let writer = cpu.take_tile_cache_writer().and_then(|w| {
+        let id = dev.id().to_string();
+        std::thread::Builder::new()
+            .name("tile-cache-log".into())
+            .spawn(move || {
+                if let Ok(used) = w.join() {
+                    log_tile_cache_use(&id, &used);
+                }
+            })
+            .ok()
+    });
+    Ok((Box::new(cpu), writer))
 }
 
 /// Says what the load of device `id` did with the tile cache (nothing without one).
@@ -276,13 +290,17 @@ fn log_tile_cache_use(id: &str, used: &expertmesh_cpu_backend::tile_cache::TileC
              be locked (usually the memory lock limit: raise it, e.g. LimitMEMLOCK=infinity or \
              `ulimit -l unlimited`, for the faster load)"
         ),
+        TileCacheUse::Writing { file, miss } => tracing::info!(
+            device = %id, file = %file.display(), %miss,
+            "experts repacked; keeping the tiles for the next start (written while serving)"
+        ),
         TileCacheUse::Written {
             file,
             miss,
             write_s,
         } => tracing::info!(
             device = %id, file = %file.display(), %miss, write_s = format!("{write_s:.2}"),
-            "experts repacked; the tiles are kept for the next start"
+            "the tiles are kept for the next start"
         ),
         TileCacheUse::NotWritten { miss, error } => tracing::warn!(
             device = %id, %miss, %error, "experts repacked; the tile cache could not keep them"
@@ -365,7 +383,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let rank = dep.mesh_rank(d);
     let t0 = Instant::now();
     let limits = worker_limits(&dep, opts.max_tokens);
-    let backend = make_backend(&dep, &opts, limits)?;
+    let (backend, tile_cache_writer) = make_backend(&dep, &opts, limits)?;
     let loaded = backend.loaded_bytes();
     let backend_name = backend.name();
     let exec = DispatchExecutor::new(backend, dep.spec.hidden as usize, limits);
@@ -458,6 +476,9 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     }
     mesh.shutdown();
     rt.shutdown_timeout(Duration::from_millis(200));
+    if let Some(w) = tile_cache_writer {
+        let _ = w.join(); // finish writing the tiles kept for the next start
+    }
     Ok(())
 }
 

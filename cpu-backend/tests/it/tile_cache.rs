@@ -66,11 +66,23 @@ fn load(dir: &Path, src: &mut Named) -> (CpuBackend, TileCacheUse) {
     load_with(TileCache::new(dir), src)
 }
 
+/// [`load`] with `cache`; a repack's tiles are written on a thread of their own, whose
+/// outcome is waited for and returned.
 fn load_with(cache: TileCache, src: &mut Named) -> (CpuBackend, TileCacheUse) {
     let mut b = CpuBackend::new(2).unwrap();
     b.set_tile_cache(Some(cache));
     b.load_from(src, LIMITS).unwrap();
-    let used = b.tile_cache_use().clone();
+    let used = match b.take_tile_cache_writer() {
+        Some(w) => {
+            assert!(
+                matches!(b.tile_cache_use(), TileCacheUse::Writing { .. }),
+                "{:?}",
+                b.tile_cache_use()
+            );
+            w.join().unwrap()
+        }
+        None => b.tile_cache_use().clone(),
+    };
     (b, used)
 }
 
