@@ -190,14 +190,16 @@ pub struct WorkerOptions {
     pub tile_cache: Option<std::path::PathBuf>,
 }
 
-/// Choose and load the backend for device `d`.
-/// With a tile cache being written, the thread that waits for it (joined at a clean stop, so
-/// a stop does not leave the file half written).
+/// A loaded backend, and with a tile cache being written, the thread that waits for it
+/// (joined at a clean stop, so a stop does not leave the file half written).
+type LoadedBackend = (Box<dyn ExpertBackend>, Option<std::thread::JoinHandle<()>>);
+
+/// Choose and load the backend for device `d` ([`LoadedBackend`]).
 fn make_backend(
     dep: &Deployment,
     opts: &WorkerOptions,
     limits: BatchLimits,
-) -> Result<(Box<dyn ExpertBackend>, Option<std::thread::JoinHandle<()>>), WorkerError> {
+) -> Result<LoadedBackend, WorkerError> {
     let d = dep.device(&opts.device)?;
     let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
     let on_device = |cause| WorkerError::DeviceBackend {
