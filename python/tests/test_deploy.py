@@ -2,8 +2,8 @@
 
 Every generated object is checked by the PyPI package ``kubernetes-validate`` (the API's
 OpenAPI schemas, strict: unknown fields are errors) for two Kubernetes versions, on a
-loopback CPU fabric and on a GPU cluster with RDMA links (GPU and RDMA device resources,
-IPC_LOCK). That the validator rejects a broken manifest is checked too. Running the pods
+loopback CPU fabric (also with worker tile caches: an emptyDir each, IPC_LOCK) and on a GPU
+cluster with RDMA links (GPU and RDMA device resources, IPC_LOCK). That the validator rejects a broken manifest is checked too. Running the pods
 themselves (as the kubelet would, in network namespaces) is the Rust test
 ``tests/it/deploy_engines.rs``.
 """
@@ -82,6 +82,28 @@ def test_gpu_rdma_cluster_manifests_validate(tmp_path: Path) -> None:
         assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
         # The device plugin shows the pod only its own GPU, as index 0.
         assert {"name": "EXPERTMESH_GPU_INDEX", "value": "0"} in c["env"]
+    _validate(docs)
+
+
+def test_worker_tile_cache_manifests_validate(tmp_path: Path) -> None:
+    """A worker's --tile-cache folder is an emptyDir mounted there, with IPC_LOCK to lock the
+    tiles in memory; the router gets neither."""
+    docs = _deploy(
+        tmp_path, EXAMPLES / "single-host.toml", "demo-small",
+        EXAMPLES / "single-host-demo-small.placement.toml",
+        "--worker-arg=--tile-cache=/var/cache/expertmesh",
+    )
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    workers = [d for d in deployments if "worker" in d["metadata"]["name"]]
+    assert len(workers) == 2
+    for w in workers:
+        spec = w["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert {"name": "tile-cache", "mountPath": "/var/cache/expertmesh"} in c["volumeMounts"]
+        assert {"name": "tile-cache", "emptyDir": {}} in spec["volumes"]
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    router = next(d for d in deployments if "router" in d["metadata"]["name"])
+    assert "securityContext" not in router["spec"]["template"]["spec"]["containers"][0]
     _validate(docs)
 
 
