@@ -898,6 +898,14 @@ fn load_all(
     Ok((t, uses))
 }
 
+/// The device shard files of the converted folder `out`, and their bytes in all.
+fn shard_files(p: &Prepared, out: &Path) -> Result<(Vec<PathBuf>, u64), BenchError> {
+    let dep = Deployment::load_converted(&p.topology_path, out)?;
+    let w = dep.weights.as_ref().ok_or(BenchError::NoWeights)?;
+    let shards = w.manifest.shards.iter().map(|s| w.path(&s.file)).collect();
+    Ok((shards, w.manifest.shards.iter().map(|s| s.bytes).sum()))
+}
+
 /// Worker load of every device shard of `out`, `runs` times, each after a raw read of the
 /// same shard files. The first run is reported apart too: it is the only one whose backend
 /// arena and copies land on memory this process has never touched, as in a fresh worker.
@@ -907,10 +915,7 @@ fn load_case(
     runs: usize,
     buf: &mut Vec<u8>,
 ) -> Result<BenchResult, BenchError> {
-    let dep = Deployment::load_converted(&p.topology_path, out)?;
-    let w = dep.weights.as_ref().ok_or(BenchError::NoWeights)?;
-    let shards: Vec<PathBuf> = w.manifest.shards.iter().map(|s| w.path(&s.file)).collect();
-    let bytes: u64 = w.manifest.shards.iter().map(|s| s.bytes).sum();
+    let (shards, bytes) = shard_files(p, out)?;
     raw_read(&shards, buf)?; // warm-up
     let (mut achieved, mut limit, mut times) = (Vec::new(), Vec::new(), Vec::new());
     let mut one_thread = Vec::new();
@@ -980,10 +985,7 @@ fn mapped_load_case(
     runs: usize,
     buf: &mut Vec<u8>,
 ) -> Result<BenchResult, BenchError> {
-    let dep = Deployment::load_converted(&p.topology_path, out)?;
-    let w = dep.weights.as_ref().ok_or(BenchError::NoWeights)?;
-    let shards: Vec<PathBuf> = w.manifest.shards.iter().map(|s| w.path(&s.file)).collect();
-    let bytes: u64 = w.manifest.shards.iter().map(|s| s.bytes).sum();
+    let (shards, bytes) = shard_files(p, out)?;
     let tiles = out.join("tile-cache");
     let (first, uses) = load_all(p, out, Some(&tiles))?;
     let mut write_s = 0.0;

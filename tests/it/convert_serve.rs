@@ -192,6 +192,17 @@ fn check_served_exactly(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric) {
 /// [`check_served_exactly`] for a fabric on topology file `topo`.
 fn check_served_exactly_on(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric, topo: &Path) {
     let dep = Deployment::load_converted(topo, out).unwrap();
+    let mut backend = reference_backend(&dep, out);
+    let mut dense = dep
+        .shared_dense()
+        .then(|| expertmesh_worker::shared::DenseSharedRunner::load(&dep).unwrap());
+    let setups = dep.layer_setups().unwrap();
+    check_served(ck, &dep, &mut backend, &mut dense, &setups, fabric);
+}
+
+/// The exact in-process reference of the converted `out`: one CPU backend holding every
+/// expert of its shards.
+fn reference_backend(dep: &Deployment, out: &Path) -> CpuBackend {
     let (experts, _) = converted_experts(out);
     let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
         .into_iter()
@@ -204,11 +215,7 @@ fn check_served_exactly_on(ck: &TinyCheckpoint, out: &Path, fabric: &LocalFabric
         max_pairs: 64 * slots,
     };
     backend.load(keyed, limits).unwrap();
-    let mut dense = dep
-        .shared_dense()
-        .then(|| expertmesh_worker::shared::DenseSharedRunner::load(&dep).unwrap());
-    let setups = dep.layer_setups().unwrap();
-    check_served(ck, &dep, &mut backend, &mut dense, &setups, fabric);
+    backend
 }
 
 /// One call per layer of `setups` through `fabric`, compared bit for bit with `backend`
@@ -802,18 +809,7 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     assert!(kept.iter().all(|p| mode(p) == 0o400));
 
     // The reference, from the intact shards; then damage every device shard's first expert.
-    let (experts, _) = converted_experts(&out);
-    let keyed: Vec<(ExpertKey, ExpertWeights)> = experts
-        .into_iter()
-        .map(|((layer, expert), w)| (ExpertKey { layer, expert }, w))
-        .collect();
-    let mut backend = CpuBackend::new(1).unwrap();
-    let slots = (dep.spec.top_k + dep.spec.shared_experts) as usize;
-    let limits = expertmesh_backend::BatchLimits {
-        max_tokens: 64,
-        max_pairs: 64 * slots,
-    };
-    backend.load(keyed, limits).unwrap();
+    let mut backend = reference_backend(&dep, &out);
     let w = dep.weights.as_ref().unwrap();
     for s in &w.manifest.shards {
         let path = w.path(&s.file);
