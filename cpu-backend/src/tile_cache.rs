@@ -241,12 +241,14 @@ impl TileCache {
             fnv1a64(format!("{:?}", std::time::SystemTime::now()).as_bytes()) & 0xffff_ffff
         ));
         let header = encode_header(description, arena);
+        writing().push(tmp.clone());
         let written = (|| -> io::Result<()> {
             let mut f = create_read_only(&tmp)?;
             f.write_all(&header)?;
             f.write_all(arena)?;
             fs::rename(&tmp, &path)
         })();
+        writing().retain(|t| t != &tmp);
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             return Err(format!(
@@ -506,12 +508,19 @@ fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> 
     })
 }
 
+/// The temporary files this process is writing now (the sweep leaves them alone).
+fn writing() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    static WRITING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    WRITING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Removes the temporary files of writers that are gone from the (private, checked) cache
 /// folder `dir`: only names this module makes (`.HASH.r16.tmp-PID-N`, HASH 16 hex digits),
-/// whose process no longer runs on this host, or whose process id is this process's own (a
-/// writer of an earlier life of a container's process 1: this process writes none before it
-/// calls this). Best effort. Two backends of one process storing in one folder at once could
-/// remove each other's file: the loser's write fails (reported), never wrong weights.
+/// whose process no longer runs on this host, or whose process id is this process's own but
+/// which this process is not writing (left by an earlier life of a container's process 1).
+/// Best effort.
 fn remove_stale_temps(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
@@ -524,7 +533,8 @@ fn remove_stale_temps(dir: &Path) {
             continue;
         };
         let gone = procs.join("self").exists() && !procs.join(pid.to_string()).exists();
-        if pid == me || gone {
+        let earlier_life = pid == me && !writing().contains(&e.path());
+        if gone || earlier_life {
             let _ = fs::remove_file(e.path());
         }
     }
