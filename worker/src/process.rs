@@ -439,17 +439,8 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
             mesh.dial(r);
         }
     }
-    let shown: Vec<String> = routers.iter().map(ToString::to_string).collect();
-    println!(
-        "expertmesh worker {id} ready: {:.1} MB of experts on {backend_name}, loaded in {:.2} s, listening on {}, router{} at {}",
-        loaded as f64 / 1e6,
-        t0.elapsed().as_secs_f64(),
-        mesh.local_addr()
-            .map_or_else(|| listen.to_string(), |a| a.to_string()),
-        if routers.len() == 1 { "" } else { "s" },
-        shown.join(", "),
-    );
-    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let listening = mesh.local_addr().unwrap_or(listen);
+    say_ready(&id, loaded, &backend_name, t0, listening, &routers);
 
     // The compute loop runs on this thread and reads the mesh's events itself: a frame goes
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
@@ -482,6 +473,26 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         let _ = w.join(); // finish writing the tiles kept for the next start
     }
     Ok(())
+}
+
+/// The line on stdout that says worker `id` is ready (the launchers and tests wait for it).
+fn say_ready(
+    id: &str,
+    loaded: u64,
+    backend_name: &str,
+    t0: Instant,
+    listening: SocketAddr,
+    routers: &[SocketAddr],
+) {
+    let shown: Vec<String> = routers.iter().map(ToString::to_string).collect();
+    println!(
+        "expertmesh worker {id} ready: {:.1} MB of experts on {backend_name}, loaded in {:.2} s, listening on {listening}, router{} at {}",
+        loaded as f64 / 1e6,
+        t0.elapsed().as_secs_f64(),
+        if routers.len() == 1 { "" } else { "s" },
+        shown.join(", "),
+    );
+    let _ = std::io::Write::flush(&mut std::io::stdout());
 }
 
 /// How long a worker of a fanning-out node waits for its node peers before it joins the
