@@ -647,16 +647,28 @@ impl LocalFabric {
     }
 
     /// The routers first (so a deliberate shutdown is not reported as workers lost), then the
-    /// workers.
+    /// workers: SIGTERM (and SIGCONT, for one a test stopped), so each finishes what it must
+    /// (a tile cache file being written), then SIGKILL for any still running after
+    /// [`WORKER_STOP_GRACE`].
     fn stop(&mut self) {
         for s in self.services.iter_mut().flatten() {
             s.shutdown();
         }
-        for w in self.workers.iter_mut() {
-            if let Some(mut c) = w.take() {
-                let _ = c.kill();
-                let _ = c.wait();
+        let running: Vec<Child> = self.workers.iter_mut().filter_map(Option::take).collect();
+        for c in &running {
+            // SAFETY: kill(2) on our own children's pids (not yet reaped).
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+                libc::kill(c.id() as i32, libc::SIGCONT);
             }
+        }
+        let deadline = std::time::Instant::now() + WORKER_STOP_GRACE;
+        for mut c in running {
+            while matches!(c.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill(); // an error: it has exited
+            let _ = c.wait();
         }
     }
 }
@@ -666,6 +678,9 @@ impl Drop for LocalFabric {
         self.stop();
     }
 }
+
+/// How long a stop waits for its workers to exit after SIGTERM before it kills them.
+const WORKER_STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// Removes the credential files (`*.cred`) from `dir`, best effort.
 fn remove_credential_files(dir: &std::path::Path) {

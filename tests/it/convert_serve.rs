@@ -784,25 +784,14 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     o.tile_cache = Some(tiles.clone());
     let fabric = LocalFabric::start(o.clone()).unwrap();
     check_served_exactly(&ck, &out, &fabric);
-    // The workers write their tiles while they serve; the local fabric stops them with
-    // SIGKILL, so wait until every file is in place (a generous bound: an event, not a time).
-    let dep = Deployment::load_converted(&topology(), &out).unwrap();
-    let kept = || -> Vec<PathBuf> {
-        std::fs::read_dir(&tiles)
-            .map(|d| {
-                d.map(|e| e.unwrap().path())
-                    .filter(|p| p.extension().is_some_and(|x| x == "r16"))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let waited = std::time::Instant::now();
-    while kept().len() < dep.topology.devices().len() && waited.elapsed() < Duration::from_secs(120)
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // The workers write their tiles while they serve; a stop (SIGTERM) waits for the write.
     fabric.shutdown();
-    let kept = kept();
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    let kept: Vec<PathBuf> = std::fs::read_dir(&tiles)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "r16"))
+        .collect();
     assert_eq!(kept.len(), dep.topology.devices().len(), "{kept:?}");
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&tiles), 0o700);
