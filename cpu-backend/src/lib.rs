@@ -831,7 +831,11 @@ fn load_cached(
     let description = tile_cache::description(&content.id, &shapes, &dims);
     if shapes.is_empty() {
         // Nothing to keep (a device that holds no experts yet).
-        return Ok((pack_source(source, None)?, TileCacheUse::Unused, None));
+        return Ok((
+            pack_checked(source, &shapes, hidden, bytes, &dims)?,
+            TileCacheUse::Unused,
+            None,
+        ));
     }
     let miss = match cache.open(&content.place, &description, &dims, threads) {
         Ok((matrices, file, lock_error)) => {
@@ -840,7 +844,7 @@ fn load_cached(
         }
         Err(miss) => miss,
     };
-    let packed = pack_source(source, None)?;
+    let packed = pack_checked(source, &shapes, hidden, bytes, &dims)?;
     let Some(arena) = packed
         .experts
         .first()
@@ -887,8 +891,19 @@ fn pack_source(
 ) -> Result<PackedSet, BackendError> {
     let shapes: Vec<ExpertShape> = source.shapes().to_vec();
     let (hidden, bytes, dims) = checked_shapes(&shapes, loaded)?;
+    pack_checked(source, &shapes, hidden, bytes, &dims)
+}
+
+/// [`pack_source`] of `shapes` (the source's, checked) into the matrices `dims`.
+fn pack_checked(
+    source: &mut dyn ExpertSource,
+    shapes: &[ExpertShape],
+    hidden: usize,
+    bytes: u64,
+    dims: &[MatrixDims],
+) -> Result<PackedSet, BackendError> {
     let mut pending_w2: Option<expertmesh_quant::format::PackedMatrix> = None;
-    let packed = R16Matrix::pack_streamed(&dims, |i, write| {
+    let packed = R16Matrix::pack_streamed(dims, |i, write| {
         let (s, d) = (&shapes[i / 2], dims[i]);
         // In place when the source can (a mapped shard): no copy before the repack.
         if let Some(r) = source.expert_ref(i / 2) {
@@ -915,7 +930,7 @@ fn pack_source(
         Ok(())
     })?;
     source.finish()?;
-    Ok(assemble(&shapes, packed, hidden, bytes))
+    Ok(assemble(shapes, packed, hidden, bytes))
 }
 
 /// What every step of one `execute` shares: the batch, the loaded experts, the pool and the

@@ -381,12 +381,19 @@ pub struct ShardSource {
     file: std::sync::Arc<ShardFile>,
     /// The whole file's crc32c the manifest records.
     crc: u32,
-    /// The checksum thread, once an expert was taken.
-    verify: Option<VerifyThread>,
-    /// Whether the checksum thread was started (or the file checked).
-    verify_started: bool,
+    /// Where the whole-file check is.
+    verify: Verify,
     entries: Vec<usize>,
     shapes: Vec<ExpertShape>,
+}
+
+/// The whole-file check of a [`ShardSource`]: started with the first expert taken, joined
+/// at `finish`.
+#[derive(Debug)]
+enum Verify {
+    NotStarted,
+    Running(VerifyThread),
+    Done,
 }
 
 impl ShardSource {
@@ -422,8 +429,7 @@ impl ShardSource {
         Ok(Self {
             file: std::sync::Arc::new(file),
             crc,
-            verify: None,
-            verify_started: false,
+            verify: Verify::NotStarted,
             entries,
             shapes,
         })
@@ -431,12 +437,11 @@ impl ShardSource {
 
     /// Start the checksum thread if it is not running yet (the first expert taken).
     fn start_verify(&mut self) -> Result<(), BackendError> {
-        if !self.verify_started {
-            self.verify = Some(
+        if matches!(self.verify, Verify::NotStarted) {
+            self.verify = Verify::Running(
                 spawn_verify_shared(std::sync::Arc::clone(&self.file), self.crc)
                     .map_err(|e| BackendError::Source(e.to_string()))?,
             );
-            self.verify_started = true;
         }
         Ok(())
     }
@@ -474,16 +479,16 @@ impl ExpertSource for ShardSource {
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
-        if !self.verify_started {
+        let v = match std::mem::replace(&mut self.verify, Verify::Done) {
             // Nothing was taken (no experts): check the file here, as a load always does.
-            self.verify_started = true;
-            return self
-                .file
-                .verify(Some(self.crc))
-                .map_err(|e| BackendError::Source(e.to_string()));
-        }
-        let Some(v) = self.verify.take() else {
-            return Ok(());
+            Verify::NotStarted => {
+                return self
+                    .file
+                    .verify(Some(self.crc))
+                    .map_err(|e| BackendError::Source(e.to_string()));
+            }
+            Verify::Running(v) => v,
+            Verify::Done => return Ok(()),
         };
         match v.join() {
             Ok(r) => r.map_err(|e| BackendError::Source(e.to_string())),
