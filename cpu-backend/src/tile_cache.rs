@@ -109,6 +109,38 @@ pub enum TileCacheUse {
     },
 }
 
+impl TileCacheUse {
+    /// Every [`TileCacheUse::outcome`] name, in the variants' order.
+    pub const OUTCOMES: [&'static str; 7] = [
+        "unused",
+        "no_content_id",
+        "reused",
+        "reused_copied",
+        "writing",
+        "written",
+        "not_written",
+    ];
+
+    /// A stable name for what the load did (for metrics labels): one of [`Self::OUTCOMES`];
+    /// `reused_copied` is a reuse whose map could not be locked (the tiles were copied).
+    pub fn outcome(&self) -> &'static str {
+        Self::OUTCOMES[match self {
+            TileCacheUse::Unused => 0,
+            TileCacheUse::NoContentId => 1,
+            TileCacheUse::Reused {
+                lock_error: None, ..
+            } => 2,
+            TileCacheUse::Reused {
+                lock_error: Some(_),
+                ..
+            } => 3,
+            TileCacheUse::Writing { .. } => 4,
+            TileCacheUse::Written { .. } => 5,
+            TileCacheUse::NotWritten { .. } => 6,
+        }]
+    }
+}
+
 /// Tiles mapped read-only from a cache file and locked in memory (the arena starts at a page
 /// boundary).
 pub struct MappedTiles {

@@ -769,6 +769,38 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
     fabric.shutdown();
 }
 
+/// Gives each of `devices` workers of `o` a `--metrics` address on a free loopback port;
+/// returns their URLs by device rank.
+fn serve_worker_metrics(o: &mut LocalFabricOptions, devices: usize) -> Vec<String> {
+    o.worker_metrics = (0..devices)
+        .map(|_| std::net::SocketAddr::from(([127, 0, 0, 1], crate::support::free_port())))
+        .collect();
+    o.worker_metrics
+        .iter()
+        .map(|a| format!("http://{a}/metrics"))
+        .collect()
+}
+
+/// Scrapes a worker's `url`: its start's load took time and brought in bytes, and its tile
+/// cache outcome is one of `want` (exactly one outcome reads 1).
+fn tile_cache_outcome(url: &str, want: &[&str]) -> crate::metrics::Scrape {
+    let (status, text) = crate::metrics::http_get(url);
+    assert!(status.contains(" 200 "), "{url}: {status}");
+    let w = crate::metrics::Scrape::parse(&text);
+    assert!(
+        w.sum("expertmesh_worker_load_duration_seconds", &[]) > 0.0,
+        "{text}"
+    );
+    assert!(w.sum("expertmesh_worker_load_bytes", &[]) > 0.0, "{text}");
+    assert_eq!(w.sum("expertmesh_worker_tile_cache", &[]), 1.0, "{text}");
+    let now: f64 = want
+        .iter()
+        .map(|o| w.sum("expertmesh_worker_tile_cache", &[("outcome", o)]))
+        .sum();
+    assert_eq!(now, 1.0, "outcome not one of {want:?}:\n{text}");
+    w
+}
+
 /// Workers started with `--tile-cache` keep their repacked tiles (one private file per
 /// device), and restarted they map those instead of reading their shards: with a nibble of
 /// every device shard then changed in place, size and time kept (which a repacking load
@@ -780,13 +812,18 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     let _machine = crate::support::shared();
     let (d, ck, out) = case("olmoe", WeightFormat::Bf16, 1);
     let tiles = d.path().join("tiles");
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
     let mut o = options(&out, ComputeMode::Exact);
     o.tile_cache = Some(tiles.clone());
+    let urls = serve_worker_metrics(&mut o, dep.topology.devices().len());
     let fabric = LocalFabric::start(o.clone()).unwrap();
     check_served_exactly(&ck, &out, &fabric);
+    // Each worker's metrics say its load repacked and is keeping the tiles.
+    for url in &urls {
+        tile_cache_outcome(url, &["writing", "written"]);
+    }
     // The workers write their tiles while they serve; a stop (SIGTERM) waits for the write.
     fabric.shutdown();
-    let dep = Deployment::load_converted(&topology(), &out).unwrap();
     let kept: Vec<PathBuf> = std::fs::read_dir(&tiles)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -824,8 +861,18 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
         assert!(e.to_string().contains("checksum"), "{e}");
     }
     let setups = dep.layer_setups().unwrap();
+    let urls = serve_worker_metrics(&mut o, dep.topology.devices().len());
     let fabric = LocalFabric::start(o.clone()).unwrap();
     check_served(&ck, &dep, &mut backend, &mut None, &setups, &fabric);
+    // Restarted, each worker's metrics say it took its tiles from the cache (mapped, or
+    // copied where the memory lock limit refused the map) and wrote none.
+    for url in &urls {
+        let w = tile_cache_outcome(url, &["reused", "reused_copied"]);
+        assert_eq!(
+            w.sum("expertmesh_worker_tile_cache_write_duration_seconds", &[]),
+            0.0
+        );
+    }
     fabric.shutdown();
 
     // A shard whose time changed is other content: the kept tiles are not used, the repack

@@ -74,7 +74,7 @@ fn read_banner(child: &mut Child) -> Started {
 
 /// GET `url` (http://HOST:PORT/PATH): (status line, body). Retries connecting for a few
 /// seconds (a worker's endpoint starts just after it joins).
-fn http_get(url: &str) -> (String, String) {
+pub(crate) fn http_get(url: &str) -> (String, String) {
     let rest = url.strip_prefix("http://").expect("an http URL");
     let (host, path) = rest.split_once('/').unwrap();
     let t = Instant::now();
@@ -104,10 +104,10 @@ fn http_get(url: &str) -> (String, String) {
 }
 
 /// A scrape: `name{labels}` → value (labels as written, in order).
-struct Scrape(BTreeMap<String, f64>);
+pub(crate) struct Scrape(BTreeMap<String, f64>);
 
 impl Scrape {
-    fn parse(text: &str) -> Self {
+    pub(crate) fn parse(text: &str) -> Self {
         let mut m = BTreeMap::new();
         for line in text
             .lines()
@@ -133,7 +133,7 @@ impl Scrape {
             .collect()
     }
 
-    fn sum(&self, name: &str, want: &[(&str, &str)]) -> f64 {
+    pub(crate) fn sum(&self, name: &str, want: &[(&str, &str)]) -> f64 {
         self.series(name)
             .iter()
             .filter(|(l, _)| {
@@ -364,6 +364,14 @@ fn scraping_a_running_up_shows_the_traffic() {
             w.sum("expertmesh_worker_link_connected", &[("peer", "router")]),
             1.0
         );
+        // Its start: the load took time and brought in its experts; no tile cache was set.
+        assert!(w.sum("expertmesh_worker_load_duration_seconds", &[]) > 0.0);
+        assert!(w.sum("expertmesh_worker_load_bytes", &[]) > 0.0);
+        assert_eq!(
+            w.sum("expertmesh_worker_tile_cache", &[("outcome", "unused")]),
+            1.0
+        );
+        assert_eq!(w.sum("expertmesh_worker_tile_cache", &[]), 1.0);
     }
     if resent == 0.0 {
         assert_eq!(

@@ -24,7 +24,12 @@
 //! | `expertmesh_worker_link_connected` | `peer` | 1 while the link is up |
 //! | `expertmesh_worker_link_losses_total` | `peer` | times the link was lost |
 //! | `expertmesh_worker_dropped_dispatches_total` | | queued dispatches dropped with a lost router |
+//! | `expertmesh_worker_load_duration_seconds` | | gauge: the start's load of the experts |
+//! | `expertmesh_worker_load_bytes` | | gauge: packed expert bytes that load took in |
+//! | `expertmesh_worker_tile_cache` | `outcome` | gauge: 1 for what the load did with `--tile-cache` (`reused`, `written`, ...), 0 for the rest |
+//! | `expertmesh_worker_tile_cache_write_duration_seconds` | | gauge: the tile file's background write (0 until written) |
 
+use expertmesh_cpu_backend::tile_cache::TileCacheUse;
 use expertmesh_router::metrics::http::MetricsServer;
 use expertmesh_router::metrics::{
     ErrorCounts, Slots, encode_counter, encode_counters, encode_gauges, encode_histograms,
@@ -34,29 +39,39 @@ use expertmesh_transport::codec::{self, Body, Dispatch};
 use expertmesh_transport::mesh::OutFrame;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::encoding::EncodeMetric;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
-/// The metrics of the worker at mesh rank `rank` of `dep`, and their `/metrics` endpoint when
-/// `listen` is given (its address printed on stdout and logged).
-pub fn start(
+/// The metrics of the worker at mesh rank `rank` of `dep` (made before the experts load, so
+/// the load is counted; [`serve`] starts their endpoint).
+pub fn new(dep: &crate::deploy::Deployment) -> Arc<WorkerMetrics> {
+    let experts = (dep.spec.routed_experts + dep.spec.shared_experts) as usize;
+    Arc::new(WorkerMetrics::new(
+        &dep.spec.moe_layer_ids(),
+        experts,
+        &dep.rank_names(),
+    ))
+}
+
+/// The `/metrics` endpoint of `metrics` (the worker at mesh rank `rank` of `dep`) when
+/// `listen` is given, its address printed on stdout and logged.
+pub fn serve(
+    metrics: &Arc<WorkerMetrics>,
     dep: &crate::deploy::Deployment,
     rank: u32,
     listen: Option<SocketAddr>,
     ready: expertmesh_router::metrics::http::Readiness,
-) -> Result<(Arc<WorkerMetrics>, Option<MetricsServer>), crate::process::WorkerError> {
+) -> Result<Option<MetricsServer>, crate::process::WorkerError> {
     let names = dep.rank_names();
-    let experts = (dep.spec.routed_experts + dep.spec.shared_experts) as usize;
-    let metrics = Arc::new(WorkerMetrics::new(
-        &dep.spec.moe_layer_ids(),
-        experts,
-        &names,
-    ));
     let Some(listen) = listen else {
-        return Ok((metrics, None));
+        return Ok(None);
     };
     let device = names.get(rank as usize).cloned().unwrap_or_default();
     let server = MetricsServer::start_with_readiness(listen, metrics.registry(&device), ready)
@@ -66,7 +81,7 @@ pub fn start(
         })?;
     tracing::info!(worker = %device, url = %server.url(), "serving metrics");
     println!("expertmesh worker {device} metrics at {}", server.url());
-    Ok((metrics, Some(server)))
+    Ok(Some(server))
 }
 
 /// One worker's metrics (shared by its compute loop and its `/metrics` endpoint).
@@ -88,6 +103,17 @@ pub struct WorkerMetrics {
     connected: Slots,
     losses: Slots,
     dropped: Slots,
+    load: LoadFigures,
+}
+
+/// What the start's load did; f64 values are kept as their bits.
+#[derive(Default)]
+struct LoadFigures {
+    seconds: AtomicU64,
+    bytes: AtomicU64,
+    /// Index into [`TileCacheUse::OUTCOMES`].
+    tile_cache: AtomicUsize,
+    tile_write_seconds: AtomicU64,
 }
 
 impl std::fmt::Debug for WorkerMetrics {
@@ -120,7 +146,29 @@ impl WorkerMetrics {
             connected: Slots::new(n),
             losses: Slots::new(n),
             dropped: Slots::new(1),
+            load: LoadFigures::default(),
             layers,
+        }
+    }
+
+    /// The start's load took `seconds` and brought in `bytes` of packed experts.
+    pub fn on_loaded(&self, seconds: f64, bytes: u64) {
+        self.load.seconds.store(seconds.to_bits(), Relaxed);
+        self.load.bytes.store(bytes, Relaxed);
+    }
+
+    /// What the load did with the tile cache; called again when a background write ends.
+    pub fn on_tile_cache(&self, used: &TileCacheUse) {
+        let outcome = used.outcome();
+        let i = TileCacheUse::OUTCOMES
+            .iter()
+            .position(|&o| o == outcome)
+            .unwrap_or(0);
+        self.load.tile_cache.store(i, Relaxed);
+        if let TileCacheUse::Written { write_s, .. } = used {
+            self.load
+                .tile_write_seconds
+                .store(write_s.to_bits(), Relaxed);
         }
     }
 
@@ -282,8 +330,67 @@ impl Collector for WorkerMetrics {
             "expertmesh_worker_dropped_dispatches",
             "Queued dispatches dropped because their router's link was lost.",
             self.dropped.get(0),
+        )?;
+        self.encode_load(&mut enc)
+    }
+}
+
+impl WorkerMetrics {
+    fn encode_load(&self, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let seconds = |a: &AtomicU64| f64::from_bits(a.load(Relaxed));
+        encode_gauge(
+            enc,
+            "expertmesh_worker_load_duration",
+            "Seconds the start's load of this device's experts took (read or map, repack, checks).",
+            &Unit::Seconds,
+            seconds(&self.load.seconds),
+        )?;
+        encode_gauge(
+            enc,
+            "expertmesh_worker_load",
+            "Bytes of packed experts the start's load brought in.",
+            &Unit::Bytes,
+            self.load.bytes.load(Relaxed) as i64,
+        )?;
+        let now = self.load.tile_cache.load(Relaxed);
+        encode_gauges(
+            enc,
+            "expertmesh_worker_tile_cache",
+            "1 for what the start's load did with the tile cache (reused: mapped from it; \
+             reused_copied: copied, the map could not be locked; writing, written, not_written: \
+             repacked and keeping the tiles; unused; no_content_id), 0 for the others.",
+            TileCacheUse::OUTCOMES
+                .iter()
+                .enumerate()
+                .map(|(i, o)| ([("outcome", *o)], i64::from(i == now))),
+        )?;
+        encode_gauge(
+            enc,
+            "expertmesh_worker_tile_cache_write_duration",
+            "Seconds the background write of the tile file took (0 until it is written).",
+            &Unit::Seconds,
+            seconds(&self.load.tile_write_seconds),
         )
     }
+}
+
+/// Encode one unlabelled gauge `name` of `value` in `unit`.
+fn encode_gauge<N>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: &Unit,
+    value: N,
+) -> Result<(), std::fmt::Error>
+where
+    ConstGauge<N>: EncodeMetric,
+{
+    ConstGauge::new(value).encode(enc.encode_descriptor(
+        name,
+        help,
+        Some(unit),
+        MetricType::Gauge,
+    )?)
 }
 
 #[cfg(test)]
@@ -305,6 +412,16 @@ mod tests {
         );
         m.on_received(0, 64);
         m.on_link(0, false, 3);
+        m.on_loaded(1.5, 4096);
+        m.on_tile_cache(&TileCacheUse::Writing {
+            file: "t".into(),
+            miss: "none kept".into(),
+        });
+        m.on_tile_cache(&TileCacheUse::Written {
+            file: "t".into(),
+            miss: "none kept".into(),
+            write_s: 0.25,
+        });
         let r = m.registry("n/cpu0");
         let mut s = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut s, &r).unwrap();
@@ -313,6 +430,11 @@ mod tests {
             "expertmesh_worker_link_received_bytes_total{device=\"n/cpu0\",peer=\"router\"} 64\n",
             "expertmesh_worker_dropped_dispatches_total{device=\"n/cpu0\"} 3\n",
             "expertmesh_worker_dispatches_total{device=\"n/cpu0\",layer=\"2\"} 0\n",
+            "expertmesh_worker_load_duration_seconds{device=\"n/cpu0\"} 1.5\n",
+            "expertmesh_worker_load_bytes{device=\"n/cpu0\"} 4096\n",
+            "expertmesh_worker_tile_cache{device=\"n/cpu0\",outcome=\"written\"} 1\n",
+            "expertmesh_worker_tile_cache{device=\"n/cpu0\",outcome=\"writing\"} 0\n",
+            "expertmesh_worker_tile_cache_write_duration_seconds{device=\"n/cpu0\"} 0.25\n",
         ] {
             assert!(s.contains(want), "missing {want:?} in:\n{s}");
         }

@@ -199,6 +199,7 @@ fn make_backend(
     dep: &Deployment,
     opts: &WorkerOptions,
     limits: BatchLimits,
+    metrics: &Arc<crate::metrics::WorkerMetrics>,
 ) -> Result<LoadedBackend, WorkerError> {
     let d = dep.device(&opts.device)?;
     let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
@@ -252,14 +253,17 @@ fn make_backend(
     }
     cpu.load_from(&mut *experts, limits).map_err(on_device)?;
     log_tile_cache_use(dev.id(), cpu.tile_cache_use());
+    metrics.on_tile_cache(cpu.tile_cache_use());
     // The tiles are written beside the serving; their outcome is logged when known.
     let writer = cpu.take_tile_cache_writer().and_then(|w| {
         let id = dev.id().to_string();
+        let metrics = Arc::clone(metrics);
         std::thread::Builder::new()
             .name("tile-cache-log".into())
             .spawn(move || {
                 if let Ok(used) = w.join() {
                     log_tile_cache_use(&id, &used);
+                    metrics.on_tile_cache(&used);
                 }
             })
             .ok()
@@ -385,8 +389,11 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let rank = dep.mesh_rank(d);
     let t0 = Instant::now();
     let limits = worker_limits(&dep, opts.max_tokens);
-    let (backend, tile_cache_writer) = make_backend(&dep, &opts, limits)?;
+    let metrics = crate::metrics::new(&dep);
+    let load_started = Instant::now();
+    let (backend, tile_cache_writer) = make_backend(&dep, &opts, limits, &metrics)?;
     let loaded = backend.loaded_bytes();
+    metrics.on_loaded(load_started.elapsed().as_secs_f64(), loaded);
     let backend_name = backend.name();
     let exec = DispatchExecutor::new(backend, dep.spec.hidden as usize, limits);
     let routers = router_addresses(&dep, &opts.routers)?;
@@ -446,8 +453,8 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let (metrics, _metrics_server) =
-        crate::metrics::start(&dep, rank, opts.metrics, readiness(&dep, &mesh))?;
+    let _metrics_server =
+        crate::metrics::serve(&metrics, &dep, rank, opts.metrics, readiness(&dep, &mesh))?;
     let stop = stop_on_signal(&rt);
     let ctx = ComputeCtx {
         stop,
