@@ -16,13 +16,17 @@ import sys
 # crate -> the workspace crates it may depend on (normal and build dependencies).
 ALLOWED = {
     "expertmesh-quant": set(),
+    # Temporary files under a lock and the sweep of leftovers: std only, below everything.
+    "expertmesh-files": set(),
     "expertmesh-backend": {"expertmesh-quant"},
-    "expertmesh-cpu-backend": {"expertmesh-quant", "expertmesh-backend"},
+    "expertmesh-cpu-backend": {"expertmesh-quant", "expertmesh-backend", "expertmesh-files"},
     "expertmesh-hip-kernels": {"expertmesh-quant", "expertmesh-backend"},
     "expertmesh-topology": {"expertmesh-quant"},
     "expertmesh-planner": {"expertmesh-quant", "expertmesh-topology"},
-    "expertmesh-shard": {"expertmesh-quant"},
-    "expertmesh-checkpoint": {"expertmesh-quant", "expertmesh-topology", "expertmesh-shard"},
+    "expertmesh-shard": {"expertmesh-quant", "expertmesh-files"},
+    "expertmesh-checkpoint": {
+        "expertmesh-quant", "expertmesh-topology", "expertmesh-shard", "expertmesh-files",
+    },
     "expertmesh-transport": {"expertmesh-quant"},
     "expertmesh-router": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-topology", "expertmesh-transport",
@@ -30,7 +34,7 @@ ALLOWED = {
     "expertmesh-worker": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-cpu-backend",
         "expertmesh-hip-kernels", "expertmesh-topology", "expertmesh-transport",
-        "expertmesh-router", "expertmesh-shard",
+        "expertmesh-router", "expertmesh-shard", "expertmesh-files",
     },
     # A fabric's processes on one host: composes the serving libraries, measures nothing.
     "expertmesh-fabric": {
@@ -47,7 +51,7 @@ ALLOWED = {
     "expertmesh": {
         "expertmesh-quant", "expertmesh-topology", "expertmesh-planner",
         "expertmesh-checkpoint", "expertmesh-shard", "expertmesh-transport", "expertmesh-router",
-        "expertmesh-worker", "expertmesh-fabric", "expertmesh-benches",
+        "expertmesh-worker", "expertmesh-fabric", "expertmesh-benches", "expertmesh-files",
     },
 }
 # External crates that belong to one layer: the command line and the binary's error type stay

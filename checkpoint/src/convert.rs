@@ -200,7 +200,7 @@ pub fn convert(
         source,
     })?;
     // A killed conversion's temporary files (a shard's is as large as the shard).
-    expertmesh_shard::stale::remove_stale_temps(job.out);
+    expertmesh_files::remove_stale_temps(job.out);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(job.threads.max(1))
         .build()
@@ -851,8 +851,17 @@ fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
             ConvertError::Io { path, what, source }
         }
     };
-    std::fs::write(&temp, text).map_err(io("writing"))?;
+    // Locked until it is renamed: a sweep of the folder leaves it alone. A file that could
+    // not be created is not ours to remove.
+    let mut f =
+        expertmesh_files::create_locked(&temp, None).map_err(|source| ConvertError::Io {
+            path: path.clone(),
+            what: "creating",
+            source,
+        })?;
+    std::io::Write::write_all(&mut f, text.as_bytes()).map_err(io("writing"))?;
     std::fs::rename(&temp, &path).map_err(io("renaming into place"))?;
+    drop(f);
     Ok(())
 }
 

@@ -273,14 +273,21 @@ impl TileCache {
             fnv1a64(format!("{:?}", std::time::SystemTime::now()).as_bytes()) & 0xffff_ffff
         ));
         let header = encode_header(description, arena);
-        writing().push(tmp.clone());
+        // A new file only this user may read, locked until it is renamed (the lock goes with
+        // the handle): a sweep leaves it alone. One that could not be made is not ours.
+        let mut f = expertmesh_files::create_locked(&tmp, Some(0o400)).map_err(|e| {
+            format!(
+                "cannot create {} ({e}): the next load repacks again; free space, make the \
+                 folder writable or pick another",
+                tmp.display()
+            )
+        })?;
         let written = (|| -> io::Result<()> {
-            let mut f = create_read_only(&tmp)?;
             f.write_all(&header)?;
             f.write_all(arena)?;
             fs::rename(&tmp, &path)
         })();
-        writing().retain(|t| t != &tmp);
+        drop(f);
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             return Err(format!(
@@ -540,36 +547,13 @@ fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> 
     })
 }
 
-/// The temporary files this process is writing now (the sweep leaves them alone).
-fn writing() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
-    static WRITING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
-    WRITING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Removes the temporary files of writers that are gone from the (private, checked) cache
 /// folder `dir`: only names this module makes (`.HASH.r16.tmp-PID-N`, HASH 16 hex digits),
-/// whose process no longer runs on this host, or whose process id is this process's own but
-/// which this process is not writing (left by an earlier life of a container's process 1).
-/// Best effort.
+/// that no writer holds locked and whose process no longer runs on this host (or is this
+/// process, whose own writers hold their locks: left by an earlier life of a container's
+/// process 1). Best effort.
 fn remove_stale_temps(dir: &Path) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    let procs = Path::new("/proc");
-    let me = std::process::id();
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(temp_owner) else {
-            continue;
-        };
-        let gone = procs.join("self").exists() && !procs.join(pid.to_string()).exists();
-        let earlier_life = pid == me && !writing().contains(&e.path());
-        if gone || earlier_life {
-            let _ = fs::remove_file(e.path());
-        }
-    }
+    expertmesh_files::remove_left_by_gone_processes(dir, temp_owner);
 }
 
 /// The process id in a temporary file's name `.HASH.r16.tmp-PID-N` (HASH 16 hex digits).
@@ -582,15 +566,6 @@ fn temp_owner(name: &str) -> Option<u32> {
     let (pid, n) = rest.split_once('-')?;
     (n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()).then_some(())?;
     pid.parse().ok()
-}
-
-/// A new file only this user may read (never an existing one: `create_new`).
-fn create_read_only(path: &Path) -> io::Result<File> {
-    let mut o = fs::OpenOptions::new();
-    o.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o400);
-    o.open(path)
 }
 
 /// `dir` must be a folder of this user that no one else can write; with `create`, a missing

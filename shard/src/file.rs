@@ -253,11 +253,13 @@ impl ShardWriter {
             .unwrap_or_default();
         let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let temp = path.with_file_name(format!(".{name}.tmp-{}-{unique}", std::process::id()));
-        let file = File::create(&temp).map_err(|source| ShardError::Io {
-            path: temp.clone(),
-            what: "creating",
-            source,
-        })?;
+        // Locked while it is written: a sweep of the folder leaves it alone.
+        let file =
+            expertmesh_files::create_locked(&temp, None).map_err(|source| ShardError::Io {
+                path: temp.clone(),
+                what: "creating",
+                source,
+            })?;
         let mut w = Self {
             out: Some(BufWriter::with_capacity(1 << 20, file)),
             temp,
@@ -413,12 +415,13 @@ impl ShardWriter {
         file.seek(SeekFrom::Start(0)).map_err(self.io("seeking"))?;
         file.write_all(&header).map_err(self.io("writing"))?;
         file.sync_all().map_err(self.io("syncing"))?;
-        drop(file);
+        // Renamed while still locked (the lock goes with `file`).
         std::fs::rename(&self.temp, &self.path).map_err(|source| ShardError::Io {
             path: self.path.clone(),
             what: "renaming the finished shard into place",
             source,
         })?;
+        drop(file);
         sync_dir(&self.path);
         let body_len = (file_len - HEADER_BYTES) as usize;
         Ok(ShardSummary {

@@ -8,11 +8,12 @@
 //!
 //! * [`file`](mod@file) — the shard format: atomic streaming writer, bounds-checked mmap reader.
 //! * [`manifest`] — `manifest.json`: files, checksums, source hashes, per-layer error.
-//! * [`stale`] — removing what killed processes left (temporary files and folders).
+//!
+//! Temporary files are held locked while written (`expertmesh_files`), so a sweep of what
+//! killed writers left never removes a live one.
 
 pub mod file;
 pub mod manifest;
-pub mod stale;
 
 pub use file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardSummary, ShardWriter};
 pub use manifest::{Manifest, ManifestError};

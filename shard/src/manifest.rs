@@ -212,9 +212,16 @@ impl Manifest {
                 }
             }
         };
+        // Locked until it is renamed: a sweep of the folder leaves it alone. A file that
+        // could not be created is not ours to remove.
+        let mut f =
+            expertmesh_files::create_locked(&temp, None).map_err(|source| ManifestError::Io {
+                path: temp.clone(),
+                what: "creating",
+                source,
+            })?;
         {
             use std::io::Write;
-            let mut f = std::fs::File::create(&temp).map_err(io("creating"))?;
             f.write_all(&text).map_err(io("writing"))?;
             f.sync_all().map_err(io("syncing"))?;
         }

@@ -83,6 +83,8 @@ pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::Builder::new()
         .prefix(&format!("{DEMO_FOLDER_PREFIX}{}-", std::process::id()))
         .tempdir()?;
+    // Held while the demo runs: another demo's sweep leaves a locked folder alone.
+    let _held = expertmesh_files::lock_folder(tmp.path())?;
     let (topology, placement, _planned) = local_files(
         tmp.path(),
         cli.topology.as_deref(),
@@ -131,11 +133,12 @@ const DEMO_FOLDER_PREFIX: &str = "expertmesh-demo-";
 
 /// Removes the temporary folders (configuration, worker logs) of earlier demos that were
 /// interrupted (Ctrl-C, a kill): those whose process no longer runs (checked in `/proc`;
-/// elsewhere nothing is removed). Best effort.
+/// elsewhere nothing is removed) and that no running demo holds locked. Best effort.
 fn remove_stale_demo_folders() {
-    use expertmesh_shard::stale;
     let tmp = std::env::temp_dir();
-    stale::remove_left_by_gone_processes(&tmp, |name| stale::pid_after(DEMO_FOLDER_PREFIX, name));
+    expertmesh_files::remove_left_by_gone_processes(&tmp, |name| {
+        expertmesh_files::pid_after(DEMO_FOLDER_PREFIX, name)
+    });
 }
 
 /// Usage errors (exit 2) before anything starts: a schedule with no call, or batches the

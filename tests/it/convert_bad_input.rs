@@ -270,7 +270,9 @@ fn an_edited_config_json_is_another_job() {
 }
 
 /// Temporary files of a conversion that was killed (no process has their id any more) are
-/// removed by the next run into the folder; one of a process that still runs is left alone.
+/// removed by the next run into the folder; one of a process that still runs is left alone,
+/// and so is one a live writer holds locked whatever its name says (a writer in another PID
+/// namespace, where its id runs nothing here).
 #[test]
 fn a_killed_conversions_temporary_files_are_removed_by_the_next() {
     let d = tempfile::tempdir().unwrap();
@@ -288,6 +290,8 @@ fn a_killed_conversions_temporary_files_are_removed_by_the_next() {
     for name in stale.iter().chain([&running]) {
         std::fs::write(out.join(name), vec![7u8; 4096]).unwrap();
     }
+    let held = format!(".device-0002.emshard.tmp-{dead}-9");
+    let lock = expertmesh_files::create_locked(&out.join(&held), None).unwrap();
     let r = convert(&ck, &out);
     assert_eq!(r.code, 0, "{}", r.stderr);
     for name in &stale {
@@ -297,6 +301,8 @@ fn a_killed_conversions_temporary_files_are_removed_by_the_next() {
         out.join(&running).exists(),
         "a running process's file was removed"
     );
+    assert!(out.join(&held).exists(), "a locked file was removed");
+    drop(lock);
 }
 
 fn worker(out: &Path) -> Run {

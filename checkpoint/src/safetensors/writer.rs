@@ -43,7 +43,17 @@ pub fn write_safetensors(
         .unwrap_or_default();
     let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
     let temp = path.with_file_name(format!(".{name}.tmp-{}-{unique}", std::process::id()));
-    let result = write_file(&temp, &header, tensors).and_then(|()| std::fs::rename(&temp, path));
+    // Locked until it is renamed (the lock goes with the file): a sweep leaves it alone.
+    let file =
+        expertmesh_files::create_locked(&temp, None).map_err(|source| SafetensorsError::Write {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let result = write_file(file, &header, tensors).and_then(|f| {
+        std::fs::rename(&temp, path)?;
+        drop(f);
+        Ok(())
+    });
     result.map_err(|source| {
         let _ = std::fs::remove_file(&temp);
         SafetensorsError::Write {
@@ -107,16 +117,18 @@ pub(super) fn write_header(
     Ok(out)
 }
 
-/// Writes `header` then every tensor's bytes to a new file at `temp`, synced.
+/// Writes `header` then every tensor's bytes to `file` (new, locked), synced; gives it back.
 pub(super) fn write_file(
-    temp: &Path,
+    file: File,
     header: &[u8],
     tensors: &[TensorData<'_>],
-) -> std::io::Result<()> {
-    let mut out = BufWriter::new(File::create_new(temp)?);
+) -> std::io::Result<File> {
+    let mut out = BufWriter::new(file);
     out.write_all(header)?;
     for (_, _, _, bytes) in tensors {
         out.write_all(bytes)?;
     }
-    out.into_inner().map_err(|e| e.into_error())?.sync_all()
+    let file = out.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    Ok(file)
 }

@@ -202,7 +202,7 @@ fn may_lock() -> bool {
 
 /// A writer killed mid-write leaves its temporary file; the next write removes it (and one of
 /// this process's own id, which only an earlier life of a container's process 1 can have
-/// left), but never a file the cache did not name.
+/// left), but never a file the cache did not name, nor one a live writer holds locked.
 #[test]
 fn temporary_files_of_gone_writers_are_removed_and_nothing_else() {
     let tmp = tempfile::tempdir().unwrap();
@@ -231,14 +231,18 @@ fn temporary_files_of_gone_writers_are_removed_and_nothing_else() {
     for n in left.iter().chain(&kept) {
         std::fs::write(dir.join(n), b"x").unwrap();
     }
+    // Held locked by a live writer whose id means nothing here (another PID namespace).
+    let held = format!(".00112233445566ff.r16.tmp-{gone}-3");
+    let lock = expertmesh_files::create_locked(&dir.join(&held), Some(0o400)).unwrap();
     let (_, used) = load(&dir, &mut named("shard a"));
     written(&used);
     for n in &left {
         assert!(!dir.join(n).exists(), "{n} left behind");
     }
-    for n in &kept {
+    for n in kept.iter().chain([&held]) {
         assert!(dir.join(n).exists(), "{n} removed");
     }
+    drop(lock);
 }
 
 /// `.`, `..`, `/` and the like are refused: they name no folder whose parent can be checked.

@@ -47,8 +47,9 @@ struct Job {
 /// holds goes to other devices as weights, checked by an unkeyed checksum only.
 pub(crate) struct CopyCache {
     rank: u32,
-    /// Made on first use; `None` when it could not be made (nothing is kept then).
-    dir: std::sync::OnceLock<Option<tempfile::TempDir>>,
+    /// Made on first use, with the lock held on it for its life (a sweep by another worker
+    /// leaves it alone); `None` when it could not be made (nothing is kept then).
+    dir: std::sync::OnceLock<Option<(tempfile::TempDir, std::fs::File)>>,
 }
 
 impl CopyCache {
@@ -74,7 +75,11 @@ impl CopyCache {
             let made = tempfile::Builder::new()
                 .prefix(&prefix)
                 .permissions(private)
-                .tempdir_in(&tmp);
+                .tempdir_in(&tmp)
+                .and_then(|d| {
+                    let held = expertmesh_files::lock_folder(d.path())?;
+                    Ok((d, held))
+                });
             match made {
                 Ok(d) => Some(d),
                 Err(e) => {
@@ -86,12 +91,12 @@ impl CopyCache {
                 }
             }
         });
-        made.as_ref().map(tempfile::TempDir::path)
+        made.as_ref().map(|(d, _)| d.path())
     }
 
     /// `key`'s file in the folder, once the folder is made.
     fn path(&self, key: ExpertKey) -> Option<std::path::PathBuf> {
-        Some(self.dir.get()?.as_ref()?.path().join(file_name(key)))
+        Some(self.dir.get()?.as_ref()?.0.path().join(file_name(key)))
     }
 
     /// Keeps `key`'s stream. A failure (a full disk) only means this device cannot copy
@@ -128,11 +133,12 @@ impl CopyCache {
 const CACHE_PREFIX: &str = "expertmesh-copies-";
 
 /// Removes the copy caches in `tmp` whose process is gone (Linux: no `/proc/PID`; elsewhere,
-/// or without `/proc`, nothing is removed). Workers in another PID namespace sharing this
-/// `tmp` would look gone: give each its own temporary folder (`TMPDIR`), as containers do.
+/// or without `/proc`, nothing is removed) and that no process holds locked: a live worker in
+/// another PID namespace sharing this `tmp` holds its folder's lock.
 fn remove_orphans(tmp: &std::path::Path) {
-    use expertmesh_shard::stale;
-    stale::remove_left_by_gone_processes(tmp, |name| stale::pid_after(CACHE_PREFIX, name));
+    expertmesh_files::remove_left_by_gone_processes(tmp, |name| {
+        expertmesh_files::pid_after(CACHE_PREFIX, name)
+    });
 }
 
 // The folder goes with the cache: `TempDir` removes it when dropped.
