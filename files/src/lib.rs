@@ -19,8 +19,9 @@
 //!   container's process 1 can have left that, since this process's own writers hold their
 //!   locks). This keeps the files of a live writer that takes no lock (an older version).
 //!
-//! Where there is no `/proc`, or the entry cannot be opened and locked (another user's file,
-//! a file system without `flock`), nothing is removed. One window is left: between a writer's
+//! Where there is no `/proc`, or the entry cannot be opened (another user's file), nothing is
+//! removed. On a file system that refuses `flock` (an NFS mount without its lock daemon)
+//! writers go on unlocked and the sweep goes by the process id alone. One window is left: between a writer's
 //! `open` and its `flock` (microseconds) a sweeper in another PID namespace, where the
 //! writer's id runs nothing, could remove the new file; the writer's rename then fails with an
 //! error that names the file. Within one process the window is closed ([`create_locked`] and
@@ -42,8 +43,9 @@ fn creating() -> MutexGuard<'static, ()> {
 /// Creates `path` (never an existing file: an entry of that name left by an earlier life of
 /// this process id is swept first, one that is locked is an error) with permission bits
 /// `mode` (default 0o666 less the umask), and holds an exclusive lock on it for as long as
-/// the returned file is open. Write through the returned handle, then rename `path` into
-/// place; the lock goes with the handle.
+/// the returned file is open (where the file system has no locks, the file goes unlocked).
+/// Write through the returned handle, then rename `path` into place; the lock goes with the
+/// handle.
 pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<File> {
     let _guard = creating();
     let open = || {
@@ -68,31 +70,29 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<File> {
         }
         other => other?,
     };
-    file.try_lock().map_err(|e| match e {
-        TryLockError::Error(e) => e,
-        TryLockError::WouldBlock => io::Error::new(
-            io::ErrorKind::WouldBlock,
-            format!(
-                "{} was locked by another process as it was created",
-                path.display()
-            ),
-        ),
-    })?;
+    hold(&file, path)?;
     Ok(file)
 }
 
 /// Locks folder `dir` (exclusive) for as long as the returned handle is open: a sweep leaves
-/// the folder alone meanwhile. Keep the handle for the folder's life.
+/// the folder alone meanwhile (where the file system has no locks, the folder goes
+/// unlocked). Keep the handle for the folder's life.
 pub fn lock_folder(dir: &Path) -> io::Result<File> {
     let f = File::open(dir)?;
-    f.try_lock().map_err(|e| match e {
-        TryLockError::Error(e) => e,
-        TryLockError::WouldBlock => io::Error::new(
-            io::ErrorKind::WouldBlock,
-            format!("{} is locked by another process", dir.display()),
-        ),
-    })?;
+    hold(&f, dir)?;
     Ok(f)
+}
+
+/// Takes the exclusive lock of `f` (at `path`): an error only when another holds it; a file
+/// system without locks leaves it unlocked.
+fn hold(f: &File, path: &Path) -> io::Result<()> {
+    match f.try_lock() {
+        Ok(()) | Err(TryLockError::Error(_)) => Ok(()),
+        Err(TryLockError::WouldBlock) => Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("{} is locked by another process", path.display()),
+        )),
+    }
 }
 
 /// Whether no process `pid` runs on this host (`false` where there is no `/proc`: then
@@ -132,7 +132,9 @@ fn remove_if_unlocked(path: &Path) -> bool {
     let Ok(f) = File::open(path) else {
         return false;
     };
-    if f.try_lock().is_err() {
+    // Held by a live writer: kept. A file system without locks leaves the process id alone
+    // to decide (its writers could not lock either).
+    if let Err(TryLockError::WouldBlock) = f.try_lock() {
         return false;
     }
     // Still the entry locked (not replaced since it was opened): remove it under the lock.
