@@ -80,7 +80,7 @@ class RouterClient:
     def check_shape(self, layer: int, tokens: int, hidden: int) -> int:
         """Whether the router accepts ``tokens`` x ``hidden`` for ``layer`` (raises if not)."""
     def close(self) -> None:
-        """Close the connection; later calls raise ``ValueError``."""
+        """Close the connection: a call blocked on another thread and later calls raise ``ValueError``."""
     def __enter__(self) -> "RouterClient": ...
     def __exit__(self, *args: object) -> None: ...
     @property

@@ -9,7 +9,7 @@
 
 use crate::array::{self, Elem};
 use crate::errors::Failure;
-use crate::{block, connect_any, frontend_config, resolve, runtime};
+use crate::{Blocking, block, connect_any, frontend_config, resolve, runtime};
 use expertmesh_router::client::{CallHandle, ClientError, HiddenStates, RouterClient};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -49,11 +49,14 @@ pub(crate) fn rust_loop(
     let raw = v.raw::<f32>();
     let rt = runtime()?;
     let r = py.detach(|| {
-        let mut client = block(&rt, connect_any(&addrs, &cfg, Duration::from_secs(10)))?;
+        let mut client = block(
+            Blocking::plain(&rt),
+            connect_any(&addrs, &cfg, Duration::from_secs(10)),
+        )?;
         // SAFETY: `v` keeps `x` alive until this function returns; it is only read.
         let x = unsafe { raw.slice() };
         let mut out = vec![0f32; tokens * hidden];
-        block(&rt, async {
+        block(Blocking::plain(&rt), async {
             run(&mut client, layer, x, hidden, &mut out, warmup, depth).await?;
             let t = Instant::now();
             let lat = run(&mut client, layer, x, hidden, &mut out, iterations, depth).await?;

@@ -48,6 +48,40 @@ struct Inner {
 /// What a client object owns; the mutex serializes calls from several Python threads.
 struct Shared {
     inner: Mutex<Inner>,
+    /// Set by `close`: a call blocked on another thread (holding the mutex) gives up.
+    closing: Closing,
+}
+
+/// `close`'s signal to calls in progress ([`block`] watches it).
+#[derive(Default)]
+struct Closing {
+    closed: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Closing {
+    fn is_set(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    fn set(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+}
+
+/// The client's runtime, and the close signal its blocking calls watch.
+#[derive(Clone, Copy)]
+struct Blocking<'a> {
+    rt: &'a Runtime,
+    closing: Option<&'a Closing>,
+}
+
+impl<'a> Blocking<'a> {
+    /// `rt` alone (a call no `close` can reach: the connect, a bench's own client).
+    fn plain(rt: &'a Runtime) -> Self {
+        Self { rt, closing: None }
+    }
 }
 
 impl Shared {
@@ -205,7 +239,7 @@ impl PyRouterClient {
         let timeout = positive_seconds(connect_timeout_s, "connect_timeout_s")?;
         let rt = runtime()?;
         let client = py
-            .detach(|| block(&rt, connect_any(&addrs, &cfg, timeout)))
+            .detach(|| block(Blocking::plain(&rt), connect_any(&addrs, &cfg, timeout)))
             .map_err(|e| e.into_pyerr(py))?;
         let mut client = client;
         client.set_max_in_flight(max_in_flight);
@@ -216,6 +250,7 @@ impl PyRouterClient {
                     rt,
                     client: Some(client),
                 }),
+                closing: Closing::default(),
             }),
             id: NEXT_CLIENT.fetch_add(1, Ordering::Relaxed),
             cluster: cluster.to_owned(),
@@ -246,8 +281,8 @@ impl PyRouterClient {
         let (layer, hidden) = (req.layer, req.hidden);
         let shared = &*self.shared;
         py.detach(|| {
-            with_client(shared, |rt, client| {
-                block(rt, async move {
+            with_client(shared, |run, client| {
+                block(run, async move {
                     // `x` and `logits` are borrowed only while `submit` encodes them, before
                     // `out` is borrowed: an `out` that aliases `x` is fine.
                     let handle = {
@@ -288,8 +323,8 @@ impl PyRouterClient {
         let shared = &*self.shared;
         let handle = py
             .detach(|| {
-                with_client(shared, |rt, client| {
-                    block(rt, async move {
+                with_client(shared, |run, client| {
+                    block(run, async move {
                         // SAFETY: the views in `req` keep the arrays alive during this call.
                         let (x, l) = unsafe { states.with_logits(l) };
                         client.submit(layer, x, hidden, l, deadline).await
@@ -348,10 +383,10 @@ impl PyRouterClient {
         let out_raw = out_view.raw::<f32>();
         let shared = &*self.shared;
         py.detach(|| {
-            with_client(shared, |rt, client| {
+            with_client(shared, |run, client| {
                 // SAFETY: `out_view` keeps `out` alive during this call; no other slice of it
                 // is alive.
-                block(rt, client.wait_into(call, unsafe { out_raw.slice_mut() }))
+                block(run, client.wait_into(call, unsafe { out_raw.slice_mut() }))
             })
         })
         .map_err(|e| e.into_pyerr(py))?;
@@ -373,18 +408,19 @@ impl PyRouterClient {
         let layer = layer_arg(layer)?;
         let shared = &*self.shared;
         py.detach(|| {
-            with_client(shared, |rt, client| {
-                block(rt, client.check_shape(layer, tokens, hidden))
+            with_client(shared, |run, client| {
+                block(run, client.check_shape(layer, tokens, hidden))
             })
         })
         .map_err(|e| e.into_pyerr(py))
     }
 
-    /// Close the connection (requests in flight are abandoned). Later calls raise
-    /// ``ValueError``. Also done by ``with RouterClient(...) as c:`` and when the object is
-    /// collected.
+    /// Close the connection (requests in flight are abandoned: a call blocked on another
+    /// thread raises ``ValueError`` at once). Later calls raise ``ValueError``. Also done by
+    /// ``with RouterClient(...) as c:`` and when the object is collected.
     fn close(&self, py: Python<'_>) {
         let shared = &*self.shared;
+        shared.closing.set();
         py.detach(|| shared.lock().client = None);
     }
 
@@ -463,16 +499,20 @@ impl PyRouterClient {
     }
 }
 
-/// Run `f` on the client (locked), or fail when it was closed.
+/// Run `f` on the client (locked), or fail when it was closed (or is being closed).
 fn with_client<T>(
     shared: &Shared,
-    f: impl FnOnce(&Runtime, &mut RustClient) -> Result<T, Failure>,
+    f: impl FnOnce(Blocking<'_>, &mut RustClient) -> Result<T, Failure>,
 ) -> Result<T, Failure> {
     let mut guard = shared.lock();
     let Inner { rt, client } = &mut *guard;
+    let run = Blocking {
+        rt,
+        closing: Some(&shared.closing),
+    };
     match client.as_mut() {
-        Some(c) => f(rt, c),
-        None => Err(Failure::Closed),
+        Some(c) if !shared.closing.is_set() => f(run, c),
+        _ => Err(Failure::Closed),
     }
 }
 
@@ -484,19 +524,28 @@ fn runtime() -> PyResult<Runtime> {
         .map_err(|e| PyErr::new::<pyo3::exceptions::PyOSError, _>(e.to_string()))
 }
 
-/// Run `fut` to completion on `rt`, checking for signals (Ctrl-C) every [`SIGNAL_POLL`]; a
-/// signal handler's exception drops `fut` (its request is abandoned: the client is
-/// cancel-safe) and is returned.
+/// Run `fut` to completion on `run`'s runtime, checking for signals (Ctrl-C) every
+/// [`SIGNAL_POLL`]; a signal handler's exception drops `fut` (its request is abandoned: the
+/// client is cancel-safe) and is returned. So does `close` on another thread
+/// ([`Failure::Closed`]), which then takes the client.
 fn block<T>(
-    rt: &Runtime,
+    run: Blocking<'_>,
     fut: impl Future<Output = Result<T, expertmesh_router::client::ClientError>>,
 ) -> Result<T, Failure> {
-    rt.block_on(async {
+    run.rt.block_on(async {
         let mut fut = std::pin::pin!(fut);
+        let never = tokio::sync::Notify::new();
+        let mut closed = std::pin::pin!(run.closing.map_or(&never, |c| &c.notify).notified());
+        // Registered before the flag is read: a `close` after this read wakes it.
+        closed.as_mut().enable();
+        if run.closing.is_some_and(Closing::is_set) {
+            return Err(Failure::Closed);
+        }
         loop {
             tokio::select! {
                 biased;
                 r = &mut fut => return r.map_err(Failure::Client),
+                () = &mut closed => return Err(Failure::Closed),
                 _ = tokio::time::sleep(SIGNAL_POLL) => {
                     if let Err(e) = Python::attach(|py| py.check_signals()) {
                         return Err(Failure::Interrupted(e));

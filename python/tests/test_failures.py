@@ -134,3 +134,36 @@ def test_a_signal_interrupts_a_blocked_call_and_the_connection_stays_usable(own_
             signal.signal(signal.SIGALRM, old)
             f.workers[1].send_signal(signal.SIGCONT)
         np.testing.assert_array_equal(c.moe(0, x), want)
+
+
+def test_close_on_another_thread_abandons_a_blocked_call(own_fabric):
+    """close() does not wait for a call another thread has blocked on a stalled worker: that
+    call raises ValueError (the client was closed) instead of running to its deadline, and the
+    fabric serves a new client afterwards."""
+    f = own_fabric
+    c = f.client()
+    x = needs_cpu1(4)
+    want = c.moe(1, x)
+    outcome = {}
+
+    def call():
+        try:
+            c.moe(1, x, deadline_ms=120_000)
+            outcome["r"] = "returned"
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion below
+            outcome["r"] = e
+
+    f.workers[1].send_signal(signal.SIGSTOP)  # the call blocks until its deadline
+    try:
+        th = threading.Thread(target=call)
+        th.start()
+        time.sleep(0.3)  # most likely in flight by now; if not, it starts closed: same outcome
+        c.close()
+        th.join()
+    finally:
+        f.workers[1].send_signal(signal.SIGCONT)
+    assert isinstance(outcome["r"], ValueError), outcome
+    assert "closed" in str(outcome["r"])
+    assert c.closed
+    with f.client() as again:
+        np.testing.assert_array_equal(again.moe(1, x), want)
