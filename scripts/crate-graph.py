@@ -27,7 +27,7 @@ ALLOWED = {
     "expertmesh-checkpoint": {
         "expertmesh-quant", "expertmesh-topology", "expertmesh-shard", "expertmesh-files",
     },
-    "expertmesh-transport": {"expertmesh-quant"},
+    "expertmesh-transport": {"expertmesh-quant", "expertmesh-files"},
     "expertmesh-router": {
         "expertmesh-quant", "expertmesh-backend", "expertmesh-topology", "expertmesh-transport",
     },

@@ -29,7 +29,7 @@
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// Held while a file is created and locked, and during a sweep: no sweep of this process sees
@@ -95,6 +95,20 @@ fn hold(f: &File, path: &Path) -> io::Result<()> {
     }
 }
 
+/// Whether another open file description holds `f`'s lock (a live writer or creator, in this
+/// process or another): `false` when the lock is free (taken and given back at once) or the
+/// file system has no locks.
+pub fn held_by_another(f: &File) -> bool {
+    match f.try_lock() {
+        Ok(()) => {
+            let _ = f.unlock();
+            false
+        }
+        Err(TryLockError::WouldBlock) => true,
+        Err(TryLockError::Error(_)) => false,
+    }
+}
+
 /// Whether no process `pid` runs on this host (`false` where there is no `/proc`: then
 /// nothing is judged gone).
 pub fn process_gone(pid: u32) -> bool {
@@ -102,22 +116,27 @@ pub fn process_gone(pid: u32) -> bool {
 }
 
 /// Removes each entry of `dir` (file or folder) whose name `owner` maps to the id of a process
-/// that is gone (or to this process's own id) and that no process holds locked. Best effort:
-/// what cannot be listed, locked or removed stays.
-pub fn remove_left_by_gone_processes(dir: &Path, owner: impl Fn(&str) -> Option<u32>) {
+/// that is gone (or to this process's own id) and that no process holds locked; returns the
+/// paths removed. Best effort: what cannot be listed, locked or removed stays.
+pub fn remove_left_by_gone_processes(
+    dir: &Path,
+    owner: impl Fn(&str) -> Option<u32>,
+) -> Vec<PathBuf> {
     let _guard = creating();
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
+        return Vec::new();
     };
     let me = std::process::id();
+    let mut removed = Vec::new();
     for e in entries.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(&owner) else {
             continue;
         };
-        if pid == me || process_gone(pid) {
-            remove_if_unlocked(&e.path());
+        if (pid == me || process_gone(pid)) && remove_if_unlocked(&e.path()) {
+            removed.push(e.path());
         }
     }
+    removed
 }
 
 /// Removes `path` (a file, a folder with what it holds, or a link itself, never what it points
@@ -255,6 +274,24 @@ mod tests {
         for n in [name(gone, 4), name(me, 5), name(gone, 6)] {
             assert!(!left(&n), "{n} left behind once unlocked");
         }
+    }
+
+    /// A lock held by another handle (in this process or another) is seen, and left held; a
+    /// free one is seen free and left free.
+    #[test]
+    fn a_held_lock_is_seen_from_another_handle() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ring");
+        let creator = create_locked(&p, Some(0o600)).unwrap();
+        let other = File::open(&p).unwrap();
+        assert!(held_by_another(&other));
+        assert!(held_by_another(&other), "the check took nothing");
+        drop(creator);
+        assert!(!held_by_another(&other));
+        assert!(
+            !held_by_another(&File::open(&p).unwrap()),
+            "and gave it back"
+        );
     }
 
     /// A name left by an earlier life of this process id is taken over; one a live writer

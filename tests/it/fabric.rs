@@ -188,21 +188,66 @@ fn exact_over_rdma_on_libfabric_is_bit_identical_to_the_reference() {
 #[test]
 fn exact_over_shared_memory_is_bit_identical_to_the_reference() {
     let _machine = crate::support::shared();
-    // Two workers, two rings each. Without that much free /dev/shm the links would (correctly)
-    // fall back to TCP; say so instead of passing as a TCP run.
-    let need = 4 * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
-    let free = shm_free_bytes();
-    if free < need {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipped: /dev/shm has {} MiB free, the shared-memory fabric needs {} MiB",
-            free >> 20,
-            need >> 20
+    if shm_room() {
+        exact_end_to_end(LinkKind::Shm);
+    }
+}
+
+/// Workers each in a PID namespace of their own (as containers that share `/dev/shm` are),
+/// the router in this one, over shared memory: each end judges the other's ring by the lock
+/// its creator holds, not by a process id that means nothing across namespaces (the router's
+/// id runs no process in a worker's namespace). Every link is shared memory, bit-identical.
+#[test]
+fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
+    let _machine = crate::support::shared();
+    if !shm_room() {
+        return;
+    }
+    let made = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !made.is_ok_and(|s| s.success()) {
+        crate::support::say(
+            "skipped: cannot make PID namespaces here (`unshare --pid` needs root or user namespaces)",
         );
         return;
     }
-    exact_end_to_end(LinkKind::Shm);
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("in-a-pid-namespace");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec unshare --pid --fork --mount-proc --kill-child=SIGTERM '{}' \"$@\"\n",
+            env!("CARGO_BIN_EXE_expertmesh")
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut o = options(LinkKind::Shm, ComputeMode::Exact);
+    o.exe = wrapper;
+    exact_end_to_end_with(o);
+    crate::support::say(
+        "ran: workers in PID namespaces of their own, over shared memory, bit-identical",
+    );
+}
+
+/// Whether `/dev/shm` has room for a two-worker shared-memory fabric (two rings per worker).
+/// Without it the links would (correctly) fall back to TCP; says so instead of passing a TCP
+/// run as a shared-memory one.
+fn shm_room() -> bool {
+    let need = 4 * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
+    let free = shm_free_bytes();
+    if free < need {
+        crate::support::say(&format!(
+            "skipped: /dev/shm has {} MiB free, the shared-memory fabric needs {} MiB",
+            free >> 20,
+            need >> 20
+        ));
+        return false;
+    }
+    true
 }
 
 fn shm_free_bytes() -> u64 {

@@ -29,7 +29,10 @@
 //! before use, and a corrupt ring closes that link with an error. The segment file is created
 //! with `posix_fallocate`, so a full `/dev/shm` is an `ENOSPC` error at set-up (the mesh then
 //! falls back to TCP) instead of a `SIGBUS` later, and it is unlinked as soon as both sides have
-//! mapped it. Leftover files of dead processes are removed at start-up.
+//! mapped it. Its creator holds an exclusive `flock` on it while it lives: a file whose
+//! creator's id runs nothing here and whose lock is free is a dead process's leftover, refused
+//! by a producer and removed at start-up. A live creator in another PID namespace (containers
+//! sharing `/dev/shm`) keeps its lock, so its ring is neither refused nor removed.
 //!
 //! Layering: this driver imports only `link` (the link it feeds and the
 //! `FrameSink` / `Region` interfaces it implements), [`codec`] and
@@ -40,7 +43,6 @@ use crate::link::{self, FrameSink, Lease, Link, Rank, Region, SinkFuture, Storag
 use crate::protocol::{ProtocolError, SHM_ATTACHMENT};
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
@@ -218,29 +220,17 @@ fn sanitize(s: &str) -> String {
         .collect()
 }
 
-/// Removes ring files left in `dir` by dead processes of this cluster.
+/// Removes ring files left in `dir` by dead processes of this cluster: their creator's id
+/// runs no process here and no process holds them locked ([`expertmesh_files`]).
 pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
     let prefix = format!("{FILE_PREFIX}{}-", sanitize(cluster));
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(&prefix) else {
-            continue;
-        };
-        // name: <prefix><from>to<to>-<pid>-<nonce>
-        let pid = rest.split('-').nth(1).and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid
-            && !pid_alive(pid)
-            && std::fs::remove_file(e.path()).is_ok()
-        {
-            tracing::warn!(path = %e.path().display(), pid, "removed stale shared-memory segment of a dead process");
-            removed += 1;
-        }
+    // name: <prefix><from>to<to>-<pid>-<nonce>
+    let owner = |name: &str| name.strip_prefix(&prefix)?.split('-').nth(1)?.parse().ok();
+    let removed = expertmesh_files::remove_left_by_gone_processes(dir, owner);
+    for path in &removed {
+        tracing::warn!(path = %path.display(), "removed stale shared-memory segment of a dead process");
     }
-    removed
+    removed.len()
 }
 
 /// The largest receive window a ring of `cfg.ring_bytes` supports (known before the ring is
@@ -260,6 +250,8 @@ pub(crate) struct RingConsumer {
     seg: Arc<Segment>,
     path: PathBuf,
     spin_us: u32,
+    /// The ring file, locked for this consumer's life: its lock says the creator lives.
+    _held: std::fs::File,
 }
 
 impl RingConsumer {
@@ -283,13 +275,8 @@ impl RingConsumer {
             nonce[2],
             nonce[3]
         ));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|source| ShmError::Io {
+        let file =
+            expertmesh_files::create_locked(&path, Some(0o600)).map_err(|source| ShmError::Io {
                 what: "create ring file",
                 path: path.clone(),
                 source,
@@ -338,6 +325,7 @@ impl RingConsumer {
             seg,
             path,
             spin_us: cfg.spin_us,
+            _held: file,
         })
     }
 
@@ -648,9 +636,11 @@ impl RingProducer {
                 "capacity {capacity} does not match file size {size}"
             )));
         }
-        if !pid_alive(h.creator_pid) {
+        // Gone only when both say so: a creator in another PID namespace has an id that
+        // means nothing here, but holds the file's lock.
+        if !pid_alive(h.creator_pid) && !expertmesh_files::held_by_another(&file) {
             return Err(bad(format!(
-                "creator process {} is gone (stale segment)",
+                "creator process {} is gone and holds no lock on it (stale segment)",
                 h.creator_pid
             )));
         }
@@ -909,18 +899,31 @@ mod tests {
             RingProducer::open(outside, &cfg),
             Err(ShmError::BadSegment { .. })
         ));
-        // A ring whose creator is dead: rewrite the pid to one that cannot exist.
+        // A ring whose creator's id runs nothing here (another PID namespace) but which it
+        // holds locked: a live creator, opened.
         let ring = RingConsumer::create(&cfg, "x", 0, 1).unwrap();
+        let gone = 0x3FFF_FFF0u32;
         // SAFETY: test-only write to our own mapping.
-        unsafe { (*(ring.seg.map.as_mut_ptr() as *mut SegHeader)).creator_pid = 0x3FFF_FFF0 };
-        let err = RingProducer::open(ring.path(), &cfg).err().unwrap();
+        unsafe { (*(ring.seg.map.as_mut_ptr() as *mut SegHeader)).creator_pid = gone };
+        assert!(RingProducer::open(ring.path(), &cfg).is_ok());
+        // The same bytes in a file nobody holds: its creator is dead.
+        let copy = dir.path().join(format!("{FILE_PREFIX}x-0to1-{gone}-cd"));
+        // SAFETY: reads our own mapping of `map.len()` bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(ring.seg.map.as_ptr(), ring.seg.map.len()) };
+        std::fs::write(&copy, bytes).unwrap();
+        std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let err = RingProducer::open(&copy, &cfg).err().unwrap();
         assert!(err.to_string().contains("stale"), "{err}");
-        // Stale-file sweep removes files of dead pids.
-        let dead = dir
-            .path()
-            .join(format!("{FILE_PREFIX}x-0to1-{}-ab", 0x3FFF_FFF0u32));
+        // Stale-file sweep removes files of dead pids, not a locked one.
+        let dead = dir.path().join(format!("{FILE_PREFIX}x-0to1-{gone}-ab"));
         std::fs::write(&dead, b"old").unwrap();
-        assert_eq!(remove_stale_segments(dir.path(), "x"), 1);
-        assert!(!dead.exists());
+        let held = dir.path().join(format!("{FILE_PREFIX}x-0to1-{gone}-ef"));
+        let lock = expertmesh_files::create_locked(&held, Some(0o600)).unwrap();
+        assert_eq!(remove_stale_segments(dir.path(), "x"), 2);
+        assert!(!dead.exists() && !copy.exists());
+        assert!(held.exists(), "a locked segment was removed");
+        drop(lock);
     }
 }
