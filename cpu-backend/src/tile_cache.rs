@@ -124,7 +124,12 @@ impl TileCacheUse {
     /// A stable name for what the load did (for metrics labels): one of [`Self::OUTCOMES`];
     /// `reused_copied` is a reuse whose map could not be locked (the tiles were copied).
     pub fn outcome(&self) -> &'static str {
-        Self::OUTCOMES[match self {
+        Self::OUTCOMES[self.outcome_index()]
+    }
+
+    /// The index of [`Self::outcome`] in [`Self::OUTCOMES`].
+    pub fn outcome_index(&self) -> usize {
+        match self {
             TileCacheUse::Unused => 0,
             TileCacheUse::NoContentId => 1,
             TileCacheUse::Reused {
@@ -137,7 +142,7 @@ impl TileCacheUse {
             TileCacheUse::Writing { .. } => 4,
             TileCacheUse::Written { .. } => 5,
             TileCacheUse::NotWritten { .. } => 6,
-        }]
+        }
     }
 }
 
@@ -549,9 +554,9 @@ fn first_bad_chunk(arena: &[u8], crcs: &[u32], threads: usize) -> Option<usize> 
 
 /// Removes the temporary files of writers that are gone from the (private, checked) cache
 /// folder `dir`: only names this module makes (`.HASH.r16.tmp-PID-N`, HASH 16 hex digits),
-/// that no writer holds locked and whose process no longer runs on this host (or is this
-/// process, whose own writers hold their locks: left by an earlier life of a container's
-/// process 1). Best effort.
+/// that no writer holds locked and whose process no longer runs on this host, or that carry
+/// this process's id but that it is not writing (left by an earlier life of a container's
+/// process 1); see [`expertmesh_files`]. Best effort.
 fn remove_stale_temps(dir: &Path) {
     expertmesh_files::remove_left_by_gone_processes(dir, temp_owner);
 }

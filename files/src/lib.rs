@@ -7,46 +7,135 @@
 //! nothing, and a temporary shard is as large as the shard, so whoever comes next removes
 //! what was left. It must never remove what a live process is still writing.
 //!
-//! Two facts decide that, and an entry is removed only when both say its writer is gone:
+//! An entry is removed only when every test says its writer is gone:
 //!
 //! * **The lock.** A writer holds an exclusive `flock` on its temporary file
-//!   ([`create_locked`]) or its folder ([`lock_folder`]) for as long as it uses it; the
-//!   kernel drops the lock when the process ends, however it ends. The sweep removes an entry
-//!   only while holding that lock itself. This holds across PID namespaces (containers
-//!   sharing a folder), where process ids say nothing.
+//!   ([`create_locked`]) or its folder ([`lock_folder`], [`make_locked_folder`]) for as long
+//!   as it uses it ([`Held`]); the kernel drops the lock when the process ends, however it
+//!   ends. The sweep removes an entry only after taking that lock itself. This holds across
+//!   PID namespaces (containers sharing a folder), where process ids say nothing.
 //! * **The process id in the name** (`.NAME.tmp-PID-N`, `PREFIX<PID>-...`): no process of that
-//!   id runs here (`/proc`), or it is the sweeper's own id (only an earlier life of a
-//!   container's process 1 can have left that, since this process's own writers hold their
-//!   locks). This keeps the files of a live writer that takes no lock (an older version).
+//!   id runs here (`/proc`). This keeps the files of a live writer that takes no lock (an
+//!   older version).
+//! * **This process's own entries** (its own id in the name) are judged by the list of what
+//!   it holds now, not by the lock (a second open of a file by the same process can take
+//!   the lock where `flock` is emulated by process-wide locks, as on NFS): what it does not
+//!   hold was left by an earlier life of the same id (a container's process 1 restarted).
 //!
-//! Where there is no `/proc`, or the entry cannot be opened (another user's file), nothing is
-//! removed. On a file system that refuses `flock` (an NFS mount without its lock daemon)
-//! writers go on unlocked and the sweep goes by the process id alone. One window is left: between a writer's
-//! `open` and its `flock` (microseconds) a sweeper in another PID namespace, where the
-//! writer's id runs nothing, could remove the new file; the writer's rename then fails with an
-//! error that names the file. Within one process the window is closed ([`create_locked`] and
-//! the sweep take one process-wide mutex).
+//! Where there is no `/proc`, or an entry cannot be opened (another user's file), nothing is
+//! removed; entries that are not files, folders or links (a FIFO someone put there) are left
+//! alone and never opened. On a file system that refuses `flock` writers go on unlocked and
+//! the sweep goes by the process id alone. One window is left: between a writer's `open` and
+//! its `flock` (microseconds) a sweeper in another PID namespace, where the writer's id runs
+//! nothing, could remove the new file; the writer's rename then fails with an error that
+//! names the file. Within one process there is no window: creating and locking, and a
+//! sweep's choice of what to remove, take one process-wide mutex.
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Held while a file is created and locked, and during a sweep: no sweep of this process sees
-/// a file this process created and has not locked yet.
+/// Held while an entry is created, locked and listed as held, and while a sweep chooses what
+/// to remove: no sweep of this process sees an entry this process made and does not yet hold.
 static CREATING: Mutex<()> = Mutex::new(());
 
 fn creating() -> MutexGuard<'static, ()> {
     CREATING.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// What this process holds now: (device, inode) of every live [`Held`].
+static HELD: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
+
+fn with_held<T>(f: impl FnOnce(&mut HashSet<(u64, u64)>) -> T) -> T {
+    let mut g = HELD.lock().unwrap_or_else(PoisonError::into_inner);
+    f(g.get_or_insert_with(HashSet::new))
+}
+
+/// (device, inode) of `m`.
+#[cfg(unix)]
+fn identity(m: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (m.dev(), m.ino())
+}
+
+#[cfg(not(unix))]
+fn identity(_: &std::fs::Metadata) -> (u64, u64) {
+    (0, 0)
+}
+
+/// A file or folder this process holds: locked (where the file system has locks) and listed
+/// as held, until dropped. Reads, writes and seeks go to the file.
+#[derive(Debug)]
+pub struct Held {
+    file: File,
+    id: Option<(u64, u64)>,
+}
+
+impl Held {
+    /// Locks `file` (at `path`) and lists it as held; an error only when another holds it.
+    fn new(file: File, path: &Path) -> io::Result<Self> {
+        match file.try_lock() {
+            Ok(()) | Err(TryLockError::Error(_)) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!("{} is locked by another process", path.display()),
+                ));
+            }
+        }
+        let id = file.metadata().ok().map(|m| identity(&m));
+        if let Some(id) = id {
+            with_held(|h| h.insert(id));
+        }
+        Ok(Self { file, id })
+    }
+
+    /// The file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            with_held(|h| h.remove(&id));
+        }
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = File;
+    fn deref(&self) -> &File {
+        &self.file
+    }
+}
+
+impl io::Write for Held {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.file.write_vectored(bufs)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+impl io::Seek for Held {
+    fn seek(&mut self, pos: io::SeekFrom) -> io::Result<u64> {
+        self.file.seek(pos)
+    }
+}
+
 /// Creates `path` (never an existing file: an entry of that name left by an earlier life of
-/// this process id is swept first, one that is locked is an error) with permission bits
-/// `mode` (default 0o666 less the umask), and holds an exclusive lock on it for as long as
-/// the returned file is open (where the file system has no locks, the file goes unlocked).
-/// Write through the returned handle, then rename `path` into place; the lock goes with the
-/// handle.
-pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<File> {
+/// this process id is removed first, one that another holds is an error) with permission
+/// bits `mode` (default 0o666 less the umask), held ([`Held`]) until the returned value is
+/// dropped. Write through it, then rename `path` into place before dropping it.
+pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
     let _guard = creating();
     let open = || {
         let mut o = OpenOptions::new();
@@ -60,39 +149,42 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<File> {
     let file = match open() {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             // Our own id and counter in another life's name: stale unless someone holds it.
-            if !remove_if_unlocked(path) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} exists and a live writer holds it", path.display()),
-                ));
+            match claim(path, true) {
+                Claim::Gone => {}
+                Claim::Take(c) => {
+                    c.remove();
+                }
+                Claim::Keep => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!("{} exists and a live writer holds it", path.display()),
+                    ));
+                }
             }
             open()?
         }
         other => other?,
     };
-    hold(&file, path)?;
-    Ok(file)
+    Held::new(file, path)
 }
 
-/// Locks folder `dir` (exclusive) for as long as the returned handle is open: a sweep leaves
-/// the folder alone meanwhile (where the file system has no locks, the folder goes
-/// unlocked). Keep the handle for the folder's life.
-pub fn lock_folder(dir: &Path) -> io::Result<File> {
-    let f = File::open(dir)?;
-    hold(&f, dir)?;
-    Ok(f)
+/// Holds folder `dir` ([`Held`]) until the returned value is dropped: a sweep leaves it
+/// alone meanwhile. For a folder this process makes, [`make_locked_folder`] closes the
+/// moment between making and holding it.
+pub fn lock_folder(dir: &Path) -> io::Result<Held> {
+    Held::new(File::open(dir)?, dir)
 }
 
-/// Takes the exclusive lock of `f` (at `path`): an error only when another holds it; a file
-/// system without locks leaves it unlocked.
-fn hold(f: &File, path: &Path) -> io::Result<()> {
-    match f.try_lock() {
-        Ok(()) | Err(TryLockError::Error(_)) => Ok(()),
-        Err(TryLockError::WouldBlock) => Err(io::Error::new(
-            io::ErrorKind::WouldBlock,
-            format!("{} is locked by another process", path.display()),
-        )),
-    }
+/// Makes a folder with `make` (say, a `tempfile::Builder`) and holds it ([`lock_folder`]) in
+/// one step no sweep of this process comes between; `path` names the folder `make` made.
+pub fn make_locked_folder<T>(
+    make: impl FnOnce() -> io::Result<T>,
+    path: impl Fn(&T) -> &Path,
+) -> io::Result<(T, Held)> {
+    let _guard = creating();
+    let made = make()?;
+    let held = lock_folder(path(&made))?;
+    Ok((made, held))
 }
 
 /// Whether another open file description holds `f`'s lock (a live writer or creator, in this
@@ -115,70 +207,143 @@ pub fn process_gone(pid: u32) -> bool {
     Path::new("/proc/self").exists() && !Path::new("/proc").join(pid.to_string()).exists()
 }
 
-/// Removes each entry of `dir` (file or folder) whose name `owner` maps to the id of a process
-/// that is gone (or to this process's own id) and that no process holds locked; returns the
-/// paths removed. Best effort: what cannot be listed, locked or removed stays.
+/// Removes each entry of `dir` (file, folder with what it holds, or link) whose name `owner`
+/// maps to the id of a process that is gone, or to this process's own id where this process
+/// does not hold it, and that no process holds locked; returns the paths removed. Best
+/// effort: what cannot be listed, opened, locked or removed stays.
 pub fn remove_left_by_gone_processes(
     dir: &Path,
     owner: impl Fn(&str) -> Option<u32>,
 ) -> Vec<PathBuf> {
-    let _guard = creating();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let me = std::process::id();
-    let mut removed = Vec::new();
-    for e in entries.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(&owner) else {
-            continue;
+    // Chosen (and locked) under the mutex; removed after it, so a large folder's removal
+    // holds up no writer of this process.
+    let chosen: Vec<Claimed> = {
+        let _guard = creating();
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Vec::new();
         };
-        if (pid == me || process_gone(pid)) && remove_if_unlocked(&e.path()) {
-            removed.push(e.path());
-        }
-    }
-    removed
+        let me = std::process::id();
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let pid = e.file_name().to_str().and_then(&owner)?;
+                if pid != me && !process_gone(pid) {
+                    return None;
+                }
+                match claim(&e.path(), pid == me) {
+                    Claim::Take(c) => Some(c),
+                    Claim::Gone | Claim::Keep => None,
+                }
+            })
+            .collect()
+    };
+    chosen
+        .into_iter()
+        .filter_map(|c| {
+            let path = c.path.clone();
+            c.remove().then_some(path)
+        })
+        .collect()
 }
 
-/// Removes `path` (a file, a folder with what it holds, or a link itself, never what it points
-/// at) when no process holds it locked; whether it is gone.
-fn remove_if_unlocked(path: &Path) -> bool {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return true;
+/// What [`claim`] found.
+enum Claim {
+    /// Nothing is there any more.
+    Gone,
+    /// Someone holds it, it cannot be opened or it is not a file, folder or link: left.
+    Keep,
+    /// Free: taken (locked by us) for removal.
+    Take(Claimed),
+}
+
+/// An entry a sweep took: its lock (none for a link) until it is removed.
+struct Claimed {
+    path: PathBuf,
+    kind: Kind,
+    lock: Option<File>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Link,
+    File,
+    Folder,
+}
+
+/// Takes `path` for removal when no one holds it; `own`: its name carries this process's id,
+/// so what this process holds ([`Held`]) decides, not the lock. Never follows a link and
+/// never opens what is not a file or folder (a FIFO would block the open).
+fn claim(path: &Path, own: bool) -> Claim {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Claim::Gone,
+        Err(_) => return Claim::Keep,
     };
-    if meta.file_type().is_symlink() {
-        return std::fs::remove_file(path).is_ok();
-    }
-    let Ok(f) = File::open(path) else {
-        return false;
-    };
-    // Held by a live writer: kept. A file system without locks leaves the process id alone
-    // to decide (its writers could not lock either).
-    if let Err(TryLockError::WouldBlock) = f.try_lock() {
-        return false;
-    }
-    // Still the entry locked (not replaced since it was opened): remove it under the lock.
-    let same = std::fs::symlink_metadata(path).is_ok_and(|now| same_file(&now, &f));
-    if !same {
-        return false;
-    }
-    let removed = if meta.is_dir() {
-        std::fs::remove_dir_all(path)
+    let t = meta.file_type();
+    let kind = if t.is_symlink() {
+        Kind::Link
+    } else if t.is_dir() {
+        Kind::Folder
+    } else if t.is_file() {
+        Kind::File
     } else {
-        std::fs::remove_file(path)
+        return Claim::Keep;
     };
-    removed.is_ok()
+    if own && with_held(|h| h.contains(&identity(&meta))) {
+        return Claim::Keep;
+    }
+    if kind == Kind::Link {
+        return Claim::Take(Claimed {
+            path: path.to_path_buf(),
+            kind,
+            lock: None,
+        });
+    }
+    let Ok(f) = open_no_block(path) else {
+        return Claim::Keep;
+    };
+    match f.try_lock() {
+        Err(TryLockError::WouldBlock) => return Claim::Keep,
+        // Locked by us now; a file system without locks leaves the process id to decide.
+        Ok(()) | Err(TryLockError::Error(_)) => {}
+    }
+    // Still the entry that was looked at (not replaced meanwhile).
+    if !f.metadata().is_ok_and(|m| identity(&m) == identity(&meta)) {
+        return Claim::Keep;
+    }
+    Claim::Take(Claimed {
+        path: path.to_path_buf(),
+        kind,
+        lock: Some(f),
+    })
 }
 
-#[cfg(unix)]
-fn same_file(meta: &std::fs::Metadata, f: &File) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    f.metadata()
-        .is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+impl Claimed {
+    /// Removes the entry (still the one locked, unless it is a link); whether it did.
+    fn remove(self) -> bool {
+        if let Some(f) = &self.lock {
+            let same = std::fs::symlink_metadata(&self.path)
+                .is_ok_and(|now| f.metadata().is_ok_and(|m| identity(&m) == identity(&now)));
+            if !same {
+                return false;
+            }
+        }
+        let removed = match self.kind {
+            Kind::Folder => std::fs::remove_dir_all(&self.path),
+            Kind::File | Kind::Link => std::fs::remove_file(&self.path),
+        };
+        removed.is_ok()
+    }
 }
 
-#[cfg(not(unix))]
-fn same_file(_: &std::fs::Metadata, _: &File) -> bool {
-    false
+/// Opens `path` read-only without following a last-component link and without blocking (a
+/// FIFO swapped in after the type check would otherwise block the open).
+fn open_no_block(path: &Path) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK | libc::O_NOFOLLOW);
+    o.open(path)
 }
 
 /// The process id in `name` when it is `PREFIX<pid>` or `PREFIX<pid>-...`.
@@ -292,6 +457,34 @@ mod tests {
             !held_by_another(&File::open(&p).unwrap()),
             "and gave it back"
         );
+    }
+
+    /// A FIFO named like a leftover is never opened (the open would block the sweep) nor
+    /// removed; a folder this process made and holds is kept, and removed once let go.
+    #[test]
+    fn a_fifo_is_left_alone_and_a_made_folder_is_held() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join(format!(".x.tmp-{}-1", gone_pid()));
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo on a valid C string path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let me = std::process::id();
+        let (made, held) = make_locked_folder(
+            || {
+                let p = d.path().join(format!(".y.tmp-{me}-2"));
+                std::fs::create_dir(&p).map(|()| p)
+            },
+            |p| p.as_path(),
+        )
+        .unwrap();
+        assert!(remove_left_by_gone_processes(d.path(), temp_owner).is_empty());
+        assert!(fifo.symlink_metadata().is_ok() && made.exists());
+        drop(held);
+        assert_eq!(
+            remove_left_by_gone_processes(d.path(), temp_owner),
+            vec![made.clone()]
+        );
+        assert!(!made.exists());
     }
 
     /// A name left by an earlier life of this process id is taken over; one a live writer

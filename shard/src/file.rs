@@ -236,7 +236,7 @@ pub struct ShardSummary {
 /// appear under its final name. Dropping an unfinished writer removes the temporary file.
 #[derive(Debug)]
 pub struct ShardWriter {
-    out: Option<BufWriter<File>>,
+    out: Option<BufWriter<expertmesh_files::Held>>,
     temp: PathBuf,
     path: PathBuf,
     pos: u64,

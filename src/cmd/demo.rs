@@ -80,11 +80,15 @@ pub(crate) fn run(cli: DemoCli) -> anyhow::Result<ExitCode> {
     remove_stale_demo_folders();
     // Named after this process, so that a later demo can tell an interrupted one's folder
     // (Ctrl-C ends the process without dropping it) from a running one's.
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!("{DEMO_FOLDER_PREFIX}{}-", std::process::id()))
-        .tempdir()?;
-    // Held while the demo runs: another demo's sweep leaves a locked folder alone.
-    let _held = expertmesh_files::lock_folder(tmp.path())?;
+    // Held while the demo runs: another demo's sweep leaves a held folder alone.
+    let (tmp, _held) = expertmesh_files::make_locked_folder(
+        || {
+            tempfile::Builder::new()
+                .prefix(&format!("{DEMO_FOLDER_PREFIX}{}-", std::process::id()))
+                .tempdir()
+        },
+        tempfile::TempDir::path,
+    )?;
     let (topology, placement, _planned) = local_files(
         tmp.path(),
         cli.topology.as_deref(),

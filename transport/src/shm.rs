@@ -251,7 +251,7 @@ pub(crate) struct RingConsumer {
     path: PathBuf,
     spin_us: u32,
     /// The ring file, locked for this consumer's life: its lock says the creator lives.
-    _held: std::fs::File,
+    _held: expertmesh_files::Held,
 }
 
 impl RingConsumer {
@@ -301,7 +301,7 @@ impl RingConsumer {
         }
         let map = memmap2::MmapOptions::new()
             .len(total as usize)
-            .map_raw(&file)
+            .map_raw(file.file())
             .map_err(|source| {
                 let _ = std::fs::remove_file(&path);
                 ShmError::Io {

@@ -49,8 +49,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
-/// The metrics of the worker at mesh rank `rank` of `dep` (made before the experts load, so
-/// the load is counted; [`serve`] starts their endpoint).
+/// The metrics of a worker of `dep` (made before the experts load, so the load is counted;
+/// [`serve`] starts their endpoint).
 pub fn new(dep: &crate::deploy::Deployment) -> Arc<WorkerMetrics> {
     let experts = (dep.spec.routed_experts + dep.spec.shared_experts) as usize;
     Arc::new(WorkerMetrics::new(
@@ -159,12 +159,7 @@ impl WorkerMetrics {
 
     /// What the load did with the tile cache; called again when a background write ends.
     pub fn on_tile_cache(&self, used: &TileCacheUse) {
-        let outcome = used.outcome();
-        let i = TileCacheUse::OUTCOMES
-            .iter()
-            .position(|&o| o == outcome)
-            .unwrap_or(0);
-        self.load.tile_cache.store(i, Relaxed);
+        self.load.tile_cache.store(used.outcome_index(), Relaxed);
         if let TileCacheUse::Written { write_s, .. } = used {
             self.load
                 .tile_write_seconds

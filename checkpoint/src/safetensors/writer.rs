@@ -7,7 +7,6 @@ use super::dtype::Dtype;
 use super::error::{Result, SafetensorsError};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -119,10 +118,10 @@ pub(super) fn write_header(
 
 /// Writes `header` then every tensor's bytes to `file` (new, locked), synced; gives it back.
 pub(super) fn write_file(
-    file: File,
+    file: expertmesh_files::Held,
     header: &[u8],
     tensors: &[TensorData<'_>],
-) -> std::io::Result<File> {
+) -> std::io::Result<expertmesh_files::Held> {
     let mut out = BufWriter::new(file);
     out.write_all(header)?;
     for (_, _, _, bytes) in tensors {

@@ -49,7 +49,7 @@ pub(crate) struct CopyCache {
     rank: u32,
     /// Made on first use, with the lock held on it for its life (a sweep by another worker
     /// leaves it alone); `None` when it could not be made (nothing is kept then).
-    dir: std::sync::OnceLock<Option<(tempfile::TempDir, std::fs::File)>>,
+    dir: std::sync::OnceLock<Option<(tempfile::TempDir, expertmesh_files::Held)>>,
 }
 
 impl CopyCache {
@@ -72,14 +72,15 @@ impl CopyCache {
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::Permissions::from_mode(0o700)
             };
-            let made = tempfile::Builder::new()
-                .prefix(&prefix)
-                .permissions(private)
-                .tempdir_in(&tmp)
-                .and_then(|d| {
-                    let held = expertmesh_files::lock_folder(d.path())?;
-                    Ok((d, held))
-                });
+            let made = expertmesh_files::make_locked_folder(
+                || {
+                    tempfile::Builder::new()
+                        .prefix(&prefix)
+                        .permissions(private)
+                        .tempdir_in(&tmp)
+                },
+                tempfile::TempDir::path,
+            );
             match made {
                 Ok(d) => Some(d),
                 Err(e) => {
@@ -508,20 +509,31 @@ mod tests {
         assert!(!dir.exists(), "the folder goes with the cache");
     }
 
+    /// Removed: a dead worker's cache, and one of this process's id it does not hold (an
+    /// earlier life of the id). Kept: a running process's, the one this process holds, and
+    /// what is not a cache.
     #[test]
     fn a_cache_left_by_a_dead_worker_is_removed_and_a_live_ones_kept() {
         let tmp = std::env::temp_dir().join(format!("em-cache-test-{}", std::process::id()));
         std::fs::create_dir_all(&tmp).unwrap();
-        // A process id no live process has (above the kernel's maximum), and this one's.
+        let me = std::process::id();
+        // A process id no live process has (above the kernel's maximum).
         let dead = tmp.join(format!("{CACHE_PREFIX}4294967294-3"));
-        let alive = tmp.join(format!("{CACHE_PREFIX}{}-3", std::process::id()));
+        let earlier = tmp.join(format!("{CACHE_PREFIX}{me}-3"));
+        let running = tmp.join(format!(
+            "{CACHE_PREFIX}{}-3",
+            std::os::unix::process::parent_id()
+        ));
+        let held = tmp.join(format!("{CACHE_PREFIX}{me}-4"));
         let other = tmp.join("something-else");
-        for d in [&dead, &alive, &other] {
+        for d in [&dead, &earlier, &running, &held, &other] {
             std::fs::create_dir_all(d).unwrap();
         }
+        let hold = expertmesh_files::lock_folder(&held).unwrap();
         remove_orphans(&tmp);
-        assert!(!dead.exists());
-        assert!(alive.exists() && other.exists());
+        assert!(!dead.exists() && !earlier.exists());
+        assert!(running.exists() && held.exists() && other.exists());
+        drop(hold);
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 
