@@ -63,6 +63,11 @@ pub(crate) struct WorkerCli {
     /// repacking: a restart loads at the speed of a read. Converted weights only.
     #[arg(long, value_name = "DIR")]
     tile_cache: Option<std::path::PathBuf>,
+    /// Only prepare --tile-cache: load this device's experts, keep their tiles and exit (0
+    /// when the file is kept or was already valid), joining no mesh. Run it before a start,
+    /// or before an upgrade while the old worker still serves, so the start maps the tiles.
+    #[arg(long, requires = "tile_cache")]
+    prepare_tile_cache: bool,
     /// Exit when the parent process exits (used by the local launcher).
     #[arg(long)]
     exit_with_parent: bool,
@@ -78,6 +83,9 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
         expertmesh_fabric::process::exit_with_parent();
     }
     let mut dep = cli.deploy.load()?;
+    if cli.prepare_tile_cache {
+        return prepare(&dep, cli);
+    }
     let d = dep.device(&cli.device)?;
     let listen = match cli.listen {
         Some(a) => a,
@@ -89,23 +97,58 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
     cli.security
         .security()
         .apply_rank(&mut dep, rank, &exposed)?;
-    expertmesh_worker::process::run(
-        dep,
-        WorkerOptions {
-            device: cli.device,
-            routers: cli.router,
-            listen: cli.listen,
-            device_addrs: cli.device_addrs,
-            link: cli.link,
-            threads: cli.threads,
-            backend: cli.backend,
-            hip_library: cli.hip_library,
-            gpu_index: cli.gpu_index,
-            rdma_provider: cli.rdma_provider,
-            max_tokens: cli.max_tokens.max(1),
-            metrics: cli.metrics.metrics,
-            tile_cache: cli.tile_cache,
-        },
-    )?;
+    expertmesh_worker::process::run(dep, options(cli))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The worker's options from its arguments.
+fn options(cli: WorkerCli) -> WorkerOptions {
+    WorkerOptions {
+        device: cli.device,
+        routers: cli.router,
+        listen: cli.listen,
+        device_addrs: cli.device_addrs,
+        link: cli.link,
+        threads: cli.threads,
+        backend: cli.backend,
+        hip_library: cli.hip_library,
+        gpu_index: cli.gpu_index,
+        rdma_provider: cli.rdma_provider,
+        max_tokens: cli.max_tokens.max(1),
+        metrics: cli.metrics.metrics,
+        tile_cache: cli.tile_cache,
+    }
+}
+
+/// `--prepare-tile-cache`: keep the device's tiles, say where, and exit.
+fn prepare(
+    dep: &expertmesh_worker::deploy::Deployment,
+    cli: WorkerCli,
+) -> anyhow::Result<ExitCode> {
+    use expertmesh_worker::process::TileCacheUse;
+    let device = cli.device.clone();
+    let t0 = std::time::Instant::now();
+    let used = expertmesh_worker::process::prepare_tile_cache(dep, &options(cli))?;
+    let secs = t0.elapsed().as_secs_f64();
+    match used {
+        TileCacheUse::Reused { file, .. } => println!(
+            "expertmesh worker {device}: its tiles were already kept in {} (checked in {secs:.2} s)",
+            file.display()
+        ),
+        TileCacheUse::Written { file, .. } => println!(
+            "expertmesh worker {device}: tiles kept in {} ({secs:.2} s)",
+            file.display()
+        ),
+        TileCacheUse::NotWritten { error, .. } => {
+            anyhow::bail!("{device}: the tiles could not be kept: {error}")
+        }
+        TileCacheUse::NoContentId => anyhow::bail!(
+            "{device}: synthetic weights have no stable identity to keep tiles for; give \
+             --weights (a converted checkpoint)"
+        ),
+        TileCacheUse::Unused | TileCacheUse::Writing { .. } => {
+            anyhow::bail!("{device}: the load kept no tiles ({used:?})")
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }

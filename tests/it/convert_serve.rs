@@ -769,6 +769,62 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
     fabric.shutdown();
 }
 
+/// `worker --prepare-tile-cache` keeps each device's tiles and exits without joining any
+/// mesh; the fabric's first start then maps them (each worker's metrics say `reused`) and
+/// serves every layer bit for bit. A second prepare finds the tiles valid; synthetic weights
+/// (no stable identity) are refused with the reason.
+#[test]
+fn prepared_tiles_make_the_first_start_a_reuse() {
+    let _machine = crate::support::shared();
+    let (d, ck, out) = case("olmoe", WeightFormat::Bf16, 1);
+    let tiles = d.path().join("tiles");
+    let dep = Deployment::load_converted(&topology(), &out).unwrap();
+    let prepare = |weights: &[&std::ffi::OsStr], device: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+            .current_dir(root())
+            .arg("worker")
+            .arg("--topology")
+            .arg(topology())
+            .args(weights)
+            .args(["--device", device, "--prepare-tile-cache", "--tile-cache"])
+            .arg(&tiles)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o.status.success(), text)
+    };
+    let converted = [std::ffi::OsStr::new("--weights"), out.as_os_str()];
+    for dev in dep.topology.devices() {
+        let (ok, text) = prepare(&converted, dev.id());
+        assert!(ok && text.contains("tiles kept in"), "{text}");
+        let (ok, text) = prepare(&converted, dev.id());
+        assert!(ok && text.contains("already kept"), "{text}");
+    }
+    let placement = root().join("examples/single-host-demo-small.placement.toml");
+    let synthetic = [
+        std::ffi::OsStr::new("--model"),
+        std::ffi::OsStr::new("demo-small"),
+        std::ffi::OsStr::new("--placement"),
+        placement.as_os_str(),
+    ];
+    let (ok, text) = prepare(&synthetic, dep.topology.devices()[0].id());
+    assert!(!ok && text.contains("no stable identity"), "{text}");
+
+    let mut o = options(&out, ComputeMode::Exact);
+    o.tile_cache = Some(tiles.clone());
+    let urls = serve_worker_metrics(&mut o, dep.topology.devices().len());
+    let fabric = LocalFabric::start(o).unwrap();
+    for url in &urls {
+        tile_cache_outcome(url, &["reused", "reused_copied"]);
+    }
+    check_served_exactly(&ck, &out, &fabric);
+    fabric.shutdown();
+}
+
 /// Gives each of `devices` workers of `o` a `--metrics` address on a free loopback port;
 /// returns their URLs by device rank.
 fn serve_worker_metrics(o: &mut LocalFabricOptions, devices: usize) -> Vec<String> {

@@ -64,6 +64,14 @@ pub enum WorkerError {
         /// Why.
         cause: BackendError,
     },
+    /// Preparing a device's tile cache ([`prepare_tile_cache`]) could not be done.
+    #[error("{device}: {why}")]
+    TileCache {
+        /// The device's id.
+        device: String,
+        /// Why.
+        why: String,
+    },
     /// A CPU backend (the router's, for shared experts, or a worker's) could not start or
     /// load its experts.
     #[error("{0}")]
@@ -208,10 +216,7 @@ fn make_backend(
         cause,
     };
     let mut experts = weights::device_expert_source(dep, d)?;
-    let threads = opts
-        .threads
-        .or(dev.threads().map(|t| t as usize))
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = device_threads(opts, dev);
     let want_hip = match opts.backend {
         BackendChoice::Cpu => false,
         BackendChoice::Hip => true,
@@ -269,6 +274,54 @@ fn make_backend(
             .ok()
     });
     Ok((Box::new(cpu), writer))
+}
+
+/// What a load did with the tile cache ([`prepare_tile_cache`]'s answer).
+pub use expertmesh_cpu_backend::tile_cache::TileCacheUse;
+
+/// Backend threads of a CPU device: `--threads`, else the topology's, else every core.
+fn device_threads(opts: &WorkerOptions, dev: &expertmesh_topology::topology::Device) -> usize {
+    opts.threads
+        .or(dev.threads().map(|t| t as usize))
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Loads device `opts.device`'s experts on the CPU backend with `opts.tile_cache`, waits for
+/// its tile file to be written (or finds it already there) and returns what the cache did,
+/// without joining any mesh: run it before a start, or before an upgrade while the old
+/// worker still serves, so that start maps its tiles instead of repacking.
+pub fn prepare_tile_cache(
+    dep: &Deployment,
+    opts: &WorkerOptions,
+) -> Result<TileCacheUse, WorkerError> {
+    let d = dep.device(&opts.device)?;
+    let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
+    let on_device = |cause| WorkerError::DeviceBackend {
+        device: dev.id().to_string(),
+        cause,
+    };
+    let refuse = |why: &str| WorkerError::TileCache {
+        device: dev.id().to_string(),
+        why: why.to_string(),
+    };
+    let Some(dir) = &opts.tile_cache else {
+        return Err(refuse("preparing the tile cache needs --tile-cache DIR"));
+    };
+    let mut experts = weights::device_expert_source(dep, d)?;
+    let mut cpu = CpuBackend::new(device_threads(opts, dev)).map_err(WorkerError::Backend)?;
+    cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
+        dir,
+    )));
+    let limits = worker_limits(dep, opts.max_tokens);
+    cpu.load_from(&mut *experts, limits).map_err(on_device)?;
+    let used = match cpu.take_tile_cache_writer() {
+        Some(w) => w
+            .join()
+            .map_err(|_| refuse("the tile cache's writer thread panicked"))?,
+        None => cpu.tile_cache_use().clone(),
+    };
+    log_tile_cache_use(dev.id(), &used);
+    Ok(used)
 }
 
 /// Says what the load of device `id` did with the tile cache (nothing without one).
