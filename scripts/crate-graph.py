@@ -22,7 +22,7 @@ ALLOWED = {
     "expertmesh-cpu-backend": {"expertmesh-quant", "expertmesh-backend", "expertmesh-files"},
     "expertmesh-hip-kernels": {"expertmesh-quant", "expertmesh-backend"},
     "expertmesh-topology": {"expertmesh-quant"},
-    "expertmesh-planner": {"expertmesh-quant", "expertmesh-topology"},
+    "expertmesh-planner": {"expertmesh-quant", "expertmesh-topology", "expertmesh-files"},
     "expertmesh-shard": {"expertmesh-quant", "expertmesh-files"},
     "expertmesh-checkpoint": {
         "expertmesh-quant", "expertmesh-topology", "expertmesh-shard", "expertmesh-files",
@@ -39,7 +39,7 @@ ALLOWED = {
     # A fabric's processes on one host: composes the serving libraries, measures nothing.
     "expertmesh-fabric": {
         "expertmesh-topology", "expertmesh-planner", "expertmesh-transport",
-        "expertmesh-router", "expertmesh-worker",
+        "expertmesh-router", "expertmesh-worker", "expertmesh-files",
     },
     # The benches measure the backends themselves, and start fabrics through the launcher.
     "expertmesh-benches": {

@@ -839,30 +839,14 @@ fn hash_file(path: &Path, stop: &AtomicBool) -> Result<Option<SourceFile>, Conve
     }))
 }
 
-/// Write a small text file atomically (nothing left behind when it fails).
+/// Write a small text file whole or not at all ([`expertmesh_files::write_whole`]).
 fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
     let path = dir.join(name);
-    let temp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let io = |what| {
-        let path = path.clone();
-        let temp = temp.clone();
-        move |source| {
-            let _ = std::fs::remove_file(&temp);
-            ConvertError::Io { path, what, source }
-        }
-    };
-    // Locked until it is renamed: a sweep of the folder leaves it alone. A file that could
-    // not be created is not ours to remove.
-    let mut f =
-        expertmesh_files::create_locked(&temp, None).map_err(|source| ConvertError::Io {
-            path: path.clone(),
-            what: "creating",
-            source,
-        })?;
-    std::io::Write::write_all(&mut f, text.as_bytes()).map_err(io("writing"))?;
-    std::fs::rename(&temp, &path).map_err(io("renaming into place"))?;
-    drop(f);
-    Ok(())
+    expertmesh_files::write_whole(&path, text.as_bytes(), None).map_err(|source| ConvertError::Io {
+        path,
+        what: "writing",
+        source,
+    })
 }
 
 /// Per-layer conversion error over every shard of the folder (device shards only: the

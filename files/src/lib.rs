@@ -168,6 +168,54 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
     Held::new(file, path)
 }
 
+/// A temporary name beside `path` for writing it whole: `.NAME.tmp-PID-N` (N counts this
+/// process's temporary files), which [`temp_owner`] reads back.
+pub fn temp_path(path: &Path) -> PathBuf {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path.file_name().map_or_else(
+        || std::borrow::Cow::Borrowed("file"),
+        |n| n.to_string_lossy(),
+    );
+    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
+}
+
+/// Writes `bytes` as `path`, whole or not at all: into a held temporary file beside it
+/// ([`temp_path`], [`create_locked`]), synced, with exactly the permission bits `mode` when
+/// given (whatever the umask), renamed over `path`, and the folder synced so the rename
+/// survives a crash. On an error nothing is left but what `path` was before.
+pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<()> {
+    let temp = temp_path(path);
+    let mut f = create_locked(&temp, mode)?;
+    let written = (|| {
+        io::Write::write_all(&mut f, bytes)?;
+        #[cfg(unix)]
+        if let Some(mode) = mode {
+            f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+        }
+        f.sync_all()?;
+        std::fs::rename(&temp, path)
+    })();
+    drop(f);
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written?;
+    sync_parent(path);
+    Ok(())
+}
+
+/// Syncs the folder holding `path`, so a rename into it survives a crash (best effort).
+pub fn sync_parent(path: &Path) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
 /// Holds folder `dir` ([`Held`]) until the returned value is dropped: a sweep leaves it
 /// alone meanwhile. For a folder this process makes, [`make_locked_folder`] closes the
 /// moment between making and holding it.
@@ -485,6 +533,34 @@ mod tests {
             vec![made.clone()]
         );
         assert!(!made.exists());
+    }
+
+    /// A file written whole replaces the old one with exactly the mode asked (whatever the
+    /// umask), leaves no temporary file, and its temporary name gives this process back; a
+    /// write that fails leaves the old file and nothing else.
+    #[test]
+    fn a_file_written_whole_replaces_the_old_and_leaves_nothing_else() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("run.sh");
+        std::fs::write(&p, b"old").unwrap();
+        write_whole(&p, b"new", Some(0o750)).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o750);
+        let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().flatten().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        let t = temp_path(&p);
+        let t = t.file_name().unwrap().to_str().unwrap();
+        assert_eq!(temp_owner(t), Some(std::process::id()), "{t}");
+        // A folder where the file should be: the rename fails; the folder stays, alone.
+        let q = d.path().join("taken");
+        std::fs::create_dir(&q).unwrap();
+        std::fs::write(q.join("inside"), b"x").unwrap();
+        assert!(write_whole(&q, b"new", None).is_err());
+        let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().flatten().collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert_eq!(std::fs::read(q.join("inside")).unwrap(), b"x");
     }
 
     /// A name left by an earlier life of this process id is taken over; one a live writer

@@ -276,24 +276,11 @@ impl LoadStats {
         f.sync_all()
     }
 
-    /// Write like [`LoadStats::write`], atomically: into a temporary file beside `path`, then
-    /// renamed over it, so a reader (`expertmesh plan --load`) never sees a half-written file
-    /// while a router refreshes it.
+    /// Write like [`LoadStats::write`], whole or not at all ([`expertmesh_files::write_whole`]:
+    /// a temporary file beside `path`, renamed over it), so a reader (`expertmesh plan
+    /// --load`) never sees a half-written file while a router refreshes it.
     pub fn write_atomic(&self, path: &Path, model: &ModelSpec) -> std::io::Result<()> {
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(path.file_name().unwrap_or(std::ffi::OsStr::new("load")));
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
-        let written = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(self.text_for(path, model).as_bytes())?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written
+        expertmesh_files::write_whole(path, self.text_for(path, model).as_bytes(), None)
     }
 
     /// The file's text in the format `path`'s extension asks for (JSON for `.json`, else CSV).

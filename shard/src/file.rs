@@ -422,7 +422,7 @@ impl ShardWriter {
             source,
         })?;
         drop(file);
-        sync_dir(&self.path);
+        expertmesh_files::sync_parent(&self.path);
         let body_len = (file_len - HEADER_BYTES) as usize;
         Ok(ShardSummary {
             bytes: file_len,
@@ -436,19 +436,6 @@ impl Drop for ShardWriter {
         if self.out.take().is_some() {
             let _ = std::fs::remove_file(&self.temp);
         }
-    }
-}
-
-/// Sync the directory holding `path` so a rename survives a crash (best effort).
-pub fn sync_dir(path: &Path) {
-    if let Some(dir) = path.parent()
-        && let Ok(d) = File::open(if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        })
-    {
-        let _ = d.sync_all();
     }
 }
 

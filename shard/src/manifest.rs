@@ -195,46 +195,16 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Write `dir/manifest.json` atomically (temporary file, sync, rename).
+    /// Write `dir/manifest.json` whole or not at all ([`expertmesh_files::write_whole`]:
+    /// temporary file, sync, rename, folder sync).
     pub fn write(&self, dir: &Path) -> Result<(), ManifestError> {
         let path = dir.join(MANIFEST_FILE);
-        let temp = dir.join(format!(".{MANIFEST_FILE}.tmp-{}", std::process::id()));
         let text = serde_json::to_vec_pretty(self).expect("the manifest serializes");
-        // A failed write leaves no temporary file behind.
-        let io = |what: &'static str| {
-            let temp = temp.clone();
-            move |source| {
-                let _ = std::fs::remove_file(&temp);
-                ManifestError::Io {
-                    path: temp,
-                    what,
-                    source,
-                }
-            }
-        };
-        // Locked until it is renamed: a sweep of the folder leaves it alone. A file that
-        // could not be created is not ours to remove.
-        let mut f =
-            expertmesh_files::create_locked(&temp, None).map_err(|source| ManifestError::Io {
-                path: temp.clone(),
-                what: "creating",
-                source,
-            })?;
-        {
-            use std::io::Write;
-            f.write_all(&text).map_err(io("writing"))?;
-            f.sync_all().map_err(io("syncing"))?;
-        }
-        std::fs::rename(&temp, &path).map_err(|source| {
-            let _ = std::fs::remove_file(&temp);
-            ManifestError::Io {
-                path: path.clone(),
-                what: "renaming into place",
-                source,
-            }
-        })?;
-        crate::file::sync_dir(&path);
-        Ok(())
+        expertmesh_files::write_whole(&path, &text, None).map_err(|source| ManifestError::Io {
+            path,
+            what: "writing",
+            source,
+        })
     }
 
     /// The shard record of device `id`.

@@ -627,22 +627,13 @@ fn is_json_path(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "json")
 }
 
-/// Write a file whole or not at all: a temporary file beside it, then a rename.
+/// Write a file whole or not at all ([`expertmesh_files::write_whole`]).
 fn write_file(path: &Path, text: &str) -> Result<(), Usage> {
-    let err = |e: std::io::Error| Usage(format!("cannot write {}: {e}", path.display()));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Usage(format!("{} is not a file path", path.display())))?;
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    if path.file_name().is_none() {
+        return Err(Usage(format!("{} is not a file path", path.display())));
     }
-    result.map_err(err)
+    expertmesh_files::write_whole(path, text.as_bytes(), None)
+        .map_err(|e| Usage(format!("cannot write {}: {e}", path.display())))
 }
 
 /// Budget check of an imported map (bytes per device against budgets).

@@ -779,37 +779,27 @@ fn prepared_tiles_make_the_first_start_a_reuse() {
     let (d, ck, out) = case("olmoe", WeightFormat::Bf16, 1);
     let tiles = d.path().join("tiles");
     let dep = Deployment::load_converted(&topology(), &out).unwrap();
-    let prepare = |weights: &[&std::ffi::OsStr], device: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-            .current_dir(root())
-            .arg("worker")
-            .arg("--topology")
-            .arg(topology())
-            .args(weights)
-            .args(["--device", device, "--prepare-tile-cache", "--tile-cache"])
-            .arg(&tiles)
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        (o.status.success(), text)
+    let (topo, tiles_dir) = (topology(), tiles.to_str().unwrap().to_string());
+    let prepare = |weights: &[&str], device: &str| {
+        let mut args = vec!["worker", "--topology", topo.to_str().unwrap()];
+        args.extend(weights);
+        args.extend(["--device", device, "--prepare-tile-cache"]);
+        args.extend(["--tile-cache", &tiles_dir]);
+        let r = crate::support::run(&args);
+        (r.code == 0, format!("{}{}", r.stdout, r.stderr))
     };
-    let converted = [std::ffi::OsStr::new("--weights"), out.as_os_str()];
+    let converted = ["--weights", out.to_str().unwrap()];
     for dev in dep.topology.devices() {
         let (ok, text) = prepare(&converted, dev.id());
         assert!(ok && text.contains("tiles kept in"), "{text}");
         let (ok, text) = prepare(&converted, dev.id());
         assert!(ok && text.contains("already kept"), "{text}");
     }
-    let placement = root().join("examples/single-host-demo-small.placement.toml");
     let synthetic = [
-        std::ffi::OsStr::new("--model"),
-        std::ffi::OsStr::new("demo-small"),
-        std::ffi::OsStr::new("--placement"),
-        placement.as_os_str(),
+        "--model",
+        "demo-small",
+        "--placement",
+        "examples/single-host-demo-small.placement.toml",
     ];
     let (ok, text) = prepare(&synthetic, dep.topology.devices()[0].id());
     assert!(!ok && text.contains("no stable identity"), "{text}");

@@ -708,11 +708,10 @@ impl Writer {
         Ok(removed)
     }
 
-    /// Write `rel` (relative to the output folder); `secret`: mode 0600, else 0644 (0755 for
-    /// a `.sh` or `.sbatch` file).
+    /// Write `rel` (relative to the output folder) whole or not at all
+    /// ([`expertmesh_files::write_whole`]); `secret`: mode 0600, else 0644 (0755 for a `.sh` or
+    /// `.sbatch` file), whatever the umask.
     pub fn file(&mut self, rel: &Path, bytes: &[u8], secret: bool) -> Result<(), FabricError> {
-        use std::io::Write;
-        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = self.root.join(rel);
         let fail = |e: std::io::Error| {
             FabricError::Engine(format!(
@@ -722,11 +721,6 @@ impl Writer {
         };
         let dir = path.parent().unwrap_or(&self.root);
         std::fs::create_dir_all(dir).map_err(fail)?;
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-            std::process::id()
-        ));
         let exec = matches!(
             rel.extension().and_then(|e| e.to_str()),
             Some("sh" | "sbatch")
@@ -738,18 +732,7 @@ impl Writer {
         } else {
             0o644
         };
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)
-            .map_err(fail)?;
-        f.write_all(bytes).map_err(fail)?;
-        f.sync_all().map_err(fail)?;
-        drop(f);
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(fail)?;
-        std::fs::rename(&tmp, &path).map_err(fail)?;
+        expertmesh_files::write_whole(&path, bytes, Some(mode)).map_err(fail)?;
         self.written.push(rel.to_path_buf());
         Ok(())
     }
