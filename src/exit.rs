@@ -23,7 +23,9 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
   bench ...           0 measured; 2 bad options, or a run that could not start (1 is not used)
   demo                0 every response matched the reference; 1 mismatched or failed responses;
                       2 usage or start-up error
-  up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used)
+  up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used);
+                      worker --prepare-tile-cache: 0 tiles kept (or already kept, or no experts
+                      to keep), 2 not kept (the reason is printed)
   infer               0 output written; 1 the router answered with an error; 2 usage, I/O or
                       connection error
   rebalance, drain    0 the placement is served; 1 the router refused it or the change failed

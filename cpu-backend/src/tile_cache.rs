@@ -270,13 +270,7 @@ impl TileCache {
         check_private_folder(&self.dir, true)?;
         remove_stale_temps(&self.dir);
         let path = self.file_for(place);
-        let tmp = self.dir.join(format!(
-            ".{}.tmp-{}-{}",
-            path.file_name()
-                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-            std::process::id(),
-            fnv1a64(format!("{:?}", std::time::SystemTime::now()).as_bytes()) & 0xffff_ffff
-        ));
+        let tmp = expertmesh_files::temp_path(&path);
         let header = encode_header(description, arena);
         // A new file only this user may read, locked until it is renamed (the lock goes with
         // the handle): a sweep leaves it alone. One that could not be made is not ours.
@@ -561,15 +555,24 @@ fn remove_stale_temps(dir: &Path) {
     expertmesh_files::remove_left_by_gone_processes(dir, temp_owner);
 }
 
-/// The process id in a temporary file's name `.HASH.r16.tmp-PID-N` (HASH 16 hex digits).
+/// The process id in a temporary file's name `.HASH.r16.tmp-PID-N-R` (HASH 16 hex digits; R
+/// random hex, absent in files of earlier versions).
 fn temp_owner(name: &str) -> Option<u32> {
     let rest = name.strip_prefix('.')?;
     let (hash, rest) = rest.split_once(".r16.tmp-")?;
     if hash.len() != 16 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
-    let (pid, n) = rest.split_once('-')?;
-    (n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()).then_some(())?;
+    // PID-N (earlier versions) or PID-N-R ([`expertmesh_files::temp_path`]: R random hex).
+    let mut parts = rest.split('-');
+    let pid = parts.next()?;
+    let n = parts.next()?;
+    let r = parts.next();
+    let fine = !n.is_empty()
+        && n.bytes().all(|b| b.is_ascii_digit())
+        && r.is_none_or(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_hexdigit()))
+        && parts.next().is_none();
+    fine.then_some(())?;
     pid.parse().ok()
 }
 

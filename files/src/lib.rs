@@ -17,10 +17,11 @@
 //! * **The process id in the name** (`.NAME.tmp-PID-N`, `PREFIX<PID>-...`): no process of that
 //!   id runs here (`/proc`). This keeps the files of a live writer that takes no lock (an
 //!   older version).
-//! * **This process's own entries** (its own id in the name) are judged by the list of what
-//!   it holds now, not by the lock (a second open of a file by the same process can take
-//!   the lock where `flock` is emulated by process-wide locks, as on NFS): what it does not
-//!   hold was left by an earlier life of the same id (a container's process 1 restarted).
+//! * **This process's own entries** (its own id in the name) are judged first by the list of
+//!   what it holds now, then by the lock (a second open of a file by the same process can
+//!   take the lock where `flock` is emulated by process-wide locks, as on NFS): what it does
+//!   not hold and nobody has locked was left by an earlier life of the same id (a
+//!   container's process 1 restarted).
 //!
 //! Where there is no `/proc`, or an entry cannot be opened (another user's file), nothing is
 //! removed; entries that are not files, folders or links (a FIFO someone put there) are left
@@ -31,7 +32,7 @@
 //! names the file. Within one process there is no window: creating and locking, and a
 //! sweep's choice of what to remove, take one process-wide mutex.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -45,12 +46,12 @@ fn creating() -> MutexGuard<'static, ()> {
     CREATING.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// What this process holds now: (device, inode) of every live [`Held`].
-static HELD: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
+/// What this process holds now: (device, inode) of every live [`Held`], and how many hold it.
+static HELD: Mutex<Option<HashMap<(u64, u64), usize>>> = Mutex::new(None);
 
-fn with_held<T>(f: impl FnOnce(&mut HashSet<(u64, u64)>) -> T) -> T {
+fn with_held<T>(f: impl FnOnce(&mut HashMap<(u64, u64), usize>) -> T) -> T {
     let mut g = HELD.lock().unwrap_or_else(PoisonError::into_inner);
-    f(g.get_or_insert_with(HashSet::new))
+    f(g.get_or_insert_with(HashMap::new))
 }
 
 /// (device, inode) of `m`.
@@ -87,7 +88,7 @@ impl Held {
         }
         let id = file.metadata().ok().map(|m| identity(&m));
         if let Some(id) = id {
-            with_held(|h| h.insert(id));
+            with_held(|h| *h.entry(id).or_default() += 1);
         }
         Ok(Self { file, id })
     }
@@ -101,7 +102,14 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            with_held(|h| h.remove(&id));
+            with_held(|h| {
+                if let Some(n) = h.get_mut(&id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        h.remove(&id);
+                    }
+                }
+            });
         }
     }
 }
@@ -110,6 +118,12 @@ impl std::ops::Deref for Held {
     type Target = File;
     fn deref(&self) -> &File {
         &self.file
+    }
+}
+
+impl io::Read for Held {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.file.read(buf)
     }
 }
 
@@ -168,33 +182,49 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
     Held::new(file, path)
 }
 
-/// A temporary name beside `path` for writing it whole: `.NAME.tmp-PID-N` (N counts this
-/// process's temporary files), which [`temp_owner`] reads back.
+/// A temporary name beside `path` for writing it whole: `.NAME.tmp-PID-N-R` (N counts this
+/// process's temporary files, R is random: two containers' processes 1 writing into one
+/// folder do not pick the same name), which [`temp_owner`] reads back.
 pub fn temp_path(path: &Path) -> PathBuf {
+    use std::hash::{BuildHasher, Hasher};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // Seeded from the operating system's randomness (std's hash keys).
+    let r = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
     let name = path.file_name().map_or_else(
         || std::borrow::Cow::Borrowed("file"),
         |n| n.to_string_lossy(),
     );
-    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
+    path.with_file_name(format!(
+        ".{name}.tmp-{}-{n}-{:08x}",
+        std::process::id(),
+        r as u32
+    ))
 }
 
 /// Writes `bytes` as `path`, whole or not at all: into a held temporary file beside it
 /// ([`temp_path`], [`create_locked`]), synced, with exactly the permission bits `mode` when
 /// given (whatever the umask), renamed over `path`, and the folder synced so the rename
-/// survives a crash. On an error nothing is left but what `path` was before.
+/// survives a crash. On an error `path` is what it was and the temporary file is removed;
+/// the error names the step and the file (creating, writing, syncing, renaming).
 pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<()> {
     let temp = temp_path(path);
-    let mut f = create_locked(&temp, mode)?;
+    let step = |what: &'static str, at: &Path| {
+        let at = at.display().to_string();
+        move |e: io::Error| io::Error::new(e.kind(), format!("{what} {at}: {e}"))
+    };
+    let mut f = create_locked(&temp, mode).map_err(step("creating", &temp))?;
     let written = (|| {
-        io::Write::write_all(&mut f, bytes)?;
+        io::Write::write_all(&mut f, bytes).map_err(step("writing", &temp))?;
         #[cfg(unix)]
         if let Some(mode) = mode {
-            f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+            f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .map_err(step("setting the mode of", &temp))?;
         }
-        f.sync_all()?;
-        std::fs::rename(&temp, path)
+        f.sync_all().map_err(step("syncing", &temp))?;
+        std::fs::rename(&temp, path).map_err(step("renaming into place", path))
     })();
     drop(f);
     if written.is_err() {
@@ -225,6 +255,8 @@ pub fn lock_folder(dir: &Path) -> io::Result<Held> {
 
 /// Makes a folder with `make` (say, a `tempfile::Builder`) and holds it ([`lock_folder`]) in
 /// one step no sweep of this process comes between; `path` names the folder `make` made.
+/// `make` runs under this crate's mutex: it must not call [`create_locked`], [`write_whole`]
+/// or a sweep (they would wait for themselves).
 pub fn make_locked_folder<T>(
     make: impl FnOnce() -> io::Result<T>,
     path: impl Fn(&T) -> &Path,
@@ -337,7 +369,7 @@ fn claim(path: &Path, own: bool) -> Claim {
     } else {
         return Claim::Keep;
     };
-    if own && with_held(|h| h.contains(&identity(&meta))) {
+    if own && with_held(|h| h.contains_key(&identity(&meta))) {
         return Claim::Keep;
     }
     if kind == Kind::Link {
@@ -399,8 +431,8 @@ pub fn pid_after(prefix: &str, name: &str) -> Option<u32> {
     name.strip_prefix(prefix)?.split('-').next()?.parse().ok()
 }
 
-/// The process id in a temporary file's name as the shard writer, the manifest and the
-/// converter make them: `.NAME.tmp-PID` or `.NAME.tmp-PID-N`.
+/// The process id in a temporary file's name as [`temp_path`] makes them (`.NAME.tmp-PID-N-R`)
+/// and earlier versions did (`.NAME.tmp-PID`, `.NAME.tmp-PID-N`).
 pub fn temp_owner(name: &str) -> Option<u32> {
     let (_, rest) = name.strip_prefix('.')?.rsplit_once(".tmp-")?;
     pid_after("", rest)

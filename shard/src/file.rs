@@ -30,7 +30,6 @@ use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The first eight bytes of every shard file.
 pub const MAGIC: [u8; 8] = *b"EMSHARD\0";
@@ -220,9 +219,6 @@ pub enum ShardError {
 
 type Result<T> = std::result::Result<T, ShardError>;
 
-/// Temp-file names unique within this process.
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
 /// Checksums and size of a finished shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardSummary {
@@ -247,12 +243,7 @@ pub struct ShardWriter {
 impl ShardWriter {
     /// Start writing the shard that will be `path`.
     pub fn create(path: &Path, index: ShardIndex) -> Result<Self> {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let temp = path.with_file_name(format!(".{name}.tmp-{}-{unique}", std::process::id()));
+        let temp = expertmesh_files::temp_path(path);
         // Locked while it is written: a sweep of the folder leaves it alone.
         let file =
             expertmesh_files::create_locked(&temp, None).map_err(|source| ShardError::Io {

@@ -2,7 +2,9 @@
 //!
 //! Why this exists: a multi-host deployment starts one of these per device, and the local
 //! launcher starts the same command for each of its workers, so both run exactly the same code
-//! ([`expertmesh_worker::process::run`]); this module only turns arguments into its options.
+//! ([`expertmesh_worker::process::run`]); this module turns arguments into its options, and
+//! with `--prepare-tile-cache` runs [`expertmesh_worker::process::prepare_tile_cache`] and
+//! says what it did.
 
 use crate::args::{
     DeployArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
@@ -64,8 +66,10 @@ pub(crate) struct WorkerCli {
     #[arg(long, value_name = "DIR")]
     tile_cache: Option<std::path::PathBuf>,
     /// Only prepare --tile-cache: load this device's experts, keep their tiles and exit (0
-    /// when the file is kept or was already valid), joining no mesh. Run it before a start,
-    /// or before an upgrade while the old worker still serves, so the start maps the tiles.
+    /// when the file is kept or was already valid), joining no mesh (the router, listen, link,
+    /// metrics and security options do not apply). Run it before a start, or before an
+    /// upgrade while the old worker still serves, so the start maps the tiles; it needs memory
+    /// for a second copy of the experts meanwhile, and uses --threads (default: every core).
     #[arg(long, requires = "tile_cache")]
     prepare_tile_cache: bool,
     /// Exit when the parent process exits (used by the local launcher).
@@ -146,8 +150,11 @@ fn prepare(
             "{device}: synthetic weights have no stable identity to keep tiles for; give \
              --weights (a converted checkpoint)"
         ),
-        TileCacheUse::Unused | TileCacheUse::Writing { .. } => {
-            anyhow::bail!("{device}: the load kept no tiles ({used:?})")
+        TileCacheUse::Unused => {
+            println!("expertmesh worker {device}: holds no experts, no tiles to keep")
+        }
+        TileCacheUse::Writing { .. } => {
+            anyhow::bail!("{device}: the tiles were still being written ({used:?})")
         }
     }
     Ok(ExitCode::SUCCESS)

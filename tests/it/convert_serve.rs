@@ -772,7 +772,7 @@ fn an_expert_copied_to_a_device_is_copied_on_from_it() {
 /// `worker --prepare-tile-cache` keeps each device's tiles and exits without joining any
 /// mesh; the fabric's first start then maps them (each worker's metrics say `reused`) and
 /// serves every layer bit for bit. A second prepare finds the tiles valid; synthetic weights
-/// (no stable identity) are refused with the reason.
+/// (no stable identity) and a device on HIP (which keeps no tiles) are refused with the reason.
 #[test]
 fn prepared_tiles_make_the_first_start_a_reuse() {
     let _machine = crate::support::shared();
@@ -803,6 +803,9 @@ fn prepared_tiles_make_the_first_start_a_reuse() {
     ];
     let (ok, text) = prepare(&synthetic, dep.topology.devices()[0].id());
     assert!(!ok && text.contains("no stable identity"), "{text}");
+    let on_hip = ["--weights", out.to_str().unwrap(), "--backend", "hip"];
+    let (ok, text) = prepare(&on_hip, dep.topology.devices()[0].id());
+    assert!(!ok && text.contains("for the CPU backend"), "{text}");
 
     let mut o = options(&out, ComputeMode::Exact);
     o.tile_cache = Some(tiles.clone());

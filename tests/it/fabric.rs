@@ -226,16 +226,24 @@ fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
     let dir = tempfile::tempdir().unwrap();
     let wrapper = dir.path().join("in-a-pid-namespace");
     // `unshare --fork` ignores SIGTERM: the wrapper passes the launcher's stop on to the
-    // worker (the namespace's first process) so it stops as it would anywhere else.
+    // worker (the namespace's first process) so it stops as it would anywhere else, and
+    // `unshare` dies with the wrapper (so does the worker) if the launcher has to kill it.
     std::fs::write(
         &wrapper,
         format!(
             "#!/bin/sh\n\
+             trap 'kill -TERM $(cat /proc/$u/task/$u/children 2>/dev/null) 2>/dev/null \
+             || pkill -TERM -P \"$u\" 2>/dev/null' TERM INT\n\
+             setpriv --pdeathsig KILL \
              unshare {} --pid --fork --mount-proc --kill-child '{}' \"$@\" &\n\
              u=$!\n\
-             trap 'kill -TERM $(cat /proc/$u/task/$u/children) 2>/dev/null' TERM INT\n\
-             while kill -0 $u 2>/dev/null; do wait $u; s=$?; done\n\
-             exit $s\n",
+             s=0\n\
+             while :; do\n\
+             wait \"$u\"; s=$?\n\
+             if [ \"$s\" -gt 128 ] && kill -0 \"$u\" 2>/dev/null; then continue; fi\n\
+             break\n\
+             done\n\
+             exit \"$s\"\n",
             user.join(" "),
             env!("CARGO_BIN_EXE_expertmesh")
         ),

@@ -250,13 +250,8 @@ fn make_backend(
             Err(e) => return Err(on_device(e)),
         }
     }
-    let mut cpu = CpuBackend::new(threads).map_err(WorkerError::Backend)?;
-    if let Some(dir) = &opts.tile_cache {
-        cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
-            dir,
-        )));
-    }
-    cpu.load_from(&mut *experts, limits).map_err(on_device)?;
+    let mut cpu = load_cpu(threads, opts.tile_cache.as_deref(), &mut *experts, limits)
+        .map_err(|e| e.on(dev.id()))?;
     log_tile_cache_use(dev.id(), cpu.tile_cache_use());
     metrics.on_tile_cache(cpu.tile_cache_use());
     // The tiles are written beside the serving; their outcome is logged when known.
@@ -279,6 +274,43 @@ fn make_backend(
 /// What a load did with the tile cache ([`prepare_tile_cache`]'s answer).
 pub use expertmesh_cpu_backend::tile_cache::TileCacheUse;
 
+/// Why [`load_cpu`] failed: the backend could not start, or could not load the experts.
+enum CpuLoadError {
+    Start(BackendError),
+    Load(BackendError),
+}
+
+impl CpuLoadError {
+    /// The worker's error for device `id`.
+    fn on(self, id: &str) -> WorkerError {
+        match self {
+            CpuLoadError::Start(e) => WorkerError::Backend(e),
+            CpuLoadError::Load(cause) => WorkerError::DeviceBackend {
+                device: id.to_string(),
+                cause,
+            },
+        }
+    }
+}
+
+/// A CPU backend of `threads` threads with the experts of `experts` loaded, through the tile
+/// cache in `tile_cache` when given.
+fn load_cpu(
+    threads: usize,
+    tile_cache: Option<&std::path::Path>,
+    experts: &mut dyn expertmesh_backend::ExpertSource,
+    limits: BatchLimits,
+) -> Result<CpuBackend, CpuLoadError> {
+    let mut cpu = CpuBackend::new(threads).map_err(CpuLoadError::Start)?;
+    if let Some(dir) = tile_cache {
+        cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
+            dir,
+        )));
+    }
+    cpu.load_from(experts, limits).map_err(CpuLoadError::Load)?;
+    Ok(cpu)
+}
+
 /// Backend threads of a CPU device: `--threads`, else the topology's, else every core.
 fn device_threads(opts: &WorkerOptions, dev: &expertmesh_topology::topology::Device) -> usize {
     opts.threads
@@ -289,17 +321,15 @@ fn device_threads(opts: &WorkerOptions, dev: &expertmesh_topology::topology::Dev
 /// Loads device `opts.device`'s experts on the CPU backend with `opts.tile_cache`, waits for
 /// its tile file to be written (or finds it already there) and returns what the cache did,
 /// without joining any mesh: run it before a start, or before an upgrade while the old
-/// worker still serves, so that start maps its tiles instead of repacking.
+/// worker still serves, so that start maps its tiles instead of repacking. Refused for a
+/// device that would run on HIP (`--backend hip`, or `auto` on a GPU device): the HIP backend
+/// uploads its shard and keeps no tiles.
 pub fn prepare_tile_cache(
     dep: &Deployment,
     opts: &WorkerOptions,
 ) -> Result<TileCacheUse, WorkerError> {
     let d = dep.device(&opts.device)?;
     let dev = dep.topology.device(d).ok_or(WorkerError::NoDevice(d.0))?;
-    let on_device = |cause| WorkerError::DeviceBackend {
-        device: dev.id().to_string(),
-        cause,
-    };
     let refuse = |why: &str| WorkerError::TileCache {
         device: dev.id().to_string(),
         why: why.to_string(),
@@ -307,13 +337,17 @@ pub fn prepare_tile_cache(
     let Some(dir) = &opts.tile_cache else {
         return Err(refuse("preparing the tile cache needs --tile-cache DIR"));
     };
+    let gpu = dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu;
+    if opts.backend == BackendChoice::Hip || (opts.backend == BackendChoice::Auto && gpu) {
+        return Err(refuse(
+            "the tile cache is for the CPU backend; this device runs on HIP, which uploads its \
+             shard and keeps no tiles (give --backend cpu if it serves on the CPU)",
+        ));
+    }
     let mut experts = weights::device_expert_source(dep, d)?;
-    let mut cpu = CpuBackend::new(device_threads(opts, dev)).map_err(WorkerError::Backend)?;
-    cpu.set_tile_cache(Some(expertmesh_cpu_backend::tile_cache::TileCache::new(
-        dir,
-    )));
     let limits = worker_limits(dep, opts.max_tokens);
-    cpu.load_from(&mut *experts, limits).map_err(on_device)?;
+    let mut cpu = load_cpu(device_threads(opts, dev), Some(dir), &mut *experts, limits)
+        .map_err(|e| e.on(dev.id()))?;
     let used = match cpu.take_tile_cache_writer() {
         Some(w) => w
             .join()
@@ -325,8 +359,7 @@ pub fn prepare_tile_cache(
 }
 
 /// Says what the load of device `id` did with the tile cache (nothing without one).
-fn log_tile_cache_use(id: &str, used: &expertmesh_cpu_backend::tile_cache::TileCacheUse) {
-    use expertmesh_cpu_backend::tile_cache::TileCacheUse;
+fn log_tile_cache_use(id: &str, used: &TileCacheUse) {
     match used {
         TileCacheUse::Unused => {}
         TileCacheUse::NoContentId => tracing::info!(

@@ -9,7 +9,6 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A tensor's header entry as the writer emits it.
 #[derive(Serialize)]
@@ -22,9 +21,6 @@ pub(super) struct WriteEntry<'a> {
 /// A tensor to write: `(name, dtype, shape, little-endian bytes)`.
 pub type TensorData<'a> = (&'a str, Dtype, &'a [usize], &'a [u8]);
 
-/// Temp-file names unique within this process.
-pub(super) static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
 /// Writes a valid safetensors file of `tensors` (`(name, dtype, shape, little-endian bytes)`,
 /// laid out in the given order) and `metadata` (omitted when empty). The header is padded with
 /// spaces to a multiple of 8 bytes, as the reference implementation does. The file appears
@@ -36,12 +32,7 @@ pub fn write_safetensors(
 ) -> Result<()> {
     let path = path.as_ref();
     let header = write_header(path, tensors, metadata)?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    let temp = path.with_file_name(format!(".{name}.tmp-{}-{unique}", std::process::id()));
+    let temp = expertmesh_files::temp_path(path);
     // Locked until it is renamed (the lock goes with the file): a sweep leaves it alone.
     let file =
         expertmesh_files::create_locked(&temp, None).map_err(|source| SafetensorsError::Write {
