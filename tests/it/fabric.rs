@@ -205,10 +205,12 @@ fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
         return;
     }
     // As root a PID namespace; otherwise inside a user namespace of one's own, where allowed.
+    // The wrapper below starts the worker exactly so (util-linux's setpriv and unshare).
     let works = |args: &[&str]| {
-        std::process::Command::new("unshare")
+        std::process::Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "unshare"])
             .args(args)
-            .args(["--pid", "--fork", "--mount-proc", "true"])
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child", "true"])
             .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -218,8 +220,8 @@ fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
         .find(|a| works(a))
     else {
         crate::support::say(
-            "skipped: cannot make PID namespaces here (`unshare --pid` as root, or with \
-             `--user --map-root-user` where user namespaces are allowed)",
+            "skipped: cannot make PID namespaces here (`setpriv ... unshare --pid` as root, or \
+             with `--user --map-root-user` where user namespaces are allowed)",
         );
         return;
     };
