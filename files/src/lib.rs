@@ -14,7 +14,7 @@
 //!   as it uses it ([`Held`]); the kernel drops the lock when the process ends, however it
 //!   ends. The sweep removes an entry only after taking that lock itself. This holds across
 //!   PID namespaces (containers sharing a folder), where process ids say nothing.
-//! * **The process id in the name** (`.NAME.tmp-PID-N`, `PREFIX<PID>-...`): no process of that
+//! * **The process id in the name** (`.NAME.tmp-PID-N-R`, `PREFIX<PID>-...`): no process of that
 //!   id runs here (`/proc`). This keeps the files of a live writer that takes no lock (an
 //!   older version).
 //! * **This process's own entries** (its own id in the name) are judged first by the list of
@@ -82,7 +82,7 @@ impl Held {
             Err(TryLockError::WouldBlock) => {
                 return Err(io::Error::new(
                     io::ErrorKind::WouldBlock,
-                    format!("{} is locked by another process", path.display()),
+                    format!("{} is locked by another holder", path.display()),
                 ));
             }
         }
