@@ -13,6 +13,13 @@
 //! operation, its store and the contract's f32 combine per block, nothing else), both in the
 //! same run (`machine.amx_contract_tops_*`).
 //!
+//! With `--cache-resident` every decode case (exact at each batch, accurate) is measured again
+//! with its weights in the cache: each call maps its routed experts onto the same first few
+//! experts of the pool (as many as half the last-level cache holds, at least one), so no
+//! DRAM read bounds it, and its limit is the int8 peak alone (`decode-*-cached` rows). That
+//! is the kernels' own ceiling: a decode row far below its read limit whose cached twin is
+//! near it is held by the kernels' arithmetic, not by memory.
+//!
 //! Batches route B tokens top-k over the routed experts of one layer of a real model shape, so
 //! the number of touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool
 //! of experts several times larger than the last-level cache, so every expert is read from
@@ -75,6 +82,11 @@ pub struct KernelBenchOptions {
     pub pin: KernelPin,
     /// The instruction set the kernels use (`None`: the best this CPU has).
     pub isa: Option<expertmesh_cpu_backend::kernels::Isa>,
+    /// Also measure every decode case with its weights in the cache (a few experts of the
+    /// pool, the same ones every call): the kernels' own ceiling, against the int8 peak alone,
+    /// which says whether a decode row below its read limit is held by memory or by the
+    /// kernels' arithmetic.
+    pub cache_resident: bool,
 }
 
 /// Where `bench kernels` runs the backend's threads.
@@ -598,6 +610,29 @@ enum Kind {
     Accurate,
     /// This many tokens on one expert at a time, exact mode.
     Prefill(usize),
+    /// [`Kind::Decode`] with the weights in the cache (`--cache-resident`).
+    DecodeCached(usize),
+    /// [`Kind::Accurate`] with the weights in the cache (`--cache-resident`).
+    AccurateCached,
+}
+
+impl Kind {
+    /// Whether the case reads a few cache-resident experts instead of the pool.
+    fn cached(self) -> bool {
+        matches!(self, Kind::DecodeCached(_) | Kind::AccurateCached)
+    }
+
+    /// Int8 dot products per (token, weight): accurate mode runs the integer kernels on
+    /// [`ACCURATE_LEVELS`](expertmesh_cpu_backend::kernels::ACCURATE_LEVELS) levels of each
+    /// token.
+    fn int8_passes(self) -> f64 {
+        match self {
+            Kind::Accurate | Kind::AccurateCached => {
+                expertmesh_cpu_backend::kernels::ACCURATE_LEVELS as f64
+            }
+            _ => 1.0,
+        }
+    }
 }
 
 /// One model's expert pool loaded into a backend, and the shared input and RNG.
@@ -612,6 +647,9 @@ struct ModelBench {
     expert_bytes: u64,
     /// Experts in the pool.
     pool: usize,
+    /// Experts the cache-resident cases use (the first of the pool): as many as half the
+    /// last-level cache holds, at least one.
+    cached_pool: usize,
     rng: SplitMix64,
     x: Vec<f32>,
     out: Vec<f32>,
@@ -685,6 +723,8 @@ impl ModelBench {
             k,
             expert_bytes,
             pool,
+            cached_pool: ((membw::last_level_cache_bytes() / 2) / expert_bytes.max(1))
+                .clamp(1, pool as u64) as usize,
             rng,
             x,
             out: Vec::new(),
@@ -695,13 +735,19 @@ impl ModelBench {
     /// One call of `kind`; the experts rotate so consecutive calls read other experts.
     fn call(&mut self, kind: Kind) -> Result<Call, BenchError> {
         let (tokens, mode, mut rb) = match kind {
-            Kind::Decode(_) | Kind::Accurate => {
+            Kind::Decode(_) | Kind::Accurate | Kind::DecodeCached(_) | Kind::AccurateCached => {
                 let (b, mode) = match kind {
-                    Kind::Decode(b) => (b, ComputeMode::Exact),
+                    Kind::Decode(b) | Kind::DecodeCached(b) => (b, ComputeMode::Exact),
                     _ => (1, ComputeMode::Accurate),
                 };
-                self.offset += self.e + 1;
-                let rb = route_uniform(&mut self.rng, b, self.e, self.k, self.offset, self.pool);
+                // Cached: every call maps its experts onto the same first few of the pool.
+                let (offset, pool) = if kind.cached() {
+                    (0, self.cached_pool)
+                } else {
+                    self.offset += self.e + 1;
+                    (self.offset, self.pool)
+                };
+                let rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, pool);
                 (b, mode, rb)
             }
             Kind::Prefill(tpe) => {
@@ -725,7 +771,7 @@ impl ModelBench {
         let secs = t.elapsed().as_secs_f64();
         Ok(Call {
             bytes: (rb.touched as u64 * self.expert_bytes) as f64,
-            ops: 2.0 * rb.pairs as f64 * self.spec.expert_params() as f64,
+            ops: kind.int8_passes() * 2.0 * rb.pairs as f64 * self.spec.expert_params() as f64,
             touched: rb.touched as f64,
             secs,
         })
@@ -818,8 +864,12 @@ impl Case {
     fn sample(&mut self, m: &mut ModelBench, limits: &mut Limits) -> Result<(), BenchError> {
         let mut roof = limits.sample();
         if self.kind == Kind::Accurate {
-            // The int8 peak says nothing about f32 arithmetic: memory only.
+            // The read limit alone: accurate mode is judged as a memory-bound decode.
             roof.ops_per_s = 0.0;
+        }
+        if self.kind.cached() {
+            // Weights in the cache: no DRAM read to bound it, the int8 peak alone.
+            roof.read_bytes_per_s = 0.0;
         }
         let mut sum = Call::default();
         let mut calls = 0u32;
@@ -1017,11 +1067,15 @@ fn setup_cases(
         if opts.prefill_tokens > 0 {
             kinds.push(Kind::Prefill(opts.prefill_tokens));
         }
+        if opts.cache_resident {
+            kinds.extend(opts.batches.iter().map(|&b| Kind::DecodeCached(b)));
+            kinds.push(Kind::AccurateCached);
+        }
         let mut last: Option<(usize, f64)> = None;
         for kind in kinds {
             let tokens = match kind {
-                Kind::Decode(b) | Kind::Prefill(b) => b,
-                Kind::Accurate => 1,
+                Kind::Decode(b) | Kind::Prefill(b) | Kind::DecodeCached(b) => b,
+                Kind::Accurate | Kind::AccurateCached => 1,
             };
             // One call of this case may take at most a third of the time left (estimated
             // from the last decode batch, linear in the batch).
@@ -1107,6 +1161,16 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
             "accurate",
         ),
         Kind::Prefill(t) => (format!("prefill-exact {} H{h} F{f}", spec.name), t, "exact"),
+        Kind::DecodeCached(b) => (
+            format!("decode-exact-cached {} H{h} F{f}", spec.name),
+            b,
+            "exact",
+        ),
+        Kind::AccurateCached => (
+            format!("decode-accurate-cached {} H{h} F{f}", spec.name),
+            1,
+            "accurate",
+        ),
     };
     let mut r = BenchResult::from_samples(name, batch as u64, &c.achieved, &c.limit, c.unit());
     let calls: u32 = c.slots.iter().map(|s| s.1).sum();
@@ -1132,6 +1196,10 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
     let ratio_best = if r.limit > 0.0 { best / r.limit } else { 0.0 };
     let limit_kind = if c.kind == Kind::Accurate {
         "memory read bandwidth (best read probe), same run, interleaved; f32 peak not measured"
+    } else if c.kind.cached() {
+        "int8 ops / int8 peak alone (weights cache-resident: the same few experts every call, \
+         no DRAM read; accurate mode counts its three int8 levels), same run, interleaved: \
+         the kernels' own ceiling"
     } else if amx {
         "roofline min(bytes / read bandwidth, int8 ops / max(int8 peak, AMX contract loop)), \
          same run, interleaved"
@@ -1147,7 +1215,11 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
         .with("experts_touched", tot.touched / calls as f64)
         .with(
             "tokens_per_expert",
-            tot.ops / 2.0 / spec.expert_params() as f64 / tot.touched,
+            tot.ops / c.kind.int8_passes() / 2.0 / spec.expert_params() as f64 / tot.touched,
+        )
+        .with(
+            "cache_resident_experts",
+            if c.kind.cached() { m.cached_pool } else { 0 },
         )
         .with("ops_per_byte", tot.ops / tot.bytes)
         .with("int8_tops", tot.ops / tot.secs / 1e12)
@@ -1184,6 +1256,7 @@ mod tests {
             pool_bytes: 0,
             pin: KernelPin::Limit,
             isa: None,
+            cache_resident: false,
         }
     }
 
@@ -1290,5 +1363,47 @@ mod tests {
         assert!(m["read_bandwidth_probes"].as_array().unwrap().len() >= 2);
         assert!(m["int8_peak_tops_median"].as_f64().unwrap() > 0.0);
         assert!(m["settings"]["over_time_s"].as_f64().unwrap() >= 0.0);
+    }
+
+    /// `--cache-resident` adds a cached twin of every decode case (each batch, and accurate
+    /// mode), each a result or a skip with its reason; a cached row is judged against the int8
+    /// peak alone (compute-bound, its limit the peak's bytes) and names how many experts it
+    /// reads.
+    #[test]
+    fn a_cache_resident_run_adds_a_cached_twin_of_every_decode_case() {
+        let mut o = opts(6.0);
+        o.cache_resident = true;
+        o.prefill_tokens = 0;
+        let report = run(&o).unwrap();
+        let skipped = report.machine.extra["skipped_cases"].as_array().unwrap();
+        // Decode 1 and 4 and accurate, then the same three cached.
+        assert_eq!(
+            report.results.len() + skipped.len(),
+            2 * (o.batches.len() + 1),
+            "{:?} {skipped:?}",
+            report.results.iter().map(|r| &r.name).collect::<Vec<_>>()
+        );
+        for r in report
+            .results
+            .iter()
+            .filter(|r| r.name.contains("-cached "))
+        {
+            assert!(
+                r.extra["limit_kind"]
+                    .as_str()
+                    .unwrap()
+                    .contains("int8 peak alone"),
+                "{r:?}"
+            );
+            assert_eq!(r.extra["bound"], "compute", "{r:?}");
+            assert!(
+                r.extra["cache_resident_experts"].as_u64().unwrap() >= 1,
+                "{r:?}"
+            );
+            assert!(r.limit > 0.0 && r.achieved > 0.0, "{r:?}");
+        }
+        for s in skipped {
+            assert!(s["why"].as_str().is_some_and(|w| !w.is_empty()), "{s}");
+        }
     }
 }

@@ -300,6 +300,11 @@ pub(crate) struct KernelsCli {
     /// has), to compare the paths on one machine.
     #[arg(long, value_parser = isa_parser)]
     isa: Option<kernels::Isa>,
+    /// Also measure every decode case with its weights in the cache (the same few experts
+    /// every call), against the int8 peak alone: the kernels' own ceiling, which tells a
+    /// decode row held by memory from one held by the kernels' arithmetic.
+    #[arg(long)]
+    cache_resident: bool,
 }
 
 /// Arguments of `bench transport`.
@@ -447,6 +452,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 pool_bytes: k.pool_mib << 20,
                 pin: k.pin,
                 isa: k.isa,
+                cache_resident: k.cache_resident,
             })?;
             report.print_table();
             report::finish(&report, k.json.as_deref(), k.report.as_deref())?;
