@@ -16,9 +16,10 @@
 //! With `--cache-resident` every decode case (exact at each batch, accurate) is measured again
 //! with its weights in the cache: each call maps its routed experts onto the same first few
 //! experts of the pool (as many as half the last-level cache holds, at least one), so no
-//! DRAM read bounds it, and its limit is the int8 peak alone (`decode-*-cached` rows). That
-//! is the kernels' own ceiling: a decode row far below its read limit whose cached twin is
-//! near it is held by the kernels' arithmetic, not by memory.
+//! DRAM read bounds it, and its limit is the int8 peak alone (`kernel-ceiling-*` rows; not
+//! `decode-*`, so `plan --calibrate` never takes them for a device's decode speed). That is
+//! the kernels' own ceiling: a decode row far below its read limit whose ceiling is near it
+//! is held by the kernels' arithmetic, not by memory.
 //!
 //! Batches route B tokens top-k over the routed experts of one layer of a real model shape, so
 //! the number of touched experts follows U(B) = E·(1 − (1 − k/E)^B). Weights rotate over a pool
@@ -1162,12 +1163,12 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
         ),
         Kind::Prefill(t) => (format!("prefill-exact {} H{h} F{f}", spec.name), t, "exact"),
         Kind::DecodeCached(b) => (
-            format!("decode-exact-cached {} H{h} F{f}", spec.name),
+            format!("kernel-ceiling-exact {} H{h} F{f}", spec.name),
             b,
             "exact",
         ),
         Kind::AccurateCached => (
-            format!("decode-accurate-cached {} H{h} F{f}", spec.name),
+            format!("kernel-ceiling-accurate {} H{h} F{f}", spec.name),
             1,
             "accurate",
         ),
@@ -1386,8 +1387,12 @@ mod tests {
         for r in report
             .results
             .iter()
-            .filter(|r| r.name.contains("-cached "))
+            .filter(|r| r.name.starts_with("kernel-ceiling-"))
         {
+            assert!(
+                !r.name.starts_with("decode-"),
+                "calibration must not take it"
+            );
             assert!(
                 r.extra["limit_kind"]
                     .as_str()
