@@ -338,6 +338,7 @@ impl Effort {
             "memory_budget_bytes": self.memory_budget_bytes,
             "memory_share": MEMORY_SHARE,
             "memory_limited": self.memory_limited,
+            "cache_resident": opts.cache_resident,
         })
     }
 
@@ -724,8 +725,7 @@ impl ModelBench {
             k,
             expert_bytes,
             pool,
-            cached_pool: ((membw::last_level_cache_bytes() / 2) / expert_bytes.max(1))
-                .clamp(1, pool as u64) as usize,
+            cached_pool: 1,
             rng,
             x,
             out: Vec::new(),
@@ -869,8 +869,13 @@ impl Case {
             roof.ops_per_s = 0.0;
         }
         if self.kind.cached() {
-            // Weights in the cache: no DRAM read to bound it, the int8 peak alone.
+            // Weights in the cache: no DRAM read to bound it, the int8 peak alone (not the
+            // AMX contract loop: decode groups have far fewer tokens than an AMX tile, so
+            // these calls run on the vector kernels).
             roof.read_bytes_per_s = 0.0;
+            roof.ops_per_s = limits.peak.last().copied().unwrap_or(roof.ops_per_s);
+            // The read probe just evicted the experts: one untimed call brings them back.
+            m.call(self.kind)?;
         }
         let mut sum = Call::default();
         let mut calls = 0u32;
@@ -944,7 +949,8 @@ pub fn run(opts: &KernelBenchOptions) -> Result<BenchReport, BenchError> {
     );
     let mut skipped = Vec::new();
     let pin = opts.pin.cpus(opts.threads, &limits.best);
-    let (mut models, mut cases) = setup_cases(opts, &effort, &clock, pin.clone(), &mut skipped)?;
+    let (mut models, mut cases) =
+        setup_cases(opts, &effort, &clock, pin.clone(), &mut skipped, llc)?;
     let done = measure(&mut models, &mut cases, &mut limits, opts, &clock)?;
     limits.describe(&mut report);
     let moved = limit_moved(&limits.bw);
@@ -1029,6 +1035,7 @@ fn setup_cases(
     clock: &Clock,
     pin: Option<Vec<usize>>,
     skipped: &mut Vec<serde_json::Value>,
+    llc: u64,
 ) -> Result<(Vec<ModelBench>, Vec<Case>), BenchError> {
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let max_tokens = max_b.max(opts.prefill_tokens);
@@ -1069,8 +1076,31 @@ fn setup_cases(
             kinds.push(Kind::Prefill(opts.prefill_tokens));
         }
         if opts.cache_resident {
-            kinds.extend(opts.batches.iter().map(|&b| Kind::DecodeCached(b)));
-            kinds.push(Kind::AccurateCached);
+            // As many experts as half the last-level cache holds, at least one, and none
+            // where one expert does not fit the cache (its rows would read DRAM).
+            m.cached_pool = ((llc / 2) / m.expert_bytes.max(1)).clamp(1, m.pool as u64) as usize;
+            let mut cached: Vec<Kind> = opts
+                .batches
+                .iter()
+                .map(|&b| Kind::DecodeCached(b))
+                .collect();
+            cached.push(Kind::AccurateCached);
+            if llc > 0 && m.expert_bytes <= llc {
+                kinds.extend(cached);
+            } else {
+                for kind in cached {
+                    skip(
+                        &spec.name,
+                        kind,
+                        format!(
+                            "--cache-resident: one expert ({} MiB) does not fit the last-level \
+                             cache ({} MiB)",
+                            m.expert_bytes >> 20,
+                            llc >> 20
+                        ),
+                    );
+                }
+            }
         }
         let mut last: Option<(usize, f64)> = None;
         for kind in kinds {
@@ -1222,6 +1252,14 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
             "cache_resident_experts",
             if c.kind.cached() { m.cached_pool } else { 0 },
         )
+        .with(
+            "cache_resident_bytes",
+            if c.kind.cached() {
+                m.cached_pool as u64 * m.expert_bytes
+            } else {
+                0
+            },
+        )
         .with("ops_per_byte", tot.ops / tot.bytes)
         .with("int8_tops", tot.ops / tot.secs / 1e12)
         .with("latency_us", lat.median)
@@ -1366,6 +1404,34 @@ mod tests {
         assert!(m["settings"]["over_time_s"].as_f64().unwrap() >= 0.0);
     }
 
+    /// A cache-resident call reads the same first `cached_pool` experts every time (the pool's
+    /// rotation does not move) and counts the int8 work it does: accurate mode's three levels.
+    #[test]
+    fn cached_calls_stay_on_the_first_experts_and_count_their_int8_work() {
+        let spec = expertmesh_topology::resolve_model("demo-small").unwrap();
+        let isa = expertmesh_cpu_backend::kernels::Isa::detect();
+        let mut m = ModelBench::load(&spec, 1, None, isa, 64 << 20, 4).unwrap();
+        m.cached_pool = 2;
+        let offset = m.offset;
+        let params = spec.expert_params() as f64;
+        for kind in [Kind::DecodeCached(4), Kind::AccurateCached] {
+            let c = m.call(kind).unwrap();
+            assert_eq!(m.offset, offset, "{kind:?} moved the rotation");
+            let pairs = c.ops / (kind.int8_passes() * 2.0 * params);
+            let tokens = if kind == Kind::AccurateCached {
+                1.0
+            } else {
+                4.0
+            };
+            assert_eq!(pairs, tokens * spec.top_k as f64, "{kind:?}");
+            assert_eq!(c.bytes, c.touched * m.expert_bytes as f64, "{kind:?}");
+        }
+        assert_eq!(Kind::AccurateCached.int8_passes(), 3.0);
+        // The pool's own decode calls rotate.
+        m.call(Kind::Decode(1)).unwrap();
+        assert_ne!(m.offset, offset);
+    }
+
     /// `--cache-resident` adds a cached twin of every decode case (each batch, and accurate
     /// mode), each a result or a skip with its reason; a cached row is judged against the int8
     /// peak alone (compute-bound, its limit the peak's bytes) and names how many experts it
@@ -1384,31 +1450,46 @@ mod tests {
             "{:?} {skipped:?}",
             report.results.iter().map(|r| &r.name).collect::<Vec<_>>()
         );
-        for r in report
+        assert_eq!(report.machine.extra["settings"]["cache_resident"], true);
+        let ceilings: Vec<_> = report
             .results
             .iter()
             .filter(|r| r.name.starts_with("kernel-ceiling-"))
-        {
-            assert!(
-                !r.name.starts_with("decode-"),
-                "calibration must not take it"
-            );
-            assert!(
-                r.extra["limit_kind"]
-                    .as_str()
-                    .unwrap()
-                    .contains("int8 peak alone"),
-                "{r:?}"
-            );
+            .collect();
+        for r in &ceilings {
+            let kind = r.extra["limit_kind"].as_str().unwrap();
+            assert!(kind.contains("int8 peak alone"), "{r:?}");
             assert_eq!(r.extra["bound"], "compute", "{r:?}");
             assert!(
                 r.extra["cache_resident_experts"].as_u64().unwrap() >= 1,
                 "{r:?}"
             );
+            assert!(
+                r.extra["cache_resident_bytes"].as_u64().unwrap() > 0,
+                "{r:?}"
+            );
             assert!(r.limit > 0.0 && r.achieved > 0.0, "{r:?}");
+        }
+        // `decode-*` rows (what `plan --calibrate` reads) never read cache-resident experts.
+        for r in report
+            .results
+            .iter()
+            .filter(|r| r.name.starts_with("decode-"))
+        {
+            assert_eq!(r.extra["cache_resident_experts"], 0, "{r:?}");
         }
         for s in skipped {
             assert!(s["why"].as_str().is_some_and(|w| !w.is_empty()), "{s}");
         }
+        // A short run may skip cases, but says so: some ceiling is measured unless every
+        // cached case was skipped.
+        let cached_skips = skipped
+            .iter()
+            .filter(|s| s["case"].as_str().is_some_and(|c| c.contains("Cached")))
+            .count();
+        assert!(
+            !ceilings.is_empty() || cached_skips == o.batches.len() + 1,
+            "{skipped:?}"
+        );
     }
 }

@@ -415,6 +415,8 @@ fn roofline_plot(report: &BenchReport) -> Result<Option<String>, ReportError> {
         .iter()
         .filter(|r| r.extra_f64("ops_per_byte").is_some() && r.extra_f64("int8_tops").is_some())
         .filter(|r| r.extra.get("mode").and_then(|v| v.as_str()) == Some("exact"))
+        // Cache-resident rows (`bench kernels --cache-resident`) read no DRAM: not on this roof.
+        .filter(|r| !r.name.starts_with("kernel-ceiling-"))
         .collect();
     let title = "roofline";
     let err = plot_err(title);
