@@ -1076,31 +1076,7 @@ fn setup_cases(
             kinds.push(Kind::Prefill(opts.prefill_tokens));
         }
         if opts.cache_resident {
-            // As many experts as half the last-level cache holds, at least one, and none
-            // where one expert does not fit the cache (its rows would read DRAM).
-            m.cached_pool = ((llc / 2) / m.expert_bytes.max(1)).clamp(1, m.pool as u64) as usize;
-            let mut cached: Vec<Kind> = opts
-                .batches
-                .iter()
-                .map(|&b| Kind::DecodeCached(b))
-                .collect();
-            cached.push(Kind::AccurateCached);
-            if llc > 0 && m.expert_bytes <= llc {
-                kinds.extend(cached);
-            } else {
-                for kind in cached {
-                    skip(
-                        &spec.name,
-                        kind,
-                        format!(
-                            "--cache-resident: one expert ({} MiB) does not fit the last-level \
-                             cache ({} MiB)",
-                            m.expert_bytes >> 20,
-                            llc >> 20
-                        ),
-                    );
-                }
-            }
+            kinds.extend(cached_kinds(opts, &mut m, llc, &mut skip));
         }
         let mut last: Option<(usize, f64)> = None;
         for kind in kinds {
@@ -1138,6 +1114,40 @@ fn setup_cases(
         models.push(m);
     }
     Ok((models, cases))
+}
+
+/// `--cache-resident`: the cached twins of `m`'s decode cases, its `cached_pool` set to as
+/// many experts as half the last-level cache (`llc` bytes) holds, at least one; none (each
+/// handed to `skip` with the reason) where one expert does not fit the cache, since their
+/// rows would read DRAM.
+fn cached_kinds(
+    opts: &KernelBenchOptions,
+    m: &mut ModelBench,
+    llc: u64,
+    skip: &mut dyn FnMut(&str, Kind, String),
+) -> Vec<Kind> {
+    m.cached_pool = ((llc / 2) / m.expert_bytes.max(1)).clamp(1, m.pool as u64) as usize;
+    let mut cached: Vec<Kind> = opts
+        .batches
+        .iter()
+        .map(|&b| Kind::DecodeCached(b))
+        .collect();
+    cached.push(Kind::AccurateCached);
+    if llc > 0 && m.expert_bytes <= llc {
+        return cached;
+    }
+    for kind in cached {
+        skip(
+            &m.spec.name,
+            kind,
+            format!(
+                "--cache-resident: one expert ({} MiB) does not fit the last-level cache ({} MiB)",
+                m.expert_bytes >> 20,
+                llc >> 20
+            ),
+        );
+    }
+    Vec::new()
 }
 
 /// The repetitions: every case in turn (reversed every other repetition), until
