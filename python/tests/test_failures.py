@@ -159,10 +159,9 @@ def test_close_on_another_thread_abandons_a_blocked_call(own_fabric):
         th.start()
         time.sleep(0.3)  # most likely in flight by now; if not, it starts closed: same outcome
         c.close()
-        th.join(timeout=60)  # bounds a regression (the call would wait out its deadline)
+        th.join()  # a call close() left blocked would end only at its deadline, in error
     finally:
         f.workers[1].send_signal(signal.SIGCONT)
-    assert not th.is_alive(), "close() left the call blocked"
     assert isinstance(outcome["r"], ValueError), outcome
     assert "closed" in str(outcome["r"])
     assert c.closed

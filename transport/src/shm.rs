@@ -207,12 +207,6 @@ fn futex_wake(word: &AtomicU32) {
     }
 }
 
-fn pid_alive(pid: u32) -> bool {
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
 fn sanitize(s: &str) -> String {
     s.chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
@@ -638,7 +632,9 @@ impl RingProducer {
         }
         // Gone only when both say so: a creator in another PID namespace has an id that
         // means nothing here, but holds the file's lock.
-        if !pid_alive(h.creator_pid) && !expertmesh_files::held_by_another(&file) {
+        if expertmesh_files::process_gone(h.creator_pid)
+            && !expertmesh_files::held_by_another(&file)
+        {
             return Err(bad(format!(
                 "creator process {} is gone and holds no lock on it (stale segment)",
                 h.creator_pid
