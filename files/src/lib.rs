@@ -26,11 +26,14 @@
 //! Where there is no `/proc`, or an entry cannot be opened (another user's file), nothing is
 //! removed; entries that are not files, folders or links (a FIFO someone put there) are left
 //! alone and never opened. On a file system that refuses `flock` writers go on unlocked and
-//! the sweep goes by the process id alone. One window is left: between a writer's `open` and
-//! its `flock` (microseconds) a sweeper in another PID namespace, where the writer's id runs
-//! nothing, could remove the new file; the writer's rename then fails with an error that
-//! names the file. Within one process there is no window: creating and locking, and a
-//! sweep's choice of what to remove, take one process-wide mutex.
+//! the sweep goes by the process id alone.
+//!
+//! Between a writer's `open` and its `flock` a sweeper in another PID namespace, where the
+//! writer's id runs nothing, can take the new entry's lock and remove it. The writer then
+//! waits for that lock (a sweeper holds it only while it removes), and when its path no
+//! longer names what it made, makes it again ([`create_locked`], [`make_locked_folder`]).
+//! Within one process there is no such moment: creating and locking, and a sweep's choice of
+//! what to remove, take one process-wide mutex.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -86,17 +89,44 @@ impl Held {
                 ));
             }
         }
+        Ok(Self::listed(file))
+    }
+
+    /// `file`, already locked (or on a file system without locks), listed as held.
+    fn listed(file: File) -> Self {
         let id = file.metadata().ok().map(|m| identity(&m));
         if let Some(id) = id {
             with_held(|h| *h.entry(id).or_default() += 1);
         }
-        Ok(Self { file, id })
+        Self { file, id }
     }
+}
 
-    /// The file.
-    pub fn file(&self) -> &File {
-        &self.file
-    }
+/// How many times [`create_locked`] and [`make_locked_folder`] make an entry that a sweeper
+/// of another PID namespace removes before they hold it.
+const MAKE_TRIES: usize = 8;
+
+/// Holds `made`, an entry this process has just made at `path`, or `None` when a sweeper
+/// removed or replaced it first. Waits for the lock: only a sweeper can hold a new entry's
+/// lock (it took it between the making and this call), and it holds it only while removing.
+fn hold_new(made: File, path: &Path) -> Option<Held> {
+    // An error here is a file system without locks: the entry is held by its name alone.
+    let _ = made.lock();
+    let still = std::fs::symlink_metadata(path).is_ok_and(|now| {
+        made.metadata()
+            .is_ok_and(|m| identity(&m) == identity(&now))
+    });
+    still.then(|| Held::listed(made))
+}
+
+/// The error when every try's entry was removed before it was held.
+fn swept_away(path: &Path) -> io::Error {
+    io::Error::other(format!(
+        "{} was removed as it was made, {MAKE_TRIES} times: another process (in another PID \
+         namespace) sweeps this folder and takes new entries for stale; give each container \
+         a folder of its own",
+        path.display()
+    ))
 }
 
 impl Drop for Held {
@@ -151,6 +181,17 @@ impl io::Seek for Held {
 /// dropped. Write through it, then rename `path` into place before dropping it.
 pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
     let _guard = creating();
+    for _ in 0..MAKE_TRIES {
+        if let Some(held) = hold_new(create_new(path, mode)?, path) {
+            return Ok(held);
+        }
+    }
+    Err(swept_away(path))
+}
+
+/// Creates `path` with `mode` (never an existing file; a leftover of an earlier life of this
+/// process id is removed first). The caller holds [`CREATING`].
+fn create_new(path: &Path, mode: Option<u32>) -> io::Result<File> {
     let open = || {
         let mut o = OpenOptions::new();
         o.read(true).write(true).create_new(true);
@@ -160,7 +201,7 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
         }
         o.open(path)
     };
-    let file = match open() {
+    match open() {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             // Our own id and counter in another life's name: stale unless someone holds it.
             match claim(path, true) {
@@ -175,11 +216,10 @@ pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
                     ));
                 }
             }
-            open()?
+            open()
         }
-        other => other?,
-    };
-    Held::new(file, path)
+        other => other,
+    }
 }
 
 /// A temporary name beside `path` for writing it whole: `.NAME.tmp-PID-N-R` (N counts this
@@ -255,16 +295,30 @@ pub fn lock_folder(dir: &Path) -> io::Result<Held> {
 
 /// Makes a folder with `make` (say, a `tempfile::Builder`) and holds it ([`lock_folder`]) in
 /// one step no sweep of this process comes between; `path` names the folder `make` made.
-/// `make` runs under this crate's mutex: it must not call [`create_locked`], [`write_whole`]
-/// or a sweep (they would wait for themselves).
+/// Where a sweeper of another PID namespace removes the new folder before it is held, `make`
+/// runs again (a new name each time, as a `tempfile::Builder` gives). `make` runs under this
+/// crate's mutex: it must not call [`create_locked`], [`write_whole`] or a sweep (they would
+/// wait for themselves).
 pub fn make_locked_folder<T>(
-    make: impl FnOnce() -> io::Result<T>,
+    mut make: impl FnMut() -> io::Result<T>,
     path: impl Fn(&T) -> &Path,
 ) -> io::Result<(T, Held)> {
     let _guard = creating();
-    let made = make()?;
-    let held = lock_folder(path(&made))?;
-    Ok((made, held))
+    let mut last = None;
+    for _ in 0..MAKE_TRIES {
+        let made = make()?;
+        let dir = path(&made).to_path_buf();
+        let held = match File::open(&dir) {
+            Ok(f) => hold_new(f, &dir),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(held) = held {
+            return Ok((made, held));
+        }
+        last = Some(dir);
+    }
+    Err(swept_away(last.as_deref().unwrap_or(Path::new("folder"))))
 }
 
 /// Whether another open file description holds `f`'s lock (a live writer or creator, in this
@@ -593,6 +647,92 @@ mod tests {
         let names: Vec<_> = std::fs::read_dir(d.path()).unwrap().flatten().collect();
         assert_eq!(names.len(), 2, "{names:?}");
         assert_eq!(std::fs::read(q.join("inside")).unwrap(), b"x");
+    }
+
+    /// Where the sweeper child of [`what_is_made_is_held_though_another_namespace_sweeps`]
+    /// sweeps, given by its parent.
+    const SWEEP_DIR: &str = "EXPERTMESH_FILES_TEST_SWEEP_DIR";
+
+    /// Not a test of its own: the sweeper child of
+    /// [`what_is_made_is_held_though_another_namespace_sweeps`], which runs this test binary
+    /// again with only this test and the folder in its environment. Alone it does nothing.
+    #[test]
+    fn sweeper_child() {
+        let Some(dir) = std::env::var_os(SWEEP_DIR).map(PathBuf::from) else {
+            return;
+        };
+        let parent = std::os::unix::process::parent_id();
+        let gone = gone_pid();
+        std::fs::write(dir.join("ready"), b"").unwrap();
+        // Every temporary name's writer looks gone to this sweeper, as a writer in another
+        // PID namespace does: only the lock keeps an entry.
+        while !dir.join("stop").exists() && !process_gone(parent) {
+            remove_left_by_gone_processes(&dir, |n| n.starts_with('.').then_some(gone));
+        }
+    }
+
+    /// Kills the sweeper child however the test ends.
+    struct Sweeper(std::process::Child);
+
+    impl Drop for Sweeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// A file or folder this process makes is held at its path once made, even while another
+    /// process sweeps the folder taking every unlocked entry for stale (a sweeper in another
+    /// PID namespace): between a make and its lock the sweeper may take and remove the new
+    /// entry, and then the entry is made again, never handed out removed or refused.
+    #[test]
+    fn what_is_made_is_held_though_another_namespace_sweeps() {
+        let d = tempfile::tempdir().unwrap();
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::sweeper_child",
+                "--quiet",
+                "--test-threads=1",
+            ])
+            .env(SWEEP_DIR, d.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut sweeper = Sweeper(child);
+        while !d.path().join("ready").exists() {
+            assert!(
+                sweeper.0.try_wait().unwrap().is_none(),
+                "the sweeper child ended"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let at_its_path = |p: &Path, held: &Held| {
+            let now = std::fs::symlink_metadata(p)
+                .unwrap_or_else(|e| panic!("{} held but not there: {e}", p.display()));
+            assert_eq!(identity(&now), identity(&held.metadata().unwrap()));
+        };
+        let mut names = 0..;
+        for n in 0..3000 {
+            let p = d.path().join(format!(".x.tmp-1-{n}"));
+            let held = create_locked(&p, None).unwrap();
+            at_its_path(&p, &held);
+            std::fs::remove_file(&p).unwrap();
+            drop(held);
+            let (dir, held) = make_locked_folder(
+                || {
+                    let q = d.path().join(format!(".y.tmp-1-{}", names.next().unwrap()));
+                    std::fs::create_dir(&q).map(|()| q)
+                },
+                |q| q.as_path(),
+            )
+            .unwrap();
+            at_its_path(&dir, &held);
+            std::fs::remove_dir(&dir).unwrap();
+        }
+        std::fs::write(d.path().join("stop"), b"").unwrap();
+        let status = sweeper.0.wait().unwrap();
+        assert!(status.success(), "the sweeper child: {status}");
     }
 
     /// A name left by an earlier life of this process id is taken over; one a live writer

@@ -295,7 +295,7 @@ impl RingConsumer {
         }
         let map = memmap2::MmapOptions::new()
             .len(total as usize)
-            .map_raw(file.file())
+            .map_raw(&*file)
             .map_err(|source| {
                 let _ = std::fs::remove_file(&path);
                 ShmError::Io {

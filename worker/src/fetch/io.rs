@@ -76,7 +76,7 @@ impl CopyCache {
                 || {
                     tempfile::Builder::new()
                         .prefix(&prefix)
-                        .permissions(private)
+                        .permissions(private.clone())
                         .tempdir_in(&tmp)
                 },
                 tempfile::TempDir::path,
