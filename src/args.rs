@@ -22,6 +22,30 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
+/// Longest wait a duration flag takes: a day. Larger values (and negative or NaN ones) are
+/// refused before anything starts: a deadline past what the clock holds would panic later.
+pub(crate) const LONGEST_WAIT_S: u64 = 86_400;
+
+/// Parses a duration flag in seconds: a number from 0 to [`LONGEST_WAIT_S`].
+pub(crate) fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=LONGEST_WAIT_S as f64).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds from 0 to {LONGEST_WAIT_S} (a day)"
+        )),
+    }
+}
+
+/// A duration flag in whole milliseconds: at most [`LONGEST_WAIT_S`] seconds.
+pub(crate) fn millis_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(..=LONGEST_WAIT_S * 1000)
+}
+
+/// A duration flag in whole seconds: at most [`LONGEST_WAIT_S`].
+pub(crate) fn whole_seconds_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(..=LONGEST_WAIT_S)
+}
+
 pub(crate) fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
     expertmesh_fabric::endpoint::parse_endpoint(s)
 }
@@ -192,10 +216,10 @@ pub(crate) struct RouterArgs {
     #[arg(long, default_value_t = 256)]
     pub(crate) max_tokens: usize,
     /// Deadline of requests that carry none, in milliseconds.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = millis_parser())]
     pub(crate) deadline_ms: u64,
     /// Longest deadline a request may ask for, in milliseconds (longer ones are cut to it).
-    #[arg(long, default_value_t = 60_000)]
+    #[arg(long, default_value_t = 60_000, value_parser = millis_parser())]
     pub(crate) max_deadline_ms: u64,
     /// Tokens of admitted, unanswered requests, all frontends together: beyond this (or a
     /// frontend's fair share of it) requests are refused with Overloaded before their data is
@@ -203,7 +227,7 @@ pub(crate) struct RouterArgs {
     #[arg(long, default_value_t = 2048)]
     pub(crate) max_inflight_tokens: usize,
     /// Re-send a part to a replica after this many milliseconds without an answer.
-    #[arg(long, default_value_t = 3_000)]
+    #[arg(long, default_value_t = 3_000, value_parser = millis_parser())]
     pub(crate) straggler_ms: u64,
     /// Most connections one frontend name may hold open to a router (0: no limit); one more
     /// is refused, saying so, so that one frontend cannot take every connection's memory.
@@ -211,8 +235,13 @@ pub(crate) struct RouterArgs {
     pub(crate) max_connections_per_frontend: u32,
     /// Close a frontend connection that has sent no request for this many seconds and has
     /// none in flight (0: never).
-    #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs())]
+    #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
     pub(crate) frontend_idle_timeout_s: u64,
+    /// Close a frontend connection that leaves a frame half sent, or half of an answer
+    /// untaken, for this many seconds (plus one per 16 MiB of the frame; 0: never): it would
+    /// otherwise hold its request's share of the router's capacity while its socket is open.
+    #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_FRAME_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
+    pub(crate) frontend_frame_timeout_s: u64,
     /// Frontend names whose connections may change the placement (`expertmesh rebalance`,
     /// `drain`); others are refused with NotPermitted. Checked where frontends are
     /// authenticated (credentials); issue the credential with `expertmesh keys issue --frontend
@@ -222,12 +251,15 @@ pub(crate) struct RouterArgs {
 }
 
 impl RouterArgs {
-    /// `--max-connections-per-frontend`, `--frontend-idle-timeout-s` and `--placement-admins`.
+    /// `--max-connections-per-frontend`, `--frontend-idle-timeout-s`,
+    /// `--frontend-frame-timeout-s` and `--placement-admins`.
     pub(crate) fn frontend_limits(&self) -> expertmesh_fabric::local::FrontendLimits {
         expertmesh_fabric::local::FrontendLimits {
             max_connections_per_frontend: self.max_connections_per_frontend,
             idle_timeout: (self.frontend_idle_timeout_s > 0)
                 .then(|| Duration::from_secs(self.frontend_idle_timeout_s)),
+            frame_timeout: (self.frontend_frame_timeout_s > 0)
+                .then(|| Duration::from_secs(self.frontend_frame_timeout_s)),
             placement_admins: self.placement_admins.clone(),
         }
     }
@@ -330,7 +362,7 @@ pub(crate) struct AutoRebalanceArgs {
     /// Replan the placement every SECONDS from the load this router routed since the last
     /// round, and apply the new one live (no call fails) when the planner predicts at least
     /// --auto-rebalance-min-gain (the busiest device's load before / after). Router 0 only.
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     pub(crate) auto_rebalance_every: Option<f64>,
     /// The predicted gain a change needs (at least 1).
     #[arg(long, default_value_t = 1.2, value_name = "RATIO")]
@@ -339,7 +371,7 @@ pub(crate) struct AutoRebalanceArgs {
     #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
     pub(crate) auto_rebalance_min_tokens: u64,
     /// How long each step of an automatic change may take.
-    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_seconds)]
     pub(crate) auto_rebalance_timeout_s: f64,
 }
 

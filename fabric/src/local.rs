@@ -80,9 +80,10 @@ pub struct LocalFabricOptions {
 }
 
 /// Limits on a router's frontend connections (`--max-connections-per-frontend`,
-/// `--frontend-idle-timeout-s`, `--placement-admins`): how many one frontend name may hold
-/// open, how long one may sit idle (no request, none in flight) before the router closes it,
-/// and which frontends may change the placement.
+/// `--frontend-idle-timeout-s`, `--frontend-frame-timeout-s`, `--placement-admins`): how many
+/// one frontend name may hold open, how long one may sit idle (no request, none in flight) or
+/// leave a frame half sent or half taken before the router closes it, and which frontends
+/// may change the placement.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendLimits {
     /// Most connections per frontend name (0: no limit).
@@ -91,6 +92,10 @@ pub struct FrontendLimits {
     pub idle_timeout: Option<Duration>,
     /// Frontend names that may change the placement (`--placement-admins`).
     pub placement_admins: Vec<String>,
+    /// How long a frame begun may take to arrive or to be taken
+    /// (`--frontend-frame-timeout-s`; `None`: no limit), see
+    /// [`FrontendConfig::frame_timeout`].
+    pub frame_timeout: Option<Duration>,
 }
 
 impl Default for FrontendLimits {
@@ -102,6 +107,7 @@ impl Default for FrontendLimits {
             placement_admins: vec![
                 expertmesh_transport::frontend::DEFAULT_PLACEMENT_ADMIN.to_owned(),
             ],
+            frame_timeout: Some(expertmesh_transport::frontend::DEFAULT_FRONTEND_FRAME_TIMEOUT),
         }
     }
 }
@@ -111,6 +117,7 @@ impl FrontendLimits {
     pub fn apply(&self, f: &mut FrontendConfig) {
         f.max_connections_per_frontend = self.max_connections_per_frontend;
         f.idle_timeout = self.idle_timeout;
+        f.frame_timeout = self.frame_timeout;
         f.placement_admins.clone_from(&self.placement_admins);
     }
 }

@@ -49,7 +49,7 @@ pub(crate) struct RouterCli {
     threads: usize,
     /// On SIGTERM or SIGINT, how long to keep answering the requests already admitted (new
     /// ones are refused, saying the router is draining) before exiting.
-    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", value_parser = crate::args::parse_seconds)]
     drain_timeout_s: f64,
     #[command(flatten)]
     observe: ObserveArgs,
@@ -105,7 +105,7 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let observers = observe::start(&cli.observe.options(), &[&service], &dep.spec)?;
     let auto = cli.auto.start(instance, &service, &dep)?;
     let signal = expertmesh_fabric::process::wait_for_stop_signal()?;
-    let drain = Duration::try_from_secs_f64(cli.drain_timeout_s).unwrap_or(Duration::ZERO);
+    let drain = Duration::from_secs_f64(cli.drain_timeout_s);
     println!(
         "expertmesh router {instance}: {signal}: draining (up to {:.0} s)",
         drain.as_secs_f64()

@@ -248,6 +248,36 @@ fn up_refuses_request_limits_that_no_request_could_pass() {
     }
 }
 
+/// Durations past what a deadline can hold (they made the router panic when a connection,
+/// a drain or a rebalancing step first added them to the clock), negative or not numbers are
+/// refused before anything starts (exit 2), naming the flag and the range it takes.
+#[test]
+fn duration_flags_out_of_range_are_refused_naming_the_flag() {
+    for (flag, value) in [
+        ("--frontend-idle-timeout-s", "18446744073709551615"),
+        ("--frontend-frame-timeout-s", "86401"),
+        ("--deadline-ms", "18446744073709551615"),
+        ("--straggler-ms", "90000000"),
+        ("--auto-rebalance-timeout-s", "1e19"),
+        ("--auto-rebalance-every", "NaN"),
+        ("--auto-rebalance-every", "-5"),
+    ] {
+        let mut c = up_demo_small();
+        c.arg(format!("{flag}={value}"));
+        let r = run(c, Duration::from_secs(60));
+        let all = format!("{}{}", r.stdout, r.stderr);
+        assert_eq!(r.code, Some(2), "{flag} {value}: {all}");
+        assert!(r.stderr.contains(flag), "{flag} {value}: {all}");
+        assert!(
+            !r.stdout.contains("frontends:"),
+            "{flag} {value}: nothing was announced:\n{all}"
+        );
+    }
+    let r = crate::support::run(&["router", "--drain-timeout-s=-5"]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("--drain-timeout-s"), "{}", r.stderr);
+}
+
 #[test]
 fn frontends_are_refused_naming_the_missing_workers_until_every_worker_is_up() {
     let _machine = crate::support::shared();

@@ -16,8 +16,8 @@
 //! deadline (84% of the other client's requests failed).
 
 use expertmesh_benches::overload::{LoadReport, OverloadLoad, load_input, proc_memory, run_load};
-use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
-use expertmesh_transport::dtype::ActivationDtype;
+use expertmesh_transport::codec::{self, Body, ErrorCode, LayerRequest};
+use expertmesh_transport::dtype::{self, ActivationDtype};
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -38,6 +38,11 @@ struct Up {
 
 impl Up {
     fn start() -> Up {
+        Self::start_with(&[])
+    }
+
+    /// `up` with `extra` arguments.
+    fn start_with(extra: &[&str]) -> Up {
         let dir = tempfile::tempdir().unwrap();
         let topo = two_cpu_topology(
             &dir.path().join("overload.toml"),
@@ -53,6 +58,7 @@ impl Up {
             .args(["--model", "demo-small"])
             .arg("--placement")
             .arg(root().join("examples/single-host-demo-small.placement.toml"))
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -305,4 +311,71 @@ fn a_short_deadline_fails_only_its_own_requests() {
         r.modest_failed,
         r.modest_first_error
     );
+}
+
+/// A frontend that stops in the middle of an admitted request's payload (a client host that
+/// died mid-frame) holds that request's share of the router's capacity only until the frame
+/// timeout: the router closes its connection and gives the share back. Here the stalled
+/// request is 64 tokens, the router's whole `--max-inflight-tokens`, so a 64-token call on
+/// another connection is served only once the share is back. Without the timeout the stalled
+/// connection stays open (this test's 60 s cap).
+#[test]
+fn a_request_stalled_mid_frame_gives_its_share_back() {
+    let _machine = crate::support::shared();
+    let up = Up::start_with(&[
+        "--frontend-frame-timeout-s",
+        "1",
+        "--max-tokens",
+        "64",
+        "--max-inflight-tokens",
+        "64",
+    ]);
+    let rt = rt();
+    let cfg = frontend();
+    let request = |id: u64, tokens: usize| {
+        let x: Vec<f32> = (0..tokens * HIDDEN)
+            .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let mut payload =
+            vec![0u8; ActivationDtype::F32.payload_bytes(tokens, HIDDEN).unwrap() as usize];
+        dtype::encode_activations(ActivationDtype::F32, tokens, HIDDEN, &x, &mut payload).unwrap();
+        let body = Body::LayerRequest(LayerRequest {
+            request_id: id,
+            layer: LAYER,
+            tokens: tokens as u32,
+            hidden: HIDDEN as u32,
+            dtype: ActivationDtype::F32,
+            logit_experts: 0,
+            deadline_us: 20_000_000,
+        });
+        (body, payload)
+    };
+    rt.block_on(async {
+        let mut stalled = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        let (body, payload) = request(1, 64);
+        let mut head = Vec::new();
+        codec::encode_head(&body, &payload, &cfg.codec, &mut head).unwrap();
+        stalled.write_raw(&head).await.unwrap();
+        stalled
+            .write_raw(&payload[..payload.len() / 2])
+            .await
+            .unwrap();
+        let end = tokio::time::timeout(Duration::from_secs(60), stalled.read_frame())
+            .await
+            .expect("the router still holds a request stalled mid-frame after 60 s");
+        assert!(end.is_err(), "no answer to half a request: {end:?}");
+
+        let mut other = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        let (body, payload) = request(2, 64);
+        other.write_frame(&body, &payload).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(60), other.read_frame())
+            .await
+            .expect("no answer within 60 s")
+            .unwrap();
+        assert!(
+            matches!(answer.body(), Body::LayerResponse(r) if r.request_id == 2 && r.tokens == 64),
+            "the whole capacity is free again: {:?}",
+            answer.body()
+        );
+    });
 }

@@ -75,6 +75,25 @@ pub struct FrontendConfig {
     /// Server side: the frontend names whose connections may change the placement of a running
     /// fabric (`expertmesh rebalance` and `drain`), see [`FrontendConfig::may_change_placement`].
     pub placement_admins: Vec<String>,
+    /// Server side: a frame begun (its header read) must arrive whole, and an answer must be
+    /// taken whole, within this plus a second per [`FRAME_MIN_BYTES_PER_SECOND`] of its
+    /// length; otherwise the connection is closed (`None`: never). A frontend that stops
+    /// mid-frame would otherwise hold its request's share of the router's capacity and its
+    /// buffers for as long as its socket stays open. See [`frame_deadline`].
+    pub frame_timeout: Option<Duration>,
+}
+
+/// Default [`FrontendConfig::frame_timeout`]: 30 seconds.
+pub const DEFAULT_FRONTEND_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The slowest transfer [`FrontendConfig::frame_timeout`] waits for beyond its base: 16 MiB/s
+/// (a 64 MiB frame gets 4 more seconds).
+pub const FRAME_MIN_BYTES_PER_SECOND: u64 = 16 << 20;
+
+/// How long a frame of `bytes` may take to arrive or to be taken: `base` plus a second per
+/// [`FRAME_MIN_BYTES_PER_SECOND`].
+pub fn frame_deadline(base: Duration, bytes: usize) -> Duration {
+    base + Duration::from_secs_f64(bytes as f64 / FRAME_MIN_BYTES_PER_SECOND as f64)
 }
 
 /// Default [`FrontendConfig::placement_admins`]: the frontend named "admin" (`expertmesh keys
@@ -174,7 +193,7 @@ impl FrontendConfig {
     /// Defaults for `cluster`: no credentials, 64 MiB frames, 5 s handshake, 8 handshakes per
     /// source address and 64 in all, an 8 GiB connection memory budget, 32 connections per
     /// frontend name, idle connections closed after 5 minutes, placement changes from frontend
-    /// "admin" only (where frontends are authenticated).
+    /// "admin" only (where frontends are authenticated), 30 s for a frame begun.
     pub fn new(cluster: impl Into<String>) -> Self {
         Self {
             cluster: cluster.into(),
@@ -192,6 +211,7 @@ impl FrontendConfig {
             max_connections_per_frontend: DEFAULT_MAX_CONNECTIONS_PER_FRONTEND,
             idle_timeout: Some(DEFAULT_FRONTEND_IDLE_TIMEOUT),
             placement_admins: vec![DEFAULT_PLACEMENT_ADMIN.to_owned()],
+            frame_timeout: Some(DEFAULT_FRONTEND_FRAME_TIMEOUT),
         }
     }
 
@@ -431,6 +451,8 @@ impl IncomingClient {
                 budget.map(|reservation| (slot, reservation))
             });
         let mut c = FrameConnection::from_stream(self.stream, peer, self.cfg.codec, crypt);
+        c.reader.frame_timeout = self.cfg.frame_timeout;
+        c.writer.frame_timeout = self.cfg.frame_timeout;
         match admitted {
             Ok((slot, reservation)) => {
                 c.reader.reservation = Some(reservation);
@@ -560,6 +582,7 @@ impl FrameConnection {
                 reservation: None,
                 frontend_slot: None,
                 frontend: String::new(),
+                frame_timeout: None,
             },
             writer: FrameWriter {
                 write: w,
@@ -567,6 +590,8 @@ impl FrameConnection {
                 codec,
                 head: Vec::with_capacity(256),
                 seal: crypt.seal,
+                frame_timeout: None,
+                broken: None,
             },
         }
     }
@@ -636,6 +661,8 @@ pub struct FrameReader {
     frontend_slot: Option<FrontendConnectionSlot>,
     /// Server side: the frontend name the client authenticated as.
     frontend: String,
+    /// Server side: [`FrontendConfig::frame_timeout`] for the rest of a frame begun.
+    frame_timeout: Option<Duration>,
 }
 
 impl FrameReader {
@@ -649,8 +676,18 @@ impl FrameReader {
     pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
         loop {
             let peer = self.peer;
-            let (header, buf) = match self.read.read_frame(&self.codec, &self.pool).await {
-                Ok(f) => f,
+            let read = async {
+                let header = self.read.read_header(&self.codec).await?;
+                let body = self.read.read_body(&header, &self.pool);
+                let len = header.frame_len as usize;
+                match within(self.frame_timeout, peer, len, body).await {
+                    Ok(buf) => Ok(Ok((header, buf?))),
+                    Err(stalled) => Ok(Err(stalled)),
+                }
+            };
+            let (header, buf) = match read.await {
+                Ok(Ok(f)) => f,
+                Ok(Err(stalled)) => return Err(stalled),
                 Err(ReadError::Eof) => return Err(FrontendError::Closed { peer }),
                 Err(ReadError::Io(source)) => return Err(FrontendError::Io { peer, source }),
                 Err(ReadError::Integrity(error)) => {
@@ -769,10 +806,9 @@ impl FrameReader {
             .read_header(&self.codec)
             .await
             .map_err(|e| read_error(peer, e))?;
-        let head = self
-            .read
-            .read_meta(&header, MAX_HEAD_META_BYTES)
-            .await
+        let meta = self.read.read_meta(&header, MAX_HEAD_META_BYTES);
+        let head = within(self.frame_timeout, peer, header.frame_len as usize, meta)
+            .await?
             .map_err(|e| read_error(peer, e))?;
         let (body, request_id) = match head {
             None => (None, None),
@@ -799,10 +835,9 @@ impl FrameReader {
     pub async fn read_payload(&mut self, head: FrameHead) -> Result<ClientFrame, FrontendError> {
         let peer = self.peer;
         let header = head.header;
-        let buf = self
-            .read
-            .read_body(&header, &self.pool)
-            .await
+        let body = self.read.read_body(&header, &self.pool);
+        let buf = within(self.frame_timeout, peer, header.frame_len as usize, body)
+            .await?
             .map_err(|e| read_error(peer, e))?;
         match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
             Ok((body, payload)) => Ok(ClientFrame { body, buf, payload }),
@@ -819,11 +854,44 @@ impl FrameReader {
     /// through a small fixed buffer: nothing of the size the header announces is allocated.
     pub async fn skip_payload(&mut self, head: FrameHead) -> Result<(), FrontendError> {
         let peer = self.peer;
-        self.read
-            .skip_body(&head.header)
-            .await
+        let skip = self.read.skip_body(&head.header);
+        within(self.frame_timeout, peer, head.frame_len(), skip)
+            .await?
             .map_err(|e| read_error(peer, e))
     }
+}
+
+/// Runs `io`, the rest of a frame of `frame_bytes` to or from `peer`, within
+/// [`frame_deadline`] of `base` (no limit without one): past it, an error naming the stall.
+/// The stream is then no longer framed: the caller closes the connection.
+async fn within<T>(
+    base: Option<Duration>,
+    peer: SocketAddr,
+    frame_bytes: usize,
+    io: impl std::future::Future<Output = T>,
+) -> Result<T, FrontendError> {
+    let Some(base) = base else {
+        return Ok(io.await);
+    };
+    let limit = frame_deadline(base, frame_bytes);
+    tokio::time::timeout(limit, io).await.map_err(|_| {
+        let source = std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "a frame of {frame_bytes} bytes was not sent or taken whole within {limit:.1?} \
+                 (the frontend stopped mid-frame, or stopped reading its answers; router \
+                 --frontend-frame-timeout-s): connection closed"
+            ),
+        );
+        FrontendError::Io { peer, source }
+    })
+}
+
+/// Shuts both directions of `stream` down (a reader blocked on it sees the end).
+fn shut_down(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: shutdown on a socket this stream owns; no memory is passed.
+    unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_RDWR) };
 }
 
 /// Writing half of a [`FrameConnection`].
@@ -835,6 +903,10 @@ pub struct FrameWriter {
     head: Vec<u8>,
     /// Seals every frame when the connection is encrypted.
     seal: Option<SealBuf>,
+    /// Server side: [`FrontendConfig::frame_timeout`] for writing a frame.
+    frame_timeout: Option<Duration>,
+    /// Why the connection can no longer be written (a frame was left half written).
+    broken: Option<String>,
 }
 
 impl FrameWriter {
@@ -849,9 +921,22 @@ impl FrameWriter {
                 error,
             }
         })?;
-        write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload)
-            .await
-            .map_err(|source| FrontendError::Io { peer, source })
+        if let Some(why) = &self.broken {
+            let source = std::io::Error::new(std::io::ErrorKind::BrokenPipe, why.clone());
+            return Err(FrontendError::Io { peer, source });
+        }
+        let bytes = self.head.len() + payload.len();
+        let write = write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload);
+        match within(self.frame_timeout, peer, bytes, write).await {
+            Ok(written) => written.map_err(|source| FrontendError::Io { peer, source }),
+            Err(e) => {
+                // Half a frame is on the wire: nothing more can be written, and the reading
+                // half must stop too (shutting the socket down wakes its read).
+                self.broken = Some(e.to_string());
+                shut_down(self.write.as_ref());
+                Err(e)
+            }
+        }
     }
 
     /// Writes raw bytes as they are: for tests of how a server handles malformed frames.

@@ -288,3 +288,99 @@ async fn garbage_closes_only_that_connection_and_auth_failures_are_refused() {
         .unwrap();
     assert_eq!(f.body().request_id(), Some(1));
 }
+
+/// A client that stops sending in the middle of a frame (its header read, half its payload
+/// sent) is closed once the frame timeout passes, instead of holding the server's reader
+/// (and, in the router, its request's share of the capacity) for as long as its socket stays
+/// open. Without the timeout this test waits out its 30 s cap and fails.
+#[tokio::test]
+async fn a_client_that_stops_mid_frame_is_closed_after_the_frame_timeout() {
+    let mut cfg = FrontendConfig::new("fe");
+    cfg.frame_timeout = Some(Duration::from_millis(300));
+    let addr = start(cfg.clone()).await;
+    let (mut s, _) = raw_client(addr, &cfg).await;
+    let (body, payload, _) = request(21, 64, 256);
+    let raw = codec::encode_frame(&body, &payload, &cfg.codec).unwrap();
+    s.write_all(&raw[..raw.len() / 2]).await.unwrap();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(T, s.read_to_end(&mut rest)).await;
+    assert!(
+        ended.is_ok(),
+        "the server still holds a connection stalled mid-frame after {T:?}"
+    );
+    assert!(rest.is_empty(), "no answer to half a frame: {rest:?}");
+}
+
+/// A server's answer that its client does not take (it never reads) fails its write once the
+/// frame timeout passes, naming the stall; the connection is then shut down: the next write
+/// fails at once and the client sees the end of the stream. Without the timeout the write
+/// waits forever (this test's 30 s cap).
+#[tokio::test]
+async fn an_answer_the_client_does_not_take_fails_its_write_and_ends_the_connection() {
+    let mut cfg = FrontendConfig::new("fe");
+    cfg.frame_timeout = Some(Duration::from_millis(300));
+    let listener = FrameListener::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (_r, mut w) = listener
+            .accept()
+            .await
+            .unwrap()
+            .handshake()
+            .await
+            .unwrap()
+            .split();
+        let answer = Body::LayerResponse(LayerResponse {
+            request_id: 1,
+            tokens: 256,
+            hidden: 1024,
+            dtype: OutputDtype::F32,
+        });
+        let payload = vec![0u8; 256 * 1024 * 4];
+        // One MiB answers until the socket buffers are full and a write stalls.
+        let mut written = 0usize;
+        let failed = loop {
+            match w.write_frame(&answer, &payload).await {
+                Ok(()) => written += 1,
+                Err(e) => break e,
+            }
+        };
+        let again = w.write_frame(&answer, &payload).await;
+        (written, failed, again)
+    });
+    let mut c = FrameConnection::connect(addr, &FrontendConfig::new("fe"))
+        .await
+        .unwrap();
+    let (written, failed, again) = tokio::time::timeout(T, server)
+        .await
+        .expect("the stalled write did not fail within 30 s")
+        .unwrap();
+    let FrontendError::Io { source, .. } = &failed else {
+        panic!("{failed}")
+    };
+    assert_eq!(source.kind(), std::io::ErrorKind::TimedOut, "{failed}");
+    assert!(
+        failed.to_string().contains("not sent or taken whole"),
+        "{failed}"
+    );
+    assert!(
+        matches!(&again, Err(FrontendError::Io { source, .. }) if source.kind() == std::io::ErrorKind::BrokenPipe),
+        "a write after the stall: {again:?}"
+    );
+    // The client reads what was sent whole, then the end (or a reset): never a hang.
+    let mut whole = 0usize;
+    let end = tokio::time::timeout(T, async {
+        loop {
+            match c.read_frame().await {
+                Ok(_) => whole += 1,
+                Err(e) => break e,
+            }
+        }
+    })
+    .await
+    .expect("the client saw no end of the stream within 30 s");
+    assert!(whole <= written, "{whole} answers read, {written} written");
+    eprintln!("{written} answers written before the stall; the client read {whole}, then: {end}");
+}
