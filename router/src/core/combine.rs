@@ -184,10 +184,19 @@ impl RouterCore {
             }
         }
         // Only the requests answered: a member already failed past its deadline was counted
-        // as that error, its latency is not a request's duration.
-        let answered = b.members.iter().filter(|m| !m.expired).count();
-        self.metrics.on_completed(id, answered, now);
+        // as that error, its latency is not a request's duration; one whose output overflowed
+        // is failed alone ([`not_finite`]).
+        let mut answered = Vec::with_capacity(b.members.len());
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
+            match not_finite(&output, h) {
+                Some(message) => {
+                    self.fail_one(m.client, m.request_id, ErrorCode::InvalidInput, message);
+                }
+                None => answered.push((m, output)),
+            }
+        }
+        self.metrics.on_completed(id, answered.len(), now);
+        for (m, output) in answered {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;
             self.actions.push_back(Action::Respond {
@@ -198,6 +207,22 @@ impl RouterCore {
             });
         }
     }
+}
+
+/// Why a request's combined `output` (rows of `hidden`) cannot be its answer: the first value
+/// that is not finite, named by token and column. Inputs are finite (checked on arrival) and
+/// so are the gate's logits (checked before routing), but hidden states near f32's limit can
+/// still overflow the experts' arithmetic: that request fails alone, as its overflowing gate
+/// would have, instead of being answered with infinities marked as success.
+fn not_finite(output: &[f32], hidden: usize) -> Option<String> {
+    let i = output.iter().position(|v| !v.is_finite())?;
+    Some(format!(
+        "token {}: the layer's output is not finite ({} at hidden column {}): hidden states \
+         this large overflow the experts' f32 arithmetic; check the inputs",
+        i / hidden,
+        output[i],
+        i % hidden
+    ))
 }
 
 impl Inflight {

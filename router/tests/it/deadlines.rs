@@ -4,15 +4,16 @@
 //! the latest of its members' deadlines; a request already past its deadline never reaches a
 //! worker; a deadline is capped by the router's maximum. Also the other way one request could
 //! fail its batch-mates: finite inputs so large that the gate's logits overflow fail that
-//! request alone.
+//! request alone, and so do finite inputs whose expert outputs overflow.
 //!
 //! Before per-request deadlines a merged batch took its members' shortest deadline and failed
 //! them all: one client sending `deadline_us = 1` failed most of another client's requests.
 
 use expertmesh_router::core::{ClientId, RouterConfig, SharedSite};
 use expertmesh_router::reference;
-use expertmesh_router::sim::{Answer, Sim, ZeroRows};
+use expertmesh_router::sim::{Answer, Sim, SimWorker, WorkerAnswer, ZeroRows};
 use expertmesh_topology::model::preset_by_name;
+use expertmesh_transport::codec::Dispatch;
 use expertmesh_transport::codec::{ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::ActivationDtype;
 use std::time::{Duration, Instant};
@@ -215,5 +216,60 @@ fn inputs_that_overflow_the_gate_fail_only_their_own_request() {
     let ok = sim.replies_to(1, 10);
     assert_eq!(code(&ok), [None], "{ok:?}");
     assert_eq!(ok[0].as_ref().unwrap().len(), 3 * h);
+    assert_eq!(sim.core.inflight(), 0);
+}
+
+/// A device whose first answer overflowed (rows of +inf, what SiLU(g)·u of hidden states
+/// near 1e20 gives in f32) and whose later answers are rows of zeros.
+struct OverflowsOnce(bool);
+
+impl SimWorker for OverflowsOnce {
+    fn answer(&mut self, d: &Dispatch, payload: &[u8]) -> WorkerAnswer {
+        let (res, rows) = ZeroRows.answer(d, payload)?;
+        if std::mem::replace(&mut self.0, true) {
+            return Ok((res, rows));
+        }
+        let inf: Vec<u8> = rows
+            .chunks(4)
+            .flat_map(|_| f32::INFINITY.to_le_bytes())
+            .collect();
+        Ok((res, inf.into()))
+    }
+}
+
+/// Expert outputs that overflow (finite inputs whose gate logits stay finite can still
+/// overflow the experts' f32 arithmetic) fail that request with InvalidInput naming its first
+/// token, instead of an answer of infinities marked as success; the core goes on serving.
+#[test]
+fn outputs_that_overflow_fail_their_request_naming_the_token() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let e = spec.routed_experts;
+    let cfg = RouterConfig {
+        batch_window: Duration::from_millis(1),
+        ..RouterConfig::default()
+    };
+    // One device holds every expert (and no shared one on the router), so a batch is one
+    // dispatch and one answer.
+    assert_eq!(spec.shared_experts, 0, "toy-softmax has no shared experts");
+    let mut sim = Sim::builder(&spec, &[(0..e).collect()])
+        .config(cfg)
+        .seed(7)
+        .device_prefix("dev")
+        .build(|_, _| Box::new(OverflowsOnce(false)));
+    let h = spec.hidden as usize;
+    request(&mut sim, 1, 10, 3, Duration::from_secs(5));
+    sim.advance(Duration::from_millis(2));
+    let failed = sim.replies_to(1, 10);
+    assert_eq!(code(&failed), [Some(ErrorCode::InvalidInput)], "{failed:?}");
+    let (_, msg) = failed[0].as_ref().unwrap_err();
+    assert!(
+        msg.starts_with("token 0:") && msg.contains("output is not finite (inf"),
+        "{msg}"
+    );
+    request(&mut sim, 1, 11, 2, Duration::from_secs(5));
+    sim.advance(Duration::from_millis(2));
+    let ok = sim.replies_to(1, 11);
+    assert_eq!(code(&ok), [None], "{ok:?}");
+    assert_eq!(ok[0].as_ref().unwrap().len(), 2 * h);
     assert_eq!(sim.core.inflight(), 0);
 }

@@ -100,13 +100,16 @@ impl CopyCache {
         Some(self.dir.get()?.as_ref()?.0.path().join(file_name(key)))
     }
 
-    /// Keeps `key`'s stream. A failure (a full disk) only means this device cannot copy
-    /// it on: logged, and the copy itself goes on.
+    /// Keeps `key`'s stream, whole or not at all (a temporary file renamed into place: a full
+    /// disk must not leave a truncated stream that [`CopyCache::get`] would serve). A failure
+    /// only means this device cannot copy it on: logged, and the copy itself goes on.
     pub(crate) fn put(&self, key: ExpertKey, stream: &[u8]) {
         let Some(dir) = self.folder() else {
             return;
         };
-        if let Err(e) = std::fs::write(dir.join(file_name(key)), stream) {
+        if let Err(e) =
+            expertmesh_files::write_whole(&dir.join(file_name(key)), stream, Some(0o600))
+        {
             tracing::warn!(
                 layer = key.layer,
                 expert = key.expert,
