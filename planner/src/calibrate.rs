@@ -156,10 +156,18 @@ pub struct BenchFile {
 impl BenchFile {
     /// Read a bench JSON file.
     pub fn load(path: &Path) -> Result<BenchFile, CalibrateError> {
-        let text = std::fs::read_to_string(path).map_err(|source| CalibrateError::Io {
+        let io = |source| CalibrateError::Io {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let text = expertmesh_topology::diag::read_capped_text(path)
+            .map_err(io)?
+            .map_err(|at| {
+                io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("byte {at}: the file is not UTF-8 text"),
+                ))
+            })?;
         BenchFile::from_json_str(path, &text)
     }
 

@@ -143,8 +143,9 @@ fn rows_of(v: &Value) -> Option<Vec<Vec<i64>>> {
 
 /// Read a map (see the module doc).
 pub fn import(path: &Path, topology: &Topology, model: &ModelSpec) -> Result<ImportedMap, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text = expertmesh_topology::diag::read_capped_text(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .map_err(|at| format!("{}: byte {at}: the file is not UTF-8 text", path.display()))?;
     import_str(&text, topology, model).map_err(|m| format!("{}: {m}", path.display()))
 }
 

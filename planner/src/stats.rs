@@ -521,7 +521,7 @@ impl CoSelection {
 // ---------------------------------------------------------------------------------------------
 
 fn read(path: &Path) -> Result<String, StatsError> {
-    let bytes = std::fs::read(path).map_err(|source| StatsError::Io {
+    let bytes = expertmesh_topology::diag::read_capped(path).map_err(|source| StatsError::Io {
         path: path.to_path_buf(),
         source,
     })?;

@@ -687,7 +687,9 @@ impl FrontendConn {
         let conn = match incoming.handshake().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(%peer, error = %e, "frontend handshake failed; connection refused");
+                // Already logged where it was refused, at most a few lines a second (a loop
+                // of garbage connections must not flood the log).
+                tracing::debug!(%peer, error = %e, "frontend handshake failed; connection refused");
                 return;
             }
         };

@@ -248,6 +248,27 @@ fn up_refuses_request_limits_that_no_request_could_pass() {
     }
 }
 
+/// A device given by mistake for a topology is refused once past any real file's size (it
+/// used to be read until the process was killed), and a JSON file is told that these files
+/// are TOML.
+#[test]
+fn validate_refuses_an_endless_file_and_names_json() {
+    let r = crate::support::run(&["validate", "/dev/zero"]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("/dev/zero") && r.stderr.contains("more than 256 MiB"),
+        "{}",
+        r.stderr
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("topology.json");
+    std::fs::write(&json, "{\"format\": 1, \"name\": \"x\"}\n").unwrap();
+    let r = crate::support::run(&["validate", json.to_str().unwrap()]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    let all = format!("{}{}", r.stdout, r.stderr);
+    assert!(all.contains("looks like JSON"), "{all}");
+}
+
 /// Durations past what a deadline can hold (they made the router panic when a connection,
 /// a drain or a rebalancing step first added them to the clock), negative or not numbers are
 /// refused before anything starts (exit 2), naming the flag and the range it takes.

@@ -226,10 +226,56 @@ pub fn sort_problems(problems: &mut [Problem]) {
     problems.sort_by_key(|p| p.location.map_or((usize::MAX, 0), |l| (l.line, l.column)));
 }
 
+/// Whether `text` that is not valid TOML starts as a JSON document does: `{`, or `[` followed
+/// by `{`, `"` or `]` (a TOML table header such as `[router]` or `[[devices]]` does not).
+fn looks_like_json(text: &str) -> bool {
+    let mut rest = text.trim_start_matches('\u{feff}').trim_start();
+    if rest.starts_with('{') {
+        return true;
+    }
+    let Some(after) = rest.strip_prefix('[') else {
+        return false;
+    };
+    rest = after.trim_start();
+    rest.starts_with(['{', '"', ']'])
+}
+
+/// Largest text file [`read_capped`] reads: 256 MiB, far above any topology, model,
+/// placement, load statistics or bench file (a placement of a thousand-expert model is a few
+/// MB), far below what reading `/dev/zero` by mistake would take before the process is killed.
+pub const MAX_TEXT_FILE_BYTES: u64 = 256 << 20;
+
+/// Reads `path` whole, refusing one larger than [`MAX_TEXT_FILE_BYTES`] with an error that
+/// names it (a device such as `/dev/zero` given by mistake; a pipe is read up to the limit).
+pub fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_TEXT_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_TEXT_FILE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "more than {} MiB: not a file of this kind (check the path)",
+                MAX_TEXT_FILE_BYTES >> 20
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// [`read_capped`] as UTF-8 text; `Err` holds the byte offset of the first byte that is not
+/// UTF-8 where the bytes were read.
+pub fn read_capped_text(path: &Path) -> std::io::Result<Result<String, usize>> {
+    let bytes = read_capped(path)?;
+    Ok(String::from_utf8(bytes).map_err(|e| e.utf8_error().valid_up_to()))
+}
+
 /// Read a whole file as UTF-8 text. A file that is read but is not UTF-8 is invalid (a problem
 /// at the first bad byte), not an I/O error.
 pub fn read_text(path: &Path) -> Result<String, FileError> {
-    let bytes = std::fs::read(path).map_err(|source| FileError::Io {
+    let bytes = read_capped(path).map_err(|source| FileError::Io {
         path: path.to_path_buf(),
         source,
     })?;
@@ -330,6 +376,13 @@ impl<'a> Ctx<'a> {
     pub(crate) fn parse<R: for<'de> Deserialize<'de>>(&mut self, schema: &Schema) -> Option<R> {
         let doc = match DeTable::parse(self.text) {
             Ok(doc) => doc,
+            Err(e) if looks_like_json(self.text) => {
+                let msg = "this file looks like JSON; topology, model and placement files are \
+                           TOML (the files in examples/ show the form)";
+                self.at(Some(0..0), "", msg.to_owned());
+                let _ = e;
+                return None;
+            }
             Err(e) => {
                 self.at(
                     e.span(),

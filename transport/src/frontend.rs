@@ -496,7 +496,7 @@ impl IncomingClient {
             let _ = write_vectored_all(&mut self.stream, &head, &[]).await;
             let _ = self.stream.shutdown().await;
         }
-        tracing::info!(%peer, "refused frontend client: {reason}");
+        log_refusal("frontend client", peer, None, &reason);
         FrontendError::Handshake {
             peer,
             source: ProtocolError::Refused {

@@ -8,8 +8,9 @@
 //!
 //! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
 //! in the kernel's accept queue, except that a new one takes the place of the oldest still
-//! waiting for its request head: idle connections cannot keep a cluster engine's health probe
-//! out), a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
+//! waiting for its request head, or else of the oldest of all: neither idle connections nor
+//! scrapers that stop reading their answers can keep a cluster engine's health probe out),
+//! a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
 //! [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
 //! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
 //! `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is served.
@@ -90,16 +91,17 @@ impl MetricsServer {
         registry: Registry,
         ready: Readiness,
     ) -> Result<Self, MetricsServerError> {
-        Self::start_with(listen, registry, ready, READ_TIMEOUT)
+        Self::start_with(listen, registry, ready, (READ_TIMEOUT, WRITE_TIMEOUT))
     }
 
-    /// [`MetricsServer::start_with_readiness`] with a request head's time limit (tests: a
-    /// limit no test outlasts, so what they see does not depend on the machine's speed).
+    /// [`MetricsServer::start_with_readiness`] with the time limits of a request head and of
+    /// a response (tests: limits no test outlasts, so what they see does not depend on the
+    /// machine's speed).
     fn start_with(
         listen: SocketAddr,
         registry: Registry,
         ready: Readiness,
-        read_timeout: Duration,
+        (read_timeout, write_timeout): (Duration, Duration),
     ) -> Result<Self, MetricsServerError> {
         let bind = |source| MetricsServerError::Bind {
             addr: listen,
@@ -118,6 +120,7 @@ impl MetricsServer {
             registry,
             ready,
             read_timeout,
+            write_timeout,
         });
         let thread = std::thread::Builder::new()
             .name("metrics-http".into())
@@ -171,7 +174,8 @@ struct Served {
 }
 
 /// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once; with every slot taken, a
-/// new connection ends the oldest one still waiting for its request head.
+/// new connection ends the oldest one still waiting for its request head, or else the oldest
+/// of all (answers its client is slow to take, or does not take).
 async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut served: std::collections::VecDeque<Served> = std::collections::VecDeque::new();
@@ -189,7 +193,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>
             let waiting = served
                 .iter()
                 .position(|c| !c.head_read.load(std::sync::atomic::Ordering::Acquire));
-            if let Some(c) = waiting.and_then(|i| served.remove(i)) {
+            if let Some(c) = served.remove(waiting.unwrap_or(0)) {
                 c.task.abort(); // its permit comes back as the task is dropped
             }
         }
@@ -242,7 +246,7 @@ async fn serve_one(
         stream.write_all(&out).await?;
         stream.shutdown().await
     };
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+    let _ = tokio::time::timeout(registry.write_timeout, write).await;
 }
 
 /// The request head (up to the blank line), or `None` when the client closed first or sent
@@ -285,6 +289,8 @@ struct Endpoints {
     ready: Readiness,
     /// How long a client may take to send its request head ([`READ_TIMEOUT`]).
     read_timeout: Duration,
+    /// How long writing one response may take ([`WRITE_TIMEOUT`]).
+    write_timeout: Duration,
 }
 
 /// Status and body for a request head.
@@ -377,7 +383,7 @@ mod tests {
             "127.0.0.1:0".parse().unwrap(),
             registry,
             Arc::new(|| Ok(())),
-            hour,
+            (hour, hour),
         )
         .unwrap();
         let addr = server.local_addr();
@@ -398,6 +404,62 @@ mod tests {
         assert!(states[3..].iter().all(|&o| o), "{states:?}");
         drop(server);
         assert!(std::net::TcpStream::connect(addr).is_err());
+    }
+
+    /// Scrapers that stop reading a large answer take every slot; a health probe is still
+    /// answered (the oldest of them gives way), not held until their writes time out. Here the
+    /// time limits are an hour, so only that eviction can answer the probe.
+    #[test]
+    fn scrapers_that_stop_reading_do_not_keep_a_health_probe_out() {
+        use prometheus_client::encoding::EncodeLabelSet;
+        use prometheus_client::metrics::family::Family;
+        use std::os::fd::AsRawFd;
+        #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+        struct Labels {
+            series: u32,
+        }
+        // About 12 MB of text: far more than a socket's buffers hold.
+        let family: Family<Labels, Counter> = Family::default();
+        for series in 0..200_000 {
+            family.get_or_create(&Labels { series }).inc();
+        }
+        let mut registry = Registry::default();
+        registry.register("expertmesh_test_many_series", "Many series", family);
+        let hour = Duration::from_secs(3600);
+        let server = MetricsServer::start_with(
+            "127.0.0.1:0".parse().unwrap(),
+            registry,
+            Arc::new(|| Ok(())),
+            (hour, hour),
+        )
+        .unwrap();
+        let addr = server.local_addr();
+        let stalled: Vec<std::net::TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                let small: libc::c_int = 4096;
+                // SAFETY: setsockopt on an open socket with a valid c_int option value.
+                unsafe {
+                    libc::setsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_RCVBUF,
+                        (&small as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+                // The answer has begun (its head was read): then this scraper stops reading.
+                let mut start = [0u8; 12];
+                s.read_exact(&mut start).unwrap();
+                assert_eq!(&start, b"HTTP/1.1 200");
+                s
+            })
+            .collect();
+        let live = get(addr, "GET /live HTTP/1.0\r\n\r\n");
+        assert!(live.starts_with("HTTP/1.1 200 OK\r\n"), "{live}");
+        drop(stalled);
     }
 
     #[test]

@@ -324,6 +324,27 @@ fn syntax_errors_carry_line_and_column() {
     assert!(p[0].message().starts_with("TOML syntax error"), "{}", p[0]);
 }
 
+/// A topology written as JSON is told so (the files are TOML), not given a TOML syntax error
+/// at its first brace; a TOML file with a table header and an error stays a syntax error.
+#[test]
+fn a_json_file_is_told_the_files_are_toml() {
+    for json in [
+        "{\"format\": 1, \"name\": \"x\"}",
+        "\u{feff}  [ {\"kind\": \"gpu\"} ]",
+        "[]",
+    ] {
+        let p = problems(json);
+        assert_eq!(p.len(), 1, "{}", rendered(&p));
+        assert!(
+            p[0].message().contains("looks like JSON") && p[0].message().contains("TOML"),
+            "{json}: {}",
+            p[0]
+        );
+    }
+    let p = problems("[[devices]]\nkind = \"gpu");
+    assert!(p[0].message().starts_with("TOML syntax error"), "{}", p[0]);
+}
+
 #[test]
 fn format_and_name_are_required() {
     let text = GOOD.replace("format = 1\nname = \"two-nodes\"\n", "");
