@@ -13,7 +13,9 @@
 //! fingerprint and checksum match (resume after a crash or a full disk) and rewrites the rest;
 //! the manifest is written last, so a folder with a manifest is complete.
 
-use crate::experts::{ExpertError, ExpertRef, Family, expert_tensor_names, read_expert};
+use crate::experts::{
+    ExpertError, ExpertRef, Family, expert_tensor_names, fused_expert_tensors, read_expert,
+};
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError};
 use expertmesh_quant::format::ExpertWeights;
 use expertmesh_shard::file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter};
@@ -683,6 +685,14 @@ fn item_bytes(job: &ConvertJob<'_>, it: &Item) -> u64 {
     let Ok(names) = expert_tensor_names(job.family, it.layer, it.which) else {
         return 0;
     };
+    if let (ExpertRef::Routed(_), false) = (it.which, job.ckpt.contains(&names[0]))
+        && let Some(fused) = fused_expert_tensors(job.ckpt, job.family, it.layer)
+    {
+        // One expert's share of the layer's fused tensors.
+        let experts = u64::from(job.spec.routed_experts.max(1));
+        let bytes = |n: &String| job.ckpt.tensor_info(n).map_or(0, |i| i.num_bytes() as u64);
+        return fused.iter().map(bytes).sum::<u64>() / experts;
+    }
     const SUFFIXES: [&str; 9] = [
         "weight",
         "weight_scale_inv",
@@ -717,6 +727,11 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
     let base = gate.strip_suffix(".weight").unwrap_or(&gate);
     if let Ok(info) = job.ckpt.tensor_info(&gate) {
         return info.dtype.to_string().to_lowercase();
+    }
+    if let Some([gate_up, _]) = fused_expert_tensors(job.ckpt, job.family, layer)
+        && let Ok(info) = job.ckpt.tensor_info(&gate_up)
+    {
+        return format!("{} (fused experts)", info.dtype.to_string().to_lowercase());
     }
     if job.ckpt.contains(&format!("{base}.weight_packed")) {
         return "pack-quantized".into();

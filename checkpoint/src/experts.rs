@@ -20,6 +20,11 @@
 //!   `model.layers.{L}.mlp.shared_expert_gate.weight` `[1, H]` goes to the router file).
 //! * Mixtral: `model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (w1 = gate,
 //!   w3 = up, w2 = down); no shared expert.
+//! * Fused (transformers v5 and the models published with it, or a checkpoint re-saved with
+//!   `save_original_format=False`): a layer's routed experts in two 3-D tensors,
+//!   `model.layers.{L}.mlp.experts.gate_up_proj` `[E, 2F, H]` (expert `e`'s gate rows, then its
+//!   up rows) and `….down_proj` `[E, H, F]` (Mixtral's under `block_sparse_moe.experts` too),
+//!   BF16, F16 or F32 ([`fused_expert_tensors`]). Read when the per-expert names are absent.
 //!
 //! FP8 (`F8_E4M3`) weights are DeepSeek-V3's block-scaled layout: a `…weight_scale_inv` tensor
 //! next to each `…weight`, shape `[ceil(rows/128), ceil(cols/128)]` (any float dtype), and
@@ -141,6 +146,14 @@ pub enum ExpertError {
         /// What is wrong and what to do.
         reason: String,
     },
+    /// Fused expert tensors ([`fused_expert_tensors`]) in a form the converter does not read.
+    #[error("tensor \"{tensor}\": {reason}")]
+    Fused {
+        /// The fused tensor.
+        tensor: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// The quantizer refused the matrix (e.g. a dimension not a multiple of the group size).
     #[error("quantizing {what} from \"{tensor}\": {source}")]
     Quantize {
@@ -186,6 +199,59 @@ pub fn expert_tensor_names(
     Ok(names)
 }
 
+/// The fused tensors `[gate_up, down]` holding every routed expert of `layer` (module docs),
+/// when `ckpt` stores them so (and not per expert).
+pub fn fused_expert_tensors(ckpt: &Checkpoint, family: Family, layer: u32) -> Option<[String; 2]> {
+    let p = format!("model.layers.{layer}");
+    let mut homes = vec![format!("{p}.mlp.experts")];
+    if family == Family::Mixtral {
+        homes.push(format!("{p}.block_sparse_moe.experts"));
+    }
+    homes.into_iter().find_map(|home| {
+        let names = [format!("{home}.gate_up_proj"), format!("{home}.down_proj")];
+        names.iter().all(|n| ckpt.contains(n)).then_some(names)
+    })
+}
+
+/// Routed expert `e`'s gate, up and down from the fused tensors `[gate_up, down]` (shapes
+/// `[E, 2F, H]` and `[E, H, F]`, checked).
+fn open_fused<'a>(
+    ckpt: &'a Checkpoint,
+    [gate_up, down]: &[String; 2],
+    e: usize,
+    [experts, inter, hidden]: [usize; 3],
+) -> Result<[RowSource<'a>; 3], ExpertError> {
+    let open = |name: &str, shape: [usize; 3]| -> Result<TensorView<'a>, ExpertError> {
+        let view = ckpt.tensor(name)?;
+        check_shape(name, view.shape(), &shape)?;
+        if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(ExpertError::Fused {
+                tensor: name.to_string(),
+                reason: format!(
+                    "dtype {} in fused expert tensors is not read (BF16, F16 or F32 are); \
+                     save the checkpoint with one tensor per expert (transformers: \
+                     save_pretrained(..., save_original_format=True))",
+                    view.dtype()
+                ),
+            });
+        }
+        Ok(view.select(e)?)
+    };
+    let gu = open(gate_up, [experts, 2 * inter, hidden])?;
+    let d = open(down, [experts, hidden, inter])?;
+    let source = |name: &str, view, row0| RowSource {
+        name: format!("{name}[{e}]"),
+        view,
+        row0,
+        scales: None,
+    };
+    Ok([
+        source(gate_up, gu.clone(), 0),
+        source(gate_up, gu, inter),
+        source(down, d, 0),
+    ])
+}
+
 /// Reads one expert of `layer` from `ckpt`, checks it against `spec`, and quantizes it with the
 /// searched quantizer into `spec.quant`, row by row. Returns the packed expert and its relative
 /// error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a second time, row by row).
@@ -210,10 +276,26 @@ pub fn read_expert(
     if let Some(imported) = read_gptq_expert(ckpt, spec.quant, &names, inter, hidden)? {
         return Ok(imported);
     }
-    let [gate, up, down] = names;
-    let gate = RowSource::open(ckpt, &gate, [inter, hidden])?;
-    let up = RowSource::open(ckpt, &up, [inter, hidden])?;
-    let down = RowSource::open(ckpt, &down, [hidden, inter])?;
+    let fused = match which {
+        ExpertRef::Routed(e) if !ckpt.contains(&names[0]) => {
+            fused_expert_tensors(ckpt, family, layer).map(|f| (f, e as usize))
+        }
+        _ => None,
+    };
+    let [gate, up, down] = match fused {
+        Some((f, e)) => {
+            let experts = spec.routed_experts as usize;
+            open_fused(ckpt, &f, e, [experts, inter, hidden])?
+        }
+        None => {
+            let [gate, up, down] = names;
+            [
+                RowSource::open(ckpt, &gate, [inter, hidden])?,
+                RowSource::open(ckpt, &up, [inter, hidden])?,
+                RowSource::open(ckpt, &down, [hidden, inter])?,
+            ]
+        }
+    };
     let w13_row = |r: usize, out: &mut [f32]| match w13_row_meaning(r) {
         (GateUp::Gate, f) => gate.fill(f, out),
         (GateUp::Up, f) => up.fill(f, out),
@@ -444,6 +526,9 @@ pub(crate) fn squared_error(
 struct RowSource<'a> {
     name: String,
     view: TensorView<'a>,
+    /// The view's row that is this matrix's row 0 (a fused tensor's up rows follow its gate
+    /// rows).
+    row0: usize,
     /// FP8 only: the `weight_scale_inv` grid, row-major, and its column count.
     scales: Option<(Vec<f32>, usize)>,
 }
@@ -467,13 +552,15 @@ impl<'a> RowSource<'a> {
         Ok(RowSource {
             name: name.to_string(),
             view,
+            row0: 0,
             scales,
         })
     }
 
     /// Writes row `r` as f32 into `out` (which holds one row), rejecting NaN and infinity.
     fn fill(&self, r: usize, out: &mut [f32]) -> Result<(), ExpertError> {
-        self.view.rows(r..r + 1)?.to_f32_into(out)?;
+        let at = self.row0 + r;
+        self.view.rows(at..at + 1)?.to_f32_into(out)?;
         if let Some((grid, grid_cols)) = &self.scales {
             let row = &grid[(r / FP8_BLOCK) * grid_cols..][..*grid_cols];
             for (c, v) in out.iter_mut().enumerate() {
@@ -484,7 +571,7 @@ impl<'a> RowSource<'a> {
             None => Ok(()),
             Some(col) => Err(ExpertError::NonFinite {
                 tensor: self.name.clone(),
-                row: r,
+                row: at,
                 col,
                 value: out[col],
             }),

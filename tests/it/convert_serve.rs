@@ -360,6 +360,45 @@ fn mixtral_f32_in_two_files_matches_the_reference() {
     check_accurate(&ck, &out);
 }
 
+/// A checkpoint that stores its routed experts fused (transformers v5's
+/// `mlp.experts.gate_up_proj` / `down_proj`, how models published since ship) converts to
+/// exactly the packed experts of the same weights stored one tensor per expert, and is served
+/// to the reference.
+#[test]
+fn qwen3_moe_with_fused_experts_converts_as_per_expert_tensors() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let per_expert = TinySpec::for_model_type("qwen3_moe").with_files(2);
+    let fused = TinySpec {
+        fused_experts: true,
+        ..per_expert.clone()
+    };
+    let a = write_tiny_checkpoint(&dir.path().join("per-expert"), &per_expert);
+    let b = write_tiny_checkpoint(&dir.path().join("fused"), &fused);
+    assert!(b.entry("model.layers.1.mlp.experts.gate_up_proj").is_some());
+    assert!(
+        b.entry("model.layers.1.mlp.experts.0.gate_proj.weight")
+            .is_none()
+    );
+    let (out_a, out_b) = (dir.path().join("weights-a"), dir.path().join("weights-b"));
+    convert(&a.dir, &out_a);
+    convert(&b.dir, &out_b);
+    let (experts_a, _) = converted_experts(&out_a);
+    let (experts_b, _) = converted_experts(&out_b);
+    assert_eq!(experts_a.len(), 8 * per_expert.moe_layers().len());
+    assert_eq!(
+        experts_a.keys().collect::<Vec<_>>(),
+        experts_b.keys().collect::<Vec<_>>()
+    );
+    for (key, w) in &experts_a {
+        assert!(
+            w == &experts_b[key],
+            "{key:?} differs between the two layouts"
+        );
+    }
+    check_exact(&b, &out_b);
+}
+
 #[test]
 fn olmoe_bf16_matches_the_reference() {
     let _machine = crate::support::shared();

@@ -194,6 +194,14 @@ impl<'a> TensorView<'a> {
         })
     }
 
+    /// Slice `i` along the first dimension, without it: of a `[E, R, C]` tensor, the `[R, C]`
+    /// matrix `i` (how fused expert tensors hold one expert each).
+    pub fn select(&self, i: usize) -> Result<TensorView<'a>> {
+        let mut one = self.rows(i..i + 1)?;
+        one.shape.remove(0);
+        Ok(one)
+    }
+
     /// Views of at most `rows_per_chunk` rows each (at least 1), covering every row in order:
     /// the way to convert a large tensor in bounded memory. A scalar gives one chunk, itself.
     pub fn row_chunks(&self, rows_per_chunk: usize) -> impl Iterator<Item = TensorView<'a>> + '_ {

@@ -1,6 +1,6 @@
-//! Reading one checkpoint expert into packed INT4: both naming layouts, single-file and sharded
-//! checkpoints, BF16 and block-scaled FP8 sources, the gate/up interleave, and errors that name
-//! the tensor.
+//! Reading one checkpoint expert into packed INT4: both naming layouts and the fused layout of
+//! transformers v5, single-file and sharded checkpoints, BF16 and block-scaled FP8 sources, the
+//! gate/up interleave, and errors that name the tensor.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -431,5 +431,119 @@ fn nonexistent_experts_are_refused() {
     ] {
         let err = read_expert(&ckpt, &spec, Family::Mixtral, layer, which).unwrap_err();
         assert!(matches!(err, ExpertError::NoSuchExpert { .. }), "{err:?}");
+    }
+}
+
+/// The layer's routed experts as transformers v5 stores them: `experts.gate_up_proj`
+/// `[E, 2F, H]` (each expert's gate rows, then its up rows) and `experts.down_proj`
+/// `[E, H, F]` under `home`, built from the per-expert sources' bytes.
+fn fused(home: &str, sources: &[Source], h: usize, f: usize) -> Vec<Owned> {
+    let bytes = |i: usize| -> Vec<u8> {
+        sources
+            .iter()
+            .flat_map(|s| s.tensors[i].3.clone())
+            .collect()
+    };
+    let gate_up: Vec<u8> = sources
+        .iter()
+        .flat_map(|s| [s.tensors[0].3.clone(), s.tensors[1].3.clone()].concat())
+        .collect();
+    let e = sources.len();
+    vec![
+        (
+            format!("{home}.gate_up_proj"),
+            Dtype::BF16,
+            vec![e, 2 * f, h],
+            gate_up,
+        ),
+        (
+            format!("{home}.down_proj"),
+            Dtype::BF16,
+            vec![e, h, f],
+            bytes(2),
+        ),
+    ]
+}
+
+/// A checkpoint that stores a layer's routed experts fused (transformers v5's layout, under
+/// `mlp.experts`, and for Mixtral also `block_sparse_moe.experts`) converts to exactly the
+/// packed experts, and the same error, as the same weights stored one tensor per expert; a
+/// fused tensor of the wrong shape or of FP8 is refused naming it.
+#[test]
+fn fused_experts_convert_as_the_same_weights_stored_per_expert() {
+    let (h, f) = (128, 64);
+    let spec = model(h as u32, f as u32, false);
+    for (family, home) in [
+        (Family::DeepseekV3, "model.layers.0.mlp.experts"),
+        (Family::Mixtral, "model.layers.0.block_sparse_moe.experts"),
+        (Family::Mixtral, "model.layers.0.mlp.experts"),
+    ] {
+        let sources: Vec<Source> = (0..3)
+            .map(|e| expert(family, 0, ExpertRef::Routed(e), h, f, Kind::Bf16))
+            .collect();
+        let per_expert = TempDir::new().unwrap();
+        write(
+            &per_expert.path().join(SINGLE_FILE),
+            &sources
+                .iter()
+                .flat_map(|s| s.tensors.clone())
+                .collect::<Vec<_>>(),
+        );
+        let fused_dir = TempDir::new().unwrap();
+        write(
+            &fused_dir.path().join(SINGLE_FILE),
+            &fused(home, &sources, h, f),
+        );
+        let a = Checkpoint::open(per_expert.path()).unwrap();
+        let b = Checkpoint::open(fused_dir.path()).unwrap();
+        for e in 0..3 {
+            let which = ExpertRef::Routed(e);
+            let (wa, ea) = read_expert(&a, &spec, family, 0, which).unwrap();
+            let (wb, eb) = read_expert(&b, &spec, family, 0, which)
+                .unwrap_or_else(|err| panic!("{family:?} {home} expert {e}: {err}"));
+            assert!(
+                wa == wb,
+                "{family:?} {home} expert {e}: packed weights differ"
+            );
+            assert_eq!(ea.to_bits(), eb.to_bits(), "{family:?} expert {e}");
+        }
+    }
+    // A fused tensor of the wrong shape, or in FP8, is named.
+    let sources: Vec<Source> = (0..3)
+        .map(|e| {
+            expert(
+                Family::DeepseekV3,
+                0,
+                ExpertRef::Routed(e),
+                h,
+                f,
+                Kind::Bf16,
+            )
+        })
+        .collect();
+    let home = "model.layers.0.mlp.experts";
+    for (edit, says) in [
+        (
+            Box::new(|t: &mut Vec<Owned>| t[0].2 = vec![6, f, h]) as Box<dyn Fn(&mut Vec<Owned>)>,
+            "has shape [6, 64, 128] but the model needs [3, 128, 128]",
+        ),
+        (
+            Box::new(|t: &mut Vec<Owned>| {
+                t[1].1 = Dtype::F8E4M3;
+                let half = t[1].3.len() / 2;
+                t[1].3.truncate(half);
+            }),
+            "dtype F8_E4M3 in fused expert tensors is not read",
+        ),
+    ] {
+        let mut tensors = fused(home, &sources, h, f);
+        edit(&mut tensors);
+        let dir = TempDir::new().unwrap();
+        write(&dir.path().join(SINGLE_FILE), &tensors);
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let err = read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(home) && err.contains(says), "{err}");
     }
 }

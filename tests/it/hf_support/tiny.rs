@@ -220,6 +220,10 @@ pub(crate) struct TinySpec {
     pub(crate) dtype: WeightFormat,
     /// 1: `model.safetensors`; n > 1: `model-0000i-of-0000n.safetensors` plus the index.
     pub(crate) files: usize,
+    /// Routed experts stored fused, as transformers v5 saves them: per MoE layer
+    /// `mlp.experts.gate_up_proj` `[E, 2F, H]` and `mlp.experts.down_proj` `[E, H, F]` (BF16,
+    /// F16 or F32), the same values as the per-expert tensors of the same seed.
+    pub(crate) fused_experts: bool,
     /// Seed of the weights.
     pub(crate) seed: u64,
 }
@@ -276,6 +280,7 @@ impl TinySpec {
             nonzero_bias: sigmoid,
             dtype: WeightFormat::Bf16,
             files: 1,
+            fused_experts: false,
             seed: 0x7111_0000 ^ family as u64,
         }
     }
@@ -347,6 +352,15 @@ impl TinySpec {
             "top_k"
         );
         assert!(self.files >= 1, "files");
+        if self.fused_experts {
+            assert!(
+                matches!(
+                    self.dtype,
+                    WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32
+                ),
+                "fused experts are written in BF16, F16 or F32"
+            );
+        }
         if matches!(self.family, Family::Mixtral | Family::Olmoe) {
             assert_eq!(self.first_dense, 0, "{:?}: every layer is MoE", self.family);
         }
@@ -1068,6 +1082,7 @@ fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
         w.float(&bias_name(l), Dtype::F32, &[e], &b)
     });
     let layer = l as u32;
+    let first = w.tensors.len();
     let experts = (0..e as u32)
         .map(|x| {
             let names = expert_tensor_names(spec.family, layer, ExpertRef::Routed(x))
@@ -1075,6 +1090,9 @@ fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
             w.mlp(&names, spec.moe_inter, h, spec.dtype)
         })
         .collect();
+    if spec.fused_experts {
+        fuse_experts(w, first, spec, l);
+    }
     let shared = spec.shared.then(|| {
         let names = shared_expert_names(spec.family, l);
         w.mlp(&names, spec.shared_inter(), h, spec.dtype.non_routed())
@@ -1089,6 +1107,30 @@ fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
         shared,
         shared_gate,
     }
+}
+
+/// Replaces the per-expert tensors of layer `l` (`w.tensors[first..]`: gate, up, down per
+/// expert) by the two fused ones of transformers v5: each expert's gate rows then its up rows
+/// in `gate_up_proj`, its down in `down_proj`, experts in order.
+fn fuse_experts(w: &mut Writer, first: usize, spec: &TinySpec, l: usize) {
+    let per_expert: Vec<Owned> = w.tensors.drain(first..).collect();
+    let dtype = per_expert[0].1;
+    let (e, f, h) = (spec.routed_experts, spec.moe_inter, spec.hidden);
+    let mut gate_up = Vec::new();
+    let mut down = Vec::new();
+    for x in per_expert.chunks(3) {
+        gate_up.extend_from_slice(&x[0].3);
+        gate_up.extend_from_slice(&x[1].3);
+        down.extend_from_slice(&x[2].3);
+    }
+    let home = format!("model.layers.{l}.mlp.experts");
+    w.push(
+        &format!("{home}.gate_up_proj"),
+        dtype,
+        &[e, 2 * f, h],
+        gate_up,
+    );
+    w.push(&format!("{home}.down_proj"), dtype, &[e, h, f], down);
 }
 
 /// Writes `tensors` as `model.safetensors`, or in `files` contiguous runs as
