@@ -189,6 +189,8 @@ pub struct RouterService {
     placement_requests: Arc<std::sync::atomic::AtomicU64>,
     /// Per mesh rank: its worker is live for this router ([`RouterService::is_worker_live`]).
     live: WorkersLive,
+    /// Frontend connections whose handshake is done ([`RouterService::frontends_open`]).
+    frontends_open: Arc<AtomicUsize>,
 }
 
 /// Per mesh rank, whether its worker is live for the core: its link is up and it has
@@ -286,7 +288,7 @@ impl RouterService {
             clients,
             stats: stats.clone(),
             hidden,
-            open,
+            open: Arc::clone(&open),
             admission: Arc::clone(&admission),
             trim: MemoryTrim::default(),
             live: Arc::clone(&live),
@@ -307,7 +309,16 @@ impl RouterService {
             admission,
             placement_requests: Arc::default(),
             live,
+            frontends_open: open,
         })
+    }
+
+    /// Frontend connections open now (handshake done, not yet closed). A connection is counted
+    /// before any of its requests reaches the core, so the batch window (which waits for every
+    /// open connection's request, [`crate::core::RouterConfig::batch_window`]) sees it from its
+    /// first request on.
+    pub fn frontends_open(&self) -> usize {
+        self.frontends_open.load(Ordering::Acquire)
     }
 
     /// This router's `/ready` check: ready when every device's worker has joined it (its link

@@ -320,6 +320,10 @@ fn compare_flags_what_moved_beyond_noise_and_plots_it() {
 #[test]
 fn transport_results_say_which_way_each_ratio_is_good() {
     let _machine = crate::support::shared();
+    // Two rings, each smaller than a worker's.
+    let Some(_shm) = crate::support::shm_room(2) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("transport.json");
     let r = run(&[
@@ -372,6 +376,9 @@ fn transport_results_say_which_way_each_ratio_is_good() {
 #[test]
 fn fabric_limits_do_the_same_work_as_the_fabric() {
     let _machine = crate::support::shared();
+    let Some(_shm) = crate::support::shm_room(crate::support::FABRIC_RINGS) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("fabric.json");
     let r = run(&[

@@ -10,24 +10,45 @@
 //! band.
 //!
 //! Needs root (CI runs as root) and iproute2; where `ip netns add` is refused it prints
-//! "skipped: network namespaces not permitted" and passes.
+//! "skipped: network namespaces, bridges, veth or tc not permitted" and passes.
 
 use serde_json::Value;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Whether this machine lets us create a network namespace (and `ip` exists).
+/// Whether this machine lets us build what the emulated cluster needs (and `ip` and `tc`
+/// exist): a network namespace holding a bridge and a veth pair shaped by `tc tbf`. A
+/// restricted container may allow the namespace and refuse the rest.
 fn namespaces_permitted() -> Result<(), String> {
     let name = format!("emc-probe-{}", std::process::id());
-    let out = Command::new("ip")
-        .args(["netns", "add", &name])
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
-    }
+    let run = |args: &[&str]| -> Result<(), String> {
+        let out = Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", args[0]))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    };
+    run(&["ip", "netns", "add", &name])?;
+    let inside = (|| {
+        run(&["ip", "-n", &name, "link", "add", "br0", "type", "bridge"])?;
+        run(&[
+            "ip", "-n", &name, "link", "add", "a0", "type", "veth", "peer", "name", "b0",
+        ])?;
+        run(&[
+            "ip", "netns", "exec", &name, "tc", "qdisc", "add", "dev", "a0", "root", "tbf", "rate",
+            "1mbit", "burst", "2048", "latency", "10ms",
+        ])
+    })();
     let _ = Command::new("ip").args(["netns", "del", &name]).output();
-    Ok(())
+    inside
 }
 
 /// The namespaces whose names start with `prefix`.
@@ -168,7 +189,9 @@ fn check_rows(report: &Value) {
 fn emulated_cluster_answers_exactly_and_matches_the_plan() {
     let _machine = crate::support::alone();
     if let Err(why) = namespaces_permitted() {
-        println!("skipped: network namespaces not permitted ({why})");
+        crate::support::say(&format!(
+            "skipped: network namespaces, bridges, veth or tc not permitted ({why})"
+        ));
         return;
     }
     let report = run_quick("exact", EXACT_MBIT);

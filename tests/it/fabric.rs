@@ -188,7 +188,7 @@ fn exact_over_rdma_on_libfabric_is_bit_identical_to_the_reference() {
 #[test]
 fn exact_over_shared_memory_is_bit_identical_to_the_reference() {
     let _machine = crate::support::shared();
-    if shm_room() {
+    if let Some(_shm) = crate::support::shm_room(crate::support::FABRIC_RINGS) {
         exact_end_to_end(LinkKind::Shm);
     }
 }
@@ -201,9 +201,9 @@ fn exact_over_shared_memory_is_bit_identical_to_the_reference() {
 #[test]
 fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
     let _machine = crate::support::shared();
-    if !shm_room() {
+    let Some(_shm) = crate::support::shm_room(crate::support::FABRIC_RINGS) else {
         return;
-    }
+    };
     // As root a PID namespace; otherwise inside a user namespace of one's own, where allowed.
     // The wrapper below starts the worker exactly so (util-linux's setpriv and unshare).
     let works = |args: &[&str]| {
@@ -264,35 +264,6 @@ fn workers_in_pid_namespaces_of_their_own_serve_over_shared_memory() {
             " (in user namespaces)"
         }
     ));
-}
-
-/// Whether `/dev/shm` has room for a two-worker shared-memory fabric (two rings per worker).
-/// Without it the links would (correctly) fall back to TCP; says so instead of passing a TCP
-/// run as a shared-memory one.
-fn shm_room() -> bool {
-    let need = 4 * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
-    let free = shm_free_bytes();
-    if free < need {
-        crate::support::say(&format!(
-            "skipped: /dev/shm has {} MiB free, the shared-memory fabric needs {} MiB",
-            free >> 20,
-            need >> 20
-        ));
-        return false;
-    }
-    true
-}
-
-fn shm_free_bytes() -> u64 {
-    let path = std::ffi::CString::new("/dev/shm").unwrap();
-    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
-            return 0;
-        }
-        st.f_bavail as u64 * st.f_frsize as u64
-    }
 }
 
 #[test]
@@ -632,10 +603,26 @@ fn infer_command_reads_and_writes_npy() {
 fn up_serves_until_interrupted() {
     let _machine = crate::support::shared();
     use std::io::BufRead;
+    // The example topology as it is, on free ports (its own may be taken: another clone's
+    // tests, a stray `up`, an outgoing connection of the ephemeral range).
+    let dir = tempfile::tempdir().unwrap();
+    let (front, control, data) = (
+        crate::support::free_port(),
+        crate::support::free_port(),
+        crate::support::free_pair(),
+    );
+    let example = std::fs::read_to_string(root().join("examples/single-host.toml")).unwrap();
+    let topology = dir.path().join("single-host.toml");
+    let moved = example
+        .replace("port = 47400", &format!("port = {front}"))
+        .replace("control_port = 47401", &format!("control_port = {control}"))
+        .replace("data_port = 47410", &format!("data_port = {data}"));
+    assert_ne!(moved, example, "the example's ports were rewritten");
+    std::fs::write(&topology, moved).unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_expertmesh"))
         .arg("up")
         .arg("--topology")
-        .arg(root().join("examples/single-host.toml"))
+        .arg(&topology)
         .args(["--model", "demo-small"])
         .arg("--placement")
         .arg(root().join("examples/single-host-demo-small.placement.toml"))
@@ -660,7 +647,7 @@ fn up_serves_until_interrupted() {
         }
     }
     let addr = addr.expect("up printed where frontends connect");
-    assert_eq!(addr.port(), 47400, "the topology's [router] port");
+    assert_eq!(addr.port(), front, "the topology's [router] port");
     // All on one host: batches are not cut (the largest batch, 256 tokens by default, fits a
     // frame of demo-small's exact mode).
     assert!(
@@ -686,8 +673,8 @@ fn up_serves_until_interrupted() {
             break;
         }
         assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "up did not stop on Ctrl-C"
+            t.elapsed() < Duration::from_secs(60),
+            "up did not stop on Ctrl-C within 60 s"
         );
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -233,6 +233,46 @@ pub(crate) fn alone() -> RwLockWriteGuard<'static, ()> {
     MACHINE.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Held by every test that puts shared-memory rings in `/dev/shm` (a two-worker fabric needs
+/// four rings of 32 MiB), so that the room one test finds free is not taken by another before
+/// its fabric starts: a fabric without room falls back to TCP links, correctly, and a test
+/// asserting shared-memory links would fail for a reason that is not the fabric's.
+static SHM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Shared-memory rings of a two-worker fabric (two per worker).
+pub(crate) const FABRIC_RINGS: u64 = 4;
+
+/// The `/dev/shm` guard ([`SHM`]) when `/dev/shm` has room for `rings` rings of a worker's
+/// size (taken first, so the room stays free for the caller); `None`, saying so, where it has
+/// not (a container's 64 MiB `/dev/shm`): the caller skips what needs shared memory.
+pub(crate) fn shm_room(rings: u64) -> Option<std::sync::MutexGuard<'static, ()>> {
+    let guard = SHM.lock().unwrap_or_else(|e| e.into_inner());
+    let need = rings * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
+    let free = shm_free_bytes();
+    if free < need {
+        say(&format!(
+            "skipped: /dev/shm has {} MiB free, shared-memory links here need {} MiB",
+            free >> 20,
+            need >> 20
+        ));
+        return None;
+    }
+    Some(guard)
+}
+
+/// Bytes free in `/dev/shm` (0 where it cannot be read).
+fn shm_free_bytes() -> u64 {
+    let path = std::ffi::CString::new("/dev/shm").unwrap();
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+            return 0;
+        }
+        st.f_bavail as u64 * st.f_frsize as u64
+    }
+}
+
 /// A slow-loris attack on one listener (issue 27): from each of `sources` (loopback
 /// addresses other than 127.0.0.1), `per_source` connections that trickle `prefix` one byte
 /// a second, each reconnecting 50 ms after the listener closes it, until dropped.

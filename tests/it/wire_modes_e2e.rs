@@ -56,6 +56,13 @@ fn exact_bf16_and_serving_over_real_links() {
     let truth = reference::moe_layer_f64(&lw, &x, &routing);
     let (_, exact_bytes) = serve(LinkKind::Tcp, LayerMode::Exact, layer, &x);
     for link in [LinkKind::Tcp, LinkKind::Shm] {
+        let _shm = match link {
+            LinkKind::Shm => match crate::support::shm_room(crate::support::FABRIC_RINGS) {
+                Some(guard) => Some(guard),
+                None => continue,
+            },
+            _ => None,
+        };
         let (got, bytes) = serve(link, LayerMode::ExactBf16, layer, &x);
         assert_eq!(bits(&got), bits(&want_bf16), "exact-bf16 over {link:?}");
         assert_eq!(
@@ -82,7 +89,9 @@ fn exact_bf16_and_serving_over_real_links() {
 #[test]
 fn a_lone_frontend_does_not_wait_for_the_batch_window() {
     let _machine = crate::support::shared();
-    let window = Duration::from_millis(1500);
+    // Long enough that a lone call, which never waits for it, stays far below its half on a
+    // loaded machine.
+    let window = Duration::from_secs(5);
     let fabric = LocalFabric::start(options(LinkKind::Tcp, LayerMode::Serving, window)).unwrap();
     let h = fabric.deployment().spec.hidden as usize;
     let x = reference::synthetic_hidden(3, 1, h);
@@ -97,7 +106,14 @@ fn a_lone_frontend_does_not_wait_for_the_batch_window() {
     assert!(alone < window / 2, "a lone frontend waited {alone:?}");
     let _idle = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
     // The service counts the connection once its side of the handshake is done.
-    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    while fabric.service().frontends_open() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the router did not count the second connection in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let t = Instant::now();
     rt.block_on(c.call(1, &x, h, None, None)).unwrap();
     let with_idle = t.elapsed();

