@@ -80,10 +80,11 @@ async fn a_second_process_for_a_live_rank_is_refused_and_a_restarted_one_replace
     let took = wait_for(
         "the second process's link",
         || router.link_generation(1) == Some(2),
-        Duration::from_secs(5),
+        Duration::from_secs(30),
     )
     .await;
-    assert!(took < Duration::from_secs(3), "rejoined after {took:?}");
+    // Its redials back off to at most 1 s; generous for a loaded machine.
+    assert!(took < Duration::from_secs(4), "rejoined after {took:?}");
     // An answer bound to the first process's link is not sent to the second.
     let err = router.send_on(1, 1, &frame(8)).await.unwrap_err();
     assert!(matches!(err.kind, PeerErrorKind::LinkReplaced(1)), "{err}");
@@ -117,7 +118,7 @@ async fn a_peer_that_comes_up_after_a_long_outage_is_joined_within_the_backoff_c
     }
     let took = t0.elapsed();
     // One capped wait (at most 1 s) plus the handshake; generous for a loaded machine.
-    assert!(took < Duration::from_millis(2500), "joined after {took:?}");
+    assert!(took < Duration::from_millis(4000), "joined after {took:?}");
     dialer.shutdown();
     listener.shutdown();
 }
