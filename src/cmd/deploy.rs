@@ -65,6 +65,11 @@ pub(crate) enum DeployCli {
         /// plugin's, e.g. rdma/hca_shared_devices_a); also adds IPC_LOCK.
         #[arg(long)]
         rdma_resource: Option<String>,
+        /// Run every pod as this user (and group; default: the user's number), not as the
+        /// image's; a worker's --tile-cache folder is then given to that user by an init
+        /// container running as root (the kubelet makes it root's).
+        #[arg(long, value_name = "UID[:GID]", value_parser = parse_run_as)]
+        run_as_user: Option<(u32, u32)>,
     },
     /// One systemd unit per process, per host, and the list of which goes where.
     #[command(after_help = DEPLOY_EXIT)]
@@ -196,6 +201,7 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
             namespace,
             gpu_resource,
             rdma_resource,
+            run_as_user,
         } => (
             common,
             Engine::Kubernetes(KubernetesOptions {
@@ -203,6 +209,7 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
                 namespace,
                 gpu_resource,
                 rdma_resource,
+                run_as: run_as_user,
             }),
         ),
         DeployCli::Systemd {
@@ -250,4 +257,17 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
         println!("{step}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--run-as-user UID[:GID]`: numeric ids (the group defaults to the user's number).
+fn parse_run_as(s: &str) -> Result<(u32, u32), String> {
+    let id = |t: &str| {
+        t.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("{s:?}: give numeric ids, UID or UID:GID (e.g. 1000:1000)"))
+    };
+    match s.split_once(':') {
+        Some((u, g)) => Ok((id(u)?, id(g)?)),
+        None => id(s).map(|u| (u, u)),
+    }
 }

@@ -1742,6 +1742,85 @@ fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
     assert_eq!(mode(&tiles), 0o700);
 }
 
+/// `--run-as-user UID:GID`: every pod runs as that user (not root), and a worker's tile cache
+/// folder (an emptyDir, which the kubelet makes root's and world-writable, and which a
+/// non-root process cannot make private) is given to it by an init container running as
+/// root; the init container's command, run here on such a folder, leaves it that user's and
+/// private (mode 0700), as the worker requires.
+#[test]
+fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let inputs = Inputs::new();
+    let key = inputs.key.to_str().unwrap();
+    let out = inputs.dir.path().join("out");
+    let tiles = inputs.dir.path().join("empty-dir");
+    let tiles_arg = format!("--worker-arg=--tile-cache={}", tiles.display());
+    let args = ["--key", key, tiles_arg.as_str()];
+    let k8s = [
+        "kubernetes",
+        "--image",
+        "registry.example/expertmesh:1",
+        "--run-as-user",
+        "1000:2000",
+    ];
+    let r = inputs.deploy(&k8s, &out, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let docs: Vec<&str> = manifests.split("\n---\n").collect();
+    let workers: Vec<&&str> = docs.iter().filter(|d| d.contains("worker-")).collect();
+    assert_eq!(workers.len(), 2, "{manifests}");
+    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    for d in workers.iter().map(|d| **d).chain([*router]) {
+        for want in [
+            "\"runAsUser\": 1000",
+            "\"runAsGroup\": 2000",
+            "\"runAsNonRoot\": true",
+        ] {
+            assert!(d.contains(want), "{want} missing:\n{d}");
+        }
+    }
+    assert!(!router.contains("initContainers"), "{router}");
+    // The init container's command, as the worker's manifest gives it.
+    let worker = workers[0];
+    assert!(
+        worker.contains("initContainers") && worker.contains("tile-cache-owner"),
+        "{worker}"
+    );
+    let command = worker
+        .lines()
+        .find(|l| l.contains("chown 1000:2000"))
+        .unwrap_or_else(|| panic!("no chown in\n{worker}"))
+        .trim()
+        .trim_start_matches("- ")
+        .strip_prefix('"')
+        .and_then(|l| l.strip_suffix('"'))
+        .expect("a quoted YAML string")
+        .replace("\\\"", "\"");
+    assert_eq!(
+        command, "chown 1000:2000 \"$0\" && chmod 700 \"$0\"",
+        "{worker}"
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        say("skipped: running the init container's chown (needs root)");
+        return;
+    }
+    std::fs::create_dir(&tiles).unwrap();
+    std::fs::set_permissions(&tiles, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let ran = Command::new("sh")
+        .arg("-c")
+        .arg(&command)
+        .arg(&tiles)
+        .status()
+        .unwrap();
+    assert!(ran.success());
+    let meta = std::fs::metadata(&tiles).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o777),
+        (1000, 2000, 0o700)
+    );
+}
+
 #[test]
 fn a_systemd_router_may_write_its_load_file_and_only_there() {
     let inputs = Inputs::new();

@@ -15,7 +15,11 @@
 //!   `--gpu-resource`, RDMA links for one `--rdma-resource` (with `IPC_LOCK`); the weights
 //!   folder is a read-only `hostPath`; a worker's `--tile-cache` folder is an `emptyDir`
 //!   (kept across the container's restarts; `launch.sh` makes it private) with `IPC_LOCK`
-//!   to lock the tiles in memory; SIGTERM on termination drains (grace period 60 s);
+//!   to lock the tiles in memory; with `--run-as-user UID[:GID]` every pod runs as that user
+//!   (`runAsNonRoot`), and a worker's tile cache folder, which the kubelet makes root's, is
+//!   given to that user by an init container running as root (a non-root process cannot
+//!   make root's folder private, and the worker refuses a folder others may write);
+//!   SIGTERM on termination drains (grace period 60 s);
 //!   a change of placement, weights or arguments changes the pod template's
 //!   `expertmesh.io/generation` annotation, so `kubectl apply` rolls exactly those pods;
 //! - `services.yaml`: a Service per router (its frontend port) for frontends, and a
@@ -42,6 +46,8 @@ pub struct KubernetesOptions {
     pub gpu_resource: String,
     /// Extended resource a pod asks for when its links are RDMA (the RDMA device plugin's).
     pub rdma_resource: Option<String>,
+    /// The user and group every pod runs as (`--run-as-user UID[:GID]`); `None`: the image's.
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// Write the manifests; the next steps.
@@ -205,6 +211,27 @@ fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Va
     (env, mounts, volumes)
 }
 
+/// With `--run-as-user`: the pod's security context (that user and group, not root unless
+/// uid 0) and, for a worker with a tile cache, the init container that gives its folder (an
+/// emptyDir, root's and world-writable) to that user, private. Without: neither.
+fn run_as(o: &KubernetesOptions, p: &super::Process) -> (Option<Value>, Vec<Value>) {
+    let Some((uid, gid)) = o.run_as else {
+        return (None, Vec::new());
+    };
+    let security = json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 });
+    let init = match tile_cache(p) {
+        Some(dir) if uid != 0 => vec![json!({
+            "name": "tile-cache-owner",
+            "image": o.image,
+            "command": ["/bin/sh", "-c", format!("chown {uid}:{gid} \"$0\" && chmod 700 \"$0\""), dir],
+            "securityContext": { "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": false },
+            "volumeMounts": [{ "name": "tile-cache", "mountPath": dir }],
+        })],
+        _ => Vec::new(),
+    };
+    (Some(security), init)
+}
+
 /// The `--tile-cache` folder of worker `p`, if it has one.
 fn tile_cache(p: &super::Process) -> Option<String> {
     matches!(p.role, Role::Worker(..))
@@ -243,6 +270,7 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
             env.push(json!({ "name": "EXPERTMESH_GPU_INDEX", "value": "0" }));
         }
     }
+    let (pod_security, init) = run_as(o, p);
     let mut container = json!({
         "name": "expertmesh",
         "image": o.image,
@@ -264,7 +292,7 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
     if !limits.is_empty() {
         container["resources"] = json!({ "limits": limits });
     }
-    json!({
+    let mut d = json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(plan, o, &format!("{c}-{}", p.name), &pod_labels),
@@ -291,7 +319,15 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
                 },
             },
         },
-    })
+    });
+    let spec = &mut d["spec"]["template"]["spec"];
+    if let Some(security) = pod_security {
+        spec["securityContext"] = security;
+    }
+    if !init.is_empty() {
+        spec["initContainers"] = json!(init);
+    }
+    d
 }
 
 fn services(plan: &Plan, o: &KubernetesOptions) -> Vec<Value> {
