@@ -8,8 +8,9 @@
 //!
 //! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
 //! in the kernel's accept queue, except that a new one takes the place of the oldest still
-//! waiting for its request head, or else of the oldest of all: neither idle connections nor
-//! scrapers that stop reading their answers can keep a cluster engine's health probe out),
+//! waiting for its request head, or else of the oldest of all once it has been served for
+//! [`EVICT_AFTER`]: neither idle connections nor scrapers that stop reading their answers can
+//! keep a cluster engine's health probe out, and a scrape under way is never cut short),
 //! a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
 //! [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
 //! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
@@ -35,6 +36,9 @@ pub const MAX_HEAD_BYTES: usize = 8 << 10;
 pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long writing one response may take.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection whose request head has arrived keeps its slot against a newcomer
+/// when every slot is taken: an honest scrape's answer is written in milliseconds.
+pub const EVICT_AFTER: Duration = Duration::from_secs(1);
 
 /// Content type of the Prometheus text exposition format, version 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -167,15 +171,17 @@ impl Drop for MetricsServer {
     }
 }
 
-/// A connection being served: its task, and whether its request head has arrived.
+/// A connection being served: its task, whether its request head has arrived, and since when
+/// it has been served.
 struct Served {
     task: tokio::task::AbortHandle,
     head_read: Arc<std::sync::atomic::AtomicBool>,
+    since: tokio::time::Instant,
 }
 
 /// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once; with every slot taken, a
 /// new connection ends the oldest one still waiting for its request head, or else the oldest
-/// of all (answers its client is slow to take, or does not take).
+/// of all once it has been served for [`EVICT_AFTER`] (an answer its client does not take).
 async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut served: std::collections::VecDeque<Served> = std::collections::VecDeque::new();
@@ -188,16 +194,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>
                 continue;
             }
         };
-        served.retain(|c| !c.task.is_finished());
-        if slots.available_permits() == 0 {
-            let waiting = served
-                .iter()
-                .position(|c| !c.head_read.load(std::sync::atomic::Ordering::Acquire));
-            if let Some(c) = served.remove(waiting.unwrap_or(0)) {
-                c.task.abort(); // its permit comes back as the task is dropped
-            }
-        }
-        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+        let Some(permit) = make_room(&slots, &mut served).await else {
             return;
         };
         let registry = Arc::clone(&registry);
@@ -210,7 +207,45 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>
         served.push_back(Served {
             task: task.abort_handle(),
             head_read,
+            since: tokio::time::Instant::now(),
         });
+    }
+}
+
+/// A slot for a new connection: a free one, else the one of the oldest connection still
+/// waiting for its request head, else (once it has been served for [`EVICT_AFTER`]) the
+/// oldest's. `None` when the semaphore is closed.
+async fn make_room(
+    slots: &Arc<Semaphore>,
+    served: &mut std::collections::VecDeque<Served>,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    loop {
+        served.retain(|c| !c.task.is_finished());
+        if slots.available_permits() == 0 {
+            let waiting = served
+                .iter()
+                .position(|c| !c.head_read.load(std::sync::atomic::Ordering::Acquire));
+            let evict = match waiting {
+                Some(i) => Some(i),
+                None => served
+                    .front()
+                    .and_then(|c| (c.since.elapsed() >= EVICT_AFTER).then_some(0)),
+            };
+            if let Some(c) = evict.and_then(|i| served.remove(i)) {
+                c.task.abort(); // its permit comes back as the task is dropped
+            }
+        }
+        // A slot, or the oldest becoming old enough to give way (looked at again then).
+        let oldest_due = served.front().map(|c| c.since + EVICT_AFTER);
+        tokio::select! {
+            permit = Arc::clone(slots).acquire_owned() => return permit.ok(),
+            () = async {
+                match oldest_due {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
     }
 }
 
