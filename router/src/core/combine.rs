@@ -188,10 +188,9 @@ impl RouterCore {
         // is failed alone ([`not_finite`]).
         let mut answered = Vec::with_capacity(b.members.len());
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
-            match not_finite(&output, h) {
-                Some(message) => {
-                    self.fail_one(m.client, m.request_id, ErrorCode::InvalidInput, message);
-                }
+            let x = &b.x[m.offset * h..(m.offset + m.tokens) * h];
+            match not_finite(&output, x, h) {
+                Some((code, message)) => self.fail_one(m.client, m.request_id, code, message),
                 None => answered.push((m, output)),
             }
         }
@@ -209,20 +208,38 @@ impl RouterCore {
     }
 }
 
-/// Why a request's combined `output` (rows of `hidden`) cannot be its answer: the first value
-/// that is not finite, named by token and column. Inputs are finite (checked on arrival) and
-/// so are the gate's logits (checked before routing), but hidden states near f32's limit can
-/// still overflow the experts' arithmetic: that request fails alone, as its overflowing gate
-/// would have, instead of being answered with infinities marked as success.
-fn not_finite(output: &[f32], hidden: usize) -> Option<String> {
+/// Input magnitude past which an output overflow is put down to the input: at |x| ≈ 1e12 the
+/// SwiGLU product of typical weights is near 1e24·|w|², already close to f32's 3.4e38 limit
+/// across a sum; smaller inputs do not overflow a sound device.
+const OVERFLOWING_INPUT: f32 = 1e12;
+
+/// Why a request's combined `output` (rows of `hidden`, from inputs `x`) cannot be its
+/// answer: the first value that is not finite, named by token and column, as the client's
+/// (InvalidInput: the token's hidden states are past [`OVERFLOWING_INPUT`]) or as a device's
+/// (Internal). Inputs are finite (checked on arrival) and so are the gate's logits, but
+/// hidden states near f32's limit can still overflow the experts' arithmetic: that request
+/// fails alone instead of being answered with infinities marked as success.
+fn not_finite(output: &[f32], x: &[f32], hidden: usize) -> Option<(ErrorCode, String)> {
     let i = output.iter().position(|v| !v.is_finite())?;
-    Some(format!(
-        "token {}: the layer's output is not finite ({} at hidden column {}): hidden states \
-         this large overflow the experts' f32 arithmetic; check the inputs",
-        i / hidden,
-        output[i],
-        i % hidden
-    ))
+    let (token, column, value) = (i / hidden, i % hidden, output[i]);
+    let largest = x[token * hidden..(token + 1) * hidden]
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()));
+    Some(if largest >= OVERFLOWING_INPUT {
+        let message = format!(
+            "token {token}: the layer's output is not finite ({value} at hidden column \
+             {column}): hidden states this large (|x| up to {largest:e}) overflow the experts' \
+             f32 arithmetic; scale the inputs down"
+        );
+        (ErrorCode::InvalidInput, message)
+    } else {
+        let message = format!(
+            "token {token}: a device's output is not finite ({value} at hidden column {column}) \
+             for inputs of |x| up to {largest:e}: check the workers' logs and the converted \
+             weights (expertmesh convert reports each layer's error)"
+        );
+        (ErrorCode::Internal, message)
+    })
 }
 
 impl Inflight {
