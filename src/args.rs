@@ -21,7 +21,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
 /// Longest wait a duration flag takes: a day. Larger values (and negative or NaN ones) are
 /// refused before anything starts: a deadline past what the clock holds would panic later.
 pub(crate) const LONGEST_WAIT_S: u64 = 86_400;
@@ -46,6 +45,7 @@ pub(crate) fn whole_seconds_parser() -> clap::builder::RangedU64ValueParser<u64>
     clap::value_parser!(u64).range(..=LONGEST_WAIT_S)
 }
 
+/// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
 pub(crate) fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
     expertmesh_fabric::endpoint::parse_endpoint(s)
 }
@@ -237,9 +237,10 @@ pub(crate) struct RouterArgs {
     /// none in flight (0: never).
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
     pub(crate) frontend_idle_timeout_s: u64,
-    /// Close a frontend connection that leaves a frame half sent, or half of an answer
-    /// untaken, for this many seconds (plus one per 16 MiB of the frame; 0: never): it would
-    /// otherwise hold its request's share of the router's capacity while its socket is open.
+    /// Close a frontend connection that leaves a frame half sent for this many seconds (plus
+    /// one per 16 MiB of the frame; 0: never): it would otherwise hold its request's share of
+    /// the router's capacity while its socket is open. A closed connection's answers that its
+    /// client has not taken get as long.
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_FRAME_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
     pub(crate) frontend_frame_timeout_s: u64,
     /// Frontend names whose connections may change the placement (`expertmesh rebalance`,

@@ -82,8 +82,8 @@ pub struct LocalFabricOptions {
 /// Limits on a router's frontend connections (`--max-connections-per-frontend`,
 /// `--frontend-idle-timeout-s`, `--frontend-frame-timeout-s`, `--placement-admins`): how many
 /// one frontend name may hold open, how long one may sit idle (no request, none in flight) or
-/// leave a frame half sent or half taken before the router closes it, and which frontends
-/// may change the placement.
+/// leave a frame half sent before the router closes it, and which frontends may change the
+/// placement.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendLimits {
     /// Most connections per frontend name (0: no limit).
@@ -92,9 +92,8 @@ pub struct FrontendLimits {
     pub idle_timeout: Option<Duration>,
     /// Frontend names that may change the placement (`--placement-admins`).
     pub placement_admins: Vec<String>,
-    /// How long a frame begun may take to arrive or to be taken
-    /// (`--frontend-frame-timeout-s`; `None`: no limit), see
-    /// [`FrontendConfig::frame_timeout`].
+    /// How long a frame begun may take to arrive (`--frontend-frame-timeout-s`; `None`: no
+    /// limit), see [`FrontendConfig::frame_timeout`].
     pub frame_timeout: Option<Duration>,
 }
 

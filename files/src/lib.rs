@@ -30,8 +30,9 @@
 //!
 //! Between a writer's `open` and its `flock` a sweeper in another PID namespace, where the
 //! writer's id runs nothing, can take the new entry's lock and remove it. The writer then
-//! waits for that lock (a sweeper holds it only while it removes), and when its path no
-//! longer names what it made, makes it again ([`create_locked`], [`make_locked_folder`]).
+//! waits for that lock (a sweeper holds it only while it removes; at most 10 s), and when its
+//! path no longer names what it made, makes it again ([`create_locked`],
+//! [`make_locked_folder`]).
 //! Within one process there is no such moment: creating and locking, and a sweep's choice of
 //! what to remove, take one process-wide mutex.
 
@@ -106,17 +107,39 @@ impl Held {
 /// of another PID namespace removes before they hold it.
 const MAKE_TRIES: usize = 8;
 
+/// How long [`hold_new`] waits for a sweeper that holds a new entry's lock.
+const HOLD_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Holds `made`, an entry this process has just made at `path`, or `None` when a sweeper
 /// removed or replaced it first. Waits for the lock: only a sweeper can hold a new entry's
-/// lock (it took it between the making and this call), and it holds it only while removing.
-fn hold_new(made: File, path: &Path) -> Option<Held> {
-    // An error here is a file system without locks: the entry is held by its name alone.
-    let _ = made.lock();
+/// lock (it took it between the making and this call), and it holds it only while removing;
+/// one that holds it past [`HOLD_WAIT`] (a stopped process) is an error naming the entry.
+fn hold_new(made: File, path: &Path) -> io::Result<Option<Held>> {
+    let since = std::time::Instant::now();
+    loop {
+        match made.try_lock() {
+            // An error here is a file system without locks: held by its name alone.
+            Ok(()) | Err(TryLockError::Error(_)) => break,
+            Err(TryLockError::WouldBlock) if since.elapsed() < HOLD_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Err(TryLockError::WouldBlock) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!(
+                        "{}: another process has held the lock of this new entry for over \
+                         {HOLD_WAIT:?} (a sweep stopped mid-removal?); try again",
+                        path.display()
+                    ),
+                ));
+            }
+        }
+    }
     let still = std::fs::symlink_metadata(path).is_ok_and(|now| {
         made.metadata()
             .is_ok_and(|m| identity(&m) == identity(&now))
     });
-    still.then(|| Held::listed(made))
+    Ok(still.then(|| Held::listed(made)))
 }
 
 /// The error when every try's entry was removed before it was held.
@@ -182,7 +205,7 @@ impl io::Seek for Held {
 pub fn create_locked(path: &Path, mode: Option<u32>) -> io::Result<Held> {
     let _guard = creating();
     for _ in 0..MAKE_TRIES {
-        if let Some(held) = hold_new(create_new(path, mode)?, path) {
+        if let Some(held) = hold_new(create_new(path, mode)?, path)? {
             return Ok(held);
         }
     }
@@ -309,7 +332,7 @@ pub fn make_locked_folder<T>(
         let made = make()?;
         let dir = path(&made).to_path_buf();
         let held = match File::open(&dir) {
-            Ok(f) => hold_new(f, &dir),
+            Ok(f) => hold_new(f, &dir)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => None,
             Err(e) => return Err(e),
         };
@@ -512,6 +535,16 @@ mod tests {
         assert_eq!(pid_after("em-", "other-12"), None);
     }
 
+    /// Held shared by the tests that expect a dropped [`Held`] to be unlocked at once, and
+    /// alone by the test that spawns a process: between its fork and its exec the child
+    /// shares this process's open files, so a lock dropped meanwhile stays taken until the
+    /// exec closes them (harmless in use: a sweep keeps the entry a moment longer).
+    static SPAWNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+    fn no_spawn() -> std::sync::RwLockReadGuard<'static, ()> {
+        SPAWNING.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// A process id that runs no process: past the kernel's largest.
     fn gone_pid() -> u32 {
         std::fs::read_to_string("/proc/sys/kernel/pid_max")
@@ -525,6 +558,7 @@ mod tests {
     /// namespace), and one of a running process that takes no lock (an older writer).
     #[test]
     fn the_sweep_removes_exactly_the_unlocked_entries_of_gone_writers() {
+        let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
         let gone = gone_pid();
         let me = std::process::id();
@@ -579,6 +613,7 @@ mod tests {
     /// free one is seen free and left free.
     #[test]
     fn a_held_lock_is_seen_from_another_handle() {
+        let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("ring");
         let creator = create_locked(&p, Some(0o600)).unwrap();
@@ -597,6 +632,7 @@ mod tests {
     /// removed; a folder this process made and holds is kept, and removed once let go.
     #[test]
     fn a_fifo_is_left_alone_and_a_made_folder_is_held() {
+        let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
         let fifo = d.path().join(format!(".x.tmp-{}-1", gone_pid()));
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
@@ -626,6 +662,7 @@ mod tests {
     /// write that fails leaves the old file and nothing else.
     #[test]
     fn a_file_written_whole_replaces_the_old_and_leaves_nothing_else() {
+        let _no_spawn = no_spawn();
         use std::os::unix::fs::PermissionsExt;
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("run.sh");
@@ -687,6 +724,7 @@ mod tests {
     /// entry, and then the entry is made again, never handed out removed or refused.
     #[test]
     fn what_is_made_is_held_though_another_namespace_sweeps() {
+        let _spawning = SPAWNING.write().unwrap_or_else(PoisonError::into_inner);
         let d = tempfile::tempdir().unwrap();
         let child = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
@@ -739,6 +777,7 @@ mod tests {
     /// holds is refused, and its file untouched.
     #[test]
     fn creating_takes_over_only_an_unlocked_leftover() {
+        let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join(".x.tmp-1-1");
         std::fs::write(&p, b"old").unwrap();

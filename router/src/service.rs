@@ -704,7 +704,8 @@ impl FrontendConn {
                 return;
             }
         };
-        let (reader, writer) = conn.split();
+        let (mut reader, writer) = conn.split();
+        let progress = writer.progress();
         let (out_tx, out_rx) = mpsc::channel::<ClientMsg>(self.max_outstanding);
         let slots = Arc::new(Semaphore::new(self.max_outstanding));
         let writer = Arc::new(tokio::sync::Mutex::new(writer));
@@ -729,9 +730,26 @@ impl FrontendConn {
         self.admission.lock().open();
         self.open.fetch_add(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
-        let idle_close = self
-            .read_requests(reader, &out_tx, &slots, &writer, peer)
-            .await;
+        let shut = reader.shut_down_handle();
+        let untaken = async {
+            self.untaken_answers(&progress).await;
+            tracing::info!(
+                %peer,
+                "frontend connection closed: its answers were not taken for the idle timeout \
+                 (router --frontend-idle-timeout-s)"
+            );
+            // Reads and writes fail from now on: the reader ends through its own error paths
+            // (each admitted request's share released), the writes at once; a reader
+            // waiting for an answer's place stops waiting. (The handle is used while `reader`,
+            // which owns the socket, lives: this future ends before it is dropped.)
+            shut.shut_down();
+            slots.close();
+            std::future::pending::<()>().await
+        };
+        let idle_close = tokio::select! {
+            close = self.read_requests(&mut reader, &out_tx, &slots, &writer, peer) => close,
+            () = untaken => unreachable!("pending"),
+        };
         self.admission.lock().close(self.client);
         self.open.fetch_sub(1, Ordering::AcqRel);
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
@@ -740,7 +758,8 @@ impl FrontendConn {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.client);
         drop(out_tx);
-        let _ = write_task.await;
+        self.finish_writes(write_task, &reader, peer).await;
+        drop(reader);
         if let Some((frontend, message)) = idle_close {
             // Logged once the closing frame is written (tests wait for this line).
             tracing::info!(%peer, frontend, "frontend connection {message}");
@@ -754,7 +773,7 @@ impl FrontendConn {
     /// before its request takes a slot: keepalive probes need none ([`answer_probe`]).
     async fn read_requests(
         &self,
-        mut reader: FrameReader,
+        reader: &mut FrameReader,
         out_tx: &mpsc::Sender<ClientMsg>,
         slots: &Semaphore,
         writer: &tokio::sync::Mutex<FrontendWriter>,
@@ -774,7 +793,7 @@ impl FrontendConn {
             let read = tokio::select! {
                 r = reader.read_head() => r,
                 idle = self.idle(last_request, slots) => {
-                    return Some(idle_closed(idle, &reader, out_tx));
+                    return Some(idle_closed(idle, reader, out_tx));
                 }
             };
             let head = match read {
@@ -801,7 +820,7 @@ impl FrontendConn {
                 break; // the connection is closing
             }
             let taken = match self.take(head).await {
-                Take::Request(req, head) => self.read_request(&mut reader, req, head).await,
+                Take::Request(req, head) => self.read_request(reader, req, head).await,
                 Take::Placement(p, head)
                     if !self.frontend.may_change_placement(reader.frontend()) =>
                 {
@@ -809,24 +828,22 @@ impl FrontendConn {
                     reply(p.request_id, code, message);
                     reader.skip_payload(head).await.map(|()| None)
                 }
-                Take::Placement(p, head) => {
-                    match self.read_placement(&mut reader, &p, head).await {
-                        Ok(Ok(apply)) => {
-                            if send_to_core(&self.tx, apply).await.is_err() {
-                                break;
-                            }
-                            continue;
-                        }
-                        Ok(Err(message)) => {
-                            reply(p.request_id, ErrorCode::InvalidInput, message);
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::info!(%peer, error = %e, "frontend connection closed");
+                Take::Placement(p, head) => match self.read_placement(reader, &p, head).await {
+                    Ok(Ok(apply)) => {
+                        if send_to_core(&self.tx, apply).await.is_err() {
                             break;
                         }
+                        continue;
                     }
-                }
+                    Ok(Err(message)) => {
+                        reply(p.request_id, ErrorCode::InvalidInput, message);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::info!(%peer, error = %e, "frontend connection closed");
+                        break;
+                    }
+                },
                 Take::Skip(head, answer) => {
                     let skipped = reader.skip_payload(head).await;
                     match answer {
@@ -851,6 +868,51 @@ impl FrontendConn {
             }
         }
         None
+    }
+
+    /// Completes once an answer has waited [`FrontendConfig::idle_timeout`] for the client to
+    /// take it (its write blocked on a client that does not read); never without an idle
+    /// timeout. A client slow to collect its answers keeps its connection for that long, as
+    /// an idle one does.
+    async fn untaken_answers(&self, progress: &expertmesh_transport::frontend::WriteProgress) {
+        let Some(idle) = self.frontend.idle_timeout else {
+            return std::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(idle.min(Duration::from_secs(1))).await;
+            if progress.waiting_for().is_some_and(|w| w >= idle) {
+                return;
+            }
+        }
+    }
+
+    /// Waits for the answers still being written to a connection that is done reading (idle,
+    /// closed by its client, broken). A client that never takes them would hold its socket,
+    /// its answers and this task for ever: after [`FrontendConfig::frame_timeout`] (for the
+    /// largest frame) the socket is shut down, and the writes fail at once.
+    async fn finish_writes(
+        &self,
+        mut write_task: tokio::task::JoinHandle<()>,
+        reader: &FrameReader,
+        peer: SocketAddr,
+    ) {
+        let Some(base) = self.frontend.frame_timeout else {
+            let _ = write_task.await;
+            return;
+        };
+        let grace = expertmesh_transport::frontend::frame_deadline(
+            base,
+            self.frontend.codec.max_frame_bytes,
+        );
+        if tokio::time::timeout(grace, &mut write_task).await.is_err() {
+            tracing::info!(
+                %peer,
+                "frontend connection closed: its answers were not taken within {grace:.1?} \
+                 after it stopped sending (router --frontend-frame-timeout-s)"
+            );
+            reader.shut_down();
+            let _ = write_task.await;
+        }
     }
 
     /// Completes (with the timeout) once this connection has been idle for

@@ -98,9 +98,15 @@ fn placement_of(
     spec: &ModelSpec,
 ) -> anyhow::Result<(Placement, String)> {
     if let Some(p) = &args.placement {
-        let text = std::fs::read_to_string(p)
-            .map_err(|e| anyhow!("reading placement {}: {e}", p.display()))?;
-        let placement = Placement::load(p, topo, spec).map_err(|e| anyhow!("{e}"))?;
+        // Read once (up to the text files' limit), so the text kept is the text checked.
+        let text = expertmesh_topology::diag::read_text(p).map_err(|e| anyhow!("{e}"))?;
+        let placement = Placement::from_toml_str(&text, topo, spec).map_err(|problems| {
+            let e = expertmesh_topology::FileError::Invalid {
+                path: p.clone(),
+                problems,
+            };
+            anyhow!("{e}")
+        })?;
         return Ok((placement, text));
     }
     let opts = PlanOptions {

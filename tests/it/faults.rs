@@ -22,13 +22,9 @@
 //!   partitioned one way for 12 s (past the 5 s idle timeout, through redials that time out; a
 //!   connect without a timeout would still be waiting for its next SYN retry) each rejoin
 //!   within 4 s after their heal (calls needing them fail cleanly meanwhile, 0 hangs); a worker
-//!   whose sends are throttled to 256 kbit/s (each answer 0.5 s late) is routed around: p99 of
+//!   whose sends are throttled to 64 kbit/s (each answer 2 s late) is routed around: p99 of
 //!   calls under 1 s;
 //! * a client whose router is SIGSTOPped gets DeadlineExceeded within its 2 s deadline + 3 s;
-//!
-//! The time bounds sit between what the mechanism under test gives (fractions of a second
-//! here) and what its absence would (the 5 s link timeout, seconds-long throttled answers),
-//! wide enough for a loaded machine.
 //! * failover clients given two routers (`RouterClient::connect_any`) ride through one router
 //!   being SIGSTOPped for 6 s: every call bit-identical, none over 5 s (keepalive 1 s + 2 s,
 //!   then the other router);
@@ -41,6 +37,10 @@
 //! with its test: `FaultCluster`'s `Drop` sends SIGCONT then SIGKILL to each (on panics too),
 //! each also has a parent-death signal, and namespaces (with their iptables rules and
 //! qdiscs) are deleted on drop.
+//!
+//! The time bounds sit between what the mechanism under test gives (fractions of a second
+//! here) and what its absence would (the 5 s link timeout, seconds-long throttled answers),
+//! wide enough for a loaded machine.
 
 use crate::support::root;
 use expertmesh_benches::soak::cluster::{
@@ -593,15 +593,15 @@ fn a_throttled_worker_with_a_replica_is_routed_around() {
     }
     let s = start(&REPLICATED_PAIR, true, |_| {});
     let f = s.fabric;
-    // cpu0's sends throttled to 256 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
-    // 0.5 s): a gray failure; its replica cpu2 is healthy.
+    // cpu0's sends throttled to 64 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
+    // 2 s): a gray failure; its replica cpu2 is healthy.
     let golden = confined(24, 71, 0, 15);
     // The fabric has served traffic before the fault, as a running one has: the router knows
     // how fast each device answers (a device slow from its very first answer is hedged
     // against its peers' latency once they have answered: router/src/health.rs unit tests).
     let warm = load(&f, &golden, 2, 2.0, Duration::from_secs(10));
     assert_eq!(Tally::of(&warm).wrong, 0, "{}", describe(&warm));
-    f.slow_link(0, Some(256)).unwrap();
+    f.slow_link(0, Some(64)).unwrap();
     let slow = load(&f, &golden, 2, 5.0, Duration::from_secs(10));
     f.slow_link(0, None).unwrap();
     let t = Tally::of(&slow);

@@ -33,6 +33,8 @@ const LAYER: u32 = 1;
 struct Up {
     child: Child,
     addr: SocketAddr,
+    /// Where `up`'s stderr goes, when not to the test's ([`Up::start_logged`]).
+    log: Option<std::path::PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -43,7 +45,21 @@ impl Up {
 
     /// `up` with `extra` arguments.
     fn start_with(extra: &[&str]) -> Up {
+        Self::start_as(extra, false)
+    }
+
+    /// `up` with `extra` arguments, its stderr kept in a file ([`Up::log`]).
+    fn start_logged(extra: &[&str]) -> Up {
+        Self::start_as(extra, true)
+    }
+
+    fn start_as(extra: &[&str], logged: bool) -> Up {
         let dir = tempfile::tempdir().unwrap();
+        let log = logged.then(|| dir.path().join("up.stderr"));
+        let stderr = match &log {
+            Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+            None => Stdio::inherit(),
+        };
         let topo = two_cpu_topology(
             &dir.path().join("overload.toml"),
             "single-host",
@@ -61,7 +77,7 @@ impl Up {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -83,8 +99,17 @@ impl Up {
         Up {
             child,
             addr,
+            log,
             _dir: dir,
         }
+    }
+
+    /// What `up` has written to its stderr so far ([`Up::start_logged`]).
+    fn log(&self) -> String {
+        self.log
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default()
     }
 
     fn pid(&self) -> u32 {
@@ -378,4 +403,83 @@ fn a_request_stalled_mid_frame_gives_its_share_back() {
             answer.body()
         );
     });
+}
+
+/// A frontend that sends requests and never reads its answers: once an answer has waited the
+/// idle timeout for it, the router shuts its connection down (before, the router's writes and
+/// its reader, waiting for the answers' places, waited on it for ever, holding the socket and
+/// the answers). The router goes on serving others.
+#[test]
+fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
+    let _machine = crate::support::shared();
+    let up = Up::start_logged(&["--frontend-idle-timeout-s", "1", "--max-tokens", "64"]);
+    let rt = rt();
+    let cfg = frontend();
+    // 160 answers of 64 tokens (256 KiB each, 40 MiB): more than the sockets hold.
+    let requests = 160u64;
+    let x: Vec<f32> = (0..64 * HIDDEN)
+        .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let mut payload = vec![0u8; ActivationDtype::F32.payload_bytes(64, HIDDEN).unwrap() as usize];
+    dtype::encode_activations(ActivationDtype::F32, 64, HIDDEN, &x, &mut payload).unwrap();
+    let request = move |id: u64| {
+        Body::LayerRequest(LayerRequest {
+            request_id: id,
+            layer: LAYER,
+            tokens: 64,
+            hidden: HIDDEN as u32,
+            dtype: ActivationDtype::F32,
+            logit_experts: 0,
+            deadline_us: 20_000_000,
+        })
+    };
+    let read = rt.block_on(async {
+        let c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        let (mut r, mut w) = c.split();
+        let sent = payload.clone();
+        // The requests go out from a task of their own: the router stops reading them once
+        // its answers' places are taken, and this write then waits until the end.
+        let writer = tokio::spawn(async move {
+            for id in 1..=requests {
+                if w.write_frame(&request(id), &sent).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let t0 = Instant::now();
+        while !up.log().contains("its answers were not taken") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "the router still holds a client that takes no answer after 120 s:\n{}",
+                up.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut answers = 0u64;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await {
+                Ok(Ok(f)) if matches!(f.body(), Body::LayerResponse(_)) => answers += 1,
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => break,
+                Err(_) => panic!("the connection did not end within 60 s"),
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(60), writer).await;
+        answers
+    });
+    assert!(
+        read < requests,
+        "every answer was still delivered ({read}): the connection was not shut down"
+    );
+    // The router goes on serving.
+    let answer = rt.block_on(async {
+        let mut c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        c.write_frame(&request(1), &payload).await.unwrap();
+        c.read_frame().await.unwrap()
+    });
+    assert!(
+        matches!(answer.body(), Body::LayerResponse(_)),
+        "{:?}",
+        answer.body()
+    );
 }

@@ -227,7 +227,8 @@ pub fn sort_problems(problems: &mut [Problem]) {
 }
 
 /// Whether `text` that is not valid TOML starts as a JSON document does: `{`, or `[` followed
-/// by `{`, `"` or `]` (a TOML table header such as `[router]` or `[[devices]]` does not).
+/// by `{` or `]` (a TOML table header such as `[router]`, `["router"]` or `[[devices]]` does
+/// not).
 fn looks_like_json(text: &str) -> bool {
     let mut rest = text.trim_start_matches('\u{feff}').trim_start();
     if rest.starts_with('{') {
@@ -237,7 +238,7 @@ fn looks_like_json(text: &str) -> bool {
         return false;
     };
     rest = after.trim_start();
-    rest.starts_with(['{', '"', ']'])
+    rest.starts_with(['{', ']'])
 }
 
 /// Largest text file [`read_capped`] reads: 256 MiB, far above any topology, model,
@@ -376,11 +377,10 @@ impl<'a> Ctx<'a> {
     pub(crate) fn parse<R: for<'de> Deserialize<'de>>(&mut self, schema: &Schema) -> Option<R> {
         let doc = match DeTable::parse(self.text) {
             Ok(doc) => doc,
-            Err(e) if looks_like_json(self.text) => {
+            Err(_) if looks_like_json(self.text) => {
                 let msg = "this file looks like JSON; topology, model and placement files are \
                            TOML (the files in examples/ show the form)";
                 self.at(Some(0..0), "", msg.to_owned());
-                let _ = e;
                 return None;
             }
             Err(e) => {

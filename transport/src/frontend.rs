@@ -18,7 +18,10 @@
 //! [`FrontendError::BadFrame`] with `recoverable: true` (the server answers with an error frame
 //! and goes on reading); a broken header (bad magic, checksum, oversized length) yields
 //! `recoverable: false` and the connection must be closed, since the stream can no longer be
-//! framed.
+//! framed. A server-side read that stalls mid-frame past [`FrontendConfig::frame_timeout`]
+//! fails, and every later read of that reader fails too (what follows is never taken for a
+//! frame); [`FrameReader::shut_down`] ends the connection, and [`FrameWriter::progress`]
+//! says how long a write has waited on a client that does not read.
 //!
 //! Layering: imports `tcp` (socket I/O and the handshake loop),
 //! `link` (the buffer pool), [`protocol`](crate::protocol) and
@@ -75,11 +78,13 @@ pub struct FrontendConfig {
     /// Server side: the frontend names whose connections may change the placement of a running
     /// fabric (`expertmesh rebalance` and `drain`), see [`FrontendConfig::may_change_placement`].
     pub placement_admins: Vec<String>,
-    /// Server side: a frame begun (its header read) must arrive whole, and an answer must be
-    /// taken whole, within this plus a second per [`FRAME_MIN_BYTES_PER_SECOND`] of its
-    /// length; otherwise the connection is closed (`None`: never). A frontend that stops
+    /// Server side: a frame begun (its header read) must arrive whole within this plus a
+    /// second per [`FRAME_MIN_BYTES_PER_SECOND`] of its length ([`frame_deadline`]), or the
+    /// read fails and the reader is done (`None`: no limit). A frontend that stopped
     /// mid-frame would otherwise hold its request's share of the router's capacity and its
-    /// buffers for as long as its socket stays open. See [`frame_deadline`].
+    /// buffers for as long as its socket stays open. The router also gives answers that a
+    /// closed connection's client has not taken this long ([`FrameReader::shut_down`]);
+    /// while the connection is open, answers wait for their client however long it takes.
     pub frame_timeout: Option<Duration>,
 }
 
@@ -452,7 +457,6 @@ impl IncomingClient {
             });
         let mut c = FrameConnection::from_stream(self.stream, peer, self.cfg.codec, crypt);
         c.reader.frame_timeout = self.cfg.frame_timeout;
-        c.writer.frame_timeout = self.cfg.frame_timeout;
         match admitted {
             Ok((slot, reservation)) => {
                 c.reader.reservation = Some(reservation);
@@ -496,7 +500,9 @@ impl IncomingClient {
             let _ = write_vectored_all(&mut self.stream, &head, &[]).await;
             let _ = self.stream.shutdown().await;
         }
-        log_refusal("frontend client", peer, None, &reason);
+        // Only while the gate is closed (workers still joining): an expected refusal, at info
+        // level and at most a few lines a second however many clients retry.
+        log_gate_refusal(peer, &reason);
         FrontendError::Handshake {
             peer,
             source: ProtocolError::Refused {
@@ -505,6 +511,24 @@ impl IncomingClient {
             },
         }
     }
+}
+
+/// Logs a refusal of the closed gate ([`FrontendConfig::gate`]): at most one line a second,
+/// with how many were not logged since.
+fn log_gate_refusal(peer: SocketAddr, reason: &str) {
+    static LAST: Mutex<Option<Instant>> = Mutex::new(None);
+    static QUIET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = Instant::now();
+    {
+        let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            QUIET.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        *last = Some(now);
+    }
+    let quiet = QUIET.swap(0, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!(%peer, quiet, "refused frontend client: {reason}");
 }
 
 /// What a client's failed handshake says about the port it reached: a mesh port announces a
@@ -583,6 +607,7 @@ impl FrameConnection {
                 frontend_slot: None,
                 frontend: String::new(),
                 frame_timeout: None,
+                stalled: None,
             },
             writer: FrameWriter {
                 write: w,
@@ -590,8 +615,7 @@ impl FrameConnection {
                 codec,
                 head: Vec::with_capacity(256),
                 seal: crypt.seal,
-                frame_timeout: None,
-                broken: None,
+                progress: WriteProgress::default(),
             },
         }
     }
@@ -663,6 +687,9 @@ pub struct FrameReader {
     frontend: String,
     /// Server side: [`FrontendConfig::frame_timeout`] for the rest of a frame begun.
     frame_timeout: Option<Duration>,
+    /// Why reading stopped mid-frame (the stream is no longer framed): every later read
+    /// fails with it.
+    stalled: Option<String>,
 }
 
 impl FrameReader {
@@ -676,32 +703,14 @@ impl FrameReader {
     pub async fn read_frame(&mut self) -> Result<ClientFrame, FrontendError> {
         loop {
             let peer = self.peer;
-            let read = async {
-                let header = self.read.read_header(&self.codec).await?;
-                let body = self.read.read_body(&header, &self.pool);
-                let len = header.frame_len as usize;
-                match within(self.frame_timeout, peer, len, body).await {
-                    Ok(buf) => Ok(Ok((header, buf?))),
-                    Err(stalled) => Ok(Err(stalled)),
-                }
+            self.check_framed()?;
+            let header = match self.read.read_header(&self.codec).await {
+                Ok(h) => h,
+                Err(e) => return Err(read_error(peer, e)),
             };
-            let (header, buf) = match read.await {
-                Ok(Ok(f)) => f,
-                Ok(Err(stalled)) => return Err(stalled),
-                Err(ReadError::Eof) => return Err(FrontendError::Closed { peer }),
-                Err(ReadError::Io(source)) => return Err(FrontendError::Io { peer, source }),
-                Err(ReadError::Integrity(error)) => {
-                    return Err(FrontendError::Integrity { peer, error });
-                }
-                Err(ReadError::Codec(error)) => {
-                    return Err(FrontendError::BadFrame {
-                        peer,
-                        recoverable: false,
-                        request_id: None,
-                        error,
-                    });
-                }
-            };
+            let body = self.read.read_body(&header, &self.pool);
+            let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
+            let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
             match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
                 Ok((Body::Heartbeat(_), _)) => continue,
                 Ok((body, payload)) => return Ok(ClientFrame { body, buf, payload }),
@@ -801,15 +810,15 @@ impl FrameReader {
     /// Heartbeats are returned too (their payload is empty).
     pub async fn read_head(&mut self) -> Result<FrameHead, FrontendError> {
         let peer = self.peer;
+        self.check_framed()?;
         let header = self
             .read
             .read_header(&self.codec)
             .await
             .map_err(|e| read_error(peer, e))?;
         let meta = self.read.read_meta(&header, MAX_HEAD_META_BYTES);
-        let head = within(self.frame_timeout, peer, header.frame_len as usize, meta)
-            .await?
-            .map_err(|e| read_error(peer, e))?;
+        let meta = within(self.frame_timeout, peer, header.frame_len as usize, meta).await;
+        let head = mark_stalled(&mut self.stalled, meta)?.map_err(|e| read_error(peer, e))?;
         let (body, request_id) = match head {
             None => (None, None),
             Some(bytes) => {
@@ -835,10 +844,10 @@ impl FrameReader {
     pub async fn read_payload(&mut self, head: FrameHead) -> Result<ClientFrame, FrontendError> {
         let peer = self.peer;
         let header = head.header;
+        self.check_framed()?;
         let body = self.read.read_body(&header, &self.pool);
-        let buf = within(self.frame_timeout, peer, header.frame_len as usize, body)
-            .await?
-            .map_err(|e| read_error(peer, e))?;
+        let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
+        let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
         match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
             Ok((body, payload)) => Ok(ClientFrame { body, buf, payload }),
             Err(error) => Err(FrontendError::BadFrame {
@@ -854,16 +863,68 @@ impl FrameReader {
     /// through a small fixed buffer: nothing of the size the header announces is allocated.
     pub async fn skip_payload(&mut self, head: FrameHead) -> Result<(), FrontendError> {
         let peer = self.peer;
+        self.check_framed()?;
         let skip = self.read.skip_body(&head.header);
-        within(self.frame_timeout, peer, head.frame_len(), skip)
-            .await?
-            .map_err(|e| read_error(peer, e))
+        let skip = within(self.frame_timeout, peer, head.frame_len(), skip).await;
+        mark_stalled(&mut self.stalled, skip)?.map_err(|e| read_error(peer, e))
+    }
+
+    /// An error when an earlier read stopped mid-frame: the stream is no longer framed, and
+    /// what follows (the client's bytes) must never be read as a frame.
+    fn check_framed(&self) -> Result<(), FrontendError> {
+        match &self.stalled {
+            None => Ok(()),
+            Some(why) => Err(FrontendError::Io {
+                peer: self.peer,
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, why.clone()),
+            }),
+        }
+    }
+
+    /// Shuts the connection's socket down both ways: a write waiting on a client that does
+    /// not read fails at once, and so does every later read and write. The router does this
+    /// when a closed connection's answers have waited [`FrontendConfig::frame_timeout`].
+    pub fn shut_down(&self) {
+        self.shut_down_handle().shut_down();
+    }
+
+    /// A handle that shuts this connection's socket down ([`FrameReader::shut_down`]) while
+    /// the reader is borrowed elsewhere. Use it only while this reader lives: it names the
+    /// socket by its descriptor, which is reused once the reader is dropped.
+    pub fn shut_down_handle(&self) -> ShutDown {
+        use std::os::fd::AsRawFd;
+        ShutDown(self.read.get_ref().get_ref().as_ref().as_raw_fd())
     }
 }
 
-/// Runs `io`, the rest of a frame of `frame_bytes` to or from `peer`, within
+/// Shuts a frontend connection's socket down ([`FrameReader::shut_down_handle`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ShutDown(std::os::fd::RawFd);
+
+impl ShutDown {
+    /// Shuts the socket down both ways (reads and writes under way fail at once).
+    pub fn shut_down(self) {
+        // SAFETY: shutdown on a descriptor number, no memory passed; the handle's contract
+        // (used only while its reader lives) makes it this connection's socket.
+        unsafe { libc::shutdown(self.0, libc::SHUT_RDWR) };
+    }
+}
+
+/// `read` (a [`within`] result) as it came, or its stall recorded in `stalled` (what
+/// [`FrameReader::check_framed`] reads) and returned.
+fn mark_stalled<T>(
+    stalled: &mut Option<String>,
+    read: Result<T, FrontendError>,
+) -> Result<T, FrontendError> {
+    if let Err(e) = &read {
+        *stalled = Some(e.to_string());
+    }
+    read
+}
+
+/// Runs `io`, reading the rest of a frame of `frame_bytes` from `peer`, within
 /// [`frame_deadline`] of `base` (no limit without one): past it, an error naming the stall.
-/// The stream is then no longer framed: the caller closes the connection.
+/// The stream is then no longer framed ([`mark_stalled`]).
 async fn within<T>(
     base: Option<Duration>,
     peer: SocketAddr,
@@ -878,20 +939,49 @@ async fn within<T>(
         let source = std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!(
-                "a frame of {frame_bytes} bytes was not sent or taken whole within {limit:.1?} \
-                 (the frontend stopped mid-frame, or stopped reading its answers; router \
-                 --frontend-frame-timeout-s): connection closed"
+                "the rest of a frame of {frame_bytes} bytes did not arrive within {limit:.1?} \
+                 (the frontend stopped sending mid-frame; router --frontend-frame-timeout-s): \
+                 the connection is no longer read"
             ),
         );
         FrontendError::Io { peer, source }
     })
 }
 
-/// Shuts both directions of `stream` down (a reader blocked on it sees the end).
-fn shut_down(stream: &TcpStream) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: shutdown on a socket this stream owns; no memory is passed.
-    unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_RDWR) };
+/// How long a [`FrameWriter`]'s current write has waited, readable without the writer (which
+/// the waiting write holds): the router closes a connection whose client takes no answer for
+/// its idle timeout. Clones share it.
+#[derive(Clone, Debug, Default)]
+pub struct WriteProgress(Arc<std::sync::atomic::AtomicU64>);
+
+impl WriteProgress {
+    /// Nanoseconds since a process-wide start, never 0 (0 means no write under way).
+    fn now() -> u64 {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        let start = *START.get_or_init(Instant::now);
+        (start.elapsed().as_nanos() as u64).max(1)
+    }
+
+    /// Marks a write begun until the guard is dropped (written, failed or cancelled).
+    fn begin(&self) -> impl Drop + '_ {
+        struct Ends<'a>(&'a WriteProgress);
+        impl Drop for Ends<'_> {
+            fn drop(&mut self) {
+                self.0.0.store(0, std::sync::atomic::Ordering::Release);
+            }
+        }
+        self.0
+            .store(Self::now(), std::sync::atomic::Ordering::Release);
+        Ends(self)
+    }
+
+    /// How long the write under way has waited (`None`: no write under way).
+    pub fn waiting_for(&self) -> Option<Duration> {
+        match self.0.load(std::sync::atomic::Ordering::Acquire) {
+            0 => None,
+            began => Some(Duration::from_nanos(Self::now().saturating_sub(began))),
+        }
+    }
 }
 
 /// Writing half of a [`FrameConnection`].
@@ -903,10 +993,8 @@ pub struct FrameWriter {
     head: Vec<u8>,
     /// Seals every frame when the connection is encrypted.
     seal: Option<SealBuf>,
-    /// Server side: [`FrontendConfig::frame_timeout`] for writing a frame.
-    frame_timeout: Option<Duration>,
-    /// Why the connection can no longer be written (a frame was left half written).
-    broken: Option<String>,
+    /// The write under way ([`FrameWriter::progress`]).
+    progress: WriteProgress,
 }
 
 impl FrameWriter {
@@ -921,22 +1009,17 @@ impl FrameWriter {
                 error,
             }
         })?;
-        if let Some(why) = &self.broken {
-            let source = std::io::Error::new(std::io::ErrorKind::BrokenPipe, why.clone());
-            return Err(FrontendError::Io { peer, source });
-        }
-        let bytes = self.head.len() + payload.len();
-        let write = write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload);
-        match within(self.frame_timeout, peer, bytes, write).await {
-            Ok(written) => written.map_err(|source| FrontendError::Io { peer, source }),
-            Err(e) => {
-                // Half a frame is on the wire: nothing more can be written, and the reading
-                // half must stop too (shutting the socket down wakes its read).
-                self.broken = Some(e.to_string());
-                shut_down(self.write.as_ref());
-                Err(e)
-            }
-        }
+        let progress = self.progress.clone();
+        let _writing = progress.begin();
+        write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload)
+            .await
+            .map_err(|source| FrontendError::Io { peer, source })
+    }
+
+    /// How long this writer's write under way has waited, readable while that write holds
+    /// the writer.
+    pub fn progress(&self) -> WriteProgress {
+        self.progress.clone()
     }
 
     /// Writes raw bytes as they are: for tests of how a server handles malformed frames.

@@ -183,6 +183,11 @@ impl<R: AsyncRead + Unpin> FrameIn<R> {
         }
     }
 
+    /// The reader.
+    pub(crate) fn get_ref(&self) -> &R {
+        &self.r
+    }
+
     /// The reader and its opener.
     pub(crate) fn into_parts(self) -> (R, Option<Opener>) {
         (self.r, self.open)
