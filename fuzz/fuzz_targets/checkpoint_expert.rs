@@ -125,7 +125,11 @@ fuzz_target!(|data: &[u8]| {
                     ExpertRef::Routed(e),
                 )
                 .unwrap();
-                let shapes = [vec![INTER, HIDDEN], vec![INTER, HIDDEN], vec![HIDDEN, INTER]];
+                let shapes = [
+                    vec![INTER, HIDDEN],
+                    vec![INTER, HIDDEN],
+                    vec![HIDDEN, INTER],
+                ];
                 names.into_iter().zip(shapes)
             })
             .collect(),
@@ -136,7 +140,10 @@ fuzz_target!(|data: &[u8]| {
                 "model.layers.0.block_sparse_moe.experts"
             };
             vec![
-                (format!("{home}.gate_up_proj"), vec![EXPERTS, 2 * INTER, HIDDEN]),
+                (
+                    format!("{home}.gate_up_proj"),
+                    vec![EXPERTS, 2 * INTER, HIDDEN],
+                ),
                 (format!("{home}.down_proj"), vec![EXPERTS, HIDDEN, INTER]),
             ]
         }
