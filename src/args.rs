@@ -239,8 +239,8 @@ pub(crate) struct RouterArgs {
     pub(crate) frontend_idle_timeout_s: u64,
     /// Close a frontend connection that leaves a frame half sent for this many seconds (plus
     /// one per 16 MiB of the frame; 0: never): it would otherwise hold its request's share of
-    /// the router's capacity while its socket is open. A closed connection's answers that its
-    /// client has not taken get as long.
+    /// the router's capacity while its socket is open. Each answer that a connection no longer
+    /// read has not taken gets as long.
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_FRAME_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
     pub(crate) frontend_frame_timeout_s: u64,
     /// Frontend names whose connections may change the placement (`expertmesh rebalance`,

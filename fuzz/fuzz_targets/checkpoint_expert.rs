@@ -4,7 +4,7 @@
 //! v5's `gate_up_proj` / `down_proj`, under both of Mixtral's homes), in BF16, F16, F32 or
 //! FP8 with its block scales, with a chosen tensor's shape bent, values optionally made
 //! finite. Checks: never a panic; an expert that reads has the model's shape and a relative
-//! error that is a number (0 for an all-zero source); an error names a tensor of the file.
+//! error that is a number; an error names a tensor of the layer.
 //! Run: `cargo +nightly fuzz run checkpoint_expert -- -max_total_time=60`.
 #![no_main]
 
@@ -184,10 +184,10 @@ fuzz_target!(|data: &[u8]| {
                 assert!(!err.is_nan() && err >= 0.0, "relative error {err}");
             }
             Err(e) => {
+                // Every tensor of the layer, in the file or looked for, is under this prefix.
                 let msg = e.to_string();
                 assert!(
-                    tensors.iter().any(|(n, ..)| msg.contains(n.as_str()))
-                        || msg.contains("model.layers.0"),
+                    msg.contains("model.layers.0."),
                     "an error that names no tensor: {msg}"
                 );
             }

@@ -732,7 +732,10 @@ impl FrontendConn {
         let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         let shut = reader.shut_down_handle();
         let untaken = async {
-            self.untaken_answers(&progress).await;
+            let Some(idle) = self.frontend.idle_timeout else {
+                return std::future::pending().await;
+            };
+            overdue(&progress, idle).await;
             tracing::info!(
                 %peer,
                 "frontend connection closed: its answers were not taken for the idle timeout \
@@ -758,7 +761,8 @@ impl FrontendConn {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.client);
         drop(out_tx);
-        self.finish_writes(write_task, &reader, peer).await;
+        self.finish_writes(write_task, &writer, &progress, &reader, peer)
+            .await;
         drop(reader);
         if let Some((frontend, message)) = idle_close {
             // Logged once the closing frame is written (tests wait for this line).
@@ -870,48 +874,41 @@ impl FrontendConn {
         None
     }
 
-    /// Completes once an answer has waited [`FrontendConfig::idle_timeout`] for the client to
-    /// take it (its write blocked on a client that does not read); never without an idle
-    /// timeout. A client slow to collect its answers keeps its connection for that long, as
-    /// an idle one does.
-    async fn untaken_answers(&self, progress: &expertmesh_transport::frontend::WriteProgress) {
-        let Some(idle) = self.frontend.idle_timeout else {
-            return std::future::pending().await;
-        };
-        loop {
-            tokio::time::sleep(idle.min(Duration::from_secs(1))).await;
-            if progress.waiting_for().is_some_and(|w| w >= idle) {
-                return;
-            }
-        }
-    }
-
     /// Waits for the answers still being written to a connection that is done reading (idle,
-    /// closed by its client, broken). A client that never takes them would hold its socket,
-    /// its answers and this task for ever: after [`FrontendConfig::frame_timeout`] (for the
-    /// largest frame) the socket is shut down, and the writes fail at once.
+    /// closed by its client, broken): its write task's, and one the core thread started
+    /// itself ([`CoreLoop::answer`]; done once the writer is free). A client that never
+    /// takes them would hold its socket and its answers for ever: once one write has waited
+    /// [`FrontendConfig::frame_timeout`] (plus a second per 16 MiB of it) the socket is shut
+    /// down, and the writes fail at once. Without a frame timeout, they wait.
     async fn finish_writes(
         &self,
-        mut write_task: tokio::task::JoinHandle<()>,
+        write_task: tokio::task::JoinHandle<()>,
+        writer: &tokio::sync::Mutex<FrontendWriter>,
+        progress: &expertmesh_transport::frontend::WriteProgress,
         reader: &FrameReader,
         peer: SocketAddr,
     ) {
-        let Some(base) = self.frontend.frame_timeout else {
+        // The connection is out of `clients`: the core starts no new write to it.
+        let written = async {
             let _ = write_task.await;
-            return;
+            drop(writer.lock().await);
         };
-        let grace = expertmesh_transport::frontend::frame_deadline(
-            base,
-            self.frontend.codec.max_frame_bytes,
-        );
-        if tokio::time::timeout(grace, &mut write_task).await.is_err() {
-            tracing::info!(
-                %peer,
-                "frontend connection closed: its answers were not taken within {grace:.1?} \
-                 after it stopped sending (router --frontend-frame-timeout-s)"
-            );
-            reader.shut_down();
-            let _ = write_task.await;
+        tokio::pin!(written);
+        let Some(base) = self.frontend.frame_timeout else {
+            return written.await;
+        };
+        tokio::select! {
+            () = &mut written => {}
+            () = overdue(progress, base) => {
+                tracing::info!(
+                    %peer,
+                    "frontend connection closed: an answer was not taken within \
+                     {base:?} (plus a second per 16 MiB) after the connection stopped being \
+                     read (router --frontend-frame-timeout-s)"
+                );
+                reader.shut_down();
+                written.await;
+            }
         }
     }
 
@@ -1155,6 +1152,18 @@ async fn write_responses(
         let mut w = writer.lock().await;
         if let Err(e) = write_answer(&mut w, msg, &slots, &mut bytes).await {
             tracing::info!(%peer, error = %e, "frontend connection closed while writing");
+            return;
+        }
+    }
+}
+
+/// Completes once the write under way on `progress`'s writer has waited past
+/// [`expertmesh_transport::frontend::frame_deadline`] of `base` for its size (looked at every
+/// second at most).
+async fn overdue(progress: &expertmesh_transport::frontend::WriteProgress, base: Duration) {
+    loop {
+        tokio::time::sleep(base.min(Duration::from_secs(1))).await;
+        if progress.overdue(base) {
             return;
         }
     }

@@ -82,9 +82,10 @@ pub struct FrontendConfig {
     /// second per [`FRAME_MIN_BYTES_PER_SECOND`] of its length ([`frame_deadline`]), or the
     /// read fails and the reader is done (`None`: no limit). A frontend that stopped
     /// mid-frame would otherwise hold its request's share of the router's capacity and its
-    /// buffers for as long as its socket stays open. The router also gives answers that a
-    /// closed connection's client has not taken this long ([`FrameReader::shut_down`]);
-    /// while the connection is open, answers wait for their client however long it takes.
+    /// buffers for as long as its socket stays open. The router also gives each answer to a
+    /// connection it no longer reads this long (plus the same per-size allowance) before it
+    /// shuts the socket down ([`FrameReader::shut_down`]); while the connection is read, an
+    /// answer waits for its client up to the idle timeout ([`WriteProgress::overdue`]).
     pub frame_timeout: Option<Duration>,
 }
 
@@ -708,6 +709,7 @@ impl FrameReader {
                 Ok(h) => h,
                 Err(e) => return Err(read_error(peer, e)),
             };
+            self.stalled = Some(ABANDONED.into());
             let body = self.read.read_body(&header, &self.pool);
             let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
             let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
@@ -816,6 +818,7 @@ impl FrameReader {
             .read_header(&self.codec)
             .await
             .map_err(|e| read_error(peer, e))?;
+        self.stalled = Some(ABANDONED.into());
         let meta = self.read.read_meta(&header, MAX_HEAD_META_BYTES);
         let meta = within(self.frame_timeout, peer, header.frame_len as usize, meta).await;
         let head = mark_stalled(&mut self.stalled, meta)?.map_err(|e| read_error(peer, e))?;
@@ -845,6 +848,7 @@ impl FrameReader {
         let peer = self.peer;
         let header = head.header;
         self.check_framed()?;
+        self.stalled = Some(ABANDONED.into());
         let body = self.read.read_body(&header, &self.pool);
         let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
         let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
@@ -864,6 +868,7 @@ impl FrameReader {
     pub async fn skip_payload(&mut self, head: FrameHead) -> Result<(), FrontendError> {
         let peer = self.peer;
         self.check_framed()?;
+        self.stalled = Some(ABANDONED.into());
         let skip = self.read.skip_body(&head.header);
         let skip = within(self.frame_timeout, peer, head.frame_len(), skip).await;
         mark_stalled(&mut self.stalled, skip)?.map_err(|e| read_error(peer, e))
@@ -910,17 +915,24 @@ impl ShutDown {
     }
 }
 
-/// `read` (a [`within`] result) as it came, or its stall recorded in `stalled` (what
-/// [`FrameReader::check_framed`] reads) and returned.
+/// `read` (a [`within`] result) as it came: `stalled` (what [`FrameReader::check_framed`]
+/// reads) cleared when it ended in time, the stall recorded when it did not.
 fn mark_stalled<T>(
     stalled: &mut Option<String>,
     read: Result<T, FrontendError>,
 ) -> Result<T, FrontendError> {
-    if let Err(e) = &read {
-        *stalled = Some(e.to_string());
-    }
+    *stalled = match &read {
+        Ok(_) => None,
+        Err(FrontendError::Io { source, .. }) => Some(source.to_string()),
+        Err(e) => Some(e.to_string()),
+    };
     read
 }
+
+/// What a reader says when a read of a frame's rest was abandoned (its future dropped) before
+/// it ended: the stream is no longer framed. Set before each such read, cleared when it ends.
+const ABANDONED: &str = "a read was abandoned in the middle of a frame; the connection is no \
+                         longer read";
 
 /// Runs `io`, reading the rest of a frame of `frame_bytes` from `peer`, within
 /// [`frame_deadline`] of `base` (no limit without one): past it, an error naming the stall.
@@ -948,11 +960,11 @@ async fn within<T>(
     })
 }
 
-/// How long a [`FrameWriter`]'s current write has waited, readable without the writer (which
-/// the waiting write holds): the router closes a connection whose client takes no answer for
-/// its idle timeout. Clones share it.
+/// How long a [`FrameWriter`]'s current write has waited, and how large it is, readable
+/// without the writer (which the waiting write holds): the router closes a connection whose
+/// client takes no answer ([`WriteProgress::overdue`]). Clones share it.
 #[derive(Clone, Debug, Default)]
-pub struct WriteProgress(Arc<std::sync::atomic::AtomicU64>);
+pub struct WriteProgress(Arc<[std::sync::atomic::AtomicU64; 2]>);
 
 impl WriteProgress {
     /// Nanoseconds since a process-wide start, never 0 (0 means no write under way).
@@ -962,25 +974,40 @@ impl WriteProgress {
         (start.elapsed().as_nanos() as u64).max(1)
     }
 
-    /// Marks a write begun until the guard is dropped (written, failed or cancelled).
-    fn begin(&self) -> impl Drop + '_ {
+    /// Marks a write of `bytes` begun until the guard is dropped (written, failed or
+    /// cancelled).
+    fn begin(&self, bytes: usize) -> impl Drop + '_ {
+        use std::sync::atomic::Ordering;
         struct Ends<'a>(&'a WriteProgress);
         impl Drop for Ends<'_> {
             fn drop(&mut self) {
-                self.0.0.store(0, std::sync::atomic::Ordering::Release);
+                self.0.0[0].store(0, Ordering::Release);
             }
         }
-        self.0
-            .store(Self::now(), std::sync::atomic::Ordering::Release);
+        self.0[1].store(bytes as u64, Ordering::Release);
+        self.0[0].store(Self::now(), Ordering::Release);
         Ends(self)
     }
 
-    /// How long the write under way has waited (`None`: no write under way).
-    pub fn waiting_for(&self) -> Option<Duration> {
-        match self.0.load(std::sync::atomic::Ordering::Acquire) {
+    /// How long the write under way has waited and its size in bytes (`None`: no write under
+    /// way).
+    pub fn waiting(&self) -> Option<(Duration, usize)> {
+        use std::sync::atomic::Ordering;
+        match self.0[0].load(Ordering::Acquire) {
             0 => None,
-            began => Some(Duration::from_nanos(Self::now().saturating_sub(began))),
+            began => Some((
+                Duration::from_nanos(Self::now().saturating_sub(began)),
+                self.0[1].load(Ordering::Acquire) as usize,
+            )),
         }
+    }
+
+    /// Whether the write under way has waited past [`frame_deadline`] of `base` for its
+    /// size: a client taking it slowly but steadily gets a second per
+    /// [`FRAME_MIN_BYTES_PER_SECOND`] beyond `base`.
+    pub fn overdue(&self, base: Duration) -> bool {
+        self.waiting()
+            .is_some_and(|(waited, bytes)| waited >= frame_deadline(base, bytes))
     }
 }
 
@@ -1010,7 +1037,7 @@ impl FrameWriter {
             }
         })?;
         let progress = self.progress.clone();
-        let _writing = progress.begin();
+        let _writing = progress.begin(self.head.len() + payload.len());
         write_frame_sealed(&mut self.write, self.seal.as_mut(), &self.head, payload)
             .await
             .map_err(|source| FrontendError::Io { peer, source })

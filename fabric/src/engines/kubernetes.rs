@@ -18,7 +18,9 @@
 //!   to lock the tiles in memory; with `--run-as-user UID[:GID]` every pod runs as that user
 //!   (`runAsNonRoot`), and a worker's tile cache folder, which the kubelet makes root's, is
 //!   given to that user by an init container running as root (a non-root process cannot
-//!   make root's folder private, and the worker refuses a folder others may write);
+//!   make root's folder private, and the worker refuses a folder others may write; the
+//!   "restricted" Pod Security level refuses such an init container, and a non-root process
+//!   gets no `IPC_LOCK`, so its tiles are copied unless its memlock limit allows locking);
 //!   SIGTERM on termination drains (grace period 60 s);
 //!   a change of placement, weights or arguments changes the pod template's
 //!   `expertmesh.io/generation` annotation, so `kubectl apply` rolls exactly those pods;

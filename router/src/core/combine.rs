@@ -208,9 +208,10 @@ impl RouterCore {
     }
 }
 
-/// Input magnitude past which an output overflow is put down to the input: at |x| ≈ 1e12 the
-/// SwiGLU product of typical weights is near 1e24·|w|², already close to f32's 3.4e38 limit
-/// across a sum; smaller inputs do not overflow a sound device.
+/// Input magnitude past which an output overflow is put down to the input: a conservative
+/// worst case. Through gate/up sums over the hidden size (~7k), SwiGLU's product and the down
+/// sum over the intermediate size (~2k), |x| = 1e12 can reach about 1e35·|w|³ with aligned
+/// signs; smaller inputs do not overflow a sound device, so there the device is suspect.
 const OVERFLOWING_INPUT: f32 = 1e12;
 
 /// Why a request's combined `output` (rows of `hidden`, from inputs `x`) cannot be its

@@ -10,7 +10,7 @@
 //! in the kernel's accept queue, except that a new one takes the place of the oldest still
 //! waiting for its request head, or else of the oldest of all once it has been served for
 //! [`EVICT_AFTER`]: neither idle connections nor scrapers that stop reading their answers can
-//! keep a cluster engine's health probe out, and a scrape under way is never cut short),
+//! keep a cluster engine's health probe out, and no scrape is cut short in its first second),
 //! a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
 //! [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
 //! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
@@ -232,7 +232,10 @@ async fn make_room(
                     .and_then(|c| (c.since.elapsed() >= EVICT_AFTER).then_some(0)),
             };
             if let Some(c) = evict.and_then(|i| served.remove(i)) {
-                c.task.abort(); // its permit comes back as the task is dropped
+                c.task.abort();
+                // One connection gives way per newcomer: its permit comes back as its task
+                // is dropped, which the next poll of this runtime does.
+                return Arc::clone(slots).acquire_owned().await.ok();
             }
         }
         // A slot, or the oldest becoming old enough to give way (looked at again then).

@@ -323,18 +323,18 @@ async fn after_a_stall_nothing_more_is_read_and_shut_down_ends_the_connection() 
         .unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(async move {
-        let (r, _w) = listener
+        listener
             .accept()
             .await
             .unwrap()
             .handshake()
             .await
             .unwrap()
-            .split();
-        r
+            .split()
     });
     let (mut s, _) = raw_client(addr, &cfg).await;
-    let mut r = tokio::time::timeout(T, server).await.unwrap().unwrap();
+    // The writing half stays alive: only `shut_down` can end the connection below.
+    let (mut r, _w) = tokio::time::timeout(T, server).await.unwrap().unwrap();
     let (body, payload, _) = request(31, 8, 64);
     let raw = codec::encode_frame(&body, &payload, &cfg.codec).unwrap();
     s.write_all(&raw[..raw.len() / 2]).await.unwrap();
@@ -355,8 +355,10 @@ async fn after_a_stall_nothing_more_is_read_and_shut_down_ends_the_connection() 
         matches!(&again, Err(FrontendError::Io { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut),
         "{again:?}"
     );
-    r.shut_down();
     let mut rest = Vec::new();
+    let open = tokio::time::timeout(Duration::from_millis(200), s.read_to_end(&mut rest)).await;
+    assert!(open.is_err(), "the connection ended before shut_down");
+    r.shut_down();
     let ended = tokio::time::timeout(T, s.read_to_end(&mut rest)).await;
     assert!(
         ended.is_ok(),
