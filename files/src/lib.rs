@@ -273,6 +273,17 @@ pub fn temp_path(path: &Path) -> PathBuf {
 /// survives a crash. On an error `path` is what it was and the temporary file is removed;
 /// the error names the step and the file (creating, writing, syncing, renaming).
 pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<()> {
+    write_whole_as(path, bytes, mode, true)
+}
+
+/// [`write_whole`] without the syncs, for scratch files a crash discards anyway (a worker's
+/// copies of gained experts): still whole or not at all, never a truncated file, but not
+/// waiting for the disk.
+pub fn write_whole_unsynced(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<()> {
+    write_whole_as(path, bytes, mode, false)
+}
+
+fn write_whole_as(path: &Path, bytes: &[u8], mode: Option<u32>, durable: bool) -> io::Result<()> {
     let temp = temp_path(path);
     let step = |what: &'static str, at: &Path| {
         let at = at.display().to_string();
@@ -286,7 +297,9 @@ pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<(
             f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
                 .map_err(step("setting the mode of", &temp))?;
         }
-        f.sync_all().map_err(step("syncing", &temp))?;
+        if durable {
+            f.sync_all().map_err(step("syncing", &temp))?;
+        }
         std::fs::rename(&temp, path).map_err(step("renaming into place", path))
     })();
     drop(f);
@@ -294,7 +307,9 @@ pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<(
         let _ = std::fs::remove_file(&temp);
     }
     written?;
-    sync_parent(path);
+    if durable {
+        sync_parent(path);
+    }
     Ok(())
 }
 

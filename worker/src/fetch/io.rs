@@ -107,9 +107,9 @@ impl CopyCache {
         let Some(dir) = self.folder() else {
             return;
         };
-        if let Err(e) =
-            expertmesh_files::write_whole(&dir.join(file_name(key)), stream, Some(0o600))
-        {
+        // Whole or not at all, unsynced: the folder goes with the process.
+        let path = dir.join(file_name(key));
+        if let Err(e) = expertmesh_files::write_whole_unsynced(&path, stream, Some(0o600)) {
             tracing::warn!(
                 layer = key.layer,
                 expert = key.expert,
