@@ -137,6 +137,27 @@ impl Drop for Up {
     }
 }
 
+/// A layer call of `tokens` deterministic f32 hidden states with a 20 s deadline: its body
+/// and payload.
+fn f32_request(id: u64, tokens: usize) -> (Body, Vec<u8>) {
+    let x: Vec<f32> = (0..tokens * HIDDEN)
+        .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let mut payload =
+        vec![0u8; ActivationDtype::F32.payload_bytes(tokens, HIDDEN).unwrap() as usize];
+    dtype::encode_activations(ActivationDtype::F32, tokens, HIDDEN, &x, &mut payload).unwrap();
+    let body = Body::LayerRequest(LayerRequest {
+        request_id: id,
+        layer: LAYER,
+        tokens: tokens as u32,
+        hidden: HIDDEN as u32,
+        dtype: ActivationDtype::F32,
+        logit_experts: 0,
+        deadline_us: 20_000_000,
+    });
+    (body, payload)
+}
+
 fn frontend() -> FrontendConfig {
     FrontendConfig::new("single-host")
 }
@@ -364,24 +385,7 @@ fn a_request_stalled_mid_frame_gives_its_share_back() {
     ]);
     let rt = rt();
     let cfg = frontend();
-    let request = |id: u64, tokens: usize| {
-        let x: Vec<f32> = (0..tokens * HIDDEN)
-            .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
-            .collect();
-        let mut payload =
-            vec![0u8; ActivationDtype::F32.payload_bytes(tokens, HIDDEN).unwrap() as usize];
-        dtype::encode_activations(ActivationDtype::F32, tokens, HIDDEN, &x, &mut payload).unwrap();
-        let body = Body::LayerRequest(LayerRequest {
-            request_id: id,
-            layer: LAYER,
-            tokens: tokens as u32,
-            hidden: HIDDEN as u32,
-            dtype: ActivationDtype::F32,
-            logit_experts: 0,
-            deadline_us: 20_000_000,
-        });
-        (body, payload)
-    };
+    let request = f32_request;
     rt.block_on(async {
         let mut stalled = FrameConnection::connect(up.addr, &cfg).await.unwrap();
         let (body, payload) = request(1, 64);
@@ -424,22 +428,8 @@ fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
     let cfg = frontend();
     // 160 answers of 64 tokens (256 KiB each, 40 MiB): more than the sockets hold.
     let requests = 160u64;
-    let x: Vec<f32> = (0..64 * HIDDEN)
-        .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
-        .collect();
-    let mut payload = vec![0u8; ActivationDtype::F32.payload_bytes(64, HIDDEN).unwrap() as usize];
-    dtype::encode_activations(ActivationDtype::F32, 64, HIDDEN, &x, &mut payload).unwrap();
-    let request = move |id: u64| {
-        Body::LayerRequest(LayerRequest {
-            request_id: id,
-            layer: LAYER,
-            tokens: 64,
-            hidden: HIDDEN as u32,
-            dtype: ActivationDtype::F32,
-            logit_experts: 0,
-            deadline_us: 20_000_000,
-        })
-    };
+    let (_, payload) = f32_request(0, 64);
+    let request = |id: u64| f32_request(id, 64).0;
     let read = rt.block_on(async {
         let c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
         let (mut r, mut w) = c.split();

@@ -384,6 +384,19 @@ mod tests {
     use prometheus_client::metrics::counter::Counter;
     use std::io::{Read, Write};
 
+    /// A server of `registry` whose head and write time limits no test outlasts (an hour):
+    /// what a test sees of its slots comes from eviction alone, whatever the machine's speed.
+    fn patient_server(registry: Registry) -> MetricsServer {
+        let hour = Duration::from_secs(3600);
+        MetricsServer::start_with(
+            "127.0.0.1:0".parse().unwrap(),
+            registry,
+            Arc::new(|| Ok(())),
+            (hour, hour),
+        )
+        .unwrap()
+    }
+
     fn get(addr: SocketAddr, request: &str) -> String {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -416,14 +429,7 @@ mod tests {
         drop(server);
         let mut registry = Registry::default();
         registry.register("expertmesh_test_things", "Things seen", c.clone());
-        let hour = Duration::from_secs(3600);
-        let server = MetricsServer::start_with(
-            "127.0.0.1:0".parse().unwrap(),
-            registry,
-            Arc::new(|| Ok(())),
-            (hour, hour),
-        )
-        .unwrap();
+        let server = patient_server(registry);
         let addr = server.local_addr();
         let idle: Vec<_> = (0..MAX_CONNECTIONS + 2)
             .map(|_| std::net::TcpStream::connect(addr).unwrap())
@@ -463,14 +469,7 @@ mod tests {
         }
         let mut registry = Registry::default();
         registry.register("expertmesh_test_many_series", "Many series", family);
-        let hour = Duration::from_secs(3600);
-        let server = MetricsServer::start_with(
-            "127.0.0.1:0".parse().unwrap(),
-            registry,
-            Arc::new(|| Ok(())),
-            (hour, hour),
-        )
-        .unwrap();
+        let server = patient_server(registry);
         let addr = server.local_addr();
         let stalled: Vec<std::net::TcpStream> = (0..MAX_CONNECTIONS)
             .map(|_| {
