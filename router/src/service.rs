@@ -735,7 +735,7 @@ impl FrontendConn {
             let Some(idle) = self.frontend.idle_timeout else {
                 return std::future::pending().await;
             };
-            overdue(&progress, idle).await;
+            overdue(&progress, idle, None).await;
             tracing::info!(
                 %peer,
                 "frontend connection closed: its answers were not taken for the idle timeout \
@@ -878,8 +878,9 @@ impl FrontendConn {
     /// closed by its client, broken): its write task's, and one the core thread started
     /// itself ([`CoreLoop::answer`]; done once the writer is free). A client that never
     /// takes them would hold its socket and its answers for ever: once one write has waited
-    /// [`FrontendConfig::frame_timeout`] (plus a second per 16 MiB of it) the socket is shut
-    /// down, and the writes fail at once. Without a frame timeout, they wait.
+    /// [`FrontendConfig::frame_timeout`] (plus a second per 16 MiB of it) since reading
+    /// stopped, the socket is shut down, and the writes fail at once. Without a frame timeout
+    /// the idle timeout is the limit; without either, they wait.
     async fn finish_writes(
         &self,
         write_task: tokio::task::JoinHandle<()>,
@@ -894,12 +895,15 @@ impl FrontendConn {
             drop(writer.lock().await);
         };
         tokio::pin!(written);
-        let Some(base) = self.frontend.frame_timeout else {
+        // Without a frame timeout the idle timeout bounds what is left, as it did while the
+        // connection was read.
+        let Some(base) = self.frontend.frame_timeout.or(self.frontend.idle_timeout) else {
             return written.await;
         };
+        let since = Some(std::time::Instant::now());
         tokio::select! {
             () = &mut written => {}
-            () = overdue(progress, base) => {
+            () = overdue(progress, base, since) => {
                 tracing::info!(
                     %peer,
                     "frontend connection closed: an answer was not taken within \
@@ -1158,12 +1162,16 @@ async fn write_responses(
 }
 
 /// Completes once the write under way on `progress`'s writer has waited past
-/// [`expertmesh_transport::frontend::frame_deadline`] of `base` for its size (looked at every
-/// second at most).
-async fn overdue(progress: &expertmesh_transport::frontend::WriteProgress, base: Duration) {
+/// [`expertmesh_transport::frontend::frame_deadline`] of `base` for its size, counted from
+/// `since` at the earliest (looked at every second at most).
+async fn overdue(
+    progress: &expertmesh_transport::frontend::WriteProgress,
+    base: Duration,
+    since: Option<std::time::Instant>,
+) {
     loop {
         tokio::time::sleep(base.min(Duration::from_secs(1))).await;
-        if progress.overdue(base) {
+        if progress.overdue_since(base, since) {
             return;
         }
     }

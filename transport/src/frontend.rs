@@ -74,6 +74,8 @@ pub struct FrontendConfig {
     pub max_connections_per_frontend: u32,
     /// Server side: a connection with no request in flight that has neither sent a request
     /// nor had one answered for this long is closed (`None`: never). Heartbeats do not count.
+    /// So is one whose client leaves an answer untaken this long (plus a second per
+    /// [`FRAME_MIN_BYTES_PER_SECOND`] of it).
     pub idle_timeout: Option<Duration>,
     /// Server side: the frontend names whose connections may change the placement of a running
     /// fabric (`expertmesh rebalance` and `drain`), see [`FrontendConfig::may_change_placement`].
@@ -83,9 +85,10 @@ pub struct FrontendConfig {
     /// read fails and the reader is done (`None`: no limit). A frontend that stopped
     /// mid-frame would otherwise hold its request's share of the router's capacity and its
     /// buffers for as long as its socket stays open. The router also gives each answer to a
-    /// connection it no longer reads this long (plus the same per-size allowance) before it
-    /// shuts the socket down ([`FrameReader::shut_down`]); while the connection is read, an
-    /// answer waits for its client up to the idle timeout ([`WriteProgress::overdue`]).
+    /// connection it no longer reads this long (plus the same per-size allowance, counted from
+    /// when reading stopped) before it shuts the socket down ([`FrameReader::shut_down`]);
+    /// while the connection is read, an answer waits for its client up to the idle timeout
+    /// plus the same allowance ([`WriteProgress::overdue`]).
     pub frame_timeout: Option<Duration>,
 }
 
@@ -689,8 +692,9 @@ pub struct FrameReader {
     /// Server side: [`FrontendConfig::frame_timeout`] for the rest of a frame begun.
     frame_timeout: Option<Duration>,
     /// Why reading stopped mid-frame (the stream is no longer framed): every later read
-    /// fails with it.
-    stalled: Option<String>,
+    /// fails with it. Holds [`ABANDONED`] while the rest of a frame is being read, so that a
+    /// read whose future is dropped leaves the reader unframed too.
+    stalled: Option<std::borrow::Cow<'static, str>>,
 }
 
 impl FrameReader {
@@ -712,7 +716,7 @@ impl FrameReader {
             self.stalled = Some(ABANDONED.into());
             let body = self.read.read_body(&header, &self.pool);
             let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
-            let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
+            let buf = mark_stalled(&mut self.stalled, body, peer)?;
             match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
                 Ok((Body::Heartbeat(_), _)) => continue,
                 Ok((body, payload)) => return Ok(ClientFrame { body, buf, payload }),
@@ -821,7 +825,7 @@ impl FrameReader {
         self.stalled = Some(ABANDONED.into());
         let meta = self.read.read_meta(&header, MAX_HEAD_META_BYTES);
         let meta = within(self.frame_timeout, peer, header.frame_len as usize, meta).await;
-        let head = mark_stalled(&mut self.stalled, meta)?.map_err(|e| read_error(peer, e))?;
+        let head = mark_stalled(&mut self.stalled, meta, peer)?;
         let (body, request_id) = match head {
             None => (None, None),
             Some(bytes) => {
@@ -851,7 +855,7 @@ impl FrameReader {
         self.stalled = Some(ABANDONED.into());
         let body = self.read.read_body(&header, &self.pool);
         let body = within(self.frame_timeout, peer, header.frame_len as usize, body).await;
-        let buf = mark_stalled(&mut self.stalled, body)?.map_err(|e| read_error(peer, e))?;
+        let buf = mark_stalled(&mut self.stalled, body, peer)?;
         match codec::decode_with_header(&header, &buf[..header.frame_len as usize]) {
             Ok((body, payload)) => Ok(ClientFrame { body, buf, payload }),
             Err(error) => Err(FrontendError::BadFrame {
@@ -871,7 +875,7 @@ impl FrameReader {
         self.stalled = Some(ABANDONED.into());
         let skip = self.read.skip_body(&head.header);
         let skip = within(self.frame_timeout, peer, head.frame_len(), skip).await;
-        mark_stalled(&mut self.stalled, skip)?.map_err(|e| read_error(peer, e))
+        mark_stalled(&mut self.stalled, skip, peer)
     }
 
     /// An error when an earlier read stopped mid-frame: the stream is no longer framed, and
@@ -881,14 +885,15 @@ impl FrameReader {
             None => Ok(()),
             Some(why) => Err(FrontendError::Io {
                 peer: self.peer,
-                source: std::io::Error::new(std::io::ErrorKind::TimedOut, why.clone()),
+                source: std::io::Error::other(why.to_string()),
             }),
         }
     }
 
     /// Shuts the connection's socket down both ways: a write waiting on a client that does
     /// not read fails at once, and so does every later read and write. The router does this
-    /// when a closed connection's answers have waited [`FrontendConfig::frame_timeout`].
+    /// when an answer has waited too long for a client that does not read it
+    /// ([`WriteProgress::overdue`]).
     pub fn shut_down(&self) {
         self.shut_down_handle().shut_down();
     }
@@ -915,16 +920,19 @@ impl ShutDown {
     }
 }
 
-/// `read` (a [`within`] result) as it came: `stalled` (what [`FrameReader::check_framed`]
-/// reads) cleared when it ended in time, the stall recorded when it did not.
+/// `read` (a [`within`] result) as the connection's result: `stalled` (what
+/// [`FrameReader::check_framed`] reads) cleared when the read ended whole and in time, set to
+/// why when it stalled or failed part-way (the stream is then no longer framed).
 fn mark_stalled<T>(
-    stalled: &mut Option<String>,
-    read: Result<T, FrontendError>,
+    stalled: &mut Option<std::borrow::Cow<'static, str>>,
+    read: Result<Result<T, ReadError>, FrontendError>,
+    peer: SocketAddr,
 ) -> Result<T, FrontendError> {
+    let read = read.and_then(|r| r.map_err(|e| read_error(peer, e)));
     *stalled = match &read {
         Ok(_) => None,
-        Err(FrontendError::Io { source, .. }) => Some(source.to_string()),
-        Err(e) => Some(e.to_string()),
+        Err(FrontendError::Io { source, .. }) => Some(source.to_string().into()),
+        Err(e) => Some(e.to_string().into()),
     };
     read
 }
@@ -993,12 +1001,19 @@ impl WriteProgress {
     /// way).
     pub fn waiting(&self) -> Option<(Duration, usize)> {
         use std::sync::atomic::Ordering;
-        match self.0[0].load(Ordering::Acquire) {
-            0 => None,
-            began => Some((
-                Duration::from_nanos(Self::now().saturating_sub(began)),
-                self.0[1].load(Ordering::Acquire) as usize,
-            )),
+        loop {
+            let began = self.0[0].load(Ordering::Acquire);
+            if began == 0 {
+                return None;
+            }
+            let bytes = self.0[1].load(Ordering::Acquire) as usize;
+            // The same write still (not one that began between the two loads).
+            if self.0[0].load(Ordering::Acquire) == began {
+                return Some((
+                    Duration::from_nanos(Self::now().saturating_sub(began)),
+                    bytes,
+                ));
+            }
         }
     }
 
@@ -1006,8 +1021,16 @@ impl WriteProgress {
     /// size: a client taking it slowly but steadily gets a second per
     /// [`FRAME_MIN_BYTES_PER_SECOND`] beyond `base`.
     pub fn overdue(&self, base: Duration) -> bool {
-        self.waiting()
-            .is_some_and(|(waited, bytes)| waited >= frame_deadline(base, bytes))
+        self.overdue_since(base, None)
+    }
+
+    /// [`WriteProgress::overdue`], counting the wait from `since` at the earliest (when the
+    /// connection stopped being read: what waited before had the idle rule's allowance).
+    pub fn overdue_since(&self, base: Duration, since: Option<Instant>) -> bool {
+        self.waiting().is_some_and(|(waited, bytes)| {
+            let waited = since.map_or(waited, |t| waited.min(t.elapsed()));
+            waited >= frame_deadline(base, bytes)
+        })
     }
 }
 
@@ -1043,8 +1066,8 @@ impl FrameWriter {
             .map_err(|source| FrontendError::Io { peer, source })
     }
 
-    /// How long this writer's write under way has waited, readable while that write holds
-    /// the writer.
+    /// How long this writer's write under way has waited and how large it is, readable while
+    /// that write holds the writer.
     pub fn progress(&self) -> WriteProgress {
         self.progress.clone()
     }
