@@ -1674,6 +1674,23 @@ fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
     );
 }
 
+/// `deploy kubernetes` (with `engine_args` after the image) of workers with a tile cache in
+/// `inputs`' folder `empty-dir`: the output folder, the tile cache folder (not made) and
+/// `processes.yaml`.
+fn kubernetes_with_tile_cache(inputs: &Inputs, engine_args: &[&str]) -> (PathBuf, PathBuf, String) {
+    let key = inputs.key.to_str().unwrap();
+    let out = inputs.dir.path().join("out");
+    let tiles = inputs.dir.path().join("empty-dir");
+    let tiles_arg = format!("--worker-arg=--tile-cache={}", tiles.display());
+    let args = ["--key", key, tiles_arg.as_str()];
+    let mut k8s = vec!["kubernetes", "--image", "registry.example/expertmesh:1"];
+    k8s.extend(engine_args);
+    let r = inputs.deploy(&k8s, &out, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    (out, tiles, manifests)
+}
+
 /// On Kubernetes a worker's `--tile-cache` folder is an emptyDir (kept across the
 /// container's restarts) with `IPC_LOCK` to lock the tiles, and `launch.sh` makes the folder
 /// private before the worker starts (an emptyDir starts world-writable; the worker refuses a
@@ -1682,15 +1699,7 @@ fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
 fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
     use std::os::unix::fs::PermissionsExt;
     let inputs = Inputs::new();
-    let key = inputs.key.to_str().unwrap();
-    let out = inputs.dir.path().join("out");
-    let tiles = inputs.dir.path().join("empty-dir");
-    let tiles_arg = format!("--worker-arg=--tile-cache={}", tiles.display());
-    let args = ["--key", key, tiles_arg.as_str()];
-    let k8s = ["kubernetes", "--image", "registry.example/expertmesh:1"];
-    let r = inputs.deploy(&k8s, &out, &args);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let (out, tiles, manifests) = kubernetes_with_tile_cache(&inputs, &[]);
     // Per Deployment document: the workers mount it and may lock memory, the router neither.
     let docs: Vec<&str> = manifests.split("\n---\n").collect();
     let mount = format!("\"mountPath\": \"{}\"", tiles.display());
@@ -1751,21 +1760,8 @@ fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
 fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let inputs = Inputs::new();
-    let key = inputs.key.to_str().unwrap();
-    let out = inputs.dir.path().join("out");
-    let tiles = inputs.dir.path().join("empty-dir");
-    let tiles_arg = format!("--worker-arg=--tile-cache={}", tiles.display());
-    let args = ["--key", key, tiles_arg.as_str()];
-    let k8s = [
-        "kubernetes",
-        "--image",
-        "registry.example/expertmesh:1",
-        "--run-as-user",
-        "1000:2000",
-    ];
-    let r = inputs.deploy(&k8s, &out, &args);
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let (_out, tiles, manifests) =
+        kubernetes_with_tile_cache(&inputs, &["--run-as-user", "1000:2000"]);
     let docs: Vec<&str> = manifests.split("\n---\n").collect();
     let workers: Vec<&&str> = docs.iter().filter(|d| d.contains("worker-")).collect();
     assert_eq!(workers.len(), 2, "{manifests}");

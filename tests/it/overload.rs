@@ -17,7 +17,7 @@
 
 use expertmesh_benches::overload::{LoadReport, OverloadLoad, load_input, proc_memory, run_load};
 use expertmesh_transport::codec::{self, Body, ErrorCode, LayerRequest};
-use expertmesh_transport::dtype::{self, ActivationDtype};
+use expertmesh_transport::dtype::ActivationDtype;
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -143,19 +143,7 @@ fn f32_request(id: u64, tokens: usize) -> (Body, Vec<u8>) {
     let x: Vec<f32> = (0..tokens * HIDDEN)
         .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
         .collect();
-    let mut payload =
-        vec![0u8; ActivationDtype::F32.payload_bytes(tokens, HIDDEN).unwrap() as usize];
-    dtype::encode_activations(ActivationDtype::F32, tokens, HIDDEN, &x, &mut payload).unwrap();
-    let body = Body::LayerRequest(LayerRequest {
-        request_id: id,
-        layer: LAYER,
-        tokens: tokens as u32,
-        hidden: HIDDEN as u32,
-        dtype: ActivationDtype::F32,
-        logit_experts: 0,
-        deadline_us: 20_000_000,
-    });
-    (body, payload)
+    crate::support::f32_layer_request(id, LAYER, HIDDEN, &x)
 }
 
 fn frontend() -> FrontendConfig {

@@ -18,11 +18,9 @@
 //! with a unique cluster name and free ports), with credentials, in exact mode.
 
 use expertmesh_router::client::placement::{ApplyError, apply_placement};
-use expertmesh_transport::codec::{
-    self, Body, CodecConfig, FORMAT_VERSION, HEADER_LEN, Hello, LayerRequest,
-};
+use expertmesh_transport::codec::{self, Body, CodecConfig, FORMAT_VERSION, HEADER_LEN, Hello};
 use expertmesh_transport::crypto::Credentials;
-use expertmesh_transport::dtype::{self, ActivationDtype};
+use expertmesh_transport::dtype;
 use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
 use expertmesh_transport::{LinkKind, Mesh, MeshConfig, PeerAddress, TransportEvent};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -361,20 +359,7 @@ fn hidden_states(tokens: usize, salt: u32) -> Vec<f32> {
 
 /// A layer call as f32 activations: the request body and its payload.
 fn layer_request(id: u64, layer: u32, x: &[f32]) -> (Body, Vec<u8>) {
-    let tokens = x.len() / HIDDEN;
-    let mut payload =
-        vec![0u8; ActivationDtype::F32.payload_bytes(tokens, HIDDEN).unwrap() as usize];
-    dtype::encode_activations(ActivationDtype::F32, tokens, HIDDEN, x, &mut payload).unwrap();
-    let body = Body::LayerRequest(LayerRequest {
-        request_id: id,
-        layer,
-        tokens: tokens as u32,
-        hidden: HIDDEN as u32,
-        dtype: ActivationDtype::F32,
-        logit_experts: 0,
-        deadline_us: 20_000_000,
-    });
-    (body, payload)
+    crate::support::f32_layer_request(id, layer, HIDDEN, x)
 }
 
 /// One call over `conn`: the output bits, or why there was none (an error frame, a closed or

@@ -112,6 +112,32 @@ pub(crate) fn say(what: &str) {
     let _ = writeln!(std::io::stderr(), "{what}");
 }
 
+/// A layer call of `x` (rows of `hidden` f32 values) to `layer` with a 20 s deadline, as a
+/// frontend sends it: its body and payload.
+pub(crate) fn f32_layer_request(
+    id: u64,
+    layer: u32,
+    hidden: usize,
+    x: &[f32],
+) -> (expertmesh_transport::codec::Body, Vec<u8>) {
+    use expertmesh_transport::codec::{Body, LayerRequest};
+    use expertmesh_transport::dtype::{self, ActivationDtype};
+    let tokens = x.len() / hidden;
+    let mut payload =
+        vec![0u8; ActivationDtype::F32.payload_bytes(tokens, hidden).unwrap() as usize];
+    dtype::encode_activations(ActivationDtype::F32, tokens, hidden, x, &mut payload).unwrap();
+    let body = Body::LayerRequest(LayerRequest {
+        request_id: id,
+        layer,
+        tokens: tokens as u32,
+        hidden: hidden as u32,
+        dtype: ActivationDtype::F32,
+        logit_experts: 0,
+        deadline_us: 20_000_000,
+    });
+    (body, payload)
+}
+
 /// The bits of `v`, to compare outputs bit for bit.
 pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

@@ -520,19 +520,10 @@ impl IncomingClient {
 /// Logs a refusal of the closed gate ([`FrontendConfig::gate`]): at most one line a second,
 /// with how many were not logged since.
 fn log_gate_refusal(peer: SocketAddr, reason: &str) {
-    static LAST: Mutex<Option<Instant>> = Mutex::new(None);
-    static QUIET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let now = Instant::now();
-    {
-        let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
-            QUIET.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return;
-        }
-        *last = Some(now);
+    static THROTTLE: crate::tcp::LogThrottle = crate::tcp::LogThrottle::new(1);
+    if let Some(quiet) = THROTTLE.admit() {
+        tracing::info!(%peer, quiet, "refused frontend client: {reason}");
     }
-    let quiet = QUIET.swap(0, std::sync::atomic::Ordering::Relaxed);
-    tracing::info!(%peer, quiet, "refused frontend client: {reason}");
 }
 
 /// What a client's failed handshake says about the port it reached: a mesh port announces a

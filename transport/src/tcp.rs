@@ -932,28 +932,54 @@ impl Drop for MemoryReservation {
     }
 }
 
+/// A process-wide limit on how many lines a second a log site prints: [`LogThrottle::admit`]
+/// says whether this line may be printed, and how many were held back since the last one.
+pub(crate) struct LogThrottle {
+    /// The current one-second window's start and the lines printed in it.
+    window: std::sync::Mutex<(Option<Instant>, u32)>,
+    suppressed: std::sync::atomic::AtomicU64,
+    per_second: u32,
+}
+
+impl LogThrottle {
+    /// At most `per_second` lines a second.
+    pub(crate) const fn new(per_second: u32) -> Self {
+        Self {
+            window: std::sync::Mutex::new((None, 0)),
+            suppressed: std::sync::atomic::AtomicU64::new(0),
+            per_second,
+        }
+    }
+
+    /// `Some(lines held back since the last printed)` when this line may be printed.
+    pub(crate) fn admit(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        let now = Instant::now();
+        {
+            let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+            match w.0 {
+                Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
+                    if w.1 >= self.per_second {
+                        self.suppressed.fetch_add(1, Ordering::Relaxed);
+                        return None;
+                    }
+                    w.1 += 1;
+                }
+                _ => *w = (Some(now), 1),
+            }
+        }
+        Some(self.suppressed.swap(0, Ordering::Relaxed))
+    }
+}
+
 /// Logs a refused handshake at warn level: the peer's address, who it claimed to be, and
 /// why. At most [`REFUSAL_LOGS_PER_SECOND`] lines a second over the whole process; the next
 /// line printed says how many were suppressed meanwhile.
 pub fn log_refusal(what: &str, from: std::net::SocketAddr, claimed: Option<&str>, reason: &str) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static WINDOW: std::sync::Mutex<(Option<Instant>, u32)> = std::sync::Mutex::new((None, 0));
-    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
-    let now = Instant::now();
-    {
-        let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
-        match w.0 {
-            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
-                if w.1 >= REFUSAL_LOGS_PER_SECOND {
-                    SUPPRESSED.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                w.1 += 1;
-            }
-            _ => *w = (Some(now), 1),
-        }
-    }
-    let suppressed = SUPPRESSED.swap(0, Ordering::Relaxed);
+    static THROTTLE: LogThrottle = LogThrottle::new(REFUSAL_LOGS_PER_SECOND);
+    let Some(suppressed) = THROTTLE.admit() else {
+        return;
+    };
     let claimed = claimed.unwrap_or("(no hello)");
     if suppressed > 0 {
         tracing::warn!(%from, claimed, suppressed, "refused {what}: {reason} ({suppressed} more refusals not logged)");

@@ -397,9 +397,11 @@ mod tests {
         .unwrap()
     }
 
+    /// One request's answer. The read waits up to a minute: a cap for a test that would
+    /// otherwise hang, far above what an answer takes on a loaded machine.
     fn get(addr: SocketAddr, request: &str) -> String {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         s.write_all(request.as_bytes()).unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
