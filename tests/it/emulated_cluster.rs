@@ -7,7 +7,9 @@
 //! in serving mode (the bench exits 1 otherwise), that no call failed,
 //! that measured tokens/s is within a loose band of `expertmesh plan`'s prediction for the same
 //! topology, and that the namespaces are gone afterwards. Timings are not asserted beyond that
-//! band.
+//! band, and a throughput that falls short while the machine's CPU was busy (by the cluster or
+//! by anything else on a shared machine) is printed as "not checked", not failed: it measured
+//! the CPU, not the plan.
 //!
 //! Needs root (CI runs as root) and iproute2; where `ip netns add` is refused it prints
 //! "skipped: network namespaces, bridges, veth or tc not permitted" and passes.
@@ -150,38 +152,69 @@ fn check_rows(report: &Value) {
             .and_then(|r| r["achieved"].as_f64())
             .unwrap()
     };
+    let busy = |routers: u64, batch: u64| {
+        results
+            .iter()
+            .find(|r| r["routers"] == routers && r["batch"] == batch)
+            .is_some_and(cpu_was_busy)
+    };
     // Network-bound: one router per node moves more tokens than one router.
-    assert!(tps(3, 8) > 1.5 * tps(1, 8), "{report}");
-    let mut checked = 0;
+    expect_unless_busy(
+        tps(3, 8) > 1.5 * tps(1, 8),
+        busy(3, 8) || busy(1, 8),
+        &format!(
+            "three routers at batch 8 moved {:.0} tokens/s, one router {:.0} (expected over 1.5x)",
+            tps(3, 8),
+            tps(1, 8)
+        ),
+        report,
+    );
     for r in results {
         assert_eq!(r["mismatches"], 0, "{r}");
         assert_eq!(r["errors"], 0, "{r}");
         assert!(r["calls"].as_u64().unwrap() > 10, "{r}");
         assert_eq!(r["bottleneck"], "network", "{r}");
         // measured / predicted: the target is 0.8-1.2; a loaded CI machine gets a looser band.
-        // The prediction is the network's: a row whose machine ran out of CPU (three routers,
-        // six workers and the shapers on 2 cores can) measured the CPU, not the plan, so its
-        // ratio says nothing about the plan and is reported, not checked.
+        // The prediction is the network's. Too fast is always wrong; too slow is wrong only
+        // where the CPU had room: a row whose machine ran out of CPU (three routers, six
+        // workers and the shapers on 2 cores can, and so can other work on a shared machine)
+        // may have measured the CPU, not the plan.
         let ratio = r["ratio"].as_f64().unwrap();
-        let cpu_busy = r["cpu_busy"].as_f64().unwrap_or(0.0);
-        if cpu_busy >= CPU_SATURATED {
-            println!(
-                "not checked: measured/predicted {ratio:.2} of {} routers batch {}: the CPU was \
-                 {:.0}% busy, so the network was not what limited it",
-                r["routers"],
-                r["batch"],
-                100.0 * cpu_busy
-            );
-            continue;
-        }
-        assert!(
-            (0.6..=1.4).contains(&ratio),
-            "measured/predicted {ratio}: {r}"
+        assert!(ratio <= 1.4, "measured/predicted {ratio}: {r}");
+        expect_unless_busy(
+            ratio >= 0.6,
+            cpu_was_busy(r),
+            &format!(
+                "measured/predicted {ratio:.2} of {} routers batch {}",
+                r["routers"], r["batch"]
+            ),
+            r,
         );
-        checked += 1;
     }
-    // One router per run leaves the CPU room: at least its rows check the plan.
-    assert!(checked > 0, "every row ran out of CPU: {report}");
+}
+
+/// Whether the machine's CPU was at least [`CPU_SATURATED`] busy during a row (the cluster's
+/// own processes or anything else on the machine: the bench reads `/proc/stat`).
+fn cpu_was_busy(row: &Value) -> bool {
+    row["cpu_busy"].as_f64().unwrap_or(0.0) >= CPU_SATURATED
+}
+
+/// Asserts `holds`, a claim about throughput, unless the CPU was busy while it was measured
+/// (`busy`): then a miss says nothing about the fabric or the plan, and is printed ("not
+/// checked: ...") instead of failing. A claim that holds on a busy machine still passes.
+fn expect_unless_busy(holds: bool, busy: bool, claim: &str, context: &Value) {
+    if holds {
+        return;
+    }
+    if busy {
+        crate::support::say(&format!(
+            "not checked: {claim}: the CPU was over {:.0}% busy, so the network was not \
+             what limited it",
+            100.0 * CPU_SATURATED
+        ));
+        return;
+    }
+    panic!("{claim}, with CPU to spare: {context}");
 }
 
 /// Exact mode: every answer across the namespaces bit-identical to the in-process reference.
@@ -206,10 +239,16 @@ fn emulated_cluster_answers_exactly_and_matches_the_plan() {
         let rate = j["machine"]["line_rate_mbit"].as_f64().unwrap();
         j["results"][0]["achieved"].as_f64().unwrap() / rate
     };
-    assert!(
+    // Row 0 (one router, batch 1) of each run.
+    let first_busy = |j: &Value| cpu_was_busy(&j["results"][0]);
+    expect_unless_busy(
         per_mbit(&serving) > 1.5 * per_mbit(&report),
-        "tokens/s per Mbit/s: serving {} exact {}\n{serving}",
-        per_mbit(&serving),
-        per_mbit(&report)
+        first_busy(&serving) || first_busy(&report),
+        &format!(
+            "tokens/s per Mbit/s: serving {:.2}, exact {:.2} (expected over 1.5x)",
+            per_mbit(&serving),
+            per_mbit(&report)
+        ),
+        &serving,
     );
 }
