@@ -25,7 +25,9 @@
 //! memory nor decoding. After a burst the allocator's free pages are returned to the system
 //! ([`MemoryTrim`]), so the router's memory comes back to its baseline.
 //! A frame whose header is intact but whose content is bad is answered with an error frame and
-//! the connection goes on; a broken stream closes only that connection.
+//! the connection goes on; a broken stream closes only that connection. A client that closes
+//! its side after its requests (`shutdown(SHUT_WR)`: done sending) still gets every answer,
+//! then the end of the stream.
 
 use crate::admission::{Admission, AdmissionLimits, Shed};
 use crate::client::placement::Applied;
@@ -749,8 +751,17 @@ impl FrontendConn {
             slots.close();
             std::future::pending::<()>().await
         };
-        let idle_close = tokio::select! {
-            close = self.read_requests(&mut reader, &out_tx, &slots, &writer, peer) => close,
+        let reading = async {
+            let end = self
+                .read_requests(&mut reader, &out_tx, &slots, &writer, peer)
+                .await;
+            if let ReadEnd::ClientDone = end {
+                answered(&slots, self.max_outstanding, &out_tx).await;
+            }
+            end
+        };
+        let end = tokio::select! {
+            end = reading => end,
             () = untaken => unreachable!("pending"),
         };
         self.admission.lock().close(self.client);
@@ -764,7 +775,7 @@ impl FrontendConn {
         self.finish_writes(write_task, &writer, &progress, &reader, peer)
             .await;
         drop(reader);
-        if let Some((frontend, message)) = idle_close {
+        if let ReadEnd::Idle(frontend, message) = end {
             // Logged once the closing frame is written (tests wait for this line).
             tracing::info!(%peer, frontend, "frontend connection {message}");
         }
@@ -773,8 +784,8 @@ impl FrontendConn {
     /// Reader: each request is admitted or shed from its header and metadata, before its
     /// payload is read ([`crate::admission`]); an admitted one is read, validated here and
     /// handed to the core. A shed or refused request's payload is skipped, never held.
-    /// Returns (frontend name, why) when it closed the connection for idleness. A head is read
-    /// before its request takes a slot: keepalive probes need none ([`answer_probe`]).
+    /// Returns how reading ended ([`ReadEnd`]). A head is read before its request takes a
+    /// slot: keepalive probes need none ([`answer_probe`]).
     async fn read_requests(
         &self,
         reader: &mut FrameReader,
@@ -782,7 +793,7 @@ impl FrontendConn {
         slots: &Semaphore,
         writer: &tokio::sync::Mutex<FrontendWriter>,
         peer: SocketAddr,
-    ) -> Option<(String, String)> {
+    ) -> ReadEnd {
         let reply = |request_id: u64, code: ErrorCode, message: String| {
             // Never full: this message holds the permit of the frame that caused it.
             self.validator.metrics().on_error(code);
@@ -797,15 +808,15 @@ impl FrontendConn {
             let read = tokio::select! {
                 r = reader.read_head() => r,
                 idle = self.idle(last_request, slots) => {
-                    return Some(idle_closed(idle, reader, out_tx));
+                    let (frontend, message) = idle_closed(idle, reader, out_tx);
+                    return ReadEnd::Idle(frontend, message);
                 }
             };
             let head = match read {
                 Ok(h) => h,
+                Err(FrontendError::Closed { .. }) => return ReadEnd::ClientDone,
                 Err(e) => {
-                    if !matches!(e, FrontendError::Closed { .. }) {
-                        tracing::info!(%peer, error = %e, "frontend connection closed");
-                    }
+                    tracing::info!(%peer, error = %e, "frontend connection closed");
                     break;
                 }
             };
@@ -871,7 +882,7 @@ impl FrontendConn {
                 }
             }
         }
-        None
+        ReadEnd::Broken
     }
 
     /// Waits for the answers still being written to a connection that is done reading (idle,
@@ -1174,6 +1185,30 @@ async fn overdue(
         if progress.overdue_since(base, since) {
             return;
         }
+    }
+}
+
+/// How a frontend connection's reading ended ([`FrontendConn::read_requests`]).
+enum ReadEnd {
+    /// Closed for idleness: the frontend's name and why, for the log.
+    Idle(String, String),
+    /// The client closed its side at the end of a frame: it is done sending (or gone). The
+    /// requests it sent are still answered ([`answered`]).
+    ClientDone,
+    /// A broken stream or frame, or the router stopping.
+    Broken,
+}
+
+/// Completes once every request of a connection that is done sending has been answered: all
+/// `max_outstanding` permits back in `slots` (an answer returns its permit as its write
+/// begins), or the connection's write task gone (a write failed: nobody reads the answers)
+/// or `slots` closed (its answers were not taken). Each request in flight is answered by its
+/// deadline at the latest, so the wait is bounded.
+async fn answered(slots: &Semaphore, max_outstanding: usize, out_tx: &mpsc::Sender<ClientMsg>) {
+    let all = u32::try_from(max_outstanding).unwrap_or(u32::MAX);
+    tokio::select! {
+        _ = slots.acquire_many(all) => {}
+        () = out_tx.closed() => {}
     }
 }
 

@@ -471,3 +471,42 @@ fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
         answer.body()
     );
 }
+
+/// A frontend that sends its requests and then closes its side of the connection (done
+/// sending: `shutdown(SHUT_WR)`, which dropping the write half does) still gets every answer,
+/// then the end of the stream.
+#[test]
+fn a_client_that_closes_its_sending_side_gets_every_answer() {
+    let _machine = crate::support::shared();
+    let up = Up::start();
+    let rt = rt();
+    let cfg = frontend();
+    let requests = 8u64;
+    let (mut ids, end) = rt.block_on(async {
+        let c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        let (mut r, mut w) = c.split();
+        for id in 1..=requests {
+            let (body, payload) = f32_request(id, 16);
+            w.write_frame(&body, &payload).await.unwrap();
+        }
+        drop(w);
+        let mut ids = Vec::new();
+        let end = loop {
+            let read = tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await;
+            match read.expect("the connection neither answered nor ended within 60 s") {
+                Ok(f) => match f.body() {
+                    Body::LayerResponse(answer) => ids.push(answer.request_id),
+                    other => panic!("not an answer: {other:?}"),
+                },
+                Err(e) => break e.to_string(),
+            }
+        };
+        (ids, end)
+    });
+    ids.sort_unstable();
+    assert_eq!(
+        ids,
+        (1..=requests).collect::<Vec<_>>(),
+        "answers before the end ({end})"
+    );
+}
