@@ -755,8 +755,9 @@ impl FrontendConn {
             let end = self
                 .read_requests(&mut reader, &out_tx, &slots, &writer, peer)
                 .await;
-            if let ReadEnd::ClientDone = end {
-                answered(&slots, self.max_outstanding, &out_tx).await;
+            if let ReadEnd::ClientDone { answer_by } = end {
+                let until = answer_by + ANSWER_GRACE;
+                answered(&slots, self.max_outstanding, &out_tx, until).await;
             }
             end
         };
@@ -804,6 +805,8 @@ impl FrontendConn {
             });
         };
         let mut last_request = tokio::time::Instant::now();
+        // When every request read so far must have been answered (its deadline).
+        let mut answer_by = last_request;
         loop {
             let read = tokio::select! {
                 r = reader.read_head() => r,
@@ -814,7 +817,7 @@ impl FrontendConn {
             };
             let head = match read {
                 Ok(h) => h,
-                Err(FrontendError::Closed { .. }) => return ReadEnd::ClientDone,
+                Err(FrontendError::Closed { .. }) => return ReadEnd::ClientDone { answer_by },
                 Err(e) => {
                     tracing::info!(%peer, error = %e, "frontend connection closed");
                     break;
@@ -835,7 +838,11 @@ impl FrontendConn {
                 break; // the connection is closing
             }
             let taken = match self.take(head).await {
-                Take::Request(req, head) => self.read_request(reader, req, head).await,
+                Take::Request(req, head) => {
+                    let by = tokio::time::Instant::now() + self.validator.deadline_of(&req);
+                    answer_by = answer_by.max(by);
+                    self.read_request(reader, req, head).await
+                }
                 Take::Placement(p, head)
                     if !self.frontend.may_change_placement(reader.frontend()) =>
                 {
@@ -845,6 +852,8 @@ impl FrontendConn {
                 }
                 Take::Placement(p, head) => match self.read_placement(reader, &p, head).await {
                     Ok(Ok(apply)) => {
+                        let took = Duration::from_millis(u64::from(p.millis.max(1)));
+                        answer_by = answer_by.max(tokio::time::Instant::now() + took);
                         if send_to_core(&self.tx, apply).await.is_err() {
                             break;
                         }
@@ -1193,22 +1202,36 @@ enum ReadEnd {
     /// Closed for idleness: the frontend's name and why, for the log.
     Idle(String, String),
     /// The client closed its side at the end of a frame: it is done sending (or gone). The
-    /// requests it sent are still answered ([`answered`]).
-    ClientDone,
+    /// requests it sent are still answered ([`answered`]), each by `answer_by` (the latest of
+    /// their deadlines and placement timeouts).
+    ClientDone {
+        /// When the last request read must have been answered.
+        answer_by: tokio::time::Instant,
+    },
     /// A broken stream or frame, or the router stopping.
     Broken,
 }
 
+/// How long past the last deadline of its requests a connection that is done sending waits
+/// for their answers (the core answers `DeadlineExceeded` once a deadline has passed).
+const ANSWER_GRACE: Duration = Duration::from_secs(5);
+
 /// Completes once every request of a connection that is done sending has been answered: all
 /// `max_outstanding` permits back in `slots` (an answer returns its permit as its write
-/// begins), or the connection's write task gone (a write failed: nobody reads the answers)
-/// or `slots` closed (its answers were not taken). Each request in flight is answered by its
-/// deadline at the latest, so the wait is bounded.
-async fn answered(slots: &Semaphore, max_outstanding: usize, out_tx: &mpsc::Sender<ClientMsg>) {
+/// begins), the connection's write task gone (a write failed: nobody reads the answers),
+/// `slots` closed (its answers were not taken), or at `until` (past every request's deadline:
+/// an answer still missing then is not waited for).
+async fn answered(
+    slots: &Semaphore,
+    max_outstanding: usize,
+    out_tx: &mpsc::Sender<ClientMsg>,
+    until: tokio::time::Instant,
+) {
     let all = u32::try_from(max_outstanding).unwrap_or(u32::MAX);
     tokio::select! {
         _ = slots.acquire_many(all) => {}
         () = out_tx.closed() => {}
+        () = tokio::time::sleep_until(until) => {}
     }
 }
 
