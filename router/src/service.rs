@@ -755,6 +755,11 @@ impl FrontendConn {
             let end = self
                 .read_requests(&mut reader, &out_tx, &slots, &writer, peer)
                 .await;
+            // No request comes from it any more: batches stop waiting for it and the others'
+            // shares grow now (its requests in flight keep theirs until answered).
+            self.admission.lock().close(self.client);
+            self.open.fetch_sub(1, Ordering::AcqRel);
+            let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
             if let ReadEnd::ClientDone { answer_by } = end {
                 let until = answer_by + ANSWER_GRACE;
                 answered(&slots, self.max_outstanding, &out_tx, until).await;
@@ -765,9 +770,6 @@ impl FrontendConn {
             end = reading => end,
             () = untaken => unreachable!("pending"),
         };
-        self.admission.lock().close(self.client);
-        self.open.fetch_sub(1, Ordering::AcqRel);
-        let _ = send_to_core(&self.tx, CoreInput::Frontends).await;
         self.clients
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -795,15 +797,7 @@ impl FrontendConn {
         writer: &tokio::sync::Mutex<FrontendWriter>,
         peer: SocketAddr,
     ) -> ReadEnd {
-        let reply = |request_id: u64, code: ErrorCode, message: String| {
-            // Never full: this message holds the permit of the frame that caused it.
-            self.validator.metrics().on_error(code);
-            let _ = out_tx.try_send(ClientMsg::Error {
-                request_id,
-                code,
-                message,
-            });
-        };
+        let reply = |request_id, code, message| self.reply(out_tx, request_id, code, message);
         let mut last_request = tokio::time::Instant::now();
         // When every request read so far must have been answered (its deadline).
         let mut answer_by = last_request;
@@ -838,11 +832,7 @@ impl FrontendConn {
                 break; // the connection is closing
             }
             let taken = match self.take(head).await {
-                Take::Request(req, head) => {
-                    let by = tokio::time::Instant::now() + self.validator.deadline_of(&req);
-                    answer_by = answer_by.max(by);
-                    self.read_request(reader, req, head).await
-                }
+                Take::Request(req, head) => self.read_request(reader, req, head).await,
                 Take::Placement(p, head)
                     if !self.frontend.may_change_placement(reader.frontend()) =>
                 {
@@ -852,8 +842,8 @@ impl FrontendConn {
                 }
                 Take::Placement(p, head) => match self.read_placement(reader, &p, head).await {
                     Ok(Ok(apply)) => {
-                        let took = Duration::from_millis(u64::from(p.millis.max(1)));
-                        answer_by = answer_by.max(tokio::time::Instant::now() + took);
+                        let by = tokio::time::Instant::now() + placement_answer_within(&p);
+                        answer_by = answer_by.max(by);
                         if send_to_core(&self.tx, apply).await.is_err() {
                             break;
                         }
@@ -880,6 +870,8 @@ impl FrontendConn {
             match taken {
                 Ok(None) => {}
                 Ok(Some(Ok(r))) => {
+                    // The core answers by the deadline fixed when the request was validated.
+                    answer_by = answer_by.max(tokio::time::Instant::from_std(r.deadline));
                     if send_to_core(&self.tx, CoreInput::Request(r)).await.is_err() {
                         break;
                     }
@@ -894,12 +886,30 @@ impl FrontendConn {
         ReadEnd::Broken
     }
 
+    /// Answers a frame of this connection with an error (counted in the metrics). Never
+    /// full: the message holds the permit of the frame that caused it.
+    fn reply(
+        &self,
+        out_tx: &mpsc::Sender<ClientMsg>,
+        request_id: u64,
+        code: ErrorCode,
+        message: String,
+    ) {
+        self.validator.metrics().on_error(code);
+        let _ = out_tx.try_send(ClientMsg::Error {
+            request_id,
+            code,
+            message,
+        });
+    }
+
     /// Waits for the answers still being written to a connection that is done reading (idle,
     /// closed by its client, broken): its write task's, and one the core thread started
     /// itself ([`CoreLoop::answer`]; done once the writer is free). A client that never
     /// takes them would hold its socket and its answers for ever: once one write has waited
     /// [`FrontendConfig::frame_timeout`] (plus a second per 16 MiB of it) since reading
-    /// stopped, the socket is shut down, and the writes fail at once. Without a frame timeout
+    /// stopped (for a client done sending: since the wait for its answers, [`answered`],
+    /// ended), the socket is shut down, and the writes fail at once. Without a frame timeout
     /// the idle timeout is the limit; without either, they wait.
     async fn finish_writes(
         &self,
@@ -1201,15 +1211,23 @@ async fn overdue(
 enum ReadEnd {
     /// Closed for idleness: the frontend's name and why, for the log.
     Idle(String, String),
-    /// The client closed its side at the end of a frame: it is done sending (or gone). The
-    /// requests it sent are still answered ([`answered`]), each by `answer_by` (the latest of
-    /// their deadlines and placement timeouts).
+    /// The client closed its side (the stream ended before or within a frame's head): it is
+    /// done sending, or gone. The requests it sent are still answered ([`answered`]), each by
+    /// `answer_by` (the latest of their deadlines and placement waits).
     ClientDone {
         /// When the last request read must have been answered.
         answer_by: tokio::time::Instant,
     },
     /// A broken stream or frame, or the router stopping.
     Broken,
+}
+
+/// How long the answer to placement change `p` may take ([`answer_within`] of its
+/// timeout).
+///
+/// [`answer_within`]: crate::client::placement::answer_within
+fn placement_answer_within(p: &Placement) -> Duration {
+    crate::client::placement::answer_within(Duration::from_millis(u64::from(p.millis.max(1))))
 }
 
 /// How long past the last deadline of its requests a connection that is done sending waits

@@ -18,7 +18,7 @@
 use expertmesh_benches::overload::{LoadReport, OverloadLoad, load_input, proc_memory, run_load};
 use expertmesh_transport::codec::{self, Body, ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::ActivationDtype;
-use expertmesh_transport::frontend::{FrameConnection, FrontendConfig};
+use expertmesh_transport::frontend::{FrameConnection, FrontendConfig, FrontendError};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -498,7 +498,7 @@ fn a_client_that_closes_its_sending_side_gets_every_answer() {
                     Body::LayerResponse(answer) => ids.push(answer.request_id),
                     other => panic!("not an answer: {other:?}"),
                 },
-                Err(e) => break e.to_string(),
+                Err(e) => break e,
             }
         };
         (ids, end)
@@ -508,5 +508,9 @@ fn a_client_that_closes_its_sending_side_gets_every_answer() {
         ids,
         (1..=requests).collect::<Vec<_>>(),
         "answers before the end ({end})"
+    );
+    assert!(
+        matches!(end, FrontendError::Closed { .. }),
+        "the router ends the stream cleanly after the answers: {end}"
     );
 }

@@ -58,6 +58,13 @@ pub enum ApplyError {
     Unexpected(String),
 }
 
+/// How long the answer to a change whose steps each get `timeout` may take: the survey, the
+/// load and release steps, and an undo after a failure, plus 10 s. The client waits this
+/// long; the router keeps a connection that is done sending open this long for it.
+pub(crate) fn answer_within(timeout: Duration) -> Duration {
+    4 * timeout + Duration::from_secs(10)
+}
+
 /// Asks the router on `conn` to apply `entries` ((mesh rank, layer, expert); every worker of
 /// the fabric is targeted, one without entries is emptied), each step of the change within
 /// `timeout`, and waits for its answer (the survey, the load and release steps, and an undo
@@ -73,7 +80,7 @@ pub async fn apply_placement(
     p.millis = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
     conn.write_frame(&Body::Placement(p), &encode_placement_entries(entries))
         .await?;
-    let wait = 4 * timeout + Duration::from_secs(10);
+    let wait = answer_within(timeout);
     let frame = tokio::time::timeout(wait, conn.read_frame())
         .await
         .map_err(|_| ApplyError::NoAnswer(wait))??;
