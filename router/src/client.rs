@@ -33,7 +33,7 @@
 //!   read the id of something it was sent, which only [`RouterClient::write_raw`] produces) is
 //!   logged and otherwise ignored. The exception is a connection the router closed for
 //!   idleness (its frontend idle timeout, `router --frontend-idle-timeout-s`): with nothing in
-//!   flight and nothing sent or read for a second, `submit` first looks for the router's
+//!   flight, `submit` first looks for the router's
 //!   `ShuttingDown` frame naming no request and, finding it, connects to the same router again
 //!   before sending (the router read nothing after deciding, so nothing is lost).
 //! * **Dropped handles.** Dropping a [`CallHandle`] without waiting abandons its request: the
@@ -470,9 +470,6 @@ pub struct RouterClient {
     next_probe: u64,
     /// A request buffer kept for reuse.
     spare: Vec<u8>,
-    /// When a frame was last written or read on this connection (a router may close a
-    /// connection idle for its frontend idle timeout, a second or more).
-    last_io: Instant,
 }
 
 impl std::fmt::Debug for RouterClient {
@@ -569,7 +566,6 @@ impl RouterClient {
             next_id: 1,
             next_probe: 1,
             spare: Vec::new(),
-            last_io: now,
         }
     }
 

@@ -114,10 +114,11 @@ impl RouterClient {
     /// lost; a connection closed any other way is left to the usual path (the request fails,
     /// or a failover client moves on).
     async fn replace_if_closed_idle(&mut self, due: Instant) -> Result<(), ClientError> {
-        // A router's idle timeout is a second or more: a connection used within the last
-        // second was not closed for idleness (and a call right after a call pays nothing here).
-        if self.last_io.elapsed() < Duration::from_secs(1)
-            || self.pending.in_flight() > 0
+        // Looked at before every request sent with nothing in flight (a yield and a poll of the
+        // socket, microseconds): a router counts its idle timeout from its last request's
+        // arrival, so it may close a connection less than a second after the client read the
+        // answer, and no time since the client's last read proves the connection open.
+        if self.pending.in_flight() > 0
             || !self.calls.is_empty()
             || self.broken.is_some()
             || self.link.is_closed()
@@ -153,7 +154,6 @@ impl RouterClient {
         match connect_within(addr, &self.cfg, limit).await {
             Ok(conn) => {
                 self.link = Link::new(conn);
-                self.last_io = Instant::now();
                 self.keepalive = Keepalive::new(
                     self.opts.keepalive_interval,
                     self.opts.keepalive_timeout,
@@ -386,7 +386,6 @@ impl RouterClient {
     /// Account for a finished operation.
     fn absorb(&mut self, finished: Finished) {
         let now = Instant::now();
-        self.last_io = now;
         match finished {
             Finished::Wrote { payload, result } => {
                 self.recycle_payload(payload);
@@ -525,7 +524,6 @@ impl RouterClient {
     /// Use router `i` from now on and queue the unanswered requests on it.
     fn install(&mut self, i: usize, conn: FrameConnection) {
         self.link = Link::new(conn);
-        self.last_io = Instant::now();
         self.current = i;
         self.reconnect.connected(i);
         self.keepalive = Keepalive::new(

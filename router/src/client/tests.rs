@@ -683,3 +683,45 @@ fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
         assert_eq!(e.code(), Some(ErrorCode::ShuttingDown), "{e}");
     });
 }
+
+/// A router closes an idle connection counting from its last request's arrival, so the close
+/// can come right after the client read that request's answer: the next call still finds the
+/// router's `ShuttingDown` frame and connects again, however soon it follows the answer.
+#[test]
+fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the_next_call() {
+    run(async {
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let closed = Arc::new(tokio::sync::Notify::new());
+        let (count, told) = (Arc::clone(&accepted), Arc::clone(&closed));
+        let (addr, cfg) = serve(move |mut conn| {
+            let first = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            let told = Arc::clone(&told);
+            async move {
+                if !first {
+                    return reverse_groups(conn, 1).await;
+                }
+                // The first connection: one answer, then closed for idleness at once.
+                let Some(r) = read_req(&mut conn).await else {
+                    return;
+                };
+                answer(&mut conn, &r).await;
+                let body = Body::Error(codec::ErrorFrame {
+                    request_id: 0,
+                    code: ErrorCode::ShuttingDown,
+                    message: "closed: no request for 1s and none in flight".into(),
+                });
+                let _ = conn.write_frame(&body, &[]).await;
+                drop(conn);
+                told.notify_one();
+            }
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        let x = input(5, 2);
+        assert_eq!(c.call(3, &x, H, None, None).await.unwrap(), expected(&x, 3));
+        closed.notified().await;
+        let again = c.call(3, &x, H, None, None).await;
+        assert_eq!(again.unwrap(), expected(&x, 3));
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    });
+}
