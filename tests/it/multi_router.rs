@@ -163,16 +163,25 @@ fn a_saturating_router_does_not_block_the_other() {
     let addrs: Vec<SocketAddr> = fabric.frontend_addrs().into_iter().flatten().collect();
     let stop = Arc::new(AtomicBool::new(false));
     let heavy_rounds = Arc::new(AtomicUsize::new(0));
-    // three clients of router 1 keep 64-token requests pipelined 8 deep
+    // three clients of router 1 keep 64-token requests pipelined 8 deep until stopped; one
+    // whose request fails (a deadline on a slow machine: router 1 is saturated by design)
+    // connects again and goes on loading
     let heavy: Vec<_> = (0..3)
         .map(|_| {
             let (cases, cfg, stop) = (Arc::clone(&big), cfg.clone(), Arc::clone(&stop));
             let rounds = Arc::clone(&heavy_rounds);
             let addr = addrs[1];
             std::thread::spawn(move || {
-                let r = drive(addr, &cfg, &cases, 10_000, 8, &stop);
+                let mut total = (0, 0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    let (ok, wrong, err) = drive(addr, &cfg, &cases, 10_000, 8, &stop);
+                    total = (total.0 + ok, total.1 + wrong, total.2 + err);
+                    if err > 0 {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
                 rounds.fetch_add(1, Ordering::Relaxed);
-                r
+                total
             })
         })
         .collect();
@@ -193,7 +202,12 @@ fn a_saturating_router_does_not_block_the_other() {
     stop.store(true, Ordering::Relaxed);
     for h in heavy {
         let (ok, wrong, err) = h.join().unwrap();
-        assert_eq!((wrong, err), (0, 0), "heavy client: {ok} ok");
+        assert_eq!(wrong, 0, "heavy client: {ok} ok, {err} failed");
+        if err > 0 {
+            crate::support::say(&format!(
+                "heavy client of the saturated router: {ok} served, {err} failed (deadlines)"
+            ));
+        }
     }
     fabric.shutdown();
 }
