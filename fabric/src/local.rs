@@ -783,15 +783,11 @@ fn pick_device_addrs(
     if !opts.ephemeral_ports || !fans_out {
         return Ok(Vec::new());
     }
-    let listeners: Vec<std::net::TcpListener> = (0..dep.topology.devices().len())
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(FabricError::io("picking free ports for the workers"))?;
-    listeners
-        .iter()
-        .map(|l| {
-            l.local_addr()
-                .map_err(FabricError::io("reading a picked port"))
+    (0..dep.topology.devices().len())
+        .map(|_| {
+            let port = expertmesh_transport::ports::free_loopback_ports(1)
+                .map_err(FabricError::io("picking free ports for the workers"))?;
+            Ok(SocketAddr::from(([127, 0, 0, 1], port)))
         })
         .collect()
 }

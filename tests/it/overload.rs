@@ -201,7 +201,12 @@ fn show(what: &str, r: &LoadReport, modest_tokens: usize) {
 #[test]
 fn pipelined_greedy_clients_keep_goodput_fairness_and_memory_bounded() {
     let _machine = crate::support::alone();
-    let up = Up::start();
+    // Saturated, every admitted request waits behind the others' admitted work: on this 2-vCPU
+    // VM the default 2048 in-flight tokens are 7-9 s of it (5 modest calls took 46-49 s), close
+    // to the default 10 s deadline, and one run lost 2 of 5 modest calls to it. What is asserted
+    // is that the modest client is served, not how fast this machine drains the queue: the
+    // requests that carry no deadline get 30 s.
+    let up = Up::start_with(&["--deadline-ms", "30000"]);
     let rt = rt();
     let cfg = frontend();
     // Warm up (first allocations, links), then the unloaded rate: one client, two in flight.

@@ -143,23 +143,15 @@ pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// A free loopback port (bound and released: another process may take it meanwhile).
+/// A free loopback port, below the ephemeral range ([`expertmesh_transport::ports`]: no
+/// outgoing connection takes it before the process it is for binds it).
 pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    expertmesh_transport::ports::free_loopback_ports(1).expect("a free loopback port")
 }
 
 /// A free port whose successor is free too (the two workers' data ports).
 pub(crate) fn free_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
+    expertmesh_transport::ports::free_loopback_ports(2).expect("two free loopback ports")
 }
 
 /// Writes a one-node topology named `name` at `path`: a router on `frontend`, and two

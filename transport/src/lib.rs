@@ -23,6 +23,8 @@
 //! - [`frontend`]: framed connections for clients that are not ranks (serving frontends).
 //! - [`signals`]: resets stop handlers that linked RDMA libraries install at load time, before
 //!   a process registers its own (imports nothing of this crate).
+//! - [`ports`]: free loopback ports below the ephemeral range for the processes a local
+//!   fabric, bench or test starts (imports nothing of this crate).
 //!
 //! # Module layering
 //!
@@ -112,6 +114,7 @@ pub mod dtype;
 pub mod frontend;
 mod link;
 pub mod mesh;
+pub mod ports;
 pub mod protocol;
 pub mod rdma;
 mod setup;

@@ -791,14 +791,13 @@ fn is_join_line(l: &str) -> bool {
 
 /// `n` free loopback ports (all listeners held until every port is picked).
 fn free_ports(n: usize) -> Result<Vec<SocketAddr>, BenchError> {
-    let held = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(BenchError::io("picking free ports"))?;
-    Ok(held
-        .iter()
-        .map(|l| l.local_addr())
-        .collect::<Result<_, _>>()?)
+    (0..n)
+        .map(|_| {
+            let port = expertmesh_transport::ports::free_loopback_ports(1)
+                .map_err(BenchError::io("picking free ports"))?;
+            Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+        })
+        .collect()
 }
 
 /// (frontend, mesh) of router `i` in namespace node 0.
@@ -813,21 +812,10 @@ fn router_ns_addresses(i: usize) -> Result<(SocketAddr, SocketAddr), BenchError>
 /// (a node's devices listen at its data port + their index, as the topology says).
 fn loopback_worker_ports(sizes: &[usize]) -> Result<Vec<SocketAddr>, BenchError> {
     let mut out = Vec::new();
-    for &k in sizes {
-        let mut found = None;
-        for _ in 0..200 {
-            let held = std::net::TcpListener::bind("127.0.0.1:0")
-                .map_err(BenchError::io("picking a free port"))?;
-            let base = held.local_addr()?.port();
-            let rest: Result<Vec<_>, _> = (1..k as u16)
-                .map(|i| std::net::TcpListener::bind(("127.0.0.1", base.wrapping_add(i))))
-                .collect();
-            if base.checked_add(k as u16).is_some() && rest.is_ok() {
-                found = Some(base);
-                break;
-            }
-        }
-        let base = found.ok_or(BenchError::NoConsecutivePorts(k))?;
+    for &k in sizes.iter().filter(|&&k| k > 0) {
+        let run = u16::try_from(k).map_err(|_| BenchError::NoConsecutivePorts(k))?;
+        let base = expertmesh_transport::ports::free_loopback_ports(run)
+            .map_err(|_| BenchError::NoConsecutivePorts(k))?;
         out.extend((0..k as u16).map(|i| SocketAddr::from(([127, 0, 0, 1], base + i))));
     }
     Ok(out)
