@@ -146,13 +146,16 @@ impl RouterClient {
         }
         let addr = self.routers[self.current];
         tracing::debug!(router = %addr, "the router closed this idle connection; connecting again");
-        self.link.close();
+        // The old link is closed only once the new one is there: a submit cancelled while it
+        // connects leaves a link that reads its end and fails the next request (a closed link
+        // with no error recorded made it spin until the request's deadline).
         let limit = self
             .opts
             .connect_timeout
             .min(due.saturating_duration_since(Instant::now()));
         match connect_within(addr, &self.cfg, limit).await {
             Ok(conn) => {
+                self.link.close();
                 self.link = Link::new(conn);
                 self.keepalive = Keepalive::new(
                     self.opts.keepalive_interval,
