@@ -145,19 +145,14 @@ fn check_rows(report: &Value) {
         4,
         "one row per router count and batch size: {report}"
     );
-    let tps = |routers: u64, batch: u64| {
+    let row = |routers: u64, batch: u64| {
         results
             .iter()
             .find(|r| r["routers"] == routers && r["batch"] == batch)
-            .and_then(|r| r["achieved"].as_f64())
             .unwrap()
     };
-    let busy = |routers: u64, batch: u64| {
-        results
-            .iter()
-            .find(|r| r["routers"] == routers && r["batch"] == batch)
-            .is_some_and(cpu_was_busy)
-    };
+    let tps = |routers: u64, batch: u64| row(routers, batch)["achieved"].as_f64().unwrap();
+    let busy = |routers: u64, batch: u64| cpu_was_busy(row(routers, batch));
     // Network-bound: one router per node moves more tokens than one router.
     expect_unless_busy(
         tps(3, 8) > 1.5 * tps(1, 8),

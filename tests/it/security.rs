@@ -57,26 +57,10 @@ struct Topo {
     workers: [SocketAddr; 2],
 }
 
-/// `n` consecutive loopback ports that are free now, starting at a port derived from `salt`.
-fn free_port_run(salt: u64, n: u16) -> u16 {
-    let mut base =
-        20_000 + ((salt.wrapping_mul(7919) + std::process::id() as u64 * 31) % 30_000) as u16;
-    loop {
-        let ok = (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
-        if ok {
-            return base;
-        }
-        base = 20_000 + (base - 20_000 + 97) % 40_000;
-    }
-}
-
 fn topo(tag: &str) -> Topo {
     let dir = tempfile::tempdir().expect("temp dir");
     let name = format!("sec-{tag}-{}", std::process::id());
-    let salt = tag
-        .bytes()
-        .fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(b as u64));
-    let base = free_port_run(salt, 12);
+    let base = expertmesh_transport::ports::free_loopback_ports(12).expect("12 free ports");
     let (front, ctl, data) = (base, base + 1, base + 10);
     let topology = dir.path().join("topology.toml");
     let text = std::fs::read_to_string(crate::support::root().join("examples/single-host.toml"))

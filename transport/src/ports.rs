@@ -10,7 +10,7 @@
 //! twice by one process. Where that range is too small (or unreadable), port 0 is used as
 //! before.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +21,7 @@ const LOWEST: u16 = 10_000;
 const TRIES: usize = 2_000;
 
 /// Ports this process has handed out (never handed out again).
-static HANDED: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+static HANDED: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 /// Mixed into each pick, so two calls in one nanosecond still differ.
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
@@ -45,7 +45,6 @@ pub fn free_loopback_ports(n: u16) -> std::io::Result<u16> {
     if below >= LOWEST.saturating_add(n).saturating_add(1_000) {
         let span = u64::from(below - LOWEST - n);
         let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
-        let handed = handed.get_or_insert_with(HashSet::new);
         for _ in 0..TRIES {
             let base = LOWEST + (mix() % span) as u16;
             if (base..base + n).any(|p| handed.contains(&p)) {
@@ -112,7 +111,7 @@ mod tests {
     #[test]
     fn runs_are_bindable_outside_the_ephemeral_range_and_never_handed_out_twice() {
         let low = ephemeral_low();
-        let mut seen = HashSet::new();
+        let mut seen = BTreeSet::new();
         for n in [1u16, 2, 3, 1, 2] {
             let base = free_loopback_ports(n).unwrap();
             for p in base..base + n {
