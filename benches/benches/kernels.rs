@@ -1,7 +1,10 @@
 //! Criterion micro-benchmarks of the CPU expert kernels.
 //!
 //! `row_block/*`: one 16-row block of a Kimi-sized matrix (K = 7168) with its weights resident
-//! in cache, for 1, 4 and 8 tokens: the compute-bound speed of each ISA path. `expert/*`: a
+//! in cache, for 1, 4 and 8 tokens: the compute-bound speed of each ISA path. `streams/*`: the
+//! decode streams kernel over four Qwen3-sized (K = 2048) matrices resident in L2, each with
+//! 1 to 4 tokens, against the same tokens as one stream each (how a two-token expert ran before
+//! the kernel took several tokens per stream). `expert/*`: a
 //! whole Kimi-sized expert FFN through the backend (weights from DRAM after the first pass,
 //! since one expert is 24.8 MB). Throughput is reported in weight bytes per second; compare
 //! with `expertmesh bench kernels`, which also measures the machine's read bandwidth.
@@ -11,7 +14,7 @@ use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
 use expertmesh_cpu_backend::CpuBackend;
-use expertmesh_cpu_backend::kernels::{self, Isa, TokenQ8};
+use expertmesh_cpu_backend::kernels::{self, Isa, RowBlockJob, TokenQ8};
 use expertmesh_cpu_backend::layout::R16Matrix;
 use expertmesh_quant::contract::ComputeMode;
 use expertmesh_quant::format::QuantSpec;
@@ -74,6 +77,89 @@ fn row_block(c: &mut Criterion) {
                 black_box(&out);
             })
         });
+    }
+    g.finish();
+}
+
+fn streams(c: &mut Criterion) {
+    let (k, rows, experts) = (2048, 256, kernels::MAX_STREAMS);
+    let mut rng = SplitMix64::new(2);
+    let ms: Vec<R16Matrix> = (0..experts)
+        .map(|_| {
+            let m = synth::random_packed("bench", QuantSpec::G32_BF16, rows, k, &mut rng);
+            R16Matrix::from_canonical(&m.unwrap())
+        })
+        .collect();
+    let n = experts * kernels::MAX_STREAM_TOKENS;
+    let acts: Vec<QuantizedVec> = (0..n)
+        .map(|_| QuantizedVec::new(&synth::normal_vec(&mut rng, k, 1.0)))
+        .collect();
+    let sums: Vec<Vec<i32>> = acts
+        .iter()
+        .map(|a| {
+            let mut s = vec![0; k / 32];
+            kernels::block_sums(&a.q, &mut s);
+            s
+        })
+        .collect();
+    let tok = |i: usize| TokenQ8 {
+        q: &acts[i].q,
+        d: &acts[i].d,
+        qsum: &sums[i],
+    };
+    let mut g = c.benchmark_group("streams");
+    // every row block of the four matrices per iteration (1 MiB of weights, in L2)
+    g.throughput(Throughput::Bytes(
+        (experts * (rows * k / 2 + rows * (k / 32) * 2)) as u64,
+    ));
+    /// Every row block of the matrices, `T` tokens per job (matrix `j` gets tokens `jT..jT+T`).
+    fn shared<'a, const T: usize>(
+        isa: Isa,
+        ms: &'a [R16Matrix],
+        tok: impl Fn(usize) -> TokenQ8<'a>,
+        out: &mut [[f32; 16]],
+    ) {
+        let mut jobs: Vec<RowBlockJob<'a, T>> = (0..ms.len())
+            .map(|j| RowBlockJob {
+                m: &ms[j],
+                rb: 0,
+                toks: std::array::from_fn(|t| tok(j * T + t)),
+            })
+            .collect();
+        for rb in 0..ms[0].row_blocks() {
+            jobs.iter_mut().for_each(|j| j.rb = rb);
+            kernels::rowblocks_exact(isa, black_box(&jobs), out);
+        }
+    }
+    for isa in Isa::available() {
+        let mut out = [[0f32; 16]; 16];
+        for t in 1..=kernels::MAX_STREAM_TOKENS {
+            g.bench_function(format!("{}/{t}tok/shared", isa.name()), |b| {
+                b.iter(|| match t {
+                    1 => shared::<1>(isa, &ms, tok, &mut out),
+                    2 => shared::<2>(isa, &ms, tok, &mut out),
+                    3 => shared::<3>(isa, &ms, tok, &mut out),
+                    _ => shared::<4>(isa, &ms, tok, &mut out),
+                })
+            });
+            if t > 1 {
+                g.bench_function(format!("{}/{t}tok/stream-per-token", isa.name()), |b| {
+                    let mut jobs: Vec<RowBlockJob<'_, 1>> = (0..experts * t)
+                        .map(|s| RowBlockJob {
+                            m: &ms[s / t],
+                            rb: 0,
+                            toks: [tok(s)],
+                        })
+                        .collect();
+                    b.iter(|| {
+                        for rb in 0..rows / 16 {
+                            jobs.iter_mut().for_each(|j| j.rb = rb);
+                            kernels::rowblocks_exact(isa, black_box(&jobs), &mut out);
+                        }
+                    })
+                });
+            }
+        }
     }
     g.finish();
 }
@@ -194,5 +280,5 @@ fn small_expert_per_call(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, row_block, expert, small_expert_per_call);
+criterion_group!(benches, row_block, streams, expert, small_expert_per_call);
 criterion_main!(benches);

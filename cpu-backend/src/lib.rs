@@ -15,13 +15,14 @@
 //! 4. **stage 2**, work items (unit, 64-row W2 tile): the expert outputs;
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
-//! A unit is one group, or a run of groups of the same shape with at most
-//! `STREAM_GROUP_TOKENS` (two) tokens each and [`kernels::MAX_STREAMS`] in all (decode: most
-//! experts get one token or two): their row blocks are read as interleaved streams, one per
-//! token, each stream walking its expert's matrix in order, because one core reading one
-//! stream leaves DRAM bandwidth unused ([`kernels::rowblocks_exact_1`],
-//! [`kernels::rowblocks_accurate_1`]: one kernel pass over the unit, except AVX2 accurate
-//! mode, which reads at most two streams per pass).
+//! A unit is one group, or up to [`kernels::MAX_STREAMS`] groups of the same shape and the
+//! same token count, one to [`kernels::MAX_STREAM_TOKENS`] (decode: most experts get one to
+//! three tokens; [`form_units`] sorts the groups to find them): their row blocks are read as
+//! interleaved streams, each walking its expert's matrix in order, because one core reading
+//! one stream leaves DRAM bandwidth unused, and each weight tile is unpacked once for the
+//! group's tokens ([`kernels::rowblocks_exact`]). Accurate mode reads one stream per token,
+//! [`kernels::MAX_STREAMS`] in all, of groups of up to two ([`kernels::rowblocks_accurate_1`];
+//! AVX2 reads at most two streams per pass).
 //!
 //! Accurate mode runs on the same integer kernels: each activation (input and intermediate)
 //! is quantized into [`ACCURATE_LEVELS`] int8 levels that add back up to it within f32
@@ -62,10 +63,15 @@ use pool::SpinPool;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The most tokens a group may have to run as streams of a unit ([`form_units`]): beyond it
-/// the multi-token kernel, which unpacks each weight tile once for all the group's tokens,
-/// does less work per byte.
-const STREAM_GROUP_TOKENS: usize = 2;
+/// The most tokens a group may have to run as one stream of a unit in accurate mode
+/// ([`form_units`]; each token a stream of its own, reading the group's row block again from
+/// cache): beyond it the multi-token kernel, which unpacks each weight tile once for all the
+/// group's tokens, does less work per byte. In exact mode a stream carries up to
+/// [`kernels::MAX_STREAM_TOKENS`] tokens, each tile unpacked once for them.
+const ACCURATE_STREAM_GROUP_TOKENS: usize = 2;
+
+/// The most outputs of one row block of a streams unit: a stream per group, its tokens each.
+const MAX_UNIT_SLOTS: usize = kernels::MAX_STREAMS * kernels::MAX_STREAM_TOKENS;
 
 /// Tokens per accurate-mode token tile: each token is [`ACCURATE_LEVELS`] kernel tokens.
 const ACCURATE_TOKEN_TILE: usize = MAX_TOKEN_TILE / ACCURATE_LEVELS;
@@ -136,17 +142,32 @@ impl<'a> RowSource<'a> {
     }
 }
 
-/// A unit of work items: one group, or consecutive groups of at most
-/// [`STREAM_GROUP_TOKENS`] tokens each and the same expert shape, [`kernels::MAX_STREAMS`]
-/// tokens in all, whose row blocks the kernel reads as interleaved streams, one per token
-/// ([`kernels::rowblocks_exact_1`]; two tokens of one group read the same row block, the
-/// second from cache).
+/// A unit of work items: one group, or up to [`kernels::MAX_STREAMS`] groups with the same
+/// token count and expert shape whose row blocks the kernels read as interleaved streams
+/// ([`form_units`]): in exact mode one stream per group, each tile unpacked once for the
+/// group's tokens ([`kernels::rowblocks_exact`]); in accurate mode one stream per token, at
+/// most [`kernels::MAX_STREAMS`] in all (two tokens of one group read the same row block, the
+/// second from cache: [`kernels::rowblocks_accurate_1`]).
 #[derive(Clone, Copy, Debug)]
 struct Unit {
-    first: u32,
-    groups: u32,
-    /// The groups' tokens run as streams of one pass.
-    streams: bool,
+    /// The unit's groups: the first `len`.
+    groups: [u32; kernels::MAX_STREAMS],
+    len: u32,
+    /// Each group's token count when the unit runs as streams; 0 for a group of its own on
+    /// the multi-token (or AMX) kernels.
+    tokens: u32,
+}
+
+impl Unit {
+    /// The unit's first group (its only one unless it runs as streams).
+    fn first(self) -> u32 {
+        self.groups[0]
+    }
+
+    /// The outputs of one of its row blocks: a stream unit's tokens, group-major.
+    fn slots(self) -> usize {
+        (self.len * self.tokens) as usize
+    }
 }
 
 /// The inputs of one token tile, gathered once and used for every row block of the tile (a
@@ -252,6 +273,8 @@ struct Scratch {
     items: Vec<(u32, u32)>,
     /// The batch's groups as work units.
     units: Vec<Unit>,
+    /// The groups in the order [`form_units`] takes them.
+    unit_order: Vec<u32>,
     /// First pair index of each group.
     group_pair0: Vec<u32>,
     /// Expert index of each group.
@@ -492,6 +515,7 @@ impl Scratch {
             xgd: AlignedVec::zeroed(gp * hidden / BLOCK),
             items: Vec::with_capacity(max_groups * max_items_per_group),
             units: Vec::with_capacity(max_groups),
+            unit_order: Vec::with_capacity(max_groups),
             group_pair0: Vec::with_capacity(max_groups + 1),
             group_expert: Vec::with_capacity(max_groups),
             combine: Vec::with_capacity(p),
@@ -589,7 +613,7 @@ impl ExpertBackend for CpuBackend {
             group_expert: &sc.group_expert,
             units: &[],
         };
-        form_units(&pass, &mut sc.units);
+        form_units(&pass, &mut sc.unit_order, &mut sc.units);
         let pass = Pass {
             units: &sc.units,
             ..pass
@@ -995,52 +1019,64 @@ impl<'a, 'b> Pass<'a, 'b> {
     }
 }
 
-/// Step 0b: the batch's groups as work units: runs of consecutive groups of at most
-/// [`STREAM_GROUP_TOKENS`] tokens whose experts have the same intermediate size become one
-/// unit of at most [`kernels::MAX_STREAMS`] tokens (their weights are read as interleaved
-/// streams); every other group is a unit of its own.
-fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
+/// Step 0b: the batch's groups as work units. Groups of one to [`kernels::MAX_STREAM_TOKENS`]
+/// tokens ([`ACCURATE_STREAM_GROUP_TOKENS`] in accurate mode) are sorted by token count and
+/// expert shape, and each run of equal ones becomes units of up to [`kernels::MAX_STREAMS`]
+/// groups (accurate mode: [`kernels::MAX_STREAMS`] tokens) whose weights are read as
+/// interleaved streams; every other group (more tokens, or none) is a unit of its own, first.
+/// Decode spreads a batch's tokens over many experts (Qwen3-30B-A3B at 16 tokens: about 82
+/// groups of 1.6 tokens), so a unit of equal groups keeps every stream's tile unpacked once
+/// for all of its group's tokens and still reads four streams.
+fn form_units(pass: &Pass<'_, '_>, order: &mut Vec<u32>, units: &mut Vec<Unit>) {
     units.clear();
+    order.clear();
     let groups = pass.batch.groups;
-    let tokens = |gi: usize| groups[gi].tokens.len();
+    let max_tokens = match pass.mode {
+        ComputeMode::Exact => kernels::MAX_STREAM_TOKENS,
+        ComputeMode::Accurate => ACCURATE_STREAM_GROUP_TOKENS,
+    };
     // A group without tokens (allowed: nothing to compute) stays a unit of its own.
-    let streams = |gi: usize| (1..=STREAM_GROUP_TOKENS).contains(&tokens(gi));
-    let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
-    let mut gi = 0;
-    while gi < groups.len() {
-        let mut n = 1;
-        if streams(gi) {
-            let mut jobs = tokens(gi);
-            while gi + n < groups.len()
-                && streams(gi + n)
-                && jobs + tokens(gi + n) <= kernels::MAX_STREAMS
-                && inter(gi + n) == inter(gi)
-            {
-                jobs += tokens(gi + n);
-                n += 1;
-            }
-        }
-        units.push(Unit {
-            first: gi as u32,
-            groups: n as u32,
-            streams: streams(gi),
-        });
-        gi += n;
+    let stream_tokens = |gi: u32| {
+        let n = groups[gi as usize].tokens.len();
+        if (1..=max_tokens).contains(&n) { n } else { 0 }
+    };
+    let inter = |gi: u32| pass.experts[pass.group_expert[gi as usize] as usize].inter;
+    order.extend(0..groups.len() as u32);
+    order.sort_unstable_by_key(|&gi| (stream_tokens(gi), inter(gi), gi));
+    let mut k = 0;
+    while k < order.len() {
+        let first = order[k];
+        let tokens = stream_tokens(first);
+        let cap = match (tokens, pass.mode) {
+            (0, _) => 1,
+            (_, ComputeMode::Exact) => kernels::MAX_STREAMS,
+            (t, ComputeMode::Accurate) => kernels::MAX_STREAMS / t,
+        };
+        let len = order[k..]
+            .iter()
+            .take(cap)
+            .take_while(|&&gi| stream_tokens(gi) == tokens && inter(gi) == inter(first))
+            .count();
+        let mut unit = Unit {
+            groups: [first; kernels::MAX_STREAMS],
+            len: len as u32,
+            tokens: tokens as u32,
+        };
+        unit.groups[..len].copy_from_slice(&order[k..k + len]);
+        units.push(unit);
+        k += len;
     }
 }
 
-/// The streams of a streams unit: (group, token within the group) for each, in order, and
-/// how many there are ([`form_units`] keeps it between 1 and [`kernels::MAX_STREAMS`]).
-fn unit_streams(pass: &Pass<'_, '_>, unit: Unit) -> ([(u32, usize); kernels::MAX_STREAMS], usize) {
-    let mut slots = [(unit.first, 0); kernels::MAX_STREAMS];
-    let mut n = 0;
-    for gi in unit.first..unit.first + unit.groups {
-        for local in 0..pass.batch.groups[gi as usize].tokens.len() {
-            slots[n] = (gi, local);
-            n += 1;
-        }
-    }
-    (slots, n)
+/// The slots of a streams unit: (group, token within the group) for each of its
+/// [`Unit::slots`] outputs, group-major (slots past them repeat the last).
+fn unit_slots(unit: Unit) -> [(u32, usize); MAX_UNIT_SLOTS] {
+    let t = unit.tokens.max(1) as usize;
+    let last = unit.slots().max(1) - 1;
+    std::array::from_fn(|i| {
+        let i = i.min(last);
+        (unit.groups[i / t], i % t)
+    })
 }
 
 /// Rebuild the (unit, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
@@ -1215,18 +1251,18 @@ fn stage1(
     } = pass;
     let units = pass.units;
     fill_items(items, units.len(), |u| {
-        experts[group_expert[units[u].first as usize] as usize].inter / 16
+        experts[group_expert[units[u].first() as usize] as usize].inter / 16
     });
     let hbuf = SharedMut(hbuf.as_mut_ptr());
     let items = &*items;
     CpuBackend::run_items(pool, items.len(), |i| {
         let (u, tile) = items[i];
         let unit = units[u as usize];
-        if unit.streams {
+        if unit.tokens > 0 {
             stage1_streams(pass, unit, tile as usize, xsrc, hbuf);
             return;
         }
-        let (g, ex, p0) = pass.item_group(unit.first);
+        let (g, ex, p0) = pass.item_group(unit.first());
         let mut gate = [[0f32; ROWS]; AMX_TOKEN_TILE];
         let mut up = [[0f32; ROWS]; AMX_TOKEN_TILE];
         for (first, n, amx) in pass.token_tiles(g.tokens.len(), ex.w13.cols()) {
@@ -1249,7 +1285,7 @@ fn stage1(
 }
 
 /// A stage-1 item of a streams unit: W13 tile `tile` (gate row block `2·tile`, then up
-/// `2·tile + 1`) of each group's expert against its one token, the groups' row blocks read as
+/// `2·tile + 1`) of each group's expert against its tokens, the groups' row blocks read as
 /// interleaved streams; `silu(g)·u` into each pair's intermediate row.
 fn stage1_streams(
     pass: &Pass<'_, '_>,
@@ -1258,17 +1294,17 @@ fn stage1_streams(
     xsrc: &RowSource<'_>,
     hbuf: SharedMut<f32>,
 ) {
-    let (slots, n) = unit_streams(pass, unit);
-    // Slots past `n` repeat the last stream (the arrays are full; only `n` run).
-    let mut jobs = StreamJobs::new(pass.mode, |s| {
-        let (gi, local) = slots[s.min(n - 1)];
+    let slots = unit_slots(unit);
+    let n = unit.slots();
+    let mut jobs = StreamJobs::new(pass.mode, unit, |s| {
+        let (gi, local) = slots[s];
         let (g, ex, _) = pass.item_group(gi);
         (&ex.w13, *xsrc, g.tokens[local] as usize)
     });
-    let mut gate = [[0f32; ROWS]; kernels::MAX_STREAMS];
-    let mut up = [[0f32; ROWS]; kernels::MAX_STREAMS];
-    jobs.run(pass.isa, n, 2 * tile, &mut gate);
-    jobs.run(pass.isa, n, 2 * tile + 1, &mut up);
+    let mut gate = [[0f32; ROWS]; MAX_UNIT_SLOTS];
+    let mut up = [[0f32; ROWS]; MAX_UNIT_SLOTS];
+    jobs.run(pass.isa, 2 * tile, &mut gate);
+    jobs.run(pass.isa, 2 * tile + 1, &mut up);
     kernels::swiglu_rows(pass.isa, &mut gate[..n], &up[..n]);
     for (hs, &(gi, local)) in gate[..n].iter().zip(&slots[..n]) {
         let pair = pass.item_group(gi).2 + local;
@@ -1278,58 +1314,88 @@ fn stage1_streams(
     }
 }
 
-/// The kernel jobs of a streams unit's tokens in the pass's mode, built once per work item:
-/// job `s` is a row block of matrix `m` against row `r` of `src` (exact mode:
-/// [`kernels::rowblocks_exact_1`]; accurate mode: the row's levels,
-/// [`kernels::rowblocks_accurate_1`]); [`StreamJobs::run`] sets the row block and runs them.
-/// A stack value per item, so the variants' size difference costs nothing.
+/// The kernel jobs of a streams unit in the pass's mode, built once per work item: slot `s`
+/// ([`unit_slots`]) is a row block of matrix `m` against row `r` of `src`. Exact mode: one
+/// job per group with its `T` tokens ([`kernels::rowblocks_exact`]); accurate mode: one job
+/// per slot, the row's levels ([`kernels::rowblocks_accurate_1`]). [`StreamJobs::run`] sets
+/// the row block and runs them, each slot's output at its index. A stack value per item, so
+/// the variants' size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum StreamJobs<'m> {
-    Exact([RowBlockJob<'m>; kernels::MAX_STREAMS]),
-    Accurate([LevelsJob<'m>; kernels::MAX_STREAMS]),
+    Exact1([RowBlockJob<'m, 1>; kernels::MAX_STREAMS], usize),
+    Exact2([RowBlockJob<'m, 2>; kernels::MAX_STREAMS], usize),
+    Exact3([RowBlockJob<'m, 3>; kernels::MAX_STREAMS], usize),
+    Exact4([RowBlockJob<'m, 4>; kernels::MAX_STREAMS], usize),
+    Accurate([LevelsJob<'m>; kernels::MAX_STREAMS], usize),
+}
+
+/// A streams unit's exact-mode jobs of `T` tokens each: job `k` is slots `k·T .. k·T + T`.
+fn exact_jobs<'m, const T: usize>(
+    job: &impl Fn(usize) -> (&'m R16Matrix, RowSource<'m>, usize),
+) -> [RowBlockJob<'m, T>; kernels::MAX_STREAMS] {
+    std::array::from_fn(|k| RowBlockJob {
+        m: job(k * T).0,
+        rb: 0,
+        toks: std::array::from_fn(|t| {
+            let (_, src, r) = job(k * T + t);
+            src.token(r)
+        }),
+    })
+}
+
+/// Row block `rb` of the first `n` jobs' matrices into `out`.
+fn run_exact<const T: usize>(
+    isa: Isa,
+    jobs: &mut [RowBlockJob<'_, T>],
+    rb: usize,
+    out: &mut [[f32; ROWS]],
+) {
+    for j in jobs.iter_mut() {
+        j.rb = rb;
+    }
+    kernels::rowblocks_exact(isa, jobs, out);
 }
 
 impl<'m> StreamJobs<'m> {
-    /// The jobs of `job(s) = (m, src, r)` for every slot `s` (`job` must give slots past the
-    /// unit's streams its last one; only the first `n` run).
+    /// The jobs of `unit`, slot `s` being `job(s) = (m, src, r)` (for every slot index below
+    /// [`MAX_UNIT_SLOTS`]: past the unit's slots, its last one).
     fn new(
         mode: ComputeMode,
+        unit: Unit,
         job: impl Fn(usize) -> (&'m R16Matrix, RowSource<'m>, usize),
     ) -> Self {
-        match mode {
-            ComputeMode::Exact => StreamJobs::Exact(std::array::from_fn(|s| {
-                let (m, src, r) = job(s);
-                RowBlockJob {
-                    m,
-                    rb: 0,
-                    tok: src.token(r),
-                }
-            })),
-            ComputeMode::Accurate => StreamJobs::Accurate(std::array::from_fn(|s| {
-                let (m, src, r) = job(s);
-                LevelsJob {
-                    m,
-                    rb: 0,
-                    levels: std::array::from_fn(|l| src.token(ACCURATE_LEVELS * r + l)),
-                }
-            })),
+        let groups = unit.len as usize;
+        match (mode, unit.tokens) {
+            (ComputeMode::Exact, 1) => StreamJobs::Exact1(exact_jobs(&job), groups),
+            (ComputeMode::Exact, 2) => StreamJobs::Exact2(exact_jobs(&job), groups),
+            (ComputeMode::Exact, 3) => StreamJobs::Exact3(exact_jobs(&job), groups),
+            (ComputeMode::Exact, _) => StreamJobs::Exact4(exact_jobs(&job), groups),
+            (ComputeMode::Accurate, _) => StreamJobs::Accurate(
+                std::array::from_fn(|s| {
+                    let (m, src, r) = job(s);
+                    LevelsJob {
+                        m,
+                        rb: 0,
+                        levels: std::array::from_fn(|l| src.token(ACCURATE_LEVELS * r + l)),
+                    }
+                }),
+                unit.slots(),
+            ),
         }
     }
 
-    /// Row block `rb` of the first `n` jobs' matrices into `out`.
-    fn run(&mut self, isa: Isa, n: usize, rb: usize, out: &mut [[f32; ROWS]]) {
+    /// Row block `rb` of every job's matrix into `out`, slot by slot.
+    fn run(&mut self, isa: Isa, rb: usize, out: &mut [[f32; ROWS]]) {
         match self {
-            StreamJobs::Exact(jobs) => {
-                for j in jobs[..n].iter_mut() {
+            StreamJobs::Exact1(jobs, n) => run_exact(isa, &mut jobs[..*n], rb, out),
+            StreamJobs::Exact2(jobs, n) => run_exact(isa, &mut jobs[..*n], rb, out),
+            StreamJobs::Exact3(jobs, n) => run_exact(isa, &mut jobs[..*n], rb, out),
+            StreamJobs::Exact4(jobs, n) => run_exact(isa, &mut jobs[..*n], rb, out),
+            StreamJobs::Accurate(jobs, n) => {
+                for j in jobs[..*n].iter_mut() {
                     j.rb = rb;
                 }
-                kernels::rowblocks_exact_1(isa, &jobs[..n], out);
-            }
-            StreamJobs::Accurate(jobs) => {
-                for j in jobs[..n].iter_mut() {
-                    j.rb = rb;
-                }
-                kernels::rowblocks_accurate_1(isa, &jobs[..n], out);
+                kernels::rowblocks_accurate_1(isa, &jobs[..*n], out);
             }
         }
     }
@@ -1414,11 +1480,11 @@ fn stage2(
         let unit = units[u as usize];
         let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
         let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
-        if unit.streams {
+        if unit.tokens > 0 {
             stage2_streams(pass, unit, rb0..rb1, hsrc, ybuf, per_slot);
             return;
         }
-        let (g, ex, p0) = pass.item_group(unit.first);
+        let (g, ex, p0) = pass.item_group(unit.first());
         let f = ex.inter;
         let mut y = [[0f32; ROWS]; AMX_TOKEN_TILE];
         // Token tiles outer: a tile's inputs are gathered once for the item's row blocks,
@@ -1479,10 +1545,11 @@ fn stage2_streams(
     ybuf: SharedMut<f32>,
     per_slot: bool,
 ) {
-    let (slots, n) = unit_streams(pass, unit);
+    let slots = unit_slots(unit);
+    let n = unit.slots();
     let h = pass.batch.hidden;
-    let mut jobs = StreamJobs::new(pass.mode, |s| {
-        let (gi, local) = slots[s.min(n - 1)];
+    let mut jobs = StreamJobs::new(pass.mode, unit, |s| {
+        let (gi, local) = slots[s];
         let (_, ex, p0) = pass.item_group(gi);
         let hsrc = RowSource {
             len: ex.inter,
@@ -1491,8 +1558,8 @@ fn stage2_streams(
         (&ex.w2, hsrc, p0 + local)
     });
     // Each stream's output row: the slot's (`per_slot`) or the pair's.
-    let rows: [usize; kernels::MAX_STREAMS] = std::array::from_fn(|s| {
-        let (gi, local) = slots[s.min(n - 1)];
+    let rows: [usize; MAX_UNIT_SLOTS] = std::array::from_fn(|s| {
+        let (gi, local) = slots[s];
         let (g, _, p0) = pass.item_group(gi);
         if per_slot {
             g.out_rows[local] as usize
@@ -1500,9 +1567,9 @@ fn stage2_streams(
             p0 + local
         }
     });
-    let mut y = [[0f32; ROWS]; kernels::MAX_STREAMS];
+    let mut y = [[0f32; ROWS]; MAX_UNIT_SLOTS];
     for rb in rbs {
-        jobs.run(pass.isa, n, rb, &mut y);
+        jobs.run(pass.isa, rb, &mut y);
         for (ys, &row) in y[..n].iter().zip(&rows) {
             // SAFETY: (row, rb) is written by exactly this item; the output holds pairs × H
             // floats (validated) and pair_out max_pairs × H.

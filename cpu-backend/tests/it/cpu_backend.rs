@@ -183,24 +183,44 @@ fn negative_zero_terms_sum_to_positive_zero() {
                             );
                         }
                     }
-                    // The one-token streams kernels (their partials are not zeroed either).
+                    // The streams kernels (their partials are not zeroed either), with one
+                    // and with two tokens per job.
                     let jobs: Vec<RowBlockJob> = toks
                         .iter()
                         .take(kernels::MAX_STREAMS)
-                        .map(|&tok| RowBlockJob { m: &r16, rb, tok })
+                        .map(|&tok| RowBlockJob {
+                            m: &r16,
+                            rb,
+                            toks: [tok],
+                        })
                         .collect();
-                    let mut out = [[f32::NAN; 16]; kernels::MAX_STREAMS];
-                    kernels::rowblocks_exact_1(isa, &jobs, &mut out);
-                    for (t, a) in acts.iter().enumerate().take(jobs.len()) {
+                    let mut out = [[f32::NAN; 16]; 8];
+                    kernels::rowblocks_exact(isa, &jobs, &mut out);
+                    let pairs: Vec<RowBlockJob<'_, 2>> = toks
+                        .chunks_exact(2)
+                        .map(|p| RowBlockJob {
+                            m: &r16,
+                            rb,
+                            toks: [p[0], p[1]],
+                        })
+                        .collect();
+                    let mut out2 = [[f32::NAN; 16]; 8];
+                    kernels::rowblocks_exact(isa, &pairs, &mut out2);
+                    for (t, a) in acts.iter().enumerate() {
                         for r in 0..16 {
                             let want = reference::row_dot_exact(&m, rb * 16 + r, a);
-                            assert_eq!(
-                                out[t][r].to_bits(),
-                                want.to_bits(),
-                                "{isa:?} streams, K {cols}, {} jobs, row {}, token {t}",
-                                jobs.len(),
-                                rb * 16 + r
-                            );
+                            let got = [(jobs.len(), out[t][r]), (2 * pairs.len(), out2[t][r])];
+                            for (i, (outs, got)) in got.into_iter().enumerate() {
+                                if t < outs {
+                                    assert_eq!(
+                                        got.to_bits(),
+                                        want.to_bits(),
+                                        "{isa:?} streams of {} tokens, K {cols}, row {}, token {t}",
+                                        i + 1,
+                                        rb * 16 + r
+                                    );
+                                }
+                            }
                         }
                     }
                 }
@@ -212,14 +232,15 @@ fn negative_zero_terms_sum_to_positive_zero() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
-    /// The one-token kernel over a list of jobs (row blocks of several matrices, each with its
-    /// own token; read as interleaved streams on AVX-512 VNNI, 4, 2 and 1 at a time, and split
-    /// where K differs) equals the contract's scalar row dot bit for bit, on every ISA: K with
-    /// and without a tail of blocks past 16, partial last row blocks.
+    /// The streams kernels over a list of jobs (row blocks of several matrices, each with its
+    /// own 1 to 4 tokens; read as interleaved streams on AVX-512 VNNI and AVX2, 4, 2 and 1 at
+    /// a time, and split where K differs) equal the contract's scalar row dot bit for bit, on
+    /// every ISA: K with and without a tail of blocks past 16, partial last row blocks.
     #[test]
-    fn rowblocks_exact_1_is_bit_identical(
+    fn rowblocks_exact_is_bit_identical(
         spec in spec_strategy(), kb in 1usize..40, other_kb in 1usize..40,
-        picks in prop::collection::vec((0usize..3, 0usize..4), 1..10), seed in any::<u64>()
+        picks in prop::collection::vec((0usize..3, 0usize..4), 1..10), seed in any::<u64>(),
+        tokens in 1usize..=kernels::MAX_STREAM_TOKENS
     ) {
         let g = spec.group_size as usize;
         let cols = (kb * 32).div_ceil(g) * g;
@@ -233,32 +254,60 @@ proptest! {
         let r16: Vec<R16Matrix> = ms.iter().map(R16Matrix::from_canonical).collect();
         let mut rng = SplitMix64::new(seed ^ 7);
         let acts: Vec<QuantizedVec> = picks.iter()
-            .map(|&(mi, _)| QuantizedVec::new(&synth::normal_vec(&mut rng, ms[mi].cols(), 1.0)))
+            .flat_map(|&(mi, _)| std::iter::repeat_n(mi, tokens))
+            .map(|mi| QuantizedVec::new(&synth::normal_vec(&mut rng, ms[mi].cols(), 1.0)))
             .collect();
         let sums: Vec<Vec<i32>> = acts.iter().map(|a| {
             let mut s = vec![0; a.q.len() / 32];
             kernels::block_sums(&a.q, &mut s);
             s
         }).collect();
-        let jobs: Vec<RowBlockJob> = picks.iter().enumerate().map(|(i, &(mi, rb))| RowBlockJob {
-            m: &r16[mi],
-            rb: rb % r16[mi].row_blocks(),
-            tok: TokenQ8 { q: &acts[i].q, d: &acts[i].d, qsum: &sums[i] },
-        }).collect();
+        let tok = |i: usize| TokenQ8 { q: &acts[i].q, d: &acts[i].d, qsum: &sums[i] };
+        let rbs: Vec<(usize, usize)> =
+            picks.iter().map(|&(mi, rb)| (mi, rb % r16[mi].row_blocks())).collect();
         for isa in Isa::available() {
-            let mut out = vec![[f32::NAN; 16]; jobs.len()];
-            kernels::rowblocks_exact_1(isa, &jobs, &mut out);
-            for (i, (o, j)) in out.iter().zip(&jobs).enumerate() {
-                let m = &ms[picks[i].0];
-                for r in 0..16.min(m.rows() - j.rb * 16) {
-                    let want = reference::row_dot_exact(m, j.rb * 16 + r, &acts[i]);
-                    prop_assert_eq!(o[r].to_bits(), want.to_bits(),
-                        "{:?} job {} (matrix {}, row {}): {} vs {}",
-                        isa, i, picks[i].0, j.rb * 16 + r, o[r], want);
+            let out = match tokens {
+                1 => run_jobs::<1>(isa, &r16, &rbs, tok),
+                2 => run_jobs::<2>(isa, &r16, &rbs, tok),
+                3 => run_jobs::<3>(isa, &r16, &rbs, tok),
+                _ => run_jobs::<4>(isa, &r16, &rbs, tok),
+            };
+            for (i, &(mi, rb)) in rbs.iter().enumerate() {
+                let m = &ms[mi];
+                for t in 0..tokens {
+                    let k = i * tokens + t;
+                    for r in 0..16.min(m.rows() - rb * 16) {
+                        let want = reference::row_dot_exact(m, rb * 16 + r, &acts[k]);
+                        prop_assert_eq!(out[k][r].to_bits(), want.to_bits(),
+                            "{:?} job {} of {} tokens, token {} (matrix {}, row {}): {} vs {}",
+                            isa, i, tokens, t, mi, rb * 16 + r, out[k][r], want);
+                    }
                 }
             }
         }
     }
+}
+
+/// [`kernels::rowblocks_exact`] over jobs `(matrix, row block)` of `T` tokens each, job `i`'s
+/// token `t` being `tok(i·T + t)`: the outputs, one per token.
+fn run_jobs<'a, const T: usize>(
+    isa: Isa,
+    r16: &'a [R16Matrix],
+    rbs: &[(usize, usize)],
+    tok: impl Fn(usize) -> TokenQ8<'a>,
+) -> Vec<[f32; 16]> {
+    let jobs: Vec<RowBlockJob<'a, T>> = rbs
+        .iter()
+        .enumerate()
+        .map(|(i, &(mi, rb))| RowBlockJob {
+            m: &r16[mi],
+            rb,
+            toks: std::array::from_fn(|t| tok(i * T + t)),
+        })
+        .collect();
+    let mut out = vec![[f32::NAN; 16]; jobs.len() * T];
+    kernels::rowblocks_exact(isa, &jobs, &mut out);
+    out
 }
 
 proptest! {
@@ -646,10 +695,11 @@ fn large_batches_quantize_their_inputs_on_every_thread() {
     check_exact_amx_emulated(&tb, 2).unwrap();
 }
 
-/// Decode batches where most experts get one token: the backend runs runs of such groups as
-/// interleaved streams (up to four experts per pass, split where the intermediate size
-/// changes, an empty group among them), bit-identical to the reference for every format, ISA
-/// and thread count.
+/// Decode batches where experts get one to a few tokens: the backend sorts the groups by
+/// token count and runs equal ones as interleaved streams (up to four experts per pass, each
+/// tile unpacked once for a group's one to four tokens, split where the intermediate size
+/// changes, an empty group and groups of more tokens among them), bit-identical to the
+/// reference for every format, ISA and thread count.
 #[test]
 fn backend_exact_decode_streams() {
     let asym = QuantSpec {
@@ -658,7 +708,7 @@ fn backend_exact_decode_streams() {
         zero_points: true,
     };
     for (i, spec) in [QuantSpec::G32_BF16, asym].into_iter().enumerate() {
-        for tokens in [1usize, 2, 5] {
+        for tokens in [1usize, 2, 3, 5, 8] {
             // Nine experts, one of a different intermediate size in the middle.
             let inters = [128, 128, 128, 128, 128, 64, 128, 128, 128];
             let mut tb = TestBatch::random(spec, 320, &inters, tokens, 6, (10 * i + tokens) as u64);
