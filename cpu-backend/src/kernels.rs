@@ -413,7 +413,8 @@ unsafe fn run_stream_passes<J>(
 /// tokens (decode: an expert with two to four tokens of a batch); each stream's prefetch runs
 /// on into the next row block of its matrix, so a caller that walks each stream's matrix in
 /// order (job `i` at row block `rb`, then `rb + 1` in its next call) keeps every stream
-/// sequential. The scalar path runs the jobs one after the other.
+/// sequential. The scalar path runs the jobs one after the other. (The backend gives jobs of
+/// more than one token only on AVX2: `form_units` in the crate root says why.)
 pub fn rowblocks_exact<const T: usize>(
     isa: Isa,
     jobs: &[RowBlockJob<'_, T>],
@@ -1354,7 +1355,7 @@ pub(crate) mod x86 {
     /// their dot is 16 times the wanted one and one exact arithmetic shift recovers it; the
     /// two dots run as two independent chains, each tile chunk masked where it is used.
     /// Integer sums are exact, so `isum` and the float steps after it are [`term512`]'s, bit
-    /// for bit. [`term512_n`] for one token reads 7-16 % fewer GB/s from cache on the EPYC
+    /// for bit. [`term512_n`] for one token read 5-15 % fewer GB/s from cache on the EPYC
     /// Zen 4 VM (its masks all done first: more live registers across the unrolled loop).
     ///
     /// # Safety

@@ -15,14 +15,15 @@
 //! 4. **stage 2**, work items (unit, 64-row W2 tile): the expert outputs;
 //! 5. per-slot rows are written in place, or pre-combined per token in output-row order.
 //!
-//! A unit is one group, or up to [`kernels::MAX_STREAMS`] groups of the same shape and the
-//! same token count, one to [`kernels::MAX_STREAM_TOKENS`] (decode: most experts get one to
-//! three tokens; [`form_units`] sorts the groups to find them): their row blocks are read as
+//! A unit is one group, or several groups of the same shape whose row blocks are read as
 //! interleaved streams, each walking its expert's matrix in order, because one core reading
-//! one stream leaves DRAM bandwidth unused, and each weight tile is unpacked once for the
-//! group's tokens ([`kernels::rowblocks_exact`]). Accurate mode reads one stream per token,
-//! [`kernels::MAX_STREAMS`] in all, of groups of up to two ([`kernels::rowblocks_accurate_1`];
-//! AVX2 reads at most two streams per pass).
+//! one stream leaves DRAM bandwidth unused ([`form_units`]): on AVX2 in exact mode up to
+//! [`kernels::MAX_STREAMS`] groups of the same token count, one to
+//! [`kernels::MAX_STREAM_TOKENS`], one stream per group with each weight tile unpacked once
+//! for its tokens ([`kernels::rowblocks_exact`]); otherwise consecutive groups of one or two
+//! tokens, one stream per token, [`kernels::MAX_STREAMS`] in all (decode: most experts get one
+//! token or two; [`kernels::rowblocks_accurate_1`] in accurate mode, where AVX2 reads at most
+//! two streams per pass).
 //!
 //! Accurate mode runs on the same integer kernels: each activation (input and intermediate)
 //! is quantized into [`ACCURATE_LEVELS`] int8 levels that add back up to it within f32
@@ -63,12 +64,11 @@ use pool::SpinPool;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The most tokens a group may have to run as one stream of a unit in accurate mode
-/// ([`form_units`]; each token a stream of its own, reading the group's row block again from
-/// cache): beyond it the multi-token kernel, which unpacks each weight tile once for all the
-/// group's tokens, does less work per byte. In exact mode a stream carries up to
-/// [`kernels::MAX_STREAM_TOKENS`] tokens, each tile unpacked once for them.
-const ACCURATE_STREAM_GROUP_TOKENS: usize = 2;
+/// The most tokens a group may have to run in a [`UnitKind::PerToken`] unit (each token a
+/// stream of its own, reading the group's row block again from cache): beyond it the
+/// multi-token kernel, which unpacks each weight tile once for all the group's tokens, does
+/// less work per byte.
+const PER_TOKEN_GROUP_TOKENS: usize = 2;
 
 /// The most outputs of one row block of a streams unit: a stream per group, its tokens each.
 const MAX_UNIT_SLOTS: usize = kernels::MAX_STREAMS * kernels::MAX_STREAM_TOKENS;
@@ -142,31 +142,38 @@ impl<'a> RowSource<'a> {
     }
 }
 
-/// A unit of work items: one group, or up to [`kernels::MAX_STREAMS`] groups with the same
-/// token count and expert shape whose row blocks the kernels read as interleaved streams
-/// ([`form_units`]): in exact mode one stream per group, each tile unpacked once for the
-/// group's tokens ([`kernels::rowblocks_exact`]); in accurate mode one stream per token, at
-/// most [`kernels::MAX_STREAMS`] in all (two tokens of one group read the same row block, the
-/// second from cache: [`kernels::rowblocks_accurate_1`]).
+/// How a unit's groups run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UnitKind {
+    /// One group on the multi-token (or AMX) kernels.
+    Own,
+    /// Consecutive groups of up to [`PER_TOKEN_GROUP_TOKENS`] tokens, [`kernels::MAX_STREAMS`]
+    /// tokens in all, one interleaved stream per token (two tokens of one group read the same
+    /// row block, the second from cache): accurate mode ([`kernels::rowblocks_accurate_1`]),
+    /// and exact mode on every ISA but AVX2 ([`kernels::rowblocks_exact`] of one token).
+    PerToken,
+    /// Up to [`kernels::MAX_STREAMS`] groups of the same token count `T` (1 to
+    /// [`kernels::MAX_STREAM_TOKENS`]), one interleaved stream per group, each tile unpacked
+    /// once for its `T` tokens ([`kernels::rowblocks_exact`] of `T`): exact mode on AVX2.
+    PerGroup(u32),
+}
+
+/// A unit of work items: one group, or groups of the same expert shape whose row blocks the
+/// kernels read as interleaved streams ([`form_units`], [`UnitKind`]).
 #[derive(Clone, Copy, Debug)]
 struct Unit {
     /// The unit's groups: the first `len`.
     groups: [u32; kernels::MAX_STREAMS],
     len: u32,
-    /// Each group's token count when the unit runs as streams; 0 for a group of its own on
-    /// the multi-token (or AMX) kernels.
-    tokens: u32,
+    kind: UnitKind,
+    /// The outputs of one of its row blocks ([`unit_slots`]): its groups' tokens.
+    slots: u32,
 }
 
 impl Unit {
-    /// The unit's first group (its only one unless it runs as streams).
+    /// The unit's first group (its only one if it is [`UnitKind::Own`]).
     fn first(self) -> u32 {
         self.groups[0]
-    }
-
-    /// The outputs of one of its row blocks: a stream unit's tokens, group-major.
-    fn slots(self) -> usize {
-        (self.len * self.tokens) as usize
     }
 }
 
@@ -273,8 +280,6 @@ struct Scratch {
     items: Vec<(u32, u32)>,
     /// The batch's groups as work units.
     units: Vec<Unit>,
-    /// The groups in the order [`form_units`] takes them.
-    unit_order: Vec<u32>,
     /// First pair index of each group.
     group_pair0: Vec<u32>,
     /// Expert index of each group.
@@ -515,7 +520,6 @@ impl Scratch {
             xgd: AlignedVec::zeroed(gp * hidden / BLOCK),
             items: Vec::with_capacity(max_groups * max_items_per_group),
             units: Vec::with_capacity(max_groups),
-            unit_order: Vec::with_capacity(max_groups),
             group_pair0: Vec::with_capacity(max_groups + 1),
             group_expert: Vec::with_capacity(max_groups),
             combine: Vec::with_capacity(p),
@@ -613,7 +617,7 @@ impl ExpertBackend for CpuBackend {
             group_expert: &sc.group_expert,
             units: &[],
         };
-        form_units(&pass, &mut sc.unit_order, &mut sc.units);
+        form_units(&pass, &mut sc.units);
         let pass = Pass {
             units: &sc.units,
             ..pass
@@ -1019,64 +1023,123 @@ impl<'a, 'b> Pass<'a, 'b> {
     }
 }
 
-/// Step 0b: the batch's groups as work units. Groups of one to [`kernels::MAX_STREAM_TOKENS`]
-/// tokens ([`ACCURATE_STREAM_GROUP_TOKENS`] in accurate mode) are sorted by token count and
-/// expert shape, and each run of equal ones becomes units of up to [`kernels::MAX_STREAMS`]
-/// groups (accurate mode: [`kernels::MAX_STREAMS`] tokens) whose weights are read as
-/// interleaved streams; every other group (more tokens, or none) is a unit of its own, first.
-/// Decode spreads a batch's tokens over many experts (Qwen3-30B-A3B at 16 tokens: about 82
-/// groups of 1.6 tokens), so a unit of equal groups keeps every stream's tile unpacked once
-/// for all of its group's tokens and still reads four streams.
-fn form_units(pass: &Pass<'_, '_>, order: &mut Vec<u32>, units: &mut Vec<Unit>) {
+/// Step 0b: the batch's groups as work units ([`UnitKind`]): exact mode on AVX2 in units of
+/// equal groups ([`form_units_per_group`]), otherwise in units of consecutive small groups
+/// ([`form_units_per_token`]); every other group (more tokens, or none) is a unit of its own.
+///
+/// Why two: per token, the per-group streams kernel does less work (in L2, one core, K =
+/// 2048, four streams of 2/3/4 tokens: 1.25/1.27/1.31× the weight bytes per second of a stream
+/// per token on AVX2, 1.18/1.4/1.4× on AVX-512), and AVX2 decode is held by the kernels'
+/// arithmetic: Qwen3-30B-A3B decode through the backend read 2-5 % more at 16-64 tokens with
+/// it (in-process, alternating the two, EPYC Zen 4 VM). On AVX-512 the same read 3-7 % *less*
+/// (there the reads bind, four experts of several tokens per core are more streams in flight
+/// than one expert's two, and groups of three or more tokens run faster on the multi-token
+/// kernel), so AVX-512 keeps per-token units. BENCHMARKS.md, session 60.
+fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
     units.clear();
-    order.clear();
-    let groups = pass.batch.groups;
-    let max_tokens = match pass.mode {
-        ComputeMode::Exact => kernels::MAX_STREAM_TOKENS,
-        ComputeMode::Accurate => ACCURATE_STREAM_GROUP_TOKENS,
-    };
-    // A group without tokens (allowed: nothing to compute) stays a unit of its own.
-    let stream_tokens = |gi: u32| {
-        let n = groups[gi as usize].tokens.len();
-        if (1..=max_tokens).contains(&n) { n } else { 0 }
-    };
-    let inter = |gi: u32| pass.experts[pass.group_expert[gi as usize] as usize].inter;
-    order.extend(0..groups.len() as u32);
-    order.sort_unstable_by_key(|&gi| (stream_tokens(gi), inter(gi), gi));
-    let mut k = 0;
-    while k < order.len() {
-        let first = order[k];
-        let tokens = stream_tokens(first);
-        let cap = match (tokens, pass.mode) {
-            (0, _) => 1,
-            (_, ComputeMode::Exact) => kernels::MAX_STREAMS,
-            (t, ComputeMode::Accurate) => kernels::MAX_STREAMS / t,
-        };
-        let len = order[k..]
-            .iter()
-            .take(cap)
-            .take_while(|&&gi| stream_tokens(gi) == tokens && inter(gi) == inter(first))
-            .count();
-        let mut unit = Unit {
-            groups: [first; kernels::MAX_STREAMS],
-            len: len as u32,
-            tokens: tokens as u32,
-        };
-        unit.groups[..len].copy_from_slice(&order[k..k + len]);
-        units.push(unit);
-        k += len;
+    if pass.mode == ComputeMode::Exact && pass.isa == Isa::Avx2 {
+        form_units_per_group(pass, units);
+    } else {
+        form_units_per_token(pass, units);
     }
+}
+
+/// A unit of the one group `gi`, on the multi-token kernels.
+fn own_unit(gi: u32) -> Unit {
+    Unit {
+        groups: [gi; kernels::MAX_STREAMS],
+        len: 1,
+        kind: UnitKind::Own,
+        slots: 0,
+    }
+}
+
+/// [`UnitKind::PerToken`] units: runs of consecutive groups of one to
+/// [`PER_TOKEN_GROUP_TOKENS`] tokens whose experts have the same intermediate size, at most
+/// [`kernels::MAX_STREAMS`] tokens each.
+fn form_units_per_token(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
+    let groups = pass.batch.groups;
+    let tokens = |gi: usize| groups[gi].tokens.len();
+    // A group without tokens (allowed: nothing to compute) stays a unit of its own.
+    let streams = |gi: usize| (1..=PER_TOKEN_GROUP_TOKENS).contains(&tokens(gi));
+    let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
+    let mut gi = 0;
+    while gi < groups.len() {
+        if !streams(gi) {
+            units.push(own_unit(gi as u32));
+            gi += 1;
+            continue;
+        }
+        let mut unit = Unit {
+            kind: UnitKind::PerToken,
+            slots: tokens(gi) as u32,
+            ..own_unit(gi as u32)
+        };
+        while gi + (unit.len as usize) < groups.len() {
+            let next = gi + unit.len as usize;
+            let slots = unit.slots as usize + tokens(next);
+            if !streams(next) || slots > kernels::MAX_STREAMS || inter(next) != inter(gi) {
+                break;
+            }
+            unit.groups[unit.len as usize] = next as u32;
+            unit.len += 1;
+            unit.slots = slots as u32;
+        }
+        units.push(unit);
+        gi += unit.len as usize;
+    }
+}
+
+/// [`UnitKind::PerGroup`] units: walking the groups in batch order, each group of one to
+/// [`kernels::MAX_STREAM_TOKENS`] tokens joins the open unit of its token count, which is
+/// emitted once it holds [`kernels::MAX_STREAMS`] groups or the next group of that count has
+/// another expert shape; the open units are emitted at the end. In batch order, not sorted by
+/// token count: heavy (more tokens) and light units stay mixed along the work list, so the
+/// two threads' runs mix arithmetic and reads (sorted, the heaviest units came last).
+fn form_units_per_group(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
+    let groups = pass.batch.groups;
+    let inter = |gi: u32| pass.experts[pass.group_expert[gi as usize] as usize].inter;
+    // The open unit of each token count (index: tokens − 1).
+    let mut open: [Option<Unit>; kernels::MAX_STREAM_TOKENS] = [None; kernels::MAX_STREAM_TOKENS];
+    for gi in 0..groups.len() as u32 {
+        let tokens = groups[gi as usize].tokens.len();
+        if !(1..=kernels::MAX_STREAM_TOKENS).contains(&tokens) {
+            units.push(own_unit(gi));
+            continue;
+        }
+        let slot = &mut open[tokens - 1];
+        if let Some(u) = slot.take_if(|u| inter(u.first()) != inter(gi)) {
+            units.push(u);
+        }
+        let u = slot.get_or_insert(Unit {
+            len: 0,
+            kind: UnitKind::PerGroup(tokens as u32),
+            ..own_unit(gi)
+        });
+        u.groups[u.len as usize] = gi;
+        u.len += 1;
+        u.slots += tokens as u32;
+        if u.len as usize == kernels::MAX_STREAMS {
+            units.extend(slot.take());
+        }
+    }
+    units.extend(open.into_iter().flatten());
 }
 
 /// The slots of a streams unit: (group, token within the group) for each of its
 /// [`Unit::slots`] outputs, group-major (slots past them repeat the last).
-fn unit_slots(unit: Unit) -> [(u32, usize); MAX_UNIT_SLOTS] {
-    let t = unit.tokens.max(1) as usize;
-    let last = unit.slots().max(1) - 1;
-    std::array::from_fn(|i| {
-        let i = i.min(last);
-        (unit.groups[i / t], i % t)
-    })
+fn unit_slots(pass: &Pass<'_, '_>, unit: Unit) -> [(u32, usize); MAX_UNIT_SLOTS] {
+    let mut slots = [(unit.first(), 0); MAX_UNIT_SLOTS];
+    let mut n = 0;
+    for &gi in &unit.groups[..unit.len as usize] {
+        for local in 0..pass.batch.groups[gi as usize].tokens.len() {
+            slots[n] = (gi, local);
+            n += 1;
+        }
+    }
+    let last = slots[n.max(1) - 1];
+    slots[n..].fill(last);
+    slots
 }
 
 /// Rebuild the (unit, tile) work items: `tiles(gi)` tiles for each of the `groups` groups.
@@ -1258,7 +1321,7 @@ fn stage1(
     CpuBackend::run_items(pool, items.len(), |i| {
         let (u, tile) = items[i];
         let unit = units[u as usize];
-        if unit.tokens > 0 {
+        if unit.kind != UnitKind::Own {
             stage1_streams(pass, unit, tile as usize, xsrc, hbuf);
             return;
         }
@@ -1294,8 +1357,8 @@ fn stage1_streams(
     xsrc: &RowSource<'_>,
     hbuf: SharedMut<f32>,
 ) {
-    let slots = unit_slots(unit);
-    let n = unit.slots();
+    let slots = unit_slots(pass, unit);
+    let n = unit.slots as usize;
     let mut jobs = StreamJobs::new(pass.mode, unit, |s| {
         let (gi, local) = slots[s];
         let (g, ex, _) = pass.item_group(gi);
@@ -1315,11 +1378,12 @@ fn stage1_streams(
 }
 
 /// The kernel jobs of a streams unit in the pass's mode, built once per work item: slot `s`
-/// ([`unit_slots`]) is a row block of matrix `m` against row `r` of `src`. Exact mode: one
-/// job per group with its `T` tokens ([`kernels::rowblocks_exact`]); accurate mode: one job
-/// per slot, the row's levels ([`kernels::rowblocks_accurate_1`]). [`StreamJobs::run`] sets
-/// the row block and runs them, each slot's output at its index. A stack value per item, so
-/// the variants' size difference costs nothing.
+/// ([`unit_slots`]) is a row block of matrix `m` against row `r` of `src`. A
+/// [`UnitKind::PerGroup`] unit: one job per group with its `T` tokens
+/// ([`kernels::rowblocks_exact`]); a [`UnitKind::PerToken`] unit: one job per slot (accurate
+/// mode: the row's levels, [`kernels::rowblocks_accurate_1`]). [`StreamJobs::run`] sets the
+/// row block and runs them, each slot's output at its index. A stack value per item, so the
+/// variants' size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum StreamJobs<'m> {
     Exact1([RowBlockJob<'m, 1>; kernels::MAX_STREAMS], usize),
@@ -1365,11 +1429,20 @@ impl<'m> StreamJobs<'m> {
         job: impl Fn(usize) -> (&'m R16Matrix, RowSource<'m>, usize),
     ) -> Self {
         let groups = unit.len as usize;
-        match (mode, unit.tokens) {
-            (ComputeMode::Exact, 1) => StreamJobs::Exact1(exact_jobs(&job), groups),
-            (ComputeMode::Exact, 2) => StreamJobs::Exact2(exact_jobs(&job), groups),
-            (ComputeMode::Exact, 3) => StreamJobs::Exact3(exact_jobs(&job), groups),
-            (ComputeMode::Exact, _) => StreamJobs::Exact4(exact_jobs(&job), groups),
+        match (mode, unit.kind) {
+            (ComputeMode::Exact, UnitKind::PerGroup(1)) => {
+                StreamJobs::Exact1(exact_jobs(&job), groups)
+            }
+            (ComputeMode::Exact, UnitKind::PerGroup(2)) => {
+                StreamJobs::Exact2(exact_jobs(&job), groups)
+            }
+            (ComputeMode::Exact, UnitKind::PerGroup(3)) => {
+                StreamJobs::Exact3(exact_jobs(&job), groups)
+            }
+            (ComputeMode::Exact, UnitKind::PerGroup(_)) => {
+                StreamJobs::Exact4(exact_jobs(&job), groups)
+            }
+            (ComputeMode::Exact, _) => StreamJobs::Exact1(exact_jobs(&job), unit.slots as usize),
             (ComputeMode::Accurate, _) => StreamJobs::Accurate(
                 std::array::from_fn(|s| {
                     let (m, src, r) = job(s);
@@ -1379,7 +1452,7 @@ impl<'m> StreamJobs<'m> {
                         levels: std::array::from_fn(|l| src.token(ACCURATE_LEVELS * r + l)),
                     }
                 }),
-                unit.slots(),
+                unit.slots as usize,
             ),
         }
     }
@@ -1480,7 +1553,7 @@ fn stage2(
         let unit = units[u as usize];
         let rb0 = tile as usize * W2_TILE_ROW_BLOCKS;
         let rb1 = (rb0 + W2_TILE_ROW_BLOCKS).min(h.div_ceil(ROWS));
-        if unit.tokens > 0 {
+        if unit.kind != UnitKind::Own {
             stage2_streams(pass, unit, rb0..rb1, hsrc, ybuf, per_slot);
             return;
         }
@@ -1545,8 +1618,8 @@ fn stage2_streams(
     ybuf: SharedMut<f32>,
     per_slot: bool,
 ) {
-    let slots = unit_slots(unit);
-    let n = unit.slots();
+    let slots = unit_slots(pass, unit);
+    let n = unit.slots as usize;
     let h = pass.batch.hidden;
     let mut jobs = StreamJobs::new(pass.mode, unit, |s| {
         let (gi, local) = slots[s];

@@ -695,11 +695,12 @@ fn large_batches_quantize_their_inputs_on_every_thread() {
     check_exact_amx_emulated(&tb, 2).unwrap();
 }
 
-/// Decode batches where experts get one to a few tokens: the backend sorts the groups by
-/// token count and runs equal ones as interleaved streams (up to four experts per pass, each
-/// tile unpacked once for a group's one to four tokens, split where the intermediate size
-/// changes, an empty group and groups of more tokens among them), bit-identical to the
-/// reference for every format, ISA and thread count.
+/// Decode batches where experts get one to a few tokens: the backend runs small groups as
+/// interleaved streams (up to four experts per pass; on AVX2 groups of equal token count, one
+/// to four, each tile unpacked once for a group's tokens; elsewhere one stream per token of
+/// groups of one or two; split where the intermediate size changes, an empty group and groups
+/// of more tokens among them), bit-identical to the reference for every format, ISA and
+/// thread count.
 #[test]
 fn backend_exact_decode_streams() {
     let asym = QuantSpec {
