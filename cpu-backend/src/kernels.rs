@@ -420,10 +420,12 @@ pub fn rowblocks_exact<const T: usize>(
     jobs: &[RowBlockJob<'_, T>],
     out: &mut [[f32; ROWS]],
 ) {
-    assert!(
-        (1..=MAX_STREAM_TOKENS).contains(&T),
-        "{T} tokens per job: the stream kernels take 1 to {MAX_STREAM_TOKENS}"
-    );
+    const {
+        assert!(
+            T >= 1 && T <= MAX_STREAM_TOKENS,
+            "the stream kernels take 1 to 4 tokens"
+        )
+    };
     assert!(
         out.len() >= jobs.len() * T,
         "{} outputs for {} jobs of {T} tokens",
@@ -436,9 +438,18 @@ pub fn rowblocks_exact<const T: usize>(
             "row block {} past the matrix",
             j.rb
         );
+        // The kernels read every token's codes, scales and sums unchecked.
         for tok in &j.toks {
-            debug_assert_eq!(tok.q.len(), j.m.cols());
-            debug_assert_eq!(tok.d.len(), j.m.blocks());
+            assert!(
+                tok.q.len() == j.m.cols()
+                    && tok.d.len() == j.m.blocks()
+                    && tok.qsum.len() == j.m.blocks(),
+                "a token of {} codes, {} scales and {} sums against K = {}",
+                tok.q.len(),
+                tok.d.len(),
+                tok.qsum.len(),
+                j.m.cols()
+            );
         }
     }
     match isa {
@@ -1284,8 +1295,8 @@ pub(crate) mod x86 {
 
     /// Tiles prefetched ahead of use (16 tiles = 4 KiB).
     const PREFETCH_BLOCKS: usize = 16;
-    /// Tiles the AVX2 one-token stream kernels prefetch ahead in each stream, exact and
-    /// accurate: much nearer than [`PREFETCH_BLOCKS`]. On an EPYC without AVX-512 (Zen 3
+    /// Tiles the AVX2 stream kernels prefetch ahead in each stream, exact and accurate: much
+    /// nearer than [`PREFETCH_BLOCKS`] (measured with one token per stream). On an EPYC without AVX-512 (Zen 3
     /// class, where the AVX2 path is the default) decode read 3-4 % more GB/s with 2 than
     /// with 4 tiles and 10-19 % more than with 16 in exact mode, 8 % more with 4 than with 16
     /// in accurate mode (a probe alternating the distances in one process, Qwen3 and Kimi K2
@@ -1396,7 +1407,47 @@ pub(crate) mod x86 {
         }
     }
 
-    /// [`term512_1`] for `T` tokens (two or more): the tile is loaded and masked once for them,
+    /// The zero-point correction a block's integer dot starts from, `-(z · qs)` per row for
+    /// code sum `qs`: `z` the rows' zero points with `Z`, the symmetric midpoint 8 without
+    /// (`z` unused).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[inline(always)]
+    unsafe fn zero_corr512<const Z: bool>(z: __m512i, qs: i32) -> __m512i {
+        // SAFETY: AVX-512 F is the caller's precondition; no memory is touched.
+        unsafe {
+            if Z {
+                _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
+                )
+            } else {
+                _mm512_set1_epi32(-(qs << 3))
+            }
+        }
+    }
+
+    /// The 16 rows' zero points of group `g` at `zeros` widened to i32 with `Z` (zero
+    /// otherwise, `zeros` unread).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; with `Z`, `zeros` must hold `16g + 16` bytes.
+    #[inline(always)]
+    unsafe fn zeros512<const Z: bool>(zeros: *const u8, g: usize) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if Z {
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(zeros.add(g * ROWS).cast()))
+            } else {
+                _mm512_setzero_si512()
+            }
+        }
+    }
+
+    /// [`term512_1`] for `T` tokens (two or more; on AVX-512 only [`super::rowblocks_exact`]'s
+    /// direct callers, tests and the criterion bench give jobs of several tokens: the backend
+    /// keeps one stream per token there): the tile is loaded and masked once for them,
     /// the high nibbles masked in place (`w & 0xF0` = 16·code), so their dot is 16 times the
     /// wanted one and one exact arithmetic shift recovers it; each token's two dots run as
     /// two independent chains, the first starting from its zero-point correction `corr[t]`.
@@ -1592,24 +1643,14 @@ pub(crate) mod x86 {
                 for s in 0..S {
                     let st = &st[s];
                     // SAFETY: bb < blocks and g < groups: every read below is inside the
-                    // stream's row block or its token (see the function's contract); the
+                    // stream's row block or its tokens (see the function's contract); the
                     // prefetch address stays inside the matrix (and prefetches never fault).
                     unsafe {
                         st.prefetch(ahead);
                         let sc = scales16_512(dtype, st.scales.add(g * ROWS));
+                        let z = zeros512::<Z>(st.zeros, g);
                         if T == 1 {
-                            let qs = *st.qsum[0].add(bb);
-                            let corr = if Z {
-                                let z = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                    st.zeros.add(g * ROWS).cast(),
-                                ));
-                                _mm512_sub_epi32(
-                                    _mm512_setzero_si512(),
-                                    _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
-                                )
-                            } else {
-                                _mm512_set1_epi32(-(qs << 3))
-                            };
+                            let corr = zero_corr512::<Z>(z, *st.qsum[0].add(bb));
                             let term = term512_1(
                                 st.nib.add(bb * 256),
                                 sc,
@@ -1620,24 +1661,11 @@ pub(crate) mod x86 {
                             $put(s, 0, $j, term);
                             continue;
                         }
-                        let z = if Z {
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128(st.zeros.add(g * ROWS).cast()))
-                        } else {
-                            _mm512_setzero_si512()
-                        };
                         let mut corr = [_mm512_setzero_si512(); T];
                         let mut q = [std::ptr::null::<i32>(); T];
                         let mut d = [0f32; T];
                         for t in 0..T {
-                            let qs = *st.qsum[t].add(bb);
-                            corr[t] = if Z {
-                                _mm512_sub_epi32(
-                                    _mm512_setzero_si512(),
-                                    _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
-                                )
-                            } else {
-                                _mm512_set1_epi32(-(qs << 3))
-                            };
+                            corr[t] = zero_corr512::<Z>(z, *st.qsum[t].add(bb));
                             q[t] = st.q[t].add(bb * 8);
                             d[t] = *st.d[t].add(bb);
                         }
@@ -1679,10 +1707,10 @@ pub(crate) mod x86 {
                 step!(j, init);
             }
         }
-        for st in 0..S * T {
+        for i in 0..S * T {
             for l in head..LANES {
                 // SAFETY: inside the partials, as above.
-                unsafe { at.add(st * LANES + l).write(zero) };
+                unsafe { at.add(i * LANES + l).write(zero) };
             }
         }
         // SAFETY: every partial of every stream was written just above.
@@ -1783,23 +1811,11 @@ pub(crate) mod x86 {
                         lo[c] = _mm512_and_si512(w, mlo);
                         hi[c] = _mm512_and_si512(w, mhi);
                     }
-                    let z = if Z {
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(st.zeros.add(g * ROWS).cast()))
-                    } else {
-                        _mm512_setzero_si512()
-                    };
+                    let z = zeros512::<Z>(st.zeros, g);
                     let mut sum = _mm512_setzero_ps();
                     for l in 0..ACCURATE_LEVELS {
                         let q = lq[s][l].add(bb * 8);
-                        let qs = *lqs[s][l].add(bb);
-                        let mut a = if Z {
-                            _mm512_sub_epi32(
-                                _mm512_setzero_si512(),
-                                _mm512_mullo_epi32(z, _mm512_set1_epi32(qs)),
-                            )
-                        } else {
-                            _mm512_set1_epi32(-(qs << 3))
-                        };
+                        let mut a = zero_corr512::<Z>(z, *lqs[s][l].add(bb));
                         let mut b = _mm512_setzero_si512();
                         for c in 0..4 {
                             let qc = _mm512_set1_epi32(q.add(c).read_unaligned());
@@ -2020,16 +2036,20 @@ pub(crate) mod x86 {
                 unsafe {
                     st.prefetch(ahead);
                     let tile = st.nib.add(bb * 256);
-                    let q: [*const i32; T] = std::array::from_fn(|t| st.q[t].add(bb * 8));
+                    // Plain loops, not `array::from_fn` (see `term512_n`).
+                    let mut q = [std::ptr::null::<i32>(); T];
+                    for t in 0..T {
+                        q[t] = st.q[t].add(bb * 8);
+                    }
                     // Σ over 8 pmaddubsw results stays within i16 (see `exact_avx2`).
                     let mut s16 = [[_mm256_setzero_si256(); 2]; T];
                     for c in 0..4 {
-                        let ql: [__m256i; T] = std::array::from_fn(|t| {
-                            _mm256_set1_epi32(q[t].add(c).read_unaligned())
-                        });
-                        let qh: [__m256i; T] = std::array::from_fn(|t| {
-                            _mm256_set1_epi32(q[t].add(4 + c).read_unaligned())
-                        });
+                        let mut ql = [_mm256_setzero_si256(); T];
+                        let mut qh = [_mm256_setzero_si256(); T];
+                        for t in 0..T {
+                            ql[t] = _mm256_set1_epi32(q[t].add(c).read_unaligned());
+                            qh[t] = _mm256_set1_epi32(q[t].add(4 + c).read_unaligned());
+                        }
                         for half in 0..2 {
                             let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
                             let lo = _mm256_and_si256(w, mask);
@@ -2044,10 +2064,14 @@ pub(crate) mod x86 {
                     for half in 0..2 {
                         let at = g * ROWS + half * 8;
                         let sc = scales8(dtype, st.scales.add(at));
+                        let z = if Z {
+                            Some(zeros8(st.zeros.add(at)))
+                        } else {
+                            None
+                        };
                         for t in 0..T {
-                            let qs = *st.qsum[t].add(bb);
                             let d = _mm256_set1_ps(*st.d[t].add(bb));
-                            let corr = zero_term8_at::<Z>(st.zeros.wrapping_add(at), qs);
+                            let corr = zero_term8(z, *st.qsum[t].add(bb));
                             let isum =
                                 _mm256_sub_epi32(_mm256_madd_epi16(s16[t][half], ones), corr);
                             let term =

@@ -1030,17 +1030,21 @@ impl<'a, 'b> Pass<'a, 'b> {
 /// Why two: per token, the per-group streams kernel does less work (in L2, one core, K =
 /// 2048, four streams of 2/3/4 tokens: 1.25/1.27/1.31× the weight bytes per second of a stream
 /// per token on AVX2, 1.18/1.4/1.4× on AVX-512), and AVX2 decode is held by the kernels'
-/// arithmetic: Qwen3-30B-A3B decode through the backend read 2-5 % more at 16-64 tokens with
-/// it (in-process, alternating the two, EPYC Zen 4 VM). On AVX-512 the same read 3-7 % *less*
-/// (there the reads bind, four experts of several tokens per core are more streams in flight
-/// than one expert's two, and groups of three or more tokens run faster on the multi-token
-/// kernel), so AVX-512 keeps per-token units. BENCHMARKS.md, session 60.
+/// arithmetic: Qwen3-30B-A3B decode through the backend read 1.4/5.6/8.7 % more at 4/16/64
+/// tokens with it (in-process, alternating the two, EPYC Zen 4 VM). On AVX-512 the same read
+/// 4-7 % *less* at 16-64 tokens (there the reads bind, four experts of several tokens per core
+/// are more streams in flight than one expert's two, and groups of three or more tokens run
+/// faster on the multi-token kernel), so AVX-512 keeps per-token units. BENCHMARKS.md,
+/// "Decode streams of several tokens" (session 60).
 fn form_units(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
     units.clear();
+    let groups = pass.batch.groups;
+    let tokens = |gi: u32| groups[gi as usize].tokens.len();
+    let inter = |gi: u32| pass.experts[pass.group_expert[gi as usize] as usize].inter;
     if pass.mode == ComputeMode::Exact && pass.isa == Isa::Avx2 {
-        form_units_per_group(pass, units);
+        form_units_per_group(groups.len(), tokens, inter, units);
     } else {
-        form_units_per_token(pass, units);
+        form_units_per_token(groups.len(), tokens, inter, units);
     }
 }
 
@@ -1054,55 +1058,62 @@ fn own_unit(gi: u32) -> Unit {
     }
 }
 
-/// [`UnitKind::PerToken`] units: runs of consecutive groups of one to
-/// [`PER_TOKEN_GROUP_TOKENS`] tokens whose experts have the same intermediate size, at most
+/// [`UnitKind::PerToken`] units of the `n` groups (group `gi` has `tokens(gi)` tokens and an
+/// expert of intermediate size `inter(gi)`): runs of consecutive groups of one to
+/// [`PER_TOKEN_GROUP_TOKENS`] tokens of the same intermediate size, at most
 /// [`kernels::MAX_STREAMS`] tokens each.
-fn form_units_per_token(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
-    let groups = pass.batch.groups;
-    let tokens = |gi: usize| groups[gi].tokens.len();
+fn form_units_per_token(
+    n: usize,
+    tokens: impl Fn(u32) -> usize,
+    inter: impl Fn(u32) -> usize,
+    units: &mut Vec<Unit>,
+) {
     // A group without tokens (allowed: nothing to compute) stays a unit of its own.
-    let streams = |gi: usize| (1..=PER_TOKEN_GROUP_TOKENS).contains(&tokens(gi));
-    let inter = |gi: usize| pass.experts[pass.group_expert[gi] as usize].inter;
+    let streams = |gi: u32| (1..=PER_TOKEN_GROUP_TOKENS).contains(&tokens(gi));
     let mut gi = 0;
-    while gi < groups.len() {
+    while (gi as usize) < n {
         if !streams(gi) {
-            units.push(own_unit(gi as u32));
+            units.push(own_unit(gi));
             gi += 1;
             continue;
         }
         let mut unit = Unit {
             kind: UnitKind::PerToken,
             slots: tokens(gi) as u32,
-            ..own_unit(gi as u32)
+            ..own_unit(gi)
         };
-        while gi + (unit.len as usize) < groups.len() {
-            let next = gi + unit.len as usize;
+        while ((gi + unit.len) as usize) < n {
+            let next = gi + unit.len;
             let slots = unit.slots as usize + tokens(next);
             if !streams(next) || slots > kernels::MAX_STREAMS || inter(next) != inter(gi) {
                 break;
             }
-            unit.groups[unit.len as usize] = next as u32;
+            unit.groups[unit.len as usize] = next;
             unit.len += 1;
             unit.slots = slots as u32;
         }
         units.push(unit);
-        gi += unit.len as usize;
+        gi += unit.len;
     }
 }
 
-/// [`UnitKind::PerGroup`] units: walking the groups in batch order, each group of one to
-/// [`kernels::MAX_STREAM_TOKENS`] tokens joins the open unit of its token count, which is
-/// emitted once it holds [`kernels::MAX_STREAMS`] groups or the next group of that count has
-/// another expert shape; the open units are emitted at the end. In batch order, not sorted by
-/// token count: heavy (more tokens) and light units stay mixed along the work list, so the
-/// two threads' runs mix arithmetic and reads (sorted, the heaviest units came last).
-fn form_units_per_group(pass: &Pass<'_, '_>, units: &mut Vec<Unit>) {
-    let groups = pass.batch.groups;
-    let inter = |gi: u32| pass.experts[pass.group_expert[gi as usize] as usize].inter;
+/// [`UnitKind::PerGroup`] units of the `n` groups (as [`form_units_per_token`]'s): walking
+/// the groups in batch order, each group of one to [`kernels::MAX_STREAM_TOKENS`] tokens
+/// joins the open unit of its token count, which is emitted once it holds
+/// [`kernels::MAX_STREAMS`] groups or the next group of that count has another intermediate
+/// size; the open units are emitted at the end. In batch order, not sorted by token count:
+/// heavy (more tokens) and light units stay mixed along the work list, so the threads' runs
+/// mix arithmetic and reads (sorted, the heaviest units came last).
+fn form_units_per_group(
+    n: usize,
+    tokens: impl Fn(u32) -> usize,
+    inter: impl Fn(u32) -> usize,
+    units: &mut Vec<Unit>,
+) {
     // The open unit of each token count (index: tokens − 1).
     let mut open: [Option<Unit>; kernels::MAX_STREAM_TOKENS] = [None; kernels::MAX_STREAM_TOKENS];
-    for gi in 0..groups.len() as u32 {
-        let tokens = groups[gi as usize].tokens.len();
+    for gi in 0..n as u32 {
+        let tokens = tokens(gi);
         if !(1..=kernels::MAX_STREAM_TOKENS).contains(&tokens) {
             units.push(own_unit(gi));
             continue;
@@ -1407,7 +1418,7 @@ fn exact_jobs<'m, const T: usize>(
     })
 }
 
-/// Row block `rb` of the first `n` jobs' matrices into `out`.
+/// Row block `rb` of every job's matrix into `out` (`T` outputs per job).
 fn run_exact<const T: usize>(
     isa: Isa,
     jobs: &mut [RowBlockJob<'_, T>],
@@ -1439,11 +1450,20 @@ impl<'m> StreamJobs<'m> {
             (ComputeMode::Exact, UnitKind::PerGroup(3)) => {
                 StreamJobs::Exact3(exact_jobs(&job), groups)
             }
-            (ComputeMode::Exact, UnitKind::PerGroup(_)) => {
+            (ComputeMode::Exact, UnitKind::PerGroup(4)) => {
                 StreamJobs::Exact4(exact_jobs(&job), groups)
             }
-            (ComputeMode::Exact, _) => StreamJobs::Exact1(exact_jobs(&job), unit.slots as usize),
-            (ComputeMode::Accurate, _) => StreamJobs::Accurate(
+            (ComputeMode::Exact, UnitKind::PerGroup(t)) => {
+                unreachable!("a unit of {t}-token groups: form_units makes 1 to 4")
+            }
+            (_, UnitKind::Own) => unreachable!("a unit of its own runs on the multi-token kernels"),
+            (ComputeMode::Exact, UnitKind::PerToken) => {
+                StreamJobs::Exact1(exact_jobs(&job), unit.slots as usize)
+            }
+            (ComputeMode::Accurate, UnitKind::PerGroup(_)) => {
+                unreachable!("accurate mode runs per-token units")
+            }
+            (ComputeMode::Accurate, UnitKind::PerToken) => StreamJobs::Accurate(
                 std::array::from_fn(|s| {
                     let (m, src, r) = job(s);
                     LevelsJob {
@@ -1678,6 +1698,119 @@ fn precombine(
         for (a, &b) in o.iter_mut().zip(y) {
             *a += w * b;
         }
+    }
+}
+
+#[cfg(test)]
+mod unit_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The rules every partition of groups into units keeps: each group in exactly one unit
+    /// (units of [`form_units_per_group`] in any order, of [`form_units_per_token`] in batch
+    /// order); a streams unit's groups have one intermediate size and its slots are their
+    /// tokens.
+    fn check(units: &[Unit], tokens: &[usize], inter: &[usize]) -> Result<(), TestCaseError> {
+        let mut seen = vec![0u32; tokens.len()];
+        for u in units {
+            let gs = &u.groups[..u.len as usize];
+            prop_assert!(!gs.is_empty());
+            for &g in gs {
+                seen[g as usize] += 1;
+                prop_assert_eq!(inter[g as usize], inter[gs[0] as usize], "{:?}", u);
+            }
+            let slots: usize = gs.iter().map(|&g| tokens[g as usize]).sum();
+            match u.kind {
+                UnitKind::Own => {
+                    prop_assert_eq!(gs.len(), 1);
+                }
+                UnitKind::PerToken => {
+                    prop_assert_eq!(u.slots as usize, slots);
+                    prop_assert!(slots <= kernels::MAX_STREAMS, "{:?}", u);
+                    for &g in gs {
+                        prop_assert!((1..=PER_TOKEN_GROUP_TOKENS).contains(&tokens[g as usize]));
+                    }
+                    // Consecutive groups.
+                    for w in gs.windows(2) {
+                        prop_assert_eq!(w[1], w[0] + 1);
+                    }
+                }
+                UnitKind::PerGroup(t) => {
+                    prop_assert_eq!(u.slots as usize, slots);
+                    prop_assert!(gs.len() <= kernels::MAX_STREAMS);
+                    for &g in gs {
+                        prop_assert_eq!(tokens[g as usize], t as usize);
+                    }
+                }
+            }
+        }
+        prop_assert!(seen.iter().all(|&c| c == 1), "{:?}", seen);
+        Ok(())
+    }
+
+    proptest! {
+        /// Both partitions keep the rules; a group that could stream (1 to 4 tokens for per
+        /// group, 1 or 2 for per token) is never a unit of its own; per-token units keep the
+        /// groups' batch order, and a per-token unit is cut only where the next group could
+        /// not join it.
+        #[test]
+        fn units_partition_the_groups(
+            groups in prop::collection::vec((0usize..7, prop::bool::ANY), 0..40)
+        ) {
+            let tokens: Vec<usize> = groups.iter().map(|g| g.0).collect();
+            let inter: Vec<usize> = groups.iter().map(|g| if g.1 { 768 } else { 512 }).collect();
+            let (t, i) = (|g: u32| tokens[g as usize], |g: u32| inter[g as usize]);
+            let mut units = Vec::new();
+            form_units_per_group(tokens.len(), t, i, &mut units);
+            check(&units, &tokens, &inter)?;
+            for u in &units {
+                if u.kind == UnitKind::Own {
+                    prop_assert!(!(1..=kernels::MAX_STREAM_TOKENS).contains(&tokens[u.first() as usize]));
+                }
+            }
+            let mut units = Vec::new();
+            form_units_per_token(tokens.len(), t, i, &mut units);
+            check(&units, &tokens, &inter)?;
+            let order: Vec<u32> = units.iter().flat_map(|u| u.groups[..u.len as usize].to_vec()).collect();
+            prop_assert_eq!(order, (0..tokens.len() as u32).collect::<Vec<_>>());
+            for w in units.windows(2) {
+                let (a, b) = (w[0], w[1]);
+                if a.kind == UnitKind::PerToken && b.kind == UnitKind::PerToken {
+                    let next = b.first() as usize;
+                    prop_assert!(
+                        a.slots as usize + tokens[next] > kernels::MAX_STREAMS
+                            || inter[next] != inter[a.first() as usize],
+                        "{:?} could have taken group {}", a, next
+                    );
+                }
+                if a.kind == UnitKind::Own {
+                    prop_assert!(!(1..=PER_TOKEN_GROUP_TOKENS).contains(&tokens[a.first() as usize]));
+                }
+            }
+        }
+    }
+
+    /// Per group: equal groups fill units of four; a group of another intermediate size closes
+    /// the open unit of its token count.
+    #[test]
+    fn per_group_units_fill_up_and_close_on_another_shape() {
+        let tokens = [2, 1, 2, 2, 2, 2, 1, 2];
+        let inter = [768, 768, 768, 768, 768, 512, 768, 768];
+        let mut units = Vec::new();
+        form_units_per_group(8, |g| tokens[g as usize], |g| inter[g as usize], &mut units);
+        let got: Vec<(UnitKind, Vec<u32>)> = units
+            .iter()
+            .map(|u| (u.kind, u.groups[..u.len as usize].to_vec()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (UnitKind::PerGroup(2), vec![0, 2, 3, 4]),
+                (UnitKind::PerGroup(2), vec![5]),
+                (UnitKind::PerGroup(1), vec![1, 6]),
+                (UnitKind::PerGroup(2), vec![7]),
+            ]
+        );
     }
 }
 

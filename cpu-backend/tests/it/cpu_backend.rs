@@ -130,8 +130,8 @@ proptest! {
 /// A term of `-0.0` (negative scales against an all-zero activation) adds to partials that
 /// start at `+0.0`, as the contract's do: every kernel gives `+0.0`, bit for bit, for every
 /// token count and for K below and above sixteen blocks (where the multi-token kernels and
-/// the AVX-512 one-token streams kernels, 1 to 4 streams, write their first sixteen blocks'
-/// partials without zeroing them first).
+/// the streams kernels, 1 to 4 streams of 1, 2 or 4 tokens, write their first sixteen
+/// blocks' partials without zeroing them first).
 #[test]
 fn negative_zero_terms_sum_to_positive_zero() {
     for kb in [3usize, 16, 21] {
@@ -183,8 +183,8 @@ fn negative_zero_terms_sum_to_positive_zero() {
                             );
                         }
                     }
-                    // The streams kernels (their partials are not zeroed either), with one
-                    // and with two tokens per job.
+                    // The streams kernels (their partials are not zeroed either), with one,
+                    // two and four tokens per job.
                     let jobs: Vec<RowBlockJob> = toks
                         .iter()
                         .take(kernels::MAX_STREAMS)
@@ -206,17 +206,30 @@ fn negative_zero_terms_sum_to_positive_zero() {
                         .collect();
                     let mut out2 = [[f32::NAN; 16]; 8];
                     kernels::rowblocks_exact(isa, &pairs, &mut out2);
+                    let quads: Vec<RowBlockJob<'_, 4>> = toks
+                        .chunks_exact(4)
+                        .map(|p| RowBlockJob {
+                            m: &r16,
+                            rb,
+                            toks: [p[0], p[1], p[2], p[3]],
+                        })
+                        .collect();
+                    let mut out4 = [[f32::NAN; 16]; 8];
+                    kernels::rowblocks_exact(isa, &quads, &mut out4);
                     for (t, a) in acts.iter().enumerate() {
                         for r in 0..16 {
                             let want = reference::row_dot_exact(&m, rb * 16 + r, a);
-                            let got = [(jobs.len(), out[t][r]), (2 * pairs.len(), out2[t][r])];
-                            for (i, (outs, got)) in got.into_iter().enumerate() {
+                            let got = [
+                                (1, jobs.len(), out[t][r]),
+                                (2, 2 * pairs.len(), out2[t][r]),
+                                (4, 4 * quads.len(), out4[t][r]),
+                            ];
+                            for (per_job, outs, got) in got {
                                 if t < outs {
                                     assert_eq!(
                                         got.to_bits(),
                                         want.to_bits(),
-                                        "{isa:?} streams of {} tokens, K {cols}, row {}, token {t}",
-                                        i + 1,
+                                        "{isa:?} streams of {per_job} tokens, K {cols}, row {}, token {t}",
                                         rb * 16 + r
                                     );
                                 }
