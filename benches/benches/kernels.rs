@@ -22,15 +22,16 @@ use expertmesh_quant::reference::QuantizedVec;
 use expertmesh_quant::synth::{self, SplitMix64};
 use std::hint::black_box;
 
-fn row_block(c: &mut Criterion) {
-    let k = 7168;
-    let mut rng = SplitMix64::new(1);
-    let m = synth::random_packed("bench", QuantSpec::G32_BF16, 64, k, &mut rng).unwrap();
-    let r16 = R16Matrix::from_canonical(&m);
-    let acts: Vec<QuantizedVec> = (0..8)
-        .map(|_| QuantizedVec::new(&synth::normal_vec(&mut rng, k, 1.0)))
+/// `n` random tokens of `k` values quantized as the kernels take them, and their block sums.
+fn quantized_tokens(
+    rng: &mut SplitMix64,
+    n: usize,
+    k: usize,
+) -> (Vec<QuantizedVec>, Vec<Vec<i32>>) {
+    let acts: Vec<QuantizedVec> = (0..n)
+        .map(|_| QuantizedVec::new(&synth::normal_vec(rng, k, 1.0)))
         .collect();
-    let sums: Vec<Vec<i32>> = acts
+    let sums = acts
         .iter()
         .map(|a| {
             let mut s = vec![0; k / 32];
@@ -38,6 +39,15 @@ fn row_block(c: &mut Criterion) {
             s
         })
         .collect();
+    (acts, sums)
+}
+
+fn row_block(c: &mut Criterion) {
+    let k = 7168;
+    let mut rng = SplitMix64::new(1);
+    let m = synth::random_packed("bench", QuantSpec::G32_BF16, 64, k, &mut rng).unwrap();
+    let r16 = R16Matrix::from_canonical(&m);
+    let (acts, sums) = quantized_tokens(&mut rng, 8, k);
     let toks: Vec<TokenQ8> = acts
         .iter()
         .zip(&sums)
@@ -91,17 +101,7 @@ fn streams(c: &mut Criterion) {
         })
         .collect();
     let n = experts * kernels::MAX_STREAM_TOKENS;
-    let acts: Vec<QuantizedVec> = (0..n)
-        .map(|_| QuantizedVec::new(&synth::normal_vec(&mut rng, k, 1.0)))
-        .collect();
-    let sums: Vec<Vec<i32>> = acts
-        .iter()
-        .map(|a| {
-            let mut s = vec![0; k / 32];
-            kernels::block_sums(&a.q, &mut s);
-            s
-        })
-        .collect();
+    let (acts, sums) = quantized_tokens(&mut rng, n, k);
     let tok = |i: usize| TokenQ8 {
         q: &acts[i].q,
         d: &acts[i].d,

@@ -1103,7 +1103,9 @@ fn form_units_per_token(
 /// [`kernels::MAX_STREAMS`] groups or the next group of that count has another intermediate
 /// size; the open units are emitted at the end. In batch order, not sorted by token count:
 /// heavy (more tokens) and light units stay mixed along the work list, so the threads' runs
-/// mix arithmetic and reads (sorted, the heaviest units came last).
+/// mix arithmetic and reads (sorted, the heaviest units would all come last, where the last
+/// runs should even the threads out; `bench kernels` could not tell the two orders apart on
+/// the EPYC Zen 4 VM).
 fn form_units_per_group(
     n: usize,
     tokens: impl Fn(u32) -> usize,
