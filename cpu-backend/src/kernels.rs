@@ -1445,6 +1445,28 @@ pub(crate) mod x86 {
         }
     }
 
+    /// A tile's four 64-byte chunks masked in place: the low nibbles (codes) and the high
+    /// nibbles (16·codes), for kernels that use each for several dots ([`term512_n`], the
+    /// accurate levels).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `tile` must point at 256 readable bytes.
+    #[inline(always)]
+    unsafe fn mask_tile512(tile: *const u8) -> ([__m512i; 4], [__m512i; 4]) {
+        // SAFETY: the caller guarantees the tile's 256 bytes.
+        unsafe {
+            let (mlo, mhi) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0xF0u8 as i8));
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let w = _mm512_loadu_si512(tile.add(c * 64).cast());
+                lo[c] = _mm512_and_si512(w, mlo);
+                hi[c] = _mm512_and_si512(w, mhi);
+            }
+            (lo, hi)
+        }
+    }
+
     /// [`term512_1`] for `T` tokens (two or more; on AVX-512 only [`super::rowblocks_exact`]'s
     /// direct callers, tests and the criterion bench give jobs of several tokens: the backend
     /// keeps one stream per token there): the tile is loaded and masked once for them,
@@ -1467,18 +1489,10 @@ pub(crate) mod x86 {
     ) -> [__m512; T] {
         // SAFETY: the caller guarantees the tile's 256 bytes and the blocks' 32 codes.
         unsafe {
-            let mlo = _mm512_set1_epi8(0x0F);
-            let mhi = _mm512_set1_epi8(0xF0u8 as i8);
+            let (lo_codes, hi_codes) = mask_tile512(tile);
             // Plain loops, not `array::from_fn`: its closures are not always inlined into a
             // `target_feature` function, and a closure call per intrinsic made this kernel ten
             // times slower.
-            let mut lo_codes = [_mm512_setzero_si512(); 4];
-            let mut hi_codes = [_mm512_setzero_si512(); 4];
-            for c in 0..4 {
-                let w = _mm512_loadu_si512(tile.add(c * 64).cast());
-                lo_codes[c] = _mm512_and_si512(w, mlo);
-                hi_codes[c] = _mm512_and_si512(w, mhi);
-            }
             let mut terms = [_mm512_setzero_ps(); T];
             for (t, term) in terms.iter_mut().enumerate() {
                 // Σ over one block of 16·code·q (16 high-nibble codes per row) is at most
@@ -1790,8 +1804,6 @@ pub(crate) mod x86 {
             qsum: lqs,
             d: ld,
         } = LevelStreams::<S>::new(jobs);
-        let mlo = _mm512_set1_epi8(0x0F);
-        let mhi = _mm512_set1_epi8(0xF0u8 as i8);
         let mut acc = [[_mm512_setzero_ps(); 2]; S];
         for bb in 0..blocks {
             let g = bb >> shift;
@@ -1803,14 +1815,7 @@ pub(crate) mod x86 {
                 // stays inside the matrix.
                 unsafe {
                     st.prefetch(ahead);
-                    let tile = st.nib.add(bb * 256);
-                    let mut lo = [_mm512_setzero_si512(); 4];
-                    let mut hi = [_mm512_setzero_si512(); 4];
-                    for c in 0..4 {
-                        let w = _mm512_loadu_si512(tile.add(c * 64).cast());
-                        lo[c] = _mm512_and_si512(w, mlo);
-                        hi[c] = _mm512_and_si512(w, mhi);
-                    }
+                    let (lo, hi) = mask_tile512(st.nib.add(bb * 256));
                     let z = zeros512::<Z>(st.zeros, g);
                     let mut sum = _mm512_setzero_ps();
                     for l in 0..ACCURATE_LEVELS {

@@ -185,49 +185,20 @@ fn negative_zero_terms_sum_to_positive_zero() {
                     }
                     // The streams kernels (their partials are not zeroed either), with one,
                     // two and four tokens per job.
-                    let jobs: Vec<RowBlockJob> = toks
-                        .iter()
-                        .take(kernels::MAX_STREAMS)
-                        .map(|&tok| RowBlockJob {
-                            m: &r16,
-                            rb,
-                            toks: [tok],
-                        })
-                        .collect();
-                    let mut out = [[f32::NAN; 16]; 8];
-                    kernels::rowblocks_exact(isa, &jobs, &mut out);
-                    let pairs: Vec<RowBlockJob<'_, 2>> = toks
-                        .chunks_exact(2)
-                        .map(|p| RowBlockJob {
-                            m: &r16,
-                            rb,
-                            toks: [p[0], p[1]],
-                        })
-                        .collect();
-                    let mut out2 = [[f32::NAN; 16]; 8];
-                    kernels::rowblocks_exact(isa, &pairs, &mut out2);
-                    let quads: Vec<RowBlockJob<'_, 4>> = toks
-                        .chunks_exact(4)
-                        .map(|p| RowBlockJob {
-                            m: &r16,
-                            rb,
-                            toks: [p[0], p[1], p[2], p[3]],
-                        })
-                        .collect();
-                    let mut out4 = [[f32::NAN; 16]; 8];
-                    kernels::rowblocks_exact(isa, &quads, &mut out4);
+                    let one = std::slice::from_ref(&r16);
+                    let tok = |i: usize| toks[i];
+                    let outs = [
+                        run_jobs::<1>(isa, one, &vec![(0, rb); ntok], tok),
+                        run_jobs::<2>(isa, one, &vec![(0, rb); ntok / 2], tok),
+                        run_jobs::<4>(isa, one, &vec![(0, rb); ntok / 4], tok),
+                    ];
                     for (t, a) in acts.iter().enumerate() {
                         for r in 0..16 {
                             let want = reference::row_dot_exact(&m, rb * 16 + r, a);
-                            let got = [
-                                (1, jobs.len(), out[t][r]),
-                                (2, 2 * pairs.len(), out2[t][r]),
-                                (4, 4 * quads.len(), out4[t][r]),
-                            ];
-                            for (per_job, outs, got) in got {
-                                if t < outs {
+                            for (out, per_job) in outs.iter().zip([1, 2, 4]) {
+                                if let Some(got) = out.get(t) {
                                     assert_eq!(
-                                        got.to_bits(),
+                                        got[r].to_bits(),
                                         want.to_bits(),
                                         "{isa:?} streams of {per_job} tokens, K {cols}, row {}, token {t}",
                                         rb * 16 + r
