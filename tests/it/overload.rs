@@ -477,6 +477,70 @@ fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
     );
 }
 
+/// A frontend that sends its requests, closes its sending side and then never reads: once the
+/// router has answered them (or their deadlines passed), it waits the frame timeout for the
+/// answers to be taken and then shuts the connection down (`finish_writes`), instead of
+/// holding the socket and the answers for ever. Here 32 answers of 1 MiB are more than the
+/// sockets hold; the router goes on serving others.
+#[test]
+fn a_client_done_sending_that_never_reads_is_closed_after_the_frame_timeout() {
+    let _machine = crate::support::shared();
+    let up = Up::start_logged(&["--frontend-frame-timeout-s", "1", "--max-tokens", "256"]);
+    let rt = rt();
+    let cfg = frontend();
+    let requests = 32u64; // the router's default answers in flight per connection
+    let (_, payload) = f32_request(0, 256);
+    let request = |id: u64| {
+        let (mut body, _) = f32_request(id, 256);
+        if let Body::LayerRequest(r) = &mut body {
+            r.deadline_us = 10_000_000; // the router waits for answers this long at most
+        }
+        body
+    };
+    let read = rt.block_on(async {
+        let c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        let (mut r, mut w) = c.split();
+        for id in 1..=requests {
+            w.write_frame(&request(id), &payload).await.unwrap();
+        }
+        drop(w); // done sending
+        let t0 = Instant::now();
+        while !up.log().contains("an answer was not taken within") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "the router still holds a client done sending that takes no answer after \
+                 120 s:\n{}",
+                up.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut answers = 0u64;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await {
+                Ok(Ok(f)) if matches!(f.body(), Body::LayerResponse(_)) => answers += 1,
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => break,
+                Err(_) => panic!("the connection did not end within 60 s"),
+            }
+        }
+        answers
+    });
+    assert!(
+        read < requests,
+        "every answer was still delivered ({read}): the connection was not shut down"
+    );
+    let answer = rt.block_on(async {
+        let mut c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
+        c.write_frame(&request(1), &payload).await.unwrap();
+        c.read_frame().await.unwrap()
+    });
+    assert!(
+        matches!(answer.body(), Body::LayerResponse(_)),
+        "{:?}",
+        answer.body()
+    );
+}
+
 /// A frontend that sends its requests and then closes its side of the connection (done
 /// sending: `shutdown(SHUT_WR)`, which dropping the write half does) still gets every answer,
 /// then the end of the stream.
