@@ -35,6 +35,17 @@ pub(crate) fn parse_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses a duration flag in seconds that must be positive: more than 0 (at least a
+/// nanosecond, the clock's step) and at most [`LONGEST_WAIT_S`].
+pub(crate) fn parse_positive_seconds(s: &str) -> Result<f64, String> {
+    match parse_seconds(s) {
+        Ok(v) if !Duration::from_secs_f64(v).is_zero() => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds above 0 and at most {LONGEST_WAIT_S} (a day)"
+        )),
+    }
+}
+
 /// A duration flag in whole milliseconds: at most [`LONGEST_WAIT_S`] seconds.
 pub(crate) fn millis_parser() -> clap::builder::RangedU64ValueParser<u64> {
     clap::value_parser!(u64).range(..=LONGEST_WAIT_S * 1000)
@@ -364,7 +375,7 @@ pub(crate) struct AutoRebalanceArgs {
     /// Replan the placement every SECONDS from the load this router routed since the last
     /// round, and apply the new one live (no call fails) when the planner predicts at least
     /// --auto-rebalance-min-gain (the busiest device's load before / after). Router 0 only.
-    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    #[arg(long, value_name = "SECONDS", value_parser = parse_positive_seconds)]
     pub(crate) auto_rebalance_every: Option<f64>,
     /// The predicted gain a change needs (at least 1).
     #[arg(long, default_value_t = 1.2, value_name = "RATIO")]
@@ -373,7 +384,7 @@ pub(crate) struct AutoRebalanceArgs {
     #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
     pub(crate) auto_rebalance_min_tokens: u64,
     /// How long each step of an automatic change may take.
-    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_seconds)]
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_positive_seconds)]
     pub(crate) auto_rebalance_timeout_s: f64,
 }
 
@@ -396,17 +407,12 @@ impl AutoRebalanceArgs {
                  give it to router 0"
             );
         }
-        let seconds = |flag: &str, s: f64| {
-            Duration::try_from_secs_f64(s)
-                .ok()
-                .filter(|d| !d.is_zero())
-                .ok_or_else(|| anyhow::anyhow!("{flag} {s}: give a positive number of seconds"))
-        };
+        // Both flags were parsed positive and at most a day (`parse_positive_seconds`).
         let opts = AutoOptions {
-            every: seconds("--auto-rebalance-every", every)?,
+            every: Duration::from_secs_f64(every),
             min_gain: self.auto_rebalance_min_gain,
             min_tokens: self.auto_rebalance_min_tokens,
-            timeout: seconds("--auto-rebalance-timeout-s", self.auto_rebalance_timeout_s)?,
+            timeout: Duration::from_secs_f64(self.auto_rebalance_timeout_s),
         };
         let auto = AutoRebalancer::start(
             opts,

@@ -282,6 +282,8 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
         ("--auto-rebalance-timeout-s", "1e19"),
         ("--auto-rebalance-every", "NaN"),
         ("--auto-rebalance-every", "-5"),
+        ("--auto-rebalance-every", "0"),
+        ("--auto-rebalance-timeout-s", "1e-12"),
     ] {
         let mut c = up_demo_small();
         c.arg(format!("{flag}={value}"));
@@ -297,6 +299,26 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
     let r = crate::support::run(&["router", "--drain-timeout-s=-5"]);
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("--drain-timeout-s"), "{}", r.stderr);
+    // A rebalancing step needs some time: zero, NaN and past a day are refused before any
+    // file is read or any router is asked.
+    for value in ["0", "NaN", "86401"] {
+        let r = crate::support::run(&[
+            "rebalance",
+            "--topology",
+            "/nonexistent/topology.toml",
+            "--router",
+            "127.0.0.1:1",
+            "--placement",
+            "/nonexistent/placement.toml",
+            &format!("--timeout-s={value}"),
+        ]);
+        assert_eq!(r.code, 2, "--timeout-s {value}: {}{}", r.stdout, r.stderr);
+        assert!(
+            r.stderr.contains("--timeout-s") && !r.stderr.contains("/nonexistent"),
+            "--timeout-s {value}: {}",
+            r.stderr
+        );
+    }
 }
 
 #[test]
