@@ -353,7 +353,8 @@ pub(crate) struct ObserveArgs {
     #[arg(long, value_name = "FILE")]
     pub(crate) load_stats: Option<PathBuf>,
     /// Seconds between rewrites of the --load-stats file.
-    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS",
+          value_parser = parse_positive_seconds)]
     pub(crate) load_stats_every: f64,
 }
 

@@ -284,6 +284,7 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
         ("--auto-rebalance-every", "-5"),
         ("--auto-rebalance-every", "0"),
         ("--auto-rebalance-timeout-s", "1e-12"),
+        ("--load-stats-every", "1e19"),
     ] {
         let mut c = up_demo_small();
         c.arg(format!("{flag}={value}"));
