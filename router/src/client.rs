@@ -32,10 +32,13 @@
 //!   stay valid. An error frame that names no request (request id 0: the router could not
 //!   read the id of something it was sent, which only [`RouterClient::write_raw`] produces) is
 //!   logged and otherwise ignored. The exception is a connection the router closed for
-//!   idleness (its frontend idle timeout, `router --frontend-idle-timeout-s`): with nothing in
-//!   flight, `submit` first looks for the router's
-//!   `ShuttingDown` frame naming no request and, finding it, connects to the same router again
-//!   before sending (the router read nothing after deciding, so nothing is lost).
+//!   idleness (its frontend idle timeout, `router --frontend-idle-timeout-s`), which it says
+//!   with a `ShuttingDown` frame naming no request, and only with nothing in flight; it reads
+//!   nothing after deciding, so nothing is lost. With nothing in flight, `submit` first looks
+//!   for that frame and, finding it, connects to the same router again before sending; a
+//!   request that was sent as the router decided crosses the frame unread, and is sent again
+//!   on a new connection to the same router (the client keeps every payload until its answer,
+//!   and reuses the buffer after). Only a failed connect then fails the requests.
 //! * **Dropped handles.** Dropping a [`CallHandle`] without waiting abandons its request: the
 //!   router still computes it and it keeps its in-flight slot until its answer arrives, which is
 //!   then discarded (an answer that had already arrived is freed at the client's next call).
@@ -148,8 +151,8 @@ pub const SHAPE_PROBE_BYTES: usize = 8 << 20;
 /// `max_outstanding_per_client`.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
 
-/// The client keeps one request buffer for reuse, up to this size (a larger one is freed after
-/// its request is sent).
+/// The client keeps request buffers for reuse, up to this many bytes in all (one that does
+/// not fit is freed once its request is answered).
 const RETAIN_BUFFER_BYTES: usize = 16 << 20;
 
 /// Why a call failed.
@@ -425,7 +428,8 @@ impl Default for ClientOptions {
 struct Call {
     /// The request header (its `deadline_us` is the one given by the caller).
     req: LayerRequest,
-    /// The payload: kept until answered on a failover client, until written otherwise.
+    /// The payload: kept until answered (sent again after an idle close, or on another router
+    /// by a failover client).
     payload: Option<Payload>,
     /// The client-side deadline.
     deadline: Instant,
@@ -468,8 +472,11 @@ pub struct RouterClient {
     next_id: u64,
     /// Sequence of keepalive probes.
     next_probe: u64,
-    /// A request buffer kept for reuse.
-    spare: Vec<u8>,
+    /// Request buffers kept for reuse, at most [`RETAIN_BUFFER_BYTES`] in all.
+    spares: Vec<Vec<u8>>,
+    /// The router closed the connection for idleness with requests on their way: connect to
+    /// it again at the next step.
+    reopen: bool,
 }
 
 impl std::fmt::Debug for RouterClient {
@@ -565,7 +572,8 @@ impl RouterClient {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             next_id: 1,
             next_probe: 1,
-            spare: Vec::new(),
+            spares: Vec::new(),
+            reopen: false,
         }
     }
 

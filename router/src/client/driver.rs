@@ -69,11 +69,9 @@ impl RouterClient {
         req.request_id = id;
         let inserted = self.pending.insert(id);
         debug_assert!(inserted, "request ids are never reused");
-        let payload = if self.failover {
-            Payload::Shared(std::sync::Arc::new(payload))
-        } else {
-            Payload::Owned(payload)
-        };
+        // Kept until answered: sent again after an idle close, or on another router by a
+        // failover client; its buffer is reused once answered ([`RouterClient::reclaim`]).
+        let payload = Payload::Shared(std::sync::Arc::new(payload));
         let call = Call {
             req,
             payload: Some(payload),
@@ -155,13 +153,7 @@ impl RouterClient {
             .min(due.saturating_duration_since(Instant::now()));
         match connect_within(addr, &self.cfg, limit).await {
             Ok(conn) => {
-                self.link.close();
-                self.link = Link::new(conn);
-                self.keepalive = Keepalive::new(
-                    self.opts.keepalive_interval,
-                    self.opts.keepalive_timeout,
-                    Instant::now(),
-                );
+                self.use_connection(conn);
                 Ok(())
             }
             Err(e) => {
@@ -248,7 +240,9 @@ impl RouterClient {
         self.collect_abandoned();
         self.expire_overdue(now);
         if self.link.is_closed() {
-            if self.failover && self.broken.is_none() && !self.calls.is_empty() {
+            if self.reopen && self.broken.is_none() {
+                self.reopen_step(until).await;
+            } else if self.failover && self.broken.is_none() && !self.calls.is_empty() {
                 self.reconnect_step(until).await;
             }
             return;
@@ -296,9 +290,11 @@ impl RouterClient {
             let Some(call) = self.calls.remove(&id) else {
                 continue;
             };
+            let budget = call.budget;
+            self.reclaim(call);
             let e = ClientError::Deadline {
                 request_id: id,
-                deadline: call.budget,
+                deadline: budget,
                 detail: detail.clone(),
             };
             self.pending.answer(id, Err(e));
@@ -367,13 +363,11 @@ impl RouterClient {
                     .saturating_sub(super::ROUTER_ANSWER_GRACE);
                 req.deadline_us = super::wire_micros(left).max(1);
             }
-            let payload = match &call.payload {
-                Some(Payload::Shared(p)) => Payload::Shared(p.clone()),
-                _ => match call.payload.take() {
-                    Some(p) => p,
-                    None => continue, // unreachable: a request is queued once on a plain client
-                },
+            // The call keeps its payload until answered; the write holds another reference.
+            let Some(Payload::Shared(p)) = &call.payload else {
+                continue; // unreachable: every call is submitted with a shared payload
             };
+            let payload = Payload::Shared(p.clone());
             match self
                 .link
                 .write
@@ -431,6 +425,14 @@ impl RouterClient {
                 self.lose_router(ClientError::Protocol(m));
                 return;
             }
+            Body::Error(e) if e.request_id == 0 && e.code == ErrorCode::ShuttingDown => {
+                // Closed for idleness (a draining router names each request it refuses): the
+                // router decided so with nothing in flight and read nothing after, so the
+                // requests sent since crossed its frame unread and go again, on a new
+                // connection to the same router.
+                self.reopen_after_idle_close(&e.message);
+                return;
+            }
             Body::Error(e) if e.request_id != 0 => (
                 e.request_id,
                 Some(ClientError::Server {
@@ -454,7 +456,9 @@ impl RouterClient {
     }
 
     fn deliver(&mut self, id: u64, answer: Answer) {
-        self.calls.remove(&id);
+        if let Some(call) = self.calls.remove(&id) {
+            self.reclaim(call);
+        }
         if self.pending.answer(id, answer) == Delivery::Unknown {
             tracing::debug!(request_id = id, "ignored an answer to no request in flight");
         }
@@ -478,6 +482,14 @@ impl RouterClient {
             return;
         }
         let peer = self.link.peer();
+        let again = self.requeue_unanswered();
+        tracing::warn!(%peer, error = %e, unanswered = again, "router lost; failing over");
+        self.lost = Some(format!("{peer} was lost: {e}"));
+    }
+
+    /// Close the connection and queue every unanswered request (abandoned ones forgotten) to
+    /// be written again, in id order, on the next one. Returns how many.
+    fn requeue_unanswered(&mut self) -> usize {
         self.link.close();
         self.writing = None;
         self.to_send.clear();
@@ -489,8 +501,60 @@ impl RouterClient {
                 self.to_send.push_back(id);
             }
         }
-        tracing::warn!(%peer, error = %e, unanswered = again.len(), "router lost; failing over");
-        self.lost = Some(format!("{peer} was lost: {e}"));
+        again.len()
+    }
+
+    /// The router closed this connection for idleness (its `ShuttingDown` frame naming no
+    /// request, `message`) while requests were on their way to it: queue them again and
+    /// connect to the same router at the next step ([`RouterClient::reopen_step`]).
+    fn reopen_after_idle_close(&mut self, message: &str) {
+        let peer = self.link.peer();
+        let again = self.requeue_unanswered();
+        tracing::debug!(%peer, resent = again, "the router closed this connection for \
+            idleness before reading the requests sent since; connecting again");
+        self.lost = Some(format!("{peer} {message}"));
+        self.reopen = true;
+    }
+
+    /// One attempt to connect again to the router that closed the connection for idleness, by
+    /// `until`; the requests queued go out on it. Refused (not merely cut short by the
+    /// caller's wait): the connection is broken with that error.
+    async fn reopen_step(&mut self, until: Instant) {
+        let addr = self.routers[self.current];
+        let now = Instant::now();
+        let wake = self.next_deadline().map_or(until, |d| d.min(until));
+        let limit = self
+            .opts
+            .connect_timeout
+            .min(wake.saturating_duration_since(now));
+        if limit.is_zero() {
+            return;
+        }
+        match connect_within(addr, &self.cfg, limit).await {
+            Ok(conn) => {
+                self.use_connection(conn);
+                self.reopen = false;
+                self.lost = None;
+            }
+            // Cut short by the caller's wait, not refused: try again at the next step.
+            Err(_) if limit < self.opts.connect_timeout && Instant::now() >= now + limit => {}
+            Err(e) => {
+                self.reopen = false;
+                self.break_with(e);
+            }
+        }
+    }
+
+    /// Talk to the router over `conn` from now on (the old link closed), its keepalive
+    /// started afresh.
+    fn use_connection(&mut self, conn: FrameConnection) {
+        self.link.close();
+        self.link = Link::new(conn);
+        self.keepalive = Keepalive::new(
+            self.opts.keepalive_interval,
+            self.opts.keepalive_timeout,
+            Instant::now(),
+        );
     }
 
     /// One attempt to connect to the next router (or the wait before it), by `until`.
@@ -526,14 +590,9 @@ impl RouterClient {
 
     /// Use router `i` from now on and queue the unanswered requests on it.
     fn install(&mut self, i: usize, conn: FrameConnection) {
-        self.link = Link::new(conn);
+        self.use_connection(conn);
         self.current = i;
         self.reconnect.connected(i);
-        self.keepalive = Keepalive::new(
-            self.opts.keepalive_interval,
-            self.opts.keepalive_timeout,
-            Instant::now(),
-        );
         self.lost = None;
         self.failovers += 1;
         let mut ids: Vec<u64> = self.to_send.drain(..).collect();
@@ -579,22 +638,42 @@ impl RouterClient {
         }
     }
 
-    /// A zeroed buffer of `len` bytes (the kept one when there is one).
+    /// A zeroed buffer of `len` bytes: a kept one when there is one (the last kept that is
+    /// large enough, else the last kept), a new one otherwise.
     pub(super) fn take_buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut b = std::mem::take(&mut self.spare);
+        let at = self
+            .spares
+            .iter()
+            .rposition(|b| b.capacity() >= len)
+            .or_else(|| self.spares.len().checked_sub(1));
+        let mut b = at.map_or_else(Vec::new, |i| self.spares.swap_remove(i));
         b.clear();
         b.resize(len, 0);
         b
     }
 
+    /// Keep `buf` for a later request while the kept buffers stay within
+    /// [`RETAIN_BUFFER_BYTES`] in all (requests in flight hold theirs until answered, so a
+    /// pipelining caller reuses several).
     pub(super) fn recycle(&mut self, buf: Vec<u8>) {
-        if buf.capacity() <= RETAIN_BUFFER_BYTES && buf.capacity() > self.spare.capacity() {
-            self.spare = buf;
+        let kept: usize = self.spares.iter().map(Vec::capacity).sum();
+        if buf.capacity() > 0 && kept + buf.capacity() <= RETAIN_BUFFER_BYTES {
+            self.spares.push(buf);
         }
     }
 
     fn recycle_payload(&mut self, p: Payload) {
         if let Payload::Owned(b) = p {
+            self.recycle(b);
+        }
+    }
+
+    /// Keep the buffer of a call that is over (answered, failed or past its deadline) for
+    /// reuse, unless a write still holds it.
+    fn reclaim(&mut self, call: Call) {
+        if let Some(Payload::Shared(p)) = call.payload
+            && let Ok(b) = std::sync::Arc::try_unwrap(p)
+        {
             self.recycle(b);
         }
     }

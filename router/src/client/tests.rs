@@ -725,3 +725,85 @@ fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
     });
 }
+
+/// A request sent at the instant the router decides the connection is idle crosses the
+/// router's `ShuttingDown` frame naming no request. The router read nothing after deciding
+/// (its reader drops a head read at that instant), so the client sends the request again on
+/// a new connection to the same router and the call succeeds; it failed with the closed
+/// connection before. The scripted router reads the request's frame and never answers it.
+#[test]
+fn a_request_that_crosses_an_idle_close_is_sent_again_on_a_new_connection() {
+    run(async {
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        let (addr, cfg) = serve(move |mut conn| {
+            let first = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            async move {
+                if !first {
+                    return reverse_groups(conn, 1).await;
+                }
+                let Some(r) = read_req(&mut conn).await else {
+                    return;
+                };
+                answer(&mut conn, &r).await;
+                // The next request arrives as the router decides: closed for idleness.
+                if read_req(&mut conn).await.is_none() {
+                    return;
+                }
+                let body = Body::Error(codec::ErrorFrame {
+                    request_id: 0,
+                    code: ErrorCode::ShuttingDown,
+                    message: "closed: no request for 1s and none in flight".into(),
+                });
+                let _ = conn.write_frame(&body, &[]).await;
+            }
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        let x = input(5, 2);
+        assert_eq!(c.call(3, &x, H, None, None).await.unwrap(), expected(&x, 3));
+        let y = input(3, 7);
+        let again = c.call(4, &y, H, None, None).await;
+        assert_eq!(again.unwrap(), expected(&y, 4));
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // Later calls go on the new connection.
+        assert_eq!(c.call(3, &x, H, None, None).await.unwrap(), expected(&x, 3));
+    });
+}
+
+/// The buffers a client keeps for reuse stay within `RETAIN_BUFFER_BYTES` in all, whatever
+/// comes back, and a request takes a kept buffer large enough for it when there is one.
+#[test]
+fn kept_request_buffers_are_bounded_and_reused() {
+    run(async {
+        let (addr, cfg) = serve(|conn| reverse_groups(conn, 1)).await;
+        let mut c = client(addr, &cfg).await;
+        let kept = |c: &RouterClient| c.spares.iter().map(Vec::capacity).sum::<usize>();
+        for _ in 0..40 {
+            c.recycle(Vec::with_capacity(RETAIN_BUFFER_BYTES / 8));
+        }
+        assert!(kept(&c) <= RETAIN_BUFFER_BYTES, "{} bytes kept", kept(&c));
+        assert_eq!(c.spares.len(), 8);
+        c.recycle(Vec::with_capacity(RETAIN_BUFFER_BYTES + 1));
+        assert!(kept(&c) <= RETAIN_BUFFER_BYTES);
+        let b = c.take_buffer(1000);
+        assert!(b.len() == 1000 && b.iter().all(|&v| v == 0));
+        assert_eq!(c.spares.len(), 7, "a kept buffer was taken");
+        // Calls in flight hold their buffers; answered, they come back within the bound.
+        let x = input(1, 4);
+        let handles: Vec<_> = submit_calls(&mut c, &x, 6).await;
+        for h in handles {
+            assert_eq!(c.wait(h).await.unwrap(), expected(&x, 3));
+        }
+        assert!(kept(&c) <= RETAIN_BUFFER_BYTES);
+    });
+}
+
+/// Submit `n` calls of `x` to layer 3.
+async fn submit_calls(c: &mut RouterClient, x: &[f32], n: usize) -> Vec<CallHandle> {
+    let mut handles = Vec::new();
+    for _ in 0..n {
+        handles.push(c.submit(3, x, H, None, None).await.unwrap());
+    }
+    handles
+}
