@@ -122,6 +122,20 @@ pub enum ShmError {
     /// The consumer side has closed the ring.
     #[error("shared-memory peer closed the ring (process exited?)")]
     PeerClosed,
+    /// The consumer's release position in the shared header is not one it can have reached:
+    /// past what was sent, or more than a ring behind it (the peer process is broken or wrote
+    /// over the header).
+    #[error(
+        "shared-memory peer's release position {tail} is impossible with {head} bytes sent into a ring of {capacity} (the peer process wrote over the ring's header); the link is closed"
+    )]
+    CorruptTail {
+        /// The consumer's release position.
+        tail: u64,
+        /// Bytes the producer has sent.
+        head: u64,
+        /// Ring capacity.
+        capacity: u64,
+    },
     /// A frame larger than half the ring.
     #[error("frame of {len} bytes does not fit a ring of {capacity} bytes")]
     TooLarge {
@@ -675,6 +689,15 @@ impl RingProducer {
                 return Err(ShmError::PeerClosed);
             }
             let tail = h.tail.load(Ordering::Acquire);
+            // A consumer releases only what was sent, and at most a ring was ever sent ahead
+            // of it: anything else would underflow the room computed below.
+            if tail > self.head || self.head - tail > cap {
+                return Err(ShmError::CorruptTail {
+                    tail,
+                    head: self.head,
+                    capacity: cap,
+                });
+            }
             if let Some(at) = record_place(self.head, tail, cap, record) {
                 break at;
             }
@@ -798,6 +821,28 @@ mod tests {
         release_all(&p);
         rt.block_on(p.write_frame(&head, &payload)).unwrap();
         assert_eq!(p.head, cap + 3 * record);
+    }
+
+    /// A release position the consumer cannot have reached (past what was sent, or more than
+    /// a ring behind) fails the write with a clear error; it made the room computation
+    /// underflow (a panic with overflow checks, a wait for room for ever without).
+    #[test]
+    fn an_impossible_release_position_fails_the_write() {
+        let (_dir, ring, mut p, rt) = ring_pair(4 << 20);
+        let (head, payload) = ([7u8; 32], vec![1u8; 4 << 10]);
+        rt.block_on(p.write_frame(&head, &payload)).unwrap();
+        let cap = ring.seg.capacity as u64;
+        for tail in [p.head + 64, u64::MAX] {
+            ring.seg.header().tail.store(tail, Ordering::Release);
+            let e = rt.block_on(p.write_frame(&head, &payload)).unwrap_err();
+            assert!(
+                matches!(e, ShmError::CorruptTail { tail: t, capacity, .. } if t == tail && capacity == cap),
+                "{e}"
+            );
+        }
+        // Released in order again, the ring takes frames again.
+        ring.seg.header().tail.store(p.head, Ordering::Release);
+        rt.block_on(p.write_frame(&head, &payload)).unwrap();
     }
 
     #[test]
