@@ -436,27 +436,14 @@ fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
                 }
             }
         });
-        let t0 = Instant::now();
-        while !up
-            .log()
-            .contains("its answers were not taken for the idle timeout")
-        {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "the router still holds a client that takes no answer after 120 s:\n{}",
-                up.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let mut answers = 0u64;
-        loop {
-            match tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await {
-                Ok(Ok(f)) if matches!(f.body(), Body::LayerResponse(_)) => answers += 1,
-                Ok(Ok(_)) => {}
-                Ok(Err(_)) => break,
-                Err(_) => panic!("the connection did not end within 60 s"),
-            }
-        }
+        let waited = "a client that takes no answer";
+        wait_for_log(
+            &up,
+            "its answers were not taken for the idle timeout",
+            waited,
+        )
+        .await;
+        let answers = answers_until_the_end(&mut r).await;
         let _ = tokio::time::timeout(Duration::from_secs(60), writer).await;
         answers
     });
@@ -464,10 +451,42 @@ fn a_client_that_never_takes_its_answers_is_closed_after_the_idle_timeout() {
         read < requests,
         "every answer was still delivered ({read}): the connection was not shut down"
     );
-    // The router goes on serving.
+    serves_another(&rt, &up, &request(1), &payload);
+}
+
+/// Wait (up to 120 s) until `up`'s log says `line`; the panic names what was `waited` for.
+async fn wait_for_log(up: &Up, line: &str, waited: &str) {
+    let t0 = Instant::now();
+    while !up.log().contains(line) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the router still holds {waited} after 120 s:\n{}",
+            up.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Read answers until the connection ends (within 60 s of the last frame); how many came.
+async fn answers_until_the_end(r: &mut expertmesh_transport::frontend::FrameReader) -> u64 {
+    let mut answers = 0u64;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await {
+            Ok(Ok(f)) if matches!(f.body(), Body::LayerResponse(_)) => answers += 1,
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return answers,
+            Err(_) => panic!("the connection did not end within 60 s"),
+        }
+    }
+}
+
+/// The router goes on serving: a new connection's request (`body`, `payload`) is answered.
+fn serves_another(rt: &tokio::runtime::Runtime, up: &Up, body: &Body, payload: &[u8]) {
     let answer = rt.block_on(async {
-        let mut c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
-        c.write_frame(&request(1), &payload).await.unwrap();
+        let mut c = FrameConnection::connect(up.addr, &frontend())
+            .await
+            .unwrap();
+        c.write_frame(body, payload).await.unwrap();
         c.read_frame().await.unwrap()
     });
     assert!(
@@ -504,41 +523,15 @@ fn a_client_done_sending_that_never_reads_is_closed_after_the_frame_timeout() {
             w.write_frame(&request(id), &payload).await.unwrap();
         }
         drop(w); // done sending
-        let t0 = Instant::now();
-        while !up.log().contains("an answer was not taken within") {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "the router still holds a client done sending that takes no answer after \
-                 120 s:\n{}",
-                up.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let mut answers = 0u64;
-        loop {
-            match tokio::time::timeout(Duration::from_secs(60), r.read_frame()).await {
-                Ok(Ok(f)) if matches!(f.body(), Body::LayerResponse(_)) => answers += 1,
-                Ok(Ok(_)) => {}
-                Ok(Err(_)) => break,
-                Err(_) => panic!("the connection did not end within 60 s"),
-            }
-        }
-        answers
+        let waited = "a client done sending that takes no answer";
+        wait_for_log(&up, "an answer was not taken within", waited).await;
+        answers_until_the_end(&mut r).await
     });
     assert!(
         read < requests,
         "every answer was still delivered ({read}): the connection was not shut down"
     );
-    let answer = rt.block_on(async {
-        let mut c = FrameConnection::connect(up.addr, &cfg).await.unwrap();
-        c.write_frame(&request(1), &payload).await.unwrap();
-        c.read_frame().await.unwrap()
-    });
-    assert!(
-        matches!(answer.body(), Body::LayerResponse(_)),
-        "{:?}",
-        answer.body()
-    );
+    serves_another(&rt, &up, &request(1), &payload);
 }
 
 /// A frontend that sends its requests and then closes its side of the connection (done

@@ -690,27 +690,17 @@ fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
 #[test]
 fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the_next_call() {
     run(async {
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let closed = Arc::new(tokio::sync::Notify::new());
-        let (count, told) = (Arc::clone(&accepted), Arc::clone(&closed));
-        let (addr, cfg) = serve(move |mut conn| {
-            let first = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let told = Arc::clone(&closed);
+        let (addr, cfg, accepted) = serve_first_then_in_order(move |mut conn| {
             let told = Arc::clone(&told);
             async move {
-                if !first {
-                    return reverse_groups(conn, 1).await;
-                }
-                // The first connection: one answer, then closed for idleness at once.
+                // One answer, then closed for idleness at once.
                 let Some(r) = read_req(&mut conn).await else {
                     return;
                 };
                 answer(&mut conn, &r).await;
-                let body = Body::Error(codec::ErrorFrame {
-                    request_id: 0,
-                    code: ErrorCode::ShuttingDown,
-                    message: "closed: no request for 1s and none in flight".into(),
-                });
-                let _ = conn.write_frame(&body, &[]).await;
+                close_for_idleness(&mut conn).await;
                 drop(conn);
                 told.notify_one();
             }
@@ -726,6 +716,45 @@ fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the
     });
 }
 
+/// A router stand-in whose first connection runs `first` and every later one answers in
+/// order; and the count of connections it accepted.
+async fn serve_first_then_in_order<S, F>(
+    first: S,
+) -> (
+    SocketAddr,
+    FrontendConfig,
+    Arc<std::sync::atomic::AtomicUsize>,
+)
+where
+    S: Fn(FrameConnection) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    let (addr, cfg) = serve(move |conn| {
+        let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let script: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = if n == 0 {
+            Box::pin(first(conn))
+        } else {
+            Box::pin(reverse_groups(conn, 1))
+        };
+        script
+    })
+    .await;
+    (addr, cfg, accepted)
+}
+
+/// What a router sends as it closes a connection for idleness: `ShuttingDown` naming no
+/// request.
+async fn close_for_idleness(conn: &mut FrameConnection) {
+    let body = Body::Error(codec::ErrorFrame {
+        request_id: 0,
+        code: ErrorCode::ShuttingDown,
+        message: "closed: no request for 1s and none in flight".into(),
+    });
+    let _ = conn.write_frame(&body, &[]).await;
+}
+
 /// A request sent at the instant the router decides the connection is idle crosses the
 /// router's `ShuttingDown` frame naming no request. The router read nothing after deciding
 /// (its reader drops a head read at that instant), so the client sends the request again on
@@ -734,14 +763,8 @@ fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the
 #[test]
 fn a_request_that_crosses_an_idle_close_is_sent_again_on_a_new_connection() {
     run(async {
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let count = Arc::clone(&accepted);
-        let (addr, cfg) = serve(move |mut conn| {
-            let first = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let (addr, cfg, accepted) = serve_first_then_in_order(|mut conn| {
             async move {
-                if !first {
-                    return reverse_groups(conn, 1).await;
-                }
                 let Some(r) = read_req(&mut conn).await else {
                     return;
                 };
@@ -750,12 +773,7 @@ fn a_request_that_crosses_an_idle_close_is_sent_again_on_a_new_connection() {
                 if read_req(&mut conn).await.is_none() {
                     return;
                 }
-                let body = Body::Error(codec::ErrorFrame {
-                    request_id: 0,
-                    code: ErrorCode::ShuttingDown,
-                    message: "closed: no request for 1s and none in flight".into(),
-                });
-                let _ = conn.write_frame(&body, &[]).await;
+                close_for_idleness(&mut conn).await;
             }
         })
         .await;
