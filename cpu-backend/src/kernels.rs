@@ -2028,65 +2028,98 @@ pub(crate) mod x86 {
             std::array::from_fn(|s| Stream::new(jobs[s].m, jobs[s].rb, &jobs[s].toks));
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        let mut p = [[[[_mm256_setzero_ps(); LANES]; 2]; T]; S];
-        for bb in 0..blocks {
-            let g = bb >> shift;
-            let ahead = bb + AVX2_EXACT_PREFETCH_BLOCKS;
-            for s in 0..S {
-                let st = &st[s];
-                // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
-                // block (tile `bb` is 256 bytes; 16 scales and zero points per group) or its
-                // tokens (8 i32 of codes, one scale and one sum per block); the prefetch
-                // address stays inside the matrix.
-                unsafe {
-                    st.prefetch(ahead);
-                    let tile = st.nib.add(bb * 256);
-                    // Plain loops, not `array::from_fn` (see `term512_n`).
-                    let mut q = [std::ptr::null::<i32>(); T];
-                    for t in 0..T {
-                        q[t] = st.q[t].add(bb * 8);
-                    }
-                    // Σ over 8 pmaddubsw results stays within i16 (see `exact_avx2`).
-                    let mut s16 = [[_mm256_setzero_si256(); 2]; T];
-                    for c in 0..4 {
-                        let mut ql = [_mm256_setzero_si256(); T];
-                        let mut qh = [_mm256_setzero_si256(); T];
+        // The partials (16 per token and half: 16 KiB at four streams of four tokens) are not
+        // zeroed first: the first sixteen blocks write `+0.0 + term` (as
+        // [`exact_vnni_streams`]), and only the partials of a row block shorter than that
+        // are zeroed.
+        let zero = _mm256_setzero_ps();
+        let mut pu = std::mem::MaybeUninit::<[[[[__m256; LANES]; 2]; T]; S]>::uninit();
+        let at = pu.as_mut_ptr().cast::<__m256>();
+        let slot = |s: usize, t: usize, half: usize, l: usize| ((s * T + t) * 2 + half) * LANES + l;
+        macro_rules! block {
+            ($bb:expr, $put:expr) => {{
+                let bb = $bb;
+                let g = bb >> shift;
+                let ahead = bb + AVX2_EXACT_PREFETCH_BLOCKS;
+                for s in 0..S {
+                    let st = &st[s];
+                    // SAFETY: bb < blocks and g < groups: every read is inside the stream's row
+                    // block (tile `bb` is 256 bytes; 16 scales and zero points per group) or its
+                    // tokens (8 i32 of codes, one scale and one sum per block); the prefetch
+                    // address stays inside the matrix; `$put` writes inside the partials.
+                    unsafe {
+                        st.prefetch(ahead);
+                        let tile = st.nib.add(bb * 256);
+                        // Plain loops, not `array::from_fn` (see `term512_n`).
+                        let mut q = [std::ptr::null::<i32>(); T];
                         for t in 0..T {
-                            ql[t] = _mm256_set1_epi32(q[t].add(c).read_unaligned());
-                            qh[t] = _mm256_set1_epi32(q[t].add(4 + c).read_unaligned());
+                            q[t] = st.q[t].add(bb * 8);
+                        }
+                        // Σ over 8 pmaddubsw results stays within i16 (see `exact_avx2`).
+                        let mut s16 = [[_mm256_setzero_si256(); 2]; T];
+                        for c in 0..4 {
+                            let mut ql = [_mm256_setzero_si256(); T];
+                            let mut qh = [_mm256_setzero_si256(); T];
+                            for t in 0..T {
+                                ql[t] = _mm256_set1_epi32(q[t].add(c).read_unaligned());
+                                qh[t] = _mm256_set1_epi32(q[t].add(4 + c).read_unaligned());
+                            }
+                            for half in 0..2 {
+                                let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
+                                let lo = _mm256_and_si256(w, mask);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                                for t in 0..T {
+                                    let acc = &mut s16[t][half];
+                                    *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(lo, ql[t]));
+                                    *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(hi, qh[t]));
+                                }
+                            }
                         }
                         for half in 0..2 {
-                            let w = _mm256_loadu_si256(tile.add(c * 64 + half * 32).cast());
-                            let lo = _mm256_and_si256(w, mask);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                            let row0 = g * ROWS + half * 8;
+                            let sc = scales8(dtype, st.scales.add(row0));
+                            let z = if Z {
+                                Some(zeros8(st.zeros.add(row0)))
+                            } else {
+                                None
+                            };
                             for t in 0..T {
-                                let acc = &mut s16[t][half];
-                                *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(lo, ql[t]));
-                                *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(hi, qh[t]));
+                                let d = _mm256_set1_ps(*st.d[t].add(bb));
+                                let corr = zero_term8(z, *st.qsum[t].add(bb));
+                                let isum =
+                                    _mm256_sub_epi32(_mm256_madd_epi16(s16[t][half], ones), corr);
+                                let term =
+                                    _mm256_mul_ps(_mm256_mul_ps(sc, d), _mm256_cvtepi32_ps(isum));
+                                $put(slot(s, t, half, bb % LANES), term);
                             }
                         }
                     }
-                    for half in 0..2 {
-                        let at = g * ROWS + half * 8;
-                        let sc = scales8(dtype, st.scales.add(at));
-                        let z = if Z {
-                            Some(zeros8(st.zeros.add(at)))
-                        } else {
-                            None
-                        };
-                        for t in 0..T {
-                            let d = _mm256_set1_ps(*st.d[t].add(bb));
-                            let corr = zero_term8(z, *st.qsum[t].add(bb));
-                            let isum =
-                                _mm256_sub_epi32(_mm256_madd_epi16(s16[t][half], ones), corr);
-                            let term =
-                                _mm256_mul_ps(_mm256_mul_ps(sc, d), _mm256_cvtepi32_ps(isum));
-                            let slot = &mut p[s][t][half][bb % LANES];
-                            *slot = _mm256_add_ps(*slot, term);
-                        }
-                    }
                 }
+            }};
+        }
+        let head = blocks.min(LANES);
+        // `put` runs inside `block!`'s unsafe block: slot(..) < S·T·2·LANES, inside the
+        // partials.
+        for bb in 0..head {
+            block!(bb, |i: usize, term| {
+                at.add(i).write(_mm256_add_ps(zero, term));
+            });
+        }
+        for i in 0..S * T * 2 {
+            for l in head..LANES {
+                // SAFETY: inside the partials, as above.
+                unsafe { at.add(i * LANES + l).write(zero) };
             }
+        }
+        // SAFETY: every partial of every stream was written just above.
+        let p = unsafe { pu.assume_init_mut() };
+        let pf = p.as_mut_ptr().cast::<__m256>();
+        for bb in head..blocks {
+            // As above; the partials are initialized.
+            block!(bb, |i: usize, term| {
+                let v = pf.add(i);
+                v.write(_mm256_add_ps(v.read(), term));
+            });
         }
         for (s, ps) in p.iter_mut().enumerate() {
             for (t, pt) in ps.iter_mut().enumerate() {
