@@ -38,7 +38,9 @@
 //!   for that frame and, finding it, connects to the same router again before sending; a
 //!   request that was sent as the router decided crosses the frame unread, and is sent again
 //!   on a new connection to the same router (the client keeps every payload until its answer,
-//!   and reuses the buffer after). Only a failed connect then fails the requests.
+//!   and reuses the buffer after), by a failover client too. Only a failed connect (a
+//!   failover client then moves to the next router), or a second idle close before any of
+//!   them is answered, fails the requests.
 //! * **Dropped handles.** Dropping a [`CallHandle`] without waiting abandons its request: the
 //!   router still computes it and it keeps its in-flight slot until its answer arrives, which is
 //!   then discarded (an answer that had already arrived is freed at the client's next call).
@@ -116,7 +118,7 @@ use encode::Layout;
 use expertmesh_transport::codec::{Body, ErrorCode, LayerRequest};
 use expertmesh_transport::dtype::{self, ActivationDtype};
 use expertmesh_transport::frontend::{ClientFrame, FrameConnection, FrontendConfig, FrontendError};
-use link::{Link, Payload};
+use link::Link;
 use liveness::{Keepalive, Reconnect};
 use pending::Pending;
 use std::collections::{HashMap, VecDeque};
@@ -429,8 +431,8 @@ struct Call {
     /// The request header (its `deadline_us` is the one given by the caller).
     req: LayerRequest,
     /// The payload: kept until answered (sent again after an idle close, or on another router
-    /// by a failover client).
-    payload: Option<Payload>,
+    /// by a failover client); each write holds another reference.
+    payload: Arc<Vec<u8>>,
     /// The client-side deadline.
     deadline: Instant,
     /// The deadline the call was given.
@@ -477,6 +479,9 @@ pub struct RouterClient {
     /// The router closed the connection for idleness with requests on their way: connect to
     /// it again at the next step.
     reopen: bool,
+    /// Requests were sent again after an idle close and none has been answered since: a
+    /// second idle close then breaks the connection instead of reconnecting again.
+    reopened_unanswered: bool,
 }
 
 impl std::fmt::Debug for RouterClient {
@@ -574,6 +579,7 @@ impl RouterClient {
             next_probe: 1,
             spares: Vec::new(),
             reopen: false,
+            reopened_unanswered: false,
         }
     }
 
@@ -814,6 +820,9 @@ impl RouterClient {
     pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
         let until = instant_after(self.opts.default_deadline);
         self.flush_writes(until).await?;
+        while self.reopen && self.broken.is_none() && Instant::now() < until {
+            self.progress(until).await; // connects again after an idle close
+        }
         if self.link.write.start_write_raw(bytes.to_vec()).is_ok() {
             self.writing = Some(0);
             self.flush_writes(until).await?;

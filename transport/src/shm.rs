@@ -126,7 +126,7 @@ pub enum ShmError {
     /// past what was sent, or more than a ring behind it (the peer process is broken or wrote
     /// over the header).
     #[error(
-        "shared-memory peer's release position {tail} is impossible with {head} bytes sent into a ring of {capacity} (the peer process wrote over the ring's header); the link is closed"
+        "shared-memory peer's release position {tail} is impossible with {head} bytes sent into a ring of {capacity} (the peer process wrote over the ring's header); the write fails and the link closes"
     )]
     CorruptTail {
         /// The consumer's release position.
@@ -829,10 +829,15 @@ mod tests {
     #[test]
     fn an_impossible_release_position_fails_the_write() {
         let (_dir, ring, mut p, rt) = ring_pair(4 << 20);
-        let (head, payload) = ([7u8; 32], vec![1u8; 4 << 10]);
-        rt.block_on(p.write_frame(&head, &payload)).unwrap();
+        let (head, payload) = ([7u8; 32], vec![1u8; 256 << 10]);
         let cap = ring.seg.capacity as u64;
-        for tail in [p.head + 64, u64::MAX] {
+        // More than a lap sent (each frame released at once), so a position more than a
+        // ring behind exists.
+        while p.head <= cap + (64 << 10) {
+            rt.block_on(p.write_frame(&head, &payload)).unwrap();
+            ring.seg.header().tail.store(p.head, Ordering::Release);
+        }
+        for tail in [p.head + 64, u64::MAX, p.head - cap - 64] {
             ring.seg.header().tail.store(tail, Ordering::Release);
             let e = rt.block_on(p.write_frame(&head, &payload)).unwrap_err();
             assert!(

@@ -1,6 +1,7 @@
 //! The client's connection driver: requests written in order, answers routed to their
-//! handles, deadlines swept, the keepalive run, and (for a failover client) a lost router
-//! replaced and its unanswered requests sent again.
+//! handles, deadlines swept, the keepalive run, a connection the router closed for idleness
+//! opened again (with the requests that crossed its close), and (for a failover client) a lost
+//! router replaced and its unanswered requests sent again.
 //!
 //! Why this exists: [`RouterClient`] has no background task; every wait of
 //! a caller (`submit` making room or writing, `wait` reading) runs [`RouterClient::progress`],
@@ -71,10 +72,10 @@ impl RouterClient {
         debug_assert!(inserted, "request ids are never reused");
         // Kept until answered: sent again after an idle close, or on another router by a
         // failover client; its buffer is reused once answered ([`RouterClient::reclaim`]).
-        let payload = Payload::Shared(std::sync::Arc::new(payload));
+        let payload = std::sync::Arc::new(payload);
         let call = Call {
             req,
-            payload: Some(payload),
+            payload,
             deadline: due,
             budget,
             sent: false,
@@ -364,10 +365,7 @@ impl RouterClient {
                 req.deadline_us = super::wire_micros(left).max(1);
             }
             // The call keeps its payload until answered; the write holds another reference.
-            let Some(Payload::Shared(p)) = &call.payload else {
-                continue; // unreachable: every call is submitted with a shared payload
-            };
-            let payload = Payload::Shared(p.clone());
+            let payload = Payload::Shared(std::sync::Arc::clone(&call.payload));
             match self
                 .link
                 .write
@@ -419,18 +417,18 @@ impl RouterClient {
         let (id, refusal) = match frame.body() {
             Body::LayerResponse(r) => (r.request_id, None),
             Body::Error(e) if e.request_id & PROBE_ID_BIT != 0 => return, // a probe's answer
-            Body::Error(e) if self.failover && e.code == ErrorCode::ShuttingDown => {
-                // The router is going away: its unanswered requests go to the next one.
-                let m = format!("shutting down: {}", e.message);
-                self.lose_router(ClientError::Protocol(m));
-                return;
-            }
             Body::Error(e) if e.request_id == 0 && e.code == ErrorCode::ShuttingDown => {
                 // Closed for idleness (a draining router names each request it refuses): the
                 // router decided so with nothing in flight and read nothing after, so the
                 // requests sent since crossed its frame unread and go again, on a new
-                // connection to the same router.
+                // connection to the same router (a failover client's too: it is not lost).
                 self.reopen_after_idle_close(&e.message);
+                return;
+            }
+            Body::Error(e) if self.failover && e.code == ErrorCode::ShuttingDown => {
+                // The router is going away: its unanswered requests go to the next one.
+                let m = format!("shutting down: {}", e.message);
+                self.lose_router(ClientError::Protocol(m));
                 return;
             }
             Body::Error(e) if e.request_id != 0 => (
@@ -458,6 +456,7 @@ impl RouterClient {
     fn deliver(&mut self, id: u64, answer: Answer) {
         if let Some(call) = self.calls.remove(&id) {
             self.reclaim(call);
+            self.reopened_unanswered = false;
         }
         if self.pending.answer(id, answer) == Delivery::Unknown {
             tracing::debug!(request_id = id, "ignored an answer to no request in flight");
@@ -509,7 +508,18 @@ impl RouterClient {
     /// connect to the same router at the next step ([`RouterClient::reopen_step`]).
     fn reopen_after_idle_close(&mut self, message: &str) {
         let peer = self.link.peer();
+        if self.reopened_unanswered && self.pending.in_flight() > 0 {
+            // Sent again once already and closed again before any answer: not a race with
+            // the router's decision any more.
+            let m = format!(
+                "{peer} closed the connection for idleness again before answering the requests \
+                 sent again after its last idle close: {message}"
+            );
+            self.lose_router(ClientError::Protocol(m));
+            return;
+        }
         let again = self.requeue_unanswered();
+        self.reopened_unanswered = again > 0;
         tracing::debug!(%peer, resent = again, "the router closed this connection for \
             idleness before reading the requests sent since; connecting again");
         self.lost = Some(format!("{peer} {message}"));
@@ -518,7 +528,8 @@ impl RouterClient {
 
     /// One attempt to connect again to the router that closed the connection for idleness, by
     /// `until`; the requests queued go out on it. Refused (not merely cut short by the
-    /// caller's wait): the connection is broken with that error.
+    /// caller's wait): a failover client gives the router up (its requests go to the next),
+    /// a plain one's connection is broken with that error.
     async fn reopen_step(&mut self, until: Instant) {
         let addr = self.routers[self.current];
         let now = Instant::now();
@@ -540,7 +551,7 @@ impl RouterClient {
             Err(_) if limit < self.opts.connect_timeout && Instant::now() >= now + limit => {}
             Err(e) => {
                 self.reopen = false;
-                self.break_with(e);
+                self.lose_router(e);
             }
         }
     }
@@ -662,18 +673,23 @@ impl RouterClient {
         }
     }
 
+    /// Keep a written payload's buffer for reuse: an owned one always, a shared one when its
+    /// call is over (a call still in flight holds another reference).
     fn recycle_payload(&mut self, p: Payload) {
-        if let Payload::Owned(b) = p {
-            self.recycle(b);
+        match p {
+            Payload::Owned(b) => self.recycle(b),
+            Payload::Shared(p) => {
+                if let Ok(b) = std::sync::Arc::try_unwrap(p) {
+                    self.recycle(b);
+                }
+            }
         }
     }
 
     /// Keep the buffer of a call that is over (answered, failed or past its deadline) for
     /// reuse, unless a write still holds it.
     fn reclaim(&mut self, call: Call) {
-        if let Some(Payload::Shared(p)) = call.payload
-            && let Ok(b) = std::sync::Arc::try_unwrap(p)
-        {
+        if let Ok(b) = std::sync::Arc::try_unwrap(call.payload) {
             self.recycle(b);
         }
     }

@@ -24,12 +24,13 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
-/// The payload of a frame to write: owned (handed back for reuse when written) or shared with
-/// the copy a failover client keeps for re-sending.
+/// The payload of a frame to write: owned (probes, raw bytes; handed back for reuse when
+/// written) or shared with the request's call, which keeps it until answered to send it again
+/// (after an idle close, or on another router).
 pub(super) enum Payload {
     /// The client's buffer; it comes back in [`Finished::Wrote`].
     Owned(Vec<u8>),
-    /// A payload kept for re-sending on another router.
+    /// A request's payload, also held by its call.
     Shared(Arc<Vec<u8>>),
 }
 

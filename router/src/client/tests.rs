@@ -691,9 +691,10 @@ fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
 fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the_next_call() {
     run(async {
         let closed = Arc::new(tokio::sync::Notify::new());
-        let told = Arc::clone(&closed);
+        let (told, late) = (Arc::clone(&closed), Arc::new(tokio::sync::Mutex::new(None)));
+        let late_seen = Arc::clone(&late);
         let (addr, cfg, accepted) = serve_first_then_in_order(move |mut conn| {
-            let told = Arc::clone(&told);
+            let (told, late) = (Arc::clone(&told), Arc::clone(&late_seen));
             async move {
                 // One answer, then closed for idleness at once.
                 let Some(r) = read_req(&mut conn).await else {
@@ -701,8 +702,12 @@ fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the
                 };
                 answer(&mut conn, &r).await;
                 close_for_idleness(&mut conn).await;
-                drop(conn);
+                // Kept open: once the idle frame is there, no request goes out on this
+                // connection (the client looks for the frame before sending, and its steps
+                // read before they write).
+                let mut late = late.lock().await;
                 told.notify_one();
+                *late = Some(read_req(&mut conn).await.map(|r| r.req.request_id));
             }
         })
         .await;
@@ -713,6 +718,12 @@ fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the
         let again = c.call(3, &x, H, None, None).await;
         assert_eq!(again.unwrap(), expected(&x, 3));
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // The old connection ended (the client closed it) without another request.
+        assert_eq!(
+            *late.lock().await,
+            Some(None),
+            "a request went out on the closed connection"
+        );
     });
 }
 
@@ -814,6 +825,34 @@ fn kept_request_buffers_are_bounded_and_reused() {
             assert_eq!(c.wait(h).await.unwrap(), expected(&x, 3));
         }
         assert!(kept(&c) <= RETAIN_BUFFER_BYTES);
+        assert_eq!(
+            c.spares.len(),
+            7,
+            "the answered calls' buffers were kept again"
+        );
+    });
+}
+
+/// A router that closes the connection for idleness again, before answering the requests the
+/// client sent again after its first idle close, is no longer racing its own decision: the
+/// call fails with a protocol error saying so, instead of reconnecting for ever.
+#[test]
+fn a_second_idle_close_before_any_answer_fails_the_call() {
+    run(async {
+        let (addr, cfg) = serve(|mut conn| async move {
+            // Every connection: read a request, then close for idleness.
+            if read_req(&mut conn).await.is_some() {
+                close_for_idleness(&mut conn).await;
+            }
+        })
+        .await;
+        let mut c = client(addr, &cfg).await;
+        let x = input(5, 2);
+        let e = c.call(3, &x, H, None, None).await.unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Protocol(m) if m.contains("idleness again")),
+            "{e}"
+        );
     });
 }
 
