@@ -180,16 +180,6 @@ impl RouterCore {
         if p.members.iter().all(|m| bad(m).is_none()) {
             return Some((p, logits));
         }
-        let mut kept = Pending {
-            members: Vec::with_capacity(p.members.len()),
-            x: Vec::with_capacity(p.x.len()),
-            logits: Vec::with_capacity(logits.len()),
-            logits_given: Vec::with_capacity(p.logits_given.len()),
-            clients: Vec::new(),
-            flush_at: p.flush_at,
-            deadline: p.deadline,
-        };
-        let mut deadline = None;
         for m in &p.members {
             if let Some((token, expert, value)) = bad(m) {
                 let message = format!(
@@ -197,25 +187,9 @@ impl RouterCore {
                      hidden states this large overflow the gate; check the inputs"
                 );
                 self.fail_one(m.client, m.request_id, ErrorCode::InvalidInput, message);
-                continue;
             }
-            let (from, to) = (m.offset, m.offset + m.tokens);
-            kept.members.push(Member {
-                offset: kept.logits_given.len(),
-                ..*m
-            });
-            kept.x.extend_from_slice(&p.x[from * h..to * h]);
-            kept.logits.extend_from_slice(&logits[from * e..to * e]);
-            kept.logits_given
-                .extend_from_slice(&p.logits_given[from..to]);
-            if !kept.clients.contains(&m.client) {
-                kept.clients.push(m.client);
-            }
-            deadline = deadline.max(Some(m.deadline));
         }
-        kept.deadline = deadline?;
-        let logits = std::mem::take(&mut kept.logits);
-        Some((kept, logits))
+        p.retain_members(h, e, &logits, |m| bad(m).is_none())
     }
 
     /// Gates pending batch `p` of `layer` (the frontend's logits where given, the gate matrix

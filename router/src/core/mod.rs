@@ -176,6 +176,50 @@ struct Pending {
     deadline: Instant,
 }
 
+impl Pending {
+    /// The batch of the members `keep` accepts, in order: their tokens' rows of `x` (`hidden`
+    /// wide), of `logits` (`experts` wide, the batch's gated logits, returned beside it) and
+    /// of `logits_given`, their connections, and the latest of their deadlines. `None` when
+    /// none is kept.
+    fn retain_members(
+        &self,
+        hidden: usize,
+        experts: usize,
+        logits: &[f32],
+        keep: impl Fn(&Member) -> bool,
+    ) -> Option<(Pending, Vec<f32>)> {
+        let (h, e) = (hidden, experts);
+        let mut kept = Pending {
+            members: Vec::with_capacity(self.members.len()),
+            x: Vec::with_capacity(self.x.len()),
+            logits: Vec::new(),
+            logits_given: Vec::with_capacity(self.logits_given.len()),
+            clients: Vec::new(),
+            flush_at: self.flush_at,
+            deadline: self.deadline,
+        };
+        let mut kept_logits = Vec::with_capacity(logits.len());
+        let mut deadline = None;
+        for m in self.members.iter().filter(|m| keep(m)) {
+            let (from, to) = (m.offset, m.offset + m.tokens);
+            kept.members.push(Member {
+                offset: kept.logits_given.len(),
+                ..*m
+            });
+            kept.x.extend_from_slice(&self.x[from * h..to * h]);
+            kept_logits.extend_from_slice(&logits[from * e..to * e]);
+            kept.logits_given
+                .extend_from_slice(&self.logits_given[from..to]);
+            if !kept.clients.contains(&m.client) {
+                kept.clients.push(m.client);
+            }
+            deadline = deadline.max(Some(m.deadline));
+        }
+        kept.deadline = deadline?;
+        Some((kept, kept_logits))
+    }
+}
+
 struct Part {
     rank: u32,
     plan: DevicePlan,
