@@ -244,9 +244,9 @@ pub(crate) struct RouterArgs {
     /// is refused, saying so, so that one frontend cannot take every connection's memory.
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_MAX_CONNECTIONS_PER_FRONTEND)]
     pub(crate) max_connections_per_frontend: u32,
-    /// Close a frontend connection that has sent no request for this many seconds and has
-    /// none in flight, or that has left an answer untaken this long (plus one per 16 MiB of
-    /// it) (0: never).
+    /// Close a frontend connection that has neither sent a request nor been answered for this
+    /// many seconds and has none in flight, or that has left an answer untaken this long (plus
+    /// one per 16 MiB of it) (0: never).
     #[arg(long, default_value_t = expertmesh_transport::frontend::DEFAULT_FRONTEND_IDLE_TIMEOUT.as_secs(), value_parser = whole_seconds_parser())]
     pub(crate) frontend_idle_timeout_s: u64,
     /// Close a frontend connection that leaves a frame half sent for this many seconds (plus

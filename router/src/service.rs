@@ -753,7 +753,7 @@ impl FrontendConn {
         };
         let reading = async {
             let end = self
-                .read_requests(&mut reader, &out_tx, &slots, &writer, peer)
+                .read_requests(&mut reader, &out_tx, &slots, &writer, &progress, peer)
                 .await;
             // No request comes from it any more: batches stop waiting for it and the others'
             // shares grow now (its requests in flight keep theirs until answered).
@@ -795,6 +795,7 @@ impl FrontendConn {
         out_tx: &mpsc::Sender<ClientMsg>,
         slots: &Semaphore,
         writer: &tokio::sync::Mutex<FrontendWriter>,
+        progress: &expertmesh_transport::frontend::WriteProgress,
         peer: SocketAddr,
     ) -> ReadEnd {
         let reply = |request_id, code, message| self.reply(out_tx, request_id, code, message);
@@ -804,7 +805,7 @@ impl FrontendConn {
         loop {
             let read = tokio::select! {
                 r = reader.read_head() => r,
-                idle = self.idle(last_request, slots) => {
+                idle = self.idle(last_request, slots, progress) => {
                     let (frontend, message) = idle_closed(idle, reader, out_tx);
                     return ReadEnd::Idle(frontend, message);
                 }
@@ -947,27 +948,29 @@ impl FrontendConn {
     }
 
     /// Completes (with the timeout) once this connection has been idle for
-    /// [`FrontendConfig::idle_timeout`]: no request since `last_request`, none in flight, and
-    /// (when one was in flight at the deadline) a whole period since it was seen answered
-    /// (`slots` lacks one permit per request in flight; none is taken while a head is read).
+    /// [`FrontendConfig::idle_timeout`]: none in flight, and a whole period since both its last
+    /// request (`last_request`) and its last answer (`progress`'s last write) ([`idle_wait`];
+    /// `slots` lacks one permit per request in flight, none is taken while a head is read).
     /// Never completes without an idle timeout.
-    async fn idle(&self, last_request: tokio::time::Instant, slots: &Semaphore) -> Duration {
+    async fn idle(
+        &self,
+        last_request: tokio::time::Instant,
+        slots: &Semaphore,
+        progress: &expertmesh_transport::frontend::WriteProgress,
+    ) -> Duration {
         let Some(idle) = self.frontend.idle_timeout else {
             return std::future::pending().await;
         };
         let mut at = last_request + idle;
-        let mut was_busy = false;
         loop {
             tokio::time::sleep_until(at).await;
+            let now = tokio::time::Instant::now();
             let busy = slots.available_permits() < self.max_outstanding;
-            at = match (busy, was_busy) {
-                (false, false) => return idle,
-                // Requests in flight: look again shortly.
-                (true, _) => tokio::time::Instant::now() + idle.min(Duration::from_secs(1)),
-                // Just answered: idle counts from about now, a whole period.
-                (false, true) => tokio::time::Instant::now() + idle,
-            };
-            was_busy = busy;
+            let since_request = now.saturating_duration_since(last_request);
+            match idle_wait(idle, since_request, progress.since_last_write(), busy) {
+                None => return idle,
+                Some(wait) => at = now + wait,
+            }
         }
     }
 
@@ -1253,6 +1256,24 @@ async fn answered(
     }
 }
 
+/// How much longer a connection with idle timeout `idle` must stay quiet before it is idle,
+/// looked at now; `None`: it is idle now. `since_request`: time since its last request
+/// arrived; `since_answer`: since its last write (an answer) ended, `None` before the first;
+/// `busy`: a request in flight (looked at again within a second). Idleness counts from the
+/// later of the two, so a connection is never closed right after a slow answer.
+fn idle_wait(
+    idle: Duration,
+    since_request: Duration,
+    since_answer: Option<Duration>,
+    busy: bool,
+) -> Option<Duration> {
+    if busy {
+        return Some(idle.min(Duration::from_secs(1)));
+    }
+    let quiet = since_answer.map_or(since_request, |a| a.min(since_request));
+    (quiet < idle).then(|| idle - quiet)
+}
+
 /// Tells the client its connection closes for idleness (`idle` without a request); returns
 /// (frontend name, why) for the log.
 fn idle_closed(
@@ -1261,7 +1282,7 @@ fn idle_closed(
     out_tx: &mpsc::Sender<ClientMsg>,
 ) -> (String, String) {
     let message = format!(
-        "closed: no request for {idle:?} and none in flight (the router's frontend idle \
+        "closed: no request or answer for {idle:?} and none in flight (the router's frontend idle \
          timeout, router --frontend-idle-timeout-s); connect again"
     );
     let _ = out_tx.try_send(ClientMsg::Error {
@@ -2072,5 +2093,35 @@ impl CoreLoop {
         if send.as_mut().poll(cx).is_pending() {
             self.rt.spawn(send);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::idle_wait;
+    use std::time::Duration;
+
+    const S: Duration = Duration::from_secs(1);
+
+    /// Idleness counts from the later of the last request and the last answer, never while a
+    /// request is in flight; the wait is what is left of the period.
+    #[test]
+    fn idleness_counts_from_the_last_request_or_answer_whichever_is_later() {
+        let idle = 10 * S;
+        // Nothing in flight, no answer yet: from the request.
+        assert_eq!(idle_wait(idle, 10 * S, None, false), None);
+        assert_eq!(idle_wait(idle, 4 * S, None, false), Some(6 * S));
+        // A slow answer 2 s ago to a request 10 s ago: a whole period from the answer.
+        assert_eq!(idle_wait(idle, 10 * S, Some(2 * S), false), Some(8 * S));
+        assert_eq!(idle_wait(idle, 25 * S, Some(10 * S), false), None);
+        // A request after the last answer: from the request.
+        assert_eq!(idle_wait(idle, 3 * S, Some(9 * S), false), Some(7 * S));
+        // In flight: looked at again within a second, whatever the times.
+        assert_eq!(idle_wait(idle, 60 * S, Some(60 * S), true), Some(S));
+        assert_eq!(
+            idle_wait(S / 2, 60 * S, None, true),
+            Some(S / 2),
+            "a period under a second"
+        );
     }
 }

@@ -1269,7 +1269,7 @@ fn a_plain_client_reconnects_after_the_router_closed_it_for_idleness() {
         .expect("first call");
     let closes = |log: &str| {
         log.lines()
-            .filter(|l| l.contains("frontend connection closed: no request for"))
+            .filter(|l| l.contains("frontend connection closed: no request or answer for"))
             .count()
     };
     for round in 1..=2 {

@@ -959,11 +959,13 @@ async fn within<T>(
     })
 }
 
-/// How long a [`FrameWriter`]'s current write has waited, and how large it is, readable
-/// without the writer (which the waiting write holds): the router closes a connection whose
-/// client takes no answer ([`WriteProgress::overdue`]). Clones share it.
+/// How long a [`FrameWriter`]'s current write has waited, and how large it is, and when its
+/// last write ended, readable without the writer (which the waiting write holds): the router
+/// closes a connection whose client takes no answer ([`WriteProgress::overdue`]), and counts a
+/// connection's idleness from its last answer too ([`WriteProgress::since_last_write`]).
+/// Clones share it.
 #[derive(Clone, Debug, Default)]
-pub struct WriteProgress(Arc<[std::sync::atomic::AtomicU64; 2]>);
+pub struct WriteProgress(Arc<[std::sync::atomic::AtomicU64; 3]>);
 
 impl WriteProgress {
     /// Nanoseconds since a process-wide start, never 0 (0 means no write under way).
@@ -980,6 +982,7 @@ impl WriteProgress {
         struct Ends<'a>(&'a WriteProgress);
         impl Drop for Ends<'_> {
             fn drop(&mut self) {
+                self.0.0[2].store(WriteProgress::now(), Ordering::Release);
                 self.0.0[0].store(0, Ordering::Release);
             }
         }
@@ -1006,6 +1009,14 @@ impl WriteProgress {
                 ));
             }
         }
+    }
+
+    /// How long ago the last write ended (written, failed or cancelled); `None` before the
+    /// first.
+    pub fn since_last_write(&self) -> Option<Duration> {
+        use std::sync::atomic::Ordering;
+        let ended = self.0[2].load(Ordering::Acquire);
+        (ended != 0).then(|| Duration::from_nanos(Self::now().saturating_sub(ended)))
     }
 
     /// Whether the write under way has waited past [`frame_deadline`] of `base` for its
@@ -1127,5 +1138,34 @@ mod placement_admin_tests {
         assert!(!cfg.may_change_placement("admin"));
         cfg.placement_admins.clear();
         assert!(!cfg.may_change_placement("admin") && !cfg.may_change_placement(""));
+    }
+}
+
+#[cfg(test)]
+mod write_progress_tests {
+    use super::*;
+
+    /// A write under way is seen waiting with its size; once it ends, whatever its outcome,
+    /// nothing waits and the end is remembered (none before the first write).
+    #[test]
+    fn a_write_is_seen_while_under_way_and_its_end_is_remembered() {
+        let p = WriteProgress::default();
+        assert!(p.waiting().is_none() && p.since_last_write().is_none());
+        {
+            let _writing = p.begin(4096);
+            let (waited, bytes) = p.waiting().expect("a write under way");
+            assert_eq!(bytes, 4096);
+            assert!(waited < Duration::from_secs(3600));
+            assert!(p.since_last_write().is_none(), "not ended yet");
+        }
+        assert!(p.waiting().is_none());
+        let since = p.since_last_write().expect("the write ended");
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(
+            p.since_last_write().unwrap() > since,
+            "counted from the end, not now"
+        );
+        // A clone sees the same.
+        assert!(p.clone().since_last_write().is_some());
     }
 }

@@ -114,9 +114,10 @@ impl RouterClient {
     /// or a failover client moves on).
     async fn replace_if_closed_idle(&mut self, due: Instant) -> Result<(), ClientError> {
         // Looked at before every request sent with nothing in flight (a yield and a poll of the
-        // socket, microseconds): a router counts its idle timeout from its last request's
-        // arrival, so it may close a connection less than a second after the client read the
-        // answer, and no time since the client's last read proves the connection open.
+        // socket, microseconds): the client cannot know when the router's idle timeout runs
+        // out (a router counts it from its last request and its last answer, but older
+        // routers from the request alone, which can close a connection right after the
+        // answer), so no time since the client's last read proves the connection open.
         if self.pending.in_flight() > 0
             || !self.calls.is_empty()
             || self.broken.is_some()

@@ -684,9 +684,10 @@ fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
     });
 }
 
-/// A router closes an idle connection counting from its last request's arrival, so the close
-/// can come right after the client read that request's answer: the next call still finds the
-/// router's `ShuttingDown` frame and connects again, however soon it follows the answer.
+/// A router may close an idle connection right after the client read an answer (one that counts
+/// its idle timeout from the last request alone did, after a slow answer): the next call
+/// still finds the router's `ShuttingDown` frame and connects again, however soon it follows
+/// the answer.
 #[test]
 fn a_connection_closed_for_idleness_right_after_an_answer_is_replaced_before_the_next_call() {
     run(async {
@@ -761,7 +762,7 @@ async fn close_for_idleness(conn: &mut FrameConnection) {
     let body = Body::Error(codec::ErrorFrame {
         request_id: 0,
         code: ErrorCode::ShuttingDown,
-        message: "closed: no request for 1s and none in flight".into(),
+        message: "closed: no request or answer for 1s and none in flight".into(),
     });
     let _ = conn.write_frame(&body, &[]).await;
 }
