@@ -820,9 +820,6 @@ impl RouterClient {
     pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
         let until = instant_after(self.opts.default_deadline);
         self.flush_writes(until).await?;
-        while self.reopen && self.broken.is_none() && Instant::now() < until {
-            self.progress(until).await; // connects again after an idle close
-        }
         if self.link.write.start_write_raw(bytes.to_vec()).is_ok() {
             self.writing = Some(0);
             self.flush_writes(until).await?;

@@ -499,22 +499,30 @@ fn serves_another(rt: &tokio::runtime::Runtime, up: &Up, body: &Body, payload: &
 /// A frontend that sends its requests, closes its sending side and then never reads: once the
 /// router has answered them (or their deadlines passed), it waits the frame timeout for the
 /// answers to be taken and then shuts the connection down (`finish_writes`), instead of
-/// holding the socket and the answers for ever. Here 32 answers of 1 MiB are more than the
-/// sockets hold; the router goes on serving others.
+/// holding the socket and the answers for ever. Here each answer (4,096 tokens, 16 MiB) is
+/// more than the sockets hold, so one computed in time is enough; the router goes on serving
+/// others.
 #[test]
 fn a_client_done_sending_that_never_reads_is_closed_after_the_frame_timeout() {
     let _machine = crate::support::shared();
-    let up = Up::start_logged(&["--frontend-frame-timeout-s", "1", "--max-tokens", "256"]);
+    let up = Up::start_logged(&[
+        "--frontend-frame-timeout-s",
+        "1",
+        "--max-tokens",
+        "4096",
+        "--max-inflight-tokens",
+        "16384",
+    ]);
     let rt = rt();
     let cfg = frontend();
-    let requests = 32u64; // the router's default answers in flight per connection
-    let (_, payload) = f32_request(0, 256);
+    let (requests, tokens) = (4u64, 4096);
+    let (_, payload) = f32_request(0, tokens);
     let request = |id: u64| {
-        let (mut body, _) = f32_request(id, 256);
+        let (mut body, _) = f32_request(id, tokens);
         if let Body::LayerRequest(r) = &mut body {
             // The router waits this long (and a grace of 5 s) for the answers before the frame
-            // timeout starts: long enough that even a loaded machine computes enough of them
-            // to fill the sockets (DeadlineExceeded answers are small).
+            // timeout starts; a DeadlineExceeded answer is small, but one of the four
+            // computed within it already fills the sockets.
             r.deadline_us = 30_000_000;
         }
         body

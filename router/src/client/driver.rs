@@ -190,10 +190,11 @@ impl RouterClient {
         }
     }
 
-    /// Finish the writes queued or under way, until `until`.
+    /// Finish the writes queued or under way, and open again a connection the router closed
+    /// for idleness, until `until`.
     pub(super) async fn flush_writes(&mut self, until: Instant) -> Result<(), ClientError> {
         self.collect_abandoned();
-        while self.writing.is_some() || !self.to_send.is_empty() {
+        while self.writing.is_some() || !self.to_send.is_empty() || self.reopen {
             self.check_broken()?;
             if Instant::now() >= until {
                 return Err(ClientError::Usage(format!(
