@@ -476,6 +476,8 @@ pub struct RouterClient {
     next_probe: u64,
     /// Request buffers kept for reuse, at most [`RETAIN_BUFFER_BYTES`] in all.
     spares: Vec<Vec<u8>>,
+    /// The capacities of `spares`, summed (kept as it changes, not summed per recycle).
+    spare_bytes: usize,
     /// The router closed the connection for idleness with requests on their way: connect to
     /// it again at the next step.
     reopen: bool,
@@ -578,6 +580,7 @@ impl RouterClient {
             next_id: 1,
             next_probe: 1,
             spares: Vec::new(),
+            spare_bytes: 0,
             reopen: false,
             reopened_unanswered: false,
         }

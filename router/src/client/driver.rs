@@ -660,6 +660,7 @@ impl RouterClient {
             .rposition(|b| b.capacity() >= len)
             .or_else(|| self.spares.len().checked_sub(1));
         let mut b = at.map_or_else(Vec::new, |i| self.spares.swap_remove(i));
+        self.spare_bytes -= b.capacity();
         b.clear();
         b.resize(len, 0);
         b
@@ -669,8 +670,8 @@ impl RouterClient {
     /// [`RETAIN_BUFFER_BYTES`] in all (requests in flight hold theirs until answered, so a
     /// pipelining caller reuses several).
     pub(super) fn recycle(&mut self, buf: Vec<u8>) {
-        let kept: usize = self.spares.iter().map(Vec::capacity).sum();
-        if buf.capacity() > 0 && kept + buf.capacity() <= RETAIN_BUFFER_BYTES {
+        if buf.capacity() > 0 && self.spare_bytes + buf.capacity() <= RETAIN_BUFFER_BYTES {
+            self.spare_bytes += buf.capacity();
             self.spares.push(buf);
         }
     }

@@ -808,7 +808,11 @@ fn kept_request_buffers_are_bounded_and_reused() {
     run(async {
         let (addr, cfg) = serve(|conn| reverse_groups(conn, 1)).await;
         let mut c = client(addr, &cfg).await;
-        let kept = |c: &RouterClient| c.spares.iter().map(Vec::capacity).sum::<usize>();
+        let kept = |c: &RouterClient| {
+            let sum = c.spares.iter().map(Vec::capacity).sum::<usize>();
+            assert_eq!(c.spare_bytes, sum, "the kept bytes' running sum");
+            sum
+        };
         for _ in 0..40 {
             c.recycle(Vec::with_capacity(RETAIN_BUFFER_BYTES / 8));
         }
