@@ -11,7 +11,8 @@
 //! Memory stays bounded by one chunk of experts (2 × threads) whatever the checkpoint's size.
 //! Shards appear atomically ([`ShardWriter`]); a re-run keeps every shard whose job
 //! fingerprint and checksum match (resume after a crash or a full disk) and rewrites the rest;
-//! the manifest is written last, so a folder with a manifest is complete.
+//! the manifest is removed before anything else in the folder changes and written last, so a
+//! folder with a manifest is complete.
 
 use crate::experts::{
     ExpertError, ExpertRef, Family, expert_tensor_names, fused_expert_tensors, read_expert,
@@ -213,6 +214,7 @@ pub fn convert(
     let fingerprint = fingerprint(job)?;
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
+    withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
     let (plans, router_items) = job_items(job);
     let all = plans.iter().flatten().chain(&router_items);
@@ -273,6 +275,27 @@ pub fn convert(
         shards_written: written,
         source_bytes_converted: converted + router_bytes,
     })
+}
+
+/// Remove an earlier run's manifest before any file of the folder changes: a folder with a
+/// manifest is complete, and this run's shards, model and placement files would otherwise sit
+/// beside the old manifest if it failed (workers would refuse the shards as foreign, naming
+/// the wrong cause). A run that keeps every shard writes the manifest again at its end.
+fn withdraw_manifest(out: &Path) -> Result<(), ConvertError> {
+    let path = out.join(expertmesh_shard::manifest::MANIFEST_FILE);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {
+            // The removal reaches the disk before any shard is replaced.
+            expertmesh_files::sync_parent(&path);
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(ConvertError::Io {
+            path,
+            what: "removing the earlier run's manifest before converting again",
+            source,
+        }),
+    }
 }
 
 /// Dense (unquantized) shared experts run on the router: a placement that puts a layer's
@@ -509,13 +532,16 @@ pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -
     if spec.shared_experts == 0 || !family.has_shared_expert() {
         return false;
     }
-    let Ok([shared, ..]) = expert_tensor_names(family, layer, ExpertRef::Shared) else {
+    let Ok(shared) = expert_tensor_names(family, layer, ExpertRef::Shared) else {
         return false;
     };
     let routed_int4 = routed_is_int4(ckpt, spec, family);
-    let shared_float = ckpt
-        .tensor_info(&shared)
-        .is_ok_and(|i| matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
+    // All three projections: one stored otherwise (FP8 with block scales) is quantized
+    // through the expert reader, which applies them.
+    let shared_float = shared.iter().all(|name| {
+        ckpt.tensor_info(name)
+            .is_ok_and(|i| matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32))
+    });
     routed_int4 && shared_float
 }
 
@@ -624,7 +650,7 @@ fn check_router_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
             .chain(&t.bias)
             .chain(&t.shared_gate);
         for (name, shape) in all {
-            tensor_of_shape(job.ckpt, name, shape)?;
+            plain_float(name, &tensor_of_shape(job.ckpt, name, shape)?)?;
         }
     }
     Ok(())
@@ -665,8 +691,33 @@ fn tensor_of_shape<'c>(
     Ok(view)
 }
 
+/// Whether tensors of `dtype` hold their values as they are (no block scale beside them).
+fn is_plain_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64)
+}
+
+/// `view` (tensor `name`) unless it is not a plain float: an FP8 router or dense shared
+/// tensor read as it is would skip its block scales (`…_scale_inv`) and give wrong values.
+fn plain_float<'v, 'c>(
+    name: &str,
+    view: &'v crate::safetensors::TensorView<'c>,
+) -> Result<&'v crate::safetensors::TensorView<'c>, ConvertError> {
+    if is_plain_float(view.dtype()) {
+        return Ok(view);
+    }
+    Err(ConvertError::Tensor {
+        tensor: name.into(),
+        reason: format!(
+            "stored as {}, but the router's tensors (gate weight, selection bias, shared-expert \
+             gate) and unquantized shared experts are read as they are, so they must be BF16, \
+             F16, F32 or F64; an FP8 checkpoint keeps them in one of those",
+            view.dtype().name()
+        ),
+    })
+}
+
 fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ConvertError> {
-    let v = tensor_of_shape(ckpt, name, shape)?.to_f32_vec()?;
+    let v = plain_float(name, &tensor_of_shape(ckpt, name, shape)?)?.to_f32_vec()?;
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(ConvertError::Tensor {
             tensor: name.into(),
@@ -752,7 +803,13 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
 /// The job's identity: converter version, model, placement, topology name, the checkpoint's
 /// `config.json` and `quantize_config.json` (whole: their quantization settings, such as
 /// GPTQ's `checkpoint_format` or `sym`, change how INT4 codes are read), and each source file's
-/// name, size and safetensors header. A kept shard must match it.
+/// name, size, modification time and safetensors header. A kept shard must match it.
+///
+/// The modification time stands in for the tensor data, which is hashed only while the
+/// conversion runs (the manifest's `source.files`): weights downloaded again in place, or a
+/// new snapshot of a revision, have the same names, sizes and headers, and without it their
+/// re-run would keep shards converted from the old bytes. A copied checkpoint (new times,
+/// same bytes) is converted again: the safe side.
 fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
     let mut h = Sha256::new();
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
@@ -788,7 +845,14 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
             source,
         };
         let mut f = std::fs::File::open(path).map_err(io)?;
-        let len = f.metadata().map_err(io)?.len();
+        let meta = f.metadata().map_err(io)?;
+        let len = meta.len();
+        // Nanoseconds since the epoch; a file system without times hashes a marker.
+        let modified = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(u128::MAX, |d| d.as_nanos());
         let mut head = vec![0u8; 8];
         f.read_exact(&mut head).map_err(io)?;
         // A corrupt length reads no more than a valid header can hold (the reader refuses
@@ -800,6 +864,7 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         f.take(n).read_to_end(&mut header).map_err(io)?;
         h.update(path.file_name().unwrap_or_default().as_encoded_bytes());
         h.update(len.to_le_bytes());
+        h.update(modified.to_le_bytes());
         h.update(&header);
     }
     Ok(hex(&h.finalize()))

@@ -342,7 +342,32 @@ pub fn source_quant(
     if let Some(quant) = gptq_source_quant(ckpt, &names, inter, hidden)? {
         return Ok(quant);
     }
+    if ckpt
+        .tensor_info(&names[0])
+        .is_ok_and(|i| i.dtype == Dtype::F8E4M3)
+    {
+        check_fp8_block(ckpt)?;
+    }
     Ok(spec.quant)
+}
+
+/// FP8 weights are read with [`FP8_BLOCK`]-square scale blocks (DeepSeek-V3's); a checkpoint
+/// whose quantization config names another `weight_block_size` is refused here, naming it,
+/// rather than failing later on a scale grid of the wrong shape.
+fn check_fp8_block(ckpt: &Checkpoint) -> Result<(), ExpertError> {
+    let q = crate::gptq_import::read_quant_config(ckpt.dir())?;
+    let want = [FP8_BLOCK as u64; 2];
+    match (&q.path, &q.weight_block_size) {
+        (Some(path), Some(b)) if b.as_slice() != want => Err(ExpertError::Config {
+            path: path.clone(),
+            reason: format!(
+                "quantization_config.weight_block_size is {b:?}, but FP8 weights are read with \
+                 {want:?} blocks (DeepSeek-V3's layout); convert from the BF16 checkpoint, or \
+                 one quantized with {want:?} blocks"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// The spec of a `pack-quantized` expert (`None` when its gate is not stored so): group size and

@@ -86,6 +86,9 @@ pub struct QuantConfig {
     pub bits: Option<u64>,
     /// AutoAWQ's kernel layout `version`, lowercased (`"gemm"`, `"gemv"`, ...).
     pub version: Option<String>,
+    /// FP8 checkpoints' `weight_block_size` (`[rows, cols]` of a block sharing one scale), as
+    /// written; `None` when absent or not a list of integers.
+    pub weight_block_size: Option<Vec<u64>>,
 }
 
 /// Reads the quantization config of checkpoint folder `dir`: `quantization_config` of
@@ -128,6 +131,10 @@ fn quant_config(path: PathBuf, q: &Map<String, Value>) -> QuantConfig {
             .or_else(|| q.get("w_bit"))
             .and_then(Value::as_u64),
         version: text("version"),
+        weight_block_size: q
+            .get("weight_block_size")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect()),
         path: Some(path),
     }
 }

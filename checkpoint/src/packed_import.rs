@@ -197,7 +197,7 @@ impl<'a> PackedSource<'a> {
             return Err(fail(&scale_name, reason));
         }
         let group = quant.group();
-        if cols % group != 0 || scales.shape().len() != 2 || scales.shape()[1] * group != cols {
+        if cols % group != 0 || scales.shape().len() != 2 || scales.shape()[1] != cols / group {
             let reason = format!(
                 "shape {:?} does not give the model's group size {group} over {cols} columns \
                  (expected [{rows}, {}]); the import keeps the checkpoint's groups, so the \
@@ -331,6 +331,17 @@ fn check_recorded_shape(
 ) -> Result<(), ExpertError> {
     let name = format!("{base}.weight_shape");
     let view = ckpt.tensor(&name)?;
+    // The shape first: a large tensor under this name is refused before it is read.
+    if view.shape() != [2] {
+        return Err(ExpertError::Packed {
+            tensor: name,
+            reason: format!(
+                "tensor shape {:?}, but a recorded weight shape is two numbers ([2]); the \
+                 checkpoint is corrupt or not compressed-tensors",
+                view.shape()
+            ),
+        });
+    }
     let bytes = view.bytes();
     let recorded: Vec<i64> = match view.dtype() {
         Dtype::I32 => bytes
@@ -349,13 +360,12 @@ fn check_recorded_shape(
         }
     };
     let want = expected.map(|d| d as i64);
-    if view.shape() != [2] || recorded != want {
+    if recorded != want {
         return Err(ExpertError::Packed {
             tensor: name,
             reason: format!(
-                "records the weight shape {recorded:?} (tensor shape {:?}) but the model needs \
-                 {want:?}; the checkpoint does not match its config.json",
-                view.shape()
+                "records the weight shape {recorded:?} but the model needs {want:?}; the \
+                 checkpoint does not match its config.json"
             ),
         });
     }

@@ -5,7 +5,7 @@
 
 use crate::hf_support::tiny::{TinySpec, write_tiny_checkpoint};
 use crate::support::{Run, root, run};
-use expertmesh_checkpoint::safetensors::{Checkpoint, write_safetensors};
+use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype, write_safetensors};
 use expertmesh_shard::file::ShardFile;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,15 +44,21 @@ fn convert_with(ckpt: &Path, out: &Path, placement: &Path) -> Run {
     ])
 }
 
-/// Rewrite `model.safetensors` through `edit(name, bytes)`: `None` drops the tensor.
+/// Rewrite `model.safetensors` through `edit(name, bytes)`: `false` drops the tensor.
 fn rewrite(ckpt: &Path, edit: impl Fn(&str, &mut Vec<u8>) -> bool) {
+    rewrite_typed(ckpt, |n, _, b| edit(n, b));
+}
+
+/// [`rewrite`], where `edit` may change the dtype too.
+fn rewrite_typed(ckpt: &Path, edit: impl Fn(&str, &mut Dtype, &mut Vec<u8>) -> bool) {
     let c = Checkpoint::open(ckpt).unwrap();
     let mut owned = Vec::new();
     for name in c.tensor_names() {
         let v = c.tensor(name).unwrap();
         let mut bytes = v.bytes().to_vec();
-        if edit(name, &mut bytes) {
-            owned.push((name.to_string(), v.dtype(), v.shape().to_vec(), bytes));
+        let mut dtype = v.dtype();
+        if edit(name, &mut dtype, &mut bytes) {
+            owned.push((name.to_string(), dtype, v.shape().to_vec(), bytes));
         }
     }
     drop(c);
@@ -266,6 +272,124 @@ fn an_edited_config_json_is_another_job() {
         edited.stdout.contains("2 shards written, 0 kept"),
         "{}",
         edited.stdout
+    );
+}
+
+/// Weights rewritten in place (a new download or snapshot of the same revision: same names,
+/// sizes and headers, other bytes) are another job: a re-run converts them again instead of
+/// keeping shards made from the old bytes. A re-run that then fails leaves no manifest
+/// beside its shards: a folder with a manifest is complete.
+#[test]
+fn weights_rewritten_in_place_are_converted_again_and_a_failed_rerun_withdraws_the_manifest() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "deepseek_v3");
+    let out = d.path().join("w");
+    let first = convert(&ck, &out);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let sha = |out: &Path| {
+        let m = expertmesh_shard::Manifest::load(out).unwrap();
+        m.source
+            .files
+            .iter()
+            .map(|f| f.sha256.clone())
+            .collect::<Vec<_>>()
+    };
+    let before = sha(&out);
+    let file = ck.join("model.safetensors");
+    let modified = std::fs::metadata(&file).unwrap().modified().unwrap();
+    // Negate every routed expert's up projection in place (flip each bf16 sign bit): same
+    // size and header, other bytes.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut flipped = 0;
+    for (name, t) in header.as_object().unwrap() {
+        if name.contains(".mlp.experts.") && name.ends_with("up_proj.weight") {
+            let at = |i: usize| 8 + n + t["data_offsets"][i].as_u64().unwrap() as usize;
+            bytes[at(0)..at(1)]
+                .chunks_exact_mut(2)
+                .for_each(|v| v[1] ^= 0x80);
+            flipped += 1;
+        }
+    }
+    assert!(
+        flipped > 0,
+        "no routed up projection in the tiny checkpoint"
+    );
+    std::fs::write(&file, &bytes).unwrap();
+    // A later time whatever the file system's clock granularity.
+    let f = std::fs::File::options().write(true).open(&file).unwrap();
+    f.set_modified(modified + std::time::Duration::from_secs(2))
+        .unwrap();
+    drop(f);
+    let again = convert(&ck, &out);
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert!(
+        again.stdout.contains("2 shards written, 0 kept"),
+        "shards of the old bytes kept: {}",
+        again.stdout
+    );
+    assert_ne!(sha(&out), before, "the manifest names the new bytes");
+    // A re-run that fails: the earlier manifest does not survive it.
+    rewrite(&ck, |n, b| {
+        if n.contains(".mlp.experts.") && n.ends_with("down_proj.weight") {
+            b[0..2].copy_from_slice(&0x7FC0u16.to_le_bytes()); // bf16 NaN
+        }
+        true
+    });
+    let failed = convert(&ck, &out);
+    assert_eq!(failed.code, 1, "{}", failed.stderr);
+    assert!(failed.stderr.contains("not finite"), "{}", failed.stderr);
+    assert!(
+        !out.join("manifest.json").exists(),
+        "a manifest beside shards of a failed run"
+    );
+}
+
+/// An FP8 checkpoint whose scale blocks are not 128 × 128 is refused naming
+/// `weight_block_size`; a router gate stored as FP8 is refused naming the tensor (read as it is,
+/// its block scales would be skipped).
+#[test]
+fn fp8_blocks_of_another_size_and_an_fp8_gate_are_refused() {
+    use crate::hf_support::tiny::WeightFormat;
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ckpt");
+    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
+    write_tiny_checkpoint(&ck, &spec);
+    let config = ck.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["quantization_config"]["weight_block_size"] = serde_json::json!([64, 64]);
+    std::fs::write(&config, json.to_string()).unwrap();
+    let r = convert(&ck, &d.path().join("w"));
+    fails_naming(&r, "weight_block_size");
+    assert!(r.stderr.contains("[64, 64]"), "{}", r.stderr);
+    std::fs::write(&config, &text).unwrap();
+    let gate = std::sync::Mutex::new(None);
+    rewrite_typed(&ck, |n, dtype, b| {
+        if n.ends_with(".mlp.gate.weight") && *dtype == Dtype::BF16 {
+            *b = b
+                .chunks_exact(2)
+                .map(|v| {
+                    let x = f32::from_bits(u32::from(u16::from_le_bytes([v[0], v[1]])) << 16);
+                    expertmesh_quant::fp8::f32_to_e4m3(x)
+                })
+                .collect();
+            *dtype = Dtype::F8E4M3;
+            gate.lock().unwrap().get_or_insert(n.to_string());
+        }
+        true
+    });
+    let r = convert(&ck, &d.path().join("w2"));
+    let gate = gate
+        .into_inner()
+        .unwrap()
+        .expect("the checkpoint has a gate");
+    fails_naming(&r, "F8_E4M3");
+    assert!(r.stderr.contains(".mlp.gate.weight"), "{}", r.stderr);
+    assert!(
+        !d.path().join("w2").join("device-0000.emshard").exists(),
+        "{gate}: refused before any shard"
     );
 }
 

@@ -182,6 +182,24 @@ pub(super) fn validate_entry(
             end,
         });
     }
+    // A zero dimension makes the size 0 whatever the others are; their product must still
+    // be countable, since a row's size (and a slice of rows) multiplies them.
+    if raw.shape.contains(&0)
+        && raw
+            .shape
+            .iter()
+            .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d.max(1)))
+            .is_none()
+    {
+        return Err(SafetensorsError::BadEntry {
+            path: path.to_path_buf(),
+            tensor: name,
+            message: format!(
+                "shape {:?}: its dimensions multiply past 2^64 bytes (the file is corrupt)",
+                raw.shape
+            ),
+        });
+    }
     let expected = raw
         .shape
         .iter()

@@ -494,6 +494,18 @@ fn inconsistent_tensors_are_refused() {
         matches!(err, SafetensorsError::SizeMismatch { expected: None, .. }),
         "{err}"
     );
+    // Empty, but a row of it could not be counted: slicing rows would overflow.
+    let empty_huge = format!(
+        r#"{{"w": {{"dtype": "BF16", "shape": [0, {}, 4], "data_offsets": [0, 0]}}}}"#,
+        u64::MAX / 4
+    );
+    let path = raw_file(&dir, "empty-overflow", &empty_huge, 0);
+    let err = open_err(&path);
+    assert!(
+        matches!(&err, SafetensorsError::BadEntry { tensor, .. } if tensor == "w"),
+        "{err}"
+    );
+    assert_names(&err, &path, &["\"w\"", "2^64"]);
 
     let path = raw_file(
         &dir,
