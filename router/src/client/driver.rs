@@ -241,6 +241,11 @@ impl RouterClient {
     pub(super) async fn progress(&mut self, until: Instant) {
         let now = Instant::now();
         self.collect_abandoned();
+        if self.judging_due(now) {
+            // Answers already received count before a deadline or the router's silence is
+            // judged: the caller may have been away from the client while they arrived.
+            self.absorb_ready().await;
+        }
         self.expire_overdue(now);
         if self.link.is_closed() {
             if self.reopen && self.broken.is_none() {
@@ -273,6 +278,36 @@ impl RouterClient {
         };
         if let Some(f) = finished {
             self.absorb(f);
+        }
+    }
+
+    /// Whether a deadline or the keepalive has something to judge at `now`.
+    fn judging_due(&self, now: Instant) -> bool {
+        let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
+        !self.link.is_closed() && (due(self.next_deadline()) || due(self.keepalive.next_event()))
+    }
+
+    /// Take, without waiting, the frames the router has already sent and a write that has
+    /// ended. At most one frame per call in flight and one more (a probe's answer, or the
+    /// router's closing frame): the rest waits for the next step.
+    async fn absorb_ready(&mut self) {
+        // Let the runtime look at the socket first (a yielded task runs after the I/O
+        // driver): a caller away from the client left its readiness unseen.
+        tokio::task::yield_now().await;
+        for _ in 0..self.calls.len() + 2 {
+            if self.link.is_closed() {
+                return;
+            }
+            self.link.read.start_read();
+            match poll_once(self.link.read.finish()) {
+                Some(Some(finished)) => self.absorb(finished),
+                _ => break,
+            }
+        }
+        if !self.link.is_closed()
+            && let Some(Some(finished)) = poll_once(self.link.write.finish())
+        {
+            self.absorb(finished);
         }
     }
 

@@ -61,7 +61,10 @@ pub(super) enum KeepaliveAction {
 ///
 /// Bound: a router that stops answering is declared unresponsive at most
 /// `interval + timeout` after the last frame it sent, or after the client's call started when
-/// that was later (plus the time a write to it stays blocked, bounded the same way).
+/// that was later (plus the time a write to it stays blocked, bounded the same way), while the
+/// client steps the connection. A router is given up without an unanswered probe only while a
+/// write to it is blocked: silence while the caller was away from the client ends in a probe,
+/// not in a verdict.
 #[derive(Debug, Clone)]
 pub(super) struct Keepalive {
     interval: Duration,
@@ -130,7 +133,10 @@ impl Keepalive {
                 KeepaliveAction::Unresponsive(quiet)
             }
             Some(_) => KeepaliveAction::Wait,
-            None if quiet >= self.interval.saturating_add(self.timeout) => {
+            // Without a probe only when none can be written: silence the client did not
+            // watch (a caller busy elsewhere between two calls) is not the router's fault, so
+            // with the writing half free the router is always asked first.
+            None if quiet >= self.interval.saturating_add(self.timeout) && !can_probe => {
                 KeepaliveAction::Unresponsive(quiet)
             }
             None if quiet >= self.interval && can_probe => KeepaliveAction::Probe,
@@ -320,6 +326,25 @@ mod tests {
         assert_eq!(k.poll(later, true, true), KeepaliveAction::Wait);
         assert_eq!(k.poll(later + ms(999), true, true), KeepaliveAction::Wait);
         assert_eq!(k.poll(later + ms(1000), true, true), KeepaliveAction::Probe);
+    }
+
+    /// A caller that submits, then does something else for longer than interval + timeout
+    /// before it waits: the router is probed first, not given up for silence nobody watched.
+    #[test]
+    fn silence_while_the_caller_was_away_ends_in_a_probe_not_a_verdict() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut k = Keepalive::new(ms(1000), ms(2000), t0);
+        assert_eq!(k.poll(t0, true, true), KeepaliveAction::Wait);
+        let back = t0 + ms(3500);
+        assert_eq!(k.poll(back, true, true), KeepaliveAction::Probe);
+        k.probe_sent(back);
+        assert_eq!(k.poll(back + ms(1999), true, true), KeepaliveAction::Wait);
+        assert_eq!(
+            k.poll(back + ms(2000), true, true),
+            KeepaliveAction::Unresponsive(ms(5500)),
+            "an unanswered probe still ends it"
+        );
     }
 
     #[test]

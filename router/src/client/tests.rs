@@ -869,3 +869,95 @@ async fn submit_calls(c: &mut RouterClient, x: &[f32], n: usize) -> Vec<CallHand
     }
     handles
 }
+
+/// A router stand-in on a runtime of its own (`script` per connection), so it answers while
+/// the test's runtime is blocked: a caller busy elsewhere between `submit` and `wait`.
+fn serve_elsewhere<S, F>(script: S) -> (tokio::runtime::Runtime, SocketAddr, FrontendConfig)
+where
+    S: Fn(FrameConnection) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (addr, cfg) = server.block_on(serve(script));
+    (server, addr, cfg)
+}
+
+/// Answers that arrived while the caller was away from the client (longer than a request's
+/// deadline and than the keepalive's whole bound) are the calls' answers: neither a
+/// `DeadlineExceeded` nor an unresponsive router is made of silence the client did not watch.
+#[test]
+fn answers_that_arrived_while_the_caller_was_away_are_returned() {
+    let written = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = written.clone();
+    let (_server, addr, cfg) = serve_elsewhere(move |mut conn| {
+        let counter = counter.clone();
+        async move {
+            while let Some(r) = read_req(&mut conn).await {
+                answer(&mut conn, &r).await;
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    run(async {
+        let mut c = RouterClient::connect_with(addr, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(5, 2);
+        let with_deadline = c
+            .submit(3, &x, H, None, Some(Duration::from_millis(200)))
+            .await
+            .unwrap();
+        let without = c.submit(3, &x, H, None, None).await.unwrap();
+        // Busy elsewhere: past the deadline (200 + 250 ms of grace) and the keepalive's bound
+        // (300 + 600 ms), and until the router has answered both, however slowly.
+        let away = std::time::Instant::now();
+        while away.elapsed() < Duration::from_millis(1200)
+            || written.load(std::sync::atomic::Ordering::SeqCst) < 2
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(c.wait(with_deadline).await.unwrap(), expected(&x, 3));
+        assert_eq!(c.wait(without).await.unwrap(), expected(&x, 3));
+        assert_eq!(c.call(3, &x, H, None, None).await.unwrap(), expected(&x, 3));
+    });
+}
+
+/// A router still computing when the caller comes back after longer than the keepalive's
+/// bound is probed, not given up: it answers the probe, then the call.
+#[test]
+fn a_router_still_computing_when_the_caller_comes_back_is_probed_not_given_up() {
+    let (_server, addr, cfg) = serve_elsewhere(|conn| async move {
+        let (mut r, w) = conn.split();
+        let w = Arc::new(tokio::sync::Mutex::new(w));
+        while let Ok(f) = r.read_frame().await {
+            let Body::LayerRequest(req) = f.body().clone() else {
+                return;
+            };
+            let w = w.clone();
+            if req.layer == liveness::PROBE_LAYER {
+                let body = refusal(req.request_id, "probe");
+                let _ = w.lock().await.write_frame(&body, &[]).await;
+                continue;
+            }
+            let req = decode_req(req, f.payload());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(1800)).await;
+                let bytes = answer_bytes(&req, &FrontendConfig::new("client-tests"));
+                let _ = w.lock().await.write_raw(&bytes).await;
+            });
+        }
+    });
+    run(async {
+        let mut c = RouterClient::connect_with(addr, &cfg, quick())
+            .await
+            .unwrap();
+        let x = input(6, 2);
+        let h = c.submit(3, &x, H, None, None).await.unwrap();
+        std::thread::sleep(Duration::from_millis(1200));
+        assert_eq!(c.wait(h).await.unwrap(), expected(&x, 3));
+    });
+}
