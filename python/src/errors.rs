@@ -6,7 +6,7 @@
 //! `_errors._from_native` for the exception, so the mapping is written once, in Python.
 
 use expertmesh_router::client::ClientError;
-use expertmesh_transport::codec::ErrorCode;
+use expertmesh_transport::codec::{CodecError, ErrorCode};
 use expertmesh_transport::frontend::FrontendError;
 use expertmesh_transport::protocol::ProtocolError;
 use pyo3::exceptions::PyValueError;
@@ -56,6 +56,20 @@ fn classify(e: &ClientError) -> (&'static str, Option<u16>, Option<u64>, String)
             }
             other => ("connection", None, None, other.to_string()),
         },
+        // A frame that could not be encoded or decoded while the stream stays framed fails
+        // only its request; the connection goes on, so it is not ConnectionFailed. Too large
+        // to send is the caller's input (fewer tokens per request); anything else came from
+        // the router.
+        ClientError::Transport(FrontendError::BadFrame {
+            recoverable: true,
+            error: CodecError::TooLarge { .. },
+            ..
+        }) => ("input", None, None, e.to_string()),
+        ClientError::Transport(FrontendError::BadFrame {
+            recoverable: true,
+            request_id,
+            ..
+        }) => ("protocol", None, *request_id, e.to_string()),
         ClientError::Transport(t) => ("connection", None, None, t.to_string()),
         ClientError::Input(m) => ("input", None, None, m.clone()),
         ClientError::Usage(m) => ("usage", None, None, m.clone()),

@@ -726,10 +726,14 @@ fn secret_from_env() -> PyResult<Option<Arc<[u8]>>> {
     Ok(None)
 }
 
+/// The most seconds a timeout may say (about 31 years): past it a `Duration` or an instant
+/// that far ahead cannot be formed.
+const MAX_SECONDS: f64 = 1e9;
+
 fn positive_seconds(s: f64, arg: &str) -> PyResult<Duration> {
-    if !(s.is_finite() && s > 0.0) {
+    if !(s.is_finite() && s > 0.0 && s <= MAX_SECONDS) {
         return Err(PyValueError::new_err(format!(
-            "{arg}: must be a positive number of seconds, got {s}"
+            "{arg}: must be a positive number of seconds up to {MAX_SECONDS:e}, got {s}"
         )));
     }
     Ok(Duration::from_secs_f64(s))

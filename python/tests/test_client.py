@@ -265,6 +265,16 @@ def test_bad_input_raises_before_anything_is_sent(client, what, kw, exc, msg):
     assert_bits_equal(client.wait(after), client.moe(1, rand(1, 41)))
 
 
+def test_a_request_too_large_to_frame_raises_value_error_and_the_connection_goes_on(client):
+    # 16,400 tokens x 1,024 float32 = 67.2 MB, past the 64 MiB frame limit.
+    big = np.zeros((16400, H), np.float32)
+    with pytest.raises(ValueError, match="exceeds the configured maximum") as e:
+        client.moe(1, big)
+    assert not isinstance(e.value, expertmesh.ConnectionFailed)
+    x = rand(2, 43)
+    assert_bits_equal(client.moe(1, x), client.moe(1, x))
+
+
 def test_wait_misuse(fabric, client):
     h = client.submit(1, rand(1, 50))
     with pytest.raises(TypeError, match="handle: expected a Handle"):
@@ -329,6 +339,9 @@ def test_connection_errors(fabric):
             expertmesh.RouterClient(nothing)
     with pytest.raises(TypeError, match="secret: expected str or bytes"):
         expertmesh.RouterClient(fabric.addr, secret=5)
+    for timeout in (0.0, -1.0, float("inf"), 1e20):
+        with pytest.raises(ValueError, match="connect_timeout_s: must be a positive"):
+            expertmesh.RouterClient(fabric.addr, connect_timeout_s=timeout)
     host, port = fabric.addr.rsplit(":", 1)
     with expertmesh.RouterClient((host, int(port))) as c:
         assert c.addr == fabric.addr and c.cluster == "single-host"
