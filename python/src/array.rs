@@ -16,7 +16,7 @@
 //! array is 2-D, C-contiguous and aligned for its element type and keeps the exporting object
 //! alive. Nothing is copied.
 
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
@@ -124,14 +124,17 @@ pub(crate) fn view(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<View> {
             Ok(capsule) => return from_dlpack(obj, capsule, arg),
             // NumPy refuses read-only arrays (and other byte orders) through legacy DLPack:
             // its array interface describes them.
-            Err(e) if e.is_instance_of::<PyBufferError>(py) => {}
-            Err(e) if !has_array_interface(obj) => {
-                return Err(PyTypeError::new_err(format!(
+            Err(_) if has_array_interface(obj) => {}
+            // Nothing else describes it: the exporter's reason is the answer (torch: a tensor
+            // that requires grad, a conjugate or sparse one).
+            Err(e) => {
+                let err = PyTypeError::new_err(format!(
                     "{arg}: cannot borrow the {} through DLPack: {e}",
                     type_name(obj)
-                )));
+                ));
+                err.set_cause(py, Some(e));
+                return Err(err);
             }
-            Err(_) => {}
         }
     }
     if has_array_interface(obj) {

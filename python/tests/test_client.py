@@ -55,6 +55,16 @@ class DLPackOnly:
         return self._a.__dlpack_device__()
 
 
+class RefusesDLPack:
+    """An array whose DLPack export refuses, as torch does for a tensor that requires grad."""
+
+    def __dlpack__(self, stream=None):
+        raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
 class InterfaceOnly:
     """An array that exposes only NumPy's array interface."""
 
@@ -231,6 +241,7 @@ def _bad_calls():
         ("x strided", dict(layer=1, x=x[:, ::2]), ValueError, "x: the array is not C-contiguous"),
         ("x Fortran", dict(layer=1, x=np.asfortranarray(x)), ValueError, "not C-contiguous"),
         ("x no tokens", dict(layer=1, x=x[:0]), ValueError, "x: has shape (0, 1024)"),
+        ("x DLPack refused", dict(layer=1, x=RefusesDLPack()), TypeError, "use tensor.detach()"),
         ("x unaligned", dict(layer=1, x=unaligned), ValueError, "x: the array's data is not aligned"),
         ("layer negative", dict(layer=-1, x=x), ValueError, "layer: must be in 0..2**32"),
         ("layer str", dict(layer="1", x=x), TypeError, "layer: expected an int"),
