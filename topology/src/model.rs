@@ -287,10 +287,16 @@ impl ModelSpec {
             p.push(format!("quant: {e}"));
             return;
         }
+        // The shared experts' down projection has shared_intermediate columns.
+        let shared =
+            (self.shared_experts > 0).then_some(("shared_intermediate", self.shared_intermediate));
         for (what, k) in [
             ("hidden", self.hidden),
             ("moe_intermediate", self.moe_intermediate),
-        ] {
+        ]
+        .into_iter()
+        .chain(shared)
+        {
             need(
                 p,
                 k.is_multiple_of(self.quant.group_size),
@@ -597,6 +603,26 @@ mod tests {
         for m in presets() {
             assert!(m.check().is_empty(), "{}: {:?}", m.name, m.check());
         }
+    }
+
+    /// Every matrix the quantizer packs has whole groups along K: the shared experts' down
+    /// projection (`shared_intermediate` columns) as much as the routed ones'.
+    #[test]
+    fn every_packed_width_must_be_a_multiple_of_the_group_size() {
+        let mut m = preset_by_name("kimi-k2").unwrap();
+        m.quant.group_size = 128;
+        assert!(m.check().is_empty(), "{:?}", m.check());
+        m.shared_intermediate = 96;
+        let p = m.check();
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].contains("shared_intermediate (96) is not a multiple of quant.group_size (128)"),
+            "{p:?}"
+        );
+        m.shared_experts = 0;
+        assert!(m.check().is_empty(), "no shared expert: {:?}", m.check());
+        m.moe_intermediate = 2048 + 32;
+        assert!(m.check()[0].contains("moe_intermediate"), "{:?}", m.check());
     }
 
     #[test]
