@@ -32,6 +32,10 @@ fn start_in(mode: LayerMode) -> LocalFabric {
 }
 
 pub(crate) fn start_with(mode: LayerMode, placement: &str) -> LocalFabric {
+    LocalFabric::start(options(mode, placement)).expect("three-node fabric starts")
+}
+
+fn options(mode: LayerMode, placement: &str) -> LocalFabricOptions {
     let mut o = LocalFabricOptions::new(
         root().join("tests/data/three-nodes.toml"),
         "demo-small",
@@ -47,7 +51,7 @@ pub(crate) fn start_with(mode: LayerMode, placement: &str) -> LocalFabric {
         ..RouterConfig::default()
     });
     o.connect_timeout = Duration::from_secs(60);
-    LocalFabric::start(o).expect("three-node fabric starts")
+    o
 }
 
 struct Reference {
@@ -282,4 +286,112 @@ fn leaner_modes_through_the_fan_out() {
         }
         fabric.shutdown();
     }
+}
+
+/// demo-small on three-nodes with experts 16-23 only on b/cpu1 (node b's leader) and 24-31
+/// only on b/cpu2: a call that needs both is computed partly by the leader and partly by the
+/// share it forwards to cpu2.
+const NO_REPLICA_ON_C: &str = r#"format = 1
+model = "demo-small"
+cluster = "three-nodes"
+
+[[assign]]
+layers = "all"
+device = "a/cpu0"
+experts = "0-15"
+
+[[assign]]
+layers = "all"
+device = "b/cpu1"
+experts = "16-23"
+
+[[assign]]
+layers = "all"
+device = "b/cpu2"
+experts = "24-31"
+
+[[assign]]
+layers = "all"
+device = "c/cpu3"
+experts = "0-7"
+
+[[shared]]
+layers = "all"
+device = "router"
+"#;
+
+/// A node's leader told to stop (SIGTERM) while a dispatch it forwarded waits for its node
+/// peer (stopped with SIGSTOP) keeps reading the peer's answer, answers the router, then
+/// exits: the call that needs both devices of the node is answered bit for bit. (It used to
+/// return once its queue was empty, and the call failed naming the leader.)
+#[test]
+fn a_leader_told_to_stop_finishes_what_its_node_peer_still_computes() {
+    let _machine = crate::support::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let placement = dir.path().join("placement.toml");
+    std::fs::write(&placement, NO_REPLICA_ON_C).unwrap();
+    let mut o = options(LayerMode::Exact, placement.to_str().unwrap());
+    let leader_metrics = std::net::SocketAddr::from(([127, 0, 0, 1], crate::support::free_port()));
+    // Device ranks: a/cpu0, b/cpu1, b/cpu2, c/cpu3; only the leader's endpoint is read.
+    o.worker_metrics = (0..4)
+        .map(|d| {
+            if d == 1 {
+                leader_metrics
+            } else {
+                std::net::SocketAddr::from(([127, 0, 0, 1], crate::support::free_port()))
+            }
+        })
+        .collect();
+    let fabric = LocalFabric::start(o).expect("three-node fabric starts");
+    let url = format!("http://{leader_metrics}/metrics");
+    let dispatches = || {
+        let (_, text) = crate::metrics::http_get(&url);
+        crate::metrics::Scrape::parse(&text).sum("expertmesh_worker_dispatches_total", &[])
+    };
+    let spec = fabric.deployment().spec.clone();
+    let h = spec.hidden as usize;
+    let layer = spec.moe_layer_ids()[0];
+    let mut reference = Reference::new(&fabric);
+    // Tokens that need experts of both devices of node b.
+    let (x, want) = (0..64)
+        .find_map(|seed| {
+            let x = reference::synthetic_hidden(7000 + seed, 8, h);
+            let (experts, want) = reference.layer(&fabric, layer, &x);
+            let needs = |r: std::ops::Range<u32>| experts.iter().any(|e| r.contains(e));
+            (needs(16..24) && needs(24..32)).then_some((x, want))
+        })
+        .expect("8 tokens that need experts 16-23 and 24-31");
+    let addr = fabric.frontend_addr();
+    let cfg = fabric.frontend_config();
+    let rt = rt();
+    let mut client = rt.block_on(RouterClient::connect(addr, &cfg)).unwrap();
+    let warm = rt.block_on(client.call(layer, &x, h, None, None)).unwrap();
+    assert_eq!(bits(&warm), want);
+    let before = dispatches();
+    fabric.signal_worker(2, libc::SIGSTOP).unwrap();
+    drop(client);
+    // On a runtime of its own, which this thread does not block.
+    let call = std::thread::spawn(move || {
+        let deadline = Some(Duration::from_secs(30));
+        crate::support::rt().block_on(async {
+            let mut client = RouterClient::connect(addr, &cfg).await?;
+            client.call(layer, &x, h, None, deadline).await
+        })
+    });
+    // The leader has run its own share, so the peer's is on its way to the stopped cpu2.
+    let t0 = Instant::now();
+    while dispatches() <= before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the leader never ran its share"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    fabric.signal_worker(1, libc::SIGTERM).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    fabric.signal_worker(2, libc::SIGCONT).unwrap();
+    let got = call.join().unwrap();
+    let got = got.unwrap_or_else(|e| panic!("the call through the stopping leader failed: {e}"));
+    assert_eq!(bits(&got), want, "bit for bit through the stopping leader");
+    fabric.shutdown();
 }

@@ -25,8 +25,8 @@ use expertmesh_backend::{BackendError, BatchLimits, ExpertBackend};
 use expertmesh_cpu_backend::CpuBackend;
 use expertmesh_router::metrics::http::MetricsServerError;
 use expertmesh_transport::codec::{
-    Body, ErrorFrame, ExpertResult, Placement, PlacementOp, encode_placement_entries,
-    placement_entries, placement_message,
+    self, Body, ErrorCode, ErrorFrame, ExpertResult, Placement, PlacementOp,
+    encode_placement_entries, placement_entries, placement_message,
 };
 use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
@@ -555,6 +555,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         metrics,
         stale: StaleWork::default(),
         live: Live::new(dep, d, rank),
+        peer_backlog: PeerBacklog::default(),
     };
     {
         let _guard = rt.enter();
@@ -596,6 +597,39 @@ const NODE_JOIN_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long a node's leader waits for its peers' shares of a forwarded dispatch.
 const FANOUT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The most bytes of frames on their way to node peers ([`PeerBacklog`]): two receive
+/// windows' worth. Past it a leader refuses to forward (the router sends the pairs to their
+/// owners) and a device drops an answer to a node peer (the leader fails its entry).
+const PEER_BACKLOG_BYTES: usize = 4 * crate::deploy::MAX_FRAME_BYTES;
+
+/// Frames to node peers that the runtime is sending. The compute thread never waits on a
+/// send to a node peer: the peer may be waiting to send here itself (each side's window full
+/// of work queued behind the other's blocked send), so the runtime carries those sends, and
+/// this counts their bytes so a slow peer cannot pile them up without bound. A send still
+/// waiting for credit after [`FANOUT_TIMEOUT`] is given up: its leader has failed the entry.
+#[derive(Clone, Default)]
+struct PeerBacklog(Arc<std::sync::atomic::AtomicUsize>);
+
+impl PeerBacklog {
+    /// Bytes on their way now.
+    fn bytes(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Take `bytes` of the budget; `false` (nothing taken) when they do not fit.
+    fn take(&self, bytes: usize) -> bool {
+        self.0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                (b + bytes <= PEER_BACKLOG_BYTES).then_some(b + bytes)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.0.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
 
 /// What the I/O loop hands the compute thread.
 enum Input {
@@ -645,6 +679,8 @@ struct ComputeCtx {
     stale: StaleWork,
     /// Live placement changes: what this device holds, its memory, a deferred hold.
     live: Live,
+    /// Frames to node peers on their way.
+    peer_backlog: PeerBacklog,
 }
 
 /// What a worker needs for live placement changes.
@@ -778,15 +814,25 @@ impl ComputeCtx {
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = TaskContext::from_waker(&waker);
         let mut open = true;
+        // When the stop signal was first seen.
+        let mut stopped_at: Option<Instant> = None;
         loop {
             // Once stopping, nothing new is taken from the links (so a busy router cannot keep
-            // the worker alive): what is queued is answered, then the loop returns.
+            // the worker alive): what is queued is answered, then the loop returns. A leader
+            // with forwarded dispatches still waiting for its node peers keeps reading their
+            // answers (and whatever else comes) until none waits, for at most FANOUT_TIMEOUT.
             let stopping = self.stop.load(Ordering::SeqCst);
+            if stopping && stopped_at.is_none() {
+                stopped_at = Some(Instant::now());
+            }
+            let finishing = stopped_at.is_some_and(|t| t.elapsed() < FANOUT_TIMEOUT)
+                && self.fanout.as_ref().is_some_and(|f| f.pending() > 0);
+            let taking = open && (!stopping || finishing);
             // Whether the event queue may still hold events (then this pass must not park:
             // the waker is registered only by a poll that finds the queue empty).
-            let mut more = open && !stopping;
+            let mut more = taking;
             for _ in 0..EVENTS_PER_PASS {
-                if !open || stopping {
+                if !taking {
                     break;
                 }
                 match std::pin::pin!(events.recv()).poll(&mut cx) {
@@ -808,7 +854,7 @@ impl ComputeCtx {
                 self.handle_input(input);
                 continue;
             }
-            if !open || stopping {
+            if !open || (stopping && !finishing) {
                 return;
             }
             if more {
@@ -980,6 +1026,19 @@ impl ComputeCtx {
             && let Some(f) = self.fanout.as_mut()
             && f.needs_forwarding(d)
         {
+            let waiting = self.peer_backlog.bytes();
+            if waiting + frame.payload().len() > PEER_BACKLOG_BYTES {
+                let e = ExecError {
+                    code: ErrorCode::PeerUnavailable,
+                    message: format!(
+                        "this node's peers are behind: {waiting} bytes of forwarded work wait \
+                         for their links; send the pairs to their devices directly"
+                    ),
+                };
+                let batch_id = d.batch_id;
+                drop(frame);
+                return self.send_on(from, generation, &error_frame(batch_id, e));
+            }
             let mesh = &self.mesh;
             let started = f.start(
                 from,
@@ -1009,7 +1068,12 @@ impl ComputeCtx {
         };
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
-        self.send_on(from, generation, &out);
+        if from < self.routers {
+            self.send_on(from, generation, &out);
+        } else {
+            // A node peer's share: never waited for here (see PeerBacklog).
+            self.spawn_peer_send(from, Some(generation), out, "answering a node peer's share");
+        }
     }
 
     /// A router's `Hold` (load the gains, serve the new set, announce it; free the dropped
@@ -1338,12 +1402,54 @@ impl ComputeCtx {
     /// Sends `frame` to node peer `peer` without waiting on it (the peer may itself be
     /// waiting to send here, as for forwarded shares).
     fn send_to_node_peer(&mut self, peer: u32, frame: OutFrame) {
+        self.spawn_peer_send(
+            peer,
+            None,
+            frame,
+            "announcing this device's experts to a node peer",
+        );
+    }
+
+    /// Sends `frame` to node peer `peer` on the runtime, never waiting here (on the link of
+    /// `generation` only, when given): within [`PeerBacklog`]'s bound, else dropped with a
+    /// warning (the leader waiting for it fails its entry at its timeout).
+    fn spawn_peer_send(
+        &mut self,
+        peer: u32,
+        generation: Option<u64>,
+        frame: OutFrame,
+        doing: &'static str,
+    ) {
+        let bytes = codec::frame_len(&frame.body, frame.payload.len());
+        if !self.peer_backlog.take(bytes) {
+            tracing::warn!(
+                worker = %self.id, peer, waiting = self.peer_backlog.bytes(),
+                "{doing}: dropped, the frames on their way to node peers are at their bound"
+            );
+            return;
+        }
         self.metrics.on_sent(peer, &frame);
         let mesh = self.mesh.clone();
+        let backlog = self.peer_backlog.clone();
         self.handle.spawn(async move {
-            if let Err(e) = mesh.send(peer, &frame).await {
-                tracing::warn!(error = %e, "announcing this device's experts to a node peer failed");
+            let send = async {
+                match generation {
+                    Some(g) => mesh.send_on(peer, g, &frame).await,
+                    None => mesh.send(peer, &frame).await,
+                }
+            };
+            match tokio::time::timeout(FANOUT_TIMEOUT, send).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) if matches!(e.kind, PeerErrorKind::LinkReplaced(_)) => {
+                    tracing::debug!(error = %e, "{doing}: the link was replaced");
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "{doing} failed"),
+                Err(_) => tracing::warn!(
+                    peer,
+                    "{doing}: no credit within {FANOUT_TIMEOUT:?}; given up"
+                ),
             }
+            backlog.give_back(bytes);
         });
     }
 
@@ -1389,16 +1495,11 @@ impl ComputeCtx {
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
     fn forward(&mut self, fwd: Forward) {
         let Forward { key, local, remote } = fwd;
-        // Never wait here on a send to a node peer: the peer may itself be waiting to send its
-        // results here, which this loop must keep reading. The runtime carries the send; a
-        // link that fails under it is reported as PeerLost, which fails this entry.
+        // Never wait here on a send to a node peer (see PeerBacklog); a link that fails under
+        // the send is reported as PeerLost, and a share that does not go out in time (or not
+        // at all: the backlog is full) leaves the entry to expire, which fails it.
         for (rank, frame) in remote {
-            let mesh = self.mesh.clone();
-            self.handle.spawn(async move {
-                if let Err(e) = mesh.send(rank, &frame).await {
-                    tracing::warn!(error = %e, "forwarding a share to a node peer failed");
-                }
-            });
+            self.spawn_peer_send(rank, None, frame, "forwarding a share to a node peer");
         }
         let Some((sub, payload)) = local else {
             return;
