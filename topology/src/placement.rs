@@ -744,8 +744,17 @@ impl PlacementFile {
             let (Some(Some(rank)), Some(lis)) = (rank, lis) else {
                 continue;
             };
-            for li in lis {
-                fill.place(model, b, rank.index(), li, layers[li]);
+            if let Err(listed) = fill.place(model, b, rank.index(), lis, layers) {
+                ctx.at(
+                    b.experts_span.clone().or(b.span.clone()),
+                    item,
+                    format!(
+                        "the assignments up to this one list {listed} expert slots (layers x \
+                         experts, summed), more than the {MAX_LISTED_SLOTS} a placement may \
+                         list; a device holds an expert once per layer: list each once"
+                    ),
+                );
+                break;
             }
         }
         self.report_duplicates(ctx, topology, fill.dups);
@@ -876,14 +885,26 @@ impl PlacementFile {
 /// Experts a device was given more than once, and the layers where.
 type Dups = BTreeMap<DupKey, (BTreeSet<u32>, BTreeSet<u32>)>;
 
+/// The most expert slots the `[[assign]]` blocks of one placement may list (each block's
+/// layers times its distinct experts, summed over blocks, so blocks that repeat each other
+/// count each time): far above any real placement (Kimi K2 with a replica of every expert
+/// lists 46,080), it bounds the time and memory a file of repeated blocks can make resolving
+/// take. Ranges repeated within one block are merged first, at the cost of the ranges.
+pub const MAX_LISTED_SLOTS: u64 = 1 << 24;
+
 /// The slot lists being filled from `[[assign]]` blocks, in file order.
+///
+/// What a device already holds in a layer is kept as disjoint expert ranges, each with the
+/// block that listed it ([`Held`]), so the work and memory follow the ranges the file lists,
+/// not the model's expert count times its layers times its devices.
 struct SlotFill {
     /// `[layer index][rank]` → experts in slot order.
     slots: Vec<Vec<Vec<u32>>>,
-    /// `[layer index][rank]` → per expert, the assignment that first listed it (0 = none);
-    /// allocated only for the (layer, device) pairs that appear.
-    first_by: Vec<Vec<Vec<u32>>>,
+    /// `[layer index][rank]` → the experts placed there, as ranges with their block.
+    held: Vec<Vec<Held>>,
     dups: Dups,
+    /// Slots listed so far (layers x experts of each block placed, repeats included).
+    listed: u64,
 }
 
 impl SlotFill {
@@ -891,37 +912,134 @@ impl SlotFill {
     fn new(n_layers: usize, n_dev: usize) -> SlotFill {
         SlotFill {
             slots: vec![vec![Vec::new(); n_dev]; n_layers],
-            first_by: vec![vec![Vec::new(); n_dev]; n_layers],
+            held: (0..n_layers)
+                .map(|_| (0..n_dev).map(|_| Held::default()).collect())
+                .collect(),
             dups: BTreeMap::new(),
+            listed: 0,
         }
     }
 
-    /// Append block `b`'s existing experts to device `r` in the `li`-th MoE layer (id `layer`);
-    /// ones the device already holds there are recorded as duplicates instead.
-    fn place(&mut self, model: &ModelSpec, b: &Block, r: usize, li: usize, layer: u32) {
+    /// Append block `b`'s existing experts to device `r` in the MoE layers `lis` (indices into
+    /// `layers`, the MoE layer ids); experts the device already holds there (from an earlier
+    /// block, or listed twice by this one) are recorded as duplicates instead. `Err(listed)`
+    /// (nothing placed) when the block would bring the slots listed past [`MAX_LISTED_SLOTS`].
+    fn place(
+        &mut self,
+        model: &ModelSpec,
+        b: &Block,
+        r: usize,
+        mut lis: Vec<usize>,
+        layers: &[u32],
+    ) -> Result<(), u64> {
         let e_max = model.routed_experts as u64;
-        let list = &mut self.slots[li][r];
-        let by = &mut self.first_by[li][r];
-        if by.is_empty() {
-            by.resize(model.routed_experts as usize, 0);
-        }
+        let number = b.number as u32;
+        // The block's experts in the order it lists them, each once (`parts`), and those it
+        // lists more than once (`again`).
+        let mut own = Held::default();
+        let mut parts = Vec::new();
+        let mut again = BTreeSet::new();
+        let mut count = 0u64;
         for &(lo, hi) in &b.experts {
             if lo >= e_max {
                 continue;
             }
-            for e in lo as u32..=hi.min(e_max - 1) as u32 {
-                match by[e as usize] {
-                    0 => {
-                        list.push(e);
-                        by[e as usize] = b.number as u32;
+            let (lo, hi) = (lo as u32, hi.min(e_max - 1) as u32);
+            let new = |a: u32, z: u32| {
+                parts.push((a, z));
+                count += u64::from(z - a) + 1;
+            };
+            own.take(lo, hi, number, new, |a, z, _| again.extend(a..=z));
+        }
+        let listed = self.listed + count * lis.len() as u64;
+        if listed > MAX_LISTED_SLOTS {
+            return Err(listed);
+        }
+        self.listed = listed;
+        lis.sort_unstable();
+        // Layers the block names more than once: every expert it places there, twice.
+        let named_again: BTreeSet<usize> = lis
+            .windows(2)
+            .filter(|w| w[0] == w[1])
+            .map(|w| w[0])
+            .collect();
+        lis.dedup();
+        for li in lis {
+            let list = &mut self.slots[li][r];
+            let dups = &mut self.dups;
+            let twice = named_again.contains(&li);
+            // Experts this block places here and also lists again: duplicates of its own.
+            let mut own_dups = Vec::new();
+            for &(lo, hi) in &parts {
+                let new = |a: u32, z: u32| {
+                    list.extend(a..=z);
+                    if twice {
+                        own_dups.extend(a..=z);
+                    } else {
+                        own_dups.extend(again.range(a..=z).copied());
                     }
-                    prev => {
-                        let entry = self.dups.entry((b.number, prev as usize, r)).or_default();
-                        entry.0.insert(e);
-                        entry.1.insert(layer);
-                    }
-                }
+                };
+                self.held[li][r].take(lo, hi, number, new, |a, z, prev| {
+                    let entry = dups.entry((b.number, prev as usize, r)).or_default();
+                    entry.0.extend(a..=z);
+                    entry.1.insert(layers[li]);
+                });
             }
+            if !own_dups.is_empty() {
+                let entry = dups.entry((b.number, b.number, r)).or_default();
+                entry.0.extend(own_dups);
+                entry.1.insert(layers[li]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Disjoint ranges of experts, each with the block that listed it first.
+#[derive(Default)]
+struct Held(BTreeMap<u32, (u32, u32)>);
+
+impl Held {
+    /// Take experts `lo..=hi` for block `number`: `new(a, z)` for each part not held yet (in
+    /// order), `old(a, z, block)` for each part already held (by `block`).
+    fn take(
+        &mut self,
+        lo: u32,
+        hi: u32,
+        number: u32,
+        mut new: impl FnMut(u32, u32),
+        mut old: impl FnMut(u32, u32, u32),
+    ) {
+        // The ranges that meet lo..=hi: the last one starting at or below lo, and those
+        // starting inside.
+        let first = self
+            .0
+            .range(..=lo)
+            .next_back()
+            .filter(|(_, (z, _))| *z >= lo)
+            .map(|(&a, _)| a)
+            .unwrap_or(lo);
+        let meeting: Vec<(u32, u32, u32)> = self
+            .0
+            .range(first..=hi)
+            .map(|(&a, &(z, by))| (a, z, by))
+            .collect();
+        // `at`: the first expert of lo..=hi not accounted for yet.
+        let mut at = lo;
+        let mut fresh = Vec::new();
+        for (a, z, by) in meeting {
+            if a > at {
+                fresh.push((at, a - 1));
+            }
+            old(a.max(lo), z.min(hi), by);
+            at = at.max(z.saturating_add(1));
+        }
+        if at <= hi {
+            fresh.push((at, hi));
+        }
+        for (a, z) in fresh {
+            new(a, z);
+            self.0.insert(a, (z, number));
         }
     }
 }

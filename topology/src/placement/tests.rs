@@ -547,3 +547,133 @@ proptest! {
         prop_assert_eq!(back.unwrap(), p);
     }
 }
+
+/// The slot filling as it was written first: one table entry per expert of every (layer,
+/// device) touched, each listed expert looked up one at a time. The oracle of [`SlotFill`].
+fn brute_fill(
+    model: &ModelSpec,
+    blocks: &[(Block, usize, Vec<usize>)],
+    layers: &[u32],
+    n_dev: usize,
+) -> (Vec<Vec<Vec<u32>>>, Dups) {
+    let e_max = model.routed_experts as u64;
+    let mut slots = vec![vec![Vec::new(); n_dev]; layers.len()];
+    let mut first_by = vec![vec![vec![0usize; e_max as usize]; n_dev]; layers.len()];
+    let mut dups: Dups = BTreeMap::new();
+    for (b, r, lis) in blocks {
+        for &li in lis {
+            for &(lo, hi) in &b.experts {
+                if lo >= e_max {
+                    continue;
+                }
+                for e in lo as u32..=hi.min(e_max - 1) as u32 {
+                    match first_by[li][*r][e as usize] {
+                        0 => {
+                            slots[li][*r].push(e);
+                            first_by[li][*r][e as usize] = b.number;
+                        }
+                        prev => {
+                            let entry = dups.entry((b.number, prev, *r)).or_default();
+                            entry.0.insert(e);
+                            entry.1.insert(layers[li]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (slots, dups)
+}
+
+fn random_block(number: usize, experts: Vec<(u64, u64)>) -> Block {
+    Block {
+        number,
+        span: None,
+        layers: ListSpec::Keyword,
+        layers_span: None,
+        device: String::new(),
+        device_span: None,
+        experts,
+        experts_span: None,
+    }
+}
+
+proptest! {
+    /// Slot lists and duplicates from ranges held as intervals equal the per-expert table's,
+    /// whatever the blocks repeat or overlap (ranges past the model's experts included).
+    #[test]
+    fn slot_filling_by_ranges_equals_the_per_expert_table(
+        raw in prop::collection::vec(
+            (
+                0usize..3,
+                prop::collection::vec(0usize..4, 0..6),
+                prop::collection::vec((0u64..14, 0u64..6), 1..5),
+            ),
+            1..7,
+        )
+    ) {
+        let mut model = preset_by_name("demo-small").unwrap();
+        model.routed_experts = 12;
+        let layers = [1u32, 2, 3, 4];
+        let blocks: Vec<(Block, usize, Vec<usize>)> = raw
+            .into_iter()
+            .enumerate()
+            .map(|(i, (r, lis, spans))| {
+                let experts = spans.into_iter().map(|(lo, len)| (lo, lo + len)).collect();
+                (random_block(i + 1, experts), r, lis)
+            })
+            .collect();
+        let (want_slots, want_dups) = brute_fill(&model, &blocks, &layers, 3);
+        let mut fill = SlotFill::new(layers.len(), 3);
+        for (b, r, lis) in &blocks {
+            prop_assert!(fill.place(&model, b, *r, lis.clone(), &layers).is_ok());
+        }
+        prop_assert_eq!(&fill.slots, &want_slots);
+        prop_assert_eq!(&fill.dups, &want_dups);
+    }
+}
+
+/// Ranges a block repeats cost what its distinct experts cost (the duplicate is reported
+/// once), and blocks that list more slots than MAX_LISTED_SLOTS in all are refused naming the
+/// bound, instead of resolving taking minutes and memory in proportion.
+#[test]
+fn repeated_ranges_are_reported_once_and_listing_past_the_bound_is_refused() {
+    let t = topo("single-host.toml");
+    let header = |model: &str| {
+        format!(
+            "format = 1\nmodel = \"{model}\"\ncluster = \"{}\"\n",
+            t.name()
+        )
+    };
+    let block = |experts: &str| {
+        format!(
+            "\n[[assign]]\nlayers = \"all\"\ndevice = \"local/cpu0\"\nexperts = \"{experts}\"\n"
+        )
+    };
+    let problems = |text: &str, m: &ModelSpec| match Placement::from_toml_str(text, &t, m) {
+        Ok(_) => panic!("expected problems"),
+        Err(p) => rendered(&p),
+    };
+    let demo = preset_by_name("demo-small").unwrap();
+    let text = header("demo-small") + &block(&vec!["0-31"; 20_000].join(","));
+    let p = problems(&text, &demo);
+    assert_eq!(
+        p.matches("earlier in the same assignment").count(),
+        1,
+        "{p}"
+    );
+    let k2 = preset_by_name("kimi-k2").unwrap();
+    let per_block = u64::from(k2.routed_experts) * k2.moe_layer_ids().len() as u64;
+    let blocks = (MAX_LISTED_SLOTS / per_block + 2) as usize;
+    let text = header("kimi-k2") + &block("0-383").repeat(blocks);
+    let p = problems(&text, &k2);
+    assert!(
+        p.contains(&format!("more than the {MAX_LISTED_SLOTS}")),
+        "{}",
+        &p[p.len().saturating_sub(2000)..]
+    );
+    assert!(
+        p.contains(&format!("assignment #{}", blocks - 1)),
+        "the block that passes it is named"
+    );
+}
