@@ -62,6 +62,9 @@ pub struct Shortfall {
     pub max_redundant_that_fits: Option<u32>,
     /// The devices whose even share exceeds their budget.
     pub devices: Vec<DeviceShortfall>,
+    /// The devices whose shared experts alone exceed their budget (`need_bytes`: the shared
+    /// experts' bytes): no number of replicas, and no routed placement, makes those fit.
+    pub shared_short: Vec<DeviceShortfall>,
 }
 
 /// The slot layout every algorithm fills.
@@ -323,6 +326,19 @@ fn shortfall(
         .checked_div(n_layers as u128)
         .and_then(|per_layer| per_layer.checked_sub(model.routed_experts as u128))
         .map(|r| r.min(u32::MAX as u128) as u32);
+    let shared_short: Vec<DeviceShortfall> = topology
+        .devices()
+        .iter()
+        .zip(shared_bytes)
+        .filter(|(d, sh)| **sh > d.expert_memory_bytes())
+        .map(|(d, &sh)| DeviceShortfall {
+            rank: d.rank().0,
+            device: d.id().to_owned(),
+            need_bytes: sh,
+            budget_bytes: d.expert_memory_bytes(),
+            short_bytes: sh - d.expert_memory_bytes(),
+        })
+        .collect();
     let share = even_routed_share(topology, model, redundant);
     let devices = topology
         .devices()
@@ -356,8 +372,10 @@ fn shortfall(
                 .fold(0u64, u64::saturating_add),
         ),
         redundant,
-        max_redundant_that_fits: max_r,
+        // Fewer replicas do not help shared experts that overflow their device.
+        max_redundant_that_fits: max_r.filter(|_| shared_short.is_empty()),
         devices,
+        shared_short,
     }
 }
 

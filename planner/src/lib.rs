@@ -194,6 +194,20 @@ pub fn describe_shortfall(s: &Shortfall) -> String {
         format_bytes(s.short_bytes)
     );
     match (s.redundant, s.max_redundant_that_fits) {
+        _ if !s.shared_short.is_empty() => {
+            for d in &s.shared_short {
+                out.push_str(&format!(
+                    "; the shared experts alone need {} on device \"{}\" (rank {}), more than its expert_memory of {}",
+                    format_bytes(d.need_bytes),
+                    d.device,
+                    d.rank,
+                    format_bytes(d.budget_bytes)
+                ));
+            }
+            out.push_str(
+                " — place the shared experts elsewhere (--shared router, or a device with room) or raise that device's expert_memory",
+            );
+        }
         (r, Some(m)) if r > 0 => out.push_str(&format!(
             "; without replicas it fits (at most {m} replica slots per layer do) — lower --redundant"
         )),

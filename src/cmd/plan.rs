@@ -675,6 +675,7 @@ fn import_shortfall(
         redundant: 0,
         max_redundant_that_fits: None,
         devices,
+        shared_short: Vec::new(),
     })
 }
 

@@ -146,6 +146,39 @@ fn too_many_replicas_exit_1_and_say_how_many_fit() {
     assert!(r.stderr.contains("lower --redundant"), "{}", r.stderr);
 }
 
+/// Shared experts that overflow the device they are put on are named as the reason: fewer
+/// replicas would not help, so the hint is to move them or raise that device's memory.
+#[test]
+fn shared_experts_that_overflow_their_device_are_named_not_the_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(crate::support::root().join("examples/single-host.toml"))
+        .unwrap()
+        .replacen("expert_memory = \"256 MiB\"", "expert_memory = \"2 MB\"", 1);
+    let topo = tmp(&dir, "small-cpu0.toml");
+    std::fs::write(&topo, text).unwrap();
+    let r = run(&[
+        "plan",
+        "--topology",
+        &topo,
+        "--model",
+        "demo-small",
+        "--shared",
+        "local/cpu0",
+        "--redundant",
+        "2",
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    let m = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
+    let shared = m.shared_experts as u64 * m.shared_expert_bytes();
+    let named = format!(
+        "the shared experts alone need {} on device \"local/cpu0\"",
+        expertmesh_topology::units::format_bytes(shared * m.moe_layer_ids().len() as u64)
+    );
+    assert!(r.stderr.contains(&named), "{named}\n{}", r.stderr);
+    assert!(r.stderr.contains("--shared router"), "{}", r.stderr);
+    assert!(!r.stderr.contains("lower --redundant"), "{}", r.stderr);
+}
+
 #[test]
 fn zipf_load_file_is_balanced_by_replication() {
     let dir = tempfile::tempdir().unwrap();
