@@ -800,10 +800,14 @@ impl PlacementFile {
         layers: &[u32],
     ) -> Vec<Option<SharedLocation>> {
         let mut shared: Vec<Option<SharedLocation>> = vec![None; layers.len()];
-        if model.shared_experts == 0 && !self.shared.is_empty() {
+        // The block that gave each layer its location.
+        let mut given_by = vec![0usize; layers.len()];
+        if model.shared_experts == 0
+            && let Some(first) = self.shared.first()
+        {
             ctx.at(
-                self.shared[0].span.clone(),
-                "shared block #1",
+                first.span.clone(),
+                format!("shared block #{}", first.number),
                 format!(
                     "{} has no shared experts; remove the [[shared]] blocks",
                     model.name
@@ -819,21 +823,29 @@ impl PlacementFile {
                 continue;
             };
             let loc = loc.map_or(SharedLocation::Router, SharedLocation::Device);
-            let mut twice = Vec::new();
+            // Layers given a location already: by this block (named twice) or an earlier one.
+            let mut twice: BTreeMap<usize, BTreeSet<u32>> = BTreeMap::new();
             for li in lis {
                 if shared[li].is_some() {
-                    twice.push(layers[li]);
+                    twice.entry(given_by[li]).or_default().insert(layers[li]);
                 } else {
                     shared[li] = Some(loc);
+                    given_by[li] = b.number;
                 }
             }
-            if !twice.is_empty() {
+            for (by, layer_ids) in twice {
+                let layer_ids: Vec<u32> = layer_ids.into_iter().collect();
+                let whom = if by == b.number {
+                    "are named twice in this block".to_owned()
+                } else {
+                    format!("already have a shared-expert location from shared block #{by}")
+                };
                 ctx.at(
                     b.span.clone(),
                     &item,
                     format!(
-                        "layers {} already have a shared-expert location from an earlier [[shared]] block; each layer gets one",
-                        format_list(&twice)
+                        "layers {} {whom}; each layer gets one",
+                        format_list(&layer_ids)
                     ),
                 );
             }

@@ -293,7 +293,20 @@ fn shared_blocks_are_checked() {
     let text = format!("{DEMO}\n[[shared]]\nlayers = \"2-3\"\ndevice = \"local/cpu1\"\n");
     let all = rendered(&demo_problems(&text));
     assert!(
-        all.contains("shared block #2: layers 2,3 already have a shared-expert location"),
+        all.contains(
+            "shared block #2: layers 2,3 already have a shared-expert location from shared block #1"
+        ),
+        "{all}"
+    );
+    // the same layer twice in one block: that block is named, not an earlier one
+    let text = DEMO.replace(
+        "[[shared]]\nlayers = \"all\"",
+        "[[shared]]\nlayers = \"0-3,3\"",
+    );
+    assert_ne!(text, DEMO, "the example's [[shared]] block changed");
+    let all = rendered(&demo_problems(&text));
+    assert!(
+        all.contains("shared block #1: layers 3 are named twice in this block"),
         "{all}"
     );
     // unknown device, with "router" offered
