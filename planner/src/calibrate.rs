@@ -30,7 +30,7 @@
 //!   batch) and `shm_dispatch_rtt_p50` (µs, smallest batch, halved). No bench measures xGMI or
 //!   PCIe links; they keep their topology figures.
 
-use crate::evaluate::{FigureSource, Hardware};
+use crate::evaluate::{FigureSource, Hardware, nic_gb_s};
 use expertmesh_topology::model::ModelSpec;
 use expertmesh_topology::topology::{DeviceKind, IntraLinkKind, NicKind, Node, Topology};
 use serde::{Deserialize, Serialize};
@@ -239,7 +239,8 @@ pub struct Calibration {
 /// What has been calibrated so far, over all bench files.
 struct Touched {
     devices: Vec<bool>,
-    nics: Vec<NicKind>,
+    /// NIC kinds calibrated, with the bandwidth per NIC measured.
+    nics: Vec<(NicKind, f64)>,
     latency: bool,
     shm_bandwidth: bool,
     shm_latency: bool,
@@ -509,21 +510,32 @@ fn apply_network(
                 r.name
             ));
         } else {
-            let was = nic_datasheet(hw, topology, kind);
+            let was = touched
+                .nics
+                .iter()
+                .find(|(k, _)| *k == kind)
+                .map(|&(_, v)| v)
+                .unwrap_or_else(|| nic_datasheet(topology, kind));
+            touched.nics.retain(|(k, _)| *k != kind);
+            touched.nics.push((kind, r.achieved));
+            // Each node NIC by NIC: a calibrated kind's measured rate, the others' own figure
+            // (a node's total is not split evenly over NICs of different speeds).
             for (n, node) in topology.nodes().iter().enumerate() {
-                let mut bw = 0.0;
-                for c in node.nics() {
-                    bw += if c.kind() == kind {
-                        r.achieved
-                    } else {
-                        hw_nic_share(hw.node_nic_gb_s[n], node.nics().len())
-                    };
+                if !has_kind(node) {
+                    continue;
                 }
-                if has_kind(node) {
-                    hw.node_nic_gb_s[n] = bw;
-                }
+                hw.node_nic_gb_s[n] = node
+                    .nics()
+                    .iter()
+                    .map(|c| {
+                        touched
+                            .nics
+                            .iter()
+                            .find(|(k, _)| *k == c.kind())
+                            .map_or_else(|| nic_gb_s(topology, c), |&(_, v)| v)
+                    })
+                    .sum();
             }
-            touched.nics.push(kind);
             cal.changed.push(CalibrationItem {
                 figure: format!("network bandwidth per {prefix} NIC"),
                 applies_to: describe_nics(topology, kind),
@@ -563,16 +575,14 @@ fn apply_network(
     }
 }
 
-/// The per-NIC bandwidth of the first node with a NIC of `kind` (before calibration).
-fn nic_datasheet(hw: &Hardware, topology: &Topology, kind: NicKind) -> f64 {
+/// The bandwidth of the first NIC of `kind` before calibration.
+fn nic_datasheet(topology: &Topology, kind: NicKind) -> f64 {
     topology
         .nodes()
         .iter()
-        .enumerate()
-        .find(|(_, n)| n.nics().iter().any(|c| c.kind() == kind))
-        .map_or(0.0, |(i, n)| {
-            hw_nic_share(hw.node_nic_gb_s[i], n.nics().len())
-        })
+        .flat_map(|n| n.nics())
+        .find(|c| c.kind() == kind)
+        .map_or(0.0, |c| nic_gb_s(topology, c))
 }
 
 /// "32 roce NICs on 4 nodes".
@@ -693,11 +703,14 @@ fn left_alone_links(hw: &Hardware, topology: &Topology, touched: &Touched, cal: 
                 .any(|n| n.nics().iter().any(|c| c.kind() == k))
         })
         .collect();
-    for &k in present.iter().filter(|k| !touched.nics.contains(k)) {
+    for &k in present
+        .iter()
+        .filter(|k| !touched.nics.iter().any(|(t, _)| t == *k))
+    {
         item(
             format!("network bandwidth per {} NIC", k.name()),
             describe_nics(topology, k),
-            nic_datasheet(hw, topology, k),
+            nic_datasheet(topology, k),
             "GB/s",
             format!("no {}_dispatch_throughput result", k.name()),
         );
@@ -743,11 +756,6 @@ fn left_alone_links(hw: &Hardware, topology: &Topology, touched: &Touched, cal: 
     }
 }
 
-/// A NIC's share of a node's current aggregate (for mixed-kind nodes).
-fn hw_nic_share(node_total: f64, nics: usize) -> f64 {
-    node_total / nics.max(1) as f64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -781,6 +789,64 @@ mod tests {
         let mut hw1 = Hardware::from_topology(&t);
         apply(&mut hw1, &t, &m, &[bench], 1);
         assert_eq!(hw1.device_bandwidth_gb_s[0], 100.0);
+    }
+
+    /// A node with NICs of two kinds: each NIC keeps its own figure until its kind is
+    /// measured (the node's total is not split evenly over NICs of different speeds).
+    #[test]
+    fn nodes_with_two_nic_kinds_are_calibrated_nic_by_nic() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mi300x-4x8.toml");
+        let text: String = std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                if l.trim_start().starts_with("{ name = \"mlx5_7\"") {
+                    "  { name = \"mlx5_7\", kind = \"tcp\", speed_gbit_s = 10, mtu = 1500 },"
+                        .to_owned()
+                } else {
+                    l.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let t = Topology::from_toml_str(&text).unwrap();
+        let m = preset_by_name("kimi-k2").unwrap();
+        let tcp_line = 10.0 / 8.0 * crate::wire::tcp_payload_share(1500);
+        let roce = r#"{"name": "roce_dispatch_throughput", "batch": 256, "achieved": 40.0, "limit": 50.0, "unit": "GB/s", "ratio": 0.8}"#;
+        let tcp = r#"{"name": "tcp_dispatch_throughput", "batch": 256, "achieved": 1.0, "limit": 1.2, "unit": "GB/s", "ratio": 0.8}"#;
+        let file = |results: &[&str]| {
+            let json = format!(
+                r#"{{"machine": {{"device_kind": "gpu"}}, "results": [{}]}}"#,
+                results.join(",")
+            );
+            BenchFile::from_json_str(Path::new("b.json"), &json).unwrap()
+        };
+        let mut hw = Hardware::from_topology(&t);
+        let before = hw.node_nic_gb_s.clone();
+        assert!(
+            before
+                .iter()
+                .all(|&b| (b - (7.0 * 50.0 + tcp_line)).abs() < 1e-9)
+        );
+        let cal = apply(&mut hw, &t, &m, &[file(&[roce])], 48);
+        for &b in &hw.node_nic_gb_s {
+            assert!((b - (7.0 * 40.0 + tcp_line)).abs() < 1e-9, "{b}");
+        }
+        let changed = cal
+            .changed
+            .iter()
+            .find(|c| c.figure.contains("roce"))
+            .unwrap();
+        assert_eq!(
+            changed.was,
+            Some(50.0),
+            "the RoCE NIC's own datasheet figure"
+        );
+        let mut hw = Hardware::from_topology(&t);
+        apply(&mut hw, &t, &m, &[file(&[roce, tcp])], 48);
+        for &b in &hw.node_nic_gb_s {
+            assert!((b - (7.0 * 40.0 + 1.0)).abs() < 1e-9, "both measured: {b}");
+        }
     }
 
     #[test]

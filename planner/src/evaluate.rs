@@ -87,6 +87,7 @@ mod sampling;
 #[cfg(test)]
 mod tests;
 pub use evaluation::{DEFAULT_MICRO_BATCH, Evaluation, Evaluator, LoadBalance, NicBytes, Traffic};
+pub(crate) use hardware::nic_gb_s;
 pub use hardware::{FigureSource, Hardware, INTRA_HOP_US, ROCE_HOP_US, TCP_HOP_US};
 pub use roofline::{Roofline, Terms};
 pub use sampling::SAMPLED_TOKENS;

@@ -5,7 +5,7 @@
 //! calibration) or a default; the evaluation reads them through [`Hardware`] so that a report can
 //! say which figure it used.
 
-use expertmesh_topology::topology::{IntraLinkKind, NicKind, Topology};
+use expertmesh_topology::topology::{IntraLinkKind, Nic, NicKind, Topology};
 use serde::Serialize;
 
 /// Default one-way latency of a network hop over RoCE, µs (no measurement given).
@@ -94,6 +94,22 @@ impl Hardware {
     }
 }
 
+/// One NIC's bandwidth per direction before calibration: the topology's measured inter-node
+/// bandwidth (per NIC) when it has one, else its line rate (for a TCP NIC, the share its
+/// headers leave at its MTU).
+pub(crate) fn nic_gb_s(t: &Topology, c: &Nic) -> f64 {
+    t.measured()
+        .inter_node()
+        .and_then(|m| m.bandwidth_gb_s())
+        .unwrap_or_else(|| {
+            let share = match c.kind() {
+                NicKind::Tcp => crate::wire::tcp_payload_share(c.mtu()),
+                _ => 1.0,
+            };
+            c.speed_gbit_s() / 8.0 * share
+        })
+}
+
 /// Hardware step: each node's network bandwidth, all NICs per direction (line rate — for a TCP
 /// NIC the share its headers leave at its MTU — or the measured inter-node bandwidth per NIC).
 pub(super) fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSource>) -> Vec<f64> {
@@ -101,20 +117,7 @@ pub(super) fn node_network_bandwidth(t: &Topology, sources: &mut Vec<FigureSourc
     let node_nic_gb_s: Vec<f64> = t
         .nodes()
         .iter()
-        .map(|n| {
-            n.nics()
-                .iter()
-                .map(|c| {
-                    nic_measured.unwrap_or_else(|| {
-                        let share = match c.kind() {
-                            NicKind::Tcp => crate::wire::tcp_payload_share(c.mtu()),
-                            _ => 1.0,
-                        };
-                        c.speed_gbit_s() / 8.0 * share
-                    })
-                })
-                .sum()
-        })
+        .map(|n| n.nics().iter().map(|c| nic_gb_s(t, c)).sum())
         .collect();
     sources.push(FigureSource {
         what: "network bandwidth per node (all NICs, per direction)".into(),
