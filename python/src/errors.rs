@@ -9,7 +9,7 @@ use expertmesh_router::client::ClientError;
 use expertmesh_transport::codec::{CodecError, ErrorCode};
 use expertmesh_transport::frontend::FrontendError;
 use expertmesh_transport::protocol::ProtocolError;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
@@ -21,6 +21,8 @@ pub(crate) enum Failure {
     Interrupted(PyErr),
     /// The client was closed.
     Closed,
+    /// A call from a signal handler while a call on the same client runs on this thread.
+    Reentrant,
 }
 
 static FROM_NATIVE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -32,6 +34,11 @@ impl Failure {
             Failure::Client(e) => client_error(py, &e),
             Failure::Interrupted(e) => e,
             Failure::Closed => PyValueError::new_err("the RouterClient was closed"),
+            Failure::Reentrant => PyRuntimeError::new_err(
+                "this RouterClient is in a call on this thread (a signal handler interrupted \
+                 it): a call from the handler would wait for itself; use another client there, \
+                 or close() this one",
+            ),
         }
     }
 }

@@ -9,9 +9,11 @@
 //! exception hierarchy of `expertmesh/_errors.py` (one class per router error code).
 //!
 //! Threads: a client's methods may be called from any thread; calls on one client are
-//! serialized by a mutex taken with the GIL released (so a thread waiting for the client never
-//! blocks other Python threads). Pipelining on one connection is `submit` / `wait`; concurrency
-//! across threads is one client per thread.
+//! serialized by a gate waited for with the GIL released (so a thread waiting for the client
+//! never blocks other Python threads), which still answers Ctrl-C and `close`. Signal handlers
+//! run outside the client's runtime, so one may call another client, or `close` this one.
+//! Pipelining on one connection is `submit` / `wait`; concurrency across threads is one client
+//! per thread.
 
 mod array;
 mod bench;
@@ -47,9 +49,77 @@ struct Inner {
 
 /// What a client object owns; the mutex serializes calls from several Python threads.
 struct Shared {
+    /// Taken only by the thread that holds `gate`: uncontended.
     inner: Mutex<Inner>,
-    /// Set by `close`: a call blocked on another thread (holding the mutex) gives up.
+    /// Which thread's call has the client (see [`Gate`]).
+    gate: Gate,
+    /// Set by `close`: a call blocked on another thread (holding the gate) gives up.
     closing: Closing,
+}
+
+/// Serializes calls on one client across Python threads. Unlike a plain mutex, a thread
+/// waiting for it checks for signals (Ctrl-C) every [`SIGNAL_POLL`] and gives up when the
+/// client is closed, and a call made from a signal handler while a call of the same thread
+/// has the client (it would wait for itself) is refused.
+#[derive(Default)]
+struct Gate {
+    /// The id ([`thread_id`]) of the thread whose call has the client; 0: none.
+    holder: Mutex<u64>,
+    freed: std::sync::Condvar,
+}
+
+/// A number for this thread, never 0.
+fn thread_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    ID.with(|id| *id)
+}
+
+impl Gate {
+    fn holder(&self) -> MutexGuard<'_, u64> {
+        self.holder.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wait until the client is free and take it for this thread.
+    fn enter(&self, closing: &Closing) -> Result<(), Failure> {
+        let me = thread_id();
+        let mut holder = self.holder();
+        while *holder != 0 {
+            if *holder == me {
+                return Err(Failure::Reentrant);
+            }
+            if closing.is_set() {
+                return Err(Failure::Closed);
+            }
+            let (h, waited) = self
+                .freed
+                .wait_timeout(holder, SIGNAL_POLL)
+                .unwrap_or_else(|e| e.into_inner());
+            holder = h;
+            if waited.timed_out() && *holder != 0 {
+                drop(holder);
+                Python::attach(|py| py.check_signals()).map_err(Failure::Interrupted)?;
+                holder = self.holder();
+            }
+        }
+        *holder = me;
+        Ok(())
+    }
+
+    /// Take the client for this thread if it is free now.
+    fn try_enter(&self) -> bool {
+        let mut holder = self.holder();
+        if *holder != 0 {
+            return false;
+        }
+        *holder = thread_id();
+        true
+    }
+
+    fn leave(&self) {
+        *self.holder() = 0;
+        self.freed.notify_one();
+    }
 }
 
 /// `close`'s signal to calls in progress ([`block`] watches it).
@@ -87,6 +157,15 @@ impl<'a> Blocking<'a> {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drop the connection once `close` was called, unless another thread's call has the
+    /// client (it drops it when it ends: see [`with_client`]).
+    fn drop_if_closing(&self) {
+        if self.closing.is_set() && self.gate.try_enter() {
+            self.lock().client = None;
+            self.gate.leave();
+        }
     }
 }
 
@@ -250,6 +329,7 @@ impl PyRouterClient {
                     rt,
                     client: Some(client),
                 }),
+                gate: Gate::default(),
                 closing: Closing::default(),
             }),
             id: NEXT_CLIENT.fetch_add(1, Ordering::Relaxed),
@@ -421,7 +501,10 @@ impl PyRouterClient {
     fn close(&self, py: Python<'_>) {
         let shared = &*self.shared;
         shared.closing.set();
-        py.detach(|| shared.lock().client = None);
+        // Never waits: a call that has the client (on another thread, or the one a signal
+        // handler calling this interrupted) drops the connection as it ends.
+        shared.gate.freed.notify_all();
+        py.detach(|| shared.drop_if_closing());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -447,9 +530,8 @@ impl PyRouterClient {
 
     /// Whether :meth:`close` was called.
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
-        let shared = &*self.shared;
-        py.detach(|| shared.lock().client.is_none())
+    fn closed(&self) -> bool {
+        self.shared.closing.is_set()
     }
 
     /// How many requests may be submitted and unanswered at a time (settable, at least 1).
@@ -504,16 +586,23 @@ fn with_client<T>(
     shared: &Shared,
     f: impl FnOnce(Blocking<'_>, &mut RustClient) -> Result<T, Failure>,
 ) -> Result<T, Failure> {
-    let mut guard = shared.lock();
-    let Inner { rt, client } = &mut *guard;
-    let run = Blocking {
-        rt,
-        closing: Some(&shared.closing),
+    shared.gate.enter(&shared.closing)?;
+    let out = {
+        let mut guard = shared.lock();
+        let Inner { rt, client } = &mut *guard;
+        let run = Blocking {
+            rt,
+            closing: Some(&shared.closing),
+        };
+        match client.as_mut() {
+            Some(c) if !shared.closing.is_set() => f(run, c),
+            _ => Err(Failure::Closed),
+        }
     };
-    match client.as_mut() {
-        Some(c) if !shared.closing.is_set() => f(run, c),
-        _ => Err(Failure::Closed),
-    }
+    shared.gate.leave();
+    // A `close` that came meanwhile could not take the client: drop the connection now.
+    shared.drop_if_closing();
+    out
 }
 
 /// A current-thread runtime with I/O and timers (one per client: no threads of its own).
@@ -532,28 +621,30 @@ fn block<T>(
     run: Blocking<'_>,
     fut: impl Future<Output = Result<T, expertmesh_router::client::ClientError>>,
 ) -> Result<T, Failure> {
-    run.rt.block_on(async {
-        let mut fut = std::pin::pin!(fut);
-        let never = tokio::sync::Notify::new();
-        let mut closed = std::pin::pin!(run.closing.map_or(&never, |c| &c.notify).notified());
-        // Registered before the flag is read: a `close` after this read wakes it.
-        closed.as_mut().enable();
-        if run.closing.is_some_and(Closing::is_set) {
-            return Err(Failure::Closed);
-        }
-        loop {
+    let mut fut = std::pin::pin!(fut);
+    let never = tokio::sync::Notify::new();
+    let mut closed = std::pin::pin!(run.closing.map_or(&never, |c| &c.notify).notified());
+    // Registered before the flag is read: a `close` after this read wakes it.
+    closed.as_mut().enable();
+    if run.closing.is_some_and(Closing::is_set) {
+        return Err(Failure::Closed);
+    }
+    loop {
+        let step = run.rt.block_on(async {
             tokio::select! {
                 biased;
-                r = &mut fut => return r.map_err(Failure::Client),
-                () = &mut closed => return Err(Failure::Closed),
-                _ = tokio::time::sleep(SIGNAL_POLL) => {
-                    if let Err(e) = Python::attach(|py| py.check_signals()) {
-                        return Err(Failure::Interrupted(e));
-                    }
-                }
+                r = &mut fut => Some(r.map_err(Failure::Client)),
+                () = &mut closed => Some(Err(Failure::Closed)),
+                _ = tokio::time::sleep(SIGNAL_POLL) => None,
             }
+        });
+        if let Some(done) = step {
+            return done;
         }
-    })
+        // Outside the runtime: a signal handler may call another client (whose runtime
+        // cannot start inside this one's).
+        Python::attach(|py| py.check_signals()).map_err(Failure::Interrupted)?;
+    }
 }
 
 /// Connect to the first of `addrs` that answers, within `timeout` each.

@@ -169,3 +169,124 @@ def test_close_on_another_thread_abandons_a_blocked_call(own_fabric):
     assert c.closed
     with f.client() as again:
         np.testing.assert_array_equal(again.moe(1, x), want)
+
+
+def _alarm(handler, seconds: float):
+    """Run ``handler`` on SIGALRM ``seconds`` from now; returns the old handler to restore."""
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    return old
+
+
+def _no_alarm(old) -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def cpu0_only() -> tuple[np.ndarray, np.ndarray]:
+    """One token whose logits choose experts 0-3 (cpu0 holds them): served with cpu1 stopped."""
+    logits = np.full((1, 32), -10.0, np.float32)
+    logits[0, :4] = 10.0
+    return needs_cpu1(40)[:1], logits
+
+
+def test_a_signal_handler_may_close_the_client_or_call_another(own_fabric):
+    """A handler that interrupts a blocked call may close that client (the call raises
+    ValueError at once instead of hanging on the client it interrupted) or call another client
+    (served, not a PanicException from starting a runtime inside the blocked one)."""
+    f = own_fabric
+    x = needs_cpu1(5)
+    c, other = f.client(), f.client()
+    c.moe(1, x)
+    y, logits = cpu0_only()
+    want_other = other.moe(2, y, logits=logits)
+    got = {}
+
+    def call_other(signum, frame):
+        got["other"] = other.moe(2, y, logits=logits)
+
+    def close_it(signum, frame):
+        c.close()
+
+    f.workers[1].send_signal(signal.SIGSTOP)
+    try:
+        old = _alarm(call_other, 0.3)
+        try:
+            with pytest.raises(expertmesh.DeadlineExceeded):
+                c.moe(1, x, deadline_ms=1500)
+        finally:
+            _no_alarm(old)
+        np.testing.assert_array_equal(got["other"], want_other)
+        old = _alarm(close_it, 0.3)
+        try:
+            t = time.monotonic()
+            with pytest.raises(ValueError, match="closed"):
+                c.moe(1, x, deadline_ms=10_000)
+            assert time.monotonic() - t < 5.0
+        finally:
+            _no_alarm(old)
+    finally:
+        f.workers[1].send_signal(signal.SIGCONT)
+    assert c.closed
+    other.close()
+
+
+def test_a_handler_calling_the_client_it_interrupted_is_refused_not_a_deadlock(own_fabric):
+    f = own_fabric
+    x = needs_cpu1(6)
+    with f.client() as c:
+        want = c.moe(1, x)
+
+        def same_client(signum, frame):
+            c.moe(1, x)
+
+        f.workers[1].send_signal(signal.SIGSTOP)
+        try:
+            old = _alarm(same_client, 0.3)
+            try:
+                with pytest.raises(RuntimeError, match="would wait for itself"):
+                    c.moe(1, x, deadline_ms=10_000)
+            finally:
+                _no_alarm(old)
+        finally:
+            f.workers[1].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(c.moe(1, x), want)
+
+
+def test_ctrl_c_reaches_a_thread_waiting_for_a_client_another_thread_uses(own_fabric):
+    """A thread waiting for the client while another thread's call has it still answers a
+    signal (Ctrl-C), instead of sitting out the other call's deadline."""
+    f = own_fabric
+    x = needs_cpu1(7)
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted()
+
+    with f.client() as c:
+        want = c.moe(1, x)
+        f.workers[1].send_signal(signal.SIGSTOP)
+        def busy_call():
+            try:
+                c.moe(1, x, deadline_ms=4000)
+            except expertmesh.Error:
+                pass  # its deadline, or answered after the worker resumed: either is fine here
+
+        busy = threading.Thread(target=busy_call)
+        try:
+            busy.start()
+            time.sleep(0.3)  # the other thread's call has the client by now, most likely
+            old = _alarm(handler, 0.3)
+            try:
+                t = time.monotonic()
+                with pytest.raises(Interrupted):
+                    c.moe(1, x, deadline_ms=10_000)
+                assert time.monotonic() - t < 3.0, "waited for the other call's deadline"
+            finally:
+                _no_alarm(old)
+        finally:
+            f.workers[1].send_signal(signal.SIGCONT)
+            busy.join()
+        np.testing.assert_array_equal(c.moe(1, x), want)
