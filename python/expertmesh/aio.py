@@ -28,9 +28,11 @@ The arrays must not be modified until the call has finished.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import concurrent.futures
-from typing import Any, List, Optional, Union
+import threading
+from typing import Any, Deque, List, Optional, Tuple, Union
 
 from . import _native
 
@@ -71,7 +73,7 @@ class RouterClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=connections, thread_name_prefix="expertmesh-aio"
         )
-        self._idle: Optional[asyncio.Queue] = None
+        self._idle = _Idle(self._clients)
         self._closed = False
 
     @classmethod
@@ -111,16 +113,6 @@ class RouterClient:
         """Connections in the pool (calls in flight at most)."""
         return len(self._clients)
 
-    def _queue(self) -> asyncio.Queue:
-        if self._closed:
-            raise ValueError("the RouterClient was closed")
-        if self._idle is None:
-            q: asyncio.Queue = asyncio.Queue()
-            for c in self._clients:
-                q.put_nowait(c)
-            self._idle = q
-        return self._idle
-
     async def moe(
         self,
         layer: int,
@@ -141,9 +133,10 @@ class RouterClient:
         """``method`` of an idle connection, run on a worker thread. A call that waited for a
         connection while the client was closed raises ``ValueError`` as a call after
         ``close`` does."""
-        idle = self._queue()
+        if self._closed:
+            raise ValueError("the RouterClient was closed")
+        idle = self._idle
         client = await idle.get()
-        loop = asyncio.get_running_loop()
         try:
             if self._closed:
                 raise ValueError("the RouterClient was closed")
@@ -152,13 +145,11 @@ class RouterClient:
             except RuntimeError as e:  # the pool shut down: closed meanwhile
                 raise ValueError("the RouterClient was closed") from e
         except BaseException:
-            idle.put_nowait(client)
+            idle.put(client)
             raise
         # The connection goes back when the call has finished on its thread, even when the
-        # awaiting task was cancelled meanwhile.
-        done.add_done_callback(
-            lambda _: loop.call_soon_threadsafe(idle.put_nowait, client)
-        )
+        # awaiting task was cancelled meanwhile, or its event loop closed.
+        done.add_done_callback(lambda _: idle.put(client))
         return await asyncio.wrap_future(done)
 
     def close(self) -> None:
@@ -182,3 +173,54 @@ class RouterClient:
 
     def __repr__(self) -> str:
         return f"<expertmesh.aio.RouterClient {self.addr} connections={self.connections}>"
+
+
+class _Idle:
+    """The idle connections, shared by every event loop that uses the client: a connection
+    goes back from the worker thread that ran its call, to the longest waiting call whose loop
+    still runs (a waiter of a loop that has closed, or a cancelled one, is passed over), else
+    to the idle list. An ``asyncio.Queue`` belongs to one loop, so a client used from a second
+    ``asyncio.run`` (or whose first loop closed with a call on its thread) lost connections."""
+
+    def __init__(self, clients: List["_native.RouterClient"]) -> None:
+        self._lock = threading.Lock()
+        self._idle: Deque["_native.RouterClient"] = collections.deque(clients)
+        self._waiters: Deque[Tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]"]] = (
+            collections.deque()
+        )
+
+    async def get(self) -> "_native.RouterClient":
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._idle:
+                return self._idle.popleft()
+            fut: "asyncio.Future[Any]" = loop.create_future()
+            self._waiters.append((loop, fut))
+        try:
+            return await fut
+        except BaseException:
+            # Cancelled after a connection was handed over: it goes on to the next.
+            if fut.done() and not fut.cancelled():
+                self.put(fut.result())
+            raise
+
+    def put(self, client: "_native.RouterClient") -> None:
+        """Give ``client`` back (from any thread)."""
+        with self._lock:
+            while self._waiters:
+                loop, fut = self._waiters.popleft()
+                if loop.is_closed() or fut.done():
+                    continue
+                try:
+                    loop.call_soon_threadsafe(self._hand, fut, client)
+                    return
+                except RuntimeError:  # the loop closed just now
+                    continue
+            self._idle.append(client)
+
+    def _hand(self, fut: "asyncio.Future[Any]", client: "_native.RouterClient") -> None:
+        # On the waiter's loop; a waiter cancelled meanwhile passes it on.
+        if fut.done():
+            self.put(client)
+        else:
+            fut.set_result(client)
