@@ -950,7 +950,7 @@ impl SlotFill {
         // lists more than once (`again`).
         let mut own = Held::default();
         let mut parts = Vec::new();
-        let mut again = BTreeSet::new();
+        let mut again = Vec::new();
         let mut count = 0u64;
         for &(lo, hi) in &b.experts {
             if lo >= e_max {
@@ -961,8 +961,11 @@ impl SlotFill {
                 parts.push((a, z));
                 count += u64::from(z - a) + 1;
             };
-            own.take(lo, hi, number, new, |a, z, _| again.extend(a..=z));
+            own.take(lo, hi, number, new, |a, z, _| again.push((a, z)));
         }
+        // As sorted disjoint ranges (the repeats of many ranges cost the ranges, not their
+        // experts).
+        let again = merged(again);
         let listed = self.listed + count * lis.len() as u64;
         if listed > MAX_LISTED_SLOTS {
             return Err(listed);
@@ -988,7 +991,11 @@ impl SlotFill {
                     if twice {
                         own_dups.extend(a..=z);
                     } else {
-                        own_dups.extend(again.range(a..=z).copied());
+                        // The repeated ranges that meet a..=z, clipped to it.
+                        let from = again.partition_point(|&(_, hi)| hi < a);
+                        for &(lo, hi) in again[from..].iter().take_while(|&&(lo, _)| lo <= z) {
+                            own_dups.extend(lo.max(a)..=hi.min(z));
+                        }
                     }
                 };
                 self.held[li][r].take(lo, hi, number, new, |a, z, prev| {
@@ -1005,6 +1012,19 @@ impl SlotFill {
         }
         Ok(())
     }
+}
+
+/// `ranges` sorted and merged into disjoint ranges (touching ones joined).
+fn merged(mut ranges: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
+    for (lo, hi) in ranges {
+        match out.last_mut() {
+            Some((_, z)) if lo <= z.saturating_add(1) => *z = (*z).max(hi),
+            _ => out.push((lo, hi)),
+        }
+    }
+    out
 }
 
 /// Disjoint ranges of experts, each with the block that listed it first.
