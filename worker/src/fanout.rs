@@ -591,6 +591,12 @@ impl NodeFanout {
         })
     }
 
+    /// Pending `key` fails at once with `PeerUnavailable` and `message` (its shares could not
+    /// be sent): the router sends its pairs to the devices directly.
+    pub fn abandon(&mut self, key: u64, message: String) -> Option<ToRouter> {
+        self.checked(|f| f.fail(key, ErrorCode::PeerUnavailable, message))
+    }
+
     /// Pending dispatches older than the timeout fail, naming the peers that did not answer.
     pub fn expire(&mut self, now: Instant) -> Vec<ToRouter> {
         let late: Vec<(u64, String)> = self

@@ -468,8 +468,8 @@ fn stop_on_signal(rt: &tokio::runtime::Runtime) -> Arc<AtomicBool> {
     stop
 }
 
-/// Run a worker until SIGTERM or SIGINT (it finishes and answers what is queued, then returns)
-/// or until its mesh ends.
+/// Run a worker until SIGTERM or SIGINT (it finishes and answers what is queued, and a node
+/// leader what its node peers still compute, then returns) or until its mesh ends.
 pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let d = dep.device(&opts.device)?;
     let rank = dep.mesh_rank(d);
@@ -556,6 +556,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         stale: StaleWork::default(),
         live: Live::new(dep, d, rank),
         peer_backlog: PeerBacklog::default(),
+        stopping: false,
     };
     {
         let _guard = rt.enter();
@@ -663,7 +664,9 @@ enum Input {
 /// The compute loop's state: the executor, the node fan-out (when this node fans out), the
 /// mesh to answer on, and the inputs waiting per sender.
 struct ComputeCtx {
-    /// Set by SIGTERM/SIGINT: take no new input, return once the queue is empty.
+    /// Set by SIGTERM/SIGINT: take no new input, return once the queue is empty (and, on a
+    /// leader, once no forwarded dispatch waits for its node peers, for at most
+    /// [`FANOUT_TIMEOUT`]).
     stop: Arc<AtomicBool>,
     exec: DispatchExecutor,
     fanout: Option<NodeFanout>,
@@ -681,6 +684,8 @@ struct ComputeCtx {
     live: Live,
     /// Frames to node peers on their way.
     peer_backlog: PeerBacklog,
+    /// A stop signal came: dispatches that arrive now are refused (ShuttingDown).
+    stopping: bool,
 }
 
 /// What a worker needs for live placement changes.
@@ -806,7 +811,8 @@ impl std::task::Wake for Unpark {
 const EVENTS_PER_PASS: usize = 64;
 
 impl ComputeCtx {
-    /// Until the mesh's events end, or a stop signal came and the queue is empty: take the
+    /// Until the mesh's events end, or a stop signal came and the queue is empty (and no
+    /// forwarded dispatch waits for node peers, at most [`FANOUT_TIMEOUT`]): take the
     /// ready events into the queues, run the next input round robin over senders, and sleep
     /// on this thread's park token when there is nothing to do (the mesh's event queue, or
     /// the stop signal, unparks it).
@@ -820,8 +826,10 @@ impl ComputeCtx {
             // Once stopping, nothing new is taken from the links (so a busy router cannot keep
             // the worker alive): what is queued is answered, then the loop returns. A leader
             // with forwarded dispatches still waiting for its node peers keeps reading their
-            // answers (and whatever else comes) until none waits, for at most FANOUT_TIMEOUT.
+            // answers until none waits, for at most FANOUT_TIMEOUT; a dispatch that arrives
+            // meanwhile is refused at once (ShuttingDown: the router turns to a replica).
             let stopping = self.stop.load(Ordering::SeqCst);
+            self.stopping = stopping;
             if stopping && stopped_at.is_none() {
                 stopped_at = Some(Instant::now());
             }
@@ -879,6 +887,26 @@ impl ComputeCtx {
                 let from = f.peer();
                 self.metrics.on_received(from, f.frame_len());
                 let input = match f.body() {
+                    Body::Dispatch(d) if self.stopping => {
+                        let e = ExecError {
+                            code: ErrorCode::ShuttingDown,
+                            message: format!("{} is stopping (a stop signal came)", self.id),
+                        };
+                        let refusal = error_frame(d.batch_id, e);
+                        let generation = f.link_generation();
+                        drop(f);
+                        if from < self.routers {
+                            self.send_on(from, generation, &refusal);
+                        } else {
+                            self.spawn_peer_send(
+                                from,
+                                Some(generation),
+                                refusal,
+                                "refusing a node peer's share while stopping",
+                            );
+                        }
+                        return;
+                    }
                     Body::Dispatch(_) => Input::Dispatch(f),
                     // A router refusing this connection (another process serves this device):
                     // say so, rate-limited (the dialer keeps retrying with backoff).
@@ -1026,19 +1054,6 @@ impl ComputeCtx {
             && let Some(f) = self.fanout.as_mut()
             && f.needs_forwarding(d)
         {
-            let waiting = self.peer_backlog.bytes();
-            if waiting + frame.payload().len() > PEER_BACKLOG_BYTES {
-                let e = ExecError {
-                    code: ErrorCode::PeerUnavailable,
-                    message: format!(
-                        "this node's peers are behind: {waiting} bytes of forwarded work wait \
-                         for their links; send the pairs to their devices directly"
-                    ),
-                };
-                let batch_id = d.batch_id;
-                drop(frame);
-                return self.send_on(from, generation, &error_frame(batch_id, e));
-            }
             let mesh = &self.mesh;
             let started = f.start(
                 from,
@@ -1428,6 +1443,19 @@ impl ComputeCtx {
             );
             return;
         }
+        self.spawn_reserved_peer_send(peer, generation, frame, bytes, doing);
+    }
+
+    /// [`ComputeCtx::spawn_peer_send`] of a frame whose `bytes` are already taken from the
+    /// backlog (given back when the send ends).
+    fn spawn_reserved_peer_send(
+        &mut self,
+        peer: u32,
+        generation: Option<u64>,
+        frame: OutFrame,
+        bytes: usize,
+        doing: &'static str,
+    ) {
         self.metrics.on_sent(peer, &frame);
         let mesh = self.mesh.clone();
         let backlog = self.peer_backlog.clone();
@@ -1495,11 +1523,33 @@ impl ComputeCtx {
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
     fn forward(&mut self, fwd: Forward) {
         let Forward { key, local, remote } = fwd;
-        // Never wait here on a send to a node peer (see PeerBacklog); a link that fails under
-        // the send is reported as PeerLost, and a share that does not go out in time (or not
-        // at all: the backlog is full) leaves the entry to expire, which fails it.
-        for (rank, frame) in remote {
-            self.spawn_peer_send(rank, None, frame, "forwarding a share to a node peer");
+        // Never wait here on a send to a node peer (see PeerBacklog): the shares' bytes are
+        // reserved together, or the dispatch fails at once (PeerUnavailable: the router sends
+        // its pairs to the devices directly). A link that fails under a send is reported as
+        // PeerLost, and a share that does not go out in time leaves the entry to expire; both
+        // fail it.
+        let sizes: Vec<usize> = remote
+            .iter()
+            .map(|(_, f)| codec::frame_len(&f.body, f.payload.len()))
+            .collect();
+        let total: usize = sizes.iter().sum();
+        if total > 0 && !self.peer_backlog.take(total) {
+            let message = format!(
+                "this node's peers are behind: {} bytes of forwarded work wait for their links",
+                self.peer_backlog.bytes()
+            );
+            let refused = self.fanout.as_mut().and_then(|f| f.abandon(key, message));
+            self.answer_routers(refused);
+            return;
+        }
+        for ((rank, frame), bytes) in remote.into_iter().zip(sizes) {
+            self.spawn_reserved_peer_send(
+                rank,
+                None,
+                frame,
+                bytes,
+                "forwarding a share to a node peer",
+            );
         }
         let Some((sub, payload)) = local else {
             return;
@@ -1582,4 +1632,27 @@ fn router_addresses(
         });
     }
     Ok(given.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backlog of frames to node peers takes what fits under its bound, all or nothing,
+    /// and what is given back can be taken again; it never goes below zero.
+    #[test]
+    fn the_peer_backlog_takes_what_fits_and_gives_it_back() {
+        let b = PeerBacklog::default();
+        assert!(b.take(PEER_BACKLOG_BYTES - 10));
+        assert!(!b.take(11), "past the bound: nothing taken");
+        assert_eq!(b.bytes(), PEER_BACKLOG_BYTES - 10);
+        assert!(b.take(10));
+        assert!(!b.take(1));
+        let shared = b.clone();
+        shared.give_back(PEER_BACKLOG_BYTES - 10);
+        assert_eq!(b.bytes(), 10, "clones count the same frames");
+        assert!(b.take(PEER_BACKLOG_BYTES - 10));
+        b.give_back(PEER_BACKLOG_BYTES);
+        assert_eq!(b.bytes(), 0);
+    }
 }
