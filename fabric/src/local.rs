@@ -634,6 +634,13 @@ impl LocalFabric {
         Ok(())
     }
 
+    /// Whether worker `d`'s process runs (started and not exited).
+    pub fn worker_running(&mut self, d: usize) -> bool {
+        self.workers[d]
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// Check every worker process is alive; returns the devices that exited, with status.
     pub(crate) fn exited_workers(&mut self) -> Vec<(usize, String)> {
         let mut out = Vec::new();

@@ -45,11 +45,12 @@ pub fn wait_for_stop_signal() -> Result<&'static str, FabricError> {
 }
 
 /// Runs `fabric` until SIGTERM or SIGINT, restarting every worker that exits (checked twice
-/// a second); each exit and restart is reported on stderr. A restart that fails (the new
-/// process exits at once, or does not join in time) is tried again after a backoff that
-/// doubles up to [`RESTART_BACKOFF_MAX`], so a passing cause (a port not yet free, memory held
-/// by the exited process) does not leave the fabric without that device for good. A stop
-/// signal that comes during a restart is taken after it, before the next one.
+/// a second); each exit and restart is reported on stderr. A restart whose process exits
+/// before it joins is tried again after a backoff that doubles up to [`RESTART_BACKOFF_MAX`],
+/// so a passing cause (a port not yet free, memory held by the exited process) does not leave
+/// the fabric without that device for good; one that runs but has not joined in time (a slow
+/// load) is left to join, and restarted if it exits. A stop signal that comes during a restart
+/// is taken after it, before the next one.
 pub fn supervise_until_stopped(fabric: &mut LocalFabric) -> Result<(), FabricError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -76,6 +77,14 @@ pub fn supervise_until_stopped(fabric: &mut LocalFabric) -> Result<(), FabricErr
             let name = fabric.deployment().device_label(DeviceRank(d as u32));
             match fabric.restart_worker(d) {
                 Ok(()) => restarts.restarted(d),
+                // Started but not joined in time (a slow load): left to join; if it exits,
+                // it is restarted then.
+                Err(e) if fabric.worker_running(d) => {
+                    restarts.restarted(d);
+                    eprintln!(
+                        "worker {name} did not join in time ({e:#}); it is left running to join"
+                    );
+                }
                 Err(e) => {
                     let wait = restarts.failed(d, Instant::now());
                     eprintln!("restart of worker {name} failed: {e:#}; trying again in {wait:?}");
