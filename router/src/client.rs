@@ -81,8 +81,12 @@
 //! [`ClientError::Unresponsive`], which names the router and how long it was silent. So a
 //! stopped, hung or partitioned router is noticed at most `keepalive_interval +
 //! keepalive_timeout` (defaults 1 s + 2 s) after the last frame it sent or after the call
-//! started, whichever is later, whatever the calls' deadlines. A connection on which nothing is
-//! outstanding is not probed (there is no background task); its next call starts the clock.
+//! started, whichever is later, whatever the calls' deadlines, while the caller is in a call
+//! of this client (there is no background task). A connection on which nothing is outstanding
+//! is not probed; its next call starts the clock. Silence while the caller was away between
+//! calls is not held against the router: what it sent meanwhile is read first (answers that
+//! came in time are answers, whatever their deadlines say by then), and it is probed before it
+//! is given up, unless a write to it is blocked.
 //!
 //! # Failover over several routers
 //!

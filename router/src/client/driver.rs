@@ -126,11 +126,10 @@ impl RouterClient {
         {
             return Ok(());
         }
-        self.link.read.start_read();
         // Let the runtime look at the socket (a yielded task runs after the I/O driver), then
         // take what is there without waiting.
         tokio::task::yield_now().await;
-        let Some(Some(finished)) = poll_once(self.link.read.finish()) else {
+        let Some(finished) = self.read_now() else {
             return Ok(()); // nothing: the connection is open
         };
         let idle_closed = matches!(
@@ -264,7 +263,7 @@ impl RouterClient {
         let wake = [
             Some(until),
             self.next_deadline(),
-            self.keepalive.next_event(),
+            self.keepalive.next_event(self.link.write.is_idle()),
         ]
         .into_iter()
         .flatten()
@@ -284,7 +283,8 @@ impl RouterClient {
     /// Whether a deadline or the keepalive has something to judge at `now`.
     fn judging_due(&self, now: Instant) -> bool {
         let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
-        !self.link.is_closed() && (due(self.next_deadline()) || due(self.keepalive.next_event()))
+        let keepalive = self.keepalive.next_event(self.link.write.is_idle());
+        !self.link.is_closed() && (due(self.next_deadline()) || due(keepalive))
     }
 
     /// Take, without waiting, the frames the router has already sent and a write that has
@@ -298,10 +298,9 @@ impl RouterClient {
             if self.link.is_closed() {
                 return;
             }
-            self.link.read.start_read();
-            match poll_once(self.link.read.finish()) {
-                Some(Some(finished)) => self.absorb(finished),
-                _ => break,
+            match self.read_now() {
+                Some(finished) => self.absorb(finished),
+                None => break,
             }
         }
         if !self.link.is_closed()
@@ -309,6 +308,13 @@ impl RouterClient {
         {
             self.absorb(finished);
         }
+    }
+
+    /// The next frame (or the read's failure) if the socket already holds it, without
+    /// waiting; `None` leaves the read started for a later step.
+    fn read_now(&mut self) -> Option<Finished> {
+        self.link.read.start_read();
+        poll_once(self.link.read.finish()).flatten()
     }
 
     /// Answer every request whose deadline passed with [`ClientError::Deadline`], freeing its

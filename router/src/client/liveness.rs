@@ -145,8 +145,10 @@ impl Keepalive {
     }
 
     /// When [`Keepalive::poll`] may next have something to do (`None`: not while nothing is
-    /// outstanding, or never).
-    pub(super) fn next_event(&self) -> Option<Instant> {
+    /// outstanding, or never); `can_probe` as for `poll`. While no probe can be written, the
+    /// next thing to do is the verdict (the write's end wakes the caller sooner): the probe's
+    /// time, already past, would have the caller step without waiting until then.
+    pub(super) fn next_event(&self, can_probe: bool) -> Option<Instant> {
         if !self.active {
             return None;
         }
@@ -154,7 +156,10 @@ impl Keepalive {
         // with `Duration::MAX`).
         match self.probe_at {
             Some(at) => at.checked_add(self.timeout),
-            None => self.quiet_since.checked_add(self.interval),
+            None if can_probe => self.quiet_since.checked_add(self.interval),
+            None => self
+                .quiet_since
+                .checked_add(self.interval.saturating_add(self.timeout)),
         }
     }
 }
@@ -246,15 +251,15 @@ mod tests {
         let mut k = Keepalive::new(100 * MS, 200 * MS, t0);
         // idle: never probed however long
         assert_eq!(k.poll(t0 + 10_000 * MS, false, true), KeepaliveAction::Wait);
-        assert_eq!(k.next_event(), None);
+        assert_eq!(k.next_event(true), None);
         // a call starts at 10 s: the clock starts then
         let s = t0 + 10_000 * MS;
         assert_eq!(k.poll(s, true, true), KeepaliveAction::Wait);
-        assert_eq!(k.next_event(), Some(s + 100 * MS));
+        assert_eq!(k.next_event(true), Some(s + 100 * MS));
         assert_eq!(k.poll(s + 99 * MS, true, true), KeepaliveAction::Wait);
         assert_eq!(k.poll(s + 100 * MS, true, true), KeepaliveAction::Probe);
         k.probe_sent(s + 100 * MS);
-        assert_eq!(k.next_event(), Some(s + 300 * MS));
+        assert_eq!(k.next_event(true), Some(s + 300 * MS));
         assert_eq!(k.poll(s + 299 * MS, true, true), KeepaliveAction::Wait);
         assert_eq!(
             k.poll(s + 300 * MS, true, true),
@@ -274,6 +279,10 @@ mod tests {
         let t0 = Instant::now();
         let mut k = Keepalive::new(100 * MS, 200 * MS, t0);
         k.poll(t0, true, false);
+        // Nothing to do before the verdict while the probe cannot be written (the caller
+        // sleeps until then instead of stepping at once from the probe's time on).
+        assert_eq!(k.next_event(false), Some(t0 + 300 * MS));
+        assert_eq!(k.next_event(true), Some(t0 + 100 * MS));
         assert_eq!(k.poll(t0 + 200 * MS, true, false), KeepaliveAction::Wait);
         assert_eq!(
             k.poll(t0 + 300 * MS, true, false),
@@ -354,7 +363,7 @@ mod tests {
         assert_eq!(k.poll(t0, true, true), KeepaliveAction::Wait);
         let later = t0 + Duration::from_secs(86_400 * 365);
         assert_eq!(k.poll(later, true, true), KeepaliveAction::Wait);
-        assert_eq!(k.next_event(), None);
+        assert_eq!(k.next_event(true), None);
     }
 
     #[test]
