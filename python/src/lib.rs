@@ -47,7 +47,7 @@ struct Inner {
     client: Option<RustClient>,
 }
 
-/// What a client object owns; the mutex serializes calls from several Python threads.
+/// What a client object owns; its gate serializes calls from several Python threads.
 struct Shared {
     /// Taken only by the thread that holds `gate`: uncontended.
     inner: Mutex<Inner>,
@@ -449,21 +449,21 @@ impl PyRouterClient {
             )));
         }
         let (out_obj, out_view) = output(py, out, h.tokens, h.hidden)?;
-        let call = h
-            .handle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "handle: request {} was already waited",
-                    h.request_id
-                ))
-            })?;
+        let waited = || format!("handle: request {} was already waited", h.request_id);
+        let slot = &h.handle;
+        let take = || slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if slot.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+            return Err(PyValueError::new_err(waited()));
+        }
         let out_raw = out_view.raw::<f32>();
         let shared = &*self.shared;
         py.detach(|| {
             with_client(shared, |run, client| {
+                // Taken once the client is this thread's: an interrupt or a refusal while
+                // waiting for it leaves the handle to be waited again.
+                let call = take().ok_or_else(|| {
+                    Failure::Client(expertmesh_router::client::ClientError::Usage(waited()))
+                })?;
                 // SAFETY: `out_view` keeps `out` alive during this call; no other slice of it
                 // is alive.
                 block(run, client.wait_into(call, unsafe { out_raw.slice_mut() }))
@@ -587,22 +587,29 @@ fn with_client<T>(
     f: impl FnOnce(Blocking<'_>, &mut RustClient) -> Result<T, Failure>,
 ) -> Result<T, Failure> {
     shared.gate.enter(&shared.closing)?;
-    let out = {
-        let mut guard = shared.lock();
-        let Inner { rt, client } = &mut *guard;
-        let run = Blocking {
-            rt,
-            closing: Some(&shared.closing),
-        };
-        match client.as_mut() {
-            Some(c) if !shared.closing.is_set() => f(run, c),
-            _ => Err(Failure::Closed),
-        }
+    // Released however `f` ends (a panic included).
+    let _entered = Entered(shared);
+    let mut guard = shared.lock();
+    let Inner { rt, client } = &mut *guard;
+    let run = Blocking {
+        rt,
+        closing: Some(&shared.closing),
     };
-    shared.gate.leave();
-    // A `close` that came meanwhile could not take the client: drop the connection now.
-    shared.drop_if_closing();
-    out
+    match client.as_mut() {
+        Some(c) if !shared.closing.is_set() => f(run, c),
+        _ => Err(Failure::Closed),
+    }
+}
+
+/// The gate held by this thread's call: dropping it frees the client, then drops the
+/// connection if a `close` came meanwhile (it could not take the client itself).
+struct Entered<'a>(&'a Shared);
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.0.gate.leave();
+        self.0.drop_if_closing();
+    }
 }
 
 /// A current-thread runtime with I/O and timers (one per client: no threads of its own).

@@ -424,30 +424,6 @@ def test_asyncio_calls_waiting_for_a_connection_when_closed_raise_value_error(fa
     asyncio.run(main())
 
 
-def test_an_asyncio_client_serves_a_second_event_loop_after_the_first_closed_mid_call(fabric, client):
-    """A connection whose call was still running when its event loop closed comes back to the
-    pool (it was lost, and the next loop's call waited for ever), and the client serves a
-    later ``asyncio.run``."""
-    x = rand(8, 92)
-    want = client.moe(1, x)
-    c = aio.RouterClient(fabric.addr, fabric.cluster, "", connections=1)
-
-    async def abandon():
-        # The awaiting task gives up at once; the call runs on after this loop has closed.
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(c.moe(1, x), 0.000_001)
-
-    async def again():
-        return await asyncio.wait_for(c.moe(1, x), 30)
-
-    try:
-        asyncio.run(abandon())
-        assert_bits_equal(asyncio.run(again()), want)
-        assert_bits_equal(asyncio.run(again()), want)
-    finally:
-        c.close()
-
-
 # --- authentication, docs, bench ----------------------------------------------------------------
 
 

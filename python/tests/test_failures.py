@@ -8,6 +8,7 @@ random tokens needs experts 20-31 (only on cpu1) with near certainty.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import expertmesh
+from expertmesh import aio
 from fabric_util import SplitFabric
 
 H = 1024
@@ -290,3 +292,33 @@ def test_ctrl_c_reaches_a_thread_waiting_for_a_client_another_thread_uses(own_fa
             f.workers[1].send_signal(signal.SIGCONT)
             busy.join()
         np.testing.assert_array_equal(c.moe(1, x), want)
+
+
+def test_an_asyncio_client_serves_a_second_event_loop_after_the_first_closed_mid_call(own_fabric):
+    """A connection whose call was still running (on a stalled worker) when its event loop
+    closed comes back to the pool once the call ends (it was lost, and the next loop's call
+    waited for ever), and the client serves a later ``asyncio.run``."""
+    f = own_fabric
+    x = needs_cpu1(8)
+    with f.client() as plain:
+        want = plain.moe(1, x)
+    c = aio.RouterClient(f.addr, f.cluster, f.secret or "", connections=1)
+
+    async def abandon():
+        # The awaiting task gives up; the call runs on, blocked, after this loop has closed.
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(c.moe(1, x, deadline_ms=30_000), 0.3)
+
+    async def again():
+        return await asyncio.wait_for(c.moe(1, x), 30)
+
+    try:
+        f.workers[1].send_signal(signal.SIGSTOP)
+        try:
+            asyncio.run(abandon())
+        finally:
+            f.workers[1].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(asyncio.run(again()), want)
+        np.testing.assert_array_equal(asyncio.run(again()), want)
+    finally:
+        c.close()
