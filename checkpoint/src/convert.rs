@@ -522,7 +522,7 @@ fn write_router(
 }
 
 /// Whether the checkpoint keeps its shared experts unquantized on purpose: the routed experts
-/// are stored INT4 (pack-quantized, GPTQ or AWQ) while the shared experts are BF16, F16 or F32
+/// are stored INT4 (pack-quantized, GPTQ or AWQ) while the shared experts are plain floats
 /// (Kimi K2-Thinking lists them in its quantization config's `ignore`). Such shared experts are
 /// served at that precision by default, so the whole layer is served losslessly.
 pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -> bool {
@@ -540,7 +540,7 @@ pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -
     // through the expert reader, which applies them.
     let shared_float = shared.iter().all(|name| {
         ckpt.tensor_info(name)
-            .is_ok_and(|i| matches!(i.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32))
+            .is_ok_and(|i| is_plain_float(i.dtype))
     });
     routed_int4 && shared_float
 }

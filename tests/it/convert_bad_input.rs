@@ -51,14 +51,23 @@ fn rewrite(ckpt: &Path, edit: impl Fn(&str, &mut Vec<u8>) -> bool) {
 
 /// [`rewrite`], where `edit` may change the dtype too.
 fn rewrite_typed(ckpt: &Path, edit: impl Fn(&str, &mut Dtype, &mut Vec<u8>) -> bool) {
+    rewrite_shaped(ckpt, |n, d, _, b| edit(n, d, b));
+}
+
+/// [`rewrite`], where `edit` may change the dtype and the shape too.
+fn rewrite_shaped(
+    ckpt: &Path,
+    edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool,
+) {
     let c = Checkpoint::open(ckpt).unwrap();
     let mut owned = Vec::new();
     for name in c.tensor_names() {
         let v = c.tensor(name).unwrap();
         let mut bytes = v.bytes().to_vec();
         let mut dtype = v.dtype();
-        if edit(name, &mut dtype, &mut bytes) {
-            owned.push((name.to_string(), dtype, v.shape().to_vec(), bytes));
+        let mut shape = v.shape().to_vec();
+        if edit(name, &mut dtype, &mut shape, &mut bytes) {
+            owned.push((name.to_string(), dtype, shape, bytes));
         }
     }
     drop(c);
@@ -391,6 +400,47 @@ fn fp8_blocks_of_another_size_and_an_fp8_gate_are_refused() {
         !d.path().join("w2").join("device-0000.emshard").exists(),
         "{gate}: refused before any shard"
     );
+}
+
+/// Header values a pack-quantized expert's tensors must not be trusted with: a zero-row
+/// scale tensor whose other dimension overflows a multiplication, and a `weight_shape` that is
+/// not two numbers. Each is refused naming the tensor (exit 1), not a panic.
+#[test]
+fn packed_tensors_with_impossible_shapes_are_named_not_a_panic() {
+    use crate::hf_support::tiny::WeightFormat;
+    type Edit = Box<dyn Fn(&mut Vec<usize>, &mut Vec<u8>)>;
+    let cases: [(&str, Edit); 2] = [
+        (
+            ".experts.3.up_proj.weight_scale",
+            Box::new(|shape, bytes| {
+                *shape = vec![0, 1 << 62];
+                bytes.clear();
+            }),
+        ),
+        (
+            ".experts.3.up_proj.weight_shape",
+            Box::new(|shape, bytes| {
+                *shape = vec![4];
+                bytes.resize(16, 0);
+            }),
+        ),
+    ];
+    for (suffix, edit) in cases {
+        let d = tempfile::tempdir().unwrap();
+        let ck = d.path().join("ckpt");
+        let spec = TinySpec::for_model_type("kimi_k2").with_dtype(WeightFormat::PackQuantized);
+        write_tiny_checkpoint(&ck, &spec);
+        let target = std::sync::Mutex::new(None);
+        rewrite_shaped(&ck, |n, _, shape, bytes| {
+            if n.ends_with(suffix) && target.lock().unwrap().is_none() {
+                edit(shape, bytes);
+                *target.lock().unwrap() = Some(n.to_string());
+            }
+            true
+        });
+        let target = target.into_inner().unwrap().expect("the tensor is there");
+        fails_naming(&convert(&ck, &d.path().join("w")), &target);
+    }
 }
 
 /// Temporary files of a conversion that was killed (no process has their id any more) are
