@@ -29,7 +29,7 @@
 
 use crate::codec::{self, Body, CLIENT_RANK, CodecConfig, CodecError, ErrorCode, ErrorFrame};
 use crate::crypto::{Credentials, IntegrityError};
-use crate::link::{BufPool, nonce};
+use crate::link::{BufPool, random_nonce};
 use crate::protocol::{Connection, ProtocolConfig, ProtocolError};
 use crate::tcp::{
     Crypt, FrameIn, HandshakeGate, HandshakePermit, MemoryBudget, MemoryReservation, ReadError,
@@ -420,7 +420,11 @@ impl IncomingClient {
             return Err(self.refuse(reason).await);
         }
         let proto = Arc::new(self.cfg.protocol(true));
-        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
+        let hello = random_nonce().map_err(|e| FrontendError::Io {
+            peer: self.peer,
+            source: std::io::Error::other(e),
+        })?;
+        let mut conn = Connection::new(proto, None, hello, Vec::new(), Instant::now());
         let peer = self.peer;
         let mut crypt = Crypt::default();
         let r = tokio::select! {
@@ -569,7 +573,11 @@ impl FrameConnection {
         let _ = stream.set_nodelay(true);
         let proto = Arc::new(cfg.protocol(false));
         // Any router may answer: its hello's rank says which, and picks the key.
-        let mut conn = Connection::new(proto, None, nonce(), Vec::new(), Instant::now());
+        let hello = random_nonce().map_err(|e| FrontendError::Io {
+            peer: addr,
+            source: std::io::Error::other(e),
+        })?;
+        let mut conn = Connection::new(proto, None, hello, Vec::new(), Instant::now());
         let mut crypt = Crypt::default();
         handshake(
             &mut stream,

@@ -395,6 +395,11 @@ impl Link {
     }
 
     /// Whether the link has failed or been closed.
+    /// The bytes of credit this end grants its peer (what the peer may have in flight here).
+    pub(crate) fn recv_window(&self) -> u64 {
+        self.recv_window
+    }
+
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -781,16 +786,24 @@ pub fn process_incarnation() -> u64 {
     })
 }
 
-/// Fresh random bytes for a hello nonce (also names shared-memory rings and seeds RDMA PSNs).
-pub(crate) fn nonce() -> [u8; 32] {
+/// Fresh random bytes from the system's source (`getrandom`: no file to open, so a process at
+/// its descriptor limit still gets them), for a handshake's hello nonce. No fallback: a
+/// handshake whose transcript is not fresh could be replayed, so it fails instead.
+pub(crate) fn random_nonce() -> Result<[u8; 32], String> {
     let mut n = [0u8; 32];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        if f.read_exact(&mut n).is_ok() {
-            return n;
-        }
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
+        .map_err(|_| "the system's random source (getrandom) failed".to_owned())?;
+    Ok(n)
+}
+
+/// Bytes that differ per call and per process, to name shared-memory rings, seed RDMA PSNs
+/// and tell process lives apart: [`random_nonce`], or where the system's source fails, time
+/// and address bits (unique, not secret). Never for a handshake.
+pub(crate) fn nonce() -> [u8; 32] {
+    if let Ok(n) = random_nonce() {
+        return n;
     }
-    // No /dev/urandom: fall back to time and address entropy (still unique per connection).
+    let mut n = [0u8; 32];
     let t = Instant::now();
     let mix = format!("{t:?}{:p}{}", &n, std::process::id());
     let h = crc32c::crc32c(mix.as_bytes());

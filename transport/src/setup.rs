@@ -20,7 +20,7 @@
 
 use crate::codec;
 use crate::crypto::Opener;
-use crate::link::{FrameWriter, Link, LinkKind, NewLink, Rank, nonce};
+use crate::link::{FrameWriter, Link, LinkKind, NewLink, Rank, random_nonce};
 use crate::protocol::{Connection, ProtocolConfig, ProtocolError, describe_claim, requested_link};
 use crate::shm::{RingConsumer, RingProducer, ShmConfig};
 use crate::tcp::{self, Crypt, TcpSink};
@@ -173,7 +173,8 @@ async fn establish(
     let cfg = announce(env, kind);
     let recv_window = cfg.recv_window_bytes;
     let request = kind.attachment_prefix().to_vec();
-    let mut conn = Connection::new(cfg, expected, nonce(), request, Instant::now());
+    let hello = random_nonce().map_err(ProtocolError::Closed)?;
+    let mut conn = Connection::new(cfg, expected, hello, request, Instant::now());
     let deadline = env.proto.handshake_timeout;
     let mut crypt = Crypt::default();
     let peer = tcp::handshake(&mut stream, &mut conn, &codec, first, deadline, &mut crypt).await?;

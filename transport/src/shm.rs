@@ -639,7 +639,9 @@ impl RingProducer {
             return Err(bad("wrong magic or version (stale or foreign file)".into()));
         }
         let capacity = h.capacity as usize;
-        if capacity + DATA_OFFSET != size || !capacity.is_multiple_of(PAYLOAD_ALIGN) {
+        if capacity.checked_add(DATA_OFFSET) != Some(size)
+            || !capacity.is_multiple_of(PAYLOAD_ALIGN)
+        {
             return Err(bad(format!(
                 "capacity {capacity} does not match file size {size}"
             )));
@@ -971,5 +973,16 @@ mod tests {
         assert!(!dead.exists() && !copy.exists());
         assert!(held.exists(), "a locked segment was removed");
         drop(lock);
+        // A capacity the file cannot hold, near the top of the integers: refused, not an
+        // overflow.
+        let ring = RingConsumer::create(&cfg, "y", 0, 1).unwrap();
+        // SAFETY: test-only write to our own mapping.
+        unsafe { (*(ring.seg.map.as_mut_ptr() as *mut SegHeader)).capacity = u64::MAX - 8 };
+        let err = RingProducer::open(ring.path(), &cfg).err().unwrap();
+        assert!(matches!(err, ShmError::BadSegment { .. }), "{err}");
+        assert!(
+            err.to_string().contains("does not match file size"),
+            "{err}"
+        );
     }
 }

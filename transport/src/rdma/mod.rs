@@ -439,6 +439,9 @@ struct Poller<'a> {
     sent: BTreeSet<u64>,
     /// Received frames waiting for the ones before them.
     held: BTreeMap<u64, (FrameHeader, Storage)>,
+    /// The credit cost of the application frames in `held`: a peer sends within its credit,
+    /// so more than the receive window held out of order is a peer breaking it.
+    held_bytes: u64,
     /// The next sequence number to hand to the link.
     expected: u64,
 }
@@ -454,6 +457,7 @@ impl<'a> Poller<'a> {
             codec,
             sent: BTreeSet::new(),
             held: BTreeMap::new(),
+            held_bytes: 0,
             expected: 0,
         }
     }
@@ -571,10 +575,32 @@ impl<'a> Poller<'a> {
                 self.expected
             )));
         }
+        let cost = |h: &FrameHeader| {
+            if h.kind.is_application() {
+                crate::link::credit_cost(h.frame_len as usize)
+            } else {
+                0
+            }
+        };
+        if seq != self.expected {
+            // Held until the ones before it come: counted against the window now, since
+            // the link's own credit check sees it only when it is handed over.
+            let held = self.held_bytes + cost(&header);
+            if held > link.recv_window() {
+                return Err(ProtocolError::CreditViolation {
+                    outstanding: held,
+                    window: link.recv_window(),
+                });
+            }
+            self.held_bytes = held;
+        }
         if self.held.insert(seq, (header, storage)).is_some() {
             return Err(closed(format!("RDMA record {seq} received twice")));
         }
         while let Some((header, storage)) = self.held.remove(&self.expected) {
+            if self.expected != seq {
+                self.held_bytes -= cost(&header);
+            }
             self.expected += 1;
             if let Some(f) = link.on_frame(&header, storage)? {
                 link.deliver(f);
