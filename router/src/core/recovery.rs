@@ -96,8 +96,13 @@ impl RouterCore {
             .probe_of(from)
             .is_some_and(|(b, _)| b == request_id)
         {
+            // The probe's answer (an error frame names the batch, not the part: the probe
+            // mirrors a part of this batch). A live part of the same batch on this device
+            // that failed too sends its own error frame; one that did not is not failed for
+            // the probe's sake (probes are never waited on).
             self.fault(from, now, "its probe was answered with an error");
             self.probes.remove(&from);
+            return;
         }
         let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
             b.parts
