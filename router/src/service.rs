@@ -134,6 +134,24 @@ pub enum ServiceError {
         /// What is wrong and what to change.
         why: &'static str,
     },
+    /// The answer to the largest request accepted would not fit a frontend frame.
+    #[error(
+        "the answer to a request of {max_request_tokens} tokens (`--max-tokens`) is \
+         {answer_bytes} bytes ({max_request_tokens} x {hidden} f32 values and its header), more \
+         than a frontend frame's {max_frame_bytes}: lower --max-tokens to {fits} or less"
+    )]
+    AnswerTooLarge {
+        /// The largest request accepted.
+        max_request_tokens: usize,
+        /// The model's hidden size.
+        hidden: usize,
+        /// The frame that answer needs.
+        answer_bytes: usize,
+        /// The frontend's frame limit.
+        max_frame_bytes: usize,
+        /// The most tokens whose answer fits.
+        fits: usize,
+    },
 }
 
 enum CoreInput {
@@ -227,6 +245,7 @@ impl RouterService {
     ) -> Result<Self, ServiceError> {
         check_micro_batch(&core, mesh_cfg.protocol.codec.max_frame_bytes)?;
         check_request_limits(core.config())?;
+        check_answer_fits(&core, cfg.frontend.codec.max_frame_bytes)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("router-io")
@@ -584,6 +603,40 @@ fn check_request_limits(cfg: &crate::core::RouterConfig) -> Result<(), ServiceEr
         max_request_tokens: cfg.max_request_tokens,
         max_inflight_tokens: cfg.max_inflight_tokens,
         why,
+    })
+}
+
+/// The frontend frame of an answer of `tokens` tokens of `hidden` f32 values.
+fn answer_frame_bytes(tokens: usize, hidden: usize) -> usize {
+    let body = Body::LayerResponse(LayerResponse {
+        request_id: 0,
+        tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+        hidden: u32::try_from(hidden).unwrap_or(u32::MAX),
+        dtype: OutputDtype::F32,
+    });
+    expertmesh_transport::codec::frame_len(&body, tokens.saturating_mul(hidden).saturating_mul(4))
+}
+
+/// Refuses a request size whose answer (f32 rows) could not be sent in one frontend frame:
+/// such a request would be computed and its answer never delivered.
+fn check_answer_fits(core: &RouterCore, max_frame_bytes: usize) -> Result<(), ServiceError> {
+    let tokens = core.config().max_request_tokens;
+    let hidden = core.spec().hidden as usize;
+    let answer_bytes = answer_frame_bytes(tokens, hidden);
+    if answer_bytes <= max_frame_bytes {
+        return Ok(());
+    }
+    // The most tokens whose answer fits (the frame grows with them).
+    let mut fits = max_frame_bytes / (hidden * 4).max(1);
+    while fits > 0 && answer_frame_bytes(fits, hidden) > max_frame_bytes {
+        fits -= 1;
+    }
+    Err(ServiceError::AnswerTooLarge {
+        max_request_tokens: tokens,
+        hidden,
+        answer_bytes,
+        max_frame_bytes,
+        fits,
     })
 }
 

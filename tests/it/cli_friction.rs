@@ -248,6 +248,40 @@ fn up_refuses_request_limits_that_no_request_could_pass() {
     }
 }
 
+/// A request size whose answer (f32 rows) could not go back in one frontend frame is refused
+/// when `up` starts, naming the most tokens that fit: such requests were computed and their
+/// answers never sent.
+#[test]
+fn up_refuses_requests_whose_answer_cannot_fit_a_frame() {
+    let mut c = up_demo_small();
+    c.args([
+        "--micro-batch",
+        "8",
+        "--max-tokens",
+        "20000",
+        "--max-inflight-tokens",
+        "20000",
+    ]);
+    let r = run(c, Duration::from_secs(60));
+    let all = format!("{}{}", r.stdout, r.stderr);
+    assert_eq!(r.code, Some(2), "{all}");
+    assert!(
+        r.stderr
+            .contains("the answer to a request of 20000 tokens (`--max-tokens`) is"),
+        "{all}"
+    );
+    let fits: usize = r
+        .stderr
+        .split("lower --max-tokens to ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("names the size that fits:\n{all}"));
+    // demo-small's answers are 1,024 f32 values (4 KiB) a token; frames hold 64 MiB.
+    assert!((16_000..16_384).contains(&fits), "{fits}");
+    assert!(!r.stdout.contains("frontends:"), "nothing was announced:\n{all}");
+}
+
 /// A device given by mistake for a topology is refused once past any real file's size (it
 /// used to be read until the process was killed), and a JSON file is told that these files
 /// are TOML.
