@@ -75,6 +75,16 @@ pub enum Shed {
         "router draining before it stops: it takes no new requests; send this one to another router"
     )]
     Draining,
+    /// The connection already has a request of this id in flight: answers name requests by
+    /// id, so two at once could not be told apart (and one's tokens would be released for
+    /// the other's).
+    #[error(
+        "request id {request_id} is already in flight on this connection; give each request in flight its own id"
+    )]
+    DuplicateId {
+        /// The id.
+        request_id: u64,
+    },
 }
 
 impl Shed {
@@ -86,6 +96,7 @@ impl Shed {
         match self {
             Shed::Draining => ErrorCode::ShuttingDown,
             Shed::OverShare { .. } | Shed::Saturated { .. } => ErrorCode::Overloaded,
+            Shed::DuplicateId { .. } => ErrorCode::InvalidInput,
         }
     }
 }
@@ -154,6 +165,13 @@ impl Admission {
     pub fn admit(&mut self, client: ClientId, request_id: u64, tokens: usize) -> Result<(), Shed> {
         if self.draining {
             return Err(Shed::Draining);
+        }
+        if self
+            .clients
+            .get(&client)
+            .is_some_and(|c| c.inflight.iter().any(|&(id, _)| id == request_id))
+        {
+            return Err(Shed::DuplicateId { request_id });
         }
         let limits = self.limits;
         let (requests, tokens_in) = self.client_in_flight(client);
@@ -271,6 +289,26 @@ mod tests {
         assert!(Shed::Draining.to_string().contains("another router"));
     }
 
+    /// An id already in flight on a connection is refused (its release would free the other
+    /// request's tokens); on another connection, or once answered, it is admitted.
+    #[test]
+    fn an_id_in_flight_on_its_connection_is_refused() {
+        let mut a = Admission::new(limits());
+        a.open();
+        a.open();
+        a.admit(1, 7, 256).unwrap();
+        assert_eq!(a.admit(1, 7, 1), Err(Shed::DuplicateId { request_id: 7 }));
+        assert_eq!(a.in_flight(), (1, 256), "the refusal took nothing");
+        a.admit(2, 7, 1).unwrap();
+        a.release(1, 7);
+        assert_eq!(a.in_flight(), (1, 1));
+        a.admit(1, 7, 1).unwrap();
+        assert_eq!(
+            Shed::DuplicateId { request_id: 7 }.code(),
+            expertmesh_transport::codec::ErrorCode::InvalidInput
+        );
+    }
+
     #[test]
     fn a_lone_connection_may_use_the_capacity_up_to_its_own_limit() {
         let mut a = Admission::new(limits());
@@ -381,14 +419,14 @@ mod tests {
         let mut a = Admission::new(limits());
         a.open();
         a.admit(1, 7, 10).unwrap();
-        a.admit(1, 7, 20).unwrap(); // a duplicate id: released one at a time
+        a.admit(1, 9, 20).unwrap();
         a.release(1, 8); // never admitted: ignored
         a.release(2, 7); // unknown connection: ignored
         assert_eq!(a.in_flight(), (2, 30));
         a.close(1);
         a.release(1, 7);
-        assert_eq!(a.client_in_flight(1).0, 1);
-        a.release(1, 7);
+        assert_eq!(a.client_in_flight(1), (1, 20));
+        a.release(1, 9);
         assert_eq!(a.in_flight(), (0, 0));
         assert!(a.clients.is_empty() && a.busy == 0);
     }
