@@ -166,6 +166,12 @@ enum CoreInput {
         batch: u64,
         part: u32,
     },
+    /// A dispatch not sent: the rank's [`SendBacklog`] is full.
+    SendRefused {
+        rank: u32,
+        batch: u64,
+        part: u32,
+    },
     /// A frontend asks to apply a placement to the running fabric (or this process does:
     /// `reply` set, [`PlacementHandle`]).
     Apply {
@@ -243,7 +249,8 @@ impl RouterService {
         mesh_cfg: MeshConfig,
         cfg: ServiceConfig,
     ) -> Result<Self, ServiceError> {
-        check_micro_batch(&core, mesh_cfg.protocol.codec.max_frame_bytes)?;
+        let mesh_max_frame_bytes = mesh_cfg.protocol.codec.max_frame_bytes;
+        check_micro_batch(&core, mesh_max_frame_bytes)?;
         check_request_limits(core.config())?;
         check_answer_fits(&core, cfg.frontend.codec.max_frame_bytes)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -297,7 +304,12 @@ impl RouterService {
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
         let live = workers_live(ranks.len());
+        let send_backlog = Arc::new(SendBacklog::new(
+            ranks.len(),
+            SEND_BACKLOG_FRAMES * mesh_max_frame_bytes,
+        ));
         let core_loop = CoreLoop {
+            send_backlog,
             changes: Changes::new(&core, own_rank),
             names: core.rank_labels(),
             core,
@@ -1506,6 +1518,47 @@ struct CoreLoop {
     changes: Changes,
     /// Which workers the core may choose, for [`RouterService::is_worker_live`].
     live: WorkersLive,
+    /// Dispatch bytes per rank not written yet ([`CoreLoop::send`]).
+    send_backlog: Arc<SendBacklog>,
+}
+
+/// How many of the mesh's largest frames may wait, per worker, for the link to take them.
+const SEND_BACKLOG_FRAMES: usize = 4;
+
+/// The dispatch bytes waiting to be written to each rank: a worker that stops taking its
+/// frames (its compute hung, its link still alive) holds its credit, and every batch planned
+/// on it would otherwise leave one more frame waiting in memory for it, to be computed (for
+/// requests long failed) before anything new once it recovers.
+struct SendBacklog {
+    bytes: Vec<AtomicUsize>,
+    limit: usize,
+}
+
+impl SendBacklog {
+    fn new(ranks: usize, limit: usize) -> Self {
+        Self {
+            bytes: (0..ranks).map(|_| AtomicUsize::new(0)).collect(),
+            limit,
+        }
+    }
+
+    /// Take `n` bytes for `rank`; `false` (nothing taken) when they do not fit its bound. A
+    /// rank with nothing waiting always takes one frame.
+    fn take(&self, rank: u32, n: usize) -> bool {
+        let Some(b) = self.bytes.get(rank as usize) else {
+            return true;
+        };
+        b.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+            (w == 0 || w + n <= self.limit).then_some(w + n)
+        })
+        .is_ok()
+    }
+
+    fn give_back(&self, rank: u32, n: usize) {
+        if let Some(b) = self.bytes.get(rank as usize) {
+            b.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
 }
 
 /// The core thread's part in live placement changes.
@@ -1631,6 +1684,9 @@ impl CoreLoop {
             }
             CoreInput::SendFailed { rank, batch, part } => {
                 self.core.on_send_failed(rank, batch, part, now)
+            }
+            CoreInput::SendRefused { rank, batch, part } => {
+                self.core.on_send_refused(rank, batch, part, now)
             }
             CoreInput::Apply {
                 client,
@@ -2126,17 +2182,36 @@ impl CoreLoop {
 
     /// Send one dispatch frame. The send is polled once here: a link with credit writes the
     /// frame now, from this thread, without waking a runtime thread; a send that has to wait
-    /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled. The
+    /// (credit, a busy writer, a full socket or ring) goes on as a task, never cancelled,
+    /// within the rank's [`SendBacklog`] (past it the part fails at once, as a failed send). The
     /// rank's count of unfinished sends covers it until it is written (a worker's `Seen`
     /// waits for those begun before it: a smaller frame could otherwise take the link's
     /// credit first).
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
-        self.core.metrics().on_sent(rank, &frame);
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
+        let bytes = expertmesh_transport::codec::frame_len(&frame.body, frame.payload.len());
+        if !self.send_backlog.take(rank, bytes) {
+            // The worker is not taking its frames: this part fails now (a replica takes it,
+            // or its batch fails) instead of waiting in memory behind the others.
+            tracing::debug!(
+                rank,
+                batch,
+                part,
+                "dispatch not sent: the worker's backlog is full"
+            );
+            let refused = CoreInput::SendRefused { rank, batch, part };
+            self.rt.spawn(async move {
+                let _ = send_to_core(&tx, refused).await;
+            });
+            return;
+        }
+        self.core.metrics().on_sent(rank, &frame);
+        let backlog = Arc::clone(&self.send_backlog);
         let under_way = self.changes.unconfirmed.begin_send(rank);
         let mut send = Box::pin(async move {
             let sent = mesh.send(rank, &frame).await;
             drop(under_way);
+            backlog.give_back(rank, bytes);
             if let Err(e) = sent {
                 tracing::warn!(rank, error = %e, "dispatch send failed");
                 let failed = CoreInput::SendFailed { rank, batch, part };
@@ -2151,8 +2226,30 @@ impl CoreLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::idle_wait;
+    use super::{SendBacklog, idle_wait};
     use std::time::Duration;
+
+    /// Each rank's unsent dispatch bytes stay within the bound (a rank with none waiting
+    /// always takes one frame); what is given back can be taken again; ranks are apart.
+    #[test]
+    fn the_send_backlog_bounds_each_rank_apart() {
+        let b = SendBacklog::new(3, 100);
+        assert!(b.take(1, 60));
+        assert!(b.take(1, 40));
+        assert!(!b.take(1, 1), "rank 1 is at its bound");
+        assert!(b.take(2, 100), "rank 2 is not");
+        assert!(
+            b.take(0, 500),
+            "an empty rank takes one frame, however large"
+        );
+        assert!(!b.take(0, 1));
+        b.give_back(1, 60);
+        assert!(b.take(1, 50));
+        assert!(
+            b.take(7, 1 << 40),
+            "a rank past the table is not bounded here"
+        );
+    }
 
     const S: Duration = Duration::from_secs(1);
 

@@ -275,6 +275,7 @@ impl SimBuilder {
             hold: false,
             down: Vec::new(),
             silent: Vec::new(),
+            backlogged: Vec::new(),
             erroring: HashMap::new(),
             cut_off_leaders: Vec::new(),
             queue: Vec::new(),
@@ -333,6 +334,9 @@ pub struct Sim {
     pub down: Vec<u32>,
     /// Devices that take dispatches and never answer (paused).
     pub silent: Vec<u32>,
+    /// Devices whose link is up but whose backlog of unsent frames is full: the driver does
+    /// not send to them ([`RouterCore::on_send_refused`]).
+    pub backlogged: Vec<u32>,
     /// Devices that answer every dispatch with this error ("expert not loaded here").
     pub erroring: HashMap<u32, ErrorCode>,
     /// Node leaders that cannot reach their node peers: a dispatch holding experts they do not
@@ -553,6 +557,10 @@ impl Sim {
         *self.sent.entry(rank).or_default() += 1;
         if self.down.contains(&rank) {
             self.core.on_send_failed(rank, batch, part, self.now);
+            return;
+        }
+        if self.backlogged.contains(&rank) {
+            self.core.on_send_refused(rank, batch, part, self.now);
             return;
         }
         if self.silent.contains(&rank) {

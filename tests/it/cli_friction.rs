@@ -279,7 +279,10 @@ fn up_refuses_requests_whose_answer_cannot_fit_a_frame() {
         .unwrap_or_else(|| panic!("names the size that fits:\n{all}"));
     // demo-small's answers are 1,024 f32 values (4 KiB) a token; frames hold 64 MiB.
     assert!((16_000..16_384).contains(&fits), "{fits}");
-    assert!(!r.stdout.contains("frontends:"), "nothing was announced:\n{all}");
+    assert!(
+        !r.stdout.contains("frontends:"),
+        "nothing was announced:\n{all}"
+    );
 }
 
 /// A device given by mistake for a topology is refused once past any real file's size (it

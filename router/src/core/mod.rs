@@ -632,6 +632,14 @@ impl RouterCore {
         self.debug_check();
     }
 
+    /// The driver did not send part `part` of batch `batch` to `rank`: frames already wait
+    /// for that worker up to its bound (it is not taking them). Unlike a failed send the link
+    /// is up: the device is charged a fault, not marked lost.
+    pub fn on_send_refused(&mut self, rank: u32, batch: u64, part: u32, now: Instant) {
+        self.send_refused(rank, batch, part, now);
+        self.debug_check();
+    }
+
     /// Run work deferred until the driver has sent the latest dispatch frames: the shared
     /// experts of batches whose shared experts live on the router. Call once the actions are
     /// taken ([`RouterCore::poll_action`] gave `None`), then take the new ones.

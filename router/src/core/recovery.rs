@@ -181,18 +181,44 @@ impl RouterCore {
             self.probes.remove(&rank);
             return;
         }
-        let live = self
-            .inflight
-            .get(&batch)
-            .and_then(|b| b.parts.get(part as usize))
-            .is_some_and(|p| p.live && p.rank == rank);
-        if live {
+        if self.live_part(rank, batch, part) {
             if let Some(a) = self.replicas.alive.get_mut(rank as usize) {
                 *a = false;
             }
             self.fault(rank, now, "a send to it failed");
             self.redispatch(batch, part as usize, now, Resend::Lost);
         }
+    }
+
+    /// [`RouterCore::on_send_refused`]: the device is charged a fault (its quarantine, with
+    /// probes, brings it back once it takes frames again) and the part goes to a replica, or
+    /// its batch fails; its link stays up, so it is not marked lost.
+    pub(super) fn send_refused(&mut self, rank: u32, batch: u64, part: u32, now: Instant) {
+        if self.health.is_probe(rank, batch, part) {
+            self.fault(
+                rank,
+                now,
+                "its probe could not be sent (its backlog is full)",
+            );
+            self.probes.remove(&rank);
+            return;
+        }
+        if self.live_part(rank, batch, part) {
+            self.fault(
+                rank,
+                now,
+                "it is not taking its frames (its backlog is full)",
+            );
+            self.redispatch(batch, part as usize, now, Resend::Lost);
+        }
+    }
+
+    /// Whether part `part` of batch `batch` is live on `rank`.
+    fn live_part(&self, rank: u32, batch: u64, part: u32) -> bool {
+        self.inflight
+            .get(&batch)
+            .and_then(|b| b.parts.get(part as usize))
+            .is_some_and(|p| p.live && p.rank == rank)
     }
 
     /// Fail, each alone, the members of batch `id` whose own deadline has passed while the

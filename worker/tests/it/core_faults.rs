@@ -227,3 +227,48 @@ fn an_error_answer_goes_to_a_replica_when_one_holds_the_experts() {
     assert_eq!(code, ErrorCode::NotFound);
     assert!(msg.contains("node0/dev0"), "{msg}");
 }
+
+/// A device whose link is up but which does not take its frames (the driver's backlog for it
+/// is full) has its parts sent to a replica at once, is quarantined, and comes back through
+/// its probes once it takes frames again: it is not marked lost, as a failed send marks it.
+#[test]
+fn a_backlogged_device_is_worked_around_and_probed_back_not_lost() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let h = spec.hidden as usize;
+    let want = |x: &[f32]| {
+        let (_, y) = reference::moe_layer(&spec, &layers[&0], x, ComputeMode::Exact).unwrap();
+        bits(&y)
+    };
+    sim.backlogged.push(1);
+    let gap = HedgePolicy::default().strike_gap;
+    for i in 0..20 {
+        // Faults closer together than the strike gap count once.
+        sim.run_until(sim.now + gap);
+        let x = reference::synthetic_hidden(500 + i, 4, h);
+        let (took, out) = sim.call(500 + i, 0, x.clone());
+        assert_eq!(bits(&out.unwrap()), want(&x), "served by the replica");
+        assert!(took <= Duration::from_millis(3), "at once: {took:?}");
+    }
+    assert_eq!(sim.core.quarantined(), vec![1]);
+    // It takes frames again: the next probe after its quarantine brings it back.
+    sim.backlogged.clear();
+    let period = HedgePolicy::default().backoff_initial;
+    let before = sim.core.stats().quarantine_releases;
+    for round in 0..4u64 {
+        sim.run_until(sim.now + period * (1 << round));
+        let x = reference::synthetic_hidden(600 + round, 4, h);
+        let _ = sim.call(600 + round, 0, x);
+        sim.run_until(sim.now + Duration::from_millis(5));
+        if sim.core.stats().quarantine_releases > before {
+            break;
+        }
+    }
+    assert!(
+        sim.core.stats().quarantine_releases > before,
+        "probed back: {:?}",
+        sim.core.stats()
+    );
+    assert!(sim.core.quarantined().is_empty());
+}
