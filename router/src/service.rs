@@ -306,7 +306,7 @@ impl RouterService {
         let live = workers_live(ranks.len());
         let send_backlog = Arc::new(SendBacklog::new(
             ranks.len(),
-            SEND_BACKLOG_FRAMES * mesh_max_frame_bytes,
+            send_backlog_bytes(core.config(), hidden, mesh_max_frame_bytes),
         ));
         let core_loop = CoreLoop {
             send_backlog,
@@ -1522,8 +1522,20 @@ struct CoreLoop {
     send_backlog: Arc<SendBacklog>,
 }
 
-/// How many of the mesh's largest frames may wait, per worker, for the link to take them.
+/// How many of the mesh's largest frames may wait, per worker, for the link to take them,
+/// beyond what the admitted work can need.
 const SEND_BACKLOG_FRAMES: usize = 4;
+
+/// The bound of a worker's [`SendBacklog`]: twice the dispatch rows of every token the
+/// router admits at once (f32, the widest; twice for hedges and probes), so that live work
+/// to a merely slow worker is never refused, plus [`SEND_BACKLOG_FRAMES`] largest frames.
+/// What it bounds is work left behind by failed batches.
+fn send_backlog_bytes(cfg: &crate::core::RouterConfig, hidden: usize, max_frame: usize) -> usize {
+    cfg.max_inflight_tokens
+        .saturating_mul(hidden)
+        .saturating_mul(4 * 2)
+        .saturating_add(SEND_BACKLOG_FRAMES.saturating_mul(max_frame))
+}
 
 /// The dispatch bytes waiting to be written to each rank: a worker that stops taking its
 /// frames (its compute hung, its link still alive) holds its credit, and every batch planned
