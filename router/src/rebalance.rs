@@ -472,8 +472,23 @@ impl Coordinator {
         }
         if c.awaited.get(w).is_some_and(Option::is_some) {
             c.awaited[w] = None;
-            if c.step == Step::Load {
-                self.fail(format!("{name} was lost while loading its gains"), now);
+            match c.step {
+                Step::Load => self.fail(format!("{name} was lost while loading its gains"), now),
+                // It never confirmed: the change is not reported applied as if it had.
+                Step::Release => self.fail(
+                    format!(
+                        "{name} was lost before it confirmed releasing the experts it lost (when \
+                         it returns it announces what it holds, and routers route by that)"
+                    ),
+                    now,
+                ),
+                Step::Undo => {
+                    let why = c.failure.take().unwrap_or_default();
+                    c.failure = Some(format!(
+                        "{why}; and {name} was lost before it confirmed its return to the old set"
+                    ));
+                }
+                Step::Survey(_) => {}
             }
         }
         self.advance(now);

@@ -37,6 +37,8 @@ struct Fabric {
     refuse_gains: BTreeSet<u32>,
     /// Ranks that never answer a hold.
     silent: BTreeSet<u32>,
+    /// Ranks that never answer a hold that only drops experts (a release).
+    silent_releases: BTreeSet<u32>,
     answers: Vec<ChangeAction>,
     experts: u32,
 }
@@ -53,6 +55,7 @@ impl Fabric {
             turn: 0,
             refuse_gains: BTreeSet::new(),
             silent: BTreeSet::new(),
+            silent_releases: BTreeSet::new(),
             answers: Vec::new(),
             experts,
         };
@@ -126,6 +129,9 @@ impl Fabric {
                     }
                     let set: BTreeSet<Expert> = experts.iter().copied().collect();
                     let old = self.held[&rank].1.clone();
+                    if self.silent_releases.contains(&rank) && set.is_subset(&old) && set != old {
+                        continue;
+                    }
                     if self.refuse_gains.contains(&rank) && !set.is_subset(&old) {
                         let list: Vec<Expert> = old.iter().copied().collect();
                         self.in_flight.push_back((rank, version, old, false));
@@ -294,6 +300,32 @@ fn a_gainer_that_refuses_undoes_the_change_and_nothing_is_released() {
     }
     // The next change starts above the undo's version.
     assert_eq!(c.version(), 2);
+}
+
+/// A device lost before it confirmed a release: the change is not reported applied (its
+/// memory may still hold what it was to release), it fails naming the device, and the new
+/// placement stays served.
+#[test]
+fn a_device_lost_during_the_release_fails_the_change_naming_it() {
+    let mut c = coordinator(2, 4);
+    let before = sets(&[&[0, 1], &[2, 3]]);
+    let target = sets(&[&[0, 1, 2], &[3, 0]]);
+    let mut f = Fabric::new(&mut c, &before, 4);
+    f.silent_releases.insert(ROUTERS + 1);
+    c.apply(1, 2, &entries(&target), T, f.now).unwrap();
+    f.run(&mut c);
+    assert!(f.answers.is_empty(), "waiting for the release");
+    c.on_peer_lost(ROUTERS + 1, f.now);
+    f.run(&mut c);
+    let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
+        panic!("{:?}", f.answers)
+    };
+    assert!(
+        message.contains("is served, but a release failed")
+            && message.contains("rank2 was lost before it confirmed releasing"),
+        "{message}"
+    );
+    assert!(!c.busy());
 }
 
 #[test]
