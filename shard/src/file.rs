@@ -739,6 +739,28 @@ fn check_ranges(index: &ShardIndex, end: u64) -> std::result::Result<(), String>
     let q = index.quant;
     q.validate().map_err(|e| format!("index quant: {e}"))?;
     for e in &index.experts {
+        // The matrices are what the entry's sizes say (readers size buffers from `inter`).
+        let w13 = e.inter.checked_mul(2).map(|r| (r, index.hidden));
+        if w13 != Some((e.w13.rows, e.w13.cols))
+            || (e.w2.rows, e.w2.cols) != (index.hidden, e.inter)
+        {
+            return Err(format!(
+                "layer {} expert {}: W13 {}x{} and W2 {}x{} are not the [2*{}, {}] and [{}, {}] \
+                 its intermediate size {} and the hidden size {} make",
+                e.layer,
+                e.expert,
+                e.w13.rows,
+                e.w13.cols,
+                e.w2.rows,
+                e.w2.cols,
+                e.inter,
+                index.hidden,
+                index.hidden,
+                e.inter,
+                e.inter,
+                index.hidden
+            ));
+        }
         for (name, m) in [("W13", &e.w13), ("W2", &e.w2)] {
             let what = format!("layer {} expert {} {name}", e.layer, e.expert);
             let groups = m.cols.checked_div(u64::from(q.group_size)).unwrap_or(0);

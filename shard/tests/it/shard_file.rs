@@ -149,6 +149,46 @@ fn truncation_and_wrong_files_are_refused_naming_the_file() {
     assert!(matches!(e, ShardError::Io { .. }), "{e}");
 }
 
+/// `bytes` with its index replaced by `edit(index)` (re-encoded, header and checksum made to
+/// match): damage a reader must find in the index's own values, past its checksum.
+fn with_index(bytes: &[u8], edit: impl Fn(&mut serde_json::Value)) -> Vec<u8> {
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    let offset = u64_at(16) as usize;
+    let mut index: serde_json::Value = serde_json::from_slice(&bytes[offset..]).unwrap();
+    edit(&mut index);
+    let json = serde_json::to_vec(&index).unwrap();
+    let mut out = bytes[..offset].to_vec();
+    out.extend_from_slice(&json);
+    let len = out.len() as u64;
+    out[24..32].copy_from_slice(&(json.len() as u64).to_le_bytes());
+    out[32..36].copy_from_slice(&crc32c::crc32c(&json).to_le_bytes());
+    out[40..48].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// An expert whose recorded intermediate size is not its matrices' (readers size buffers from
+/// it: 2^36 made a worker allocate hundreds of TiB) is refused naming the expert; the
+/// untouched re-encoded index still opens.
+#[test]
+fn an_intermediate_size_its_matrices_do_not_have_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("i.emshard");
+    write(&path, QuantSpec::G32_BF16);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, with_index(&bytes, |_| {})).unwrap();
+    ShardFile::open(&path).expect("the same index re-encoded opens");
+    for inter in [1u64 << 36, 64, u64::MAX / 2 + 1] {
+        let damaged = with_index(&bytes, |i| i["experts"][1]["inter"] = inter.into());
+        std::fs::write(&path, damaged).unwrap();
+        let e = ShardFile::open(&path).unwrap_err();
+        assert!(matches!(e, ShardError::Corrupt { .. }), "{inter}: {e}");
+        assert!(
+            e.to_string().contains("layer 1 expert 1") && e.to_string().contains("i.emshard"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn an_abandoned_writer_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
