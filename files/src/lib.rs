@@ -474,10 +474,15 @@ fn claim(path: &Path, own: bool) -> Claim {
     let Ok(f) = open_no_block(path) else {
         return Claim::Keep;
     };
-    match f.try_lock() {
+    // A shared lock: it conflicts with a writer's exclusive one, and unlike an exclusive
+    // lock it can be taken through this read-only handle where locks are emulated with POSIX
+    // locks (NFS), which refuse an exclusive lock on a file not open for writing.
+    match f.try_lock_shared() {
         Err(TryLockError::WouldBlock) => return Claim::Keep,
-        // Locked by us now; a file system without locks leaves the process id to decide.
-        Ok(()) | Err(TryLockError::Error(_)) => {}
+        Ok(()) => {}
+        // A file system without locks leaves the process id to decide.
+        Err(TryLockError::Error(e)) if no_locks_here(&e) => {}
+        Err(TryLockError::Error(_)) => return Claim::Keep,
     }
     // Still the entry that was looked at (not replaced meanwhile).
     if !f.metadata().is_ok_and(|m| identity(&m) == identity(&meta)) {
@@ -506,6 +511,16 @@ impl Claimed {
         };
         removed.is_ok()
     }
+}
+
+/// Whether `e`, from taking a lock, says the file system has no locks (rather than that this
+/// lock could not be taken).
+fn no_locks_here(e: &io::Error) -> bool {
+    #[cfg(unix)]
+    if let Some(code) = e.raw_os_error() {
+        return code == libc::ENOLCK || code == libc::EOPNOTSUPP || code == libc::ENOSYS;
+    }
+    e.kind() == io::ErrorKind::Unsupported
 }
 
 /// Opens `path` read-only without following a last-component link and without blocking (a
