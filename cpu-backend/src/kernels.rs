@@ -44,8 +44,17 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
+            // The AVX2 kernels also use F16C (f16 scales) and FMA (accurate mode), which
+            // every AVX2 CPU has; checked all the same. Every level above implies this one
+            // (an AVX-512 CPU runs the AVX2 kernels too), so a VM whose CPUID hides one of
+            // these gets no vector level at all rather than one that faults.
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("fma");
+            if avx2
+                && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
                 && std::arch::is_x86_feature_detected!("avx512vnni")
             {
                 if crate::amx::tiles::amx_available().is_ok() {
@@ -53,12 +62,7 @@ impl Isa {
                 }
                 return Isa::Avx512Vnni;
             }
-            // The AVX2 kernels also use F16C (f16 scales) and FMA (accurate mode), which
-            // every AVX2 CPU has; checked all the same.
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if avx2 {
                 return Isa::Avx2;
             }
         }
@@ -271,16 +275,24 @@ pub fn rowblock_exact(
     out: &mut [[f32; ROWS]],
 ) {
     assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    assert!(rb < m.row_blocks(), "row block {rb} past the matrix");
+    // The vector kernels read every token's codes, scales and sums unchecked: a safe function
+    // checks them always (a few comparisons per row block of 16 x K).
     for t in toks {
-        debug_assert_eq!(t.q.len(), m.cols());
-        debug_assert_eq!(t.d.len(), m.blocks());
+        assert!(
+            t.q.len() == m.cols() && t.d.len() == m.blocks() && t.qsum.len() == m.blocks(),
+            "a token of {} codes, {} scales and {} sums against K = {}",
+            t.q.len(),
+            t.d.len(),
+            t.qsum.len(),
+            m.cols()
+        );
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni | Isa::Amx if Isa::Avx512Vnni.supported_cached() => {
             // SAFETY: the CPU supports AVX-512 F/BW/VNNI (checked above); slices are in bounds
-            // (R16Matrix guarantees tile sizes, TokenQ8 lengths are asserted in debug and
-            // checked by the backend before any kernel runs).
+            // (R16Matrix guarantees tile sizes, TokenQ8 lengths are asserted above).
             unsafe {
                 match toks.len() {
                     1 => {
@@ -673,6 +685,11 @@ pub fn rowblock_accurate(
     out: &mut [[f32; ROWS]],
 ) {
     assert!(toks.len() <= MAX_TOKEN_TILE && out.len() >= toks.len());
+    assert!(rb < m.row_blocks(), "row block {rb} past the matrix");
+    // The vector kernels read K values of each token unchecked.
+    for x in toks {
+        assert_eq!(x.len(), m.cols(), "a token of {} values against K", x.len());
+    }
     // One token alone gets four FMA chains, two or three tokens two each: enough independent
     // chains to cover the FMA latency (four or more tokens are already that many chains).
     macro_rules! by_tokens {

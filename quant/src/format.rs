@@ -88,6 +88,12 @@ pub enum FormatError {
         /// Group size in elements.
         group_size: usize,
     },
+    /// A matrix with no columns (no group at all): a model or file with a zero size.
+    #[error("{what}: 0 columns; a matrix needs at least one group of columns")]
+    NoCols {
+        /// Which tensor.
+        what: &'static str,
+    },
     /// A buffer has the wrong number of elements.
     #[error("{what}: expected {expected} elements, got {got}")]
     LengthMismatch {
@@ -225,6 +231,9 @@ impl QuantSpec {
     pub fn check_shape(&self, what: &'static str, cols: usize) -> Result<(), FormatError> {
         self.validate()?;
         let group_size = self.group();
+        if cols == 0 {
+            return Err(FormatError::NoCols { what });
+        }
         if cols % group_size != 0 || cols % BLOCK != 0 {
             return Err(FormatError::ColsNotMultiple {
                 what,
