@@ -151,6 +151,12 @@ impl CommonArgs {
                     "--host {h:?}: write NODE=HOST (a topology node's name = the engine's host name)"
                 );
             };
+            if !expertmesh_topology::topology::is_valid_host(host) {
+                bail!(
+                    "--host {h:?}: {host:?} is not a host name (letters, digits, '-' and '.', as \
+                     the engine names its hosts) or an IP address"
+                );
+            }
             if hosts.insert(node.to_owned(), host.to_owned()).is_some() {
                 bail!("--host: node {node:?} given twice");
             }

@@ -1857,3 +1857,100 @@ fn a_systemd_router_may_write_its_load_file_and_only_there() {
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("absolute path"), "{}", r.stderr);
 }
+
+/// A supervised process (`EXPERTMESH_RESTARTS`) told to stop while `launch.sh` waits to restart
+/// it is not started again: the script exits 0 after the pause. (It used to start the process
+/// once more, which nothing then told to stop.)
+#[test]
+fn launch_sh_told_to_stop_between_restarts_starts_nothing_more() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::fs::PermissionsExt;
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("out-slurm");
+    let r = inputs.deploy(&["slurm"], &out, &[]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // A process that fails at once, counting its starts.
+    let starts = inputs.dir.path().join("starts");
+    let stub = inputs.dir.path().join("stub.sh");
+    std::fs::write(
+        &stub,
+        format!("#!/bin/sh\necho x >> '{}'\nexit 1\n", starts.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&stub, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut child = Command::new("sh")
+        .arg(out.join("fabric/launch.sh"))
+        .arg("router-0")
+        .env("EXPERTMESH_BIN", &stub)
+        .env("EXPERTMESH_RESTARTS", "5")
+        .env_remove("EXPERTMESH_NODE")
+        .env_remove("SLURMD_NODENAME")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    // The first failure: launch.sh says it restarts in 2 s, and sleeps.
+    loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "launch.sh ended early"
+        );
+        if line.contains("restart 1 of 5") {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let count = std::fs::read_to_string(&starts).unwrap().lines().count();
+    assert_eq!(count, 1, "started again after the stop");
+    assert_eq!(status.code(), Some(0), "a requested stop exits 0");
+}
+
+/// `--host` values that are not host names (a path would put systemd units outside `--out`)
+/// and metrics ports a process could not bind (0, or one the topology gives another
+/// listener on the same node) are refused, exit 2, naming the flag.
+#[test]
+fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("out");
+    let placement = example_placement();
+    let deploy = |extra: &[&str]| {
+        let mut args = vec![
+            "deploy",
+            "systemd",
+            "--topology",
+            inputs.topology.to_str().unwrap(),
+            "--model",
+            "demo-small",
+            "--placement",
+            placement.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        crate::support::run(&args)
+    };
+    let frontend = inputs.frontend.to_string();
+    for (extra, says) in [
+        (
+            vec!["--host", "local=/etc/systemd/system"],
+            "is not a host name",
+        ),
+        (vec!["--host", "local=.."], "is not a host name"),
+        (vec!["--metrics-port", "0"], "--metrics-port 0"),
+        (
+            vec!["--metrics-port", frontend.as_str()],
+            "router 0's frontend port",
+        ),
+    ] {
+        let r = deploy(&extra);
+        assert_eq!(r.code, 2, "{extra:?}: {}{}", r.stdout, r.stderr);
+        assert!(r.stderr.contains(says), "{extra:?}: {}", r.stderr);
+        assert!(!out.join("systemd").exists(), "{extra:?}: written anyway");
+    }
+    let r = deploy(&["--host", "local=node-7.example"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}

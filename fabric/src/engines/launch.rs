@@ -143,6 +143,8 @@ n=0
 while :; do
   "$bin" "$@" &
   child=$!
+  # A stop that came before the trap could see this child: pass it on.
+  if [ "$stopping" = 1 ]; then kill -TERM "$child" 2>/dev/null || true; fi
   rc=0
   wait "$child" || rc=$?
   while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
@@ -157,6 +159,8 @@ while :; do
   fi
   echo "launch.sh: $proc exited with status $rc; restart $n of $restarts in 2 s" >&2
   sleep 2
+  # Told to stop during the pause (a trap runs once sleep ends): no new start.
+  if [ "$stopping" = 1 ]; then exit 0; fi
 done
 "#,
         list = names.join(" "),

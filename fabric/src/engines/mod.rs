@@ -414,6 +414,11 @@ fn list_processes(dep: &Deployment, opts: &DeployOptions) -> Result<Vec<Process>
     let topo = &dep.topology;
     let routers = dep.router_count();
     let total = routers as usize + topo.devices().len();
+    if opts.metrics_port == 0 {
+        return Err(FabricError::Engine(
+            "--metrics-port 0: each process serves its metrics on a port of its own, from this one up; give a port of 1 or more".into(),
+        ));
+    }
     if usize::from(opts.metrics_port) + total > usize::from(u16::MAX) {
         return Err(FabricError::Engine(format!(
             "--metrics-port {}: {total} processes need ports up to {}, past 65535",
@@ -430,7 +435,36 @@ fn list_processes(dep: &Deployment, opts: &DeployOptions) -> Result<Vec<Process>
                 dev.node_index(),
             )
         }));
+    // The ports the topology gives each node's processes: a metrics port on one of them
+    // would make that process fail to bind.
+    let mut taken: Vec<Vec<(u16, String)>> = vec![Vec::new(); topo.nodes().len()];
+    for (i, n) in topo.nodes().iter().enumerate() {
+        taken[i].push((
+            n.control_port(),
+            format!("node {}'s control_port", n.name()),
+        ));
+    }
+    for (i, r) in topo.routers().iter().enumerate() {
+        taken[r.node_index()].push((r.port(), format!("router {i}'s frontend port")));
+        taken[r.node_index()].push((r.mesh_port(), format!("router {i}'s mesh port")));
+    }
+    for d in topo.devices() {
+        taken[d.node_index()].push((d.data_port(), format!("device {}'s data port", d.id())));
+    }
+    let roles: Vec<_> = roles.collect();
+    for (index, (name, _, node)) in roles.iter().enumerate() {
+        let port = opts.metrics_port + index as u16;
+        if let Some((_, what)) = taken[*node].iter().find(|(p, _)| *p == port) {
+            return Err(FabricError::Engine(format!(
+                "--metrics-port {}: {name} would serve its metrics on port {port}, which is \
+                 {what} on the same node; choose a first metrics port whose {total} ports miss \
+                 the topology's",
+                opts.metrics_port
+            )));
+        }
+    }
     Ok(roles
+        .into_iter()
         .enumerate()
         .map(|(index, (name, role, node))| {
             let n = &topo.nodes()[node];
