@@ -20,7 +20,8 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
   convert             0 converted; 1 a problem in the checkpoint, config.json or placement (the
                       tensor or file is named) or a failed write (finished shards are kept:
                       re-run to resume); 2 usage
-  bench ...           0 measured; 2 bad options, or a run that could not start (1 is not used)
+  bench ...           0 measured; 1 (cluster, soak) a wrong answer, a failed or hung call;
+                      2 bad options, or a run that could not start
   demo                0 every response matched the reference; 1 mismatched or failed responses;
                       2 usage or start-up error
   up, worker, router  0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used);

@@ -316,9 +316,11 @@ pub fn write(
     data: &[f32],
     dtype: NpyDtype,
 ) -> Result<(), NpyError> {
-    std::fs::write(path, encode(rows, cols, data, dtype)).map_err(|cause| NpyError::Io {
-        path: path.display().to_string(),
-        cause,
+    expertmesh_files::write_whole(path, &encode(rows, cols, data, dtype), None).map_err(|cause| {
+        NpyError::Io {
+            path: path.display().to_string(),
+            cause,
+        }
     })
 }
 

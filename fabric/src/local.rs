@@ -760,11 +760,18 @@ fn start_router(
         None => dep,
     };
     let router_threads = 1;
+    let mut frontend = frontend_config(dep);
+    opts.frontend_limits.apply(&mut frontend);
+    // Before the core, which sizes buffers from these limits.
+    expertmesh_router::service::check_limits(
+        &opts.router,
+        dep.spec.hidden as usize,
+        frontend.codec.max_frame_bytes,
+    )
+    .map_err(|cause| FabricError::RouterStart { instance, cause })?;
     let core = router_core(dep, opts.router.clone(), router_threads, instance)?;
     let mut mesh_cfg = dep.mesh_config(instance, &[], &[], mesh_listen, opts.link);
     mesh_cfg.rdma_provider = opts.rdma_provider.clone();
-    let mut frontend = frontend_config(dep);
-    opts.frontend_limits.apply(&mut frontend);
     frontend.gate = gate;
     frontend.server_rank = instance;
     RouterService::start(

@@ -251,8 +251,11 @@ impl RouterService {
     ) -> Result<Self, ServiceError> {
         let mesh_max_frame_bytes = mesh_cfg.protocol.codec.max_frame_bytes;
         check_micro_batch(&core, mesh_max_frame_bytes)?;
-        check_request_limits(core.config())?;
-        check_answer_fits(&core, cfg.frontend.codec.max_frame_bytes)?;
+        check_limits(
+            core.config(),
+            core.spec().hidden as usize,
+            cfg.frontend.codec.max_frame_bytes,
+        )?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("router-io")
@@ -629,11 +632,26 @@ fn answer_frame_bytes(tokens: usize, hidden: usize) -> usize {
     expertmesh_transport::codec::frame_len(&body, tokens.saturating_mul(hidden).saturating_mul(4))
 }
 
+/// The checks of request limits [`RouterService::start`] makes, for a driver to run before it
+/// builds the core (which already sizes buffers from these limits): requests no admission
+/// could pass, and answers no frontend frame could carry (`hidden`: the model's hidden size;
+/// `frontend_max_frame`: the frontend's frame limit).
+pub fn check_limits(
+    cfg: &crate::core::RouterConfig,
+    hidden: usize,
+    frontend_max_frame: usize,
+) -> Result<(), ServiceError> {
+    check_request_limits(cfg)?;
+    check_answer_fits(cfg.max_request_tokens, hidden, frontend_max_frame)
+}
+
 /// Refuses a request size whose answer (f32 rows) could not be sent in one frontend frame:
 /// such a request would be computed and its answer never delivered.
-fn check_answer_fits(core: &RouterCore, max_frame_bytes: usize) -> Result<(), ServiceError> {
-    let tokens = core.config().max_request_tokens;
-    let hidden = core.spec().hidden as usize;
+fn check_answer_fits(
+    tokens: usize,
+    hidden: usize,
+    max_frame_bytes: usize,
+) -> Result<(), ServiceError> {
     let answer_bytes = answer_frame_bytes(tokens, hidden);
     if answer_bytes <= max_frame_bytes {
         return Ok(());

@@ -465,8 +465,12 @@ fn report(
             "mismatches": mismatches, "errors": errors, "ok": ok,
             "machine": MachineInfo::detect(),
         });
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        expertmesh_files::write_whole(
+            path,
+            serde_json::to_string_pretty(&report)?.as_bytes(),
+            None,
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
         println!("  wrote {}", path.display());
     }
     if ok {

@@ -116,10 +116,36 @@ pub(crate) fn drain(cli: DrainCli) -> anyhow::Result<ExitCode> {
 /// Run `expertmesh rebalance`: exit 0 once the placement is served, 1 when the router refused
 /// it or the change failed (its reason printed; the fabric serves the old placement, or says
 /// which device did not confirm), 2 on usage, file or connection errors.
+/// Whether a file can be written at `path`: a scratch file made and removed in its folder.
+fn check_writable(path: &std::path::Path) -> anyhow::Result<()> {
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let probe = folder.join(format!(".expertmesh-write-check-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| {
+            anyhow!(
+                "--out {}: cannot write in {} ({e}); nothing was changed",
+                path.display(),
+                folder.display()
+            )
+        })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     let topo = Topology::load(&cli.fabric.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
     let (steps, what, applied_toml) = plan(&cli, &topo, &spec)?;
+    if let Some(out) = &cli.fabric.out {
+        // Found out now, not once the fabric has changed (the change cannot be taken back).
+        check_writable(out)?;
+    }
     if steps.is_empty() {
         println!("{what}: equal to --from, nothing to change");
         return Ok(ExitCode::SUCCESS);
@@ -184,7 +210,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     // Written once the placement is served, never for one that was not.
     if let Some(out) = &cli.fabric.out {
-        std::fs::write(out, &applied_toml)
+        expertmesh_files::write_whole(out, applied_toml.as_bytes(), None)
             .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
     }
     let in_steps = if steps.len() > 1 {

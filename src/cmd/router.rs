@@ -63,6 +63,19 @@ pub(crate) struct RouterCli {
 pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let mut dep = cli.deploy.load()?;
     let instance = cli.instance;
+    let frontend_of = |dep: &expertmesh_worker::deploy::Deployment| {
+        let mut f = frontend_config(dep);
+        f.server_rank = instance;
+        cli.router.frontend_limits().apply(&mut f);
+        f
+    };
+    // Before the core, which sizes buffers from these limits.
+    expertmesh_router::service::check_limits(
+        &cli.router.config(),
+        dep.spec.hidden as usize,
+        frontend_of(&dep).codec.max_frame_bytes,
+    )
+    .map_err(|e| anyhow!("{e}"))?;
     let core = router_core(&dep, cli.router.config(), cli.threads, instance)?;
     let mesh_listen = match cli.mesh_listen {
         Some(a) => a,
@@ -82,12 +95,7 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
         mesh,
         ServiceConfig {
             frontend_listen: listen,
-            frontend: {
-                let mut f = frontend_config(&dep);
-                f.server_rank = instance;
-                cli.router.frontend_limits().apply(&mut f);
-                f
-            },
+            frontend: frontend_of(&dep),
             max_outstanding_per_client: 32,
         },
     )

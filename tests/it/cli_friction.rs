@@ -196,6 +196,8 @@ fn up_refuses_micro_batches_that_do_not_fit_a_frame() {
         "4000",
         "--max-tokens",
         "4000",
+        "--max-inflight-tokens",
+        "4000",
     ]);
     let r = run(c, Duration::from_secs(60));
     let all = format!("{}{}", r.stdout, r.stderr);

@@ -122,13 +122,11 @@ impl SoakOptions {
         if !(self.minutes > 0.0 && self.minutes <= 24.0 * 60.0) {
             return Err(BenchError::Options("--minutes must be in (0, 1440]".into()));
         }
-        if self.fault_every_s.is_nan()
-            || self.fault_every_s < 1.0
-            || self.clients == 0
-            || self.routers == 0
+        if !(1.0..=86_400.0).contains(&self.fault_every_s) || self.clients == 0 || self.routers == 0
         {
             return Err(BenchError::Options(
-                "--fault-every-s must be at least 1, --clients and --routers at least 1".into(),
+                "--fault-every-s must be in [1, 86400] (a day), --clients and --routers at least 1"
+                    .into(),
             ));
         }
         Ok(())

@@ -49,8 +49,8 @@ achieved / limit, and which way the ratio is good (\"higher is better\" for thro
 `expertmesh plan --calibrate FILE` reads these files (kernel results calibrate only devices of
 the machine's device_kind). Recorded runs and how to read them: BENCHMARKS.md in the repository.
 
-Exit codes: 0 measured (and --json written); 2 bad options, or a run that could not start or
-write its report (1 is not used).";
+Exit codes: 0 measured (and --json written); 1 (`cluster`, `soak`) a wrong answer, a failed or
+hung call; 2 bad options, or a run that could not start or write its report.";
 
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
@@ -63,7 +63,7 @@ pub(crate) enum BenchTarget {
     /// An emulated cluster: nodes as network namespaces with tc-shaped NICs, router and worker
     /// processes inside them, several frontends; tokens/s and latency per batch size against
     /// `expertmesh plan`'s prediction for the same topology (needs root).
-    #[command(after_help = BENCH_EXIT_CODES)]
+    #[command(after_help = cluster::EXIT_CODES)]
     Cluster(cluster::ClusterCli),
     /// Checkpoint conversion and a worker's shard load against a raw read of the same files,
     /// and the searched quantizer's error against absmax round-to-nearest, measured in the
