@@ -1775,7 +1775,23 @@ fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
             assert!(d.contains(want), "{want} missing:\n{d}");
         }
     }
-    assert!(!router.contains("initContainers"), "{router}");
+    // Every process has a credential: an init container copies it as the user's own, and
+    // the probes ask the process's address. Only workers have a tile cache to give.
+    for d in workers.iter().map(|d| **d).chain([*router]) {
+        assert!(d.contains("credential-owner"), "{d}");
+        assert!(d.contains("\"host\": \"127.0.0.1\""), "{d}");
+    }
+    assert!(!router.contains("tile-cache-owner"), "{router}");
+    let copy = router
+        .lines()
+        .find(|l| l.contains("cp -L"))
+        .unwrap_or_else(|| panic!("no copy in\n{router}"))
+        .trim()
+        .trim_start_matches("- ")
+        .strip_prefix('"')
+        .and_then(|l| l.strip_suffix('"'))
+        .expect("a quoted YAML string")
+        .replace("\\\"", "\"");
     // The init container's command, as the worker's manifest gives it.
     let worker = workers[0];
     assert!(
@@ -1815,6 +1831,38 @@ fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
         (meta.uid(), meta.gid(), meta.mode() & 0o777),
         (1000, 2000, 0o700)
     );
+    // The credential copy, on a Secret volume's layout (root's files behind links into a
+    // data folder) and an emptyDir: the user's own file, 0600 (what the loader requires).
+    let secret = inputs.dir.path().join("secret");
+    std::fs::create_dir_all(secret.join("..data")).unwrap();
+    std::fs::write(secret.join("..data/router-0.cred"), "the credential\n").unwrap();
+    std::fs::set_permissions(
+        secret.join("..data/router-0.cred"),
+        std::fs::Permissions::from_mode(0o400),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("..data/router-0.cred", secret.join("router-0.cred")).unwrap();
+    let creds = inputs.dir.path().join("creds");
+    std::fs::create_dir(&creds).unwrap();
+    std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let ran = Command::new("sh")
+        .arg("-c")
+        .arg(&copy)
+        .arg(&secret)
+        .arg(&creds)
+        .status()
+        .unwrap();
+    assert!(ran.success());
+    let file = creds.join("router-0.cred");
+    let meta = std::fs::symlink_metadata(&file).unwrap();
+    assert!(meta.file_type().is_file(), "a copy, not a link");
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o777),
+        (1000, 2000, 0o600)
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "the credential\n");
+    let dir = std::fs::metadata(&creds).unwrap();
+    assert_eq!((dir.uid(), dir.mode() & 0o777), (1000, 0o700));
 }
 
 #[test]

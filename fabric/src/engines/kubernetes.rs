@@ -21,6 +21,9 @@
 //!   make root's folder private, and the worker refuses a folder others may write; the
 //!   "restricted" Pod Security level refuses such an init container, and a non-root process
 //!   gets no `IPC_LOCK`, so its tiles are copied unless its memlock limit allows locking);
+//!   the credential Secret's files, which the kubelet makes root's, are copied by another init
+//!   container into an in-memory emptyDir as that user's own (mode 0600) and mounted in its
+//!   place; probes ask the process's topology address (`httpGet.host`);
 //!   SIGTERM on termination drains (grace period 60 s);
 //!   a change of placement, weights or arguments changes the pod template's
 //!   `expertmesh.io/generation` annotation, so `kubectl apply` rolls exactly those pods;
@@ -178,7 +181,11 @@ fn secret(plan: &Plan, o: &KubernetesOptions, process: &str, text: &str) -> Valu
 /// A process's environment, volume mounts and volumes: the ConfigMap at [`CONFIG_DIR`], its
 /// credential Secret at [`CREDENTIALS_DIR`], the weights folder (read-only hostPath), and an
 /// in-memory `/dev/shm` for shared-memory rings.
-fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
+fn pod_files(
+    plan: &Plan,
+    o: &KubernetesOptions,
+    p: &super::Process,
+) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
     let c = plan.cluster_label();
     let mut env = vec![
         json!({ "name": "EXPERTMESH_NODE", "valueFrom": { "fieldRef": { "fieldPath": "spec.nodeName" } } }),
@@ -191,10 +198,18 @@ fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Va
         env.push(json!({ "name": "EXPERTMESH_CREDENTIALS_DIR", "value": CREDENTIALS_DIR }));
         mounts
             .push(json!({ "name": "credential", "mountPath": CREDENTIALS_DIR, "readOnly": true }));
-        volumes.push(json!({
-            "name": "credential",
-            "secret": { "secretName": format!("{c}-{}-credential", p.name), "defaultMode": 0o400 },
-        }));
+        let secret = json!({
+            "secretName": format!("{c}-{}-credential", p.name),
+            "defaultMode": 0o400,
+        });
+        if non_root(o).is_some() {
+            // The kubelet makes a Secret's files root's: a copy the init container gives to
+            // the pod's user (mode 0600, which the credential loader requires) is mounted.
+            volumes.push(json!({ "name": "credential-secret", "secret": secret }));
+            volumes.push(json!({ "name": "credential", "emptyDir": { "medium": "Memory" } }));
+        } else {
+            volumes.push(json!({ "name": "credential", "secret": secret }));
+        }
     }
     if let super::Source::Weights { on_hosts, .. } = &plan.opts.source {
         mounts.push(json!({ "name": "weights", "mountPath": on_hosts, "readOnly": true }));
@@ -214,24 +229,54 @@ fn pod_files(plan: &Plan, p: &super::Process) -> (Vec<Value>, Vec<Value>, Vec<Va
 }
 
 /// With `--run-as-user`: the pod's security context (that user and group, not root unless
-/// uid 0) and, for a worker with a tile cache, the init container that gives its folder (an
-/// emptyDir, root's and world-writable) to that user, private. Without: neither.
-fn run_as(o: &KubernetesOptions, p: &super::Process) -> (Option<Value>, Vec<Value>) {
+/// uid 0) and the init containers that give that user what the kubelet makes root's: a
+/// worker's tile cache folder (an emptyDir, world-writable), made private, and the process's
+/// credential (a Secret), copied into an in-memory emptyDir as the user's own, mode 0600.
+/// Without: neither.
+fn run_as(
+    o: &KubernetesOptions,
+    p: &super::Process,
+    has_credential: bool,
+) -> (Option<Value>, Vec<Value>) {
     let Some((uid, gid)) = o.run_as else {
         return (None, Vec::new());
     };
     let security = json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 });
-    let init = match tile_cache(p) {
-        Some(dir) if uid != 0 => vec![json!({
+    let as_root = json!({ "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": false });
+    let mut init = Vec::new();
+    if let Some(dir) = tile_cache(p).filter(|_| uid != 0) {
+        init.push(json!({
             "name": "tile-cache-owner",
             "image": o.image,
             "command": ["/bin/sh", "-c", format!("chown {uid}:{gid} \"$0\" && chmod 700 \"$0\""), dir],
-            "securityContext": { "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": false },
+            "securityContext": as_root,
             "volumeMounts": [{ "name": "tile-cache", "mountPath": dir }],
-        })],
-        _ => Vec::new(),
-    };
+        }));
+    }
+    if uid != 0 && has_credential {
+        // The Secret's files (links into its data folder, root's) copied as that user's own.
+        let from = format!("{CREDENTIALS_DIR}-secret");
+        init.push(json!({
+            "name": "credential-owner",
+            "image": o.image,
+            "command": [
+                "/bin/sh", "-c",
+                format!("cp -L \"$0\"/* \"$1\"/ && chown -R {uid}:{gid} \"$1\" && chmod 700 \"$1\" && chmod 600 \"$1\"/*"),
+                from, CREDENTIALS_DIR,
+            ],
+            "securityContext": as_root,
+            "volumeMounts": [
+                { "name": "credential-secret", "mountPath": from, "readOnly": true },
+                { "name": "credential", "mountPath": CREDENTIALS_DIR },
+            ],
+        }));
+    }
     (Some(security), init)
+}
+
+/// The pod's user when it is not root (`--run-as-user` other than 0).
+fn non_root(o: &KubernetesOptions) -> Option<(u32, u32)> {
+    o.run_as.filter(|&(uid, _)| uid != 0)
 }
 
 /// The `--tile-cache` folder of worker `p`, if it has one.
@@ -252,7 +297,7 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
         "app.kubernetes.io/instance": c,
         "expertmesh.io/process": p.name,
     });
-    let (mut env, mounts, volumes) = pod_files(plan, p);
+    let (mut env, mounts, volumes) = pod_files(plan, o, p);
     let mut ports = vec![json!({ "name": "metrics", "containerPort": p.metrics_port })];
     if let Role::Router(i) = p.role
         && let Some(r) = plan.dep.topology.routers().get(i as usize)
@@ -272,16 +317,18 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
             env.push(json!({ "name": "EXPERTMESH_GPU_INDEX", "value": "0" }));
         }
     }
-    let (pod_security, init) = run_as(o, p);
+    let (pod_security, init) = run_as(o, p, plan.credentials.contains_key(&p.name));
     let mut container = json!({
         "name": "expertmesh",
         "image": o.image,
         "command": ["/bin/sh", format!("{CONFIG_DIR}/launch.sh"), p.name],
         "env": env,
         "ports": ports,
-        "startupProbe": { "httpGet": { "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 90 },
-        "livenessProbe": { "httpGet": { "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 6 },
-        "readinessProbe": { "httpGet": { "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2 },
+        // The process serves its metrics on its topology address, which on a node with
+        // several networks is not the pod's (the node's InternalIP): probed there.
+        "startupProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 90 },
+        "livenessProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 6 },
+        "readinessProbe": { "httpGet": { "host": p.address, "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2 },
         "volumeMounts": mounts,
     });
     if let Some(r) = &o.rdma_resource {
