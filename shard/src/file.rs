@@ -488,11 +488,26 @@ impl ShardFile {
     /// Map `path` and validate its header, index and every blob range (not the checksum: see
     /// [`ShardFile::verify`]).
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|source| ShardError::Io {
+        // Not blocking on a FIFO put where a shard should be; a regular file, checked below.
+        let file = {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK);
+            o.open(path)
+        }
+        .map_err(|source| ShardError::Io {
             path: path.to_path_buf(),
             what: "opening",
             source,
         })?;
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(ShardError::Io {
+                path: path.to_path_buf(),
+                what: "opening",
+                source: std::io::Error::other("not a regular file (a device, pipe or folder)"),
+            });
+        }
         // SAFETY: the map is read-only; a concurrent truncation by another process is the one
         // hazard of every mmap reader; shards are never modified in place (writers rename).
         let map = unsafe { Mmap::map(&file) }.map_err(|source| ShardError::Io {

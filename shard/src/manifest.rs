@@ -155,17 +155,38 @@ impl Manifest {
             },
             source,
         })?;
+        if !meta.is_file() {
+            return Err(invalid(
+                "not a regular file (a device, pipe or folder where the manifest should be)".into(),
+            ));
+        }
         if meta.len() > MAX_MANIFEST_BYTES {
             return Err(invalid(format!(
                 "{} bytes is too large for a manifest",
                 meta.len()
             )));
         }
-        let text = std::fs::read(&path).map_err(|source| ManifestError::Io {
+        // Read at most one byte past the bound: the file may have grown since its size was
+        // looked at.
+        let io = |source| ManifestError::Io {
             path: path.clone(),
             what: "reading",
             source,
-        })?;
+        };
+        let mut text = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(
+                std::fs::File::open(&path).map_err(io)?,
+                MAX_MANIFEST_BYTES + 1,
+            ),
+            &mut text,
+        )
+        .map_err(io)?;
+        if text.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(invalid(
+                "too large for a manifest (it grew while read)".into(),
+            ));
+        }
         Self::parse(&text, &path)
     }
 

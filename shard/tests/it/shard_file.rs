@@ -227,3 +227,19 @@ proptest! {
         }
     }
 }
+
+/// A FIFO or a device where a shard or the manifest should be is refused naming the file,
+/// instead of an open that waits for a writer for ever or a read that never ends.
+#[test]
+fn a_pipe_or_a_device_in_place_of_a_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("p.emshard");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo on a path in our own temporary folder.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = ShardFile::open(&fifo).unwrap_err();
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+    std::os::unix::fs::symlink("/dev/zero", dir.path().join("manifest.json")).unwrap();
+    let e = expertmesh_shard::Manifest::load(dir.path()).unwrap_err();
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+}
