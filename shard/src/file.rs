@@ -26,7 +26,6 @@
 use expertmesh_quant::format::{ExpertWeights, FormatError, PackedMatrix, PackedRef, QuantSpec};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
-use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
