@@ -149,6 +149,9 @@ struct Change {
     released: u32,
     /// Why the change is being undone.
     failure: Option<String>,
+    /// Devices lost before they confirmed their release (named in the router's log when the
+    /// change is answered; their experts are not counted as released).
+    unconfirmed: Vec<String>,
 }
 
 /// The coordinating router's state. See the module docs.
@@ -321,6 +324,7 @@ impl Coordinator {
             loaded: 0,
             released: 0,
             failure: None,
+            unconfirmed: Vec::new(),
             before: vec![BTreeSet::new(); n],
             surveyed: vec![false; n],
             target,
@@ -474,14 +478,13 @@ impl Coordinator {
             c.awaited[w] = None;
             match c.step {
                 Step::Load => self.fail(format!("{name} was lost while loading its gains"), now),
-                // It never confirmed: the change is not reported applied as if it had.
-                Step::Release => self.fail(
-                    format!(
-                        "{name} was lost before it confirmed releasing the experts it lost (when \
-                         it returns it announces what it holds, and routers route by that)"
-                    ),
-                    now,
-                ),
+                // The new placement is served (every gain was confirmed before any release):
+                // the change is applied, but this device's release is not counted as done.
+                Step::Release => {
+                    let dropped = c.before[w].difference(&c.target[w]).count() as u32;
+                    c.released = c.released.saturating_sub(dropped);
+                    c.unconfirmed.push(name);
+                }
                 Step::Undo => {
                     let why = c.failure.take().unwrap_or_default();
                     c.failure = Some(format!(
@@ -655,14 +658,25 @@ impl Coordinator {
                             c.version
                         ),
                     },
-                    None => ChangeAction::Applied {
-                        client: c.client,
-                        request_id: c.request_id,
-                        version: c.version,
-                        loaded: c.loaded,
-                        released: c.released,
-                        took: now.saturating_duration_since(c.started),
-                    },
+                    None => {
+                        if !c.unconfirmed.is_empty() {
+                            tracing::warn!(
+                                version = c.version,
+                                "placement change applied, but {} was lost before confirming its \
+                                 release (when it returns it announces what it holds, and routers \
+                                 route by that)",
+                                c.unconfirmed.join(", ")
+                            );
+                        }
+                        ChangeAction::Applied {
+                            client: c.client,
+                            request_id: c.request_id,
+                            version: c.version,
+                            loaded: c.loaded,
+                            released: c.released,
+                            took: now.saturating_duration_since(c.started),
+                        }
+                    }
                 };
                 self.applied = Some((c.version, c.target));
                 self.actions.push_back(done);
