@@ -96,13 +96,12 @@ impl RouterCore {
             .probe_of(from)
             .is_some_and(|(b, _)| b == request_id)
         {
-            // The probe's answer (an error frame names the batch, not the part: the probe
-            // mirrors a part of this batch). A live part of the same batch on this device
-            // that failed too sends its own error frame; one that did not is not failed for
-            // the probe's sake (probes are never waited on).
+            // An error frame names the batch, not the part: with a live part of this batch
+            // on the device too, the error may be that part's, so it is handled as such below
+            // (taking it for the probe's alone could leave a failed part waiting for its
+            // deadline). Telling them apart needs the part in the error frame.
             self.fault(from, now, "its probe was answered with an error");
             self.probes.remove(&from);
-            return;
         }
         let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
             b.parts
