@@ -316,7 +316,7 @@ pub fn write(
     data: &[f32],
     dtype: NpyDtype,
 ) -> Result<(), NpyError> {
-    expertmesh_files::write_whole(path, &encode(rows, cols, data, dtype), None).map_err(|cause| {
+    expertmesh_files::write_output(path, &encode(rows, cols, data, dtype)).map_err(|cause| {
         NpyError::Io {
             path: path.display().to_string(),
             cause,

@@ -276,6 +276,24 @@ pub fn write_whole(path: &Path, bytes: &[u8], mode: Option<u32>) -> io::Result<(
     write_whole_as(path, bytes, mode, true)
 }
 
+/// Writes an output file a user named: whole or not at all ([`write_whole`], keeping an
+/// existing file's permission bits) where `path` is missing or a regular file; written into
+/// as it is otherwise (a device such as `/dev/stdout`, or the file a link names, which a
+/// rename would replace by a file of its own).
+pub fn write_output(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_file() => {
+            #[cfg(unix)]
+            let mode = Some(std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777);
+            #[cfg(not(unix))]
+            let mode = None;
+            write_whole(path, bytes, mode)
+        }
+        Ok(_) => std::fs::write(path, bytes),
+        Err(_) => write_whole(path, bytes, None),
+    }
+}
+
 /// [`write_whole`] without the syncs, for scratch files a crash discards anyway (a worker's
 /// copies of gained experts): still whole or not at all, never a truncated file, but not
 /// waiting for the disk.

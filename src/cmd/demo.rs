@@ -465,12 +465,8 @@ fn report(
             "mismatches": mismatches, "errors": errors, "ok": ok,
             "machine": MachineInfo::detect(),
         });
-        expertmesh_files::write_whole(
-            path,
-            serde_json::to_string_pretty(&report)?.as_bytes(),
-            None,
-        )
-        .with_context(|| format!("writing {}", path.display()))?;
+        expertmesh_files::write_output(path, serde_json::to_string_pretty(&report)?.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
         println!("  wrote {}", path.display());
     }
     if ok {

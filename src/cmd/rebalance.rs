@@ -113,31 +113,32 @@ pub(crate) fn drain(cli: DrainCli) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-/// Run `expertmesh rebalance`: exit 0 once the placement is served, 1 when the router refused
-/// it or the change failed (its reason printed; the fabric serves the old placement, or says
-/// which device did not confirm), 2 on usage, file or connection errors.
-/// Whether a file can be written at `path`: a scratch file made and removed in its folder.
+/// Whether a file can be written at `path`: a scratch file of this process made (held, so a
+/// sweep leaves it) and removed in its folder; a missing folder or one without write
+/// permission is named.
 fn check_writable(path: &std::path::Path) -> anyhow::Result<()> {
     let folder = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => std::path::Path::new("."),
     };
-    let probe = folder.join(format!(".expertmesh-write-check-{}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .map_err(|e| {
-            anyhow!(
-                "--out {}: cannot write in {} ({e}); nothing was changed",
-                path.display(),
-                folder.display()
-            )
-        })?;
+    // A fresh temporary name, as the write itself will use (left-overs of killed runs are
+    // swept, and never block this).
+    let probe = expertmesh_files::temp_path(&folder.join(".expertmesh-write-check"));
+    let held = expertmesh_files::create_locked(&probe, None).map_err(|e| {
+        anyhow!(
+            "--out {}: cannot write in {} ({e}); nothing was changed",
+            path.display(),
+            folder.display()
+        )
+    })?;
     let _ = std::fs::remove_file(&probe);
+    drop(held);
     Ok(())
 }
 
+/// Run `expertmesh rebalance`: exit 0 once the placement is served, 1 when the router refused
+/// it or the change failed (its reason printed; the fabric serves the old placement, or says
+/// which device did not confirm), 2 on usage, file or connection errors.
 pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     let topo = Topology::load(&cli.fabric.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
@@ -210,7 +211,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     }
     // Written once the placement is served, never for one that was not.
     if let Some(out) = &cli.fabric.out {
-        expertmesh_files::write_whole(out, applied_toml.as_bytes(), None)
+        expertmesh_files::write_output(out, applied_toml.as_bytes())
             .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
     }
     let in_steps = if steps.len() > 1 {

@@ -394,12 +394,12 @@ impl Link {
         }
     }
 
-    /// Whether the link has failed or been closed.
     /// The bytes of credit this end grants its peer (what the peer may have in flight here).
     pub(crate) fn recv_window(&self) -> u64 {
         self.recv_window
     }
 
+    /// Whether the link has failed or been closed.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }

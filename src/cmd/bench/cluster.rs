@@ -10,12 +10,12 @@ use expertmesh_benches::cluster::ClusterBenchOptions;
 use expertmesh_router::core::LayerMode;
 use std::path::PathBuf;
 
-/// Arguments of `bench cluster` (defaults: the standard run; `--quick`: the test's).
 /// Exit codes of `bench cluster`, shown by its --help.
 pub(crate) const EXIT_CODES: &str = "\
 Exit codes: 0 measured, every answer bit-identical; 1 a mismatched or failed call (named);
 2 bad options, or a cluster that could not start or a report that could not be written.";
 
+/// Arguments of `bench cluster` (defaults: the standard run; `--quick`: the test's).
 #[derive(clap::Args, Debug)]
 pub(crate) struct ClusterCli {
     /// Write the results as JSON to this file (format: `expertmesh bench --help`; achieved =

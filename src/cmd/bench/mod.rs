@@ -290,7 +290,7 @@ pub(crate) struct KernelsCli {
     prefill_tokens: usize,
     /// Minimum weight pool in MiB (default: max(1 GiB, 32 x last-level cache); less when
     /// --seconds is too short to fill it, but at least 2 x the last-level cache).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     pool_mib: u64,
     /// Where the backend's threads run: `limit` pins them as the best read probe's threads
     /// (the placement the memory limit was measured with), `unpinned` leaves them to the OS.
