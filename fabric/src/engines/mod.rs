@@ -435,30 +435,40 @@ fn list_processes(dep: &Deployment, opts: &DeployOptions) -> Result<Vec<Process>
                 dev.node_index(),
             )
         }));
-    // The ports the topology gives each node's processes: a metrics port on one of them
-    // would make that process fail to bind.
-    let mut taken: Vec<Vec<(u16, String)>> = vec![Vec::new(); topo.nodes().len()];
-    for (i, n) in topo.nodes().iter().enumerate() {
-        taken[i].push((
-            n.control_port(),
-            format!("node {}'s control_port", n.name()),
-        ));
+    // The sockets the topology gives its listeners (address, port): a metrics port on one
+    // of them, at the same address, would make that process fail to bind. A process serves
+    // its metrics on its node's address.
+    let nodes = topo.nodes();
+    let mut taken: Vec<(&str, u16, String)> = Vec::new();
+    for n in nodes {
+        let what = format!("node {}'s control_port", n.name());
+        taken.push((n.address(), n.control_port(), what));
     }
     for (i, r) in topo.routers().iter().enumerate() {
-        taken[r.node_index()].push((r.port(), format!("router {i}'s frontend port")));
-        taken[r.node_index()].push((r.mesh_port(), format!("router {i}'s mesh port")));
+        let at = nodes[r.node_index()].address();
+        taken.push((
+            r.listen_address(),
+            r.port(),
+            format!("router {i}'s frontend port"),
+        ));
+        taken.push((at, r.mesh_port(), format!("router {i}'s mesh port")));
     }
     for d in topo.devices() {
-        taken[d.node_index()].push((d.data_port(), format!("device {}'s data port", d.id())));
+        let at = nodes[d.node_index()].data_address();
+        taken.push((at, d.data_port(), format!("device {}'s data port", d.id())));
     }
     let roles: Vec<_> = roles.collect();
     for (index, (name, _, node)) in roles.iter().enumerate() {
         let port = opts.metrics_port + index as u16;
-        if let Some((_, what)) = taken[*node].iter().find(|(p, _)| *p == port) {
+        let at = nodes[*node].address();
+        let clash = |(a, p, _): &&(&str, u16, String)| {
+            *p == port && (*a == at || ["0.0.0.0", "::"].contains(a))
+        };
+        if let Some((_, _, what)) = taken.iter().find(clash) {
             return Err(FabricError::Engine(format!(
-                "--metrics-port {}: {name} would serve its metrics on port {port}, which is \
-                 {what} on the same node; choose a first metrics port whose {total} ports miss \
-                 the topology's",
+                "--metrics-port {}: {name} would serve its metrics on {at} port {port}, which \
+                 is {what}; choose a first metrics port whose {total} ports miss the \
+                 topology's",
                 opts.metrics_port
             )));
         }
