@@ -226,6 +226,16 @@ impl HipDevice {
         self.hip.check(what, r).map_err(dev_err)
     }
 
+    /// Make this device the calling thread's current one: HIP's current device is per
+    /// thread, and allocations and launches go to it, so every entry point binds first (the
+    /// backend may be moved to another thread after `open`).
+    fn bind(&self) -> Result<(), BackendError> {
+        // SAFETY: a plain runtime call; `self.device` was checked in `open`.
+        self.call("hipSetDevice", unsafe {
+            (self.hip.api.hipSetDevice)(self.device)
+        })
+    }
+
     fn dev_alloc(&mut self, bytes: usize) -> Result<*mut c_void, BackendError> {
         let mut p = ptr::null_mut();
         // SAFETY: valid out-pointer; the allocation is recorded and freed in `free_all`.
@@ -280,6 +290,7 @@ impl HipDevice {
         experts: Vec<(ExpertKey, ExpertWeights)>,
         limits: BatchLimits,
     ) -> Result<(), BackendError> {
+        self.bind()?;
         self.free_all();
         let (hidden, inter, spec) = uniform_shape(&experts)?;
         let group_shift = (spec.group() / BLOCK).trailing_zeros();
@@ -419,6 +430,7 @@ impl HipDevice {
         &mut self,
         source: &mut dyn ExpertSource,
     ) -> Result<(), BackendError> {
+        self.bind()?;
         let mut l = self.loaded.take().ok_or(BackendError::NotLoaded)?;
         let r = self.add_into(&mut l, source);
         self.loaded = Some(l);
@@ -537,6 +549,7 @@ impl HipDevice {
     /// A live placement change: release `keys` and free their device memory. A key not
     /// loaded is an error and nothing is released.
     pub(crate) fn release_experts(&mut self, keys: &[ExpertKey]) -> Result<(), BackendError> {
+        self.bind()?;
         let mut l = self.loaded.take().ok_or(BackendError::NotLoaded)?;
         let r = self.release_from(&mut l, keys);
         self.loaded = Some(l);
@@ -689,6 +702,7 @@ impl HipDevice {
         batch: &GroupedBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), BackendError> {
+        self.bind()?;
         let l = self.loaded.as_ref().ok_or(BackendError::NotLoaded)?;
         batch.validate_with(&l.limits, out.len(), &mut self.seen_rows)?;
         if batch.hidden != l.shape.hidden as usize {
@@ -1081,6 +1095,8 @@ fn fill_sorted_csr(
 
 impl Drop for HipDevice {
     fn drop(&mut self) {
+        // Freed on the device they belong to, whichever thread drops this.
+        let _ = self.bind();
         self.free_all();
         // SAFETY: modules and stream were created by this device and are released once.
         unsafe {
