@@ -934,6 +934,8 @@ fn push_result(report: &mut BenchReport, r: &ClusterRow) {
             "limit_is",
             "expertmesh plan's roofline for the same topology",
         )
+        // A prediction to compare with, not a bound the measurement cannot pass.
+        .against_reference()
         .with("bottleneck", r.bottleneck.clone())
         .with("routers", r.routers as u64)
         .with("p50_ms", r.p50_ms)
