@@ -146,7 +146,7 @@ impl Manifest {
             path: path.clone(),
             reason,
         };
-        let meta = std::fs::metadata(&path).map_err(|source| ManifestError::Io {
+        let missing = |source| ManifestError::Io {
             path: path.clone(),
             what: if dir.is_dir() {
                 "reading (no manifest: is this a folder written by `expertmesh convert`, and did it finish?)"
@@ -154,7 +154,23 @@ impl Manifest {
                 "reading (no such weights folder)"
             },
             source,
-        })?;
+        };
+        // Opened without blocking (a FIFO put in its place would wait for a writer), then
+        // looked at through the handle: what is read is what was checked.
+        let file = {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK);
+            o.open(&path)
+        }
+        .map_err(missing)?;
+        let io = |source| ManifestError::Io {
+            path: path.clone(),
+            what: "reading",
+            source,
+        };
+        let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
             return Err(invalid(
                 "not a regular file (a device, pipe or folder where the manifest should be)".into(),
@@ -166,19 +182,10 @@ impl Manifest {
                 meta.len()
             )));
         }
-        // Read at most one byte past the bound: the file may have grown since its size was
-        // looked at.
-        let io = |source| ManifestError::Io {
-            path: path.clone(),
-            what: "reading",
-            source,
-        };
+        // At most one byte past the bound: the file may have grown since it was looked at.
         let mut text = Vec::new();
         std::io::Read::read_to_end(
-            &mut std::io::Read::take(
-                std::fs::File::open(&path).map_err(io)?,
-                MAX_MANIFEST_BYTES + 1,
-            ),
+            &mut std::io::Read::take(file, MAX_MANIFEST_BYTES + 1),
             &mut text,
         )
         .map_err(io)?;
