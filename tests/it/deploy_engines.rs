@@ -1931,6 +1931,8 @@ fn launch_sh_told_to_stop_between_restarts_starts_nothing_more() {
         .arg("router-0")
         .env("EXPERTMESH_BIN", &stub)
         .env("EXPERTMESH_RESTARTS", "5")
+        // A pause no loaded machine outlasts: the stop comes during it.
+        .env("EXPERTMESH_RESTART_PAUSE_S", "120")
         .env_remove("EXPERTMESH_NODE")
         .env_remove("SLURMD_NODENAME")
         .stderr(std::process::Stdio::piped())
@@ -1938,7 +1940,7 @@ fn launch_sh_told_to_stop_between_restarts_starts_nothing_more() {
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
-    // The first failure: launch.sh says it restarts in 2 s, and sleeps.
+    // The first failure: launch.sh says when it restarts, and pauses.
     loop {
         line.clear();
         assert!(
@@ -1951,10 +1953,15 @@ fn launch_sh_told_to_stop_between_restarts_starts_nothing_more() {
     }
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t0 = std::time::Instant::now();
     let status = child.wait().unwrap();
     let count = std::fs::read_to_string(&starts).unwrap().lines().count();
     assert_eq!(count, 1, "started again after the stop");
     assert_eq!(status.code(), Some(0), "a requested stop exits 0");
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(100),
+        "the stop waited out the pause"
+    );
 }
 
 /// `--host` values that are not host names (a path would put systemd units outside `--out`)

@@ -18,9 +18,11 @@
 //! - a worker's `--tile-cache` folder is created private (mode 0700) when missing, and made
 //!   private when empty (a Kubernetes emptyDir starts world-writable);
 //! - restarts: with `$EXPERTMESH_RESTARTS` = N > 0 (the Slurm job sets it) the script keeps
-//!   the process as a child, restarts it after a failure up to N times, 2 s apart, and on
-//!   SIGTERM/SIGINT passes the signal on and exits with the process's status; otherwise it
-//!   `exec`s the process (Kubernetes and systemd restart it themselves).
+//!   the process as a child, restarts it after a failure up to N times,
+//!   `$EXPERTMESH_RESTART_PAUSE_S` (default 2) seconds apart, and on SIGTERM/SIGINT passes
+//!   the signal on and exits with the process's status (0 when it comes during a pause,
+//!   which it ends); otherwise it `exec`s the process (Kubernetes and systemd restart it
+//!   themselves).
 
 use super::Plan;
 
@@ -157,9 +159,20 @@ while :; do
     echo "launch.sh: $proc exited with status $rc; no restarts left (EXPERTMESH_RESTARTS=$restarts)" >&2
     exit "$rc"
   fi
-  echo "launch.sh: $proc exited with status $rc; restart $n of $restarts in 2 s" >&2
-  sleep 2
-  # Told to stop during the pause (a trap runs once sleep ends): no new start.
+  pause=${{EXPERTMESH_RESTART_PAUSE_S:-2}}
+  echo "launch.sh: $proc exited with status $rc; restart $n of $restarts in $pause s" >&2
+  # A second at a time, each in the background so that a stop ends it at once (the shell
+  # runs a trap only once a foreground command ends, but interrupts `wait`); a stop that
+  # comes between two seconds is seen within one.
+  i=0
+  while [ "$stopping" != 1 ] && [ "$i" -lt "$pause" ]; do
+    sleep 1 &
+    paused=$!
+    wait "$paused" || true
+    kill "$paused" 2>/dev/null || true
+    i=$((i + 1))
+  done
+  # Told to stop during the pause: no new start.
   if [ "$stopping" = 1 ]; then exit 0; fi
 done
 "#,
