@@ -1751,6 +1751,20 @@ fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
     assert_eq!(mode(&tiles), 0o700);
 }
 
+/// The shell command of a manifest's list item containing `needle` (a quoted YAML string,
+/// unquoted).
+fn yaml_command(doc: &str, needle: &str) -> String {
+    doc.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no {needle:?} in\n{doc}"))
+        .trim()
+        .trim_start_matches("- ")
+        .strip_prefix('"')
+        .and_then(|l| l.strip_suffix('"'))
+        .expect("a quoted YAML string")
+        .replace("\\\"", "\"")
+}
+
 /// `--run-as-user UID:GID`: every pod runs as that user (not root), and a worker's tile cache
 /// folder (an emptyDir, which the kubelet makes root's and world-writable, and which a
 /// non-root process cannot make private) is given to it by an init container running as
@@ -1782,32 +1796,14 @@ fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
         assert!(d.contains("\"host\": \"127.0.0.1\""), "{d}");
     }
     assert!(!router.contains("tile-cache-owner"), "{router}");
-    let copy = router
-        .lines()
-        .find(|l| l.contains("cp -L"))
-        .unwrap_or_else(|| panic!("no copy in\n{router}"))
-        .trim()
-        .trim_start_matches("- ")
-        .strip_prefix('"')
-        .and_then(|l| l.strip_suffix('"'))
-        .expect("a quoted YAML string")
-        .replace("\\\"", "\"");
+    let copy = yaml_command(router, "cp -L");
     // The init container's command, as the worker's manifest gives it.
     let worker = workers[0];
     assert!(
         worker.contains("initContainers") && worker.contains("tile-cache-owner"),
         "{worker}"
     );
-    let command = worker
-        .lines()
-        .find(|l| l.contains("chown 1000:2000"))
-        .unwrap_or_else(|| panic!("no chown in\n{worker}"))
-        .trim()
-        .trim_start_matches("- ")
-        .strip_prefix('"')
-        .and_then(|l| l.strip_suffix('"'))
-        .expect("a quoted YAML string")
-        .replace("\\\"", "\"");
+    let command = yaml_command(worker, "chown 1000:2000");
     assert_eq!(
         command, "chown 1000:2000 \"$0\" && chmod 700 \"$0\"",
         "{worker}"

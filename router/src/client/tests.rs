@@ -515,36 +515,35 @@ fn a_frozen_router_is_given_up_by_the_keepalive_and_named() {
     });
 }
 
+/// Answers each request `delay` after it came (and keepalive probes at once).
+async fn answers_late(conn: FrameConnection, delay: Duration) {
+    let (mut r, w) = conn.split();
+    let w = Arc::new(tokio::sync::Mutex::new(w));
+    while let Ok(f) = r.read_frame().await {
+        let Body::LayerRequest(req) = f.body().clone() else {
+            return;
+        };
+        let w = w.clone();
+        if req.layer == liveness::PROBE_LAYER {
+            let body = refusal(req.request_id, "probe");
+            let _ = w.lock().await.write_frame(&body, &[]).await;
+            continue;
+        }
+        let req = decode_req(req, f.payload());
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let bytes = answer_bytes(&req, &FrontendConfig::new("client-tests"));
+            let _ = w.lock().await.write_raw(&bytes).await;
+        });
+    }
+}
+
 #[test]
 fn a_slow_router_that_answers_probes_is_not_given_up() {
     run(async {
         // Answers each request after 2.5 s (the keepalive gives up after 900 ms of silence),
         // and probes at once.
-        let (addr, cfg) = serve(|conn| async move {
-            let (mut r, w) = conn.split();
-            let w = Arc::new(tokio::sync::Mutex::new(w));
-            while let Ok(f) = r.read_frame().await {
-                let Body::LayerRequest(req) = f.body().clone() else {
-                    return;
-                };
-                let w = w.clone();
-                if req.layer == liveness::PROBE_LAYER {
-                    let _ = w
-                        .lock()
-                        .await
-                        .write_frame(&refusal(req.request_id, "probe"), &[])
-                        .await;
-                    continue;
-                }
-                let req = decode_req(req, f.payload());
-                tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(2500)).await;
-                    let bytes = answer_bytes(&req, &FrontendConfig::new("client-tests"));
-                    let _ = w.lock().await.write_raw(&bytes).await;
-                });
-            }
-        })
-        .await;
+        let (addr, cfg) = serve(|conn| answers_late(conn, Duration::from_millis(2500))).await;
         let mut c = RouterClient::connect_with(addr, &cfg, quick())
             .await
             .unwrap();
@@ -931,27 +930,8 @@ fn answers_that_arrived_while_the_caller_was_away_are_returned() {
 /// bound is probed, not given up: it answers the probe, then the call.
 #[test]
 fn a_router_still_computing_when_the_caller_comes_back_is_probed_not_given_up() {
-    let (_server, addr, cfg) = serve_elsewhere(|conn| async move {
-        let (mut r, w) = conn.split();
-        let w = Arc::new(tokio::sync::Mutex::new(w));
-        while let Ok(f) = r.read_frame().await {
-            let Body::LayerRequest(req) = f.body().clone() else {
-                return;
-            };
-            let w = w.clone();
-            if req.layer == liveness::PROBE_LAYER {
-                let body = refusal(req.request_id, "probe");
-                let _ = w.lock().await.write_frame(&body, &[]).await;
-                continue;
-            }
-            let req = decode_req(req, f.payload());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(1800)).await;
-                let bytes = answer_bytes(&req, &FrontendConfig::new("client-tests"));
-                let _ = w.lock().await.write_raw(&bytes).await;
-            });
-        }
-    });
+    let (_server, addr, cfg) =
+        serve_elsewhere(|conn| answers_late(conn, Duration::from_millis(1800)));
     run(async {
         let mut c = RouterClient::connect_with(addr, &cfg, quick())
             .await
