@@ -250,12 +250,7 @@ impl RouterService {
         cfg: ServiceConfig,
     ) -> Result<Self, ServiceError> {
         let mesh_max_frame_bytes = mesh_cfg.protocol.codec.max_frame_bytes;
-        check_micro_batch(&core, mesh_max_frame_bytes)?;
-        check_limits(
-            core.config(),
-            core.spec().hidden as usize,
-            cfg.frontend.codec.max_frame_bytes,
-        )?;
+        check_start(&core, mesh_max_frame_bytes, &cfg)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("router-io")
@@ -630,6 +625,18 @@ fn answer_frame_bytes(tokens: usize, hidden: usize) -> usize {
         dtype: OutputDtype::F32,
     });
     expertmesh_transport::codec::frame_len(&body, tokens.saturating_mul(hidden).saturating_mul(4))
+}
+
+/// [`RouterService::start`]'s checks of a configuration: micro-batches that fit a mesh frame,
+/// and [`check_limits`].
+fn check_start(
+    core: &RouterCore,
+    mesh_max_frame_bytes: usize,
+    cfg: &ServiceConfig,
+) -> Result<(), ServiceError> {
+    check_micro_batch(core, mesh_max_frame_bytes)?;
+    let hidden = core.spec().hidden as usize;
+    check_limits(core.config(), hidden, cfg.frontend.codec.max_frame_bytes)
 }
 
 /// The checks of request limits [`RouterService::start`] makes, for a driver to run before it

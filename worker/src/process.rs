@@ -887,26 +887,7 @@ impl ComputeCtx {
                 let from = f.peer();
                 self.metrics.on_received(from, f.frame_len());
                 let input = match f.body() {
-                    Body::Dispatch(d) if self.stopping => {
-                        let e = ExecError {
-                            code: ErrorCode::ShuttingDown,
-                            message: format!("{} is stopping (a stop signal came)", self.id),
-                        };
-                        let refusal = error_frame(d.batch_id, e);
-                        let generation = f.link_generation();
-                        drop(f);
-                        if from < self.routers {
-                            self.send_on(from, generation, &refusal);
-                        } else {
-                            self.spawn_peer_send(
-                                from,
-                                Some(generation),
-                                refusal,
-                                "refusing a node peer's share while stopping",
-                            );
-                        }
-                        return;
-                    }
+                    Body::Dispatch(_) if self.stopping => return self.refuse_stopping(f),
                     Body::Dispatch(_) => Input::Dispatch(f),
                     // A router refusing this connection (another process serves this device):
                     // say so, rate-limited (the dialer keeps retrying with backoff).
@@ -957,24 +938,7 @@ impl ComputeCtx {
             }
             TransportEvent::PeerUp { peer, link, .. } => {
                 tracing::info!(worker = %self.id, peer = name(peer), link = link.name(), "connected");
-                self.metrics.on_link(peer, true, 0);
-                if peer < self.routers {
-                    // First on the link: the router routes by what this device holds now.
-                    self.announce_to(peer);
-                } else if self
-                    .fanout
-                    .as_ref()
-                    .is_some_and(|f| f.node_peers().contains(&peer))
-                {
-                    // A node peer (maybe restarted): it forwards by what this device holds now,
-                    // and its own announcements count from its new link on.
-                    if let Some(f) = self.fanout.as_mut() {
-                        f.new_link(peer);
-                    }
-                    let version = self.live.holdings.newest();
-                    let frame = self.holding_frame(version, "", 0);
-                    self.send_to_node_peer(peer, frame);
-                }
+                self.peer_up(peer);
             }
             TransportEvent::PeerLost(e) => {
                 let dropped = self.queue.drop_sender(e.peer as usize);
@@ -997,6 +961,47 @@ impl ComputeCtx {
                     self.confirmed(confirmed);
                 }
             }
+        }
+    }
+
+    /// A link came up: a router hears what this device holds now; a node peer (maybe
+    /// restarted) too, and its own announcements count from its new link on.
+    fn peer_up(&mut self, peer: u32) {
+        self.metrics.on_link(peer, true, 0);
+        if peer < self.routers {
+            self.announce_to(peer);
+        } else if self
+            .fanout
+            .as_ref()
+            .is_some_and(|f| f.node_peers().contains(&peer))
+        {
+            if let Some(f) = self.fanout.as_mut() {
+                f.new_link(peer);
+            }
+            let version = self.live.holdings.newest();
+            let frame = self.holding_frame(version, "", 0);
+            self.send_to_node_peer(peer, frame);
+        }
+    }
+
+    /// A dispatch that came while this worker stops: refused at once (ShuttingDown: the
+    /// router turns to a replica, a leader fails its entry) instead of started and dropped.
+    fn refuse_stopping(&mut self, f: RecvFrame) {
+        let (from, generation) = (f.peer(), f.link_generation());
+        let Body::Dispatch(d) = f.body() else {
+            return;
+        };
+        let e = ExecError {
+            code: ErrorCode::ShuttingDown,
+            message: format!("{} is stopping (a stop signal came)", self.id),
+        };
+        let refusal = error_frame(d.batch_id, e);
+        drop(f);
+        if from < self.routers {
+            self.send_on(from, generation, &refusal);
+        } else {
+            let doing = "refusing a node peer's share while stopping";
+            self.spawn_peer_send(from, Some(generation), refusal, doing);
         }
     }
 

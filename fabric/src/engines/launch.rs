@@ -66,6 +66,7 @@ pub fn quote(s: &str) -> String {
 }
 
 /// The script's text for `plan`.
+// long-fn: one shell template (the script's text), filled in per process
 pub fn script(plan: &Plan) -> String {
     let names: Vec<&str> = plan.processes.iter().map(|p| p.name.as_str()).collect();
     let mut s = format!(
