@@ -583,12 +583,14 @@ impl<'a> Poller<'a> {
             }
         };
         if seq != self.expected {
-            // Held until the ones before it come: counted against the window now, since
-            // the link's own credit check sees it only when it is handed over.
+            // Held until the ones before it come: counted against the window now, with what
+            // the link already holds (handed over, not released), since the link's own
+            // credit check sees it only when it is handed over.
             let held = self.held_bytes + cost(&header);
-            if held > link.recv_window() {
+            let outstanding = held.saturating_add(link.stats().recv_outstanding);
+            if outstanding > link.recv_window() {
                 return Err(ProtocolError::CreditViolation {
-                    outstanding: held,
+                    outstanding,
                     window: link.recv_window(),
                 });
             }
