@@ -1552,9 +1552,10 @@ struct CoreLoop {
 const SEND_BACKLOG_FRAMES: usize = 4;
 
 /// The bound of a worker's [`SendBacklog`]: twice the dispatch rows of every token the
-/// router admits at once (f32, the widest; twice for hedges and probes), so that live work
-/// to a merely slow worker is never refused, plus [`SEND_BACKLOG_FRAMES`] largest frames.
-/// What it bounds is work left behind by failed batches.
+/// router admits at once (f32, the widest; twice for hedges and probes), which live work to a
+/// merely slow worker does not fill alone, plus [`SEND_BACKLOG_FRAMES`] largest frames. What
+/// it bounds is work left behind by failed batches (whose frames count until written, so
+/// under sustained failures a live part can still be refused).
 fn send_backlog_bytes(cfg: &crate::core::RouterConfig, hidden: usize, max_frame: usize) -> usize {
     cfg.max_inflight_tokens
         .saturating_mul(hidden)
