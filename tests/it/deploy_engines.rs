@@ -1813,15 +1813,21 @@ fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
         say("skipped: running the init container's chown (needs root)");
         return;
     }
-    std::fs::create_dir(&tiles).unwrap();
-    std::fs::set_permissions(&tiles, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let ran = Command::new("sh")
-        .arg("-c")
-        .arg(&command)
-        .arg(&tiles)
-        .status()
-        .unwrap();
-    assert!(ran.success());
+    // An emptyDir as the kubelet makes it (root's, world-writable), and a container's command.
+    let empty_dir = |p: &Path| {
+        std::fs::create_dir(p).unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    };
+    let sh = |command: &str, args: &[&Path]| {
+        let ran = Command::new("sh")
+            .arg("-c")
+            .arg(command)
+            .args(args)
+            .status();
+        assert!(ran.unwrap().success(), "{command}");
+    };
+    empty_dir(&tiles);
+    sh(&command, &[&tiles]);
     let meta = std::fs::metadata(&tiles).unwrap();
     assert_eq!(
         (meta.uid(), meta.gid(), meta.mode() & 0o777),
@@ -1839,16 +1845,8 @@ fn kubernetes_pods_run_as_the_user_asked_and_their_tile_cache_is_theirs() {
     .unwrap();
     std::os::unix::fs::symlink("..data/router-0.cred", secret.join("router-0.cred")).unwrap();
     let creds = inputs.dir.path().join("creds");
-    std::fs::create_dir(&creds).unwrap();
-    std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let ran = Command::new("sh")
-        .arg("-c")
-        .arg(&copy)
-        .arg(&secret)
-        .arg(&creds)
-        .status()
-        .unwrap();
-    assert!(ran.success());
+    empty_dir(&creds);
+    sh(&copy, &[&secret, &creds]);
     let file = creds.join("router-0.cred");
     let meta = std::fs::symlink_metadata(&file).unwrap();
     assert!(meta.file_type().is_file(), "a copy, not a link");
