@@ -1291,9 +1291,31 @@ fn error_case(
     Ok([out, weight])
 }
 
+/// Refuse a run whose memory the machine does not have now (`available`: MemAvailable, when
+/// known): it holds the checkpoint's largest file in one buffer (at most the whole
+/// checkpoint), every device's loaded experts, and a fresh copy of the shards at once (INT4,
+/// under a third of the BF16 bytes each), so the checkpoint's bytes and three quarters again
+/// are asked for, against 80 % of what is available.
+fn check_memory(opts: &ConvertBenchOptions, available: Option<u64>) -> Result<(), BenchError> {
+    let checkpoint = opts.expert_bytes() * (opts.experts * opts.layers) as u64;
+    let need = checkpoint.saturating_add(checkpoint / 4 * 3);
+    match available {
+        Some(free) if need > free / 5 * 4 => Err(BenchError::Options(format!(
+            "this run needs about {:.1} GB of memory (a {:.1} GB BF16 checkpoint's largest file in \
+             one buffer, the shards loaded and copied), more than 80 % of the {:.1} GB available \
+             now: lower --experts or --layers",
+            need as f64 / 1e9,
+            checkpoint as f64 / 1e9,
+            free as f64 / 1e9
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Run the bench and return the report.
 pub fn run(opts: &ConvertBenchOptions) -> Result<BenchReport, BenchError> {
     opts.check()?;
+    check_memory(opts, crate::method::machine::memory_available_bytes())?;
     let temp;
     let dir = match &opts.dir {
         Some(d) => d.clone(),
@@ -1352,6 +1374,19 @@ fn loadavg() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run is refused when what it asks for passes 80 % of the memory available, naming
+    /// the sizes and what to lower; without a figure for the available memory it runs.
+    #[test]
+    fn a_run_larger_than_the_memory_available_is_refused() {
+        let o = ConvertBenchOptions::standard();
+        let checkpoint = o.expert_bytes() * (o.experts * o.layers) as u64;
+        let need = checkpoint + checkpoint / 4 * 3;
+        assert!(check_memory(&o, None).is_ok());
+        assert!(check_memory(&o, Some(need * 2)).is_ok());
+        let e = check_memory(&o, Some(need)).unwrap_err().to_string();
+        assert!(e.contains("lower --experts or --layers"), "{e}");
+    }
 
     fn std_of(v: &[bf16]) -> f64 {
         let n = v.len() as f64;
