@@ -1196,6 +1196,26 @@ fn measure(
     Ok(opts.repetitions.max(1))
 }
 
+/// What the limit of a case of `kind` is, for its row's `limit_kind` (`amx`: the kernels are
+/// AMX's).
+fn limit_kind(kind: Kind, amx: bool) -> &'static str {
+    if kind == Kind::Accurate {
+        "memory read bandwidth (best read probe), same run, interleaved; f32 peak not measured"
+    } else if kind.cached() && amx && kind != Kind::AccurateCached {
+        "int8 ops / max(int8 peak, AMX contract loop) (weights cache-resident: the same few \
+         experts every call, no DRAM read), same run, interleaved: the kernels' own ceiling"
+    } else if kind.cached() {
+        "int8 ops / int8 peak alone (weights cache-resident: the same few experts every call, \
+         no DRAM read; accurate mode counts its three int8 levels), same run, interleaved: \
+         the kernels' own ceiling"
+    } else if amx {
+        "roofline min(bytes / read bandwidth, int8 ops / max(int8 peak, AMX contract loop)), \
+         same run, interleaved"
+    } else {
+        "roofline min(bytes / read bandwidth, int8 ops / int8 peak), same run, interleaved"
+    }
+}
+
 /// The result row of a case (none without samples).
 fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<BenchResult> {
     if c.achieved.is_empty() {
@@ -1243,21 +1263,7 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
     };
     let best = c.achieved.iter().copied().fold(0.0, f64::max);
     let ratio_best = if r.limit > 0.0 { best / r.limit } else { 0.0 };
-    let limit_kind = if c.kind == Kind::Accurate {
-        "memory read bandwidth (best read probe), same run, interleaved; f32 peak not measured"
-    } else if c.kind.cached() && amx && c.kind != Kind::AccurateCached {
-        "int8 ops / max(int8 peak, AMX contract loop) (weights cache-resident: the same few \
-         experts every call, no DRAM read), same run, interleaved: the kernels' own ceiling"
-    } else if c.kind.cached() {
-        "int8 ops / int8 peak alone (weights cache-resident: the same few experts every call, \
-         no DRAM read; accurate mode counts its three int8 levels), same run, interleaved: \
-         the kernels' own ceiling"
-    } else if amx {
-        "roofline min(bytes / read bandwidth, int8 ops / max(int8 peak, AMX contract loop)), \
-         same run, interleaved"
-    } else {
-        "roofline min(bytes / read bandwidth, int8 ops / int8 peak), same run, interleaved"
-    };
+    let limit_kind = limit_kind(c.kind, amx);
     r = r
         .with("mode", mode)
         .with("limit_kind", limit_kind)

@@ -544,10 +544,26 @@ fn no_locks_here(e: &io::Error) -> bool {
 /// Opens `path` read-only without following a last-component link and without blocking (a
 /// FIFO swapped in after the type check would otherwise block the open).
 fn open_no_block(path: &Path) -> io::Result<File> {
+    open_read(path, true)
+}
+
+/// Opens `path` to read without blocking: a FIFO put where a file should be would otherwise
+/// wait for a writer for ever. Links are followed; check what was opened through the handle
+/// (`File::metadata`), not by path.
+pub fn open_nonblocking(path: &Path) -> io::Result<File> {
+    open_read(path, false)
+}
+
+fn open_read(path: &Path, no_follow: bool) -> io::Result<File> {
     let mut o = OpenOptions::new();
     o.read(true);
     #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK | libc::O_NOFOLLOW);
+    {
+        let follow = if no_follow { libc::O_NOFOLLOW } else { 0 };
+        std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK | follow);
+    }
+    #[cfg(not(unix))]
+    let _ = no_follow;
     o.open(path)
 }
 

@@ -47,6 +47,7 @@ use expertmesh_transport::frontend::{
 use expertmesh_transport::mesh::{
     Mesh, MeshConfig, MeshEvents, OutFrame, StartError, Transport, TransportEvent,
 };
+use expertmesh_transport::{MemoryBudget, MemoryReservation};
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -1566,35 +1567,26 @@ fn send_backlog_bytes(cfg: &crate::core::RouterConfig, hidden: usize, max_frame:
 /// The dispatch bytes waiting to be written to each rank: a worker that stops taking its
 /// frames (its compute hung, its link still alive) holds its credit, and every batch planned
 /// on it would otherwise leave one more frame waiting in memory for it, to be computed (for
-/// requests long failed) before anything new once it recovers.
-struct SendBacklog {
-    bytes: Vec<AtomicUsize>,
-    limit: usize,
-}
+/// requests long failed) before anything new once it recovers. One [`MemoryBudget`] per rank;
+/// each send holds a reservation of its frame's bytes until written.
+struct SendBacklog(Vec<MemoryBudget>);
 
 impl SendBacklog {
     fn new(ranks: usize, limit: usize) -> Self {
-        Self {
-            bytes: (0..ranks).map(|_| AtomicUsize::new(0)).collect(),
-            limit,
-        }
+        Self(
+            (0..ranks)
+                .map(|_| MemoryBudget::new(limit as u64))
+                .collect(),
+        )
     }
 
-    /// Take `n` bytes for `rank`; `false` (nothing taken) when they do not fit its bound. A
-    /// rank with nothing waiting always takes one frame.
-    fn take(&self, rank: u32, n: usize) -> bool {
-        let Some(b) = self.bytes.get(rank as usize) else {
-            return true;
-        };
-        b.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-            (w == 0 || w + n <= self.limit).then_some(w + n)
-        })
-        .is_ok()
-    }
-
-    fn give_back(&self, rank: u32, n: usize) {
-        if let Some(b) = self.bytes.get(rank as usize) {
-            b.fetch_sub(n, Ordering::AcqRel);
+    /// A reservation of `n` bytes for `rank` (`Ok(None)`: a rank past the table, not bounded
+    /// here), or `Err` when they do not fit its bound. The bound holds several of the largest
+    /// frames, so a rank with nothing waiting always takes one.
+    fn reserve(&self, rank: u32, n: usize) -> Result<Option<MemoryReservation>, String> {
+        match self.0.get(rank as usize) {
+            Some(b) => b.reserve(n as u64).map(Some),
+            None => Ok(None),
         }
     }
 }
@@ -2228,7 +2220,7 @@ impl CoreLoop {
     fn send(&self, rank: u32, frame: OutFrame, batch: u64, part: u32, cx: &mut Context<'_>) {
         let (mesh, tx) = (self.mesh.clone(), self.tx.clone());
         let bytes = expertmesh_transport::codec::frame_len(&frame.body, frame.payload.len());
-        if !self.send_backlog.take(rank, bytes) {
+        let Ok(held) = self.send_backlog.reserve(rank, bytes) else {
             // The worker is not taking its frames: this part fails now (a replica takes it,
             // or its batch fails) instead of waiting in memory behind the others.
             tracing::debug!(
@@ -2242,14 +2234,13 @@ impl CoreLoop {
                 let _ = send_to_core(&tx, refused).await;
             });
             return;
-        }
+        };
         self.core.metrics().on_sent(rank, &frame);
-        let backlog = Arc::clone(&self.send_backlog);
         let under_way = self.changes.unconfirmed.begin_send(rank);
         let mut send = Box::pin(async move {
             let sent = mesh.send(rank, &frame).await;
             drop(under_way);
-            backlog.give_back(rank, bytes);
+            drop(held);
             if let Err(e) = sent {
                 tracing::warn!(rank, error = %e, "dispatch send failed");
                 let failed = CoreInput::SendFailed { rank, batch, part };
@@ -2267,24 +2258,20 @@ mod tests {
     use super::{SendBacklog, idle_wait};
     use std::time::Duration;
 
-    /// Each rank's unsent dispatch bytes stay within the bound (a rank with none waiting
-    /// always takes one frame); what is given back can be taken again; ranks are apart.
+    /// Each rank's unsent dispatch bytes stay within the bound; what a written frame gives
+    /// back can be reserved again; ranks are apart.
     #[test]
     fn the_send_backlog_bounds_each_rank_apart() {
         let b = SendBacklog::new(3, 100);
-        assert!(b.take(1, 60));
-        assert!(b.take(1, 40));
-        assert!(!b.take(1, 1), "rank 1 is at its bound");
-        assert!(b.take(2, 100), "rank 2 is not");
+        let first = b.reserve(1, 60).unwrap();
+        let second = b.reserve(1, 40).unwrap();
+        assert!(b.reserve(1, 1).is_err(), "rank 1 is at its bound");
+        assert!(b.reserve(2, 100).is_ok(), "rank 2 is not");
+        drop(first);
+        assert!(b.reserve(1, 50).is_ok());
+        drop(second);
         assert!(
-            b.take(0, 500),
-            "an empty rank takes one frame, however large"
-        );
-        assert!(!b.take(0, 1));
-        b.give_back(1, 60);
-        assert!(b.take(1, 50));
-        assert!(
-            b.take(7, 1 << 40),
+            b.reserve(7, 1 << 40).unwrap().is_none(),
             "a rank past the table is not bounded here"
         );
     }

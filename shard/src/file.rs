@@ -488,14 +488,7 @@ impl ShardFile {
     /// [`ShardFile::verify`]).
     pub fn open(path: &Path) -> Result<Self> {
         // Not blocking on a FIFO put where a shard should be; a regular file, checked below.
-        let file = {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK);
-            o.open(path)
-        }
-        .map_err(|source| ShardError::Io {
+        let file = expertmesh_files::open_nonblocking(path).map_err(|source| ShardError::Io {
             path: path.to_path_buf(),
             what: "opening",
             source,

@@ -157,14 +157,7 @@ impl Manifest {
         };
         // Opened without blocking (a FIFO put in its place would wait for a writer), then
         // looked at through the handle: what is read is what was checked.
-        let file = {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NONBLOCK);
-            o.open(&path)
-        }
-        .map_err(missing)?;
+        let file = expertmesh_files::open_nonblocking(&path).map_err(missing)?;
         let io = |source| ManifestError::Io {
             path: path.clone(),
             what: "reading",

@@ -110,11 +110,13 @@ impl Inputs {
             placement.to_str().unwrap(),
             "--out",
             out.to_str().unwrap(),
-            "--metrics-port",
-            &metrics,
             "--router-arg=--mode",
             "--router-arg=exact",
         ]);
+        // This fabric's free metrics ports, unless the caller gives its own.
+        if !extra.contains(&"--metrics-port") {
+            args.extend(["--metrics-port", &metrics]);
+        }
         args.extend(extra);
         crate::support::run(&args)
     }
@@ -1965,23 +1967,7 @@ fn launch_sh_told_to_stop_between_restarts_starts_nothing_more() {
 fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
     let inputs = Inputs::new();
     let out = inputs.dir.path().join("out");
-    let placement = example_placement();
-    let deploy = |extra: &[&str]| {
-        let mut args = vec![
-            "deploy",
-            "systemd",
-            "--topology",
-            inputs.topology.to_str().unwrap(),
-            "--model",
-            "demo-small",
-            "--placement",
-            placement.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        args.extend(extra);
-        crate::support::run(&args)
-    };
+    let deploy = |extra: &[&str]| inputs.deploy(&["systemd"], &out, extra);
     let frontend = inputs.frontend.to_string();
     for (extra, says) in [
         (

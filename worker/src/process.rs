@@ -32,6 +32,7 @@ use expertmesh_transport::mesh::{
     LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
     TransportEvent,
 };
+use expertmesh_transport::{MemoryBudget, MemoryReservation};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -555,7 +556,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         metrics,
         stale: StaleWork::default(),
         live: Live::new(dep, d, rank),
-        peer_backlog: PeerBacklog::default(),
+        peer_backlog: MemoryBudget::new(PEER_BACKLOG_BYTES),
         stopping: false,
     };
     {
@@ -599,37 +600,21 @@ const NODE_JOIN_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a node's leader waits for its peers' shares of a forwarded dispatch.
 const FANOUT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The most bytes of frames on their way to node peers ([`PeerBacklog`]): two receive
-/// windows' worth. Past it a leader refuses to forward (the router sends the pairs to their
-/// owners) and a device drops an answer to a node peer (the leader fails its entry).
-const PEER_BACKLOG_BYTES: usize = 4 * crate::deploy::MAX_FRAME_BYTES;
+/// The most bytes of frames on their way to node peers (`ComputeCtx::peer_backlog`): two
+/// receive windows' worth. Past it a leader refuses to forward (the router sends the pairs to
+/// their owners) and a device drops an answer to a node peer (the leader fails its entry).
+///
+/// Why a bound: the compute thread never waits on a send to a node peer (the peer may be
+/// waiting to send here itself, each side's window full of work queued behind the other's
+/// blocked send), so the runtime carries those sends, each holding a reservation of its bytes
+/// until it ends; a slow peer cannot pile them up without bound. A send still waiting for
+/// credit after [`FANOUT_TIMEOUT`] is given up: its leader has failed the entry.
+const PEER_BACKLOG_BYTES: u64 = 4 * crate::deploy::MAX_FRAME_BYTES as u64;
 
-/// Frames to node peers that the runtime is sending. The compute thread never waits on a
-/// send to a node peer: the peer may be waiting to send here itself (each side's window full
-/// of work queued behind the other's blocked send), so the runtime carries those sends, and
-/// this counts their bytes so a slow peer cannot pile them up without bound. A send still
-/// waiting for credit after [`FANOUT_TIMEOUT`] is given up: its leader has failed the entry.
-#[derive(Clone, Default)]
-struct PeerBacklog(Arc<std::sync::atomic::AtomicUsize>);
-
-impl PeerBacklog {
-    /// Bytes on their way now.
-    fn bytes(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    /// Take `bytes` of the budget; `false` (nothing taken) when they do not fit.
-    fn take(&self, bytes: usize) -> bool {
-        self.0
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b + bytes <= PEER_BACKLOG_BYTES).then_some(b + bytes)
-            })
-            .is_ok()
-    }
-
-    fn give_back(&self, bytes: usize) {
-        self.0.fetch_sub(bytes, Ordering::Relaxed);
-    }
+/// Reservations of every one of `bytes` from `budget`, or none (all given back) when they do
+/// not fit together.
+fn reserve_all(budget: &MemoryBudget, bytes: &[u64]) -> Option<Vec<MemoryReservation>> {
+    bytes.iter().map(|&b| budget.reserve(b).ok()).collect()
 }
 
 /// What the I/O loop hands the compute thread.
@@ -683,7 +668,7 @@ struct ComputeCtx {
     /// Live placement changes: what this device holds, its memory, a deferred hold.
     live: Live,
     /// Frames to node peers on their way.
-    peer_backlog: PeerBacklog,
+    peer_backlog: MemoryBudget,
     /// A stop signal came: dispatches that arrive now are refused (ShuttingDown).
     stopping: bool,
 }
@@ -1091,7 +1076,7 @@ impl ComputeCtx {
         if from < self.routers {
             self.send_on(from, generation, &out);
         } else {
-            // A node peer's share: never waited for here (see PeerBacklog).
+            // A node peer's share: never waited for here (see PEER_BACKLOG_BYTES).
             self.spawn_peer_send(from, Some(generation), out, "answering a node peer's share");
         }
     }
@@ -1431,7 +1416,7 @@ impl ComputeCtx {
     }
 
     /// Sends `frame` to node peer `peer` on the runtime, never waiting here (on the link of
-    /// `generation` only, when given): within [`PeerBacklog`]'s bound, else dropped with a
+    /// `generation` only, when given): within [`PEER_BACKLOG_BYTES`], else dropped with a
     /// warning (the leader waiting for it fails its entry at its timeout).
     fn spawn_peer_send(
         &mut self,
@@ -1440,30 +1425,28 @@ impl ComputeCtx {
         frame: OutFrame,
         doing: &'static str,
     ) {
-        let bytes = codec::frame_len(&frame.body, frame.payload.len());
-        if !self.peer_backlog.take(bytes) {
-            tracing::warn!(
-                worker = %self.id, peer, waiting = self.peer_backlog.bytes(),
-                "{doing}: dropped, the frames on their way to node peers are at their bound"
-            );
-            return;
+        let bytes = codec::frame_len(&frame.body, frame.payload.len()) as u64;
+        match self.peer_backlog.reserve(bytes) {
+            Ok(held) => self.spawn_reserved_peer_send(peer, generation, frame, held, doing),
+            Err(why) => tracing::warn!(
+                worker = %self.id, peer,
+                "{doing}: dropped, the frames on their way to node peers are at their bound ({why})"
+            ),
         }
-        self.spawn_reserved_peer_send(peer, generation, frame, bytes, doing);
     }
 
-    /// [`ComputeCtx::spawn_peer_send`] of a frame whose `bytes` are already taken from the
-    /// backlog (given back when the send ends).
+    /// [`ComputeCtx::spawn_peer_send`] of a frame whose bytes `held` reserves (given back
+    /// when the send ends).
     fn spawn_reserved_peer_send(
         &mut self,
         peer: u32,
         generation: Option<u64>,
         frame: OutFrame,
-        bytes: usize,
+        held: MemoryReservation,
         doing: &'static str,
     ) {
         self.metrics.on_sent(peer, &frame);
         let mesh = self.mesh.clone();
-        let backlog = self.peer_backlog.clone();
         self.handle.spawn(async move {
             let send = async {
                 match generation {
@@ -1482,7 +1465,7 @@ impl ComputeCtx {
                     "{doing}: no credit within {FANOUT_TIMEOUT:?}; given up"
                 ),
             }
-            backlog.give_back(bytes);
+            drop(held);
         });
     }
 
@@ -1528,33 +1511,27 @@ impl ComputeCtx {
     /// Sends the peers' shares of a forwarded dispatch and runs this device's own.
     fn forward(&mut self, fwd: Forward) {
         let Forward { key, local, remote } = fwd;
-        // Never wait here on a send to a node peer (see PeerBacklog): the shares' bytes are
-        // reserved together, or the dispatch fails at once (PeerUnavailable: the router sends
-        // its pairs to the devices directly). A link that fails under a send is reported as
-        // PeerLost, and a share that does not go out in time leaves the entry to expire; both
-        // fail it.
-        let sizes: Vec<usize> = remote
+        // Never wait here on a send to a node peer (see PEER_BACKLOG_BYTES): the shares'
+        // bytes are reserved together, or the dispatch fails at once (PeerUnavailable: the
+        // router sends its pairs to the devices directly). A link that fails under a send is
+        // reported as PeerLost, and a share that does not go out in time leaves the entry to
+        // expire; both fail it.
+        let sizes: Vec<u64> = remote
             .iter()
-            .map(|(_, f)| codec::frame_len(&f.body, f.payload.len()))
+            .map(|(_, f)| codec::frame_len(&f.body, f.payload.len()) as u64)
             .collect();
-        let total: usize = sizes.iter().sum();
-        if total > 0 && !self.peer_backlog.take(total) {
+        let Some(held) = reserve_all(&self.peer_backlog, &sizes) else {
             let message = format!(
                 "this node's peers are behind: {} bytes of forwarded work wait for their links",
-                self.peer_backlog.bytes()
+                self.peer_backlog.used()
             );
             let refused = self.fanout.as_mut().and_then(|f| f.abandon(key, message));
             self.answer_routers(refused);
             return;
-        }
-        for ((rank, frame), bytes) in remote.into_iter().zip(sizes) {
-            self.spawn_reserved_peer_send(
-                rank,
-                None,
-                frame,
-                bytes,
-                "forwarding a share to a node peer",
-            );
+        };
+        for ((rank, frame), held) in remote.into_iter().zip(held) {
+            let doing = "forwarding a share to a node peer";
+            self.spawn_reserved_peer_send(rank, None, frame, held, doing);
         }
         let Some((sub, payload)) = local else {
             return;
@@ -1643,21 +1620,23 @@ fn router_addresses(
 mod tests {
     use super::*;
 
-    /// The backlog of frames to node peers takes what fits under its bound, all or nothing,
-    /// and what is given back can be taken again; it never goes below zero.
+    /// The shares of a forwarded dispatch are reserved all together or not at all (nothing
+    /// held after a refusal), within the backlog's bound; what a send gives back can be
+    /// reserved again.
     #[test]
-    fn the_peer_backlog_takes_what_fits_and_gives_it_back() {
-        let b = PeerBacklog::default();
-        assert!(b.take(PEER_BACKLOG_BYTES - 10));
-        assert!(!b.take(11), "past the bound: nothing taken");
-        assert_eq!(b.bytes(), PEER_BACKLOG_BYTES - 10);
-        assert!(b.take(10));
-        assert!(!b.take(1));
-        let shared = b.clone();
-        shared.give_back(PEER_BACKLOG_BYTES - 10);
-        assert_eq!(b.bytes(), 10, "clones count the same frames");
-        assert!(b.take(PEER_BACKLOG_BYTES - 10));
-        b.give_back(PEER_BACKLOG_BYTES);
-        assert_eq!(b.bytes(), 0);
+    fn the_peer_backlog_reserves_all_shares_or_none() {
+        let b = MemoryBudget::new(PEER_BACKLOG_BYTES);
+        let first = reserve_all(&b, &[PEER_BACKLOG_BYTES - 10]).unwrap();
+        assert!(
+            reserve_all(&b, &[5, 6]).is_none(),
+            "past the bound: nothing taken"
+        );
+        assert_eq!(b.used(), PEER_BACKLOG_BYTES - 10);
+        let two = reserve_all(&b, &[5, 5]).unwrap();
+        assert_eq!(b.used(), PEER_BACKLOG_BYTES);
+        drop(first);
+        drop(two);
+        assert_eq!(b.used(), 0);
+        assert!(reserve_all(&b, &[PEER_BACKLOG_BYTES]).is_some());
     }
 }

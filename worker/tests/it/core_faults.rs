@@ -35,16 +35,25 @@ fn build(spec: &ModelSpec, assign: &[Vec<u32>]) -> (Sim, HashMap<u32, LayerWeigh
     (sim, layers)
 }
 
-#[test]
-fn a_paused_replica_is_hedged_in_milliseconds_then_quarantined_then_probed_back() {
+/// toy-softmax on two devices that both hold every expert.
+fn two_replicas() -> (ModelSpec, Sim, HashMap<u32, LayerWeights>) {
     let spec = preset_by_name("toy-softmax").unwrap();
     let all: Vec<u32> = (0..spec.routed_experts).collect();
-    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let (sim, layers) = build(&spec, &[all.clone(), all]);
+    (spec, sim, layers)
+}
+
+/// The in-process reference's exact-mode output bits of layer 0 for `x`.
+fn exact_bits(spec: &ModelSpec, layers: &HashMap<u32, LayerWeights>, x: &[f32]) -> Vec<u32> {
+    let (_, y) = reference::moe_layer(spec, &layers[&0], x, ComputeMode::Exact).unwrap();
+    bits(&y)
+}
+
+#[test]
+fn a_paused_replica_is_hedged_in_milliseconds_then_quarantined_then_probed_back() {
+    let (spec, mut sim, layers) = two_replicas();
     let h = spec.hidden as usize;
-    let want = |x: &[f32]| {
-        let (_, y) = reference::moe_layer(&spec, &layers[&0], x, ComputeMode::Exact).unwrap();
-        bits(&y)
-    };
+    let want = |x: &[f32]| exact_bits(&spec, &layers, x);
     // Warm up: both devices answer in 2 ms; the hedge timeout settles at the floor.
     for i in 0..40 {
         let x = reference::synthetic_hidden(i, 4, h);
@@ -233,14 +242,9 @@ fn an_error_answer_goes_to_a_replica_when_one_holds_the_experts() {
 /// its probes once it takes frames again: it is not marked lost, as a failed send marks it.
 #[test]
 fn a_backlogged_device_is_worked_around_and_probed_back_not_lost() {
-    let spec = preset_by_name("toy-softmax").unwrap();
-    let all: Vec<u32> = (0..spec.routed_experts).collect();
-    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let (spec, mut sim, layers) = two_replicas();
     let h = spec.hidden as usize;
-    let want = |x: &[f32]| {
-        let (_, y) = reference::moe_layer(&spec, &layers[&0], x, ComputeMode::Exact).unwrap();
-        bits(&y)
-    };
+    let want = |x: &[f32]| exact_bits(&spec, &layers, x);
     sim.backlogged.push(1);
     let gap = HedgePolicy::default().strike_gap;
     for i in 0..20 {
