@@ -927,18 +927,40 @@ fn answers_that_arrived_while_the_caller_was_away_are_returned() {
 }
 
 /// A router still computing when the caller comes back after longer than the keepalive's
-/// bound is probed, not given up: it answers the probe, then the call.
+/// bound is probed, not given up: it answers the probe, then the call. (This router answers a
+/// request only once it has been probed, so the call can only succeed through a probe; the
+/// probe is given 3 s, which no stall of the router's thread on a busy machine outlasts.)
 #[test]
 fn a_router_still_computing_when_the_caller_comes_back_is_probed_not_given_up() {
-    let (_server, addr, cfg) =
-        serve_elsewhere(|conn| answers_late(conn, Duration::from_millis(1800)));
+    let (_server, addr, cfg) = serve_elsewhere(|mut conn| async move {
+        let mut held = Vec::new();
+        while let Ok(f) = conn.read_frame().await {
+            let Body::LayerRequest(req) = f.body().clone() else {
+                return;
+            };
+            if req.layer == liveness::PROBE_LAYER {
+                let _ = conn
+                    .write_frame(&refusal(req.request_id, "probe"), &[])
+                    .await;
+                for r in held.drain(..) {
+                    answer(&mut conn, &r).await;
+                }
+                continue;
+            }
+            held.push(decode_req(req, f.payload()));
+        }
+    });
     run(async {
-        let mut c = RouterClient::connect_with(addr, &cfg, quick())
-            .await
-            .unwrap();
+        let opts = ClientOptions {
+            keepalive_interval: Duration::from_millis(100),
+            keepalive_timeout: Duration::from_secs(3),
+            ..quick()
+        };
+        let mut c = RouterClient::connect_with(addr, &cfg, opts).await.unwrap();
         let x = input(6, 2);
         let h = c.submit(3, &x, H, None, None).await.unwrap();
-        std::thread::sleep(Duration::from_millis(1200));
+        // Away past interval + timeout (3.1 s): silence nobody watched.
+        std::thread::sleep(Duration::from_millis(3300));
         assert_eq!(c.wait(h).await.unwrap(), expected(&x, 3));
     });
 }
