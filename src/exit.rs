@@ -29,9 +29,9 @@ Exit codes: 0 success, 1 invalid input or mismatched results, 2 usage or I/O err
                       to keep), 2 not kept (the reason is printed)
   infer               0 output written; 1 the router answered with an error; 2 usage, I/O or
                       connection error
-  rebalance, drain    0 the placement is served; 1 the router refused it or the change failed
-                      (undone, or the devices that did not confirm named); 2 usage, file or
-                      connection error
+  rebalance, drain    0 the placement is served (a device that did not confirm its release is
+                      named in a warning); 1 the router refused it or the change failed and
+                      was undone; 2 usage, file or connection error
   keys init|issue     0 written; 2 the file exists (never overwritten), bad key, topology or
                       options
   deploy ENGINE       0 written; 2 invalid topology, model, placement, weights or key, bad
@@ -59,7 +59,7 @@ const PLAN_EXIT: &str =
 const DEMO_EXIT: &str = "Exit codes: 0 every response matched the reference; 1 mismatched or failed responses; 2 usage or start-up error.";
 const SERVE_EXIT: &str =
     "Exit codes: 0 stopped cleanly; 2 usage, start-up or I/O error (1 is not used).";
-const REBALANCE_EXIT: &str = "Exit codes: 0 the placement is served; 1 the router refused it or the change failed (undone, or the devices that did not confirm named); 2 usage, file or connection error.";
+const REBALANCE_EXIT: &str = "Exit codes: 0 the placement is served (a device that did not confirm its release is named in a warning); 1 the router refused it or the change failed and was undone; 2 usage, file or connection error.";
 const INFER_EXIT: &str = "Exit codes: 0 output written; 1 the router answered with an error; 2 usage, I/O or connection error.";
 
 #[cfg(test)]

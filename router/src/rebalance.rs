@@ -92,6 +92,10 @@ pub enum ChangeAction {
         released: u32,
         /// From the request to the last announcement.
         took: Duration,
+        /// Set when the new placement is served but some device did not confirm releasing
+        /// what it lost (it was lost, refused, or did not answer in time): which, and why.
+        /// Those releases are not counted in `released`.
+        unconfirmed: Option<String>,
     },
     /// Answer the frontend: the change failed (every device is back on its old set, or the
     /// message says which did not confirm it).
@@ -149,9 +153,17 @@ struct Change {
     released: u32,
     /// Why the change is being undone.
     failure: Option<String>,
-    /// Devices lost before they confirmed their release (named in the router's log when the
-    /// change is answered; their experts are not counted as released).
+    /// Why devices did not confirm their release (lost, or silent past the deadline): named in
+    /// the answer; their experts are not counted as released.
     unconfirmed: Vec<String>,
+}
+
+impl Change {
+    /// Worker `w` did not confirm its release: what it was to drop is not counted as released.
+    fn release_not_done(&mut self, w: usize) {
+        let dropped = self.before[w].difference(&self.target[w]).count() as u32;
+        self.released = self.released.saturating_sub(dropped);
+    }
 }
 
 /// The coordinating router's state. See the module docs.
@@ -424,6 +436,9 @@ impl Coordinator {
         if !message.is_empty() && version >= c.version {
             let why = format!("{name}: {message}");
             c.awaited[w] = None;
+            if c.step == Step::Release {
+                c.release_not_done(w); // refused: named in the answer
+            }
             self.fail(why, now);
         } else if version >= c.version {
             // (An older announcement, a stale hold's refusal say, changes nothing here.)
@@ -481,9 +496,8 @@ impl Coordinator {
                 // The new placement is served (every gain was confirmed before any release):
                 // the change is applied, but this device's release is not counted as done.
                 Step::Release => {
-                    let dropped = c.before[w].difference(&c.target[w]).count() as u32;
-                    c.released = c.released.saturating_sub(dropped);
-                    c.unconfirmed.push(name);
+                    c.release_not_done(w);
+                    c.unconfirmed.push(format!("{name} was lost before confirming it"));
                 }
                 Step::Undo => {
                     let why = c.failure.take().unwrap_or_default();
@@ -543,28 +557,63 @@ impl Coordinator {
                 now,
             ),
             Step::Survey(_) => unreachable!("answered above"),
-            Step::Release | Step::Undo => {
+            // The new placement is served (every gain was confirmed before any release): the
+            // change is applied; the releases not confirmed are named and not counted.
+            Step::Release => {
+                let c = self.change.as_mut().expect("checked above");
+                for w in 0..c.awaited.len() {
+                    if c.awaited[w].take().is_some() {
+                        c.release_not_done(w);
+                    }
+                }
+                c.unconfirmed.push(format!(
+                    "{} did not confirm it within {timeout:?}",
+                    late.join(", ")
+                ));
+                self.finish_release(now);
+            }
+            Step::Undo => {
                 let c = self.change.take().expect("checked above");
-                let message = match step {
-                    Step::Release => format!(
-                        "the new placement (version {}) is served, but {} did not confirm \
-                         releasing the experts they lost within {timeout:?}",
-                        c.version,
-                        late.join(", ")
-                    ),
-                    _ => format!(
+                self.actions.push_back(ChangeAction::Failed {
+                    client: c.client,
+                    request_id: c.request_id,
+                    message: format!(
                         "{}; and {} did not confirm their return to the old set within {timeout:?}",
                         c.failure.unwrap_or_default(),
                         late.join(", ")
                     ),
-                };
-                self.actions.push_back(ChangeAction::Failed {
-                    client: c.client,
-                    request_id: c.request_id,
-                    message,
                 });
             }
         }
+    }
+
+    /// Answers the change whose release step is over: applied (every gain was confirmed
+    /// before any release, so the new placement is served), naming the devices that did not
+    /// confirm their release or refused it.
+    fn finish_release(&mut self, now: Instant) {
+        let Some(mut c) = self.change.take() else {
+            return;
+        };
+        c.unconfirmed.extend(c.failure.take());
+        let unconfirmed = (!c.unconfirmed.is_empty()).then(|| {
+            format!(
+                "the new placement (version {}) is served, but not every release was confirmed: \
+                 {} (a device that still holds experts it lost only uses memory; routers route \
+                 by what it announces)",
+                c.version,
+                c.unconfirmed.join("; ")
+            )
+        });
+        self.applied = Some((c.version, c.target));
+        self.actions.push_back(ChangeAction::Applied {
+            client: c.client,
+            request_id: c.request_id,
+            version: c.version,
+            loaded: c.loaded,
+            released: c.released,
+            took: now.saturating_duration_since(c.started),
+            unconfirmed,
+        });
     }
 
     /// Fail the change during its load: every gainer is asked back to its old set.
@@ -647,40 +696,7 @@ impl Coordinator {
                 }
                 self.advance(now);
             }
-            Step::Release => {
-                let c = self.change.take().expect("matched above");
-                let done = match c.failure {
-                    Some(why) => ChangeAction::Failed {
-                        client: c.client,
-                        request_id: c.request_id,
-                        message: format!(
-                            "the new placement (version {}) is served, but a release failed: {why}",
-                            c.version
-                        ),
-                    },
-                    None => {
-                        if !c.unconfirmed.is_empty() {
-                            tracing::warn!(
-                                version = c.version,
-                                "placement change applied, but {} was lost before confirming its \
-                                 release (when it returns it announces what it holds, and routers \
-                                 route by that)",
-                                c.unconfirmed.join(", ")
-                            );
-                        }
-                        ChangeAction::Applied {
-                            client: c.client,
-                            request_id: c.request_id,
-                            version: c.version,
-                            loaded: c.loaded,
-                            released: c.released,
-                            took: now.saturating_duration_since(c.started),
-                        }
-                    }
-                };
-                self.applied = Some((c.version, c.target));
-                self.actions.push_back(done);
-            }
+            Step::Release => self.finish_release(now),
             Step::Undo => {
                 let c = self.change.take().expect("matched above");
                 self.actions.push_back(ChangeAction::Failed {

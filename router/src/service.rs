@@ -37,7 +37,7 @@ use crate::rebalance::{ChangeAction, Coordinator};
 use crate::relay::{ChunkRoute, RelayAction, Relays};
 use expertmesh_transport::codec::{
     Body, ErrorCode, LayerRequest, LayerResponse, Placement, PlacementOp, encode_placement_entries,
-    placement_entries,
+    placement_entries, placement_message,
 };
 use expertmesh_transport::dtype::{self, OutputDtype};
 use expertmesh_transport::frontend::{
@@ -2004,6 +2004,7 @@ impl CoreLoop {
                     loaded,
                     released,
                     took,
+                    unconfirmed,
                 } => {
                     tracing::info!(
                         version,
@@ -2012,6 +2013,10 @@ impl CoreLoop {
                         "placement change applied in {took:?}"
                     );
                     let mut p = Placement::new(PlacementOp::Applied, version, 0);
+                    if let Some(why) = unconfirmed {
+                        tracing::warn!(version, "{why}");
+                        p.message = placement_message(&why);
+                    }
                     p.request_id = request_id;
                     p.loaded = loaded;
                     p.released = released;

@@ -136,9 +136,10 @@ fn check_writable(path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Run `expertmesh rebalance`: exit 0 once the placement is served, 1 when the router refused
-/// it or the change failed (its reason printed; the fabric serves the old placement, or says
-/// which device did not confirm), 2 on usage, file or connection errors.
+/// Run `expertmesh rebalance`: exit 0 once the placement is served (a device that did not
+/// confirm its release named in a warning), 1 when the router refused it or the change failed
+/// (its reason printed; the fabric serves the old placement), 2 on usage, file or connection
+/// errors.
 pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
     let topo = Topology::load(&cli.fabric.topology).map_err(|e| anyhow!("{e}"))?;
     let spec = model_of(&cli)?;
@@ -185,6 +186,9 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
                         p.released,
                         p.took.as_secs_f64()
                     );
+                }
+                if let Some(why) = &p.unconfirmed {
+                    eprintln!("warning: {why}");
                 }
                 loaded += u64::from(p.loaded);
                 released += u64::from(p.released);

@@ -925,7 +925,8 @@ pub struct Placement {
     pub loaded: u32,
     /// `Applied`: experts released over every device.
     pub released: u32,
-    /// Why a change failed (`Holding`), or a summary (`Applied`); UTF-8, at most
+    /// Why a change failed (`Holding`), or which releases were not confirmed (`Applied`;
+    /// empty when every one was); UTF-8, at most
     /// [`MAX_PLACEMENT_MESSAGE_BYTES`].
     pub message: String,
 }

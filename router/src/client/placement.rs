@@ -11,7 +11,7 @@ use expertmesh_transport::frontend::{FrameConnection, FrontendError};
 use std::time::Duration;
 
 /// A placement the router reports served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Applied {
     /// The placement version every device announced.
     pub version: u64,
@@ -21,6 +21,10 @@ pub struct Applied {
     pub released: u32,
     /// From the router taking the request to the last device's announcement.
     pub took: Duration,
+    /// Set when some device did not confirm releasing what it lost (lost, refused, or
+    /// silent past the step's timeout): which, and why. The placement is served; those
+    /// releases are not counted in `released`.
+    pub unconfirmed: Option<String>,
 }
 
 impl Applied {
@@ -31,6 +35,7 @@ impl Applied {
             loaded: p.loaded,
             released: p.released,
             took: Duration::from_millis(u64::from(p.millis)),
+            unconfirmed: (!p.message.is_empty()).then(|| p.message.clone()),
         }
     }
 }

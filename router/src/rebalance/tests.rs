@@ -221,6 +221,7 @@ fn a_swap_loads_first_releases_after_and_answers_with_the_counts() {
             loaded: 8,
             released: 8,
             took: Duration::ZERO,
+            unconfirmed: None,
         }]
     );
     for (w, t) in target.iter().enumerate() {
@@ -327,7 +328,66 @@ fn a_device_lost_during_the_release_is_not_counted_as_released() {
     };
     // Expert 2 of both layers was rank2's to release; rank1 released nothing.
     assert_eq!((*loaded, *released), (4, 0), "{:?}", f.answers);
+    let ChangeAction::Applied { unconfirmed, .. } = &f.answers[0] else {
+        unreachable!()
+    };
+    let why = unconfirmed.as_deref().unwrap_or_default();
+    assert!(why.contains("rank2 was lost"), "{why}");
     assert!(!c.busy());
+}
+
+/// A device silent past the release step's deadline, or one refusing its release: the new
+/// placement is served (every gain was confirmed first), so the answer is Applied, naming the
+/// device, with its release not counted; and the applied sets are what a restarted worker is
+/// given again (a Failed answer told callers the change was not served).
+#[test]
+fn a_release_not_confirmed_in_time_or_refused_still_answers_applied() {
+    for refuse in [false, true] {
+        let mut c = coordinator(2, 4);
+        let before = sets(&[&[0, 1], &[2, 3]]);
+        let target = sets(&[&[0, 1, 2], &[3, 0]]);
+        let mut f = Fabric::new(&mut c, &before, 4);
+        f.silent_releases.insert(ROUTERS + 1);
+        c.apply(1, 2, &entries(&target), T, f.now).unwrap();
+        f.run(&mut c);
+        assert!(f.answers.is_empty(), "waiting for the release");
+        if refuse {
+            let held: Vec<Expert> = f.held[&(ROUTERS + 1)].1.iter().copied().collect();
+            // The release step is version 2 (the load was 1).
+            c.on_holding(ROUTERS + 1, 2, &held, "cannot free", 0, f.now);
+        } else {
+            c.on_tick(f.now + 3 * T);
+        }
+        f.run(&mut c);
+        let [
+            ChangeAction::Applied {
+                loaded,
+                released,
+                unconfirmed,
+                ..
+            },
+        ] = &f.answers[..]
+        else {
+            panic!("refuse {refuse}: {:?}", f.answers)
+        };
+        assert_eq!((*loaded, *released), (4, 0), "refuse {refuse}");
+        let why = unconfirmed.as_deref().unwrap_or_default();
+        let named = if refuse {
+            "rank2: cannot free"
+        } else {
+            "rank2 did not confirm"
+        };
+        assert!(why.contains(named), "refuse {refuse}: {why}");
+        assert!(!c.busy());
+        // Worker 0 restarts on its file's set: it is given the applied set again.
+        let list: Vec<Expert> = before[0].iter().copied().collect();
+        c.on_holding(ROUTERS, 0, &list, "", 0, f.now);
+        let want: Vec<Expert> = target[0].iter().copied().collect();
+        assert!(
+            matches!(c.poll_action(), Some(ChangeAction::Hold { rank: ROUTERS, experts, .. }) if experts == want),
+            "refuse {refuse}"
+        );
+    }
 }
 
 #[test]
