@@ -135,6 +135,23 @@ pub enum FormatError {
     /// Intermediate size not a multiple of 32.
     #[error("expert intermediate size {0} is not a multiple of 32")]
     BadIntermediate(usize),
+    /// A stored scale is NaN or infinite (every output of its row would be).
+    #[error(
+        "{what}: row {row} group {group} has a non-finite {dtype} scale (bits {bits:#06x}); the \
+         packed weights are damaged: convert them again"
+    )]
+    NonFiniteScale {
+        /// Which tensor.
+        what: &'static str,
+        /// Row index.
+        row: usize,
+        /// Group index.
+        group: usize,
+        /// The scale's bits.
+        bits: u16,
+        /// The scale type.
+        dtype: ScaleDtype,
+    },
 }
 
 /// The 16-bit floating-point type of the per-group scales.
@@ -148,6 +165,15 @@ pub enum ScaleDtype {
 }
 
 impl ScaleDtype {
+    /// Whether `bits` of this type is NaN or infinite (every exponent bit set).
+    pub fn is_non_finite(self, bits: u16) -> bool {
+        let exponent = match self {
+            ScaleDtype::F16 => 0x7c00,
+            ScaleDtype::Bf16 => 0x7f80,
+        };
+        bits & exponent == exponent
+    }
+
     /// Exact widening of a stored scale to f32.
     #[inline(always)]
     pub fn to_f32(self, bits: u16) -> f32 {
@@ -376,6 +402,27 @@ impl PackedRows for PackedMatrix {
     }
 }
 
+/// Refuses the first NaN or infinite scale of `scales` (`groups` per row, in row order).
+fn check_scales_finite(
+    what: &'static str,
+    dtype: ScaleDtype,
+    groups: usize,
+    scales: impl Iterator<Item = u16>,
+) -> Result<(), FormatError> {
+    for (i, bits) in scales.enumerate() {
+        if dtype.is_non_finite(bits) {
+            return Err(FormatError::NonFiniteScale {
+                what,
+                row: i / groups,
+                group: i % groups,
+                bits,
+                dtype,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// A packed matrix borrowed from bytes on disk (scales as little-endian 16-bit values), lengths
 /// checked: a shard's matrix read in place, without a copy.
 #[derive(Clone, Copy, Debug)]
@@ -409,6 +456,10 @@ impl<'a> PackedRef<'a> {
             0
         };
         check_len("zero points", want_zeros, zeros.map_or(0, <[u8]>::len))?;
+        let scales = scales_le
+            .chunks_exact(2)
+            .map(|p| u16::from_le_bytes([p[0], p[1]]));
+        check_scales_finite(what, spec.scale_dtype, groups, scales)?;
         Ok(Self {
             rows,
             cols,
@@ -521,6 +572,12 @@ impl PackedMatrix {
         let mut m = Self::zeroed(what, spec, rows, cols)?;
         check_len("nibbles", m.nibbles.len(), nibbles.len())?;
         check_len("scales", m.scales.len(), scales.len())?;
+        check_scales_finite(
+            what,
+            spec.scale_dtype,
+            cols / spec.group(),
+            scales.iter().copied(),
+        )?;
         m.nibbles.copy_from_slice(nibbles);
         m.scales.copy_from_slice(scales);
         match (&mut m.zeros, zeros) {
@@ -1021,6 +1078,55 @@ mod tests {
         ] {
             let m = PackedMatrix::zeroed("t", spec, 5, 384).unwrap();
             assert_eq!(m.bytes() as u64, spec.matrix_bytes(5, 384));
+        }
+    }
+
+    /// A NaN or infinite stored scale is refused where packed weights are read in (a shard's
+    /// bytes, or arrays handed over), naming the row and group; the largest finite scale and
+    /// a negative zero are not.
+    #[test]
+    fn non_finite_scales_are_refused_naming_row_and_group() {
+        for (dtype, bad) in [
+            (ScaleDtype::F16, [0x7c00u16, 0xfc00, 0x7e00, 0x7c01]),
+            (ScaleDtype::Bf16, [0x7f80, 0xff80, 0x7fc0, 0x7f81]),
+        ] {
+            let spec = QuantSpec {
+                group_size: 32,
+                scale_dtype: dtype,
+                zero_points: false,
+            };
+            let (rows, cols) = (3, 96);
+            let nibbles = vec![0x88u8; rows * cols / 2];
+            let max_finite = dtype.from_f32(if dtype == ScaleDtype::F16 {
+                65504.0
+            } else {
+                3.3e38
+            });
+            let fine = [max_finite, 0x8000, 0x3c00];
+            let mut scales = vec![0x3c00u16; rows * 3];
+            scales[..3].copy_from_slice(&fine);
+            let le = |s: &[u16]| s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+            PackedRef::new("w", spec, rows, cols, &nibbles, &le(&scales), None).unwrap();
+            PackedMatrix::from_parts("w", spec, rows, cols, &nibbles, &scales, None).unwrap();
+            for bits in bad {
+                let mut s = scales.clone();
+                s[2 * 3 + 1] = bits; // row 2, group 1
+                let want = |e: FormatError| {
+                    assert!(
+                        matches!(e, FormatError::NonFiniteScale { row: 2, group: 1, bits: b, .. } if b == bits),
+                        "{dtype} {bits:#x}: {e}"
+                    );
+                };
+                want(PackedRef::new("w", spec, rows, cols, &nibbles, &le(&s), None).unwrap_err());
+                want(
+                    PackedMatrix::from_le_parts("w", spec, rows, cols, &nibbles, &le(&s), None)
+                        .unwrap_err(),
+                );
+                want(
+                    PackedMatrix::from_parts("w", spec, rows, cols, &nibbles, &s, None)
+                        .unwrap_err(),
+                );
+            }
         }
     }
 

@@ -497,7 +497,8 @@ impl Coordinator {
                 // the change is applied, but this device's release is not counted as done.
                 Step::Release => {
                     c.release_not_done(w);
-                    c.unconfirmed.push(format!("{name} was lost before confirming it"));
+                    c.unconfirmed
+                        .push(format!("{name} was lost before confirming it"));
                 }
                 Step::Undo => {
                     let why = c.failure.take().unwrap_or_default();
