@@ -44,7 +44,7 @@ pub(crate) struct InferCli {
     /// Cluster name (the topology's `name`), checked in the handshake.
     #[arg(long, default_value = "single-host")]
     cluster: String,
-    /// MoE layer index.
+    /// Decoder layer index (`model.layers.{L}`) of a MoE layer; a dense layer is refused.
     #[arg(long)]
     layer: u32,
     /// Hidden states, 2-D [tokens, hidden]: f32, f16 or bf16 bits as uint16 (f64 is converted

@@ -22,7 +22,7 @@ pub(crate) struct ModelsArgs {
     /// Show one model (a preset name or a model TOML file) in detail.
     model: Option<String>,
     /// Show the model of a Hugging Face checkpoint folder, read from DIR/config.json
-    /// (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen2_moe without a shared expert, mixtral,
+    /// (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen2_moe, mixtral,
     /// olmoe). Exit 1 names the key when the config cannot be served exactly; exit 2 when
     /// config.json is missing or not JSON.
     #[arg(long, value_name = "DIR", conflicts_with = "model")]

@@ -75,7 +75,8 @@ pub(crate) enum BenchTarget {
     #[command(after_help = BENCH_EXIT_CODES)]
     Fabric(FabricCli),
     /// Expert FFN kernels on the CPU backend against the memory read bandwidth (decode) and
-    /// the int8 peak (prefill) measured in the same run.
+    /// the int8 peak (prefill; on an AMX CPU the higher of it and the AMX contract loop)
+    /// measured in the same run.
     #[command(after_help = BENCH_EXIT_CODES)]
     Kernels(KernelsCli),
     /// Skewed (Zipf) traffic on the local fabric before and after a live placement change
@@ -301,8 +302,9 @@ pub(crate) struct KernelsCli {
     #[arg(long, value_parser = isa_parser)]
     isa: Option<kernels::Isa>,
     /// Also measure every decode case with its weights in the cache (the same few experts
-    /// every call), against the int8 peak alone: the kernels' own ceiling, which tells a
-    /// decode row held by memory from one held by the kernels' arithmetic.
+    /// every call), against the kernels' own ceiling (the int8 peak; for exact mode on an AMX
+    /// CPU the higher of it and the AMX contract loop), which tells a decode row held by
+    /// memory from one held by the kernels' arithmetic.
     #[arg(long)]
     cache_resident: bool,
 }
