@@ -6,12 +6,15 @@
 //! backend running every expert of the layer with all the cores the workers have together,
 //! combine — and the fabric figure is the same work
 //! through the router, the transport and worker processes, with several frontends keeping it
-//! busy. The ceiling does the same work with the same concurrency: the `clients` frontends'
-//! batches of `b` tokens, which the router may batch together, run in-process as one batch of
-//! `clients × b` tokens (what an ideal batcher would run; the backend reads each expert once
-//! per batch, so this is the fastest way through that work). `ratio = fabric / in-process`
-//! (at most 1); the target is ≥ 0.9 at batch 64 on two workers. The router's micro-batch is
-//! the largest batch unless `--micro-batch` says otherwise (see [`micro_batch`]).
+//! busy. The ceiling does the same work with the same concurrency: the `clients` frontends
+//! each send their own `b` of the same `clients × b` distinct tokens (clients sending the
+//! same tokens would route to fewer experts than the ceiling reads), the router may batch all
+//! of them together (its largest batch is `clients ×` the largest call), and the ceiling runs
+//! them in-process as that one batch, cut into the router's micro-batches (what an ideal
+//! batcher would run; the backend reads each expert once per micro-batch, so this is the
+//! fastest way through that work). `ratio = fabric / in-process` (at most 1); the target is
+//! ≥ 0.9 at batch 64 on two workers. The router's micro-batch is its largest batch (at most
+//! what one frame carries) unless `--micro-batch` says otherwise (see [`micro_batch`]).
 //!
 //! Latency rows (`... latency_p50` / `_p99`, batch 1): one frontend calling a 1-token layer
 //! again and again, against a floor measured in the same run: the in-process 1-token layer
@@ -111,7 +114,7 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     if let Some(kimi) = expertmesh_topology::model::preset_by_name("kimi-k2") {
         print_wire_table(&kimi);
     }
-    let limits = in_process_limits(o, &dep, layer, threads)?;
+    let limits = in_process_limits(o, &dep, layer, threads, micro_batch_tokens)?;
     for &link in &o.links {
         let run = LinkRun {
             o,
@@ -134,7 +137,7 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
 /// both links).
 fn micro_batch(o: &FabricBenchOptions, dep: &Deployment) -> usize {
     let router = o.mode.apply(RouterConfig {
-        max_batch_tokens: max_batch(o),
+        max_batch_tokens: router_batch(o),
         ..RouterConfig::default()
     });
     o.micro_batch
@@ -142,9 +145,20 @@ fn micro_batch(o: &FabricBenchOptions, dep: &Deployment) -> usize {
         .max(1)
 }
 
-/// The largest batch size (the router's limits).
+/// The largest batch size (the router's largest request).
 fn max_batch(o: &FabricBenchOptions) -> usize {
     o.batches.iter().copied().max().unwrap_or(64)
+}
+
+/// The router's largest batch: every client's largest call at once (what the in-process
+/// limit runs as one batch).
+fn router_batch(o: &FabricBenchOptions) -> usize {
+    max_batch(o) * o.clients.max(1)
+}
+
+/// Client `i`'s tokens of the `clients × b` the in-process limit runs: its own `b` of them.
+fn client_tokens(all: &[f32], i: usize, b: usize, h: usize) -> Vec<f32> {
+    all[i * b * h..(i + 1) * b * h].to_vec()
 }
 
 /// One in-process layer call on `x` (gate, route, the backend's experts, combine), the gate's
@@ -213,6 +227,7 @@ fn in_process_limits(
     dep: &Deployment,
     layer: u32,
     threads: usize,
+    micro_batch_tokens: usize,
 ) -> Result<InProcess, BenchError> {
     let spec = &dep.spec;
     let h = spec.hidden as usize;
@@ -221,18 +236,24 @@ fn in_process_limits(
         dep.seed,
         &[layer],
         threads,
-        max_batch(o) * o.clients.max(1),
+        router_batch(o),
     )
     .map_err(BenchError::ReferenceBackend)?;
     let gate = reference::synthetic_gate(spec, dep.seed, layer);
     let mut limits = Vec::new();
     let clients = o.clients.max(1);
     for &b in &o.batches {
-        // The clients' concurrent batches as the one batch an ideal batcher would make.
+        // The clients' concurrent calls as the one batch an ideal batcher would make, in the
+        // router's micro-batches.
         let tokens = b * clients;
         let x = reference::synthetic_hidden(b as u64, tokens, h);
         let mode = o.mode.compute();
-        let mut call = || layer_call(spec, &gate, layer, &mut backend, &x, mode, threads);
+        let mut call = || {
+            for part in x.chunks(micro_batch_tokens.max(1) * h) {
+                layer_call(spec, &gate, layer, &mut backend, part, mode, threads)?;
+            }
+            Ok::<(), BenchError>(())
+        };
         call()?;
         let t0 = Instant::now();
         let mut calls = 0u64;
@@ -302,7 +323,7 @@ impl LinkRun<'_> {
         *cap = (*cap).max(u32::try_from(o.clients).unwrap_or(u32::MAX));
         opts.router = o.mode.apply(RouterConfig {
             max_request_tokens: maxb,
-            max_batch_tokens: maxb,
+            max_batch_tokens: router_batch(o),
             // Every client's largest request in flight at once.
             max_inflight_tokens: RouterConfig::default()
                 .max_inflight_tokens
@@ -336,9 +357,10 @@ impl LinkRun<'_> {
                 .with(
                     "limit_is",
                     format!(
-                        "the same layer in-process on one CPU backend with {threads} threads, the {} clients' {b}-token batches as one batch of {} tokens",
+                        "the same layer in-process on one CPU backend with {threads} threads, the {} clients' {b}-token batches (distinct tokens) as one batch of {} tokens in micro-batches of {}",
                         o.clients.max(1),
-                        b * o.clients.max(1)
+                        b * o.clients.max(1),
+                        self.micro_batch_tokens
                     ),
                 )
                 .with("clients", o.clients as u64)
@@ -367,25 +389,26 @@ impl LinkRun<'_> {
         let h = self.dep.spec.hidden as usize;
         let addr = fabric.frontend_addr();
         let fcfg = fabric.frontend_config();
-        let x = Arc::new(reference::synthetic_hidden(b as u64, b, h));
+        // The in-process limit's tokens, each client its own `b` of them.
+        let all = reference::synthetic_hidden(b as u64, b * o.clients.max(1), h);
         let tokens = Arc::new(AtomicU64::new(0));
         let stop_at = Instant::now() + Duration::from_secs_f64(o.seconds);
         let secs = rt.block_on(async {
             let mut tasks = Vec::new();
             // warm-up call per client, then measure
             let mut clients = Vec::new();
-            for _ in 0..o.clients.max(1) {
+            for i in 0..o.clients.max(1) {
                 let mut c = RouterClient::connect(addr, &fcfg)
                     .await
                     .map_err(BenchError::from)?;
+                let x = client_tokens(&all, i, b, h);
                 c.call(layer, &x, h, None, None)
                     .await
                     .map_err(BenchError::from)?;
-                clients.push(c);
+                clients.push((c, x));
             }
             let t0 = Instant::now();
-            for mut c in clients {
-                let x = x.clone();
+            for (mut c, x) in clients {
                 let tokens = tokens.clone();
                 tasks.push(tokio::spawn(async move {
                     // At least one call per client, however long the warm-up took on a
@@ -595,6 +618,24 @@ fn print_wire_table(spec: &expertmesh_topology::model::ModelSpec) {
 mod tests {
     use super::*;
     use expertmesh_topology::model::preset_by_name;
+
+    /// The clients' calls together are exactly the limit's batch: every token once, in order.
+    #[test]
+    fn the_clients_tokens_together_are_the_limits_batch() {
+        let (clients, b, h) = (3, 5, 4);
+        let all = reference::synthetic_hidden(5, clients * b, h);
+        let joined: Vec<f32> = (0..clients)
+            .flat_map(|i| super::client_tokens(&all, i, b, h))
+            .collect();
+        assert_eq!(joined, all);
+        let first_tokens: Vec<&[f32]> = (0..clients)
+            .map(|i| &all[i * b * h..i * b * h + h])
+            .collect();
+        assert!(
+            first_tokens.windows(2).all(|w| w[0] != w[1]),
+            "distinct tokens"
+        );
+    }
 
     #[test]
     fn threaded_logits_are_the_gates_logits_bit_for_bit() {

@@ -298,7 +298,8 @@ fn family(cfg: &Cfg<'_>) -> Result<Family, String> {
     if deepseek_arch {
         return Ok(Family::DeepseekV3);
     }
-    const SUPPORTED: &str = "supported: deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen2_moe, mixtral, olmoe";
+    const SUPPORTED: &str =
+        "supported: deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen2_moe, mixtral, olmoe";
     Err(match model_type {
         None => format!("missing `model_type`; cannot tell the model family ({SUPPORTED})"),
         Some("gpt_oss") => format!(
