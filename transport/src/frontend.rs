@@ -256,6 +256,7 @@ impl FrontendConfig {
         p.recv_window_bytes = 2 * self.codec.max_frame_bytes as u64;
         p.handshake_timeout = self.handshake_timeout;
         p.accept_clients = server;
+        p.clients_only = server;
         p
     }
 }

@@ -32,6 +32,10 @@ pub struct ProtocolConfig {
     pub handshake_timeout: Duration,
     /// Whether peers announcing [`CLIENT_RANK`](crate::codec::CLIENT_RANK) (frontends) are accepted.
     pub accept_clients: bool,
+    /// This end is a router's frontend listener: only frontends may connect. A mesh rank's
+    /// hello is refused before authentication (its pair key with this router would otherwise
+    /// authenticate whatever frontend name its hello claims, an admin's included).
+    pub clients_only: bool,
     /// Frame codec settings.
     pub codec: CodecConfig,
     /// This process's incarnation, sent in the hello (random per start; 0 for frontends).
@@ -55,6 +59,7 @@ impl std::fmt::Debug for ProtocolConfig {
             .field("idle_timeout", &self.idle_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("accept_clients", &self.accept_clients)
+            .field("clients_only", &self.clients_only)
             .field("codec", &self.codec)
             .field("incarnation", &self.incarnation)
             .field("fingerprint", &short_hex(&self.fingerprint))
@@ -80,6 +85,7 @@ impl ProtocolConfig {
             idle_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(5),
             accept_clients: false,
+            clients_only: false,
             codec: CodecConfig::default(),
             incarnation: 0,
             fingerprint: [0; FINGERPRINT_BYTES],

@@ -73,6 +73,13 @@ impl Connection {
                 got: h.rank,
             });
         }
+        if self.cfg.clients_only && h.rank != CLIENT_RANK {
+            return Err(ProtocolError::AuthFailed(format!(
+                "rank {} dialled a router's frontend port: only frontends connect here (mesh \
+                 ranks use the mesh port of the topology)",
+                h.rank
+            )));
+        }
         let client_ok = h.rank == CLIENT_RANK && self.cfg.accept_clients;
         let server_ok = self.cfg.local_rank == CLIENT_RANK && h.rank < h.world_size;
         if !client_ok

@@ -843,6 +843,30 @@ fn a_frontend_authenticates_with_whichever_router_answers() {
     }
 }
 
+/// A router's frontend listener takes frontends only: a mesh rank (router 0's credential,
+/// say) dialling router 1's frontend port is refused at its hello. Accepted, its pair key with
+/// router 1 would authenticate the connection and the frontend name its hello claims (an
+/// admin's, allowed to move experts) would be taken unchecked.
+#[test]
+fn a_frontend_listener_refuses_mesh_ranks() {
+    let m = master(1);
+    let mut server = (*cfg(1, None)).clone();
+    server.credentials = Some(Arc::new(Credentials::issue_rank(&m, "test", 1, 4, 2)));
+    server.accept_clients = true;
+    server.clients_only = true;
+    server.world_size = 2;
+    let mut rank0 = (*cfg(0, None)).clone();
+    rank0.credentials = Some(Arc::new(Credentials::issue_rank(&m, "test", 0, 4, 2)));
+    rank0.world_size = 2;
+    let now = Instant::now();
+    let mut a = Connection::new(Arc::new(rank0), Some(1), [1; 32], vec![], now);
+    let mut b = Connection::new(Arc::new(server), None, [2; 32], vec![], now);
+    assert!(pump_each(&mut a, &mut b, now).is_err());
+    assert!(!b.is_established());
+    let why = auth_failure(&b);
+    assert!(why.contains("rank 0 dialled a router's frontend port"), "{why}");
+}
+
 /// With credentials a hello carries no incarnation and no fingerprint in the clear (issue 27:
 /// a value anyone on the path can read must not say who a process is); they arrive sealed in
 /// the auth answer, and a sealed identity that was altered does not open.
