@@ -804,24 +804,9 @@ fn credentials_config(cluster: &str, path: &std::path::Path) -> PyResult<Fronten
 /// `EXPERTMESH_SECRET`, else the trimmed contents of `EXPERTMESH_SECRET_FILE` (as
 /// `expertmesh_worker::deploy::secret_from_env`).
 fn secret_from_env() -> PyResult<Option<Arc<[u8]>>> {
-    if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
-        && !s.is_empty()
-    {
-        return Ok(Some(Arc::from(s.into_bytes())));
-    }
-    if let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") {
-        let bytes = std::fs::read(&p).map_err(|e| {
-            PyValueError::new_err(format!("secret: reading EXPERTMESH_SECRET_FILE {p}: {e}"))
-        })?;
-        let trimmed = bytes.trim_ascii_end();
-        if trimmed.is_empty() {
-            return Err(PyValueError::new_err(format!(
-                "secret: EXPERTMESH_SECRET_FILE {p} is empty"
-            )));
-        }
-        return Ok(Some(Arc::from(trimmed)));
-    }
-    Ok(None)
+    let secret = expertmesh_transport::crypto::legacy_secret_from_env()
+        .map_err(|e| PyValueError::new_err(format!("secret: {e}")))?;
+    Ok(secret.map(Arc::from))
 }
 
 /// The most seconds a timeout may say (about 31 years): past it a `Duration` or an instant

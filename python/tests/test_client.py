@@ -447,6 +447,11 @@ def test_a_router_with_a_secret_refuses_other_secrets_with_auth_failed(tmp_path,
         secret_file = tmp_path / "secret"
         secret_file.write_text("s3cret\n")
         monkeypatch.setenv("EXPERTMESH_SECRET_FILE", str(secret_file))
+        # A secret file other users may read is refused, as a credential file is.
+        secret_file.chmod(0o644)
+        with pytest.raises(ValueError, match="readable by other users.*chmod 600"):
+            expertmesh.RouterClient(f.addr)
+        secret_file.chmod(0o600)
         with expertmesh.RouterClient(f.addr) as c:
             assert_bits_equal(c.moe(1, x), want)
     finally:

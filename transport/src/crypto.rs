@@ -482,20 +482,56 @@ impl Credentials {
     }
 }
 
-/// Reads a file holding secret keys, refusing one readable by group or others.
-fn read_secret_file(path: &Path) -> Result<String, KeyError> {
+/// Refuses a file holding secret keys that group or others may read.
+pub fn check_private(path: &Path) -> Result<(), KeyError> {
     use std::os::unix::fs::PermissionsExt;
     let shown = path.display().to_string();
-    let io = |error| KeyError::Io {
+    let meta = std::fs::metadata(path).map_err(|error| KeyError::Io {
         path: shown.clone(),
         error,
-    };
-    let meta = std::fs::metadata(path).map_err(io)?;
+    })?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(KeyError::Permissions { path: shown, mode });
     }
-    std::fs::read_to_string(path).map_err(io)
+    Ok(())
+}
+
+/// The legacy shared secret from `EXPERTMESH_SECRET`, or else the file named by
+/// `EXPERTMESH_SECRET_FILE` (refused when other users may read it, or when it is empty;
+/// trailing white space trimmed). `None` when neither is set.
+pub fn legacy_secret_from_env() -> Result<Option<Vec<u8>>, KeyError> {
+    if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
+        && !s.is_empty()
+    {
+        return Ok(Some(s.into_bytes()));
+    }
+    let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") else {
+        return Ok(None);
+    };
+    check_private(Path::new(&p))?;
+    let bytes = std::fs::read(&p).map_err(|error| KeyError::Io {
+        path: format!("EXPERTMESH_SECRET_FILE {p}"),
+        error,
+    })?;
+    let trimmed = bytes.trim_ascii_end();
+    if trimmed.is_empty() {
+        return Err(KeyError::Parse {
+            path: format!("EXPERTMESH_SECRET_FILE {p}"),
+            line: 1,
+            what: "the file is empty; it must hold the cluster's shared secret".into(),
+        });
+    }
+    Ok(Some(trimmed.to_vec()))
+}
+
+/// Reads a file holding secret keys, refusing one readable by group or others.
+fn read_secret_file(path: &Path) -> Result<String, KeyError> {
+    check_private(path)?;
+    std::fs::read_to_string(path).map_err(|error| KeyError::Io {
+        path: path.display().to_string(),
+        error,
+    })
 }
 
 /// Writes `text` to a new file of mode 0600, refusing to overwrite an existing one.

@@ -163,20 +163,10 @@ pub enum DeployError {
         /// The endpoint ("host:port").
         endpoint: String,
     },
-    /// The file named by `EXPERTMESH_SECRET_FILE` could not be read.
-    #[error("reading secret file {path}: {cause}")]
-    SecretFile {
-        /// The file.
-        path: String,
-        /// Why.
-        cause: std::io::Error,
-    },
-    /// The file named by `EXPERTMESH_SECRET_FILE` is empty.
-    #[error("secret file {path} is empty")]
-    EmptySecret {
-        /// The file.
-        path: String,
-    },
+    /// The file named by `EXPERTMESH_SECRET_FILE` could not be read, is empty, or other
+    /// users may read it.
+    #[error("the shared secret: {0}")]
+    Secret(expertmesh_transport::crypto::KeyError),
 }
 
 /// A deployment: the validated files plus the wire settings both sides derive from them.
@@ -703,24 +693,9 @@ fn check_manifest(
 /// `EXPERTMESH_SECRET_FILE`, as credentials (every holder can act as any rank; links are
 /// still encrypted). Prefer per-process credentials (`expertmesh keys issue`).
 pub fn secret_from_env() -> Result<Option<Arc<Credentials>>, DeployError> {
-    let shared = |b: &[u8]| Some(Arc::new(Credentials::shared_secret(b)));
-    if let Ok(s) = std::env::var("EXPERTMESH_SECRET")
-        && !s.is_empty()
-    {
-        return Ok(shared(s.as_bytes()));
-    }
-    if let Ok(p) = std::env::var("EXPERTMESH_SECRET_FILE") {
-        let bytes = std::fs::read(&p).map_err(|cause| DeployError::SecretFile {
-            path: p.clone(),
-            cause,
-        })?;
-        let trimmed: Vec<u8> = bytes.trim_ascii_end().to_vec();
-        if trimmed.is_empty() {
-            return Err(DeployError::EmptySecret { path: p });
-        }
-        return Ok(shared(&trimmed));
-    }
-    Ok(None)
+    let secret =
+        expertmesh_transport::crypto::legacy_secret_from_env().map_err(DeployError::Secret)?;
+    Ok(secret.map(|s| Arc::new(Credentials::shared_secret(&s))))
 }
 
 fn resolve(endpoint: &str) -> Result<SocketAddr, DeployError> {
@@ -790,12 +765,12 @@ mod tests {
     #[test]
     fn causes_are_in_the_message_only() {
         use std::error::Error;
-        let cause = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
-        let e = DeployError::SecretFile {
+        let error = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
+        let e = DeployError::Secret(expertmesh_transport::crypto::KeyError::Io {
             path: "s".into(),
-            cause,
-        };
-        assert_eq!(e.to_string(), "reading secret file s: gone");
+            error,
+        });
+        assert_eq!(e.to_string(), "the shared secret: s: gone");
         assert!(e.source().is_none());
     }
 }

@@ -80,10 +80,18 @@ pub(super) fn write(
         false,
     )?;
     let sbatch = format!("{bundle}/slurm/expertmesh.sbatch");
-    Ok(vec![
-        format!(
-            "put {bundle} at that path on every node (a shared filesystem, or copy it), and each host's weights files as hosts/HOST.files lists"
-        ),
+    let mut steps = vec![format!(
+        "put {bundle} at that path on every node (a shared filesystem, or copy it), and each host's weights files as hosts/HOST.files lists"
+    )];
+    if !plan.frontend_credentials.is_empty() {
+        steps.push(
+            "first move frontends/ out of the bundle and hand each file to its frontend: no node needs them, and a node that could read an admin's may move experts".into(),
+        );
+    }
+    steps.push(
+        "note:   every task of a Slurm job runs as the job's user, so every node can read every process's credential in the bundle: one node taken over can act as any process of the fabric (Kubernetes and systemd give each host only its own)".into(),
+    );
+    steps.extend([
         format!("start:  sbatch {}", quote(&sbatch)),
         format!(
             "ready:  the job's output {bundle}/slurm/expertmesh-JOBID.out says \"fabric {} ready\"",
@@ -93,7 +101,8 @@ pub(super) fn write(
             .into(),
         "update: re-run deploy with the new placement or weights, then scancel and sbatch again (Slurm has no rolling update)"
             .into(),
-    ])
+    ]);
+    Ok(steps)
 }
 
 /// The batch script.
