@@ -795,8 +795,11 @@ impl PackedMatrix {
     /// Symmetric (no zero points): per group, `m` is the element of largest magnitude, the scale
     /// is `d = round16(m / -8)` and codes are `clamp(round_half_even(w / d), -8, 7) + 8` (ggml
     /// Q4_0's rule, so the largest element maps to -8 exactly and all 16 levels are used).
-    /// With zero points: `d = round16((max - min) / 15)`, `z = clamp(round(-min / d), 0, 15)`,
-    /// codes `clamp(round(w / d) + z, 0, 15)`. An all-zero group gets scale 0 and code = zero point.
+    /// With zero points: the range `[min, max]` widened to hold 0 (as GPTQ and AWQ do: a group
+    /// of all-positive or all-negative weights is otherwise out of the codes' reach),
+    /// `d = round16((max - min) / 15)`, `z = clamp(round(-min / d), 0, 15)`, codes
+    /// `clamp(round(w / d) + z, 0, 15)`. A constant group takes the symmetric rule; an
+    /// all-zero group gets scale 0 and code = zero point.
     ///
     /// [`crate::search::quantize_matrix_searched`] writes the same layout with a least-squares
     /// scale (and zero point) search instead, for a lower reconstruction error.
@@ -915,6 +918,9 @@ pub(crate) fn quantize_group_asym(dtype: ScaleDtype, w: &[f32]) -> (u16, u8) {
         // Constant group: symmetric rule represents it exactly when representable.
         return (quantize_group_sym_scale(dtype, w), DEFAULT_ZERO);
     }
+    // The range holds 0, so the zero point lies within the codes: for weights all in [10, 11]
+    // the range [10, 11] gave z = round(-10 · 15) clamped to 0 and every code 15, about 1.0.
+    let (min, max) = (min.min(0.0), max.max(0.0));
     let bits = dtype.from_f32((max - min) / 15.0);
     let d = dtype.to_f32(bits);
     if d == 0.0 {

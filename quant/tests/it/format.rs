@@ -52,6 +52,30 @@ proptest! {
         }
     }
 
+    /// Asymmetric round-to-nearest on groups of one sign (weights far from 0, all positive or
+    /// all negative): every element is within one quantization step of its original, as
+    /// anywhere else (the range holds 0, so the zero point is never clamped off the weights;
+    /// a range of [min, max] alone put every code at 15 and lost ~90 % of a group in [10, 11]).
+    #[test]
+    fn asymmetric_groups_of_one_sign_stay_within_a_step(rows in 1usize..4, gpr in 1usize..4, offset in prop::sample::select(vec![-10.0f32, 10.0, 1e3]), seed in any::<u64>()) {
+        let spec = QuantSpec { group_size: 32, scale_dtype: ScaleDtype::Bf16, zero_points: true };
+        let cols = gpr * 32;
+        let mut rng = SplitMix64::new(seed);
+        let dense: Vec<f32> = synth::normal_vec(&mut rng, rows * cols, 0.3)
+            .into_iter()
+            .map(|v| v + offset)
+            .collect();
+        let m = PackedMatrix::quantize("t", spec, rows, cols, &dense).unwrap();
+        let deq = m.dequantize();
+        for n in 0..rows {
+            for k in 0..cols {
+                let d = m.scale(n, k / 32).abs() as f64;
+                let (w, got) = (dense[n * cols + k] as f64, deq[n * cols + k] as f64);
+                prop_assert!((got - w).abs() <= d * 1.01, "row {} col {}: w {} deq {} step {}", n, k, w, got, d);
+            }
+        }
+    }
+
     /// Level 0 of the contract: u4 × 16-bit scale is exact in f32, so the f32 dequantized value
     /// equals the f64 product.
     #[test]
