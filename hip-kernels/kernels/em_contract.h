@@ -187,10 +187,11 @@ EM_HD int32_t em_dot4_scalar(uint32_t a, uint32_t b, int32_t c) {
 
 // Which integer dot instruction an AMD target has (LLVM feature names in brackets):
 //   EM_AMD_SDOT4  v_dot4_i32_i8 / v_dot4c_i32_i8 [dot1-insts]: gfx906, gfx908, gfx90a, gfx94x,
-//                 gfx950, gfx1011, gfx1012, gfx103x
+//                 gfx950, gfx1011, gfx1012, gfx103x (not gfx90c: no dot1-insts, checked
+//                 with clang -mcpu=gfx90c; it takes em_dot4_scalar)
 //   EM_AMD_SUDOT4 v_dot4_i32_iu8 [dot8-insts]: gfx11xx, gfx12xx (no dot1 there)
 #if defined(EM_DEVICE_AMD)
-#if defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx90c__) || \
+#if defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || \
     defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) || defined(__gfx950__) || \
     defined(__gfx1011__) || defined(__gfx1012__) || defined(__gfx1030__) || defined(__gfx1031__) || \
     defined(__gfx1032__) || defined(__gfx1033__) || defined(__gfx1034__) || defined(__gfx1035__) || \
