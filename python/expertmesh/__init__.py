@@ -35,7 +35,9 @@ argument.
 Submodules: :mod:`expertmesh.aio` (asyncio client), :mod:`expertmesh.bench` (``python -m
 expertmesh.bench --router ADDR``: Python vs Rust client throughput and latency),
 :mod:`expertmesh.hf` (``attach(model, client)``: serve a transformers model's MoE blocks from
-the fabric; needs torch and transformers).
+the fabric; needs torch and transformers), :mod:`expertmesh.vllm` (the vLLM plugin, entry point
+``vllm.general_plugins``; needs vLLM 0.32) and :mod:`expertmesh.bench_vllm` (``python -m
+expertmesh.bench_vllm``: vLLM with and without the fabric).
 """
 
 from . import _errors

@@ -349,10 +349,27 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if (args.checkpoint is None) == (args.synthetic is None):
         ap.error("give --checkpoint DIR or --synthetic DIR")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.synthetic is not None:
         args.checkpoint = synthetic_checkpoint(args.synthetic, args)
-    binary = expertmesh_bin()
+    # The conversion (a whole model's experts), the topology and the logs: removed after a
+    # run that succeeded; after a failure the logs are kept (and named) and the conversion
+    # removed.
     work = Path(tempfile.mkdtemp(prefix="em-bench-vllm-"))
+    try:
+        code = _bench(args, work)
+    except BaseException:
+        shutil.rmtree(work / "weights", ignore_errors=True)
+        print(f"bench_vllm: failed; its logs are in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def _bench(args: Any, work: Path) -> int:
+    """The two arms' runs and their summary (``main``, once the arguments are checked)."""
+    binary = expertmesh_bin()
     topo = topology_with_free_ports(args.topology, work / "topology.toml")
     weights = args.weights
     if weights is None:

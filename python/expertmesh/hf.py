@@ -14,7 +14,7 @@ up --weights``)::
     hf.attach(model, client)              # replaced blocks: {layer: module name}
     out = model.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=20)
 
-Written against transformers 4.57 and tested with 5.19 too (the MoE block classes ``Qwen3MoeSparseMoeBlock``,
+Written against transformers 4.57 and tested with 5.19 and 5.24 too (the MoE block classes ``Qwen3MoeSparseMoeBlock``,
 ``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``DeepseekV3MoE``
 (also Kimi K2's remote code), ``Glm4MoeMoE``) and torch ≥ 2.1. Blocks are found by class name,
 and their decoder layer index by module name (``model.layers.{L}.mlp`` or
@@ -228,12 +228,29 @@ def _checkpoint_files(checkpoint: Any) -> list:
     raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
+def refuse_quantized(checkpoint: Any, quantization_config: Any) -> None:
+    """Raises ``ValueError`` naming the method when ``quantization_config`` (a model config's)
+    says the checkpoint is quantized: :func:`load_without_experts` would read its FP8 or
+    integer attention and dense weights without their scales."""
+    if not quantization_config:
+        return
+    qc = quantization_config
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    raise ValueError(
+        f"{checkpoint}: a quantized checkpoint (quant_method {method!r}): load_without_experts "
+        "reads unquantized (bf16/f16/f32) checkpoints only; its non-expert weights would be read "
+        "without their scales. The fabric converts this checkpoint's experts (expertmesh "
+        "convert); load the frontend from an unquantized copy of the same model."
+    )
+
+
 def load_without_experts(
     checkpoint: Any,
     client: _native.RouterClient,
     *,
     dtype: Any = None,
     device: str = "cpu",
+    trust_remote_code: bool = False,
     **attach_kwargs: Any,
 ) -> Any:
     """Build ``checkpoint``'s model with its MoE blocks served by ``client``, reading only the
@@ -241,15 +258,24 @@ def load_without_experts(
     its MoE blocks, then exactly the remaining parameters and buffers are read from the
     safetensors files (the experts are never read) and non-persistent buffers (rotary
     frequencies) are re-created on ``device``. Returns the model; ``model.expertmesh_layers``
-    is what :func:`attach` returned and ``model.expertmesh_loaded`` lists the tensors read."""
+    is what :func:`attach` returned and ``model.expertmesh_loaded`` lists the tensors read.
+
+    ``trust_remote_code`` is passed to transformers (Kimi K2's ``kimi_k2`` model type is
+    remote code). Only unquantized (bf16/f16/f32) checkpoints load this way: a quantized one
+    (FP8 with block scales, GPTQ, AWQ, compressed-tensors) is refused, since its attention and
+    dense weights would need the scales this loader does not apply (the fabric's converter
+    reads those checkpoints; load the frontend from an unquantized copy of the same model)."""
     torch = _torch()
     import transformers
     from safetensors import safe_open
 
-    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    config = transformers.AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    refuse_quantized(checkpoint, getattr(config, "quantization_config", None))
     dtype = dtype or torch.float32
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, torch_dtype=dtype, trust_remote_code=trust_remote_code
+        )
     layers = attach(model, client, **attach_kwargs)
     wanted = set(model.state_dict().keys())
     state = {}
@@ -257,7 +283,14 @@ def load_without_experts(
         with safe_open(str(path), framework="pt", device=device) as f:
             for key in f.keys():
                 if key in wanted:
-                    state[key] = f.get_tensor(key).to(dtype)
+                    t = f.get_tensor(key)
+                    if key.endswith(".weight") and not (t.is_floating_point() and t.element_size() >= 2):
+                        # (FP8 or packed integers: the scales would be needed.)
+                        raise ValueError(
+                            f"{checkpoint}: tensor {key} is {t.dtype}, a quantized weight; "
+                            "load_without_experts reads unquantized checkpoints only"
+                        )
+                    state[key] = t.to(dtype)
     missing = sorted(wanted - set(state))
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]

@@ -26,8 +26,9 @@ other vLLM use. Settings (environment, read by every vLLM process):
 as :mod:`expertmesh.hf` does; the router applies the checkpoint's gate with the model family's
 semantics (softmax or sigmoid scoring, grouped top-k, correction bias, renormalisation, routed
 scaling, shared experts and their gate), the same code the transformers-oracle tests check. vLLM
-does not route: the replaced runner never calls vLLM's router or its fused-MoE kernel (Mixtral's
-block still computes its gate logits before the runner; they are ignored). One definition of the
+does not route: the replaced runner never calls vLLM's router or its fused-MoE kernel (the
+Mixtral, Qwen2-MoE and Qwen3-MoE blocks still compute their gate logits before the runner;
+they are ignored). One definition of the
 routing (the fabric's) means vLLM and a transformers frontend get the same experts for the same
 hidden states, and the request needs no new kind.
 
@@ -38,7 +39,8 @@ pluggable) that owns the expert weights. The plugin registers out-of-tree replac
 * ``RoutedExperts`` → one that creates **no** weight tensors (its quantization method allocates
   nothing, loads nothing, and refuses to run);
 * ``MoERunner`` → one whose forward sends the block's input to the fabric (an opaque custom op,
-  ``torch.ops.vllm.expertmesh_moe``, so ``torch.compile`` does not trace into the client) and
+  ``torch.ops.vllm.expertmesh_moe``, so ``torch.compile`` would not trace into the client; only
+  ``enforce_eager`` runs are tested) and
   returns the fabric's output — the whole MoE block, shared experts included;
 * the load format ``expertmesh``: vLLM's safetensors loading, except that every routed expert
   tensor (``….experts.….``, per-expert or fused) is skipped **before** it is read. A model served
@@ -55,10 +57,15 @@ error. vLLM 0.32 has no per-request failure path for an exception inside the mod
 requests finish with ``finish_reason="error"`` and the engine goes on serving (the next call
 reconnects, so a restarted fabric is picked up).
 
-Not supported yet: float16 models (bfloat16 and float32 are), CUDA graphs, vLLM's own expert
-parallelism and EPLB (placement is the fabric's), tensor/pipeline parallel vLLM frontends,
-quantized (FP8, GPTQ, ...) checkpoints on the vLLM side (the fabric converts them; vLLM would
-quantize attention with them).
+Refused at start, naming the setting: vLLM versions other than 0.32, tensor/pipeline/data
+parallel vLLM, vLLM's own expert parallelism (placement is the fabric's), CUDA graphs (start
+with ``--enforce-eager``), float16 models (bfloat16 and float32 are). Not supported yet: EPLB
+(vLLM refuses it for the replaced experts), quantized (FP8, GPTQ, ...) checkpoints on the vLLM
+side (the fabric converts them; vLLM would quantize attention with them); the error
+containment above covers ``EngineCore.step`` (vLLM on the CPU): an engine that steps with async
+scheduling or a batch queue (GPU hosts) still ends on a fabric error. Nothing checks that the fabric
+serves this very checkpoint beyond its MoE layers and hidden size: point the plugin at a
+router serving this checkpoint's conversion.
 """
 
 from __future__ import annotations
@@ -98,6 +105,55 @@ def is_routed_expert_tensor(name: str) -> bool:
     """Whether checkpoint tensor ``name`` belongs to a routed expert (skipped by the load
     format; the fabric holds it)."""
     return _ROUTED_EXPERT.search(name) is not None
+
+
+SUPPORTED_VLLM = "0.32"
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is the vLLM release the plugin is written
+    against (:data:`SUPPORTED_VLLM`, any patch and local build): the plugin replaces vLLM
+    internals (``MoERunner.forward`` whole, ``EngineCore.step``) whose contract changes between
+    releases, so another version would fail obscurely or, worse, compute something else."""
+    parts = version.split("+")[0].split(".")
+    if ".".join(parts[:2]) != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"ExpertMesh vLLM plugin: vLLM {version} is not supported: it is written against "
+            f"vLLM {SUPPORTED_VLLM}.x internals (scripts/vllm-venv.sh installs it). Install "
+            f"vLLM {SUPPORTED_VLLM}, or unset {ENV_ROUTER} to run vLLM without the fabric."
+        )
+
+
+def check_engine(*, tensor_parallel: int, pipeline_parallel: int, data_parallel: int,
+                 expert_parallel: bool, cuda_graphs: bool) -> None:
+    """Raises ``ValueError`` naming the setting when the engine is configured in a way the
+    plugin does not serve correctly: tensor, pipeline or data parallel vLLM (every rank would
+    send the whole batch to the fabric, and a block that all-reduces its runner's output itself
+    would add the fabric's whole answer once per rank), vLLM's own expert parallelism (the
+    fabric places the experts), or CUDA graphs (the fabric call copies to the host, which a
+    captured graph cannot do)."""
+    for name, value, flag in (
+        ("tensor_parallel_size", tensor_parallel, "--tensor-parallel-size"),
+        ("pipeline_parallel_size", pipeline_parallel, "--pipeline-parallel-size"),
+        ("data_parallel_size", data_parallel, "--data-parallel-size"),
+    ):
+        if value != 1:
+            raise ValueError(
+                f"ExpertMesh vLLM plugin: {name}={value} is not supported (each rank would send "
+                f"its whole batch to the fabric, and some blocks sum their ranks' outputs): run "
+                f"vLLM with {flag} 1; the fabric spreads the experts over its devices itself"
+            )
+    if expert_parallel:
+        raise ValueError(
+            "ExpertMesh vLLM plugin: enable_expert_parallel is not supported: the fabric places "
+            "the experts; start vLLM without --enable-expert-parallel"
+        )
+    if cuda_graphs:
+        raise ValueError(
+            "ExpertMesh vLLM plugin: CUDA graphs are not supported (each MoE layer's call copies "
+            "its input to the host for the fabric, which a captured graph cannot do): start vLLM "
+            "with enforce_eager=True (--enforce-eager)"
+        )
 
 
 class FabricMoEError(RuntimeError):
@@ -304,8 +360,8 @@ def _check_served(layer: int, hidden: int, layer_name: str) -> None:
         raise FabricMoEError(
             f"{_ERROR_MARK}{layer} ({layer_name}): the router at {cfg.router} does not take "
             f"{cfg.max_tokens} tokens x hidden {hidden} for it: {type(e).__name__}: {e}. It "
-            f"serves another checkpoint (convert this one), or set {ENV_MAX_TOKENS} to at most "
-            "the router's --max-tokens."
+            f"may serve another checkpoint (convert this one), or set {ENV_MAX_TOKENS} to at "
+            "most the router's --max-tokens."
         ) from e
     # The router may take fewer tokens per request than asked (a request's size is bounded in
     # bytes too): requests are split at what every layer accepts.
@@ -322,6 +378,7 @@ def _define_and_register() -> None:
     """Define the replacement classes (they subclass vLLM's, so vLLM is imported only here) and
     register them, the custom op and the load format."""
     import torch
+    import vllm
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -329,6 +386,8 @@ def _define_and_register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.utils.torch_utils import direct_register_custom_op
+
+    check_vllm_version(vllm.__version__)
 
     # The op's schema is read from the annotations: real types (this module's are strings).
     _fabric_moe.__annotations__ = {"hidden_states": torch.Tensor, "layer_name": str, "return": torch.Tensor}
@@ -360,7 +419,18 @@ def _define_and_register() -> None:
         """vLLM's ``RoutedExperts`` without weights: the fabric holds the experts."""
 
         def __init__(self, layer_name: str, *args: Any, **kwargs: Any) -> None:
-            load_format = get_current_vllm_config().load_config.load_format
+            from vllm.platforms import current_platform
+
+            config = get_current_vllm_config()
+            pc = config.parallel_config
+            check_engine(
+                tensor_parallel=pc.tensor_parallel_size,
+                pipeline_parallel=pc.pipeline_parallel_size,
+                data_parallel=pc.data_parallel_size,
+                expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)),
+                cuda_graphs=current_platform.is_cuda_alike() and not config.model_config.enforce_eager,
+            )
+            load_format = config.load_config.load_format
             if load_format != LOAD_FORMAT:
                 raise ValueError(
                     f"ExpertMesh serves the routed experts of {layer_name} ({ENV_ROUTER} is set), "

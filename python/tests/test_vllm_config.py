@@ -74,3 +74,27 @@ def test_the_entry_point_is_declared():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '[project.entry-points."vllm.general_plugins"]' in text
     assert 'expertmesh = "expertmesh.vllm:register"' in text
+
+
+def test_only_the_pinned_vllm_release_is_taken():
+    for ok in ("0.32.0", "0.32.3", "0.32.0+cpu"):
+        plugin.check_vllm_version(ok)
+    for bad in ("0.31.2", "0.33.0", "1.32.0", "0.3.2"):
+        with pytest.raises(RuntimeError, match=f"vLLM {bad} is not supported.*0.32"):
+            plugin.check_vllm_version(bad)
+
+
+def test_engines_the_plugin_cannot_serve_are_refused_naming_the_setting():
+    fine = dict(tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
+                expert_parallel=False, cuda_graphs=False)
+    plugin.check_engine(**fine)
+    cases = [
+        ({"tensor_parallel": 2}, "tensor_parallel_size=2.*--tensor-parallel-size 1"),
+        ({"pipeline_parallel": 4}, "pipeline_parallel_size=4"),
+        ({"data_parallel": 2}, "data_parallel_size=2"),
+        ({"expert_parallel": True}, "enable_expert_parallel"),
+        ({"cuda_graphs": True}, "CUDA graphs.*--enforce-eager"),
+    ]
+    for change, want in cases:
+        with pytest.raises(ValueError, match=want):
+            plugin.check_engine(**{**fine, **change})
