@@ -142,7 +142,9 @@ EM_HD float em_quantize_block(const float* x, int8_t* q, int32_t* qsum) {
     for (int i = 0; i < EM_BLOCK; ++i) {
         float r = em_rint(x[i] * inv);
         r = em_min(em_max(r, -127.0f), 127.0f);
-        int32_t v = (int32_t)r;
+        // A NaN code (an infinite element of a block whose amax is infinite: inv = 0) is 0, as
+        // Rust's `NaN as i8` in the contract; a plain cast of NaN is undefined behaviour.
+        int32_t v = (r == r) ? (int32_t)r : 0;
         q[i] = (int8_t)v;
         s += v;
     }
