@@ -856,7 +856,7 @@ fn load_cached(
     use tile_cache::TileCacheUse;
     let shapes: Vec<ExpertShape> = source.shapes().to_vec();
     let (hidden, bytes, dims) = checked_shapes(&shapes, None)?;
-    let description = tile_cache::description(&content.id, &shapes, &dims);
+    let description = tile_cache::description(content, &shapes, &dims);
     if shapes.is_empty() {
         // Nothing to keep (a device that holds no experts yet).
         return Ok((

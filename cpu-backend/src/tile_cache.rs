@@ -24,7 +24,9 @@
 //!   every expert's key and shape, the arena's size) and every chunk's crc32c matches: a
 //!   stale, foreign, truncated or damaged file is a miss, never wrong weights.
 //! * One file per place the source names (a shard's path): new content at that place (a
-//!   re-conversion, an upgrade) replaces the old file instead of piling up beside it.
+//!   re-conversion, an upgrade) replaces the old file instead of piling up beside it. A file
+//!   whose place is an absolute path that no longer exists (a retired weights folder's shard)
+//!   is removed by the cache's next write, so tiles of weights gone do not pile up either.
 //! * The folder must belong to this user and be writable by no one else (anyone who can write
 //!   it chooses the weights), and its parent must not let others replace it (writable by
 //!   others only with the sticky bit, as `/tmp`); it is created 0700 and the files 0400.
@@ -295,21 +297,77 @@ impl TileCache {
                 path.display()
             ));
         }
+        self.remove_retired(&path);
         Ok(path)
+    }
+
+    /// Removes the cache files (other than `keep`) whose place is an absolute path that no
+    /// longer exists: the shard they were repacked from is gone (its weights folder retired),
+    /// so nothing will ask for them again. Only names this cache makes, whose name is the
+    /// hash of the place their header states; a place that cannot be looked at (a network
+    /// mount away, no permission) is left alone. Removing a file a process has mapped is safe.
+    /// Best effort.
+    fn remove_retired(&self, keep: &Path) {
+        let Ok(entries) = fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let ours = entry.file_name().to_str().is_some_and(|n| {
+                n.strip_suffix(".r16")
+                    .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            });
+            if !ours || path == keep {
+                continue;
+            }
+            let Some(place) = File::open(&path)
+                .ok()
+                .and_then(|mut f| stated_place(&mut f))
+            else {
+                continue;
+            };
+            let gone = Path::new(&place).is_absolute()
+                && self.file_for(&place) == path
+                && matches!(fs::symlink_metadata(&place), Err(e) if e.kind() == io::ErrorKind::NotFound);
+            if gone {
+                let _ = fs::remove_file(&path);
+            }
+        }
     }
 }
 
+/// The place a cache file's header states (its description's `place:` line), when the file
+/// starts like one of this layout.
+fn stated_place(file: &mut impl Read) -> Option<String> {
+    let mut fixed = [0u8; 12];
+    file.read_exact(&mut fixed).ok()?;
+    if &fixed[..8] != MAGIC {
+        return None;
+    }
+    let dlen = u32::from_le_bytes(fixed[8..].try_into().expect("4 bytes")) as usize;
+    // Descriptions are a few lines per expert: a damaged length must not allocate much.
+    if dlen > 16 << 20 {
+        return None;
+    }
+    let mut desc = vec![0u8; dlen];
+    file.read_exact(&mut desc).ok()?;
+    let text = std::str::from_utf8(&desc).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("place: "))
+        .map(str::to_owned)
+}
+
 /// The description a cache file must carry to hold the arena of `experts` (key and shape, in
-/// load order) from the source whose content is `content_id`.
+/// load order) from the source `content` (its place, and what its content is there).
 pub(crate) fn description(
-    content_id: &str,
+    content: &expertmesh_backend::ContentId,
     experts: &[expertmesh_backend::ExpertShape],
     dims: &[MatrixDims],
 ) -> String {
     use std::fmt::Write as _;
     let mut d = format!(
         "expertmesh R16 tile cache, layout {LAYOUT_VERSION} (repack fingerprint {:016x}), \
-         {} {}-endian, expertmesh-cpu-backend {}\nsource: {content_id}\n",
+         {} {}-endian, expertmesh-cpu-backend {}\nplace: {}\nsource: {}\n",
         repack_fingerprint(),
         std::env::consts::ARCH,
         if cfg!(target_endian = "little") {
@@ -317,7 +375,9 @@ pub(crate) fn description(
         } else {
             "big"
         },
-        env!("CARGO_PKG_VERSION")
+        env!("CARGO_PKG_VERSION"),
+        content.place,
+        content.id
     );
     for s in experts {
         let _ = writeln!(

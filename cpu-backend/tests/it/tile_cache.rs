@@ -493,3 +493,34 @@ fn nothing_is_kept_from_a_source_whose_check_fails_or_that_has_no_name() {
     assert!(!dir.exists() || cache_files(&dir).is_empty());
     assert_eq!(run(&mut b), plain_bits());
 }
+
+/// Tiles of a shard that no longer exists (a weights folder retired after an upgrade) are
+/// removed by the cache's next write; those of shards still there stay, and a place that is
+/// not an absolute path is never taken for gone.
+#[test]
+fn tiles_of_shards_that_are_gone_are_removed_by_the_next_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiles");
+    let shard = |name: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, b"shard").unwrap();
+        p.display().to_string()
+    };
+    let (old, kept, new) = (shard("old.shard"), shard("kept.shard"), shard("new.shard"));
+    let (_, used) = load(&dir, &mut named_with(&old, "old", experts()));
+    let (old_tiles, _) = written(&used);
+    let (_, used) = load(&dir, &mut named_with(&kept, "kept", experts()));
+    let (kept_tiles, _) = written(&used);
+    let (_, used) = load(&dir, &mut named_with("relative", "rel", experts()));
+    let (relative_tiles, _) = written(&used);
+    assert_eq!(cache_files(&dir).len(), 3);
+    std::fs::remove_file(&old).unwrap();
+    // Nothing is removed until the cache writes again.
+    assert!(old_tiles.exists());
+    let (_, used) = load(&dir, &mut named_with(&new, "new", experts()));
+    let (new_tiles, _) = written(&used);
+    let mut want = vec![kept_tiles, new_tiles, relative_tiles];
+    want.sort();
+    assert_eq!(cache_files(&dir), want);
+    assert!(!old_tiles.exists());
+}

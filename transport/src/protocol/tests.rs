@@ -864,7 +864,10 @@ fn a_frontend_listener_refuses_mesh_ranks() {
     assert!(pump_each(&mut a, &mut b, now).is_err());
     assert!(!b.is_established());
     let why = auth_failure(&b);
-    assert!(why.contains("rank 0 dialled a router's frontend port"), "{why}");
+    assert!(
+        why.contains("rank 0 dialled a router's frontend port"),
+        "{why}"
+    );
 }
 
 /// With credentials a hello carries no incarnation and no fingerprint in the clear (issue 27:
