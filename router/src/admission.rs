@@ -149,6 +149,11 @@ impl Admission {
         self.draining = true;
     }
 
+    /// Whether [`Admission::drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
     /// Requests and tokens in flight, all connections together.
     pub fn in_flight(&self) -> (usize, usize) {
         (self.requests, self.tokens)

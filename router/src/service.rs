@@ -51,7 +51,7 @@ use expertmesh_transport::{MemoryBudget, MemoryReservation};
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
@@ -353,32 +353,40 @@ impl RouterService {
         self.frontends_open.load(Ordering::Acquire)
     }
 
-    /// This router's `/ready` check: ready when every device's worker has joined it (its link
-    /// is up and it announced what it holds: [`RouterService::is_worker_live`]); else the
-    /// reason names the workers not joined (the first few).
+    /// This router's `/ready` check: ready once every device's worker has joined it (its link
+    /// is up and it announced what it holds: [`RouterService::is_worker_live`]), and from then
+    /// on until it drains. A worker lost later (drained and stopped, crashed, restarting after
+    /// a re-deploy) does not make it unready: every router of the fabric shares the workers,
+    /// so taking the routers out of service would only refuse what they still serve (the core
+    /// routes around devices that are down). Not ready: the reason names the workers not
+    /// joined yet (the first few), or that it is draining.
     pub fn readiness(&self) -> crate::metrics::http::Readiness {
         let live = Arc::clone(&self.live);
         let ranks = self.ranks.clone();
+        let admission = Arc::clone(&self.admission);
+        let joined = JoinedOnce::default();
         Arc::new(move || {
-            let devices = ranks.routers()..ranks.len() as u32;
-            let total = devices.len();
-            let missing: Vec<u32> = devices
-                .filter(|&r| !live[r as usize].load(Ordering::Acquire))
-                .collect();
-            if missing.is_empty() {
-                return Ok(());
-            }
-            let shown: Vec<String> = missing.iter().take(8).map(|&r| ranks.label(r)).collect();
-            Err(format!(
-                "{} of {total} workers not joined: {}{}",
-                missing.len(),
-                shown.join(", "),
-                if missing.len() > shown.len() {
-                    ", ..."
-                } else {
-                    ""
-                }
-            ))
+            joined.verdict(admission.lock().is_draining(), || {
+                let devices = ranks.routers()..ranks.len() as u32;
+                let total = devices.len();
+                let missing: Vec<u32> = devices
+                    .filter(|&r| !live[r as usize].load(Ordering::Acquire))
+                    .collect();
+                let shown: Vec<String> =
+                    missing.iter().take(8).map(|&r| ranks.label(r)).collect();
+                (!missing.is_empty()).then(|| {
+                    format!(
+                        "{} of {total} workers not joined: {}{}",
+                        missing.len(),
+                        shown.join(", "),
+                        if missing.len() > shown.len() {
+                            ", ..."
+                        } else {
+                            ""
+                        }
+                    )
+                })
+            })
         })
     }
 
@@ -573,6 +581,35 @@ impl PlacementHandle {
                 return Err(format!(
                     "no answer from the router's coordinator within {wait:?}"
                 ));
+            }
+        }
+    }
+}
+
+/// A router's readiness ([`RouterService::readiness`]): not while it drains; until every worker
+/// has joined, not (naming those missing); from then on, ready for good.
+#[derive(Debug, Default)]
+struct JoinedOnce(AtomicBool);
+
+impl JoinedOnce {
+    /// The verdict, `missing` saying which workers have not joined (`None`: every one has;
+    /// asked only until that happens once).
+    fn verdict(
+        &self,
+        draining: bool,
+        missing: impl FnOnce() -> Option<String>,
+    ) -> Result<(), String> {
+        if draining {
+            return Err("draining before it stops: it takes no new requests".into());
+        }
+        if self.0.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match missing() {
+            Some(why) => Err(why),
+            None => {
+                self.0.store(true, Ordering::Release);
+                Ok(())
             }
         }
     }
@@ -2260,7 +2297,27 @@ impl CoreLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::{SendBacklog, idle_wait};
+    use super::{JoinedOnce, SendBacklog, idle_wait};
+
+    /// Not ready until every worker joined; from then on ready whoever is lost later (every
+    /// router shares the workers: a router out of service only refuses what it still serves);
+    /// never while draining.
+    #[test]
+    fn a_router_is_ready_once_every_worker_joined_until_it_drains() {
+        let r = JoinedOnce::default();
+        let missing = || Some("1 of 2 workers not joined: node0/cpu1".to_string());
+        assert_eq!(
+            r.verdict(false, missing),
+            Err("1 of 2 workers not joined: node0/cpu1".into())
+        );
+        assert_eq!(r.verdict(false, || None), Ok(()));
+        // A worker lost later (drained and stopped, crashed, restarting).
+        assert_eq!(r.verdict(false, missing), Ok(()));
+        let draining = r.verdict(true, || None).unwrap_err();
+        assert!(draining.contains("draining"), "{draining}");
+        let before = JoinedOnce::default().verdict(true, || None).unwrap_err();
+        assert!(before.contains("draining"), "{before}");
+    }
     use std::time::Duration;
 
     /// Each rank's unsent dispatch bytes stay within the bound; what a written frame gives
