@@ -109,7 +109,11 @@ pub fn decide(
     Ok(((gain >= min_gain).then_some(planned), gain))
 }
 
-/// The counts routed between two cumulative snapshots, as load statistics.
+/// The counts routed between two cumulative snapshots, as load statistics. The window's tokens
+/// are its busiest layer's: each token routes to `top_k` experts of a layer, so a layer's
+/// tokens are its window counts over `top_k` (the snapshots' own token figure is the most of
+/// any layer's cumulative tokens, whose difference undercounts a window where another layer
+/// was the busiest: earlier A 1000, B 0, later A 1000, B 1900 gave 0 instead of 1900).
 ///
 /// # Errors
 /// The model does not match the snapshots (cannot happen for snapshots of one router).
@@ -118,7 +122,7 @@ pub fn window(
     earlier: &LoadStats,
     later: &LoadStats,
 ) -> Result<LoadStats, String> {
-    let counts = (0..later.layer_count())
+    let counts: Vec<Option<Vec<f64>>> = (0..later.layer_count())
         .map(|li| {
             later.layer(li).map(|now| {
                 let before = earlier.layer(li).unwrap_or(&[]);
@@ -129,7 +133,12 @@ pub fn window(
             })
         })
         .collect();
-    let tokens = (later.tokens().unwrap_or(0.0) - earlier.tokens().unwrap_or(0.0)).max(0.0);
+    let top_k = f64::from(spec.top_k.max(1));
+    let tokens = counts
+        .iter()
+        .flatten()
+        .map(|row| row.iter().sum::<f64>() / top_k)
+        .fold(0.0, f64::max);
     Ok(LoadStats::new(spec, counts)?.with_tokens(tokens))
 }
 

@@ -71,9 +71,26 @@ fn a_window_is_the_difference_of_two_cumulative_snapshots() {
     let earlier = skewed(&spec, 2.0);
     let later = skewed(&spec, 5.0).with_tokens(2500.0);
     let w = window(&spec, &earlier, &later).unwrap();
-    assert_eq!(w.tokens(), Some(1500.0));
+    // Every layer routed 12 experts x 300 more: 3600 / top_k tokens.
+    assert_eq!(w.tokens(), Some(3600.0 / f64::from(spec.top_k)));
     let row = w.layer(0).unwrap();
     assert_eq!((row[0], row[31]), (0.0, 300.0));
+    // Uneven history: layer A busy before, layer B busy in the window. The snapshots' tokens
+    // (the most of any layer's, cumulative) do not move; the window is B's tokens.
+    let k = f64::from(spec.top_k);
+    let layers = spec.moe_layer_ids().len();
+    let rows = |a: f64, b: f64| {
+        let mut v = vec![Some(vec![a * k / 32.0; 32]); layers];
+        v[1] = Some(vec![b * k / 32.0; 32]);
+        LoadStats::new(&spec, v).unwrap()
+    };
+    let w = window(
+        &spec,
+        &rows(1000.0, 0.0).with_tokens(1000.0),
+        &rows(1000.0, 1900.0).with_tokens(1900.0),
+    )
+    .unwrap();
+    assert_eq!(w.tokens(), Some(1900.0));
     // A later snapshot never has less; if one did (a reset), the window does not go negative.
     let back = window(&spec, &later, &earlier).unwrap();
     assert!(back.layer(0).unwrap().iter().all(|&c| c == 0.0));
