@@ -477,6 +477,18 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let t0 = Instant::now();
     let limits = worker_limits(&dep, opts.max_tokens);
     let metrics = crate::metrics::new(&dep);
+    // `/live` answers from before the load (a cluster engine's start-up probe must not kill a
+    // worker still loading a large shard); `/ready` says it is loading until its mesh starts.
+    let mesh_ready: Arc<std::sync::OnceLock<expertmesh_router::metrics::http::Readiness>> =
+        Arc::default();
+    let ready = {
+        let mesh_ready = Arc::clone(&mesh_ready);
+        Arc::new(move || match mesh_ready.get() {
+            Some(ready) => ready(),
+            None => Err("loading its experts".to_string()),
+        })
+    };
+    let _metrics_server = crate::metrics::serve(&metrics, &dep, rank, opts.metrics, ready)?;
     let load_started = Instant::now();
     let (backend, tile_cache_writer) = make_backend(&dep, &opts, limits, &metrics)?;
     let loaded = backend.loaded_bytes();
@@ -540,8 +552,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let _metrics_server =
-        crate::metrics::serve(&metrics, &dep, rank, opts.metrics, readiness(&dep, &mesh))?;
+    let _ = mesh_ready.set(readiness(&dep, &mesh));
     let stop = stop_on_signal(&rt);
     let ctx = ComputeCtx {
         stop,
