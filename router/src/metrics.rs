@@ -574,15 +574,9 @@ impl Collector for RouterMetrics {
     }
 }
 
-/// Batches whose opening time is kept for the end-to-end latency (a ring by batch id; a batch
-/// still in flight after this many newer ones is not timed).
-const OPENED_RING: usize = 1024;
-
-/// The core's side of the metrics: the shared [`RouterMetrics`] plus what only the core thread
-/// touches (when each batch opened).
+/// The core's side of the metrics: the shared [`RouterMetrics`], recorded by the core thread.
 pub struct CoreMetrics {
     shared: Arc<RouterMetrics>,
-    opened: Box<[(u64, Instant)]>,
 }
 
 impl std::fmt::Debug for CoreMetrics {
@@ -596,7 +590,6 @@ impl CoreMetrics {
     pub fn new(layers: &[u32], experts: usize, ranks: &RankNames) -> Self {
         Self {
             shared: Arc::new(RouterMetrics::new(layers, experts, ranks)),
-            opened: vec![(0, Instant::now()); OPENED_RING].into_boxed_slice(),
         }
     }
 
@@ -605,13 +598,12 @@ impl CoreMetrics {
         &self.shared
     }
 
-    /// Batch `id` of `layer` with `requests` requests and the gate's `routing` was closed at
+    /// A batch of `layer` with `requests` requests and the gate's `routing` was closed at
     /// `now`; its window opened at `opened`. Counts requests, tokens and each routed expert's
     /// tokens (ids at or past the routed experts, shared experts on a worker, are not load),
     /// and times the queue stage.
     pub fn on_batch(
         &mut self,
-        id: u64,
         layer: u32,
         requests: usize,
         routing: &Routing,
@@ -631,7 +623,6 @@ impl CoreMetrics {
             }
         }
         m.stages[0].observe(now.saturating_duration_since(opened).as_secs_f64());
-        self.opened[id as usize % OPENED_RING] = (id, opened);
     }
 
     /// The batch closed at `closed` has handed all its parts to the driver.
@@ -644,18 +635,16 @@ impl CoreMetrics {
         self.shared.stages[2].observe(now.saturating_duration_since(sent_at).as_secs_f64());
     }
 
-    /// Batch `id`, holding `requests` requests, was combined (combining began at
-    /// `combine_started`) and its answers are being handed out.
-    pub fn on_completed(&self, id: u64, requests: usize, combine_started: Instant) {
+    /// A batch whose window opened at `opened`, holding `requests` answered requests, was
+    /// combined (combining began at `combine_started`) and its answers are being handed out:
+    /// each request's end-to-end latency is recorded, however long the batch took.
+    pub fn on_completed(&self, opened: Instant, requests: usize, combine_started: Instant) {
         let now = Instant::now();
         let m = &*self.shared;
         m.stages[3].observe(now.saturating_duration_since(combine_started).as_secs_f64());
-        let (slot_id, opened) = self.opened[id as usize % OPENED_RING];
-        if slot_id == id {
-            let d = now.saturating_duration_since(opened).as_secs_f64();
-            for _ in 0..requests {
-                m.request_latency.observe(d);
-            }
+        let d = now.saturating_duration_since(opened).as_secs_f64();
+        for _ in 0..requests {
+            m.request_latency.observe(d);
         }
     }
 
@@ -688,10 +677,10 @@ mod tests {
             weights: vec![0.5; 4],
         };
         let t0 = Instant::now();
-        core.on_batch(7, 3, 2, &routing, t0, t0 + Duration::from_millis(1));
+        core.on_batch(3, 2, &routing, t0, t0 + Duration::from_millis(1));
         core.on_dispatched(t0);
         core.on_part_answered(t0, Instant::now());
-        core.on_completed(7, 2, t0);
+        core.on_completed(t0, 2, t0);
         core.on_error(ErrorCode::InvalidInput);
         core.on_error(ErrorCode::from_u16(77));
         let shared = Arc::clone(core.shared());

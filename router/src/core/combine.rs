@@ -186,6 +186,7 @@ impl RouterCore {
         // Only the requests answered: a member already failed past its deadline was counted
         // as that error, its latency is not a request's duration; one whose output overflowed
         // is failed alone ([`not_finite`]).
+        let opened = b.opened;
         let mut answered = Vec::with_capacity(b.members.len());
         for (m, output) in b.members.into_iter().zip(outs).filter(|(m, _)| !m.expired) {
             let x = &b.x[m.offset * h..(m.offset + m.tokens) * h];
@@ -194,7 +195,7 @@ impl RouterCore {
                 None => answered.push((m, output)),
             }
         }
-        self.metrics.on_completed(id, answered.len(), now);
+        self.metrics.on_completed(opened, answered.len(), now);
         for (m, output) in answered {
             self.stats.responses += 1;
             self.stats.tokens += m.tokens as u64;

@@ -253,12 +253,12 @@ impl RouterCore {
             shared_weights,
             parts: Vec::new(),
             outstanding: 0,
+            opened: p.flush_at.checked_sub(self.cfg.batch_window).unwrap_or(now),
         };
         self.inflight.insert(id, batch);
-        let opened = p.flush_at.checked_sub(self.cfg.batch_window).unwrap_or(now);
         let b = &self.inflight[&id];
         let (n, r) = (b.members.len(), &b.routing);
-        self.metrics.on_batch(id, layer, n, r, opened, now);
+        self.metrics.on_batch(layer, n, r, b.opened, now);
         Some(id)
     }
 

@@ -253,6 +253,8 @@ struct Inflight {
     shared_weights: Vec<f32>,
     parts: Vec<Part>,
     outstanding: usize,
+    /// When its batch window opened (the end-to-end latency of its requests starts there).
+    opened: Instant,
 }
 
 /// The router state machine. See the module docs.
