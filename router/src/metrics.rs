@@ -30,7 +30,7 @@
 //! | `expertmesh_router_request_duration_seconds` | | histogram: a request's batch opening to its answer (end to end in the router) |
 //! | `expertmesh_router_stage_duration_seconds` | `stage` | histogram: `queue` (batch window), `dispatch` (gate, quantize, plan, encode), `compute` (a part's round trip to its device), `combine` |
 //! | `expertmesh_router_expert_tokens_total` | `layer`, `expert` | (token, expert) selections: each routed token counts top_k |
-//! | `expertmesh_router_device_pairs_total` | `device` | (token, expert) pairs dispatched to a device |
+//! | `expertmesh_router_device_pairs_total` | `device` | (token, expert) pairs dispatched to a device (with node dedup a remote node's leader receives, and is counted for, its node's pairs; `expertmesh_worker_pairs_total` counts what each device computed) |
 //! | `expertmesh_router_device_parts_total` | `device` | dispatch frames sent to a device |
 //! | `expertmesh_router_link_sent_bytes_total` | `peer` | frame bytes sent to a worker (headers included) |
 //! | `expertmesh_router_link_received_bytes_total` | `peer` | frame bytes received from a worker |
@@ -506,7 +506,7 @@ impl RouterMetrics {
         encode_counters(
             enc,
             "expertmesh_router_device_pairs",
-            "(token, expert) pairs dispatched to each device.",
+            "(token, expert) pairs dispatched to each device (a remote node's leader is sent its node's pairs; expertmesh_worker_pairs_total counts what each device computed).",
             None,
             device(&self.device_pairs),
         )?;
