@@ -1841,7 +1841,11 @@ mod pin_tests {
     fn pinned_threads_run_only_on_their_cpu() {
         let allowed = membw::allowed_cpus();
         let Some(&last) = allowed.last() else {
-            eprintln!("skipped: this process's affinity mask could not be read");
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: this process's affinity mask could not be read"
+            );
             return;
         };
         // Both helpers on the last allowed CPU: neither may run anywhere else, every call.

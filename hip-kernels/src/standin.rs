@@ -218,9 +218,11 @@ pub fn build(branch: Branch, mutation: Option<Mutation>, cache: &Path) -> Result
     if lib.is_file() {
         return Ok(Built::Library(lib));
     }
-    // A private work folder per builder: two processes building the same library never share
-    // an object file.
-    let work = dir.join(format!("work-{}", std::process::id()));
+    // A private work folder per builder: two builders of the same library (processes, or
+    // threads of one test process) never share an object file, nor remove each other's.
+    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let work = dir.join(format!("work-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&work).map_err(|e| format!("create {}: {e}", work.display()))?;
     if let Some(m) = mutation {
         kernels = mutated_copy(&kernels, &work.join("kernels"), m)?;

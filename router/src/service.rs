@@ -372,8 +372,7 @@ impl RouterService {
                 let missing: Vec<u32> = devices
                     .filter(|&r| !live[r as usize].load(Ordering::Acquire))
                     .collect();
-                let shown: Vec<String> =
-                    missing.iter().take(8).map(|&r| ranks.label(r)).collect();
+                let shown: Vec<String> = missing.iter().take(8).map(|&r| ranks.label(r)).collect();
                 (!missing.is_empty()).then(|| {
                     format!(
                         "{} of {total} workers not joined: {}{}",

@@ -148,20 +148,24 @@ fn emulated_glue_coverage_is_reported() {
     let mut out = [[0f32; 16]; 16];
     let ran = amx::rowblock_exact_emulated(&r16, 0, &toks.rows(), &mut out, EmulatedGlue::Avx512);
     if ran == EmulatedGlue::Avx512 {
-        println!("ran: the AVX-512 glue with the tile emulator");
+        say("ran: the AVX-512 glue with the tile emulator");
     } else {
-        println!("skipped: the AVX-512 glue (no AVX-512 here); the portable glue ran");
+        say("skipped: the AVX-512 glue (no AVX-512 here); the portable glue ran");
     }
 }
+
+use crate::say;
 
 fn amx_or_skip(what: &str) -> Option<Amx> {
     match Amx::new() {
         Ok(a) => {
-            println!("ran: {what} on the AMX instructions");
+            say(&format!("ran: {what} on the AMX instructions"));
             Some(a)
         }
         Err(why) => {
-            println!("skipped: {what} on the AMX instructions ({why}); the emulator tests ran");
+            say(&format!(
+                "skipped: {what} on the AMX instructions ({why}); the emulator tests ran"
+            ));
             None
         }
     }

@@ -1,6 +1,7 @@
 //! The CPU backend against the scalar reference: bit-identical in exact mode on every ISA this
 //! machine supports, within tolerance of f64 in accurate mode.
 
+use crate::say;
 use expertmesh_backend::{
     Activations, BatchLimits, ExpertBackend, ExpertGroup, ExpertKey, GroupedBatch, OutputLayout,
 };
@@ -632,6 +633,46 @@ fn backend_exact_large_batch() {
             check_exact(&tb, isa, 2).unwrap();
         }
         check_exact_amx_emulated(&tb, 2).unwrap();
+    }
+}
+
+/// The production AMX choice is per matrix: a matrix of fewer columns than the threshold runs
+/// on the VNNI path within the same batch (demo-small: W13 on AMX, W2 not). Both mixes, with
+/// the threshold between hidden and intermediate size, are bit-identical to the reference,
+/// through the tile emulator everywhere and on the instructions where this CPU has AMX.
+#[test]
+fn amx_on_one_stage_only_is_bit_identical() {
+    // (hidden, intermediate): W13's columns are hidden, W2's the intermediate size.
+    for (hidden, inter) in [(96usize, 64usize), (64, 96)] {
+        let tb = TestBatch::random(
+            QuantSpec::G32_BF16,
+            hidden,
+            &[inter, inter, inter],
+            120,
+            2,
+            0xA3,
+        );
+        check_exact_on(
+            &tb,
+            CpuBackend::with_amx_emulated(2)
+                .unwrap()
+                .with_amx_min_cols(96),
+        )
+        .unwrap();
+        if Isa::available().contains(&Isa::Amx) {
+            check_exact_on(
+                &tb,
+                CpuBackend::with_isa(2, Isa::Amx)
+                    .unwrap()
+                    .with_amx_min_cols(96),
+            )
+            .unwrap();
+            say(&format!(
+                "ran: AMX on one stage (hidden {hidden}, inter {inter}) on the instructions"
+            ));
+        } else {
+            say("skipped: AMX on one stage on the instructions (no AMX here); the emulator ran");
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use expertmesh_hip_kernels::standin::{
 use expertmesh_hip_kernels::testvec::VectorCase;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Build (or reuse) a stand-in under this test target's temporary folder; None after a loud skip.
 fn build_standin(branch: Branch, mutation: Option<Mutation>) -> Option<PathBuf> {
@@ -50,16 +50,28 @@ fn build_standin(branch: Branch, mutation: Option<Mutation>) -> Option<PathBuf> 
     }
 }
 
-/// The stand-in library of an unmutated branch, built once per test process.
+/// The stand-in library of an unmutated branch, built once per test process: a test asking
+/// for a branch another test is building waits for that build (two builds at once raced over
+/// one work folder); each test that gets no library says so.
 fn standin_lib(branch: Branch) -> Option<PathBuf> {
-    static BUILT: OnceLock<Mutex<HashMap<&'static str, Option<PathBuf>>>> = OnceLock::new();
+    type Once = Arc<OnceLock<Option<PathBuf>>>;
+    static BUILT: OnceLock<Mutex<HashMap<&'static str, Once>>> = OnceLock::new();
     let map = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(done) = map.lock().expect("lock").get(branch.key) {
-        return done.clone();
+    let once: Once = Arc::clone(map.lock().expect("lock").entry(branch.key).or_default());
+    let mut first = false;
+    let lib = once
+        .get_or_init(|| {
+            first = true;
+            build_standin(branch, None)
+        })
+        .clone();
+    if lib.is_none() && !first {
+        say(&format!(
+            "skipped: no {} stand-in (see the first skip)",
+            branch.key
+        ));
     }
-    let built = build_standin(branch, None);
-    map.lock().expect("lock").insert(branch.key, built.clone());
-    built
+    lib
 }
 
 /// Open the backend on `branch`'s stand-in and check it; None after a loud skip.

@@ -782,9 +782,14 @@ mod tests {
     #[test]
     fn every_level_takes_ordinary_groups_and_matches_the_sweep() {
         let levels = Level::available();
-        println!("direct search levels run here: {levels:?}");
+        // On the real stderr: the harness captures `print!` of passing tests.
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "ran: direct search levels {levels:?}");
         if !levels.iter().any(|l| *l != Level::Plain) {
-            println!("skipped: the vector levels (this CPU has no AVX2 with FMA)");
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: the vector levels (this CPU has no AVX2 with FMA)"
+            );
         }
         let mut rng = SplitMix64::new(0xD1EC7);
         for gs in [32usize, 64, 128] {
