@@ -157,7 +157,8 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let shm_dir = tempfile_dir()?;
+    let shm_tmp = tempfile_dir()?;
+    let shm_dir = shm_tmp.path().to_path_buf();
     // One raw TCP pair for the whole run, as the mesh's links are: a connection made per
     // measurement starts with small autotuned windows, and the long-lived mesh beat it (1.05-1.18
     // of its throughput, half its round trip at 256 tokens).
@@ -217,7 +218,7 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
     {
         m.shutdown();
     }
-    let _ = std::fs::remove_dir_all(&shm_dir);
+    drop(shm_tmp);
     let mut report = BenchReport::new();
     for ((link, _), us) in pairs.iter().zip(&units) {
         for (u, &tokens) in us.iter().zip(&TOKEN_COUNTS) {
@@ -525,15 +526,17 @@ fn link_provider(link: LinkKind, provider: &RdmaProvider) -> String {
     }
 }
 
-fn tempfile_dir() -> Result<PathBuf, BenchError> {
+/// A folder of this run's own for the rings (two runs in one process, as the unit tests do,
+/// never share one), removed when dropped.
+fn tempfile_dir() -> Result<tempfile::TempDir, BenchError> {
     let base = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
         std::env::temp_dir()
     };
-    let dir = base.join(format!("expertmesh-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    Ok(tempfile::Builder::new()
+        .prefix("expertmesh-bench-")
+        .tempdir_in(base)?)
 }
 
 fn frames_for(seconds: f64, msg: usize) -> usize {

@@ -9,11 +9,25 @@ import socket
 from pathlib import Path
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel gives outgoing connections (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
+    """A base port with ``n`` consecutive free ports on 127.0.0.1, below the kernel's ephemeral
+    range where there is room (no outgoing connection takes one of them before the fabric's
+    processes bind them, as can happen with ports from that range)."""
     rng = random.Random()
+    top = _ephemeral_low() - n
+    if top <= 11000:
+        top = 60000 - n
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(10000, top)
         socks = []
         try:
             for p in range(base, base + n):

@@ -66,12 +66,13 @@ def test_a_killed_worker_raises_device_down_within_the_deadline(own_fabric):
             assert "local/cpu1" in str(e.value), str(e.value)
             assert isinstance(e.value, expertmesh.RouterError)
             assert e.value.request_id and e.value.code_name in ("PeerUnavailable", "DeadlineExceeded")
-        # once the router has noticed, it is DeviceDown (PeerUnavailable), at once
+        # once the router has noticed, it is DeviceDown (PeerUnavailable), without waiting for
+        # the deadline (which would raise DeadlineExceeded; the bound is a hang guard well
+        # below that 30 s deadline, not a speed test)
         t = time.monotonic()
         with pytest.raises(expertmesh.DeviceDown) as e:
-            c.moe(2, needs_cpu1(20), deadline_ms=3000)
-        # at once: well before the 3 s deadline (which would raise DeadlineExceeded instead)
-        assert e.value.code == 7 and time.monotonic() - t < 2.5
+            c.moe(2, needs_cpu1(20), deadline_ms=30_000)
+        assert e.value.code == 7 and time.monotonic() - t < 20.0
         # tokens that need only cpu0's experts are still served: a token routed by logits
         # that favour experts 0-3 (cpu0 owns them; cpu1 replicates them)
         logits = np.full((1, 32), -10.0, np.float32)
@@ -107,10 +108,11 @@ def test_the_gil_is_released_while_a_call_is_in_flight(own_fabric):
             th.join()
         finally:
             f.workers[1].send_signal(signal.SIGCONT)
-        assert 0.9 < took < 4.0, took
+        assert 0.9 < took < 30.0, took
         assert "local/cpu1" in str(e.value)
-        # Had the call held the GIL, the other thread could not have run during it.
-        assert during > 100_000, f"the other thread advanced {during} times in {took:.2f} s"
+        # Had the call held the GIL, the other thread could not have run during it (a few
+        # steps at most, before the call took it); released, it runs for the whole second.
+        assert during > 10_000, f"the other thread advanced {during} times in {took:.2f} s"
 
 
 def test_a_signal_interrupts_a_blocked_call_and_the_connection_stays_usable(own_fabric):
@@ -131,8 +133,9 @@ def test_a_signal_interrupts_a_blocked_call_and_the_connection_stays_usable(own_
             signal.setitimer(signal.ITIMER_REAL, 0.3)
             t = time.monotonic()
             with pytest.raises(Interrupted):
-                c.moe(0, x, deadline_ms=10_000)
-            assert time.monotonic() - t < 1.5
+                c.moe(0, x, deadline_ms=30_000)
+            # Interrupted, not ended by its 30 s deadline (a hang guard, not a speed test).
+            assert time.monotonic() - t < 20.0
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)

@@ -87,13 +87,9 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
     // cpu0's data port is taken (held by this test); cpu1's is free.
-    let (busy, data) = loop {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            break (l, p);
-        }
-    };
+    // Two free ports below the ephemeral range (cpu1's must stay free until `up` binds it).
+    let data = expertmesh_transport::ports::free_loopback_ports(2).unwrap();
+    let busy = TcpListener::bind(("127.0.0.1", data)).unwrap();
     let topo = two_cpu_topology(
         &dir.path().join("friction.toml"),
         "friction",

@@ -177,14 +177,16 @@ fn round(
         let x = reference::synthetic_hidden(salt * 1000 + i as u64, tokens, h);
         let (experts, want) = reference.layer(fabric, layer, &x);
         let t0 = Instant::now();
-        match rt.block_on(client.call(layer, &x, h, None, Some(Duration::from_secs(3)))) {
+        // A deadline a loaded machine cannot miss: rounds that must be served whole assert
+        // so, and a device that is down is answered for at once (no owner, or a lost link).
+        match rt.block_on(client.call(layer, &x, h, None, Some(Duration::from_secs(20)))) {
             Ok(got) if bits(&got) == want => ok += 1,
             Ok(_) => wrong += 1,
             Err(e @ ClientError::Server { .. }) => errs.push((experts, e.to_string())),
             Err(e) => panic!("the connection itself failed: {e}"),
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
+            t0.elapsed() < Duration::from_secs(60),
             "call {i} hung past its deadline"
         );
     }

@@ -437,10 +437,8 @@ async fn rogue_mesh(
     claimed: u32,
     creds: impl FnOnce(&mut MeshConfig),
 ) -> (Mesh, Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
-    let listen = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let port = expertmesh_transport::ports::free_loopback_ports(1).unwrap();
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let peers = (0..3u32)
         .map(|r| PeerAddress {
             addr: match r {

@@ -122,12 +122,12 @@ enum Failure {
 }
 
 async fn failed_peer(kind: LinkKind, how: Failure) {
-    let addrs: Vec<SocketAddr> = {
-        let ls: Vec<_> = (0..2)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        ls.iter().map(|l| l.local_addr().unwrap()).collect()
-    };
+    // Below the ephemeral range: the child binds its port later, and no outgoing connection
+    // may take it meanwhile.
+    let base = expertmesh_transport::ports::free_loopback_ports(2).unwrap();
+    let addrs: Vec<SocketAddr> = (base..base + 2)
+        .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+        .collect();
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let window = if how == Failure::StopBeforeSends {
         LARGE_WINDOW
@@ -270,11 +270,9 @@ async fn a_write_blocked_on_a_frozen_peer_ends_at_the_idle_timeout() {
 /// until their deadlines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_link_replaced_by_a_new_process_is_reported_lost_first() {
-    let addrs: Vec<SocketAddr> = (0..3)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect::<Vec<_>>()
-        .iter()
-        .map(|l| l.local_addr().unwrap())
+    let base = expertmesh_transport::ports::free_loopback_ports(3).unwrap();
+    let addrs: Vec<SocketAddr> = (base..base + 3)
+        .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
         .collect();
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     // An idle timeout far past the live window (two 100 ms heartbeats) and this test: only
