@@ -23,7 +23,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -43,14 +43,11 @@ fn cases(fabric: &LocalFabric) -> Cases {
 /// Pipelined checked calls against `addr` until `stop`: (right, wrong, failed) with the
 /// first failure's message. Returns once the first calls were answered, so the load is
 /// under way.
-fn drive(
-    addr: SocketAddr,
-    cfg: FrontendConfig,
-    cases: Cases,
-    stop: Arc<AtomicBool>,
-) -> JoinHandle<(usize, usize, usize, Option<String>)> {
+fn drive(addr: SocketAddr, cfg: FrontendConfig, cases: Cases, stop: Arc<AtomicBool>) -> Load {
     let started = Arc::new(std::sync::Barrier::new(2));
     let go = Arc::clone(&started);
+    let answered = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&answered);
     let h = std::thread::spawn(move || {
         let mut go = Some(go);
         let rt = rt();
@@ -72,7 +69,10 @@ fn drive(
                 }
                 for (hd, want) in handles {
                     match rt.block_on(client.wait(hd)) {
-                        Ok(got) if bits(&got) == **want => ok += 1,
+                        Ok(got) if bits(&got) == **want => {
+                            ok += 1;
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
                         Ok(_) => wrong += 1,
                         Err(e) => {
                             failed += 1;
@@ -88,13 +88,35 @@ fn drive(
         (ok, wrong, failed, first)
     });
     started.wait();
-    h
+    Load {
+        thread: h,
+        answered,
+    }
+}
+
+/// A load thread of [`drive`], and how many of its calls were answered right so far.
+struct Load {
+    thread: JoinHandle<(usize, usize, usize, Option<String>)>,
+    answered: Arc<AtomicUsize>,
+}
+
+impl Load {
+    /// Waits until `n` more calls were answered right (from now): calls did go on after what
+    /// the test just did (a sleep alone would pass with none).
+    fn answers_more(&self, n: usize) {
+        let at = self.answered.load(Ordering::Relaxed);
+        crate::support::wait_for(
+            &format!("{n} calls answered after the change (had {at})"),
+            Duration::from_millis(10),
+            || self.answered.load(Ordering::Relaxed) >= at + n,
+        );
+    }
 }
 
 /// Stops the load `drive` started and checks it: calls answered, none wrong, none failed.
-fn stop_and_check(stop: &AtomicBool, load: JoinHandle<(usize, usize, usize, Option<String>)>) {
+fn stop_and_check(stop: &AtomicBool, load: Load) {
     stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
+    let (ok, wrong, failed, first) = load.thread.join().unwrap();
     assert!(ok > 0, "no call answered");
     assert_eq!((wrong, failed), (0, 0), "{first:?}");
 }
@@ -269,10 +291,12 @@ fn a_live_change_under_load_from_both_routers_has_no_failed_and_no_wrong_call() 
         "{}",
         r.stdout
     );
-    std::thread::sleep(Duration::from_millis(300));
+    for l in &load {
+        l.answers_more(8);
+    }
     stop.store(true, Ordering::Relaxed);
-    for (i, h) in load.into_iter().enumerate() {
-        let (ok, wrong, failed, first) = h.join().unwrap();
+    for (i, l) in load.into_iter().enumerate() {
+        let (ok, wrong, failed, first) = l.thread.join().unwrap();
         crate::support::say(&format!(
             "router {i}: {ok} calls right, {wrong} wrong, {failed} failed"
         ));
@@ -362,7 +386,7 @@ fn a_change_a_device_has_no_room_for_is_undone_and_calls_go_on() {
         "{}",
         r.stderr
     );
-    std::thread::sleep(Duration::from_millis(300));
+    load.answers_more(8);
     stop_and_check(&stop, load);
 }
 
@@ -409,7 +433,7 @@ fn a_drained_device_serves_nothing_and_its_worker_stops_with_no_call_failing() {
     assert!(written.contains("local/cpu0"), "{written}");
     // Its worker stops; calls go on, every one right.
     fabric.kill_worker(1).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    load.answers_more(8);
     stop_and_check(&stop, load);
 }
 
@@ -454,7 +478,7 @@ fn a_device_that_joins_a_running_fabric_takes_experts_with_no_call_failing() {
     );
     // Per layer cpu2 gains 22-31 and cpu1 gains 11-15: 15 x 4 layers.
     rebalance_applied(addr, &topology, &path, "60 experts loaded");
-    std::thread::sleep(Duration::from_millis(300));
+    load.answers_more(8);
     stop_and_check(&stop, load);
 }
 
@@ -572,7 +596,7 @@ fn automatic_rebalancing_follows_the_routed_load_with_no_failed_and_no_wrong_cal
     };
     drop(auto);
     stop.store(true, Ordering::Relaxed);
-    let (ok, wrong, failed, first) = load.join().unwrap();
+    let (ok, wrong, failed, first) = load.thread.join().unwrap();
     crate::support::say(&format!(
         "automatic rebalancing: {rounds:?}; {ok} calls right, {wrong} wrong, {failed} failed"
     ));
@@ -681,7 +705,7 @@ fn live_changes_on_a_fanning_out_node_have_no_failed_and_no_wrong_call() {
         r.stdout
     );
     fabric.kill_worker(1).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    load.answers_more(8);
     stop_and_check(&stop, load);
     // Sequential calls now: exact, one part per node.
     crate::node_fanout::one_part_per_node_exact(&fabric);

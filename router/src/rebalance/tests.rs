@@ -303,18 +303,28 @@ fn a_gainer_that_refuses_undoes_the_change_and_nothing_is_released() {
     assert_eq!(c.version(), 2);
 }
 
+/// Two workers (0-1 and 2-3 on both layers) asked to move to 0-1-2 and 3-0, with `tweak`
+/// applied to the simulated workers first, run until the coordinator waits: (coordinator,
+/// workers, sets before, target sets).
+fn two_worker_change(
+    tweak: impl FnOnce(&mut Fabric) -> bool,
+) -> (Coordinator, Fabric, Vec<BTreeSet<Expert>>, Vec<BTreeSet<Expert>>) {
+    let mut c = coordinator(2, 4);
+    let before = sets(&[&[0, 1], &[2, 3]]);
+    let target = sets(&[&[0, 1, 2], &[3, 0]]);
+    let mut f = Fabric::new(&mut c, &before, 4);
+    tweak(&mut f);
+    c.apply(1, 2, &entries(&target), T, f.now).unwrap();
+    f.run(&mut c);
+    (c, f, before, target)
+}
+
 /// A device lost before it confirmed a release: the new placement is served (every gain was
 /// confirmed first), so the change is applied, but the release it never confirmed is not
 /// counted as done.
 #[test]
 fn a_device_lost_during_the_release_is_not_counted_as_released() {
-    let mut c = coordinator(2, 4);
-    let before = sets(&[&[0, 1], &[2, 3]]);
-    let target = sets(&[&[0, 1, 2], &[3, 0]]);
-    let mut f = Fabric::new(&mut c, &before, 4);
-    f.silent_releases.insert(ROUTERS + 1);
-    c.apply(1, 2, &entries(&target), T, f.now).unwrap();
-    f.run(&mut c);
+    let (mut c, mut f, _, _) = two_worker_change(|f| f.silent_releases.insert(ROUTERS + 1));
     assert!(f.answers.is_empty(), "waiting for the release");
     c.on_peer_lost(ROUTERS + 1, f.now);
     f.run(&mut c);
@@ -343,13 +353,8 @@ fn a_device_lost_during_the_release_is_not_counted_as_released() {
 #[test]
 fn a_release_not_confirmed_in_time_or_refused_still_answers_applied() {
     for refuse in [false, true] {
-        let mut c = coordinator(2, 4);
-        let before = sets(&[&[0, 1], &[2, 3]]);
-        let target = sets(&[&[0, 1, 2], &[3, 0]]);
-        let mut f = Fabric::new(&mut c, &before, 4);
-        f.silent_releases.insert(ROUTERS + 1);
-        c.apply(1, 2, &entries(&target), T, f.now).unwrap();
-        f.run(&mut c);
+        let (mut c, mut f, before, target) =
+            two_worker_change(|f| f.silent_releases.insert(ROUTERS + 1));
         assert!(f.answers.is_empty(), "waiting for the release");
         if refuse {
             let held: Vec<Expert> = f.held[&(ROUTERS + 1)].1.iter().copied().collect();
@@ -393,13 +398,7 @@ fn a_release_not_confirmed_in_time_or_refused_still_answers_applied() {
 #[test]
 fn a_lost_or_silent_gainer_fails_the_change_and_the_others_return() {
     for lost in [true, false] {
-        let mut c = coordinator(2, 4);
-        let before = sets(&[&[0, 1], &[2, 3]]);
-        let target = sets(&[&[0, 1, 2], &[3, 0]]);
-        let mut f = Fabric::new(&mut c, &before, 4);
-        f.silent.insert(ROUTERS + 1);
-        c.apply(1, 2, &entries(&target), T, f.now).unwrap();
-        f.run(&mut c);
+        let (mut c, mut f, before, _) = two_worker_change(|f| f.silent.insert(ROUTERS + 1));
         assert!(f.answers.is_empty());
         if lost {
             // (Its announced set stays in `f.held`: coverage here is about what the
