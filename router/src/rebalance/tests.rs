@@ -308,7 +308,12 @@ fn a_gainer_that_refuses_undoes_the_change_and_nothing_is_released() {
 /// workers, sets before, target sets).
 fn two_worker_change(
     tweak: impl FnOnce(&mut Fabric) -> bool,
-) -> (Coordinator, Fabric, Vec<BTreeSet<Expert>>, Vec<BTreeSet<Expert>>) {
+) -> (
+    Coordinator,
+    Fabric,
+    Vec<BTreeSet<Expert>>,
+    Vec<BTreeSet<Expert>>,
+) {
     let mut c = coordinator(2, 4);
     let before = sets(&[&[0, 1], &[2, 3]]);
     let target = sets(&[&[0, 1, 2], &[3, 0]]);
