@@ -157,8 +157,7 @@ pub fn run(args: &TransportBenchOptions) -> Result<BenchReport, BenchError> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let shm_tmp = tempfile_dir()?;
-    let shm_dir = shm_tmp.path().to_path_buf();
+    let (shm_tmp, shm_dir) = tempfile_dir()?;
     // One raw TCP pair for the whole run, as the mesh's links are: a connection made per
     // measurement starts with small autotuned windows, and the long-lived mesh beat it (1.05-1.18
     // of its throughput, half its round trip at 256 tokens).
@@ -527,16 +526,18 @@ fn link_provider(link: LinkKind, provider: &RdmaProvider) -> String {
 }
 
 /// A folder of this run's own for the rings (two runs in one process, as the unit tests do,
-/// never share one), removed when dropped.
-fn tempfile_dir() -> Result<tempfile::TempDir, BenchError> {
+/// never share one), removed when the first is dropped, and its path.
+fn tempfile_dir() -> Result<(tempfile::TempDir, PathBuf), BenchError> {
     let base = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
         std::env::temp_dir()
     };
-    Ok(tempfile::Builder::new()
+    let dir = tempfile::Builder::new()
         .prefix("expertmesh-bench-")
-        .tempdir_in(base)?)
+        .tempdir_in(base)?;
+    let path = dir.path().to_path_buf();
+    Ok((dir, path))
 }
 
 fn frames_for(seconds: f64, msg: usize) -> usize {

@@ -218,11 +218,7 @@ pub fn build(branch: Branch, mutation: Option<Mutation>, cache: &Path) -> Result
     if lib.is_file() {
         return Ok(Built::Library(lib));
     }
-    // A private work folder per builder: two builders of the same library (processes, or
-    // threads of one test process) never share an object file, nor remove each other's.
-    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let work = dir.join(format!("work-{}-{n}", std::process::id()));
+    let work = work_dir(&dir);
     std::fs::create_dir_all(&work).map_err(|e| format!("create {}: {e}", work.display()))?;
     if let Some(m) = mutation {
         kernels = mutated_copy(&kernels, &work.join("kernels"), m)?;
@@ -285,6 +281,15 @@ pub fn build(branch: Branch, mutation: Option<Mutation>, cache: &Path) -> Result
     std::fs::rename(&tmp, &lib).map_err(|e| format!("move the stand-in into place: {e}"))?;
     let _ = std::fs::remove_dir_all(&work);
     Ok(Built::Library(lib))
+}
+
+/// A private work folder under `dir` per builder: two builders of the same library
+/// (processes, or threads of one test process) never share an object file, nor remove each
+/// other's.
+fn work_dir(dir: &Path) -> PathBuf {
+    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    dir.join(format!("work-{}-{n}", std::process::id()))
 }
 
 /// Copy `kernels` to `to` with `m` applied; Err when its text no longer occurs (the kernel changed

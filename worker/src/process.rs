@@ -452,6 +452,22 @@ fn readiness(dep: &Deployment, mesh: &Mesh) -> expertmesh_router::metrics::http:
     })
 }
 
+/// The worker's `/ready` before its mesh exists: `/live` and `/metrics` answer from before
+/// the load (a cluster engine's start-up probe must not kill a worker still loading a large
+/// shard), `/ready` says it is loading until [`readiness`] of its mesh is set.
+#[derive(Default)]
+struct MeshReady(Arc<std::sync::OnceLock<expertmesh_router::metrics::http::Readiness>>);
+
+impl MeshReady {
+    fn readiness(&self) -> expertmesh_router::metrics::http::Readiness {
+        let mesh = Arc::clone(&self.0);
+        Arc::new(move || match mesh.get() {
+            Some(ready) => ready(),
+            None => Err("loading its experts".to_string()),
+        })
+    }
+}
+
 /// A flag set, and the calling (compute) thread woken, on SIGTERM or SIGINT (Slurm's
 /// `scancel`, Kubernetes, systemd, Ctrl-C): the compute loop then finishes and answers what
 /// is queued and returns; routers send later parts to a replica or fail them with a reason.
@@ -477,18 +493,9 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     let t0 = Instant::now();
     let limits = worker_limits(&dep, opts.max_tokens);
     let metrics = crate::metrics::new(&dep);
-    // `/live` answers from before the load (a cluster engine's start-up probe must not kill a
-    // worker still loading a large shard); `/ready` says it is loading until its mesh starts.
-    let mesh_ready: Arc<std::sync::OnceLock<expertmesh_router::metrics::http::Readiness>> =
-        Arc::default();
-    let ready = {
-        let mesh_ready = Arc::clone(&mesh_ready);
-        Arc::new(move || match mesh_ready.get() {
-            Some(ready) => ready(),
-            None => Err("loading its experts".to_string()),
-        })
-    };
-    let _metrics_server = crate::metrics::serve(&metrics, &dep, rank, opts.metrics, ready)?;
+    let mesh_ready = MeshReady::default();
+    let _metrics_server =
+        crate::metrics::serve(&metrics, &dep, rank, opts.metrics, mesh_ready.readiness())?;
     let load_started = Instant::now();
     let (backend, tile_cache_writer) = make_backend(&dep, &opts, limits, &metrics)?;
     let loaded = backend.loaded_bytes();
@@ -533,18 +540,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
             worker: id.clone(),
             cause,
         })?;
-    if !node_peers.is_empty() {
-        if let Err(e) = rt.block_on(mesh.wait_connected(&node_peers, NODE_JOIN_TIMEOUT)) {
-            tracing::warn!(
-                worker = %id, error = %e,
-                "node peers not connected; joining the routers anyway (forwarded shares for them fail until they connect)"
-            );
-        }
-        let _guard = rt.enter();
-        for r in 0..r_count {
-            mesh.dial(r);
-        }
-    }
+    join_routers_after_node_peers(&rt, &mesh, &node_peers, r_count, &id);
     let listening = mesh.local_addr().unwrap_or(listen);
     say_ready(&id, loaded, &backend_name, t0, listening, &routers);
 
@@ -552,7 +548,7 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let _ = mesh_ready.set(readiness(&dep, &mesh));
+    let _ = mesh_ready.0.set(readiness(&dep, &mesh));
     let stop = stop_on_signal(&rt);
     let ctx = ComputeCtx {
         stop,
@@ -580,6 +576,30 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
         let _ = w.join(); // finish writing the tiles kept for the next start
     }
     Ok(())
+}
+
+/// A device with node peers joins them first and dials the routers after (a router must not
+/// count it as a live destination before its node's leader can forward to it).
+fn join_routers_after_node_peers(
+    rt: &tokio::runtime::Runtime,
+    mesh: &Mesh,
+    node_peers: &[u32],
+    routers: u32,
+    id: &str,
+) {
+    if node_peers.is_empty() {
+        return;
+    }
+    if let Err(e) = rt.block_on(mesh.wait_connected(node_peers, NODE_JOIN_TIMEOUT)) {
+        tracing::warn!(
+            worker = %id, error = %e,
+            "node peers not connected; joining the routers anyway (forwarded shares for them fail until they connect)"
+        );
+    }
+    let _guard = rt.enter();
+    for r in 0..routers {
+        mesh.dial(r);
+    }
 }
 
 /// The line on stdout that says worker `id` is ready (the launchers and tests wait for it).
