@@ -170,20 +170,32 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
         "sender waits for credit from the non-consuming child, or for room"
     );
     if how == Failure::StopBeforeSends {
-        let stats = mesh.peer_stats(1).expect("the link is up");
-        assert!(
-            stats.send_credit > 0,
-            "the sender waits in the write, not for credit: {stats:?}"
-        );
-        // A second send takes credit, then waits for the busy writer; cancelled there, it
-        // gives the credit back.
-        let waited = tokio::time::timeout(Duration::from_millis(100), mesh.send(1, &frame())).await;
-        assert!(waited.is_err(), "the writer is busy: {waited:?}");
-        let after = mesh.peer_stats(1).expect("the link is up");
-        assert_eq!(
-            after.send_credit, stats.send_credit,
-            "a send cancelled before it was written keeps no credit"
-        );
+        // Once the stopped child's socket is full the writer is busy: a second send takes
+        // credit, then waits for it; cancelled there, it gives the credit back. (Probed until
+        // then: a loaded machine may not have filled the socket yet, and a probe that is
+        // written just adds to it.)
+        let guard = std::time::Instant::now();
+        loop {
+            let stats = mesh.peer_stats(1).expect("the link is up");
+            assert!(
+                stats.send_credit > 0,
+                "the sender waits in the write, not for credit: {stats:?}"
+            );
+            let waited =
+                tokio::time::timeout(Duration::from_millis(100), mesh.send(1, &frame())).await;
+            if waited.is_err() {
+                let after = mesh.peer_stats(1).expect("the link is up");
+                assert_eq!(
+                    after.send_credit, stats.send_credit,
+                    "a send cancelled before it was written keeps no credit"
+                );
+                break;
+            }
+            assert!(
+                guard.elapsed() < Duration::from_secs(30),
+                "the writer never got busy with the child stopped: {waited:?}"
+            );
+        }
     } else {
         started = std::time::Instant::now();
     }
