@@ -434,12 +434,20 @@ pub async fn stop_signal() -> &'static str {
     }
 }
 
-/// The worker's `/ready` check: joined to every router (the routers missing are named).
-fn readiness(dep: &Deployment, mesh: &Mesh) -> expertmesh_router::metrics::http::Readiness {
+/// The worker's `/ready` check: joined to every router (the routers missing are named), and
+/// not stopping.
+fn readiness(
+    dep: &Deployment,
+    mesh: &Mesh,
+    stop: Arc<AtomicBool>,
+) -> expertmesh_router::metrics::http::Readiness {
     let mesh = mesh.clone();
     let names = dep.rank_names();
     let routers = dep.router_count();
     Arc::new(move || {
+        if stop.load(Ordering::Acquire) {
+            return Err("stopping: answering what is queued, taking nothing new".into());
+        }
         let missing: Vec<&str> = (0..routers)
             .filter(|&r| !mesh.is_connected(r))
             .map(|r| names.get(r as usize).map_or("router", String::as_str))
@@ -548,8 +556,8 @@ pub fn run(dep: Deployment, opts: WorkerOptions) -> Result<(), WorkerError> {
     // from the driver that read it (the shm consumer or the TCP reader) straight to it, no
     // task in between. Inputs wait in per-sender queues served round robin; each router's
     // credit window bounds what it can have queued here.
-    let _ = mesh_ready.0.set(readiness(&dep, &mesh));
     let stop = stop_on_signal(&rt);
+    let _ = mesh_ready.0.set(readiness(&dep, &mesh, Arc::clone(&stop)));
     let ctx = ComputeCtx {
         stop,
         exec,
