@@ -35,6 +35,7 @@
 //! | `expertmesh_router_link_sent_bytes_total` | `peer` | frame bytes sent to a worker (headers included) |
 //! | `expertmesh_router_link_received_bytes_total` | `peer` | frame bytes received from a worker |
 //! | `expertmesh_router_worker_connected` | `peer` | 1 while the link to the worker is up |
+//! | `expertmesh_router_worker_joined` | `peer` | 1 while the worker has joined (link up, its holdings announced): routed to |
 //! | `expertmesh_router_worker_losses_total` | `peer` | times the link to the worker was lost |
 //! | `expertmesh_router_hedges_total` | | parts re-sent to a replica after their device's hedge timeout |
 //! | `expertmesh_router_redispatches_total` | | parts sent again for any reason (hedge, lost link, failed send) |
@@ -93,25 +94,21 @@ pub fn code_label(code: ErrorCode) -> String {
     name.to_owned()
 }
 
-/// Counters per error code: one slot per wire number below [`CODE_SLOTS`], the rest in slot 0
-/// (reported by number as they come).
+/// Counters per error code: one slot per wire number below [`CODE_SLOTS`] (codes this build
+/// may not name, a newer peer's, keep a series each), the rest (0, and numbers from
+/// [`CODE_SLOTS`] on) in slot 0, labelled `other` (one stable series: labelling it by the
+/// last such code seen moved every count to that code's series).
 #[derive(Debug, Default)]
 pub struct ErrorCounts {
     slots: [AtomicU64; CODE_SLOTS],
-    /// The last unnamed code counted in slot 0 (for its label).
-    other: AtomicU64,
 }
 
 impl ErrorCounts {
     /// Count one error with `code`.
     pub fn add(&self, code: ErrorCode) {
         let n = code.to_u16() as usize;
-        if n > 0 && n < CODE_SLOTS {
-            self.slots[n].fetch_add(1, Relaxed);
-        } else {
-            self.other.store(n as u64, Relaxed);
-            self.slots[0].fetch_add(1, Relaxed);
-        }
+        let slot = if n < CODE_SLOTS { n } else { 0 };
+        self.slots[slot].fetch_add(1, Relaxed);
     }
 
     /// (label, count) of every code seen.
@@ -122,12 +119,12 @@ impl ErrorCounts {
             if v == 0 {
                 continue;
             }
-            let code = if n == 0 {
-                self.other.load(Relaxed) as u16
+            let label = if n == 0 {
+                "other".to_owned()
             } else {
-                n as u16
+                code_label(ErrorCode::from_u16(n as u16))
             };
-            out.push((code_label(ErrorCode::from_u16(code)), v));
+            out.push((label, v));
         }
         out
     }
@@ -277,6 +274,7 @@ pub struct RouterMetrics {
     link_sent: Slots,
     link_received: Slots,
     connected: Slots,
+    joined: Slots,
     losses: Slots,
     request_latency: Histogram,
     /// By [`STAGES`] order.
@@ -317,6 +315,7 @@ impl RouterMetrics {
             link_sent: Slots::new(n),
             link_received: Slots::new(n),
             connected: Slots::new(n),
+            joined: Slots::new(n),
             losses: Slots::new(n),
             request_latency: hist(),
             stages: [hist(), hist(), hist(), hist()],
@@ -366,6 +365,12 @@ impl RouterMetrics {
         if !up {
             self.losses.add(rank as usize, 1);
         }
+    }
+
+    /// Worker `rank` joined this router (its link is up and it announced what it holds: the
+    /// core may route to it), or left.
+    pub fn on_joined(&self, rank: u32, joined: bool) {
+        self.joined.set(rank as usize, joined as u64);
     }
 
     /// Tokens routed to each expert so far, per layer served: `(layer, counts[expert])`.
@@ -540,6 +545,12 @@ impl RouterMetrics {
             "1 while the link to the worker is up.",
             self.per_worker(&self.connected).map(|(l, v)| (l, v as i64)),
         )?;
+        encode_gauges(
+            enc,
+            "expertmesh_router_worker_joined",
+            "1 while the worker has joined this router (link up, and it announced what it holds): the router routes to it.",
+            self.per_worker(&self.joined).map(|(l, v)| (l, v as i64)),
+        )?;
         encode_counters(
             enc,
             "expertmesh_router_worker_losses",
@@ -699,7 +710,7 @@ mod tests {
             "expertmesh_router_requests_total{layer=\"1\"} 0\n",
             "expertmesh_router_tokens_total{layer=\"3\"} 2\n",
             "expertmesh_router_errors_total{code=\"invalid_input\"} 1\n",
-            "expertmesh_router_errors_total{code=\"code_77\"} 1\n",
+            "expertmesh_router_errors_total{code=\"other\"} 1\n",
             "expertmesh_router_expert_tokens_total{layer=\"3\",expert=\"3\"} 2\n",
             "expertmesh_router_request_duration_seconds_count 2\n",
             "expertmesh_router_stage_duration_seconds_count{stage=\"queue\"} 1\n",

@@ -2151,6 +2151,7 @@ impl CoreLoop {
         if let Some(l) = self.live.get(rank as usize) {
             l.store(live, Ordering::Release);
         }
+        self.core.metrics().on_joined(rank, live);
     }
 
     /// Carry out the core's actions (and the deferred router-side work after the sends it

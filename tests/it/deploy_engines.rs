@@ -189,14 +189,23 @@ fn hostname() -> String {
 
 /// The status code of `GET path` at `addr`, or `None` when nothing answers.
 fn http_status(addr: &str, path: &str) -> Option<u16> {
+    http_get(addr, path)?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The whole answer (head and body) to `GET path` at `addr`.
+fn http_get(addr: &str, path: &str) -> Option<String> {
     let a: SocketAddr = addr.parse().ok()?;
     let mut s = std::net::TcpStream::connect_timeout(&a, Duration::from_secs(5)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
         .ok()?;
-    let mut head = String::new();
-    s.read_to_string(&mut head).ok()?;
-    head.split_whitespace().nth(1)?.parse().ok()
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    Some(text)
 }
 
 /// Child processes killed (SIGKILL) and reaped if the test ends before stopping them.
@@ -980,14 +989,20 @@ fn wait_output(slurm: &Slurm, out_file: &Path, job: &str, what: &str) -> String 
     }
 }
 
-/// `GET /ready` at `addr` from node `node`'s namespace.
-fn ready_in(
+/// Whether the router whose metrics are at `addr` (from node `node`'s namespace) counts
+/// worker `peer` as joined (`expertmesh_router_worker_joined`).
+fn joined_in(
     emulation: &expertmesh_benches::cluster::netns::Emulation,
     node: usize,
     addr: &str,
+    peer: &str,
 ) -> bool {
-    let a = addr.to_owned();
-    in_namespace(&emulation.node_ns(node), move || http_status(&a, "/ready")) == Some(200)
+    let (a, want) = (
+        addr.to_owned(),
+        format!("expertmesh_router_worker_joined{{peer=\"{peer}\"}} 1"),
+    );
+    in_namespace(&emulation.node_ns(node), move || http_get(&a, "/metrics"))
+        .is_some_and(|text| text.lines().any(|l| l.contains(&want)))
 }
 
 #[test]
@@ -1048,7 +1063,9 @@ fn a_real_slurm_job_on_two_nodes_serves_restarts_a_dead_task_and_scancel_ends_it
         let back = processes_mentioning("--device node-b/cpu1")
             .into_iter()
             .any(|(pid, c)| pid != worker[0].0 && on_b(&c));
-        if back && ready_in(&slurm.emulation, 0, &procs[0].2) {
+        // The router stays ready throughout (a lost worker does not take it out of
+        // service); its metrics say when the restarted worker has joined it again.
+        if back && joined_in(&slurm.emulation, 0, &procs[0].2, "node-b/cpu1") {
             break;
         }
         assert!(t0.elapsed() < GUARD, "the restarted worker never rejoined");
