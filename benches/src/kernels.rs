@@ -1428,7 +1428,7 @@ mod tests {
         let m = &report.machine.extra;
         assert!(m["read_bandwidth_probes"].as_array().unwrap().len() >= 2);
         assert!(m["int8_peak_tops_median"].as_f64().unwrap() > 0.0);
-        assert!(m["settings"]["over_time_s"].as_f64().unwrap() >= 0.0);
+        assert!(m["settings"]["over_time_s"].as_f64().is_some());
     }
 
     /// A cache-resident call reads the same first `cached_pool` experts every time (the pool's
