@@ -254,6 +254,7 @@ impl RouterCore {
             parts: Vec::new(),
             outstanding: 0,
             opened: p.flush_at.checked_sub(self.cfg.batch_window).unwrap_or(now),
+            resends: 0,
         };
         self.inflight.insert(id, batch);
         let b = &self.inflight[&id];

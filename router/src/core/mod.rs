@@ -255,6 +255,8 @@ struct Inflight {
     outstanding: usize,
     /// When its batch window opened (the end-to-end latency of its requests starts there).
     opened: Instant,
+    /// Parts re-sent so far (bounded: [`RouterCore::max_resends`]).
+    resends: usize,
 }
 
 /// The router state machine. See the module docs.

@@ -276,6 +276,13 @@ impl RouterCore {
         })
     }
 
+    /// Most parts one batch may re-send: four per mesh rank, and some (a batch legitimately
+    /// re-sends a part once per device that fails it, or a hedge; past this every owner is
+    /// failing its parts at once).
+    pub(super) fn max_resends(&self) -> usize {
+        16 + 4 * self.replicas.alive.len()
+    }
+
     /// Re-send part `i` of batch `id` ([`Resend`] says why and where to).
     fn redispatch(&mut self, id: u64, i: usize, now: Instant, why: Resend) {
         let Some(b) = self.inflight.get(&id) else {
@@ -293,7 +300,23 @@ impl RouterCore {
             part.hedge_at = now + wait.max(STRAGGLER_RECHECK);
             return;
         }
+        let max_resends = self.max_resends();
         let b = self.inflight.get_mut(&id).expect("checked above");
+        b.resends += 1;
+        if b.resends > max_resends {
+            // Every owner failing its part at once (full backlogs, error answers) would bounce
+            // it between them until the deadline, a part and a payload copy each time, on the
+            // core thread every client shares.
+            let rank = b.parts[i].rank;
+            let msg = format!(
+                "{}: the devices holding this batch's experts failed its parts {max_resends} \
+                 times (each at once: full backlogs or error answers); gave up before the \
+                 deadline",
+                self.name(rank)
+            );
+            self.fail_batch(id, ErrorCode::PeerUnavailable, msg);
+            return;
+        }
         let part = &mut b.parts[i];
         let rank = part.rank;
         let mut pairs = Vec::with_capacity(part.plan.pairs());

@@ -276,3 +276,38 @@ fn a_backlogged_device_is_worked_around_and_probed_back_not_lost() {
     );
     assert!(sim.core.quarantined().is_empty());
 }
+
+/// Every owner failing a part at once (both replicas' backlogs full, or both answering with a
+/// device error) does not bounce the part between them until the deadline: the batch fails
+/// after a bounded number of re-sends, naming a device, long before its 10 s deadline, and
+/// the core goes on serving once a device takes frames again.
+#[test]
+fn parts_every_owner_fails_at_once_are_not_resent_without_end() {
+    for erroring in [false, true] {
+        let (spec, mut sim, layers) = two_replicas();
+        let h = spec.hidden as usize;
+        if erroring {
+            sim.erroring.insert(1, ErrorCode::Overloaded);
+            sim.erroring.insert(2, ErrorCode::Overloaded);
+        } else {
+            sim.backlogged.extend([1, 2]);
+        }
+        let x = reference::synthetic_hidden(900, 4, h);
+        let (took, out) = sim.call(900, 0, x.clone());
+        let (code, msg) = out.expect_err("every owner fails");
+        assert_eq!(code, ErrorCode::PeerUnavailable, "{msg}");
+        assert!(msg.contains("gave up before the deadline"), "{msg}");
+        assert!(
+            took < Duration::from_secs(10),
+            "erroring {erroring}: {took:?}"
+        );
+        let sent: usize = sim.sent.values().sum();
+        assert!(sent <= 64, "erroring {erroring}: {sent} dispatches sent");
+        // A device takes frames again: served, exact.
+        sim.erroring.clear();
+        sim.backlogged.clear();
+        sim.run_until(sim.now + Duration::from_secs(60));
+        let (_, out) = sim.call(901, 0, x.clone());
+        assert_eq!(bits(&out.unwrap()), exact_bits(&spec, &layers, &x));
+    }
+}
