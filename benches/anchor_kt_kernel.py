@@ -456,7 +456,6 @@ def worker_run(spec, t_start):
     def call(kind, n):
         if kind == "decode":
             logical = np.argsort(rng.random((n, E)), axis=1)[:, :K]  # top-k uniform without replacement
-            touched = int(np.unique(logical).size)
             if layers == 1:
                 # As ours: logical expert e runs on physical (e + offset) % pool, offset += E + 1 per call.
                 state["offset"] += E + 1
@@ -464,6 +463,9 @@ def worker_run(spec, t_start):
             else:
                 layer = state["decode_calls"] % layers
                 phys = logical
+            # The bytes read from memory: each distinct physical expert once (two logical
+            # experts on one physical expert of a small pool are read again from the cache).
+            touched = int(np.unique(phys).size)
             state["decode_calls"] += 1
             ids[: n * K] = phys.ravel()
             secs = run(layer, n, K, w_decode)

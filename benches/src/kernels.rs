@@ -561,7 +561,9 @@ struct RoutedBatch {
     grouping: Grouping,
     offset: usize,
     pool: usize,
-    /// Distinct experts touched.
+    /// Distinct physical experts touched: the bytes a call must read from memory. Two
+    /// logical experts on one physical expert of the pool (a pool smaller than the model)
+    /// are read once from memory and again from the cache: counted once.
     touched: usize,
     pairs: usize,
 }
@@ -595,11 +597,17 @@ fn route_uniform(
         }
     }
     let pairs = grouping.len();
+    let mut physical: Vec<usize> = (0..experts)
+        .filter(|&e| touched[e])
+        .map(|e| (e + offset) % pool.max(1))
+        .collect();
+    physical.sort_unstable();
+    physical.dedup();
     RoutedBatch {
         grouping,
         offset,
         pool,
-        touched: touched.iter().filter(|&&x| x).count(),
+        touched: physical.len(),
         pairs,
     }
 }
@@ -1310,6 +1318,35 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bytes a decode call counts are its distinct physical experts: with a pool smaller
+    /// than the model, logical experts landing on one physical expert are counted once (the
+    /// second copy is read from the cache); with a pool as large, every logical one counts.
+    #[test]
+    fn decode_counts_each_physical_expert_once() {
+        for seed in 0..50 {
+            for (pool, offset) in [(5usize, 3usize), (7, 0), (384, 11)] {
+                let mut rng = SplitMix64::new(seed);
+                let mut rb = route_uniform(&mut rng, 16, 384, 8, offset, pool);
+                let mut logical: Vec<u32> = rb
+                    .grouping
+                    .with_groups(0, |g| g.iter().map(|g| g.key.expert).collect());
+                logical.sort_unstable();
+                logical.dedup();
+                let mut physical: Vec<usize> = logical
+                    .iter()
+                    .map(|&e| (e as usize + offset) % pool)
+                    .collect();
+                physical.sort_unstable();
+                physical.dedup();
+                assert_eq!(rb.touched, physical.len(), "pool {pool}");
+                assert!(rb.touched <= pool.min(logical.len()));
+                if pool >= 384 {
+                    assert_eq!(rb.touched, logical.len());
+                }
+            }
+        }
+    }
 
     fn opts(seconds: f64) -> KernelBenchOptions {
         KernelBenchOptions {
