@@ -12,7 +12,9 @@
 //! of them together (its largest batch is `clients ×` the largest call), and the ceiling runs
 //! them in-process as that one batch, cut into the router's micro-batches (what an ideal
 //! batcher would run; the backend reads each expert once per micro-batch, so this is the
-//! fastest way through that work). `ratio = fabric / in-process` (at most 1); the target is
+//! fastest way through that work), measured right before and right after each fabric
+//! measurement (the better of the two: on a shared machine a limit taken once, long before,
+//! is another moment's). `ratio = fabric / in-process` (at most 1); the target is
 //! ≥ 0.9 at batch 64 on two workers. The router's micro-batch is its largest batch (at most
 //! what one frame carries) unless `--micro-batch` says otherwise (see [`micro_batch`]).
 //!
@@ -114,15 +116,15 @@ pub fn run(o: &FabricBenchOptions) -> Result<BenchReport, BenchError> {
     if let Some(kimi) = expertmesh_topology::model::preset_by_name("kimi-k2") {
         print_wire_table(&kimi);
     }
-    let limits = in_process_limits(o, &dep, layer, threads, micro_batch_tokens)?;
+    let mut limits = InProcess::new(o, &dep, layer, threads, micro_batch_tokens)?;
     for &link in &o.links {
-        let run = LinkRun {
+        let mut run = LinkRun {
             o,
             dep: &dep,
             layer,
             threads,
             micro_batch_tokens,
-            limits: &limits,
+            limits: &mut limits,
         };
         run.bench(&topology, &placement, link, &mut report)?;
     }
@@ -221,74 +223,102 @@ fn logits_threaded(
     logits
 }
 
-/// In-process step: tokens/s of the whole layer on one backend, per batch size (the limits).
-fn in_process_limits(
-    o: &FabricBenchOptions,
-    dep: &Deployment,
+/// The in-process layer: one backend with the workers' threads, the gate, and the 1-token
+/// call's p50 time (the latency rows' floor). Its tokens/s for a batch size is measured right
+/// before and right after each fabric measurement of that size ([`InProcess::tokens_per_s`]):
+/// on a shared machine a limit taken once, long before, is another moment's.
+struct InProcess {
+    backend: expertmesh_cpu_backend::CpuBackend,
+    gate: expertmesh_router::gating::GateWeights,
+    spec: expertmesh_topology::model::ModelSpec,
     layer: u32,
     threads: usize,
+    clients: usize,
     micro_batch_tokens: usize,
-) -> Result<InProcess, BenchError> {
-    let spec = &dep.spec;
-    let h = spec.hidden as usize;
-    let mut backend = expertmesh_worker::weights::reference_backend(
-        spec,
-        dep.seed,
-        &[layer],
-        threads,
-        router_batch(o),
-    )
-    .map_err(BenchError::ReferenceBackend)?;
-    let gate = reference::synthetic_gate(spec, dep.seed, layer);
-    let mut limits = Vec::new();
-    let clients = o.clients.max(1);
-    for &b in &o.batches {
-        // The clients' concurrent calls as the one batch an ideal batcher would make, in the
-        // router's micro-batches.
-        let tokens = b * clients;
-        let x = reference::synthetic_hidden(b as u64, tokens, h);
-        let mode = o.mode.compute();
-        let mut call = || {
-            for part in x.chunks(micro_batch_tokens.max(1) * h) {
-                layer_call(spec, &gate, layer, &mut backend, part, mode, threads)?;
-            }
-            Ok::<(), BenchError>(())
-        };
-        call()?;
-        let t0 = Instant::now();
-        let mut calls = 0u64;
-        while t0.elapsed().as_secs_f64() < o.seconds || calls < 3 {
-            call()?;
-            calls += 1;
-        }
-        let tps = (calls as usize * tokens) as f64 / t0.elapsed().as_secs_f64();
-        println!(
-            "in-process layer, {clients} x {b:>3} tokens as one batch: {tps:>9.0} tokens/s ({threads} threads)"
-        );
-        limits.push(tps);
-    }
-    // The 1-token call's time, for the latency rows' limit.
-    let x = reference::synthetic_hidden(1, 1, h);
-    let mut lat = Vec::new();
-    let t0 = Instant::now();
-    while t0.elapsed().as_secs_f64() < o.seconds.min(1.0) || lat.len() < 20 {
-        let t = Instant::now();
-        layer_call(spec, &gate, layer, &mut backend, &x, o.mode.compute(), 1)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    lat.sort_by(f64::total_cmp);
-    let p50 = crate::method::stats::percentile(&lat, 50.0);
-    println!("in-process layer, 1 token: p50 {p50:.0} us ({threads} threads)");
-    Ok(InProcess {
-        tokens_per_s: limits,
-        one_token_us: p50,
-    })
+    mode: expertmesh_quant::contract::ComputeMode,
+    seconds: f64,
+    one_token_us: f64,
 }
 
-/// The in-process figures: tokens/s per batch size, and the 1-token call's p50 time.
-struct InProcess {
-    tokens_per_s: Vec<f64>,
-    one_token_us: f64,
+impl InProcess {
+    /// Loads the layer's experts and measures the 1-token floor.
+    fn new(
+        o: &FabricBenchOptions,
+        dep: &Deployment,
+        layer: u32,
+        threads: usize,
+        micro_batch_tokens: usize,
+    ) -> Result<Self, BenchError> {
+        let spec = dep.spec.clone();
+        let backend = expertmesh_worker::weights::reference_backend(
+            &spec,
+            dep.seed,
+            &[layer],
+            threads,
+            router_batch(o),
+        )
+        .map_err(BenchError::ReferenceBackend)?;
+        let gate = reference::synthetic_gate(&spec, dep.seed, layer);
+        let mut me = Self {
+            backend,
+            gate,
+            spec,
+            layer,
+            threads,
+            clients: o.clients.max(1),
+            micro_batch_tokens: micro_batch_tokens.max(1),
+            mode: o.mode.compute(),
+            seconds: o.seconds,
+            one_token_us: 0.0,
+        };
+        let x = reference::synthetic_hidden(1, 1, me.spec.hidden as usize);
+        let mut lat = Vec::new();
+        let t0 = Instant::now();
+        while t0.elapsed().as_secs_f64() < o.seconds.min(1.0) || lat.len() < 20 {
+            let t = Instant::now();
+            me.call(&x, 1)?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        lat.sort_by(f64::total_cmp);
+        me.one_token_us = crate::method::stats::percentile(&lat, 50.0);
+        println!(
+            "in-process layer, 1 token: p50 {:.0} us ({threads} threads)",
+            me.one_token_us
+        );
+        Ok(me)
+    }
+
+    /// One layer call on `x` in the router's micro-batches.
+    fn call(&mut self, x: &[f32], threads: usize) -> Result<(), BenchError> {
+        let h = self.spec.hidden as usize;
+        for part in x.chunks(self.micro_batch_tokens * h) {
+            layer_call(
+                &self.spec,
+                &self.gate,
+                self.layer,
+                &mut self.backend,
+                part,
+                self.mode,
+                threads,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Tokens/s of the clients' concurrent `b`-token calls as the one batch an ideal batcher
+    /// would make (their distinct tokens, [`client_tokens`]), for about `seconds`.
+    fn tokens_per_s(&mut self, b: usize) -> Result<f64, BenchError> {
+        let tokens = b * self.clients;
+        let x = reference::synthetic_hidden(b as u64, tokens, self.spec.hidden as usize);
+        self.call(&x, self.threads)?;
+        let t0 = Instant::now();
+        let mut calls = 0u64;
+        while t0.elapsed().as_secs_f64() < self.seconds || calls < 3 {
+            self.call(&x, self.threads)?;
+            calls += 1;
+        }
+        Ok((calls as usize * tokens) as f64 / t0.elapsed().as_secs_f64())
+    }
 }
 
 /// What every link's measurement shares.
@@ -299,15 +329,15 @@ struct LinkRun<'a> {
     threads: usize,
     /// The routers' micro-batch ([`micro_batch`]).
     micro_batch_tokens: usize,
-    /// In-process figures.
-    limits: &'a InProcess,
+    /// The in-process layer (limits measured beside each fabric measurement).
+    limits: &'a mut InProcess,
 }
 
 impl LinkRun<'_> {
     /// Fabric step: start a local fabric over `link`, measure every batch size, and record
     /// the router's stats.
     fn bench(
-        &self,
+        &mut self,
         topology: &std::path::Path,
         placement: &std::path::Path,
         link: LinkKind,
@@ -337,11 +367,16 @@ impl LinkRun<'_> {
             .worker_threads(2)
             .enable_all()
             .build()?;
-        for (i, &b) in o.batches.iter().enumerate() {
+        for &b in &o.batches {
+            // The limit right before and right after: the better of the two (a limit is the
+            // most the same work reaches), both recorded.
+            let before = self.limits.tokens_per_s(b)?;
             let tps = self.measure(&rt, &fabric, b)?;
-            let limit = self.limits.tokens_per_s[i];
+            let after = self.limits.tokens_per_s(b)?;
+            let limit = before.max(after);
             println!(
-                "fabric over {}, batch {b:>3}: {tps:>9.0} tokens/s = {:.3} of in-process ({} clients)",
+                "fabric over {}, batch {b:>3}: {tps:>9.0} tokens/s = {:.3} of in-process \
+                 ({before:.0} before, {after:.0} after; {} clients)",
                 link.name(),
                 tps / limit,
                 o.clients
@@ -357,14 +392,16 @@ impl LinkRun<'_> {
                 .with(
                     "limit_is",
                     format!(
-                        "the same layer in-process on one CPU backend with {threads} threads, the {} clients' {b}-token batches (distinct tokens) as one batch of {} tokens in micro-batches of {}",
+                        "the same layer in-process on one CPU backend with {threads} threads, the {} clients' {b}-token batches (distinct tokens) as one batch of {} tokens in micro-batches of {}, measured right before and after (the better)",
                         o.clients.max(1),
                         b * o.clients.max(1),
                         self.micro_batch_tokens
                     ),
                 )
                 .with("clients", o.clients as u64)
-                .with("workers", self.dep.topology.devices().len() as u64),
+                .with("workers", self.dep.topology.devices().len() as u64)
+                .with("limit_before", before)
+                .with("limit_after", after),
             );
         }
         self.latency(&rt, &fabric, link, report)?;
