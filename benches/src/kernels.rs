@@ -395,6 +395,8 @@ struct Limits {
     kernel_like: Option<ProbeConfig>,
     sweep: Vec<(ProbeConfig, Vec<f64>)>,
     peak_iters: usize,
+    /// The int8 peak loop: the kernels' own instructions ([`roofline::PeakLoop::of`]).
+    peak_loop: roofline::PeakLoop,
     /// Iterations of the AMX contract loop per pass (`None`: the kernels do not use AMX).
     amx_iters: Option<usize>,
     threads: usize,
@@ -406,7 +408,15 @@ struct Limits {
 impl Limits {
     /// Sweep every probe configuration (passes round-robin until `effort.probe_passes` each
     /// or a tenth of the setup time is spent) and keep the one with the best median.
-    fn sweep(threads: usize, effort: &Effort, llc: u64, clock: &Clock, amx: bool) -> Limits {
+    fn sweep(
+        threads: usize,
+        effort: &Effort,
+        llc: u64,
+        clock: &Clock,
+        isa: expertmesh_cpu_backend::kernels::Isa,
+    ) -> Limits {
+        let amx = isa == expertmesh_cpu_backend::kernels::Isa::Amx;
+        let peak_loop = roofline::PeakLoop::of(isa);
         let big = effort.probe_bytes as usize;
         let small = ((16 * llc) as usize).max(512 << 20).min(big);
         let mut sizes = vec![small, big];
@@ -454,7 +464,8 @@ impl Limits {
             best,
             kernel_like,
             sweep,
-            peak_iters: roofline::iters_for(0.004),
+            peak_iters: roofline::iters_for(0.004, peak_loop),
+            peak_loop,
             amx_iters: amx.then(|| roofline::amx_iters_for(0.004)).flatten(),
             threads,
             bw: Vec::new(),
@@ -476,7 +487,9 @@ impl Limits {
         }
         let mut r = Roofline {
             read_bytes_per_s: read,
-            ops_per_s: best_of_2(&mut || roofline::int8_peak_pass(self.threads, self.peak_iters)),
+            ops_per_s: best_of_2(&mut || {
+                roofline::int8_peak_pass(self.threads, self.peak_iters, self.peak_loop)
+            }),
         };
         self.bw.push(r.read_bytes_per_s);
         self.peak.push(r.ops_per_s);
@@ -538,7 +551,7 @@ impl Limits {
         m.insert("int8_peak_tops_median".into(), (peak.median / 1e12).into());
         m.insert("int8_peak_tops_p10".into(), (peak.p10 / 1e12).into());
         m.insert("int8_peak_tops_p90".into(), (peak.p90 / 1e12).into());
-        m.insert("int8_peak_basis".into(), roofline::peak_basis().into());
+        m.insert("int8_peak_basis".into(), self.peak_loop.basis().into());
         if !self.amx.is_empty() {
             let amx = Spread::of(&self.amx);
             m.insert(
@@ -947,7 +960,7 @@ pub fn run(opts: &KernelBenchOptions) -> Result<BenchReport, BenchError> {
         .isa
         .unwrap_or_else(expertmesh_cpu_backend::kernels::Isa::detect);
     let amx = isa == expertmesh_cpu_backend::kernels::Isa::Amx;
-    let mut limits = Limits::sweep(opts.threads, &effort, llc, &clock, amx);
+    let mut limits = Limits::sweep(opts.threads, &effort, llc, &clock, isa);
     if let Some(iters) = limits.amx_iters {
         println!(
             "  AMX kernels: compute limit = max(int8 peak loop, AMX contract loop of {iters} blocks)"

@@ -74,28 +74,75 @@ impl Roofline {
     }
 }
 
-/// The instruction sequence the peak loop runs on this CPU.
-pub(crate) fn peak_basis() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-        {
-            return "vpdpbusd zmm (64 int8 MACs = 128 ops each), 12 accumulators per thread";
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return "vpmaddubsw + vpaddw ymm (32 int8 MACs = 64 ops per pair), 12 accumulators per thread";
+/// Which instructions the int8 peak loop runs: those of the kernels it is the ceiling of
+/// (`bench kernels --isa avx2` on an AVX-512 VNNI CPU is held to the AVX2 peak, not to
+/// `vpdpbusd zmm`'s, which its kernels cannot use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PeakLoop {
+    /// `vpdpbusd zmm` (AVX-512 VNNI kernels, and AMX's VNNI paths).
+    Vnni512,
+    /// `vpmaddubsw` + `vpaddw` ymm (AVX2 kernels).
+    Avx2,
+    /// Scalar i32 multiply-adds (portable kernels).
+    Scalar,
+}
+
+impl PeakLoop {
+    /// The loop of `isa`'s kernels, or of the best this CPU runs where it lacks them.
+    pub(crate) fn of(isa: expertmesh_cpu_backend::kernels::Isa) -> Self {
+        use expertmesh_cpu_backend::kernels::Isa;
+        let wanted = match isa {
+            Isa::Avx512Vnni | Isa::Amx => PeakLoop::Vnni512,
+            Isa::Avx2 => PeakLoop::Avx2,
+            Isa::Scalar => PeakLoop::Scalar,
+        };
+        let best = Self::best();
+        // A loop this CPU cannot run falls back to the best it can.
+        match (wanted, best) {
+            (PeakLoop::Vnni512, b) => b,
+            (PeakLoop::Avx2, PeakLoop::Scalar) => PeakLoop::Scalar,
+            (w, _) => w,
         }
     }
-    "scalar i32 multiply-add (1 MAC = 2 ops), 8 accumulators per thread"
+
+    /// The best loop this CPU runs.
+    pub(crate) fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return PeakLoop::Vnni512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return PeakLoop::Avx2;
+            }
+        }
+        PeakLoop::Scalar
+    }
+
+    /// The instruction sequence the loop runs.
+    pub(crate) fn basis(self) -> &'static str {
+        match self {
+            PeakLoop::Vnni512 => {
+                "vpdpbusd zmm (64 int8 MACs = 128 ops each), 12 accumulators per thread"
+            }
+            PeakLoop::Avx2 => {
+                "vpmaddubsw + vpaddw ymm (32 int8 MACs = 64 ops per pair), 12 accumulators per thread"
+            }
+            PeakLoop::Scalar => {
+                "scalar i32 multiply-add (1 MAC = 2 ops), 8 accumulators per thread"
+            }
+        }
+    }
 }
 
 /// One pass of the int8 peak loop: `iters` iterations on each of `threads` threads (started
 /// together, thread `i` pinned to the `i`-th allowed CPU so two threads never share a core
 /// while another is idle); returns int8 operations (2 per multiply-accumulate) per second.
-pub(crate) fn int8_peak_pass(threads: usize, iters: usize) -> f64 {
+pub(crate) fn int8_peak_pass(threads: usize, iters: usize, peak: PeakLoop) -> f64 {
     parallel_pass(threads, &|| {
-        let (ops, sink) = dot_loop(std::hint::black_box(iters));
+        let (ops, sink) = dot_loop(std::hint::black_box(iters), peak);
         std::hint::black_box(sink);
         ops
     })
@@ -165,26 +212,28 @@ pub(crate) fn amx_iters_for(secs: f64) -> Option<usize> {
 
 /// Iterations of [`int8_peak_pass`] that take about `secs` on one thread here (from a short
 /// calibration pass).
-pub(crate) fn iters_for(secs: f64) -> usize {
+pub(crate) fn iters_for(secs: f64, peak: PeakLoop) -> usize {
     let probe = 20_000;
     let t = Instant::now();
-    std::hint::black_box(dot_loop(probe));
+    std::hint::black_box(dot_loop(probe, peak));
     let per = t.elapsed().as_secs_f64() / probe as f64;
     ((secs / per.max(1e-12)) as usize).clamp(1_000, 100_000_000)
 }
 
-/// Runs the peak loop; returns (int8 ops done, a value the optimizer must keep).
-fn dot_loop(iters: usize) -> (f64, u64) {
+/// Runs the peak loop `peak` (one this CPU runs: [`PeakLoop::of`]); returns (int8 ops done,
+/// a value the optimizer must keep).
+fn dot_loop(iters: usize, peak: PeakLoop) -> (f64, u64) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        if peak == PeakLoop::Vnni512
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vnni")
         {
             // SAFETY: the features were checked above.
             let sink = unsafe { x86::vnni(iters) };
             return (iters as f64 * 12.0 * 128.0, sink);
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if peak != PeakLoop::Scalar && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the feature was checked above.
             let sink = unsafe { x86::avx2(iters) };
             return (iters as f64 * 12.0 * 64.0, sink);
@@ -280,8 +329,29 @@ mod tests {
 
     #[test]
     fn peak_pass_counts_operations() {
-        let ops = int8_peak_pass(2, iters_for(0.001));
+        let best = PeakLoop::best();
+        let ops = int8_peak_pass(2, iters_for(0.001, best), best);
         assert!(ops.is_finite() && ops > 1e6, "{ops}");
-        assert!(!peak_basis().is_empty());
+    }
+
+    /// The peak loop is the kernels' ISA's where this CPU runs it: AVX2 kernels on an AVX-512
+    /// VNNI CPU are held to the AVX2 loop; the scalar kernels to the scalar one; a loop the CPU
+    /// lacks falls back to its best.
+    #[test]
+    fn the_peak_loop_follows_the_kernels_isa() {
+        use expertmesh_cpu_backend::kernels::Isa;
+        assert_eq!(PeakLoop::of(Isa::Scalar), PeakLoop::Scalar);
+        let best = PeakLoop::best();
+        assert_eq!(PeakLoop::of(Isa::Avx512Vnni), best);
+        let avx2 = PeakLoop::of(Isa::Avx2);
+        assert_eq!(
+            avx2,
+            if best == PeakLoop::Scalar {
+                PeakLoop::Scalar
+            } else {
+                PeakLoop::Avx2
+            }
+        );
+        assert!(avx2.basis() != PeakLoop::Vnni512.basis() || best == PeakLoop::Scalar);
     }
 }
