@@ -167,11 +167,16 @@ pub enum ScaleDtype {
 impl ScaleDtype {
     /// Whether `bits` of this type is NaN or infinite (every exponent bit set).
     pub fn is_non_finite(self, bits: u16) -> bool {
-        let exponent = match self {
+        let exponent = self.exponent_bits();
+        bits & exponent == exponent
+    }
+
+    /// The exponent field's bits.
+    fn exponent_bits(self) -> u16 {
+        match self {
             ScaleDtype::F16 => 0x7c00,
             ScaleDtype::Bf16 => 0x7f80,
-        };
-        bits & exponent == exponent
+        }
     }
 
     /// Exact widening of a stored scale to f32.
@@ -403,12 +408,23 @@ impl PackedRows for PackedMatrix {
 }
 
 /// Refuses the first NaN or infinite scale of `scales` (`groups` per row, in row order).
+///
+/// On the load path: a first pass without early exit (it vectorizes: ~0.05 ms for a Kimi
+/// expert's 1.4 M scales, where a loop that stops at the first bad one ran ~0.4 ms, a sixth
+/// of reading the expert), and only when it finds one a second pass to name it.
 fn check_scales_finite(
     what: &'static str,
     dtype: ScaleDtype,
     groups: usize,
-    scales: impl Iterator<Item = u16>,
+    scales: impl Iterator<Item = u16> + Clone,
 ) -> Result<(), FormatError> {
+    let exponent = dtype.exponent_bits();
+    let any = scales
+        .clone()
+        .fold(false, |bad, bits| bad | (bits & exponent == exponent));
+    if !any {
+        return Ok(());
+    }
     for (i, bits) in scales.enumerate() {
         if dtype.is_non_finite(bits) {
             return Err(FormatError::NonFiniteScale {
