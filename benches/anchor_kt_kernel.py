@@ -456,16 +456,18 @@ def worker_run(spec, t_start):
     def call(kind, n):
         if kind == "decode":
             logical = np.argsort(rng.random((n, E)), axis=1)[:, :K]  # top-k uniform without replacement
+            uniq = np.unique(logical)  # ascending
+            touched = int(uniq.size)
             if layers == 1:
-                # As ours: logical expert e runs on physical (e + offset) % pool, offset += E + 1 per call.
-                state["offset"] += E + 1
-                phys, layer = (logical + state["offset"]) % epl, 0
+                # As ours: the call's touched experts, ascending, take consecutive physical slots
+                # from the rotation's offset (no two share one unless the call touches more than
+                # the pool holds); the rotation then moves past them.
+                phys = (state["offset"] + np.searchsorted(uniq, logical)) % epl
+                layer = 0
+                state["offset"] = (state["offset"] + touched + 1) % epl
             else:
                 layer = state["decode_calls"] % layers
                 phys = logical
-            # The bytes read from memory: each distinct physical expert once (two logical
-            # experts on one physical expert of a small pool are read again from the cache).
-            touched = int(np.unique(phys).size)
             state["decode_calls"] += 1
             ids[: n * K] = phys.ravel()
             secs = run(layer, n, K, w_decode)

@@ -569,20 +569,41 @@ impl Limits {
 }
 
 /// One routed batch: its (token, logical expert) pairs, grouped by logical expert when run;
-/// logical expert `e` runs on physical expert `(e + offset) % pool`.
+/// logical expert `e` runs on physical expert `slot[e]`.
 struct RoutedBatch {
     grouping: Grouping,
-    offset: usize,
-    pool: usize,
-    /// Distinct physical experts touched: the bytes a call must read from memory. Two
-    /// logical experts on one physical expert of the pool (a pool smaller than the model)
-    /// are read once from memory and again from the cache: counted once.
+    /// Per logical expert, the physical expert of the pool it runs on: the call's touched
+    /// experts, in ascending order (the order they run in), take consecutive slots from the
+    /// rotation's offset, so no two of them share one unless the call touches more experts
+    /// than the pool holds (then a slot is used again a whole pool later, at least twice the
+    /// last-level cache: from memory again). A mapping `(e + offset) % pool` put two logical
+    /// experts of one call on one physical expert, the second read from the cache but counted
+    /// as read from memory (Kimi rows passed their read limit).
+    slot: Vec<u32>,
+    /// Distinct experts touched: each read from memory once.
     touched: usize,
     pairs: usize,
 }
 
-/// Route `tokens` tokens top-k uniformly at random over `experts` logical experts, mapping
-/// logical expert `e` to physical `(e + offset) % pool`.
+/// Physical slots for the touched logical experts (`touched[e]`), consecutive from `offset`
+/// in ascending logical order, modulo `pool`; untouched experts get slot 0 (never run).
+fn assign_slots(touched: &[bool], offset: usize, pool: usize) -> Vec<u32> {
+    let mut next = offset;
+    touched
+        .iter()
+        .map(|&t| {
+            if !t {
+                return 0;
+            }
+            let s = (next % pool.max(1)) as u32;
+            next += 1;
+            s
+        })
+        .collect()
+}
+
+/// Route `tokens` tokens top-k uniformly at random over `experts` logical experts, the
+/// touched ones on consecutive physical slots of `pool` from `offset` ([`RoutedBatch::slot`]).
 fn route_uniform(
     rng: &mut SplitMix64,
     tokens: usize,
@@ -610,17 +631,10 @@ fn route_uniform(
         }
     }
     let pairs = grouping.len();
-    let mut physical: Vec<usize> = (0..experts)
-        .filter(|&e| touched[e])
-        .map(|e| (e + offset) % pool.max(1))
-        .collect();
-    physical.sort_unstable();
-    physical.dedup();
     RoutedBatch {
         grouping,
-        offset,
-        pool,
-        touched: physical.len(),
+        slot: assign_slots(&touched, offset, pool),
+        touched: touched.iter().filter(|&&x| x).count(),
         pairs,
     }
 }
@@ -763,14 +777,17 @@ impl ModelBench {
                     Kind::Decode(b) | Kind::DecodeCached(b) => (b, ComputeMode::Exact),
                     _ => (1, ComputeMode::Accurate),
                 };
-                // Cached: every call maps its experts onto the same first few of the pool.
+                // Cached: every call maps its experts onto the same first few of the pool;
+                // otherwise the rotation moves past the slots this call takes.
                 let (offset, pool) = if kind.cached() {
                     (0, self.cached_pool)
                 } else {
-                    self.offset += self.e + 1;
                     (self.offset, self.pool)
                 };
                 let rb = route_uniform(&mut self.rng, b, self.e, self.k, offset, pool);
+                if !kind.cached() {
+                    self.offset = (self.offset + rb.touched + 1) % self.pool.max(1);
+                }
                 (b, mode, rb)
             }
             Kind::Prefill(tpe) => {
@@ -778,11 +795,10 @@ impl ModelBench {
                 for t in 0..tpe as u32 {
                     grouping.push(0, t, 1.0, t);
                 }
-                self.offset += 1;
+                self.offset = (self.offset + 1) % self.pool.max(1);
                 let rb = RoutedBatch {
                     grouping,
-                    offset: self.offset % self.pool,
-                    pool: self.pool,
+                    slot: vec![self.offset as u32],
                     touched: 1,
                     pairs: tpe,
                 };
@@ -809,8 +825,8 @@ impl ModelBench {
     ) -> Result<(), BenchError> {
         let hidden = self.h;
         self.out.resize(rb.pairs * hidden, 0.0);
-        let (offset, pool) = (rb.offset, rb.pool);
-        let physical = |e: u32| ((e as usize + offset) % pool) as u32;
+        let slot = &rb.slot;
+        let physical = |e: u32| slot[e as usize];
         let (backend, x, out) = (&mut self.backend, &self.x, &mut self.out);
         rb.grouping.with_groups_keyed(0, physical, |groups| {
             let batch = GroupedBatch {
@@ -1332,35 +1348,6 @@ fn result_of(c: &Case, m: &ModelBench, threads: usize, amx: bool) -> Option<Benc
 mod tests {
     use super::*;
 
-    /// The bytes a decode call counts are its distinct physical experts: with a pool smaller
-    /// than the model, logical experts landing on one physical expert are counted once (the
-    /// second copy is read from the cache); with a pool as large, every logical one counts.
-    #[test]
-    fn decode_counts_each_physical_expert_once() {
-        for seed in 0..50 {
-            for (pool, offset) in [(5usize, 3usize), (7, 0), (384, 11)] {
-                let mut rng = SplitMix64::new(seed);
-                let mut rb = route_uniform(&mut rng, 16, 384, 8, offset, pool);
-                let mut logical: Vec<u32> = rb
-                    .grouping
-                    .with_groups(0, |g| g.iter().map(|g| g.key.expert).collect());
-                logical.sort_unstable();
-                logical.dedup();
-                let mut physical: Vec<usize> = logical
-                    .iter()
-                    .map(|&e| (e as usize + offset) % pool)
-                    .collect();
-                physical.sort_unstable();
-                physical.dedup();
-                assert_eq!(rb.touched, physical.len(), "pool {pool}");
-                assert!(rb.touched <= pool.min(logical.len()));
-                if pool >= 384 {
-                    assert_eq!(rb.touched, logical.len());
-                }
-            }
-        }
-    }
-
     fn opts(seconds: f64) -> KernelBenchOptions {
         KernelBenchOptions {
             threads: 1,
@@ -1373,6 +1360,32 @@ mod tests {
             pin: KernelPin::Limit,
             isa: None,
             cache_resident: false,
+        }
+    }
+
+    /// A call's touched experts run on distinct physical experts whenever the pool holds as
+    /// many (so each is read from memory, as counted); with more, a slot is reused only a
+    /// whole pool later.
+    #[test]
+    fn a_calls_experts_run_on_distinct_physical_experts() {
+        for seed in 0..50 {
+            for (pool, offset) in [(5usize, 3usize), (44, 40), (200, 7)] {
+                let mut rng = SplitMix64::new(seed);
+                let mut rb = route_uniform(&mut rng, 16, 384, 8, offset, pool);
+                let logical: Vec<u32> = rb
+                    .grouping
+                    .with_groups(0, |g| g.iter().map(|g| g.key.expert).collect());
+                assert_eq!(rb.touched, logical.len());
+                let slots: Vec<u32> = logical.iter().map(|&e| rb.slot[e as usize]).collect();
+                // Consecutive from the offset, in ascending logical order, modulo the pool.
+                for (i, &s) in slots.iter().enumerate() {
+                    assert_eq!(s as usize, (offset + i) % pool, "pool {pool}");
+                }
+                let mut distinct = slots.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                assert_eq!(distinct.len(), logical.len().min(pool), "pool {pool}");
+            }
         }
     }
 
