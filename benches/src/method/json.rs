@@ -390,14 +390,30 @@ impl BenchReport {
         })
     }
 
+    /// The report as JSON, `bench_bug: true` on every result past its limit.
+    fn to_json(&self) -> Result<serde_json::Value, serde_json::Error> {
+        let mut v = serde_json::to_value(self)?;
+        if let Some(rows) = v["results"].as_array_mut() {
+            for (row, r) in rows.iter_mut().zip(&self.results) {
+                if r.is_bench_bug()
+                    && let Some(o) = row.as_object_mut()
+                {
+                    o.insert("bench_bug".into(), true.into());
+                }
+            }
+        }
+        Ok(v)
+    }
+
     /// The bench bugs among the results (ratios past their limit, [`BenchResult::is_bench_bug`]).
     pub(crate) fn bench_bugs(&self) -> Vec<&BenchResult> {
         self.results.iter().filter(|r| r.is_bench_bug()).collect()
     }
 
-    /// Writes the report as pretty JSON.
+    /// Writes the report as pretty JSON; every result past its limit carries `bench_bug`
+    /// (those made from one sample too, not only [`BenchResult::from_samples`]'s).
     pub fn write(&self, path: &Path) -> Result<(), crate::BenchError> {
-        let text = serde_json::to_string_pretty(self)?;
+        let text = serde_json::to_string_pretty(&self.to_json()?)?;
         std::fs::write(path, text).map_err(|cause| crate::BenchError::WriteReport {
             path: path.to_path_buf(),
             cause,
@@ -452,6 +468,10 @@ mod tests {
         assert_eq!(res["better"], "higher");
         assert_eq!(v["results"][1]["better"], "lower");
         assert!(table_row(&r.results[1], 10).ends_with("lower is better  BENCH BUG"));
+        // Written, a one-sample row past its limit says so too; one within it does not.
+        let written = r.to_json().unwrap();
+        assert_eq!(written["results"][1]["bench_bug"], true);
+        assert!(written["results"][0].get("bench_bug").is_none());
         // The same ratio against a reference is the result doing better than it, not a bug.
         let reference = r.results[1].clone().against_reference();
         assert!(!reference.is_bench_bug());
