@@ -192,7 +192,14 @@ fn a_saturating_router_does_not_block_the_other() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // Router 1 is loaded before the small calls start (a sleep would let them run before the
+    // heavy clients' first answers on a slow machine, and pass without testing anything).
+    let router1 = fabric.router(1).unwrap();
+    crate::support::wait_for(
+        "router 1's heavy clients never got answers",
+        Duration::from_millis(10),
+        || router1.stats().responses >= 8,
+    );
     // router 0's client: 1-token calls, each must finish within its 10 s deadline, bit-exact
     let (ok, wrong, err, _) = drive(addrs[0], &cfg, &small, 10, 1, &AtomicBool::new(false));
     assert_eq!(
