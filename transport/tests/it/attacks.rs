@@ -416,15 +416,30 @@ async fn preauth_shm_hello_creates_no_ring() {
             .unwrap();
         held.push(s);
     }
+    // The listener has taken each hello once it answers (its own hello, or a close): only
+    // then does "no ring file" say anything. Watched for at least a second besides.
     let t0 = Instant::now();
     let mut seen = Vec::new();
-    while t0.elapsed() < Duration::from_millis(1000) {
+    let mut answered = vec![false; held.len()];
+    while t0.elapsed() < Duration::from_millis(1000) || answered.iter().any(|a| !a) {
         for e in std::fs::read_dir(dir.path()).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if !seen.contains(&name) {
                 seen.push(name);
             }
         }
+        for (s, a) in held.iter_mut().zip(answered.iter_mut()) {
+            // A read that completes (bytes, end of stream or an error) is the answer.
+            let mut byte = [0u8; 1];
+            if !*a {
+                let read = tokio::time::timeout(Duration::from_millis(5), s.read(&mut byte));
+                *a = read.await.is_ok();
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the listener never answered the shared-memory hellos"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(held);
