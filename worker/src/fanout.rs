@@ -309,6 +309,9 @@ pub struct NodeFanout {
     pending: HashMap<u64, Pending>,
     /// Sub-dispatch id → (pending key, share index).
     subs: HashMap<u64, (u64, usize)>,
+    /// Sub-dispatch ids whose answer has been taken in and waits in the worker's queue
+    /// ([`NodeFanout::claim`]).
+    claimed: std::collections::HashSet<u64>,
 }
 
 impl NodeFanout {
@@ -325,7 +328,24 @@ impl NodeFanout {
             next_id: (u64::from(prefix) << 32) | 1,
             pending: HashMap::new(),
             subs: HashMap::new(),
+            claimed: std::collections::HashSet::new(),
         }
+    }
+
+    /// Whether an answer (result or error) of `from` to sub-dispatch `id`, just received, is
+    /// to be queued: only the first for a share still pending, from the peer it went to.
+    /// Anything else (late, unsolicited, a copy) is dropped on arrival, so what a node peer
+    /// sends cannot grow the worker's queue past one answer per forwarded share.
+    pub fn claim(&mut self, from: u32, id: u64) -> bool {
+        let Some(&(key, share)) = self.subs.get(&id) else {
+            return false;
+        };
+        let sent_to = self
+            .pending
+            .get(&key)
+            .and_then(|p| p.shares.get(share))
+            .and_then(|s| s.rank);
+        sent_to == Some(from) && self.claimed.insert(id)
     }
 
     /// Device `rank` of this node (this one included) serves the routed `experts` as of
@@ -506,6 +526,7 @@ impl NodeFanout {
     /// failure or timeout) are ignored.
     pub fn on_result(&mut self, from: u32, res: &ExpertResult, payload: &[u8]) -> Option<ToRouter> {
         self.checked(|f| {
+            f.claimed.remove(&res.batch_id);
             let (key, share) = f.subs.remove(&res.batch_id)?;
             f.answer(key, share, Some(from), res, payload)
         })
@@ -555,6 +576,7 @@ impl NodeFanout {
                 return None; // not the peer this share went to
             }
             f.subs.remove(&request_id);
+            f.claimed.remove(&request_id);
             let msg = format!("{} (node peer): {message}", f.homes.name(from));
             // The peer no longer holds an expert this leader forwarded to it (it changed its
             // set and its announcement had not arrived): the router sends the pairs to their
@@ -689,11 +711,17 @@ impl NodeFanout {
             waiting_on_peers,
             "one sub-dispatch id per peer share not yet answered"
         );
+        assert!(
+            self.claimed.iter().all(|id| self.subs.contains_key(id)),
+            "a claimed answer belongs to a sub-dispatch still waiting"
+        );
     }
 
     fn fail(&mut self, key: u64, code: ErrorCode, message: String) -> Option<ToRouter> {
         let p = self.pending.remove(&key)?;
         self.subs.retain(|_, (k, _)| *k != key);
+        let subs = &self.subs;
+        self.claimed.retain(|id| subs.contains_key(id));
         Some(p.error(code, message))
     }
 
@@ -894,6 +922,30 @@ mod tests {
         };
         assert_eq!((e.request_id, e.code), (77, ErrorCode::PeerUnavailable));
         assert!(e.message.contains("b/cpu1"), "{}", e.message);
+    }
+
+    /// A node peer's answers are queued only once per forwarded share, and only from the peer
+    /// the share went to: copies, strangers and answers to nothing pending are dropped on
+    /// arrival (they could otherwise fill the worker's queue).
+    #[test]
+    fn only_the_first_answer_to_a_pending_share_is_taken_in() {
+        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
+        let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
+        let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
+        let (rank, frame) = &fwd.remote[0];
+        let Body::Dispatch(sub) = &frame.body else {
+            panic!("a dispatch")
+        };
+        assert!(!f.claim(*rank + 1, sub.batch_id), "another peer");
+        assert!(!f.claim(*rank, sub.batch_id + 1000), "nothing pending");
+        assert!(f.claim(*rank, sub.batch_id));
+        assert!(!f.claim(*rank, sub.batch_id), "a copy");
+        f.check_invariants();
+        // Answered (here with an error): nothing of it is claimed any more.
+        f.on_error(*rank, sub.batch_id, ErrorCode::NotFound, "gone")
+            .unwrap();
+        assert!(!f.claim(*rank, sub.batch_id));
+        f.check_invariants();
     }
 
     /// A dispatch of `counts.len()` tokens whose f32 rows hold the token index.

@@ -925,6 +925,17 @@ impl ComputeCtx {
                         }
                         return;
                     }
+                    // A node peer's answer is copied into the queue only when it is the first
+                    // to a share still pending, from the peer it went to; the rest are
+                    // dropped here (late answers were dropped when taken out, but the copies
+                    // of a peer sending them without end grew the queue).
+                    Body::Result(ExpertResult { batch_id: id, .. })
+                    | Body::Error(ErrorFrame { request_id: id, .. })
+                        if !self.fanout.as_mut().is_some_and(|fo| fo.claim(from, *id)) =>
+                    {
+                        self.stale.answers += 1;
+                        return;
+                    }
                     Body::Result(res) => Input::PeerResult {
                         from,
                         res: *res,
