@@ -35,20 +35,11 @@ use std::time::{Duration, Instant};
 /// Hang guard of every wait (a start, a stop): generous, never a budget.
 const GUARD: Duration = Duration::from_secs(180);
 
-/// `n` consecutive free loopback ports.
+/// `n` consecutive free loopback ports, all of them kept from later picks of this process (a
+/// run built on a single picked port left its others free to hand out again: a topology's
+/// control port once equalled a device's data port).
 fn free_run(n: u16) -> u16 {
-    'search: loop {
-        let first = crate::support::free_port();
-        if first > u16::MAX - n {
-            continue;
-        }
-        for p in first..first + n {
-            if std::net::TcpListener::bind(("127.0.0.1", p)).is_err() {
-                continue 'search;
-            }
-        }
-        return first;
-    }
+    expertmesh_transport::ports::free_loopback_ports(n).expect("free loopback ports")
 }
 
 /// A loopback deployment's inputs: a topology "single-host" on free ports, a master key.
