@@ -614,7 +614,7 @@ impl CoreMetrics {
     /// tokens (ids at or past the routed experts, shared experts on a worker, are not load),
     /// and times the queue stage.
     pub fn on_batch(
-        &mut self,
+        &self,
         layer: u32,
         requests: usize,
         routing: &Routing,
@@ -681,7 +681,7 @@ mod tests {
     #[test]
     fn counts_reach_the_text() {
         let ranks: Vec<String> = ["router", "n/cpu0", "n/cpu1"].map(String::from).to_vec();
-        let mut core = CoreMetrics::new(&[3, 1], 4, &RankNames::new(ranks, 1));
+        let core = CoreMetrics::new(&[3, 1], 4, &RankNames::new(ranks, 1));
         let routing = Routing {
             top_k: 2,
             experts: vec![0, 3, 3, 4], // 4 is a remote shared expert's pseudo-id: not load

@@ -905,8 +905,9 @@ mod tests {
         assert_eq!(f.homes.home(0, 5), Some(&Home::Elsewhere));
     }
 
-    #[test]
-    fn a_peer_that_no_longer_holds_a_forwarded_expert_sends_the_pairs_back_to_the_router() {
+    /// A one-token dispatch (request 77) of expert 2, forwarded whole to its peer: the
+    /// fan-out, the peer's rank and the sub-dispatch id.
+    fn forwarded_to_one_peer() -> (NodeFanout, u32, u64) {
         let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
         let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
         let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
@@ -914,8 +915,15 @@ mod tests {
         let Body::Dispatch(sub) = &frame.body else {
             panic!("a dispatch")
         };
+        let (rank, id) = (*rank, sub.batch_id);
+        (f, rank, id)
+    }
+
+    #[test]
+    fn a_peer_that_no_longer_holds_a_forwarded_expert_sends_the_pairs_back_to_the_router() {
+        let (mut f, rank, id) = forwarded_to_one_peer();
         let t = f
-            .on_error(*rank, sub.batch_id, ErrorCode::NotFound, "no expert 2 here")
+            .on_error(rank, id, ErrorCode::NotFound, "no expert 2 here")
             .unwrap();
         let Body::Error(e) = &t.frame.body else {
             panic!("an error")
@@ -929,22 +937,15 @@ mod tests {
     /// arrival (they could otherwise fill the worker's queue).
     #[test]
     fn only_the_first_answer_to_a_pending_share_is_taken_in() {
-        let mut f = NodeFanout::new(homes(), H, Duration::from_secs(5), 1);
-        let (d, p) = dispatch(&[1], &[2], OutputLayout::PerSlot);
-        let fwd = f.start(9, 1, &d, &p, |_| true, Instant::now()).unwrap();
-        let (rank, frame) = &fwd.remote[0];
-        let Body::Dispatch(sub) = &frame.body else {
-            panic!("a dispatch")
-        };
-        assert!(!f.claim(*rank + 1, sub.batch_id), "another peer");
-        assert!(!f.claim(*rank, sub.batch_id + 1000), "nothing pending");
-        assert!(f.claim(*rank, sub.batch_id));
-        assert!(!f.claim(*rank, sub.batch_id), "a copy");
+        let (mut f, rank, id) = forwarded_to_one_peer();
+        assert!(!f.claim(rank + 1, id), "another peer");
+        assert!(!f.claim(rank, id + 1000), "nothing pending");
+        assert!(f.claim(rank, id));
+        assert!(!f.claim(rank, id), "a copy");
         f.check_invariants();
         // Answered (here with an error): nothing of it is claimed any more.
-        f.on_error(*rank, sub.batch_id, ErrorCode::NotFound, "gone")
-            .unwrap();
-        assert!(!f.claim(*rank, sub.batch_id));
+        f.on_error(rank, id, ErrorCode::NotFound, "gone").unwrap();
+        assert!(!f.claim(rank, id));
         f.check_invariants();
     }
 
