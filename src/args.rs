@@ -46,6 +46,39 @@ pub(crate) fn parse_positive_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses `--link-timeout-s`: seconds, at least
+/// [`MIN_LINK_TIMEOUT`](expertmesh_worker::deploy::MIN_LINK_TIMEOUT) and at most
+/// [`LONGEST_WAIT_S`].
+pub(crate) fn parse_link_timeout(s: &str) -> Result<f64, String> {
+    let min = expertmesh_worker::deploy::MIN_LINK_TIMEOUT.as_secs_f64();
+    match parse_seconds(s) {
+        Ok(v) if v >= min => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a link timeout: give seconds from {min} (four heartbeats of a peer) to {LONGEST_WAIT_S}"
+        )),
+    }
+}
+
+/// `--link-timeout-s` of `router` and `worker`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct LinkTimeoutArgs {
+    /// How long a mesh peer (a router, a worker, a node peer) may stay silent, in its
+    /// handshake or after it, before its link is declared dead: its calls go to a replica or
+    /// fail, and it is redialled. Longer rides out a peer stalled for a while (swapping,
+    /// stopped); shorter notices a lost host sooner (a closed socket is noticed at once
+    /// either way). Every process may have its own; heartbeats go every 500 ms
+    /// whatever it is.
+    #[arg(long, default_value_t = expertmesh_worker::deploy::DEFAULT_LINK_TIMEOUT.as_secs_f64(), value_name = "SECONDS", value_parser = parse_link_timeout)]
+    pub(crate) link_timeout_s: f64,
+}
+
+impl LinkTimeoutArgs {
+    /// Sets the deployment's link timeout.
+    pub(crate) fn apply(&self, dep: &mut expertmesh_worker::deploy::Deployment) {
+        dep.link_timeout = Duration::from_secs_f64(self.link_timeout_s);
+    }
+}
+
 /// A duration flag in whole milliseconds: at most [`LONGEST_WAIT_S`] seconds.
 pub(crate) fn millis_parser() -> clap::builder::RangedU64ValueParser<u64> {
     clap::value_parser!(u64).range(..=LONGEST_WAIT_S * 1000)

@@ -5,7 +5,7 @@
 //! arguments into the router core, the mesh and frontend listeners, and the observers.
 
 use crate::args::{
-    AutoRebalanceArgs, DeployArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser,
+    AutoRebalanceArgs, DeployArgs, LinkTimeoutArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser,
     parse_endpoint, rdma_provider_parser,
 };
 use anyhow::anyhow;
@@ -44,6 +44,8 @@ pub(crate) struct RouterCli {
     /// `libfabric:<provider>`.
     #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,
+    #[command(flatten)]
+    link_timeout: LinkTimeoutArgs,
     /// Threads for shared experts run on the router.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -62,6 +64,7 @@ pub(crate) struct RouterCli {
 /// Run `expertmesh router` until interrupted.
 pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let mut dep = cli.deploy.load()?;
+    cli.link_timeout.apply(&mut dep);
     let instance = cli.instance;
     let frontend_of = |dep: &expertmesh_worker::deploy::Deployment| {
         let mut f = frontend_config(dep);

@@ -7,7 +7,7 @@
 //! says what it did.
 
 use crate::args::{
-    DeployArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
+    DeployArgs, LinkTimeoutArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
     rdma_provider_parser,
 };
 use clap::Args;
@@ -43,6 +43,8 @@ pub(crate) struct WorkerCli {
     /// workers must agree.
     #[arg(long, default_value = "verbs", value_parser = rdma_provider_parser)]
     rdma_provider: expertmesh_transport::rdma::RdmaProvider,
+    #[command(flatten)]
+    link_timeout: LinkTimeoutArgs,
     /// Backend threads (default: the topology's `threads` for CPU devices).
     #[arg(long)]
     threads: Option<usize>,
@@ -90,6 +92,7 @@ pub(crate) fn run(cli: WorkerCli) -> anyhow::Result<ExitCode> {
     if cli.prepare_tile_cache {
         return prepare(&dep, cli);
     }
+    cli.link_timeout.apply(&mut dep);
     let d = dep.device(&cli.device)?;
     let listen = match cli.listen {
         Some(a) => a,

@@ -335,6 +335,18 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
     let r = crate::support::run(&["router", "--drain-timeout-s=-5"]);
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("--drain-timeout-s"), "{}", r.stderr);
+    // A link timeout shorter than four of a peer's heartbeats would drop healthy links.
+    for sub in ["router", "worker"] {
+        for value in ["1.9", "0", "NaN", "86401"] {
+            let r = crate::support::run(&[sub, &format!("--link-timeout-s={value}")]);
+            assert_eq!(r.code, 2, "{sub} {value}: {}{}", r.stdout, r.stderr);
+            assert!(
+                r.stderr.contains("--link-timeout-s") && r.stderr.contains("four heartbeats"),
+                "{sub} {value}: {}",
+                r.stderr
+            );
+        }
+    }
     // A rebalancing step needs some time: zero, NaN and past a day are refused before any
     // file is read or any router is asked.
     for value in ["0", "NaN", "86401"] {

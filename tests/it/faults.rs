@@ -5,29 +5,35 @@
 //! (`bench_soak::golden`). A call is bit-identical, a clean error, wrong (returned as success
 //! with other bits) or hung (no answer by deadline + margin on the test's own clock).
 //!
-//! Bounds asserted (stated here; generous for a noisy 2-vCPU machine):
-//! * router restarted under load, four times: 0 wrong answers, 0 hangs, answers again after;
+//! What is asserted (a test that tells a mechanism from a link declared dead runs with
+//! `--link-timeout-s 60`, [`LONG_LINK_TIMEOUT`], far past what the mechanism takes, and
+//! asserts an outcome, not a latency between the two):
+//! * router restarted under load, sixteen times: 0 wrong answers, 0 hangs, answers again after;
 //! * a worker with other weights (seed) or another placement claiming a device: refused (said
 //!   in a log); calls needing its experts go to the replica: 0 wrong, at least 90% bit-identical
 //!   and none NotFound;
 //! * a second worker claiming a live device: refused; the live worker is never swapped out (no
 //!   new join of it) and throughput stays at least a quarter of what it was;
-//! * a SIGSTOPped worker whose experts have a healthy replica: every call still completes, p99
-//!   under 1.5 s and none over 2.5 s, half the 5 s link timeout (here p99 0.1-0.3 s);
-//! * a killed worker (no replica): calls needing it fail cleanly within 2.5 s of the kill (half
-//!   the link timeout; here well under a second); after a restart they succeed within 2.5 s of
-//!   the worker having loaded;
+//! * a worker stopped (SIGSTOP) for 12 s, its links up, whose experts have a healthy replica:
+//!   every call, deadline 8 s, is answered bit for bit (without the replica's hedge the calls
+//!   sent to it would fail at their deadline);
+//! * a killed worker (no replica): a call needing it fails with another error than its 20 s
+//!   deadline (the closed socket, not the link timeout); restarted, it serves again within
+//!   30 s of having loaded (here milliseconds);
 //! * with network namespaces (root, `ip netns`, iptables, tc; otherwise the test prints
 //!   "skipped: ..." and passes): a worker partitioned both ways for 15 s while another is
-//!   partitioned one way for 12 s (past the 5 s idle timeout, through redials that time out; a
-//!   connect without a timeout would still be waiting for its next SYN retry) each rejoin
-//!   within 4 s after their heal (calls needing them fail cleanly meanwhile, 0 hangs); a worker
-//!   whose sends are throttled to 64 kbit/s (each answer 2 s late) is routed around: p99 of
-//!   calls under 1 s;
-//! * a client whose router is SIGSTOPped gets DeadlineExceeded within its 2 s deadline + 3 s;
+//!   partitioned one way for 12 s (past the default 5 s link timeout, through redials that
+//!   time out; a connect without a timeout would still be waiting for its next SYN retry)
+//!   each rejoin within 4 s after their heal (calls needing them fail cleanly meanwhile, 0
+//!   hangs); a worker whose sends are throttled to 8 kbit/s (each answer 16 s late) is routed
+//!   around: every call, deadline 8 s, answered;
+//! * a client whose router is SIGSTOPped gets DeadlineExceeded (its own deadline, not a lost
+//!   connection);
 //! * failover clients given two routers (`RouterClient::connect_any`) ride through one router
-//!   being SIGSTOPped for 6 s: every call bit-identical, none over 5 s (keepalive 1 s + 2 s,
-//!   then the other router);
+//!   being SIGSTOPped for 15 s: every call, deadline 10 s, bit-identical, and calls answered
+//!   while it is still stopped;
+//! * a restarted worker serves again, within half the 60 s handshake timeout, while 64
+//!   connections stall handshakes on the router's mesh port;
 //! * `expertmesh bench soak` for 24 s with a fault every ~5 s (two or three faults: each needs
 //!   12 s of room before the end) exits 0 (0 wrong, 0 hangs) and
 //!   its JSON has every call, every fault (each injected and undone) and every process's RSS.
@@ -38,9 +44,9 @@
 //! each also has a parent-death signal, and namespaces (with their iptables rules and
 //! qdiscs) are deleted on drop.
 //!
-//! The time bounds sit between what the mechanism under test gives (fractions of a second
-//! here) and what its absence would (the 5 s link timeout, seconds-long throttled answers),
-//! wide enough for a loaded machine.
+//! The time bounds left (the partitions' heal, the calls' deadlines) sit between what the
+//! mechanism under test gives (fractions of a second here) and what its absence would, wide
+//! enough for a loaded machine.
 
 use crate::support::root;
 use expertmesh_benches::soak::cluster::{
@@ -55,6 +61,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
+
+/// The `--link-timeout-s` of the tests that tell a mechanism (a hedge, a closed socket, a
+/// handshake displaced) from a link declared dead: far past what the mechanism takes on a
+/// loaded machine, so each test asserts an outcome (answered, or which error) instead of a
+/// latency between the two.
+const LONG_LINK_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Router restarts of the restart test.
 const ROUTER_RESTARTS: usize = 16;
@@ -387,34 +399,37 @@ fn a_second_worker_for_a_live_device_is_refused() {
 }
 
 #[test]
-fn a_paused_worker_with_a_replica_costs_far_less_than_the_link_timeout() {
+fn a_paused_worker_with_a_replica_is_hedged_around_within_every_deadline() {
     let _g = serial();
-    let s = start(&REPLICATED_PAIR, false, |_| {});
+    // cpu0's links outlive its pause: only the hedge to its replica can answer a call sent
+    // to it while it is stopped.
+    let s = start(&REPLICATED_PAIR, false, |o| {
+        o.link_timeout = Some(LONG_LINK_TIMEOUT)
+    });
     let f = s.fabric;
     let golden = confined(24, 41, 0, 15);
     let warm = load(&f, &golden, 2, 1.0, Duration::from_secs(10));
     assert_eq!(Tally::of(&warm).ok, warm.len(), "{}", describe(&warm));
     f.pause_worker(0, true).unwrap();
-    // Past the 5 s after which the routers declare cpu0's silent links dead, and on.
-    let paused = load(&f, &golden, 2, 6.5, Duration::from_secs(10));
+    // Stopped 12 s, calls with an 8 s deadline: without the hedge every call sent to cpu0
+    // in the pause's first 4 s would fail at its deadline (it answers at SIGCONT); with it
+    // each is answered by cpu2 within the router's straggler timeout (3 s at most; here
+    // p99 0.1-0.3 s).
+    let paused = load(&f, &golden, 2, 12.0, Duration::from_secs(8));
     f.pause_worker(0, false).unwrap();
     let after = load(&f, &golden, 2, 2.0, Duration::from_secs(10));
     let t = Tally::of(&paused);
+    println!(
+        "calls while cpu0 is stopped: p99 {:.3} s, max {:?}",
+        golden::ok_latency_percentile(&paused, 99.0),
+        paused.iter().map(|r| r.latency).max().unwrap_or_default()
+    );
     assert_eq!(
         (t.wrong, t.hangs, t.error_count()),
         (0, 0, 0),
-        "with cpu0 stopped its replica cpu2 serves every call: {}",
+        "with cpu0 stopped (its links up) its replica cpu2 answers every call within its 8 s \
+         deadline: {}",
         describe(&paused)
-    );
-    let p99 = golden::ok_latency_percentile(&paused, 99.0);
-    let max = paused.iter().map(|r| r.latency).max().unwrap_or_default();
-    // Without the replica's hedge a call would wait for the 5 s link timeout; the bounds are
-    // well below it and well above what a busy machine adds (here p99 0.1-0.3 s).
-    assert!(
-        p99 < 1.5 && max < Duration::from_millis(2500),
-        "calls while cpu0 is stopped: p99 {p99:.3} s, max {max:?} (bounds 1.5 s and 2.5 s, half \
-         the 5 s link timeout; {} calls)",
-        paused.len()
     );
     let ta = Tally::of(&after);
     assert_eq!(
@@ -426,21 +441,26 @@ fn a_paused_worker_with_a_replica_costs_far_less_than_the_link_timeout() {
 }
 
 #[test]
-fn a_killed_worker_is_detected_and_rejoins_well_inside_the_link_timeout() {
+fn a_killed_worker_is_detected_by_its_closed_socket_and_rejoins_inside_the_link_timeout() {
     let _g = serial();
-    let s = start(&REPLICATED_PAIR, false, |_| {});
+    // The link timeout far past the calls' deadline: a call needing the killed worker fails
+    // before its deadline only if the closed socket is noticed.
+    let s = start(&REPLICATED_PAIR, false, |o| {
+        o.link_timeout = Some(LONG_LINK_TIMEOUT)
+    });
     let mut f = s.fabric;
     // Only cpu1 holds 16-31.
     let golden = confined(16, 51, 16, 31);
-    let opts = drive_opts(&f, Duration::from_secs(5));
+    let opts = drive_opts(&f, Duration::from_secs(20));
     let warm = golden::drive_until(0, &opts, &golden, 0, &|c| c.len() >= 8);
     assert_eq!(Tally::of(&warm).ok, 8, "{}", describe(&warm));
     let killed = Instant::now();
     f.kill_worker(1);
     let calls = golden::drive_until(0, &opts, &golden, 0, &|c| !c.is_empty());
     let mut calls = calls;
+    // A hang guard: past the calls' 20 s deadline.
     while !matches!(calls.last().map(|r| &r.outcome), Some(Outcome::Error(_)))
-        && killed.elapsed() < Duration::from_secs(10)
+        && killed.elapsed() < Duration::from_secs(30)
     {
         calls.extend(golden::drive_until(0, &opts, &golden, 0, &|c| {
             !c.is_empty()
@@ -455,20 +475,24 @@ fn a_killed_worker_is_detected_and_rejoins_well_inside_the_link_timeout() {
         describe(&calls)
     );
     let detected = (failed.start + failed.latency).duration_since(killed);
-    // The closed socket says so at once; the bound is half the 5 s silence after which a
-    // link is declared dead (here well under a second).
+    println!(
+        "a call needing the killed cpu1 failed {detected:?} after the kill: {:?}",
+        failed.outcome
+    );
+    // The closed socket says so at once (here well under a second); without it the call
+    // would wait for its 20 s deadline (the link's 60 s timeout is further still).
     assert!(
-        detected < Duration::from_millis(2500),
-        "a call needing the killed cpu1 failed {detected:?} after the kill (bound 2.5 s): {}",
+        !matches!(&failed.outcome, Outcome::Error(kind) if kind == "DeadlineExceeded"),
+        "a call needing the killed cpu1 waited for its deadline ({detected:?} after the kill) \
+         instead of failing on the closed socket: {}",
         failed.message
     );
     let ready = f.start_worker(1).unwrap();
-    let back = served_again(&opts, &golden, ready, Duration::from_secs(10))
-        .expect("cpu1 never served again after its restart");
-    assert!(
-        back < Duration::from_millis(2500),
-        "cpu1 served again {back:?} after it had loaded (bound 2.5 s)"
-    );
+    // The restarted worker dials the router as it starts: served again well inside the
+    // 60 s after which a silent link would be redialled (here in milliseconds).
+    let back = served_again(&opts, &golden, ready, LONG_LINK_TIMEOUT / 2)
+        .expect("cpu1 did not serve again within 30 s of its restart (half the link timeout)");
+    println!("cpu1 served again {back:?} after it had loaded");
 }
 
 /// One call at a time on `golden` until one is answered bit for bit (never a wrong one): how
@@ -591,31 +615,35 @@ fn a_throttled_worker_with_a_replica_is_routed_around() {
     if !namespaces_or_skip() {
         return;
     }
-    let s = start(&REPLICATED_PAIR, true, |_| {});
+    // cpu0's links outlive the throttle: only hedges route around it.
+    let s = start(&REPLICATED_PAIR, true, |o| {
+        o.link_timeout = Some(LONG_LINK_TIMEOUT)
+    });
     let f = s.fabric;
-    // cpu0's sends throttled to 64 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
-    // 2 s): a gray failure; its replica cpu2 is healthy.
+    // cpu0's sends throttled to 8 kbit/s (a one-token answer of 4 slots, 16 KiB, takes
+    // 16 s, twice the calls' deadline): a gray failure; its replica cpu2 is healthy.
     let golden = confined(24, 71, 0, 15);
     // The fabric has served traffic before the fault, as a running one has: the router knows
     // how fast each device answers (a device slow from its very first answer is hedged
     // against its peers' latency once they have answered: router/src/health.rs unit tests).
     let warm = load(&f, &golden, 2, 2.0, Duration::from_secs(10));
     assert_eq!(Tally::of(&warm).wrong, 0, "{}", describe(&warm));
-    f.slow_link(0, Some(64)).unwrap();
-    let slow = load(&f, &golden, 2, 5.0, Duration::from_secs(10));
+    f.slow_link(0, Some(8)).unwrap();
+    let slow = load(&f, &golden, 2, 5.0, Duration::from_secs(8));
     f.slow_link(0, None).unwrap();
     let t = Tally::of(&slow);
+    println!(
+        "calls with cpu0's link throttled: p99 {:.3} s",
+        golden::ok_latency_percentile(&slow, 99.0)
+    );
+    // A call left on the throttled link fails at its 8 s deadline; hedged to cpu2 it is
+    // answered within the router's straggler timeout (3 s at most; here p99 under 1 s).
     assert_eq!(
         (t.wrong, t.hangs, t.error_count()),
         (0, 0, 0),
-        "{}",
+        "with cpu0's link throttled its replica cpu2 answers every call within its 8 s \
+         deadline: {}",
         describe(&slow)
-    );
-    let p99 = golden::ok_latency_percentile(&slow, 99.0);
-    assert!(
-        p99 < 1.0,
-        "calls with cpu0's link throttled: p99 {p99:.3} s (bound 1 s: its replica is healthy; a \
-         call through the throttled link takes seconds)"
     );
 }
 
@@ -645,13 +673,14 @@ fn a_client_whose_router_is_stopped_gets_deadline_exceeded_in_time() {
     let deadline = Duration::from_secs(2);
     let t0 = Instant::now();
     let call = client.call(c.layer, &c.x, golden.hidden, None, Some(deadline));
-    let res =
-        rt.block_on(async { tokio::time::timeout(deadline + Duration::from_secs(1), call).await });
+    // A hang guard: the client's own deadline ends the call, whatever the router does.
+    let guard = deadline + Duration::from_secs(20);
+    let res = rt.block_on(async { tokio::time::timeout(guard, call).await });
     let took = t0.elapsed();
     f.pause_router(0, false).unwrap();
     match res {
         Err(_) => panic!(
-            "the call with a 2 s deadline had no answer after {took:?} with its router stopped (bound: deadline + 1 s)"
+            "the call with a 2 s deadline had no answer after {took:?} with its router stopped"
         ),
         Ok(Ok(got)) => panic!(
             "a stopped router answered after {took:?} (bit-identical: {}; router state: {})",
@@ -663,12 +692,13 @@ fn a_client_whose_router_is_stopped_gets_deadline_exceeded_in_time() {
                 .unwrap_or("?")
         ),
         Ok(Err(e)) => {
+            // Its deadline, not the keepalive (1 s + 2 s) or the link, ended it.
             assert_eq!(
                 golden::error_kind(&e),
                 "DeadlineExceeded",
                 "the call failed with {e} after {took:?}"
             );
-            assert!(took < deadline + Duration::from_secs(3), "{took:?}");
+            println!("DeadlineExceeded after {took:?} (deadline {deadline:?})");
         }
     }
 }
@@ -680,10 +710,13 @@ fn failover_clients_ride_through_a_stopped_router() {
     let f = s.fabric;
     let golden = Arc::new(reference().golden(32, &[1, 8], 91).unwrap());
     // Both clients start on router 0, the one that will be stopped.
+    // Router 0 stopped for 15 s, calls with a 10 s deadline: a client that stays with the
+    // stopped router fails its calls at their deadline; one that fails over (keepalive 1 s
+    // + 2 s, then router 1) answers them.
     let opts = DriveOptions {
         routers: vec![f.frontend_addr(0), f.frontend_addr(1)],
         failover: true,
-        ..drive_opts(&f, Duration::from_secs(6))
+        ..drive_opts(&f, Duration::from_secs(10))
     };
     let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..2)
@@ -695,32 +728,35 @@ fn failover_clients_ride_through_a_stopped_router() {
     std::thread::sleep(Duration::from_secs(1));
     let stopped = Instant::now();
     f.pause_router(0, true).unwrap();
-    std::thread::sleep(Duration::from_secs(6));
+    std::thread::sleep(Duration::from_secs(15));
     f.pause_router(0, false).unwrap();
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
     let records = golden::join_clients(clients);
     let t = Tally::of(&records);
+    println!(
+        "failover: longest call {:?}",
+        records.iter().map(|r| r.latency).max().unwrap_or_default()
+    );
     assert_eq!(
         (t.wrong, t.hangs, t.error_count()),
         (0, 0, 0),
-        "failover clients with router 0 stopped for 6 s: {}",
+        "failover clients with router 0 stopped for 15 s (calls' deadline 10 s): {}",
         describe(&records)
     );
+    // Answered while router 0 was still stopped, after the first calls' deadline: by router 1.
     let during = records
         .iter()
         .filter(|r| {
-            r.start > stopped + Duration::from_secs(4) && r.start < stopped + Duration::from_secs(6)
+            r.outcome == Outcome::Ok
+                && r.start > stopped + Duration::from_secs(10)
+                && r.start + r.latency < stopped + Duration::from_secs(15)
         })
         .count();
     assert!(
         during > 0,
-        "no call was answered while router 0 was stopped"
-    );
-    let max = records.iter().map(|r| r.latency).max().unwrap_or_default();
-    assert!(
-        max < Duration::from_secs(5),
-        "a call took {max:?} (bound 5 s: keepalive 1 s + 2 s, then the other router)"
+        "no call was answered while router 0 was stopped: {}",
+        describe(&records)
     );
 }
 
@@ -789,13 +825,16 @@ fn a_short_soak_reports_every_call_and_fault() {
 /// router's mesh port used to hold every handshake place, so a restarted worker rejoined
 /// after 12 s (or not at all). The topology names every node's address: handshakes from
 /// them are never displaced by others', and the oldest stalled one gives way to a newcomer.
-/// The worker must serve again without waiting for a stalled handshake to time out (5 s
-/// after it had loaded; 7 ms measured here, the issue's target was 2 s).
+/// The worker must serve again without waiting for a stalled handshake to time out: the
+/// handshake timeout is the link timeout, 60 s here, and the worker must serve within half
+/// of it after it had loaded (7 ms measured here, the issue's target was 2 s).
 #[test]
 fn a_restarted_worker_rejoins_before_a_stalled_handshake_times_out_while_the_mesh_port_is_slow_lorised()
  {
     let _g = serial();
-    let s = start(&["0-15", "16-31"], false, |_| {});
+    let s = start(&["0-15", "16-31"], false, |o| {
+        o.link_timeout = Some(LONG_LINK_TIMEOUT)
+    });
     let mut f = s.fabric;
     let golden = confined(16, 57, 16, 31);
     let opts = drive_opts(&f, Duration::from_secs(5));
@@ -805,15 +844,11 @@ fn a_restarted_worker_rejoins_before_a_stalled_handshake_times_out_while_the_mes
     attack.wait_connected(64);
     f.kill_worker(1);
     let ready = f.start_worker(1).unwrap();
-    let back = served_again(&opts, &golden, ready, Duration::from_secs(15));
+    let back = served_again(&opts, &golden, ready, LONG_LINK_TIMEOUT / 2);
     let connects = attack.connects();
     drop(attack);
     let back = back.unwrap_or_else(|| {
-        panic!("cpu1 never served again within 15 s of loading while the mesh port was slow-lorised ({connects} attack connections):\n{}", f.log_tail_router(0))
+        panic!("cpu1 did not serve again within 30 s of loading (half a stalled handshake's 60 s timeout) while 8 addresses slow-lorised the router's mesh port ({connects} attack connections):\n{}", f.log_tail_router(0))
     });
     println!("cpu1 served again {back:?} after loading ({connects} attack connections)");
-    assert!(
-        back < Duration::from_secs(5),
-        "cpu1 served again {back:?} after it had loaded (bound: a stalled handshake's 5 s timeout) while 8 addresses slow-lorised the router's mesh port"
-    );
 }

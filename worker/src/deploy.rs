@@ -186,7 +186,22 @@ pub struct Deployment {
     /// `--credentials`; or the legacy shared secret from `EXPERTMESH_SECRET`). `None`: no
     /// authentication and no encryption.
     pub credentials: Option<Arc<Credentials>>,
+    /// How long a mesh peer may stay silent, in its handshake or after it, before its link is
+    /// declared dead and redialled ([`DEFAULT_LINK_TIMEOUT`]; `--link-timeout-s` of `router`
+    /// and `worker`). Heartbeats go every [`HEARTBEAT_INTERVAL`] whatever it is.
+    pub link_timeout: Duration,
 }
+
+/// Default [`Deployment::link_timeout`]: 5 s, ten heartbeats.
+pub const DEFAULT_LINK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often every mesh rank sends a heartbeat on an idle link, whatever its link timeout:
+/// one interval for all, because a rank judges whether a peer is live (a second process
+/// claiming its rank is refused while it is) by having heard it within two of its own.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Shortest [`Deployment::link_timeout`]: four heartbeats.
+pub const MIN_LINK_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Deployment {
     /// Load and cross-validate the three files.
@@ -206,6 +221,7 @@ impl Deployment {
             seed,
             weights: None,
             credentials: secret_from_env()?,
+            link_timeout: DEFAULT_LINK_TIMEOUT,
         })
     }
 
@@ -238,6 +254,7 @@ impl Deployment {
                 manifest,
             })),
             credentials: secret_from_env()?,
+            link_timeout: DEFAULT_LINK_TIMEOUT,
         })
     }
 
@@ -460,8 +477,9 @@ impl Deployment {
             payload_checksum: false,
         };
         cfg.protocol.recv_window_bytes = 2 * MAX_FRAME_BYTES as u64;
-        cfg.protocol.idle_timeout = Duration::from_secs(5);
-        cfg.protocol.heartbeat_interval = Duration::from_millis(500);
+        cfg.protocol.idle_timeout = self.link_timeout;
+        cfg.protocol.handshake_timeout = self.link_timeout;
+        cfg.protocol.heartbeat_interval = HEARTBEAT_INTERVAL;
         cfg.shm.ring_bytes = SHM_RING_BYTES;
         let table = self.fingerprints();
         cfg.protocol.fingerprint = table[rank as usize];
@@ -758,6 +776,35 @@ mod tests {
             "1 router address was given but topology lab declares 2 routers; pass one --router \
              per router, in the topology's order"
         );
+    }
+
+    /// The link timeout reaches every rank's mesh protocol (idle and handshake timeouts);
+    /// heartbeats keep one interval, four of them within the shortest timeout.
+    #[test]
+    fn the_link_timeout_sets_idle_handshake_and_heartbeats() {
+        let ex = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let mut dep = Deployment::load(
+            &ex.join("single-host.toml"),
+            "demo-small",
+            &ex.join("single-host-demo-small.placement.toml"),
+            42,
+        )
+        .unwrap();
+        assert_eq!(dep.link_timeout, DEFAULT_LINK_TIMEOUT);
+        let routers = dep.router_mesh_endpoints().unwrap();
+        let listen: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for secs in [5.0, 60.0, 2.0] {
+            dep.link_timeout = Duration::from_secs_f64(secs);
+            for rank in 0..dep.world_size() {
+                let cfg = dep.mesh_config(rank, &routers, &[], listen, LinkKind::Tcp);
+                let p = &cfg.protocol;
+                assert_eq!(p.idle_timeout, dep.link_timeout, "rank {rank}");
+                assert_eq!(p.handshake_timeout, dep.link_timeout, "rank {rank}");
+                assert_eq!(p.heartbeat_interval, HEARTBEAT_INTERVAL);
+                p.validate().unwrap();
+            }
+        }
+        assert!(MIN_LINK_TIMEOUT >= HEARTBEAT_INTERVAL * 4);
     }
 
     /// No variant exposes its cause as a source: the message already says it, and the

@@ -52,6 +52,11 @@ pub struct FaultClusterOptions {
     pub router_args: Vec<String>,
     /// How long to wait for a process to load and connect.
     pub ready_timeout: Duration,
+    /// `--link-timeout-s` of every router and worker (`None`: their default, 5 s). A test
+    /// that tells a mechanism (a hedge, a closed socket, a displaced handshake) from a link
+    /// declared dead sets it far past what the mechanism takes, so a slow machine cannot
+    /// blur the two.
+    pub link_timeout: Option<Duration>,
 }
 
 impl FaultClusterOptions {
@@ -68,6 +73,7 @@ impl FaultClusterOptions {
             node_sizes: Vec::new(),
             router_args: Vec::new(),
             ready_timeout: Duration::from_secs(90),
+            link_timeout: None,
         }
     }
 }
@@ -636,10 +642,14 @@ impl FaultCluster {
         std::fs::read_to_string(self.opts.dir.join(format!("router-{i}.log"))).unwrap_or_default()
     }
 
-    /// `--topology --model --placement --seed` of a process.
+    /// `--topology --model --placement --seed` (and `--link-timeout-s`) of a process.
     fn deploy_args(&self, how: &WorkerOverride) -> Vec<String> {
         let placement = how.placement.as_ref().unwrap_or(&self.placement);
-        vec![
+        let timeout = self
+            .opts
+            .link_timeout
+            .map(|t| ["--link-timeout-s".to_string(), t.as_secs_f64().to_string()]);
+        [
             "--topology".into(),
             self.topology.display().to_string(),
             "--model".into(),
@@ -649,6 +659,9 @@ impl FaultCluster {
             "--seed".into(),
             how.seed.unwrap_or(self.opts.seed).to_string(),
         ]
+        .into_iter()
+        .chain(timeout.into_iter().flatten())
+        .collect()
     }
 
     fn worker_args(&self, d: usize, how: &WorkerOverride) -> Vec<String> {
