@@ -5,8 +5,8 @@
 //! arguments into the router core, the mesh and frontend listeners, and the observers.
 
 use crate::args::{
-    AutoRebalanceArgs, DeployArgs, LinkTimeoutArgs, ObserveArgs, RouterArgs, SecurityArgs, link_parser,
-    parse_endpoint, rdma_provider_parser,
+    AutoRebalanceArgs, DeployArgs, LinkTimeoutArgs, ObserveArgs, RouterArgs, SecurityArgs,
+    link_parser, parse_endpoint, rdma_provider_parser,
 };
 use anyhow::anyhow;
 use clap::Args;

@@ -7,8 +7,8 @@
 //! says what it did.
 
 use crate::args::{
-    DeployArgs, LinkTimeoutArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser, parse_endpoint,
-    rdma_provider_parser,
+    DeployArgs, LinkTimeoutArgs, MetricsArgs, SecurityArgs, backend_parser, link_parser,
+    parse_endpoint, rdma_provider_parser,
 };
 use clap::Args;
 use expertmesh_transport::mesh::LinkKind;
