@@ -39,4 +39,5 @@ mod rejoin_identity;
 mod security;
 mod validate_examples;
 mod validate_holes;
+mod wedged_router;
 mod wire_modes_e2e;

@@ -29,8 +29,8 @@ use expertmesh_transport::codec::{
     encode_placement_entries, placement_entries, placement_message,
 };
 use expertmesh_transport::mesh::{
-    LinkKind, Mesh, MeshEvents, OutFrame, PeerErrorKind, RecvFrame, StartError, Transport,
-    TransportEvent,
+    LinkKind, Mesh, MeshEvents, OutFrame, PeerError, PeerErrorKind, RecvFrame, StartError,
+    Transport, TransportEvent,
 };
 use expertmesh_transport::{MemoryBudget, MemoryReservation};
 use std::future::Future;
@@ -1553,8 +1553,42 @@ impl ComputeCtx {
     /// Sends a placement frame to router `r`, in order behind what this thread sent it.
     fn send_control(&mut self, r: u32, frame: &OutFrame, doing: &str) {
         self.metrics.on_sent(r, frame);
-        if let Err(e) = self.handle.block_on(self.mesh.send(r, frame)) {
+        let generation = self.mesh.link_generation(r);
+        let sent = self.within_link_timeout(r, generation, self.mesh.send(r, frame));
+        if let Some(Err(e)) = sent {
             tracing::warn!(worker = %self.id, router = r, error = %e, "{doing} failed");
+        }
+    }
+
+    /// Runs `send`, a send to router `to` on its link `generation`, for at most the link
+    /// timeout. A router that takes no frame for that long (its core wedged while its I/O
+    /// still answers heartbeats, so the link's credit never comes back) would otherwise hold
+    /// this thread, and every other router's work with it. Past the timeout the frame is
+    /// dropped and that link closed, as a silent peer's would be: the router fails over or
+    /// fails what it waited for, and this worker redials it. `None`: the time ran out.
+    fn within_link_timeout(
+        &self,
+        to: u32,
+        generation: Option<u64>,
+        send: impl Future<Output = Result<(), PeerError>>,
+    ) -> Option<Result<(), PeerError>> {
+        let timeout = self.live.dep.link_timeout;
+        match self
+            .handle
+            .block_on(async move { tokio::time::timeout(timeout, send).await })
+        {
+            Ok(sent) => Some(sent),
+            Err(_) => {
+                let why = format!(
+                    "router {to} took no frame for {timeout:?} (the link timeout, \
+                     --link-timeout-s): its link is closed and redialled"
+                );
+                tracing::warn!(worker = %self.id, "{why}");
+                if generation.is_some() && self.mesh.link_generation(to) == generation {
+                    self.mesh.disconnect(to, &why);
+                }
+                None
+            }
         }
     }
 
@@ -1612,16 +1646,14 @@ impl ComputeCtx {
     /// was replaced meanwhile is dropped and counted.
     fn send_on(&mut self, to: u32, generation: u64, frame: &OutFrame) {
         self.metrics.on_sent(to, frame);
-        match self
-            .handle
-            .block_on(self.mesh.send_on(to, generation, frame))
-        {
-            Ok(()) => {}
-            Err(e) if matches!(e.kind, PeerErrorKind::LinkReplaced(_)) => {
+        let send = self.mesh.send_on(to, generation, frame);
+        match self.within_link_timeout(to, Some(generation), send) {
+            Some(Ok(())) | None => {}
+            Some(Err(e)) if matches!(e.kind, PeerErrorKind::LinkReplaced(_)) => {
                 self.stale.answers += 1;
                 tracing::debug!(worker = %self.id, error = %e, "answer of a replaced link dropped");
             }
-            Err(e) => tracing::warn!(error = %e, "result not delivered"),
+            Some(Err(e)) => tracing::warn!(error = %e, "result not delivered"),
         }
     }
 }
