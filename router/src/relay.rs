@@ -15,6 +15,12 @@ use std::collections::HashMap;
 /// Copies one router relays at once (each gainer copies one expert at a time).
 pub const MAX_RELAYS: usize = 1024;
 
+/// Copies one gainer may have under way here at once: its current one and a few it gave up
+/// (each ends when its owner's wait for an acknowledgement does). Every copy may hold an
+/// owner's window of chunks on their way to the gainer in this router's memory, so a gainer
+/// that asks for copies without end and reads none holds at most this many windows here.
+pub const MAX_RELAYS_PER_GAINER: usize = 8;
+
 /// What the driver must send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RelayAction {
@@ -116,6 +122,13 @@ impl Relays {
         if self.relays.len() >= MAX_RELAYS {
             return refuse(format!(
                 "{MAX_RELAYS} expert copies are under way here; ask again later"
+            ));
+        }
+        let own = self.relays.values().filter(|r| r.gainer == from).count();
+        if own >= MAX_RELAYS_PER_GAINER {
+            return refuse(format!(
+                "{own} copies for this device are under way here already (at most \
+                 {MAX_RELAYS_PER_GAINER}); ask again once they end"
             ));
         }
         let mut others: Vec<u32> = owners.into_iter().filter(|&r| r != from).collect();
@@ -255,6 +268,34 @@ mod tests {
         assert_eq!(r.chunk(3, 1, false, true), Some(fwd));
         assert!(r.is_empty());
         assert_eq!(r.chunk(3, 1, false, false), None);
+    }
+
+    /// A gainer past its share of copies is refused; another gainer is still served, and
+    /// the first is again once one of its copies ends.
+    #[test]
+    fn one_gainer_holds_at_most_its_share_of_the_relays() {
+        let mut r = Relays::default();
+        for id in 0..MAX_RELAYS_PER_GAINER as u64 {
+            let a = r.fetch(5, 100 + id, &[(5, 1, id as u32)], vec![3]);
+            assert!(matches!(a, RelayAction::Ask { owner: 3, .. }), "{a:?}");
+        }
+        let refused = r.fetch(5, 200, &[(5, 1, 30)], vec![3]);
+        assert!(
+            matches!(&refused, RelayAction::Refuse { gainer: 5, gainer_id: 200, why } if why.contains("at most")),
+            "{refused:?}"
+        );
+        let other = r.fetch(6, 300, &[(6, 1, 30)], vec![3]);
+        assert!(
+            matches!(other, RelayAction::Ask { owner: 3, .. }),
+            "{other:?}"
+        );
+        // Gainer 5's first copy ends (its last chunk): it may ask again.
+        assert!(r.chunk(3, 1, false, true).is_some());
+        let again = r.fetch(5, 201, &[(5, 1, 30)], vec![3]);
+        assert!(
+            matches!(again, RelayAction::Ask { owner: 3, .. }),
+            "{again:?}"
+        );
     }
 
     #[test]
