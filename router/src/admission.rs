@@ -9,7 +9,8 @@
 //! payload is skipped, never held.
 //!
 //! The rule (sans-IO; the service shares one [`Admission`] between its connection tasks, which
-//! admit, and its core thread, which releases as answers leave). With `C` the router's
+//! admit, and the answers' writers, which release once an answer is written, so answers a
+//! frontend leaves untaken count against its share). With `C` the router's
 //! capacity (`max_requests`, `max_tokens`), a request is admitted when
 //! * the router stays within `C` and its connection stays within its fair share of `C` among
 //!   the busy connections (those with a request in flight, counting the asking one; at most

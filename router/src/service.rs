@@ -191,11 +191,15 @@ enum ClientMsg {
         tokens: usize,
         hidden: usize,
         output: Vec<f32>,
+        /// The request's admitted share, held until the answer is written.
+        share: Option<AnswerShare>,
     },
     Error {
         request_id: u64,
         code: ErrorCode,
         message: String,
+        /// The request's admitted share (a request the core failed), held until written.
+        share: Option<AnswerShare>,
     },
     /// A placement change answered ([`PlacementOp::Applied`]).
     Placement(Placement),
@@ -1028,6 +1032,7 @@ impl FrontendConn {
             request_id,
             code,
             message,
+            share: None,
         });
     }
 
@@ -1267,8 +1272,8 @@ enum Take {
 /// through refusals, and a refusal still comes quickly.
 const ADMISSION_WAIT: Duration = Duration::from_millis(100);
 
-/// The router's admission state, shared by the connection tasks (which admit) and the core
-/// thread (which releases as answers leave and then wakes the waiting readers).
+/// The router's admission state, shared by the connection tasks (which admit) and the
+/// answers ([`AnswerShare`], released once written, waking the waiting readers).
 struct AdmissionGate {
     state: Mutex<Admission>,
     /// Notified after answers freed shares.
@@ -1300,6 +1305,24 @@ impl AdmissionGate {
                 return Err(shed);
             }
         }
+    }
+}
+
+/// An admitted request's share of the router's capacity ([`crate::admission`]) while its
+/// answer waits to be written: released when dropped, once the answer is written or dropped
+/// with its connection. So the answers a frontend does not take count against its share (it
+/// is refused more work until it reads), and all the answers waiting in the router hold at
+/// most what admission lets in, instead of up to `max_outstanding` per connection.
+struct AnswerShare {
+    gate: Arc<AdmissionGate>,
+    client: ClientId,
+    request_id: u64,
+}
+
+impl Drop for AnswerShare {
+    fn drop(&mut self) {
+        self.gate.lock().release(self.client, self.request_id);
+        self.gate.released.notify_waiters();
     }
 }
 
@@ -1416,6 +1439,7 @@ fn idle_closed(
         request_id: 0,
         code: ErrorCode::ShuttingDown,
         message: message.clone(),
+        share: None,
     });
     (reader.frontend().to_owned(), message)
 }
@@ -1461,6 +1485,7 @@ async fn write_answer(
             tokens,
             hidden,
             output,
+            share,
         } => {
             let body = Body::LayerResponse(LayerResponse {
                 request_id,
@@ -1477,15 +1502,20 @@ async fn write_answer(
                 }
             };
             slots.add_permits(1);
-            writer.write_frame(&body, payload).await
+            let written = writer.write_frame(&body, payload).await;
+            drop(share);
+            written
         }
         ClientMsg::Error {
             request_id,
             code,
             message,
+            share,
         } => {
             slots.add_permits(1);
-            writer.write_error(request_id, code, &message).await
+            let written = writer.write_error(request_id, code, &message).await;
+            drop(share);
+            written
         }
         ClientMsg::Placement(p) => {
             slots.add_permits(1);
@@ -2007,6 +2037,7 @@ impl CoreLoop {
                     request_id,
                     code: ErrorCode::InvalidInput,
                     message,
+                    share: None,
                 };
                 (client, msg)
             })
@@ -2069,6 +2100,7 @@ impl CoreLoop {
                         request_id,
                         code: ErrorCode::PeerUnavailable,
                         message,
+                        share: None,
                     };
                     answers.push((client, msg));
                 }
@@ -2176,9 +2208,15 @@ impl CoreLoop {
         // One short lock per pass; nothing below blocks (writes are polled once, then spawned).
         let clients = Arc::clone(&self.clients);
         let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
-        let admission_gate = Arc::clone(&self.admission);
-        let mut admission = admission_gate.lock();
-        let mut released = false;
+        // An answer's admitted share goes with it and is released once it is written (or
+        // dropped, its connection gone): [`AnswerShare`].
+        let share = |client, request_id| {
+            Some(AnswerShare {
+                gate: Arc::clone(&self.admission),
+                client,
+                request_id,
+            })
+        };
         let mut next = Some(first);
         while let Some(a) = next {
             match a {
@@ -2194,13 +2232,12 @@ impl CoreLoop {
                     tokens,
                     output,
                 } => {
-                    admission.release(client, request_id);
-                    released = true;
                     let msg = ClientMsg::Response {
                         request_id,
                         tokens,
                         hidden: self.hidden,
                         output,
+                        share: share(client, request_id),
                     };
                     if let Some(c) = clients_now.get(&client) {
                         self.answer(c, msg, cx);
@@ -2212,12 +2249,11 @@ impl CoreLoop {
                     code,
                     message,
                 } => {
-                    admission.release(client, request_id);
-                    released = true;
                     let msg = ClientMsg::Error {
                         request_id,
                         code,
                         message,
+                        share: share(client, request_id),
                     };
                     if let Some(c) = clients_now.get(&client) {
                         self.answer(c, msg, cx);
@@ -2225,10 +2261,6 @@ impl CoreLoop {
                 }
             }
             next = self.core.poll_action();
-        }
-        drop(admission);
-        if released {
-            admission_gate.released.notify_waiters();
         }
         true
     }

@@ -587,3 +587,115 @@ fn a_client_that_closes_its_sending_side_gets_every_answer() {
         "the router ends the stream cleanly after the answers: {end}"
     );
 }
+
+/// Answers, or refusals, the router has given: `responses_total` plus every `errors_total`.
+fn handled(metrics: &str) -> (f64, f64) {
+    let (_, body) = crate::metrics::http_get(metrics);
+    let s = crate::metrics::Scrape::parse(&body);
+    (
+        s.sum("expertmesh_router_responses_total", &[])
+            + s.sum("expertmesh_router_errors_total", &[]),
+        s.sum("expertmesh_router_errors_total", &[("code", "overloaded")]),
+    )
+}
+
+/// The most bytes loopback TCP can hold between a router that writes and a client that does
+/// not read: the largest send buffer plus the largest receive buffer (`tcp_wmem`,
+/// `tcp_rmem`), or `None` where they cannot be read.
+fn socket_buffer_bytes() -> Option<u64> {
+    let max = |f: &str| -> Option<u64> {
+        let text = std::fs::read_to_string(f).ok()?;
+        text.split_whitespace().last()?.parse().ok()
+    };
+    Some(max("/proc/sys/net/ipv4/tcp_wmem")? + max("/proc/sys/net/ipv4/tcp_rmem")?)
+}
+
+/// A frontend's untaken answers hold its share of the router's capacity until they are
+/// written: a client that sends one request at a time, each after the router has answered
+/// the one before, and reads none, is refused (`Overloaded`) once its untaken answers are
+/// more than the sockets hold plus the router's capacity (one request), instead of the router
+/// keeping up to 32 answers per connection (the connection's places) outside admission.
+/// Nothing here depends on how fast the machine is: every request goes after the one before
+/// is answered.
+#[test]
+fn untaken_answers_hold_their_share_of_the_capacity_until_written() {
+    let _machine = crate::support::shared();
+    // Answers large enough that the sockets hold at most 16 of them: 4 MiB (1,024 tokens) or
+    // 12 MiB (3,072 tokens, a frame's worth).
+    let buffers = socket_buffer_bytes();
+    let tokens = match buffers {
+        Some(b) if b <= 64 << 20 => 1024,
+        Some(b) if b <= 192 << 20 => 3072,
+        _ => {
+            crate::support::say(&format!(
+                "skipped: loopback socket buffers ({buffers:?} bytes) hold more than 16 of the \
+                 largest answers"
+            ));
+            return;
+        }
+    };
+    let metrics = format!("http://127.0.0.1:{}/metrics", free_port());
+    let listen = metrics
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics");
+    let tokens_arg = tokens.to_string();
+    let up = Up::start_with(&[
+        "--max-tokens",
+        &tokens_arg,
+        "--max-inflight-tokens",
+        &tokens_arg,
+        "--deadline-ms",
+        "60000",
+        "--metrics",
+        listen,
+    ]);
+    let rt = rt();
+    let (body, payload) = f32_request(0, tokens);
+    let request = |id: u64| match &body {
+        Body::LayerRequest(r) => Body::LayerRequest(LayerRequest {
+            request_id: id,
+            ..*r
+        }),
+        other => unreachable!("{other:?}"),
+    };
+    // At most 30 requests: fewer than the connection's 32 places (the router reads every one
+    // whatever it does with their answers), more than the sockets (at most 16 answers) and
+    // one share hold.
+    let most = 30u64;
+    let (sent, refused) = rt.block_on(async {
+        let c = FrameConnection::connect(up.addr, &frontend())
+            .await
+            .unwrap();
+        let (_reader, mut w) = c.split();
+        let (before, _) = handled(&metrics);
+        let mut sent = 0u64;
+        while sent < most {
+            sent += 1;
+            w.write_frame(&request(sent), &payload).await.unwrap();
+            // Until the router has answered (or refused) it: 60 s, a hang guard.
+            let t0 = Instant::now();
+            loop {
+                let (now, refused) = handled(&metrics);
+                if refused > 0.0 {
+                    return (sent, refused);
+                }
+                if now >= before + sent as f64 {
+                    break;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "request {sent} not answered within 60 s"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        (sent, 0.0)
+    });
+    println!("refused at request {sent} of at most {most} ({refused} refusals)");
+    assert!(
+        refused > 0.0,
+        "{most} answers of {tokens} tokens left untaken, one after another, and none refused: \
+         untaken answers do not count against the connection's share"
+    );
+    serves_another(&rt, &up, &request(1), &payload);
+}
