@@ -253,7 +253,7 @@ impl Drop for AutoRebalancer {
 
 impl Loop {
     fn snapshot(&self) -> Result<LoadStats, String> {
-        load_stats(&self.spec, std::slice::from_ref(&self.metrics)).map_err(|e| e.to_string())
+        load_stats(&self.spec, std::slice::from_ref(&self.metrics), None).map_err(|e| e.to_string())
     }
 
     /// Decides from the window between two snapshots and applies what it decided.

@@ -166,6 +166,18 @@ pub enum FabricError {
     /// The routers' counts do not form load statistics of the model.
     #[error("load statistics: {0}")]
     LoadStats(String),
+    /// The live load file exists but cannot be read as this model's load statistics (to be
+    /// resumed from).
+    #[error(
+        "--load-stats: {} exists but cannot be resumed from ({cause}); move it away or give another file",
+        path.display()
+    )]
+    ResumeLoadStats {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        cause: expertmesh_planner::stats::StatsError,
+    },
     /// The live load file could not be written.
     #[error("--load-stats: cannot write {}: {cause}", path.display())]
     WriteLoadStats {

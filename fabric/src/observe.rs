@@ -165,7 +165,9 @@ pub fn start(
     Ok(obs)
 }
 
-/// Rewrites the live load file from the routers' per-expert counts, on its own thread.
+/// Rewrites the live load file from the routers' per-expert counts, on its own thread. A file
+/// already there (an earlier run's, a restarted router's) is resumed from: its counts and
+/// tokens are added to the routers', so a restart does not throw the routed history away.
 #[derive(Debug)]
 pub struct LoadStatsWriter {
     stop: Option<mpsc::Sender<()>>,
@@ -173,15 +175,29 @@ pub struct LoadStatsWriter {
 }
 
 impl LoadStatsWriter {
-    /// Write `path` now (so a bad path fails at start, with its reason), then every `every`
-    /// and once more when dropped.
+    /// Read `path` when it exists (the counts to resume from: a file that is not this
+    /// model's load statistics fails the start, naming why), write it now (so a bad path
+    /// fails at start, with its reason), then every `every` and once more when dropped.
     pub fn start(
         path: PathBuf,
         every: Duration,
         spec: ModelSpec,
         sources: Vec<Arc<RouterMetrics>>,
     ) -> Result<Self, FabricError> {
-        write_load(&path, &spec, &sources)?;
+        let base = match path.try_exists() {
+            Ok(true) => Some(LoadStats::load(&path, &spec).map_err(|cause| {
+                FabricError::ResumeLoadStats {
+                    path: path.clone(),
+                    cause,
+                }
+            })?),
+            _ => None,
+        };
+        if base.is_some() {
+            tracing::info!(path = %path.display(), "resuming the load statistics from the file");
+        }
+        let write_load = move |path: &Path| write_load(path, &spec, &sources, base.as_ref());
+        write_load(&path)?;
         let (stop, stopped) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("load-stats".into())
@@ -191,7 +207,7 @@ impl LoadStatsWriter {
                         stopped.recv_timeout(every),
                         Err(mpsc::RecvTimeoutError::Timeout)
                     );
-                    if let Err(e) = write_load(&path, &spec, &sources) {
+                    if let Err(e) = write_load(&path) {
                         tracing::warn!(error = %format!("{e:#}"), "writing the load statistics failed");
                     }
                     if last {
@@ -216,16 +232,20 @@ impl Drop for LoadStatsWriter {
     }
 }
 
-/// The routers' per-expert counts so far, summed, as the planner's load statistics: one row
-/// of counts per MoE layer of `spec` (a layer no router serves has no data), and the window's
-/// tokens (the most any layer saw).
+/// The routers' per-expert counts so far, summed, and added to `base` (counts resumed from),
+/// as the planner's load statistics: one row of counts per MoE layer of `spec` (a layer
+/// neither has data for has none), and the window's tokens (the most any layer saw, plus
+/// `base`'s).
 pub fn load_stats(
     spec: &ModelSpec,
     sources: &[Arc<RouterMetrics>],
+    base: Option<&LoadStats>,
 ) -> Result<LoadStats, FabricError> {
     let ids = spec.moe_layer_ids();
     let e = spec.routed_experts as usize;
-    let mut counts: Vec<Option<Vec<f64>>> = vec![None; ids.len()];
+    let mut counts: Vec<Option<Vec<f64>>> = (0..ids.len())
+        .map(|li| base.and_then(|b| b.layer(li)).map(<[f64]>::to_vec))
+        .collect();
     let mut tokens = vec![0u64; ids.len()];
     for m in sources {
         for (layer, c) in m.expert_load() {
@@ -239,18 +259,20 @@ pub fn load_stats(
             tokens[li] += m.layer_tokens(layer);
         }
     }
-    let window = tokens.iter().copied().max().unwrap_or(0);
+    let window = tokens.iter().copied().max().unwrap_or(0) as f64;
+    let resumed = base.and_then(LoadStats::tokens).unwrap_or(0.0);
     Ok(LoadStats::new(spec, counts)
         .map_err(FabricError::LoadStats)?
-        .with_tokens(window as f64))
+        .with_tokens(window + resumed))
 }
 
 fn write_load(
     path: &Path,
     spec: &ModelSpec,
     sources: &[Arc<RouterMetrics>],
+    base: Option<&LoadStats>,
 ) -> Result<(), FabricError> {
-    load_stats(spec, sources)?
+    load_stats(spec, sources, base)?
         .write_atomic(path, spec)
         .map_err(|cause| FabricError::WriteLoadStats {
             path: path.to_path_buf(),
@@ -261,6 +283,37 @@ fn write_load(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A load file already there is resumed from (its counts and tokens kept and added to),
+    /// not rewritten from zero; one that is not the model's load statistics fails the start
+    /// naming the file, and is left as it was.
+    #[test]
+    fn a_load_file_already_there_is_resumed_from() {
+        let spec = expertmesh_topology::model::preset_by_name("demo-small").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("load.json");
+        let layers = spec.moe_layer_ids().len();
+        let e = spec.routed_experts as usize;
+        let mut counts: Vec<Option<Vec<f64>>> = vec![None; layers];
+        counts[1] = Some((0..e).map(|i| (i * 3) as f64).collect());
+        let earlier = LoadStats::new(&spec, counts).unwrap().with_tokens(500.0);
+        earlier.write_atomic(&path, &spec).unwrap();
+        let every = Duration::from_secs(3600);
+        drop(LoadStatsWriter::start(path.clone(), every, spec.clone(), Vec::new()).unwrap());
+        let now = LoadStats::load(&path, &spec).unwrap();
+        assert_eq!(now.layer(1), earlier.layer(1));
+        assert_eq!(now.layer(0), None);
+        assert_eq!(now.tokens(), Some(500.0));
+
+        std::fs::write(&path, "not a load file").unwrap();
+        let err = LoadStatsWriter::start(path.clone(), every, spec, Vec::new()).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("load.json") && text.contains("cannot be resumed"),
+            "{text}"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "not a load file");
+    }
 
     #[test]
     fn ports_per_process() {
