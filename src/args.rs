@@ -59,7 +59,7 @@ pub(crate) fn parse_link_timeout(s: &str) -> Result<f64, String> {
     }
 }
 
-/// `--link-timeout-s` of `router` and `worker`.
+/// `--link-timeout-s` of `router`, `worker` and `up`.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct LinkTimeoutArgs {
     /// How long a mesh peer (a router, a worker, a node peer) may stay silent, in its
@@ -73,9 +73,14 @@ pub(crate) struct LinkTimeoutArgs {
 }
 
 impl LinkTimeoutArgs {
+    /// The link timeout.
+    pub(crate) fn duration(&self) -> Duration {
+        Duration::from_secs_f64(self.link_timeout_s)
+    }
+
     /// Sets the deployment's link timeout.
     pub(crate) fn apply(&self, dep: &mut expertmesh_worker::deploy::Deployment) {
-        dep.link_timeout = Duration::from_secs_f64(self.link_timeout_s);
+        dep.link_timeout = self.duration();
     }
 }
 

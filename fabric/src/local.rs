@@ -41,6 +41,9 @@ pub struct LocalFabricOptions {
     pub worker_weights: Vec<PathBuf>,
     /// Worker ↔ router link.
     pub link: LinkKind,
+    /// How long a silent mesh peer is given, for the routers and every worker
+    /// (`--link-timeout-s`; [`Deployment::link_timeout`]).
+    pub link_timeout: Duration,
     /// Router settings (mode, batching, deadlines).
     pub router: RouterConfig,
     /// The `expertmesh` binary to run workers with.
@@ -137,6 +140,7 @@ impl LocalFabricOptions {
             weights: None,
             worker_weights: Vec::new(),
             link: LinkKind::Tcp,
+            link_timeout: expertmesh_worker::deploy::DEFAULT_LINK_TIMEOUT,
             router: RouterConfig::default(),
             exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("expertmesh")),
             frontend_listen: None,
@@ -212,10 +216,11 @@ impl LocalFabric {
     /// Start the routers and every worker, and wait until all workers are connected to every
     /// router.
     pub fn start(mut opts: LocalFabricOptions) -> Result<Self, FabricError> {
-        let dep = match &opts.weights {
+        let mut dep = match &opts.weights {
             Some(w) => Deployment::load_converted(&opts.topology, w)?,
             None => Deployment::load(&opts.topology, &opts.model, &opts.placement, opts.seed)?,
         };
+        dep.link_timeout = opts.link_timeout;
         if opts.micro_batch_fit {
             opts.router.micro_batch_tokens = one_host_micro_batch(&dep, &opts.router);
         }
@@ -356,6 +361,8 @@ impl LocalFabric {
         }
         cmd.arg("--link")
             .arg(o.link.name())
+            .arg("--link-timeout-s")
+            .arg(o.link_timeout.as_secs_f64().to_string())
             .arg("--max-tokens")
             .arg(o.router.micro_batch_tokens.max(1).to_string())
             .arg("--exit-with-parent")
@@ -540,6 +547,8 @@ impl LocalFabric {
             args.push(("--router".into(), r.to_string()));
         }
         args.push(("--link".into(), o.link.name().to_string()));
+        let link_timeout = o.link_timeout.as_secs_f64().to_string();
+        args.push(("--link-timeout-s".into(), link_timeout));
         args.push(("--rdma-provider".into(), o.rdma_provider.name()));
         let max_tokens = o.router.micro_batch_tokens.max(1).to_string();
         args.push(("--max-tokens".into(), max_tokens));

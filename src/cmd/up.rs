@@ -5,7 +5,7 @@
 //! folder) to a fabric frontends can call; it prints where they connect and what input they
 //! send. The launcher itself is [`expertmesh_fabric::local`].
 
-use crate::args::{AutoRebalanceArgs, ObserveArgs, RouterArgs, link_parser};
+use crate::args::{AutoRebalanceArgs, LinkTimeoutArgs, ObserveArgs, RouterArgs, link_parser};
 use clap::Args;
 use expertmesh_fabric::local::{LocalFabric, LocalFabricOptions};
 use expertmesh_fabric::{credentials, defaults, observe};
@@ -37,6 +37,8 @@ pub(crate) struct UpCli {
     /// Worker ↔ router link.
     #[arg(long, default_value = "tcp", value_parser = link_parser(&LinkKind::ALL))]
     link: LinkKind,
+    #[command(flatten)]
+    link_timeout: LinkTimeoutArgs,
     /// The NIC under RDMA links: verbs, libfabric (= libfabric:tcp;ofi_rxm, any host) or
     /// `libfabric:<provider>`.
     #[arg(long, default_value = "verbs", value_parser = crate::args::rdma_provider_parser)]
@@ -73,6 +75,7 @@ pub(crate) fn run(cli: UpCli) -> anyhow::Result<ExitCode> {
     opts.seed = cli.seed;
     opts.weights = cli.weights.clone();
     opts.link = cli.link;
+    opts.link_timeout = cli.link_timeout.duration();
     opts.rdma_provider = cli.rdma_provider.clone();
     opts.router = cli.router.config();
     // Every process of `up` is on this host: no micro-batch split unless asked for.

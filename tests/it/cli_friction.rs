@@ -336,7 +336,7 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("--drain-timeout-s"), "{}", r.stderr);
     // A link timeout shorter than four of a peer's heartbeats would drop healthy links.
-    for sub in ["router", "worker"] {
+    for sub in ["router", "worker", "up"] {
         for value in ["1.9", "0", "NaN", "86401"] {
             let r = crate::support::run(&[sub, &format!("--link-timeout-s={value}")]);
             assert_eq!(r.code, 2, "{sub} {value}: {}{}", r.stdout, r.stderr);

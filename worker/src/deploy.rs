@@ -187,8 +187,8 @@ pub struct Deployment {
     /// authentication and no encryption.
     pub credentials: Option<Arc<Credentials>>,
     /// How long a mesh peer may stay silent, in its handshake or after it, before its link is
-    /// declared dead and redialled ([`DEFAULT_LINK_TIMEOUT`]; `--link-timeout-s` of `router`
-    /// and `worker`). Heartbeats go every [`HEARTBEAT_INTERVAL`] whatever it is.
+    /// declared dead and redialled ([`DEFAULT_LINK_TIMEOUT`]; `--link-timeout-s` of `router`,
+    /// `worker` and `up`). Heartbeats go every [`HEARTBEAT_INTERVAL`] whatever it is.
     pub link_timeout: Duration,
 }
 
