@@ -520,7 +520,6 @@ impl Mesh {
             rdma_device: cfg.rdma_device.clone(),
             rdma_provider: cfg.rdma_provider.clone(),
             local_ip: cfg.peers[cfg.protocol.local_rank as usize].addr.ip(),
-            peer_links: cfg.peers.iter().map(|p| p.link).collect(),
         };
         let inner = Arc::new(MeshInner {
             proto_cfg,

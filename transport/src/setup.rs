@@ -42,10 +42,6 @@ pub(crate) struct SetupEnv {
     pub(crate) rdma_provider: crate::rdma::RdmaProvider,
     /// This rank's listen address, whose GID an RDMA link uses.
     pub(crate) local_ip: IpAddr,
-    /// The link kind this rank's configuration names for each peer, by rank: an accepted
-    /// peer gets a shared-memory or RDMA link only when it is the one named for it (else TCP),
-    /// so a peer cannot make this rank create rings or NIC endpoints it was not set up for.
-    pub(crate) peer_links: Arc<[LinkKind]>,
 }
 
 /// A handshaken link of some kind, not yet installed.
@@ -184,20 +180,7 @@ async fn establish(
     let peer = tcp::handshake(&mut stream, &mut conn, &codec, first, deadline, &mut crypt).await?;
     let (kind, writer, reader) = match conn.pending_link() {
         Some(kind) => {
-            let prepared = if expected.is_none() && !configured_for(env, kind, peer.rank) {
-                tracing::warn!(
-                    peer = peer.rank,
-                    "the peer asked for a {} link but this rank's configuration names {} for \
-                     it; using TCP (give both ends the same --link)",
-                    kind.name(),
-                    env.peer_links
-                        .get(peer.rank as usize)
-                        .map_or("nothing", |k| k.name())
-                );
-                Prepared::None
-            } else {
-                prepare(env, kind, peer.rank).await
-            };
+            let prepared = prepare(env, kind, peer.rank).await;
             conn.link_prepared(prepared.attachment());
             tcp::exchange_link_info(&mut stream, &mut conn, &codec, &mut crypt, deadline).await?;
             finish(env, stream, &mut conn, prepared, crypt).await?
@@ -212,12 +195,6 @@ async fn establish(
         recv_window,
     };
     Ok(Established { new, reader })
-}
-
-/// Whether this rank's configuration names `kind` for peer `rank` (what an accepted peer may
-/// ask for beyond TCP).
-fn configured_for(env: &SetupEnv, kind: LinkKind, rank: u32) -> bool {
-    env.peer_links.get(rank as usize) == Some(&kind)
 }
 
 /// The halves of a TCP link.

@@ -2,8 +2,7 @@
 //! whose link is live is refused (told why; the live link stays), a restarted peer's new link
 //! replaces the old one, and an answer bound to the old link's generation is never sent on
 //! the new one. Also the redial bound: a peer that comes up after a long outage is joined
-//! within about the backoff cap; and an accepted peer gets only the link kind the acceptor's
-//! configuration names for it.
+//! within about the backoff cap.
 
 use crate::support::{free_addrs, peers, result_body};
 use expertmesh_transport::codec::Body;
@@ -122,36 +121,4 @@ async fn a_peer_that_comes_up_after_a_long_outage_is_joined_within_the_backoff_c
     assert!(took < Duration::from_millis(4000), "joined after {took:?}");
     dialer.shutdown();
     listener.shutdown();
-}
-
-/// An accepted peer gets the link kind the acceptor's configuration names for it: a peer
-/// asking for shared memory where the acceptor names TCP gets TCP (no ring is created for
-/// it), and one asking for what is named gets it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_accepted_peer_gets_only_the_link_kind_configured_for_it() {
-    for (acceptor_names, want) in [
-        (LinkKind::Tcp, LinkKind::Tcp),
-        (LinkKind::Shm, LinkKind::Shm),
-    ] {
-        let addrs = [free_addr(), free_addr()];
-        let mut acceptor_cfg = config(0, addrs, 0xA);
-        acceptor_cfg.peers = peers(&addrs, acceptor_names);
-        let mut dialer_cfg = config(1, addrs, 0xB);
-        dialer_cfg.peers = peers(&addrs, LinkKind::Shm);
-        let (acceptor, _a) = Mesh::start(acceptor_cfg).await.unwrap();
-        let (dialer, _d) = Mesh::start(dialer_cfg).await.unwrap();
-        wait_for(
-            "the link",
-            || acceptor.link_kind(1).is_some() && dialer.link_kind(0).is_some(),
-            T,
-        )
-        .await;
-        assert_eq!(
-            (acceptor.link_kind(1), dialer.link_kind(0)),
-            (Some(want), Some(want)),
-            "acceptor names {acceptor_names:?} for a peer asking for shm"
-        );
-        dialer.shutdown();
-        acceptor.shutdown();
-    }
 }
