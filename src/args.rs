@@ -386,8 +386,8 @@ pub(crate) struct ObserveArgs {
     pub(crate) metrics: Option<SocketAddr>,
     /// Keep a live per-expert load file here, in the planner's statistics format
     /// (`expertmesh plan --load FILE` reads it; .json for JSON, else CSV): tokens routed to
-    /// each expert since start, rewritten atomically every --load-stats-every seconds and at
-    /// exit.
+    /// each expert since start (added to the counts of a file already there: a restarted
+    /// router resumes it), rewritten atomically every --load-stats-every seconds and at exit.
     #[arg(long, value_name = "FILE")]
     pub(crate) load_stats: Option<PathBuf>,
     /// Seconds between rewrites of the --load-stats file.

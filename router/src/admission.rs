@@ -102,11 +102,22 @@ impl Shed {
     }
 }
 
+/// One request's place: admitted and not yet released.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    /// The request's id; once answered, the ticket [`Admission::answered`] gave it.
+    key: u64,
+    tokens: usize,
+    /// Answered (its answer waits to be written): its id is free for a new request, its
+    /// capacity is not.
+    answered: bool,
+}
+
 /// One connection's requests in flight.
 #[derive(Debug, Default)]
 struct ClientLoad {
-    /// (request id, tokens) of each request admitted and not yet released.
-    inflight: Vec<(u64, usize)>,
+    /// Each request admitted and not yet released.
+    inflight: Vec<Place>,
     tokens: usize,
     /// The connection has closed: forget it once its last request is released.
     closed: bool,
@@ -125,6 +136,8 @@ pub struct Admission {
     tokens: usize,
     /// [`Admission::drain`] was called: nothing more is admitted.
     draining: bool,
+    /// The last ticket [`Admission::answered`] gave.
+    tickets: u64,
 }
 
 impl Admission {
@@ -142,6 +155,7 @@ impl Admission {
             requests: 0,
             tokens: 0,
             draining: false,
+            tickets: 0,
         }
     }
 
@@ -172,11 +186,11 @@ impl Admission {
         if self.draining {
             return Err(Shed::Draining);
         }
-        if self
-            .clients
-            .get(&client)
-            .is_some_and(|c| c.inflight.iter().any(|&(id, _)| id == request_id))
-        {
+        if self.clients.get(&client).is_some_and(|c| {
+            c.inflight
+                .iter()
+                .any(|p| !p.answered && p.key == request_id)
+        }) {
             return Err(Shed::DuplicateId { request_id });
         }
         let limits = self.limits;
@@ -220,23 +234,55 @@ impl Admission {
         if c.inflight.is_empty() {
             self.busy += 1;
         }
-        c.inflight.push((request_id, tokens));
+        c.inflight.push(Place {
+            key: request_id,
+            tokens,
+            answered: false,
+        });
         c.tokens += tokens;
         self.requests += 1;
         self.tokens += tokens;
         Ok(())
     }
 
-    /// Request `request_id` of `client` has been answered (or failed): its share is free. A
-    /// request that was not admitted is ignored.
+    /// Request `request_id` of `client` ended without an answer to write (refused after its
+    /// admission): its share is free. A request that was not admitted (or already answered)
+    /// is ignored.
     pub fn release(&mut self, client: ClientId, request_id: u64) {
+        self.free(client, |p| !p.answered && p.key == request_id);
+    }
+
+    /// Request `request_id` of `client` has been answered (or failed) and its answer waits to
+    /// be written: its id is free from now on (the client may send a request of that id once
+    /// it has read the answer), its share stays taken until [`Admission::release_answered`]
+    /// with the ticket returned (`None`: the request was not admitted).
+    pub fn answered(&mut self, client: ClientId, request_id: u64) -> Option<u64> {
+        let c = self.clients.get_mut(&client)?;
+        let p = c
+            .inflight
+            .iter_mut()
+            .find(|p| !p.answered && p.key == request_id)?;
+        self.tickets += 1;
+        p.key = self.tickets;
+        p.answered = true;
+        Some(self.tickets)
+    }
+
+    /// The answer of [`Admission::answered`]'s `ticket` is written (or dropped with its
+    /// connection): its share is free.
+    pub fn release_answered(&mut self, client: ClientId, ticket: u64) {
+        self.free(client, |p| p.answered && p.key == ticket);
+    }
+
+    /// Frees `client`'s place that `which` picks, if any.
+    fn free(&mut self, client: ClientId, which: impl Fn(&Place) -> bool) {
         let Some(c) = self.clients.get_mut(&client) else {
             return;
         };
-        let Some(i) = c.inflight.iter().position(|&(id, _)| id == request_id) else {
+        let Some(i) = c.inflight.iter().position(which) else {
             return;
         };
-        let (_, tokens) = c.inflight.swap_remove(i);
+        let tokens = c.inflight.swap_remove(i).tokens;
         c.tokens -= tokens;
         self.requests -= 1;
         self.tokens -= tokens;
@@ -435,5 +481,31 @@ mod tests {
         a.release(1, 9);
         assert_eq!(a.in_flight(), (0, 0));
         assert!(a.clients.is_empty() && a.busy == 0);
+    }
+
+    /// An answered request frees its id at once (the client may reuse it) and its share
+    /// only when the answer is written; releases by id and by ticket never free each other's.
+    #[test]
+    fn an_answered_request_frees_its_id_at_once_and_its_share_when_written() {
+        let mut a = Admission::new(limits());
+        a.open();
+        a.admit(1, 7, 600).unwrap();
+        assert_eq!(a.admit(1, 7, 10), Err(Shed::DuplicateId { request_id: 7 }));
+        let ticket = a.answered(1, 7).expect("admitted");
+        assert_eq!(a.answered(1, 7), None, "answered once");
+        assert_eq!(a.in_flight(), (1, 600), "the share stays until written");
+        // The id is free: a new request of id 7 is admitted (within the capacity).
+        a.admit(1, 7, 400).unwrap();
+        assert_eq!(a.in_flight(), (2, 1000));
+        // Over the capacity while the first answer is unwritten (a lone connection).
+        assert!(a.admit(1, 8, 100).is_err());
+        a.release(1, 7); // the unanswered request 7, not the answered one
+        assert_eq!(a.in_flight(), (1, 600));
+        a.release_answered(1, ticket + 1); // no such ticket: ignored
+        assert_eq!(a.in_flight(), (1, 600));
+        a.release_answered(1, ticket);
+        assert_eq!(a.in_flight(), (0, 0));
+        a.admit(1, 8, 100).unwrap();
+        assert_eq!(a.answered(2, 8), None, "unknown connection");
     }
 }

@@ -290,6 +290,7 @@ impl RouterService {
                 max_per_client: cfg.max_outstanding_per_client.max(1),
             })),
             released: tokio::sync::Notify::new(),
+            core: std::sync::OnceLock::new(),
         });
         runtime.spawn(accept_loop(
             listener,
@@ -395,8 +396,10 @@ impl RouterService {
 
     /// Stop admitting requests (each new one is refused with `ShuttingDown`, saying the router
     /// is draining, so a failover client sends it to another router) and wait up to `timeout` for
-    /// the admitted ones to be answered. Returns how many were still unanswered at the end
-    /// (0: drained). The service keeps running; [`RouterService::shutdown`] stops it.
+    /// the admitted ones to be answered and their answers written (a frontend that does not
+    /// read keeps it waiting until `timeout`). Returns how many were still unanswered or
+    /// unwritten at the end (0: drained). The service keeps running;
+    /// [`RouterService::shutdown`] stops it.
     pub fn drain(&self, timeout: Duration) -> usize {
         self.admission.lock().drain();
         let until = Instant::now() + timeout;
@@ -812,7 +815,8 @@ struct FrontendConn {
     /// Open (handshaken) frontend connections, shared by all of them.
     open: Arc<AtomicUsize>,
     max_outstanding: usize,
-    /// The router's admitted requests, shared by every connection and the core thread.
+    /// The router's admitted requests, shared by every connection, the core thread and the
+    /// answers waiting to be written ([`AnswerShare`]).
     admission: Arc<AdmissionGate>,
     /// The listener's settings: how long the connection may idle
     /// ([`FrontendConfig::idle_timeout`]), who may change the placement
@@ -1278,6 +1282,8 @@ struct AdmissionGate {
     state: Mutex<Admission>,
     /// Notified after answers freed shares.
     released: tokio::sync::Notify,
+    /// The core thread, woken when the last share is released ([`AnswerShare`]).
+    core: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl AdmissionGate {
@@ -1308,21 +1314,46 @@ impl AdmissionGate {
     }
 }
 
-/// An admitted request's share of the router's capacity ([`crate::admission`]) while its
+/// An answered request's share of the router's capacity ([`crate::admission`]) while its
 /// answer waits to be written: released when dropped, once the answer is written or dropped
 /// with its connection. So the answers a frontend does not take count against its share (it
 /// is refused more work until it reads), and all the answers waiting in the router hold at
-/// most what admission lets in, instead of up to `max_outstanding` per connection.
+/// most what admission lets in, instead of up to `max_outstanding` per connection. (The
+/// request's id is free from the answer on: [`Admission::answered`].)
 struct AnswerShare {
     gate: Arc<AdmissionGate>,
     client: ClientId,
-    request_id: u64,
+    /// From [`Admission::answered`].
+    ticket: u64,
+}
+
+impl AnswerShare {
+    /// The share of `client`'s request `request_id`, answered now (`None`: not admitted).
+    fn answered(gate: &Arc<AdmissionGate>, client: ClientId, request_id: u64) -> Option<Self> {
+        let ticket = gate.lock().answered(client, request_id)?;
+        Some(Self {
+            gate: Arc::clone(gate),
+            client,
+            ticket,
+        })
+    }
 }
 
 impl Drop for AnswerShare {
     fn drop(&mut self) {
-        self.gate.lock().release(self.client, self.request_id);
+        let idle = {
+            let mut admission = self.gate.lock();
+            admission.release_answered(self.client, self.ticket);
+            admission.in_flight().0 == 0
+        };
         self.gate.released.notify_waiters();
+        if idle {
+            // The core thread may be parked waiting for the router to fall idle (to give a
+            // burst's memory back): the last share released is that moment.
+            if let Some(core) = self.gate.core.get() {
+                core.unpark();
+            }
+        }
     }
 }
 
@@ -1602,7 +1633,8 @@ struct CoreLoop {
     names: Vec<String>,
     /// Open frontend connections (kept by the connection tasks).
     open: Arc<AtomicUsize>,
-    /// The admitted requests: each answer the core gives frees its request's share.
+    /// The admitted requests: each answer the core gives frees its request's id, and its
+    /// share once written ([`AnswerShare`]).
     admission: Arc<AdmissionGate>,
     /// Gives the memory of a finished burst back to the system.
     trim: MemoryTrim,
@@ -1702,6 +1734,7 @@ impl CoreLoop {
     /// thread: no task in between.
     fn run(mut self) {
         let _ = self.tx.thread.set(std::thread::current());
+        let _ = self.admission.core.set(std::thread::current());
         let _rt = self.rt.enter();
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = Context::from_waker(&waker);
@@ -2210,13 +2243,7 @@ impl CoreLoop {
         let clients_now = clients.lock().unwrap_or_else(|e| e.into_inner());
         // An answer's admitted share goes with it and is released once it is written (or
         // dropped, its connection gone): [`AnswerShare`].
-        let share = |client, request_id| {
-            Some(AnswerShare {
-                gate: Arc::clone(&self.admission),
-                client,
-                request_id,
-            })
-        };
+        let share = |client, request_id| AnswerShare::answered(&self.admission, client, request_id);
         let mut next = Some(first);
         while let Some(a) = next {
             match a {

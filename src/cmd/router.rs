@@ -124,7 +124,7 @@ pub(crate) fn run(cli: RouterCli) -> anyhow::Result<ExitCode> {
     let left = service.drain(drain);
     if left > 0 {
         eprintln!(
-            "expertmesh router {instance}: {left} requests unanswered after {:.0} s of draining; they fail as the router stops",
+            "expertmesh router {instance}: {left} requests unanswered (or their answers untaken) after {:.0} s of draining; they fail as the router stops",
             drain.as_secs_f64()
         );
     }

@@ -5,9 +5,10 @@
 //! can hold answers for and never takes a frame (its core wedged while its I/O still answers
 //! heartbeats, so the worker's send credit never comes back); router 1 then sends one
 //! dispatch. The worker must answer router 1 and close router 0's link (and redial it) after
-//! its link timeout (2 s here); before, its compute thread waited on router 0 for ever.
+//! twelve link timeouts (36 s here, `--link-timeout-s 3`); before, its compute thread waited on
+//! router 0 for ever.
 //!
-//! No time is asserted: the waits are hang guards (60 s) against "never".
+//! No time is asserted: the waits are hang guards (120 s) against "never".
 
 use expertmesh_transport::codec::{Body, ComputeMode, Dispatch, OutputLayout};
 use expertmesh_transport::dtype::{ActivationDtype, OutputDtype};
@@ -19,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use crate::support::root;
 
-/// Hang guard of every wait.
-const GUARD: Duration = Duration::from_secs(60);
+/// Hang guard of every wait: past the worker's 36 s bound on a stalled router.
+const GUARD: Duration = Duration::from_secs(120);
 
 /// Tokens of each dispatch (the worker's default `--max-tokens`).
 const TOKENS: usize = 64;
@@ -124,7 +125,7 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
             .args(["--model", "demo-small", "--placement"])
             .arg(&placement)
             .args(["--seed", "42", "--device", "local/cpu0", "--threads", "1"])
-            .args(["--link-timeout-s", "2", "--exit-with-parent"])
+            .args(["--link-timeout-s", "3", "--exit-with-parent"])
             .arg(format!("--router={r0},{r1}"))
             .arg(format!("--listen={worker_listen}"))
             .stdin(Stdio::null())
@@ -158,8 +159,8 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
             })
         };
         // Once router 0's window has no room for another answer: the worker's next answer
-        // to it waits for credit that never comes (or, with the fix, has waited its link
-        // timeout already and the link was closed).
+        // to it waits for credit that never comes (or, with the fix, has waited out its
+        // stall bound already and the link was closed).
         wait_until("router 0's window is full of untaken answers", || {
             wedged
                 .peer_stats(rank)
@@ -177,7 +178,7 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
                 "router 1's dispatch was not answered while router 0 took no answers: {other:?}"
             ),
         }
-        // Router 0's link was closed after the worker's link timeout, and redialled.
+        // Router 0's link was closed after the worker's stall bound, and redialled.
         wait_until("the worker redialled router 0", || {
             wedged.link_generation(rank).is_some_and(|g| g >= 2)
         })

@@ -802,6 +802,13 @@ struct StaleWork {
     last_warn: Option<Instant>,
 }
 
+/// How many link timeouts a send to a router may wait for its credit before the router is
+/// taken for wedged: 60 s at the default timeout, the longest deadline a router grants by
+/// default (past it nothing the router waits for is still useful). A router busy for seconds
+/// on one batch (its own shared experts, a large combine) takes no frame meanwhile and keeps
+/// its links.
+pub const STALL_LINK_TIMEOUTS: u32 = 12;
+
 /// Least time between two warnings about stale work or refusals by a router.
 const STALE_LOG_EVERY: Duration = Duration::from_secs(5);
 
@@ -1554,25 +1561,26 @@ impl ComputeCtx {
     fn send_control(&mut self, r: u32, frame: &OutFrame, doing: &str) {
         self.metrics.on_sent(r, frame);
         let generation = self.mesh.link_generation(r);
-        let sent = self.within_link_timeout(r, generation, self.mesh.send(r, frame));
+        let sent = self.within_stall_bound(r, generation, self.mesh.send(r, frame));
         if let Some(Err(e)) = sent {
             tracing::warn!(worker = %self.id, router = r, error = %e, "{doing} failed");
         }
     }
 
-    /// Runs `send`, a send to router `to` on its link `generation`, for at most the link
-    /// timeout. A router that takes no frame for that long (its core wedged while its I/O
-    /// still answers heartbeats, so the link's credit never comes back) would otherwise hold
-    /// this thread, and every other router's work with it. Past the timeout the frame is
-    /// dropped and that link closed, as a silent peer's would be: the router fails over or
-    /// fails what it waited for, and this worker redials it. `None`: the time ran out.
-    fn within_link_timeout(
+    /// Runs `send`, a send to router `to` on its link `generation`, for at most
+    /// [`STALL_LINK_TIMEOUTS`] link timeouts. A router that takes no frame for that long (its
+    /// core wedged while its I/O still answers heartbeats, so the link's credit never comes
+    /// back) would otherwise hold this thread, and every other router's work with it. Past
+    /// the bound the frame is dropped and that link closed, as a silent peer's would be: the
+    /// router fails over or fails what it waited for, and this worker redials it. `None`: the
+    /// time ran out.
+    fn within_stall_bound(
         &self,
         to: u32,
         generation: Option<u64>,
         send: impl Future<Output = Result<(), PeerError>>,
     ) -> Option<Result<(), PeerError>> {
-        let timeout = self.live.dep.link_timeout;
+        let timeout = self.live.dep.link_timeout * STALL_LINK_TIMEOUTS;
         match self
             .handle
             .block_on(async move { tokio::time::timeout(timeout, send).await })
@@ -1580,8 +1588,8 @@ impl ComputeCtx {
             Ok(sent) => Some(sent),
             Err(_) => {
                 let why = format!(
-                    "router {to} took no frame for {timeout:?} (the link timeout, \
-                     --link-timeout-s): its link is closed and redialled"
+                    "router {to} took no frame for {timeout:?} ({STALL_LINK_TIMEOUTS} link \
+                     timeouts, --link-timeout-s): its link is closed and redialled"
                 );
                 tracing::warn!(worker = %self.id, "{why}");
                 if generation.is_some() && self.mesh.link_generation(to) == generation {
@@ -1647,7 +1655,7 @@ impl ComputeCtx {
     fn send_on(&mut self, to: u32, generation: u64, frame: &OutFrame) {
         self.metrics.on_sent(to, frame);
         let send = self.mesh.send_on(to, generation, frame);
-        match self.within_link_timeout(to, Some(generation), send) {
+        match self.within_stall_bound(to, Some(generation), send) {
             Some(Ok(())) | None => {}
             Some(Err(e)) if matches!(e.kind, PeerErrorKind::LinkReplaced(_)) => {
                 self.stale.answers += 1;
