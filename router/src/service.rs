@@ -1165,7 +1165,10 @@ impl FrontendConn {
         req: LayerRequest,
         head: FrameHead,
     ) -> Result<Option<Result<crate::core::Request, Answer>>, FrontendError> {
-        let release = || self.admission.lock().release(self.client, req.request_id);
+        let release = || {
+            let (client, id) = (self.client, req.request_id);
+            self.admission.free(|a| a.release(client, id));
+        };
         let frame = match reader.read_payload(head).await {
             Ok(f) => f,
             Err(FrontendError::BadFrame {
@@ -1292,6 +1295,21 @@ impl AdmissionGate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Frees a share (`free` on the state), then wakes the readers waiting for room, and the
+    /// core thread when nothing is in flight any more: it may be parked waiting for the router
+    /// to fall idle to give a burst's memory back.
+    fn free(&self, free: impl FnOnce(&mut Admission)) {
+        let idle = {
+            let mut admission = self.lock();
+            free(&mut admission);
+            admission.in_flight().0 == 0
+        };
+        self.released.notify_waiters();
+        if idle && let Some(core) = self.core.get() {
+            core.unpark();
+        }
+    }
+
     /// Admit `req` of `client`, waiting up to [`ADMISSION_WAIT`] for shares to free before
     /// shedding it.
     async fn admit(&self, client: ClientId, req: &LayerRequest) -> Result<(), Shed> {
@@ -1341,19 +1359,8 @@ impl AnswerShare {
 
 impl Drop for AnswerShare {
     fn drop(&mut self) {
-        let idle = {
-            let mut admission = self.gate.lock();
-            admission.release_answered(self.client, self.ticket);
-            admission.in_flight().0 == 0
-        };
-        self.gate.released.notify_waiters();
-        if idle {
-            // The core thread may be parked waiting for the router to fall idle (to give a
-            // burst's memory back): the last share released is that moment.
-            if let Some(core) = self.gate.core.get() {
-                core.unpark();
-            }
-        }
+        let (client, ticket) = (self.client, self.ticket);
+        self.gate.free(|a| a.release_answered(client, ticket));
     }
 }
 

@@ -699,8 +699,8 @@ fn untaken_answers_hold_their_share_of_the_capacity_until_written() {
         "{most} answers of {tokens} tokens left untaken, one after another, and none refused: \
          untaken answers do not count against the connection's share"
     );
-    // The closed connection's shares come back once the router's writes to it fail (soon,
-    // not at once): a new connection is served then.
+    // Once the router has seen the first connection close (soon, not at once), a new one is
+    // admitted within its guaranteed share: retried until then (60 s, a hang guard).
     let t0 = Instant::now();
     let answer = loop {
         let answer = rt.block_on(async {
@@ -708,7 +708,8 @@ fn untaken_answers_hold_their_share_of_the_capacity_until_written() {
                 .await
                 .unwrap();
             c.write_frame(&request(1), &payload).await.unwrap();
-            c.read_frame().await.unwrap()
+            let read = tokio::time::timeout(Duration::from_secs(60), c.read_frame()).await;
+            read.expect("an answer within 60 s").unwrap()
         });
         let overloaded = matches!(answer.body(), Body::Error(e) if e.code == ErrorCode::Overloaded);
         if !overloaded || t0.elapsed() > Duration::from_secs(60) {

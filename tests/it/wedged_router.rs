@@ -5,7 +5,7 @@
 //! can hold answers for and never takes a frame (its core wedged while its I/O still answers
 //! heartbeats, so the worker's send credit never comes back); router 1 then sends one
 //! dispatch. The worker must answer router 1 and close router 0's link (and redial it) after
-//! twelve link timeouts (36 s here, `--link-timeout-s 3`); before, its compute thread waited on
+//! its stall bound (60 s, the longest default deadline); before, its compute thread waited on
 //! router 0 for ever.
 //!
 //! No time is asserted: the waits are hang guards (120 s) against "never".
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::root;
 
-/// Hang guard of every wait: past the worker's 36 s bound on a stalled router.
+/// Hang guard of every wait: past the worker's 60 s bound on a stalled router.
 const GUARD: Duration = Duration::from_secs(120);
 
 /// Tokens of each dispatch (the worker's default `--max-tokens`).
@@ -125,7 +125,7 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
             .args(["--model", "demo-small", "--placement"])
             .arg(&placement)
             .args(["--seed", "42", "--device", "local/cpu0", "--threads", "1"])
-            .args(["--link-timeout-s", "3", "--exit-with-parent"])
+            .args(["--exit-with-parent"])
             .arg(format!("--router={r0},{r1}"))
             .arg(format!("--listen={worker_listen}"))
             .stdin(Stdio::null())

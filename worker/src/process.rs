@@ -802,12 +802,14 @@ struct StaleWork {
     last_warn: Option<Instant>,
 }
 
-/// How many link timeouts a send to a router may wait for its credit before the router is
-/// taken for wedged: 60 s at the default timeout, the longest deadline a router grants by
-/// default (past it nothing the router waits for is still useful). A router busy for seconds
-/// on one batch (its own shared experts, a large combine) takes no frame meanwhile and keeps
-/// its links.
-pub const STALL_LINK_TIMEOUTS: u32 = 12;
+/// How long a send to a router may wait for its credit before the router is taken for
+/// wedged: the longest deadline a router grants by default (60 s: past it nothing the router
+/// waits for is still useful), or the link timeout where that is longer (a stall is treated
+/// no faster than silence). A router busy for seconds on one batch (its own shared experts,
+/// a large combine) takes no frame meanwhile and keeps its links.
+pub fn stall_bound(link_timeout: Duration) -> Duration {
+    link_timeout.max(expertmesh_router::core::DEFAULT_MAX_DEADLINE)
+}
 
 /// Least time between two warnings about stale work or refusals by a router.
 const STALE_LOG_EVERY: Duration = Duration::from_secs(5);
@@ -1568,7 +1570,7 @@ impl ComputeCtx {
     }
 
     /// Runs `send`, a send to router `to` on its link `generation`, for at most
-    /// [`STALL_LINK_TIMEOUTS`] link timeouts. A router that takes no frame for that long (its
+    /// [`stall_bound`]. A router that takes no frame for that long (its
     /// core wedged while its I/O still answers heartbeats, so the link's credit never comes
     /// back) would otherwise hold this thread, and every other router's work with it. Past
     /// the bound the frame is dropped and that link closed, as a silent peer's would be: the
@@ -1580,7 +1582,7 @@ impl ComputeCtx {
         generation: Option<u64>,
         send: impl Future<Output = Result<(), PeerError>>,
     ) -> Option<Result<(), PeerError>> {
-        let timeout = self.live.dep.link_timeout * STALL_LINK_TIMEOUTS;
+        let timeout = stall_bound(self.live.dep.link_timeout);
         match self
             .handle
             .block_on(async move { tokio::time::timeout(timeout, send).await })
@@ -1588,8 +1590,8 @@ impl ComputeCtx {
             Ok(sent) => Some(sent),
             Err(_) => {
                 let why = format!(
-                    "router {to} took no frame for {timeout:?} ({STALL_LINK_TIMEOUTS} link \
-                     timeouts, --link-timeout-s): its link is closed and redialled"
+                    "router {to} took no frame for {timeout:?} (the longest default deadline, \
+                     or --link-timeout-s if longer): its link is closed and redialled"
                 );
                 tracing::warn!(worker = %self.id, "{why}");
                 if generation.is_some() && self.mesh.link_generation(to) == generation {
