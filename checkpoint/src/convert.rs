@@ -85,6 +85,19 @@ pub enum ConvertError {
         #[source]
         source: std::io::Error,
     },
+    /// A small output file (the manifest, the model or placement copy) could not be written:
+    /// the disk is full, or the folder is not writable.
+    #[error(
+        "{}: writing: {source}; free space on its disk (or let this user write the folder) and run again: shards already finished are kept",
+        path.display()
+    )]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The placement cannot be served with these weights.
     #[error("{0}")]
     Placement(String),
@@ -214,6 +227,7 @@ pub fn convert(
     let fingerprint = fingerprint(job)?;
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
+    check_dense_shared_tensors(job)?;
     withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
     let (plans, router_items) = job_items(job);
@@ -314,6 +328,34 @@ fn check_dense_shared_on_router(job: &ConvertJob<'_>) -> Result<(), ConvertError
              keeps them unquantized and dense shared experts run on the router: place shared \
              experts on the router, or pass --quantize-shared to quantize them to INT4"
         )));
+    }
+    Ok(())
+}
+
+/// Before anything is written: every MoE layer's unquantized shared-expert tensors (kept
+/// dense on the router) are in the checkpoint with the model's shapes and a plain float type
+/// (headers only), so one missing or of another shape in a late layer fails the run before
+/// the device shards are converted, not after.
+fn check_dense_shared_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
+    if !job.shared_dense {
+        return Ok(());
+    }
+    let (h, f) = (
+        job.spec.hidden as usize,
+        job.spec.shared_intermediate as usize,
+    );
+    for layer in job.spec.moe_layer_ids() {
+        let names =
+            expert_tensor_names(job.family, layer, ExpertRef::Shared).map_err(|source| {
+                ConvertError::Expert {
+                    layer,
+                    which: ExpertRef::Shared,
+                    source,
+                }
+            })?;
+        for (name, shape) in names.iter().zip([[f, h], [f, h], [h, f]]) {
+            plain_float(name, &tensor_of_shape(job.ckpt, name, &shape)?)?;
+        }
     }
     Ok(())
 }
@@ -811,6 +853,9 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
 /// re-run would keep shards converted from the old bytes. A copied checkpoint (new times,
 /// same bytes) is converted again: the safe side.
 fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
+    // Every file opened and checked first (truncated, a header that does not fit it), so a
+    // damaged one is named with what to do before any output changes.
+    job.ckpt.open_all()?;
     let mut h = Sha256::new();
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
     h.update(expertmesh_topology::model_file::model_to_toml_string(job.spec).as_bytes());
@@ -818,8 +863,15 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
     h.update(job.topology.name().as_bytes());
     for name in ["config.json", crate::gptq_import::GPTQ_CONFIG_FILE] {
         let path = job.ckpt.dir().join(name);
-        // Absent and empty differ: the length goes in first.
-        let text = match std::fs::read(&path) {
+        // Absent and empty differ: the length goes in first. Read within the bound every
+        // configuration read keeps (a larger file is refused where it is parsed).
+        let bounded = std::fs::File::open(&path).and_then(|f| {
+            let mut bytes = Vec::new();
+            f.take(crate::hf_config::MAX_CONFIG_BYTES + 1)
+                .read_to_end(&mut bytes)
+                .map(|_| bytes)
+        });
+        let text = match bounded {
             Ok(bytes) => Some(bytes),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => {
@@ -922,11 +974,8 @@ fn hash_file(path: &Path, stop: &AtomicBool) -> Result<Option<SourceFile>, Conve
 /// Write a small text file whole or not at all ([`expertmesh_files::write_whole`]).
 fn write_small(dir: &Path, name: &str, text: &str) -> Result<(), ConvertError> {
     let path = dir.join(name);
-    expertmesh_files::write_whole(&path, text.as_bytes(), None).map_err(|source| ConvertError::Io {
-        path,
-        what: "writing",
-        source,
-    })
+    expertmesh_files::write_whole(&path, text.as_bytes(), None)
+        .map_err(|source| ConvertError::Write { path, source })
 }
 
 /// Per-layer conversion error over every shard of the folder (device shards only: the

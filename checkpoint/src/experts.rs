@@ -346,9 +346,33 @@ pub fn source_quant(
         .tensor_info(&names[0])
         .is_ok_and(|i| i.dtype == Dtype::F8E4M3)
     {
+        check_fp8_scales_are_blocks(ckpt, &names)?;
         check_fp8_block(ckpt)?;
     }
     Ok(spec.quant)
+}
+
+/// FP8 weights are read with their block-scale grids (`…weight_scale_inv`, DeepSeek-V3's
+/// layout); compressed-tensors' `float-quantized` layout keeps a per-channel or per-tensor
+/// `…weight_scale` instead, which is refused here, before anything is written, naming it and
+/// what to convert from (it failed later, naming a missing `_scale_inv`).
+fn check_fp8_scales_are_blocks(ckpt: &Checkpoint, names: &[String]) -> Result<(), ExpertError> {
+    for name in names {
+        let blocks = format!("{name}_scale_inv");
+        let per_channel = format!("{name}_scale");
+        if !ckpt.contains(&blocks) && ckpt.contains(&per_channel) {
+            return Err(ExpertError::Packed {
+                tensor: name.clone(),
+                reason: format!(
+                    "FP8 with a per-channel or per-tensor scale (\"{per_channel}\", \
+                     compressed-tensors' float-quantized layout), which this converter does not \
+                     read; only block-scaled FP8 (\"…weight_scale_inv\", DeepSeek-V3's) is: \
+                     convert from the model's BF16 checkpoint instead"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// FP8 weights are read with [`FP8_BLOCK`]-square scale blocks (DeepSeek-V3's); a checkpoint
@@ -616,12 +640,30 @@ fn load_scales(
     let expected = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
     check_shape(&scale_name, view.shape(), &expected)?;
     if !view.dtype().converts_to_f32() {
-        return Err(ExpertError::Dtype {
+        return Err(ExpertError::Packed {
             tensor: scale_name,
-            dtype: view.dtype(),
+            reason: format!(
+                "dtype {}: an FP8 block-scale grid must be F32, BF16 or F16",
+                view.dtype()
+            ),
         });
     }
-    Ok((view.to_f32_vec()?, expected[1]))
+    let scales = view.to_f32_vec()?;
+    // A scale of zero or below turns its block into zeros or flips it: no real checkpoint
+    // stores one, so the file is damaged.
+    if let Some(i) = scales.iter().position(|s| !(*s > 0.0 && s.is_finite())) {
+        return Err(ExpertError::Packed {
+            tensor: scale_name,
+            reason: format!(
+                "block ({}, {}) has scale {}; FP8 block scales are positive and finite: the \
+                 checkpoint is damaged, download it again",
+                i / expected[1],
+                i % expected[1],
+                scales[i]
+            ),
+        });
+    }
+    Ok((scales, expected[1]))
 }
 
 /// An error naming `tensor` unless `actual == expected`.

@@ -609,7 +609,7 @@ fn open_scales<'a>(
         d => {
             return Err(packed_error(
                 &name,
-                format!("dtype {d} (scales must be F16)"),
+                format!("dtype {d} (scales must be F16 or BF16)"),
             ));
         }
     };
@@ -659,7 +659,7 @@ pub(crate) fn check_g_idx(
     for k in 0..cols {
         match at(k) {
             None => {
-                let reason = format!("dtype {} (g_idx must be I32)", view.dtype());
+                let reason = format!("dtype {} (g_idx must be I32 or I64)", view.dtype());
                 return Err(packed_error(&name, reason));
             }
             Some(g) if g == (k / group) as i64 => {}

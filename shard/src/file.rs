@@ -172,6 +172,21 @@ pub enum ShardError {
         #[source]
         source: std::io::Error,
     },
+    /// Writing shard `path` failed (its temporary file, removed since): the disk is full, or
+    /// the folder is not writable.
+    #[error(
+        "{}: {what}: {source}; free space on its disk (or let this user write the folder) and run again: shards already finished are kept",
+        path.display()
+    )]
+    Write {
+        /// The shard being written (its final name).
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The file is not a valid shard (wrong magic, truncated, bad index, bad ranges).
     #[error("{path}: {reason}; the shard is damaged or not a shard: re-run `expertmesh convert`")]
     Corrupt {
@@ -245,9 +260,9 @@ impl ShardWriter {
         let temp = expertmesh_files::temp_path(path);
         // Locked while it is written: a sweep of the folder leaves it alone.
         let file =
-            expertmesh_files::create_locked(&temp, None).map_err(|source| ShardError::Io {
-                path: temp.clone(),
-                what: "creating",
+            expertmesh_files::create_locked(&temp, None).map_err(|source| ShardError::Write {
+                path: path.to_path_buf(),
+                what: "creating its temporary file",
                 source,
             })?;
         let mut w = Self {
@@ -268,8 +283,8 @@ impl ShardWriter {
     }
 
     fn io(&self, what: &'static str) -> impl FnOnce(std::io::Error) -> ShardError + '_ {
-        move |source| ShardError::Io {
-            path: self.temp.clone(),
+        move |source| ShardError::Write {
+            path: self.path.clone(),
             what,
             source,
         }
@@ -278,8 +293,8 @@ impl ShardWriter {
     fn write_raw(&mut self, bytes: &[u8]) -> Result<()> {
         let out = self.out.as_mut().expect("writer used after finish");
         if let Err(source) = out.write_all(bytes) {
-            return Err(ShardError::Io {
-                path: self.temp.clone(),
+            return Err(ShardError::Write {
+                path: self.path.clone(),
                 what: "writing",
                 source,
             });
@@ -406,7 +421,7 @@ impl ShardWriter {
         file.write_all(&header).map_err(self.io("writing"))?;
         file.sync_all().map_err(self.io("syncing"))?;
         // Renamed while still locked (the lock goes with `file`).
-        std::fs::rename(&self.temp, &self.path).map_err(|source| ShardError::Io {
+        std::fs::rename(&self.temp, &self.path).map_err(|source| ShardError::Write {
             path: self.path.clone(),
             what: "renaming the finished shard into place",
             source,

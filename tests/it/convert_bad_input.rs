@@ -172,6 +172,44 @@ fn a_truncated_checkpoint_file_is_named() {
     fails_naming(&convert(&ck, &d.path().join("w")), "model.safetensors");
 }
 
+/// A checkpoint of several files, one of them cut to 3 bytes: named, with the reader's own
+/// words, before any output changes (an earlier converted folder keeps its manifest).
+#[test]
+fn a_truncated_file_of_an_indexed_checkpoint_is_named_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "mixtral");
+    let out = d.path().join("w");
+    assert_eq!(convert(&ck, &out).code, 0, "the whole checkpoint converts");
+    // An index over model.safetensors's tensors, plus one more in a 3-byte file.
+    let bytes = std::fs::read(ck.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut map = serde_json::Map::new();
+    for name in header
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| *k != "__metadata__")
+    {
+        map.insert(name.clone(), "model.safetensors".into());
+    }
+    map.insert("lm_head.weight".into(), "b.safetensors".into());
+    let index = serde_json::json!({ "weight_map": map });
+    std::fs::write(ck.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(ck.join("b.safetensors"), [1u8, 2, 3]).unwrap();
+    let r = convert(&ck, &out);
+    fails_naming(&r, "b.safetensors");
+    assert!(
+        r.stderr.contains("truncated") && !r.stderr.contains("failed to fill whole buffer"),
+        "says the file is truncated: {}",
+        r.stderr
+    );
+    assert!(
+        out.join("manifest.json").exists(),
+        "the earlier conversion's manifest is withdrawn only once the checkpoint is read"
+    );
+}
+
 /// Every shard present in `out` is complete (opens and its body checksum holds).
 fn all_shards_complete(out: &Path) -> usize {
     let mut n = 0;
@@ -224,6 +262,11 @@ fn a_full_disk_fails_naming_the_file_and_a_rerun_resumes() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(".emshard"), "names the shard: {stderr}");
+    // The shard by its own name (its temporary file is gone), and what to do.
+    assert!(
+        !stderr.contains(".tmp-") && stderr.contains("free space"),
+        "names the shard, not its removed temporary file, and says what to do: {stderr}"
+    );
     assert!(!out.join("manifest.json").exists());
     assert_eq!(
         all_shards_complete(&out),
@@ -358,6 +401,83 @@ fn weights_rewritten_in_place_are_converted_again_and_a_failed_rerun_withdraws_t
 /// An FP8 checkpoint whose scale blocks are not 128 × 128 is refused naming
 /// `weight_block_size`; a router gate stored as FP8 is refused naming the tensor (read as it is,
 /// its block scales would be skipped).
+/// An FP8 block scale of zero (a damaged file: it would make its block zeros, converted
+/// "exactly") is refused naming the scale tensor and the block.
+#[test]
+fn a_zero_fp8_block_scale_is_refused() {
+    use crate::hf_support::tiny::WeightFormat;
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ckpt");
+    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
+    write_tiny_checkpoint(&ck, &spec);
+    rewrite_typed(&ck, |n, _, b| {
+        if n.contains(".experts.") && n.ends_with("_scale_inv") {
+            b.fill(0);
+        }
+        true
+    });
+    let r = convert(&ck, &d.path().join("w"));
+    fails_naming(&r, "_scale_inv");
+    assert!(
+        r.stderr.contains("block (0, 0) has scale 0"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// compressed-tensors' FP8 layout (a per-channel `weight_scale` beside each FP8 weight, no
+/// block grid) is refused before anything is written, saying what to convert from.
+#[test]
+fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
+    use crate::hf_support::tiny::WeightFormat;
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ckpt");
+    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
+    write_tiny_checkpoint(&ck, &spec);
+    // Every `…weight_scale_inv` grid becomes a `…weight_scale` column of ones ([rows, 1]).
+    let c = Checkpoint::open(&ck).unwrap();
+    let mut owned = Vec::new();
+    for name in c.tensor_names() {
+        let v = c.tensor(name).unwrap();
+        match name.strip_suffix("_scale_inv") {
+            Some(weight) => {
+                let rows = c.tensor(weight).unwrap().shape()[0];
+                let one = 1.0f32.to_bits().to_le_bytes().to_vec();
+                owned.push((
+                    format!("{weight}_scale"),
+                    Dtype::F32,
+                    vec![rows, 1],
+                    one.repeat(rows),
+                ));
+            }
+            None => owned.push((
+                name.to_string(),
+                v.dtype(),
+                v.shape().to_vec(),
+                v.bytes().to_vec(),
+            )),
+        }
+    }
+    drop(c);
+    let refs: Vec<_> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    write_safetensors(ck.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
+    let out = d.path().join("w");
+    let r = convert(&ck, &out);
+    fails_naming(&r, "weight_scale");
+    assert!(
+        r.stderr.contains("float-quantized") && r.stderr.contains("BF16 checkpoint"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        !out.join("device-0000.emshard").exists(),
+        "refused before any shard"
+    );
+}
+
 #[test]
 fn fp8_blocks_of_another_size_and_an_fp8_gate_are_refused() {
     use crate::hf_support::tiny::WeightFormat;

@@ -167,6 +167,18 @@ impl Checkpoint {
         self.shards.iter().map(|s| s.path.as_path())
     }
 
+    /// Opens (once) and validates every file of the checkpoint: a truncated or corrupt file
+    /// is named before anything is read from the others.
+    pub fn open_all(&self) -> Result<()> {
+        for shard in &self.shards {
+            if shard.file.get().is_none() {
+                let file = SafetensorsFile::open(&shard.path)?;
+                let _ = shard.file.set(file);
+            }
+        }
+        Ok(())
+    }
+
     /// The file holding `name`, opened (once) and validated.
     pub fn file_for(&self, name: &str) -> Result<&SafetensorsFile> {
         let &i = self
