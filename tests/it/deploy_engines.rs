@@ -1657,6 +1657,16 @@ fn a_systemd_worker_may_write_its_tile_cache_and_hosts_txt_creates_it() {
     let router = read("systemd/local/expertmesh-single-host-router-0.service");
     assert!(!router.contains("ReadWritePaths"), "{router}");
     let hosts = read("systemd/hosts.txt");
+    // Copied as root's files: never `rsync -a` of a folder (it would give the copying user's
+    // owner and mode to /etc/systemd/system and to the files root runs).
+    assert!(!hosts.contains("rsync -a "), "{hosts}");
+    for line in hosts.lines().filter(|l| l.contains("rsync ")) {
+        assert!(line.contains("--chown=root:root"), "{line}");
+        assert!(
+            !line.contains("/systemd/local/ "),
+            "unit files, not their folder: {line}"
+        );
+    }
     let mkdir = hosts
         .find("mkdir -p -m 700 /var/cache/em-test/tiles")
         .unwrap_or_else(|| panic!("no mkdir of the tile cache in\n{hosts}"));

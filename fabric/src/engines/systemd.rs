@@ -68,7 +68,9 @@ pub(super) fn write(
             .collect();
         hosts += &format!("\n[{host}] {}\n", units.join(" "));
         hosts += &format!(
-            "  ssh {h} mkdir -p {dir}/credentials && rsync -a {out}/fabric/ {h}:{dir}/fabric/\n",
+            // Root's files on the host, not the copying user's: `rsync -a` of a folder keeps the
+            // local owner and mode of the folder itself and of every file in it.
+            "  ssh {h} mkdir -p -m 755 {dir}/fabric && ssh {h} mkdir -p -m 700 {dir}/credentials && rsync -rlpt --chown=root:root --chmod=D755,Fgo-w {out}/fabric/ {h}:{dir}/fabric/\n",
             h = quote(&host)
         );
         // A unit's writable folders must exist before it starts (ReadWritePaths=).
@@ -91,13 +93,20 @@ pub(super) fn write(
         }
         if !creds.is_empty() {
             hosts += &format!(
-                "  rsync -a --chmod=F600 {} {h}:{dir}/credentials/\n",
+                "  rsync -lpt --chown=root:root --chmod=F600 {} {h}:{dir}/credentials/\n",
                 creds.join(" "),
                 h = quote(&host)
             );
         }
+        // The unit files only (not their folder, whose owner and mode `rsync` would give
+        // /etc/systemd/system), owned by root.
+        let unit_files: Vec<String> = units
+            .iter()
+            .map(|u| format!("{out}/systemd/{}/{u}", quote(&host)))
+            .collect();
         hosts += &format!(
-            "  rsync -a {out}/systemd/{host}/ {h}:/etc/systemd/system/ && ssh {h} 'systemctl daemon-reload && systemctl enable --now {}'\n",
+            "  rsync -lpt --chown=root:root --chmod=F644 {} {h}:/etc/systemd/system/ && ssh {h} 'systemctl daemon-reload && systemctl enable --now {}'\n",
+            unit_files.join(" "),
             units.join(" "),
             h = quote(&host)
         );

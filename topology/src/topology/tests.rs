@@ -578,3 +578,20 @@ fn router_array_entries_are_checked_one_by_one() {
     assert!(all.contains("router 2: missing `port`"), "{all}");
     assert!(all.contains("unknown key \"prot\""), "{all}");
 }
+
+/// Names become file and folder names (deploy bundles): "..", "." and other names starting
+/// with a dot are refused.
+#[test]
+fn names_starting_with_a_dot_are_refused() {
+    let text = include_str!("../../../examples/single-host.toml");
+    for bad in ["..", ".", ".hidden"] {
+        let edited = text.replace("name = \"local\"", &format!("name = \"{bad}\""));
+        let problems = Topology::from_toml_str(&edited).unwrap_err();
+        let all: Vec<String> = problems.iter().map(ToString::to_string).collect();
+        assert!(
+            all.iter()
+                .any(|p| p.contains(&format!("node name \"{bad}\" starts with '.'"))),
+            "{bad}: {all:?}"
+        );
+    }
+}

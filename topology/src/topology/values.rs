@@ -119,6 +119,12 @@ pub(super) fn valid_name(what: &'static str) -> impl FnOnce(String) -> Result<St
             Err(format!(
                 "{what} name \"{s}\" contains '{c}'; use only letters, digits, '.', '_' and '-'"
             ))
+        } else if s.starts_with('.') {
+            // Names become file and folder names (deploy bundles, logs): "." and ".." would
+            // leave their folder, and a leading dot hides the file.
+            Err(format!(
+                "{what} name \"{s}\" starts with '.'; start it with a letter, a digit, '_' or '-'"
+            ))
         } else {
             Ok(s)
         }
