@@ -2007,3 +2007,39 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
     let r = deploy(&["--host", "local=node-7.example"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+/// A topology deploy cannot run is refused before anything is written: one without a
+/// `[router]` section (every router would exit asking for --listen), and one on loopback
+/// whose router listens on 0.0.0.0 without --key (the router refuses to start
+/// unauthenticated off loopback).
+#[test]
+fn topologies_whose_processes_could_not_start_are_refused() {
+    let inputs = Inputs::new();
+    let text = std::fs::read_to_string(&inputs.topology).unwrap();
+    let cases = [
+        (
+            "no-router.toml",
+            {
+                let (head, rest) = text.split_once("[router]").expect("a [router] table");
+                let nodes = rest.find("[[nodes]]").expect("nodes after it");
+                format!("{head}{}", &rest[nodes..])
+            },
+            "has no [router] section",
+        ),
+        (
+            "open-router.toml",
+            text.replacen("[router]\n", "[router]\nlisten_address = \"0.0.0.0\"\n", 1),
+            "--key MASTER",
+        ),
+    ];
+    for (name, edited, needle) in cases {
+        assert_ne!(edited, text, "{name}: the edit applies");
+        let topology = inputs.dir.path().join(name);
+        std::fs::write(&topology, &edited).unwrap();
+        let out = inputs.dir.path().join(format!("out-{name}"));
+        let r = inputs.deploy_on(&topology, &example_placement(), &["slurm"], &out, &[]);
+        assert_eq!(r.code, 2, "{name}: {}{}", r.stdout, r.stderr);
+        assert!(r.stderr.contains(needle), "{name}: {}", r.stderr);
+        assert!(!out.join("fabric").exists(), "{name}: nothing written");
+    }
+}

@@ -395,11 +395,21 @@ fn check_options(dep: &Deployment, opts: &DeployOptions) -> Result<(), FabricErr
             )));
         }
     }
-    let loopback_only = topo.nodes().iter().all(|n| {
-        n.address()
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|a| a.is_loopback())
-    });
+    if topo.routers().is_empty() {
+        return Err(FabricError::Engine(format!(
+            "topology {} has no [router] section: a deployed router listens where its [router] \
+             table says (node, port); add one (or one [[router]] per router)",
+            topo.name()
+        )));
+    }
+    // Every address a process listens on: a router's listen address (0.0.0.0 is not
+    // loopback) and each node's control and data addresses.
+    let loopback = |a: &str| a.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+    let loopback_only = topo
+        .nodes()
+        .iter()
+        .all(|n| loopback(n.address()) && loopback(n.data_address()))
+        && topo.routers().iter().all(|r| loopback(r.listen_address()));
     if opts.master_key.is_none() && !opts.insecure && !loopback_only {
         return Err(FabricError::Engine(
             "the topology's nodes are not on loopback: give --key MASTER (from `expertmesh keys init`) so each process gets its own credential, or --insecure to run unauthenticated and unencrypted".into(),
