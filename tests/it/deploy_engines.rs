@@ -2042,4 +2042,12 @@ fn topologies_whose_processes_could_not_start_are_refused() {
         assert!(r.stderr.contains(needle), "{name}: {}", r.stderr);
         assert!(!out.join("fabric").exists(), "{name}: nothing written");
     }
+    // Paths the processes read on the hosts must be absolute.
+    let out = inputs.dir.path().join("out-relative");
+    let r = inputs.deploy(&["slurm", "--bundle-path", "shared/em"], &out, &[]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("must be absolute"), "{}", r.stderr);
+    let r = inputs.deploy(&["slurm", "--weights-on-hosts", "/w"], &out, &[]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("--weights"), "{}", r.stderr);
 }

@@ -53,9 +53,10 @@ pub(super) fn write(
     };
     // `#SBATCH` lines are split on whitespace and `%` starts a Slurm filename pattern: the
     // job's output path (inside the bundle) can hold neither, as `systemd`'s install folder.
-    if bundle
-        .chars()
-        .any(|c| c.is_whitespace() || c == '%' || c == '\\')
+    if !bundle.starts_with('/')
+        || bundle
+            .chars()
+            .any(|c| c.is_whitespace() || c == '%' || c == '\\')
     {
         let what = if o.bundle_path.is_some() {
             "--bundle-path"
@@ -63,8 +64,10 @@ pub(super) fn write(
             "the output folder (--out)"
         };
         return Err(FabricError::Engine(format!(
-            "{what} {bundle:?}: the Slurm script's #SBATCH --output cannot hold spaces, '%' or \
-             '\\'; choose a path without them (or give --bundle-path)"
+            "{what} {bundle:?}: the bundle's path on the nodes must be absolute (the job's \
+             output, hostfile and binary are found from it whatever the working directory) and \
+             the Slurm script's #SBATCH --output cannot hold spaces, '%' or '\\'; choose such a \
+             path (or give --bundle-path)"
         )));
     }
     let hostfile: String = plan

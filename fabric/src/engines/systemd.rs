@@ -131,12 +131,17 @@ pub(super) fn write(
 fn written_paths(args: &[super::launch::Arg]) -> Result<Vec<String>, FabricError> {
     let mut out = Vec::new();
     for file in super::flag_values(args, "--load-stats") {
+        // One word in ReadWritePaths= and in hosts.txt's mkdir (systemd splits on spaces and
+        // expands '%'), as a tile cache's folder.
+        let plain = !file
+            .chars()
+            .any(|c| c.is_whitespace() || matches!(c, '%' | '"' | '\'' | '\\'));
         let folder = std::path::Path::new(&file)
             .parent()
-            .filter(|p| p.is_absolute())
+            .filter(|p| p.is_absolute() && plain)
             .ok_or_else(|| {
                 FabricError::Engine(format!(
-                    "--load-stats {file}: give an absolute path under systemd (the unit's file system is read-only but for that file's folder)"
+                    "--load-stats {file}: give an absolute path without spaces, '%' or quotes under systemd (the unit's file system is read-only but for that file's folder)"
                 ))
             })?
             .display()
