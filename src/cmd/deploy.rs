@@ -253,11 +253,17 @@ mod tests {
         )
         .unwrap();
         assert_eq!(flag_value(&r, "--link").as_deref(), Some("rdma"));
-        assert_eq!(flag_value(&r, "--rdma-provider").as_deref(), Some("libfabric"));
+        assert_eq!(
+            flag_value(&r, "--rdma-provider").as_deref(),
+            Some("libfabric")
+        );
         assert_eq!(flag_value(&r, "--mode").as_deref(), Some("exact"));
         assert_eq!(w.len(), 3, "{w:?}");
         let (r, w) = agreed_link_args(&strings(&["--link=shm"]), &[]).unwrap();
-        assert_eq!((r.len(), flag_value(&w, "--link").as_deref()), (1, Some("shm")));
+        assert_eq!(
+            (r.len(), flag_value(&w, "--link").as_deref()),
+            (1, Some("shm"))
+        );
         let same = agreed_link_args(&strings(&["--link", "shm"]), &strings(&["--link=shm"]));
         assert!(same.is_ok());
         let e = agreed_link_args(&strings(&["--link", "tcp"]), &strings(&["--link", "rdma"]))

@@ -2050,4 +2050,9 @@ fn topologies_whose_processes_could_not_start_are_refused() {
     let r = inputs.deploy(&["slurm", "--weights-on-hosts", "/w"], &out, &[]);
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("--weights"), "{}", r.stderr);
+    // A Slurm option's value is one word on its #SBATCH line: a line break would add lines
+    // to the script.
+    let r = inputs.deploy(&["slurm", "--partition", "gpu\n#SBATCH --mem=1"], &out, &[]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("--partition"), "{}", r.stderr);
 }

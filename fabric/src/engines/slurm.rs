@@ -44,6 +44,21 @@ pub(super) fn write(
     o: &SlurmOptions,
     w: &mut Writer,
 ) -> Result<Vec<String>, FabricError> {
+    // One word each on its `#SBATCH` line (whitespace ends it, a line break would start
+    // another line of the script).
+    for (flag, v) in [
+        ("--partition", &o.partition),
+        ("--account", &o.account),
+        ("--time", &o.time),
+    ] {
+        if let Some(v) = v
+            && (v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()))
+        {
+            return Err(FabricError::Engine(format!(
+                "{flag} {v:?}: give one word (no spaces or line breaks)"
+            )));
+        }
+    }
     let bundle = match &o.bundle_path {
         Some(p) => p.clone(),
         None => std::path::absolute(&plan.opts.out)
@@ -121,6 +136,8 @@ fn sbatch(plan: &Plan, o: &SlurmOptions, bundle: &str) -> String {
          #SBATCH --ntasks={p}\n\
          #SBATCH --nodelist={nodes}\n\
          #SBATCH --overcommit\n\
+         #SBATCH --exclusive\n\
+         #SBATCH --mem=0\n\
          #SBATCH --output={bundle}/slurm/expertmesh-%j.out\n",
         q = quote(name),
         g = plan.generation,
