@@ -236,43 +236,6 @@ fn agreed_link_args(
     Ok((routers, workers))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn strings(a: &[&str]) -> Vec<String> {
-        a.iter().map(|s| s.to_string()).collect()
-    }
-
-    /// A link flag given to one side reaches the other; given to both, it must agree.
-    #[test]
-    fn link_flags_reach_routers_and_workers_alike() {
-        let (r, w) = agreed_link_args(
-            &strings(&["--mode", "exact"]),
-            &strings(&["--link", "rdma", "--rdma-provider=libfabric"]),
-        )
-        .unwrap();
-        assert_eq!(flag_value(&r, "--link").as_deref(), Some("rdma"));
-        assert_eq!(
-            flag_value(&r, "--rdma-provider").as_deref(),
-            Some("libfabric")
-        );
-        assert_eq!(flag_value(&r, "--mode").as_deref(), Some("exact"));
-        assert_eq!(w.len(), 3, "{w:?}");
-        let (r, w) = agreed_link_args(&strings(&["--link=shm"]), &[]).unwrap();
-        assert_eq!(
-            (r.len(), flag_value(&w, "--link").as_deref()),
-            (1, Some("shm"))
-        );
-        let same = agreed_link_args(&strings(&["--link", "shm"]), &strings(&["--link=shm"]));
-        assert!(same.is_ok());
-        let e = agreed_link_args(&strings(&["--link", "tcp"]), &strings(&["--link", "rdma"]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("must agree"), "{e}");
-    }
-}
-
 /// Run `expertmesh deploy`.
 pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
     let (common, engine) = match cli {
@@ -367,5 +330,42 @@ fn parse_run_as(s: &str) -> Result<(u32, u32), String> {
     match s.split_once(':') {
         Some((u, g)) => Ok((id(u)?, id(g)?)),
         None => id(s).map(|u| (u, u)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A link flag given to one side reaches the other; given to both, it must agree.
+    #[test]
+    fn link_flags_reach_routers_and_workers_alike() {
+        let (r, w) = agreed_link_args(
+            &strings(&["--mode", "exact"]),
+            &strings(&["--link", "rdma", "--rdma-provider=libfabric"]),
+        )
+        .unwrap();
+        assert_eq!(flag_value(&r, "--link").as_deref(), Some("rdma"));
+        assert_eq!(
+            flag_value(&r, "--rdma-provider").as_deref(),
+            Some("libfabric")
+        );
+        assert_eq!(flag_value(&r, "--mode").as_deref(), Some("exact"));
+        assert_eq!(w.len(), 3, "{w:?}");
+        let (r, w) = agreed_link_args(&strings(&["--link=shm"]), &[]).unwrap();
+        assert_eq!(
+            (r.len(), flag_value(&w, "--link").as_deref()),
+            (1, Some("shm"))
+        );
+        let same = agreed_link_args(&strings(&["--link", "shm"]), &strings(&["--link=shm"]));
+        assert!(same.is_ok());
+        let e = agreed_link_args(&strings(&["--link", "tcp"]), &strings(&["--link", "rdma"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must agree"), "{e}");
     }
 }
