@@ -1225,6 +1225,9 @@ impl PodStart<'_> {
                     std::fs::set_permissions(f.path(), perm).unwrap();
                 }
                 folder
+            } else if let Some(path) = v["hostPath"]["path"].as_str() {
+                // The host's own folder (the host's /dev/shm: node peers' rings).
+                PathBuf::from(path)
             } else if v.get("emptyDir").is_some() {
                 let p = self
                     .scratch
@@ -1734,6 +1737,21 @@ fn a_kubernetes_worker_keeps_its_tile_cache_in_a_private_empty_dir() {
         !router.contains("tile-cache") && !router.contains("IPC_LOCK"),
         "{router}"
     );
+    // Every process's pod sees the host's /dev/shm (its node peers' rings are there), not
+    // an in-memory one of its own.
+    let deployments: Vec<&&str> = docs
+        .iter()
+        .filter(|d| d.contains("\"kind\": \"Deployment\""))
+        .collect();
+    assert_eq!(deployments.len(), 3, "{manifests}");
+    for d in deployments {
+        let host_shm = "- \"hostPath\":\n            \"path\": \"/dev/shm\"\n            \"type\": \"Directory\"\n          \"name\": \"dshm\"";
+        assert!(d.contains(host_shm), "no host /dev/shm volume: {d}");
+        assert!(
+            !d.contains("\"medium\": \"Memory\"\n          \"name\": \"dshm\""),
+            "{d}"
+        );
+    }
 
     // The kubelet's emptyDir: world-writable. launch.sh makes it private, then runs the worker.
     std::fs::create_dir(&tiles).unwrap();

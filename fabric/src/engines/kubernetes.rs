@@ -179,8 +179,8 @@ fn secret(plan: &Plan, o: &KubernetesOptions, process: &str, text: &str) -> Valu
 }
 
 /// A process's environment, volume mounts and volumes: the ConfigMap at [`CONFIG_DIR`], its
-/// credential Secret at [`CREDENTIALS_DIR`], the weights folder (read-only hostPath), and an
-/// in-memory `/dev/shm` for shared-memory rings.
+/// credential Secret at [`CREDENTIALS_DIR`], the weights folder (read-only hostPath), and the
+/// host's `/dev/shm` for shared-memory rings.
 fn pod_files(
     plan: &Plan,
     o: &KubernetesOptions,
@@ -217,9 +217,14 @@ fn pod_files(
             json!({ "name": "weights", "hostPath": { "path": on_hosts, "type": "Directory" } }),
         );
     }
-    // Shared-memory rings between processes of one pod's host need a real /dev/shm.
+    // Shared-memory rings join processes of one host, each in a pod of its own (a node's
+    // devices fan dispatches out over them, a router reaches its node's workers over them):
+    // every pod mounts the host's /dev/shm, where one creates a ring file (0600, unlinked once
+    // both ends have mapped it) and its peer opens it. A pod's own in-memory /dev/shm is
+    // seen by no other pod: every such link fell back to TCP.
     mounts.push(json!({ "name": "dshm", "mountPath": "/dev/shm" }));
-    volumes.push(json!({ "name": "dshm", "emptyDir": { "medium": "Memory" } }));
+    volumes
+        .push(json!({ "name": "dshm", "hostPath": { "path": "/dev/shm", "type": "Directory" } }));
     // A worker's tile cache outlives its container's restarts (not the pod's) in an emptyDir.
     if let Some(dir) = tile_cache(p) {
         mounts.push(json!({ "name": "tile-cache", "mountPath": dir }));
