@@ -2074,3 +2074,38 @@ fn topologies_whose_processes_could_not_start_are_refused() {
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("--partition"), "{}", r.stderr);
 }
+
+/// Under Kubernetes a router's `--load-stats` folder is a volume of its pod (the image's
+/// folders may not exist or be writable, and a restarted container resumes the file); a
+/// relative path is refused.
+#[test]
+fn a_kubernetes_router_keeps_its_load_file_in_a_volume() {
+    let inputs = Inputs::new();
+    let out = inputs.dir.path().join("out");
+    let k8s = ["kubernetes", "--image", "registry.example/expertmesh:1"];
+    let stats = [
+        "--router-arg=--load-stats",
+        "--router-arg=/var/lib/em-test/load.json",
+    ];
+    let r = inputs.deploy(&k8s, &out, &stats);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let docs: Vec<&str> = manifests.split("\n---\n").collect();
+    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    assert!(
+        router.contains(
+            "\"mountPath\": \"/var/lib/em-test\"\n              \"name\": \"load-stats\""
+        ) && router.contains("- \"emptyDir\": {}\n          \"name\": \"load-stats\""),
+        "{router}"
+    );
+    let workers = docs.iter().filter(|d| d.contains("worker-"));
+    assert!(workers.clone().count() > 0);
+    for d in workers {
+        assert!(!d.contains("load-stats"), "{d}");
+    }
+    let out2 = inputs.dir.path().join("out2");
+    let relative = ["--router-arg=--load-stats", "--router-arg=load.json"];
+    let r = inputs.deploy(&k8s, &out2, &relative);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("absolute path"), "{}", r.stderr);
+}

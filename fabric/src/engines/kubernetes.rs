@@ -66,6 +66,16 @@ pub(super) fn write(
             "--image: give the container image that holds the expertmesh binary".into(),
         ));
     }
+    for p in &plan.processes {
+        for file in super::flag_values(&p.args, "--load-stats") {
+            if load_stats_folder(p).is_none() {
+                return Err(FabricError::Engine(format!(
+                    "--load-stats {file}: give an absolute path in a folder of its own under \
+                     Kubernetes (the folder becomes the pod's volume for it)"
+                )));
+            }
+        }
+    }
     let c = plan.cluster_label();
     let docs = [
         ("fabric.yaml", vec![config_map(plan, o)]),
@@ -230,6 +240,12 @@ fn pod_files(
         mounts.push(json!({ "name": "tile-cache", "mountPath": dir }));
         volumes.push(json!({ "name": "tile-cache", "emptyDir": {} }));
     }
+    // A router's load file likewise (the image's folders may not exist or be writable, and a
+    // restarted container resumes the file): an emptyDir at its folder.
+    if let Some(dir) = load_stats_folder(p) {
+        mounts.push(json!({ "name": "load-stats", "mountPath": dir }));
+        volumes.push(json!({ "name": "load-stats", "emptyDir": {} }));
+    }
     (env, mounts, volumes)
 }
 
@@ -285,6 +301,16 @@ fn non_root(o: &KubernetesOptions) -> Option<(u32, u32)> {
 }
 
 /// The `--tile-cache` folder of worker `p`, if it has one.
+/// The folder of a router's `--load-stats` file, when it keeps one at an absolute path.
+fn load_stats_folder(p: &super::Process) -> Option<String> {
+    let file = matches!(p.role, Role::Router(..))
+        .then(|| super::flag_values(&p.args, "--load-stats").pop())
+        .flatten()?;
+    let folder = std::path::Path::new(&file).parent()?;
+    (folder.is_absolute() && folder != std::path::Path::new("/"))
+        .then(|| folder.display().to_string())
+}
+
 fn tile_cache(p: &super::Process) -> Option<String> {
     matches!(p.role, Role::Worker(..))
         .then(|| super::flag_values(&p.args, "--tile-cache").pop())
