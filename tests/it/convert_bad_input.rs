@@ -401,15 +401,21 @@ fn weights_rewritten_in_place_are_converted_again_and_a_failed_rerun_withdraws_t
 /// An FP8 checkpoint whose scale blocks are not 128 × 128 is refused naming
 /// `weight_block_size`; a router gate stored as FP8 is refused naming the tensor (read as it is,
 /// its block scales would be skipped).
+/// A tiny DeepSeek-V3 checkpoint with FP8 block-scaled experts, in `dir/ckpt`.
+fn fp8_block_checkpoint(dir: &Path) -> PathBuf {
+    use crate::hf_support::tiny::WeightFormat;
+    let ck = dir.join("ckpt");
+    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
+    write_tiny_checkpoint(&ck, &spec);
+    ck
+}
+
 /// An FP8 block scale of zero (a damaged file: it would make its block zeros, converted
 /// "exactly") is refused naming the scale tensor and the block.
 #[test]
 fn a_zero_fp8_block_scale_is_refused() {
-    use crate::hf_support::tiny::WeightFormat;
     let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ckpt");
-    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
-    write_tiny_checkpoint(&ck, &spec);
+    let ck = fp8_block_checkpoint(d.path());
     rewrite_typed(&ck, |n, _, b| {
         if n.contains(".experts.") && n.ends_with("_scale_inv") {
             b.fill(0);
@@ -429,11 +435,8 @@ fn a_zero_fp8_block_scale_is_refused() {
 /// block grid) is refused before anything is written, saying what to convert from.
 #[test]
 fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
-    use crate::hf_support::tiny::WeightFormat;
     let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ckpt");
-    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
-    write_tiny_checkpoint(&ck, &spec);
+    let ck = fp8_block_checkpoint(d.path());
     // Every `…weight_scale_inv` grid becomes a `…weight_scale` column of ones ([rows, 1]).
     let c = Checkpoint::open(&ck).unwrap();
     let mut owned = Vec::new();
@@ -480,11 +483,8 @@ fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
 
 #[test]
 fn fp8_blocks_of_another_size_and_an_fp8_gate_are_refused() {
-    use crate::hf_support::tiny::WeightFormat;
     let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ckpt");
-    let spec = TinySpec::for_model_type("deepseek_v3").with_dtype(WeightFormat::Fp8Block);
-    write_tiny_checkpoint(&ck, &spec);
+    let ck = fp8_block_checkpoint(d.path());
     let config = ck.join("config.json");
     let text = std::fs::read_to_string(&config).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -2063,16 +2063,13 @@ fn topologies_whose_processes_could_not_start_are_refused() {
     // Paths the processes read on the hosts must be absolute.
     let out = inputs.dir.path().join("out-relative");
     let r = inputs.deploy(&["slurm", "--bundle-path", "shared/em"], &out, &[]);
-    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("must be absolute"), "{}", r.stderr);
+    refused(&r, "must be absolute");
     let r = inputs.deploy(&["slurm", "--weights-on-hosts", "/w"], &out, &[]);
-    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("--weights"), "{}", r.stderr);
+    refused(&r, "--weights");
     // A Slurm option's value is one word on its #SBATCH line: a line break would add lines
     // to the script.
     let r = inputs.deploy(&["slurm", "--partition", "gpu\n#SBATCH --mem=1"], &out, &[]);
-    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("--partition"), "{}", r.stderr);
+    refused(&r, "--partition");
 }
 
 /// Under Kubernetes a router's `--load-stats` folder is a volume of its pod (the image's
@@ -2106,6 +2103,11 @@ fn a_kubernetes_router_keeps_its_load_file_in_a_volume() {
     let out2 = inputs.dir.path().join("out2");
     let relative = ["--router-arg=--load-stats", "--router-arg=load.json"];
     let r = inputs.deploy(&k8s, &out2, &relative);
+    refused(&r, "absolute path");
+}
+
+/// `r` is a deploy refused before anything started (exit 2), saying `needle`.
+fn refused(r: &crate::support::Run, needle: &str) {
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
-    assert!(r.stderr.contains("absolute path"), "{}", r.stderr);
+    assert!(r.stderr.contains(needle), "{}", r.stderr);
 }
