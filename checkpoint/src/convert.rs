@@ -85,6 +85,15 @@ pub enum ConvertError {
         #[source]
         source: std::io::Error,
     },
+    /// Another conversion holds the output folder.
+    #[error(
+        "{}: another `expertmesh convert` is writing into this folder; wait for it to end, or give another --out",
+        path.display()
+    )]
+    OutputBusy {
+        /// The output folder.
+        path: PathBuf,
+    },
     /// A small output file (the manifest, the model or placement copy) could not be written:
     /// the disk is full, or the folder is not writable.
     #[error(
@@ -214,6 +223,22 @@ pub fn convert(
         path: job.out.to_path_buf(),
         what: "creating the output folder",
         source,
+    })?;
+    // One conversion at a time per folder: two would withdraw and write each other's
+    // manifest and shards (held until this returns; unlocked where the file system has no
+    // locks).
+    let _out_held = expertmesh_files::lock_folder(job.out).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::WouldBlock {
+            ConvertError::OutputBusy {
+                path: job.out.to_path_buf(),
+            }
+        } else {
+            ConvertError::Io {
+                path: job.out.to_path_buf(),
+                what: "opening the output folder",
+                source,
+            }
+        }
     })?;
     // A killed conversion's temporary files (a shard's is as large as the shard).
     expertmesh_files::remove_stale_temps(job.out);

@@ -401,6 +401,28 @@ fn weights_rewritten_in_place_are_converted_again_and_a_failed_rerun_withdraws_t
 /// An FP8 checkpoint whose scale blocks are not 128 × 128 is refused naming
 /// `weight_block_size`; a router gate stored as FP8 is refused naming the tensor (read as it is,
 /// its block scales would be skipped).
+/// Two conversions into one folder would withdraw and write each other's manifest and
+/// shards: while one holds the folder, another is refused naming it, and nothing of the
+/// folder changes; once it is let go, a conversion runs.
+#[test]
+fn a_conversion_into_a_folder_another_is_writing_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "mixtral");
+    let out = d.path().join("w");
+    assert_eq!(convert(&ck, &out).code, 0);
+    let manifest = std::fs::read(out.join("manifest.json")).unwrap();
+    // This test holds the folder as a running conversion does.
+    let held = expertmesh_files::lock_folder(&out).unwrap();
+    let r = convert(&ck, &out);
+    fails_naming(
+        &r,
+        "another `expertmesh convert` is writing into this folder",
+    );
+    assert_eq!(std::fs::read(out.join("manifest.json")).unwrap(), manifest);
+    drop(held);
+    assert_eq!(convert(&ck, &out).code, 0);
+}
+
 /// A tiny DeepSeek-V3 checkpoint with FP8 block-scaled experts, in `dir/ckpt`.
 fn fp8_block_checkpoint(dir: &Path) -> PathBuf {
     use crate::hf_support::tiny::WeightFormat;
