@@ -100,8 +100,8 @@ pub(crate) struct CommonArgs {
     /// A serving client to issue a credential for (frontends/NAME.cred); repeat for more.
     #[arg(long = "frontend", value_name = "NAME")]
     frontends: Vec<String>,
-    /// The engine's name of a topology node's host (Slurm node, Kubernetes node, ssh host),
-    /// NODE=HOST; repeat per node. Default: the node's name.
+    /// The engine's name of a topology node's host (Slurm node, Kubernetes node, ssh host;
+    /// a name, not an address), NODE=HOST; repeat per node. Default: the node's name.
     #[arg(long = "host", value_name = "NODE=HOST")]
     hosts: Vec<String>,
     /// The expertmesh binary on the hosts.
@@ -166,10 +166,17 @@ impl CommonArgs {
                     "--host {h:?}: write NODE=HOST (a topology node's name = the engine's host name)"
                 );
             };
+            if host.parse::<std::net::IpAddr>().is_ok() {
+                bail!(
+                    "--host {h:?}: {host:?} is an address; give the host's name as the engine \
+                     names it (its hostname for systemd, the Slurm node name, the Kubernetes node \
+                     name): each process checks that it runs there by that name"
+                );
+            }
             if !expertmesh_topology::topology::is_valid_host(host) {
                 bail!(
                     "--host {h:?}: {host:?} is not a host name (letters, digits, '-' and '.', as \
-                     the engine names its hosts) or an IP address"
+                     the engine names its hosts)"
                 );
             }
             if hosts.insert(node.to_owned(), host.to_owned()).is_some() {

@@ -2011,6 +2011,7 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
             "is not a host name",
         ),
         (vec!["--host", "local=.."], "is not a host name"),
+        (vec!["--host", "local=10.0.0.7"], "is an address"),
         (vec!["--metrics-port", "0"], "--metrics-port 0"),
         (
             vec!["--metrics-port", frontend.as_str()],
