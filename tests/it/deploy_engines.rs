@@ -2098,9 +2098,17 @@ fn a_kubernetes_router_keeps_its_load_file_in_a_volume() {
     );
     let workers = docs.iter().filter(|d| d.contains("worker-"));
     assert!(workers.clone().count() > 0);
+    // Each pod reserves what its process needs: a CPU device's threads and expert memory
+    // (the topology's 1 thread and 256 MiB), a core for the router.
+    let requests = |memory: &str| {
+        format!("\"requests\":\n              \"cpu\": \"1\"{memory}\n          \"startupProbe\"")
+    };
     for d in workers {
         assert!(!d.contains("load-stats"), "{d}");
+        let memory = "\n              \"memory\": \"268435456\"";
+        assert!(d.contains(&requests(memory)), "{d}");
     }
+    assert!(router.contains(&requests("")), "{router}");
     let out2 = inputs.dir.path().join("out2");
     let relative = ["--router-arg=--load-stats", "--router-arg=load.json"];
     let r = inputs.deploy(&k8s, &out2, &relative);

@@ -336,12 +336,28 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
         ports.push(json!({ "name": "frontend", "containerPort": r.port() }));
     }
     let mut limits = serde_json::Map::new();
+    // What the scheduler reserves (the pod is pinned to its node: a node that cannot hold
+    // it leaves it Pending, saying why, rather than a BestEffort pod evicted first under
+    // memory pressure): a CPU device's threads and the memory its experts are pinned in; a
+    // core for a GPU device's worker or a router.
+    let mut requests = serde_json::Map::new();
+    requests.insert("cpu".into(), json!("1"));
     if let Role::Worker(d, _) = &p.role {
-        let gpu = plan
-            .dep
-            .topology
-            .device(*d)
-            .is_some_and(|dev| dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu);
+        let device = plan.dep.topology.device(*d);
+        if let Some(dev) =
+            device.filter(|dev| dev.kind() == expertmesh_topology::topology::DeviceKind::Cpu)
+        {
+            requests.insert(
+                "cpu".into(),
+                json!(dev.threads().unwrap_or(1).max(1).to_string()),
+            );
+            requests.insert(
+                "memory".into(),
+                json!(dev.expert_memory_bytes().to_string()),
+            );
+        }
+        let gpu =
+            device.is_some_and(|dev| dev.kind() == expertmesh_topology::topology::DeviceKind::Gpu);
         if gpu {
             limits.insert(o.gpu_resource.clone(), json!(1));
             // The device plugin shows the pod only the GPU it gave it, as index 0.
@@ -369,8 +385,9 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
     if o.rdma_resource.is_some() || tile_cache(p).is_some() {
         container["securityContext"] = json!({ "capabilities": { "add": ["IPC_LOCK"] } });
     }
+    container["resources"] = json!({ "requests": requests });
     if !limits.is_empty() {
-        container["resources"] = json!({ "limits": limits });
+        container["resources"]["limits"] = json!(limits);
     }
     let mut d = json!({
         "apiVersion": "apps/v1",
