@@ -2120,3 +2120,39 @@ fn refused(r: &crate::support::Run, needle: &str) {
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains(needle), "{}", r.stderr);
 }
+
+/// An engine lets a router finish its drain: its stop timeout is the router's
+/// `--drain-timeout-s` and 30 s more (at least 60 s, the workers' too).
+#[test]
+fn a_router_gets_its_drain_before_the_engine_kills_it() {
+    let inputs = Inputs::new();
+    let key = inputs.key.to_str().unwrap();
+    let drain = ["--key", key, "--router-arg=--drain-timeout-s=120"];
+    let out = inputs.dir.path().join("out");
+    let r = inputs.deploy(&["systemd"], &out, &drain);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let unit = |name: &str| {
+        std::fs::read_to_string(out.join(format!(
+            "systemd/local/expertmesh-single-host-{name}.service"
+        )))
+        .unwrap()
+    };
+    assert!(unit("router-0").contains("\nTimeoutStopSec=150\n"));
+    assert!(unit("worker-0").contains("\nTimeoutStopSec=60\n"));
+    let k8s = ["kubernetes", "--image", "registry.example/expertmesh:1"];
+    let out = inputs.dir.path().join("out-k8s");
+    let r = inputs.deploy(&k8s, &out, &drain);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let docs: Vec<&str> = manifests.split("\n---\n").collect();
+    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    assert!(
+        router.contains("\"terminationGracePeriodSeconds\": 150"),
+        "{router}"
+    );
+    let worker = docs.iter().find(|d| d.contains("worker-0")).unwrap();
+    assert!(
+        worker.contains("\"terminationGracePeriodSeconds\": 60"),
+        "{worker}"
+    );
+}

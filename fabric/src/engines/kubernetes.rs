@@ -410,7 +410,7 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
                     "hostNetwork": true,
                     "dnsPolicy": "ClusterFirstWithHostNet",
                     "enableServiceLinks": false,
-                    "terminationGracePeriodSeconds": 60,
+                    "terminationGracePeriodSeconds": super::stop_grace_s(p),
                     "containers": [container],
                     "volumes": volumes,
                 },

@@ -593,6 +593,18 @@ fn check_tile_cache_args(args: &[launch::Arg]) -> Result<(), FabricError> {
     Ok(())
 }
 
+/// Seconds an engine gives process `p` to stop after SIGTERM before it kills it: a router's
+/// `--drain-timeout-s` (30 s unless given) and 30 s more to finish and exit, at least 60 (a
+/// router told to drain for longer was killed in the middle of its drain).
+pub(crate) fn stop_grace_s(p: &Process) -> u64 {
+    let drain = flag_values(&p.args, "--drain-timeout-s")
+        .pop()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .unwrap_or(30.0);
+    (drain.ceil() as u64).saturating_add(30).max(60)
+}
+
 /// The folders `args` name after `flag`, as `FLAG VALUE` or `FLAG=VALUE` (a worker's
 /// `--tile-cache`, a router's `--load-stats`), in order.
 pub(crate) fn flag_values(args: &[launch::Arg], flag: &str) -> Vec<String> {

@@ -5,7 +5,7 @@
 //! `systemd/HOST/expertmesh-CLUSTER-PROCESS.service`: `launch.sh PROCESS` with the host's name
 //! (`%H`) checked against the process's; its credential handed over by systemd
 //! (`LoadCredential=`, so only the unit reads it); `Restart=on-failure`; SIGTERM to stop
-//! (routers drain, `TimeoutStopSec=60`); hardening that leaves `/dev/shm` and the GPU and RDMA
+//! (routers drain, `TimeoutStopSec` their drain and 30 s, at least 60); hardening that leaves `/dev/shm` and the GPU and RDMA
 //! devices usable (`ProtectSystem=strict` keeps `/dev` writable; no `PrivateDevices`,
 //! `LimitMEMLOCK=infinity` for RDMA memory registration and a tile cache's lock;
 //! `ReadWritePaths=` for the folder of a router's `--load-stats` file and a worker's
@@ -209,11 +209,11 @@ fn unit(plan: &Plan, p: &super::Process, dir: &str) -> Result<String, FabricErro
     for path in super::flag_values(&p.args, "--tile-cache") {
         s += &format!("ReadWritePaths=-{path}\n");
     }
-    s += "Restart=on-failure\n\
-          RestartSec=2\n\
-          KillSignal=SIGTERM\n\
-          TimeoutStopSec=60\n\
-          LimitMEMLOCK=infinity\n\
+    s += &format!(
+        "Restart=on-failure\nRestartSec=2\nKillSignal=SIGTERM\nTimeoutStopSec={}\n",
+        super::stop_grace_s(p)
+    );
+    s += "LimitMEMLOCK=infinity\n\
           LimitNOFILE=65536\n\
           NoNewPrivileges=yes\n\
           ProtectSystem=strict\n\
