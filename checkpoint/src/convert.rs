@@ -365,10 +365,6 @@ fn check_dense_shared_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> 
     if !job.shared_dense {
         return Ok(());
     }
-    let (h, f) = (
-        job.spec.hidden as usize,
-        job.spec.shared_intermediate as usize,
-    );
     for layer in job.spec.moe_layer_ids() {
         let names =
             expert_tensor_names(job.family, layer, ExpertRef::Shared).map_err(|source| {
@@ -378,11 +374,18 @@ fn check_dense_shared_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> 
                     source,
                 }
             })?;
-        for (name, shape) in names.iter().zip([[f, h], [f, h], [h, f]]) {
+        for (name, shape) in names.iter().zip(shared_dense_shapes(job.spec)) {
             plain_float(name, &tensor_of_shape(job.ckpt, name, &shape)?)?;
         }
     }
     Ok(())
+}
+
+/// The shapes of a shared expert's gate, up and down projections (`[F, H]`, `[F, H]`,
+/// `[H, F]`), as the checkpoint keeps them.
+fn shared_dense_shapes(spec: &ModelSpec) -> [[usize; 2]; 3] {
+    let (h, f) = (spec.hidden as usize, spec.shared_intermediate as usize);
+    [[f, h], [f, h], [h, f]]
 }
 
 /// The experts of each device's shard (topology order) and those of the router file (the
@@ -642,11 +645,7 @@ fn write_dense_shared(
             source,
         }
     })?;
-    let (h, f) = (
-        job.spec.hidden as usize,
-        job.spec.shared_intermediate as usize,
-    );
-    let shapes = [[f, h], [f, h], [h, f]];
+    let shapes = shared_dense_shapes(job.spec);
     for i in 0..job.spec.shared_experts {
         let out = shared_dense_names(layer, i);
         for ((src, dst), shape) in names.iter().zip(&out).zip(shapes) {
@@ -890,13 +889,7 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         let path = job.ckpt.dir().join(name);
         // Absent and empty differ: the length goes in first. Read within the bound every
         // configuration read keeps (a larger file is refused where it is parsed).
-        let bounded = std::fs::File::open(&path).and_then(|f| {
-            let mut bytes = Vec::new();
-            f.take(crate::hf_config::MAX_CONFIG_BYTES + 1)
-                .read_to_end(&mut bytes)
-                .map(|_| bytes)
-        });
-        let text = match bounded {
+        let text = match crate::hf_config::read_bounded(&path) {
             Ok(bytes) => Some(bytes),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => {

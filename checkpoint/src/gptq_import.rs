@@ -30,7 +30,6 @@
 //! `g_idx` is not `k / group`, are refused: the packed format's groups are contiguous.
 //! [`gptq_source_quant`] says which spec makes a checkpoint's import lossless.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
@@ -141,12 +140,10 @@ fn quant_config(path: PathBuf, q: &Map<String, Value>) -> QuantConfig {
 
 /// `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].
 fn read_json(path: &Path) -> Result<Map<String, Value>, ExpertError> {
-    let mut bytes = Vec::new();
-    let read = std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes));
-    if let Err(e) = read {
-        return Err(config_error(path, &format!("cannot read it ({e})")));
-    }
+    let bytes = match crate::hf_config::read_bounded(path) {
+        Ok(bytes) => bytes,
+        Err(e) => return Err(config_error(path, &format!("cannot read it ({e})"))),
+    };
     if bytes.len() as u64 > MAX_CONFIG_BYTES {
         return Err(config_error(path, "larger than a config file can be"));
     }

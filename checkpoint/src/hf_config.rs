@@ -130,6 +130,17 @@ pub fn greedy_topk(dir: &Path) -> bool {
         .is_ok_and(|c| c.get("topk_method").and_then(Value::as_str) == Some("greedy"))
 }
 
+/// The first [`MAX_CONFIG_BYTES`] + 1 bytes of `path`: a configuration file whole, or enough
+/// to tell it is larger than one can be (every reader of `config.json` and
+/// `quantize_config.json` reads through this).
+pub(crate) fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// Read `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].
 fn read_config(path: &Path) -> Result<Map<String, Value>, HfConfigError> {
     let io = |source| HfConfigError::Io {
@@ -140,12 +151,7 @@ fn read_config(path: &Path) -> Result<Map<String, Value>, HfConfigError> {
         path: path.to_path_buf(),
         reason,
     };
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .map_err(io)?
-        .take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
+    let bytes = read_bounded(path).map_err(io)?;
     if bytes.len() as u64 > MAX_CONFIG_BYTES {
         return Err(not(format!(
             "larger than {MAX_CONFIG_BYTES} bytes; a config.json is a few KiB"

@@ -196,8 +196,8 @@ impl LoadStatsWriter {
         if base.is_some() {
             tracing::info!(path = %path.display(), "resuming the load statistics from the file");
         }
-        let write_load = move |path: &Path| write_load(path, &spec, &sources, base.as_ref());
-        write_load(&path)?;
+        let write = move |path: &Path| write_load(path, &spec, &sources, base.as_ref());
+        write(&path)?;
         let (stop, stopped) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("load-stats".into())
@@ -207,7 +207,7 @@ impl LoadStatsWriter {
                         stopped.recv_timeout(every),
                         Err(mpsc::RecvTimeoutError::Timeout)
                     );
-                    if let Err(e) = write_load(&path) {
+                    if let Err(e) = write(&path) {
                         tracing::warn!(error = %format!("{e:#}"), "writing the load statistics failed");
                     }
                     if last {

@@ -187,7 +187,6 @@ impl CommonArgs {
             Some(k) => Some(expertmesh_transport::crypto::load_master_key(k)?),
             None => None,
         };
-        let (router_args, worker_args) = agreed_link_args(&self.router_args, &self.worker_args)?;
         Ok(DeployOptions {
             topology: self.deploy.topology.clone(),
             source,
@@ -198,49 +197,10 @@ impl CommonArgs {
             hosts,
             bin: self.bin.clone(),
             metrics_port: self.metrics_port,
-            router_args,
-            worker_args,
+            router_args: self.router_args.clone(),
+            worker_args: self.worker_args.clone(),
         })
     }
-}
-
-/// The flags routers and workers must agree on: the link workers ask for, and the NIC
-/// implementation under RDMA links (each router sets its side of a link up with its own).
-const AGREED_FLAGS: [&str; 2] = ["--link", "--rdma-provider"];
-
-/// The value `args` give `flag` (`FLAG VALUE` or `FLAG=VALUE`; the last one given).
-fn flag_value(args: &[String], flag: &str) -> Option<String> {
-    let mut found = None;
-    for (i, a) in args.iter().enumerate() {
-        if a == flag {
-            found = args.get(i + 1).cloned();
-        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
-            found = Some(v.to_owned());
-        }
-    }
-    found
-}
-
-/// `router_args` and `worker_args` with every [`AGREED_FLAGS`] one side gives copied to the
-/// other (`--worker-arg=--link --worker-arg=rdma` alone left routers on their default
-/// provider, and links fell back to TCP), or an error naming a flag both give differently.
-fn agreed_link_args(
-    router_args: &[String],
-    worker_args: &[String],
-) -> anyhow::Result<(Vec<String>, Vec<String>)> {
-    let (mut routers, mut workers) = (router_args.to_vec(), worker_args.to_vec());
-    for flag in AGREED_FLAGS {
-        match (flag_value(router_args, flag), flag_value(worker_args, flag)) {
-            (Some(r), Some(w)) if r != w => bail!(
-                "--router-arg={flag} {r} but --worker-arg={flag} {w}: routers and workers must \
-                 agree on it; give it once (as either, it goes to both)"
-            ),
-            (Some(r), None) => workers.extend([flag.to_owned(), r]),
-            (None, Some(w)) => routers.extend([flag.to_owned(), w]),
-            _ => {}
-        }
-    }
-    Ok((routers, workers))
 }
 
 /// Run `expertmesh deploy`.
@@ -337,42 +297,5 @@ fn parse_run_as(s: &str) -> Result<(u32, u32), String> {
     match s.split_once(':') {
         Some((u, g)) => Ok((id(u)?, id(g)?)),
         None => id(s).map(|u| (u, u)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn strings(a: &[&str]) -> Vec<String> {
-        a.iter().map(|s| s.to_string()).collect()
-    }
-
-    /// A link flag given to one side reaches the other; given to both, it must agree.
-    #[test]
-    fn link_flags_reach_routers_and_workers_alike() {
-        let (r, w) = agreed_link_args(
-            &strings(&["--mode", "exact"]),
-            &strings(&["--link", "rdma", "--rdma-provider=libfabric"]),
-        )
-        .unwrap();
-        assert_eq!(flag_value(&r, "--link").as_deref(), Some("rdma"));
-        assert_eq!(
-            flag_value(&r, "--rdma-provider").as_deref(),
-            Some("libfabric")
-        );
-        assert_eq!(flag_value(&r, "--mode").as_deref(), Some("exact"));
-        assert_eq!(w.len(), 3, "{w:?}");
-        let (r, w) = agreed_link_args(&strings(&["--link=shm"]), &[]).unwrap();
-        assert_eq!(
-            (r.len(), flag_value(&w, "--link").as_deref()),
-            (1, Some("shm"))
-        );
-        let same = agreed_link_args(&strings(&["--link", "shm"]), &strings(&["--link=shm"]));
-        assert!(same.is_ok());
-        let e = agreed_link_args(&strings(&["--link", "tcp"]), &strings(&["--link", "rdma"]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("must agree"), "{e}");
     }
 }

@@ -478,10 +478,23 @@ fn every_process_gets_only_its_own_credential_and_the_files_check() {
     );
 }
 
+/// The Kubernetes bundle's `processes.yaml` in `out`.
+fn process_manifests(out: &Path) -> String {
+    std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap()
+}
+
+/// The systemd unit of process `name` (`router-0`, `worker-1`) for the single-host topology's
+/// node, in the bundle `out`.
+fn systemd_unit(out: &Path, name: &str) -> String {
+    std::fs::read_to_string(out.join(format!(
+        "systemd/local/expertmesh-single-host-{name}.service"
+    )))
+    .unwrap()
+}
+
 /// The `expertmesh.io/generation` annotations of `processes.yaml`, in process order.
 fn generations(out: &Path) -> Vec<String> {
-    std::fs::read_to_string(out.join("kubernetes/processes.yaml"))
-        .unwrap()
+    process_manifests(out)
         .lines()
         .filter_map(|l| l.trim().strip_prefix("\"expertmesh.io/generation\": "))
         .map(|v| v.trim_matches('"').to_owned())
@@ -1710,7 +1723,7 @@ fn kubernetes_with_tile_cache(inputs: &Inputs, engine_args: &[&str]) -> (PathBuf
     k8s.extend(engine_args);
     let r = inputs.deploy(&k8s, &out, &args);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let manifests = process_manifests(&out);
     (out, tiles, manifests)
 }
 
@@ -1910,12 +1923,7 @@ fn a_systemd_router_may_write_its_load_file_and_only_there() {
     args.extend(stats);
     let r = inputs.deploy(&["systemd"], &out, &args);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let unit = |name: &str| {
-        std::fs::read_to_string(out.join(format!(
-            "systemd/local/expertmesh-single-host-{name}.service"
-        )))
-        .unwrap()
-    };
+    let unit = |name: &str| systemd_unit(&out, name);
     let router = unit("router-0");
     assert!(router.contains("\nProtectSystem=strict\n"), "{router}");
     assert!(
@@ -2087,7 +2095,7 @@ fn a_kubernetes_router_keeps_its_load_file_in_a_volume() {
     ];
     let r = inputs.deploy(&k8s, &out, &stats);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let manifests = process_manifests(&out);
     let docs: Vec<&str> = manifests.split("\n---\n").collect();
     let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
     assert!(
@@ -2131,19 +2139,14 @@ fn a_router_gets_its_drain_before_the_engine_kills_it() {
     let out = inputs.dir.path().join("out");
     let r = inputs.deploy(&["systemd"], &out, &drain);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let unit = |name: &str| {
-        std::fs::read_to_string(out.join(format!(
-            "systemd/local/expertmesh-single-host-{name}.service"
-        )))
-        .unwrap()
-    };
+    let unit = |name: &str| systemd_unit(&out, name);
     assert!(unit("router-0").contains("\nTimeoutStopSec=150\n"));
     assert!(unit("worker-0").contains("\nTimeoutStopSec=60\n"));
     let k8s = ["kubernetes", "--image", "registry.example/expertmesh:1"];
     let out = inputs.dir.path().join("out-k8s");
     let r = inputs.deploy(&k8s, &out, &drain);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap();
+    let manifests = process_manifests(&out);
     let docs: Vec<&str> = manifests.split("\n---\n").collect();
     let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
     assert!(

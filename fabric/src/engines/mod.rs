@@ -198,8 +198,9 @@ pub struct Written {
 
 impl Plan {
     /// Plan `dep` for the engines: processes, arguments, credentials, bundle files.
-    pub fn new(dep: Deployment, opts: DeployOptions) -> Result<Self, FabricError> {
+    pub fn new(dep: Deployment, mut opts: DeployOptions) -> Result<Self, FabricError> {
         check_options(&dep, &opts)?;
+        agree_link_flags(&mut opts)?;
         let topo = &dep.topology;
         let mut fabric_files = vec![(
             "topology.toml".to_owned(),
@@ -608,12 +609,30 @@ pub(crate) fn stop_grace_s(p: &Process) -> u64 {
 /// The folders `args` name after `flag`, as `FLAG VALUE` or `FLAG=VALUE` (a worker's
 /// `--tile-cache`, a router's `--load-stats`), in order.
 pub(crate) fn flag_values(args: &[launch::Arg], flag: &str) -> Vec<String> {
+    let texts: Vec<Option<&str>> = args
+        .iter()
+        .map(|a| match a {
+            launch::Arg::Lit(text) => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    texts_flag_values(&texts, flag)
+}
+
+/// [`flag_values`] of plain arguments (`--router-arg`s, `--worker-arg`s).
+fn string_flag_values(args: &[String], flag: &str) -> Vec<String> {
+    let texts: Vec<Option<&str>> = args.iter().map(|a| Some(a.as_str())).collect();
+    texts_flag_values(&texts, flag)
+}
+
+/// The values after `flag` in `texts` (`None`: an argument that is not text).
+fn texts_flag_values(texts: &[Option<&str>], flag: &str) -> Vec<String> {
     let mut out = Vec::new();
-    for (i, a) in args.iter().enumerate() {
-        let launch::Arg::Lit(text) = a else { continue };
-        if text == flag {
-            if let Some(launch::Arg::Lit(v)) = args.get(i + 1) {
-                out.push(v.clone());
+    for (i, text) in texts.iter().enumerate() {
+        let Some(text) = text else { continue };
+        if *text == flag {
+            if let Some(Some(v)) = texts.get(i + 1) {
+                out.push((*v).to_owned());
             }
         } else if let Some(v) = text
             .strip_prefix(flag)
@@ -623,6 +642,32 @@ pub(crate) fn flag_values(args: &[launch::Arg], flag: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// The flags routers and workers must agree on: the link workers ask for, and the NIC
+/// implementation under RDMA links (each router sets its side of a link up with its own).
+const AGREED_FLAGS: [&str; 2] = ["--link", "--rdma-provider"];
+
+/// Copies every [`AGREED_FLAGS`] one side's extra arguments give to the other
+/// (`--worker-arg=--link --worker-arg=rdma` alone left routers on their default provider,
+/// and links fell back to TCP), or refuses a flag both give differently.
+fn agree_link_flags(opts: &mut DeployOptions) -> Result<(), FabricError> {
+    for flag in AGREED_FLAGS {
+        let router = string_flag_values(&opts.router_args, flag).pop();
+        let worker = string_flag_values(&opts.worker_args, flag).pop();
+        match (router, worker) {
+            (Some(r), Some(w)) if r != w => {
+                return Err(FabricError::Engine(format!(
+                    "--router-arg={flag} {r} but --worker-arg={flag} {w}: routers and workers \
+                     must agree on it; give it once (as either, it goes to both)"
+                )));
+            }
+            (Some(r), None) => opts.worker_args.extend([flag.to_owned(), r]),
+            (None, Some(w)) => opts.router_args.extend([flag.to_owned(), w]),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// [`Process::generation`] of `p`, whose rank's fingerprint is `fingerprint`.
@@ -801,5 +846,56 @@ impl Writer {
         expertmesh_files::write_whole(&path, bytes, Some(mode)).map_err(fail)?;
         self.written.push(rel.to_path_buf());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(router_args: &[&str], worker_args: &[&str]) -> DeployOptions {
+        let strings = |a: &[&str]| a.iter().map(|s| s.to_string()).collect();
+        DeployOptions {
+            topology: PathBuf::new(),
+            source: Source::Synthetic {
+                model: String::new(),
+                placement: PathBuf::new(),
+                seed: 0,
+            },
+            out: PathBuf::new(),
+            master_key: None,
+            insecure: false,
+            frontends: Vec::new(),
+            hosts: BTreeMap::new(),
+            bin: String::new(),
+            metrics_port: 9400,
+            router_args: strings(router_args),
+            worker_args: strings(worker_args),
+        }
+    }
+
+    /// A link flag given to one side reaches the other; given to both, it must agree.
+    #[test]
+    fn link_flags_reach_routers_and_workers_alike() {
+        let mut o = options(
+            &["--mode", "exact"],
+            &["--link", "rdma", "--rdma-provider=libfabric"],
+        );
+        agree_link_flags(&mut o).unwrap();
+        let value = |args: &[String], flag| string_flag_values(args, flag).pop();
+        assert_eq!(value(&o.router_args, "--link").as_deref(), Some("rdma"));
+        let provider = value(&o.router_args, "--rdma-provider");
+        assert_eq!(provider.as_deref(), Some("libfabric"));
+        assert_eq!(value(&o.router_args, "--mode").as_deref(), Some("exact"));
+        assert_eq!(o.worker_args.len(), 3, "{:?}", o.worker_args);
+        let mut o = options(&["--link=shm"], &[]);
+        agree_link_flags(&mut o).unwrap();
+        assert_eq!(o.router_args.len(), 1);
+        assert_eq!(value(&o.worker_args, "--link").as_deref(), Some("shm"));
+        assert!(agree_link_flags(&mut options(&["--link", "shm"], &["--link=shm"])).is_ok());
+        let e = agree_link_flags(&mut options(&["--link", "tcp"], &["--link", "rdma"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must agree"), "{e}");
     }
 }
