@@ -317,24 +317,15 @@ fn tile_cache(p: &super::Process) -> Option<String> {
         .flatten()
 }
 
-fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
-    let c = plan.cluster_label();
-    let component = p.role.component();
-    let pod_labels = [
-        ("app.kubernetes.io/component", component),
-        ("expertmesh.io/process", p.name.as_str()),
-    ];
-    let selector = json!({
-        "app.kubernetes.io/instance": c,
-        "expertmesh.io/process": p.name,
-    });
-    let (mut env, mounts, volumes) = pod_files(plan, o, p);
-    let mut ports = vec![json!({ "name": "metrics", "containerPort": p.metrics_port })];
-    if let Role::Router(i) = p.role
-        && let Some(r) = plan.dep.topology.routers().get(i as usize)
-    {
-        ports.push(json!({ "name": "frontend", "containerPort": r.port() }));
-    }
+/// Process `p`'s container resources: what the scheduler reserves (requests) and the devices
+/// it takes (limits: a GPU device's GPU, announced to the process as index 0 in `env`; the
+/// RDMA resource).
+fn resources(
+    plan: &Plan,
+    o: &KubernetesOptions,
+    p: &super::Process,
+    env: &mut Vec<Value>,
+) -> Value {
     let mut limits = serde_json::Map::new();
     // What the scheduler reserves (the pod is pinned to its node: a node that cannot hold
     // it leaves it Pending, saying why, rather than a BestEffort pod evicted first under
@@ -364,6 +355,35 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
             env.push(json!({ "name": "EXPERTMESH_GPU_INDEX", "value": "0" }));
         }
     }
+    if let Some(r) = &o.rdma_resource {
+        limits.insert(r.clone(), json!(1));
+    }
+    let mut resources = json!({ "requests": requests });
+    if !limits.is_empty() {
+        resources["limits"] = json!(limits);
+    }
+    resources
+}
+
+fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
+    let c = plan.cluster_label();
+    let component = p.role.component();
+    let pod_labels = [
+        ("app.kubernetes.io/component", component),
+        ("expertmesh.io/process", p.name.as_str()),
+    ];
+    let selector = json!({
+        "app.kubernetes.io/instance": c,
+        "expertmesh.io/process": p.name,
+    });
+    let (mut env, mounts, volumes) = pod_files(plan, o, p);
+    let mut ports = vec![json!({ "name": "metrics", "containerPort": p.metrics_port })];
+    if let Role::Router(i) = p.role
+        && let Some(r) = plan.dep.topology.routers().get(i as usize)
+    {
+        ports.push(json!({ "name": "frontend", "containerPort": r.port() }));
+    }
+    let resources = resources(plan, o, p, &mut env);
     let (pod_security, init) = run_as(o, p, plan.credentials.contains_key(&p.name));
     let mut container = json!({
         "name": "expertmesh",
@@ -378,17 +398,11 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
         "readinessProbe": { "httpGet": { "host": p.address, "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2 },
         "volumeMounts": mounts,
     });
-    if let Some(r) = &o.rdma_resource {
-        limits.insert(r.clone(), json!(1));
-    }
     // RDMA registers (locks) its buffers; a tile cache locks its tiles in memory.
     if o.rdma_resource.is_some() || tile_cache(p).is_some() {
         container["securityContext"] = json!({ "capabilities": { "add": ["IPC_LOCK"] } });
     }
-    container["resources"] = json!({ "requests": requests });
-    if !limits.is_empty() {
-        container["resources"]["limits"] = json!(limits);
-    }
+    container["resources"] = resources;
     let mut d = json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
