@@ -791,9 +791,11 @@ async fn accept_one(
 /// retried within about a second of the heal, not on the kernel's retransmission schedule.
 /// A shared-memory or RDMA setup failure falls back to TCP for the next try.
 async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
-    let initial = inner.cfg.reconnect_initial;
-    let mut backoff = initial;
-    let mut jitter = Jitter::new(u64::from(peer) ^ inner.proto_cfg.incarnation);
+    let mut redial = Redial::new(
+        inner.cfg.reconnect_initial,
+        inner.cfg.reconnect_max,
+        u64::from(peer) ^ inner.proto_cfg.incarnation,
+    );
     let mut fallback_tcp = false;
     let mut failures = 0u32;
     let mut linked_at: Option<Instant> = None;
@@ -807,14 +809,14 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
             }
             let lived = linked_at.take().map_or(Duration::MAX, |t| t.elapsed());
             if lived >= inner.cfg.reconnect_max * 2 {
-                backoff = initial;
+                redial.reset();
                 continue;
             }
             // A young link's loss: wait before redialling, as after a failed dial.
-            if !sleep_or_shutdown(&inner, jitter.spread(backoff)).await {
+            if !sleep_or_shutdown(&inner, redial.wait()).await {
                 return;
             }
-            backoff = (backoff * 2).min(inner.cfg.reconnect_max);
+            redial.grow();
             continue;
         }
         let spec = inner.cfg.peers[peer as usize].clone();
@@ -831,7 +833,7 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
             }
             Err(e) => {
                 failures += 1;
-                let wait = jitter.spread(backoff);
+                let wait = redial.wait();
                 let msg = format!("dial {} ({}): {e}", spec.addr, kind.name());
                 if failures == 1 || failures.is_multiple_of(20) {
                     tracing::warn!(peer, attempt = failures, "{msg}; retrying in {wait:?}");
@@ -853,7 +855,7 @@ async fn dial_loop(inner: Arc<MeshInner>, peer: Rank) {
                 if !sleep_or_shutdown(&inner, wait).await {
                     return;
                 }
-                backoff = (backoff * 2).min(inner.cfg.reconnect_max);
+                redial.grow();
             }
         }
     }
@@ -873,21 +875,98 @@ async fn sleep_or_shutdown(inner: &MeshInner, d: Duration) -> bool {
     }
 }
 
-/// Spreads redial waits (xorshift64*, seeded per dialled peer and process).
-struct Jitter(u64);
+/// The redial schedule of one dialled peer: a wait drawn from the upper half of the current
+/// backoff (xorshift64*, seeded per peer and process, so restarted peers do not redial in
+/// step), the backoff doubling from `initial` up to `max` after each wait, back to `initial`
+/// after a link that lived. Apart from the clock so its bound is tested exactly: no wait is
+/// longer than `max`, however long the peer stays away.
+struct Redial {
+    initial: Duration,
+    max: Duration,
+    backoff: Duration,
+    state: u64,
+}
 
-impl Jitter {
-    fn new(seed: u64) -> Self {
-        Self(seed | 1)
+impl Redial {
+    fn new(initial: Duration, max: Duration, seed: u64) -> Self {
+        let initial = initial.min(max);
+        Self {
+            initial,
+            max,
+            backoff: initial,
+            state: seed | 1,
+        }
     }
 
-    /// A wait drawn uniformly from `[d / 2, d]`.
-    fn spread(&mut self, d: Duration) -> Duration {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let r = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11; // 53 random bits
+    /// The next wait, drawn uniformly from `[backoff / 2, backoff]`.
+    fn wait(&mut self) -> Duration {
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        let r = self.state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11; // 53 random bits
         let unit = r as f64 / (1u64 << 53) as f64;
-        d.mul_f64(0.5 + 0.5 * unit)
+        self.backoff.mul_f64(0.5 + 0.5 * unit)
+    }
+
+    /// After a wait: the next one may be twice as long, up to `max`.
+    fn grow(&mut self) {
+        self.backoff = (self.backoff * 2).min(self.max);
+    }
+
+    /// After a link that lived: start again from `initial`.
+    fn reset(&mut self) {
+        self.backoff = self.initial;
+    }
+}
+
+#[cfg(test)]
+mod redial_tests {
+    use super::Redial;
+    use std::time::Duration;
+
+    #[test]
+    fn waits_double_from_the_initial_up_to_the_cap_and_never_pass_it() {
+        let (initial, max) = (Duration::from_millis(20), Duration::from_secs(1));
+        for seed in 0..64u64 {
+            let mut r = Redial::new(initial, max, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut bound = initial;
+            // A peer away for a long outage: thousands of failed dials.
+            for _ in 0..5_000 {
+                let w = r.wait();
+                assert!(
+                    w >= bound / 2 && w <= bound,
+                    "{w:?} outside [{bound:?}/2, {bound:?}]"
+                );
+                assert!(w <= max, "{w:?} past the cap");
+                r.grow();
+                bound = (bound * 2).min(max);
+            }
+            // Capped: every wait now lies in [max/2, max].
+            assert_eq!(r.backoff, max);
+            r.reset();
+            let w = r.wait();
+            assert!(
+                w <= initial,
+                "after a link that lived the wait starts over: {w:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn waits_are_spread_so_restarted_peers_do_not_redial_in_step() {
+        let max = Duration::from_secs(1);
+        let mut r = Redial::new(max, max, 7);
+        let waits: Vec<Duration> = (0..200).map(|_| r.wait()).collect();
+        let low = waits.iter().filter(|w| **w < max * 3 / 4).count();
+        // Uniform over [max/2, max]: about half below 3/4 of the cap (binomial, 200 draws).
+        assert!(
+            (50..=150).contains(&low),
+            "{low} of 200 waits in the lower half"
+        );
+        let mut other = Redial::new(max, max, 8);
+        assert_ne!(
+            waits[..4],
+            (0..4).map(|_| other.wait()).collect::<Vec<_>>()[..]
+        );
     }
 }

@@ -1,8 +1,8 @@
 //! Link replacement in the mesh, over real TCP sockets: a second process claiming a rank
 //! whose link is live is refused (told why; the live link stays), a restarted peer's new link
 //! replaces the old one, and an answer bound to the old link's generation is never sent on
-//! the new one. Also the redial bound: a peer that comes up after a long outage is joined
-//! within about the backoff cap.
+//! the new one. Also redials that go on: a peer that comes up after a long outage is joined
+//! (how soon is the redial schedule's bound, tested without a clock in the mesh's unit tests).
 
 use crate::support::{free_addrs, peers, result_body};
 use expertmesh_transport::codec::Body;
@@ -104,22 +104,26 @@ async fn a_second_process_for_a_live_rank_is_refused_and_a_restarted_one_replace
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_that_comes_up_after_a_long_outage_is_joined_within_the_backoff_cap() {
+async fn a_peer_that_comes_up_after_a_long_outage_is_joined() {
     let (a0, a1) = (free_addr(), free_addr());
     // Rank 1 dials rank 0, which is not there for 4 s: the backoff grows to its cap (1 s).
     let (dialer, _events) = Mesh::start(config(1, [a0, a1], 0x1)).await.unwrap();
     tokio::time::sleep(Duration::from_secs(4)).await;
     let t0 = Instant::now();
     let (listener, mut events) = Mesh::start(config(0, [a0, a1], 0x2)).await.unwrap();
-    loop {
-        match events.recv().await.expect("events") {
-            TransportEvent::PeerUp { peer: 1, .. } => break,
-            _ => continue,
+    tokio::time::timeout(T, async {
+        loop {
+            match events.recv().await.expect("events") {
+                TransportEvent::PeerUp { peer: 1, .. } => break,
+                _ => continue,
+            }
         }
-    }
-    let took = t0.elapsed();
-    // One capped wait (at most 1 s) plus the handshake; generous for a loaded machine.
-    assert!(took < Duration::from_millis(4000), "joined after {took:?}");
+    })
+    .await
+    .expect("the dialer still redials after a 4 s outage and is joined");
+    // One capped wait (at most 1 s: `Redial`'s unit test) plus the handshake; a busy machine
+    // may take longer, so this is printed, not asserted.
+    println!("joined {:?} after the peer came up", t0.elapsed());
     dialer.shutdown();
     listener.shutdown();
 }

@@ -5,15 +5,30 @@ use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
 use expertmesh_transport::{LinkKind, OutputDtype, PeerAddress};
 use std::net::SocketAddr;
 
-/// `n` distinct free loopback addresses (the listeners are closed again on return).
+/// `n` distinct free loopback addresses, below the kernel's ephemeral range
+/// ([`expertmesh_transport::ports`]): a mesh binds them only after other meshes in the same
+/// test have dialled out, and a port from the ephemeral range (binding port 0) could be taken
+/// by such an outgoing connection in between ("Address already in use", seen in CI).
 pub(crate) fn free_addrs(n: usize) -> Vec<SocketAddr> {
     // scripts/rdma-rxe-check.sh points the suite at a Soft-RoCE device's address when the
     // kernel cannot attach rxe to loopback.
-    let ip = std::env::var("EM_TEST_BIND_IP").unwrap_or_else(|_| "127.0.0.1".into());
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind((ip.as_str(), 0)).unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+    let ip: std::net::IpAddr = std::env::var("EM_TEST_BIND_IP")
+        .unwrap_or_else(|_| "127.0.0.1".into())
+        .parse()
+        .expect("EM_TEST_BIND_IP is an IP address");
+    (0..n)
+        .map(|_| {
+            loop {
+                let port =
+                    expertmesh_transport::ports::free_loopback_ports(1).expect("a free port");
+                let addr = SocketAddr::new(ip, port);
+                // Free on loopback; on another address it must be free there too.
+                if std::net::TcpListener::bind(addr).is_ok() {
+                    break addr;
+                }
+            }
+        })
+        .collect()
 }
 
 /// Every rank at `addrs`, linked by `link`.
