@@ -554,14 +554,14 @@ async fn start_pair(
     rdma_provider: &RdmaProvider,
 ) -> Result<(Vec<Mesh>, MeshEvents), BenchError> {
     let master = expertmesh_transport::crypto::Key::random()?;
-    let addrs: Vec<SocketAddr> = {
-        let ls: Vec<_> = (0..2)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<_, _>>()?;
-        ls.iter()
-            .map(|l| l.local_addr())
-            .collect::<Result<_, _>>()?
-    };
+    // Below the ephemeral range (the meshes bind them later; an outgoing connection could
+    // take a port the kernel picked meanwhile).
+    let addrs: Vec<SocketAddr> = (0..2)
+        .map(|_| {
+            expertmesh_transport::ports::free_loopback_ports(1)
+                .map(|port| SocketAddr::from(([127, 0, 0, 1], port)))
+        })
+        .collect::<Result<_, _>>()?;
     let mut meshes = Vec::new();
     let mut rx0 = None;
     for rank in 0..2u32 {

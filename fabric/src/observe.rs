@@ -81,17 +81,16 @@ pub(crate) fn worker_metrics_addrs(
     if base.port() != 0 {
         return (0..devices).map(|d| nth_addr(base, routers + d)).collect();
     }
-    let listeners: Vec<std::net::TcpListener> = (0..devices)
-        .map(|_| std::net::TcpListener::bind(base))
-        .collect::<Result<_, _>>()
-        .map_err(FabricError::io(format!(
-            "picking free ports for the workers' --metrics on {base}"
-        )))?;
-    listeners
-        .iter()
-        .map(|l| {
-            l.local_addr()
-                .map_err(FabricError::io("reading a picked port"))
+    // Below the ephemeral range: a worker binds its port only once started (and again after
+    // a restart), and a port the kernel picked (binding port 0) could meanwhile be taken by
+    // an outgoing connection (the workers' own links, a frontend's).
+    (0..devices)
+        .map(|_| {
+            expertmesh_transport::ports::free_ports(base.ip(), 1)
+                .map(|port| SocketAddr::new(base.ip(), port))
+                .map_err(FabricError::io(format!(
+                    "picking free ports for the workers' --metrics on {base}"
+                )))
         })
         .collect()
 }
@@ -331,5 +330,7 @@ mod tests {
         let picked = worker_metrics_addrs(&args, 1, 3).unwrap();
         assert_eq!(picked.len(), 3);
         assert!(picked.iter().all(|a| a.port() != 0));
+        let distinct: std::collections::BTreeSet<u16> = picked.iter().map(|a| a.port()).collect();
+        assert_eq!(distinct.len(), 3, "{picked:?}");
     }
 }

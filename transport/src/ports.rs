@@ -1,4 +1,5 @@
-//! Free loopback ports for the processes a local fabric, a bench or a test starts here.
+//! Free ports (on loopback, or on another of this machine's addresses) for the processes a
+//! local fabric, a bench or a test starts here.
 //!
 //! Why this exists: a port found by binding port 0 comes from the kernel's ephemeral range,
 //! the range every outgoing connection's local port is also taken from. Between releasing such
@@ -11,7 +12,7 @@
 //! before.
 
 use std::collections::BTreeSet;
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -35,6 +36,17 @@ static CALLS: AtomicU64 = AtomicU64::new(0);
 ///
 /// When no such run could be bound (`n` is 0 or the machine's ports are exhausted).
 pub fn free_loopback_ports(n: u16) -> std::io::Result<u16> {
+    free_ports(IpAddr::from([127, 0, 0, 1]), n)
+}
+
+/// [`free_loopback_ports`] on the address `ip` (each port checked with a bind there; an
+/// unspecified address such as 0.0.0.0 checks every interface's).
+///
+/// # Errors
+///
+/// When no such run could be bound (`n` is 0, `ip` is not this machine's, or its ports are
+/// exhausted).
+pub fn free_ports(ip: IpAddr, n: u16) -> std::io::Result<u16> {
     if n == 0 {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -51,7 +63,7 @@ pub fn free_loopback_ports(n: u16) -> std::io::Result<u16> {
                 continue;
             }
             let held: Result<Vec<TcpListener>, _> = (base..base + n)
-                .map(|p| TcpListener::bind(("127.0.0.1", p)))
+                .map(|p| TcpListener::bind((ip, p)))
                 .collect();
             if held.is_ok() {
                 handed.extend(base..base + n);
@@ -59,19 +71,19 @@ pub fn free_loopback_ports(n: u16) -> std::io::Result<u16> {
             }
         }
     }
-    ephemeral_run(n)
+    ephemeral_run(ip, n)
 }
 
 /// `n` consecutive ports around one the kernel picks (the ephemeral range).
-fn ephemeral_run(n: u16) -> std::io::Result<u16> {
+fn ephemeral_run(ip: IpAddr, n: u16) -> std::io::Result<u16> {
     for _ in 0..TRIES {
-        let first = TcpListener::bind(("127.0.0.1", 0))?;
+        let first = TcpListener::bind((ip, 0))?;
         let base = first.local_addr()?.port();
         let Some(end) = base.checked_add(n) else {
             continue;
         };
         let rest: Result<Vec<TcpListener>, _> = (base + 1..end)
-            .map(|p| TcpListener::bind(("127.0.0.1", p)))
+            .map(|p| TcpListener::bind((ip, p)))
             .collect();
         if rest.is_ok() {
             return Ok(base);
@@ -79,7 +91,7 @@ fn ephemeral_run(n: u16) -> std::io::Result<u16> {
     }
     Err(std::io::Error::new(
         std::io::ErrorKind::AddrInUse,
-        format!("no {n} consecutive free loopback ports found"),
+        format!("no {n} consecutive free ports found on {ip}"),
     ))
 }
 

@@ -5,7 +5,7 @@ use expertmesh_transport::codec::{Body, ExpertResult, OutputLayout};
 use expertmesh_transport::{LinkKind, OutputDtype, PeerAddress};
 use std::net::SocketAddr;
 
-/// `n` distinct free loopback addresses, below the kernel's ephemeral range
+/// `n` distinct free addresses (loopback unless `EM_TEST_BIND_IP` says), below the kernel's ephemeral range
 /// ([`expertmesh_transport::ports`]): a mesh binds them only after other meshes in the same
 /// test have dialled out, and a port from the ephemeral range (binding port 0) could be taken
 /// by such an outgoing connection in between ("Address already in use", seen in CI).
@@ -18,15 +18,8 @@ pub(crate) fn free_addrs(n: usize) -> Vec<SocketAddr> {
         .expect("EM_TEST_BIND_IP is an IP address");
     (0..n)
         .map(|_| {
-            loop {
-                let port =
-                    expertmesh_transport::ports::free_loopback_ports(1).expect("a free port");
-                let addr = SocketAddr::new(ip, port);
-                // Free on loopback; on another address it must be free there too.
-                if std::net::TcpListener::bind(addr).is_ok() {
-                    break addr;
-                }
-            }
+            let port = expertmesh_transport::ports::free_ports(ip, 1).expect("a free port");
+            SocketAddr::new(ip, port)
         })
         .collect()
 }
