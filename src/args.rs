@@ -94,6 +94,13 @@ pub(crate) fn whole_seconds_parser() -> clap::builder::RangedU64ValueParser<u64>
     clap::value_parser!(u64).range(..=LONGEST_WAIT_S)
 }
 
+/// A `--threads` flag: from 1 to [`MAX_THREADS`](expertmesh_topology::topology::MAX_THREADS),
+/// the bound a topology's `threads` has (0 and a mistyped huge count are refused by name).
+pub(crate) fn threads_parser() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new()
+        .range(1..=u64::from(expertmesh_topology::topology::MAX_THREADS))
+}
+
 /// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
 pub(crate) fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
     expertmesh_fabric::endpoint::parse_endpoint(s)

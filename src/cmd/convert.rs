@@ -45,7 +45,7 @@ pub(crate) struct ConvertArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Conversion threads (default: every core).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::threads_parser())]
     pub threads: Option<usize>,
     /// Quantize shared experts to INT4 even when the checkpoint keeps them unquantized (an
     /// INT4 checkpoint with BF16 shared experts, like Kimi K2-Thinking, serves them at BF16 on

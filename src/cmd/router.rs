@@ -47,7 +47,7 @@ pub(crate) struct RouterCli {
     #[command(flatten)]
     link_timeout: LinkTimeoutArgs,
     /// Threads for shared experts run on the router.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::args::threads_parser())]
     threads: usize,
     /// On SIGTERM or SIGINT, how long to keep answering the requests already admitted (new
     /// ones are refused, saying the router is draining) before exiting.

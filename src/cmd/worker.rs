@@ -46,7 +46,7 @@ pub(crate) struct WorkerCli {
     #[command(flatten)]
     link_timeout: LinkTimeoutArgs,
     /// Backend threads (default: the topology's `threads` for CPU devices).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::threads_parser())]
     threads: Option<usize>,
     /// Backend: auto (HIP for GPU devices when available, else CPU), cpu or hip.
     #[arg(long, default_value = "auto", value_parser = backend_parser())]

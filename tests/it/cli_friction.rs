@@ -347,6 +347,28 @@ fn duration_flags_out_of_range_are_refused_naming_the_flag() {
             );
         }
     }
+    // Thread counts: at least one, at most a topology's bound (a typo of 100000 made that
+    // many threads and their buffers before anything said no).
+    for args in [
+        &["router"][..],
+        &["worker"],
+        &["convert"],
+        &["bench", "kernels"],
+        &["bench", "convert"],
+    ] {
+        for value in ["0", "4097"] {
+            let mut a = args.to_vec();
+            let flag = format!("--threads={value}");
+            a.push(&flag);
+            let r = crate::support::run(&a);
+            assert_eq!(r.code, 2, "{a:?}: {}{}", r.stdout, r.stderr);
+            assert!(
+                r.stderr.contains("--threads") && r.stderr.contains("4096"),
+                "{a:?}: {}",
+                r.stderr
+            );
+        }
+    }
     // A rebalancing step needs some time: zero, NaN and past a day are refused before any
     // file is read or any router is asked.
     for value in ["0", "NaN", "86401"] {

@@ -89,3 +89,8 @@ pub use types::{
     NicKind, Node, RouterSpec, TOPOLOGY_FORMAT, TierMeasure, Topology, endpoint,
 };
 pub use values::is_valid_host;
+
+/// Most threads one CPU device's backend may run (a topology's `threads`, and the `--threads`
+/// flags that override it): more than any server has cores, few enough that a typo is refused
+/// before thousands of threads and their per-thread buffers are made.
+pub const MAX_THREADS: u32 = 4096;

@@ -120,7 +120,7 @@ pub(crate) struct ConvertCli {
     #[arg(long)]
     layers: Option<usize>,
     /// Comma-separated conversion thread counts, each measured (default 2,1).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::threads_parser())]
     threads: Vec<usize>,
     /// Measurements per case.
     #[arg(long)]
@@ -264,7 +264,7 @@ pub(crate) struct KernelsCli {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Backend threads (default: all cores).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::threads_parser())]
     threads: Option<usize>,
     /// Seconds the whole run may take (setup included): repetitions stop when the next would
     /// not fit; a short run also shrinks the weight pool and the probes (stated in the output).
@@ -430,10 +430,7 @@ pub(crate) fn run(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 !k.batches.contains(&0),
                 "--batches: a batch has at least one token"
             );
-            anyhow::ensure!(
-                k.repeats >= 1 && k.threads != Some(0),
-                "--repeats and --threads must be at least 1"
-            );
+            anyhow::ensure!(k.repeats >= 1, "--repeats must be at least 1");
             let models = k
                 .models
                 .iter()

@@ -108,7 +108,12 @@ pub(super) fn device_fields(
         ),
         int8_tops: check(ctx, int8_tops, item, positive("int8_tops")),
         bf16_tflops: check(ctx, bf16_tflops, item, positive("bf16_tflops")),
-        threads: check(ctx, threads, item, small_u32("threads", 1, 4096)),
+        threads: check(
+            ctx,
+            threads,
+            item,
+            small_u32("threads", 1, i64::from(super::MAX_THREADS)),
+        ),
         price_usd_per_hour: check(
             ctx,
             price_usd_per_hour,
