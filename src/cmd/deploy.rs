@@ -183,6 +183,8 @@ impl CommonArgs {
                 bail!("--host: node {node:?} given twice");
             }
         }
+        extra_args_parse("router", "--router-arg", &self.router_args)?;
+        extra_args_parse("worker", "--worker-arg", &self.worker_args)?;
         let master_key = match &self.key {
             Some(k) => Some(expertmesh_transport::crypto::load_master_key(k)?),
             None => None,
@@ -200,6 +202,40 @@ impl CommonArgs {
             router_args: self.router_args.clone(),
             worker_args: self.worker_args.clone(),
         })
+    }
+}
+
+/// `--router-arg`/`--worker-arg`: parsed as this binary's `expertmesh COMPONENT` parses
+/// them, so a mistyped flag or a bad value is refused here, not by every process on every
+/// node when the fabric starts. What deploy itself adds (topology, addresses, credentials) is
+/// left out, so the only error accepted is the one saying such a required flag is missing.
+fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Result<()> {
+    use clap::Parser;
+    use clap::error::ErrorKind;
+    if extra.is_empty() {
+        return Ok(());
+    }
+    let argv = ["expertmesh", component]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(extra.iter().cloned());
+    match crate::cli::Cli::try_parse_from(argv) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::MissingRequiredArgument => Ok(()),
+        Err(e) => {
+            let rendered = e.render().to_string();
+            // clap's message and its tip, without the usage lines after them.
+            let said = rendered
+                .split("\n\nUsage:")
+                .next()
+                .unwrap_or(&rendered)
+                .trim()
+                .trim_start_matches("error: ");
+            bail!(
+                "{flag} {}: `expertmesh {component}` would not start with it: {said}",
+                extra.join(" ")
+            )
+        }
     }
 }
 

@@ -2025,6 +2025,12 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
             vec!["--metrics-port", frontend.as_str()],
             "router 0's frontend port",
         ),
+        // Extra arguments parse as the router and the worker would parse them.
+        (vec!["--router-arg=--mdoe"], "unexpected argument '--mdoe'"),
+        (
+            vec!["--worker-arg=--link-timeout-s", "--worker-arg=1"],
+            "four heartbeats",
+        ),
     ] {
         let r = deploy(&extra);
         assert_eq!(r.code, 2, "{extra:?}: {}{}", r.stdout, r.stderr);

@@ -221,6 +221,7 @@ impl Plan {
             }
         }
         let mut frontend_credentials = BTreeMap::new();
+        frontend_files_apart(&opts.frontends)?;
         for f in &opts.frontends {
             let Some(key) = &opts.master_key else {
                 return Err(FabricError::Engine(
@@ -733,6 +734,33 @@ pub fn dns_label(s: &str) -> String {
     }
 }
 
+/// Each `--frontend` name gets a file of its own: two names that differ only in characters a
+/// file name cannot hold (`"a b"` and `"a_b"`) would write one `frontends/NAME.cred`, the second
+/// credential over the first, and a name of dots alone would give a hidden `.cred`.
+fn frontend_files_apart(names: &[String]) -> Result<(), FabricError> {
+    let mut files: BTreeMap<String, &str> = BTreeMap::new();
+    for name in names {
+        let file = file_safe(name);
+        if file.is_empty() {
+            return Err(FabricError::Engine(format!(
+                "--frontend {name:?}: the name needs a letter or digit (its credential is \
+                 written to frontends/NAME.cred)"
+            )));
+        }
+        match files.insert(file.clone(), name) {
+            Some(other) if other != name => {
+                return Err(FabricError::Engine(format!(
+                    "--frontend {other:?} and --frontend {name:?} would share the file \
+                     frontends/{file}.cred (characters other than letters, digits, '-', '_' \
+                     and '.' become '_'): choose names that differ in those"
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// `s` usable as one file name (no '/', no leading '.').
 fn file_safe(s: &str) -> String {
     let out: String = s
@@ -872,6 +900,27 @@ mod tests {
             router_args: strings(router_args),
             worker_args: strings(worker_args),
         }
+    }
+
+    /// Two frontends never share a credential file; a repeated name is one frontend.
+    #[test]
+    fn frontend_names_get_files_of_their_own() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(frontend_files_apart(&names(&["serve-a", "serve_b", "serve-a", "x.y"])).is_ok());
+        let e = frontend_files_apart(&names(&["team a", "team_a"])).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("\"team a\"") && e.contains("frontends/team_a.cred"),
+            "{e}"
+        );
+        let e = frontend_files_apart(&names(&["x", ".x"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("frontends/x.cred"), "{e}");
+        let e = frontend_files_apart(&names(&["..."]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a letter or digit"), "{e}");
     }
 
     /// A link flag given to one side reaches the other; given to both, it must agree.
