@@ -644,7 +644,8 @@ fn a_failover_client_skips_a_refused_router_and_times_out_cleanly_when_none_answ
         let e = c.call(1, &x, H, None, Some(d)).await.unwrap_err();
         let took = t0.elapsed();
         assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
-        assert!(took >= d && took < d + Duration::from_secs(3), "{took:?}");
+        // Not before its deadline; after it, only a hang guard (a busy machine is slow).
+        assert!(took >= d && took < d + Duration::from_secs(30), "{took:?}");
         // the swallower accepts again and swallows: never a hang, never an answer
         let e = c.call(1, &x, H, None, Some(d)).await.unwrap_err();
         assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
