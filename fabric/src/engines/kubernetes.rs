@@ -393,9 +393,9 @@ fn deployment(plan: &Plan, o: &KubernetesOptions, p: &super::Process) -> Value {
         "ports": ports,
         // The process serves its metrics on its topology address, which on a node with
         // several networks is not the pod's (the node's InternalIP): probed there.
-        "startupProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 90 },
-        "livenessProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 6 },
-        "readinessProbe": { "httpGet": { "host": p.address, "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2 },
+        "startupProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 90, "timeoutSeconds": 5 },
+        "livenessProbe": { "httpGet": { "host": p.address, "path": "/live", "port": "metrics" }, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5 },
+        "readinessProbe": { "httpGet": { "host": p.address, "path": "/ready", "port": "metrics" }, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 5 },
         "volumeMounts": mounts,
     });
     // RDMA registers (locks) its buffers; a tile cache locks its tiles in memory.

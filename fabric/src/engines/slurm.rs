@@ -168,15 +168,16 @@ stop() {{
   kill -TERM "$step" 2>/dev/null
 }}
 trap stop TERM INT
-# Whether HOST PORT answers GET /ready with 200.
+# Whether HOST PORT answers GET /ready with 200 within 5 s (a host that drops packets would
+# hold a bare connect for the kernel's SYN retries, and this script's SIGTERM trap with it).
 ready() {{
-  (
+  timeout 5 bash -c '
     exec 3<>"/dev/tcp/$1/$2" || exit 1
-    printf 'GET /ready HTTP/1.0\r\n\r\n' >&3
+    printf "GET /ready HTTP/1.0\r\n\r\n" >&3
     line=""
-    IFS= read -r -t 5 line <&3 || true
+    IFS= read -r line <&3 || true
     [[ $line == *" 200 "* ]]
-  ) 2>/dev/null
+  ' ready "$1" "$2" 2>/dev/null
 }}
 for r in {routers}; do
   addr=${{r% *}}

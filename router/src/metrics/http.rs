@@ -6,20 +6,26 @@
 //! current-thread runtime), so a scrape never takes time from the router's or worker's I/O
 //! runtime and a stuck scraper cannot hold anything the data path needs.
 //!
-//! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once (further connections wait
-//! in the kernel's accept queue, except that a new one takes the place of the oldest still
-//! waiting for its request head, or else of the oldest of all once it has been served for
-//! [`EVICT_AFTER`]: neither idle connections nor scrapers that stop reading their answers can
-//! keep a cluster engine's health probe out, and no scrape is cut short in its first second),
-//! a request head may be at most [`MAX_HEAD_BYTES`] and must arrive within
-//! [`READ_TIMEOUT`], a response must be written within [`WRITE_TIMEOUT`], and
-//! every connection is closed after one answer. Anything but `GET` (or `HEAD`) of `/metrics`,
-//! `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is served.
+//! Bounds: at most [`MAX_CONNECTIONS`] scrapes are served at once, a request head may be at
+//! most [`MAX_HEAD_BYTES`] and must arrive within [`READ_TIMEOUT`], a response must be
+//! written within [`WRITE_TIMEOUT`], and every connection is closed after one answer. With
+//! every slot taken the accept loop never waits (a wait would leave a health probe queued in
+//! the kernel behind whatever a client keeps opening): a newcomer takes the place of the
+//! oldest connection still waiting for its request head after [`HEAD_GRACE`], else of the
+//! oldest connection of the address holding the most slots when the newcomer's own address
+//! holds fewer, else of the oldest of all once it has been served for [`EVICT_AFTER`]; a
+//! newcomer whose address already holds the most slots, when none of these applies, is
+//! closed at once. So neither idle connections nor scrapers that stop reading their answers
+//! keep a cluster engine's probe (from another address) out, and no scrape is cut short in
+//! its first second by its own address's newcomers. Anything but `GET` (or `HEAD`) of
+//! `/metrics`, `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is
+//! served.
 //!
 //! Health for cluster engines (Kubernetes probes, a Slurm script waiting for its fabric):
 //! `/live` answers 200 while the process's responder runs; `/ready` answers 200 when the
-//! process's [`Readiness`] check passes (a router: every worker joined; a worker: joined every
-//! router), else 503 with the reason on one line.
+//! process's [`Readiness`] check passes (a router: every worker joined, or every routed expert
+//! has a live owner a while after its start; a worker: it joined every router; each then for
+//! good, [`ReadyOnce`], until it drains or stops), else 503 with the reason on one line.
 
 use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
@@ -37,8 +43,35 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long writing one response may take.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a connection whose request head has arrived keeps its slot against a newcomer
-/// when every slot is taken: an honest scrape's answer is written in milliseconds.
+/// from its own address (or one holding as many slots) when every slot is taken: an honest
+/// scrape's answer is written in milliseconds.
 pub const EVICT_AFTER: Duration = Duration::from_secs(1);
+/// How long a new connection keeps its slot while its request head is on the way (a flood
+/// of bare connections cannot end a probe before its head is read).
+pub const HEAD_GRACE: Duration = Duration::from_millis(100);
+
+/// The time limits of the responder (tests: limits no test outlasts, so what they see does
+/// not depend on the machine's speed).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// How long a client may take to send its request head ([`READ_TIMEOUT`]).
+    read: Duration,
+    /// How long writing one response may take ([`WRITE_TIMEOUT`]).
+    write: Duration,
+    /// [`EVICT_AFTER`].
+    evict_after: Duration,
+    /// [`HEAD_GRACE`].
+    head_grace: Duration,
+}
+
+impl Limits {
+    const DEFAULT: Limits = Limits {
+        read: READ_TIMEOUT,
+        write: WRITE_TIMEOUT,
+        evict_after: EVICT_AFTER,
+        head_grace: HEAD_GRACE,
+    };
+}
 
 /// Content type of the Prometheus text exposition format, version 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -46,6 +79,39 @@ pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CON
 /// The `/ready` check: `Ok` when the process can serve, else why not (one line). Called on
 /// the responder's thread for each `/ready` request, so it must be quick and never block.
 pub type Readiness = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// A `/ready` check that passes for good once its condition held: a router once every worker
+/// joined it, a worker once it joined every router. A peer lost later does not make the
+/// process unready (every router shares the workers and every worker serves every router:
+/// taking one out of service would only refuse what it still serves, while its peers redial
+/// it); only a reason that holds now (draining, stopping) does.
+#[derive(Debug, Default)]
+pub struct ReadyOnce(std::sync::atomic::AtomicBool);
+
+impl ReadyOnce {
+    /// The verdict: `not_now`'s reason when given; else ready when the condition held once;
+    /// else `missing` says why not (`None`: it holds now; asked only until it first does).
+    pub fn verdict(
+        &self,
+        not_now: Option<String>,
+        missing: impl FnOnce() -> Option<String>,
+    ) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        if let Some(why) = not_now {
+            return Err(why);
+        }
+        if self.0.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match missing() {
+            Some(why) => Err(why),
+            None => {
+                self.0.store(true, Ordering::Release);
+                Ok(())
+            }
+        }
+    }
+}
 
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -95,17 +161,15 @@ impl MetricsServer {
         registry: Registry,
         ready: Readiness,
     ) -> Result<Self, MetricsServerError> {
-        Self::start_with(listen, registry, ready, (READ_TIMEOUT, WRITE_TIMEOUT))
+        Self::start_with(listen, registry, ready, Limits::DEFAULT)
     }
 
-    /// [`MetricsServer::start_with_readiness`] with the time limits of a request head and of
-    /// a response (tests: limits no test outlasts, so what they see does not depend on the
-    /// machine's speed).
+    /// [`MetricsServer::start_with_readiness`] with its time limits.
     fn start_with(
         listen: SocketAddr,
         registry: Registry,
         ready: Readiness,
-        (read_timeout, write_timeout): (Duration, Duration),
+        limits: Limits,
     ) -> Result<Self, MetricsServerError> {
         let bind = |source| MetricsServerError::Bind {
             addr: listen,
@@ -123,8 +187,7 @@ impl MetricsServer {
         let registry = Arc::new(Endpoints {
             registry,
             ready,
-            read_timeout,
-            write_timeout,
+            limits,
         });
         let thread = std::thread::Builder::new()
             .name("metrics-http".into())
@@ -171,31 +234,69 @@ impl Drop for MetricsServer {
     }
 }
 
-/// A connection being served: its task, whether its request head has arrived, and since when
-/// it has been served.
+/// A connection being served: its task, its client's address, whether its request head has
+/// arrived, and since when it has been served.
 struct Served {
     task: tokio::task::AbortHandle,
+    peer: std::net::IpAddr,
     head_read: Arc<std::sync::atomic::AtomicBool>,
     since: tokio::time::Instant,
 }
 
+/// What the eviction policy sees of a served connection.
+#[derive(Debug, Clone, Copy)]
+struct SlotView {
+    peer: std::net::IpAddr,
+    head_read: bool,
+    age: Duration,
+}
+
+/// Which served connection (index, oldest first) gives its slot to a newcomer from `peer`
+/// when every slot is taken, or `None` when the newcomer is to be closed (the policy of the
+/// module's docs: never wait, and never let one address keep another out).
+fn give_way(served: &[SlotView], peer: std::net::IpAddr, limits: &Limits) -> Option<usize> {
+    if let Some(i) = served
+        .iter()
+        .position(|c| !c.head_read && c.age >= limits.head_grace)
+    {
+        return Some(i);
+    }
+    let held = |ip| served.iter().filter(|c| c.peer == ip).count();
+    // The address holding the most slots (ties: the one whose oldest connection is oldest).
+    let mut most: Option<(std::net::IpAddr, usize)> = None;
+    for c in served {
+        let n = held(c.peer);
+        if most.is_none_or(|(_, m)| n > m) {
+            most = Some((c.peer, n));
+        }
+    }
+    if let Some((ip, n)) = most
+        && held(peer) < n
+    {
+        return served.iter().position(|c| c.peer == ip);
+    }
+    served
+        .first()
+        .and_then(|c| (c.age >= limits.evict_after).then_some(0))
+}
+
 /// Accept scrapes forever, at most [`MAX_CONNECTIONS`] at once; with every slot taken, a
-/// new connection ends the oldest one still waiting for its request head, or else the oldest
-/// of all once it has been served for [`EVICT_AFTER`] (an answer its client does not take).
+/// newcomer takes a slot [`give_way`] frees, or is closed at once.
 async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut served: std::collections::VecDeque<Served> = std::collections::VecDeque::new();
     loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
+        let (stream, peer) = match listener.accept().await {
+            Ok((s, a)) => (s, a.ip()),
             Err(e) => {
                 tracing::debug!(error = %e, "accepting a /metrics connection failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let Some(permit) = make_room(&slots, &mut served).await else {
-            return;
+        let Some(permit) = make_room(&slots, &mut served, peer, &registry.limits).await else {
+            drop(stream); // every slot is its own address's or too young to give way
+            continue;
         };
         let registry = Arc::clone(&registry);
         let head_read = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -206,50 +307,37 @@ async fn accept_loop(listener: tokio::net::TcpListener, registry: Arc<Endpoints>
         });
         served.push_back(Served {
             task: task.abort_handle(),
+            peer,
             head_read,
             since: tokio::time::Instant::now(),
         });
     }
 }
 
-/// A slot for a new connection: a free one, else the one of the oldest connection still
-/// waiting for its request head, else (once it has been served for [`EVICT_AFTER`]) the
-/// oldest's. `None` when the semaphore is closed.
+/// A slot for a newcomer from `peer`: a free one, else the one [`give_way`] picks (that
+/// connection is ended). `None` when none is to be had now.
 async fn make_room(
     slots: &Arc<Semaphore>,
     served: &mut std::collections::VecDeque<Served>,
+    peer: std::net::IpAddr,
+    limits: &Limits,
 ) -> Option<tokio::sync::OwnedSemaphorePermit> {
-    loop {
-        served.retain(|c| !c.task.is_finished());
-        if slots.available_permits() == 0 {
-            let waiting = served
-                .iter()
-                .position(|c| !c.head_read.load(std::sync::atomic::Ordering::Acquire));
-            let evict = match waiting {
-                Some(i) => Some(i),
-                None => served
-                    .front()
-                    .and_then(|c| (c.since.elapsed() >= EVICT_AFTER).then_some(0)),
-            };
-            if let Some(c) = evict.and_then(|i| served.remove(i)) {
-                c.task.abort();
-                // One connection gives way per newcomer: its permit comes back as its task
-                // is dropped, which the next poll of this runtime does.
-                return Arc::clone(slots).acquire_owned().await.ok();
-            }
-        }
-        // A slot, or the oldest becoming old enough to give way (looked at again then).
-        let oldest_due = served.front().map(|c| c.since + EVICT_AFTER);
-        tokio::select! {
-            permit = Arc::clone(slots).acquire_owned() => return permit.ok(),
-            () = async {
-                match oldest_due {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            } => {}
-        }
+    served.retain(|c| !c.task.is_finished());
+    if let Ok(permit) = Arc::clone(slots).try_acquire_owned() {
+        return Some(permit);
     }
+    let views: Vec<SlotView> = served
+        .iter()
+        .map(|c| SlotView {
+            peer: c.peer,
+            head_read: c.head_read.load(std::sync::atomic::Ordering::Acquire),
+            age: c.since.elapsed(),
+        })
+        .collect();
+    let c = give_way(&views, peer, limits).and_then(|i| served.remove(i))?;
+    c.task.abort();
+    // Its permit comes back as its task is dropped, which the next poll of this runtime does.
+    Arc::clone(slots).acquire_owned().await.ok()
 }
 
 /// Read one request head (`head_read` set once it has arrived) and answer it; the connection
@@ -259,7 +347,7 @@ async fn serve_one(
     registry: &Endpoints,
     head_read: &std::sync::atomic::AtomicBool,
 ) {
-    let head = match tokio::time::timeout(registry.read_timeout, read_head(&mut stream)).await {
+    let head = match tokio::time::timeout(registry.limits.read, read_head(&mut stream)).await {
         Ok(Some(h)) => h,
         _ => return,
     };
@@ -284,7 +372,7 @@ async fn serve_one(
         stream.write_all(&out).await?;
         stream.shutdown().await
     };
-    let _ = tokio::time::timeout(registry.write_timeout, write).await;
+    let _ = tokio::time::timeout(registry.limits.write, write).await;
 }
 
 /// The request head (up to the blank line), or `None` when the client closed first or sent
@@ -325,10 +413,8 @@ fn body_is_metrics(head: &[u8]) -> bool {
 struct Endpoints {
     registry: Registry,
     ready: Readiness,
-    /// How long a client may take to send its request head ([`READ_TIMEOUT`]).
-    read_timeout: Duration,
-    /// How long writing one response may take ([`WRITE_TIMEOUT`]).
-    write_timeout: Duration,
+    /// The time limits.
+    limits: Limits,
 }
 
 /// Status and body for a request head.
@@ -384,17 +470,80 @@ mod tests {
     use prometheus_client::metrics::counter::Counter;
     use std::io::{Read, Write};
 
-    /// A server of `registry` whose head and write time limits no test outlasts (an hour):
-    /// what a test sees of its slots comes from eviction alone, whatever the machine's speed.
+    /// A server of `registry` whose head and write time limits, and whose age for eviction,
+    /// no test outlasts (an hour), and whose connections waiting for their head give way at
+    /// once: what a test sees of its slots comes from the eviction policy alone, whatever the
+    /// machine's speed.
     fn patient_server(registry: Registry) -> MetricsServer {
         let hour = Duration::from_secs(3600);
+        let limits = Limits {
+            read: hour,
+            write: hour,
+            evict_after: hour,
+            head_grace: Duration::ZERO,
+        };
         MetricsServer::start_with(
             "127.0.0.1:0".parse().unwrap(),
             registry,
             Arc::new(|| Ok(())),
-            (hour, hour),
+            limits,
         )
         .unwrap()
+    }
+
+    /// A connection to `addr` from the loopback address `from` (127.0.0.0/8: every one of
+    /// them is this machine's on Linux).
+    fn connect_from(from: [u8; 4], addr: SocketAddr) -> std::net::TcpStream {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let s = rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(SocketAddr::from((from, 0))).unwrap();
+            socket.connect(addr).await.unwrap()
+        });
+        let s = s.into_std().unwrap();
+        s.set_nonblocking(false).unwrap();
+        s
+    }
+
+    #[test]
+    fn a_newcomer_takes_the_slot_of_an_idle_connection_or_of_the_address_holding_most() {
+        let ip = |d: u8| std::net::IpAddr::from([10, 0, 0, d]);
+        let ms = Duration::from_millis;
+        let slot = |d, head_read, age| SlotView {
+            peer: ip(d),
+            head_read,
+            age: ms(age),
+        };
+        let limits = Limits::DEFAULT;
+        // Waiting for its head past the grace: it goes first, whoever comes.
+        let served = [slot(1, true, 900), slot(1, false, 150), slot(2, false, 300)];
+        assert_eq!(give_way(&served, ip(1), &limits), Some(1));
+        // Within the grace a head on its way is left alone: address 1 holds the most slots,
+        // so a newcomer from address 3 (none) or 2 (one) takes address 1's oldest...
+        let served = [
+            slot(2, true, 20),
+            slot(1, true, 10),
+            slot(1, true, 5),
+            slot(1, false, 1),
+        ];
+        assert_eq!(give_way(&served, ip(3), &limits), Some(1));
+        assert_eq!(give_way(&served, ip(2), &limits), Some(1));
+        // ... and one from address 1 itself waits for no one: closed, until the oldest has
+        // been served for EVICT_AFTER.
+        assert_eq!(give_way(&served, ip(1), &limits), None);
+        let served = [slot(2, true, 1_000), slot(1, true, 10), slot(1, true, 5)];
+        assert_eq!(give_way(&served, ip(1), &limits), Some(0));
+        // Even shares: no address takes another's place before EVICT_AFTER.
+        let served = [slot(1, true, 500), slot(2, true, 400)];
+        assert_eq!(give_way(&served, ip(1), &limits), None);
+        assert_eq!(
+            give_way(&served, ip(3), &limits),
+            Some(0),
+            "3 holds none: fewer"
+        );
     }
 
     /// One request's answer. The read waits up to a minute: a cap for a test that would
@@ -452,9 +601,11 @@ mod tests {
         assert!(std::net::TcpStream::connect(addr).is_err());
     }
 
-    /// Scrapers that stop reading a large answer take every slot; a health probe is still
-    /// answered (the oldest of them gives way), not held until their writes time out. Here the
-    /// time limits are an hour, so only that eviction can answer the probe.
+    /// Scrapers from one address that stop reading a large answer take every slot; a health
+    /// probe from another address is still answered (the oldest of them gives way), not held
+    /// until their writes time out or they age, and the address's own newcomers are closed at
+    /// once rather than left queued in front of the probe. Here the time limits and the age
+    /// for eviction are an hour, so only that policy can answer the probe.
     #[test]
     fn scrapers_that_stop_reading_do_not_keep_a_health_probe_out() {
         use prometheus_client::encoding::EncodeLabelSet;
@@ -496,9 +647,45 @@ mod tests {
                 s
             })
             .collect();
-        let live = get(addr, "GET /live HTTP/1.0\r\n\r\n");
+        // One more from the scrapers' address: closed at once (a guard of a minute).
+        let mut more = std::net::TcpStream::connect(addr).unwrap();
+        more.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        more.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut got = Vec::new();
+        match more.read_to_end(&mut got) {
+            Ok(_) => assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got)),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+        }
+        // A probe from another address: answered.
+        let mut probe = connect_from([127, 0, 0, 2], addr);
+        probe
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        probe.write_all(b"GET /live HTTP/1.0\r\n\r\n").unwrap();
+        let mut live = String::new();
+        probe.read_to_string(&mut live).unwrap();
         assert!(live.starts_with("HTTP/1.1 200 OK\r\n"), "{live}");
         drop(stalled);
+    }
+
+    /// Not ready until the condition held; from then on ready whoever is lost later; never
+    /// while draining or stopping.
+    #[test]
+    fn ready_once_the_condition_held_until_a_reason_now() {
+        let r = ReadyOnce::default();
+        let missing = || Some("1 of 2 workers not joined: node0/cpu1".to_string());
+        assert_eq!(
+            r.verdict(None, missing),
+            Err("1 of 2 workers not joined: node0/cpu1".into())
+        );
+        assert_eq!(r.verdict(None, || None), Ok(()));
+        // A peer lost later (drained and stopped, crashed, restarting).
+        assert_eq!(r.verdict(None, missing), Ok(()));
+        let draining = r.verdict(Some("draining".into()), || None).unwrap_err();
+        assert_eq!(draining, "draining");
+        let before = ReadyOnce::default().verdict(Some("stopping".into()), || None);
+        assert_eq!(before, Err("stopping".into()));
     }
 
     #[test]
