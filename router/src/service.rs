@@ -51,7 +51,7 @@ use expertmesh_transport::{MemoryBudget, MemoryReservation};
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
@@ -224,18 +224,26 @@ pub struct RouterService {
     frontends_open: Arc<AtomicUsize>,
 }
 
-/// Per mesh rank, whether its worker is live for the core: its link is up and it has
-/// announced what it holds, so the core may choose it for parts. Written by the core thread
-/// only; read by the launcher and the readiness check.
-type WorkersLive = Arc<Vec<std::sync::atomic::AtomicBool>>;
+/// What the core publishes of its workers: per mesh rank whether its worker is live for the
+/// core (its link is up and it has announced what it holds, so the core may choose it for
+/// parts), and how many routed experts of this router's layers have no live owner (a request
+/// touching one fails). Written by the core thread only; read by the launcher and the
+/// readiness check.
+struct Liveness {
+    workers: Vec<std::sync::atomic::AtomicBool>,
+    uncovered: AtomicUsize,
+}
 
-/// No worker live yet, for `ranks` mesh ranks.
-fn workers_live(ranks: usize) -> WorkersLive {
-    Arc::new(
-        (0..ranks)
+type WorkersLive = Arc<Liveness>;
+
+/// No worker live yet, for `ranks` mesh ranks, and `uncovered` experts without one.
+fn workers_live(ranks: usize, uncovered: usize) -> WorkersLive {
+    Arc::new(Liveness {
+        workers: (0..ranks)
             .map(|_| std::sync::atomic::AtomicBool::new(false))
             .collect(),
-    )
+        uncovered: AtomicUsize::new(uncovered),
+    })
 }
 
 impl std::fmt::Debug for RouterService {
@@ -307,7 +315,7 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
-        let live = workers_live(ranks.len());
+        let live = workers_live(ranks.len(), core.uncovered_experts());
         let send_backlog = Arc::new(SendBacklog::new(
             ranks.len(),
             send_backlog_bytes(core.config(), hidden, mesh_max_frame_bytes),
@@ -359,37 +367,39 @@ impl RouterService {
     }
 
     /// This router's `/ready` check: ready once every device's worker has joined it (its link
-    /// is up and it announced what it holds: [`RouterService::is_worker_live`]), and from then
-    /// on until it drains. A worker lost later (drained and stopped, crashed, restarting after
-    /// a re-deploy) does not make it unready: every router of the fabric shares the workers,
-    /// so taking the routers out of service would only refuse what they still serve (the core
-    /// routes around devices that are down). Not ready: the reason names the workers not
-    /// joined yet (the first few), or that it is draining.
+    /// is up and it announced what it holds: [`RouterService::is_worker_live`]), or once every
+    /// routed expert of its layers has a live owner and [`READY_WITHOUT_ALL_AFTER`] has passed
+    /// since it started (a router restarted while a worker is gone for good serves what its
+    /// peers serve), and from then on until it drains. A worker lost later (drained and
+    /// stopped, crashed, restarting after a re-deploy) does not make it unready: every router
+    /// of the fabric shares the workers, so taking the routers out of service would only
+    /// refuse what they still serve (the core routes around devices that are down). Not
+    /// ready: the reason names the workers not joined yet (the first few) and the experts
+    /// without an owner, or that it is draining.
     pub fn readiness(&self) -> crate::metrics::http::Readiness {
         let live = Arc::clone(&self.live);
         let ranks = self.ranks.clone();
         let admission = Arc::clone(&self.admission);
-        let joined = JoinedOnce::default();
+        let joined = crate::metrics::http::ReadyOnce::default();
+        let started = Instant::now();
         Arc::new(move || {
-            joined.verdict(admission.lock().is_draining(), || {
+            let draining = admission
+                .lock()
+                .is_draining()
+                .then(|| "draining before it stops: it takes no new requests".to_owned());
+            joined.verdict(draining, || {
                 let devices = ranks.routers()..ranks.len() as u32;
                 let total = devices.len();
                 let missing: Vec<u32> = devices
-                    .filter(|&r| !live[r as usize].load(Ordering::Acquire))
+                    .filter(|&r| !live.workers[r as usize].load(Ordering::Acquire))
                     .collect();
                 let shown: Vec<String> = missing.iter().take(8).map(|&r| ranks.label(r)).collect();
-                (!missing.is_empty()).then(|| {
-                    format!(
-                        "{} of {total} workers not joined: {}{}",
-                        missing.len(),
-                        shown.join(", "),
-                        if missing.len() > shown.len() {
-                            ", ..."
-                        } else {
-                            ""
-                        }
-                    )
-                })
+                not_ready_yet(
+                    [missing.len(), total],
+                    &shown,
+                    live.uncovered.load(Ordering::Acquire),
+                    started.elapsed(),
+                )
             })
         })
     }
@@ -444,6 +454,7 @@ impl RouterService {
     /// would find it down.
     pub fn is_worker_live(&self, r: u32) -> bool {
         self.live
+            .workers
             .get(r as usize)
             .is_some_and(|l| l.load(Ordering::Acquire))
     }
@@ -592,33 +603,39 @@ impl PlacementHandle {
     }
 }
 
-/// A router's readiness ([`RouterService::readiness`]): not while it drains; until every worker
-/// has joined, not (naming those missing); from then on, ready for good.
-#[derive(Debug, Default)]
-struct JoinedOnce(AtomicBool);
+/// How long after its start a router that can serve every routed expert (each has a live
+/// owner) is ready without every worker having joined ([`RouterService::readiness`]): long
+/// enough for the workers that are up to join it (they redial at least once a second), so a
+/// fabric's first start still waits for all of them, short enough that a router restarted
+/// while a worker is gone for good is back in service within a probe's patience.
+pub const READY_WITHOUT_ALL_AFTER: Duration = Duration::from_secs(30);
 
-impl JoinedOnce {
-    /// The verdict, `missing` saying which workers have not joined (`None`: every one has;
-    /// asked only until that happens once).
-    fn verdict(
-        &self,
-        draining: bool,
-        missing: impl FnOnce() -> Option<String>,
-    ) -> Result<(), String> {
-        if draining {
-            return Err("draining before it stops: it takes no new requests".into());
-        }
-        if self.0.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        match missing() {
-            Some(why) => Err(why),
-            None => {
-                self.0.store(true, Ordering::Release);
-                Ok(())
-            }
-        }
+/// Why a router that has not been ready yet is not ready now, or `None` when it is
+/// ([`RouterService::readiness`]): `missing` of `total` workers have not joined (`shown`: the
+/// first few's names), `uncovered` routed experts have no live owner, `since_start` has passed
+/// since the router started.
+fn not_ready_yet(
+    [missing, total]: [usize; 2],
+    shown: &[String],
+    uncovered: usize,
+    since_start: Duration,
+) -> Option<String> {
+    if missing == 0 || (uncovered == 0 && since_start >= READY_WITHOUT_ALL_AFTER) {
+        return None;
     }
+    let more = if missing > shown.len() { ", ..." } else { "" };
+    let owners = if uncovered == 0 {
+        format!(
+            "every routed expert has a live owner (ready without the rest {}s after the start)",
+            READY_WITHOUT_ALL_AFTER.as_secs()
+        )
+    } else {
+        format!("{uncovered} routed experts without a live owner")
+    };
+    Some(format!(
+        "{missing} of {total} workers not joined: {}{more}; {owners}",
+        shown.join(", ")
+    ))
 }
 
 /// The core's input queue (frontend requests, connection counts, failed sends) and the core
@@ -1879,6 +1896,7 @@ impl CoreLoop {
                 return;
             }
         }
+        self.publish_coverage();
         if !p.message.is_empty() {
             tracing::warn!(
                 from,
@@ -1893,6 +1911,7 @@ impl CoreLoop {
         // The first announcement on this link takes the worker up.
         if self
             .live
+            .workers
             .get(from as usize)
             .is_some_and(|l| !l.load(Ordering::Acquire))
         {
@@ -2220,10 +2239,18 @@ impl CoreLoop {
 
     /// Record whether the core may choose worker `rank` ([`RouterService::is_worker_live`]).
     fn set_live(&self, rank: u32, live: bool) {
-        if let Some(l) = self.live.get(rank as usize) {
+        if let Some(l) = self.live.workers.get(rank as usize) {
             l.store(live, Ordering::Release);
         }
+        self.publish_coverage();
         self.core.metrics().on_joined(rank, live);
+    }
+
+    /// Publish how many routed experts have no live owner ([`Liveness`]), after a worker's
+    /// liveness or holdings changed.
+    fn publish_coverage(&self) {
+        let n = self.core.uncovered_experts();
+        self.live.uncovered.store(n, Ordering::Release);
     }
 
     /// Carry out the core's actions (and the deferred router-side work after the sends it
@@ -2363,27 +2390,32 @@ impl CoreLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::{JoinedOnce, SendBacklog, idle_wait};
+    use super::{READY_WITHOUT_ALL_AFTER, SendBacklog, idle_wait, not_ready_yet};
 
-    /// Not ready until every worker joined; from then on ready whoever is lost later (every
-    /// router shares the workers: a router out of service only refuses what it still serves);
-    /// never while draining.
+    /// Ready when every worker joined; without all of them only once every routed expert has
+    /// a live owner and the start is [`READY_WITHOUT_ALL_AFTER`] behind.
     #[test]
-    fn a_router_is_ready_once_every_worker_joined_until_it_drains() {
-        let r = JoinedOnce::default();
-        let missing = || Some("1 of 2 workers not joined: node0/cpu1".to_string());
-        assert_eq!(
-            r.verdict(false, missing),
-            Err("1 of 2 workers not joined: node0/cpu1".into())
+    fn a_router_is_ready_when_all_joined_or_later_when_every_expert_is_served() {
+        let shown = ["node1/gpu3".to_string()];
+        let after = READY_WITHOUT_ALL_AFTER;
+        let early = after / 2;
+        assert_eq!(not_ready_yet([0, 4], &[], 12, Duration::ZERO), None);
+        let why = not_ready_yet([1, 4], &shown, 12, after * 10).unwrap();
+        assert!(
+            why.contains("1 of 4 workers not joined: node1/gpu3;")
+                && why.contains("12 routed experts without a live owner"),
+            "{why}"
         );
-        assert_eq!(r.verdict(false, || None), Ok(()));
-        // A worker lost later (drained and stopped, crashed, restarting).
-        assert_eq!(r.verdict(false, missing), Ok(()));
-        let draining = r.verdict(true, || None).unwrap_err();
-        assert!(draining.contains("draining"), "{draining}");
-        let before = JoinedOnce::default().verdict(true, || None).unwrap_err();
-        assert!(before.contains("draining"), "{before}");
+        let why = not_ready_yet([1, 4], &shown, 0, early).unwrap();
+        assert!(
+            why.contains("every routed expert has a live owner"),
+            "{why}"
+        );
+        assert_eq!(not_ready_yet([1, 4], &shown, 0, after), None);
+        let why = not_ready_yet([9, 12], &shown, 3, early).unwrap();
+        assert!(why.contains("node1/gpu3, ...;"), "{why}");
     }
+
     use std::time::Duration;
 
     /// Each rank's unsent dispatch bytes stay within the bound; what a written frame gives

@@ -434,8 +434,9 @@ pub async fn stop_signal() -> &'static str {
     }
 }
 
-/// The worker's `/ready` check: joined to every router (the routers missing are named), and
-/// not stopping.
+/// The worker's `/ready` check: once it joined every router (the routers missing are named),
+/// ready for good ([`ReadyOnce`](expertmesh_router::metrics::http::ReadyOnce): one router
+/// restarting does not take every worker out of service) until it stops.
 fn readiness(
     dep: &Deployment,
     mesh: &Mesh,
@@ -444,19 +445,18 @@ fn readiness(
     let mesh = mesh.clone();
     let names = dep.rank_names();
     let routers = dep.router_count();
+    let joined = expertmesh_router::metrics::http::ReadyOnce::default();
     Arc::new(move || {
-        if stop.load(Ordering::Acquire) {
-            return Err("stopping: answering what is queued, taking nothing new".into());
-        }
-        let missing: Vec<&str> = (0..routers)
-            .filter(|&r| !mesh.is_connected(r))
-            .map(|r| names.get(r as usize).map_or("router", String::as_str))
-            .collect();
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("not joined to router(s) {}", missing.join(", ")))
-        }
+        let stopping = stop
+            .load(Ordering::Acquire)
+            .then(|| "stopping: answering what is queued, taking nothing new".to_owned());
+        joined.verdict(stopping, || {
+            let missing: Vec<&str> = (0..routers)
+                .filter(|&r| !mesh.is_connected(r))
+                .map(|r| names.get(r as usize).map_or("router", String::as_str))
+                .collect();
+            (!missing.is_empty()).then(|| format!("not joined to router(s) {}", missing.join(", ")))
+        })
     })
 }
 

@@ -434,6 +434,23 @@ impl RouterCore {
             .unwrap_or_default()
     }
 
+    /// Routed experts of this router's layers without a live owner (no worker that owns
+    /// them may be chosen now: [`RouterCore::live_owners`] is empty): a request touching one
+    /// fails. 0 when every request can be answered.
+    pub fn uncovered_experts(&self) -> usize {
+        let alive = |r: &u32| self.replicas.alive.get(*r as usize) == Some(&true);
+        self.layers
+            .values()
+            .map(|s| {
+                s.owners
+                    .owners
+                    .iter()
+                    .filter(|list| !list.iter().any(alive))
+                    .count()
+            })
+            .sum()
+    }
+
     /// Batches in flight.
     pub fn inflight(&self) -> usize {
         self.inflight.len()

@@ -62,3 +62,39 @@ fn announcements_move_ownership_and_an_unowned_expert_fails_naming_why() {
     let (_, answer) = sim.call(3, layers[0], x);
     assert!(answer.is_ok(), "{answer:?}");
 }
+
+/// What a router's readiness counts: the routed experts no live worker owns, following links
+/// lost and joined and what workers announce.
+#[test]
+fn experts_without_a_live_owner_follow_links_and_announcements() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let e = spec.routed_experts;
+    let mut sim = Sim::builder(&spec, &[(0..e / 2).collect(), (e / 2..e).collect()])
+        .shared(SharedSite::None)
+        .config(RouterConfig::default())
+        .build(|_, _| Box::new(ZeroRows));
+    let layers = spec.moe_layer_ids();
+    let n = layers.len();
+    let all: Vec<(u32, u32)> = layers
+        .iter()
+        .flat_map(|&l| (0..e).map(move |x| (l, x)))
+        .collect();
+    let first_half: Vec<(u32, u32)> = all.iter().copied().filter(|p| p.1 < e / 2).collect();
+    assert_eq!(sim.core.uncovered_experts(), 0, "both devices up");
+    // Rank 2 (the second half) lost: its experts have no live owner; joining again is not
+    // enough, its announcement is.
+    let now = sim.now;
+    sim.core.on_peer_lost(2, now);
+    assert_eq!(sim.core.uncovered_experts(), (e - e / 2) as usize * n);
+    sim.core.on_peer_joining(2);
+    assert_eq!(sim.core.uncovered_experts(), (e - e / 2) as usize * n);
+    // Rank 1 takes every expert: covered without rank 2.
+    sim.core.set_holdings(1, &all).unwrap();
+    assert_eq!(sim.core.uncovered_experts(), 0);
+    // Rank 2 back; rank 1 keeps the first half and is then lost: the first half is bare.
+    sim.core.on_peer_up(2);
+    sim.core.set_holdings(1, &first_half).unwrap();
+    assert_eq!(sim.core.uncovered_experts(), 0);
+    sim.core.on_peer_lost(1, now);
+    assert_eq!(sim.core.uncovered_experts(), (e / 2) as usize * n);
+}
