@@ -23,6 +23,8 @@ pub(crate) enum Failure {
     Closed,
     /// A call from a signal handler while a call on the same client runs on this thread.
     Reentrant,
+    /// A call in a `fork()` child on a client made by this process id before the fork.
+    Forked(u32),
 }
 
 static FROM_NATIVE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -39,6 +41,11 @@ impl Failure {
                  it): a call from the handler would wait for itself; use another client there, \
                  or close() this one",
             ),
+            Failure::Forked(pid) => PyRuntimeError::new_err(format!(
+                "this RouterClient was made in process {pid}, before fork(): its connection \
+                 belongs to that process (two processes on one connection would read each \
+                 other's answers); make a new RouterClient in this process"
+            )),
         }
     }
 }

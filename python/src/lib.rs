@@ -49,8 +49,13 @@ struct Inner {
 
 /// What a client object owns; its gate serializes calls from several Python threads.
 struct Shared {
-    /// Taken only by the thread that holds `gate`: uncontended.
-    inner: Mutex<Inner>,
+    /// Taken only by the thread that holds `gate`: uncontended. Dropped only in the process
+    /// that made it ([`Shared`]'s `Drop`).
+    inner: Mutex<std::mem::ManuallyDrop<Inner>>,
+    /// The process that made the connection ([`std::process::id`]): after `fork()` the child
+    /// shares its socket, its runtime's epoll instance and its request ids and nonces with
+    /// the parent, so the child may neither call through it nor close it.
+    pid: u32,
     /// Which thread's call has the client (see [`Gate`]).
     gate: Gate,
     /// Set by `close`: a call blocked on another thread (holding the gate) gives up.
@@ -155,17 +160,41 @@ impl<'a> Blocking<'a> {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> MutexGuard<'_, std::mem::ManuallyDrop<Inner>> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether this is a `fork()` child of the process that made the connection.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
     /// Drop the connection once `close` was called, unless another thread's call has the
-    /// client (it drops it when it ends: see [`with_client`]).
+    /// client (it drops it when it ends: see [`with_client`]). In a `fork()` child the
+    /// connection is forgotten instead: dropping it would take its socket out of the epoll
+    /// instance the parent shares, and the parent's calls would stall.
     fn drop_if_closing(&self) {
         if self.closing.is_set() && self.gate.try_enter() {
-            self.lock().client = None;
+            let client = self.lock().client.take();
+            if self.forked() {
+                std::mem::forget(client);
+            } else {
+                drop(client);
+            }
             self.gate.leave();
         }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if !self.forked() {
+            let inner = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: dropped once, here, and never used again (`self` is being dropped).
+            unsafe { std::mem::ManuallyDrop::drop(inner) };
+        }
+        // In a fork() child the runtime and the connection are left as they are (see
+        // `drop_if_closing`): the memory is the child's copy, nothing else is touched.
     }
 }
 
@@ -215,7 +244,8 @@ struct Request {
 /// Connects and authenticates at once. ``addr`` is ``"HOST:PORT"`` (or
 /// a ``(host, port)`` tuple): the frontend address ``expertmesh up`` / ``expertmesh router``
 /// prints; several routers (``"A:P,B:P"`` or a list of addresses) are tried in order and the
-/// first that answers is used, as ``expertmesh infer --router A,B`` does. ``cluster`` is the
+/// first that answers is used, and a call whose router is lost goes to the next, as
+/// ``expertmesh infer --router A,B`` does (``addr`` is the router connected first). ``cluster`` is the
 /// topology's ``name``, checked in the handshake. ``credentials`` is the path of this frontend's
 /// credentials file (``expertmesh keys issue --frontend NAME``): the frontend authenticates
 /// under its own name and every frame is encrypted. ``secret`` (``str`` or ``bytes``) is the
@@ -302,6 +332,7 @@ impl PyRouterClient {
         max_in_flight: usize,
         connect_timeout_s: f64,
     ) -> PyResult<Self> {
+        let routers = addr_texts(addr)?.len();
         let addrs = resolve(py, addr)?;
         let cfg = match credentials {
             Some(path) if secret.is_none() => credentials_config(cluster, &path)?,
@@ -318,17 +349,33 @@ impl PyRouterClient {
         let timeout = positive_seconds(connect_timeout_s, "connect_timeout_s")?;
         let rt = runtime()?;
         let client = py
-            .detach(|| block(Blocking::plain(&rt), connect_any(&addrs, &cfg, timeout)))
+            .detach(|| {
+                let connect = async {
+                    if routers > 1 {
+                        // Several routers: the first that answers, then failover between them
+                        // for the client's life (as `expertmesh infer --router A,B`).
+                        let opts = expertmesh_router::client::ClientOptions {
+                            connect_timeout: timeout,
+                            ..Default::default()
+                        };
+                        RustClient::connect_any(&addrs, &cfg, opts).await
+                    } else {
+                        connect_any(&addrs, &cfg, timeout).await
+                    }
+                };
+                block(Blocking::plain(&rt), connect)
+            })
             .map_err(|e| e.into_pyerr(py))?;
         let mut client = client;
         client.set_max_in_flight(max_in_flight);
         Ok(Self {
             addr: client.peer_addr(),
             shared: Arc::new(Shared {
-                inner: Mutex::new(Inner {
+                inner: Mutex::new(std::mem::ManuallyDrop::new(Inner {
                     rt,
                     client: Some(client),
-                }),
+                })),
+                pid: std::process::id(),
                 gate: Gate::default(),
                 closing: Closing::default(),
             }),
@@ -586,11 +633,14 @@ fn with_client<T>(
     shared: &Shared,
     f: impl FnOnce(Blocking<'_>, &mut RustClient) -> Result<T, Failure>,
 ) -> Result<T, Failure> {
+    if shared.forked() {
+        return Err(Failure::Forked(shared.pid));
+    }
     shared.gate.enter(&shared.closing)?;
     // Released however `f` ends (a panic included).
     let _entered = Entered(shared);
     let mut guard = shared.lock();
-    let Inner { rt, client } = &mut *guard;
+    let Inner { rt, client } = &mut **guard;
     let run = Blocking {
         rt,
         closing: Some(&shared.closing),
@@ -654,7 +704,8 @@ fn block<T>(
     }
 }
 
-/// Connect to the first of `addrs` that answers, within `timeout` each.
+/// Connect to the first of `addrs` (one router's addresses) that answers, within `timeout`
+/// each.
 async fn connect_any(
     addrs: &[SocketAddr],
     cfg: &FrontendConfig,

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -374,6 +376,35 @@ def test_close_and_context_manager(fabric):
     with pytest.raises(ValueError, match="closed"):
         c.wait(h)
     c.close()  # twice is fine
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_client_made_before_fork_is_refused_in_the_child_and_the_parent_goes_on(fabric):
+    # gunicorn --preload, multiprocessing with fork: the child inherits the connection. Two
+    # processes on it would read each other's answers (and, sealed, reuse nonces); a child
+    # closing it would take the socket out of the epoll instance the parent shares.
+    with fabric.client() as c:
+        x = rand(3, 80)
+        want = c.moe(1, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    c.moe(1, x)
+                except RuntimeError as e:
+                    code = 0 if "before fork()" in str(e) else 2
+                c.close()
+                del c
+                gc.collect()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        for _ in range(3):
+            assert_bits_equal(c.moe(1, x), want)
 
 
 # --- asyncio ----------------------------------------------------------------------------------

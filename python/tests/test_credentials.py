@@ -94,3 +94,27 @@ def test_several_routers_connect_to_the_first_that_answers(fabric: SplitFabric):
         expertmesh.RouterClient([dead], fabric.cluster, "", connect_timeout_s=5)
     with pytest.raises(ValueError, match="empty"):
         expertmesh.RouterClient([], fabric.cluster, "")
+
+
+def test_a_client_of_several_routers_fails_over_when_its_router_stops(tmp_path):
+    # Two fabrics of one topology and seed stand in for two routers of one fabric: what one
+    # answers, the other answers bit for bit.
+    args = ["--model", "demo-small", "--placement", EXAMPLES / "single-host-demo-small.placement.toml"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = UpFabric(tmp_path / "a", args)
+    try:
+        b = UpFabric(tmp_path / "b", args)
+        try:
+            assert a.cluster == b.cluster
+            x = np.linspace(-1, 1, 2 * 1024, dtype=np.float32).reshape(2, 1024)
+            with expertmesh.RouterClient(f"{a.addr},{b.addr}", a.cluster, "", connect_timeout_s=5) as c:
+                assert c.addr == a.addr
+                want = c.moe(1, x, deadline_ms=30_000)
+                a.close()
+                got = c.moe(1, x, deadline_ms=30_000)  # router a is gone: b answers
+                np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        finally:
+            b.close()
+    finally:
+        a.close()
