@@ -695,6 +695,7 @@ impl RouterClient {
     ) -> Result<CallHandle, ClientError> {
         let x = x.into();
         let layout = Layout::of(&x, hidden, logits)?;
+        layout.check_frame(self.cfg.codec.max_frame_bytes)?;
         let mut buf = self.take_buffer(layout.total);
         if let Err(e) = encode::write_payload(&x, logits, &layout, &mut buf) {
             self.recycle(buf);

@@ -83,6 +83,23 @@ pub(super) struct Layout {
 }
 
 impl Layout {
+    /// Refuses a payload that no frame of `max_frame` bytes can carry, before anything is
+    /// copied for it (a request of millions of tokens was copied whole, then refused by the
+    /// encoder), saying how many tokens a request may have.
+    pub(super) fn check_frame(&self, max_frame: usize) -> Result<(), ClientError> {
+        if self.total <= max_frame {
+            return Ok(()); // the frame's header is checked when it is encoded
+        }
+        let per_token = self.total.div_ceil(self.tokens.max(1)).max(1);
+        Err(ClientError::Input(format!(
+            "a request of {} tokens is {} bytes, which exceeds the configured maximum frame of \
+             {max_frame} bytes: split it into requests of at most {} tokens",
+            self.tokens,
+            self.total,
+            (max_frame / per_token).saturating_sub(1).max(1)
+        )))
+    }
+
     /// The layout of `x` (`[tokens][hidden]`) with optional `logits` (`[tokens][experts]`),
     /// or why it cannot be sent.
     pub(super) fn of(
