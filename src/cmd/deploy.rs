@@ -45,6 +45,11 @@ pub(crate) enum DeployCli {
         /// shared filesystem).
         #[arg(long)]
         bundle_path: Option<String>,
+        /// One more `#SBATCH` directive for the job, one word (e.g. --sbatch-arg=--gres=gpu:8
+        /// where the cluster schedules GPUs as generic resources: a job sees none it did not
+        /// ask for; --sbatch-arg=--qos=serve); repeat per directive.
+        #[arg(long = "sbatch-arg", value_name = "ARG", allow_hyphen_values = true)]
+        sbatch_args: Vec<String>,
     },
     /// Kubernetes manifests: a ConfigMap, one Secret and one Deployment per process (pinned to
     /// its node, host network, probes), a Service per router, PodDisruptionBudgets.
@@ -249,6 +254,7 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
             time,
             restarts,
             bundle_path,
+            sbatch_args,
         } => (
             common,
             Engine::Slurm(SlurmOptions {
@@ -257,6 +263,7 @@ pub(crate) fn run(cli: DeployCli) -> anyhow::Result<ExitCode> {
                 time,
                 restarts,
                 bundle_path,
+                sbatch_args,
             }),
         ),
         DeployCli::Kubernetes {

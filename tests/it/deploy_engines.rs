@@ -2165,3 +2165,69 @@ fn a_router_gets_its_drain_before_the_engine_kills_it() {
         "{worker}"
     );
 }
+
+/// A Slurm job of GPU workers says how it sees its GPUs where Slurm schedules them as
+/// generic resources (a job gets none it did not ask for), and takes extra `#SBATCH`
+/// directives, each one word.
+#[test]
+fn slurm_jobs_take_extra_directives_and_say_how_to_see_their_gpus() {
+    let inputs = Inputs::new();
+    let examples = crate::support::root().join("examples");
+    let deploy = |out: &str, extra: &[&str]| {
+        let out = inputs.dir.path().join(out);
+        let mut args = vec![
+            "deploy".to_string(),
+            "slurm".into(),
+            "--topology".into(),
+            examples.join("mi300x-4x8.toml").display().to_string(),
+            "--model".into(),
+            "kimi-k2".into(),
+            "--placement".into(),
+            examples
+                .join("mi300x-4x8-kimi-k2.placement.toml")
+                .display()
+                .to_string(),
+            "--key".into(),
+            inputs.key.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        (crate::support::run(&args), out)
+    };
+    let (r, _) = deploy("plain", &[]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout
+            .contains("GPU devices per host: node0 8, node1 8, node2 8, node3 8")
+            && r.stdout.contains("--sbatch-arg=--gres=gpu:N"),
+        "{}",
+        r.stdout
+    );
+    let (r, out) = deploy(
+        "gres",
+        &["--sbatch-arg=--gres=gpu:8", "--sbatch-arg=--qos=serve"],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!r.stdout.contains("GPU devices per host"), "{}", r.stdout);
+    let script = std::fs::read_to_string(out.join("slurm/expertmesh.sbatch")).unwrap();
+    let directives: Vec<&str> = script
+        .lines()
+        .filter(|l| l.starts_with("#SBATCH"))
+        .collect();
+    assert!(
+        directives.ends_with(&["#SBATCH --gres=gpu:8", "#SBATCH --qos=serve"]),
+        "{directives:?}"
+    );
+    for bad in ["--sbatch-arg=--gres gpu:8", "--sbatch-arg=gres=gpu:8"] {
+        let (r, out) = deploy("bad", &[bad]);
+        assert_eq!(r.code, 2, "{bad}: {}", r.stdout);
+        assert!(
+            r.stderr.contains("one sbatch option as one word"),
+            "{}",
+            r.stderr
+        );
+        assert!(!out.exists(), "{bad}: written anyway");
+    }
+}

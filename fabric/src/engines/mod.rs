@@ -300,6 +300,9 @@ impl Plan {
 
     /// Write the bundle and the engine's files under the output folder.
     pub fn write(&self, engine: &Engine) -> Result<Written, FabricError> {
+        if let Engine::Slurm(o) = engine {
+            slurm::bundle_on_nodes(self, o)?;
+        }
         let mut w = Writer::new(&self.opts.out)?;
         for (name, bytes) in &self.fabric_files {
             w.file(&Path::new("fabric").join(name), bytes, false)?;

@@ -36,28 +36,39 @@ pub struct SlurmOptions {
     pub restarts: u32,
     /// Where the output folder is on the cluster's nodes (default: its absolute path here).
     pub bundle_path: Option<String>,
+    /// More `#SBATCH` directives, each one word (`--gres=gpu:8`, `--qos=serve`, ...).
+    pub sbatch_args: Vec<String>,
 }
 
-/// Write `slurm/expertmesh.sbatch` and `slurm/hostfile`; the next steps.
-pub(super) fn write(
-    plan: &Plan,
-    o: &SlurmOptions,
-    w: &mut Writer,
-) -> Result<Vec<String>, FabricError> {
+/// The bundle's path on the nodes, once `o` is checked: called before anything is written
+/// (a refused option leaves no files behind).
+pub(super) fn bundle_on_nodes(plan: &Plan, o: &SlurmOptions) -> Result<String, FabricError> {
     // One word each on its `#SBATCH` line (whitespace ends it, a line break would start
     // another line of the script).
+    let one_word =
+        |v: &str| !v.is_empty() && !v.chars().any(|c| c.is_whitespace() || c.is_control());
     for (flag, v) in [
         ("--partition", &o.partition),
         ("--account", &o.account),
         ("--time", &o.time),
     ] {
         if let Some(v) = v
-            && (v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()))
+            && !one_word(v)
         {
             return Err(FabricError::Engine(format!(
                 "{flag} {v:?}: give one word (no spaces or line breaks)"
             )));
         }
+    }
+    if let Some(a) = o
+        .sbatch_args
+        .iter()
+        .find(|a| !one_word(a) || !a.starts_with('-'))
+    {
+        return Err(FabricError::Engine(format!(
+            "--sbatch-arg {a:?}: give one sbatch option as one word (e.g. --gres=gpu:8), one \
+             --sbatch-arg per option"
+        )));
     }
     let bundle = match &o.bundle_path {
         Some(p) => p.clone(),
@@ -85,6 +96,16 @@ pub(super) fn write(
              path (or give --bundle-path)"
         )));
     }
+    Ok(bundle)
+}
+
+/// Write `slurm/expertmesh.sbatch` and `slurm/hostfile`; the next steps.
+pub(super) fn write(
+    plan: &Plan,
+    o: &SlurmOptions,
+    w: &mut Writer,
+) -> Result<Vec<String>, FabricError> {
+    let bundle = bundle_on_nodes(plan, o)?;
     let hostfile: String = plan
         .processes
         .iter()
@@ -109,6 +130,16 @@ pub(super) fn write(
     steps.push(
         "note:   every task of a Slurm job runs as the job's user, so every node can read every process's credential in the bundle: one node taken over can act as any process of the fabric (Kubernetes and systemd give each host only its own)".into(),
     );
+    if o.sbatch_args.is_empty() {
+        let gpus = gpus_per_host(plan);
+        if gpus.values().any(|&n| n > 0) {
+            let counts: Vec<String> = gpus.iter().map(|(h, n)| format!("{h} {n}")).collect();
+            steps.push(format!(
+                "note:   GPU devices per host: {}; where Slurm schedules GPUs as generic resources (GRES), a job sees only those it asks for: deploy again with --sbatch-arg=--gres=gpu:N (N on every node; hosts with different counts need a partition or a heterogeneous job of their own)",
+                counts.join(", ")
+            ));
+        }
+    }
     steps.extend([
         format!("start:  sbatch {}", quote(&sbatch)),
         format!(
@@ -121,6 +152,21 @@ pub(super) fn write(
             .into(),
     ]);
     Ok(steps)
+}
+
+/// GPU devices of the fabric's workers on each host.
+fn gpus_per_host(plan: &Plan) -> std::collections::BTreeMap<String, usize> {
+    let mut gpus = std::collections::BTreeMap::new();
+    for p in &plan.processes {
+        let n = gpus.entry(p.host.clone()).or_insert(0);
+        if let super::Role::Worker(d, _) = &p.role
+            && plan.dep.topology.devices()[d.0 as usize].kind()
+                == expertmesh_topology::DeviceKind::Gpu
+        {
+            *n += 1;
+        }
+    }
+    gpus
 }
 
 /// The batch script.
@@ -155,6 +201,9 @@ fn sbatch(plan: &Plan, o: &SlurmOptions, bundle: &str) -> String {
         if let Some(v) = v {
             s += &format!("#SBATCH --{opt}={v}\n");
         }
+    }
+    for a in &o.sbatch_args {
+        s += &format!("#SBATCH {a}\n");
     }
     s += &format!(
         r#"set -uo pipefail
