@@ -43,7 +43,7 @@
 
 use crate::layout::{Arena, MatrixDims, R16Matrix, arena_bytes};
 use expertmesh_quant::aligned::AlignedVec;
-use std::fs::{self, File};
+use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -209,14 +209,18 @@ impl TileCache {
         }
         check_private_folder(&self.dir, false)?;
         let path = self.file_for(place);
-        let mut file = match File::open(&path) {
+        let fail = |what: String| format!("{}: {what}; it will be replaced", path.display());
+        // Without blocking: a FIFO put there would wait for a writer for ever.
+        let mut file = match expertmesh_files::open_nonblocking(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(format!("no cache file {} yet", path.display()));
             }
             Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
         };
-        let fail = |what: String| format!("{}: {what}; it will be replaced", path.display());
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(fail("not a regular file".into()));
+        }
         let want = arena_bytes(dims);
         let header = read_header(&mut file, description, want).map_err(fail)?;
         let len = file.metadata().map_err(|e| fail(e.to_string()))?.len();
@@ -243,10 +247,14 @@ impl TileCache {
                 data_offset: header.data_offset,
             }),
             Err(_) => {
-                let tiles = &map[header.data_offset..];
-                let mut owned = AlignedVec::<u8>::zeroed(tiles.len());
-                owned.copy_from_slice(tiles);
+                // Read, not copied from the map: a page that cannot be read (a bad block, a
+                // file gone from a network mount) is an error here, where through the map it
+                // is SIGBUS, and the worker would die on it at every start.
                 drop(map);
+                let mut owned = AlignedVec::<u8>::zeroed(want);
+                io::Seek::seek(&mut file, io::SeekFrom::Start(header.data_offset as u64))
+                    .and_then(|_| file.read_exact(&mut owned))
+                    .map_err(|e| fail(format!("cannot read its tiles: {e}")))?;
                 Arena::Owned(owned)
             }
         };
@@ -272,6 +280,9 @@ impl TileCache {
         check_private_folder(&self.dir, true)?;
         remove_stale_temps(&self.dir);
         let path = self.file_for(place);
+        // The place's file was a miss for this load and would be replaced: removed first, so
+        // a disk it fills is not full for its replacement (a process that mapped it keeps it).
+        let _ = fs::remove_file(&path);
         let tmp = expertmesh_files::temp_path(&path);
         let header = encode_header(description, arena);
         // A new file only this user may read, locked until it is renamed (the lock goes with
@@ -320,8 +331,9 @@ impl TileCache {
             if !ours || path == keep {
                 continue;
             }
-            let Some(place) = File::open(&path)
+            let Some(place) = expertmesh_files::open_nonblocking(&path)
                 .ok()
+                .filter(|f| f.metadata().is_ok_and(|m| m.is_file()))
                 .and_then(|mut f| stated_place(&mut f))
             else {
                 continue;

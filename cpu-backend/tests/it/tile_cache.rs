@@ -524,3 +524,34 @@ fn tiles_of_shards_that_are_gone_are_removed_by_the_next_write() {
     assert_eq!(cache_files(&dir), want);
     assert!(!old_tiles.exists());
 }
+
+/// A FIFO where a cache file should be (put there by mistake or by another user's process)
+/// is a miss that names it, not an open that waits for a writer for ever; it is replaced.
+#[test]
+fn a_fifo_in_place_of_a_cache_file_is_a_miss_not_a_hang() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiles");
+    let (_, used) = load(&dir, &mut named("shard a"));
+    let (file, _) = written(&used);
+    std::fs::remove_file(&file).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&file)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    // A hang guard: the load runs on a thread of its own.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(load(&d, &mut named("shard a")).1);
+    });
+    let used = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the load waited on the FIFO");
+    let (again, miss) = written(&used);
+    assert_eq!(again, file);
+    assert!(miss.contains("not a regular file"), "{miss}");
+    assert!(std::fs::metadata(&file).unwrap().is_file());
+    let (_, used) = load(&dir, &mut named("shard a"));
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+}
