@@ -489,7 +489,18 @@ impl Coordinator {
             });
             return;
         }
-        if c.awaited.get(w).is_some_and(Option::is_some) {
+        let settled_gainer = matches!(c.step, Step::Load)
+            && c.gainers.get(w) == Some(&true)
+            && c.awaited.get(w).is_some_and(Option::is_none);
+        if settled_gainer {
+            // Its gains went with it: a release after this step would leave an expert whose
+            // only new owner it was without any (and a restarted worker comes back on its
+            // placement file, without them).
+            self.fail(
+                format!("{name} was lost after loading its gains (they went with it)"),
+                now,
+            );
+        } else if c.awaited.get(w).is_some_and(Option::is_some) {
             c.awaited[w] = None;
             match c.step {
                 Step::Load => self.fail(format!("{name} was lost while loading its gains"), now),

@@ -435,6 +435,29 @@ fn a_lost_or_silent_gainer_fails_the_change_and_the_others_return() {
     }
 }
 
+/// A gainer lost after it loaded and settled its gains, while another still loads: the
+/// change is undone, not carried on to the release (a loser would drop an expert whose only
+/// new owner was the lost device).
+#[test]
+fn a_gainer_lost_after_settling_its_gains_fails_the_change() {
+    let (mut c, mut f, before, _) = two_worker_change(|f| f.silent.insert(ROUTERS + 1));
+    assert!(f.answers.is_empty() && c.busy(), "rank2 still loads");
+    c.on_peer_lost(ROUTERS, f.now);
+    f.run(&mut c);
+    // The undo asks rank2 back, which is silent: answered at its deadline.
+    c.on_tick(f.now + 2 * T);
+    f.run(&mut c);
+    let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
+        panic!("{:?}", f.answers)
+    };
+    assert!(
+        message.contains("rank1 was lost after loading its gains"),
+        "{message}"
+    );
+    assert_eq!(f.held[&(ROUTERS + 1)].1, before[1], "nothing was released");
+    assert!(!c.busy());
+}
+
 #[test]
 fn a_device_lost_or_silent_during_the_survey_fails_the_change_before_anything_moves() {
     for lost in [true, false] {
