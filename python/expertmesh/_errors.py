@@ -169,7 +169,8 @@ class NotPermitted(RouterError, PermissionError):
 class ConnectionFailed(Error, ConnectionError):
     """The connection to the router could not be made (nothing listens, wrong cluster name, not
     the router's frontend port) or broke; every request in flight on it fails with this error,
-    and so does every later call on the same client."""
+    and so does every later call on the same client (one made with several routers moves to
+    the next router instead, and raises this only when none answers)."""
 
 
 class ProtocolError(Error):

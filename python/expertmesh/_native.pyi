@@ -20,7 +20,8 @@ HiddenStates = Union[
 ]
 # Router logits `[tokens, experts]` float32.
 Logits = Union[npt.NDArray[np.float32], _DLPack]
-# "HOST:PORT", (host, port), or several routers: "A:P,B:P" or a list (the first that answers).
+# "HOST:PORT", (host, port), or several routers: "A:P,B:P" or a list (the first that answers,
+# then the next when it is lost).
 Address = Union[str, Tuple[str, int], List[Union[str, Tuple[str, int]]]]
 
 _Out = TypeVar("_Out")

@@ -315,7 +315,7 @@ impl RouterService {
         ));
         // Core thread: it reads the mesh's events itself (no task in between).
         let ranks = core.rank_names().clone();
-        let live = workers_live(ranks.len(), core.uncovered_experts());
+        let live = workers_live(ranks.len(), core.uncovered_experts(|_| false));
         let send_backlog = Arc::new(SendBacklog::new(
             ranks.len(),
             send_backlog_bytes(core.config(), hidden, mesh_max_frame_bytes),
@@ -2249,7 +2249,13 @@ impl CoreLoop {
     /// Publish how many routed experts have no live owner ([`Liveness`]), after a worker's
     /// liveness or holdings changed.
     fn publish_coverage(&self) {
-        let n = self.core.uncovered_experts();
+        let joined = |r: u32| {
+            self.live
+                .workers
+                .get(r as usize)
+                .is_some_and(|l| l.load(Ordering::Acquire))
+        };
+        let n = self.core.uncovered_experts(joined);
         self.live.uncovered.store(n, Ordering::Release);
     }
 

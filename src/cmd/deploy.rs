@@ -213,7 +213,9 @@ impl CommonArgs {
 /// `--router-arg`/`--worker-arg`: parsed as this binary's `expertmesh COMPONENT` parses
 /// them, so a mistyped flag or a bad value is refused here, not by every process on every
 /// node when the fabric starts. What deploy itself adds (topology, addresses, credentials) is
-/// left out, so the only error accepted is the one saying such a required flag is missing.
+/// left out, so the only errors accepted are the one saying such a required flag is missing
+/// and a host name that does not resolve here (it may inside the cluster); a flag deploy sets
+/// itself is refused by the engines' plan.
 fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Result<()> {
     use clap::Parser;
     use clap::error::ErrorKind;
@@ -227,6 +229,12 @@ fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Re
     match crate::cli::Cli::try_parse_from(argv) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == ErrorKind::MissingRequiredArgument => Ok(()),
+        Err(e)
+            if e.kind() == ErrorKind::ValueValidation
+                && e.to_string().contains("cannot resolve") =>
+        {
+            Ok(())
+        }
         Err(e) => {
             let rendered = e.render().to_string();
             // clap's message and its tip, without the usage lines after them.

@@ -2031,6 +2031,11 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
             vec!["--worker-arg=--link-timeout-s", "--worker-arg=1"],
             "four heartbeats",
         ),
+        // A flag deploy sets itself: every worker would refuse it twice.
+        (
+            vec!["--worker-arg=--metrics=127.0.0.1:9"],
+            "deploy sets --metrics for every worker itself",
+        ),
     ] {
         let r = deploy(&extra);
         assert_eq!(r.code, 2, "{extra:?}: {}{}", r.stdout, r.stderr);
@@ -2038,6 +2043,9 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
         assert!(!out.join("systemd").exists(), "{extra:?}: written anyway");
     }
     let r = deploy(&["--host", "local=node-7.example"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // A host name only the cluster resolves is no reason to refuse an extra argument.
+    let r = deploy(&["--worker-arg=--router=router-0.cluster.invalid:47400"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
 

@@ -71,7 +71,13 @@ pub fn free_ports(ip: IpAddr, n: u16) -> std::io::Result<u16> {
             }
         }
     }
-    ephemeral_run(ip, n)
+    let base = ephemeral_run(ip, n)?;
+    // Never handed out twice either (several calls of one process, as for up's workers).
+    HANDED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(base..base + n);
+    Ok(base)
 }
 
 /// `n` consecutive ports around one the kernel picks (the ephemeral range).

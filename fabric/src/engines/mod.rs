@@ -210,7 +210,7 @@ impl Plan {
         let mut processes = list_processes(&dep, &opts)?;
         let mut credentials = BTreeMap::new();
         for p in &mut processes {
-            p.args = process_args(p, &model_arg, &opts);
+            p.args = process_args(p, &model_arg, &opts)?;
             check_tile_cache_args(&p.args)?;
             if let Some(key) = &opts.master_key {
                 let who = match &p.role {
@@ -547,7 +547,11 @@ fn model_args(
 }
 
 /// The `expertmesh` arguments of process `p` (files relative to the bundle's `fabric/`).
-fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec<launch::Arg> {
+fn process_args(
+    p: &Process,
+    model: &[launch::Arg],
+    opts: &DeployOptions,
+) -> Result<Vec<launch::Arg>, FabricError> {
     use launch::Arg;
     let mut a = vec![
         Arg::lit(p.role.component()),
@@ -577,8 +581,29 @@ fn process_args(p: &Process, model: &[launch::Arg], opts: &DeployOptions) -> Vec
     } else if opts.insecure {
         a.push(Arg::lit("--insecure"));
     }
+    // A flag set here may not come again from --router-arg/--worker-arg: the process would
+    // refuse the second ("cannot be used multiple times") on every node.
+    let flag_name = |t: &str| t.split('=').next().unwrap_or(t).to_owned();
+    let set: Vec<String> = a
+        .iter()
+        .filter_map(|x| match x {
+            Arg::Lit(t) if t.starts_with("--") => Some(flag_name(t)),
+            _ => None,
+        })
+        .collect();
+    if let Some(dup) = extra
+        .iter()
+        .filter(|t| t.starts_with("--"))
+        .map(|t| flag_name(t))
+        .find(|f| set.contains(f))
+    {
+        let c = p.role.component();
+        return Err(FabricError::Engine(format!(
+            "--{c}-arg {dup}: deploy sets {dup} for every {c} itself; leave it out"
+        )));
+    }
     a.extend(extra.iter().map(|s| Arg::lit(s)));
-    a
+    Ok(a)
 }
 
 /// A worker's `--tile-cache` folder, wherever an engine starts it, must be absolute (the
@@ -744,18 +769,21 @@ fn frontend_files_apart(names: &[String]) -> Result<(), FabricError> {
     let mut files: BTreeMap<String, &str> = BTreeMap::new();
     for name in names {
         let file = file_safe(name);
-        if file.is_empty() {
+        if !file.chars().any(|c| c.is_ascii_alphanumeric()) {
             return Err(FabricError::Engine(format!(
                 "--frontend {name:?}: the name needs a letter or digit (its credential is \
                  written to frontends/NAME.cred)"
             )));
         }
-        match files.insert(file.clone(), name) {
+        // Compared without case: on a case-insensitive filesystem (a Mac's) `Team` and
+        // `team` would share one file too.
+        match files.insert(file.to_ascii_lowercase(), name) {
             Some(other) if other != name => {
                 return Err(FabricError::Engine(format!(
                     "--frontend {other:?} and --frontend {name:?} would share the file \
                      frontends/{file}.cred (characters other than letters, digits, '-', '_' \
-                     and '.' become '_'): choose names that differ in those"
+                     and '.' become '_', and some filesystems do not tell case apart): choose \
+                     names that differ in letters or digits"
                 )));
             }
             _ => {}
@@ -920,10 +948,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("frontends/x.cred"), "{e}");
-        let e = frontend_files_apart(&names(&["..."]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("a letter or digit"), "{e}");
+        for nameless in ["...", "-", "__"] {
+            let e = frontend_files_apart(&names(&[nameless]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("a letter or digit"), "{nameless}: {e}");
+        }
+        let e = frontend_files_apart(&names(&["Team", "team"])).unwrap_err();
+        assert!(e.to_string().contains("would share the file"), "{e}");
     }
 
     /// A link flag given to one side reaches the other; given to both, it must agree.

@@ -130,7 +130,11 @@ pub(super) fn write(
     steps.push(
         "note:   every task of a Slurm job runs as the job's user, so every node can read every process's credential in the bundle: one node taken over can act as any process of the fabric (Kubernetes and systemd give each host only its own)".into(),
     );
-    if o.sbatch_args.is_empty() {
+    let asks_gpus = o
+        .sbatch_args
+        .iter()
+        .any(|a| a.starts_with("--gres") || a.starts_with("--gpus") || a.starts_with("-G"));
+    if !asks_gpus {
         let gpus = gpus_per_host(plan);
         if gpus.values().any(|&n| n > 0) {
             let counts: Vec<String> = gpus.iter().map(|(h, n)| format!("{h} {n}")).collect();

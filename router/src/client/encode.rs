@@ -91,6 +91,12 @@ impl Layout {
             return Ok(()); // the frame's header is checked when it is encoded
         }
         let per_token = self.total.div_ceil(self.tokens.max(1)).max(1);
+        if per_token >= max_frame {
+            return Err(ClientError::Input(format!(
+                "one token of this request is {per_token} bytes, which exceeds the configured \
+                 maximum frame of {max_frame} bytes alone: no split of it can be sent"
+            )));
+        }
         Err(ClientError::Input(format!(
             "a request of {} tokens is {} bytes, which exceeds the configured maximum frame of \
              {max_frame} bytes: split it into requests of at most {} tokens",

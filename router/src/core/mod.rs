@@ -434,11 +434,12 @@ impl RouterCore {
             .unwrap_or_default()
     }
 
-    /// Routed experts of this router's layers without a live owner (no worker that owns
-    /// them may be chosen now: [`RouterCore::live_owners`] is empty): a request touching one
-    /// fails. 0 when every request can be answered.
-    pub fn uncovered_experts(&self) -> usize {
-        let alive = |r: &u32| self.replicas.alive.get(*r as usize) == Some(&true);
+    /// Routed experts of this router's layers that no worker `live` says yes to owns: with
+    /// the workers that joined this router (link up, holdings announced), the experts a
+    /// request may touch and fail on. (The core's own liveness starts with every worker up,
+    /// so that a worker is tried before its link ever came up: not a measure of coverage.)
+    pub fn uncovered_experts(&self, live: impl Fn(u32) -> bool) -> usize {
+        let alive = |r: &u32| live(*r);
         self.layers
             .values()
             .map(|s| {

@@ -13,9 +13,8 @@
 //! the kernel behind whatever a client keeps opening): a newcomer takes the place of the
 //! oldest connection still waiting for its request head after [`HEAD_GRACE`], else of the
 //! oldest connection of the address holding the most slots when the newcomer's own address
-//! holds fewer, else of the oldest of all once it has been served for [`EVICT_AFTER`]; a
-//! newcomer whose address already holds the most slots, when none of these applies, is
-//! closed at once. So neither idle connections nor scrapers that stop reading their answers
+//! holds at least two fewer, else of the oldest of all once it has been served for
+//! [`EVICT_AFTER`]; otherwise the newcomer is closed at once. So neither idle connections nor scrapers that stop reading their answers
 //! keep a cluster engine's probe (from another address) out, and no scrape is cut short in
 //! its first second by its own address's newcomers. Anything but `GET` (or `HEAD`) of
 //! `/metrics`, `/live`, `/ready` or `/` is answered 404 or 405 with a line saying what is
@@ -270,8 +269,10 @@ fn give_way(served: &[SlotView], peer: std::net::IpAddr, limits: &Limits) -> Opt
             most = Some((c.peer, n));
         }
     }
+    // Only a move that makes the shares more even: an address one slot short of the most
+    // would only swap places with it (and newcomers of many addresses would churn).
     if let Some((ip, n)) = most
-        && held(peer) < n
+        && held(peer) + 1 < n
     {
         return served.iter().position(|c| c.peer == ip);
     }
@@ -521,8 +522,8 @@ mod tests {
         // Waiting for its head past the grace: it goes first, whoever comes.
         let served = [slot(1, true, 900), slot(1, false, 150), slot(2, false, 300)];
         assert_eq!(give_way(&served, ip(1), &limits), Some(1));
-        // Within the grace a head on its way is left alone: address 1 holds the most slots,
-        // so a newcomer from address 3 (none) or 2 (one) takes address 1's oldest...
+        // Within the grace a head on its way is left alone: address 1 holds the most slots
+        // (three), so a newcomer from address 3 (none) or 2 (one) takes address 1's oldest...
         let served = [
             slot(2, true, 20),
             slot(1, true, 10),
@@ -536,14 +537,22 @@ mod tests {
         assert_eq!(give_way(&served, ip(1), &limits), None);
         let served = [slot(2, true, 1_000), slot(1, true, 10), slot(1, true, 5)];
         assert_eq!(give_way(&served, ip(1), &limits), Some(0));
-        // Even shares: no address takes another's place before EVICT_AFTER.
+        // Even shares, or one short of the most: no address takes another's place before
+        // EVICT_AFTER (it would only swap places).
         let served = [slot(1, true, 500), slot(2, true, 400)];
         assert_eq!(give_way(&served, ip(1), &limits), None);
         assert_eq!(
             give_way(&served, ip(3), &limits),
-            Some(0),
-            "3 holds none: fewer"
+            None,
+            "3 would hold what 1 held"
         );
+        let served = [slot(1, true, 500), slot(1, true, 400), slot(2, true, 300)];
+        assert_eq!(
+            give_way(&served, ip(3), &limits),
+            Some(0),
+            "two short of 1's two"
+        );
+        assert_eq!(give_way(&served, ip(2), &limits), None, "one short");
     }
 
     /// One request's answer. The read waits up to a minute: a cap for a test that would

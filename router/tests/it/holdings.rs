@@ -6,14 +6,15 @@
 use expertmesh_router::core::{RouterConfig, SharedSite};
 use expertmesh_router::reference;
 use expertmesh_router::sim::{Sim, ZeroRows};
-use expertmesh_topology::model::preset_by_name;
+use expertmesh_topology::model::{ModelSpec, preset_by_name};
 use expertmesh_transport::codec::ErrorCode;
 
-#[test]
-fn announcements_move_ownership_and_an_unowned_expert_fails_naming_why() {
+/// toy-softmax on two devices (ranks 1 and 2), each holding half of the experts: the model,
+/// the simulated router, its MoE layers and every (layer, expert) pair.
+fn two_halves() -> (ModelSpec, Sim, Vec<u32>, Vec<(u32, u32)>) {
     let spec = preset_by_name("toy-softmax").unwrap();
     let e = spec.routed_experts;
-    let mut sim = Sim::builder(&spec, &[(0..e / 2).collect(), (e / 2..e).collect()])
+    let sim = Sim::builder(&spec, &[(0..e / 2).collect(), (e / 2..e).collect()])
         .shared(SharedSite::None)
         .config(RouterConfig::default())
         .build(|_, _| Box::new(ZeroRows));
@@ -22,6 +23,13 @@ fn announcements_move_ownership_and_an_unowned_expert_fails_naming_why() {
         .iter()
         .flat_map(|&l| (0..e).map(move |x| (l, x)))
         .collect();
+    (spec, sim, layers, all)
+}
+
+#[test]
+fn announcements_move_ownership_and_an_unowned_expert_fails_naming_why() {
+    let (spec, mut sim, layers, all) = two_halves();
+    let e = spec.routed_experts;
     let x = reference::synthetic_hidden(3, 8, spec.hidden as usize);
     // Device 1 (rank 2) hands everything to device 0 (rank 1): new batches go to rank 1 only.
     assert_eq!(sim.core.set_holdings(1, &all), Ok(vec![]));
@@ -63,38 +71,33 @@ fn announcements_move_ownership_and_an_unowned_expert_fails_naming_why() {
     assert!(answer.is_ok(), "{answer:?}");
 }
 
-/// What a router's readiness counts: the routed experts no live worker owns, following links
-/// lost and joined and what workers announce.
+/// What a router's readiness counts: the routed experts no joined worker owns, following
+/// who joined and what workers announce.
 #[test]
-fn experts_without_a_live_owner_follow_links_and_announcements() {
-    let spec = preset_by_name("toy-softmax").unwrap();
+fn experts_without_a_joined_owner_follow_joins_and_announcements() {
+    let (spec, mut sim, layers, all) = two_halves();
     let e = spec.routed_experts;
-    let mut sim = Sim::builder(&spec, &[(0..e / 2).collect(), (e / 2..e).collect()])
-        .shared(SharedSite::None)
-        .config(RouterConfig::default())
-        .build(|_, _| Box::new(ZeroRows));
-    let layers = spec.moe_layer_ids();
     let n = layers.len();
-    let all: Vec<(u32, u32)> = layers
-        .iter()
-        .flat_map(|&l| (0..e).map(move |x| (l, x)))
-        .collect();
     let first_half: Vec<(u32, u32)> = all.iter().copied().filter(|p| p.1 < e / 2).collect();
-    assert_eq!(sim.core.uncovered_experts(), 0, "both devices up");
-    // Rank 2 (the second half) lost: its experts have no live owner; joining again is not
-    // enough, its announcement is.
-    let now = sim.now;
-    sim.core.on_peer_lost(2, now);
-    assert_eq!(sim.core.uncovered_experts(), (e - e / 2) as usize * n);
-    sim.core.on_peer_joining(2);
-    assert_eq!(sim.core.uncovered_experts(), (e - e / 2) as usize * n);
-    // Rank 1 takes every expert: covered without rank 2.
+    let mut joined = std::collections::BTreeSet::new();
+    let uncovered = |sim: &Sim, joined: &std::collections::BTreeSet<u32>| {
+        sim.core.uncovered_experts(|r| joined.contains(&r))
+    };
+    // No worker joined yet (however the core starts): every expert is bare.
+    assert_eq!(uncovered(&sim, &joined), e as usize * n);
+    joined.insert(1);
+    assert_eq!(uncovered(&sim, &joined), (e - e / 2) as usize * n);
+    joined.insert(2);
+    assert_eq!(uncovered(&sim, &joined), 0);
+    // Rank 2 (the second half) gone: its experts are bare until rank 1 takes them all.
+    joined.remove(&2);
+    assert_eq!(uncovered(&sim, &joined), (e - e / 2) as usize * n);
     sim.core.set_holdings(1, &all).unwrap();
-    assert_eq!(sim.core.uncovered_experts(), 0);
-    // Rank 2 back; rank 1 keeps the first half and is then lost: the first half is bare.
-    sim.core.on_peer_up(2);
+    assert_eq!(uncovered(&sim, &joined), 0);
+    // Rank 2 back; rank 1 keeps the first half and is then gone: the first half is bare.
+    joined.insert(2);
     sim.core.set_holdings(1, &first_half).unwrap();
-    assert_eq!(sim.core.uncovered_experts(), 0);
-    sim.core.on_peer_lost(1, now);
-    assert_eq!(sim.core.uncovered_experts(), (e / 2) as usize * n);
+    assert_eq!(uncovered(&sim, &joined), 0);
+    joined.remove(&1);
+    assert_eq!(uncovered(&sim, &joined), (e / 2) as usize * n);
 }
