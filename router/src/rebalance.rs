@@ -153,6 +153,8 @@ struct Change {
     released: u32,
     /// Why the change is being undone.
     failure: Option<String>,
+    /// Devices that refused to return to what they held during the undo.
+    undo_refused: Vec<String>,
     /// Why devices did not confirm their release (lost, or silent past the deadline): named in
     /// the answer; their experts are not counted as released.
     unconfirmed: Vec<String>,
@@ -337,6 +339,7 @@ impl Coordinator {
             released: 0,
             failure: None,
             unconfirmed: Vec::new(),
+            undo_refused: Vec::new(),
             before: vec![BTreeSet::new(); n],
             surveyed: vec![false; n],
             target,
@@ -586,11 +589,20 @@ impl Coordinator {
             }
             Step::Undo => {
                 let c = self.change.take().expect("checked above");
+                let refused = if c.undo_refused.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; and some refused to go back to what they held ({})",
+                        c.undo_refused.join("; ")
+                    )
+                };
                 self.actions.push_back(ChangeAction::Failed {
                     client: c.client,
                     request_id: c.request_id,
                     message: format!(
-                        "{}; and {} did not confirm their return to the old set within {timeout:?}",
+                        "{}; and {} did not confirm their return to the old set within \
+                         {timeout:?}{refused}",
                         c.failure.unwrap_or_default(),
                         late.join(", ")
                     ),
@@ -634,6 +646,11 @@ impl Coordinator {
         let Some(c) = self.change.as_mut() else {
             return;
         };
+        if c.step == Step::Undo {
+            // A device that refused to go back: the answer must not say it is back.
+            c.undo_refused.push(why);
+            return;
+        }
         if c.step != Step::Load {
             // A release cannot be undone (the new owners serve already); say so at the end.
             c.failure.get_or_insert(why);
@@ -711,14 +728,25 @@ impl Coordinator {
             Step::Release => self.finish_release(now),
             Step::Undo => {
                 let c = self.change.take().expect("matched above");
-                self.actions.push_back(ChangeAction::Failed {
-                    client: c.client,
-                    request_id: c.request_id,
-                    message: format!(
+                let message = if c.undo_refused.is_empty() {
+                    format!(
                         "the placement change failed and was undone (every connected device is \
                          back on what it held): {}",
                         c.failure.unwrap_or_default()
-                    ),
+                    )
+                } else {
+                    format!(
+                        "the placement change failed: {}; undoing it, some devices refused to go \
+                         back to what they held ({}): they serve what they announced, and routers \
+                         route by that",
+                        c.failure.unwrap_or_default(),
+                        c.undo_refused.join("; ")
+                    )
+                };
+                self.actions.push_back(ChangeAction::Failed {
+                    client: c.client,
+                    request_id: c.request_id,
+                    message,
                 });
             }
         }

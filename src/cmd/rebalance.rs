@@ -199,7 +199,18 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
                 e
                 @ (ApplyError::Transport(_) | ApplyError::NoAnswer(_) | ApplyError::Unexpected(_)),
             ) => {
-                bail!("{e}")
+                // No answer for step i + 1: the router may still be carrying it out.
+                let done = if i > 0 {
+                    format!("steps 1 to {i} of {} were applied; ", steps.len())
+                } else {
+                    String::new()
+                };
+                bail!(
+                    "{e}\nnote: {done}step {} may still be under way on the router (it ends \
+                     applied or undone within its timeout); once the router answers again, run \
+                     the change again (a router refuses a second change while one is under way)",
+                    i + 1
+                )
             }
             Err(message) => {
                 eprintln!("error: the placement change failed: {message}");

@@ -35,6 +35,8 @@ struct Fabric {
     turn: usize,
     /// Ranks that refuse any hold that adds experts.
     refuse_gains: BTreeSet<u32>,
+    /// Ranks that refuse any hold that only drops experts (a release, an undo of gains).
+    refuse_drops: BTreeSet<u32>,
     /// Ranks that never answer a hold.
     silent: BTreeSet<u32>,
     /// Ranks that never answer a hold that only drops experts (a release).
@@ -54,6 +56,7 @@ impl Fabric {
             order: Vec::new(),
             turn: 0,
             refuse_gains: BTreeSet::new(),
+            refuse_drops: BTreeSet::new(),
             silent: BTreeSet::new(),
             silent_releases: BTreeSet::new(),
             answers: Vec::new(),
@@ -132,7 +135,10 @@ impl Fabric {
                     if self.silent_releases.contains(&rank) && set.is_subset(&old) && set != old {
                         continue;
                     }
-                    if self.refuse_gains.contains(&rank) && !set.is_subset(&old) {
+                    let drops_only = set.is_subset(&old) && set != old;
+                    if (self.refuse_gains.contains(&rank) && !set.is_subset(&old))
+                        || (self.refuse_drops.contains(&rank) && drops_only)
+                    {
                         let list: Vec<Expert> = old.iter().copied().collect();
                         self.in_flight.push_back((rank, version, old, false));
                         c.on_holding(rank, version, &list, "no room", 0, self.now);
@@ -456,6 +462,39 @@ fn a_gainer_lost_after_settling_its_gains_fails_the_change() {
     );
     assert_eq!(f.held[&(ROUTERS + 1)].1, before[1], "nothing was released");
     assert!(!c.busy());
+}
+
+/// A device that refuses to go back during an undo is named, and the answer does not say
+/// every device is back on what it held: the undo ended by the others' answers (rank2 lost,
+/// not asked back) or by its deadline (rank2 silent).
+#[test]
+fn an_undo_a_device_refuses_is_named_in_the_answer() {
+    for lost in [true, false] {
+        let (mut c, mut f, _, _) = two_worker_change(|f| {
+            f.silent.insert(ROUTERS + 1);
+            f.refuse_drops.insert(ROUTERS)
+        });
+        if lost {
+            c.on_peer_lost(ROUTERS + 1, f.now);
+        } else {
+            c.on_tick(f.now + T);
+        }
+        f.run(&mut c);
+        c.on_tick(f.now + 2 * T);
+        f.run(&mut c);
+        let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
+            panic!("{:?}", f.answers)
+        };
+        assert!(
+            message.contains("refused to go back") && message.contains("rank1: no room"),
+            "{lost}: {message}"
+        );
+        assert!(
+            !message.contains("every connected device is back"),
+            "{message}"
+        );
+        assert!(!c.busy());
+    }
 }
 
 #[test]
