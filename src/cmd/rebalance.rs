@@ -195,33 +195,7 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
                 millis += p.took.as_millis() as u64;
                 version = p.version;
             }
-            Err(
-                e
-                @ (ApplyError::Transport(_) | ApplyError::NoAnswer(_) | ApplyError::Unexpected(_)),
-            ) => {
-                // No answer for step i + 1: the router may still be carrying it out.
-                let done = if i > 0 {
-                    format!("steps 1 to {i} of {} were applied; ", steps.len())
-                } else {
-                    String::new()
-                };
-                bail!(
-                    "{e}\nnote: {done}step {} may still be under way on the router (it ends \
-                     applied or undone within its timeout); once the router answers again, run \
-                     the change again (a router refuses a second change while one is under way)",
-                    i + 1
-                )
-            }
-            Err(message) => {
-                eprintln!("error: the placement change failed: {message}");
-                if i > 0 {
-                    eprintln!(
-                        "note: steps 1 to {i} of {} were applied; the fabric serves step {i}'s placement",
-                        steps.len()
-                    );
-                }
-                return Ok(ExitCode::from(crate::exit::EXIT_INVALID));
-            }
+            Err(e) => return step_failed(e, i, steps.len()),
         }
     }
     // Written once the placement is served, never for one that was not.
@@ -248,6 +222,33 @@ pub(crate) fn run(cli: RebalanceCli) -> anyhow::Result<ExitCode> {
          that applied this change gives it its new set again; {permanent}"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Step `i` (0-based) of `steps` was not applied: a lost connection or a garbled answer is an
+/// error (the step may still be under way on the router), a failed change exits 1; either
+/// way what the earlier steps applied is said.
+fn step_failed(e: ApplyError, i: usize, steps: usize) -> anyhow::Result<ExitCode> {
+    let done = if i > 0 {
+        format!("steps 1 to {i} of {steps} were applied; ")
+    } else {
+        String::new()
+    };
+    if matches!(
+        e,
+        ApplyError::Transport(_) | ApplyError::NoAnswer(_) | ApplyError::Unexpected(_)
+    ) {
+        bail!(
+            "{e}\nnote: {done}step {} may still be under way on the router (it ends applied or \
+             undone within its timeout); once the router answers again, run the change again \
+             (a router refuses a second change while one is under way)",
+            i + 1
+        )
+    }
+    eprintln!("error: the placement change failed: {e}");
+    if i > 0 {
+        eprintln!("note: {done}the fabric serves step {i}'s placement");
+    }
+    Ok(ExitCode::from(crate::exit::EXIT_INVALID))
 }
 
 /// The change to apply, as the entries of each step (one step without `--from`), what it is
