@@ -499,9 +499,11 @@ impl ExpertSource for ShardSource {
         }
     }
 
-    /// The shard's path; the conversion's fingerprint, the shard's device, size, modification
-    /// time, inode and the manifest's checksum of it, and the experts selected (a rewritten or
-    /// replaced shard is other content even when its 32-bit checksum collides).
+    /// The shard's path; the conversion's fingerprint, the shard's size, modification time,
+    /// inode and the manifest's checksum of it, and the experts selected (a rewritten or
+    /// replaced shard is other content even when its 32-bit checksum collides). Not the
+    /// filesystem's device number: overlayfs gives a container's files a new one at every
+    /// start (and drives can be renumbered at boot), so every start was a miss there.
     fn content_id(&self) -> Option<ContentId> {
         let idx = self.file.index();
         let path = self.file.path();
@@ -511,14 +513,13 @@ impl ExpertSource for ShardSource {
         Some(ContentId {
             place: place.display().to_string(),
             id: format!(
-                "shard of conversion {} for device {}: {} bytes, modified {}.{:09}, file {}:{}, \
+                "shard of conversion {} for device {}: {} bytes, modified {}.{:09}, inode {}, \
                  crc32c {:08x}, entries {:?}",
                 idx.fingerprint,
                 idx.device.as_deref().unwrap_or("router"),
                 f.bytes,
                 f.modified.0,
                 f.modified.1,
-                f.device_inode.0,
                 f.device_inode.1,
                 self.crc,
                 self.entries
