@@ -199,10 +199,12 @@ impl Relays {
     }
 
     /// Worker `rank`'s link is gone: the copies it was streaming end at their gainers
-    /// (`name` is its label), the copies it asked for are forgotten.
+    /// (`name` is its label), the copies it asked for are cancelled at their owners (an `Ack`
+    /// of [`COPY_CANCELLED`](expertmesh_transport::codec::COPY_CANCELLED) bytes: the owner's
+    /// one copy thread would wait for its acknowledgements, and the copies queued behind).
     pub fn lost(&mut self, rank: u32, name: &str) -> Vec<RelayAction> {
         let mut out = Vec::new();
-        self.relays.retain(|_, r| {
+        self.relays.retain(|&id, r| {
             if r.owner == rank {
                 out.push(RelayAction::Refuse {
                     gainer: r.gainer,
@@ -210,6 +212,12 @@ impl Relays {
                     why: format!(
                         "the device copying the expert ({name}) was lost; the change is undone"
                     ),
+                });
+            } else if r.gainer == rank {
+                out.push(RelayAction::Ack {
+                    owner: r.owner,
+                    id,
+                    bytes: expertmesh_transport::codec::COPY_CANCELLED,
                 });
             }
             r.owner != rank && r.gainer != rank
@@ -356,15 +364,24 @@ mod tests {
         }
         // Spread: copies start at different owners.
         let (a, _) = ask(&r.fetch(4, 1, &[(4, 1, 1)], vec![1, 2]));
-        let (b, _) = ask(&r.fetch(5, 1, &[(5, 1, 1)], vec![1, 2]));
+        let (b, b_id) = ask(&r.fetch(5, 1, &[(5, 1, 1)], vec![1, 2]));
         assert_ne!(a, b);
-        // The owner of the first is lost: its gainer hears; the second's gainer is lost: forgotten.
+        // The owner of the first is lost: its gainer hears; the second's gainer is lost: its
+        // owner is told to cancel the stream (it would wait for acknowledgements).
         let lost = r.lost(a, "dev-a");
         assert_eq!(lost.len(), 1);
         assert!(
             matches!(&lost[0], RelayAction::Refuse { gainer: 4, why, .. } if why.contains("dev-a"))
         );
-        assert!(r.lost(5, "dev-5").is_empty());
+        let cancel = r.lost(5, "dev-5");
+        assert_eq!(
+            cancel,
+            vec![RelayAction::Ack {
+                owner: b,
+                id: b_id,
+                bytes: expertmesh_transport::codec::COPY_CANCELLED
+            }]
+        );
         assert!(r.is_empty());
     }
 }

@@ -857,9 +857,15 @@ pub enum PlacementOp {
     Chunk = 9,
     /// Asker → router → owner: stream `request_id` has `version` bytes received (the owner
     /// keeps at most a window of unacknowledged bytes in flight, so a slow asker or link
-    /// slows the copy instead of queueing it in the router).
+    /// slows the copy instead of queueing it in the router). `version` [`COPY_CANCELLED`]:
+    /// router → owner, the asker is gone: stop the stream (or never start it).
     Ack = 10,
 }
+
+/// The bytes of a [`PlacementOp::Ack`] that cancels its stream: the router's word to the
+/// owner that the asking device is gone (its copy thread would otherwise wait for
+/// acknowledgements that never come, and the copies queued behind it with it).
+pub const COPY_CANCELLED: u64 = u64::MAX;
 
 impl PlacementOp {
     fn from_u8(v: u8) -> Option<Self> {

@@ -8,7 +8,9 @@ use crate::deploy::Deployment;
 use crate::weights;
 use expertmesh_backend::{BackendError, ExpertKey, ExpertShape, ExpertSource};
 use expertmesh_quant::format::{ExpertWeights, PackedRef};
-use expertmesh_transport::codec::{Body, Placement, PlacementOp, encode_placement_entries};
+use expertmesh_transport::codec::{
+    Body, COPY_CANCELLED, Placement, PlacementOp, encode_placement_entries,
+};
 use expertmesh_transport::mesh::{Mesh, OutFrame, Transport};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -30,6 +32,13 @@ pub(crate) const CHUNK_QUEUE: usize = 64;
 /// How long a gainer waits for the next chunk of a copy, and an owner for the gainer's next
 /// acknowledgement, before it gives up.
 pub(crate) const CHUNK_WAIT: Duration = Duration::from_secs(60);
+
+/// Streams the router cancelled (their asker is gone) that this owner remembers, so one still
+/// queued is never started: the newest this many.
+const CANCELLED_KEPT: usize = 1024;
+
+/// Why a copy ended early when its router cancelled it (no error goes back: nobody waits).
+const CANCELLED: &str = "the gaining device is gone: the router cancelled the copy";
 
 /// One copy asked of this owner: stream (layer, expert) to `router` as stream `id`.
 struct Job {
@@ -156,6 +165,8 @@ fn file_name(key: ExpertKey) -> String {
 pub(crate) struct CopyServer {
     jobs: mpsc::SyncSender<Job>,
     acks: mpsc::SyncSender<(u64, u64)>,
+    /// Streams cancelled by their router (the newest [`CANCELLED_KEPT`]).
+    cancelled: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<u64>>>,
 }
 
 impl CopyServer {
@@ -169,13 +180,27 @@ impl CopyServer {
     ) -> std::io::Result<Self> {
         let (jobs, rx) = mpsc::sync_channel::<Job>(COPY_QUEUE);
         let (acks, acked) = mpsc::sync_channel::<(u64, u64)>(ACK_QUEUE);
+        let cancelled: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<u64>>> =
+            std::sync::Arc::default();
+        let skip = std::sync::Arc::clone(&cancelled);
         std::thread::Builder::new()
             .name("expert-copy".into())
             .spawn(move || {
                 let mut shards = weights::HostShards::new(dep);
                 for job in rx {
-                    let sent = serve(&mut shards, &cache, &mesh, &handle, &job, &acked);
-                    if let Err(why) = sent {
+                    let gone = |id| {
+                        skip.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .contains(&id)
+                    };
+                    let sent = if gone(job.id) {
+                        Err(CANCELLED.to_owned())
+                    } else {
+                        serve(&mut shards, &cache, &mesh, &handle, &job, &acked)
+                    };
+                    if sent.as_ref().is_err_and(|why| why == CANCELLED) {
+                        tracing::info!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copy cancelled: {CANCELLED}");
+                    } else if let Err(why) = sent {
                         tracing::warn!(worker = %id, layer = job.key.layer, expert = job.key.expert, "expert copy failed: {why}");
                         let frame =
                             OutFrame::new(Body::Placement(Placement::chunk_error(job.id, &why)));
@@ -185,12 +210,24 @@ impl CopyServer {
                     }
                 }
             })?;
-        Ok(Self { jobs, acks })
+        Ok(Self {
+            jobs,
+            acks,
+            cancelled,
+        })
     }
 
     /// The gainer of stream `id` has `bytes` of it (dropped when the queue is full: the
-    /// next acknowledgement covers it).
+    /// next acknowledgement covers it); [`COPY_CANCELLED`] bytes: the router cancelled it
+    /// (remembered, so that a copy still queued is never started).
     pub(crate) fn ack(&self, id: u64, bytes: u64) {
+        if bytes == COPY_CANCELLED {
+            let mut c = self.cancelled.lock().unwrap_or_else(|e| e.into_inner());
+            if c.len() == CANCELLED_KEPT {
+                c.pop_front();
+            }
+            c.push_back(id);
+        }
         let _ = self.acks.try_send((id, bytes));
     }
 
@@ -236,7 +273,8 @@ fn serve(
 
 /// Sends `bytes` as stream `id`'s chunks through `send`, paced at [`FETCH_BYTES_PER_S`] and
 /// never more than [`WINDOW_BYTES`] past what the gainer acknowledged (`acked`: (stream,
-/// bytes received)); gives up when no acknowledgement comes for `wait`.
+/// bytes received)); gives up when no acknowledgement comes for `wait`, and stops at once
+/// when the router cancels the stream ([`COPY_CANCELLED`] bytes; `Err` [`CANCELLED`]).
 pub(crate) fn stream(
     bytes: &[u8],
     id: u64,
@@ -247,11 +285,22 @@ pub(crate) fn stream(
     let started = Instant::now();
     let chunks = bytes.len().div_ceil(CHUNK_BYTES).max(1);
     let mut confirmed = 0usize;
+    let cancelled = || Err(CANCELLED.to_owned());
     for (i, chunk) in bytes.chunks(CHUNK_BYTES).enumerate() {
         let offset = i * CHUNK_BYTES;
+        // What came meanwhile: a cancel stops the stream before its next chunk.
+        while let Ok((got, n)) = acked.try_recv() {
+            if got == id && n == COPY_CANCELLED {
+                return cancelled();
+            }
+            if got == id {
+                confirmed = confirmed.max(n as usize);
+            }
+        }
         // Windowed: wait for the gainer's acknowledgements to come within reach.
         while offset + chunk.len() > confirmed + WINDOW_BYTES {
             match acked.recv_timeout(wait) {
+                Ok((got, COPY_CANCELLED)) if got == id => return cancelled(),
                 Ok((got, n)) if got == id => confirmed = confirmed.max(n as usize),
                 Ok(_) => {} // an acknowledgement of an earlier stream
                 Err(_) => {
@@ -581,5 +630,16 @@ mod tests {
         .unwrap_err();
         assert_eq!(n, WINDOW_BYTES / CHUNK_BYTES);
         assert!(err.contains("acknowledged nothing"), "{err}");
+        // Cancelled by the router after its first chunk (the gainer is gone): nothing more
+        // goes out, and no wait for acknowledgements that will not come.
+        let (ack, acked) = mpsc::sync_channel(64);
+        let mut n = 0;
+        let err = stream(&bytes, 9, &acked, Duration::from_secs(3600), |_| {
+            n += 1;
+            ack.send((9, COPY_CANCELLED)).unwrap();
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!((n, err.as_str()), (1, CANCELLED));
     }
 }
