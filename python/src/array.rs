@@ -337,6 +337,13 @@ fn finish(
     }
     let (rows, cols) = (shape[0], shape[1]);
     if let Some(s) = strides {
+        // A hand-made `__array_interface__` may give strides that do not match its shape.
+        if s.len() != 2 {
+            return Err(PyValueError::new_err(format!(
+                "{arg}: its strides {s:?} do not match its shape {} (one stride per dimension)",
+                shape_str(shape)
+            )));
+        }
         let item = elem.size() as i64;
         let row_ok = rows <= 1 || s[0] == cols as i64 * item;
         let col_ok = cols <= 1 || s[1] == item;

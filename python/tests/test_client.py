@@ -75,6 +75,16 @@ class InterfaceOnly:
         self.__array_interface__ = a.__array_interface__
 
 
+class ShortStrides:
+    """A hand-made array interface whose strides do not match its shape."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a = a
+        iface = dict(a.__array_interface__)
+        iface["strides"] = (a.strides[1],)
+        self.__array_interface__ = iface
+
+
 # --- calls, pipelining, out= -------------------------------------------------------------------
 
 
@@ -245,6 +255,7 @@ def _bad_calls():
         ("x no tokens", dict(layer=1, x=x[:0]), ValueError, "x: has shape (0, 1024)"),
         ("x DLPack refused", dict(layer=1, x=RefusesDLPack()), TypeError, "use tensor.detach()"),
         ("x unaligned", dict(layer=1, x=unaligned), ValueError, "x: the array's data is not aligned"),
+        ("x short strides", dict(layer=1, x=ShortStrides(x)), ValueError, "do not match its shape"),
         ("layer negative", dict(layer=-1, x=x), ValueError, "layer: must be in 0..2**32"),
         ("layer str", dict(layer="1", x=x), TypeError, "layer: expected an int"),
         ("layer float", dict(layer=1.0, x=x), TypeError, "layer: expected an int"),
