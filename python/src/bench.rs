@@ -16,6 +16,11 @@ use pyo3::prelude::*;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// Most iterations of one bench loop (its latencies are kept: 8 bytes each).
+const MAX_ITERATIONS: usize = 100_000_000;
+/// Most requests one bench loop keeps in flight.
+const MAX_DEPTH: usize = 1024;
+
 /// Run ``iterations`` MoE calls of ``x`` (float32 ``[tokens, hidden]``) through ``layer`` with
 /// the Rust client on its own connection, the GIL released, ``depth`` requests in flight.
 /// Returns ``(elapsed_ns, latencies_ns)``: the loop's wall time and, for ``depth == 1``, each
@@ -44,6 +49,13 @@ pub(crate) fn rust_loop(
         return Err(PyValueError::new_err(
             "depth and iterations: at least 1 each",
         ));
+    }
+    // Bounded: one latency (8 bytes) is kept per iteration, one handle per depth.
+    if iterations > MAX_ITERATIONS || depth > MAX_DEPTH {
+        return Err(PyValueError::new_err(format!(
+            "iterations at most {MAX_ITERATIONS} and depth at most {MAX_DEPTH} (a router takes \
+             32 requests per connection in flight)"
+        )));
     }
     let (tokens, hidden) = (v.rows, v.cols);
     let raw = v.raw::<f32>();

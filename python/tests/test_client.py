@@ -524,6 +524,13 @@ def test_bench_reports_python_against_rust(fabric):
         assert r["achieved"] > 0 and r["limit"] > 0 and r["ratio"] > 0
         assert r["better"] == ("lower" if r["unit"] == "us" else "higher")
         assert (r["layer"], r["hidden"]) == (0, H)  # discovered from the router
+    # Its Rust loop keeps a latency per iteration and a handle per request in flight: bounded.
+    from expertmesh import _native
+
+    x = rand(1, 90)
+    for iterations, depth in ((10**12, 1), (1, 10**12)):
+        with pytest.raises(ValueError, match="at most"):
+            _native._rust_loop(fabric.addr, fabric.cluster, "", 0, x, iterations, depth, 0)
 
 
 def test_hf_module_imports_without_torch():
