@@ -495,6 +495,7 @@ impl Coordinator {
         let settled_gainer = matches!(c.step, Step::Load)
             && c.gainers.get(w) == Some(&true)
             && c.awaited.get(w).is_some_and(Option::is_none);
+        let releasing_gainer = c.step == Step::Release && c.gainers.get(w) == Some(&true);
         if settled_gainer {
             // Its gains went with it: a release after this step would leave an expert whose
             // only new owner it was without any (and a restarted worker comes back on its
@@ -523,7 +524,69 @@ impl Coordinator {
                 Step::Survey(_) => {}
             }
         }
+        if releasing_gainer {
+            self.keep_lost_gains(w, &name, now);
+        }
         self.advance(now);
+    }
+
+    /// Release step: gainer `g` (`name`) was lost. Its gains that no other connected device
+    /// holds in the new placement would have no owner once their old owners release them: the
+    /// old owners keep them (their new set and those experts, at a new version; every device
+    /// still awaited is asked again at that version, since the step waits for one version).
+    fn keep_lost_gains(&mut self, g: usize, name: &str, now: Instant) {
+        let routers = self.routers as usize;
+        let connected: Vec<bool> = self.held[routers..].iter().map(Option::is_some).collect();
+        let Some(c) = self.change.as_mut() else {
+            return;
+        };
+        let orphans: BTreeSet<Expert> = c.target[g]
+            .difference(&c.before[g])
+            .filter(|e| {
+                !(0..c.target.len())
+                    .any(|w| w != g && connected.get(w) == Some(&true) && c.target[w].contains(e))
+            })
+            .copied()
+            .collect();
+        let mut kept = 0usize;
+        let mut keepers = Vec::new();
+        for w in 0..c.before.len() {
+            if w == g || connected.get(w) != Some(&true) {
+                continue;
+            }
+            let keep: Vec<Expert> = c.before[w]
+                .intersection(&orphans)
+                .filter(|e| !c.target[w].contains(e))
+                .copied()
+                .collect();
+            if !keep.is_empty() {
+                kept += keep.len();
+                c.released = c.released.saturating_sub(keep.len() as u32);
+                c.target[w].extend(keep);
+                keepers.push(w);
+            }
+        }
+        if keepers.is_empty() {
+            return;
+        }
+        c.version += 1;
+        c.deadline = now + c.timeout;
+        let version = c.version;
+        let mut holds = Vec::new();
+        for w in 0..c.before.len() {
+            if keepers.contains(&w) || c.awaited[w].is_some() {
+                c.awaited[w] = Some(c.target[w].clone());
+                c.announced[w] = false;
+                holds.push((self.routers + w as u32, c.target[w].clone()));
+            }
+        }
+        c.unconfirmed.push(format!(
+            "{name} was lost during the release: {kept} of its gains stay with their previous \
+             owners (it was their only new owner)"
+        ));
+        for (rank, set) in holds {
+            self.hold(rank, version, &set);
+        }
     }
 
     /// Past the deadline of the step under way: a load still waited for fails the change; a

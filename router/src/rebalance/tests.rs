@@ -37,6 +37,8 @@ struct Fabric {
     refuse_gains: BTreeSet<u32>,
     /// Ranks that refuse any hold that only drops experts (a release, an undo of gains).
     refuse_drops: BTreeSet<u32>,
+    /// The last hold each rank was sent.
+    last_hold: BTreeMap<u32, BTreeSet<Expert>>,
     /// Ranks that never answer a hold.
     silent: BTreeSet<u32>,
     /// Ranks that never answer a hold that only drops experts (a release).
@@ -57,6 +59,7 @@ impl Fabric {
             turn: 0,
             refuse_gains: BTreeSet::new(),
             refuse_drops: BTreeSet::new(),
+            last_hold: BTreeMap::new(),
             silent: BTreeSet::new(),
             silent_releases: BTreeSet::new(),
             answers: Vec::new(),
@@ -127,10 +130,11 @@ impl Fabric {
                     version,
                     experts,
                 } => {
+                    let set: BTreeSet<Expert> = experts.iter().copied().collect();
+                    self.last_hold.insert(rank, set.clone());
                     if self.silent.contains(&rank) {
                         continue;
                     }
-                    let set: BTreeSet<Expert> = experts.iter().copied().collect();
                     let old = self.held[&rank].1.clone();
                     if self.silent_releases.contains(&rank) && set.is_subset(&old) && set != old {
                         continue;
@@ -495,6 +499,41 @@ fn an_undo_a_device_refuses_is_named_in_the_answer() {
         );
         assert!(!c.busy());
     }
+}
+
+/// A gainer lost during the release: the gains it alone was to own stay with their previous
+/// owners (asked to keep them, at a new version), and the answer says so.
+#[test]
+fn a_gainer_lost_during_the_release_leaves_its_gains_with_their_old_owners() {
+    // rank1 gains expert 2 from rank2, whose release waits (it does not answer drops).
+    let (mut c, mut f, _, _) = two_worker_change(|f| f.silent_releases.insert(ROUTERS + 1));
+    assert!(
+        f.answers.is_empty() && c.busy(),
+        "rank2's release under way"
+    );
+    let release = f.last_hold[&(ROUTERS + 1)].clone();
+    assert!(
+        LAYERS.iter().all(|&l| !release.contains(&(l, 2))),
+        "{release:?}"
+    );
+    c.on_peer_lost(ROUTERS, f.now);
+    f.run(&mut c);
+    let keep = &f.last_hold[&(ROUTERS + 1)];
+    assert!(LAYERS.iter().all(|&l| keep.contains(&(l, 2))), "{keep:?}");
+    let [
+        ChangeAction::Applied {
+            unconfirmed,
+            released,
+            ..
+        },
+    ] = &f.answers[..]
+    else {
+        panic!("{:?}", f.answers)
+    };
+    let why = unconfirmed.as_deref().unwrap_or_default();
+    assert!(why.contains("rank1 was lost during the release"), "{why}");
+    assert_eq!(*released, 0, "expert 2 was kept");
+    assert!(!c.busy());
 }
 
 #[test]
