@@ -995,6 +995,63 @@ pub const REFUSAL_LOGS_PER_SECOND: u32 = 5;
 mod tests {
     use super::*;
 
+    /// A loopback listener with an accept backlog of 0, filled: the kernel drops every further
+    /// SYN to it, as a partition does (Linux).
+    #[cfg(target_os = "linux")]
+    fn black_hole() -> (std::net::TcpListener, Vec<std::net::TcpStream>) {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket calls on a descriptor made here and owned by the listener.
+        let listener = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            assert_eq!(
+                libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), len),
+                0
+            );
+            assert_eq!(libc::listen(fd, 0), 0);
+            std::net::TcpListener::from_raw_fd(fd)
+        };
+        let addr = listener.local_addr().unwrap();
+        // Connects complete until the accept queue is full; then one waits (2 s: far beyond
+        // what a loopback connect takes, however busy the machine).
+        let mut held = Vec::new();
+        while let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            held.push(s);
+            assert!(held.len() < 64, "the backlog never filled");
+        }
+        (listener, held)
+    }
+
+    /// A dial whose SYNs go unanswered ends with the dialer's own connect timeout, not the
+    /// kernel's SYN retries (minutes): what lets a partitioned peer be redialled soon after
+    /// the heal. The outcome is asserted (the error names the timeout), with a hang guard.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_connect_nobody_answers_ends_at_the_connect_timeout() {
+        let (listener, _held) = black_hole();
+        let addr = listener.local_addr().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let got = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), connect(addr))
+                .await
+                .expect("the dial waited for the kernel's SYN retries (hang guard)")
+        });
+        match got {
+            Err(ProtocolError::Lost(m)) => {
+                assert!(m.contains("no answer within"), "{m}");
+            }
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("a connect to a full backlog succeeded"),
+        }
+    }
+
     #[test]
     fn the_handshake_gate_limits_per_source_and_in_total() {
         let g = HandshakeGate::new(2, 3);
