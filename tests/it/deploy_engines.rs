@@ -483,6 +483,15 @@ fn process_manifests(out: &Path) -> String {
     std::fs::read_to_string(out.join("kubernetes/processes.yaml")).unwrap()
 }
 
+/// The manifest documents of process `name` (`router-0`, `worker-1`) in the bundle `out`,
+/// joined (its Deployment first).
+fn process_manifest(out: &Path, name: &str) -> String {
+    let all = process_manifests(out);
+    let docs: Vec<&str> = all.split("\n---\n").filter(|d| d.contains(name)).collect();
+    assert!(!docs.is_empty(), "no manifest of {name}");
+    docs.join("\n---\n")
+}
+
 /// The systemd unit of process `name` (`router-0`, `worker-1`) for the single-host topology's
 /// node, in the bundle `out`.
 fn systemd_unit(out: &Path, name: &str) -> String {
@@ -2109,23 +2118,20 @@ fn a_kubernetes_router_keeps_its_load_file_in_a_volume() {
     ];
     let r = inputs.deploy(&k8s, &out, &stats);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = process_manifests(&out);
-    let docs: Vec<&str> = manifests.split("\n---\n").collect();
-    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    let router = process_manifest(&out, "router-0");
     assert!(
         router.contains(
             "\"mountPath\": \"/var/lib/em-test\"\n              \"name\": \"load-stats\""
         ) && router.contains("- \"emptyDir\": {}\n          \"name\": \"load-stats\""),
         "{router}"
     );
-    let workers = docs.iter().filter(|d| d.contains("worker-"));
-    assert!(workers.clone().count() > 0);
+    let workers = ["worker-0", "worker-1"].map(|w| process_manifest(&out, w));
     // Each pod reserves what its process needs: a CPU device's threads and expert memory
     // (the topology's 1 thread and 256 MiB), a core for the router.
     let requests = |memory: &str| {
         format!("\"requests\":\n              \"cpu\": \"1\"{memory}\n          \"startupProbe\"")
     };
-    for d in workers {
+    for d in &workers {
         assert!(!d.contains("load-stats"), "{d}");
         let memory = "\n              \"memory\": \"268435456\"";
         assert!(d.contains(&requests(memory)), "{d}");
@@ -2160,14 +2166,12 @@ fn a_router_gets_its_drain_before_the_engine_kills_it() {
     let out = inputs.dir.path().join("out-k8s");
     let r = inputs.deploy(&k8s, &out, &drain);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let manifests = process_manifests(&out);
-    let docs: Vec<&str> = manifests.split("\n---\n").collect();
-    let router = docs.iter().find(|d| d.contains("router-0")).unwrap();
+    let router = process_manifest(&out, "router-0");
     assert!(
         router.contains("\"terminationGracePeriodSeconds\": 150"),
         "{router}"
     );
-    let worker = docs.iter().find(|d| d.contains("worker-0")).unwrap();
+    let worker = process_manifest(&out, "worker-0");
     assert!(
         worker.contains("\"terminationGracePeriodSeconds\": 60"),
         "{worker}"

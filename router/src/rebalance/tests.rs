@@ -75,6 +75,14 @@ impl Fabric {
         f
     }
 
+    /// The message of the one answer, which must be `Failed`.
+    fn failed(&self) -> &str {
+        match &self.answers[..] {
+            [ChangeAction::Failed { message, .. }] => message,
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// Every expert of every layer has an announced owner in both routers' views.
     fn covered(&self) -> bool {
         [&self.held, &self.other].iter().all(|view| {
@@ -299,9 +307,7 @@ fn a_gainer_that_refuses_undoes_the_change_and_nothing_is_released() {
     f.refuse_gains.insert(ROUTERS + 1);
     c.apply(1, 2, &entries(&target), T, f.now).unwrap();
     f.run(&mut c);
-    let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
-        panic!("{:?}", f.answers)
-    };
+    let message = f.failed();
     assert!(
         message.contains("rank2: no room") && message.contains("undone"),
         "{message}"
@@ -430,9 +436,7 @@ fn a_lost_or_silent_gainer_fails_the_change_and_the_others_return() {
             c.on_tick(f.now + 2 * T);
         }
         f.run(&mut c);
-        let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
-            panic!("{:?}", f.answers)
-        };
+        let message = f.failed();
         let why = if lost { "was lost" } else { "timed out" };
         assert!(
             message.contains(why) && message.contains("rank2"),
@@ -457,9 +461,7 @@ fn a_gainer_lost_after_settling_its_gains_fails_the_change() {
     // The undo asks rank2 back, which is silent: answered at its deadline.
     c.on_tick(f.now + 2 * T);
     f.run(&mut c);
-    let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
-        panic!("{:?}", f.answers)
-    };
+    let message = f.failed();
     assert!(
         message.contains("rank1 was lost after loading its gains"),
         "{message}"
@@ -486,9 +488,7 @@ fn an_undo_a_device_refuses_is_named_in_the_answer() {
         f.run(&mut c);
         c.on_tick(f.now + 2 * T);
         f.run(&mut c);
-        let [ChangeAction::Failed { message, .. }] = &f.answers[..] else {
-            panic!("{:?}", f.answers)
-        };
+        let message = f.failed();
         assert!(
             message.contains("refused to go back") && message.contains("rank1: no room"),
             "{lost}: {message}"
