@@ -140,6 +140,35 @@ pub fn proc_memory(pid: u32) -> Option<ProcMemory> {
     })
 }
 
+/// CPU seconds (user + system) that the process whose `/proc` stat file is `stat_path` has
+/// used (`None` when it cannot be read: the process has exited, or this is not Linux).
+pub fn cpu_seconds_at(stat_path: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(stat_path).ok()?;
+    // Fields after the command name in parentheses: utime and stime are 14 and 15.
+    let rest = text.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok());
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some((get(11)? + get(12)?) as f64 / hz)
+}
+
+/// CPU seconds (user + system) used by process `pid` and its live child processes (those
+/// `/proc/<pid>/task/*/children` lists; `expertmesh up`'s workers). `None` when `pid` cannot be
+/// read. A rate per CPU second does not move with what else the machine runs, as a rate per
+/// wall-clock second does.
+pub fn proc_tree_cpu_seconds(pid: u32) -> Option<f64> {
+    let mut total = cpu_seconds_at(&format!("/proc/{pid}/stat"))?;
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    for task in tasks.flatten() {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace() {
+            total += cpu_seconds_at(&format!("/proc/{child}/stat")).unwrap_or(0.0);
+        }
+    }
+    Some(total)
+}
+
 /// Shared tallies of the greedy clients.
 #[derive(Default)]
 struct Tally {

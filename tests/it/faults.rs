@@ -14,7 +14,7 @@
 //!   in a log); calls needing its experts go to the replica: 0 wrong, at least 90% bit-identical
 //!   and none NotFound;
 //! * a second worker claiming a live device: refused; the live worker is never swapped out (no
-//!   new join of it) and throughput stays at least a quarter of what it was;
+//!   new join of it) and every call is answered bit for bit while it tries;
 //! * a worker stopped (SIGSTOP) for 12 s, its links up, whose experts have a healthy replica:
 //!   every call, deadline 8 s, is answered bit for bit (without the replica's hedge the calls
 //!   sent to it would fail at their deadline);
@@ -392,13 +392,17 @@ fn a_second_worker_for_a_live_device_is_refused() {
         "the live cpu0 was swapped out by the duplicate (router log):\n{}",
         f.log_tail_router(0)
     );
-    // A swapped-out cpu0 (calls failing or waiting on the duplicate) falls to nothing; the
-    // bound leaves room for a busy machine's noise between the two windows.
+    // A swapped-out cpu0 shows as calls failing or waiting on the duplicate: with the
+    // duplicate refused, every call is answered bit for bit (each has a deadline 5 s past the
+    // milliseconds it takes; the calls before it are named beside them). How many fit in the window
+    // is the machine's speed, not asserted.
     assert!(
-        td.ok * 4 >= tb.ok,
-        "throughput fell from {} to {} calls in 2 s with a duplicate cpu0: {}",
-        tb.ok,
+        td.ok == td.calls && td.ok > 0,
+        "calls failed with a duplicate cpu0 ({} of {} bit-identical; before it {} of {}): {}",
         td.ok,
+        td.calls,
+        tb.ok,
+        tb.calls,
         describe(&during)
     );
 }

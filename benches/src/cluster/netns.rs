@@ -216,23 +216,12 @@ impl Emulation {
 
     /// CPU seconds (user + system) the processes of this emulation and this process have used.
     pub(crate) fn cpu_seconds(&self) -> f64 {
-        // SAFETY: sysconf only reads a configuration value.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        let ticks = |path: &str| -> u64 {
-            let Ok(text) = std::fs::read_to_string(path) else {
-                return 0;
-            };
-            // Fields after the command name in parentheses: utime and stime are 14 and 15.
-            let rest = text.rsplit_once(')').map_or("", |(_, r)| r);
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let get = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-            get(11) + get(12)
-        };
-        let mut total = ticks("/proc/self/stat");
+        let at = |path: &str| crate::overload::cpu_seconds_at(path).unwrap_or(0.0);
+        let mut total = at("/proc/self/stat");
         for (_, c) in &self.children {
-            total += ticks(&format!("/proc/{}/stat", c.id()));
+            total += at(&format!("/proc/{}/stat", c.id()));
         }
-        total as f64 / hz
+        total
     }
 
     /// Number of nodes.
