@@ -882,27 +882,37 @@ fn load_cached(
     };
     // Written beside the serving, not before it: the load does not wait for the disk.
     let file = cache.file_for(&content.place);
-    let (cache, place, why) = (cache.clone(), content.place.clone(), miss.clone());
+    let (cache, place, found) = (cache.clone(), content.place.clone(), miss.clone());
     let write = move || {
         let t0 = std::time::Instant::now();
-        match cache.store(&place, &description, &arena) {
+        match cache.store(&place, &description, &arena, &found) {
             Ok(file) => TileCacheUse::Written {
                 file,
-                miss: why,
+                miss: found.why,
                 write_s: t0.elapsed().as_secs_f64(),
             },
-            Err(error) => TileCacheUse::NotWritten { miss: why, error },
+            Err(error) => TileCacheUse::NotWritten {
+                miss: found.why,
+                error,
+            },
         }
     };
     match std::thread::Builder::new()
         .name("tile-cache-write".into())
         .spawn(write)
     {
-        Ok(writer) => Ok((packed, TileCacheUse::Writing { file, miss }, Some(writer))),
+        Ok(writer) => Ok((
+            packed,
+            TileCacheUse::Writing {
+                file,
+                miss: miss.why,
+            },
+            Some(writer),
+        )),
         Err(e) => Ok((
             packed,
             TileCacheUse::NotWritten {
-                miss,
+                miss: miss.why,
                 error: format!("cannot start the thread that writes it: {e}"),
             },
             None,

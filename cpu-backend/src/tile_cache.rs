@@ -12,7 +12,8 @@
 //! A cache file (little-endian):
 //!
 //! ```text
-//! magic "EMR16TC1" | u32 description length | description (UTF-8) | u64 arena bytes
+//! magic "EMR16TC1" | u32 description length | description (UTF-8) [+ "\nwriter: " host]
+//! | u64 arena bytes
 //! | u32 chunk bytes | u32 crc32c of each chunk of the arena | u32 crc32c of all the above
 //! | zeros up to the next 4096-byte boundary | the arena, exactly as the repack wrote it
 //! ```
@@ -26,7 +27,14 @@
 //! * One file per place the source names (a shard's path): new content at that place (a
 //!   re-conversion, an upgrade) replaces the old file instead of piling up beside it. A file
 //!   whose place is an absolute path that no longer exists (a retired weights folder's shard)
-//!   is removed by the cache's next write, so tiles of weights gone do not pile up either.
+//!   is removed by the cache's next write on the host that wrote it, so tiles of weights gone
+//!   do not pile up either; a folder several hosts share (a home folder over NFS) keeps the
+//!   files of shards that exist only on another host (each file names its writer's host after
+//!   its description, a line the match leaves out: a file stays usable by every host).
+//! * A miss replaces the place's file; its stale file is removed before the new one is
+//!   written (a disk it filled is not full for its replacement) only when it was read and found
+//!   unfit, never after a miss that could not read it (too many open files, an I/O error):
+//!   then a write that fails too leaves a good file where it was.
 //! * The folder must belong to this user and be writable by no one else (anyone who can write
 //!   it chooses the weights), and its parent must not let others replace it (writable by
 //!   others only with the sticky bit, as `/tmp`); it is created 0700 and the files 0400.
@@ -63,7 +71,24 @@ pub struct TileCache {
     dir: PathBuf,
     /// Lock a mapped file in memory when the limit allows (tests turn it off to take the copy).
     lock: bool,
+    /// The host named as the writer of the files this cache writes (this host's name); only
+    /// its own files are removed as retired.
+    writer: String,
 }
+
+/// Why a load found no usable cache file ([`TileCache::open`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Miss {
+    /// What was found, for the load's report.
+    pub(crate) why: String,
+    /// The place's file was read and cannot serve this load (stale, damaged, foreign, not a
+    /// regular file): the write that follows may remove it first. `false` when there is none
+    /// or it could not be read (the miss may have been transient and the file good).
+    pub(crate) unfit: bool,
+}
+
+/// The longest writer name kept in a file (a host name is at most 64 bytes on Linux).
+const MAX_WRITER: usize = 255;
 
 /// What one load did with the tile cache, for the caller to report.
 #[derive(Clone, Debug, PartialEq)]
@@ -168,7 +193,18 @@ impl TileCache {
         Self {
             dir: dir.into(),
             lock: true,
+            writer: writer_name(
+                &fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default(),
+            ),
         }
+    }
+
+    /// For tests: name `host` as the writer of the files this cache writes (as if it ran on
+    /// that host).
+    #[doc(hidden)]
+    pub fn with_writer(mut self, host: &str) -> Self {
+        self.writer = writer_name(host);
+        self
     }
 
     /// For tests: never lock a mapped file, so kept tiles are copied into owned memory (what
@@ -200,30 +236,44 @@ impl TileCache {
         description: &str,
         dims: &[MatrixDims],
         threads: usize,
-    ) -> Result<(Vec<R16Matrix>, PathBuf, Option<String>), String> {
+    ) -> Result<(Vec<R16Matrix>, PathBuf, Option<String>), Miss> {
+        let unread = |why: String| Miss { why, unfit: false };
         if !self.dir.exists() {
-            return Err(format!(
+            return Err(unread(format!(
                 "no cache file in {} yet (the folder is made on the first write)",
                 self.dir.display()
-            ));
+            )));
         }
-        check_private_folder(&self.dir, false)?;
+        check_private_folder(&self.dir, false).map_err(unread)?;
         let path = self.file_for(place);
-        let fail = |what: String| format!("{}: {what}; it will be replaced", path.display());
+        let fail = |what: String| Miss {
+            why: format!("{}: {what}; it will be replaced", path.display()),
+            unfit: true,
+        };
+        let unreadable = |what: String| Miss {
+            why: format!("{}: {what}; it will be replaced", path.display()),
+            unfit: false,
+        };
         // Without blocking: a FIFO put there would wait for a writer for ever.
         let mut file = match expertmesh_files::open_nonblocking(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(format!("no cache file {} yet", path.display()));
+                return Err(unread(format!("no cache file {} yet", path.display())));
             }
-            Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
+            Err(e) => return Err(unreadable(format!("cannot open it: {e}"))),
         };
         if !file.metadata().is_ok_and(|m| m.is_file()) {
             return Err(fail("not a regular file".into()));
         }
         let want = arena_bytes(dims);
-        let header = read_header(&mut file, description, want).map_err(fail)?;
-        let len = file.metadata().map_err(|e| fail(e.to_string()))?.len();
+        let header = read_header(&mut file, description, want).map_err(|e| match e {
+            HeaderError::Unfit(what) => fail(what),
+            HeaderError::Io(what) => unreadable(what),
+        })?;
+        let len = file
+            .metadata()
+            .map_err(|e| unreadable(e.to_string()))?
+            .len();
         if len != (header.data_offset + want) as u64 {
             return Err(fail(format!(
                 "holds {len} bytes, the arena needs {want} after a {}-byte header (truncated?)",
@@ -233,7 +283,7 @@ impl TileCache {
         // SAFETY: the file is read through the map only; the cache's writers never modify a
         // file in place (temporary name, then rename), and the folder is private to this user.
         let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| fail(format!("cannot map it: {e}")))?;
+            .map_err(|e| unreadable(format!("cannot map it: {e}")))?;
         // Locking faults every page in too (one pass over the page tables). Without the lock
         // the kernel could evict pages and read them back unchecked: copy instead.
         let lock = if self.lock {
@@ -254,7 +304,7 @@ impl TileCache {
                 let mut owned = AlignedVec::<u8>::zeroed(want);
                 io::Seek::seek(&mut file, io::SeekFrom::Start(header.data_offset as u64))
                     .and_then(|_| file.read_exact(&mut owned))
-                    .map_err(|e| fail(format!("cannot read its tiles: {e}")))?;
+                    .map_err(|e| unreadable(format!("cannot read its tiles: {e}")))?;
                 Arena::Owned(owned)
             }
         };
@@ -269,22 +319,26 @@ impl TileCache {
     }
 
     /// Write `arena` as the file of `place`, carrying `description` (temporary name, then
-    /// rename over the place's previous file). Not synced: a file torn by a crash fails its
-    /// checksums and is replaced.
+    /// rename over the place's previous file), after the load's `miss`. Not synced: a file
+    /// torn by a crash fails its checksums and is replaced.
     pub(crate) fn store(
         &self,
         place: &str,
         description: &str,
         arena: &[u8],
+        miss: &Miss,
     ) -> Result<PathBuf, String> {
         check_private_folder(&self.dir, true)?;
         remove_stale_temps(&self.dir);
         let path = self.file_for(place);
-        // The place's file was a miss for this load and would be replaced: removed first, so
-        // a disk it fills is not full for its replacement (a process that mapped it keeps it).
-        let _ = fs::remove_file(&path);
+        if miss.unfit {
+            // The place's file was read and cannot serve: removed first, so a disk it fills is
+            // not full for its replacement (a process that mapped it keeps it). A file the
+            // miss could not read may be good: only the rename below replaces it.
+            let _ = fs::remove_file(&path);
+        }
         let tmp = expertmesh_files::temp_path(&path);
-        let header = encode_header(description, arena);
+        let header = encode_header(&format!("{description}\nwriter: {}", self.writer), arena);
         // A new file only this user may read, locked until it is renamed (the lock goes with
         // the handle): a sweep leaves it alone. One that could not be made is not ours.
         let mut f = expertmesh_files::create_locked(&tmp, Some(0o400)).map_err(|e| {
@@ -315,9 +369,10 @@ impl TileCache {
     /// Removes the cache files (other than `keep`) whose place is an absolute path that no
     /// longer exists: the shard they were repacked from is gone (its weights folder retired),
     /// so nothing will ask for them again. Only names this cache makes, whose name is the
-    /// hash of the place their header states; a place that cannot be looked at (a network
-    /// mount away, no permission) is left alone. Removing a file a process has mapped is safe.
-    /// Best effort.
+    /// hash of the place their header states, written by this host (or by a version that did
+    /// not name its writer): in a folder several hosts share, a place absent here may be
+    /// another host's live shard. A place that cannot be looked at (a network mount away, no
+    /// permission) is left alone. Removing a file a process has mapped is safe. Best effort.
     fn remove_retired(&self, keep: &Path) {
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return;
@@ -331,14 +386,15 @@ impl TileCache {
             if !ours || path == keep {
                 continue;
             }
-            let Some(place) = expertmesh_files::open_nonblocking(&path)
+            let Some((place, writer)) = expertmesh_files::open_nonblocking(&path)
                 .ok()
                 .filter(|f| f.metadata().is_ok_and(|m| m.is_file()))
                 .and_then(|mut f| stated_place(&mut f))
             else {
                 continue;
             };
-            let gone = Path::new(&place).is_absolute()
+            let gone = writer.is_none_or(|w| w == self.writer)
+                && Path::new(&place).is_absolute()
                 && self.file_for(&place) == path
                 && matches!(fs::symlink_metadata(&place), Err(e) if e.kind() == io::ErrorKind::NotFound);
             if gone {
@@ -348,9 +404,10 @@ impl TileCache {
     }
 }
 
-/// The place a cache file's header states (its description's `place:` line), when the file
-/// starts like one of this layout.
-fn stated_place(file: &mut impl Read) -> Option<String> {
+/// The place a cache file's header states (its description's `place:` line) and the host it
+/// names as its writer (`None` in files of versions that named none), when the file starts
+/// like one of this layout.
+fn stated_place(file: &mut impl Read) -> Option<(String, Option<String>)> {
     let mut fixed = [0u8; 12];
     file.read_exact(&mut fixed).ok()?;
     if &fixed[..8] != MAGIC {
@@ -364,9 +421,26 @@ fn stated_place(file: &mut impl Read) -> Option<String> {
     let mut desc = vec![0u8; dlen];
     file.read_exact(&mut desc).ok()?;
     let text = std::str::from_utf8(&desc).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("place: "))
-        .map(str::to_owned)
+    let place = text.lines().find_map(|l| l.strip_prefix("place: "))?;
+    let writer = text
+        .rsplit_once("\nwriter: ")
+        .map(|(_, w)| w)
+        .filter(|w| !w.contains('\n'));
+    Some((place.to_owned(), writer.map(str::to_owned)))
+}
+
+/// `host` as a writer line may carry it: one line, control characters replaced, at most
+/// [`MAX_WRITER`] bytes; "unnamed" when empty.
+fn writer_name(host: &str) -> String {
+    let mut w = String::new();
+    for c in host.trim().chars() {
+        let c = if c.is_control() { '?' } else { c };
+        if w.len() + c.len_utf8() > MAX_WRITER {
+            break;
+        }
+        w.push(c);
+    }
+    if w.is_empty() { "unnamed".into() } else { w }
 }
 
 /// The description a cache file must carry to hold the arena of `experts` (key and shape, in
@@ -501,7 +575,8 @@ pub fn check_file_bytes(
     description: &str,
     arena_bytes: usize,
 ) -> Result<usize, String> {
-    let header = read_header(&mut io::Cursor::new(file), description, arena_bytes)?;
+    let header = read_header(&mut io::Cursor::new(file), description, arena_bytes)
+        .map_err(HeaderError::into_message)?;
     if file.len() != header.data_offset + arena_bytes {
         return Err(format!(
             "holds {} bytes, the arena needs {arena_bytes} after a {}-byte header (truncated?)",
@@ -525,36 +600,76 @@ pub fn file_bytes(description: &str, arena: &[u8]) -> Vec<u8> {
     f
 }
 
-/// The header of `file`, which must carry `description` and an arena of `arena_bytes`.
+/// Why a file's header was refused: what it holds (the file cannot serve) or an error
+/// reading it (it might).
+#[derive(Debug)]
+enum HeaderError {
+    Unfit(String),
+    Io(String),
+}
+
+impl HeaderError {
+    fn into_message(self) -> String {
+        match self {
+            HeaderError::Unfit(m) | HeaderError::Io(m) => m,
+        }
+    }
+}
+
+impl From<&str> for HeaderError {
+    fn from(what: &str) -> Self {
+        HeaderError::Unfit(what.into())
+    }
+}
+
+/// Whether `stored`, a file's description, is `description` with at most a writer line after
+/// it (which the match leaves out: a file any host wrote serves every host).
+fn carries(stored: &[u8], description: &str) -> bool {
+    stored
+        .strip_prefix(description.as_bytes())
+        .is_some_and(|rest| {
+            rest.is_empty()
+                || rest
+                    .strip_prefix(b"\nwriter: ")
+                    .is_some_and(|w| w.len() <= MAX_WRITER && !w.contains(&b'\n'))
+        })
+}
+
+/// The header of `file`, which must carry `description` (and perhaps a writer line) and an
+/// arena of `arena_bytes`.
 fn read_header(
     file: &mut impl Read,
     description: &str,
     arena_bytes: usize,
-) -> Result<Header, String> {
+) -> Result<Header, HeaderError> {
+    const OTHER: &str = "made for other experts, another conversion or another version";
     let mut fixed = [0u8; 12];
     read_exact(file, &mut fixed)?;
     if &fixed[..8] != MAGIC {
         return Err("not a tile cache file of this layout".into());
     }
     let dlen = u32::from_le_bytes(fixed[8..].try_into().expect("4 bytes")) as usize;
-    if dlen != description.len() {
-        return Err("made for other experts, another conversion or another version".into());
+    // Checked before anything is sized by it.
+    if dlen < description.len() || dlen > description.len() + "\nwriter: ".len() + MAX_WRITER {
+        return Err(OTHER.into());
     }
     let mut desc = vec![0u8; dlen + 12];
     read_exact(file, &mut desc)?;
-    if &desc[..dlen] != description.as_bytes() {
-        return Err("made for other experts, another conversion or another version".into());
+    if !carries(&desc[..dlen], description) {
+        return Err(OTHER.into());
     }
     // Checked before anything is sized by it: a damaged field must not allocate.
     let stated = u64::from_le_bytes(desc[dlen..dlen + 8].try_into().expect("8 bytes"));
     if stated != arena_bytes as u64 {
-        return Err(format!(
+        return Err(HeaderError::Unfit(format!(
             "its header states {stated} bytes of tiles, the experts need {arena_bytes} (damaged)"
-        ));
+        )));
     }
     let chunk = u32::from_le_bytes(desc[dlen + 8..].try_into().expect("4 bytes")) as usize;
     if chunk != CHUNK_BYTES {
-        return Err(format!("chunks of {chunk} bytes, not {CHUNK_BYTES}"));
+        return Err(HeaderError::Unfit(format!(
+            "chunks of {chunk} bytes, not {CHUNK_BYTES}"
+        )));
     }
     let chunks = arena_bytes.div_ceil(CHUNK_BYTES);
     let mut tail = vec![0u8; (chunks + 1) * 4];
@@ -576,10 +691,10 @@ fn read_header(
     })
 }
 
-fn read_exact(file: &mut impl Read, buf: &mut [u8]) -> Result<(), String> {
+fn read_exact(file: &mut impl Read, buf: &mut [u8]) -> Result<(), HeaderError> {
     file.read_exact(buf).map_err(|e| match e.kind() {
-        io::ErrorKind::UnexpectedEof => "shorter than its header (truncated)".to_string(),
-        _ => format!("cannot read it: {e}"),
+        io::ErrorKind::UnexpectedEof => "shorter than its header (truncated)".into(),
+        _ => HeaderError::Io(format!("cannot read it: {e}")),
     })
 }
 
@@ -747,4 +862,54 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A miss names whether the place's file was read and found unfit (the write may remove
+    /// it first) or could not be read (it may be good: only a finished write replaces it).
+    #[test]
+    fn a_miss_says_whether_the_file_was_read_and_found_unfit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = TileCache::new(tmp.path().join("tiles"));
+        // The checks that fail come before the experts' sizes matter.
+        let open = |place: &str| cache.open(place, "d", &[], 1).map(|_| ()).unwrap_err();
+        // No folder, then no file: nothing to remove.
+        assert!(!open("a").unfit);
+        check_private_folder(cache.dir(), true).unwrap();
+        assert!(!open("a").unfit);
+        // A file that cannot be opened (a symbolic link to itself: ELOOP, as root too).
+        std::os::unix::fs::symlink(cache.file_for("a"), cache.file_for("a")).unwrap();
+        let m = open("a");
+        assert!(!m.unfit && m.why.contains("cannot open it"), "{m:?}");
+        // Files read and found unfit: not a cache file, another description, not regular.
+        fs::write(cache.file_for("b"), b"not a cache file at all").unwrap();
+        assert!(open("b").unfit);
+        fs::write(cache.file_for("c"), file_bytes("other", &[0u8; 64])).unwrap();
+        let m = open("c");
+        assert!(m.unfit && m.why.contains("other experts"), "{m:?}");
+        fs::create_dir(cache.file_for("d")).unwrap();
+        assert!(open("d").unfit);
+    }
+
+    /// A file's writer line is left out of the match (any host's file serves every host) and
+    /// bounded; what follows the description must be exactly one such line.
+    #[test]
+    fn the_match_leaves_out_one_writer_line_and_nothing_else() {
+        assert!(carries(b"desc", "desc"));
+        assert!(carries(b"desc\nwriter: host-a", "desc"));
+        assert!(carries(b"desc\nwriter: ", "desc"));
+        assert!(!carries(b"desc\nwriter: a\nb", "desc"));
+        assert!(!carries(b"desc\nplace: x", "desc"));
+        assert!(!carries(b"desc ", "desc"));
+        assert!(!carries(b"des", "desc"));
+        let long = format!("desc\nwriter: {}", "h".repeat(MAX_WRITER + 1));
+        assert!(!carries(long.as_bytes(), "desc"));
+        assert_eq!(writer_name(" h1\n"), "h1");
+        assert_eq!(writer_name("a\tb"), "a?b");
+        assert_eq!(writer_name(""), "unnamed");
+        assert_eq!(writer_name(&"é".repeat(200)).len(), 254);
+    }
 }

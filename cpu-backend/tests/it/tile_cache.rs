@@ -525,6 +525,43 @@ fn tiles_of_shards_that_are_gone_are_removed_by_the_next_write() {
     assert!(!old_tiles.exists());
 }
 
+/// A folder several hosts share (a home folder over NFS): a shard path absent on this host
+/// may be another host's live shard, so only the host that wrote a file removes it as
+/// retired; and a file any host wrote serves every host (the writer is not part of the match).
+#[test]
+fn only_the_host_that_wrote_a_file_removes_it_as_retired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiles");
+    let on = |host: &str| TileCache::new(&dir).with_writer(host);
+    let shard = |name: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, b"shard").unwrap();
+        p.display().to_string()
+    };
+    let (a_shard, b_shard, b_other) = (shard("a.shard"), shard("b.shard"), shard("b2.shard"));
+    let (_, used) = load_with(on("host-a"), &mut named_with(&a_shard, "a", experts()));
+    let (a_tiles, _) = written(&used);
+    // Host b reads host a's file: the same tiles, no repack.
+    let mut again = named_with(&a_shard, "a", experts());
+    let (mut b, used) = load_with(on("host-b"), &mut again);
+    assert!(matches!(used, TileCacheUse::Reused { .. }), "{used:?}");
+    assert_eq!(again.taken, 0);
+    assert_eq!(run(&mut b), plain_bits());
+    // a's shard is not on host b (here: removed); b's write leaves a's file alone.
+    std::fs::remove_file(&a_shard).unwrap();
+    let (_, used) = load_with(on("host-b"), &mut named_with(&b_shard, "b", experts()));
+    let (b_tiles, _) = written(&used);
+    assert!(a_tiles.exists(), "host b removed host a's file");
+    // Host a's next write removes it (its own shard is gone).
+    let (_, used) = load_with(on("host-a"), &mut named_with(&b_other, "b2", experts()));
+    written(&used);
+    assert!(
+        !a_tiles.exists(),
+        "host a kept the tiles of its retired shard"
+    );
+    assert!(b_tiles.exists());
+}
+
 /// A FIFO where a cache file should be (put there by mistake or by another user's process)
 /// is a miss that names it, not an open that waits for a writer for ever; it is replaced.
 #[test]
