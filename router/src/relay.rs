@@ -186,16 +186,25 @@ impl Relays {
         Some(out)
     }
 
-    /// Gainer `from` acknowledges `bytes` of its stream `gainer_id`.
-    pub fn ack(&self, from: u32, gainer_id: u64, bytes: u64) -> Option<RelayAction> {
-        self.relays
+    /// Gainer `from` acknowledges `bytes` of its stream `gainer_id`; [`COPY_CANCELLED`]
+    /// bytes: it gave the copy up, which ends the relay here (the owner's later chunks are
+    /// dropped) and is passed on so the owner stops.
+    ///
+    /// [`COPY_CANCELLED`]: expertmesh_transport::codec::COPY_CANCELLED
+    pub fn ack(&mut self, from: u32, gainer_id: u64, bytes: u64) -> Option<RelayAction> {
+        let (&id, r) = self
+            .relays
             .iter()
-            .find(|(_, r)| r.gainer == from && r.gainer_id == gainer_id)
-            .map(|(&id, r)| RelayAction::Ack {
-                owner: r.owner,
-                id,
-                bytes,
-            })
+            .find(|(_, r)| r.gainer == from && r.gainer_id == gainer_id)?;
+        let action = RelayAction::Ack {
+            owner: r.owner,
+            id,
+            bytes,
+        };
+        if bytes == expertmesh_transport::codec::COPY_CANCELLED {
+            self.relays.remove(&id);
+        }
+        Some(action)
     }
 
     /// Worker `rank`'s link is gone: the copies it was streaming end at their gainers
@@ -276,6 +285,31 @@ mod tests {
         assert_eq!(r.chunk(3, 1, false, true), Some(fwd));
         assert!(r.is_empty());
         assert_eq!(r.chunk(3, 1, false, false), None);
+    }
+
+    /// A gainer that gives a copy up (its `Ack` of `COPY_CANCELLED` bytes) has the cancel
+    /// passed to the owner and the relay ended here: the owner's later chunks are dropped and
+    /// the copy no longer counts against the gainer's share.
+    #[test]
+    fn a_copy_the_gainer_gives_up_is_cancelled_at_its_owner_and_ends_here() {
+        use expertmesh_transport::codec::COPY_CANCELLED;
+        let mut r = Relays::default();
+        let (owner, id) = ask(&r.fetch(5, 40, &[(5, 1, 7)], vec![3]));
+        assert!(matches!(
+            r.chunk(owner, id, false, false),
+            Some(ChunkRoute::Forward { .. })
+        ));
+        assert_eq!(
+            r.ack(5, 40, COPY_CANCELLED),
+            Some(RelayAction::Ack {
+                owner,
+                id,
+                bytes: COPY_CANCELLED
+            })
+        );
+        assert!(r.is_empty());
+        assert_eq!(r.chunk(owner, id, false, false), None);
+        assert_eq!(r.ack(5, 40, 1), None);
     }
 
     /// A gainer past its share of copies is refused; another gainer is still served, and

@@ -758,6 +758,8 @@ struct Staging {
     plan: crate::holdings::HoldPlan,
     started: Instant,
     loader: std::thread::JoinHandle<Result<expertmesh_backend::StagedExperts, String>>,
+    /// Set when a newer hold does not want every expert staged: the loader's copies stop.
+    superseded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What became of a `Hold`.
@@ -1173,7 +1175,23 @@ impl ComputeCtx {
                 // A newer hold replaces one waiting; one arriving while gains are staged waits
                 // for them (it is taken again once they are installed or failed).
                 self.live.deferred = None;
-                if self.live.staging.is_some() {
+                if let Some(staging) = &self.live.staging {
+                    // A newer hold that drops any of the gains being staged (an undo, a later
+                    // step) stops their copies: the staged hold then fails (a stale version's
+                    // refusal, which its router ignores) and this one is taken at once.
+                    let wanted: std::collections::BTreeSet<(u32, u32)> =
+                        placement_entries(p, payload)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .filter(|&(r, _, _)| r == self.live.rank)
+                            .map(|(_, l, e)| (l, e))
+                            .collect();
+                    if staging.plan.load.iter().any(|k| !wanted.contains(k)) {
+                        staging
+                            .superseded
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        self.live.chunk_tx = None;
+                    }
                     self.live.deferred = Some((from, p.clone(), payload.to_vec()));
                     return;
                 }
@@ -1266,6 +1284,7 @@ impl ComputeCtx {
             plan,
             started,
             loader,
+            ..
         } = self.live.staging.take().expect("checked above");
         self.live.chunk_tx = None;
         let version = plan.version;
@@ -1345,6 +1364,7 @@ impl ComputeCtx {
                 let (chunk_tx, chunks) =
                     std::sync::mpsc::sync_channel(crate::fetch::io::CHUNK_QUEUE);
                 self.live.chunk_tx = Some(chunk_tx);
+                let superseded = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let fetcher = crate::fetch::io::Fetcher {
                     router: from,
                     rank: self.live.rank,
@@ -1352,6 +1372,7 @@ impl ComputeCtx {
                     handle: self.handle.clone(),
                     chunks,
                     cache: Arc::clone(&self.live.copied),
+                    superseded: Arc::clone(&superseded),
                 };
                 let loader = std::thread::Builder::new()
                     .name("expert-loader".into())
@@ -1372,6 +1393,7 @@ impl ComputeCtx {
                     plan,
                     started: Instant::now(),
                     loader,
+                    superseded,
                 });
                 return Ok(HoldOutcome::Staging);
             }

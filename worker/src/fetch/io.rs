@@ -337,17 +337,26 @@ pub(crate) struct Fetcher {
     pub(crate) rank: u32,
     pub(crate) mesh: Mesh,
     pub(crate) handle: tokio::runtime::Handle,
-    /// Chunks the compute thread received.
+    /// Chunks the compute thread received; it drops its end when the change is superseded.
     pub(crate) chunks: mpsc::Receiver<ChunkMsg>,
+    /// Set by the compute thread when a newer hold no longer wants the experts being copied
+    /// (an undo, a newer step): the copy under way is cancelled at its owner and no other is
+    /// asked for.
+    pub(crate) superseded: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Where each copied stream is kept, so this device can copy it on.
     pub(crate) cache: std::sync::Arc<CopyCache>,
 }
 
 impl Fetcher {
-    /// Copies `key` from a device that serves it.
+    /// Copies `key` from a device that serves it. A copy this device gives up (no chunk for
+    /// [`CHUNK_WAIT`], a malformed stream, the change superseded) is cancelled at its owner
+    /// (through the router), whose one copy thread would otherwise stream on, or wait for
+    /// acknowledgements, while the copies queued behind it wait.
     fn fetch_one(&self, dep: &Deployment, key: ExpertKey) -> Result<ExpertWeights, String> {
         let (layer, expert) = (key.layer, key.expert);
-        let (hidden, inter) = (dep.spec.hidden as usize, dep.spec.moe_intermediate as usize);
+        if self.superseded.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(SUPERSEDED.into());
+        }
         let id = NEXT_STREAM.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let mut ask = Placement::new(PlacementOp::Fetch, 0, 1);
         ask.request_id = id;
@@ -358,35 +367,73 @@ impl Fetcher {
         self.handle
             .block_on(self.mesh.send(self.router, &frame))
             .map_err(|e| format!("asking for a copy of layer {layer} expert {expert}: {e}"))?;
-        let mut asm = Assembly::new(super::max_stream_bytes(hidden, inter, 32));
-        let mut received = 0u64;
-        let bytes = loop {
-            let (got, p, data) = self.chunks.recv_timeout(CHUNK_WAIT).map_err(|_| {
-                format!("no copy of layer {layer} expert {expert} arrived for {CHUNK_WAIT:?}")
-            })?;
-            if got != id {
-                continue; // a chunk of an earlier, abandoned stream
+        let (hidden, inter) = (dep.spec.hidden as usize, dep.spec.moe_intermediate as usize);
+        let stream = (key, id, super::max_stream_bytes(hidden, inter, 32));
+        let bytes = receive(&self.chunks, &self.superseded, stream, CHUNK_WAIT, |n| {
+            self.ack(id, n)
+        })
+        .inspect_err(|(_, cancel)| {
+            if *cancel {
+                // Best effort: a lost link cancels it at the router anyway.
+                let _ = self.ack(id, COPY_CANCELLED);
             }
-            if !p.message.is_empty() {
-                return Err(format!(
-                    "copying layer {layer} expert {expert}: {}",
-                    p.message
-                ));
-            }
-            let whole = asm
-                .add(p.version, &data, p.loaded == 1)
-                .map_err(|e| e.to_string())?;
-            received += data.len() as u64;
-            self.ack(id, received)?;
-            if let Some(b) = whole {
-                break b;
-            }
-        };
+        });
+        let bytes = bytes.map_err(|(why, _)| why)?;
         let w = decode_expert(&bytes, key, hidden, inter).map_err(|e| e.to_string())?;
         self.cache.put(key, &bytes);
         Ok(w)
     }
 }
+
+/// The stream `id` of `key` (at most `max_bytes`), assembled from the `chunks` as they come,
+/// each acknowledged through `ack` (bytes received). `Err((why, cancel))`: `cancel` when the
+/// owner may still be streaming (this device gave the copy up: no chunk for `wait`, a
+/// malformed stream, `superseded` set), not when the owner ended it or an acknowledgement
+/// could not be sent (the link to the router is down: the router cancels it then).
+pub(crate) fn receive(
+    chunks: &mpsc::Receiver<ChunkMsg>,
+    superseded: &std::sync::atomic::AtomicBool,
+    (key, id, max_bytes): (ExpertKey, u64, usize),
+    wait: Duration,
+    mut ack: impl FnMut(u64) -> Result<(), String>,
+) -> Result<Vec<u8>, (String, bool)> {
+    let (layer, expert) = (key.layer, key.expert);
+    let mut asm = Assembly::new(max_bytes);
+    let mut received = 0u64;
+    loop {
+        // The compute thread drops its end of the queue when the change is superseded, which
+        // ends this wait at once.
+        let (got, p, data) = chunks.recv_timeout(wait).map_err(|_| {
+            let why = if superseded.load(std::sync::atomic::Ordering::Relaxed) {
+                SUPERSEDED.to_owned()
+            } else {
+                format!("no copy of layer {layer} expert {expert} arrived for {wait:?}")
+            };
+            (why, true)
+        })?;
+        if got != id {
+            continue; // a chunk of an earlier, abandoned stream
+        }
+        if !p.message.is_empty() {
+            return Err((
+                format!("copying layer {layer} expert {expert}: {}", p.message),
+                false,
+            ));
+        }
+        let whole = asm
+            .add(p.version, &data, p.loaded == 1)
+            .map_err(|e| (e.to_string(), true))?;
+        received += data.len() as u64;
+        ack(received).map_err(|why| (why, false))?;
+        if let Some(b) = whole {
+            return Ok(b);
+        }
+    }
+}
+
+/// Why a gainer stopped copying: a newer hold does not want the experts.
+const SUPERSEDED: &str =
+    "a newer placement change no longer wants the experts being copied; copy cancelled";
 
 /// The experts a gainer copies from their owners, as a source that copies each when the
 /// backend asks for it (one copied expert in memory at a time, next to the arena it goes
@@ -534,6 +581,83 @@ impl ExpertSource for Chain {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gainer's copy: a whole stream is assembled and each chunk acknowledged; what the
+    /// gainer gives up (no chunk in time, a malformed stream, the change superseded) says
+    /// "cancel it at the owner", what the owner ended or a failed acknowledgement does not.
+    #[test]
+    fn a_copy_the_gainer_gives_up_is_one_to_cancel_and_one_the_owner_ended_is_not() {
+        use expertmesh_quant::format::{QuantSpec, ScaleDtype};
+        use std::sync::atomic::AtomicBool;
+        let key = ExpertKey {
+            layer: 2,
+            expert: 5,
+        };
+        let spec = QuantSpec {
+            group_size: 32,
+            scale_dtype: ScaleDtype::Bf16,
+            zero_points: false,
+        };
+        let w = expertmesh_quant::synth::synthetic_expert(spec, 64, 32, 3, 2, 5).unwrap();
+        let bytes = super::super::encode_expert(key, &w);
+        let max = super::super::max_stream_bytes(64, 32, 32);
+        let chunk = |id: u64, at: usize, data: &[u8], last: bool| {
+            let mut p = Placement::new(PlacementOp::Chunk, at as u64, data.len());
+            p.request_id = id;
+            p.loaded = u32::from(last);
+            (id, p, data.to_vec())
+        };
+        let wait = Duration::from_secs(120); // a hang guard: every case ends without it
+        let no = AtomicBool::new(false);
+        let half = bytes.len() / 2;
+
+        // Whole, in two chunks, a chunk of another stream between them: acknowledged twice.
+        let (tx, rx) = mpsc::sync_channel(8);
+        tx.send(chunk(9, 0, &bytes[..half], false)).unwrap();
+        tx.send(chunk(8, 0, b"old", false)).unwrap();
+        tx.send(chunk(9, half, &bytes[half..], true)).unwrap();
+        let mut acks = Vec::new();
+        let got = receive(&rx, &no, (key, 9, max), wait, |n| {
+            acks.push(n);
+            Ok(())
+        });
+        assert_eq!(got, Ok(bytes.clone()));
+        assert_eq!(acks, vec![half as u64, bytes.len() as u64]);
+
+        // The owner ended it: not to cancel.
+        let (tx, rx) = mpsc::sync_channel(8);
+        tx.send((9, Placement::chunk_error(9, "no copy here"), Vec::new()))
+            .unwrap();
+        let (why, cancel) = receive(&rx, &no, (key, 9, max), wait, |_| Ok(())).unwrap_err();
+        assert!(!cancel && why.contains("no copy here"), "{why}");
+
+        // An acknowledgement that cannot be sent (the link is down): not to cancel.
+        let (tx, rx) = mpsc::sync_channel(8);
+        tx.send(chunk(9, 0, &bytes[..half], false)).unwrap();
+        let (_, cancel) =
+            receive(&rx, &no, (key, 9, max), wait, |_| Err("link down".into())).unwrap_err();
+        assert!(!cancel);
+
+        // Longer than the expert can be: to cancel (the owner would stream on).
+        let (tx, rx) = mpsc::sync_channel(8);
+        tx.send(chunk(9, max, b"past the end", false)).unwrap();
+        let (_, cancel) = receive(&rx, &no, (key, 9, max), wait, |_| Ok(())).unwrap_err();
+        assert!(cancel);
+
+        // Superseded: the compute thread sets the flag and drops its end; the wait ends at
+        // once, to cancel.
+        let (tx, rx) = mpsc::sync_channel::<ChunkMsg>(8);
+        let yes = AtomicBool::new(true);
+        drop(tx);
+        let (why, cancel) = receive(&rx, &yes, (key, 9, max), wait, |_| Ok(())).unwrap_err();
+        assert!(cancel && why == SUPERSEDED, "{why}");
+
+        // No chunk within the wait: to cancel.
+        let (_tx, rx) = mpsc::sync_channel::<ChunkMsg>(8);
+        let short = Duration::from_millis(10);
+        let (why, cancel) = receive(&rx, &no, (key, 9, max), short, |_| Ok(())).unwrap_err();
+        assert!(cancel && why.contains("arrived for"), "{why}");
+    }
 
     /// The cache's folder is made on first use, private (0700) and uniquely named after the
     /// process and rank; a stream put is read back, a removed one is gone, and the folder goes
