@@ -457,7 +457,7 @@ fn help_and_readme_say_how_to_make_the_input() {
     let _machine = crate::support::shared();
     let mut c = Command::new(bin());
     c.args(["infer", "--help"]);
-    let r = run(c, Duration::from_secs(10));
+    let r = run(c, Duration::from_secs(60));
     assert_eq!(r.code, Some(0));
     for want in [
         "import numpy as np",

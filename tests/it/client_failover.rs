@@ -261,11 +261,10 @@ fn a_call_to_a_stopped_router_process_ends_at_its_deadline() {
     let e = r.expect_err("the router is stopped");
     eprintln!("a 2 s call to a stopped router returned after {took:?}: {e}");
     assert_eq!(e.code(), Some(ErrorCode::DeadlineExceeded), "{e}");
-    // Never before the deadline; after it, by the deadline's own timer (DeadlineExceeded, the
-    // router never answers), with slack for a busy machine: the bound only catches a client
-    // that waits on something else (a keepalive, a connect timeout) instead.
+    // Never before the deadline; that its own timer ended it is the error's kind
+    // (DeadlineExceeded, not a keepalive's Unresponsive); the 60 s watchdog is the hang guard.
     assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(20),
+        took >= Duration::from_secs(2),
         "a 2 s deadline returned after {took:?}"
     );
     assert!(e.to_string().contains(&up.frontend.to_string()), "{e}");
@@ -279,7 +278,7 @@ fn a_call_to_a_stopped_router_process_ends_at_its_deadline() {
 
 #[test]
 fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound() {
-    // The bounds are the keepalive bound itself and 10 s past it: the machine is shared.
+    // The one time bound is the keepalive's own, from below: the machine is shared.
     let _machine = crate::support::shared();
     // Two fabrics of the same model, seed and placement: either answers every call alike.
     let (a, b) = (Up::start(), Up::start());
@@ -309,10 +308,9 @@ fn a_failover_client_leaves_a_stopped_router_process_within_the_keepalive_bound(
         "answered by the other router"
     );
     assert_eq!((c.failovers(), c.peer_addr()), (1, b.frontend));
-    assert!(
-        took >= bound && took < bound + Duration::from_secs(10),
-        "keepalive bound {bound:?}, took {took:?}"
-    );
+    // Not before the keepalive's bound; answered within the call's 10 s deadline after one
+    // failover, so the keepalive (not the deadline) moved it: no upper bound of its own.
+    assert!(took >= bound, "keepalive bound {bound:?}, took {took:?}");
     // Router a stays stopped: later calls go to b at once.
     // (What "at once" guarantees: no second failover, no wait on a; not a time budget.)
     let again = rt.block_on(c.call(layer, &x, h, None, None)).unwrap();

@@ -11,7 +11,7 @@
 //! of [`SERVED_GUARD`], a fifth of that timeout):
 //! * router restarted under load, sixteen times: 0 wrong answers, 0 hangs, answers again after;
 //! * a worker with other weights (seed) or another placement claiming a device: refused (said
-//!   in a log); calls needing its experts go to the replica: 0 wrong, at least 90% bit-identical
+//!   in a log); calls needing its experts go to the replica: 0 wrong, at least 90% of 40 bit-identical
 //!   and none NotFound;
 //! * a second worker claiming a live device: refused; the live worker is never swapped out (no
 //!   new join of it) and every call is answered bit for bit while it tries;
@@ -30,7 +30,7 @@
 //! * a client whose router is SIGSTOPped gets DeadlineExceeded (its own deadline, not a lost
 //!   connection);
 //! * failover clients given two routers (`RouterClient::connect_any`) ride through one router
-//!   being SIGSTOPped for 15 s: every call, deadline 10 s, bit-identical, and calls answered
+//!   being SIGSTOPped for 30 s: every call, deadline 20 s, bit-identical, and calls answered
 //!   while it is still stopped;
 //! * a restarted worker serves again, before a stalled handshake could time out, while 64
 //!   connections stall handshakes on the router's mesh port;
@@ -160,6 +160,26 @@ fn load(
     golden::join_clients(h)
 }
 
+/// `clients` clients making `each` calls each (deadline `deadline`), at once; every call.
+fn calls(
+    f: &FaultCluster,
+    golden: &Arc<Golden>,
+    clients: usize,
+    each: usize,
+    deadline: Duration,
+) -> Vec<CallRecord> {
+    let opts = drive_opts(f, deadline);
+    let handles: Vec<_> = (0..clients)
+        .map(|id| {
+            let (opts, golden) = (opts.clone(), Arc::clone(golden));
+            std::thread::spawn(move || {
+                golden::drive_until(id, &opts, &golden, id * 5, &|c| c.len() >= each)
+            })
+        })
+        .collect();
+    golden::join_clients(handles)
+}
+
 fn describe(records: &[CallRecord]) -> String {
     let t = Tally::of(records);
     let first_bad: Vec<String> = records
@@ -223,11 +243,16 @@ fn a_router_restarted_under_load_never_returns_a_wrong_answer() {
         }
         restarted = Instant::now();
     }
-    std::thread::sleep(Duration::from_secs(3));
+    // Answers again after the last restart: a call of its own succeeds (a hang guard, not a
+    // budget: the workers redial and the clients reconnect at this machine's pace).
+    let back = served_again(&opts, &golden, restarted, SERVED_GUARD);
     stop.store(true, Ordering::Relaxed);
     let records = golden::join_clients(clients);
     let t = Tally::of(&records);
-    println!("{}", describe(&records));
+    println!(
+        "{}; answered again {back:?} after the last restart",
+        describe(&records)
+    );
     assert_eq!(
         t.wrong,
         0,
@@ -235,13 +260,9 @@ fn a_router_restarted_under_load_never_returns_a_wrong_answer() {
         describe(&records)
     );
     assert_eq!(t.hangs, 0, "{}", describe(&records));
-    let after = records
-        .iter()
-        .filter(|r| r.start > restarted && r.outcome == Outcome::Ok)
-        .count();
     assert!(
-        after > 0,
-        "nothing answered after the last restart: {}",
+        back.is_some(),
+        "nothing answered within {SERVED_GUARD:?} of the last restart (hang guard): {}",
         describe(&records)
     );
 }
@@ -279,7 +300,9 @@ fn misconfigured_replica_is_refused(how: WorkerOverride, what: &str) {
     wait_loaded(&mut f, k, what);
     // The refusal is logged before the load, however long the join attempt takes here.
     wait_refused(&mut f, k, what);
-    let records = load(&f, &golden, 2, 2.0, Duration::from_secs(5));
+    // A fixed number of calls (two clients, 20 each), not what fits in a time window: the
+    // share below is of a sample this machine's speed does not size.
+    let records = calls(&f, &golden, 2, 20, Duration::from_secs(5));
     let t = Tally::of(&records);
     println!("{what}: {}", describe(&records));
     assert_eq!(t.wrong, 0, "{what}: wrong answers: {}", describe(&records));
@@ -719,13 +742,14 @@ fn failover_clients_ride_through_a_stopped_router() {
     let f = s.fabric;
     let golden = Arc::new(reference().golden(32, &[1, 8], 91).unwrap());
     // Both clients start on router 0, the one that will be stopped.
-    // Router 0 stopped for 15 s, calls with a 10 s deadline: a client that stays with the
+    // Router 0 stopped for 30 s, calls with a 20 s deadline: a client that stays with the
     // stopped router fails its calls at their deadline; one that fails over (keepalive 1 s
-    // + 2 s, then router 1) answers them.
+    // + 2 s, then router 1: about 3 s, a sixth of the deadline) answers them.
+    let (pause, deadline) = (Duration::from_secs(30), Duration::from_secs(20));
     let opts = DriveOptions {
         routers: vec![f.frontend_addr(0), f.frontend_addr(1)],
         failover: true,
-        ..drive_opts(&f, Duration::from_secs(10))
+        ..drive_opts(&f, deadline)
     };
     let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..2)
@@ -737,7 +761,7 @@ fn failover_clients_ride_through_a_stopped_router() {
     std::thread::sleep(Duration::from_secs(1));
     let stopped = Instant::now();
     f.pause_router(0, true).unwrap();
-    std::thread::sleep(Duration::from_secs(15));
+    std::thread::sleep(pause);
     f.pause_router(0, false).unwrap();
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
@@ -750,7 +774,7 @@ fn failover_clients_ride_through_a_stopped_router() {
     assert_eq!(
         (t.wrong, t.hangs, t.error_count()),
         (0, 0, 0),
-        "failover clients with router 0 stopped for 15 s (calls' deadline 10 s): {}",
+        "failover clients with router 0 stopped for {pause:?} (calls' deadline {deadline:?}): {}",
         describe(&records)
     );
     // Answered while router 0 was still stopped, after the first calls' deadline: by router 1.
@@ -758,8 +782,8 @@ fn failover_clients_ride_through_a_stopped_router() {
         .iter()
         .filter(|r| {
             r.outcome == Outcome::Ok
-                && r.start > stopped + Duration::from_secs(10)
-                && r.start + r.latency < stopped + Duration::from_secs(15)
+                && r.start > stopped + deadline
+                && r.start + r.latency < stopped + pause
         })
         .count();
     assert!(
@@ -803,7 +827,9 @@ fn a_short_soak_reports_every_call_and_fault() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let soak = &v["machine"]["soak"];
     let tally = &soak["tally"];
-    assert!(tally["ok"].as_u64().unwrap() > 100, "{soak:#}");
+    // Calls were made and answered (how many fit in its seconds is this machine's speed:
+    // a floor far below what any machine makes, here several hundred).
+    assert!(tally["ok"].as_u64().unwrap() > 20, "{soak:#}");
     assert_eq!(tally["wrong"], 0, "{soak:#}");
     assert_eq!(tally["hangs"], 0, "{soak:#}");
     let faults = soak["faults"].as_array().unwrap();

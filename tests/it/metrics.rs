@@ -72,8 +72,8 @@ fn read_banner(child: &mut Child) -> Started {
     }
 }
 
-/// GET `url` (http://HOST:PORT/PATH): (status line, body). Retries connecting for a few
-/// seconds (a worker's endpoint starts just after it joins).
+/// GET `url` (http://HOST:PORT/PATH): (status line, body). Retries connecting for up to 60 s
+/// (a worker's endpoint starts just after it joins; a hang guard, not a budget).
 pub(crate) fn http_get(url: &str) -> (String, String) {
     let rest = url.strip_prefix("http://").expect("an http URL");
     let (host, path) = rest.split_once('/').unwrap();
@@ -81,7 +81,7 @@ pub(crate) fn http_get(url: &str) -> (String, String) {
     let mut s = loop {
         match TcpStream::connect(host) {
             Ok(s) => break s,
-            Err(e) if t.elapsed() < Duration::from_secs(10) => {
+            Err(e) if t.elapsed() < Duration::from_secs(60) => {
                 let _ = e;
                 std::thread::sleep(Duration::from_millis(50));
             }

@@ -515,9 +515,11 @@ fn serves_another(rt: &tokio::runtime::Runtime, up: &Up, body: &Body, payload: &
 #[test]
 fn a_client_done_sending_that_never_reads_is_closed_after_the_frame_timeout() {
     let _machine = crate::support::shared();
+    // A frame timeout of 3 s: each 16 MiB request frame must arrive within it of its header
+    // while the workers keep both cores busy (milliseconds over loopback).
     let up = Up::start_logged(&[
         "--frontend-frame-timeout-s",
-        "1",
+        "3",
         "--max-tokens",
         "4096",
         "--max-inflight-tokens",
@@ -530,10 +532,11 @@ fn a_client_done_sending_that_never_reads_is_closed_after_the_frame_timeout() {
     let request = |id: u64| {
         let (mut body, _) = f32_request(id, tokens);
         if let Body::LayerRequest(r) = &mut body {
-            // The router waits this long (and a grace of 5 s) for the answers before the frame
-            // timeout starts; a DeadlineExceeded answer is small, but one of the four
-            // computed within it already fills the sockets.
-            r.deadline_us = 30_000_000;
+            // The router waits for the answers (or this deadline and a grace of 5 s) before
+            // the frame timeout starts; a DeadlineExceeded answer is small, but one of the four
+            // computed within it already fills the sockets. Answers computed sooner end the
+            // wait sooner: a long deadline costs a fast machine nothing.
+            r.deadline_us = 300_000_000;
         }
         body
     };

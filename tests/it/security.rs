@@ -1055,9 +1055,18 @@ fn a_duplicate_with_the_ranks_own_credential_and_copied_incarnation_is_refused()
             cfg.protocol.credentials = Some(Arc::clone(&f.creds.worker2));
         })
         .await;
-        // Its handshake succeeds (it holds rank 2's key); the router then decides. Give it
-        // time to retry a few times.
+        // Its handshake succeeds (it holds rank 2's key); the router then decides. Until the
+        // router has refused it (a hang guard of 60 s: it dials at this machine's pace), then
+        // a little longer for it to retry.
         let _ = rogue.wait_connected(&[0], Duration::from_secs(3)).await;
+        let refused = |log: &str| {
+            log.lines()
+                .any(|l| l.contains("refused a second connection") && l.contains("rank 2"))
+        };
+        let t0 = Instant::now();
+        while !refused(&f.stderr()) && t0.elapsed() < Duration::from_secs(60) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
         let mut answers = Vec::new();
         for layer in 0..4u32 {

@@ -1016,11 +1016,19 @@ mod tests {
             std::net::TcpListener::from_raw_fd(fd)
         };
         let addr = listener.local_addr().unwrap();
-        // Connects complete until the accept queue is full; then one waits (2 s: far beyond
-        // what a loopback connect takes, however busy the machine).
+        // Connects complete until the accept queue is full; then they wait. Full once two
+        // connects in a row time out (2 s each: far beyond what a loopback connect takes; a
+        // stall of this machine would have to outlast both).
         let mut held = Vec::new();
-        while let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-            held.push(s);
+        let mut timed_out = 0;
+        while timed_out < 2 {
+            match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+                Ok(s) => {
+                    held.push(s);
+                    timed_out = 0;
+                }
+                Err(_) => timed_out += 1,
+            }
             assert!(held.len() < 64, "the backlog never filled");
         }
         (listener, held)

@@ -29,6 +29,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 const CLUSTER: &str = "attacks";
 const MAX_FRAME: usize = 256 << 10;
+/// How long a test waits for what must happen (a link, a frame, a redial): a hang guard, not
+/// a budget (milliseconds here), generous for a busy machine.
+const T: Duration = Duration::from_secs(30);
 const WORLD: u32 = 3;
 
 fn master() -> Key {
@@ -115,11 +118,9 @@ async fn rogue_peers_cannot_claim_a_live_rank() {
     let (m1, _e1) = Mesh::start(config(1, &addrs, rank_creds(&m, 1)))
         .await
         .unwrap();
-    m1.wait_connected(&[0], Duration::from_secs(5))
-        .await
-        .unwrap();
+    m1.wait_connected(&[0], T).await.unwrap();
     let seen = watch(e0, 0x11);
-    wait_for("rank 1's link up", Duration::from_secs(5), || {
+    wait_for("rank 1's link up", T, || {
         seen.ups.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -163,7 +164,7 @@ async fn rogue_peers_cannot_claim_a_live_rank() {
     );
     // The real rank 1 still talks to rank 0 over the original link.
     m1.send(0, &result_frame(1, 0x11)).await.unwrap();
-    wait_for("the honest frame", Duration::from_secs(5), || {
+    wait_for("the honest frame", T, || {
         seen.intact.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -172,9 +173,7 @@ async fn rogue_peers_cannot_claim_a_live_rank() {
     let (m2, _e2) = Mesh::start(config(2, &addrs, rank_creds(&m, 2)))
         .await
         .unwrap();
-    m2.wait_connected(&[0], Duration::from_secs(5))
-        .await
-        .unwrap();
+    m2.wait_connected(&[0], T).await.unwrap();
     m2.shutdown();
     m0.shutdown();
     m1.shutdown();
@@ -263,12 +262,10 @@ async fn a_flipped_byte_on_a_sealed_link_is_detected() {
     let (m1, _e1) = Mesh::start(config(1, &via, rank_creds(&m, 1)))
         .await
         .unwrap();
-    m1.wait_connected(&[0], Duration::from_secs(5))
-        .await
-        .unwrap();
+    m1.wait_connected(&[0], T).await.unwrap();
     let seen = watch(e0, 0x22);
     m1.send(0, &result_frame(1, 0x22)).await.unwrap();
-    wait_for("the first frame", Duration::from_secs(5), || {
+    wait_for("the first frame", T, || {
         seen.intact.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -276,15 +273,10 @@ async fn a_flipped_byte_on_a_sealed_link_is_detected() {
     // plaintext; inside its sealed record when sealed), then send it.
     proxy.arm(600);
     m1.send(0, &result_frame(2, 0x22)).await.unwrap();
-    wait_for("the flip", Duration::from_secs(5), || {
-        proxy.flipped.load(Ordering::SeqCst)
+    wait_for("the flip", T, || proxy.flipped.load(Ordering::SeqCst)).await;
+    wait_for("rank 0 failing the tampered link", T, || {
+        seen.losts.load(Ordering::SeqCst) >= 1 || seen.altered.load(Ordering::SeqCst) > 0
     })
-    .await;
-    wait_for(
-        "rank 0 failing the tampered link",
-        Duration::from_secs(5),
-        || seen.losts.load(Ordering::SeqCst) >= 1 || seen.altered.load(Ordering::SeqCst) > 0,
-    )
     .await;
     assert_eq!(
         seen.altered.load(Ordering::SeqCst),
@@ -292,16 +284,11 @@ async fn a_flipped_byte_on_a_sealed_link_is_detected() {
         "a frame with a flipped byte was delivered"
     );
     // Rank 1 redials; the new link carries frames intact.
-    m1.wait_connected(&[0], Duration::from_secs(10))
-        .await
-        .unwrap();
+    m1.wait_connected(&[0], T).await.unwrap();
     let before = seen.intact.load(Ordering::SeqCst);
     let t0 = Instant::now();
     while seen.intact.load(Ordering::SeqCst) == before {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "no frame after reconnecting"
-        );
+        assert!(t0.elapsed() < T, "no frame after reconnecting");
         let _ = m1.send(0, &result_frame(3, 0x22)).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

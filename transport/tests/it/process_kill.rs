@@ -41,9 +41,12 @@ fn config(
     c.protocol.heartbeat_interval = Duration::from_millis(100);
     // Long enough that a loaded machine's stall of either process (heartbeats every 100 ms)
     // is not taken for a silent peer before the failure the test makes.
-    c.protocol.idle_timeout = Duration::from_secs(2);
+    c.protocol.idle_timeout = IDLE;
     c
 }
+
+/// The links' idle timeout (a stopped peer is declared silent after it).
+const IDLE: Duration = Duration::from_secs(5);
 
 fn frame() -> OutFrame {
     let body = result_body([1, 0, 0], 100, 300, OutputDtype::Bf16);
@@ -228,7 +231,7 @@ async fn failed_peer(kind: LinkKind, how: Failure) {
             "idle timeout reported: {err}"
         );
         assert!(
-            started.elapsed() >= Duration::from_millis(1600),
+            started.elapsed() >= IDLE * 4 / 5,
             "not before the idle timeout"
         );
     }
@@ -258,6 +261,10 @@ async fn killed_peer_process_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_shm() {
+    // Two rings of 1 MiB.
+    let Some(_shm) = crate::support::shm_room(8 << 20).await else {
+        return;
+    };
     failed_peer(LinkKind::Shm, Failure::Kill).await;
 }
 
@@ -268,6 +275,10 @@ async fn stopped_peer_process_times_out_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_peer_process_times_out_shm() {
+    // Two rings of 1 MiB.
+    let Some(_shm) = crate::support::shm_room(8 << 20).await else {
+        return;
+    };
     failed_peer(LinkKind::Shm, Failure::Stop).await;
 }
 

@@ -110,6 +110,10 @@ async fn sealed_tcp_frames_arrive_in_order_and_intact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_set_up_after_authentication_carries_frames() {
+    // Two rings of 9 MiB.
+    let Some(_shm) = crate::support::shm_room(24 << 20).await else {
+        return;
+    };
     frames_of_every_size_arrive_in_order_and_intact(LinkKind::Shm).await;
 }
 

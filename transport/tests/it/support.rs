@@ -86,3 +86,42 @@ pub(crate) async fn expect_frame(
         }
     }
 }
+
+/// Held by every test that puts shared-memory rings in `/dev/shm`, so that the room one test
+/// finds free is not taken by another before its rings are made: without room a pair falls
+/// back to TCP, correctly, and a test asserting shared-memory links would fail for a reason
+/// that is not the transport's (a container's `/dev/shm` is 64 MiB by default).
+/// (An async mutex: it is held across the test's awaits, on that test's own runtime.)
+static SHM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The `/dev/shm` guard ([`SHM`]) when `/dev/shm` has `need` bytes free (taken first, so the
+/// room stays free for the caller); `None`, saying so on the real stderr, where it has not:
+/// the caller skips.
+pub(crate) async fn shm_room(need: u64) -> Option<tokio::sync::MutexGuard<'static, ()>> {
+    let guard = SHM.lock().await;
+    let free = shm_free_bytes();
+    if free < need {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: /dev/shm has {} MiB free, this test's shared-memory rings need {} MiB",
+            free >> 20,
+            need >> 20
+        );
+        return None;
+    }
+    Some(guard)
+}
+
+/// Bytes free in `/dev/shm` (0 where it cannot be read).
+fn shm_free_bytes() -> u64 {
+    let path = std::ffi::CString::new("/dev/shm").expect("no NUL");
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+            return 0;
+        }
+        st.f_bavail as u64 * st.f_frsize as u64
+    }
+}
