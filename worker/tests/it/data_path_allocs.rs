@@ -111,6 +111,12 @@ impl SimWorker for Counted {
 }
 
 fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
+    cluster_on(mode, shared_on_router, || CpuBackend::new(1).unwrap())
+}
+
+/// [`cluster`] with each device's backend made by `backend` (one thread: its work runs on
+/// the caller's thread, where it is counted).
+fn cluster_on(mode: ComputeMode, shared_on_router: bool, backend: fn() -> CpuBackend) -> Cluster {
     let spec = preset_by_name("demo-small").unwrap();
     let e = spec.routed_experts;
     let halves = [(0..e / 2).collect::<Vec<u32>>(), (e / 2..e).collect()];
@@ -156,7 +162,7 @@ fn cluster(mode: ComputeMode, shared_on_router: bool) -> Cluster {
         .seed(SEED)
         .router_shared(runner)
         .build(move |_, experts| {
-            let exec = ExecWorker::new(h, experts);
+            let exec = ExecWorker::on(backend(), h, experts);
             let allocs = Rc::clone(&allocs);
             Box::new(Counted { exec, allocs })
         });
@@ -212,6 +218,33 @@ fn workers_allocate_nothing_per_dispatch_once_warm() {
             assert_eq!(
                 worker_allocs, 0,
                 "{mode:?}, {tokens} tokens: DispatchExecutor::execute allocated"
+            );
+        }
+    }
+}
+
+/// The same on the AMX kernel's scheduling (token tiles of 16 gathered block-major, the tile
+/// emulator in place of the instructions, so every machine runs it; an AMX machine runs the
+/// instructions in the test above): calls whose tokens all route alike, so each chosen expert
+/// gets every token, whole tiles of 16 included.
+#[test]
+fn workers_allocate_nothing_per_dispatch_on_the_amx_scheduling() {
+    for mode in [ComputeMode::Exact, ComputeMode::Accurate] {
+        let mut c = cluster_on(mode, true, || CpuBackend::with_amx_emulated(1).unwrap());
+        let h = c.spec.hidden as usize;
+        let alike =
+            |seed: u64, tokens: usize| reference::synthetic_hidden(seed, 1, h).repeat(tokens);
+        for w in 0..2 {
+            c.call(w, alike(100 + w, MAX_TOKENS));
+        }
+        for tokens in [16, 64] {
+            let x = alike(7, tokens);
+            let out = c.call(9, x);
+            assert_eq!(out.len(), tokens * h);
+            let (worker_allocs, _) = c.worker_allocs.get();
+            assert_eq!(
+                worker_allocs, 0,
+                "{mode:?}, {tokens} tokens on the AMX scheduling: DispatchExecutor::execute allocated"
             );
         }
     }

@@ -26,7 +26,15 @@ pub(crate) struct ExecWorker(DispatchExecutor);
 impl ExecWorker {
     /// A device holding `experts`, for rows of `hidden` values.
     pub(crate) fn new(hidden: usize, experts: Vec<(ExpertKey, ExpertWeights)>) -> Self {
-        let mut be = CpuBackend::new(1).unwrap();
+        Self::on(CpuBackend::new(1).unwrap(), hidden, experts)
+    }
+
+    /// [`ExecWorker::new`] on backend `be`.
+    pub(crate) fn on(
+        mut be: CpuBackend,
+        hidden: usize,
+        experts: Vec<(ExpertKey, ExpertWeights)>,
+    ) -> Self {
         be.load(experts, LIMITS).unwrap();
         Self(DispatchExecutor::new(Box::new(be), hidden, LIMITS))
     }
