@@ -182,6 +182,10 @@ pub struct Coordinator {
     applied: Option<(u64, Vec<BTreeSet<Expert>>)>,
     /// Surveys started (each change's number).
     surveys: u64,
+    /// The highest version this coordinator has sent in a `Hold` (a change's next version is
+    /// above it too: a hold no device answered, an undo's that timed out say, may still be
+    /// taken by its device later, and a new change reusing its version would be refused).
+    sent: u64,
     /// Whether this router coordinates changes (router 0 of the fabric).
     coordinates: bool,
     actions: VecDeque<ChangeAction>,
@@ -210,6 +214,7 @@ impl Coordinator {
             change: None,
             applied: None,
             surveys: 0,
+            sent: 0,
             coordinates,
             actions: VecDeque::new(),
         }
@@ -348,9 +353,9 @@ impl Coordinator {
     }
 
     /// Every device answered the survey: the load step starts (version one above any
-    /// announced).
+    /// announced or sent).
     fn start_load(&mut self, now: Instant) {
-        let (routers, version) = (self.routers, self.version() + 1);
+        let (routers, version) = (self.routers, self.version().max(self.sent) + 1);
         let Some(c) = self.change.as_mut() else {
             return;
         };
@@ -375,6 +380,7 @@ impl Coordinator {
     }
 
     fn hold(&mut self, rank: u32, version: u64, experts: &BTreeSet<Expert>) {
+        self.sent = self.sent.max(version);
         self.actions.push_back(ChangeAction::Hold {
             rank,
             version,

@@ -619,6 +619,44 @@ fn a_worker_restarted_on_its_placement_file_gets_the_applied_set_again() {
     );
 }
 
+/// A change whose holds nobody answered (load and undo both past their deadlines): the next
+/// change's versions are above every version sent, not reused (a silent device may still take
+/// the old hold later, and would then refuse the new one of the same version).
+#[test]
+fn a_change_after_one_nobody_answered_uses_versions_never_sent() {
+    let (mut c, mut f, _, target) = two_worker_change(|f| {
+        f.silent.insert(ROUTERS);
+        f.silent.insert(ROUTERS + 1)
+    });
+    c.on_tick(f.now + T);
+    f.run(&mut c);
+    c.on_tick(f.now + 2 * T);
+    f.run(&mut c);
+    assert!(!c.busy(), "{:?}", f.answers);
+    f.failed();
+    // Every device still announces version 0; the holds went out at 1 (load) and 2 (undo).
+    assert_eq!(c.version(), 0);
+    f.silent.clear();
+    f.answers.clear();
+    c.apply(1, 3, &entries(&target), T, f.now).unwrap();
+    let mut versions = Vec::new();
+    while let Some(a) = c.poll_action() {
+        match a {
+            ChangeAction::Survey { rank, nonce } => {
+                let (version, set) = f.held[&rank].clone();
+                let list: Vec<Expert> = set.iter().copied().collect();
+                c.on_holding(rank, version, &list, "", nonce, f.now);
+            }
+            ChangeAction::Hold { version, .. } => versions.push(version),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(
+        !versions.is_empty() && versions.iter().all(|&v| v > 2),
+        "the new change's holds: versions {versions:?} (1 and 2 were sent before)"
+    );
+}
+
 fn placement(workers: usize, experts: u32) -> impl Strategy<Value = Vec<BTreeSet<Expert>>> {
     // Each expert of each layer gets a non-empty set of owners (a bit mask over workers).
     proptest::collection::vec(1u32..(1 << workers), LAYERS.len() * experts as usize).prop_map(
