@@ -373,7 +373,41 @@ async fn serve_one(
         stream.write_all(&out).await?;
         stream.shutdown().await
     };
-    let _ = tokio::time::timeout(registry.limits.write, write).await;
+    let written = tokio::time::timeout(registry.limits.write, write).await;
+    if written.is_ok() && announces_body(&head) {
+        // The body the client sent after its head is read and dropped until it closes: a
+        // socket closed with unread bytes is reset, and a reset that overtakes the answer on
+        // the way can discard it before the client reads it (a lingering close). Bounded in
+        // bytes and time; requests without a body (every probe and scrape) close at once.
+        let drain = async {
+            let mut chunk = [0u8; 4096];
+            let mut left = MAX_DRAINED_BYTES;
+            while left > 0 {
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => left = left.saturating_sub(n),
+                }
+            }
+        };
+        let _ = tokio::time::timeout(registry.limits.read, drain).await;
+    }
+}
+
+/// Most bytes read and dropped after an answer (a request body) before the connection closes.
+const MAX_DRAINED_BYTES: usize = 64 << 10;
+
+/// Whether a request head says a body follows (`Content-Length` other than 0, or
+/// `Transfer-Encoding`).
+fn announces_body(head: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(head).to_ascii_lowercase();
+    text.lines().skip(1).any(|l| {
+        let (name, value) = l.split_once(':').unwrap_or((l, ""));
+        match name.trim() {
+            "content-length" => value.trim() != "0",
+            "transfer-encoding" => true,
+            _ => false,
+        }
+    })
 }
 
 /// The request head (up to the blank line), or `None` when the client closed first or sent
@@ -582,6 +616,26 @@ mod tests {
         let missing = get(addr, "GET /nope HTTP/1.1\r\n\r\n");
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         let post = get(addr, "POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        assert!(!announces_body(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n"));
+        assert!(!announces_body(
+            b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+        ));
+        assert!(announces_body(
+            b"POST / HTTP/1.1\r\ncontent-length: 5\r\n\r\n"
+        ));
+        assert!(announces_body(
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ));
+        // With a body (never read as a request): answered, not reset before it is read.
+        let body = "x".repeat(32 << 10);
+        let post = get(
+            addr,
+            &format!(
+                "POST /metrics HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+        );
         assert!(post.starts_with("HTTP/1.1 405"), "{post}");
         // A client that never finishes its head does not block the next scrape, nor do as
         // many as there are slots: the oldest idle one makes room (its connection is closed).
