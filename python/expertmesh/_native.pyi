@@ -86,7 +86,7 @@ class RouterClient:
     def __exit__(self, *args: object) -> None: ...
     @property
     def addr(self) -> str:
-        """The router's address, ``"HOST:PORT"``."""
+        """The address of the router the connection is to now (a failover moves it)."""
     @property
     def cluster(self) -> str:
         """The cluster name given to the handshake."""
@@ -100,10 +100,11 @@ class RouterClient:
     def max_in_flight(self, n: int) -> None: ...
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not answered yet."""
+        """Requests submitted and not answered yet, as of the end of the last call (read
+        without waiting for another thread's call)."""
     @property
     def ready(self) -> int:
-        """Answers held for handles not waited yet."""
+        """Answers held for handles not waited yet, as of the end of the last call."""
 
 def _rust_loop(
     addr: Address,

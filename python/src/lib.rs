@@ -29,7 +29,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyTuple};
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::runtime::Runtime;
@@ -60,6 +60,42 @@ struct Shared {
     gate: Gate,
     /// Set by `close`: a call blocked on another thread (holding the gate) gives up.
     closing: Closing,
+    /// What the getters read without waiting for another thread's call to end.
+    published: Published,
+}
+
+/// The client's counts and router as of the end of the last call (or of the connect), kept
+/// where the getters (`in_flight`, `ready`, `max_in_flight`, `addr`) read them without the
+/// gate: a thread watching a client is not held for the length of another thread's call.
+struct Published {
+    in_flight: AtomicUsize,
+    ready: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    /// The router the connection is to (a failover moves it).
+    peer: Mutex<SocketAddr>,
+}
+
+impl Published {
+    fn of(c: &RustClient) -> Self {
+        Self {
+            in_flight: AtomicUsize::new(c.in_flight()),
+            ready: AtomicUsize::new(c.ready()),
+            max_in_flight: AtomicUsize::new(c.max_in_flight()),
+            peer: Mutex::new(c.peer_addr()),
+        }
+    }
+
+    fn update(&self, c: &RustClient) {
+        self.in_flight.store(c.in_flight(), Ordering::Relaxed);
+        self.ready.store(c.ready(), Ordering::Relaxed);
+        self.max_in_flight
+            .store(c.max_in_flight(), Ordering::Relaxed);
+        *self.peer.lock().unwrap_or_else(|e| e.into_inner()) = c.peer_addr();
+    }
+
+    fn peer(&self) -> SocketAddr {
+        *self.peer.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// Serializes calls on one client across Python threads. Unlike a plain mutex, a thread
@@ -245,7 +281,7 @@ struct Request {
 /// a ``(host, port)`` tuple): the frontend address ``expertmesh up`` / ``expertmesh router``
 /// prints; several routers (``"A:P,B:P"`` or a list of addresses) are tried in order and the
 /// first that answers is used, and a call whose router is lost goes to the next, as
-/// ``expertmesh infer --router A,B`` does (``addr`` is the router connected first). ``cluster`` is the
+/// ``expertmesh infer --router A,B`` does (``addr`` is the router connected now). ``cluster`` is the
 /// topology's ``name``, checked in the handshake. ``credentials`` is the path of this frontend's
 /// credentials file (``expertmesh keys issue --frontend NAME``): the frontend authenticates
 /// under its own name and every frame is encrypted. ``secret`` (``str`` or ``bytes``) is the
@@ -271,7 +307,6 @@ struct Request {
 struct PyRouterClient {
     shared: Arc<Shared>,
     id: u64,
-    addr: SocketAddr,
     cluster: String,
 }
 
@@ -369,8 +404,8 @@ impl PyRouterClient {
         let mut client = client;
         client.set_max_in_flight(max_in_flight);
         Ok(Self {
-            addr: client.peer_addr(),
             shared: Arc::new(Shared {
+                published: Published::of(&client),
                 inner: Mutex::new(std::mem::ManuallyDrop::new(Inner {
                     rt,
                     client: Some(client),
@@ -563,10 +598,11 @@ impl PyRouterClient {
         self.close(py);
     }
 
-    /// The router's address, ``"HOST:PORT"``.
+    /// The address of the router the connection is to, ``"HOST:PORT"`` (given several, the
+    /// one a failover moved it to), as of the end of the last call.
     #[getter]
     fn addr(&self) -> String {
-        self.addr.to_string()
+        self.shared.published.peer().to_string()
     }
 
     /// The cluster name given to the handshake.
@@ -584,9 +620,7 @@ impl PyRouterClient {
     /// How many requests may be submitted and unanswered at a time (settable, at least 1).
     #[getter]
     fn get_max_in_flight(&self, py: Python<'_>) -> PyResult<usize> {
-        let shared = &*self.shared;
-        py.detach(|| with_client(shared, |_, c| Ok(c.max_in_flight())))
-            .map_err(|e| e.into_pyerr(py))
+        self.published(py, &self.shared.published.max_in_flight)
     }
 
     #[setter]
@@ -604,27 +638,40 @@ impl PyRouterClient {
         .map_err(|e| e.into_pyerr(py))
     }
 
-    /// Requests submitted and not answered yet (abandoned ones included).
+    /// Requests submitted and not answered yet (abandoned ones included), as of the end of
+    /// the last call (read without waiting for another thread's call).
     #[getter]
     fn in_flight(&self, py: Python<'_>) -> PyResult<usize> {
-        let shared = &*self.shared;
-        py.detach(|| with_client(shared, |_, c| Ok(c.in_flight())))
-            .map_err(|e| e.into_pyerr(py))
+        self.published(py, &self.shared.published.in_flight)
     }
 
-    /// Answers received and held for handles not waited yet.
+    /// Answers received and held for handles not waited yet, as of the end of the last call.
     #[getter]
     fn ready(&self, py: Python<'_>) -> PyResult<usize> {
-        let shared = &*self.shared;
-        py.detach(|| with_client(shared, |_, c| Ok(c.ready())))
-            .map_err(|e| e.into_pyerr(py))
+        self.published(py, &self.shared.published.ready)
     }
 
     fn __repr__(&self) -> String {
         format!(
             "<expertmesh.RouterClient {} cluster {:?}>",
-            self.addr, self.cluster
+            self.shared.published.peer(),
+            self.cluster
         )
+    }
+}
+
+impl PyRouterClient {
+    /// A count the getters read ([`Published`]): refused, as a call is, in a `fork()` child
+    /// or once closed.
+    fn published(&self, py: Python<'_>, count: &AtomicUsize) -> PyResult<usize> {
+        let shared = &*self.shared;
+        if shared.forked() {
+            return Err(Failure::Forked(shared.pid).into_pyerr(py));
+        }
+        if shared.closing.is_set() {
+            return Err(Failure::Closed.into_pyerr(py));
+        }
+        Ok(count.load(Ordering::Relaxed))
     }
 }
 
@@ -646,7 +693,11 @@ fn with_client<T>(
         closing: Some(&shared.closing),
     };
     match client.as_mut() {
-        Some(c) if !shared.closing.is_set() => f(run, c),
+        Some(c) if !shared.closing.is_set() => {
+            let out = f(run, c);
+            shared.published.update(c);
+            out
+        }
         _ => Err(Failure::Closed),
     }
 }

@@ -114,7 +114,54 @@ def test_a_client_of_several_routers_fails_over_when_its_router_stops(tmp_path):
                 a.close()
                 got = c.moe(1, x, deadline_ms=30_000)  # router a is gone: b answers
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+                assert c.addr == b.addr  # the router the connection is to now
         finally:
             b.close()
     finally:
         a.close()
+
+
+def test_getters_answer_while_another_thread_waits_in_a_call(tmp_path):
+    # The router is stopped (SIGSTOP), so a call waits (until the router is continued, or
+    # the keepalive gives it up after seconds); meanwhile another thread reads the client's
+    # counts and router (as of the last call's end) without waiting for that call. Asserted by
+    # order: the reads end before the call does (the router is continued only after them).
+    import os
+    import signal
+    import threading
+    import time
+
+    args = ["--model", "demo-small", "--placement", EXAMPLES / "single-host-demo-small.placement.toml"]
+    f = UpFabric(tmp_path, args)
+    try:
+        x = np.linspace(-1, 1, 1024, dtype=np.float32).reshape(1, 1024)
+        with expertmesh.RouterClient(f.addr, f.cluster, "", connect_timeout_s=5) as c:
+            c.moe(1, x, deadline_ms=30_000)
+            outcome = []
+            ended = []
+
+            def call() -> None:
+                try:
+                    c.moe(1, x, deadline_ms=60_000)
+                    outcome.append("answered")
+                except Exception as e:  # noqa: BLE001 - named in the assertion
+                    outcome.append(f"{type(e).__name__}: {e}")
+                ended.append(time.monotonic())
+
+            os.kill(f.proc.pid, signal.SIGSTOP)
+            try:
+                waiting = threading.Thread(target=call)
+                waiting.start()
+                # Let it take the client (on a machine too slow to, the reads below come first
+                # and show nothing, but never fail).
+                time.sleep(0.5)
+                read = (c.in_flight, c.ready, c.max_in_flight, c.addr)
+                read_at = time.monotonic()
+            finally:
+                os.kill(f.proc.pid, signal.SIGCONT)
+            waiting.join(120)
+            assert ended, "the call never ended"
+            assert read_at < ended[0], f"the reads waited for the call to end: {outcome}"
+            assert read == (0, 0, 32, f.addr)
+    finally:
+        f.close()
