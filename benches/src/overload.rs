@@ -155,13 +155,14 @@ pub fn cpu_seconds_at(stat_path: &str) -> Option<f64> {
 
 /// CPU seconds (user + system) used by process `pid` and its live child processes (those
 /// `/proc/<pid>/task/*/children` lists; `expertmesh up`'s workers). `None` when `pid` cannot be
-/// read. A rate per CPU second does not move with what else the machine runs, as a rate per
-/// wall-clock second does.
+/// read, or its children cannot be listed (a kernel without `CONFIG_PROC_CHILDREN`). A rate
+/// per CPU second does not move with what else the machine runs, as a rate per wall-clock
+/// second does.
 pub fn proc_tree_cpu_seconds(pid: u32) -> Option<f64> {
     let mut total = cpu_seconds_at(&format!("/proc/{pid}/stat"))?;
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     for task in tasks.flatten() {
-        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        let children = std::fs::read_to_string(task.path().join("children")).ok()?;
         for child in children.split_whitespace() {
             total += cpu_seconds_at(&format!("/proc/{child}/stat")).unwrap_or(0.0);
         }

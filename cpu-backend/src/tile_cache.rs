@@ -193,9 +193,7 @@ impl TileCache {
         Self {
             dir: dir.into(),
             lock: true,
-            writer: writer_name(
-                &fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default(),
-            ),
+            writer: writer_name(&host_name()),
         }
     }
 
@@ -246,14 +244,13 @@ impl TileCache {
         }
         check_private_folder(&self.dir, false).map_err(unread)?;
         let path = self.file_for(place);
-        let fail = |what: String| Miss {
+        // The place's file was read and found unfit (`unfit`), or could not be read.
+        let miss = |unfit: bool, what: String| Miss {
             why: format!("{}: {what}; it will be replaced", path.display()),
-            unfit: true,
+            unfit,
         };
-        let unreadable = |what: String| Miss {
-            why: format!("{}: {what}; it will be replaced", path.display()),
-            unfit: false,
-        };
+        let fail = |what: String| miss(true, what);
+        let unreadable = |what: String| miss(false, what);
         // Without blocking: a FIFO put there would wait for a writer for ever.
         let mut file = match expertmesh_files::open_nonblocking(&path) {
             Ok(f) => f,
@@ -338,7 +335,7 @@ impl TileCache {
             let _ = fs::remove_file(&path);
         }
         let tmp = expertmesh_files::temp_path(&path);
-        let header = encode_header(&format!("{description}\nwriter: {}", self.writer), arena);
+        let header = encode_header(&with_writer(description, &self.writer), arena);
         // A new file only this user may read, locked until it is renamed (the lock goes with
         // the handle): a sweep leaves it alone. One that could not be made is not ours.
         let mut f = expertmesh_files::create_locked(&tmp, Some(0o400)).map_err(|e| {
@@ -427,6 +424,26 @@ fn stated_place(file: &mut impl Read) -> Option<(String, Option<String>)> {
         .map(|(_, w)| w)
         .filter(|w| !w.contains('\n'));
     Some((place.to_owned(), writer.map(str::to_owned)))
+}
+
+/// What a file written by `writer` (a [`writer_name`]) carries: `description`, then the
+/// writer line (which the match leaves out: [`carries`]).
+fn with_writer(description: &str, writer: &str) -> String {
+    format!("{description}\nwriter: {writer}")
+}
+
+/// This host's name (`gethostname`; empty where it cannot be read).
+fn host_name() -> String {
+    #[cfg(unix)]
+    {
+        let mut buf = [0u8; 256];
+        // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer we own.
+        if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0 {
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+            return String::from_utf8_lossy(&buf[..end]).into_owned();
+        }
+    }
+    String::new()
 }
 
 /// `host` as a writer line may carry it: one line, control characters replaced, at most
@@ -592,12 +609,20 @@ pub fn check_file_bytes(
     }
 }
 
-/// For the fuzz target: the whole cache file that keeps `arena` under `description`.
+/// For the fuzz target: the whole cache file that keeps `arena` under `description`, as a
+/// version that named no writer wrote it.
 #[doc(hidden)]
 pub fn file_bytes(description: &str, arena: &[u8]) -> Vec<u8> {
     let mut f = encode_header(description, arena);
     f.extend_from_slice(arena);
     f
+}
+
+/// For the fuzz target: the whole cache file host `writer` (any text: made a writer name as
+/// a cache does) writes for `arena` under `description`.
+#[doc(hidden)]
+pub fn file_bytes_by(description: &str, writer: &str, arena: &[u8]) -> Vec<u8> {
+    file_bytes(&with_writer(description, &writer_name(writer)), arena)
 }
 
 /// Why a file's header was refused: what it holds (the file cannot serve) or an error

@@ -6,7 +6,9 @@
 //!   modest client (one 32-token request at a time): the modest client keeps being served,
 //!   the tokens answered per CPU second of the router and its workers stay above half of
 //!   those of an unloaded run before and after (CPU seconds, not wall-clock ones: the figure
-//!   does not move with what else the machine runs; speed itself is `bench fabric`'s), the router's
+//!   does not move with what else the machine runs; speed itself is `bench fabric`'s) and its
+//!   goodput above a fifth of theirs (a floor only a router stalled under the load falls
+//!   through), the router's
 //!   resident memory (`/proc/<pid>/status`) stays bounded under the load and returns near its
 //!   baseline afterwards.
 //! * Deadline isolation: a client whose requests carry a 1 µs deadline shares batches with a
@@ -121,9 +123,10 @@ impl Up {
         self.child.id()
     }
 
-    /// CPU seconds `up` (the router) and its worker processes have used.
-    fn cpu_seconds(&self) -> f64 {
-        proc_tree_cpu_seconds(self.pid()).expect("router alive")
+    /// CPU seconds `up` (the router) and its worker processes have used (`None` where the
+    /// kernel cannot list a process's children).
+    fn cpu_seconds(&self) -> Option<f64> {
+        proc_tree_cpu_seconds(self.pid())
     }
 
     fn rss_mib(&self) -> f64 {
@@ -224,18 +227,24 @@ fn pipelined_greedy_clients_keep_goodput_fairness_and_memory_bounded() {
     // its wall-clock seconds: what a router that wastes work under overload loses is tokens
     // per CPU second, and that does not move with whatever else this machine runs (a rate per
     // wall-clock second does: this test's own load generator shares the cores).
+    // (A router that stalls rather than works, which CPU seconds cannot see, is caught by the
+    // looser wall-clock floor below.)
     let phase = |what: &str, l: OverloadLoad, modest_tokens: usize, pid: Option<u32>| {
         let cpu = up.cpu_seconds();
         let r = rt.block_on(run_load(up.addr, &cfg, &l, pid)).unwrap();
-        let cpu = up.cpu_seconds() - cpu;
+        let cpu = up
+            .cpu_seconds()
+            .zip(cpu)
+            .map(|(after, before)| after - before);
         let tokens = r.ok_tokens + r.modest_ok * modest_tokens as u64;
-        eprintln!("{what}: {tokens} tokens answered for {cpu:.2} CPU s of the router and workers");
+        eprintln!("{what}: {tokens} tokens answered for {cpu:.2?} CPU s of the router and workers");
         show(what, &r, modest_tokens);
-        (r, tokens as f64 / cpu.max(0.01))
+        let per_cpu = cpu.map(|cpu| tokens as f64 / cpu.max(0.01));
+        (r, per_cpu)
     };
     phase("warm-up", load(1, 2, 0, None, 1), 0, None);
     let baseline = up.rss_mib();
-    let (_, unloaded) = phase("unloaded", load(1, 2, 0, None, 3), 0, None);
+    let (unloaded, unloaded_per_cpu) = phase("unloaded", load(1, 2, 0, None, 3), 0, None);
     let modest = 32;
     let (loaded, loaded_per_cpu) = phase(
         "16 x 16 pipelined + modest",
@@ -245,7 +254,7 @@ fn pipelined_greedy_clients_keep_goodput_fairness_and_memory_bounded() {
     );
     // The unloaded work again after the load: the ratio below compares the load with both
     // sides of it.
-    let (_, unloaded_after) = phase("unloaded, after", load(1, 2, 0, None, 3), 0, None);
+    let (unloaded_after, after_per_cpu) = phase("unloaded, after", load(1, 2, 0, None, 3), 0, None);
     // The memory returns once the queued work is done: look every 100 ms for up to 10 s (a
     // busy machine gets longer, an idle one does not wait out a fixed pause).
     let settled = Instant::now();
@@ -260,8 +269,14 @@ fn pipelined_greedy_clients_keep_goodput_fairness_and_memory_bounded() {
         "router RSS: baseline {baseline:.0} MiB, peak under load {peak:.0} MiB (VmHWM {hwm:.0}), {after:.0} MiB {:.1} s after",
         settled.elapsed().as_secs_f64()
     );
-    let ratio = loaded_per_cpu / ((unloaded + unloaded_after) / 2.0);
-    eprintln!("tokens answered per CPU second, under overload / unloaded: {ratio:.2}");
+    let ratio = match (loaded_per_cpu, unloaded_per_cpu, after_per_cpu) {
+        (Some(l), Some(u), Some(a)) => Some(l / ((u + a) / 2.0)),
+        _ => None,
+    };
+    let wall = loaded.goodput(modest) / ((unloaded.goodput(0) + unloaded_after.goodput(0)) / 2.0);
+    eprintln!(
+        "under overload / unloaded: tokens answered per CPU second {ratio:.2?}, per second {wall:.2}"
+    );
 
     let modest_total = loaded.modest_ok + loaded.modest_failed;
     // At most one in ten fails, and one failure is allowed in a short sample: the run stops
@@ -273,9 +288,20 @@ fn pipelined_greedy_clients_keep_goodput_fairness_and_memory_bounded() {
         loaded.modest_ok,
         loaded.modest_first_error
     );
+    match ratio {
+        Some(ratio) => assert!(
+            ratio >= 0.5,
+            "tokens answered per CPU second of the router and its workers under overload stay at least half of those unloaded: {ratio:.2}"
+        ),
+        None => crate::support::say(
+            "skipped: tokens per CPU second (this kernel does not list a process's children in /proc)",
+        ),
+    }
+    // A floor far below what any run shows (0.86 here), bracketed by the unloaded runs: only
+    // a router that stalls under overload (no CPU spent, nothing answered) falls through it.
     assert!(
-        ratio >= 0.5,
-        "tokens answered per CPU second of the router and its workers under overload stay at least half of those unloaded: {ratio:.2}"
+        wall >= 0.2,
+        "goodput under overload fell to {wall:.2} of the unloaded rate"
     );
     assert!(
         peak <= baseline + 256.0,

@@ -266,7 +266,16 @@ pub(crate) const FABRIC_RINGS: u64 = 4;
 pub(crate) fn shm_room(rings: u64) -> Option<std::sync::MutexGuard<'static, ()>> {
     let guard = SHM.lock().unwrap_or_else(|e| e.into_inner());
     let need = rings * expertmesh_worker::deploy::SHM_RING_BYTES as u64;
-    let free = shm_free_bytes();
+    // The previous holder's rings may still be on their way out (removed as its tasks end):
+    // room that appears within a few seconds is room.
+    let mut free = shm_free_bytes();
+    for _ in 0..50 {
+        if free >= need {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        free = shm_free_bytes();
+    }
     if free < need {
         say(&format!(
             "skipped: /dev/shm has {} MiB free, shared-memory links here need {} MiB",

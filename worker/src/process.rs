@@ -762,6 +762,24 @@ struct Staging {
     superseded: Arc<std::sync::atomic::AtomicBool>,
 }
 
+impl Staging {
+    /// Whether `hold` (for this worker, mesh rank `rank`) supersedes the staged one: a newer
+    /// version, well formed and all this worker's, that drops any of the gains being staged
+    /// (an undo, a later step). A hold this worker would refuse, or one that keeps every
+    /// staged gain, leaves the staging alone.
+    fn superseded_by(&self, hold: &Placement, payload: &[u8], rank: u32) -> bool {
+        let Ok(entries) = placement_entries(hold, payload) else {
+            return false;
+        };
+        if hold.version <= self.plan.version || entries.iter().any(|&(r, _, _)| r != rank) {
+            return false;
+        }
+        let wanted: std::collections::BTreeSet<(u32, u32)> =
+            entries.into_iter().map(|(_, l, e)| (l, e)).collect();
+        self.plan.load.iter().any(|k| !wanted.contains(k))
+    }
+}
+
 /// What became of a `Hold`.
 enum HoldOutcome {
     /// Served now: its version, the experts loaded, and what the commit confirmed at once.
@@ -1176,17 +1194,9 @@ impl ComputeCtx {
                 // for them (it is taken again once they are installed or failed).
                 self.live.deferred = None;
                 if let Some(staging) = &self.live.staging {
-                    // A newer hold that drops any of the gains being staged (an undo, a later
-                    // step) stops their copies: the staged hold then fails (a stale version's
-                    // refusal, which its router ignores) and this one is taken at once.
-                    let wanted: std::collections::BTreeSet<(u32, u32)> =
-                        placement_entries(p, payload)
-                            .unwrap_or_default()
-                            .into_iter()
-                            .filter(|&(r, _, _)| r == self.live.rank)
-                            .map(|(_, l, e)| (l, e))
-                            .collect();
-                    if staging.plan.load.iter().any(|k| !wanted.contains(k)) {
+                    if staging.superseded_by(p, payload, self.live.rank) {
+                        // Its copies stop: the staged hold then fails (a stale version's
+                        // refusal, which its router ignores) and this one is taken at once.
                         staging
                             .superseded
                             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -1733,6 +1743,39 @@ fn router_addresses(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A staged hold of version 5 (this worker, rank 3, gains (1, 7) and (1, 8)) is superseded
+    /// by a newer hold of its own that drops a gain, and by nothing else: not one that keeps
+    /// every gain, an older or equal version, a malformed one or one listing another rank.
+    #[test]
+    fn a_staged_hold_is_superseded_only_by_a_newer_hold_of_its_own_that_drops_a_gain() {
+        let plan = crate::holdings::Holdings::new([(1, 1)])
+            .plan(5, [(1, 1), (1, 7), (1, 8)])
+            .unwrap();
+        assert_eq!(plan.load, vec![(1, 7), (1, 8)]);
+        let staging = Staging {
+            plan,
+            started: Instant::now(),
+            loader: std::thread::spawn(|| Err("not run".to_string())),
+            superseded: Arc::default(),
+        };
+        let hold = |version: u64, entries: &[(u32, u32, u32)]| {
+            (
+                Placement::new(PlacementOp::Hold, version, entries.len()),
+                encode_placement_entries(entries),
+            )
+        };
+        let by = |(p, payload): (Placement, Vec<u8>)| staging.superseded_by(&p, &payload, 3);
+        assert!(by(hold(6, &[(3, 1, 1)])), "an undo drops both gains");
+        assert!(by(hold(6, &[(3, 1, 1), (3, 1, 7)])), "drops one gain");
+        assert!(!by(hold(6, &[(3, 1, 1), (3, 1, 7), (3, 1, 8), (3, 1, 9)])));
+        assert!(!by(hold(5, &[(3, 1, 1)])), "not newer");
+        assert!(!by(hold(4, &[(3, 1, 1)])), "older");
+        assert!(!by(hold(6, &[(2, 1, 1)])), "another rank's: refused anyway");
+        let (p, mut payload) = hold(6, &[(3, 1, 1)]);
+        payload.pop();
+        assert!(!staging.superseded_by(&p, &payload, 3), "malformed");
+    }
 
     /// The shares of a forwarded dispatch are reserved all together or not at all (nothing
     /// held after a refusal), within the backlog's bound; what a send gives back can be

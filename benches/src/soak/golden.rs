@@ -432,19 +432,27 @@ pub fn spawn_clients(
     golden: &Arc<Golden>,
     stop: &Arc<AtomicBool>,
 ) -> Vec<std::thread::JoinHandle<Vec<CallRecord>>> {
+    let stop = Arc::clone(stop);
+    spawn_clients_until(n, opts, golden, move |_| stop.load(Ordering::Relaxed))
+}
+
+/// [`spawn_clients`], each client calling until `done(its calls so far)` says so (asked
+/// before each call).
+pub fn spawn_clients_until(
+    n: usize,
+    opts: &DriveOptions,
+    golden: &Arc<Golden>,
+    done: impl Fn(&[CallRecord]) -> bool + Clone + Send + 'static,
+) -> Vec<std::thread::JoinHandle<Vec<CallRecord>>> {
     (0..n)
         .map(|id| {
-            let (opts, golden, stop) = (opts.clone(), Arc::clone(golden), Arc::clone(stop));
-            let mut o = opts;
+            let (mut o, golden, done) = (opts.clone(), Arc::clone(golden), done.clone());
             // Spread the clients over the routers.
             let n = o.routers.len();
             if n > 1 && !o.failover {
                 o.routers.rotate_left(id % n);
             }
-            std::thread::spawn(move || {
-                let first = id * 7;
-                drive(id, &o, &golden, first, &stop)
-            })
+            std::thread::spawn(move || drive_until(id, &o, &golden, id * 7, &done))
         })
         .collect()
 }

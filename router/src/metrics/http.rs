@@ -374,23 +374,28 @@ async fn serve_one(
         stream.shutdown().await
     };
     let written = tokio::time::timeout(registry.limits.write, write).await;
-    if written.is_ok() && announces_body(&head) {
-        // The body the client sent after its head is read and dropped until it closes: a
-        // socket closed with unread bytes is reset, and a reset that overtakes the answer on
-        // the way can discard it before the client reads it (a lingering close). Bounded in
-        // bytes and time; requests without a body (every probe and scrape) close at once.
-        let drain = async {
-            let mut chunk = [0u8; 4096];
-            let mut left = MAX_DRAINED_BYTES;
-            while left > 0 {
-                match stream.read(&mut chunk).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => left = left.saturating_sub(n),
-                }
-            }
-        };
-        let _ = tokio::time::timeout(registry.limits.read, drain).await;
+    if matches!(written, Ok(Ok(()))) && announces_body(&head) {
+        linger(&mut stream, registry.limits.read).await;
     }
+}
+
+/// Reads and drops what the client sent after its head (a body) until it closes, for at most
+/// `limit` and [`MAX_DRAINED_BYTES`]: a socket closed with unread bytes is reset, and a reset
+/// that overtakes the answer on the way can discard it before the client reads it (a
+/// lingering close). Only after a request that announced a body: every probe and scrape
+/// closes at once.
+async fn linger(stream: &mut tokio::net::TcpStream, limit: Duration) {
+    let drain = async {
+        let mut chunk = [0u8; 4096];
+        let mut left = MAX_DRAINED_BYTES;
+        while left > 0 {
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(limit, drain).await;
 }
 
 /// Most bytes read and dropped after an answer (a request body) before the connection closes.

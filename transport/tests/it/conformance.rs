@@ -654,7 +654,18 @@ async fn failed_authentication_is_refused(kind: Driver) {
     // The right secret connects.
     let mut c1 = config(kind, 1, &addrs, dir.path());
     c1.protocol.credentials = Some(Arc::new(Credentials::shared_secret(b"right secret")));
-    let (m1, _e1) = Mesh::start(c1).await.unwrap();
+    // On the first one's address, which its listener frees as its aborted task ends.
+    let guard = std::time::Instant::now();
+    let (m1, _e1) = loop {
+        match Mesh::start(c1.clone()).await {
+            Err(StartError::Bind { source, .. })
+                if source.kind() == std::io::ErrorKind::AddrInUse && guard.elapsed() < T =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            started => break started.unwrap(),
+        }
+    };
     m1.wait_connected(&[0], T).await.unwrap();
     m0.shutdown();
     m1.shutdown();

@@ -99,7 +99,16 @@ static SHM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// the caller skips.
 pub(crate) async fn shm_room(need: u64) -> Option<tokio::sync::MutexGuard<'static, ()>> {
     let guard = SHM.lock().await;
-    let free = shm_free_bytes();
+    // The previous holder's rings may still be on their way out (removed as its tasks end):
+    // room that appears within a few seconds is room.
+    let mut free = shm_free_bytes();
+    for _ in 0..50 {
+        if free >= need {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        free = shm_free_bytes();
+    }
     if free < need {
         use std::io::Write;
         let _ = writeln!(
