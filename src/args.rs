@@ -102,7 +102,9 @@ pub(crate) fn threads_parser() -> clap::builder::RangedU64ValueParser<usize> {
 }
 
 /// `HOST:PORT` (a host name or an IP address), resolved ([`expertmesh_fabric::endpoint`]).
-pub(crate) fn parse_endpoint(s: &str) -> Result<SocketAddr, String> {
+pub(crate) fn parse_endpoint(
+    s: &str,
+) -> Result<SocketAddr, expertmesh_fabric::endpoint::EndpointError> {
     expertmesh_fabric::endpoint::parse_endpoint(s)
 }
 

@@ -219,6 +219,7 @@ impl CommonArgs {
 fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Result<()> {
     use clap::Parser;
     use clap::error::ErrorKind;
+    use expertmesh_fabric::endpoint::EndpointError;
     if extra.is_empty() {
         return Ok(());
     }
@@ -228,10 +229,21 @@ fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Re
         .chain(extra.iter().cloned());
     match crate::cli::Cli::try_parse_from(argv) {
         Ok(_) => Ok(()),
-        Err(e) if e.kind() == ErrorKind::MissingRequiredArgument => Ok(()),
+        // Missing only what deploy adds itself (not a flag an extra argument requires).
+        Err(e)
+            if e.kind() == ErrorKind::MissingRequiredArgument
+                && missing_args(&e)
+                    .iter()
+                    .all(|m| DEPLOY_ADDS.contains(&m.as_str())) =>
+        {
+            Ok(())
+        }
+        // A host name only the cluster resolves (its nodes' names), not this machine.
         Err(e)
             if e.kind() == ErrorKind::ValueValidation
-                && e.to_string().contains("cannot resolve") =>
+                && std::error::Error::source(&e)
+                    .and_then(|s| s.downcast_ref::<EndpointError>())
+                    .is_some_and(|s| matches!(s, EndpointError::Unresolved { .. })) =>
         {
             Ok(())
         }
@@ -249,6 +261,37 @@ fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Re
                 extra.join(" ")
             )
         }
+    }
+}
+
+/// The flags deploy gives every router or worker itself (`expertmesh_fabric::engines`'
+/// process arguments): their absence is no fault of an extra argument.
+const DEPLOY_ADDS: &[&str] = &[
+    "--topology",
+    "--model",
+    "--weights",
+    "--placement",
+    "--seed",
+    "--instance",
+    "--device",
+    "--metrics",
+    "--credentials",
+    "--insecure",
+];
+
+/// The flags a clap "required arguments were not provided" error names (`--tile-cache`
+/// of `--tile-cache <DIR>`).
+fn missing_args(e: &clap::Error) -> Vec<String> {
+    use clap::error::{ContextKind, ContextValue};
+    match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::Strings(v)) => v
+            .iter()
+            .map(|a| a.split_whitespace().next().unwrap_or(a).to_owned())
+            .collect(),
+        Some(ContextValue::String(a)) => {
+            vec![a.split_whitespace().next().unwrap_or(a).to_owned()]
+        }
+        _ => Vec::new(),
     }
 }
 

@@ -2045,6 +2045,10 @@ fn deploy_refuses_host_names_and_metrics_ports_that_cannot_work() {
             vec!["--worker-arg=--metrics=127.0.0.1:9"],
             "deploy sets --metrics for every worker itself",
         ),
+        // An address no machine can use (only one this machine cannot resolve passes).
+        (vec!["--worker-arg=--router=router-0"], "has no port"),
+        // A flag that needs another the user did not give (deploy adds neither).
+        (vec!["--worker-arg=--prepare-tile-cache"], "--tile-cache"),
     ] {
         let r = deploy(&extra);
         assert_eq!(r.code, 2, "{extra:?}: {}{}", r.stdout, r.stderr);
