@@ -38,6 +38,21 @@ pub(super) struct IndexFile {
     pub(super) weight_map: BTreeMap<String, String>,
 }
 
+/// `Err` [`SafetensorsError::DanglingLink`] when `path` is a symbolic link to nothing (what a
+/// Hugging Face cache snapshot copied without `-L` holds): "no such file" would be wrong
+/// where `ls` lists it.
+fn dangling(path: &Path) -> Result<()> {
+    let is_link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    if is_link && std::fs::metadata(path).is_err() {
+        let target = std::fs::read_link(path).unwrap_or_default();
+        return Err(SafetensorsError::DanglingLink {
+            link: path.to_path_buf(),
+            target,
+        });
+    }
+    Ok(())
+}
+
 impl Checkpoint {
     /// Opens the checkpoint in `dir`: reads its index (checking every file it names exists), or
     /// opens its single `model.safetensors`.
@@ -51,8 +66,10 @@ impl Checkpoint {
         if index.is_file() {
             return Checkpoint::from_index(dir, index);
         }
+        dangling(&index)?;
         let single = dir.join(SINGLE_FILE);
         if !single.is_file() {
+            dangling(&single)?;
             return Err(SafetensorsError::NoCheckpointFiles { dir });
         }
         let file = SafetensorsFile::open(&single)?;
@@ -104,6 +121,7 @@ impl Checkpoint {
             if i == next {
                 let path = dir.join(&file);
                 if !path.is_file() {
+                    dangling(&path)?;
                     return Err(SafetensorsError::MissingShard {
                         index,
                         file: path,

@@ -226,6 +226,21 @@ pub enum SafetensorsError {
         /// The folder.
         dir: PathBuf,
     },
+    /// A checkpoint file is a symbolic link to nothing (a Hugging Face cache snapshot copied
+    /// without the blobs its links point at).
+    #[error(
+        "{} is a link to {}, which does not exist (a Hugging Face snapshot copied without its \
+         blobs?); copy the checkpoint with its files (`cp -rL`), or point at the snapshot in \
+         the cache itself",
+        link.display(),
+        target.display()
+    )]
+    DanglingLink {
+        /// The link.
+        link: PathBuf,
+        /// Where it points.
+        target: PathBuf,
+    },
     /// The index file is malformed.
     #[error(
         "{}: {message}; the index is corrupt: re-download {INDEX_FILE}",

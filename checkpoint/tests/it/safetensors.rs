@@ -584,6 +584,47 @@ fn truncated_data_is_refused() {
     );
 }
 
+/// A Hugging Face cache snapshot copied without `-L`: every file a link to a blob that is not
+/// there. Said as such (a link to what), not "has no model files" or "does not exist".
+#[test]
+fn links_to_nothing_are_named_as_links() {
+    use std::os::unix::fs::symlink;
+    let dir = TempDir::new().unwrap();
+    let blob = "../../blobs/0f3c";
+    symlink(blob, dir.path().join("model.safetensors.index.json")).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, SafetensorsError::DanglingLink { target, .. } if target.to_str() == Some(blob)),
+        "{err}"
+    );
+    assert_names(
+        &err,
+        dir.path(),
+        &["model.safetensors.index.json", blob, "cp -rL"],
+    );
+    // The single file, and a shard an index names.
+    std::fs::remove_file(dir.path().join("model.safetensors.index.json")).unwrap();
+    symlink(blob, dir.path().join("model.safetensors")).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, SafetensorsError::DanglingLink { .. }),
+        "{err}"
+    );
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let shard = "model-00001-of-00001.safetensors";
+    symlink(blob, dir.path().join(shard)).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index_json(&[("a", shard)]),
+    )
+    .unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, SafetensorsError::DanglingLink { link, .. } if link.ends_with(shard)),
+        "{err}"
+    );
+}
+
 #[test]
 fn missing_tensors_and_files_are_named() {
     let dir = TempDir::new().unwrap();
