@@ -325,6 +325,7 @@ pub fn source_quant(
     spec: &ModelSpec,
     family: Family,
 ) -> Result<QuantSpec, ExpertError> {
+    crate::gptq_import::check_quant_method(ckpt.dir())?;
     let which = ExpertRef::Routed(0);
     let Some(&layer) = spec.moe_layer_ids().first() else {
         return Err(ExpertError::NoSuchExpert {

@@ -114,6 +114,47 @@ pub fn read_quant_config(dir: &Path) -> Result<QuantConfig, ExpertError> {
     Ok(QuantConfig::default())
 }
 
+/// The `quant_method`s whose checkpoints the converter reads (FP8 with block scales, GPTQ,
+/// AWQ, compressed-tensors' `pack-quantized`; unquantized checkpoints name none).
+const READ_METHODS: [&str; 5] = [
+    "fp8",
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "compressed_tensors",
+];
+
+/// Refuses, naming it, a checkpoint in `dir` quantized by a method the converter does not read
+/// (bitsandbytes, NVIDIA modelopt's FP4, MLX, HQQ, ...): its expert tensors have other dtypes
+/// and shapes, and without this check the first one fails as "the checkpoint does not match
+/// its config.json".
+pub fn check_quant_method(dir: &Path) -> Result<(), ExpertError> {
+    let q = read_quant_config(dir)?;
+    let path = q.path.as_deref().unwrap_or(dir);
+    if let Some(m) = q.method.as_deref().filter(|m| !READ_METHODS.contains(m)) {
+        return Err(config_error(
+            path,
+            &format!(
+                "quant_method \"{m}\" is not a format expertmesh convert reads (it reads \
+                 bf16/fp16/fp32, fp8 with block scales, gptq, awq and compressed-tensors \
+                 pack-quantized); convert from the model's BF16 checkpoint"
+            ),
+        ));
+    }
+    let config_path = dir.join(CONFIG_FILE);
+    if q.path.is_none() && config_path.is_file() {
+        let config = read_json(&config_path)?;
+        if config.get("quantization").is_some_and(Value::is_object) {
+            return Err(config_error(
+                &config_path,
+                "\"quantization\" says an MLX-quantized checkpoint, which expertmesh convert \
+                 does not read; convert from the model's BF16 checkpoint",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The fields of a quantization config object `q` read from `path`.
 fn quant_config(path: PathBuf, q: &Map<String, Value>) -> QuantConfig {
     let text = |key: &str| {

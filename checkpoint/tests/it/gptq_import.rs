@@ -553,6 +553,39 @@ fn unreadable_configs_are_refused() {
     }
 }
 
+/// A checkpoint quantized by a method the converter does not read is refused by `source_quant`
+/// (before anything is written), naming the method and what to convert from, not blamed on a
+/// tensor's shape; so is an MLX-quantized one (its `quantization` key).
+#[test]
+fn checkpoints_of_methods_not_read_are_refused_by_name() {
+    let c = Case::new(Fmt::V1, 32);
+    let (_, all) = generate(&c);
+    for (config, needle) in [
+        (
+            serde_json::json!({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true}}),
+            "\"bitsandbytes\" is not a format",
+        ),
+        (
+            serde_json::json!({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}),
+            "\"modelopt\" is not a format",
+        ),
+        (
+            serde_json::json!({"quantization": {"group_size": 64, "bits": 4}}),
+            "MLX-quantized",
+        ),
+    ] {
+        let e = source_quant_of(&c, &all, Some(config), g32()).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, ExpertError::Config { .. })
+                && msg.contains("config.json")
+                && msg.contains(needle)
+                && msg.contains("BF16 checkpoint"),
+            "{msg}"
+        );
+    }
+}
+
 /// `source_quant` of a checkpoint of `tensors` (+ `config`) for a model with quant `q`.
 fn source_quant_of(
     c: &Case,
