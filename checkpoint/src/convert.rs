@@ -685,7 +685,13 @@ fn router_tensors(job: &ConvertJob<'_>) -> Vec<(u32, RouterTensors)> {
     let bias_stored =
         job.spec.scoring == Scoring::SigmoidBias && !crate::hf_config::greedy_topk(job.ckpt.dir());
     let tensors = |layer: u32| {
-        let (wname, bname) = gate_tensor_names(job.family, layer);
+        let (mut wname, bname) = gate_tensor_names(job.family, layer);
+        // transformers v5 saves Mixtral's `block_sparse_moe` as `mlp` (its fused experts are
+        // found there too: `experts::fused_expert_tensors`).
+        let v5 = format!("model.layers.{layer}.mlp.gate.weight");
+        if !job.ckpt.contains(&wname) && job.ckpt.contains(&v5) {
+            wname = v5;
+        }
         let shared_gate = job.spec.shared_expert_gate.then(|| {
             let name = format!("model.layers.{layer}.mlp.shared_expert_gate.weight");
             (name, vec![1, h])

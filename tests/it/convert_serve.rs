@@ -366,9 +366,20 @@ fn mixtral_f32_in_two_files_matches_the_reference() {
 /// to the reference.
 #[test]
 fn qwen3_moe_with_fused_experts_converts_as_per_expert_tensors() {
+    fused_experts_convert_as_per_expert_tensors("qwen3_moe");
+}
+
+/// The same for Mixtral, whose whole `block_sparse_moe` block transformers v5 saves as `mlp`
+/// (its router gate too).
+#[test]
+fn mixtral_with_fused_experts_converts_as_per_expert_tensors() {
+    fused_experts_convert_as_per_expert_tensors("mixtral");
+}
+
+fn fused_experts_convert_as_per_expert_tensors(model_type: &str) {
     let _machine = crate::support::shared();
     let dir = tempfile::tempdir().unwrap();
-    let per_expert = TinySpec::for_model_type("qwen3_moe").with_files(2);
+    let per_expert = TinySpec::for_model_type(model_type).with_files(2);
     let fused = TinySpec {
         fused_experts: true,
         ..per_expert.clone()
@@ -385,7 +396,10 @@ fn qwen3_moe_with_fused_experts_converts_as_per_expert_tensors() {
     convert(&b.dir, &out_b);
     let (experts_a, _) = converted_experts(&out_a);
     let (experts_b, _) = converted_experts(&out_b);
-    assert_eq!(experts_a.len(), 8 * per_expert.moe_layers().len());
+    assert_eq!(
+        experts_a.len(),
+        per_expert.routed_experts * per_expert.moe_layers().len()
+    );
     assert_eq!(
         experts_a.keys().collect::<Vec<_>>(),
         experts_b.keys().collect::<Vec<_>>()

@@ -147,7 +147,7 @@ fn expected_tensors(spec: &TinySpec) -> Vec<(String, Dtype, Vec<usize>)> {
         }
     }
     for l in spec.moe_layers() {
-        out.push((router_name(spec.family, l), Dtype::BF16, vec![e, h]));
+        out.push((router_name(spec, l), Dtype::BF16, vec![e, h]));
         if spec.is_sigmoid() {
             out.push((bias_name(l), Dtype::F32, vec![e]));
         }
@@ -372,7 +372,7 @@ fn recorded(ck: &TinyCheckpoint) -> Vec<(String, &[f64])> {
                 ck.expert(l, which),
             );
         }
-        out.push((router_name(spec.family, l), &ck.moe(l).gate));
+        out.push((router_name(spec, l), &ck.moe(l).gate));
         if let Some(b) = &ck.moe(l).bias {
             out.push((bias_name(l), b));
         }

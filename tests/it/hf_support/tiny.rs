@@ -535,11 +535,7 @@ fn pack_quantized_config(spec: &TinySpec) -> Value {
             ignore.extend(["gate", "up", "down"].map(|w| format!("{p}.mlp.{w}_proj")));
             continue;
         }
-        ignore.push(
-            router_name(spec.family, l)
-                .trim_end_matches(".weight")
-                .to_string(),
-        );
+        ignore.push(router_name(spec, l).trim_end_matches(".weight").to_string());
         if spec.shared {
             let names = shared_expert_names(spec.family, l);
             ignore.extend(names.map(|n| n.trim_end_matches(".weight").to_string()));
@@ -571,10 +567,13 @@ fn pack_quantized_config(spec: &TinySpec) -> Value {
     })
 }
 
-/// The router weight name of MoE layer `l`.
-pub(crate) fn router_name(family: Family, l: usize) -> String {
-    match family {
-        Family::Mixtral => format!("model.layers.{l}.block_sparse_moe.gate.weight"),
+/// The router weight name of MoE layer `l` (Mixtral's `block_sparse_moe` is `mlp` where the
+/// experts are fused: transformers v5 renames the whole block).
+pub(crate) fn router_name(spec: &TinySpec, l: usize) -> String {
+    match spec.family {
+        Family::Mixtral if !spec.fused_experts => {
+            format!("model.layers.{l}.block_sparse_moe.gate.weight")
+        }
         _ => format!("model.layers.{l}.mlp.gate.weight"),
     }
 }
@@ -1072,7 +1071,7 @@ pub(crate) fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) -> TinyCheckpoi
 /// `spec.dtype`, shared expert in the non-routed format, Qwen2-MoE's shared expert gate (BF16).
 fn write_moe_layer(w: &mut Writer, spec: &TinySpec, l: usize) -> TinyMoe {
     let (h, e) = (spec.hidden, spec.routed_experts);
-    let gate = w.linear(&router_name(spec.family, l), e, h, WeightFormat::Bf16);
+    let gate = w.linear(&router_name(spec, l), e, h, WeightFormat::Bf16);
     let bias = spec.is_sigmoid().then(|| {
         let b: Vec<f64> = if spec.nonzero_bias {
             (0..e).map(|_| w.rng.uniform(-0.1, 0.1)).collect()
