@@ -38,6 +38,12 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// " (in FILE)" for an error's message, when the file is known.
+fn in_file(file: Option<&Path>) -> String {
+    file.map(|f| format!(" (in {})", f.display()))
+        .unwrap_or_default()
+}
+
 /// The model file's name in a weights folder.
 pub const MODEL_FILE: &str = "model.toml";
 /// The placement file's name in a weights folder.
@@ -47,12 +53,16 @@ pub const PLACEMENT_FILE: &str = "placement.toml";
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
     /// Reading or converting one expert failed.
-    #[error("layer {layer}, {which}: {source}")]
+    #[error("layer {layer}, {which}: {source}{}", in_file(file.as_deref().map(PathBuf::as_path)))]
     Expert {
         /// Layer.
         layer: u32,
         /// Which expert.
         which: ExpertRef,
+        /// The checkpoint file holding the tensor the error names (of a checkpoint of many
+        /// files: the one to re-download).
+        /// (Boxed: the error stays small.)
+        file: Option<Box<PathBuf>>,
         /// Why.
         #[source]
         source: ExpertError,
@@ -371,6 +381,7 @@ fn check_dense_shared_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> 
                 ConvertError::Expert {
                     layer,
                     which: ExpertRef::Shared,
+                    file: None,
                     source,
                 }
             })?;
@@ -516,6 +527,10 @@ fn write_experts(
                         .map_err(|source| ConvertError::Expert {
                             layer: it.layer,
                             which: it.which,
+                            file: source
+                                .tensor()
+                                .and_then(|t| job.ckpt.file_of(t))
+                                .map(|f| Box::new(f.to_path_buf())),
                             source,
                         });
                     failed.fetch_or(r.is_err(), Ordering::Relaxed);
@@ -642,6 +657,7 @@ fn write_dense_shared(
         ConvertError::Expert {
             layer,
             which: ExpertRef::Shared,
+            file: None,
             source,
         }
     })?;

@@ -167,6 +167,21 @@ pub enum ExpertError {
     },
 }
 
+impl ExpertError {
+    /// The checkpoint tensor the error is about, when it names one.
+    pub fn tensor(&self) -> Option<&str> {
+        match self {
+            ExpertError::Shape { tensor, .. }
+            | ExpertError::Dtype { tensor, .. }
+            | ExpertError::NonFinite { tensor, .. }
+            | ExpertError::Packed { tensor, .. }
+            | ExpertError::Fused { tensor, .. }
+            | ExpertError::Quantize { tensor, .. } => Some(tensor),
+            _ => None,
+        }
+    }
+}
+
 /// The checkpoint tensor names `[gate, up, down]` of one expert of `layer` in `family`'s layout.
 pub fn expert_tensor_names(
     family: Family,

@@ -158,6 +158,15 @@ fn nan_weights_and_a_nan_gate_are_named() {
         let r = convert(&ck, &d.path().join("w"));
         fails_naming(&r, target);
         assert!(r.stderr.contains("not finite"), "{}", r.stderr);
+        if target == UP {
+            // The file that holds it (of a checkpoint of many: the one to re-download).
+            let file = ck.join("model.safetensors");
+            assert!(
+                r.stderr.contains(&format!("(in {})", file.display())),
+                "{}",
+                r.stderr
+            );
+        }
     }
 }
 
