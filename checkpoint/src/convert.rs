@@ -128,6 +128,100 @@ pub enum ConvertError {
         /// Why.
         reason: String,
     },
+    /// A checkpoint file changed (or went) while it was converted: the shards and the
+    /// manifest's hashes would describe different files.
+    #[error(
+        "{}: {what} during the conversion; run it again once the checkpoint is complete and \
+         left alone (what was converted from the old file is redone)",
+        path.display()
+    )]
+    SourceChanged {
+        /// The file.
+        path: PathBuf,
+        /// What changed.
+        what: String,
+    },
+}
+
+/// What identifies a checkpoint file's content on disk: its size, modification time and (on
+/// Unix) device and inode, read when the conversion starts and again before its manifest is
+/// written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileIdentity {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    inode: (u64, u64),
+}
+
+impl FileIdentity {
+    fn of(path: &Path) -> std::io::Result<FileIdentity> {
+        let m = std::fs::metadata(path)?;
+        #[cfg(unix)]
+        let inode = {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        };
+        #[cfg(not(unix))]
+        let inode = (0, 0);
+        Ok(FileIdentity {
+            len: m.len(),
+            modified: m.modified().ok(),
+            inode,
+        })
+    }
+}
+
+/// The small files, then (every checkpoint file still the one converted) the manifest, last:
+/// a folder with a manifest is complete.
+fn write_last(
+    job: &ConvertJob<'_>,
+    manifest: &Manifest,
+    identities: &[(PathBuf, FileIdentity)],
+) -> Result<(), ConvertError> {
+    write_small(
+        job.out,
+        MODEL_FILE,
+        &expertmesh_topology::model_file::model_to_toml_string(job.spec),
+    )?;
+    write_small(job.out, PLACEMENT_FILE, job.placement_text)?;
+    check_unchanged(identities)?;
+    manifest.write(job.out)?;
+    Ok(())
+}
+
+/// The identity of every checkpoint file of `ckpt` now ([`check_unchanged`] compares).
+fn source_identities(ckpt: &Checkpoint) -> Result<Vec<(PathBuf, FileIdentity)>, ConvertError> {
+    ckpt.files()
+        .map(|path| {
+            let id = FileIdentity::of(path).map_err(|source| ConvertError::Io {
+                path: path.to_path_buf(),
+                what: "reading its size and time",
+                source,
+            })?;
+            Ok((path.to_path_buf(), id))
+        })
+        .collect()
+}
+
+/// Every file of `before` is still the file it was (not replaced, grown, cut, touched or
+/// removed).
+fn check_unchanged(before: &[(PathBuf, FileIdentity)]) -> Result<(), ConvertError> {
+    for (path, was) in before {
+        let what = match FileIdentity::of(path) {
+            Err(e) => format!("it could not be looked at any more ({e})"),
+            Ok(now) if now.inode != was.inode => "it was replaced by another file".into(),
+            Ok(now) if now.len != was.len => {
+                format!("its size changed from {} to {} bytes", was.len, now.len)
+            }
+            Ok(now) if now.modified != was.modified => "it was modified".into(),
+            Ok(_) => continue,
+        };
+        return Err(ConvertError::SourceChanged {
+            path: path.clone(),
+            what,
+        });
+    }
+    Ok(())
 }
 
 /// Progress of a conversion, for a progress bar.
@@ -260,6 +354,7 @@ pub fn convert(
             reason: e.to_string(),
         })?;
     let fingerprint = fingerprint(job)?;
+    let identities = source_identities(job.ckpt)?;
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
     check_dense_shared_tensors(job)?;
@@ -290,12 +385,6 @@ pub fn convert(
     let (records, kept, written, converted) = shards?;
     let (router, router_bytes) = router?;
     let files = files?.expect("hashing is stopped only after a failure, returned above");
-    write_small(
-        job.out,
-        MODEL_FILE,
-        &expertmesh_topology::model_file::model_to_toml_string(job.spec),
-    )?;
-    write_small(job.out, PLACEMENT_FILE, job.placement_text)?;
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
         format_version: MANIFEST_VERSION,
@@ -317,7 +406,7 @@ pub fn convert(
         shared_dense: job.shared_dense,
         layers: layer_errors(job.out, job.spec, devices.len())?,
     };
-    manifest.write(job.out)?;
+    write_last(job, &manifest, &identities)?;
     Ok(ConvertReport {
         manifest,
         shards_kept: kept,
@@ -972,9 +1061,11 @@ fn source_files(
     stop: &AtomicBool,
 ) -> Result<Option<Vec<SourceFile>>, ConvertError> {
     let config = ckpt.dir().join("config.json");
+    // config.json may be absent (it is hashed where it exists); a checkpoint file is not:
+    // one gone is an error here.
     let paths: Vec<&Path> = std::iter::once(config.as_path())
-        .chain(ckpt.files())
         .filter(|p| p.exists())
+        .chain(ckpt.files())
         .collect();
     paths.into_iter().map(|p| hash_file(p, stop)).collect()
 }
@@ -1063,6 +1154,53 @@ fn layer_errors(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A checkpoint file replaced (a re-download renamed over it), cut, touched or removed
+    /// between the start and the manifest is named; one left alone is not.
+    #[test]
+    fn a_checkpoint_file_that_changed_during_the_conversion_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let ids = |p: &Path| vec![(p.to_path_buf(), FileIdentity::of(p).unwrap())];
+        std::fs::write(&path, b"0123456789").unwrap();
+        let before = ids(&path);
+        check_unchanged(&before).unwrap();
+        let changed = |what: &str| {
+            let e = check_unchanged(&before).unwrap_err();
+            assert!(
+                matches!(&e, ConvertError::SourceChanged { path: p, .. } if p == &path)
+                    && e.to_string().contains(what),
+                "{e}"
+            );
+        };
+        // Replaced by another file of the same size (a rename over it).
+        let other = dir.path().join("new");
+        std::fs::write(&other, b"abcdefghij").unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        changed("replaced");
+        let before = ids(&path);
+        // Cut in place.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4)
+            .unwrap();
+        let e = check_unchanged(&before).unwrap_err().to_string();
+        assert!(e.contains("from 10 to 4 bytes"), "{e}");
+        // Modified in place, same size.
+        let before = ids(&path);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_modified(std::time::SystemTime::UNIX_EPOCH).unwrap();
+        drop(f);
+        let e = check_unchanged(&before).unwrap_err().to_string();
+        assert!(e.contains("modified"), "{e}");
+        // Removed.
+        let before = ids(&path);
+        std::fs::remove_file(&path).unwrap();
+        let e = check_unchanged(&before).unwrap_err().to_string();
+        assert!(e.contains("could not be looked at"), "{e}");
+    }
 
     /// A stopped hash reads nothing more: `None`, where the same file otherwise hashes to the
     /// SHA-256 of its bytes.
