@@ -238,7 +238,6 @@ fn open_fused<'a>(
 ) -> Result<[RowSource<'a>; 3], ExpertError> {
     let open = |name: &str, shape: [usize; 3]| -> Result<TensorView<'a>, ExpertError> {
         let view = ckpt.tensor(name)?;
-        check_shape(name, view.shape(), &shape)?;
         if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
             return Err(ExpertError::Fused {
                 tensor: name.to_string(),
@@ -250,6 +249,7 @@ fn open_fused<'a>(
                 ),
             });
         }
+        check_shape(name, view.shape(), &shape)?;
         Ok(view.select(e)?)
     };
     let gu = open(gate_up, [experts, 2 * inter, hidden])?;
@@ -603,16 +603,24 @@ impl<'a> RowSource<'a> {
     /// loads and checks its `…_scale_inv` grid.
     fn open(ckpt: &'a Checkpoint, name: &str, shape: [usize; 2]) -> Result<Self, ExpertError> {
         let view = ckpt.tensor(name)?;
-        check_shape(name, view.shape(), &shape)?;
-        let scales = match view.dtype() {
-            Dtype::BF16 | Dtype::F16 | Dtype::F32 => None,
-            Dtype::F8E4M3 => Some(load_scales(ckpt, name, shape)?),
+        // The dtype first: a weight of a layout not read (packed bytes, another quantizer's
+        // integers) has another shape too, and is named for its dtype, not as a mismatch with
+        // config.json.
+        let fp8 = match view.dtype() {
+            Dtype::BF16 | Dtype::F16 | Dtype::F32 => false,
+            Dtype::F8E4M3 => true,
             dtype => {
                 return Err(ExpertError::Dtype {
                     tensor: name.to_string(),
                     dtype,
                 });
             }
+        };
+        check_shape(name, view.shape(), &shape)?;
+        let scales = if fp8 {
+            Some(load_scales(ckpt, name, shape)?)
+        } else {
+            None
         };
         Ok(RowSource {
             name: name.to_string(),

@@ -379,6 +379,22 @@ fn wrong_shape_is_named() {
     assert!(msg.contains(DOWN) && msg.contains("[64, 32]"), "{msg}");
 }
 
+/// A weight of a layout the converter does not read (here bitsandbytes-style packed bytes,
+/// U8 with half the rows) is named for its dtype, not as a shape that contradicts config.json.
+#[test]
+fn a_weight_of_an_unread_dtype_is_named_for_its_dtype_not_its_shape() {
+    let err = read_broken(|t| {
+        let down = t.iter_mut().find(|(n, ..)| n == DOWN).unwrap();
+        down.1 = Dtype::U8;
+        down.2 = vec![32, 1];
+        down.3.truncate(32);
+    });
+    assert!(
+        matches!(&err, ExpertError::Dtype { tensor, dtype: Dtype::U8 } if tensor == DOWN),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn nan_is_named_with_row_and_column() {
     let err = read_broken(|t| {
