@@ -331,32 +331,68 @@ pub fn read_expert(
 }
 
 /// The [`QuantSpec`] under which `ckpt`'s experts import losslessly, read off routed expert 0 of
-/// the first MoE layer: `spec.quant` unchanged for float and FP8 sources (they are quantized
+/// every MoE layer: `spec.quant` unchanged for float and FP8 sources (they are quantized
 /// anyway); for compressed-tensors `pack-quantized` its group size (columns / `weight_scale`
 /// columns) and scale dtype, without zero points; for GPTQ / AWQ what [`gptq_source_quant`]
-/// says. The converter sets the model's quant to this before reading experts.
+/// says. Layers stored in float or FP8 beside quantized ones are quantized to the quantized
+/// ones' spec; quantized layers of different settings are refused here, before anything is
+/// written, naming both. The converter sets the model's quant to this before reading experts.
 pub fn source_quant(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
     family: Family,
 ) -> Result<QuantSpec, ExpertError> {
     crate::gptq_import::check_quant_method(ckpt.dir())?;
-    let which = ExpertRef::Routed(0);
-    let Some(&layer) = spec.moe_layer_ids().first() else {
+    let layers = spec.moe_layer_ids();
+    if layers.is_empty() {
         return Err(ExpertError::NoSuchExpert {
             layer: 0,
-            which,
+            which: ExpertRef::Routed(0),
             reason: format!("{} has no MoE layer", spec.name),
         });
-    };
+    }
+    let mut found: Option<(u32, QuantSpec)> = None;
+    for layer in layers {
+        let Some(quant) = layer_source_quant(ckpt, spec, family, layer)? else {
+            continue;
+        };
+        match found {
+            None => found = Some((layer, quant)),
+            Some((first, q)) if q != quant => {
+                let names = expert_tensor_names(family, layer, ExpertRef::Routed(0))?;
+                return Err(ExpertError::Packed {
+                    tensor: names[0].clone(),
+                    reason: format!(
+                        "layer {layer}'s experts are stored as {quant:?}, layer {first}'s as \
+                         {q:?}: this checkpoint mixes quantization settings, which cannot be \
+                         imported losslessly into one format; convert from the model's BF16 \
+                         checkpoint"
+                    ),
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(found.map_or(spec.quant, |(_, q)| q))
+}
+
+/// The spec routed expert 0 of `layer` imports losslessly under (see [`source_quant`]);
+/// `None` for float and FP8 sources (checked: FP8 with block scales).
+fn layer_source_quant(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+) -> Result<Option<QuantSpec>, ExpertError> {
+    let which = ExpertRef::Routed(0);
     let inter = expert_inter(spec, family, layer, which)?;
     let hidden = spec.hidden as usize;
     let names = expert_tensor_names(family, layer, which)?;
     if let Some(quant) = packed_source_quant(ckpt, &names, inter, hidden)? {
-        return Ok(quant);
+        return Ok(Some(quant));
     }
     if let Some(quant) = gptq_source_quant(ckpt, &names, inter, hidden)? {
-        return Ok(quant);
+        return Ok(Some(quant));
     }
     if ckpt
         .tensor_info(&names[0])
@@ -365,7 +401,7 @@ pub fn source_quant(
         check_fp8_scales_are_blocks(ckpt, &names)?;
         check_fp8_block(ckpt)?;
     }
-    Ok(spec.quant)
+    Ok(None)
 }
 
 /// FP8 weights are read with their block-scale grids (`…weight_scale_inv`, DeepSeek-V3's

@@ -586,6 +586,55 @@ fn checkpoints_of_methods_not_read_are_refused_by_name() {
     }
 }
 
+/// Every MoE layer's experts are looked at before anything is written: quantized layers of
+/// different settings are refused naming both layers; a layer stored in BF16 beside quantized
+/// ones is quantized to their spec (whichever layer comes first).
+#[test]
+fn every_layer_is_read_for_the_source_spec() {
+    let c128 = Case::new(Fmt::Awq, 128);
+    let c32 = Case { group: 32, ..c128 };
+    let (h, f) = (c128.h, c128.f);
+    let two_layers = |q: QuantSpec| {
+        let mut m = model(h, f, q);
+        m.num_layers = 2;
+        m
+    };
+    let in_layer_1 = |tensors: Vec<Owned>| -> Vec<Owned> {
+        tensors
+            .into_iter()
+            .map(|(n, d, sh, b)| (n.replace("model.layers.0.", "model.layers.1."), d, sh, b))
+            .collect()
+    };
+    let open = |tensors: &[Owned], config: &serde_json::Value| {
+        let dir = TempDir::new().unwrap();
+        write_checkpoint(dir.path(), tensors, Some(config));
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let got = source_quant(&ckpt, &two_layers(g32()), Family::DeepseekV3);
+        drop(dir);
+        got
+    };
+    // Layer 0 in groups of 32, layer 1 in groups of 128.
+    let (_, mut all) = generate(&c32);
+    all.extend(in_layer_1(generate(&c128).1));
+    let e = open(&all, &config_json(&c32)).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("mixes quantization settings")
+            && msg.contains("layer 1")
+            && msg.contains("layer 0"),
+        "{msg}"
+    );
+    // Layer 0 in BF16, layer 1 quantized: layer 1's spec.
+    let (_, quantized) = generate(&c128);
+    let mut all = in_layer_1(quantized);
+    for (name, shape) in bases().iter().zip([[f, h], [f, h], [h, f]]) {
+        let bytes = vec![0u8; shape[0] * shape[1] * 2];
+        all.push((format!("{name}.weight"), Dtype::BF16, shape.to_vec(), bytes));
+    }
+    let got = open(&all, &config_json(&c128)).unwrap();
+    assert_eq!(got.group_size, 128);
+}
+
 /// `source_quant` of a checkpoint of `tensors` (+ `config`) for a model with quant `q`.
 fn source_quant_of(
     c: &Case,
