@@ -475,7 +475,7 @@ fn check_dense_shared_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> 
                 }
             })?;
         for (name, shape) in names.iter().zip(shared_dense_shapes(job.spec)) {
-            plain_float(name, &tensor_of_shape(job.ckpt, name, &shape)?)?;
+            plain_tensor(job.ckpt, name, &shape)?;
         }
     }
     Ok(())
@@ -827,7 +827,7 @@ fn check_router_tensors(job: &ConvertJob<'_>) -> Result<(), ConvertError> {
             .chain(&t.bias)
             .chain(&t.shared_gate);
         for (name, shape) in all {
-            plain_float(name, &tensor_of_shape(job.ckpt, name, shape)?)?;
+            plain_tensor(job.ckpt, name, shape)?;
         }
     }
     Ok(())
@@ -848,13 +848,16 @@ fn read_gate(
     Ok((weight, bias))
 }
 
-/// Tensor `name`, which must have `shape`.
-fn tensor_of_shape<'c>(
+/// Tensor `name`, which must be stored as plain floats ([`plain_float`]) and have `shape`.
+fn plain_tensor<'c>(
     ckpt: &'c Checkpoint,
     name: &str,
     shape: &[usize],
 ) -> Result<crate::safetensors::TensorView<'c>, ConvertError> {
     let view = ckpt.tensor(name)?;
+    // The dtype first: a tensor another quantizer packed has another shape too, and is named
+    // for its dtype, not as a mismatch with config.json.
+    plain_float(name, &view)?;
     if view.shape() != shape {
         return Err(ConvertError::Tensor {
             tensor: name.into(),
@@ -894,7 +897,7 @@ fn plain_float<'v, 'c>(
 }
 
 fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ConvertError> {
-    let v = plain_float(name, &tensor_of_shape(ckpt, name, shape)?)?.to_f32_vec()?;
+    let v = plain_tensor(ckpt, name, shape)?.to_f32_vec()?;
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(ConvertError::Tensor {
             tensor: name.into(),

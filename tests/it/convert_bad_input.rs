@@ -170,6 +170,30 @@ fn nan_weights_and_a_nan_gate_are_named() {
     }
 }
 
+/// A router gate another quantizer packed (here U8, half the columns) is named for its dtype,
+/// not as a shape that contradicts config.json.
+#[test]
+fn a_packed_router_gate_is_named_for_its_dtype() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "qwen3_moe");
+    let gate = "model.layers.2.mlp.gate.weight";
+    rewrite_shaped(&ck, |n, dtype, shape, b| {
+        if n == gate {
+            *dtype = Dtype::U8;
+            shape[1] /= 4;
+            b.truncate(shape[0] * shape[1]);
+        }
+        true
+    });
+    let r = convert(&ck, &d.path().join("w"));
+    fails_naming(&r, gate);
+    assert!(
+        r.stderr.contains("stored as U8") && !r.stderr.contains("does not match its"),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn a_truncated_checkpoint_file_is_named() {
     let d = tempfile::tempdir().unwrap();
