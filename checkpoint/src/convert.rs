@@ -155,7 +155,10 @@ struct FileIdentity {
 
 impl FileIdentity {
     fn of(path: &Path) -> std::io::Result<FileIdentity> {
-        let m = std::fs::metadata(path)?;
+        Ok(Self::from_metadata(&std::fs::metadata(path)?))
+    }
+
+    fn from_metadata(m: &std::fs::Metadata) -> FileIdentity {
         #[cfg(unix)]
         let inode = {
             use std::os::unix::fs::MetadataExt;
@@ -163,11 +166,11 @@ impl FileIdentity {
         };
         #[cfg(not(unix))]
         let inode = (0, 0);
-        Ok(FileIdentity {
+        FileIdentity {
             len: m.len(),
             modified: m.modified().ok(),
             inode,
-        })
+        }
     }
 }
 
@@ -187,20 +190,6 @@ fn write_last(
     check_unchanged(identities)?;
     manifest.write(job.out)?;
     Ok(())
-}
-
-/// The identity of every checkpoint file of `ckpt` now ([`check_unchanged`] compares).
-fn source_identities(ckpt: &Checkpoint) -> Result<Vec<(PathBuf, FileIdentity)>, ConvertError> {
-    ckpt.files()
-        .map(|path| {
-            let id = FileIdentity::of(path).map_err(|source| ConvertError::Io {
-                path: path.to_path_buf(),
-                what: "reading its size and time",
-                source,
-            })?;
-            Ok((path.to_path_buf(), id))
-        })
-        .collect()
 }
 
 /// Every file of `before` is still the file it was (not replaced, grown, cut, touched or
@@ -353,8 +342,7 @@ pub fn convert(
             threads: job.threads,
             reason: e.to_string(),
         })?;
-    let fingerprint = fingerprint(job)?;
-    let identities = source_identities(job.ckpt)?;
+    let (fingerprint, identities) = fingerprint(job)?;
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
     check_dense_shared_tensors(job)?;
@@ -989,8 +977,11 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
 /// conversion runs (the manifest's `source.files`): weights downloaded again in place, or a
 /// new snapshot of a revision, have the same names, sizes and headers, and without it their
 /// re-run would keep shards converted from the old bytes. A copied checkpoint (new times,
-/// same bytes) is converted again: the safe side.
-fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
+/// same bytes) is converted again: the safe side. Returned with each file's identity as read
+/// here (what [`check_unchanged`] compares before the manifest).
+fn fingerprint(
+    job: &ConvertJob<'_>,
+) -> Result<(String, Vec<(PathBuf, FileIdentity)>), ConvertError> {
     // Every file opened and checked first (truncated, a header that does not fit it), so a
     // damaged one is named with what to do before any output changes.
     job.ckpt.open_all()?;
@@ -1022,6 +1013,7 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         );
         h.update(text.unwrap_or_default());
     }
+    let mut identities = Vec::new();
     for path in job.ckpt.files() {
         let io = |source| ConvertError::Io {
             path: path.to_path_buf(),
@@ -1030,6 +1022,7 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         };
         let mut f = std::fs::File::open(path).map_err(io)?;
         let meta = f.metadata().map_err(io)?;
+        identities.push((path.to_path_buf(), FileIdentity::from_metadata(&meta)));
         let len = meta.len();
         // Nanoseconds since the epoch; a file system without times hashes a marker.
         let modified = meta
@@ -1051,7 +1044,7 @@ fn fingerprint(job: &ConvertJob<'_>) -> Result<String, ConvertError> {
         h.update(modified.to_le_bytes());
         h.update(&header);
     }
-    Ok(hex(&h.finalize()))
+    Ok((hex(&h.finalize()), identities))
 }
 
 fn hex(bytes: &[u8]) -> String {

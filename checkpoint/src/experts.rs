@@ -352,9 +352,15 @@ pub fn source_quant(
         });
     }
     let mut found: Option<(u32, QuantSpec)> = None;
+    let mut fp8 = false;
     for layer in layers {
-        let Some(quant) = layer_source_quant(ckpt, spec, family, layer)? else {
-            continue;
+        let quant = match layer_source(ckpt, spec, family, layer)? {
+            LayerSource::Quantized(quant) => quant,
+            LayerSource::Fp8 => {
+                fp8 = true;
+                continue;
+            }
+            LayerSource::Float => continue,
         };
         match found {
             None => found = Some((layer, quant)),
@@ -373,35 +379,49 @@ pub fn source_quant(
             Some(_) => {}
         }
     }
+    if fp8 {
+        // Once for the checkpoint (the quantization config's block size).
+        check_fp8_block(ckpt)?;
+    }
     Ok(found.map_or(spec.quant, |(_, q)| q))
 }
 
-/// The spec routed expert 0 of `layer` imports losslessly under (see [`source_quant`]);
-/// `None` for float and FP8 sources (checked: FP8 with block scales).
-fn layer_source_quant(
+/// How routed expert 0 of a layer is stored ([`layer_source`]).
+enum LayerSource {
+    /// Quantized: the spec it imports losslessly under.
+    Quantized(QuantSpec),
+    /// FP8 with block scales (quantized like float).
+    Fp8,
+    /// Plain floats.
+    Float,
+}
+
+/// How routed expert 0 of `layer` is stored (see [`source_quant`]; FP8's scales checked to be
+/// blocks).
+fn layer_source(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
     family: Family,
     layer: u32,
-) -> Result<Option<QuantSpec>, ExpertError> {
+) -> Result<LayerSource, ExpertError> {
     let which = ExpertRef::Routed(0);
     let inter = expert_inter(spec, family, layer, which)?;
     let hidden = spec.hidden as usize;
     let names = expert_tensor_names(family, layer, which)?;
     if let Some(quant) = packed_source_quant(ckpt, &names, inter, hidden)? {
-        return Ok(Some(quant));
+        return Ok(LayerSource::Quantized(quant));
     }
     if let Some(quant) = gptq_source_quant(ckpt, &names, inter, hidden)? {
-        return Ok(Some(quant));
+        return Ok(LayerSource::Quantized(quant));
     }
     if ckpt
         .tensor_info(&names[0])
         .is_ok_and(|i| i.dtype == Dtype::F8E4M3)
     {
         check_fp8_scales_are_blocks(ckpt, &names)?;
-        check_fp8_block(ckpt)?;
+        return Ok(LayerSource::Fp8);
     }
-    Ok(None)
+    Ok(LayerSource::Float)
 }
 
 /// FP8 weights are read with their block-scale grids (`…weight_scale_inv`, DeepSeek-V3's

@@ -547,6 +547,29 @@ fn open_no_block(path: &Path) -> io::Result<File> {
     open_read(path, true)
 }
 
+/// Bytes free to this user on the file system holding `dir` (`statvfs`: available blocks times
+/// the fragment size); `None` where it cannot be read (no such folder, not Unix).
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+        unsafe {
+            let mut st: libc::statvfs = std::mem::zeroed();
+            if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+                return None;
+            }
+            Some(st.f_bavail as u64 * st.f_frsize as u64)
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        None
+    }
+}
+
 /// Opens `path` to read without blocking: a FIFO put where a file should be would otherwise
 /// wait for a writer for ever. Links are followed; check what was opened through the handle
 /// (`File::metadata`), not by path.
@@ -587,6 +610,14 @@ pub fn remove_stale_temps(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder's file system reports room; a folder that is not there, none.
+    #[test]
+    fn free_bytes_reads_the_file_system_of_a_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(free_bytes(dir.path()).is_some_and(|b| b > 0));
+        assert_eq!(free_bytes(&dir.path().join("missing")), None);
+    }
 
     #[test]
     fn names_give_their_process() {

@@ -234,7 +234,7 @@ fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Re
             if e.kind() == ErrorKind::MissingRequiredArgument
                 && missing_args(&e)
                     .iter()
-                    .all(|m| DEPLOY_ADDS.contains(&m.as_str())) =>
+                    .all(|m| expertmesh_fabric::engines::SET_BY_DEPLOY.contains(&m.as_str())) =>
         {
             Ok(())
         }
@@ -263,21 +263,6 @@ fn extra_args_parse(component: &str, flag: &str, extra: &[String]) -> anyhow::Re
         }
     }
 }
-
-/// The flags deploy gives every router or worker itself (`expertmesh_fabric::engines`'
-/// process arguments): their absence is no fault of an extra argument.
-const DEPLOY_ADDS: &[&str] = &[
-    "--topology",
-    "--model",
-    "--weights",
-    "--placement",
-    "--seed",
-    "--instance",
-    "--device",
-    "--metrics",
-    "--credentials",
-    "--insecure",
-];
 
 /// The flags a clap "required arguments were not provided" error names (`--tile-cache`
 /// of `--tile-cache <DIR>`).

@@ -289,15 +289,7 @@ pub(crate) fn shm_room(rings: u64) -> Option<std::sync::MutexGuard<'static, ()>>
 
 /// Bytes free in `/dev/shm` (0 where it cannot be read).
 fn shm_free_bytes() -> u64 {
-    let path = std::ffi::CString::new("/dev/shm").unwrap();
-    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
-            return 0;
-        }
-        st.f_bavail as u64 * st.f_frsize as u64
-    }
+    expertmesh_files::free_bytes(std::path::Path::new("/dev/shm")).unwrap_or(0)
 }
 
 /// A slow-loris attack on one listener (issue 27): from each of `sources` (loopback

@@ -546,6 +546,23 @@ fn model_args(
     })
 }
 
+/// Every flag [`process_args`] (with [`model_args`]) gives a router or a worker itself: an
+/// extra argument may not give one again, and `expertmesh deploy`'s check of the extra
+/// arguments accepts their absence. (Checked against what `process_args` writes, in debug
+/// builds: every deploy test keeps the list whole.)
+pub const SET_BY_DEPLOY: &[&str] = &[
+    "--topology",
+    "--model",
+    "--weights",
+    "--placement",
+    "--seed",
+    "--instance",
+    "--device",
+    "--metrics",
+    "--credentials",
+    "--insecure",
+];
+
 /// The `expertmesh` arguments of process `p` (files relative to the bundle's `fabric/`).
 fn process_args(
     p: &Process,
@@ -591,6 +608,10 @@ fn process_args(
             _ => None,
         })
         .collect();
+    debug_assert!(
+        set.iter().all(|f| SET_BY_DEPLOY.contains(&f.as_str())),
+        "SET_BY_DEPLOY lacks a flag process_args sets: {set:?}"
+    );
     if let Some(dup) = extra
         .iter()
         .filter(|t| t.starts_with("--"))

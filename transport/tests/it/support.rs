@@ -124,13 +124,5 @@ pub(crate) async fn shm_room(need: u64) -> Option<tokio::sync::MutexGuard<'stati
 
 /// Bytes free in `/dev/shm` (0 where it cannot be read).
 fn shm_free_bytes() -> u64 {
-    let path = std::ffi::CString::new("/dev/shm").expect("no NUL");
-    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
-            return 0;
-        }
-        st.f_bavail as u64 * st.f_frsize as u64
-    }
+    expertmesh_files::free_bytes(std::path::Path::new("/dev/shm")).unwrap_or(0)
 }
