@@ -15,7 +15,8 @@
 //! folder with a manifest is complete.
 
 use crate::experts::{
-    ExpertError, ExpertRef, Family, expert_tensor_names, fused_expert_tensors, read_expert,
+    ExpertError, ExpertRef, Family, check_expert, expert_tensor_names, fused_expert_tensors,
+    read_expert,
 };
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError};
 use expertmesh_quant::format::ExpertWeights;
@@ -346,9 +347,10 @@ pub fn convert(
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
     check_dense_shared_tensors(job)?;
+    let (plans, router_items) = job_items(job);
+    check_experts(job, &pool, plans.iter().flatten().chain(&router_items))?;
     withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
-    let (plans, router_items) = job_items(job);
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
@@ -582,6 +584,40 @@ fn reusable(
     Some((f.len(), f.crc32c()))
 }
 
+/// Every expert's tensors checked from their headers ([`check_expert`]) before anything is
+/// written: a checkpoint missing an expert of its last layer, or holding one in another shape
+/// or dtype, fails in seconds naming it, not after every layer before it was converted, and
+/// an earlier run's complete output stays as it was. The first failing expert in file order
+/// is named.
+fn check_experts<'i>(
+    job: &ConvertJob<'_>,
+    pool: &rayon::ThreadPool,
+    items: impl Iterator<Item = &'i Item>,
+) -> Result<(), ConvertError> {
+    let items: Vec<&Item> = items.collect();
+    let failed = pool.install(|| {
+        items.par_iter().find_map_first(|it| {
+            check_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
+                .err()
+                .map(|source| expert_error(job, it, source))
+        })
+    });
+    failed.map_or(Ok(()), Err)
+}
+
+/// `source`, an error of expert `it`, with the checkpoint file holding the tensor it names.
+fn expert_error(job: &ConvertJob<'_>, it: &Item, source: ExpertError) -> ConvertError {
+    ConvertError::Expert {
+        layer: it.layer,
+        which: it.which,
+        file: source
+            .tensor()
+            .and_then(|t| job.ckpt.file_of(t))
+            .map(|f| Box::new(f.to_path_buf())),
+        source,
+    }
+}
+
 /// Convert `items` in parallel chunks and append them to `w` in order. After the first
 /// failure the remaining items of the chunk are skipped; the first failure in item order is
 /// returned.
@@ -594,26 +630,18 @@ fn write_experts(
     let chunk = 2 * rayon::current_num_threads().max(1);
     let failed = AtomicBool::new(false);
     for part in items.chunks(chunk) {
-        let done: Vec<Option<Result<(ExpertWeights, f64), ConvertError>>> =
-            part.par_iter()
-                .map(|it| {
-                    if failed.load(Ordering::Relaxed) {
-                        return None;
-                    }
-                    let r = read_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
-                        .map_err(|source| ConvertError::Expert {
-                            layer: it.layer,
-                            which: it.which,
-                            file: source
-                                .tensor()
-                                .and_then(|t| job.ckpt.file_of(t))
-                                .map(|f| Box::new(f.to_path_buf())),
-                            source,
-                        });
-                    failed.fetch_or(r.is_err(), Ordering::Relaxed);
-                    Some(r)
-                })
-                .collect();
+        let done: Vec<Option<Result<(ExpertWeights, f64), ConvertError>>> = part
+            .par_iter()
+            .map(|it| {
+                if failed.load(Ordering::Relaxed) {
+                    return None;
+                }
+                let r = read_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
+                    .map_err(|source| expert_error(job, it, source));
+                failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                Some(r)
+            })
+            .collect();
         let mut converted = Vec::with_capacity(part.len());
         for r in done.into_iter().flatten() {
             converted.push(r?);

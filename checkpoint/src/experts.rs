@@ -47,9 +47,9 @@ use expertmesh_quant::format::{
 use expertmesh_quant::search::quantize_rows_searched;
 use expertmesh_topology::model::ModelSpec;
 
-use crate::gptq_import::{gptq_source_quant, read_gptq_expert};
+use crate::gptq_import::{Int4Source, gptq_source_quant, open_gptq_expert};
 pub use crate::hf_config::Family;
-use crate::packed_import::{packed_base, read_packed_expert};
+use crate::packed_import::{PackedSource, assemble_int4_expert, open_packed_expert, packed_base};
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
 
 /// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid.
@@ -267,29 +267,37 @@ fn open_fused<'a>(
     ])
 }
 
-/// Reads one expert of `layer` from `ckpt`, checks it against `spec`, and quantizes it with the
-/// searched quantizer into `spec.quant`, row by row. Returns the packed expert and its relative
-/// error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a second time, row by row).
-///
-/// When the expert is stored `pack-quantized` INT4, or GPTQ / AWQ INT4, its codes (zero points)
-/// and scales are imported exactly instead ([`read_packed_expert`], [`read_gptq_expert`]; the
-/// model's spec must then be the one [`source_quant`] returns) and the error, measured the same
-/// way, is 0.
-pub fn read_expert(
-    ckpt: &Checkpoint,
+/// One expert's source tensors, opened and checked against the model: how it is stored
+/// decides how it is read.
+enum OpenedExpert<'a> {
+    /// compressed-tensors `pack-quantized` INT4, imported exactly (boxed: the largest
+    /// variant, once per expert).
+    Packed(Box<[PackedSource<'a>; 3]>),
+    /// GPTQ or AWQ INT4, imported exactly.
+    Gptq([Int4Source<'a>; 3]),
+    /// Floats or FP8 (per expert or a slice of the layer's fused tensors), quantized:
+    /// `[gate, up, down]`.
+    Float([RowSource<'a>; 3]),
+}
+
+/// Opens one expert of `layer` and checks everything its tensors' headers and the small
+/// tensors beside them say (presence, dtypes, shapes against config.json, an FP8 block-scale
+/// grid, a recorded shape, act-order indices, GPTQ zero points), reading no weight.
+fn open_expert<'a>(
+    ckpt: &'a Checkpoint,
     spec: &ModelSpec,
     family: Family,
     layer: u32,
     which: ExpertRef,
-) -> Result<(ExpertWeights, f64), ExpertError> {
+) -> Result<(OpenedExpert<'a>, usize), ExpertError> {
     let inter = expert_inter(spec, family, layer, which)?;
     let hidden = spec.hidden as usize;
     let names = expert_tensor_names(family, layer, which)?;
-    if let Some(imported) = read_packed_expert(ckpt, spec.quant, &names, inter, hidden)? {
-        return Ok(imported);
+    if let Some(srcs) = open_packed_expert(ckpt, spec.quant, &names, inter, hidden)? {
+        return Ok((OpenedExpert::Packed(Box::new(srcs)), inter));
     }
-    if let Some(imported) = read_gptq_expert(ckpt, spec.quant, &names, inter, hidden)? {
-        return Ok(imported);
+    if let Some(srcs) = open_gptq_expert(ckpt, spec.quant, &names, inter, hidden)? {
+        return Ok((OpenedExpert::Gptq(srcs), inter));
     }
     let fused = match which {
         ExpertRef::Routed(e) if !ckpt.contains(&names[0]) => {
@@ -297,7 +305,7 @@ pub fn read_expert(
         }
         _ => None,
     };
-    let [gate, up, down] = match fused {
+    let srcs = match fused {
         Some((f, e)) => {
             let experts = spec.routed_experts as usize;
             open_fused(ckpt, &f, e, [experts, inter, hidden])?
@@ -311,12 +319,61 @@ pub fn read_expert(
             ]
         }
     };
+    Ok((OpenedExpert::Float(srcs), inter))
+}
+
+/// What [`read_expert`] refuses before it reads a weight, checked without reading one: the
+/// converter runs this over every expert before it writes anything, so a checkpoint missing an
+/// expert of its last layer, or holding one in another shape or dtype, fails in seconds naming
+/// it rather than after every layer before it was converted. Weight values (NaN, infinity) are
+/// checked only when read.
+pub fn check_expert(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<(), ExpertError> {
+    open_expert(ckpt, spec, family, layer, which).map(drop)
+}
+
+/// Reads one expert of `layer` from `ckpt`, checks it against `spec` ([`check_expert`]), and
+/// quantizes it with the searched quantizer into `spec.quant`, row by row. Returns the packed
+/// expert and its relative error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a
+/// second time, row by row).
+///
+/// When the expert is stored `pack-quantized` INT4, or GPTQ / AWQ INT4, its codes (zero points)
+/// and scales are imported exactly instead ([`read_packed_expert`], [`read_gptq_expert`]; the
+/// model's spec must then be the one [`source_quant`] returns) and the error, measured the same
+/// way, is 0.
+///
+/// [`read_packed_expert`]: crate::packed_import::read_packed_expert
+/// [`read_gptq_expert`]: crate::gptq_import::read_gptq_expert
+pub fn read_expert(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<(ExpertWeights, f64), ExpertError> {
+    let hidden = spec.hidden as usize;
+    let quant = spec.quant;
+    let (opened, inter) = open_expert(ckpt, spec, family, layer, which)?;
+    let [gate, up, down] = match opened {
+        OpenedExpert::Packed(srcs) => {
+            let [g, u, d] = &*srcs;
+            return assemble_int4_expert(quant, inter, hidden, [g, u, d]);
+        }
+        OpenedExpert::Gptq([g, u, d]) => {
+            return assemble_int4_expert(quant, inter, hidden, [&g, &u, &d]);
+        }
+        OpenedExpert::Float(srcs) => srcs,
+    };
     let w13_row = |r: usize, out: &mut [f32]| match w13_row_meaning(r) {
         (GateUp::Gate, f) => gate.fill(f, out),
         (GateUp::Up, f) => up.fill(f, out),
     };
     let w2_row = |n: usize, out: &mut [f32]| down.fill(n, out);
-    let quant = spec.quant;
     let w13 = quantize_streamed("W13", &gate.name, 2 * inter, hidden, quant, w13_row)?;
     let w2 = quantize_streamed("W2", &down.name, hidden, inter, quant, w2_row)?;
     let (d13, n13) = squared_error(&w13, w13_row)?;

@@ -274,13 +274,29 @@ pub fn read_gptq_expert(
     inter: usize,
     hidden: usize,
 ) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
-    let Some((_, [gate, up, down])) = open_expert(ckpt, names, inter, hidden)? else {
+    match open_gptq_expert(ckpt, quant, names, inter, hidden)? {
+        None => Ok(None),
+        Some([g, u, d]) => assemble_int4_expert(quant, inter, hidden, [&g, &u, &d]).map(Some),
+    }
+}
+
+/// [`read_gptq_expert`]'s checks without the import: the expert's `[gate, up, down]`
+/// projections opened (shapes, dtypes, group size, `g_idx`, zero points) and checked against
+/// `quant`, no code or scale copied. `Ok(None)` when none is stored as `qweight`.
+pub(crate) fn open_gptq_expert<'a>(
+    ckpt: &'a Checkpoint,
+    quant: QuantSpec,
+    names: &[String; 3],
+    inter: usize,
+    hidden: usize,
+) -> Result<Option<[Int4Source<'a>; 3]>, ExpertError> {
+    let Some((_, srcs)) = open_expert(ckpt, names, inter, hidden)? else {
         return Ok(None);
     };
-    for src in [&gate, &up, &down] {
+    for src in &srcs {
         src.check_against(quant)?;
     }
-    assemble_int4_expert(quant, inter, hidden, [&gate, &up, &down])
+    Ok(Some(srcs))
 }
 
 /// The [`QuantSpec`] that imports this GPTQ/AWQ expert losslessly (`names`, `inter`, `hidden`
@@ -391,7 +407,7 @@ fn check_words(name: &str, view: &TensorView<'_>) -> Result<(), ExpertError> {
 
 /// One GPTQ/AWQ projection (weight `[rows = out, cols = in]`), checked on opening: shapes,
 /// dtypes, group size, `g_idx`, and that every zero point fits a u4.
-struct Int4Source<'a> {
+pub(crate) struct Int4Source<'a> {
     /// The name prefix `X`.
     base: String,
     layout: Int4Layout,

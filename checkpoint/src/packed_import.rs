@@ -54,6 +54,23 @@ pub fn read_packed_expert(
     inter: usize,
     hidden: usize,
 ) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
+    match open_packed_expert(ckpt, quant, names, inter, hidden)? {
+        None => Ok(None),
+        Some([g, u, d]) => assemble_int4_expert(quant, inter, hidden, [&g, &u, &d]).map(Some),
+    }
+}
+
+/// [`read_packed_expert`]'s checks without the import: the expert's `[gate, up, down]`
+/// projections opened and checked against `quant` (dtypes, shapes, group size, scale dtype,
+/// zero points, act-order indices), no code or scale read. `Ok(None)` when none is stored
+/// `pack-quantized`.
+pub(crate) fn open_packed_expert<'a>(
+    ckpt: &'a Checkpoint,
+    quant: QuantSpec,
+    names: &[String; 3],
+    inter: usize,
+    hidden: usize,
+) -> Result<Option<[PackedSource<'a>; 3]>, ExpertError> {
     let bases = names.clone().map(|n| packed_base(ckpt, &n));
     let [Some(gate), Some(up), Some(down)] = bases else {
         return match names.iter().zip(&bases).find(|(_, b)| b.is_some()) {
@@ -66,10 +83,11 @@ pub fn read_packed_expert(
             }),
         };
     };
-    let gate = PackedSource::open(ckpt, &gate, [inter, hidden], quant)?;
-    let up = PackedSource::open(ckpt, &up, [inter, hidden], quant)?;
-    let down = PackedSource::open(ckpt, &down, [hidden, inter], quant)?;
-    assemble_int4_expert(quant, inter, hidden, [&gate, &up, &down])
+    Ok(Some([
+        PackedSource::open(ckpt, &gate, [inter, hidden], quant)?,
+        PackedSource::open(ckpt, &up, [inter, hidden], quant)?,
+        PackedSource::open(ckpt, &down, [hidden, inter], quant)?,
+    ]))
 }
 
 /// One stored INT4 projection that an importer copies row by row into the packed layout.
@@ -91,7 +109,7 @@ pub(crate) fn assemble_int4_expert<S: Int4Rows>(
     inter: usize,
     hidden: usize,
     [gate, up, down]: [&S; 3],
-) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
+) -> Result<(ExpertWeights, f64), ExpertError> {
     let w13_src = |r: usize| match w13_row_meaning(r) {
         (GateUp::Gate, f) => (gate, f),
         (GateUp::Up, f) => (up, f),
@@ -116,7 +134,7 @@ pub(crate) fn assemble_int4_expert<S: Int4Rows>(
         tensor: down.base().to_string(),
         source,
     })?;
-    Ok(Some((weights, error)))
+    Ok((weights, error))
 }
 
 /// An all-zero packed matrix, its format error naming `tensor`.
@@ -135,7 +153,7 @@ fn zeroed(
 }
 
 /// One `pack-quantized` projection: its packed codes and scales, checked against the model.
-struct PackedSource<'a> {
+pub(crate) struct PackedSource<'a> {
     /// The name prefix `X`.
     base: String,
     /// `X.weight_packed`, `[rows, cols/8]` 32-bit words.

@@ -4,11 +4,15 @@
 //! v5's `gate_up_proj` / `down_proj`, under both of Mixtral's homes), in BF16, F16, F32 or
 //! FP8 with its block scales, with a chosen tensor's shape bent, values optionally made
 //! finite. Checks: never a panic; an expert that reads has the model's shape and a relative
-//! error that is a number; an error names a tensor of the layer.
+//! error that is a number; an error names a tensor of the layer; the converter's header-only
+//! pre-pass (`check_expert`) refuses exactly what reading refuses before its first weight
+//! (the same error), and what it passes fails reading only for a weight's value.
 //! Run: `cargo +nightly fuzz run checkpoint_expert -- -max_total_time=60`.
 #![no_main]
 
-use expertmesh_checkpoint::experts::{ExpertRef, Family, read_expert, source_quant};
+use expertmesh_checkpoint::experts::{
+    ExpertError, ExpertRef, Family, check_expert, read_expert, source_quant,
+};
 use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype, SINGLE_FILE};
 use expertmesh_quant::format::QuantSpec;
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
@@ -178,7 +182,21 @@ fuzz_target!(|data: &[u8]| {
     let spec = model();
     let _ = source_quant(&ckpt, &spec, family);
     for e in 0..EXPERTS as u32 {
-        match read_expert(&ckpt, &spec, family, 0, ExpertRef::Routed(e)) {
+        let checked = check_expert(&ckpt, &spec, family, 0, ExpertRef::Routed(e));
+        let read = read_expert(&ckpt, &spec, family, 0, ExpertRef::Routed(e));
+        match (&checked, &read) {
+            (Err(c), Err(r)) => assert_eq!(c.to_string(), r.to_string(), "check vs read"),
+            (Err(c), Ok(_)) => panic!("the pre-pass refused an expert that reads: {c}"),
+            (Ok(()), Err(r)) => assert!(
+                matches!(
+                    r,
+                    ExpertError::NonFinite { .. } | ExpertError::Quantize { .. }
+                ),
+                "passed the pre-pass, refused for more than a weight's value: {r}"
+            ),
+            (Ok(()), Ok(_)) => {}
+        }
+        match read {
             Ok((w, err)) => {
                 assert_eq!((w.hidden(), w.inter()), (HIDDEN, INTER));
                 assert!(!err.is_nan() && err >= 0.0, "relative error {err}");

@@ -103,6 +103,77 @@ fn a_missing_tensor_is_named() {
     );
 }
 
+/// Every file of `out` and its bytes.
+fn folder_bytes(out: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect()
+}
+
+/// The expert read last (the highest layer's highest routed expert) of a tiny checkpoint holds
+/// a down projection one row short: the conversion names it before anything is written. With
+/// no earlier output, no shard is on disk; over an earlier run's complete output, its manifest
+/// and every shard stay byte for byte (without the header pre-pass, the manifest was withdrawn
+/// and the shards before that expert written again).
+#[test]
+fn a_bad_expert_of_the_last_layer_is_named_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = tiny(d.path(), "qwen3_moe");
+    let out = d.path().join("w");
+    let first = convert(&ck, &out);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let before = folder_bytes(&out);
+    assert!(before.contains_key("manifest.json"), "{:?}", before.keys());
+    let c = Checkpoint::open(&ck).unwrap();
+    let last = c
+        .tensor_names()
+        .filter_map(|n| {
+            let rest = n.strip_prefix("model.layers.")?;
+            let (layer, rest) = rest.split_once(".mlp.experts.")?;
+            let expert = rest.strip_suffix(".down_proj.weight")?;
+            Some((layer.parse::<u32>().ok()?, expert.parse::<u32>().ok()?))
+        })
+        .max()
+        .expect("routed experts in the tiny checkpoint");
+    drop(c);
+    let bad = format!(
+        "model.layers.{}.mlp.experts.{}.down_proj.weight",
+        last.0, last.1
+    );
+    rewrite_shaped(&ck, |n, dtype, shape, bytes| {
+        if n == bad {
+            shape[0] -= 1;
+            bytes.truncate(shape.iter().product::<usize>() * dtype.size());
+        }
+        true
+    });
+    let again = convert(&ck, &out);
+    fails_naming(&again, &bad);
+    assert!(again.stderr.contains("shape"), "{}", again.stderr);
+    let after = folder_bytes(&out);
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>(),
+        "the folder's files changed"
+    );
+    for (name, bytes) in &before {
+        assert!(after[name] == *bytes, "{name} was rewritten");
+    }
+    let fresh = d.path().join("fresh");
+    fails_naming(&convert(&ck, &fresh), &bad);
+    let written: Vec<_> = folder_bytes(&fresh).into_keys().collect();
+    assert!(
+        written.iter().all(|n| !n.contains(".emshard")),
+        "written before the check: {written:?}"
+    );
+}
+
 /// The router file's tensors are checked from the headers before any shard is written: a
 /// missing selection bias is named at once, with no device shard on disk. With
 /// `topk_method = "greedy"` (a zero bias, which such checkpoints do not store) the same
