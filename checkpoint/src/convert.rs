@@ -37,7 +37,7 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// " (in FILE)" for an error's message, when the file is known.
 fn in_file(file: Option<&Path>) -> String {
@@ -268,6 +268,12 @@ pub struct ConvertReport {
     pub shards_written: usize,
     /// Source bytes of the experts converted by this run.
     pub source_bytes_converted: u64,
+    /// Bytes of the shards (the router's included) this run wrote, not those kept.
+    pub shard_bytes_written: u64,
+    /// Bytes of the source files hashed for the manifest (every file, whole).
+    pub hashed_bytes: u64,
+    /// Seconds the hashing ran, beside the conversion, on up to `threads` threads.
+    pub hashing_seconds: f64,
 }
 
 /// One expert to put into a shard: its key and where it comes from.
@@ -359,7 +365,11 @@ pub fn convert(
     // checkpoint to be read.
     let stop_hashing = AtomicBool::new(false);
     let hashing = std::thread::scope(|s| {
-        let hasher = s.spawn(|| source_files(job.ckpt, &stop_hashing));
+        let hasher = s.spawn(|| {
+            let started = std::time::Instant::now();
+            let files = source_files(job.ckpt, &stop_hashing, job.threads);
+            (files, started.elapsed().as_secs_f64())
+        });
         let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, progress));
         let router = match &shards {
             Ok(_) => pool.install(|| write_router(job, &fingerprint, &router_items, progress)),
@@ -371,9 +381,9 @@ pub fn convert(
         let files = hasher.join().expect("the hashing thread does not panic");
         (shards, router, files)
     });
-    let (shards, router, files) = hashing;
-    let (records, kept, written, converted) = shards?;
-    let (router, router_bytes) = router?;
+    let (shards, router, (files, hashing_seconds)) = hashing;
+    let (records, devices_tally) = shards?;
+    let (router, router_tally) = router?;
     let files = files?.expect("hashing is stopped only after a failure, returned above");
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
@@ -397,11 +407,15 @@ pub fn convert(
         layers: layer_errors(job.out, job.spec, devices.len())?,
     };
     write_last(job, &manifest, &identities)?;
+    let manifest_hashed_bytes = manifest.source.files.iter().map(|f| f.bytes).sum();
     Ok(ConvertReport {
         manifest,
-        shards_kept: kept,
-        shards_written: written,
-        source_bytes_converted: converted + router_bytes,
+        shards_kept: devices_tally.kept,
+        shards_written: devices_tally.written,
+        source_bytes_converted: devices_tally.source_bytes + router_tally.source_bytes,
+        shard_bytes_written: devices_tally.shard_bytes + router_tally.shard_bytes,
+        hashed_bytes: manifest_hashed_bytes,
+        hashing_seconds,
     })
 }
 
@@ -499,7 +513,20 @@ fn job_items(job: &ConvertJob<'_>) -> (Vec<Vec<Item>>, Vec<Item>) {
     (plans, router_items)
 }
 
-type ShardsResult = Result<(Vec<ShardRecord>, usize, usize, u64), ConvertError>;
+type ShardsResult = Result<(Vec<ShardRecord>, Tally), ConvertError>;
+
+/// What a run did with its shards.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    /// Shards kept from an earlier run.
+    kept: usize,
+    /// Shards written.
+    written: usize,
+    /// Source bytes of the experts converted into the written shards.
+    source_bytes: u64,
+    /// Bytes of the written shards.
+    shard_bytes: u64,
+}
 
 /// Every device's shard: kept when an earlier run's matches, written otherwise.
 fn convert_shards(
@@ -508,14 +535,14 @@ fn convert_shards(
     plans: &[Vec<Item>],
     progress: &(dyn Fn(Progress) + Sync),
 ) -> ShardsResult {
-    let (mut records, mut kept, mut written, mut converted) = (Vec::new(), 0, 0, 0);
+    let (mut records, mut tally) = (Vec::new(), Tally::default());
     for (d, items) in job.topology.devices().iter().zip(plans) {
         let name = device_shard_name(d.rank().0);
         let path = job.out.join(&name);
         let bytes: u64 = items.iter().map(|it| item_bytes(job, it)).sum();
         let summary = match reusable(&path, fingerprint, Some(d.id()), items) {
             Some(s) => {
-                kept += 1;
+                tally.kept += 1;
                 progress(Progress::Done {
                     experts: items.len() as u64,
                     bytes,
@@ -526,9 +553,10 @@ fn convert_shards(
                 let index = empty_index(job, fingerprint, ShardKind::Device, Some(d.id()));
                 let mut w = ShardWriter::create(&path, index)?;
                 write_experts(job, items, &mut w, progress)?;
-                written += 1;
-                converted += bytes;
                 let s = w.finish()?;
+                tally.written += 1;
+                tally.source_bytes += bytes;
+                tally.shard_bytes += s.bytes;
                 (s.bytes, s.crc32c)
             }
         };
@@ -540,7 +568,7 @@ fn convert_shards(
             experts: items.len() as u64,
         });
     }
-    Ok((records, kept, written, converted))
+    Ok((records, tally))
 }
 
 fn empty_index(
@@ -664,7 +692,7 @@ fn write_router(
     fingerprint: &str,
     shared: &[Item],
     progress: &(dyn Fn(Progress) + Sync),
-) -> Result<(ShardRecord, u64), ConvertError> {
+) -> Result<(ShardRecord, Tally), ConvertError> {
     let path = job.out.join(ROUTER_SHARD_NAME);
     let bytes: u64 = shared.iter().map(|it| item_bytes(job, it)).sum();
     let summary = match reusable(&path, fingerprint, None, shared) {
@@ -673,7 +701,7 @@ fn write_router(
                 experts: shared.len() as u64,
                 bytes,
             });
-            (s, 0)
+            (s, Tally::default())
         }
         None => {
             let index = empty_index(job, fingerprint, ShardKind::Router, None);
@@ -696,7 +724,12 @@ fn write_router(
             }
             write_experts(job, shared, &mut w, progress)?;
             let s = w.finish()?;
-            ((s.bytes, s.crc32c), bytes)
+            let tally = Tally {
+                source_bytes: bytes,
+                shard_bytes: s.bytes,
+                ..Tally::default()
+            };
+            ((s.bytes, s.crc32c), tally)
         }
     };
     Ok((
@@ -1079,10 +1112,15 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// `config.json` and every safetensors file: name, size, SHA-256; `None` once `stop` is set.
+/// `config.json` and every safetensors file, in that order: name, size, SHA-256; `None` once
+/// `stop` is set. Files are hashed on up to `threads` threads, largest first: SHA-256 runs at
+/// about 1.5-2 GB/s per core, so one thread would hash a trillion-parameter checkpoint
+/// (0.6-1 TB) slower than many cores convert or import it. The first failure (in file order)
+/// stops the others.
 fn source_files(
     ckpt: &Checkpoint,
     stop: &AtomicBool,
+    threads: usize,
 ) -> Result<Option<Vec<SourceFile>>, ConvertError> {
     let config = ckpt.dir().join("config.json");
     // config.json may be absent (it is hashed where it exists); a checkpoint file is not:
@@ -1091,11 +1129,43 @@ fn source_files(
         .filter(|p| p.exists())
         .chain(ckpt.files())
         .collect();
-    paths.into_iter().map(|p| hash_file(p, stop)).collect()
+    let mut order: Vec<usize> = (0..paths.len()).collect();
+    let size = |i: usize| std::fs::metadata(paths[i]).map_or(0, |m| m.len());
+    order.sort_by_key(|&i| std::cmp::Reverse(size(i)));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let stopped = || stop.load(Ordering::Relaxed) || failed.load(Ordering::Relaxed);
+    let hashed: Vec<std::sync::OnceLock<HashOutcome>> =
+        paths.iter().map(|_| std::sync::OnceLock::new()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, paths.len().max(1)) {
+            s.spawn(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let r = hash_file(paths[i], &stopped);
+                    failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                    let _ = hashed[i].set(r);
+                }
+            });
+        }
+    });
+    // In file order: the first error, else `None` if any hash stopped (or never started).
+    let mut files = Vec::with_capacity(paths.len());
+    let mut complete = true;
+    for h in hashed {
+        match h.into_inner() {
+            Some(Err(e)) => return Err(e),
+            Some(Ok(Some(f))) => files.push(f),
+            Some(Ok(None)) | None => complete = false,
+        }
+    }
+    Ok(complete.then_some(files))
 }
 
-/// One file's name, size and SHA-256, read a MiB at a time; `None` once `stop` is set.
-fn hash_file(path: &Path, stop: &AtomicBool) -> Result<Option<SourceFile>, ConvertError> {
+/// What hashing one file gave: its record, `None` when stopped, or the error.
+type HashOutcome = Result<Option<SourceFile>, ConvertError>;
+
+/// One file's name, size and SHA-256, read a MiB at a time; `None` once `stopped()`.
+fn hash_file(path: &Path, stopped: &dyn Fn() -> bool) -> HashOutcome {
     let io = |source| ConvertError::Io {
         path: path.to_path_buf(),
         what: "hashing",
@@ -1106,7 +1176,7 @@ fn hash_file(path: &Path, stop: &AtomicBool) -> Result<Option<SourceFile>, Conve
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
     loop {
-        if stop.load(Ordering::Relaxed) {
+        if stopped() {
             return Ok(None);
         }
         let n = f.read(&mut buf).map_err(io)?;
@@ -1226,6 +1296,61 @@ mod tests {
         assert!(e.contains("could not be looked at"), "{e}");
     }
 
+    /// Files hashed on several threads come back in file order, each the SHA-256 of its own
+    /// bytes, whatever the thread count; a file gone before it is hashed fails the whole,
+    /// naming it.
+    #[test]
+    fn files_hashed_on_several_threads_keep_their_order_and_a_gone_one_is_named() {
+        use crate::safetensors::{INDEX_FILE, write_safetensors};
+        let dir = tempfile::tempdir().unwrap();
+        let mut weight_map = serde_json::Map::new();
+        // Sizes out of file order, so largest-first hashing starts in the middle.
+        for (i, rows) in [3usize, 70_000, 1, 40_000].into_iter().enumerate() {
+            let file = format!("model-{:05}-of-00004.safetensors", i + 1);
+            let name = format!("t{i}");
+            let bytes: Vec<u8> = (0..rows * 4).map(|b| (b * (i + 7) % 251) as u8).collect();
+            let shape = [rows];
+            let t = (name.as_str(), Dtype::F32, &shape[..], &bytes[..]);
+            write_safetensors(dir.path().join(&file), &[t], &BTreeMap::new()).unwrap();
+            weight_map.insert(name, file.into());
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let want: Vec<(String, u64, String)> = std::iter::once(dir.path().join("config.json"))
+            .chain(ckpt.files().map(|p| p.to_path_buf()))
+            .map(|p| {
+                let bytes = std::fs::read(&p).unwrap();
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                (name, bytes.len() as u64, hex(&Sha256::digest(&bytes)))
+            })
+            .collect();
+        assert_eq!(want.len(), 5);
+        let go = AtomicBool::new(false);
+        for threads in [1, 2, 3, 8] {
+            let got: Vec<(String, u64, String)> = source_files(&ckpt, &go, threads)
+                .unwrap()
+                .unwrap()
+                .into_iter()
+                .map(|f| (f.name, f.bytes, f.sha256))
+                .collect();
+            assert_eq!(got, want, "{threads} threads");
+        }
+        assert!(
+            source_files(&ckpt, &AtomicBool::new(true), 2)
+                .unwrap()
+                .is_none()
+        );
+        let gone = ckpt.files().nth(2).unwrap().to_path_buf();
+        std::fs::remove_file(&gone).unwrap();
+        let e = source_files(&ckpt, &go, 3).unwrap_err();
+        assert!(
+            matches!(&e, ConvertError::Io { path, .. } if path == &gone),
+            "{e}"
+        );
+    }
+
     /// A stopped hash reads nothing more: `None`, where the same file otherwise hashes to the
     /// SHA-256 of its bytes.
     #[test]
@@ -1234,11 +1359,9 @@ mod tests {
         let path = dir.path().join("a.safetensors");
         let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &bytes).unwrap();
-        let go = AtomicBool::new(false);
-        let whole = hash_file(&path, &go).unwrap().unwrap();
+        let whole = hash_file(&path, &|| false).unwrap().unwrap();
         assert_eq!(whole.bytes, bytes.len() as u64);
         assert_eq!(whole.sha256, hex(&Sha256::digest(&bytes)));
-        let stop = AtomicBool::new(true);
-        assert!(hash_file(&path, &stop).unwrap().is_none());
+        assert!(hash_file(&path, &|| true).unwrap().is_none());
     }
 }

@@ -175,7 +175,7 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
     let report = report.map_err(|e| anyhow!("{e}"))?;
     let secs = started.elapsed().as_secs_f64();
     let m = &report.manifest;
-    let written: u64 = m.shards.iter().map(|s| s.bytes).sum::<u64>() + m.router.bytes;
+    let written = report.shard_bytes_written;
     println!(
         "converted {} ({}) in {secs:.1} s: {} shards written, {} kept from an earlier run; {:.2} GB of source experts read ({:.2} GB/s), {:.2} GB written",
         m.model,
@@ -185,6 +185,12 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         report.source_bytes_converted as f64 / 1e9,
         report.source_bytes_converted as f64 / 1e9 / secs.max(1e-9),
         written as f64 / 1e9
+    );
+    println!(
+        "source files hashed for the manifest beside it: {:.2} GB in {:.1} s ({:.2} GB/s, up to {threads} threads)",
+        report.hashed_bytes as f64 / 1e9,
+        report.hashing_seconds,
+        report.hashed_bytes as f64 / 1e9 / report.hashing_seconds.max(1e-9),
     );
     println!("layer  experts  rel_error_mean  rel_error_max");
     for l in &m.layers {
