@@ -86,6 +86,9 @@ fn with_exit_codes(c: clap::Command, exit: &str) -> clap::Command {
 
 /// Parse the process arguments and run; never panics on bad input.
 pub fn main() -> ExitCode {
+    // A mapped checkpoint, shard or tile-cache file cut short under us is named, not just
+    // "Bus error".
+    expertmesh_files::sigbus::install();
     let parsed = command()
         .try_get_matches()
         .and_then(|m| Cli::from_arg_matches(&m));

@@ -35,6 +35,10 @@
 //! [`make_locked_folder`]).
 //! Within one process there is no such moment: creating and locking, and a sweep's choice of
 //! what to remove, take one process-wide mutex.
+//!
+//! [`sigbus`] names a mapped file cut short under the process (the `SIGBUS` that follows).
+
+pub mod sigbus;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};

@@ -174,6 +174,76 @@ fn a_bad_expert_of_the_last_layer_is_named_before_anything_is_written() {
     );
 }
 
+/// A checkpoint file cut short in place while the converter reads it (another program
+/// truncating or rewriting it) ends the conversion with SIGBUS, as before, but no longer with
+/// only "Bus error": stderr names the file and says what happened and what to do, and no
+/// manifest is written. The cut comes right after the converter announces its job, before it
+/// has read any weight: ~100 MB of experts quantized on one thread take over a second here,
+/// a thousand times the few milliseconds between the announcement and the cut.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_checkpoint_file_cut_short_under_the_converter_is_named() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ckpt");
+    let mut spec = TinySpec::for_model_type("qwen3_moe");
+    (spec.hidden, spec.moe_inter, spec.routed_experts, spec.files) = (1024, 512, 16, 2);
+    write_tiny_checkpoint(&ck, &spec);
+    let out = d.path().join("w");
+    let mut child = std::process::Command::new(crate::support::bin())
+        .current_dir(root())
+        .args(["convert", "--threads", "1", "--checkpoint"])
+        .arg(&ck)
+        .args(["--topology", "examples/single-host.toml", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("expertmesh convert:") {
+        assert!(
+            stderr.read_line(&mut said).unwrap() > 0,
+            "the converter ended before it began: {said}"
+        );
+    }
+    // Every safetensors file cut to its header: every weight is past the end.
+    let files: Vec<PathBuf> = Checkpoint::open(&ck)
+        .unwrap()
+        .files()
+        .map(Path::to_path_buf)
+        .collect();
+    for f in &files {
+        let head = std::fs::read(f).unwrap();
+        let header = u64::from_le_bytes(head[..8].try_into().unwrap());
+        let file = std::fs::OpenOptions::new().write(true).open(f).unwrap();
+        file.set_len(8 + header).unwrap();
+    }
+    let guard = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            guard.elapsed() < std::time::Duration::from_secs(300),
+            "hang guard: the converter did not end"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    said.push_str(&rest);
+    assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}\n{said}");
+    assert!(said.contains("stopped by SIGBUS"), "{said}");
+    let named = files
+        .iter()
+        .any(|f| said.contains(&*std::fs::canonicalize(f).unwrap().to_string_lossy()));
+    assert!(named, "no checkpoint file named:\n{said}");
+    assert!(!out.join("manifest.json").exists());
+}
+
 /// The router file's tensors are checked from the headers before any shard is written: a
 /// missing selection bias is named at once, with no device shard on disk. With
 /// `topk_method = "greedy"` (a zero bias, which such checkpoints do not store) the same
