@@ -1064,6 +1064,10 @@ fn output<'py>(
 /// The native part of the `expertmesh` package (import `expertmesh`, not this).
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // A fork() child (gunicorn --preload, multiprocessing) closes its copies of this
+    // process's router connections at once: the parent's close() then ends them.
+    #[cfg(unix)]
+    expertmesh_transport::fork_close::close_client_sockets_in_fork_children();
     m.add_class::<PyRouterClient>()?;
     m.add_class::<PyHandle>()?;
     m.add_function(wrap_pyfunction!(bench::rust_loop, m)?)?;

@@ -418,6 +418,60 @@ def test_a_client_made_before_fork_is_refused_in_the_child_and_the_parent_goes_o
             assert_bits_equal(c.moe(1, x), want)
 
 
+def _sockets_to(port: int) -> int:
+    """This process's TCP sockets whose remote port is `port` (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                n += 1
+    return n
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "fork") or not os.path.exists("/proc/net/tcp"),
+    reason="needs fork() and Linux /proc",
+)
+def test_a_fork_child_closes_its_copy_of_the_connection_so_the_parents_close_ends_it(fabric):
+    # While a child kept its copy of the socket, the parent's close() sent no FIN: the router
+    # held the connection (and its slot) until every preforked child ended.
+    port = int(fabric.addr.rsplit(":", 1)[1])
+    before = _sockets_to(port)  # other tests' clients not yet collected
+    c = fabric.client()
+    x = rand(2, 80)
+    want = c.moe(1, x)
+    assert _sockets_to(port) == before + 1, "the parent holds its connection"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            code = 0 if _sockets_to(port) == 0 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), status
+    assert os.WEXITSTATUS(status) == 0, "the child kept a copy of the router connection"
+    assert_bits_equal(c.moe(1, x), want)
+    c.close()
+    assert _sockets_to(port) == before
+
+
 # --- asyncio ----------------------------------------------------------------------------------
 
 

@@ -571,6 +571,8 @@ impl FrameConnection {
         let mut stream = TcpStream::connect(addr)
             .await
             .map_err(|source| FrontendError::Io { peer: addr, source })?;
+        #[cfg(unix)]
+        crate::fork_close::note_client_socket(std::os::fd::AsRawFd::as_raw_fd(&stream));
         let _ = stream.set_nodelay(true);
         let proto = Arc::new(cfg.protocol(false));
         // Any router may answer: its hello's rank says which, and picks the key.

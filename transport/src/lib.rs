@@ -21,6 +21,9 @@
 //! - [`mesh`]: the [`Transport`] trait and the rank-to-rank mesh that runs the protocol over
 //!   TCP, shared memory or RDMA links: listening, dialling, the event queue.
 //! - [`frontend`]: framed connections for clients that are not ranks (serving frontends).
+//! - `fork_close` (Unix): a `fork()` child's copies of client connections closed at once, so
+//!   the parent's close ends them (turned on by the Python binding; imports nothing of this
+//!   crate).
 //! - [`signals`]: resets stop handlers that linked RDMA libraries install at load time, before
 //!   a process registers its own (imports nothing of this crate).
 //! - [`ports`]: free loopback ports below the ephemeral range for the processes a local
@@ -111,6 +114,8 @@ mod align;
 pub mod codec;
 pub mod crypto;
 pub mod dtype;
+#[cfg(unix)]
+pub mod fork_close;
 pub mod frontend;
 mod link;
 pub mod mesh;
