@@ -354,9 +354,40 @@ pub fn convert(
     check_dense_shared_on_router(job)?;
     check_dense_shared_tensors(job)?;
     let (plans, router_items) = job_items(job);
-    check_experts(job, &pool, plans.iter().flatten().chain(&router_items))?;
-    withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
+    // Which shards an earlier run left whole for this job, decided once: those are kept, and
+    // only the experts of the others are checked and converted.
+    let kept: Vec<Option<(u64, u32)>> = devices
+        .iter()
+        .zip(&plans)
+        .map(|(d, items)| {
+            let path = job.out.join(device_shard_name(d.rank().0));
+            reusable(&path, &fingerprint, Some(d.id()), items)
+        })
+        .collect();
+    let router_kept = reusable(
+        &job.out.join(ROUTER_SHARD_NAME),
+        &fingerprint,
+        None,
+        &router_items,
+    );
+    let to_convert: Vec<&Item> = plans
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| k.is_none())
+        .flat_map(|(items, _)| items)
+        .chain(router_items.iter().filter(|_| router_kept.is_none()))
+        .collect();
+    check_experts(job, &pool, &to_convert)?;
+    withdraw_manifest(job.out)?;
+    // Hashing runs beside the conversion: a quarter of its threads keep pace with quantizing
+    // ones (SHA-256 runs ~1.6 GB/s a core, quantizing ~0.07), every thread when nothing is
+    // converted (a resumed run whose shards are all kept is nothing but the hash).
+    let hash_threads = if to_convert.is_empty() {
+        job.threads
+    } else {
+        (job.threads / 4).max(1)
+    };
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
@@ -367,12 +398,13 @@ pub fn convert(
     let hashing = std::thread::scope(|s| {
         let hasher = s.spawn(|| {
             let started = std::time::Instant::now();
-            let files = source_files(job.ckpt, &stop_hashing, job.threads);
+            let files = source_files(job.ckpt, &stop_hashing, hash_threads);
             (files, started.elapsed().as_secs_f64())
         });
-        let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, progress));
+        let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, &kept, progress));
         let router = match &shards {
-            Ok(_) => pool.install(|| write_router(job, &fingerprint, &router_items, progress)),
+            Ok(_) => pool
+                .install(|| write_router(job, &fingerprint, &router_items, router_kept, progress)),
             Err(_) => Ok(Default::default()),
         };
         if shards.is_err() || router.is_err() {
@@ -528,19 +560,21 @@ struct Tally {
     shard_bytes: u64,
 }
 
-/// Every device's shard: kept when an earlier run's matches, written otherwise.
+/// Every device's shard: kept where `kept` holds an earlier run's (its size and checksum,
+/// [`reusable`]), written otherwise.
 fn convert_shards(
     job: &ConvertJob<'_>,
     fingerprint: &str,
     plans: &[Vec<Item>],
+    kept: &[Option<(u64, u32)>],
     progress: &(dyn Fn(Progress) + Sync),
 ) -> ShardsResult {
     let (mut records, mut tally) = (Vec::new(), Tally::default());
-    for (d, items) in job.topology.devices().iter().zip(plans) {
+    for ((d, items), kept) in job.topology.devices().iter().zip(plans).zip(kept) {
         let name = device_shard_name(d.rank().0);
         let path = job.out.join(&name);
         let bytes: u64 = items.iter().map(|it| item_bytes(job, it)).sum();
-        let summary = match reusable(&path, fingerprint, Some(d.id()), items) {
+        let summary = match *kept {
             Some(s) => {
                 tally.kept += 1;
                 progress(Progress::Done {
@@ -612,17 +646,23 @@ fn reusable(
     Some((f.len(), f.crc32c()))
 }
 
-/// Every expert's tensors checked from their headers ([`check_expert`]) before anything is
-/// written: a checkpoint missing an expert of its last layer, or holding one in another shape
-/// or dtype, fails in seconds naming it, not after every layer before it was converted, and
-/// an earlier run's complete output stays as it was. The first failing expert in file order
-/// is named.
-fn check_experts<'i>(
+/// The experts to convert checked before anything is written ([`check_expert`]: their
+/// tensors' headers and the small tensors beside them, no weight read): a checkpoint missing
+/// an expert of its last layer, or holding one in another shape or dtype, fails in seconds
+/// naming it, not after every layer before it was converted, and an earlier run's complete
+/// output stays as it was. Each expert is checked once (replicas share it); the first failing
+/// one in `items` order (device shards in rank order, then the router's) is named.
+fn check_experts(
     job: &ConvertJob<'_>,
     pool: &rayon::ThreadPool,
-    items: impl Iterator<Item = &'i Item>,
+    items: &[&Item],
 ) -> Result<(), ConvertError> {
-    let items: Vec<&Item> = items.collect();
+    let mut seen = std::collections::HashSet::new();
+    let items: Vec<&Item> = items
+        .iter()
+        .copied()
+        .filter(|it| seen.insert((it.layer, it.which)))
+        .collect();
     let failed = pool.install(|| {
         items.par_iter().find_map_first(|it| {
             check_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
@@ -691,11 +731,12 @@ fn write_router(
     job: &ConvertJob<'_>,
     fingerprint: &str,
     shared: &[Item],
+    kept: Option<(u64, u32)>,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<(ShardRecord, Tally), ConvertError> {
     let path = job.out.join(ROUTER_SHARD_NAME);
     let bytes: u64 = shared.iter().map(|it| item_bytes(job, it)).sum();
-    let summary = match reusable(&path, fingerprint, None, shared) {
+    let summary = match kept {
         Some(s) => {
             progress(Progress::Done {
                 experts: shared.len() as u64,
@@ -1115,8 +1156,8 @@ fn hex(bytes: &[u8]) -> String {
 /// `config.json` and every safetensors file, in that order: name, size, SHA-256; `None` once
 /// `stop` is set. Files are hashed on up to `threads` threads, largest first: SHA-256 runs at
 /// about 1.5-2 GB/s per core, so one thread would hash a trillion-parameter checkpoint
-/// (0.6-1 TB) slower than many cores convert or import it. The first failure (in file order)
-/// stops the others.
+/// (0.6-1 TB) slower than many cores convert or import it. A failure stops the other
+/// threads; the error returned is the first, in file order, of those that failed.
 fn source_files(
     ckpt: &Checkpoint,
     stop: &AtomicBool,
@@ -1130,8 +1171,9 @@ fn source_files(
         .chain(ckpt.files())
         .collect();
     let mut order: Vec<usize> = (0..paths.len()).collect();
-    let size = |i: usize| std::fs::metadata(paths[i]).map_or(0, |m| m.len());
-    order.sort_by_key(|&i| std::cmp::Reverse(size(i)));
+    order.sort_by_cached_key(|&i| {
+        std::cmp::Reverse(std::fs::metadata(paths[i]).map_or(0, |m| m.len()))
+    });
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let stopped = || stop.load(Ordering::Relaxed) || failed.load(Ordering::Relaxed);

@@ -56,7 +56,7 @@ use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
 pub const FP8_BLOCK: usize = 128;
 
 /// Which expert of a layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ExpertRef {
     /// Routed expert `e`.
     Routed(u32),
@@ -343,12 +343,9 @@ pub fn check_expert(
 /// second time, row by row).
 ///
 /// When the expert is stored `pack-quantized` INT4, or GPTQ / AWQ INT4, its codes (zero points)
-/// and scales are imported exactly instead ([`read_packed_expert`], [`read_gptq_expert`]; the
+/// and scales are imported exactly instead ([`crate::packed_import`], [`crate::gptq_import`]; the
 /// model's spec must then be the one [`source_quant`] returns) and the error, measured the same
 /// way, is 0.
-///
-/// [`read_packed_expert`]: crate::packed_import::read_packed_expert
-/// [`read_gptq_expert`]: crate::gptq_import::read_gptq_expert
 pub fn read_expert(
     ckpt: &Checkpoint,
     spec: &ModelSpec,

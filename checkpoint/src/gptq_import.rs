@@ -1,5 +1,6 @@
 //! Lossless import of GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ GEMM) INT4 experts into
-//! packed INT4 [`ExpertWeights`], without requantization.
+//! packed INT4 [`ExpertWeights`](expertmesh_quant::format::ExpertWeights), without
+//! requantization.
 //!
 //! Why this exists: most published INT4 MoE checkpoints are GPTQ or AWQ. Their 4-bit codes,
 //! per-group zero points and f16 scales map one to one onto the serving format (groups along
@@ -32,12 +33,12 @@
 
 use std::path::{Path, PathBuf};
 
-use expertmesh_quant::format::{ExpertWeights, PackedMatrix, QuantSpec, ScaleDtype};
+use expertmesh_quant::format::{PackedMatrix, QuantSpec, ScaleDtype};
 use serde_json::{Map, Value};
 
 use crate::experts::{ExpertError, check_shape};
 use crate::hf_config::{CONFIG_FILE, MAX_CONFIG_BYTES};
-use crate::packed_import::{CODES_PER_WORD, Int4Rows, assemble_int4_expert};
+use crate::packed_import::{CODES_PER_WORD, Int4Rows};
 use crate::safetensors::{Checkpoint, Dtype, TensorView};
 
 /// AutoAWQ's nibble order: bits `4i..4i+4` of a word hold output `8w + AWQ_ORDER[i]`.
@@ -261,28 +262,14 @@ pub fn qweight_base(ckpt: &Checkpoint, weight_name: &str) -> Option<String> {
     stored.then(|| base.to_string())
 }
 
-/// Reads a GPTQ or AWQ expert: `names` are its `[gate, up, down]` weight names (`….weight`),
-/// `inter`/`hidden` its sizes, `quant` the model's spec (group size and scale dtype must be the
-/// checkpoint's; without zero points every zero point must be 8). Returns `Ok(None)` when none
-/// of the three is stored as `qweight`, an error when only some are (or they mix GPTQ and AWQ),
-/// and otherwise the packed expert with its relative error against the checkpoint's own
-/// dequantized values (0 unless the import is wrong).
-pub fn read_gptq_expert(
-    ckpt: &Checkpoint,
-    quant: QuantSpec,
-    names: &[String; 3],
-    inter: usize,
-    hidden: usize,
-) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
-    match open_gptq_expert(ckpt, quant, names, inter, hidden)? {
-        None => Ok(None),
-        Some([g, u, d]) => assemble_int4_expert(quant, inter, hidden, [&g, &u, &d]).map(Some),
-    }
-}
-
-/// [`read_gptq_expert`]'s checks without the import: the expert's `[gate, up, down]`
-/// projections opened (shapes, dtypes, group size, `g_idx`, zero points) and checked against
-/// `quant`, no code or scale copied. `Ok(None)` when none is stored as `qweight`.
+/// Opens a GPTQ or AWQ expert (read by [`crate::experts::read_expert`], which copies its codes,
+/// zero points and scales with [`crate::packed_import::assemble_int4_expert`]): `names` are
+/// its `[gate, up, down]` weight names (`….weight`), `inter`/`hidden` its sizes, `quant` the
+/// model's spec (group size and scale dtype must be the checkpoint's; without zero points
+/// every zero point must be 8).
+/// Each projection is opened (shapes, dtypes, group size, `g_idx`, zero points) and checked
+/// against `quant`; no code or scale is copied. `Ok(None)` when none of the three is stored as
+/// `qweight`, an error when only some are (or they mix GPTQ and AWQ).
 pub(crate) fn open_gptq_expert<'a>(
     ckpt: &'a Checkpoint,
     quant: QuantSpec,
@@ -300,7 +287,7 @@ pub(crate) fn open_gptq_expert<'a>(
 }
 
 /// The [`QuantSpec`] that imports this GPTQ/AWQ expert losslessly (`names`, `inter`, `hidden`
-/// as for [`read_gptq_expert`]): the checkpoint's group size and scale dtype, and zero points
+/// as for [`open_gptq_expert`]): the checkpoint's group size and scale dtype, and zero points
 /// unless the checkpoint is symmetric (AWQ always has them; GPTQ does unless `sym` is true, or
 /// is absent and every zero point of this expert is 8). `Ok(None)` when the expert is not
 /// stored as `qweight`.

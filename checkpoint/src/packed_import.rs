@@ -43,27 +43,12 @@ pub fn packed_base(ckpt: &Checkpoint, weight_name: &str) -> Option<String> {
     packed.then(|| base.to_string())
 }
 
-/// Reads a `pack-quantized` expert: `names` are its `[gate, up, down]` weight names (`….weight`),
-/// `inter`/`hidden` its sizes. Returns `Ok(None)` when none of the three is stored
-/// `pack-quantized`, an error when only some are, and otherwise the packed expert with its
-/// relative error against the checkpoint's own dequantized values (0 unless the import is wrong).
-pub fn read_packed_expert(
-    ckpt: &Checkpoint,
-    quant: QuantSpec,
-    names: &[String; 3],
-    inter: usize,
-    hidden: usize,
-) -> Result<Option<(ExpertWeights, f64)>, ExpertError> {
-    match open_packed_expert(ckpt, quant, names, inter, hidden)? {
-        None => Ok(None),
-        Some([g, u, d]) => assemble_int4_expert(quant, inter, hidden, [&g, &u, &d]).map(Some),
-    }
-}
-
-/// [`read_packed_expert`]'s checks without the import: the expert's `[gate, up, down]`
-/// projections opened and checked against `quant` (dtypes, shapes, group size, scale dtype,
-/// zero points, act-order indices), no code or scale read. `Ok(None)` when none is stored
-/// `pack-quantized`.
+/// Opens a `pack-quantized` expert (read by [`crate::experts::read_expert`], which copies its
+/// codes and scales with [`assemble_int4_expert`]): `names` are its `[gate, up, down]` weight
+/// names (`….weight`), `inter`/`hidden` its sizes. Each projection is checked against `quant`
+/// (dtypes, shapes, group size, scale dtype, zero points, act-order indices); no code or scale
+/// is read. `Ok(None)` when none of the three is stored `pack-quantized`, an error when only
+/// some are.
 pub(crate) fn open_packed_expert<'a>(
     ckpt: &'a Checkpoint,
     quant: QuantSpec,

@@ -6,9 +6,10 @@
 //! page past the new end raises `SIGBUS` (as does a page a full tmpfs cannot supply), and the process ended with nothing but "Bus error":
 //! no file, no cause, no next step. [`install`] sets a handler that, for a fault at an address
 //! inside a file mapping (`BUS_ADRERR`), writes which file it was, what happened and what to
-//! do to stderr, then lets the signal end the process as before (the default action: the exit
-//! status still says `SIGBUS`, and a core dump is taken where they are enabled). Every other
-//! `SIGBUS` is left to the default action untouched.
+//! do to stderr, then raises the signal's default action, which ends the process as before
+//! (the exit status still says `SIGBUS`, and a core dump is taken where they are enabled).
+//! Any other `SIGBUS` ends it the same way, unexplained. With several threads faulting at
+//! once, the first reports (one `write`) and the others wait for the end.
 //!
 //! The handler is async-signal-safe: it reads `/proc/self/maps` with `open`/`read` into
 //! buffers on the faulting thread's stack (no allocation, no lock) and writes with `write`.
@@ -82,6 +83,7 @@ fn hex(s: &[u8]) -> Option<usize> {
 mod imp {
     use super::path_of;
     use std::sync::Once;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Bytes of `/proc/self/maps` read at a time.
     const CHUNK: usize = 4096;
@@ -116,9 +118,9 @@ mod imp {
         }
     }
 
-    /// The path of the file mapping that holds `addr`, copied into `out` (its length), or
-    /// `None` when no file mapping holds it.
-    fn mapped_file(addr: usize, out: &mut [u8; LINE]) -> Option<usize> {
+    /// The path of the file mapping that holds `addr`, copied into `out` (`LINE` bytes; the
+    /// path's length is returned), or `None` when no file mapping holds it.
+    fn mapped_file(addr: usize, out: &mut [u8]) -> Option<usize> {
         // SAFETY: a NUL-terminated path; the descriptor is closed below.
         let fd = unsafe {
             libc::open(
@@ -162,27 +164,46 @@ mod imp {
         found
     }
 
+    /// What the report says before and after the file's path.
+    const HEAD: &[u8] = b"\nexpertmesh: stopped by SIGBUS: the file ";
+    const TAIL: &[u8] = b" could not be read where this process had it mapped: it was cut short \
+        (another program truncated or rewrote it in place), or, on a tmpfs such as /dev/shm, \
+        the file system is full. The process stops here; files it was writing are left \
+        incomplete under temporary names, which the next run removes. Let the other program \
+        finish (or put the file back whole, or free room), then run again; replace files by \
+        renaming a complete copy over them, never by writing into them.\n";
+
+    /// Set by the first thread to enter the handler: it alone reports and ends the process
+    /// (with several threads reading a cut file, each faults).
+    static REPORTING: AtomicBool = AtomicBool::new(false);
+
     extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        if REPORTING.swap(true, Ordering::AcqRel) {
+            // Another thread reports and raises the default action, which ends every thread.
+            loop {
+                // SAFETY: pause() only waits for a signal.
+                unsafe { libc::pause() };
+            }
+        }
         // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
         let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
-        let mut path = [0u8; LINE];
+        let mut msg = [0u8; HEAD.len() + LINE + TAIL.len()];
         if code == libc::BUS_ADRERR
-            && let Some(n) = mapped_file(addr, &mut path)
+            && let Some(n) = mapped_file(addr, &mut msg[HEAD.len()..][..LINE])
         {
-            say(b"\nexpertmesh: stopped by SIGBUS: the file ");
-            say(&path[..n]);
-            say(
-                b" could not be read where this process had it mapped: it was cut short (another \
-                  program truncated or rewrote it in place), or, on a tmpfs such as /dev/shm, \
-                  the file system is full. Nothing this process was writing was completed: a \
-                  re-run removes its temporary files and redoes it. Let the other program \
-                  finish (or put the file back whole, or free room), then run again; replace \
-                  files by renaming a complete copy over them, never by writing into them.\n",
-            );
+            msg[..HEAD.len()].copy_from_slice(HEAD);
+            let end = HEAD.len() + n;
+            msg[end..end + TAIL.len()].copy_from_slice(TAIL);
+            say(&msg[..end + TAIL.len()]);
         }
-        // The default action, on the same fault: returning re-runs the faulting access.
-        // SAFETY: signal() with SIG_DFL is async-signal-safe.
-        unsafe { libc::signal(sig, libc::SIG_DFL) };
+        // The default action ends the process: raised here (SIGBUS is blocked until the
+        // handler returns, then delivered), so a SIGBUS that was not a fault (kill, raise)
+        // ends it too; a fault's access would also fault again.
+        // SAFETY: signal() and raise() are async-signal-safe.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+            libc::raise(sig);
+        }
     }
 }
 

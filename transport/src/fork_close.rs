@@ -16,8 +16,11 @@
 //! child closes a noted number only when the socket there still has both noted addresses
 //! (two live TCP sockets never share them). The note list is bounded ([`NOTES`], the oldest
 //! overwritten) and guarded by a spin lock that the fork's prepare handler holds across the
-//! fork, so the child reads a consistent list; the child handler uses only system calls
-//! (`getsockname`, `getpeername`, `close`) and its own stack.
+//! fork, so the child reads a consistent list (signals are blocked while a thread holds it,
+//! so a handler that forks cannot wait for its own thread); the child handler uses only system
+//! calls (`getsockname`, `getpeername`, `close`) and its own stack. Not covered: a fork in
+//! the instant between a connection's `connect` and its note (that child keeps its copy, as
+//! every child did before).
 
 use std::cell::UnsafeCell;
 use std::sync::Once;
@@ -129,12 +132,23 @@ pub(crate) fn note_client_socket(fd: libc::c_int) {
     let (Some(local), Some(peer)) = (Addr::of(fd, false), Addr::of(fd, true)) else {
         return;
     };
+    // Signals are blocked while the lock is held: a handler that forks on this thread would
+    // otherwise wait in `prepare` for a lock its own thread holds.
+    // SAFETY: a zeroed sigset is valid storage; sigfillset and pthread_sigmask only write it.
+    let (mut all, mut was): (libc::sigset_t, libc::sigset_t) = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; both sets outlive the calls.
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut was);
+    }
     lock();
     // SAFETY: `LOCKED` is held.
     let (notes, next) = unsafe { &mut *NOTED.0.get() };
     notes[*next] = Some(Note { fd, local, peer });
     *next = (*next + 1) % NOTES;
     unlock();
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &was, std::ptr::null_mut()) };
 }
 
 extern "C" fn prepare() {
@@ -156,7 +170,8 @@ extern "C" fn child() {
 /// Close each noted descriptor whose socket still has both noted addresses, and forget every
 /// note (async-signal-safe: system calls and the stack only).
 fn close_noted(notes: &mut [Option<Note>]) {
-    for slot in notes.iter_mut() {
+    // Only slots that hold a note are written: the child's copy of the rest stays shared.
+    for slot in notes.iter_mut().filter(|n| n.is_some()) {
         if let Some(n) = slot.take()
             && n.still_open()
         {

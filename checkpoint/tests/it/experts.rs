@@ -5,9 +5,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use expertmesh_checkpoint::experts::{
-    ExpertError, ExpertRef, Family, expert_tensor_names, read_expert,
-};
+use crate::support::read_checked;
+use expertmesh_checkpoint::experts::{ExpertError, ExpertRef, Family, expert_tensor_names};
 use expertmesh_checkpoint::safetensors::{
     Checkpoint, Dtype, INDEX_FILE, SINGLE_FILE, TensorData, e4m3_to_f32, write_safetensors,
 };
@@ -256,7 +255,7 @@ fn round_trip(family: Family, kind: Kind, h: usize, f: usize, sharded: bool) {
     write_checkpoint(dir.path(), &layers, sharded);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     for (layer, which, source) in &sources {
-        let (w, err) = read_expert(&ckpt, &spec, family, *layer, *which).unwrap();
+        let (w, err) = read_checked(&ckpt, &spec, family, *layer, *which).unwrap();
         assert_eq!(w.hidden(), h);
         assert_eq!(w.spec(), spec.quant);
         let deq = dequantized(&w);
@@ -355,7 +354,7 @@ fn read_broken(edit: impl FnOnce(&mut Vec<Owned>)) -> ExpertError {
     write(&dir.path().join(SINGLE_FILE), &tensors);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let spec = model(64, 32, true);
-    read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap_err()
+    read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap_err()
 }
 
 const UP: &str = "model.layers.0.mlp.experts.0.up_proj.weight";
@@ -426,7 +425,7 @@ fn fp8_without_scale_names_the_scale_tensor() {
     write(&dir.path().join(SINGLE_FILE), &s.tensors);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let spec = model(256, 160, true);
-    let err = read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap_err();
+    let err = read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap_err();
     assert!(
         err.to_string().contains("gate_proj.weight_scale_inv"),
         "{err}"
@@ -445,7 +444,7 @@ fn nonexistent_experts_are_refused() {
         (2, ExpertRef::Routed(0)),
         (0, ExpertRef::Shared),
     ] {
-        let err = read_expert(&ckpt, &spec, Family::Mixtral, layer, which).unwrap_err();
+        let err = read_checked(&ckpt, &spec, Family::Mixtral, layer, which).unwrap_err();
         assert!(matches!(err, ExpertError::NoSuchExpert { .. }), "{err:?}");
     }
 }
@@ -514,8 +513,8 @@ fn fused_experts_convert_as_the_same_weights_stored_per_expert() {
         let b = Checkpoint::open(fused_dir.path()).unwrap();
         for e in 0..3 {
             let which = ExpertRef::Routed(e);
-            let (wa, ea) = read_expert(&a, &spec, family, 0, which).unwrap();
-            let (wb, eb) = read_expert(&b, &spec, family, 0, which)
+            let (wa, ea) = read_checked(&a, &spec, family, 0, which).unwrap();
+            let (wb, eb) = read_checked(&b, &spec, family, 0, which)
                 .unwrap_or_else(|err| panic!("{family:?} {home} expert {e}: {err}"));
             assert!(
                 wa == wb,
@@ -557,7 +556,7 @@ fn fused_experts_convert_as_the_same_weights_stored_per_expert() {
         let dir = TempDir::new().unwrap();
         write(&dir.path().join(SINGLE_FILE), &tensors);
         let ckpt = Checkpoint::open(dir.path()).unwrap();
-        let err = read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(1))
+        let err = read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(1))
             .unwrap_err()
             .to_string();
         assert!(err.contains(home) && err.contains(says), "{err}");

@@ -5,7 +5,7 @@
 //! makes each format's import lossless.
 
 use expertmesh_checkpoint::experts::{
-    ExpertError, ExpertRef, Family, expert_tensor_names, read_expert, source_quant,
+    ExpertError, ExpertRef, Family, expert_tensor_names, source_quant,
 };
 use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype};
 use expertmesh_quant::format::{QuantSpec, ScaleDtype};
@@ -13,7 +13,7 @@ use expertmesh_quant::synth::SplitMix64;
 use half::{bf16, f16};
 use tempfile::TempDir;
 
-use crate::support::{self, Owned, bases, model, proj_row, quant, write_checkpoint};
+use crate::support::{self, Owned, bases, model, proj_row, quant, read_checked, write_checkpoint};
 
 /// The generated projections, the tensors written, and what `read_expert` made of them.
 type Imported = support::Imported<Proj>;
@@ -218,7 +218,7 @@ fn import(c: &Case, q: QuantSpec, edit: impl FnOnce(&mut Vec<Owned>)) -> Importe
     write_checkpoint(dir.path(), &all, c.config.then(|| config_json(c)).as_ref());
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let spec = model(c.h, c.f, q);
-    let result = read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
+    let result = read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
     (projs, all, result)
 }
 
@@ -547,7 +547,7 @@ fn unreadable_configs_are_refused() {
         let config = serde_json::json!({ "quantization_config": q });
         write_checkpoint(dir.path(), &all, Some(&config));
         let ckpt = Checkpoint::open(dir.path()).unwrap();
-        let e = read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
+        let e = read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
         let msg = e.unwrap_err().to_string();
         assert!(msg.contains("config.json") && msg.contains(needle), "{msg}");
     }
@@ -759,7 +759,7 @@ fn source_quant_of_pack_quantized() {
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let spec = model(c.h, c.f, got);
         let (_, error) =
-            read_expert(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap();
+            read_checked(&ckpt, &spec, Family::DeepseekV3, 0, ExpertRef::Routed(0)).unwrap();
         assert_eq!(error, 0.0);
     }
 }

@@ -3,7 +3,7 @@
 //! an independent decoder's, and malformed or incompatible checkpoints (act-order groups
 //! included) are refused with errors naming the tensor.
 
-use expertmesh_checkpoint::experts::{ExpertRef, Family, read_expert};
+use expertmesh_checkpoint::experts::{ExpertRef, Family};
 use expertmesh_checkpoint::safetensors::{Checkpoint, Dtype};
 use expertmesh_quant::format::ScaleDtype;
 use expertmesh_quant::synth::SplitMix64;
@@ -11,7 +11,7 @@ use expertmesh_topology::model::ModelSpec;
 use half::bf16;
 use tempfile::TempDir;
 
-use crate::support::{self, Owned, bases, proj_row, write_checkpoint};
+use crate::support::{self, Owned, bases, proj_row, read_checked, write_checkpoint};
 
 /// The generated projections, the tensors written, and what `read_expert` made of them.
 type Imported = support::Imported<Proj>;
@@ -166,7 +166,7 @@ fn import(
     let dir = TempDir::new().unwrap();
     write_checkpoint(dir.path(), &all, None);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
-    let result = read_expert(&ckpt, spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
+    let result = read_checked(&ckpt, spec, Family::DeepseekV3, 0, ExpertRef::Routed(0));
     (projs, all, result)
 }
 

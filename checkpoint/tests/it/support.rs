@@ -1,16 +1,47 @@
 //! Helpers shared by the import tests (`gptq_import`, `packed_import`): the tensors a test
-//! writes, a one-expert DeepSeek-V3 model, the expert's tensor prefixes, and writing a
-//! checkpoint folder.
+//! writes, a one-expert DeepSeek-V3 model, the expert's tensor prefixes, writing a
+//! checkpoint folder, and reading an expert with the converter's pre-pass held to the read
+//! (`read_checked`, used by every test here that reads an expert).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use expertmesh_checkpoint::experts::{ExpertError, ExpertRef, Family, expert_tensor_names};
+use expertmesh_checkpoint::experts::{
+    ExpertError, ExpertRef, Family, check_expert, expert_tensor_names, read_expert,
+};
+use expertmesh_checkpoint::safetensors::Checkpoint;
 use expertmesh_checkpoint::safetensors::{Dtype, SINGLE_FILE, TensorData, write_safetensors};
 use expertmesh_quant::format::{
     ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row,
 };
 use expertmesh_topology::model::{ModelSpec, preset_by_name};
+
+/// `read_expert`, with the converter's pre-pass (`check_expert`) held to it: what the check
+/// refuses, the read refuses with the same error; what it passes, the read refuses only for a
+/// weight's value.
+pub(crate) fn read_checked(
+    ckpt: &Checkpoint,
+    spec: &ModelSpec,
+    family: Family,
+    layer: u32,
+    which: ExpertRef,
+) -> Result<(ExpertWeights, f64), ExpertError> {
+    let checked = check_expert(ckpt, spec, family, layer, which);
+    let read = read_expert(ckpt, spec, family, layer, which);
+    match (&checked, &read) {
+        (Err(c), Err(r)) => assert_eq!(c.to_string(), r.to_string(), "check vs read"),
+        (Err(c), Ok(_)) => panic!("the pre-pass refused an expert that reads: {c}"),
+        (Ok(()), Err(r)) => assert!(
+            matches!(
+                r,
+                ExpertError::NonFinite { .. } | ExpertError::Quantize { .. }
+            ),
+            "passed the pre-pass, refused for more than a weight's value: {r}"
+        ),
+        (Ok(()), Ok(_)) => {}
+    }
+    read
+}
 
 /// `(name, dtype, shape, bytes)`.
 pub(crate) type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
