@@ -357,14 +357,17 @@ pub fn convert(
     let devices = job.topology.devices();
     // Which shards an earlier run left whole for this job, decided once: those are kept, and
     // only the experts of the others are checked and converted.
-    let kept: Vec<Option<(u64, u32)>> = devices
-        .iter()
-        .zip(&plans)
-        .map(|(d, items)| {
-            let path = job.out.join(device_shard_name(d.rank().0));
-            reusable(&path, &fingerprint, Some(d.id()), items)
-        })
-        .collect();
+    // (Each kept shard is read whole for its checksum: on the pool, a shard per thread.)
+    let kept: Vec<Option<(u64, u32)>> = pool.install(|| {
+        devices
+            .par_iter()
+            .zip(&plans)
+            .map(|(d, items)| {
+                let path = job.out.join(device_shard_name(d.rank().0));
+                reusable(&path, &fingerprint, Some(d.id()), items)
+            })
+            .collect()
+    });
     let router_kept = reusable(
         &job.out.join(ROUTER_SHARD_NAME),
         &fingerprint,
