@@ -272,8 +272,11 @@ pub struct ConvertReport {
     pub shard_bytes_written: u64,
     /// Bytes of the source files hashed for the manifest (every file, whole).
     pub hashed_bytes: u64,
-    /// Seconds the hashing ran, beside the conversion, on up to `threads` threads.
+    /// Seconds the hashing ran, beside the conversion.
     pub hashing_seconds: f64,
+    /// Threads the hashing ran on (at most: one per file): a quarter of the job's beside a
+    /// conversion, all of them when every shard was kept.
+    pub hashing_threads: usize,
 }
 
 /// One expert to put into a shard: its key and where it comes from.
@@ -443,6 +446,7 @@ pub fn convert(
     };
     write_last(job, &manifest, &identities)?;
     let manifest_hashed_bytes = manifest.source.files.iter().map(|f| f.bytes).sum();
+    let files_hashed = manifest.source.files.len();
     Ok(ConvertReport {
         manifest,
         shards_kept: devices_tally.kept,
@@ -451,6 +455,7 @@ pub fn convert(
         shard_bytes_written: devices_tally.shard_bytes + router_tally.shard_bytes,
         hashed_bytes: manifest_hashed_bytes,
         hashing_seconds,
+        hashing_threads: hash_threads.clamp(1, files_hashed.max(1)),
     })
 }
 

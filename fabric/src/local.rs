@@ -201,7 +201,8 @@ pub struct LocalFabric {
     device_addrs: Vec<SocketAddr>,
     workers: Vec<Option<Child>>,
     log_dir: PathBuf,
-    _tmp: Option<tempfile::TempDir>,
+    /// The temporary log folder when none was asked for, held locked while the fabric lives.
+    _tmp: Option<(tempfile::TempDir, expertmesh_files::Held)>,
 }
 
 impl std::fmt::Debug for LocalFabric {
@@ -268,8 +269,10 @@ impl LocalFabric {
             // The error points at the logs: keep them after the launcher exits, but not the
             // workers' credential files beside them (secrets have no place in a folder kept
             // for reading).
-            if let Some(t) = fabric._tmp.take() {
+            if let Some((t, _held)) = fabric._tmp.take() {
                 remove_credential_files(t.path());
+                // A later fabric's sweep of killed fabrics' folders leaves this one alone.
+                let _ = std::fs::write(t.path().join(KEPT_MARKER), KEPT_NOTE);
                 let _ = t.keep();
             }
             return Err(e);
@@ -716,8 +719,22 @@ fn remove_credential_files(dir: &std::path::Path) {
     }
 }
 
-/// The worker log directory: the one asked for, or a fresh temporary one.
-fn log_dir(opts: &LocalFabricOptions) -> Result<(Option<tempfile::TempDir>, PathBuf), FabricError> {
+/// The start of a fabric's temporary log folder's name, before its process id.
+const LOG_FOLDER_PREFIX: &str = "expertmesh-fabric-";
+/// A file in a temporary log folder kept after a failed start (the error names its logs):
+/// the sweep leaves such a folder for its reader to remove.
+const KEPT_MARKER: &str = "KEPT-AFTER-A-FAILED-START";
+const KEPT_NOTE: &str = "The workers' logs of a fabric that failed to start, kept for reading \
+(credential files removed). Remove this folder when done.\n";
+
+/// The worker log directory: the one asked for, or a fresh temporary one named after this
+/// process and held while the fabric lives. The temporary folders of earlier fabrics whose
+/// process is gone (killed: SIGKILL or the OOM killer run no drop) are removed first: they
+/// hold worker logs and the workers' credential files.
+#[allow(clippy::type_complexity)]
+fn log_dir(
+    opts: &LocalFabricOptions,
+) -> Result<(Option<(tempfile::TempDir, expertmesh_files::Held)>, PathBuf), FabricError> {
     match &opts.log_dir {
         Some(d) => {
             std::fs::create_dir_all(d)
@@ -725,12 +742,22 @@ fn log_dir(opts: &LocalFabricOptions) -> Result<(Option<tempfile::TempDir>, Path
             Ok((None, d.clone()))
         }
         None => {
-            let t = tempfile::Builder::new()
-                .prefix("expertmesh-")
-                .tempdir()
-                .map_err(FabricError::io("creating a log directory"))?;
+            let tmp = std::env::temp_dir();
+            expertmesh_files::remove_left_by_gone_processes(&tmp, |name| {
+                let pid = expertmesh_files::pid_after(LOG_FOLDER_PREFIX, name)?;
+                (!tmp.join(name).join(KEPT_MARKER).exists()).then_some(pid)
+            });
+            let (t, held) = expertmesh_files::make_locked_folder(
+                || {
+                    tempfile::Builder::new()
+                        .prefix(&format!("{LOG_FOLDER_PREFIX}{}-", std::process::id()))
+                        .tempdir()
+                },
+                tempfile::TempDir::path,
+            )
+            .map_err(FabricError::io("creating a log directory"))?;
             let p = t.path().to_path_buf();
-            Ok((Some(t), p))
+            Ok((Some((t, held)), p))
         }
     }
 }

@@ -150,6 +150,10 @@ fn up_reports_a_worker_that_cannot_start_at_once_by_device_name_and_rank() {
         secrets.is_empty(),
         "credentials kept with the logs: {secrets:?}"
     );
+    assert!(
+        kept.join("KEPT-AFTER-A-FAILED-START").exists(),
+        "a later fabric's sweep would remove the logs the error names"
+    );
     let _ = std::fs::remove_dir_all(kept);
     // Only the worker that failed is blamed (the other one's info line "worker connected …
     // (rank 1)" is no blame).

@@ -170,6 +170,54 @@ fn exact_over_tcp_is_bit_identical_to_the_reference() {
     exact_end_to_end(LinkKind::Tcp);
 }
 
+/// A fabric's temporary folder holds its workers' logs and, with a cluster key, their
+/// credential files; a fabric killed with SIGKILL (or by the OOM killer) runs no cleanup and
+/// left it in the temporary folder for ever. A fabric that starts removes the folders of
+/// fabrics whose process is gone, and leaves a live process's, and one kept after a failed
+/// start (the error named its logs), alone.
+#[test]
+fn a_starting_fabric_removes_the_folders_killed_fabrics_left() {
+    let _machine = crate::support::shared();
+    let tmp = std::env::temp_dir();
+    // A process id that runs nothing now.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    let folder = |pid: u32, tag: &str| {
+        let d = tmp.join(format!("expertmesh-fabric-{pid}-{tag}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("worker-0.log"), "log").unwrap();
+        std::fs::write(d.join("device-0.cred"), "secret").unwrap();
+        d
+    };
+    let killed = folder(gone_pid, "killedtest");
+    let kept = folder(gone_pid, "keptteste");
+    std::fs::write(kept.join("KEPT-AFTER-A-FAILED-START"), "").unwrap();
+    // This test's parent (the test runner or a shell) runs.
+    let live = folder(std::os::unix::process::parent_id(), "livetest");
+    let fabric = LocalFabric::start(options(LinkKind::Tcp, ComputeMode::Exact)).unwrap();
+    let own = fabric.log_dir().to_path_buf();
+    let own_name = own.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        own_name.starts_with(&format!("expertmesh-fabric-{}-", std::process::id())),
+        "{own_name}"
+    );
+    assert!(
+        !killed.exists(),
+        "a killed fabric's folder was left: {killed:?}"
+    );
+    assert!(
+        kept.exists(),
+        "a folder kept after a failed start was removed"
+    );
+    assert!(live.exists(), "a live process's folder was removed");
+    fabric.shutdown();
+    assert!(!own.exists(), "the fabric's own folder outlived it");
+    for d in [kept, live] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
 /// RDMA links between the router (this process) and real worker processes, on libfabric's
 /// `tcp;ofi_rxm` provider over loopback: the RDMA link's data path (one write with immediate per
 /// frame into the peer's registered ring) between processes, no RDMA NIC needed.
