@@ -322,29 +322,7 @@ pub fn convert(
     job: &ConvertJob<'_>,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<ConvertReport, ConvertError> {
-    std::fs::create_dir_all(job.out).map_err(|source| ConvertError::Io {
-        path: job.out.to_path_buf(),
-        what: "creating the output folder",
-        source,
-    })?;
-    // One conversion at a time per folder: two would withdraw and write each other's
-    // manifest and shards (held until this returns; unlocked where the file system has no
-    // locks).
-    let _out_held = expertmesh_files::lock_folder(job.out).map_err(|source| {
-        if source.kind() == std::io::ErrorKind::WouldBlock {
-            ConvertError::OutputBusy {
-                path: job.out.to_path_buf(),
-            }
-        } else {
-            ConvertError::Io {
-                path: job.out.to_path_buf(),
-                what: "opening the output folder",
-                source,
-            }
-        }
-    })?;
-    // A killed conversion's temporary files (a shard's is as large as the shard).
-    expertmesh_files::remove_stale_temps(job.out);
+    let _out_held = hold_output(job)?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(job.threads.max(1))
         .build()
@@ -356,44 +334,15 @@ pub fn convert(
     check_router_tensors(job)?;
     check_dense_shared_on_router(job)?;
     check_dense_shared_tensors(job)?;
-    let (plans, router_items) = job_items(job);
-    let devices = job.topology.devices();
-    // Which shards an earlier run left whole for this job, decided once: those are kept, and
-    // only the experts of the others are checked and converted.
-    // (Each kept shard is read whole for its checksum: on the pool, a shard per thread.)
-    let kept: Vec<Option<(u64, u32)>> = pool.install(|| {
-        devices
-            .par_iter()
-            .zip(&plans)
-            .map(|(d, items)| {
-                let path = job.out.join(device_shard_name(d.rank().0));
-                reusable(&path, &fingerprint, Some(d.id()), items)
-            })
-            .collect()
-    });
-    let router_kept = reusable(
-        &job.out.join(ROUTER_SHARD_NAME),
-        &fingerprint,
-        None,
-        &router_items,
-    );
-    let to_convert: Vec<&Item> = plans
-        .iter()
-        .zip(&kept)
-        .filter(|(_, k)| k.is_none())
-        .flat_map(|(items, _)| items)
-        .chain(router_items.iter().filter(|_| router_kept.is_none()))
-        .collect();
-    check_experts(job, &pool, &to_convert)?;
+    let Work {
+        plans,
+        router_items,
+        kept,
+        router_kept,
+        hash_threads,
+    } = plan_work(job, &pool, &fingerprint)?;
     withdraw_manifest(job.out)?;
-    // Hashing runs beside the conversion: a quarter of its threads keep pace with quantizing
-    // ones (SHA-256 runs ~1.6 GB/s a core, quantizing ~0.07), every thread when nothing is
-    // converted (a resumed run whose shards are all kept is nothing but the hash).
-    let hash_threads = if to_convert.is_empty() {
-        job.threads
-    } else {
-        (job.threads / 4).max(1)
-    };
+    let devices = job.topology.devices();
     let all = plans.iter().flatten().chain(&router_items);
     let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
     progress(Progress::Start { experts, bytes });
@@ -456,6 +405,95 @@ pub fn convert(
         hashed_bytes: manifest_hashed_bytes,
         hashing_seconds,
         hashing_threads: hash_threads.clamp(1, files_hashed.max(1)),
+    })
+}
+
+/// Creates and holds the output folder, and removes what a killed conversion left there.
+fn hold_output(job: &ConvertJob<'_>) -> Result<expertmesh_files::Held, ConvertError> {
+    std::fs::create_dir_all(job.out).map_err(|source| ConvertError::Io {
+        path: job.out.to_path_buf(),
+        what: "creating the output folder",
+        source,
+    })?;
+    // One conversion at a time per folder: two would withdraw and write each other's
+    // manifest and shards (held until the conversion returns; unlocked where the file system
+    // has no locks).
+    let held = expertmesh_files::lock_folder(job.out).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::WouldBlock {
+            ConvertError::OutputBusy {
+                path: job.out.to_path_buf(),
+            }
+        } else {
+            ConvertError::Io {
+                path: job.out.to_path_buf(),
+                what: "opening the output folder",
+                source,
+            }
+        }
+    })?;
+    // A killed conversion's temporary files (a shard's is as large as the shard).
+    expertmesh_files::remove_stale_temps(job.out);
+    Ok(held)
+}
+
+/// What a run converts and what it keeps.
+struct Work {
+    /// Every device's experts, in file order.
+    plans: Vec<Vec<Item>>,
+    /// The router file's shared experts.
+    router_items: Vec<Item>,
+    /// Per device, the size and checksum of the shard an earlier run left whole for this job.
+    kept: Vec<Option<(u64, u32)>>,
+    /// The same for the router file.
+    router_kept: Option<(u64, u32)>,
+    /// Threads that hash the source files beside the conversion.
+    hash_threads: usize,
+}
+
+/// Decides once which shards an earlier run left whole for this job (each read whole for its
+/// checksum: on the pool, a shard per thread): those are kept, and only the experts of the
+/// others are checked ([`check_experts`]) and converted.
+fn plan_work(
+    job: &ConvertJob<'_>,
+    pool: &rayon::ThreadPool,
+    fingerprint: &str,
+) -> Result<Work, ConvertError> {
+    let (plans, router_items) = job_items(job);
+    let kept: Vec<Option<(u64, u32)>> = pool.install(|| {
+        job.topology
+            .devices()
+            .par_iter()
+            .zip(&plans)
+            .map(|(d, items)| {
+                let path = job.out.join(device_shard_name(d.rank().0));
+                reusable(&path, fingerprint, Some(d.id()), items)
+            })
+            .collect()
+    });
+    let router_path = job.out.join(ROUTER_SHARD_NAME);
+    let router_kept = reusable(&router_path, fingerprint, None, &router_items);
+    let to_convert: Vec<&Item> = plans
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| k.is_none())
+        .flat_map(|(items, _)| items)
+        .chain(router_items.iter().filter(|_| router_kept.is_none()))
+        .collect();
+    check_experts(job, pool, &to_convert)?;
+    // Hashing runs beside the conversion: a quarter of its threads keep pace with quantizing
+    // ones (SHA-256 runs ~1.6 GB/s a core, quantizing ~0.07), every thread when nothing is
+    // converted (a resumed run whose shards are all kept is nothing but the hash).
+    let hash_threads = if to_convert.is_empty() {
+        job.threads
+    } else {
+        (job.threads / 4).max(1)
+    };
+    Ok(Work {
+        plans,
+        router_items,
+        kept,
+        router_kept,
+        hash_threads,
     })
 }
 
