@@ -217,6 +217,18 @@ fn check_unchanged(before: &[(PathBuf, FileIdentity)]) -> Result<(), ConvertErro
 /// Progress of a conversion, for a progress bar.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Progress {
+    /// Before anything is written: `shards` an earlier run left in the folder are read whole
+    /// for their checksums (those that match this job are kept).
+    Verifying {
+        /// Shard files found.
+        shards: u64,
+    },
+    /// Before anything is written: the tensors of `experts` experts are checked
+    /// ([`check_expert`]).
+    Checking {
+        /// Experts to convert (each once).
+        experts: u64,
+    },
     /// The work ahead: experts and their source bytes.
     Start {
         /// Experts to convert (every shard's, and the router's shared experts).
@@ -340,7 +352,7 @@ pub fn convert(
         kept,
         router_kept,
         hash_threads,
-    } = plan_work(job, &pool, &fingerprint)?;
+    } = plan_work(job, &pool, &fingerprint, progress)?;
     withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
     let all = plans.iter().flatten().chain(&router_items);
@@ -457,8 +469,21 @@ fn plan_work(
     job: &ConvertJob<'_>,
     pool: &rayon::ThreadPool,
     fingerprint: &str,
+    progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Work, ConvertError> {
     let (plans, router_items) = job_items(job);
+    let files = job
+        .topology
+        .devices()
+        .iter()
+        .map(|d| device_shard_name(d.rank().0));
+    let found = files
+        .chain(std::iter::once(ROUTER_SHARD_NAME.to_string()))
+        .filter(|name| job.out.join(name).is_file())
+        .count() as u64;
+    if found > 0 {
+        progress(Progress::Verifying { shards: found });
+    }
     let kept: Vec<Option<(u64, u32)>> = pool.install(|| {
         job.topology
             .devices()
@@ -479,7 +504,7 @@ fn plan_work(
         .flat_map(|(items, _)| items)
         .chain(router_items.iter().filter(|_| router_kept.is_none()))
         .collect();
-    check_experts(job, pool, &to_convert)?;
+    check_experts(job, pool, &to_convert, progress)?;
     // Hashing runs beside the conversion: a quarter of its threads keep pace with quantizing
     // ones (SHA-256 runs ~1.6 GB/s a core, quantizing ~0.07), every thread when nothing is
     // converted (a resumed run whose shards are all kept is nothing but the hash).
@@ -702,6 +727,7 @@ fn check_experts(
     job: &ConvertJob<'_>,
     pool: &rayon::ThreadPool,
     items: &[&Item],
+    progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<(), ConvertError> {
     let mut seen = std::collections::HashSet::new();
     let items: Vec<&Item> = items
@@ -709,6 +735,11 @@ fn check_experts(
         .copied()
         .filter(|it| seen.insert((it.layer, it.which)))
         .collect();
+    if !items.is_empty() {
+        progress(Progress::Checking {
+            experts: items.len() as u64,
+        });
+    }
     let failed = pool.install(|| {
         items.par_iter().find_map_first(|it| {
             check_expert(job.ckpt, job.spec, job.family, it.layer, it.which)

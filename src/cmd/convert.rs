@@ -166,6 +166,14 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let report = convert(&job, &|p| match p {
+        Progress::Verifying { shards } => {
+            eprintln!(
+                "verifying the {shards} shard files an earlier run left (kept if they match)"
+            );
+        }
+        Progress::Checking { experts } => {
+            eprintln!("checking the tensors of the {experts} experts to convert");
+        }
         Progress::Start { experts, bytes } => {
             bar.set_length(bytes);
             bar.set_message(format!("0/{experts} experts"));
@@ -188,11 +196,12 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         written as f64 / 1e9
     );
     println!(
-        "source files hashed for the manifest beside it: {:.2} GB in {:.1} s ({:.2} GB/s, {} hashing threads)",
+        "source files hashed for the manifest beside it: {:.2} GB in {:.1} s ({:.2} GB/s on {} thread{})",
         report.hashed_bytes as f64 / 1e9,
         report.hashing_seconds,
         report.hashed_bytes as f64 / 1e9 / report.hashing_seconds.max(1e-9),
         report.hashing_threads,
+        if report.hashing_threads == 1 { "" } else { "s" },
     );
     println!("layer  experts  rel_error_mean  rel_error_max");
     for l in &m.layers {

@@ -156,6 +156,10 @@ fn a_bad_expert_of_the_last_layer_is_named_before_anything_is_written() {
     let again = convert(&ck, &out);
     fails_naming(&again, &bad);
     assert!(again.stderr.contains("shape"), "{}", again.stderr);
+    // What it did before failing is said: the earlier shards read, the tensors checked.
+    for stage in ["verifying the", "checking the tensors of the"] {
+        assert!(again.stderr.contains(stage), "{}", again.stderr);
+    }
     let after = folder_bytes(&out);
     assert_eq!(
         before.keys().collect::<Vec<_>>(),
