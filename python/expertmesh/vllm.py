@@ -250,8 +250,9 @@ class _Client:
         self.lock = threading.Lock()
 
     def _forget_inherited(self) -> None:
-        # A connection inherited through fork() is never closed here: its socket (and its
-        # runtime's epoll set) is shared with the parent, which may still use it.
+        # A client inherited through fork() is never closed here: its runtime's epoll set is
+        # shared with the parent, which may still use it (the child's copy of its socket was
+        # closed at the fork, so the parent's close ends the connection).
         if self.client is not None and self.pid != os.getpid():
             _INHERITED.append(self.client)
             self.client = None
