@@ -182,9 +182,11 @@ fn a_bad_expert_of_the_last_layer_is_named_before_anything_is_written() {
 /// truncating or rewriting it) ends the conversion with SIGBUS, as before, but no longer with
 /// only "Bus error": stderr names the file and says what happened and what to do, and no
 /// manifest is written. The cut comes right after the converter announces its job, before it
-/// has read any weight: ~100 MB of experts quantized on two threads take seconds with the
-/// test build here (0.02 GB/s; a release build 0.1), a thousand times the few milliseconds
-/// between the announcement and the cut. Both threads fault; one reports.
+/// reads a weight (~100 MB of experts: seconds of quantizing), so it normally faults (both
+/// threads; one reports). Whatever the timing, the cut file is named and nothing is
+/// published: a converter that had read every weight before the cut names it as changed at
+/// its end-of-run check; one that finished before the cut (a test thread held up for
+/// seconds) leaves nothing to judge, and the test says so.
 #[cfg(target_os = "linux")]
 #[test]
 fn a_checkpoint_file_cut_short_under_the_converter_is_named() {
@@ -240,11 +242,28 @@ fn a_checkpoint_file_cut_short_under_the_converter_is_named() {
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
     said.push_str(&rest);
-    assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}\n{said}");
-    assert!(said.contains("stopped by SIGBUS"), "{said}");
-    let named = files
-        .iter()
-        .any(|f| said.contains(&*std::fs::canonicalize(f).unwrap().to_string_lossy()));
+    if status.success() {
+        crate::support::say(
+            "skipped: the conversion finished before the test cut its file (the test thread was \
+             held up); nothing to judge",
+        );
+        return;
+    }
+    match status.signal() {
+        Some(sig) => {
+            assert_eq!(sig, libc::SIGBUS, "{status:?}\n{said}");
+            assert!(said.contains("stopped by SIGBUS"), "{said}");
+        }
+        // Every weight read before the cut: the end-of-run check names the file.
+        None => {
+            assert_eq!(status.code(), Some(1), "{said}");
+            crate::support::say("the converter read every weight before the cut: no SIGBUS");
+        }
+    }
+    let named = files.iter().any(|f| {
+        said.contains(&*f.to_string_lossy())
+            || said.contains(&*std::fs::canonicalize(f).unwrap().to_string_lossy())
+    });
     assert!(named, "no checkpoint file named:\n{said}");
     assert!(!out.join("manifest.json").exists());
 }
