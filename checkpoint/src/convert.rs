@@ -20,7 +20,9 @@ use crate::experts::{
 };
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError};
 use expertmesh_quant::format::ExpertWeights;
-use expertmesh_shard::file::{ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter};
+use expertmesh_shard::file::{
+    FileIdentity, ShardError, ShardFile, ShardIndex, ShardKind, ShardWriter,
+};
 use expertmesh_shard::manifest::{
     LayerError, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ManifestError, ShardRecord,
     SourceFile, SourceInfo,
@@ -62,7 +64,7 @@ pub enum ConvertError {
         which: ExpertRef,
         /// The checkpoint file holding the tensor the error names (of a checkpoint of many
         /// files: the one to re-download).
-        /// (Boxed: the error stays small.)
+        /// (A thin box: `Box<Path>` would be two words and the error too large.)
         file: Option<Box<PathBuf>>,
         /// Why.
         #[source]
@@ -144,35 +146,11 @@ pub enum ConvertError {
     },
 }
 
-/// What identifies a checkpoint file's content on disk: its size, modification time and (on
-/// Unix) device and inode, read when the conversion starts and again before its manifest is
-/// written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileIdentity {
-    len: u64,
-    modified: Option<std::time::SystemTime>,
-    inode: (u64, u64),
-}
-
-impl FileIdentity {
-    fn of(path: &Path) -> std::io::Result<FileIdentity> {
-        Ok(Self::from_metadata(&std::fs::metadata(path)?))
-    }
-
-    fn from_metadata(m: &std::fs::Metadata) -> FileIdentity {
-        #[cfg(unix)]
-        let inode = {
-            use std::os::unix::fs::MetadataExt;
-            (m.dev(), m.ino())
-        };
-        #[cfg(not(unix))]
-        let inode = (0, 0);
-        FileIdentity {
-            len: m.len(),
-            modified: m.modified().ok(),
-            inode,
-        }
-    }
+/// What identifies a checkpoint file's content on disk (the shard reader's [`FileIdentity`]:
+/// size, modification time, device and inode), read when the conversion starts and again
+/// before its manifest is written.
+fn identity_of(path: &Path) -> std::io::Result<FileIdentity> {
+    Ok(FileIdentity::of(&std::fs::metadata(path)?))
 }
 
 /// The small files, then (every checkpoint file still the one converted) the manifest, last:
@@ -197,11 +175,13 @@ fn write_last(
 /// removed).
 fn check_unchanged(before: &[(PathBuf, FileIdentity)]) -> Result<(), ConvertError> {
     for (path, was) in before {
-        let what = match FileIdentity::of(path) {
+        let what = match identity_of(path) {
             Err(e) => format!("it could not be looked at any more ({e})"),
-            Ok(now) if now.inode != was.inode => "it was replaced by another file".into(),
-            Ok(now) if now.len != was.len => {
-                format!("its size changed from {} to {} bytes", was.len, now.len)
+            Ok(now) if now.device_inode != was.device_inode => {
+                "it was replaced by another file".into()
+            }
+            Ok(now) if now.bytes != was.bytes => {
+                format!("its size changed from {} to {} bytes", was.bytes, now.bytes)
             }
             Ok(now) if now.modified != was.modified => "it was modified".into(),
             Ok(_) => continue,
@@ -282,12 +262,11 @@ pub struct ConvertReport {
     pub source_bytes_converted: u64,
     /// Bytes of the shards (the router's included) this run wrote, not those kept.
     pub shard_bytes_written: u64,
-    /// Bytes of the source files hashed for the manifest (every file, whole).
-    pub hashed_bytes: u64,
     /// Seconds the hashing ran, beside the conversion.
     pub hashing_seconds: f64,
-    /// Threads the hashing ran on (at most: one per file): a quarter of the job's beside a
-    /// conversion, all of them when every shard was kept.
+    /// Threads the hashing ran on (the manifest's `source.files` are what it hashed): a
+    /// quarter of the job's beside a conversion, all of them when every shard was kept, at
+    /// most one per file.
     pub hashing_threads: usize,
 }
 
@@ -365,8 +344,8 @@ pub fn convert(
     let hashing = std::thread::scope(|s| {
         let hasher = s.spawn(|| {
             let started = std::time::Instant::now();
-            let files = source_files(job.ckpt, &stop_hashing, hash_threads);
-            (files, started.elapsed().as_secs_f64())
+            let (files, threads) = source_files(job.ckpt, &identities, &stop_hashing, hash_threads);
+            (files, started.elapsed().as_secs_f64(), threads)
         });
         let shards = pool.install(|| convert_shards(job, &fingerprint, &plans, &kept, progress));
         let router = match &shards {
@@ -380,7 +359,7 @@ pub fn convert(
         let files = hasher.join().expect("the hashing thread does not panic");
         (shards, router, files)
     });
-    let (shards, router, (files, hashing_seconds)) = hashing;
+    let (shards, router, (files, hashing_seconds, hashing_threads)) = hashing;
     let (records, devices_tally) = shards?;
     let (router, router_tally) = router?;
     let files = files?.expect("hashing is stopped only after a failure, returned above");
@@ -406,17 +385,14 @@ pub fn convert(
         layers: layer_errors(job.out, job.spec, devices.len())?,
     };
     write_last(job, &manifest, &identities)?;
-    let manifest_hashed_bytes = manifest.source.files.iter().map(|f| f.bytes).sum();
-    let files_hashed = manifest.source.files.len();
     Ok(ConvertReport {
         manifest,
         shards_kept: devices_tally.kept,
         shards_written: devices_tally.written,
         source_bytes_converted: devices_tally.source_bytes + router_tally.source_bytes,
         shard_bytes_written: devices_tally.shard_bytes + router_tally.shard_bytes,
-        hashed_bytes: manifest_hashed_bytes,
         hashing_seconds,
-        hashing_threads: hash_threads.clamp(1, files_hashed.max(1)),
+        hashing_threads,
     })
 }
 
@@ -472,31 +448,33 @@ fn plan_work(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Work, ConvertError> {
     let (plans, router_items) = job_items(job);
-    let files = job
+    // Every shard of the job: (its path, the device it is for, its experts); the router's last.
+    let shards: Vec<(PathBuf, Option<&str>, &[Item])> = job
         .topology
         .devices()
         .iter()
-        .map(|d| device_shard_name(d.rank().0));
-    let found = files
-        .chain(std::iter::once(ROUTER_SHARD_NAME.to_string()))
-        .filter(|name| job.out.join(name).is_file())
-        .count() as u64;
+        .zip(&plans)
+        .map(|(d, items)| {
+            let path = job.out.join(device_shard_name(d.rank().0));
+            (path, Some(d.id()), items.as_slice())
+        })
+        .chain(std::iter::once((
+            job.out.join(ROUTER_SHARD_NAME),
+            None,
+            router_items.as_slice(),
+        )))
+        .collect();
+    let found = shards.iter().filter(|(path, ..)| path.is_file()).count() as u64;
     if found > 0 {
         progress(Progress::Verifying { shards: found });
     }
-    let kept: Vec<Option<(u64, u32)>> = pool.install(|| {
-        job.topology
-            .devices()
+    let mut kept: Vec<Option<(u64, u32)>> = pool.install(|| {
+        shards
             .par_iter()
-            .zip(&plans)
-            .map(|(d, items)| {
-                let path = job.out.join(device_shard_name(d.rank().0));
-                reusable(&path, fingerprint, Some(d.id()), items)
-            })
+            .map(|(path, device, items)| reusable(path, fingerprint, *device, items))
             .collect()
     });
-    let router_path = job.out.join(ROUTER_SHARD_NAME);
-    let router_kept = reusable(&router_path, fingerprint, None, &router_items);
+    let router_kept = kept.pop().flatten();
     let to_convert: Vec<&Item> = plans
         .iter()
         .zip(&kept)
@@ -711,10 +689,10 @@ fn reusable(
             .iter()
             .zip(items)
             .all(|(e, it)| e.layer == it.layer && e.expert == it.key);
-    if !same || f.verify(None).is_err() {
+    if !same {
         return None;
     }
-    Some((f.len(), f.crc32c()))
+    Some((f.len(), f.verified_crc32c().ok()?))
 }
 
 /// The experts to convert checked before anything is written ([`check_expert`]: their
@@ -1201,7 +1179,7 @@ fn fingerprint(
         };
         let mut f = std::fs::File::open(path).map_err(io)?;
         let meta = f.metadata().map_err(io)?;
-        identities.push((path.to_path_buf(), FileIdentity::from_metadata(&meta)));
+        identities.push((path.to_path_buf(), FileIdentity::of(&meta)));
         let len = meta.len();
         // Nanoseconds since the epoch; a file system without times hashes a marker.
         let modified = meta
@@ -1234,12 +1212,14 @@ fn hex(bytes: &[u8]) -> String {
 /// `stop` is set. Files are hashed on up to `threads` threads, largest first: SHA-256 runs at
 /// about 1.5-2 GB/s per core, so one thread would hash a trillion-parameter checkpoint
 /// (0.6-1 TB) slower than many cores convert or import it. A failure stops the other
-/// threads; the error returned is the first, in file order, of those that failed.
+/// threads; the error returned is the first, in file order, of those that failed. Sizes come
+/// from `identities` (the fingerprint's); also returns the threads used.
 fn source_files(
     ckpt: &Checkpoint,
+    identities: &[(PathBuf, FileIdentity)],
     stop: &AtomicBool,
     threads: usize,
-) -> Result<Option<Vec<SourceFile>>, ConvertError> {
+) -> (HashedFiles, usize) {
     let config = ckpt.dir().join("config.json");
     // config.json may be absent (it is hashed where it exists); a checkpoint file is not:
     // one gone is an error here.
@@ -1247,17 +1227,20 @@ fn source_files(
         .filter(|p| p.exists())
         .chain(ckpt.files())
         .collect();
+    let size = |p: &Path| {
+        let known = identities.iter().find(|(q, _)| q == p);
+        known.map_or(0, |(_, id)| id.bytes)
+    };
     let mut order: Vec<usize> = (0..paths.len()).collect();
-    order.sort_by_cached_key(|&i| {
-        std::cmp::Reverse(std::fs::metadata(paths[i]).map_or(0, |m| m.len()))
-    });
+    order.sort_by_key(|&i| std::cmp::Reverse(size(paths[i])));
+    let threads = threads.clamp(1, paths.len().max(1));
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let stopped = || stop.load(Ordering::Relaxed) || failed.load(Ordering::Relaxed);
     let hashed: Vec<std::sync::OnceLock<HashOutcome>> =
         paths.iter().map(|_| std::sync::OnceLock::new()).collect();
     std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, paths.len().max(1)) {
+        for _ in 0..threads {
             s.spawn(|| {
                 while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let r = hash_file(paths[i], &stopped);
@@ -1272,13 +1255,16 @@ fn source_files(
     let mut complete = true;
     for h in hashed {
         match h.into_inner() {
-            Some(Err(e)) => return Err(e),
+            Some(Err(e)) => return (Err(e), threads),
             Some(Ok(Some(f))) => files.push(f),
             Some(Ok(None)) | None => complete = false,
         }
     }
-    Ok(complete.then_some(files))
+    (Ok(complete.then_some(files)), threads)
 }
+
+/// The source files' records, `None` when the hashing was stopped.
+type HashedFiles = Result<Option<Vec<SourceFile>>, ConvertError>;
 
 /// What hashing one file gave: its record, `None` when stopped, or the error.
 type HashOutcome = Result<Option<SourceFile>, ConvertError>;
@@ -1374,7 +1360,7 @@ mod tests {
     fn a_checkpoint_file_that_changed_during_the_conversion_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");
-        let ids = |p: &Path| vec![(p.to_path_buf(), FileIdentity::of(p).unwrap())];
+        let ids = |p: &Path| vec![(p.to_path_buf(), identity_of(p).unwrap())];
         std::fs::write(&path, b"0123456789").unwrap();
         let before = ids(&path);
         check_unchanged(&before).unwrap();
@@ -1446,9 +1432,17 @@ mod tests {
             })
             .collect();
         assert_eq!(want.len(), 5);
+        let ids: Vec<(PathBuf, FileIdentity)> = ckpt
+            .files()
+            .map(|p| (p.to_path_buf(), identity_of(p).unwrap()))
+            .collect();
         let go = AtomicBool::new(false);
+        for threads in [1, 3, 8] {
+            assert_eq!(source_files(&ckpt, &ids, &go, threads).1, threads.min(5));
+        }
         for threads in [1, 2, 3, 8] {
-            let got: Vec<(String, u64, String)> = source_files(&ckpt, &go, threads)
+            let got: Vec<(String, u64, String)> = source_files(&ckpt, &ids, &go, threads)
+                .0
                 .unwrap()
                 .unwrap()
                 .into_iter()
@@ -1457,13 +1451,14 @@ mod tests {
             assert_eq!(got, want, "{threads} threads");
         }
         assert!(
-            source_files(&ckpt, &AtomicBool::new(true), 2)
+            source_files(&ckpt, &ids, &AtomicBool::new(true), 2)
+                .0
                 .unwrap()
                 .is_none()
         );
         let gone = ckpt.files().nth(2).unwrap().to_path_buf();
         std::fs::remove_file(&gone).unwrap();
-        let e = source_files(&ckpt, &go, 3).unwrap_err();
+        let e = source_files(&ckpt, &ids, &go, 3).0.unwrap_err();
         assert!(
             matches!(&e, ConvertError::Io { path, .. } if path == &gone),
             "{e}"

@@ -26,7 +26,8 @@ pub fn install() {
 /// The mapping of `/proc/self/maps` text that holds `addr`: its path (the bytes after the
 /// inode field; empty for an anonymous mapping). Used by the handler on its stack buffers, and
 /// by tests on whole text.
-pub fn path_of(maps_line: &[u8], addr: usize) -> Option<&[u8]> {
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn path_of(maps_line: &[u8], addr: usize) -> Option<&[u8]> {
     let (range, rest) = split_field(maps_line)?;
     let dash = range.iter().position(|&b| b == b'-')?;
     let start = hex(&range[..dash])?;

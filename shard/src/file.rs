@@ -470,7 +470,8 @@ pub struct FileIdentity {
 }
 
 impl FileIdentity {
-    fn of(meta: &std::fs::Metadata) -> Self {
+    /// The identity `meta` (of an open file, or of a path) says.
+    pub fn of(meta: &std::fs::Metadata) -> Self {
         #[cfg(unix)]
         {
             use std::os::unix::fs::MetadataExt;
@@ -576,6 +577,20 @@ impl ShardFile {
     /// Check the body against the header's checksum, and the whole file against `expected`
     /// (the manifest's) when given.
     pub fn verify(&self, expected: Option<u32>) -> Result<()> {
+        let actual = self.verified_crc32c()?;
+        match expected {
+            Some(expected) if actual != expected => Err(ShardError::Checksum {
+                path: self.path.clone(),
+                expected,
+                actual,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Check the body against the header's checksum and return the whole file's crc32c (what
+    /// [`ShardFile::crc32c`] gives), in one pass over the file.
+    pub fn verified_crc32c(&self) -> Result<u32> {
         let head = &self.map[..HEADER_BYTES as usize];
         let body = &self.map[HEADER_BYTES as usize..];
         let body_crc = crc32c::crc32c(body);
@@ -586,17 +601,11 @@ impl ShardFile {
                 actual: body_crc,
             });
         }
-        if let Some(expected) = expected {
-            let actual = crc32c::crc32c_combine(crc32c::crc32c(head), body_crc, body.len());
-            if actual != expected {
-                return Err(ShardError::Checksum {
-                    path: self.path.clone(),
-                    expected,
-                    actual,
-                });
-            }
-        }
-        Ok(())
+        Ok(crc32c::crc32c_combine(
+            crc32c::crc32c(head),
+            body_crc,
+            body.len(),
+        ))
     }
 
     fn bytes(&self, b: Blob) -> &[u8] {

@@ -195,11 +195,12 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         report.source_bytes_converted as f64 / 1e9 / secs.max(1e-9),
         written as f64 / 1e9
     );
+    let hashed: u64 = m.source.files.iter().map(|f| f.bytes).sum();
     println!(
         "source files hashed for the manifest beside it: {:.2} GB in {:.1} s ({:.2} GB/s on {} thread{})",
-        report.hashed_bytes as f64 / 1e9,
+        hashed as f64 / 1e9,
         report.hashing_seconds,
-        report.hashed_bytes as f64 / 1e9 / report.hashing_seconds.max(1e-9),
+        hashed as f64 / 1e9 / report.hashing_seconds.max(1e-9),
         report.hashing_threads,
         if report.hashing_threads == 1 { "" } else { "s" },
     );
