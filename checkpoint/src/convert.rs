@@ -276,6 +276,9 @@ struct Item {
     layer: u32,
     key: u32,
     which: ExpertRef,
+    /// Source bytes of its three projections ([`item_bytes`], set by [`job_items`]), for
+    /// progress and throughput.
+    source_bytes: u64,
 }
 
 /// Every expert device `d` pins, in file order: per MoE layer its routed experts in slot
@@ -288,6 +291,7 @@ fn device_items(spec: &ModelSpec, placement: &Placement, d: DeviceRank) -> Vec<I
                 layer,
                 key: e,
                 which: ExpertRef::Routed(e),
+                source_bytes: 0,
             });
         }
         if placement.shared_location(layer) == Some(SharedLocation::Device(d)) {
@@ -304,6 +308,7 @@ fn shared_items(spec: &ModelSpec, layer: u32) -> impl Iterator<Item = Item> + us
         layer,
         key: routed + i,
         which: ExpertRef::Shared,
+        source_bytes: 0,
     })
 }
 
@@ -335,7 +340,7 @@ pub fn convert(
     withdraw_manifest(job.out)?;
     let devices = job.topology.devices();
     let all = plans.iter().flatten().chain(&router_items);
-    let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + item_bytes(job, it)));
+    let (experts, bytes) = all.fold((0, 0), |(n, b), it| (n + 1, b + it.source_bytes));
     progress(Progress::Start { experts, bytes });
     // Source hashes run beside the conversion (one more reader of the same page cache); a
     // failed conversion stops them, so its error comes without waiting for the whole
@@ -576,13 +581,13 @@ fn shared_dense_shapes(spec: &ModelSpec) -> [[usize; 2]; 3] {
 /// The experts of each device's shard (topology order) and those of the router file (the
 /// shared experts, quantized, unless kept dense there).
 fn job_items(job: &ConvertJob<'_>) -> (Vec<Vec<Item>>, Vec<Item>) {
-    let plans = job
+    let mut plans: Vec<Vec<Item>> = job
         .topology
         .devices()
         .iter()
         .map(|d| device_items(job.spec, job.placement, d.rank()))
         .collect();
-    let router_items = if job.shared_dense {
+    let mut router_items = if job.shared_dense {
         Vec::new()
     } else {
         job.spec
@@ -591,6 +596,13 @@ fn job_items(job: &ConvertJob<'_>) -> (Vec<Vec<Item>>, Vec<Item>) {
             .flat_map(|l| shared_items(job.spec, l))
             .collect()
     };
+    // Sized once per expert (replicas share their source).
+    let mut sizes = std::collections::HashMap::new();
+    for it in plans.iter_mut().flatten().chain(&mut router_items) {
+        it.source_bytes = *sizes
+            .entry((it.layer, it.which))
+            .or_insert_with(|| item_bytes(job, it.layer, it.which));
+    }
     (plans, router_items)
 }
 
@@ -622,7 +634,7 @@ fn convert_shards(
     for ((d, items), kept) in job.topology.devices().iter().zip(plans).zip(kept) {
         let name = device_shard_name(d.rank().0);
         let path = job.out.join(&name);
-        let bytes: u64 = items.iter().map(|it| item_bytes(job, it)).sum();
+        let bytes: u64 = items.iter().map(|it| it.source_bytes).sum();
         let summary = match *kept {
             Some(s) => {
                 tally.kept += 1;
@@ -773,7 +785,7 @@ fn write_experts(
             w.add_expert(it.layer, it.key, &weights, err)?;
             progress(Progress::Done {
                 experts: 1,
-                bytes: item_bytes(job, it),
+                bytes: it.source_bytes,
             });
         }
     }
@@ -790,7 +802,7 @@ fn write_router(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<(ShardRecord, Tally), ConvertError> {
     let path = job.out.join(ROUTER_SHARD_NAME);
-    let bytes: u64 = shared.iter().map(|it| item_bytes(job, it)).sum();
+    let bytes: u64 = shared.iter().map(|it| it.source_bytes).sum();
     let summary = match kept {
         Some(s) => {
             progress(Progress::Done {
@@ -1057,12 +1069,12 @@ fn read_f32(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, 
 
 /// Source bytes of one expert (its three projections in whatever stored form), for progress
 /// and throughput.
-fn item_bytes(job: &ConvertJob<'_>, it: &Item) -> u64 {
-    let Ok(names) = expert_tensor_names(job.family, it.layer, it.which) else {
+fn item_bytes(job: &ConvertJob<'_>, layer: u32, which: ExpertRef) -> u64 {
+    let Ok(names) = expert_tensor_names(job.family, layer, which) else {
         return 0;
     };
-    if let (ExpertRef::Routed(_), false) = (it.which, job.ckpt.contains(&names[0]))
-        && let Some(fused) = fused_expert_tensors(job.ckpt, job.family, it.layer)
+    if let (ExpertRef::Routed(_), false) = (which, job.ckpt.contains(&names[0]))
+        && let Some(fused) = fused_expert_tensors(job.ckpt, job.family, layer)
     {
         // One expert's share of the layer's fused tensors.
         let experts = u64::from(job.spec.routed_experts.max(1));
