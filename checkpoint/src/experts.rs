@@ -6,7 +6,7 @@
 //! the packed INT4 pair `W13` (gate and up rows interleaved, [`w13_row_meaning`]) and `W2`, in
 //! the model's [`QuantSpec`]. This module finds the tensors, checks their shapes against the
 //! [`ModelSpec`], and streams them row by row through the searched quantizer
-//! ([`quantize_rows_searched`]), so memory beyond the output is one row of f32 (plus an FP8
+//! ([`quantize_rows_measured`]), so memory beyond the output is one row of f32 (plus an FP8
 //! tensor's small block-scale grid), whatever the expert's size.
 //!
 //! Tensor names (the published layouts, PyTorch `Linear` weights `[out, in]`: gate and up
@@ -44,7 +44,7 @@
 use expertmesh_quant::format::{
     ExpertWeights, FormatError, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
 };
-use expertmesh_quant::search::quantize_rows_searched;
+use expertmesh_quant::search::{SquaredError, quantize_rows_measured};
 use expertmesh_topology::model::ModelSpec;
 
 use crate::gptq_import::{Int4Source, gptq_source_quant, open_gptq_expert};
@@ -339,13 +339,13 @@ pub fn check_expert(
 
 /// Reads one expert of `layer` from `ckpt`, checks it against `spec` ([`check_expert`]), and
 /// quantizes it with the searched quantizer into `spec.quant`, row by row. Returns the packed
-/// expert and its relative error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (the source read a
-/// second time, row by row).
+/// expert and its relative error `‖x − deq(x)‖₂ / ‖x‖₂` over both matrices (measured as the
+/// codes are written, [`SquaredError`]).
 ///
 /// When the expert is stored `pack-quantized` INT4, or GPTQ / AWQ INT4, its codes (zero points)
 /// and scales are imported exactly instead ([`crate::packed_import`], [`crate::gptq_import`]; the
-/// model's spec must then be the one [`source_quant`] returns) and the error, measured the same
-/// way, is 0.
+/// model's spec must then be the one [`source_quant`] returns) and the error, measured against
+/// the source read a second time, is 0.
 pub fn read_expert(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
@@ -371,11 +371,10 @@ pub fn read_expert(
         (GateUp::Up, f) => up.fill(f, out),
     };
     let w2_row = |n: usize, out: &mut [f32]| down.fill(n, out);
-    let w13 = quantize_streamed("W13", &gate.name, 2 * inter, hidden, quant, w13_row)?;
-    let w2 = quantize_streamed("W2", &down.name, hidden, inter, quant, w2_row)?;
-    let (d13, n13) = squared_error(&w13, w13_row)?;
-    let (d2, n2) = squared_error(&w2, w2_row)?;
-    let error = relative_error(d13 + d2, n13 + n2);
+    let (w13, mut lost) = quantize_streamed("W13", &gate.name, 2 * inter, hidden, quant, w13_row)?;
+    let (w2, lost2) = quantize_streamed("W2", &down.name, hidden, inter, quant, w2_row)?;
+    lost.add(&lost2);
+    let error = lost.relative();
     let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
         what: "W13/W2",
         tensor: down.name.clone(),
@@ -636,8 +635,8 @@ fn expert_inter(
     }
 }
 
-/// [`quantize_rows_searched`] over a fallible row source: the first error stops reading (later
-/// rows are zeros) and is returned instead of the matrix.
+/// [`quantize_rows_measured`] over a fallible row source: the first error stops reading (later
+/// rows are zeros) and is returned instead of the matrix and its error.
 fn quantize_streamed(
     what: &'static str,
     tensor: &str,
@@ -645,9 +644,9 @@ fn quantize_streamed(
     cols: usize,
     quant: QuantSpec,
     fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
-) -> Result<PackedMatrix, ExpertError> {
+) -> Result<(PackedMatrix, SquaredError), ExpertError> {
     let mut failed = None;
-    let packed = quantize_rows_searched(rows, cols, quant, |n, out| {
+    let packed = quantize_rows_measured(rows, cols, quant, |n, out| {
         if failed.is_none()
             && let Err(e) = fill(n, out)
         {

@@ -43,16 +43,16 @@
 //!   [`FormatError::ScaleOverflow`] as [`PackedMatrix::quantize`] does.
 //! * It allocates the output, one row of f32 scratch, and a few small buffers per call.
 
+mod codes;
 pub mod direct;
 mod exact;
 mod grid;
 mod solve;
 
+pub use codes::SquaredError;
 pub use exact::{Choice, order as choice_order};
 
-use crate::format::{
-    BLOCK, BLOCK_BYTES, FormatError, PackedMatrix, QuantSpec, ScaleDtype, check_len,
-};
+use crate::format::{FormatError, PackedMatrix, QuantSpec, ScaleDtype, check_len};
 use half::{bf16, f16};
 
 /// Tensor name used in errors from the searched quantizer.
@@ -114,12 +114,25 @@ pub fn quantize_rows_searched(
     rows: usize,
     cols: usize,
     spec: QuantSpec,
-    mut fill_row: impl FnMut(usize, &mut [f32]),
+    fill_row: impl FnMut(usize, &mut [f32]),
 ) -> Result<PackedMatrix, FormatError> {
+    quantize_rows_measured(rows, cols, spec, fill_row).map(|(m, _)| m)
+}
+
+/// [`quantize_rows_searched`], also returning what the quantization lost: the squared error
+/// of the dequantized matrix against the rows as they were read, and their squared norm
+/// ([`SquaredError`], measured while the codes are written: no second read of the source).
+pub fn quantize_rows_measured(
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+    mut fill_row: impl FnMut(usize, &mut [f32]),
+) -> Result<(PackedMatrix, SquaredError), FormatError> {
     let mut m = PackedMatrix::zeroed(WHAT, spec, rows, cols)?;
     let mut row = vec![0f32; cols];
     let gs = spec.group();
     let mut solver = solve::Solver::new(spec.scale_dtype, spec.zero_points, gs);
+    let mut sums = SquaredError::default();
     for n in 0..rows {
         fill_row(n, &mut row);
         if let Some(col) = row.iter().position(|v| !v.is_finite()) {
@@ -131,14 +144,17 @@ pub fn quantize_rows_searched(
             });
         }
         let groups = m.groups_per_row();
+        let row_start = n * m.row_bytes();
         for (g, w) in row.chunks_exact(gs).enumerate() {
             let c = solver.solve(w);
             m.scales_mut()[n * groups + g] = c.bits;
             m.set_zero(n, g, c.zero);
-            write_codes(&mut m, n, g, w, spec.scale_dtype.to_f32(c.bits), c.zero);
+            let start = row_start + g * gs / 2;
+            let out = &mut m.nibbles_mut()[start..start + gs / 2];
+            codes::write_group(w, spec.scale_dtype.to_f32(c.bits), c.zero, out, &mut sums);
         }
     }
-    Ok(m)
+    Ok((m, sums))
 }
 
 /// The best stored choice for one group of finite weights (`w.len()` is 32, 64 or 128), as
@@ -191,22 +207,6 @@ pub fn max_scale(dtype: ScaleDtype) -> u16 {
     match dtype {
         ScaleDtype::F16 => f16::MAX.to_bits(),
         ScaleDtype::Bf16 => bf16::MAX.to_bits(),
-    }
-}
-
-/// Store the codes of group `g` of row `n` (weights `w`, scale `d`, zero point `z`) in the
-/// canonical nibble order: each 32-element block is 16 bytes, element `j` in the low nibble of
-/// byte `j` and element `j + 16` in its high nibble (see [`crate::format`]).
-fn write_codes(m: &mut PackedMatrix, n: usize, g: usize, w: &[f32], d: f32, z: u8) {
-    let start = n * m.row_bytes() + g * w.len() / 2;
-    let bytes = &mut m.nibbles_mut()[start..start + w.len() / 2];
-    for (out, w) in bytes
-        .chunks_exact_mut(BLOCK_BYTES)
-        .zip(w.chunks_exact(BLOCK))
-    {
-        for j in 0..BLOCK_BYTES {
-            out[j] = code(w[j], d, z) | code(w[j + BLOCK_BYTES], d, z) << 4;
-        }
     }
 }
 
