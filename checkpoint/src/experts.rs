@@ -666,36 +666,6 @@ fn quantize_streamed(
     })
 }
 
-/// `sqrt(diff / norm)`: 0 for an exact all-zero source, infinite for a zero source reproduced
-/// inexactly.
-pub(crate) fn relative_error(diff: f64, norm: f64) -> f64 {
-    if norm == 0.0 {
-        if diff == 0.0 { 0.0 } else { f64::INFINITY }
-    } else {
-        (diff / norm).sqrt()
-    }
-}
-
-/// `(Σ (x − deq)², Σ x²)` in f64 over every row of `packed`, re-reading the source row by row.
-pub(crate) fn squared_error(
-    packed: &PackedMatrix,
-    fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
-) -> Result<(f64, f64), ExpertError> {
-    let cols = packed.cols();
-    let (mut src, mut deq) = (vec![0f32; cols], vec![0f32; cols]);
-    let (mut diff, mut norm) = (0f64, 0f64);
-    for n in 0..packed.rows() {
-        fill(n, &mut src)?;
-        packed.dequantize_row(n, &mut deq);
-        for (&x, &y) in src.iter().zip(&deq) {
-            let r = f64::from(x) - f64::from(y);
-            diff += r * r;
-            norm += f64::from(x) * f64::from(x);
-        }
-    }
-    Ok((diff, norm))
-}
-
 /// One source weight tensor, read a row at a time as f32 (FP8 scaled by its block grid).
 struct RowSource<'a> {
     name: String,

@@ -28,7 +28,7 @@ use expertmesh_quant::format::{
     ExpertWeights, GateUp, PackedMatrix, QuantSpec, ScaleDtype, w13_row_meaning,
 };
 
-use crate::experts::{ExpertError, check_shape, relative_error, squared_error};
+use crate::experts::{ExpertError, check_shape};
 use crate::gptq_import::check_g_idx;
 use crate::safetensors::{Checkpoint, Dtype, TensorView};
 
@@ -113,7 +113,7 @@ pub(crate) fn assemble_int4_expert<S: Int4Rows>(
         src.fill(f, out)
     })?;
     let (d2, n2) = squared_error(&w2, |n, out| down.fill(n, out))?;
-    let error = relative_error(d13 + d2, n13 + n2);
+    let error = expertmesh_quant::search::relative_of(d13 + d2, n13 + n2);
     let weights = ExpertWeights::new(w13, w2).map_err(|source| ExpertError::Quantize {
         what: "W13/W2",
         tensor: down.base().to_string(),
@@ -373,4 +373,24 @@ fn check_recorded_shape(
         });
     }
     Ok(())
+}
+
+/// `(Σ (x − deq)², Σ x²)` in f64 over every row of `packed`, re-reading the source row by row.
+pub(crate) fn squared_error(
+    packed: &PackedMatrix,
+    fill: impl Fn(usize, &mut [f32]) -> Result<(), ExpertError>,
+) -> Result<(f64, f64), ExpertError> {
+    let cols = packed.cols();
+    let (mut src, mut deq) = (vec![0f32; cols], vec![0f32; cols]);
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for n in 0..packed.rows() {
+        fill(n, &mut src)?;
+        packed.dequantize_row(n, &mut deq);
+        for (&x, &y) in src.iter().zip(&deq) {
+            let r = f64::from(x) - f64::from(y);
+            diff += r * r;
+            norm += f64::from(x) * f64::from(x);
+        }
+    }
+    Ok((diff, norm))
 }

@@ -10,7 +10,6 @@
 //! the rounding are IEEE operations, the same in every lane), and the sums are
 //! [`SquaredError`]'s eight f64 partial sums, the same on every machine.
 
-use crate::contract::round_half_even_small;
 use crate::format::{BLOCK, BLOCK_BYTES};
 
 /// Partial sums per [`SquaredError`]: element `i` of every 32-element block adds into sum
@@ -38,15 +37,9 @@ impl SquaredError {
         pairwise(self.norm)
     }
 
-    /// `sqrt(diff / norm)`: 0 for an all-zero source reproduced exactly, infinite for one
-    /// reproduced inexactly.
+    /// `sqrt(diff / norm)` ([`super::relative_of`]).
     pub fn relative(&self) -> f64 {
-        let (diff, norm) = (self.diff(), self.norm());
-        if norm == 0.0 {
-            if diff == 0.0 { 0.0 } else { f64::INFINITY }
-        } else {
-            (diff / norm).sqrt()
-        }
+        super::relative_of(self.diff(), self.norm())
     }
 
     /// Both matrices' sums together (partial by partial).
@@ -62,25 +55,60 @@ fn pairwise(v: [f64; LANES]) -> f64 {
     ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
 }
 
-/// Writes the codes of group `w` (a multiple of 32 finite weights) under scale `d` (the stored
-/// scale's f32 value) and zero point `z` into `out` (`w.len() / 2` bytes, the canonical nibble
-/// order: element `j` of each block in the low nibble of byte `j`, element `j + 16` in its
-/// high nibble), and adds the group's reconstruction error and norm to `sums`.
-pub(super) fn write_group(w: &[f32], d: f32, z: u8, out: &mut [u8], sums: &mut SquaredError) {
-    assert_eq!(w.len() % BLOCK, 0, "write_group: a group is whole blocks");
-    assert_eq!(out.len(), w.len() / 2, "write_group: output length");
+/// Writes searched groups' codes with the widest kernel this CPU runs (chosen once, when made).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GroupWriter {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            return unsafe { write_group_avx512(w, d, z, out, sums) };
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Plain,
+}
+
+impl GroupWriter {
+    /// The widest kernel this CPU runs.
+    pub(super) fn detect() -> Self {
+        Self::available()[0]
+    }
+
+    /// Every kernel this CPU runs, the widest first.
+    fn available() -> Vec<Self> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Self::Avx512);
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                v.push(Self::Avx2);
+            }
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { write_group_avx2(w, d, z, out, sums) };
+        v.push(Self::Plain);
+        v
+    }
+
+    /// Writes the codes of group `w` (whole blocks of 32 weights) under scale `d` (the stored
+    /// scale's f32 value, either sign, or zero) and zero point `z` into `out` (`w.len() / 2`
+    /// bytes, the canonical nibble order: element `j` of each block in the low nibble of byte
+    /// `j`, element `j + 16` in its high nibble), and adds the group's reconstruction error and
+    /// norm to `sums`. The codes are [`super::code`]'s for every input.
+    pub(super) fn write(self, w: &[f32], d: f32, z: u8, out: &mut [u8], sums: &mut SquaredError) {
+        assert_eq!(
+            w.len() % BLOCK,
+            0,
+            "GroupWriter::write: a group is whole blocks"
+        );
+        assert_eq!(out.len(), w.len() / 2, "GroupWriter::write: output length");
+        match self {
+            // SAFETY: `available` found AVX-512F on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { write_group_avx512(w, d, z, out, sums) },
+            // SAFETY: `available` found AVX2 on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { write_group_avx2(w, d, z, out, sums) },
+            Self::Plain => write_group_plain(w, d, z, out, sums),
         }
     }
-    write_group_plain(w, d, z, out, sums)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -106,12 +134,10 @@ fn write_group_plain(w: &[f32], d: f32, z: u8, out: &mut [u8], sums: &mut Square
         let mut codes = [i32::from(z); BLOCK];
         if d != 0.0 {
             for (c, &v) in codes.iter_mut().zip(block) {
-                // The scalar rule's steps (`super::code`), in the same order.
-                let t = round_half_even_small((v / d).clamp(-32.0, 32.0));
-                let q = (t + zf).clamp(0.0, 15.0);
-                // SAFETY: `q` is finite and in 0..=15 (a finite `v` over a non-zero finite `d`
-                // is not NaN, and both clamps keep it finite); unlike `as`, this converts in
-                // vector registers (no saturation fix-ups per lane).
+                let q = super::code_value(v, d, zf);
+                // SAFETY: `code_value` is a whole number in 0..=15 for every input (NaN
+                // included); unlike `as`, this converts in vector registers (no saturation
+                // fix-ups per lane).
                 *c = unsafe { q.to_int_unchecked::<i32>() };
             }
         }
@@ -137,11 +163,10 @@ mod tests {
     use super::*;
     use crate::synth::SplitMix64;
 
-    #[cfg(target_arch = "x86_64")]
-    type Kernel = unsafe fn(&[f32], f32, u8, &mut [u8], &mut SquaredError);
-
-    /// Groups and scales of every kind: ordinary, half-steps of the scale (where the rounding
-    /// decides), clipped weights, zero points, and a zero scale.
+    /// Groups, scales and zero points of every kind: ordinary weights under scales of either
+    /// sign, zero (both signs) and subnormal; quotients past `±32` (the pre-clamp); zero points
+    /// 0, 3, 8 and 15; weights on the scale's half-steps and one ulp either side of them; NaN
+    /// and infinite weights.
     fn cases() -> Vec<(Vec<f32>, f32, u8)> {
         let mut rng = SplitMix64::new(0xC0DE5);
         let mut out = Vec::new();
@@ -149,21 +174,48 @@ mod tests {
             for s in [1e-6, 0.02, 3.0] {
                 let w: Vec<f32> = (0..gs).map(|_| (rng.normal() * s) as f32).collect();
                 let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (d, z) in [(amax / 7.0, 8), (amax / 4.0, 8), (amax / 15.0, 3), (0.0, 8)] {
+                for (d, z) in [
+                    (amax / 7.0, 8),
+                    (-amax / 7.0, 8),
+                    (amax / 4.0, 8),
+                    (amax / 15.0, 3),
+                    (-amax / 9.0, 0),
+                    (amax / 20.0, 15),
+                    (amax / 100.0, 8),
+                    (1e-40, 8),
+                    (0.0, 8),
+                    (-0.0, 8),
+                ] {
                     out.push((w.clone(), d, z));
                 }
-                let d = 0.125f32;
-                let halves: Vec<f32> = (0..gs)
-                    .map(|i| d * ((i % 19) as f32 - 9.5) + if i % 3 == 0 { 1e-9 } else { 0.0 })
-                    .collect();
-                out.push((halves, d, 8));
             }
+            let d = 0.125f32;
+            for nudge in [0i32, 1, -1] {
+                let halves: Vec<f32> = (0..gs)
+                    .map(|i| {
+                        let v = d * ((i % 19) as f32 - 9.5);
+                        match nudge {
+                            1 => v.next_up(),
+                            -1 => v.next_down(),
+                            _ => v,
+                        }
+                    })
+                    .collect();
+                out.push((halves.clone(), d, 8));
+                out.push((halves, -d, 8));
+            }
+            let mut odd: Vec<f32> = (0..gs).map(|i| i as f32 - 7.0).collect();
+            odd[1] = f32::NAN;
+            odd[2] = f32::INFINITY;
+            odd[3] = f32::NEG_INFINITY;
+            out.push((odd, 1.0, 8));
         }
         out
     }
 
-    /// The scalar rule's bytes and an f64 reference of the sums, element by element.
-    fn reference(w: &[f32], d: f32, z: u8) -> (Vec<u8>, f64, f64) {
+    /// The scalar rule's bytes, and the sums in the documented order: element `i` into partial
+    /// `i % 8`, in order, then pairwise.
+    fn reference(w: &[f32], d: f32, z: u8) -> (Vec<u8>, SquaredError) {
         let codes: Vec<u8> = w.iter().map(|&v| super::super::code(v, d, z)).collect();
         let mut bytes = Vec::new();
         for block in codes.chunks_exact(BLOCK) {
@@ -171,66 +223,82 @@ mod tests {
                 bytes.push(block[j] | block[j + BLOCK_BYTES] << 4);
             }
         }
-        let (mut diff, mut norm) = (0f64, 0f64);
-        for (&v, &q) in w.iter().zip(&codes) {
+        let mut sums = SquaredError::default();
+        for (i, &v) in w.iter().enumerate() {
             let y = super::super::exact::dequantized(v, d, z);
-            assert_eq!(
-                y,
-                if d == 0.0 {
-                    0.0
-                } else {
-                    d * (q as f32 - z as f32)
-                }
-            );
-            diff += (f64::from(v) - f64::from(y)).powi(2);
-            norm += f64::from(v).powi(2);
+            sums.diff[i % LANES] += (f64::from(v) - f64::from(y)).powi(2);
+            sums.norm[i % LANES] += f64::from(v).powi(2);
         }
-        (bytes, diff, norm)
+        (bytes, sums)
     }
 
-    /// Every level the CPU runs writes the scalar rule's codes, and the same sums bit for bit
-    /// as the portable body; the sums agree with an element-order f64 reference to 1e-12.
+    /// Bit patterns of the partial sums (NaN compares equal to itself).
+    fn bits(s: &SquaredError) -> Vec<u64> {
+        s.diff.iter().chain(&s.norm).map(|v| v.to_bits()).collect()
+    }
+
+    /// Every kernel the CPU runs writes the scalar rule's codes and the documented sums, bit for
+    /// bit; the sums also agree with a plain element-order f64 sum to 1e-12.
     #[test]
-    fn every_level_writes_the_scalar_rule_and_the_same_sums() {
+    fn every_kernel_writes_the_scalar_rule_and_the_documented_sums() {
+        let kernels = GroupWriter::available();
+        // On the real stderr: the harness captures `eprint!` of passing tests.
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "ran: code writers {kernels:?}");
+        if kernels.len() == 1 {
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: the vector code writers (this CPU has no AVX2)"
+            );
+        }
         for (w, d, z) in cases() {
-            let (want, diff, norm) = reference(&w, d, z);
-            let mut plain = (vec![0u8; w.len() / 2], SquaredError::default());
-            write_group_plain(&w, d, z, &mut plain.0, &mut plain.1);
-            assert_eq!(plain.0, want, "plain codes, d {d:e} z {z}: {w:?}");
-            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(f64::MIN_POSITIVE);
-            assert!(close(plain.1.diff(), diff), "{} vs {diff}", plain.1.diff());
-            assert!(close(plain.1.norm(), norm), "{} vs {norm}", plain.1.norm());
-            let mut got = (vec![0u8; w.len() / 2], SquaredError::default());
-            write_group(&w, d, z, &mut got.0, &mut got.1);
-            assert_eq!(got, plain, "the detected level against the portable body");
-            #[cfg(target_arch = "x86_64")]
-            for (level, run) in [
-                ("avx512f", write_group_avx512 as Kernel),
-                ("avx2", write_group_avx2 as Kernel),
-            ] {
-                if !std::is_x86_feature_detected!("avx512f") && level == "avx512f"
-                    || !std::is_x86_feature_detected!("avx2") && level == "avx2"
-                {
-                    eprintln!("skipped: {level} (this CPU has none)");
-                    continue;
-                }
+            let (want, want_sums) = reference(&w, d, z);
+            for &k in &kernels {
                 let mut got = (vec![0u8; w.len() / 2], SquaredError::default());
-                // SAFETY: the CPU has the level's features (checked above).
-                unsafe { run(&w, d, z, &mut got.0, &mut got.1) };
-                assert_eq!(got, plain, "{level} against the portable body");
+                k.write(&w, d, z, &mut got.0, &mut got.1);
+                assert_eq!(got.0, want, "{k:?} codes, d {d:e} z {z}: {w:?}");
+                assert_eq!(bits(&got.1), bits(&want_sums), "{k:?} sums, d {d:e} z {z}");
+            }
+            if w.iter().all(|v| v.is_finite()) {
+                let (diff, norm) = w.iter().fold((0f64, 0f64), |(a, b), &v| {
+                    let y = super::super::exact::dequantized(v, d, z);
+                    (
+                        a + (f64::from(v) - f64::from(y)).powi(2),
+                        b + f64::from(v).powi(2),
+                    )
+                });
+                let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+                assert!(
+                    close(want_sums.diff(), diff),
+                    "{} vs {diff}",
+                    want_sums.diff()
+                );
+                assert!(
+                    close(want_sums.norm(), norm),
+                    "{} vs {norm}",
+                    want_sums.norm()
+                );
             }
         }
     }
 
+    /// Groups add up across calls and matrices, and the relative error follows.
     #[test]
-    fn relative_error_of_zero_sources() {
+    fn sums_add_across_groups_and_matrices() {
+        let k = GroupWriter::detect();
         let mut s = SquaredError::default();
         assert_eq!(s.relative(), 0.0);
         let mut out = [0u8; 16];
-        write_group(&[0.0; 32], 0.5, 8, &mut out, &mut s);
+        k.write(&[0.0; 32], 0.5, 8, &mut out, &mut s);
         assert_eq!((s.relative(), out), (0.0, [0x88; 16]));
-        write_group(&[1.0; 32], 0.0, 8, &mut out, &mut s);
-        assert_eq!(s.diff(), 32.0);
-        assert_eq!(s.relative(), 1.0);
+        k.write(&[1.0; 32], 0.0, 8, &mut out, &mut s);
+        assert_eq!((s.diff(), s.norm(), s.relative()), (32.0, 32.0, 1.0));
+        let mut t = SquaredError::default();
+        k.write(&[3.0; 32], 2.0, 8, &mut out, &mut t);
+        // 3 / 2 = 1.5 rounds to 2: each weight comes back as 4.
+        assert_eq!((t.diff(), t.norm()), (32.0, 288.0));
+        s.add(&t);
+        assert_eq!((s.diff(), s.norm()), (64.0, 320.0));
+        assert_eq!(s.relative(), (64f64 / 320.0).sqrt());
     }
 }

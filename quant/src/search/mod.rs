@@ -133,6 +133,7 @@ pub fn quantize_rows_measured(
     let gs = spec.group();
     let mut solver = solve::Solver::new(spec.scale_dtype, spec.zero_points, gs);
     let mut sums = SquaredError::default();
+    let writer = codes::GroupWriter::detect();
     for n in 0..rows {
         fill_row(n, &mut row);
         if let Some(col) = row.iter().position(|v| !v.is_finite()) {
@@ -151,7 +152,7 @@ pub fn quantize_rows_measured(
             m.set_zero(n, g, c.zero);
             let start = row_start + g * gs / 2;
             let out = &mut m.nibbles_mut()[start..start + gs / 2];
-            codes::write_group(w, spec.scale_dtype.to_f32(c.bits), c.zero, out, &mut sums);
+            writer.write(w, spec.scale_dtype.to_f32(c.bits), c.zero, out, &mut sums);
         }
     }
     Ok((m, sums))
@@ -194,6 +195,12 @@ pub fn relative_error(original: &[f32], packed: &PackedMatrix) -> f64 {
             norm += x as f64 * x as f64;
         }
     }
+    relative_of(diff, norm)
+}
+
+/// `sqrt(diff / norm)` for a squared error `diff` and squared norm `norm`: 0 for an all-zero
+/// source reproduced exactly, infinite for one reproduced inexactly.
+pub fn relative_of(diff: f64, norm: f64) -> f64 {
     if norm == 0.0 {
         if diff == 0.0 { 0.0 } else { f64::INFINITY }
     } else {
@@ -217,8 +224,18 @@ pub(super) fn code(v: f32, d: f32, z: u8) -> u8 {
     if d == 0.0 {
         z
     } else {
-        // Rounded half to even in two additions (no `rintf` call; |v / d| clamped to 32).
-        let q = crate::contract::round_half_even_small((v / d).clamp(-32.0, 32.0));
-        (q + z as f32).clamp(0.0, 15.0) as u8
+        code_value(v, d, z as f32) as u8
     }
+}
+
+/// [`code`] under a non-zero scale `d`, as an f32 holding a whole number in `0..=15` whatever
+/// `v` and `d` are (NaN gives 0): `v / d` in f32, clamped to `±32` and rounded half to even in
+/// two additions (no `rintf` call), plus the zero point `zf`, clamped to the codes.
+#[inline(always)]
+pub(super) fn code_value(v: f32, d: f32, zf: f32) -> f32 {
+    let q = crate::contract::round_half_even_small((v / d).clamp(-32.0, 32.0));
+    // `max` then `min`, not `clamp`: they take the number over a NaN, so the result is always
+    // in range.
+    #[allow(clippy::manual_clamp)]
+    (q + zf).max(0.0).min(15.0)
 }
