@@ -209,6 +209,12 @@ pub enum Progress {
         /// Experts to convert (each once).
         experts: u64,
     },
+    /// Experts whose tensors were checked (after [`Progress::Checking`]; they add up to its
+    /// count unless an expert fails its check).
+    Checked {
+        /// Experts.
+        experts: u64,
+    },
     /// The work ahead: experts and their source bytes.
     Start {
         /// Experts to convert (every shard's, and the router's shared experts).
@@ -732,9 +738,9 @@ fn check_experts(
     }
     let failed = pool.install(|| {
         items.par_iter().find_map_first(|it| {
-            check_expert(job.ckpt, job.spec, job.family, it.layer, it.which)
-                .err()
-                .map(|source| expert_error(job, it, source))
+            let checked = check_expert(job.ckpt, job.spec, job.family, it.layer, it.which);
+            progress(Progress::Checked { experts: 1 });
+            checked.err().map(|source| expert_error(job, it, source))
         })
     });
     failed.map_or(Ok(()), Err)

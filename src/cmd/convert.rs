@@ -24,6 +24,7 @@ use expertmesh_topology::topology::Topology;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// Exit codes of `convert`, shown in its --help.
@@ -157,30 +158,10 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         topo.devices().len(),
         args.out.display()
     );
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
-        )
-        .expect("a valid template"),
-    );
+    let shown = ConvertProgress::new(ProgressBar::new(0), ProgressBar::new(0));
     let started = Instant::now();
-    let report = convert(&job, &|p| match p {
-        Progress::Verifying { shards } => {
-            eprintln!(
-                "verifying the {shards} shard files an earlier run left (kept if they match)"
-            );
-        }
-        Progress::Checking { experts } => {
-            eprintln!("checking the tensors of the {experts} experts to convert");
-        }
-        Progress::Start { experts, bytes } => {
-            bar.set_length(bytes);
-            bar.set_message(format!("0/{experts} experts"));
-        }
-        Progress::Done { bytes, .. } => bar.inc(bytes),
-    });
-    bar.finish_and_clear();
+    let report = convert(&job, &|p| shown.on(p));
+    shown.finish();
     let report = report.map_err(|e| anyhow!("{e}"))?;
     let secs = started.elapsed().as_secs_f64();
     let m = &report.manifest;
@@ -217,4 +198,105 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+/// What `convert` shows while it runs: a line per preparation step, a bar of the experts
+/// checked before anything is written (a cold FP8 or GPTQ checkpoint reads a few small tensors
+/// per expert there), then a bar of the source bytes converted with the experts done.
+struct ConvertProgress {
+    checked: ProgressBar,
+    converted: ProgressBar,
+    /// Experts done and to do (the converted bar's message).
+    done: AtomicU64,
+    total: AtomicU64,
+}
+
+impl ConvertProgress {
+    /// Shows on `checked` and `converted` (hidden bars in tests).
+    fn new(checked: ProgressBar, converted: ProgressBar) -> Self {
+        checked.set_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} experts checked, {elapsed}")
+                .expect("a valid template"),
+        );
+        converted.set_style(
+            ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
+            )
+            .expect("a valid template"),
+        );
+        Self {
+            checked,
+            converted,
+            done: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+        }
+    }
+
+    fn on(&self, p: Progress) {
+        match p {
+            Progress::Verifying { shards } => {
+                eprintln!(
+                    "verifying the {shards} shard files an earlier run left (kept if they match)"
+                );
+            }
+            Progress::Checking { experts } => {
+                eprintln!("checking the tensors of the {experts} experts to convert");
+                self.checked.set_length(experts);
+            }
+            Progress::Checked { experts } => self.checked.inc(experts),
+            Progress::Start { experts, bytes } => {
+                self.checked.finish_and_clear();
+                self.total.store(experts, Ordering::Relaxed);
+                self.converted.set_length(bytes);
+                self.converted.set_message(format!("0/{experts} experts"));
+            }
+            Progress::Done { experts, bytes } => {
+                let done = self.done.fetch_add(experts, Ordering::Relaxed) + experts;
+                let total = self.total.load(Ordering::Relaxed);
+                self.converted.inc(bytes);
+                self.converted
+                    .set_message(format!("{done}/{total} experts"));
+            }
+        }
+    }
+
+    fn finish(&self) {
+        self.checked.finish_and_clear();
+        self.converted.finish_and_clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checked bar counts checks against the count announced, and the converted bar's
+    /// message counts experts as they are done (it said "0/N experts" for a whole run).
+    #[test]
+    fn the_bars_count_checked_and_converted_experts() {
+        let p = ConvertProgress::new(ProgressBar::hidden(), ProgressBar::hidden());
+        p.on(Progress::Checking { experts: 3 });
+        for _ in 0..3 {
+            p.on(Progress::Checked { experts: 1 });
+        }
+        assert_eq!((p.checked.position(), p.checked.length()), (3, Some(3)));
+        p.on(Progress::Start {
+            experts: 5,
+            bytes: 500,
+        });
+        assert_eq!(p.converted.message(), "0/5 experts");
+        p.on(Progress::Done {
+            experts: 2,
+            bytes: 200,
+        });
+        p.on(Progress::Done {
+            experts: 1,
+            bytes: 100,
+        });
+        assert_eq!(p.converted.message(), "3/5 experts");
+        assert_eq!(
+            (p.converted.position(), p.converted.length()),
+            (300, Some(500))
+        );
+    }
 }

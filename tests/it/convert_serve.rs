@@ -989,3 +989,97 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     let e = LocalFabric::start(o).map(|f| f.shutdown()).unwrap_err();
     assert!(e.to_string().contains("checksum mismatch"), "{e}");
 }
+
+/// What `convert` reports adds up to what it announced: the experts it checks before writing
+/// anything, then the experts and source bytes it converts; a second run keeps every shard,
+/// checks nothing and reports every expert done from the kept shards.
+#[test]
+fn convert_progress_adds_up_to_what_it_announced() {
+    use expertmesh_checkpoint::convert::{ConvertJob, Progress, convert, keeps_shared_dense};
+    use expertmesh_checkpoint::experts::source_quant;
+    use expertmesh_checkpoint::hf_config::load_hf_model_and_family;
+    use expertmesh_checkpoint::safetensors::Checkpoint;
+    use expertmesh_topology::topology::Topology;
+    use std::sync::Mutex;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ck = write_tiny_checkpoint(
+        &dir.path().join("ckpt"),
+        &TinySpec::for_model_type("qwen3_moe"),
+    );
+    let ckpt = Checkpoint::open(&ck.dir).unwrap();
+    let (mut spec, family) = load_hf_model_and_family(&ck.dir).unwrap();
+    spec.quant = source_quant(&ckpt, &spec, family).unwrap();
+    let topo = Topology::load(&topology()).unwrap();
+    let opts = expertmesh_planner::PlanOptions::default();
+    let placement = expertmesh_planner::plan(&topo, &spec, None, None, &opts)
+        .unwrap()
+        .placement;
+    let placement_text = placement.to_toml_string();
+    let out = dir.path().join("weights");
+    let job = ConvertJob {
+        ckpt: &ckpt,
+        family,
+        spec: &spec,
+        topology: &topo,
+        placement: &placement,
+        placement_text: &placement_text,
+        out: &out,
+        threads: 2,
+        shared_dense: keeps_shared_dense(&ckpt, &spec, family),
+    };
+    let run = || {
+        let events = Mutex::new(Vec::new());
+        convert(&job, &|p| events.lock().unwrap().push(p)).unwrap();
+        events.into_inner().unwrap()
+    };
+    let sum = |events: &[Progress], f: fn(&Progress) -> Option<(u64, u64)>| {
+        events
+            .iter()
+            .filter_map(f)
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
+    };
+    for (round, events) in [run(), run()].into_iter().enumerate() {
+        let checking = sum(&events, |p| match *p {
+            Progress::Checking { experts } => Some((experts, 1)),
+            _ => None,
+        });
+        let checked = sum(&events, |p| match *p {
+            Progress::Checked { experts } => Some((experts, 0)),
+            _ => None,
+        });
+        let start = sum(&events, |p| match *p {
+            Progress::Start { experts, bytes } => Some((experts, bytes)),
+            _ => None,
+        });
+        let done = sum(&events, |p| match *p {
+            Progress::Done { experts, bytes } => Some((experts, bytes)),
+            _ => None,
+        });
+        if round == 0 {
+            assert!(checking.0 > 0 && checking.1 == 1, "{events:?}");
+        } else {
+            // Every shard kept: nothing to check.
+            assert_eq!(checking, (0, 0), "{events:?}");
+        }
+        assert_eq!(checked.0, checking.0, "round {round}: {events:?}");
+        assert!(start.0 > 0 && start.1 > 0, "{events:?}");
+        assert_eq!(done, start, "round {round}: {events:?}");
+        let first_start = events
+            .iter()
+            .position(|p| matches!(p, Progress::Start { .. }))
+            .unwrap();
+        assert!(
+            events[..first_start]
+                .iter()
+                .all(|p| !matches!(p, Progress::Done { .. })),
+            "{events:?}"
+        );
+        assert!(
+            events[first_start..]
+                .iter()
+                .all(|p| !matches!(p, Progress::Checked { .. })),
+            "{events:?}"
+        );
+    }
+}
