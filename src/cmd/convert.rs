@@ -242,6 +242,7 @@ impl ConvertProgress {
             Progress::Checking { experts } => {
                 eprintln!("checking the tensors of the {experts} experts to convert");
                 self.checked.set_length(experts);
+                self.checked.reset_elapsed();
             }
             Progress::Checked { experts } => self.checked.inc(experts),
             Progress::Start { experts, bytes } => {

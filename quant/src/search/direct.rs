@@ -181,7 +181,9 @@ pub(super) struct Direct {
     /// finalists among them.
     passes: Vec<Bounds>,
     n_passes: usize,
-    /// This group's blocks of sixteen patterns skipped unevaluated (their range bound).
+    /// This group's blocks of sixteen patterns the range bounds skipped, unevaluated: those
+    /// the walk passed, and those it skipped on its way to the evaluated block where its
+    /// stopping test held (the tests run only at evaluated blocks; see `solve`).
     n_pruned: usize,
     /// Where this group's skipped blocks start (tests check each against the exact errors).
     #[cfg(test)]
@@ -1002,7 +1004,8 @@ mod tests {
                     }
                 }
             }
-            // Gaussian groups: about 3.5 of about 8 blocks are skipped (see BENCHMARKS.md).
+            // Gaussian groups: about 3.5 of about 8 blocks are skipped (see BENCHMARKS.md; the
+            // count also holds blocks skipped past where the walk stops).
             let (mut pruned, mut passes) = (0, 0);
             for _ in 0..200 {
                 let w: Vec<f32> = (0..32).map(|_| rng.normal() as f32).collect();
@@ -1017,11 +1020,87 @@ mod tests {
         }
     }
 
+    /// The walk of `solve` as it was before its stopping tests were moved to evaluated blocks:
+    /// `beyond` / `clipped` before every block, skipped or not. Returns the first pattern of
+    /// each pass it evaluates, in order (after `solve` ran the first pass).
+    fn passes_testing_every_block(d: &mut Direct, n: usize, absmax: f32) -> Vec<u16> {
+        let anchor = ((absmax / 7.5).to_bits() >> 16) as u16;
+        let first_lo = anchor.saturating_sub(FIRST_BELOW).max(1);
+        let first_hi = first_lo + LANES as u16 - 1;
+        d.n_passes = 0;
+        d.split(n, d.grid.value(first_lo) as f32);
+        d.pass(first_lo);
+        let top = d.grid.floor(2.0 * absmax as f64).unwrap_or(0);
+        let ranges = d.near_ranges(n, first_lo);
+        let (mut g, mut i) = (first_hi + 1, 0);
+        while g <= top && !d.beyond(n, g) {
+            if !(i < NEAR && ranges[i] * LOWER - TINY > d.ub) {
+                d.pass(g);
+            }
+            g += LANES as u16;
+            i += 1;
+        }
+        let (mut g, mut split_at, mut i) = (first_lo, first_lo, 0);
+        while g > LANES as u16 && !d.clipped(n, g - 1) {
+            g -= LANES as u16;
+            i += 1;
+            if i <= NEAR && ranges[NEAR + i - 1] * LOWER - TINY > d.ub {
+                continue;
+            }
+            if g < split_at {
+                split_at = g.saturating_sub(4 * LANES as u16).max(1);
+                d.split(n, d.grid.value(split_at) as f32);
+            }
+            d.pass(g);
+        }
+        d.passes[..d.n_passes].iter().map(|b| b.g0).collect()
+    }
+
+    /// `solve` evaluates exactly the passes of the walk that tests every block
+    /// ([`passes_testing_every_block`]), in the same order, at every level: its stopping tests
+    /// run only at evaluated blocks, and that changes nothing but the work.
+    #[test]
+    fn the_stopping_tests_at_evaluated_blocks_run_the_same_passes() {
+        let mut rng = SplitMix64::new(0x57095);
+        let mut compared = 0;
+        for &level in &Level::available() {
+            let mut d = at(level);
+            for gs in [32usize, 64, 128] {
+                for w in groups(&mut rng, gs) {
+                    let absmax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let Some(_) = d.solve(&w).filter(|_| absmax > 0.0) else {
+                        continue;
+                    };
+                    let got: Vec<u16> = d.passes[..d.n_passes].iter().map(|b| b.g0).collect();
+                    // The reference starts from the zero scale's bound, as `solve` does.
+                    let l = at_level!(d.level, load(&w, &mut d.abs[..gs], &mut d.cap_a[..gs]));
+                    d.ub = l.s_vv * UPPER + TINY;
+                    let want = passes_testing_every_block(&mut d, gs, absmax);
+                    assert_eq!(got, want, "{level:?}, group of {gs}: {w:?}");
+                    compared += 1;
+                }
+            }
+        }
+        assert!(compared > 100, "only {compared} groups compared");
+    }
+
     /// Every level splits a group into the same lists, in the same order (the AVX-512 level
     /// compresses vectors; the others go element by element), for groups of every size, with
-    /// every element small, every one big, and mixed.
+    /// every element small, every one big, and mixed, elements at the split's limit and one
+    /// ulp either side of it included.
     #[test]
     fn every_level_splits_alike() {
+        let levels = Level::available();
+        // On the real stderr: the harness captures `print!` of passing tests.
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "ran: split at levels {levels:?}");
+        #[cfg(target_arch = "x86_64")]
+        if !levels.contains(&Level::Avx512) {
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: the AVX-512 split (this CPU has no AVX-512F with FMA)"
+            );
+        }
         let mut rng = SplitMix64::new(0x5B117);
         let lists = |d: &Direct| {
             (
@@ -1031,9 +1110,19 @@ mod tests {
             )
         };
         let mut plain = at(Level::Plain);
-        for n in [16usize, 32, 64, 128] {
-            let w: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
-            for &level in &Level::available() {
+        for n in [16usize, 32, 48, 64, 128] {
+            let mut w: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            // The limit `split` takes for `d_min` 0.2, and its neighbours, either sign.
+            let limit = (7.5 * CAP_SAFE * 0.2f32 as f64) as f32;
+            let limit = f32::from_bits(limit.to_bits() - 1);
+            for (i, v) in [limit, limit.next_up(), limit.next_down()]
+                .iter()
+                .enumerate()
+            {
+                w[3 * i] = *v;
+                w[3 * i + 1] = -*v;
+            }
+            for &level in &levels {
                 let mut d = at(level);
                 for d_min in [0.0f32, 1e-3, 0.1, 0.2, 0.5, 1e3] {
                     for s in [&mut d, &mut plain] {
