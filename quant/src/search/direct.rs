@@ -33,7 +33,9 @@
 //! Gaussian groups of 32 they skip 3.5 of the 8.3 blocks the search used to evaluate, the
 //! cheaper ones (few elements near code 8 at the larger scales): about 15 % of the search's
 //! time. (The same bound with the patterns in the lanes, one block per call, was measured and
-//! dropped: it costs several evaluations per element.)
+//! dropped: it costs several evaluations per element.) The stopping tests of steps 2 and 3 are
+//! taken only at blocks the range bounds leave: both tests only grow along the walk and as
+//! `ub` falls, so the same blocks are evaluated as when every block was tested.
 //!
 //! # One evaluation and its margin
 //!
