@@ -203,6 +203,12 @@ pub enum Progress {
         /// Shard files found.
         shards: u64,
     },
+    /// Shard files read for their checksums (after [`Progress::Verifying`]; they add up to its
+    /// count).
+    Verified {
+        /// Shard files.
+        shards: u64,
+    },
     /// Before anything is written: the tensors of `experts` experts are checked
     /// ([`check_expert`]).
     Checking {
@@ -475,14 +481,22 @@ fn plan_work(
             router_items.as_slice(),
         )))
         .collect();
-    let found = shards.iter().filter(|(path, ..)| path.is_file()).count() as u64;
-    if found > 0 {
-        progress(Progress::Verifying { shards: found });
+    let found: Vec<bool> = shards.iter().map(|(path, ..)| path.is_file()).collect();
+    let n_found = found.iter().filter(|&&f| f).count() as u64;
+    if n_found > 0 {
+        progress(Progress::Verifying { shards: n_found });
     }
     let mut kept: Vec<Option<(u64, u32)>> = pool.install(|| {
         shards
             .par_iter()
-            .map(|(path, device, items)| reusable(path, fingerprint, *device, items))
+            .zip(&found)
+            .map(|((path, device, items), &found)| {
+                let kept = reusable(path, fingerprint, *device, items);
+                if found {
+                    progress(Progress::Verified { shards: 1 });
+                }
+                kept
+            })
             .collect()
     });
     let router_kept = kept.pop().flatten();

@@ -158,7 +158,11 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
         topo.devices().len(),
         args.out.display()
     );
-    let shown = ConvertProgress::new(ProgressBar::new(0), ProgressBar::new(0));
+    let shown = ConvertProgress::new(
+        ProgressBar::new(0),
+        ProgressBar::new(0),
+        ProgressBar::new(0),
+    );
     let started = Instant::now();
     let report = convert(&job, &|p| shown.on(p));
     shown.finish();
@@ -200,10 +204,13 @@ fn convert_checked(args: &ConvertArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What `convert` shows while it runs: a line per preparation step, a bar of the experts
-/// checked before anything is written (a cold FP8 or GPTQ checkpoint reads a few small tensors
-/// per expert there), then a bar of the source bytes converted with the experts done.
+/// What `convert` shows while it runs: a line per preparation step, a bar of the shard files
+/// an earlier run left as they are read for their checksums (whole: minutes on a large
+/// resumed output), a bar of the experts checked before anything is written (a cold FP8 or
+/// GPTQ checkpoint reads a few small tensors per expert there), then a bar of the source bytes
+/// converted with the experts done.
 struct ConvertProgress {
+    verified: ProgressBar,
     checked: ProgressBar,
     converted: ProgressBar,
     /// Experts done and to do (the converted bar's message).
@@ -212,8 +219,12 @@ struct ConvertProgress {
 }
 
 impl ConvertProgress {
-    /// Shows on `checked` and `converted` (hidden bars in tests).
-    fn new(checked: ProgressBar, converted: ProgressBar) -> Self {
+    /// Shows on `verified`, `checked` and `converted` (hidden bars in tests).
+    fn new(verified: ProgressBar, checked: ProgressBar, converted: ProgressBar) -> Self {
+        verified.set_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} shard files verified, {elapsed}")
+                .expect("a valid template"),
+        );
         checked.set_style(
             ProgressStyle::with_template("{bar:40} {pos}/{len} experts checked, {elapsed}")
                 .expect("a valid template"),
@@ -225,6 +236,7 @@ impl ConvertProgress {
             .expect("a valid template"),
         );
         Self {
+            verified,
             checked,
             converted,
             done: AtomicU64::new(0),
@@ -238,14 +250,19 @@ impl ConvertProgress {
                 eprintln!(
                     "verifying the {shards} shard files an earlier run left (kept if they match)"
                 );
+                self.verified.set_length(shards);
+                self.verified.reset_elapsed();
             }
+            Progress::Verified { shards } => self.verified.inc(shards),
             Progress::Checking { experts } => {
+                self.verified.finish_and_clear();
                 eprintln!("checking the tensors of the {experts} experts to convert");
                 self.checked.set_length(experts);
                 self.checked.reset_elapsed();
             }
             Progress::Checked { experts } => self.checked.inc(experts),
             Progress::Start { experts, bytes } => {
+                self.verified.finish_and_clear();
                 self.checked.finish_and_clear();
                 self.total.store(experts, Ordering::Relaxed);
                 self.converted.set_length(bytes);
@@ -262,6 +279,7 @@ impl ConvertProgress {
     }
 
     fn finish(&self) {
+        self.verified.finish_and_clear();
         self.checked.finish_and_clear();
         self.converted.finish_and_clear();
     }
@@ -271,11 +289,19 @@ impl ConvertProgress {
 mod tests {
     use super::*;
 
-    /// The checked bar counts checks against the count announced, and the converted bar's
-    /// message counts experts as they are done (it said "0/N experts" for a whole run).
+    /// The verified and checked bars count against the counts announced, and the converted
+    /// bar's message counts experts as they are done (it said "0/N experts" for a whole run).
     #[test]
     fn the_bars_count_checked_and_converted_experts() {
-        let p = ConvertProgress::new(ProgressBar::hidden(), ProgressBar::hidden());
+        let p = ConvertProgress::new(
+            ProgressBar::hidden(),
+            ProgressBar::hidden(),
+            ProgressBar::hidden(),
+        );
+        p.on(Progress::Verifying { shards: 2 });
+        p.on(Progress::Verified { shards: 1 });
+        p.on(Progress::Verified { shards: 1 });
+        assert_eq!((p.verified.position(), p.verified.length()), (2, Some(2)));
         p.on(Progress::Checking { experts: 3 });
         for _ in 0..3 {
             p.on(Progress::Checked { experts: 1 });

@@ -990,9 +990,10 @@ fn a_restarted_fabric_serves_the_tiles_its_first_start_kept() {
     assert!(e.to_string().contains("checksum mismatch"), "{e}");
 }
 
-/// What `convert` reports adds up to what it announced: the experts it checks before writing
-/// anything, then the experts and source bytes it converts; a second run keeps every shard,
-/// checks nothing and reports every expert done from the kept shards.
+/// What `convert` reports adds up to what it announced: the shard files it verifies, the
+/// experts it checks before writing anything, then the experts and source bytes it converts;
+/// a second run verifies and keeps every shard, checks nothing and reports every expert done
+/// from the kept shards.
 #[test]
 fn convert_progress_adds_up_to_what_it_announced() {
     use expertmesh_checkpoint::convert::{ConvertJob, Progress, convert, keeps_shared_dense};
@@ -1056,6 +1057,22 @@ fn convert_progress_adds_up_to_what_it_announced() {
             Progress::Checked { experts } => Some((experts, 0)),
             _ => None,
         });
+        let verifying = sum(&events, |p| match *p {
+            Progress::Verifying { shards } => Some((shards, 1)),
+            _ => None,
+        });
+        let verified = sum(&events, |p| match *p {
+            Progress::Verified { shards } => Some((shards, 0)),
+            _ => None,
+        });
+        // The first run finds no shard; the second reads every one (the router's too).
+        let want = if round == 0 {
+            (0, 0)
+        } else {
+            (shards as u64 + 1, 1)
+        };
+        assert_eq!(verifying, want, "round {round}: {events:?}");
+        assert_eq!(verified.0, verifying.0, "round {round}: {events:?}");
         let start = sum(&events, |p| match *p {
             Progress::Start { experts, bytes } => Some((experts, bytes)),
             _ => None,
