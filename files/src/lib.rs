@@ -611,6 +611,16 @@ pub fn remove_stale_temps(dir: &Path) {
     remove_left_by_gone_processes(dir, temp_owner);
 }
 
+/// A process id no process can have, one past the kernel's largest (`/proc/sys/kernel/pid_max`;
+/// Linux's ceiling, 2^22, where that cannot be read): what tests of the sweeps use for an
+/// entry whose writer is gone, since a just-exited child's id could be reused meanwhile.
+pub fn pid_past_max() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .map_or(4_194_305, |m| m + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -644,14 +654,6 @@ mod tests {
         SPAWNING.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A process id that runs no process: past the kernel's largest.
-    fn gone_pid() -> u32 {
-        std::fs::read_to_string("/proc/sys/kernel/pid_max")
-            .ok()
-            .and_then(|s| s.trim().parse::<u32>().ok())
-            .map_or(4_194_305, |m| m + 1)
-    }
-
     /// What the sweep removes: entries of gone processes (or this one) that nobody holds
     /// locked; it keeps a locked one whatever its name says (a live writer of another PID
     /// namespace), and one of a running process that takes no lock (an older writer).
@@ -659,7 +661,7 @@ mod tests {
     fn the_sweep_removes_exactly_the_unlocked_entries_of_gone_writers() {
         let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
-        let gone = gone_pid();
+        let gone = super::pid_past_max();
         let me = std::process::id();
         let parent = std::os::unix::process::parent_id();
         let name = |pid: u32, n: u32| format!(".shard.emshard.tmp-{pid}-{n}");
@@ -733,7 +735,7 @@ mod tests {
     fn a_fifo_is_left_alone_and_a_made_folder_is_held() {
         let _no_spawn = no_spawn();
         let d = tempfile::tempdir().unwrap();
-        let fifo = d.path().join(format!(".x.tmp-{}-1", gone_pid()));
+        let fifo = d.path().join(format!(".x.tmp-{}-1", super::pid_past_max()));
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: mkfifo on a valid C string path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
@@ -798,7 +800,7 @@ mod tests {
             return;
         };
         let parent = std::os::unix::process::parent_id();
-        let gone = gone_pid();
+        let gone = super::pid_past_max();
         std::fs::write(dir.join("ready"), b"").unwrap();
         // Every temporary name's writer looks gone to this sweeper, as a writer in another
         // PID namespace does: only the lock keeps an entry.

@@ -1042,29 +1042,25 @@ fn convert_progress_adds_up_to_what_it_announced() {
         assert_eq!(report.source_bytes_converted == 0, written == 0);
         events.into_inner().unwrap()
     };
-    let sum = |events: &[Progress], f: fn(&Progress) -> Option<(u64, u64)>| {
-        events
-            .iter()
-            .filter_map(f)
-            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
+    // Per kind of event, in the enum's order: the counts it carries added up, and the number
+    // of events (for Start and Done: experts and bytes added up).
+    let tally = |events: &[Progress]| {
+        let mut t = [(0u64, 0u64); 6];
+        for p in events {
+            let (i, a, b) = match *p {
+                Progress::Verifying { shards } => (0, shards, 1),
+                Progress::Verified { shards } => (1, shards, 0),
+                Progress::Checking { experts } => (2, experts, 1),
+                Progress::Checked { experts } => (3, experts, 0),
+                Progress::Start { experts, bytes } => (4, experts, bytes),
+                Progress::Done { experts, bytes } => (5, experts, bytes),
+            };
+            t[i] = (t[i].0 + a, t[i].1 + b);
+        }
+        t
     };
     for (round, events) in [run(shards), run(0)].into_iter().enumerate() {
-        let checking = sum(&events, |p| match *p {
-            Progress::Checking { experts } => Some((experts, 1)),
-            _ => None,
-        });
-        let checked = sum(&events, |p| match *p {
-            Progress::Checked { experts } => Some((experts, 0)),
-            _ => None,
-        });
-        let verifying = sum(&events, |p| match *p {
-            Progress::Verifying { shards } => Some((shards, 1)),
-            _ => None,
-        });
-        let verified = sum(&events, |p| match *p {
-            Progress::Verified { shards } => Some((shards, 0)),
-            _ => None,
-        });
+        let [verifying, verified, checking, checked, start, done] = tally(&events);
         // The first run finds no shard; the second reads every one (the router's too).
         let want = if round == 0 {
             (0, 0)
@@ -1073,14 +1069,6 @@ fn convert_progress_adds_up_to_what_it_announced() {
         };
         assert_eq!(verifying, want, "round {round}: {events:?}");
         assert_eq!(verified.0, verifying.0, "round {round}: {events:?}");
-        let start = sum(&events, |p| match *p {
-            Progress::Start { experts, bytes } => Some((experts, bytes)),
-            _ => None,
-        });
-        let done = sum(&events, |p| match *p {
-            Progress::Done { experts, bytes } => Some((experts, bytes)),
-            _ => None,
-        });
         if round == 0 {
             assert!(checking.0 > 0 && checking.1 == 1, "{events:?}");
         } else {

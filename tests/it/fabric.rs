@@ -180,12 +180,7 @@ fn a_starting_fabric_removes_the_folders_killed_fabrics_left() {
     let _machine = crate::support::shared();
     let tmp = std::env::temp_dir();
     // A process id no process can have: above the kernel's largest.
-    let pid_max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let gone_pid = pid_max + 1;
+    let gone_pid = expertmesh_files::pid_past_max();
     let folder = |pid: u32, tag: &str| {
         let d = tmp.join(format!("expertmesh-fabric-{pid}-{tag}"));
         std::fs::create_dir_all(&d).unwrap();

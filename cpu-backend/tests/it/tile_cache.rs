@@ -211,10 +211,7 @@ fn temporary_files_of_gone_writers_are_removed_and_nothing_else() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     // A process id that runs no process: past the kernel's largest.
-    let gone = std::fs::read_to_string("/proc/sys/kernel/pid_max")
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map_or(4_194_304 + 1, |m| m + 1);
+    let gone = expertmesh_files::pid_past_max();
     let me = std::process::id();
     let left = [
         format!(".0123456789abcdef.r16.tmp-{gone}-7"),
