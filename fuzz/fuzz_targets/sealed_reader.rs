@@ -34,6 +34,7 @@ fn frames(data: &[u8]) -> Vec<Vec<u8>> {
                 let message: String = piece.iter().map(|&b| (b'a' + b % 26) as char).collect();
                 let body = Body::Error(ErrorFrame {
                     request_id: i as u64,
+                    part: None,
                     code: ErrorCode::BadFrame,
                     message,
                 });

@@ -109,6 +109,7 @@ fn every_kind() -> Vec<(Body, Vec<u8>)> {
         (
             Body::Error(ErrorFrame {
                 request_id: 9,
+                part: None,
                 code: ErrorCode::Overloaded,
                 message: "router has 64 batches in flight".into(),
             }),

@@ -2208,10 +2208,14 @@ impl CoreLoop {
                         self.relay_chunk(from, p, f.payload())
                     }
                     Body::Placement(p) if p.op == PlacementOp::Ack => self.relay_ack(from, p),
-                    Body::Error(e) => {
-                        self.core
-                            .on_worker_error(from, e.request_id, e.code, &e.message, now)
-                    }
+                    Body::Error(e) => self.core.on_worker_error(
+                        from,
+                        e.request_id,
+                        e.part,
+                        e.code,
+                        &e.message,
+                        now,
+                    ),
                     other => tracing::warn!(
                         from,
                         kind = kind_name(other),

@@ -125,6 +125,8 @@ pub struct InFlight {
     pub rank: u32,
     /// The dispatch's batch id.
     pub batch: u64,
+    /// The dispatch's part.
+    pub part: u32,
     /// The device's answer.
     pub answer: WorkerAnswer,
 }
@@ -277,6 +279,7 @@ impl SimBuilder {
             silent: Vec::new(),
             backlogged: Vec::new(),
             erroring: HashMap::new(),
+            failing_probes: HashMap::new(),
             cut_off_leaders: Vec::new(),
             queue: Vec::new(),
             sent: HashMap::new(),
@@ -339,6 +342,9 @@ pub struct Sim {
     pub backlogged: Vec<u32>,
     /// Devices that answer every dispatch with this error ("expert not loaded here").
     pub erroring: HashMap<u32, ErrorCode>,
+    /// Devices that answer their quarantine probe with this error, at once (before the
+    /// answers to their other dispatches), and every other dispatch as usual.
+    pub failing_probes: HashMap<u32, ErrorCode>,
     /// Node leaders that cannot reach their node peers: a dispatch holding experts they do not
     /// own is answered `PeerUnavailable` (as `worker::fanout` does) instead of `NotFound`.
     pub cut_off_leaders: Vec<u32>,
@@ -472,7 +478,7 @@ impl Sim {
             if answer == Some(t) {
                 let i = self.queue.iter().position(|f| f.at == Some(t));
                 let f = self.queue.swap_remove(i.expect("an answer is due"));
-                self.reach_router(f.rank, f.batch, f.answer);
+                self.reach_router(f.rank, f.batch, f.part, f.answer);
             } else {
                 self.core.on_tick(self.now);
             }
@@ -487,7 +493,7 @@ impl Sim {
             .partition(|f| f.at.is_none());
         self.queue = rest;
         for f in held {
-            self.reach_router(f.rank, f.batch, f.answer);
+            self.reach_router(f.rank, f.batch, f.part, f.answer);
             self.pump();
         }
     }
@@ -569,16 +575,23 @@ impl Sim {
         let Body::Dispatch(d) = &frame.body else {
             panic!("router sent {:?}", frame.body)
         };
+        if let Some(&code) = self.failing_probes.get(&rank)
+            && self.core.probe_out_to(rank) == Some((batch, part))
+        {
+            let answer = Err((code, "the probe's dispatch failed".to_owned()));
+            return self.reach_router(rank, batch, part, answer);
+        }
         let answer = self.answer_of(rank, d, &frame.payload);
         let at = match (self.hold, self.latency.get(&rank)) {
             (true, _) => None,
             (false, Some(&l)) => Some(self.now + l),
-            (false, None) => return self.reach_router(rank, d.batch_id, answer),
+            (false, None) => return self.reach_router(rank, d.batch_id, d.part, answer),
         };
         self.queue.push(InFlight {
             at,
             rank,
             batch: d.batch_id,
+            part: d.part,
             answer,
         });
     }
@@ -608,13 +621,15 @@ impl Sim {
         }
     }
 
-    /// Device `rank`'s answer to a dispatch of batch `batch` reaches the core now.
-    fn reach_router(&mut self, rank: u32, batch: u64, answer: WorkerAnswer) {
+    /// Device `rank`'s answer to part `part` of batch `batch` reaches the core now (an error
+    /// names the part, as workers' do).
+    fn reach_router(&mut self, rank: u32, batch: u64, part: u32, answer: WorkerAnswer) {
         match answer {
             Ok((res, bytes)) => self.core.on_result(rank, &res, &bytes, self.now),
-            Err((code, message)) => self
-                .core
-                .on_worker_error(rank, batch, code, &message, self.now),
+            Err((code, message)) => {
+                self.core
+                    .on_worker_error(rank, batch, Some(part), code, &message, self.now)
+            }
         }
     }
 }

@@ -8,6 +8,9 @@
 //! its stall bound (60 s, the longest default deadline); before, its compute thread waited on
 //! router 0 for ever.
 //!
+//! Also here, with the same two routers and worker: a worker's error frame names the part of
+//! the dispatch it answers.
+//!
 //! No time is asserted: the waits are hang guards (120 s) against "never".
 
 use expertmesh_transport::codec::{Body, ComputeMode, Dispatch, OutputLayout};
@@ -93,51 +96,85 @@ async fn answer_to(events: &mut MeshEvents, batch_id: u64) -> Option<Body> {
     None
 }
 
+/// Two routers played by this test (their meshes and events, from
+/// `examples/single-host-2routers.toml`) and a real worker for `local/cpu0` (mesh rank
+/// `rank`) that has joined both.
+struct TwoRouters {
+    dep: Deployment,
+    rt: tokio::runtime::Runtime,
+    meshes: [(Mesh, MeshEvents); 2],
+    rank: u32,
+    _worker: Worker,
+}
+
+impl TwoRouters {
+    fn start() -> Self {
+        let topology = root().join("examples/single-host-2routers.toml");
+        let placement = root().join("examples/single-host-demo-small.placement.toml");
+        let dep = Deployment::load(&topology, "demo-small", &placement, 42).unwrap();
+        let base = expertmesh_transport::ports::free_loopback_ports(3).unwrap();
+        let addr = |i: u16| SocketAddr::from(([127, 0, 0, 1], base + i));
+        let (r0, r1, worker_listen) = (addr(0), addr(1), addr(2));
+        let rt = crate::support::rt();
+        let start = |instance: u32, listen: SocketAddr| {
+            rt.block_on(Mesh::start(dep.mesh_config(
+                instance,
+                &[],
+                &[],
+                listen,
+                LinkKind::Tcp,
+            )))
+            .expect("a router's mesh starts")
+        };
+        let meshes = [start(0, r0), start(1, r1)];
+        let rank = dep.mesh_rank(dep.device("local/cpu0").unwrap());
+        let worker = Worker(
+            Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+                .args(["worker", "--topology"])
+                .arg(&topology)
+                .args(["--model", "demo-small", "--placement"])
+                .arg(&placement)
+                .args(["--seed", "42", "--device", "local/cpu0", "--threads", "1"])
+                .args(["--exit-with-parent"])
+                .arg(format!("--router={r0},{r1}"))
+                .arg(format!("--listen={worker_listen}"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        rt.block_on(wait_until("the worker joined both routers", || {
+            meshes
+                .iter()
+                .all(|(m, _)| m.link_generation(rank) == Some(1))
+        }));
+        Self {
+            dep,
+            rt,
+            meshes,
+            rank,
+            _worker: worker,
+        }
+    }
+}
+
+impl Drop for TwoRouters {
+    fn drop(&mut self) {
+        for (m, _) in &self.meshes {
+            m.shutdown();
+        }
+    }
+}
+
 #[test]
 fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router() {
     // Shared: nothing here depends on how fast the machine is.
     let _g = crate::support::shared();
-    let topology = root().join("examples/single-host-2routers.toml");
-    let placement = root().join("examples/single-host-demo-small.placement.toml");
-    let dep = Deployment::load(&topology, "demo-small", &placement, 42).unwrap();
-    let base = expertmesh_transport::ports::free_loopback_ports(3).unwrap();
-    let addr = |i: u16| SocketAddr::from(([127, 0, 0, 1], base + i));
-    let (r0, r1, worker_listen) = (addr(0), addr(1), addr(2));
-    let rt = crate::support::rt();
-    let start = |instance: u32, listen: SocketAddr| {
-        rt.block_on(Mesh::start(dep.mesh_config(
-            instance,
-            &[],
-            &[],
-            listen,
-            LinkKind::Tcp,
-        )))
-        .expect("a router's mesh starts")
-    };
-    let (wedged, _wedged_events) = start(0, r0);
-    let (healthy, mut healthy_events) = start(1, r1);
-    let d = dep.device("local/cpu0").unwrap();
-    let rank = dep.mesh_rank(d);
-    let _worker = Worker(
-        Command::new(env!("CARGO_BIN_EXE_expertmesh"))
-            .args(["worker", "--topology"])
-            .arg(&topology)
-            .args(["--model", "demo-small", "--placement"])
-            .arg(&placement)
-            .args(["--seed", "42", "--device", "local/cpu0", "--threads", "1"])
-            .args(["--exit-with-parent"])
-            .arg(format!("--router={r0},{r1}"))
-            .arg(format!("--listen={worker_listen}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut setup = TwoRouters::start();
+    let (dep, rt, rank) = (&setup.dep, &setup.rt, setup.rank);
+    // Router 0's events are never read.
+    let [(wedged, _), (healthy, healthy_events)] = &mut setup.meshes;
     rt.block_on(async {
-        wait_until("the worker joined both routers", || {
-            wedged.link_generation(rank) == Some(1) && healthy.link_generation(rank) == Some(1)
-        })
-        .await;
         let layer = dep.spec.moe_layer_ids()[0];
         let hidden = dep.spec.hidden as usize;
         assert_eq!(hidden, 1024, "ANSWER_BYTES counts demo-small's rows");
@@ -172,7 +209,7 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
             .send(rank, &dispatch(1_000, layer, hidden))
             .await
             .expect("router 1 sends its dispatch");
-        match answer_to(&mut healthy_events, 1_000).await {
+        match answer_to(healthy_events, 1_000).await {
             Some(Body::Result(r)) => assert_eq!(r.rows as usize, 2 * TOKENS),
             other => panic!(
                 "router 1's dispatch was not answered while router 0 took no answers: {other:?}"
@@ -185,6 +222,30 @@ fn a_router_that_takes_no_answers_does_not_stop_the_worker_for_the_other_router(
         .await;
         sender.abort();
     });
-    wedged.shutdown();
-    healthy.shutdown();
+}
+
+/// A worker's error frame names the part of the dispatch it answers, as its results do (the
+/// router tells a quarantine probe's error from a live part's by it).
+#[test]
+fn a_workers_error_names_the_part_it_answers() {
+    let _g = crate::support::shared();
+    let mut setup = TwoRouters::start();
+    let layer = setup.dep.spec.moe_layer_ids()[0];
+    let hidden = setup.dep.spec.hidden as usize;
+    let routed = setup.dep.spec.routed_experts;
+    let mut frame = dispatch(5, layer, hidden);
+    let Body::Dispatch(d) = &mut frame.body else {
+        unreachable!("a dispatch")
+    };
+    d.part = 3;
+    d.experts.fill(routed + 1); // no such expert
+    let (mesh, events) = &mut setup.meshes[1];
+    let answer = setup.rt.block_on(async {
+        mesh.send(setup.rank, &frame).await.expect("sent");
+        answer_to(events, 5).await
+    });
+    match answer {
+        Some(Body::Error(e)) => assert_eq!(e.part, Some(3), "{e:?}"),
+        other => panic!("a dispatch of an expert that does not exist was answered {other:?}"),
+    }
 }

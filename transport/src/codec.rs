@@ -49,7 +49,7 @@ pub use wire_size::{WireBytes, WireFormat, max_tokens_per_frame, wire_bytes_per_
 /// Magic number at the start of every frame ("EMMF" as little-endian bytes).
 pub const MAGIC: u32 = 0x464D_4D45;
 /// Version of the frame format; a peer with another version is refused at the handshake.
-pub const FORMAT_VERSION: u8 = 3;
+pub const FORMAT_VERSION: u8 = 4;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 32;
 /// Smallest maximum frame size a configuration may ask for.
@@ -62,6 +62,8 @@ pub const MAX_CLUSTER_NAME_BYTES: usize = 255;
 pub const MAX_ATTACHMENT_BYTES: usize = 1024;
 /// Longest message in an error frame, in bytes.
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+/// An error frame's part field when the error names no part ([`ErrorFrame::part`] `None`).
+pub const NO_PART: u32 = u32::MAX;
 /// Length of a hello nonce and of an authentication MAC (HMAC-SHA256).
 pub const NONCE_BYTES: usize = 32;
 /// Longest frontend name in a hello, in bytes.
@@ -746,6 +748,12 @@ pub struct ExpertResult {
 pub struct ErrorFrame {
     /// Request the error belongs to (0 when it belongs to none).
     pub request_id: u64,
+    /// The part of a dispatch the error answers (`request_id` is its batch id), as a result
+    /// names it ([`ExpertResult::part`]); `None` for an error that names no part (a frontend's
+    /// request, a link refusal). A router can hold several parts of one batch on one device (a
+    /// part only that device serves beside a quarantine probe mirrored to it), and tells
+    /// them apart by this. On the wire a u32, [`NO_PART`] for `None`.
+    pub part: Option<u32>,
     /// Stable error code.
     pub code: ErrorCode,
     /// Human-readable message (UTF-8, at most [`MAX_ERROR_MESSAGE_BYTES`]).
@@ -1187,6 +1195,12 @@ impl Body {
             Self::Error(e) if e.message.len() > MAX_ERROR_MESSAGE_BYTES => {
                 return Err(bad(kind, "error message longer than 4096 bytes"));
             }
+            Self::Error(e) if e.part == Some(NO_PART) => {
+                return Err(bad(
+                    kind,
+                    "part 4294967295 stands for \"no part\" on the wire",
+                ));
+            }
             Self::Placement(p) if p.message.len() > MAX_PLACEMENT_MESSAGE_BYTES => {
                 return Err(bad(kind, "placement message longer than 2048 bytes"));
             }
@@ -1268,7 +1282,7 @@ impl Body {
                 8 + 4 * 4 + 4 + 4 + 2 * d.expert_counts.len() + 8 * d.experts.len()
             }
             Self::Result(_) => 8 + 4 + 4 + 4 + 4 + 4,
-            Self::Error(e) => 8 + 2 + 2 + e.message.len(),
+            Self::Error(e) => 8 + 4 + 2 + 2 + e.message.len(),
             Self::Heartbeat(_) => 16,
             Self::Credit(_) => 8,
             Self::LayerRequest(_) => 8 + 4 + 4 + 4 + 4 + 4 + 8,
@@ -1333,6 +1347,7 @@ impl Body {
             }
             Self::Error(e) => {
                 out.extend_from_slice(&e.request_id.to_le_bytes());
+                out.extend_from_slice(&e.part.unwrap_or(NO_PART).to_le_bytes());
                 out.extend_from_slice(&e.code.to_u16().to_le_bytes());
                 out.extend_from_slice(&(e.message.len() as u16).to_le_bytes());
                 out.extend_from_slice(e.message.as_bytes());
@@ -1621,6 +1636,7 @@ fn decode_placement(c: &mut Cursor<'_>) -> Result<Placement, CodecError> {
 /// Decodes the metadata of an error frame.
 fn decode_error(c: &mut Cursor<'_>) -> Result<ErrorFrame, CodecError> {
     let request_id = c.u64("request id")?;
+    let part = Some(c.u32("part")?).filter(|&p| p != NO_PART);
     let code = ErrorCode::from_u16(c.u16("error code")?);
     let n = c.u16("message length")? as usize;
     if n > MAX_ERROR_MESSAGE_BYTES {
@@ -1632,6 +1648,7 @@ fn decode_error(c: &mut Cursor<'_>) -> Result<ErrorFrame, CodecError> {
         .to_owned();
     Ok(ErrorFrame {
         request_id,
+        part,
         code,
         message,
     })
@@ -1731,5 +1748,39 @@ mod tests {
                 Err(CodecError::BadMetadata { .. })
             ));
         }
+    }
+
+    /// An error frame's part sits after the request id, a little-endian u32 with `NO_PART`
+    /// for "none"; `Some(NO_PART)` cannot be written (it would read back as `None`).
+    #[test]
+    fn an_error_frames_part_is_a_u32_after_the_request_id() {
+        let cfg = CodecConfig::default();
+        for (part, wire) in [(Some(0), 0u32), (Some(7), 7), (None, NO_PART)] {
+            let body = Body::Error(ErrorFrame {
+                request_id: 0x0102_0304_0506_0708,
+                part,
+                code: ErrorCode::NotFound,
+                message: "no expert 3 here".into(),
+            });
+            let frame = encode_frame(&body, &[], &cfg).unwrap();
+            let at = HEADER_LEN + 8;
+            assert_eq!(frame[at..at + 4], wire.to_le_bytes());
+            assert_eq!(
+                frame[at + 4..at + 6],
+                9u16.to_le_bytes(),
+                "the code follows"
+            );
+            assert_eq!(decode_frame(&frame, &cfg).unwrap().0, body);
+        }
+        let reserved = Body::Error(ErrorFrame {
+            request_id: 1,
+            part: Some(NO_PART),
+            code: ErrorCode::Internal,
+            message: String::new(),
+        });
+        assert!(matches!(
+            encode_frame(&reserved, &[], &cfg),
+            Err(CodecError::BadMetadata { .. })
+        ));
     }
 }

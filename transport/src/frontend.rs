@@ -501,6 +501,7 @@ impl IncomingClient {
         .await;
         let body = Body::Error(ErrorFrame {
             request_id: 0,
+            part: None,
             code: ErrorCode::PeerUnavailable,
             message: reason.clone(),
         });
@@ -1113,6 +1114,7 @@ impl FrameWriter {
         }
         let body = Body::Error(ErrorFrame {
             request_id,
+            part: None,
             code,
             message,
         });

@@ -350,6 +350,7 @@ impl MeshInner {
         let link = Arc::new(Link::new(new, self.proto_cfg.codec, owner, 0));
         let frame = OutFrame::new(Body::Error(ErrorFrame {
             request_id: 0,
+            part: None,
             code: ErrorCode::PeerUnavailable,
             message: message.clone(),
         }));

@@ -268,6 +268,7 @@ impl Pending {
             generation: self.generation,
             frame: OutFrame::new(Body::Error(ErrorFrame {
                 request_id: self.batch_id,
+                part: Some(self.part),
                 code,
                 message,
             })),
@@ -928,7 +929,10 @@ mod tests {
         let Body::Error(e) = &t.frame.body else {
             panic!("an error")
         };
-        assert_eq!((e.request_id, e.code), (77, ErrorCode::PeerUnavailable));
+        assert_eq!(
+            (e.request_id, e.part, e.code),
+            (77, Some(3), ErrorCode::PeerUnavailable)
+        );
         assert!(e.message.contains("b/cpu1"), "{}", e.message);
     }
 
@@ -1122,7 +1126,10 @@ mod tests {
         let Body::Error(e) = &failed[0].frame.body else {
             panic!("an error")
         };
-        assert_eq!((e.request_id, e.code), (77, ErrorCode::PeerUnavailable));
+        assert_eq!(
+            (e.request_id, e.part, e.code),
+            (77, Some(3), ErrorCode::PeerUnavailable)
+        );
         // a late answer belongs to nothing
         let Body::Dispatch(sd) = &fwd.remote[0].1.body else {
             panic!()

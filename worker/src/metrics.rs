@@ -401,6 +401,7 @@ mod tests {
             0,
             &OutFrame::new(Body::Error(ErrorFrame {
                 request_id: 1,
+                part: None,
                 code: ErrorCode::NotFound,
                 message: "x".into(),
             })),

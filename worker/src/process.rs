@@ -1059,7 +1059,7 @@ impl ComputeCtx {
             code: ErrorCode::ShuttingDown,
             message: format!("{} is stopping (a stop signal came)", self.id),
         };
-        let refusal = error_frame(d.batch_id, e);
+        let refusal = error_frame(d.batch_id, d.part, e);
         drop(f);
         if from < self.routers {
             self.send_on(from, generation, &refusal);
@@ -1132,11 +1132,11 @@ impl ComputeCtx {
                 |r| mesh.is_connected(r),
                 Instant::now(),
             );
-            let batch_id = d.batch_id;
+            let (batch_id, part) = (d.batch_id, d.part);
             drop(frame);
             match started {
                 Ok(fwd) => self.forward(fwd),
-                Err(e) => self.send_on(from, generation, &error_frame(batch_id, e)),
+                Err(e) => self.send_on(from, generation, &error_frame(batch_id, part, e)),
             }
             return;
         }
@@ -1148,7 +1148,7 @@ impl ComputeCtx {
                 self.metrics.on_executed(d, started);
                 OutFrame::with_payload(Body::Result(res), bytes)
             }
-            Err(e) => error_frame(d.batch_id, e),
+            Err(e) => error_frame(d.batch_id, d.part, e),
         };
         // Release the dispatch's credit before waiting to send the result.
         drop(frame);
@@ -1712,10 +1712,11 @@ fn placed_experts(
         .collect()
 }
 
-/// The error frame answering dispatch `batch_id`.
-fn error_frame(batch_id: u64, e: ExecError) -> OutFrame {
+/// The error frame answering part `part` of dispatch `batch_id`.
+fn error_frame(batch_id: u64, part: u32, e: ExecError) -> OutFrame {
     OutFrame::new(Body::Error(ErrorFrame {
         request_id: batch_id,
+        part: Some(part),
         code: e.code,
         message: e.message,
     }))

@@ -90,6 +90,7 @@ async fn read_req(conn: &mut FrameConnection) -> Option<Req> {
 fn refusal(request_id: u64, message: &str) -> Body {
     Body::Error(codec::ErrorFrame {
         request_id,
+        part: None,
         code: ErrorCode::NotFound,
         message: message.into(),
     })
@@ -108,6 +109,7 @@ fn answer_bytes(r: &Req, cfg: &FrontendConfig) -> Vec<u8> {
     if r.req.layer == BAD_LAYER {
         let body = Body::Error(codec::ErrorFrame {
             request_id: id,
+            part: None,
             code: ErrorCode::NotFound,
             message: format!("layer {BAD_LAYER} is not served"),
         });
@@ -674,6 +676,7 @@ fn a_router_shutting_down_hands_its_requests_to_the_next_one() {
             while let Some(r) = read_req(&mut conn).await {
                 let body = Body::Error(codec::ErrorFrame {
                     request_id: r.req.request_id,
+                    part: None,
                     code: ErrorCode::ShuttingDown,
                     message: "the router is stopping".into(),
                 });
@@ -771,6 +774,7 @@ where
 async fn close_for_idleness(conn: &mut FrameConnection) {
     let body = Body::Error(codec::ErrorFrame {
         request_id: 0,
+        part: None,
         code: ErrorCode::ShuttingDown,
         message: "closed: no request or answer for 1s and none in flight".into(),
     });

@@ -412,6 +412,11 @@ impl RouterCore {
         self.health.quarantined()
     }
 
+    /// The quarantine probe out to `rank` now, as (batch, part), if any.
+    pub fn probe_out_to(&self, rank: u32) -> Option<(u64, u32)> {
+        self.health.probe_of(rank)
+    }
+
     /// Layers served, ascending.
     pub fn layers(&self) -> Vec<u32> {
         let mut l: Vec<u32> = self.layers.keys().copied().collect();
@@ -555,15 +560,22 @@ impl RouterCore {
     /// overloaded, an expert not loaded there, shutting down) counts against the device and
     /// its parts go to replicas when every one of their experts has another live owner;
     /// otherwise the batch fails with the device's message.
+    ///
+    /// `part` is the part the error names (workers name the part of the dispatch they
+    /// answer): an error for the quarantine probe out to the device counts against the probe
+    /// alone, and one for a live part touches only that part. An error that names no part is
+    /// taken for the probe (when one of this batch is out to the device) and for every live
+    /// part of the batch on the device.
     pub fn on_worker_error(
         &mut self,
         from: u32,
         request_id: u64,
+        part: Option<u32>,
         code: ErrorCode,
         message: &str,
         now: Instant,
     ) {
-        self.take_worker_error(from, request_id, code, message, now);
+        self.take_worker_error(from, request_id, part, code, message, now);
         self.debug_check();
     }
 

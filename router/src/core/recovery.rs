@@ -84,6 +84,7 @@ impl RouterCore {
         &mut self,
         from: u32,
         request_id: u64,
+        part: Option<u32>,
         code: ErrorCode,
         message: &str,
         now: Instant,
@@ -91,15 +92,17 @@ impl RouterCore {
         if !self.own_batch(request_id, from, now) {
             return;
         }
-        if self
-            .health
-            .probe_of(from)
-            .is_some_and(|(b, _)| b == request_id)
-        {
-            // An error frame names the batch, not the part: with a live part of this batch
-            // on the device too, the error may be that part's, so it is handled as such below
-            // (taking it for the probe's alone could leave a failed part waiting for its
-            // deadline). Telling them apart needs the part in the error frame.
+        let probe = self.health.probe_of(from);
+        // An error naming the probe's part counts against the probe, and against a live part
+        // only if that very part is live on the device too; one naming no part may be the
+        // probe's or any live part's of this batch on the device, so all are taken as failed
+        // (taking it for the probe's alone could leave a failed part waiting for its
+        // deadline).
+        let for_probe = match part {
+            Some(p) => probe == Some((request_id, p)),
+            None => probe.is_some_and(|(b, _)| b == request_id),
+        };
+        if for_probe {
             self.fault(from, now, "its probe was answered with an error");
             self.probes.remove(&from);
         }
@@ -107,7 +110,7 @@ impl RouterCore {
             b.parts
                 .iter()
                 .enumerate()
-                .filter(|(_, p)| p.live && p.rank == from)
+                .filter(|&(i, p)| p.live && p.rank == from && part.is_none_or(|n| n as usize == i))
                 .map(|(i, _)| i)
                 .collect()
         });

@@ -211,6 +211,7 @@ impl Connection {
             self.transmit.clear();
             self.transmit.push_back(Body::Error(ErrorFrame {
                 request_id: 0,
+                part: None,
                 code: err.wire_code(),
                 message: err.to_string(),
             }));

@@ -149,13 +149,20 @@ fn body() -> impl Strategy<Value = Body> {
                     }
                 )
             ),
-        (any::<u64>(), any::<u16>(), small_string(300)).prop_map(|(request_id, code, message)| {
-            Body::Error(ErrorFrame {
-                request_id,
-                code: ErrorCode::from_u16(code),
-                message,
-            })
-        }),
+        (
+            any::<u64>(),
+            prop::option::of(0..NO_PART),
+            any::<u16>(),
+            small_string(300)
+        )
+            .prop_map(|(request_id, part, code, message)| {
+                Body::Error(ErrorFrame {
+                    request_id,
+                    part,
+                    code: ErrorCode::from_u16(code),
+                    message,
+                })
+            }),
         (any::<u64>(), any::<u64>())
             .prop_map(|(seq, sent_at_us)| Body::Heartbeat(Heartbeat { seq, sent_at_us })),
         any::<u64>().prop_map(|bytes| Body::Credit(Credit { bytes })),

@@ -240,6 +240,7 @@ async fn tiny_and_max_size_frames(kind: Driver) {
     // Tiny: an error frame with an empty message, no payload.
     let tiny = OutFrame::new(Body::Error(ErrorFrame {
         request_id: 9,
+        part: None,
         code: ErrorCode::Overloaded,
         message: String::new(),
     }));

@@ -199,8 +199,14 @@ fn answers_to_another_router_incarnation_are_dropped_and_counted() {
         panic!("the worker answered")
     };
     new.core.on_result(1, res, bytes, new.now);
-    new.core
-        .on_worker_error(1, stale.batch, ErrorCode::Internal, "old", new.now);
+    new.core.on_worker_error(
+        1,
+        stale.batch,
+        Some(stale.part),
+        ErrorCode::Internal,
+        "old",
+        new.now,
+    );
     assert_eq!(new.core.stats().stale_results, 2);
     assert!(new.replies.is_empty(), "the stale answer completed nothing");
     // its own answer completes it exactly
@@ -275,6 +281,55 @@ fn a_backlogged_device_is_worked_around_and_probed_back_not_lost() {
         sim.core.stats()
     );
     assert!(sim.core.quarantined().is_empty());
+}
+
+/// A quarantined device that alone holds some experts serves its live part of a batch while
+/// a probe (a mirror of another device's part) is out to it in the same batch: the probe's
+/// error counts against the probe, and the live part beside it is still answered, not sent
+/// again (an error frame names its part). Taken for the live part's, the error failed the
+/// batch, since no other device holds those experts.
+#[test]
+fn a_probes_error_does_not_fail_the_live_part_beside_it() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let half: Vec<u32> = (0..spec.routed_experts / 2).collect();
+    let (mut sim, layers) = build(&spec, &[all, half]);
+    let h = spec.hidden as usize;
+    // Device 1 (mesh rank 1) stops taking frames until it is quarantined; calls that need
+    // its own experts fail meanwhile, which is not what this test is about.
+    sim.backlogged.push(1);
+    let gap = HedgePolicy::default().strike_gap;
+    for i in 0..20 {
+        sim.run_until(sim.now + gap);
+        let _ = sim.call(i, 0, reference::synthetic_hidden(i, 4, h));
+        if sim.core.quarantined() == vec![1] {
+            break;
+        }
+    }
+    assert_eq!(sim.core.quarantined(), vec![1]);
+    // It takes frames again, but answers its probe with an error.
+    sim.backlogged.clear();
+    sim.failing_probes.insert(1, ErrorCode::Internal);
+    let period = HedgePolicy::default().backoff_initial;
+    let before = sim.core.stats().clone();
+    for round in 0..6u64 {
+        sim.run_until(sim.now + period * (1 << round));
+        let x = reference::synthetic_hidden(700 + round, 8, h);
+        let (_, out) = sim.call(700 + round, 0, x.clone());
+        if sim.core.stats().probes == before.probes {
+            continue; // no probe went out with this call
+        }
+        let y = out.expect("the live parts are answered whatever the probe's answer");
+        assert_eq!(bits(&y), exact_bits(&spec, &layers, &x));
+        let after = sim.core.stats();
+        assert_eq!(after.failures, before.failures);
+        assert_eq!(
+            after.parts_redispatched, before.parts_redispatched,
+            "the live part on the device was not taken for failed"
+        );
+        return;
+    }
+    panic!("no probe went out: {:?}", sim.core.stats());
 }
 
 /// Every owner failing a part at once (both replicas' backlogs full, or both answering with a
