@@ -1145,7 +1145,7 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
         return "pack-quantized".into();
     }
     if job.ckpt.contains(&format!("{base}.qweight")) {
-        let q = crate::gptq_import::read_quant_config(job.ckpt.dir()).ok();
+        let q = crate::gptq_import::quant_config_of(job.ckpt).ok().cloned();
         let method = q.as_ref().and_then(|q| q.method.clone());
         let format = q.and_then(|q| q.checkpoint_format);
         return match (method.as_deref(), format.as_deref()) {

@@ -504,7 +504,7 @@ fn check_fp8_scales_are_blocks(ckpt: &Checkpoint, names: &[String]) -> Result<()
 /// whose quantization config names another `weight_block_size` is refused here, naming it,
 /// rather than failing later on a scale grid of the wrong shape.
 fn check_fp8_block(ckpt: &Checkpoint) -> Result<(), ExpertError> {
-    let q = crate::gptq_import::read_quant_config(ckpt.dir())?;
+    let q = crate::gptq_import::quant_config_of(ckpt)?;
     let want = [FP8_BLOCK as u64; 2];
     match (&q.path, &q.weight_block_size) {
         (Some(path), Some(b)) if b.as_slice() != want => Err(ExpertError::Config {

@@ -115,6 +115,16 @@ pub fn read_quant_config(dir: &Path) -> Result<QuantConfig, ExpertError> {
     Ok(QuantConfig::default())
 }
 
+/// [`read_quant_config`] of `ckpt`'s folder, read once per opened checkpoint (a failed read is
+/// not kept: it is tried again, and fails again, naming the file).
+pub fn quant_config_of(ckpt: &Checkpoint) -> Result<&QuantConfig, ExpertError> {
+    if let Some(q) = ckpt.quant_config.get() {
+        return Ok(q);
+    }
+    let q = read_quant_config(ckpt.dir())?;
+    Ok(ckpt.quant_config.get_or_init(|| q))
+}
+
 /// The `quant_method`s whose checkpoints the converter reads (FP8 with block scales, GPTQ,
 /// AWQ, compressed-tensors' `pack-quantized`; unquantized checkpoints name none).
 const READ_METHODS: [&str; 5] = [
@@ -345,7 +355,7 @@ fn open_expert<'a>(
             }),
         };
     };
-    let config = read_quant_config(ckpt.dir())?;
+    let config = quant_config_of(ckpt)?.clone();
     let srcs = [
         Int4Source::open(ckpt, &gate, [inter, hidden], &config)?,
         Int4Source::open(ckpt, &up, [inter, hidden], &config)?,

@@ -23,6 +23,9 @@ pub struct Checkpoint {
     /// Tensor name → index into `shards`.
     pub(super) weight_map: BTreeMap<String, usize>,
     pub(super) shards: Vec<Shard>,
+    /// The folder's quantization config, read once when first asked for
+    /// ([`crate::gptq_import::quant_config_of`]: every expert's check and read consults it).
+    pub(crate) quant_config: OnceLock<crate::gptq_import::QuantConfig>,
 }
 
 /// One file of a checkpoint, opened on first use.
@@ -83,6 +86,7 @@ impl Checkpoint {
             source: single,
             weight_map,
             shards: vec![shard],
+            quant_config: OnceLock::new(),
         })
     }
 
@@ -140,6 +144,7 @@ impl Checkpoint {
             source: index,
             weight_map,
             shards,
+            quant_config: OnceLock::new(),
         })
     }
 
