@@ -499,12 +499,15 @@ impl Mesh {
                 ))
             })?;
         }
-        let shm_need = cfg.protocol.codec.max_frame_bytes * 2 + 2 * PAYLOAD_ALIGN;
+        // A record is a 64-byte header and the frame rounded up to 64 bytes, and a ring takes
+        // records of at most half its size.
+        let shm_need =
+            2 * (PAYLOAD_ALIGN + crate::codec::align_up(cfg.protocol.codec.max_frame_bytes));
         let ringed = |p: &PeerAddress| matches!(p.link, LinkKind::Shm | LinkKind::Rdma);
         if cfg.peers.iter().any(ringed) && cfg.shm.ring_bytes < shm_need {
             return Err(StartError::Config(format!(
-                "shm.ring_bytes {} (also the RDMA ring size) must be at least twice max_frame_bytes plus 128 \
-                 ({shm_need})",
+                "shm.ring_bytes {} (also the RDMA ring size) must be at least twice max_frame_bytes \
+                 rounded up to 64, plus 128 ({shm_need})",
                 cfg.shm.ring_bytes
             )));
         }

@@ -390,14 +390,22 @@ struct Releaser {
 }
 
 impl Releaser {
-    fn push(&self, start: u64, end: u64, released: bool) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back((start, end, released));
+    /// Queues the record `start..end`; returns where the oldest record not yet released starts
+    /// (this side's own account of the ring's tail, kept in private memory).
+    fn push(&self, start: u64, end: u64, released: bool) -> u64 {
+        let mut q = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back((start, end, released));
+        q.front().map_or(start, |e| e.0)
     }
 
     fn release(&self, seg: &Segment, start: u64) {
+        if let Some(t) = self.released_through(start) {
+            publish_tail(seg, t);
+        }
+    }
+
+    /// Marks the record at `start` released; the new tail when that grew the released prefix.
+    fn released_through(&self, start: u64) -> Option<u64> {
         let mut q = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = q.iter_mut().find(|e| e.0 == start) {
             e.2 = true;
@@ -407,16 +415,24 @@ impl Releaser {
             new_tail = Some(end);
             q.pop_front();
         }
-        drop(q);
-        if let Some(t) = new_tail {
-            let h = seg.header();
-            h.tail.store(t, Ordering::Release);
-            fence(Ordering::SeqCst);
-            if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
-                h.space_seq.fetch_add(1, Ordering::SeqCst);
-                futex_wake(&h.space_seq);
-            }
-        }
+        new_tail
+    }
+}
+
+/// Moves the ring's tail to `t` (never back) and wakes a producer waiting for room.
+///
+/// Releases run on several threads (the application dropping frames, this side's consumer
+/// releasing control frames), each computing its tail under the lock and publishing it after:
+/// one that took an earlier prefix may publish after one that took a later one, and the tail
+/// must never move back (the producer would take it for corruption, or wait for room already
+/// freed).
+fn publish_tail(seg: &Segment, t: u64) {
+    let h = seg.header();
+    h.tail.fetch_max(t, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
+        h.space_seq.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&h.space_seq);
     }
 }
 
@@ -424,6 +440,7 @@ impl Releaser {
 pub(crate) fn spawn_consumer(link: Arc<Link>, ring: RingConsumer, codec: CodecConfig) {
     let handle = tokio::runtime::Handle::current();
     let name = format!("shm-rx-{}", link.peer);
+    let link_for_error = Arc::clone(&link);
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
         let _rt = handle.enter();
         if let Err(e) = consumer_loop(&link, &ring, &codec) {
@@ -431,7 +448,10 @@ pub(crate) fn spawn_consumer(link: Arc<Link>, ring: RingConsumer, codec: CodecCo
         }
     });
     if let Err(e) = spawned {
-        tracing::error!("cannot spawn shm consumer thread: {e}");
+        // Without a reader the link would stay up until the peer gave up on it.
+        link_for_error.fail(ProtocolError::Lost(format!(
+            "cannot start the shared-memory reader thread: {e}"
+        )));
     }
 }
 
@@ -502,7 +522,16 @@ fn consumer_loop(
         if header.frame_len as usize != frame_len {
             return Err(corrupt("record length differs from frame header".into()));
         }
-        releaser.push(read_pos, read_pos + record, false);
+        // An honest producer never writes past what this side has released (its tail), so
+        // the records from the oldest one still held to this one fit in the ring: a producer
+        // that wrote more has written over frames the application still reads.
+        let oldest_held = releaser.push(read_pos, read_pos + record, false);
+        if read_pos + record - oldest_held > cap {
+            return Err(corrupt(format!(
+                "the producer wrote over records still held (from {oldest_held} to {})",
+                read_pos + record
+            )));
+        }
         let lease = Lease::new(
             Arc::clone(&region) as Arc<dyn Region>,
             read_pos,
@@ -850,6 +879,25 @@ mod tests {
         // Released in order again, the ring takes frames again.
         ring.seg.header().tail.store(p.head, Ordering::Release);
         rt.block_on(p.write_frame(&head, &payload)).unwrap();
+    }
+
+    /// Two releases whose tails are published in the opposite order (the thread that took the
+    /// earlier prefix publishing last) leave the tail at the later one: it never moves back.
+    #[test]
+    fn a_tail_published_late_never_moves_the_tail_back() {
+        let (_dir, ring, _p, _rt) = ring_pair(1 << 16);
+        let r = Releaser {
+            pending: Mutex::new(VecDeque::new()),
+        };
+        assert_eq!(r.push(0, 128, false), 0);
+        assert_eq!(r.push(128, 256, false), 0, "the oldest record held");
+        let first = r.released_through(0);
+        let second = r.released_through(128);
+        assert_eq!((first, second), (Some(128), Some(256)));
+        publish_tail(&ring.seg, 256);
+        publish_tail(&ring.seg, 128);
+        assert_eq!(ring.seg.header().tail.load(Ordering::Acquire), 256);
+        assert_eq!(r.push(256, 320, false), 256, "nothing older held");
     }
 
     #[test]
