@@ -135,6 +135,9 @@ struct Device {
     backoff: Duration,
     /// Answers in time since the last release (resets the backoff after enough).
     good_since_release: u32,
+    /// When it last went out of rotation (kept until released): only a part sent after that
+    /// brings it back by being answered in time.
+    benched_at: Option<Instant>,
     window: LatencyWindow,
 }
 
@@ -176,6 +179,7 @@ impl Health {
             standing: Standing::InRotation,
             backoff: policy.backoff_initial,
             good_since_release: 0,
+            benched_at: None,
             window: LatencyWindow::new(),
         };
         Self {
@@ -241,7 +245,9 @@ impl Health {
     }
 
     /// `rank` answered a part of `layer` in time, `latency` after it was sent. A device out of
-    /// rotation that answers in time (it was used as the only owner of an expert) is back.
+    /// rotation that answers in time a part sent since it went out (it was used as the only
+    /// owner of an expert) is back; one sent before (in flight when its faults benched it) is
+    /// no sign it recovered.
     pub fn on_answer(
         &mut self,
         rank: u32,
@@ -263,8 +269,10 @@ impl Health {
         if d.good_since_release >= policy.answers_to_reset_backoff {
             d.backoff = policy.backoff_initial;
         }
-        let _ = now;
-        (d.standing != Standing::InRotation).then(|| self.release(rank))
+        let sent_since_benched = d
+            .benched_at
+            .is_some_and(|t| now.checked_sub(latency).is_some_and(|sent| sent >= t));
+        (d.standing != Standing::InRotation && sent_since_benched).then(|| self.release(rank))
     }
 
     /// `rank` was at fault (a straggling part, a failed send, a lost link, an error answer).
@@ -383,6 +391,9 @@ impl Health {
         let d = &mut self.devices[rank as usize];
         let period = d.backoff;
         d.backoff = (d.backoff * 2).min(max);
+        if d.standing == Standing::InRotation {
+            d.benched_at = Some(now);
+        }
         d.standing = Standing::Quarantined {
             until: now + period,
         };
@@ -396,6 +407,7 @@ impl Health {
         d.score = 0.0;
         d.last_strike = None;
         d.good_since_release = 0;
+        d.benched_at = None;
         HealthEvent::Released { rank }
     }
 }
@@ -516,6 +528,48 @@ mod tests {
         assert!(!h.is_quarantined(1));
         // one fault after the release does not quarantine again at once
         assert_eq!(h.on_fault(1, t4 + ms(100)), None);
+    }
+
+    /// A part answered in time brings a benched device back only if it was sent after the
+    /// device went out of rotation: one already in flight then says nothing of its recovery.
+    #[test]
+    fn only_a_part_sent_since_the_quarantine_brings_a_device_back() {
+        let p = HedgePolicy::default();
+        let mut h = Health::new(2, Duration::from_secs(3), p.clone());
+        let t0 = Instant::now();
+        let mut q = None;
+        for i in 0..4 {
+            q = q.or(h.on_fault(1, t0 + p.strike_gap * i));
+        }
+        assert!(q.is_some() && h.is_quarantined(1));
+        let benched = t0 + p.strike_gap * 2;
+        // Sent 15 ms before the quarantine, answered 5 ms after it: still out.
+        assert_eq!(h.on_answer(1, 0, ms(20), benched + ms(5)), None);
+        assert!(h.is_quarantined(1));
+        // Sent since (the only owner of an expert), answered in time: back.
+        assert_eq!(
+            h.on_answer(1, 0, ms(2), benched + ms(10)),
+            Some(HealthEvent::Released { rank: 1 })
+        );
+        assert!(!h.is_quarantined(1));
+        // Benched again later: the new spell counts from its own start, through a probe too.
+        let t1 = benched + Duration::from_secs(10);
+        let mut q = None;
+        for i in 0..4 {
+            q = q.or(h.on_fault(1, t1 + p.strike_gap * i));
+        }
+        let Some(HealthEvent::Quarantined { period, .. }) = q else {
+            panic!("quarantined again: {q:?}")
+        };
+        let benched = t1 + p.strike_gap * 2;
+        assert_eq!(h.on_answer(1, 0, ms(20), benched + ms(1)), None);
+        let due = benched + period;
+        assert_eq!(h.probes_due(due), vec![1]);
+        h.probe_sent(1, 3, 0, due);
+        assert_eq!(
+            h.on_answer(1, 0, ms(2), due + ms(1)),
+            Some(HealthEvent::Released { rank: 1 })
+        );
     }
 
     #[test]

@@ -280,6 +280,7 @@ impl SimBuilder {
             backlogged: Vec::new(),
             erroring: HashMap::new(),
             failing_probes: HashMap::new(),
+            wrong_shape: Vec::new(),
             cut_off_leaders: Vec::new(),
             queue: Vec::new(),
             sent: HashMap::new(),
@@ -345,6 +346,9 @@ pub struct Sim {
     /// Devices that answer their quarantine probe with this error, at once (before the
     /// answers to their other dispatches), and every other dispatch as usual.
     pub failing_probes: HashMap<u32, ErrorCode>,
+    /// Devices whose results carry one row fewer than asked (a build that disagrees on the
+    /// result's shape).
+    pub wrong_shape: Vec<u32>,
     /// Node leaders that cannot reach their node peers: a dispatch holding experts they do not
     /// own is answered `PeerUnavailable` (as `worker::fanout` does) instead of `NotFound`.
     pub cut_off_leaders: Vec<u32>,
@@ -581,7 +585,14 @@ impl Sim {
             let answer = Err((code, "the probe's dispatch failed".to_owned()));
             return self.reach_router(rank, batch, part, answer);
         }
-        let answer = self.answer_of(rank, d, &frame.payload);
+        let mut answer = self.answer_of(rank, d, &frame.payload);
+        if let Ok((res, bytes)) = &mut answer
+            && self.wrong_shape.contains(&rank)
+        {
+            let row = bytes.len() / res.rows as usize;
+            res.rows -= 1;
+            *bytes = bytes.slice(..bytes.len() - row);
+        }
         let at = match (self.hold, self.latency.get(&rank)) {
             (true, _) => None,
             (false, Some(&l)) => Some(self.now + l),

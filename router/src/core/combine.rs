@@ -17,7 +17,8 @@ use std::time::Instant;
 
 impl RouterCore {
     /// [`RouterCore::on_result`]: the answer of a live part is checked against the shape asked
-    /// for and decoded into place; the batch completes with its last part. Answers of another
+    /// for and decoded into place; the batch completes with its last part (one of wrong shape
+    /// counts against its device, as an error answer does). Answers of another
     /// incarnation, of finished batches and of superseded parts are dropped; a probe's answer
     /// releases or re-benches its device.
     pub(super) fn take_result(
@@ -62,13 +63,14 @@ impl RouterCore {
                 payload.len(),
                 expect_rows
             );
-            self.fail_batch(res.batch_id, ErrorCode::Internal, msg);
-            return;
+            return self.bad_result(from, res.batch_id, res.part as usize, msg, now);
         }
         if b.store_rows(res, payload, wire, h).is_err() {
             let msg = format!("{} sent an undecodable result", self.name(from));
-            self.fail_batch(res.batch_id, ErrorCode::Internal, msg);
-            return;
+            return self.bad_result(from, res.batch_id, res.part as usize, msg, now);
+        }
+        if let Some(twin) = b.live_twin(res.part as usize) {
+            b.retire(twin, &mut self.replicas.load); // answered here first
         }
         let part = &mut b.parts[res.part as usize];
         part.live = false;
@@ -245,6 +247,24 @@ fn not_finite(output: &[f32], x: &[f32], hidden: usize) -> Option<(ErrorCode, St
 }
 
 impl Inflight {
+    /// The twin of part `i` (see `Part::twin`), while it waits for its answer.
+    pub(super) fn live_twin(&self, i: usize) -> Option<usize> {
+        let t = self.parts.get(i)?.twin? as usize;
+        self.parts.get(t).filter(|p| p.live).map(|_| t)
+    }
+
+    /// Part `i` no longer waits for an answer (its twin's answer came first, or its device
+    /// failed it while the twin waits): no longer outstanding, nor in its device's `load`.
+    pub(super) fn retire(&mut self, i: usize, load: &mut [u64]) {
+        let part = &mut self.parts[i];
+        if !std::mem::replace(&mut part.live, false) {
+            return;
+        }
+        self.outstanding -= 1;
+        let l = &mut load[part.rank as usize];
+        *l = l.saturating_sub(part.plan.pairs() as u64);
+    }
+
     /// Decodes the answer of part `res.part` (`payload`, checked to hold the rows the part
     /// asked for) into place: per-slot rows straight into the batch's per-slot rows,
     /// pre-combined rows as the part's partial sums. A worker that answers a bf16 request in

@@ -331,6 +331,7 @@ impl RouterCore {
                 hedge_at: now + self.health.hedge_after(rank, b.layer),
                 straggled: false,
                 live: true,
+                twin: None,
             });
             b.outstanding += 1;
             self.actions.push_back(Action::Send {

@@ -29,7 +29,7 @@ impl RouterCore {
     /// * a pending batch belongs to a served layer, holds fewer tokens than a full batch, and its
     ///   members, rows, logits, frontends and deadline agree ([`RouterCore::check_pending`]);
     /// * a batch in flight waits on something, and its outstanding count, parts, members and
-    ///   rows agree ([`RouterCore::check_inflight`]);
+    ///   rows agree, and twins name each other ([`RouterCore::check_inflight`]);
     /// * each device's load is the (token, expert) pairs of the live parts it holds.
     pub(super) fn check_invariants(&self) {
         let limit = self.cfg.max_inflight_batches + self.layers.len();
@@ -104,12 +104,19 @@ impl RouterCore {
             b.outstanding > 0 || b.shared_pending,
             "{what}: waits on nothing, yet it was neither completed nor failed"
         );
-        for p in &b.parts {
+        for (i, p) in b.parts.iter().enumerate() {
             assert_eq!(
                 p.plan.rank, p.rank,
                 "{what}: a part goes where it was planned"
             );
             assert!(p.hedge_at >= p.sent_at, "{what}: hedged before it was sent");
+            if let Some(t) = p.twin {
+                let back = b.parts.get(t as usize);
+                assert!(
+                    back.is_some_and(|q| q.twin == Some(i as u32) && q.rank != p.rank),
+                    "{what}: part {i}'s twin {t} names it back, on another device"
+                );
+            }
         }
         check_members(&b.members, b.tokens, &what);
         assert_eq!(b.x.len(), b.tokens * h, "{what}: a row of input per token");
@@ -131,6 +138,12 @@ impl RouterCore {
                 for &part in b.partials.keys() {
                     let answered = b.parts.get(part as usize).is_some_and(|p| !p.live);
                     assert!(answered, "{what}: rows kept for part {part}, not answered");
+                    if let Some(t) = b.parts[part as usize].twin {
+                        assert!(
+                            !b.partials.contains_key(&t),
+                            "{what}: rows kept for both twins {part} and {t}"
+                        );
+                    }
                 }
             }
         }

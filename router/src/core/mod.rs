@@ -229,6 +229,12 @@ struct Part {
     /// Its device has been charged with a straggle for it (once per part).
     straggled: bool,
     live: bool,
+    /// The part covering the same pairs on another device, when this one was hedged (or is
+    /// the hedge): both stay live and the first answer of the two is taken, the other part
+    /// retired ([`Inflight::retire`]). A hedge that superseded its part instead could bounce
+    /// between two owners that are both slower than their hedge timeout (a load spike) until
+    /// the batch gave up, every late answer dropped.
+    twin: Option<u32>,
 }
 
 struct Inflight {

@@ -138,7 +138,7 @@ impl RouterCore {
         );
         if device_fault {
             self.fault(from, now, "it answered with an error");
-            if parts.iter().all(|&i| self.has_other_owner(request_id, i)) {
+            if parts.iter().all(|&i| self.can_resend(request_id, i)) {
                 tracing::warn!(
                     device = %self.name(from), ?code, message,
                     "a device answered with an error; its share goes to a replica"
@@ -151,6 +151,19 @@ impl RouterCore {
         }
         let msg = format!("{}: {message}", self.name(from));
         self.fail_batch(request_id, code, msg);
+    }
+
+    /// Device `from` answered live part `i` of batch `id` with rows of the wrong shape or that
+    /// do not decode (`msg` says which): a fault of the device, as an error answer is; the part
+    /// goes on without it (its twin, or a replica) or the batch fails with `msg`.
+    pub(super) fn bad_result(&mut self, from: u32, id: u64, i: usize, msg: String, now: Instant) {
+        self.fault(from, now, "it answered with a result of the wrong shape");
+        if self.can_resend(id, i) {
+            tracing::warn!(device = %self.name(from), "{msg}; its share goes to a replica");
+            self.redispatch(id, i, now, Resend::Lost);
+        } else {
+            self.fail_batch(id, ErrorCode::Internal, msg);
+        }
     }
 
     /// [`RouterCore::on_peer_lost`].
@@ -263,6 +276,15 @@ impl RouterCore {
 
     /// Whether every expert of part `i` of batch `id` has a live owner other than the part's
     /// device.
+    /// Whether part `i` of batch `id` can go on without its device: its twin still waits, or
+    /// another live device holds its experts.
+    pub(super) fn can_resend(&self, id: u64, i: usize) -> bool {
+        self.inflight
+            .get(&id)
+            .is_some_and(|b| b.live_twin(i).is_some())
+            || self.has_other_owner(id, i)
+    }
+
     fn has_other_owner(&self, id: u64, i: usize) -> bool {
         let Some(b) = self.inflight.get(&id) else {
             return false;
@@ -286,7 +308,11 @@ impl RouterCore {
         16 + 4 * self.replicas.alive.len()
     }
 
-    /// Re-send part `i` of batch `id` ([`Resend`] says why and where to).
+    /// Re-send part `i` of batch `id` ([`Resend`] says why and where to). A part whose twin
+    /// (its hedge, or the part it hedges) still waits is not re-sent: a lost one is retired
+    /// (the twin covers its pairs), a straggling one waits on with its twin. A straggler is
+    /// hedged with a twin on one device that holds all its experts when there is one
+    /// ([`Self::hedge`]); otherwise its pairs are re-planned and it is superseded.
     fn redispatch(&mut self, id: u64, i: usize, now: Instant, why: Resend) {
         let Some(b) = self.inflight.get(&id) else {
             return;
@@ -294,13 +320,21 @@ impl RouterCore {
         if !b.parts[i].live {
             return;
         }
+        if b.live_twin(i).is_some() {
+            let b = self.inflight.get_mut(&id).expect("checked above");
+            match why {
+                Resend::Straggler => self.keep_waiting(id, i, now),
+                Resend::Lost | Resend::WithoutDedup => b.retire(i, &mut self.replicas.load),
+            }
+            return;
+        }
+        if why == Resend::Straggler && self.hedge(id, i, now) {
+            return;
+        }
         if why == Resend::Straggler && !self.has_other_owner(id, i) {
             // Keep waiting (until the deadline), and look again later: a replica may come
             // back.
-            let b = self.inflight.get_mut(&id).expect("checked above");
-            let part = &mut b.parts[i];
-            let wait = self.health.hedge_after(part.rank, b.layer);
-            part.hedge_at = now + wait.max(STRAGGLER_RECHECK);
+            self.keep_waiting(id, i, now);
             return;
         }
         let max_resends = self.max_resends();
@@ -344,6 +378,83 @@ impl RouterCore {
         {
             self.complete(id, now);
         }
+    }
+
+    /// Part `i` of batch `id` waits on (until the deadline, or its twin's answer) and is
+    /// looked at again later.
+    fn keep_waiting(&mut self, id: u64, i: usize, now: Instant) {
+        let Some(b) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        let part = &mut b.parts[i];
+        let wait = self.health.hedge_after(part.rank, b.layer);
+        part.hedge_at = now + wait.max(STRAGGLER_RECHECK);
+    }
+
+    /// Hedges straggling part `i` of batch `id`: the same pairs go to the least loaded live
+    /// device (in rotation if one is) that holds every one of their experts, as the part's
+    /// twin; both stay live and the first answer is taken. `false` (nothing sent) when no such
+    /// device exists.
+    fn hedge(&mut self, id: u64, i: usize, now: Instant) -> bool {
+        let Some(b) = self.inflight.get(&id) else {
+            return false;
+        };
+        let part = &b.parts[i];
+        let owners = &self.owners_ext[&b.layer];
+        let expert = |(t, s): (u32, u32)| b.routing.experts_of(t as usize)[s as usize] as usize;
+        let Some(first) = part.plan.pair_targets().next().map(expert) else {
+            return false;
+        };
+        let holds_all = |r: u32| {
+            part.plan
+                .pair_targets()
+                .all(|p| owners.owners[expert(p)].contains(&r))
+        };
+        // Devices in rotation first (a quarantined one straggled too, but its answer still
+        // counts if it comes first), then the least loaded.
+        let target = owners.owners[first]
+            .iter()
+            .copied()
+            .filter(|&r| r != part.rank && self.replicas.alive[r as usize] && holds_all(r))
+            .min_by_key(|&r| {
+                let benched = self.health.is_quarantined(r);
+                (benched, self.replicas.load[r as usize], r)
+            });
+        let Some(rank) = target else {
+            return false;
+        };
+        let mut plan = part.plan.clone();
+        plan.rank = rank;
+        let twin = b.parts.len() as u32;
+        let (frame, payload_len) = self.part_frame(b, id, twin, &plan);
+        let pairs = plan.pairs() as u64;
+        self.stats.parts_sent += 1;
+        self.stats.parts_redispatched += 1;
+        self.stats.hedges += 1;
+        self.stats.dispatch_payload_bytes += payload_len as u64;
+        self.replicas.load[rank as usize] += pairs;
+        let hedge_after = self.health.hedge_after(rank, b.layer);
+        let b = self.inflight.get_mut(&id).expect("checked above");
+        b.parts[i].twin = Some(twin);
+        b.parts.push(Part {
+            rank,
+            plan,
+            sent_at: now,
+            hedge_at: now + hedge_after,
+            straggled: false,
+            live: true,
+            twin: Some(i as u32),
+        });
+        b.outstanding += 1;
+        tracing::debug!(device = %self.name(rank), batch = id, part = twin, hedged = i, "hedge sent");
+        self.actions.push_back(Action::Send {
+            rank,
+            frame,
+            batch: id,
+            part: twin,
+        });
+        self.keep_waiting(id, i, now);
+        true
     }
 
     /// Part `i` of batch `id` is past its hedge time: charge its device once.
@@ -428,6 +539,7 @@ impl RouterCore {
                 hedge_at: now,
                 straggled: false,
                 live: false,
+                twin: None,
             });
             self.health.probe_sent(rank, id, part_id, now);
             self.probes.insert(rank, (layer, rows));

@@ -5,7 +5,7 @@
 
 use crate::support::{bits, with_executors};
 use expertmesh_quant::contract::ComputeMode;
-use expertmesh_router::core::RouterConfig;
+use expertmesh_router::core::{LayerMode, RouterConfig};
 use expertmesh_router::health::HedgePolicy;
 use expertmesh_router::reference::{self, LayerWeights};
 use expertmesh_router::sim::Sim;
@@ -19,11 +19,21 @@ const SEED: u64 = 91;
 /// `assign[d]` = experts of device d (mesh rank d + 1) in every layer; every device answers
 /// after 2 ms (`sim.latency`) and requests are due in 10 s.
 fn build(spec: &ModelSpec, assign: &[Vec<u32>]) -> (Sim, HashMap<u32, LayerWeights>) {
+    build_in(spec, assign, RouterConfig::default().mode)
+}
+
+/// [`build`], serving in `mode`.
+fn build_in(
+    spec: &ModelSpec,
+    assign: &[Vec<u32>],
+    mode: LayerMode,
+) -> (Sim, HashMap<u32, LayerWeights>) {
     let cfg = RouterConfig {
         batch_window: Duration::ZERO,
         micro_batch_tokens: 64,
         straggler_timeout: Duration::from_secs(3),
         default_deadline: Duration::from_secs(10),
+        mode,
         ..RouterConfig::default()
     };
     let mut sim = with_executors(Sim::builder(spec, assign).config(cfg).seed(SEED));
@@ -243,6 +253,37 @@ fn an_error_answer_goes_to_a_replica_when_one_holds_the_experts() {
     assert!(msg.contains("node0/dev0"), "{msg}");
 }
 
+/// A device whose results have the wrong shape (one row short) is charged as one that answers
+/// with an error: its parts go to a replica and it is quarantined; without a replica the call
+/// fails naming the rows. (The batch failed at the first such answer, replica or not, and the
+/// device was never charged.)
+#[test]
+fn a_result_of_the_wrong_shape_goes_to_a_replica_when_one_holds_the_experts() {
+    let spec = preset_by_name("toy-softmax").unwrap();
+    let all: Vec<u32> = (0..spec.routed_experts).collect();
+    let (mut sim, layers) = build(&spec, &[all.clone(), all]);
+    let h = spec.hidden as usize;
+    sim.wrong_shape.push(1);
+    for i in 0..10 {
+        sim.run_until(sim.now + Duration::from_millis(25));
+        let x = reference::synthetic_hidden(i, 4, h);
+        let (_, out) = sim.call(i, 0, x.clone());
+        assert_eq!(
+            bits(&out.expect("failed over")),
+            exact_bits(&spec, &layers, &x)
+        );
+    }
+    assert_eq!(sim.core.quarantined(), vec![1]);
+
+    let (mut sim, _) = build(&spec, &[(0..8).collect()]);
+    sim.wrong_shape.push(1);
+    let x = reference::synthetic_hidden(3, 2, h);
+    let (_, out) = sim.call(1, 0, x);
+    let (code, msg) = out.unwrap_err();
+    assert_eq!(code, ErrorCode::Internal);
+    assert!(msg.contains("rows") && msg.contains("node0/dev0"), "{msg}");
+}
+
 /// A device whose link is up but which does not take its frames (the driver's backlog for it
 /// is full) has its parts sent to a replica at once, is quarantined, and comes back through
 /// its probes once it takes frames again: it is not marked lost, as a failed send marks it.
@@ -281,6 +322,68 @@ fn a_backlogged_device_is_worked_around_and_probed_back_not_lost() {
         sim.core.stats()
     );
     assert!(sim.core.quarantined().is_empty());
+}
+
+/// Both owners of the experts slower than their hedge timeout (a load spike on each): a hedge
+/// stays beside the part it hedges and the first answer of the two is taken, so every call is
+/// answered when the first device answers: bit-exact per slot, and pre-combined (accurate
+/// mode) within its tolerance of f64 (one twin's rows only, never both). A hedge that
+/// superseded its part bounced the pairs between the two owners, each late answer dropped,
+/// until the batch gave up ("failed its parts ... times").
+#[test]
+fn parts_slower_than_their_hedge_timeout_on_both_owners_are_answered_by_the_first() {
+    for mode in [LayerMode::Exact, LayerMode::Accurate] {
+        let spec = preset_by_name("toy-softmax").unwrap();
+        let all: Vec<u32> = (0..spec.routed_experts).collect();
+        let (mut sim, layers) = build_in(&spec, &[all.clone(), all], mode);
+        let h = spec.hidden as usize;
+        let check = |i: u64, x: &[f32], y: &[f32]| match mode {
+            LayerMode::Exact => {
+                assert_eq!(bits(y), exact_bits(&spec, &layers, x), "{mode:?} call {i}")
+            }
+            _ => {
+                let lw = &layers[&0];
+                let routing =
+                    expertmesh_router::gating::route(&spec, &lw.gate.logits(x), &lw.gate.bias)
+                        .unwrap();
+                let truth = reference::moe_layer_f64(lw, x, &routing);
+                let err = reference::rel_error_vs_rms(y, &truth);
+                assert!(
+                    err < 1e-4,
+                    "{mode:?} call {i}: error {err} of the output RMS"
+                );
+            }
+        };
+        for i in 0..40 {
+            let x = reference::synthetic_hidden(i, 4, h);
+            let (_, out) = sim.call(i, 0, x.clone());
+            check(i, &x, &out.unwrap());
+        }
+        let floor = HedgePolicy::default().floor;
+        assert_eq!(sim.core.hedge_after(1, 0), floor);
+        let slow = floor * 5;
+        sim.latency.insert(1, slow);
+        sim.latency.insert(2, slow);
+        let before = sim.core.stats().clone();
+        for i in 100..130 {
+            let x = reference::synthetic_hidden(i, 4, h);
+            let (took, out) = sim.call(i, 0, x.clone());
+            let y = out.unwrap_or_else(|e| panic!("{mode:?} call {i} failed: {e:?}"));
+            check(i, &x, &y);
+            assert!(
+                took <= slow + Duration::from_millis(1),
+                "{mode:?} call {i}: {took:?}"
+            );
+        }
+        let st = sim.core.stats();
+        let (hedges, parts) = (st.hedges - before.hedges, st.parts_sent - before.parts_sent);
+        assert!(hedges >= 1, "{mode:?}: the slow parts were hedged: {st:?}");
+        assert!(
+            parts <= 2 * (parts - hedges),
+            "{mode:?}: at most one hedge per part: {hedges} hedges among {parts} parts sent"
+        );
+        assert_eq!(st.failures, before.failures);
+    }
 }
 
 /// A quarantined device that alone holds some experts serves its live part of a batch while
