@@ -447,7 +447,7 @@ impl RouterMetrics {
         for (name, help, v) in [
             (
                 "expertmesh_router_hedges",
-                "Parts re-sent to a replica because their device had not answered within its hedge timeout.",
+                "Parts sent to a replica as well because their device had not answered within its hedge timeout (the first answer of the two is taken).",
                 stats.hedges,
             ),
             (

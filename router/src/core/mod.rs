@@ -135,8 +135,8 @@ pub struct RouterStats {
     /// Result and error frames dropped because their batch id carries another router
     /// incarnation: work dispatched by an earlier router process on this rank.
     pub stale_results: u64,
-    /// Parts re-sent to a replica because their device had not answered within its hedge
-    /// timeout.
+    /// Parts sent to a replica as well (or re-planned where no one replica holds them)
+    /// because their device had not answered within its hedge timeout.
     pub hedges: u64,
     /// Times a device was taken out of replica choice (quarantined).
     pub quarantines: u64,
