@@ -2,7 +2,7 @@
 //! `expertmesh convert` runs per expert.
 //!
 //! Why this exists: a checkpoint stores each expert as three dense projections (gate, up, down)
-//! under family-specific names and in BF16, F16, F32 or block-scaled FP8. The serving format is
+//! under family-specific names and in BF16, F16, F32 or scaled FP8. The serving format is
 //! the packed INT4 pair `W13` (gate and up rows interleaved, [`w13_row_meaning`]) and `W2`, in
 //! the model's [`QuantSpec`]. This module finds the tensors, checks their shapes against the
 //! [`ModelSpec`], and streams them row by row through the searched quantizer
@@ -26,10 +26,13 @@
 //!   up rows) and `….down_proj` `[E, H, F]` (Mixtral's under `block_sparse_moe.experts` too),
 //!   BF16, F16 or F32 ([`fused_expert_tensors`]). Read when the per-expert names are absent.
 //!
-//! FP8 (`F8_E4M3`) weights are DeepSeek-V3's block-scaled layout: a `…weight_scale_inv` tensor
-//! next to each `…weight`, shape `[ceil(rows/128), ceil(cols/128)]` (any float dtype), and
-//! `value = e4m3(code) × scale_inv[r/128][c/128]`. A NaN or infinite weight is an error naming
-//! the tensor, row and column.
+//! FP8 (`F8_E4M3`) weights carry a grid of scales, each covering a block of `[b0, b1]` weights:
+//! `value = e4m3(code) × scale[r/b0][c/b1]` ([`Fp8Scales`]). DeepSeek-V3 and transformers'
+//! fine-grained FP8 store it as `…weight_scale_inv`, shape `[ceil(rows/b0), ceil(cols/b1)]`,
+//! the block the quantization config's `weight_block_size` (128 × 128 when it names none);
+//! compressed-tensors' `float-quantized` stores `…weight_scale`: per tensor (`[1]`), per output
+//! channel (`[rows, 1]`) or per block (its `block_structure`). Any float dtype. A NaN or
+//! infinite weight is an error naming the tensor, row and column.
 //!
 //! A compressed-tensors `pack-quantized` INT4 projection (Kimi K2-Thinking: `X.weight_packed`,
 //! `X.weight_scale`, `X.weight_shape` instead of `X.weight`) is detected per tensor and imported
@@ -52,7 +55,8 @@ pub use crate::hf_config::Family;
 use crate::packed_import::{PackedSource, assemble_int4_expert, open_packed_expert, packed_base};
 use crate::safetensors::{Checkpoint, Dtype, SafetensorsError, TensorView};
 
-/// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid.
+/// Rows and columns per block of an FP8 weight's `weight_scale_inv` grid when the quantization
+/// config names no block size (DeepSeek-V3's).
 pub const FP8_BLOCK: usize = 128;
 
 /// Which expert of a layer.
@@ -471,52 +475,66 @@ fn layer_source(
         .tensor_info(&names[0])
         .is_ok_and(|i| i.dtype == Dtype::F8E4M3)
     {
-        check_fp8_scales_are_blocks(ckpt, &names)?;
+        for name in &names {
+            let shape = ckpt.tensor_info(name)?.shape.clone();
+            if let [rows, cols] = shape[..] {
+                Fp8Scales::of(ckpt, name, [rows, cols])?;
+            }
+        }
         return Ok(LayerSource::Fp8);
     }
     Ok(LayerSource::Float)
 }
 
-/// FP8 weights are read with their block-scale grids (`…weight_scale_inv`, DeepSeek-V3's
-/// layout); compressed-tensors' `float-quantized` layout keeps a per-channel or per-tensor
-/// `…weight_scale` instead, which is refused here, before anything is written, naming it and
-/// what to convert from (it failed later, naming a missing `_scale_inv`).
-fn check_fp8_scales_are_blocks(ckpt: &Checkpoint, names: &[String]) -> Result<(), ExpertError> {
-    for name in names {
-        let blocks = format!("{name}_scale_inv");
-        let per_channel = format!("{name}_scale");
-        if !ckpt.contains(&blocks) && ckpt.contains(&per_channel) {
+/// Where an FP8 weight keeps its scales, and the block of weights each scale covers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Fp8Scales {
+    /// The scale tensor: `{weight}_scale_inv` or `{weight}_scale`.
+    name: String,
+    /// Rows and columns of weights per scale.
+    block: [usize; 2],
+}
+
+impl Fp8Scales {
+    /// The scales of FP8 weight `name` (`[rows, cols]`): `…_scale_inv` blocks of the
+    /// configured `weight_block_size` (128 × 128 by default), else compressed-tensors'
+    /// `…_scale`, per tensor (`[1]`), per output channel (`[rows, 1]`) or per configured block.
+    fn of(ckpt: &Checkpoint, name: &str, [rows, cols]: [usize; 2]) -> Result<Self, ExpertError> {
+        let configured = crate::gptq_import::quant_config_of(ckpt)?.fp8_block()?;
+        let inv = format!("{name}_scale_inv");
+        if ckpt.contains(&inv) {
+            let block = configured.unwrap_or([FP8_BLOCK; 2]);
+            return Ok(Self { name: inv, block });
+        }
+        let plain = format!("{name}_scale");
+        if !ckpt.contains(&plain) {
             return Err(ExpertError::Packed {
-                tensor: name.clone(),
+                tensor: name.to_string(),
                 reason: format!(
-                    "FP8 with a per-channel or per-tensor scale (\"{per_channel}\", \
-                     compressed-tensors' float-quantized layout), which this converter does not \
-                     read; only block-scaled FP8 (\"…weight_scale_inv\", DeepSeek-V3's) is: \
-                     convert from the model's BF16 checkpoint instead"
+                    "an F8_E4M3 weight without its scales: neither \"{inv}\" nor \"{plain}\" \
+                     is in the checkpoint (it is incomplete: download it again)"
                 ),
             });
         }
+        let block = match ckpt.tensor_info(&plain)?.shape[..] {
+            [] | [1] | [1, 1] => [rows, cols],
+            [r, 1] if r == rows => [1, cols],
+            _ => configured.unwrap_or([FP8_BLOCK; 2]),
+        };
+        Ok(Self { name: plain, block })
     }
-    Ok(())
+
+    /// The grid's shape for a `[rows, cols]` weight.
+    fn grid(&self, [rows, cols]: [usize; 2]) -> [usize; 2] {
+        [rows.div_ceil(self.block[0]), cols.div_ceil(self.block[1])]
+    }
 }
 
-/// FP8 weights are read with [`FP8_BLOCK`]-square scale blocks (DeepSeek-V3's); a checkpoint
-/// whose quantization config names another `weight_block_size` is refused here, naming it,
-/// rather than failing later on a scale grid of the wrong shape.
+/// Checks the quantization config's FP8 block size once for the checkpoint (a malformed one is
+/// refused here, naming it, before anything is written).
 fn check_fp8_block(ckpt: &Checkpoint) -> Result<(), ExpertError> {
-    let q = crate::gptq_import::quant_config_of(ckpt)?;
-    let want = [FP8_BLOCK as u64; 2];
-    match (&q.path, &q.weight_block_size) {
-        (Some(path), Some(b)) if b.as_slice() != want => Err(ExpertError::Config {
-            path: path.clone(),
-            reason: format!(
-                "quantization_config.weight_block_size is {b:?}, but FP8 weights are read with \
-                 {want:?} blocks (DeepSeek-V3's layout); convert from the BF16 checkpoint, or \
-                 one quantized with {want:?} blocks"
-            ),
-        }),
-        _ => Ok(()),
-    }
+    crate::gptq_import::quant_config_of(ckpt)?.fp8_block()?;
+    Ok(())
 }
 
 /// The spec of a `pack-quantized` expert (`None` when its gate is not stored so): group size and
@@ -673,13 +691,13 @@ struct RowSource<'a> {
     /// The view's row that is this matrix's row 0 (a fused tensor's up rows follow its gate
     /// rows).
     row0: usize,
-    /// FP8 only: the `weight_scale_inv` grid, row-major, and its column count.
-    scales: Option<(Vec<f32>, usize)>,
+    /// FP8 only: the scale grid, row-major, its column count and the block each scale covers.
+    scales: Option<(Vec<f32>, usize, [usize; 2])>,
 }
 
 impl<'a> RowSource<'a> {
     /// Opens `name`, checking its shape is `[rows, cols]` and its dtype readable; for FP8 also
-    /// loads and checks its `…_scale_inv` grid.
+    /// loads and checks its scale grid ([`Fp8Scales`]).
     fn open(ckpt: &'a Checkpoint, name: &str, shape: [usize; 2]) -> Result<Self, ExpertError> {
         let view = ckpt.tensor(name)?;
         // The dtype first: a weight of a layout not read (packed bytes, another quantizer's
@@ -713,10 +731,10 @@ impl<'a> RowSource<'a> {
     fn fill(&self, r: usize, out: &mut [f32]) -> Result<(), ExpertError> {
         let at = self.row0 + r;
         self.view.rows(at..at + 1)?.to_f32_into(out)?;
-        if let Some((grid, grid_cols)) = &self.scales {
-            let row = &grid[(r / FP8_BLOCK) * grid_cols..][..*grid_cols];
-            for (c, v) in out.iter_mut().enumerate() {
-                *v *= row[c / FP8_BLOCK];
+        if let Some((grid, grid_cols, [block_rows, block_cols])) = &self.scales {
+            let row = &grid[(r / block_rows) * grid_cols..][..*grid_cols];
+            for (chunk, &scale) in out.chunks_mut(*block_cols).zip(row) {
+                chunk.iter_mut().for_each(|v| *v *= scale);
             }
         }
         match out.iter().position(|v| !v.is_finite()) {
@@ -731,22 +749,27 @@ impl<'a> RowSource<'a> {
     }
 }
 
-/// The block-scale grid of FP8 weight `name` (shape `[rows, cols]`): `{name}_scale_inv`, shape
-/// `[ceil(rows/128), ceil(cols/128)]`, as f32 with its column count.
+/// The scale grid of FP8 weight `name` (shape `[rows, cols]`, [`Fp8Scales`]) as f32, with its
+/// column count and the block each scale covers.
 fn load_scales(
     ckpt: &Checkpoint,
     name: &str,
-    [rows, cols]: [usize; 2],
-) -> Result<(Vec<f32>, usize), ExpertError> {
-    let scale_name = format!("{name}_scale_inv");
-    let view = ckpt.tensor(&scale_name)?;
-    let expected = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
-    check_shape(&scale_name, view.shape(), &expected)?;
+    shape: [usize; 2],
+) -> Result<(Vec<f32>, usize, [usize; 2]), ExpertError> {
+    let at = Fp8Scales::of(ckpt, name, shape)?;
+    let view = ckpt.tensor(&at.name)?;
+    let expected = at.grid(shape);
+    // A per-tensor scale is written `[1]` (compressed-tensors) as often as `[1, 1]`.
+    let one_scale = expected == [1, 1] && matches!(view.shape(), [] | [1]);
+    if !one_scale {
+        check_shape(&at.name, view.shape(), &expected)?;
+    }
+    let scale_name = at.name;
     if !view.dtype().converts_to_f32() {
         return Err(ExpertError::Packed {
             tensor: scale_name,
             reason: format!(
-                "dtype {}: an FP8 block-scale grid must be F32, BF16 or F16",
+                "dtype {}: an FP8 scale grid must be F32, BF16 or F16",
                 view.dtype()
             ),
         });
@@ -758,7 +781,7 @@ fn load_scales(
         return Err(ExpertError::Packed {
             tensor: scale_name,
             reason: format!(
-                "block ({}, {}) has scale {}; FP8 block scales are positive and finite: the \
+                "block ({}, {}) has scale {}; FP8 scales are positive and finite: the \
                  checkpoint is damaged, download it again",
                 i / expected[1],
                 i % expected[1],
@@ -766,7 +789,7 @@ fn load_scales(
             ),
         });
     }
-    Ok((scales, expected[1]))
+    Ok((scales, expected[1], at.block))
 }
 
 /// An error naming `tensor` unless `actual == expected`.

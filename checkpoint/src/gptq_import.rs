@@ -86,8 +86,9 @@ pub struct QuantConfig {
     pub bits: Option<u64>,
     /// AutoAWQ's kernel layout `version`, lowercased (`"gemm"`, `"gemv"`, ...).
     pub version: Option<String>,
-    /// FP8 checkpoints' `weight_block_size` (`[rows, cols]` of a block sharing one scale), as
-    /// written; `None` when absent or not a list of integers.
+    /// FP8 checkpoints' `weight_block_size` (`[rows, cols]` of a block sharing one scale;
+    /// compressed-tensors' `block_structure`), as written; empty when it is not a list of
+    /// integers; `None` when absent.
     pub weight_block_size: Option<Vec<u64>>,
 }
 
@@ -147,8 +148,8 @@ pub fn check_quant_method(dir: &Path) -> Result<(), ExpertError> {
             path,
             &format!(
                 "quant_method \"{m}\" is not a format expertmesh convert reads (it reads \
-                 bf16/fp16/fp32, fp8 with block scales, gptq, awq and compressed-tensors \
-                 pack-quantized); convert from the model's BF16 checkpoint"
+                 bf16/fp16/fp32, fp8 with its scales, gptq, awq and compressed-tensors \
+                 pack-quantized or float-quantized); convert from the model's BF16 checkpoint"
             ),
         ));
     }
@@ -184,10 +185,26 @@ fn quant_config(path: PathBuf, q: &Map<String, Value>) -> QuantConfig {
         version: text("version"),
         weight_block_size: q
             .get("weight_block_size")
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(Value::as_u64).collect()),
+            .or_else(|| block_structure(q))
+            .map(|v| match v {
+                Value::Array(a) => a.iter().map(Value::as_u64).collect(),
+                // Older compressed-tensors wrote the block as "128x128".
+                Value::String(t) => t.split('x').map(|n| n.trim().parse().ok()).collect(),
+                _ => None,
+            })
+            .map(|b| b.unwrap_or_default()),
         path: Some(path),
     }
+}
+
+/// compressed-tensors' FP8 block (`config_groups.<group>.weights.block_structure` of the first
+/// group that has one; the converter reads one block size per checkpoint).
+fn block_structure(q: &Map<String, Value>) -> Option<&Value> {
+    q.get("config_groups")?.as_object()?.values().find_map(|g| {
+        g.get("weights")?
+            .get("block_structure")
+            .filter(|b| !b.is_null())
+    })
 }
 
 /// `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].
@@ -214,6 +231,23 @@ fn config_error(path: &Path, reason: &str) -> ExpertError {
 }
 
 impl QuantConfig {
+    /// The FP8 block (`[rows, cols]` of weights per scale) the config names, if any; an error
+    /// naming the file for one that is not two whole numbers from 1 to 2^20.
+    pub fn fp8_block(&self) -> Result<Option<[usize; 2]>, ExpertError> {
+        let Some(b) = &self.weight_block_size else {
+            return Ok(None);
+        };
+        match b[..] {
+            [r, c] if (1..=1 << 20).contains(&r) && (1..=1 << 20).contains(&c) => {
+                Ok(Some([r as usize, c as usize]))
+            }
+            _ => Err(self.error(format!(
+                "quantization_config.weight_block_size (or block_structure) is {b:?}: an FP8 \
+                 block is two whole numbers of rows and columns, 1 to 1048576"
+            ))),
+        }
+    }
+
     /// An error about this config (naming its file).
     fn error(&self, reason: String) -> ExpertError {
         ExpertError::Config {

@@ -651,34 +651,23 @@ fn a_zero_fp8_block_scale_is_refused() {
     );
 }
 
-/// compressed-tensors' FP8 layout (a per-channel `weight_scale` beside each FP8 weight, no
-/// block grid) is refused before anything is written, saying what to convert from.
+/// An FP8 weight whose scales are missing (neither DeepSeek-V3's `…weight_scale_inv` nor
+/// compressed-tensors' `…weight_scale`) is refused before anything is written, naming both.
 #[test]
-fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
+fn fp8_without_scales_is_refused_naming_both_layouts() {
     let d = tempfile::tempdir().unwrap();
     let ck = fp8_block_checkpoint(d.path());
-    // Every `…weight_scale_inv` grid becomes a `…weight_scale` column of ones ([rows, 1]).
     let c = Checkpoint::open(&ck).unwrap();
     let mut owned = Vec::new();
     for name in c.tensor_names() {
         let v = c.tensor(name).unwrap();
-        match name.strip_suffix("_scale_inv") {
-            Some(weight) => {
-                let rows = c.tensor(weight).unwrap().shape()[0];
-                let one = 1.0f32.to_bits().to_le_bytes().to_vec();
-                owned.push((
-                    format!("{weight}_scale"),
-                    Dtype::F32,
-                    vec![rows, 1],
-                    one.repeat(rows),
-                ));
-            }
-            None => owned.push((
+        if !name.ends_with("_scale_inv") {
+            owned.push((
                 name.to_string(),
                 v.dtype(),
                 v.shape().to_vec(),
                 v.bytes().to_vec(),
-            )),
+            ));
         }
     }
     drop(c);
@@ -689,9 +678,9 @@ fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
     write_safetensors(ck.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
     let out = d.path().join("w");
     let r = convert(&ck, &out);
-    fails_naming(&r, "weight_scale");
+    fails_naming(&r, "weight_scale_inv");
     assert!(
-        r.stderr.contains("float-quantized") && r.stderr.contains("BF16 checkpoint"),
+        r.stderr.contains("weight_scale\"") && r.stderr.contains("without its scales"),
         "{}",
         r.stderr
     );
@@ -701,18 +690,25 @@ fn fp8_with_per_channel_scales_is_refused_naming_the_layout() {
     );
 }
 
+/// A block size that is not two whole numbers is refused naming `weight_block_size`; one that
+/// does not match the stored grids (16 × 16 blocks named, 128 × 128 stored) names the scale
+/// grid of the wrong shape; an FP8 gate is refused naming its dtype.
 #[test]
-fn fp8_blocks_of_another_size_and_an_fp8_gate_are_refused() {
+fn fp8_blocks_that_do_not_fit_and_an_fp8_gate_are_refused() {
     let d = tempfile::tempdir().unwrap();
     let ck = fp8_block_checkpoint(d.path());
     let config = ck.join("config.json");
     let text = std::fs::read_to_string(&config).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["quantization_config"]["weight_block_size"] = serde_json::json!([64, 64]);
+    json["quantization_config"]["weight_block_size"] = serde_json::json!([0, 128]);
     std::fs::write(&config, json.to_string()).unwrap();
     let r = convert(&ck, &d.path().join("w"));
     fails_naming(&r, "weight_block_size");
-    assert!(r.stderr.contains("[64, 64]"), "{}", r.stderr);
+    assert!(r.stderr.contains("[0, 128]"), "{}", r.stderr);
+    json["quantization_config"]["weight_block_size"] = serde_json::json!([16, 16]);
+    std::fs::write(&config, json.to_string()).unwrap();
+    let r = convert(&ck, &d.path().join("w1"));
+    fails_naming(&r, "_scale_inv");
     std::fs::write(&config, &text).unwrap();
     let gate = std::sync::Mutex::new(None);
     rewrite_typed(&ck, |n, dtype, b| {

@@ -16,7 +16,7 @@
 
 use crate::hf_support::reference::{DenseExpert, block_from_tiny, moe_block_f64, route_tokens};
 use crate::hf_support::tiny::{
-    TinyCheckpoint, TinySpec, WeightFormat, random_tokens, write_tiny_checkpoint,
+    Fp8Layout, TinyCheckpoint, TinySpec, WeightFormat, random_tokens, write_tiny_checkpoint,
 };
 use crate::support::{root, rt};
 use expertmesh_backend::{ExpertBackend, ExpertKey};
@@ -300,6 +300,46 @@ fn deepseek_v3_fp8_in_three_files_matches_the_reference() {
     let (_d, ck, out) = case("deepseek_v3", WeightFormat::Fp8Block, 3);
     check_accurate(&ck, &out);
     check_exact(&ck, &out);
+}
+
+/// FP8 whose scales are not DeepSeek-V3's 128 × 128 `weight_scale_inv` blocks: transformers'
+/// fine-grained FP8 with another `weight_block_size`, and compressed-tensors'
+/// `float-quantized` (llm-compressor's FP8 schemes) per block, per output channel and per
+/// tensor. Each converts to exactly the experts of the same checkpoint written as F32 of the
+/// values its FP8 weights store (an independent float read of the same numbers). Blocks of
+/// 24 × 40 cover the tiny model's 32 × 64 and 64 × 32 weights unevenly: a reader that took
+/// another block size, or the block dimensions swapped, would find a grid of another shape or
+/// read other values. The 24 × 40 checkpoint is also served bit for bit like the reference.
+#[test]
+fn fp8_of_other_scale_layouts_converts_as_its_values_read_as_f32() {
+    let _machine = crate::support::shared();
+    let layouts = [
+        Fp8Layout::ScaleInv([24, 40]),
+        Fp8Layout::CompressedBlock([24, 40]),
+        Fp8Layout::CompressedChannel,
+        Fp8Layout::CompressedTensor,
+    ];
+    for layout in layouts {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TinySpec::for_model_type("deepseek_v3").with_fp8(layout);
+        let ck = write_tiny_checkpoint(&dir.path().join("fp8"), &spec);
+        let out = dir.path().join("weights");
+        convert(&ck.dir, &out);
+        let mut as_f32 = spec.clone();
+        as_f32.fp8_as_f32 = true;
+        let ck32 = write_tiny_checkpoint(&dir.path().join("f32"), &as_f32);
+        let out32 = dir.path().join("weights-f32");
+        convert(&ck32.dir, &out32);
+        let (experts, _) = converted_experts(&out);
+        let (experts32, _) = converted_experts(&out32);
+        assert_eq!(experts.len(), experts32.len());
+        for (key, e) in &experts {
+            assert!(experts32[key] == *e, "{layout:?}: expert {key:?} differs");
+        }
+        if layout == Fp8Layout::ScaleInv([24, 40]) {
+            check_exact(&ck, &out);
+        }
+    }
 }
 
 #[test]

@@ -64,8 +64,25 @@ use super::reference::DenseExpert;
 /// Rows of `model.embed_tokens.weight`.
 pub(crate) const VOCAB: usize = 16;
 
-/// Rows and columns of one FP8 `weight_scale_inv` block.
+/// Rows and columns of one FP8 `weight_scale_inv` block (DeepSeek-V3's).
 pub(crate) const FP8_BLOCK: usize = 128;
+
+/// How [`WeightFormat::Fp8Block`] stores each weight's scales (scale = absmax / 448 of the
+/// weights it covers, F32; value = `e4m3(code) × scale`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fp8Layout {
+    /// `…weight_scale_inv` per block of `[rows, cols]` weights, named by `weight_block_size`
+    /// in a `quant_method` `fp8` config (DeepSeek-V3: 128 × 128; transformers' fine-grained
+    /// FP8 takes others).
+    ScaleInv([usize; 2]),
+    /// compressed-tensors `float-quantized`, strategy `block`: `…weight_scale` per block of
+    /// `block_structure`.
+    CompressedBlock([usize; 2]),
+    /// compressed-tensors `float-quantized`, strategy `channel`: `…weight_scale` `[rows, 1]`.
+    CompressedChannel,
+    /// compressed-tensors `float-quantized`, strategy `tensor`: `…weight_scale` `[1]`.
+    CompressedTensor,
+}
 
 /// Columns per scale group of the `pack-quantized` INT4 format written here.
 pub(crate) const PACK_GROUP: usize = 32;
@@ -226,6 +243,12 @@ pub(crate) struct TinySpec {
     pub(crate) fused_experts: bool,
     /// Seed of the weights.
     pub(crate) seed: u64,
+    /// How FP8 weights keep their scales ([`WeightFormat::Fp8Block`] only).
+    pub(crate) fp8: Fp8Layout,
+    /// FP8 only: every FP8 weight written instead as F32 of the values it stores, without
+    /// scales or quantization config: the same checkpoint as a float reader of it sees it (the
+    /// same random draws, so the same values).
+    pub(crate) fp8_as_f32: bool,
 }
 
 impl TinySpec {
@@ -282,6 +305,8 @@ impl TinySpec {
             files: 1,
             fused_experts: false,
             seed: 0x7111_0000 ^ family as u64,
+            fp8: Fp8Layout::ScaleInv([FP8_BLOCK; 2]),
+            fp8_as_f32: false,
         }
     }
 
@@ -298,6 +323,13 @@ impl TinySpec {
 
     /// The same spec stored as `dtype`. INT4 formats round `hidden` and `moe_inter` up to
     /// multiples of their group (GPTQ/AWQ group 128: hidden 128, experts of width 128).
+    /// The same spec stored as FP8 with scales laid out as `layout`.
+    pub(crate) fn with_fp8(mut self, layout: Fp8Layout) -> TinySpec {
+        self.dtype = WeightFormat::Fp8Block;
+        self.fp8 = layout;
+        self
+    }
+
     pub(crate) fn with_dtype(mut self, dtype: WeightFormat) -> TinySpec {
         self.dtype = dtype;
         if let Some(g) = dtype.int4_group() {
@@ -424,16 +456,9 @@ pub(crate) fn config_json(spec: &TinySpec) -> Value {
     };
     m.extend(family_keys.as_object().expect("an object").clone());
     match spec.dtype {
+        WeightFormat::Fp8Block if spec.fp8_as_f32 => {}
         WeightFormat::Fp8Block => {
-            m.insert(
-                "quantization_config".into(),
-                json!({
-                    "quant_method": "fp8",
-                    "fmt": "e4m3",
-                    "activation_scheme": "dynamic",
-                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-                }),
-            );
+            m.insert("quantization_config".into(), fp8_config(spec));
         }
         WeightFormat::PackQuantized => {
             m.insert("quantization_config".into(), pack_quantized_config(spec));
@@ -527,6 +552,66 @@ fn qwen_keys(spec: &TinySpec) -> Value {
 
 /// compressed-tensors `pack-quantized` W4A16 group 32, every `Linear` but the ignored ones:
 /// dense MLPs, routers, shared experts and `lm_head` (as Kimi K2-Thinking).
+/// The `quantization_config` of an FP8 checkpoint in `spec.fp8`'s layout: transformers'
+/// fine-grained FP8 (DeepSeek-V3's), or compressed-tensors `float-quantized` as llm-compressor
+/// writes it (FP8 weights, dynamic per-token FP8 activations, the router and `lm_head`
+/// ignored).
+fn fp8_config(spec: &TinySpec) -> Value {
+    let strategy = match spec.fp8 {
+        Fp8Layout::ScaleInv(block) => {
+            return json!({
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": block,
+            });
+        }
+        Fp8Layout::CompressedBlock(_) => "block",
+        Fp8Layout::CompressedChannel => "channel",
+        Fp8Layout::CompressedTensor => "tensor",
+    };
+    let mut weights = json!({
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": true,
+        "strategy": strategy,
+        "dynamic": false,
+        "group_size": null,
+        "block_structure": null,
+        "actorder": null,
+        "observer": "minmax",
+    });
+    if let Fp8Layout::CompressedBlock(block) = spec.fp8 {
+        weights["block_structure"] = json!(block);
+    }
+    let mut ignore = vec!["lm_head".to_string()];
+    for l in spec.moe_layers() {
+        ignore.push(router_name(spec, l).trim_end_matches(".weight").to_string());
+    }
+    json!({
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": true,
+                    "strategy": "token",
+                    "dynamic": true,
+                },
+                "output_activations": null,
+                "format": "float-quantized",
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": null,
+    })
+}
+
 fn pack_quantized_config(spec: &TinySpec) -> Value {
     let mut ignore = vec!["lm_head".to_string()];
     for l in 0..spec.num_layers {
@@ -710,6 +795,8 @@ type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
 struct Writer {
     rng: SplitMix64,
     tensors: Vec<Owned>,
+    fp8: Fp8Layout,
+    fp8_as_f32: bool,
 }
 
 impl Writer {
@@ -774,12 +861,19 @@ impl Writer {
         stored
     }
 
-    /// DeepSeek-V3 block FP8: per 128×128 block `scale = absmax / 448` (f32), code =
-    /// `e4m3(x / scale)`; writes `name` and `{name}_scale_inv`; the stored values
-    /// `e4m3(code) × scale` in f32 (what a reader computes).
+    /// FP8 in `self.fp8`'s layout: per block of weights `scale = absmax / 448` (f32), code =
+    /// `e4m3(x / scale)`; writes `name` and its scales (`{name}_scale_inv` or
+    /// `{name}_scale`); the stored values `e4m3(code) × scale` in f32 (what a reader
+    /// computes).
     fn fp8(&mut self, name: &str, rows: usize, cols: usize, x: &[f64]) -> Vec<f64> {
-        let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
-        let block = |i: usize| (i / cols / FP8_BLOCK) * grid[1] + (i % cols) / FP8_BLOCK;
+        let (suffix, [b0, b1]) = match self.fp8 {
+            Fp8Layout::ScaleInv(b) => ("_scale_inv", b),
+            Fp8Layout::CompressedBlock(b) => ("_scale", b),
+            Fp8Layout::CompressedChannel => ("_scale", [1, cols]),
+            Fp8Layout::CompressedTensor => ("_scale", [rows, cols]),
+        };
+        let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
+        let block = |i: usize| (i / cols / b0) * grid[1] + (i % cols) / b1;
         let mut amax = vec![0f32; grid[0] * grid[1]];
         for (i, &v) in x.iter().enumerate() {
             amax[block(i)] = amax[block(i)].max((v as f32).abs());
@@ -791,12 +885,29 @@ impl Writer {
         let codes: Vec<u8> = (0..x.len())
             .map(|i| f32_to_e4m3(x[i] as f32 / scales[block(i)]))
             .collect();
-        let stored = (0..x.len())
+        let stored: Vec<f64> = (0..x.len())
             .map(|i| f64::from(e4m3_to_f32(codes[i]) * scales[block(i)]))
             .collect();
+        if self.fp8_as_f32 {
+            let bytes = stored
+                .iter()
+                .flat_map(|&v| (v as f32).to_le_bytes())
+                .collect();
+            self.push(name, Dtype::F32, &[rows, cols], bytes);
+            return stored;
+        }
         self.push(name, Dtype::F8E4M3, &[rows, cols], codes);
+        let scale_shape = match self.fp8 {
+            Fp8Layout::CompressedTensor => vec![1],
+            _ => grid.to_vec(),
+        };
         let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-        self.push(&format!("{name}_scale_inv"), Dtype::F32, &grid, scale_bytes);
+        self.push(
+            &format!("{name}{suffix}"),
+            Dtype::F32,
+            &scale_shape,
+            scale_bytes,
+        );
         stored
     }
 
@@ -1034,6 +1145,8 @@ pub(crate) fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) -> TinyCheckpoi
     let mut w = Writer {
         rng: SplitMix64::new(spec.seed),
         tensors: Vec::new(),
+        fp8: spec.fp8,
+        fp8_as_f32: spec.fp8_as_f32,
     };
     let h = spec.hidden;
     // Embeddings are never quantized (FP8 and INT4 checkpoints keep them BF16).
