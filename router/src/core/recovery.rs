@@ -117,6 +117,34 @@ impl RouterCore {
         if parts.is_empty() {
             return; // a finished batch, a superseded part, or the probe's answer
         }
+        let device_fault = matches!(
+            code,
+            ErrorCode::Internal
+                | ErrorCode::Overloaded
+                | ErrorCode::PeerUnavailable
+                | ErrorCode::NotFound
+                | ErrorCode::ShuttingDown
+                | ErrorCode::Other(_)
+        );
+        // A part whose twin still waits is retired, whatever the error: the twin answers for
+        // its pairs (or fails them with its own error).
+        let (covered, parts): (Vec<usize>, Vec<usize>) = parts.into_iter().partition(|&i| {
+            self.inflight
+                .get(&request_id)
+                .is_some_and(|b| b.live_twin(i).is_some())
+        });
+        if !covered.is_empty() {
+            if device_fault {
+                self.fault(from, now, "it answered with an error");
+            }
+            let b = self.inflight.get_mut(&request_id).expect("has the parts");
+            for i in covered {
+                b.retire(i, &mut self.replicas.load);
+            }
+            if parts.is_empty() {
+                return;
+            }
+        }
         if code == ErrorCode::PeerUnavailable && self.replicas.node_dedup {
             tracing::warn!(
                 leader = %self.name(from), message,
@@ -127,15 +155,6 @@ impl RouterCore {
             }
             return;
         }
-        let device_fault = matches!(
-            code,
-            ErrorCode::Internal
-                | ErrorCode::Overloaded
-                | ErrorCode::PeerUnavailable
-                | ErrorCode::NotFound
-                | ErrorCode::ShuttingDown
-                | ErrorCode::Other(_)
-        );
         if device_fault {
             self.fault(from, now, "it answered with an error");
             if parts.iter().all(|&i| self.can_resend(request_id, i)) {
@@ -423,6 +442,11 @@ impl RouterCore {
         let Some(rank) = target else {
             return false;
         };
+        // A hedge is a re-send like any other: bounded per batch (a hedge whose device fails
+        // it leaves the part without a twin, to be hedged again).
+        if b.resends >= self.max_resends() {
+            return false;
+        }
         let mut plan = part.plan.clone();
         plan.rank = rank;
         let twin = b.parts.len() as u32;
@@ -435,7 +459,11 @@ impl RouterCore {
         self.replicas.load[rank as usize] += pairs;
         let hedge_after = self.health.hedge_after(rank, b.layer);
         let b = self.inflight.get_mut(&id).expect("checked above");
-        b.parts[i].twin = Some(twin);
+        b.resends += 1;
+        // A twin retired earlier (its device failed it) lets go of this part.
+        if let Some(old) = b.parts[i].twin.replace(twin) {
+            b.parts[old as usize].twin = None;
+        }
         b.parts.push(Part {
             rank,
             plan,

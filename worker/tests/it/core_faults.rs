@@ -436,34 +436,47 @@ fn a_probes_error_does_not_fail_the_live_part_beside_it() {
 }
 
 /// Every owner failing a part at once (both replicas' backlogs full, or both answering with a
-/// device error) does not bounce the part between them until the deadline: the batch fails
+/// device error, or one paused while every hedge to the other fails) does not bounce the part
+/// between them until the deadline: the batch fails
 /// after a bounded number of re-sends, naming a device, long before its 10 s deadline, and
 /// the core goes on serving once a device takes frames again.
 #[test]
 fn parts_every_owner_fails_at_once_are_not_resent_without_end() {
-    for erroring in [false, true] {
+    // The third case: one owner paused (its parts straggle), the other answering every part
+    // with an error, so each hedge of a straggling part fails and it is hedged again.
+    for case in ["backlogged", "erroring", "paused and erroring"] {
         let (spec, mut sim, layers) = two_replicas();
         let h = spec.hidden as usize;
-        if erroring {
-            sim.erroring.insert(1, ErrorCode::Overloaded);
-            sim.erroring.insert(2, ErrorCode::Overloaded);
-        } else {
-            sim.backlogged.extend([1, 2]);
+        if case == "paused and erroring" {
+            // Hedge timeouts at their floor: a straggling part is hedged every 25 ms.
+            for i in 0..40 {
+                let _ = sim.call(i, 0, reference::synthetic_hidden(i, 4, h));
+            }
+            sim.sent.clear();
+        }
+        match case {
+            "backlogged" => sim.backlogged.extend([1, 2]),
+            "erroring" => {
+                sim.erroring.insert(1, ErrorCode::Overloaded);
+                sim.erroring.insert(2, ErrorCode::Overloaded);
+            }
+            _ => {
+                sim.silent.push(1);
+                sim.erroring.insert(2, ErrorCode::Overloaded);
+            }
         }
         let x = reference::synthetic_hidden(900, 4, h);
         let (took, out) = sim.call(900, 0, x.clone());
         let (code, msg) = out.expect_err("every owner fails");
         assert_eq!(code, ErrorCode::PeerUnavailable, "{msg}");
         assert!(msg.contains("gave up before the deadline"), "{msg}");
-        assert!(
-            took < Duration::from_secs(10),
-            "erroring {erroring}: {took:?}"
-        );
+        assert!(took < Duration::from_secs(10), "{case}: {took:?}");
         let sent: usize = sim.sent.values().sum();
-        assert!(sent <= 64, "erroring {erroring}: {sent} dispatches sent");
+        assert!(sent <= 64, "{case}: {sent} dispatches sent");
         // A device takes frames again: served, exact.
         sim.erroring.clear();
         sim.backlogged.clear();
+        sim.silent.clear();
         sim.run_until(sim.now + Duration::from_secs(60));
         let (_, out) = sim.call(901, 0, x.clone());
         assert_eq!(bits(&out.unwrap()), exact_bits(&spec, &layers, &x));
