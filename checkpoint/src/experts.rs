@@ -498,8 +498,18 @@ struct Fp8Scales {
 impl Fp8Scales {
     /// The scales of FP8 weight `name` (`[rows, cols]`): `…_scale_inv` blocks of the
     /// configured `weight_block_size` (128 × 128 by default), else compressed-tensors'
-    /// `…_scale`, per tensor (`[1]`), per output channel (`[rows, 1]`) or per configured block.
+    /// `…_scale`, per tensor (`[1]`), per output channel (`[rows, 1]`), per group of inputs
+    /// (`[rows, cols / group]`) or per configured block.
     fn of(ckpt: &Checkpoint, name: &str, [rows, cols]: [usize; 2]) -> Result<Self, ExpertError> {
+        let zero_points = format!("{name}_zero_point");
+        if ckpt.contains(&zero_points) {
+            return Err(ExpertError::Packed {
+                tensor: zero_points,
+                reason: "asymmetric FP8 (a zero point beside the scale) is not read: convert \
+                         from the model's BF16 checkpoint"
+                    .into(),
+            });
+        }
         let configured = crate::gptq_import::quant_config_of(ckpt)?.fp8_block()?;
         let inv = format!("{name}_scale_inv");
         if ckpt.contains(&inv) {
@@ -519,6 +529,8 @@ impl Fp8Scales {
         let block = match ckpt.tensor_info(&plain)?.shape[..] {
             [] | [1] | [1, 1] => [rows, cols],
             [r, 1] if r == rows => [1, cols],
+            // compressed-tensors' strategy `group`: a scale per `cols / g` inputs of each row.
+            [r, g] if r == rows && configured.is_none() && g > 0 && cols % g == 0 => [1, cols / g],
             _ => configured.unwrap_or([FP8_BLOCK; 2]),
         };
         Ok(Self { name: plain, block })

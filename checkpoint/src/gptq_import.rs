@@ -86,10 +86,12 @@ pub struct QuantConfig {
     pub bits: Option<u64>,
     /// AutoAWQ's kernel layout `version`, lowercased (`"gemm"`, `"gemv"`, ...).
     pub version: Option<String>,
-    /// FP8 checkpoints' `weight_block_size` (`[rows, cols]` of a block sharing one scale;
-    /// compressed-tensors' `block_structure`), as written; empty when it is not a list of
-    /// integers; `None` when absent.
-    pub weight_block_size: Option<Vec<u64>>,
+    /// FP8 checkpoints' block (`[rows, cols]` of weights sharing one scale): transformers'
+    /// `weight_block_size`, else compressed-tensors' `block_structure` of its config groups;
+    /// `None` when neither names one, `Err` (what was written) when it is not two whole
+    /// numbers from 1 to 2^20 or the groups name different blocks. See
+    /// [`QuantConfig::fp8_block`].
+    pub weight_block: Option<Result<[usize; 2], String>>,
 }
 
 /// Reads the quantization config of checkpoint folder `dir`: `quantization_config` of
@@ -183,28 +185,70 @@ fn quant_config(path: PathBuf, q: &Map<String, Value>) -> QuantConfig {
             .or_else(|| q.get("w_bit"))
             .and_then(Value::as_u64),
         version: text("version"),
-        weight_block_size: q
-            .get("weight_block_size")
-            .or_else(|| block_structure(q))
-            .map(|v| match v {
-                Value::Array(a) => a.iter().map(Value::as_u64).collect(),
-                // Older compressed-tensors wrote the block as "128x128".
-                Value::String(t) => t.split('x').map(|n| n.trim().parse().ok()).collect(),
-                _ => None,
-            })
-            .map(|b| b.unwrap_or_default()),
+        weight_block: fp8_block_of(q),
         path: Some(path),
     }
 }
 
-/// compressed-tensors' FP8 block (`config_groups.<group>.weights.block_structure` of the first
-/// group that has one; the converter reads one block size per checkpoint).
-fn block_structure(q: &Map<String, Value>) -> Option<&Value> {
-    q.get("config_groups")?.as_object()?.values().find_map(|g| {
-        g.get("weights")?
-            .get("block_structure")
+/// The FP8 block a quantization config names ([`QuantConfig::weight_block`]): `weight_block_size`,
+/// else the `block_structure` of its `config_groups` (null counts as absent; the groups must
+/// agree: the converter reads one block size per checkpoint).
+fn fp8_block_of(q: &Map<String, Value>) -> Option<Result<[usize; 2], String>> {
+    if let Some(v) = q.get("weight_block_size").filter(|v| !v.is_null()) {
+        return Some(block_value(v).ok_or_else(|| format!("weight_block_size {v}")));
+    }
+    let mut found: Vec<(&String, &Value)> = Vec::new();
+    for (name, group) in q.get("config_groups")?.as_object()? {
+        if let Some(b) = group
+            .get("weights")
+            .and_then(|w| w.get("block_structure"))
             .filter(|b| !b.is_null())
-    })
+        {
+            found.push((name, b));
+        }
+    }
+    found.first()?;
+    let blocks: Vec<Option<[usize; 2]>> = found.iter().map(|(_, b)| block_value(b)).collect();
+    if blocks.iter().all(|b| b.is_some() && *b == blocks[0]) {
+        return blocks[0].map(Ok);
+    }
+    let named: Vec<String> = found.iter().map(|(g, b)| format!("{g}: {b}")).collect();
+    Some(Err(
+        if found.len() > 1 && blocks.iter().all(Option::is_some) {
+            format!(
+                "config_groups name different FP8 blocks ({}), and one block size per checkpoint \
+             is read",
+                named.join(", ")
+            )
+        } else {
+            format!("block_structure of {}", named.join(", "))
+        },
+    ))
+}
+
+/// `[rows, cols]` from a block as configs write it: a list of two whole numbers (`128` or
+/// `128.0`), or a string `"128x128"` (older compressed-tensors); each from 1 to 2^20.
+fn block_value(v: &Value) -> Option<[usize; 2]> {
+    let whole = |n: &Value| {
+        n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 1.0)
+                .map(|f| f as u64)
+        })
+    };
+    let parts: Vec<u64> = match v {
+        Value::Array(a) => a.iter().map(whole).collect::<Option<_>>()?,
+        Value::String(t) => t
+            .split(['x', 'X', ','])
+            .map(|n| n.trim().parse().ok())
+            .collect::<Option<_>>()?,
+        _ => return None,
+    };
+    let fits = |n: u64| (1..=1 << 20).contains(&n);
+    match parts[..] {
+        [r, c] if fits(r) && fits(c) => Some([r as usize, c as usize]),
+        _ => None,
+    }
 }
 
 /// `path` as a JSON object, bounded by [`MAX_CONFIG_BYTES`].
@@ -234,16 +278,12 @@ impl QuantConfig {
     /// The FP8 block (`[rows, cols]` of weights per scale) the config names, if any; an error
     /// naming the file for one that is not two whole numbers from 1 to 2^20.
     pub fn fp8_block(&self) -> Result<Option<[usize; 2]>, ExpertError> {
-        let Some(b) = &self.weight_block_size else {
-            return Ok(None);
-        };
-        match b[..] {
-            [r, c] if (1..=1 << 20).contains(&r) && (1..=1 << 20).contains(&c) => {
-                Ok(Some([r as usize, c as usize]))
-            }
-            _ => Err(self.error(format!(
-                "quantization_config.weight_block_size (or block_structure) is {b:?}: an FP8 \
-                 block is two whole numbers of rows and columns, 1 to 1048576"
+        match &self.weight_block {
+            None => Ok(None),
+            Some(Ok(b)) => Ok(Some(*b)),
+            Some(Err(written)) => Err(self.error(format!(
+                "quantization_config: {written}: an FP8 block is two whole numbers of rows and \
+                 columns, 1 to 1048576, one for the whole checkpoint"
             ))),
         }
     }

@@ -652,9 +652,10 @@ fn a_zero_fp8_block_scale_is_refused() {
 }
 
 /// An FP8 weight whose scales are missing (neither DeepSeek-V3's `…weight_scale_inv` nor
-/// compressed-tensors' `…weight_scale`) is refused before anything is written, naming both.
+/// compressed-tensors' `…weight_scale`) is refused before anything is written, naming both;
+/// one with a zero point beside its scales (asymmetric FP8) is refused naming the zero point.
 #[test]
-fn fp8_without_scales_is_refused_naming_both_layouts() {
+fn fp8_without_scales_or_with_a_zero_point_is_refused_naming_them() {
     let d = tempfile::tempdir().unwrap();
     let ck = fp8_block_checkpoint(d.path());
     let c = Checkpoint::open(&ck).unwrap();
@@ -679,6 +680,38 @@ fn fp8_without_scales_is_refused_naming_both_layouts() {
     let out = d.path().join("w");
     let r = convert(&ck, &out);
     fails_naming(&r, "weight_scale_inv");
+    // With its scales, but an FP8 zero point beside one (asymmetric FP8): refused naming it.
+    let d2 = tempfile::tempdir().unwrap();
+    let ck2 = fp8_block_checkpoint(d2.path());
+    let zero = format!("{UP}_zero_point");
+    let c = Checkpoint::open(&ck2).unwrap();
+    let mut kept: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = c
+        .tensor_names()
+        .map(|n| {
+            let v = c.tensor(n).unwrap();
+            (
+                n.to_string(),
+                v.dtype(),
+                v.shape().to_vec(),
+                v.bytes().to_vec(),
+            )
+        })
+        .collect();
+    drop(c);
+    kept.push((
+        zero.clone(),
+        Dtype::F32,
+        vec![1],
+        0f32.to_le_bytes().to_vec(),
+    ));
+    let refs: Vec<_> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    write_safetensors(ck2.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
+    let r2 = convert(&ck2, &d2.path().join("w"));
+    fails_naming(&r2, &zero);
+    assert!(r2.stderr.contains("asymmetric FP8"), "{}", r2.stderr);
     assert!(
         r.stderr.contains("weight_scale\"") && r.stderr.contains("without its scales"),
         "{}",
@@ -704,7 +737,11 @@ fn fp8_blocks_that_do_not_fit_and_an_fp8_gate_are_refused() {
     std::fs::write(&config, json.to_string()).unwrap();
     let r = convert(&ck, &d.path().join("w"));
     fails_naming(&r, "weight_block_size");
-    assert!(r.stderr.contains("[0, 128]"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("weight_block_size [0,128]"),
+        "{}",
+        r.stderr
+    );
     json["quantization_config"]["weight_block_size"] = serde_json::json!([16, 16]);
     std::fs::write(&config, json.to_string()).unwrap();
     let r = convert(&ck, &d.path().join("w1"));

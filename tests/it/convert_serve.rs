@@ -304,8 +304,8 @@ fn deepseek_v3_fp8_in_three_files_matches_the_reference() {
 
 /// FP8 whose scales are not DeepSeek-V3's 128 × 128 `weight_scale_inv` blocks: transformers'
 /// fine-grained FP8 with another `weight_block_size`, and compressed-tensors'
-/// `float-quantized` (llm-compressor's FP8 schemes) per block, per output channel and per
-/// tensor. Each converts to exactly the experts of the same checkpoint written as F32 of the
+/// `float-quantized` (llm-compressor's FP8 schemes) per block, per output channel, per group
+/// of 16 inputs and per tensor. Each converts to exactly the experts of the same checkpoint written as F32 of the
 /// values its FP8 weights store (an independent float read of the same numbers). Blocks of
 /// 24 × 40 cover the tiny model's 32 × 64 and 64 × 32 weights unevenly: a reader that took
 /// another block size, or the block dimensions swapped, would find a grid of another shape or
@@ -317,6 +317,7 @@ fn fp8_of_other_scale_layouts_converts_as_its_values_read_as_f32() {
         Fp8Layout::ScaleInv([24, 40]),
         Fp8Layout::CompressedBlock([24, 40]),
         Fp8Layout::CompressedChannel,
+        Fp8Layout::CompressedGroup(16),
         Fp8Layout::CompressedTensor,
     ];
     for layout in layouts {

@@ -501,7 +501,14 @@ fn consumer_loop(
             if off == 0 || read_pos + skip > head {
                 return Err(corrupt("misplaced wrap record".into()));
             }
-            releaser.push(read_pos, read_pos + skip, false);
+            let oldest_held = releaser.push(read_pos, read_pos + skip, false);
+            if read_pos + skip - oldest_held > cap {
+                return Err(corrupt(format!(
+                    "the producer wrote over records still held (a wrap record from \
+                     {oldest_held} to {})",
+                    read_pos + skip
+                )));
+            }
             releaser.release(seg, read_pos);
             read_pos += skip;
             continue;

@@ -795,3 +795,56 @@ fn source_quant_of_a_float_checkpoint_is_the_models() {
         assert_eq!(source_quant_of(&c, &all, None, q).unwrap(), q);
     }
 }
+
+/// The FP8 block a quantization config names, as transformers and compressed-tensors write
+/// it: `weight_block_size` (null counts as absent, whole floats are whole numbers), else the
+/// config groups' `block_structure` (a list or `"AxB"`; groups that name none are skipped);
+/// malformed values and groups naming different blocks are refused naming what was written.
+#[test]
+fn fp8_blocks_are_read_as_configs_write_them() {
+    use expertmesh_checkpoint::gptq_import::read_quant_config;
+    use serde_json::json;
+    let groups = |blocks: &[serde_json::Value]| {
+        let g: serde_json::Map<String, serde_json::Value> = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let weights = json!({"num_bits": 8, "type": "float", "block_structure": b});
+                (
+                    format!("group_{i}"),
+                    json!({"targets": ["Linear"], "weights": weights}),
+                )
+            })
+            .collect();
+        json!({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": g})
+    };
+    let fp8 = |b: serde_json::Value| json!({"quant_method": "fp8", "weight_block_size": b});
+    let read = |q: serde_json::Value| {
+        let dir = TempDir::new().unwrap();
+        let config = json!({"model_type": "deepseek_v3", "quantization_config": q});
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        read_quant_config(dir.path()).unwrap().fp8_block()
+    };
+    assert_eq!(read(fp8(json!([64, 32]))).unwrap(), Some([64, 32]));
+    assert_eq!(read(fp8(json!([128.0, 128.0]))).unwrap(), Some([128, 128]));
+    assert_eq!(read(fp8(json!(null))).unwrap(), None);
+    assert_eq!(read(json!({"quant_method": "fp8"})).unwrap(), None);
+    assert_eq!(read(groups(&[json!("128x128")])).unwrap(), Some([128, 128]));
+    assert_eq!(
+        read(groups(&[json!(null), json!([32, 16])])).unwrap(),
+        Some([32, 16])
+    );
+    assert_eq!(read(groups(&[json!(null)])).unwrap(), None);
+    for (q, named) in [
+        (fp8(json!([0, 128])), "weight_block_size [0,128]"),
+        (fp8(json!([128])), "weight_block_size [128]"),
+        (fp8(json!("big")), "weight_block_size \"big\""),
+        (
+            groups(&[json!([128, 128]), json!([64, 64])]),
+            "group_0: [128,128], group_1: [64,64]",
+        ),
+    ] {
+        let e = read(q).unwrap_err().to_string();
+        assert!(e.contains(named) && e.contains("config.json"), "{e}");
+    }
+}

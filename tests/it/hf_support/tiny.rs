@@ -80,6 +80,9 @@ pub(crate) enum Fp8Layout {
     CompressedBlock([usize; 2]),
     /// compressed-tensors `float-quantized`, strategy `channel`: `…weight_scale` `[rows, 1]`.
     CompressedChannel,
+    /// compressed-tensors `float-quantized`, strategy `group` of this many inputs:
+    /// `…weight_scale` `[rows, cols / group]`.
+    CompressedGroup(usize),
     /// compressed-tensors `float-quantized`, strategy `tensor`: `…weight_scale` `[1]`.
     CompressedTensor,
 }
@@ -568,6 +571,7 @@ fn fp8_config(spec: &TinySpec) -> Value {
         }
         Fp8Layout::CompressedBlock(_) => "block",
         Fp8Layout::CompressedChannel => "channel",
+        Fp8Layout::CompressedGroup(_) => "group",
         Fp8Layout::CompressedTensor => "tensor",
     };
     let mut weights = json!({
@@ -581,8 +585,10 @@ fn fp8_config(spec: &TinySpec) -> Value {
         "actorder": null,
         "observer": "minmax",
     });
-    if let Fp8Layout::CompressedBlock(block) = spec.fp8 {
-        weights["block_structure"] = json!(block);
+    match spec.fp8 {
+        Fp8Layout::CompressedBlock(block) => weights["block_structure"] = json!(block),
+        Fp8Layout::CompressedGroup(group) => weights["group_size"] = json!(group),
+        _ => {}
     }
     let mut ignore = vec!["lm_head".to_string()];
     for l in spec.moe_layers() {
@@ -870,6 +876,7 @@ impl Writer {
             Fp8Layout::ScaleInv(b) => ("_scale_inv", b),
             Fp8Layout::CompressedBlock(b) => ("_scale", b),
             Fp8Layout::CompressedChannel => ("_scale", [1, cols]),
+            Fp8Layout::CompressedGroup(group) => ("_scale", [1, group]),
             Fp8Layout::CompressedTensor => ("_scale", [rows, cols]),
         };
         let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
