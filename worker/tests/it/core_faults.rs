@@ -386,6 +386,44 @@ fn parts_slower_than_their_hedge_timeout_on_both_owners_are_answered_by_the_firs
     }
 }
 
+/// Both owners slow, every part hedged to the other; then one owner's link is lost with its
+/// answers (originals and hedges) unsent: each of its parts is retired where its twin on the
+/// other owner still waits, nothing is sent again, and the call is answered by the surviving
+/// owner, bit-exact.
+#[test]
+fn a_lost_owner_leaves_its_parts_to_their_waiting_twins() {
+    let (spec, mut sim, layers) = two_replicas();
+    let h = spec.hidden as usize;
+    for i in 0..40 {
+        let _ = sim.call(i, 0, reference::synthetic_hidden(i, 4, h));
+    }
+    let floor = HedgePolicy::default().floor;
+    let slow = floor * 5;
+    sim.latency.insert(1, slow);
+    sim.latency.insert(2, slow);
+    let x = reference::synthetic_hidden(500, 8, h);
+    let start = sim.now;
+    let before = sim.core.stats().clone();
+    sim.request(500, 0, &x);
+    sim.run_until(start + floor * 2);
+    let hedges = sim.core.stats().hedges - before.hedges;
+    assert!(hedges >= 2, "both owners' parts hedged: {hedges}");
+    let sent = sim.core.stats().parts_sent;
+    // Device 2's link goes: its queued answers never come.
+    sim.queue.retain(|f| f.rank != 2);
+    sim.down.push(2);
+    sim.core.on_peer_lost(2, sim.now);
+    assert_eq!(sim.core.stats().parts_sent, sent, "nothing sent again");
+    sim.run_until(start + slow * 3);
+    let (at, out) = sim.take_timed(500).expect("answered");
+    assert_eq!(bits(&out.unwrap()), exact_bits(&spec, &layers, &x));
+    assert!(
+        at <= start + floor * 2 + slow + Duration::from_millis(1),
+        "{:?}",
+        at - start
+    );
+}
+
 /// A quarantined device that alone holds some experts serves its live part of a batch while
 /// a probe (a mirror of another device's part) is out to it in the same batch: the probe's
 /// error counts against the probe, and the live part beside it is still answered, not sent
