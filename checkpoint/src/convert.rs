@@ -887,7 +887,7 @@ pub fn keeps_shared_dense(ckpt: &Checkpoint, spec: &ModelSpec, family: Family) -
         return false;
     };
     let routed_int4 = routed_is_int4(ckpt, spec, family);
-    // All three projections: one stored otherwise (FP8 with block scales) is quantized
+    // All three projections: one stored otherwise (FP8 with its scales) is quantized
     // through the expert reader, which applies them.
     let shared_float = shared.iter().all(|name| {
         ckpt.tensor_info(name)
@@ -1054,7 +1054,7 @@ fn is_plain_float(dtype: Dtype) -> bool {
 }
 
 /// `view` (tensor `name`) unless it is not a plain float: an FP8 router or dense shared
-/// tensor read as it is would skip its block scales (`…_scale_inv`) and give wrong values.
+/// tensor read as it is would skip its scales (`…_scale_inv`, `…_scale`) and give wrong values.
 fn plain_float<'v, 'c>(
     name: &str,
     view: &'v crate::safetensors::TensorView<'c>,
@@ -1145,10 +1145,10 @@ fn weight_format(job: &ConvertJob<'_>) -> String {
         return "pack-quantized".into();
     }
     if job.ckpt.contains(&format!("{base}.qweight")) {
-        let q = crate::gptq_import::quant_config_of(job.ckpt).ok().cloned();
-        let method = q.as_ref().and_then(|q| q.method.clone());
-        let format = q.and_then(|q| q.checkpoint_format);
-        return match (method.as_deref(), format.as_deref()) {
+        let q = crate::gptq_import::quant_config_of(job.ckpt).ok();
+        let method = q.and_then(|q| q.method.as_deref());
+        let format = q.and_then(|q| q.checkpoint_format.as_deref());
+        return match (method, format) {
             (Some("gptq"), Some(f)) => format!("gptq ({f})"),
             (Some(m), _) => m.to_string(),
             (None, _) => "gptq-or-awq".into(),

@@ -109,7 +109,7 @@ pub enum ExpertError {
     /// A weight's dtype is not one the converter reads.
     #[error(
         "tensor \"{tensor}\" has dtype {dtype}; expert weights must be BF16, F16, F32 or \
-         F8_E4M3 with a weight_scale_inv tensor"
+         F8_E4M3 with its scales (weight_scale_inv or weight_scale)"
     )]
     Dtype {
         /// The tensor.
@@ -409,15 +409,10 @@ pub fn source_quant(
         });
     }
     let mut found: Option<(u32, QuantSpec)> = None;
-    let mut fp8 = false;
     for layer in layers {
         let quant = match layer_source(ckpt, spec, family, layer)? {
             LayerSource::Quantized(quant) => quant,
-            LayerSource::Fp8 => {
-                fp8 = true;
-                continue;
-            }
-            LayerSource::Float => continue,
+            LayerSource::Fp8 | LayerSource::Float => continue,
         };
         match found {
             None => found = Some((layer, quant)),
@@ -436,10 +431,6 @@ pub fn source_quant(
             Some(_) => {}
         }
     }
-    if fp8 {
-        // Once for the checkpoint (the quantization config's block size).
-        check_fp8_block(ckpt)?;
-    }
     Ok(found.map_or(spec.quant, |(_, q)| q))
 }
 
@@ -447,14 +438,14 @@ pub fn source_quant(
 enum LayerSource {
     /// Quantized: the spec it imports losslessly under.
     Quantized(QuantSpec),
-    /// FP8 with block scales (quantized like float).
+    /// FP8 with its scales (quantized like float; the scales' layout checked).
     Fp8,
     /// Plain floats.
     Float,
 }
 
-/// How routed expert 0 of `layer` is stored (see [`source_quant`]; FP8's scales checked to be
-/// blocks).
+/// How routed expert 0 of `layer` is stored (see [`source_quant`]; FP8's scales found and the
+/// configured block read, so a malformed one is refused before anything is written).
 fn layer_source(
     ckpt: &Checkpoint,
     spec: &ModelSpec,
@@ -540,13 +531,6 @@ impl Fp8Scales {
     fn grid(&self, [rows, cols]: [usize; 2]) -> [usize; 2] {
         [rows.div_ceil(self.block[0]), cols.div_ceil(self.block[1])]
     }
-}
-
-/// Checks the quantization config's FP8 block size once for the checkpoint (a malformed one is
-/// refused here, naming it, before anything is written).
-fn check_fp8_block(ckpt: &Checkpoint) -> Result<(), ExpertError> {
-    crate::gptq_import::quant_config_of(ckpt)?.fp8_block()?;
-    Ok(())
 }
 
 /// The spec of a `pack-quantized` expert (`None` when its gate is not stored so): group size and

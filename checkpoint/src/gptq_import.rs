@@ -128,7 +128,7 @@ pub fn quant_config_of(ckpt: &Checkpoint) -> Result<&QuantConfig, ExpertError> {
     Ok(ckpt.quant_config.get_or_init(|| q))
 }
 
-/// The `quant_method`s whose checkpoints the converter reads (FP8 with block scales, GPTQ,
+/// The `quant_method`s whose checkpoints the converter reads (FP8 with its scales, GPTQ,
 /// AWQ, compressed-tensors' `pack-quantized`; unquantized checkpoints name none).
 const READ_METHODS: [&str; 5] = [
     "fp8",
@@ -416,7 +416,7 @@ fn open_expert<'a>(
     names: &[String; 3],
     inter: usize,
     hidden: usize,
-) -> Result<Option<(QuantConfig, [Int4Source<'a>; 3])>, ExpertError> {
+) -> Result<Option<(&'a QuantConfig, [Int4Source<'a>; 3])>, ExpertError> {
     let bases = names.clone().map(|n| qweight_base(ckpt, &n));
     let [Some(gate), Some(up), Some(down)] = bases else {
         return match names.iter().zip(&bases).find(|(_, b)| b.is_some()) {
@@ -429,11 +429,11 @@ fn open_expert<'a>(
             }),
         };
     };
-    let config = quant_config_of(ckpt)?.clone();
+    let config = quant_config_of(ckpt)?;
     let srcs = [
-        Int4Source::open(ckpt, &gate, [inter, hidden], &config)?,
-        Int4Source::open(ckpt, &up, [inter, hidden], &config)?,
-        Int4Source::open(ckpt, &down, [hidden, inter], &config)?,
+        Int4Source::open(ckpt, &gate, [inter, hidden], config)?,
+        Int4Source::open(ckpt, &up, [inter, hidden], config)?,
+        Int4Source::open(ckpt, &down, [hidden, inter], config)?,
     ];
     if let Some(other) = srcs.iter().find(|s| s.layout != srcs[0].layout) {
         return Err(ExpertError::Packed {

@@ -447,7 +447,7 @@ impl RouterMetrics {
         for (name, help, v) in [
             (
                 "expertmesh_router_hedges",
-                "Parts sent to a replica as well because their device had not answered within its hedge timeout (the first answer of the two is taken).",
+                "Parts hedged because their device had not answered within its hedge timeout: sent to a replica as well (the first answer of the two is taken), or re-planned where no one replica holds all their experts.",
                 stats.hedges,
             ),
             (

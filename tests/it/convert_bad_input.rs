@@ -59,6 +59,15 @@ fn rewrite_shaped(
     ckpt: &Path,
     edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool,
 ) {
+    rewrite_adding(ckpt, edit, Vec::new());
+}
+
+/// [`rewrite_shaped`], then `added` (name, dtype, shape, bytes) written beside the rest.
+fn rewrite_adding(
+    ckpt: &Path,
+    edit: impl Fn(&str, &mut Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool,
+    added: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+) {
     let c = Checkpoint::open(ckpt).unwrap();
     let mut owned = Vec::new();
     for name in c.tensor_names() {
@@ -71,6 +80,7 @@ fn rewrite_shaped(
         }
     }
     drop(c);
+    owned.extend(added);
     let refs: Vec<_> = owned
         .iter()
         .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
@@ -658,65 +668,34 @@ fn a_zero_fp8_block_scale_is_refused() {
 fn fp8_without_scales_or_with_a_zero_point_is_refused_naming_them() {
     let d = tempfile::tempdir().unwrap();
     let ck = fp8_block_checkpoint(d.path());
-    let c = Checkpoint::open(&ck).unwrap();
-    let mut owned = Vec::new();
-    for name in c.tensor_names() {
-        let v = c.tensor(name).unwrap();
-        if !name.ends_with("_scale_inv") {
-            owned.push((
-                name.to_string(),
-                v.dtype(),
-                v.shape().to_vec(),
-                v.bytes().to_vec(),
-            ));
-        }
-    }
-    drop(c);
-    let refs: Vec<_> = owned
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-        .collect();
-    write_safetensors(ck.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
+    rewrite(&ck, |n, _| !n.ends_with("_scale_inv"));
     let out = d.path().join("w");
     let r = convert(&ck, &out);
     fails_naming(&r, "weight_scale_inv");
-    // With its scales, but an FP8 zero point beside one (asymmetric FP8): refused naming it.
-    let d2 = tempfile::tempdir().unwrap();
-    let ck2 = fp8_block_checkpoint(d2.path());
-    let zero = format!("{UP}_zero_point");
-    let c = Checkpoint::open(&ck2).unwrap();
-    let mut kept: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = c
-        .tensor_names()
-        .map(|n| {
-            let v = c.tensor(n).unwrap();
-            (
-                n.to_string(),
-                v.dtype(),
-                v.shape().to_vec(),
-                v.bytes().to_vec(),
-            )
-        })
-        .collect();
-    drop(c);
-    kept.push((
-        zero.clone(),
-        Dtype::F32,
-        vec![1],
-        0f32.to_le_bytes().to_vec(),
-    ));
-    let refs: Vec<_> = kept
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-        .collect();
-    write_safetensors(ck2.join("model.safetensors"), &refs, &BTreeMap::new()).unwrap();
-    let r2 = convert(&ck2, &d2.path().join("w"));
-    fails_naming(&r2, &zero);
-    assert!(r2.stderr.contains("asymmetric FP8"), "{}", r2.stderr);
     assert!(
         r.stderr.contains("weight_scale\"") && r.stderr.contains("without its scales"),
         "{}",
         r.stderr
     );
+    assert!(
+        !out.join("device-0000.emshard").exists(),
+        "refused before any shard"
+    );
+    // With its scales, but an FP8 zero point beside one (asymmetric FP8): refused naming it.
+    let d = tempfile::tempdir().unwrap();
+    let ck = fp8_block_checkpoint(d.path());
+    let zero = format!("{UP}_zero_point");
+    let added = (
+        zero.clone(),
+        Dtype::F32,
+        vec![1],
+        0f32.to_le_bytes().to_vec(),
+    );
+    rewrite_adding(&ck, |_, _, _, _| true, vec![added]);
+    let out = d.path().join("w");
+    let r = convert(&ck, &out);
+    fails_naming(&r, &zero);
+    assert!(r.stderr.contains("asymmetric FP8"), "{}", r.stderr);
     assert!(
         !out.join("device-0000.emshard").exists(),
         "refused before any shard"

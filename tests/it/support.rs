@@ -30,10 +30,54 @@ pub(crate) fn run(args: &[&str]) -> Run {
         .env("RUST_BACKTRACE", "1")
         .output()
         .expect("run expertmesh");
+    let code = o.status.code().expect("exited normally, not by a signal");
+    checked(args, code, &o.stdout, &o.stderr)
+}
+
+/// [`run`], also giving the CPU time (user and system) the process spent, from `wait4`: a
+/// busy machine delays a process without adding to the work it does, so two such figures of
+/// one test compare where wall-clock times would not.
+pub(crate) fn run_cpu_time(args: &[&str]) -> (Run, std::time::Duration) {
+    let out = tempfile::tempdir().unwrap();
+    let (stdout, stderr) = (out.path().join("stdout"), out.path().join("stderr"));
+    #[allow(clippy::zombie_processes, reason = "reaped by the wait4 below")]
+    let child = Command::new(env!("CARGO_BIN_EXE_expertmesh"))
+        .args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::fs::File::create(&stdout).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .expect("run expertmesh");
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to fill in.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `child` is this process's own unwaited child; the pointers are to locals.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    let error = std::io::Error::last_os_error();
+    assert_eq!(pid, child.id() as i32, "wait4: {error}");
+    assert!(
+        libc::WIFEXITED(status),
+        "{args:?} ended by a signal: {status:#x}"
+    );
+    let tv = |t: libc::timeval| std::time::Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    let cpu = tv(usage.ru_utime) + tv(usage.ru_stime);
+    let read = |p: &Path| std::fs::read(p).unwrap();
+    let r = checked(
+        args,
+        libc::WEXITSTATUS(status),
+        &read(&stdout),
+        &read(&stderr),
+    );
+    (r, cpu)
+}
+
+/// The [`Run`] of `args`, failing the test if it panicked or printed a backtrace.
+fn checked(args: &[&str], code: i32, stdout: &[u8], stderr: &[u8]) -> Run {
     let r = Run {
-        code: o.status.code().expect("exited normally, not by a signal"),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        code,
+        stdout: String::from_utf8_lossy(stdout).into_owned(),
+        stderr: String::from_utf8_lossy(stderr).into_owned(),
     };
     for bad in ["panicked", "stack backtrace", "RUST_BACKTRACE"] {
         assert!(

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::support::{Run, root, run};
+use crate::support::{Run, root, run, run_cpu_time};
 
 /// Exit 1 with exactly these problems (each line contains its needle), in this order.
 fn invalid_with(args: &[&str], needles: &[&str]) -> Run {
@@ -174,43 +174,15 @@ fn big_topology(n: usize, threads: bool) -> String {
 /// The least CPU time (user and system, of the `validate` process alone, from `wait4`) of two
 /// `validate` runs of `path`, and the last run's result. CPU time, not wall time: a busy
 /// machine delays a process without adding to the work it does, so the ratio of two such
-/// figures does not depend on what else runs beside the test.
+/// figures moves far less with what else runs beside the test (caches and clock speed still
+/// move it a little: the limit below leaves 4x).
 fn least_cpu_validate(path: &std::path::Path) -> (Duration, Run) {
     let mut best = Duration::MAX;
     let mut last = None;
     for _ in 0..2 {
-        let out = tempfile::tempdir().unwrap();
-        let (stdout, stderr) = (out.path().join("stdout"), out.path().join("stderr"));
-        #[allow(clippy::zombie_processes, reason = "reaped by the wait4 below")]
-        let child = std::process::Command::new(crate::support::bin())
-            .args(["validate", path.to_str().unwrap()])
-            .current_dir(root())
-            .stdout(std::fs::File::create(&stdout).unwrap())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .expect("run expertmesh validate");
-        let mut status = 0;
-        // SAFETY: an all-zero rusage is a valid value for wait4 to fill in.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: `child` is this process's own unwaited child; the pointers are to locals.
-        let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-        assert_eq!(
-            pid,
-            child.id() as i32,
-            "wait4: {}",
-            std::io::Error::last_os_error()
-        );
-        assert!(
-            libc::WIFEXITED(status),
-            "validate did not exit normally: {status:#x}"
-        );
-        let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-        best = best.min(tv(usage.ru_utime) + tv(usage.ru_stime));
-        last = Some(Run {
-            code: libc::WEXITSTATUS(status),
-            stdout: std::fs::read_to_string(&stdout).unwrap(),
-            stderr: std::fs::read_to_string(&stderr).unwrap(),
-        });
+        let (r, cpu) = run_cpu_time(&["validate", path.to_str().unwrap()]);
+        best = best.min(cpu);
+        last = Some(r);
     }
     (best, last.expect("ran"))
 }

@@ -33,7 +33,7 @@
 //! `link`, [`protocol`](crate::protocol) and [`codec`](crate::codec) (not the
 //! drivers themselves), and nothing in the crate imports it.
 
-use crate::codec::{Body, ErrorCode, ErrorFrame, HEADER_LEN, PAYLOAD_ALIGN};
+use crate::codec::{Body, ErrorCode, ErrorFrame, HEADER_LEN};
 use crate::link::{Link, LinkOwner, NewLink};
 pub use crate::link::{
     LinkKind, OutFrame, PeerError, PeerErrorKind, PeerStats, Rank, RecvFrame, credit_cost,
@@ -499,10 +499,7 @@ impl Mesh {
                 ))
             })?;
         }
-        // A record is a 64-byte header and the frame rounded up to 64 bytes, and a ring takes
-        // records of at most half its size.
-        let shm_need =
-            2 * (PAYLOAD_ALIGN + crate::codec::align_up(cfg.protocol.codec.max_frame_bytes));
+        let shm_need = 2 * crate::shm::record_bytes(cfg.protocol.codec.max_frame_bytes);
         let ringed = |p: &PeerAddress| matches!(p.link, LinkKind::Shm | LinkKind::Rdma);
         if cfg.peers.iter().any(ringed) && cfg.shm.ring_bytes < shm_need {
             return Err(StartError::Config(format!(

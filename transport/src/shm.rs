@@ -241,6 +241,12 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
     removed.len()
 }
 
+/// Ring bytes a frame of `frame_len` bytes takes: a 64-byte record header and the frame
+/// rounded up to 64 bytes. A ring takes records of at most half its size.
+pub(crate) fn record_bytes(frame_len: usize) -> usize {
+    RECORD_HEADER + codec::align_up(frame_len)
+}
+
 /// The largest receive window a ring of `cfg.ring_bytes` supports (known before the ring is
 /// created, so a hello can announce it): wrap waste of one record never blocks a sender that
 /// holds credit while the receiver drops frames in order. Ring space is freed in order, so a
@@ -249,7 +255,7 @@ pub fn remove_stale_segments(dir: &Path, cluster: &str) -> usize {
 /// later frames of the same link arrive: once the frames from the old one on fill the ring,
 /// both ends wait.
 pub(crate) fn usable_window(cfg: &ShmConfig, codec: &CodecConfig) -> u64 {
-    let max_record = RECORD_HEADER + codec::align_up(codec.max_frame_bytes);
+    let max_record = record_bytes(codec.max_frame_bytes);
     codec::align_up(cfg.ring_bytes).saturating_sub(max_record) as u64
 }
 
@@ -517,7 +523,7 @@ fn consumer_loop(
             return Err(corrupt(format!("record of {len} bytes at offset {off}")));
         }
         let frame_len = len as usize;
-        let record = (RECORD_HEADER + codec::align_up(frame_len)) as u64;
+        let record = record_bytes(frame_len) as u64;
         if off as u64 + record > cap || read_pos + record > head {
             return Err(corrupt(format!("record of {len} bytes at offset {off}")));
         }
@@ -713,7 +719,7 @@ impl RingProducer {
     ) -> Result<(), ShmError> {
         let len = head.len() + payload.len();
         let cap = self.seg.capacity as u64;
-        let record = (RECORD_HEADER + codec::align_up(len)) as u64;
+        let record = record_bytes(len) as u64;
         if record > cap / 2 {
             return Err(ShmError::TooLarge {
                 len,
@@ -836,7 +842,7 @@ mod tests {
         let (_dir, ring, mut p, rt) = ring_pair(4 << 20);
         let head = [7u8; 32];
         let payload = vec![1u8; 100 << 10];
-        let record = (RECORD_HEADER + codec::align_up(32 + payload.len())) as u64;
+        let record = record_bytes(32 + payload.len()) as u64;
         let release_all =
             |p: &RingProducer| ring.seg.header().tail.store(p.head, Ordering::Release);
         // Three records back to back while the consumer holds them (not released).

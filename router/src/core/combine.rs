@@ -72,15 +72,12 @@ impl RouterCore {
         if let Some(twin) = b.live_twin(res.part as usize) {
             b.retire(twin, &mut self.replicas.load); // answered here first
         }
-        let part = &mut b.parts[res.part as usize];
-        part.live = false;
+        let part = &b.parts[res.part as usize];
         let latency = now.saturating_duration_since(part.sent_at);
         self.metrics.on_part_answered(part.sent_at, now);
         let in_time = !part.straggled;
-        let pairs = part.plan.pairs() as u64;
-        self.replicas.load[from as usize] = self.replicas.load[from as usize].saturating_sub(pairs);
+        b.retire(res.part as usize, &mut self.replicas.load);
         self.stats.result_payload_bytes += payload.len() as u64;
-        b.outstanding -= 1;
         let (layer, done) = (b.layer, b.outstanding == 0 && !b.shared_pending);
         // Only answers in time feed the latency estimate: a straggle (a paused device) would
         // hold the hedge timeout at its ceiling long after the device recovered.

@@ -106,15 +106,22 @@ impl RouterCore {
             self.fault(from, now, "its probe was answered with an error");
             self.probes.remove(&from);
         }
-        let parts: Vec<usize> = self.inflight.get(&request_id).map_or_else(Vec::new, |b| {
-            b.parts
-                .iter()
-                .enumerate()
-                .filter(|&(i, p)| p.live && p.rank == from && part.is_none_or(|n| n as usize == i))
-                .map(|(i, _)| i)
-                .collect()
-        });
-        if parts.is_empty() {
+        // The device's live parts the error answers; a part whose twin still waits is retired,
+        // whatever the error: the twin answers for its pairs (or fails them with its own
+        // error).
+        let (mut covered, mut parts) = (Vec::new(), Vec::new());
+        if let Some(b) = self.inflight.get(&request_id) {
+            for (i, p) in b.parts.iter().enumerate() {
+                if p.live && p.rank == from && part.is_none_or(|n| n as usize == i) {
+                    if b.live_twin(i).is_some() {
+                        covered.push(i);
+                    } else {
+                        parts.push(i);
+                    }
+                }
+            }
+        }
+        if covered.is_empty() && parts.is_empty() {
             return; // a finished batch, a superseded part, or the probe's answer
         }
         let device_fault = matches!(
@@ -126,24 +133,16 @@ impl RouterCore {
                 | ErrorCode::ShuttingDown
                 | ErrorCode::Other(_)
         );
-        // A part whose twin still waits is retired, whatever the error: the twin answers for
-        // its pairs (or fails them with its own error).
-        let (covered, parts): (Vec<usize>, Vec<usize>) = parts.into_iter().partition(|&i| {
-            self.inflight
-                .get(&request_id)
-                .is_some_and(|b| b.live_twin(i).is_some())
-        });
-        if !covered.is_empty() {
-            if device_fault {
-                self.fault(from, now, "it answered with an error");
-            }
-            let b = self.inflight.get_mut(&request_id).expect("has the parts");
-            for i in covered {
+        if device_fault {
+            self.fault(from, now, "it answered with an error");
+        }
+        if let Some(b) = self.inflight.get_mut(&request_id) {
+            for &i in &covered {
                 b.retire(i, &mut self.replicas.load);
             }
-            if parts.is_empty() {
-                return;
-            }
+        }
+        if parts.is_empty() {
+            return;
         }
         if code == ErrorCode::PeerUnavailable && self.replicas.node_dedup {
             tracing::warn!(
@@ -155,18 +154,15 @@ impl RouterCore {
             }
             return;
         }
-        if device_fault {
-            self.fault(from, now, "it answered with an error");
-            if parts.iter().all(|&i| self.can_resend(request_id, i)) {
-                tracing::warn!(
-                    device = %self.name(from), ?code, message,
-                    "a device answered with an error; its share goes to a replica"
-                );
-                for i in parts {
-                    self.redispatch(request_id, i, now, Resend::Lost);
-                }
-                return;
+        if device_fault && parts.iter().all(|&i| self.can_resend(request_id, i)) {
+            tracing::warn!(
+                device = %self.name(from), ?code, message,
+                "a device answered with an error; its share goes to a replica"
+            );
+            for i in parts {
+                self.redispatch(request_id, i, now, Resend::Lost);
             }
+            return;
         }
         let msg = format!("{}: {message}", self.name(from));
         self.fail_batch(request_id, code, msg);
@@ -293,8 +289,6 @@ impl RouterCore {
         }
     }
 
-    /// Whether every expert of part `i` of batch `id` has a live owner other than the part's
-    /// device.
     /// Whether part `i` of batch `id` can go on without its device: its twin still waits, or
     /// another live device holds its experts.
     pub(super) fn can_resend(&self, id: u64, i: usize) -> bool {
@@ -304,6 +298,8 @@ impl RouterCore {
             || self.has_other_owner(id, i)
     }
 
+    /// Whether every expert of part `i` of batch `id` has a live owner other than the part's
+    /// device.
     fn has_other_owner(&self, id: u64, i: usize) -> bool {
         let Some(b) = self.inflight.get(&id) else {
             return false;
@@ -366,21 +362,18 @@ impl RouterCore {
             let rank = b.parts[i].rank;
             let msg = format!(
                 "{}: the devices holding this batch's experts failed its parts {max_resends} \
-                 times (each at once: full backlogs or error answers); gave up before the \
-                 deadline",
+                 times (full backlogs, error answers, or hedges that failed too); gave up \
+                 before the deadline",
                 self.name(rank)
             );
             self.fail_batch(id, ErrorCode::PeerUnavailable, msg);
             return;
         }
-        let part = &mut b.parts[i];
+        let part = &b.parts[i];
         let rank = part.rank;
         let mut pairs = Vec::with_capacity(part.plan.pairs());
         pairs.extend(part.plan.pair_targets());
-        part.live = false;
-        b.outstanding -= 1;
-        let l = &mut self.replicas.load[rank as usize];
-        *l = l.saturating_sub(pairs.len() as u64);
+        b.retire(i, &mut self.replicas.load);
         self.stats.parts_redispatched += 1;
         if why == Resend::Straggler {
             self.stats.hedges += 1;

@@ -324,8 +324,6 @@ impl TinySpec {
         s
     }
 
-    /// The same spec stored as `dtype`. INT4 formats round `hidden` and `moe_inter` up to
-    /// multiples of their group (GPTQ/AWQ group 128: hidden 128, experts of width 128).
     /// The same spec stored as FP8 with scales laid out as `layout`.
     pub(crate) fn with_fp8(mut self, layout: Fp8Layout) -> TinySpec {
         self.dtype = WeightFormat::Fp8Block;
@@ -333,6 +331,8 @@ impl TinySpec {
         self
     }
 
+    /// The same spec stored as `dtype`. INT4 formats round `hidden` and `moe_inter` up to
+    /// multiples of their group (GPTQ/AWQ group 128: hidden 128, experts of width 128).
     pub(crate) fn with_dtype(mut self, dtype: WeightFormat) -> TinySpec {
         self.dtype = dtype;
         if let Some(g) = dtype.int4_group() {
@@ -553,8 +553,6 @@ fn qwen_keys(spec: &TinySpec) -> Value {
     v
 }
 
-/// compressed-tensors `pack-quantized` W4A16 group 32, every `Linear` but the ignored ones:
-/// dense MLPs, routers, shared experts and `lm_head` (as Kimi K2-Thinking).
 /// The `quantization_config` of an FP8 checkpoint in `spec.fp8`'s layout: transformers'
 /// fine-grained FP8 (DeepSeek-V3's), or compressed-tensors `float-quantized` as llm-compressor
 /// writes it (FP8 weights, dynamic per-token FP8 activations, the router and `lm_head`
@@ -618,6 +616,8 @@ fn fp8_config(spec: &TinySpec) -> Value {
     })
 }
 
+/// compressed-tensors `pack-quantized` W4A16 group 32, every `Linear` but the ignored ones:
+/// dense MLPs, routers, shared experts and `lm_head` (as Kimi K2-Thinking).
 fn pack_quantized_config(spec: &TinySpec) -> Value {
     let mut ignore = vec!["lm_head".to_string()];
     for l in 0..spec.num_layers {
